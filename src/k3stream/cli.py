@@ -1,0 +1,58 @@
+"""The `k3stream` command line.
+
+Each subcommand lives in the package that owns its job, as a module exposing
+`add_arguments(parser)` and `run(args) -> int`. Modules are imported only when their command runs
+(or its help is shown), so `k3stream --help` stays fast and never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("k3stream.engine.cmd_demo", "make, pack and run a tiny Kimi-K3 with streamed experts"),
+    "make-tiny": ("k3stream.tiny", "write a random tiny Kimi-K3 GGUF"),
+    "inspect": ("k3stream.gguf.cmd_inspect", "describe a Kimi-K3 GGUF: config, layers, bytes, recipe"),
+    "dequantize": ("k3stream.gguf.cmd_dequantize", "rewrite a GGUF with every tensor dequantized to F32"),
+    "pack": ("k3stream.pack.cmd_pack", "build the expert pack and its manifest from a GGUF"),
+    "verify": ("k3stream.pack.cmd_verify", "check an expert pack against its manifest"),
+    "generate": ("k3stream.engine.cmd_generate", "generate text from a prompt"),
+    "chat": ("k3stream.engine.cmd_chat", "interactive chat"),
+    "bench": ("k3stream.engine.cmd_bench", "measure prefill/decode speed and the expert store"),
+    "serve": ("k3stream.server.cmd_serve", "OpenAI-compatible HTTP server"),
+}
+
+
+def _command_module(name: str):
+    return importlib.import_module(COMMANDS[name][0])
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k3stream", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    for name, (_module, help_text) in COMMANDS.items():
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            _command_module(name).add_arguments(command_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(_command_module(args.command).run(args) or 0)
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as exc:
+        print(f"k3stream {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny Kimi-K3 GGUFs written by the project's own generator, cached per session."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None
+requires_llama = pytest.mark.skipif(
+    not HAVE_LLAMA,
+    reason="llama-cpp-python 0.3.36 (the logits oracle) is not installed; "
+    "install ../shared/wheels/llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl",
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """`tiny_model(**spec_fields) -> Path` of the first shard; one file per distinct spec."""
+    from k3stream.tiny import TinySpec, make_tiny
+
+    made: dict[tuple, Path] = {}
+
+    def make(**fields) -> Path:
+        key = tuple(sorted(fields.items()))
+        if key not in made:
+            out_dir = tmp_path_factory.mktemp("tiny")
+            made[key] = make_tiny(out_dir, TinySpec(**fields))
+        return made[key]
+
+    return make
