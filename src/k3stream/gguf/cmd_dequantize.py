@@ -1,0 +1,107 @@
+"""`k3stream dequantize IN OUT`: rewrite a Kimi-K3 GGUF with every quantized tensor as F32.
+
+Metadata and tokenizer are kept (split keys dropped: the output is one file); F32/F16/BF16 tensors are
+copied as they are. Tensors are streamed a slab of rows at a time, so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+SLAB_ELEMENTS = 1 << 22  # rows are dequantized ~16 MiB of F32 at a time
+_NOT_COPIED = ("GGUF.", "general.architecture", "split.")
+FLOAT_TYPE_IDS = (0, 1, 30)  # F32, F16, BF16
+ALL_F32, MOSTLY_F16 = 0, 1  # general.file_type
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("input", metavar="IN", help="a GGUF, any shard of a split set, or a directory")
+    parser.add_argument("output", metavar="OUT", help="the F32 GGUF to write (one file)")
+    parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+
+
+def _copy_metadata(writer, checkpoint, out_types: list[int]) -> None:
+    """Shard 1's metadata, less the split keys, with general.file_type describing the output."""
+    for key, field in checkpoint.fields.items():
+        if key.startswith(_NOT_COPIED):
+            continue
+        if key == "general.file_type":
+            writer.add_uint32(key, ALL_F32 if set(out_types) == {0} else MOSTLY_F16)
+            continue
+        sub_type = field.types[-1] if len(field.types) > 1 else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+
+
+def _out_type(ggml_type: int) -> int:
+    return ggml_type if ggml_type in FLOAT_TYPE_IDS else ALL_F32
+
+
+def _row_slabs(info, raw: np.ndarray) -> Iterator[np.ndarray]:
+    """F32 rows of a quantized tensor, a bounded slab at a time."""
+    from k3stream.quant import dequantize
+
+    n_rows = int(np.prod(info.shape[:-1]))
+    rows = raw.reshape(n_rows, info.nbytes // n_rows)
+    step = max(1, SLAB_ELEMENTS // info.shape[-1])
+    for start in range(0, rows.shape[0], step):
+        yield dequantize(np.ascontiguousarray(rows[start : start + step]), info.ggml_type).numpy()
+
+
+def _write_data(writer, fout, checkpoint) -> None:
+    for name, info in checkpoint.tensors.items():
+        writer.write_padding(fout, fout.tell())
+        raw = checkpoint.raw(name)
+        if info.ggml_type in FLOAT_TYPE_IDS:
+            fout.write(memoryview(raw))
+            written = info.nbytes
+        else:
+            written = 0
+            for slab in _row_slabs(info, raw):
+                fout.write(slab.astype(np.float32, copy=False).tobytes())
+                written += slab.nbytes
+        writer.write_padding(fout, written)
+
+
+def dequantize_gguf(source: str | Path, output: str | Path) -> Path:
+    """Write `output`: the checkpoint at `source` with quantized tensors as F32. Returns `output`."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+    from k3stream.gguf.config import ARCH
+    from k3stream.gguf.reader import K3Checkpoint
+
+    checkpoint = K3Checkpoint.open(source)
+    output = Path(output)
+    temp = output.with_name(output.name + ".tmp")
+    out_types = [_out_type(info.ggml_type) for info in checkpoint.tensors.values()]
+    writer = GGUFWriter(temp, ARCH)
+    _copy_metadata(writer, checkpoint, out_types)
+    for info, out_type in zip(checkpoint.tensors.values(), out_types, strict=True):
+        n_bytes = int(np.prod(info.shape)) * GGML_QUANT_SIZES[GGMLQuantizationType(out_type)][1]
+        # the numpy dtype only matters when it is uint8 (byte shapes); the GGML type is explicit
+        writer.add_tensor_info(
+            info.name, info.shape, np.dtype(np.float32), n_bytes, raw_dtype=GGMLQuantizationType(out_type)
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    fout = writer.fout[0]
+    _write_data(writer, fout, checkpoint)
+    fout.flush()
+    os.fsync(fout.fileno())
+    writer.close()
+    os.replace(temp, output)
+    return output
+
+
+def run(args: argparse.Namespace) -> int:
+    output = Path(args.output)
+    if output.exists() and not args.force:
+        raise FileExistsError(f"{output}: already exists (use --force to overwrite)")
+    dequantize_gguf(args.input, output)
+    print(output)
+    return 0

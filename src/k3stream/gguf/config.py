@@ -1,0 +1,189 @@
+"""Kimi-K3 hyperparameters read from GGUF metadata (`kimi-k3.*` keys)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ARCH = "kimi-k3"
+
+
+def field_value(field: Any) -> Any:
+    """A metadata value as plain Python: a `gguf.ReaderField` is decoded, anything else kept."""
+    contents = getattr(field, "contents", None)
+    return contents() if callable(contents) else field
+
+
+class _Keys:
+    """Typed access to `kimi-k3.<key>` with one-line errors naming the file and the key."""
+
+    def __init__(self, fields: Mapping[str, Any], source: str):
+        self.fields = fields
+        self.source = source
+
+    def _raw(self, key: str, required: bool) -> Any:
+        full = f"{ARCH}.{key}"
+        if full not in self.fields:
+            if required:
+                raise ValueError(f"{self.source}: missing metadata key {full}")
+            return None
+        return field_value(self.fields[full])
+
+    def bad(self, key: str, expected: str, value: Any) -> ValueError:
+        return ValueError(f"{self.source}: metadata key {ARCH}.{key} must be {expected}, got {value!r}")
+
+    def integer(self, key: str, required: bool = True, minimum: int = 1) -> int | None:
+        value = self._raw(key, required)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.bad(key, f"an integer >= {minimum}", value)
+        return value
+
+    def number(self, key: str, required: bool = True) -> float | None:
+        value = self._raw(key, required)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.bad(key, "a number", value)
+        return float(value)
+
+    def flag(self, key: str) -> bool:
+        value = self._raw(key, True)
+        if not isinstance(value, bool):
+            raise self.bad(key, "a bool", value)
+        return value
+
+    def layer_flags(self, key: str, n_layers: int) -> tuple[int, ...]:
+        value = self._raw(key, True)
+        if not isinstance(value, list) or len(value) != n_layers or any(v not in (0, 1) for v in value):
+            raise self.bad(key, f"an array of {n_layers} values 0 (KDA) or 1 (MLA)", value)
+        return tuple(int(v) for v in value)
+
+
+@dataclass(frozen=True)
+class K3Config:
+    source: str
+    n_layers: int
+    hidden: int
+    vocab_size: int
+    context_length: int
+    dense_ff: int
+    n_heads: int
+    head_count_kv: tuple[int, ...]  # per layer: 0 = KDA, 1 = MLA
+    rms_eps: float
+    q_lora: int | None
+    kv_lora: int
+    qk_nope: int
+    qk_rope: int
+    v_head_dim: int
+    conv_kernel: int
+    kda_head_dim: int
+    gate_lower_bound: float | None
+    n_experts: int
+    top_k: int
+    expert_ff: int
+    n_shared: int
+    n_dense: int
+    latent: int
+    weights_scale: float
+    weights_norm: bool
+    gating_func: int
+    situ_beta: float
+    situ_linear_beta: float
+    block_size: int
+
+    @classmethod
+    def from_metadata(cls, fields: Mapping[str, Any], source: str) -> K3Config:
+        """Build from GGUF metadata (`GGUFReader.fields` or a plain `{key: value}` mapping)."""
+        keys = _Keys(fields, source)
+        n_layers = keys.integer("block_count")
+        key_length_mla = keys.integer("attention.key_length_mla")
+        qk_rope = keys.integer("rope.dimension_count", minimum=0)
+        if key_length_mla <= qk_rope:
+            raise keys.bad(
+                "attention.key_length_mla", f"greater than rope.dimension_count ({qk_rope})", key_length_mla
+            )
+        config = cls(
+            source=source,
+            n_layers=n_layers,
+            hidden=keys.integer("embedding_length"),
+            vocab_size=keys.integer("vocab_size"),
+            context_length=keys.integer("context_length"),
+            dense_ff=keys.integer("feed_forward_length"),
+            n_heads=keys.integer("attention.head_count"),
+            head_count_kv=keys.layer_flags("attention.head_count_kv", n_layers),
+            rms_eps=keys.number("attention.layer_norm_rms_epsilon"),
+            q_lora=keys.integer("attention.q_lora_rank", required=False),
+            kv_lora=keys.integer("attention.kv_lora_rank"),
+            qk_nope=key_length_mla - qk_rope,
+            qk_rope=qk_rope,
+            v_head_dim=keys.integer("attention.value_length_mla"),
+            conv_kernel=keys.integer("ssm.conv_kernel"),
+            kda_head_dim=keys.integer("kda.head_dim"),
+            gate_lower_bound=keys.number("kda.gate_lower_bound", required=False),
+            n_experts=keys.integer("expert_count"),
+            top_k=keys.integer("expert_used_count"),
+            expert_ff=keys.integer("expert_feed_forward_length"),
+            n_shared=keys.integer("expert_shared_count", minimum=0),
+            n_dense=keys.integer("leading_dense_block_count", minimum=0),
+            latent=keys.integer("expert_latent_length"),
+            weights_scale=keys.number("expert_weights_scale"),
+            weights_norm=keys.flag("expert_weights_norm"),
+            gating_func=keys.integer("expert_gating_func"),
+            situ_beta=keys.number("activation.situ_beta"),
+            situ_linear_beta=keys.number("activation.situ_linear_beta"),
+            block_size=keys.integer("attn_res.block_size"),
+        )
+        config._check_consistency(keys)
+        return config
+
+    def _check_consistency(self, keys: _Keys) -> None:
+        derived = {
+            "attention.key_length": self.kv_lora + self.qk_rope,
+            "attention.value_length": self.kv_lora,
+        }
+        for key, expected in derived.items():
+            if keys.integer(key) != expected:
+                raise keys.bad(key, f"{expected} (kv_lora_rank + rope, kv_lora_rank)", keys.integer(key))
+        if self.top_k > self.n_experts:
+            raise keys.bad("expert_used_count", f"<= expert_count ({self.n_experts})", self.top_k)
+        if self.n_dense > self.n_layers:
+            raise keys.bad("leading_dense_block_count", f"<= block_count ({self.n_layers})", self.n_dense)
+        if self.gating_func != 2:
+            raise keys.bad("expert_gating_func", "2 (sigmoid)", self.gating_func)
+
+    @property
+    def kda_heads(self) -> int:
+        return self.n_heads
+
+    @property
+    def mla_heads(self) -> int:
+        return self.n_heads
+
+    @property
+    def kda_inner(self) -> int:
+        return self.n_heads * self.kda_head_dim
+
+    @property
+    def mla_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kv in enumerate(self.head_count_kv) if kv)
+
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kv in enumerate(self.head_count_kv) if not kv)
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.n_dense))
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.n_dense, self.n_layers))
+
+    def is_mla(self, layer: int) -> bool:
+        return bool(self.head_count_kv[layer])
+
+    def is_moe(self, layer: int) -> bool:
+        return self.n_dense <= layer < self.n_layers

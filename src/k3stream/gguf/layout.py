@@ -1,0 +1,145 @@
+"""The tensors a Kimi-K3 GGUF holds for a given config: names and numpy shapes `(out, in)`.
+
+One table for both sides: the tiny generator writes exactly these tensors, and the reader checks a
+checkpoint against them (llama.cpp's `kimi-k3` loader expects the same set).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+
+from k3stream.gguf.config import K3Config
+
+Shape = tuple[int, ...]
+
+ROUTED_ROLES = ("gate", "up", "down")
+# Tensors llama.cpp treats as optional: the reader accepts them missing.
+OPTIONAL_SUFFIXES = ("ffn_routed_norm.weight",)
+
+
+def routed_expert_name(layer: int, role: str) -> str:
+    return f"blk.{layer}.ffn_{role}_exps.weight"
+
+
+def is_routed_expert(name: str) -> bool:
+    return name.startswith("blk.") and name.endswith(tuple(f"ffn_{r}_exps.weight" for r in ROUTED_ROLES))
+
+
+def _top_level(cfg: K3Config) -> dict[str, Shape]:
+    e, v = cfg.hidden, cfg.vocab_size
+    return {
+        "token_embd.weight": (v, e),
+        "output_norm.weight": (e,),
+        "output_res_score.weight": (e,),
+        "output.weight": (v, e),
+    }
+
+
+def _kda(cfg: K3Config) -> dict[str, Shape]:
+    e, heads, d, inner = cfg.hidden, cfg.n_heads, cfg.kda_head_dim, cfg.kda_inner
+    conv = (1, inner, 1, cfg.conv_kernel)
+    return {
+        "attn_q.weight": (inner, e),
+        "attn_k.weight": (inner, e),
+        "attn_v.weight": (inner, e),
+        "ssm_conv1d_q.weight": conv,
+        "ssm_conv1d_k.weight": conv,
+        "ssm_conv1d_v.weight": conv,
+        "ssm_f_a.weight": (d, e),
+        "ssm_f_b.weight": (inner, d),
+        "ssm_beta.weight": (heads, e),
+        "ssm_a": (heads,),
+        "ssm_dt.bias": (inner,),
+        "ssm_g.weight": (inner, e),
+        "ssm_norm.weight": (d,),
+        "attn_output.weight": (e, inner),
+    }
+
+
+def _mla(cfg: K3Config, split_kv_b: bool) -> dict[str, Shape]:
+    e, heads, qk = cfg.hidden, cfg.n_heads, cfg.qk_nope + cfg.qk_rope
+    if cfg.q_lora is None:
+        query = {"attn_q.weight": (heads * qk, e)}
+    else:
+        query = {
+            "attn_q_a.weight": (cfg.q_lora, e),
+            "attn_q_a_norm.weight": (cfg.q_lora,),
+            "attn_q_b.weight": (heads * qk, cfg.q_lora),
+        }
+    if split_kv_b:
+        kv_b = {
+            "attn_k_b.weight": (heads, cfg.kv_lora, cfg.qk_nope),
+            "attn_v_b.weight": (heads, cfg.v_head_dim, cfg.kv_lora),
+        }
+    else:
+        kv_b = {"attn_kv_b.weight": (heads * (cfg.qk_nope + cfg.v_head_dim), cfg.kv_lora)}
+    return {
+        **query,
+        "attn_kv_a_mqa.weight": (cfg.kv_lora + cfg.qk_rope, e),
+        "attn_kv_a_norm.weight": (cfg.kv_lora,),
+        **kv_b,
+        "attn_gate.weight": (heads * cfg.v_head_dim, e),
+        "attn_output.weight": (e, heads * cfg.v_head_dim),
+    }
+
+
+def _dense(cfg: K3Config) -> dict[str, Shape]:
+    e, ff = cfg.hidden, cfg.dense_ff
+    return {"ffn_gate.weight": (ff, e), "ffn_up.weight": (ff, e), "ffn_down.weight": (e, ff)}
+
+
+def _moe(cfg: K3Config) -> dict[str, Shape]:
+    e, x, f, lt = cfg.hidden, cfg.n_experts, cfg.expert_ff, cfg.latent
+    shapes = {
+        "ffn_gate_inp.weight": (x, e),
+        "exp_probs_b.bias": (x,),
+        "ffn_gate_exps.weight": (x, f, lt),
+        "ffn_up_exps.weight": (x, f, lt),
+        "ffn_down_exps.weight": (x, lt, f),
+        "ffn_routed_down.weight": (lt, e),
+        "ffn_routed_up.weight": (e, lt),
+        "ffn_routed_norm.weight": (lt,),
+    }
+    if cfg.n_shared:
+        shared = f * cfg.n_shared
+        shapes |= {
+            "ffn_gate_shexp.weight": (shared, e),
+            "ffn_up_shexp.weight": (shared, e),
+            "ffn_down_shexp.weight": (e, shared),
+        }
+    return shapes
+
+
+def layer_shapes(cfg: K3Config, layer: int, split_kv_b: bool = True) -> dict[str, Shape]:
+    e = cfg.hidden
+    shapes = {
+        "attn_norm.weight": (e,),
+        "ffn_norm.weight": (e,),
+        "attn_res_score.weight": (e,),
+        "ffn_res_score.weight": (e,),
+    }
+    shapes |= _mla(cfg, split_kv_b) if cfg.is_mla(layer) else _kda(cfg)
+    shapes |= _moe(cfg) if cfg.is_moe(layer) else _dense(cfg)
+    return {f"blk.{layer}.{suffix}": shape for suffix, shape in shapes.items()}
+
+
+def expected_shapes(cfg: K3Config, present: Container[str] = ()) -> dict[str, Shape]:
+    """Every tensor the config implies, in the order the tiny generator writes them.
+
+    MLA layers hold split `attn_k_b`/`attn_v_b` unless `present` names their unsplit `attn_kv_b`.
+    """
+    shapes = _top_level(cfg)
+    for layer in range(cfg.n_layers):
+        shapes |= layer_shapes(cfg, layer, split_kv_b=f"blk.{layer}.attn_kv_b.weight" not in present)
+    return shapes
+
+
+def accepted_shapes(name: str, shape: Shape) -> tuple[Shape, ...]:
+    """The shapes llama.cpp accepts for a tensor whose canonical shape is `shape`."""
+    if "ssm_conv1d_" in name:
+        return (shape, shape[1:])  # quantizers drop the trailing ggml dimension of 1
+    return (shape,)
+
+
+def is_optional(name: str) -> bool:
+    return name.endswith(OPTIONAL_SUFFIXES)

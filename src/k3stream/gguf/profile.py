@@ -1,0 +1,90 @@
+"""Checkpoint profiles: which GGML types a checkpoint may hold.
+
+`generic` accepts any type k3stream's quant kernels decode. `audited` enforces the published Kimi-K3
+recipe (routed up/gate Q2_K, down Q3_K, MLA k_b Q4_0, v_b Q2_K) that the seed system's expert-pack
+path accepts; its k_b/v_b errors are the seed system's (seed 002) messages.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gguf import GGMLQuantizationType
+
+from k3stream.quant.types import SUPPORTED_TYPES
+
+if TYPE_CHECKING:
+    from k3stream.gguf.reader import K3Checkpoint
+
+T = GGMLQuantizationType
+# tensor suffix -> the type the audited recipe stores it in
+AUDITED_RECIPE: dict[str, GGMLQuantizationType] = {
+    "ffn_up_exps.weight": T.Q2_K,
+    "ffn_gate_exps.weight": T.Q2_K,
+    "ffn_down_exps.weight": T.Q3_K,
+    "attn_k_b.weight": T.Q4_0,
+    "attn_v_b.weight": T.Q2_K,
+}
+# seed 002: raised for split MLA layers whose k_b / v_b left the recipe
+MLA_PROJECTION_ERRORS = {
+    "attn_k_b.weight": "Kimi-K3 MLA K projection must remain GGUF Q4_0",
+    "attn_v_b.weight": "Kimi-K3 MLA V projection must remain GGUF Q2_K",
+}
+
+
+def _recipe_type(name: str) -> GGMLQuantizationType | None:
+    return next((t for suffix, t in AUDITED_RECIPE.items() if name.endswith(suffix)), None)
+
+
+def check_recipe(checkpoint: K3Checkpoint) -> list[str]:
+    """Every deviation from the audited recipe, one line each (empty: the checkpoint follows it)."""
+    deviations = []
+    for name, info in checkpoint.tensors.items():
+        expected = _recipe_type(name)
+        if expected is not None and info.ggml_type != expected:
+            deviations.append(f"{name} is {info.type_name}, the audited recipe has {expected.name}")
+    return deviations
+
+
+class GenericProfile:
+    name = "generic"
+
+    def check(self, checkpoint: K3Checkpoint) -> None:
+        for name, info in checkpoint.tensors.items():
+            if info.ggml_type not in SUPPORTED_TYPES:
+                raise ValueError(
+                    f"{info.path}: tensor {name} has GGML type {info.type_name} ({info.ggml_type}), "
+                    "which k3stream cannot decode"
+                )
+
+
+class AuditedProfile(GenericProfile):
+    name = "audited"
+
+    def check(self, checkpoint: K3Checkpoint) -> None:
+        super().check(checkpoint)
+        self._check_mla_projections(checkpoint)
+        deviations = check_recipe(checkpoint)
+        if deviations:
+            raise ValueError(
+                f"{checkpoint.shards[0]}: not the audited Kimi-K3 recipe: {deviations[0]}"
+                + (f" (and {len(deviations) - 1} more)" if len(deviations) > 1 else "")
+            )
+
+    @staticmethod
+    def _check_mla_projections(checkpoint: K3Checkpoint) -> None:
+        for layer in checkpoint.config.mla_layers:
+            for suffix, message in MLA_PROJECTION_ERRORS.items():
+                info = checkpoint.tensors.get(f"blk.{layer}.{suffix}")
+                if info is not None and info.ggml_type != AUDITED_RECIPE[suffix]:
+                    raise ValueError(message)
+
+
+PROFILES = {profile.name: profile for profile in (GenericProfile(), AuditedProfile())}
+
+
+def get_profile(name: str) -> GenericProfile:
+    profile = PROFILES.get(name)
+    if profile is None:
+        raise ValueError(f"unknown checkpoint profile {name!r} (choose {', '.join(PROFILES)})")
+    return profile

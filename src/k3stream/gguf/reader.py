@@ -1,0 +1,129 @@
+"""A Kimi-K3 checkpoint: tensor inventory across shards, config, zero-copy views of tensor bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+
+from k3stream.gguf import layout
+from k3stream.gguf.config import K3Config, field_value
+from k3stream.gguf.shards import open_shards
+
+_TYPED_VIEWS = {
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.BF16: np.uint16,  # numpy has no bfloat16: the raw bits
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy order, (out, in) for matrices
+    ggml_type: int
+    shard_index: int  # 0-based
+    path: Path
+    data_offset: int  # absolute in the shard file
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        return GGMLQuantizationType(self.ggml_type).name
+
+
+def _inventory(shards: list[tuple[Path, GGUFReader]]) -> dict[str, TensorInfo]:
+    tensors: dict[str, TensorInfo] = {}
+    for index, (path, reader) in enumerate(shards):
+        for t in reader.tensors:
+            tensors[t.name] = TensorInfo(
+                name=t.name,
+                shape=tuple(int(n) for n in reversed(t.shape)),
+                ggml_type=int(t.tensor_type),
+                shard_index=index,
+                path=path,
+                data_offset=int(t.data_offset),
+                nbytes=int(t.n_bytes),
+            )
+    return tensors
+
+
+def check_tensors(config: K3Config, tensors: dict[str, TensorInfo]) -> None:
+    """Every tensor the config implies is present with its shape, and nothing else is."""
+    expected = layout.expected_shapes(config, present=tensors)
+    for name, shape in expected.items():
+        info = tensors.get(name)
+        if info is None:
+            if layout.is_optional(name):
+                continue
+            raise ValueError(f"{config.source}: missing tensor {name} (expected shape {shape})")
+        if info.shape not in layout.accepted_shapes(name, shape):
+            raise ValueError(f"{info.path}: tensor {name} has shape {info.shape}, the config implies {shape}")
+    unexpected = [name for name in tensors if name not in expected]
+    if unexpected:
+        info = tensors[unexpected[0]]
+        raise ValueError(f"{info.path}: unexpected tensor {info.name} for this Kimi-K3 config")
+
+
+class K3Checkpoint:
+    """Open with `K3Checkpoint.open(path)`; holds read-only memory maps, never whole-file reads."""
+
+    def __init__(self, shards: list[tuple[Path, GGUFReader]], profile: Any):
+        self._readers = [reader for _path, reader in shards]
+        self.shards = [path for path, _reader in shards]
+        self.config = K3Config.from_metadata(self._readers[0].fields, source=str(self.shards[0]))
+        self.tensors = _inventory(shards)
+        self.profile = profile
+        check_tensors(self.config, self.tensors)
+
+    @classmethod
+    def open(cls, path: str | Path, profile: str = "generic") -> K3Checkpoint:
+        """Open a single GGUF, any shard of a split set, or a directory; `profile` is checked."""
+        from k3stream.gguf.profile import get_profile
+
+        checkpoint = cls(open_shards(path), get_profile(profile))
+        checkpoint.profile.check(checkpoint)
+        return checkpoint
+
+    def metadata(self, key: str, default: Any = None) -> Any:
+        field = self._readers[0].fields.get(key)
+        return default if field is None else field_value(field)
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        """Shard 1's metadata as `gguf.ReaderField`s (the file's own GGUF.* header fields included)."""
+        return self._readers[0].fields
+
+    def info(self, name: str) -> TensorInfo:
+        info = self.tensors.get(name)
+        if info is None:
+            raise KeyError(f"{self.shards[0]}: no tensor {name}")
+        return info
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes: a read-only uint8 view of the shard's memory map (no copy)."""
+        info = self.info(name)
+        mapped = self._readers[info.shard_index].data
+        return mapped[info.data_offset : info.data_offset + info.nbytes]
+
+    def array(self, name: str) -> np.ndarray:
+        """A typed view of an F32/F16 tensor (BF16: its raw uint16 bits), in numpy shape."""
+        info = self.info(name)
+        dtype = _TYPED_VIEWS.get(GGMLQuantizationType(info.ggml_type))
+        if dtype is None:
+            raise ValueError(f"{info.path}: tensor {name} is {info.type_name}, not F32/F16/BF16")
+        return self.raw(name).view(dtype).reshape(info.shape)
+
+    def expert_slice(self, name: str, expert: int) -> np.ndarray:
+        """The bytes of one routed expert of `blk.N.ffn_{gate,up,down}_exps.weight` (a view)."""
+        info = self.info(name)
+        n_experts = self.config.n_experts
+        if not layout.is_routed_expert(name):
+            raise ValueError(f"{info.path}: tensor {name} is not a routed expert tensor")
+        if not 0 <= expert < n_experts:
+            raise IndexError(f"{info.path}: expert {expert} outside 0..{n_experts - 1} for tensor {name}")
+        per_expert = info.nbytes // n_experts
+        return self.raw(name)[expert * per_expert : (expert + 1) * per_expert]

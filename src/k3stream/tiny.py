@@ -1,0 +1,389 @@
+"""Tiny random Kimi-K3 GGUFs: real files (metadata, tokenizer, tensors) that llama.cpp loads and runs.
+
+`make_tiny(out_dir, TinySpec(...))` writes one file or a split set `NAME-0000K-of-0000N.gguf`. The
+weights are random (seeded per tensor, so the same spec gives the same bytes and the recipes share
+their values) with scales that keep activations O(1) through the depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ARCH = "kimi-k3"
+NAME = "tiny-kimi-k3"
+RECIPES = ("f32", "f16", "audited")
+
+# GGML type ids (gguf.GGMLQuantizationType), spelled here to keep the import light.
+F32, F16, Q4_0, Q2_K, Q3_K = 0, 1, 2, 10, 11
+BLOCK_ELEMS = {Q4_0: 32, Q2_K: 256, Q3_K: 256}
+TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q2_K: "Q2_K", Q3_K: "Q3_K"}
+
+# The published ("audited") recipe: tensor suffix -> GGML type; everything else stays F32.
+AUDITED_TYPES = {
+    "ffn_up_exps.weight": Q2_K,
+    "ffn_gate_exps.weight": Q2_K,
+    "ffn_down_exps.weight": Q3_K,
+    "attn_k_b.weight": Q4_0,
+    "attn_v_b.weight": Q2_K,
+}
+FILE_TYPES = {"f32": 0, "f16": 1, "audited": 10}  # general.file_type: ALL_F32, MOSTLY_F16, MOSTLY_Q2_K
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    n_layers: int = 6
+    mla_layers: tuple[int, ...] | None = None
+    hidden: int = 64
+    n_dense: int = 1
+    dense_ff: int = 96
+    kda_heads: int = 4
+    kda_head_dim: int = 16
+    conv_kernel: int = 4
+    gate_lower_bound: float | None = -5.0
+    mla_heads: int = 4
+    q_lora: int | None = 32
+    kv_lora: int = 32
+    qk_nope: int = 16
+    qk_rope: int = 8
+    v_head_dim: int = 16
+    n_experts: int = 16
+    top_k: int = 4
+    expert_ff: int = 32
+    latent: int = 32
+    n_shared: int = 1
+    block_size: int = 2
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    rms_eps: float = 1e-5
+    context_length: int = 512
+    recipe: str = "f32"
+    shards: int = 1
+    seed: int = 0
+    vocab: int | None = None
+
+    def mla_layer_ids(self) -> tuple[int, ...]:
+        """MLA layers: as given, else every 4th layer counted from 1 plus the last."""
+        if self.mla_layers is not None:
+            return tuple(sorted(set(self.mla_layers)))
+        return tuple(sorted({i for i in range(self.n_layers) if (i + 1) % 4 == 0} | {self.n_layers - 1}))
+
+
+def _check_spec(spec: TinySpec) -> None:
+    if spec.recipe not in RECIPES:
+        raise ValueError(f"TinySpec.recipe: {spec.recipe!r} is not one of {', '.join(RECIPES)}")
+    mla = spec.mla_layer_ids()
+    if any(not 0 <= i < spec.n_layers for i in mla):
+        raise ValueError(f"TinySpec.mla_layers: {mla} outside 0..{spec.n_layers - 1}")
+    if not mla or len(mla) == spec.n_layers:
+        raise ValueError("TinySpec.mla_layers: llama.cpp needs at least one KDA and one MLA layer")
+    if spec.kda_heads != spec.mla_heads:
+        raise ValueError(
+            f"TinySpec: kda_heads {spec.kda_heads} != mla_heads {spec.mla_heads}; "
+            "Kimi-K3 GGUFs have one attention.head_count for both"
+        )
+    if not 0 < spec.top_k <= spec.n_experts:
+        raise ValueError(f"TinySpec.top_k: {spec.top_k} must be in 1..n_experts ({spec.n_experts})")
+    if not 0 <= spec.n_dense < spec.n_layers:
+        raise ValueError(f"TinySpec.n_dense: {spec.n_dense} must leave at least one MoE layer")
+    if spec.block_size < 1:
+        raise ValueError(f"TinySpec.block_size: {spec.block_size} must be >= 1")
+    if spec.shards < 1:
+        raise ValueError(f"TinySpec.shards: {spec.shards} must be >= 1")
+
+
+# ----------------------------------------------------------------------------------------------
+# metadata
+
+
+def hparams(spec: TinySpec, vocab_size: int) -> dict[str, object]:
+    """Every `kimi-k3.*` key, with Python types that pick the GGUF types llama.cpp expects."""
+    mla = set(spec.mla_layer_ids())
+    keys: dict[str, object] = {
+        "context_length": spec.context_length,
+        "embedding_length": spec.hidden,
+        "block_count": spec.n_layers,
+        "feed_forward_length": spec.dense_ff,
+        "vocab_size": vocab_size,
+        "attention.head_count": spec.kda_heads,
+        "attention.head_count_kv": [1 if i in mla else 0 for i in range(spec.n_layers)],
+        "attention.layer_norm_rms_epsilon": float(spec.rms_eps),
+        "attention.kv_lora_rank": spec.kv_lora,
+        "attention.key_length": spec.kv_lora + spec.qk_rope,
+        "attention.value_length": spec.kv_lora,
+        "attention.key_length_mla": spec.qk_nope + spec.qk_rope,
+        "attention.value_length_mla": spec.v_head_dim,
+        "rope.dimension_count": spec.qk_rope,
+        "ssm.conv_kernel": spec.conv_kernel,
+        "kda.head_dim": spec.kda_head_dim,
+        "expert_count": spec.n_experts,
+        "expert_used_count": spec.top_k,
+        "expert_feed_forward_length": spec.expert_ff,
+        "expert_shared_count": spec.n_shared,
+        "leading_dense_block_count": spec.n_dense,
+        "expert_weights_scale": 1.0,
+        "expert_weights_norm": True,
+        "expert_gating_func": 2,  # sigmoid
+        "expert_latent_length": spec.latent,
+        "activation.situ_beta": float(spec.situ_beta),
+        "activation.situ_linear_beta": float(spec.situ_linear_beta),
+        "attn_res.block_size": spec.block_size,
+    }
+    if spec.q_lora is not None:
+        keys["attention.q_lora_rank"] = spec.q_lora
+    if spec.gate_lower_bound is not None:
+        keys["kda.gate_lower_bound"] = float(spec.gate_lower_bound)
+    return {f"{ARCH}.{key}": value for key, value in keys.items()}
+
+
+def _add_value(writer, key: str, value: object) -> None:
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    else:
+        writer.add_array(key, list(value))
+
+
+def _add_tokenizer(writer, vocab) -> None:
+    from k3stream.tinyvocab import CHAT_TEMPLATE
+
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_string("tokenizer.ggml.pre", "kimi-k2")
+    writer.add_array("tokenizer.ggml.tokens", list(vocab.tokens))
+    writer.add_array("tokenizer.ggml.token_type", list(vocab.token_types))
+    writer.add_array("tokenizer.ggml.merges", list(vocab.merges))
+    writer.add_uint32("tokenizer.ggml.bos_token_id", vocab.bos_id)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", vocab.eos_id)
+    writer.add_uint32("tokenizer.ggml.padding_token_id", vocab.pad_id)
+    writer.add_bool("tokenizer.ggml.add_bos_token", False)
+    writer.add_string("tokenizer.chat_template", CHAT_TEMPLATE)
+
+
+def _add_metadata(writer, spec: TinySpec, vocab) -> None:
+    writer.add_string("general.name", NAME)
+    writer.add_uint32("general.file_type", FILE_TYPES[spec.recipe])
+    writer.add_uint32("general.quantization_version", 2)
+    for key, value in hparams(spec, len(vocab.tokens)).items():
+        _add_value(writer, key, value)
+    _add_tokenizer(writer, vocab)
+
+
+# ----------------------------------------------------------------------------------------------
+# tensors: names and shapes from the layout table; the name picks the initialisation
+
+
+def tiny_config(spec: TinySpec, vocab_size: int):
+    """The `K3Config` a reader builds from the metadata this spec writes."""
+    from k3stream.gguf.config import K3Config
+
+    return K3Config.from_metadata(hparams(spec, vocab_size), source="TinySpec")
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    shape: tuple[int, ...]
+
+
+def tensor_plan(spec: TinySpec, vocab_size: int) -> list[_Tensor]:
+    from k3stream.gguf.layout import expected_shapes
+
+    return [_Tensor(name, shape) for name, shape in expected_shapes(tiny_config(spec, vocab_size)).items()]
+
+
+# name suffix -> initialisation; anything else is a matrix, normal / sqrt(fan_in)
+_INIT_KINDS = {
+    "token_embd.weight": "embed",
+    "norm.weight": "norm",
+    "res_score.weight": "score",
+    "exp_probs_b.bias": "bias",
+    "ssm_dt.bias": "dt",
+    "ssm_a": "ssm_a",
+}
+
+
+def _init_kind(name: str) -> str:
+    if "ssm_conv1d_" in name:
+        return "conv"
+    return next((kind for suffix, kind in _INIT_KINDS.items() if name.endswith(suffix)), "matrix")
+
+
+def _values(tensor: _Tensor, spec: TinySpec) -> np.ndarray:
+    # one generator per tensor name, so values do not depend on the recipe or on tensor order
+    rng = np.random.default_rng([spec.seed, zlib.crc32(tensor.name.encode())])
+    normal = rng.standard_normal(tensor.shape)
+    kind = _init_kind(tensor.name)
+    if kind in ("matrix", "score"):
+        values = normal / np.sqrt(tensor.shape[-1])
+    elif kind == "embed":
+        values = normal
+    elif kind == "norm":
+        values = 1.0 + 0.1 * normal
+    elif kind == "bias":
+        values = 0.01 * normal
+    elif kind == "conv":
+        values = 0.5 * normal
+    elif kind == "ssm_a":
+        values = -np.exp(rng.uniform(0.0, np.log(8.0), tensor.shape))  # -exp(A_log)
+    else:  # dt bias
+        values = 0.5 * normal - 1.0
+    return values.astype(np.float32)
+
+
+def ggml_type_for(name: str, ndim: int, recipe: str) -> int:
+    if recipe == "audited":
+        return next((t for suffix, t in AUDITED_TYPES.items() if name.endswith(suffix)), F32)
+    # llama.cpp needs vectors and the conv kernels in F32
+    if recipe == "f16" and ndim >= 2 and "ssm_conv1d" not in name:
+        return F16
+    return F32
+
+
+def _check_quantizable(tensor: _Tensor, ggml_type: int) -> None:
+    block = BLOCK_ELEMS.get(ggml_type)
+    if block and tensor.shape[-1] % block:
+        raise ValueError(
+            f"recipe audited: {tensor.name} rows of {tensor.shape[-1]} values are not a multiple of "
+            f"{block} ({TYPE_NAMES[ggml_type]}); choose shapes that fit the recipe"
+        )
+
+
+def _encoded(tensor: _Tensor, spec: TinySpec) -> tuple[np.ndarray, int]:
+    ggml_type = ggml_type_for(tensor.name, len(tensor.shape), spec.recipe)
+    values = _values(tensor, spec)
+    if ggml_type == F32:
+        return values, F32
+    if ggml_type == F16:
+        return values.astype(np.float16), F16
+    from k3stream.quant import quantize
+
+    data = np.asarray(quantize(values, ggml_type), dtype=np.uint8)
+    return data.reshape(*tensor.shape[:-1], -1), ggml_type
+
+
+# ----------------------------------------------------------------------------------------------
+# writing
+
+
+def shard_paths(out_dir: Path, count: int) -> list[Path]:
+    if count == 1:
+        return [out_dir / f"{NAME}.gguf"]
+    return [out_dir / f"{NAME}-{k:05d}-of-{count:05d}.gguf" for k in range(1, count + 1)]
+
+
+def _write_shard(
+    path: Path, tensors: list[_Tensor], spec: TinySpec, vocab, split: tuple[int, int, int]
+) -> None:
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    index, count, total = split
+    writer = GGUFWriter(path, ARCH)
+    if index == 0:
+        _add_metadata(writer, spec, vocab)
+    if count > 1:
+        writer.add_uint16("split.no", index)
+        writer.add_uint16("split.count", count)
+        writer.add_int32("split.tensors.count", total)
+    for tensor in tensors:
+        data, ggml_type = _encoded(tensor, spec)
+        raw_type = None if ggml_type in (F32, F16) else GGMLQuantizationType(ggml_type)
+        writer.add_tensor(tensor.name, data, raw_dtype=raw_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    for fout in writer.fout:
+        os.fsync(fout.fileno())
+    writer.close()
+
+
+def make_tiny(out_dir: str | os.PathLike[str], spec: TinySpec) -> Path:
+    """Write a random tiny Kimi-K3 GGUF into `out_dir`; return the file (or shard 1) path."""
+    from k3stream.tinyvocab import padded, tiny_vocab
+
+    _check_spec(spec)
+    vocab = tiny_vocab() if spec.vocab is None else padded(tiny_vocab(), spec.vocab)
+    plan = tensor_plan(spec, len(vocab.tokens))
+    if spec.shards > len(plan):
+        raise ValueError(f"TinySpec.shards: {spec.shards} shards for only {len(plan)} tensors")
+    if spec.recipe == "audited":
+        for tensor in plan:
+            _check_quantizable(tensor, ggml_type_for(tensor.name, len(tensor.shape), spec.recipe))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = shard_paths(out, spec.shards)
+    groups = np.array_split(np.arange(len(plan)), spec.shards)
+    temps = [path.with_name(path.name + ".tmp") for path in paths]
+    try:
+        for index, (temp, group) in enumerate(zip(temps, groups, strict=True)):
+            _write_shard(temp, [plan[i] for i in group], spec, vocab, (index, spec.shards, len(plan)))
+    except BaseException:
+        for temp in temps:
+            temp.unlink(missing_ok=True)
+        raise
+    for temp, path in zip(temps, paths, strict=True):
+        os.replace(temp, path)
+    return paths[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI: k3stream make-tiny OUT_DIR [...]
+
+_FLAG_ALIASES = {
+    "n_layers": "--layers",
+    "n_experts": "--experts",
+    "n_dense": "--dense",
+    "n_shared": "--shared",
+}
+
+
+def _optional(parse):
+    def parse_or_none(text: str):
+        return None if text.lower() == "none" else parse(text)
+
+    return parse_or_none
+
+
+def _int_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part.strip())
+
+
+def _field_parser(field: dataclasses.Field):
+    if field.name == "mla_layers":
+        return _optional(_int_tuple)
+    if field.name == "recipe":
+        return str
+    parse = float if isinstance(field.default, float) or field.name == "gate_lower_bound" else int
+    return _optional(parse) if field.default is None or "None" in str(field.type) else parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to write the GGUF (or its shards) into")
+    for field in dataclasses.fields(TinySpec):
+        flag = _FLAG_ALIASES.get(field.name, "--" + field.name.replace("_", "-"))
+        extra = {"choices": RECIPES} if field.name == "recipe" else {}
+        parser.add_argument(
+            flag,
+            dest=field.name,
+            type=_field_parser(field),
+            default=field.default,
+            help=f"default {field.default}" + (" ('none' to omit)" if "None" in str(field.type) else ""),
+            **extra,
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = TinySpec(**{field.name: getattr(args, field.name) for field in dataclasses.fields(TinySpec)})
+    path = make_tiny(args.out_dir, spec)
+    print(path)
+    return 0

@@ -1,0 +1,248 @@
+"""The tiny models' tokenizer: a byte-level BPE stored the way Kimi GGUFs store theirs.
+
+Tokens 0..255 are the single bytes (GPT-2 byte-to-unicode spelling), then the merges learned from a
+small embedded English + code + unicode corpus (token 256+i is merge i), then Kimi's special tokens.
+Ranks equal token ids, so a tiktoken-style encoder built from the token list and llama.cpp's
+merge-rank BPE agree.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from dataclasses import dataclass
+from itertools import pairwise
+
+import regex
+
+N_MERGES = 320
+
+# Kimi's special tokens, in the order of their ids in the real vocabulary (163584...).
+SPECIAL_TOKENS = (
+    "[BOS]",
+    "[EOS]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "[EOT]",
+    "<|im_system|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|im_middle|>",
+    "[UNK]",
+    "[PAD]",
+)
+BOS, EOS, PAD = "[BOS]", "<|im_end|>", "[PAD]"
+
+CHAT_TEMPLATE = (
+    "{%- if messages|length == 0 or messages[0]['role'] != 'system' -%}"
+    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
+    "{%- elif message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
+    "{%- else -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- endif -%}"
+    "{{ message['content'] }}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+
+# Kimi's pre-tokenizer pattern (tiktoken pat_str), without the Han-exclusion set operations; used here
+# only to cut the training corpus into words.
+PRETOKENIZE = regex.compile(
+    r"\p{Han}+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+"
+    r"|\s+(?!\S)"
+    r"|\s+"
+)
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. The dog was not amused, and the fox ran into the forest.
+Once upon a time there was a small model that could only speak a few words, but it tried its best.
+It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in
+want of a wife. However little known the feelings or views of such a man may be on his first entering
+a neighbourhood, this truth is so well fixed in the minds of the surrounding families.
+We stream the routed experts from an expert pack on disk, keep the hot ones in memory, and prefetch
+the next layer's experts while the current layer computes. The cache hit rate is what makes it fast.
+Hello, world! How are you today? I'm fine, thanks. Let's write some code and then test it again.
+Please answer the question: what is the capital of France? The capital of France is Paris.
+In 2025 the model had 93 layers, 896 experts per layer and 16 experts active for every token.
+
+def fibonacci(n: int) -> int:
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+
+
+class Expert:
+    def __init__(self, layer, index):
+        self.layer = layer
+        self.index = index
+
+    def __repr__(self):
+        return f"Expert(layer={self.layer}, index={self.index})"
+
+
+for i in range(10):
+    print(i, fibonacci(i))
+
+import numpy as np
+x = np.zeros((4, 4), dtype=np.float32)
+result = {"name": "kimi", "layers": 93, "experts": [1, 2, 3]}
+
+#include <stdio.h>
+int main(void) {
+    for (int i = 0; i < 10; ++i) {
+        printf("%d\\n", i);
+    }
+    return 0;
+}
+
+function add(a, b) { return a + b; }
+const values = [1, 2, 3].map((v) => v * 2);
+
+Ünïcödé tëxt: café, naïve, résumé, Straße, Ελληνικά, русский язык, 日本語の文章, 中文文本测试, 한국어 문장.
+Emoji: 🙂 🚀 ✨ — “quotes” and ‘apostrophes’ … done.
+你好，世界！今天天气很好。我们一起学习人工智能和机器学习。
+"""
+
+
+@dataclass(frozen=True)
+class Vocab:
+    tokens: tuple[str, ...]
+    token_types: tuple[int, ...]
+    merges: tuple[str, ...]
+    bos_id: int
+    eos_id: int
+    pad_id: int
+
+
+@functools.lru_cache(maxsize=1)
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable unicode characters."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def spell(token: bytes) -> str:
+    table = byte_to_unicode()
+    return "".join(table[b] for b in token)
+
+
+def _word_counts() -> Counter[tuple[bytes, ...]]:
+    words = Counter(PRETOKENIZE.findall(CORPUS))
+    return Counter({tuple(bytes([b]) for b in w.encode()): n for w, n in words.items()})
+
+
+def _most_frequent_pair(words: Counter[tuple[bytes, ...]], known: set[bytes]) -> tuple[bytes, bytes] | None:
+    pairs: Counter[tuple[bytes, bytes]] = Counter()
+    for word, count in words.items():
+        for left, right in pairwise(word):
+            if left + right not in known:
+                pairs[(left, right)] += count
+    if not pairs:
+        return None
+    # ties break on the byte strings, so training is deterministic
+    return max(pairs.items(), key=lambda item: (item[1], item[0]))[0]
+
+
+def _apply_merge(word: tuple[bytes, ...], pair: tuple[bytes, bytes]) -> tuple[bytes, ...]:
+    merged: list[bytes] = []
+    i = 0
+    while i < len(word):
+        if i + 1 < len(word) and (word[i], word[i + 1]) == pair:
+            merged.append(word[i] + word[i + 1])
+            i += 2
+        else:
+            merged.append(word[i])
+            i += 1
+    return tuple(merged)
+
+
+def learn_tokens(n_merges: int = N_MERGES) -> list[bytes]:
+    """The byte strings of the learned merges, in the order they were learned."""
+    words = _word_counts()
+    known = {bytes([b]) for b in range(256)}
+    learned: list[bytes] = []
+    while len(learned) < n_merges:
+        pair = _most_frequent_pair(words, known)
+        if pair is None:
+            break
+        learned.append(pair[0] + pair[1])
+        known.add(learned[-1])
+        words = Counter({_apply_merge(w, pair): n for w, n in words.items()})
+    return learned
+
+
+def rank_bpe(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
+    """tiktoken's merge loop over `token`, using only ranks below `max_rank`."""
+    parts = [bytes([b]) for b in token]
+    while True:
+        candidates = [
+            (ranks[left + right], i)
+            for i, (left, right) in enumerate(pairwise(parts))
+            if ranks.get(left + right, max_rank) < max_rank
+        ]
+        if not candidates:
+            return parts
+        _, i = min(candidates)
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+
+
+def _merges(ranks: dict[bytes, int]) -> list[str]:
+    """The merge list Kimi's converter derives from tiktoken ranks (a token's last pair)."""
+    merges = []
+    for token, rank in ranks.items():
+        parts = rank_bpe(ranks, token, rank) if len(token) > 1 else []
+        if len(parts) == 2:
+            merges.append(f"{spell(parts[0])} {spell(parts[1])}")
+    return merges
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_vocab() -> Vocab:
+    """The built-in vocabulary: bytes, learned merges, then the special tokens (CONTROL)."""
+    ordinary = [bytes([b]) for b in range(256)] + learn_tokens()
+    ranks = {token: rank for rank, token in enumerate(ordinary)}
+    tokens = [spell(token) for token in ordinary] + list(SPECIAL_TOKENS)
+    types = [1] * len(ordinary) + [3] * len(SPECIAL_TOKENS)  # gguf TokenType NORMAL, CONTROL
+    return Vocab(
+        tokens=tuple(tokens),
+        token_types=tuple(types),
+        merges=tuple(_merges(ranks)),
+        bos_id=tokens.index(BOS),
+        eos_id=tokens.index(EOS),
+        pad_id=tokens.index(PAD),
+    )
+
+
+def padded(vocab: Vocab, size: int) -> Vocab:
+    """The vocabulary grown to `size` rows with UNUSED `[PADi]` tokens, as Kimi's converter pads."""
+    if size < len(vocab.tokens):
+        raise ValueError(f"vocab {size} is smaller than the built-in tokenizer's {len(vocab.tokens)} tokens")
+    extra = range(len(vocab.tokens), size)
+    return Vocab(
+        tokens=vocab.tokens + tuple(f"[PAD{i}]" for i in extra),
+        token_types=vocab.token_types + (5,) * len(extra),  # gguf TokenType.UNUSED
+        merges=vocab.merges,
+        bos_id=vocab.bos_id,
+        eos_id=vocab.eos_id,
+        pad_id=vocab.pad_id,
+    )

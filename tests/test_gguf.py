@@ -1,0 +1,363 @@
+"""GGUF side: shard discovery, config, reader inventory and views, profiles, inspect, dequantize."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import mmap
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize as gguf_dequantize
+
+from conftest import requires_llama
+from k3stream import cli
+from k3stream.gguf.cmd_dequantize import dequantize_gguf
+from k3stream.gguf.config import K3Config
+from k3stream.gguf.profile import check_recipe
+from k3stream.gguf.reader import K3Checkpoint
+from k3stream.gguf.shards import discover_shards
+from k3stream.tiny import TinySpec, hparams
+from llama_oracle import llama_runs
+
+AUDITED = dict(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32)
+SHARD = "tiny-kimi-k3-{:05d}-of-00003.gguf"
+
+
+def rewrite(
+    src: Path,
+    dst: Path,
+    *,
+    arch: str = "kimi-k3",
+    set_keys: dict[str, tuple[object, GGUFValueType]] | None = None,
+    drop_keys: tuple[str, ...] = (),
+    drop_tensors: tuple[str, ...] = (),
+    add_tensors: dict[str, np.ndarray] | None = None,
+) -> Path:
+    """Copy a GGUF with edited metadata or tensors (an independent writer: gguf's own)."""
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, arch)
+    set_keys = set_keys or {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys or key in set_keys:
+            continue
+        sub_type = field.types[-1] if len(field.types) > 1 else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for key, (value, vtype) in set_keys.items():
+        writer.add_key_value(key, value, vtype)
+    for tensor in reader.tensors:
+        if tensor.name not in drop_tensors:
+            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    for name, values in (add_tensors or {}).items():
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.fixture
+def sharded(tiny_model, tmp_path) -> Path:
+    """A private copy of a 3-shard tiny model (tests damage it)."""
+    source = tiny_model(shards=3).parent
+    copy = tmp_path / "sharded"
+    shutil.copytree(source, copy)
+    return copy
+
+
+# ---------------------------------------------------------------------------------------------- shards
+
+
+def test_discover_single_any_shard_and_directory(tiny_model, sharded):
+    single = tiny_model()
+    assert discover_shards(single) == [single]
+    assert discover_shards(single.parent) == [single]
+    expected = [sharded / SHARD.format(k) for k in (1, 2, 3)]
+    assert discover_shards(sharded / SHARD.format(2)) == expected
+    assert discover_shards(sharded) == expected
+
+
+def test_missing_shard_names_it(sharded):
+    (sharded / SHARD.format(2)).unlink()
+    with pytest.raises(FileNotFoundError, match=r"00002-of-00003\.gguf: missing shard 2 of 3"):
+        discover_shards(sharded / SHARD.format(1))
+
+
+def test_mismatched_split_count(sharded, tmp_path):
+    second = sharded / SHARD.format(2)
+    rewrite(second, tmp_path / "x.gguf", set_keys={"split.count": (4, GGUFValueType.UINT16)}).replace(second)
+    with pytest.raises(ValueError, match=r"00002-of-00003\.gguf: metadata key split.count is 4, expected 3"):
+        discover_shards(sharded)
+
+
+def test_wrong_architecture(tiny_model, tmp_path):
+    bad = rewrite(tiny_model(), tmp_path / "llama.gguf", arch="llama")
+    with pytest.raises(ValueError, match=r"llama\.gguf: metadata key general.architecture is 'llama'"):
+        discover_shards(bad)
+
+
+def test_duplicate_tensor_across_shards(sharded, tmp_path):
+    second = sharded / SHARD.format(2)
+    extra = {"token_embd.weight": np.zeros((4, 4), dtype=np.float32)}
+    rewrite(second, tmp_path / "x.gguf", add_tensors=extra).replace(second)
+    with pytest.raises(
+        ValueError, match=r"00002-of-00003\.gguf: tensor token_embd.weight is also in .*00001"
+    ):
+        discover_shards(sharded)
+
+
+def test_directory_with_two_models_is_refused(tiny_model, sharded):
+    shutil.copy(tiny_model(), sharded)
+    with pytest.raises(ValueError, match="several GGUF models"):
+        discover_shards(sharded)
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"n_layers": 4, "mla_layers": (0, 2), "q_lora": None, "gate_lower_bound": None, "n_dense": 0}],
+)
+def test_config_values_equal_the_spec(tiny_model, fields):
+    spec = TinySpec(**fields)
+    config = K3Checkpoint.open(tiny_model(**fields)).config
+    same_name = {f.name for f in dataclasses.fields(TinySpec)} & {
+        f.name for f in dataclasses.fields(K3Config)
+    }
+    for name in same_name - {"mla_layers"}:
+        assert getattr(config, name) == pytest.approx(getattr(spec, name)), name
+    assert config.mla_layers == spec.mla_layer_ids()
+    assert config.kda_layers == tuple(i for i in range(spec.n_layers) if i not in spec.mla_layer_ids())
+    assert (config.n_heads, config.qk_nope, config.qk_rope) == (spec.kda_heads, spec.qk_nope, spec.qk_rope)
+    assert config.dense_layers == tuple(range(spec.n_dense))
+    assert config.moe_layers == tuple(range(spec.n_dense, spec.n_layers))
+    assert [config.is_mla(i) for i in range(spec.n_layers)] == [
+        i in config.mla_layers for i in range(spec.n_layers)
+    ]
+    assert config.vocab_size == GGUFReader(tiny_model(**fields)).fields["kimi-k3.vocab_size"].contents()
+
+
+def test_config_missing_and_ill_typed_keys(tiny_model, tmp_path):
+    missing = rewrite(tiny_model(), tmp_path / "missing.gguf", drop_keys=("kimi-k3.expert_count",))
+    with pytest.raises(ValueError, match=r"missing\.gguf: missing metadata key kimi-k3.expert_count$"):
+        K3Checkpoint.open(missing)
+    typed = {"kimi-k3.expert_count": ("sixteen", GGUFValueType.STRING)}
+    ill = rewrite(tiny_model(), tmp_path / "ill.gguf", set_keys=typed)
+    with pytest.raises(ValueError, match=r"ill\.gguf: metadata key kimi-k3.expert_count must be an integer"):
+        K3Checkpoint.open(ill)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("kimi-k3.attention.head_count_kv", [0, 1], "head_count_kv must be an array of 6 values"),
+        ("kimi-k3.expert_weights_norm", 1, "expert_weights_norm must be a bool"),
+        ("kimi-k3.attention.key_length", 7, "key_length must be 40"),
+        ("kimi-k3.expert_used_count", 17, "expert_used_count must be <= expert_count"),
+    ],
+)
+def test_config_rejects_inconsistent_values(key, value, message):
+    fields = hparams(TinySpec(), 593) | {key: value}
+    with pytest.raises(ValueError, match=f"^model.gguf: metadata key .*{message}"):
+        K3Config.from_metadata(fields, source="model.gguf")
+
+
+# ---------------------------------------------------------------------------------------------- reader
+
+
+def test_inventory_matches_gguf_reader_and_file_bytes(tiny_model):
+    first = tiny_model(**AUDITED, shards=3)
+    checkpoint = K3Checkpoint.open(first)
+    shards = discover_shards(first)
+    seen = set()
+    for index, path in enumerate(shards):
+        for tensor in GGUFReader(path).tensors:
+            info = checkpoint.tensors[tensor.name]
+            seen.add(tensor.name)
+            assert (info.shard_index, info.path, info.ggml_type) == (index, path, int(tensor.tensor_type))
+            assert (info.data_offset, info.nbytes) == (tensor.data_offset, tensor.n_bytes)
+            assert info.shape == tuple(reversed(tensor.shape.tolist()))
+            block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+            assert info.nbytes == int(np.prod(info.shape)) // block_elems * block_bytes
+    assert seen == set(checkpoint.tensors)
+    for name in ("blk.3.attn_k_b.weight", "blk.5.ffn_down_exps.weight", "output_norm.weight"):
+        info = checkpoint.tensors[name]
+        with open(info.path, "rb") as f:
+            f.seek(info.data_offset)
+            assert checkpoint.raw(name).tobytes() == f.read(info.nbytes)
+
+
+def _mapped_base(array: np.ndarray) -> object:
+    base = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base
+
+
+def test_raw_and_array_are_read_only_views_of_the_mmap(tiny_model):
+    checkpoint = K3Checkpoint.open(tiny_model())
+    raw = checkpoint.raw("output.weight")
+    assert not raw.flags.owndata and not raw.flags.writeable
+    assert isinstance(_mapped_base(raw), mmap.mmap)
+    array = checkpoint.array("output.weight")
+    assert array.dtype == np.float32 and array.shape == checkpoint.tensors["output.weight"].shape
+    assert np.shares_memory(array, raw)
+    with pytest.raises(ValueError, match="read-only"):
+        array[0, 0] = 1.0
+
+
+def test_expert_slice_is_one_expert(tiny_model):
+    checkpoint = K3Checkpoint.open(tiny_model())
+    name = "blk.2.ffn_down_exps.weight"
+    for expert in (0, 7, 15):
+        piece = checkpoint.expert_slice(name, expert)
+        assert np.shares_memory(piece, checkpoint.raw(name))
+        np.testing.assert_array_equal(piece.view(np.float32), checkpoint.array(name)[expert].ravel())
+    with pytest.raises(IndexError, match="expert 16 outside 0..15"):
+        checkpoint.expert_slice(name, 16)
+    with pytest.raises(ValueError, match="blk.2.ffn_norm.weight is not a routed expert tensor"):
+        checkpoint.expert_slice("blk.2.ffn_norm.weight", 0)
+
+
+def test_quantized_expert_slice_dequantizes_to_that_expert(tiny_model):
+    checkpoint = K3Checkpoint.open(tiny_model(**AUDITED))
+    name = "blk.1.ffn_up_exps.weight"
+    info = checkpoint.tensors[name]
+    whole = gguf_dequantize(np.asarray(checkpoint.raw(name)).reshape(info.shape[0], info.shape[1], -1), 10)
+    piece = np.asarray(checkpoint.expert_slice(name, 5)).reshape(info.shape[1], -1)
+    np.testing.assert_array_equal(gguf_dequantize(piece, 10), whole[5])
+
+
+def test_shape_mismatch_names_the_tensor(tiny_model, tmp_path):
+    changed = {"kimi-k3.expert_feed_forward_length": (64, GGUFValueType.UINT32)}
+    bad = rewrite(tiny_model(), tmp_path / "ff.gguf", set_keys=changed)
+    with pytest.raises(
+        ValueError, match=r"ff\.gguf: tensor blk.1.ffn_gate_exps.weight has shape \(16, 32, 32\)"
+    ):
+        K3Checkpoint.open(bad)
+
+
+def test_missing_tensor_named_and_optional_one_allowed(tiny_model, tmp_path):
+    bad = rewrite(tiny_model(), tmp_path / "no_a.gguf", drop_tensors=("blk.0.ssm_a",))
+    with pytest.raises(ValueError, match=r"no_a\.gguf: missing tensor blk.0.ssm_a "):
+        K3Checkpoint.open(bad)
+    fine = rewrite(tiny_model(), tmp_path / "no_norm.gguf", drop_tensors=("blk.1.ffn_routed_norm.weight",))
+    assert "blk.1.ffn_routed_norm.weight" not in K3Checkpoint.open(fine).tensors
+
+
+def test_unexpected_tensor_named(tiny_model, tmp_path):
+    extra = {"blk.0.rope_freqs.weight": np.zeros(4, dtype=np.float32)}
+    bad = rewrite(tiny_model(), tmp_path / "extra.gguf", add_tensors=extra)
+    with pytest.raises(ValueError, match=r"extra\.gguf: unexpected tensor blk.0.rope_freqs.weight"):
+        K3Checkpoint.open(bad)
+
+
+# ---------------------------------------------------------------------------------------------- profiles
+
+
+def test_audited_profile_accepts_the_recipe(tiny_model):
+    checkpoint = K3Checkpoint.open(tiny_model(**AUDITED, shards=2), profile="audited")
+    assert checkpoint.profile.name == "audited"
+    assert check_recipe(checkpoint) == []
+
+
+def test_check_recipe_lists_every_deviation(tiny_model):
+    checkpoint = K3Checkpoint.open(tiny_model())
+    deviations = check_recipe(checkpoint)
+    spec = TinySpec()
+    assert len(deviations) == 3 * (spec.n_layers - spec.n_dense) + 2 * len(spec.mla_layer_ids())
+    assert "blk.3.attn_k_b.weight is F32, the audited recipe has Q4_0" in deviations
+
+
+def test_audited_profile_raises_the_seed_messages(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match=r"^Kimi-K3 MLA K projection must remain GGUF Q4_0$"):
+        K3Checkpoint.open(tiny_model(), profile="audited")
+    audited = tiny_model(**AUDITED)
+    values = K3Checkpoint.open(audited).raw("blk.3.attn_v_b.weight")
+    v_b = gguf_dequantize(np.asarray(values).reshape(4, 16, -1), 10)
+    bad = rewrite(
+        audited,
+        tmp_path / "v.gguf",
+        drop_tensors=("blk.3.attn_v_b.weight",),
+        add_tensors={"blk.3.attn_v_b.weight": v_b},
+    )
+    with pytest.raises(ValueError, match=r"^Kimi-K3 MLA V projection must remain GGUF Q2_K$"):
+        K3Checkpoint.open(bad, profile="audited")
+    assert K3Checkpoint.open(bad).tensors["blk.3.attn_v_b.weight"].type_name == "F32"
+
+
+def test_unknown_profile(tiny_model):
+    with pytest.raises(ValueError, match="unknown checkpoint profile 'strict'"):
+        K3Checkpoint.open(tiny_model(), profile="strict")
+
+
+# ---------------------------------------------------------------------------------------------- inspect
+
+
+def test_inspect_json(tiny_model, capsys):
+    path = tiny_model(**AUDITED, shards=2)
+    assert cli.main(["inspect", str(path), "--json", "--profile", "audited"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    tensors = [t for shard in discover_shards(path) for t in GGUFReader(shard).tensors]
+    routed = sum(t.n_bytes for t in tensors if t.name.endswith("_exps.weight"))
+    assert report["bytes"]["routed_experts"] == routed
+    assert report["bytes"]["non_expert"] == sum(t.n_bytes for t in tensors) - routed
+    assert report["bytes"]["expert_object"] == routed // (5 * 16)
+    assert report["types"]["Q2_K"]["tensors"] == sum(t.tensor_type.name == "Q2_K" for t in tensors) == 12
+    assert [row["attention"] for row in report["layers"]] == ["KDA", "KDA", "KDA", "MLA", "KDA", "MLA"]
+    assert [row["ffn"] for row in report["layers"]] == ["dense"] + ["MoE"] * 5
+    assert report["profile"] == "audited" and report["audited_recipe"] is True
+    assert [s["tensors"] for s in report["shards"]] == [80, 80]
+    assert report["config"]["latent"] == 256
+
+
+def test_inspect_text_and_profile_failure(tiny_model, capsys):
+    assert cli.main(["inspect", str(tiny_model())]) == 0
+    text = capsys.readouterr().out
+    assert "audited recipe: no (19 deviations)" in text
+    assert "layers: 0:KDA/dense 1:KDA/MoE 2:KDA/MoE 3:MLA/MoE 4:KDA/MoE 5:MLA/MoE" in text
+    assert cli.main(["inspect", str(tiny_model()), "--profile", "audited"]) == 1
+    assert "Kimi-K3 MLA K projection must remain GGUF Q4_0" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- dequantize
+
+
+def test_dequantize_rewrite_matches_gguf_dequantize(tiny_model, tmp_path):
+    source = tiny_model(**AUDITED, shards=2)
+    out = dequantize_gguf(source, tmp_path / "f32.gguf")
+    before, after = K3Checkpoint.open(source), K3Checkpoint.open(out)
+    assert list(after.tensors) == list(before.tensors)
+    for name, info in before.tensors.items():
+        assert after.tensors[name].type_name == "F32"
+        expected = gguf_dequantize(np.asarray(before.raw(name)).reshape(*info.shape[:-1], -1), info.ggml_type)
+        np.testing.assert_array_equal(after.array(name), expected.reshape(info.shape))
+    assert after.metadata("tokenizer.ggml.tokens") == before.metadata("tokenizer.ggml.tokens")
+    assert after.metadata("split.count") is None and after.metadata("general.file_type") == 0
+    assert after.config == dataclasses.replace(before.config, source=str(out))
+
+
+@requires_llama
+def test_llama_cpp_runs_the_dequantized_rewrite(tiny_model, tmp_path):
+    source = tiny_model(**AUDITED)
+    out = dequantize_gguf(source, tmp_path / "f32.gguf")
+    prompt = "The quick brown fox jumps over the lazy dog."
+    (_, quantized), (_, rewritten) = llama_runs((source, prompt), (out, prompt))
+    assert np.isfinite(rewritten).all()
+    # llama.cpp rounds activations to Q8_K/Q8_0 for quantized weights (and that can flip a routed
+    # expert), so the two agree only loosely
+    assert np.corrcoef(quantized.ravel(), rewritten.ravel())[0, 1] > 0.9
+
+
+def test_cli_dequantize_refuses_to_overwrite(tiny_model, tmp_path):
+    out = tmp_path / "out.gguf"
+    out.write_bytes(b"keep")
+    assert cli.main(["dequantize", str(tiny_model()), str(out)]) == 1
+    assert out.read_bytes() == b"keep"
+    assert cli.main(["dequantize", str(tiny_model()), str(out), "--force"]) == 0
+    assert K3Checkpoint.open(out).tensors.keys() == K3Checkpoint.open(tiny_model()).tensors.keys()

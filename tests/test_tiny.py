@@ -1,0 +1,161 @@
+"""The tiny Kimi-K3 generator: llama.cpp (the oracle) loads and runs what it writes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from conftest import requires_llama
+from k3stream import cli
+from k3stream.tiny import TinySpec, make_tiny
+from k3stream.tinyvocab import SPECIAL_TOKENS, tiny_vocab
+from llama_oracle import llama_runs
+
+# shapes that fit the audited recipe's block sizes (K-quants: rows of 256, Q4_0: rows of 32)
+AUDITED = dict(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32)
+PROMPT = "Hello, world! The quick brown fox: def f(x): return x * 2  # 日本語 🙂"
+
+
+@requires_llama
+@pytest.mark.parametrize("recipe", ["f32", "f16", "audited"])
+def test_llama_cpp_runs_every_recipe_single_and_sharded(tiny_model, recipe):
+    fields = AUDITED if recipe == "audited" else {"recipe": recipe}
+    (single_tokens, single), (sharded_tokens, sharded) = llama_runs(
+        (tiny_model(**fields), PROMPT), (tiny_model(**fields, shards=3), PROMPT)
+    )
+    assert single.shape == (len(single_tokens), len(tiny_vocab().tokens))
+    assert np.isfinite(single).all()
+    assert 0.1 < single.std() < 10.0  # the initialisation keeps activations O(1)
+    assert single_tokens == sharded_tokens
+    np.testing.assert_array_equal(single, sharded)
+
+
+@requires_llama
+def test_f16_recipe_tracks_f32_in_llama_cpp(tiny_model):
+    (_, f32), (_, f16) = llama_runs((tiny_model(), PROMPT), (tiny_model(recipe="f16"), PROMPT))
+    diff = np.abs(f16 - f32)
+    # F16 rounding can flip a top-k expert choice at some positions; most logits still agree closely
+    assert np.median(diff) < 0.01 * np.abs(f32).max()
+    assert diff[0].max() < 0.02 * np.abs(f32).max()
+
+
+@requires_llama
+def test_variant_shapes_run_in_llama_cpp(tiny_model):
+    path = tiny_model(
+        n_layers=4, mla_layers=(0, 2), q_lora=None, gate_lower_bound=None, n_shared=0, n_dense=0
+    )
+    [(_, logits)] = llama_runs((path, PROMPT))
+    assert np.isfinite(logits).all()
+
+
+@requires_llama
+def test_llama_cpp_tokenizer_matches_tiktoken_over_the_same_vocab(tiny_model):
+    """Two BPE implementations agree: llama.cpp (merges, kimi-k2 pre-tokenizer) and tiktoken (ranks)."""
+    import tiktoken
+
+    from k3stream.engine.tokenizer import KIMI_K2_PATTERN, token_text_to_bytes
+
+    vocab = tiny_vocab()
+    n_ordinary = len(vocab.tokens) - len(SPECIAL_TOKENS)
+    ranks = {token_text_to_bytes(t): i for i, t in enumerate(vocab.tokens[:n_ordinary])}
+    encoding = tiktoken.Encoding("tiny", pat_str=KIMI_K2_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    text = PROMPT + "\n\nThe experts of the layer, 12345 values.\tcafé 你好 ÜBER"
+    chat = "<|im_user|>user<|im_middle|>hi<|im_end|>"
+    (tokens, _), (chat_tokens, _) = llama_runs((tiny_model(), text), (tiny_model(), chat))
+    assert tokens == encoding.encode(text)
+    assert len(tokens) < len(text.encode()) * 0.7  # the merges compress
+    assert chat_tokens[0] == vocab.tokens.index("<|im_user|>")  # special tokens stay whole
+    assert chat_tokens[-1] == vocab.eos_id
+
+
+def test_same_spec_same_bytes_and_seed_changes_them(tmp_path):
+    spec = TinySpec(n_layers=4, shards=2)
+    first = make_tiny(tmp_path / "a", spec)
+    second = make_tiny(tmp_path / "b", spec)
+    other = make_tiny(tmp_path / "c", TinySpec(n_layers=4, shards=2, seed=1))
+    for name in ("tiny-kimi-k3-00001-of-00002.gguf", "tiny-kimi-k3-00002-of-00002.gguf"):
+        assert (first.parent / name).read_bytes() == (second.parent / name).read_bytes()
+    assert first.read_bytes() != other.read_bytes()
+    assert not list((tmp_path / "a").glob("*.tmp"))
+
+
+def test_recipes_share_values_and_types_follow_the_recipe(tiny_model):
+    f32 = {t.name: t for t in GGUFReader(tiny_model()).tensors}
+    f16 = {t.name: t for t in GGUFReader(tiny_model(recipe="f16")).tensors}
+    assert f16["blk.0.attn_q.weight"].tensor_type.name == "F16"
+    assert f16["blk.0.attn_norm.weight"].tensor_type.name == "F32"
+    assert f16["blk.0.ssm_conv1d_q.weight"].tensor_type.name == "F32"
+    np.testing.assert_array_equal(
+        f16["blk.1.ffn_up_exps.weight"].data, f32["blk.1.ffn_up_exps.weight"].data.astype(np.float16)
+    )
+    audited = {t.name: t.tensor_type.name for t in GGUFReader(tiny_model(**AUDITED)).tensors}
+    assert audited["blk.1.ffn_up_exps.weight"] == audited["blk.1.ffn_gate_exps.weight"] == "Q2_K"
+    assert audited["blk.1.ffn_down_exps.weight"] == "Q3_K"
+    assert audited["blk.3.attn_k_b.weight"] == "Q4_0"
+    assert audited["blk.3.attn_v_b.weight"] == "Q2_K"
+    assert audited["blk.3.attn_q_b.weight"] == "F32"
+
+
+def test_metadata_and_tokenizer_keys(tiny_model):
+    fields = GGUFReader(tiny_model(shards=2)).fields
+    assert fields["general.architecture"].contents() == "kimi-k3"
+    assert fields["kimi-k3.attention.head_count_kv"].contents() == [0, 0, 0, 1, 0, 1]
+    assert fields["kimi-k3.ssm.conv_kernel"].contents() == 4
+    assert fields["kimi-k3.kda.gate_lower_bound"].contents() == -5.0
+    assert fields["tokenizer.ggml.pre"].contents() == "kimi-k2"
+    assert fields["split.no"].contents() == 0 and fields["split.count"].contents() == 2
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    types = fields["tokenizer.ggml.token_type"].contents()
+    assert all(types[tokens.index(t)] == 3 for t in SPECIAL_TOKENS)
+    later = GGUFReader(tiny_model(shards=2).with_name("tiny-kimi-k3-00002-of-00002.gguf")).fields
+    assert later["general.architecture"].contents() == "kimi-k3" and later["split.no"].contents() == 1
+    assert "tokenizer.ggml.tokens" not in later
+
+
+def test_vocab_padding(tiny_model):
+    fields = GGUFReader(tiny_model(vocab=640)).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == fields["kimi-k3.vocab_size"].contents() == 640
+    assert tokens[-1] == "[PAD639]"
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"recipe": "audited"}, "ffn_gate_exps.weight rows of 32 values are not a multiple of 256"),
+        ({"kda_heads": 8}, "kda_heads 8 != mla_heads 4"),
+        ({"mla_layers": ()}, "at least one KDA and one MLA layer"),
+        ({"mla_layers": (9,)}, "outside 0..5"),
+        ({"recipe": "q8"}, "TinySpec.recipe"),
+        ({"vocab": 10}, "smaller than the built-in tokenizer"),
+    ],
+)
+def test_bad_specs_fail_with_one_line(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message) as failure:
+        make_tiny(tmp_path, TinySpec(**fields))
+    assert "\n" not in str(failure.value)
+    assert not list(tmp_path.glob("*.gguf*"))
+
+
+def test_cli_make_tiny(tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert cli.main(["make-tiny", str(out), "--layers", "4", "--mla-layers", "1,3", "--q-lora", "none"]) == 0
+    path = capsys.readouterr().out.strip()
+    fields = GGUFReader(path).fields
+    assert fields["kimi-k3.attention.head_count_kv"].contents() == [0, 1, 0, 1]
+    assert "kimi-k3.attention.q_lora_rank" not in fields
+
+
+def test_chat_template_renders_kimi_turns(tiny_model):
+    import jinja2
+
+    template = GGUFReader(tiny_model()).fields["tokenizer.chat_template"].contents()
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    text = jinja2.Template(template).render(messages=messages, add_generation_prompt=True)
+    assert text == (
+        "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+        "<|im_user|>user<|im_middle|>Hi<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>Hello<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>"
+    )
