@@ -1,18 +1,26 @@
-"""GGML block formats: bit-exact torch dequantisation, reference encoders, and a slab-wise qlinear."""
+"""GGML block formats: bit-exact torch dequantisation, reference encoders, and a slab-wise qlinear.
 
-from .dequant import dequantize
-from .encode import quantize
-from .qlinear import default_slab_rows, qlinear, slab_ranges
+The torch-backed functions are imported on first use, so tools that only need the type table (the GGUF
+reader, the packer) start without importing torch.
+"""
+
+from importlib import import_module
+from typing import Any
+
 from .types import SUPPORTED_TYPES, row_bytes, type_name, type_size
 
-__all__ = [
-    "SUPPORTED_TYPES",
-    "default_slab_rows",
-    "dequantize",
-    "qlinear",
-    "quantize",
-    "row_bytes",
-    "slab_ranges",
-    "type_name",
-    "type_size",
-]
+_LAZY = {
+    "dequantize": ".dequant",
+    "quantize": ".encode",
+    "default_slab_rows": ".matmul",
+    "qlinear": ".matmul",
+    "slab_ranges": ".matmul",
+}
+
+__all__ = ["SUPPORTED_TYPES", "row_bytes", "type_name", "type_size", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_LAZY[name], __name__), name)

@@ -1,0 +1,711 @@
+"""Build the expert-major pack and its manifest from a Kimi-K3 GGUF.
+
+Each routed expert slice is copied verbatim (kernel-side `copy_file_range`, falling back to
+pread/pwrite) into `PACK.partial`. Progress is recorded durably in a journal sidecar
+(`PACK.partial.journal`): the pack data is fsynced before the journal says how many entries are done,
+so a build killed at any point resumes from the last journalled entry after checking, byte for byte
+against the GGUF, every entry it resumes past. The partial file is renamed to the pack only after it is
+complete, fsynced and sample-verified; the manifest comes last. A lock file keeps two builders apart.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from k3stream.pack import format as fmt
+from k3stream.pack.manifest import (
+    ARCHITECTURE,
+    COPY_CHUNK,
+    FORMAT,
+    HIDDEN_ACT,
+    canonical_sha256,
+    fsync_directory,
+    hard_constraints,
+    read_json,
+    sha256_file,
+    sha256_range,
+    source_section,
+    stored_path,
+    write_json_atomic,
+)
+from k3stream.pack.verify import check_index, expectation_from_config
+
+SHARD_SUFFIX_RE = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+JOURNAL_FORMAT = "k3stream-pack-journal-v1"
+DEFAULT_MARGIN_BYTES = 2 * 1024**3
+KILL_HOOK = "K3STREAM_PACK_KILL_AT"  # test hook: "entry:K", "before-rename", "before-manifest"
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """What to copy: the checkpoint's routed expert tensors and the pack layout they imply."""
+
+    checkpoint: Any
+    layout: fmt.PackLayout
+    role_tensors: dict[tuple[int, str], Any]  # (layer, role) -> TensorInfo
+
+    def source(self, index: int) -> tuple[Path, int, str]:
+        """(shard path, absolute offset, tensor name) of index entry `index`."""
+        layer, expert, role = self.layout.identity(index)
+        info = self.role_tensors[(layer, fmt.ROLES[role])]
+        return info.path, info.data_offset + expert * self.layout.role_bytes[role], info.name
+
+
+def plan_pack(checkpoint: Any) -> PackPlan:
+    """Check the routed expert tensors (present, 3-D, evenly sliceable, one size per role)."""
+    config = checkpoint.config
+    moe_layers = tuple(config.moe_layers)
+    experts = config.n_experts
+    role_tensors: dict[tuple[int, str], Any] = {}
+    role_bytes: dict[str, int] = {}
+    for layer in moe_layers:
+        for role in fmt.ROLES:
+            info = checkpoint.info(fmt.expert_tensor_name(layer, role))
+            if len(info.shape) != 3 or info.shape[0] != experts or info.nbytes % experts:
+                raise ValueError(
+                    f"{info.path}: routed expert tensor {info.name} of shape {info.shape} "
+                    f"({info.nbytes} bytes) does not split into {experts} experts"
+                )
+            first = role_bytes.setdefault(role, info.nbytes // experts)
+            if info.nbytes // experts != first:
+                raise ValueError(
+                    f"{info.path}: {info.name} has {info.nbytes // experts} bytes per expert, "
+                    f"layer {moe_layers[0]} has {first}"
+                )
+            role_tensors[(layer, role)] = info
+    strays = [
+        name
+        for name in checkpoint.tensors
+        if (match := fmt.EXPERT_TENSOR_RE.match(name)) and int(match["layer"]) not in moe_layers
+    ]
+    if strays:
+        raise ValueError(f"{checkpoint.shards[0]}: routed expert tensor {strays[0]} in a layer without MoE")
+    layout = fmt.PackLayout(moe_layers, experts, tuple(role_bytes[role] for role in fmt.ROLES))
+    return PackPlan(checkpoint, layout, role_tensors)
+
+
+def default_outputs(shards: list[Path]) -> tuple[Path, Path]:
+    """`NAME.expert-major.pack` and its `.manifest.json` next to the shards."""
+    first = shards[0].resolve()
+    name = SHARD_SUFFIX_RE.sub("", first.name)
+    name = name[: -len(".gguf")] if name.endswith(".gguf") else name
+    pack = first.parent / f"{name}.expert-major.pack"
+    return pack, manifest_path_for(pack)
+
+
+def manifest_path_for(pack: Path) -> Path:
+    return pack.with_name(pack.name + ".manifest.json")
+
+
+# ------------------------------------------------------------------------------------------------
+# lock, journal, kill hook
+
+
+@contextmanager
+def build_lock(pack: Path) -> Iterator[None]:
+    """An exclusive flock on `PACK.lock`; a second builder fails at once instead of racing."""
+    lock_path = pack.with_name(pack.name + ".lock")
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RuntimeError(f"another k3stream pack build holds {lock_path}") from None
+        # the holder before us may have unlinked the file after we opened it: lock the current one
+        with suppress(FileNotFoundError):
+            if os.fstat(fd).st_ino == os.stat(lock_path).st_ino:
+                break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with suppress(FileNotFoundError):
+            os.unlink(lock_path)
+        os.close(fd)
+
+
+def journal_path(partial: Path) -> Path:
+    return partial.with_name(partial.name + ".journal")
+
+
+def build_identity(plan: PackPlan) -> dict[str, Any]:
+    """What a resumed build must share with the interrupted one: the layout and the source files."""
+    sources = []
+    for path in plan.checkpoint.shards:
+        stat = path.stat()
+        sources.append({"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+    return {
+        "format": JOURNAL_FORMAT,
+        "index_sha256": plan.layout.index_sha256(),
+        "size": plan.layout.total_size,
+        "sources": sources,
+    }
+
+
+def write_journal(path: Path, identity: dict[str, Any], entries_done: int) -> None:
+    write_json_atomic(path, {"identity": identity, "entries_done": entries_done})
+
+
+def read_journal(path: Path, identity: dict[str, Any]) -> int | None:
+    """Entries the journal says are durable, or None when it is absent, unreadable or for another build."""
+    try:
+        journal = read_json(path)
+    except (FileNotFoundError, ValueError):
+        return None
+    if journal.get("identity") != identity or not isinstance(journal.get("entries_done"), int):
+        return None
+    return journal["entries_done"]
+
+
+def kill_hook(stage: str) -> None:
+    """Tests set K3STREAM_PACK_KILL_AT to SIGKILL the build at a chosen point."""
+    if os.environ.get(KILL_HOOK) == stage:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------------------------
+# copying
+
+
+class Copier:
+    """Copies byte ranges between files: `copy_file_range` while the kernel allows, else pread/pwrite."""
+
+    def __init__(self) -> None:
+        self.kernel_copy = hasattr(os, "copy_file_range")
+        self._buffer: memoryview | None = None
+
+    def copy(self, src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int) -> None:
+        done = 0
+        while done < nbytes:
+            copied = self._copy_some(src_fd, src_offset + done, dst_fd, dst_offset + done, nbytes - done)
+            if copied == 0:
+                raise RuntimeError(
+                    f"short read from the GGUF at offset {src_offset + done}; "
+                    f"{nbytes - done} bytes of the slice remain"
+                )
+            done += copied
+
+    def _copy_some(self, src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int) -> int:
+        if self.kernel_copy:
+            try:
+                return os.copy_file_range(src_fd, dst_fd, nbytes, src_offset, dst_offset)
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+                    raise
+                self.kernel_copy = False
+        if self._buffer is None:
+            self._buffer = memoryview(bytearray(COPY_CHUNK))
+        view = self._buffer[: min(nbytes, COPY_CHUNK)]
+        got = os.preadv(src_fd, [view], src_offset)
+        written = 0
+        while written < got:
+            written += os.pwrite(dst_fd, view[written:got], dst_offset + written)
+        return got
+
+
+def same_bytes(fd_a: int, offset_a: int, fd_b: int, offset_b: int, nbytes: int) -> bool:
+    done = 0
+    while done < nbytes:
+        size = min(COPY_CHUNK, nbytes - done)
+        if os.pread(fd_a, size, offset_a + done) != os.pread(fd_b, size, offset_b + done):
+            return False
+        done += size
+    return True
+
+
+class SourceFiles:
+    """Read-only GGUF descriptors, one per routed tensor: the copy reads the up, gate and down tensors of
+    a layer in turn, and the kernel's readahead only stays ramped up on a descriptor that reads
+    sequentially. The few most recent stay open."""
+
+    KEEP_OPEN = 8
+
+    def __init__(self) -> None:
+        self._fds: OrderedDict[str, int] = OrderedDict()
+
+    def fd(self, path: Path, tensor: str) -> int:
+        if tensor in self._fds:
+            self._fds.move_to_end(tensor)
+            return self._fds[tensor]
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        self._fds[tensor] = fd
+        if len(self._fds) > self.KEEP_OPEN:
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def first_bad_entry(plan: PackPlan, sources: SourceFiles, partial_fd: int, count: int) -> int:
+    """First of entries 0..count-1 whose bytes in the partial pack differ from the GGUF (count if none)."""
+    layout = plan.layout
+    for index in range(count):
+        entry = layout.entry(index)
+        path, offset, tensor = plan.source(index)
+        if not same_bytes(partial_fd, entry.offset, sources.fd(path, tensor), offset, entry.nbytes):
+            return index
+    return count
+
+
+def sample_indices(count: int, samples: int) -> list[int]:
+    """Evenly spaced entries, first and last included (the seed system's choice)."""
+    if samples <= 0:
+        return []
+    if samples == 1:
+        return [0]
+    return sorted({round(k * (count - 1) / (samples - 1)) for k in range(samples)})
+
+
+def verify_samples(plan: PackPlan, sources: SourceFiles, pack_fd: int, samples: int) -> int:
+    for index in sample_indices(plan.layout.index_count, samples):
+        entry = plan.layout.entry(index)
+        path, offset, tensor = plan.source(index)
+        if not same_bytes(pack_fd, entry.offset, sources.fd(path, tensor), offset, entry.nbytes):
+            raise RuntimeError(
+                f"expert-pack payload does not match GGUF source for {entry.name} expert {entry.expert}"
+            )
+    return len(sample_indices(plan.layout.index_count, samples))
+
+
+# ------------------------------------------------------------------------------------------------
+# the build
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    pack: Path
+    manifest: Path
+    size: int
+    copied_bytes: int  # payload bytes copied by this run
+    resumed_bytes: int  # payload bytes of an interrupted build kept after checking them
+    seconds: float  # the whole run
+    copy_seconds: float  # copying entries only
+    kernel_copy: bool  # copy_file_range did the copying
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second of the copy phase."""
+        return self.copied_bytes / self.copy_seconds if self.copy_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class CopyStats:
+    copied_bytes: int = 0
+    resumed_bytes: int = 0
+    seconds: float = 0.0
+    kernel_copy: bool = True
+
+
+@dataclass
+class BuildOptions:
+    relative_paths: bool = True
+    force: bool = False
+    margin_bytes: int = DEFAULT_MARGIN_BYTES
+    payload_samples: int = 6
+    full_hash: bool = False
+    full_source_hashes: bool = False
+    progress: bool = True
+    sync_bytes: int = 256 * 1024 * 1024  # fsync the data, then journal the progress, this often
+
+
+def build_pack(
+    gguf_path: str | os.PathLike[str],
+    out: str | os.PathLike[str] | None = None,
+    manifest: str | os.PathLike[str] | None = None,
+    options: BuildOptions | None = None,
+    profile: str = "generic",
+) -> BuildResult:
+    """Build (or resume, or finish) the pack and manifest for the GGUF at `gguf_path`."""
+    from k3stream.gguf.reader import K3Checkpoint
+
+    options = options or BuildOptions()
+    plan = plan_pack(K3Checkpoint.open(gguf_path, profile=profile))
+    default_pack, _ = default_outputs(plan.checkpoint.shards)
+    pack = Path(out).resolve() if out is not None else default_pack
+    manifest_path = Path(manifest).resolve() if manifest is not None else manifest_path_for(pack)
+    pack.parent.mkdir(parents=True, exist_ok=True)
+    manifest_path.parent.mkdir(parents=True, exist_ok=True)
+    with build_lock(pack):
+        return _locked_build(plan, pack, manifest_path, options)
+
+
+def _locked_build(plan: PackPlan, pack: Path, manifest_path: Path, options: BuildOptions) -> BuildResult:
+    started = time.perf_counter()
+    partial = pack.with_name(pack.name + ".partial")
+    journal = journal_path(partial)
+    identity = build_identity(plan)
+    done = read_journal(journal, identity)
+    finishing = done == plan.layout.index_count and pack.is_file() and not partial.exists()
+    if not finishing:
+        _refuse_to_overwrite(pack, manifest_path, options.force)
+    sources = SourceFiles()
+    try:
+        if finishing:
+            stats = CopyStats(resumed_bytes=plan.layout.payload_bytes)
+            print(f"resuming {pack}: the copy had finished; checking it and writing the manifest", flush=True)
+        else:
+            stats = _copy_into_partial(plan, partial, journal, identity, done, sources, options)
+        # read back and sample-checked before the rename: a bad copy never gets the final name
+        checked = pack if finishing else partial
+        pack_section = describe_pack(plan, checked, sources, options.payload_samples, options.full_hash)
+        if not finishing:
+            kill_hook("before-rename")
+            os.replace(partial, pack)
+            fsync_directory(pack.parent)
+        kill_hook("before-manifest")
+        write_json_atomic(manifest_path, build_manifest(plan, pack, manifest_path, pack_section, options))
+    finally:
+        sources.close()
+    with suppress(FileNotFoundError):
+        journal.unlink()
+    return BuildResult(
+        pack,
+        manifest_path,
+        plan.layout.total_size,
+        stats.copied_bytes,
+        stats.resumed_bytes,
+        time.perf_counter() - started,
+        stats.seconds,
+        stats.kernel_copy,
+    )
+
+
+def _refuse_to_overwrite(pack: Path, manifest_path: Path, force: bool) -> None:
+    existing = [path for path in (pack, manifest_path) if path.exists()]
+    if existing and not force:
+        raise FileExistsError(
+            f"refusing to overwrite existing expert pack output {existing[0]} (use --force)"
+        )
+    # the old manifest goes first, so no complete manifest ever describes a pack being replaced
+    for path in reversed(existing):
+        path.unlink()
+
+
+def _resume_point(plan: PackPlan, partial: Path, journal_done: int | None, sources: SourceFiles) -> int:
+    """Entries of an interrupted build that are intact (0 when starting over)."""
+    if journal_done is None or not partial.is_file() or partial.stat().st_size != plan.layout.total_size:
+        return 0
+    fd = os.open(partial, os.O_RDONLY)
+    try:
+        if os.pread(fd, plan.layout.data_start, 0) != plan.layout.header_and_index():
+            return 0
+        return first_bad_entry(plan, sources, fd, min(journal_done, plan.layout.index_count))
+    finally:
+        os.close(fd)
+
+
+def _check_free_space(directory: Path, needed: int, margin: int) -> None:
+    free = shutil.disk_usage(directory).free
+    if free < needed + margin:
+        raise OSError(
+            errno.ENOSPC,
+            f"not enough free space in {directory} for the expert pack: "
+            f"{free} bytes free, {needed} needed plus a {margin}-byte margin",
+        )
+
+
+def _copy_into_partial(
+    plan: PackPlan,
+    partial: Path,
+    journal: Path,
+    identity: dict[str, Any],
+    journal_done: int | None,
+    sources: SourceFiles,
+    options: BuildOptions,
+) -> CopyStats:
+    """Copy every entry not yet intact in `partial` and fsync it."""
+    layout = plan.layout
+    start = _resume_point(plan, partial, journal_done, sources)
+    keep = layout.entry(start).offset if start < layout.index_count else layout.total_size
+    keep = keep if start else 0
+    _check_free_space(partial.parent, layout.total_size - keep, options.margin_bytes)
+    resumed = layout.payload_before(start)
+    if start:
+        print(
+            f"resuming {partial}: {start} of {layout.index_count} entries intact, {resumed} bytes resumed",
+            flush=True,
+        )
+    fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        # everything past the intact entries is rewritten; truncating first makes all padding zeros
+        os.ftruncate(fd, keep)
+        os.ftruncate(fd, layout.total_size)
+        if not start:
+            os.pwrite(fd, layout.header_and_index(), 0)
+        write_journal(journal, identity, start)
+        copier = Copier()
+        checkpointer = Checkpointer(fd, journal, identity)
+        copy_started = time.perf_counter()
+        try:
+            copied = _copy_entries(plan, fd, start, sources, copier, checkpointer, options)
+        finally:
+            checkpointer.close()
+        os.fsync(fd)
+        write_journal(journal, identity, layout.index_count)
+    finally:
+        os.close(fd)
+    return CopyStats(copied, resumed, time.perf_counter() - copy_started, copier.kernel_copy)
+
+
+class Checkpointer:
+    """Makes progress durable on a helper thread: fdatasync the partial pack, then journal the entries
+    copied before that sync. The copy goes on meanwhile (both calls release the GIL), so reading and
+    writing stay overlapped; when syncs fall behind, only the latest request is kept."""
+
+    def __init__(self, fd: int, journal: Path, identity: dict[str, Any]) -> None:
+        self._fd, self._journal, self._identity = fd, journal, identity
+        self._wanted: int | None = None
+        self._busy = False
+        self._stop = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="k3stream-pack-journal", daemon=True)
+        self._thread.start()
+
+    def request(self, entries_done: int) -> None:
+        with self._cond:
+            self._wanted = entries_done
+            self._cond.notify()
+
+    def drain(self) -> None:
+        """Wait until every requested checkpoint is on disk."""
+        with self._cond:
+            self._cond.wait_for(lambda: (self._wanted is None and not self._busy) or self._error is not None)
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        self.drain()
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._wanted is not None or self._stop)
+                if self._wanted is None:
+                    return
+                entries, self._wanted, self._busy = self._wanted, None, True
+            try:
+                os.fdatasync(self._fd)  # data first: the journal may only name durable entries
+                write_journal(self._journal, self._identity, entries)
+            except BaseException as exc:  # handed to the copying thread by drain()
+                self._error = exc
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+            if self._error is not None:
+                return
+
+
+def _progress_bar(total: int, initial: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="expert pack",
+        disable=not enabled,
+        mininterval=0.5,
+        dynamic_ncols=True,
+    )
+
+
+def _copy_entries(
+    plan: PackPlan,
+    fd: int,
+    start: int,
+    sources: SourceFiles,
+    copier: Copier,
+    checkpointer: Checkpointer,
+    options: BuildOptions,
+) -> int:
+    layout = plan.layout
+    copied = 0
+    batch_start = layout.entry(start).offset if start < layout.index_count else layout.total_size
+    kill_at = os.environ.get(KILL_HOOK, "")
+    with _progress_bar(layout.payload_bytes, layout.payload_before(start), options.progress) as bar:
+        for index in range(start, layout.index_count):
+            entry = layout.entry(index)
+            path, offset, tensor = plan.source(index)
+            copier.copy(sources.fd(path, tensor), offset, fd, entry.offset, entry.nbytes)
+            copied += entry.nbytes
+            bar.update(entry.nbytes)
+            end = entry.offset + entry.nbytes
+            if end - batch_start >= options.sync_bytes:
+                checkpointer.request(index + 1)
+                batch_start = end
+            if kill_at == f"entry:{index + 1}":
+                checkpointer.drain()  # so a test knows what the journal holds when the kill comes
+                kill_hook(kill_at)
+    return copied
+
+
+# ------------------------------------------------------------------------------------------------
+# the manifest
+
+
+def describe_pack(
+    plan: PackPlan, pack: Path, sources: SourceFiles, samples: int, full_hash: bool
+) -> dict[str, Any]:
+    """The manifest's `expert_pack` section, from the pack on disk: its header and index are read back
+    and checked, sampled payloads compared with the GGUF."""
+    layout = plan.layout
+    index = check_index(pack, layout, layout.data_start)
+    fd = os.open(pack, os.O_RDONLY)
+    try:
+        verified = verify_samples(plan, sources, fd, samples)
+    finally:
+        os.close(fd)
+    section: dict[str, Any] = {
+        "size": index.size,
+        "magic": fmt.MAGIC.rstrip(b"\0").decode("ascii"),
+        "version": fmt.VERSION,
+        "header_bytes": fmt.HEADER.size,
+        "entry_bytes": fmt.ENTRY.size,
+        "index_count": layout.index_count,
+        "data_start": layout.data_start,
+        "alignment": fmt.ALIGNMENT,
+        "index_sha256": index.index_sha256,
+        "physical_role_order": list(fmt.ROLES),
+        "active_moe_layer_ids": list(layout.moe_layers),
+        "num_experts": layout.num_experts,
+        "top_k": plan.checkpoint.config.top_k,
+        "object_bytes": layout.object_bytes,
+        "roles": {role: _role_summary(plan, role) for role in fmt.ROLES},
+        "payload_samples_verified": verified,
+        "full_pack_hash": full_hash,
+    }
+    if full_hash:
+        section["sha256"] = sha256_file(pack)
+    return section
+
+
+def _role_summary(plan: PackPlan, role: str) -> dict[str, Any]:
+    position = fmt.ROLES.index(role)
+    info = plan.role_tensors[(plan.layout.moe_layers[0], role)]
+    entries = len(plan.layout.moe_layers) * plan.layout.num_experts
+    return {
+        "dtype": info.type_name,
+        "dtype_id": info.ggml_type,
+        "logical_shape": list(reversed(info.shape[1:])),  # GGML order (in, out), as the seed writes it
+        "expert_bytes": plan.layout.role_bytes[position],
+        "entry_count": entries,
+        "payload_bytes": entries * plan.layout.role_bytes[position],
+    }
+
+
+def _shard_records(
+    checkpoint: Any, manifest_path: Path, relative: bool, full_hashes: bool
+) -> list[dict[str, Any]]:
+    records = []
+    for index, path in enumerate(checkpoint.shards):
+        tensors = [info for info in checkpoint.tensors.values() if info.shard_index == index]
+        # GGUF tensor offsets start at 0 in the data section, so the first tensor marks its start
+        metadata_nbytes = min(info.data_offset for info in tensors)
+        record = {
+            "index": index,
+            "path": stored_path(path, manifest_path, relative),
+            "size": path.stat().st_size,
+            "metadata_nbytes": metadata_nbytes,
+            "metadata_sha256": sha256_range(path, 0, metadata_nbytes),
+            "tensor_count": len(tensors),
+        }
+        if full_hashes:
+            record["sha256"] = sha256_file(path)
+        records.append(record)
+    return records
+
+
+def _tensor_record(info: Any) -> dict[str, Any]:
+    return {
+        "name": info.name,
+        "shape": list(reversed(info.shape)),  # GGML order, as GGUFReader reports it
+        "dtype": info.type_name,
+        "dtype_id": info.ggml_type,
+        "shard_index": info.shard_index,
+        "data_offset": info.data_offset,
+        "nbytes": info.nbytes,
+    }
+
+
+def _model_section(checkpoint: Any, config_path: str, config_sha256: str) -> dict[str, Any]:
+    config = checkpoint.config
+    expected = expectation_from_config(config)
+    return {
+        "config_path": config_path,  # the config lives in shard 1's GGUF metadata
+        "config_sha256": config_sha256,
+        "architecture": ARCHITECTURE,
+        "num_hidden_layers": expected.num_hidden_layers,
+        "active_moe_layer_ids": list(expected.moe_layers),
+        "num_experts": expected.num_experts,
+        "num_experts_per_token": expected.top_k,
+        "num_shared_experts": config.n_shared,
+        "hidden_size": expected.hidden_size,
+        "routed_expert_hidden_size": expected.latent,
+        "moe_intermediate_size": expected.expert_ff,
+        "hidden_act": HIDDEN_ACT,
+    }
+
+
+def _tokenizer_section(checkpoint: Any, first_shard: str) -> dict[str, Any]:
+    keys = sorted(key for key in checkpoint.fields if key.startswith("tokenizer."))
+    values = {key: checkpoint.metadata(key) for key in keys}
+    return {
+        "path": first_shard,
+        "source": "gguf-metadata",
+        "files": [],
+        "keys": keys,
+        "inventory_sha256": canonical_sha256(values),
+    }
+
+
+def build_manifest(
+    plan: PackPlan, pack: Path, manifest_path: Path, pack_section: dict[str, Any], options: BuildOptions
+) -> dict[str, Any]:
+    checkpoint = plan.checkpoint
+    shards = _shard_records(checkpoint, manifest_path, options.relative_paths, options.full_source_hashes)
+    tensors = [_tensor_record(info) for info in checkpoint.tensors.values()]
+    from k3stream import __version__
+
+    return {
+        "complete": True,
+        "format": FORMAT,
+        "created_at": datetime.now(timezone.utc).isoformat(),
+        "generator": f"k3stream {__version__}",
+        "hard_constraints": hard_constraints(checkpoint.config.top_k),
+        "model": _model_section(checkpoint, shards[0]["path"], shards[0]["metadata_sha256"]),
+        "source": source_section(shards, tensors, options.full_source_hashes),
+        "expert_pack": {**pack_section, "path": stored_path(pack, manifest_path, options.relative_paths)},
+        "tokenizer": _tokenizer_section(checkpoint, shards[0]["path"]),
+        "verification": {
+            "structure": "complete",
+            "payload_samples": options.payload_samples,
+            "full_source_hashes": options.full_source_hashes,
+            "full_pack_hash": options.full_hash,
+        },
+    }

@@ -1,0 +1,79 @@
+"""`k3stream pack GGUF_PATH`: build the expert-major pack and its manifest (resumable)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("gguf", type=Path, help="a .gguf file, any shard of a split set, or a directory")
+    parser.add_argument("--out", type=Path, help="pack path (default: NAME.expert-major.pack by the shards)")
+    parser.add_argument("--manifest", type=Path, help="manifest path (default: PACK.manifest.json)")
+    parser.add_argument("--force", action="store_true", help="replace an existing pack and manifest")
+    paths = parser.add_mutually_exclusive_group()
+    paths.add_argument(
+        "--relative-paths",
+        dest="relative_paths",
+        action="store_true",
+        default=True,
+        help="store paths relative to the manifest's directory (default)",
+    )
+    paths.add_argument(
+        "--absolute-paths",
+        dest="relative_paths",
+        action="store_false",
+        help="store absolute paths (what the seed system writes and requires)",
+    )
+    parser.add_argument("--profile", choices=("generic", "audited"), default="generic")
+    parser.add_argument(
+        "--safety-margin-gib", type=float, default=2.0, help="free space to keep beyond the pack (GiB)"
+    )
+    parser.add_argument(
+        "--payload-samples", type=int, default=6, help="entries compared with the GGUF after writing"
+    )
+    parser.add_argument("--full-hash", action="store_true", help="store the pack's SHA-256 in the manifest")
+    parser.add_argument(
+        "--sync-mib",
+        type=float,
+        default=256.0,
+        help="make progress durable (fsync + journal) every this many MiB",
+    )
+    parser.add_argument("--full-source-hashes", action="store_true", help="store each shard's SHA-256")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from k3stream.pack.builder import BuildOptions, build_pack
+
+    if args.safety_margin_gib < 0 or args.payload_samples < 0 or args.sync_mib <= 0:
+        print(
+            "k3stream pack: error: --safety-margin-gib, --payload-samples >= 0 and --sync-mib > 0",
+            file=sys.stderr,
+        )
+        return 2
+    options = BuildOptions(
+        relative_paths=args.relative_paths,
+        force=args.force,
+        margin_bytes=int(args.safety_margin_gib * 1024**3),
+        payload_samples=args.payload_samples,
+        full_hash=args.full_hash,
+        full_source_hashes=args.full_source_hashes,
+        progress=not args.no_progress,
+        sync_bytes=int(args.sync_mib * 1024**2),
+    )
+    try:
+        result = build_pack(args.gguf, args.out, args.manifest, options, profile=args.profile)
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"k3stream pack: error: {exc}", file=sys.stderr)
+        return 1
+    method = "copy_file_range" if result.kernel_copy else "pread/pwrite"
+    print(f"pack      {result.pack} ({result.size} bytes)")
+    print(f"manifest  {result.manifest}")
+    print(
+        f"copied    {result.copied_bytes} bytes in {result.copy_seconds:.2f} s "
+        f"({result.throughput / 1024**2:.1f} MiB/s, {method}); {result.seconds:.2f} s in all"
+    )
+    print(f"resumed   {result.resumed_bytes} bytes")
+    return 0

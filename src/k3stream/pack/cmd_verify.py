@@ -1,0 +1,47 @@
+"""`k3stream verify MANIFEST`: check an expert pack against its manifest and its GGUF."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("manifest", type=Path, help="the pack's .manifest.json")
+    parser.add_argument(
+        "--full", action="store_true", help="also hash the whole pack and compare every payload with the GGUF"
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument(
+        "--profile",
+        choices=("generic", "audited"),
+        default="generic",
+        help="audited: the real Kimi-K3 (93 layers, 896 experts, top-16, Q2_K/Q2_K/Q3_K); "
+        "generic: any model of the same structure, checked against its GGUF config",
+    )
+    parser.add_argument("--pack", type=Path, help="the pack the manifest must name (default: the manifest's)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from k3stream.pack.verify import verify_pack
+
+    try:
+        summary = verify_pack(args.manifest, full=args.full, profile=args.profile, pack_path=args.pack)
+    except (OSError, ValueError) as exc:
+        message = str(exc)
+        if args.json:
+            print(json.dumps({"ok": False, "manifest": str(args.manifest), "error": message}))
+        else:
+            print(f"k3stream verify: error: {message}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    else:
+        checked = "header, index, shards" + (", SHA-256 and every payload" if args.full else "")
+        print(
+            f"OK {summary['pack']}: {summary['index_count']} entries, {summary['size']} bytes, "
+            f"{summary['moe_layers']} MoE layers x {summary['num_experts']} experts ({checked})"
+        )
+    return 0

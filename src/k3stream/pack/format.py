@@ -1,0 +1,162 @@
+"""The GGMLMOEPACKv1 binary layout: header and index structs, and the expert-major layout.
+
+Little-endian. A 40-byte header, then one 152-byte index entry per (MoE layer, expert, role) in the
+order layer, expert, role `up, gate, down`, zero padding to a 4096-aligned `data_start`, then each
+role slice at a 4096-aligned offset in index order. The file ends at the end of the last payload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+MAGIC = b"GGMLMOEPACKv1\0\0\0"
+VERSION = 1
+HEADER = struct.Struct("<16sIIQQ")  # magic, version, header_size, index_count, data_start
+ENTRY = struct.Struct("<128siIQQ")  # tensor name, expert, reserved, absolute offset, nbytes
+ALIGNMENT = 4096
+ROLES = ("up", "gate", "down")  # physical order inside an expert object
+NAME_BYTES = 128
+EXPERT_TENSOR_RE = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<role>up|gate|down)_exps\.weight$")
+
+
+def align_up(value: int, alignment: int = ALIGNMENT) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def expert_tensor_name(layer: int, role: str) -> str:
+    return f"blk.{layer}.ffn_{role}_exps.weight"
+
+
+@dataclass(frozen=True)
+class Header:
+    magic: bytes
+    version: int
+    header_size: int
+    index_count: int
+    data_start: int
+
+    def encode(self) -> bytes:
+        return HEADER.pack(self.magic, self.version, self.header_size, self.index_count, self.data_start)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Header:
+        return cls(*HEADER.unpack(raw))
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    expert: int
+    offset: int
+    nbytes: int
+    reserved: int = 0
+
+    def encode(self) -> bytes:
+        name = self.name.encode("utf-8")
+        if len(name) >= NAME_BYTES:
+            raise ValueError(f"expert tensor name is too long for the pack index: {self.name}")
+        return ENTRY.pack(name.ljust(NAME_BYTES, b"\0"), self.expert, self.reserved, self.offset, self.nbytes)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Entry:
+        name, expert, reserved, offset, nbytes = ENTRY.unpack(raw)
+        # undecodable names become U+FFFD and fail the identity check like any other wrong name
+        return cls(name.split(b"\0", 1)[0].decode("utf-8", "replace"), expert, offset, nbytes, reserved)
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """Where every role slice of every expert lies; pure arithmetic, no I/O.
+
+    Each slice starts at the next 4096-aligned offset after the previous one, so an object is
+    contiguous (no padding between roles) exactly when the up and gate sizes are multiples of 4096,
+    as they are for the real model.
+    """
+
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    role_bytes: tuple[int, int, int]  # up, gate, down bytes of one expert
+
+    @property
+    def index_count(self) -> int:
+        return len(self.moe_layers) * self.num_experts * len(ROLES)
+
+    @property
+    def data_start(self) -> int:
+        return align_up(HEADER.size + self.index_count * ENTRY.size)
+
+    @property
+    def role_offsets(self) -> tuple[int, int, int]:
+        """Offset of each role from the start of its object."""
+        up, gate, _ = self.role_bytes
+        gate_offset = align_up(up)
+        return 0, gate_offset, align_up(gate_offset + gate)
+
+    @property
+    def object_bytes(self) -> int:
+        """Span of one object: from the start of up to the end of down."""
+        return self.role_offsets[2] + self.role_bytes[2]
+
+    @property
+    def object_stride(self) -> int:
+        return align_up(self.object_bytes)
+
+    @property
+    def total_size(self) -> int:
+        objects = len(self.moe_layers) * self.num_experts
+        return self.data_start + (objects - 1) * self.object_stride + self.object_bytes
+
+    @property
+    def payload_bytes(self) -> int:
+        return len(self.moe_layers) * self.num_experts * sum(self.role_bytes)
+
+    def payload_before(self, index: int) -> int:
+        """Payload bytes of entries 0..index-1."""
+        objects, roles = divmod(index, len(ROLES))
+        return objects * sum(self.role_bytes) + sum(self.role_bytes[:roles])
+
+    def layer_position(self, layer: int) -> int:
+        try:
+            return self.moe_layers.index(layer)
+        except ValueError:
+            raise KeyError(f"layer {layer} has no routed experts in this pack") from None
+
+    def object_offset(self, layer: int, expert: int) -> int:
+        if not 0 <= expert < self.num_experts:
+            raise KeyError(f"expert {expert} is out of range 0..{self.num_experts - 1}")
+        ordinal = self.layer_position(layer) * self.num_experts + expert
+        return self.data_start + ordinal * self.object_stride
+
+    def identity(self, index: int) -> tuple[int, int, int]:
+        """(layer, expert, role position) of index entry `index`."""
+        object_index, role = divmod(index, len(ROLES))
+        layer_position, expert = divmod(object_index, self.num_experts)
+        return self.moe_layers[layer_position], expert, role
+
+    def entry(self, index: int) -> Entry:
+        layer, expert, role = self.identity(index)
+        offset = self.object_offset(layer, expert) + self.role_offsets[role]
+        return Entry(expert_tensor_name(layer, ROLES[role]), expert, offset, self.role_bytes[role])
+
+    def entries(self) -> Iterator[Entry]:
+        return (self.entry(index) for index in range(self.index_count))
+
+    def header(self) -> Header:
+        return Header(MAGIC, VERSION, HEADER.size, self.index_count, self.data_start)
+
+    def header_and_index(self) -> bytes:
+        """Header, index and the zero padding up to data_start: the first data_start bytes."""
+        raw = self.header().encode() + b"".join(entry.encode() for entry in self.entries())
+        return raw + bytes(self.data_start - len(raw))
+
+    def index_sha256(self) -> str:
+        return index_digest(self.header_and_index()[: HEADER.size + self.index_count * ENTRY.size])
+
+
+def index_digest(header_and_entries: bytes) -> str:
+    """SHA-256 over the 40 header bytes followed by every index entry."""
+    return hashlib.sha256(header_and_entries).hexdigest()

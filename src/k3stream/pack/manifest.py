@@ -1,0 +1,194 @@
+"""The adapter manifest (SGLANG-KIMI-GGMLMOEPACK-ADAPTER-v1): schema, paths, atomic writes, shard checks.
+
+Paths in a manifest are relative to the manifest's directory (our default) or absolute (what the
+seed system writes); both are read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+FORMAT = "SGLANG-KIMI-GGMLMOEPACK-ADAPTER-v1"
+ARCHITECTURE = "KimiLinearForCausalLM"
+HIDDEN_ACT = "situ"
+COPY_CHUNK = 16 * 1024 * 1024
+
+
+def hard_constraints(top_k: int) -> dict[str, Any]:
+    """The runtime policy a manifest must state: every selected expert runs, nothing requantized."""
+    return {
+        "all_selected_experts_must_execute": True,
+        "expert_pruning_allowed": False,
+        "requantization_allowed": False,
+        "top_k": top_k,
+        "top_k_is_immutable": True,
+    }
+
+
+def canonical_sha256(value: Any) -> str:
+    encoded = json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(encoded.encode("utf-8")).hexdigest()
+
+
+def sha256_range(path: Path, offset: int, nbytes: int) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb", buffering=0) as stream:
+        stream.seek(offset)
+        remaining = nbytes
+        while remaining:
+            chunk = stream.read(min(COPY_CHUNK, remaining))
+            if not chunk:
+                raise ValueError(f"{path}: file ends {remaining} bytes before offset {offset + nbytes}")
+            digest.update(chunk)
+            remaining -= len(chunk)
+    return digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    return sha256_range(path, 0, path.stat().st_size)
+
+
+def fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    """Temp file, fsync, rename, fsync the directory: readers see the old file or the new one."""
+    temporary = path.with_name(path.name + ".tmp")
+    with temporary.open("w", encoding="utf-8", newline="\n") as stream:
+        json.dump(value, stream, ensure_ascii=False, indent=2, sort_keys=True)
+        stream.write("\n")
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(temporary, path)
+    fsync_directory(path.parent)
+
+
+def stored_path(path: Path, manifest_path: Path, relative: bool) -> str:
+    """How `path` is written into the manifest at `manifest_path`."""
+    path = path.resolve()
+    if not relative:
+        return str(path)
+    return os.path.relpath(path, manifest_path.resolve().parent)
+
+
+def resolve_path(stored: str, manifest_path: Path) -> Path:
+    """A manifest path: absolute as is, relative to the manifest's directory otherwise."""
+    path = Path(stored)
+    if not path.is_absolute():
+        path = manifest_path.resolve().parent / path
+    return path.resolve()
+
+
+def read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"Kimi-K3 manifest is missing: {path}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: manifest is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: manifest is not a JSON object")
+    return value
+
+
+def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a manifest for the non-expert loader (the seed loader's checks and messages)."""
+    manifest = read_json(path)
+    if manifest.get("format") != FORMAT:
+        raise ValueError("Kimi-K3 manifest format is unsupported")
+    if not manifest.get("complete"):
+        raise ValueError("Kimi-K3 manifest is incomplete")
+    return manifest
+
+
+def field(manifest: dict[str, Any], *keys: str) -> Any:
+    """`manifest[k1][k2]...`, with a one-line error naming the missing field."""
+    value: Any = manifest
+    for depth, key in enumerate(keys):
+        if not isinstance(value, dict) or key not in value:
+            raise ValueError(f"Kimi manifest field is missing: {'.'.join(keys[: depth + 1])}")
+        value = value[key]
+    return value
+
+
+def shard_tensor_types(path: Path) -> dict[str, str]:
+    """{tensor name: GGML type name} of one GGUF file, read from its header only."""
+    from gguf import GGUFReader
+
+    return {tensor.name: tensor.tensor_type.name for tensor in GGUFReader(str(path), mode="r").tensors}
+
+
+def checked_shards(
+    manifest: dict[str, Any], manifest_path: str | os.PathLike[str]
+) -> list[tuple[Path, list[dict]]]:
+    """Every source shard of a manifest, checked as the seed loader does, with its tensor records.
+
+    Missing or resized shard -> FileNotFoundError `Kimi-K3 GGUF shard is missing or changed: {path}`;
+    different tensor names -> `Kimi-K3 GGUF shard inventory changed: {path}`; a tensor's GGML type
+    differs -> `Kimi-K3 GGUF tensor type changed: {name}`. Returns `[(shard path, [record, ...])]`
+    in shard order, each record a `source.tensors` dict of that shard.
+    """
+    manifest_path = Path(manifest_path)
+    records_by_shard: dict[int, list[dict]] = {}
+    for record in field(manifest, "source", "tensors"):
+        records_by_shard.setdefault(int(record["shard_index"]), []).append(record)
+    result = []
+    for shard in sorted(field(manifest, "source", "shards"), key=lambda item: int(item["index"])):
+        path = resolve_path(shard["path"], manifest_path)
+        if not path.is_file() or path.stat().st_size != int(shard["size"]):
+            raise FileNotFoundError(f"Kimi-K3 GGUF shard is missing or changed: {path}")
+        records = records_by_shard.get(int(shard["index"]), [])
+        found = shard_tensor_types(path)
+        if set(found) != {record["name"] for record in records}:
+            raise ValueError(f"Kimi-K3 GGUF shard inventory changed: {path}")
+        for record in records:
+            if found[record["name"]] != record["dtype"]:
+                raise ValueError(f"Kimi-K3 GGUF tensor type changed: {record['name']}")
+        result.append((path, records))
+    return result
+
+
+def check_shard_metadata(manifest: dict[str, Any], manifest_path: Path) -> None:
+    """Each shard's metadata bytes (header, key/values, tensor infos) hash as when it was packed."""
+    for shard in field(manifest, "source", "shards"):
+        path = resolve_path(shard["path"], manifest_path)
+        if sha256_range(path, 0, int(shard["metadata_nbytes"])) != shard["metadata_sha256"]:
+            raise FileNotFoundError(f"Kimi-K3 GGUF shard is missing or changed: {path}")
+
+
+def source_section(
+    shards: list[dict[str, Any]],
+    tensors: Iterable[dict[str, Any]],
+    full_source_hashes: bool,
+    architecture: str = "kimi-k3",
+) -> dict[str, Any]:
+    """`source`: summary, shard records, tensor records (sorted by name), and their inventory hash."""
+    tensor_records = sorted(tensors, key=lambda record: record["name"])
+    inventory = {
+        "summary": {
+            "architecture": architecture,
+            "shard_count": len(shards),
+            "tensor_count": len(tensor_records),
+            "total_bytes": sum(int(shard["size"]) for shard in shards),
+            "full_source_hashes": full_source_hashes,
+        },
+        "shards": shards,
+        "tensors": tensor_records,
+    }
+    return {**inventory, "inventory_sha256": inventory_sha256(inventory)}
+
+
+def inventory_sha256(source: dict[str, Any]) -> str:
+    """The hash `source.inventory_sha256` must hold: of its summary, shards and tensors."""
+    return canonical_sha256({key: field(source, key) for key in ("summary", "shards", "tensors")})

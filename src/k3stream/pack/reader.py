@@ -1,0 +1,110 @@
+"""Open a checked expert pack: where each expert object and role slice lies, never touching payloads."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from k3stream.pack import format as fmt
+from k3stream.pack.manifest import resolve_path
+from k3stream.pack.verify import check_structure
+
+
+@dataclass(frozen=True)
+class RoleSlice:
+    offset: int  # absolute in the pack file
+    nbytes: int
+    ggml_type: int
+    shape: tuple[int, int]  # (out, in): up/gate (expert_ff, latent), down (latent, expert_ff)
+
+
+class ExpertPack:
+    """An expert pack validated on open (manifest, header and index; no payload bytes are read).
+
+    `profile="audited"` enforces the real model; `"generic"` checks the manifest against the GGUF's
+    config (or `config`, a `K3Config`, when given). `pack_path`, when given, must be the manifest's pack.
+    """
+
+    def __init__(
+        self,
+        manifest_path: str | os.PathLike[str],
+        profile: str = "generic",
+        *,
+        config: Any = None,
+        pack_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        checked = check_structure(
+            manifest_path, profile=profile, config=config, pack_path=pack_path, shards=False
+        )
+        self.manifest = checked.manifest
+        self.manifest_path = checked.manifest_path.resolve()
+        self.path = checked.pack_path
+        self.layout = checked.layout
+        self.size = checked.index.size
+        self.index_sha256 = checked.index.index_sha256
+        self._object_offsets = [int(offset) for offset in checked.index.object_offsets]
+        self.top_k = checked.expected.top_k
+        roles = self.manifest["expert_pack"]["roles"]
+        self._role_types = {role: int(roles[role]["dtype_id"]) for role in fmt.ROLES}
+        self._role_shapes = {role: tuple(reversed(roles[role]["logical_shape"])) for role in fmt.ROLES}
+        shards = sorted(self.manifest["source"]["shards"], key=lambda shard: int(shard["index"]))
+        self.gguf_paths = [resolve_path(shard["path"], self.manifest_path) for shard in shards]
+        self._fd: int | None = None
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return self.layout.moe_layers
+
+    @property
+    def num_experts(self) -> int:
+        return self.layout.num_experts
+
+    @property
+    def object_bytes(self) -> int:
+        return self.layout.object_bytes
+
+    def object_range(self, layer: int, expert: int) -> tuple[int, int]:
+        """(absolute offset, nbytes) of one expert object: up, gate and down in one contiguous read."""
+        self.layout.object_offset(layer, expert)  # range checks with one-line errors
+        ordinal = self.layout.layer_position(layer) * self.num_experts + expert
+        return self._object_offsets[ordinal], self.layout.object_bytes
+
+    def role_slices(self, layer: int, expert: int) -> dict[str, RoleSlice]:
+        start, _ = self.object_range(layer, expert)
+        return {
+            role: RoleSlice(
+                start + self.layout.role_offsets[position],
+                self.layout.role_bytes[position],
+                self._role_types[role],
+                self._role_shapes[role],
+            )
+            for position, role in enumerate(fmt.ROLES)
+        }
+
+    def read_object(self, layer: int, expert: int, buf: bytearray | memoryview | None = None) -> memoryview:
+        """The object's bytes via `os.pread`, into `buf` (at least object_bytes long) when given."""
+        offset, nbytes = self.object_range(layer, expert)
+        view = memoryview(bytearray(nbytes) if buf is None else buf)[:nbytes]
+        if len(view) != nbytes:
+            raise ValueError(f"read_object: a {len(view)}-byte buffer is smaller than the object ({nbytes})")
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        done = 0
+        while done < nbytes:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got == 0:
+                raise ValueError(f"{self.path}: file ends inside expert {expert} of layer {layer}")
+            done += got
+        return view
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> ExpertPack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,248 @@
+"""Building, verifying and reading expert packs of tiny Kimi-K3 GGUFs (F32 and the Q2_K/Q3_K recipe)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from k3stream.cli import main as cli
+from k3stream.pack.builder import BuildOptions, Copier, build_lock, build_pack
+from k3stream.pack.reader import ExpertPack
+from k3stream.pack.verify import verify_pack
+from pack_helpers import copy_model, oracle_expert_bytes, oracle_slice, read_index, snapshot
+
+SPLIT = {"shards": 2}  # F32, 5 MoE layers x 16 experts, 4096-byte roles: contiguous objects
+AUDITED = {  # routed up/gate Q2_K, down Q3_K: 21504/21504/26880-byte roles, padded to 4 KiB
+    "recipe": "audited",
+    "n_layers": 4,
+    "hidden": 256,
+    "latent": 256,
+    "expert_ff": 256,
+    "kv_lora": 256,
+    "qk_nope": 32,
+    "shards": 2,
+}
+QUIET = BuildOptions(progress=False)
+
+
+@pytest.fixture(params=[{}, SPLIT, AUDITED], ids=["single-f32", "split-f32", "split-audited"])
+def built(request, tiny_model, tmp_path):
+    """A private copy of a tiny model with its pack built at the default place."""
+    gguf = copy_model(tiny_model(**request.param), tmp_path / "model")
+    return gguf, build_pack(gguf, options=QUIET)
+
+
+def test_layout_matches_the_published_format(built):
+    gguf, result = built
+    header, entries = read_index(result.pack)
+    experts = {name: count for name, (count, _raw) in oracle_expert_bytes(gguf).items()}
+    layers = sorted({int(name.split(".")[1]) for name in experts})
+    num_experts = next(iter(experts.values()))
+    assert header == (b"GGMLMOEPACKv1\0\0\0", 1, 40, len(layers) * num_experts * 3, header[4])
+    assert header[4] == -(-(40 + 152 * header[3]) // 4096) * 4096
+    expected_order = [
+        (f"blk.{layer}.ffn_{role}_exps.weight", expert)
+        for layer in layers
+        for expert in range(num_experts)
+        for role in ("up", "gate", "down")
+    ]
+    assert [(name, expert) for name, expert, *_ in entries] == expected_order
+    previous_end = header[4]
+    for _name, _expert, reserved, offset, nbytes in entries:
+        assert reserved == 0 and offset % 4096 == 0 and offset >= previous_end
+        assert offset - previous_end < 4096  # only alignment padding between payloads
+        previous_end = offset + nbytes
+    assert result.pack.stat().st_size == previous_end  # no trailing bytes
+
+
+def test_payloads_are_verbatim_gguf_slices(built):
+    gguf, result = built
+    oracle = oracle_expert_bytes(gguf)
+    _header, entries = read_index(result.pack)
+    with result.pack.open("rb") as pack:
+        for name, expert, _reserved, offset, nbytes in entries:
+            pack.seek(offset)
+            assert pack.read(nbytes) == oracle_slice(oracle, name, expert), (name, expert)
+
+
+def test_default_outputs_and_verify(built):
+    gguf, result = built
+    stem = gguf.name.split("-0000")[0].removesuffix(".gguf")
+    assert result.pack == gguf.parent / f"{stem}.expert-major.pack"
+    assert result.manifest == gguf.parent / f"{stem}.expert-major.pack.manifest.json"
+    assert sorted(path.name for path in gguf.parent.iterdir() if "pack" in path.name) == [
+        result.pack.name,
+        result.manifest.name,
+    ]  # no partial, journal or lock left behind
+    summary = verify_pack(result.manifest, full=True)
+    assert summary["ok"] and summary["payloads_verified"] == summary["index_count"]
+
+
+def test_reader_slices_match_the_gguf(built):
+    gguf, result = built
+    oracle = oracle_expert_bytes(gguf)
+    with ExpertPack(result.manifest) as pack:
+        assert pack.path == result.pack and pack.gguf_paths[0] == gguf
+        assert pack.moe_layers == tuple(sorted({int(name.split(".")[1]) for name in oracle}))
+        for layer in (pack.moe_layers[0], pack.moe_layers[-1]):
+            for expert in (0, pack.num_experts - 1):
+                offset, nbytes = pack.object_range(layer, expert)
+                data = bytes(pack.read_object(layer, expert))
+                assert len(data) == nbytes
+                for role, piece in pack.role_slices(layer, expert).items():
+                    name = f"blk.{layer}.ffn_{role}_exps.weight"
+                    start = piece.offset - offset
+                    assert data[start : start + piece.nbytes] == oracle_slice(oracle, name, expert)
+
+
+def test_role_shapes_are_out_by_in(tiny_model, tmp_path):
+    gguf = copy_model(tiny_model(expert_ff=64, latent=32), tmp_path)
+    result = build_pack(gguf, options=QUIET)
+    with ExpertPack(result.manifest) as pack:
+        slices = pack.role_slices(pack.moe_layers[0], 3)
+    assert slices["up"].shape == slices["gate"].shape == (64, 32)  # (expert_ff, latent)
+    assert slices["down"].shape == (32, 64)  # (latent, expert_ff)
+    assert {piece.ggml_type for piece in slices.values()} == {0}
+    assert slices["up"].nbytes == 64 * 32 * 4
+
+
+def test_reader_refuses_unknown_layer_and_expert(tiny_model, tmp_path):
+    result = build_pack(copy_model(tiny_model(**SPLIT), tmp_path), options=QUIET)
+    with ExpertPack(result.manifest) as pack:
+        with pytest.raises(KeyError, match="layer 0 has no routed experts"):
+            pack.object_range(0, 0)
+        with pytest.raises(KeyError, match="expert 16 is out of range"):
+            pack.role_slices(1, 16)
+
+
+def test_relative_manifest_survives_moving_the_directory(tiny_model, tmp_path):
+    gguf = copy_model(tiny_model(**SPLIT), tmp_path / "a")
+    result = build_pack(gguf, options=QUIET)
+    manifest = json.loads(result.manifest.read_text())
+    assert manifest["expert_pack"]["path"] == result.pack.name
+    assert manifest["source"]["shards"][0]["path"] == gguf.name
+    (tmp_path / "a").rename(tmp_path / "b")
+    assert verify_pack(tmp_path / "b" / result.manifest.name, full=True)["ok"]
+
+
+def test_absolute_paths(tiny_model, tmp_path):
+    gguf = copy_model(tiny_model(**SPLIT), tmp_path / "model")
+    out = tmp_path / "elsewhere" / "experts.pack"
+    result = build_pack(gguf, out, options=BuildOptions(relative_paths=False, progress=False))
+    manifest = json.loads(result.manifest.read_text())
+    assert result.manifest == out.with_name("experts.pack.manifest.json")
+    assert manifest["expert_pack"]["path"] == str(out)
+    assert all(Path(shard["path"]).is_absolute() for shard in manifest["source"]["shards"])
+    assert verify_pack(result.manifest)["ok"]
+
+
+def test_refuses_to_overwrite_without_force(tiny_model, tmp_path):
+    gguf = copy_model(tiny_model(**SPLIT), tmp_path)
+    first = build_pack(gguf, options=QUIET)
+    before = snapshot(tmp_path)
+    with pytest.raises(FileExistsError, match="refusing to overwrite existing expert pack"):
+        build_pack(gguf, options=QUIET)
+    assert snapshot(tmp_path) == before
+    second = build_pack(gguf, options=BuildOptions(force=True, progress=False))
+    assert second.pack.read_bytes() == first.pack.read_bytes()
+    assert verify_pack(second.manifest)["ok"]
+
+
+def test_second_builder_cannot_take_the_lock(tiny_model, tmp_path):
+    gguf = copy_model(tiny_model(**SPLIT), tmp_path)
+    lock = build_lock(tmp_path / "tiny-kimi-k3.expert-major.pack")
+    with lock, pytest.raises(RuntimeError, match="another k3stream pack build holds"):
+        build_pack(gguf, options=QUIET)
+    assert not list(tmp_path.glob("*.pack*"))
+
+
+def test_checks_free_space_before_writing(tiny_model, tmp_path):
+    gguf = copy_model(tiny_model(**SPLIT), tmp_path)
+    before = snapshot(tmp_path)
+    with pytest.raises(OSError, match="not enough free space"):
+        build_pack(gguf, options=BuildOptions(margin_bytes=1 << 60, progress=False))
+    assert snapshot(tmp_path) == before
+
+
+def test_cli_pack_and_verify(tiny_model, tmp_path, capsys):
+    gguf = copy_model(tiny_model(**SPLIT), tmp_path)
+    assert cli(["pack", str(gguf), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed   0 bytes" in out and "copy_file_range" in out
+    manifest = tmp_path / "tiny-kimi-k3.expert-major.pack.manifest.json"
+    assert cli(["verify", str(manifest), "--full", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["full"] and report["index_count"] == 5 * 16 * 3
+    assert cli(["pack", str(gguf), "--no-progress"]) == 1
+    assert "refusing to overwrite" in capsys.readouterr().err
+
+
+def test_verify_without_full_reads_no_payload(tiny_model, tmp_path, capsys):
+    """Scramble every payload byte: the structural check cannot notice, --full must."""
+    gguf = copy_model(tiny_model(**SPLIT), tmp_path)
+    result = build_pack(gguf, options=QUIET)
+    header, entries = read_index(result.pack)
+    with result.pack.open("r+b") as pack:
+        for _name, _expert, _reserved, offset, nbytes in entries:
+            pack.seek(offset)
+            pack.write(os.urandom(nbytes))
+    assert cli(["verify", str(result.manifest)]) == 0
+    capsys.readouterr()
+    assert cli(["verify", str(result.manifest), "--full"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "k3stream verify: error: expert-pack payload does not match GGUF source for "
+        "blk.1.ffn_up_exps.weight expert 0"
+    )
+
+
+def test_full_verify_checks_the_stored_sha256(tiny_model, tmp_path):
+    gguf = copy_model(tiny_model(**SPLIT), tmp_path)
+    result = build_pack(gguf, options=BuildOptions(full_hash=True, progress=False))
+    manifest = json.loads(result.manifest.read_text())
+    assert manifest["expert_pack"]["full_pack_hash"] is True
+    _header, entries = read_index(result.pack)
+    with result.pack.open("r+b") as pack:  # a padding byte: no payload changes, the file hash does
+        pack.seek(entries[0][3] - 1)
+        pack.write(b"\1")
+    assert verify_pack(result.manifest)["ok"]
+    with pytest.raises(ValueError, match="^Kimi expert-pack SHA-256 does not match manifest$"):
+        verify_pack(result.manifest, full=True)
+
+
+def test_audited_profile_rejects_a_tiny_model(tiny_model, tmp_path):
+    result = build_pack(copy_model(tiny_model(**AUDITED), tmp_path), options=QUIET)
+    assert verify_pack(result.manifest, profile="generic")["ok"]
+    with pytest.raises(ValueError, match="^Kimi manifest hard constraints do not match runtime policy$"):
+        verify_pack(result.manifest, profile="audited")
+
+
+def test_any_shard_or_the_directory_names_the_same_outputs(tiny_model, tmp_path):
+    gguf = copy_model(tiny_model(**SPLIT), tmp_path)
+    second = tmp_path / "tiny-kimi-k3-00002-of-00002.gguf"
+    result = build_pack(second, options=QUIET)
+    assert result.pack == tmp_path / "tiny-kimi-k3.expert-major.pack"
+    again = build_pack(tmp_path, options=BuildOptions(force=True, progress=False))
+    assert (again.pack, again.manifest) == (result.pack, result.manifest)
+    with ExpertPack(again.manifest) as pack:
+        assert pack.gguf_paths == [gguf, second]
+
+
+def test_copier_fallback_copies_the_same_bytes(tmp_path):
+    source, target = tmp_path / "source.bin", tmp_path / "target.bin"
+    data = os.urandom(3 * 1024 * 1024 + 17)
+    source.write_bytes(data)
+    for kernel_copy in (True, False):
+        copier = Copier()
+        copier.kernel_copy = kernel_copy
+        src, dst = os.open(source, os.O_RDONLY), os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        try:
+            copier.copy(src, 5, dst, 4096, len(data) - 5)
+            with pytest.raises(RuntimeError, match="short read from the GGUF"):
+                copier.copy(src, len(data) - 10, dst, 0, 20)
+        finally:
+            os.close(src)
+            os.close(dst)
+        assert target.read_bytes()[4096:] == data[5:]

@@ -1,0 +1,269 @@
+"""Interoperability with the seed system (sglang 0.5.23): its validator, writer, manifest writer,
+run-time store and non-expert loader read our packs and manifests, and we read theirs.
+
+The seed modules are pure Python; they are loaded from their files in the sglang wheel, fetched once
+with `pip download` into ~/.cache/k3stream-test (or $K3STREAM_TEST_CACHE)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from k3stream.pack.builder import BuildOptions, build_pack
+from k3stream.pack.manifest import checked_shards, load_manifest
+from k3stream.pack.reader import ExpertPack
+from k3stream.pack.verify import verify_pack
+from pack_helpers import copy_model
+
+SGLANG = "sglang==0.5.23"
+SEED_FILES = {
+    "ggml": "sglang/srt/model_loader/expert_pack/kimi_ggml.py",
+    "store": "sglang/srt/layers/moe/expert_pack.py",
+    "loader": "sglang/srt/model_loader/kimi_k3_gguf.py",
+}
+CACHE = Path(os.environ.get("K3STREAM_TEST_CACHE", "~/.cache/k3stream-test")).expanduser()
+# the audited recipe (the seed's manifest writer insists on Q2_K/Q2_K/Q3_K experts) with top-k 16, which
+# it hard-codes in the hard constraints; 21504/21504/26880-byte roles, so objects have padding
+SEED_MODEL = {
+    "recipe": "audited",
+    "top_k": 16,
+    "n_layers": 4,
+    "hidden": 256,
+    "latent": 256,
+    "expert_ff": 256,
+    "kv_lora": 256,
+    "qk_nope": 32,
+    "shards": 2,
+}
+ABSOLUTE = BuildOptions(relative_paths=False, progress=False)
+
+
+def _download_wheel(directory: Path) -> Path:
+    base = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(directory), SGLANG]
+    binary = ["--only-binary=:all:", "--implementation", "cp", "--python-version", "3.11"]
+    binary += ["--platform", "manylinux_2_34_x86_64"]
+    for command in (base, base + binary):  # the wheel is cp311-only: ask for it explicitly elsewhere
+        if subprocess.run(command, capture_output=True, timeout=600).returncode == 0:
+            return next(directory.glob("sglang-*.whl"))
+    raise RuntimeError(f"pip download --no-deps {SGLANG} failed")
+
+
+def _extract_seed_files(target: Path) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        wheel = _download_wheel(Path(scratch))
+        with zipfile.ZipFile(wheel) as archive:
+            for member in SEED_FILES.values():
+                destination = target / member
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                destination.write_bytes(archive.read(member))
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(f"seed_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def seed():
+    root = CACHE / SGLANG.replace("==", "-")
+    try:
+        if not all((root / member).is_file() for member in SEED_FILES.values()):
+            _extract_seed_files(root)
+    except (OSError, RuntimeError, subprocess.SubprocessError, KeyError, zipfile.BadZipFile) as exc:
+        pytest.skip(f"the seed system's code (pip download --no-deps {SGLANG}) is unavailable: {exc}")
+    return SimpleNamespace(**{name: _load(name, root / member) for name, member in SEED_FILES.items()})
+
+
+def seed_spec(seed, gguf: Path):
+    """The seed's model spec for a tiny model, handed over directly (its constructor from a config
+    enforces the real model's dimensions)."""
+    from k3stream.gguf.reader import K3Checkpoint
+
+    config = K3Checkpoint.open(gguf).config
+    return seed.ggml.KimiK3Spec(
+        num_hidden_layers=config.n_layers,
+        first_k_dense_replace=config.n_dense,
+        num_experts=config.n_experts,
+        top_k=config.top_k,
+        num_shared_experts=config.n_shared,
+        hidden_size=config.hidden,
+        routed_expert_hidden_size=config.latent,
+        moe_intermediate_size=config.expert_ff,
+        hidden_act="situ",
+        active_moe_layer_ids=tuple(config.moe_layers),
+    )
+
+
+def seed_expert_tensors(seed, gguf: Path):
+    shards = seed.ggml.discover_gguf_shards(gguf.parent)
+    shard_records, tensors, summary = seed.ggml.scan_gguf_shards(shards)
+    experts = {tensor.expert_key: tensor for tensor in tensors if tensor.expert_key is not None}
+    return shard_records, tensors, summary, experts
+
+
+@pytest.fixture
+def our_build(seed, tiny_model, tmp_path):
+    gguf = copy_model(tiny_model(**SEED_MODEL), tmp_path / "model")
+    return gguf, build_pack(gguf, options=ABSOLUTE)
+
+
+def test_seed_validator_accepts_our_pack(seed, our_build):
+    gguf, result = our_build
+    spec = seed_spec(seed, gguf)
+    _, _, _, experts = seed_expert_tensors(seed, gguf)
+    ours = json.loads(result.manifest.read_text())["expert_pack"]
+    described = seed.ggml.validate_ggml_moe_pack(result.pack, experts, spec, payload_samples=6)
+    assert described == ours  # every field, index digest and role summaries included
+    everything = seed.ggml.validate_ggml_moe_pack(result.pack, experts, spec, payload_samples=10**6)
+    assert everything["payload_samples_verified"] == ours["index_count"]  # all payloads, byte for byte
+
+
+def test_source_inventory_matches_the_seed_scan(seed, our_build):
+    gguf, result = our_build
+    shard_records, tensors, summary, _ = seed_expert_tensors(seed, gguf)
+    records = [
+        {
+            "name": t.name,
+            "shape": list(t.shape),
+            "dtype": t.dtype,
+            "dtype_id": t.dtype_id,
+            "shard_index": t.shard_index,
+            "data_offset": t.data_offset,
+            "nbytes": t.nbytes,
+        }
+        for t in sorted(tensors, key=lambda t: t.name)
+    ]
+    inventory = {"summary": summary, "shards": shard_records, "tensors": records}
+    expected = {**inventory, "inventory_sha256": seed.ggml.canonical_sha256(inventory)}
+    assert json.loads(result.manifest.read_text())["source"] == expected
+
+
+def test_seed_built_pack_and_manifest_are_accepted_here(seed, tiny_model, tmp_path, monkeypatch):
+    gguf = copy_model(tiny_model(**SEED_MODEL), tmp_path / "model")
+    spec = seed_spec(seed, gguf)
+    _, _, _, experts = seed_expert_tensors(seed, gguf)
+    pack = tmp_path / "seed" / "tiny-kimi-k3.expert-major.pack"
+    seed.ggml.write_ggml_moe_pack(pack, experts, spec)
+    ours = build_pack(gguf, tmp_path / "ours" / "ours.pack", options=ABSOLUTE)
+    assert pack.read_bytes() == ours.pack.read_bytes()
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**spec.__dict__, "num_experts_per_token": spec.top_k}))
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text("{}")
+    # the seed's manifest writer, minus its check that the model is the real 2.8T one
+    monkeypatch.setattr(seed.ggml.KimiK3Spec, "validate_kimi_k3", lambda self: None)
+    manifest = seed.ggml.create_manifest(
+        gguf_dir=gguf.parent,
+        expert_pack=pack,
+        model_config=config,
+        tokenizer_dir=tmp_path / "tokenizer",
+        full_pack_hash=True,
+    )
+    manifest_path = pack.with_name(pack.name + ".manifest.json")
+    seed.ggml.write_json_atomic(manifest_path, manifest)
+
+    summary = verify_pack(manifest_path, full=True)
+    assert (
+        summary["sha256_in_manifest"]
+        and summary["payloads_verified"] == manifest["expert_pack"]["index_count"]
+    )
+    with ExpertPack(manifest_path) as reader:
+        assert reader.path == pack and reader.top_k == 16
+        assert bytes(reader.read_object(1, 5)) == bytes(ExpertPack(ours.manifest).read_object(1, 5))
+    assert [path for path, _ in checked_shards(load_manifest(manifest_path), manifest_path)] == sorted(
+        gguf.parent.glob("*.gguf")
+    )
+
+
+def test_seed_loader_reads_our_relative_manifest(seed, tiny_model, tmp_path, monkeypatch):
+    """The seed's non-expert loader resolves manifest paths against the working directory."""
+    gguf = copy_model(tiny_model(**SEED_MODEL), tmp_path)
+    result = build_pack(gguf, options=BuildOptions(progress=False))
+    monkeypatch.chdir(tmp_path)
+    names = [name for name, _tensor in seed.loader.kimi_k3_nonexpert_weights_iterator(result.manifest)]
+    assert "model.embed_tokens.weight" in names and not any("exps" in name for name in names)
+
+
+def _grow(path: Path) -> None:
+    with path.open("ab") as stream:
+        stream.write(b"\0")
+
+
+def _rename_tensor(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"blk.3.ffn_up_exps.weight")
+    raw[at : at + 24] = b"blk.3.ffn_up_exps.weighu"
+    path.write_bytes(raw)
+
+
+@pytest.mark.parametrize(
+    "change", [Path.unlink, _grow, _rename_tensor], ids=["missing", "resized", "renamed"]
+)
+def test_shard_checks_agree_with_the_seed_loader(seed, tiny_model, tmp_path, monkeypatch, change):
+    gguf = copy_model(tiny_model(**SEED_MODEL), tmp_path)
+    result = build_pack(gguf, options=BuildOptions(progress=False))
+    change(tmp_path / "tiny-kimi-k3-00002-of-00002.gguf")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises((ValueError, FileNotFoundError)) as theirs:
+        list(seed.loader.kimi_k3_nonexpert_weights_iterator(result.manifest))
+    with pytest.raises((ValueError, FileNotFoundError)) as ours:
+        checked_shards(load_manifest(result.manifest), result.manifest)
+    assert (type(ours.value), str(ours.value)) == (type(theirs.value), str(theirs.value))
+
+
+# the seed's run-time store hard-codes the real model's structure: 93 layers, MoE 1..92, top-16,
+# Q2_K/Q2_K/Q3_K, and (for contiguous objects) role sizes that are multiples of 4096
+STORE_MODEL = {
+    "recipe": "audited",
+    "n_layers": 93,
+    "n_experts": 16,
+    "top_k": 16,
+    "expert_ff": 256,
+    "latent": 2048,  # up/gate 172032 bytes (42 pages), down 225280 (55 pages) per expert
+    "hidden": 256,
+    "kv_lora": 256,
+    "qk_nope": 32,
+    "shards": 2,
+}
+
+
+@pytest.fixture(scope="session")
+def store_model() -> Path:
+    """The 93-layer model, cached across sessions (about 0.9 GB; minutes to generate)."""
+    from k3stream.tiny import TinySpec, make_tiny
+
+    directory = CACHE / "seed-store-model-v1"
+    first = directory / "tiny-kimi-k3-00001-of-00002.gguf"
+    if not first.is_file():
+        make_tiny(directory, TinySpec(**STORE_MODEL))
+    return first
+
+
+@pytest.mark.slow
+def test_seed_store_accepts_our_pack(seed, store_model, tmp_path):
+    result = build_pack(store_model, tmp_path / "store.pack", options=ABSOLUTE, profile="audited")
+    assert verify_pack(result.manifest)["ok"]  # audited would also want 896 experts
+    store = seed.store.KimiGGMLExpertPackStore(
+        result.pack, manifest_path=result.manifest, expected_layers=93, expected_experts=16, expected_top_k=16
+    )
+    try:
+        with ExpertPack(result.manifest) as ours:
+            for layer in ours.moe_layers:
+                for expert in range(ours.num_experts):
+                    assert store.object_offsets[(layer, expert)] == ours.object_range(layer, expert)[0]
+            assert store.object_payload_bytes == ours.object_bytes
+    finally:
+        store.close()
