@@ -1,0 +1,132 @@
+"""Chat prompts: the GGUF's `tokenizer.chat_template` rendered with sandboxed jinja2.
+
+When a file carries no template we use a built-in one in Kimi-K3's XTML style
+(`<|open|>message role="user"<|sep|>...<|close|>message<|sep|><|end_of_msg|>`), answering in the
+response channel; pass `thinking=True` to open the think channel instead.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import cache
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool")
+
+BUILTIN_KIMI_K3_TEMPLATE = (
+    '{%- macro open(tag, role=none) -%}<|open|>{{ tag }}{% if role %} role="{{ role }}"{% endif %}'
+    "<|sep|>{%- endmacro -%}"
+    "{%- macro close(tag) -%}<|close|>{{ tag }}<|sep|>{%- endmacro -%}"
+    "{%- macro text(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- elif content -%}{%- for part in content if part.type == 'text' -%}{{ part.text }}{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- for message in messages -%}"
+    "{{ open('message', message.role) }}"
+    "{%- if message.role == 'assistant' -%}"
+    "{{ open('response') }}{{ text(message.content) }}{{ close('response') }}"
+    "{%- else -%}{{ text(message.content) }}{%- endif -%}"
+    "{{ close('message') }}<|end_of_msg|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{ open('message', 'assistant') }}{{ open('think' if thinking else 'response') }}"
+    "{%- endif -%}"
+)
+
+
+def _raise_exception(message: str) -> None:
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators=None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+@cache
+def _environment():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    checked = []
+    for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, Mapping) else None
+        if role not in ROLES:
+            raise ValueError(f"chat message {index}: role must be one of {', '.join(ROLES)}, got {role!r}")
+        checked.append(dict(message))
+    return checked
+
+
+class ChatTemplate:
+    """A compiled chat template; `source` names where it came from in error messages."""
+
+    def __init__(
+        self, template: str, *, source: str = "chat template", bos_token: str = "", eos_token: str = ""
+    ):
+        from jinja2 import TemplateError
+
+        self.template_text = template
+        self.source = source
+        self._specials = {"bos_token": bos_token, "eos_token": eos_token}
+        try:
+            self._template = _environment().from_string(template)
+        except TemplateError as exc:
+            raise ValueError(f"{source}: cannot compile the chat template: {exc}") from None
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer) -> ChatTemplate:
+        """The file's template, or the built-in Kimi-K3 one when it has none."""
+        text = tokenizer.chat_template
+        source = f"{tokenizer.source}: tokenizer.chat_template"
+        if not text:
+            text, source = BUILTIN_KIMI_K3_TEMPLATE, "built-in Kimi-K3 chat template"
+        return cls(
+            text,
+            source=source,
+            bos_token=_token_text(tokenizer, tokenizer.bos_id),
+            eos_token=_token_text(tokenizer, tokenizer.eos_id),
+        )
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.template_text == BUILTIN_KIMI_K3_TEMPLATE
+
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **variables: Any
+    ) -> str:
+        """The prompt text for `messages` (dicts with `role` and `content`)."""
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(
+                messages=_check_messages(messages),
+                add_generation_prompt=add_generation_prompt,
+                **{**self._specials, **variables},
+            )
+        except TemplateError as exc:
+            raise ValueError(f"{self.source}: cannot render: {exc}") from None
+
+
+def _token_text(tokenizer, token_id: int | None) -> str:
+    return "" if token_id is None else tokenizer.decode([token_id])

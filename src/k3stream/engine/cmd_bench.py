@@ -1,0 +1,184 @@
+"""`k3stream bench MODEL`: prefill/decode speed, expert-store hit rates and reads, the disk's sequential
+read of the pack and (with `--llama`) llama.cpp on the same model, all in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from k3stream.engine.loading import add_model_arguments, resolve_model, runtime_from_args
+
+MIB = 1 << 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="default %(default)s")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="default %(default)s")
+    parser.add_argument("--llama", action="store_true", help="also run the GGUF with llama.cpp (mmap)")
+    parser.add_argument(
+        "--seq-read-mib", type=float, default=4096, help="read at most this much of the pack sequentially"
+    )
+    parser.add_argument(
+        "--drop-cache",
+        action="store_true",
+        help="evict the pack and GGUF from the page cache before each measurement (cold reads)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    if args.prompt_tokens < 1 or args.decode_tokens < 0:
+        raise ValueError(
+            f"--prompt-tokens must be >= 1 and --decode-tokens >= 0, got {args.prompt_tokens} and "
+            f"{args.decode_tokens}"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from k3stream.engine import bench
+
+    _check_counts(args)
+    gguf, _manifest = resolve_model(args.model, stream_experts=False)
+    runtime = runtime_from_args(args)
+    try:
+        prompt = bench.bench_prompt(runtime.tokenizer, args.prompt_tokens)
+        results: dict[str, Any] = {
+            "model": str(Path(args.model).resolve()),
+            "device": str(runtime.model.device),
+            "dtype": args.dtype,
+            "threads": torch.get_num_threads(),
+        }
+        if runtime.store is not None:
+            results["pack"] = _pack_facts(runtime.store)
+            if args.drop_cache:
+                bench.drop_page_cache(runtime.store.pack.path)
+            results["sequential_read"] = bench.sequential_read(
+                runtime.store.pack.path, int(args.seq_read_mib * MIB)
+            )
+            if args.drop_cache:
+                bench.drop_page_cache(runtime.store.pack.path)
+        results["k3stream"] = bench.run_k3stream(runtime, prompt, args.decode_tokens)
+    finally:
+        runtime.close()
+    if args.llama:
+        if args.drop_cache:
+            bench.drop_page_cache(gguf)
+        decoded = results["k3stream"]["decoded_ids"]
+        results["llama_cpp"] = bench.run_llama(gguf, prompt, decoded, results["threads"])
+    results["k3stream"].pop("decoded_ids")
+    print(json.dumps(results, indent=2) if args.json else "\n".join(report_lines(results)))
+    return 0
+
+
+def _pack_facts(store: Any) -> dict[str, Any]:
+    pack = store.pack
+    objects = len(pack.moe_layers) * pack.num_experts
+    return {
+        "path": str(pack.path),
+        "size_bytes": pack.path.stat().st_size,
+        "experts": objects,
+        "object_bytes": store.slot_bytes,
+        "expert_bytes": objects * store.slot_bytes,
+    }
+
+
+# ---- text report ------------------------------------------------------------------------------------
+
+
+def report_lines(results: dict[str, Any]) -> list[str]:
+    k3 = results["k3stream"]
+    lines = [
+        f"k3stream bench: {results['model']} on {results['device']}, {results['threads']} threads, "
+        f"{results['dtype']}"
+    ]
+    if "pack" in results:
+        lines += _budget_lines(results["pack"], k3["expert_bytes"])
+    lines += ["", *_phase_table(k3["phases"])]
+    if "sequential_read" in results:
+        lines.append(_sequential_line(results["sequential_read"], k3["phases"][-1]))
+    if "llama_cpp" in results:
+        lines.append(_llama_line(results["llama_cpp"], k3["phases"]))
+    if "expert_bytes" in k3:
+        lines.append(_peak_line(k3["expert_bytes"]))
+    return lines
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / MIB:.1f} MiB"
+
+
+def _budget_lines(pack: dict[str, Any], expert_bytes: dict[str, Any]) -> list[str]:
+    lines = [
+        f"expert pack {_mib(pack['size_bytes'])}: {pack['experts']} experts of "
+        f"{pack['object_bytes'] / 1024:.1f} KiB"
+    ]
+    for tier, budget in expert_bytes["budget"].items():
+        lines.append(
+            f"{tier} budget {_mib(budget)}: {budget // pack['object_bytes']} experts, "
+            f"{budget / pack['expert_bytes']:.0%} of the pack"
+        )
+    return lines
+
+
+def _phase_table(phases: list[dict[str, Any]]) -> list[str]:
+    tiers = list(phases[0].get("tiers", {}))
+    header = f"{'phase':<8} {'tokens':>6} {'tok/s':>8}" + "".join(f" {t + ' hit':>8}" for t in tiers)
+    if tiers:
+        header += f" {'reads':>7} {'prefetched':>10} {'KiB/token':>10} {'read GB/s':>9}"
+    rows = [header]
+    for phase in phases:
+        row = f"{phase['phase']:<8} {phase['tokens']:>6} {phase['tokens_per_s']:>8.2f}"
+        row += "".join(f" {phase['tiers'][t]['hit_rate']:>8.1%}" for t in tiers)
+        if tiers:
+            row += (
+                f" {phase['pack_reads']:>7} {_prefetched(phase['prefetch']):>10} "
+                f"{phase['bytes_per_token'] / 1024:>10.1f} "
+                f"{phase['read_gb_per_s']:>9.3f}"
+            )
+        rows.append(row)
+    return rows
+
+
+def _prefetched(prefetch: dict[str, int]) -> str:
+    """Experts read ahead, as `used/loaded` (used: a fetch found it, or waited for its read)."""
+    return f"{prefetch['hits'] + prefetch['waits']}/{prefetch['loads']}"
+
+
+def _sequential_line(sequential: dict[str, Any], decode: dict[str, Any]) -> str:
+    line = (
+        f"sequential read of the pack: {_mib(sequential['bytes'])} in {sequential['seconds']:.3f} s, "
+        f"{sequential['gb_per_s']:.2f} GB/s"
+    )
+    if decode.get("pack_read_bytes"):
+        line += f"; decode reads achieved {decode['read_gb_per_s'] / sequential['gb_per_s']:.0%} of it"
+    return line
+
+
+def _llama_line(llama: dict[str, Any], phases: list[dict[str, Any]]) -> str:
+    prefill, decode = phases
+    ratio = (
+        f"{decode['tokens_per_s'] / llama['decode_tokens_per_s']:.2f}x"
+        if llama["decode_tokens_per_s"]
+        else "n/a"
+    )
+    return (
+        f"llama.cpp (mmap, {llama['threads']} threads): prefill {llama['prefill_tokens_per_s']:.2f} tok/s, "
+        f"decode {llama['decode_tokens_per_s']:.2f} tok/s; k3stream decode speed is {ratio} llama.cpp's, "
+        f"prefill {prefill['tokens_per_s'] / llama['prefill_tokens_per_s']:.2f}x"
+    )
+
+
+def _peak_line(expert_bytes: dict[str, Any]) -> str:
+    parts = [
+        f"{tier} {_mib(expert_bytes['peak_resident'].get(tier, 0))} (budget {_mib(budget)})"
+        for tier, budget in expert_bytes["budget"].items()
+    ]
+    return (
+        f"expert bytes at most: {', '.join(parts)}; host expert buffers alive at most "
+        f"{_mib(expert_bytes['peak_live_host'])}"
+    )

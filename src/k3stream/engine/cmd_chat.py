@@ -1,0 +1,95 @@
+"""`k3stream chat MODEL`: an interactive conversation on stdin/stdout (`/exit` ends, `/reset` forgets)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+from k3stream.engine.cmd_generate import chat_stop_token_ids, report
+from k3stream.engine.loading import (
+    add_model_arguments,
+    add_sampling_arguments,
+    runtime_from_args,
+    sampling_params,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--system", default=None, help="system message at the start of the conversation")
+    parser.add_argument("--thinking", action="store_true", help="open the think channel (Kimi-K3 templates)")
+    parser.add_argument("--quiet", action="store_true", help="no statistics after each answer")
+    add_sampling_arguments(parser, max_tokens=512)
+
+
+def _lines(stream: TextIO) -> Iterator[str]:
+    """User lines: `input()` with a prompt and line editing on a terminal, plain lines otherwise."""
+    if stream.isatty():
+        import readline  # noqa: F401 - importing it gives input() history and editing
+
+        while True:
+            try:
+                yield input("> ")
+            except EOFError:
+                return
+    else:
+        yield from (line.rstrip("\n") for line in stream)
+
+
+class ChatSession:
+    """The conversation so far and what one turn needs to answer it."""
+
+    def __init__(self, runtime: Any, args: argparse.Namespace, params: Any):
+        from dataclasses import replace
+
+        from k3stream.engine.chat import ChatTemplate
+
+        self.runtime = runtime
+        self.args = args
+        self.template = ChatTemplate.for_tokenizer(runtime.tokenizer)
+        self.params = replace(params, stop_token_ids=chat_stop_token_ids(runtime.tokenizer, args.thinking))
+        self.messages: list[dict[str, str]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.args.system}] if self.args.system else []
+
+    def answer(self, text: str, out: TextIO) -> str:
+        """Generate the assistant's reply to `text`, streaming it to `out`; both join the conversation."""
+        from k3stream.engine.generate import generate
+
+        messages = [*self.messages, {"role": "user", "content": text}]
+        rendered = self.template.render(messages, thinking=self.args.thinking)
+        ids = self.runtime.tokenizer.encode(rendered, allow_special=True)
+
+        def write(piece: str) -> None:
+            out.write(piece)
+            out.flush()
+
+        result = generate(self.runtime.model, self.runtime.tokenizer, ids, self.params, on_text=write)
+        out.write("\n")
+        out.flush()
+        if not self.args.quiet:
+            report(result, self.runtime.store)
+        self.messages = [*messages, {"role": "assistant", "content": result.text}]
+        return result.text
+
+
+def run(args: argparse.Namespace) -> int:
+    params = sampling_params(args)  # bad flags fail before the model loads
+    runtime = runtime_from_args(args)
+    try:
+        session = ChatSession(runtime, args, params)
+        for line in _lines(sys.stdin):
+            command = line.strip()
+            if command == "/exit":
+                break
+            if command == "/reset":
+                session.reset()
+            elif command:
+                session.answer(line, sys.stdout)
+    finally:
+        runtime.close()
+    return 0

@@ -1,0 +1,188 @@
+"""The generation loop: prefill, then one decode step per token, with stop handling and streaming.
+
+`Sequence` holds everything about one request except the model state: sampling, stop tokens, stop
+strings and incremental detokenisation. `generate` drives one sequence with `decode`; a batching
+scheduler drives many with `decode_batch`, calling `choose(logits)` then `accept(token)` for each.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from k3stream.engine.sampling import Sampler, SamplingParams
+from k3stream.engine.tokenizer import Tokenizer
+
+FINISH_STOP, FINISH_LENGTH = "stop", "length"
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _held_back(text: str, stops: Seq[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
+class Sequence:
+    """One request's decoding logic, driven by logits from outside.
+
+    `choose(logits)` samples the next token; `accept(token)` records it and returns the text it
+    releases. Text that could be the start of a stop string is held back until it is clear either
+    way; a matched stop string and everything after it is dropped.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        on_text: Callable[[str], Any] | None = None,
+    ):
+        if not prompt_ids:
+            raise ValueError("the prompt has no tokens")
+        self.tokenizer = tokenizer
+        self.params = params
+        self.prompt_ids = list(prompt_ids)
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self._on_text = on_text
+        self._sampler = Sampler(params)
+        self._decoder = tokenizer.stream_decoder(skip_special=params.skip_special_tokens)
+        self._stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos and tokenizer.eos_id is not None:
+            self._stop_ids.add(tokenizer.eos_id)
+        self._text = ""
+        self._released = 0  # characters of _text handed out so far
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        """The output so far, excluding held-back text."""
+        return self._text[: self._released]
+
+    def choose(self, logits: Any) -> int:
+        """Sample the next token from a `[V]` logits row."""
+        return self._sampler.sample(logits, self._context_ids())
+
+    def _context_ids(self) -> list[int]:
+        if self.params.repetition_penalty == 1.0:
+            return []
+        return self.prompt_ids + self.token_ids
+
+    def accept(self, token: int) -> str:
+        """Record `token`; return the newly released text (also given to `on_text`)."""
+        if self.done:
+            raise RuntimeError("the sequence has already finished")
+        self.token_ids.append(token)
+        if token in self._stop_ids:
+            self.finish_reason = FINISH_STOP
+            self._text += self._decoder.flush()
+        else:
+            self._text += self._decoder.feed(token)
+            self._match_stop_strings()
+            if not self.done and len(self.token_ids) >= self.params.max_tokens:
+                self.finish_reason = FINISH_LENGTH
+                self._text += self._decoder.flush()
+                self._match_stop_strings()
+        return self._release()
+
+    def feed(self, logits: Any) -> tuple[int, bool]:
+        """`choose` then `accept`: the token and whether the sequence is finished."""
+        token = self.choose(logits)
+        self.accept(token)
+        return token, self.done
+
+    def _match_stop_strings(self) -> None:
+        hits = [
+            (index, stop)
+            for stop in self.params.stop
+            if (index := self._text.find(stop, self._released)) >= 0
+        ]
+        if hits:
+            self._text = self._text[: min(hits)[0]]
+            self.finish_reason = FINISH_STOP
+
+    def _release(self) -> str:
+        end = len(self._text) if self.done else len(self._text) - _held_back(self._text, self.params.stop)
+        piece = self._text[self._released : end]
+        self._released = max(self._released, end)
+        if piece and self._on_text is not None:
+            self._on_text(piece)
+        return piece
+
+
+def generate(
+    model: Any,
+    tokenizer: Tokenizer,
+    prompt_ids: Seq[int],
+    params: SamplingParams,
+    on_text: Callable[[str], Any] | None = None,
+) -> GenerationResult:
+    """Run `prompt_ids` through `model` and sample until a stop condition; stream text to `on_text`.
+
+    Generation also ends ("length") when the model's context is full.
+    """
+    sequence = Sequence(tokenizer, prompt_ids, _within_context(model, len(prompt_ids), params), on_text)
+    state = model.new_state()
+    start = time.perf_counter()
+    logits = model.prefill(state, sequence.prompt_ids)[-1]
+    token, done = sequence.feed(logits)
+    first_token_at = time.perf_counter()
+    while not done:
+        token, done = sequence.feed(model.decode(state, token))
+    end = time.perf_counter()
+    return GenerationResult(
+        text=sequence.text,
+        token_ids=list(sequence.token_ids),
+        finish_reason=sequence.finish_reason or FINISH_LENGTH,
+        prompt_tokens=len(sequence.prompt_ids),
+        completion_tokens=sequence.completion_tokens,
+        timings=_timings(len(sequence.prompt_ids), sequence.completion_tokens, start, first_token_at, end),
+    )
+
+
+def _within_context(model: Any, prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+    context = getattr(getattr(model, "config", None), "context_length", None)
+    if context is None:
+        return params
+    if prompt_tokens >= context:
+        raise ValueError(f"the prompt has {prompt_tokens} tokens; the model's context is {context}")
+    return replace(params, max_tokens=min(params.max_tokens, context - prompt_tokens))
+
+
+def _timings(
+    prompt_tokens: int, completion_tokens: int, start: float, first: float, end: float
+) -> dict[str, float]:
+    decode_steps = completion_tokens - 1
+    prefill_s, decode_s = first - start, end - first
+    return {
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "time_to_first_token_s": prefill_s,
+        "prefill_tokens_per_s": prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
+        "decode_tokens_per_s": decode_steps / decode_s if decode_steps and decode_s > 0 else 0.0,
+    }

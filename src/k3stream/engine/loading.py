@@ -1,0 +1,157 @@
+"""What the generate/chat commands share: model + tokenizer + expert store from a path, and the flags."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def manifest_next_to(gguf_path: Path) -> Path | None:
+    """The manifest `k3stream pack` writes beside a GGUF by default, if it is there."""
+    from k3stream.gguf.shards import discover_shards
+    from k3stream.pack.builder import default_outputs
+
+    _pack, manifest = default_outputs(discover_shards(gguf_path))
+    return manifest if manifest.is_file() else None
+
+
+def manifest_gguf(manifest_path: Path) -> Path:
+    """The first GGUF shard a manifest was built from."""
+    from k3stream.pack.manifest import field, read_json, resolve_path
+
+    shards = sorted(
+        field(read_json(manifest_path), "source", "shards"), key=lambda shard: int(shard["index"])
+    )
+    return resolve_path(shards[0]["path"], manifest_path)
+
+
+@dataclass
+class Runtime:
+    """A loaded model with its tokenizer and, when experts stream from a pack, the expert store."""
+
+    model: Any
+    tokenizer: Any
+    store: Any = None
+    manifest: Path | None = None
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+
+def resolve_model(path: str | Path, stream_experts: bool) -> tuple[Path, Path | None]:
+    """`(gguf, manifest or None)` for a GGUF or a manifest path; a GGUF uses the manifest beside it."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path}")
+    if path.suffix == ".json":
+        return manifest_gguf(path), path if stream_experts else None
+    return path, manifest_next_to(path) if stream_experts else None
+
+
+def load_runtime(
+    path: str | Path,
+    *,
+    device: str = "cpu",
+    dtype: Any = None,
+    ram_mib: float = 1024.0,
+    gpu_mib: float | None = None,
+    stream_experts: bool = True,
+) -> Runtime:
+    """Load for generation; routed experts stream from the pack when there is a manifest."""
+    gguf_path, manifest = resolve_model(path, stream_experts)
+    return load_resolved(gguf_path, manifest, device=device, dtype=dtype, ram_mib=ram_mib, gpu_mib=gpu_mib)
+
+
+def load_resolved(
+    gguf_path: Path,
+    manifest: Path | None,
+    *,
+    device: str = "cpu",
+    dtype: Any = None,
+    ram_mib: float = 1024.0,
+    gpu_mib: float | None = None,
+) -> Runtime:
+    """`load_runtime` for paths `resolve_model` already found."""
+    import torch
+
+    import k3stream
+    from k3stream.engine.tokenizer import Tokenizer
+
+    store = None
+    if manifest is not None:
+        from k3stream.store.expert_store import ExpertStore
+
+        store = ExpertStore(manifest, ram_mib=ram_mib, gpu_mib=gpu_mib, device=device)
+    try:
+        model = k3stream.load(
+            manifest or gguf_path, device=device, dtype=dtype or torch.float32, expert_source=store
+        )
+        tokenizer = Tokenizer.from_gguf(gguf_path)
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
+    return Runtime(model=model, tokenizer=tokenizer, store=store, manifest=manifest)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a Kimi-K3 GGUF (any shard) or an expert-pack manifest (.json)")
+    parser.add_argument("--ram-mib", type=float, default=1024.0, help="RAM budget of the expert store (MiB)")
+    parser.add_argument("--gpu-mib", type=float, default=None, help="GPU budget of the expert store (MiB)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--no-stream-experts",
+        action="store_true",
+        help="serve routed experts from the GGUF mmap even when a pack is there",
+    )
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="default %(default)s")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default %(default)s)")
+    parser.add_argument("--top-k", type=int, default=40, help="0 disables (default %(default)s)")
+    parser.add_argument("--top-p", type=float, default=0.95, help="1 disables (default %(default)s)")
+    parser.add_argument("--min-p", type=float, default=0.05, help="0 disables (default %(default)s)")
+    parser.add_argument("--repeat-penalty", type=float, default=1.0, help="1 disables (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params(args: argparse.Namespace) -> Any:
+    """`SamplingParams` from the sampling flags."""
+    from k3stream.engine.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repeat_penalty,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+    )
+
+
+def runtime_from_args(args: argparse.Namespace) -> Runtime:
+    gguf_path, manifest = resolve_model(args.model, not args.no_stream_experts)  # fails fast, before torch
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return load_resolved(
+        gguf_path,
+        manifest,
+        device=device,
+        dtype=getattr(torch, args.dtype),
+        ram_mib=args.ram_mib,
+        gpu_mib=args.gpu_mib,
+    )

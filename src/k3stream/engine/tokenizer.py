@@ -1,0 +1,225 @@
+"""Kimi tokenizer rebuilt from GGUF metadata.
+
+Kimi ships a tiktoken vocabulary: byte-level BPE where the merge priority of a token is its id (rank),
+with the `kimi-k2` pre-tokenizer regex. The GGUF keeps it as a `gpt2` vocabulary: tokens written in
+GPT-2's byte-to-unicode alphabet, a token type per id and the special tokens marked CONTROL. We turn the
+strings back into bytes and hand them to `tiktoken` with ranks = token ids.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+# Pre-tokenizer of tokenization_kimi.py (llama.cpp `kimi-k2`): Han runs, words (Han excluded) with
+# English contractions, digits in groups of up to three, punctuation runs, newlines, other whitespace.
+KIMI_K2_PATTERN = "|".join(
+    [
+        r"[\p{Han}]+",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
+
+# gguf.TokenType values
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+_SPECIAL_TYPES = (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN)
+
+
+@cache
+def _unicode_to_byte() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: printable bytes map to themselves, the rest to U+0100.."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+def token_text_to_bytes(text: str, source: str = "tokenizer") -> bytes:
+    """Bytes of a token written in GPT-2's byte-to-unicode alphabet."""
+    table = _unicode_to_byte()
+    try:
+        return bytes(table[ch] for ch in text)
+    except KeyError as exc:
+        raise ValueError(
+            f"{source}: token {text!r} has a character outside the byte alphabet: {exc}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class VocabFields:
+    """The tokenizer part of GGUF metadata."""
+
+    tokens: list[str]
+    token_types: list[int]
+    model: str
+    pre: str
+    bos_id: int | None
+    eos_id: int | None
+    add_bos: bool = False
+    chat_template: str | None = None
+    source: str = "tokenizer"
+
+
+def _read_fields(metadata: Callable[[str, Any], Any], source: str) -> VocabFields:
+    tokens = metadata("tokenizer.ggml.tokens", None)
+    if not tokens:
+        raise ValueError(f"{source}: metadata tokenizer.ggml.tokens is missing")
+    types = metadata("tokenizer.ggml.token_type", None)
+    token_types = [int(t) for t in types] if types is not None else [TOKEN_NORMAL] * len(tokens)
+    if len(token_types) != len(tokens):
+        raise ValueError(
+            f"{source}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
+        )
+    bos, eos = metadata("tokenizer.ggml.bos_token_id", None), metadata("tokenizer.ggml.eos_token_id", None)
+    return VocabFields(
+        tokens=[str(t) for t in tokens],
+        token_types=token_types,
+        model=str(metadata("tokenizer.ggml.model", "")),
+        pre=str(metadata("tokenizer.ggml.pre", "")),
+        bos_id=None if bos is None else int(bos),
+        eos_id=None if eos is None else int(eos),
+        add_bos=bool(metadata("tokenizer.ggml.add_bos_token", False)),
+        chat_template=metadata("tokenizer.chat_template", None),
+        source=source,
+    )
+
+
+class Tokenizer:
+    """Encode/decode with a Kimi vocabulary; ids are the GGUF token ids."""
+
+    def __init__(self, fields: VocabFields):
+        import tiktoken
+
+        if fields.model != "gpt2":
+            raise ValueError(f"{fields.source}: tokenizer.ggml.model is {fields.model!r}, expected 'gpt2'")
+        if fields.pre != "kimi-k2":
+            raise ValueError(f"{fields.source}: tokenizer.ggml.pre is {fields.pre!r}, expected 'kimi-k2'")
+        self.source = fields.source
+        self.bos_id, self.eos_id, self.add_bos = fields.bos_id, fields.eos_id, fields.add_bos
+        self.chat_template = fields.chat_template
+        self.vocab_size = len(fields.tokens)
+        ranks, special, user_defined = self._split_vocab(fields)
+        self.special_tokens: dict[str, int] = special
+        self._always_special = frozenset(user_defined)
+        self._pieces = [b""] * self.vocab_size
+        for piece, token_id in ranks.items():
+            self._pieces[token_id] = piece
+        self._special_pieces = {token_id: text.encode() for text, token_id in special.items()}
+        self._encoding = tiktoken.Encoding(
+            name=f"kimi-k2:{self.source}",
+            pat_str=KIMI_K2_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens=special,
+        )
+
+    @staticmethod
+    def _split_vocab(fields: VocabFields) -> tuple[dict[bytes, int], dict[str, int], list[str]]:
+        ranks: dict[bytes, int] = {}
+        special: dict[str, int] = {}
+        user_defined: list[str] = []
+        for token_id, (text, kind) in enumerate(zip(fields.tokens, fields.token_types, strict=True)):
+            if kind == TOKEN_NORMAL:
+                piece = token_text_to_bytes(text, fields.source)
+                if piece in ranks:
+                    raise ValueError(
+                        f"{fields.source}: tokens {ranks[piece]} and {token_id} are the same bytes {piece!r}"
+                    )
+                ranks[piece] = token_id
+            elif kind in _SPECIAL_TYPES:
+                special[text] = token_id
+                if kind == TOKEN_USER_DEFINED:
+                    user_defined.append(text)
+        missing = [b for b in range(256) if bytes([b]) not in ranks]
+        if missing:
+            raise ValueError(
+                f"{fields.source}: vocabulary lacks {len(missing)} single-byte tokens (first {missing[0]})"
+            )
+        return ranks, special, user_defined
+
+    @classmethod
+    def from_gguf(cls, path_or_checkpoint: Any) -> Tokenizer:
+        """From a GGUF path (any shard) or an opened `K3Checkpoint`."""
+        if hasattr(path_or_checkpoint, "metadata"):
+            checkpoint = path_or_checkpoint
+        else:
+            from k3stream.gguf.reader import K3Checkpoint
+
+            checkpoint = K3Checkpoint.open(Path(path_or_checkpoint))
+        source = str(getattr(checkpoint, "shards", [path_or_checkpoint])[0])
+        return cls(_read_fields(checkpoint.metadata, source))
+
+    def encode(self, text: str, *, allow_special: bool = False, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; special-token text becomes those tokens only when `allow_special`.
+
+        `add_bos=None` follows the file's tokenizer.ggml.add_bos_token.
+        """
+        allowed = set(self.special_tokens) if allow_special else self._always_special
+        ids = self._encoding.encode(text, allowed_special=allowed, disallowed_special=())
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def piece(self, token_id: int, *, skip_special: bool = False) -> bytes:
+        """Bytes of one token (special tokens as their text unless skipped; unused ids are empty)."""
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(
+                f"{self.source}: token id {token_id} is outside the vocabulary of {self.vocab_size}"
+            )
+        special = self._special_pieces.get(token_id)
+        if special is not None:
+            return b"" if skip_special else special
+        return self._pieces[token_id]
+
+    def decode_bytes(self, ids: Iterable[int], *, skip_special: bool = False) -> bytes:
+        return b"".join(self.piece(int(i), skip_special=skip_special) for i in ids)
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+        """Text of `ids`; invalid UTF-8 becomes U+FFFD."""
+        return self.decode_bytes(ids, skip_special=skip_special).decode("utf-8", errors="replace")
+
+    def token_id(self, text: str) -> int:
+        """Id of a special token such as `<|end_of_msg|>`."""
+        try:
+            return self.special_tokens[text]
+        except KeyError:
+            raise ValueError(f"{self.source}: no special token {text!r}") from None
+
+    def stream_decoder(self, *, skip_special: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special=skip_special)
+
+
+class StreamDecoder:
+    """Turns tokens into text one at a time, holding back UTF-8 sequences split across tokens."""
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = False):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_ids: int | Sequence[int]) -> str:
+        ids = [token_ids] if isinstance(token_ids, int) else token_ids
+        return self._utf8.decode(self._tokenizer.decode_bytes(ids, skip_special=self._skip_special))
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete sequence becomes U+FFFD)."""
+        return self._utf8.decode(b"", final=True)

@@ -1,0 +1,374 @@
+"""The FastAPI app: OpenAI-compatible completions and chat completions over the batching scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from k3stream.server.errors import APIError, from_validation_error, invalid_request
+from k3stream.server.metrics import ServerMetrics
+from k3stream.server.runtime import ServedModel
+from k3stream.server.scheduler import (
+    Event,
+    EventSink,
+    FinishEvent,
+    Job,
+    QueueFull,
+    Scheduler,
+    TextEvent,
+)
+from k3stream.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+KNOWN_ENDPOINTS = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"})
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
+
+
+@dataclass
+class ServerConfig:
+    max_batch: int = 16
+    max_queue: int = 64
+
+    def check(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"--max-batch must be at least 1, got {self.max_batch}")
+        if self.max_queue < 0:
+            raise ValueError(f"--max-queue must be at least 0, got {self.max_queue}")
+
+    def batch_for(self, served: ServedModel) -> int:
+        """`max_batch`, capped where the expert store could not hold one step's experts."""
+        return min(self.max_batch, served.batch_limit() or self.max_batch)
+
+
+def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
+    """An app serving `served`; its scheduler thread runs while the app's lifespan is active."""
+    config.check()
+    metrics = ServerMetrics(served.store_stats)
+    scheduler = Scheduler(served.model, metrics, max_batch=config.batch_for(served),
+                          max_queue=config.max_queue, on_tokens=served.end_tokens)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="k3stream", lifespan=lifespan)
+    app.add_middleware(RequestCounter, metrics=metrics)
+    _add_error_handlers(app)
+    api = Endpoints(served, scheduler, metrics)
+    app.get("/v1/models")(api.models)
+    app.get("/health")(api.health)
+    app.get("/metrics")(api.metrics_text)
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat_completions)
+    return app
+
+
+class Endpoints:
+    def __init__(self, served: ServedModel, scheduler: Scheduler, metrics: ServerMetrics) -> None:
+        self.served = served
+        self.scheduler = scheduler
+        self.metrics = metrics
+
+    async def models(self) -> dict[str, Any]:
+        card = {"id": self.served.name, "object": "model", "created": self.served.created,
+                "owned_by": "k3stream", "max_model_len": self.served.ctx}
+        return {"object": "list", "data": [card]}
+
+    async def health(self) -> dict[str, Any]:
+        return {"status": "ok", **self.scheduler.snapshot(), "max_batch": self.scheduler.max_batch,
+                "rss_bytes": resident_bytes(),
+                "expert_store": self.served.store_stats()}
+
+    async def metrics_text(self) -> Response:
+        return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    async def completions(self, request: Request) -> Response:
+        body = await _parse(request, CompletionRequest)
+        self._check_request(body)
+        prompt = body.single_prompt()
+        tokens = self.served.encode_prompt(prompt) if isinstance(prompt, str) else self._check_ids(prompt)
+        explicit = "max_tokens" in body.model_fields_set
+        job = self._submit(body, tokens, body.max_tokens, explicit_limit=explicit, prompt_param="prompt",
+                           chat=False)
+        stream = Stream(job, self.scheduler, _CompletionChunks(self.served.name))
+        return await stream.respond(request, body.stream, body.include_usage())
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await _parse(request, ChatCompletionRequest)
+        self._check_request(body)
+        tokens = self.served.encode_chat([(m.role, m.text()) for m in body.messages])
+        limit = body.token_limit()
+        job = self._submit(body, tokens, limit, explicit_limit=limit is not None, prompt_param="messages",
+                           chat=True)
+        stream = Stream(job, self.scheduler, _ChatChunks(self.served.name))
+        return await stream.respond(request, body.stream, body.include_usage())
+
+    def _check_request(self, body: SamplingFields) -> None:
+        body.check_supported()
+        if body.model != self.served.name:
+            raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
+                           f"`{self.served.name}`", param="model", code="model_not_found")
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.served.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise invalid_request(f"prompt: token id {bad} is outside the vocabulary of {vocab}",
+                                  param="prompt")
+        return ids
+
+    def _submit(self, body: SamplingFields, tokens: list[int], limit: int | None, *, explicit_limit: bool,
+                prompt_param: str, chat: bool) -> Job:
+        max_tokens = self._token_budget(len(tokens), limit, explicit_limit, prompt_param)
+        logic = self.served.new_sequence(body, tokens, max_tokens, chat=chat)
+        job = Job(prompt_tokens=tokens, logic=logic, sink=EventSink(asyncio.get_running_loop()))
+        try:
+            self.scheduler.submit(job)
+        except QueueFull as exc:
+            raise APIError(429, str(exc), type="server_overloaded", code="queue_full") from None
+        return job
+
+    def _token_budget(self, prompt_len: int, limit: int | None, explicit: bool, prompt_param: str) -> int:
+        """Tokens this request may generate; a request that cannot fit the context is refused."""
+        ctx = self.served.ctx
+        if prompt_len >= ctx:
+            raise invalid_request(f"This model's maximum context length is {ctx} tokens, but the prompt has "
+                                  f"{prompt_len} tokens", param=prompt_param, code="context_length_exceeded")
+        room = ctx - prompt_len
+        if limit is None:
+            return room
+        if explicit and limit > room:
+            raise invalid_request(f"This model's maximum context length is {ctx} tokens; the prompt has "
+                                  f"{prompt_len} tokens, so max_tokens can be at most {room}, not {limit}",
+                                  param="max_tokens", code="context_length_exceeded")
+        return min(limit, room)
+
+
+class Stream:
+    """One request's events, as a server-sent event stream or as one JSON body."""
+
+    def __init__(self, job: Job, scheduler: Scheduler, chunks: _Chunks) -> None:
+        self.job = job
+        self.scheduler = scheduler
+        self.chunks = chunks
+
+    def cancel(self) -> None:
+        self.job.cancel()
+        self.scheduler.wake()
+
+    async def respond(self, request: Request, stream: bool, include_usage: bool) -> Response:
+        if stream:
+            return StreamingResponse(self._sse(include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._whole(request)
+
+    async def _sse(self, include_usage: bool) -> AsyncIterator[str]:
+        try:
+            yield _sse_data(self.chunks.first())
+            while True:
+                event = await self.job.sink.queue.get()
+                if isinstance(event, TextEvent):
+                    yield _sse_data(self.chunks.piece(event.text))
+                    continue
+                if isinstance(event, FinishEvent):
+                    yield _sse_data(self.chunks.last(event.reason))
+                    if include_usage:
+                        yield _sse_data(self.chunks.usage_only(_usage(event)))
+                else:
+                    yield _sse_data(APIError(500, event.message, type="server_error").body())
+                yield "data: [DONE]\n\n"
+                return
+        finally:
+            self.cancel()  # a no-op for a finished job; frees the sequence of a client that left
+
+    async def _whole(self, request: Request) -> Response:
+        pieces = []
+        watcher = asyncio.create_task(_watch_disconnect(request))
+        try:
+            while True:
+                event = await self._next_event(watcher)
+                if isinstance(event, TextEvent):
+                    pieces.append(event.text)
+                elif isinstance(event, FinishEvent):
+                    return JSONResponse(self.chunks.whole("".join(pieces), event.reason, _usage(event)))
+                else:
+                    return APIError(500, event.message, type="server_error").response()
+        finally:
+            watcher.cancel()
+            self.cancel()
+
+    async def _next_event(self, watcher: asyncio.Task) -> Event:
+        """The next event; raises CancelledError once `watcher` saw the client go."""
+        getter = asyncio.ensure_future(self.job.sink.queue.get())
+        await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            return getter.result()
+        getter.cancel()
+        raise asyncio.CancelledError("client disconnected")
+
+
+async def _watch_disconnect(request: Request) -> None:
+    """Returns when the client of a request whose body was read has disconnected."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _usage(event: FinishEvent) -> dict[str, int]:
+    return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
+            "total_tokens": event.prompt_tokens + event.completion_tokens}
+
+
+def _sse_data(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class _Chunks:
+    """Response bodies of one endpoint; ids and timestamps are fixed per request."""
+
+    object_whole: str
+    object_chunk: str
+    id_prefix: str
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def usage_only(self, usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._envelope(self.object_chunk, []), "usage": usage}
+
+    def whole(self, text: str, reason: str, usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._envelope(self.object_whole, [self._whole_choice(text, reason)]), "usage": usage}
+
+    def first(self) -> dict[str, Any]:
+        return self._envelope(self.object_chunk, [self._delta_choice(self._opening(), None)])
+
+    def piece(self, text: str) -> dict[str, Any]:
+        return self._envelope(self.object_chunk, [self._delta_choice(self._text(text), None)])
+
+    def last(self, reason: str) -> dict[str, Any]:
+        return self._envelope(self.object_chunk, [self._delta_choice(self._text(""), reason)])
+
+    def _delta_choice(self, content: dict[str, Any], reason: str | None) -> dict[str, Any]:
+        return {"index": 0, **content, "logprobs": None, "finish_reason": reason}
+
+    def _opening(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _text(self, text: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _whole_choice(self, text: str, reason: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _CompletionChunks(_Chunks):
+    object_whole = object_chunk = "text_completion"
+    id_prefix = "cmpl"
+
+    def _opening(self) -> dict[str, Any]:
+        return {"text": ""}
+
+    def _text(self, text: str) -> dict[str, Any]:
+        return {"text": text}
+
+    def _whole_choice(self, text: str, reason: str) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+
+
+class _ChatChunks(_Chunks):
+    object_whole = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def _opening(self) -> dict[str, Any]:
+        return {"delta": {"role": "assistant", "content": ""}}
+
+    def _text(self, text: str) -> dict[str, Any]:
+        return {"delta": {"content": text} if text else {}}
+
+    def _whole_choice(self, text: str, reason: str) -> dict[str, Any]:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": reason}
+
+
+async def _parse(request: Request, model: type[RequestModel]) -> RequestModel:
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def api_error(_request: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
+        return invalid_request(f"invalid request: {exc.errors()[0].get('msg', 'bad input')}").response()
+
+    async def unexpected(_request: Request, exc: Exception) -> Response:
+        return APIError(500, f"internal error: {exc}", type="server_error").response()
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+class RequestCounter:
+    """ASGI middleware counting responses by endpoint and status (streams count when they start)."""
+
+    def __init__(self, app: Callable, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def counting_send(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            endpoint = scope["path"] if scope["path"] in KNOWN_ENDPOINTS else "other"
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+def resident_bytes() -> int:
+    """This process's resident set size (Linux), 0 where /proc is missing."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0

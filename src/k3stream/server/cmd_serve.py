@@ -1,0 +1,46 @@
+"""`k3stream serve MODEL`: the OpenAI-compatible HTTP server with continuous batching."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from k3stream.engine.loading import add_model_arguments
+
+    add_model_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="the `model` clients ask for "
+                        "(default: the GGUF's file name without shard suffix and extension)")
+    parser.add_argument("--ctx", type=int, default=None,
+                        help="context per sequence, prompt plus output (default: the model's, at most 4096)")
+    parser.add_argument("--max-batch", type=int, default=16, help="sequences decoded together per step")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests waiting for a batch slot; beyond this the server answers 429")
+    parser.add_argument("--log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug"))
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from k3stream.engine.loading import runtime_from_args
+    from k3stream.server.app import ServerConfig, create_app
+    from k3stream.server.runtime import served_from_runtime
+
+    config = ServerConfig(max_batch=args.max_batch, max_queue=args.max_queue)
+    config.check()
+    runtime = runtime_from_args(args)
+    try:
+        served = served_from_runtime(runtime, name=args.served_model_name, ctx=args.ctx)
+        app = create_app(served, config)
+        experts = f"streamed from {runtime.manifest}" if runtime.store else "from the GGUF"
+        print(f"k3stream serve: {served.name} on http://{args.host}:{args.port}/v1 (ctx {served.ctx}, "
+              f"max batch {config.batch_for(served)}, queue {config.max_queue}, experts {experts})",
+              flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        runtime.close()
+    return 0

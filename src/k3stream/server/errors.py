@@ -1,0 +1,61 @@
+"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+
+class APIError(Exception):
+    """An error the API answers with `status` and an OpenAI-style body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_validation_error(exc: ValidationError) -> APIError:
+    """The first problem pydantic found, named by its dotted field path."""
+    first = exc.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        detail = first.get("ctx", {}).get("error", first["msg"])
+        return invalid_request(f"request body is not valid JSON: {detail}", code="invalid_json")
+    param = _field_path(first["loc"])
+    if first["type"] == "model_type":
+        return invalid_request("request body must be a JSON object", code="invalid_type")
+    return invalid_request(f"{param}: {first['msg']}", param=param or None, code=first["type"])
+
+
+def _field_path(loc: tuple) -> str:
+    """`messages.0.content`, dropping the union-branch names pydantic adds (`str`, `list[int]`)."""
+    parts = [str(p) for p in loc if isinstance(p, int) or not _is_type_tag(str(p))]
+    return ".".join(parts)
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in ("str", "int", "float", "bool") or part.startswith(("list[", "function-", "literal["))

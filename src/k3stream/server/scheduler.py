@@ -1,0 +1,255 @@
+"""Continuous batching: one thread prefills new requests, then decodes every running sequence in one step.
+
+Requests join and leave between steps. Each decode step is one `model.decode_batch` call, so in every MoE
+layer the union of the batch's experts is fetched once and shared by all the tokens that routed to it.
+Results flow back to the HTTP layer as events through a thread-safe `EventSink`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from k3stream.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TextEvent:
+    text: str
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    message: str
+
+
+Event = TextEvent | FinishEvent | ErrorEvent
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound; the request is refused rather than queued."""
+
+
+class SequenceLogic(Protocol):
+    """Per-sequence sampling, stop handling and detokenisation: `k3stream.engine.generate.Sequence`."""
+
+    finish_reason: str | None
+    completion_tokens: int
+
+    def choose(self, logits: Any) -> int:
+        """Sample the next token from a `[V]` logits row."""
+
+    def accept(self, token: int) -> str:
+        """Record a generated token; return the text it releases (may be empty)."""
+
+
+class EventSink:
+    """Delivers events from the scheduler thread to one request's asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def put(self, event: Event) -> None:
+        # A closed event loop means the server is shutting down; the event has no one to go to.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+@dataclass(eq=False)
+class Job:
+    """One request inside the scheduler."""
+
+    prompt_tokens: list[int]
+    logic: SequenceLogic
+    sink: EventSink
+    submitted_at: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    failed: bool = False
+    state: Any = None
+    last_token: int = -1
+    last_token_at: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return not (self.cancelled or self.failed or self.logic.finish_reason is not None)
+
+    def cancel(self) -> None:
+        """Called from the HTTP side when the client goes away; the scheduler frees it at the next step."""
+        self.cancelled = True
+
+    def fail(self, message: str) -> None:
+        if self.active:
+            self.failed = True
+            self.sink.put(ErrorEvent(message))
+
+
+class Scheduler:
+    """Owns the model; every model call happens on its thread."""
+
+    def __init__(self, model: Any, metrics: ServerMetrics, *, max_batch: int, max_queue: int,
+                 on_tokens: Any = None) -> None:
+        self.model = model
+        self.metrics = metrics
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self._on_tokens = on_tokens
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: list[Job] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="k3stream-scheduler", daemon=True)
+        self.steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        with self._wake:
+            if len(self._waiting) >= self.max_queue:
+                self._waiting = collections.deque(waiting for waiting in self._waiting if waiting.active)
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
+            self._waiting.append(job)
+            self.metrics.queue_length.set(len(self._waiting))
+            self._wake.notify()
+
+    def wake(self) -> None:
+        """Make the loop look at its jobs now (after a cancellation)."""
+        with self._wake:
+            self._wake.notify()
+
+    def snapshot(self) -> dict[str, int]:
+        with self._wake:
+            waiting, running = len(self._waiting), len(self._running)
+        return {"waiting": waiting, "running": running, "active_sequences": waiting + running,
+                "steps": self.steps}
+
+    def _loop(self) -> None:
+        while self._wait_for_work():
+            try:
+                self._drop_finished()
+                self._admit_waiting()
+                if self._running:
+                    self._decode_step()
+            except Exception:  # a bug here must not stop the server: fail what runs, go on
+                log.exception("scheduler step failed")
+                self._fail(list(self._running), "internal error in the batch scheduler")
+        with self._wake:
+            jobs = list(self._running) + list(self._waiting)
+        self._fail(jobs, "the server is shutting down")
+
+    def _wait_for_work(self) -> bool:
+        with self._wake:
+            while not self._stopping and not self._waiting and not self._running:
+                self._wake.wait()
+            return not self._stopping
+
+    def _drop_finished(self) -> None:
+        """Free the sequences that finished, failed or whose client left, between steps."""
+        with self._wake:
+            self._running = [job for job in self._running if job.active]
+            self._waiting = collections.deque(job for job in self._waiting if job.active)
+            self._update_gauges()
+
+    def _next_waiting(self) -> Job | None:
+        with self._wake:
+            if len(self._running) >= self.max_batch or not self._waiting:
+                return None
+            job = self._waiting.popleft()
+            self._update_gauges()
+            return job
+
+    def _admit_waiting(self) -> None:
+        """Prefill waiting requests one at a time while the batch has room."""
+        while (job := self._next_waiting()) is not None:
+            if not job.active:
+                continue
+            try:
+                job.state = self.model.new_state()
+                logits = self.model.prefill(job.state, job.prompt_tokens)[-1]
+            except Exception as exc:  # one bad request must not stop the server
+                log.exception("prefill failed")
+                job.fail(f"prefill failed: {exc}")
+                continue
+            self._count_tokens(len(job.prompt_tokens))
+            self.metrics.prompt_tokens.inc(len(job.prompt_tokens))
+            self._emit_token(job, logits)
+            if job.active:
+                with self._wake:
+                    self._running.append(job)
+                    self._update_gauges()
+
+    def _decode_step(self) -> None:
+        batch = [job for job in self._running if job.active]
+        if not batch:
+            return
+        self.metrics.batch_size.observe(len(batch))
+        try:
+            logits = self.model.decode_batch([job.state for job in batch], [job.last_token for job in batch])
+        except Exception as exc:  # fail this batch's requests, keep serving
+            log.exception("decode step failed")
+            self._fail(batch, f"decode failed: {exc}")
+            return
+        self._count_tokens(len(batch))
+        self.steps += 1
+        for row, job in enumerate(batch):
+            if not job.cancelled:
+                self._emit_token(job, logits[row])
+
+    def _emit_token(self, job: Job, logits: Any) -> None:
+        """Sample a token for `job`, send its text, and finish the job if it stopped."""
+        try:
+            token = job.logic.choose(logits)
+            text = job.logic.accept(token)
+        except Exception as exc:
+            log.exception("sampling failed")
+            job.fail(f"sampling failed: {exc}")
+            return
+        now = time.perf_counter()
+        if job.logic.completion_tokens == 1:
+            self.metrics.time_to_first_token.observe(now - job.submitted_at)
+        else:
+            self.metrics.time_per_output_token.observe(now - job.last_token_at)
+        job.last_token, job.last_token_at = token, now
+        self.metrics.generation_tokens.inc()
+        if text:
+            job.sink.put(TextEvent(text))
+        if job.logic.finish_reason is not None:
+            job.sink.put(FinishEvent(job.logic.finish_reason, len(job.prompt_tokens),
+                                     job.logic.completion_tokens))
+
+    def _count_tokens(self, n: int) -> None:
+        if self._on_tokens is not None:
+            self._on_tokens(n)
+
+    def _fail(self, jobs: list[Job], message: str) -> None:
+        for job in jobs:
+            job.fail(message)
+        self._drop_finished()
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_length.set(len(self._waiting))
+        self.metrics.running.set(len(self._running))

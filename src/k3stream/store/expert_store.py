@@ -1,0 +1,476 @@
+"""The expert store: an `ExpertSource` over an expert pack, through a GPU tier, a RAM tier and the disk.
+
+The compute tier (GPU when the device is CUDA, else RAM) holds whole expert objects, each one uint8
+buffer, and hands out zero-copy views per role. A miss in the GPU tier is served by the RAM tier when
+there is one, and a miss there by a read of the pack. Budgets are bytes per tier; a slot is counted
+from the moment its load starts, so resident plus loading bytes never exceed a budget.
+
+Pins: the experts of each thread's current step (its latest `fetch`) and of running prefetches are
+never evicted. `prefetch` loads in the background; a `fetch` that finds its expert still loading waits
+for that load instead of reading again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+import weakref
+from collections import Counter
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from k3stream.store.cache import SlotCache, WorkingSetTooLarge
+from k3stream.store.pack_io import PackFile, ReadRequest
+from k3stream.store.traces import TraceWriter
+
+MIB = 1 << 20
+DEFAULT_GPU_MIB = 18 * 1024
+GPU_RESERVE_MIB = 3 * 1024
+Key = tuple[int, int]
+
+
+def _open_pack(pack: Any) -> Any:
+    if isinstance(pack, (str, os.PathLike)):
+        from k3stream.pack.reader import ExpertPack
+
+        return ExpertPack(Path(pack))
+    return pack
+
+
+class _Tier:
+    """One tier's buffers, slot bookkeeping and counters (guarded by the store's lock)."""
+
+    def __init__(self, name: str, budget_mib: float, slot_bytes: int, policy: str, layers: list[int]) -> None:
+        self.name = name
+        self.budget_bytes = int(budget_mib * MIB)
+        self.cache = SlotCache(self.budget_bytes // slot_bytes, policy, layers)
+        self.buffers: dict[Key, torch.Tensor] = {}
+        self.ready: dict[Key, Any] = {}  # GPU copy events
+        self.loading: dict[Key, Future] = {}
+        self.counts = Counter(cache_hits=0, cache_misses=0, cache_evictions=0, h2d_bytes=0)
+
+    def install(self, key: Key, buffer: torch.Tensor, ready: Any, speculative: bool) -> None:
+        self.buffers[key] = buffer
+        if ready is not None:
+            self.ready[key] = ready
+        self.cache.admit(key, speculative)
+
+    def evict(self, keys: Iterable[Key]) -> None:
+        for key in keys:
+            self.buffers.pop(key, None)
+            self.ready.pop(key, None)
+            self.counts["cache_evictions"] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        lookups = self.counts["cache_hits"] + self.counts["cache_misses"]
+        stats = {
+            name: int(value)
+            for name, value in self.counts.items()
+            if name != "h2d_bytes" or self.name == "gpu"
+        }
+        stats.update(
+            resident_experts=len(self.buffers),
+            resident_bytes=sum(buffer.numel() for buffer in self.buffers.values()),
+            capacity_experts=self.cache.capacity,
+            budget_bytes=self.budget_bytes,
+            policy=self.cache.policy_name,
+            hit_rate=self.counts["cache_hits"] / lookups if lookups else 0.0,
+        )
+        return stats
+
+
+class ExpertStore:
+    """Serves `fetch(layer, expert_ids)` from an expert pack through budgeted tiers (see module doc)."""
+
+    def __init__(
+        self,
+        pack: Any,
+        ram_mib: float,
+        gpu_mib: float | None = None,
+        device: str | torch.device = "cpu",
+        policy: str = "lfu-lru",
+        prefetch: bool = True,
+        io_threads: int = 4,
+        direct_io: bool = False,
+        record_trace: str | os.PathLike[str] | None = None,
+        read_splits: int = 4,
+        simulated_read_latency_us: float = 0.0,
+    ) -> None:
+        self.pack = _open_pack(pack)
+        self.device = torch.device(device)
+        self.top_k = int(self.pack.top_k)
+        self.num_experts = int(self.pack.num_experts)
+        self.moe_layers = frozenset(int(layer) for layer in self.pack.moe_layers)
+        self.slot_bytes = max(self.pack.object_range(layer, 0)[1] for layer in self.moe_layers)
+        self._tiers = self._make_tiers(ram_mib, gpu_mib, policy)
+        self._compute = self._tiers[0]
+        self._host = next((tier for tier in self._tiers if tier.name == "ram"), None)
+        self._file = PackFile(
+            self.pack.path,
+            io_threads=io_threads,
+            read_splits=read_splits,
+            direct_io=direct_io,
+            simulated_read_latency_us=simulated_read_latency_us,
+        )
+        self._uploader = None
+        if self.device.type == "cuda":
+            from k3stream.store.gpu import GpuUploader
+
+            self._uploader = GpuUploader(self.device, self.slot_bytes)
+        self._lock = threading.RLock()
+        self._slot_freed = threading.Condition(self._lock)
+        self._pins: Counter[Key] = Counter()
+        self._step_pins: dict[int, list[Key]] = {}
+        self._prefetched: set[Key] = set()
+        self._layer_fetches: Counter[int] = Counter()
+        self._live: dict[int, weakref.ref] = {}
+        self._layer_counts: dict[int, Counter] = {
+            layer: Counter(hits=0, misses=0) for layer in self.moe_layers
+        }
+        self._counts = Counter(
+            fetches=0,
+            fetch_ns=0,
+            tokens=0,
+            prefetch_requests=0,
+            prefetch_loads=0,
+            prefetch_hits=0,
+            prefetch_unused_evictions=0,
+            prefetch_skipped=0,
+            prefetch_stale=0,
+            prefetch_waits=0,
+        )
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="k3stream-prefetch") if prefetch else None
+        self._trace = None
+        if record_trace is not None:
+            self._trace = TraceWriter(
+                record_trace,
+                {
+                    "source": f"ExpertStore over {self.pack.path}",
+                    "moe_layers": sorted(self.moe_layers),
+                    "num_experts": self.num_experts,
+                    "top_k": self.top_k,
+                    "object_bytes": self.slot_bytes,
+                },
+            )
+        self._closed = False
+
+    def _make_tiers(self, ram_mib: float, gpu_mib: float | None, policy: str) -> list[_Tier]:
+        layers = sorted(self.moe_layers)
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"expert store device {self.device} requested but CUDA is not available")
+            gpu_mib = gpu_mib or self._default_gpu_mib()
+            tiers = [_Tier("gpu", gpu_mib, self.slot_bytes, policy, layers)]
+            if ram_mib:
+                tiers.append(_Tier("ram", ram_mib, self.slot_bytes, policy, layers))
+        else:
+            if gpu_mib:
+                raise ValueError(
+                    f"expert store GPU tier (gpu_mib={gpu_mib}) needs a CUDA device, got {self.device}"
+                )
+            tiers = [_Tier("ram", ram_mib, self.slot_bytes, policy, layers)]
+        need = self.top_k * self.slot_bytes
+        for tier in tiers:
+            if tier.cache.capacity < self.top_k:
+                raise ValueError(
+                    f"expert store {tier.name} budget {tier.budget_bytes / MIB:g} MiB is below one top-k "
+                    f"working set of {need / MIB:g} MiB ({self.top_k} x {self.slot_bytes} bytes)"
+                )
+        return tiers
+
+    def _default_gpu_mib(self) -> float:
+        """The seed's default: up to 18 GiB of the free device memory, leaving 3 GiB free."""
+        free_bytes, _total = torch.cuda.mem_get_info(self.device)
+        return max(0.0, min(DEFAULT_GPU_MIB, free_bytes / MIB - GPU_RESERVE_MIB))
+
+    @property
+    def max_experts_per_fetch(self) -> int:
+        """The most distinct experts one `fetch` may ask for: the compute tier's slot count."""
+        return self._compute.cache.capacity
+
+    # ---- ExpertSource ---------------------------------------------------------------------------
+
+    def fetch(self, layer: int, expert_ids: Iterable[int]) -> dict[int, Any]:
+        """The weights of each requested expert of `layer`, as views of resident objects."""
+        started = time.perf_counter_ns()
+        keys = self._keys(layer, expert_ids)
+        if len(keys) > self.max_experts_per_fetch:
+            raise ValueError(
+                f"expert store fetch of {len(keys)} experts for layer {layer} exceeds the "
+                f"{self._compute.name} tier's {self.max_experts_per_fetch} slots; "
+                "fetch at most max_experts_per_fetch at a time"
+            )
+        with self._lock:
+            self._pin_step(keys)
+            self._layer_fetches[layer] += 1
+            if self._trace is not None:
+                self._trace.step(layer, [expert for _, expert in keys])
+        buffers = self._ensure(self._compute, keys, demand=True, keep=True)
+        weights = {expert: self._weights((layer, expert), buffers[(layer, expert)]) for _, expert in keys}
+        with self._lock:
+            self._counts["fetches"] += 1
+            self._counts["fetch_ns"] += time.perf_counter_ns() - started
+        return weights
+
+    def prefetch(self, layer: int, expert_ids: Iterable[int]) -> None:
+        """Start loading these experts in the background; never blocks, never evicts pinned experts."""
+        if self._prefetcher is None or self._closed:
+            return
+        keys = self._keys(layer, expert_ids)
+        if not keys:
+            return
+        with self._lock:
+            self._counts["prefetch_requests"] += len(keys)
+            serial = self._layer_fetches[layer]
+        self._prefetcher.submit(self._prefetch_job, keys, serial)
+
+    def end_token(self, n_tokens: int = 1) -> None:
+        """The engine finished a step that produced `n_tokens` tokens (for bytes per token)."""
+        with self._lock:
+            self._counts["tokens"] += int(n_tokens)
+            if self._trace is not None:
+                self._trace.end_token(n_tokens)
+
+    # ---- loading --------------------------------------------------------------------------------
+
+    def _keys(self, layer: int, expert_ids: Iterable[int]) -> list[Key]:
+        if layer not in self.moe_layers:
+            raise ValueError(f"layer {layer} is not a routed MoE layer of {self.pack.path}")
+        experts = list(dict.fromkeys(int(expert) for expert in expert_ids))
+        bad = [expert for expert in experts if not 0 <= expert < self.num_experts]
+        if bad:
+            raise ValueError(f"expert ids {bad} out of range 0..{self.num_experts - 1} for layer {layer}")
+        return [(layer, expert) for expert in experts]
+
+    def _pin_step(self, keys: list[Key]) -> None:
+        thread = threading.get_ident()
+        for key in self._step_pins.get(thread, []):  # in place: waiting fetches hold this Counter
+            self._pins[key] -= 1
+            if self._pins[key] <= 0:
+                del self._pins[key]
+        self._pins.update(keys)
+        self._step_pins[thread] = keys
+        self._slot_freed.notify_all()
+
+    def _prefetch_job(self, keys: list[Key], serial: int) -> None:
+        with self._lock:
+            if self._layer_fetches[keys[0][0]] != serial:  # its layer was fetched while it queued
+                self._counts["prefetch_stale"] += len(keys)
+                return
+        with contextlib.suppress(OSError):  # a hint only: the demand fetch reads again and reports it
+            self._ensure(self._compute, keys, demand=False, keep=False)
+
+    def _ensure(self, tier: _Tier, keys: list[Key], demand: bool, keep: bool) -> dict[Key, torch.Tensor]:
+        """Make `keys` resident in `tier`; return their buffers when `keep`. A prefetch skips what does
+        not fit. A demand load may evict anything but the current steps; a prefetch keeps its own keys.
+        """
+        found: dict[Key, torch.Tensor] = {}
+        waits: dict[Key, Future] = {}
+        mine: list[Key] = []
+        with self._lock:
+            pinned = self._pins if demand else set(self._pins) | set(keys)
+            for key in keys:
+                if demand:
+                    self._count_lookup(tier, key)
+                self._plan(tier, key, demand, pinned, (found if keep else {}, waits, mine))
+        if mine:
+            found.update(self._load(tier, mine, demand, keep))
+        for key, future in waits.items():
+            found[key] = future.result()
+        return found
+
+    def _count_lookup(self, tier: _Tier, key: Key) -> None:
+        hit = tier.cache.lookup(key)
+        tier.counts["cache_hits" if hit else "cache_misses"] += 1
+        if tier is self._compute:
+            self._layer_counts[key[0]]["hits" if hit else "misses"] += 1
+            if key in self._prefetched and hit:
+                self._prefetched.discard(key)
+                self._counts["prefetch_hits"] += 1
+            elif key in tier.loading:
+                self._counts["prefetch_waits"] += 1
+
+    def _plan(self, tier: _Tier, key: Key, demand: bool, pinned: Any, plan: tuple[dict, dict, list]) -> None:
+        """Under the lock: note where `key` comes from, reserving a slot when it must be loaded."""
+        found, waits, mine = plan
+        while True:
+            if key in tier.buffers:
+                found[key] = tier.buffers[key]
+                return
+            if key in tier.loading:
+                if demand:
+                    waits[key] = tier.loading[key]
+                return
+            if tier.cache.has_room_without(pinned):
+                self._evict(tier, tier.cache.reserve(key, pinned))
+                tier.loading[key] = Future()
+                mine.append(key)
+                return
+            if not demand:
+                self._counts["prefetch_skipped"] += 1
+                return
+            if not set(tier.cache.loading) - set(mine):
+                raise WorkingSetTooLarge(
+                    f"expert store {tier.name} tier ({tier.cache.capacity} slots) cannot hold the pinned "
+                    f"working set ({len(self._pins)} experts pinned)"
+                )
+            self._slot_freed.wait()
+
+    def _evict(self, tier: _Tier, keys: list[Key]) -> None:
+        tier.evict(keys)
+        if tier is self._compute:
+            unused = self._prefetched.intersection(keys)
+            self._counts["prefetch_unused_evictions"] += len(unused)
+            self._prefetched.difference_update(unused)
+
+    def _load(self, tier: _Tier, keys: list[Key], demand: bool, keep: bool) -> dict[Key, torch.Tensor]:
+        """Fill the reserved slots of `keys` (outside the lock); on failure give the slots back."""
+        try:
+            if tier.name == "gpu":
+                loaded = self._load_gpu(keys, demand)
+            else:
+                loaded = {key: (buffer, None) for key, buffer in self._read_objects(keys, demand).items()}
+        except BaseException as exc:
+            with self._lock:
+                for key in keys:
+                    tier.cache.cancel(key)
+                    tier.loading.pop(key).set_exception(exc)
+                self._slot_freed.notify_all()
+            raise
+        with self._lock:
+            installed = self._install(tier, loaded, demand, keep)
+            self._slot_freed.notify_all()
+        return installed
+
+    def _install(self, tier: _Tier, loaded: dict, demand: bool, keep: bool) -> dict[Key, torch.Tensor]:
+        """Under the lock: move `loaded` (emptied) into `tier`; the buffers too when `keep`.
+
+        A prefetch keeps no reference once the lock is released, so an eviction right after frees
+        the buffer at once and live expert bytes stay within the budget.
+        """
+        kept = {}
+        while loaded:
+            key = next(iter(loaded))  # in request order, as the simulator admits them
+            buffer, ready = loaded.pop(key)
+            tier.install(key, buffer, ready, speculative=not demand)
+            tier.loading.pop(key).set_result(buffer)
+            if keep:
+                kept[key] = buffer
+            if not demand and tier is self._compute:
+                self._prefetched.add(key)
+                self._counts["prefetch_loads"] += 1
+        return kept
+
+    def _load_gpu(self, keys: list[Key], demand: bool) -> dict[Key, tuple[torch.Tensor, Any]]:
+        if self._host is not None:
+            hosts = self._ensure(self._host, keys, demand, keep=True)
+            missing = [key for key in keys if key not in hosts]
+            hosts.update(self._read_objects(missing, demand))
+        else:
+            hosts = self._read_objects(keys, demand)
+        loaded = {}
+        for key in keys:
+            buffer, ready = self._uploader.upload(hosts[key])
+            loaded[key] = (buffer, ready)
+            with self._lock:
+                self._tiers[0].counts["h2d_bytes"] += buffer.numel()
+        return loaded
+
+    def _read_objects(self, keys: list[Key], demand: bool) -> dict[Key, torch.Tensor]:
+        """Read whole objects from the pack into fresh host buffers (prefetches on the background pool)."""
+        buffers, requests = {}, []
+        for key in keys:
+            offset, nbytes = self.pack.object_range(*key)
+            array = np.empty(nbytes, dtype=np.uint8)
+            self._track(array)
+            buffers[key] = torch.from_numpy(array)
+            requests.append(ReadRequest(f"layer {key[0]} expert {key[1]}", offset, nbytes, array))
+        if requests:
+            self._file.read(requests, background=not demand)
+        return buffers
+
+    def _track(self, array: np.ndarray) -> None:
+        """Remember every host buffer weakly, so tests can sum the bytes still alive."""
+        ident = id(array)
+        with self._lock:
+            self._live[ident] = weakref.ref(array, lambda _ref, ident=ident: self._live.pop(ident, None))
+
+    def _weights(self, key: Key, buffer: torch.Tensor) -> Any:
+        from k3stream.model.experts import ExpertMatrix, ExpertWeights
+
+        if self._uploader is not None:
+            self._uploader.hand_out(buffer, self._compute.ready[key])
+        start = self.pack.object_range(*key)[0]
+        roles = self.pack.role_slices(*key)
+        return ExpertWeights(
+            **{
+                role: ExpertMatrix(
+                    buffer[part.offset - start : part.offset - start + part.nbytes],
+                    int(part.ggml_type),
+                    tuple(int(n) for n in part.shape),
+                )
+                for role, part in roles.items()
+            }
+        )
+
+    # ---- accounting -----------------------------------------------------------------------------
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of expert objects each tier holds, loads in progress excluded."""
+        with self._lock:
+            return {
+                tier.name: sum(buffer.numel() for buffer in tier.buffers.values()) for tier in self._tiers
+            }
+
+    def live_host_bytes(self) -> int:
+        """Bytes of every host expert buffer still alive anywhere (the tiers, a caller's views)."""
+        with self._lock:
+            arrays = [ref() for ref in list(self._live.values())]
+        return sum(array.nbytes for array in arrays if array is not None)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            disk = self._file.snapshot()
+            tokens = self._counts["tokens"]
+            layers = {
+                str(layer): {**counts, "hit_rate": counts["hits"] / max(counts["hits"] + counts["misses"], 1)}
+                for layer, counts in sorted(self._layer_counts.items())
+            }
+            return {
+                "pack_path": str(self.pack.path),
+                "device": str(self.device),
+                "object_bytes": self.slot_bytes,
+                **disk,
+                "tiers": {tier.name: tier.snapshot() for tier in self._tiers},
+                "layers": layers,
+                **{name: int(value) for name, value in self._counts.items()},
+                "prefetch": self._prefetcher is not None,
+                "bytes_per_token": disk["pack_read_bytes"] / tokens if tokens else 0.0,
+            }
+
+    def stats_json(self) -> str:
+        return json.dumps(self.stats(), indent=2, sort_keys=True)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        self._file.close()
+        if self._trace is not None:
+            self._trace.close()
+
+    def __enter__(self) -> ExpertStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,97 @@
+"""`k3stream bench` on a tiny model: phases, per-tier hit rates, pack reads, sequential read, llama.cpp."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from bench_helpers import MIB, bench_json, pack_expert_bytes, packed_tiny, run_cli
+from conftest import requires_llama
+
+SPEC = dict(n_layers=6, n_dense=1, n_experts=16, top_k=4, seed=11)
+MOE_LAYERS = SPEC["n_layers"] - SPEC["n_dense"]
+TOKENS = ("--prompt-tokens", "12", "--decode-tokens", "6")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return packed_tiny(tmp_path_factory.mktemp("bench"), **SPEC)
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / MIB:.4f}"
+
+
+def test_bench_streams_experts_when_the_budget_is_below_the_pack(model):
+    gguf_path, manifest = model
+    budget = pack_expert_bytes(manifest) // 3
+    results = bench_json(gguf_path, "--ram-mib", _mib(budget), *TOKENS)
+
+    prefill, decode = results["k3stream"]["phases"]
+    assert (prefill["phase"], prefill["tokens"]) == ("prefill", 12)
+    assert (decode["phase"], decode["tokens"]) == ("decode", 6)
+    for phase in (prefill, decode):
+        assert phase["tokens_per_s"] > 0
+        assert list(phase["tiers"]) == ["ram"]
+        assert 0.0 <= phase["tiers"]["ram"]["hit_rate"] <= 1.0
+    # each decode token looks up top_k distinct experts in every MoE layer
+    ram = decode["tiers"]["ram"]
+    assert ram["hits"] + ram["misses"] == 6 * MOE_LAYERS * SPEC["top_k"]
+    assert decode["pack_reads"] > 0
+    assert decode["bytes_per_token"] == decode["pack_read_bytes"] / 6 > 0
+    assert decode["read_gb_per_s"] > 0
+    sequential = results["sequential_read"]
+    assert sequential["bytes"] == os.path.getsize(results["pack"]["path"])
+    assert sequential["gb_per_s"] > 0
+    assert results["k3stream"]["expert_bytes"]["budget"]["ram"] <= budget
+
+
+def test_bench_reads_nothing_after_warmup_when_the_budget_holds_every_expert(model):
+    gguf_path, manifest = model
+    everything = pack_expert_bytes(manifest)
+    results = bench_json(gguf_path, "--ram-mib", _mib(everything + MIB), *TOKENS)
+
+    prefill, decode = results["k3stream"]["phases"]
+    assert prefill["pack_reads"] == 0  # the warmup ran the same prompt
+    assert prefill["tiers"]["ram"]["hit_rate"] == 1.0
+    store = results["k3stream"]["store"]
+    assert store["tiers"]["ram"]["cache_evictions"] == 0
+    assert store["pack_reads"] <= MOE_LAYERS * SPEC["n_experts"]  # every expert read at most once
+
+
+def test_bench_without_a_pack_reports_speed_only(model):
+    gguf_path, _manifest = model
+    results = bench_json(gguf_path, "--no-stream-experts", *TOKENS)
+    assert "pack" not in results and "sequential_read" not in results
+    assert [phase["phase"] for phase in results["k3stream"]["phases"]] == ["prefill", "decode"]
+    assert all("tiers" not in phase for phase in results["k3stream"]["phases"])
+
+
+@requires_llama
+def test_bench_text_report_with_llama_cpp(model):
+    gguf_path, manifest = model
+    budget = pack_expert_bytes(manifest) // 2
+    status, out, err = run_cli("bench", str(gguf_path), "--ram-mib", _mib(budget), "--llama", *TOKENS)
+    assert status == 0, err
+    lines = out.splitlines()
+    table = lines.index(next(line for line in lines if line.startswith("phase")))
+    assert lines[table].split()[:4] == ["phase", "tokens", "tok/s", "ram"]
+    assert [line.split()[0] for line in lines[table + 1 : table + 3]] == ["prefill", "decode"]
+    assert any(line.startswith("sequential read of the pack:") for line in lines)
+    llama = next(line for line in lines if line.startswith("llama.cpp (mmap, 1 threads)"))
+    speeds = re.search(
+        r"prefill ([\d.]+) tok/s, decode ([\d.]+) tok/s; k3stream decode speed is ([\d.]+)x", llama
+    )
+    assert speeds is not None, llama
+    assert all(float(value) > 0 for value in speeds.groups())
+
+
+def test_bench_rejects_bad_token_counts(model):
+    gguf_path, _manifest = model
+    status, _out, err = run_cli("bench", str(gguf_path), "--prompt-tokens", "0")
+    assert status == 1
+    assert err.strip() == (
+        "k3stream bench: error: --prompt-tokens must be >= 1 and --decode-tokens >= 0, got 0 and 32"
+    )

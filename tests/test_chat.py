@@ -1,0 +1,122 @@
+"""Chat templates: the GGUF's own (checked against llama.cpp's renderer) and the built-in Kimi-K3 one."""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import requires_llama
+from k3stream.engine.chat import ChatTemplate
+from k3stream.engine.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model) -> Tokenizer:
+    return Tokenizer.from_gguf(tiny_model())
+
+
+@pytest.fixture(scope="module")
+def no_template_tokenizer(tokenizer) -> Tokenizer:
+    bare = copy.copy(tokenizer)
+    bare.chat_template = None
+    return bare
+
+
+def _llama_render(template: str, messages: list[dict], add_generation_prompt: bool) -> str:
+    """llama.cpp's built-in C++ renderer, which recognises the Kimi-K2 format from the template text."""
+    import llama_cpp
+
+    chat = (llama_cpp.llama_chat_message * len(messages))(
+        *[
+            llama_cpp.llama_chat_message(role=m["role"].encode(), content=m["content"].encode())
+            for m in messages
+        ]
+    )
+    size = 64 + 4 * sum(len(m["content"].encode()) + 64 for m in messages)
+    buffer = ctypes.create_string_buffer(size)
+    n = llama_cpp.llama_chat_apply_template(
+        template.encode(), chat, len(messages), add_generation_prompt, buffer, size
+    )
+    assert 0 < n <= size
+    return buffer.raw[:n].decode()
+
+
+_CONTENT = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\x00"), max_size=30)
+_CONVERSATION = st.lists(st.tuples(st.sampled_from(["user", "assistant"]), _CONTENT), min_size=1, max_size=5)
+
+
+@requires_llama
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(system=_CONTENT, turns=_CONVERSATION, add_generation_prompt=st.booleans())
+def test_file_template_matches_llama_cpp(tokenizer, system, turns, add_generation_prompt):
+    messages = [{"role": "system", "content": system}] + [{"role": r, "content": c} for r, c in turns]
+    template = ChatTemplate.for_tokenizer(tokenizer)
+    assert not template.is_builtin
+    ours = template.render(messages, add_generation_prompt=add_generation_prompt)
+    assert ours == _llama_render(tokenizer.chat_template, messages, add_generation_prompt)
+
+
+def test_file_template_adds_its_default_system_message(tokenizer):
+    text = ChatTemplate.for_tokenizer(tokenizer).render([{"role": "user", "content": "Hi"}])
+    assert text == (
+        "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+        "<|im_user|>user<|im_middle|>Hi<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    )
+
+
+def test_rendered_prompt_tokenizes_to_special_tokens(tokenizer):
+    text = ChatTemplate.for_tokenizer(tokenizer).render([{"role": "user", "content": "Hi"}])
+    ids = tokenizer.encode(text, allow_special=True)
+    for name in ("<|im_system|>", "<|im_middle|>", "<|im_end|>", "<|im_user|>", "<|im_assistant|>"):
+        assert tokenizer.token_id(name) in ids
+    assert tokenizer.decode(ids) == text
+
+
+# The Kimi-K3 message format, as llama.cpp's kimi-k3 chat parser spells it (common/parsers/kimi-k3.cpp).
+K3_USER = '<|open|>message role="user"<|sep|>{}<|close|>message<|sep|><|end_of_msg|>'
+K3_SYSTEM = '<|open|>message role="system"<|sep|>{}<|close|>message<|sep|><|end_of_msg|>'
+K3_ASSISTANT = (
+    '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>{}<|close|>response<|sep|>'
+    "<|close|>message<|sep|><|end_of_msg|>"
+)
+K3_GENERATION_PROMPT = '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
+K3_THINKING_PROMPT = '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
+
+
+def test_builtin_kimi_k3_template_when_the_file_has_none(no_template_tokenizer):
+    template = ChatTemplate.for_tokenizer(no_template_tokenizer)
+    assert template.is_builtin
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]},
+        {"role": "user", "content": "Bye"},
+    ]
+    expected = K3_SYSTEM.format("Be brief.") + K3_USER.format("Hi") + K3_ASSISTANT.format("Hello")
+    expected += K3_USER.format("Bye")
+    assert template.render(messages, add_generation_prompt=False) == expected
+    assert template.render(messages) == expected + K3_GENERATION_PROMPT
+    assert template.render(messages, thinking=True) == expected + K3_THINKING_PROMPT
+
+
+def test_templates_run_sandboxed():
+    template = ChatTemplate("{{ ''.__class__.__mro__[1].__subclasses__() }}", source="evil.gguf")
+    with pytest.raises(ValueError, match="^evil.gguf: cannot render"):
+        template.render([{"role": "user", "content": "x"}])
+
+
+def test_template_errors_name_the_source():
+    with pytest.raises(ValueError, match="^m.gguf: cannot compile the chat template"):
+        ChatTemplate("{% for %}", source="m.gguf")
+    raising = ChatTemplate("{{ raise_exception('only user turns') }}", source="m.gguf")
+    with pytest.raises(ValueError, match="^m.gguf: cannot render: only user turns"):
+        raising.render([{"role": "user", "content": "x"}])
+
+
+def test_unknown_roles_are_refused(tokenizer):
+    with pytest.raises(ValueError, match="chat message 1: role must be one of system, user, assistant, tool"):
+        ChatTemplate.for_tokenizer(tokenizer).render([{"role": "user", "content": "a"}, {"role": "robot"}])

@@ -1,0 +1,80 @@
+"""Memory guarantees: loading the non-expert weights peaks at their size + 10%; an expert RAM budget of B
+MiB keeps the expert bytes at or below B, end to end through `k3stream bench`."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from gguf import GGUFReader
+
+from bench_helpers import MIB, bench_json, pack_expert_bytes, packed_tiny
+
+# Large dense FFNs in three leading dense layers: ~600 MB of non-expert F32 weights, in tensors of 64 MiB
+# (the generator holds a few of them at a time), with the small built-in vocabulary so that parsing the
+# GGUF's metadata stays small next to the weights.
+LARGE_SPEC = dict(hidden=1024, n_dense=3, dense_ff=16384, recipe="f32")
+
+# Peak RSS of a fresh process loading the model (file pages mapped into it count too), above the peak it
+# had after its imports. VmHWM rather than ru_maxrss: Linux carries ru_maxrss across execve, so a child
+# of a big process (this one, after writing the model) would start with its parent's peak.
+MEASURE_LOAD = """
+import json, sys
+import torch
+import k3stream, k3stream.model.k3, k3stream.gguf.weights, k3stream.gguf.reader
+
+def peak():
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+baseline = peak()
+model = k3stream.load(sys.argv[1], device="cpu", dtype=torch.float32)
+print(json.dumps({"baseline": baseline, "peak": peak(), "vocab": model.config.vocab_size}))
+"""
+
+ROUTED_EXPERT = re.compile(r"\.ffn_(up|gate|down)_exps\.weight$")
+
+
+def nonexpert_bytes(path) -> int:
+    """Bytes of every tensor but the routed experts, from the `gguf` package's inventory."""
+    return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors if not ROUTED_EXPERT.search(t.name))
+
+
+@pytest.mark.slow
+def test_loading_nonexpert_weights_peaks_within_ten_percent_of_their_size(tmp_path):
+    from k3stream.tiny import TinySpec, make_tiny
+
+    gguf_path = make_tiny(tmp_path, TinySpec(**LARGE_SPEC))
+    weights = nonexpert_bytes(gguf_path)
+    assert gguf_path.stat().st_size >= 500e6 and weights >= 0.9 * gguf_path.stat().st_size
+
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURE_LOAD, str(gguf_path)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    grown = measured["peak"] - measured["baseline"]
+    assert grown <= 1.10 * weights, (
+        f"loading {weights / MIB:.0f} MiB of non-expert weights grew the peak RSS by {grown / MIB:.0f} MiB "
+        f"({grown / weights:.2f}x)"
+    )
+
+
+def test_expert_bytes_stay_within_the_ram_budget(tmp_path):
+    gguf_path, manifest = packed_tiny(tmp_path, n_experts=16, top_k=4, seed=12)
+    budget_mib = pack_expert_bytes(manifest) / 3 / MIB
+    results = bench_json(
+        gguf_path, "--ram-mib", f"{budget_mib:.4f}", "--prompt-tokens", "12", "--decode-tokens", "8"
+    )
+
+    expert_bytes = results["k3stream"]["expert_bytes"]
+    budget = expert_bytes["budget"]["ram"]
+    assert budget <= budget_mib * MIB
+    assert results["k3stream"]["phases"][1]["pack_reads"] > 0  # experts were evicted and read again
+    assert 0 < expert_bytes["peak_resident"]["ram"] <= budget
+    # every host expert buffer still alive anywhere (tiers, readers, callers), sampled after each step
+    assert expert_bytes["peak_live_host"] <= budget

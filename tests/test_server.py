@@ -1,0 +1,388 @@
+"""The OpenAI-compatible server, driven by the real `openai` client against a live uvicorn on 127.0.0.1.
+
+The model is a tiny Kimi-K3 GGUF packed by the real packer; its routed experts stream from the expert
+store with a RAM budget smaller than the pack. Greedy answers are checked against the engine's own
+generation loop on a second copy of the model that reads experts straight from the GGUF.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from k3stream.server.app import ServerConfig, create_app
+from k3stream.server.live import ServerProcess, ServerThread
+from k3stream.server.runtime import served_from_runtime
+
+MAX_BATCH = 4
+MAX_QUEUE = 4
+CTX = 256
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_model):
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def served_pack(tiny_gguf, tmp_path_factory):
+    from k3stream.pack.builder import BuildOptions, build_pack
+
+    out = tmp_path_factory.mktemp("pack")
+    manifest = out / "tiny.manifest.json"
+    build_pack(tiny_gguf, out / "tiny.pack", manifest, BuildOptions(progress=False))
+    return manifest
+
+
+@pytest.fixture(scope="module")
+def ram_mib(served_pack):
+    """Room for two MoE layers' experts: any one step's working set fits, the whole pack does not."""
+    from k3stream.pack.reader import ExpertPack
+
+    with ExpertPack(served_pack) as pack:
+        assert len(pack.moe_layers) > 2
+        return 2 * pack.num_experts * pack.object_bytes / (1 << 20)
+
+
+class LiveServer:
+    """The app on a uvicorn thread, plus the probes the tests read."""
+
+    def __init__(self, manifest, ram_mib, **config):
+        from k3stream.engine.loading import load_runtime
+
+        self.served = served_from_runtime(load_runtime(manifest, ram_mib=ram_mib), ctx=CTX)
+        self.name = self.served.name
+        self.thread = ServerThread(create_app(self.served, ServerConfig(**config))).start()
+        self.url = self.thread.url
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def metric(self, sample: str) -> float:
+        """The value of one exposition line, e.g. `k3stream_generation_tokens_total`."""
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(sample + " "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(sample)
+
+    def batched_steps(self) -> float:
+        """Decode steps that ran more than one sequence."""
+        return (self.metric("k3stream_decode_batch_size_count")
+                - self.metric('k3stream_decode_batch_size_bucket{le="1.0"}'))
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.health()["active_sequences"]:
+            assert time.monotonic() < deadline, f"sequences still active: {self.health()}"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.thread.stop()
+        self.served.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The test machine's cores are shared; one intra-op thread is many times faster than two there."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def server(served_pack, ram_mib):
+    live = LiveServer(served_pack, ram_mib, max_batch=MAX_BATCH, max_queue=MAX_QUEUE)
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_gguf):
+    """Greedy generation by the engine's loop on the model with experts read from the GGUF."""
+    import k3stream
+    from k3stream.engine.generate import generate
+    from k3stream.engine.sampling import SamplingParams
+    from k3stream.engine.tokenizer import Tokenizer
+
+    model, tokenizer = k3stream.load(tiny_gguf), Tokenizer.from_gguf(tiny_gguf)
+
+    def run(prompt_ids, max_tokens):
+        return generate(model, tokenizer, prompt_ids, SamplingParams(temperature=0, max_tokens=max_tokens))
+
+    return run
+
+
+def test_models_lists_the_served_model(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.name]
+
+
+def test_completion_greedy_matches_the_engine_loop(client, server, reference):
+    prompt = "The quick brown fox"
+    result = client.completions.create(model=server.name, prompt=prompt, max_tokens=12, temperature=0)
+    expected = reference(server.served.encode_prompt(prompt), 12)
+    choice = result.choices[0]
+    assert choice.text == expected.text
+    assert choice.finish_reason == expected.finish_reason
+    assert result.usage.prompt_tokens == len(server.served.encode_prompt(prompt))
+    assert result.usage.completion_tokens == expected.completion_tokens
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+    as_ids = client.completions.create(model=server.name, prompt=server.served.encode_prompt(prompt),
+                                       max_tokens=12, temperature=0)
+    assert as_ids.choices[0].text == expected.text
+
+
+def test_streamed_chat_equals_the_whole_answer(client, server):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    whole = client.chat.completions.create(model=server.name, messages=messages, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model=server.name, messages=messages, max_tokens=10,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert whole.usage.prompt_tokens == len(server.served.encode_chat(
+        [(m["role"], m["content"]) for m in messages]))
+
+
+def test_sse_stream_ends_with_done(server):
+    body = {"model": server.name, "prompt": "abc", "max_tokens": 3, "stream": True, "temperature": 0}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in events)
+    payloads = [json.loads(line.removeprefix("data: ")) for line in events[:-1]]
+    assert {p["object"] for p in payloads} == {"text_completion"}
+
+
+def test_stop_string_truncates_before_it(client, server):
+    prompt = "Once upon a time"
+    free = client.completions.create(model=server.name, prompt=prompt, max_tokens=16, temperature=0)
+    text = free.choices[0].text
+    assert len(text) >= 4, f"tiny model produced too little text to place a stop string: {text!r}"
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stopped = client.completions.create(model=server.name, prompt=prompt, max_tokens=16, temperature=0,
+                                        stop=[stop])
+    assert stopped.choices[0].text == text[:text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_max_tokens_bounds_the_output(client, server):
+    result = client.completions.create(model=server.name, prompt="count", max_tokens=5, temperature=0)
+    assert result.usage.completion_tokens <= 5
+    if result.choices[0].finish_reason == "length":
+        assert result.usage.completion_tokens == 5
+
+
+def test_seeded_sampling_is_reproducible(client, server):
+    def draw(seed):
+        return client.completions.create(model=server.name, prompt="Pick", max_tokens=10, temperature=1.0,
+                                         top_p=0.9, seed=seed).choices[0].text
+
+    assert draw(1234) == draw(1234)
+
+
+def test_batched_outputs_equal_solo_outputs(client, server):
+    prompts = ["alpha beta", "The rain in Spain", "1 2 3 4", "Hello, world"]
+    assert len(prompts) == MAX_BATCH
+
+    def run(prompt):
+        return client.completions.create(model=server.name, prompt=prompt, max_tokens=24, temperature=0)
+
+    solo = [run(p).choices[0].text for p in prompts]
+    batched_before = server.batched_steps()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = [r.choices[0].text for r in pool.map(run, prompts)]
+    assert together == solo
+    assert server.batched_steps() > batched_before, "the concurrent requests were never decoded together"
+
+
+BAD_BODIES = [
+    ("malformed json", b'{"model": "x", "prompt": ', "invalid_json"),
+    ("not an object", b"[1, 2, 3]", None),
+    ("max_tokens string", {"prompt": "hi", "max_tokens": "ten"}, None),
+    ("temperature string", {"prompt": "hi", "temperature": "hot"}, None),
+    ("temperature out of range", {"prompt": "hi", "temperature": 7.5}, None),
+    ("negative max_tokens", {"prompt": "hi", "max_tokens": -5}, None),
+    ("zero max_tokens", {"prompt": "hi", "max_tokens": 0}, None),
+    ("huge max_tokens", {"prompt": "hi", "max_tokens": 10**12}, None),
+    ("max_tokens beyond the context", {"prompt": "hi", "max_tokens": 100000}, None),
+    ("prompt longer than the context", {"prompt": "word " * 600}, "context_length_exceeded"),
+    ("token ids outside the vocabulary", {"prompt": [1, 2, 10**9]}, None),
+    ("missing prompt", {"max_tokens": 3}, None),
+    ("n=2", {"prompt": "hi", "n": 2}, "unsupported_value"),
+    ("two prompts", {"prompt": ["a", "b"]}, "unsupported_value"),
+    ("stop of wrong type", {"prompt": "hi", "stop": 5}, None),
+    ("stream not a bool", {"prompt": "hi", "stream": "yes"}, None),
+]
+
+
+@pytest.mark.parametrize(("case", "body", "code"), BAD_BODIES, ids=[c[0] for c in BAD_BODIES])
+def test_bad_completion_requests_get_openai_errors(server, case, body, code):
+    if isinstance(body, dict):
+        body = json.dumps({"model": server.name, **body}).encode()
+    response = httpx.post(server.url + "/v1/completions", content=body,
+                          headers={"content-type": "application/json"}, timeout=30)
+    assert 400 <= response.status_code < 500, (case, response.status_code, response.text)
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if code is not None:
+        assert error["code"] == code
+
+
+def test_bad_chat_requests_and_unknown_model(client, server):
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    assert not_found.value.body["code"] == "model_not_found"
+    for messages in ([], [{"role": "wizard", "content": "hi"}], [{"role": "user", "content": 42}]):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model=server.name, messages=messages)
+        assert bad.value.body["param"].startswith("messages")
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.chat.completions.create(model=server.name, messages=[{"role": "user", "content": "hi " * 600}])
+    answer = client.chat.completions.create(model=server.name, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=2)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_unknown_route_answers_an_openai_error(server):
+    response = httpx.get(server.url + "/v1/nothing-here", timeout=10)
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "not_found_error"
+
+
+def test_disconnect_mid_stream_frees_the_sequence(server):
+    server.wait_idle()
+    generated_before = server.metric("k3stream_generation_tokens_total")
+    body = {"model": server.name, "prompt": "Tell me a long story", "max_tokens": 240, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(3)]
+    assert all(line.startswith("data: ") or not line for line in received)
+    server.wait_idle(timeout=10)
+    generated = server.metric("k3stream_generation_tokens_total") - generated_before
+    assert generated < 240, "the sequence ran to max_tokens after its client left"
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_frees_the_sequence(server):
+    server.wait_idle()
+    generated_before = server.metric("k3stream_generation_tokens_total")
+    body = {"model": server.name, "prompt": "Tell me a long story", "max_tokens": 240, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+    server.wait_idle(timeout=10)
+    generated = server.metric("k3stream_generation_tokens_total") - generated_before
+    assert generated < 240, "the sequence ran to max_tokens after its client left"
+
+
+def test_full_queue_refuses_with_429(server):
+    server.wait_idle()
+    body = {"model": server.name, "prompt": "Go on and on", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True}
+    statuses = []
+
+    def post(_):
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        statuses.append(response.status_code)
+        if response.status_code == 429:
+            assert response.json()["error"]["code"] == "queue_full"
+
+    with ThreadPoolExecutor(12) as pool:
+        list(pool.map(post, range(12)))
+    assert set(statuses) <= {200, 429}
+    assert statuses.count(200) >= MAX_BATCH
+    assert statuses.count(429) >= 12 - MAX_BATCH - MAX_QUEUE
+    server.wait_idle()
+
+
+def test_health_and_metrics(client, server):
+    client.completions.create(model=server.name, prompt="metrics please", max_tokens=4, temperature=0)
+    server.wait_idle()
+    health = server.health()
+    assert health["status"] == "ok" and health["active_sequences"] == 0
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    for name in ("k3stream_requests_total", "k3stream_prompt_tokens_total",
+                 "k3stream_generation_tokens_total", "k3stream_time_to_first_token_seconds_bucket",
+                 "k3stream_time_per_output_token_seconds_bucket", "k3stream_queue_length",
+                 "k3stream_expert_bytes_read_per_token"):
+        assert re.search(rf"^{name}[{{ ]", text, re.M), f"/metrics lacks {name}"
+    tiers = set(re.findall(r'^k3stream_expert_hit_rate\{tier="(\w+)"\}', text, re.M))
+    assert "ram" in tiers
+    assert server.metric('k3stream_requests_total{endpoint="/v1/completions",status="200"}') >= 1
+    assert server.metric("k3stream_expert_bytes_read_per_token") > 0
+
+
+def test_load_with_random_disconnects_leaks_nothing(server):
+    """40 requests from 8 threads, a third of them abandoned mid-stream; only 429s may fail."""
+    server.wait_idle()
+    rss_before = server.health()["rss_bytes"]
+    rng = random.Random(7)
+    plans = [(i, rng.random() < 0.35, rng.randint(4, 24)) for i in range(40)]
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def attempt(index, abandon, max_tokens):
+        body = {"model": server.name, "prompt": f"request {index}: say something", "max_tokens": max_tokens,
+                "temperature": 0.8, "seed": index, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+            if response.status_code == 429:
+                return "refused"
+            if response.status_code != 200:
+                return "failed"
+            if abandon:
+                next(response.iter_lines())
+                return "abandoned"
+            lines = [line for line in response.iter_lines() if line]
+            return "done" if lines[-1] == "data: [DONE]" and "error" not in lines[-2] else "failed"
+
+    def one(plan):
+        for _ in range(20):  # a refused client backs off and retries, as Retry-After asks
+            outcome = attempt(*plan)
+            if outcome != "refused":
+                break
+            time.sleep(0.1)
+        with lock:
+            outcomes.append(outcome)
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, plans))
+    assert time.monotonic() - started < 60
+    assert "failed" not in outcomes
+    assert outcomes.count("done") + outcomes.count("abandoned") >= 30, outcomes
+    server.wait_idle(timeout=15)
+    health = server.health()
+    assert health["active_sequences"] == 0
+    assert health["rss_bytes"] - rss_before < 64 << 20
+
+
+def test_cli_serve_answers(served_pack, ram_mib, tmp_path):
+    with ServerProcess(served_pack, "--ram-mib", str(ram_mib), "--ctx", str(CTX), "--threads", "1",
+                       log_path=tmp_path / "serve.log") as process:
+        client = openai.OpenAI(base_url=process.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        [model] = client.models.list().data
+        result = client.completions.create(model=model.id, prompt="hi", max_tokens=3, temperature=0)
+        assert result.usage.completion_tokens >= 1

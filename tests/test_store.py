@@ -1,0 +1,226 @@
+"""The expert store over a real pack built from a tiny Kimi-K3 GGUF: bytes, budgets, pins, I/O, stats."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+
+from k3stream.pack.builder import build_pack
+from k3stream.pack.reader import ExpertPack
+from k3stream.store import ExpertStore
+from k3stream.store.simulate import simulate_policy
+from k3stream.store.traces import read_trace
+
+MIB = 1 << 20
+AUDITED = dict(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32)
+
+
+@pytest.fixture(scope="module")
+def packed(tiny_model, tmp_path_factory):
+    """(gguf path, ExpertPack) of a tiny audited-recipe model (Q2_K/Q3_K experts, padded objects)."""
+    gguf_path = tiny_model(**AUDITED)
+    out = tmp_path_factory.mktemp("pack")
+    result = build_pack(gguf_path, out / "tiny.pack", out / "tiny.manifest.json")
+    return gguf_path, ExpertPack(result.manifest)
+
+
+def budget(pack: ExpertPack, objects: float) -> float:
+    return objects * pack.object_bytes / MIB
+
+
+def gguf_expert_bytes(gguf_path, layer: int, expert: int) -> dict[str, bytes]:
+    """One expert's role bytes straight from the GGUF, read by the gguf package (the oracle)."""
+    tensors = {t.name: t for t in GGUFReader(gguf_path).tensors}
+    result = {}
+    for role in ("up", "gate", "down"):
+        tensor = tensors[f"blk.{layer}.ffn_{role}_exps.weight"]
+        result[role] = np.asarray(tensor.data).view(np.uint8).reshape(tensor.shape[-1], -1)[expert].tobytes()
+    return result
+
+
+def random_route(rng: np.random.Generator, pack: ExpertPack) -> list[int]:
+    return [int(e) for e in rng.choice(pack.num_experts, size=pack.top_k, replace=False)]
+
+
+def test_fetch_returns_the_gguf_bytes_as_views_of_one_buffer(packed):
+    gguf_path, pack = packed
+    layer = pack.moe_layers[-1]
+    with ExpertStore(pack, ram_mib=budget(pack, pack.top_k), prefetch=False) as store:
+        weights = store.fetch(layer, [3, 0, 3, 7])
+        assert sorted(weights) == [0, 3, 7]
+        for expert in (0, 3, 7):
+            expected = gguf_expert_bytes(gguf_path, layer, expert)
+            matrices = weights[expert]
+            for role in ("up", "gate", "down"):
+                matrix = getattr(matrices, role)
+                assert matrix.data.numpy().tobytes() == expected[role]
+                assert matrix.ggml_type == {"up": 10, "gate": 10, "down": 11}[role]
+                assert matrix.shape == (256, 256)
+            base = matrices.up.data.untyped_storage().data_ptr()
+            assert matrices.down.data.untyped_storage().data_ptr() == base  # one object buffer, zero copy
+
+
+def test_budget_below_one_working_set_is_refused(packed):
+    _, pack = packed
+    too_small = budget(pack, pack.top_k - 0.5)
+    with pytest.raises(ValueError) as error:
+        ExpertStore(pack, ram_mib=too_small)
+    message = str(error.value)
+    assert "ram budget" in message and f"{too_small:g} MiB" in message
+    assert f"{pack.top_k} x {pack.object_bytes} bytes" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("policy", ["lfu-lru", "lru", "arc", "cycle"])
+def test_budget_holds_and_current_step_stays_resident_under_prefetch(packed, policy):
+    _, pack = packed
+    rng = np.random.default_rng(5)
+    limit = int(budget(pack, pack.top_k + 2) * MIB)
+    with ExpertStore(pack, ram_mib=limit / MIB, policy=policy, prefetch=True, io_threads=3) as store:
+        for _ in range(40):
+            for index, layer in enumerate(pack.moe_layers):
+                ids = random_route(rng, pack)
+                weights = store.fetch(layer, ids)
+                following = pack.moe_layers[(index + 1) % len(pack.moe_layers)]
+                store.prefetch(following, random_route(rng, pack))
+                resident = store._compute.buffers  # the current step must survive the prefetch
+                assert all((layer, expert) in resident for expert in ids)
+                assert store.resident_bytes()["ram"] <= limit
+                del weights
+                assert store.live_host_bytes() <= limit
+            store.end_token(1)
+        stats = store.stats()
+    assert stats["tiers"]["ram"]["resident_bytes"] <= limit
+    assert stats["prefetch_loads"] > 0 and stats["tokens"] == 40
+
+
+@pytest.mark.parametrize("policy", ["lfu-lru", "cycle", "arc"])
+def test_store_decisions_match_the_simulator_on_its_recorded_trace(packed, tmp_path, policy):
+    _, pack = packed
+    rng = np.random.default_rng(11)
+    trace_path = tmp_path / "trace.jsonl"
+    capacity = pack.top_k + 3
+    ram_mib = budget(pack, capacity)
+    with ExpertStore(pack, ram_mib=ram_mib, policy=policy, prefetch=False, record_trace=trace_path) as store:
+        for _ in range(25):
+            for layer in pack.moe_layers:
+                store.fetch(layer, random_route(rng, pack))
+            store.end_token(1)
+        stats = store.stats()
+    trace = read_trace(trace_path)
+    assert trace.tokens == 25 and len(trace.steps) == 25 * len(pack.moe_layers)
+    assert trace.meta["object_bytes"] == pack.object_bytes
+    simulated = simulate_policy(trace.steps, policy, capacity)
+    ram = stats["tiers"]["ram"]
+    assert (ram["cache_hits"], ram["cache_misses"]) == (simulated.hits, simulated.misses)
+    assert stats["pack_reads"] == simulated.misses
+    assert stats["pack_read_bytes"] == simulated.misses * pack.object_bytes
+    assert stats["bytes_per_token"] == stats["pack_read_bytes"] / 25
+
+
+def test_threads_share_one_store(packed):
+    gguf_path, pack = packed
+    layer = pack.moe_layers[0]
+    expected = {e: gguf_expert_bytes(gguf_path, layer, e)["down"] for e in range(pack.num_experts)}
+    limit = int(budget(pack, 3 * pack.top_k) * MIB)
+    errors = []
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(30):
+                ids = random_route(rng, pack)
+                weights = store.fetch(layer, ids)
+                store.prefetch(layer, random_route(rng, pack))
+                for expert in ids:
+                    assert weights[expert].down.data.numpy().tobytes() == expected[expert]
+                assert store.resident_bytes()["ram"] <= limit
+        except Exception as exc:  # reported below, in the main thread
+            errors.append(exc)
+
+    with ExpertStore(pack, ram_mib=limit / MIB, io_threads=4) as store:
+        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        stats = store.stats()
+    assert not errors, errors
+    ram = stats["tiers"]["ram"]
+    assert ram["cache_hits"] + ram["cache_misses"] == 3 * 30 * pack.top_k
+
+
+def test_direct_io_serves_the_same_bytes_or_falls_back(packed):
+    gguf_path, pack = packed
+    layer = pack.moe_layers[1]
+    with ExpertStore(pack, ram_mib=budget(pack, pack.top_k), direct_io=True, read_splits=3) as store:
+        weights = store.fetch(layer, [1, 2, 15])
+        for expert in (1, 2, 15):
+            assert (
+                weights[expert].gate.data.numpy().tobytes()
+                == gguf_expert_bytes(gguf_path, layer, expert)["gate"]
+            )
+        stats = store.stats()
+    assert stats["direct_io"] is True or "buffered" in stats["direct_io_note"]
+    assert stats["read_splits"] == 3 and stats["io_errors"] == 0
+
+
+def test_read_error_names_the_pack_and_expert_and_is_counted(packed, tmp_path):
+    _, pack = packed
+    for source in (pack.path, pack.manifest_path):
+        shutil.copyfile(source, tmp_path / source.name)
+    copy = ExpertPack(tmp_path / pack.manifest_path.name)
+    with ExpertStore(copy, ram_mib=budget(pack, pack.top_k), prefetch=False) as store:
+        os.truncate(copy.path, copy.object_range(pack.moe_layers[0], 0)[0])  # the disk loses the payload
+        layer = pack.moe_layers[0]
+        with pytest.raises(
+            OSError, match=rf"expert-pack read failed for layer {layer} expert 5 in .*short read"
+        ):
+            store.fetch(layer, [5])
+        assert store.stats()["io_errors"] == 1
+        assert store.resident_bytes()["ram"] == 0
+        assert store._compute.cache.used() == 0  # the reserved slot was given back
+
+
+def test_stats_json_has_the_seed_counters_per_tier_and_per_layer(packed):
+    _, pack = packed
+    with ExpertStore(pack, ram_mib=budget(pack, 2 * pack.top_k)) as store:
+        layer = pack.moe_layers[0]
+        store.fetch(layer, [0, 1, 2, 3])
+        store.fetch(layer, [0, 1, 2, 4])
+        store.end_token(1)
+        stats = json.loads(store.stats_json())
+    for name in ("pack_reads", "pack_read_bytes", "pack_read_ns", "io_errors", "bytes_per_token"):
+        assert name in stats
+    ram = stats["tiers"]["ram"]
+    for name in ("cache_hits", "cache_misses", "cache_evictions", "resident_experts", "resident_bytes"):
+        assert name in ram
+    assert (ram["cache_hits"], ram["cache_misses"], stats["pack_reads"]) == (3, 5, 5)
+    assert stats["layers"][str(layer)] == {"hits": 3, "misses": 5, "hit_rate": 3 / 8}
+    assert stats["bytes_per_token"] == 5 * pack.object_bytes
+
+
+def test_bad_requests_are_refused(packed):
+    _, pack = packed
+    with ExpertStore(pack, ram_mib=budget(pack, pack.top_k)) as store:
+        with pytest.raises(ValueError, match="layer 0 is not a routed MoE layer"):
+            store.fetch(0, [1])
+        with pytest.raises(ValueError, match=r"expert ids \[16\] out of range 0\.\.15"):
+            store.fetch(pack.moe_layers[0], [16])
+        with pytest.raises(ValueError, match="exceeds the ram tier's 4 slots"):
+            store.fetch(pack.moe_layers[0], range(5))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        ExpertStore(pack, ram_mib=1, gpu_mib=1)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="requested but CUDA is not available"):
+            ExpertStore(pack, ram_mib=1, device="cuda")
+    with pytest.raises(
+        ValueError, match="unknown eviction policy 'mru'; choose one of lfu-lru, lru, arc, cycle"
+    ):
+        ExpertStore(pack, ram_mib=1, policy="mru")

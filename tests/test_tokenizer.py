@@ -1,0 +1,203 @@
+"""The GGUF tokenizer against llama.cpp's on the tiny models' Kimi-style vocabulary."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import requires_llama
+from k3stream.engine.tokenizer import Tokenizer, VocabFields
+
+VARIED = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "HelloWorld camelCaseWord WORDword ABCdef",
+    "I'm fine, they'RE here, we'll see, you'd, it's, SHE'S, don't",
+    "café naïve résumé Straße ÀÉÎÕÜ",
+    "e\u0301t\u00e9 a\u0300\u0301b",  # combining marks
+    "中文文本测试 你好，世界！ 我们一起学习人工智能",
+    "日本語の文章 한국어 문장 Ελληνικά русский язык",
+    "Emoji: 🙂 🚀 ✨ 👩‍👩‍👧 🇫🇷",
+    "1 12 123 1234 12345 123456 1234567 3.14159 1,000,000 ٣٤٥ ①②③",
+    "  two  spaces   three    four\t\ttab\n\nnewlines\r\nwindows\n \n  \n",
+    "   ",
+    "\n",
+    " \t\u00a0\u3000 unusual spaces",
+    "!!! ??? ... --- *** ### $$$ %%% (()) [[]] {{}} <<>> ||| ~~~ ``` '''",
+    "“quotes” ‘apostrophes’ … — – «»",
+    "def fibonacci(n: int) -> int:\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + n\n",
+    '#include <stdio.h>\nint main(void) { printf("%d\\n", 42); return 0; }',
+    "x\u200by zero\u200dwidth \ufeffbom",
+    "<|im_end|>",
+    "[BOS]Hello<|im_user|>user<|im_middle|>hi<|im_end|>[EOS]",
+    "<|im_end |> <|im_end> [BOS [EOS]]",
+    "",
+]
+
+SPECIALS = [
+    "[BOS]",
+    "[EOS]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+]
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model):
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path) -> Tokenizer:
+    return Tokenizer.from_gguf(model_path)
+
+
+@pytest.fixture(scope="module")
+def llama_vocab(model_path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    return llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
+
+
+def _llama_ids(llama_vocab, text: str, special: bool) -> list[int]:
+    return list(llama_vocab.tokenize(text.encode(), add_bos=False, special=special)) if text else []
+
+
+def _llama_detokenize(llama_vocab, ids: list[int], special: bool) -> bytes:
+    """llama.cpp's detokenizer (the C API: `Llama.detokenize` cuts pieces at 32 bytes)."""
+    import ctypes
+
+    import llama_cpp
+
+    size = 64 * len(ids) + 1
+    buffer = ctypes.create_string_buffer(size)
+    tokens = (llama_cpp.llama_token * len(ids))(*ids)
+    n = llama_cpp.llama_detokenize(llama_vocab._model.vocab, tokens, len(ids), buffer, size, False, special)
+    assert 0 <= n <= size
+    return buffer.raw[:n]
+
+
+@requires_llama
+@pytest.mark.parametrize("special", [True, False])
+@pytest.mark.parametrize("text", VARIED)
+def test_encode_matches_llama_cpp(tokenizer, llama_vocab, text, special):
+    assert tokenizer.encode(text, allow_special=special, add_bos=False) == _llama_ids(
+        llama_vocab, text, special
+    )
+
+
+@requires_llama
+def test_special_token_ids_match_llama_cpp(tokenizer, llama_vocab):
+    assert tokenizer.bos_id == llama_vocab.token_bos()
+    assert tokenizer.eos_id == llama_vocab.token_eos()
+    assert tokenizer.vocab_size == llama_vocab.n_vocab()
+    for text in SPECIALS:
+        assert [tokenizer.token_id(text)] == _llama_ids(llama_vocab, text, special=True)
+
+
+# Text drawn from every unicode category plus the characters the vocabulary knows best, so that both
+# long merges and unknown characters are exercised.
+_KNOWN = st.sampled_from(list("the quick brown fox 123 4567 \n\n\t  def (x): return café 中文测试 🙂 'S'll"))
+_TEXT = st.lists(
+    st.one_of(_KNOWN, st.characters(exclude_categories=("Cs",)), st.sampled_from(SPECIALS)), max_size=40
+).map("".join)
+
+
+@requires_llama
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=_TEXT, special=st.booleans())
+def test_random_text_matches_llama_cpp(tokenizer, llama_vocab, text, special):
+    assert tokenizer.encode(text, allow_special=special) == _llama_ids(llama_vocab, text, special)
+
+
+@requires_llama
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_decode_matches_llama_cpp(tokenizer, llama_vocab, data):
+    ids = data.draw(st.lists(st.integers(0, tokenizer.vocab_size - 1), max_size=30))
+    assert tokenizer.decode_bytes(ids) == _llama_detokenize(llama_vocab, ids, special=True)
+    assert tokenizer.decode_bytes(ids, skip_special=True) == _llama_detokenize(
+        llama_vocab, ids, special=False
+    )
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=_TEXT)
+def test_round_trip_and_streaming(tokenizer, text):
+    ids = tokenizer.encode(text, allow_special=True)
+    assert tokenizer.decode(ids) == text
+    decoder = tokenizer.stream_decoder()
+    pieces = [decoder.feed(token) for token in ids] + [decoder.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in piece for piece in pieces) or "\ufffd" in text
+
+
+def test_streaming_holds_back_split_utf8(tokenizer):
+    # an emoji is four bytes; the tiny vocabulary spells it with several tokens
+    ids = tokenizer.encode("🙂")
+    assert len(ids) > 1
+    decoder = tokenizer.stream_decoder()
+    assert [decoder.feed(token) for token in ids[:-1]] == [""] * (len(ids) - 1)
+    assert decoder.feed(ids[-1]) == "🙂"
+
+
+def test_incomplete_utf8_at_the_end_becomes_replacement(tokenizer):
+    ids = tokenizer.encode("🙂")[:-1]
+    decoder = tokenizer.stream_decoder()
+    assert "".join(decoder.feed(token) for token in ids) + decoder.flush() == "\ufffd"
+    assert tokenizer.decode(ids) == "\ufffd"
+
+
+def test_special_text_is_plain_text_unless_allowed(tokenizer):
+    im_end = tokenizer.token_id("<|im_end|>")
+    assert tokenizer.encode("<|im_end|>", allow_special=True) == [im_end]
+    assert im_end not in tokenizer.encode("<|im_end|>", allow_special=False)
+    assert tokenizer.decode(tokenizer.encode("a<|im_end|>b", allow_special=True), skip_special=True) == "ab"
+
+
+def test_add_bos(tokenizer):
+    assert tokenizer.encode("hi", add_bos=True)[0] == tokenizer.bos_id
+    assert tokenizer.encode("hi", add_bos=None) == tokenizer.encode("hi", add_bos=False)  # file says no
+
+
+def test_unknown_special_token_and_bad_id_are_refused(tokenizer):
+    with pytest.raises(ValueError, match=r"no special token '<\|nope\|>'"):
+        tokenizer.token_id("<|nope|>")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tokenizer.decode([tokenizer.vocab_size])
+
+
+def _fields(tokenizer_fields: VocabFields, **changes) -> VocabFields:
+    return VocabFields(**{**tokenizer_fields.__dict__, **changes})
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"pre": "llama-bpe"}, "tokenizer.ggml.pre is 'llama-bpe', expected 'kimi-k2'"),
+        ({"model": "llama"}, "tokenizer.ggml.model is 'llama', expected 'gpt2'"),
+    ],
+)
+def test_unsupported_vocabularies_are_refused(changes, message):
+    base = VocabFields(
+        tokens=["a"], token_types=[1], model="gpt2", pre="kimi-k2", bos_id=None, eos_id=None, source="x.gguf"
+    )
+    with pytest.raises(ValueError, match=f"^x.gguf: {message}"):
+        Tokenizer(_fields(base, **changes))
+
+
+def test_missing_byte_tokens_are_refused():
+    fields = VocabFields(
+        tokens=["a", "b"],
+        token_types=[1, 1],
+        model="gpt2",
+        pre="kimi-k2",
+        bos_id=None,
+        eos_id=None,
+        source="x.gguf",
+    )
+    with pytest.raises(ValueError, match="^x.gguf: vocabulary lacks 254 single-byte tokens"):
+        Tokenizer(fields)
