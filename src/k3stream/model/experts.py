@@ -6,11 +6,14 @@ The model never reads routed expert tensors from the checkpoint itself.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import numpy as np
 import torch
+
+from k3stream.gguf.layout import routed_expert_name
+from k3stream.model.layers import bytes_to_matrix
 
 if TYPE_CHECKING:
     from k3stream.gguf.reader import K3Checkpoint
@@ -28,9 +31,18 @@ class ExpertMatrix:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T, dequantizing the blocks."""
-        from k3stream.quant.matmul import qlinear
+        from k3stream.quant import qlinear
 
         return qlinear(x, self.data, self.ggml_type, self.shape[0], self.shape[1])
+
+
+def stack_dense(matrices: list[ExpertMatrix], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Float32 [n, out, in] on `device` of several matrices of one role (one dequantize call)."""
+    first = matrices[0]
+    if any(m.ggml_type != first.ggml_type or m.shape != first.shape for m in matrices):
+        raise ValueError("stack_dense: matrices differ in GGML type or shape")
+    data = torch.cat([m.data.reshape(-1) for m in matrices]).to(device)
+    return bytes_to_matrix(data, first.ggml_type, (len(matrices), *first.shape))
 
 
 @dataclass(frozen=True)
@@ -51,29 +63,40 @@ class ExpertSource(Protocol):
         ...
 
 
-def routed_tensor_name(layer: int, role: str) -> str:
-    return f"blk.{layer}.ffn_{role}_exps.weight"
-
-
 class GGUFExpertSource:
     """Serves expert slices straight from the checkpoint's memory map (no cache, no prefetch)."""
 
     def __init__(self, checkpoint: K3Checkpoint) -> None:
         self.checkpoint = checkpoint
+        self._roles: dict[tuple[int, str], tuple[torch.Tensor, int, tuple[int, int]]] = {}
 
     def fetch(self, layer: int, expert_ids: list[int]) -> dict[int, ExpertWeights]:
-        return {expert: self._expert(layer, expert) for expert in expert_ids}
+        roles = [self._role(layer, role) for role in ROLES]
+        count = roles[0][0].shape[0]
+        bad = [expert for expert in expert_ids if not 0 <= expert < count]
+        if bad:
+            raise IndexError(
+                f"{self.checkpoint.shards[0]}: expert {bad[0]} outside 0..{count - 1} (layer {layer})"
+            )
+        return {
+            expert: ExpertWeights(
+                *(ExpertMatrix(data[expert], type_id, shape) for data, type_id, shape in roles)
+            )
+            for expert in expert_ids
+        }
 
     def prefetch(self, layer: int, expert_ids: list[int]) -> None:
         return None
 
-    def _expert(self, layer: int, expert: int) -> ExpertWeights:
-        return ExpertWeights(*(self._matrix(layer, role, expert) for role in ROLES))
-
-    def _matrix(self, layer: int, role: str, expert: int) -> ExpertMatrix:
-        name = routed_tensor_name(layer, role)
-        info = self.checkpoint.tensors[name]
-        _count, rows, cols = info.shape
-        # a copy: the map is read-only, and the copy is the read a streaming store would do anyway
-        data = torch.from_numpy(np.array(self.checkpoint.expert_slice(name, expert)))
-        return ExpertMatrix(data, int(info.ggml_type), (int(rows), int(cols)))
+    def _role(self, layer: int, role: str) -> tuple[torch.Tensor, int, tuple[int, int]]:
+        """One routed tensor as [experts, bytes per expert] over the map, its type and (out, in)."""
+        key = (layer, role)
+        if key not in self._roles:
+            name = routed_expert_name(layer, role)
+            info = self.checkpoint.info(name)
+            count, rows, cols = info.shape
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # a read-only map: the model never writes it
+                data = torch.from_numpy(self.checkpoint.raw(name)).view(count, -1)
+            self._roles[key] = (data, int(info.ggml_type), (int(rows), int(cols)))
+        return self._roles[key]

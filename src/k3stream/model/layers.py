@@ -37,7 +37,7 @@ def bytes_to_matrix(data: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) 
     float_dtype = FLOAT_TYPES.get(ggml_type)
     if float_dtype is not None:
         return data.contiguous().view(float_dtype).reshape(shape).float()
-    from k3stream.quant.dequant import dequantize
+    from k3stream.quant import dequantize
 
     return dequantize(data, ggml_type).reshape(shape)
 
@@ -80,7 +80,7 @@ class QuantLinear:
         self.in_features = in_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from k3stream.quant.matmul import qlinear
+        from k3stream.quant import qlinear
 
         x_rounded = round_like_ggml(x, self.rounding_type)
         y = qlinear(x_rounded, self.data, self.ggml_type, self.out_features, self.in_features)

@@ -1,0 +1,107 @@
+"""Prefill and decode speed of k3stream and llama.cpp on the same mid-size tiny Kimi-K3 GGUF.
+
+    python benchmarks/bench_forward.py [--recipe f32|f16|audited] [--threads 2] [--prompt 128] [--decode 32]
+
+Writes the model with `k3stream.tiny` (hidden 1024, 8 layers, 64 experts), runs each engine once on the
+same tokens with the same thread count, and prints tokens/s for both and the ratio k3stream/llama.cpp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+MID_SIZE = dict(
+    n_layers=8,
+    hidden=1024,
+    dense_ff=2048,
+    kda_heads=8,
+    kda_head_dim=128,
+    mla_heads=8,
+    q_lora=256,
+    kv_lora=256,
+    qk_nope=64,
+    qk_rope=32,
+    v_head_dim=64,
+    n_experts=64,
+    top_k=8,
+    expert_ff=256,
+    latent=256,
+    n_shared=1,
+    block_size=3,
+    context_length=1024,
+)
+
+
+def bench_k3stream(path: Path, tokens: list[int], prompt: int, threads: int) -> tuple[float, float]:
+    import torch
+
+    import k3stream
+
+    torch.set_num_threads(threads)
+    model = k3stream.load(path)
+    model.logits(tokens[:8])  # warm-up
+    state = model.new_state()
+    start = time.perf_counter()
+    model.prefill(state, tokens[:prompt])
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for token in tokens[prompt:]:
+        model.decode(state, token)
+    return prefill_s, time.perf_counter() - start
+
+
+def bench_llama(path: Path, tokens: list[int], prompt: int, threads: int) -> tuple[float, float]:
+    from llama_cpp import Llama
+
+    model = Llama(
+        str(path), n_ctx=len(tokens) + 8, n_batch=prompt, n_ubatch=prompt, n_threads=threads,
+        n_threads_batch=threads, type_k=0, type_v=0, verbose=False,
+    )  # fmt: skip
+    model.eval(tokens[:8])  # warm-up
+    model.reset()
+    start = time.perf_counter()
+    model.eval(tokens[:prompt])
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for token in tokens[prompt:]:
+        model.eval([token])
+    return prefill_s, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="f32", choices=["f32", "f16", "audited"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    from k3stream.tiny import TinySpec, make_tiny
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny(tmp, TinySpec(**MID_SIZE, recipe=args.recipe, seed=args.seed))
+        size_mb = sum(p.stat().st_size for p in Path(tmp).glob("*.gguf")) / 2**20
+        print(f"model: {size_mb:.0f} MiB {args.recipe} GGUF, {MID_SIZE}; threads {args.threads}")
+        tokens = np.random.default_rng(args.seed).integers(0, 500, args.prompt + args.decode).tolist()
+        results = {
+            "k3stream": bench_k3stream(path, tokens, args.prompt, args.threads),
+            "llama.cpp": bench_llama(path, tokens, args.prompt, args.threads),
+        }
+    rates = {
+        name: (args.prompt / prefill_s, args.decode / decode_s)
+        for name, (prefill_s, decode_s) in results.items()
+    }
+    for name, (prefill_rate, decode_rate) in rates.items():
+        print(f"{name:10s} prefill {prefill_rate:8.1f} tok/s   decode {decode_rate:7.2f} tok/s")
+    ours, theirs = rates["k3stream"], rates["llama.cpp"]
+    print(f"ratio k3stream/llama.cpp: prefill {ours[0] / theirs[0]:.2f}x   decode {ours[1] / theirs[1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

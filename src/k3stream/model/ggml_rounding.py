@@ -1,0 +1,50 @@
+"""What ggml's CPU matmul does to activations before its dot products, for `match_ggml=True`.
+
+ggml converts the activations to the weight's "vec_dot" type first: F16/BF16 weights round them to
+F16/BF16; K-quant weights quantize them to Q8_K (256-value blocks, float scale); Q4_0/Q4_1/Q5_0/Q5_1/
+Q8_0/MXFP4 weights to Q8_0 (32-value blocks, F16 scale). The dot products are then exact up to float
+summation order, so rounding the inputs the same way reproduces llama.cpp's numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+F16, BF16 = 1, 30
+Q8_K_WEIGHTS = frozenset({10, 11, 12, 13, 14})  # Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+Q8_0_WEIGHTS = frozenset({2, 3, 6, 7, 8, 39})  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4
+
+
+def round_like_ggml(x: torch.Tensor, weight_type: int | None) -> torch.Tensor:
+    """x as ggml's CPU matmul sees it against a weight of GGML type `weight_type` (None: as is)."""
+    if weight_type == F16:
+        return x.to(torch.float16).to(x.dtype)
+    if weight_type == BF16:
+        return x.to(torch.bfloat16).to(x.dtype)
+    if weight_type in Q8_K_WEIGHTS:
+        return _blocks(x, 256, _q8_k)
+    if weight_type in Q8_0_WEIGHTS:
+        return _blocks(x, 32, _q8_0)
+    return x
+
+
+def _blocks(x: torch.Tensor, size: int, quantize) -> torch.Tensor:
+    blocks = x.float().reshape(*x.shape[:-1], -1, size)
+    return quantize(blocks).reshape(x.shape).to(x.dtype)
+
+
+def _q8_k(blocks: torch.Tensor) -> torch.Tensor:
+    """quantize_row_q8_K_ref: scale -127/max by the signed value of largest magnitude (first one)."""
+    first_max = blocks.abs().argmax(-1, keepdim=True)
+    signed_max = blocks.gather(-1, first_max)
+    iscale = torch.where(signed_max != 0, -127.0 / signed_max, torch.zeros_like(signed_max))
+    q = torch.round(iscale * blocks).clamp(max=127)  # round half to even, as nearest_int
+    return torch.where(signed_max != 0, q * (1.0 / iscale), torch.zeros_like(blocks))
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """quantize_row_q8_0 (AVX2): d = amax/127 stored as F16, q = round_half_even(x * 127/amax)."""
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax != 0, 127.0 / amax, torch.zeros_like(amax))
+    d = (amax / 127.0).to(torch.float16).float()
+    return torch.round(blocks * inverse) * d

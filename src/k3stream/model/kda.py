@@ -1,0 +1,413 @@
+"""Kimi Delta Attention (KDA): short causal convolutions, a per-channel decay gate and the delta rule.
+
+Recurrent state per head is S with layout [V, K] (value rows, key columns), the seed system's layout,
+so the packed single-token entry points below can update a pool of states in place. Prefill runs the
+recurrence chunk by chunk in closed form (the WY/UT transform of fla's chunk_kda); decode takes one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from k3stream.model.layers import DenseLinear, Linear, l2_normalize, rms_norm
+
+SOFTPLUS_THRESHOLD = 20.0
+SEED_L2NORM_EPS = 1e-6  # the seed kernels' in-kernel q/k norm; the model itself uses the rms eps
+
+
+@dataclass
+class KDAWeights:
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    g_proj: Linear
+    b_proj: Linear
+    f_a_proj: Linear
+    f_b_proj: Linear
+    o_proj: Linear
+    conv: torch.Tensor  # [3 * d_inner, C]: q, k and v channels stacked
+    A_log: torch.Tensor  # [H]
+    dt_bias: torch.Tensor  # [H * D]
+    o_norm: torch.Tensor  # [D]
+
+
+@dataclass
+class KDAState:
+    conv: torch.Tensor  # [C - 1, 3 * d_inner]: the last projected q/k/v inputs, oldest first
+    recurrent: torch.Tensor  # [H, V, K]
+
+
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    """Log-space decay per key channel; f is [..., H, K] with dt_bias already added."""
+    a = torch.exp(A_log.float())[:, None]
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(a * f)
+    return -a * torch.nn.functional.softplus(f, threshold=SOFTPLUS_THRESHOLD)
+
+
+def causal_conv(
+    x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of x [T, D] after `history` [C-1, D]; returns (out, new history)."""
+    kernel = weight.shape[1]
+    window = torch.cat([history, x], dim=0)
+    out = (window.unfold(0, kernel, 1) * weight).sum(-1)
+    return out, window[window.shape[0] - (kernel - 1) :]
+
+
+def chunked_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Gated delta rule over T tokens in chunks; q, k, g [T, H, K], v [T, H, V], beta [T, H].
+
+    `state` [H, V, K] is read as the state before the first token and overwritten with the state
+    after the last. Returns o [T, H, V]. Same recurrence as one `fused_recurrent_kda_packed_decode`
+    step per token: S *= exp(g); S += k (beta (v - S k))^T; o = scale S q.
+    """
+    s = state.float().transpose(1, 2)  # [H, K, V]
+    heads_first = [t.float().transpose(0, 1) for t in (q, k, v, g)]
+    beta = beta.float().transpose(0, 1)
+    outputs = []
+    for start in range(0, q.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        qc, kc, vc, gc = (t[:, part] for t in heads_first)
+        o, s = _delta_rule_chunk(qc, kc, vc, gc, beta[:, part], s, scale)
+        outputs.append(o)
+    state.copy_(s.transpose(1, 2))
+    return torch.cat(outputs, dim=1).transpose(0, 1)
+
+
+def _delta_rule_chunk(q, k, v, g, beta, s, scale):
+    """One chunk, heads first: q, k, g [H, L, K], v [H, L, V], beta [H, L], s [H, K, V]."""
+    length = q.shape[1]
+    cum = g.cumsum(1)
+    inclusive = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    # decay from token s to token t per key channel; exponents are <= 0 under the mask, so no overflow
+    exponent = (cum[:, :, None, :] - cum[:, None, :, :]).masked_fill(~inclusive[:, :, None], float("-inf"))
+    decay = torch.exp(exponent)  # [H, L(t), L(s), K]
+    key_weighted = decay * k[:, None, :, :]
+    a = torch.einsum("htsk,htk->hts", key_weighted, k).tril(-1)
+    p = torch.einsum("htsk,htk->hts", key_weighted, q)
+    k_start = torch.exp(cum) * k
+    q_start = torch.exp(cum) * q
+    rhs = beta[..., None] * (v - k_start @ s)
+    system = beta[..., None] * a + torch.eye(length, device=q.device)
+    u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    o = scale * (q_start @ s + p @ u)
+    last = cum[:, -1:, :]
+    k_end = torch.exp(last - cum) * k
+    s = torch.exp(last).transpose(1, 2) * s + k_end.transpose(1, 2) @ u
+    return o, s
+
+
+class KDA:
+    """One KDA layer: prefill over a sequence, decode one token for each of several sequences."""
+
+    def __init__(
+        self, weights: KDAWeights, heads: int, head_dim: int, lower_bound: float | None, eps: float
+    ) -> None:
+        self.w = weights
+        self.heads = heads
+        self.head_dim = head_dim
+        self.lower_bound = lower_bound
+        self.eps = eps
+        self.scale = head_dim**-0.5
+        self.chunk_size = 16  # the pairwise decay tensor is [H, L, L, K]: small chunks are faster on CPU
+
+    def new_state(self, device: torch.device | str = "cpu") -> KDAState:
+        kernel = self.w.conv.shape[1]
+        d_inner = self.heads * self.head_dim
+        return KDAState(
+            conv=torch.zeros(kernel - 1, 3 * d_inner, device=device),
+            recurrent=torch.zeros(self.heads, self.head_dim, self.head_dim, device=device),
+        )
+
+    def prefill(self, h: torch.Tensor, state: KDAState) -> torch.Tensor:
+        """h [T, E] (normed layer input) -> [T, E]; advances `state`."""
+        mixed, state.conv = causal_conv(self._project_qkv(h), state.conv, self.w.conv)
+        q, k, v = self._split_activate(mixed)
+        g = kda_gate(
+            self._gate_input(h) + self.w.dt_bias.view(self.heads, -1), self.w.A_log, self.lower_bound
+        )
+        beta = torch.sigmoid(self.w.b_proj(h).float())
+        o = chunked_delta_rule(q, k, v, g, beta, state.recurrent, self.scale, self.chunk_size)
+        return self._output(h, o)
+
+    def decode(self, h: torch.Tensor, states: list[KDAState]) -> torch.Tensor:
+        """h [B, E], one token of each of B sequences -> [B, E]; advances each state."""
+        projected = self._project_qkv(h)
+        mixed_rows = []
+        for row, state in enumerate(states):
+            mixed_row, state.conv = causal_conv(projected[row : row + 1], state.conv, self.w.conv)
+            mixed_rows.append(mixed_row)
+        q, k, v = self._split_activate(torch.cat(mixed_rows))
+        batch = h.shape[0]
+        pool = torch.stack([state.recurrent for state in states])
+        out = torch.empty(batch, 1, self.heads, self.head_dim, device=h.device)
+        fused_recurrent_kda_packed_decode(
+            torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1),
+            self._gate_input(h).flatten(1).contiguous(),
+            self.w.b_proj(h).float().contiguous(),
+            self.w.A_log,
+            self.w.dt_bias,
+            self.scale,
+            pool,
+            out,
+            torch.arange(batch, device=h.device),
+            lower_bound=self.lower_bound,
+        )
+        for state, new in zip(states, pool, strict=True):
+            state.recurrent = new
+        return self._output(h, out[:, 0])
+
+    def _project_qkv(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.w.q_proj(h), self.w.k_proj(h), self.w.v_proj(h)], dim=1).float()
+
+    def _split_activate(self, mixed: torch.Tensor):
+        q, k, v = (
+            t.reshape(-1, self.heads, self.head_dim) for t in torch.nn.functional.silu(mixed).chunk(3, 1)
+        )
+        return l2_normalize(q, self.eps), l2_normalize(k, self.eps), v
+
+    def _gate_input(self, h: torch.Tensor) -> torch.Tensor:
+        return self.w.f_b_proj(self.w.f_a_proj(h)).float().view(-1, self.heads, self.head_dim)
+
+    def _output(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(self.w.g_proj(h).float()).view(-1, self.heads, self.head_dim)
+        gated = rms_norm(o, self.w.o_norm, self.eps) * gate
+        return self.w.o_proj(gated.flatten(1).to(h.dtype))
+
+
+def shard_kda_weights(weights: KDAWeights, heads: int, tp_rank: int, tp_size: int) -> KDAWeights:
+    """The KDA weights of tensor-parallel rank `tp_rank` of `tp_size`: its heads only.
+
+    q/k/v/g/f_b/beta and the convs are column-parallel, `A_log` and `dt_bias` follow the heads,
+    `o_proj` is row-parallel (sum the ranks' outputs), `f_a` is replicated and `o_norm` shared.
+    """
+    if heads % tp_size != 0 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"cannot shard {heads} KDA heads for tensor-parallel rank {tp_rank} of {tp_size}")
+    head_dim = weights.o_norm.numel()
+    per_rank = heads // tp_size
+    channels = slice(tp_rank * per_rank * head_dim, (tp_rank + 1) * per_rank * head_dim)
+    d_inner = heads * head_dim
+    conv_rows = torch.cat([weights.conv[i * d_inner :][channels] for i in range(3)])
+
+    def rows(linear: Linear, part: slice) -> DenseLinear:
+        return DenseLinear(_dense(linear)[part])
+
+    return replace(
+        weights,
+        q_proj=rows(weights.q_proj, channels),
+        k_proj=rows(weights.k_proj, channels),
+        v_proj=rows(weights.v_proj, channels),
+        g_proj=rows(weights.g_proj, channels),
+        f_b_proj=rows(weights.f_b_proj, channels),
+        b_proj=rows(weights.b_proj, slice(tp_rank * per_rank, (tp_rank + 1) * per_rank)),
+        o_proj=DenseLinear(_dense(weights.o_proj)[:, channels]),
+        conv=conv_rows,
+        A_log=weights.A_log[tp_rank * per_rank : (tp_rank + 1) * per_rank].contiguous(),
+        dt_bias=weights.dt_bias[channels].contiguous(),
+    )
+
+
+def _dense(linear: Linear) -> torch.Tensor:
+    if not isinstance(linear, DenseLinear):
+        raise ValueError("tensor-parallel sharding needs dequantized weights (keep_quantized=False)")
+    return linear.weight
+
+
+# --- the seed system's single-token packed decode entry points (pure torch) ---
+
+
+def fused_recurrent_gated_delta_rule_packed_decode(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor,
+    out: torch.Tensor,
+    ssm_state_indices: torch.Tensor,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One gated-delta-rule step with a scalar gate per head: a, b [B, HV]; A_log, dt_bias [HV]."""
+    batch = _check_packed_common(mixed_qkv, a, b, A_log, dt_bias, initial_state, out, ssm_state_indices)
+    heads_v, _value_dim, _key_dim = initial_state.shape[-3:]
+    if a.shape[1] != heads_v or b.shape[1] != heads_v:
+        raise ValueError(
+            f"`a`/`b` must have shape [B, HV] with HV={heads_v} "
+            f"(got a.shape={tuple(a.shape)}, b.shape={tuple(b.shape)})."
+        )
+    if A_log.numel() != heads_v or dt_bias.numel() != heads_v:
+        raise ValueError(
+            f"`A_log` and `dt_bias` must have {heads_v} elements "
+            f"(got A_log.numel()={A_log.numel()}, dt_bias.numel()={dt_bias.numel()})."
+        )
+    q_heads = _check_packed_shapes(mixed_qkv, initial_state, out, batch, kda=False)
+    x = a.float() + dt_bias.float()
+    gate = -torch.exp(A_log.float()) * torch.nn.functional.softplus(x, threshold=SOFTPLUS_THRESHOLD)
+    # the seed kernel rounds beta to b's dtype before using it
+    beta = torch.sigmoid(b.float()).to(b.dtype).float()
+    key_dim = initial_state.shape[-1]
+    _packed_step(
+        mixed_qkv,
+        gate[..., None].expand(-1, -1, key_dim),
+        beta,
+        scale,
+        initial_state,
+        out,
+        ssm_state_indices,
+        use_qk_l2norm_in_kernel,
+        q_heads,
+    )
+    return out, initial_state
+
+
+def fused_recurrent_kda_packed_decode(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor,
+    out: torch.Tensor,
+    ssm_state_indices: torch.Tensor,
+    use_qk_l2norm_in_kernel: bool = False,
+    lower_bound: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One KDA step with a gate per key channel: a [B, HV*K], dt_bias [HV*K], A_log [HV], b [B, HV].
+
+    mixed_qkv [B, 2*H*K + HV*V] holds q, k (H heads of K) and v (HV heads of V) after the conv;
+    initial_state [slots, HV, V, K] is updated in place at `ssm_state_indices` (-1 skips a row and
+    writes zeros to its output); out [B, 1, HV, V].
+    """
+    batch = _check_packed_common(mixed_qkv, a, b, A_log, dt_bias, initial_state, out, ssm_state_indices)
+    heads_v, _value_dim, key_dim = initial_state.shape[-3:]
+    if a.shape[1] != heads_v * key_dim:
+        raise ValueError(
+            f"`a` must have shape [B, HV*K] with HV={heads_v}, K={key_dim} (got a.shape={tuple(a.shape)})."
+        )
+    if b.shape[1] != heads_v:
+        raise ValueError(f"`b` must have shape [B, HV] with HV={heads_v} (got b.shape={tuple(b.shape)}).")
+    if A_log.numel() != heads_v:
+        raise ValueError(f"`A_log` must have {heads_v} elements (got {A_log.numel()}).")
+    if dt_bias.numel() != heads_v * key_dim:
+        raise ValueError(f"`dt_bias` must have {heads_v * key_dim} elements (got {dt_bias.numel()}).")
+    q_heads = _check_packed_shapes(mixed_qkv, initial_state, out, batch, kda=True)
+    x = (a.float() + dt_bias.float()).view(batch, heads_v, key_dim)
+    gate = kda_gate(x, A_log, lower_bound)
+    _packed_step(
+        mixed_qkv,
+        gate,
+        torch.sigmoid(b.float()),
+        scale,
+        initial_state,
+        out,
+        ssm_state_indices,
+        use_qk_l2norm_in_kernel,
+        q_heads,
+    )
+    return out, initial_state
+
+
+def _check_packed_common(mixed_qkv, a, b, A_log, dt_bias, initial_state, out, ssm_state_indices) -> int:
+    """The checks both seed entry points make first, in their order; returns the batch size."""
+    if mixed_qkv.ndim != 2:
+        raise ValueError(f"`mixed_qkv` must be a 2D tensor (got ndim={mixed_qkv.ndim}).")
+    if mixed_qkv.stride(-1) != 1:
+        raise ValueError("`mixed_qkv` must be contiguous in the last dim.")
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"`a` and `b` must be 2D tensors (got a.ndim={a.ndim}, b.ndim={b.ndim}).")
+    if a.stride(-1) != 1 or b.stride(-1) != 1:
+        raise ValueError("`a`/`b` must be contiguous in the last dim.")
+    if A_log.ndim != 1 or dt_bias.ndim != 1:
+        raise ValueError("`A_log`/`dt_bias` must be 1D tensors.")
+    if A_log.stride(0) != 1 or dt_bias.stride(0) != 1:
+        raise ValueError("`A_log`/`dt_bias` must be contiguous.")
+    if ssm_state_indices.ndim != 1:
+        raise ValueError(
+            f"`ssm_state_indices` must be 1D for packed decode (got ndim={ssm_state_indices.ndim})."
+        )
+    if not out.is_contiguous():
+        raise ValueError("`out` must be contiguous.")
+    device = mixed_qkv.device
+    if any(t.device != device for t in (a, b, A_log, dt_bias, initial_state, out, ssm_state_indices)):
+        raise ValueError("All inputs must be on the same device.")
+    batch = mixed_qkv.shape[0]
+    if a.shape[0] != batch or b.shape[0] != batch:
+        raise ValueError(
+            "Mismatched batch sizes: "
+            f"mixed_qkv.shape[0]={batch}, a.shape[0]={a.shape[0]}, b.shape[0]={b.shape[0]}."
+        )
+    if ssm_state_indices.shape[0] != batch:
+        raise ValueError(
+            f"`ssm_state_indices` must have shape [B] (got {tuple(ssm_state_indices.shape)}; "
+            f"expected ({batch},))."
+        )
+    if initial_state.ndim != 4:
+        raise ValueError(f"`initial_state` must be a 4D tensor (got ndim={initial_state.ndim}).")
+    if initial_state.stride(-1) != 1:
+        raise ValueError("`initial_state` must be contiguous in the last dim.")
+    return batch
+
+
+def _check_packed_shapes(mixed_qkv, initial_state, out, batch: int, kda: bool) -> int:
+    """The seed's output and packed-layout checks; returns the number of q/k heads H."""
+    heads_v, value_dim, key_dim = initial_state.shape[-3:]
+    if out.shape != (batch, 1, heads_v, value_dim):
+        raise ValueError(
+            f"`out` must have shape {(batch, 1, heads_v, value_dim)} (got out.shape={tuple(out.shape)})."
+        )
+    qkv_dim = mixed_qkv.shape[1]
+    qk_dim = qkv_dim - heads_v * value_dim
+    if qk_dim <= 0 or qk_dim % 2 != 0:
+        raise ValueError(f"Invalid packed `mixed_qkv` last dim={qkv_dim} for HV={heads_v}, V={value_dim}.")
+    q_dim = qk_dim // 2
+    if q_dim % key_dim != 0:
+        detail = (
+            " KDA packed decode requires num_q_heads == num_k_heads and head_q_dim == head_k_dim."
+            if kda
+            else ""
+        )
+        raise ValueError(f"Invalid packed Q size {q_dim}: must be divisible by K={key_dim}.{detail}")
+    q_heads = q_dim // key_dim
+    if q_heads <= 0 or heads_v % q_heads != 0:
+        raise ValueError(f"Invalid head config inferred from mixed_qkv: H={q_heads}, HV={heads_v}.")
+    return q_heads
+
+
+def _packed_step(mixed_qkv, gate, beta, scale, initial_state, out, ssm_state_indices, l2norm, q_heads):
+    """The shared recurrence of both entry points; gate [B, HV, K] in log space, beta [B, HV]."""
+    heads_v, value_dim, key_dim = initial_state.shape[-3:]
+    q_dim = q_heads * key_dim
+    live = (ssm_state_indices >= 0).nonzero().flatten()
+    out.zero_()
+    if live.numel() == 0:
+        return
+    slots = ssm_state_indices[live].long()
+    rows = mixed_qkv[live].float()
+    q = rows[:, :q_dim].view(-1, q_heads, key_dim)
+    k = rows[:, q_dim : 2 * q_dim].view(-1, q_heads, key_dim)
+    v = rows[:, 2 * q_dim :].view(-1, heads_v, value_dim)
+    if l2norm:
+        q = l2_normalize(q, SEED_L2NORM_EPS)
+        k = l2_normalize(k, SEED_L2NORM_EPS)
+    group = heads_v // q_heads  # value heads sharing one q/k head
+    q = (q * scale).repeat_interleave(group, dim=1)
+    k = k.repeat_interleave(group, dim=1)
+    s = initial_state[slots].float() * torch.exp(gate[live])[:, :, None, :]
+    delta = (v - (s * k[:, :, None, :]).sum(-1)) * beta[live][..., None]
+    s = s + delta[..., None] * k[:, :, None, :]
+    out[live, 0] = (s * q[:, :, None, :]).sum(-1).to(out.dtype)
+    initial_state[slots] = s.to(initial_state.dtype)

@@ -1,0 +1,140 @@
+"""Multi-head latent attention, NoPE and absorbed: the cache holds one latent row per token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k3stream.model.ggml_rounding import round_like_ggml
+from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, QuantLinear, rms_norm
+
+QUERY_BLOCK = 512
+
+
+class HeadProjection:
+    """x [N, H, in] -> [N, H, out] with a separate matrix per head (k_b, v_b: [H, out, in])."""
+
+    def __init__(
+        self,
+        tensor: GGUFTensor,
+        heads: int,
+        out_features: int,
+        in_features: int,
+        options: LoadOptions,
+    ) -> None:
+        self.weight = None
+        self.rounding_type = tensor.input_rounding(options)
+        self.per_head: list[QuantLinear] = []
+        if options.keep_quantized and tensor.ggml_type is not None:
+            per_head = tensor.value.reshape(heads, -1)
+            self.per_head = [
+                QuantLinear(b, tensor.ggml_type, out_features, in_features, options.match_ggml)
+                for b in per_head
+            ]
+        else:
+            self.weight = tensor.matrix((heads, out_features, in_features), options.dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            x_rounded = round_like_ggml(x, self.rounding_type).to(self.weight.dtype)
+            return torch.einsum("nhi,hoi->nho", x_rounded, self.weight).to(x.dtype)
+        return torch.stack([linear(x[:, h]) for h, linear in enumerate(self.per_head)], dim=1)
+
+
+@dataclass
+class MLAWeights:
+    q_a_proj: Linear | None  # None: no q-lora, q_b_proj is the full q projection
+    q_a_norm: torch.Tensor | None
+    q_b_proj: Linear
+    kv_a_proj: Linear
+    kv_a_norm: torch.Tensor
+    k_b: HeadProjection  # q_nope -> latent
+    v_b: HeadProjection  # latent -> value
+    g_proj: Linear
+    o_proj: Linear
+
+
+class MLAState:
+    """The latent cache of one sequence: [tokens, kv_lora + rope], grown by doubling."""
+
+    def __init__(self, width: int, device: torch.device | str = "cpu") -> None:
+        self.buffer = torch.zeros(16, width, device=device)
+        self.length = 0
+
+    def append(self, rows: torch.Tensor) -> torch.Tensor:
+        """Add rows [T, width]; returns the whole cache [length, width]."""
+        needed = self.length + rows.shape[0]
+        if needed > self.buffer.shape[0]:
+            grown = self.buffer.new_zeros(max(needed, 2 * self.buffer.shape[0]), self.buffer.shape[1])
+            grown[: self.length] = self.buffer[: self.length]
+            self.buffer = grown
+        self.buffer[self.length : needed] = rows
+        self.length = needed
+        return self.buffer[:needed]
+
+
+class MLA:
+    def __init__(
+        self, weights: MLAWeights, heads: int, nope: int, rope: int, kv_lora: int, eps: float
+    ) -> None:
+        self.w = weights
+        self.heads = heads
+        self.nope = nope
+        self.rope = rope
+        self.kv_lora = kv_lora
+        self.eps = eps
+        self.scale = (nope + rope) ** -0.5
+
+    def new_state(self, device: torch.device | str = "cpu") -> MLAState:
+        return MLAState(self.kv_lora + self.rope, device)
+
+    def prefill(self, h: torch.Tensor, state: MLAState) -> torch.Tensor:
+        """h [T, E] (normed layer input) of one sequence -> [T, E]; appends to its cache."""
+        queries, rows = self._queries_and_cache_rows(h)
+        offset = state.length
+        context = self._attend(queries, state.append(rows), offset)
+        return self._output(h, context)
+
+    def decode(self, h: torch.Tensor, states: list[MLAState]) -> torch.Tensor:
+        """h [B, E], one token of each of B sequences -> [B, E]."""
+        queries, rows = self._queries_and_cache_rows(h)
+        contexts = [
+            self._attend(queries[i : i + 1], state.append(rows[i : i + 1]), state.length - 1)
+            for i, state in enumerate(states)
+        ]
+        return self._output(h, torch.cat(contexts))
+
+    def _queries_and_cache_rows(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absorbed queries [T, H, kv_lora + rope] and new cache rows [T, kv_lora + rope]."""
+        q_in = h if self.w.q_a_proj is None else rms_norm(self.w.q_a_proj(h), self.w.q_a_norm, self.eps)
+        q = self.w.q_b_proj(q_in).float().view(-1, self.heads, self.nope + self.rope)
+        q_absorbed = self.w.k_b(q[..., : self.nope])
+        compressed = self.w.kv_a_proj(h).float()
+        latent = rms_norm(compressed[:, : self.kv_lora], self.w.kv_a_norm, self.eps)
+        rows = torch.cat([latent, compressed[:, self.kv_lora :]], dim=1)
+        return torch.cat([q_absorbed, q[..., self.nope :]], dim=-1), rows
+
+    def _attend(self, queries: torch.Tensor, cache: torch.Tensor, offset: int) -> torch.Tensor:
+        """Causal attention of queries (positions offset..) over the cache -> latent context [T, H, kv].
+
+        Long prompts go QUERY_BLOCK queries at a time, so the score matrix stays bounded.
+        """
+        blocks = range(0, queries.shape[0], QUERY_BLOCK)
+        parts = [
+            self._attend_block(queries[i : i + QUERY_BLOCK], cache[: offset + i + QUERY_BLOCK], offset + i)
+            for i in blocks
+        ]
+        return torch.cat(parts)
+
+    def _attend_block(self, queries: torch.Tensor, cache: torch.Tensor, offset: int) -> torch.Tensor:
+        scores = torch.einsum("thd,sd->hts", queries, cache) * self.scale
+        positions = torch.arange(queries.shape[0], device=cache.device)[:, None] + offset
+        future = torch.arange(cache.shape[0], device=cache.device)[None, :] > positions
+        probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        return torch.einsum("hts,sc->thc", probs, cache[:, : self.kv_lora])
+
+    def _output(self, h: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        values = self.w.v_b(context).flatten(1)
+        gated = values * torch.sigmoid(self.w.g_proj(h).float())
+        return self.w.o_proj(gated)

@@ -1,0 +1,256 @@
+"""The Kimi-K3 forward held against llama.cpp (F32 KV cache) on tiny GGUFs from `k3stream.tiny`.
+
+Seeds and shape options are drawn by hypothesis, so nothing here is tuned to one model.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import k3stream
+from conftest import requires_llama
+from k3stream.model.experts import GGUFExpertSource
+from llama_logits import llama_logits, relative_error
+
+TOKENS = 40
+PREFIX = 32  # decode checks: prefill this many, then decode the rest one by one
+# routed experts, MLA k_b/v_b quantized: their row lengths must be multiples of 256 (Q2_K) / 32 (Q4_0)
+AUDITED = dict(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32)
+SHAPES = {
+    "small": dict(),  # 6 layers (KDA + MLA), top-4 of 16, bank every 2 layers
+    "wide": dict(n_layers=7, n_experts=32, top_k=16, block_size=2, hidden=96, dense_ff=64),  # 4 bank rows
+}
+HYPOTHESIS = settings(
+    max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+def tokens_for(seed: int, vocab: int, count: int = TOKENS) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, count).tolist()
+
+
+def prefill_then_decode(model, tokens: list[int]) -> np.ndarray:
+    state = model.new_state()
+    model.prefill(state, tokens[:PREFIX])
+    return np.stack([model.decode(state, token).numpy() for token in tokens[PREFIX:]])
+
+
+def f32_rewrite(path, out_dir):
+    """llama.cpp's input for quantized/F16 checks: every tensor rewritten as F32 (`k3stream dequantize`)."""
+    from k3stream.gguf import cmd_dequantize
+
+    out = out_dir / f"{path.stem}-f32.gguf"
+    # the dequantize tool keeps F16 as is; route F16 through the dequantizer as well
+    with mock.patch.object(cmd_dequantize, "FLOAT_TYPE_IDS", (0,)):
+        return cmd_dequantize.dequantize_gguf(path, out)
+
+
+model_options = st.fixed_dictionaries(
+    {
+        "seed": st.integers(0, 2**20),
+        "gate_lower_bound": st.sampled_from([-5.0, None]),
+        "q_lora": st.sampled_from([32, None]),
+        "n_shared": st.integers(1, 2),
+    }
+)
+
+
+@requires_llama
+@pytest.mark.parametrize("shape", SHAPES)
+@HYPOTHESIS
+@given(options=model_options)
+def test_f32_prefill_and_decode_match_llama(tiny_model, tmp_path_factory, shape, options):
+    path = tiny_model(recipe="f32", **SHAPES[shape], **options)
+    model = k3stream.load(path)
+    tokens = tokens_for(options["seed"], model.config.vocab_size)
+    (reference,) = llama_logits([(path, tokens)], tmp_path_factory.mktemp("llama"))
+    assert relative_error(model.logits(tokens).numpy(), reference) <= 1e-3
+    assert relative_error(prefill_then_decode(model, tokens), reference[PREFIX:]) <= 1e-3
+
+
+@requires_llama
+@HYPOTHESIS
+@given(seed=st.integers(0, 2**20), shape=st.sampled_from(sorted(SHAPES)))
+def test_f16_matches_llama_on_its_f32_rewrite(tiny_model, tmp_path_factory, seed, shape):
+    path = tiny_model(recipe="f16", **SHAPES[shape], seed=seed)
+    model = k3stream.load(path)
+    tokens = tokens_for(seed, model.config.vocab_size)
+    out_dir = tmp_path_factory.mktemp("f16")
+    (reference,) = llama_logits([(f32_rewrite(path, out_dir), tokens)], out_dir)
+    assert relative_error(model.logits(tokens).numpy(), reference) <= 1e-3
+    assert relative_error(prefill_then_decode(model, tokens), reference[PREFIX:]) <= 1e-3
+
+
+@requires_llama
+@HYPOTHESIS
+@given(seed=st.integers(0, 2**20))
+def test_f16_two_layers_directly_against_llama(tiny_model, tmp_path_factory, seed):
+    """llama.cpp rounds matmul inputs to F16 for F16 weights (match_ggml does too). One rounding that
+    lands the other way starts a ~1e-3 divergence that deeper models amplify (see the README)."""
+    path = tiny_model(recipe="f16", n_layers=2, mla_layers=(1,), seed=seed)
+    model = k3stream.load(path, match_ggml=True)
+    tokens = tokens_for(seed, model.config.vocab_size)
+    (reference,) = llama_logits([(path, tokens)], tmp_path_factory.mktemp("f16direct"))
+    assert relative_error(model.logits(tokens).numpy(), reference) <= 1e-3
+    assert relative_error(prefill_then_decode(model, tokens), reference[PREFIX:]) <= 1e-3
+
+
+@requires_llama
+@HYPOTHESIS
+@given(seed=st.integers(0, 2**20), block_size=st.integers(1, 3))
+def test_audited_recipe_matches_llama_on_its_f32_rewrite(tiny_model, tmp_path_factory, seed, block_size):
+    path = tiny_model(**AUDITED, n_experts=8, top_k=4, block_size=block_size, seed=seed)
+    model = k3stream.load(path, profile="audited")
+    tokens = tokens_for(seed, model.config.vocab_size)
+    out_dir = tmp_path_factory.mktemp("audited")
+    (reference,) = llama_logits([(f32_rewrite(path, out_dir), tokens)], out_dir)
+    assert relative_error(model.logits(tokens).numpy(), reference) <= 1e-3
+    assert relative_error(prefill_then_decode(model, tokens), reference[PREFIX:]) <= 1e-3
+    in_blocks = k3stream.load(path, keep_quantized=True, profile="audited")
+    assert relative_error(in_blocks.logits(tokens).numpy(), reference) <= 1e-3
+
+
+@requires_llama
+@HYPOTHESIS
+@given(seed=st.integers(0, 2**20))
+def test_audited_two_layers_directly_against_llama(tiny_model, tmp_path_factory, seed):
+    """llama.cpp quantizes activations to 8 bits (Q8_K/Q8_0) in quantized dot products; k3stream does
+    the same with match_ggml=True, and then runs the quantized file itself through the same numbers."""
+    path = tiny_model(**AUDITED, n_layers=2, mla_layers=(1,), seed=seed)
+    model = k3stream.load(path, match_ggml=True)
+    tokens = tokens_for(seed, model.config.vocab_size)
+    (reference,) = llama_logits([(path, tokens)], tmp_path_factory.mktemp("direct"))
+    assert relative_error(model.logits(tokens).numpy(), reference) <= 3e-2
+    assert relative_error(prefill_then_decode(model, tokens), reference[PREFIX:]) <= 3e-2
+
+
+@pytest.fixture(scope="module")
+def small_model(tiny_model):
+    return k3stream.load(tiny_model(recipe="f32", n_layers=6, block_size=3, seed=21))
+
+
+def test_prefill_continues_and_decode_matches_full_forward(small_model):
+    tokens = tokens_for(1, small_model.config.vocab_size, 50)
+    full = small_model.logits(tokens)
+    state = small_model.new_state()
+    first = small_model.prefill(state, tokens[:20])
+    second = small_model.prefill(state, tokens[20:45])
+    decoded = torch.stack([small_model.decode(state, t) for t in tokens[45:]])
+    assert state.length == 50
+    assert relative_error(torch.cat([first, second, decoded]), full) < 1e-5
+
+
+def test_decode_batch_equals_separate_decodes(small_model):
+    prompts = [tokens_for(seed, small_model.config.vocab_size, n) for seed, n in [(2, 5), (3, 17), (4, 1)]]
+    batch_states, single_states = [], []
+    for prompt in prompts:
+        for states in (batch_states, single_states):
+            states.append(small_model.new_state())
+            small_model.prefill(states[-1], prompt)
+    for step in range(3):
+        next_tokens = [7 + step, 100 + step, 300 + step]
+        batched = small_model.decode_batch(batch_states, next_tokens)
+        single = torch.stack(
+            [small_model.decode(s, t) for s, t in zip(single_states, next_tokens, strict=True)]
+        )
+        assert relative_error(batched, single) < 1e-5
+
+
+class RecordingSource:
+    """The GGUF source, recording the calls the model makes."""
+
+    def __init__(self, checkpoint):
+        self.inner = GGUFExpertSource(checkpoint)
+        self.calls: list[tuple[str, int, list[int]]] = []
+
+    def fetch(self, layer, expert_ids):
+        self.calls.append(("fetch", layer, list(expert_ids)))
+        return self.inner.fetch(layer, expert_ids)
+
+    def prefetch(self, layer, expert_ids):
+        self.calls.append(("prefetch", layer, list(expert_ids)))
+
+
+def test_experts_come_through_the_source_once_per_layer(tiny_model):
+    from k3stream.gguf.reader import K3Checkpoint
+
+    path = tiny_model(recipe="f32", n_experts=32, top_k=16, seed=22)
+    source = RecordingSource(K3Checkpoint.open(path))
+    model = k3stream.load(path, expert_source=source)
+    reference = k3stream.load(path, prefetch=False)
+    tokens = tokens_for(5, model.config.vocab_size, 12)
+    states = [model.new_state(), model.new_state()]
+    model.prefill(states[0], tokens[:6])
+    model.prefill(states[1], tokens[6:])
+    source.calls.clear()
+    logits = model.decode_batch(states, [1, 2])
+    moe_layers = list(model.config.moe_layers)
+    assert [(kind, layer) for kind, layer, _ in source.calls] == [
+        (kind, layer) for layer in moe_layers for kind in ("prefetch", "fetch")
+    ]
+    fetched = [ids for kind, _, ids in source.calls if kind == "fetch"]
+    assert all(len(ids) == len(set(ids)) and 16 <= len(ids) <= 32 for ids in fetched)
+    ref_states = [reference.new_state(), reference.new_state()]
+    reference.prefill(ref_states[0], tokens[:6])
+    reference.prefill(ref_states[1], tokens[6:])
+    assert torch.equal(logits, reference.decode_batch(ref_states, [1, 2]))  # the hint changes nothing
+
+
+def test_bfloat16_weights_stay_close(tiny_model):
+    """Every expert is chosen (top-k = experts), so no choice can flip: the gap is bfloat16 rounding
+    (2^-9 per weight and per matmul input), which random tiny models amplify about tenfold."""
+    path = tiny_model(recipe="f32", n_layers=3, mla_layers=(1,), n_experts=4, top_k=4, seed=23)
+    tokens = tokens_for(6, 500, 16)
+    exact = k3stream.load(path).logits(tokens)
+    bf16 = k3stream.load(path, dtype=torch.bfloat16).logits(tokens)
+    assert relative_error(bf16, exact) < 0.1
+
+
+def test_token_ids_are_checked(small_model):
+    vocab = small_model.config.vocab_size
+    with pytest.raises(ValueError, match=f"token id outside 0..{vocab - 1}"):
+        small_model.logits([1, vocab])
+    with pytest.raises(ValueError, match="decode_batch: 2 states but 1 tokens"):
+        small_model.decode_batch([small_model.new_state(), small_model.new_state()], [1])
+
+
+def test_quantized_embedding_rows_are_dequantized_on_demand():
+    from gguf import GGMLQuantizationType, quants
+
+    from k3stream.model.k3 import Embedding
+    from k3stream.model.layers import GGUFTensor, LoadOptions
+
+    table = np.random.default_rng(7).normal(size=(10, 256)).astype(np.float32)
+    blocks = quants.quantize(table, GGMLQuantizationType.Q8_0)
+    expected = quants.dequantize(blocks, GGMLQuantizationType.Q8_0)
+    tensor = GGUFTensor(torch.from_numpy(blocks), int(GGMLQuantizationType.Q8_0))
+    ids = torch.tensor([3, 0, 9, 3])
+    for keep_quantized in (True, False):
+        embedding = Embedding(tensor, 256, LoadOptions(keep_quantized=keep_quantized))
+        assert np.array_equal(embedding(ids).numpy(), expected[ids.numpy()])
+
+
+def test_long_prompts_attend_in_query_blocks(small_model, monkeypatch):
+    from k3stream.model import mla
+
+    tokens = tokens_for(8, small_model.config.vocab_size, 70)
+    whole = small_model.logits(tokens)
+    monkeypatch.setattr(mla, "QUERY_BLOCK", 16)
+    assert relative_error(small_model.logits(tokens), whole) < 1e-5
+
+
+def test_expert_paths_agree(small_model, monkeypatch):
+    """Batched (row, choice) pairs and the per-expert loop used for large prefills give one result."""
+    from k3stream.model import moe
+
+    tokens = tokens_for(9, small_model.config.vocab_size, 24)
+    monkeypatch.setattr(moe, "GATHER_LIMIT_BYTES", 1 << 40)
+    gathered = small_model.logits(tokens)
+    monkeypatch.setattr(moe, "GATHER_LIMIT_BYTES", 0)
+    assert relative_error(small_model.logits(tokens), gathered) < 1e-5
