@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 
 from conftest import requires_llama
 from k3stream import cli
@@ -36,8 +37,12 @@ def rewrite(
     drop_keys: tuple[str, ...] = (),
     drop_tensors: tuple[str, ...] = (),
     add_tensors: dict[str, np.ndarray] | None = None,
+    retype: tuple[GGMLQuantizationType, GGMLQuantizationType] | None = None,
 ) -> Path:
-    """Copy a GGUF with edited metadata or tensors (an independent writer: gguf's own)."""
+    """Copy a GGUF with edited metadata or tensors (an independent writer: gguf's own).
+
+    `retype=(old, new)` requantizes every tensor of type `old` as `new`.
+    """
     reader = GGUFReader(src)
     writer = GGUFWriter(dst, arch)
     set_keys = set_keys or {}
@@ -49,8 +54,12 @@ def rewrite(
     for key, (value, vtype) in set_keys.items():
         writer.add_key_value(key, value, vtype)
     for tensor in reader.tensors:
-        if tensor.name not in drop_tensors:
-            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+        if tensor.name in drop_tensors:
+            continue
+        data, ggml_type = np.asarray(tensor.data), tensor.tensor_type
+        if retype and ggml_type == retype[0]:
+            data, ggml_type = gguf_quantize(gguf_dequantize(data, ggml_type), retype[1]), retype[1]
+        writer.add_tensor(tensor.name, data, raw_dtype=ggml_type)
     for name, values in (add_tensors or {}).items():
         writer.add_tensor(name, values)
     writer.write_header_to_file()
@@ -328,18 +337,37 @@ def test_inspect_text_and_profile_failure(tiny_model, capsys):
 # ---------------------------------------------------------------------------------------------- dequantize
 
 
-def test_dequantize_rewrite_matches_gguf_dequantize(tiny_model, tmp_path):
-    source = tiny_model(**AUDITED, shards=2)
-    out = dequantize_gguf(source, tmp_path / "f32.gguf")
-    before, after = K3Checkpoint.open(source), K3Checkpoint.open(out)
+def assert_all_f32_as_gguf_dequantizes(before: K3Checkpoint, after: K3Checkpoint) -> None:
     assert list(after.tensors) == list(before.tensors)
     for name, info in before.tensors.items():
         assert after.tensors[name].type_name == "F32"
         expected = gguf_dequantize(np.asarray(before.raw(name)).reshape(*info.shape[:-1], -1), info.ggml_type)
         np.testing.assert_array_equal(after.array(name), expected.reshape(info.shape))
+
+
+def test_dequantize_rewrite_matches_gguf_dequantize(tiny_model, tmp_path):
+    source = tiny_model(**AUDITED, shards=2)
+    out = dequantize_gguf(source, tmp_path / "f32.gguf")
+    before, after = K3Checkpoint.open(source), K3Checkpoint.open(out)
+    assert_all_f32_as_gguf_dequantizes(before, after)
     assert after.metadata("tokenizer.ggml.tokens") == before.metadata("tokenizer.ggml.tokens")
     assert after.metadata("split.count") is None and after.metadata("general.file_type") == 0
     assert after.config == dataclasses.replace(before.config, source=str(out))
+
+
+@pytest.mark.parametrize("float_type", [GGMLQuantizationType.F16, GGMLQuantizationType.BF16])
+def test_all_f32_widens_f16_and_bf16_exactly(tiny_model, tmp_path, float_type):
+    source = rewrite(
+        tiny_model(recipe="f16"), tmp_path / "in.gguf", retype=(GGMLQuantizationType.F16, float_type)
+    )
+    kept = K3Checkpoint.open(dequantize_gguf(source, tmp_path / "kept.gguf"))
+    assert {info.type_name for info in kept.tensors.values()} == {"F32", float_type.name}
+    assert kept.metadata("general.file_type") == 1  # MOSTLY_F16
+    widened = tmp_path / "f32.gguf"
+    assert cli.main(["dequantize", str(source), str(widened), "--all-f32"]) == 0
+    before, after = K3Checkpoint.open(source), K3Checkpoint.open(widened)
+    assert_all_f32_as_gguf_dequantizes(before, after)
+    assert after.metadata("general.file_type") == 0
 
 
 @requires_llama

@@ -6,6 +6,8 @@ The oracle is a float64 token-by-token loop written here from the reference recu
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -270,10 +272,21 @@ def test_gated_delta_rule_packed_decode_validation_messages(field, value, messag
 
 
 @pytest.fixture(scope="module")
-def kda_model(tiny_model):
+def kda_path(tiny_model):
+    return tiny_model(n_layers=3, mla_layers=(2,), kda_heads=4, mla_heads=4, seed=11)
+
+
+@pytest.fixture(scope="module")
+def kda_model(kda_path):
     import k3stream
 
-    return k3stream.load(tiny_model(n_layers=3, mla_layers=(2,), kda_heads=4, mla_heads=4, seed=11))
+    return k3stream.load(kda_path)
+
+
+def load_rank(path, tp_rank: int, tp_size: int):
+    import k3stream
+
+    return k3stream.load(path, tp_rank=tp_rank, tp_size=tp_size)
 
 
 def test_kda_layer_decode_steps_match_chunked_prefill(kda_model):
@@ -288,47 +301,67 @@ def test_kda_layer_decode_steps_match_chunked_prefill(kda_model):
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])
-def test_tensor_parallel_ranks_sum_to_the_full_layer(kda_model, tp_size):
-    layer = kda_model.layers[1].attn
-    heads, dim = layer.heads, layer.head_dim
-    h = torch.randn(20, kda_model.config.hidden, generator=torch.Generator().manual_seed(9))
-    full = layer.prefill(h, layer.new_state())
-    total = torch.zeros_like(full)
-    for rank in range(tp_size):
-        weights = shard_kda_weights(layer.w, heads, rank, tp_size)
-        per_rank = heads // tp_size
-        assert weights.A_log.numel() == per_rank and weights.dt_bias.numel() == per_rank * dim
-        rank_layer = KDA(weights, per_rank, dim, layer.lower_bound, layer.eps)
-        total += rank_layer.prefill(h, rank_layer.new_state())  # o_proj is row-parallel: all-reduce
-    assert rel(total, full) < 1e-5
+def test_tensor_parallel_ranks_sum_to_the_full_layer(kda_path, kda_model, tp_size):
+    ranks = [load_rank(kda_path, rank, tp_size) for rank in range(tp_size)]
+    gen = torch.Generator().manual_seed(9)
+    h = torch.randn(20, kda_model.config.hidden, generator=gen)
+    step = torch.randn(1, kda_model.config.hidden, generator=gen)
+    kda_layers = [i for i, layer in enumerate(kda_model.layers) if isinstance(layer.attn, KDA)]
+    assert kda_layers == [0, 1]
+    for i in kda_layers:
+        full = kda_model.layers[i].attn
+        per_rank = full.heads // tp_size
+        full_state = full.new_state()
+        full_prefill, full_decode = full.prefill(h, full_state), full.decode(step, [full_state])
+        prefill_sum, decode_sum = torch.zeros_like(full_prefill), torch.zeros_like(full_decode)
+        for rank, model in enumerate(ranks):
+            layer, own = model.layers[i].attn, slice(rank * per_rank, (rank + 1) * per_rank)
+            assert layer.heads == per_rank
+            assert torch.equal(layer.w.A_log, full.w.A_log[own])
+            assert torch.equal(layer.w.dt_bias, full.w.dt_bias.view(full.heads, -1)[own].flatten())
+            state = layer.new_state()
+            prefill_sum += layer.prefill(h, state)  # o_proj is row-parallel: the all-reduce
+            decode_sum += layer.decode(step, [state])
+            assert rel(state.recurrent, full_state.recurrent[own]) < 1e-5
+        assert rel(prefill_sum, full_prefill) < 1e-5
+        assert rel(decode_sum, full_decode) < 1e-5
 
 
-def test_rank_handed_full_vectors_fails_with_the_seed_message(kda_model):
-    layer = kda_model.layers[1].attn
-    heads, dim = layer.heads, layer.head_dim
-    rank = shard_kda_weights(layer.w, heads, 1, 2)
-    rank_heads = heads // 2
-    args = valid_gdn_args(heads=rank_heads, dim=dim)
-    args["A_log"], args["dt_bias"] = layer.w.A_log, layer.w.A_log.clone()  # the full, unsharded vectors
+def test_rank_handed_full_vectors_fails_with_the_seed_message(kda_path, kda_model):
+    full = kda_model.layers[1].attn
+    rank = load_rank(kda_path, 1, 2).layers[1].attn
+    heads, rank_heads, dim = full.heads, rank.heads, full.head_dim
+    step = torch.randn(1, kda_model.config.hidden, generator=torch.Generator().manual_seed(12))
+    # seed 004's text, from the scalar-gate entry point: the rank's state with full-model vectors
+    args = valid_gdn_args(batch=1, heads=rank_heads, dim=dim, slots=1)
+    args["initial_state"] = rank.new_state().recurrent[None]
+    args["A_log"], args["dt_bias"] = full.w.A_log, full.w.A_log.clone()
     with pytest.raises(ValueError) as excinfo:
         fused_recurrent_gated_delta_rule_packed_decode(**args)
     assert str(excinfo.value) == (
         f"`A_log` and `dt_bias` must have {rank_heads} elements "
         f"(got A_log.numel()={heads}, dt_bias.numel()={heads})."
     )
-    args = valid_kda_args(heads=rank_heads, dim=dim)
-    args["A_log"], args["dt_bias"] = rank.A_log, layer.w.dt_bias
-    with pytest.raises(ValueError) as excinfo:
-        fused_recurrent_kda_packed_decode(**args)
-    assert str(excinfo.value) == f"`dt_bias` must have {rank_heads * dim} elements (got {heads * dim})."
-    args["dt_bias"] = rank.dt_bias
-    fused_recurrent_kda_packed_decode(**args)  # the rank's own vectors are accepted
+    # the KDA entry point, through the rank's layer handed the full vectors one at a time
+    for field, message in (
+        ("A_log", f"`A_log` must have {rank_heads} elements (got {heads})."),
+        ("dt_bias", f"`dt_bias` must have {rank_heads * dim} elements (got {heads * dim})."),
+    ):
+        handed_full = replace(rank.w, **{field: getattr(full.w, field)})
+        layer = KDA(handed_full, rank_heads, dim, rank.lower_bound, rank.eps)
+        with pytest.raises(ValueError) as excinfo:
+            layer.decode(step, [rank.new_state()])
+        assert str(excinfo.value) == message
+    assert torch.isfinite(rank.decode(step, [rank.new_state()])).all()  # its own vectors are accepted
 
 
-def test_sharding_rejects_uneven_split(kda_model):
+def test_sharding_rejects_uneven_split_and_bad_ranks(kda_path, kda_model):
     layer = kda_model.layers[1].attn
     with pytest.raises(ValueError, match="cannot shard 4 KDA heads for tensor-parallel rank 0 of 3"):
         shard_kda_weights(layer.w, layer.heads, 0, 3)
+    for tp_rank, tp_size in ((2, 2), (0, 0), (-1, 2)):
+        with pytest.raises(ValueError, match=f"tensor-parallel rank {tp_rank} of {tp_size}$"):
+            load_rank(kda_path, tp_rank, tp_size)
 
 
 def test_scalar_gate_entry_point_agrees_with_the_per_channel_one():

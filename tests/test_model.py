@@ -5,8 +5,6 @@ Seeds and shape options are drawn by hypothesis, so nothing here is tuned to one
 
 from __future__ import annotations
 
-from unittest import mock
-
 import numpy as np
 import pytest
 import torch
@@ -43,12 +41,9 @@ def prefill_then_decode(model, tokens: list[int]) -> np.ndarray:
 
 def f32_rewrite(path, out_dir):
     """llama.cpp's input for quantized/F16 checks: every tensor rewritten as F32 (`k3stream dequantize`)."""
-    from k3stream.gguf import cmd_dequantize
+    from k3stream.gguf.cmd_dequantize import dequantize_gguf
 
-    out = out_dir / f"{path.stem}-f32.gguf"
-    # the dequantize tool keeps F16 as is; route F16 through the dequantizer as well
-    with mock.patch.object(cmd_dequantize, "FLOAT_TYPE_IDS", (0,)):
-        return cmd_dequantize.dequantize_gguf(path, out)
+    return dequantize_gguf(path, out_dir / f"{path.stem}-f32.gguf", floats_to_f32=True)
 
 
 model_options = st.fixed_dictionaries(

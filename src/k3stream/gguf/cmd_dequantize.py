@@ -1,7 +1,8 @@
 """`k3stream dequantize IN OUT`: rewrite a Kimi-K3 GGUF with every quantized tensor as F32.
 
 Metadata and tokenizer are kept (split keys dropped: the output is one file); F32/F16/BF16 tensors are
-copied as they are. Tensors are streamed a slab of rows at a time, so memory stays bounded.
+copied as they are, unless `--all-f32` widens F16/BF16 to F32 as well (exact: every F16/BF16 value is
+an F32 value). Tensors are streamed a slab of rows at a time, so memory stays bounded.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", metavar="IN", help="a GGUF, any shard of a split set, or a directory")
     parser.add_argument("output", metavar="OUT", help="the F32 GGUF to write (one file)")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    parser.add_argument("--all-f32", action="store_true", help="widen F16/BF16 tensors to F32 as well")
 
 
 def _copy_metadata(writer, checkpoint, out_types: list[int]) -> None:
@@ -37,8 +39,9 @@ def _copy_metadata(writer, checkpoint, out_types: list[int]) -> None:
         writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
 
 
-def _out_type(ggml_type: int) -> int:
-    return ggml_type if ggml_type in FLOAT_TYPE_IDS else ALL_F32
+def _out_type(ggml_type: int, kept: tuple[int, ...]) -> int:
+    """`kept` types are copied byte for byte; every other type is rewritten as F32."""
+    return ggml_type if ggml_type in kept else ALL_F32
 
 
 def _row_slabs(info, raw: np.ndarray) -> Iterator[np.ndarray]:
@@ -52,11 +55,11 @@ def _row_slabs(info, raw: np.ndarray) -> Iterator[np.ndarray]:
         yield dequantize(np.ascontiguousarray(rows[start : start + step]), info.ggml_type).numpy()
 
 
-def _write_data(writer, fout, checkpoint) -> None:
+def _write_data(writer, fout, checkpoint, kept: tuple[int, ...]) -> None:
     for name, info in checkpoint.tensors.items():
         writer.write_padding(fout, fout.tell())
         raw = checkpoint.raw(name)
-        if info.ggml_type in FLOAT_TYPE_IDS:
+        if info.ggml_type in kept:
             fout.write(memoryview(raw))
             written = info.nbytes
         else:
@@ -67,8 +70,11 @@ def _write_data(writer, fout, checkpoint) -> None:
         writer.write_padding(fout, written)
 
 
-def dequantize_gguf(source: str | Path, output: str | Path) -> Path:
-    """Write `output`: the checkpoint at `source` with quantized tensors as F32. Returns `output`."""
+def dequantize_gguf(source: str | Path, output: str | Path, floats_to_f32: bool = False) -> Path:
+    """Write `output`: the checkpoint at `source` with quantized tensors as F32. Returns `output`.
+
+    With `floats_to_f32`, F16/BF16 tensors are widened to F32 too, so every tensor is F32.
+    """
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
     from k3stream.gguf.config import ARCH
@@ -77,7 +83,8 @@ def dequantize_gguf(source: str | Path, output: str | Path) -> Path:
     checkpoint = K3Checkpoint.open(source)
     output = Path(output)
     temp = output.with_name(output.name + ".tmp")
-    out_types = [_out_type(info.ggml_type) for info in checkpoint.tensors.values()]
+    kept = (ALL_F32,) if floats_to_f32 else FLOAT_TYPE_IDS
+    out_types = [_out_type(info.ggml_type, kept) for info in checkpoint.tensors.values()]
     writer = GGUFWriter(temp, ARCH)
     _copy_metadata(writer, checkpoint, out_types)
     for info, out_type in zip(checkpoint.tensors.values(), out_types, strict=True):
@@ -90,7 +97,7 @@ def dequantize_gguf(source: str | Path, output: str | Path) -> Path:
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     fout = writer.fout[0]
-    _write_data(writer, fout, checkpoint)
+    _write_data(writer, fout, checkpoint, kept)
     fout.flush()
     os.fsync(fout.fileno())
     writer.close()
@@ -102,6 +109,6 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output)
     if output.exists() and not args.force:
         raise FileExistsError(f"{output}: already exists (use --force to overwrite)")
-    dequantize_gguf(args.input, output)
+    dequantize_gguf(args.input, output, floats_to_f32=args.all_f32)
     print(output)
     return 0

@@ -24,7 +24,7 @@ import torch
 from k3stream.gguf.config import K3Config
 from k3stream.model.attn_res import residual_mix
 from k3stream.model.experts import ExpertSource, GGUFExpertSource
-from k3stream.model.kda import KDA, KDAState, KDAWeights
+from k3stream.model.kda import KDA, KDAState, KDAWeights, shard_kda_weights
 from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, bytes_to_matrix, rms_norm
 from k3stream.model.mla import MLA, HeadProjection, MLAState, MLAWeights
 from k3stream.model.moe import LatentMoE, MoEWeights, Routing, SituMLP
@@ -192,7 +192,7 @@ class _Weights:
         return proj * norm
 
 
-def _kda(w: _Weights, p: str, cfg: K3Config) -> KDA:
+def _kda(w: _Weights, p: str, cfg: K3Config, tp: tuple[int, int]) -> KDA:
     heads, dim, e = cfg.kda_heads, cfg.kda_head_dim, cfg.hidden
     inner = heads * dim
     convs = [w.weight(f"{p}{x}_conv1d").matrix((inner, cfg.conv_kernel), torch.float32) for x in "qkv"]
@@ -210,7 +210,10 @@ def _kda(w: _Weights, p: str, cfg: K3Config) -> KDA:
         dt_bias=w.tensor(f"{p}dt_bias").matrix((-1,), torch.float32),
         o_norm=w.vector(f"{p}o_norm"),
     )
-    return KDA(weights, heads, dim, cfg.gate_lower_bound, cfg.rms_eps)
+    tp_rank, tp_size = tp
+    if tp != (0, 1):
+        weights = shard_kda_weights(weights, heads, tp_rank, tp_size)
+    return KDA(weights, heads // tp_size, dim, cfg.gate_lower_bound, cfg.rms_eps)
 
 
 def _mla(w: _Weights, p: str, cfg: K3Config) -> MLA:
@@ -269,9 +272,9 @@ def _moe(w: _Weights, p: str, layer: int, cfg: K3Config, source: ExpertSource) -
     )
 
 
-def _layer(w: _Weights, i: int, cfg: K3Config, source: ExpertSource) -> Layer:
+def _layer(w: _Weights, i: int, cfg: K3Config, source: ExpertSource, tp: tuple[int, int]) -> Layer:
     p = f"model.layers.{i}."
-    attn = _mla(w, f"{p}self_attn.", cfg) if cfg.is_mla(i) else _kda(w, f"{p}self_attn.", cfg)
+    attn = _mla(w, f"{p}self_attn.", cfg) if cfg.is_mla(i) else _kda(w, f"{p}self_attn.", cfg, tp)
     ffn = (
         _moe(w, f"{p}mlp.", i, cfg, source) if cfg.is_moe(i) else _situ_mlp(w, f"{p}mlp.", cfg, cfg.dense_ff)
     )
@@ -295,6 +298,8 @@ def load(
     profile: str = "generic",
     prefetch: bool = True,
     match_ggml: bool = False,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> K3Model:
     """Build a K3Model from a GGUF (a file, any shard, a directory) or an expert-pack manifest.
 
@@ -303,6 +308,9 @@ def load(
     straight from the GGUF). `profile="audited"` enforces the published recipe after loading.
     `match_ggml` rounds the inputs of F16/BF16 and block-quantized matrices as llama.cpp's CPU matmul
     does (to F16/BF16, or 8-bit Q8_K/Q8_0 blocks): for comparing with llama.cpp; it costs precision.
+    `tp_rank`/`tp_size` load tensor-parallel rank `tp_rank` of `tp_size`: each KDA layer holds only
+    that rank's heads (see `shard_kda_weights`), so its output is a partial sum to all-reduce over the
+    ranks; nothing else is sharded and the forward does no all-reduce.
     """
     from k3stream.gguf.profile import get_profile
     from k3stream.gguf.reader import K3Checkpoint
@@ -317,7 +325,7 @@ def load(
     model = K3Model(
         config=cfg,
         embedding=Embedding(w.weight("model.embed_tokens"), cfg.hidden, options),
-        layers=[_layer(w, i, cfg, source) for i in range(cfg.n_layers)],
+        layers=[_layer(w, i, cfg, source, (tp_rank, tp_size)) for i in range(cfg.n_layers)],
         norm=w.vector("model.norm"),
         output_score=w.score("model.output_attn_res"),
         lm_head=w.linear("lm_head", cfg.vocab_size, cfg.hidden),

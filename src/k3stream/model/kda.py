@@ -193,7 +193,7 @@ def shard_kda_weights(weights: KDAWeights, heads: int, tp_rank: int, tp_size: in
     q/k/v/g/f_b/beta and the convs are column-parallel, `A_log` and `dt_bias` follow the heads,
     `o_proj` is row-parallel (sum the ranks' outputs), `f_a` is replicated and `o_norm` shared.
     """
-    if heads % tp_size != 0 or not 0 <= tp_rank < tp_size:
+    if not 0 <= tp_rank < tp_size or heads % tp_size != 0:
         raise ValueError(f"cannot shard {heads} KDA heads for tensor-parallel rank {tp_rank} of {tp_size}")
     head_dim = weights.o_norm.numel()
     per_rank = heads // tp_size
