@@ -23,7 +23,7 @@ import torch
 
 from k3stream.gguf.config import K3Config
 from k3stream.model.attn_res import residual_mix
-from k3stream.model.experts import ExpertSource, GGUFExpertSource
+from k3stream.model.experts import DenseExpertCache, ExpertSource, GGUFExpertSource
 from k3stream.model.kda import KDA, KDAState, KDAWeights, shard_kda_weights
 from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, bytes_to_matrix, rms_norm
 from k3stream.model.mla import MLA, HeadProjection, MLAState, MLAWeights
@@ -85,7 +85,8 @@ class K3Model:
         self.lm_head = lm_head
         self.expert_source = expert_source
         self.device = device
-        self.prefetch = prefetch
+        # the GGUF source's prefetch is a no-op: skip predicting the experts it would be told about
+        self.prefetch = prefetch and not isinstance(expert_source, GGUFExpertSource)
         self.eps = config.rms_eps
 
     def new_state(self) -> SequenceState:
@@ -245,7 +246,9 @@ def _situ_mlp(w: _Weights, p: str, cfg: K3Config, width: int) -> SituMLP:
     )
 
 
-def _moe(w: _Weights, p: str, layer: int, cfg: K3Config, source: ExpertSource) -> LatentMoE:
+def _moe(
+    w: _Weights, p: str, layer: int, cfg: K3Config, source: ExpertSource, cache: DenseExpertCache | None
+) -> LatentMoE:
     shared_width = cfg.expert_ff * cfg.n_shared
     weights = MoEWeights(
         router=w.weight(f"{p}gate").linear(
@@ -269,14 +272,24 @@ def _moe(w: _Weights, p: str, layer: int, cfg: K3Config, source: ExpertSource) -
         cfg.situ_linear_beta,
         cfg.rms_eps,
         w.options.match_ggml,
+        cache,
     )
 
 
-def _layer(w: _Weights, i: int, cfg: K3Config, source: ExpertSource, tp: tuple[int, int]) -> Layer:
+def _layer(
+    w: _Weights,
+    i: int,
+    cfg: K3Config,
+    source: ExpertSource,
+    tp: tuple[int, int],
+    cache: DenseExpertCache | None = None,
+) -> Layer:
     p = f"model.layers.{i}."
     attn = _mla(w, f"{p}self_attn.", cfg) if cfg.is_mla(i) else _kda(w, f"{p}self_attn.", cfg, tp)
     ffn = (
-        _moe(w, f"{p}mlp.", i, cfg, source) if cfg.is_moe(i) else _situ_mlp(w, f"{p}mlp.", cfg, cfg.dense_ff)
+        _moe(w, f"{p}mlp.", i, cfg, source, cache)
+        if cfg.is_moe(i)
+        else _situ_mlp(w, f"{p}mlp.", cfg, cfg.dense_ff)
     )
     return Layer(
         index=i,
@@ -300,6 +313,7 @@ def load(
     match_ggml: bool = False,
     tp_rank: int = 0,
     tp_size: int = 1,
+    expert_cache_mib: float = 0,
 ) -> K3Model:
     """Build a K3Model from a GGUF (a file, any shard, a directory) or an expert-pack manifest.
 
@@ -311,6 +325,8 @@ def load(
     `tp_rank`/`tp_size` load tensor-parallel rank `tp_rank` of `tp_size`: each KDA layer holds only
     that rank's heads (see `shard_kda_weights`), so its output is a partial sum to all-reduce over the
     ranks; nothing else is sharded and the forward does no all-reduce.
+    `expert_cache_mib > 0` keeps up to that many MiB of dequantized routed experts between decode steps
+    (a `DenseExpertCache`: extra memory beyond the expert source's budget; same logits).
     """
     from k3stream.gguf.profile import get_profile
     from k3stream.gguf.reader import K3Checkpoint
@@ -322,10 +338,11 @@ def load(
     device = torch.device(device)
     options = LoadOptions(dtype, keep_quantized, match_ggml)
     w = _Weights(nonexpert_weights(path_or_manifest, copy=False), options, device)
+    cache = DenseExpertCache(expert_cache_mib) if expert_cache_mib > 0 else None
     model = K3Model(
         config=cfg,
         embedding=Embedding(w.weight("model.embed_tokens"), cfg.hidden, options),
-        layers=[_layer(w, i, cfg, source, (tp_rank, tp_size)) for i in range(cfg.n_layers)],
+        layers=[_layer(w, i, cfg, source, (tp_rank, tp_size), cache) for i in range(cfg.n_layers)],
         norm=w.vector("model.norm"),
         output_score=w.score("model.output_attn_res"),
         lm_head=w.linear("lm_head", cfg.vocab_size, cfg.hidden),

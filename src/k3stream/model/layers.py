@@ -63,6 +63,8 @@ class DenseLinear:
         self.out_features, self.in_features = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rounding_type is None and x.dtype == self.weight.dtype:
+            return torch.nn.functional.linear(x, self.weight)  # the common case, without no-op casts
         x_rounded = round_like_ggml(x, self.rounding_type)
         return torch.nn.functional.linear(x_rounded.to(self.weight.dtype), self.weight).to(x.dtype)
 

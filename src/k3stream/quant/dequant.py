@@ -95,15 +95,18 @@ def _fp16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:
 def _unpack(fields: torch.Tensor, bits: int, groups: int) -> torch.Tensor:
     """(n, groups, 8//bits, width) bit fields of (n, groups*width) bytes; field f at bit f*bits.
 
-    Returns a fresh contiguous tensor, so callers may update it in place (the decoders do, to save
-    passes). One scalar shift per field: torch's broadcast tensor-by-tensor uint8 shift is several
-    times slower than these vectorised passes."""
+    Returns a fresh tensor, so callers may update it in place (the decoders do, to save passes).
+    Shifts whole words (up to 8 bytes at once) by scalars: a field never crosses a byte, so masking
+    every byte of the shifted word leaves exactly the bytes' fields, and the little-endian byte view
+    of the words is the unpacked bytes. Several times faster than a broadcast shift of the bytes."""
     count = 8 // bits
-    grouped = fields.reshape(fields.shape[0], groups, -1)
-    out = grouped.new_empty(grouped.shape[0], groups, count, grouped.shape[-1])
-    for field in range(count):
-        torch.bitwise_right_shift(grouped, field * bits, out=out[:, :, field])
-    return out.bitwise_and_((1 << bits) - 1)
+    width = fields.shape[1] // groups
+    word = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8) if width % d.itemsize == 0)
+    packed = fields.clone(memory_format=torch.contiguous_format)  # word views need offset 0
+    words = packed.view(word).reshape(fields.shape[0], groups, -1)
+    mask = int.from_bytes(bytes([(1 << bits) - 1]) * word.itemsize, "little")
+    shifted = torch.stack([words >> (field * bits) for field in range(count)], dim=2)
+    return shifted.bitwise_and_(mask).view(torch.uint8)
 
 
 def _with_high_bits(low: torch.Tensor, high: torch.Tensor, low_bits: int) -> torch.Tensor:
