@@ -175,6 +175,16 @@ def test_sse_stream_ends_with_done(server):
     assert {p["object"] for p in payloads} == {"text_completion"}
 
 
+def test_model_field_may_be_left_out(client, server):
+    """As with vLLM and llama.cpp's server, no `model` means the one model this server serves."""
+    named = client.completions.create(model=server.name, prompt="abc", max_tokens=4, temperature=0)
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 4,
+                                                                 "temperature": 0}, timeout=30)
+    assert response.status_code == 200
+    assert response.json()["model"] == server.name
+    assert response.json()["choices"][0]["text"] == named.choices[0].text
+
+
 def test_stop_string_truncates_before_it(client, server):
     prompt = "Once upon a time"
     free = client.completions.create(model=server.name, prompt=prompt, max_tokens=16, temperature=0)

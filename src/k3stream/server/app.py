@@ -121,7 +121,7 @@ class Endpoints:
 
     def _check_request(self, body: SamplingFields) -> None:
         body.check_supported()
-        if body.model != self.served.name:
+        if body.model not in (None, self.served.name):
             raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
                            f"`{self.served.name}`", param="model", code="model_not_found")
 

@@ -32,7 +32,8 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    model: str
+    # optional as in vLLM and llama.cpp's server: absent means the served model
+    model: str | None = None
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
