@@ -13,11 +13,15 @@ import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from k3stream.gguf.layout import is_routed_expert
+
+if TYPE_CHECKING:
+    from k3stream.gguf.reader import K3Checkpoint
 
 _LAYER_RE = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<suffix>.+)$")
 FLOAT_TYPE_IDS = (0, 1, 30)  # F32, F16, BF16: loaded as values, everything else kept as bytes
@@ -158,9 +162,18 @@ def nonexpert_weights(
     `copy=False` yields read-only views of the memory map instead of copies where no transform
     applies (the model's loader: the weights then occupy their file pages only, once).
     """
+    from k3stream.gguf.reader import K3Checkpoint
+
+    yield from checkpoint_weights(K3Checkpoint.open(checkpoint_path(path_or_manifest)), copy)
+
+
+def checkpoint_weights(checkpoint: K3Checkpoint, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """`nonexpert_weights` of a checkpoint already open (the model's loader opens it once)."""
     emitted: set[str] = set()
-    for source_name, raw, ggml_type in _source_tensors(Path(path_or_manifest), copy):
-        yield from tensor_weights(source_name, raw, ggml_type, emitted)
+    for name, info in checkpoint.tensors.items():
+        if not is_routed_expert(name):
+            raw = tensor_value(checkpoint, name, copy)
+            yield from tensor_weights(name, raw, info.ggml_type, emitted)
 
 
 def checkpoint_path(path_or_manifest: str | os.PathLike[str]) -> Path:
@@ -174,16 +187,7 @@ def checkpoint_path(path_or_manifest: str | os.PathLike[str]) -> Path:
     return checked_shards(load_manifest(path), path)[0][0]
 
 
-def _source_tensors(path: Path, copy: bool) -> Iterator[tuple[str, torch.Tensor, int]]:
-    from k3stream.gguf.reader import K3Checkpoint
-
-    checkpoint = K3Checkpoint.open(checkpoint_path(path))
-    for name, info in checkpoint.tensors.items():
-        if not is_routed_expert(name):
-            yield name, tensor_value(checkpoint, name, copy), info.ggml_type
-
-
-def tensor_value(checkpoint, name: str, copy: bool = True) -> torch.Tensor:
+def tensor_value(checkpoint: K3Checkpoint, name: str, copy: bool = True) -> torch.Tensor:
     """One tensor: float values in numpy shape, or GGUF bytes as uint8 rows of blocks; a copy, or
     with `copy=False` a read-only view of the map."""
     info = checkpoint.info(name)

@@ -330,14 +330,14 @@ def load(
     """
     from k3stream.gguf.profile import get_profile
     from k3stream.gguf.reader import K3Checkpoint
-    from k3stream.gguf.weights import checkpoint_path, nonexpert_weights
+    from k3stream.gguf.weights import checkpoint_path, checkpoint_weights
 
     checkpoint = K3Checkpoint.open(checkpoint_path(path_or_manifest))
     cfg = checkpoint.config
     source = expert_source if expert_source is not None else GGUFExpertSource(checkpoint)
     device = torch.device(device)
     options = LoadOptions(dtype, keep_quantized, match_ggml)
-    w = _Weights(nonexpert_weights(path_or_manifest, copy=False), options, device)
+    w = _Weights(checkpoint_weights(checkpoint, copy=False), options, device)
     cache = DenseExpertCache(expert_cache_mib) if expert_cache_mib > 0 else None
     model = K3Model(
         config=cfg,
