@@ -2,23 +2,33 @@
 
 from __future__ import annotations
 
-import re
+import hashlib
+import os
+import resource
 import shutil
+import signal
 import struct
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 from gguf import GGUFReader
 
-SHARD_RE = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+from k3stream.gguf.shards import SHARD_NAME
+
+TEST_CACHE = Path(os.environ.get("K3STREAM_TEST_CACHE", "~/.cache/k3stream-test")).expanduser()
+# what decides a tiny model's bytes besides its spec
+GENERATOR_SOURCES = ("tiny.py", "tinyvocab.py", "gguf/layout.py", "gguf/config.py", "quant/encode.py")
 
 
 def model_files(first_shard: Path) -> list[Path]:
     """Every file of the model whose first shard (or single file) is `first_shard`."""
-    if not SHARD_RE.search(first_shard.name):
+    match = SHARD_NAME.match(first_shard.name)
+    if match is None:
         return [first_shard]
-    stem = SHARD_RE.sub("", first_shard.name)
-    return sorted(first_shard.parent.glob(f"{stem}-*-of-*.gguf"))
+    return sorted(first_shard.parent.glob(f"{match['stem']}-*-of-*.gguf"))
 
 
 def copy_model(first_shard: Path, directory: Path) -> Path:
@@ -63,3 +73,58 @@ def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
         for path in sorted(directory.rglob("*"))
         if path.is_file()
     }
+
+
+@contextmanager
+def file_size_limit(nbytes: int) -> Iterator[None]:
+    """Writes past offset `nbytes` of any file fail with EFBIG, as writes to a full disk fail."""
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, limits[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def open_file_paths() -> list[str]:
+    """What each of this process's descriptors refers to (deleted files end in ` (deleted)`)."""
+    paths = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            paths.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # the descriptor listdir itself used
+            continue
+    return paths
+
+
+def _generator_digest() -> str:
+    import k3stream
+
+    package = Path(k3stream.__file__).parent
+    digest = hashlib.sha256()
+    for name in GENERATOR_SOURCES:
+        path = package / name
+        digest.update(path.read_bytes() if path.is_file() else b"")
+    return digest.hexdigest()
+
+
+def cached_tiny(**fields) -> Path:
+    """First shard of `make_tiny(TinySpec(**fields))`, generated once per spec and generator version
+    into TEST_CACHE: written to a scratch directory there, then renamed whole."""
+    from k3stream.tiny import TinySpec, make_tiny, shard_paths
+
+    spec = TinySpec(**fields)
+    key = hashlib.sha256(f"{spec!r}\n{_generator_digest()}".encode()).hexdigest()[:16]
+    directory = TEST_CACHE / f"tiny-{key}"
+    if not directory.is_dir():
+        TEST_CACHE.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=TEST_CACHE, prefix=".tiny-") as scratch:
+            make_tiny(Path(scratch) / "model", spec)
+            try:
+                os.replace(Path(scratch) / "model", directory)
+            except OSError:  # another session renamed the same model into place first
+                if not directory.is_dir():
+                    raise
+    return shard_paths(directory, spec.shards)[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import mmap
 import shutil
@@ -23,6 +24,7 @@ from k3stream.gguf.reader import K3Checkpoint
 from k3stream.gguf.shards import discover_shards
 from k3stream.tiny import TinySpec, hparams
 from llama_oracle import llama_runs
+from pack_helpers import file_size_limit, open_file_paths
 
 AUDITED = dict(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32)
 SHARD = "tiny-kimi-k3-{:05d}-of-00003.gguf"
@@ -380,6 +382,16 @@ def test_llama_cpp_runs_the_dequantized_rewrite(tiny_model, tmp_path):
     # llama.cpp rounds activations to Q8_K/Q8_0 for quantized weights (and that can flip a routed
     # expert), so the two agree only loosely
     assert np.corrcoef(quantized.ravel(), rewritten.ravel())[0, 1] > 0.9
+
+
+def test_failed_dequantize_leaves_no_temp_file_or_open_writer(tiny_model, tmp_path):
+    source = tiny_model()
+    out = tmp_path / "f32.gguf"
+    with file_size_limit(source.stat().st_size // 2), pytest.raises(OSError) as failure:
+        dequantize_gguf(source, out)
+    assert failure.value.errno == errno.EFBIG
+    assert list(tmp_path.iterdir()) == []
+    assert not [path for path in open_file_paths() if str(out) in path]
 
 
 def test_cli_dequantize_refuses_to_overwrite(tiny_model, tmp_path):

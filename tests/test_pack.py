@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from k3stream.cli import main as cli
 from k3stream.pack.builder import BuildOptions, Copier, build_lock, build_pack
+from k3stream.pack.manifest import write_json_atomic
 from k3stream.pack.reader import ExpertPack
 from k3stream.pack.verify import verify_pack
-from pack_helpers import copy_model, oracle_expert_bytes, oracle_slice, read_index, snapshot
+from pack_helpers import (
+    copy_model,
+    file_size_limit,
+    oracle_expert_bytes,
+    oracle_slice,
+    read_index,
+    snapshot,
+)
 
 SPLIT = {"shards": 2}  # F32, 5 MoE layers x 16 experts, 4096-byte roles: contiguous objects
 AUDITED = {  # routed up/gate Q2_K, down Q3_K: 21504/21504/26880-byte roles, padded to 4 KiB
@@ -96,6 +107,32 @@ def test_reader_slices_match_the_gguf(built):
                     name = f"blk.{layer}.ffn_{role}_exps.weight"
                     start = piece.offset - offset
                     assert data[start : start + piece.nbytes] == oracle_slice(oracle, name, expert)
+
+
+def test_reader_serves_threads_at_once_and_refuses_reads_once_closed(built):
+    gguf, result = built
+    oracle = oracle_expert_bytes(gguf)
+    pack = ExpertPack(result.manifest)
+    keys = [(layer, expert) for layer in pack.moe_layers for expert in range(pack.num_experts)]
+    start = threading.Barrier(4)
+
+    def read_all(shift: int) -> list[bytes]:
+        start.wait()  # the four threads read through the one descriptor at the same time
+        order = keys[shift:] + keys[:shift]
+        return [bytes(pack.read_object(*key)) for key in order]
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(read_all, range(0, 4 * 7, 7)))
+    for shift, objects in zip(range(0, 4 * 7, 7), results, strict=True):
+        for (layer, expert), data in zip(keys[shift:] + keys[:shift], objects, strict=True):
+            first, _ = pack.object_range(layer, expert)
+            up = pack.role_slices(layer, expert)["up"]
+            piece = data[up.offset - first : up.offset - first + up.nbytes]
+            assert piece == oracle_slice(oracle, f"blk.{layer}.ffn_up_exps.weight", expert)
+    pack.close()
+    pack.close()  # idempotent
+    with pytest.raises(ValueError, match="closed ExpertPack"):
+        pack.read_object(*keys[0])
 
 
 def test_role_shapes_are_out_by_in(tiny_model, tmp_path):
@@ -246,3 +283,25 @@ def test_copier_fallback_copies_the_same_bytes(tmp_path):
             os.close(src)
             os.close(dst)
         assert target.read_bytes()[4096:] == data[5:]
+
+
+def assert_only_the_old_json(path: Path) -> None:
+    assert json.loads(path.read_text()) == {"old": True}
+    assert [child.name for child in path.parent.iterdir()] == [path.name]
+
+
+def test_json_write_failing_midway_keeps_the_old_file_and_no_temp(tmp_path):
+    path = tmp_path / "pack.manifest.json"
+    write_json_atomic(path, {"old": True})
+    with pytest.raises(TypeError):  # json.dump has streamed the list into the temp file by then
+        write_json_atomic(path, {"a": list(range(100_000)), "z": object()})
+    assert_only_the_old_json(path)
+
+
+def test_json_write_on_a_full_disk_keeps_the_old_file_and_no_temp(tmp_path):
+    path = tmp_path / "pack.manifest.json"
+    write_json_atomic(path, {"old": True})
+    with file_size_limit(64 * 1024), pytest.raises(OSError) as failure:
+        write_json_atomic(path, {"a": list(range(100_000))})
+    assert failure.value.errno == errno.EFBIG
+    assert_only_the_old_json(path)

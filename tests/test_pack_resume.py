@@ -4,7 +4,6 @@ resumes from the last intact entry (checked against the GGUF) instead of startin
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from k3stream.pack.builder import KILL_HOOK, BuildOptions, BuildResult, build_pack
+from k3stream.pack.builder import BuildOptions, BuildResult, build_pack
 from k3stream.pack.verify import verify_pack
 from pack_helpers import copy_model, read_index
 
@@ -20,16 +19,19 @@ PACK = "tiny-kimi-k3.expert-major.pack"
 ENTRY_BYTES = 4096  # every role slice of the split F32 tiny model (32 x 32 floats)
 ENTRIES = 5 * 16 * 3
 SYNC = ["--sync-mib", str(16 * ENTRY_BYTES / 1024**2)]  # durable progress every 16 entries
+KILLER = Path(__file__).with_name("pack_kill.py")
 
 
 def run_pack(
     gguf: Path, kill_at: str | None = None, extra: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:
-    env = {key: value for key, value in os.environ.items() if key != KILL_HOOK}
-    if kill_at is not None:
-        env[KILL_HOOK] = kill_at
-    command = [sys.executable, "-m", "k3stream.cli", "pack", str(gguf), "--no-progress", *SYNC, *extra]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    """`k3stream pack` in its own process, SIGKILLed at `kill_at` (see pack_kill.py) when given."""
+    arguments = [str(gguf), "--no-progress", *SYNC, *extra]
+    if kill_at is None:
+        command = [sys.executable, "-m", "k3stream.cli", "pack", *arguments]
+    else:
+        command = [sys.executable, str(KILLER), kill_at, *arguments]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 
 def rerun(gguf: Path) -> BuildResult:
@@ -108,6 +110,19 @@ def test_killed_before_the_manifest(model, clean_pack):
     finished = rerun(model)
     assert (finished.resumed_bytes, finished.copied_bytes) == (ENTRIES * ENTRY_BYTES, 0)
     assert (model.parent / PACK).read_bytes() == clean_pack
+    assert verify_pack(model.parent / f"{PACK}.manifest.json", full=True)["ok"]
+
+
+def test_killed_before_the_manifest_checks_every_entry_of_the_pack(model, clean_pack):
+    assert run_pack(model, kill_at="before-manifest").returncode == -9
+    pack = model.parent / PACK
+    offset = read_index(pack)[1][ENTRIES - 7][3]  # an entry no payload sample looks at
+    with pack.open("r+b") as stream:
+        stream.seek(offset + 5)
+        stream.write(b"\xff")
+    finished = rerun(model)
+    assert (finished.resumed_bytes, finished.copied_bytes) == ((ENTRIES - 7) * ENTRY_BYTES, 7 * ENTRY_BYTES)
+    assert pack.read_bytes() == clean_pack
     assert verify_pack(model.parent / f"{PACK}.manifest.json", full=True)["ok"]
 
 

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import os
 import zlib
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,18 +22,8 @@ NAME = "tiny-kimi-k3"
 RECIPES = ("f32", "f16", "audited")
 
 # GGML type ids (gguf.GGMLQuantizationType), spelled here to keep the import light.
-F32, F16, Q4_0, Q2_K, Q3_K = 0, 1, 2, 10, 11
-BLOCK_ELEMS = {Q4_0: 32, Q2_K: 256, Q3_K: 256}
-TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q2_K: "Q2_K", Q3_K: "Q3_K"}
+F32, F16 = 0, 1
 
-# The published ("audited") recipe: tensor suffix -> GGML type; everything else stays F32.
-AUDITED_TYPES = {
-    "ffn_up_exps.weight": Q2_K,
-    "ffn_gate_exps.weight": Q2_K,
-    "ffn_down_exps.weight": Q3_K,
-    "attn_k_b.weight": Q4_0,
-    "attn_v_b.weight": Q2_K,
-}
 FILE_TYPES = {"f32": 0, "f16": 1, "audited": 10}  # general.file_type: ALL_F32, MOSTLY_F16, MOSTLY_Q2_K
 
 
@@ -242,8 +233,11 @@ def _values(tensor: _Tensor, spec: TinySpec) -> np.ndarray:
 
 
 def ggml_type_for(name: str, ndim: int, recipe: str) -> int:
-    if recipe == "audited":
-        return next((t for suffix, t in AUDITED_TYPES.items() if name.endswith(suffix)), F32)
+    if recipe == "audited":  # the published recipe; every tensor it does not name stays F32
+        from k3stream.gguf.profile import recipe_type
+
+        audited = recipe_type(name)
+        return F32 if audited is None else int(audited)
     # llama.cpp needs vectors and the conv kernels in F32
     if recipe == "f16" and ndim >= 2 and "ssm_conv1d" not in name:
         return F16
@@ -251,11 +245,13 @@ def ggml_type_for(name: str, ndim: int, recipe: str) -> int:
 
 
 def _check_quantizable(tensor: _Tensor, ggml_type: int) -> None:
-    block = BLOCK_ELEMS.get(ggml_type)
-    if block and tensor.shape[-1] % block:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][0]
+    if tensor.shape[-1] % block:
         raise ValueError(
             f"recipe audited: {tensor.name} rows of {tensor.shape[-1]} values are not a multiple of "
-            f"{block} ({TYPE_NAMES[ggml_type]}); choose shapes that fit the recipe"
+            f"{block} ({GGMLQuantizationType(ggml_type).name}); choose shapes that fit the recipe"
         )
 
 
@@ -289,22 +285,27 @@ def _write_shard(
 
     index, count, total = split
     writer = GGUFWriter(path, ARCH)
-    if index == 0:
-        _add_metadata(writer, spec, vocab)
-    if count > 1:
-        writer.add_uint16("split.no", index)
-        writer.add_uint16("split.count", count)
-        writer.add_int32("split.tensors.count", total)
-    for tensor in tensors:
-        data, ggml_type = _encoded(tensor, spec)
-        raw_type = None if ggml_type in (F32, F16) else GGMLQuantizationType(ggml_type)
-        writer.add_tensor(tensor.name, data, raw_dtype=raw_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    for fout in writer.fout:
-        os.fsync(fout.fileno())
-    writer.close()
+    try:
+        if index == 0:
+            _add_metadata(writer, spec, vocab)
+        if count > 1:
+            writer.add_uint16("split.no", index)
+            writer.add_uint16("split.count", count)
+            writer.add_int32("split.tensors.count", total)
+        for tensor in tensors:
+            data, ggml_type = _encoded(tensor, spec)
+            raw_type = None if ggml_type in (F32, F16) else GGMLQuantizationType(ggml_type)
+            writer.add_tensor(tensor.name, data, raw_dtype=raw_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        for fout in writer.fout:
+            os.fsync(fout.fileno())
+        writer.close()
+    except BaseException:  # make_tiny removes the temp file; the writer must not keep it open
+        with suppress(OSError):  # closing flushes, which fails again on a full disk; the file closes anyway
+            writer.close()
+        raise
 
 
 def make_tiny(out_dir: str | os.PathLike[str], spec: TinySpec) -> Path:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Iterator
+from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
 
 SLAB_ELEMENTS = 1 << 22  # rows are dequantized ~16 MiB of F32 at a time
 _NOT_COPIED = ("GGUF.", "general.architecture", "split.")
-FLOAT_TYPE_IDS = (0, 1, 30)  # F32, F16, BF16
 ALL_F32, MOSTLY_F16 = 0, 1  # general.file_type
 
 
@@ -78,6 +78,7 @@ def dequantize_gguf(source: str | Path, output: str | Path, floats_to_f32: bool 
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
     from k3stream.gguf.config import ARCH
+    from k3stream.gguf.layout import FLOAT_TYPE_IDS
     from k3stream.gguf.reader import K3Checkpoint
 
     checkpoint = K3Checkpoint.open(source)
@@ -86,22 +87,28 @@ def dequantize_gguf(source: str | Path, output: str | Path, floats_to_f32: bool 
     kept = (ALL_F32,) if floats_to_f32 else FLOAT_TYPE_IDS
     out_types = [_out_type(info.ggml_type, kept) for info in checkpoint.tensors.values()]
     writer = GGUFWriter(temp, ARCH)
-    _copy_metadata(writer, checkpoint, out_types)
-    for info, out_type in zip(checkpoint.tensors.values(), out_types, strict=True):
-        n_bytes = int(np.prod(info.shape)) * GGML_QUANT_SIZES[GGMLQuantizationType(out_type)][1]
-        # the numpy dtype only matters when it is uint8 (byte shapes); the GGML type is explicit
-        writer.add_tensor_info(
-            info.name, info.shape, np.dtype(np.float32), n_bytes, raw_dtype=GGMLQuantizationType(out_type)
-        )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    fout = writer.fout[0]
-    _write_data(writer, fout, checkpoint, kept)
-    fout.flush()
-    os.fsync(fout.fileno())
-    writer.close()
-    os.replace(temp, output)
+    try:
+        _copy_metadata(writer, checkpoint, out_types)
+        for info, out_type in zip(checkpoint.tensors.values(), out_types, strict=True):
+            n_bytes = int(np.prod(info.shape)) * GGML_QUANT_SIZES[GGMLQuantizationType(out_type)][1]
+            # the numpy dtype only matters when it is uint8 (byte shapes); the GGML type is explicit
+            writer.add_tensor_info(
+                info.name, info.shape, np.dtype(np.float32), n_bytes, raw_dtype=GGMLQuantizationType(out_type)
+            )
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        fout = writer.fout[0]
+        _write_data(writer, fout, checkpoint, kept)
+        fout.flush()
+        os.fsync(fout.fileno())
+        writer.close()
+        os.replace(temp, output)
+    except BaseException:  # an error or Ctrl-C: no open writer and no half-written OUT.tmp left behind
+        with suppress(OSError):  # closing flushes, which fails again on a full disk; the file closes anyway
+            writer.close()
+        temp.unlink(missing_ok=True)
+        raise
     return output
 
 

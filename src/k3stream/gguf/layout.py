@@ -12,6 +12,8 @@ from k3stream.gguf.config import K3Config
 
 Shape = tuple[int, ...]
 
+# F32, F16, BF16: tensors held as values; every other GGML type is quantized bytes
+FLOAT_TYPE_IDS = (0, 1, 30)
 ROUTED_ROLES = ("gate", "up", "down")
 # Tensors llama.cpp treats as optional: the reader accepts them missing.
 OPTIONAL_SUFFIXES = ("ffn_routed_norm.weight",)

@@ -32,7 +32,8 @@ MLA_PROJECTION_ERRORS = {
 }
 
 
-def _recipe_type(name: str) -> GGMLQuantizationType | None:
+def recipe_type(name: str) -> GGMLQuantizationType | None:
+    """The audited recipe's type for tensor `name` (None: the recipe does not name it)."""
     return next((t for suffix, t in AUDITED_RECIPE.items() if name.endswith(suffix)), None)
 
 
@@ -40,7 +41,7 @@ def check_recipe(checkpoint: K3Checkpoint) -> list[str]:
     """Every deviation from the audited recipe, one line each (empty: the checkpoint follows it)."""
     deviations = []
     for name, info in checkpoint.tensors.items():
-        expected = _recipe_type(name)
+        expected = recipe_type(name)
         if expected is not None and info.ggml_type != expected:
             deviations.append(f"{name} is {info.type_name}, the audited recipe has {expected.name}")
     return deviations

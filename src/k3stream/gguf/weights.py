@@ -18,13 +18,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from k3stream.gguf.layout import is_routed_expert
+from k3stream.gguf.layout import FLOAT_TYPE_IDS, is_routed_expert
 
 if TYPE_CHECKING:
     from k3stream.gguf.reader import K3Checkpoint
 
 _LAYER_RE = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<suffix>.+)$")
-FLOAT_TYPE_IDS = (0, 1, 30)  # F32, F16, BF16: loaded as values, everything else kept as bytes
 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -182,9 +181,11 @@ def checkpoint_path(path_or_manifest: str | os.PathLike[str]) -> Path:
     path = Path(path_or_manifest)
     if path.suffix != ".json":
         return path
-    from k3stream.pack.manifest import checked_shards, load_manifest
+    from k3stream.pack.manifest import checked_shards, first_shard_path, load_manifest
 
-    return checked_shards(load_manifest(path), path)[0][0]
+    manifest = load_manifest(path)
+    checked_shards(manifest, path)
+    return first_shard_path(manifest, path)
 
 
 def tensor_value(checkpoint: K3Checkpoint, name: str, copy: bool = True) -> torch.Tensor:

@@ -4,7 +4,8 @@ Each routed expert slice is copied verbatim (kernel-side `copy_file_range`, fall
 pread/pwrite) into `PACK.partial`. Progress is recorded durably in a journal sidecar
 (`PACK.partial.journal`): the pack data is fsynced before the journal says how many entries are done,
 so a build killed at any point resumes from the last journalled entry after checking, byte for byte
-against the GGUF, every entry it resumes past. The partial file is renamed to the pack only after it is
+against the GGUF, every entry it resumes past (a build stopped after the rename, before the manifest,
+checks every entry of the renamed pack). The partial file is renamed to the pack only after it is
 complete, fsynced and sample-verified; the manifest comes last. A lock file keeps two builders apart.
 """
 
@@ -13,9 +14,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import re
 import shutil
-import signal
 import threading
 import time
 from collections import OrderedDict
@@ -26,10 +25,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from k3stream.gguf.shards import SHARD_NAME
 from k3stream.pack import format as fmt
+from k3stream.pack.fileio import COPY_CHUNK, pread_exact, same_bytes
 from k3stream.pack.manifest import (
     ARCHITECTURE,
-    COPY_CHUNK,
     FORMAT,
     HIDDEN_ACT,
     canonical_sha256,
@@ -44,10 +44,8 @@ from k3stream.pack.manifest import (
 )
 from k3stream.pack.verify import check_index, expectation_from_config
 
-SHARD_SUFFIX_RE = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 JOURNAL_FORMAT = "k3stream-pack-journal-v1"
 DEFAULT_MARGIN_BYTES = 2 * 1024**3
-KILL_HOOK = "K3STREAM_PACK_KILL_AT"  # test hook: "entry:K", "before-rename", "before-manifest"
 
 
 @dataclass(frozen=True)
@@ -101,8 +99,8 @@ def plan_pack(checkpoint: Any) -> PackPlan:
 def default_outputs(shards: list[Path]) -> tuple[Path, Path]:
     """`NAME.expert-major.pack` and its `.manifest.json` next to the shards."""
     first = shards[0].resolve()
-    name = SHARD_SUFFIX_RE.sub("", first.name)
-    name = name[: -len(".gguf")] if name.endswith(".gguf") else name
+    match = SHARD_NAME.match(first.name)
+    name = match["stem"] if match else first.name.removesuffix(".gguf")
     pack = first.parent / f"{name}.expert-major.pack"
     return pack, manifest_path_for(pack)
 
@@ -112,7 +110,7 @@ def manifest_path_for(pack: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------
-# lock, journal, kill hook
+# lock, journal
 
 
 @contextmanager
@@ -172,12 +170,6 @@ def read_journal(path: Path, identity: dict[str, Any]) -> int | None:
     return journal["entries_done"]
 
 
-def kill_hook(stage: str) -> None:
-    """Tests set K3STREAM_PACK_KILL_AT to SIGKILL the build at a chosen point."""
-    if os.environ.get(KILL_HOOK) == stage:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 # ------------------------------------------------------------------------------------------------
 # copying
 
@@ -216,16 +208,6 @@ class Copier:
         while written < got:
             written += os.pwrite(dst_fd, view[written:got], dst_offset + written)
         return got
-
-
-def same_bytes(fd_a: int, offset_a: int, fd_b: int, offset_b: int, nbytes: int) -> bool:
-    done = 0
-    while done < nbytes:
-        size = min(COPY_CHUNK, nbytes - done)
-        if os.pread(fd_a, size, offset_a + done) != os.pread(fd_b, size, offset_b + done):
-            return False
-        done += size
-    return True
 
 
 class SourceFiles:
@@ -355,23 +337,21 @@ def _locked_build(plan: PackPlan, pack: Path, manifest_path: Path, options: Buil
     identity = build_identity(plan)
     done = read_journal(journal, identity)
     finishing = done == plan.layout.index_count and pack.is_file() and not partial.exists()
-    if not finishing:
-        _refuse_to_overwrite(pack, manifest_path, options.force)
     sources = SourceFiles()
     try:
         if finishing:
+            finishing = _finished_copy_intact(plan, pack, partial, manifest_path, sources)
+        if finishing:
             stats = CopyStats(resumed_bytes=plan.layout.payload_bytes)
-            print(f"resuming {pack}: the copy had finished; checking it and writing the manifest", flush=True)
         else:
+            _refuse_to_overwrite(pack, manifest_path, options.force)
             stats = _copy_into_partial(plan, partial, journal, identity, done, sources, options)
         # read back and sample-checked before the rename: a bad copy never gets the final name
         checked = pack if finishing else partial
         pack_section = describe_pack(plan, checked, sources, options.payload_samples, options.full_hash)
         if not finishing:
-            kill_hook("before-rename")
             os.replace(partial, pack)
             fsync_directory(pack.parent)
-        kill_hook("before-manifest")
         write_json_atomic(manifest_path, build_manifest(plan, pack, manifest_path, pack_section, options))
     finally:
         sources.close()
@@ -400,17 +380,43 @@ def _refuse_to_overwrite(pack: Path, manifest_path: Path, force: bool) -> None:
         path.unlink()
 
 
-def _resume_point(plan: PackPlan, partial: Path, journal_done: int | None, sources: SourceFiles) -> int:
-    """Entries of an interrupted build that are intact (0 when starting over)."""
-    if journal_done is None or not partial.is_file() or partial.stat().st_size != plan.layout.total_size:
+def _intact_entries(plan: PackPlan, path: Path, count: int, sources: SourceFiles) -> int:
+    """How many of the first `count` entries of `path` hold their GGUF bytes, each compared in full
+    (0 when the file's size, header or index is wrong)."""
+    if not path.is_file() or path.stat().st_size != plan.layout.total_size:
         return 0
-    fd = os.open(partial, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY)
     try:
-        if os.pread(fd, plan.layout.data_start, 0) != plan.layout.header_and_index():
+        if pread_exact(fd, plan.layout.data_start, 0) != plan.layout.header_and_index():
             return 0
-        return first_bad_entry(plan, sources, fd, min(journal_done, plan.layout.index_count))
+        return first_bad_entry(plan, sources, fd, count)
     finally:
         os.close(fd)
+
+
+def _resume_point(plan: PackPlan, partial: Path, journal_done: int | None, sources: SourceFiles) -> int:
+    """Entries of an interrupted build that are intact (0 when starting over)."""
+    if journal_done is None:
+        return 0
+    return _intact_entries(plan, partial, min(journal_done, plan.layout.index_count), sources)
+
+
+def _finished_copy_intact(
+    plan: PackPlan, pack: Path, partial: Path, manifest_path: Path, sources: SourceFiles
+) -> bool:
+    """A build stopped between renaming the pack and writing its manifest: check every entry of the
+    pack. A damaged pack goes back to being the partial file (its manifest, if any, first), so the
+    copy resumes from its first bad entry."""
+    count = plan.layout.index_count
+    print(f"resuming {pack}: the copy had finished; checking every entry against the GGUF", flush=True)
+    intact = _intact_entries(plan, pack, count, sources)
+    if intact == count:
+        return True
+    print(f"{pack}: entry {intact} does not match the GGUF; resuming the copy from there", flush=True)
+    manifest_path.unlink(missing_ok=True)
+    os.replace(pack, partial)
+    fsync_directory(pack.parent)
+    return False
 
 
 def _check_free_space(directory: Path, needed: int, margin: int) -> None:
@@ -547,7 +553,6 @@ def _copy_entries(
     layout = plan.layout
     copied = 0
     batch_start = layout.entry(start).offset if start < layout.index_count else layout.total_size
-    kill_at = os.environ.get(KILL_HOOK, "")
     with _progress_bar(layout.payload_bytes, layout.payload_before(start), options.progress) as bar:
         for index in range(start, layout.index_count):
             entry = layout.entry(index)
@@ -559,9 +564,6 @@ def _copy_entries(
             if end - batch_start >= options.sync_bytes:
                 checkpointer.request(index + 1)
                 batch_start = end
-            if kill_at == f"entry:{index + 1}":
-                checkpointer.drain()  # so a test knows what the journal holds when the kill comes
-                kill_hook(kill_at)
     return copied
 
 

@@ -13,10 +13,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from k3stream.pack.fileio import COPY_CHUNK
+
 FORMAT = "SGLANG-KIMI-GGMLMOEPACK-ADAPTER-v1"
 ARCHITECTURE = "KimiLinearForCausalLM"
 HIDDEN_ACT = "situ"
-COPY_CHUNK = 16 * 1024 * 1024
 
 
 def hard_constraints(top_k: int) -> dict[str, Any]:
@@ -62,14 +63,19 @@ def fsync_directory(directory: Path) -> None:
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
-    """Temp file, fsync, rename, fsync the directory: readers see the old file or the new one."""
+    """Temp file, fsync, rename, fsync the directory: readers see the old file or the new one, and a
+    failure (unserialisable value, full disk, Ctrl-C) leaves no temp file behind."""
     temporary = path.with_name(path.name + ".tmp")
-    with temporary.open("w", encoding="utf-8", newline="\n") as stream:
-        json.dump(value, stream, ensure_ascii=False, indent=2, sort_keys=True)
-        stream.write("\n")
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(temporary, path)
+    try:
+        with temporary.open("w", encoding="utf-8", newline="\n") as stream:
+            json.dump(value, stream, ensure_ascii=False, indent=2, sort_keys=True)
+            stream.write("\n")
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     fsync_directory(path.parent)
 
 
@@ -122,6 +128,19 @@ def field(manifest: dict[str, Any], *keys: str) -> Any:
     return value
 
 
+def sorted_shards(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The manifest's `source.shards` records in shard order."""
+    return sorted(field(manifest, "source", "shards"), key=lambda shard: int(shard["index"]))
+
+
+def first_shard_path(manifest: dict[str, Any], manifest_path: Path) -> Path:
+    """Shard 1 of the manifest's source (it holds the config and tokenizer), resolved; not checked."""
+    shards = sorted_shards(manifest)
+    if not shards:
+        raise ValueError("Kimi manifest field is missing: source.shards[0]")
+    return resolve_path(shards[0]["path"], manifest_path)
+
+
 def shard_tensor_types(path: Path) -> dict[str, str]:
     """{tensor name: GGML type name} of one GGUF file, read from its header only."""
     from gguf import GGUFReader
@@ -144,7 +163,7 @@ def checked_shards(
     for record in field(manifest, "source", "tensors"):
         records_by_shard.setdefault(int(record["shard_index"]), []).append(record)
     result = []
-    for shard in sorted(field(manifest, "source", "shards"), key=lambda item: int(item["index"])):
+    for shard in sorted_shards(manifest):
         path = resolve_path(shard["path"], manifest_path)
         if not path.is_file() or path.stat().st_size != int(shard["size"]):
             raise FileNotFoundError(f"Kimi-K3 GGUF shard is missing or changed: {path}")

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from k3stream.pack import format as fmt
-from k3stream.pack.manifest import resolve_path
+from k3stream.pack.fileio import pread_into
+from k3stream.pack.manifest import resolve_path, sorted_shards
 from k3stream.pack.verify import check_structure
 
 
@@ -48,9 +51,14 @@ class ExpertPack:
         roles = self.manifest["expert_pack"]["roles"]
         self._role_types = {role: int(roles[role]["dtype_id"]) for role in fmt.ROLES}
         self._role_shapes = {role: tuple(reversed(roles[role]["logical_shape"])) for role in fmt.ROLES}
-        shards = sorted(self.manifest["source"]["shards"], key=lambda shard: int(shard["index"]))
+        shards = sorted_shards(self.manifest)
         self.gguf_paths = [resolve_path(shard["path"], self.manifest_path) for shard in shards]
-        self._fd: int | None = None
+        # one descriptor for every thread (pread has no shared file offset); close() waits for reads in
+        # flight, so a descriptor number is never reused under a reader. Closed at the latest when collected.
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self._close_fd = weakref.finalize(self, os.close, self._fd)
+        self._readers = 0
+        self._state = threading.Condition()
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -88,20 +96,24 @@ class ExpertPack:
         view = memoryview(bytearray(nbytes) if buf is None else buf)[:nbytes]
         if len(view) != nbytes:
             raise ValueError(f"read_object: a {len(view)}-byte buffer is smaller than the object ({nbytes})")
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        done = 0
-        while done < nbytes:
-            got = os.preadv(self._fd, [view[done:]], offset + done)
-            if got == 0:
-                raise ValueError(f"{self.path}: file ends inside expert {expert} of layer {layer}")
-            done += got
+        with self._state:
+            if not self._close_fd.alive:
+                raise ValueError(f"{self.path}: read_object on a closed ExpertPack")
+            self._readers += 1
+        try:
+            got = pread_into(self._fd, view, offset)
+        finally:
+            with self._state:
+                self._readers -= 1
+                self._state.notify_all()
+        if got != nbytes:
+            raise ValueError(f"{self.path}: file ends inside expert {expert} of layer {layer}")
         return view
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        with self._state:
+            self._state.wait_for(lambda: self._readers == 0)
+            self._close_fd()
 
     def __enter__(self) -> ExpertPack:
         return self

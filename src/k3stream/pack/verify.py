@@ -17,13 +17,15 @@ from typing import Any
 
 import numpy as np
 
+from k3stream.gguf.profile import AUDITED_RECIPE
 from k3stream.pack import format as fmt
+from k3stream.pack.fileio import pread_exact, same_bytes
 from k3stream.pack.manifest import (
-    COPY_CHUNK,
     FORMAT,
     check_shard_metadata,
     checked_shards,
     field,
+    first_shard_path,
     hard_constraints,
     inventory_sha256,
     read_json,
@@ -31,7 +33,10 @@ from k3stream.pack.manifest import (
 )
 
 PROFILES = ("generic", "audited")
-AUDITED_ROLE_TYPES = {"up": ("Q2_K", 10), "gate": ("Q2_K", 10), "down": ("Q3_K", 11)}
+AUDITED_ROLE_TYPES = {
+    role: (AUDITED_RECIPE[f"ffn_{role}_exps.weight"].name, int(AUDITED_RECIPE[f"ffn_{role}_exps.weight"]))
+    for role in fmt.ROLES
+}
 INDEX_DTYPE = np.dtype(
     [
         ("name", "u1", (fmt.NAME_BYTES,)),
@@ -80,13 +85,6 @@ def gguf_config(first_shard: Path) -> Any:
     from k3stream.gguf.config import K3Config
 
     return K3Config.from_metadata(GGUFReader(str(first_shard), mode="r").fields, source=str(first_shard))
-
-
-def first_shard_path(manifest: dict[str, Any], manifest_path: Path) -> Path:
-    shards = sorted(field(manifest, "source", "shards"), key=lambda shard: int(shard["index"]))
-    if not shards:
-        raise ValueError("Kimi manifest field is missing: source.shards[0]")
-    return resolve_path(shards[0]["path"], manifest_path)
 
 
 def expectation_for(
@@ -329,24 +327,12 @@ def read_header_and_index(pack_path: Path, layout: fmt.PackLayout, data_start: i
         header = fmt.Header.decode(raw_header)
         if header != fmt.Header(fmt.MAGIC, fmt.VERSION, fmt.HEADER.size, layout.index_count, data_start):
             raise ValueError("Kimi expert-pack header does not match its manifest")
-        raw_index = _pread_exact(fd, index_bytes, fmt.HEADER.size)
+        raw_index = pread_exact(fd, index_bytes, fmt.HEADER.size)
         if len(raw_index) != index_bytes:
             raise ValueError("Kimi expert-pack index is truncated")
     finally:
         os.close(fd)
     return raw_header, raw_index
-
-
-def _pread_exact(fd: int, nbytes: int, offset: int) -> bytes:
-    parts = []
-    while nbytes:
-        chunk = os.pread(fd, min(nbytes, COPY_CHUNK), offset)
-        if not chunk:
-            break
-        parts.append(chunk)
-        nbytes -= len(chunk)
-        offset += len(chunk)
-    return b"".join(parts)
 
 
 def check_index(pack_path: Path, layout: fmt.PackLayout, data_start: int) -> IndexCheck:
@@ -454,7 +440,7 @@ def verify_payloads(checked: CheckedPack) -> str:
             path, source_offset = entry_source(layout, sources, index)
             if path not in shard_fds:
                 shard_fds[path] = os.open(path, os.O_RDONLY)
-            if not _same_bytes(
+            if not same_bytes(
                 pack_fd, offset, shard_fds[path], source_offset, layout.role_bytes[role], digest
             ):
                 name = fmt.expert_tensor_name(layer, fmt.ROLES[role])
@@ -467,22 +453,8 @@ def verify_payloads(checked: CheckedPack) -> str:
 
 
 def _hash_span(fd: int, start: int, end: int, digest: Any) -> int:
-    digest.update(_pread_exact(fd, end - start, start))
+    digest.update(pread_exact(fd, end - start, start))
     return end
-
-
-def _same_bytes(
-    pack_fd: int, pack_offset: int, source_fd: int, source_offset: int, nbytes: int, digest: Any
-) -> bool:
-    done = 0
-    while done < nbytes:
-        size = min(COPY_CHUNK, nbytes - done)
-        packed = _pread_exact(pack_fd, size, pack_offset + done)
-        digest.update(packed)
-        if packed != _pread_exact(source_fd, size, source_offset + done):
-            return False
-        done += size
-    return True
 
 
 def verify_pack(
