@@ -94,10 +94,11 @@ def test_demo_reuses_its_cache(first_run):
     assert first.returncode == 0, first.stderr
     cache = home / ".cache" / "k3stream" / "demo"
     files = {path: path.stat().st_mtime_ns for path in cache.rglob("*") if path.is_file()}
-    again = demo(home, "--cache-dir", str(cache), "--prompt", "Hello!")
+    again = demo(home, "--cache-dir", str(cache), "--prompt", "Hello!", "--policy", "arc", "--no-prefetch")
     assert again.returncode == 0, again.stderr
     assert "(cached)" in field(again.stdout, "model ") and "(cached)" in field(again.stdout, "pack ")
     assert completion(again.stdout)
+    assert "(0 read ahead, 0 of them used)" in field(again.stdout, "reads ")
     assert {path: path.stat().st_mtime_ns for path in cache.rglob("*") if path.is_file()} == files
 
 
@@ -117,4 +118,4 @@ def test_help_needs_no_model(command):
         [sys.executable, "-m", "k3stream.cli", command, "--help"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
-    assert "--ram-mib" in done.stdout
+    assert "--ram-mib" in done.stdout and "--no-prefetch" in done.stdout and "--policy" in done.stdout

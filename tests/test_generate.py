@@ -7,6 +7,7 @@ stop case is exact; the loop itself and the CLI run on real tiny Kimi-K3 models.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -187,11 +188,9 @@ def test_sequence_refuses_empty_prompts_and_extra_tokens(tokenizer):
 
 @pytest.fixture(scope="module")
 def model(model_path):
-    k3stream = pytest.importorskip("k3stream")
-    try:
-        return k3stream.load(model_path, device="cpu", dtype=torch.float32)
-    except ModuleNotFoundError as exc:  # the model package lands separately
-        pytest.skip(f"k3stream.load is not available yet: {exc}")
+    import k3stream
+
+    return k3stream.load(model_path, device="cpu", dtype=torch.float32)
 
 
 def _greedy_by_recompute(model, prompt: list[int], n: int) -> list[int]:
@@ -335,6 +334,11 @@ def test_command_errors_are_one_line(tmp_path, model_path):
         1,
         [f"k3stream generate: error: model not found: {tmp_path}/missing.gguf"],
     )
+    folder = tmp_path / "folder.json"
+    folder.mkdir()
+    not_a_file = _cli("generate", str(folder), "--prompt", "x")  # an OSError (IsADirectoryError)
+    assert not_a_file.returncode == 1 and len(not_a_file.stderr.splitlines()) == 1, not_a_file.stderr
+    assert not_a_file.stderr.startswith("k3stream generate: error: ") and "folder.json" in not_a_file.stderr
     bad_flag = _cli("chat", str(model_path), "--top-p", "0", stdin="")
     assert (bad_flag.returncode, bad_flag.stderr.splitlines()) == (
         1,
@@ -342,12 +346,19 @@ def test_command_errors_are_one_line(tmp_path, model_path):
     )
 
 
-def test_generate_streams_experts_from_the_pack(tiny_model):
-    from k3stream.engine.loading import load_runtime
+@pytest.fixture(scope="module")
+def packed(tiny_model):
+    """`(gguf, manifest)`: a tiny model with its expert pack beside it."""
     from k3stream.pack.builder import BuildOptions, build_pack
 
     gguf = tiny_model(seed=5)
-    result = build_pack(gguf, options=BuildOptions(progress=False))
+    return gguf, build_pack(gguf, options=BuildOptions(progress=False)).manifest
+
+
+def test_generate_streams_experts_from_the_pack(packed):
+    from k3stream.engine.loading import load_runtime
+
+    gguf, manifest = packed
     runtime = load_runtime(gguf, stream_experts=False)
     assert runtime.store is None
     prompt = "Hello, world!"
@@ -355,11 +366,64 @@ def test_generate_streams_experts_from_the_pack(tiny_model):
     expected = generate(runtime.model, runtime.tokenizer, runtime.tokenizer.encode(prompt), params).text
     args = ("--prompt", prompt, "--temperature", "0", "--max-tokens", "6", "--device", "cpu")
     beside = _cli("generate", str(gguf), *args)  # the pack next to the GGUF is found
-    given = _cli("generate", str(result.manifest), *args, "--ram-mib", "0.1")
-    for done in (beside, given):
+    given = _cli("generate", str(manifest), *args, "--ram-mib", "0.1")
+    no_prefetch = _cli("generate", str(manifest), *args, "--ram-mib", "0.1", "--policy=lru", "--no-prefetch")
+    for done in (beside, given, no_prefetch):
         assert done.returncode == 0, done.stderr
         assert done.stdout == expected + "\n"
-        assert "expert store: ram hit rate" in done.stderr
+        reads = re.search(r"^reads   (\d+) experts read from the pack \((\d+) read ahead", done.stderr, re.M)
+        assert reads is not None and int(reads.group(1)) > 0, done.stderr
+    assert re.search(r"^cache   ram: \d+ hits, [1-9]\d* misses", given.stderr, re.M), given.stderr
+    assert re.search(r"\(0 read ahead, 0 of them used\)", no_prefetch.stderr), no_prefetch.stderr
+
+
+def test_store_flags_reach_the_store_and_quiet_chat_counts_tokens(packed):
+    import io
+
+    from k3stream.cli import build_parser
+    from k3stream.engine.cmd_chat import ChatSession
+    from k3stream.engine.loading import runtime_from_args, sampling_params
+
+    _gguf, manifest = packed
+
+    def parse(*flags):
+        argv = ["chat", str(manifest), "--device", "cpu", "--temperature", "0", "--max-tokens", "4", *flags]
+        return build_parser(argv).parse_args(argv)
+
+    def settings(runtime):
+        stats = runtime.store.stats()
+        return stats["tiers"]["ram"]["policy"], stats["prefetch"], runtime.model.prefetch
+
+    default = runtime_from_args(parse())
+    try:
+        assert settings(default) == ("cycle", True, True)
+        assert default.store.stats()["direct_io_note"] == "not requested"
+    finally:
+        default.close()
+    args = parse("--policy", "lru", "--no-prefetch", "--io-threads", "2", "--direct-io", "--quiet")
+    runtime = runtime_from_args(args)
+    try:
+        assert settings(runtime) == ("lru", False, False)
+        stats = runtime.store.stats()
+        assert stats["direct_io_note"] != "not requested"  # O_DIRECT was asked for (and used or explained)
+        assert stats["tokens"] == 0
+        session = ChatSession(runtime, args, sampling_params(args))
+        session.answer("Hello", io.StringIO())
+        prompt = runtime.tokenizer.encode(session.template.render(session.messages[:1]), allow_special=True)
+        assert runtime.store.stats()["tokens"] >= len(prompt) > 0  # counted although --quiet prints nothing
+    finally:
+        runtime.close()
+
+
+def test_bad_store_flags_are_one_line_errors(packed):
+    _gguf, manifest = packed
+    bad_policy = _cli("generate", str(manifest), "--prompt", "x", "--policy", "fifo")
+    assert bad_policy.returncode == 2 and "invalid choice: 'fifo'" in bad_policy.stderr
+    no_threads = _cli("generate", str(manifest), "--prompt", "x", "--io-threads", "0", "--device", "cpu")
+    assert (no_threads.returncode, no_threads.stderr.splitlines()) == (
+        1,
+        ["k3stream generate: error: io_threads and read_splits must be positive, got 0 and 4"],
+    )
 
 
 def test_kimi_k3_chat_stops_at_the_response_close():

@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from k3stream.engine.loading import StoreOptions, load_runtime
 from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.live import ServerProcess, ServerThread
 from k3stream.server.runtime import served_from_runtime
@@ -25,6 +26,7 @@ from k3stream.server.runtime import served_from_runtime
 MAX_BATCH = 4
 MAX_QUEUE = 4
 CTX = 256
+SLOW_READ_US = 3000
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +57,12 @@ def ram_mib(served_pack):
 class LiveServer:
     """The app on a uvicorn thread, plus the probes the tests read."""
 
-    def __init__(self, manifest, ram_mib, **config):
-        from k3stream.engine.loading import load_runtime
-
-        self.served = served_from_runtime(load_runtime(manifest, ram_mib=ram_mib), ctx=CTX)
+    def __init__(self, manifest, ram_mib, store_options=None, **config):
+        runtime = load_runtime(manifest, ram_mib=ram_mib, store_options=store_options or StoreOptions())
+        self.served = served_from_runtime(runtime, ctx=CTX)
         self.name = self.served.name
-        self.thread = ServerThread(create_app(self.served, ServerConfig(**config))).start()
+        self.app = create_app(self.served, ServerConfig(**config))
+        self.thread = ServerThread(self.app).start()
         self.url = self.thread.url
 
     def health(self) -> dict:
@@ -73,11 +75,6 @@ class LiveServer:
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(sample)
 
-    def batched_steps(self) -> float:
-        """Decode steps that ran more than one sequence."""
-        return (self.metric("k3stream_decode_batch_size_count")
-                - self.metric('k3stream_decode_batch_size_bucket{le="1.0"}'))
-
     def wait_idle(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while self.health()["active_sequences"]:
@@ -86,6 +83,7 @@ class LiveServer:
 
     def close(self) -> None:
         self.thread.stop()
+        self.app.state.scheduler.stop()  # the lifespan did; a no-op then
         self.served.close()
 
 
@@ -108,19 +106,36 @@ def server(served_pack, ram_mib):
 
 
 @pytest.fixture(scope="module")
+def slow_server(served_pack, ram_mib):
+    """The same model with every pack read slowed by a fixed sleep, so that a request of a few dozen
+    tokens lasts long enough, on any machine, for concurrent requests and disconnects to meet it."""
+    live = LiveServer(served_pack, ram_mib, StoreOptions(simulated_read_latency_us=SLOW_READ_US),
+                      max_batch=MAX_BATCH, max_queue=MAX_QUEUE)
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_gguf):
-    """Greedy generation by the engine's loop on the model with experts read from the GGUF."""
+def gguf_model(tiny_gguf):
+    """`(model, tokenizer)` with the experts read from the GGUF (no expert store)."""
     import k3stream
-    from k3stream.engine.generate import generate
-    from k3stream.engine.sampling import SamplingParams
     from k3stream.engine.tokenizer import Tokenizer
 
-    model, tokenizer = k3stream.load(tiny_gguf), Tokenizer.from_gguf(tiny_gguf)
+    return k3stream.load(tiny_gguf), Tokenizer.from_gguf(tiny_gguf)
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_model):
+    """Greedy generation by the engine's loop on the model with experts read from the GGUF."""
+    from k3stream.engine.generate import generate
+    from k3stream.engine.sampling import SamplingParams
+
+    model, tokenizer = gguf_model
 
     def run(prompt_ids, max_tokens):
         return generate(model, tokenizer, prompt_ids, SamplingParams(temperature=0, max_tokens=max_tokens))
@@ -212,19 +227,28 @@ def test_seeded_sampling_is_reproducible(client, server):
     assert draw(1234) == draw(1234)
 
 
-def test_batched_outputs_equal_solo_outputs(client, server):
+def _completion(url: str, body: dict) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+
+def test_batched_outputs_equal_solo_outputs(server, slow_server):
+    """Solo answers from one server; the same requests sent together to the same model whose slowed
+    reads make them overlap, so the scheduler decodes them in shared steps."""
     prompts = ["alpha beta", "The rain in Spain", "1 2 3 4", "Hello, world"]
     assert len(prompts) == MAX_BATCH
 
-    def run(prompt):
-        return client.completions.create(model=server.name, prompt=prompt, max_tokens=24, temperature=0)
+    def body(prompt):
+        return {"model": server.name, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True}
 
-    solo = [run(p).choices[0].text for p in prompts]
-    batched_before = server.batched_steps()
+    solo = [_completion(server.url, body(p)).json()["choices"][0]["text"] for p in prompts]
+    slow_server.wait_idle()
+    before = slow_server.health()["batched_steps"]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        together = [r.choices[0].text for r in pool.map(run, prompts)]
+        together = [r.json()["choices"][0]["text"] for r in pool.map(
+            lambda p: _completion(slow_server.url, body(p)), prompts)]
     assert together == solo
-    assert server.batched_steps() > batched_before, "the concurrent requests were never decoded together"
+    assert slow_server.health()["batched_steps"] > before, "the requests were never decoded together"
 
 
 BAD_BODIES = [
@@ -282,50 +306,90 @@ def test_unknown_route_answers_an_openai_error(server):
     assert response.json()["error"]["type"] == "not_found_error"
 
 
-def test_disconnect_mid_stream_frees_the_sequence(server):
-    server.wait_idle()
-    generated_before = server.metric("k3stream_generation_tokens_total")
-    body = {"model": server.name, "prompt": "Tell me a long story", "max_tokens": 240, "temperature": 0,
-            "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+def test_disconnect_mid_stream_frees_the_sequence(slow_server):
+    slow_server.wait_idle()
+    cancelled_before = slow_server.health()["cancelled_jobs"]
+    generated_before = slow_server.metric("k3stream_generation_tokens_total")
+    body = {"model": slow_server.name, "prompt": "Tell me a long story", "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", slow_server.url + "/v1/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         received = [next(lines) for _ in range(3)]
     assert all(line.startswith("data: ") or not line for line in received)
-    server.wait_idle(timeout=10)
-    generated = server.metric("k3stream_generation_tokens_total") - generated_before
-    assert generated < 240, "the sequence ran to max_tokens after its client left"
+    slow_server.wait_idle(timeout=20)
+    assert slow_server.health()["cancelled_jobs"] == cancelled_before + 1
+    assert slow_server.metric("k3stream_generation_tokens_total") - generated_before < 200
 
 
-def test_disconnect_while_waiting_for_a_whole_answer_frees_the_sequence(server):
-    server.wait_idle()
-    generated_before = server.metric("k3stream_generation_tokens_total")
-    body = {"model": server.name, "prompt": "Tell me a long story", "max_tokens": 240, "temperature": 0,
+def test_disconnect_while_waiting_for_a_whole_answer_frees_the_sequence(slow_server):
+    slow_server.wait_idle()
+    cancelled_before = slow_server.health()["cancelled_jobs"]
+    generated_before = slow_server.metric("k3stream_generation_tokens_total")
+    body = {"model": slow_server.name, "prompt": "Tell me a long story", "max_tokens": 200, "temperature": 0,
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
-    server.wait_idle(timeout=10)
-    generated = server.metric("k3stream_generation_tokens_total") - generated_before
-    assert generated < 240, "the sequence ran to max_tokens after its client left"
+        httpx.post(slow_server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+    slow_server.wait_idle(timeout=20)
+    assert slow_server.health()["cancelled_jobs"] == cancelled_before + 1
+    assert slow_server.metric("k3stream_generation_tokens_total") - generated_before < 200
 
 
-def test_full_queue_refuses_with_429(server):
-    server.wait_idle()
-    body = {"model": server.name, "prompt": "Go on and on", "max_tokens": 40, "temperature": 0,
+def test_full_queue_refuses_with_429(slow_server):
+    """Twelve requests at once: the batch slots and the queue hold eight, the rest are refused."""
+    slow_server.wait_idle()
+    body = {"model": slow_server.name, "prompt": "Go on and on", "max_tokens": 40, "temperature": 0,
             "ignore_eos": True}
-    statuses = []
-
-    def post(_):
-        response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
-        statuses.append(response.status_code)
-        if response.status_code == 429:
-            assert response.json()["error"]["code"] == "queue_full"
-
     with ThreadPoolExecutor(12) as pool:
-        list(pool.map(post, range(12)))
+        responses = list(pool.map(lambda _: _completion(slow_server.url, body), range(12)))
+    statuses = [response.status_code for response in responses]
     assert set(statuses) <= {200, 429}
-    assert statuses.count(200) >= MAX_BATCH
-    assert statuses.count(429) >= 12 - MAX_BATCH - MAX_QUEUE
-    server.wait_idle()
+    assert statuses.count(200) >= MAX_BATCH + MAX_QUEUE
+    assert statuses.count(429) >= 1
+    assert all(r.json()["error"]["code"] == "queue_full" for r in responses if r.status_code == 429)
+    assert slow_server.health()["peak_waiting"] >= MAX_QUEUE
+    slow_server.wait_idle()
+
+
+def test_scheduler_without_a_queue_fills_its_free_batch_slots(gguf_model):
+    """`max_queue=0` still takes as many requests as there are free batch slots; then it refuses."""
+    import asyncio
+
+    from k3stream.engine.generate import Sequence
+    from k3stream.engine.sampling import SamplingParams
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import ErrorEvent, EventSink, Job, QueueFull, Scheduler
+
+    model, tokenizer = gguf_model
+    loop = asyncio.new_event_loop()
+    ids = tokenizer.encode("Hello")
+
+    def job(max_tokens):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return Job(ids, Sequence(tokenizer, ids, params), EventSink(loop))
+
+    scheduler = Scheduler(model, ServerMetrics(), max_batch=2, max_queue=0)
+    short, long = job(2), job(10_000)
+    scheduler.submit(short)
+    scheduler.submit(long)
+    with pytest.raises(QueueFull, match="the request queue is full"):
+        scheduler.submit(job(2))
+    scheduler.start()
+    try:
+        for _ in range(2000):  # a bound, not a timing assertion
+            if short.logic.finish_reason is not None and scheduler.snapshot()["running"] == 1:
+                break
+            time.sleep(0.01)
+        assert short.logic.finish_reason == "length"
+        scheduler.submit(job(2))  # the finished one's slot is free again
+    finally:
+        scheduler.stop()
+    steps = scheduler.snapshot()["steps"]
+    time.sleep(0.05)
+    assert scheduler.snapshot()["steps"] == steps, "the scheduler thread ran on after stop()"
+    loop.run_until_complete(asyncio.sleep(0))
+    events = [long.sink.queue.get_nowait() for _ in range(long.sink.queue.qsize())]
+    assert events[-1] == ErrorEvent("the server is shutting down")
+    loop.close()
 
 
 def test_health_and_metrics(client, server):
@@ -377,10 +441,8 @@ def test_load_with_random_disconnects_leaks_nothing(server):
         with lock:
             outcomes.append(outcome)
 
-    started = time.monotonic()
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(one, plans))
-    assert time.monotonic() - started < 60
     assert "failed" not in outcomes
     assert outcomes.count("done") + outcomes.count("abandoned") >= 30, outcomes
     server.wait_idle(timeout=15)
@@ -391,8 +453,12 @@ def test_load_with_random_disconnects_leaks_nothing(server):
 
 def test_cli_serve_answers(served_pack, ram_mib, tmp_path):
     with ServerProcess(served_pack, "--ram-mib", str(ram_mib), "--ctx", str(CTX), "--threads", "1",
-                       log_path=tmp_path / "serve.log") as process:
+                       "--policy", "lru", "--no-prefetch", log_path=tmp_path / "serve.log") as process:
         client = openai.OpenAI(base_url=process.url + "/v1", api_key="none", max_retries=0, timeout=60)
         [model] = client.models.list().data
         result = client.completions.create(model=model.id, prompt="hi", max_tokens=3, temperature=0)
         assert result.usage.completion_tokens >= 1
+        store = httpx.get(process.url + "/health", timeout=10).json()["expert_store"]
+        assert store["tiers"]["ram"]["policy"] == "lru"
+        assert (store["prefetch"], store["prefetch_loads"]) == (False, 0)
+    assert process.returncode == 0, (tmp_path / "serve.log").read_text()  # Ctrl-C shuts down cleanly

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(_command_module(args.command).run(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:  # OSError: missing files, permissions, a full disk
         print(f"k3stream {args.command}: error: {exc}", file=sys.stderr)
         return 1
 

@@ -76,17 +76,6 @@ def store_delta(before: dict[str, Any], after: dict[str, Any], tokens: int) -> d
     }
 
 
-def zero_counters(store: Any) -> dict[str, Any]:
-    """Counters of a store that has done nothing yet (for whole-run deltas)."""
-    return {
-        "pack_reads": 0,
-        "pack_read_bytes": 0,
-        "pack_read_ns": 0,
-        "prefetch": dict.fromkeys(PREFETCH_COUNTERS, 0),
-        "tiers": {name: {"hits": 0, "misses": 0} for name in store.stats()["tiers"]},
-    }
-
-
 @dataclass
 class ExpertBytesPeak:
     """Largest expert bytes seen at step boundaries: per tier, and host buffers alive anywhere."""

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from k3stream.engine.cmd_generate import format_mib
 from k3stream.engine.loading import add_model_arguments, resolve_model, runtime_from_args
 
 MIB = 1 << 20
@@ -108,18 +109,14 @@ def report_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / MIB:.1f} MiB"
-
-
 def _budget_lines(pack: dict[str, Any], expert_bytes: dict[str, Any]) -> list[str]:
     lines = [
-        f"expert pack {_mib(pack['size_bytes'])}: {pack['experts']} experts of "
+        f"expert pack {format_mib(pack['size_bytes'])}: {pack['experts']} experts of "
         f"{pack['object_bytes'] / 1024:.1f} KiB"
     ]
     for tier, budget in expert_bytes["budget"].items():
         lines.append(
-            f"{tier} budget {_mib(budget)}: {budget // pack['object_bytes']} experts, "
+            f"{tier} budget {format_mib(budget)}: {budget // pack['object_bytes']} experts, "
             f"{budget / pack['expert_bytes']:.0%} of the pack"
         )
     return lines
@@ -151,7 +148,7 @@ def _prefetched(prefetch: dict[str, int]) -> str:
 
 def _sequential_line(sequential: dict[str, Any], decode: dict[str, Any]) -> str:
     line = (
-        f"sequential read of the pack: {_mib(sequential['bytes'])} in {sequential['seconds']:.3f} s, "
+        f"sequential read of the pack: {format_mib(sequential['bytes'])} in {sequential['seconds']:.3f} s, "
         f"{sequential['gb_per_s']:.2f} GB/s"
     )
     if decode.get("pack_read_bytes"):
@@ -175,10 +172,10 @@ def _llama_line(llama: dict[str, Any], phases: list[dict[str, Any]]) -> str:
 
 def _peak_line(expert_bytes: dict[str, Any]) -> str:
     parts = [
-        f"{tier} {_mib(expert_bytes['peak_resident'].get(tier, 0))} (budget {_mib(budget)})"
+        f"{tier} {format_mib(expert_bytes['peak_resident'].get(tier, 0))} (budget {format_mib(budget)})"
         for tier, budget in expert_bytes["budget"].items()
     ]
     return (
         f"expert bytes at most: {', '.join(parts)}; host expert buffers alive at most "
-        f"{_mib(expert_bytes['peak_live_host'])}"
+        f"{format_mib(expert_bytes['peak_live_host'])}"
     )

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from k3stream.engine.cmd_generate import chat_stop_token_ids, report
+from k3stream.engine.cmd_generate import chat_stop_token_ids, report, statistics_lines, store_snapshot
 from k3stream.engine.loading import (
     add_model_arguments,
     add_sampling_arguments,
@@ -68,11 +68,13 @@ class ChatSession:
             out.write(piece)
             out.flush()
 
+        start = store_snapshot(self.runtime.store)
         result = generate(self.runtime.model, self.runtime.tokenizer, ids, self.params, on_text=write)
         out.write("\n")
         out.flush()
+        tokens = self.runtime.end_generation(result)
         if not self.args.quiet:
-            report(result, self.runtime.store)
+            report(statistics_lines(result, self.runtime.store, start, tokens))
         self.messages = [*messages, {"role": "assistant", "content": result.text}]
         return result.text
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from k3stream.engine.loading import add_sampling_arguments
+from k3stream.engine.cmd_generate import format_mib
+from k3stream.engine.loading import add_sampling_arguments, add_store_arguments
 
 MIB = 1 << 20
 DEFAULT_PROMPT = "What does a mixture-of-experts model keep on disk?"
@@ -58,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="torch CPU threads (default 1: the tiny model's matrices are too small to share out)",
     )
+    add_store_arguments(parser)
     add_sampling_arguments(parser, max_tokens=32)
     # the prompt goes through the chat template, like `generate --chat`
     parser.set_defaults(seed=0, chat=True, system=None, thinking=False)
@@ -132,32 +134,33 @@ def _write(text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from k3stream.engine.bench import zero_counters
-    from k3stream.engine.cmd_generate import chat_stop_token_ids, prompt_ids
+    from k3stream.engine.cmd_generate import chat_stop_token_ids, prompt_ids, statistics_lines, store_snapshot
     from k3stream.engine.generate import generate
-    from k3stream.engine.loading import load_runtime, sampling_params
+    from k3stream.engine.loading import StoreOptions, load_runtime, sampling_params
     from k3stream.pack.reader import ExpertPack
 
     params = sampling_params(args)  # bad flags fail before anything is made
     torch.set_num_threads(args.threads)
     demo = prepare_demo_model(args.cache_dir or default_cache_dir())
-    expert_bytes = _expert_bytes(ExpertPack(demo.manifest))
+    with ExpertPack(demo.manifest) as pack:
+        expert_bytes = _expert_bytes(pack)
     ram_mib = args.ram_mib if args.ram_mib is not None else round(BUDGET_FRACTION * expert_bytes / MIB, 1)
     print(f"model   {demo.gguf} {_took(demo.made_s, 'made')}")
-    print(f"pack    {demo.pack}: {_mib(expert_bytes)} of experts {_took(demo.packed_s, 'packed')}")
-    runtime = load_runtime(demo.manifest, device="cpu", ram_mib=ram_mib)
+    print(f"pack    {demo.pack}: {format_mib(expert_bytes)} of experts {_took(demo.packed_s, 'packed')}")
+    runtime = load_runtime(
+        demo.manifest, device="cpu", ram_mib=ram_mib, store_options=StoreOptions.from_args(args)
+    )
     try:
-        start = zero_counters(runtime.store)
         print(f"budget  expert RAM {ram_mib:g} MiB, {ram_mib * MIB / expert_bytes:.0%} of the pack's experts")
         tokenizer = runtime.tokenizer
         ids = prompt_ids(tokenizer, args, args.prompt)
         print(f"prompt  {args.prompt!r} ({len(ids)} tokens with the chat template)\n")
         params = replace(params, stop_token_ids=chat_stop_token_ids(tokenizer, args.thinking))
+        start = store_snapshot(runtime.store)
         result = generate(runtime.model, tokenizer, ids, params, on_text=_write)
         print("\n")
-        forwarded = result.prompt_tokens + result.completion_tokens - 1  # the last token is not fed back
-        runtime.store.end_token(forwarded)
-        print("\n".join(statistics_lines(result, runtime.store, start, forwarded)))
+        tokens = runtime.end_generation(result)
+        print("\n".join(statistics_lines(result, runtime.store, start, tokens)))
     finally:
         runtime.close()
     return 0
@@ -165,34 +168,3 @@ def run(args: argparse.Namespace) -> int:
 
 def _expert_bytes(pack: Any) -> int:
     return len(pack.moe_layers) * pack.num_experts * pack.object_bytes
-
-
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / MIB:.1f} MiB"
-
-
-def statistics_lines(result: Any, store: Any, start: dict[str, Any], tokens: int) -> list[str]:
-    """Speed, cache hits per tier, and pack reads of a whole generation."""
-    from k3stream.engine.bench import store_counters, store_delta
-
-    t = result.timings
-    delta = store_delta(start, store_counters(store), tokens)
-    resident = store.resident_bytes()
-    lines = [
-        f"speed   prefill {result.prompt_tokens} tokens at {t['prefill_tokens_per_s']:.1f} tok/s, "
-        f"decode {result.completion_tokens} tokens at {t['decode_tokens_per_s']:.1f} tok/s "
-        f"(finish: {result.finish_reason})"
-    ]
-    for name, tier in delta["tiers"].items():
-        budget = store.stats()["tiers"][name]["budget_bytes"]
-        lines.append(
-            f"cache   {name}: {tier['hits']} hits, {tier['misses']} misses, hit rate {tier['hit_rate']:.1%}; "
-            f"holds {_mib(resident[name])} of its {_mib(budget)} budget"
-        )
-    prefetch = delta["prefetch"]
-    lines.append(
-        f"reads   {delta['pack_reads']} experts read from the pack ({prefetch['loads']} read ahead, "
-        f"{prefetch['hits'] + prefetch['waits']} of them used), {_mib(delta['pack_read_bytes'])}: "
-        f"{delta['bytes_per_token'] / 1024:.1f} KiB per token, {delta['read_gb_per_s']:.2f} GB/s"
-    )
-    return lines

@@ -13,6 +13,8 @@ from k3stream.engine.loading import (
     sampling_params,
 )
 
+MIB = 1 << 20
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
@@ -48,33 +50,49 @@ def _write(text: str) -> None:
     sys.stdout.flush()
 
 
-def report(result: Any, store: Any) -> None:
-    """Statistics of one generation (and of the expert store) on stderr."""
+def store_snapshot(store: Any) -> dict[str, Any] | None:
+    """The store's counters before a generation (None without a store), for `statistics_lines`."""
+    from k3stream.engine.bench import store_counters
+
+    return store_counters(store) if store is not None else None
+
+
+def statistics_lines(result: Any, store: Any, start: dict[str, Any] | None, tokens: int) -> list[str]:
+    """Speed, cache hits per tier and pack reads of one generation of `tokens` forwarded tokens."""
     t = result.timings
-    print(
-        f"[k3stream] prompt {result.prompt_tokens} tokens, completion {result.completion_tokens} tokens, "
-        f"finish {result.finish_reason}",
-        file=sys.stderr,
+    lines = [
+        f"speed   prefill {result.prompt_tokens} tokens at {t['prefill_tokens_per_s']:.1f} tok/s, "
+        f"decode {result.completion_tokens} tokens at {t['decode_tokens_per_s']:.1f} tok/s "
+        f"(finish: {result.finish_reason})"
+    ]
+    if store is None or start is None:
+        return lines
+    from k3stream.engine.bench import store_counters, store_delta
+
+    delta = store_delta(start, store_counters(store), tokens)
+    resident = store.resident_bytes()
+    budgets = {name: tier["budget_bytes"] for name, tier in store.stats()["tiers"].items()}
+    for name, tier in delta["tiers"].items():
+        lines.append(
+            f"cache   {name}: {tier['hits']} hits, {tier['misses']} misses, hit rate {tier['hit_rate']:.1%}; "
+            f"holds {format_mib(resident[name])} of its {format_mib(budgets[name])} budget"
+        )
+    prefetch = delta["prefetch"]
+    lines.append(
+        f"reads   {delta['pack_reads']} experts read from the pack ({prefetch['loads']} read ahead, "
+        f"{prefetch['hits'] + prefetch['waits']} of them used), {format_mib(delta['pack_read_bytes'])}: "
+        f"{delta['bytes_per_token'] / 1024:.1f} KiB per token, {delta['read_gb_per_s']:.2f} GB/s"
     )
-    print(
-        f"[k3stream] prefill {t['prefill_s']:.3f} s ({t['prefill_tokens_per_s']:.1f} tok/s), "
-        f"decode {t['decode_s']:.3f} s ({t['decode_tokens_per_s']:.2f} tok/s)",
-        file=sys.stderr,
-    )
-    if store is None:
-        return
-    store.end_token(result.prompt_tokens + result.completion_tokens - 1)
-    stats = store.stats()
-    tiers = ", ".join(
-        f"{name} hit rate {tier['hit_rate']:.1%} ({tier['resident_experts']} experts, "
-        f"{tier['resident_bytes'] / 2**20:.1f} MiB)"
-        for name, tier in stats["tiers"].items()
-    )
-    print(
-        f"[k3stream] expert store: {tiers}; pack reads {stats['pack_reads']} "
-        f"({stats['pack_read_bytes'] / 2**20:.1f} MiB, {stats['bytes_per_token'] / 2**10:.1f} KiB/token)",
-        file=sys.stderr,
-    )
+    return lines
+
+
+def format_mib(nbytes: float) -> str:
+    return f"{nbytes / MIB:.1f} MiB"
+
+
+def report(lines: list[str]) -> None:
+    """Statistics on stderr, so that stdout holds only the generated text."""
+    print("\n".join(lines), file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         tokenizer = runtime.tokenizer
         stops = chat_stop_token_ids(tokenizer, args.thinking) if args.chat else ()
+        start = store_snapshot(runtime.store)
         result = generate(
             runtime.model,
             tokenizer,
@@ -96,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
             on_text=_write,
         )
         _write("\n")
-        report(result, runtime.store)
+        tokens = runtime.end_generation(result)
+        report(statistics_lines(result, runtime.store, start, tokens))
     finally:
         runtime.close()
     return 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +36,38 @@ class Runtime:
     store: Any = None
     manifest: Path | None = None
 
+    def end_generation(self, result: Any) -> int:
+        """Tell the store how many tokens the model forwarded for `result`; returns that count.
+
+        Every token but the last sampled one went through the model."""
+        tokens = result.prompt_tokens + result.completion_tokens - 1
+        if self.store is not None:
+            self.store.end_token(tokens)
+        return tokens
+
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How the expert store caches and reads (the `ExpertStore` keywords of the same names)."""
+
+    policy: str = "cycle"
+    prefetch: bool = True
+    io_threads: int = 4
+    direct_io: bool = False
+    simulated_read_latency_us: float = 0.0  # sleeps before each pack read: tests and experiments
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> StoreOptions:
+        return cls(
+            policy=args.policy,
+            prefetch=not args.no_prefetch,
+            io_threads=args.io_threads,
+            direct_io=args.direct_io,
+        )
 
 
 def resolve_model(path: str | Path, stream_experts: bool) -> tuple[Path, Path | None]:
@@ -59,10 +88,19 @@ def load_runtime(
     ram_mib: float = 1024.0,
     gpu_mib: float | None = None,
     stream_experts: bool = True,
+    store_options: StoreOptions = StoreOptions(),
 ) -> Runtime:
     """Load for generation; routed experts stream from the pack when there is a manifest."""
     gguf_path, manifest = resolve_model(path, stream_experts)
-    return load_resolved(gguf_path, manifest, device=device, dtype=dtype, ram_mib=ram_mib, gpu_mib=gpu_mib)
+    return load_resolved(
+        gguf_path,
+        manifest,
+        device=device,
+        dtype=dtype,
+        ram_mib=ram_mib,
+        gpu_mib=gpu_mib,
+        store_options=store_options,
+    )
 
 
 def load_resolved(
@@ -73,6 +111,7 @@ def load_resolved(
     dtype: Any = None,
     ram_mib: float = 1024.0,
     gpu_mib: float | None = None,
+    store_options: StoreOptions = StoreOptions(),
 ) -> Runtime:
     """`load_runtime` for paths `resolve_model` already found."""
     import torch
@@ -84,10 +123,16 @@ def load_resolved(
     if manifest is not None:
         from k3stream.store.expert_store import ExpertStore
 
-        store = ExpertStore(manifest, ram_mib=ram_mib, gpu_mib=gpu_mib, device=device)
+        store = ExpertStore(
+            manifest, ram_mib=ram_mib, gpu_mib=gpu_mib, device=device, **asdict(store_options)
+        )
     try:
         model = k3stream.load(
-            manifest or gguf_path, device=device, dtype=dtype or torch.float32, expert_source=store
+            manifest or gguf_path,
+            device=device,
+            dtype=dtype or torch.float32,
+            expert_source=store,
+            prefetch=store_options.prefetch,
         )
         tokenizer = Tokenizer.from_gguf(gguf_path)
     except BaseException:
@@ -108,6 +153,31 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-stream-experts",
         action="store_true",
         help="serve routed experts from the GGUF mmap even when a pack is there",
+    )
+    add_store_arguments(parser)
+
+
+def add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    """The expert store's flags (they apply when experts stream from a pack)."""
+    from k3stream.store.policies import POLICIES
+
+    defaults = StoreOptions()
+    parser.add_argument(
+        "--policy",
+        choices=list(POLICIES),
+        default=defaults.policy,
+        help="expert eviction policy (default %(default)s)",
+    )
+    parser.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="no background reads of the experts the next layers may need",
+    )
+    parser.add_argument(
+        "--io-threads", type=int, default=defaults.io_threads, help="pack read threads (default %(default)s)"
+    )
+    parser.add_argument(
+        "--direct-io", action="store_true", help="read the pack with O_DIRECT, bypassing the page cache"
     )
 
 
@@ -154,4 +224,5 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
         dtype=getattr(torch, args.dtype),
         ram_mib=args.ram_mib,
         gpu_mib=args.gpu_mib,
+        store_options=StoreOptions.from_args(args),
     )

@@ -68,6 +68,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
             scheduler.stop()
 
     app = FastAPI(title="k3stream", lifespan=lifespan)
+    app.state.scheduler = scheduler
     app.add_middleware(RequestCounter, metrics=metrics)
     _add_error_handlers(app)
     api = Endpoints(served, scheduler, metrics)
@@ -92,7 +93,7 @@ class Endpoints:
 
     async def health(self) -> dict[str, Any]:
         return {"status": "ok", **self.scheduler.snapshot(), "max_batch": self.scheduler.max_batch,
-                "rss_bytes": resident_bytes(),
+                "rss_bytes": process_rss_bytes(),
                 "expert_store": self.served.store_stats()}
 
     async def metrics_text(self) -> Response:
@@ -365,7 +366,7 @@ class RequestCounter:
             self.metrics.requests.labels(endpoint, str(status)).inc()
 
 
-def resident_bytes() -> int:
+def process_rss_bytes() -> int:
     """This process's resident set size (Linux), 0 where /proc is missing."""
     try:
         with open("/proc/self/statm") as statm:

@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context per sequence, prompt plus output (default: the model's, at most 4096)")
     parser.add_argument("--max-batch", type=int, default=16, help="sequences decoded together per step")
     parser.add_argument("--max-queue", type=int, default=64,
-                        help="requests waiting for a batch slot; beyond this the server answers 429")
+                        help="requests waiting beyond the free batch slots; past this the server answers 429")
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
 
@@ -39,8 +39,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"k3stream serve: {served.name} on http://{args.host}:{args.port}/v1 (ctx {served.ctx}, "
               f"max batch {config.batch_for(served)}, queue {config.max_queue}, experts {experts})",
               flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        try:
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                        timeout_graceful_shutdown=5)
+        finally:
+            # the app's lifespan stops it too; this covers a uvicorn that never ran its shutdown
+            app.state.scheduler.stop()
     finally:
         runtime.close()
     return 0

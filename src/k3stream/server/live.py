@@ -8,9 +8,9 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
-import httpx
 import uvicorn
 from fastapi import FastAPI
 
@@ -82,8 +82,9 @@ class ServerProcess:
 
     def _healthy(self) -> bool:
         try:
-            return httpx.get(self.url + "/health", timeout=1.0).status_code == 200
-        except httpx.HTTPError:
+            with urllib.request.urlopen(self.url + "/health", timeout=1.0) as response:
+                return response.status == 200
+        except OSError:  # refused, reset, timed out, or an HTTP error status (URLError)
             return False
 
     def _log_tail(self) -> str:
@@ -91,7 +92,13 @@ class ServerProcess:
             return "(no log)"
         return self._log_path.read_text(errors="replace")[-2000:]
 
+    @property
+    def returncode(self) -> int | None:
+        """The server's exit status once it ended (None while it runs or before it started)."""
+        return None if self._process is None else self._process.poll()
+
     def stop(self, timeout: float = 15.0) -> None:
+        """Ctrl-C, as a user stops it; killed if it has not ended after `timeout` seconds."""
         if self._process is None or self._process.poll() is not None:
             return
         self._process.send_signal(signal.SIGINT)

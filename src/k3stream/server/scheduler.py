@@ -80,6 +80,7 @@ class Job:
     sink: EventSink
     submitted_at: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
+    abandoned: bool = False  # cancelled before it finished: its client left
     failed: bool = False
     state: Any = None
     last_token: int = -1
@@ -90,7 +91,9 @@ class Job:
         return not (self.cancelled or self.failed or self.logic.finish_reason is not None)
 
     def cancel(self) -> None:
-        """Called from the HTTP side when the client goes away; the scheduler frees it at the next step."""
+        """Called from the HTTP side when the response ends; the scheduler frees the job at the next step."""
+        if self.active:
+            self.abandoned = True
         self.cancelled = True
 
     def fail(self, message: str) -> None:
@@ -114,27 +117,39 @@ class Scheduler:
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="k3stream-scheduler", daemon=True)
+        # what the scheduler saw, for /health: decode steps, those with more than one sequence, jobs
+        # dropped because their client left, and the most requests ever waiting at once
         self.steps = 0
+        self.batched_steps = 0
+        self.cancelled_jobs = 0
+        self.peak_waiting = 0
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self) -> None:
+        """Stop after the step in progress and wait for the thread: the model is not used after this."""
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
         if self._thread.is_alive():
-            self._thread.join(timeout)
+            self._thread.join()
 
     def submit(self, job: Job) -> None:
+        """Queue `job`; it may wait only while the queue is within `max_queue` plus the free batch slots."""
         with self._wake:
-            if len(self._waiting) >= self.max_queue:
-                self._waiting = collections.deque(waiting for waiting in self._waiting if waiting.active)
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
+            if len(self._waiting) >= self._waiting_room():
+                self._waiting = collections.deque(self._keep_active(self._waiting))
+            if len(self._waiting) >= self._waiting_room():
+                raise QueueFull(f"the request queue is full ({len(self._waiting)} waiting); retry later")
             self._waiting.append(job)
+            self.peak_waiting = max(self.peak_waiting, len(self._waiting))
             self.metrics.queue_length.set(len(self._waiting))
             self._wake.notify()
+
+    def _waiting_room(self) -> int:
+        """Requests that may wait: the queue bound plus the batch slots the next step can fill."""
+        return self.max_queue + max(0, self.max_batch - len(self._running))
 
     def wake(self) -> None:
         """Make the loop look at its jobs now (after a cancellation)."""
@@ -145,7 +160,8 @@ class Scheduler:
         with self._wake:
             waiting, running = len(self._waiting), len(self._running)
         return {"waiting": waiting, "running": running, "active_sequences": waiting + running,
-                "steps": self.steps}
+                "steps": self.steps, "batched_steps": self.batched_steps,
+                "cancelled_jobs": self.cancelled_jobs, "peak_waiting": self.peak_waiting}
 
     def _loop(self) -> None:
         while self._wait_for_work():
@@ -170,23 +186,27 @@ class Scheduler:
     def _drop_finished(self) -> None:
         """Free the sequences that finished, failed or whose client left, between steps."""
         with self._wake:
-            self._running = [job for job in self._running if job.active]
-            self._waiting = collections.deque(job for job in self._waiting if job.active)
+            self._running = self._keep_active(self._running)
+            self._waiting = collections.deque(self._keep_active(self._waiting))
             self._update_gauges()
+
+    def _keep_active(self, jobs: Any) -> list[Job]:
+        """The active jobs of `jobs`, counting the abandoned ones left behind (call with the lock held)."""
+        self.cancelled_jobs += sum(job.abandoned for job in jobs if not job.active)
+        return [job for job in jobs if job.active]
 
     def _next_waiting(self) -> Job | None:
         with self._wake:
-            if len(self._running) >= self.max_batch or not self._waiting:
-                return None
-            job = self._waiting.popleft()
+            while len(self._running) < self.max_batch and self._waiting:
+                if kept := self._keep_active([self._waiting.popleft()]):
+                    self._update_gauges()
+                    return kept[0]
             self._update_gauges()
-            return job
+            return None
 
     def _admit_waiting(self) -> None:
         """Prefill waiting requests one at a time while the batch has room."""
         while (job := self._next_waiting()) is not None:
-            if not job.active:
-                continue
             try:
                 job.state = self.model.new_state()
                 logits = self.model.prefill(job.state, job.prompt_tokens)[-1]
@@ -197,10 +217,9 @@ class Scheduler:
             self._count_tokens(len(job.prompt_tokens))
             self.metrics.prompt_tokens.inc(len(job.prompt_tokens))
             self._emit_token(job, logits)
-            if job.active:
-                with self._wake:
-                    self._running.append(job)
-                    self._update_gauges()
+            with self._wake:
+                self._running += self._keep_active([job])
+                self._update_gauges()
 
     def _decode_step(self) -> None:
         batch = [job for job in self._running if job.active]
@@ -215,6 +234,7 @@ class Scheduler:
             return
         self._count_tokens(len(batch))
         self.steps += 1
+        self.batched_steps += len(batch) > 1
         for row, job in enumerate(batch):
             if not job.cancelled:
                 self._emit_token(job, logits[row])
