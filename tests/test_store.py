@@ -201,6 +201,7 @@ def test_stats_json_has_the_seed_counters_per_tier_and_per_layer(packed):
     ram = stats["tiers"]["ram"]
     for name in ("cache_hits", "cache_misses", "cache_evictions", "resident_experts", "resident_bytes"):
         assert name in ram
+    assert ram["policy"] == "cycle"  # the default
     assert (ram["cache_hits"], ram["cache_misses"], stats["pack_reads"]) == (3, 5, 5)
     assert stats["layers"][str(layer)] == {"hits": 3, "misses": 5, "hit_rate": 3 / 8}
     assert stats["bytes_per_token"] == 5 * pack.object_bytes

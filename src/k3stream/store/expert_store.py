@@ -5,9 +5,16 @@ buffer, and hands out zero-copy views per role. A miss in the GPU tier is served
 there is one, and a miss there by a read of the pack. Budgets are bytes per tier; a slot is counted
 from the moment its load starts, so resident plus loading bytes never exceed a budget.
 
-Pins: the experts of each thread's current step (its latest `fetch`) and of running prefetches are
-never evicted. `prefetch` loads in the background; a `fetch` that finds its expert still loading waits
-for that load instead of reading again.
+Pins: the experts of each thread's current step (its latest `fetch`, until its next one, `release()`,
+or its exit) and of running loads are never evicted. A demand fetch reserves the slots of all its
+misses at once or none, and waits (holding none) only while some load is running, so two fetches can
+never wait for each other; when nothing is loading and its misses still do not fit, it raises
+WorkingSetTooLarge. `prefetch` loads in the background; a `fetch` that finds its expert still loading
+waits for that load instead of reading again (and reads it itself if that prefetch fails). A prefetched
+expert that a fetch asked for before it was evicted is a used prefetch, cached like a demand load.
+
+After `close()`, `fetch` raises RuntimeError("expert store is closed") and `prefetch` is ignored: it is
+a hint, and an engine may still hint while it shuts down.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -55,6 +62,8 @@ class _Tier:
         self.buffers: dict[Key, torch.Tensor] = {}
         self.ready: dict[Key, Any] = {}  # GPU copy events
         self.loading: dict[Key, Future] = {}
+        self.prefetching: set[Key] = set()  # the keys of `loading` that a prefetch loads
+        self.demanded: set[Key] = set()  # the keys of `prefetching` a fetch waits for
         self.counts = Counter(cache_hits=0, cache_misses=0, cache_evictions=0, h2d_bytes=0)
 
     def install(self, key: Key, buffer: torch.Tensor, ready: Any, speculative: bool) -> None:
@@ -62,6 +71,21 @@ class _Tier:
         if ready is not None:
             self.ready[key] = ready
         self.cache.admit(key, speculative)
+
+    def settle(self, key: Key) -> bool:
+        """`key` stopped loading; returns whether it was a prefetch no fetch has asked for."""
+        unused = key in self.prefetching and key not in self.demanded
+        self.prefetching.discard(key)
+        self.demanded.discard(key)
+        return unused
+
+    def room_for(self, count: int, pinned: Collection[Key]) -> bool:
+        """Whether `count` more keys fit, evicting only resident keys outside `pinned`."""
+        free = self.cache.capacity - self.cache.used()
+        if free >= count:
+            return True
+        pinned_resident = sum(1 for key in pinned if key in self.cache.resident)
+        return free + len(self.cache.resident) - pinned_resident >= count
 
     def evict(self, keys: Iterable[Key]) -> None:
         for key in keys:
@@ -96,7 +120,7 @@ class ExpertStore:
         ram_mib: float,
         gpu_mib: float | None = None,
         device: str | torch.device = "cpu",
-        policy: str = "lfu-lru",
+        policy: str = "cycle",
         prefetch: bool = True,
         io_threads: int = 4,
         direct_io: bool = False,
@@ -113,20 +137,9 @@ class ExpertStore:
         self._tiers = self._make_tiers(ram_mib, gpu_mib, policy)
         self._compute = self._tiers[0]
         self._host = next((tier for tier in self._tiers if tier.name == "ram"), None)
-        self._file = PackFile(
-            self.pack.path,
-            io_threads=io_threads,
-            read_splits=read_splits,
-            direct_io=direct_io,
-            simulated_read_latency_us=simulated_read_latency_us,
-        )
-        self._uploader = None
-        if self.device.type == "cuda":
-            from k3stream.store.gpu import GpuUploader
-
-            self._uploader = GpuUploader(self.device, self.slot_bytes)
         self._lock = threading.RLock()
         self._slot_freed = threading.Condition(self._lock)
+        self._closed = False
         self._pins: Counter[Key] = Counter()
         self._step_pins: dict[int, list[Key]] = {}
         self._prefetched: set[Key] = set()
@@ -139,6 +152,7 @@ class ExpertStore:
             fetches=0,
             fetch_ns=0,
             tokens=0,
+            slot_waits=0,
             prefetch_requests=0,
             prefetch_loads=0,
             prefetch_hits=0,
@@ -147,8 +161,40 @@ class ExpertStore:
             prefetch_stale=0,
             prefetch_waits=0,
         )
-        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="k3stream-prefetch") if prefetch else None
-        self._trace = None
+        self._file: PackFile | None = None
+        self._uploader = None
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._trace: TraceWriter | None = None
+        try:
+            self._open(io_threads, read_splits, direct_io, simulated_read_latency_us, prefetch, record_trace)
+        except BaseException:
+            self._release()
+            raise
+
+    def _open(
+        self,
+        io_threads: int,
+        read_splits: int,
+        direct_io: bool,
+        simulated_read_latency_us: float,
+        prefetch: bool,
+        record_trace: str | os.PathLike[str] | None,
+    ) -> None:
+        """Open the pack, the uploader, the prefetch thread and the trace (the constructor undoes them
+        with `_release` if any step fails)."""
+        self._file = PackFile(
+            self.pack.path,
+            io_threads=io_threads,
+            read_splits=read_splits,
+            direct_io=direct_io,
+            simulated_read_latency_us=simulated_read_latency_us,
+        )
+        if self.device.type == "cuda":
+            from k3stream.store.gpu import GpuUploader
+
+            self._uploader = GpuUploader(self.device, self.slot_bytes)
+        if prefetch:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="k3stream-prefetch")
         if record_trace is not None:
             self._trace = TraceWriter(
                 record_trace,
@@ -160,7 +206,6 @@ class ExpertStore:
                     "object_bytes": self.slot_bytes,
                 },
             )
-        self._closed = False
 
     def _make_tiers(self, ram_mib: float, gpu_mib: float | None, policy: str) -> list[_Tier]:
         layers = sorted(self.moe_layers)
@@ -209,6 +254,8 @@ class ExpertStore:
                 "fetch at most max_experts_per_fetch at a time"
             )
         with self._lock:
+            if self._closed:
+                raise RuntimeError("expert store is closed")
             self._pin_step(keys)
             self._layer_fetches[layer] += 1
             if self._trace is not None:
@@ -221,22 +268,30 @@ class ExpertStore:
         return weights
 
     def prefetch(self, layer: int, expert_ids: Iterable[int]) -> None:
-        """Start loading these experts in the background; never blocks, never evicts pinned experts."""
-        if self._prefetcher is None or self._closed:
+        """Start loading these experts in the background; never blocks, never evicts pinned experts.
+        Ignored after `close()`."""
+        if self._prefetcher is None:
             return
         keys = self._keys(layer, expert_ids)
         if not keys:
             return
-        with self._lock:
+        with self._lock:  # close() shuts the prefetcher down only after it set _closed under this lock
+            if self._closed:
+                return
             self._counts["prefetch_requests"] += len(keys)
             serial = self._layer_fetches[layer]
-        self._prefetcher.submit(self._prefetch_job, keys, serial)
+            self._prefetcher.submit(self._prefetch_job, keys, serial)
+
+    def release(self) -> None:
+        """Unpin the experts of the calling thread's latest fetch (a thread that is done with the store)."""
+        with self._lock:
+            self._unpin(self._step_pins.pop(threading.get_ident(), []))
 
     def end_token(self, n_tokens: int = 1) -> None:
         """The engine finished a step that produced `n_tokens` tokens (for bytes per token)."""
         with self._lock:
             self._counts["tokens"] += int(n_tokens)
-            if self._trace is not None:
+            if self._trace is not None and not self._closed:
                 self._trace.end_token(n_tokens)
 
     # ---- loading --------------------------------------------------------------------------------
@@ -251,14 +306,28 @@ class ExpertStore:
         return [(layer, expert) for expert in experts]
 
     def _pin_step(self, keys: list[Key]) -> None:
+        self._unpin_dead_threads()
         thread = threading.get_ident()
-        for key in self._step_pins.get(thread, []):  # in place: waiting fetches hold this Counter
+        self._unpin(self._step_pins.get(thread, []))
+        self._pins.update(keys)
+        self._step_pins[thread] = keys
+
+    def _unpin(self, keys: list[Key]) -> None:
+        """Under the lock: drop one pin of each key and wake the fetches waiting for room."""
+        for key in keys:
             self._pins[key] -= 1
             if self._pins[key] <= 0:
                 del self._pins[key]
-        self._pins.update(keys)
-        self._step_pins[thread] = keys
-        self._slot_freed.notify_all()
+        if keys:
+            self._slot_freed.notify_all()
+
+    def _unpin_dead_threads(self) -> bool:
+        """Under the lock: drop the pins of threads that have exited; returns whether there were any."""
+        alive = {thread.ident for thread in threading.enumerate()}
+        dead = [ident for ident in self._step_pins if ident not in alive]
+        for ident in dead:
+            self._unpin(self._step_pins.pop(ident))
+        return bool(dead)
 
     def _prefetch_job(self, keys: list[Key], serial: int) -> None:
         with self._lock:
@@ -271,20 +340,27 @@ class ExpertStore:
     def _ensure(self, tier: _Tier, keys: list[Key], demand: bool, keep: bool) -> dict[Key, torch.Tensor]:
         """Make `keys` resident in `tier`; return their buffers when `keep`. A prefetch skips what does
         not fit. A demand load may evict anything but the current steps; a prefetch keeps its own keys.
+        A demand that waited for a prefetch which failed reads that key itself.
         """
-        found: dict[Key, torch.Tensor] = {}
-        waits: dict[Key, Future] = {}
-        mine: list[Key] = []
-        with self._lock:
-            pinned = self._pins if demand else set(self._pins) | set(keys)
-            for key in keys:
-                if demand:
+        if demand:
+            with self._lock:
+                for key in keys:
                     self._count_lookup(tier, key)
-                self._plan(tier, key, demand, pinned, (found if keep else {}, waits, mine))
-        if mine:
-            found.update(self._load(tier, mine, demand, keep))
-        for key, future in waits.items():
-            found[key] = future.result()
+        found: dict[Key, torch.Tensor] = {}
+        while keys:
+            with self._lock:
+                resident, waits, mine = self._plan(tier, keys, demand, keep)
+            found.update(resident)
+            if mine:
+                found.update(self._load(tier, mine, demand, keep))
+            keys = []
+            for key, (future, by_prefetch) in waits.items():
+                try:
+                    found[key] = future.result()
+                except Exception:
+                    if not by_prefetch:
+                        raise
+                    keys.append(key)
         return found
 
     def _count_lookup(self, tier: _Tier, key: Key) -> None:
@@ -295,34 +371,62 @@ class ExpertStore:
             if key in self._prefetched and hit:
                 self._prefetched.discard(key)
                 self._counts["prefetch_hits"] += 1
-            elif key in tier.loading:
-                self._counts["prefetch_waits"] += 1
 
-    def _plan(self, tier: _Tier, key: Key, demand: bool, pinned: Any, plan: tuple[dict, dict, list]) -> None:
-        """Under the lock: note where `key` comes from, reserving a slot when it must be loaded."""
-        found, waits, mine = plan
-        while True:
-            if key in tier.buffers:
-                found[key] = tier.buffers[key]
-                return
-            if key in tier.loading:
-                if demand:
-                    waits[key] = tier.loading[key]
-                return
-            if tier.cache.has_room_without(pinned):
-                self._evict(tier, tier.cache.reserve(key, pinned))
-                tier.loading[key] = Future()
-                mine.append(key)
-                return
-            if not demand:
-                self._counts["prefetch_skipped"] += 1
-                return
-            if not set(tier.cache.loading) - set(mine):
+    def _plan(
+        self, tier: _Tier, keys: list[Key], demand: bool, keep: bool
+    ) -> tuple[dict[Key, torch.Tensor], dict[Key, tuple[Future, bool]], list[Key]]:
+        """Under the lock: (resident buffers when `keep`, {key: (load to wait for, whether a prefetch
+        runs it)}, keys whose slots this call reserved and must load). A demand reserves all its misses
+        or none, and waits for room holding none; a prefetch reserves what fits and never waits."""
+        if demand:
+            missing = self._wait_for_room(tier, keys)
+            waits = {key: (tier.loading[key], key in tier.prefetching) for key in keys if key in tier.loading}
+            for key in missing:
+                self._reserve(tier, key, self._pins)
+            for key, (_, by_prefetch) in waits.items():
+                if by_prefetch:
+                    tier.demanded.add(key)
+                    self._counts["prefetch_waits"] += tier is self._compute
+        else:
+            waits = {}
+            missing = self._reserve_what_fits(tier, self._missing(tier, keys), set(self._pins) | set(keys))
+        resident = {key: tier.buffers[key] for key in keys if key in tier.buffers} if keep else {}
+        return resident, waits, missing
+
+    @staticmethod
+    def _missing(tier: _Tier, keys: list[Key]) -> list[Key]:
+        return [key for key in keys if key not in tier.buffers and key not in tier.loading]
+
+    def _wait_for_room(self, tier: _Tier, keys: list[Key]) -> list[Key]:
+        """Under the lock: wait, holding no reservation, until the missing `keys` fit; return them.
+        Only a running load frees a slot (the reservations are all taken by running loads), so with
+        none running and no dead thread's pins to drop, waiting would be forever: raise instead."""
+        while not tier.room_for(len(missing := self._missing(tier, keys)), self._pins):
+            if tier.cache.loading:
+                self._counts["slot_waits"] += 1
+                self._slot_freed.wait()
+            elif not self._unpin_dead_threads():
                 raise WorkingSetTooLarge(
                     f"expert store {tier.name} tier ({tier.cache.capacity} slots) cannot hold the pinned "
                     f"working set ({len(self._pins)} experts pinned)"
                 )
-            self._slot_freed.wait()
+        return missing
+
+    def _reserve_what_fits(self, tier: _Tier, keys: list[Key], pinned: set[Key]) -> list[Key]:
+        """Under the lock: reserve slots for the keys of a prefetch that fit; skip the rest."""
+        reserved = []
+        for key in keys:
+            if not tier.cache.has_room_without(pinned):
+                self._counts["prefetch_skipped"] += 1
+                continue
+            self._reserve(tier, key, pinned)
+            tier.prefetching.add(key)
+            reserved.append(key)
+        return reserved
+
+    def _reserve(self, tier: _Tier, key: Key, pinned: Collection[Key]) -> None:
+        self._evict(tier, tier.cache.reserve(key, pinned))
+        tier.loading[key] = Future()
 
     def _evict(self, tier: _Tier, keys: list[Key]) -> None:
         tier.evict(keys)
@@ -342,6 +446,7 @@ class ExpertStore:
             with self._lock:
                 for key in keys:
                     tier.cache.cancel(key)
+                    tier.settle(key)
                     tier.loading.pop(key).set_exception(exc)
                 self._slot_freed.notify_all()
             raise
@@ -360,13 +465,15 @@ class ExpertStore:
         while loaded:
             key = next(iter(loaded))  # in request order, as the simulator admits them
             buffer, ready = loaded.pop(key)
-            tier.install(key, buffer, ready, speculative=not demand)
+            unused = tier.settle(key)
+            tier.install(key, buffer, ready, speculative=unused)
             tier.loading.pop(key).set_result(buffer)
             if keep:
                 kept[key] = buffer
             if not demand and tier is self._compute:
-                self._prefetched.add(key)
                 self._counts["prefetch_loads"] += 1
+                if unused:
+                    self._prefetched.add(key)
         return kept
 
     def _load_gpu(self, keys: list[Key], demand: bool) -> dict[Key, tuple[torch.Tensor, Any]]:
@@ -460,12 +567,19 @@ class ExpertStore:
         return json.dumps(self.stats(), indent=2, sort_keys=True)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """Stop: later fetches raise, later prefetches are ignored; waits for the reads in flight."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._release()
+
+    def _release(self) -> None:
+        """Shut down whatever the constructor opened (the prefetch thread first: it reads the pack)."""
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._trace is not None:
             self._trace.close()
 

@@ -126,6 +126,9 @@ class PackFile:
         self._fallback_lock = threading.Lock()
         self._retired_fds: list[int] = []
         self._pool = PriorityPool(io_threads, "k3stream-pack-read")
+        self._readers = threading.Condition()  # guards _closed and _active_reads
+        self._closed = False
+        self._active_reads = 0
         self._stats_lock = threading.Lock()
         self.stats = {"pack_reads": 0, "pack_read_bytes": 0, "pack_read_ns": 0, "io_errors": 0}
 
@@ -147,7 +150,20 @@ class PackFile:
         return os.open(self.path, os.O_RDONLY)
 
     def read(self, requests: list[ReadRequest], background: bool = False) -> None:
-        """Read every request, all ranges in parallel; raises OSError naming the pack and object."""
+        """Read every request, all ranges in parallel; raises OSError naming the pack and object,
+        RuntimeError once closed."""
+        with self._readers:
+            if self._closed:
+                raise RuntimeError(f"expert-pack file {self.path} is closed")
+            self._active_reads += 1
+        try:
+            self._read_all(requests, background)
+        finally:
+            with self._readers:
+                self._active_reads -= 1
+                self._readers.notify_all()
+
+    def _read_all(self, requests: list[ReadRequest], background: bool) -> None:
         started = time.perf_counter_ns()
         parts = [
             (request, start, length)
@@ -236,6 +252,12 @@ class PackFile:
             }
 
     def close(self) -> None:
+        """Refuse new reads, let those in flight finish, then stop the readers and close the file."""
+        with self._readers:
+            if self._closed:
+                return
+            self._closed = True
+            self._readers.wait_for(lambda: self._active_reads == 0)
         self._pool.shutdown()
         for fd in [*self._retired_fds, self._fd]:
             if fd >= 0:

@@ -1,0 +1,231 @@
+"""The expert store under concurrency: slot waits, pins of exited threads, prefetches a fetch waited
+for, close, and a failed constructor. Every thread is joined with a deadline, so a hang fails the test.
+
+`PrefetchGate` holds the store's prefetch (background) pack reads until the test opens it: the only
+way to make a fetch meet a prefetch still in flight without racing a timer. It wraps the pack file's
+`read` (the I/O below the store), not the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import k3stream.store.pack_io as pack_io
+from k3stream.store import ExpertStore
+from k3stream.store.cache import WorkingSetTooLarge
+from k3stream.store.pack_io import PackFile, ReadRequest
+from test_store import budget, gguf_expert_bytes, packed  # noqa: F401 (packed: a fixture)
+
+DEADLINE_S = 10.0
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+class Background:
+    """`function()` in a daemon thread; `result()` joins it within the deadline, returns or re-raises."""
+
+    def __init__(self, function: Callable[[], Any]) -> None:
+        self._outcome: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, args=(function,), daemon=True)
+        self._thread.start()
+
+    def _run(self, function: Callable[[], Any]) -> None:
+        try:
+            self._outcome["value"] = function()
+        except BaseException as exc:  # re-raised in the test's thread by result()
+            self._outcome["error"] = exc
+
+    def result(self) -> Any:
+        self._thread.join(DEADLINE_S)
+        assert not self._thread.is_alive(), "the thread did not finish: hung"
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        return self._outcome["value"]
+
+
+class PrefetchGate:
+    """Holds prefetch reads until `open()`; with `fail`, they then read past the end of the pack and
+    fail as a real short read does (counted in io_errors). Demand reads pass straight through."""
+
+    def __init__(self, store: ExpertStore, fail: bool = False) -> None:
+        self.reached = threading.Event()
+        self._open = threading.Event()
+        read = store._file.read
+        end = os.path.getsize(store._file.path)
+
+        def gated_read(requests: list[ReadRequest], background: bool = False) -> None:
+            if background:
+                self.reached.set()
+                if not self._open.wait(DEADLINE_S):
+                    raise TimeoutError("the test never opened the prefetch gate")
+                if fail:
+                    requests = [dataclasses.replace(request, offset=end) for request in requests]
+            read(requests, background)
+
+        store._file.read = gated_read
+
+    def open(self) -> None:
+        self._open.set()
+
+
+def keys(layer: int, experts: list[int]) -> set[tuple[int, int]]:
+    return {(layer, expert) for expert in experts}
+
+
+def test_two_fetches_that_cannot_both_fit_never_wait_for_each_other(packed):  # noqa: F811
+    _, pack = packed
+    layer = pack.moe_layers[0]
+    outcomes: dict[str, str] = {}
+    done = threading.Event()
+
+    def fetch_and_stay(name: str, experts: list[int]) -> None:
+        try:
+            store.fetch(layer, experts)
+            outcomes[name] = "ok"
+        except WorkingSetTooLarge:
+            outcomes[name] = "too large"
+        done.wait(DEADLINE_S)  # alive, so its pins stay
+
+    with ExpertStore(pack, ram_mib=budget(pack, pack.top_k), policy="lru") as store:
+        gate = PrefetchGate(store)
+        store.prefetch(layer, [8, 9])
+        assert gate.reached.wait(DEADLINE_S)
+        first = Background(lambda: fetch_and_stay("first", [0, 1, 2, 3]))
+        wait_until(lambda: store.stats()["slot_waits"] >= 1, "the first fetch to wait for room")
+        second = Background(lambda: fetch_and_stay("second", [4, 5, 6, 7]))
+        wait_until(lambda: store.stats()["slot_waits"] >= 2, "the second fetch to wait for room")
+        assert store._compute.cache.loading == keys(layer, [8, 9])  # waiters hold no reservation
+        gate.open()
+        wait_until(lambda: len(outcomes) == 2, "both fetches to finish")
+        done.set()
+        first.result()
+        second.result()
+    # one fits once the prefetch is done; the other then finds every slot pinned and nothing loading
+    assert sorted(outcomes.values()) == ["ok", "too large"]
+
+
+def test_pins_of_an_exited_thread_and_released_pins_free_their_slots(packed):  # noqa: F811
+    _, pack = packed
+    layer = pack.moe_layers[0]
+    with ExpertStore(pack, ram_mib=budget(pack, pack.top_k), prefetch=False) as store:
+        Background(lambda: store.fetch(layer, [0, 1, 2, 3])).result()
+        store.fetch(layer, [4, 5, 6, 7])  # the exited thread's experts are evictable
+        assert set(store._pins) == keys(layer, [4, 5, 6, 7])
+        store.release()
+        assert not store._pins
+        Background(lambda: store.fetch(layer, [8, 9, 10, 11])).result()  # this thread still lives
+        assert store.stats()["tiers"]["ram"]["cache_evictions"] == 8
+
+
+def test_a_prefetch_a_fetch_waited_for_is_cached_as_a_demand_load(packed):  # noqa: F811
+    gguf_path, pack = packed
+    layer = pack.moe_layers[0]
+    with ExpertStore(pack, ram_mib=budget(pack, pack.top_k + 1), policy="lru") as store:
+        store.fetch(layer, [1, 2, 3, 4])
+        gate = PrefetchGate(store)
+        store.prefetch(layer, [0])
+        assert gate.reached.wait(DEADLINE_S)
+        waiting = Background(lambda: store.fetch(layer, [1, 2, 3, 0]))
+        wait_until(lambda: store.stats()["prefetch_waits"] == 1, "the fetch to wait for the prefetch")
+        gate.open()
+        weights = waiting.result()
+        assert weights[0].up.data.numpy().tobytes() == gguf_expert_bytes(gguf_path, layer, 0)["up"]
+        # 0 was used last, so LRU evicts 4, 1, 2, 3 for the next step; an unused prefetch would go first
+        store.fetch(layer, [5, 6, 7, 8])
+        assert (layer, 0) in store._compute.buffers
+        store.fetch(layer, [0])  # a hit, but not a second use of the same prefetch
+        stats = store.stats()
+    assert (stats["prefetch_loads"], stats["prefetch_waits"], stats["prefetch_hits"]) == (1, 1, 0)
+    assert stats["prefetch_unused_evictions"] == 0
+
+
+def test_a_fetch_waiting_for_a_failed_prefetch_reads_the_expert_itself(packed):  # noqa: F811
+    gguf_path, pack = packed
+    layer = pack.moe_layers[1]
+    with ExpertStore(pack, ram_mib=budget(pack, pack.top_k), policy="lru") as store:
+        gate = PrefetchGate(store, fail=True)
+        store.prefetch(layer, [5])
+        assert gate.reached.wait(DEADLINE_S)
+        waiting = Background(lambda: store.fetch(layer, [5, 6]))
+        wait_until(lambda: store.stats()["prefetch_waits"] == 1, "the fetch to wait for the prefetch")
+        gate.open()
+        weights = waiting.result()
+        for expert in (5, 6):
+            assert (
+                weights[expert].down.data.numpy().tobytes()
+                == gguf_expert_bytes(gguf_path, layer, expert)["down"]
+            )
+        stats = store.stats()
+        assert not store._compute.loading and not store._compute.prefetching
+    assert (stats["io_errors"], stats["pack_reads"], stats["prefetch_waits"], stats["prefetch_loads"]) == (
+        1,
+        2,
+        1,
+        0,
+    )
+
+
+def test_fetch_after_close_raises_and_prefetch_is_ignored(packed, monkeypatch):  # noqa: F811
+    _, pack = packed
+    layer = pack.moe_layers[0]
+    monkeypatch.setattr(pack_io, "MIN_SPLIT_BYTES", 4096)  # split reads, as for real 12 MB objects
+    assert len(pack_io.split_ranges(pack.object_bytes, 4)) == 4
+    store = ExpertStore(pack, ram_mib=budget(pack, pack.top_k), read_splits=4)
+    store.fetch(layer, [0])
+    store.close()
+    store.prefetch(layer, [1])
+    with pytest.raises(RuntimeError, match="^expert store is closed$"):
+        Background(lambda: store.fetch(layer, [2])).result()
+    store.close()
+    assert store.stats()["prefetch_requests"] == 0
+    reader = PackFile(pack.path, read_splits=4)
+    reader.close()
+    request = ReadRequest("layer 1 expert 0", 0, 4 * 4096, np.empty(4 * 4096, dtype=np.uint8))
+    with pytest.raises(RuntimeError, match=rf"^expert-pack file {pack.path} is closed$"):
+        Background(lambda: reader.read([request])).result()
+
+
+def test_close_while_fetching_ends_every_fetch(packed, monkeypatch):  # noqa: F811
+    """A fetch racing close() returns its experts or raises that the store is closed; none hangs."""
+    _, pack = packed
+    monkeypatch.setattr(pack_io, "MIN_SPLIT_BYTES", 4096)
+    store = ExpertStore(pack, ram_mib=budget(pack, pack.top_k), read_splits=4)
+
+    def fetch_until_closed() -> int:
+        for count in range(10_000):
+            try:
+                store.fetch(
+                    pack.moe_layers[count % 2], [count % pack.num_experts, (count + 5) % pack.num_experts]
+                )
+            except RuntimeError as exc:
+                assert "closed" in str(exc)
+                return count
+        raise AssertionError("the store never closed")
+
+    fetchers = [Background(fetch_until_closed) for _ in range(2)]
+    wait_until(lambda: store.stats()["fetches"] >= 10, "some fetches")
+    store.close()
+    assert sum(fetcher.result() for fetcher in fetchers) >= 10  # each returned, none hung
+
+
+def test_a_failed_constructor_leaves_no_thread_or_file_open(packed, tmp_path):  # noqa: F811
+    _, pack = packed
+    threads, fds = set(threading.enumerate()), set(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(FileNotFoundError, match="missing"):
+            ExpertStore(pack, ram_mib=budget(pack, pack.top_k), record_trace=tmp_path / "missing" / "t.jsonl")
+    assert set(threading.enumerate()) <= threads
+    assert set(os.listdir("/proc/self/fd")) <= fds
