@@ -101,21 +101,23 @@ def text_trace_section(gguf_path: Path, manifest: Path, work: Path, tokens: list
     return policy_table(title, trace.steps, pack.object_bytes, sizes)
 
 
-def decode_run(gguf_path: Path, manifest: Path, tokens: list[int], prefetch: bool, latency_us: float) -> dict:
-    import k3stream
+def quarter_budget_store(manifest: Path, prefetch: bool, latency_us: float):
+    """An LRU store holding a quarter of the pack's experts, reads slowed by `latency_us`."""
     from k3stream.pack.reader import ExpertPack
     from k3stream.store import ExpertStore
 
     pack = ExpertPack(manifest)
     budget = len(pack.moe_layers) * pack.num_experts // 4 * pack.object_bytes / MIB
-    with ExpertStore(
-        pack,
-        ram_mib=budget,
-        policy="lru",
-        prefetch=prefetch,
-        io_threads=16,
+    return ExpertStore(
+        pack, ram_mib=budget, policy="lru", prefetch=prefetch, io_threads=16,
         simulated_read_latency_us=latency_us,
-    ) as store:
+    )
+
+
+def decode_run(gguf_path: Path, manifest: Path, tokens: list[int], prefetch: bool, latency_us: float) -> dict:
+    import k3stream
+
+    with quarter_budget_store(manifest, prefetch, latency_us) as store:
         model = k3stream.load(gguf_path, expert_source=store, prefetch=prefetch)
         state = model.new_state()
         started = time.perf_counter()
@@ -179,19 +181,7 @@ def prefetch_section(
 
 def replay_run(manifest: Path, steps: list, prefetch: bool, latency_us: float, compute_ms: float) -> dict:
     """Replay `steps`: fetch a layer, hint the next step's true experts, then 'compute' off the CPU."""
-    from k3stream.pack.reader import ExpertPack
-    from k3stream.store import ExpertStore
-
-    pack = ExpertPack(manifest)
-    budget = len(pack.moe_layers) * pack.num_experts // 4 * pack.object_bytes / MIB
-    with ExpertStore(
-        pack,
-        ram_mib=budget,
-        policy="lru",
-        prefetch=prefetch,
-        io_threads=16,
-        simulated_read_latency_us=latency_us,
-    ) as store:
+    with quarter_budget_store(manifest, prefetch, latency_us) as store:
         started = time.perf_counter()
         for index, (layer, experts) in enumerate(steps):
             store.fetch(layer, experts)

@@ -30,3 +30,27 @@ def tiny_model(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread: the tiny models run fastest so, and the test machine's cores are shared."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model) -> Path:
+    """The default tiny F32 model (its built-in tokenizer included)."""
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    from k3stream.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(model_path)

@@ -24,23 +24,7 @@ from k3stream.engine.tokenizer import Tokenizer
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny models run fastest on one thread (and the test machine's cores are shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_path(tiny_model):
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path) -> Tokenizer:
-    return Tokenizer.from_gguf(model_path)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class ScriptedModel:

@@ -87,15 +87,7 @@ class LiveServer:
         self.served.close()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The test machine's cores are shared; one intra-op thread is many times faster than two there."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

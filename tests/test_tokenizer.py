@@ -47,16 +47,6 @@ SPECIALS = [
 
 
 @pytest.fixture(scope="module")
-def model_path(tiny_model):
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path) -> Tokenizer:
-    return Tokenizer.from_gguf(model_path)
-
-
-@pytest.fixture(scope="module")
 def llama_vocab(model_path):
     llama_cpp = pytest.importorskip("llama_cpp")
     return llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
