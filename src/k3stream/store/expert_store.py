@@ -13,6 +13,14 @@ WorkingSetTooLarge. `prefetch` loads in the background; a `fetch` that finds its
 waits for that load instead of reading again (and reads it itself if that prefetch fails). A prefetched
 expert that a fetch asked for before it was evicted is a used prefetch, cached like a demand load.
 
+Adaptive prefetch (the default): the experts of every hint that the compute tier lacks (what the hint
+reads) are scored against the next fetch of their layer, whether the hint was issued or not, as an
+exponentially decayed precision per layer; a layer's hints are issued only while that precision is
+at least PREFETCH_MIN_PRECISION. Scoring suppressed hints too is the probe: a layer whose predictions
+improve gets prefetch back without spending reads on it. A prefetch never
+evicts the experts of a current step and never holds more than SPECULATIVE_SHARE of a tier's slots
+with experts no fetch has asked for yet.
+
 After `close()`, `fetch` raises RuntimeError("expert store is closed") and `prefetch` is ignored: it is
 a hint, and an engine may still hint while it shuts down.
 """
@@ -42,6 +50,9 @@ MIB = 1 << 20
 DEFAULT_GPU_MIB = 18 * 1024
 GPU_RESERVE_MIB = 3 * 1024
 Key = tuple[int, int]
+PREFETCH_MIN_PRECISION = 0.5
+PREFETCH_DECAY = 0.75  # the weight of a layer's past hints: a wrong layer turns off after 3 fetches
+SPECULATIVE_SHARE = 0.5
 
 
 def _open_pack(pack: Any) -> Any:
@@ -111,6 +122,28 @@ class _Tier:
         return stats
 
 
+class _HintScores:
+    """Per MoE layer, the decayed precision of prefetch hints: the share of a hint's experts (those not
+    resident when hinted) that the layer's next fetch asked for. A layer starts trusted (1.0). Hints
+    are kept per layer, not per thread: a hint is scored by whichever fetch of its layer comes next."""
+
+    def __init__(self, layers: Iterable[int]) -> None:
+        self.precision = {layer: 1.0 for layer in layers}
+        self.pending: dict[int, set[int]] = {}
+
+    def active(self, layer: int) -> bool:
+        return self.precision[layer] >= PREFETCH_MIN_PRECISION
+
+    def hint(self, layer: int, experts: Iterable[int]) -> None:
+        self.pending.setdefault(layer, set()).update(experts)
+
+    def score(self, layer: int, experts: Iterable[int]) -> None:
+        hinted = self.pending.pop(layer, None)
+        if hinted:
+            right = len(hinted.intersection(experts)) / len(hinted)
+            self.precision[layer] = PREFETCH_DECAY * self.precision[layer] + (1 - PREFETCH_DECAY) * right
+
+
 class ExpertStore:
     """Serves `fetch(layer, expert_ids)` from an expert pack through budgeted tiers (see module doc)."""
 
@@ -122,6 +155,7 @@ class ExpertStore:
         device: str | torch.device = "cpu",
         policy: str = "cycle",
         prefetch: bool = True,
+        adaptive_prefetch: bool = True,
         io_threads: int = 4,
         direct_io: bool = False,
         record_trace: str | os.PathLike[str] | None = None,
@@ -144,6 +178,8 @@ class ExpertStore:
         self._step_pins: dict[int, list[Key]] = {}
         self._prefetched: set[Key] = set()
         self._layer_fetches: Counter[int] = Counter()
+        self._adaptive = prefetch and adaptive_prefetch
+        self._hints = _HintScores(self.moe_layers)
         self._live: dict[int, weakref.ref] = {}
         self._layer_counts: dict[int, Counter] = {
             layer: Counter(hits=0, misses=0) for layer in self.moe_layers
@@ -159,6 +195,7 @@ class ExpertStore:
             prefetch_unused_evictions=0,
             prefetch_skipped=0,
             prefetch_stale=0,
+            prefetch_suppressed=0,
             prefetch_waits=0,
         )
         self._file: PackFile | None = None
@@ -258,6 +295,7 @@ class ExpertStore:
                 raise RuntimeError("expert store is closed")
             self._pin_step(keys)
             self._layer_fetches[layer] += 1
+            self._hints.score(layer, [expert for _, expert in keys])
             if self._trace is not None:
                 self._trace.step(layer, [expert for _, expert in keys])
         buffers = self._ensure(self._compute, keys, demand=True, keep=True)
@@ -269,7 +307,7 @@ class ExpertStore:
 
     def prefetch(self, layer: int, expert_ids: Iterable[int]) -> None:
         """Start loading these experts in the background; never blocks, never evicts pinned experts.
-        Ignored after `close()`."""
+        Adaptive: only while the layer's hints have been precise enough. Ignored after `close()`."""
         if self._prefetcher is None:
             return
         keys = self._keys(layer, expert_ids)
@@ -279,8 +317,17 @@ class ExpertStore:
             if self._closed:
                 return
             self._counts["prefetch_requests"] += len(keys)
+            issue = self._issues_prefetch(layer)
+            self._hints.hint(layer, [expert for _, expert in self._missing(self._compute, keys)])
+            if not issue:
+                self._counts["prefetch_suppressed"] += len(keys)
+                return
             serial = self._layer_fetches[layer]
             self._prefetcher.submit(self._prefetch_job, keys, serial)
+
+    def _issues_prefetch(self, layer: int) -> bool:
+        """Whether a hint for `layer` is loaded now (always, or while its hints are precise enough)."""
+        return self._prefetcher is not None and (not self._adaptive or self._hints.active(layer))
 
     def release(self) -> None:
         """Unpin the experts of the calling thread's latest fetch (a thread that is done with the store)."""
@@ -413,16 +460,23 @@ class ExpertStore:
         return missing
 
     def _reserve_what_fits(self, tier: _Tier, keys: list[Key], pinned: set[Key]) -> list[Key]:
-        """Under the lock: reserve slots for the keys of a prefetch that fit; skip the rest."""
+        """Under the lock: reserve slots for the keys of a prefetch that fit within the tier's share
+        for speculation; skip the rest."""
         reserved = []
+        share = max(self.top_k, int(tier.cache.capacity * SPECULATIVE_SHARE))
         for key in keys:
-            if not tier.cache.has_room_without(pinned):
+            if self._speculative(tier) >= share or not tier.cache.has_room_without(pinned):
                 self._counts["prefetch_skipped"] += 1
                 continue
             self._reserve(tier, key, pinned)
             tier.prefetching.add(key)
             reserved.append(key)
         return reserved
+
+    def _speculative(self, tier: _Tier) -> int:
+        """Under the lock: the slots of `tier` taken by prefetches no fetch has asked for yet."""
+        resident = len(self._prefetched) if tier is self._compute else 0
+        return resident + len(tier.prefetching - tier.demanded)
 
     def _reserve(self, tier: _Tier, key: Key, pinned: Collection[Key]) -> None:
         self._evict(tier, tier.cache.reserve(key, pinned))
@@ -560,6 +614,11 @@ class ExpertStore:
                 "layers": layers,
                 **{name: int(value) for name, value in self._counts.items()},
                 "prefetch": self._prefetcher is not None,
+                "prefetch_adaptive": self._adaptive,
+                "prefetch_layers": {
+                    str(layer): {"precision": precision, "active": self._issues_prefetch(layer)}
+                    for layer, precision in sorted(self._hints.precision.items())
+                },
                 "bytes_per_token": disk["pack_read_bytes"] / tokens if tokens else 0.0,
             }
 

@@ -1,0 +1,119 @@
+"""Adaptive prefetch in the expert store: replays of a fixed routing sequence over a real pack, with
+hints that are always right, always wrong, or wrong and then right.
+
+After each hint the test waits for the store's single prefetch thread to drain (a no-op job queued
+behind the hint), so every issued prefetch lands before the fetch it is meant for and the counts
+below do not depend on thread timing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from k3stream.pack.builder import build_pack
+from k3stream.pack.reader import ExpertPack
+from k3stream.store import ExpertStore
+from k3stream.store.expert_store import PREFETCH_MIN_PRECISION
+
+MIB = 1 << 20
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def pack(tiny_model, tmp_path_factory) -> ExpertPack:
+    gguf_path = tiny_model()
+    out = tmp_path_factory.mktemp("prefetch-pack")
+    return ExpertPack(build_pack(gguf_path, out / "tiny.pack", out / "tiny.manifest.json").manifest)
+
+
+def routed_steps(pack: ExpertPack, experts: int) -> list[tuple[int, list[int]]]:
+    """TOKENS decode steps over every MoE layer, each routing to top_k of the first `experts` ids."""
+    rng = np.random.default_rng(7)
+    return [
+        (layer, [int(e) for e in rng.choice(experts, size=pack.top_k, replace=False)])
+        for _ in range(TOKENS)
+        for layer in pack.moe_layers
+    ]
+
+
+def drain(store: ExpertStore) -> None:
+    if store._prefetcher is not None:
+        store._prefetcher.submit(lambda: None).result()
+
+
+def replay(pack: ExpertPack, steps, hints, **options) -> dict:
+    """Fetch each step after hinting `hints[index]` for its layer; a quarter of the experts fit."""
+    ram_mib = max(pack.top_k, pack.num_experts * len(pack.moe_layers) // 4) * pack.object_bytes / MIB
+    with ExpertStore(pack, ram_mib=ram_mib, policy="lru", **options) as store:
+        for (layer, experts), hint in zip(steps, hints, strict=True):
+            store.prefetch(layer, hint)
+            drain(store)
+            store.fetch(layer, experts)
+            if layer == pack.moe_layers[-1]:
+                store.end_token()
+        return store.stats()
+
+
+def wrong_hints(pack: ExpertPack, steps) -> list[list[int]]:
+    """Experts from the upper half of the ids, which `routed_steps(pack, num_experts // 2)` never uses."""
+    half = pack.num_experts // 2
+    return [[half + (e + index) % half for e in range(pack.top_k)] for index, _ in enumerate(steps)]
+
+
+def test_perfect_hints_keep_prefetch_on_and_raise_the_hit_rate(pack):
+    steps = routed_steps(pack, pack.num_experts)
+    hints = [experts for _, experts in steps]
+    off = replay(pack, steps, hints, prefetch=False)
+    on = replay(pack, steps, hints)
+    assert on["prefetch_adaptive"] and on["prefetch_suppressed"] == 0
+    assert all(layer == {"precision": 1.0, "active": True} for layer in on["prefetch_layers"].values())
+    assert off["tiers"]["ram"]["hit_rate"] < 0.5
+    assert on["tiers"]["ram"]["hit_rate"] > 0.95
+    assert on["prefetch_hits"] + on["prefetch_waits"] == on["prefetch_loads"] > 0
+
+
+def test_wrong_hints_stop_after_the_warm_up_and_cost_about_no_reads(pack):
+    steps = routed_steps(pack, pack.num_experts // 2)
+    hints = wrong_hints(pack, steps)
+    off = replay(pack, steps, hints, prefetch=False)
+    always = replay(pack, steps, hints, adaptive_prefetch=False)
+    adaptive = replay(pack, steps, hints)
+    assert off["prefetch_requests"] == off["prefetch_loads"] == 0
+    layers = adaptive["prefetch_layers"].values()
+    assert all(layer["precision"] < PREFETCH_MIN_PRECISION and not layer["active"] for layer in layers)
+    # warm-up: precision 0.75^n after n wrong hints turns a layer off after 3 hints of top_k experts
+    # (a hinted expert still resident from an earlier wrong hint is not read again)
+    warm_up = 3 * pack.top_k * len(pack.moe_layers)
+    assert 0 < adaptive["prefetch_loads"] <= warm_up
+    assert adaptive["prefetch_hits"] == adaptive["prefetch_waits"] == 0
+    assert adaptive["prefetch_suppressed"] == adaptive["prefetch_requests"] - warm_up
+    assert always["prefetch_loads"] > 4 * warm_up and always["prefetch_hits"] == 0
+    extra_adaptive = adaptive["pack_read_bytes"] - off["pack_read_bytes"]
+    extra_always = always["pack_read_bytes"] - off["pack_read_bytes"]
+    # each wasted read may also have pushed out an expert that a later fetch reads again
+    assert 0 <= extra_adaptive <= 2 * warm_up * pack.object_bytes < extra_always / 4
+
+
+def test_a_layer_whose_hints_turn_right_gets_prefetch_back(pack):
+    steps = routed_steps(pack, pack.num_experts // 2)
+    wrong = wrong_hints(pack, steps)
+    switch = len(steps) // 2
+    hints = wrong[:switch] + [experts for _, experts in steps[switch:]]
+    stats = replay(pack, steps, hints)
+    # TOKENS // 2 right hints per layer lift its precision from below 0.1 to above 0.9
+    assert all(layer["precision"] > 0.9 and layer["active"] for layer in stats["prefetch_layers"].values())
+    assert stats["prefetch_hits"] > 0 and stats["prefetch_suppressed"] > 0
+
+
+def test_speculation_never_takes_more_than_half_the_slots(pack):
+    ram_mib = 4 * pack.top_k * pack.object_bytes / MIB
+    with ExpertStore(pack, ram_mib=ram_mib, adaptive_prefetch=False) as store:
+        layer = pack.moe_layers[0]
+        capacity = store.max_experts_per_fetch
+        store.fetch(layer, range(pack.top_k))
+        store.prefetch(layer, range(pack.top_k, capacity))
+        drain(store)
+        stats = store.stats()
+    assert stats["prefetch_loads"] == capacity // 2
+    assert stats["prefetch_skipped"] == capacity - pack.top_k - capacity // 2
