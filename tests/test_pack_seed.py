@@ -25,6 +25,7 @@ from k3stream.pack.manifest import checked_shards, load_manifest
 from k3stream.pack.reader import ExpertPack
 from k3stream.pack.verify import verify_pack
 from pack_helpers import TEST_CACHE, cached_tiny, copy_model
+from test_pack import AUDITED
 
 SGLANG = "sglang==0.5.23"
 SEED_FILES = {
@@ -35,17 +36,7 @@ SEED_FILES = {
 REQUIRE_SEED = os.environ.get("K3STREAM_REQUIRE_SEED") == "1"
 # the audited recipe (the seed's manifest writer insists on Q2_K/Q2_K/Q3_K experts) with top-k 16, which
 # it hard-codes in the hard constraints; 21504/21504/26880-byte roles, so objects have padding
-SEED_MODEL = {
-    "recipe": "audited",
-    "top_k": 16,
-    "n_layers": 4,
-    "hidden": 256,
-    "latent": 256,
-    "expert_ff": 256,
-    "kv_lora": 256,
-    "qk_nope": 32,
-    "shards": 2,
-}
+SEED_MODEL = {**AUDITED, "top_k": 16}  # the seed validator insists on top-16
 ABSOLUTE = BuildOptions(relative_paths=False, progress=False)
 
 
