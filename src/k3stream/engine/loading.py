@@ -19,12 +19,9 @@ def manifest_next_to(gguf_path: Path) -> Path | None:
 
 def manifest_gguf(manifest_path: Path) -> Path:
     """The first GGUF shard a manifest was built from."""
-    from k3stream.pack.manifest import field, read_json, resolve_path
+    from k3stream.pack.manifest import first_shard_path, read_json
 
-    shards = sorted(
-        field(read_json(manifest_path), "source", "shards"), key=lambda shard: int(shard["index"])
-    )
-    return resolve_path(shards[0]["path"], manifest_path)
+    return first_shard_path(read_json(manifest_path), manifest_path)
 
 
 @dataclass

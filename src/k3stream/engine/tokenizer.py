@@ -39,19 +39,10 @@ _SPECIAL_TYPES = (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN)
 
 @cache
 def _unicode_to_byte() -> dict[str, int]:
-    """Inverse of GPT-2's bytes_to_unicode: printable bytes map to themselves, the rest to U+0100.."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table = {chr(b): b for b in printable}
-    shifted = 0
-    for b in range(256):
-        if b not in printable:
-            table[chr(256 + shifted)] = b
-            shifted += 1
-    return table
+    """Inverse of GPT-2's bytes_to_unicode (the alphabet GGUF BPE tokens are written in)."""
+    from k3stream.tinyvocab import byte_to_unicode
+
+    return {char: byte for byte, char in byte_to_unicode().items()}
 
 
 def token_text_to_bytes(text: str, source: str = "tokenizer") -> bytes:
