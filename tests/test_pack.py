@@ -217,8 +217,9 @@ def test_cli_pack_and_verify(tiny_model, tmp_path, capsys):
     assert "refusing to overwrite" in capsys.readouterr().err
 
 
-def test_verify_without_full_reads_no_payload(tiny_model, tmp_path, capsys):
-    """Scramble every payload byte: the structural check cannot notice, --full must."""
+def test_quick_verify_samples_payloads_and_full_compares_all(tiny_model, tmp_path, capsys):
+    """Scramble every payload byte: quick verify's sampled objects fail their checksums (it read no
+    payload before issue 11), --full names the first payload that differs from the GGUF."""
     gguf = copy_model(tiny_model(**SPLIT), tmp_path)
     result = build_pack(gguf, options=QUIET)
     header, entries = read_index(result.pack)
@@ -226,8 +227,8 @@ def test_verify_without_full_reads_no_payload(tiny_model, tmp_path, capsys):
         for _name, _expert, _reserved, offset, nbytes in entries:
             pack.seek(offset)
             pack.write(os.urandom(nbytes))
-    assert cli(["verify", str(result.manifest)]) == 0
-    capsys.readouterr()
+    assert cli(["verify", str(result.manifest)]) == 1
+    assert "expert-pack checksum mismatch: layer 1 expert 0" in capsys.readouterr().err
     assert cli(["verify", str(result.manifest), "--full"]) == 1
     assert capsys.readouterr().err.strip() == (
         "k3stream verify: error: expert-pack payload does not match GGUF source for "

@@ -48,6 +48,7 @@ def store_counters(store: Any) -> dict[str, Any]:
         "pack_reads": stats["pack_reads"],
         "pack_read_bytes": stats["pack_read_bytes"],
         "pack_read_ns": stats["pack_read_ns"],
+        "integrity_check_ns": stats.get("integrity_check_ns", 0),
         "prefetch": {name: stats[f"prefetch_{name}"] for name in PREFETCH_COUNTERS},
         "tiers": {
             name: {"hits": tier["cache_hits"], "misses": tier["cache_misses"]}
@@ -73,6 +74,8 @@ def store_delta(before: dict[str, Any], after: dict[str, Any], tokens: int) -> d
         "bytes_per_token": read_bytes / tokens if tokens else 0.0,
         # bytes over the time the engine waited on its reads (reads in flight together count once)
         "read_gb_per_s": read_bytes / read_ns if read_ns else 0.0,
+        # hashing every object read (xxh3_64 against the manifest), demand and prefetch reads together
+        "integrity_check_s": (after["integrity_check_ns"] - before["integrity_check_ns"]) / 1e9,
     }
 
 
@@ -105,6 +108,7 @@ def _measured(name: str, tokens: int, store: Any, work: Callable[[], None]) -> d
     phase = {"phase": name, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
     if store is not None:
         phase.update(store_delta(before, store_counters(store), tokens))
+        phase["integrity_check_share"] = phase["integrity_check_s"] / seconds if seconds else 0.0
     return phase
 
 

@@ -106,7 +106,20 @@ def report_lines(results: dict[str, Any]) -> list[str]:
         lines.append(_llama_line(results["llama_cpp"], k3["phases"]))
     if "expert_bytes" in k3:
         lines.append(_peak_line(k3["expert_bytes"]))
+    if "store" in k3:
+        lines.append(_integrity_line(k3["store"], k3["phases"]))
     return lines
+
+
+def _integrity_line(store: dict[str, Any], phases: list[dict[str, Any]]) -> str:
+    """What checking each object's xxh3_64 as it is read cost, as a share of each phase's time."""
+    if not store.get("integrity_checks"):
+        return "integrity: the manifest records no checksums; objects are not checked"
+    shares = ", ".join(
+        f"{phase['phase']} {phase['integrity_check_s'] * 1e3:.1f} ms ({phase['integrity_check_share']:.2%})"
+        for phase in phases
+    )
+    return f"integrity: every object read is checked (xxh3_64); checking took {shares}"
 
 
 def _budget_lines(pack: dict[str, Any], expert_bytes: dict[str, Any]) -> list[str]:

@@ -28,6 +28,7 @@ from typing import Any
 from k3stream.gguf.shards import SHARD_NAME
 from k3stream.pack import format as fmt
 from k3stream.pack.fileio import COPY_CHUNK, pread_exact, same_bytes
+from k3stream.pack.integrity import ObjectHasher, integrity_section
 from k3stream.pack.manifest import (
     ARCHITECTURE,
     FORMAT,
@@ -338,21 +339,24 @@ def _locked_build(plan: PackPlan, pack: Path, manifest_path: Path, options: Buil
     done = read_journal(journal, identity)
     finishing = done == plan.layout.index_count and pack.is_file() and not partial.exists()
     sources = SourceFiles()
+    hasher = ObjectHasher(plan.layout)
     try:
         if finishing:
             finishing = _finished_copy_intact(plan, pack, partial, manifest_path, sources)
         if finishing:
             stats = CopyStats(resumed_bytes=plan.layout.payload_bytes)
+            _hash_all(hasher, pack)
         else:
             _refuse_to_overwrite(pack, manifest_path, options.force)
-            stats = _copy_into_partial(plan, partial, journal, identity, done, sources, options)
+            stats = _copy_into_partial(plan, partial, journal, identity, done, sources, options, hasher)
         # read back and sample-checked before the rename: a bad copy never gets the final name
         checked = pack if finishing else partial
         pack_section = describe_pack(plan, checked, sources, options.payload_samples, options.full_hash)
         if not finishing:
             os.replace(partial, pack)
             fsync_directory(pack.parent)
-        write_json_atomic(manifest_path, build_manifest(plan, pack, manifest_path, pack_section, options))
+        manifest_value = build_manifest(plan, pack, manifest_path, pack_section, options, hasher.complete())
+        write_json_atomic(manifest_path, manifest_value)
     finally:
         sources.close()
     with suppress(FileNotFoundError):
@@ -367,6 +371,14 @@ def _locked_build(plan: PackPlan, pack: Path, manifest_path: Path, options: Buil
         stats.seconds,
         stats.kernel_copy,
     )
+
+
+def _hash_all(hasher: ObjectHasher, pack: Path) -> None:
+    fd = os.open(pack, os.O_RDONLY)
+    try:
+        hasher.hash_objects(fd, range(hasher.digests.size))
+    finally:
+        os.close(fd)
 
 
 def _refuse_to_overwrite(pack: Path, manifest_path: Path, force: bool) -> None:
@@ -437,8 +449,10 @@ def _copy_into_partial(
     journal_done: int | None,
     sources: SourceFiles,
     options: BuildOptions,
+    hasher: ObjectHasher,
 ) -> CopyStats:
-    """Copy every entry not yet intact in `partial` and fsync it."""
+    """Copy every entry not yet intact in `partial` and fsync it; `hasher` gets every object's digest
+    (the kept ones read back first, each copied one read back right after its last role)."""
     layout = plan.layout
     start = _resume_point(plan, partial, journal_done, sources)
     keep = layout.entry(start).offset if start < layout.index_count else layout.total_size
@@ -458,11 +472,12 @@ def _copy_into_partial(
         if not start:
             os.pwrite(fd, layout.header_and_index(), 0)
         write_journal(journal, identity, start)
+        hasher.hash_objects(fd, range(start // len(fmt.ROLES)))
         copier = Copier()
         checkpointer = Checkpointer(fd, journal, identity)
         copy_started = time.perf_counter()
         try:
-            copied = _copy_entries(plan, fd, start, sources, copier, checkpointer, options)
+            copied = _copy_entries(plan, fd, start, sources, copier, checkpointer, options, hasher)
         finally:
             checkpointer.close()
         os.fsync(fd)
@@ -549,6 +564,7 @@ def _copy_entries(
     copier: Copier,
     checkpointer: Checkpointer,
     options: BuildOptions,
+    hasher: ObjectHasher,
 ) -> int:
     layout = plan.layout
     copied = 0
@@ -560,6 +576,8 @@ def _copy_entries(
             copier.copy(sources.fd(path, tensor), offset, fd, entry.offset, entry.nbytes)
             copied += entry.nbytes
             bar.update(entry.nbytes)
+            if index % len(fmt.ROLES) == len(fmt.ROLES) - 1:
+                hasher.hash_object(fd, index // len(fmt.ROLES))
             end = entry.offset + entry.nbytes
             if end - batch_start >= options.sync_bytes:
                 checkpointer.request(index + 1)
@@ -687,7 +705,12 @@ def _tokenizer_section(checkpoint: Any, first_shard: str) -> dict[str, Any]:
 
 
 def build_manifest(
-    plan: PackPlan, pack: Path, manifest_path: Path, pack_section: dict[str, Any], options: BuildOptions
+    plan: PackPlan,
+    pack: Path,
+    manifest_path: Path,
+    pack_section: dict[str, Any],
+    options: BuildOptions,
+    object_digests: Any,
 ) -> dict[str, Any]:
     checkpoint = plan.checkpoint
     shards = _shard_records(checkpoint, manifest_path, options.relative_paths, options.full_source_hashes)
@@ -704,6 +727,7 @@ def build_manifest(
         "source": source_section(shards, tensors, options.full_source_hashes),
         "expert_pack": {**pack_section, "path": stored_path(pack, manifest_path, options.relative_paths)},
         "tokenizer": _tokenizer_section(checkpoint, shards[0]["path"]),
+        "integrity": integrity_section(object_digests, shards, list(checkpoint.shards)),
         "verification": {
             "structure": "complete",
             "payload_samples": options.payload_samples,

@@ -39,9 +39,23 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     else:
-        checked = "header, index, shards" + (", SHA-256 and every payload" if args.full else "")
         print(
             f"OK {summary['pack']}: {summary['index_count']} entries, {summary['size']} bytes, "
-            f"{summary['moe_layers']} MoE layers x {summary['num_experts']} experts ({checked})"
+            f"{summary['moe_layers']} MoE layers x {summary['num_experts']} experts ({checked_text(summary)})"
         )
     return 0
+
+
+def checked_text(summary: dict) -> str:
+    """What was checked, in words; says so when the manifest records no checksums."""
+    parts = ["header, index, shards"]
+    if summary.get("checksums"):
+        hashed, algorithm = summary["objects_hashed"], summary["checksums"]
+        parts.append(f"shard data samples, {hashed} object {algorithm} checksums")
+    else:
+        parts.append("no checksums (the manifest records none: seed-written or older; not checked)")
+    if summary.get("full"):
+        parts.append("SHA-256 and every payload")
+    else:
+        parts.append(f"{summary['objects_sampled']} sampled objects against the GGUF")
+    return ", ".join(parts)

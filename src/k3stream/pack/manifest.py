@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -95,14 +96,32 @@ def resolve_path(stored: str, manifest_path: Path) -> Path:
     return path.resolve()
 
 
+# the real model's manifest is a few MiB (tensor records, one digest per expert object)
+MAX_MANIFEST_BYTES = 256 << 20
+
+
+def read_bounded(path: Path, limit: int = MAX_MANIFEST_BYTES) -> bytes:
+    """A regular file's bytes, at most `limit` of them: a device (/dev/zero), a FIFO or an oversized
+    file is refused with a one-line error instead of being read without bound."""
+    with path.open("rb") as stream:
+        if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
+            raise ValueError(f"{path}: manifest is not a regular file")
+        data = stream.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path}: manifest is larger than {limit >> 20} MiB")
+    return data
+
+
 def read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(path)
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(read_bounded(path).decode("utf-8"))
     except FileNotFoundError:
         raise FileNotFoundError(f"Kimi-K3 manifest is missing: {path}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: manifest is not valid JSON ({exc})") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: manifest is a directory") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"{path}: manifest is not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path}: manifest is not a JSON object")
     return value

@@ -10,6 +10,7 @@ from typing import Any
 
 from k3stream.pack import format as fmt
 from k3stream.pack.fileio import pread_into
+from k3stream.pack.integrity import ChecksumMismatch, mismatch_message, object_checksums, object_digest
 from k3stream.pack.manifest import resolve_path, sorted_shards
 from k3stream.pack.verify import check_structure
 
@@ -51,6 +52,8 @@ class ExpertPack:
         roles = self.manifest["expert_pack"]["roles"]
         self._role_types = {role: int(roles[role]["dtype_id"]) for role in fmt.ROLES}
         self._role_shapes = {role: tuple(reversed(roles[role]["logical_shape"])) for role in fmt.ROLES}
+        # xxh3_64 of every object (layer-major) when the manifest records them (ours do; the seed's do not)
+        self.checksums = object_checksums(self.manifest, self.layout)
         shards = sorted_shards(self.manifest)
         self.gguf_paths = [resolve_path(shard["path"], self.manifest_path) for shard in shards]
         # one descriptor for every thread (pread has no shared file offset); close() waits for reads in
@@ -77,6 +80,16 @@ class ExpertPack:
         self.layout.object_offset(layer, expert)  # range checks with one-line errors
         ordinal = self.layout.layer_position(layer) * self.num_experts + expert
         return self._object_offsets[ordinal], self.layout.object_bytes
+
+    def check_object(self, layer: int, expert: int, data: Any) -> None:
+        """Raise ChecksumMismatch (one line: layer, expert, pack) unless `data` hashes as recorded;
+        a no-op for a manifest without checksums."""
+        if self.checksums is None:
+            return
+        want = int(self.checksums[self.layout.layer_position(layer) * self.num_experts + expert])
+        got = object_digest(data)
+        if got != want:
+            raise ChecksumMismatch(mismatch_message(layer, expert, self.path, got, want))
 
     def role_slices(self, layer: int, expert: int) -> dict[str, RoleSlice]:
         start, _ = self.object_range(layer, expert)
@@ -108,6 +121,7 @@ class ExpertPack:
                 self._state.notify_all()
         if got != nbytes:
             raise ValueError(f"{self.path}: file ends inside expert {expert} of layer {layer}")
+        self.check_object(layer, expert, view)
         return view
 
     def close(self) -> None:

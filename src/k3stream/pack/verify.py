@@ -3,8 +3,11 @@
 `verify_pack` checks the manifest (format, hard constraints, dimensions, roles), the source shards
 (present, same size, same metadata bytes, same tensors and types), and the pack's header and index
 (identity and order, alignment, ranges, contiguity, file size, index SHA-256). Without `full` it reads
-only the pack's header and index; with `full` it also hashes the whole pack and compares every
-payload with the GGUF.
+only the pack's header and index, a sample of the source shards' tensor data (against the
+manifest's fingerprints) and a sample of expert objects (each against its recorded xxh3_64 and its GGUF
+bytes); with `full` it also hashes the whole pack, checks every object's digest and compares every
+payload with the GGUF. Manifests without an `integrity` section (the seed system's, older ones) get the
+GGUF comparison of the samples only, and the summary says that no checksums were checked.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 
 from k3stream.gguf.profile import AUDITED_RECIPE
 from k3stream.pack import format as fmt
+from k3stream.pack import integrity
 from k3stream.pack.fileio import pread_exact, same_bytes
 from k3stream.pack.manifest import (
     FORMAT,
@@ -388,6 +392,7 @@ def check_structure(
     if shards:
         checked_shards(manifest, manifest_path)
         check_shard_metadata(manifest, manifest_path)
+        check_shard_fingerprints(manifest, manifest_path)
     expected = expectation_for(profile, manifest, manifest_path, config)
     check_model(manifest, expected)
     path = pack_path_of(manifest, manifest_path, pack_path)
@@ -400,6 +405,67 @@ def check_structure(
     if index.index_sha256 != pack.get("index_sha256"):
         raise ValueError("Kimi expert-pack index SHA-256 does not match manifest")
     return CheckedPack(manifest, manifest_path, path, expected, layout, index)
+
+
+def check_shard_fingerprints(manifest: dict[str, Any], manifest_path: Path) -> int:
+    """Each shard's sampled tensor data hashes as recorded (a same-size, same-metadata GGUF with other
+    weights fails); returns how many shards were checked (0 without an `integrity` section)."""
+    recorded = integrity.section(manifest)
+    if recorded is None:
+        return 0
+    fingerprints = recorded.get("shard_fingerprints")
+    if not isinstance(fingerprints, dict):
+        raise ValueError("Kimi manifest field integrity.shard_fingerprints must be an object")
+    for shard in field(manifest, "source", "shards"):
+        path = resolve_path(shard["path"], manifest_path)
+        want = fingerprints.get(str(shard["index"]))
+        if want is None:
+            raise ValueError(f"Kimi manifest field integrity.shard_fingerprints.{shard['index']} is missing")
+        if integrity.shard_fingerprint(path, int(shard["metadata_nbytes"]), int(shard["size"])) != want:
+            raise FileNotFoundError(f"Kimi-K3 GGUF shard is missing or changed: {path}")
+    return len(fingerprints)
+
+
+def sample_objects(checked: CheckedPack, samples: int) -> list[int]:
+    """Evenly spaced object ordinals, first and last included."""
+    count = len(checked.layout.moe_layers) * checked.layout.num_experts
+    if samples <= 1:
+        return [0][:samples]
+    return sorted({round(k * (count - 1) / (samples - 1)) for k in range(min(samples, count))})
+
+
+def check_object_samples(
+    checked: CheckedPack, ordinals: list[int], digests: np.ndarray | None, compare_gguf: bool = True
+) -> None:
+    """Each object of `ordinals`: its xxh3_64 against the manifest (when recorded), then (`compare_gguf`)
+    each role's bytes against the GGUF. One-line errors naming layer, expert and pack."""
+    layout, sources = checked.layout, payload_sources(checked)
+    offsets = checked.index.object_offsets
+    fd = os.open(checked.pack_path, os.O_RDONLY)
+    shard_fds: dict[Path, int] = {}
+    try:
+        for ordinal in ordinals:
+            layer, expert = integrity.object_identity(layout, ordinal)
+            offset = int(offsets[ordinal])
+            if digests is not None:
+                got = integrity.object_digest(pread_exact(fd, layout.object_bytes, offset))
+                if got != int(digests[ordinal]):
+                    want = int(digests[ordinal])
+                    message = integrity.mismatch_message(layer, expert, checked.pack_path, got, want)
+                    raise integrity.ChecksumMismatch(message)
+            for role in range(len(fmt.ROLES) if compare_gguf else 0):
+                path, source_offset = entry_source(layout, sources, ordinal * len(fmt.ROLES) + role)
+                if path not in shard_fds:
+                    shard_fds[path] = os.open(path, os.O_RDONLY)
+                role_offset = offset + layout.role_offsets[role]
+                if not same_bytes(fd, role_offset, shard_fds[path], source_offset, layout.role_bytes[role]):
+                    name = fmt.expert_tensor_name(layer, fmt.ROLES[role])
+                    raise ValueError(
+                        f"expert-pack payload does not match GGUF source for {name} expert {expert}"
+                    )
+    finally:
+        for descriptor in (fd, *shard_fds.values()):
+            os.close(descriptor)
 
 
 def payload_sources(checked: CheckedPack) -> dict[str, tuple[Path, int]]:
@@ -457,16 +523,27 @@ def _hash_span(fd: int, start: int, end: int, digest: Any) -> int:
     return end
 
 
+DEFAULT_OBJECT_SAMPLES = 8
+
+
 def verify_pack(
     manifest_path: str | os.PathLike[str],
     *,
     full: bool = False,
     profile: str = "generic",
     pack_path: str | os.PathLike[str] | None = None,
+    object_samples: int = DEFAULT_OBJECT_SAMPLES,
 ) -> dict[str, Any]:
     """Raise on the first failure (one-line message); return a summary when the pack is sound."""
     checked = check_structure(manifest_path, profile=profile, pack_path=pack_path)
     pack = checked.manifest["expert_pack"]
+    digests = integrity.object_checksums(checked.manifest, checked.layout)
+    objects = len(checked.layout.moe_layers) * checked.layout.num_experts
+    # quick: a sample, hashed and compared with the GGUF; full: every payload compared with the GGUF,
+    # then every object hashed
+    ordinals = list(range(objects)) if full else sample_objects(checked, object_samples)
+    if not full:
+        check_object_samples(checked, ordinals, digests)
     summary: dict[str, Any] = {
         "ok": True,
         "manifest": str(checked.manifest_path.resolve()),
@@ -479,9 +556,14 @@ def verify_pack(
         "moe_layers": len(checked.layout.moe_layers),
         "num_experts": checked.layout.num_experts,
         "object_bytes": checked.layout.object_bytes,
+        "checksums": integrity.ALGORITHM if digests is not None else None,
+        "objects_sampled": 0 if full else len(ordinals),
+        "objects_hashed": len(ordinals) if digests is not None else 0,
+        "shards_fingerprinted": 0 if digests is None else len(checked.manifest["source"]["shards"]),
     }
     if full:
         sha256 = verify_payloads(checked)
+        check_object_samples(checked, ordinals, digests, compare_gguf=False)
         if pack.get("sha256") is not None and sha256 != pack["sha256"]:
             raise ValueError("Kimi expert-pack SHA-256 does not match manifest")
         summary.update(

@@ -197,7 +197,11 @@ class ExpertStore:
             prefetch_stale=0,
             prefetch_suppressed=0,
             prefetch_waits=0,
+            integrity_errors=0,
+            integrity_check_ns=0,
         )
+        self._check_object = getattr(self.pack, "check_object", None)
+        self.integrity_checked = getattr(self.pack, "checksums", None) is not None
         self._file: PackFile | None = None
         self._uploader = None
         self._prefetcher: ThreadPoolExecutor | None = None
@@ -556,7 +560,27 @@ class ExpertStore:
             requests.append(ReadRequest(f"layer {key[0]} expert {key[1]}", offset, nbytes, array))
         if requests:
             self._file.read(requests, background=not demand)
+            self._check_integrity(buffers)
         return buffers
+
+    def _check_integrity(self, buffers: dict[Key, torch.Tensor]) -> None:
+        """Hash each object just read against the manifest's digest; a mismatch is counted and raised
+        (ChecksumMismatch, an OSError), so its slot is given back and it is never cached."""
+        if not self.integrity_checked:
+            return
+        started = time.perf_counter_ns()
+        failure = None
+        for key, buffer in buffers.items():
+            try:
+                self._check_object(*key, buffer.numpy())
+            except OSError as exc:
+                failure = failure or exc
+                with self._lock:
+                    self._counts["integrity_errors"] += 1
+        with self._lock:
+            self._counts["integrity_check_ns"] += time.perf_counter_ns() - started
+        if failure is not None:
+            raise failure
 
     def _track(self, array: np.ndarray) -> None:
         """Remember every host buffer weakly, so tests can sum the bytes still alive."""
@@ -614,6 +638,7 @@ class ExpertStore:
                 "layers": layers,
                 **{name: int(value) for name, value in self._counts.items()},
                 "prefetch": self._prefetcher is not None,
+                "integrity_checks": self.integrity_checked,
                 "prefetch_adaptive": self._adaptive,
                 "prefetch_layers": {
                     str(layer): {"precision": precision, "active": self._issues_prefetch(layer)}

@@ -1,0 +1,155 @@
+"""Integrity records of a pack: an xxh3_64 per expert object, and a sampled fingerprint of each GGUF shard.
+
+They live in the manifest's top-level `integrity` section, which the seed system does not read (its
+readers look keys up by name and ignore the rest). An expert object's digest covers exactly the bytes
+the store reads for it (`object_bytes` from its up offset: up, gate, down and the padding between them),
+so the store can check an object as it enters its cache. A shard's fingerprint is xxh3_64 over
+`SHARD_SAMPLE_WINDOWS` windows of `SHARD_SAMPLE_BYTES` spread evenly over its tensor data, so a GGUF of
+the same shape and metadata but other weights is caught without reading it whole. Manifests without the
+section (older ones, the seed system's) are read as before: nothing is checked, and `verify` says so.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from k3stream.pack import format as fmt
+from k3stream.pack.fileio import pread_exact
+
+ALGORITHM = "xxh3_64"
+SHARD_SAMPLE_WINDOWS = 64
+SHARD_SAMPLE_BYTES = 64 << 10
+DIGEST_HEX = 16
+
+
+class ChecksumMismatch(OSError):
+    """Bytes read from a pack or a GGUF are not the bytes recorded when the pack was built."""
+
+
+def object_digest(data: Any) -> int:
+    """xxh3_64 of one expert object's bytes (a numpy array, bytes or memoryview)."""
+    return xxhash.xxh3_64_intdigest(memoryview(data).cast("B") if not isinstance(data, bytes) else data)
+
+
+def encode_digests(digests: np.ndarray) -> str:
+    """Digests as one hex string, 16 characters (big-endian) per object."""
+    return np.asarray(digests, dtype=np.uint64).astype(">u8").tobytes().hex()
+
+
+def decode_digests(text: Any, count: int, where: str) -> np.ndarray:
+    """The uint64 digests of a hex string written by `encode_digests`; one-line errors naming `where`."""
+    if not isinstance(text, str) or len(text) != count * DIGEST_HEX:
+        raise ValueError(f"Kimi manifest field {where} must be a string of {count} x {DIGEST_HEX} hex digits")
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"Kimi manifest field {where} is not hexadecimal") from None
+    return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
+
+
+def object_ordinal(layout: fmt.PackLayout, layer: int, expert: int) -> int:
+    return layout.layer_position(layer) * layout.num_experts + expert
+
+
+def object_identity(layout: fmt.PackLayout, ordinal: int) -> tuple[int, int]:
+    """(layer, expert) of the `ordinal`-th object (layer-major)."""
+    position, expert = divmod(ordinal, layout.num_experts)
+    return layout.moe_layers[position], expert
+
+
+class ObjectHasher:
+    """Collects the digest of every object of a pack as its bytes become final (read back from `fd`)."""
+
+    def __init__(self, layout: fmt.PackLayout) -> None:
+        self.layout = layout
+        self.digests = np.zeros(len(layout.moe_layers) * layout.num_experts, dtype=np.uint64)
+        self.done = np.zeros(self.digests.size, dtype=bool)
+
+    def hash_object(self, fd: int, ordinal: int) -> None:
+        layer, expert = object_identity(self.layout, ordinal)
+        offset = self.layout.object_offset(layer, expert)
+        data = pread_exact(fd, self.layout.object_bytes, offset)
+        if len(data) != self.layout.object_bytes:
+            raise ValueError(f"expert pack ends inside expert {expert} of layer {layer}")
+        self.digests[ordinal] = object_digest(data)
+        self.done[ordinal] = True
+
+    def hash_objects(self, fd: int, ordinals: range) -> None:
+        for ordinal in ordinals:
+            self.hash_object(fd, ordinal)
+
+    def complete(self) -> np.ndarray:
+        if not self.done.all():
+            raise RuntimeError(f"expert object {int(np.argmin(self.done))} was never hashed")
+        return self.digests
+
+
+def sample_offsets(start: int, end: int, windows: int = SHARD_SAMPLE_WINDOWS) -> list[int]:
+    """Evenly spaced window starts over [start, end), the last window ending at `end`."""
+    span = end - start
+    if span <= windows * SHARD_SAMPLE_BYTES:
+        return [start + k * SHARD_SAMPLE_BYTES for k in range(-(-span // SHARD_SAMPLE_BYTES))]
+    last = end - SHARD_SAMPLE_BYTES
+    return sorted({start + round(k * (last - start) / (windows - 1)) for k in range(windows)})
+
+
+def shard_fingerprint(path: Path, data_start: int, size: int) -> str:
+    """xxh3_64 (hex) of the sampled windows of a shard's tensor data [data_start, size)."""
+    digest = xxhash.xxh3_64()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for offset in sample_offsets(data_start, size):
+            digest.update(pread_exact(fd, min(SHARD_SAMPLE_BYTES, size - offset), offset))
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
+
+
+def integrity_section(digests: np.ndarray, shards: list[dict[str, Any]], shard_paths: list[Path]) -> dict:
+    """The manifest's `integrity` section: per-object digests and per-shard fingerprints."""
+    return {
+        "algorithm": ALGORITHM,
+        "objects": int(len(digests)),
+        "object_digests": encode_digests(digests),
+        "shard_sample_windows": SHARD_SAMPLE_WINDOWS,
+        "shard_sample_bytes": SHARD_SAMPLE_BYTES,
+        "shard_fingerprints": {
+            str(shard["index"]): shard_fingerprint(path, int(shard["metadata_nbytes"]), int(shard["size"]))
+            for shard, path in zip(shards, shard_paths, strict=True)
+        },
+    }
+
+
+def section(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The manifest's `integrity` section, checked for shape; None when it has none."""
+    value = manifest.get("integrity")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("Kimi manifest field integrity must be an object")
+    if value.get("algorithm") != ALGORITHM:
+        raise ValueError(f"Kimi manifest field integrity.algorithm must be {ALGORITHM!r}")
+    return value
+
+
+def object_checksums(manifest: dict[str, Any], layout: fmt.PackLayout) -> np.ndarray | None:
+    """The recorded digest of every object (layer-major), or None for a manifest without them."""
+    recorded = section(manifest)
+    if recorded is None:
+        return None
+    count = len(layout.moe_layers) * layout.num_experts
+    if recorded.get("objects") != count:
+        raise ValueError(f"Kimi manifest field integrity.objects must be {count} for this pack")
+    return decode_digests(recorded.get("object_digests"), count, "integrity.object_digests")
+
+
+def mismatch_message(layer: int, expert: int, pack: Path, got: int, want: int) -> str:
+    return (
+        f"expert-pack checksum mismatch: layer {layer} expert {expert} of {pack.name} "
+        f"({ALGORITHM} {got:016x}, manifest {want:016x}); the pack is damaged or not the one packed"
+    )
