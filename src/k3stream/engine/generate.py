@@ -29,15 +29,55 @@ class GenerationResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def _held_back(text: str, stops: Seq[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-    longest = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:size]):
-                longest = size
-                break
-    return longest
+def _prefix_function(pattern: str) -> list[int]:
+    """KMP failure function: for each prefix, the length of its longest proper border."""
+    borders = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = borders[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        borders[i] = k
+    return borders
+
+
+class StopMatcher:
+    """Finds stop strings in text that arrives in pieces, in time linear in the text (one KMP automaton
+    per stop string), and knows how much of the text's end could still begin one."""
+
+    def __init__(self, stops: Seq[str]) -> None:
+        self.stops = list(stops)
+        self._borders = [_prefix_function(stop) for stop in self.stops]
+        self._states = [0] * len(self.stops)  # per stop: its longest prefix that ends the text
+        self._consumed = 0
+
+    def feed(self, text: str) -> int | None:
+        """Consume `text`; the start (in all text fed) of the earliest stop string found, or None."""
+        earliest = None
+        for index, stop in enumerate(self.stops):
+            found = self._advance(index, stop, text)
+            if found is not None and (earliest is None or found < earliest):
+                earliest = found
+        self._consumed += len(text)
+        return earliest
+
+    def _advance(self, index: int, stop: str, text: str) -> int | None:
+        borders, k = self._borders[index], self._states[index]
+        for offset, char in enumerate(text):
+            while k and stop[k] != char:
+                k = borders[k - 1]
+            if stop[k] == char:
+                k += 1
+            if k == len(stop):
+                self._states[index] = borders[k - 1]
+                return self._consumed + offset + 1 - len(stop)
+        self._states[index] = k
+        return None
+
+    def held_back(self) -> int:
+        """Length of the longest end of the text that is a proper prefix of a stop string."""
+        return max(self._states, default=0)
 
 
 class Sequence:
@@ -70,6 +110,8 @@ class Sequence:
             self._stop_ids.add(tokenizer.eos_id)
         self._text = ""
         self._released = 0  # characters of _text handed out so far
+        self._stops = StopMatcher(params.stop)
+        self._matched = 0  # characters of _text the stop matcher has seen
 
     @property
     def completion_tokens(self) -> int:
@@ -117,17 +159,15 @@ class Sequence:
         return token, self.done
 
     def _match_stop_strings(self) -> None:
-        hits = [
-            (index, stop)
-            for stop in self.params.stop
-            if (index := self._text.find(stop, self._released)) >= 0
-        ]
-        if hits:
-            self._text = self._text[: min(hits)[0]]
+        """Look for stop strings in the text added since the last look (linear in the output)."""
+        start = self._stops.feed(self._text[self._matched :])
+        self._matched = len(self._text)
+        if start is not None:
+            self._text = self._text[:start]
             self.finish_reason = FINISH_STOP
 
     def _release(self) -> str:
-        end = len(self._text) if self.done else len(self._text) - _held_back(self._text, self.params.stop)
+        end = len(self._text) if self.done else len(self._text) - self._stops.held_back()
         piece = self._text[self._released : end]
         self._released = max(self._released, end)
         if piece and self._on_text is not None:

@@ -2,7 +2,9 @@
 
 Order (as in HF transformers and vLLM): repetition penalty on the raw logits, then temperature, then the
 top-k, top-p and min-p masks on the tempered distribution, then one draw from a per-request generator.
-Temperature 0 is greedy: the argmax of the penalised logits.
+Temperature 0 (or below GREEDY_BELOW, as in vLLM) is greedy: the argmax of the penalised logits.
+Non-finite logits (NaN or infinity: damaged weights, an overflow) are never sampled from: `sample`
+raises NonFiniteLogits.
 """
 
 from __future__ import annotations
@@ -12,6 +14,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+
+# below this a temperature is greedy: dividing by it overflows float32 for ordinary logits
+GREEDY_BELOW = 1e-5
+
+
+class NonFiniteLogits(ValueError):
+    """The model produced NaN or infinite logits; the request fails instead of sampling garbage."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def apply_repetition_penalty(
@@ -82,6 +91,7 @@ def top_p_mask(probs: torch.Tensor, p: float) -> torch.Tensor:
     mass_before = torch.cumsum(sorted_probs, dim=0) - sorted_probs
     keep = torch.empty_like(probs, dtype=torch.bool)
     keep[order] = mass_before < p
+    keep[order[0]] = True  # a `p` below float32's smallest value would otherwise keep nothing
     return keep
 
 
@@ -102,6 +112,18 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch
     return probs / probs.sum()
 
 
+def check_finite(logits: torch.Tensor) -> None:
+    """Raise NonFiniteLogits (one line, with counts) unless every logit is finite."""
+    finite = torch.isfinite(logits)
+    if bool(finite.all()):
+        return
+    nan = int(torch.isnan(logits).sum())
+    raise NonFiniteLogits(
+        f"the model produced non-finite logits ({nan} NaN, {int((~finite).sum()) - nan} infinite of "
+        f"{logits.numel()}); refusing to sample (damaged weights or an overflow)"
+    )
+
+
 class Sampler:
     """Draws tokens for one request; its generator makes a seeded request reproducible."""
 
@@ -117,7 +139,9 @@ class Sampler:
         return self._generator
 
     def sample(self, logits: torch.Tensor, previous_ids: Iterable[int] = ()) -> int:
-        """Next token from `logits` [V]; `previous_ids` (prompt and output) feed the repetition penalty."""
+        """Next token from `logits` [V]; `previous_ids` (prompt and output) feed the repetition penalty.
+        Raises NonFiniteLogits when any logit is NaN or infinite."""
+        check_finite(logits)
         logits = apply_repetition_penalty(logits.reshape(-1), previous_ids, self.params.repetition_penalty)
         if self.params.greedy:
             return int(torch.argmax(logits))

@@ -170,6 +170,11 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` as plain text: no special token is ever produced (not even the
+        user-defined ones `encode` always parses), no BOS. For untrusted text such as chat content."""
+        return self._encoding.encode(text, allowed_special=set(), disallowed_special=())
+
     def piece(self, token_id: int, *, skip_special: bool = False) -> bytes:
         """Bytes of one token (special tokens as their text unless skipped; unused ids are empty)."""
         if not 0 <= token_id < self.vocab_size:

@@ -9,7 +9,8 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -18,7 +19,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3stream.server.errors import APIError, from_validation_error, invalid_request
+from k3stream.server.errors import APIError, from_validation_error, invalid_request, redact_paths
+from k3stream.server.guard import Guard, GuardConfig
 from k3stream.server.metrics import ServerMetrics
 from k3stream.server.runtime import ServedModel
 from k3stream.server.scheduler import (
@@ -36,16 +38,24 @@ KNOWN_ENDPOINTS = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completi
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
 
 
+# a run of this many failed requests, with no success between, makes /health answer 503
+UNHEALTHY_AFTER = 3
+# threads that tokenize prompts and render chat templates, off the event loop
+TOKENIZER_THREADS = 2
+
+
 @dataclass
 class ServerConfig:
     max_batch: int = 16
     max_queue: int = 64
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def check(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"--max-batch must be at least 1, got {self.max_batch}")
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be at least 0, got {self.max_queue}")
+        self.guard.check()
 
     def batch_for(self, served: ServedModel) -> int:
         """`max_batch`, capped where the expert store could not hold one step's experts."""
@@ -56,8 +66,15 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     """An app serving `served`; its scheduler thread runs while the app's lifespan is active."""
     config.check()
     metrics = ServerMetrics(served.store_stats)
-    scheduler = Scheduler(served.model, metrics, max_batch=config.batch_for(served),
-                          max_queue=config.max_queue, on_tokens=served.end_tokens)
+    scheduler = Scheduler(
+        served.model,
+        metrics,
+        max_batch=config.batch_for(served),
+        max_queue=config.max_queue,
+        on_tokens=served.end_tokens,
+    )
+
+    tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="k3stream-tokenize")
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -66,12 +83,15 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
             yield
         finally:
             scheduler.stop()
+            tokenizers.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="k3stream", lifespan=lifespan)
+    app = FastAPI(title="k3stream", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler = scheduler
-    app.add_middleware(RequestCounter, metrics=metrics)
+    app.state.guard = config.guard
+    app.add_middleware(Guard, config=config.guard)
+    app.add_middleware(RequestCounter, metrics=metrics)  # outermost: refusals are counted too
     _add_error_handlers(app)
-    api = Endpoints(served, scheduler, metrics)
+    api = Endpoints(served, scheduler, metrics, tokenizers)
     app.get("/v1/models")(api.models)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics_text)
@@ -81,20 +101,56 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
 
 
 class Endpoints:
-    def __init__(self, served: ServedModel, scheduler: Scheduler, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        served: ServedModel,
+        scheduler: Scheduler,
+        metrics: ServerMetrics,
+        tokenizers: ThreadPoolExecutor,
+    ) -> None:
         self.served = served
         self.scheduler = scheduler
         self.metrics = metrics
+        self.tokenizers = tokenizers
+
+    async def _off_loop(self, function: Callable, *args: Any) -> Any:
+        """Run tokenizing / template rendering on the tokenizer threads, not the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizers, function, *args)
 
     async def models(self) -> dict[str, Any]:
-        card = {"id": self.served.name, "object": "model", "created": self.served.created,
-                "owned_by": "k3stream", "max_model_len": self.served.ctx}
+        card = {
+            "id": self.served.name,
+            "object": "model",
+            "created": self.served.created,
+            "owned_by": "k3stream",
+            "max_model_len": self.served.ctx,
+        }
         return {"object": "list", "data": [card]}
 
-    async def health(self) -> dict[str, Any]:
-        return {"status": "ok", **self.scheduler.snapshot(), "max_batch": self.scheduler.max_batch,
-                "rss_bytes": process_rss_bytes(),
-                "expert_store": self.served.store_stats()}
+    async def health(self) -> Response:
+        """200 `ok`, or 503 `unhealthy` with the problems: model files changed since load, or the last
+        UNHEALTHY_AFTER requests all failed. No absolute paths."""
+        snapshot = self.scheduler.snapshot()
+        store = self.served.store_stats()
+        problems = self.served.file_problems()
+        if snapshot["consecutive_failures"] >= UNHEALTHY_AFTER:
+            problems.append(
+                f"the last {snapshot['consecutive_failures']} requests failed: {snapshot['last_error']}"
+            )
+        if snapshot["last_error"] is not None:
+            snapshot["last_error"] = redact_paths(snapshot["last_error"])
+        if "pack_path" in store:
+            store["pack_path"] = os.path.basename(store["pack_path"])
+        body = {
+            "status": "unhealthy" if problems else "ok",
+            "problems": [redact_paths(p) for p in problems],
+            **snapshot,
+            "max_batch": self.scheduler.max_batch,
+            "rss_bytes": process_rss_bytes(),
+            "integrity_errors": int(store.get("integrity_errors", 0)),
+            "expert_store": store,
+        }
+        return JSONResponse(body, status_code=503 if problems else 200)
 
     async def metrics_text(self) -> Response:
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
@@ -103,39 +159,57 @@ class Endpoints:
         body = await _parse(request, CompletionRequest)
         self._check_request(body)
         prompt = body.single_prompt()
-        tokens = self.served.encode_prompt(prompt) if isinstance(prompt, str) else self._check_ids(prompt)
+        if isinstance(prompt, str):
+            tokens = await self._off_loop(self.served.encode_prompt, prompt)
+        else:
+            tokens = self._check_ids(prompt)
         explicit = "max_tokens" in body.model_fields_set
-        job = self._submit(body, tokens, body.max_tokens, explicit_limit=explicit, prompt_param="prompt",
-                           chat=False)
+        job = self._submit(
+            body, tokens, body.max_tokens, explicit_limit=explicit, prompt_param="prompt", chat=False
+        )
         stream = Stream(job, self.scheduler, _CompletionChunks(self.served.name))
         return await stream.respond(request, body.stream, body.include_usage())
 
     async def chat_completions(self, request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         self._check_request(body)
-        tokens = self.served.encode_chat([(m.role, m.text()) for m in body.messages])
+        tokens = await self._off_loop(self.served.encode_chat, [(m.role, m.text()) for m in body.messages])
         limit = body.token_limit()
-        job = self._submit(body, tokens, limit, explicit_limit=limit is not None, prompt_param="messages",
-                           chat=True)
+        job = self._submit(
+            body, tokens, limit, explicit_limit=limit is not None, prompt_param="messages", chat=True
+        )
         stream = Stream(job, self.scheduler, _ChatChunks(self.served.name))
         return await stream.respond(request, body.stream, body.include_usage())
 
     def _check_request(self, body: SamplingFields) -> None:
         body.check_supported()
         if body.model not in (None, self.served.name):
-            raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
-                           f"`{self.served.name}`", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{body.model}` does not exist; this server serves `{self.served.name}`",
+                param="model",
+                code="model_not_found",
+            )
 
     def _check_ids(self, ids: list[int]) -> list[int]:
         vocab = self.served.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise invalid_request(f"prompt: token id {bad} is outside the vocabulary of {vocab}",
-                                  param="prompt")
+            raise invalid_request(
+                f"prompt: token id {bad} is outside the vocabulary of {vocab}", param="prompt"
+            )
         return ids
 
-    def _submit(self, body: SamplingFields, tokens: list[int], limit: int | None, *, explicit_limit: bool,
-                prompt_param: str, chat: bool) -> Job:
+    def _submit(
+        self,
+        body: SamplingFields,
+        tokens: list[int],
+        limit: int | None,
+        *,
+        explicit_limit: bool,
+        prompt_param: str,
+        chat: bool,
+    ) -> Job:
         max_tokens = self._token_budget(len(tokens), limit, explicit_limit, prompt_param)
         logic = self.served.new_sequence(body, tokens, max_tokens, chat=chat)
         job = Job(prompt_tokens=tokens, logic=logic, sink=EventSink(asyncio.get_running_loop()))
@@ -149,15 +223,22 @@ class Endpoints:
         """Tokens this request may generate; a request that cannot fit the context is refused."""
         ctx = self.served.ctx
         if prompt_len >= ctx:
-            raise invalid_request(f"This model's maximum context length is {ctx} tokens, but the prompt has "
-                                  f"{prompt_len} tokens", param=prompt_param, code="context_length_exceeded")
+            raise invalid_request(
+                f"This model's maximum context length is {ctx} tokens, but the prompt has "
+                f"{prompt_len} tokens",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         room = ctx - prompt_len
         if limit is None:
             return room
         if explicit and limit > room:
-            raise invalid_request(f"This model's maximum context length is {ctx} tokens; the prompt has "
-                                  f"{prompt_len} tokens, so max_tokens can be at most {room}, not {limit}",
-                                  param="max_tokens", code="context_length_exceeded")
+            raise invalid_request(
+                f"This model's maximum context length is {ctx} tokens; the prompt has "
+                f"{prompt_len} tokens, so max_tokens can be at most {room}, not {limit}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return min(limit, room)
 
 
@@ -175,8 +256,11 @@ class Stream:
 
     async def respond(self, request: Request, stream: bool, include_usage: bool) -> Response:
         if stream:
-            return StreamingResponse(self._sse(include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                self._sse(include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         return await self._whole(request)
 
     async def _sse(self, include_usage: bool) -> AsyncIterator[str]:
@@ -231,8 +315,11 @@ async def _watch_disconnect(request: Request) -> None:
 
 
 def _usage(event: FinishEvent) -> dict[str, int]:
-    return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-            "total_tokens": event.prompt_tokens + event.completion_tokens}
+    return {
+        "prompt_tokens": event.prompt_tokens,
+        "completion_tokens": event.completion_tokens,
+        "total_tokens": event.prompt_tokens + event.completion_tokens,
+    }
 
 
 def _sse_data(payload: dict[str, Any]) -> str:
@@ -252,8 +339,13 @@ class _Chunks:
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def usage_only(self, usage: dict[str, int]) -> dict[str, Any]:
         return {**self._envelope(self.object_chunk, []), "usage": usage}
@@ -309,13 +401,20 @@ class _ChatChunks(_Chunks):
         return {"delta": {"content": text} if text else {}}
 
     def _whole_choice(self, text: str, reason: str) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": reason}
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": reason,
+        }
 
 
 async def _parse(request: Request, model: type[RequestModel]) -> RequestModel:
     try:
-        return model.model_validate_json(await request.body())
+        body = await request.body()
+        if len(body) > 64 * 1024:  # parsing a few MiB takes milliseconds: keep it off the event loop
+            return await asyncio.to_thread(model.model_validate_json, body)
+        return model.model_validate_json(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
 
@@ -332,7 +431,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return invalid_request(f"invalid request: {exc.errors()[0].get('msg', 'bad input')}").response()
 
     async def unexpected(_request: Request, exc: Exception) -> Response:
-        return APIError(500, f"internal error: {exc}", type="server_error").response()
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from k3stream.server.guard import API_KEY_ENV, GuardConfig, allowed_hosts_for, api_key_from
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from k3stream.engine.loading import add_model_arguments
@@ -11,15 +13,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=None, help="the `model` clients ask for "
-                        "(default: the GGUF's file name without shard suffix and extension)")
-    parser.add_argument("--ctx", type=int, default=None,
-                        help="context per sequence, prompt plus output (default: the model's, at most 4096)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the `model` clients ask for (default: the GGUF's file name without shard suffix and extension)",
+    )
+    parser.add_argument(
+        "--ctx",
+        type=int,
+        default=None,
+        help="context per sequence, prompt plus output (default: the model's, at most 4096)",
+    )
     parser.add_argument("--max-batch", type=int, default=16, help="sequences decoded together per step")
-    parser.add_argument("--max-queue", type=int, default=64,
-                        help="requests waiting beyond the free batch slots; past this the server answers 429")
-    parser.add_argument("--log-level", default="info",
-                        choices=("critical", "error", "warning", "info", "debug"))
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests waiting beyond the free batch slots; past this the server answers 429",
+    )
+    parser.add_argument(
+        "--max-body-mib",
+        type=float,
+        default=4.0,
+        help="largest request body in MiB; larger ones get 413 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require `Authorization: Bearer KEY` on /v1 (default: ${API_KEY_ENV} if set)",
+    )
+    parser.add_argument(
+        "--allowed-hosts",
+        default="",
+        help="comma-separated Host names served besides loopback and --host; * allows any",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=128,
+        help="open connections and requests at once; beyond this the server answers 503",
+    )
+    parser.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open (default %(default)s)",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection may take to send a request's headers (default %(default)s)",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,24 +75,45 @@ def run(args: argparse.Namespace) -> int:
 
     from k3stream.engine.loading import runtime_from_args
     from k3stream.server.app import ServerConfig, create_app
+    from k3stream.server.guard import uvicorn_options
     from k3stream.server.runtime import served_from_runtime
 
-    config = ServerConfig(max_batch=args.max_batch, max_queue=args.max_queue)
+    config = ServerConfig(max_batch=args.max_batch, max_queue=args.max_queue, guard=guard_config(args))
     config.check()
     runtime = runtime_from_args(args)
     try:
         served = served_from_runtime(runtime, name=args.served_model_name, ctx=args.ctx)
         app = create_app(served, config)
         experts = f"streamed from {runtime.manifest}" if runtime.store else "from the GGUF"
-        print(f"k3stream serve: {served.name} on http://{args.host}:{args.port}/v1 (ctx {served.ctx}, "
-              f"max batch {config.batch_for(served)}, queue {config.max_queue}, experts {experts})",
-              flush=True)
+        print(
+            f"k3stream serve: {served.name} on http://{args.host}:{args.port}/v1 (ctx {served.ctx}, "
+            f"max batch {config.batch_for(served)}, queue {config.max_queue}, experts {experts})",
+            flush=True,
+        )
         try:
-            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                        timeout_graceful_shutdown=5)
+            uvicorn.run(
+                app,
+                host=args.host,
+                port=args.port,
+                log_level=args.log_level,
+                timeout_graceful_shutdown=5,
+                **uvicorn_options(config.guard),
+            )
         finally:
             # the app's lifespan stops it too; this covers a uvicorn that never ran its shutdown
             app.state.scheduler.stop()
     finally:
         runtime.close()
     return 0
+
+
+def guard_config(args: argparse.Namespace) -> GuardConfig:
+    """Body limit, API key, allowed Host names and connection limits from the command line."""
+    return GuardConfig(
+        max_body_bytes=int(args.max_body_mib * (1 << 20)),
+        api_key=api_key_from(args.api_key),
+        allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts.split(",")),
+        header_timeout_s=args.header_timeout,
+        keep_alive_s=args.timeout_keep_alive,
+        max_connections=args.max_connections,
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -20,6 +21,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
     ) -> None:
+        message = redact_paths(message)  # error bodies never reveal the server's file layout
         super().__init__(message)
         self.status = status
         self.message = message
@@ -47,6 +49,8 @@ def from_validation_error(exc: ValidationError) -> APIError:
         return invalid_request(f"request body is not valid JSON: {detail}", code="invalid_json")
     param = _field_path(first["loc"])
     if first["type"] == "model_type":
+        if param:
+            return invalid_request(f"{param}: must be a JSON object", param=param, code="invalid_type")
         return invalid_request("request body must be a JSON object", code="invalid_type")
     return invalid_request(f"{param}: {first['msg']}", param=param or None, code=first["type"])
 
@@ -59,3 +63,11 @@ def _field_path(loc: tuple) -> str:
 
 def _is_type_tag(part: str) -> bool:
     return part in ("str", "int", "float", "bool") or part.startswith(("list[", "function-", "literal["))
+
+
+PATH_RE = re.compile(r"(?<![\w.~:/-])(?:/[^\s/:;,'\"()<>\[\]{}]+)+/([^\s/:;,'\"()<>\[\]{}]+)")
+
+
+def redact_paths(message: str) -> str:
+    """`message` with every absolute path shortened to its file name (error bodies, /health)."""
+    return PATH_RE.sub(r"\1", message)

@@ -23,10 +23,17 @@ class ServerThread:
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
         self.host, self.port = self._socket.getsockname()[:2]
-        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        from k3stream.server.guard import uvicorn_options
+
+        guard = getattr(app.state, "guard", None)
+        options = uvicorn_options(guard) if guard is not None else {}
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, timeout_graceful_shutdown=5, **options
+        )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
-                                        name="k3stream-uvicorn", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, name="k3stream-uvicorn", daemon=True
+        )
 
     @property
     def url(self) -> str:
@@ -56,19 +63,33 @@ class ServerThread:
 class ServerProcess:
     """`k3stream serve MODEL ...` in a child process on 127.0.0.1, ready once `/health` answers."""
 
-    def __init__(self, model: str | Path, *serve_args: str, port: int | None = None,
-                 log_path: str | Path | None = None) -> None:
+    def __init__(
+        self, model: str | Path, *serve_args: str, port: int | None = None, log_path: str | Path | None = None
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._command = [sys.executable, "-m", "k3stream.cli", "serve", str(model), "--host", "127.0.0.1",
-                         "--port", str(self.port), "--log-level", "warning", *serve_args]
+        self._command = [
+            sys.executable,
+            "-m",
+            "k3stream.cli",
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *serve_args,
+        ]
         self._log_path = Path(log_path) if log_path else None
         self._process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 120.0) -> ServerProcess:
         if self._log_path is None:
-            self._process = subprocess.Popen(self._command, stdout=subprocess.DEVNULL,
-                                             stderr=subprocess.STDOUT)
+            self._process = subprocess.Popen(
+                self._command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+            )
         else:
             with open(self._log_path, "wb") as log:
                 self._process = subprocess.Popen(self._command, stdout=log, stderr=subprocess.STDOUT)

@@ -19,20 +19,31 @@ class ServerMetrics:
     def __init__(self, store_stats: Callable[[], dict[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("k3stream_requests", "HTTP requests by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
+        self.requests = Counter(
+            "k3stream_requests",
+            "HTTP requests by endpoint and status code",
+            ["endpoint", "status"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("k3stream_prompt_tokens", "prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter("k3stream_generation_tokens", "tokens generated", registry=r)
         self.time_to_first_token = Histogram(
-            "k3stream_time_to_first_token_seconds", "from request arrival to its first generated token",
-            buckets=LATENCY_BUCKETS, registry=r)
+            "k3stream_time_to_first_token_seconds",
+            "from request arrival to its first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.time_per_output_token = Histogram(
-            "k3stream_time_per_output_token_seconds", "time between a sequence's successive tokens",
-            buckets=LATENCY_BUCKETS, registry=r)
+            "k3stream_time_per_output_token_seconds",
+            "time between a sequence's successive tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.queue_length = Gauge("k3stream_queue_length", "requests waiting for a batch slot", registry=r)
         self.running = Gauge("k3stream_running_sequences", "sequences in the decode batch", registry=r)
-        self.batch_size = Histogram("k3stream_decode_batch_size", "sequences per decode step",
-                                    buckets=BATCH_BUCKETS, registry=r)
+        self.batch_size = Histogram(
+            "k3stream_decode_batch_size", "sequences per decode step", buckets=BATCH_BUCKETS, registry=r
+        )
         if store_stats is not None:
             r.register(ExpertStoreCollector(store_stats))
 
@@ -48,14 +59,24 @@ class ExpertStoreCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self._store_stats()
-        hit_rate = GaugeMetricFamily("k3stream_expert_hit_rate", "expert lookups served by a tier",
-                                     labels=["tier"])
+        hit_rate = GaugeMetricFamily(
+            "k3stream_expert_hit_rate", "expert lookups served by a tier", labels=["tier"]
+        )
         for tier, counts in stats.get("tiers", {}).items():
             hit_rate.add_metric([tier], float(counts.get("hit_rate", 0.0)))
         yield hit_rate
-        yield CounterMetricFamily("k3stream_expert_bytes_read", "bytes read from the expert pack",
-                                  value=float(stats.get("pack_read_bytes", 0)))
-        yield GaugeMetricFamily("k3stream_expert_bytes_read_per_token",
-                                "bytes read from the expert pack per token processed",
-                                value=float(stats.get("bytes_per_token", 0.0)))
-
+        yield CounterMetricFamily(
+            "k3stream_expert_bytes_read",
+            "bytes read from the expert pack",
+            value=float(stats.get("pack_read_bytes", 0)),
+        )
+        yield CounterMetricFamily(
+            "k3stream_expert_integrity_errors",
+            "expert objects read from the pack whose checksum did not match",
+            value=float(stats.get("integrity_errors", 0)),
+        )
+        yield GaugeMetricFamily(
+            "k3stream_expert_bytes_read_per_token",
+            "bytes read from the expert pack per token processed",
+            value=float(stats.get("bytes_per_token", 0.0)),
+        )

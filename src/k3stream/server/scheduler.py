@@ -105,8 +105,9 @@ class Job:
 class Scheduler:
     """Owns the model; every model call happens on its thread."""
 
-    def __init__(self, model: Any, metrics: ServerMetrics, *, max_batch: int, max_queue: int,
-                 on_tokens: Any = None) -> None:
+    def __init__(
+        self, model: Any, metrics: ServerMetrics, *, max_batch: int, max_queue: int, on_tokens: Any = None
+    ) -> None:
         self.model = model
         self.metrics = metrics
         self.max_batch = max_batch
@@ -123,6 +124,12 @@ class Scheduler:
         self.batched_steps = 0
         self.cancelled_jobs = 0
         self.peak_waiting = 0
+        # request outcomes, for /health: a run of UNHEALTHY_AFTER failures with no success between
+        # makes the server unhealthy until a request succeeds again
+        self.completed_jobs = 0
+        self.failed_jobs = 0
+        self.consecutive_failures = 0
+        self.last_error: str | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -159,9 +166,19 @@ class Scheduler:
     def snapshot(self) -> dict[str, int]:
         with self._wake:
             waiting, running = len(self._waiting), len(self._running)
-        return {"waiting": waiting, "running": running, "active_sequences": waiting + running,
-                "steps": self.steps, "batched_steps": self.batched_steps,
-                "cancelled_jobs": self.cancelled_jobs, "peak_waiting": self.peak_waiting}
+        return {
+            "waiting": waiting,
+            "running": running,
+            "active_sequences": waiting + running,
+            "steps": self.steps,
+            "batched_steps": self.batched_steps,
+            "cancelled_jobs": self.cancelled_jobs,
+            "peak_waiting": self.peak_waiting,
+            "completed_jobs": self.completed_jobs,
+            "failed_jobs": self.failed_jobs,
+            "consecutive_failures": self.consecutive_failures,
+            "last_error": self.last_error,
+        }
 
     def _loop(self) -> None:
         while self._wait_for_work():
@@ -175,7 +192,7 @@ class Scheduler:
                 self._fail(list(self._running), "internal error in the batch scheduler")
         with self._wake:
             jobs = list(self._running) + list(self._waiting)
-        self._fail(jobs, "the server is shutting down")
+        self._fail(jobs, "the server is shutting down", counted=False)
 
     def _wait_for_work(self) -> bool:
         with self._wake:
@@ -212,7 +229,7 @@ class Scheduler:
                 logits = self.model.prefill(job.state, job.prompt_tokens)[-1]
             except Exception as exc:  # one bad request must not stop the server
                 log.exception("prefill failed")
-                job.fail(f"prefill failed: {exc}")
+                self._fail_request(job, f"prefill failed: {exc}")
                 continue
             self._count_tokens(len(job.prompt_tokens))
             self.metrics.prompt_tokens.inc(len(job.prompt_tokens))
@@ -246,7 +263,7 @@ class Scheduler:
             text = job.logic.accept(token)
         except Exception as exc:
             log.exception("sampling failed")
-            job.fail(f"sampling failed: {exc}")
+            self._fail_request(job, f"sampling failed: {exc}")
             return
         now = time.perf_counter()
         if job.logic.completion_tokens == 1:
@@ -258,16 +275,30 @@ class Scheduler:
         if text:
             job.sink.put(TextEvent(text))
         if job.logic.finish_reason is not None:
-            job.sink.put(FinishEvent(job.logic.finish_reason, len(job.prompt_tokens),
-                                     job.logic.completion_tokens))
+            self.completed_jobs += 1
+            self.consecutive_failures = 0
+            job.sink.put(
+                FinishEvent(job.logic.finish_reason, len(job.prompt_tokens), job.logic.completion_tokens)
+            )
 
     def _count_tokens(self, n: int) -> None:
         if self._on_tokens is not None:
             self._on_tokens(n)
 
-    def _fail(self, jobs: list[Job], message: str) -> None:
+    def _fail_request(self, job: Job, message: str) -> None:
+        """Fail one request because serving it went wrong (counted for /health)."""
+        if job.active:
+            self.failed_jobs += 1
+            self.consecutive_failures += 1
+            self.last_error = message
+        job.fail(message)
+
+    def _fail(self, jobs: list[Job], message: str, counted: bool = True) -> None:
         for job in jobs:
-            job.fail(message)
+            if counted:
+                self._fail_request(job, message)
+            else:
+                job.fail(message)
         self._drop_finished()
 
     def _update_gauges(self) -> None:

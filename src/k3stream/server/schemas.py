@@ -1,12 +1,16 @@
 """Request bodies of the OpenAI API subset k3stream serves, validated strictly (no type coercion).
 
 Unknown fields are ignored (clients send many optional ones); known fields of the wrong type or out of
-range are refused with a 400 naming the field.
+range are refused with a 400 naming the field. OpenAI fields this server does not implement (tools,
+response_format, logit_bias, penalties...) are refused with a 400 naming the field unless they hold their
+neutral value (absent, null, empty, zero, `{"type": "text"}`), so no request is silently answered as if
+they had been honoured.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,6 +26,33 @@ MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)]
 
 
+def _empty(value: Any) -> bool:
+    return value is None or value == [] or value == {} or value == ""
+
+
+# OpenAI request fields that are not implemented, and the values that ask for nothing
+UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "tools": _empty,
+    "functions": _empty,
+    "tool_choice": lambda value: value in (None, "none", "auto"),
+    "function_call": lambda value: value in (None, "none", "auto"),
+    "response_format": lambda value: value is None or value == {"type": "text"},
+    "logit_bias": _empty,
+    "top_logprobs": lambda value: value in (None, 0),
+    "presence_penalty": lambda value: value in (None, 0),
+    "frequency_penalty": lambda value: value in (None, 0),
+    "best_of": lambda value: value in (None, 1),
+    "suffix": _empty,
+    "audio": _empty,
+    "modalities": lambda value: value in (None, ["text"]),
+    "prediction": _empty,
+    "guided_json": _empty,
+    "guided_regex": _empty,
+    "guided_choice": _empty,
+    "guided_grammar": _empty,
+}
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
@@ -30,7 +61,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")
 
     # optional as in vLLM and llama.cpp's server: absent means the served model
     model: str | None = None
@@ -46,6 +77,12 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence
 
     def check_supported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            neutral = UNSUPPORTED_FIELDS.get(name)
+            if neutral is not None and not neutral(value):
+                raise invalid_request(
+                    f"{name} is not supported by this server", param=name, code="unsupported_parameter"
+                )
         if self.n != 1:
             raise invalid_request("only n=1 is supported", param="n", code="unsupported_value")
         if isinstance(self.stop, list) and len(self.stop) > 4:
@@ -80,8 +117,9 @@ class CompletionRequest(SamplingFields):
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
-                raise invalid_request("only one prompt per request is supported", param="prompt",
-                                      code="unsupported_value")
+                raise invalid_request(
+                    "only one prompt per request is supported", param="prompt", code="unsupported_value"
+                )
             prompt = prompt[0]
         if len(prompt) == 0:
             raise invalid_request("prompt must not be empty", param="prompt")

@@ -1,0 +1,241 @@
+"""What keeps the server from being stalled or used by strangers, ahead of the endpoints.
+
+- `Guard`, an ASGI middleware: foreign `Host` headers are refused (400; DNS rebinding), `/v1/*` needs
+  `Authorization: Bearer KEY` when an API key is set (401, constant-time compare), a request body is
+  read in full before the app sees it, at most `max_body_bytes` (413) and within `body_timeout_s`
+  (408). No CORS headers are ever sent, so browsers refuse cross-origin calls.
+- `guarded_h11(header_timeout_s)`: uvicorn's h11 protocol with a deadline for a request's headers,
+  from the moment the connection opens or the previous response ends: a connection that sends nothing
+  or trickles its headers is closed.
+- `uvicorn_options(config)`: keep-alive timeout, connection cap (503 beyond) and that protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from k3stream.server.errors import APIError, redact_paths  # noqa: F401 (re-exported)
+
+API_KEY_ENV = "K3STREAM_API_KEY"
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+MIB = 1 << 20
+
+
+@dataclass
+class GuardConfig:
+    max_body_bytes: int = 4 * MIB
+    api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = LOCAL_HOSTS  # "*" allows any Host header
+    body_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0
+    keep_alive_s: float = 5.0
+    max_connections: int = 128
+
+    def check(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-body-mib must allow at least 1 KiB, got {self.max_body_bytes} bytes")
+        if self.max_connections < 1:
+            raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty")
+
+
+def allowed_hosts_for(bind_host: str, extra: list[str] | None) -> tuple[str, ...]:
+    """The Host names a server bound to `bind_host` answers: loopback names, the bind address (unless it
+    is a wildcard) and `extra` (`--allowed-hosts`; `*` allows any)."""
+    hosts = [*LOCAL_HOSTS]
+    if bind_host not in ("0.0.0.0", "::", ""):
+        hosts.append(bind_host)
+    hosts += [host.strip().lower() for host in extra or [] if host.strip()]
+    return tuple(dict.fromkeys(hosts))
+
+
+def api_key_from(argument: str | None) -> str | None:
+    return argument if argument is not None else os.environ.get(API_KEY_ENV) or None
+
+
+def host_name(header: bytes) -> str:
+    """`example.com` of `example.com:8000`, `::1` of `[::1]:8000`, lower case."""
+    text = header.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:].split("]", 1)[0]
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class Guard:
+    """ASGI middleware: Host check, Bearer auth on /v1, bounded body read (see module doc)."""
+
+    def __init__(self, app: Callable, config: GuardConfig) -> None:
+        self.app = app
+        self.config = config
+        self._key = config.api_key.encode() if config.api_key else None
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self._refusal(scope)
+        if refusal is None:
+            refusal, receive = await self._read_body(scope, receive)
+        if refusal is not None:
+            await _send_error(send, refusal)
+            return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: dict) -> APIError | None:
+        headers = dict(scope.get("headers") or [])
+        if "*" not in self.config.allowed_hosts:
+            host = host_name(headers.get(b"host", b""))
+            if host not in self.config.allowed_hosts:
+                return APIError(
+                    400,
+                    f"Host header {host!r} is not allowed; start the server with --allowed-hosts to serve it",
+                    code="invalid_host",
+                )
+        if self._key is not None and scope["path"].startswith("/v1"):
+            given = headers.get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+                return APIError(
+                    401,
+                    "Invalid or missing API key: send `Authorization: Bearer KEY`",
+                    code="invalid_api_key",
+                )
+        return None
+
+    async def _read_body(self, scope: dict, receive: Callable) -> tuple[APIError | None, Callable]:
+        """Read the whole body (bounded in size and time); hand the app a receive that replays it."""
+        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return None, receive
+        limit = self.config.max_body_bytes
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            return _too_large(limit), receive
+        try:
+            body = await asyncio.wait_for(_collect(receive, limit), self.config.body_timeout_s)
+        except BodyTooLarge:
+            return _too_large(limit), receive
+        except asyncio.TimeoutError:
+            return APIError(
+                408,
+                f"the request body did not arrive within {self.config.body_timeout_s:g} s",
+                code="request_timeout",
+            ), receive
+        if body is None:  # the client left
+            return None, _disconnected
+        return None, _replay(body, receive)
+
+
+async def _collect(receive: Callable, limit: int) -> bytes | None:
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def _replay(body: bytes, receive: Callable) -> Callable:
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _disconnected() -> dict:
+    return {"type": "http.disconnect"}
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"the request body exceeds the server's limit of {limit / MIB:g} MiB (--max-body-mib)",
+        code="request_too_large",
+    )
+
+
+async def _send_error(send: Callable, error: APIError) -> None:
+    response = error.response()
+    if error.status == 401:
+        response.headers["WWW-Authenticate"] = "Bearer"
+    response.headers["Connection"] = "close"
+    await send(
+        {"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers}
+    )
+    await send({"type": "http.response.body", "body": response.body})
+
+
+def guarded_h11(header_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing a connection whose request headers are not complete within
+    `header_timeout_s` of it opening or of its previous response (idle and slow-header clients)."""
+
+    class GuardedH11Protocol(H11Protocol):
+        _header_deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # the headers are in
+                self._disarm_header_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_header_deadline()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_header_deadline()
+            super().connection_lost(exc)
+
+        def _arm_header_deadline(self) -> None:
+            self._disarm_header_deadline()
+            self._header_deadline = self.loop.call_later(header_timeout_s, self._headers_too_slow)
+
+        def _disarm_header_deadline(self) -> None:
+            if self._header_deadline is not None:
+                self._header_deadline.cancel()
+                self._header_deadline = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_deadline = None
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self.transport.close()
+
+    return GuardedH11Protocol
+
+
+def uvicorn_options(config: GuardConfig) -> dict[str, Any]:
+    """uvicorn.Config / uvicorn.run keyword arguments that enforce `config`'s connection limits."""
+    return {
+        "http": guarded_h11(config.header_timeout_s),
+        "timeout_keep_alive": config.keep_alive_s,
+        "limit_concurrency": config.max_connections,
+        "h11_max_incomplete_event_size": 64 * 1024,
+    }
