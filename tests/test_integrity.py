@@ -203,3 +203,13 @@ def test_resumed_build_records_the_same_digests(built, tmp_path):
     assert result.resumed_bytes
     assert json.loads(result.manifest.read_text())["integrity"]["object_digests"] == fresh
     assert np.all(ExpertPack(result.manifest).checksums)
+
+
+def test_loader_refuses_another_models_gguf_of_the_same_shape(work, built):
+    """The non-expert loader (what `k3stream.load(manifest)` runs first) checks the sampled tensor data."""
+    from k3stream.gguf.weights import checkpoint_path
+
+    other = next(built[1].parent.glob("*.gguf"))
+    shutil.copyfile(other, work.parent / other.name)
+    with pytest.raises(FileNotFoundError, match="Kimi-K3 GGUF shard is missing or changed"):
+        checkpoint_path(work)

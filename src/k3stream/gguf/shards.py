@@ -13,6 +13,7 @@ from pathlib import Path
 from gguf import GGUFReader
 
 from k3stream.gguf.config import ARCH, field_value
+from k3stream.gguf.header import GGUFHeaderError, open_reader
 
 SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
 SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -89,7 +90,9 @@ def _check_unique_tensors(paths: list[Path], readers: list[GGUFReader]) -> None:
 
 def _open(path: Path) -> GGUFReader:
     try:
-        return GGUFReader(path, "r")
+        return open_reader(path)  # the header is checked against the file first
+    except GGUFHeaderError:
+        raise
     except (ValueError, OSError, IndexError, KeyError) as exc:
         raise ValueError(f"{path}: not a readable GGUF file ({exc})") from exc
 

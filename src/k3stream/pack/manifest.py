@@ -100,10 +100,11 @@ def resolve_path(stored: str, manifest_path: Path) -> Path:
 MAX_MANIFEST_BYTES = 256 << 20
 
 
-def read_bounded(path: Path, limit: int = MAX_MANIFEST_BYTES) -> bytes:
+def read_bounded(path: Path, limit: int | None = None) -> bytes:
     """A regular file's bytes, at most `limit` of them: a device (/dev/zero), a FIFO or an oversized
     file is refused with a one-line error instead of being read without bound."""
     with path.open("rb") as stream:
+        limit = MAX_MANIFEST_BYTES if limit is None else limit
         if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
             raise ValueError(f"{path}: manifest is not a regular file")
         data = stream.read(limit + 1)
@@ -127,9 +128,115 @@ def read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
     return value
 
 
+# The types of the manifest fields k3stream reads: a type, {key: spec} for an object (keys optional here;
+# the readers name missing ones), or [spec] for a list of items. Integers are non-negative, below 2^63.
+_ROLE = {
+    "dtype": str,
+    "dtype_id": int,
+    "logical_shape": [int],
+    "expert_bytes": int,
+    "entry_count": int,
+    "payload_bytes": int,
+}
+MANIFEST_TYPES: dict[str, Any] = {
+    "format": str,
+    "complete": bool,
+    "hard_constraints": dict,
+    "model": {
+        "num_hidden_layers": int,
+        "active_moe_layer_ids": [int],
+        "num_experts": int,
+        "num_experts_per_token": int,
+        "hidden_size": int,
+        "routed_expert_hidden_size": int,
+        "moe_intermediate_size": int,
+    },
+    "source": {
+        "summary": dict,
+        "inventory_sha256": str,
+        "shards": [
+            {
+                "index": int,
+                "path": str,
+                "size": int,
+                "metadata_nbytes": int,
+                "metadata_sha256": str,
+                "tensor_count": int,
+            }
+        ],
+        "tensors": [
+            {
+                "name": str,
+                "shape": [int],
+                "dtype": str,
+                "dtype_id": int,
+                "shard_index": int,
+                "data_offset": int,
+                "nbytes": int,
+            }
+        ],
+    },
+    "expert_pack": {
+        "path": str,
+        "size": int,
+        "magic": str,
+        "version": int,
+        "header_bytes": int,
+        "entry_bytes": int,
+        "index_count": int,
+        "data_start": int,
+        "alignment": int,
+        "index_sha256": str,
+        "physical_role_order": [str],
+        "active_moe_layer_ids": [int],
+        "num_experts": int,
+        "top_k": int,
+        "object_bytes": int,
+        "roles": {"up": _ROLE, "gate": _ROLE, "down": _ROLE},
+    },
+    "integrity": dict,
+}
+_TYPE_NAMES = {int: "a non-negative integer", str: "a string", bool: "true or false", dict: "an object"}
+
+
+def check_types(value: Any, spec: Any = None, where: str = "") -> None:
+    """Raise ValueError (one line naming the field) where `value` does not have the types of `spec`
+    (MANIFEST_TYPES by default); fields that are absent are left to the readers' own messages."""
+    spec = MANIFEST_TYPES if spec is None else spec
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            raise _wrong_type(where, "an object", value)
+        for key, inner in spec.items():
+            if key in value:
+                check_types(value[key], inner, f"{where}.{key}" if where else key)
+    elif isinstance(spec, list):
+        if not isinstance(value, list):
+            raise _wrong_type(where, "a list", value)
+        for index, item in enumerate(value):
+            check_types(item, spec[0], f"{where}[{index}]")
+    elif spec is int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+            raise _wrong_type(where, _TYPE_NAMES[int], value)
+    elif not isinstance(value, spec):
+        raise _wrong_type(where, _TYPE_NAMES[spec], value)
+
+
+def _wrong_type(where: str, wanted: str, value: Any) -> ValueError:
+    scalar = isinstance(value, (int, float, str, bool, type(None)))
+    shown = json.dumps(value)[:40] if scalar else type(value).__name__
+    return ValueError(f"Kimi manifest field {where} must be {wanted}, got {shown}")
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A manifest file as a dict, its size bounded and the types of the fields k3stream reads checked."""
+    manifest = read_json(path)
+    check_types(manifest)
+    return manifest
+
+
 def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a manifest for the non-expert loader (the seed loader's checks and messages)."""
-    manifest = read_json(path)
+    manifest = read_manifest(path)
     if manifest.get("format") != FORMAT:
         raise ValueError("Kimi-K3 manifest format is unsupported")
     if not manifest.get("complete"):
@@ -162,9 +269,9 @@ def first_shard_path(manifest: dict[str, Any], manifest_path: Path) -> Path:
 
 def shard_tensor_types(path: Path) -> dict[str, str]:
     """{tensor name: GGML type name} of one GGUF file, read from its header only."""
-    from gguf import GGUFReader
+    from k3stream.gguf.header import open_reader
 
-    return {tensor.name: tensor.tensor_type.name for tensor in GGUFReader(str(path), mode="r").tensors}
+    return {tensor.name: tensor.tensor_type.name for tensor in open_reader(path).tensors}
 
 
 def checked_shards(
@@ -193,16 +300,28 @@ def checked_shards(
         for record in records:
             if found[record["name"]] != record["dtype"]:
                 raise ValueError(f"Kimi-K3 GGUF tensor type changed: {record['name']}")
+        check_shard_identity(manifest, shard, path)
         result.append((path, records))
     return result
 
 
-def check_shard_metadata(manifest: dict[str, Any], manifest_path: Path) -> None:
-    """Each shard's metadata bytes (header, key/values, tensor infos) hash as when it was packed."""
-    for shard in field(manifest, "source", "shards"):
-        path = resolve_path(shard["path"], manifest_path)
-        if sha256_range(path, 0, int(shard["metadata_nbytes"])) != shard["metadata_sha256"]:
-            raise FileNotFoundError(f"Kimi-K3 GGUF shard is missing or changed: {path}")
+def check_shard_identity(manifest: dict[str, Any], shard: dict[str, Any], path: Path) -> None:
+    """The shard's metadata bytes (header, key/values, tensor infos) hash as when it was packed, and so
+    do the sampled windows of its tensor data when the manifest records them (`integrity`): a GGUF of
+    the same size, names and types but other weights is refused with the seed's message."""
+    from k3stream.pack import integrity
+
+    if sha256_range(path, 0, int(shard["metadata_nbytes"])) != shard["metadata_sha256"]:
+        raise FileNotFoundError(f"Kimi-K3 GGUF shard is missing or changed: {path}")
+    recorded = integrity.section(manifest)
+    if recorded is None:
+        return
+    fingerprints = recorded.get("shard_fingerprints")
+    want = fingerprints.get(str(shard["index"])) if isinstance(fingerprints, dict) else None
+    if not isinstance(want, str):
+        raise ValueError(f"Kimi manifest field integrity.shard_fingerprints.{shard['index']} is missing")
+    if integrity.shard_fingerprint(path, int(shard["metadata_nbytes"]), int(shard["size"])) != want:
+        raise FileNotFoundError(f"Kimi-K3 GGUF shard is missing or changed: {path}")
 
 
 def source_section(

@@ -26,13 +26,12 @@ from k3stream.pack import integrity
 from k3stream.pack.fileio import pread_exact, same_bytes
 from k3stream.pack.manifest import (
     FORMAT,
-    check_shard_metadata,
     checked_shards,
     field,
     first_shard_path,
     hard_constraints,
     inventory_sha256,
-    read_json,
+    read_manifest,
     resolve_path,
 )
 
@@ -84,11 +83,10 @@ def expectation_from_config(config: Any) -> ModelExpectation:
 
 
 def gguf_config(first_shard: Path) -> Any:
-    from gguf import GGUFReader
-
     from k3stream.gguf.config import K3Config
+    from k3stream.gguf.header import open_reader
 
-    return K3Config.from_metadata(GGUFReader(str(first_shard), mode="r").fields, source=str(first_shard))
+    return K3Config.from_metadata(open_reader(first_shard).fields, source=str(first_shard))
 
 
 def expectation_for(
@@ -385,14 +383,12 @@ def check_structure(
 ) -> CheckedPack:
     """Everything except payload bytes, in the seed reader's order; `shards` adds the source checks."""
     manifest_path = Path(manifest_path)
-    manifest = read_json(manifest_path)
+    manifest = read_manifest(manifest_path)
     check_format(manifest)
     if inventory_sha256(field(manifest, "source")) != manifest["source"].get("inventory_sha256"):
         raise ValueError("Kimi manifest source inventory SHA-256 does not match its records")
     if shards:
-        checked_shards(manifest, manifest_path)
-        check_shard_metadata(manifest, manifest_path)
-        check_shard_fingerprints(manifest, manifest_path)
+        checked_shards(manifest, manifest_path)  # names, types, metadata bytes and sampled tensor data
     expected = expectation_for(profile, manifest, manifest_path, config)
     check_model(manifest, expected)
     path = pack_path_of(manifest, manifest_path, pack_path)
@@ -405,25 +401,6 @@ def check_structure(
     if index.index_sha256 != pack.get("index_sha256"):
         raise ValueError("Kimi expert-pack index SHA-256 does not match manifest")
     return CheckedPack(manifest, manifest_path, path, expected, layout, index)
-
-
-def check_shard_fingerprints(manifest: dict[str, Any], manifest_path: Path) -> int:
-    """Each shard's sampled tensor data hashes as recorded (a same-size, same-metadata GGUF with other
-    weights fails); returns how many shards were checked (0 without an `integrity` section)."""
-    recorded = integrity.section(manifest)
-    if recorded is None:
-        return 0
-    fingerprints = recorded.get("shard_fingerprints")
-    if not isinstance(fingerprints, dict):
-        raise ValueError("Kimi manifest field integrity.shard_fingerprints must be an object")
-    for shard in field(manifest, "source", "shards"):
-        path = resolve_path(shard["path"], manifest_path)
-        want = fingerprints.get(str(shard["index"]))
-        if want is None:
-            raise ValueError(f"Kimi manifest field integrity.shard_fingerprints.{shard['index']} is missing")
-        if integrity.shard_fingerprint(path, int(shard["metadata_nbytes"]), int(shard["size"])) != want:
-            raise FileNotFoundError(f"Kimi-K3 GGUF shard is missing or changed: {path}")
-    return len(fingerprints)
 
 
 def sample_objects(checked: CheckedPack, samples: int) -> list[int]:

@@ -1,0 +1,203 @@
+"""Check a GGUF header against its file before `gguf.GGUFReader` parses it.
+
+GGUFReader trusts every count and length it reads: an array header claiming 2^40 elements, millions of
+zero-length strings or a tensor count in the billions make it allocate without bound. `check_header`
+walks the same structure with `struct` over a memory map, allocating nothing in proportion to what the
+file claims, and refuses (one line naming the file and the field) any count, length or offset that the
+file's size cannot hold, plus a few limits no real GGUF comes near (LIMITS). It reads the header only.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from pathlib import Path
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4
+# limits no real GGUF comes near (Kimi-K3: a 163,840-token vocabulary, ~1,500 tensors per shard)
+MAX_KEY_BYTES = 65535
+MAX_NAME_BYTES = 4096
+MAX_KV = 1 << 16
+MAX_TENSORS = 1 << 20
+MAX_ARRAY_STRINGS = 1 << 18  # per array
+MAX_HEADER_STRINGS = 1 << 19  # all string values of the header together
+
+# GGUF value types: struct format of the fixed-size ones; 8 = string, 9 = array
+SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+STRING, ARRAY = 8, 9
+
+
+class GGUFHeaderError(ValueError):
+    """A GGUF header whose counts, lengths or offsets its file cannot hold."""
+
+
+class _Cursor:
+    """Reads the header's fields in order, each read checked against the end of the file."""
+
+    def __init__(self, data: memoryview, path: Path) -> None:
+        self.data, self.path, self.offset = data, path, 0
+        self.order = "<"
+        self.strings = 0
+
+    def fail(self, what: str) -> GGUFHeaderError:
+        size = len(self.data)
+        return GGUFHeaderError(f"{self.path}: not a valid GGUF header: {what} (file is {size} bytes)")
+
+    def take(self, fmt: str, what: str) -> int | float:
+        size = struct.calcsize(fmt)
+        if self.offset + size > len(self.data):
+            raise self.fail(f"{what} at byte {self.offset} runs past the end of the file")
+        (value,) = struct.unpack_from(self.order + fmt, self.data, self.offset)
+        self.offset += size
+        return value
+
+    def skip(self, nbytes: int, what: str) -> None:
+        if nbytes > len(self.data) - self.offset:
+            raise self.fail(f"{what} of {nbytes} bytes at byte {self.offset} runs past the end of the file")
+        self.offset += nbytes
+
+    def string(self, what: str, limit: int | None = None) -> bytes:
+        length = self.take("Q", f"length of {what}")
+        if limit is not None and length > limit:
+            raise self.fail(f"{what} is {length} bytes long (at most {limit})")
+        start = self.offset
+        self.skip(length, what)
+        return bytes(self.data[start : self.offset])
+
+    def count(self, value: int, per_item: int, limit: int, what: str) -> int:
+        """`value` items of at least `per_item` bytes each must fit in the rest of the file and `limit`."""
+        if value > limit:
+            raise self.fail(f"{what} is {value} (at most {limit})")
+        remaining = len(self.data) - self.offset
+        if value * per_item > remaining:
+            raise self.fail(f"{what} is {value}, more than the remaining {remaining} bytes hold")
+        return value
+
+
+def _value(cursor: _Cursor, vtype: int, key: str) -> object:
+    if vtype in SCALAR_FORMATS:
+        return cursor.take(SCALAR_FORMATS[vtype], f"value of {key}")
+    if vtype == STRING:
+        cursor.strings += 1
+        cursor.skip(cursor.take("Q", f"length of {key}"), f"string value of {key}")
+        return None
+    if vtype == ARRAY:
+        _array(cursor, key)
+        return None
+    raise cursor.fail(f"metadata key {key} has unknown value type {vtype}")
+
+
+def _array(cursor: _Cursor, key: str) -> None:
+    element = cursor.take("I", f"array type of {key}")
+    length = cursor.take("Q", f"array length of {key}")
+    if element in SCALAR_FORMATS:
+        size = struct.calcsize(SCALAR_FORMATS[element])
+        cursor.count(length, size, 1 << 62, f"array length of {key}")
+        cursor.skip(length * size, f"array {key}")
+    elif element == STRING:
+        cursor.count(length, 8, MAX_ARRAY_STRINGS, f"string array length of {key}")
+        cursor.strings += length
+        if cursor.strings > MAX_HEADER_STRINGS:
+            raise cursor.fail(f"more than {MAX_HEADER_STRINGS} strings in the metadata (at {key})")
+        for _ in range(length):
+            cursor.skip(cursor.take("Q", f"string length in {key}"), f"string in {key}")
+    else:  # llama.cpp reads no nested arrays either
+        raise cursor.fail(f"array {key} has unsupported element type {element}")
+
+
+def _metadata(cursor: _Cursor, kv_count: int) -> int:
+    """Walk the key/value pairs; returns general.alignment."""
+    alignment = DEFAULT_ALIGNMENT
+    for index in range(kv_count):
+        key = cursor.string(f"metadata key {index}", MAX_KEY_BYTES).decode("utf-8", "replace")
+        vtype = cursor.take("I", f"value type of {key}")
+        value = _value(cursor, vtype, key)
+        if key == "general.alignment":
+            if vtype != 4 or not value or value & (value - 1):
+                raise cursor.fail(f"general.alignment must be a power of two (uint32), got {value!r}")
+            alignment = int(value)
+    return alignment
+
+
+def _tensor_infos(cursor: _Cursor, tensor_count: int) -> list[tuple[str, int, int, int, int]]:
+    """(name, ggml type, element count, offset, first dimension) of each tensor info."""
+    infos = []
+    for index in range(tensor_count):
+        name = cursor.string(f"name of tensor {index}", MAX_NAME_BYTES).decode("utf-8", "replace")
+        n_dims = cursor.take("I", f"dimension count of tensor {name}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise cursor.fail(f"tensor {name} has {n_dims} dimensions (1..{MAX_DIMS})")
+        dims = [cursor.take("Q", f"dimension {d} of tensor {name}") for d in range(n_dims)]
+        ggml_type = cursor.take("I", f"type of tensor {name}")
+        offset = cursor.take("Q", f"data offset of tensor {name}")
+        elements = 1
+        for dim in dims:
+            elements *= dim
+        infos.append((name, ggml_type, elements, offset, dims[0]))
+    return infos
+
+
+def _check_tensor_data(cursor: _Cursor, infos: list, data_start: int, alignment: int) -> None:
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    room = len(cursor.data) - data_start
+    for name, ggml_type, elements, offset, first_dim in infos:
+        try:
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        except (ValueError, KeyError):
+            raise cursor.fail(f"tensor {name} has unknown GGML type {ggml_type}") from None
+        if first_dim % block:
+            raise cursor.fail(f"tensor {name}: first dimension {first_dim} is not a multiple of {block}")
+        nbytes = elements // block * block_bytes
+        if offset % alignment or offset > room or nbytes > room - offset:
+            raise cursor.fail(
+                f"tensor {name} data ({nbytes} bytes at offset {offset}) lies outside the file's "
+                f"{room}-byte data section or off its {alignment}-byte alignment"
+            )
+
+
+def check_header(path: str | os.PathLike[str]) -> None:
+    """Raise GGUFHeaderError (one line) unless every count, length and offset of the GGUF header at
+    `path` fits the file. Reads only the header; allocates nothing in proportion to what it claims."""
+    path = Path(path)
+    with path.open("rb") as stream:
+        size = os.fstat(stream.fileno()).st_size
+        if size < 24:
+            raise GGUFHeaderError(f"{path}: not a valid GGUF header: the file is only {size} bytes")
+        with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as data:
+            _walk(_Cursor(data, path))
+
+
+def _walk(cursor: _Cursor) -> None:
+    if bytes(cursor.data[:4]) != GGUF_MAGIC:
+        raise cursor.fail("the magic is not GGUF")
+    cursor.offset = 4
+    version = cursor.take("I", "version")
+    if version & 0xFFFF == 0:  # written on a machine of the other byte order, as GGUFReader reads it
+        cursor.order = ">"
+        version = struct.unpack(">I", struct.pack("<I", version))[0]
+    if version not in SUPPORTED_VERSIONS:
+        raise cursor.fail(f"version {version} is not supported ({', '.join(map(str, SUPPORTED_VERSIONS))})")
+    tensor_count = cursor.take("Q", "tensor count")
+    kv_count = cursor.take("Q", "metadata count")
+    cursor.count(kv_count, 13, MAX_KV, "metadata count")
+    alignment = _metadata(cursor, kv_count)
+    cursor.count(tensor_count, 28, MAX_TENSORS, "tensor count")
+    infos = _tensor_infos(cursor, tensor_count)
+    data_start = -(-cursor.offset // alignment) * alignment
+    if data_start > len(cursor.data) and infos:
+        raise cursor.fail(f"the data section would start at byte {data_start}, past the end of the file")
+    _check_tensor_data(cursor, infos, data_start, alignment)
+
+
+def open_reader(path: str | os.PathLike[str]):  # -> gguf.GGUFReader
+    """`gguf.GGUFReader(path, "r")` after `check_header`: a hostile header fails in one line instead of
+    exhausting memory."""
+    from gguf import GGUFReader
+
+    check_header(path)
+    return GGUFReader(str(path), "r")

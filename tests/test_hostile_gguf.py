@@ -1,0 +1,105 @@
+"""Crafted GGUF headers and manifests (issue 11): a one-line error in well under a second and well under
+100 MiB, never a traceback, an allocation the file cannot back, or a read without bound."""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from k3stream.gguf.header import GGUFHeaderError, check_header
+from k3stream.gguf.reader import K3Checkpoint
+from k3stream.hostile import GGUF_CASES, manifest_cases, write_manifest_case
+from k3stream.pack.builder import BuildOptions, build_pack
+from k3stream.pack.manifest import checked_shards, load_manifest
+from k3stream.pack.reader import ExpertPack
+from k3stream.pack.verify import verify_pack
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("case", list(GGUF_CASES))
+def test_crafted_gguf_header_is_refused_quickly_in_one_line(case, tmp_path):
+    path = GGUF_CASES[case](tmp_path / "crafted.gguf")
+    tracemalloc.start()
+    began = time.perf_counter()
+    try:
+        with pytest.raises(ValueError) as caught:
+            K3Checkpoint.open(path)
+        seconds = time.perf_counter() - began
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    message = str(caught.value)
+    assert isinstance(caught.value, GGUFHeaderError)
+    assert "\n" not in message and message.startswith(str(path)) and "not a valid GGUF header" in message
+    assert seconds < 0.5 and peak < 16 * MIB
+
+
+def test_cli_inspect_of_a_crafted_gguf_prints_one_line(tmp_path, capsys):
+    from k3stream.cli import main
+
+    path = GGUF_CASES["array of 2^40 elements"](tmp_path / "crafted.gguf")
+    assert main(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "array length of tokenizer.ggml.token_type" in err
+
+
+@pytest.mark.parametrize("spec", [{}, {"shards": 3}, {"recipe": "f16"}])
+def test_real_tiny_ggufs_pass_the_header_check(tiny_model, spec):
+    first = tiny_model(**spec)
+    for path in sorted(first.parent.glob("*.gguf")):
+        check_header(path)
+
+
+@pytest.fixture(scope="module")
+def manifest(tiny_model, tmp_path_factory) -> Path:
+    from pack_helpers import copy_model
+
+    model = copy_model(tiny_model(), tmp_path_factory.mktemp("hostile"))
+    return build_pack(model, options=BuildOptions(progress=False)).manifest
+
+
+def _readers():
+    return {
+        "verify": verify_pack,
+        "ExpertPack": ExpertPack,
+        "non-expert loader": lambda path: checked_shards(load_manifest(path), path),
+    }
+
+
+@pytest.mark.parametrize("case", list(manifest_cases(Path("m"))))
+def test_hostile_manifest_gives_a_one_line_error(manifest, case):
+    path = write_manifest_case(
+        manifest, manifest.with_name(f"case-{abs(hash(case))}.json"), manifest_cases(manifest)[case]
+    )
+    try:
+        for name, read in _readers().items():
+            began = time.perf_counter()
+            try:
+                read(path)
+            except (ValueError, OSError) as exc:
+                assert "\n" not in str(exc), (name, str(exc))
+            assert time.perf_counter() - began < 2, name
+    finally:
+        path.unlink()
+
+
+def test_wrong_field_types_are_named(manifest, tmp_path):
+    path = write_manifest_case(manifest, tmp_path / "m.json", manifest_cases(manifest)["shard index null"])
+    with pytest.raises(
+        ValueError, match=r"^Kimi manifest field source\.shards\[0\]\.index must be a non-negative"
+    ):
+        load_manifest(path)
+
+
+def test_oversized_manifest_is_refused(tmp_path, monkeypatch):
+    from k3stream.pack import manifest as manifest_module
+
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", 1024)
+    big = tmp_path / "big.json"
+    big.write_text('{"x": "' + "a" * 4096 + '"}')
+    with pytest.raises(ValueError, match="larger than"):
+        manifest_module.read_json(big)
