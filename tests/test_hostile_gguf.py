@@ -13,7 +13,7 @@ from k3stream.gguf.header import GGUFHeaderError, check_header
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.hostile import GGUF_CASES, manifest_cases, write_manifest_case
 from k3stream.pack.builder import BuildOptions, build_pack
-from k3stream.pack.manifest import checked_shards, load_manifest
+from k3stream.pack.manifest import checked_shards, first_shard_path, load_manifest, read_json
 from k3stream.pack.reader import ExpertPack
 from k3stream.pack.verify import verify_pack
 
@@ -67,6 +67,7 @@ def _readers():
         "verify": verify_pack,
         "ExpertPack": ExpertPack,
         "non-expert loader": lambda path: checked_shards(load_manifest(path), path),
+        "engine's model resolution": lambda path: first_shard_path(read_json(path), path),
     }
 
 

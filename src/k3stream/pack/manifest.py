@@ -256,7 +256,13 @@ def field(manifest: dict[str, Any], *keys: str) -> Any:
 
 def sorted_shards(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     """The manifest's `source.shards` records in shard order."""
-    return sorted(field(manifest, "source", "shards"), key=lambda shard: int(shard["index"]))
+    shards = field(manifest, "source", "shards")
+    check_types(shards, MANIFEST_TYPES["source"]["shards"], "source.shards")  # callers may skip read_manifest
+    for position, shard in enumerate(shards):
+        for key in ("index", "path"):
+            if key not in shard:
+                raise ValueError(f"Kimi manifest field is missing: source.shards[{position}].{key}")
+    return sorted(shards, key=lambda shard: shard["index"])
 
 
 def first_shard_path(manifest: dict[str, Any], manifest_path: Path) -> Path:
