@@ -213,3 +213,20 @@ def test_loader_refuses_another_models_gguf_of_the_same_shape(work, built):
     shutil.copyfile(other, work.parent / other.name)
     with pytest.raises(FileNotFoundError, match="Kimi-K3 GGUF shard is missing or changed"):
         checkpoint_path(work)
+
+
+def test_a_stale_partial_pack_counts_as_free_space(built, tmp_path, monkeypatch):
+    """A disk too full for a second copy, holding a stale `.partial` of the full size: its bytes are
+    freed by the rebuild, so the build goes ahead instead of refusing until it is deleted by hand."""
+    import shutil as shutil_module
+
+    folder = tmp_path / "s"
+    shutil.copytree(built[0].parent, folder)
+    pack = _pack_of(folder / built[0].name)
+    (folder / built[0].name).unlink()
+    size = pack.stat().st_size
+    pack.rename(pack.with_name(pack.name + ".partial"))  # no journal: the build starts over
+    usage = shutil_module.disk_usage(folder)
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda _path: usage._replace(free=size // 2))
+    result = build_pack(next(folder.glob("*.gguf")), options=BuildOptions(progress=False, margin_bytes=0))
+    assert result.size == size and verify_pack(result.manifest)["ok"]

@@ -431,14 +431,25 @@ def _finished_copy_intact(
     return False
 
 
-def _check_free_space(directory: Path, needed: int, margin: int) -> None:
-    free = shutil.disk_usage(directory).free
+def _check_free_space(directory: Path, needed: int, margin: int, reclaimable: int = 0) -> None:
+    """`reclaimable`: bytes a stale partial pack holds beyond what is kept; truncating it frees them."""
+    free = shutil.disk_usage(directory).free + reclaimable
     if free < needed + margin:
         raise OSError(
             errno.ENOSPC,
             f"not enough free space in {directory} for the expert pack: "
-            f"{free} bytes free, {needed} needed plus a {margin}-byte margin",
+            f"{free} bytes free (counting {reclaimable} held by the stale partial pack), "
+            f"{needed} needed plus a {margin}-byte margin",
         )
+
+
+def _reclaimable(partial: Path, keep: int) -> int:
+    """Disk bytes of an existing partial pack beyond its first `keep` bytes (freed by the truncation)."""
+    try:
+        allocated = partial.stat().st_blocks * 512
+    except FileNotFoundError:
+        return 0
+    return max(0, allocated - keep)
 
 
 def _copy_into_partial(
@@ -457,7 +468,8 @@ def _copy_into_partial(
     start = _resume_point(plan, partial, journal_done, sources)
     keep = layout.entry(start).offset if start < layout.index_count else layout.total_size
     keep = keep if start else 0
-    _check_free_space(partial.parent, layout.total_size - keep, options.margin_bytes)
+    reclaimable = _reclaimable(partial, keep)
+    _check_free_space(partial.parent, layout.total_size - keep, options.margin_bytes, reclaimable)
     resumed = layout.payload_before(start)
     if start:
         print(
