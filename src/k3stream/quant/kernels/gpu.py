@@ -1,0 +1,361 @@
+"""Triton kernels for `x @ W.T` with W as GGUF blocks, dequantised in registers (never a float32 W).
+
+Every program owns a `[BLOCK_N, BLOCK_M]` tile of the output (input rows x weight rows) and walks K in
+tiles of 256 elements: it loads the tile's bytes of `BLOCK_M` weight rows, decodes them to float32 in
+registers (the same field layout as `k3stream.quant.dequant`), and accumulates in float32. Few input
+rows (decode, N <= 8) multiply elementwise and reduce once at the end; more rows (prefill) use `tl.dot`
+at IEEE float32 precision. The grouped product (routed experts) serves every expert in one launch.
+
+Triton is imported when present; without it this module still imports and the public functions raise
+ImportError. `TRITON_INTERPRET=1` (set before this module is imported) runs the same kernels on CPU
+tensors, which is how the tests check them without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf.constants import GGMLQuantizationType
+
+from k3stream.quant.types import QType, as_qtype, row_bytes
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # the kernels below stay plain functions; calls raise ImportError
+    triton = tl = None
+    _TRITON_MISSING: ImportError | None = exc
+else:
+    _TRITON_MISSING = None
+
+T = GGMLQuantizationType
+SUPPORTED_GPU_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    {T.F32, T.F16, T.BF16, T.Q4_0, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K}
+)
+# float types are read through a typed view of W's bytes (BF16 as int16: the kernel shifts its bits)
+_FLOAT_VIEWS = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.int16}
+MATVEC_MAX_ROWS = 8  # inputs with at most this many rows take the broadcast (mat-vec) path
+
+
+def available() -> bool:
+    """Whether triton imported, so the products can run (on CUDA tensors, or on CPU under the interpreter)."""
+    return _TRITON_MISSING is None
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+# ---- block decoders ------------------------------------------------------------------------------
+# Each decodes one K tile of 256 elements of BLOCK_M weight rows to float32 [BLOCK_M, 256]: `w_rows` are
+# the rows' [BLOCK_M, 1] pointers, `k0` the tile's first element. Packed fields are loaded once per byte
+# and unpacked with `_fields` (the layout of `dequant._unpack`); per-sub-block scales are loaded once per
+# sub-block and broadcast with `_scaled`.
+
+
+@_jit
+def _load(ptr, mask):
+    return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+
+
+@_jit
+def _f16(ptr, mask):
+    """float32 from the little-endian fp16 at `ptr` (uint8 pointers)."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@_jit
+def _fields(packed, GROUPS: tl.constexpr, BITS: tl.constexpr):
+    """[rows, GROUPS * WIDTH] bytes -> [rows, GROUPS * (8 // BITS) * WIDTH] fields: `dequant._unpack`."""
+    rows: tl.constexpr = packed.shape[0]
+    width: tl.constexpr = packed.shape[1] // GROUPS
+    count: tl.constexpr = 8 // BITS
+    shifts = (tl.arange(0, count) * BITS)[None, None, :, None]
+    fields = (tl.reshape(packed, [rows, GROUPS, 1, width]) >> shifts) & ((1 << BITS) - 1)
+    return tl.reshape(fields, [rows, GROUPS * count * width])
+
+
+@_jit
+def _scaled(q, step, offset, SUB: tl.constexpr):
+    """`q * step - offset` with one step and offset ([rows, n_sub]) per SUB consecutive elements."""
+    rows: tl.constexpr = q.shape[0]
+    n_sub: tl.constexpr = q.shape[1] // SUB
+    w = tl.reshape(q, [rows, n_sub, SUB]) * step[:, :, None] - offset[:, :, None]
+    return tl.reshape(w, [rows, n_sub * SUB])
+
+
+@_jit
+def _dq_q2_k(blk, ok):
+    sc = _load(blk + tl.arange(0, 16)[None, :], ok)
+    step = (sc & 0xF).to(tl.float32) * _f16(blk + 80, ok)
+    offset = (sc >> 4).to(tl.float32) * _f16(blk + 82, ok)
+    q = _fields(_load(blk + 16 + tl.arange(0, 64)[None, :], ok), 2, 2).to(tl.float32)
+    return _scaled(q, step, offset, 16)
+
+
+@_jit
+def _dq_q3_k(blk, ok):
+    s = tl.arange(0, 16)
+    sc_low = (_load(blk + (96 + s % 8)[None, :], ok) >> (s // 8 * 4)[None, :]) & 0xF
+    sc_high = (_load(blk + (104 + s % 4)[None, :], ok) >> (s // 4 * 2)[None, :]) & 3
+    step = ((sc_low | (sc_high << 4)) - 32).to(tl.float32) * _f16(blk + 108, ok)
+    low = _fields(_load(blk + 32 + tl.arange(0, 64)[None, :], ok), 2, 2)
+    high = _fields(_load(blk + tl.arange(0, 32)[None, :], ok), 1, 1)
+    q = (low - ((high ^ 1) << 2)).to(tl.float32)  # a clear high bit means "minus 4"
+    return _scaled(q, step, tl.zeros_like(step), 16)
+
+
+@_jit
+def _dq_q4_k(blk, ok):
+    s = tl.arange(0, 8)
+    first = (s < 4)[None, :]
+    d_part = _load(blk + (4 + s % 4)[None, :], ok)
+    m_part = _load(blk + (8 + s % 4)[None, :], ok)
+    md_part = _load(blk + (12 + s % 4)[None, :], ok)
+    sc = tl.where(first, d_part & 63, (md_part & 0xF) | ((d_part >> 2) & 0x30)).to(tl.float32)
+    mn = tl.where(first, m_part & 63, (md_part >> 4) | ((m_part >> 2) & 0x30)).to(tl.float32)
+    q = _fields(_load(blk + 16 + tl.arange(0, 128)[None, :], ok), 4, 4).to(tl.float32)
+    return _scaled(q, sc * _f16(blk, ok), mn * _f16(blk + 2, ok), 32)
+
+
+@_jit
+def _dq_q6_k(blk, ok):
+    sc = tl.load(blk + (192 + tl.arange(0, 16))[None, :], mask=ok, other=0).to(tl.int8, bitcast=True)
+    step = sc.to(tl.float32) * _f16(blk + 208, ok)
+    low = _fields(_load(blk + tl.arange(0, 128)[None, :], ok), 2, 4)
+    high = _fields(_load(blk + 128 + tl.arange(0, 64)[None, :], ok), 2, 2)
+    q = ((low | (high << 4)) - 32).to(tl.float32)
+    return _scaled(q, step, tl.zeros_like(step), 16)
+
+
+@_jit
+def _dq_legacy(w_rows, k0, K, row_ok, QTYPE: tl.constexpr, bb: tl.constexpr):
+    """Q4_0 / Q8_0 (`bb` bytes a block): the tile's eight 32-element blocks (those past K read as 0)."""
+    b = tl.arange(0, 8)
+    blocks = w_rows + ((k0 // 32 + b) * bb)[None, :]  # [rows, 8]
+    ok = row_ok & (k0 + b * 32 < K)[None, :]
+    d = _f16(blocks, ok)
+    if QTYPE == 2:
+        i = tl.arange(0, 128)
+        q = _load(
+            w_rows + ((k0 // 32 + i // 16) * bb + 2 + i % 16)[None, :],
+            row_ok & (k0 + i // 16 * 32 < K)[None, :],
+        )
+        q = _fields(q, 8, 4).to(tl.float32) - 8.0
+    else:
+        i = tl.arange(0, 256)
+        ptr = w_rows + ((k0 // 32 + i // 32) * bb + 2 + i % 32)[None, :]
+        q = tl.load(ptr, mask=row_ok & (k0 + i < K)[None, :], other=0).to(tl.int8, bitcast=True)
+        q = q.to(tl.float32)
+    return _scaled(q, d, tl.zeros_like(d), 32)
+
+
+@_jit
+def _dq_float(w_rows, k0, K, row_ok, QTYPE: tl.constexpr):
+    k = k0 + tl.arange(0, 256)
+    w = tl.load(w_rows + k[None, :], mask=row_ok & (k < K)[None, :], other=0)
+    if QTYPE == 30:  # BF16 read as int16: its bits are the high half of a float32
+        w = (w.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return w.to(tl.float32)
+
+
+@_jit
+def _dequant(w_rows, k0, K, row_ok, QTYPE: tl.constexpr):
+    """float32 [BLOCK_M, 256] of the K tile starting at element `k0` (a multiple of 256)."""
+    if QTYPE == 10:
+        w = _dq_q2_k(w_rows + k0 // 256 * 84, row_ok)
+    elif QTYPE == 11:
+        w = _dq_q3_k(w_rows + k0 // 256 * 110, row_ok)
+    elif QTYPE == 12:
+        w = _dq_q4_k(w_rows + k0 // 256 * 144, row_ok)
+    elif QTYPE == 14:
+        w = _dq_q6_k(w_rows + k0 // 256 * 210, row_ok)
+    elif QTYPE == 2:
+        w = _dq_legacy(w_rows, k0, K, row_ok, QTYPE, 18)
+    elif QTYPE == 8:
+        w = _dq_legacy(w_rows, k0, K, row_ok, QTYPE, 34)
+    else:
+        w = _dq_float(w_rows, k0, K, row_ok, QTYPE)
+    return w
+
+
+# ---- the product ------------------------------------------------------------------------------------
+
+
+@_jit
+def _product_tile(
+    x_ptr, w_ptr, out_ptr, n_start, n_end, M, K, stride_x, stride_w, stride_out,
+    QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
+):  # fmt: skip
+    """out[n, m] for n in [n_start, n_start + BLOCK_N) below n_end and this program's BLOCK_M rows m."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = n_start + tl.arange(0, BLOCK_N)
+    row_ok = (rows < M)[:, None]
+    n_ok = (ns < n_end)[:, None]
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    x_rows = x_ptr + ns.to(tl.int64)[:, None] * stride_x
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:  # mat-vec: elementwise partial sums, reduced across lanes once at the end
+        acc = tl.zeros([BLOCK_N, BLOCK_M, 256], dtype=tl.float32)
+    for k0 in range(0, K, 256):
+        k = k0 + tl.arange(0, 256)
+        w = _dequant(w_rows, k0, K, row_ok, QTYPE)
+        xk = tl.load(x_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0).to(tl.float32)
+        if USE_DOT:
+            acc += tl.dot(xk, tl.trans(w), input_precision="ieee")
+        else:
+            acc += xk[:, None, :] * w[None, :, :]
+    result = acc if USE_DOT else tl.sum(acc, axis=2)
+    out = out_ptr + ns.to(tl.int64)[:, None] * stride_out + rows[None, :]
+    tl.store(out, result, mask=n_ok & (rows < M)[None, :])
+
+
+@_jit
+def _qmm_kernel(
+    x_ptr, w_ptr, out_ptr, N, M, K, stride_x, stride_w, stride_out,
+    QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
+):  # fmt: skip
+    """Grid (M tiles, N tiles): one weight matrix."""
+    n_start = tl.program_id(1) * BLOCK_N
+    _product_tile(x_ptr, w_ptr, out_ptr, n_start, N, M, K, stride_x, stride_w, stride_out,
+                  QTYPE, BLOCK_N, BLOCK_M, USE_DOT)  # fmt: skip
+
+
+@_jit
+def _grouped_kernel(
+    x_ptr, w_like, table_ptr, out_ptr, M, K, stride_x, stride_w, stride_out,
+    QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
+):  # fmt: skip
+    """Grid (M tiles, N tiles of the largest group, groups): group g's rows [lo, hi) of x times the
+    matrix at address `addr`, from `table[g] = (addr, lo, hi)`; `w_like` only gives the pointer type."""
+    group = table_ptr + tl.program_id(2) * 3
+    n_start = tl.load(group + 1) + tl.program_id(1) * BLOCK_N
+    n_end = tl.load(group + 2)
+    if n_start < n_end:
+        w_ptr = tl.load(group).to(w_like.dtype, bitcast=True)
+        _product_tile(x_ptr, w_ptr, out_ptr, n_start, n_end, M, K, stride_x, stride_w, stride_out,
+                      QTYPE, BLOCK_N, BLOCK_M, USE_DOT)  # fmt: skip
+
+
+def _tiles(n_rows: int) -> tuple[int, int, bool, int]:
+    """(BLOCK_N, BLOCK_M, USE_DOT, num_warps) for an input of `n_rows` rows."""
+    if n_rows <= MATVEC_MAX_ROWS:
+        block_n = triton.next_power_of_2(n_rows)
+        return block_n, max(2, 8 // block_n), False, 4
+    return (16 if n_rows <= 16 else 32), 32, True, 8
+
+
+def _weight_operand(
+    data: torch.Tensor, qt: GGMLQuantizationType, out_features: int, in_features: int, device: torch.device
+):
+    """W's bytes on `device` as the kernel reads them, and the row stride in its elements."""
+    per_row = row_bytes(qt, in_features)
+    if data.numel() * data.element_size() != out_features * per_row:
+        raise ValueError(
+            f"triton_qmatmul: {data.numel() * data.element_size()} weight bytes, expected {out_features} "
+            f"rows x {per_row} bytes of {qt.name}"
+        )
+    raw = data.to(device).contiguous().view(torch.uint8).reshape(out_features, per_row)
+    if qt in _FLOAT_VIEWS:
+        return raw.view(_FLOAT_VIEWS[qt]), in_features
+    return raw, per_row
+
+
+def _launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    stride_w: int,
+    qt: int,
+    out: torch.Tensor,
+    tiles: tuple[int, int, bool, int] | None = None,
+) -> None:
+    """One matrix's launch; `tiles` overrides `_tiles(rows)` (the benchmark tries alternatives)."""
+    n_rows, in_features = x.shape
+    block_n, block_m, use_dot, num_warps = tiles or _tiles(n_rows)
+    grid = (triton.cdiv(out.shape[1], block_m), triton.cdiv(n_rows, block_n))
+    args = (x, w, out, n_rows, out.shape[1], in_features, x.stride(0), stride_w, out.stride(0))
+    _qmm_kernel[grid](*args, QTYPE=qt, BLOCK_N=block_n, BLOCK_M=block_m, USE_DOT=use_dot, num_warps=num_warps)
+
+
+def _launch_grouped(
+    x: torch.Tensor, groups: list[tuple[torch.Tensor, int, int]], stride_w: int, qt: int, out: torch.Tensor
+) -> None:
+    """One launch for every `(weight operand, lo, hi)` group: its matrix's address rides in a table."""
+    rows = [(w.data_ptr(), lo, hi) for w, lo, hi in groups]
+    # pinned, so the copy is asynchronous (a pageable one would wait for the GPU's queued work)
+    table = torch.tensor(rows, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
+    max_rows = max(hi - lo for _, lo, hi in groups)
+    block_n, block_m, use_dot, num_warps = _tiles(max_rows)
+    grid = (triton.cdiv(out.shape[1], block_m), triton.cdiv(max_rows, block_n), len(groups))
+    args = (x, groups[0][0], table, out, out.shape[1], x.shape[1], x.stride(0), stride_w)
+    _grouped_kernel[grid](
+        *args, out.stride(0), QTYPE=qt, BLOCK_N=block_n, BLOCK_M=block_m, USE_DOT=use_dot, num_warps=num_warps
+    )
+
+
+def _checked(x: torch.Tensor, qtype: QType, in_features: int) -> tuple[torch.Tensor, GGMLQuantizationType]:
+    if _TRITON_MISSING is not None:
+        raise ImportError(
+            "k3stream's GPU kernels need triton (the project's `gpu` extra: pip install -e '.[gpu]')"
+        ) from _TRITON_MISSING
+    qt = as_qtype(qtype)
+    if qt not in SUPPORTED_GPU_TYPES:
+        names = ", ".join(t.name for t in sorted(SUPPORTED_GPU_TYPES))
+        raise ValueError(f"no Triton kernel for GGML type {qt.name} (kernels: {names})")
+    if x.shape[-1] != in_features:
+        raise ValueError(f"triton_qmatmul: input has {x.shape[-1]} features, weight expects {in_features}")
+    x2 = x.reshape(-1, in_features)
+    return (x2 if x2.stride(-1) == 1 else x2.contiguous()), qt
+
+
+def triton_qmatmul(
+    x: torch.Tensor, data: torch.Tensor, qtype: QType, out_features: int, in_features: int
+) -> torch.Tensor:
+    """`x @ W.T` for W given as GGUF bytes (`[out, row_bytes]` uint8, or flat; moved to x's device first
+    when elsewhere, as `qlinear` does).
+
+    `x` is `[..., in_features]` of any float dtype; the product accumulates in float32 and is returned in
+    x's dtype. ValueError for a type outside `SUPPORTED_GPU_TYPES` or mismatched sizes.
+    """
+    x2, qt = _checked(x, qtype, in_features)
+    w, stride_w = _weight_operand(data, qt, out_features, in_features, x.device)
+    out = torch.empty(x2.shape[0], out_features, dtype=torch.float32, device=x.device)
+    if x2.shape[0] and out_features:
+        _launch(x2, w, stride_w, int(qt), out)
+    return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+
+def triton_grouped_qmatmul(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    qtype: QType,
+    out_features: int,
+    in_features: int,
+    starts: list[int],
+) -> torch.Tensor:
+    """Rows `x[starts[b]:starts[b + 1]]` times expert b's `weights[b]`.T, as one `[P, out_features]`.
+
+    `x` is `[P, in_features]` with each expert's rows contiguous; `starts` holds the first row of every
+    expert (non-decreasing, starting at 0), optionally followed by P. One kernel launch serves every
+    expert with rows (the matrices' addresses go to the GPU in a small table); the rest are skipped.
+    """
+    x2, qt = _checked(x, qtype, in_features)
+    bounds = [*starts, x2.shape[0]] if len(starts) == len(weights) else list(starts)
+    if len(bounds) != len(weights) + 1 or bounds[0] != 0 or bounds[-1] != x2.shape[0]:
+        raise ValueError(
+            f"triton_grouped_qmatmul: starts {starts} do not split {x2.shape[0]} rows into "
+            f"{len(weights)} experts"
+        )
+    if any(a > b for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise ValueError(f"triton_grouped_qmatmul: starts {starts} must be non-decreasing")
+    out = torch.empty(x2.shape[0], out_features, dtype=torch.float32, device=x.device)
+    groups = []
+    for data, lo, hi in zip(weights, bounds, bounds[1:], strict=False):
+        if hi > lo:
+            w, stride_w = _weight_operand(data, qt, out_features, in_features, x.device)
+            groups.append((w, lo, hi))
+    if groups and out_features:
+        _launch_grouped(x2, groups, stride_w, int(qt), out)
+    return out.to(x.dtype)
