@@ -345,3 +345,25 @@ def test_health_is_unhealthy_when_a_model_file_changes(damaged_pack):
         assert str(result.pack.parent) not in health.text
     finally:
         live.close()
+
+
+def test_health_is_unhealthy_when_the_gguf_shrinks(model_path, tmp_path):
+    """Defect 1's signal: the GGUF is truncated under a running server (no request is sent after it:
+    until non-expert weights leave the map, touching them would fault)."""
+    import shutil
+
+    copy = tmp_path / model_path.name
+    shutil.copyfile(model_path, copy)
+    live = Live(copy, GuardConfig())
+    try:
+        assert httpx.get(live.url + "/health").json()["status"] == "ok"
+        size = copy.stat().st_size
+        with copy.open("r+b") as stream:
+            stream.truncate(size // 2)
+        health = httpx.get(live.url + "/health")
+        assert health.status_code == 503
+        assert health.json()["problems"] == [
+            f"model file {copy.name} changed size since load ({size // 2} bytes, was {size})"
+        ]
+    finally:
+        live.close()
