@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             f"max batch {config.batch_for(served)}, queue {config.max_queue}, experts {experts})",
             flush=True,
         )
+        print(access_note(config.guard), flush=True)
         try:
             uvicorn.run(
                 app,
@@ -116,4 +117,14 @@ def guard_config(args: argparse.Namespace) -> GuardConfig:
         header_timeout_s=args.header_timeout,
         keep_alive_s=args.timeout_keep_alive,
         max_connections=args.max_connections,
+    )
+
+
+def access_note(guard: GuardConfig) -> str:
+    """One line on who may call: the API key, the Host names served, the body limit."""
+    key = "Bearer API key required on /v1" if guard.api_key else "no API key (--api-key to require one)"
+    hosts = "any Host" if "*" in guard.allowed_hosts else "Host " + ", ".join(guard.allowed_hosts)
+    return (
+        f"k3stream serve: {key}; {hosts} (--allowed-hosts to add names); "
+        f"bodies up to {guard.max_body_bytes / (1 << 20):g} MiB"
     )
