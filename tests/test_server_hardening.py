@@ -51,7 +51,10 @@ def _complete(url: str, **fields) -> httpx.Response:
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    live = Live(model_path, GuardConfig(max_body_bytes=BODY_LIMIT, header_timeout_s=0.5, max_connections=6))
+    guard = GuardConfig(
+        max_body_bytes=BODY_LIMIT, header_timeout_s=0.5, body_timeout_s=1.0, max_connections=6
+    )
+    live = Live(model_path, guard)
     yield live
     live.close()
 
@@ -120,6 +123,14 @@ def test_idle_and_slow_header_connections_are_closed(server):
     assert _closed_within(idle, 5) and _closed_within(slow, 5)
     idle.close()
     slow.close()
+
+
+def test_a_body_that_trickles_gets_408(server):
+    with socket.create_connection((server.thread.host, server.thread.port)) as sock:
+        head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n"
+        sock.sendall(head.encode() + b'{"prompt"')
+        sock.settimeout(10)
+        assert sock.recv(64).startswith(b"HTTP/1.1 408")
 
 
 def test_connections_beyond_the_cap_get_503(server):
