@@ -26,7 +26,7 @@ T = GGMLQuantizationType
 GIB = 1 << 30
 DEVICE = "cuda"
 ROTATE_BYTES = 512 << 20  # weight copies per case: well beyond an H100/H200's 50-60 MB of L2
-SWEEP = [(4, 4), (8, 4), (16, 4), (32, 4), (8, 2), (16, 8)]  # mat-vec (BLOCK_M, num_warps) tried
+SWEEP = [(4, 2), (8, 2), (16, 2), (8, 4), (16, 4), (32, 4)]  # mat-vec (BLOCK_M, num_warps) tried
 # byte offsets of the fp16 scales in each block: given sane values so the arithmetic is ordinary
 SCALE_FIELDS = {T.Q4_0: (0,), T.Q8_0: (0,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
 FLOAT_DTYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
@@ -68,15 +68,19 @@ def random_weights(qt: T, out_features: int, in_features: int, seed: int) -> tor
 
 
 def sweep_tilings(x: torch.Tensor, copies: list[torch.Tensor], qt: T, shape: tuple[int, int], repeat: int):
-    """(seconds, BLOCK_M, num_warps) of the fastest mat-vec tiling in SWEEP."""
+    """(seconds, tiles) of the fastest mat-vec tiling in SWEEP, K split as planned or not at all."""
     views = [gpu._weight_operand(c, qt, *shape, c.device) for c in copies]
     out = torch.empty(1, shape[0], device=DEVICE)
 
-    def timed(block_m: int, warps: int) -> float:
-        tiles = (1, block_m, False, warps)
+    def timed(tiles: gpu.Tiles) -> float:
         return cuda_seconds(lambda i: gpu._launch(x, *views[i % len(views)], int(qt), out, tiles), repeat)
 
-    return min((timed(block_m, warps), block_m, warps) for block_m, warps in SWEEP)
+    candidates = []
+    for block_m, warps in SWEEP:
+        unsplit = gpu.Tiles(1, block_m, False, warps)
+        planned = gpu._splits(unsplit, 1, *shape, 1, x.device)
+        candidates += [unsplit] if planned == unsplit else [unsplit, planned]
+    return min((timed(tiles), tiles) for tiles in candidates)
 
 
 def bench_case(qt: T, shape: tuple[int, int], args: argparse.Namespace, copy_gbs: float) -> str:
@@ -100,8 +104,11 @@ def bench_case(qt: T, shape: tuple[int, int], args: argparse.Namespace, copy_gbs
         f"| qlinear {fallback * 1e6:8.1f} us"
     )
     if args.sweep:
-        best, block_m, warps = sweep_tilings(x, copies, qt, shape, args.repeat)
-        line += f" | best BLOCK_M={block_m:2} warps={warps}: {one.numel() / best / 1e9:7.1f} GB/s"
+        best, tiles = sweep_tilings(x, copies, qt, shape, args.repeat)
+        line += (
+            f" | best BLOCK_M={tiles.block_m:2} warps={tiles.num_warps} splits={tiles.splits:2}: "
+            f"{one.numel() / best / 1e9:7.1f} GB/s"
+        )
     return line
 
 
@@ -142,7 +149,7 @@ def main() -> int:
         raise SystemExit("bench_kernels_gpu: needs a CUDA device")
     copy_gbs = copy_read_gbs(args.repeat)
     print(f"{torch.cuda.get_device_name()}: copy_ of 1 GiB reads {copy_gbs:.1f} GB/s (and writes as much)")
-    print(f"mat-vec (one input row) of triton_qmatmul; default tiling {gpu._tiles(1)}")
+    print(f"mat-vec (one input row) of triton_qmatmul; default tiling {gpu._tiles(1)}, K split as planned")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     for qt in sorted(gpu.SUPPORTED_GPU_TYPES):
         for out_features, in_features in shapes:

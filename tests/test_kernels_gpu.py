@@ -122,6 +122,29 @@ def test_interp_grouped(qt: T, grouping: str) -> None:
 
 
 @interp
+@pytest.mark.parametrize("qt", [T.Q2_K, T.Q8_0, T.F16], ids=lambda qt: qt.name)
+@pytest.mark.parametrize("splits", [2, 5])
+def test_interp_split_k(qt: T, splits: int) -> None:
+    """K split into partial sums (what mat-vec launches short of programs do on a GPU), single and grouped;
+    5 splits of 3 K tiles leave some splits empty."""
+    m, k = 6, 768
+    data = [_weights(qt, m, k, seed) for seed in range(2)]
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3))
+    tiles = gpu.Tiles(4, 2, False, 4, splits)
+    w, stride_w = gpu._weight_operand(data[0], qt, m, k, x.device)
+    out = torch.empty(3, m)
+    gpu._launch(x, w, stride_w, int(qt), out, tiles)
+    assert _relative_error(out, x, data[0], qt) <= 1e-5
+    groups = [
+        (gpu._weight_operand(d, qt, m, k, x.device)[0], lo, hi)
+        for d, lo, hi in zip(data, [0, 1], [1, 3], strict=True)
+    ]
+    gpu._launch_grouped(x, groups, stride_w, int(qt), out, tiles)
+    assert _relative_error(out[:1], x[:1], data[0], qt) <= 1e-5
+    assert _relative_error(out[1:], x[1:], data[1], qt) <= 1e-5
+
+
+@interp
 def test_interp_leading_dims_and_dtype() -> None:
     data = _weights(T.Q2_K, 7, 256)
     x = torch.randn(4, 5, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
@@ -162,21 +185,27 @@ def test_gpu_kernel_compiles_for_sm90(kind: str, qt: T, n: int) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    block_n, block_m, use_dot, num_warps = gpu._tiles(n)
+    tiles = gpu._tiles(n)
     w_type = {T.F32: "*fp32", T.F16: "*fp16", T.BF16: "*i16"}.get(qt, "*u8")
     if kind == "single":
         signature = {"x_ptr": "*fp32", "w_ptr": w_type, "out_ptr": "*fp32"}
     else:
         signature = {"x_ptr": "*fp32", "w_like": w_type, "table_ptr": "*i64", "out_ptr": "*fp32"}
-    signature |= dict.fromkeys([*INT_ARGS[kind], "stride_x", "stride_w", "stride_out"], "i32")
-    constants = {"QTYPE": int(qt), "BLOCK_N": block_n, "BLOCK_M": block_m, "USE_DOT": use_dot}
+    ints = [*INT_ARGS[kind], "stride_x", "stride_w", "stride_out", "stride_split", "SPLITS", "K_CHUNK"]
+    signature |= dict.fromkeys(ints, "i32")
+    constants = {
+        "QTYPE": int(qt),
+        "BLOCK_N": tiles.block_n,
+        "BLOCK_M": tiles.block_m,
+        "USE_DOT": tiles.use_dot,
+    }
     signature |= dict.fromkeys(constants, "constexpr")
     kernel_fn = gpu._qmm_kernel if kind == "single" else gpu._grouped_kernel
     try:
         source = ASTSource(fn=kernel_fn, signature=signature, constexprs=constants)
     except TypeError as exc:  # triton's ahead-of-time API differs between releases
         pytest.skip(f"triton {triton.__version__}: ASTSource takes other arguments ({exc})")
-    kernel = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    kernel = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tiles.num_warps})
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
 
 

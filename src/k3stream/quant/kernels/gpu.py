@@ -13,6 +13,9 @@ tensors, which is how the tests check them without a GPU.
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 from gguf.constants import GGMLQuantizationType
 
@@ -34,6 +37,7 @@ SUPPORTED_GPU_TYPES: frozenset[GGMLQuantizationType] = frozenset(
 # float types are read through a typed view of W's bytes (BF16 as int16: the kernel shifts its bits)
 _FLOAT_VIEWS = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.int16}
 MATVEC_MAX_ROWS = 8  # inputs with at most this many rows take the broadcast (mat-vec) path
+MIN_PROGRAMS_PER_SM = 16  # mat-vec launches with fewer programs split K (loads in flight hide latency)
 
 
 def available() -> bool:
@@ -185,11 +189,12 @@ def _dequant(w_rows, k0, K, row_ok, QTYPE: tl.constexpr):
 
 @_jit
 def _product_tile(
-    x_ptr, w_ptr, out_ptr, n_start, n_end, M, K, stride_x, stride_w, stride_out,
+    x_ptr, w_ptr, out_ptr, m_tile, n_start, n_end, k_start, k_end, M, K, stride_x, stride_w, stride_out,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
 ):  # fmt: skip
-    """out[n, m] for n in [n_start, n_start + BLOCK_N) below n_end and this program's BLOCK_M rows m."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """out[n, m] = sum over k in [k_start, k_end) of x[n, k] W[m, k], for n in [n_start, n_start + BLOCK_N)
+    below n_end and the BLOCK_M rows m of `m_tile`."""
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     ns = n_start + tl.arange(0, BLOCK_N)
     row_ok = (rows < M)[:, None]
     n_ok = (ns < n_end)[:, None]
@@ -199,7 +204,7 @@ def _product_tile(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:  # mat-vec: elementwise partial sums, reduced across lanes once at the end
         acc = tl.zeros([BLOCK_N, BLOCK_M, 256], dtype=tl.float32)
-    for k0 in range(0, K, 256):
+    for k0 in range(k_start, k_end, 256):
         k = k0 + tl.arange(0, 256)
         w = _dequant(w_rows, k0, K, row_ok, QTYPE)
         xk = tl.load(x_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0).to(tl.float32)
@@ -214,37 +219,73 @@ def _product_tile(
 
 @_jit
 def _qmm_kernel(
-    x_ptr, w_ptr, out_ptr, N, M, K, stride_x, stride_w, stride_out,
+    x_ptr, w_ptr, out_ptr, N, M, K, stride_x, stride_w, stride_out, stride_split, SPLITS, K_CHUNK,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
 ):  # fmt: skip
-    """Grid (M tiles, N tiles): one weight matrix."""
-    n_start = tl.program_id(1) * BLOCK_N
-    _product_tile(x_ptr, w_ptr, out_ptr, n_start, N, M, K, stride_x, stride_w, stride_out,
+    """Grid (M tiles x SPLITS, N tiles): one weight matrix; split s sums K in [s K_CHUNK, (s+1) K_CHUNK)
+    into the partial output at `out_ptr + s * stride_split`."""
+    split = tl.program_id(0) % SPLITS
+    k_start = split * K_CHUNK
+    out_split = out_ptr + split.to(tl.int64) * stride_split
+    _product_tile(x_ptr, w_ptr, out_split, tl.program_id(0) // SPLITS, tl.program_id(1) * BLOCK_N, N,
+                  k_start, tl.minimum(K, k_start + K_CHUNK), M, K, stride_x, stride_w, stride_out,
                   QTYPE, BLOCK_N, BLOCK_M, USE_DOT)  # fmt: skip
 
 
 @_jit
 def _grouped_kernel(
-    x_ptr, w_like, table_ptr, out_ptr, M, K, stride_x, stride_w, stride_out,
+    x_ptr, w_like, table_ptr, out_ptr, M, K, stride_x, stride_w, stride_out, stride_split, SPLITS, K_CHUNK,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
 ):  # fmt: skip
-    """Grid (M tiles, N tiles of the largest group, groups): group g's rows [lo, hi) of x times the
-    matrix at address `addr`, from `table[g] = (addr, lo, hi)`; `w_like` only gives the pointer type."""
+    """Grid (M tiles x SPLITS, N tiles of the largest group, groups): group g's rows [lo, hi) of x times
+    the matrix at address `addr`, from `table[g] = (addr, lo, hi)`; `w_like` only gives the pointer
+    type. Splits of K as in `_qmm_kernel`."""
     group = table_ptr + tl.program_id(2) * 3
     n_start = tl.load(group + 1) + tl.program_id(1) * BLOCK_N
     n_end = tl.load(group + 2)
     if n_start < n_end:
         w_ptr = tl.load(group).to(w_like.dtype, bitcast=True)
-        _product_tile(x_ptr, w_ptr, out_ptr, n_start, n_end, M, K, stride_x, stride_w, stride_out,
+        split = tl.program_id(0) % SPLITS
+        k_start = split * K_CHUNK
+        out_split = out_ptr + split.to(tl.int64) * stride_split
+        _product_tile(x_ptr, w_ptr, out_split, tl.program_id(0) // SPLITS, n_start, n_end,
+                      k_start, tl.minimum(K, k_start + K_CHUNK), M, K, stride_x, stride_w, stride_out,
                       QTYPE, BLOCK_N, BLOCK_M, USE_DOT)  # fmt: skip
 
 
-def _tiles(n_rows: int) -> tuple[int, int, bool, int]:
-    """(BLOCK_N, BLOCK_M, USE_DOT, num_warps) for an input of `n_rows` rows."""
-    if n_rows <= MATVEC_MAX_ROWS:
-        block_n = triton.next_power_of_2(n_rows)
-        return block_n, max(2, 8 // block_n), False, 4
-    return (16 if n_rows <= 16 else 32), 32, True, 8
+class Tiles(NamedTuple):
+    """A launch's shape: output tile, kernel path, warps, and how many parts K is split into."""
+
+    block_n: int
+    block_m: int
+    use_dot: bool
+    num_warps: int
+    splits: int = 1
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _tiles(n_rows: int) -> Tiles:
+    """The tiles for an input of `n_rows` rows (K unsplit)."""
+    if n_rows > MATVEC_MAX_ROWS:
+        return Tiles(16 if n_rows <= 16 else 32, 32, True, 8)
+    block_n = triton.next_power_of_2(n_rows)
+    return Tiles(block_n, max(2, 8 // block_n), False, 2)
+
+
+def _splits(
+    tiles: Tiles, n_rows: int, out_features: int, in_features: int, groups: int, device: torch.device
+) -> Tiles:
+    """`tiles` with K split so that a mat-vec launch has about MIN_PROGRAMS_PER_SM programs per SM."""
+    if tiles.use_dot or device.type != "cuda" or tiles.splits != 1:
+        return tiles
+    programs = triton.cdiv(out_features, tiles.block_m) * triton.cdiv(n_rows, tiles.block_n) * groups
+    k_tiles = triton.cdiv(in_features, 256)
+    wanted = min(k_tiles, triton.cdiv(MIN_PROGRAMS_PER_SM * _sm_count(device), programs))
+    return tiles._replace(splits=triton.cdiv(k_tiles, triton.cdiv(k_tiles, wanted)))
 
 
 def _weight_operand(
@@ -264,35 +305,74 @@ def _weight_operand(
 
 
 def _launch(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    stride_w: int,
-    qt: int,
-    out: torch.Tensor,
-    tiles: tuple[int, int, bool, int] | None = None,
+    x: torch.Tensor, w: torch.Tensor, stride_w: int, qt: int, out: torch.Tensor, tiles: Tiles | None = None
 ) -> None:
-    """One matrix's launch; `tiles` overrides `_tiles(rows)` (the benchmark tries alternatives)."""
+    """One matrix's launch into `out`; `tiles` overrides the planned ones (tests and benchmark)."""
     n_rows, in_features = x.shape
-    block_n, block_m, use_dot, num_warps = tiles or _tiles(n_rows)
-    grid = (triton.cdiv(out.shape[1], block_m), triton.cdiv(n_rows, block_n))
-    args = (x, w, out, n_rows, out.shape[1], in_features, x.stride(0), stride_w, out.stride(0))
-    _qmm_kernel[grid](*args, QTYPE=qt, BLOCK_N=block_n, BLOCK_M=block_m, USE_DOT=use_dot, num_warps=num_warps)
+    tiles = tiles or _splits(_tiles(n_rows), n_rows, out.shape[1], in_features, 1, x.device)
+    target, k_chunk = _split_target(out, tiles, in_features)
+    grid = (triton.cdiv(out.shape[1], tiles.block_m) * tiles.splits, triton.cdiv(n_rows, tiles.block_n))
+    args = (x, w, target, n_rows, out.shape[1], in_features, x.stride(0), stride_w, target.stride(-2))
+    _qmm_kernel[grid](
+        *args, target.stride(0) if tiles.splits > 1 else 0, tiles.splits, k_chunk, **_meta(qt, tiles)
+    )
+    _reduce_splits(target, out)
 
 
 def _launch_grouped(
-    x: torch.Tensor, groups: list[tuple[torch.Tensor, int, int]], stride_w: int, qt: int, out: torch.Tensor
+    x: torch.Tensor,
+    groups: list[tuple[torch.Tensor, int, int]],
+    stride_w: int,
+    qt: int,
+    out: torch.Tensor,
+    tiles: Tiles | None = None,
 ) -> None:
     """One launch for every `(weight operand, lo, hi)` group: its matrix's address rides in a table."""
     rows = [(w.data_ptr(), lo, hi) for w, lo, hi in groups]
     # pinned, so the copy is asynchronous (a pageable one would wait for the GPU's queued work)
     table = torch.tensor(rows, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
     max_rows = max(hi - lo for _, lo, hi in groups)
-    block_n, block_m, use_dot, num_warps = _tiles(max_rows)
-    grid = (triton.cdiv(out.shape[1], block_m), triton.cdiv(max_rows, block_n), len(groups))
-    args = (x, groups[0][0], table, out, out.shape[1], x.shape[1], x.stride(0), stride_w)
-    _grouped_kernel[grid](
-        *args, out.stride(0), QTYPE=qt, BLOCK_N=block_n, BLOCK_M=block_m, USE_DOT=use_dot, num_warps=num_warps
+    tiles = tiles or _splits(_tiles(max_rows), max_rows, out.shape[1], x.shape[1], len(groups), x.device)
+    target, k_chunk = _split_target(out, tiles, x.shape[1])
+    m_programs = triton.cdiv(out.shape[1], tiles.block_m) * tiles.splits
+    grid = (m_programs, triton.cdiv(max_rows, tiles.block_n), len(groups))
+    args = (
+        x,
+        groups[0][0],
+        table,
+        target,
+        out.shape[1],
+        x.shape[1],
+        x.stride(0),
+        stride_w,
+        target.stride(-2),
     )
+    split_stride = target.stride(0) if tiles.splits > 1 else 0
+    _grouped_kernel[grid](*args, split_stride, tiles.splits, k_chunk, **_meta(qt, tiles))
+    _reduce_splits(target, out)
+
+
+def _meta(qt: int, tiles: Tiles) -> dict[str, int | bool]:
+    return {
+        "QTYPE": qt,
+        "BLOCK_N": tiles.block_n,
+        "BLOCK_M": tiles.block_m,
+        "USE_DOT": tiles.use_dot,
+        "num_warps": tiles.num_warps,
+    }
+
+
+def _split_target(out: torch.Tensor, tiles: Tiles, in_features: int) -> tuple[torch.Tensor, int]:
+    """Where the kernel writes (`out`, or one partial per split of K) and the elements of K a split sums."""
+    k_chunk = triton.cdiv(triton.cdiv(in_features, 256), tiles.splits) * 256
+    if tiles.splits == 1:
+        return out, k_chunk
+    return torch.empty(tiles.splits, *out.shape, dtype=torch.float32, device=out.device), k_chunk
+
+
+def _reduce_splits(target: torch.Tensor, out: torch.Tensor) -> None:
+    if target is not out:
+        torch.sum(target, dim=0, out=out)
 
 
 def _checked(x: torch.Tensor, qtype: QType, in_features: int) -> tuple[torch.Tensor, GGMLQuantizationType]:
