@@ -1,11 +1,11 @@
 """Prefill and decode speed of k3stream and llama.cpp on the same mid-size tiny Kimi-K3 GGUF.
 
     python benchmarks/bench_forward.py [--recipe f32|f16|audited] [--threads 2] [--prompt 128] [--decode 32]
-        [--expert-cache-mib 0]
+        [--kernels auto|reference]
 
 Writes the model with `k3stream.tiny` (hidden 1024, 8 layers, 64 experts), runs each engine once on the
 same tokens with the same thread count, and prints tokens/s for both and the ratio k3stream/llama.cpp.
-`--expert-cache-mib N` gives k3stream a cache of N MiB of dequantized routed experts (extra memory).
+`--kernels reference` runs k3stream's reference path (weights dequantized to float32 at load).
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ MID_SIZE = dict(
 
 
 def bench_k3stream(
-    path: Path, tokens: list[int], prompt: int, threads: int, expert_cache_mib: float = 0
+    path: Path, tokens: list[int], prompt: int, threads: int, kernels: str = "auto"
 ) -> tuple[float, float]:
     import torch
 
     import k3stream
 
     torch.set_num_threads(threads)
-    model = k3stream.load(path, expert_cache_mib=expert_cache_mib)
+    model = k3stream.load(path, kernels=kernels)
     model.logits(tokens[:8])  # warm-up
     state = model.new_state()
     start = time.perf_counter()
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--expert-cache-mib", type=float, default=0)
+    parser.add_argument("--kernels", default="auto", choices=["auto", "reference"])
     args = parser.parse_args()
 
     from k3stream.tiny import TinySpec, make_tiny
@@ -94,11 +94,11 @@ def main() -> None:
         size_mb = sum(p.stat().st_size for p in Path(tmp).glob("*.gguf")) / 2**20
         print(
             f"model: {size_mb:.0f} MiB {args.recipe} GGUF, {MID_SIZE}; threads {args.threads}; "
-            f"k3stream expert cache {args.expert_cache_mib:g} MiB"
+            f"k3stream kernels {args.kernels}"
         )
         tokens = np.random.default_rng(args.seed).integers(0, 500, args.prompt + args.decode).tolist()
         results = {
-            "k3stream": bench_k3stream(path, tokens, args.prompt, args.threads, args.expert_cache_mib),
+            "k3stream": bench_k3stream(path, tokens, args.prompt, args.threads, args.kernels),
             "llama.cpp": bench_llama(path, tokens, args.prompt, args.threads),
         }
     rates = {

@@ -107,8 +107,8 @@ def test_audited_recipe_matches_llama_on_its_f32_rewrite(tiny_model, tmp_path_fa
     (reference,) = llama_logits([(f32_rewrite(path, out_dir), tokens)], out_dir)
     assert relative_error(model.logits(tokens).numpy(), reference) <= 1e-3
     assert relative_error(prefill_then_decode(model, tokens), reference[PREFIX:]) <= 1e-3
-    in_blocks = k3stream.load(path, keep_quantized=True, profile="audited")
-    assert relative_error(in_blocks.logits(tokens).numpy(), reference) <= 1e-3
+    dense = k3stream.load(path, kernels="reference", profile="audited")
+    assert relative_error(dense.logits(tokens).numpy(), reference) <= 1e-3
 
 
 @requires_llama
@@ -203,7 +203,7 @@ def test_bfloat16_weights_stay_close(tiny_model):
     path = tiny_model(recipe="f32", n_layers=3, mla_layers=(1,), n_experts=4, top_k=4, seed=23)
     tokens = tokens_for(6, 500, 16)
     exact = k3stream.load(path).logits(tokens)
-    bf16 = k3stream.load(path, dtype=torch.bfloat16).logits(tokens)
+    bf16 = k3stream.load(path, dtype=torch.bfloat16, kernels="reference").logits(tokens)
     assert relative_error(bf16, exact) < 0.1
 
 
@@ -226,8 +226,8 @@ def test_quantized_embedding_rows_are_dequantized_on_demand():
     expected = quants.dequantize(blocks, GGMLQuantizationType.Q8_0)
     tensor = GGUFTensor(torch.from_numpy(blocks), int(GGMLQuantizationType.Q8_0))
     ids = torch.tensor([3, 0, 9, 3])
-    for keep_quantized in (True, False):
-        embedding = Embedding(tensor, 256, LoadOptions(keep_quantized=keep_quantized))
+    for options in (LoadOptions(), LoadOptions(kernels="reference")):
+        embedding = Embedding(tensor, 256, options)
         assert np.array_equal(embedding(ids).numpy(), expected[ids.numpy()])
 
 
@@ -240,12 +240,14 @@ def test_long_prompts_attend_in_query_blocks(small_model, monkeypatch):
     assert relative_error(small_model.logits(tokens), whole) < 1e-5
 
 
-def test_expert_paths_agree(small_model, monkeypatch):
-    """Batched (row, choice) pairs and the per-expert loop used for large prefills give one result."""
-    from k3stream.model import moe
+def test_kernels_agree_with_the_reference_path(tiny_model):
+    """Every product on GGUF blocks (kernels) against the dequantize-first reference, prefill and decode,
+    on the audited recipe (Q2_K/Q3_K experts, Q4_0/Q2_K MLA heads) and on F16 weights."""
+    for recipe, spec in (("audited", AUDITED), ("f16", {})):
+        path = tiny_model(**{**spec, "recipe": recipe}, seed=31)
+        fast, slow = (k3stream.load(path, kernels=k) for k in ("auto", "reference"))
+        tokens = tokens_for(31, fast.config.vocab_size, PREFIX + 8)
+        assert relative_error(fast.logits(tokens), slow.logits(tokens)) < 1e-5
+        assert relative_error(prefill_then_decode(fast, tokens), prefill_then_decode(slow, tokens)) < 1e-5
 
-    tokens = tokens_for(9, small_model.config.vocab_size, 24)
-    monkeypatch.setattr(moe, "GATHER_LIMIT_BYTES", 1 << 40)
-    gathered = small_model.logits(tokens)
-    monkeypatch.setattr(moe, "GATHER_LIMIT_BYTES", 0)
-    assert relative_error(small_model.logits(tokens), gathered) < 1e-5
+

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from k3stream.model.ggml_rounding import round_like_ggml
+from k3stream.quant.rounding import round_like_ggml
 
 
 def test_q8_0_matches_the_gguf_codec():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,22 @@ class K3Checkpoint:
         info = self.info(name)
         mapped = self._readers[info.shard_index].data
         return mapped[info.data_offset : info.data_offset + info.nbytes]
+
+    def read(self, name: str) -> np.ndarray:
+        """A fresh copy of the tensor's bytes in anonymous memory, read from the file (not through the
+        map: its pages never join this process's RSS, and a later change to the file cannot reach it)."""
+        info = self.info(name)
+        out = np.empty(info.nbytes, dtype=np.uint8)
+        with open(info.path, "rb", buffering=0) as file:
+            view, done = memoryview(out), 0
+            while done < info.nbytes:
+                got = os.preadv(file.fileno(), [view[done:]], info.data_offset + done)
+                if got == 0:
+                    raise ValueError(
+                        f"{info.path}: tensor {name} is cut short at byte {done} of {info.nbytes}"
+                    )
+                done += got
+        return out
 
     def array(self, name: str) -> np.ndarray:
         """A typed view of an F32/F16 tensor (BF16: its raw uint16 bits), in numpy shape."""

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from k3stream.gguf.layout import FLOAT_TYPE_IDS, is_routed_expert
@@ -189,14 +188,15 @@ def checkpoint_path(path_or_manifest: str | os.PathLike[str]) -> Path:
 
 
 def tensor_value(checkpoint: K3Checkpoint, name: str, copy: bool = True) -> torch.Tensor:
-    """One tensor: float values in numpy shape, or GGUF bytes as uint8 rows of blocks; a copy, or
-    with `copy=False` a read-only view of the map."""
+    """One tensor: float values in numpy shape, or GGUF bytes as uint8 rows of blocks; a copy read
+    from the file into anonymous memory, or with `copy=False` a read-only view of the map."""
     info = checkpoint.info(name)
+    raw = checkpoint.read(name) if copy else checkpoint.raw(name)
     if info.ggml_type in FLOAT_TYPE_IDS:
-        array = checkpoint.array(name)
+        array = raw.view(checkpoint.array(name).dtype).reshape(info.shape)
     else:
-        array = checkpoint.raw(name).reshape(*info.shape[:-1], -1)
+        array = raw.reshape(*info.shape[:-1], -1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch warns that a read-only view is read-only
-        values = torch.from_numpy(np.array(array) if copy else array)
+        values = torch.from_numpy(array)
     return values.view(torch.bfloat16) if info.ggml_type == 30 else values

@@ -23,11 +23,12 @@ import torch
 
 from k3stream.gguf.config import K3Config
 from k3stream.model.attn_res import residual_mix
-from k3stream.model.experts import DenseExpertCache, ExpertSource, GGUFExpertSource
+from k3stream.model.experts import ExpertSource, GGUFExpertSource
 from k3stream.model.kda import KDA, KDAState, KDAWeights, shard_kda_weights
 from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, bytes_to_matrix, rms_norm
 from k3stream.model.mla import MLA, HeadProjection, MLAState, MLAWeights
 from k3stream.model.moe import LatentMoE, MoEWeights, Routing, SituMLP
+from k3stream.quant.kernels import note_fallbacks
 
 AttentionState = KDAState | MLAState
 
@@ -52,8 +53,10 @@ class SequenceState:
 
 
 class Embedding:
+    """Rows of the token table: a dense table on the reference path, else decoded row by row."""
+
     def __init__(self, table: GGUFTensor, hidden: int, options: LoadOptions) -> None:
-        self.table = table if options.keep_quantized and table.ggml_type is not None else None
+        self.table = table if options.in_gguf_types and table.ggml_type is not None else None
         self.dense = None if self.table else table.matrix((-1, hidden), options.dtype)
         self.hidden = hidden
 
@@ -176,7 +179,7 @@ class _Weights:
         """`name` as stored: a float tensor, or bytes with their type at `name + '_type'`."""
         value = self.values[name]
         type_id = self.values.get(f"{name}_type")
-        return GGUFTensor(value, None if type_id is None else int(type_id))
+        return GGUFTensor(value, None if type_id is None else int(type_id), name)
 
     def weight(self, name: str) -> GGUFTensor:
         return self.tensor(f"{name}.weight" if f"{name}.weight" in self.values else f"{name}.qweight")
@@ -246,9 +249,7 @@ def _situ_mlp(w: _Weights, p: str, cfg: K3Config, width: int) -> SituMLP:
     )
 
 
-def _moe(
-    w: _Weights, p: str, layer: int, cfg: K3Config, source: ExpertSource, cache: DenseExpertCache | None
-) -> LatentMoE:
+def _moe(w: _Weights, p: str, layer: int, cfg: K3Config, source: ExpertSource) -> LatentMoE:
     shared_width = cfg.expert_ff * cfg.n_shared
     weights = MoEWeights(
         router=w.weight(f"{p}gate").linear(
@@ -272,7 +273,7 @@ def _moe(
         cfg.situ_linear_beta,
         cfg.rms_eps,
         w.options.match_ggml,
-        cache,
+        w.options.kernels,
     )
 
 
@@ -282,14 +283,11 @@ def _layer(
     cfg: K3Config,
     source: ExpertSource,
     tp: tuple[int, int],
-    cache: DenseExpertCache | None = None,
 ) -> Layer:
     p = f"model.layers.{i}."
     attn = _mla(w, f"{p}self_attn.", cfg) if cfg.is_mla(i) else _kda(w, f"{p}self_attn.", cfg, tp)
     ffn = (
-        _moe(w, f"{p}mlp.", i, cfg, source, cache)
-        if cfg.is_moe(i)
-        else _situ_mlp(w, f"{p}mlp.", cfg, cfg.dense_ff)
+        _moe(w, f"{p}mlp.", i, cfg, source) if cfg.is_moe(i) else _situ_mlp(w, f"{p}mlp.", cfg, cfg.dense_ff)
     )
     return Layer(
         index=i,
@@ -313,20 +311,22 @@ def load(
     match_ggml: bool = False,
     tp_rank: int = 0,
     tp_size: int = 1,
-    expert_cache_mib: float = 0,
+    kernels: str = "auto",
 ) -> K3Model:
     """Build a K3Model from a GGUF (a file, any shard, a directory) or an expert-pack manifest.
 
-    Non-expert weights are dequantized to `dtype` (float32 or bfloat16) unless `keep_quantized`, which
-    keeps block-quantized matrices as GGUF bytes. Routed experts come from `expert_source` (default:
-    straight from the GGUF). `profile="audited"` enforces the published recipe after loading.
+    Non-expert weights are read once into anonymous memory in their GGUF types (never through the map,
+    so a file that changes later cannot reach the running model). With `kernels="auto"` (default) every
+    product runs on GGUF blocks through `k3stream.quant.kernels`; `kernels="reference"` is the path the
+    kernels are tested against: weights dequantized to `dtype` (float32 or bfloat16) at load, or with
+    `keep_quantized` kept in blocks and dequantized a slab at a time. Routed experts come from
+    `expert_source` (default: straight from the GGUF). `profile="audited"` enforces the published
+    recipe after loading.
     `match_ggml` rounds the inputs of F16/BF16 and block-quantized matrices as llama.cpp's CPU matmul
     does (to F16/BF16, or 8-bit Q8_K/Q8_0 blocks): for comparing with llama.cpp; it costs precision.
     `tp_rank`/`tp_size` load tensor-parallel rank `tp_rank` of `tp_size`: each KDA layer holds only
     that rank's heads (see `shard_kda_weights`), so its output is a partial sum to all-reduce over the
-    ranks; nothing else is sharded and the forward does no all-reduce.
-    `expert_cache_mib > 0` keeps up to that many MiB of dequantized routed experts between decode steps
-    (a `DenseExpertCache`: extra memory beyond the expert source's budget; same logits).
+    ranks; nothing else is sharded and the forward does no all-reduce; it loads the reference path.
     """
     from k3stream.gguf.profile import get_profile
     from k3stream.gguf.reader import K3Checkpoint
@@ -336,13 +336,16 @@ def load(
     cfg = checkpoint.config
     source = expert_source if expert_source is not None else GGUFExpertSource(checkpoint)
     device = torch.device(device)
-    options = LoadOptions(dtype, keep_quantized, match_ggml)
-    w = _Weights(checkpoint_weights(checkpoint, copy=False), options, device)
-    cache = DenseExpertCache(expert_cache_mib) if expert_cache_mib > 0 else None
+    if (tp_rank, tp_size) != (0, 1):
+        kernels = "reference"  # `shard_kda_weights` slices dense matrices
+    options = LoadOptions(dtype, keep_quantized, match_ggml, kernels)
+    w = _Weights(checkpoint_weights(checkpoint), options, device)
+    if kernels == "auto":
+        note_fallbacks({t.ggml_type for t in checkpoint.tensors.values() if len(t.shape) >= 2}, device)
     model = K3Model(
         config=cfg,
         embedding=Embedding(w.weight("model.embed_tokens"), cfg.hidden, options),
-        layers=[_layer(w, i, cfg, source, (tp_rank, tp_size), cache) for i in range(cfg.n_layers)],
+        layers=[_layer(w, i, cfg, source, (tp_rank, tp_size)) for i in range(cfg.n_layers)],
         norm=w.vector("model.norm"),
         output_score=w.score("model.output_attn_res"),
         lm_head=w.linear("lm_head", cfg.vocab_size, cfg.hidden),

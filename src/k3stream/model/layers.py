@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from k3stream.model.ggml_rounding import round_like_ggml
+from k3stream.quant.kernels import QWeight, checked_weight, qmatmul
+from k3stream.quant.rounding import round_like_ggml
 
 # GGML type ids whose bytes are plain floats (everything else is a block quant)
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
@@ -44,15 +45,35 @@ def bytes_to_matrix(data: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) 
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How weights become layers: dense dtype, GGUF blocks kept or not, ggml's input rounding."""
+    """How weights become layers.
+
+    `kernels="auto"`: every matrix stays in its GGUF type and bytes, and products go through the kernel
+    seam (`k3stream.quant.kernels`). `kernels="reference"`: the reference path the kernels are tested
+    against: matrices dequantized to `dtype` at load, or with `keep_quantized` kept in blocks and
+    dequantized a slab at a time. `match_ggml`: inputs rounded as ggml's CPU matmul rounds them.
+    """
 
     dtype: torch.dtype = torch.float32
     keep_quantized: bool = False
     match_ggml: bool = False
+    kernels: str = "auto"
+
+    def __post_init__(self) -> None:
+        from k3stream.quant.kernels import BACKENDS
+
+        if self.kernels not in BACKENDS:
+            raise ValueError(f"kernels must be one of {', '.join(BACKENDS)}, got {self.kernels!r}")
+        if self.kernels == "auto" and self.dtype != torch.float32:
+            raise ValueError(f"dtype {self.dtype} re-types the weights: it needs kernels='reference'")
+
+    @property
+    def in_gguf_types(self) -> bool:
+        """Whether matrices stay as GGUF bytes (rather than dense float tensors)."""
+        return self.kernels == "auto" or self.keep_quantized
 
 
 class DenseLinear:
-    """y = x @ W^T with W held as a dense tensor (float32 or bfloat16).
+    """y = x @ W^T with W held as a dense tensor (float32 or bfloat16): the reference path.
 
     `rounding_type`: inputs are first rounded as ggml does for a weight of that GGML type (None: not).
     """
@@ -70,23 +91,17 @@ class DenseLinear:
 
 
 class QuantLinear:
-    """y = x @ W^T computed from W's GGUF blocks by `k3stream.quant.qlinear`."""
+    """y = x @ W^T from W's GGUF bytes through the kernel seam (`backend="reference"`: dequantize)."""
 
-    def __init__(
-        self, data: torch.Tensor, ggml_type: int, out_features: int, in_features: int, round_inputs: bool
-    ) -> None:
-        self.data = data
-        self.ggml_type = ggml_type
-        self.rounding_type = ggml_type if round_inputs else None
-        self.out_features = out_features
-        self.in_features = in_features
+    def __init__(self, weight: QWeight, round_inputs: bool, backend: str = "auto") -> None:
+        self.weight = weight
+        self.rounding_type = weight.ggml_type if round_inputs else None
+        self.out_features, self.in_features = weight.shape
+        self.backend = backend
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from k3stream.quant import qlinear
-
         x_rounded = round_like_ggml(x, self.rounding_type)
-        y = qlinear(x_rounded, self.data, self.ggml_type, self.out_features, self.in_features)
-        return y.to(x.dtype)
+        return qmatmul(x_rounded, self.weight, self.backend).to(x.dtype)
 
 
 Linear = DenseLinear | QuantLinear
@@ -98,6 +113,12 @@ class GGUFTensor:
 
     value: torch.Tensor
     ggml_type: int | None = None
+    name: str = "tensor"
+
+    @property
+    def type_id(self) -> int:
+        """The GGML type id of the stored values (float tensors: F32, F16 or BF16)."""
+        return self.ggml_type if self.ggml_type is not None else FLOAT_TYPE_IDS[self.value.dtype]
 
     def matrix(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Dense values in `shape` and `dtype` (dequantizing GGUF blocks)."""
@@ -105,17 +126,17 @@ class GGUFTensor:
             return self.value.reshape(shape).to(dtype)
         return bytes_to_matrix(self.value, self.ggml_type, shape).to(dtype)
 
+    def qweight(self, out_features: int, in_features: int) -> QWeight:
+        """The stored bytes as a matrix for the kernels (checked against the shape, errors name it)."""
+        return checked_weight(self.name, self.value, self.type_id, (out_features, in_features))
+
     def linear(self, out_features: int, in_features: int, options: LoadOptions) -> Linear:
-        """A linear layer over this weight; quantized bytes stay in blocks when asked to."""
-        if options.keep_quantized and self.ggml_type is not None:
-            return QuantLinear(
-                self.value.reshape(-1), self.ggml_type, out_features, in_features, options.match_ggml
-            )
+        """A linear layer over this weight; GGUF types kept unless the reference path densifies them."""
+        if options.kernels == "auto" or (options.keep_quantized and self.ggml_type is not None):
+            return QuantLinear(self.qweight(out_features, in_features), options.match_ggml, options.kernels)
         weight = self.matrix((out_features, in_features), options.dtype)
         return DenseLinear(weight, self.input_rounding(options))
 
     def input_rounding(self, options: LoadOptions) -> int | None:
         """This weight's GGML type when inputs are to be rounded as ggml does (see match_ggml)."""
-        if not options.match_ggml:
-            return None
-        return self.ggml_type if self.ggml_type is not None else FLOAT_TYPE_IDS.get(self.value.dtype)
+        return self.type_id if options.match_ggml else None

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from k3stream.model.ggml_rounding import round_like_ggml
-from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, QuantLinear, rms_norm
+from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, rms_norm
+from k3stream.quant.kernels import F32, QWeight, checked_weight, grouped_qmatmul
+from k3stream.quant.rounding import round_like_ggml
 
 QUERY_BLOCK = 512
 
 
 class HeadProjection:
-    """x [N, H, in] -> [N, H, out] with a separate matrix per head (k_b, v_b: [H, out, in])."""
+    """x [N, H, in] -> [N, H, out] with a separate matrix per head (k_b, v_b: [H, out, in]).
+
+    Kept in its GGUF type, the heads' matrices go through the kernel seam in one grouped product
+    (F32 heads: one einsum over a view of the bytes); the reference path holds dense values.
+    """
 
     def __init__(
         self,
@@ -23,23 +29,37 @@ class HeadProjection:
         in_features: int,
         options: LoadOptions,
     ) -> None:
-        self.weight = None
+        self.heads = heads
         self.rounding_type = tensor.input_rounding(options)
-        self.per_head: list[QuantLinear] = []
-        if options.keep_quantized and tensor.ggml_type is not None:
-            per_head = tensor.value.reshape(heads, -1)
+        self.backend = options.kernels
+        self.per_head: list[QWeight] = []
+        if options.in_gguf_types and tensor.type_id != F32:
+            data = tensor.value.reshape(heads, -1)
+            shape = (out_features, in_features)
             self.per_head = [
-                QuantLinear(b, tensor.ggml_type, out_features, in_features, options.match_ggml)
-                for b in per_head
+                checked_weight(f"{tensor.name}[{h}]", data[h], tensor.type_id, shape) for h in range(heads)
             ]
+            self.weight = None
         else:
             self.weight = tensor.matrix((heads, out_features, in_features), options.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x_rounded = round_like_ggml(x, self.rounding_type)
         if self.weight is not None:
-            x_rounded = round_like_ggml(x, self.rounding_type).to(self.weight.dtype)
-            return torch.einsum("nhi,hoi->nho", x_rounded, self.weight).to(x.dtype)
-        return torch.stack([linear(x[:, h]) for h, linear in enumerate(self.per_head)], dim=1)
+            return torch.einsum("nhi,hoi->nho", x_rounded.to(self.weight.dtype), self.weight).to(x.dtype)
+        rows = x.shape[0]
+        starts, order = _rows_by_head(rows, self.heads)
+        out = grouped_qmatmul(
+            x_rounded.reshape(rows * self.heads, -1), self.per_head, starts, order, self.backend
+        )
+        return out.view(self.heads, rows, -1).transpose(0, 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _rows_by_head(rows: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`starts`/`rows` of a grouped product whose matrix h takes rows h, h + H, ... of [N * H, in]."""
+    order = torch.arange(rows * heads, dtype=torch.int64).view(rows, heads).T.reshape(-1)
+    return torch.arange(0, rows * heads + 1, rows, dtype=torch.int64), order
 
 
 @dataclass

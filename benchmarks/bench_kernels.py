@@ -1,0 +1,84 @@
+"""GB/s of GGUF weight bytes the CPU kernels consume in a decode-style product, against a plain read.
+
+    python benchmarks/bench_kernels.py [--threads 1,2] [--types Q2_K,Q3_K,...] [--experts 16] [--repeat 5]
+
+One step of a real-size Kimi-K3 MoE layer: `--experts` matrices of one expert role (3072 x 3584, the
+shape of up and gate), each multiplied by one input row (decode: top-16 experts, one token), through
+`k3stream.quant.kernels.grouped_qmatmul`. The same bytes are then read by a plain sequential pass
+(`torch.sum` over them as int64, the same thread count): the physical limit of reading them from RAM.
+The matrices together exceed the last-level cache, so both sides read from memory. Printed per type and
+thread count: both rates and the ratio. Also prints the reference path (dequantize, then matmul) once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from gguf.constants import GGMLQuantizationType
+
+from k3stream.quant import quantize
+from k3stream.quant.kernels import QWeight, grouped_qmatmul
+
+ROWS, COLS = 3072, 3584  # one Kimi-K3 expert's up (or gate) projection: expert_ff x latent
+
+
+def matrices(qtype: GGMLQuantizationType, count: int) -> list[QWeight]:
+    values = np.random.default_rng(0).standard_normal((ROWS, COLS)).astype(np.float32)
+    if qtype == GGMLQuantizationType.F16:
+        blocks = values.astype(np.float16).view(np.uint8)
+    elif qtype == GGMLQuantizationType.BF16:
+        blocks = (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    else:
+        blocks = quantize(values, qtype)
+    data = torch.from_numpy(np.ascontiguousarray(blocks).reshape(-1))
+    return [QWeight(data.clone(), int(qtype), (ROWS, COLS)) for _ in range(count)]
+
+
+def best_seconds(run, repeat: int) -> float:
+    run()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--types", default="Q2_K,Q3_K,Q4_0,Q8_0,Q4_K,Q5_K,Q6_K,Q4_1,Q5_0,Q5_1,MXFP4,F16,BF16")
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+
+    x = torch.randn(args.experts, COLS)
+    starts = torch.arange(args.experts + 1)
+    rows = torch.arange(args.experts)
+    print(f"{args.experts} matrices of {ROWS} x {COLS}, one input row each; best of {args.repeat}")
+    print(f"{'type':6s} {'threads':>7s} {'kernel GB/s':>11s} {'read GB/s':>9s} {'ratio':>6s} {'G weights/s':>11s}")
+    for name in args.types.split(","):
+        qtype = GGMLQuantizationType[name]
+        weights = matrices(qtype, args.experts)
+        total = sum(w.data.numel() for w in weights)
+        words = [w.data.view(torch.int64) for w in weights]
+        for threads in (int(t) for t in args.threads.split(",")):
+            torch.set_num_threads(threads)
+            kernel = best_seconds(lambda: grouped_qmatmul(x, weights, starts, rows), args.repeat)
+            read = best_seconds(lambda: [w.sum() for w in words], args.repeat)
+            print(
+                f"{name:6s} {threads:7d} {total / kernel / 1e9:11.2f} {total / read / 1e9:9.2f} "
+                f"{read / kernel:6.2f} {ROWS * COLS * args.experts / kernel / 1e9:11.2f}"
+            )
+    torch.set_num_threads(1)
+    weights = matrices(GGMLQuantizationType.Q2_K, args.experts)
+    reference = best_seconds(lambda: grouped_qmatmul(x, weights, starts, rows, "reference"), 2)
+    total = sum(w.data.numel() for w in weights)
+    print(f"reference path (dequantize, then matmul), Q2_K, 1 thread: {total / reference / 1e9:.2f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""Builds the optional C kernels (`k3stream.quant.kernels._ggml_cpu`); everything else is in pyproject.toml.
+
+Without a C compiler the install still succeeds and the kernels fall back to the torch reference path.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "k3stream.quant.kernels._ggml_cpu",
+            ["src/k3stream/quant/kernels/ggml_cpu.c"],
+            extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-std=gnu11"],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        )
+    ]
+)

@@ -1,0 +1,184 @@
+"""The kernel seam: every product with GGUF weights goes through here, and only here a kernel is picked.
+
+- `qmatmul(x, weight)`: `x @ W^T` for one matrix of any supported GGML type;
+- `grouped_qmatmul(x, weights, starts, rows)`: several matrices of one type and shape, each with its
+  own input rows (the heads of MLA's k_b/v_b, the experts of one MoE step);
+- `expert_mlp(x, experts, starts, rows, activation)`: the routed-expert MLP (gate, up, activation, down)
+  over the experts of one step.
+
+Backends: on CPU the C kernels (`cpu`, decoding blocks into an L1 tile, never a float32 matrix); on CUDA
+the Triton kernels (`gpu`); F32 weights use torch's own matmul on a float32 view of their bytes. A type
+or device without a kernel, or `backend="reference"`, takes the reference path: the torch dequantizer
+a slab of rows at a time (`k3stream.quant.qlinear`), which the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from k3stream.quant.rounding import round_like_ggml
+from k3stream.quant.types import as_qtype, row_bytes, type_name
+
+from . import cpu
+
+log = logging.getLogger(__name__)
+BACKENDS = ("auto", "reference")
+F32 = 0
+FLOAT_WIDTH_TYPES = frozenset({1, 30})  # F16, BF16: one value per "block"
+
+
+@dataclass(frozen=True)
+class QWeight:
+    """A matrix as GGUF stores it: bytes (uint8, `out` rows of whole blocks), GGML type id, (out, in)."""
+
+    data: torch.Tensor
+    ggml_type: int
+    shape: tuple[int, int]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return qmatmul(x, self)
+
+
+def checked_weight(name: str, data: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> QWeight:
+    """A QWeight after checking that `data` holds `shape` in whole blocks; errors name the tensor."""
+    try:
+        expected = shape[0] * row_bytes(ggml_type, shape[1])
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+    flat = data.reshape(-1).view(torch.uint8) if data.dtype != torch.uint8 else data.reshape(-1)
+    if flat.numel() != expected:
+        raise ValueError(f"{name}: {type_name(ggml_type)} {shape} needs {expected} bytes, has {flat.numel()}")
+    return QWeight(flat, ggml_type, shape)
+
+
+class ExpertMatrices(Protocol):
+    """What `expert_mlp` needs of one expert: its `up`, `gate` and `down` matrices."""
+
+    up: QWeight
+    gate: QWeight
+    down: QWeight
+
+
+def kernel_for(ggml_type: int, device: torch.device | str = "cpu", in_features: int = 256) -> str:
+    """Which path a product on `device` takes: "torch" (F32), "c", "triton" or "reference".
+
+    The C kernels read F16/BF16 rows 32 values at a time: other widths take the reference path.
+    """
+    if ggml_type == F32:
+        return "torch"
+    if torch.device(device).type == "cuda":
+        from . import gpu
+
+        return "triton" if gpu.available() and ggml_type in gpu.SUPPORTED_GPU_TYPES else "reference"
+    whole_tiles = ggml_type not in FLOAT_WIDTH_TYPES or in_features % 32 == 0
+    return "c" if cpu.available() and ggml_type in cpu.CPU_TYPES and whole_tiles else "reference"
+
+
+def note_fallbacks(types: set[int], device: torch.device | str) -> list[str]:
+    """One line per GGML type in `types` that has no kernel on `device` (they use the reference path)."""
+    lines = [
+        f"note: no {torch.device(device).type} kernel for GGML type {type_name(t)}: using the reference "
+        "dequantize path"
+        for t in sorted(types)
+        if kernel_for(t, device) == "reference"
+    ]
+    for line in lines:
+        log.warning(line)
+    return lines
+
+
+def qmatmul(x: torch.Tensor, weight: QWeight, backend: str = "auto") -> torch.Tensor:
+    """`x @ W^T` ([..., in] -> [..., out], float32) for W in any supported GGML type."""
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"qmatmul: input has {x.shape[-1]} features, the weight expects {weight.shape[1]}")
+    if weight.ggml_type == F32:  # torch's own matmul on the bytes, viewed as the floats they are
+        return torch.nn.functional.linear(x.float(), weight.data.view(torch.float32).view(weight.shape))
+    flat = x.reshape(-1, x.shape[-1]).float()
+    out = grouped_qmatmul(flat, [weight], *_all_rows(flat.shape[0]), backend)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _all_rows(count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`starts` and `rows` of one matrix taking every one of `count` rows in order."""
+    return torch.tensor([0, count], dtype=torch.int64), torch.arange(count, dtype=torch.int64)
+
+
+def grouped_qmatmul(
+    x: torch.Tensor,
+    weights: Sequence[QWeight],
+    starts: torch.Tensor,
+    rows: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """[P, out]: result row p (for p in `starts[b]..starts[b+1]`) is `x[rows[p]] @ weights[b]^T`.
+
+    Every weight has one GGML type and shape. x: float32 [R, in]; starts: [B + 1], rows: [P] (int64).
+    """
+    first = weights[0]
+    if any(w.ggml_type != first.ggml_type or w.shape != first.shape for w in weights):
+        raise ValueError("grouped_qmatmul: the matrices differ in GGML type or shape")
+    kernel = "reference" if backend == "reference" else kernel_for(first.ggml_type, x.device, first.shape[1])
+    if kernel == "c":
+        bytes_per_row = row_bytes(first.ggml_type, first.shape[1])
+        datas = [w.data for w in weights]
+        return cpu.grouped_product(x, datas, first.ggml_type, first.shape[0], bytes_per_row, starts, rows)
+    if kernel == "triton":
+        from . import gpu
+
+        gathered = x[rows.to(x.device)]
+        sizes = starts.tolist()
+        return gpu.triton_grouped_qmatmul(
+            gathered, [w.data for w in weights], first.ggml_type, first.shape[0], first.shape[1], sizes
+        )
+    return _per_matrix(x, weights, starts, rows, kernel)
+
+
+def _per_matrix(x, weights, starts, rows, kernel: str) -> torch.Tensor:
+    """One matmul per matrix: torch's on F32 bytes, else the reference dequantize path."""
+    from k3stream.quant.matmul import qlinear
+
+    out = x.new_empty(int(rows.numel()), weights[0].shape[0])
+    bounds = starts.tolist()
+    for b, weight in enumerate(weights):
+        if bounds[b + 1] == bounds[b]:
+            continue
+        inputs = x[rows[bounds[b] : bounds[b + 1]].to(x.device)]
+        if kernel == "torch":
+            dense = weight.data.to(x.device).view(torch.float32).view(weight.shape)
+            out[bounds[b] : bounds[b + 1]] = torch.nn.functional.linear(inputs, dense)
+        else:
+            out[bounds[b] : bounds[b + 1]] = qlinear(inputs, weight.data, weight.ggml_type, *weight.shape)
+    return out
+
+
+def expert_mlp(
+    x: torch.Tensor,
+    experts: Sequence[ExpertMatrices],
+    starts: torch.Tensor,
+    rows: torch.Tensor,
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    match_ggml: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """down(activation(gate(x), up(x))) of each expert on its rows: [P, out of down].
+
+    Rows `starts[b]..starts[b+1]` of the result are expert b's outputs for `x[rows[p]]`. `match_ggml`
+    rounds each product's input as ggml's CPU matmul does for the weight's type.
+    """
+    as_qtype(experts[0].up.ggml_type)  # one clear error for an unsupported type
+
+    def product(role: str, inputs: torch.Tensor, input_rows: torch.Tensor) -> torch.Tensor:
+        weights = [getattr(e, role) for e in experts]
+        if match_ggml:
+            inputs = round_like_ggml(inputs, weights[0].ggml_type)
+        return grouped_qmatmul(inputs, weights, starts, input_rows, backend)
+
+    hidden = activation(product("gate", x, rows), product("up", x, rows))
+    return product("down", hidden, torch.arange(hidden.shape[0], dtype=torch.int64))

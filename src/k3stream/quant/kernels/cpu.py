@@ -1,0 +1,66 @@
+"""The C CPU kernels (`ggml_cpu.c`, built at install as `_ggml_cpu`), called through ctypes.
+
+`grouped_product` runs `out[p] = x[rows[p]] @ W_b^T` for the rows `starts[b]..starts[b+1]` of each
+matrix b in one call, threads from `torch.get_num_threads()`. `available()` says whether the library was
+built; without it callers use the torch reference path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+
+import torch
+
+# GGML type ids with a C kernel
+CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39})
+# products smaller than this many multiply-adds run on the calling thread: waking a second OpenMP pool
+# next to torch's (whose threads spin after each op) costs more than it saves
+PARALLEL_MIN_MACS = 1 << 22
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    try:
+        from k3stream.quant.kernels import _ggml_cpu
+    except ImportError:
+        return None
+    library = ctypes.CDLL(_ggml_cpu.__file__)
+    function = library.k3_grouped_product
+    function.restype = ctypes.c_int
+    function.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, ctypes.c_int, _PTR, _PTR, _PTR, ctypes.c_int]
+    return library
+
+
+def available() -> bool:
+    """Whether the C kernels were built with this install."""
+    return _library() is not None
+
+
+def grouped_product(
+    x: torch.Tensor,
+    matrices: Sequence[torch.Tensor],
+    ggml_type: int,
+    out_features: int,
+    row_bytes: int,
+    starts: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """[P, out_features] float32: rows `starts[b]..starts[b+1]` of the result are `x[rows[p]]` times
+    matrix b (contiguous uint8 GGUF bytes, `out_features` rows of `row_bytes`). x: float32 [R, K] on
+    the CPU; starts/rows: int64. The matrices must stay alive for the call (they do: the caller holds
+    them)."""
+    x = x.contiguous()
+    addresses = torch.tensor([m.data_ptr() for m in matrices], dtype=torch.int64)
+    out = torch.empty(int(rows.numel()), out_features, dtype=torch.float32)
+    threads = torch.get_num_threads() if out.numel() * x.shape[1] >= PARALLEL_MIN_MACS else 1
+    status = _library().k3_grouped_product(
+        x.data_ptr(), x.shape[1], addresses.data_ptr(), len(matrices), out_features, row_bytes,
+        ggml_type, starts.data_ptr(), rows.data_ptr(), out.data_ptr(), threads,
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"no CPU kernel for GGML type {ggml_type}")
+    return out

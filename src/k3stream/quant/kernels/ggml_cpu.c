@@ -1,0 +1,299 @@
+/* CPU kernels for products with GGUF-block weights (k3stream.quant.kernels.cpu calls them via ctypes).
+ *
+ * out[p, m] = sum_k x[rows[p], k] * W_b[m, k] for the rows p in starts[b]..starts[b+1] of matrix b.
+ * A worker takes a chunk of one matrix's output rows; per row it decodes up to 256 weights at a time
+ * into a float32 tile on its stack (exactly the reference dequantizer's values: the same float
+ * operations, built with -ffp-contract=off) and dots the tile with every input row of that matrix.
+ * No float32 copy of a weight matrix is ever written. Each output is summed in one fixed order that
+ * depends only on K, so results do not depend on the thread count or on what else shared the call.
+ *
+ * Matrices are passed as addresses, so the experts of one step (separate buffers) need no copying.
+ * Built for x86-64-v3 (AVX2, FMA, F16C) with a generic fallback chosen at load time.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TILE 256
+#define ROWS_PER_TASK 8
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float bits_f32(uint32_t bits) {
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
+INLINE float f16(const uint8_t *p) { /* exact, NaN payloads kept, as numpy converts */
+    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    uint32_t sign = (h & 0x8000u) << 16, rest = h & 0x7FFFu;
+    if (rest >= 0x7C00u) return bits_f32(sign | 0x7F800000u | ((rest & 0x3FFu) << 13));
+    if (rest >= 0x0400u) return bits_f32(sign | ((rest + 0x1C000u) << 13)); /* exponent + 112 */
+    float magnitude = (float)rest * 0x1p-24f;                                 /* subnormal: exact */
+    return sign ? -magnitude : magnitude;
+}
+
+/* ---- block decoders: one block at b -> its values at y ------------------------------------ */
+
+INLINE void dec_f32(const uint8_t *restrict b, float *restrict y) { memcpy(y, b, 32 * 4); }
+
+INLINE void dec_f16(const uint8_t *restrict b, float *restrict y) {
+    for (int i = 0; i < 32; i++) y[i] = f16(b + 2 * i);
+}
+
+INLINE void dec_bf16(const uint8_t *restrict b, float *restrict y) {
+    for (int i = 0; i < 32; i++) y[i] = bits_f32(((uint32_t)b[2 * i] << 16) | ((uint32_t)b[2 * i + 1] << 24));
+}
+
+INLINE void dec_q4_0(const uint8_t *restrict b, float *restrict y) {
+    float d = f16(b);
+    for (int i = 0; i < 16; i++) {
+        y[i] = ((float)(b[2 + i] & 15) - 8.0f) * d;
+        y[i + 16] = ((float)(b[2 + i] >> 4) - 8.0f) * d;
+    }
+}
+
+INLINE void dec_q4_1(const uint8_t *restrict b, float *restrict y) {
+    float d = f16(b), m = f16(b + 2);
+    for (int i = 0; i < 16; i++) {
+        y[i] = (float)(b[4 + i] & 15) * d + m;
+        y[i + 16] = (float)(b[4 + i] >> 4) * d + m;
+    }
+}
+
+INLINE uint32_t word_at(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+INLINE void dec_q5(const uint8_t *restrict b, float *restrict y, int affine) {
+    float d = f16(b), m = affine ? f16(b + 2) : 0.0f;
+    uint32_t high = word_at(b + (affine ? 4 : 2));
+    const uint8_t *q = b + (affine ? 8 : 6);
+    for (int i = 0; i < 16; i++) {
+        float lo = (float)((q[i] & 15) | (((high >> i) & 1) << 4));
+        float hi = (float)((q[i] >> 4) | (((high >> (i + 16)) & 1) << 4));
+        y[i] = affine ? lo * d + m : (lo - 16.0f) * d;
+        y[i + 16] = affine ? hi * d + m : (hi - 16.0f) * d;
+    }
+}
+
+INLINE void dec_q5_0(const uint8_t *restrict b, float *restrict y) { dec_q5(b, y, 0); }
+INLINE void dec_q5_1(const uint8_t *restrict b, float *restrict y) { dec_q5(b, y, 1); }
+
+INLINE void dec_q8_0(const uint8_t *restrict b, float *restrict y) {
+    float d = f16(b);
+    for (int i = 0; i < 32; i++) y[i] = (float)(int8_t)b[2 + i] * d;
+}
+
+static const float MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+INLINE void dec_mxfp4(const uint8_t *restrict b, float *restrict y) {
+    uint32_t e = b[0];
+    float scale = bits_f32(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+    for (int i = 0; i < 16; i++) {
+        y[i] = MXFP4_VALUES[b[1 + i] & 15] * scale;
+        y[i + 16] = MXFP4_VALUES[b[1 + i] >> 4] * scale;
+    }
+}
+
+/* Q2_K/Q3_K codes: byte 32g + 16h + i of the 64 holds, at bits 2f, the code of element
+ * 128g + 32f + 16h + i, which is in sub-block 8g + 2f + h. Each pass takes 16 bytes (g, h) and
+ * writes their four codes, so the innermost loop reads contiguous bytes and vectorizes. */
+
+INLINE void dec_q2_k(const uint8_t *restrict b, float *restrict y) {
+    const float d = f16(b + 80), dmin = f16(b + 82);
+    for (int pass = 0; pass < 4; pass++) {
+        const int first = (pass >> 1) * 8 + (pass & 1);
+        const uint8_t *restrict q = b + 16 + 16 * pass;
+        float step[4], offset[4];
+        for (int f = 0; f < 4; f++) {
+            step[f] = (float)(b[first + 2 * f] & 15) * d;
+            offset[f] = (float)(b[first + 2 * f] >> 4) * dmin;
+        }
+        float *restrict out = y + first * 16;
+        for (int i = 0; i < 16; i++) {
+            out[i] = (float)(q[i] & 3) * step[0] - offset[0];
+            out[32 + i] = (float)((q[i] >> 2) & 3) * step[1] - offset[1];
+            out[64 + i] = (float)((q[i] >> 4) & 3) * step[2] - offset[2];
+            out[96 + i] = (float)(q[i] >> 6) * step[3] - offset[3];
+        }
+    }
+}
+
+INLINE float q3_k_scale(const uint8_t *restrict b, int s) {
+    int low = (b[96 + (s & 7)] >> (4 * (s >> 3))) & 15;
+    int high = (b[104 + (s & 3)] >> (2 * (s >> 2))) & 3;
+    return (float)((low | (high << 4)) - 32);
+}
+
+INLINE void dec_q3_k(const uint8_t *restrict b, float *restrict y) { /* high bit 4g+f of hmask[16h+i] */
+    const float d = f16(b + 108);
+    for (int pass = 0; pass < 4; pass++) {
+        const int first = (pass >> 1) * 8 + (pass & 1), g = pass >> 1;
+        const uint8_t *restrict q = b + 32 + 16 * pass, *restrict h = b + 16 * (pass & 1);
+        float step[4];
+        for (int f = 0; f < 4; f++) step[f] = q3_k_scale(b, first + 2 * f) * d;
+        float *restrict out = y + first * 16;
+        const int hb = 4 * g;
+        for (int i = 0; i < 16; i++) {
+            out[i] = (float)((q[i] & 3) - ((((h[i] >> hb) & 1) ^ 1) << 2)) * step[0];
+            out[32 + i] = (float)(((q[i] >> 2) & 3) - ((((h[i] >> (hb + 1)) & 1) ^ 1) << 2)) * step[1];
+            out[64 + i] = (float)(((q[i] >> 4) & 3) - ((((h[i] >> (hb + 2)) & 1) ^ 1) << 2)) * step[2];
+            out[96 + i] = (float)((q[i] >> 6) - ((((h[i] >> (hb + 3)) & 1) ^ 1) << 2)) * step[3];
+        }
+    }
+}
+
+INLINE void k_scale_min(const uint8_t *p, int s, int *scale, int *min) {
+    if (s < 4) {
+        *scale = p[s] & 63;
+        *min = p[4 + s] & 63;
+    } else {
+        *scale = (p[4 + s] & 15) | ((p[s - 4] >> 2) & 0x30);
+        *min = (p[4 + s] >> 4) | ((p[s] >> 2) & 0x30);
+    }
+}
+
+INLINE void dec_q45_k(const uint8_t *restrict b, float *restrict y, int fifth_bit) {
+    float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *low = b + (fifth_bit ? 48 : 16), *high = b + 16;
+    for (int s = 0; s < 8; s++) {
+        int scale, min;
+        k_scale_min(b + 4, s, &scale, &min);
+        float step = (float)scale * d, offset = (float)min * dmin;
+        const uint8_t *q = low + (s >> 1) * 32;
+        int shift = (s & 1) * 4;
+        for (int i = 0; i < 32; i++) {
+            int code = (q[i] >> shift) & 15;
+            if (fifth_bit) code |= ((high[i] >> s) & 1) << 4;
+            y[s * 32 + i] = (float)code * step - offset;
+        }
+    }
+}
+
+INLINE void dec_q4_k(const uint8_t *restrict b, float *restrict y) { dec_q45_k(b, y, 0); }
+INLINE void dec_q5_k(const uint8_t *restrict b, float *restrict y) { dec_q45_k(b, y, 1); }
+
+INLINE void dec_q6_k(const uint8_t *restrict b, float *restrict y) {
+    float d = f16(b + 208);
+    for (int s = 0; s < 16; s++) { /* element s*16+i is number rest+i of half s/8 */
+        float step = (float)(int8_t)b[192 + s] * d;
+        int half = s >> 3, rest = (s & 7) * 16;
+        const uint8_t *ql = b + half * 64 + (rest & 63), *qh = b + 128 + half * 32 + (rest & 31);
+        int low_shift = (rest >> 6) * 4, high_shift = (rest >> 5) * 2;
+        for (int i = 0; i < 16; i++) {
+            int code = ((ql[i] >> low_shift) & 15) | (((qh[i] >> high_shift) & 3) << 4);
+            y[s * 16 + i] = (float)(code - 32) * step;
+        }
+    }
+}
+
+/* ---- the product ---------------------------------------------------------------------------- */
+
+INLINE float dot(const float *restrict a, const float *restrict b, int n) { /* n: a multiple of 32; 16 fixed lanes */
+    float lanes[16] = {0};
+    for (int i = 0; i < n; i += 16)
+        for (int l = 0; l < 16; l++) lanes[l] += a[i + l] * b[i + l];
+    for (int width = 8; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
+    return lanes[0];
+}
+
+typedef struct {
+    const float *x;
+    int64_t in_features, out_rows, row_bytes;
+    const int64_t *addresses, *starts, *rows;
+    int64_t matrices;
+    float *out;
+} Product;
+
+/* One output row m of matrix b for all of its input rows, ROWS_AT_ONCE input rows per pass (a
+ * pass decodes the row's tiles once and keeps its sums in registers). The decoders inline here. */
+#define ROWS_AT_ONCE 16
+#define ROW_KERNEL(NAME, DECODE, BLOCK_ELEMS, BLOCK_BYTES)                                         \
+    CLONES static void NAME(const Product *pr, int64_t b, int64_t m) {                             \
+        const int64_t blocks = pr->row_bytes / (BLOCK_BYTES), per_tile = TILE / (BLOCK_ELEMS);       \
+        const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;      \
+        float tile[TILE] __attribute__((aligned(32)));                                              \
+        for (int64_t p0 = pr->starts[b]; p0 < pr->starts[b + 1]; p0 += ROWS_AT_ONCE) {              \
+            const int64_t rows = pr->starts[b + 1] - p0 < ROWS_AT_ONCE ? pr->starts[b + 1] - p0      \
+                                                                        : ROWS_AT_ONCE;             \
+            float sums[ROWS_AT_ONCE] = {0};                                                          \
+            for (int64_t block = 0; block < blocks; block += per_tile) {                            \
+                const int64_t count = blocks - block < per_tile ? blocks - block : per_tile;         \
+                for (int64_t j = 0; j < count; j++)                                                  \
+                    DECODE(row + (block + j) * (BLOCK_BYTES), tile + j * (BLOCK_ELEMS));             \
+                for (int64_t r = 0; r < rows; r++) {                                                 \
+                    const float *xs = pr->x + pr->rows[p0 + r] * pr->in_features + block * (BLOCK_ELEMS); \
+                    sums[r] += dot(tile, xs, (int)(count * (BLOCK_ELEMS)));                          \
+                }                                                                                    \
+            }                                                                                        \
+            for (int64_t r = 0; r < rows; r++) pr->out[(p0 + r) * pr->out_rows + m] = sums[r];       \
+        }                                                                                            \
+    }
+
+ROW_KERNEL(row_f32, dec_f32, 32, 128)
+ROW_KERNEL(row_f16, dec_f16, 32, 64)
+ROW_KERNEL(row_bf16, dec_bf16, 32, 64)
+ROW_KERNEL(row_q4_0, dec_q4_0, 32, 18)
+ROW_KERNEL(row_q4_1, dec_q4_1, 32, 20)
+ROW_KERNEL(row_q5_0, dec_q5_0, 32, 22)
+ROW_KERNEL(row_q5_1, dec_q5_1, 32, 24)
+ROW_KERNEL(row_q8_0, dec_q8_0, 32, 34)
+ROW_KERNEL(row_mxfp4, dec_mxfp4, 32, 17)
+ROW_KERNEL(row_q2_k, dec_q2_k, 256, 84)
+ROW_KERNEL(row_q3_k, dec_q3_k, 256, 110)
+ROW_KERNEL(row_q4_k, dec_q4_k, 256, 144)
+ROW_KERNEL(row_q5_k, dec_q5_k, 256, 176)
+ROW_KERNEL(row_q6_k, dec_q6_k, 256, 210)
+
+typedef void (*RowKernel)(const Product *, int64_t, int64_t);
+
+static RowKernel row_kernel(int ggml_type) {
+    switch (ggml_type) {
+        case 0: return row_f32;
+        case 1: return row_f16;
+        case 30: return row_bf16;
+        case 2: return row_q4_0;
+        case 3: return row_q4_1;
+        case 6: return row_q5_0;
+        case 7: return row_q5_1;
+        case 8: return row_q8_0;
+        case 39: return row_mxfp4;
+        case 10: return row_q2_k;
+        case 11: return row_q3_k;
+        case 12: return row_q4_k;
+        case 13: return row_q5_k;
+        case 14: return row_q6_k;
+        default: return NULL;
+    }
+}
+
+/* Returns 0, or -1 for a GGML type without a kernel. Workers take ROWS_PER_TASK rows of a matrix. */
+int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addresses, int64_t matrices,
+                       int64_t out_rows, int64_t row_bytes, int ggml_type, const int64_t *starts,
+                       const int64_t *rows, float *out, int threads) {
+    const Product pr = {x, in_features, out_rows, row_bytes, addresses, starts, rows, matrices, out};
+    const RowKernel kernel = row_kernel(ggml_type);
+    if (kernel == NULL) return -1;
+    const int64_t chunks = (out_rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t task = 0; task < matrices * chunks; task++) {
+        const int64_t b = task / chunks, first = (task % chunks) * ROWS_PER_TASK;
+        const int64_t last = first + ROWS_PER_TASK < out_rows ? first + ROWS_PER_TASK : out_rows;
+        for (int64_t m = first; m < last && pr.starts[b + 1] > pr.starts[b]; m++) kernel(&pr, b, m);
+    }
+    return 0;
+}
+
+/* A module with no methods: Python finds the library through it and calls it with ctypes. */
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ggml_cpu", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit__ggml_cpu(void) { return PyModule_Create(&module); }

@@ -1,0 +1,132 @@
+"""The kernel seam against the reference dequantizer: every CPU type, grouped products, exact tiles,
+results independent of grouping and threads, no float32 copy of a weight, fallbacks and bad shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as T
+
+from k3stream.quant import dequantize, quantize
+from k3stream.quant.kernels import (
+    QWeight,
+    checked_weight,
+    cpu,
+    expert_mlp,
+    grouped_qmatmul,
+    kernel_for,
+    note_fallbacks,
+    qmatmul,
+)
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C kernels were not built with this install")
+
+CPU_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4]
+FLOATS = [T.F16, T.BF16, T.F32]
+
+
+def weight(qt: T, rows: int, cols: int, seed: int = 0) -> QWeight:
+    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    if qt == T.F32:
+        data = values.view(np.uint8)
+    elif qt == T.F16:
+        data = values.astype(np.float16).view(np.uint8)
+    elif qt == T.BF16:
+        data = (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    else:
+        data = quantize(values, qt)
+    return QWeight(torch.from_numpy(np.ascontiguousarray(data).reshape(-1)), int(qt), (rows, cols))
+
+
+def reference(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    dense = dequantize(w.data.view(w.shape[0], -1), w.ggml_type).double()
+    return (x.double() @ dense.T).float()
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("qt", CPU_TYPES + FLOATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,cols,inputs", [(37, 256, 1), (5, 512, 3), (64, 768, 40)])
+def test_product_matches_the_reference(qt, rows, cols, inputs):
+    w = weight(qt, rows, cols, seed=rows)
+    x = torch.from_numpy(np.random.default_rng(cols).standard_normal((inputs, cols)).astype(np.float32))
+    assert kernel_for(int(qt), "cpu", cols) in ("c", "torch")
+    assert relative_error(qmatmul(x, w), reference(x, w)) <= 1e-5
+
+
+@pytest.mark.parametrize("qt", CPU_TYPES + [T.F16, T.BF16], ids=lambda t: t.name)
+def test_tiles_hold_exactly_the_reference_values(qt):
+    """A one-hot input row reads one weight column back: the kernel's decoded values, bit for bit."""
+    w = weight(qt, 9, 512, seed=3)
+    columns = qmatmul(torch.eye(512), w)
+    assert torch.equal(columns.T, dequantize(w.data.view(9, -1), int(qt)))
+
+
+def test_grouped_rows_equal_separate_products_bit_for_bit():
+    """Uneven and empty groups; a row's result does not depend on what shared the call or on threads."""
+    weights = [weight(T.Q3_K, 48, 512, seed=s) for s in range(4)]
+    x = torch.randn(7, 512)
+    starts = torch.tensor([0, 3, 3, 8, 9])
+    rows = torch.tensor([0, 6, 2, 1, 1, 3, 4, 5, 0])
+    together = grouped_qmatmul(x, weights, starts, rows)
+    for b, w in enumerate(weights):
+        for p in range(int(starts[b]), int(starts[b + 1])):
+            alone = qmatmul(x[rows[p]][None], w)[0]
+            assert torch.equal(together[p], alone)
+            assert relative_error(alone, reference(x[rows[p]][None], w)[0]) <= 1e-5
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(grouped_qmatmul(x, weights, starts, rows), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_expert_mlp_matches_the_reference_path():
+    class Expert:
+        def __init__(self, seed: int) -> None:
+            self.up, self.gate = weight(T.Q2_K, 256, 512, seed), weight(T.Q2_K, 256, 512, seed + 10)
+            self.down = weight(T.Q3_K, 512, 256, seed + 20)
+
+    experts = [Expert(s) for s in range(3)]
+    x = torch.randn(5, 512)
+    starts, rows = torch.tensor([0, 2, 5, 6]), torch.tensor([0, 4, 1, 2, 3, 0])
+
+    def activation(gate, up):
+        return torch.nn.functional.silu(gate) * up
+
+    fast = expert_mlp(x, experts, starts, rows, activation)
+    slow = expert_mlp(x, experts, starts, rows, activation, backend="reference")
+    assert relative_error(fast, slow) <= 1e-5
+
+
+def test_a_product_allocates_no_float32_copy_of_the_weight():
+    w = weight(T.Q2_K, 2048, 2048)
+    x = torch.randn(1, 2048)
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        qmatmul(x, w)
+    allocated = sum(max(event.cpu_memory_usage, 0) for event in prof.events())
+    assert allocated < 2048 * 2048 * 4 / 64  # the dense weight would be 16 MiB; the output is 8 KiB
+
+
+def test_types_and_widths_without_a_kernel_take_the_reference_path(monkeypatch):
+    odd = weight(T.F16, 4, 48)  # F16 rows the C kernel cannot tile
+    assert kernel_for(int(T.F16), "cpu", 48) == "reference"
+    x = torch.randn(2, 48)
+    assert relative_error(qmatmul(x, odd), reference(x, odd)) <= 1e-5
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    assert note_fallbacks({int(T.Q2_K), int(T.F32)}, "cpu") == [
+        "note: no cpu kernel for GGML type Q2_K: using the reference dequantize path"
+    ]
+
+
+def test_shapes_that_do_not_fit_the_blocks_name_the_tensor():
+    with pytest.raises(ValueError, match=r"blk\.3\.attn_q\.weight: row of 100 elements is not a multiple"):
+        checked_weight("blk.3.attn_q.weight", torch.zeros(100, dtype=torch.uint8), int(T.Q4_0), (1, 100))
+    with pytest.raises(ValueError, match=r"blk\.3\.attn_q\.weight: Q8_0 \(2, 32\) needs 68 bytes, has 34"):
+        checked_weight("blk.3.attn_q.weight", torch.zeros(34, dtype=torch.uint8), int(T.Q8_0), (2, 32))
