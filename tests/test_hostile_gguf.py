@@ -11,7 +11,7 @@ import pytest
 
 from k3stream.gguf.header import GGUFHeaderError, check_header
 from k3stream.gguf.reader import K3Checkpoint
-from k3stream.hostile import GGUF_CASES, manifest_cases, write_manifest_case
+from k3stream.hostile import GGUF_CASES, GGUF_HEAVY_CASES, manifest_cases, write_manifest_case
 from k3stream.pack.builder import BuildOptions, build_pack
 from k3stream.pack.manifest import checked_shards, first_shard_path, load_manifest, read_json
 from k3stream.pack.reader import ExpertPack
@@ -36,6 +36,48 @@ def test_crafted_gguf_header_is_refused_quickly_in_one_line(case, tmp_path):
     assert isinstance(caught.value, GGUFHeaderError)
     assert "\n" not in message and message.startswith(str(path)) and "not a valid GGUF header" in message
     assert seconds < 0.5 and peak < 16 * MIB
+
+
+@pytest.mark.parametrize("case", list(GGUF_HEAVY_CASES))
+def test_largest_legal_headers_stay_cheap(case, tmp_path):
+    """At the header limits GGUFReader parses the file; the compact reader keeps that cheap (GGUFReader
+    itself made one array per element: seconds and hundreds of MiB, or far more)."""
+    path = GGUF_HEAVY_CASES[case](tmp_path / "heavy.gguf")
+    began = time.perf_counter()
+    with pytest.raises(ValueError, match="missing metadata key"):
+        K3Checkpoint.open(path)
+    seconds = time.perf_counter() - began
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError):
+            K3Checkpoint.open(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert seconds < 2 and peak < 64 * MIB
+
+
+def test_compact_reader_reads_what_gguf_reader_reads(tiny_model):
+    import numpy as np
+    from gguf import GGUFReader
+
+    from k3stream.gguf.header import open_reader
+
+    path = tiny_model(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32)
+    theirs, ours = GGUFReader(str(path)), open_reader(path)
+    assert list(theirs.fields) == list(ours.fields)
+    for key, field in theirs.fields.items():
+        assert field.contents() == ours.fields[key].contents(), key
+    for a, b in zip(theirs.tensors, ours.tensors, strict=True):
+        assert (a.name, a.tensor_type, list(a.shape), a.data_offset, a.n_bytes) == (
+            b.name,
+            b.tensor_type,
+            list(b.shape),
+            b.data_offset,
+            b.n_bytes,
+        )
+        assert np.array_equal(np.asarray(a.data).view(np.uint8), np.asarray(b.data).view(np.uint8))
+        assert not b.data.flags.writeable
 
 
 def test_cli_inspect_of_a_crafted_gguf_prints_one_line(tmp_path, capsys):

@@ -118,6 +118,41 @@ def not_gguf(path: Path) -> Path:
     return _write(path, b"PK\x03\x04" + bytes(200))
 
 
+def many_strings(path: Path) -> Path:
+    """The most zero-length strings one array may hold (2^18 - 1): legal, and must stay cheap to read."""
+    return _strings(path, (1 << 18) - 1)
+
+
+def _strings(path: Path, count: int) -> Path:
+    body = _arch() + _string(b"tokenizer.ggml.tokens") + struct.pack("<IIQ", ARRAY, STRING, count)
+    return _write(path, _header(0, 2) + body + bytes(8 * count))
+
+
+def big_number_array(path: Path) -> Path:
+    """A uint8 array of 16 Mi elements, all in the file: GGUFReader made an array per element."""
+    count = 16 << 20
+    body = _arch() + _string(b"tokenizer.ggml.token_type") + struct.pack("<IIQ", ARRAY, U8, count)
+    with path.open("wb") as stream:
+        stream.write(_header(0, 2) + body)
+        stream.truncate(len(_header(0, 2) + body) + count)
+    return path
+
+
+def many_tensors(path: Path) -> Path:
+    """The most tensor infos a file may hold (2^13 - 1), each a 32-element F32 tensor at offset 0."""
+    count = (1 << 13) - 1
+    infos = b"".join(_tensor_info(b"t%d" % index, [32], 0, 0) for index in range(count))
+    data = _header(count, 1) + _arch() + infos
+    return _write(path, data + bytes(-len(data) % 32) + bytes(128))
+
+
+# within the header limits, so GGUFReader parses them: they must still cost little (not a model either)
+GGUF_HEAVY_CASES: dict[str, Callable[[Path], Path]] = {
+    "262,143 zero-length strings": many_strings,
+    "uint8 array of 16 Mi elements": big_number_array,
+    "8,191 tensor infos": many_tensors,
+}
+
 GGUF_CASES: dict[str, Callable[[Path], Path]] = {
     "array of 2^40 elements": huge_array,
     "64 MiB of zero-length strings": zero_length_strings,
