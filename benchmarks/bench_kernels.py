@@ -59,19 +59,25 @@ def main() -> None:
     starts = torch.arange(args.experts + 1)
     rows = torch.arange(args.experts)
     print(f"{args.experts} matrices of {ROWS} x {COLS}, one input row each; best of {args.repeat}")
-    print(f"{'type':6s} {'threads':>7s} {'kernel GB/s':>11s} {'read GB/s':>9s} {'ratio':>6s} {'G weights/s':>11s}")
+    print(f"{'type':6s} {'threads':>7s} {'kernel GB/s':>11s} {'read GB/s':>9s} {'ratio':>6s} {'Gw/s':>6s}")
     for name in args.types.split(","):
-        qtype = GGMLQuantizationType[name]
-        weights = matrices(qtype, args.experts)
+        weights = matrices(GGMLQuantizationType[name], args.experts)
         total = sum(w.data.numel() for w in weights)
         words = [w.data.view(torch.int64) for w in weights]
+
+        def product(weights=weights):
+            return grouped_qmatmul(x, weights, starts, rows)
+
+        def plain_read(words=words):
+            return [w.sum() for w in words]
+
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
-            kernel = best_seconds(lambda: grouped_qmatmul(x, weights, starts, rows), args.repeat)
-            read = best_seconds(lambda: [w.sum() for w in words], args.repeat)
+            kernel = best_seconds(product, args.repeat)
+            read = best_seconds(plain_read, args.repeat)
             print(
                 f"{name:6s} {threads:7d} {total / kernel / 1e9:11.2f} {total / read / 1e9:9.2f} "
-                f"{read / kernel:6.2f} {ROWS * COLS * args.experts / kernel / 1e9:11.2f}"
+                f"{read / kernel:6.2f} {ROWS * COLS * args.experts / kernel / 1e9:6.2f}"
             )
     torch.set_num_threads(1)
     weights = matrices(GGMLQuantizationType.Q2_K, args.experts)

@@ -28,7 +28,7 @@ from k3stream.model.kda import KDA, KDAState, KDAWeights, shard_kda_weights
 from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, bytes_to_matrix, rms_norm
 from k3stream.model.mla import MLA, HeadProjection, MLAState, MLAWeights
 from k3stream.model.moe import LatentMoE, MoEWeights, Routing, SituMLP
-from k3stream.quant.kernels import note_fallbacks
+from k3stream.quant.kernels import note_fallbacks, warm_up
 
 AttentionState = KDAState | MLAState
 
@@ -318,10 +318,10 @@ def load(
     Non-expert weights are read once into anonymous memory in their GGUF types (never through the map,
     so a file that changes later cannot reach the running model). With `kernels="auto"` (default) every
     product runs on GGUF blocks through `k3stream.quant.kernels`; `kernels="reference"` is the path the
-    kernels are tested against: weights dequantized to `dtype` (float32 or bfloat16) at load, or with
-    `keep_quantized` kept in blocks and dequantized a slab at a time. Routed experts come from
-    `expert_source` (default: straight from the GGUF). `profile="audited"` enforces the published
-    recipe after loading.
+    kernels are tested against: weights dequantized to `dtype` at load, or with `keep_quantized` kept
+    in blocks and dequantized a slab at a time; a `dtype` other than float32 implies it. Routed
+    experts come from `expert_source` (default: straight from the GGUF). `profile="audited"`
+    enforces the published recipe after loading.
     `match_ggml` rounds the inputs of F16/BF16 and block-quantized matrices as llama.cpp's CPU matmul
     does (to F16/BF16, or 8-bit Q8_K/Q8_0 blocks): for comparing with llama.cpp; it costs precision.
     `tp_rank`/`tp_size` load tensor-parallel rank `tp_rank` of `tp_size`: each KDA layer holds only
@@ -336,12 +336,14 @@ def load(
     cfg = checkpoint.config
     source = expert_source if expert_source is not None else GGUFExpertSource(checkpoint)
     device = torch.device(device)
-    if (tp_rank, tp_size) != (0, 1):
-        kernels = "reference"  # `shard_kda_weights` slices dense matrices
+    if (tp_rank, tp_size) != (0, 1) or dtype != torch.float32:
+        kernels = "reference"  # re-typed weights, and `shard_kda_weights`'s slices, are dense matrices
     options = LoadOptions(dtype, keep_quantized, match_ggml, kernels)
     w = _Weights(checkpoint_weights(checkpoint), options, device)
     if kernels == "auto":
-        note_fallbacks({t.ggml_type for t in checkpoint.tensors.values() if len(t.shape) >= 2}, device)
+        matrix_types = {t.ggml_type for t in checkpoint.tensors.values() if len(t.shape) >= 2}
+        note_fallbacks(matrix_types, device)
+        warm_up(matrix_types, device)
     model = K3Model(
         config=cfg,
         embedding=Embedding(w.weight("model.embed_tokens"), cfg.hidden, options),

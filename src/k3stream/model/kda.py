@@ -406,8 +406,8 @@ def _packed_step(mixed_qkv, gate, beta, scale, initial_state, out, ssm_state_ind
     group = heads_v // q_heads  # value heads sharing one q/k head
     q = (q * scale).repeat_interleave(group, dim=1)
     k = k.repeat_interleave(group, dim=1)
-    s = initial_state[slots].float() * torch.exp(gate[live])[:, :, None, :]
-    delta = (v - (s * k[:, :, None, :]).sum(-1)) * beta[live][..., None]
-    s = s + delta[..., None] * k[:, :, None, :]
-    out[live, 0] = (s * q[:, :, None, :]).sum(-1).to(out.dtype)
+    s = initial_state[slots].float().mul_(torch.exp(gate[live])[:, :, None, :])  # [B, HV, V, K]
+    delta = (v - torch.matmul(s, k[..., None])[..., 0]) * beta[live][..., None]
+    s.add_(delta[..., None] * k[:, :, None, :])
+    out[live, 0] = torch.matmul(s, q[..., None])[..., 0].to(out.dtype)
     initial_state[slots] = s.to(initial_state.dtype)

@@ -72,7 +72,7 @@ def kernel_for(ggml_type: int, device: torch.device | str = "cpu", in_features: 
     """
     if ggml_type == F32:
         return "torch"
-    if torch.device(device).type == "cuda":
+    if (device.type if isinstance(device, torch.device) else torch.device(device).type) == "cuda":
         from . import gpu
 
         return "triton" if gpu.available() and ggml_type in gpu.SUPPORTED_GPU_TYPES else "reference"
@@ -91,6 +91,18 @@ def note_fallbacks(types: set[int], device: torch.device | str) -> list[str]:
     for line in lines:
         log.warning(line)
     return lines
+
+
+def warm_up(types: set[int], device: torch.device | str) -> None:
+    """Compile the GPU kernels of these types now, at load (Triton compiles on first use): one
+    decode-shaped and one prefill-shaped product each. Nothing to do on the CPU (built at install)."""
+    for ggml_type in sorted(types):
+        if kernel_for(ggml_type, device) == "triton":
+            weight = QWeight(
+                torch.zeros(row_bytes(ggml_type, 256), dtype=torch.uint8, device=device), ggml_type, (1, 256)
+            )
+            for rows in (1, 64):
+                qmatmul(torch.zeros(rows, 256, device=device), weight)
 
 
 def qmatmul(x: torch.Tensor, weight: QWeight, backend: str = "auto") -> torch.Tensor:

@@ -11,6 +11,7 @@ import ctypes
 import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 # GGML type ids with a C kernel
@@ -54,11 +55,11 @@ def grouped_product(
     the CPU; starts/rows: int64. The matrices must stay alive for the call (they do: the caller holds
     them)."""
     x = x.contiguous()
-    addresses = torch.tensor([m.data_ptr() for m in matrices], dtype=torch.int64)
+    addresses = np.fromiter((m.data_ptr() for m in matrices), dtype=np.int64, count=len(matrices))
     out = torch.empty(int(rows.numel()), out_features, dtype=torch.float32)
     threads = torch.get_num_threads() if out.numel() * x.shape[1] >= PARALLEL_MIN_MACS else 1
     status = _library().k3_grouped_product(
-        x.data_ptr(), x.shape[1], addresses.data_ptr(), len(matrices), out_features, row_bytes,
+        x.data_ptr(), x.shape[1], addresses.ctypes.data, len(matrices), out_features, row_bytes,
         ggml_type, starts.data_ptr(), rows.data_ptr(), out.data_ptr(), threads,
     )  # fmt: skip
     if status != 0:

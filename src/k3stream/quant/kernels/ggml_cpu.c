@@ -13,6 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define TILE 256
@@ -212,6 +213,7 @@ typedef struct {
     const int64_t *addresses, *starts, *rows;
     int64_t matrices;
     float *out;
+    const float *sums16; /* fused kernels: sum of each 16 consecutive values of each x row */
 } Product;
 
 /* One output row m of matrix b for all of its input rows, ROWS_AT_ONCE input rows per pass (a
@@ -256,6 +258,100 @@ ROW_KERNEL(row_q6_k, dec_q6_k, 256, 210)
 
 typedef void (*RowKernel)(const Product *, int64_t, int64_t);
 
+/* ---- fused AVX2 kernels for the audited recipe's Q2_K and Q3_K --------------------------------
+ * No tile: codes are expanded in registers, multiplied by their sub-block step (the reference's first
+ * operation), and accumulated against x with FMA; each sub-block's min enters once, as min * sum(x)
+ * over its 16 values (precomputed per x row). A different (but fixed) summation than the tile path:
+ * chosen per type and machine, never per call, so results still do not depend on grouping. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define AVX2 __attribute__((target("avx2,fma")))
+
+AVX2 static inline __m256 codes_lo8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
+
+AVX2 static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* acc += (codes * step) * x over 32 elements: codes (signed bytes) of sub-blocks s and s + 1 */
+AVX2 static inline __m256 fma32(__m256i codes, const float *steps, int s, const float *x, __m256 acc) {
+    const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+    const __m256 a = _mm256_broadcast_ss(steps + s), b = _mm256_broadcast_ss(steps + s + 1);
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(codes_lo8(lo), a), _mm256_loadu_ps(x), acc);
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(codes_lo8(_mm_srli_si128(lo, 8)), a), _mm256_loadu_ps(x + 8), acc);
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(codes_lo8(hi), b), _mm256_loadu_ps(x + 16), acc);
+    return _mm256_fmadd_ps(_mm256_mul_ps(codes_lo8(_mm_srli_si128(hi, 8)), b), _mm256_loadu_ps(x + 24), acc);
+}
+
+AVX2 static float dot_q2_k(const uint8_t *restrict b, const float *restrict x, const float *restrict sums) {
+    const float d = f16(b + 80), dmin = f16(b + 82);
+    float steps[16], mins[16];
+    for (int s = 0; s < 16; s++) {
+        steps[s] = (float)(b[s] & 15) * d;
+        mins[s] = (float)(b[s] >> 4) * dmin;
+    }
+    const __m256i three = _mm256_set1_epi8(3);
+    __m256 acc = _mm256_setzero_ps();
+    for (int g = 0; g < 2; g++) { /* byte 32g + i, bits 2f: element 128g + 32f + i, sub-block 8g + 2f + i/16 */
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * g));
+        for (int f = 0; f < 4; f++) {
+            const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(q, 2 * f), three);
+            acc = fma32(codes, steps, 8 * g + 2 * f, x + 128 * g + 32 * f, acc);
+        }
+    }
+    __m256 offsets = _mm256_mul_ps(_mm256_loadu_ps(mins), _mm256_loadu_ps(sums));
+    offsets = _mm256_fmadd_ps(_mm256_loadu_ps(mins + 8), _mm256_loadu_ps(sums + 8), offsets);
+    return hsum8(acc) - hsum8(offsets);
+}
+
+AVX2 static float dot_q3_k(const uint8_t *restrict b, const float *restrict x, const float *restrict sums) {
+    (void)sums;
+    const float d = f16(b + 108);
+    float steps[16];
+    for (int s = 0; s < 16; s++) steps[s] = q3_k_scale(b, s) * d;
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m256i hmask = _mm256_loadu_si256((const __m256i *)b);
+    __m256 acc = _mm256_setzero_ps();
+    for (int g = 0; g < 2; g++) { /* as Q2_K; a clear bit 4g + f of hmask[i] subtracts 4 */
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * g));
+        for (int f = 0; f < 4; f++) {
+            const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * f), three);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hmask, 4 * g + f), one);
+            const __m256i codes = _mm256_sub_epi8(low, _mm256_slli_epi16(_mm256_xor_si256(high, one), 2));
+            acc = fma32(codes, steps, 8 * g + 2 * f, x + 128 * g + 32 * f, acc);
+        }
+    }
+    return hsum8(acc);
+}
+
+#define FUSED_ROW(NAME, DOT, BLOCK_BYTES)                                                         \
+    AVX2 static void NAME(const Product *pr, int64_t b, int64_t m) {                              \
+        const int64_t blocks = pr->row_bytes / (BLOCK_BYTES);                                      \
+        const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;     \
+        for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {                              \
+            const float *x = pr->x + pr->rows[p] * pr->in_features;                                \
+            const float *sums = pr->sums16 + pr->rows[p] * (pr->in_features / 16);                 \
+            float total = 0.0f;                                                                     \
+            for (int64_t block = 0; block < blocks; block++)                                        \
+                total += DOT(row + block * (BLOCK_BYTES), x + 256 * block, sums + 16 * block);       \
+            pr->out[p * pr->out_rows + m] = total;                                                  \
+        }                                                                                           \
+    }
+
+FUSED_ROW(fused_q2_k, dot_q2_k, 84)
+FUSED_ROW(fused_q3_k, dot_q3_k, 110)
+
+static RowKernel fused_kernel(int ggml_type) {
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return NULL;
+    return ggml_type == 10 ? fused_q2_k : ggml_type == 11 ? fused_q3_k : NULL;
+}
+#else
+static RowKernel fused_kernel(int ggml_type) { (void)ggml_type; return NULL; }
+#endif
+
 static RowKernel row_kernel(int ggml_type) {
     switch (ggml_type) {
         case 0: return row_f32;
@@ -280,8 +376,22 @@ static RowKernel row_kernel(int ggml_type) {
 int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addresses, int64_t matrices,
                        int64_t out_rows, int64_t row_bytes, int ggml_type, const int64_t *starts,
                        const int64_t *rows, float *out, int threads) {
-    const Product pr = {x, in_features, out_rows, row_bytes, addresses, starts, rows, matrices, out};
-    const RowKernel kernel = row_kernel(ggml_type);
+    Product pr = {x, in_features, out_rows, row_bytes, addresses, starts, rows, matrices, out, NULL};
+    RowKernel kernel = fused_kernel(ggml_type);
+    float *sums16 = NULL;
+    if (kernel != NULL) { /* x's sub-block sums, once per call: [x rows, in / 16], 16 values in order */
+        int64_t x_rows = 0;
+        for (int64_t p = 0; p < starts[matrices]; p++) x_rows = rows[p] + 1 > x_rows ? rows[p] + 1 : x_rows;
+        sums16 = malloc(sizeof(float) * (size_t)(x_rows * (in_features / 16) + 1));
+        if (sums16 == NULL) kernel = NULL;
+        for (int64_t i = 0; sums16 != NULL && i < x_rows * (in_features / 16); i++) {
+            float sum = 0.0f;
+            for (int j = 0; j < 16; j++) sum += x[16 * i + j];
+            sums16[i] = sum;
+        }
+        pr.sums16 = sums16;
+    }
+    if (kernel == NULL) kernel = row_kernel(ggml_type);
     if (kernel == NULL) return -1;
     const int64_t chunks = (out_rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
@@ -290,6 +400,7 @@ int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addre
         const int64_t last = first + ROWS_PER_TASK < out_rows ? first + ROWS_PER_TASK : out_rows;
         for (int64_t m = first; m < last && pr.starts[b + 1] > pr.starts[b]; m++) kernel(&pr, b, m);
     }
+    free(sums16);
     return 0;
 }
 
