@@ -1,9 +1,11 @@
 """Prefill and decode speed of k3stream and llama.cpp on the same mid-size tiny Kimi-K3 GGUF.
 
-    python benchmarks/bench_forward.py [--recipe f32|f16|audited] [--threads 2] [--prompt 128] [--decode 32]
+    python benchmarks/bench_forward.py [--recipe f32|f16|audited] [--shape mid|wide] [--threads 2]
+        [--prompt 128] [--decode 32]
         [--kernels auto|reference]
 
-Writes the model with `k3stream.tiny` (hidden 1024, 8 layers, 64 experts), runs each engine once on the
+Writes the model with `k3stream.tiny` (`mid`: hidden 1024, 8 layers, 64 experts top-8 of 256 x 256;
+`wide`: hidden 768, 128 experts top-8 of 512 x 512), runs each engine once on the
 same tokens with the same thread count, and prints tokens/s for both and the ratio k3stream/llama.cpp.
 `--kernels reference` runs k3stream's reference path (weights dequantized to float32 at load).
 """
@@ -17,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-MID_SIZE = dict(
+SHAPES = {}
+SHAPES["mid"] = MID_SIZE = dict(
     n_layers=8,
     hidden=1024,
     dense_ff=2048,
@@ -37,6 +40,8 @@ MID_SIZE = dict(
     block_size=3,
     context_length=1024,
 )
+# more, larger experts (128 of them, top-8, 512 x 512) beside a narrower trunk
+SHAPES["wide"] = dict(MID_SIZE, hidden=768, dense_ff=1536, n_experts=128, expert_ff=512, latent=512)
 
 
 def bench_k3stream(
@@ -80,6 +85,7 @@ def bench_llama(path: Path, tokens: list[int], prompt: int, threads: int) -> tup
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="f32", choices=["f32", "f16", "audited"])
+    parser.add_argument("--shape", default="mid", choices=sorted(SHAPES))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--decode", type=int, default=32)
@@ -90,10 +96,10 @@ def main() -> None:
     from k3stream.tiny import TinySpec, make_tiny
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny(tmp, TinySpec(**MID_SIZE, recipe=args.recipe, seed=args.seed))
+        path = make_tiny(tmp, TinySpec(**SHAPES[args.shape], recipe=args.recipe, seed=args.seed))
         size_mb = sum(p.stat().st_size for p in Path(tmp).glob("*.gguf")) / 2**20
         print(
-            f"model: {size_mb:.0f} MiB {args.recipe} GGUF, {MID_SIZE}; threads {args.threads}; "
+            f"model: {size_mb:.0f} MiB {args.recipe} GGUF, {SHAPES[args.shape]}; threads {args.threads}; "
             f"k3stream kernels {args.kernels}"
         )
         tokens = np.random.default_rng(args.seed).integers(0, 500, args.prompt + args.decode).tolist()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from k3stream.model.experts import ExpertSource
@@ -108,28 +109,28 @@ class LatentMoE:
         computes each output on its own), so a streamed run equals an all-resident run bit for bit
         at any cache size.
         """
-        pair_experts = chosen.flatten()
-        order = torch.argsort(pair_experts, stable=True)
-        expert_ids, counts = torch.unique_consecutive(pair_experts[order], return_counts=True)
-        ids = expert_ids.tolist()
-        bounds = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).cpu()
+        pair_experts = chosen.flatten().cpu().numpy()  # tiny index arrays: numpy is cheaper here
+        order = np.argsort(pair_experts, kind="stable")
+        ids, counts = np.unique(pair_experts, return_counts=True)  # sorted, as `order` is
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        rows = torch.from_numpy(order // chosen.shape[1])
         group = getattr(self.source, "max_experts_per_fetch", None) or len(ids)
-        sorted_outputs = latent.new_empty(pair_experts.numel(), latent.shape[1])
+        sorted_outputs = latent.new_empty(len(pair_experts), latent.shape[1])
         for start in range(0, len(ids), group):
-            chunk = ids[start : start + group]
+            chunk = ids[start : start + group].tolist()
             experts = self.source.fetch(self.layer, chunk)
             first, last = int(bounds[start]), int(bounds[start + len(chunk)])
             sorted_outputs[first:last] = expert_mlp(
                 latent,
                 [experts[e] for e in chunk],
-                bounds[start : start + len(chunk) + 1] - first,
-                (order[first:last] // chosen.shape[1]).cpu(),
+                torch.from_numpy(bounds[start : start + len(chunk) + 1] - first),
+                rows[first:last],
                 self._activation,
                 self.match_ggml,
                 self.backend,
             )
         pair_outputs = torch.empty_like(sorted_outputs)
-        pair_outputs[order] = sorted_outputs
+        pair_outputs[torch.from_numpy(order).to(latent.device)] = sorted_outputs
         return pair_outputs
 
     def _activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
