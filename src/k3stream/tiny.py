@@ -2,7 +2,9 @@
 
 `make_tiny(out_dir, TinySpec(...))` writes one file or a split set `NAME-0000K-of-0000N.gguf`. The
 weights are random (seeded per tensor, so the same spec gives the same bytes and the recipes share
-their values) with scales that keep activations O(1) through the depth.
+their values) with scales that keep activations O(1) through the depth. Large routed-expert tensors
+(Q2_K/Q3_K, at least `FAST_EXPERT_VALUES` values) are random valid blocks instead (`k3stream.tinyblocks`),
+so multi-GB benchmark models are written at close to disk speed; tensors stream to disk one at a time.
 """
 
 from __future__ import annotations
@@ -281,7 +283,8 @@ def shard_paths(out_dir: Path, count: int) -> list[Path]:
 def _write_shard(
     path: Path, tensors: list[_Tensor], spec: TinySpec, vocab, split: tuple[int, int, int]
 ) -> None:
-    from gguf import GGMLQuantizationType, GGUFWriter
+    """One GGUF file, tensors streamed one at a time (large expert tensors in slabs) after the header."""
+    from gguf import GGUFWriter
 
     index, count, total = split
     writer = GGUFWriter(path, ARCH)
@@ -293,19 +296,87 @@ def _write_shard(
             writer.add_uint16("split.count", count)
             writer.add_int32("split.tensors.count", total)
         for tensor in tensors:
-            data, ggml_type = _encoded(tensor, spec)
-            raw_type = None if ggml_type in (F32, F16) else GGMLQuantizationType(ggml_type)
-            writer.add_tensor(tensor.name, data, raw_dtype=raw_type)
+            _add_tensor_info(writer, tensor, spec.recipe)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        for fout in writer.fout:
-            os.fsync(fout.fileno())
+        writer.write_ti_data_to_file()
+        fout = writer.fout[0]
+        writer.write_padding(fout, fout.tell())
+        for tensor in tensors:
+            writer.write_padding(fout, _write_overlapped(fout, _tensor_slabs(tensor, spec)))
+        fout.flush()
+        os.fsync(fout.fileno())
         writer.close()
     except BaseException:  # make_tiny removes the temp file; the writer must not keep it open
         with suppress(OSError):  # closing flushes, which fails again on a full disk; the file closes anyway
             writer.close()
         raise
+
+
+def _write_overlapped(fout, slabs) -> int:
+    """Write each slab while the next one is made (both release the GIL); returns the bytes written."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    written = 0
+    with ThreadPoolExecutor(1) as pool:
+        pending = None
+        for slab in slabs:
+            if pending is not None:
+                written += pending.result()
+            pending = pool.submit(fout.write, memoryview(slab).cast("B"))
+        if pending is not None:
+            written += pending.result()
+    return written
+
+
+def _add_tensor_info(writer, tensor: _Tensor, recipe: str) -> None:
+    from gguf import GGMLQuantizationType
+
+    ggml_type = ggml_type_for(tensor.name, len(tensor.shape), recipe)
+    if ggml_type in (F32, F16):
+        dtype = np.dtype(np.float32 if ggml_type == F32 else np.float16)
+        nbytes = int(np.prod(tensor.shape)) * dtype.itemsize
+        writer.add_tensor_info(tensor.name, tensor.shape, dtype, nbytes)
+        return
+    row_bytes = _row_bytes(tensor.shape[-1], ggml_type)
+    byte_shape = (*tensor.shape[:-1], row_bytes)
+    nbytes = int(np.prod(byte_shape))
+    quant_type = GGMLQuantizationType(ggml_type)
+    writer.add_tensor_info(tensor.name, byte_shape, np.dtype(np.uint8), nbytes, quant_type)
+
+
+def _row_bytes(row_values: int, ggml_type: int) -> int:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    return row_values // block * block_bytes
+
+
+def _tensor_slabs(tensor: _Tensor, spec: TinySpec):
+    """The tensor's bytes: random valid blocks in slabs for large routed experts, else encoded whole."""
+    from k3stream.tinyblocks import FAST_TYPES, random_block_slabs
+
+    ggml_type = ggml_type_for(tensor.name, len(tensor.shape), spec.recipe)
+    if _fast_path(tensor, ggml_type, FAST_TYPES):
+        seed = [spec.seed, zlib.crc32(tensor.name.encode()), 1]
+        yield from random_block_slabs(tensor.shape, ggml_type, seed)
+        return
+    data, _ = _encoded(tensor, spec)
+    yield np.ascontiguousarray(data)
+
+
+# Routed-expert tensors of at least this many values are written as random valid blocks (seconds per GB)
+# instead of quantized random floats (minutes per GB). Test models stay far below it, so their bytes, and
+# the property that every recipe quantizes the same float values, do not change.
+FAST_EXPERT_VALUES = 1 << 27
+
+
+def _fast_path(tensor: _Tensor, ggml_type: int, fast_types: frozenset[int]) -> bool:
+    return (
+        "_exps." in tensor.name
+        and ggml_type in fast_types
+        and int(np.prod(tensor.shape)) >= FAST_EXPERT_VALUES
+    )
 
 
 def make_tiny(out_dir: str | os.PathLike[str], spec: TinySpec) -> Path:
