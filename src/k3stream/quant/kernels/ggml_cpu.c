@@ -276,55 +276,81 @@ AVX2 static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* acc += (codes * step) * x over 32 elements: codes (signed bytes) of sub-blocks s and s + 1 */
-AVX2 static inline __m256 fma32(__m256i codes, const float *steps, int s, const float *x, __m256 acc) {
+/* acc[j] += (codes * step) * x over 32 elements, 8 per accumulator (four independent FMA chains):
+ * codes (signed bytes) of sub-blocks s (first 16) and s + 1 */
+AVX2 static inline void fma32(__m256i codes, const float *steps, int s, const float *x, __m256 acc[4]) {
     const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
     const __m256 a = _mm256_broadcast_ss(steps + s), b = _mm256_broadcast_ss(steps + s + 1);
-    acc = _mm256_fmadd_ps(_mm256_mul_ps(codes_lo8(lo), a), _mm256_loadu_ps(x), acc);
-    acc = _mm256_fmadd_ps(_mm256_mul_ps(codes_lo8(_mm_srli_si128(lo, 8)), a), _mm256_loadu_ps(x + 8), acc);
-    acc = _mm256_fmadd_ps(_mm256_mul_ps(codes_lo8(hi), b), _mm256_loadu_ps(x + 16), acc);
-    return _mm256_fmadd_ps(_mm256_mul_ps(codes_lo8(_mm_srli_si128(hi, 8)), b), _mm256_loadu_ps(x + 24), acc);
+    acc[0] = _mm256_fmadd_ps(_mm256_mul_ps(codes_lo8(lo), a), _mm256_loadu_ps(x), acc[0]);
+    acc[1] = _mm256_fmadd_ps(_mm256_mul_ps(codes_lo8(_mm_srli_si128(lo, 8)), a), _mm256_loadu_ps(x + 8), acc[1]);
+    acc[2] = _mm256_fmadd_ps(_mm256_mul_ps(codes_lo8(hi), b), _mm256_loadu_ps(x + 16), acc[2]);
+    acc[3] = _mm256_fmadd_ps(_mm256_mul_ps(codes_lo8(_mm_srli_si128(hi, 8)), b), _mm256_loadu_ps(x + 24), acc[3]);
+}
+
+/* 16 values (b[i] >> shift) & 15 as floats times `scale`, into out[16] */
+AVX2 static inline void nibbles_times(const uint8_t *b, int shift, float scale, float *out) {
+    const __m128i bytes = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)b), shift), _mm_set1_epi8(15));
+    const __m256 factor = _mm256_set1_ps(scale);
+    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), factor));
+    _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))), factor));
+}
+
+AVX2 static inline float hsum_all(__m256 acc[4]) {
+    return hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
 AVX2 static float dot_q2_k(const uint8_t *restrict b, const float *restrict x, const float *restrict sums) {
-    const float d = f16(b + 80), dmin = f16(b + 82);
     float steps[16], mins[16];
-    for (int s = 0; s < 16; s++) {
-        steps[s] = (float)(b[s] & 15) * d;
-        mins[s] = (float)(b[s] >> 4) * dmin;
-    }
+    nibbles_times(b, 0, f16(b + 80), steps);
+    nibbles_times(b, 4, f16(b + 82), mins);
     const __m256i three = _mm256_set1_epi8(3);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int g = 0; g < 2; g++) { /* byte 32g + i, bits 2f: element 128g + 32f + i, sub-block 8g + 2f + i/16 */
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * g));
         for (int f = 0; f < 4; f++) {
             const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(q, 2 * f), three);
-            acc = fma32(codes, steps, 8 * g + 2 * f, x + 128 * g + 32 * f, acc);
+            fma32(codes, steps, 8 * g + 2 * f, x + 128 * g + 32 * f, acc);
         }
     }
     __m256 offsets = _mm256_mul_ps(_mm256_loadu_ps(mins), _mm256_loadu_ps(sums));
     offsets = _mm256_fmadd_ps(_mm256_loadu_ps(mins + 8), _mm256_loadu_ps(sums + 8), offsets);
-    return hsum8(acc) - hsum8(offsets);
+    return hsum_all(acc) - hsum8(offsets);
+}
+
+/* Q3_K's 16 signed 6-bit scales (q3_k_scale) times d, into out[16] */
+AVX2 static inline void q3_k_steps(const uint8_t *b, float d, float *out) {
+    uint64_t low;
+    uint32_t high;
+    memcpy(&low, b + 96, 8);
+    memcpy(&high, b + 104, 4);
+    const uint64_t nibbles = 0x0F0F0F0F0F0F0F0Full;
+    const uint32_t pairs = 0x03030303u;
+    const __m128i lows = _mm_set_epi64x((int64_t)((low >> 4) & nibbles), (int64_t)(low & nibbles));
+    const __m128i highs = _mm_set_epi32((int)((high >> 6) & pairs), (int)((high >> 4) & pairs),
+                                        (int)((high >> 2) & pairs), (int)(high & pairs));
+    const __m128i codes = _mm_sub_epi8(_mm_or_si128(lows, _mm_slli_epi16(highs, 4)), _mm_set1_epi8(32));
+    const __m256 scale = _mm256_set1_ps(d);
+    _mm256_storeu_ps(out, _mm256_mul_ps(codes_lo8(codes), scale));
+    _mm256_storeu_ps(out + 8, _mm256_mul_ps(codes_lo8(_mm_srli_si128(codes, 8)), scale));
 }
 
 AVX2 static float dot_q3_k(const uint8_t *restrict b, const float *restrict x, const float *restrict sums) {
     (void)sums;
-    const float d = f16(b + 108);
     float steps[16];
-    for (int s = 0; s < 16; s++) steps[s] = q3_k_scale(b, s) * d;
+    q3_k_steps(b, f16(b + 108), steps);
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const __m256i hmask = _mm256_loadu_si256((const __m256i *)b);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int g = 0; g < 2; g++) { /* as Q2_K; a clear bit 4g + f of hmask[i] subtracts 4 */
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * g));
         for (int f = 0; f < 4; f++) {
             const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * f), three);
             const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hmask, 4 * g + f), one);
             const __m256i codes = _mm256_sub_epi8(low, _mm256_slli_epi16(_mm256_xor_si256(high, one), 2));
-            acc = fma32(codes, steps, 8 * g + 2 * f, x + 128 * g + 32 * f, acc);
+            fma32(codes, steps, 8 * g + 2 * f, x + 128 * g + 32 * f, acc);
         }
     }
-    return hsum8(acc);
+    return hsum_all(acc);
 }
 
 #define FUSED_ROW(NAME, DOT, BLOCK_BYTES)                                                         \
