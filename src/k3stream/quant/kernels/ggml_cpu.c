@@ -276,15 +276,21 @@ AVX2 static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* acc[j] += (codes * step) * x over 32 elements, 8 per accumulator (four independent FMA chains):
- * codes (signed bytes) of sub-blocks s (first 16) and s + 1 */
-AVX2 static inline void fma32(__m256i codes, const float *steps, int s, const float *x, __m256 acc[4]) {
+/* Up to FUSED_ROWS input rows share each expanded weight vector; every row keeps its own four FMA
+ * chains and sees exactly the operations it would see alone, so results do not depend on pairing. */
+#define FUSED_ROWS 2
+#define ALWAYS AVX2 static inline __attribute__((always_inline))
+
+/* acc[r][j] += (codes * step) * x_r over 32 elements at `at`, 8 per chain j: codes (signed bytes)
+ * of sub-blocks s (first 16) and s + 1 */
+ALWAYS void fma32(__m256i codes, const float *steps, int s, const float *const *x, int64_t at,
+                  __m256 acc[FUSED_ROWS][4], const int n) {
     const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
     const __m256 a = _mm256_broadcast_ss(steps + s), b = _mm256_broadcast_ss(steps + s + 1);
-    acc[0] = _mm256_fmadd_ps(_mm256_mul_ps(codes_lo8(lo), a), _mm256_loadu_ps(x), acc[0]);
-    acc[1] = _mm256_fmadd_ps(_mm256_mul_ps(codes_lo8(_mm_srli_si128(lo, 8)), a), _mm256_loadu_ps(x + 8), acc[1]);
-    acc[2] = _mm256_fmadd_ps(_mm256_mul_ps(codes_lo8(hi), b), _mm256_loadu_ps(x + 16), acc[2]);
-    acc[3] = _mm256_fmadd_ps(_mm256_mul_ps(codes_lo8(_mm_srli_si128(hi, 8)), b), _mm256_loadu_ps(x + 24), acc[3]);
+    const __m256 w[4] = {_mm256_mul_ps(codes_lo8(lo), a), _mm256_mul_ps(codes_lo8(_mm_srli_si128(lo, 8)), a),
+                         _mm256_mul_ps(codes_lo8(hi), b), _mm256_mul_ps(codes_lo8(_mm_srli_si128(hi, 8)), b)};
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x[r] + at + 8 * j), acc[r][j]);
 }
 
 /* 16 values (b[i] >> shift) & 15 as floats times `scale`, into out[16] */
@@ -299,22 +305,29 @@ AVX2 static inline float hsum_all(__m256 acc[4]) {
     return hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
-AVX2 static float dot_q2_k(const uint8_t *restrict b, const float *restrict x, const float *restrict sums) {
+/* out[r] = block . x_r (256 values at `at`) for n rows; sums: each row's 16-value sums */
+ALWAYS void dot_q2_k(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
+                     float *out, const int n) {
     float steps[16], mins[16];
     nibbles_times(b, 0, f16(b + 80), steps);
     nibbles_times(b, 4, f16(b + 82), mins);
     const __m256i three = _mm256_set1_epi8(3);
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[FUSED_ROWS][4];
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
     for (int g = 0; g < 2; g++) { /* byte 32g + i, bits 2f: element 128g + 32f + i, sub-block 8g + 2f + i/16 */
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * g));
         for (int f = 0; f < 4; f++) {
             const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(q, 2 * f), three);
-            fma32(codes, steps, 8 * g + 2 * f, x + 128 * g + 32 * f, acc);
+            fma32(codes, steps, 8 * g + 2 * f, x, at + 128 * g + 32 * f, acc, n);
         }
     }
-    __m256 offsets = _mm256_mul_ps(_mm256_loadu_ps(mins), _mm256_loadu_ps(sums));
-    offsets = _mm256_fmadd_ps(_mm256_loadu_ps(mins + 8), _mm256_loadu_ps(sums + 8), offsets);
-    return hsum_all(acc) - hsum8(offsets);
+    for (int r = 0; r < n; r++) {
+        const float *row_sums = sums[r] + at / 16;
+        __m256 offsets = _mm256_mul_ps(_mm256_loadu_ps(mins), _mm256_loadu_ps(row_sums));
+        offsets = _mm256_fmadd_ps(_mm256_loadu_ps(mins + 8), _mm256_loadu_ps(row_sums + 8), offsets);
+        out[r] = hsum_all(acc[r]) - hsum8(offsets);
+    }
 }
 
 /* Q3_K's 16 signed 6-bit scales (q3_k_scale) times d, into out[16] */
@@ -334,37 +347,48 @@ AVX2 static inline void q3_k_steps(const uint8_t *b, float d, float *out) {
     _mm256_storeu_ps(out + 8, _mm256_mul_ps(codes_lo8(_mm_srli_si128(codes, 8)), scale));
 }
 
-AVX2 static float dot_q3_k(const uint8_t *restrict b, const float *restrict x, const float *restrict sums) {
+ALWAYS void dot_q3_k(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
+                     float *out, const int n) {
     (void)sums;
     float steps[16];
     q3_k_steps(b, f16(b + 108), steps);
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const __m256i hmask = _mm256_loadu_si256((const __m256i *)b);
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[FUSED_ROWS][4];
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
     for (int g = 0; g < 2; g++) { /* as Q2_K; a clear bit 4g + f of hmask[i] subtracts 4 */
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * g));
         for (int f = 0; f < 4; f++) {
             const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * f), three);
             const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hmask, 4 * g + f), one);
             const __m256i codes = _mm256_sub_epi8(low, _mm256_slli_epi16(_mm256_xor_si256(high, one), 2));
-            fma32(codes, steps, 8 * g + 2 * f, x + 128 * g + 32 * f, acc);
+            fma32(codes, steps, 8 * g + 2 * f, x, at + 128 * g + 32 * f, acc, n);
         }
     }
-    return hsum_all(acc);
+    for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);
 }
 
-#define FUSED_ROW(NAME, DOT, BLOCK_BYTES)                                                         \
-    AVX2 static void NAME(const Product *pr, int64_t b, int64_t m) {                              \
-        const int64_t blocks = pr->row_bytes / (BLOCK_BYTES);                                      \
-        const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;     \
-        for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {                              \
-            const float *x = pr->x + pr->rows[p] * pr->in_features;                                \
-            const float *sums = pr->sums16 + pr->rows[p] * (pr->in_features / 16);                 \
-            float total = 0.0f;                                                                     \
-            for (int64_t block = 0; block < blocks; block++)                                        \
-                total += DOT(row + block * (BLOCK_BYTES), x + 256 * block, sums + 16 * block);       \
-            pr->out[p * pr->out_rows + m] = total;                                                  \
-        }                                                                                           \
+/* One weight row m of a fused type against its matrix's input rows, FUSED_ROWS rows at a time. */
+#define FUSED_ROW(NAME, DOT, BLOCK_BYTES)                                                              \
+    AVX2 static void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
+        const float *x[FUSED_ROWS], *sums[FUSED_ROWS];                                                 \
+        float total[FUSED_ROWS] = {0}, part[FUSED_ROWS];                                                \
+        for (int r = 0; r < n; r++) {                                                                  \
+            x[r] = pr->x + pr->rows[p + r] * pr->in_features;                                          \
+            sums[r] = pr->sums16 + pr->rows[p + r] * (pr->in_features / 16);                           \
+        }                                                                                              \
+        for (int64_t block = 0; block < pr->row_bytes / (BLOCK_BYTES); block++) {                      \
+            DOT(row + block * (BLOCK_BYTES), x, sums, 256 * block, part, n);                           \
+            for (int r = 0; r < n; r++) total[r] += part[r];                                           \
+        }                                                                                              \
+        for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_rows + m] = total[r];                    \
+    }                                                                                                  \
+    AVX2 static void NAME(const Product *pr, int64_t b, int64_t m) {                                   \
+        const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;          \
+        int64_t p = pr->starts[b];                                                                     \
+        for (; p + FUSED_ROWS <= pr->starts[b + 1]; p += FUSED_ROWS) NAME##_rows(pr, row, m, p, FUSED_ROWS); \
+        for (; p < pr->starts[b + 1]; p++) NAME##_rows(pr, row, m, p, 1);                              \
     }
 
 FUSED_ROW(fused_q2_k, dot_q2_k, 84)
