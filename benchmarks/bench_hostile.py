@@ -105,10 +105,10 @@ def generate_args(model: Path) -> list[str]:
 
 
 def gguf_section(work: Path) -> list[dict]:
-    from k3stream.hostile import GGUF_CASES
+    from k3stream.hostile import GGUF_CASES, GGUF_HEAVY_CASES
 
     rows = []
-    for name, make in GGUF_CASES.items():
+    for name, make in {**GGUF_CASES, **GGUF_HEAVY_CASES}.items():
         path = make(work / "crafted.gguf")
         result = run_cli(["inspect", str(path)])
         rows.append(_row("gguf header", name, refusal_outcome(result), result))
