@@ -251,3 +251,31 @@ def test_kernels_agree_with_the_reference_path(tiny_model):
         assert relative_error(prefill_then_decode(fast, tokens), prefill_then_decode(slow, tokens)) < 1e-5
 
 
+
+
+TRUNCATE_WHILE_RUNNING = """
+import os, sys
+import k3stream
+model = k3stream.load(sys.argv[1])
+model.logits([1, 2, 3])
+os.truncate(sys.argv[1], os.path.getsize(sys.argv[1]) // 2)
+try:
+    model.logits([4, 5, 6])
+except ValueError as error:
+    print("clear error:", error)
+"""
+
+
+def test_a_gguf_that_shrinks_under_a_running_model_is_a_clear_error(tiny_model, tmp_path):
+    """Weights live in anonymous memory and experts are read with preadv: no mapped read can SIGBUS."""
+    import shutil
+    import subprocess
+    import sys
+
+    path = tmp_path / "model.gguf"
+    shutil.copy(tiny_model(recipe="f32", seed=41), path)
+    done = subprocess.run(
+        [sys.executable, "-c", TRUNCATE_WHILE_RUNNING, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-1000:]}"
+    assert "clear error:" in done.stdout and "cut short" in done.stdout and "model.gguf" in done.stdout

@@ -110,19 +110,21 @@ class K3Checkpoint:
         mapped = self._readers[info.shard_index].data
         return mapped[info.data_offset : info.data_offset + info.nbytes]
 
-    def read(self, name: str) -> np.ndarray:
-        """A fresh copy of the tensor's bytes in anonymous memory, read from the file (not through the
-        map: its pages never join this process's RSS, and a later change to the file cannot reach it)."""
+    def read(self, name: str, start: int = 0, nbytes: int | None = None) -> np.ndarray:
+        """A fresh copy of the tensor's bytes `start..start + nbytes` (default: all) in anonymous
+        memory, read from the file, not through the map: its pages never join this process's RSS, and
+        a file that shrinks later raises a clear error here instead of a SIGBUS in a mapped read."""
         info = self.info(name)
-        out = np.empty(info.nbytes, dtype=np.uint8)
+        nbytes = info.nbytes - start if nbytes is None else nbytes
+        if start < 0 or nbytes < 0 or start + nbytes > info.nbytes:
+            raise ValueError(f"{info.path}: bytes {start}..{start + nbytes} outside tensor {name}")
+        out = np.empty(nbytes, dtype=np.uint8)
         with open(info.path, "rb", buffering=0) as file:
             view, done = memoryview(out), 0
-            while done < info.nbytes:
-                got = os.preadv(file.fileno(), [view[done:]], info.data_offset + done)
+            while done < nbytes:
+                got = os.preadv(file.fileno(), [view[done:]], info.data_offset + start + done)
                 if got == 0:
-                    raise ValueError(
-                        f"{info.path}: tensor {name} is cut short at byte {done} of {info.nbytes}"
-                    )
+                    raise ValueError(f"{info.path}: tensor {name} is cut short (the file shrank?)")
                 done += got
         return out
 

@@ -6,7 +6,6 @@ The model never reads routed expert tensors from the checkpoint itself.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -41,39 +40,41 @@ class ExpertSource(Protocol):
 
 
 class GGUFExpertSource:
-    """Serves expert slices straight from the checkpoint's memory map (no cache, no prefetch)."""
+    """Serves routed experts from the checkpoint's files (no cache, no prefetch).
+
+    Each fetch reads the experts' bytes with `preadv` into fresh buffers rather than viewing the map,
+    so a GGUF that shrinks while the model runs fails the step with a clear error instead of killing
+    the process (a mapped read past the end is a SIGBUS).
+    """
 
     def __init__(self, checkpoint: K3Checkpoint) -> None:
         self.checkpoint = checkpoint
-        self._roles: dict[tuple[int, str], tuple[torch.Tensor, int, tuple[int, int]]] = {}
+        self._roles: dict[tuple[int, str], tuple[str, int, int, tuple[int, int]]] = {}
 
     def fetch(self, layer: int, expert_ids: list[int]) -> dict[int, ExpertWeights]:
         roles = [self._role(layer, role) for role in ROLES]
-        count = roles[0][0].shape[0]
+        count = self.checkpoint.config.n_experts
         bad = [expert for expert in expert_ids if not 0 <= expert < count]
         if bad:
             raise IndexError(
                 f"{self.checkpoint.shards[0]}: expert {bad[0]} outside 0..{count - 1} (layer {layer})"
             )
-        return {
-            expert: ExpertWeights(
-                *(ExpertMatrix(data[expert], type_id, shape) for data, type_id, shape in roles)
-            )
-            for expert in expert_ids
-        }
+        return {expert: ExpertWeights(*(self._read(role, expert) for role in roles)) for expert in expert_ids}
 
     def prefetch(self, layer: int, expert_ids: list[int]) -> None:
         return None
 
-    def _role(self, layer: int, role: str) -> tuple[torch.Tensor, int, tuple[int, int]]:
-        """One routed tensor as [experts, bytes per expert] over the map, its type and (out, in)."""
+    def _read(self, role: tuple[str, int, int, tuple[int, int]], expert: int) -> ExpertMatrix:
+        name, per_expert, type_id, shape = role
+        data = torch.from_numpy(self.checkpoint.read(name, expert * per_expert, per_expert))
+        return ExpertMatrix(data, type_id, shape)
+
+    def _role(self, layer: int, role: str) -> tuple[str, int, int, tuple[int, int]]:
+        """One routed tensor's name, bytes per expert, GGML type and (out, in)."""
         key = (layer, role)
         if key not in self._roles:
             name = routed_expert_name(layer, role)
             info = self.checkpoint.info(name)
             count, rows, cols = info.shape
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # a read-only map: the model never writes it
-                data = torch.from_numpy(self.checkpoint.raw(name)).view(count, -1)
-            self._roles[key] = (data, int(info.ggml_type), (int(rows), int(cols)))
+            self._roles[key] = (name, info.nbytes // count, int(info.ggml_type), (int(rows), int(cols)))
         return self._roles[key]
