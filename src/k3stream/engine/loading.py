@@ -141,7 +141,19 @@ def load_resolved(
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a Kimi-K3 GGUF (any shard) or an expert-pack manifest (.json)")
-    parser.add_argument("--ram-mib", type=float, default=1024.0, help="RAM budget of the expert store (MiB)")
+    parser.add_argument(
+        "--ram-mib",
+        type=float,
+        default=None,
+        help="RAM budget of the expert store (MiB); default: what --memory-limit leaves for experts",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        metavar="SIZE",
+        default=None,
+        help="memory k3stream may use (e.g. 1.5GiB, 1536M); sizes the expert RAM budget after non-expert "
+        "weights, KV/state and working buffers (default: the memory cgroup's limit, else available RAM)",
+    )
     parser.add_argument("--gpu-mib", type=float, default=None, help="GPU budget of the expert store (MiB)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -205,6 +217,26 @@ def sampling_params(args: argparse.Namespace) -> Any:
     )
 
 
+def _expert_ram_mib(args: argparse.Namespace, gguf_path: Path, manifest: Path | None) -> float:
+    """`--ram-mib`, else the budget `--memory-limit` leaves (printed on stderr when a limit was given or
+    binds); refuses a limit too small."""
+    import sys
+
+    from k3stream.engine.memlimit import MIB, plan_for_model
+
+    if manifest is None:  # experts come from the GGUF map: no expert store to size
+        return args.ram_mib if args.ram_mib is not None else 1024.0
+    if args.ram_mib is not None and args.memory_limit is None:
+        return args.ram_mib
+    plan = plan_for_model(gguf_path, args.memory_limit, args.io_threads)
+    if args.ram_mib is not None:
+        print(f"{plan.summary()}; --ram-mib {args.ram_mib:g} MiB in use instead", file=sys.stderr)
+        return args.ram_mib
+    if args.memory_limit is not None or plan.expert_budget < plan.needs.expert_bytes:  # the limit binds
+        print(plan.summary(), file=sys.stderr)
+    return plan.expert_budget / MIB
+
+
 def runtime_from_args(args: argparse.Namespace) -> Runtime:
     gguf_path, manifest = resolve_model(args.model, not args.no_stream_experts)  # fails fast, before torch
     import torch
@@ -219,7 +251,7 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
         manifest,
         device=device,
         dtype=getattr(torch, args.dtype),
-        ram_mib=args.ram_mib,
+        ram_mib=_expert_ram_mib(args, gguf_path, manifest),
         gpu_mib=args.gpu_mib,
         store_options=StoreOptions.from_args(args),
     )
