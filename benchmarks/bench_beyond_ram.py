@@ -1,0 +1,387 @@
+"""k3stream against llama.cpp on a model several times larger than a memory limit.
+
+    python benchmarks/bench_beyond_ram.py [--limit 1.5GiB] [--ratio 2.5] [--cache-dir DIR]
+
+Writes (or reuses, in --cache-dir) an audited-recipe tiny model with the real model's sparsity (512
+experts top-8: top-k / experts = 1.6%) and enough MoE layers to be >= --ratio x the limit, packs it,
+then runs each contender alone in a child memory cgroup (created under this process's own cgroup, limit
+--limit) after dropping the model files' page cache:
+
+- llama.cpp (llama-cpp-python, mmap, CPU) as users run it;
+- k3stream with experts streaming from the pack, sized by `--memory-limit` (the same limit).
+
+Both warm up with the prompt, then prefill it and greedily decode --decode-tokens tokens. Per contender:
+prefill and decode tok/s, bytes read from disk (`/proc/PID/io` read_bytes of the child, load and run),
+peak cgroup memory, times the limit was hit, OOM kills; for k3stream also the decode hit rate, fetch
+time (the model waiting on `fetch`) and pack read time per decode token; then the ratios. Skips with one
+line where no memory cgroup can be created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from k3stream.engine.cgroups import ChildCgroup, drop_page_cache
+from k3stream.engine.memlimit import MIB, format_size, parse_size
+from k3stream.tiny import TinySpec
+
+# the issue's model: hidden 1024, 512 experts top-8, expert_ff = latent = 1024 (one object 1.14 MB)
+SHAPE = dict(
+    recipe="audited",
+    hidden=1024,
+    n_experts=512,
+    top_k=8,
+    expert_ff=1024,
+    latent=1024,
+    kv_lora=256,
+    qk_nope=32,
+)
+OBJECT_BYTES = 1024 * 1024 // 256 * (84 + 84 + 110)  # up + gate (Q2_K), down (Q3_K)
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "k3stream-beyond-ram"
+
+# ---- the model --------------------------------------------------------------------------------------
+
+
+def model_spec(limit: int, ratio: float, layers: int | None = None) -> TinySpec:
+    """The issue's shape with enough MoE layers (after one dense layer) for >= ratio x limit of experts."""
+    if layers is None:
+        moe_layers = max(1, math.ceil(ratio * limit / (SHAPE["n_experts"] * OBJECT_BYTES)))
+        layers = moe_layers + 1
+    return TinySpec(n_layers=max(layers, 2), **SHAPE)
+
+
+def ensure_model(spec: TinySpec, cache_dir: Path) -> tuple[Path, Path]:
+    """`(gguf, manifest)` for `spec` in `cache_dir`, written and packed unless already there."""
+    from k3stream.pack.builder import BuildOptions, build_pack
+    from k3stream.tiny import make_tiny, shard_paths
+
+    key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
+    directory = cache_dir / f"L{spec.n_layers}-E{spec.n_experts}-{key}"
+    gguf = shard_paths(directory, spec.shards)[0]
+    manifest = gguf.with_name(gguf.stem + ".expert-major.pack.manifest.json")
+    if not gguf.is_file():
+        print(f"writing {directory} ...", file=sys.stderr, flush=True)
+        make_tiny(directory, spec)
+    if not manifest.is_file():
+        print(f"packing {gguf} ...", file=sys.stderr, flush=True)
+        manifest = build_pack(gguf, options=BuildOptions(progress=False)).manifest
+    return gguf, manifest
+
+
+def model_files(gguf: Path, manifest: Path) -> list[Path]:
+    return [gguf, manifest.with_name(manifest.name.removesuffix(".manifest.json"))]
+
+
+def bench_prompt(gguf: Path, count: int) -> list[int]:
+    from k3stream.engine import bench
+    from k3stream.engine.tokenizer import Tokenizer
+
+    return bench.bench_prompt(Tokenizer.from_gguf(gguf), count)
+
+
+# ---- the children ---------------------------------------------------------------------------------
+
+IO_SNIPPET = """
+def read_io():
+    with open("/proc/self/io") as f:
+        return dict((k.rstrip(":"), int(v)) for k, v in (line.split() for line in f))["read_bytes"]
+"""
+
+LLAMA_CHILD = (
+    IO_SNIPPET
+    + """
+import json, sys, time
+import numpy as np
+import llama_cpp
+job = json.loads(sys.argv[1])
+io = {"start": read_io()}
+started = time.perf_counter()
+model = llama_cpp.Llama(model_path=job["model"], n_ctx=job["n_ctx"], n_batch=job["n_batch"],
+                        n_threads=job["threads"], n_threads_batch=job["threads"], use_mmap=True,
+                        n_gpu_layers=0, verbose=False)
+load_s = time.perf_counter() - started
+io["load"] = read_io()
+n_vocab = model.n_vocab()
+def last_argmax():
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(model._ctx.ctx, -1), shape=(n_vocab,))
+    return int(logits.argmax())
+model.eval(job["prompt"])
+model.reset()
+io["warmup"] = read_io()
+started = time.perf_counter()
+model.eval(job["prompt"])
+prefill_s = time.perf_counter() - started
+io["prefill"] = read_io()
+tokens = [last_argmax()]
+started = time.perf_counter()
+for _ in range(job["decode_tokens"]):
+    model.eval([tokens[-1]])
+    tokens.append(last_argmax())
+decode_s = time.perf_counter() - started
+io["decode"] = read_io()
+print(json.dumps({"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s, "io": io,
+                  "tokens": tokens[:-1]}))
+"""
+)
+
+K3_CHILD = (
+    IO_SNIPPET
+    + """
+import argparse, json, sys, time
+job = json.loads(sys.argv[1])
+io = {"start": read_io()}
+import torch
+from k3stream.engine import bench
+from k3stream.engine.loading import add_model_arguments, runtime_from_args
+parser = argparse.ArgumentParser()
+add_model_arguments(parser)
+args = parser.parse_args(job["argv"])
+torch.set_num_threads(job["threads"])
+started = time.perf_counter()
+runtime = runtime_from_args(args)
+load_s = time.perf_counter() - started
+io["load"] = read_io()
+model, store = runtime.model, runtime.store
+prompt = job["prompt"]
+warm = model.new_state()
+model.decode(warm, int(model.prefill(warm, prompt)[-1].argmax()))
+store.end_token(len(prompt) + 1)
+io["warmup"] = read_io()
+phases = {}
+def measured(name, tokens, work):
+    before = bench.store_counters(store)
+    fetch_before = store.stats()["fetch_ns"]
+    started = time.perf_counter()
+    work()
+    seconds = time.perf_counter() - started
+    delta = bench.store_delta(before, bench.store_counters(store), tokens)
+    delta["fetch_s"] = (store.stats()["fetch_ns"] - fetch_before) / 1e9
+    delta["pack_read_s"] = (bench.store_counters(store)["pack_read_ns"] - before["pack_read_ns"]) / 1e9
+    phases[name] = {"seconds": seconds, "tokens": tokens, **delta}
+    io[name] = read_io()
+state = model.new_state()
+decoded = []
+def prefill():
+    decoded.append(int(model.prefill(state, prompt)[-1].argmax()))
+    store.end_token(len(prompt))
+def decode():
+    for _ in range(job["decode_tokens"]):
+        decoded.append(int(model.decode(state, decoded[-1]).argmax()))
+        store.end_token(1)
+measured("prefill", len(prompt), prefill)
+measured("decode", job["decode_tokens"], decode)
+budget = store.stats()["tiers"]["ram"]["budget_bytes"]
+runtime.close()
+print(json.dumps({"load_s": load_s, "phases": phases, "io": io, "tokens": decoded[:-1],
+                  "ram_budget_bytes": budget}))
+"""
+)
+
+
+def run_child(name: str, script: str, job: dict[str, Any], limit: int, files: list[Path]) -> dict[str, Any]:
+    """Run `script` in a fresh child cgroup of `limit` bytes, the files' page cache dropped first."""
+    cgroup = ChildCgroup.create(f"bench-{name}-{os.getpid()}", limit)
+    if isinstance(cgroup, str):
+        raise SystemExit(f"bench_beyond_ram: skipped: {cgroup}")
+    try:
+        drop_page_cache(*files)
+        done = subprocess.run(
+            [sys.executable, "-c", script, json.dumps(job)],
+            capture_output=True,
+            text=True,
+            preexec_fn=cgroup.join,
+        )
+        usage = cgroup.usage()
+    finally:
+        cgroup.remove()
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        return {"error": f"exit status {done.returncode}: {tail}", "cgroup": usage}
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["cgroup"] = usage
+    result["stderr"] = done.stderr.strip().splitlines()
+    return result
+
+
+def run_llama(gguf: Path, prompt: list[int], args: argparse.Namespace, files: list[Path]) -> dict[str, Any]:
+    job = {
+        "model": str(gguf),
+        "n_ctx": len(prompt) + args.decode_tokens + 8,
+        "n_batch": max(512, len(prompt)),
+        "threads": args.threads,
+        "prompt": prompt,
+        "decode_tokens": args.decode_tokens,
+    }
+    return run_child("llama", LLAMA_CHILD, job, args.limit_bytes, files)
+
+
+def run_k3stream(
+    manifest: Path, prompt: list[int], args: argparse.Namespace, files: list[Path]
+) -> dict[str, Any]:
+    argv = [str(manifest), "--device", "cpu", "--threads", str(args.threads), *args.k3stream_args]
+    if "--ram-mib" not in args.k3stream_args and "--memory-limit" not in args.k3stream_args:
+        argv += ["--memory-limit", str(args.limit_bytes)]
+    job = {"argv": argv, "threads": args.threads, "prompt": prompt, "decode_tokens": args.decode_tokens}
+    return run_child("k3stream", K3_CHILD, job, args.limit_bytes, files)
+
+
+# ---- the report -----------------------------------------------------------------------------------
+
+
+def summarize_llama(result: dict[str, Any], prompt_tokens: int, decode_tokens: int) -> dict[str, Any]:
+    io = result["io"]
+    return {
+        "prefill_tok_s": prompt_tokens / result["prefill_s"],
+        "decode_tok_s": decode_tokens / result["decode_s"],
+        "read_bytes": io["decode"] - io["start"],
+        "decode_read_per_token": (io["decode"] - io["prefill"]) / decode_tokens,
+        **result["cgroup"],
+    }
+
+
+def summarize_k3stream(result: dict[str, Any]) -> dict[str, Any]:
+    io, prefill, decode = result["io"], result["phases"]["prefill"], result["phases"]["decode"]
+    tokens = decode["tokens"]
+    return {
+        "prefill_tok_s": prefill["tokens"] / prefill["seconds"],
+        "decode_tok_s": tokens / decode["seconds"],
+        "read_bytes": io["decode"] - io["start"],
+        "decode_read_per_token": (io["decode"] - io["prefill"]) / tokens,
+        **result["cgroup"],
+        "ram_budget_bytes": result["ram_budget_bytes"],
+        "decode_hit_rate": decode["tiers"]["ram"]["hit_rate"],
+        "decode_pack_bytes_per_token": decode["bytes_per_token"],
+        "decode_fetch_ms_per_token": decode["fetch_s"] * 1e3 / tokens,
+        "decode_pack_read_ms_per_token": decode["pack_read_s"] * 1e3 / tokens,
+        "prefill_fetch_s": prefill["fetch_s"],
+        "prefill_pack_read_s": prefill["pack_read_s"],
+    }
+
+
+def _cell(value: Any, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+ROWS = [
+    ("prefill tok/s", "prefill_tok_s", ".2f", 1),
+    ("decode tok/s", "decode_tok_s", ".2f", 1),
+    ("disk read, MB (load + run)", "read_bytes", ".0f", 1e6),
+    ("disk read per decode token, MB", "decode_read_per_token", ".1f", 1e6),
+    ("peak cgroup memory, MiB", "peak_bytes", ".0f", MIB),
+    ("times the limit was hit", "limit_hits", "d", None),
+    ("OOM kills", "oom_kills", "d", None),
+    ("expert RAM budget, MiB", "ram_budget_bytes", ".0f", MIB),
+    ("decode hit rate", "decode_hit_rate", ".1%", None),
+    ("decode pack read per token, MB", "decode_pack_bytes_per_token", ".1f", 1e6),
+    ("decode fetch wait per token, ms", "decode_fetch_ms_per_token", ".1f", None),
+    ("decode pack read time per token, ms", "decode_pack_read_ms_per_token", ".1f", None),
+]
+
+
+def table(summaries: dict[str, dict[str, Any]]) -> list[str]:
+    names = list(summaries)
+    lines = [f"| {'':<36} | " + " | ".join(f"{n:>12}" for n in names) + " |"]
+    lines.append("|" + "-" * 38 + "|" + "|".join("-" * 14 for _ in names) + "|")
+    for label, key, fmt, scale in ROWS:
+        cells = []
+        for name in names:
+            value = summaries[name].get(key)
+            if value is not None and scale:
+                value = value / scale
+            cells.append(_cell(value, fmt))
+        if any(cell != "n/a" for cell in cells):
+            lines.append(f"| {label:<36} | " + " | ".join(f"{c:>12}" for c in cells) + " |")
+    return lines
+
+
+def ratios(k3: dict[str, Any], llama: dict[str, Any]) -> str:
+    def ratio(key: str) -> str:
+        return f"{k3[key] / llama[key]:.2f}x" if llama.get(key) and k3.get(key) is not None else "n/a"
+
+    return (
+        f"k3stream / llama.cpp: prefill {ratio('prefill_tok_s')}, decode {ratio('decode_tok_s')}, "
+        f"disk read {ratio('read_bytes')}, decode read per token {ratio('decode_read_per_token')}"
+    )
+
+
+# ---- main -------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--limit", default="1.5GiB", help="memory cgroup limit per contender (%(default)s)")
+    parser.add_argument(
+        "--ratio", type=float, default=2.5, help="model bytes / limit, at least (%(default)s)"
+    )
+    parser.add_argument("--layers", type=int, default=None, help="model layers (default: from --ratio)")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="models (default %(default)s)")
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="default %(default)s")
+    parser.add_argument("--decode-tokens", type=int, default=16, help="default %(default)s")
+    parser.add_argument("--threads", type=int, default=2, help="default %(default)s")
+    parser.add_argument("--only", choices=["llama", "k3stream"], default=None, help="run one contender")
+    parser.add_argument(
+        "--k3stream-args", default="", help="extra k3stream flags, e.g. '--ram-mib 384 --no-prefetch'"
+    )
+    parser.add_argument("--json", action="store_true", help="print the raw results as JSON too")
+    args = parser.parse_args(argv)
+    args.limit_bytes = parse_size(args.limit)
+    args.k3stream_args = args.k3stream_args.split()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    probe = ChildCgroup.create(f"bench-probe-{os.getpid()}", args.limit_bytes)
+    if isinstance(probe, str):
+        print(f"bench_beyond_ram: skipped: {probe}")
+        return 0
+    probe.remove()
+    spec = model_spec(args.limit_bytes, args.ratio, args.layers)
+    gguf, manifest = ensure_model(spec, args.cache_dir)
+    files = model_files(gguf, manifest)
+    model_bytes = sum(path.stat().st_size for path in files[:1])
+    print(
+        f"model {gguf}: {format_size(model_bytes)}, {spec.n_layers} layers, {spec.n_experts} experts "
+        f"top-{spec.top_k}; limit {format_size(args.limit_bytes)} ({model_bytes / args.limit_bytes:.1f}x); "
+        f"{args.prompt_tokens}-token prompt, {args.decode_tokens} greedy decode steps, "
+        f"{args.threads} threads",
+        flush=True,
+    )
+    prompt = bench_prompt(gguf, args.prompt_tokens)
+    raw: dict[str, Any] = {}
+    summaries: dict[str, dict[str, Any]] = {}
+    if args.only in (None, "llama"):
+        raw["llama.cpp"] = run_llama(gguf, prompt, args, files)
+        if "error" not in raw["llama.cpp"]:
+            summaries["llama.cpp"] = summarize_llama(raw["llama.cpp"], len(prompt), args.decode_tokens)
+    if args.only in (None, "k3stream"):
+        raw["k3stream"] = run_k3stream(manifest, prompt, args, files)
+        if "error" not in raw["k3stream"]:
+            summaries["k3stream"] = summarize_k3stream(raw["k3stream"])
+            print(*[line for line in raw["k3stream"]["stderr"] if "memory limit" in line], sep="\n")
+    for name, result in raw.items():
+        if "error" in result:
+            print(f"{name} failed: {result['error']} (cgroup: {result['cgroup']})")
+    if summaries:
+        print("\n".join(table(summaries)))
+    if len(summaries) == 2:
+        print(ratios(summaries["k3stream"], summaries["llama.cpp"]))
+        pairs = zip(raw["llama.cpp"]["tokens"], raw["k3stream"]["tokens"], strict=False)
+        same = sum(a == b for a, b in pairs)
+        print(f"greedy tokens equal at {same} of {args.decode_tokens} decode steps")
+    if args.json:
+        print(json.dumps(raw, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
