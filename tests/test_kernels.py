@@ -65,9 +65,10 @@ def test_tiles_hold_exactly_the_reference_values(qt):
     assert torch.equal(columns.T, dequantize(w.data.view(9, -1), int(qt)))
 
 
-def test_grouped_rows_equal_separate_products_bit_for_bit():
+@pytest.mark.parametrize("qt", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0, T.Q5_K], ids=lambda t: t.name)
+def test_grouped_rows_equal_separate_products_bit_for_bit(qt):
     """Uneven and empty groups; a row's result does not depend on what shared the call or on threads."""
-    weights = [weight(T.Q3_K, 48, 512, seed=s) for s in range(4)]
+    weights = [weight(qt, 48, 512, seed=s) for s in range(4)]
     x = torch.randn(7, 512)
     starts = torch.tensor([0, 3, 3, 8, 9])
     rows = torch.tensor([0, 6, 2, 1, 1, 3, 4, 5, 0])

@@ -307,7 +307,8 @@ AVX2 static inline float hsum_all(__m256 acc[4]) {
 
 /* out[r] = block . x_r (256 values at `at`) for n rows; sums: each row's 16-value sums */
 ALWAYS void dot_q2_k(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
-                     float *out, const int n) {
+                     float *out, const int n, const int count) {
+    (void)count;
     float steps[16], mins[16];
     nibbles_times(b, 0, f16(b + 80), steps);
     nibbles_times(b, 4, f16(b + 82), mins);
@@ -348,8 +349,8 @@ AVX2 static inline void q3_k_steps(const uint8_t *b, float d, float *out) {
 }
 
 ALWAYS void dot_q3_k(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
-                     float *out, const int n) {
-    (void)sums;
+                     float *out, const int n, const int count) {
+    (void)sums, (void)count;
     float steps[16];
     q3_k_steps(b, f16(b + 108), steps);
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
@@ -369,17 +370,120 @@ ALWAYS void dot_q3_k(const uint8_t *restrict b, const float *const *x, const flo
     for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);
 }
 
-/* One weight row m of a fused type against its matrix's input rows, FUSED_ROWS rows at a time. */
-#define FUSED_ROW(NAME, DOT, BLOCK_BYTES)                                                              \
+ALWAYS void zero_acc(__m256 acc[FUSED_ROWS][4], const int n) {
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
+}
+
+/* acc[r][j] += w * x_r[at .. at + 8] */
+ALWAYS void fma8(__m256 w, const float *const *x, int64_t at, __m256 acc[FUSED_ROWS][4], int j, const int n) {
+    for (int r = 0; r < n; r++) acc[r][j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x[r] + at), acc[r][j]);
+}
+
+/* 32 signed byte codes times one step, against x at `at` (chains 0-3) */
+ALWAYS void fma32_step(__m256i codes, float step, const float *const *x, int64_t at, __m256 acc[FUSED_ROWS][4],
+                       const int n) {
+    const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+    const __m256 s = _mm256_set1_ps(step);
+    fma8(_mm256_mul_ps(codes_lo8(lo), s), x, at, acc, 0, n);
+    fma8(_mm256_mul_ps(codes_lo8(_mm_srli_si128(lo, 8)), s), x, at + 8, acc, 1, n);
+    fma8(_mm256_mul_ps(codes_lo8(hi), s), x, at + 16, acc, 2, n);
+    fma8(_mm256_mul_ps(codes_lo8(_mm_srli_si128(hi, 8)), s), x, at + 24, acc, 3, n);
+}
+
+/* Q8_0 and Q4_0: `count` 32-value blocks; (code - 8) * d is exact in the codes, as the reference's */
+ALWAYS void dot_q8_0(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
+                     float *out, const int n, const int count) {
+    (void)sums;
+    __m256 acc[FUSED_ROWS][4];
+    zero_acc(acc, n);
+    for (int k = 0; k < count; k++) {
+        const uint8_t *block = b + 34 * k;
+        fma32_step(_mm256_loadu_si256((const __m256i *)(block + 2)), f16(block), x, at + 32 * k, acc, n);
+    }
+    for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);
+}
+
+ALWAYS void dot_q4_0(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
+                     float *out, const int n, const int count) {
+    (void)sums;
+    __m256 acc[FUSED_ROWS][4];
+    zero_acc(acc, n);
+    const __m128i nibble = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+    for (int k = 0; k < count; k++) {
+        const uint8_t *block = b + 18 * k;
+        const __m128i q = _mm_loadu_si128((const __m128i *)(block + 2)); /* element i: low nibble of byte i,
+                                                                           element 16 + i: its high nibble */
+        const __m128i low = _mm_sub_epi8(_mm_and_si128(q, nibble), eight);
+        const __m128i high = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), nibble), eight);
+        fma32_step(_mm256_set_m128i(high, low), f16(block), x, at + 32 * k, acc, n);
+    }
+    for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);
+}
+
+/* Q4_K: 8 sub-blocks of 32, byte 16 + 32(s/2) + i holds element 32s + i in nibble s%2 */
+ALWAYS void dot_q4_k(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
+                     float *out, const int n, const int count) {
+    (void)count;
+    const float d = f16(b), dmin = f16(b + 2);
+    float mins[8];
+    __m256 acc[FUSED_ROWS][4];
+    zero_acc(acc, n);
+    const __m256i nibble = _mm256_set1_epi8(15);
+    for (int s = 0; s < 8; s++) {
+        int scale, min;
+        k_scale_min(b + 4, s, &scale, &min);
+        mins[s] = (float)min * dmin;
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (s >> 1)));
+        const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(q, 4 * (s & 1)), nibble);
+        fma32_step(codes, (float)scale * d, x, at + 32 * s, acc, n);
+    }
+    for (int r = 0; r < n; r++) { /* each sub-block's min times the sum of its 32 values */
+        const float *row_sums = sums[r] + at / 16;
+        __m256 pairs = _mm256_setr_ps(row_sums[0] + row_sums[1], row_sums[2] + row_sums[3], row_sums[4] + row_sums[5],
+                                      row_sums[6] + row_sums[7], row_sums[8] + row_sums[9], row_sums[10] + row_sums[11],
+                                      row_sums[12] + row_sums[13], row_sums[14] + row_sums[15]);
+        out[r] = hsum_all(acc[r]) - hsum8(_mm256_mul_ps(_mm256_loadu_ps(mins), pairs));
+    }
+}
+
+/* Q6_K: run r of 32 values (sub-blocks 2r, 2r + 1): low nibbles at 64(r/4) + 32((r%4)%2), shift
+ * 4((r%4)/2); high bits at 128 + 32(r/4), shift 2(r%4) */
+ALWAYS void dot_q6_k(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
+                     float *out, const int n, const int count) {
+    (void)sums, (void)count;
+    const float d = f16(b + 208);
+    __m256 acc[FUSED_ROWS][4];
+    zero_acc(acc, n);
+    const __m256i nibble = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+    float steps[16];
+    for (int s = 0; s < 16; s++) steps[s] = (float)(int8_t)b[192 + s] * d;
+    for (int run = 0; run < 8; run++) {
+        const int half = run >> 2, rest = (run & 3) * 32;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * half + (rest & 63)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
+        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (rest >> 6)), nibble);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * (run & 3)), pair);
+        const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), bias);
+        fma32(codes, steps, 2 * run, x, at + 32 * run, acc, n);
+    }
+    for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);
+}
+
+/* One weight row m of a fused type against its matrix's input rows, FUSED_ROWS rows at a time; DOT
+ * takes up to 256 values (a K-quant block, or up to eight 32-value blocks) per call. */
+#define FUSED_ROW(NAME, DOT, BLOCK_ELEMS, BLOCK_BYTES)                                                 \
     AVX2 static void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
         const float *x[FUSED_ROWS], *sums[FUSED_ROWS];                                                 \
         float total[FUSED_ROWS] = {0}, part[FUSED_ROWS];                                                \
+        const int64_t blocks = pr->row_bytes / (BLOCK_BYTES), per_call = 256 / (BLOCK_ELEMS);          \
         for (int r = 0; r < n; r++) {                                                                  \
             x[r] = pr->x + pr->rows[p + r] * pr->in_features;                                          \
             sums[r] = pr->sums16 + pr->rows[p + r] * (pr->in_features / 16);                           \
         }                                                                                              \
-        for (int64_t block = 0; block < pr->row_bytes / (BLOCK_BYTES); block++) {                      \
-            DOT(row + block * (BLOCK_BYTES), x, sums, 256 * block, part, n);                           \
+        for (int64_t block = 0; block < blocks; block += per_call) {                                   \
+            const int count = (int)(blocks - block < per_call ? blocks - block : per_call);            \
+            DOT(row + block * (BLOCK_BYTES), x, sums, (BLOCK_ELEMS) * block, part, n, count);          \
             for (int r = 0; r < n; r++) total[r] += part[r];                                           \
         }                                                                                              \
         for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_rows + m] = total[r];                    \
@@ -391,12 +495,24 @@ ALWAYS void dot_q3_k(const uint8_t *restrict b, const float *const *x, const flo
         for (; p < pr->starts[b + 1]; p++) NAME##_rows(pr, row, m, p, 1);                              \
     }
 
-FUSED_ROW(fused_q2_k, dot_q2_k, 84)
-FUSED_ROW(fused_q3_k, dot_q3_k, 110)
+FUSED_ROW(fused_q2_k, dot_q2_k, 256, 84)
+FUSED_ROW(fused_q3_k, dot_q3_k, 256, 110)
+FUSED_ROW(fused_q4_k, dot_q4_k, 256, 144)
+FUSED_ROW(fused_q6_k, dot_q6_k, 256, 210)
+FUSED_ROW(fused_q4_0, dot_q4_0, 32, 18)
+FUSED_ROW(fused_q8_0, dot_q8_0, 32, 34)
 
 static RowKernel fused_kernel(int ggml_type) {
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return NULL;
-    return ggml_type == 10 ? fused_q2_k : ggml_type == 11 ? fused_q3_k : NULL;
+    switch (ggml_type) {
+        case 10: return fused_q2_k;
+        case 11: return fused_q3_k;
+        case 12: return fused_q4_k;
+        case 14: return fused_q6_k;
+        case 2: return fused_q4_0;
+        case 8: return fused_q8_0;
+        default: return NULL;
+    }
 }
 #else
 static RowKernel fused_kernel(int ggml_type) { (void)ggml_type; return NULL; }
