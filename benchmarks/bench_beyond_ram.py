@@ -94,6 +94,10 @@ IO_SNIPPET = """
 def read_io():
     with open("/proc/self/io") as f:
         return dict((k.rstrip(":"), int(v)) for k, v in (line.split() for line in f))["read_bytes"]
+def read_status():
+    with open("/proc/self/status") as f:
+        rows = [line.split() for line in f]
+    return {row[0].rstrip(":"): int(row[1]) * 1024 for row in rows if row[0] in ("VmHWM:", "RssAnon:")}
 """
 
 LLAMA_CHILD = (
@@ -129,7 +133,7 @@ for _ in range(job["decode_tokens"]):
 decode_s = time.perf_counter() - started
 io["decode"] = read_io()
 print(json.dumps({"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s, "io": io,
-                  "tokens": tokens[:-1]}))
+                  "tokens": tokens[:-1], "status": read_status()}))
 """
 )
 
@@ -180,9 +184,10 @@ def decode():
 measured("prefill", len(prompt), prefill)
 measured("decode", job["decode_tokens"], decode)
 budget = store.stats()["tiers"]["ram"]["budget_bytes"]
+status = read_status()
 runtime.close()
 print(json.dumps({"load_s": load_s, "phases": phases, "io": io, "tokens": decoded[:-1],
-                  "ram_budget_bytes": budget}))
+                  "ram_budget_bytes": budget, "status": status}))
 """
 )
 
@@ -245,6 +250,8 @@ def summarize_llama(result: dict[str, Any], prompt_tokens: int, decode_tokens: i
         "read_bytes": io["decode"] - io["start"],
         "decode_read_per_token": (io["decode"] - io["prefill"]) / decode_tokens,
         **result["cgroup"],
+        "peak_rss_bytes": result["status"].get("VmHWM"),
+        "anon_bytes": result["status"].get("RssAnon"),
     }
 
 
@@ -257,6 +264,8 @@ def summarize_k3stream(result: dict[str, Any]) -> dict[str, Any]:
         "read_bytes": io["decode"] - io["start"],
         "decode_read_per_token": (io["decode"] - io["prefill"]) / tokens,
         **result["cgroup"],
+        "peak_rss_bytes": result["status"].get("VmHWM"),
+        "anon_bytes": result["status"].get("RssAnon"),
         "ram_budget_bytes": result["ram_budget_bytes"],
         "decode_hit_rate": decode["tiers"]["ram"]["hit_rate"],
         "decode_pack_bytes_per_token": decode["bytes_per_token"],
@@ -277,6 +286,8 @@ ROWS = [
     ("disk read, MB (load + run)", "read_bytes", ".0f", 1e6),
     ("disk read per decode token, MB", "decode_read_per_token", ".1f", 1e6),
     ("peak cgroup memory, MiB", "peak_bytes", ".0f", MIB),
+    ("peak resident set (VmHWM), MiB", "peak_rss_bytes", ".0f", MIB),
+    ("anonymous memory at the end, MiB", "anon_bytes", ".0f", MIB),
     ("times the limit was hit", "limit_hits", "d", None),
     ("OOM kills", "oom_kills", "d", None),
     ("expert RAM budget, MiB", "ram_budget_bytes", ".0f", MIB),

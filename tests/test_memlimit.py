@@ -111,3 +111,9 @@ def test_no_cgroup_mounted_falls_back_to_available_ram(tmp_path):
     proc, sys_cgroup = _fake_tree(tmp_path, "4:memory:/gone\n0::/gone\n")
     assert own_memory_cgroup(proc, sys_cgroup) is None
     assert default_memory_limit(proc, sys_cgroup) == (20000000 * 1024, "available RAM")
+
+
+def test_pinning_the_malloc_mmap_threshold_reports_whether_it_could():
+    from k3stream.engine.memlimit import pin_malloc_mmap_threshold
+
+    assert isinstance(pin_malloc_mmap_threshold(), bool)

@@ -222,10 +222,11 @@ def _expert_ram_mib(args: argparse.Namespace, gguf_path: Path, manifest: Path | 
     binds); refuses a limit too small."""
     import sys
 
-    from k3stream.engine.memlimit import MIB, plan_for_model
+    from k3stream.engine.memlimit import MIB, pin_malloc_mmap_threshold, plan_for_model
 
     if manifest is None:  # experts come from the GGUF map: no expert store to size
         return args.ram_mib if args.ram_mib is not None else 1024.0
+    pin_malloc_mmap_threshold()  # expert buffers churn: keep freed ones from bloating the heap
     if args.ram_mib is not None and args.memory_limit is None:
         return args.ram_mib
     plan = plan_for_model(gguf_path, args.memory_limit, args.io_threads)

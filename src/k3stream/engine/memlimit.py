@@ -188,6 +188,29 @@ def model_needs(checkpoint: Any, tokens: int = SIZING_TOKENS, io_threads: int = 
     )
 
 
+# ---- the allocator ---------------------------------------------------------------------------------
+
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+MMAP_THRESHOLD_BYTES = 64 << 10
+
+
+def pin_malloc_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Serve allocations of `threshold` bytes and more with their own mmap, and keep it that way.
+
+    glibc raises its mmap threshold each time such a block is freed, after which MiB-sized expert
+    buffers come from the heap arenas of the reader threads and freed ones are not returned: measured on
+    a 4 GB model, 430 MiB of resident memory above the expert budget after 12 decode steps (1745 MiB
+    anonymous against 1315 MiB with the threshold pinned). Setting it explicitly turns the adjustment
+    off. Returns False where there is no glibc `mallopt`."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
+
+
 # ---- the plan ------------------------------------------------------------------------------------
 
 
