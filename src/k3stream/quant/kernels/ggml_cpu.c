@@ -258,14 +258,14 @@ ROW_KERNEL(row_q6_k, dec_q6_k, 256, 210)
 
 typedef void (*RowKernel)(const Product *, int64_t, int64_t);
 
-/* ---- fused AVX2 kernels for the audited recipe's Q2_K and Q3_K --------------------------------
+/* ---- fused AVX2 kernels: Q2_K, Q3_K, Q4_K, Q6_K, Q4_0, Q8_0, F16, BF16 ---------------------------
  * No tile: codes are expanded in registers, multiplied by their sub-block step (the reference's first
  * operation), and accumulated against x with FMA; each sub-block's min enters once, as min * sum(x)
  * over its 16 values (precomputed per x row). A different (but fixed) summation than the tile path:
  * chosen per type and machine, never per call, so results still do not depend on grouping. */
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 AVX2 static inline __m256 codes_lo8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
 
@@ -470,6 +470,28 @@ ALWAYS void dot_q6_k(const uint8_t *restrict b, const float *const *x, const flo
     for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);
 }
 
+/* F16 (F16C's exact conversion) and BF16 (the bits shifted up): `count` runs of 32 values */
+ALWAYS __m256 half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+ALWAYS __m256 bf16x8(const uint8_t *p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+#define FLOAT_DOT(NAME, LOAD8)                                                                          \
+    ALWAYS void NAME(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at, \
+                     float *out, const int n, const int count) {                                        \
+        (void)sums;                                                                                     \
+        __m256 acc[FUSED_ROWS][4];                                                                      \
+        zero_acc(acc, n);                                                                               \
+        for (int k = 0; k < count; k++)                                                                 \
+            for (int j = 0; j < 4; j++) fma8(LOAD8(b + 64 * k + 16 * j), x, at + 32 * k + 8 * j, acc, j, n); \
+        for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);                                          \
+    }
+
+FLOAT_DOT(dot_f16, half8)
+FLOAT_DOT(dot_bf16, bf16x8)
+
 /* One weight row m of a fused type against its matrix's input rows, FUSED_ROWS rows at a time; DOT
  * takes up to 256 values (a K-quant block, or up to eight 32-value blocks) per call. */
 #define FUSED_ROW(NAME, DOT, BLOCK_ELEMS, BLOCK_BYTES)                                                 \
@@ -501,6 +523,8 @@ FUSED_ROW(fused_q4_k, dot_q4_k, 256, 144)
 FUSED_ROW(fused_q6_k, dot_q6_k, 256, 210)
 FUSED_ROW(fused_q4_0, dot_q4_0, 32, 18)
 FUSED_ROW(fused_q8_0, dot_q8_0, 32, 34)
+FUSED_ROW(fused_f16, dot_f16, 32, 64)
+FUSED_ROW(fused_bf16, dot_bf16, 32, 64)
 
 static RowKernel fused_kernel(int ggml_type) {
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return NULL;
@@ -511,6 +535,8 @@ static RowKernel fused_kernel(int ggml_type) {
         case 14: return fused_q6_k;
         case 2: return fused_q4_0;
         case 8: return fused_q8_0;
+        case 1: return __builtin_cpu_supports("f16c") ? fused_f16 : NULL;
+        case 30: return fused_bf16;
         default: return NULL;
     }
 }
