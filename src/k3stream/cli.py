@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("k3stream.pack.cmd_verify", "check an expert pack against its manifest"),
     "generate": ("k3stream.engine.cmd_generate", "generate text from a prompt"),
     "chat": ("k3stream.engine.cmd_chat", "interactive chat"),
+    "perplexity": ("k3stream.engine.cmd_perplexity", "perplexity and KL divergence, as llama-perplexity"),
     "bench": ("k3stream.engine.cmd_bench", "measure prefill/decode speed and the expert store"),
     "serve": ("k3stream.server.cmd_serve", "OpenAI-compatible HTTP server"),
 }

@@ -1,0 +1,207 @@
+"""`k3stream perplexity`: llama-perplexity's numbers on tiny models, its KL-divergence base files."""
+
+from __future__ import annotations
+
+import math
+import re
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import k3stream
+from conftest import requires_llama
+from k3stream.cli import main
+from k3stream.engine.perplexity import (
+    BaseFile,
+    BaseWriter,
+    Perplexity,
+    chunk_logits,
+    dequantize_log_probs,
+    plan_chunks,
+    quantize_log_probs,
+    text_tokens,
+    token_nll,
+)
+from llama_logits import llama_logits
+
+TEXT = Path(textwrap.__file__)  # any text the tiny vocabulary tokenizes: a stdlib source file
+CTX, CHUNKS = 64, 3
+AUDITED = dict(latent=256, expert_ff=256, kv_lora=256, qk_nope=32)  # shapes the audited recipe accepts
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _plan(tokenizer, ctx: int = CTX, chunks: int = CHUNKS):
+    return plan_chunks(text_tokens(tokenizer, TEXT.read_text()), ctx, chunks)
+
+
+def _our_ppl(model, plan, batch: int) -> float:
+    ppl = Perplexity()
+    for index in range(plan.n_chunk):
+        ppl.add(token_nll(chunk_logits(model, plan.chunk(index), plan.first, batch), plan.targets(index)))
+    return ppl.ppl
+
+
+def _reference_ppl(chunk_logits_list: list[np.ndarray], plan) -> float:
+    """llama-perplexity's scoring written out on full-chunk logits: positions ctx/2 .. ctx-2."""
+    nll = []
+    for index, logits in enumerate(chunk_logits_list):
+        rows = logits[plan.first : plan.ctx - 1].astype(np.float64)
+        top = rows.max(axis=1, keepdims=True)
+        log_sum = np.log(np.exp(rows - top).sum(axis=1)) + top[:, 0]
+        targets = plan.tokens[index * plan.ctx + plan.first + 1 : (index + 1) * plan.ctx]
+        nll.append(log_sum - rows[np.arange(len(targets)), targets])
+    return math.exp(np.concatenate(nll).mean())
+
+
+@requires_llama
+def test_perplexity_equals_llama_cpp(model_path, tokenizer, tmp_path):
+    plan = _plan(tokenizer)
+    jobs = [(model_path, plan.chunk(i)) for i in range(plan.n_chunk)]
+    reference = _reference_ppl(llama_logits(jobs, tmp_path), plan)
+    model = k3stream.load(model_path)
+    ours = _our_ppl(model, plan, batch=plan.ctx)
+    print(f"PPL ours {ours:.6f}, llama.cpp {reference:.6f}, relative difference {ours / reference - 1:.2e}")
+    assert abs(ours / reference - 1) <= 0.005, (ours, reference)
+    assert _our_ppl(model, plan, batch=24) == pytest.approx(ours, rel=1e-6)  # batches of any size
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(["perplexity", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _value(label: str, out: str) -> float:
+    return float(re.search(rf"^{re.escape(label)}\s*:\s*(-?[0-9.]+)", out, re.MULTILINE).group(1))
+
+
+def test_cli_prints_llama_perplexity_output(model_path, tokenizer, capsys):
+    code, out, _ = _run(capsys, model_path, "--file", TEXT, "--ctx", CTX, "--chunks", CHUNKS)
+    assert code == 0
+    running = re.findall(r"\[(\d+)\]([0-9.]+),", out)
+    assert [int(i) for i, _ in running] == [1, 2, 3]
+    final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", out)
+    expected = _our_ppl(k3stream.load(model_path), _plan(tokenizer), batch=CTX)
+    assert float(final.group(1)) == pytest.approx(expected, rel=1e-4)
+    assert float(running[-1][1]) == pytest.approx(expected, rel=1e-4)
+    assert float(final.group(2)) > 0
+
+
+def test_streamed_experts_give_the_same_perplexity(model_path, capsys, tmp_path):
+    """The model loads through the engine's runtime: experts stream from a pack under --ram-mib."""
+    from k3stream.pack.builder import BuildOptions, build_pack
+
+    manifest = build_pack(
+        model_path, tmp_path / "m.pack", tmp_path / "m.manifest.json", BuildOptions(progress=False)
+    ).manifest
+    args = ("--file", TEXT, "--ctx", CTX, "--chunks", 2)
+    mapped = _run(capsys, model_path, *args)[1]
+    code, streamed, _ = _run(capsys, manifest, *args, "--ram-mib", 1)
+    assert code == 0 and streamed == mapped
+
+
+def test_uncertainty_is_llama_cpp_formula():
+    nll = np.array([1.0, 2.0, 4.0, 3.0])
+    ppl = Perplexity()
+    ppl.add(nll[:2])
+    ppl.add(nll[2:])
+    mean = nll.mean()
+    expected = math.exp(mean) * math.sqrt(((nll**2).mean() - mean**2) / (len(nll) - 1))
+    assert ppl.ppl == pytest.approx(math.exp(mean))
+    assert ppl.uncertainty() == pytest.approx(expected)
+
+
+def test_chunking_follows_llama_perplexity():
+    plan = plan_chunks(list(range(1000)), 100, bos_id=7)
+    assert (plan.n_chunk, plan.first, plan.scored) == (10, 50, 49)
+    assert plan.chunk(2)[:2] == [7, 201]  # BOS replaces each chunk's first token
+    assert plan.targets(2).tolist() == list(range(251, 300))
+    assert plan_chunks(list(range(1000)), 100, chunks=3).n_chunk == 3
+    with pytest.raises(ValueError, match="only 150 tokens; a context of 100 needs at least 200"):
+        plan_chunks(list(range(150)), 100)
+
+
+def test_base_log_probs_round_trip():
+    logits = torch.randn(5, 300) * 4
+    codes, scale, min_log_prob = quantize_log_probs(logits)
+    exact = torch.log_softmax(logits.double(), dim=-1).numpy()
+    restored = dequantize_log_probs(codes, scale, min_log_prob)
+    kept = exact > exact.max(axis=1, keepdims=True) - 16
+    assert np.abs(restored - exact)[kept].max() <= scale.max() * 0.51 + 1e-5
+    assert codes.dtype == np.uint16
+
+
+def test_base_writer_is_atomic(model_path, tokenizer, tmp_path):
+    plan = _plan(tokenizer)
+    target = tmp_path / "base.npz"
+    writer = BaseWriter(target, plan, 10)
+    writer.add(torch.zeros(plan.scored, 10))
+    with pytest.raises(ValueError, match="rows written"):
+        writer.close()  # 1 of 3 chunks
+    assert list(tmp_path.iterdir()) == []
+
+
+def _kld_run(capsys, model, base, *extra) -> str:
+    code, out, err = _run(capsys, model, "--kl-divergence", "--kl-divergence-base", base, *extra)
+    assert code == 0, err
+    return out
+
+
+def test_kld_of_a_model_against_its_own_base(model_path, capsys, tmp_path):
+    base = tmp_path / "base.npz"
+    args = ("--file", TEXT, "--ctx", CTX, "--chunks", CHUNKS)
+    assert _run(capsys, model_path, *args, "--kl-divergence-base", base)[0] == 0
+    saved = BaseFile.open(base)
+    assert (saved.ctx, len(saved.tokens), len(saved.scale)) == (CTX, CHUNKS * CTX, CHUNKS * (CTX // 2 - 1))
+    saved.close()
+    out = _kld_run(capsys, model_path, base, "--batch", 20)  # tokens and ctx come from the base
+    assert abs(_value("Mean    KLD", out)) < 1e-4
+    assert _value("Maximum KLD", out) < 1e-4
+    assert _value("Same top p", out) == 100.0
+    assert _value("Mean PPL(Q)/PPL(base)", out) == pytest.approx(1.0, abs=1e-4)
+    for label in ("99.0%   KLD", "Median  KLD", "RMS Δp", "Cor(ln(PPL(Q)), ln(PPL(base)))"):
+        assert label in out
+
+
+def test_audited_recipe_against_f32(tiny_model, tmp_path, capsys):
+    """The audited file quantizes the F32 recipe's values (same spec and seed): its KLD is the recipe's
+    cost. Its F32 rewrite runs the same numbers as the audited file: KLD ~0."""
+    from k3stream.gguf.cmd_dequantize import dequantize_gguf
+
+    audited, f32 = tiny_model(recipe="audited", **AUDITED), tiny_model(recipe="f32", **AUDITED)
+    rewrite = dequantize_gguf(audited, tmp_path / "rewrite.gguf", floats_to_f32=True)
+    args = ("--file", TEXT, "--ctx", CTX, "--chunks", 2)
+    for model, base in ((f32, "f32.npz"), (rewrite, "rewrite.npz")):
+        assert _run(capsys, model, *args, "--kl-divergence-base", tmp_path / base)[0] == 0
+    recipe_cost = _value("Mean    KLD", _kld_run(capsys, audited, tmp_path / "f32.npz"))
+    assert recipe_cost > 0.01
+    assert abs(_value("Mean    KLD", _kld_run(capsys, audited, tmp_path / "rewrite.npz"))) < 1e-4
+
+
+def test_mismatched_base_is_one_line_error(model_path, capsys, tmp_path):
+    base = tmp_path / "base.npz"
+    assert (
+        _run(capsys, model_path, "--file", TEXT, "--ctx", CTX, "--chunks", 2, "--kl-divergence-base", base)[0]
+        == 0
+    )
+    other = Path(re.__file__)
+    cases = {
+        ("--ctx", 32, "--file", TEXT): "saved with ctx 64, this run uses --ctx 32",
+        ("--file", other): "tokens differ",
+        ("--file", TEXT, "--chunks", 3): "holds 2 chunks, this run evaluates 3",
+    }
+    for extra, message in cases.items():
+        code, out, err = _run(capsys, model_path, "--kl-divergence", "--kl-divergence-base", base, *extra)
+        lines = err.strip().splitlines()
+        assert code == 1 and message in lines[-1] and str(base) in lines[-1], err
+        assert lines[-1].startswith("k3stream perplexity: error:") and out == ""
+    for path, message in (
+        (model_path, "not a k3stream KL-divergence base file"),
+        (tmp_path / "no.npz", "no such"),
+    ):
+        code, _, err = _run(capsys, model_path, "--kl-divergence", "--kl-divergence-base", path)
+        assert code == 1 and message in err.strip().splitlines()[-1]
