@@ -77,3 +77,42 @@ def test_expert_bytes_stay_within_the_ram_budget(tmp_path):
     assert 0 < expert_bytes["peak_resident"]["ram"] <= budget
     # every host expert buffer still alive anywhere (tiers, readers, callers), sampled after each step
     assert expert_bytes["peak_live_host"] <= budget
+
+
+# A generation on an F16 model: non-expert weights stay F16 (2 bytes a value) and nothing makes a float32
+# copy of them, so the peak stays at their GGUF bytes plus the expert budget and small working buffers.
+F16_SPEC = dict(hidden=1024, n_dense=3, dense_ff=32768, recipe="f16", n_experts=8, top_k=2, seed=5)
+
+MEASURE_GENERATE = """
+import json, sys
+import torch
+import k3stream, k3stream.cli, k3stream.engine.loading
+
+def peak():
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+baseline = peak()
+k3stream.cli.main(["generate", sys.argv[1], "--prompt", "hello there", "--max-tokens", "6",
+                   "--threads", "1", "--temperature", "0"])
+print(json.dumps({"baseline": baseline, "peak": peak()}))
+"""
+
+
+@pytest.mark.slow
+def test_generate_on_an_f16_model_stays_within_its_gguf_bytes():
+    gguf_path = cached_tiny(**F16_SPEC)
+    weights = nonexpert_bytes(gguf_path)
+    experts = gguf_path.stat().st_size - weights  # served from the map: all of them may be touched
+    assert weights >= 500e6
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURE_GENERATE, str(gguf_path)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    grown = measured["peak"] - measured["baseline"]
+    assert grown <= 1.10 * (weights + experts), (
+        f"generating on {weights / MIB:.0f} MiB of F16 non-expert weights (+{experts / MIB:.0f} MiB of "
+        f"experts) grew the peak RSS by {grown / MIB:.0f} MiB ({grown / (weights + experts):.2f}x)"
+    )
