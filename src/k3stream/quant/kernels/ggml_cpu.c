@@ -564,6 +564,13 @@ static RowKernel row_kernel(int ggml_type) {
     }
 }
 
+/* ROWS_PER_TASK output rows of one matrix. */
+static void run_task(const Product *pr, RowKernel kernel, int64_t task, int64_t chunks) {
+    const int64_t b = task / chunks, first = (task % chunks) * ROWS_PER_TASK;
+    const int64_t last = first + ROWS_PER_TASK < pr->out_rows ? first + ROWS_PER_TASK : pr->out_rows;
+    for (int64_t m = first; m < last && pr->starts[b + 1] > pr->starts[b]; m++) kernel(pr, b, m);
+}
+
 /* Returns 0, or -1 for a GGML type without a kernel. Workers take ROWS_PER_TASK rows of a matrix. */
 int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addresses, int64_t matrices,
                        int64_t out_rows, int64_t row_bytes, int ggml_type, const int64_t *starts,
@@ -585,12 +592,12 @@ int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addre
     }
     if (kernel == NULL) kernel = row_kernel(ggml_type);
     if (kernel == NULL) return -1;
-    const int64_t chunks = (out_rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    const int64_t chunks = (out_rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK, tasks = matrices * chunks;
+    if (threads <= 1) { /* no OpenMP region at all: a one-thread team between torch's resizes its pool */
+        for (int64_t task = 0; task < tasks; task++) run_task(&pr, kernel, task, chunks);
+    } else {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t task = 0; task < matrices * chunks; task++) {
-        const int64_t b = task / chunks, first = (task % chunks) * ROWS_PER_TASK;
-        const int64_t last = first + ROWS_PER_TASK < out_rows ? first + ROWS_PER_TASK : out_rows;
-        for (int64_t m = first; m < last && pr.starts[b + 1] > pr.starts[b]; m++) kernel(&pr, b, m);
+        for (int64_t task = 0; task < tasks; task++) run_task(&pr, kernel, task, chunks);
     }
     free(sums16);
     return 0;
