@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,7 @@ class K3Checkpoint:
         self.config = K3Config.from_metadata(self._readers[0].fields, source=str(self.shards[0]))
         self.tensors = _inventory(shards)
         self.profile = profile
+        self._descriptors: dict[int, int] = {}
         check_tensors(self.config, self.tensors)
 
     @classmethod
@@ -119,14 +121,21 @@ class K3Checkpoint:
         if start < 0 or nbytes < 0 or start + nbytes > info.nbytes:
             raise ValueError(f"{info.path}: bytes {start}..{start + nbytes} outside tensor {name}")
         out = np.empty(nbytes, dtype=np.uint8)
-        with open(info.path, "rb", buffering=0) as file:
-            view, done = memoryview(out), 0
-            while done < nbytes:
-                got = os.preadv(file.fileno(), [view[done:]], info.data_offset + start + done)
-                if got == 0:
-                    raise ValueError(f"{info.path}: tensor {name} is cut short (the file shrank?)")
-                done += got
+        descriptor, view, done = self._descriptor(info.shard_index), memoryview(out), 0
+        while done < nbytes:
+            got = os.preadv(descriptor, [view[done:]], info.data_offset + start + done)
+            if got == 0:
+                raise ValueError(f"{info.path}: tensor {name} is cut short (the file shrank?)")
+            done += got
         return out
+
+    def _descriptor(self, shard: int) -> int:
+        """A read-only descriptor of one shard, opened on first use and closed with the checkpoint."""
+        if shard not in self._descriptors:
+            descriptor = os.open(self.shards[shard], os.O_RDONLY | os.O_CLOEXEC)
+            self._descriptors[shard] = descriptor
+            weakref.finalize(self, os.close, descriptor)
+        return self._descriptors[shard]
 
     def array(self, name: str) -> np.ndarray:
         """A typed view of an F32/F16 tensor (BF16: its raw uint16 bits), in numpy shape."""
