@@ -7,6 +7,7 @@ that download fails (offline), never with K3STREAM_REQUIRE_SEED=1; a wheel whose
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -210,6 +211,38 @@ def test_seed_loader_reads_our_relative_manifest(seed, tiny_model, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     names = [name for name, _tensor in seed.loader.kimi_k3_nonexpert_weights_iterator(result.manifest)]
     assert "model.embed_tokens.weight" in names and not any("exps" in name for name in names)
+
+
+def _two_dimensional_score(monkeypatch, tmp_path: Path) -> Path:
+    """A tiny GGUF (hidden 256) whose `blk.0.attn_res_score.weight` is (2, 128) instead of (256,)."""
+    from k3stream import tiny
+
+    plan, name = tiny.tensor_plan, "blk.0.attn_res_score.weight"
+
+    def planned(spec, vocab_size):
+        tensors = plan(spec, vocab_size)
+        return [dataclasses.replace(t, shape=(2, t.shape[0] // 2)) if t.name == name else t for t in tensors]
+
+    monkeypatch.setattr(tiny, "tensor_plan", planned)
+    return tiny.make_tiny(tmp_path, tiny.TinySpec(hidden=256))
+
+
+def test_non_vector_residual_score_raises_the_seed_message(seed, tmp_path, monkeypatch):
+    """Seed 000: the seed's message, not the generic shape check's, for a 2-D residual score."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+
+    from k3stream.gguf.reader import K3Checkpoint
+
+    gguf = _two_dimensional_score(monkeypatch, tmp_path)
+    score = next(t for t in GGUFReader(gguf).tensors if t.name == "blk.0.attn_res_score.weight")
+    with pytest.raises(ValueError) as theirs:
+        seed.loader._residual_target_value(torch.from_numpy(np.array(score.data)), 0)
+    with pytest.raises(ValueError) as ours:
+        K3Checkpoint.open(gguf)
+    message = "Kimi-K3 attention-residual score must be a vector, got (2, 128)"
+    assert str(ours.value) == str(theirs.value) == message
 
 
 def _grow(path: Path) -> None:

@@ -17,6 +17,8 @@ FLOAT_TYPE_IDS = (0, 1, 30)
 ROUTED_ROLES = ("gate", "up", "down")
 # Tensors llama.cpp treats as optional: the reader accepts them missing.
 OPTIONAL_SUFFIXES = ("ffn_routed_norm.weight",)
+# attention-residual scores (attn_res_score, ffn_res_score, output_res_score): fused norm*proj vectors
+RESIDUAL_SCORE_SUFFIX = "_res_score.weight"
 
 
 def routed_expert_name(layer: int, role: str) -> str:
@@ -25,6 +27,16 @@ def routed_expert_name(layer: int, role: str) -> str:
 
 def is_routed_expert(name: str) -> bool:
     return name.startswith("blk.") and name.endswith(tuple(f"ffn_{r}_exps.weight" for r in ROUTED_ROLES))
+
+
+def is_residual_score(name: str) -> bool:
+    return name.endswith(RESIDUAL_SCORE_SUFFIX)
+
+
+def check_residual_score(shape: tuple[int, ...]) -> None:
+    """Seed 000: a residual score is a vector; the seed system's message, its shape in numpy order."""
+    if len(shape) != 1:
+        raise ValueError(f"Kimi-K3 attention-residual score must be a vector, got {tuple(shape)}")
 
 
 def _top_level(cfg: K3Config) -> dict[str, Shape]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from k3stream.gguf.layout import FLOAT_TYPE_IDS, is_routed_expert
+from k3stream.gguf.layout import FLOAT_TYPE_IDS, check_residual_score, is_routed_expert
 
 if TYPE_CHECKING:
     from k3stream.gguf.reader import K3Checkpoint
@@ -105,8 +105,7 @@ def runtime_name(target: str, quantized: bool) -> str:
 
 def residual_target_value(raw: torch.Tensor, target_index: int) -> torch.Tensor:
     """Target 0 (proj) is the fused score as a row, target 1 (norm) is ones: proj * norm == s exactly."""
-    if raw.ndim != 1:
-        raise ValueError(f"Kimi-K3 attention-residual score must be a vector, got {tuple(raw.shape)}")
+    check_residual_score(tuple(raw.shape))
     if target_index == 0:
         return raw.unsqueeze(0)
     if target_index == 1:
