@@ -100,6 +100,15 @@ class PriorityPool:
             thread.join()
 
 
+def _buffered(path: Path) -> int:
+    """A buffered descriptor with read-ahead off: objects are read whole, in the order the model asks
+    for them, so the kernel's read-ahead (8 MiB on some devices) would only read bytes nobody uses."""
+    fd = os.open(path, os.O_RDONLY)
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
+
+
 class PackFile:
     """The pack opened for reading, with a pool of reader threads and read statistics."""
 
@@ -147,7 +156,7 @@ class PackFile:
                     self.direct_io = True
                     self.direct_io_note = "on"
                     return fd
-        return os.open(self.path, os.O_RDONLY)
+        return _buffered(self.path)
 
     def read(self, requests: list[ReadRequest], background: bool = False) -> None:
         """Read every request, all ranges in parallel; raises OSError naming the pack and object,
@@ -227,7 +236,7 @@ class PackFile:
             if self.direct_io:
                 # the O_DIRECT descriptor stays open until close(): other reader threads may hold it
                 self._retired_fds.append(self._fd)
-                self._fd = os.open(self.path, os.O_RDONLY)
+                self._fd = _buffered(self.path)
                 self.direct_io = False
                 self.direct_io_note = f"O_DIRECT reads refused ({exc.strerror}); using buffered reads"
 
