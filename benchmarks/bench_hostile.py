@@ -346,7 +346,8 @@ def _model(folder: Path, seed: int) -> Path:
     folder.mkdir(parents=True)
     made = make_tiny(folder, TinySpec(seed=seed))
     gguf = made.rename(folder / "model.gguf")
-    build_pack(gguf, options=BuildOptions(progress=False))
+    # relative paths: the damage cases copy this folder and must read the copy's files, not these
+    build_pack(gguf, options=BuildOptions(progress=False, relative_paths=True))
     return folder
 
 

@@ -23,11 +23,14 @@ from pack_helpers import copy_model
 
 MIB = 1 << 20
 QUIET = BuildOptions(progress=False)
+# the fixtures copy model folders and damage the copies: relative paths make a copy read its own files
+# (an absolute manifest in a copy reads the original's while they exist)
+COPYABLE = BuildOptions(progress=False, relative_paths=True)
 
 
 def _build(gguf: Path, directory: Path) -> Path:
     model = copy_model(gguf, directory)
-    return build_pack(model, options=QUIET).manifest
+    return build_pack(model, options=COPYABLE).manifest
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from k3stream.pack.verify import verify_pack
 from pack_helpers import (
     copy_model,
     file_size_limit,
+    model_files,
     oracle_expert_bytes,
     oracle_slice,
     read_index,
@@ -155,9 +156,30 @@ def test_reader_refuses_unknown_layer_and_expert(tiny_model, tmp_path):
             pack.role_slices(1, 16)
 
 
-def test_relative_manifest_survives_moving_the_directory(tiny_model, tmp_path):
+def test_default_manifest_is_absolute_and_survives_moving_the_directory(tiny_model, tmp_path, caplog):
+    """The seed's form by default; once the folder moves, its files are found beside the manifest,
+    and a note says so once."""
     gguf = copy_model(tiny_model(**SPLIT), tmp_path / "a")
     result = build_pack(gguf, options=QUIET)
+    manifest = json.loads(result.manifest.read_text())
+    assert manifest["expert_pack"]["path"] == str(result.pack)
+    assert [shard["path"] for shard in manifest["source"]["shards"]] == [str(p) for p in model_files(gguf)]
+    (tmp_path / "a").rename(tmp_path / "b")
+    moved = tmp_path / "b" / result.manifest.name
+    with caplog.at_level("WARNING", logger="k3stream.pack.manifest"):
+        assert verify_pack(moved, full=True)["pack"] == str(tmp_path / "b" / result.pack.name)
+        with ExpertPack(moved) as pack:
+            assert pack.gguf_paths == model_files(tmp_path / "b" / gguf.name)
+    notes = [record.getMessage() for record in caplog.records]
+    assert notes == [
+        f"manifest paths in {tmp_path / 'a'} are gone: reading those files beside the manifest in "
+        f"{tmp_path / 'b'} (folder moved)"
+    ]
+
+
+def test_relative_manifest_survives_moving_the_directory(tiny_model, tmp_path):
+    gguf = copy_model(tiny_model(**SPLIT), tmp_path / "a")
+    result = build_pack(gguf, options=BuildOptions(relative_paths=True, progress=False))
     manifest = json.loads(result.manifest.read_text())
     assert manifest["expert_pack"]["path"] == result.pack.name
     assert manifest["source"]["shards"][0]["path"] == gguf.name

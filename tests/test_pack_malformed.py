@@ -26,9 +26,11 @@ SHARD2 = "tiny-kimi-k3-00002-of-00002.gguf"
 
 @pytest.fixture(scope="module")
 def pristine(tiny_model, tmp_path_factory) -> Path:
-    """A split F32 model (6 layers, MoE 1..5, 16 experts, top-4) with its pack and manifest."""
+    """A split F32 model (6 layers, MoE 1..5, 16 experts, top-4) with its pack and manifest; relative
+    paths, so each test's copy of the folder reads its own (damaged) files."""
     directory = tmp_path_factory.mktemp("pristine")
-    build_pack(copy_model(tiny_model(shards=2), directory), options=BuildOptions(progress=False))
+    options = BuildOptions(progress=False, relative_paths=True)
+    build_pack(copy_model(tiny_model(shards=2), directory), options=options)
     return directory
 
 

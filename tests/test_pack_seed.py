@@ -21,11 +21,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from k3stream.cli import main as cli
 from k3stream.pack.builder import BuildOptions, build_pack
 from k3stream.pack.manifest import checked_shards, load_manifest
 from k3stream.pack.reader import ExpertPack
 from k3stream.pack.verify import verify_pack
-from pack_helpers import TEST_CACHE, cached_tiny, copy_model
+from pack_helpers import TEST_CACHE, cached_tiny, copy_model, model_files
 from test_pack import AUDITED
 
 SGLANG = "sglang==0.5.23"
@@ -205,12 +206,55 @@ def test_seed_built_pack_and_manifest_are_accepted_here(seed, tiny_model, tmp_pa
 
 
 def test_seed_loader_reads_our_relative_manifest(seed, tiny_model, tmp_path, monkeypatch):
-    """The seed's non-expert loader resolves manifest paths against the working directory."""
+    """The seed's non-expert loader resolves relative manifest paths against the working directory."""
     gguf = copy_model(tiny_model(**SEED_MODEL), tmp_path)
-    result = build_pack(gguf, options=BuildOptions(progress=False))
+    result = build_pack(gguf, options=BuildOptions(relative_paths=True, progress=False))
     monkeypatch.chdir(tmp_path)
     names = [name for name, _tensor in seed.loader.kimi_k3_nonexpert_weights_iterator(result.manifest)]
     assert "model.embed_tokens.weight" in names and not any("exps" in name for name in names)
+
+
+def test_seed_loader_reads_our_default_manifest_from_anywhere(seed, tiny_model, tmp_path, monkeypatch):
+    gguf = copy_model(tiny_model(**SEED_MODEL), tmp_path / "model")
+    result = build_pack(gguf, options=BuildOptions(progress=False))
+    monkeypatch.chdir(tmp_path)
+    names = [name for name, _tensor in seed.loader.kimi_k3_nonexpert_weights_iterator(result.manifest)]
+    assert "model.embed_tokens.weight" in names
+
+
+def _seed_store_refusal(seed, manifest_path: Path, pack: Path) -> str:
+    """What the seed's run-time store says of a manifest, once its hard-coded real-model checks that
+    come before the path check are met: a copy beside it claims 93 layers with MoE layers 1..92."""
+    manifest = json.loads(manifest_path.read_text())
+    manifest["model"].update(num_hidden_layers=93, active_moe_layer_ids=list(range(1, 93)))
+    claimed = manifest_path.with_name("claimed.manifest.json")
+    claimed.write_text(json.dumps(manifest))
+    experts = manifest["model"]["num_experts"]
+    with pytest.raises(ValueError) as refusal:
+        seed.store.KimiGGMLExpertPackStore(
+            pack, manifest_path=claimed, expected_layers=93, expected_experts=experts, expected_top_k=16
+        )
+    return str(refusal.value)
+
+
+PADDED_ROLES = "Kimi expert-pack role sizes do not match object bytes"  # the small model's roles are padded
+
+
+def test_seed_store_takes_the_path_of_a_default_build(seed, tiny_model, tmp_path, monkeypatch):
+    """`k3stream pack` with no flags writes the path the seed's store requires; a relative manifest is
+    what it refuses (issue 13). The full load of a default build is `test_seed_store_accepts_our_pack`."""
+    gguf = copy_model(tiny_model(**SEED_MODEL), tmp_path / "model")
+    assert cli(["pack", str(gguf), "--no-progress"]) == 0
+    manifest = gguf.parent / "tiny-kimi-k3.expert-major.pack.manifest.json"
+    pack = gguf.parent / "tiny-kimi-k3.expert-major.pack"
+    monkeypatch.chdir(tmp_path)
+    # past the path, size, role order and role type checks
+    assert _seed_store_refusal(seed, manifest, pack) == PADDED_ROLES
+    assert cli(["pack", str(gguf), "--no-progress", "--force", "--relative-paths"]) == 0
+    refusal = _seed_store_refusal(seed, manifest, pack)
+    assert refusal == "Kimi manifest expert-pack path does not match pack_path"
+    assert cli(["pack", str(gguf), "--no-progress", "--force", "--absolute-paths"]) == 0
+    assert _seed_store_refusal(seed, manifest, pack) == PADDED_ROLES
 
 
 def _two_dimensional_score(monkeypatch, tmp_path: Path) -> Path:
@@ -294,15 +338,30 @@ def store_model() -> Path:
     return cached_tiny(**STORE_MODEL)
 
 
+def _linked_model(first_shard: Path, directory: Path) -> Path:
+    """The cached model's files hard-linked into `directory` (copied across file systems)."""
+    directory.mkdir(parents=True)
+    for path in model_files(first_shard):
+        try:
+            os.link(path, directory / path.name)
+        except OSError:
+            shutil.copyfile(path, directory / path.name)
+    return directory / first_shard.name
+
+
 @pytest.mark.slow
 def test_seed_store_accepts_our_pack(seed, store_model, tmp_path):
-    result = build_pack(store_model, tmp_path / "store.pack", options=ABSOLUTE, profile="audited")
-    assert verify_pack(result.manifest)["ok"]  # audited would also want 896 experts
+    """A pack built by `k3stream pack` with no flags loads in the seed's run-time store (issue 13)."""
+    gguf = _linked_model(store_model, tmp_path / "model")
+    assert cli(["pack", str(gguf), "--no-progress", "--profile", "audited"]) == 0
+    pack = gguf.parent / "tiny-kimi-k3.expert-major.pack"
+    manifest = pack.with_name(pack.name + ".manifest.json")
+    assert verify_pack(manifest)["ok"]  # audited would also want 896 experts
     store = seed.store.KimiGGMLExpertPackStore(
-        result.pack, manifest_path=result.manifest, expected_layers=93, expected_experts=16, expected_top_k=16
+        pack, manifest_path=manifest, expected_layers=93, expected_experts=16, expected_top_k=16
     )
     try:
-        with ExpertPack(result.manifest) as ours:
+        with ExpertPack(manifest) as ours:
             for layer in ours.moe_layers:
                 for expert in range(ours.num_experts):
                     assert store.object_offsets[(layer, expert)] == ours.object_range(layer, expert)[0]

@@ -300,7 +300,7 @@ class CopyStats:
 
 @dataclass
 class BuildOptions:
-    relative_paths: bool = True
+    relative_paths: bool = False  # absolute paths: what the seed system's run-time store requires
     force: bool = False
     margin_bytes: int = DEFAULT_MARGIN_BYTES
     payload_samples: int = 6

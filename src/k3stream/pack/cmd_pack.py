@@ -14,17 +14,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="replace an existing pack and manifest")
     paths = parser.add_mutually_exclusive_group()
     paths.add_argument(
-        "--relative-paths",
-        dest="relative_paths",
-        action="store_true",
-        default=True,
-        help="store paths relative to the manifest's directory (default)",
-    )
-    paths.add_argument(
         "--absolute-paths",
         dest="relative_paths",
         action="store_false",
-        help="store absolute paths (what the seed system writes and requires)",
+        default=False,
+        help="store absolute paths, what the seed system writes and requires (default); a moved folder "
+        "is still read: files gone from their paths are found beside the manifest",
+    )
+    paths.add_argument(
+        "--relative-paths",
+        dest="relative_paths",
+        action="store_true",
+        help="store paths relative to the manifest's directory (the seed's run-time store refuses them)",
     )
     parser.add_argument("--profile", choices=("generic", "audited"), default="generic")
     parser.add_argument(

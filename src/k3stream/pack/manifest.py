@@ -1,13 +1,15 @@
 """The adapter manifest (SGLANG-KIMI-GGMLMOEPACK-ADAPTER-v1): schema, paths, atomic writes, shard checks.
 
-Paths in a manifest are relative to the manifest's directory (our default) or absolute (what the
-seed system writes); both are read.
+Paths in a manifest are absolute (our default, and what the seed system writes and requires) or
+relative to the manifest's directory (`--relative-paths`); both are read. An absolute path that no
+longer exists is looked for beside the manifest (the model folder moved), with one logged note.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import stat
 from collections.abc import Iterable
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from k3stream.pack.fileio import COPY_CHUNK
+
+log = logging.getLogger(__name__)
 
 FORMAT = "SGLANG-KIMI-GGMLMOEPACK-ADAPTER-v1"
 ARCHITECTURE = "KimiLinearForCausalLM"
@@ -89,11 +93,28 @@ def stored_path(path: Path, manifest_path: Path, relative: bool) -> str:
 
 
 def resolve_path(stored: str, manifest_path: Path) -> Path:
-    """A manifest path: absolute as is, relative to the manifest's directory otherwise."""
-    path = Path(stored)
-    if not path.is_absolute():
-        path = manifest_path.resolve().parent / path
-    return path.resolve()
+    """A manifest path: relative to the manifest's directory, or absolute; an absolute path that is
+    gone resolves to the file of that name beside the manifest when there is one (the folder moved)."""
+    beside = manifest_path.resolve().parent
+    path = (beside / stored).resolve()  # an absolute `stored` replaces `beside`
+    if not Path(stored).is_absolute() or path.exists():
+        return path
+    moved = beside / path.name
+    if not moved.is_file():
+        return path  # the readers name the stored path as missing
+    _note_moved(path.parent, beside)
+    return moved
+
+
+_MOVES_NOTED: set[tuple[Path, Path]] = set()
+
+
+def _note_moved(written: Path, found: Path) -> None:
+    """Say once per process and pair of folders that a manifest's files are read from a new place."""
+    if (written, found) not in _MOVES_NOTED:
+        _MOVES_NOTED.add((written, found))
+        note = "manifest paths in %s are gone: reading those files beside the manifest in %s (folder moved)"
+        log.warning(note, written, found)
 
 
 # the real model's manifest is a few MiB (tensor records, one digest per expert object)
