@@ -95,12 +95,17 @@ def test_killed_before_the_first_checkpoint_starts_over(model, clean_pack):
     assert (model.parent / PACK).read_bytes() == clean_pack
 
 
-def test_killed_before_rename(model, clean_pack):
+def test_killed_before_rename(model, clean_pack, capsys, caplog):
     assert run_pack(model, kill_at="before-rename").returncode == -9
     assert_nothing_complete(model.parent)
-    resumed = rerun(model)
+    capsys.readouterr()
+    with caplog.at_level("INFO", logger="k3stream.pack.builder"):
+        resumed = rerun(model)
     assert (resumed.resumed_bytes, resumed.copied_bytes) == (ENTRIES * ENTRY_BYTES, 0)
     assert (model.parent / PACK).read_bytes() == clean_pack
+    # the library logs its notes and prints nothing (the command prints them)
+    assert capsys.readouterr() == ("", "")
+    assert f"{ENTRIES} of {ENTRIES} entries intact" in caplog.text
 
 
 def test_killed_before_the_manifest(model, clean_pack):

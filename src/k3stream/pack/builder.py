@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import shutil
 import threading
@@ -21,29 +22,25 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from k3stream.gguf.shards import SHARD_NAME
 from k3stream.pack import format as fmt
 from k3stream.pack.fileio import COPY_CHUNK, pread_exact, same_bytes
-from k3stream.pack.integrity import ObjectHasher, integrity_section
+from k3stream.pack.integrity import ObjectHasher
 from k3stream.pack.manifest import (
-    ARCHITECTURE,
-    FORMAT,
-    HIDDEN_ACT,
-    canonical_sha256,
+    ManifestOptions,
+    build_manifest,
+    expert_pack_section,
     fsync_directory,
-    hard_constraints,
     read_json,
     sha256_file,
-    sha256_range,
-    source_section,
-    stored_path,
     write_json_atomic,
 )
-from k3stream.pack.verify import check_index, expectation_from_config
+from k3stream.pack.verify import check_index
+
+log = logging.getLogger(__name__)
 
 JOURNAL_FORMAT = "k3stream-pack-journal-v1"
 DEFAULT_MARGIN_BYTES = 2 * 1024**3
@@ -299,13 +296,11 @@ class CopyStats:
 
 
 @dataclass
-class BuildOptions:
-    relative_paths: bool = False  # absolute paths: what the seed system's run-time store requires
+class BuildOptions(ManifestOptions):
+    """What the manifest records (`ManifestOptions`) and how the build runs."""
+
     force: bool = False
     margin_bytes: int = DEFAULT_MARGIN_BYTES
-    payload_samples: int = 6
-    full_hash: bool = False
-    full_source_hashes: bool = False
     progress: bool = True
     sync_bytes: int = 256 * 1024 * 1024  # fsync the data, then journal the progress, this often
 
@@ -355,7 +350,9 @@ def _locked_build(plan: PackPlan, pack: Path, manifest_path: Path, options: Buil
         if not finishing:
             os.replace(partial, pack)
             fsync_directory(pack.parent)
-        manifest_value = build_manifest(plan, pack, manifest_path, pack_section, options, hasher.complete())
+        manifest_value = build_manifest(
+            plan.checkpoint, pack, manifest_path, pack_section, options, hasher.complete()
+        )
         write_json_atomic(manifest_path, manifest_value)
     finally:
         sources.close()
@@ -420,11 +417,11 @@ def _finished_copy_intact(
     pack. A damaged pack goes back to being the partial file (its manifest, if any, first), so the
     copy resumes from its first bad entry."""
     count = plan.layout.index_count
-    print(f"resuming {pack}: the copy had finished; checking every entry against the GGUF", flush=True)
+    log.info("resuming %s: the copy had finished; checking every entry against the GGUF", pack)
     intact = _intact_entries(plan, pack, count, sources)
     if intact == count:
         return True
-    print(f"{pack}: entry {intact} does not match the GGUF; resuming the copy from there", flush=True)
+    log.info("%s: entry %d does not match the GGUF; resuming the copy from there", pack, intact)
     manifest_path.unlink(missing_ok=True)
     os.replace(pack, partial)
     fsync_directory(pack.parent)
@@ -472,9 +469,12 @@ def _copy_into_partial(
     _check_free_space(partial.parent, layout.total_size - keep, options.margin_bytes, reclaimable)
     resumed = layout.payload_before(start)
     if start:
-        print(
-            f"resuming {partial}: {start} of {layout.index_count} entries intact, {resumed} bytes resumed",
-            flush=True,
+        log.info(
+            "resuming %s: %d of %d entries intact, %d bytes resumed",
+            partial,
+            start,
+            layout.index_count,
+            resumed,
         )
     fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -598,152 +598,25 @@ def _copy_entries(
 
 
 # ------------------------------------------------------------------------------------------------
-# the manifest
+# the manifest's `expert_pack` section, from the pack on disk
 
 
 def describe_pack(
     plan: PackPlan, pack: Path, sources: SourceFiles, samples: int, full_hash: bool
 ) -> dict[str, Any]:
-    """The manifest's `expert_pack` section, from the pack on disk: its header and index are read back
-    and checked, sampled payloads compared with the GGUF."""
-    layout = plan.layout
-    index = check_index(pack, layout, layout.data_start)
+    """The manifest's `expert_pack` section (no path yet), from the pack on disk: its header and index
+    are read back and checked, sampled payloads compared with the GGUF."""
+    index = check_index(pack, plan.layout, plan.layout.data_start)
     fd = os.open(pack, os.O_RDONLY)
     try:
         verified = verify_samples(plan, sources, fd, samples)
     finally:
         os.close(fd)
-    section: dict[str, Any] = {
-        "size": index.size,
-        "magic": fmt.MAGIC.rstrip(b"\0").decode("ascii"),
-        "version": fmt.VERSION,
-        "header_bytes": fmt.HEADER.size,
-        "entry_bytes": fmt.ENTRY.size,
-        "index_count": layout.index_count,
-        "data_start": layout.data_start,
-        "alignment": fmt.ALIGNMENT,
-        "index_sha256": index.index_sha256,
-        "physical_role_order": list(fmt.ROLES),
-        "active_moe_layer_ids": list(layout.moe_layers),
-        "num_experts": layout.num_experts,
-        "top_k": plan.checkpoint.config.top_k,
-        "object_bytes": layout.object_bytes,
-        "roles": {role: _role_summary(plan, role) for role in fmt.ROLES},
-        "payload_samples_verified": verified,
-        "full_pack_hash": full_hash,
-    }
-    if full_hash:
-        section["sha256"] = sha256_file(pack)
-    return section
-
-
-def _role_summary(plan: PackPlan, role: str) -> dict[str, Any]:
-    position = fmt.ROLES.index(role)
-    info = plan.role_tensors[(plan.layout.moe_layers[0], role)]
-    entries = len(plan.layout.moe_layers) * plan.layout.num_experts
-    return {
-        "dtype": info.type_name,
-        "dtype_id": info.ggml_type,
-        "logical_shape": list(reversed(info.shape[1:])),  # GGML order (in, out), as the seed writes it
-        "expert_bytes": plan.layout.role_bytes[position],
-        "entry_count": entries,
-        "payload_bytes": entries * plan.layout.role_bytes[position],
-    }
-
-
-def _shard_records(
-    checkpoint: Any, manifest_path: Path, relative: bool, full_hashes: bool
-) -> list[dict[str, Any]]:
-    records = []
-    for index, path in enumerate(checkpoint.shards):
-        tensors = [info for info in checkpoint.tensors.values() if info.shard_index == index]
-        # GGUF tensor offsets start at 0 in the data section, so the first tensor marks its start
-        metadata_nbytes = min(info.data_offset for info in tensors)
-        record = {
-            "index": index,
-            "path": stored_path(path, manifest_path, relative),
-            "size": path.stat().st_size,
-            "metadata_nbytes": metadata_nbytes,
-            "metadata_sha256": sha256_range(path, 0, metadata_nbytes),
-            "tensor_count": len(tensors),
-        }
-        if full_hashes:
-            record["sha256"] = sha256_file(path)
-        records.append(record)
-    return records
-
-
-def _tensor_record(info: Any) -> dict[str, Any]:
-    return {
-        "name": info.name,
-        "shape": list(reversed(info.shape)),  # GGML order, as GGUFReader reports it
-        "dtype": info.type_name,
-        "dtype_id": info.ggml_type,
-        "shard_index": info.shard_index,
-        "data_offset": info.data_offset,
-        "nbytes": info.nbytes,
-    }
-
-
-def _model_section(checkpoint: Any, config_path: str, config_sha256: str) -> dict[str, Any]:
-    config = checkpoint.config
-    expected = expectation_from_config(config)
-    return {
-        "config_path": config_path,  # the config lives in shard 1's GGUF metadata
-        "config_sha256": config_sha256,
-        "architecture": ARCHITECTURE,
-        "num_hidden_layers": expected.num_hidden_layers,
-        "active_moe_layer_ids": list(expected.moe_layers),
-        "num_experts": expected.num_experts,
-        "num_experts_per_token": expected.top_k,
-        "num_shared_experts": config.n_shared,
-        "hidden_size": expected.hidden_size,
-        "routed_expert_hidden_size": expected.latent,
-        "moe_intermediate_size": expected.expert_ff,
-        "hidden_act": HIDDEN_ACT,
-    }
-
-
-def _tokenizer_section(checkpoint: Any, first_shard: str) -> dict[str, Any]:
-    keys = sorted(key for key in checkpoint.fields if key.startswith("tokenizer."))
-    values = {key: checkpoint.metadata(key) for key in keys}
-    return {
-        "path": first_shard,
-        "source": "gguf-metadata",
-        "files": [],
-        "keys": keys,
-        "inventory_sha256": canonical_sha256(values),
-    }
-
-
-def build_manifest(
-    plan: PackPlan,
-    pack: Path,
-    manifest_path: Path,
-    pack_section: dict[str, Any],
-    options: BuildOptions,
-    object_digests: Any,
-) -> dict[str, Any]:
-    checkpoint = plan.checkpoint
-    shards = _shard_records(checkpoint, manifest_path, options.relative_paths, options.full_source_hashes)
-    tensors = [_tensor_record(info) for info in checkpoint.tensors.values()]
-    from k3stream import __version__
-
-    return {
-        "complete": True,
-        "format": FORMAT,
-        "created_at": datetime.now(timezone.utc).isoformat(),
-        "generator": f"k3stream {__version__}",
-        "hard_constraints": hard_constraints(checkpoint.config.top_k),
-        "model": _model_section(checkpoint, shards[0]["path"], shards[0]["metadata_sha256"]),
-        "source": source_section(shards, tensors, options.full_source_hashes),
-        "expert_pack": {**pack_section, "path": stored_path(pack, manifest_path, options.relative_paths)},
-        "tokenizer": _tokenizer_section(checkpoint, shards[0]["path"]),
-        "integrity": integrity_section(object_digests, shards, list(checkpoint.shards)),
-        "verification": {
-            "structure": "complete",
-            "payload_samples": options.payload_samples,
-            "full_source_hashes": options.full_source_hashes,
-            "full_pack_hash": options.full_hash,
-        },
-    }
+    return expert_pack_section(
+        plan.layout,
+        plan.role_tensors,
+        plan.checkpoint.config.top_k,
+        index,
+        verified,
+        sha256_file(pack) if full_hash else None,
+    )

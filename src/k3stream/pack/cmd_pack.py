@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -65,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         sync_bytes=int(args.sync_mib * 1024**2),
     )
     try:
-        result = build_pack(args.gguf, args.out, args.manifest, options, profile=args.profile)
+        with _printed_notes("k3stream.pack.builder"):
+            result = build_pack(args.gguf, args.out, args.manifest, options, profile=args.profile)
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"k3stream pack: error: {exc}", file=sys.stderr)
         return 1
@@ -78,3 +82,19 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"resumed   {result.resumed_bytes} bytes")
     return 0
+
+
+@contextmanager
+def _printed_notes(logger_name: str) -> Iterator[None]:
+    """The library logs (a resumed build, a damaged entry); the command prints them on stdout."""
+    logger = logging.getLogger(logger_name)
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)

@@ -13,9 +13,12 @@ import logging
 import os
 import stat
 from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from k3stream.pack import format as fmt
 from k3stream.pack.fileio import COPY_CHUNK
 
 log = logging.getLogger(__name__)
@@ -376,3 +379,168 @@ def source_section(
 def inventory_sha256(source: dict[str, Any]) -> str:
     """The hash `source.inventory_sha256` must hold: of its summary, shards and tensors."""
     return canonical_sha256({key: field(source, key) for key in ("summary", "shards", "tensors")})
+
+
+# ------------------------------------------------------------------------------------------------
+# assembling a manifest (the builder's; every section but `expert_pack`'s checked figures is made here)
+
+
+@dataclass
+class ManifestOptions:
+    """What a built manifest records; `builder.BuildOptions` adds how the build runs."""
+
+    relative_paths: bool = False  # absolute paths: what the seed system's run-time store requires
+    payload_samples: int = 6
+    full_hash: bool = False
+    full_source_hashes: bool = False
+
+
+def role_summary(
+    layout: fmt.PackLayout, role_tensors: dict[tuple[int, str], Any], role: str
+) -> dict[str, Any]:
+    """`expert_pack.roles[role]`, from the role's tensor in the first MoE layer (a `TensorInfo`)."""
+    position = fmt.ROLES.index(role)
+    info = role_tensors[(layout.moe_layers[0], role)]
+    entries = len(layout.moe_layers) * layout.num_experts
+    return {
+        "dtype": info.type_name,
+        "dtype_id": info.ggml_type,
+        "logical_shape": list(reversed(info.shape[1:])),  # GGML order (in, out), as the seed writes it
+        "expert_bytes": layout.role_bytes[position],
+        "entry_count": entries,
+        "payload_bytes": entries * layout.role_bytes[position],
+    }
+
+
+def expert_pack_section(
+    layout: fmt.PackLayout,
+    role_tensors: dict[tuple[int, str], Any],
+    top_k: int,
+    index: Any,
+    samples_verified: int,
+    sha256: str | None,
+) -> dict[str, Any]:
+    """`expert_pack` without its path: `index` is the pack's checked header and index (`IndexCheck`)."""
+    section: dict[str, Any] = {
+        "size": index.size,
+        "magic": fmt.MAGIC.rstrip(b"\0").decode("ascii"),
+        "version": fmt.VERSION,
+        "header_bytes": fmt.HEADER.size,
+        "entry_bytes": fmt.ENTRY.size,
+        "index_count": layout.index_count,
+        "data_start": layout.data_start,
+        "alignment": fmt.ALIGNMENT,
+        "index_sha256": index.index_sha256,
+        "physical_role_order": list(fmt.ROLES),
+        "active_moe_layer_ids": list(layout.moe_layers),
+        "num_experts": layout.num_experts,
+        "top_k": top_k,
+        "object_bytes": layout.object_bytes,
+        "roles": {role: role_summary(layout, role_tensors, role) for role in fmt.ROLES},
+        "payload_samples_verified": samples_verified,
+        "full_pack_hash": sha256 is not None,
+    }
+    if sha256 is not None:
+        section["sha256"] = sha256
+    return section
+
+
+def shard_records(
+    checkpoint: Any, manifest_path: Path, relative: bool, full_hashes: bool
+) -> list[dict[str, Any]]:
+    """`source.shards`: each shard's path, size and metadata bytes (and SHA-256 with `full_hashes`)."""
+    records = []
+    for index, path in enumerate(checkpoint.shards):
+        tensors = [info for info in checkpoint.tensors.values() if info.shard_index == index]
+        # GGUF tensor offsets start at 0 in the data section, so the first tensor marks its start
+        metadata_nbytes = min(info.data_offset for info in tensors)
+        record = {
+            "index": index,
+            "path": stored_path(path, manifest_path, relative),
+            "size": path.stat().st_size,
+            "metadata_nbytes": metadata_nbytes,
+            "metadata_sha256": sha256_range(path, 0, metadata_nbytes),
+            "tensor_count": len(tensors),
+        }
+        if full_hashes:
+            record["sha256"] = sha256_file(path)
+        records.append(record)
+    return records
+
+
+def tensor_record(info: Any) -> dict[str, Any]:
+    """One `source.tensors` record of a `TensorInfo`."""
+    return {
+        "name": info.name,
+        "shape": list(reversed(info.shape)),  # GGML order, as GGUFReader reports it
+        "dtype": info.type_name,
+        "dtype_id": info.ggml_type,
+        "shard_index": info.shard_index,
+        "data_offset": info.data_offset,
+        "nbytes": info.nbytes,
+    }
+
+
+def model_section(config: Any, config_path: str, config_sha256: str) -> dict[str, Any]:
+    """`model`, from a `K3Config`; the config lives in shard 1's GGUF metadata."""
+    return {
+        "config_path": config_path,
+        "config_sha256": config_sha256,
+        "architecture": ARCHITECTURE,
+        "num_hidden_layers": config.n_layers,
+        "active_moe_layer_ids": list(config.moe_layers),
+        "num_experts": config.n_experts,
+        "num_experts_per_token": config.top_k,
+        "num_shared_experts": config.n_shared,
+        "hidden_size": config.hidden,
+        "routed_expert_hidden_size": config.latent,
+        "moe_intermediate_size": config.expert_ff,
+        "hidden_act": HIDDEN_ACT,
+    }
+
+
+def tokenizer_section(checkpoint: Any, first_shard: str) -> dict[str, Any]:
+    keys = sorted(key for key in checkpoint.fields if key.startswith("tokenizer."))
+    values = {key: checkpoint.metadata(key) for key in keys}
+    return {
+        "path": first_shard,
+        "source": "gguf-metadata",
+        "files": [],
+        "keys": keys,
+        "inventory_sha256": canonical_sha256(values),
+    }
+
+
+def build_manifest(
+    checkpoint: Any,
+    pack: Path,
+    manifest_path: Path,
+    pack_section: dict[str, Any],
+    options: ManifestOptions,
+    object_digests: Any,
+) -> dict[str, Any]:
+    """The whole manifest of a built pack (`pack_section` from `expert_pack_section`), `complete`."""
+    from k3stream import __version__
+    from k3stream.pack.integrity import integrity_section
+
+    shards = shard_records(checkpoint, manifest_path, options.relative_paths, options.full_source_hashes)
+    tensors = [tensor_record(info) for info in checkpoint.tensors.values()]
+    first = shards[0]
+    return {
+        "complete": True,
+        "format": FORMAT,
+        "created_at": datetime.now(timezone.utc).isoformat(),
+        "generator": f"k3stream {__version__}",
+        "hard_constraints": hard_constraints(checkpoint.config.top_k),
+        "model": model_section(checkpoint.config, first["path"], first["metadata_sha256"]),
+        "source": source_section(shards, tensors, options.full_source_hashes),
+        "expert_pack": {**pack_section, "path": stored_path(pack, manifest_path, options.relative_paths)},
+        "tokenizer": tokenizer_section(checkpoint, first["path"]),
+        "integrity": integrity_section(object_digests, shards, list(checkpoint.shards)),
+        "verification": {
+            "structure": "complete",
+            "payload_samples": options.payload_samples,
+            "full_source_hashes": options.full_source_hashes,
+            "full_pack_hash": options.full_hash,
+        },
+    }
