@@ -14,10 +14,12 @@ from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from k3stream.gguf.profile import PROFILES
+
     parser.add_argument("path", metavar="PATH", help="a GGUF, any shard of a split set, or a directory")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
-        "--profile", default="generic", choices=("generic", "audited"), help="checkpoint profile to enforce"
+        "--profile", default="generic", choices=tuple(PROFILES), help="checkpoint profile to enforce"
     )
 
 

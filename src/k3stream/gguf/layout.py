@@ -6,6 +6,7 @@ checkpoint against them (llama.cpp's `kimi-k3` loader expects the same set).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Container
 
 from k3stream.gguf.config import K3Config
@@ -14,7 +15,8 @@ Shape = tuple[int, ...]
 
 # F32, F16, BF16: tensors held as values; every other GGML type is quantized bytes
 FLOAT_TYPE_IDS = (0, 1, 30)
-ROUTED_ROLES = ("gate", "up", "down")
+# routed expert tensors, one per role and layer (the pack's order of the roles: `pack.format.ROLES`)
+ROUTED_EXPERT_RE = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<role>up|gate|down)_exps\.weight$")
 # Tensors llama.cpp treats as optional: the reader accepts them missing.
 OPTIONAL_SUFFIXES = ("ffn_routed_norm.weight",)
 # attention-residual scores (attn_res_score, ffn_res_score, output_res_score): fused norm*proj vectors
@@ -26,7 +28,7 @@ def routed_expert_name(layer: int, role: str) -> str:
 
 
 def is_routed_expert(name: str) -> bool:
-    return name.startswith("blk.") and name.endswith(tuple(f"ffn_{r}_exps.weight" for r in ROUTED_ROLES))
+    return ROUTED_EXPERT_RE.match(name) is not None
 
 
 def is_residual_score(name: str) -> bool:

@@ -7,6 +7,7 @@ path accepts; its k_b/v_b errors are the seed system's (seed 002) messages.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gguf import GGMLQuantizationType
@@ -17,6 +18,31 @@ if TYPE_CHECKING:
     from k3stream.gguf.reader import K3Checkpoint
 
 T = GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class ModelNumbers:
+    """The dimensions an expert pack's runtime checks: layers, MoE layers, experts, top-k, widths."""
+
+    n_layers: int
+    moe_layers: tuple[int, ...]
+    n_experts: int
+    top_k: int
+    hidden: int
+    latent: int
+    expert_ff: int
+
+
+# the published Kimi-K3: what the audited profile enforces (the seed system hard-codes it)
+AUDITED_MODEL = ModelNumbers(
+    n_layers=93,
+    moe_layers=tuple(range(1, 93)),
+    n_experts=896,
+    top_k=16,
+    hidden=7168,
+    latent=3584,
+    expert_ff=3072,
+)
 # tensor suffix -> the type the audited recipe stores it in
 AUDITED_RECIPE: dict[str, GGMLQuantizationType] = {
     "ffn_up_exps.weight": T.Q2_K,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k3stream.gguf.layout import ROUTED_EXPERT_RE, routed_expert_name
 from k3stream.gguf.shards import SHARD_NAME
 from k3stream.pack import format as fmt
 from k3stream.pack.fileio import COPY_CHUNK, pread_exact, same_bytes
@@ -70,7 +71,7 @@ def plan_pack(checkpoint: Any) -> PackPlan:
     role_bytes: dict[str, int] = {}
     for layer in moe_layers:
         for role in fmt.ROLES:
-            info = checkpoint.info(fmt.expert_tensor_name(layer, role))
+            info = checkpoint.info(routed_expert_name(layer, role))
             if len(info.shape) != 3 or info.shape[0] != experts or info.nbytes % experts:
                 raise ValueError(
                     f"{info.path}: routed expert tensor {info.name} of shape {info.shape} "
@@ -86,7 +87,7 @@ def plan_pack(checkpoint: Any) -> PackPlan:
     strays = [
         name
         for name in checkpoint.tensors
-        if (match := fmt.EXPERT_TENSOR_RE.match(name)) and int(match["layer"]) not in moe_layers
+        if (match := ROUTED_EXPERT_RE.match(name)) and int(match["layer"]) not in moe_layers
     ]
     if strays:
         raise ValueError(f"{checkpoint.shards[0]}: routed expert tensor {strays[0]} in a layer without MoE")

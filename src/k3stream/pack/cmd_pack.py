@@ -30,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="store paths relative to the manifest's directory (the seed's run-time store refuses them)",
     )
-    parser.add_argument("--profile", choices=("generic", "audited"), default="generic")
+    from k3stream.gguf.profile import PROFILES
+
+    parser.add_argument("--profile", choices=tuple(PROFILES), default="generic")
     parser.add_argument(
         "--safety-margin-gib", type=float, default=2.0, help="free space to keep beyond the pack (GiB)"
     )

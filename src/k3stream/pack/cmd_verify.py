@@ -9,16 +9,20 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from k3stream.gguf.profile import AUDITED_MODEL as REAL
+    from k3stream.gguf.profile import PROFILES
+
     parser.add_argument("manifest", type=Path, help="the pack's .manifest.json")
     parser.add_argument(
         "--full", action="store_true", help="also hash the whole pack and compare every payload with the GGUF"
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    real = f"{REAL.n_layers} layers, {REAL.n_experts} experts, top-{REAL.top_k}, Q2_K/Q2_K/Q3_K"
     parser.add_argument(
         "--profile",
-        choices=("generic", "audited"),
+        choices=tuple(PROFILES),
         default="generic",
-        help="audited: the real Kimi-K3 (93 layers, 896 experts, top-16, Q2_K/Q2_K/Q3_K); "
+        help=f"audited: the real Kimi-K3 ({real}); "
         "generic: any model of the same structure, checked against its GGUF config",
     )
     parser.add_argument("--pack", type=Path, help="the pack the manifest must name (default: the manifest's)")

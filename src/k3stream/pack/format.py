@@ -8,10 +8,11 @@ role slice at a 4096-aligned offset in index order. The file ends at the end of 
 from __future__ import annotations
 
 import hashlib
-import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from k3stream.gguf.layout import routed_expert_name
 
 MAGIC = b"GGMLMOEPACKv1\0\0\0"
 VERSION = 1
@@ -20,15 +21,10 @@ ENTRY = struct.Struct("<128siIQQ")  # tensor name, expert, reserved, absolute of
 ALIGNMENT = 4096
 ROLES = ("up", "gate", "down")  # physical order inside an expert object
 NAME_BYTES = 128
-EXPERT_TENSOR_RE = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<role>up|gate|down)_exps\.weight$")
 
 
 def align_up(value: int, alignment: int = ALIGNMENT) -> int:
     return (value + alignment - 1) // alignment * alignment
-
-
-def expert_tensor_name(layer: int, role: str) -> str:
-    return f"blk.{layer}.ffn_{role}_exps.weight"
 
 
 @dataclass(frozen=True)
@@ -140,7 +136,7 @@ class PackLayout:
     def entry(self, index: int) -> Entry:
         layer, expert, role = self.identity(index)
         offset = self.object_offset(layer, expert) + self.role_offsets[role]
-        return Entry(expert_tensor_name(layer, ROLES[role]), expert, offset, self.role_bytes[role])
+        return Entry(routed_expert_name(layer, ROLES[role]), expert, offset, self.role_bytes[role])
 
     def entries(self) -> Iterator[Entry]:
         return (self.entry(index) for index in range(self.index_count))

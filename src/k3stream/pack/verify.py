@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from k3stream.gguf.profile import AUDITED_RECIPE
+from k3stream.gguf.layout import ROUTED_EXPERT_RE, routed_expert_name
+from k3stream.gguf.profile import AUDITED_MODEL, PROFILES, recipe_type
 from k3stream.pack import format as fmt
 from k3stream.pack import integrity
 from k3stream.pack.fileio import pread_exact, same_bytes
@@ -35,11 +36,13 @@ from k3stream.pack.manifest import (
     resolve_path,
 )
 
-PROFILES = ("generic", "audited")
-AUDITED_ROLE_TYPES = {
-    role: (AUDITED_RECIPE[f"ffn_{role}_exps.weight"].name, int(AUDITED_RECIPE[f"ffn_{role}_exps.weight"]))
-    for role in fmt.ROLES
-}
+
+def _audited_role_type(role: str) -> tuple[str, int]:
+    ggml_type = recipe_type(routed_expert_name(AUDITED_MODEL.moe_layers[0], role))
+    return ggml_type.name, int(ggml_type)
+
+
+AUDITED_ROLE_TYPES = {role: _audited_role_type(role) for role in fmt.ROLES}
 INDEX_DTYPE = np.dtype(
     [
         ("name", "u1", (fmt.NAME_BYTES,)),
@@ -65,7 +68,16 @@ class ModelExpectation:
     role_types: dict[str, tuple[str, int]] | None  # None: any type, as long as it matches the GGUF
 
 
-AUDITED = ModelExpectation(93, 896, 16, tuple(range(1, 93)), 7168, 3584, 3072, AUDITED_ROLE_TYPES)
+AUDITED = ModelExpectation(
+    num_hidden_layers=AUDITED_MODEL.n_layers,
+    num_experts=AUDITED_MODEL.n_experts,
+    top_k=AUDITED_MODEL.top_k,
+    moe_layers=AUDITED_MODEL.moe_layers,
+    hidden_size=AUDITED_MODEL.hidden,
+    latent=AUDITED_MODEL.latent,
+    expert_ff=AUDITED_MODEL.expert_ff,
+    role_types=AUDITED_ROLE_TYPES,
+)
 
 
 def expectation_from_config(config: Any) -> ModelExpectation:
@@ -149,7 +161,7 @@ def check_model(manifest: dict[str, Any], expected: ModelExpectation) -> None:
 
 def _role_tensors(manifest: dict[str, Any], moe_layers: tuple[int, ...], role: str) -> list[dict]:
     records = {record["name"]: record for record in field(manifest, "source", "tensors")}
-    names = [fmt.expert_tensor_name(layer, role) for layer in moe_layers]
+    names = [routed_expert_name(layer, role) for layer in moe_layers]
     missing = [name for name in names if name not in records]
     if missing:
         raise ValueError(f"Kimi manifest source has no routed expert tensor {missing[0]}")
@@ -261,7 +273,7 @@ def _first(mask: np.ndarray) -> int | None:
 def _expected_names(layout: fmt.PackLayout) -> np.ndarray:
     """[index_count, 128] uint8: the NUL-padded tensor name of every index entry."""
     per_layer = [
-        [fmt.expert_tensor_name(layer, role).encode() for role in fmt.ROLES] for layer in layout.moe_layers
+        [routed_expert_name(layer, role).encode() for role in fmt.ROLES] for layer in layout.moe_layers
     ]
     names = np.frombuffer(
         b"".join(n.ljust(fmt.NAME_BYTES, b"\0") for row in per_layer for n in row), np.uint8
@@ -436,7 +448,7 @@ def check_object_samples(
                     shard_fds[path] = os.open(path, os.O_RDONLY)
                 role_offset = offset + layout.role_offsets[role]
                 if not same_bytes(fd, role_offset, shard_fds[path], source_offset, layout.role_bytes[role]):
-                    name = fmt.expert_tensor_name(layer, fmt.ROLES[role])
+                    name = routed_expert_name(layer, fmt.ROLES[role])
                     raise ValueError(
                         f"expert-pack payload does not match GGUF source for {name} expert {expert}"
                     )
@@ -454,7 +466,7 @@ def payload_sources(checked: CheckedPack) -> dict[str, tuple[Path, int]]:
     return {
         record["name"]: (shards[int(record["shard_index"])], int(record["data_offset"]))
         for record in checked.manifest["source"]["tensors"]
-        if fmt.EXPERT_TENSOR_RE.match(record["name"])
+        if ROUTED_EXPERT_RE.match(record["name"])
     }
 
 
@@ -463,7 +475,7 @@ def entry_source(
 ) -> tuple[Path, int]:
     """Where index entry `index` comes from in the GGUF: (shard path, absolute offset)."""
     layer, expert, role = layout.identity(index)
-    path, data_offset = sources[fmt.expert_tensor_name(layer, fmt.ROLES[role])]
+    path, data_offset = sources[routed_expert_name(layer, fmt.ROLES[role])]
     return path, data_offset + expert * layout.role_bytes[role]
 
 
@@ -486,7 +498,7 @@ def verify_payloads(checked: CheckedPack) -> str:
             if not same_bytes(
                 pack_fd, offset, shard_fds[path], source_offset, layout.role_bytes[role], digest
             ):
-                name = fmt.expert_tensor_name(layer, fmt.ROLES[role])
+                name = routed_expert_name(layer, fmt.ROLES[role])
                 raise ValueError(f"expert-pack payload does not match GGUF source for {name} expert {expert}")
             position = offset + layout.role_bytes[role]
     finally:
