@@ -173,9 +173,12 @@ def test_direct_io_serves_the_same_bytes_or_falls_back(packed):
 
 def test_read_error_names_the_pack_and_expert_and_is_counted(packed, tmp_path):
     _, pack = packed
-    for source in (pack.path, pack.manifest_path):
-        shutil.copyfile(source, tmp_path / source.name)
+    shutil.copyfile(pack.path, tmp_path / pack.path.name)
+    manifest = json.loads(pack.manifest_path.read_text())
+    manifest["expert_pack"]["path"] = str(tmp_path / pack.path.name)  # the copy, not the shared pack
+    (tmp_path / pack.manifest_path.name).write_text(json.dumps(manifest))
     copy = ExpertPack(tmp_path / pack.manifest_path.name)
+    assert copy.path == tmp_path / pack.path.name
     with ExpertStore(copy, ram_mib=budget(pack, pack.top_k), prefetch=False) as store:
         os.truncate(copy.path, copy.object_range(pack.moe_layers[0], 0)[0])  # the disk loses the payload
         layer = pack.moe_layers[0]

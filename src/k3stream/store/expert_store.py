@@ -163,6 +163,7 @@ class ExpertStore:
         simulated_read_latency_us: float = 0.0,
     ) -> None:
         self.pack = _open_pack(pack)
+        self._parts_by_layer: dict[int, list[tuple[str, int, int, int, tuple[int, int]]]] = {}
         self.device = torch.device(device)
         self.top_k = int(self.pack.top_k)
         self.num_experts = int(self.pack.num_experts)
@@ -593,18 +594,31 @@ class ExpertStore:
 
         if self._uploader is not None:
             self._uploader.hand_out(buffer, self._compute.ready[key])
-        start = self.pack.object_range(*key)[0]
-        roles = self.pack.role_slices(*key)
         return ExpertWeights(
             **{
-                role: ExpertMatrix(
-                    buffer[part.offset - start : part.offset - start + part.nbytes],
+                role: ExpertMatrix(buffer[offset : offset + nbytes], ggml_type, shape)
+                for role, offset, nbytes, ggml_type, shape in self._role_parts(key[0])
+            }
+        )
+
+    def _role_parts(self, layer: int) -> list[tuple[str, int, int, int, tuple[int, int]]]:
+        """Each role's (name, offset in the object, bytes, GGML type, shape) for `layer`'s experts: the
+        same for every expert of a layer, so worked out once (a fetch hands out views many times)."""
+        parts = self._parts_by_layer.get(layer)
+        if parts is None:
+            start = self.pack.object_range(layer, 0)[0]
+            parts = [
+                (
+                    role,
+                    part.offset - start,
+                    part.nbytes,
                     int(part.ggml_type),
                     tuple(int(n) for n in part.shape),
                 )
-                for role, part in roles.items()
-            }
-        )
+                for role, part in self.pack.role_slices(layer, 0).items()
+            ]
+            self._parts_by_layer[layer] = parts
+        return parts
 
     # ---- accounting -----------------------------------------------------------------------------
 
