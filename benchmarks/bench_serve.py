@@ -27,8 +27,16 @@ from k3stream.server.live import ServerProcess
 from k3stream.tiny import TinySpec, make_tiny
 
 SPEC = TinySpec(n_layers=6, hidden=128, n_experts=64, top_k=4, expert_ff=64, context_length=512, seed=11)
-PROMPTS = ["Tell me about", "The weather today", "In the beginning", "Once upon a time", "Numbers: 1 2 3",
-           "def main():", "Dear friend,", "A list of fruit:"]
+PROMPTS = [
+    "Tell me about",
+    "The weather today",
+    "In the beginning",
+    "Once upon a time",
+    "Numbers: 1 2 3",
+    "def main():",
+    "Dear friend,",
+    "A list of fruit:",
+]
 
 
 def build_manifest(workdir: Path) -> Path:
@@ -78,8 +86,14 @@ class Client:
             prompt = f"{PROMPTS[(self.index + request) % len(PROMPTS)]} #{self.index}.{request}"
             started, first = time.perf_counter(), None
             stream = self.api.completions.create(
-                model=self.model, prompt=prompt, max_tokens=self.max_tokens, temperature=0, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                model=self.model,
+                prompt=prompt,
+                max_tokens=self.max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
             for chunk in stream:
                 if first is None and chunk.choices and chunk.choices[0].text:
                     first = time.perf_counter() - started
@@ -88,15 +102,26 @@ class Client:
             self.ttft.append(first if first is not None else time.perf_counter() - started)
 
 
-def run_level(manifest: Path, clients: int, ram_mib: float, args: argparse.Namespace,
-              log: Path) -> dict[str, float]:
-    serve_args = ["--ram-mib", str(ram_mib), "--max-batch", str(max(args.levels)),
-                  "--max-queue", "64", "--threads", str(args.threads)]
+def run_level(
+    manifest: Path, clients: int, ram_mib: float, args: argparse.Namespace, log: Path
+) -> dict[str, float]:
+    serve_args = [
+        "--ram-mib",
+        str(ram_mib),
+        "--max-batch",
+        str(max(args.levels)),
+        "--max-queue",
+        "64",
+        "--threads",
+        str(args.threads),
+    ]
     with ServerProcess(manifest, *serve_args, log_path=log) as server:
         model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         before = scrape(server.url)
-        workers = [Client(server.url, model, index, args.requests_per_client, args.max_tokens)
-                   for index in range(clients)]
+        workers = [
+            Client(server.url, model, index, args.requests_per_client, args.max_tokens)
+            for index in range(clients)
+        ]
         started = time.perf_counter()
         with ThreadPoolExecutor(clients) as pool:
             list(pool.map(lambda worker: worker.run(), workers))
@@ -131,18 +156,29 @@ def main() -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         manifest = build_manifest(workdir)
         ram_mib, pack_mib = ram_budget_mib(manifest, args.ram_fraction)
-        print(f"tiny model: {SPEC.n_layers} layers, {SPEC.n_experts} experts, top-{SPEC.top_k}; "
-              f"experts {pack_mib:.2f} MiB, expert RAM budget {ram_mib:.2f} MiB; "
-              f"{args.requests_per_client} requests x {args.max_tokens} tokens per client")
-        header = (("clients", 7), ("tokens", 7), ("tok/s", 8), ("TTFT ms", 8), ("mean batch", 10),
-                  ("RAM hit", 8), ("bytes/token", 12))
+        print(
+            f"tiny model: {SPEC.n_layers} layers, {SPEC.n_experts} experts, top-{SPEC.top_k}; "
+            f"experts {pack_mib:.2f} MiB, expert RAM budget {ram_mib:.2f} MiB; "
+            f"{args.requests_per_client} requests x {args.max_tokens} tokens per client"
+        )
+        header = (
+            ("clients", 7),
+            ("tokens", 7),
+            ("tok/s", 8),
+            ("TTFT ms", 8),
+            ("mean batch", 10),
+            ("RAM hit", 8),
+            ("bytes/token", 12),
+        )
         print(" ".join(f"{title:>{width}}" for title, width in header))
         for clients in args.levels:
             row = run_level(manifest, clients, ram_mib, args, workdir / f"serve-{clients}.log")
-            print(f"{row['clients']:>7} {row['tokens']:>7.0f} {row['tokens_per_s']:>8.1f} "
-                  f"{row['ttft_ms']:>8.1f} {row['mean_batch']:>10.2f} {row['ram_hit_rate']:>8.1%} "
-                  f"{row['bytes_per_token']:>12.0f}",
-                  flush=True)
+            print(
+                f"{row['clients']:>7} {row['tokens']:>7.0f} {row['tokens_per_s']:>8.1f} "
+                f"{row['ttft_ms']:>8.1f} {row['mean_batch']:>10.2f} {row['ram_hit_rate']:>8.1%} "
+                f"{row['bytes_per_token']:>12.0f}",
+                flush=True,
+            )
     return 0
 
 

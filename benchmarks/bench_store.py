@@ -109,7 +109,11 @@ def quarter_budget_store(manifest: Path, prefetch: bool, latency_us: float):
     pack = ExpertPack(manifest)
     budget = len(pack.moe_layers) * pack.num_experts // 4 * pack.object_bytes / MIB
     return ExpertStore(
-        pack, ram_mib=budget, policy="lru", prefetch=prefetch, io_threads=16,
+        pack,
+        ram_mib=budget,
+        policy="lru",
+        prefetch=prefetch,
+        io_threads=16,
         simulated_read_latency_us=latency_us,
     )
 

@@ -251,8 +251,6 @@ def test_kernels_agree_with_the_reference_path(tiny_model):
         assert relative_error(prefill_then_decode(fast, tokens), prefill_then_decode(slow, tokens)) < 1e-5
 
 
-
-
 TRUNCATE_WHILE_RUNNING = """
 import os, sys
 import k3stream

@@ -101,8 +101,13 @@ def server(served_pack, ram_mib):
 def slow_server(served_pack, ram_mib):
     """The same model with every pack read slowed by a fixed sleep, so that a request of a few dozen
     tokens lasts long enough, on any machine, for concurrent requests and disconnects to meet it."""
-    live = LiveServer(served_pack, ram_mib, StoreOptions(simulated_read_latency_us=SLOW_READ_US),
-                      max_batch=MAX_BATCH, max_queue=MAX_QUEUE)
+    live = LiveServer(
+        served_pack,
+        ram_mib,
+        StoreOptions(simulated_read_latency_us=SLOW_READ_US),
+        max_batch=MAX_BATCH,
+        max_queue=MAX_QUEUE,
+    )
     yield live
     live.close()
 
@@ -150,24 +155,33 @@ def test_completion_greedy_matches_the_engine_loop(client, server, reference):
     assert result.usage.prompt_tokens == len(server.served.encode_prompt(prompt))
     assert result.usage.completion_tokens == expected.completion_tokens
     assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
-    as_ids = client.completions.create(model=server.name, prompt=server.served.encode_prompt(prompt),
-                                       max_tokens=12, temperature=0)
+    as_ids = client.completions.create(
+        model=server.name, prompt=server.served.encode_prompt(prompt), max_tokens=12, temperature=0
+    )
     assert as_ids.choices[0].text == expected.text
 
 
 def test_streamed_chat_equals_the_whole_answer(client, server):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     whole = client.chat.completions.create(model=server.name, messages=messages, max_tokens=10, temperature=0)
-    chunks = list(client.chat.completions.create(model=server.name, messages=messages, max_tokens=10,
-                                                 temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=server.name,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
-    assert whole.usage.prompt_tokens == len(server.served.encode_chat(
-        [(m["role"], m["content"]) for m in messages]))
+    assert whole.usage.prompt_tokens == len(
+        server.served.encode_chat([(m["role"], m["content"]) for m in messages])
+    )
 
 
 def test_sse_stream_ends_with_done(server):
@@ -185,8 +199,9 @@ def test_sse_stream_ends_with_done(server):
 def test_model_field_may_be_left_out(client, server):
     """As with vLLM and llama.cpp's server, no `model` means the one model this server serves."""
     named = client.completions.create(model=server.name, prompt="abc", max_tokens=4, temperature=0)
-    response = httpx.post(server.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 4,
-                                                                 "temperature": 0}, timeout=30)
+    response = httpx.post(
+        server.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 4, "temperature": 0}, timeout=30
+    )
     assert response.status_code == 200
     assert response.json()["model"] == server.name
     assert response.json()["choices"][0]["text"] == named.choices[0].text
@@ -197,10 +212,11 @@ def test_stop_string_truncates_before_it(client, server):
     free = client.completions.create(model=server.name, prompt=prompt, max_tokens=16, temperature=0)
     text = free.choices[0].text
     assert len(text) >= 4, f"tiny model produced too little text to place a stop string: {text!r}"
-    stop = text[len(text) // 2:len(text) // 2 + 2]
-    stopped = client.completions.create(model=server.name, prompt=prompt, max_tokens=16, temperature=0,
-                                        stop=[stop])
-    assert stopped.choices[0].text == text[:text.index(stop)]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    stopped = client.completions.create(
+        model=server.name, prompt=prompt, max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert stopped.choices[0].text == text[: text.index(stop)]
     assert stopped.choices[0].finish_reason == "stop"
 
 
@@ -213,8 +229,13 @@ def test_max_tokens_bounds_the_output(client, server):
 
 def test_seeded_sampling_is_reproducible(client, server):
     def draw(seed):
-        return client.completions.create(model=server.name, prompt="Pick", max_tokens=10, temperature=1.0,
-                                         top_p=0.9, seed=seed).choices[0].text
+        return (
+            client.completions.create(
+                model=server.name, prompt="Pick", max_tokens=10, temperature=1.0, top_p=0.9, seed=seed
+            )
+            .choices[0]
+            .text
+        )
 
     assert draw(1234) == draw(1234)
 
@@ -230,15 +251,22 @@ def test_batched_outputs_equal_solo_outputs(server, slow_server):
     assert len(prompts) == MAX_BATCH
 
     def body(prompt):
-        return {"model": server.name, "prompt": prompt, "max_tokens": 24, "temperature": 0,
-                "ignore_eos": True}
+        return {
+            "model": server.name,
+            "prompt": prompt,
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
 
     solo = [_completion(server.url, body(p)).json()["choices"][0]["text"] for p in prompts]
     slow_server.wait_idle()
     before = slow_server.health()["batched_steps"]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        together = [r.json()["choices"][0]["text"] for r in pool.map(
-            lambda p: _completion(slow_server.url, body(p)), prompts)]
+        together = [
+            r.json()["choices"][0]["text"]
+            for r in pool.map(lambda p: _completion(slow_server.url, body(p)), prompts)
+        ]
     assert together == solo
     assert slow_server.health()["batched_steps"] > before, "the requests were never decoded together"
 
@@ -267,8 +295,9 @@ BAD_BODIES = [
 def test_bad_completion_requests_get_openai_errors(server, case, body, code):
     if isinstance(body, dict):
         body = json.dumps({"model": server.name, **body}).encode()
-    response = httpx.post(server.url + "/v1/completions", content=body,
-                          headers={"content-type": "application/json"}, timeout=30)
+    response = httpx.post(
+        server.url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=30
+    )
     assert 400 <= response.status_code < 500, (case, response.status_code, response.text)
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -287,8 +316,9 @@ def test_bad_chat_requests_and_unknown_model(client, server):
         assert bad.value.body["param"].startswith("messages")
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.chat.completions.create(model=server.name, messages=[{"role": "user", "content": "hi " * 600}])
-    answer = client.chat.completions.create(model=server.name, messages=[{"role": "user", "content": "hi"}],
-                                            max_tokens=2)
+    answer = client.chat.completions.create(
+        model=server.name, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
     assert answer.choices[0].finish_reason in ("stop", "length")
 
 
@@ -302,8 +332,14 @@ def test_disconnect_mid_stream_frees_the_sequence(slow_server):
     slow_server.wait_idle()
     cancelled_before = slow_server.health()["cancelled_jobs"]
     generated_before = slow_server.metric("k3stream_generation_tokens_total")
-    body = {"model": slow_server.name, "prompt": "Tell me a long story", "max_tokens": 200, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": slow_server.name,
+        "prompt": "Tell me a long story",
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", slow_server.url + "/v1/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         received = [next(lines) for _ in range(3)]
@@ -317,8 +353,13 @@ def test_disconnect_while_waiting_for_a_whole_answer_frees_the_sequence(slow_ser
     slow_server.wait_idle()
     cancelled_before = slow_server.health()["cancelled_jobs"]
     generated_before = slow_server.metric("k3stream_generation_tokens_total")
-    body = {"model": slow_server.name, "prompt": "Tell me a long story", "max_tokens": 200, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": slow_server.name,
+        "prompt": "Tell me a long story",
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(slow_server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
     slow_server.wait_idle(timeout=20)
@@ -329,8 +370,13 @@ def test_disconnect_while_waiting_for_a_whole_answer_frees_the_sequence(slow_ser
 def test_full_queue_refuses_with_429(slow_server):
     """Twelve requests at once: the batch slots and the queue hold eight, the rest are refused."""
     slow_server.wait_idle()
-    body = {"model": slow_server.name, "prompt": "Go on and on", "max_tokens": 40, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": slow_server.name,
+        "prompt": "Go on and on",
+        "max_tokens": 40,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with ThreadPoolExecutor(12) as pool:
         responses = list(pool.map(lambda _: _completion(slow_server.url, body), range(12)))
     statuses = [response.status_code for response in responses]
@@ -390,10 +436,15 @@ def test_health_and_metrics(client, server):
     health = server.health()
     assert health["status"] == "ok" and health["active_sequences"] == 0
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    for name in ("k3stream_requests_total", "k3stream_prompt_tokens_total",
-                 "k3stream_generation_tokens_total", "k3stream_time_to_first_token_seconds_bucket",
-                 "k3stream_time_per_output_token_seconds_bucket", "k3stream_queue_length",
-                 "k3stream_expert_bytes_read_per_token"):
+    for name in (
+        "k3stream_requests_total",
+        "k3stream_prompt_tokens_total",
+        "k3stream_generation_tokens_total",
+        "k3stream_time_to_first_token_seconds_bucket",
+        "k3stream_time_per_output_token_seconds_bucket",
+        "k3stream_queue_length",
+        "k3stream_expert_bytes_read_per_token",
+    ):
         assert re.search(rf"^{name}[{{ ]", text, re.M), f"/metrics lacks {name}"
     tiers = set(re.findall(r'^k3stream_expert_hit_rate\{tier="(\w+)"\}', text, re.M))
     assert "ram" in tiers
@@ -411,8 +462,14 @@ def test_load_with_random_disconnects_leaks_nothing(server):
     lock = threading.Lock()
 
     def attempt(index, abandon, max_tokens):
-        body = {"model": server.name, "prompt": f"request {index}: say something", "max_tokens": max_tokens,
-                "temperature": 0.8, "seed": index, "stream": True}
+        body = {
+            "model": server.name,
+            "prompt": f"request {index}: say something",
+            "max_tokens": max_tokens,
+            "temperature": 0.8,
+            "seed": index,
+            "stream": True,
+        }
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
             if response.status_code == 429:
                 return "refused"
@@ -444,8 +501,19 @@ def test_load_with_random_disconnects_leaks_nothing(server):
 
 
 def test_cli_serve_answers(served_pack, ram_mib, tmp_path):
-    with ServerProcess(served_pack, "--ram-mib", str(ram_mib), "--ctx", str(CTX), "--threads", "1",
-                       "--policy", "lru", "--no-prefetch", log_path=tmp_path / "serve.log") as process:
+    with ServerProcess(
+        served_pack,
+        "--ram-mib",
+        str(ram_mib),
+        "--ctx",
+        str(CTX),
+        "--threads",
+        "1",
+        "--policy",
+        "lru",
+        "--no-prefetch",
+        log_path=tmp_path / "serve.log",
+    ) as process:
         client = openai.OpenAI(base_url=process.url + "/v1", api_key="none", max_retries=0, timeout=60)
         [model] = client.models.list().data
         result = client.completions.create(model=model.id, prompt="hi", max_tokens=3, temperature=0)
