@@ -551,9 +551,10 @@ class ExpertStore:
         return loaded
 
     def _read_objects(self, keys: list[Key], demand: bool) -> dict[Key, torch.Tensor]:
-        """Read whole objects from the pack into fresh host buffers (prefetches on the background pool)."""
+        """Read whole objects from the pack into fresh host buffers (prefetches on the background pool),
+        queued in pack order so the disk sees the reads of a step as one forward sweep."""
         buffers, requests = {}, []
-        for key in keys:
+        for key in sorted(keys, key=lambda key: self.pack.object_range(*key)[0]):
             offset, nbytes = self.pack.object_range(*key)
             array = np.empty(nbytes, dtype=np.uint8)
             self._track(array)
