@@ -551,17 +551,19 @@ class ExpertStore:
         return loaded
 
     def _read_objects(self, keys: list[Key], demand: bool) -> dict[Key, torch.Tensor]:
-        """Read whole objects from the pack into fresh host buffers (prefetches on the background pool),
-        queued in pack order so the disk sees the reads of a step as one forward sweep."""
+        """Read whole objects from the pack into fresh host buffers (prefetches on the background pool).
+
+        The reads are queued in pack order, so the disk sees a step's reads as one forward sweep; the
+        buffers keep the requested order (the order the tiers admit them, which the policies see)."""
         buffers, requests = {}, []
-        for key in sorted(keys, key=lambda key: self.pack.object_range(*key)[0]):
+        for key in keys:
             offset, nbytes = self.pack.object_range(*key)
             array = np.empty(nbytes, dtype=np.uint8)
             self._track(array)
             buffers[key] = torch.from_numpy(array)
             requests.append(ReadRequest(f"layer {key[0]} expert {key[1]}", offset, nbytes, array))
         if requests:
-            self._file.read(requests, background=not demand)
+            self._file.read(sorted(requests, key=lambda request: request.offset), background=not demand)
             self._check_integrity(buffers)
         return buffers
 
