@@ -27,13 +27,7 @@ ROWS, COLS = 3072, 3584  # one Kimi-K3 expert's up (or gate) projection: expert_
 
 def matrices(qtype: GGMLQuantizationType, count: int) -> list[QWeight]:
     values = np.random.default_rng(0).standard_normal((ROWS, COLS)).astype(np.float32)
-    if qtype == GGMLQuantizationType.F16:
-        blocks = values.astype(np.float16).view(np.uint8)
-    elif qtype == GGMLQuantizationType.BF16:
-        blocks = (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-    else:
-        blocks = quantize(values, qtype)
-    data = torch.from_numpy(np.ascontiguousarray(blocks).reshape(-1))
+    data = torch.from_numpy(np.ascontiguousarray(quantize(values, qtype)).reshape(-1))
     return [QWeight(data.clone(), int(qtype), (ROWS, COLS)) for _ in range(count)]
 
 

@@ -28,15 +28,8 @@ FLOATS = [T.F16, T.BF16, T.F32]
 
 def weight(qt: T, rows: int, cols: int, seed: int = 0) -> QWeight:
     values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
-    if qt == T.F32:
-        data = values.view(np.uint8)
-    elif qt == T.F16:
-        data = values.astype(np.float16).view(np.uint8)
-    elif qt == T.BF16:
-        data = (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-    else:
-        data = quantize(values, qt)
-    return QWeight(torch.from_numpy(np.ascontiguousarray(data).reshape(-1)), int(qt), (rows, cols))
+    data = np.ascontiguousarray(quantize(values, qt)).reshape(-1)
+    return QWeight(torch.from_numpy(data), int(qt), (rows, cols))
 
 
 def reference(x: torch.Tensor, w: QWeight) -> torch.Tensor:

@@ -22,10 +22,10 @@ LARGE_SPEC = dict(hidden=1024, n_dense=3, dense_ff=16384, recipe="f32")
 # Peak RSS of a fresh process loading the model (file pages mapped into it count too), above the peak it
 # had after its imports. VmHWM rather than ru_maxrss: Linux carries ru_maxrss across execve, so a child
 # of a big process (this one, after writing the model) would start with its parent's peak.
-MEASURE_LOAD = """
+PEAK_AFTER_IMPORTS = """
 import json, sys
 import torch
-import k3stream, k3stream.model.k3, k3stream.gguf.weights, k3stream.gguf.reader
+import k3stream, k3stream.cli, k3stream.engine.loading, k3stream.model.k3, k3stream.gguf.weights
 
 def peak():
     with open("/proc/self/status") as status:
@@ -33,9 +33,14 @@ def peak():
     return int(line.split()[1]) * 1024
 
 baseline = peak()
+"""
+MEASURE_LOAD = (
+    PEAK_AFTER_IMPORTS
+    + """
 model = k3stream.load(sys.argv[1], device="cpu", dtype=torch.float32)
 print(json.dumps({"baseline": baseline, "peak": peak(), "vocab": model.config.vocab_size}))
 """
+)
 
 ROUTED_EXPERT = re.compile(r"\.ffn_(up|gate|down)_exps\.weight$")
 
@@ -83,21 +88,14 @@ def test_expert_bytes_stay_within_the_ram_budget(tmp_path):
 # copy of them, so the peak stays at their GGUF bytes plus the expert budget and small working buffers.
 F16_SPEC = dict(hidden=1024, n_dense=3, dense_ff=32768, recipe="f16", n_experts=8, top_k=2, seed=5)
 
-MEASURE_GENERATE = """
-import json, sys
-import torch
-import k3stream, k3stream.cli, k3stream.engine.loading
-
-def peak():
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
-
-baseline = peak()
+MEASURE_GENERATE = (
+    PEAK_AFTER_IMPORTS
+    + """
 k3stream.cli.main(["generate", sys.argv[1], "--prompt", "hello there", "--max-tokens", "6",
                    "--threads", "1", "--temperature", "0"])
 print(json.dumps({"baseline": baseline, "peak": peak()}))
 """
+)
 
 
 @pytest.mark.slow
