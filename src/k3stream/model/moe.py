@@ -11,6 +11,8 @@ from k3stream.model.experts import ExpertSource
 from k3stream.model.layers import Linear, rms_norm, situ
 from k3stream.quant.kernels import expert_mlp
 
+# a step of at least twice this many experts is fetched in parts, the next part read while one computes
+READ_AHEAD_MIN_EXPERTS = 4
 # llama.cpp clamps the sum of the chosen weights from below before renormalising
 MIN_WEIGHT_SUM = 6.103515625e-5
 
@@ -114,11 +116,14 @@ class LatentMoE:
         ids, counts = np.unique(pair_experts, return_counts=True)  # sorted, as `order` is
         bounds = np.concatenate([[0], np.cumsum(counts)])
         rows = torch.from_numpy(order // chosen.shape[1])
-        group = getattr(self.source, "max_experts_per_fetch", None) or len(ids)
+        group = self._fetch_group(len(ids))
+        read_ahead = getattr(self.source, "read_ahead", None)
         sorted_outputs = latent.new_empty(len(pair_experts), latent.shape[1])
         for start in range(0, len(ids), group):
             chunk = ids[start : start + group].tolist()
             experts = self.source.fetch(self.layer, chunk)
+            if read_ahead is not None and start + group < len(ids):  # read the next part meanwhile
+                read_ahead(self.layer, ids[start + group : start + 2 * group].tolist())
             first, last = int(bounds[start]), int(bounds[start + len(chunk)])
             sorted_outputs[first:last] = expert_mlp(
                 latent,
@@ -132,6 +137,14 @@ class LatentMoE:
         pair_outputs = torch.empty_like(sorted_outputs)
         pair_outputs[torch.from_numpy(order).to(latent.device)] = sorted_outputs
         return pair_outputs
+
+    def _fetch_group(self, count: int) -> int:
+        """Experts per fetch: what the cache can hold; a source that reads ahead (the store) gets the
+        step in parts of at most half that, so the next part is read while this one is computed."""
+        slots = getattr(self.source, "max_experts_per_fetch", None) or count
+        if not hasattr(self.source, "read_ahead") or count < 2 * READ_AHEAD_MIN_EXPERTS:
+            return slots
+        return max(READ_AHEAD_MIN_EXPERTS, min(slots // 2, -(-count // 4)))
 
     def _activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return situ(gate, up, self.beta, self.linear_beta)

@@ -191,6 +191,7 @@ class ExpertStore:
             tokens=0,
             slot_waits=0,
             prefetch_requests=0,
+            read_ahead=0,
             prefetch_loads=0,
             prefetch_hits=0,
             prefetch_unused_evictions=0,
@@ -329,6 +330,18 @@ class ExpertStore:
                 return
             serial = self._layer_fetches[layer]
             self._prefetcher.submit(self._prefetch_job, keys, serial)
+
+    def read_ahead(self, layer: int, expert_ids: Iterable[int]) -> None:
+        """Start loading experts the caller is sure to fetch next (the rest of a step it fetches in
+        parts): like `prefetch`, but never scored or suppressed, since it is not a prediction."""
+        if self._prefetcher is None:
+            return
+        keys = self._keys(layer, expert_ids)
+        with self._lock:
+            if self._closed or not keys:
+                return
+            self._counts["read_ahead"] += len(keys)
+            self._prefetcher.submit(self._prefetch_job, keys, self._layer_fetches[layer])
 
     def _issues_prefetch(self, layer: int) -> bool:
         """Whether a hint for `layer` is loaded now (always, or while its hints are precise enough)."""
