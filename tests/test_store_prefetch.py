@@ -117,3 +117,29 @@ def test_speculation_never_takes_more_than_half_the_slots(pack):
         stats = store.stats()
     assert stats["prefetch_loads"] == capacity // 2
     assert stats["prefetch_skipped"] == capacity - pack.top_k - capacity // 2
+
+
+def test_read_ahead_loads_the_next_part_once_and_never_counts_as_a_hint(pack):
+    """The MoE's read-ahead of the next part of a step: loaded in the background, fetched without a
+    second read, not scored (a layer whose predictions were all wrong still reads ahead)."""
+    layer = pack.moe_layers[0]
+    steps = routed_steps(pack, pack.num_experts // 2)
+    wrong = wrong_hints(pack, steps)
+    ram_mib = 4 * pack.top_k * pack.object_bytes / MIB
+    with ExpertStore(pack, ram_mib=ram_mib, policy="lru") as store:
+        for (step_layer, experts), hint in zip(steps, wrong, strict=True):  # switch the layer's hints off
+            store.prefetch(step_layer, hint)
+            drain(store)
+            store.fetch(step_layer, experts)
+        assert store.stats()["prefetch_layers"][str(layer)]["active"] is False
+        half = pack.num_experts // 2  # the upper half: never routed above, so not resident
+        first, second = [half, half + 1, half + 2], [half + 3, half + 4, half + 5]
+        store.fetch(layer, first)
+        reads = store.stats()["pack_reads"]
+        store.read_ahead(layer, second)
+        drain(store)
+        store.fetch(layer, second)
+        stats = store.stats()
+    assert stats["read_ahead"] == 3
+    assert stats["pack_reads"] == reads + 3  # read ahead once; the fetch found them resident
+    assert stats["prefetch_layers"][str(layer)]["active"] is False  # unscored: the hints stay off
