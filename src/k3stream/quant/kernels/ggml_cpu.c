@@ -278,7 +278,7 @@ AVX2 static inline float hsum8(__m256 v) {
 
 /* Up to FUSED_ROWS input rows share each expanded weight vector; every row keeps its own four FMA
  * chains and sees exactly the operations it would see alone, so results do not depend on pairing. */
-#define FUSED_ROWS 2
+#define FUSED_ROWS 3
 #define ALWAYS AVX2 static inline __attribute__((always_inline))
 
 /* acc[r][j] += (codes * step) * x_r over 32 elements at `at`, 8 per chain j: codes (signed bytes)
