@@ -116,8 +116,8 @@ class LatentMoE:
         ids, counts = np.unique(pair_experts, return_counts=True)  # sorted, as `order` is
         bounds = np.concatenate([[0], np.cumsum(counts)])
         rows = torch.from_numpy(order // chosen.shape[1])
-        group = self._fetch_group(len(ids))
         read_ahead = getattr(self.source, "read_ahead", None)
+        group = self._fetch_group(len(ids), read_ahead is not None)
         sorted_outputs = latent.new_empty(len(pair_experts), latent.shape[1])
         for start in range(0, len(ids), group):
             chunk = ids[start : start + group].tolist()
@@ -138,11 +138,11 @@ class LatentMoE:
         pair_outputs[torch.from_numpy(order).to(latent.device)] = sorted_outputs
         return pair_outputs
 
-    def _fetch_group(self, count: int) -> int:
+    def _fetch_group(self, count: int, reads_ahead: bool) -> int:
         """Experts per fetch: what the cache can hold; a source that reads ahead (the store) gets the
         step in parts of at most half that, so the next part is read while this one is computed."""
         slots = getattr(self.source, "max_experts_per_fetch", None) or count
-        if not hasattr(self.source, "read_ahead") or count < 2 * READ_AHEAD_MIN_EXPERTS:
+        if not reads_ahead or count < 2 * READ_AHEAD_MIN_EXPERTS:
             return slots
         return max(READ_AHEAD_MIN_EXPERTS, min(slots // 2, -(-count // 4)))
 

@@ -6,7 +6,8 @@
 - `expert_mlp(x, experts, starts, rows, activation)`: the routed-expert MLP (gate, up, activation, down)
   over the experts of one step.
 
-Backends: on CPU the C kernels (`cpu`, decoding blocks into an L1 tile, never a float32 matrix); on CUDA
+Backends: on CPU the C kernels (`cpu`: fused AVX2 kernels or blocks decoded into an L1 tile, never a
+float32 matrix); on CUDA
 the Triton kernels (`gpu`); F32 weights use torch's own matmul on a float32 view of their bytes. A type
 or device without a kernel, or `backend="reference"`, takes the reference path: the torch dequantizer
 a slab of rows at a time (`k3stream.quant.qlinear`), which the kernels are tested against.
@@ -109,11 +110,16 @@ def qmatmul(x: torch.Tensor, weight: QWeight, backend: str = "auto") -> torch.Te
     """`x @ W^T` ([..., in] -> [..., out], float32) for W in any supported GGML type."""
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"qmatmul: input has {x.shape[-1]} features, the weight expects {weight.shape[1]}")
-    if weight.ggml_type == F32:  # torch's own matmul on the bytes, viewed as the floats they are
-        return torch.nn.functional.linear(x.float(), weight.data.view(torch.float32).view(weight.shape))
+    if weight.ggml_type == F32:
+        return torch.nn.functional.linear(x.float(), _f32_matrix(weight, x.device))
     flat = x.reshape(-1, x.shape[-1]).float()
     out = grouped_qmatmul(flat, [weight], *_all_rows(flat.shape[0]), backend)
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _f32_matrix(weight: QWeight, device: torch.device) -> torch.Tensor:
+    """An F32 weight's bytes viewed as the floats they are (torch's own matmul takes it from there)."""
+    return weight.data.to(device).view(torch.float32).view(weight.shape)
 
 
 @functools.lru_cache(maxsize=64)
@@ -163,8 +169,7 @@ def _per_matrix(x, weights, starts, rows, kernel: str) -> torch.Tensor:
             continue
         inputs = x[rows[bounds[b] : bounds[b + 1]].to(x.device)]
         if kernel == "torch":
-            dense = weight.data.to(x.device).view(torch.float32).view(weight.shape)
-            out[bounds[b] : bounds[b + 1]] = torch.nn.functional.linear(inputs, dense)
+            out[bounds[b] : bounds[b + 1]] = torch.nn.functional.linear(inputs, _f32_matrix(weight, x.device))
         else:
             out[bounds[b] : bounds[b + 1]] = qlinear(inputs, weight.data, weight.ggml_type, *weight.shape)
     return out

@@ -1,9 +1,10 @@
 /* CPU kernels for products with GGUF-block weights (k3stream.quant.kernels.cpu calls them via ctypes).
  *
  * out[p, m] = sum_k x[rows[p], k] * W_b[m, k] for the rows p in starts[b]..starts[b+1] of matrix b.
- * A worker takes a chunk of one matrix's output rows; per row it decodes up to 256 weights at a time
- * into a float32 tile on its stack (exactly the reference dequantizer's values: the same float
- * operations, built with -ffp-contract=off) and dots the tile with every input row of that matrix.
+ * A worker takes a chunk of one matrix's output rows. Types with a fused AVX2 kernel (below) expand
+ * codes in registers; the others decode up to 256 weights at a time into a float32 tile on the stack
+ * (exactly the reference dequantizer's values: the same float operations, built with
+ * -ffp-contract=off) and dot the tile with every input row of that matrix.
  * No float32 copy of a weight matrix is ever written. Each output is summed in one fixed order that
  * depends only on K, so results do not depend on the thread count or on what else shared the call.
  *
@@ -260,8 +261,8 @@ typedef void (*RowKernel)(const Product *, int64_t, int64_t);
 
 /* ---- fused AVX2 kernels: Q2_K, Q3_K, Q4_K, Q6_K, Q4_0, Q8_0, F16, BF16 ---------------------------
  * No tile: codes are expanded in registers, multiplied by their sub-block step (the reference's first
- * operation), and accumulated against x with FMA; each sub-block's min enters once, as min * sum(x)
- * over its 16 values (precomputed per x row). A different (but fixed) summation than the tile path:
+ * operation), and accumulated against x with FMA; each sub-block's min (Q2_K, Q4_K) enters once, as
+ * min * sum(x) over its values (from sums of 16, precomputed per x row). A different (but fixed) summation than the tile path:
  * chosen per type and machine, never per call, so results still do not depend on grouping. */
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
