@@ -216,7 +216,7 @@ def _kda(w: _Weights, p: str, cfg: K3Config, tp: tuple[int, int]) -> KDA:
     )
     tp_rank, tp_size = tp
     if tp != (0, 1):
-        weights = shard_kda_weights(weights, heads, tp_rank, tp_size)
+        weights = shard_kda_weights(weights, heads, tp_rank, tp_size, p.rstrip("."))
     return KDA(weights, heads // tp_size, dim, cfg.gate_lower_bound, cfg.rms_eps)
 
 
@@ -326,7 +326,8 @@ def load(
     does (to F16/BF16, or 8-bit Q8_K/Q8_0 blocks): for comparing with llama.cpp; it costs precision.
     `tp_rank`/`tp_size` load tensor-parallel rank `tp_rank` of `tp_size`: each KDA layer holds only
     that rank's heads (see `shard_kda_weights`), so its output is a partial sum to all-reduce over the
-    ranks; nothing else is sharded and the forward does no all-reduce; it loads the reference path.
+    ranks; nothing else is sharded and the forward does no all-reduce (`k3stream.parallel` shards the
+    whole model over a process group and reduces).
     """
     from k3stream.gguf.profile import get_profile
     from k3stream.gguf.reader import K3Checkpoint
@@ -336,8 +337,8 @@ def load(
     cfg = checkpoint.config
     source = expert_source if expert_source is not None else GGUFExpertSource(checkpoint)
     device = torch.device(device)
-    if (tp_rank, tp_size) != (0, 1) or dtype != torch.float32:
-        kernels = "reference"  # re-typed weights, and `shard_kda_weights`'s slices, are dense matrices
+    if dtype != torch.float32:
+        kernels = "reference"  # re-typed weights are dense matrices
     options = LoadOptions(dtype, keep_quantized, match_ggml, kernels)
     w = _Weights(checkpoint_weights(checkpoint), options, device)
     if kernels == "auto":

@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from k3stream.model.layers import DenseLinear, Linear, l2_normalize, rms_norm
+from k3stream.model.layers import Linear, l2_normalize, rms_norm
+from k3stream.model.shard import input_columns, output_rows, part, rows_of
 
 SOFTPLUS_THRESHOLD = 20.0
 SEED_L2NORM_EPS = 1e-6  # the seed kernels' in-kernel q/k norm; the model itself uses the rms eps
@@ -187,42 +188,35 @@ class KDA:
         return self.w.o_proj(gated.flatten(1).to(h.dtype))
 
 
-def shard_kda_weights(weights: KDAWeights, heads: int, tp_rank: int, tp_size: int) -> KDAWeights:
-    """The KDA weights of tensor-parallel rank `tp_rank` of `tp_size`: its heads only.
+def shard_kda_weights(
+    weights: KDAWeights, heads: int, tp_rank: int, tp_size: int, name: str = "KDA"
+) -> KDAWeights:
+    """The KDA weights of tensor-parallel rank `tp_rank` of `tp_size`: its heads only, in GGUF types.
 
     q/k/v/g/f_b/beta and the convs are column-parallel, `A_log` and `dt_bias` follow the heads,
     `o_proj` is row-parallel (sum the ranks' outputs), `f_a` is replicated and `o_norm` shared.
+    `name` (the layer's) prefixes the error of a matrix that cannot split on its block boundaries.
     """
     if not 0 <= tp_rank < tp_size or heads % tp_size != 0:
         raise ValueError(f"cannot shard {heads} KDA heads for tensor-parallel rank {tp_rank} of {tp_size}")
     head_dim = weights.o_norm.numel()
-    per_rank = heads // tp_size
-    channels = slice(tp_rank * per_rank * head_dim, (tp_rank + 1) * per_rank * head_dim)
+    own_heads = part(heads, tp_rank, tp_size, name)
+    channels = part(heads * head_dim, tp_rank, tp_size, name, head_dim)
     d_inner = heads * head_dim
     conv_rows = torch.cat([weights.conv[i * d_inner :][channels] for i in range(3)])
-
-    def rows(linear: Linear, part: slice) -> DenseLinear:
-        return DenseLinear(_dense(linear)[part])
-
     return replace(
         weights,
-        q_proj=rows(weights.q_proj, channels),
-        k_proj=rows(weights.k_proj, channels),
-        v_proj=rows(weights.v_proj, channels),
-        g_proj=rows(weights.g_proj, channels),
-        f_b_proj=rows(weights.f_b_proj, channels),
-        b_proj=rows(weights.b_proj, slice(tp_rank * per_rank, (tp_rank + 1) * per_rank)),
-        o_proj=DenseLinear(_dense(weights.o_proj)[:, channels]),
+        q_proj=output_rows(weights.q_proj, channels),
+        k_proj=output_rows(weights.k_proj, channels),
+        v_proj=output_rows(weights.v_proj, channels),
+        g_proj=output_rows(weights.g_proj, channels),
+        f_b_proj=output_rows(weights.f_b_proj, channels),
+        b_proj=output_rows(weights.b_proj, own_heads),
+        o_proj=input_columns(weights.o_proj, channels, f"{name}.o_proj", tp_size),
         conv=conv_rows,
-        A_log=weights.A_log[tp_rank * per_rank : (tp_rank + 1) * per_rank].contiguous(),
-        dt_bias=weights.dt_bias[channels].contiguous(),
+        A_log=rows_of(weights.A_log, own_heads),
+        dt_bias=rows_of(weights.dt_bias, channels),
     )
-
-
-def _dense(linear: Linear) -> torch.Tensor:
-    if not isinstance(linear, DenseLinear):
-        raise ValueError("tensor-parallel sharding needs dequantized weights (keep_quantized=False)")
-    return linear.weight
 
 
 # --- the seed system's single-token packed decode entry points (pure torch) ---
