@@ -84,6 +84,9 @@ class LatentMoE:
         self.eps = eps
         self.match_ggml = match_ggml
         self.backend = backend
+        # (latent [N, L], chosen [N, k]) -> the [N * k, L] pair outputs; expert parallelism
+        # (`k3stream.parallel.experts`) wraps it to run only its rank's experts and exchange the rest
+        self.routed_pairs = self._routed_pairs
 
     def predict(self, h: torch.Tensor) -> list[int]:
         """The experts this layer would pick for rows h (the prefetch hint)."""
@@ -94,7 +97,7 @@ class LatentMoE:
         """h [N, E] -> [N, E]; the union of the experts all rows chose, fetched once each."""
         chosen, weights = self.routing.choose(self.w.router, self.w.correction_bias, h)
         latent = self.w.routed_down(h).float()
-        pair_outputs = self._routed_pairs(latent, chosen)
+        pair_outputs = self.routed_pairs(latent, chosen)
         routed = (pair_outputs.view(*chosen.shape, -1) * weights[..., None]).sum(1)
         if self.w.routed_norm is not None:
             routed = rms_norm(routed, self.w.routed_norm, self.eps)
