@@ -2,7 +2,10 @@
 
 When a file carries no template we use a built-in one in Kimi-K3's XTML style
 (`<|open|>message role="user"<|sep|>...<|close|>message<|sep|><|end_of_msg|>`), answering in the
-response channel; pass `thinking=True` to open the think channel instead.
+response channel; pass `thinking=True` to open the think channel instead. With `tools=[...]` it declares
+them in a system message (`<|open|>tools<|sep|>JSON<|close|>tools<|sep|>`), writes an assistant's
+`tool_calls` as Kimi's tool-call section inside its response, and a `tool` message as
+`## Return of ID` then its content (Kimi-K2's shape; a file's own template always wins).
 """
 
 from __future__ import annotations
@@ -24,10 +27,20 @@ BUILTIN_KIMI_K3_TEMPLATE = (
     "{%- elif content -%}{%- for part in content if part.type == 'text' -%}{{ part.text }}{%- endfor -%}"
     "{%- endif -%}"
     "{%- endmacro -%}"
+    "{%- if tools -%}"
+    "{{ open('message', 'system') }}{{ open('tools') }}{{ tools | tojson }}{{ close('tools') }}"
+    "{{ close('message') }}<|end_of_msg|>"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{{ open('message', message.role) }}"
     "{%- if message.role == 'assistant' -%}"
-    "{{ open('response') }}{{ text(message.content) }}{{ close('response') }}"
+    "{{ open('response') }}{{ text(message.content) }}"
+    "{%- if message.tool_calls -%}<|tool_calls_section_begin|>"
+    "{%- for call in message.tool_calls -%}<|tool_call_begin|>{{ call.id }}<|tool_call_argument_begin|>"
+    "{{ call.function.arguments }}<|tool_call_end|>{%- endfor -%}<|tool_calls_section_end|>"
+    "{%- endif -%}"
+    "{{ close('response') }}"
+    "{%- elif message.role == 'tool' -%}## Return of {{ message.tool_call_id }}\n{{ text(message.content) }}"
     "{%- else -%}{{ text(message.content) }}{%- endif -%}"
     "{{ close('message') }}<|end_of_msg|>"
     "{%- endfor -%}"

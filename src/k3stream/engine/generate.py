@@ -8,7 +8,7 @@ scheduler drives many with `decode_batch`, calling `choose(logits)` then `accept
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -85,7 +85,8 @@ class Sequence:
 
     `choose(logits)` samples the next token; `accept(token)` records it and returns the text it
     releases. Text that could be the start of a stop string is held back until it is clear either
-    way; a matched stop string and everything after it is dropped.
+    way; a matched stop string and everything after it is dropped. `marks` maps token ids (special
+    tokens a parser must see) to the text they decode to.
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class Sequence:
         prompt_ids: Seq[int],
         params: SamplingParams,
         on_text: Callable[[str], Any] | None = None,
+        marks: Mapping[int, str] | None = None,
     ):
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
@@ -108,6 +110,7 @@ class Sequence:
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos and tokenizer.eos_id is not None:
             self._stop_ids.add(tokenizer.eos_id)
+        self._marks = dict(marks or {})  # token id -> the text it stands for (special tokens kept as marks)
         self._text = ""
         self._released = 0  # characters of _text handed out so far
         self._stops = StopMatcher(params.stop)
@@ -144,13 +147,19 @@ class Sequence:
             self.finish_reason = FINISH_STOP
             self._text += self._decoder.flush()
         else:
-            self._text += self._decoder.feed(token)
+            self._text += self._decode(token)
             self._match_stop_strings()
             if not self.done and len(self.token_ids) >= self.params.max_tokens:
                 self.finish_reason = FINISH_LENGTH
                 self._text += self._decoder.flush()
                 self._match_stop_strings()
         return self._release()
+
+    def _decode(self, token: int) -> str:
+        mark = self._marks.get(token)
+        if mark is None:
+            return self._decoder.feed(token)
+        return self._decoder.flush() + mark
 
     def feed(self, logits: Any) -> tuple[int, bool]:
         """`choose` then `accept`: the token and whether the sequence is finished."""

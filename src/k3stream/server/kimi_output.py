@@ -1,0 +1,262 @@
+"""Kimi's output format: reasoning blocks and tool-call sections, split out of generated text as it streams.
+
+    <think>reasoning</think>answer text<|tool_calls_section_begin|>
+    <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|> ...
+    <|tool_calls_section_end|>
+
+`KimiFormat.for_tokenizer` finds the delimiters in the model's own vocabulary and chat template. A
+delimiter that is a special token reaches the parser as a one-character private-use *mark* (the engine's
+`Sequence` decodes those token ids to their marks), so ordinary text that merely spells
+`<|tool_call_begin|>` is never taken for one; a delimiter that is plain text in the vocabulary or the
+template (`◁think▷`) is matched as text. `OutputParser.feed(text)` returns what the text releases:
+reasoning, content and complete tool calls; a suffix that could begin a delimiter is held back until the
+next piece, so the result does not depend on how the text was split. A call is returned once its
+`<|tool_call_end|>` arrives and its name is one of the request's tools and its arguments are a JSON
+object; anything else inside a section (bad JSON, an unknown function, a section cut off) comes back
+as content, delimiters spelled as their token text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+THINK_PAIRS = (("<think>", "</think>"), ("◁think▷", "◁/think▷"))
+TOOL_TOKENS = (
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
+FIRST_MARK = 0xE010  # private-use characters standing for special-token delimiters
+HEADER_RE = re.compile(r"\s*(?:functions\.)?([A-Za-z0-9_\-.]+?)(?::(\d+))?\s*")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+    def openai(self) -> dict[str, Any]:
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"index": self.index, "id": self.id, "type": "function", "function": function}
+
+
+@dataclass
+class Piece:
+    """What one step releases to the client."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls or self.logprobs)
+
+    def extend(self, other: Piece) -> None:
+        self.content += other.content
+        self.reasoning += other.reasoning
+        self.tool_calls += other.tool_calls
+        self.logprobs += other.logprobs
+
+
+@dataclass(frozen=True)
+class KimiFormat:
+    """The delimiters as they appear in decoded text, and the token marks the engine must emit."""
+
+    think: tuple[str, str] | None = None
+    tools: dict[str, str] | None = None  # TOOL_TOKENS -> their text (a mark)
+    marks: dict[int, str] = field(default_factory=dict)  # token id -> mark
+    spelled: dict[str, str] = field(default_factory=dict)  # mark -> the token's text
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, template_text: str = "") -> KimiFormat:
+        specials = tokenizer.special_tokens
+        marks: dict[int, str] = {}
+
+        def as_text(token: str) -> str:
+            if token not in specials:
+                return token
+            return marks.setdefault(specials[token], chr(FIRST_MARK + len(marks)))
+
+        think = next((pair for pair in THINK_PAIRS if all(t in specials for t in pair)), None)
+        think = think or next(
+            (pair for pair in THINK_PAIRS if _known_text(tokenizer, template_text, pair)), None
+        )
+        tools = None
+        if all(t in specials for t in TOOL_TOKENS):
+            tools = {t: as_text(t) for t in TOOL_TOKENS}
+        think_text = (as_text(think[0]), as_text(think[1])) if think else None
+        spelled = {mark: tokenizer.decode([token]) for token, mark in marks.items()}
+        return cls(think=think_text, tools=tools, marks=marks, spelled=spelled)
+
+    def spell(self, text: str) -> str:
+        """`text` with every mark written as its token's text."""
+        for mark, token in self.spelled.items():
+            text = text.replace(mark, token)
+        return text
+
+
+def _known_text(tokenizer: Any, template_text: str, pair: tuple[str, str]) -> bool:
+    """Whether both delimiters are single ordinary tokens of the vocabulary or appear in the template."""
+    single = all(len(tokenizer.encode_plain(t)) == 1 for t in pair)
+    return single or all(t in template_text for t in pair)
+
+
+class OutputParser:
+    """Splits one response's text into reasoning, content and tool calls, as it streams."""
+
+    def __init__(
+        self,
+        fmt: KimiFormat,
+        tool_names: Iterable[str] = (),
+        *,
+        reasoning: bool = True,
+        in_reasoning: bool = False,
+    ) -> None:
+        self.fmt = fmt
+        self.tool_names = frozenset(tool_names)
+        self.think = fmt.think if reasoning else None
+        self.tools = fmt.tools
+        self._mode = "reasoning" if in_reasoning and self.think else "start"
+        self._pending = ""
+        self._calls = 0
+        self._section_calls = 0
+
+    @property
+    def made_calls(self) -> bool:
+        return self._calls > 0
+
+    def feed(self, text: str) -> Piece:
+        self._pending += text
+        piece = Piece()
+        while self._pending and self._step(piece):
+            pass
+        return self._spelled(piece)
+
+    def finish(self) -> Piece:
+        """Whatever is still held back: an unfinished section or delimiter prefix comes back as text."""
+        piece = self.feed("")
+        rest, self._pending = self._pending, ""
+        if self._mode == "reasoning":
+            piece.reasoning += self.fmt.spell(rest)
+        elif self._mode == "section":
+            cut_off = rest.strip() or self._section_calls == 0
+            piece.content += self.fmt.spell(self._unparsed(rest) if cut_off else "")
+        else:
+            piece.content += self.fmt.spell(rest)
+        return piece
+
+    def _spelled(self, piece: Piece) -> Piece:
+        piece.content = self.fmt.spell(piece.content)
+        piece.reasoning = self.fmt.spell(piece.reasoning)
+        return piece
+
+    def _step(self, piece: Piece) -> bool:
+        """Consume what the pending text decides; False when the rest must wait for more text."""
+        return getattr(self, f"_{self._mode}")(piece)
+
+    def _start(self, piece: Piece) -> bool:
+        opening = self.think[0] if self.think else None
+        if opening and self._pending.startswith(opening):
+            self._pending = self._pending[len(opening) :]
+            self._mode = "reasoning"
+            return True
+        if opening and opening.startswith(self._pending):
+            return False
+        self._mode = "content"
+        return True
+
+    def _reasoning(self, piece: Piece) -> bool:
+        text, found = self._until(self.think[1])
+        piece.reasoning += text
+        if found:
+            self._mode = "content"
+        return found
+
+    def _content(self, piece: Piece) -> bool:
+        if self.tools is None:
+            piece.content += self._pending
+            self._pending = ""
+            return False
+        text, found = self._until(self.tools["<|tool_calls_section_begin|>"])
+        piece.content += text
+        if found:
+            self._mode = "section"
+            self._section_calls = 0
+        return found
+
+    def _section(self, piece: Piece) -> bool:
+        """Inside a section: one call or the section's end at a time."""
+        end, call_end = self.tools["<|tool_calls_section_end|>"], self.tools["<|tool_call_end|>"]
+        stripped = self._pending.lstrip()
+        if stripped.startswith(end):
+            self._pending = stripped[len(end) :]
+            self._mode = "content"
+            return True
+        stop = min((i for i in (self._pending.find(call_end), self._pending.find(end)) if i >= 0), default=-1)
+        if stop < 0:
+            return False
+        delimiter = call_end if self._pending.startswith(call_end, stop) else end
+        raw, self._pending = self._pending[:stop], self._pending[stop + len(delimiter) :]
+        call = self._parse_call(raw) if delimiter == call_end else None
+        if call is None:  # malformed: this call and the rest of the section are text
+            piece.content += self._unparsed(raw + delimiter)
+            self._mode = "content"
+        else:
+            piece.tool_calls.append(call)
+            self._section_calls += 1
+        return True
+
+    def _unparsed(self, text: str) -> str:
+        """Section text given back as content: with the section's opening unless a call was returned."""
+        opening = self.tools["<|tool_calls_section_begin|>"] if self._section_calls == 0 else ""
+        return opening + text
+
+    def _parse_call(self, raw: str) -> ToolCall | None:
+        begin, argument = self.tools["<|tool_call_begin|>"], self.tools["<|tool_call_argument_begin|>"]
+        stripped = raw.strip()
+        if not stripped.startswith(begin) or argument not in stripped:
+            return None
+        header, _, arguments = stripped[len(begin) :].partition(argument)
+        match = HEADER_RE.fullmatch(header)
+        if match is None or match.group(1) not in self.tool_names or not _json_object(arguments):
+            return None
+        name, index = match.group(1), match.group(2) or str(self._calls)
+        call = ToolCall(self._calls, f"functions.{name}:{index}", name, arguments.strip())
+        self._calls += 1
+        return call
+
+    def _until(self, delimiter: str) -> tuple[str, bool]:
+        """Text of the pending buffer before `delimiter` (consumed with it) and whether it was found; when
+        not found, everything except a suffix that could begin the delimiter."""
+        before, found, after = self._pending.partition(delimiter)
+        if found:
+            self._pending = after
+            return before, True
+        keep = _prefix_overlap(self._pending, delimiter)
+        cut = len(self._pending) - keep
+        text, self._pending = self._pending[:cut], self._pending[cut:]
+        return text, False
+
+
+def _prefix_overlap(text: str, delimiter: str) -> int:
+    """Length of the longest end of `text` that is a proper prefix of `delimiter`."""
+    for size in range(min(len(text), len(delimiter) - 1), 0, -1):
+        if delimiter.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False

@@ -1,0 +1,148 @@
+"""The Kimi output parser on real token streams: text generated as the engine's `Sequence` releases it,
+fed whole, token by token, and split in two at every position; the result never depends on the split."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3stream.engine.generate import Sequence
+from k3stream.engine.sampling import SamplingParams
+from k3stream.engine.tokenizer import Tokenizer, VocabFields
+from k3stream.server.kimi_output import KimiFormat, OutputParser, Piece, ToolCall
+from k3stream.tinyvocab import padded, tiny_vocab
+
+TOOLS = ("get_weather", "get_time")
+SECTION = (
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+    '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
+    '<|tool_call_argument_begin|>{"tz":"UTC"}<|tool_call_end|><|tool_calls_section_end|>'
+)
+CALLS = [
+    ToolCall(0, "functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
+    ToolCall(1, "functions.get_time:1", "get_time", '{"tz":"UTC"}'),
+]
+
+
+def make_tokenizer(specials: tuple[str, ...] = ()) -> Tokenizer:
+    """The tiny vocabulary with its first padding ids turned into `specials` (CONTROL)."""
+    vocab = padded(tiny_vocab(), len(tiny_vocab().tokens) + 4)
+    tokens, types = list(vocab.tokens), list(vocab.token_types)
+    for offset, text in enumerate(specials):
+        tokens[len(tiny_vocab().tokens) + offset] = text
+        types[len(tiny_vocab().tokens) + offset] = 3
+    fields = VocabFields(tokens, types, "gpt2", "kimi-k2", vocab.bos_id, vocab.eos_id)
+    return Tokenizer(fields)
+
+
+@pytest.fixture(scope="module")
+def think_tokenizer() -> Tokenizer:
+    return make_tokenizer(("<think>", "</think>"))
+
+
+def released(tokenizer: Tokenizer, fmt: KimiFormat, output: str) -> list[str]:
+    """The text the engine's Sequence releases for each token of `output`."""
+    ids = tokenizer.encode(output, allow_special=True)
+    sequence = Sequence(tokenizer, [0], SamplingParams(max_tokens=len(ids) + 1), marks=fmt.marks)
+    return [sequence.accept(token) for token in ids]
+
+
+def parse(fmt: KimiFormat, feeds: list[str], **options) -> Piece:
+    parser = OutputParser(fmt, TOOLS, **options)
+    total = Piece()
+    for text in feeds:
+        total.extend(parser.feed(text))
+    total.extend(parser.finish())
+    return total
+
+
+def every_split(fmt: KimiFormat, pieces: list[str], **options) -> Piece:
+    """The parse of `pieces`, asserted equal whole, one piece at a time and split at every position."""
+    whole = parse(fmt, ["".join(pieces)], **options)
+    assert parse(fmt, pieces, **options) == whole
+    for cut in range(len(pieces) + 1):
+        assert parse(fmt, ["".join(pieces[:cut]), "".join(pieces[cut:])], **options) == whole
+    return whole
+
+
+def test_reasoning_content_and_two_calls(think_tokenizer):
+    fmt = KimiFormat.for_tokenizer(think_tokenizer)
+    output = f"<think>Plan: ask twice.</think>Sure, checking.{SECTION}"
+    result = every_split(fmt, released(think_tokenizer, fmt, output))
+    assert result.reasoning == "Plan: ask twice."
+    assert result.content == "Sure, checking."
+    assert result.tool_calls == CALLS
+
+
+def test_reasoning_opened_by_the_prompt(think_tokenizer):
+    fmt = KimiFormat.for_tokenizer(think_tokenizer)
+    pieces = released(think_tokenizer, fmt, "still thinking</think>Answer.")
+    result = every_split(fmt, pieces, in_reasoning=True)
+    assert (result.reasoning, result.content) == ("still thinking", "Answer.")
+
+
+def test_reasoning_split_can_be_turned_off(think_tokenizer):
+    fmt = KimiFormat.for_tokenizer(think_tokenizer)
+    output = "<think>hidden</think>Answer."
+    result = every_split(fmt, released(think_tokenizer, fmt, output), reasoning=False)
+    assert (result.reasoning, result.content) == ("", output)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Par',  # bad JSON
+        'functions.rm_rf:0<|tool_call_argument_begin|>{"path": "/"}',  # unknown function
+        "functions.get_weather:0<|tool_call_argument_begin|>[1, 2]",  # arguments not an object
+        'functions.get_weather:0{"city": "Paris"}',  # no argument delimiter
+    ],
+)
+def test_malformed_call_comes_back_as_text(think_tokenizer, call):
+    fmt = KimiFormat.for_tokenizer(think_tokenizer)
+    section = (
+        f"<|tool_calls_section_begin|><|tool_call_begin|>{call}<|tool_call_end|><|tool_calls_section_end|>"
+    )
+    result = every_split(fmt, released(think_tokenizer, fmt, "Hi." + section))
+    assert result.tool_calls == [] and result.content == "Hi." + section
+
+
+def test_section_cut_off_comes_back_as_text(think_tokenizer):
+    fmt = KimiFormat.for_tokenizer(think_tokenizer)
+    output = SECTION[: SECTION.index('"city"') + 3]
+    result = every_split(fmt, released(think_tokenizer, fmt, output))
+    assert result.tool_calls == [] and result.content == output
+
+
+def test_valid_call_kept_when_a_later_one_is_cut_off(think_tokenizer):
+    fmt = KimiFormat.for_tokenizer(think_tokenizer)
+    first = SECTION[: SECTION.index("<|tool_call_begin|>functions.get_time")]
+    output = first + "<|tool_call_begin|>functions.get_ti"
+    result = every_split(fmt, released(think_tokenizer, fmt, output))
+    assert result.tool_calls == CALLS[:1]
+    assert result.content == "<|tool_call_begin|>functions.get_ti"
+
+
+def test_delimiter_spelled_as_plain_text_is_not_one(think_tokenizer):
+    fmt = KimiFormat.for_tokenizer(think_tokenizer)
+    ids = think_tokenizer.encode_plain(SECTION)  # ordinary byte tokens that only spell the delimiters
+    sequence = Sequence(think_tokenizer, [0], SamplingParams(max_tokens=len(ids) + 1), marks=fmt.marks)
+    result = every_split(fmt, [sequence.accept(token) for token in ids])
+    assert result.tool_calls == [] and result.content == SECTION
+
+
+def test_text_delimiters_from_the_template_split_at_every_character():
+    """A vocabulary without think tokens whose template writes ◁think▷: matched as text, held back
+    across any character split."""
+    tokenizer = make_tokenizer()
+    fmt = KimiFormat.for_tokenizer(tokenizer, template_text="{{ '◁think▷' }}...{{ '◁/think▷' }}")
+    assert fmt.think == ("◁think▷", "◁/think▷")
+    output = "◁think▷a ◁ b◁/thin◁/think▷Done ◁/think▷."
+    result = every_split(fmt, list(output))
+    assert (result.reasoning, result.content) == ("a ◁ b◁/thin", "Done ◁/think▷.")
+
+
+def test_formats_of_the_vocabulary():
+    plain = KimiFormat.for_tokenizer(make_tokenizer())
+    assert plain.think is None and plain.tools is not None
+    assert len(plain.marks) == 5 and all(len(mark) == 1 for mark in plain.marks.values())
+    arrows = KimiFormat.for_tokenizer(make_tokenizer(("◁think▷", "◁/think▷")))
+    assert arrows.think is not None and arrows.spell("".join(arrows.think)) == "◁think▷◁/think▷"
