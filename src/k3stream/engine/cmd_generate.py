@@ -6,18 +6,15 @@ import argparse
 import sys
 from typing import Any
 
-from k3stream.engine.loading import (
-    add_model_arguments,
-    add_sampling_arguments,
-    runtime_from_args,
-    sampling_params,
-)
+from k3stream.engine.loading import add_model_arguments, add_sampling_arguments, sampling_params
+from k3stream.parallel.options import add_parallel_arguments
 
 MIB = 1 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_parallel_arguments(parser)
     parser.add_argument("--prompt", required=True, help="the prompt ('-' reads it from stdin)")
     parser.add_argument(
         "--chat", action="store_true", help="send the prompt as a user message through the chat template"
@@ -99,11 +96,13 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from k3stream.engine.generate import generate
+    from k3stream.parallel.runtime import parallel_runtime, report_ranks
 
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = sampling_params(args)  # bad flags fail before the model loads
-    runtime = runtime_from_args(args)
-    try:
+    with parallel_runtime(args) as runtime:  # under torchrun: rank 0 generates, the others follow it
+        if runtime is None:
+            return 0
         tokenizer = runtime.tokenizer
         stops = chat_stop_token_ids(tokenizer, args.thinking) if args.chat else ()
         start = store_snapshot(runtime.store)
@@ -117,6 +116,5 @@ def run(args: argparse.Namespace) -> int:
         _write("\n")
         tokens = runtime.end_generation(result)
         report(statistics_lines(result, runtime.store, start, tokens))
-    finally:
-        runtime.close()
+        report_ranks(runtime, tokens)
     return 0

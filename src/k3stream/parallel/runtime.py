@@ -1,0 +1,74 @@
+"""A model command under `torchrun`: start the group, load, shard, then drive (rank 0) or follow."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from k3stream.engine.loading import Runtime, runtime_from_args
+from k3stream.parallel import groups
+from k3stream.parallel.experts import ExpertExchange, apply_expert_parallel
+from k3stream.parallel.runner import DriverModel, follow
+from k3stream.parallel.tensor import apply_tensor_parallel
+
+
+@contextmanager
+def parallel_runtime(args: argparse.Namespace) -> Iterator[Runtime | None]:
+    """Rank 0's runtime (its model a `DriverModel` when there are several ranks); on the other ranks,
+    follows rank 0 until it stops and yields None. One process without torchrun: the plain runtime."""
+    device = "cuda" if args.device.startswith("cuda") else "cpu"
+    parallel = groups.start(args.tp, args.ep, device, args.dist_timeout)
+    try:
+        runtime = runtime_from_args(args)
+        try:
+            exchanges = shard(runtime.model, parallel)
+            groups.loaded(parallel)
+            if not parallel.distributed:
+                yield runtime
+            elif parallel.driver:
+                driver = DriverModel(runtime.model, lambda: rank_report(runtime, exchanges))
+                runtime.model = driver
+                yield runtime
+                driver.stop()  # not reached when the run failed: the followers see the failure
+            else:
+                follow(runtime.model, lambda: rank_report(runtime, exchanges))
+                yield None
+        finally:
+            runtime.close()
+    finally:
+        groups.stop(parallel)
+
+
+def shard(model: Any, parallel: groups.Parallel) -> list[ExpertExchange]:
+    """Tensor- and expert-parallel slices of a loaded model, in place; returns the expert exchanges."""
+    if parallel.tp > 1:
+        apply_tensor_parallel(model, parallel.rank, parallel.world)
+    if parallel.ep > 1:
+        return apply_expert_parallel(model, parallel.rank, parallel.world)
+    return []
+
+
+def rank_report(runtime: Runtime, exchanges: list[ExpertExchange]) -> dict[str, int]:
+    """What one rank read from its pack and sent in the expert exchange so far."""
+    stats = runtime.store.stats() if runtime.store is not None else {}
+    return {
+        "pack_read_bytes": int(stats.get("pack_read_bytes", 0)),
+        "pack_reads": int(stats.get("pack_reads", 0)),
+        "exchange_bytes": sum(e.sent_bytes for e in exchanges),
+    }
+
+
+def report_ranks(runtime: Runtime, tokens: int) -> None:
+    """One line per rank on stderr: pack bytes read and expert-exchange bytes sent, per token."""
+    if not isinstance(runtime.model, DriverModel):
+        return
+    for rank, report in enumerate(runtime.model.reports()):
+        print(
+            f"rank {rank}  read {report['pack_reads']} experts, {report['pack_read_bytes'] / 1024:.1f} KiB "
+            f"({report['pack_read_bytes'] / max(tokens, 1) / 1024:.1f} KiB per token); sent "
+            f"{report['exchange_bytes'] / max(tokens, 1) / 1024:.1f} KiB per token in the expert exchange",
+            file=sys.stderr,
+        )
