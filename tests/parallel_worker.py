@@ -1,0 +1,43 @@
+"""Run under torchrun by tests/test_parallel.py and benchmarks/bench_parallel.py: the `generate`
+command's own runtime (same flags, same `parallel_runtime`), a fixed prefill and fixed decode steps,
+and on rank 0 the logits and every rank's report saved to OUT (torch.save).
+
+    torchrun --nproc-per-node N tests/parallel_worker.py OUT PROMPT_IDS DECODE_IDS -- GENERATE_FLAGS...
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from k3stream.cli import build_parser
+from k3stream.parallel.runtime import parallel_runtime, rank_report
+
+
+def main(argv: list[str]) -> int:
+    out, prompt, steps = argv[0], _ids(argv[1]), _ids(argv[2])
+    command = ["generate", *argv[argv.index("--") + 1 :], "--prompt", "unused"]
+    args = build_parser(command).parse_args(command)
+    torch.set_num_threads(1)
+    with parallel_runtime(args) as runtime:
+        if runtime is None:
+            return 0
+        model = runtime.model
+        start = time.perf_counter()
+        state = model.new_state()
+        logits = [model.prefill(state, prompt)]
+        logits += [model.decode(state, token)[None] for token in steps]
+        seconds = time.perf_counter() - start
+        reports = model.reports() if hasattr(model, "reports") else [rank_report(runtime, [])]
+        torch.save({"logits": torch.cat(logits), "reports": reports, "seconds": seconds}, out)
+    return 0
+
+
+def _ids(text: str) -> list[int]:
+    return [int(t) for t in text.split(",")]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,131 @@
+"""Tensor and expert parallelism: real torchrun processes on loopback (gloo), real packs, tiny models.
+
+Each parallel run is `tests/parallel_worker.py` under `torchrun`: the `generate` command's runtime with
+`--tp`/`--ep`, a fixed prefill and fixed decode steps; its logits are held against the same worker
+with one process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3stream.parallel.groups import check_sizes
+
+WORKER = Path(__file__).with_name("parallel_worker.py")
+AUDITED = dict(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32)
+PROMPT, STEPS = "5,6,7,8,9,10,11,12", "13,14,15,16"
+
+
+def torchrun(ranks: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), *args]
+
+
+def run_worker(tmp: Path, manifest: Path, ranks: int, *flags: str) -> dict:
+    out = tmp / f"out-{ranks}-{'-'.join(flags) or 'single'}.pt"
+    command = torchrun(ranks, str(WORKER), str(out), PROMPT, STEPS, "--", str(manifest), *flags)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(scope="module")
+def packed(tiny_model, tmp_path_factory) -> Path:
+    """A tiny audited model (Q2_K/Q3_K experts, F32 elsewhere) packed in a folder of its own."""
+    from k3stream.pack.builder import build_pack
+    from pack_helpers import copy_model
+
+    model = copy_model(tiny_model(**AUDITED), tmp_path_factory.mktemp("parallel"))
+    return Path(build_pack(model).manifest)
+
+
+@pytest.fixture(scope="module")
+def single(packed, tmp_path_factory) -> dict:
+    return run_worker(tmp_path_factory.mktemp("single"), packed, 1)
+
+
+def object_bytes(manifest: Path) -> int:
+    from k3stream.pack.reader import ExpertPack
+
+    with ExpertPack(manifest) as pack:
+        return pack.object_bytes
+
+
+def test_two_ranks_tensor_and_expert_parallel_match_one_process(packed, single, tmp_path):
+    both = run_worker(tmp_path, packed, 2, "--tp", "2", "--ep", "2")
+    assert both["logits"].shape == single["logits"].shape
+    assert rel(both["logits"], single["logits"]) <= 1e-5
+    # each rank reads only its own experts: about half of what one process reads, none twice
+    total = single["reports"][0]["pack_read_bytes"]
+    reads = [report["pack_read_bytes"] for report in both["reports"]]
+    assert all(0.3 * total <= r <= 0.7 * total for r in reads), (reads, total)
+    assert abs(sum(reads) - total) <= 0.1 * total, (reads, total)
+    assert all(report["exchange_bytes"] > 0 for report in both["reports"])
+
+
+def test_expert_parallel_logits_are_bit_identical(packed, single, tmp_path):
+    """Without tensor parallelism nothing is summed in another order: every expert's output, and so
+    the logits, are the single process's bits."""
+    experts = run_worker(tmp_path, packed, 2, "--ep", "2")
+    assert torch.equal(experts["logits"], single["logits"])
+
+
+@pytest.mark.slow
+def test_four_ranks_match_one_process(packed, single, tmp_path):
+    four = run_worker(tmp_path, packed, 4, "--tp", "4", "--ep", "4")
+    assert rel(four["logits"], single["logits"]) <= 1e-5
+    total = single["reports"][0]["pack_read_bytes"]
+    reads = [report["pack_read_bytes"] for report in four["reports"]]
+    assert all(0.1 * total <= r <= 0.4 * total for r in reads), (reads, total)
+
+
+def test_killed_rank_ends_the_run_naming_it(packed):
+    """SIGKILL one rank of a running `torchrun -m k3stream generate`: the run ends, non-zero, naming
+    that rank, within 30 s."""
+    command = torchrun(2, "-m", "k3stream", "generate", str(packed), "--tp", "2", "--ep", "2")
+    command += ["--prompt", "hello", "--temperature", "0", "--max-tokens", "100000"]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    ) as launcher:
+        assert launcher.stdout.read(1), "rank 0 never generated"  # generation is under way
+        victim = _rank_pid(launcher.pid, 1)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        _out, err = launcher.communicate(timeout=60)
+        elapsed = time.monotonic() - killed
+    assert launcher.returncode != 0
+    assert elapsed < 30, elapsed
+    assert "rank: 1" in err or "rank 1" in err, err[-3000:]
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of the torchrun worker with RANK=`rank` (read from /proc: nothing in the run helps)."""
+    for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return int(child)
+    raise AssertionError(f"no rank {rank} under torchrun {launcher}")
+
+
+def test_tp_and_ep_sizes_are_one_or_every_rank():
+    check_sizes(4, 1, 4)
+    check_sizes(1, 1, 1)
+    with pytest.raises(ValueError, match=r"^--tp 2: must be 1 or the number of ranks \(4\)$"):
+        check_sizes(2, 4, 4)
+    with pytest.raises(ValueError, match=r"^2 ranks but --tp 1 --ep 1: give --tp 2 and/or --ep 2$"):
+        check_sizes(1, 1, 2)
