@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import signal
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,6 +20,8 @@ from k3stream.parallel.options import DEFAULT_TIMEOUT_S
 
 T = TypeVar("T")
 
+HEARTBEAT_S = 0.25
+SILENT_AFTER_S = 2.0  # eight beats
 # the first collective after loading waits for the slowest rank to load
 LOAD_TIMEOUT_S = 600.0
 
@@ -60,6 +67,8 @@ def start(tp: int, ep: int, device: str = "cpu", timeout_s: float = DEFAULT_TIME
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    global _heartbeat
+    _heartbeat = Heartbeat(dist.get_rank(), world)
     return Parallel(rank=dist.get_rank(), world=world, tp=tp, ep=ep)
 
 
@@ -82,10 +91,74 @@ class PeerFailed(RuntimeError):
     """A collective failed: another rank died, stopped or could not take its part in a step."""
 
 
+class Heartbeat:
+    """Each rank bumps its counter in torchrun's store every HEARTBEAT_S; after a failed collective the
+    ranks whose counters stand still are the ones that died or stopped (named in the error)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.store = dist.PrefixStore(
+            "k3stream/heartbeat/", dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
+        )
+        self.rank, self.world = rank, world
+        self.lock = threading.Lock()
+        self.beat()
+        threading.Thread(target=self._run, name="k3stream-heartbeat", daemon=True).start()
+
+    def beat(self) -> list[int]:
+        """Bump this rank's counter; every rank's counter."""
+        with self.lock:
+            self.store.add(str(self.rank), 1)
+            return [self.store.add(str(r), 0) for r in range(self.world)]
+
+    def silent_ranks(self) -> list[int]:
+        """The other ranks that did not beat during the next few beats."""
+        before = self.beat()
+        time.sleep(SILENT_AFTER_S)
+        after = self.beat()
+        return [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
+
+    def _run(self) -> None:
+        with contextlib.suppress(Exception):  # the store went away: the run is ending
+            while True:
+                time.sleep(HEARTBEAT_S)
+                self.beat()
+
+
+_heartbeat: Heartbeat | None = None
+
+
 def collective(what: str, call: Callable[..., T], *args: Any) -> T:
-    """`call(*args)`, a torch.distributed collective; a transport failure becomes one PeerFailed line."""
+    """`call(*args)`, a torch.distributed collective; a transport failure becomes one PeerFailed line
+    naming the ranks that stopped beating."""
     try:
         return call(*args)
     except RuntimeError as exc:  # gloo and NCCL raise RuntimeError (DistBackendError) for a lost peer
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise PeerFailed(f"rank {dist.get_rank()}: another rank failed during {what}: {detail}") from None
+        raise PeerFailed(_failure(what, exc)) from None
+
+
+def _failure(what: str, exc: RuntimeError) -> str:
+    # gloo: "[.../pair.cc:553] Connection closed by peer [127.0.0.1]:42661. This is typically ..."
+    detail = re.sub(r"^\[[^\]]*\] ", "", str(exc).split(". ")[0].splitlines()[0]) or type(exc).__name__
+    rank = dist.get_rank()
+    silent = _silent_ranks()
+    if not silent:
+        return f"rank {rank}: another rank failed during {what} ({detail})"
+    names = ", ".join(str(r) for r in silent)
+    return f"rank {rank}: rank {names} failed or stopped (no heartbeat) during {what} ({detail})"
+
+
+def _silent_ranks() -> list[int]:
+    """Ask the heartbeat, holding off torchrun's SIGTERM meanwhile (it stops the survivors of a dead
+    rank at once) so that this rank can still say which one failed."""
+    if _heartbeat is None:
+        return []
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
+    try:
+        return _heartbeat.silent_ranks()
+    except Exception:  # the store is gone too (rank 0's node): nothing to name
+        return []
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
