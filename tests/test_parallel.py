@@ -129,3 +129,75 @@ def test_tp_and_ep_sizes_are_one_or_every_rank():
         check_sizes(2, 4, 4)
     with pytest.raises(ValueError, match=r"^2 ranks but --tp 1 --ep 1: give --tp 2 and/or --ep 2$"):
         check_sizes(1, 1, 2)
+
+
+def quant_linear(qtype: int, out_features: int, in_features: int):
+    from k3stream.model.layers import QuantLinear
+    from k3stream.quant import quantize
+    from k3stream.quant.kernels import checked_weight
+
+    values = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(3)).numpy()
+    data = torch.from_numpy(quantize(values, qtype))
+    return QuantLinear(checked_weight("w", data, qtype, (out_features, in_features)), round_inputs=False)
+
+
+def test_slices_stay_in_their_gguf_type_and_compute_their_share():
+    from k3stream.model.shard import input_columns, output_rows, part
+
+    q4_0 = 2
+    full = quant_linear(q4_0, 8, 128)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4))
+    whole = full(x)
+    halves = [part(128, rank, 2, "w") for rank in range(2)]
+    rows = [output_rows(full, part(8, rank, 2, "w")) for rank in range(2)]
+    columns = [input_columns(full, half, "w", 2) for half in halves]
+    assert {w.weight.ggml_type for w in rows + columns} == {q4_0}
+    assert columns[0].weight.data.numel() == full.weight.data.numel() // 2  # bytes, not floats
+    assert torch.equal(torch.cat([r(x) for r in rows], dim=1), whole)  # a row's bytes are whole
+    assert rel(columns[0](x[:, halves[0]]) + columns[1](x[:, halves[1]]), whole) < 1e-6
+
+
+def test_a_split_off_block_boundaries_is_refused_naming_tensor_and_world():
+    from k3stream.model.shard import input_columns, part
+
+    full = quant_linear(2, 8, 64)  # Q4_0: blocks of 32 values; 4 ranks would get 16 columns each
+    with pytest.raises(ValueError) as excinfo:
+        input_columns(full, part(64, 1, 4, "w"), "model.layers.1.mlp.down_proj", 4)
+    assert str(excinfo.value) == (
+        "model.layers.1.mlp.down_proj: Q4_0 [8, 64] cannot be split over 4 tensor-parallel ranks "
+        "on its 32-value blocks"
+    )
+
+
+def test_heads_and_experts_that_do_not_divide_are_refused(packed):
+    import k3stream
+    from k3stream.parallel.experts import expert_partition
+    from k3stream.parallel.tensor import apply_tensor_parallel
+
+    model = k3stream.load(packed)
+    mla = next(layer.index for layer in model.layers if type(layer.attn).__name__ == "MLA")
+    model.layers = [model.layers[mla]]
+    with pytest.raises(ValueError) as excinfo:
+        apply_tensor_parallel(model, 0, 3)
+    assert str(excinfo.value) == (
+        f"model.layers.{mla}.self_attn: 4 MLA heads cannot be split over 3 tensor-parallel ranks"
+    )
+    with pytest.raises(ValueError, match="^16 routed experts cannot be split over 3 expert-parallel ranks$"):
+        expert_partition(16, 0, 3)
+
+
+def test_a_rank_reads_only_its_own_experts(packed):
+    """The rank's source refuses another rank's expert and drops it from hints: the store never reads it."""
+    from k3stream.parallel.experts import OwnedExperts, expert_partition
+    from k3stream.store.expert_store import ExpertStore
+
+    with ExpertStore(packed, ram_mib=16, prefetch=True) as store:
+        owned = OwnedExperts(store, expert_partition(16, 1, 4))
+        assert list(owned.owned) == [4, 5, 6, 7]
+        with pytest.raises(ValueError) as excinfo:
+            owned.fetch(1, [4, 3])
+        assert str(excinfo.value) == "expert 3 of layer 1 belongs to another rank (this one owns 4..7)"
+        owned.prefetch(1, [0, 1, 2, 3, 8, 12])
+        owned.read_ahead(1, [9, 10])
+        assert set(owned.fetch(1, [4, 7])) == {4, 7}
+        assert store.stats()["pack_reads"] == 2
