@@ -7,7 +7,9 @@ shape of up and gate), each multiplied by one input row (decode: top-16 experts,
 `k3stream.quant.kernels.grouped_qmatmul`. The same bytes are then read by a plain sequential pass
 (`torch.sum` over them as int64, the same thread count): the physical limit of reading them from RAM.
 The matrices together exceed the last-level cache, so both sides read from memory. Printed per type and
-thread count: both rates and the ratio. Also prints the reference path (dequantize, then matmul) once.
+thread count: both rates and the ratio; types with integer kernels (Q2_K, Q3_K) also with `match_ggml`
+("q8": activations quantized to Q8_K as llama.cpp does). Also prints the reference path (dequantize,
+then matmul) once.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from k3stream.quant import quantize
-from k3stream.quant.kernels import QWeight, grouped_qmatmul
+from k3stream.quant.kernels import QWeight, cpu, grouped_qmatmul
 
 ROWS, COLS = 3072, 3584  # one Kimi-K3 expert's up (or gate) projection: expert_ff x latent
 
@@ -53,26 +55,29 @@ def main() -> None:
     starts = torch.arange(args.experts + 1)
     rows = torch.arange(args.experts)
     print(f"{args.experts} matrices of {ROWS} x {COLS}, one input row each; best of {args.repeat}")
-    print(f"{'type':6s} {'threads':>7s} {'kernel GB/s':>11s} {'read GB/s':>9s} {'ratio':>6s} {'Gw/s':>6s}")
+    print(f"{'type':9s} {'threads':>7s} {'kernel GB/s':>11s} {'read GB/s':>9s} {'ratio':>6s} {'Gw/s':>6s}")
     for name in args.types.split(","):
         weights = matrices(GGMLQuantizationType[name], args.experts)
         total = sum(w.data.numel() for w in weights)
         words = [w.data.view(torch.int64) for w in weights]
 
-        def product(weights=weights):
-            return grouped_qmatmul(x, weights, starts, rows)
-
         def plain_read(words=words):
             return [w.sum() for w in words]
 
-        for threads in (int(t) for t in args.threads.split(",")):
-            torch.set_num_threads(threads)
-            kernel = best_seconds(product, args.repeat)
-            read = best_seconds(plain_read, args.repeat)
-            print(
-                f"{name:6s} {threads:7d} {total / kernel / 1e9:11.2f} {total / read / 1e9:9.2f} "
-                f"{read / kernel:6.2f} {ROWS * COLS * args.experts / kernel / 1e9:6.2f}"
-            )
+        for match_ggml in (False, True) if GGMLQuantizationType[name] in cpu.Q8_K_TYPES else (False,):
+
+            def product(weights=weights, match_ggml=match_ggml):
+                return grouped_qmatmul(x, weights, starts, rows, match_ggml=match_ggml)
+
+            label = name + " q8" * match_ggml
+            for threads in (int(t) for t in args.threads.split(",")):
+                torch.set_num_threads(threads)
+                kernel = best_seconds(product, args.repeat)
+                read = best_seconds(plain_read, args.repeat)
+                print(
+                    f"{label:9s} {threads:7d} {total / kernel / 1e9:11.2f} {total / read / 1e9:9.2f} "
+                    f"{read / kernel:6.2f} {ROWS * COLS * args.experts / kernel / 1e9:6.2f}"
+                )
     torch.set_num_threads(1)
     weights = matrices(GGMLQuantizationType.Q2_K, args.experts)
     reference = best_seconds(lambda: grouped_qmatmul(x, weights, starts, rows, "reference"), 2)

@@ -19,6 +19,7 @@ from k3stream.quant.kernels import (
     note_fallbacks,
     qmatmul,
 )
+from k3stream.quant.rounding import round_like_ggml
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C kernels were not built with this install")
 
@@ -77,6 +78,44 @@ def test_grouped_rows_equal_separate_products_bit_for_bit(qt):
         assert torch.equal(grouped_qmatmul(x, weights, starts, rows), together)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("qt", sorted(cpu.Q8_K_TYPES), ids=lambda t: T(t).name)
+@pytest.mark.parametrize("rows,cols,inputs", [(37, 256, 1), (5, 512, 3), (64, 768, 40)])
+def test_q8_k_kernels_equal_the_product_with_inputs_rounded_as_ggml(qt, rows, cols, inputs):
+    """match_ggml: integer kernels on ggml's Q8_K codes. Their sums are exact, so they agree with the
+    rounded input times the dequantized weight; an all-zero block and a negative largest value included."""
+    w = weight(T(qt), rows, cols, seed=rows)
+    x = torch.from_numpy(np.random.default_rng(cols).standard_normal((inputs, cols)).astype(np.float32))
+    x[-1, 256 % cols] = -x[-1].abs().max() * 2  # the block's signed max is negative: codes reach -127
+    if inputs > 1:
+        x[0, :256] = 0.0
+    got = qmatmul(x, w, match_ggml=True)
+    assert relative_error(got, reference(round_like_ggml(x, qt), w)) <= 1e-6
+    assert relative_error(got, reference(x, w)) > 1e-6  # the activations were quantized
+
+
+@pytest.mark.parametrize("qt", sorted(cpu.Q8_K_TYPES), ids=lambda t: T(t).name)
+def test_q8_k_rows_do_not_depend_on_grouping_or_threads(qt):
+    weights = [weight(T(qt), 24, 512, seed=s) for s in range(3)]
+    x = torch.randn(5, 512)
+    starts, rows = torch.tensor([0, 2, 2, 6]), torch.tensor([4, 0, 1, 2, 3, 4])
+    together = grouped_qmatmul(x, weights, starts, rows, match_ggml=True)
+    for b, w in enumerate(weights):
+        for p in range(int(starts[b]), int(starts[b + 1])):
+            assert torch.equal(together[p], qmatmul(x[rows[p]][None], w, match_ggml=True)[0])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(grouped_qmatmul(x, weights, starts, rows, match_ggml=True), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_match_ggml_rounds_the_inputs_of_types_without_integer_kernels():
+    w = weight(T.Q4_K, 16, 512)
+    x = torch.randn(3, 512)
+    assert torch.equal(qmatmul(x, w, match_ggml=True), qmatmul(round_like_ggml(x, int(T.Q4_K)), w))
 
 
 def test_expert_mlp_matches_the_reference_path():

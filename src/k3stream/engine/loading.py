@@ -109,6 +109,7 @@ def load_resolved(
     ram_mib: float = 1024.0,
     gpu_mib: float | None = None,
     store_options: StoreOptions = StoreOptions(),
+    match_ggml: bool = False,
 ) -> Runtime:
     """`load_runtime` for paths `resolve_model` already found."""
     import torch
@@ -130,6 +131,7 @@ def load_resolved(
             dtype=dtype or torch.float32,
             expert_source=store,
             prefetch=store_options.prefetch,
+            match_ggml=match_ggml,
         )
         tokenizer = Tokenizer.from_gguf(gguf_path)
     except BaseException:
@@ -158,6 +160,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--match-ggml",
+        action="store_true",
+        help="compute as llama.cpp's CPU backend does: activations quantized to 8 bits against quantized "
+        "weights (integer kernels for Q2_K/Q3_K, about 2x faster); default: float32 activations",
+    )
     parser.add_argument(
         "--no-stream-experts",
         action="store_true",
@@ -255,4 +263,5 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
         ram_mib=_expert_ram_mib(args, gguf_path, manifest),
         gpu_mib=args.gpu_mib,
         store_options=StoreOptions.from_args(args),
+        match_ggml=args.match_ggml,
     )

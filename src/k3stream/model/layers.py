@@ -100,8 +100,7 @@ class QuantLinear:
         self.backend = backend
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x_rounded = round_like_ggml(x, self.rounding_type)
-        return qmatmul(x_rounded, self.weight, self.backend).to(x.dtype)
+        return qmatmul(x, self.weight, self.backend, self.rounding_type is not None).to(x.dtype)
 
 
 Linear = DenseLinear | QuantLinear

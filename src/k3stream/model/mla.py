@@ -44,13 +44,14 @@ class HeadProjection:
             self.weight = tensor.matrix((heads, out_features, in_features), options.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x_rounded = round_like_ggml(x, self.rounding_type)
         if self.weight is not None:
-            return torch.einsum("nhi,hoi->nho", x_rounded.to(self.weight.dtype), self.weight).to(x.dtype)
+            x_rounded = round_like_ggml(x, self.rounding_type).to(self.weight.dtype)
+            return torch.einsum("nhi,hoi->nho", x_rounded, self.weight).to(x.dtype)
         rows = x.shape[0]
         starts, order = _rows_by_head(rows, self.heads)
+        match_ggml = self.rounding_type is not None
         out = grouped_qmatmul(
-            x_rounded.reshape(rows * self.heads, -1), self.per_head, starts, order, self.backend
+            x.reshape(rows * self.heads, -1), self.per_head, starts, order, self.backend, match_ggml
         )
         return out.view(self.heads, rows, -1).transpose(0, 1)
 

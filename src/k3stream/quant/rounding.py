@@ -37,14 +37,20 @@ def _q8_k(blocks: torch.Tensor) -> torch.Tensor:
     """quantize_row_q8_K_ref: scale -127/max by the signed value of largest magnitude (first one)."""
     first_max = blocks.abs().argmax(-1, keepdim=True)
     signed_max = blocks.gather(-1, first_max)
-    iscale = torch.where(signed_max != 0, -127.0 / signed_max, torch.zeros_like(signed_max))
+    iscale = torch.where(signed_max != 0, _divided(-127.0, signed_max), torch.zeros_like(signed_max))
     q = torch.round(iscale * blocks).clamp(max=127)  # round half to even, as nearest_int
-    return torch.where(signed_max != 0, q * (1.0 / iscale), torch.zeros_like(blocks))
+    return torch.where(signed_max != 0, q * _divided(1.0, iscale), torch.zeros_like(blocks))
+
+
+def _divided(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
+    """numerator / denominator correctly rounded, as C's float division: torch computes `scalar /
+    tensor` as reciprocal times scalar, one ulp off at times, which moves a code at a rounding tie."""
+    return torch.full_like(denominator, numerator) / denominator
 
 
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     """quantize_row_q8_0 (AVX2): d = amax/127 stored as F16, q = round_half_even(x * 127/amax)."""
     amax = blocks.abs().amax(-1, keepdim=True)
-    inverse = torch.where(amax != 0, 127.0 / amax, torch.zeros_like(amax))
+    inverse = torch.where(amax != 0, _divided(127.0, amax), torch.zeros_like(amax))
     d = (amax / 127.0).to(torch.float16).float()
     return torch.round(blocks * inverse) * d

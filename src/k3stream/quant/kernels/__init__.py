@@ -106,14 +106,17 @@ def warm_up(types: set[int], device: torch.device | str) -> None:
                 qmatmul(torch.zeros(rows, 256, device=device), weight)
 
 
-def qmatmul(x: torch.Tensor, weight: QWeight, backend: str = "auto") -> torch.Tensor:
-    """`x @ W^T` ([..., in] -> [..., out], float32) for W in any supported GGML type."""
+def qmatmul(
+    x: torch.Tensor, weight: QWeight, backend: str = "auto", match_ggml: bool = False
+) -> torch.Tensor:
+    """`x @ W^T` ([..., in] -> [..., out], float32) for W in any supported GGML type; `match_ggml`: the
+    input as ggml's CPU matmul sees it (see `grouped_qmatmul`)."""
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"qmatmul: input has {x.shape[-1]} features, the weight expects {weight.shape[1]}")
     if weight.ggml_type == F32:
         return torch.nn.functional.linear(x.float(), _f32_matrix(weight, x.device))
     flat = x.reshape(-1, x.shape[-1]).float()
-    out = grouped_qmatmul(flat, [weight], *_all_rows(flat.shape[0]), backend)
+    out = grouped_qmatmul(flat, [weight], *_all_rows(flat.shape[0]), backend, match_ggml)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -134,19 +137,27 @@ def grouped_qmatmul(
     starts: torch.Tensor,
     rows: torch.Tensor,
     backend: str = "auto",
+    match_ggml: bool = False,
 ) -> torch.Tensor:
     """[P, out]: result row p (for p in `starts[b]..starts[b+1]`) is `x[rows[p]] @ weights[b]^T`.
 
     Every weight has one GGML type and shape. x: float32 [R, in]; starts: [B + 1], rows: [P] (int64).
+    `match_ggml`: x rounded as ggml's CPU matmul rounds it for this type (`round_like_ggml`); Q2_K and
+    Q3_K on the CPU then take integer kernels on the Q8_K codes, as ggml does.
     """
     first = weights[0]
     if any(w.ggml_type != first.ggml_type or w.shape != first.shape for w in weights):
         raise ValueError("grouped_qmatmul: the matrices differ in GGML type or shape")
     kernel = "reference" if backend == "reference" else kernel_for(first.ggml_type, x.device, first.shape[1])
+    q8_activations = match_ggml and kernel == "c" and first.ggml_type in cpu.Q8_K_TYPES
+    if match_ggml and not q8_activations:
+        x = round_like_ggml(x, first.ggml_type)
     if kernel == "c":
         bytes_per_row = row_bytes(first.ggml_type, first.shape[1])
         datas = [w.data for w in weights]
-        return cpu.grouped_product(x, datas, first.ggml_type, first.shape[0], bytes_per_row, starts, rows)
+        return cpu.grouped_product(
+            x, datas, first.ggml_type, first.shape[0], bytes_per_row, starts, rows, q8_activations
+        )
     if kernel == "triton":
         from . import gpu
 
@@ -192,10 +203,9 @@ def expert_mlp(
     as_qtype(experts[0].up.ggml_type)  # one clear error for an unsupported type
 
     def product(role: str, inputs: torch.Tensor, input_rows: torch.Tensor) -> torch.Tensor:
-        weights = [getattr(e, role) for e in experts]
-        if match_ggml:
-            inputs = round_like_ggml(inputs, weights[0].ggml_type)
-        return grouped_qmatmul(inputs, weights, starts, input_rows, backend)
+        return grouped_qmatmul(
+            inputs, [getattr(e, role) for e in experts], starts, input_rows, backend, match_ggml
+        )
 
     hidden = activation(product("gate", x, rows), product("up", x, rows))
     return product("down", hidden, torch.arange(hidden.shape[0], dtype=torch.int64))

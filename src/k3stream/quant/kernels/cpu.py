@@ -16,6 +16,8 @@ import torch
 
 # GGML type ids with a C kernel
 CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39})
+# ... and with integer kernels on Q8_K activations, as ggml's (Q2_K, Q3_K)
+Q8_K_TYPES = frozenset({10, 11})
 # products smaller than this many multiply-adds run on the calling thread: waking a second OpenMP pool
 # next to torch's (whose threads spin after each op) costs more than it saves
 PARALLEL_MIN_MACS = 1 << 22
@@ -32,7 +34,20 @@ def _library() -> ctypes.CDLL | None:
     library = ctypes.CDLL(_ggml_cpu.__file__)
     function = library.k3_grouped_product
     function.restype = ctypes.c_int
-    function.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, ctypes.c_int, _PTR, _PTR, _PTR, ctypes.c_int]
+    function.argtypes = [
+        _PTR,
+        _I64,
+        _PTR,
+        _I64,
+        _I64,
+        _I64,
+        ctypes.c_int,
+        _PTR,
+        _PTR,
+        _PTR,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     return library
 
 
@@ -49,19 +64,23 @@ def grouped_product(
     row_bytes: int,
     starts: torch.Tensor,
     rows: torch.Tensor,
+    q8_activations: bool = False,
 ) -> torch.Tensor:
     """[P, out_features] float32: rows `starts[b]..starts[b+1]` of the result are `x[rows[p]]` times
     matrix b (contiguous uint8 GGUF bytes, `out_features` rows of `row_bytes`). x: float32 [R, K] on
     the CPU; starts/rows: int64. The matrices must stay alive for the call (they do: the caller holds
-    them)."""
+    them). `q8_activations` (types in Q8_K_TYPES): x is quantized to Q8_K as ggml does and the
+    products are integer dot products per block, as ggml's."""
     x = x.contiguous()
     addresses = np.fromiter((m.data_ptr() for m in matrices), dtype=np.int64, count=len(matrices))
     out = torch.empty(int(rows.numel()), out_features, dtype=torch.float32)
     threads = torch.get_num_threads() if out.numel() * x.shape[1] >= PARALLEL_MIN_MACS else 1
     status = _library().k3_grouped_product(
         x.data_ptr(), x.shape[1], addresses.ctypes.data, len(matrices), out_features, row_bytes,
-        ggml_type, starts.data_ptr(), rows.data_ptr(), out.data_ptr(), threads,
+        ggml_type, starts.data_ptr(), rows.data_ptr(), out.data_ptr(), threads, int(q8_activations),
     )  # fmt: skip
+    if status == -2:
+        raise MemoryError("no memory for the Q8_K activations")
     if status != 0:
-        raise ValueError(f"no CPU kernel for GGML type {ggml_type}")
+        raise ValueError(f"no CPU kernel for GGML type {ggml_type}" + " on Q8_K activations" * q8_activations)
     return out

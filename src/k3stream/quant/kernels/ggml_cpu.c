@@ -13,6 +13,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -215,7 +216,75 @@ typedef struct {
     int64_t matrices;
     float *out;
     const float *sums16; /* fused kernels: sum of each 16 consecutive values of each x row */
+    const struct BlockQ8K *q8; /* Q8_K kernels: each x row quantized as ggml does, in_features / 256 blocks */
 } Product;
+
+/* ggml's block_q8_K: x * (1 / d) rounded to int8, and the sums of each 16 codes */
+typedef struct BlockQ8K {
+    float d;
+    int8_t qs[256];
+    int16_t bsums[16];
+} BlockQ8K;
+
+/* quantize_row_q8_K_ref: the scale is -127 over the signed value of largest magnitude (its first
+ * occurrence), codes round half to even (ggml's nearest_int) and are clamped to 127 */
+static void quantize_q8_k(const float *restrict x, int64_t blocks, BlockQ8K *restrict y) {
+    for (int64_t i = 0; i < blocks; i++, x += 256) {
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < 256; j++)
+            if (fabsf(x[j]) > amax) amax = fabsf(x[j]), max = x[j];
+        memset(&y[i], 0, sizeof(BlockQ8K));
+        if (amax == 0.0f) continue;
+        const float iscale = -127.0f / max;
+        for (int j = 0; j < 256; j++) {
+            const float v = nearbyintf(iscale * x[j]);
+            y[i].qs[j] = (int8_t)(v > 127.0f ? 127 : v);
+        }
+        for (int j = 0; j < 16; j++)
+            for (int l = 0; l < 16; l++) y[i].bsums[j] += y[i].qs[16 * j + l];
+        y[i].d = 1.0f / iscale;
+    }
+}
+
+/* Integer dot products of one weight block with one Q8_K block, as ggml_vec_dot_q2_K_q8_K and
+ * ggml_vec_dot_q3_K_q8_K: exact integer sums per sub-block, two float operations per block. */
+INLINE float q8_q2_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y) {
+    int summs = 0, isum = 0;
+    for (int s = 0; s < 16; s++) summs += (b[s] >> 4) * y->bsums[s];
+    for (int e = 0; e < 256; e++) { /* element e: byte 32(e / 128) + e % 32, bits 2((e % 128) / 32) */
+        const int s = e / 16, code = (b[16 + 32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3;
+        isum += (b[s] & 15) * code * y->qs[e];
+    }
+    return y->d * f16(b + 80) * (float)isum - y->d * f16(b + 82) * (float)summs;
+}
+
+INLINE int q3_k_int_scale(const uint8_t *restrict b, int s) {
+    return ((b[96 + (s & 7)] >> (4 * (s >> 3))) & 15 | ((b[104 + (s & 3)] >> (2 * (s >> 2))) & 3) << 4) - 32;
+}
+
+INLINE float q8_q3_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y) {
+    int isum = 0;
+    for (int e = 0; e < 256; e++) {
+        const int g = e / 128, f = (e % 128) / 32, i = e % 32;
+        const int low = (b[32 + 32 * g + i] >> (2 * f)) & 3, high = (b[i] >> (4 * g + f)) & 1;
+        isum += q3_k_int_scale(b, e / 16) * (low - (high ? 0 : 4)) * y->qs[e];
+    }
+    return f16(b + 108) * y->d * (float)isum;
+}
+
+/* One weight row m against each of its input rows' Q8_K blocks; blocks summed in order, as ggml */
+#define Q8_ROW(NAME, DOT, BLOCK_BYTES)                                                                 \
+    static void NAME(const Product *pr, int64_t b, int64_t m) {                                        \
+        const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;          \
+        const int64_t blocks = pr->in_features / 256;                                                 \
+        for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {                                  \
+            const BlockQ8K *y = pr->q8 + pr->rows[p] * blocks;                                         \
+            float sum = 0.0f;                                                                          \
+            for (int64_t block = 0; block < blocks; block++) sum += DOT(row + block * (BLOCK_BYTES), y + block); \
+            pr->out[p * pr->out_rows + m] = sum;                                                       \
+        }                                                                                              \
+    }
+
 
 /* One output row m of matrix b for all of its input rows, ROWS_AT_ONCE input rows per pass (a
  * pass decodes the row's tiles once and keeps its sums in registers). The decoders inline here. */
@@ -479,19 +548,30 @@ ALWAYS __m256 bf16x8(const uint8_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
-#define FLOAT_DOT(NAME, LOAD8)                                                                          \
+#define FLOAT_DOT(NAME, LOAD8, WIDTH)                                                                   \
     ALWAYS void NAME(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at, \
                      float *out, const int n, const int count) {                                        \
         (void)sums;                                                                                     \
         __m256 acc[FUSED_ROWS][4];                                                                      \
         zero_acc(acc, n);                                                                               \
         for (int k = 0; k < count; k++)                                                                 \
-            for (int j = 0; j < 4; j++) fma8(LOAD8(b + 64 * k + 16 * j), x, at + 32 * k + 8 * j, acc, j, n); \
+            for (int j = 0; j < 4; j++)                                                                 \
+                fma8(LOAD8(b + (WIDTH) * (32 * k + 8 * j)), x, at + 32 * k + 8 * j, acc, j, n);         \
         for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);                                          \
     }
 
-FLOAT_DOT(dot_f16, half8)
-FLOAT_DOT(dot_bf16, bf16x8)
+ALWAYS __m256 f32x8(const uint8_t *p) { return _mm256_loadu_ps((const float *)p); }
+
+FLOAT_DOT(dot_f32, f32x8, 4)
+FLOAT_DOT(dot_f16, half8, 2)
+FLOAT_DOT(dot_bf16, bf16x8, 2)
+
+/* Rows of a matrix are contiguous, but each is often one 4 KiB page and hardware prefetchers stop at
+ * page boundaries: ask for the lines PREFETCH_BYTES ahead of each chunk so the next row is on its way. */
+#define PREFETCH_BYTES 4096
+ALWAYS void prefetch_ahead(const uint8_t *at, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char *)(at + PREFETCH_BYTES + line), _MM_HINT_T0);
+}
 
 /* One weight row m of a fused type against its matrix's input rows, FUSED_ROWS rows at a time; DOT
  * takes up to 256 values (a K-quant block, or up to eight 32-value blocks) per call. */
@@ -506,6 +586,7 @@ FLOAT_DOT(dot_bf16, bf16x8)
         }                                                                                              \
         for (int64_t block = 0; block < blocks; block += per_call) {                                   \
             const int count = (int)(blocks - block < per_call ? blocks - block : per_call);            \
+            prefetch_ahead(row + block * (BLOCK_BYTES), count * (BLOCK_BYTES));                        \
             DOT(row + block * (BLOCK_BYTES), x, sums, (BLOCK_ELEMS) * block, part, n, count);          \
             for (int r = 0; r < n; r++) total[r] += part[r];                                           \
         }                                                                                              \
@@ -524,6 +605,7 @@ FUSED_ROW(fused_q4_k, dot_q4_k, 256, 144)
 FUSED_ROW(fused_q6_k, dot_q6_k, 256, 210)
 FUSED_ROW(fused_q4_0, dot_q4_0, 32, 18)
 FUSED_ROW(fused_q8_0, dot_q8_0, 32, 34)
+FUSED_ROW(fused_f32, dot_f32, 32, 128)
 FUSED_ROW(fused_f16, dot_f16, 32, 64)
 FUSED_ROW(fused_bf16, dot_bf16, 32, 64)
 
@@ -536,14 +618,117 @@ static RowKernel fused_kernel(int ggml_type) {
         case 14: return fused_q6_k;
         case 2: return fused_q4_0;
         case 8: return fused_q8_0;
+        case 0: return fused_f32;
         case 1: return __builtin_cpu_supports("f16c") ? fused_f16 : NULL;
         case 30: return fused_bf16;
         default: return NULL;
     }
 }
+
+/* The 16 sub-block scales (int8 in `scales8`) as int16, one half per group of 128 values, copied to
+ * both 128-bit lanes; `pair_scales(half, f)` then spreads scales 2f and 2f + 1 of that half over the
+ * low and high 8 int16 lanes, to weigh the products of a 32-value run (maddubs pairs). */
+ALWAYS void scale_halves(__m128i scales8, __m256i halves[2]) {
+    const __m256i wide = _mm256_cvtepi8_epi16(scales8);
+    const __m128i lo = _mm256_castsi256_si128(wide), hi = _mm256_extracti128_si256(wide, 1);
+    halves[0] = _mm256_set_m128i(lo, lo);
+    halves[1] = _mm256_set_m128i(hi, hi);
+}
+
+ALWAYS __m256i pair_scales(__m256i half, int f) {
+    const short first = (short)((4 * f + 1) << 8 | 4 * f), second = (short)((4 * f + 3) << 8 | (4 * f + 2));
+    return _mm256_shuffle_epi8(half, _mm256_set_m128i(_mm_set1_epi16(second), _mm_set1_epi16(first)));
+}
+
+/* acc += per-lane float sums of one Q2_K block times one Q8_K block: d_y (d sum_s sc_s q.y_s -
+ * dmin sum_s m_s bsum_s), with exact integer sums */
+ALWAYS __m256 q8_q2_k(const uint8_t *restrict b, const BlockQ8K *restrict y, __m256 acc) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)b), nibble = _mm_set1_epi8(15);
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
+    const __m256i offsets = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)y->bsums));
+    __m256i halves[2];
+    scale_halves(_mm_and_si128(packed, nibble), halves);
+    const __m256i three = _mm256_set1_epi8(3);
+    __m256i sumi = _mm256_setzero_si256();
+    for (int g = 0; g < 2; g++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * g));
+        for (int f = 0; f < 4; f++) {
+            const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(q, 2 * f), three);
+            const __m256i q8 = _mm256_loadu_si256((const __m256i *)(y->qs + 128 * g + 32 * f));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q8), pair_scales(halves[g], f)));
+        }
+    }
+    const float d = y->d * f16(b + 80), dmin = -y->d * f16(b + 82);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(offsets), acc);
+}
+
+/* Q3_K's 16 six-bit scales minus 32, from its 12 scale bytes at b + 96, as int8 */
+ALWAYS __m128i q3_k_scales8(const uint8_t *restrict b) {
+    uint32_t aux[3];
+    memcpy(aux, b + 96, 12);
+    const uint32_t low4 = 0x0f0f0f0f, high2 = 0x03030303;
+    const __m128i scales = _mm_set_epi32(
+        (int)(((aux[1] >> 4) & low4) | (((aux[2] >> 6) & high2) << 4)),
+        (int)(((aux[0] >> 4) & low4) | (((aux[2] >> 4) & high2) << 4)),
+        (int)((aux[1] & low4) | (((aux[2] >> 2) & high2) << 4)), (int)((aux[0] & low4) | ((aux[2] & high2) << 4)));
+    return _mm_sub_epi8(scales, _mm_set1_epi8(32));
+}
+
+ALWAYS __m256 q8_q3_k(const uint8_t *restrict b, const BlockQ8K *restrict y, __m256 acc) {
+    __m256i halves[2];
+    scale_halves(q3_k_scales8(b), halves);
+    const __m256i hmask = _mm256_loadu_si256((const __m256i *)b), three = _mm256_set1_epi8(3);
+    const __m256i zero = _mm256_setzero_si256(), four = _mm256_set1_epi8(4);
+    __m256i sumi = _mm256_setzero_si256();
+    for (int g = 0; g < 2; g++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * g));
+        for (int f = 0; f < 4; f++) { /* code = low - 4 where bit 4g + f of hmask[i] is clear */
+            const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * f), three);
+            const __m256i bit = _mm256_and_si256(hmask, _mm256_set1_epi8((char)(1 << (4 * g + f))));
+            const __m256i minus = _mm256_and_si256(_mm256_cmpeq_epi8(bit, zero), four);
+            const __m256i q8 = _mm256_loadu_si256((const __m256i *)(y->qs + 128 * g + 32 * f));
+            const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(low, q8), _mm256_maddubs_epi16(minus, q8));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pairs, pair_scales(halves[g], f)));
+        }
+    }
+    return _mm256_fmadd_ps(_mm256_set1_ps(f16(b + 108) * y->d), _mm256_cvtepi32_ps(sumi), acc);
+}
+
+/* One weight row m against each of its input rows' Q8_K blocks, eight float lanes summed at the end */
+#define Q8_ROW_AVX2(NAME, DOT, BLOCK_BYTES)                                                            \
+    AVX2 static void NAME(const Product *pr, int64_t b, int64_t m) {                                   \
+        const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;          \
+        const int64_t blocks = pr->in_features / 256;                                                 \
+        for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {                                  \
+            const BlockQ8K *y = pr->q8 + pr->rows[p] * blocks;                                         \
+            __m256 acc = _mm256_setzero_ps();                                                          \
+            for (int64_t block = 0; block < blocks; block++) acc = DOT(row + block * (BLOCK_BYTES), y + block, acc); \
+            pr->out[p * pr->out_rows + m] = hsum8(acc);                                                \
+        }                                                                                              \
+    }
+
+Q8_ROW_AVX2(q8_row_q2_k_avx2, q8_q2_k, 84)
+Q8_ROW_AVX2(q8_row_q3_k_avx2, q8_q3_k, 110)
+#define HAVE_AVX2() (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
 #else
 static RowKernel fused_kernel(int ggml_type) { (void)ggml_type; return NULL; }
+#define HAVE_AVX2() 0
+#define q8_row_q2_k_avx2 q8_row_q2_k_generic
+#define q8_row_q3_k_avx2 q8_row_q3_k_generic
 #endif
+
+Q8_ROW(q8_row_q2_k_generic, q8_q2_k_generic, 84)
+Q8_ROW(q8_row_q3_k_generic, q8_q3_k_generic, 110)
+
+static RowKernel q8_kernel(int ggml_type) {
+    const int avx2 = HAVE_AVX2();
+    switch (ggml_type) {
+        case 10: return avx2 ? q8_row_q2_k_avx2 : q8_row_q2_k_generic;
+        case 11: return avx2 ? q8_row_q3_k_avx2 : q8_row_q3_k_generic;
+        default: return NULL;
+    }
+}
 
 static RowKernel row_kernel(int ggml_type) {
     switch (ggml_type) {
@@ -573,15 +758,29 @@ static void run_task(const Product *pr, RowKernel kernel, int64_t task, int64_t 
 }
 
 /* Returns 0, or -1 for a GGML type without a kernel. Workers take ROWS_PER_TASK rows of a matrix. */
+static int64_t rows_used(const int64_t *starts, const int64_t *rows, int64_t matrices) {
+    int64_t x_rows = 0;
+    for (int64_t p = 0; p < starts[matrices]; p++) x_rows = rows[p] + 1 > x_rows ? rows[p] + 1 : x_rows;
+    return x_rows;
+}
+
+/* `q8_activations`: quantize x to Q8_K first and take the integer kernels (types with q8_kernel). */
 int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addresses, int64_t matrices,
                        int64_t out_rows, int64_t row_bytes, int ggml_type, const int64_t *starts,
-                       const int64_t *rows, float *out, int threads) {
-    Product pr = {x, in_features, out_rows, row_bytes, addresses, starts, rows, matrices, out, NULL};
-    RowKernel kernel = fused_kernel(ggml_type);
+                       const int64_t *rows, float *out, int threads, int q8_activations) {
+    Product pr = {x, in_features, out_rows, row_bytes, addresses, starts, rows, matrices, out, NULL, NULL};
+    RowKernel kernel = q8_activations ? q8_kernel(ggml_type) : fused_kernel(ggml_type);
     float *sums16 = NULL;
-    if (kernel != NULL) { /* x's sub-block sums, once per call: [x rows, in / 16], 16 values in order */
-        int64_t x_rows = 0;
-        for (int64_t p = 0; p < starts[matrices]; p++) x_rows = rows[p] + 1 > x_rows ? rows[p] + 1 : x_rows;
+    BlockQ8K *q8 = NULL;
+    if (q8_activations) {
+        if (kernel == NULL || in_features % 256 != 0) return -1;
+        const int64_t x_rows = rows_used(starts, rows, matrices);
+        q8 = malloc(sizeof(BlockQ8K) * (size_t)(x_rows * (in_features / 256) + 1));
+        if (q8 == NULL) return -2;
+        quantize_q8_k(x, x_rows * (in_features / 256), q8);
+        pr.q8 = q8;
+    } else if (kernel != NULL) { /* x's sub-block sums, once per call: [x rows, in / 16], 16 values in order */
+        const int64_t x_rows = rows_used(starts, rows, matrices);
         sums16 = malloc(sizeof(float) * (size_t)(x_rows * (in_features / 16) + 1));
         if (sums16 == NULL) kernel = NULL;
         for (int64_t i = 0; sums16 != NULL && i < x_rows * (in_features / 16); i++) {
@@ -601,6 +800,7 @@ int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addre
         for (int64_t task = 0; task < tasks; task++) run_task(&pr, kernel, task, chunks);
     }
     free(sums16);
+    free(q8);
     return 0;
 }
 
