@@ -560,9 +560,6 @@ ALWAYS __m256 bf16x8(const uint8_t *p) {
         for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);                                          \
     }
 
-ALWAYS __m256 f32x8(const uint8_t *p) { return _mm256_loadu_ps((const float *)p); }
-
-FLOAT_DOT(dot_f32, f32x8, 4)
 FLOAT_DOT(dot_f16, half8, 2)
 FLOAT_DOT(dot_bf16, bf16x8, 2)
 
@@ -605,7 +602,6 @@ FUSED_ROW(fused_q4_k, dot_q4_k, 256, 144)
 FUSED_ROW(fused_q6_k, dot_q6_k, 256, 210)
 FUSED_ROW(fused_q4_0, dot_q4_0, 32, 18)
 FUSED_ROW(fused_q8_0, dot_q8_0, 32, 34)
-FUSED_ROW(fused_f32, dot_f32, 32, 128)
 FUSED_ROW(fused_f16, dot_f16, 32, 64)
 FUSED_ROW(fused_bf16, dot_bf16, 32, 64)
 
@@ -618,7 +614,6 @@ static RowKernel fused_kernel(int ggml_type) {
         case 14: return fused_q6_k;
         case 2: return fused_q4_0;
         case 8: return fused_q8_0;
-        case 0: return fused_f32;
         case 1: return __builtin_cpu_supports("f16c") ? fused_f16 : NULL;
         case 30: return fused_bf16;
         default: return NULL;
