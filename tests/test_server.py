@@ -179,9 +179,7 @@ def test_streamed_chat_equals_the_whole_answer(client, server):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
-    assert whole.usage.prompt_tokens == len(
-        server.served.encode_chat([(m["role"], m["content"]) for m in messages])
-    )
+    assert whole.usage.prompt_tokens == len(server.served.encode_chat(messages))
 
 
 def test_sse_stream_ends_with_done(server):

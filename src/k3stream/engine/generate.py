@@ -129,9 +129,9 @@ class Sequence:
         """The output so far, excluding held-back text."""
         return self._text[: self._released]
 
-    def choose(self, logits: Any) -> int:
-        """Sample the next token from a `[V]` logits row."""
-        return self._sampler.sample(logits, self._context_ids())
+    def choose(self, logits: Any, allowed: Any = None) -> int:
+        """Sample the next token from a `[V]` logits row (among the `allowed` tokens, bool [V], if given)."""
+        return self._sampler.sample(logits, self._context_ids(), allowed)
 
     def _context_ids(self) -> list[int]:
         if self.params.repetition_penalty == 1.0:

@@ -138,11 +138,16 @@ class Sampler:
             self._generator.manual_seed(self.seed)
         return self._generator
 
-    def sample(self, logits: torch.Tensor, previous_ids: Iterable[int] = ()) -> int:
-        """Next token from `logits` [V]; `previous_ids` (prompt and output) feed the repetition penalty.
-        Raises NonFiniteLogits when any logit is NaN or infinite."""
+    def sample(
+        self, logits: torch.Tensor, previous_ids: Iterable[int] = (), allowed: torch.Tensor | None = None
+    ) -> int:
+        """Next token from `logits` [V]; `previous_ids` (prompt and output) feed the repetition penalty;
+        `allowed` (bool [V], constrained decoding) keeps only those tokens. Raises NonFiniteLogits when
+        any logit is NaN or infinite."""
         check_finite(logits)
         logits = apply_repetition_penalty(logits.reshape(-1), previous_ids, self.params.repetition_penalty)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
         if self.params.greedy:
             return int(torch.argmax(logits))
         probs = sampling_distribution(logits, self.params)

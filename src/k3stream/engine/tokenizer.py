@@ -123,6 +123,12 @@ class Tokenizer:
             special_tokens=special,
         )
 
+    @property
+    def encoding(self) -> Any:
+        """The tiktoken Encoding (ranks = token ids, special tokens): the vocabulary as byte strings, for
+        grammar libraries."""
+        return self._encoding
+
     @staticmethod
     def _split_vocab(fields: VocabFields) -> tuple[dict[bytes, int], dict[str, int], list[str]]:
         ranks: dict[bytes, int] = {}

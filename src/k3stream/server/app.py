@@ -21,16 +21,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3stream.server.errors import APIError, from_validation_error, invalid_request, redact_paths
 from k3stream.server.guard import Guard, GuardConfig
+from k3stream.server.kimi_output import Piece
 from k3stream.server.metrics import ServerMetrics
-from k3stream.server.runtime import ServedModel
+from k3stream.server.request_logic import TokenLogprob
+from k3stream.server.runtime import ChatPrompt, ServedModel
 from k3stream.server.scheduler import (
     Event,
     EventSink,
     FinishEvent,
     Job,
+    PieceEvent,
     QueueFull,
     Scheduler,
-    TextEvent,
 )
 from k3stream.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -165,7 +167,7 @@ class Endpoints:
             tokens = self._check_ids(prompt)
         explicit = "max_tokens" in body.model_fields_set
         job = self._submit(
-            body, tokens, body.max_tokens, explicit_limit=explicit, prompt_param="prompt", chat=False
+            body, tokens, body.max_tokens, explicit_limit=explicit, prompt_param="prompt", top=body.logprobs
         )
         stream = Stream(job, self.scheduler, _CompletionChunks(self.served.name))
         return await stream.respond(request, body.stream, body.include_usage())
@@ -173,10 +175,17 @@ class Endpoints:
     async def chat_completions(self, request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         self._check_request(body)
-        tokens = await self._off_loop(self.served.encode_chat, [(m.role, m.text()) for m in body.messages])
+        prompt = await self._off_loop(self.served.prepare_chat, body)
         limit = body.token_limit()
+        top = (body.top_logprobs or 0) if body.logprobs else None
         job = self._submit(
-            body, tokens, limit, explicit_limit=limit is not None, prompt_param="messages", chat=True
+            body,
+            prompt.tokens,
+            limit,
+            explicit_limit=limit is not None,
+            prompt_param="messages",
+            top=top,
+            chat=prompt,
         )
         stream = Stream(job, self.scheduler, _ChatChunks(self.served.name))
         return await stream.respond(request, body.stream, body.include_usage())
@@ -208,10 +217,12 @@ class Endpoints:
         *,
         explicit_limit: bool,
         prompt_param: str,
-        chat: bool,
+        top: int | None,
+        chat: ChatPrompt | None = None,
     ) -> Job:
+        """Queue the request; `top` is the number of top logprobs per token (None: no logprobs)."""
         max_tokens = self._token_budget(len(tokens), limit, explicit_limit, prompt_param)
-        logic = self.served.new_sequence(body, tokens, max_tokens, chat=chat)
+        logic = self.served.new_sequence(body, tokens, max_tokens, chat=chat, top_logprobs=top)
         job = Job(prompt_tokens=tokens, logic=logic, sink=EventSink(asyncio.get_running_loop()))
         try:
             self.scheduler.submit(job)
@@ -268,8 +279,8 @@ class Stream:
             yield _sse_data(self.chunks.first())
             while True:
                 event = await self.job.sink.queue.get()
-                if isinstance(event, TextEvent):
-                    yield _sse_data(self.chunks.piece(event.text))
+                if isinstance(event, PieceEvent):
+                    yield _sse_data(self.chunks.piece(event.piece))
                     continue
                 if isinstance(event, FinishEvent):
                     yield _sse_data(self.chunks.last(event.reason))
@@ -283,15 +294,15 @@ class Stream:
             self.cancel()  # a no-op for a finished job; frees the sequence of a client that left
 
     async def _whole(self, request: Request) -> Response:
-        pieces = []
+        total = Piece()
         watcher = asyncio.create_task(_watch_disconnect(request))
         try:
             while True:
                 event = await self._next_event(watcher)
-                if isinstance(event, TextEvent):
-                    pieces.append(event.text)
+                if isinstance(event, PieceEvent):
+                    total.extend(event.piece)
                 elif isinstance(event, FinishEvent):
-                    return JSONResponse(self.chunks.whole("".join(pieces), event.reason, _usage(event)))
+                    return JSONResponse(self.chunks.whole(total, event.reason, _usage(event)))
                 else:
                     return APIError(500, event.message, type="server_error").response()
         finally:
@@ -350,28 +361,28 @@ class _Chunks:
     def usage_only(self, usage: dict[str, int]) -> dict[str, Any]:
         return {**self._envelope(self.object_chunk, []), "usage": usage}
 
-    def whole(self, text: str, reason: str, usage: dict[str, int]) -> dict[str, Any]:
-        return {**self._envelope(self.object_whole, [self._whole_choice(text, reason)]), "usage": usage}
+    def whole(self, total: Piece, reason: str, usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._envelope(self.object_whole, [self._whole_choice(total, reason)]), "usage": usage}
 
     def first(self) -> dict[str, Any]:
         return self._envelope(self.object_chunk, [self._delta_choice(self._opening(), None)])
 
-    def piece(self, text: str) -> dict[str, Any]:
-        return self._envelope(self.object_chunk, [self._delta_choice(self._text(text), None)])
+    def piece(self, piece: Piece) -> dict[str, Any]:
+        return self._envelope(self.object_chunk, [self._delta_choice(self._text(piece), None)])
 
     def last(self, reason: str) -> dict[str, Any]:
-        return self._envelope(self.object_chunk, [self._delta_choice(self._text(""), reason)])
+        return self._envelope(self.object_chunk, [self._delta_choice(self._text(Piece()), reason)])
 
     def _delta_choice(self, content: dict[str, Any], reason: str | None) -> dict[str, Any]:
-        return {"index": 0, **content, "logprobs": None, "finish_reason": reason}
+        return {"index": 0, "logprobs": None, **content, "finish_reason": reason}
 
     def _opening(self) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _text(self, text: str) -> dict[str, Any]:
+    def _text(self, piece: Piece) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _whole_choice(self, text: str, reason: str) -> dict[str, Any]:
+    def _whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
         raise NotImplementedError
 
 
@@ -379,14 +390,34 @@ class _CompletionChunks(_Chunks):
     object_whole = object_chunk = "text_completion"
     id_prefix = "cmpl"
 
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self._offset = 0  # characters of token text before the next token, for `text_offset`
+
     def _opening(self) -> dict[str, Any]:
         return {"text": ""}
 
-    def _text(self, text: str) -> dict[str, Any]:
-        return {"text": text}
+    def _text(self, piece: Piece) -> dict[str, Any]:
+        return {"text": piece.content, "logprobs": self._logprobs(piece.logprobs)}
 
-    def _whole_choice(self, text: str, reason: str) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    def _whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
+        logprobs = self._logprobs(total.logprobs)
+        return {"index": 0, "text": total.content, "logprobs": logprobs, "finish_reason": reason}
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        """The completions API's logprobs object (None without logprobs)."""
+        if not entries:
+            return None
+        offsets = []
+        for entry in entries:
+            offsets.append(self._offset)
+            self._offset += len(entry.token)
+        return {
+            "tokens": [entry.token for entry in entries],
+            "token_logprobs": [entry.logprob for entry in entries],
+            "top_logprobs": [_top_dict(entry.top) for entry in entries],
+            "text_offset": offsets,
+        }
 
 
 class _ChatChunks(_Chunks):
@@ -397,16 +428,41 @@ class _ChatChunks(_Chunks):
     def _opening(self) -> dict[str, Any]:
         return {"delta": {"role": "assistant", "content": ""}}
 
-    def _text(self, text: str) -> dict[str, Any]:
-        return {"delta": {"content": text} if text else {}}
+    def _text(self, piece: Piece) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if piece.content:
+            delta["content"] = piece.content
+        if piece.reasoning:
+            delta["reasoning_content"] = piece.reasoning
+        if piece.tool_calls:
+            delta["tool_calls"] = [call.openai() for call in piece.tool_calls]
+        return {"delta": delta, "logprobs": _chat_logprobs(piece.logprobs)}
 
-    def _whole_choice(self, text: str, reason: str) -> dict[str, Any]:
-        return {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": reason,
-        }
+    def _whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": total.content}
+        if total.reasoning:
+            message["reasoning_content"] = total.reasoning
+        if total.tool_calls:
+            message["content"] = total.content or None
+            message["tool_calls"] = [_without_index(call.openai()) for call in total.tool_calls]
+        logprobs = _chat_logprobs(total.logprobs)
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _top_dict(top: list[TokenLogprob]) -> dict[str, float]:
+    """OpenAI's `{token text: logprob}`; of tokens with the same text, the most likely one."""
+    listed: dict[str, float] = {}
+    for entry in top:
+        listed.setdefault(entry.token, entry.logprob)
+    return listed
+
+
+def _chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any] | None:
+    return {"content": [entry.openai() for entry in entries]} if entries else None
+
+
+def _without_index(call: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in call.items() if key != "index"}
 
 
 async def _parse(request: Request, model: type[RequestModel]) -> RequestModel:

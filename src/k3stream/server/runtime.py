@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,10 @@ from k3stream.engine.cmd_generate import chat_stop_token_ids
 from k3stream.engine.generate import Sequence
 from k3stream.engine.sampling import SamplingParams
 from k3stream.server.errors import invalid_request
-from k3stream.server.schemas import SamplingFields
+from k3stream.server.grammar import BannedTokens, GrammarCompiler, json_schema_grammar, tool_calls_grammar
+from k3stream.server.kimi_output import KimiFormat, OutputParser
+from k3stream.server.request_logic import RequestLogic, TokenConstraint
+from k3stream.server.schemas import ChatCompletionRequest, SamplingFields
 
 
 @dataclass
@@ -29,6 +33,16 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))
     # the files serving reads from, with their sizes at load: /health reports any that changed
     files: dict[Path, int] = field(default_factory=dict)
+    kimi: KimiFormat = field(default_factory=KimiFormat)  # reasoning and tool-call delimiters
+    grammars: GrammarCompiler | None = None
+
+    def __post_init__(self) -> None:
+        if self.grammars is None:
+            stops = [
+                *self.chat_stop_ids,
+                *([self.tokenizer.eos_id] if self.tokenizer.eos_id is not None else []),
+            ]
+            self.grammars = GrammarCompiler(self.tokenizer, stops)
 
     @property
     def vocab_size(self) -> int:
@@ -37,46 +51,94 @@ class ServedModel:
     def encode_prompt(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def encode_chat(self, messages: list[tuple[str, str]]) -> list[int]:
-        """Render `(role, text)` messages with the chat template and tokenize them. Special tokens come
-        only from the template: each message's content is tokenized as plain text, so content holding
-        `<|im_end|><|im_system|>` cannot forge a turn."""
-        roles = ["system" if role == "developer" else role for role, _ in messages]
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Render messages (dicts with `role`, `content` text and any of `tool_calls`, `tool_call_id`,
+        `name`) and `tools` with the chat template and tokenize them. Special tokens come only from the
+        template: each message's content is tokenized as plain text, so content holding
+        `<|im_end|><|im_system|>` cannot forge a turn, and tool definitions, calls and template variables
+        holding special-token text are refused."""
+        extras = {"tools": tools, **(variables or {})} if tools else dict(variables or {})
+        self._refuse_special_text(_template_strings(messages, extras))
         marks = [f"{MARK_OPEN}{index}{MARK_CLOSE}" for index in range(len(messages))]
-        skeleton = self._render([{"role": r, "content": m} for r, m in zip(roles, marks, strict=True)])
+        skeleton = self._render(
+            [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)], extras
+        )
         pieces = _split_at_marks(skeleton, marks)
         if pieces is None:  # the template transforms content: render it, but refuse special-token text
-            self._refuse_special_text([text for _, text in messages])
-            prompt = self._render(
-                [{"role": r, "content": t} for r, (_, t) in zip(roles, messages, strict=True)]
+            self._refuse_special_text(
+                (f"messages.{index}.content", m["content"]) for index, m in enumerate(messages)
             )
-            return self.tokenizer.encode(prompt, allow_special=True)
+            return self.tokenizer.encode(self._render(messages, extras), allow_special=True)
         ids = self.tokenizer.encode(pieces[0], allow_special=True)
-        for (_, text), template_text in zip(messages, pieces[1:], strict=True):
-            ids += self.tokenizer.encode_plain(text)
+        for message, template_text in zip(messages, pieces[1:], strict=True):
+            ids += self.tokenizer.encode_plain(message["content"])
             ids += self.tokenizer.encode(template_text, allow_special=True, add_bos=False)
         return ids
 
-    def _render(self, messages: list[dict[str, str]]) -> str:
+    def _render(self, messages: list[dict[str, Any]], extras: dict[str, Any]) -> str:
         try:
-            return self.chat_template.render(messages)
+            return self.chat_template.render(messages, **extras)
         except ValueError as exc:
             raise invalid_request(str(exc), param="messages") from None
 
-    def _refuse_special_text(self, texts: list[str]) -> None:
-        for index, text in enumerate(texts):
+    def _refuse_special_text(self, strings: Iterable[tuple[str, str]]) -> None:
+        """A 400 naming the field of the first `(field, text)` whose text spells a special token."""
+        for param, text in strings:
             special = next((s for s in self.tokenizer.special_tokens if s in text), None)
             if special is not None:
-                raise invalid_request(
-                    f"messages.{index}.content contains the special token text {special!r}",
-                    param=f"messages.{index}.content",
-                )
+                raise invalid_request(f"{param} contains the special token text {special!r}", param=param)
+
+    def prepare_chat(self, body: ChatCompletionRequest) -> ChatPrompt:
+        """Tokens, grammar and parser settings of one chat request (template rendering, schema
+        compilation: run it off the event loop)."""
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+        if tools and self.kimi.tools is None:
+            raise invalid_request("tools: this model's vocabulary has no tool-call tokens", param="tools")
+        messages = [{**m.template_fields(), "content": m.text()} for m in body.messages]
+        tokens = self.encode_chat(messages, tools or None, body.chat_template_kwargs)
+        think = self.kimi.think
+        opened = think is not None and self.tokenizer.decode(tokens[-8:]).endswith(self.kimi.spell(think[0]))
+        return ChatPrompt(
+            tokens=tokens,
+            tool_names=tuple(tool.function.name for tool in body.tools or []),
+            constraint=self._constraint(body),
+            reasoning=body.separate_reasoning,
+            in_reasoning=opened,
+        )
+
+    def _constraint(self, body: ChatCompletionRequest) -> TokenConstraint | None:
+        forced = body.forced_tools()
+        if forced:
+            tools = [(tool.function.name, tool.function.schema_or_empty()) for tool in forced]
+            parallel = body.parallel_tool_calls is not False and body.tool_choice == "required"
+            return self.grammars.constraint(tool_calls_grammar(tools, parallel=parallel), "tool_choice")
+        response_format = body.response_format
+        if response_format is not None and response_format.type != "text":
+            schema = {"type": "object"}
+            if response_format.json_schema is not None and response_format.json_schema.json_schema:
+                schema = response_format.json_schema.json_schema
+            return self.grammars.constraint(json_schema_grammar(schema), "response_format")
+        if body.tool_choice == "none" and self.kimi.tools is not None:
+            section = self.tokenizer.token_id("<|tool_calls_section_begin|>")
+            return BannedTokens([section], self.vocab_size)
+        return None
 
     def new_sequence(
-        self, body: SamplingFields, prompt_tokens: list[int], max_tokens: int, *, chat: bool
-    ) -> Sequence:
-        """The engine's per-sequence logic (sampling, stops, detokenisation) for one request; a chat
-        answer also stops where the template closes the assistant's response."""
+        self,
+        body: SamplingFields,
+        prompt_tokens: list[int],
+        max_tokens: int,
+        *,
+        chat: ChatPrompt | None,
+        top_logprobs: int | None = None,
+    ) -> RequestLogic:
+        """The per-sequence logic (sampling, stops, detokenisation, grammar, output parsing, logprobs) of
+        one request; a chat answer also stops where the template closes the assistant's response."""
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
@@ -85,9 +147,18 @@ class ServedModel:
             max_tokens=max_tokens,
             stop=tuple(body.stop_list()),
             ignore_eos=body.ignore_eos,
-            stop_token_ids=self.chat_stop_ids if chat else (),
+            stop_token_ids=self.chat_stop_ids if chat is not None else (),
         )
-        return Sequence(self.tokenizer, prompt_tokens, params)
+        if chat is None:
+            sequence = Sequence(self.tokenizer, prompt_tokens, params)
+            return RequestLogic(sequence, self.tokenizer, top_logprobs=top_logprobs)
+        sequence = Sequence(self.tokenizer, prompt_tokens, params, marks=self.kimi.marks)
+        parser = OutputParser(
+            self.kimi, chat.tool_names, reasoning=chat.reasoning, in_reasoning=chat.in_reasoning
+        )
+        return RequestLogic(
+            sequence, self.tokenizer, parser=parser, constraint=chat.constraint, top_logprobs=top_logprobs
+        )
 
     def batch_limit(self) -> int | None:
         """The most sequences one decode step may hold so that the union of their experts in a layer
@@ -123,6 +194,39 @@ class ServedModel:
 
 # private-use characters around a message index stand for its content while the template renders
 MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request ready for the scheduler."""
+
+    tokens: list[int]
+    tool_names: tuple[str, ...]
+    constraint: TokenConstraint | None
+    reasoning: bool
+    in_reasoning: bool  # the prompt opened a think block
+
+
+def _template_strings(messages: list[dict[str, Any]], extras: dict[str, Any]) -> Iterable[tuple[str, str]]:
+    """`(field, text)` of every string the template receives besides message contents."""
+    for index, message in enumerate(messages):
+        for key, value in message.items():
+            if key != "content":
+                yield from _strings(value, f"messages.{index}.{key}")
+    for key, value in extras.items():
+        yield from _strings(value, key if key == "tools" else f"chat_template_kwargs.{key}")
+
+
+def _strings(value: Any, path: str) -> Iterable[tuple[str, str]]:
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key, path)
+            yield from _strings(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _strings(item, f"{path}.{index}")
 
 
 def _split_at_marks(text: str, marks: list[str]) -> list[str] | None:
@@ -168,12 +272,14 @@ def served_from_runtime(runtime: Any, *, name: str | None = None, ctx: int | Non
     if ctx is not None and not 1 < ctx <= model_ctx:
         raise ValueError(f"--ctx {ctx} must be between 2 and the model's context length {model_ctx}")
     tokenizer = runtime.tokenizer
+    template = ChatTemplate.for_tokenizer(tokenizer)
     return ServedModel(
         files=_model_files(runtime),
         name=name or default_name(Path(tokenizer.source)),
         model=runtime.model,
         tokenizer=tokenizer,
-        chat_template=ChatTemplate.for_tokenizer(tokenizer),
+        chat_template=template,
+        kimi=KimiFormat.for_tokenizer(tokenizer, template.template_text),
         ctx=ctx or min(model_ctx, DEFAULT_MAX_CTX),
         store=runtime.store,
         chat_stop_ids=chat_stop_token_ids(tokenizer, thinking=False),

@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class TextEvent:
-    text: str
+class PieceEvent:
+    piece: Any  # what one step released: `kimi_output.Piece` (content, reasoning, tool calls, logprobs)
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class ErrorEvent:
     message: str
 
 
-Event = TextEvent | FinishEvent | ErrorEvent
+Event = PieceEvent | FinishEvent | ErrorEvent
 
 
 class QueueFull(Exception):
@@ -46,7 +46,7 @@ class QueueFull(Exception):
 
 
 class SequenceLogic(Protocol):
-    """Per-sequence sampling, stop handling and detokenisation: `k3stream.engine.generate.Sequence`."""
+    """Per-sequence sampling, stop handling and detokenisation: `request_logic.RequestLogic`."""
 
     finish_reason: str | None
     completion_tokens: int
@@ -54,8 +54,8 @@ class SequenceLogic(Protocol):
     def choose(self, logits: Any) -> int:
         """Sample the next token from a `[V]` logits row."""
 
-    def accept(self, token: int) -> str:
-        """Record a generated token; return the text it releases (may be empty)."""
+    def accept(self, token: int) -> Any:
+        """Record a generated token; return what it releases (falsy: nothing)."""
 
 
 class EventSink:
@@ -260,7 +260,7 @@ class Scheduler:
         """Sample a token for `job`, send its text, and finish the job if it stopped."""
         try:
             token = job.logic.choose(logits)
-            text = job.logic.accept(token)
+            piece = job.logic.accept(token)
         except Exception as exc:
             log.exception("sampling failed")
             self._fail_request(job, f"sampling failed: {exc}")
@@ -272,8 +272,8 @@ class Scheduler:
             self.metrics.time_per_output_token.observe(now - job.last_token_at)
         job.last_token, job.last_token_at = token, now
         self.metrics.generation_tokens.inc()
-        if text:
-            job.sink.put(TextEvent(text))
+        if piece:
+            job.sink.put(PieceEvent(piece))
         if job.logic.finish_reason is not None:
             self.completed_jobs += 1
             self.consecutive_failures = 0

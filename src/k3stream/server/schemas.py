@@ -1,10 +1,10 @@
 """Request bodies of the OpenAI API subset k3stream serves, validated strictly (no type coercion).
 
 Unknown fields are ignored (clients send many optional ones); known fields of the wrong type or out of
-range are refused with a 400 naming the field. OpenAI fields this server does not implement (tools,
-response_format, logit_bias, penalties...) are refused with a 400 naming the field unless they hold their
-neutral value (absent, null, empty, zero, `{"type": "text"}`), so no request is silently answered as if
-they had been honoured.
+range are refused with a 400 naming the field. OpenAI fields this server does not implement (legacy
+functions, logit_bias, penalties...) are refused with a 400 naming the field unless they hold their
+neutral value (absent, null, empty, zero), so no request is silently answered as if they had been
+honoured. Tool definitions and JSON schemas must be valid JSON Schema (draft 2020-12).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=-1)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 
 
 def _empty(value: Any) -> bool:
@@ -32,13 +33,9 @@ def _empty(value: Any) -> bool:
 
 # OpenAI request fields that are not implemented, and the values that ask for nothing
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "tools": _empty,
     "functions": _empty,
-    "tool_choice": lambda value: value in (None, "none", "auto"),
     "function_call": lambda value: value in (None, "none", "auto"),
-    "response_format": lambda value: value is None or value == {"type": "text"},
     "logit_bias": _empty,
-    "top_logprobs": lambda value: value in (None, 0),
     "presence_penalty": lambda value: value in (None, 0),
     "frequency_penalty": lambda value: value in (None, 0),
     "best_of": lambda value: value in (None, 1),
@@ -103,14 +100,12 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: MaxTokens | None = 16
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: TopLogprobs | None = None  # the number of most likely tokens listed with each token
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo:
             raise invalid_request("echo is not supported", param="echo", code="unsupported_value")
-        if self.logprobs is not None:
-            raise invalid_request("logprobs is not supported", param="logprobs", code="unsupported_value")
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request; a batch of several is refused like n>1."""
@@ -132,10 +127,26 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -144,16 +155,147 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def template_fields(self) -> dict[str, Any]:
+        """The message as the chat template sees it, except `content` (tokenized apart)."""
+        role = "system" if self.role == "developer" else self.role
+        fields: dict[str, Any] = {"role": role}
+        if self.tool_calls is not None:
+            fields["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            fields["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            fields["name"] = self.name
+        return fields
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def schema_or_empty(self) -> dict[str, Any]:
+        """The parameters schema; a function without one takes an empty object, as in OpenAI's API."""
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+TemplateValue = str | bool | int | float | None
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    separate_reasoning: bool = True  # sglang's switch: False keeps thinking text in `content`
+    chat_template_kwargs: dict[str, TemplateValue] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            raise invalid_request("logprobs is not supported", param="logprobs", code="unsupported_value")
+        if self.top_logprobs and not self.logprobs:
+            raise invalid_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
+        for index, tool in enumerate(self.tools or []):
+            check_json_schema(tool.function.schema_or_empty(), f"tools.{index}.function.parameters")
+        names = [tool.function.name for tool in self.tools or []]
+        duplicate = next((name for name in names if names.count(name) > 1), None)
+        if duplicate is not None:
+            raise invalid_request(f"tools: the function {duplicate!r} is defined twice", param="tools")
+        self._check_tool_choice(names)
+        self._check_response_format()
+        if self.ignore_eos and self.forced_output():
+            raise invalid_request(
+                "ignore_eos cannot be combined with constrained output (tool_choice, response_format)",
+                param="ignore_eos",
+                code="unsupported_value",
+            )
+
+    def _check_tool_choice(self, names: list[str]) -> None:
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise invalid_request(
+                f"tool_choice: the function {choice.function.name!r} is not in tools", param="tool_choice"
+            )
+        if choice == "required" and not names:
+            raise invalid_request("tool_choice: 'required' needs at least one tool", param="tool_choice")
+        if self.parallel_tool_calls is False and not self.forced_tools():
+            raise invalid_request(
+                "parallel_tool_calls: false is only enforced with tool_choice 'required' or a named function",
+                param="parallel_tool_calls",
+                code="unsupported_value",
+            )
+
+    def _check_response_format(self) -> None:
+        response_format = self.response_format
+        if response_format is None or response_format.type != "json_schema":
+            return
+        if response_format.json_schema is None or response_format.json_schema.json_schema is None:
+            raise invalid_request(
+                "response_format.json_schema: a json_schema response format needs a schema",
+                param="response_format.json_schema",
+            )
+        check_json_schema(response_format.json_schema.json_schema, "response_format.json_schema.schema")
+
+    def forced_tools(self) -> list[Tool]:
+        """The tools one of which the answer must call (empty: no call is forced)."""
+        choice = self.tool_choice
+        if choice == "required":
+            return list(self.tools or [])
+        if isinstance(choice, NamedToolChoice):
+            return [tool for tool in self.tools or [] if tool.function.name == choice.function.name]
+        return []
+
+    def forced_output(self) -> bool:
+        json_output = self.response_format is not None and self.response_format.type != "text"
+        return bool(self.forced_tools()) or json_output
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def check_json_schema(schema: dict[str, Any], param: str) -> None:
+    """A 400 naming `param` unless `schema` is a valid JSON Schema (draft 2020-12)."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        where = "/".join(str(part) for part in exc.absolute_path)
+        detail = exc.message if not where else f"{exc.message} (at {where})"
+        raise invalid_request(f"{param}: not a valid JSON Schema: {detail}", param=param) from None

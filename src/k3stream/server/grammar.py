@@ -1,0 +1,118 @@
+"""Constrained decoding with llguidance: before each token, the sampler drops the tokens the grammar forbids.
+
+Grammars are llguidance's Lark dialect, where `<|tool_call_begin|>` names a special token and
+`%json {schema}` embeds a JSON Schema; JSON is compact (no free whitespace), so a model cannot pad
+forever. The vocabulary is the tokenizer's tiktoken ranks (byte strings) and its special tokens; the
+grammar ends on the chat's stop tokens. Once a grammar is complete only those stop tokens remain.
+`bench_grammar.py` holds the measurements behind the choice of library (README: Structured output).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from k3stream.server.errors import invalid_request
+
+JSON_DEFAULTS = {"whitespace_flexible": False}
+BITS = torch.arange(32, dtype=torch.int32)
+
+
+def json_schema_grammar(schema: dict[str, Any]) -> str:
+    """A grammar whose sentences are the JSON values `schema` accepts."""
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_DEFAULTS)
+
+
+def tool_calls_grammar(tools: Sequence[tuple[str, dict[str, Any]]], *, parallel: bool) -> str:
+    """A Kimi tool-call section calling one of `tools` (name, parameters schema): exactly one call, or
+    one or more when `parallel`."""
+    calls = " | ".join(f"call_{index}" for index in range(len(tools)))
+    rules = [
+        "start: <|tool_calls_section_begin|> calls <|tool_calls_section_end|>",
+        f"calls: ({calls}){'+' if parallel else ''}",
+    ]
+    for index, (name, schema) in enumerate(tools):
+        header = json.dumps(f"functions.{name}:")
+        arguments = json.dumps({**schema, "x-guidance": JSON_DEFAULTS})
+        rules.append(
+            f"call_{index}: <|tool_call_begin|> {header} /[0-9]{{1,3}}/ <|tool_call_argument_begin|> "
+            f"%json {arguments} <|tool_call_end|>"
+        )
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_lark("\n".join(rules))
+
+
+class GrammarCompiler:
+    """Builds constraints for one served model; the llguidance vocabulary is made once, on first use."""
+
+    def __init__(self, tokenizer: Any, stop_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.stop_ids = [int(t) for t in stop_ids]
+        self._vocabulary: Any = None
+        self._lock = threading.Lock()
+
+    def _llguidance_vocabulary(self) -> Any:
+        with self._lock:
+            if self._vocabulary is None:
+                from llguidance.tiktoken import lltokenizer_from_encoding
+
+                self._vocabulary = lltokenizer_from_encoding(
+                    self.tokenizer.encoding, n_vocab=self.tokenizer.vocab_size, eos_token=self.stop_ids
+                )
+            return self._vocabulary
+
+    def constraint(self, grammar: str, param: str) -> Constraint:
+        """A fresh constraint for one request; a grammar llguidance refuses is a 400 naming `param`."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._llguidance_vocabulary(), grammar, log_level=0)
+        if matcher.is_error():
+            message = matcher.get_error().splitlines()[0]
+            raise invalid_request(f"{param}: cannot be compiled to a grammar: {message}", param=param)
+        return Constraint(matcher, self.tokenizer.vocab_size, self.stop_ids)
+
+
+class Constraint:
+    """One request's grammar state: `allowed()` before a token, `advance(token)` after it."""
+
+    def __init__(self, matcher: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self._words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
+        self._stops = torch.zeros(vocab_size, dtype=torch.bool)
+        self._stops[list(stop_ids)] = True
+
+    def allowed(self) -> torch.Tensor:
+        """bool [V]: the tokens the grammar allows next (only the stop tokens once it is complete)."""
+        if self.matcher.is_stopped():
+            return self._stops
+        words = self._words
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+        return ((words.unsqueeze(1) >> BITS) & 1).flatten()[: self.vocab_size].bool()
+
+    def advance(self, token: int) -> None:
+        if self.matcher.is_stopped():
+            return
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+
+
+class BannedTokens:
+    """A constraint that only forbids some tokens (tool_choice "none": no tool-call section)."""
+
+    def __init__(self, token_ids: Sequence[int], vocab_size: int) -> None:
+        self._allowed = torch.ones(vocab_size, dtype=torch.bool)
+        self._allowed[list(token_ids)] = False
+
+    def allowed(self) -> torch.Tensor:
+        return self._allowed
+
+    def advance(self, token: int) -> None:
+        del token

@@ -1,0 +1,103 @@
+"""One request's per-token logic for the scheduler: the engine's `Sequence` (sampling, stops,
+detokenisation) plus what the API adds: a grammar that limits the next token, the Kimi output parser
+(reasoning, tool calls) and logprobs.
+
+Logprobs are the model's own: log-softmax of the raw logits, before temperature, penalties and the
+grammar (what vLLM returns by default). Each piece carries the logprobs of the tokens accepted since
+the last piece that carried text, so the pieces of a stream together hold every token once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from k3stream.engine.generate import FINISH_STOP, Sequence
+from k3stream.server.kimi_output import OutputParser, Piece
+
+
+class TokenConstraint(Protocol):
+    def allowed(self) -> torch.Tensor:
+        """bool [V]: the tokens that may come next."""
+
+    def advance(self, token: int) -> None:
+        """Record the token that came."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[TokenLogprob] = field(default_factory=list)
+
+    def openai(self) -> dict[str, Any]:
+        """The chat API's entry (`top_logprobs` entries have no list of their own)."""
+        entry: dict[str, Any] = {"token": self.token, "logprob": self.logprob, "bytes": self.bytes}
+        return {**entry, "top_logprobs": [t.openai_top() for t in self.top]}
+
+    def openai_top(self) -> dict[str, Any]:
+        return {"token": self.token, "logprob": self.logprob, "bytes": self.bytes}
+
+
+class RequestLogic:
+    """`SequenceLogic` for the scheduler; `accept` returns a `Piece` (empty when nothing is released)."""
+
+    def __init__(
+        self,
+        sequence: Sequence,
+        tokenizer: Any,
+        *,
+        parser: OutputParser | None = None,
+        constraint: TokenConstraint | None = None,
+        top_logprobs: int | None = None,
+    ) -> None:
+        self.sequence = sequence
+        self.tokenizer = tokenizer
+        self.parser = parser
+        self.constraint = constraint
+        self.top_logprobs = top_logprobs
+        self._logprobs: list[TokenLogprob] = []
+
+    @property
+    def finish_reason(self) -> str | None:
+        reason = self.sequence.finish_reason
+        if reason == FINISH_STOP and self.parser is not None and self.parser.made_calls:
+            return "tool_calls"
+        return reason
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.sequence.completion_tokens
+
+    def choose(self, logits: torch.Tensor) -> int:
+        allowed = self.constraint.allowed() if self.constraint is not None else None
+        token = self.sequence.choose(logits, allowed)
+        if self.top_logprobs is not None:
+            self._logprobs.append(self._logprob(logits, token))
+        return token
+
+    def accept(self, token: int) -> Piece:
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        text = self.sequence.accept(token)
+        piece = Piece(content=text) if self.parser is None else self.parser.feed(text)
+        if self.parser is not None and self.sequence.done:
+            piece.extend(self.parser.finish())
+        if piece.content or piece.reasoning or piece.tool_calls or self.sequence.done:
+            piece.logprobs, self._logprobs = self._logprobs, []
+        return piece
+
+    def _logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:
+        logprobs = torch.log_softmax(logits.reshape(-1).float(), dim=-1)
+        top = torch.topk(logprobs, self.top_logprobs) if self.top_logprobs else None
+        listed = [] if top is None else zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        entry = self._entry(token, float(logprobs[token]))
+        return TokenLogprob(entry.token, entry.logprob, entry.bytes, [self._entry(i, v) for i, v in listed])
+
+    def _entry(self, token: int, logprob: float) -> TokenLogprob:
+        """The token as the tokenizer decodes it (special tokens as their text)."""
+        piece = self.tokenizer.piece(token)
+        return TokenLogprob(piece.decode("utf-8", errors="replace"), logprob, list(piece))

@@ -1,0 +1,338 @@
+"""Tool calls, reasoning, structured output and logprobs: the real `openai` client against `k3stream
+serve` on tiny random Kimi-K3 GGUFs whose tokenizer carries Kimi-K2's tool template and `<think>` tokens.
+
+Random weights never choose to call a tool, so calls are forced with `tool_choice` (constrained
+decoding): the answer must still be a well-formed call whose arguments validate against the schema.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+
+from chat_models import KIMI_TOOL_TEMPLATE, retokenized
+from k3stream.engine.chat import ChatTemplate
+from k3stream.engine.generate import Sequence
+from k3stream.engine.loading import load_runtime
+from k3stream.engine.sampling import SamplingParams
+from k3stream.server.app import ServerConfig, create_app
+from k3stream.server.grammar import BannedTokens
+from k3stream.server.live import ServerProcess, ServerThread
+from k3stream.server.request_logic import RequestLogic
+from k3stream.server.runtime import served_from_runtime
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tool_gguf(tiny_model, tmp_path_factory):
+    source = tiny_model(vocab=600, context_length=2048)
+    out = tmp_path_factory.mktemp("tools") / "kimi-tools.gguf"
+    return retokenized(source, out, chat_template=KIMI_TOOL_TEMPLATE, special_tokens=("<think>", "</think>"))
+
+
+@pytest.fixture(scope="module")
+def builtin_gguf(tiny_model, tmp_path_factory):
+    """The same model with no chat template in the file: the built-in Kimi-K3 one is used."""
+    out = tmp_path_factory.mktemp("builtin") / "kimi-builtin.gguf"
+    return retokenized(tiny_model(vocab=600, context_length=2048), out, chat_template=None)
+
+
+@pytest.fixture(scope="module")
+def serve(tool_gguf, tmp_path_factory):
+    log = tmp_path_factory.mktemp("log") / "serve.log"
+    with ServerProcess(tool_gguf, "--ctx", "2048", "--threads", "1", log_path=log) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(serve):
+    return openai.OpenAI(base_url=serve.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def served(tool_gguf):
+    served = served_from_runtime(load_runtime(tool_gguf))
+    yield served
+    served.close()
+
+
+def chat(client, **fields):
+    return client.chat.completions.create(model="kimi-tools", messages=ASK, **{"max_tokens": 120, **fields})
+
+
+def stream_chat(client, **fields):
+    return list(chat(client, stream=True, **fields))
+
+
+def check_call(call, names=("get_weather",)):
+    assert call.type == "function" and call.function.name in names
+    assert call.id.startswith(f"functions.{call.function.name}:")
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 7}])
+def test_named_tool_call(client, sampling):
+    answer = chat(client, tools=TOOLS, tool_choice=NAMED, **sampling)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None and len(choice.message.tool_calls) == 1
+    check_call(choice.message.tool_calls[0])
+
+
+def test_streamed_tool_call_equals_the_whole_one(client):
+    whole = chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0).choices[0].message.tool_calls[0]
+    chunks = stream_chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0)
+    deltas = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+    assert {d.index for d in deltas} == {0}
+    assert "".join(d.function.arguments or "" for d in deltas) == whole.function.arguments
+    assert [d.id for d in deltas if d.id] == [whole.id]
+    assert [d.function.name for d in deltas if d.function.name] == ["get_weather"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_required_picks_one_of_the_tools(client):
+    answer = chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=0)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    check_call(choice.message.tool_calls[0], names=tuple(SCHEMAS))
+
+
+def test_multi_turn_with_a_tool_result(client, served):
+    first = chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0).choices[0].message
+    call = first.tool_calls[0]
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny", "high": 21}'},
+    ]
+    answer = client.chat.completions.create(
+        model="kimi-tools", messages=messages, tools=TOOLS, max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    rendered = ChatTemplate.for_tokenizer(served.tokenizer).render(
+        [{**m, "content": m["content"] or ""} for m in messages], tools=TOOLS
+    )
+    assert f"## Return of {call.id}\n" in rendered and "<|tool_calls_section_begin|>" in rendered
+    assert answer.usage.prompt_tokens == len(served.tokenizer.encode(rendered, allow_special=True))
+
+
+def test_prompt_is_the_file_template_rendering(served):
+    """The server's prompt is the GGUF template's rendering of tools, calls and results, token for token."""
+    call = {
+        "id": "functions.get_time:0",
+        "type": "function",
+        "function": {"name": "get_time", "arguments": "{}"},
+    }
+    messages = [
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "12:00"},
+    ]
+    expected = served.chat_template.render(messages, tools=TOOLS)
+    assert "tool_declare" in expected and '"name":"get_time"' in expected
+    assert served.encode_chat(messages, TOOLS) == served.tokenizer.encode(expected, allow_special=True)
+
+
+def test_builtin_template_renders_tools_and_calls(builtin_gguf):
+    served = served_from_runtime(load_runtime(builtin_gguf))
+    try:
+        assert served.chat_template.is_builtin
+        call = {
+            "id": "functions.get_time:0",
+            "type": "function",
+            "function": {"name": "get_time", "arguments": "{}"},
+        }
+        messages = [
+            {"role": "user", "content": "time?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "12:00"},
+        ]
+        text = served.chat_template.render(messages, tools=TOOLS)
+        assert '<|open|>tools<|sep|>[{"type": "function"' in text
+        assert (
+            "<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{}<|tool_call_end|>" in text
+        )
+        assert '<|open|>message role="tool"<|sep|>## Return of functions.get_time:0\n12:00' in text
+        assert served.encode_chat(messages, TOOLS) == served.tokenizer.encode(text, allow_special=True)
+        app = create_app(served, ServerConfig(max_batch=2))
+        with ServerThread(app) as thread:
+            api = openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0, timeout=120)
+            answer = api.chat.completions.create(
+                model=served.name, messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=120, temperature=0
+            )
+        assert answer.choices[0].finish_reason == "tool_calls"
+        check_call(answer.choices[0].message.tool_calls[0])
+    finally:
+        served.close()
+
+
+def test_call_cut_off_by_max_tokens_comes_back_as_text(client):
+    choice = chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=6).choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert choice.message.content.startswith("<|tool_calls_section_begin|><|tool_call_begin|>func")
+
+
+def test_tool_choice_none_never_opens_a_section(served):
+    """The section token is the most likely one, yet never chosen."""
+    tokenizer = served.tokenizer
+    section = tokenizer.token_id("<|tool_calls_section_begin|>")
+    sequence = Sequence(tokenizer, [1], SamplingParams(temperature=0, max_tokens=4))
+    logic = RequestLogic(sequence, tokenizer, constraint=BannedTokens([section], tokenizer.vocab_size))
+    logits = torch.zeros(tokenizer.vocab_size)
+    logits[section] = 50.0
+    assert logic.choose(logits) != section
+    unconstrained = RequestLogic(
+        Sequence(tokenizer, [1], SamplingParams(temperature=0, max_tokens=4)), tokenizer
+    )
+    assert unconstrained.choose(logits) == section
+
+
+def test_json_schema_output_validates(client):
+    schema = {"name": "forecast", "schema": WEATHER, "strict": True}
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+        choice = chat(
+            client, response_format={"type": "json_schema", "json_schema": schema}, **sampling
+        ).choices[0]
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), WEATHER)
+
+
+def test_json_object_output_is_an_object(client):
+    choice = chat(client, response_format={"type": "json_object"}, temperature=0, max_tokens=200).choices[0]
+    assert choice.message.content.startswith("{")
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+
+
+def test_reasoning_goes_to_reasoning_content(client):
+    """The template opens `<think>`: the answer is reasoning until `</think>`; with the split off, the
+    same greedy text is content."""
+    thinking = {"chat_template_kwargs": {"thinking": True}}
+    split = chat(client, temperature=0, max_tokens=16, extra_body=thinking).choices[0].message
+    whole = chat(client, temperature=0, max_tokens=16, extra_body={**thinking, "separate_reasoning": False})
+    reasoning = split.model_extra["reasoning_content"]
+    assert reasoning and (split.content or "") == ""
+    assert whole.choices[0].message.content.startswith(reasoning)
+    chunks = stream_chat(client, temperature=0, max_tokens=16, extra_body=thinking)
+    streamed = "".join(
+        c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices
+    )
+    assert streamed == reasoning
+    plain = chat(client, temperature=0, max_tokens=16).choices[0].message
+    assert "reasoning_content" not in (plain.model_extra or {})
+
+
+def test_chat_logprobs(client):
+    answer = chat(client, temperature=0, max_tokens=10, logprobs=True, top_logprobs=5)
+    entries = answer.choices[0].logprobs.content
+    assert len(entries) == answer.usage.completion_tokens
+    for entry in entries:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 5 and tops == sorted(tops, reverse=True)
+        assert entry.logprob == pytest.approx(tops[0])  # greedy takes the most likely token
+        assert (
+            entry.token == entry.top_logprobs[0].token
+            and bytes(entry.bytes).decode(errors="replace") == entry.token
+        )
+        assert 0.0 < sum(2.718281828459045**t for t in tops) <= 1.0 + 1e-5
+    streamed = [
+        e
+        for c in stream_chat(client, temperature=0, max_tokens=10, logprobs=True, top_logprobs=5)
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+
+
+def test_completion_logprobs(client):
+    answer = client.completions.create(
+        model="kimi-tools", prompt="The quick brown fox", max_tokens=8, temperature=0, logprobs=3
+    )
+    logprobs = answer.choices[0].logprobs
+    assert len(logprobs.tokens) == answer.usage.completion_tokens == len(logprobs.token_logprobs)
+    if "\ufffd" not in "".join(logprobs.tokens):  # tokens cutting a character in two decode apart
+        assert "".join(logprobs.tokens) == answer.choices[0].text
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+    for token, logprob, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        # tokens that decode to the same text share one key of OpenAI's dict
+        assert 1 <= len(top) <= 3 and top[token] == pytest.approx(max(top.values()))
+        assert logprob == pytest.approx(max(top.values()))
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]},
+            "tools.0.function.parameters",
+        ),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "rm"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}},
+                }
+            },
+            "response_format",
+        ),
+        (
+            {"tools": [{**TOOLS[0], "function": {"name": "f", "description": "<|im_end|>"}}]},
+            "tools.0.function.description",
+        ),
+        ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field(serve, fields, param):
+    body = {"messages": ASK, "max_tokens": 2, **fields}
+    response = httpx.post(serve.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and param.split(".")[0] in error["message"]
+    assert "\n" not in error["message"]
