@@ -98,7 +98,11 @@ class K3Model:
     @torch.inference_mode()
     def prefill(self, state: SequenceState, tokens: Iterable[int]) -> torch.Tensor:
         """Run `tokens` of one sequence after what `state` holds; logits [T, vocab]."""
-        ids = self._ids(tokens)
+        return self.forward(state, self._ids(tokens))
+
+    def forward(self, state: SequenceState, ids: torch.Tensor) -> torch.Tensor:
+        """`prefill` of checked ids [T] outside inference mode: autograd records it when the weights
+        require grad (the trainer's model, `k3stream.train`)."""
         logits = self._forward(ids, lambda layer, h: layer.attn.prefill(h, state.layers[layer.index]))
         state.length += len(ids)
         return logits
@@ -340,15 +344,34 @@ def load(
     if dtype != torch.float32:
         kernels = "reference"  # re-typed weights are dense matrices
     options = LoadOptions(dtype, keep_quantized, match_ggml, kernels)
-    w = _Weights(checkpoint_weights(checkpoint), options, device)
     if kernels == "auto":
         matrix_types = {t.ggml_type for t in checkpoint.tensors.values() if len(t.shape) >= 2}
         note_fallbacks(matrix_types, device)
         warm_up(matrix_types, device)
-    model = K3Model(
+    pairs = checkpoint_weights(checkpoint)
+    model = build(cfg, pairs, source, options, device, prefetch, (tp_rank, tp_size))
+    get_profile(profile).check(checkpoint)  # seed 002: the audited MLA recipe, checked after loading
+    return model
+
+
+def build(
+    cfg: K3Config,
+    pairs: Iterable[tuple[str, torch.Tensor]],
+    source: ExpertSource,
+    options: LoadOptions,
+    device: torch.device,
+    prefetch: bool = True,
+    tp: tuple[int, int] = (0, 1),
+) -> K3Model:
+    """A K3Model from the loader's `(runtime_name, tensor)` pairs (`gguf.weights.tensor_weights`).
+
+    On the reference path float tensors are used as given, so weights that require grad give a model
+    autograd can train (`k3stream.train` builds its model this way)."""
+    w = _Weights(pairs, options, device)
+    return K3Model(
         config=cfg,
         embedding=Embedding(w.weight("model.embed_tokens"), cfg.hidden, options),
-        layers=[_layer(w, i, cfg, source, (tp_rank, tp_size)) for i in range(cfg.n_layers)],
+        layers=[_layer(w, i, cfg, source, tp) for i in range(cfg.n_layers)],
         norm=w.vector("model.norm"),
         output_score=w.score("model.output_attn_res"),
         lm_head=w.linear("lm_head", cfg.vocab_size, cfg.hidden),
@@ -356,5 +379,3 @@ def load(
         device=device,
         prefetch=prefetch,
     )
-    get_profile(profile).check(checkpoint)  # seed 002: the audited MLA recipe, checked after loading
-    return model

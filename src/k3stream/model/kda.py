@@ -74,7 +74,7 @@ def chunked_delta_rule(
     after the last. Returns o [T, H, V]. Same recurrence as one `fused_recurrent_kda_packed_decode`
     step per token: S *= exp(g); S += k (beta (v - S k))^T; o = scale S q.
     """
-    s = state.float().transpose(1, 2)  # [H, K, V]
+    s = state.float().transpose(1, 2).clone()  # [H, K, V]; a copy, as autograd reads it after `state` changes
     heads_first = [t.float().transpose(0, 1) for t in (q, k, v, g)]
     beta = beta.float().transpose(0, 1)
     outputs = []
