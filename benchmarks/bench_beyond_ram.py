@@ -164,10 +164,12 @@ phases = {}
 def measured(name, tokens, work):
     before = bench.store_counters(store)
     fetch_before = store.stats()["fetch_ns"]
+    hints_before = model.hints.summary()
     started = time.perf_counter()
     work()
     seconds = time.perf_counter() - started
     delta = bench.store_delta(before, bench.store_counters(store), tokens)
+    delta["hints"] = bench.hint_delta(hints_before, model.hints.summary())
     delta["fetch_s"] = (store.stats()["fetch_ns"] - fetch_before) / 1e9
     delta["pack_read_s"] = (bench.store_counters(store)["pack_read_ns"] - before["pack_read_ns"]) / 1e9
     phases[name] = {"seconds": seconds, "tokens": tokens, **delta}
@@ -271,6 +273,8 @@ def summarize_k3stream(result: dict[str, Any]) -> dict[str, Any]:
         "decode_pack_bytes_per_token": decode["bytes_per_token"],
         "decode_fetch_ms_per_token": decode["fetch_s"] * 1e3 / tokens,
         "decode_pack_read_ms_per_token": decode["pack_read_s"] * 1e3 / tokens,
+        "decode_pre_attention_precision": decode["hints"]["pre-attention"]["precision"],
+        "decode_layer_ahead_precision": decode["hints"]["layer-ahead"]["precision"],
         "prefill_fetch_s": prefill["fetch_s"],
         "prefill_pack_read_s": prefill["pack_read_s"],
     }
@@ -295,6 +299,8 @@ ROWS = [
     ("decode pack read per token, MB", "decode_pack_bytes_per_token", ".1f", 1e6),
     ("decode fetch wait per token, ms", "decode_fetch_ms_per_token", ".1f", None),
     ("decode pack read time per token, ms", "decode_pack_read_ms_per_token", ".1f", None),
+    ("decode hint precision, pre-attention", "decode_pre_attention_precision", ".1%", None),
+    ("decode hint precision, layer-ahead", "decode_layer_ahead_precision", ".1%", None),
 ]
 
 

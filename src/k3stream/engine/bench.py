@@ -99,9 +99,26 @@ def budgets(store: Any) -> dict[str, int]:
 # ---- k3stream run ---------------------------------------------------------------------------------
 
 
-def _measured(name: str, tokens: int, store: Any, work: Callable[[], None]) -> dict[str, Any]:
-    """Run `work` (one phase of `tokens` tokens); its time and the store counters it moved."""
+def hint_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Per prediction kind (`K3Model.hints.summary()` snapshots): precision and recall in between."""
+    delta = {}
+    for kind, counts in after.items():
+        predicted, correct, used = (
+            counts[key] - before[kind][key] for key in ("predicted", "correct", "used")
+        )
+        delta[kind] = {
+            "predicted": predicted,
+            "precision": correct / predicted if predicted else None,
+            "recall": correct / used if used else None,
+        }
+    return delta
+
+
+def _measured(name: str, tokens: int, model: Any, store: Any, work: Callable[[], None]) -> dict[str, Any]:
+    """Run `work` (one phase of `tokens` tokens); its time, the store counters it moved and how
+    precise the expert predictions made in it were."""
     before = store_counters(store) if store is not None else None
+    hints_before = model.hints.summary()
     started = time.perf_counter()
     work()
     seconds = time.perf_counter() - started
@@ -109,6 +126,7 @@ def _measured(name: str, tokens: int, store: Any, work: Callable[[], None]) -> d
     if store is not None:
         phase.update(store_delta(before, store_counters(store), tokens))
         phase["integrity_check_share"] = phase["integrity_check_s"] / seconds if seconds else 0.0
+        phase["hints"] = hint_delta(hints_before, model.hints.summary())
     return phase
 
 
@@ -141,8 +159,8 @@ def run_k3stream(runtime: Any, prompt_ids: list[int], decode_tokens: int) -> dic
             decoded.append(int(model.decode(state, decoded[-1]).argmax()))
             step_done(1)
 
-    phases = [_measured("prefill", len(prompt_ids), store, prefill)]
-    phases.append(_measured("decode", decode_tokens, store, decode))
+    phases = [_measured("prefill", len(prompt_ids), model, store, prefill)]
+    phases.append(_measured("decode", decode_tokens, model, store, decode))
     result: dict[str, Any] = {"phases": phases, "decoded_ids": decoded[:decode_tokens]}
     if store is not None:
         result["expert_bytes"] = {

@@ -108,7 +108,21 @@ def report_lines(results: dict[str, Any]) -> list[str]:
         lines.append(_peak_line(k3["expert_bytes"]))
     if "store" in k3:
         lines.append(_integrity_line(k3["store"], k3["phases"]))
+    lines += [_hints_line(phase) for phase in k3["phases"] if "hints" in phase]
     return lines
+
+
+def _hints_line(phase: dict[str, Any]) -> str:
+    """Precision / recall of each expert prediction in a phase (`k3stream.model.hints`)."""
+
+    def share(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.0%}"
+
+    kinds = ", ".join(
+        f"{kind} {share(hint['precision'])} / {share(hint['recall'])}"
+        for kind, hint in phase["hints"].items()
+    )
+    return f"expert predictions in {phase['phase']} (precision / recall): {kinds}"
 
 
 def _integrity_line(store: dict[str, Any], phases: list[dict[str, Any]]) -> str:

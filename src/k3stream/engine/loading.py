@@ -110,6 +110,7 @@ def load_resolved(
     gpu_mib: float | None = None,
     store_options: StoreOptions = StoreOptions(),
     match_ggml: bool = False,
+    prefetch_hint: str = "pre-attention",
 ) -> Runtime:
     """`load_runtime` for paths `resolve_model` already found."""
     import torch
@@ -132,6 +133,7 @@ def load_resolved(
             expert_source=store,
             prefetch=store_options.prefetch,
             match_ggml=match_ggml,
+            prefetch_hint=prefetch_hint,
         )
         tokenizer = Tokenizer.from_gguf(gguf_path)
     except BaseException:
@@ -176,6 +178,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     """The expert store's flags (they apply when experts stream from a pack)."""
+    from k3stream.model.hints import HINT_KINDS
     from k3stream.store.policies import POLICIES
 
     defaults = StoreOptions()
@@ -189,6 +192,13 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-prefetch",
         action="store_true",
         help="no background reads of the experts the next layers may need",
+    )
+    parser.add_argument(
+        "--prefetch-hint",
+        choices=list(HINT_KINDS),
+        default="pre-attention",
+        help="which prediction is prefetched: a MoE layer's router on its input (pre-attention) or on "
+        "the previous layer's stream after attention (layer-ahead, a MoE block earlier); default %(default)s",
     )
     parser.add_argument(
         "--io-threads", type=int, default=defaults.io_threads, help="pack read threads (default %(default)s)"
@@ -264,4 +274,5 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
         gpu_mib=args.gpu_mib,
         store_options=StoreOptions.from_args(args),
         match_ggml=args.match_ggml,
+        prefetch_hint=args.prefetch_hint,
     )

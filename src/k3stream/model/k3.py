@@ -24,6 +24,7 @@ import torch
 from k3stream.gguf.config import K3Config
 from k3stream.model.attn_res import residual_mix
 from k3stream.model.experts import ExpertSource, GGUFExpertSource
+from k3stream.model.hints import HINT_KINDS, HintLog
 from k3stream.model.kda import KDA, KDAState, KDAWeights, shard_kda_weights
 from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, bytes_to_matrix, rms_norm
 from k3stream.model.mla import MLA, HeadProjection, MLAState, MLAWeights
@@ -79,7 +80,10 @@ class K3Model:
         expert_source: ExpertSource,
         device: torch.device,
         prefetch: bool = True,
+        prefetch_hint: str = "pre-attention",
     ) -> None:
+        if prefetch_hint not in HINT_KINDS:
+            raise ValueError(f"prefetch hint must be one of {', '.join(HINT_KINDS)}, got {prefetch_hint!r}")
         self.config = config
         self.embedding = embedding
         self.layers = layers
@@ -90,7 +94,13 @@ class K3Model:
         self.device = device
         # the GGUF source's prefetch is a no-op: skip predicting the experts it would be told about
         self.prefetch = prefetch and not isinstance(expert_source, GGUFExpertSource)
+        self.prefetch_hint = prefetch_hint
+        self.hints = HintLog()
         self.eps = config.rms_eps
+        moe_layers = [layer for layer in layers if isinstance(layer.ffn, LatentMoE)]
+        self._next_moe = {
+            layer.index: next((m for m in moe_layers if m.index > layer.index), None) for layer in layers
+        }
 
     def new_state(self) -> SequenceState:
         return SequenceState([layer.attn.new_state(self.device) for layer in self.layers])
@@ -144,24 +154,32 @@ class K3Model:
         bank: list[torch.Tensor] = []
         for layer in self.layers:
             if self.prefetch and isinstance(layer.ffn, LatentMoE):
-                self._prefetch(layer, x)
+                self._predict("pre-attention", layer, x)
             h = residual_mix(bank, x, layer.attn_score, self.eps)
             banked = layer.index % self.config.block_size == 0
             if banked:
                 bank.append(x)
             attended = attend(layer, rms_norm(h, layer.input_norm, self.eps)).float()
             prefix = attended if banked else x + attended
+            following = self._next_moe[layer.index]
+            if self.prefetch and following is not None:
+                self._predict("layer-ahead", following, prefix)
             h = rms_norm(
                 residual_mix(bank, prefix, layer.ffn_score, self.eps), layer.post_attention_norm, self.eps
             )
             x = prefix + layer.ffn(h).float()
+            if self.prefetch and isinstance(layer.ffn, LatentMoE):
+                self.hints.used(layer.index, layer.ffn.chosen.unique().tolist())
         x = rms_norm(residual_mix(bank, x, self.output_score, self.eps), self.norm, self.eps)
         return self.lm_head(x).float()
 
-    def _prefetch(self, layer: Layer, x: torch.Tensor) -> None:
-        """Hint the experts this layer's router picks on its input stream, before its attention runs."""
-        predicted = layer.ffn.predict(rms_norm(x, layer.post_attention_norm, self.eps))
-        self.expert_source.prefetch(layer.index, predicted)
+    def _predict(self, kind: str, layer: Layer, stream: torch.Tensor) -> None:
+        """The experts `layer`'s router picks on `stream` (normed as its MoE input is): logged, and
+        sent to the expert source as a prefetch hint when `kind` is the chosen hint."""
+        predicted = layer.ffn.predict(rms_norm(stream, layer.post_attention_norm, self.eps))
+        self.hints.predicted(kind, layer.index, predicted)
+        if kind == self.prefetch_hint:
+            self.expert_source.prefetch(layer.index, predicted)
 
 
 class _Weights:
@@ -316,6 +334,7 @@ def load(
     tp_rank: int = 0,
     tp_size: int = 1,
     kernels: str = "auto",
+    prefetch_hint: str = "pre-attention",
 ) -> K3Model:
     """Build a K3Model from a GGUF (a file, any shard, a directory) or an expert-pack manifest.
 
@@ -332,6 +351,7 @@ def load(
     that rank's heads (see `shard_kda_weights`), so its output is a partial sum to all-reduce over the
     ranks; nothing else is sharded and the forward does no all-reduce (`k3stream.parallel` shards the
     whole model over a process group and reduces).
+    `prefetch_hint` picks the prediction sent to the expert source (`k3stream.model.hints`).
     """
     from k3stream.gguf.profile import get_profile
     from k3stream.gguf.reader import K3Checkpoint
@@ -349,7 +369,7 @@ def load(
         note_fallbacks(matrix_types, device)
         warm_up(matrix_types, device)
     pairs = checkpoint_weights(checkpoint)
-    model = build(cfg, pairs, source, options, device, prefetch, (tp_rank, tp_size))
+    model = build(cfg, pairs, source, options, device, prefetch, (tp_rank, tp_size), prefetch_hint)
     get_profile(profile).check(checkpoint)  # seed 002: the audited MLA recipe, checked after loading
     return model
 
@@ -362,6 +382,7 @@ def build(
     device: torch.device,
     prefetch: bool = True,
     tp: tuple[int, int] = (0, 1),
+    prefetch_hint: str = "pre-attention",
 ) -> K3Model:
     """A K3Model from the loader's `(runtime_name, tensor)` pairs (`gguf.weights.tensor_weights`).
 
@@ -378,4 +399,5 @@ def build(
         expert_source=source,
         device=device,
         prefetch=prefetch,
+        prefetch_hint=prefetch_hint,
     )

@@ -87,6 +87,7 @@ class LatentMoE:
         # (latent [N, L], chosen [N, k]) -> the [N * k, L] pair outputs; expert parallelism
         # (`k3stream.parallel.experts`) wraps it to run only its rank's experts and exchange the rest
         self.routed_pairs = self._routed_pairs
+        self.chosen = torch.empty(0, routing.top_k, dtype=torch.long)
 
     def predict(self, h: torch.Tensor) -> list[int]:
         """The experts this layer would pick for rows h (the prefetch hint)."""
@@ -96,6 +97,7 @@ class LatentMoE:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h [N, E] -> [N, E]; the union of the experts all rows chose, fetched once each."""
         chosen, weights = self.routing.choose(self.w.router, self.w.correction_bias, h)
+        self.chosen = chosen  # the step's choices [N, k], for whoever scores predictions of them
         latent = self.w.routed_down(h).float()
         pair_outputs = self.routed_pairs(latent, chosen)
         routed = (pair_outputs.view(*chosen.shape, -1) * weights[..., None]).sum(1)

@@ -1,0 +1,48 @@
+"""How good each kind of expert prediction is: its precision and recall against the experts each MoE
+layer then used, counted over a run.
+
+The forward predicts a MoE layer's experts twice, from what exists at two moments:
+- "pre-attention": the layer's own router on its input stream, before its attention runs;
+- "layer-ahead": the next MoE layer's router on this layer's stream after attention (before this
+  layer's MoE), a whole MoE block earlier.
+Both are counted on every step; the one named by `K3Model.prefetch_hint` is sent to the expert source.
+"""
+
+from __future__ import annotations
+
+HINT_KINDS = ("pre-attention", "layer-ahead")
+
+
+class HintLog:
+    """Predictions waiting for their layer's routing, and per kind: predicted, correct, used counts."""
+
+    def __init__(self) -> None:
+        self._pending: dict[tuple[str, int], set[int]] = {}
+        self._counts = {kind: [0, 0, 0] for kind in HINT_KINDS}
+
+    def predicted(self, kind: str, layer: int, experts: list[int]) -> None:
+        self._pending[(kind, layer)] = set(experts)
+
+    def used(self, layer: int, experts: list[int]) -> None:
+        """The experts layer `layer` used this step: score the predictions made for it."""
+        actual = set(experts)
+        for kind in HINT_KINDS:
+            guess = self._pending.pop((kind, layer), None)
+            if guess is not None:
+                counts = self._counts[kind]
+                counts[0] += len(guess)
+                counts[1] += len(guess & actual)
+                counts[2] += len(actual)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per kind: precision (correct / predicted), recall (correct / used) and the counts."""
+        return {
+            kind: {
+                "predicted": predicted,
+                "correct": correct,
+                "used": used,
+                "precision": correct / predicted if predicted else 0.0,
+                "recall": correct / used if used else 0.0,
+            }
+            for kind, (predicted, correct, used) in self._counts.items()
+        }
