@@ -8,6 +8,13 @@ fresh server (cold cache) answers `clients x requests-per-client` streamed greed
 aggregate tokens/s, mean time to first token (client side, to the first text), and bytes read from the
 pack per generated token (from the server's /metrics, so prefill reads count too). Batching lets one
 read serve every sequence routed to that expert, so the last column should fall as clients rise.
+
+Two last lines compare constrained decoding (a JSON-schema `response_format`, llguidance computing the
+allowed tokens before every token) with free decoding at batch 1 (target: at most 10% more per token):
+the server's own wall time per output token (its /metrics histogram), alternating
+`--constrained-requests` pairs on one server; and, robust to a busy machine, this thread's CPU time per
+token of the same serving logic (`prepare_chat`, `new_sequence`, decode, choose, accept) in process
+with every expert in RAM, and the part of it spent in the grammar (mask and advance).
 """
 
 from __future__ import annotations
@@ -142,6 +149,118 @@ def run_level(
     }
 
 
+# a string that cannot end within any request here: every constrained token goes through the grammar
+LONG_STRING = {
+    "type": "json_schema",
+    "json_schema": {"name": "text", "schema": {"type": "string", "minLength": 100000}},
+}
+
+
+def per_token_seconds(api: openai.OpenAI, url: str, model: str, max_tokens: int, **fields) -> float:
+    """The server's mean time between successive output tokens over one streamed chat request."""
+    before = scrape(url)
+    stream = api.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Write a long story."}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        **fields,
+    )
+    for _ in stream:
+        pass
+    after = scrape(url)
+    name = "k3stream_time_per_output_token_seconds"
+    count = after[f"{name}_count"] - before[f"{name}_count"]
+    return (after[f"{name}_sum"] - before[f"{name}_sum"]) / count
+
+
+def constrained_cost(
+    manifest: Path, ram_mib: float, args: argparse.Namespace, log: Path
+) -> tuple[float, float]:
+    """(free, constrained) median seconds per output token at batch 1, requests alternating."""
+    serve_args = ["--ram-mib", str(ram_mib), "--max-batch", "1", "--threads", str(args.threads)]
+    with ServerProcess(manifest, *serve_args, log_path=log) as server:
+        model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+        free, constrained = [], []
+        for _ in range(args.constrained_requests):
+            extra = {"extra_body": {"ignore_eos": True}}
+            free.append(per_token_seconds(api, server.url, model, args.max_tokens, **extra))
+            constrained.append(
+                per_token_seconds(api, server.url, model, args.max_tokens, response_format=LONG_STRING)
+            )
+    return statistics.median(free), statistics.median(constrained)
+
+
+class TimedConstraint:
+    """A request's constraint, adding up this thread's CPU time inside it."""
+
+    def __init__(self, constraint) -> None:
+        self.constraint = constraint
+        self.seconds = 0.0
+
+    def allowed(self):
+        started = time.thread_time()
+        allowed = self.constraint.allowed()
+        self.seconds += time.thread_time() - started
+        return allowed
+
+    def advance(self, token: int) -> None:
+        started = time.thread_time()
+        self.constraint.advance(token)
+        self.seconds += time.thread_time() - started
+
+
+def serving_cpu_per_token(served, fields: dict, tokens: int) -> tuple[float, float]:
+    """CPU seconds of this thread per decoded token of one chat request without HTTP, and of them the
+    seconds inside the grammar."""
+    from k3stream.server.schemas import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "Write a long story."}], "temperature": 0, **fields}
+    )
+    prompt = served.prepare_chat(body)
+    logic = served.new_sequence(body, prompt.tokens, tokens, chat=prompt)
+    timed = logic.constraint = TimedConstraint(logic.constraint) if logic.constraint else None
+    state = served.model.new_state()
+    token = logic.choose(served.model.prefill(state, prompt.tokens)[-1])
+    logic.accept(token)
+    started, before = time.thread_time(), timed.seconds if timed else 0.0
+    while logic.finish_reason is None:
+        token = logic.choose(served.model.decode(state, token))
+        logic.accept(token)
+    steps = logic.completion_tokens - 1
+    grammar = (timed.seconds - before) / steps if timed else 0.0
+    return (time.thread_time() - started) / steps, grammar
+
+
+def constrained_cpu_cost(manifest: Path, args: argparse.Namespace) -> tuple[float, float, float]:
+    """Median CPU seconds per token of the serving logic in this process, every expert in RAM (no reads):
+    (free, constrained, grammar part of constrained)."""
+    import torch
+
+    from k3stream.engine.loading import load_runtime
+    from k3stream.server.runtime import served_from_runtime
+
+    torch.set_num_threads(args.threads)
+    served = served_from_runtime(load_runtime(manifest, ram_mib=ram_budget_mib(manifest, 1.0)[1] + 1))
+    try:
+        free, constrained = [], []
+        for _ in range(args.constrained_requests):
+            free.append(serving_cpu_per_token(served, {"ignore_eos": True}, args.max_tokens)[0])
+            constrained.append(
+                serving_cpu_per_token(served, {"response_format": LONG_STRING}, args.max_tokens)
+            )
+    finally:
+        served.close()
+    return (
+        statistics.median(free),
+        statistics.median(total for total, _ in constrained),
+        statistics.median(grammar for _, grammar in constrained),
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="1,4,16", type=lambda s: [int(x) for x in s.split(",")])
@@ -150,6 +269,9 @@ def main() -> int:
     parser.add_argument("--ram-fraction", type=float, default=0.3, help="expert RAM budget / pack size")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
     parser.add_argument("--workdir", type=Path, default=None, help="keep (and reuse) the model and pack here")
+    parser.add_argument(
+        "--constrained-requests", type=int, default=5, help="free/constrained pairs at batch 1"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="k3stream-bench-serve-") as scratch:
         workdir = args.workdir or Path(scratch)
@@ -179,6 +301,19 @@ def main() -> int:
                 f"{row['bytes_per_token']:>12.0f}",
                 flush=True,
             )
+        free, constrained = constrained_cost(manifest, ram_mib, args, workdir / "serve-constrained.log")
+        print(
+            f"batch 1, {args.max_tokens} tokens, server wall time: free {1000 * free:.2f} ms/token, "
+            f"constrained (JSON schema) {1000 * constrained:.2f} ms/token: {constrained / free - 1:+.1%}"
+        )
+        free, constrained, grammar = constrained_cpu_cost(manifest, args)
+        print(
+            f"batch 1, {args.max_tokens} tokens, serving logic CPU time, experts resident: free "
+            f"{1000 * free:.2f} ms/token, constrained {1000 * constrained:.2f} ms/token "
+            f"({constrained / free - 1:+.1%}), of which the grammar {1e6 * grammar:.0f} us "
+            f"({grammar / free:.2%} of a free token)",
+            flush=True,
+        )
     return 0
 
 
