@@ -2,12 +2,13 @@
 
     python benchmarks/bench_forward.py [--recipe f32|f16|audited] [--shape mid|wide] [--threads 2]
         [--prompt 128] [--decode 32]
-        [--kernels auto|reference]
+        [--kernels auto|reference] [--match-ggml]
 
 Writes the model with `k3stream.tiny` (`mid`: hidden 1024, 8 layers, 64 experts top-8 of 256 x 256;
 `wide`: hidden 768, 128 experts top-8 of 512 x 512), runs each engine once on the
 same tokens with the same thread count, and prints tokens/s for both and the ratio k3stream/llama.cpp.
-`--kernels reference` runs k3stream's reference path (weights dequantized to float32 at load).
+`--kernels reference` runs k3stream's reference path (weights dequantized to float32 at load);
+`--match-ggml` quantizes k3stream's activations as llama.cpp does (integer Q2_K/Q3_K kernels).
 """
 
 from __future__ import annotations
@@ -45,14 +46,14 @@ SHAPES["wide"] = dict(MID_SIZE, hidden=768, dense_ff=1536, n_experts=128, expert
 
 
 def bench_k3stream(
-    path: Path, tokens: list[int], prompt: int, threads: int, kernels: str = "auto"
+    path: Path, tokens: list[int], prompt: int, threads: int, kernels: str = "auto", match_ggml: bool = False
 ) -> tuple[float, float]:
     import torch
 
     import k3stream
 
     torch.set_num_threads(threads)
-    model = k3stream.load(path, kernels=kernels)
+    model = k3stream.load(path, kernels=kernels, match_ggml=match_ggml)
     model.logits(tokens[:8])  # warm-up
     state = model.new_state()
     start = time.perf_counter()
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kernels", default="auto", choices=["auto", "reference"])
+    parser.add_argument("--match-ggml", action="store_true", help="k3stream quantizes activations as ggml")
     args = parser.parse_args()
 
     from k3stream.tiny import TinySpec, make_tiny
@@ -100,11 +102,13 @@ def main() -> None:
         size_mb = sum(p.stat().st_size for p in Path(tmp).glob("*.gguf")) / 2**20
         print(
             f"model: {size_mb:.0f} MiB {args.recipe} GGUF, {SHAPES[args.shape]}; threads {args.threads}; "
-            f"k3stream kernels {args.kernels}"
+            f"k3stream kernels {args.kernels}{', match_ggml' * args.match_ggml}"
         )
         tokens = np.random.default_rng(args.seed).integers(0, 500, args.prompt + args.decode).tolist()
         results = {
-            "k3stream": bench_k3stream(path, tokens, args.prompt, args.threads, args.kernels),
+            "k3stream": bench_k3stream(
+                path, tokens, args.prompt, args.threads, args.kernels, args.match_ggml
+            ),
             "llama.cpp": bench_llama(path, tokens, args.prompt, args.threads),
         }
     rates = {
