@@ -28,8 +28,9 @@ def main(argv: list[str]) -> int:
         start = time.perf_counter()
         state = model.new_state()
         logits = [model.prefill(state, prompt)]
+        prefilled = time.perf_counter()
         logits += [model.decode(state, token)[None] for token in steps]
-        seconds = time.perf_counter() - start
+        seconds = {"prefill": prefilled - start, "decode": time.perf_counter() - prefilled}
         reports = model.reports() if hasattr(model, "reports") else [rank_report(runtime, [])]
         torch.save({"logits": torch.cat(logits), "reports": reports, "seconds": seconds}, out)
     return 0

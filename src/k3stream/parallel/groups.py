@@ -83,6 +83,11 @@ def loaded(parallel: Parallel) -> None:
 
 
 def stop(parallel: Parallel) -> None:
+    """Leave the process group and stop the heartbeat."""
+    global _heartbeat
+    if _heartbeat is not None:
+        _heartbeat.close()
+        _heartbeat = None
     if parallel.distributed and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -102,8 +107,10 @@ class Heartbeat:
         )
         self.rank, self.world = rank, world
         self.lock = threading.Lock()
+        self.stopped = threading.Event()
         self.beat()
-        threading.Thread(target=self._run, name="k3stream-heartbeat", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="k3stream-heartbeat", daemon=True)
+        self.thread.start()
 
     def beat(self) -> list[int]:
         """Bump this rank's counter; every rank's counter."""
@@ -118,10 +125,14 @@ class Heartbeat:
         after = self.beat()
         return [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
 
+    def close(self) -> None:
+        """Stop beating (before the process exits: the store client must not die mid-call)."""
+        self.stopped.set()
+        self.thread.join()
+
     def _run(self) -> None:
         with contextlib.suppress(Exception):  # the store went away: the run is ending
-            while True:
-                time.sleep(HEARTBEAT_S)
+            while not self.stopped.wait(HEARTBEAT_S):
                 self.beat()
 
 
