@@ -32,7 +32,8 @@ BENEATH: dict[str, tuple[str, ...]] = {
     "tinyblocks": (),
     "tiny": ("gguf", "quant", "tinyblocks", "tinyvocab"),
     "hostile": ("pack",),
-    "cli": ("server", "parallel", "tiny", "hostile"),
+    "train": ("engine", "tiny"),
+    "cli": ("server", "parallel", "tiny", "hostile", "train"),
 }
 
 # Known violations (importer, imported), all in code this layering step could not edit; issue 13

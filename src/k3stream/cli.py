@@ -14,6 +14,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("k3stream.engine.cmd_demo", "make, pack and run a tiny Kimi-K3 with streamed experts"),
     "make-tiny": ("k3stream.tiny", "write a random tiny Kimi-K3 GGUF"),
+    "train-tiny": ("k3stream.train.cmd_train", "train a small Kimi-K3 on the Python standard library"),
     "inspect": ("k3stream.gguf.cmd_inspect", "describe a Kimi-K3 GGUF: config, layers, bytes, recipe"),
     "dequantize": ("k3stream.gguf.cmd_dequantize", "rewrite a GGUF with every tensor dequantized to F32"),
     "pack": ("k3stream.pack.cmd_pack", "build the expert pack and its manifest from a GGUF"),

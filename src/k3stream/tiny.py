@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import os
 import zlib
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,7 +213,8 @@ def _init_kind(name: str) -> str:
     return next((kind for suffix, kind in _INIT_KINDS.items() if name.endswith(suffix)), "matrix")
 
 
-def _values(tensor: _Tensor, spec: TinySpec) -> np.ndarray:
+def initial_values(tensor: _Tensor, spec: TinySpec) -> np.ndarray:
+    """A tensor's random values (also the trainer's initialisation), scaled by its kind."""
     # one generator per tensor name, so values do not depend on the recipe or on tensor order
     rng = np.random.default_rng([spec.seed, zlib.crc32(tensor.name.encode())])
     normal = rng.standard_normal(tensor.shape)
@@ -232,6 +234,23 @@ def _values(tensor: _Tensor, spec: TinySpec) -> np.ndarray:
     else:  # dt bias
         values = 0.5 * normal - 1.0
     return values.astype(np.float32)
+
+
+ValuesOf = Callable[[_Tensor, TinySpec], np.ndarray]
+
+
+def _given(weights: dict[str, np.ndarray]) -> ValuesOf:
+    """Values looked up by tensor name (a trained model's), checked against the plan's shape."""
+
+    def values_of(tensor: _Tensor, spec: TinySpec) -> np.ndarray:
+        if tensor.name not in weights:
+            raise ValueError(f"weights: no values for tensor {tensor.name}")
+        values = np.asarray(weights[tensor.name], dtype=np.float32)
+        if values.shape != tensor.shape:
+            raise ValueError(f"weights: {tensor.name} has shape {values.shape}, expected {tensor.shape}")
+        return values
+
+    return values_of
 
 
 def ggml_type_for(name: str, ndim: int, recipe: str) -> int:
@@ -257,9 +276,9 @@ def _check_quantizable(tensor: _Tensor, ggml_type: int) -> None:
         )
 
 
-def _encoded(tensor: _Tensor, spec: TinySpec) -> tuple[np.ndarray, int]:
+def _encoded(tensor: _Tensor, spec: TinySpec, values_of: ValuesOf) -> tuple[np.ndarray, int]:
     ggml_type = ggml_type_for(tensor.name, len(tensor.shape), spec.recipe)
-    values = _values(tensor, spec)
+    values = values_of(tensor, spec)
     if ggml_type == F32:
         return values, F32
     if ggml_type == F16:
@@ -281,7 +300,12 @@ def shard_paths(out_dir: Path, count: int) -> list[Path]:
 
 
 def _write_shard(
-    path: Path, tensors: list[_Tensor], spec: TinySpec, vocab, split: tuple[int, int, int]
+    path: Path,
+    tensors: list[_Tensor],
+    spec: TinySpec,
+    vocab,
+    split: tuple[int, int, int],
+    values_of: ValuesOf,
 ) -> None:
     """One GGUF file, tensors streamed one at a time (large expert tensors in slabs) after the header."""
     from gguf import GGUFWriter
@@ -303,7 +327,7 @@ def _write_shard(
         fout = writer.fout[0]
         writer.write_padding(fout, fout.tell())
         for tensor in tensors:
-            writer.write_padding(fout, _write_overlapped(fout, _tensor_slabs(tensor, spec)))
+            writer.write_padding(fout, _write_overlapped(fout, _tensor_slabs(tensor, spec, values_of)))
         fout.flush()
         os.fsync(fout.fileno())
         writer.close()
@@ -352,16 +376,17 @@ def _row_bytes(row_values: int, ggml_type: int) -> int:
     return row_values // block * block_bytes
 
 
-def _tensor_slabs(tensor: _Tensor, spec: TinySpec):
-    """The tensor's bytes: random valid blocks in slabs for large routed experts, else encoded whole."""
+def _tensor_slabs(tensor: _Tensor, spec: TinySpec, values_of: ValuesOf):
+    """The tensor's bytes: random valid blocks in slabs for large random routed experts, else encoded
+    whole."""
     from k3stream.tinyblocks import FAST_TYPES, random_block_slabs
 
     ggml_type = ggml_type_for(tensor.name, len(tensor.shape), spec.recipe)
-    if _fast_path(tensor, ggml_type, FAST_TYPES):
+    if values_of is initial_values and _fast_path(tensor, ggml_type, FAST_TYPES):
         seed = [spec.seed, zlib.crc32(tensor.name.encode()), 1]
         yield from random_block_slabs(tensor.shape, ggml_type, seed)
         return
-    data, _ = _encoded(tensor, spec)
+    data, _ = _encoded(tensor, spec, values_of)
     yield np.ascontiguousarray(data)
 
 
@@ -379,12 +404,22 @@ def _fast_path(tensor: _Tensor, ggml_type: int, fast_types: frozenset[int]) -> b
     )
 
 
-def make_tiny(out_dir: str | os.PathLike[str], spec: TinySpec) -> Path:
-    """Write a random tiny Kimi-K3 GGUF into `out_dir`; return the file (or shard 1) path."""
+def make_tiny(
+    out_dir: str | os.PathLike[str],
+    spec: TinySpec,
+    vocab=None,
+    weights: dict[str, np.ndarray] | None = None,
+) -> Path:
+    """Write a tiny Kimi-K3 GGUF into `out_dir`; return the file (or shard 1) path.
+
+    Random weights and the built-in vocabulary unless given: `vocab` (a `tinyvocab.Vocab`) and
+    `weights` (float32 values of every tensor by GGUF name, in its numpy shape: a trained model)."""
     from k3stream.tinyvocab import padded, tiny_vocab
 
     _check_spec(spec)
-    vocab = tiny_vocab() if spec.vocab is None else padded(tiny_vocab(), spec.vocab)
+    if vocab is None:
+        vocab = tiny_vocab() if spec.vocab is None else padded(tiny_vocab(), spec.vocab)
+    values_of = initial_values if weights is None else _given(weights)
     plan = tensor_plan(spec, len(vocab.tokens))
     if spec.shards > len(plan):
         raise ValueError(f"TinySpec.shards: {spec.shards} shards for only {len(plan)} tensors")
@@ -398,7 +433,8 @@ def make_tiny(out_dir: str | os.PathLike[str], spec: TinySpec) -> Path:
     temps = [path.with_name(path.name + ".tmp") for path in paths]
     try:
         for index, (temp, group) in enumerate(zip(temps, groups, strict=True)):
-            _write_shard(temp, [plan[i] for i in group], spec, vocab, (index, spec.shards, len(plan)))
+            split = (index, spec.shards, len(plan))
+            _write_shard(temp, [plan[i] for i in group], spec, vocab, split, values_of)
     except BaseException:
         for temp in temps:
             temp.unlink(missing_ok=True)
@@ -411,7 +447,7 @@ def make_tiny(out_dir: str | os.PathLike[str], spec: TinySpec) -> Path:
 # ----------------------------------------------------------------------------------------------
 # CLI: k3stream make-tiny OUT_DIR [...]
 
-_FLAG_ALIASES = {
+FLAG_ALIASES = {
     "n_layers": "--layers",
     "n_experts": "--experts",
     "n_dense": "--dense",
@@ -430,7 +466,7 @@ def _int_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part.strip())
 
 
-def _field_parser(field: dataclasses.Field):
+def field_parser(field: dataclasses.Field):
     if field.name == "mla_layers":
         return _optional(_int_tuple)
     if field.name == "recipe":
@@ -442,12 +478,12 @@ def _field_parser(field: dataclasses.Field):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to write the GGUF (or its shards) into")
     for field in dataclasses.fields(TinySpec):
-        flag = _FLAG_ALIASES.get(field.name, "--" + field.name.replace("_", "-"))
+        flag = FLAG_ALIASES.get(field.name, "--" + field.name.replace("_", "-"))
         extra = {"choices": RECIPES} if field.name == "recipe" else {}
         parser.add_argument(
             flag,
             dest=field.name,
-            type=_field_parser(field),
+            type=field_parser(field),
             default=field.default,
             help=f"default {field.default}" + (" ('none' to omit)" if "None" in str(field.type) else ""),
             **extra,

@@ -219,7 +219,12 @@ def _merges(ranks: dict[bytes, int]) -> list[str]:
 @functools.lru_cache(maxsize=1)
 def tiny_vocab() -> Vocab:
     """The built-in vocabulary: bytes, learned merges, then the special tokens (CONTROL)."""
-    ordinary = [bytes([b]) for b in range(256)] + learn_tokens()
+    return vocab_from_learned(learn_tokens())
+
+
+def vocab_from_learned(learned: list[bytes]) -> Vocab:
+    """Bytes, then `learned` (merge results in the order they were learned), then the special tokens."""
+    ordinary = [bytes([b]) for b in range(256)] + learned
     ranks = {token: rank for rank, token in enumerate(ordinary)}
     tokens = [spell(token) for token in ordinary] + list(SPECIAL_TOKENS)
     types = [1] * len(ordinary) + [3] * len(SPECIAL_TOKENS)  # gguf TokenType NORMAL, CONTROL

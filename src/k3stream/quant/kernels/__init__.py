@@ -121,8 +121,10 @@ def qmatmul(
 
 
 def _f32_matrix(weight: QWeight, device: torch.device) -> torch.Tensor:
-    """An F32 weight's bytes viewed as the floats they are (torch's own matmul takes it from there)."""
-    return weight.data.to(device).view(torch.float32).view(weight.shape)
+    """An F32 weight's bytes viewed as the floats they are (torch's own matmul takes it from there).
+    Data already float32 (the trainer's expert parameters) is used as is: autograd sees through it."""
+    data = weight.data.to(device)
+    return (data if data.dtype == torch.float32 else data.view(torch.float32)).view(weight.shape)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,0 +1,207 @@
+"""`k3stream train-tiny OUT_DIR`: learn a vocabulary and train a small Kimi-K3 on the standard library.
+
+Writes into OUT_DIR: `k3-stdlib-RECIPE.gguf` per recipe, `held-out.txt` (the start of the held-out
+files, for `k3stream perplexity`) and `train.json` (the command, seed, shapes, figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MIB = 1 << 20
+STEM = "k3-stdlib"
+HELD_OUT_TEXT_BYTES = 256 * 1024
+EVAL_WINDOWS = 16
+
+# The shipped model's shape: every K-quant row 256 values (latent, expert_ff, kv_lora), qk_nope a
+# multiple of 32, so the audited recipe applies; 16 experts, top-2, in 5 MoE layers after a dense one.
+TRAIN_SPEC_FIELDS: dict[str, object] = dict(
+    n_layers=6,
+    hidden=128,
+    dense_ff=384,
+    kda_heads=4,
+    kda_head_dim=32,
+    mla_heads=4,
+    q_lora=64,
+    kv_lora=256,
+    qk_nope=32,
+    qk_rope=8,
+    v_head_dim=32,
+    n_experts=16,
+    top_k=2,
+    expert_ff=256,
+    latent=256,
+    context_length=1024,
+)
+# TinySpec fields that are not shape flags here
+NOT_SHAPE = ("recipe", "shards", "seed", "vocab")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from k3stream.tiny import FLAG_ALIASES, TinySpec, field_parser
+    from k3stream.train.trainer import TrainOptions
+
+    parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="where the GGUFs and train.json go")
+    defaults = TrainOptions()
+    parser.add_argument("--minutes", type=float, default=defaults.minutes, help="wall-clock cap on training")
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps (the lr schedule)")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="initial weights and batches")
+    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    parser.add_argument("--batch", type=int, default=defaults.batch, help="sequences per step")
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (AdamW)")
+    parser.add_argument("--warmup", type=int, default=defaults.warmup, help="steps of linear lr warm-up")
+    parser.add_argument("--bias-rate", type=float, default=defaults.bias_rate, help="router bias step")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="tokens: 256 bytes, merges, specials")
+    parser.add_argument("--text-mib", type=float, default=None, help="read at most this much training text")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--recipes", default="f32,audited", help="GGUFs to write (f32, f16, audited)")
+    for spec_field in dataclasses.fields(TinySpec):
+        if spec_field.name in NOT_SHAPE:
+            continue
+        default = TRAIN_SPEC_FIELDS.get(spec_field.name, spec_field.default)
+        flag = FLAG_ALIASES.get(spec_field.name, "--" + spec_field.name.replace("_", "-"))
+        parse = field_parser(spec_field)
+        parser.add_argument(
+            flag, dest=spec_field.name, type=parse, default=default, help=f"default {default}"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from k3stream.tiny import RECIPES
+
+    recipes = [r for r in args.recipes.split(",") if r]
+    bad = [r for r in recipes if r not in RECIPES]
+    if bad or not recipes:
+        raise ValueError(f"--recipes: {args.recipes!r}: choose from {', '.join(RECIPES)}")
+    torch.set_num_threads(args.threads)
+    record = train_tiny(args, spec_from_args(args), recipes)
+    print(f"held-out perplexity {record['held_out_ppl']:.2f} ({record['held_out_tokens']} tokens)")
+    return 0
+
+
+def spec_from_args(args: argparse.Namespace):
+    """The `TinySpec` the shape flags and `--seed` describe."""
+    from k3stream.tiny import TinySpec
+
+    shape = {f.name: getattr(args, f.name) for f in dataclasses.fields(TinySpec) if f.name not in NOT_SHAPE}
+    return TinySpec(**shape, seed=args.seed)
+
+
+def train_tiny(args: argparse.Namespace, spec, recipes: list[str]) -> dict[str, object]:
+    """Corpus, vocabulary, training, evaluation, GGUFs and train.json; returns the record."""
+    import numpy as np
+    import torch
+
+    from k3stream.train.corpus import read_texts, split_corpus
+    from k3stream.train.trainer import Parameters, TrainOptions, evaluate, train
+    from k3stream.train.vocab import learn_vocab, vocab_tokenizer
+
+    started = time.perf_counter()
+    corpus = split_corpus()
+    max_bytes = None if args.text_mib is None else int(args.text_mib * MIB)
+    texts = read_texts(corpus.root, corpus.train, max_bytes)
+    held_out = read_texts(corpus.root, corpus.held_out, HELD_OUT_TEXT_BYTES)
+    vocab = learn_vocab(texts, args.vocab_size)
+    tokenizer = vocab_tokenizer(vocab)
+    train_tokens = _tokens(tokenizer, texts, vocab.eos_id)
+    held_tokens = _tokens(tokenizer, held_out, vocab.eos_id)
+    print(
+        f"corpus  {len(texts)} train files ({sum(map(len, texts)) / MIB:.1f} MiB, "
+        f"{len(train_tokens)} tokens), "
+        f"{len(corpus.held_out)} held out; vocabulary {len(vocab.tokens)} tokens "
+        f"({time.perf_counter() - started:.0f} s)",
+        flush=True,
+    )
+    options = TrainOptions(
+        steps=args.steps,
+        minutes=args.minutes,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        lr=args.lr,
+        warmup=args.warmup,
+        bias_rate=args.bias_rate,
+        seed=args.seed,
+    )
+    params = Parameters(spec, len(vocab.tokens))
+    log = train(params, train_tokens, options, _reporter(max(1, options.steps // 40)))
+    held_nll = evaluate(params, held_tokens, options.seq_len, EVAL_WINDOWS)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    written = {r: write_gguf(args.out_dir, spec, r, vocab, params.gguf_arrays()) for r in recipes}
+    (args.out_dir / "held-out.txt").write_text(_held_out_text(held_out), encoding="utf-8")
+    record = {
+        "command": "k3stream " + shlex.join(sys.argv[1:]),
+        "seed": args.seed,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "corpus": {
+            "train_files": len(texts),
+            "held_out_files": len(corpus.held_out),
+            "train_bytes": sum(len(t.encode()) for t in texts),
+            "train_tokens": int(len(train_tokens)),
+        },
+        "vocab_size": len(vocab.tokens),
+        "spec": dataclasses.asdict(spec),
+        "options": dataclasses.asdict(options),
+        "steps": log.steps,
+        "train_seconds": round(log.seconds, 1),
+        "tokens_seen": log.steps * options.batch * options.seq_len,
+        "first_loss": round(log.losses[0], 4),
+        "final_loss": round(float(np.mean(log.losses[-20:])), 4),
+        "held_out_nll": round(held_nll, 4),
+        "held_out_ppl": round(float(np.exp(held_nll)), 3),
+        "held_out_tokens": EVAL_WINDOWS * options.seq_len,
+        "max_load_ratio": round(log.max_load_ratio, 3),
+        "files": {r: path.name for r, path in written.items()},
+    }
+    (args.out_dir / "train.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def _tokens(tokenizer, texts: list[str], eos_id: int):
+    """The texts' tokens, each file followed by EOS, as one int32 array."""
+    import numpy as np
+
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer.encode_plain(text)
+        ids.append(eos_id)
+    return np.asarray(ids, dtype=np.int32)
+
+
+def _held_out_text(texts: list[str]) -> str:
+    return "".join(texts)[:HELD_OUT_TEXT_BYTES]
+
+
+def _reporter(every: int):
+    def report(log) -> None:
+        if log.steps % every == 0 or log.steps == 1:
+            recent = log.losses[-every:]
+            print(
+                f"step {log.steps:5d}  {log.seconds:7.1f} s  loss {sum(recent) / len(recent):.3f}  "
+                f"max load {log.max_load_ratio:.2f}x mean",
+                flush=True,
+            )
+
+    return report
+
+
+def write_gguf(out_dir: Path, spec, recipe: str, vocab, weights) -> Path:
+    """`out_dir/k3-stdlib-RECIPE.gguf` through the tiny-model writer (in a temp folder, then moved)."""
+    from k3stream.tiny import make_tiny
+
+    target = out_dir / f"{STEM}-{recipe}.gguf"
+    with tempfile.TemporaryDirectory(dir=out_dir) as temp:
+        written = make_tiny(temp, dataclasses.replace(spec, recipe=recipe), vocab, weights)
+        os.replace(written, target)
+    return target

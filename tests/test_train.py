@@ -1,0 +1,159 @@
+"""`k3stream train-tiny`: the inference model trains (loss falls, every weight gets a gradient), the
+router bias follows the load, and the written GGUF runs the same in k3stream and in llama.cpp."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import k3stream
+from conftest import requires_llama
+from k3stream.engine.tokenizer import Tokenizer
+from k3stream.gguf.layout import is_routed_expert
+from k3stream.tiny import TinySpec
+from k3stream.train.cmd_train import write_gguf
+from k3stream.train.corpus import HELD_OUT_EVERY, read_texts, split_corpus
+from k3stream.train.trainer import (
+    BIAS_SUFFIX,
+    Parameters,
+    TrainOptions,
+    build_model,
+    sequence_nll,
+    train,
+    update_biases,
+)
+from k3stream.train.vocab import learn_vocab, vocab_tokenizer
+from llama_logits import llama_logits, relative_error
+from llama_oracle import llama_runs
+
+# every part of the architecture, as small as it goes: KDA layers 0-2, MLA layer 3, dense layer 0
+SMALL = TinySpec(
+    n_layers=4,
+    mla_layers=(3,),
+    hidden=32,
+    dense_ff=64,
+    kda_heads=2,
+    kda_head_dim=16,
+    mla_heads=2,
+    q_lora=16,
+    kv_lora=32,
+    qk_nope=16,
+    v_head_dim=16,
+    n_experts=4,
+    top_k=2,
+    expert_ff=32,
+    latent=32,
+)
+SNIPPET = "import os\n\n\ndef main(argv):\n    for name in argv:\n        print(name, os.sep)\n    return 0\n"
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return split_corpus()
+
+
+@pytest.fixture(scope="module")
+def vocab(corpus):
+    return learn_vocab(read_texts(corpus.root, corpus.train, 200_000), 512)
+
+
+@pytest.fixture(scope="module")
+def tokens(corpus, vocab):
+    tokenizer = vocab_tokenizer(vocab)
+    return np.asarray(tokenizer.encode_plain("".join(read_texts(corpus.root, corpus.train, 100_000))))
+
+
+@pytest.fixture(scope="module")
+def trained(vocab, tokens, one_torch_thread):
+    params = Parameters(SMALL, len(vocab.tokens))
+    options = TrainOptions(steps=30, minutes=2.0, seq_len=32, batch=2, lr=1e-2, warmup=3)
+    log = train(params, tokens, options)
+    return params, log
+
+
+def test_corpus_split_is_by_file_deterministic_and_disjoint(corpus):
+    again = split_corpus()
+    assert again == corpus
+    assert not set(corpus.train) & set(corpus.held_out)
+    assert all(path.split("/")[0] not in ("test", "site-packages") for path in corpus.train)
+    share = len(corpus.held_out) / (len(corpus.train) + len(corpus.held_out))
+    assert 0.5 / HELD_OUT_EVERY < share < 2.0 / HELD_OUT_EVERY
+
+
+def test_vocabulary_is_byte_level_bpe_with_merges_and_round_trips(vocab):
+    tokenizer = vocab_tokenizer(vocab)
+    ids = tokenizer.encode_plain(SNIPPET)
+    assert tokenizer.decode(ids) == SNIPPET
+    assert len(ids) < 0.6 * len(SNIPPET.encode())  # learned merges, not bytes
+    assert len(vocab.tokens) == 512 and vocab.tokens[vocab.eos_id] == "<|im_end|>"
+
+
+def test_training_lowers_the_loss(trained):
+    _params, log = trained
+    assert log.steps == 30
+    first, last = np.mean(log.losses[:5]), np.mean(log.losses[-5:])
+    assert last < first - 0.3, (first, last)
+
+
+def test_every_weight_of_the_inference_model_gets_a_gradient(vocab, tokens, one_torch_thread):
+    params = Parameters(SMALL, len(vocab.tokens))
+    loss = sequence_nll(build_model(params), torch.from_numpy(tokens[:65].astype(np.int64)))
+    loss.backward()
+    untouched = set()
+    for name, value in params.values.items():
+        if value.grad is None:
+            untouched.add(name)
+        elif is_routed_expert(name):
+            used = value.grad.flatten(1).abs().sum(1) > 0
+            assert used.sum() >= SMALL.top_k, name  # the chosen experts learn
+        else:
+            assert value.grad.abs().sum() > 0, name
+    # the router biases move by the load, never by the loss; layer 0 mixes its attention input before
+    # anything is banked, so its attention-residual score is never used
+    biases = {name for name in params.values if name.endswith(BIAS_SUFFIX)}
+    assert untouched == biases | {"blk.0.attn_res_score.weight"}
+
+
+def test_router_bias_moves_against_the_load(vocab):
+    params = Parameters(SMALL, len(vocab.tokens))
+    before = params.bias(1).clone()
+    update_biases(params, {1: torch.tensor([5, 1, 3, 3])}, 0.25)
+    assert torch.equal(params.bias(1) - before, torch.tensor([-0.25, 0.25, 0.0, 0.0]))
+
+
+def test_written_gguf_is_the_trained_model(trained, vocab, tmp_path, one_torch_thread):
+    params, _log = trained
+    path = write_gguf(tmp_path, SMALL, "f32", vocab, params.gguf_arrays())
+    ids = vocab_tokenizer(vocab).encode_plain(SNIPPET)
+    with torch.inference_mode():
+        expected = build_model(params).logits(ids)
+    loaded = k3stream.load(path).logits(ids)
+    assert relative_error(loaded.numpy(), expected.numpy()) < 1e-5
+    assert Tokenizer.from_gguf(path).encode_plain(SNIPPET) == ids
+
+
+@requires_llama
+def test_llama_cpp_runs_the_trained_gguf(trained, vocab, tmp_path, one_torch_thread):
+    params, _log = trained
+    path = write_gguf(tmp_path, SMALL, "f32", vocab, params.gguf_arrays())
+    ids = vocab_tokenizer(vocab).encode_plain(SNIPPET)
+    (theirs,) = llama_logits([(path, ids)], tmp_path)
+    assert relative_error(k3stream.load(path).logits(ids).numpy(), theirs) <= 1e-3
+    ((llama_ids, _),) = llama_runs((path, SNIPPET))
+    assert llama_ids == ids  # llama.cpp reads the stored vocabulary as we do
+
+
+def test_shape_flags_reach_the_spec():
+    import argparse
+
+    from k3stream.train import cmd_train
+
+    parser = argparse.ArgumentParser()
+    cmd_train.add_arguments(parser)
+    args = parser.parse_args(["out", "--experts", "8", "--hidden", "48", "--seed", "3"])
+    spec = cmd_train.spec_from_args(args)
+    assert (spec.n_experts, spec.hidden, spec.seed, spec.latent) == (8, 48, 3, 256)
+    assert dataclasses.replace(spec, recipe="audited").recipe == "audited"
