@@ -10,11 +10,10 @@ import re
 from collections.abc import Container
 
 from k3stream.gguf.config import K3Config
+from k3stream.quant.types import FLOAT_TYPE_IDS  # noqa: F401 (re-exported: the float types' ids)
 
 Shape = tuple[int, ...]
 
-# F32, F16, BF16: tensors held as values; every other GGML type is quantized bytes
-FLOAT_TYPE_IDS = (0, 1, 30)
 # routed expert tensors, one per role and layer (the pack's order of the roles: `pack.format.ROLES`)
 ROUTED_EXPERT_RE = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<role>up|gate|down)_exps\.weight$")
 # Tensors llama.cpp treats as optional: the reader accepts them missing.

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from k3stream.gguf.layout import FLOAT_TYPE_IDS, check_residual_score, is_routed_expert
+from k3stream.quant.types import T
 
 if TYPE_CHECKING:
     from k3stream.gguf.reader import K3Checkpoint
@@ -198,4 +199,4 @@ def tensor_value(checkpoint: K3Checkpoint, name: str, copy: bool = True) -> torc
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch warns that a read-only view is read-only
         values = torch.from_numpy(array)
-    return values.view(torch.bfloat16) if info.ggml_type == 30 else values
+    return values.view(torch.bfloat16) if info.ggml_type == T.BF16 else values

@@ -6,12 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from k3stream.quant.dequant import FLOAT_DTYPES
 from k3stream.quant.kernels import QWeight, checked_weight, qmatmul
 from k3stream.quant.rounding import round_like_ggml
 
-# GGML type ids whose bytes are plain floats (everything else is a block quant)
-FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
-FLOAT_TYPE_IDS = {dtype: type_id for type_id, dtype in FLOAT_TYPES.items()}
+FLOAT_TYPE_IDS = {dtype: type_id for type_id, dtype in FLOAT_DTYPES.items()}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -35,7 +34,7 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) 
 
 def bytes_to_matrix(data: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
     """Float32 values of a GGUF tensor's bytes (any supported type), reshaped to `shape`."""
-    float_dtype = FLOAT_TYPES.get(ggml_type)
+    float_dtype = FLOAT_DTYPES.get(ggml_type)
     if float_dtype is not None:
         return data.contiguous().view(float_dtype).reshape(shape).float()
     from k3stream.quant import dequantize

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import torch
 
-F16, BF16 = 1, 30
-Q8_K_WEIGHTS = frozenset({10, 11, 12, 13, 14})  # Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
-Q8_0_WEIGHTS = frozenset({2, 3, 6, 7, 8, 39})  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4
+from k3stream.quant.types import T
+
+Q8_K_WEIGHTS = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
+Q8_0_WEIGHTS = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4})
 
 
 def round_like_ggml(x: torch.Tensor, weight_type: int | None) -> torch.Tensor:
     """x as ggml's CPU matmul sees it against a weight of GGML type `weight_type` (None: as is)."""
-    if weight_type == F16:
+    if weight_type == T.F16:
         return x.to(torch.float16).to(x.dtype)
-    if weight_type == BF16:
+    if weight_type == T.BF16:
         return x.to(torch.bfloat16).to(x.dtype)
     if weight_type in Q8_K_WEIGHTS:
         return _blocks(x, 256, _q8_k)

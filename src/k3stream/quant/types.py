@@ -7,7 +7,9 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 QType = int | GGMLQuantizationType
 
 T = GGMLQuantizationType
-FLOAT_TYPES: frozenset[GGMLQuantizationType] = frozenset({T.F32, T.F16, T.BF16})
+# F32, F16, BF16: tensors held as values (the one list of them); every other GGML type is quantized bytes
+FLOAT_TYPE_IDS: tuple[GGMLQuantizationType, ...] = (T.F32, T.F16, T.BF16)
+FLOAT_TYPES: frozenset[GGMLQuantizationType] = frozenset(FLOAT_TYPE_IDS)
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = FLOAT_TYPES | frozenset(
     {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4}
 )
