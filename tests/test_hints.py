@@ -8,7 +8,7 @@ import pytest
 
 import k3stream
 from k3stream.model.experts import GGUFExpertSource
-from k3stream.model.hints import HINT_KINDS
+from k3stream.model.hints import AUTO_LAYER_AHEAD_ROWS, HINT_KINDS
 from k3stream.model.moe import LatentMoE
 
 
@@ -42,25 +42,23 @@ def moe_layers(model) -> list[int]:
     return [layer.index for layer in model.layers if isinstance(layer.ffn, LatentMoE)]
 
 
-@pytest.mark.parametrize("hint", HINT_KINDS)
-def test_the_chosen_hint_is_scored_exactly_and_sent_at_its_moment(model_path, hint):
-    model, source = load_recording(model_path, hint)
-    state = model.new_state()
-    model.prefill(state, [1, 2, 3])
-    for token in (4, 5, 6, 7):
-        model.decode(state, token)
-    layers = moe_layers(model)
+def assert_sent_at_its_moment(calls: list, layers: list[int], kind: str) -> None:
+    """pre-attention: after the previous MoE layer's fetch; layer-ahead: before it."""
+    for position, (call, layer, _) in enumerate(calls):
+        if call != "prefetch" or layer == layers[0]:
+            continue
+        last_fetch = [c[1] for c in calls[:position] if c[0] == "fetch"][-1:]
+        previous = layers[layers.index(layer) - 1]
+        assert (last_fetch == [previous]) == (kind == "pre-attention"), (kind, layer, calls[:position])
+
+
+def exact_score(calls: list) -> tuple[int, int, int]:
+    """(predicted, correct, used) of the hints sent, each against the next fetch of its layer."""
     predicted = correct = used = 0
     pending: dict[int, set[int]] = {}
-    for position, (kind, layer, experts) in enumerate(source.calls):
-        if kind == "prefetch":
+    for call, layer, experts in calls:
+        if call == "prefetch":
             pending[layer] = set(experts)
-            fetched_before_it = [c[1] for c in source.calls[:position] if c[0] == "fetch"]
-            if hint == "layer-ahead":  # issued before the previous MoE layer's fetch of this step
-                previous = layers[layers.index(layer) - 1] if layer != layers[0] else None
-                assert previous is None or fetched_before_it[-1:] != [previous]
-            else:  # issued after the previous MoE layer's fetch, before this layer's
-                assert layer == layers[0] or fetched_before_it[-1] == layers[layers.index(layer) - 1]
         elif layer in pending:
             guess = pending.pop(layer)
             predicted, correct, used = (
@@ -68,13 +66,34 @@ def test_the_chosen_hint_is_scored_exactly_and_sent_at_its_moment(model_path, hi
                 correct + len(guess & set(experts)),
                 used + len(experts),
             )
+    return predicted, correct, used
+
+
+@pytest.mark.parametrize("hint", HINT_KINDS)
+def test_the_chosen_hint_is_scored_exactly_and_sent_at_its_moment(model_path, hint):
+    model, source = load_recording(model_path, hint)
+    state = model.new_state()
+    model.prefill(state, [1, 2, 3])
+    for token in (4, 5, 6, 7):
+        model.decode(state, token)
+    assert_sent_at_its_moment(source.calls, moe_layers(model), hint)
     summary = model.hints.summary()[hint]
-    assert (summary["predicted"], summary["correct"], summary["used"]) == (predicted, correct, used)
-    assert predicted > 0 and 0.0 <= summary["precision"] <= 1.0
+    assert (summary["predicted"], summary["correct"], summary["used"]) == exact_score(source.calls)
+    assert summary["predicted"] > 0 and 0.0 <= summary["precision"] <= 1.0
     other = next(kind for kind in HINT_KINDS if kind != hint)
     assert model.hints.summary()[other]["predicted"] > 0  # scored on the same run, never sent
 
 
+def test_auto_sends_layer_ahead_hints_in_prefill_and_pre_attention_hints_in_decode(model_path):
+    model, source = load_recording(model_path, "auto")
+    state = model.new_state()
+    model.prefill(state, list(range(1, 1 + AUTO_LAYER_AHEAD_ROWS)))
+    assert_sent_at_its_moment(source.calls, moe_layers(model), "layer-ahead")
+    source.calls.clear()
+    model.decode(state, 9)
+    assert_sent_at_its_moment(source.calls, moe_layers(model), "pre-attention")
+
+
 def test_an_unknown_hint_is_refused(model_path):
-    with pytest.raises(ValueError, match="prefetch hint must be one of pre-attention, layer-ahead"):
+    with pytest.raises(ValueError, match="prefetch hint must be one of auto, pre-attention, layer-ahead"):
         k3stream.load(model_path, prefetch_hint="psychic")

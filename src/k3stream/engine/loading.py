@@ -110,7 +110,7 @@ def load_resolved(
     gpu_mib: float | None = None,
     store_options: StoreOptions = StoreOptions(),
     match_ggml: bool = False,
-    prefetch_hint: str = "pre-attention",
+    prefetch_hint: str = "auto",
 ) -> Runtime:
     """`load_runtime` for paths `resolve_model` already found."""
     import torch
@@ -178,7 +178,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     """The expert store's flags (they apply when experts stream from a pack)."""
-    from k3stream.model.hints import HINT_KINDS
+    from k3stream.model.hints import HINT_CHOICES
     from k3stream.store.policies import POLICIES
 
     defaults = StoreOptions()
@@ -195,10 +195,11 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefetch-hint",
-        choices=list(HINT_KINDS),
-        default="pre-attention",
-        help="which prediction is prefetched: a MoE layer's router on its input (pre-attention) or on "
-        "the previous layer's stream after attention (layer-ahead, a MoE block earlier); default %(default)s",
+        choices=list(HINT_CHOICES),
+        default="auto",
+        help="which prediction is prefetched: a MoE layer's router on its input (pre-attention), on the "
+        "previous layer's stream after attention (layer-ahead, a MoE block earlier), or auto: layer-ahead "
+        "in steps of 8 or more rows (prefill), pre-attention otherwise (default)",
     )
     parser.add_argument(
         "--io-threads", type=int, default=defaults.io_threads, help="pack read threads (default %(default)s)"

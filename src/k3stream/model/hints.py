@@ -5,12 +5,24 @@ The forward predicts a MoE layer's experts twice, from what exists at two moment
 - "pre-attention": the layer's own router on its input stream, before its attention runs;
 - "layer-ahead": the next MoE layer's router on this layer's stream after attention (before this
   layer's MoE), a whole MoE block earlier.
-Both are counted on every step; the one named by `K3Model.prefetch_hint` is sent to the expert source.
+Both are counted on every step; the one named by `K3Model.prefetch_hint` is sent to the expert source,
+or with "auto" (the default) layer-ahead for steps of many rows (prefill: their union is predicted
+almost exactly, and reads start a MoE block earlier) and pre-attention for the others (decode).
 """
 
 from __future__ import annotations
 
 HINT_KINDS = ("pre-attention", "layer-ahead")
+HINT_CHOICES = ("auto", *HINT_KINDS)
+# "auto" sends layer-ahead hints for steps of at least this many rows
+AUTO_LAYER_AHEAD_ROWS = 8
+
+
+def sent_kind(choice: str, rows: int) -> str:
+    """The prediction sent to the expert source in a step of `rows` rows under `choice`."""
+    if choice != "auto":
+        return choice
+    return "layer-ahead" if rows >= AUTO_LAYER_AHEAD_ROWS else "pre-attention"
 
 
 class HintLog:

@@ -24,7 +24,7 @@ import torch
 from k3stream.gguf.config import K3Config
 from k3stream.model.attn_res import residual_mix
 from k3stream.model.experts import ExpertSource, GGUFExpertSource
-from k3stream.model.hints import HINT_KINDS, HintLog
+from k3stream.model.hints import HINT_CHOICES, HintLog, sent_kind
 from k3stream.model.kda import KDA, KDAState, KDAWeights, shard_kda_weights
 from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, bytes_to_matrix, rms_norm
 from k3stream.model.mla import MLA, HeadProjection, MLAState, MLAWeights
@@ -80,10 +80,10 @@ class K3Model:
         expert_source: ExpertSource,
         device: torch.device,
         prefetch: bool = True,
-        prefetch_hint: str = "pre-attention",
+        prefetch_hint: str = "auto",
     ) -> None:
-        if prefetch_hint not in HINT_KINDS:
-            raise ValueError(f"prefetch hint must be one of {', '.join(HINT_KINDS)}, got {prefetch_hint!r}")
+        if prefetch_hint not in HINT_CHOICES:
+            raise ValueError(f"prefetch hint must be one of {', '.join(HINT_CHOICES)}, got {prefetch_hint!r}")
         self.config = config
         self.embedding = embedding
         self.layers = layers
@@ -178,7 +178,7 @@ class K3Model:
         sent to the expert source as a prefetch hint when `kind` is the chosen hint."""
         predicted = layer.ffn.predict(rms_norm(stream, layer.post_attention_norm, self.eps))
         self.hints.predicted(kind, layer.index, predicted)
-        if kind == self.prefetch_hint:
+        if kind == sent_kind(self.prefetch_hint, stream.shape[0]):
             self.expert_source.prefetch(layer.index, predicted)
 
 
@@ -334,7 +334,7 @@ def load(
     tp_rank: int = 0,
     tp_size: int = 1,
     kernels: str = "auto",
-    prefetch_hint: str = "pre-attention",
+    prefetch_hint: str = "auto",
 ) -> K3Model:
     """Build a K3Model from a GGUF (a file, any shard, a directory) or an expert-pack manifest.
 
@@ -382,7 +382,7 @@ def build(
     device: torch.device,
     prefetch: bool = True,
     tp: tuple[int, int] = (0, 1),
-    prefetch_hint: str = "pre-attention",
+    prefetch_hint: str = "auto",
 ) -> K3Model:
     """A K3Model from the loader's `(runtime_name, tensor)` pairs (`gguf.weights.tensor_weights`).
 
