@@ -9,6 +9,9 @@ sends `stop`. Only rank 0 tokenizes, samples and serves; every rank computes the
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -16,25 +19,42 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from k3stream.parallel.groups import collective
+from k3stream.parallel.groups import PeerFailed, collective
 
-NEW, PREFILL, DECODE, STATS, STOP = range(5)
+NEW, PREFILL, DECODE, STATS, STOP, NOOP = range(6)
 HEADER = 4  # op, ids, tokens, dropped states
 
 
 class DriverModel:
     """Rank 0's model: each call tells the followers what to run, then runs it here too."""
 
-    def __init__(self, model: Any, report: Callable[[], Any] = lambda: None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        report: Callable[[], Any] = lambda: None,
+        on_failure: Callable[[], None] = lambda: None,
+        keepalive_s: float = 5.0,
+    ) -> None:
         self.model = model
         self.report = report
+        self.on_failure = on_failure  # called once when a peer failed (the server stops itself)
+        self.failure: PeerFailed | None = None
         self._next_id = 0
         self._dropped: list[int] = []
+        self._lock = threading.RLock()  # one caller at a time: a command and its forward's collectives
+        self._last_sent = time.monotonic()
+        self._closed = threading.Event()
+        self._keepalive = threading.Thread(target=self._keep_alive, args=(keepalive_s,), daemon=True)
+        self._keepalive.start()
 
     def __getattr__(self, name: str) -> Any:  # config, device, layers, expert_source, ...
         return getattr(self.model, name)
 
     def new_state(self) -> Any:
+        with self._lock:
+            return self._new_state()
+
+    def _new_state(self) -> Any:
         state = self.model.new_state()
         state.parallel_id = self._next_id
         weakref.finalize(state, self._dropped.append, self._next_id)
@@ -43,38 +63,82 @@ class DriverModel:
         return state
 
     def prefill(self, state: Any, tokens: Iterable[int]) -> torch.Tensor:
-        tokens = list(tokens)
-        self._send(PREFILL, [state.parallel_id], tokens)
-        return self.model.prefill(state, tokens)
+        tokens = self._checked(tokens)
+        with self._lock:
+            self._send(PREFILL, [state.parallel_id], tokens)
+            return self._guarded(self.model.prefill, state, tokens)
 
     def decode(self, state: Any, token: int) -> torch.Tensor:
         return self.decode_batch([state], [token])[0]
 
     def decode_batch(self, states: list[Any], tokens: list[int]) -> torch.Tensor:
-        self._send(DECODE, [s.parallel_id for s in states], list(tokens))
-        return self.model.decode_batch(states, tokens)
+        if len(states) != len(tokens):
+            raise ValueError(f"decode_batch: {len(states)} states but {len(tokens)} tokens")
+        tokens = self._checked(tokens)
+        with self._lock:
+            self._send(DECODE, [s.parallel_id for s in states], tokens)
+            return self._guarded(self.model.decode_batch, states, tokens)
 
     def logits(self, tokens: Iterable[int]) -> torch.Tensor:
         return self.prefill(self.new_state(), tokens)
 
     def reports(self) -> list[Any]:
         """Every rank's `report()` (what it read, say), in rank order."""
-        self._send(STATS, [], [])
         answers: list[Any] = [None] * dist.get_world_size()
-        collective("gather", dist.gather_object, self.report(), answers, 0)
+        with self._lock:
+            self._send(STATS, [], [])
+            self._guarded(collective, "gather", dist.gather_object, self.report(), answers, 0)
         return answers
+
+    def close(self) -> None:
+        """Stop the keep-alive (the followers are left waiting: `stop` releases them)."""
+        self._closed.set()
+        self._keepalive.join()
 
     def stop(self) -> None:
         """Release the followers (they return from `follow`)."""
-        self._send(STOP, [], [])
+        self.close()
+        with self._lock:
+            self._send(STOP, [], [])
+
+    def _keep_alive(self, interval: float) -> None:
+        """While rank 0 is idle (a server between requests) the followers wait in a broadcast, which
+        times out: an empty command every `interval` keeps them waiting, and finds a dead rank."""
+        while not self._closed.wait(interval / 4):
+            with self._lock:
+                if self.failure is not None:
+                    return
+                if time.monotonic() - self._last_sent >= interval and not self._closed.is_set():
+                    with contextlib.suppress(PeerFailed):  # recorded in self.failure
+                        self._send(NOOP, [], [])
+
+    def _checked(self, tokens: Iterable[int]) -> list[int]:
+        """Refuse bad ids here, before the followers are told: a bad request must not end them."""
+        tokens, vocab = [int(t) for t in tokens], self.model.config.vocab_size
+        if not tokens:
+            raise ValueError("expected a non-empty list of token ids")
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            raise ValueError(f"token id outside 0..{vocab - 1}")
+        return tokens
+
+    def _guarded(self, call: Callable[..., Any], *args: Any) -> Any:
+        if self.failure is not None:  # the group is gone: fail at once, never wait
+            raise self.failure
+        try:
+            return call(*args)
+        except PeerFailed as exc:
+            self.failure = exc
+            self.on_failure()
+            raise
 
     def _send(self, op: int, ids: list[int], tokens: list[int]) -> None:
         dropped, self._dropped = self._dropped, []
         header = torch.tensor([op, len(ids), len(tokens), len(dropped)], dtype=torch.int64)
-        collective("a broadcast", dist.broadcast, header, 0)
+        self._last_sent = time.monotonic()
+        self._guarded(collective, "a broadcast", dist.broadcast, header, 0)
         payload = torch.tensor(ids + tokens + dropped, dtype=torch.int64)
         if len(payload):
-            collective("a broadcast", dist.broadcast, payload, 0)
+            self._guarded(collective, "a broadcast", dist.broadcast, payload, 0)
 
 
 def follow(model: Any, report: Callable[[], Any] = lambda: None) -> int:

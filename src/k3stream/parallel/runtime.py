@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,9 +17,14 @@ from k3stream.parallel.tensor import apply_tensor_parallel
 
 
 @contextmanager
-def parallel_runtime(args: argparse.Namespace) -> Iterator[Runtime | None]:
+def parallel_runtime(
+    args: argparse.Namespace, on_failure: Callable[[], None] = lambda: None
+) -> Iterator[Runtime | None]:
     """Rank 0's runtime (its model a `DriverModel` when there are several ranks); on the other ranks,
-    follows rank 0 until it stops and yields None. One process without torchrun: the plain runtime."""
+    follows rank 0 until it stops and yields None. One process without torchrun: the plain runtime.
+
+    When a peer fails, rank 0's model calls `on_failure()` (a server stops itself) and the failure is
+    raised on leaving, also if the caller swallowed it."""
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     parallel = groups.start(args.tp, args.ep, device, args.dist_timeout)
     try:
@@ -29,9 +35,15 @@ def parallel_runtime(args: argparse.Namespace) -> Iterator[Runtime | None]:
             if not parallel.distributed:
                 yield runtime
             elif parallel.driver:
-                driver = DriverModel(runtime.model, lambda: rank_report(runtime, exchanges))
+                report = functools.partial(rank_report, runtime, exchanges)
+                driver = DriverModel(runtime.model, report, on_failure, args.dist_timeout / 2)
                 runtime.model = driver
-                yield runtime
+                try:
+                    yield runtime
+                finally:
+                    driver.close()
+                if driver.failure is not None:
+                    raise driver.failure
                 driver.stop()  # not reached when the run failed: the followers see the failure
             else:
                 follow(runtime.model, lambda: rank_report(runtime, exchanges))

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 
 from k3stream.server.guard import API_KEY_ENV, GuardConfig, allowed_hosts_for, api_key_from
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from k3stream.engine.loading import add_model_arguments
+    from k3stream.parallel.options import add_parallel_arguments
 
     add_model_arguments(parser)
+    add_parallel_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -73,15 +77,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from k3stream.engine.loading import runtime_from_args
+    from k3stream.parallel.runtime import parallel_runtime
     from k3stream.server.app import ServerConfig, create_app
     from k3stream.server.guard import uvicorn_options
     from k3stream.server.runtime import served_from_runtime
 
     config = ServerConfig(max_batch=args.max_batch, max_queue=args.max_queue, guard=guard_config(args))
     config.check()
-    runtime = runtime_from_args(args)
-    try:
+    # under torchrun rank 0 serves and the others follow; a failed rank stops the server (as Ctrl-C)
+    with parallel_runtime(args, on_failure=lambda: os.kill(os.getpid(), signal.SIGINT)) as runtime:
+        if runtime is None:
+            return 0
         served = served_from_runtime(runtime, name=args.served_model_name, ctx=args.ctx)
         app = create_app(served, config)
         experts = f"streamed from {runtime.manifest}" if runtime.store else "from the GGUF"
@@ -103,8 +109,6 @@ def run(args: argparse.Namespace) -> int:
         finally:
             # the app's lifespan stops it too; this covers a uvicorn that never ran its shutdown
             app.state.scheduler.stop()
-    finally:
-        runtime.close()
     return 0
 
 
