@@ -109,6 +109,7 @@ def test_named_tool_call(client, sampling):
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None and len(choice.message.tool_calls) == 1
     check_call(choice.message.tool_calls[0])
+    assert choice.message.tool_calls[0].id == "functions.get_weather:0"  # Kimi numbers calls from 0
 
 
 def test_streamed_tool_call_equals_the_whole_one(client):
@@ -141,6 +142,15 @@ def test_multi_turn_with_a_tool_result(client, served):
         model="kimi-tools", messages=messages, tools=TOOLS, max_tokens=8, temperature=0
     )
     assert answer.choices[0].finish_reason in ("stop", "length")
+    again = client.chat.completions.create(
+        model="kimi-tools",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0,
+    )
+    assert [c.id.rsplit(":", 1)[1] for c in again.choices[0].message.tool_calls][0] == "1"  # the second call
     rendered = ChatTemplate.for_tokenizer(served.tokenizer).render(
         [{**m, "content": m["content"] or ""} for m in messages], tools=TOOLS
     )

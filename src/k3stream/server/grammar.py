@@ -19,6 +19,7 @@ import torch
 from k3stream.server.errors import invalid_request
 
 JSON_DEFAULTS = {"whitespace_flexible": False}
+MAX_PARALLEL_CALLS = 8  # calls one forced section may hold
 BITS = torch.arange(32, dtype=torch.int32)
 
 
@@ -29,23 +30,27 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_DEFAULTS)
 
 
-def tool_calls_grammar(tools: Sequence[tuple[str, dict[str, Any]]], *, parallel: bool) -> str:
-    """A Kimi tool-call section calling one of `tools` (name, parameters schema): exactly one call, or
-    one or more when `parallel`."""
-    calls = " | ".join(f"call_{index}" for index in range(len(tools)))
-    rules = [
-        "start: <|tool_calls_section_begin|> calls <|tool_calls_section_end|>",
-        f"calls: ({calls}){'+' if parallel else ''}",
-    ]
-    for index, (name, schema) in enumerate(tools):
-        header = json.dumps(f"functions.{name}:")
-        arguments = json.dumps({**schema, "x-guidance": JSON_DEFAULTS})
-        rules.append(
-            f"call_{index}: <|tool_call_begin|> {header} /[0-9]{{1,3}}/ <|tool_call_argument_begin|> "
-            f"%json {arguments} <|tool_call_end|>"
-        )
+def tool_calls_grammar(
+    tools: Sequence[tuple[str, dict[str, Any]]], *, parallel: bool, first_index: int = 0
+) -> str:
+    """A Kimi tool-call section calling `tools` (name, parameters schema): exactly one call, or up to
+    MAX_PARALLEL_CALLS when `parallel`. Calls are numbered as Kimi numbers them, from `first_index` (the
+    calls earlier in the conversation): `functions.NAME:IDX`."""
     import llguidance
 
+    count = MAX_PARALLEL_CALLS if parallel else 1
+    calls = "".join(f" (call_{k}" for k in range(1, count)) + ")?" * (count - 1)
+    rules = [f"start: <|tool_calls_section_begin|> call_0{calls} <|tool_calls_section_end|>"]
+    for k in range(count):
+        rules.append(f"call_{k}: " + " | ".join(f"tool_{t}_{k}" for t in range(len(tools))))
+        for t, (name, _) in enumerate(tools):
+            header = json.dumps(f"functions.{name}:{first_index + k}")
+            rules.append(
+                f"tool_{t}_{k}: <|tool_call_begin|> {header} <|tool_call_argument_begin|> arguments_{t} "
+                "<|tool_call_end|>"
+            )
+    for t, (_, schema) in enumerate(tools):
+        rules.append(f"arguments_{t}: %json {json.dumps({**schema, 'x-guidance': JSON_DEFAULTS})}")
     return llguidance.LLMatcher.grammar_from_lark("\n".join(rules))
 
 

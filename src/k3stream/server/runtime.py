@@ -116,7 +116,9 @@ class ServedModel:
         if forced:
             tools = [(tool.function.name, tool.function.schema_or_empty()) for tool in forced]
             parallel = body.parallel_tool_calls is not False and body.tool_choice == "required"
-            return self.grammars.constraint(tool_calls_grammar(tools, parallel=parallel), "tool_choice")
+            earlier = sum(len(m.tool_calls or []) for m in body.messages)
+            grammar = tool_calls_grammar(tools, parallel=parallel, first_index=earlier)
+            return self.grammars.constraint(grammar, "tool_choice")
         response_format = body.response_format
         if response_format is not None and response_format.type != "text":
             schema = {"type": "object"}
