@@ -113,6 +113,49 @@ def test_killed_rank_ends_the_run_naming_it(packed):
     assert "rank 0: rank 1 failed or stopped (no heartbeat)" in err, err[-3000:]
 
 
+@pytest.mark.slow
+def test_serve_under_torchrun_answers_as_one_process_and_outlives_idle_time(packed):
+    """Two ranks serve a greedy completion with the single process's text, stay up idle past the
+    collective timeout (rank 0 keeps the followers waiting), and end when a rank is killed."""
+    import httpx
+
+    from k3stream.server.live import free_port
+
+    port = free_port()
+    command = torchrun(2, "-m", "k3stream", "serve", str(packed), "--tp", "2", "--ep", "2")
+    command += ["--port", str(port), "--dist-timeout", "4", "--log-level", "warning"]
+    body = {"model": "tiny-kimi-k3", "prompt": "hello", "max_tokens": 8, "temperature": 0}
+    generate = [sys.executable, "-m", "k3stream", "generate", str(packed), "--prompt", "hello"]
+    expected = subprocess.run(
+        [*generate, "--temperature", "0", "--max-tokens", "8"], capture_output=True, text=True, env=_env()
+    ).stdout
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=_env()) as launcher:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, launcher)
+        time.sleep(6)  # idle for longer than --dist-timeout
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert answer["choices"][0]["text"] + "\n" == expected
+        os.kill(_rank_pid(launcher.pid, 1), signal.SIGKILL)
+        killed = time.monotonic()
+        _out, err = launcher.communicate(timeout=60)
+        assert time.monotonic() - killed < 30
+    assert launcher.returncode != 0
+    assert "rank: 1" in err or "rank 1" in err, err[-3000:]
+
+
+def _wait_healthy(url: str, launcher: subprocess.Popen) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and launcher.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    raise AssertionError(f"the server did not come up: {launcher.stderr.read()[-3000:]}")
+
+
 def _rank_pid(launcher: int, rank: int) -> int:
     """The pid of the torchrun worker with RANK=`rank` (read from /proc: nothing in the run helps)."""
     for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
