@@ -7,7 +7,9 @@ it, and runs the `generate` command's runtime under `torchrun` (tests/parallel_w
 and greedy-free fixed decode steps, with `--tp N --ep N` and with `--ep N` alone. Every rank's expert
 RAM budget is the same share of the pack (`--ram-share`), so the ranks' caches add up as ranks are added.
 Prints prefill and decode tok/s and the pack bytes each rank read per token (mean over ranks, and the
-busiest rank), each also as a ratio to one rank, and the expert-exchange bytes each rank sent per token.
+busiest rank), each also as a ratio to one rank, each rank's read rate while reading (GB/s), and the
+expert-exchange bytes each rank sent per token. `--same-total-cache` splits one budget over the ranks
+instead, which isolates the partition: bytes per rank should then be about 1/ranks of one rank's.
 Ranks beyond the machine's cores share them: on the 2-core machine 4 ranks measure overhead, not speed.
 """
 
@@ -60,6 +62,8 @@ def figures(result: dict, prompt: int, steps: int) -> dict[str, float]:
         "read_mean": sum(reads) / len(reads),
         "read_max": max(reads),
         "sent": max(r["exchange_bytes"] for r in result["reports"]) / tokens,
+        "read_gbs": sum(r["pack_read_bytes"] / max(r["pack_read_ns"], 1) for r in result["reports"])
+        / len(result["reports"]),
     }
 
 
@@ -69,6 +73,11 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--ram-share", type=float, default=0.25, help="each rank's budget / pack bytes")
+    parser.add_argument(
+        "--same-total-cache",
+        action="store_true",
+        help="split one budget of --ram-share over the ranks instead of giving each rank that budget",
+    )
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(5, 500, (args.prompt_tokens,), generator=generator).tolist()
@@ -81,12 +90,16 @@ def main() -> None:
         base = None
         for ranks in [int(r) for r in args.ranks.split(",")]:
             for flags in configurations(ranks):
-                f = figures(run(manifest, ranks, flags, prompt, steps, ram_mib), len(prompt), len(steps))
+                budget = ram_mib / ranks if args.same_total_cache else ram_mib
+                f = figures(run(manifest, ranks, flags, prompt, steps, budget), len(prompt), len(steps))
                 base = base or f
                 print(row(ranks, flags, f, base), flush=True)
 
 
-HEADER = "ranks  flags          prefill tok/s   decode tok/s    read KiB/rank/token (busiest)  sent KiB/token"
+HEADER = (
+    "ranks  flags          prefill tok/s   decode tok/s    read KiB/rank/token (busiest)  read GB/s/rank"
+    "  sent KiB/token"
+)
 
 
 def configurations(ranks: int) -> list[list[str]]:
@@ -102,7 +115,7 @@ def row(ranks: int, flags: list[str], f: dict[str, float], base: dict[str, float
     return (
         f"{ranks:5d}  {' '.join(flags) or '-':13s}  {f['prefill']:6.1f} ({ratio('prefill')})"
         f"  {f['decode']:6.1f} ({ratio('decode')})  {f['read_mean'] / 1024:8.1f} ({ratio('read_mean')};"
-        f" {ratio('read_max', 'read_mean')})  {f['sent'] / 1024:8.1f}"
+        f" {ratio('read_max', 'read_mean')})  {f['read_gbs']:6.2f}          {f['sent'] / 1024:8.1f}"
     )
 
 

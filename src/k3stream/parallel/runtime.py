@@ -69,6 +69,7 @@ def rank_report(runtime: Runtime, exchanges: list[ExpertExchange]) -> dict[str, 
     return {
         "pack_read_bytes": int(stats.get("pack_read_bytes", 0)),
         "pack_reads": int(stats.get("pack_reads", 0)),
+        "pack_read_ns": int(stats.get("pack_read_ns", 0)),
         "exchange_bytes": sum(e.sent_bytes for e in exchanges),
     }
 
