@@ -346,3 +346,14 @@ def test_bad_input_is_a_400_naming_the_field(serve, fields, param):
     error = response.json()["error"]
     assert error["param"] == param and param.split(".")[0] in error["message"]
     assert "\n" not in error["message"]
+
+
+@pytest.mark.parametrize("field", ["response_format", "tools", "top_logprobs"])
+def test_chat_fields_are_refused_on_completions(serve, field):
+    body = {
+        "prompt": "hi",
+        "max_tokens": 2,
+        field: {"type": "json_object"} if field == "response_format" else 1,
+    }
+    response = httpx.post(serve.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == field

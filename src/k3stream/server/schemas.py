@@ -50,6 +50,18 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
 }
 
 
+# chat fields a completion request must not carry (they would otherwise be ignored there)
+CHAT_ONLY_FIELDS = (
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "top_logprobs",
+    "separate_reasoning",
+    "chat_template_kwargs",
+)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
@@ -106,6 +118,13 @@ class CompletionRequest(SamplingFields):
         super().check_supported()
         if self.echo:
             raise invalid_request("echo is not supported", param="echo", code="unsupported_value")
+        chat_only = next((name for name in CHAT_ONLY_FIELDS if name in (self.model_extra or {})), None)
+        if chat_only is not None:
+            raise invalid_request(
+                f"{chat_only} is only supported by /v1/chat/completions",
+                param=chat_only,
+                code="unsupported_parameter",
+            )
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request; a batch of several is refused like n>1."""
