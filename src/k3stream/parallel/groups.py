@@ -82,6 +82,13 @@ def loaded(parallel: Parallel) -> None:
         dist.barrier()
 
 
+def command_device() -> torch.device:
+    """Where rank 0's command tensors live: NCCL moves only CUDA tensors, gloo CPU ones."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def stop(parallel: Parallel) -> None:
     """Leave the process group and stop the heartbeat."""
     global _heartbeat

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from k3stream.parallel.groups import PeerFailed, collective
+from k3stream.parallel.groups import PeerFailed, collective, command_device
 
 NEW, PREFILL, DECODE, STATS, STOP, NOOP = range(6)
 HEADER = 4  # op, ids, tokens, dropped states
@@ -133,10 +133,10 @@ class DriverModel:
 
     def _send(self, op: int, ids: list[int], tokens: list[int]) -> None:
         dropped, self._dropped = self._dropped, []
-        header = torch.tensor([op, len(ids), len(tokens), len(dropped)], dtype=torch.int64)
+        header = torch.tensor([op, len(ids), len(tokens), len(dropped)], device=command_device())
         self._last_sent = time.monotonic()
         self._guarded(collective, "a broadcast", dist.broadcast, header, 0)
-        payload = torch.tensor(ids + tokens + dropped, dtype=torch.int64)
+        payload = torch.tensor(ids + tokens + dropped, dtype=torch.int64, device=command_device())
         if len(payload):
             self._guarded(collective, "a broadcast", dist.broadcast, payload, 0)
 
@@ -148,10 +148,10 @@ def follow(model: Any, report: Callable[[], Any] = lambda: None) -> int:
     states: dict[int, Any] = {}
     forwards = 0
     while True:
-        header = torch.empty(HEADER, dtype=torch.int64)
+        header = torch.empty(HEADER, dtype=torch.int64, device=command_device())
         collective("a broadcast", dist.broadcast, header, 0)
         op, n_ids, n_tokens, n_dropped = header.tolist()
-        payload = torch.empty(n_ids + n_tokens + n_dropped, dtype=torch.int64)
+        payload = torch.empty(n_ids + n_tokens + n_dropped, dtype=torch.int64, device=command_device())
         if len(payload):
             collective("a broadcast", dist.broadcast, payload, 0)
         values = payload.tolist()
