@@ -337,6 +337,10 @@ def test_completion_logprobs(client):
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+        (
+            {"chat_template_kwargs": {"add_generation_prompt": False}},
+            "chat_template_kwargs.add_generation_prompt",
+        ),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(serve, fields, param):
@@ -346,6 +350,22 @@ def test_bad_input_is_a_400_naming_the_field(serve, fields, param):
     error = response.json()["error"]
     assert error["param"] == param and param.split(".")[0] in error["message"]
     assert "\n" not in error["message"]
+
+
+def test_streamed_completion_logprobs_equal_the_whole_ones(client):
+    fields = {
+        "model": "kimi-tools",
+        "prompt": "Once upon a time",
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": 2,
+    }
+    whole = client.completions.create(**fields).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client.completions.create(stream=True, **fields) if c.choices]
+    streamed = [lp for lp in chunks if lp is not None]
+    assert [t for lp in streamed for t in lp.tokens] == whole.tokens
+    assert [o for lp in streamed for o in lp.text_offset] == whole.text_offset
+    assert [v for lp in streamed for v in lp.token_logprobs] == whole.token_logprobs
 
 
 @pytest.mark.parametrize("field", ["response_format", "tools", "top_logprobs"])

@@ -231,6 +231,8 @@ class ResponseFormat(BaseModel):
 
 
 TemplateValue = str | bool | int | float | None
+# template variables the server itself passes
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -257,6 +259,12 @@ class ChatCompletionRequest(SamplingFields):
             raise invalid_request(f"tools: the function {duplicate!r} is defined twice", param="tools")
         self._check_tool_choice(names)
         self._check_response_format()
+        reserved = next((k for k in self.chat_template_kwargs or {} if k in RESERVED_TEMPLATE_NAMES), None)
+        if reserved is not None:
+            raise invalid_request(
+                f"chat_template_kwargs: {reserved!r} is set by the server",
+                param=f"chat_template_kwargs.{reserved}",
+            )
         if self.ignore_eos and self.forced_output():
             raise invalid_request(
                 "ignore_eos cannot be combined with constrained output (tool_choice, response_format)",
