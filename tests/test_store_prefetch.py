@@ -14,7 +14,7 @@ import pytest
 from k3stream.pack.builder import build_pack
 from k3stream.pack.reader import ExpertPack
 from k3stream.store import ExpertStore
-from k3stream.store.expert_store import PREFETCH_MIN_PRECISION
+from k3stream.store.hints import PREFETCH_MIN_PRECISION
 
 MIB = 1 << 20
 TOKENS = 24

@@ -24,6 +24,7 @@ class GpuUploader:
         self._staging_done: list[torch.cuda.Event | None] = [None] * staging_slots
         self._cursor = 0
         self._lock = threading.Lock()
+        self.uploaded_bytes = 0
 
     def upload(self, host: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
         """Enqueue a copy of the CPU uint8 tensor `host` to the GPU; (destination, ready event)."""
@@ -41,6 +42,7 @@ class GpuUploader:
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
             self._staging_done[index] = ready
+            self.uploaded_bytes += host.numel()
         return target, ready
 
     @staticmethod

@@ -1,0 +1,68 @@
+"""Which prefetch hints the store loads: adaptive scoring of each MoE layer's hints.
+
+The experts of every hint that the compute tier lacks (what the hint would read) are scored against
+the next fetch of their layer, whether the hint was issued or not, as an exponentially decayed
+precision per layer; with `adaptive`, a layer's hints are issued only while that precision is at least
+PREFETCH_MIN_PRECISION. Scoring suppressed hints too is the probe: a layer whose predictions improve
+gets prefetch back without spending reads on it. Hints are kept per layer, not per thread: a hint is
+scored by whichever fetch of its layer comes next. A layer starts trusted (1.0).
+
+Each layer's fetches are numbered too: a hint queued before a fetch of its layer is stale when it runs.
+Every method runs under the store's lock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+PREFETCH_MIN_PRECISION = 0.5
+PREFETCH_DECAY = 0.75  # the weight of a layer's past hints: a wrong layer turns off after 3 fetches
+
+
+class HintScores:
+    def __init__(self, layers: Iterable[int], adaptive: bool) -> None:
+        self.adaptive = adaptive
+        self.precision = {layer: 1.0 for layer in layers}
+        self._pending: dict[int, set[int]] = {}
+        self._fetches: Counter[int] = Counter()
+        self.counts = Counter(prefetch_stale=0, prefetch_suppressed=0)
+
+    def active(self, layer: int) -> bool:
+        """Whether `layer`'s hints are loaded (always, unless adaptive and too imprecise)."""
+        return not self.adaptive or self.precision[layer] >= PREFETCH_MIN_PRECISION
+
+    def fetched(self, layer: int, experts: list[int]) -> None:
+        """A fetch of `layer` asked for `experts`: score the layer's pending hint and number the fetch."""
+        self._fetches[layer] += 1
+        hinted = self._pending.pop(layer, None)
+        if hinted:
+            right = len(hinted.intersection(experts)) / len(hinted)
+            self.precision[layer] = PREFETCH_DECAY * self.precision[layer] + (1 - PREFETCH_DECAY) * right
+
+    def hinted(self, layer: int, requested: int, absent: list[int]) -> bool:
+        """A hint of `requested` experts, `absent` of them not in the compute tier: remember those for
+        scoring; returns whether to load the hint (else it is counted as suppressed)."""
+        self._pending.setdefault(layer, set()).update(absent)
+        if self.active(layer):
+            return True
+        self.counts["prefetch_suppressed"] += requested
+        return False
+
+    def serial(self, layer: int) -> int:
+        """The number of `layer`'s fetches so far: a queued load checks it with `stale`."""
+        return self._fetches[layer]
+
+    def stale(self, layer: int, serial: int, count: int) -> bool:
+        """Whether `layer` was fetched since `serial` was taken (then `count` experts are dropped)."""
+        if self._fetches[layer] == serial:
+            return False
+        self.counts["prefetch_stale"] += count
+        return True
+
+    def snapshot(self, enabled: bool) -> dict[str, Any]:
+        return {
+            str(layer): {"precision": precision, "active": enabled and self.active(layer)}
+            for layer, precision in sorted(self.precision.items())
+        }

@@ -1,0 +1,159 @@
+"""The load protocol over the tier chain: reservations, futures and waits for room.
+
+A slot is counted from the moment its load starts, so resident plus loading bytes never exceed a
+tier's budget. A demand load reserves the slots of all its misses at once or none, and waits (holding
+none) only while some load is running, so two fetches can never wait for each other; when nothing is
+loading and its misses still do not fit, it raises WorkingSetTooLarge. It may evict anything but the
+pinned steps. A prefetch reserves what fits within SPECULATIVE_SHARE of the tier, keeps its own keys
+and never waits. A key already loading is waited for, not read again; a demand that waited for a
+prefetch which failed loads that key itself.
+
+A miss in a tier loads from the tier below it, and a miss in the last tier reads the pack; what a
+prefetch could not fit in the tier below is read from the pack straight through.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from k3stream.store.cache import WorkingSetTooLarge
+from k3stream.store.pins import StepPins
+from k3stream.store.reader import ObjectReader
+from k3stream.store.tiers import Key, Tier
+
+SPECULATIVE_SHARE = 0.5
+
+
+class Loader:
+    """Makes keys resident in a tier of the chain (each method says whether it runs under the lock)."""
+
+    def __init__(
+        self,
+        reader: ObjectReader,
+        pins: StepPins,
+        lock: threading.RLock,
+        slot_freed: threading.Condition,
+        top_k: int,
+    ) -> None:
+        self.reader = reader
+        self.pins = pins
+        self.lock = lock
+        self.slot_freed = slot_freed
+        self.top_k = top_k
+        self.counts = Counter(slot_waits=0, prefetch_skipped=0)
+
+    def ensure(self, tier: Tier, keys: list[Key], demand: bool, keep: bool) -> dict[Key, torch.Tensor]:
+        """Make `keys` resident in `tier`; return their buffers when `keep` (a prefetch skips what does
+        not fit, so it may return fewer)."""
+        if demand:
+            with self.lock:
+                for key in keys:
+                    tier.lookup(key)
+        found: dict[Key, torch.Tensor] = {}
+        while keys:
+            with self.lock:
+                resident, waits, mine = self._plan(tier, keys, demand, keep)
+            found.update(resident)
+            if mine:
+                found.update(self._load(tier, mine, demand, keep))
+            keys = []
+            for key, (future, by_prefetch) in waits.items():
+                try:
+                    found[key] = future.result()
+                except Exception:
+                    if not by_prefetch:
+                        raise
+                    keys.append(key)
+        return found
+
+    def _plan(
+        self, tier: Tier, keys: list[Key], demand: bool, keep: bool
+    ) -> tuple[dict[Key, torch.Tensor], dict[Key, tuple[Future, bool]], list[Key]]:
+        """Under the lock: (resident buffers when `keep`, {key: (load to wait for, whether a prefetch
+        runs it)}, keys whose slots this call reserved and must load)."""
+        if demand:
+            missing = self._wait_for_room(tier, keys)
+            waits = {key: tier.join(key) for key in keys if key in tier.loading}
+            for key in missing:
+                tier.reserve(key, self.pins)
+        else:
+            waits = {}
+            missing = self._reserve_what_fits(tier, tier.missing(keys), set(self.pins) | set(keys))
+        resident = {key: tier.buffers[key] for key in keys if key in tier.buffers} if keep else {}
+        return resident, waits, missing
+
+    def _wait_for_room(self, tier: Tier, keys: list[Key]) -> list[Key]:
+        """Under the lock: wait, holding no reservation, until the missing `keys` fit; return them.
+        Only a running load frees a slot (the reservations are all taken by running loads), so with
+        none running and no dead thread's pins to drop, waiting would be forever: raise instead."""
+        while not tier.room_for(len(missing := tier.missing(keys)), self.pins):
+            if tier.cache.loading:
+                self.counts["slot_waits"] += 1
+                self.slot_freed.wait()
+            elif not self.pins.unpin_dead_threads():
+                raise WorkingSetTooLarge(
+                    f"expert store {tier.name} tier ({tier.cache.capacity} slots) cannot hold the pinned "
+                    f"working set ({len(self.pins)} experts pinned)"
+                )
+        return missing
+
+    def _reserve_what_fits(self, tier: Tier, keys: list[Key], pinned: set[Key]) -> list[Key]:
+        """Under the lock: reserve the slots of the keys of a prefetch that fit within the tier's share
+        for speculation; skip the rest."""
+        reserved = []
+        share = max(self.top_k, int(tier.cache.capacity * SPECULATIVE_SHARE))
+        for key in keys:
+            if tier.speculative() >= share or not tier.cache.has_room_without(pinned):
+                self.counts["prefetch_skipped"] += 1
+                continue
+            tier.reserve(key, pinned, prefetch=True)
+            reserved.append(key)
+        return reserved
+
+    def _load(self, tier: Tier, keys: list[Key], demand: bool, keep: bool) -> dict[Key, torch.Tensor]:
+        """Fill the reserved slots of `keys` (outside the lock); on failure give the slots back."""
+        try:
+            loaded = self._from_below(tier, keys, demand)
+        except BaseException as exc:
+            with self.lock:
+                for key in keys:
+                    tier.cancel(key, exc)
+                self.slot_freed.notify_all()
+            raise
+        with self.lock:
+            installed = self._install(tier, loaded, keep)
+            self.slot_freed.notify_all()
+        return installed
+
+    def _from_below(self, tier: Tier, keys: list[Key], demand: bool) -> dict[Key, tuple[torch.Tensor, Any]]:
+        """`keys` from the tier below `tier` (or the pack), placed on `tier`'s device: {key: (buffer,
+        ready event)} in the order of `keys`."""
+        if tier.below is None:
+            hosts = self.reader.read(keys, demand)
+        else:
+            hosts = self.ensure(tier.below, keys, demand, keep=True)
+            hosts.update(self.reader.read([key for key in keys if key not in hosts], demand))
+        return {key: tier.place(hosts.pop(key)) for key in keys}
+
+    @staticmethod
+    def _install(
+        tier: Tier, loaded: dict[Key, tuple[torch.Tensor, Any]], keep: bool
+    ) -> dict[Key, torch.Tensor]:
+        """Under the lock: move `loaded` (emptied) into `tier`; the buffers too when `keep`.
+
+        A prefetch keeps no reference once the lock is released, so an eviction right after frees
+        the buffer at once and live expert bytes stay within the budget.
+        """
+        kept = {}
+        while loaded:
+            key = next(iter(loaded))  # in request order, as the simulator admits them
+            buffer, ready = loaded.pop(key)
+            tier.install(key, buffer, ready)
+            if keep:
+                kept[key] = buffer
+        return kept

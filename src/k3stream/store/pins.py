@@ -1,0 +1,60 @@
+"""The experts of each thread's current step, pinned in every tier until its next step.
+
+A thread's latest `fetch` stays pinned until its next fetch, `release()`, or its exit; a key pinned by
+several threads counts each pin. Every method runs under the store's lock; an unpin wakes the fetches
+that wait for room (`slot_freed`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+
+Key = tuple[int, int]
+
+
+class StepPins:
+    """The pinned keys (iterate, `in`, `len`) and, per thread, its step."""
+
+    def __init__(self, slot_freed: threading.Condition) -> None:
+        self._slot_freed = slot_freed
+        self._counts: Counter[Key] = Counter()
+        self._steps: dict[int, list[Key]] = {}
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(self._counts)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._counts
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def pin_step(self, keys: list[Key]) -> None:
+        """The calling thread's new step: pin `keys`, unpin its previous step."""
+        self.unpin_dead_threads()
+        thread = threading.get_ident()
+        self._unpin(self._steps.get(thread, []))
+        self._counts.update(keys)
+        self._steps[thread] = keys
+
+    def release(self) -> None:
+        """Unpin the calling thread's step."""
+        self._unpin(self._steps.pop(threading.get_ident(), []))
+
+    def unpin_dead_threads(self) -> bool:
+        """Drop the pins of threads that have exited; returns whether there were any."""
+        alive = {thread.ident for thread in threading.enumerate()}
+        dead = [ident for ident in self._steps if ident not in alive]
+        for ident in dead:
+            self._unpin(self._steps.pop(ident))
+        return bool(dead)
+
+    def _unpin(self, keys: list[Key]) -> None:
+        for key in keys:
+            self._counts[key] -= 1
+            if self._counts[key] <= 0:
+                del self._counts[key]
+        if keys:
+            self._slot_freed.notify_all()

@@ -1,0 +1,239 @@
+"""The tiers of the expert store, one object each, in one chain from the compute tier down.
+
+A tier holds whole expert objects in equal slots within a byte budget: its buffers, the futures of
+the loads it is running, and its counters. A miss in a tier loads from the tier `below` it; a miss in
+the last tier reads the pack. A tier with an uploader (the GPU tier) places what it loads on its
+device; the others keep the host buffer. Every method but `place` runs under the store's lock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from k3stream.store.cache import SlotCache
+
+MIB = 1 << 20
+DEFAULT_GPU_MIB = 18 * 1024
+GPU_RESERVE_MIB = 3 * 1024
+Key = tuple[int, int]
+
+
+class Tier:
+    """One tier's buffers, slot bookkeeping and counters."""
+
+    def __init__(
+        self,
+        name: str,
+        budget_mib: float,
+        slot_bytes: int,
+        policy: str,
+        layers: list[int],
+        below: Tier | None = None,
+        uploader: Any = None,
+    ) -> None:
+        self.name = name
+        self.budget_bytes = int(budget_mib * MIB)
+        self.cache = SlotCache(self.budget_bytes // slot_bytes, policy, layers)
+        self.below = below
+        self.uploader = uploader
+        self.buffers: dict[Key, torch.Tensor] = {}
+        self.ready: dict[Key, Any] = {}  # GPU copy events
+        self.loading: dict[Key, Future] = {}
+        self.prefetching: set[Key] = set()  # the keys of `loading` that a prefetch loads
+        self.demanded: set[Key] = set()  # the keys of `prefetching` a fetch waits for
+        self.counts = Counter(cache_hits=0, cache_misses=0, cache_evictions=0)
+
+    def lookup(self, key: Key) -> bool:
+        """A demand access of `key`: counted, and told to the policy; returns whether it is resident."""
+        hit = self.cache.lookup(key)
+        self.counts["cache_hits" if hit else "cache_misses"] += 1
+        return hit
+
+    def missing(self, keys: list[Key]) -> list[Key]:
+        """The `keys` neither resident nor loading."""
+        return [key for key in keys if key not in self.buffers and key not in self.loading]
+
+    def room_for(self, count: int, pinned: Collection[Key]) -> bool:
+        """Whether `count` more keys fit, evicting only resident keys outside `pinned`."""
+        free = self.cache.capacity - self.cache.used()
+        if free >= count:
+            return True
+        pinned_resident = sum(1 for key in pinned if key in self.cache.resident)
+        return free + len(self.cache.resident) - pinned_resident >= count
+
+    def speculative(self) -> int:
+        """The slots taken by prefetches no fetch has asked for yet."""
+        return len(self.prefetching - self.demanded)
+
+    def reserve(self, key: Key, pinned: Collection[Key], prefetch: bool = False) -> None:
+        """Take a slot for loading `key`, evicting resident keys outside `pinned`."""
+        self.evict(self.cache.reserve(key, pinned))
+        self.loading[key] = Future()
+        if prefetch:
+            self.prefetching.add(key)
+
+    def join(self, key: Key) -> tuple[Future, bool]:
+        """A fetch waits for the running load of `key`: (its future, whether a prefetch runs it)."""
+        by_prefetch = key in self.prefetching
+        if by_prefetch:
+            self.demanded.add(key)
+        return self.loading[key], by_prefetch
+
+    def place(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """This tier's copy of a host buffer and its ready event (outside the lock: it may upload)."""
+        if self.uploader is None:
+            return host, None
+        return self.uploader.upload(host)
+
+    def install(self, key: Key, buffer: torch.Tensor, ready: Any) -> None:
+        """`key` finished loading into its slot; a prefetch no fetch asked for goes in as speculative."""
+        unused = key in self.prefetching and key not in self.demanded
+        self._settle(key)
+        self.buffers[key] = buffer
+        if ready is not None:
+            self.ready[key] = ready
+        self.cache.admit(key, unused)
+        self.loading.pop(key).set_result(buffer)
+
+    def cancel(self, key: Key, error: BaseException) -> None:
+        """The load of `key` failed: give its slot back and pass `error` to whoever waits for it."""
+        self.cache.cancel(key)
+        self._settle(key)
+        self.loading.pop(key).set_exception(error)
+
+    def evict(self, keys: list[Key]) -> None:
+        for key in keys:
+            self.buffers.pop(key, None)
+            self.ready.pop(key, None)
+            self.counts["cache_evictions"] += 1
+
+    def hand_out(self, key: Key, buffer: torch.Tensor) -> None:
+        """Make the caller's stream wait for a GPU buffer's copy (nothing to do for host buffers)."""
+        if self.uploader is not None:
+            self.uploader.hand_out(buffer, self.ready[key])
+
+    def resident_bytes(self) -> int:
+        return sum(buffer.numel() for buffer in self.buffers.values())
+
+    def snapshot(self) -> dict[str, Any]:
+        lookups = self.counts["cache_hits"] + self.counts["cache_misses"]
+        stats = {name: int(value) for name, value in self.counts.items()}
+        if self.uploader is not None:
+            stats["h2d_bytes"] = self.uploader.uploaded_bytes
+        stats.update(
+            resident_experts=len(self.buffers),
+            resident_bytes=self.resident_bytes(),
+            capacity_experts=self.cache.capacity,
+            budget_bytes=self.budget_bytes,
+            policy=self.cache.policy_name,
+            hit_rate=self.counts["cache_hits"] / lookups if lookups else 0.0,
+        )
+        return stats
+
+    def _settle(self, key: Key) -> None:
+        self.prefetching.discard(key)
+        self.demanded.discard(key)
+
+
+class FrontTier(Tier):
+    """The compute tier, whose buffers `fetch` hands out. It also counts hits per layer and follows
+    each prefetch from its load to its first use or its eviction; a lower tier needs neither, since
+    the tier above uses what it prefetches at once."""
+
+    def __init__(
+        self,
+        name: str,
+        budget_mib: float,
+        slot_bytes: int,
+        policy: str,
+        layers: list[int],
+        below: Tier | None = None,
+        uploader: Any = None,
+    ) -> None:
+        super().__init__(name, budget_mib, slot_bytes, policy, layers, below, uploader)
+        self.unused: set[Key] = set()  # resident prefetches no fetch has asked for yet
+        self.layer_counts = {layer: Counter(hits=0, misses=0) for layer in layers}
+        self.prefetch_counts = Counter(
+            prefetch_loads=0, prefetch_hits=0, prefetch_unused_evictions=0, prefetch_waits=0
+        )
+
+    def lookup(self, key: Key) -> bool:
+        hit = super().lookup(key)
+        self.layer_counts[key[0]]["hits" if hit else "misses"] += 1
+        if hit and key in self.unused:
+            self.unused.discard(key)
+            self.prefetch_counts["prefetch_hits"] += 1
+        return hit
+
+    def speculative(self) -> int:
+        return len(self.unused) + super().speculative()
+
+    def join(self, key: Key) -> tuple[Future, bool]:
+        future, by_prefetch = super().join(key)
+        self.prefetch_counts["prefetch_waits"] += by_prefetch
+        return future, by_prefetch
+
+    def install(self, key: Key, buffer: torch.Tensor, ready: Any) -> None:
+        if key in self.prefetching:
+            self.prefetch_counts["prefetch_loads"] += 1
+            if key not in self.demanded:
+                self.unused.add(key)
+        super().install(key, buffer, ready)
+
+    def evict(self, keys: list[Key]) -> None:
+        super().evict(keys)
+        unused = self.unused.intersection(keys)
+        self.prefetch_counts["prefetch_unused_evictions"] += len(unused)
+        self.unused.difference_update(unused)
+
+
+def make_tiers(
+    device: torch.device,
+    ram_mib: float,
+    gpu_mib: float | None,
+    slot_bytes: int,
+    top_k: int,
+    policy: str,
+    layers: list[int],
+) -> list[Tier]:
+    """The chain for `device`, front first: GPU, then RAM when `ram_mib`, on CUDA; else RAM alone.
+    A budget below one top-k working set is refused (ValueError)."""
+    budgets = _budgets(device, ram_mib, gpu_mib)
+    for name, mib in budgets.items():
+        if int(mib * MIB) // slot_bytes < top_k:
+            raise ValueError(
+                f"expert store {name} budget {int(mib * MIB) / MIB:g} MiB is below one top-k "
+                f"working set of {top_k * slot_bytes / MIB:g} MiB ({top_k} x {slot_bytes} bytes)"
+            )
+    if "gpu" not in budgets:
+        return [FrontTier("ram", ram_mib, slot_bytes, policy, layers)]
+    from k3stream.store.gpu import GpuUploader
+
+    host = Tier("ram", ram_mib, slot_bytes, policy, layers) if "ram" in budgets else None
+    uploader = GpuUploader(device, slot_bytes)
+    front = FrontTier("gpu", budgets["gpu"], slot_bytes, policy, layers, below=host, uploader=uploader)
+    return [front] if host is None else [front, host]
+
+
+def _budgets(device: torch.device, ram_mib: float, gpu_mib: float | None) -> dict[str, float]:
+    if device.type != "cuda":
+        if gpu_mib:
+            raise ValueError(f"expert store GPU tier (gpu_mib={gpu_mib}) needs a CUDA device, got {device}")
+        return {"ram": ram_mib}
+    if not torch.cuda.is_available():
+        raise ValueError(f"expert store device {device} requested but CUDA is not available")
+    budgets = {"gpu": gpu_mib or _default_gpu_mib(device)}
+    if ram_mib:
+        budgets["ram"] = ram_mib
+    return budgets
+
+
+def _default_gpu_mib(device: torch.device) -> float:
+    """The seed's default: up to 18 GiB of the free device memory, leaving 3 GiB free."""
+    free_bytes, _total = torch.cuda.mem_get_info(device)
+    return max(0.0, min(DEFAULT_GPU_MIB, free_bytes / MIB - GPU_RESERVE_MIB))
