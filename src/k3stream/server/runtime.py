@@ -101,15 +101,21 @@ class ServedModel:
             raise invalid_request("tools: this model's vocabulary has no tool-call tokens", param="tools")
         messages = [{**m.template_fields(), "content": m.text()} for m in body.messages]
         tokens = self.encode_chat(messages, tools or None, body.chat_template_kwargs)
-        think = self.kimi.think
-        opened = think is not None and self.tokenizer.decode(tokens[-8:]).endswith(self.kimi.spell(think[0]))
         return ChatPrompt(
             tokens=tokens,
             tool_names=tuple(tool.function.name for tool in body.tools or []),
             constraint=self._constraint(body),
             reasoning=body.separate_reasoning,
-            in_reasoning=opened,
+            in_reasoning=self._opens_thinking(tokens),
         )
+
+    def _opens_thinking(self, tokens: list[int]) -> bool:
+        """Whether the prompt ends with the think opening (the template opened the block)."""
+        if self.kimi.think is None:
+            return False
+        opening = self.kimi.spell(self.kimi.think[0])
+        tail = tokens[-len(opening.encode()) :]  # every token holds at least one byte
+        return self.tokenizer.decode(tail).endswith(opening)
 
     def _constraint(self, body: ChatCompletionRequest) -> TokenConstraint | None:
         forced = body.forced_tools()
