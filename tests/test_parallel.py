@@ -143,6 +143,24 @@ def test_serve_under_torchrun_answers_as_one_process_and_outlives_idle_time(pack
     assert "rank: 1" in err or "rank 1" in err, err[-3000:]
 
 
+@pytest.mark.slow
+def test_two_torchrun_agents_as_two_machines(packed):
+    """`--nnodes 2` with a c10d rendezvous endpoint: two launchers (two machines, here on loopback),
+    one rank each; the one holding rank 0 prints the single process's greedy text."""
+    from k3stream.server.live import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    node = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "k3"]
+    generate = ["-m", "k3stream", "generate", str(packed), "--prompt", "hello", "--temperature", "0"]
+    generate += ["--max-tokens", "8"]
+    expected = subprocess.run([sys.executable, *generate], capture_output=True, text=True, env=_env())
+    command = torchrun(1, *node, *generate, "--tp", "2", "--ep", "2")
+    launchers = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=_env()) for _ in range(2)]
+    outputs = sorted(launcher.communicate(timeout=300)[0] for launcher in launchers)
+    assert [launcher.returncode for launcher in launchers] == [0, 0]
+    assert outputs == sorted(["", expected.stdout])
+
+
 def _wait_healthy(url: str, launcher: subprocess.Popen) -> None:
     import httpx
 
