@@ -1,21 +1,16 @@
 """The expert store: an `ExpertSource` over an expert pack, through a GPU tier, a RAM tier and the disk.
 
 The compute tier (GPU when the device is CUDA, else RAM) holds whole expert objects, each one uint8
-buffer, and hands out zero-copy views per role. Budgets are bytes per tier. The store orchestrates one
-module per job: `tiers` (one object per tier, in a chain: a miss in a tier loads from the tier below
-it, a miss in the last reads the pack), `loading` (the load protocol: reservations, futures, waits
-for room), `reader` (pack reads, digest checks), `pins`, `hints` (which prefetch hints to load) and
+buffer, and hands out zero-copy views per role. The store orchestrates one module per job: `tiers`
+(one object per tier, in a chain: a miss in a tier loads from the tier below it, a miss in the last
+reads the pack), `loading` (the load protocol: reservations, futures, waits for room), `reader` (pack
+reads, digest checks), `pins` (each thread's step), `hints` (which prefetch hints to load) and
 `liveness` (the record behind `live_host_bytes`).
 
-Pins: the experts of each thread's current step (its latest `fetch`, until its next one, `release()`,
-or its exit) and of running loads are never evicted. A demand fetch reserves the slots of all its
-misses at once or none, and waits (holding none) only while some load is running; when nothing is
-loading and its misses still do not fit, it raises WorkingSetTooLarge. `prefetch` loads in the
-background; a `fetch` that finds its expert still loading waits for that load instead of reading again
-(and reads it itself if that prefetch fails). A prefetched expert that a fetch asked for before it was
-evicted is a used prefetch, cached like a demand load. A prefetch never evicts the experts of a current
-step and never holds more than SPECULATIVE_SHARE of a tier's slots with experts no fetch has asked for
-yet.
+The experts of each thread's current step (its latest `fetch`, until its next one, `release()`, or its
+exit) and of running loads are never evicted. `prefetch` loads in the background; a `fetch` that finds
+its expert still loading waits for that load instead of reading again. A prefetched expert that a
+fetch asked for before it was evicted is a used prefetch, cached like a demand load.
 
 After `close()`, `fetch` raises RuntimeError("expert store is closed") and `prefetch` is ignored: it is
 a hint, and an engine may still hint while it shuts down.
@@ -108,7 +103,6 @@ class ExpertStore:
         self._hints = HintScores(layers, adaptive=prefetch and adaptive_prefetch)
         self._live = LiveBuffers()
         self._counts = Counter(fetches=0, fetch_ns=0, tokens=0, prefetch_requests=0, read_ahead=0)
-        self.integrity_checked = getattr(self.pack, "checksums", None) is not None
         self._file: PackFile | None = None
         self._prefetcher: ThreadPoolExecutor | None = None
         self._trace: TraceWriter | None = None
@@ -117,8 +111,9 @@ class ExpertStore:
         except BaseException:
             self._release()
             raise
-        reader = ObjectReader(self.pack, self._file, self._live, self._lock)
-        self._loader = Loader(reader, self._pins, self._lock, self._slot_freed, self.top_k)
+        self._reader = ObjectReader(self.pack, self._file, self._live, self._lock)
+        self.integrity_checked = self._reader.integrity_checked
+        self._loader = Loader(self._reader, self._pins, self._lock, self._slot_freed, self.top_k)
 
     def _open(
         self,
@@ -294,7 +289,7 @@ class ExpertStore:
             counts = {
                 **self._counts,
                 **self._loader.counts,
-                **self._loader.reader.counts,
+                **self._reader.counts,
                 **self._compute.prefetch_counts,
                 **self._hints.counts,
             }

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from k3stream.store.cache import SlotCache
+from k3stream.store.gpu import GpuUploader
 
 MIB = 1 << 20
 DEFAULT_GPU_MIB = 18 * 1024
@@ -34,7 +35,7 @@ class Tier:
         policy: str,
         layers: list[int],
         below: Tier | None = None,
-        uploader: Any = None,
+        uploader: GpuUploader | None = None,
     ) -> None:
         self.name = name
         self.budget_bytes = int(budget_mib * MIB)
@@ -153,7 +154,7 @@ class FrontTier(Tier):
         policy: str,
         layers: list[int],
         below: Tier | None = None,
-        uploader: Any = None,
+        uploader: GpuUploader | None = None,
     ) -> None:
         super().__init__(name, budget_mib, slot_bytes, policy, layers, below, uploader)
         self.unused: set[Key] = set()  # resident prefetches no fetch has asked for yet
@@ -212,8 +213,6 @@ def make_tiers(
             )
     if "gpu" not in budgets:
         return [FrontTier("ram", ram_mib, slot_bytes, policy, layers)]
-    from k3stream.store.gpu import GpuUploader
-
     host = Tier("ram", ram_mib, slot_bytes, policy, layers) if "ram" in budgets else None
     uploader = GpuUploader(device, slot_bytes)
     front = FrontTier("gpu", budgets["gpu"], slot_bytes, policy, layers, below=host, uploader=uploader)
