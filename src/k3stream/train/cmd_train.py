@@ -23,19 +23,20 @@ HELD_OUT_TEXT_BYTES = 256 * 1024
 EVAL_WINDOWS = 16
 
 # The shipped model's shape: every K-quant row 256 values (latent, expert_ff, kv_lora), qk_nope a
-# multiple of 32, so the audited recipe applies; 16 experts, top-2, in 5 MoE layers after a dense one.
+# multiple of 32, so the audited recipe applies; 16 experts, top-2, in 3 MoE layers after a dense one;
+# KDA layers 0-2, MLA layer 3.
 TRAIN_SPEC_FIELDS: dict[str, object] = dict(
-    n_layers=6,
-    hidden=128,
-    dense_ff=384,
+    n_layers=4,
+    hidden=64,
+    dense_ff=192,
     kda_heads=4,
-    kda_head_dim=32,
+    kda_head_dim=16,
     mla_heads=4,
-    q_lora=64,
+    q_lora=32,
     kv_lora=256,
     qk_nope=32,
     qk_rope=8,
-    v_head_dim=32,
+    v_head_dim=16,
     n_experts=16,
     top_k=2,
     expert_ff=256,
@@ -60,9 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (AdamW)")
     parser.add_argument("--warmup", type=int, default=defaults.warmup, help="steps of linear lr warm-up")
     parser.add_argument("--bias-rate", type=float, default=defaults.bias_rate, help="router bias step")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="tokens: 256 bytes, merges, specials")
+    parser.add_argument("--vocab-size", type=int, default=2048, help="tokens: 256 bytes, merges, specials")
     parser.add_argument("--text-mib", type=float, default=None, help="read at most this much training text")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (on shared cores one is the fastest)"
+    )
     parser.add_argument("--recipes", default="f32,audited", help="GGUFs to write (f32, f16, audited)")
     for spec_field in dataclasses.fields(TinySpec):
         if spec_field.name in NOT_SHAPE:

@@ -22,6 +22,7 @@ from k3stream.gguf.layout import FLOAT_TYPE_IDS, is_routed_expert, routed_expert
 from k3stream.gguf.weights import tensor_weights
 from k3stream.model.experts import ROLES, ExpertWeights
 from k3stream.model.k3 import K3Model, build
+from k3stream.model.kda import KDA
 from k3stream.model.layers import LoadOptions
 from k3stream.model.moe import LatentMoE
 from k3stream.quant.kernels import QWeight
@@ -30,16 +31,19 @@ from k3stream.tiny import TinySpec, initial_values, tensor_plan, tiny_config
 F32 = FLOAT_TYPE_IDS[0]
 A_LOG_SUFFIX = ".ssm_a"  # stored as -exp(A_log); trained as A_log
 BIAS_SUFFIX = ".exp_probs_b.bias"  # the router's correction bias: moved by load, not by gradient
+# KDA prefill chunk while training: fewer, larger chunks than inference's 16 (same closed form; the
+# per-chunk operations, not the arithmetic, bound a training step on the CPU)
+KDA_CHUNK = 64
 
 
 @dataclass(frozen=True)
 class TrainOptions:
     steps: int = 1000
     minutes: float = 18.0
-    seq_len: int = 256
-    batch: int = 4  # sequences per step
-    lr: float = 3e-3
-    warmup: int = 30
+    seq_len: int = 512
+    batch: int = 2  # sequences per step
+    lr: float = 5e-3
+    warmup: int = 10
     weight_decay: float = 0.01
     bias_rate: float = 1e-3
     seed: int = 0
@@ -116,6 +120,8 @@ def build_model(params: Parameters) -> K3Model:
     source, options = ParameterExperts(params), LoadOptions(kernels="reference")
     model = build(params.config, pairs, source, options, torch.device("cpu"), prefetch=False)
     for layer in model.layers:
+        if isinstance(layer.attn, KDA):
+            layer.attn.chunk_size = KDA_CHUNK
         if isinstance(layer.ffn, LatentMoE):
             # F32 experts on torch's matmul over the parameters (the reference path would dequantize
             # copies of their bytes, which autograd cannot see through)
@@ -127,6 +133,8 @@ def count_loads(model: K3Model) -> dict[int, torch.Tensor]:
     """Make every MoE layer count its expert choices; returns the counters by layer."""
     counts = {}
     for layer in model.layers:
+        if isinstance(layer.attn, KDA):
+            layer.attn.chunk_size = KDA_CHUNK
         if isinstance(layer.ffn, LatentMoE):
             counts[layer.index] = torch.zeros(model.config.n_experts, dtype=torch.long)
             layer.ffn.routing = CountingRouting(layer.ffn.routing, counts[layer.index])
