@@ -7,6 +7,7 @@ Line 1 is a header `{"format": TRACE_FORMAT, "source": ..., "moe_layers": [...],
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from dataclasses import dataclass, field
@@ -55,9 +56,11 @@ class TraceWriter:
 
 
 def read_trace(path: str | os.PathLike[str]) -> RoutingTrace:
-    """Parse a trace file; one-line error naming the file and line for anything malformed."""
+    """Parse a trace file (gzipped when its name ends in `.gz`); one-line error naming the file and line
+    for anything malformed."""
     path = Path(path)
-    with open(path, encoding="utf-8") as handle:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as handle:
         lines = handle.read().splitlines()
     if not lines:
         raise ValueError(f"routing trace {path} is empty")

@@ -1,0 +1,153 @@
+"""Routing of the shipped trained model on held-out text: eviction policies against Belady, and the
+precision of the two expert predictions.
+
+    python benchmarks/bench_routing.py [--model GGUF] [--tokens 2048] [--per-file 256] [--trace OUT.gz]
+
+The held-out standard-library files (`k3stream.train.corpus`, never trained on) are decoded token by
+token (teacher forced: each next token is the text's) through an expert store that holds every
+expert, so the recorded routing trace is the model's own demand. Printed: every policy's hit rate
+against Belady's at 1/8, 1/4 and 1/2 of the experts, and per MoE layer the precision and recall of the
+pre-attention hint (a layer's router on its input, before its attention) and of the layer-ahead hint
+(the next MoE layer's router on this layer's stream after attention). `--trace` keeps the trace
+gzipped (`python -m k3stream.store.simulate` reads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "src" / "k3stream" / "data" / "k3-stdlib-audited.gguf"
+MIB = 1 << 20
+POLICIES = ["lfu-lru", "lru", "arc", "cycle"]
+BUDGETS = (0.125, 0.25, 0.5)
+
+
+class LayerHints:
+    """`HintLog`'s interface, with one log per MoE layer (the model calls predicted/used)."""
+
+    def __init__(self) -> None:
+        from k3stream.model.hints import HintLog
+
+        self.logs = defaultdict(HintLog)
+
+    def predicted(self, kind: str, layer: int, experts: list[int]) -> None:
+        self.logs[layer].predicted(kind, layer, experts)
+
+    def used(self, layer: int, experts: list[int]) -> None:
+        self.logs[layer].used(layer, experts)
+
+
+def held_out_token_runs(gguf: Path, total: int, per_file: int) -> list[list[int]]:
+    """Up to `per_file` tokens from each held-out file, in order, `total` in all."""
+    from k3stream.engine.tokenizer import Tokenizer
+    from k3stream.train.corpus import read_texts, split_corpus
+
+    corpus = split_corpus()
+    tokenizer = Tokenizer.from_gguf(gguf)
+    runs, count = [], 0
+    for text in read_texts(corpus.root, corpus.held_out):
+        ids = tokenizer.encode_plain(text)[: min(per_file, total - count)]
+        if len(ids) >= 2:
+            runs.append(ids)
+            count += len(ids)
+        if count >= total:
+            break
+    return runs
+
+
+def record(gguf: Path, manifest: Path, trace_path: Path, runs: list[list[int]]) -> LayerHints:
+    """Decode every run token by token through a store holding all experts, recording the trace."""
+    import k3stream
+    from k3stream.pack.reader import ExpertPack
+    from k3stream.store import ExpertStore
+
+    with ExpertPack(manifest) as pack:
+        everything = len(pack.moe_layers) * pack.num_experts * pack.object_bytes / MIB
+    hints = LayerHints()
+    with ExpertStore(manifest, ram_mib=everything, prefetch=False, record_trace=trace_path) as store:
+        # prefetch=True computes both predictions; the store ignores hints (its prefetch is off)
+        model = k3stream.load(gguf, expert_source=store, prefetch=True)
+        model.hints = hints
+        for run in runs:
+            state = model.new_state()
+            for token in run:
+                model.decode(state, token)
+                store.end_token(1)
+    return hints
+
+
+def policy_rows(trace_path: Path) -> tuple[list[dict], dict]:
+    from k3stream.store.simulate import hit_rate_table
+    from k3stream.store.traces import read_trace
+
+    trace = read_trace(trace_path)
+    meta = trace.meta
+    total = len(meta["moe_layers"]) * meta["num_experts"]
+    sizes = [round(fraction * total) * meta["object_bytes"] / MIB for fraction in BUDGETS]
+    return hit_rate_table(trace.steps, meta["object_bytes"], sizes, POLICIES), {
+        "steps": len(trace.steps),
+        "tokens": trace.tokens,
+        "experts": total,
+    }
+
+
+def hint_rows(hints: LayerHints) -> dict[int, dict]:
+    return {layer: log.summary() for layer, log in sorted(hints.logs.items())}
+
+
+def print_report(rows: list[dict], info: dict, hints: dict[int, dict]) -> None:
+    print(
+        f"\n## eviction: {info['tokens']} held-out tokens, {info['steps']} steps, {info['experts']} experts"
+    )
+    print("budget    " + "  ".join(f"{name:>8}" for name in (*POLICIES, "belady")) + "   best/belady")
+    for row, fraction in zip(rows, BUDGETS, strict=False):
+        best = max(row[name] for name in POLICIES)
+        cells = "  ".join(f"{100 * row[name]:>7.1f}%" for name in (*POLICIES, "belady"))
+        print(f"{fraction:>6.1%}    {cells}   {best / row['belady']:.3f}")
+    print("\n## predictions per MoE layer: precision / recall")
+    for layer, summary in hints.items():
+        cells = "  ".join(
+            f"{kind} {100 * s['precision']:5.1f}% / {100 * s['recall']:5.1f}%" for kind, s in summary.items()
+        )
+        print(f"layer {layer}: {cells}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from k3stream.pack.builder import BuildOptions, build_pack
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", type=Path, default=MODEL, help="an audited GGUF (default: the shipped one)"
+    )
+    parser.add_argument("--tokens", type=int, default=2048, help="held-out tokens in all")
+    parser.add_argument("--per-file", type=int, default=256, help="tokens from each held-out file")
+    parser.add_argument("--trace", type=Path, default=None, help="keep the trace here, gzipped")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as temp:
+        work = Path(temp)
+        gguf = work / args.model.name
+        shutil.copyfile(args.model, gguf)
+        manifest = build_pack(gguf, options=BuildOptions(progress=False)).manifest
+        runs = held_out_token_runs(gguf, args.tokens, args.per_file)
+        trace_path = work / "trace.jsonl"
+        hints = hint_rows(record(gguf, manifest, trace_path, runs))
+        rows, info = policy_rows(trace_path)
+        if args.trace is not None:
+            with open(args.trace, "wb") as out, gzip.GzipFile(fileobj=out, mode="wb", mtime=0) as packed:
+                packed.write(trace_path.read_bytes())
+    print_report(rows, info, hints)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"policies": rows, "trace": info, "hints": hints}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
