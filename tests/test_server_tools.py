@@ -341,6 +341,15 @@ def test_completion_logprobs(client):
             {"chat_template_kwargs": {"add_generation_prompt": False}},
             "chat_template_kwargs.add_generation_prompt",
         ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"pattern": "(?<=a)b"}}}
+                ],
+                "tool_choice": "required",
+            },
+            "tools.0.function.parameters",
+        ),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(serve, fields, param):

@@ -120,6 +120,7 @@ class ServedModel:
     def _constraint(self, body: ChatCompletionRequest) -> TokenConstraint | None:
         forced = body.forced_tools()
         if forced:
+            self._check_tool_schemas(body)
             tools = [(tool.function.name, tool.function.schema_or_empty()) for tool in forced]
             parallel = body.parallel_tool_calls is not False and body.tool_choice == "required"
             earlier = sum(len(m.tool_calls or []) for m in body.messages)
@@ -135,6 +136,14 @@ class ServedModel:
             section = self.tokenizer.token_id("<|tool_calls_section_begin|>")
             return BannedTokens([section], self.vocab_size)
         return None
+
+    def _check_tool_schemas(self, body: ChatCompletionRequest) -> None:
+        """A 400 naming the first forced tool whose parameters the grammar library cannot compile."""
+        forced = {tool.function.name for tool in body.forced_tools()}
+        for index, tool in enumerate(body.tools or []):
+            if tool.function.name in forced:
+                grammar = json_schema_grammar(tool.function.schema_or_empty())
+                self.grammars.constraint(grammar, f"tools.{index}.function.parameters")
 
     def new_sequence(
         self,
