@@ -112,10 +112,11 @@ def test_q8_k_rows_do_not_depend_on_grouping_or_threads(qt):
         torch.set_num_threads(threads)
 
 
-def test_match_ggml_rounds_the_inputs_of_types_without_integer_kernels():
-    w = weight(T.Q4_K, 16, 512)
+@pytest.mark.parametrize("qt", [T.Q5_K, T.Q4_0, T.Q8_0, T.F16], ids=lambda t: t.name)
+def test_match_ggml_rounds_the_inputs_of_types_without_integer_kernels(qt):
+    w = weight(qt, 16, 512)
     x = torch.randn(3, 512)
-    assert torch.equal(qmatmul(x, w, match_ggml=True), qmatmul(round_like_ggml(x, int(T.Q4_K)), w))
+    assert torch.equal(qmatmul(x, w, match_ggml=True), qmatmul(round_like_ggml(x, int(qt)), w))
 
 
 def test_expert_mlp_matches_the_reference_path():
@@ -163,3 +164,31 @@ def test_shapes_that_do_not_fit_the_blocks_name_the_tensor():
         checked_weight("blk.3.attn_q.weight", torch.zeros(100, dtype=torch.uint8), int(T.Q4_0), (1, 100))
     with pytest.raises(ValueError, match=r"blk\.3\.attn_q\.weight: Q8_0 \(2, 32\) needs 68 bytes, has 34"):
         checked_weight("blk.3.attn_q.weight", torch.zeros(34, dtype=torch.uint8), int(T.Q8_0), (2, 32))
+
+
+GENERIC_CHECK = """
+import numpy as np, torch
+from test_kernels import CPU_TYPES, FLOATS, cpu, qmatmul, reference, relative_error, round_like_ggml, weight
+worst = 0.0
+for qt in CPU_TYPES + FLOATS:
+    w = weight(qt, 19, 512, seed=4)
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((3, 512)).astype(np.float32))
+    worst = max(worst, relative_error(qmatmul(x, w), reference(x, w)))
+    if int(qt) in cpu.Q8_K_TYPES:
+        rounded = reference(round_like_ggml(x, int(qt)), w)
+        worst = max(worst, relative_error(qmatmul(x, w, match_ggml=True), rounded))
+print(worst)
+"""
+
+
+def test_the_portable_kernels_match_the_reference_too():
+    """K3STREAM_GENERIC_KERNELS=1: the kernels a machine without AVX2 runs (tile and integer paths)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, K3STREAM_GENERIC_KERNELS="1", PYTHONPATH=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", GENERIC_CHECK], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) <= 1e-5

@@ -16,8 +16,8 @@ import torch
 
 # GGML type ids with a C kernel
 CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39})
-# ... and with integer kernels on Q8_K activations, as ggml's (Q2_K, Q3_K)
-Q8_K_TYPES = frozenset({10, 11})
+# ... and with integer kernels on Q8_K activations, as ggml's (Q2_K, Q3_K, Q4_K, Q6_K)
+Q8_K_TYPES = frozenset({10, 11, 12, 14})
 # products smaller than this many multiply-adds run on the calling thread: waking a second OpenMP pool
 # next to torch's (whose threads spin after each op) costs more than it saves
 PARALLEL_MIN_MACS = 1 << 22

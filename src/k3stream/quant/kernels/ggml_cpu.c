@@ -272,6 +272,29 @@ INLINE float q8_q3_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict
     return f16(b + 108) * y->d * (float)isum;
 }
 
+INLINE float q8_q4_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y) {
+    int isum = 0, summs = 0;
+    for (int s = 0; s < 8; s++) { /* sub-block s: nibbles (s odd: high) of bytes 32(s / 2) .. + 31 */
+        int scale, min, dot = 0;
+        k_scale_min(b + 4, s, &scale, &min);
+        for (int i = 0; i < 32; i++) dot += ((b[16 + 32 * (s / 2) + i] >> (4 * (s & 1))) & 15) * y->qs[32 * s + i];
+        isum += scale * dot;
+        summs += min * (y->bsums[2 * s] + y->bsums[2 * s + 1]);
+    }
+    return y->d * f16(b) * (float)isum - y->d * f16(b + 2) * (float)summs;
+}
+
+INLINE float q8_q6_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y) {
+    int isum = 0;
+    for (int e = 0; e < 256; e++) { /* as dot_q6_k: run r = e / 32 */
+        const int run = e / 32, half = run >> 2, rest = (run & 3) * 32, i = e % 32;
+        const int low = (b[64 * half + (rest & 63) + i] >> (4 * (rest >> 6))) & 15;
+        const int high = (b[128 + 32 * half + i] >> (2 * (run & 3))) & 3;
+        isum += (int8_t)b[192 + e / 16] * ((low | high << 4) - 32) * y->qs[e];
+    }
+    return f16(b + 208) * y->d * (float)isum;
+}
+
 /* One weight row m against each of its input rows' Q8_K blocks; blocks summed in order, as ggml */
 #define Q8_ROW(NAME, DOT, BLOCK_BYTES)                                                                 \
     static void NAME(const Product *pr, int64_t b, int64_t m) {                                        \
@@ -336,6 +359,9 @@ typedef void (*RowKernel)(const Product *, int64_t, int64_t);
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
+/* K3STREAM_GENERIC_KERNELS=1 takes the portable kernels on any machine (so tests reach them too) */
+#define HAVE_AVX2() \
+    (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && getenv("K3STREAM_GENERIC_KERNELS") == NULL)
 
 AVX2 static inline __m256 codes_lo8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
 
@@ -606,7 +632,7 @@ FUSED_ROW(fused_f16, dot_f16, 32, 64)
 FUSED_ROW(fused_bf16, dot_bf16, 32, 64)
 
 static RowKernel fused_kernel(int ggml_type) {
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return NULL;
+    if (!HAVE_AVX2()) return NULL;
     switch (ggml_type) {
         case 10: return fused_q2_k;
         case 11: return fused_q3_k;
@@ -690,6 +716,49 @@ ALWAYS __m256 q8_q3_k(const uint8_t *restrict b, const BlockQ8K *restrict y, __m
     return _mm256_fmadd_ps(_mm256_set1_ps(f16(b + 108) * y->d), _mm256_cvtepi32_ps(sumi), acc);
 }
 
+/* Q4_K: sub-blocks 2j (low nibbles) and 2j + 1 (high) of bytes 32j..; mins against the Q8_K sums */
+ALWAYS __m256 q8_q4_k(const uint8_t *restrict b, const BlockQ8K *restrict y, __m256 acc) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    __m256i sumi = _mm256_setzero_si256();
+    int summs = 0;
+    for (int j = 0; j < 4; j++) {
+        int scale_lo, min_lo, scale_hi, min_hi;
+        k_scale_min(b + 4, 2 * j, &scale_lo, &min_lo);
+        k_scale_min(b + 4, 2 * j + 1, &scale_hi, &min_hi);
+        summs += min_lo * (y->bsums[4 * j] + y->bsums[4 * j + 1]) + min_hi * (y->bsums[4 * j + 2] + y->bsums[4 * j + 3]);
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * j));
+        const __m256i lo = _mm256_and_si256(q, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble);
+        const __m256i y_lo = _mm256_loadu_si256((const __m256i *)(y->qs + 64 * j));
+        const __m256i y_hi = _mm256_loadu_si256((const __m256i *)(y->qs + 64 * j + 32));
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, y_lo), _mm256_set1_epi16((short)scale_lo)));
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y_hi), _mm256_set1_epi16((short)scale_hi)));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(y->d * f16(b)), _mm256_cvtepi32_ps(sumi), acc);
+    return _mm256_add_ps(acc, _mm256_setr_ps(-y->d * f16(b + 2) * (float)summs, 0, 0, 0, 0, 0, 0, 0));
+}
+
+/* Q6_K: codes 0..63 times y, less 32 times each sub-block's sum of y (its Q8_K bsum), by int8 scale */
+ALWAYS __m256 q8_q6_k(const uint8_t *restrict b, const BlockQ8K *restrict y, __m256 acc) {
+    const __m128i scales8 = _mm_loadu_si128((const __m128i *)(b + 192));
+    __m256i halves[2];
+    scale_halves(scales8, halves);
+    const __m256i nibble = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3);
+    __m256i sumi = _mm256_mullo_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(scales8),
+                                                        _mm256_loadu_si256((const __m256i *)y->bsums)),
+                                      _mm256_set1_epi32(-32));
+    for (int run = 0; run < 8; run++) {
+        const int half = run >> 2, rest = (run & 3) * 32;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * half + (rest & 63)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
+        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (rest >> 6)), nibble);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * (run & 3)), pair);
+        const __m256i codes = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+        const __m256i q8 = _mm256_loadu_si256((const __m256i *)(y->qs + 32 * run));
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q8), pair_scales(halves[half], run & 3)));
+    }
+    return _mm256_fmadd_ps(_mm256_set1_ps(f16(b + 208) * y->d), _mm256_cvtepi32_ps(sumi), acc);
+}
+
 /* One weight row m against each of its input rows' Q8_K blocks, eight float lanes summed at the end */
 #define Q8_ROW_AVX2(NAME, DOT, BLOCK_BYTES)                                                            \
     AVX2 static void NAME(const Product *pr, int64_t b, int64_t m) {                                   \
@@ -705,22 +774,29 @@ ALWAYS __m256 q8_q3_k(const uint8_t *restrict b, const BlockQ8K *restrict y, __m
 
 Q8_ROW_AVX2(q8_row_q2_k_avx2, q8_q2_k, 84)
 Q8_ROW_AVX2(q8_row_q3_k_avx2, q8_q3_k, 110)
-#define HAVE_AVX2() (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+Q8_ROW_AVX2(q8_row_q4_k_avx2, q8_q4_k, 144)
+Q8_ROW_AVX2(q8_row_q6_k_avx2, q8_q6_k, 210)
 #else
 static RowKernel fused_kernel(int ggml_type) { (void)ggml_type; return NULL; }
 #define HAVE_AVX2() 0
 #define q8_row_q2_k_avx2 q8_row_q2_k_generic
 #define q8_row_q3_k_avx2 q8_row_q3_k_generic
+#define q8_row_q4_k_avx2 q8_row_q4_k_generic
+#define q8_row_q6_k_avx2 q8_row_q6_k_generic
 #endif
 
 Q8_ROW(q8_row_q2_k_generic, q8_q2_k_generic, 84)
 Q8_ROW(q8_row_q3_k_generic, q8_q3_k_generic, 110)
+Q8_ROW(q8_row_q4_k_generic, q8_q4_k_generic, 144)
+Q8_ROW(q8_row_q6_k_generic, q8_q6_k_generic, 210)
 
 static RowKernel q8_kernel(int ggml_type) {
     const int avx2 = HAVE_AVX2();
     switch (ggml_type) {
         case 10: return avx2 ? q8_row_q2_k_avx2 : q8_row_q2_k_generic;
         case 11: return avx2 ? q8_row_q3_k_avx2 : q8_row_q3_k_generic;
+        case 12: return avx2 ? q8_row_q4_k_avx2 : q8_row_q4_k_generic;
+        case 14: return avx2 ? q8_row_q6_k_avx2 : q8_row_q6_k_generic;
         default: return NULL;
     }
 }
