@@ -82,6 +82,9 @@ def test_the_chosen_hint_is_scored_exactly_and_sent_at_its_moment(model_path, hi
     assert summary["predicted"] > 0 and 0.0 <= summary["precision"] <= 1.0
     other = next(kind for kind in HINT_KINDS if kind != hint)
     assert model.hints.summary()[other]["predicted"] > 0  # scored on the same run, never sent
+    per_layer = model.hints.by_layer()[hint]
+    assert sorted(per_layer) == moe_layers(model)
+    assert sum(scores["correct"] for scores in per_layer.values()) == summary["correct"]
 
 
 def test_auto_sends_layer_ahead_hints_in_prefill_and_pre_attention_hints_in_decode(model_path):

@@ -30,7 +30,7 @@ class HintLog:
 
     def __init__(self) -> None:
         self._pending: dict[tuple[str, int], set[int]] = {}
-        self._counts = {kind: [0, 0, 0] for kind in HINT_KINDS}
+        self._counts: dict[tuple[str, int], list[int]] = {}  # (kind, layer) -> predicted, correct, used
 
     def predicted(self, kind: str, layer: int, experts: list[int]) -> None:
         self._pending[(kind, layer)] = set(experts)
@@ -41,20 +41,32 @@ class HintLog:
         for kind in HINT_KINDS:
             guess = self._pending.pop((kind, layer), None)
             if guess is not None:
-                counts = self._counts[kind]
+                counts = self._counts.setdefault((kind, layer), [0, 0, 0])
                 counts[0] += len(guess)
                 counts[1] += len(guess & actual)
                 counts[2] += len(actual)
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """Per kind: precision (correct / predicted), recall (correct / used) and the counts."""
+        """Per kind, over all layers: precision (correct / predicted), recall (correct / used), counts."""
+        totals = {kind: [0, 0, 0] for kind in HINT_KINDS}
+        for (kind, _layer), counts in self._counts.items():
+            totals[kind] = [total + count for total, count in zip(totals[kind], counts, strict=True)]
+        return {kind: _scores(*counts) for kind, counts in totals.items()}
+
+    def by_layer(self) -> dict[str, dict[int, dict[str, float]]]:
+        """The same per kind and MoE layer."""
+        layers = sorted({layer for _kind, layer in self._counts})
         return {
-            kind: {
-                "predicted": predicted,
-                "correct": correct,
-                "used": used,
-                "precision": correct / predicted if predicted else 0.0,
-                "recall": correct / used if used else 0.0,
-            }
-            for kind, (predicted, correct, used) in self._counts.items()
+            kind: {layer: _scores(*self._counts.get((kind, layer), (0, 0, 0))) for layer in layers}
+            for kind in HINT_KINDS
         }
+
+
+def _scores(predicted: int, correct: int, used: int) -> dict[str, float]:
+    return {
+        "predicted": predicted,
+        "correct": correct,
+        "used": used,
+        "precision": correct / predicted if predicted else 0.0,
+        "recall": correct / used if used else 0.0,
+    }
