@@ -64,7 +64,7 @@ def main() -> None:
         def plain_read(words=words):
             return [w.sum() for w in words]
 
-        for match_ggml in (False, True) if GGMLQuantizationType[name] in cpu.Q8_K_TYPES else (False,):
+        for match_ggml in (False, True) if GGMLQuantizationType[name] in cpu.Q8_TYPES else (False,):
 
             def product(weights=weights, match_ggml=match_ggml):
                 return grouped_qmatmul(x, weights, starts, rows, match_ggml=match_ggml)

@@ -80,10 +80,10 @@ def test_grouped_rows_equal_separate_products_bit_for_bit(qt):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("qt", sorted(cpu.Q8_K_TYPES), ids=lambda t: T(t).name)
+@pytest.mark.parametrize("qt", sorted(cpu.Q8_TYPES), ids=lambda t: T(t).name)
 @pytest.mark.parametrize("rows,cols,inputs", [(37, 256, 1), (5, 512, 3), (64, 768, 40)])
-def test_q8_k_kernels_equal_the_product_with_inputs_rounded_as_ggml(qt, rows, cols, inputs):
-    """match_ggml: integer kernels on ggml's Q8_K codes. Their sums are exact, so they agree with the
+def test_integer_kernels_equal_the_product_with_inputs_rounded_as_ggml(qt, rows, cols, inputs):
+    """match_ggml: integer kernels on ggml's Q8_K or Q8_0 codes. Their sums are exact, so they agree with the
     rounded input times the dequantized weight; an all-zero block and a negative largest value included."""
     w = weight(T(qt), rows, cols, seed=rows)
     x = torch.from_numpy(np.random.default_rng(cols).standard_normal((inputs, cols)).astype(np.float32))
@@ -95,8 +95,8 @@ def test_q8_k_kernels_equal_the_product_with_inputs_rounded_as_ggml(qt, rows, co
     assert relative_error(got, reference(x, w)) > 1e-6  # the activations were quantized
 
 
-@pytest.mark.parametrize("qt", sorted(cpu.Q8_K_TYPES), ids=lambda t: T(t).name)
-def test_q8_k_rows_do_not_depend_on_grouping_or_threads(qt):
+@pytest.mark.parametrize("qt", sorted(cpu.Q8_TYPES), ids=lambda t: T(t).name)
+def test_integer_kernel_rows_do_not_depend_on_grouping_or_threads(qt):
     weights = [weight(T(qt), 24, 512, seed=s) for s in range(3)]
     x = torch.randn(5, 512)
     starts, rows = torch.tensor([0, 2, 2, 6]), torch.tensor([4, 0, 1, 2, 3, 4])
@@ -112,7 +112,7 @@ def test_q8_k_rows_do_not_depend_on_grouping_or_threads(qt):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("qt", [T.Q5_K, T.Q4_0, T.Q8_0, T.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [T.Q5_K, T.Q4_1, T.MXFP4, T.F16], ids=lambda t: t.name)
 def test_match_ggml_rounds_the_inputs_of_types_without_integer_kernels(qt):
     w = weight(qt, 16, 512)
     x = torch.randn(3, 512)
@@ -174,7 +174,7 @@ for qt in CPU_TYPES + FLOATS:
     w = weight(qt, 19, 512, seed=4)
     x = torch.from_numpy(np.random.default_rng(5).standard_normal((3, 512)).astype(np.float32))
     worst = max(worst, relative_error(qmatmul(x, w), reference(x, w)))
-    if int(qt) in cpu.Q8_K_TYPES:
+    if int(qt) in cpu.Q8_TYPES:
         rounded = reference(round_like_ggml(x, int(qt)), w)
         worst = max(worst, relative_error(qmatmul(x, w, match_ggml=True), rounded))
 print(worst)

@@ -144,14 +144,14 @@ def grouped_qmatmul(
     """[P, out]: result row p (for p in `starts[b]..starts[b+1]`) is `x[rows[p]] @ weights[b]^T`.
 
     Every weight has one GGML type and shape. x: float32 [R, in]; starts: [B + 1], rows: [P] (int64).
-    `match_ggml`: x rounded as ggml's CPU matmul rounds it for this type (`round_like_ggml`); Q2_K and
-    Q3_K on the CPU then take integer kernels on the Q8_K codes, as ggml does.
+    `match_ggml`: x rounded as ggml's CPU matmul rounds it for this type (`round_like_ggml`); the types
+    in `cpu.Q8_TYPES` on the CPU then take integer kernels on the 8-bit codes, as ggml does.
     """
     first = weights[0]
     if any(w.ggml_type != first.ggml_type or w.shape != first.shape for w in weights):
         raise ValueError("grouped_qmatmul: the matrices differ in GGML type or shape")
     kernel = "reference" if backend == "reference" else kernel_for(first.ggml_type, x.device, first.shape[1])
-    q8_activations = match_ggml and kernel == "c" and first.ggml_type in cpu.Q8_K_TYPES
+    q8_activations = match_ggml and kernel == "c" and first.ggml_type in cpu.Q8_TYPES
     if match_ggml and not q8_activations:
         x = round_like_ggml(x, first.ggml_type)
     if kernel == "c":

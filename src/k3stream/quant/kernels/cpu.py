@@ -16,8 +16,9 @@ import torch
 
 # GGML type ids with a C kernel
 CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39})
-# ... and with integer kernels on Q8_K activations, as ggml's (Q2_K, Q3_K, Q4_K, Q6_K)
-Q8_K_TYPES = frozenset({10, 11, 12, 14})
+# ... and with integer kernels on 8-bit activations, as ggml's: Q8_K for Q2_K, Q3_K, Q4_K, Q6_K and
+# Q8_0 for Q4_0, Q8_0
+Q8_TYPES = frozenset({10, 11, 12, 14, 2, 8})
 # products smaller than this many multiply-adds run on the calling thread: waking a second OpenMP pool
 # next to torch's (whose threads spin after each op) costs more than it saves
 PARALLEL_MIN_MACS = 1 << 22
@@ -69,7 +70,7 @@ def grouped_product(
     """[P, out_features] float32: rows `starts[b]..starts[b+1]` of the result are `x[rows[p]]` times
     matrix b (contiguous uint8 GGUF bytes, `out_features` rows of `row_bytes`). x: float32 [R, K] on
     the CPU; starts/rows: int64. The matrices must stay alive for the call (they do: the caller holds
-    them). `q8_activations` (types in Q8_K_TYPES): x is quantized to Q8_K as ggml does and the
+    them). `q8_activations` (types in Q8_TYPES): x is quantized to Q8_K or Q8_0 as ggml does and the
     products are integer dot products per block, as ggml's."""
     x = x.contiguous()
     addresses = np.fromiter((m.data_ptr() for m in matrices), dtype=np.int64, count=len(matrices))
@@ -82,5 +83,7 @@ def grouped_product(
     if status == -2:
         raise MemoryError("no memory for the Q8_K activations")
     if status != 0:
-        raise ValueError(f"no CPU kernel for GGML type {ggml_type}" + " on Q8_K activations" * q8_activations)
+        raise ValueError(
+            f"no CPU kernel for GGML type {ggml_type}" + " on 8-bit activations" * q8_activations
+        )
     return out

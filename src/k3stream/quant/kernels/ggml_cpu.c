@@ -216,8 +216,53 @@ typedef struct {
     int64_t matrices;
     float *out;
     const float *sums16; /* fused kernels: sum of each 16 consecutive values of each x row */
-    const struct BlockQ8K *q8; /* Q8_K kernels: each x row quantized as ggml does, in_features / 256 blocks */
+    const struct BlockQ8K *q8;    /* Q8_K kernels: each x row quantized as ggml does, in / 256 blocks */
+    const struct BlockQ8_0 *q8_0; /* Q8_0 kernels: the same in Q8_0 blocks, in / 32 of them */
 } Product;
+
+/* ggml's block_q8_0: 32 codes x * 127 / amax rounded, and d = amax / 127 rounded to F16 (held as float) */
+typedef struct BlockQ8_0 {
+    float d;
+    int8_t qs[32];
+} BlockQ8_0;
+
+/* The bits of the F16 nearest to `value` (ties to even), as numpy and F16C convert */
+static uint16_t f16_bits(float value) {
+    uint32_t x;
+    memcpy(&x, &value, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    x &= 0x7FFFFFFFu;
+    if (x >= 0x7F800000u) return sign | 0x7C00u | (x > 0x7F800000u ? 0x200u : 0u); /* inf, NaN */
+    if (x >= 0x477FF000u) return sign | 0x7C00u;                                   /* rounds past 65504 */
+    if (x < 0x38800000u) return sign | (uint16_t)nearbyintf(fabsf(value) * 0x1p24f); /* subnormal: exact */
+    const uint32_t rebased = x - 0x38000000u;                                       /* exponent - 112 */
+    return sign | (uint16_t)((rebased + 0xFFFu + ((rebased >> 13) & 1u)) >> 13);
+}
+
+/* quantize_row_q8_0 (ggml's AVX2 one): id = 127 / amax (correctly rounded), codes round half to even */
+static void quantize_q8_0(const float *restrict x, int64_t blocks, BlockQ8_0 *restrict y) {
+    for (int64_t i = 0; i < blocks; i++, x += 32) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+        const uint16_t d = f16_bits(amax / 127.0f);
+        const uint8_t half[2] = {(uint8_t)(d & 255), (uint8_t)(d >> 8)};
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        y[i].d = f16(half);
+        for (int j = 0; j < 32; j++) y[i].qs[j] = (int8_t)nearbyintf(x[j] * id);
+    }
+}
+
+INLINE float q8_q8_0_generic(const uint8_t *restrict b, const BlockQ8_0 *restrict y) {
+    int isum = 0;
+    for (int i = 0; i < 32; i++) isum += (int8_t)b[2 + i] * y->qs[i];
+    return f16(b) * y->d * (float)isum;
+}
+
+INLINE float q8_q4_0_generic(const uint8_t *restrict b, const BlockQ8_0 *restrict y) {
+    int isum = 0;
+    for (int i = 0; i < 16; i++) isum += ((b[2 + i] & 15) - 8) * y->qs[i] + ((b[2 + i] >> 4) - 8) * y->qs[16 + i];
+    return f16(b) * y->d * (float)isum;
+}
 
 /* ggml's block_q8_K: x * (1 / d) rounded to int8, and the sums of each 16 codes */
 typedef struct BlockQ8K {
@@ -295,13 +340,14 @@ INLINE float q8_q6_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict
     return f16(b + 208) * y->d * (float)isum;
 }
 
-/* One weight row m against each of its input rows' Q8_K blocks; blocks summed in order, as ggml */
-#define Q8_ROW(NAME, DOT, BLOCK_BYTES)                                                                 \
+/* One weight row m against each of its input rows' 8-bit blocks (Y: Q8_K or Q8_0, ELEMS values each);
+ * blocks summed in order, as ggml */
+#define Q8_ROW(NAME, DOT, BLOCK_BYTES, Y, ELEMS)                                                       \
     static void NAME(const Product *pr, int64_t b, int64_t m) {                                        \
         const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;          \
-        const int64_t blocks = pr->in_features / 256;                                                 \
+        const int64_t blocks = pr->in_features / (ELEMS);                                             \
         for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {                                  \
-            const BlockQ8K *y = pr->q8 + pr->rows[p] * blocks;                                         \
+            const __typeof__(*pr->Y) *y = pr->Y + pr->rows[p] * blocks;                                \
             float sum = 0.0f;                                                                          \
             for (int64_t block = 0; block < blocks; block++) sum += DOT(row + block * (BLOCK_BYTES), y + block); \
             pr->out[p * pr->out_rows + m] = sum;                                                       \
@@ -759,23 +805,44 @@ ALWAYS __m256 q8_q6_k(const uint8_t *restrict b, const BlockQ8K *restrict y, __m
     return _mm256_fmadd_ps(_mm256_set1_ps(f16(b + 208) * y->d), _mm256_cvtepi32_ps(sumi), acc);
 }
 
-/* One weight row m against each of its input rows' Q8_K blocks, eight float lanes summed at the end */
-#define Q8_ROW_AVX2(NAME, DOT, BLOCK_BYTES)                                                            \
+/* Q8_0 weights: signed codes times signed codes, by maddubs on |w| and y with w's sign */
+ALWAYS __m256 q8_signed_dot(__m256i w, __m256i q8, float scale, __m256 acc) {
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q8, w));
+    const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(sums), acc);
+}
+
+ALWAYS __m256 q8_q8_0(const uint8_t *restrict b, const BlockQ8_0 *restrict y, __m256 acc) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2));
+    return q8_signed_dot(w, _mm256_loadu_si256((const __m256i *)y->qs), f16(b) * y->d, acc);
+}
+
+ALWAYS __m256 q8_q4_0(const uint8_t *restrict b, const BlockQ8_0 *restrict y, __m256 acc) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2)), nibble = _mm_set1_epi8(15);
+    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), nibble), _mm_and_si128(q, nibble));
+    const __m256i w = _mm256_sub_epi8(codes, _mm256_set1_epi8(8));
+    return q8_signed_dot(w, _mm256_loadu_si256((const __m256i *)y->qs), f16(b) * y->d, acc);
+}
+
+/* One weight row m against each of its input rows' 8-bit blocks, eight float lanes summed at the end */
+#define Q8_ROW_AVX2(NAME, DOT, BLOCK_BYTES, Y, ELEMS)                                                  \
     AVX2 static void NAME(const Product *pr, int64_t b, int64_t m) {                                   \
         const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;          \
-        const int64_t blocks = pr->in_features / 256;                                                 \
+        const int64_t blocks = pr->in_features / (ELEMS);                                             \
         for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {                                  \
-            const BlockQ8K *y = pr->q8 + pr->rows[p] * blocks;                                         \
+            const __typeof__(*pr->Y) *y = pr->Y + pr->rows[p] * blocks;                                \
             __m256 acc = _mm256_setzero_ps();                                                          \
             for (int64_t block = 0; block < blocks; block++) acc = DOT(row + block * (BLOCK_BYTES), y + block, acc); \
             pr->out[p * pr->out_rows + m] = hsum8(acc);                                                \
         }                                                                                              \
     }
 
-Q8_ROW_AVX2(q8_row_q2_k_avx2, q8_q2_k, 84)
-Q8_ROW_AVX2(q8_row_q3_k_avx2, q8_q3_k, 110)
-Q8_ROW_AVX2(q8_row_q4_k_avx2, q8_q4_k, 144)
-Q8_ROW_AVX2(q8_row_q6_k_avx2, q8_q6_k, 210)
+Q8_ROW_AVX2(q8_row_q2_k_avx2, q8_q2_k, 84, q8, 256)
+Q8_ROW_AVX2(q8_row_q3_k_avx2, q8_q3_k, 110, q8, 256)
+Q8_ROW_AVX2(q8_row_q4_k_avx2, q8_q4_k, 144, q8, 256)
+Q8_ROW_AVX2(q8_row_q6_k_avx2, q8_q6_k, 210, q8, 256)
+Q8_ROW_AVX2(q8_row_q8_0_avx2, q8_q8_0, 34, q8_0, 32)
+Q8_ROW_AVX2(q8_row_q4_0_avx2, q8_q4_0, 18, q8_0, 32)
 #else
 static RowKernel fused_kernel(int ggml_type) { (void)ggml_type; return NULL; }
 #define HAVE_AVX2() 0
@@ -783,12 +850,16 @@ static RowKernel fused_kernel(int ggml_type) { (void)ggml_type; return NULL; }
 #define q8_row_q3_k_avx2 q8_row_q3_k_generic
 #define q8_row_q4_k_avx2 q8_row_q4_k_generic
 #define q8_row_q6_k_avx2 q8_row_q6_k_generic
+#define q8_row_q8_0_avx2 q8_row_q8_0_generic
+#define q8_row_q4_0_avx2 q8_row_q4_0_generic
 #endif
 
-Q8_ROW(q8_row_q2_k_generic, q8_q2_k_generic, 84)
-Q8_ROW(q8_row_q3_k_generic, q8_q3_k_generic, 110)
-Q8_ROW(q8_row_q4_k_generic, q8_q4_k_generic, 144)
-Q8_ROW(q8_row_q6_k_generic, q8_q6_k_generic, 210)
+Q8_ROW(q8_row_q2_k_generic, q8_q2_k_generic, 84, q8, 256)
+Q8_ROW(q8_row_q3_k_generic, q8_q3_k_generic, 110, q8, 256)
+Q8_ROW(q8_row_q4_k_generic, q8_q4_k_generic, 144, q8, 256)
+Q8_ROW(q8_row_q6_k_generic, q8_q6_k_generic, 210, q8, 256)
+Q8_ROW(q8_row_q8_0_generic, q8_q8_0_generic, 34, q8_0, 32)
+Q8_ROW(q8_row_q4_0_generic, q8_q4_0_generic, 18, q8_0, 32)
 
 static RowKernel q8_kernel(int ggml_type) {
     const int avx2 = HAVE_AVX2();
@@ -797,6 +868,8 @@ static RowKernel q8_kernel(int ggml_type) {
         case 11: return avx2 ? q8_row_q3_k_avx2 : q8_row_q3_k_generic;
         case 12: return avx2 ? q8_row_q4_k_avx2 : q8_row_q4_k_generic;
         case 14: return avx2 ? q8_row_q6_k_avx2 : q8_row_q6_k_generic;
+        case 8: return avx2 ? q8_row_q8_0_avx2 : q8_row_q8_0_generic;
+        case 2: return avx2 ? q8_row_q4_0_avx2 : q8_row_q4_0_generic;
         default: return NULL;
     }
 }
@@ -828,28 +901,35 @@ static void run_task(const Product *pr, RowKernel kernel, int64_t task, int64_t 
     for (int64_t m = first; m < last && pr->starts[b + 1] > pr->starts[b]; m++) kernel(pr, b, m);
 }
 
-/* Returns 0, or -1 for a GGML type without a kernel. Workers take ROWS_PER_TASK rows of a matrix. */
 static int64_t rows_used(const int64_t *starts, const int64_t *rows, int64_t matrices) {
     int64_t x_rows = 0;
     for (int64_t p = 0; p < starts[matrices]; p++) x_rows = rows[p] + 1 > x_rows ? rows[p] + 1 : x_rows;
     return x_rows;
 }
 
-/* `q8_activations`: quantize x to Q8_K first and take the integer kernels (types with q8_kernel). */
+/* Returns 0, -1 for a GGML type without a kernel, -2 without memory. Workers take ROWS_PER_TASK rows of
+ * a matrix. `q8_activations`: quantize x as ggml does for the type (Q8_K for K-quants, Q8_0 for Q4_0
+ * and Q8_0) and take the integer kernels (types with a q8_kernel). */
 int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addresses, int64_t matrices,
                        int64_t out_rows, int64_t row_bytes, int ggml_type, const int64_t *starts,
                        const int64_t *rows, float *out, int threads, int q8_activations) {
-    Product pr = {x, in_features, out_rows, row_bytes, addresses, starts, rows, matrices, out, NULL, NULL};
+    Product pr = {x, in_features, out_rows, row_bytes, addresses, starts, rows, matrices, out, NULL, NULL, NULL};
     RowKernel kernel = q8_activations ? q8_kernel(ggml_type) : fused_kernel(ggml_type);
     float *sums16 = NULL;
-    BlockQ8K *q8 = NULL;
+    void *q8 = NULL;
     if (q8_activations) {
-        if (kernel == NULL || in_features % 256 != 0) return -1;
-        const int64_t x_rows = rows_used(starts, rows, matrices);
-        q8 = malloc(sizeof(BlockQ8K) * (size_t)(x_rows * (in_features / 256) + 1));
+        const int k_quant = ggml_type >= 10 && ggml_type <= 14, elems = k_quant ? 256 : 32;
+        if (kernel == NULL || in_features % elems != 0) return -1;
+        const int64_t blocks = rows_used(starts, rows, matrices) * (in_features / elems);
+        q8 = malloc((k_quant ? sizeof(BlockQ8K) : sizeof(BlockQ8_0)) * (size_t)(blocks + 1));
         if (q8 == NULL) return -2;
-        quantize_q8_k(x, x_rows * (in_features / 256), q8);
-        pr.q8 = q8;
+        if (k_quant) {
+            quantize_q8_k(x, blocks, q8);
+            pr.q8 = q8;
+        } else {
+            quantize_q8_0(x, blocks, q8);
+            pr.q8_0 = q8;
+        }
     } else if (kernel != NULL) { /* x's sub-block sums, once per call: [x rows, in / 16], 16 values in order */
         const int64_t x_rows = rows_used(starts, rows, matrices);
         sums16 = malloc(sizeof(float) * (size_t)(x_rows * (in_features / 16) + 1));
