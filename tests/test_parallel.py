@@ -45,14 +45,25 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.fixture(scope="module")
-def packed(tiny_model, tmp_path_factory) -> Path:
-    """A tiny audited model (Q2_K/Q3_K experts, F32 elsewhere) packed in a folder of its own."""
+def packed_copy(tiny_model, tmp_path_factory, **spec) -> Path:
+    """A tiny model packed in a folder of its own: its manifest."""
     from k3stream.pack.builder import build_pack
     from pack_helpers import copy_model
 
-    model = copy_model(tiny_model(**AUDITED), tmp_path_factory.mktemp("parallel"))
+    model = copy_model(tiny_model(**spec), tmp_path_factory.mktemp("parallel"))
     return Path(build_pack(model).manifest)
+
+
+@pytest.fixture(scope="module")
+def packed(tiny_model, tmp_path_factory) -> Path:
+    """The default tiny F32 model (6 layers, 5 of them MoE with 16 experts, 4 heads), packed."""
+    return packed_copy(tiny_model, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def audited(tiny_model, tmp_path_factory) -> Path:
+    """A tiny audited model (Q2_K/Q3_K experts, Q4_0/Q2_K MLA k_b/v_b, F32 elsewhere), packed."""
+    return packed_copy(tiny_model, tmp_path_factory, **AUDITED)
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +71,9 @@ def single(packed, tmp_path_factory) -> dict:
     return run_worker(tmp_path_factory.mktemp("single"), packed, 1)
 
 
-def object_bytes(manifest: Path) -> int:
-    from k3stream.pack.reader import ExpertPack
-
-    with ExpertPack(manifest) as pack:
-        return pack.object_bytes
+@pytest.fixture(scope="module")
+def audited_single(audited, tmp_path_factory) -> dict:
+    return run_worker(tmp_path_factory.mktemp("single"), audited, 1)
 
 
 def test_two_ranks_tensor_and_expert_parallel_match_one_process(packed, single, tmp_path):
@@ -73,6 +82,13 @@ def test_two_ranks_tensor_and_expert_parallel_match_one_process(packed, single, 
     assert rel(both["logits"], single["logits"]) <= 1e-5
     assert_reads_split(single, both, 2)
     assert all(report["exchange_bytes"] > 0 for report in both["reports"])
+
+
+@pytest.mark.slow
+def test_two_ranks_on_the_audited_recipe(audited, audited_single, tmp_path):
+    both = run_worker(tmp_path, audited, 2, "--tp", "2", "--ep", "2")
+    assert rel(both["logits"], audited_single["logits"]) <= 1e-5
+    assert_reads_split(audited_single, both, 2)
 
 
 def assert_reads_split(single: dict, parallel: dict, ranks: int) -> None:
@@ -85,21 +101,23 @@ def assert_reads_split(single: dict, parallel: dict, ranks: int) -> None:
     assert all(abs(r - total / ranks) <= 0.2 * total / ranks for r in reads), (reads, total)
 
 
-def test_expert_parallel_logits_are_bit_identical(packed, single, tmp_path):
+@pytest.mark.slow
+def test_expert_parallel_logits_are_bit_identical(audited, audited_single, tmp_path):
     """Without tensor parallelism nothing is summed in another order: every expert's output, and so
     the logits, are the single process's bits."""
-    experts = run_worker(tmp_path, packed, 2, "--ep", "2")
-    assert torch.equal(experts["logits"], single["logits"])
-    assert_reads_split(single, experts, 2)
+    experts = run_worker(tmp_path, audited, 2, "--ep", "2")
+    assert torch.equal(experts["logits"], audited_single["logits"])
+    assert_reads_split(audited_single, experts, 2)
 
 
 @pytest.mark.slow
-def test_four_ranks_match_one_process(packed, single, tmp_path):
-    four = run_worker(tmp_path, packed, 4, "--tp", "4", "--ep", "4")
-    assert rel(four["logits"], single["logits"]) <= 1e-5
-    assert_reads_split(single, four, 4)
+def test_four_ranks_match_one_process(audited, audited_single, tmp_path):
+    four = run_worker(tmp_path, audited, 4, "--tp", "4", "--ep", "4")
+    assert rel(four["logits"], audited_single["logits"]) <= 1e-5
+    assert_reads_split(audited_single, four, 4)
 
 
+@pytest.mark.slow
 def test_killed_rank_ends_the_run_naming_it(packed):
     """SIGKILL one rank of a running `torchrun -m k3stream generate`: rank 0 ends the run, non-zero,
     with one line naming that rank, within 30 s."""

@@ -77,9 +77,10 @@ def loaded(parallel: Parallel) -> None:
     if not parallel.distributed:
         return
     if dist.get_backend() == "gloo":
-        dist.monitored_barrier(timeout=timedelta(seconds=LOAD_TIMEOUT_S), wait_all_ranks=True)
+        timeout = timedelta(seconds=LOAD_TIMEOUT_S)
+        collective("loading", dist.monitored_barrier, None, timeout, True)
     else:
-        dist.barrier()
+        collective("loading", dist.barrier)
 
 
 def command_device() -> torch.device:

@@ -141,32 +141,32 @@ class DriverModel:
             self._guarded(collective, "a broadcast", dist.broadcast, payload, 0)
 
 
-def follow(model: Any, report: Callable[[], Any] = lambda: None) -> int:
-    """Run rank 0's commands on `model` until it stops; returns the number of forwards run.
-
-    `report()` is this rank's answer when rank 0 gathers the reports."""
+def follow(model: Any, report: Callable[[], Any] = lambda: None) -> None:
+    """Run rank 0's commands on `model` until it stops; `report()` answers rank 0's `reports()`."""
     states: dict[int, Any] = {}
-    forwards = 0
     while True:
-        header = torch.empty(HEADER, dtype=torch.int64, device=command_device())
-        collective("a broadcast", dist.broadcast, header, 0)
-        op, n_ids, n_tokens, n_dropped = header.tolist()
-        payload = torch.empty(n_ids + n_tokens + n_dropped, dtype=torch.int64, device=command_device())
-        if len(payload):
-            collective("a broadcast", dist.broadcast, payload, 0)
-        values = payload.tolist()
-        ids, tokens = values[:n_ids], values[n_ids : n_ids + n_tokens]
-        for dropped in values[n_ids + n_tokens :]:
-            states.pop(dropped, None)
+        op, ids, tokens, dropped = _receive()
+        for state_id in dropped:
+            states.pop(state_id, None)
         if op == STOP:
-            return forwards
+            return
         if op == NEW:
             states[ids[0]] = model.new_state()
         elif op == PREFILL:
             model.prefill(states[ids[0]], tokens)
-            forwards += 1
         elif op == DECODE:
             model.decode_batch([states[i] for i in ids], tokens)
-            forwards += 1
         elif op == STATS:
             collective("gather", dist.gather_object, report(), None, 0)
+
+
+def _receive() -> tuple[int, list[int], list[int], list[int]]:
+    """The next command: op, state ids, token ids, state ids rank 0 dropped."""
+    header = torch.empty(HEADER, dtype=torch.int64, device=command_device())
+    collective("a broadcast", dist.broadcast, header, 0)
+    op, n_ids, n_tokens, n_dropped = header.tolist()
+    payload = torch.empty(n_ids + n_tokens + n_dropped, dtype=torch.int64, device=command_device())
+    if len(payload):
+        collective("a broadcast", dist.broadcast, payload, 0)
+    values = payload.tolist()
+    return op, values[:n_ids], values[n_ids : n_ids + n_tokens], values[n_ids + n_tokens :]

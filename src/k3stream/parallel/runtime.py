@@ -32,26 +32,33 @@ def parallel_runtime(
         try:
             exchanges = shard(runtime.model, parallel)
             groups.loaded(parallel)
+            report = functools.partial(rank_report, runtime, exchanges)
             if not parallel.distributed:
                 yield runtime
             elif parallel.driver:
-                report = functools.partial(rank_report, runtime, exchanges)
-                driver = DriverModel(runtime.model, report, on_failure, args.dist_timeout / 2)
-                runtime.model = driver
-                try:
-                    yield runtime
-                finally:
-                    driver.close()
-                if driver.failure is not None:
-                    raise driver.failure
-                driver.stop()  # not reached when the run failed: the followers see the failure
+                yield from _drive(runtime, report, on_failure, args.dist_timeout / 2)
             else:
-                follow(runtime.model, lambda: rank_report(runtime, exchanges))
+                follow(runtime.model, report)
                 yield None
         finally:
             runtime.close()
     finally:
         groups.stop(parallel)
+
+
+def _drive(
+    runtime: Runtime, report: Callable[[], Any], on_failure: Callable[[], None], keepalive_s: float
+) -> Iterator[Runtime]:
+    """Rank 0: the caller's runtime with its model wrapped; the followers released at the end."""
+    driver = DriverModel(runtime.model, report, on_failure, keepalive_s)
+    runtime.model = driver
+    try:
+        yield runtime
+    finally:
+        driver.close()
+    if driver.failure is not None:
+        raise driver.failure
+    driver.stop()  # not reached when the run failed: the followers see the failure
 
 
 def shard(model: Any, parallel: groups.Parallel) -> list[ExpertExchange]:
