@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 from k3stream.engine.loading import Runtime, runtime_from_args
 from k3stream.parallel import groups
 from k3stream.parallel.experts import ExpertExchange, apply_expert_parallel
@@ -25,8 +27,7 @@ def parallel_runtime(
 
     When a peer fails, rank 0's model calls `on_failure()` (a server stops itself) and the failure is
     raised on leaving, also if the caller swallowed it."""
-    device = "cuda" if args.device.startswith("cuda") else "cpu"
-    parallel = groups.start(args.tp, args.ep, device, args.dist_timeout)
+    parallel = groups.start(args.tp, args.ep, _device_kind(args.device), args.dist_timeout)
     try:
         runtime = runtime_from_args(args)
         try:
@@ -59,6 +60,13 @@ def _drive(
     if driver.failure is not None:
         raise driver.failure
     driver.stop()  # not reached when the run failed: the followers see the failure
+
+
+def _device_kind(device: str) -> str:
+    """The device kind the model will run on: a GPU for `--device auto` when one is present."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if device.startswith("cuda") else "cpu"
 
 
 def shard(model: Any, parallel: groups.Parallel) -> list[ExpertExchange]:
