@@ -692,6 +692,13 @@ static RowKernel fused_kernel(int ggml_type) {
     }
 }
 
+/* an F16 scale by F16C (one instruction; the scalar f16() costs as much as a 32-value block's codes) */
+ALWAYS float f16c(const uint8_t *p) {
+    uint16_t bits;
+    memcpy(&bits, p, 2);
+    return _cvtsh_ss(bits);
+}
+
 /* The 16 sub-block scales (int8 in `scales8`) as int16, one half per group of 128 values, copied to
  * both 128-bit lanes; `pair_scales(half, f)` then spreads scales 2f and 2f + 1 of that half over the
  * low and high 8 int16 lanes, to weigh the products of a 32-value run (maddubs pairs). */
@@ -725,7 +732,7 @@ ALWAYS __m256 q8_q2_k(const uint8_t *restrict b, const BlockQ8K *restrict y, __m
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q8), pair_scales(halves[g], f)));
         }
     }
-    const float d = y->d * f16(b + 80), dmin = -y->d * f16(b + 82);
+    const float d = y->d * f16c(b + 80), dmin = -y->d * f16c(b + 82);
     acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
     return _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(offsets), acc);
 }
@@ -759,7 +766,7 @@ ALWAYS __m256 q8_q3_k(const uint8_t *restrict b, const BlockQ8K *restrict y, __m
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pairs, pair_scales(halves[g], f)));
         }
     }
-    return _mm256_fmadd_ps(_mm256_set1_ps(f16(b + 108) * y->d), _mm256_cvtepi32_ps(sumi), acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps(f16c(b + 108) * y->d), _mm256_cvtepi32_ps(sumi), acc);
 }
 
 /* Q4_K: sub-blocks 2j (low nibbles) and 2j + 1 (high) of bytes 32j..; mins against the Q8_K sums */
@@ -779,8 +786,8 @@ ALWAYS __m256 q8_q4_k(const uint8_t *restrict b, const BlockQ8K *restrict y, __m
         sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, y_lo), _mm256_set1_epi16((short)scale_lo)));
         sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y_hi), _mm256_set1_epi16((short)scale_hi)));
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(y->d * f16(b)), _mm256_cvtepi32_ps(sumi), acc);
-    return _mm256_add_ps(acc, _mm256_setr_ps(-y->d * f16(b + 2) * (float)summs, 0, 0, 0, 0, 0, 0, 0));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(y->d * f16c(b)), _mm256_cvtepi32_ps(sumi), acc);
+    return _mm256_add_ps(acc, _mm256_setr_ps(-y->d * f16c(b + 2) * (float)summs, 0, 0, 0, 0, 0, 0, 0));
 }
 
 /* Q6_K: codes 0..63 times y, less 32 times each sub-block's sum of y (its Q8_K bsum), by int8 scale */
@@ -802,7 +809,7 @@ ALWAYS __m256 q8_q6_k(const uint8_t *restrict b, const BlockQ8K *restrict y, __m
         const __m256i q8 = _mm256_loadu_si256((const __m256i *)(y->qs + 32 * run));
         sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q8), pair_scales(halves[half], run & 3)));
     }
-    return _mm256_fmadd_ps(_mm256_set1_ps(f16(b + 208) * y->d), _mm256_cvtepi32_ps(sumi), acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps(f16c(b + 208) * y->d), _mm256_cvtepi32_ps(sumi), acc);
 }
 
 /* Q8_0 weights: signed codes times signed codes, by maddubs on |w| and y with w's sign */
@@ -814,14 +821,14 @@ ALWAYS __m256 q8_signed_dot(__m256i w, __m256i q8, float scale, __m256 acc) {
 
 ALWAYS __m256 q8_q8_0(const uint8_t *restrict b, const BlockQ8_0 *restrict y, __m256 acc) {
     const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2));
-    return q8_signed_dot(w, _mm256_loadu_si256((const __m256i *)y->qs), f16(b) * y->d, acc);
+    return q8_signed_dot(w, _mm256_loadu_si256((const __m256i *)y->qs), f16c(b) * y->d, acc);
 }
 
 ALWAYS __m256 q8_q4_0(const uint8_t *restrict b, const BlockQ8_0 *restrict y, __m256 acc) {
     const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2)), nibble = _mm_set1_epi8(15);
     const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), nibble), _mm_and_si128(q, nibble));
     const __m256i w = _mm256_sub_epi8(codes, _mm256_set1_epi8(8));
-    return q8_signed_dot(w, _mm256_loadu_si256((const __m256i *)y->qs), f16(b) * y->d, acc);
+    return q8_signed_dot(w, _mm256_loadu_si256((const __m256i *)y->qs), f16c(b) * y->d, acc);
 }
 
 /* One weight row m against each of its input rows' 8-bit blocks, eight float lanes summed at the end */
