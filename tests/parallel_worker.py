@@ -1,6 +1,7 @@
 """Run under torchrun by tests/test_parallel.py and benchmarks/bench_parallel.py: the `generate`
 command's own runtime (same flags, same `parallel_runtime`), a fixed prefill and fixed decode steps,
-and on rank 0 the logits and every rank's report saved to OUT (torch.save).
+then a second sequence batched with the first, and on rank 0 the logits and every rank's report saved
+to OUT (torch.save).
 
     torchrun --nproc-per-node N tests/parallel_worker.py OUT PROMPT_IDS DECODE_IDS -- GENERATE_FLAGS...
 """
@@ -32,8 +33,18 @@ def main(argv: list[str]) -> int:
         logits += [model.decode(state, token)[None] for token in steps]
         seconds = {"prefill": prefilled - start, "decode": time.perf_counter() - prefilled}
         reports = model.reports() if hasattr(model, "reports") else [rank_report(runtime, [])]
+        logits += batched(model, state, prompt, steps)  # timed and counted above: one sequence only
         torch.save({"logits": torch.cat(logits), "reports": reports, "seconds": seconds}, out)
     return 0
+
+
+def batched(model, state, prompt: list[int], steps: list[int]) -> list[torch.Tensor]:
+    """A second sequence, one step of both together (a server's batch), then the first alone after
+    the second was dropped (the followers drop theirs too)."""
+    other = model.new_state()
+    logits = [model.prefill(other, prompt[::-1]), model.decode_batch([state, other], steps[:2])]
+    del other
+    return [*logits, model.decode(state, steps[0])[None]]
 
 
 def _ids(text: str) -> list[int]:
