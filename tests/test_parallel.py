@@ -138,6 +138,28 @@ def test_killed_rank_ends_the_run_naming_it(packed):
 
 
 @pytest.mark.slow
+def test_a_rank_failing_its_step_ends_the_run_naming_it(tiny_model, tmp_path_factory):
+    """Rank 1's experts of one layer are damaged in a pack of its own: rank 1 fails its step with the
+    checksum error, and rank 0 ends the run naming rank 1 (nobody waits for the lost rank)."""
+    from k3stream.pack.reader import ExpertPack
+
+    manifest = packed_copy(tiny_model, tmp_path_factory)
+    with ExpertPack(manifest) as pack, open(pack.path, "r+b") as raw:
+        for expert in range(8, 16):  # rank 1's half of layer 1
+            offset, nbytes = pack.object_range(1, expert)
+            raw.seek(offset)
+            raw.write(bytes(nbytes))
+    command = torchrun(2, "-m", "k3stream", "generate", str(manifest), "--tp", "2", "--ep", "2")
+    command += ["--prompt", "hello world, how are you", "--temperature", "0", "--max-tokens", "4"]
+    start = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=_env())
+    assert done.returncode != 0
+    assert time.monotonic() - start < 60
+    assert "expert-pack checksum mismatch: layer 1 expert" in done.stderr, done.stderr[-3000:]
+    assert "rank 0: rank 1 failed or stopped (no heartbeat)" in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_serve_under_torchrun_answers_as_one_process_and_outlives_idle_time(packed):
     """Two ranks serve a greedy completion with the single process's text, stay up idle past the
     collective timeout (rank 0 keeps the followers waiting), and end when a rank is killed."""
