@@ -36,7 +36,10 @@ SPEC = dict(
 )  # fmt: skip
 
 
-def run(manifest: Path, ranks: int, flags: list[str], prompt: list[int], steps: list[int], ram_mib: float):
+def run(
+    manifest: Path, ranks: int, flags: list[str], prompt: list[int], steps: list[int], ram_mib: float
+) -> dict:
+    """One worker run under torchrun: its logits, every rank's report and the timings."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.pt"
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
