@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from k3stream.experts import ROLES, ExpertSource, ExpertWeights
 from k3stream.gguf.layout import FLOAT_TYPE_IDS, is_routed_expert, routed_expert_name
 from k3stream.gguf.weights import tensor_weights
-from k3stream.model.experts import ROLES, ExpertWeights
 from k3stream.model.k3 import K3Model, build
 from k3stream.model.kda import KDA
 from k3stream.model.layers import LoadOptions
@@ -42,7 +42,7 @@ class TrainOptions:
     minutes: float = 18.0
     seq_len: int = 512
     batch: int = 2  # sequences per step
-    lr: float = 5e-3
+    lr: float = 6e-3
     warmup: int = 10
     weight_decay: float = 0.01
     bias_rate: float = 1e-3
@@ -78,7 +78,7 @@ class Parameters:
         return self.values[f"blk.{layer}{BIAS_SUFFIX}"]
 
 
-class ParameterExperts:
+class ParameterExperts(ExpertSource):
     """An `ExpertSource` over the expert parameters: F32 matrices viewing them (autograd sees through)."""
 
     def __init__(self, params: Parameters) -> None:
@@ -90,9 +90,6 @@ class ParameterExperts:
             e: ExpertWeights(*(QWeight(t[e], F32, (t.shape[1], t.shape[2])) for t in tensors))
             for e in expert_ids
         }
-
-    def prefetch(self, layer: int, expert_ids: list[int]) -> None:
-        return None
 
 
 class CountingRouting:
