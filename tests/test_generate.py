@@ -381,7 +381,11 @@ def test_store_flags_reach_the_store_and_quiet_chat_counts_tokens(packed):
     default = runtime_from_args(parse())
     try:
         assert settings(default) == ("cycle", True, True)
-        assert default.store.stats()["direct_io_note"] == "not requested"
+        # O_DIRECT by default exactly when the pack does not fit the RAM budget
+        store = default.store
+        stats, expert_bytes = store.stats(), len(store.moe_layers) * store.num_experts * store.slot_bytes
+        fits = expert_bytes <= stats["tiers"]["ram"]["budget_bytes"]
+        assert (stats["direct_io_note"] == "off (auto): the whole pack fits the RAM budget") == fits
     finally:
         default.close()
     args = parse("--policy", "lru", "--no-prefetch", "--io-threads", "2", "--direct-io", "--quiet")

@@ -171,6 +171,18 @@ def test_direct_io_serves_the_same_bytes_or_falls_back(packed):
     assert stats["read_splits"] == 3 and stats["io_errors"] == 0
 
 
+def test_o_direct_is_the_default_exactly_when_the_pack_does_not_fit_the_ram_budget(packed):
+    _, pack = packed
+    every_expert = len(pack.moe_layers) * pack.num_experts
+    with ExpertStore(pack, ram_mib=budget(pack, every_expert)) as roomy:
+        assert roomy.stats()["direct_io_note"] == "off (auto): the whole pack fits the RAM budget"
+    with ExpertStore(pack, ram_mib=budget(pack, every_expert - 1)) as tight:
+        stats = tight.stats()
+    assert stats["direct_io"] is True or "buffered" in stats["direct_io_note"]
+    with ExpertStore(pack, ram_mib=budget(pack, pack.top_k), direct_io=False) as refused:
+        assert refused.stats()["direct_io_note"] == "not requested"
+
+
 def test_read_error_names_the_pack_and_expert_and_is_counted(packed, tmp_path):
     _, pack = packed
     shutil.copyfile(pack.path, tmp_path / pack.path.name)

@@ -54,7 +54,7 @@ class StoreOptions:
     policy: str = "cycle"
     prefetch: bool = True
     io_threads: int = 4
-    direct_io: bool = False
+    direct_io: bool | None = None  # None: O_DIRECT when the pack does not fit the RAM budget
     simulated_read_latency_us: float = 0.0  # sleeps before each pack read: tests and experiments
 
     @classmethod
@@ -205,7 +205,11 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
         "--io-threads", type=int, default=defaults.io_threads, help="pack read threads (default %(default)s)"
     )
     parser.add_argument(
-        "--direct-io", action="store_true", help="read the pack with O_DIRECT, bypassing the page cache"
+        "--direct-io",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="read the pack with O_DIRECT, bypassing the page cache (default: when the pack does not fit "
+        "the RAM budget)",
     )
 
 

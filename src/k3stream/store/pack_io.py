@@ -119,6 +119,7 @@ class PackFile:
         io_threads: int = 4,
         read_splits: int = 4,
         direct_io: bool = False,
+        off_note: str = "not requested",
         simulated_read_latency_us: float = 0.0,
     ) -> None:
         if io_threads <= 0 or read_splits <= 0:
@@ -129,7 +130,7 @@ class PackFile:
         self.read_splits = read_splits
         self.simulated_read_latency_us = float(simulated_read_latency_us)
         self.direct_io = False
-        self.direct_io_note = "not requested" if not direct_io else ""
+        self.direct_io_note = off_note if not direct_io else ""
         self._fd = self._open(direct_io)
         self._local = threading.local()
         self._fallback_lock = threading.Lock()
