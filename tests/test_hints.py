@@ -10,21 +10,7 @@ import k3stream
 from k3stream.model.experts import GGUFExpertSource
 from k3stream.model.hints import AUTO_LAYER_AHEAD_ROWS, HINT_KINDS
 from k3stream.model.moe import LatentMoE
-
-
-class RecordingSource:
-    """The GGUF source, with every fetch and prefetch it is asked for written down in order."""
-
-    def __init__(self, inner: GGUFExpertSource) -> None:
-        self.inner = inner
-        self.calls: list[tuple[str, int, list[int]]] = []
-
-    def fetch(self, layer: int, expert_ids: list[int]):
-        self.calls.append(("fetch", layer, list(expert_ids)))
-        return self.inner.fetch(layer, expert_ids)
-
-    def prefetch(self, layer: int, expert_ids: list[int]) -> None:
-        self.calls.append(("prefetch", layer, list(expert_ids)))
+from source_helpers import RecordingSource
 
 
 def load_recording(path, hint: str):

@@ -20,7 +20,8 @@ SOURCE = Path(k3stream.__file__).parent
 # not, and nothing else ("api" is the `k3stream` package itself: load, nonexpert_weights)
 BENEATH: dict[str, tuple[str, ...]] = {
     "quant": (),
-    "gguf": ("quant",),
+    "experts": ("quant",),  # k3stream/experts.py: the routed-expert interface
+    "gguf": ("quant", "experts"),
     "pack": ("gguf",),
     "model": ("gguf", "quant"),
     "store": ("pack",),
@@ -41,8 +42,6 @@ BENEATH: dict[str, tuple[str, ...]] = {
 KNOWN_EXCEPTIONS = {
     # the seed loader resolves a manifest to its GGUF with the pack's manifest reader (model/k3 calls it)
     ("k3stream.gguf.weights", "k3stream.pack.manifest"),
-    # the store builds the model's expert matrices (the expert interface is not at the bottom yet)
-    ("k3stream.store.expert_store", "k3stream.model.experts"),
     # the tokenizer's built-in vocabulary is the tiny models' test vocabulary
     ("k3stream.engine.tokenizer", "k3stream.tinyvocab"),
     # the server takes chat stop tokens from the generate command's module

@@ -15,6 +15,7 @@ import k3stream
 from conftest import requires_llama
 from k3stream.model.experts import GGUFExpertSource
 from llama_logits import llama_logits, relative_error
+from source_helpers import RecordingSource
 
 TOKENS = 40
 PREFIX = 32  # decode checks: prefill this many, then decode the rest one by one
@@ -157,26 +158,11 @@ def test_decode_batch_equals_separate_decodes(small_model):
         assert relative_error(batched, single) < 1e-5
 
 
-class RecordingSource:
-    """The GGUF source, recording the calls the model makes."""
-
-    def __init__(self, checkpoint):
-        self.inner = GGUFExpertSource(checkpoint)
-        self.calls: list[tuple[str, int, list[int]]] = []
-
-    def fetch(self, layer, expert_ids):
-        self.calls.append(("fetch", layer, list(expert_ids)))
-        return self.inner.fetch(layer, expert_ids)
-
-    def prefetch(self, layer, expert_ids):
-        self.calls.append(("prefetch", layer, list(expert_ids)))
-
-
 def test_experts_come_through_the_source_once_per_layer(tiny_model):
     from k3stream.gguf.reader import K3Checkpoint
 
     path = tiny_model(recipe="f32", n_experts=32, top_k=16, seed=22)
-    source = RecordingSource(K3Checkpoint.open(path))
+    source = RecordingSource(GGUFExpertSource(K3Checkpoint.open(path)))
     model = k3stream.load(path, expert_source=source)
     reference = k3stream.load(path, prefetch=False)
     tokens = tokens_for(5, model.config.vocab_size, 12)

@@ -1,46 +1,24 @@
-"""The routed-expert interface: the MoE asks a source for (layer, experts) and gets GGUF bytes back.
+"""Routed experts straight from the checkpoint: the `ExpertSource` used when there is no expert pack.
 
-A source may read the GGUF (`GGUFExpertSource`, here) or an expert pack through a cache (the store).
-The model never reads routed expert tensors from the checkpoint itself.
+A source may also read an expert pack through a cache (the store); the model never reads routed expert
+tensors from the checkpoint itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 import torch
 
+from k3stream.experts import ROLES, ExpertMatrix, ExpertSource, ExpertWeights
 from k3stream.gguf.layout import routed_expert_name
-from k3stream.quant.kernels import QWeight
 
 if TYPE_CHECKING:
     from k3stream.gguf.reader import K3Checkpoint
 
-ROLES = ("up", "gate", "down")
-ExpertMatrix = QWeight  # one role matrix of one expert: GGUF bytes, GGML type id, (out, in)
 
-
-@dataclass(frozen=True)
-class ExpertWeights:
-    up: ExpertMatrix
-    gate: ExpertMatrix
-    down: ExpertMatrix
-
-
-@runtime_checkable
-class ExpertSource(Protocol):
-    def fetch(self, layer: int, expert_ids: list[int]) -> dict[int, ExpertWeights]:
-        """The weights of each requested expert of `layer` (one call per layer and step)."""
-        ...
-
-    def prefetch(self, layer: int, expert_ids: list[int]) -> None:
-        """A hint that these experts of `layer` are likely needed soon; may do nothing."""
-        ...
-
-
-class GGUFExpertSource:
-    """Serves routed experts from the checkpoint's files (no cache, no prefetch).
+class GGUFExpertSource(ExpertSource):
+    """Serves routed experts from the checkpoint's files (no cache: no prefetch, no read-ahead, no limit).
 
     Each fetch reads the experts' bytes with `preadv` into fresh buffers rather than viewing the map,
     so a GGUF that shrinks while the model runs fails the step with a clear error instead of killing
@@ -60,9 +38,6 @@ class GGUFExpertSource:
                 f"{self.checkpoint.shards[0]}: expert {bad[0]} outside 0..{count - 1} (layer {layer})"
             )
         return {expert: ExpertWeights(*(self._read(role, expert) for role in roles)) for expert in expert_ids}
-
-    def prefetch(self, layer: int, expert_ids: list[int]) -> None:
-        return None
 
     def _read(self, role: tuple[str, int, int, tuple[int, int]], expert: int) -> ExpertMatrix:
         name, per_expert, type_id, shape = role

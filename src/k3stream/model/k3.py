@@ -21,9 +21,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from k3stream.experts import ExpertSource
 from k3stream.gguf.config import K3Config
 from k3stream.model.attn_res import residual_mix
-from k3stream.model.experts import ExpertSource, GGUFExpertSource
+from k3stream.model.experts import GGUFExpertSource
 from k3stream.model.hints import HINT_CHOICES, HintLog, sent_kind
 from k3stream.model.kda import KDA, KDAState, KDAWeights, shard_kda_weights
 from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, bytes_to_matrix, rms_norm
@@ -92,8 +93,8 @@ class K3Model:
         self.lm_head = lm_head
         self.expert_source = expert_source
         self.device = device
-        # the GGUF source's prefetch is a no-op: skip predicting the experts it would be told about
-        self.prefetch = prefetch and not isinstance(expert_source, GGUFExpertSource)
+        # a source whose prefetch does nothing is told nothing: skip predicting its experts
+        self.prefetch = prefetch and expert_source.prefetches
         self.prefetch_hint = prefetch_hint
         self.hints = HintLog()
         self.eps = config.rms_eps

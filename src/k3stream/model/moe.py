@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from k3stream.model.experts import ExpertSource
+from k3stream.experts import ExpertSource
 from k3stream.model.layers import Linear, rms_norm, situ
 from k3stream.quant.kernels import expert_mlp
 
@@ -121,14 +121,14 @@ class LatentMoE:
         ids, counts = np.unique(pair_experts, return_counts=True)  # sorted, as `order` is
         bounds = np.concatenate([[0], np.cumsum(counts)])
         rows = torch.from_numpy(order // chosen.shape[1])
-        read_ahead = getattr(self.source, "read_ahead", None)
-        group = self._fetch_group(len(ids), read_ahead is not None)
+        reads_ahead = self.source.reads_ahead
+        group = self._fetch_group(len(ids), reads_ahead)
         sorted_outputs = latent.new_empty(len(pair_experts), latent.shape[1])
         for start in range(0, len(ids), group):
             chunk = ids[start : start + group].tolist()
             experts = self.source.fetch(self.layer, chunk)
-            if read_ahead is not None and start + group < len(ids):  # read the next part meanwhile
-                read_ahead(self.layer, ids[start + group : start + 2 * group].tolist())
+            if reads_ahead and start + group < len(ids):  # read the next part meanwhile
+                self.source.read_ahead(self.layer, ids[start + group : start + 2 * group].tolist())
             first, last = int(bounds[start]), int(bounds[start + len(chunk)])
             sorted_outputs[first:last] = expert_mlp(
                 latent,
@@ -146,7 +146,7 @@ class LatentMoE:
     def _fetch_group(self, count: int, reads_ahead: bool) -> int:
         """Experts per fetch: what the cache can hold; a source that reads ahead (the store) gets the
         step in parts of at most half that, so the next part is read while this one is computed."""
-        slots = getattr(self.source, "max_experts_per_fetch", None) or count
+        slots = self.source.max_experts_per_fetch or count
         if not reads_ahead or count < 2 * READ_AHEAD_MIN_EXPERTS:
             return slots
         return max(READ_AHEAD_MIN_EXPERTS, min(slots // 2, -(-count // 4)))

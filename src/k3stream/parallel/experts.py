@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from k3stream.model.experts import ExpertSource, ExpertWeights
+from k3stream.experts import ExpertSource, ExpertWeights
 from k3stream.model.k3 import K3Model
 from k3stream.model.moe import LatentMoE
 from k3stream.parallel.groups import collective
@@ -44,8 +44,8 @@ class OwnedExperts:
     def __init__(self, source: ExpertSource, owned: range) -> None:
         self.source = source
         self.owned = owned
-        if hasattr(source, "read_ahead"):
-            self.read_ahead = self._read_ahead
+        self.prefetches, self.reads_ahead = source.prefetches, source.reads_ahead
+        self.max_experts_per_fetch = source.max_experts_per_fetch
 
     def fetch(self, layer: int, expert_ids: list[int]) -> dict[int, ExpertWeights]:
         foreign = [e for e in expert_ids if e not in self.owned]
@@ -59,10 +59,10 @@ class OwnedExperts:
     def prefetch(self, layer: int, expert_ids: list[int]) -> None:
         self.source.prefetch(layer, [e for e in expert_ids if e in self.owned])
 
-    def _read_ahead(self, layer: int, expert_ids: list[int]) -> None:
+    def read_ahead(self, layer: int, expert_ids: list[int]) -> None:
         self.source.read_ahead(layer, [e for e in expert_ids if e in self.owned])
 
-    def __getattr__(self, name: str) -> Any:  # max_experts_per_fetch, stats, ...
+    def __getattr__(self, name: str) -> Any:  # stats, pack, ...
         return getattr(self.source, name)
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from k3stream.experts import ExpertMatrix, ExpertWeights
 from k3stream.store.hints import HintScores
 from k3stream.store.liveness import LiveBuffers
 from k3stream.store.loading import Loader
@@ -103,6 +104,7 @@ class ExpertStore:
         self.top_k = int(self.pack.top_k)
         self.num_experts = int(self.pack.num_experts)
         self.moe_layers = frozenset(int(layer) for layer in self.pack.moe_layers)
+        self.prefetches = self.reads_ahead = prefetch  # hints and read-ahead load only with a prefetch thread
         self.slot_bytes = max(self.pack.object_range(layer, 0)[1] for layer in self.moe_layers)
         layers = sorted(self.moe_layers)
         self._tiers = make_tiers(self.device, ram_mib, gpu_mib, self.slot_bytes, self.top_k, policy, layers)
@@ -167,7 +169,7 @@ class ExpertStore:
 
     # ---- ExpertSource ---------------------------------------------------------------------------
 
-    def fetch(self, layer: int, expert_ids: Iterable[int]) -> dict[int, Any]:
+    def fetch(self, layer: int, expert_ids: Iterable[int]) -> dict[int, ExpertWeights]:
         """The weights of each requested expert of `layer`, as views of resident objects."""
         started = time.perf_counter_ns()
         keys = self._keys(layer, expert_ids)
@@ -250,9 +252,7 @@ class ExpertStore:
 
     # ---- handing out ----------------------------------------------------------------------------
 
-    def _weights(self, key: Key, buffer: torch.Tensor) -> Any:
-        from k3stream.model.experts import ExpertMatrix, ExpertWeights
-
+    def _weights(self, key: Key, buffer: torch.Tensor) -> ExpertWeights:
         self._compute.hand_out(key, buffer)
         return ExpertWeights(
             **{

@@ -1,0 +1,47 @@
+"""The routed-expert interface: the MoE asks a source for (layer, experts) and gets GGUF bytes back.
+
+It sits beneath everything that serves or uses experts (gguf, pack, store, model): a source reads the
+GGUF (`model.experts.GGUFExpertSource`) or an expert pack through a cache (the store). Callers use only
+the members below; none probes a source for what it can do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Protocol, runtime_checkable
+
+from k3stream.quant.kernels import QWeight
+
+ExpertMatrix = QWeight  # one role matrix of one expert: GGUF bytes, GGML type id, (out, in)
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    up: ExpertMatrix
+    gate: ExpertMatrix
+    down: ExpertMatrix
+
+
+ROLES = tuple(field.name for field in fields(ExpertWeights))  # ("up", "gate", "down")
+
+
+@runtime_checkable
+class ExpertSource(Protocol):
+    """Routed experts by (layer, expert ids). The defaults describe a source that serves any fetch and
+    ignores hints; a source subclasses this protocol to inherit them."""
+
+    prefetches: bool = False  # whether `prefetch` does anything (else the model predicts nothing)
+    reads_ahead: bool = False  # whether `read_ahead` does anything (else a step is fetched whole)
+    max_experts_per_fetch: int | None = None  # distinct experts one fetch may ask for; None: any
+
+    def fetch(self, layer: int, expert_ids: list[int]) -> dict[int, ExpertWeights]:
+        """The weights of each requested expert of `layer` (one call per layer and step)."""
+        ...
+
+    def prefetch(self, layer: int, expert_ids: list[int]) -> None:
+        """A hint that these experts of `layer` are likely needed soon."""
+        return None
+
+    def read_ahead(self, layer: int, expert_ids: list[int]) -> None:
+        """These experts of `layer` are the caller's next fetch (the rest of a step it fetches in parts)."""
+        return None
