@@ -14,7 +14,10 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from k3stream.engine.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -139,6 +142,13 @@ class ChatTemplate:
             )
         except TemplateError as exc:
             raise ValueError(f"{self.source}: cannot render: {exc}") from None
+
+
+def chat_stop_token_ids(tokenizer: Tokenizer, thinking: bool) -> tuple[int, ...]:
+    """Kimi-K3 closes the response channel with `<|close|>` before `<|end_of_msg|>`: stop there."""
+    if thinking or "<|close|>" not in tokenizer.special_tokens:
+        return ()
+    return (tokenizer.token_id("<|close|>"),)
 
 
 def _token_text(tokenizer, token_id: int | None) -> str:

@@ -7,7 +7,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from k3stream.engine.cmd_generate import chat_stop_token_ids, report, statistics_lines, store_snapshot
+from k3stream.engine.chat import ChatTemplate, chat_stop_token_ids
+from k3stream.engine.cmd_generate import report, statistics_lines, store_snapshot
 from k3stream.engine.loading import (
     add_model_arguments,
     add_sampling_arguments,
@@ -43,8 +44,6 @@ class ChatSession:
 
     def __init__(self, runtime: Any, args: argparse.Namespace, params: Any):
         from dataclasses import replace
-
-        from k3stream.engine.chat import ChatTemplate
 
         self.runtime = runtime
         self.args = args

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from k3stream.engine.chat import ChatTemplate, chat_stop_token_ids
 from k3stream.engine.loading import add_model_arguments, add_sampling_arguments, sampling_params
 from k3stream.parallel.options import add_parallel_arguments
 
@@ -24,18 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sampling_arguments(parser, max_tokens=128)
 
 
-def chat_stop_token_ids(tokenizer: Any, thinking: bool) -> tuple[int, ...]:
-    """Kimi-K3 closes the response channel with `<|close|>` before `<|end_of_msg|>`: stop there."""
-    if thinking or "<|close|>" not in tokenizer.special_tokens:
-        return ()
-    return (tokenizer.token_id("<|close|>"),)
-
-
 def prompt_ids(tokenizer: Any, args: argparse.Namespace, text: str) -> list[int]:
     if not args.chat:
         return tokenizer.encode(text)
-    from k3stream.engine.chat import ChatTemplate
-
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": text})
     rendered = ChatTemplate.for_tokenizer(tokenizer).render(messages, thinking=args.thinking)

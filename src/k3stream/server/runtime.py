@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3stream.engine.cmd_generate import chat_stop_token_ids
+from k3stream.engine.chat import ChatTemplate, chat_stop_token_ids
 from k3stream.engine.generate import Sequence
 from k3stream.engine.sampling import SamplingParams
 from k3stream.server.errors import invalid_request
@@ -283,8 +283,6 @@ def served_from_runtime(runtime: Any, *, name: str | None = None, ctx: int | Non
     The name defaults to the GGUF's file name without shard suffix and extension; the context to the
     model's, at most DEFAULT_MAX_CTX.
     """
-    from k3stream.engine.chat import ChatTemplate
-
     model_ctx = int(runtime.model.config.context_length)
     if ctx is not None and not 1 < ctx <= model_ctx:
         raise ValueError(f"--ctx {ctx} must be between 2 and the model's context length {model_ctx}")
