@@ -11,7 +11,7 @@ from typing import Any
 def manifest_next_to(gguf_path: Path) -> Path | None:
     """The manifest `k3stream pack` writes beside a GGUF by default, if it is there."""
     from k3stream.gguf.shards import discover_shards
-    from k3stream.pack.builder import default_outputs
+    from k3stream.pack.paths import default_outputs
 
     _pack, manifest = default_outputs(discover_shards(gguf_path))
     return manifest if manifest.is_file() else None

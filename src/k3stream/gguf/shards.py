@@ -19,6 +19,12 @@ SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
 SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
+def set_name(path: Path) -> str:
+    """`NAME` of `NAME.gguf` or of any shard `NAME-0000K-of-0000N.gguf`."""
+    match = SHARD_NAME.match(path.name)
+    return match["stem"] if match else path.name.removesuffix(".gguf")
+
+
 def _shard_set(path: Path) -> list[Path]:
     """The files of the model `path` names, from the file name alone."""
     match = SHARD_NAME.match(path.name)

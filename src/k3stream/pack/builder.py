@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from k3stream.gguf.layout import ROUTED_EXPERT_RE, routed_expert_name
-from k3stream.gguf.shards import SHARD_NAME
 from k3stream.pack import format as fmt
 from k3stream.pack.fileio import COPY_CHUNK, pread_exact, same_bytes
 from k3stream.pack.integrity import ObjectHasher
@@ -39,6 +38,7 @@ from k3stream.pack.manifest import (
     sha256_file,
     write_json_atomic,
 )
+from k3stream.pack.paths import default_outputs, manifest_path_for
 from k3stream.pack.verify import check_index
 
 log = logging.getLogger(__name__)
@@ -93,19 +93,6 @@ def plan_pack(checkpoint: Any) -> PackPlan:
         raise ValueError(f"{checkpoint.shards[0]}: routed expert tensor {strays[0]} in a layer without MoE")
     layout = fmt.PackLayout(moe_layers, experts, tuple(role_bytes[role] for role in fmt.ROLES))
     return PackPlan(checkpoint, layout, role_tensors)
-
-
-def default_outputs(shards: list[Path]) -> tuple[Path, Path]:
-    """`NAME.expert-major.pack` and its `.manifest.json` next to the shards."""
-    first = shards[0].resolve()
-    match = SHARD_NAME.match(first.name)
-    name = match["stem"] if match else first.name.removesuffix(".gguf")
-    pack = first.parent / f"{name}.expert-major.pack"
-    return pack, manifest_path_for(pack)
-
-
-def manifest_path_for(pack: Path) -> Path:
-    return pack.with_name(pack.name + ".manifest.json")
 
 
 # ------------------------------------------------------------------------------------------------

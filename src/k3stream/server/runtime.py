@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -12,6 +11,7 @@ from typing import Any
 from k3stream.engine.chat import ChatTemplate, chat_stop_token_ids
 from k3stream.engine.generate import Sequence
 from k3stream.engine.sampling import SamplingParams
+from k3stream.gguf.shards import set_name
 from k3stream.server.errors import invalid_request
 from k3stream.server.grammar import BannedTokens, GrammarCompiler, json_schema_grammar, tool_calls_grammar
 from k3stream.server.kimi_output import KimiFormat, OutputParser
@@ -269,11 +269,6 @@ def _model_files(runtime: Any) -> dict[Path, int]:
     return {path: path.stat().st_size for path in dict.fromkeys(paths) if path.is_file()}
 
 
-def default_name(gguf_path: Path) -> str:
-    """`tiny-kimi-k3` for `tiny-kimi-k3.gguf` or any shard `tiny-kimi-k3-00001-of-00003.gguf`."""
-    return re.sub(r"-\d{5}-of-\d{5}$", "", gguf_path.name.removesuffix(".gguf"))
-
-
 DEFAULT_MAX_CTX = 4096
 
 
@@ -290,7 +285,7 @@ def served_from_runtime(runtime: Any, *, name: str | None = None, ctx: int | Non
     template = ChatTemplate.for_tokenizer(tokenizer)
     return ServedModel(
         files=_model_files(runtime),
-        name=name or default_name(Path(tokenizer.source)),
+        name=name or set_name(Path(tokenizer.source)),
         model=runtime.model,
         tokenizer=tokenizer,
         chat_template=template,
