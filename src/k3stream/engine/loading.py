@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from k3stream.engine.generate import GenerationResult
+    from k3stream.engine.tokenizer import Tokenizer
+    from k3stream.model.k3 import K3Model
+    from k3stream.store.expert_store import ExpertStore
 
 
 def manifest_next_to(gguf_path: Path) -> Path | None:
@@ -26,21 +34,46 @@ def manifest_gguf(manifest_path: Path) -> Path:
 
 @dataclass
 class Runtime:
-    """A loaded model with its tokenizer and, when experts stream from a pack, the expert store."""
+    """A loaded model with its tokenizer and, when experts stream from a pack, the expert store: what
+    every command runs, and what the server extends (`server.runtime.ServedModel`). Tensor parallelism
+    puts a stand-in with the K3Model methods in `model` (`parallel.runner.DriverModel`)."""
 
-    model: Any
-    tokenizer: Any
-    store: Any = None
+    model: K3Model
+    tokenizer: Tokenizer
+    store: ExpertStore | None = None
     manifest: Path | None = None
 
-    def end_generation(self, result: Any) -> int:
+    def end_generation(self, result: GenerationResult) -> int:
         """Tell the store how many tokens the model forwarded for `result`; returns that count.
 
         Every token but the last sampled one went through the model."""
         tokens = result.prompt_tokens + result.completion_tokens - 1
-        if self.store is not None:
-            self.store.end_token(tokens)
+        self.end_tokens(tokens)
         return tokens
+
+    def end_tokens(self, n: int) -> None:
+        """Tell the store the model forwarded `n` more tokens (its bytes per token)."""
+        if self.store is not None:
+            self.store.end_token(n)
+
+    def store_stats(self) -> dict[str, Any]:
+        """The store's `stats()`; `{}` without a store."""
+        return self.store.stats() if self.store is not None else {}
+
+    def batch_limit(self) -> int | None:
+        """The most sequences one decode step may hold so that the union of their experts in a layer
+        always fits the store's compute tier (each sequence picks top_k experts per layer)."""
+        if self.store is None:
+            return None
+        return max(1, self.store.max_experts_per_fetch // self.store.top_k)
+
+    def model_files(self) -> list[Path]:
+        """The files behind the model: every GGUF shard and the pack when experts stream from one, else
+        the GGUF the tokenizer came from."""
+        if self.store is None:
+            return [Path(self.tokenizer.source)]
+        pack = self.store.pack
+        return list(dict.fromkeys([*pack.gguf_paths, pack.path]))
 
     def close(self) -> None:
         if self.store is not None:
@@ -81,7 +114,7 @@ def load_runtime(
     path: str | Path,
     *,
     device: str = "cpu",
-    dtype: Any = None,
+    dtype: torch.dtype | None = None,
     ram_mib: float = 1024.0,
     gpu_mib: float | None = None,
     stream_experts: bool = True,
@@ -105,7 +138,7 @@ def load_resolved(
     manifest: Path | None,
     *,
     device: str = "cpu",
-    dtype: Any = None,
+    dtype: torch.dtype | None = None,
     ram_mib: float = 1024.0,
     gpu_mib: float | None = None,
     store_options: StoreOptions = StoreOptions(),

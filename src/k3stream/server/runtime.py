@@ -1,4 +1,5 @@
-"""What the server serves: the model, its tokenizer and chat template, the expert store, the context size."""
+"""What the server serves: the engine's runtime (model, tokenizer, expert store) with its chat template,
+name and context size."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from k3stream.engine.chat import ChatTemplate, chat_stop_token_ids
 from k3stream.engine.generate import Sequence
+from k3stream.engine.loading import Runtime
 from k3stream.engine.sampling import SamplingParams
 from k3stream.gguf.shards import set_name
 from k3stream.server.errors import invalid_request
@@ -19,16 +21,13 @@ from k3stream.server.request_logic import RequestLogic, TokenConstraint
 from k3stream.server.schemas import ChatCompletionRequest, SamplingFields
 
 
-@dataclass
-class ServedModel:
-    """A loaded model as the HTTP layer sees it."""
+@dataclass(kw_only=True)
+class ServedModel(Runtime):
+    """The engine's runtime as the HTTP layer sees it: with a name, a chat template and a context size."""
 
     name: str
-    model: Any
-    tokenizer: Any
-    chat_template: Any
+    chat_template: ChatTemplate
     ctx: int
-    store: Any = None
     chat_stop_ids: tuple[int, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
     # the files serving reads from, with their sizes at load: /health reports any that changed
@@ -177,13 +176,6 @@ class ServedModel:
             sequence, self.tokenizer, parser=parser, constraint=chat.constraint, top_logprobs=top_logprobs
         )
 
-    def batch_limit(self) -> int | None:
-        """The most sequences one decode step may hold so that the union of their experts in a layer
-        always fits the store's compute tier (each sequence picks top_k experts per layer)."""
-        if self.store is None:
-            return None
-        return max(1, self.store.max_experts_per_fetch // self.store.top_k)
-
     def file_problems(self) -> list[str]:
         """One line per model file that is gone or changed size since load (names only, no paths)."""
         problems = []
@@ -196,17 +188,6 @@ class ServedModel:
             if now != size:
                 problems.append(f"model file {path.name} changed size since load ({now} bytes, was {size})")
         return problems
-
-    def store_stats(self) -> dict[str, Any]:
-        return self.store.stats() if self.store is not None else {}
-
-    def end_tokens(self, n: int) -> None:
-        if self.store is not None:
-            self.store.end_token(n)
-
-    def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
 
 
 # private-use characters around a message index stand for its content while the template renders
@@ -260,19 +241,10 @@ def _split_at_marks(text: str, marks: list[str]) -> list[str] | None:
     return [*pieces, rest]
 
 
-def _model_files(runtime: Any) -> dict[Path, int]:
-    """The GGUF shards (and the pack, when experts stream from one) with their current sizes."""
-    paths = [Path(runtime.tokenizer.source)]
-    pack = getattr(runtime.store, "pack", None)
-    if pack is not None:
-        paths = [*pack.gguf_paths, pack.path]
-    return {path: path.stat().st_size for path in dict.fromkeys(paths) if path.is_file()}
-
-
 DEFAULT_MAX_CTX = 4096
 
 
-def served_from_runtime(runtime: Any, *, name: str | None = None, ctx: int | None = None) -> ServedModel:
+def served_from_runtime(runtime: Runtime, *, name: str | None = None, ctx: int | None = None) -> ServedModel:
     """Wrap the engine's loaded runtime (model, tokenizer, optional expert store) for serving.
 
     The name defaults to the GGUF's file name without shard suffix and extension; the context to the
@@ -284,13 +256,14 @@ def served_from_runtime(runtime: Any, *, name: str | None = None, ctx: int | Non
     tokenizer = runtime.tokenizer
     template = ChatTemplate.for_tokenizer(tokenizer)
     return ServedModel(
-        files=_model_files(runtime),
-        name=name or set_name(Path(tokenizer.source)),
         model=runtime.model,
         tokenizer=tokenizer,
+        store=runtime.store,
+        manifest=runtime.manifest,
+        files={path: path.stat().st_size for path in runtime.model_files() if path.is_file()},
+        name=name or set_name(Path(tokenizer.source)),
         chat_template=template,
         kimi=KimiFormat.for_tokenizer(tokenizer, template.template_text),
         ctx=ctx or min(model_ctx, DEFAULT_MAX_CTX),
-        store=runtime.store,
         chat_stop_ids=chat_stop_token_ids(tokenizer, thinking=False),
     )
