@@ -98,15 +98,17 @@ class LatentMoE:
         """h [N, E] -> [N, E]; the union of the experts all rows chose, fetched once each."""
         chosen, weights = self.routing.choose(self.w.router, self.w.correction_bias, h)
         self.chosen = chosen  # the step's choices [N, k], for whoever scores predictions of them
+        if self.source.reads_ahead:  # the first part is read while the projections below compute
+            ids = np.unique(chosen.flatten().cpu().numpy())
+            self.source.read_ahead(self.layer, ids[: self._fetch_group(len(ids), True)].tolist())
         latent = self.w.routed_down(h).float()
+        shared = self.w.shared(h).float() if self.w.shared is not None else None
         pair_outputs = self.routed_pairs(latent, chosen)
         routed = (pair_outputs.view(*chosen.shape, -1) * weights[..., None]).sum(1)
         if self.w.routed_norm is not None:
             routed = rms_norm(routed, self.w.routed_norm, self.eps)
         out = self.w.routed_up(routed).float()
-        if self.w.shared is not None:
-            out = out + self.w.shared(h).float()
-        return out
+        return out if shared is None else out + shared
 
     def _routed_pairs(self, latent: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """The expert output of every (row, choice) pair, [N * k, latent].
