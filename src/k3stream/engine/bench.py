@@ -15,7 +15,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from k3stream.engine.loading import Runtime
 
 MIB = 1 << 20
 SEQUENTIAL_CHUNK = 16 * MIB
@@ -130,7 +133,7 @@ def _measured(name: str, tokens: int, model: Any, store: Any, work: Callable[[],
     return phase
 
 
-def run_k3stream(runtime: Any, prompt_ids: list[int], decode_tokens: int) -> dict[str, Any]:
+def run_k3stream(runtime: Runtime, prompt_ids: list[int], decode_tokens: int) -> dict[str, Any]:
     """Warm up with the prompt and one decode step, then time a prefill and `decode_tokens` greedy steps.
 
     The store is told about every token (`end_token`), and the expert bytes it holds are sampled

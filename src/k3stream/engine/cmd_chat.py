@@ -10,6 +10,7 @@ from typing import Any, TextIO
 from k3stream.engine.chat import ChatTemplate, chat_stop_token_ids
 from k3stream.engine.cmd_generate import report, statistics_lines, store_snapshot
 from k3stream.engine.loading import (
+    Runtime,
     add_model_arguments,
     add_sampling_arguments,
     runtime_from_args,
@@ -42,7 +43,7 @@ def _lines(stream: TextIO) -> Iterator[str]:
 class ChatSession:
     """The conversation so far and what one turn needs to answer it."""
 
-    def __init__(self, runtime: Any, args: argparse.Namespace, params: Any):
+    def __init__(self, runtime: Runtime, args: argparse.Namespace, params: Any):
         from dataclasses import replace
 
         self.runtime = runtime

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from k3stream.engine.loading import add_model_arguments, runtime_from_args
+from k3stream.engine.loading import Runtime, add_model_arguments, runtime_from_args
 
 DEFAULT_CTX = 512
 
@@ -79,7 +79,7 @@ def _plan(args: argparse.Namespace, tokenizer: Any, base: Any) -> Any:
 class _Chunks:
     """Runs the plan's chunks through the model, with llama-perplexity's timing line after the first."""
 
-    def __init__(self, runtime: Any, plan: Any, batch: int | None) -> None:
+    def __init__(self, runtime: Runtime, plan: Any, batch: int | None) -> None:
         self.runtime, self.plan, self.batch = runtime, plan, batch or plan.ctx
 
     def __iter__(self):
@@ -96,7 +96,7 @@ class _Chunks:
             yield index, logits
 
 
-def run_perplexity(runtime: Any, plan: Any, args: argparse.Namespace) -> float:
+def run_perplexity(runtime: Runtime, plan: Any, args: argparse.Namespace) -> float:
     """Prints `[i]ppl,` per chunk and the final estimate; saves the base when asked. Returns PPL."""
     from k3stream.engine.perplexity import BaseWriter, Perplexity, token_nll
 
@@ -149,7 +149,7 @@ def _chunk_row(index: int, kld: Any) -> str:
     )
 
 
-def run_kl_divergence(runtime: Any, plan: Any, base: Any, batch: int | None = None) -> Any:
+def run_kl_divergence(runtime: Runtime, plan: Any, base: Any, batch: int | None = None) -> Any:
     """Prints llama-perplexity's KLD table and statistics; returns the `KLDivergence` sums."""
     from k3stream.engine.perplexity import KLDivergence, dequantize_log_probs
 
