@@ -1,4 +1,5 @@
-"""`k3stream demo` in a subprocess on a fresh cache: makes, packs, streams; a second run reuses the cache."""
+"""`k3stream demo` in a subprocess on a fresh cache: copies the shipped trained model, packs it, streams its
+experts while continuing a Python prompt; a second run reuses the cache; `--random` makes a random one."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from gguf import GGUFReader
 
 from bench_helpers import MIB
+from k3stream.engine.cmd_demo import DEFAULT_PROMPT
 
 AUDITED_TYPES = {
     "ffn_up_exps.weight": "Q2_K",
@@ -61,7 +63,8 @@ def test_demo_makes_packs_and_streams_on_a_fresh_machine(first_run):
     home, done = first_run
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert "(made in" in field(out, "model ") and "(packed in" in field(out, "pack ")
+    assert "(trained on the Python standard library) (copied in" in field(out, "model ")
+    assert "(packed in" in field(out, "pack ")
     (folder,) = (home / ".cache" / "k3stream" / "demo").iterdir()  # the default cache folder
     (pack,) = folder.glob("*.pack")
     budget_mib = float(re.search(r"expert RAM ([\d.]+) MiB", field(out, "budget ")).group(1))
@@ -110,6 +113,22 @@ def test_demo_refuses_a_budget_below_one_working_set(first_run):
         r"k3stream demo: error: expert store ram budget [\d.]+ MiB is below one top-k working set",
         done.stderr,
     ), done.stderr
+
+
+def test_demo_continues_the_python_prompt_with_the_trained_model(first_run):
+    _home, done = first_run
+    assert done.returncode == 0, done.stderr
+    assert field(done.stdout, "prompt  ").startswith(f"prompt  {DEFAULT_PROMPT!r}")
+    assert "chat template" not in field(done.stdout, "prompt  ")
+    assert completion(done.stdout).startswith(DEFAULT_PROMPT)  # the prompt, then its continuation
+
+
+def test_demo_random_makes_a_random_model_and_chats(tmp_path):
+    done = demo(tmp_path, "--random")
+    assert done.returncode == 0, done.stderr
+    assert "(random weights) (made in" in field(done.stdout, "model ")
+    assert "with the chat template" in field(done.stdout, "prompt  ")
+    assert completion(done.stdout)
 
 
 @pytest.mark.parametrize("command", ["demo", "bench"])

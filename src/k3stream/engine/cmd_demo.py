@@ -1,5 +1,7 @@
-"""`k3stream demo`: make a tiny audited-recipe Kimi-K3 (once), pack its experts (once), and generate from a
-chat prompt with the experts streamed from the pack through a RAM budget smaller than the pack."""
+"""`k3stream demo`: pack the shipped trained Kimi-K3 (`k3stream/data`, audited recipe, trained on the
+Python standard library by `k3stream train-tiny`) once and continue a Python prompt with its experts
+streamed from the pack through a RAM budget smaller than the pack. `--random` makes, packs and runs a
+random tiny audited model from a chat prompt instead."""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from k3stream.engine.cmd_generate import format_mib
 from k3stream.engine.loading import add_sampling_arguments, add_store_arguments
 
 MIB = 1 << 20
-DEFAULT_PROMPT = "What does a mixture-of-experts model keep on disk?"
+DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
+RANDOM_PROMPT = "What does a mixture-of-experts model keep on disk?"
+TRAINED_GGUF = Path(__file__).resolve().parent.parent / "data" / "k3-stdlib-audited.gguf"
 BUDGET_FRACTION = 0.4  # of the pack's expert bytes: most experts stream from disk
 
 # K-quant rows are 256 values (latent, expert_ff, kv_lora) and Q4_0 rows 32 (qk_nope). 32 experts in
@@ -46,7 +50,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache-dir", type=Path, default=None, help="where the model and pack live (~/.cache/k3stream/demo)"
     )
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message (default %(default)r)")
+    parser.add_argument(
+        "--prompt",
+        default=None,
+        help=f"text to continue (default {DEFAULT_PROMPT!r}; with --random a chat message)",
+    )
+    parser.add_argument(
+        "--random",
+        action="store_true",
+        help="a random tiny model from a chat prompt instead of the trained one",
+    )
     parser.add_argument(
         "--ram-mib",
         type=float,
@@ -60,9 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch CPU threads (default 1: the tiny model's matrices are too small to share out)",
     )
     add_store_arguments(parser)
-    add_sampling_arguments(parser, max_tokens=32)
-    # the prompt goes through the chat template, like `generate --chat`
-    parser.set_defaults(seed=0, chat=True, system=None, thinking=False)
+    add_sampling_arguments(parser, max_tokens=48)
+    parser.set_defaults(seed=0, temperature=0.6, system=None, thinking=False)
 
 
 # ---- the cached model and pack --------------------------------------------------------------------
@@ -75,6 +87,7 @@ class DemoModel:
     manifest: Path
     made_s: float | None  # None: found in the cache
     packed_s: float | None
+    trained: bool
 
 
 def demo_spec() -> Any:
@@ -83,10 +96,19 @@ def demo_spec() -> Any:
     return TinySpec(**DEMO_SPEC_FIELDS)
 
 
-def model_folder(cache_dir: Path) -> Path:
-    """One folder per demo spec, so a changed spec never reuses an old model."""
+def model_folder(cache_dir: Path, trained: bool = True) -> Path:
+    """One folder per demo model (the shipped file's bytes, or the random spec), so a changed model never
+    reuses an old pack."""
+    if trained:
+        return cache_dir / f"trained-{_file_digest(TRAINED_GGUF)}"
     digest = hashlib.sha256(repr(demo_spec()).encode()).hexdigest()[:12]
     return cache_dir / f"tiny-audited-{digest}"
+
+
+def _file_digest(path: Path) -> str:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the shipped trained model is missing (reinstall k3stream)")
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
 
 
 @contextmanager
@@ -98,25 +120,38 @@ def _locked(folder: Path) -> Iterator[None]:
         yield
 
 
-def prepare_demo_model(cache_dir: Path) -> DemoModel:
-    """The demo GGUF and its pack in `cache_dir`, made and packed only when missing."""
+def prepare_demo_model(cache_dir: Path, trained: bool = True) -> DemoModel:
+    """The demo GGUF (the shipped one copied, or a random one made) and its pack in `cache_dir`, made and
+    packed only when missing."""
     from k3stream.pack.builder import BuildOptions, build_pack, default_outputs
     from k3stream.tiny import make_tiny, shard_paths
 
-    folder = model_folder(cache_dir)
+    folder = model_folder(cache_dir, trained)
     with _locked(folder):
-        gguf = shard_paths(folder, 1)[0]
+        gguf = folder / TRAINED_GGUF.name if trained else shard_paths(folder, 1)[0]
         made_s = packed_s = None
         if not gguf.is_file():
             started = time.perf_counter()
-            make_tiny(folder, demo_spec())
+            if trained:
+                _copy(TRAINED_GGUF, gguf)
+            else:
+                make_tiny(folder, demo_spec())
             made_s = time.perf_counter() - started
         pack, manifest = default_outputs([gguf])
         if made_s is not None or not manifest.is_file():
             # the manifest is written last: without it, anything there is an unfinished build
             options = BuildOptions(force=True, progress=False, margin_bytes=64 * MIB)
             packed_s = build_pack(gguf, options=options, profile="audited").seconds
-    return DemoModel(gguf, pack, manifest, made_s, packed_s)
+    return DemoModel(gguf, pack, manifest, made_s, packed_s, trained)
+
+
+def _copy(source: Path, target: Path) -> None:
+    """Copy through a temp file, so an interrupted copy never looks like the model."""
+    import shutil
+
+    temp = target.with_name(target.name + ".tmp")
+    shutil.copyfile(source, temp)
+    os.replace(temp, target)
 
 
 # ---- run --------------------------------------------------------------------------------------------
@@ -141,11 +176,14 @@ def run(args: argparse.Namespace) -> int:
 
     params = sampling_params(args)  # bad flags fail before anything is made
     torch.set_num_threads(args.threads)
-    demo = prepare_demo_model(args.cache_dir or default_cache_dir())
+    demo = prepare_demo_model(args.cache_dir or default_cache_dir(), trained=not args.random)
+    args.chat = not demo.trained  # the trained model continues code; the random one gets a chat prompt
+    prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT if demo.trained else RANDOM_PROMPT
     with ExpertPack(demo.manifest) as pack:
         expert_bytes = _expert_bytes(pack)
     ram_mib = args.ram_mib if args.ram_mib is not None else round(BUDGET_FRACTION * expert_bytes / MIB, 1)
-    print(f"model   {demo.gguf} {_took(demo.made_s, 'made')}")
+    kind = "trained on the Python standard library" if demo.trained else "random weights"
+    print(f"model   {demo.gguf} ({kind}) {_took(demo.made_s, 'copied' if demo.trained else 'made')}")
     print(f"pack    {demo.pack}: {format_mib(expert_bytes)} of experts {_took(demo.packed_s, 'packed')}")
     runtime = load_runtime(
         demo.manifest, device="cpu", ram_mib=ram_mib, store_options=StoreOptions.from_args(args)
@@ -153,9 +191,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         print(f"budget  expert RAM {ram_mib:g} MiB, {ram_mib * MIB / expert_bytes:.0%} of the pack's experts")
         tokenizer = runtime.tokenizer
-        ids = prompt_ids(tokenizer, args, args.prompt)
-        print(f"prompt  {args.prompt!r} ({len(ids)} tokens with the chat template)\n")
-        params = replace(params, stop_token_ids=chat_stop_token_ids(tokenizer, args.thinking))
+        ids = prompt_ids(tokenizer, args, prompt)
+        template = " with the chat template" if args.chat else ""
+        print(f"prompt  {prompt!r} ({len(ids)} tokens{template})\n")
+        if args.chat:
+            params = replace(params, stop_token_ids=chat_stop_token_ids(tokenizer, args.thinking))
+        else:
+            _write(prompt)
         start = store_snapshot(runtime.store)
         result = generate(runtime.model, tokenizer, ids, params, on_text=_write)
         print("\n")
