@@ -155,7 +155,7 @@ def test_a_rank_failing_its_step_ends_the_run_naming_it(tiny_model, tmp_path_fac
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=_env())
     assert done.returncode != 0
     assert time.monotonic() - start < 60
-    assert "expert-pack checksum mismatch: layer 1 expert" in done.stderr, done.stderr[-3000:]
+    assert "error: rank 1: expert-pack checksum mismatch: layer 1 expert" in done.stderr, done.stderr[-3000:]
     assert "rank 0: rank 1 failed or stopped (no heartbeat)" in done.stderr, done.stderr[-3000:]
 
 

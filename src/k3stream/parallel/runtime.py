@@ -39,7 +39,7 @@ def parallel_runtime(
             elif parallel.driver:
                 yield from _drive(runtime, report, on_failure, args.dist_timeout / 2)
             else:
-                follow(runtime.model, report)
+                _follow(runtime.model, report, parallel.rank)
                 yield None
         finally:
             runtime.close()
@@ -60,6 +60,16 @@ def _drive(
     if driver.failure is not None:
         raise driver.failure
     driver.stop()  # not reached when the run failed: the followers see the failure
+
+
+def _follow(model: Any, report: Callable[[], Any], rank: int) -> None:
+    """`follow`, with this rank's own failure (its pack, its step) named by rank on the way out."""
+    try:
+        follow(model, report)
+    except groups.PeerFailed:
+        raise
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise RuntimeError(f"rank {rank}: {exc}") from exc
 
 
 def _device_kind(device: str) -> str:
