@@ -72,8 +72,9 @@ def record(gguf: Path, manifest: Path, trace_path: Path, runs: list[list[int]]) 
         everything = len(pack.moe_layers) * pack.num_experts * pack.object_bytes / MIB
     hints = LayerHints()
     with ExpertStore(manifest, ram_mib=everything, prefetch=False, record_trace=trace_path) as store:
-        # prefetch=True computes both predictions; the store ignores hints (its prefetch is off)
-        model = k3stream.load(gguf, expert_source=store, prefetch=True)
+        model = k3stream.load(gguf, expert_source=store)
+        # predict (and score) both hints on every step; the store, its prefetch off, ignores them
+        model.prefetch = True
         model.hints = hints
         for run in runs:
             state = model.new_state()

@@ -4,6 +4,9 @@ router bias follows the load, and the written GGUF runs the same in k3stream and
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +16,8 @@ import k3stream
 from conftest import requires_llama
 from k3stream.engine.tokenizer import Tokenizer
 from k3stream.gguf.layout import is_routed_expert
+from k3stream.store.simulate import hit_rate_table
+from k3stream.store.traces import read_trace
 from k3stream.tiny import TinySpec
 from k3stream.train.cmd_train import write_gguf
 from k3stream.train.corpus import HELD_OUT_EVERY, read_texts, split_corpus
@@ -47,6 +52,8 @@ SMALL = TinySpec(
     expert_ff=32,
     latent=32,
 )
+SHIPPED = Path(k3stream.__file__).parent / "data"
+TRACE = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "k3-stdlib-heldout.trace.jsonl.gz"
 SNIPPET = "import os\n\n\ndef main(argv):\n    for name in argv:\n        print(name, os.sep)\n    return 0\n"
 
 
@@ -157,3 +164,50 @@ def test_shape_flags_reach_the_spec():
     spec = cmd_train.spec_from_args(args)
     assert (spec.n_experts, spec.hidden, spec.seed, spec.latent) == (8, 48, 3, 256)
     assert dataclasses.replace(spec, recipe="audited").recipe == "audited"
+
+
+def test_shipped_model_is_small_recorded_and_predicts_held_out_python(corpus, one_torch_thread):
+    record = json.loads((SHIPPED / "k3-stdlib.json").read_text())
+    path = SHIPPED / record["files"]["audited"]
+    assert path.stat().st_size <= 25 * 2**20
+    assert record["command"].startswith("k3stream train-tiny ") and record["seed"] is not None
+    held_out_text = read_texts(corpus.root, corpus.held_out, 8000)
+    ids = Tokenizer.from_gguf(path).encode_plain("".join(held_out_text))[:257]
+    logits = k3stream.load(path).logits(ids[:-1])
+    nll = float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])))
+    # far better than a uniform guess over the vocabulary: the model learned the held-out language
+    assert nll < math.log(record["vocab_size"]) - 2.0, nll
+
+
+def test_committed_trace_is_the_shipped_models_routing_and_belady_bounds_every_policy():
+    record = json.loads((SHIPPED / "k3-stdlib.json").read_text())
+    trace = read_trace(TRACE)
+    spec = record["spec"]
+    assert trace.meta["num_experts"] == spec["n_experts"] and trace.meta["top_k"] == spec["top_k"]
+    assert len(trace.meta["moe_layers"]) == spec["n_layers"] - spec["n_dense"]
+    assert trace.tokens > 0 and all(len(experts) == spec["top_k"] for _layer, experts in trace.steps)
+    experts = len(trace.meta["moe_layers"]) * spec["n_experts"]
+    sizes = [fraction * experts * trace.meta["object_bytes"] / 2**20 for fraction in (0.25, 0.5)]
+    policies = ["lfu-lru", "lru", "arc", "cycle"]
+    for row in hit_rate_table(trace.steps, trace.meta["object_bytes"], sizes, policies):
+        assert all(row[name] <= row["belady"] for name in policies), row
+
+
+@requires_llama
+def test_greedy_held_out_continuation_equals_llama_cpp_for_64_tokens(corpus, tmp_path, one_torch_thread):
+    """The shipped model's exact values in F32 (`dequantize --all-f32`): real, trained activations."""
+    from k3stream.gguf.cmd_dequantize import dequantize_gguf
+
+    record = json.loads((SHIPPED / "k3-stdlib.json").read_text())
+    path = dequantize_gguf(SHIPPED / record["files"]["audited"], tmp_path / "shipped-f32.gguf", True)
+    text = read_texts(corpus.root, corpus.held_out, 4000)[0]
+    prompt = Tokenizer.from_gguf(path).encode_plain(text)[:48]
+    model = k3stream.load(path)
+    state = model.new_state()
+    logits, continuation = model.prefill(state, prompt)[-1], []
+    for _ in range(64):
+        continuation.append(int(logits.argmax()))
+        logits = model.decode(state, continuation[-1])
+    (theirs,) = llama_logits([(path, prompt + continuation)], tmp_path)
+    # llama.cpp's greedy choice at every position of the same text: its own continuation, token for token
+    assert theirs[len(prompt) - 1 : -1].argmax(-1).tolist() == continuation
