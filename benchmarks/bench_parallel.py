@@ -4,8 +4,9 @@
 
 Makes a tiny audited-recipe Kimi-K3 with more experts than the test models (Q2_K/Q3_K experts), packs
 it, and runs the `generate` command's runtime under `torchrun` (tests/parallel_worker.py): one prefill
-and greedy-free fixed decode steps, with `--tp N --ep N` and with `--ep N` alone. Every rank's expert
-RAM budget is the same share of the pack (`--ram-share`), so the ranks' caches add up as ranks are added.
+of a fixed random prompt, then fixed decode tokens (no sampling), with `--tp N --ep N` and `--ep N`.
+Every rank's expert RAM budget is the same share of the pack (`--ram-share`), so the ranks' caches add
+up as ranks are added.
 Prints prefill and decode tok/s and the pack bytes each rank read per token (mean over ranks, and the
 busiest rank), each also as a ratio to one rank, each rank's read rate while reading (GB/s), and the
 expert-exchange bytes each rank sent per token. `--same-total-cache` splits one budget over the ranks
