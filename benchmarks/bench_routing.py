@@ -9,7 +9,9 @@ expert, so the recorded routing trace is the model's own demand. Printed: every 
 against Belady's at 1/8, 1/4 and 1/2 of the experts, and per MoE layer the precision and recall of the
 pre-attention hint (a layer's router on its input, before its attention) and of the layer-ahead hint
 (the next MoE layer's router on this layer's stream after attention). `--trace` keeps the trace
-gzipped (`python -m k3stream.store.simulate` reads it).
+gzipped (`python -m k3stream.store.simulate` reads it). Then `--clients` concurrent sequences (held-out
+files, teacher forced) decode together (`decode_batch`) through a store holding a quarter of the
+experts: pack bytes read per token at each count.
 """
 
 from __future__ import annotations
@@ -84,6 +86,27 @@ def record(gguf: Path, manifest: Path, trace_path: Path, runs: list[list[int]]) 
     return hints
 
 
+def bytes_per_token(gguf: Path, manifest: Path, clients: int, length: int) -> dict:
+    """Pack bytes read per token when `clients` held-out sequences decode together at a 1/4 budget."""
+    import k3stream
+    from k3stream.pack.reader import ExpertPack
+    from k3stream.store import ExpertStore
+
+    runs = [r for r in held_out_token_runs(gguf, 4 * clients * length, length) if len(r) == length]
+    if len(runs) < clients:
+        raise ValueError(f"held-out text: only {len(runs)} files of {length} tokens for {clients} clients")
+    with ExpertPack(manifest) as pack:
+        budget = len(pack.moe_layers) * pack.num_experts // 4 * pack.object_bytes / MIB
+    with ExpertStore(manifest, ram_mib=budget) as store:
+        model = k3stream.load(gguf, expert_source=store)
+        states = [model.new_state() for _ in range(clients)]
+        for step in range(length):
+            model.decode_batch(states, [run[step] for run in runs[:clients]])
+            store.end_token(clients)
+        read = store.stats()["pack_read_bytes"]
+    return {"clients": clients, "tokens": clients * length, "bytes_per_token": read / (clients * length)}
+
+
 def policy_rows(trace_path: Path) -> tuple[list[dict], dict]:
     from k3stream.store.simulate import hit_rate_table
     from k3stream.store.traces import read_trace
@@ -120,6 +143,13 @@ def print_report(rows: list[dict], info: dict, hints: dict[int, dict]) -> None:
         print(f"layer {layer}: {cells}")
 
 
+def print_clients(rows: list[dict]) -> None:
+    print("\n## concurrent clients at 1/4 of the experts: pack KiB read per token")
+    for row in rows:
+        ratio = row["bytes_per_token"] / rows[0]["bytes_per_token"]
+        print(f"{row['clients']:>3} clients: {row['bytes_per_token'] / 1024:8.1f} KiB ({ratio:.2f}x of 1)")
+
+
 def main(argv: list[str] | None = None) -> int:
     from k3stream.pack.builder import BuildOptions, build_pack
 
@@ -131,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-file", type=int, default=256, help="tokens from each held-out file")
     parser.add_argument("--trace", type=Path, default=None, help="keep the trace here, gzipped")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument("--clients", default="1,4,16", help="concurrent sequences, comma-separated")
+    parser.add_argument("--client-tokens", type=int, default=128, help="tokens each client decodes")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as temp:
         work = Path(temp)
@@ -141,12 +173,16 @@ def main(argv: list[str] | None = None) -> int:
         trace_path = work / "trace.jsonl"
         hints = hint_rows(record(gguf, manifest, trace_path, runs))
         rows, info = policy_rows(trace_path)
+        counts = [int(c) for c in args.clients.split(",") if c]
+        clients = [bytes_per_token(gguf, manifest, c, args.client_tokens) for c in counts]
         if args.trace is not None:
             with open(args.trace, "wb") as out, gzip.GzipFile(fileobj=out, mode="wb", mtime=0) as packed:
                 packed.write(trace_path.read_bytes())
     print_report(rows, info, hints)
+    print_clients(clients)
     if args.json is not None:
-        args.json.write_text(json.dumps({"policies": rows, "trace": info, "hints": hints}, indent=1) + "\n")
+        figures = {"policies": rows, "trace": info, "hints": hints, "clients": clients}
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
     return 0
 
 
