@@ -135,11 +135,19 @@ def test_read_ahead_loads_the_next_part_once_and_never_counts_as_a_hint(pack):
         half = pack.num_experts // 2  # the upper half: never routed above, so not resident
         first, second = [half, half + 1, half + 2], [half + 3, half + 4, half + 5]
         store.fetch(layer, first)
-        reads = store.stats()["pack_reads"]
+        before = store.stats()
         store.read_ahead(layer, second)
         drain(store)
         store.fetch(layer, second)
         stats = store.stats()
     assert stats["read_ahead"] == 3
-    assert stats["pack_reads"] == reads + 3  # read ahead once; the fetch found them resident
+    assert stats["pack_reads"] == before["pack_reads"] + 3  # read ahead once; the fetch found them resident
     assert stats["prefetch_layers"][str(layer)]["active"] is False  # unscored: the hints stay off
+    # read for this fetch, only earlier: misses, and neither prefetch loads nor prefetch uses
+    ram, ram_before = stats["tiers"]["ram"], before["tiers"]["ram"]
+    assert (ram["cache_hits"], ram["cache_misses"]) == (
+        ram_before["cache_hits"],
+        ram_before["cache_misses"] + 3,
+    )
+    for counter in ("prefetch_loads", "prefetch_hits", "prefetch_waits"):
+        assert stats[counter] == before[counter], counter

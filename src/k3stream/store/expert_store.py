@@ -190,6 +190,7 @@ class ExpertStore:
         buffers = self._loader.ensure(self._compute, keys, demand=True, keep=True)
         weights = {expert: self._weights((layer, expert), buffers[(layer, expert)]) for expert in experts}
         with self._lock:
+            self._compute.fetched(keys)
             self._counts["fetches"] += 1
             self._counts["fetch_ns"] += time.perf_counter_ns() - started
         return weights
@@ -220,6 +221,7 @@ class ExpertStore:
             if self._closed or not keys:
                 return
             self._counts["read_ahead"] += len(keys)
+            self._compute.read_ahead(keys)
             self._prefetcher.submit(self._prefetch_job, keys, self._hints.serial(layer))
 
     def release(self) -> None:

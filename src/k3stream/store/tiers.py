@@ -158,12 +158,28 @@ class FrontTier(Tier):
     ) -> None:
         super().__init__(name, budget_mib, slot_bytes, policy, layers, below, uploader)
         self.unused: set[Key] = set()  # resident prefetches no fetch has asked for yet
+        # keys read ahead for the fetch that follows (the rest of a step): that fetch counts them as
+        # misses, and they are neither prefetch loads nor prefetch uses (they are not predictions)
+        self.ahead: set[Key] = set()
         self.layer_counts = {layer: Counter(hits=0, misses=0) for layer in layers}
         self.prefetch_counts = Counter(
             prefetch_loads=0, prefetch_hits=0, prefetch_unused_evictions=0, prefetch_waits=0
         )
 
+    def read_ahead(self, keys: list[Key]) -> None:
+        """`keys` are about to be read for the next fetch; the resident ones stay hits."""
+        self.ahead.update(key for key in keys if key not in self.buffers)
+
+    def fetched(self, keys: list[Key]) -> None:
+        """A fetch of `keys` is over: what was read ahead for it has been counted."""
+        self.ahead.difference_update(keys)
+
     def lookup(self, key: Key) -> bool:
+        if key in self.ahead:  # read for this very fetch, only earlier: a miss
+            self.unused.discard(key)
+            self.counts["cache_misses"] += 1
+            self.layer_counts[key[0]]["misses"] += 1
+            return self.cache.lookup(key)
         hit = super().lookup(key)
         self.layer_counts[key[0]]["hits" if hit else "misses"] += 1
         if hit and key in self.unused:
@@ -176,11 +192,11 @@ class FrontTier(Tier):
 
     def join(self, key: Key) -> tuple[Future, bool]:
         future, by_prefetch = super().join(key)
-        self.prefetch_counts["prefetch_waits"] += by_prefetch
+        self.prefetch_counts["prefetch_waits"] += by_prefetch and key not in self.ahead
         return future, by_prefetch
 
     def install(self, key: Key, buffer: torch.Tensor, ready: Any) -> None:
-        if key in self.prefetching:
+        if key in self.prefetching and key not in self.ahead:
             self.prefetch_counts["prefetch_loads"] += 1
             if key not in self.demanded:
                 self.unused.add(key)
@@ -188,6 +204,7 @@ class FrontTier(Tier):
 
     def evict(self, keys: list[Key]) -> None:
         super().evict(keys)
+        self.ahead.difference_update(keys)
         unused = self.unused.intersection(keys)
         self.prefetch_counts["prefetch_unused_evictions"] += len(unused)
         self.unused.difference_update(unused)
