@@ -153,6 +153,19 @@ def test_llama_cpp_runs_the_trained_gguf(trained, vocab, tmp_path, one_torch_thr
     assert llama_ids == ids  # llama.cpp reads the stored vocabulary as we do
 
 
+def test_a_shape_the_audited_recipe_cannot_quantize_fails_before_training(tmp_path):
+    import argparse
+
+    from k3stream.train import cmd_train
+
+    parser = argparse.ArgumentParser()
+    cmd_train.add_arguments(parser)
+    args = parser.parse_args([str(tmp_path / "out"), "--latent", "64", "--recipes", "f32,audited"])
+    with pytest.raises(ValueError, match=r"recipe audited: blk\.1\.ffn_gate_exps\.weight rows of 64 values"):
+        cmd_train.run(args)
+    assert not (tmp_path / "out").exists()
+
+
 def test_shape_flags_reach_the_spec():
     import argparse
 

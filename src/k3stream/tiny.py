@@ -404,6 +404,19 @@ def _fast_path(tensor: _Tensor, ggml_type: int, fast_types: frozenset[int]) -> b
     )
 
 
+def check_spec(spec: TinySpec, vocab_size: int) -> list[_Tensor]:
+    """Raise one line for a spec `make_tiny` cannot write (shapes its recipe cannot quantize too);
+    returns the tensor plan."""
+    _check_spec(spec)
+    plan = tensor_plan(spec, vocab_size)
+    if spec.shards > len(plan):
+        raise ValueError(f"TinySpec.shards: {spec.shards} shards for only {len(plan)} tensors")
+    if spec.recipe == "audited":
+        for tensor in plan:
+            _check_quantizable(tensor, ggml_type_for(tensor.name, len(tensor.shape), spec.recipe))
+    return plan
+
+
 def make_tiny(
     out_dir: str | os.PathLike[str],
     spec: TinySpec,
@@ -416,16 +429,10 @@ def make_tiny(
     `weights` (float32 values of every tensor by GGUF name, in its numpy shape: a trained model)."""
     from k3stream.tinyvocab import padded, tiny_vocab
 
-    _check_spec(spec)
     if vocab is None:
         vocab = tiny_vocab() if spec.vocab is None else padded(tiny_vocab(), spec.vocab)
     values_of = initial_values if weights is None else _given(weights)
-    plan = tensor_plan(spec, len(vocab.tokens))
-    if spec.shards > len(plan):
-        raise ValueError(f"TinySpec.shards: {spec.shards} shards for only {len(plan)} tensors")
-    if spec.recipe == "audited":
-        for tensor in plan:
-            _check_quantizable(tensor, ggml_type_for(tensor.name, len(tensor.shape), spec.recipe))
+    plan = check_spec(spec, len(vocab.tokens))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = shard_paths(out, spec.shards)

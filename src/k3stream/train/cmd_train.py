@@ -81,14 +81,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from k3stream.tiny import RECIPES
+    from k3stream.tiny import RECIPES, check_spec
 
     recipes = [r for r in args.recipes.split(",") if r]
     bad = [r for r in recipes if r not in RECIPES]
     if bad or not recipes:
         raise ValueError(f"--recipes: {args.recipes!r}: choose from {', '.join(RECIPES)}")
+    spec = spec_from_args(args)
+    for recipe in recipes:  # before an hour of training, not after it
+        check_spec(dataclasses.replace(spec, recipe=recipe), args.vocab_size)
     torch.set_num_threads(args.threads)
-    record = train_tiny(args, spec_from_args(args), recipes)
+    record = train_tiny(args, spec, recipes)
     print(f"held-out perplexity {record['held_out_ppl']:.2f} ({record['held_out_tokens']} tokens)")
     return 0
 
