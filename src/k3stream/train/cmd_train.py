@@ -16,6 +16,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from k3stream.tiny import TinySpec
+    from k3stream.tinyvocab import Vocab
 
 MIB = 1 << 20
 STEM = "k3-stdlib"
@@ -96,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def spec_from_args(args: argparse.Namespace):
+def spec_from_args(args: argparse.Namespace) -> TinySpec:
     """The `TinySpec` the shape flags and `--seed` describe."""
     from k3stream.tiny import TinySpec
 
@@ -104,7 +111,7 @@ def spec_from_args(args: argparse.Namespace):
     return TinySpec(**shape, seed=args.seed)
 
 
-def train_tiny(args: argparse.Namespace, spec, recipes: list[str]) -> dict[str, object]:
+def train_tiny(args: argparse.Namespace, spec: TinySpec, recipes: list[str]) -> dict[str, object]:
     """Corpus, vocabulary, training, evaluation, GGUFs and train.json; returns the record."""
     import numpy as np
     import torch
@@ -202,7 +209,9 @@ def _reporter(every: int):
     return report
 
 
-def write_gguf(out_dir: Path, spec, recipe: str, vocab, weights) -> Path:
+def write_gguf(
+    out_dir: Path, spec: TinySpec, recipe: str, vocab: Vocab, weights: dict[str, np.ndarray]
+) -> Path:
     """`out_dir/k3-stdlib-RECIPE.gguf` through the tiny-model writer (in a temp folder, then moved)."""
     from k3stream.tiny import make_tiny
 

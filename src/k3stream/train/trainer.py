@@ -23,8 +23,8 @@ from k3stream.gguf.layout import FLOAT_TYPE_IDS, is_routed_expert, routed_expert
 from k3stream.gguf.weights import tensor_weights
 from k3stream.model.k3 import K3Model, build
 from k3stream.model.kda import KDA
-from k3stream.model.layers import LoadOptions
-from k3stream.model.moe import LatentMoE
+from k3stream.model.layers import Linear, LoadOptions
+from k3stream.model.moe import LatentMoE, Routing
 from k3stream.quant.kernels import QWeight
 from k3stream.tiny import TinySpec, initial_values, tensor_plan, tiny_config
 
@@ -95,11 +95,11 @@ class ParameterExperts(ExpertSource):
 class CountingRouting:
     """A layer's `Routing` that also counts how often each expert is chosen (the load)."""
 
-    def __init__(self, routing, counts: torch.Tensor) -> None:
+    def __init__(self, routing: Routing, counts: torch.Tensor) -> None:
         self.routing = routing
         self.counts = counts
 
-    def choose(self, router, bias: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def choose(self, router: Linear, bias: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         chosen, weights = self.routing.choose(router, bias, h)
         self.counts += torch.bincount(chosen.flatten(), minlength=self.counts.numel())
         return chosen, weights
