@@ -143,6 +143,8 @@ K3_CHILD = (
 import argparse, json, sys, time
 job = json.loads(sys.argv[1])
 io = {"start": read_io()}
+from k3stream.cli import calm_openmp
+calm_openmp()  # as the k3stream command does, before torch loads the OpenMP runtime
 import torch
 from k3stream.engine import bench
 from k3stream.engine.loading import add_model_arguments, runtime_from_args

@@ -459,3 +459,16 @@ def test_generation_ends_when_the_context_is_full(tiny_model, tokenizer):
     assert (result.finish_reason, result.prompt_tokens + result.completion_tokens) == ("length", 12)
     with pytest.raises(ValueError, match="the prompt has 12 tokens; the model's context is 12"):
         generate(short, tokenizer, prompt + result.token_ids[:-1] + [1], params)
+
+
+def test_the_command_line_lets_idle_openmp_threads_sleep_unless_told_otherwise(monkeypatch):
+    import os
+
+    from k3stream.cli import calm_openmp
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    calm_openmp()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    calm_openmp()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
