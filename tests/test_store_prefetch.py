@@ -14,7 +14,7 @@ import pytest
 from k3stream.pack.builder import build_pack
 from k3stream.pack.reader import ExpertPack
 from k3stream.store import ExpertStore
-from k3stream.store.hints import PREFETCH_MIN_PRECISION
+from k3stream.store.hints import PREFETCH_DECAY, PREFETCH_MIN_PRECISION
 
 MIB = 1 << 20
 TOKENS = 24
@@ -82,9 +82,10 @@ def test_wrong_hints_stop_after_the_warm_up_and_cost_about_no_reads(pack):
     assert off["prefetch_requests"] == off["prefetch_loads"] == 0
     layers = adaptive["prefetch_layers"].values()
     assert all(layer["precision"] < PREFETCH_MIN_PRECISION and not layer["active"] for layer in layers)
-    # warm-up: precision 0.75^n after n wrong hints turns a layer off after 3 hints of top_k experts
-    # (a hinted expert still resident from an earlier wrong hint is not read again)
-    warm_up = 3 * pack.top_k * len(pack.moe_layers)
+    # warm-up: precision DECAY^n after n wrong hints turns a layer off once it falls below the
+    # threshold (a hinted expert still resident from an earlier wrong hint is not read again)
+    hints_before_off = next(n for n in range(1, 50) if PREFETCH_DECAY**n < PREFETCH_MIN_PRECISION)
+    warm_up = hints_before_off * pack.top_k * len(pack.moe_layers)
     assert 0 < adaptive["prefetch_loads"] <= warm_up
     assert adaptive["prefetch_hits"] == adaptive["prefetch_waits"] == 0
     assert adaptive["prefetch_suppressed"] == adaptive["prefetch_requests"] - warm_up
