@@ -19,7 +19,7 @@
 #include <string.h>
 
 #define TILE 256
-#define ROWS_PER_TASK 8
+#define ROWS_PER_TASK 32
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
@@ -836,6 +836,7 @@ ALWAYS __m256 q8_q4_0(const uint8_t *restrict b, const BlockQ8_0 *restrict y, __
     AVX2 static void NAME(const Product *pr, int64_t b, int64_t m) {                                   \
         const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;          \
         const int64_t blocks = pr->in_features / (ELEMS);                                             \
+        prefetch_ahead(row, pr->row_bytes);                                                            \
         for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {                                  \
             const __typeof__(*pr->Y) *y = pr->Y + pr->rows[p] * blocks;                                \
             __m256 acc = _mm256_setzero_ps();                                                          \
