@@ -589,6 +589,17 @@ ALWAYS void dot_q4_k(const uint8_t *restrict b, const float *const *x, const flo
     }
 }
 
+/* Q6_K's 32 unsigned 6-bit codes (0..63) of run r: low nibbles at 64(r/4) + 32((r%4)%2), shift
+ * 4((r%4)/2); high bits at 128 + 32(r/4), shift 2(r%4) */
+ALWAYS __m256i q6_k_codes(const uint8_t *restrict b, int run) {
+    const int half = run >> 2, rest = (run & 3) * 32;
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * half + (rest & 63)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (rest >> 6)), _mm256_set1_epi8(15));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * (run & 3)), _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+}
+
 /* Q6_K: run r of 32 values (sub-blocks 2r, 2r + 1): low nibbles at 64(r/4) + 32((r%4)%2), shift
  * 4((r%4)/2); high bits at 128 + 32(r/4), shift 2(r%4) */
 ALWAYS void dot_q6_k(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
@@ -597,16 +608,11 @@ ALWAYS void dot_q6_k(const uint8_t *restrict b, const float *const *x, const flo
     const float d = f16(b + 208);
     __m256 acc[FUSED_ROWS][4];
     zero_acc(acc, n);
-    const __m256i nibble = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+    const __m256i bias = _mm256_set1_epi8(32);
     float steps[16];
     for (int s = 0; s < 16; s++) steps[s] = (float)(int8_t)b[192 + s] * d;
     for (int run = 0; run < 8; run++) {
-        const int half = run >> 2, rest = (run & 3) * 32;
-        const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * half + (rest & 63)));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
-        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (rest >> 6)), nibble);
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * (run & 3)), pair);
-        const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), bias);
+        const __m256i codes = _mm256_sub_epi8(q6_k_codes(b, run), bias);
         fma32(codes, steps, 2 * run, x, at + 32 * run, acc, n);
     }
     for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);
@@ -795,19 +801,13 @@ ALWAYS __m256 q8_q6_k(const uint8_t *restrict b, const BlockQ8K *restrict y, __m
     const __m128i scales8 = _mm_loadu_si128((const __m128i *)(b + 192));
     __m256i halves[2];
     scale_halves(scales8, halves);
-    const __m256i nibble = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3);
     __m256i sumi = _mm256_mullo_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(scales8),
                                                         _mm256_loadu_si256((const __m256i *)y->bsums)),
                                       _mm256_set1_epi32(-32));
     for (int run = 0; run < 8; run++) {
-        const int half = run >> 2, rest = (run & 3) * 32;
-        const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * half + (rest & 63)));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
-        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (rest >> 6)), nibble);
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * (run & 3)), pair);
-        const __m256i codes = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
         const __m256i q8 = _mm256_loadu_si256((const __m256i *)(y->qs + 32 * run));
-        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q8), pair_scales(halves[half], run & 3)));
+        const __m256i products = _mm256_maddubs_epi16(q6_k_codes(b, run), q8);
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(products, pair_scales(halves[run >> 2], run & 3)));
     }
     return _mm256_fmadd_ps(_mm256_set1_ps(f16c(b + 208) * y->d), _mm256_cvtepi32_ps(sumi), acc);
 }
