@@ -21,8 +21,9 @@ from collections.abc import Callable
 
 import torch
 
-from k3stream.engine.tokenizer import Tokenizer, VocabFields
+from k3stream.engine.tokenizer import Tokenizer
 from k3stream.tinyvocab import padded, tiny_vocab
+from k3stream.train.vocab import vocab_tokenizer
 
 SCHEMA = {
     "type": "object",
@@ -41,16 +42,7 @@ INSTANCE = '{"city":"The quick brown fox jumps over the lazy dog","days":7,"unit
 
 
 def tokenizer(vocab_size: int | None) -> Tokenizer:
-    vocab = tiny_vocab() if vocab_size is None else padded(tiny_vocab(), vocab_size)
-    fields = VocabFields(
-        tokens=list(vocab.tokens),
-        token_types=list(vocab.token_types),
-        model="gpt2",
-        pre="kimi-k2",
-        bos_id=vocab.bos_id,
-        eos_id=vocab.eos_id,
-    )
-    return Tokenizer(fields)
+    return vocab_tokenizer(tiny_vocab() if vocab_size is None else padded(tiny_vocab(), vocab_size))
 
 
 def vocab_bytes(tok: Tokenizer) -> list[bytes]:
