@@ -29,7 +29,7 @@ BENEATH: dict[str, tuple[str, ...]] = {
     "engine": ("api", "model", "store", "pack"),
     "server": ("engine",),
     "parallel": ("engine",),
-    "tinyvocab": (),
+    "tinyvocab": ("gguf",),
     "tinyblocks": (),
     "tiny": ("gguf", "quant", "tinyblocks", "tinyvocab"),
     "hostile": ("pack",),
@@ -42,8 +42,6 @@ BENEATH: dict[str, tuple[str, ...]] = {
 KNOWN_EXCEPTIONS = {
     # the seed loader resolves a manifest to its GGUF with the pack's manifest reader (model/k3 calls it)
     ("k3stream.gguf.weights", "k3stream.pack.manifest"),
-    # the tokenizer's built-in vocabulary is the tiny models' test vocabulary
-    ("k3stream.engine.tokenizer", "k3stream.tinyvocab"),
 }
 
 

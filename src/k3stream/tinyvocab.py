@@ -15,6 +15,8 @@ from itertools import pairwise
 
 import regex
 
+from k3stream.gguf.bpe import byte_to_unicode
+
 N_MERGES = 320
 
 # Kimi's special tokens, in the order of their ids in the real vocabulary (163584...).
@@ -125,20 +127,6 @@ class Vocab:
     bos_id: int
     eos_id: int
     pad_id: int
-
-
-@functools.lru_cache(maxsize=1)
-def byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from bytes to printable unicode characters."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
 
 
 def spell(token: bytes) -> str:

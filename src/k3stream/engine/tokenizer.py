@@ -40,7 +40,7 @@ _SPECIAL_TYPES = (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN)
 @cache
 def _unicode_to_byte() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode (the alphabet GGUF BPE tokens are written in)."""
-    from k3stream.tinyvocab import byte_to_unicode
+    from k3stream.gguf.bpe import byte_to_unicode
 
     return {char: byte for byte, char in byte_to_unicode().items()}
 
