@@ -69,7 +69,15 @@ def start(tp: int, ep: int, device: str = "cpu", timeout_s: float = DEFAULT_TIME
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     global _heartbeat
     _heartbeat = Heartbeat(dist.get_rank(), world)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stopped_by_torchrun)
     return Parallel(rank=dist.get_rank(), world=world, tp=tp, ep=ep)
+
+
+def _stopped_by_torchrun(signum: int, frame: Any) -> None:
+    """torchrun stops the survivors as soon as one rank dies, often before their next collective
+    fails: end with the line a failed collective gives, naming the rank that stopped beating."""
+    raise PeerFailed(_failure("a step", RuntimeError("stopped by torchrun")))
 
 
 def loaded(parallel: Parallel) -> None:
@@ -96,6 +104,8 @@ def stop(parallel: Parallel) -> None:
     if _heartbeat is not None:
         _heartbeat.close()
         _heartbeat = None
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if parallel.distributed and dist.is_initialized():
         dist.destroy_process_group()
 
