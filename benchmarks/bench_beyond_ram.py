@@ -157,6 +157,7 @@ runtime = runtime_from_args(args)
 load_s = time.perf_counter() - started
 io["load"] = read_io()
 model, store = runtime.model, runtime.store
+model.score_all_hints = True
 prompt = job["prompt"]
 warm = model.new_state()
 model.decode(warm, int(model.prefill(warm, prompt)[-1].argmax()))

@@ -21,29 +21,15 @@ import gzip
 import json
 import shutil
 import tempfile
-from collections import defaultdict
 from pathlib import Path
+
+from k3stream.model.hints import HintLog
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "src" / "k3stream" / "data" / "k3-stdlib-audited.gguf"
 MIB = 1 << 20
 POLICIES = ["lfu-lru", "lru", "arc", "cycle"]
 BUDGETS = (0.125, 0.25, 0.5)
-
-
-class LayerHints:
-    """`HintLog`'s interface, with one log per MoE layer (the model calls predicted/used)."""
-
-    def __init__(self) -> None:
-        from k3stream.model.hints import HintLog
-
-        self.logs = defaultdict(HintLog)
-
-    def predicted(self, kind: str, layer: int, experts: list[int]) -> None:
-        self.logs[layer].predicted(kind, layer, experts)
-
-    def used(self, layer: int, experts: list[int]) -> None:
-        self.logs[layer].used(layer, experts)
 
 
 def held_out_token_runs(gguf: Path, total: int, per_file: int) -> list[list[int]]:
@@ -64,7 +50,7 @@ def held_out_token_runs(gguf: Path, total: int, per_file: int) -> list[list[int]
     return runs
 
 
-def record(gguf: Path, manifest: Path, trace_path: Path, runs: list[list[int]]) -> LayerHints:
+def record(gguf: Path, manifest: Path, trace_path: Path, runs: list[list[int]]) -> HintLog:
     """Decode every run token by token through a store holding all experts, recording the trace."""
     import k3stream
     from k3stream.pack.reader import ExpertPack
@@ -72,18 +58,16 @@ def record(gguf: Path, manifest: Path, trace_path: Path, runs: list[list[int]]) 
 
     with ExpertPack(manifest) as pack:
         everything = len(pack.moe_layers) * pack.num_experts * pack.object_bytes / MIB
-    hints = LayerHints()
     with ExpertStore(manifest, ram_mib=everything, prefetch=False, record_trace=trace_path) as store:
         model = k3stream.load(gguf, expert_source=store)
         # predict (and score) both hints on every step; the store, its prefetch off, ignores them
-        model.prefetch = True
-        model.hints = hints
+        model.prefetch = model.score_all_hints = True
         for run in runs:
             state = model.new_state()
             for token in run:
                 model.decode(state, token)
                 store.end_token(1)
-    return hints
+    return model.hints
 
 
 def bytes_per_token(gguf: Path, manifest: Path, clients: int, length: int) -> dict:
@@ -122,8 +106,11 @@ def policy_rows(trace_path: Path) -> tuple[list[dict], dict]:
     }
 
 
-def hint_rows(hints: LayerHints) -> dict[int, dict]:
-    return {layer: log.summary() for layer, log in sorted(hints.logs.items())}
+def hint_rows(hints: HintLog) -> dict[int, dict]:
+    """{layer: {kind: scores}} from the log's {kind: {layer: scores}}."""
+    by_layer = hints.by_layer()
+    layers = sorted(next(iter(by_layer.values())))
+    return {layer: {kind: scores[layer] for kind, scores in by_layer.items()} for layer in layers}
 
 
 def print_report(rows: list[dict], info: dict, hints: dict[int, dict]) -> None:

@@ -58,6 +58,7 @@ def exact_score(calls: list) -> tuple[int, int, int]:
 @pytest.mark.parametrize("hint", HINT_KINDS)
 def test_the_chosen_hint_is_scored_exactly_and_sent_at_its_moment(model_path, hint):
     model, source = load_recording(model_path, hint)
+    model.score_all_hints = True
     state = model.new_state()
     model.prefill(state, [1, 2, 3])
     for token in (4, 5, 6, 7):
@@ -71,6 +72,13 @@ def test_the_chosen_hint_is_scored_exactly_and_sent_at_its_moment(model_path, hi
     per_layer = model.hints.by_layer()[hint]
     assert sorted(per_layer) == moe_layers(model)
     assert sum(scores["correct"] for scores in per_layer.values()) == summary["correct"]
+
+
+def test_the_hint_not_sent_costs_nothing_unless_asked_for(model_path):
+    model, _ = load_recording(model_path, "pre-attention")
+    model.logits([1, 2, 3, 4])
+    assert model.hints.summary()["pre-attention"]["predicted"] > 0
+    assert model.hints.summary()["layer-ahead"]["predicted"] == 0  # no router product spent on it
 
 
 def test_auto_sends_layer_ahead_hints_in_prefill_and_pre_attention_hints_in_decode(model_path):

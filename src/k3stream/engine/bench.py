@@ -140,6 +140,7 @@ def run_k3stream(runtime: Runtime, prompt_ids: list[int], decode_tokens: int) ->
     after every step.
     """
     model, store = runtime.model, runtime.store
+    model.score_all_hints = True  # both predictions' precision, side by side
     peak = ExpertBytesPeak()
 
     def step_done(tokens: int) -> None:

@@ -5,7 +5,8 @@ The forward predicts a MoE layer's experts twice, from what exists at two moment
 - "pre-attention": the layer's own router on its input stream, before its attention runs;
 - "layer-ahead": the next MoE layer's router on this layer's stream after attention (before this
   layer's MoE), a whole MoE block earlier.
-Both are counted on every step; the one named by `K3Model.prefetch_hint` is sent to the expert source,
+The one named by `K3Model.prefetch_hint` is predicted, counted and sent to the expert source (with
+`K3Model.score_all_hints` the other is predicted and counted too, on the same run),
 or with "auto" (the default) layer-ahead for steps of many rows (prefill: their union is predicted
 almost exactly, and reads start a MoE block earlier) and pre-attention for the others (decode).
 """

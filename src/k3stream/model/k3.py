@@ -97,6 +97,8 @@ class K3Model:
         self.prefetch = prefetch and expert_source.prefetches
         self.prefetch_hint = prefetch_hint
         self.hints = HintLog()
+        # predict (and score) the kind not sent too: a benchmark's choice, since it costs a router product
+        self.score_all_hints = False
         self.eps = config.rms_eps
         moe_layers = [layer for layer in layers if isinstance(layer.ffn, LatentMoE)]
         self._next_moe = {
@@ -175,11 +177,14 @@ class K3Model:
         return self.lm_head(x).float()
 
     def _predict(self, kind: str, layer: Layer, stream: torch.Tensor) -> None:
-        """The experts `layer`'s router picks on `stream` (normed as its MoE input is): logged, and
-        sent to the expert source as a prefetch hint when `kind` is the chosen hint."""
+        """The experts `layer`'s router picks on `stream` (normed as its MoE input is), when `kind` is
+        the hint sent to the expert source (or `score_all_hints`): logged, and sent if it is."""
+        sent = kind == sent_kind(self.prefetch_hint, stream.shape[0])
+        if not (sent or self.score_all_hints):
+            return
         predicted = layer.ffn.predict(rms_norm(stream, layer.post_attention_norm, self.eps))
         self.hints.predicted(kind, layer.index, predicted)
-        if kind == sent_kind(self.prefetch_hint, stream.shape[0]):
+        if sent:
             self.expert_source.prefetch(layer.index, predicted)
 
 
