@@ -252,16 +252,16 @@ static void quantize_q8_0(const float *restrict x, int64_t blocks, BlockQ8_0 *re
     }
 }
 
-INLINE float q8_q8_0_generic(const uint8_t *restrict b, const BlockQ8_0 *restrict y) {
+INLINE float q8_q8_0_generic(const uint8_t *restrict b, const BlockQ8_0 *restrict y, float acc) {
     int isum = 0;
     for (int i = 0; i < 32; i++) isum += (int8_t)b[2 + i] * y->qs[i];
-    return f16(b) * y->d * (float)isum;
+    return acc + f16(b) * y->d * (float)isum;
 }
 
-INLINE float q8_q4_0_generic(const uint8_t *restrict b, const BlockQ8_0 *restrict y) {
+INLINE float q8_q4_0_generic(const uint8_t *restrict b, const BlockQ8_0 *restrict y, float acc) {
     int isum = 0;
     for (int i = 0; i < 16; i++) isum += ((b[2 + i] & 15) - 8) * y->qs[i] + ((b[2 + i] >> 4) - 8) * y->qs[16 + i];
-    return f16(b) * y->d * (float)isum;
+    return acc + f16(b) * y->d * (float)isum;
 }
 
 /* ggml's block_q8_K: x * (1 / d) rounded to int8, and the sums of each 16 codes */
@@ -293,31 +293,31 @@ static void quantize_q8_k(const float *restrict x, int64_t blocks, BlockQ8K *res
 
 /* Integer dot products of one weight block with one Q8_K block, as ggml_vec_dot_q2_K_q8_K and
  * ggml_vec_dot_q3_K_q8_K: exact integer sums per sub-block, two float operations per block. */
-INLINE float q8_q2_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y) {
+INLINE float q8_q2_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y, float acc) {
     int summs = 0, isum = 0;
     for (int s = 0; s < 16; s++) summs += (b[s] >> 4) * y->bsums[s];
     for (int e = 0; e < 256; e++) { /* element e: byte 32(e / 128) + e % 32, bits 2((e % 128) / 32) */
         const int s = e / 16, code = (b[16 + 32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3;
         isum += (b[s] & 15) * code * y->qs[e];
     }
-    return y->d * f16(b + 80) * (float)isum - y->d * f16(b + 82) * (float)summs;
+    return acc + (y->d * f16(b + 80) * (float)isum - y->d * f16(b + 82) * (float)summs);
 }
 
 INLINE int q3_k_int_scale(const uint8_t *restrict b, int s) {
     return ((b[96 + (s & 7)] >> (4 * (s >> 3))) & 15 | ((b[104 + (s & 3)] >> (2 * (s >> 2))) & 3) << 4) - 32;
 }
 
-INLINE float q8_q3_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y) {
+INLINE float q8_q3_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y, float acc) {
     int isum = 0;
     for (int e = 0; e < 256; e++) {
         const int g = e / 128, f = (e % 128) / 32, i = e % 32;
         const int low = (b[32 + 32 * g + i] >> (2 * f)) & 3, high = (b[i] >> (4 * g + f)) & 1;
         isum += q3_k_int_scale(b, e / 16) * (low - (high ? 0 : 4)) * y->qs[e];
     }
-    return f16(b + 108) * y->d * (float)isum;
+    return acc + f16(b + 108) * y->d * (float)isum;
 }
 
-INLINE float q8_q4_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y) {
+INLINE float q8_q4_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y, float acc) {
     int isum = 0, summs = 0;
     for (int s = 0; s < 8; s++) { /* sub-block s: nibbles (s odd: high) of bytes 32(s / 2) .. + 31 */
         int scale, min, dot = 0;
@@ -326,10 +326,10 @@ INLINE float q8_q4_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict
         isum += scale * dot;
         summs += min * (y->bsums[2 * s] + y->bsums[2 * s + 1]);
     }
-    return y->d * f16(b) * (float)isum - y->d * f16(b + 2) * (float)summs;
+    return acc + (y->d * f16(b) * (float)isum - y->d * f16(b + 2) * (float)summs);
 }
 
-INLINE float q8_q6_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y) {
+INLINE float q8_q6_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y, float acc) {
     int isum = 0;
     for (int e = 0; e < 256; e++) { /* as dot_q6_k: run r = e / 32 */
         const int run = e / 32, half = run >> 2, rest = (run & 3) * 32, i = e % 32;
@@ -337,22 +337,31 @@ INLINE float q8_q6_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict
         const int high = (b[128 + 32 * half + i] >> (2 * (run & 3))) & 3;
         isum += (int8_t)b[192 + e / 16] * ((low | high << 4) - 32) * y->qs[e];
     }
-    return f16(b + 208) * y->d * (float)isum;
+    return acc + f16(b + 208) * y->d * (float)isum;
 }
 
-/* One weight row m against each of its input rows' 8-bit blocks (Y: Q8_K or Q8_0, ELEMS values each);
- * blocks summed in order, as ggml */
-#define Q8_ROW(NAME, DOT, BLOCK_BYTES, Y, ELEMS)                                                       \
-    static void NAME(const Product *pr, int64_t b, int64_t m) {                                        \
+/* Rows of a matrix are contiguous, but each is often one 4 KiB page and hardware prefetchers stop at
+ * page boundaries: ask for the lines PREFETCH_BYTES ahead of each chunk so the next row is on its way. */
+#define PREFETCH_BYTES 4096
+INLINE void prefetch_ahead(const uint8_t *at, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(at + PREFETCH_BYTES + line, 0, 3);
+}
+
+/* One weight row m against each of its input rows' 8-bit blocks (Y: Q8_K or Q8_0, ELEMS values each),
+ * blocks summed in order into ACC (from ZERO; a float, or eight lanes summed at the end by TOTAL) */
+#define Q8_ROW(NAME, ATTR, DOT, BLOCK_BYTES, Y, ELEMS, ACC, ZERO, TOTAL)                               \
+    ATTR static void NAME(const Product *pr, int64_t b, int64_t m) {                                   \
         const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;          \
         const int64_t blocks = pr->in_features / (ELEMS);                                             \
+        prefetch_ahead(row, pr->row_bytes);                                                            \
         for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {                                  \
             const __typeof__(*pr->Y) *y = pr->Y + pr->rows[p] * blocks;                                \
-            float sum = 0.0f;                                                                          \
-            for (int64_t block = 0; block < blocks; block++) sum += DOT(row + block * (BLOCK_BYTES), y + block); \
-            pr->out[p * pr->out_rows + m] = sum;                                                       \
+            ACC acc = ZERO;                                                                            \
+            for (int64_t block = 0; block < blocks; block++) acc = DOT(row + block * (BLOCK_BYTES), y + block, acc); \
+            pr->out[p * pr->out_rows + m] = TOTAL(acc);                                                \
         }                                                                                              \
     }
+#define FLOAT_TOTAL(acc) (acc)
 
 
 /* One output row m of matrix b for all of its input rows, ROWS_AT_ONCE input rows per pass (a
@@ -641,12 +650,6 @@ ALWAYS __m256 bf16x8(const uint8_t *p) {
 FLOAT_DOT(dot_f16, half8, 2)
 FLOAT_DOT(dot_bf16, bf16x8, 2)
 
-/* Rows of a matrix are contiguous, but each is often one 4 KiB page and hardware prefetchers stop at
- * page boundaries: ask for the lines PREFETCH_BYTES ahead of each chunk so the next row is on its way. */
-#define PREFETCH_BYTES 4096
-ALWAYS void prefetch_ahead(const uint8_t *at, int64_t bytes) {
-    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char *)(at + PREFETCH_BYTES + line), _MM_HINT_T0);
-}
 
 /* One weight row m of a fused type against its matrix's input rows, FUSED_ROWS rows at a time; DOT
  * takes up to 256 values (a K-quant block, or up to eight 32-value blocks) per call. */
@@ -831,26 +834,13 @@ ALWAYS __m256 q8_q4_0(const uint8_t *restrict b, const BlockQ8_0 *restrict y, __
     return q8_signed_dot(w, _mm256_loadu_si256((const __m256i *)y->qs), f16c(b) * y->d, acc);
 }
 
-/* One weight row m against each of its input rows' 8-bit blocks, eight float lanes summed at the end */
-#define Q8_ROW_AVX2(NAME, DOT, BLOCK_BYTES, Y, ELEMS)                                                  \
-    AVX2 static void NAME(const Product *pr, int64_t b, int64_t m) {                                   \
-        const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;          \
-        const int64_t blocks = pr->in_features / (ELEMS);                                             \
-        prefetch_ahead(row, pr->row_bytes);                                                            \
-        for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {                                  \
-            const __typeof__(*pr->Y) *y = pr->Y + pr->rows[p] * blocks;                                \
-            __m256 acc = _mm256_setzero_ps();                                                          \
-            for (int64_t block = 0; block < blocks; block++) acc = DOT(row + block * (BLOCK_BYTES), y + block, acc); \
-            pr->out[p * pr->out_rows + m] = hsum8(acc);                                                \
-        }                                                                                              \
-    }
 
-Q8_ROW_AVX2(q8_row_q2_k_avx2, q8_q2_k, 84, q8, 256)
-Q8_ROW_AVX2(q8_row_q3_k_avx2, q8_q3_k, 110, q8, 256)
-Q8_ROW_AVX2(q8_row_q4_k_avx2, q8_q4_k, 144, q8, 256)
-Q8_ROW_AVX2(q8_row_q6_k_avx2, q8_q6_k, 210, q8, 256)
-Q8_ROW_AVX2(q8_row_q8_0_avx2, q8_q8_0, 34, q8_0, 32)
-Q8_ROW_AVX2(q8_row_q4_0_avx2, q8_q4_0, 18, q8_0, 32)
+Q8_ROW(q8_row_q2_k_avx2, AVX2, q8_q2_k, 84, q8, 256, __m256, _mm256_setzero_ps(), hsum8)
+Q8_ROW(q8_row_q3_k_avx2, AVX2, q8_q3_k, 110, q8, 256, __m256, _mm256_setzero_ps(), hsum8)
+Q8_ROW(q8_row_q4_k_avx2, AVX2, q8_q4_k, 144, q8, 256, __m256, _mm256_setzero_ps(), hsum8)
+Q8_ROW(q8_row_q6_k_avx2, AVX2, q8_q6_k, 210, q8, 256, __m256, _mm256_setzero_ps(), hsum8)
+Q8_ROW(q8_row_q8_0_avx2, AVX2, q8_q8_0, 34, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
+Q8_ROW(q8_row_q4_0_avx2, AVX2, q8_q4_0, 18, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
 #else
 static RowKernel fused_kernel(int ggml_type) { (void)ggml_type; return NULL; }
 #define HAVE_AVX2() 0
@@ -862,12 +852,12 @@ static RowKernel fused_kernel(int ggml_type) { (void)ggml_type; return NULL; }
 #define q8_row_q4_0_avx2 q8_row_q4_0_generic
 #endif
 
-Q8_ROW(q8_row_q2_k_generic, q8_q2_k_generic, 84, q8, 256)
-Q8_ROW(q8_row_q3_k_generic, q8_q3_k_generic, 110, q8, 256)
-Q8_ROW(q8_row_q4_k_generic, q8_q4_k_generic, 144, q8, 256)
-Q8_ROW(q8_row_q6_k_generic, q8_q6_k_generic, 210, q8, 256)
-Q8_ROW(q8_row_q8_0_generic, q8_q8_0_generic, 34, q8_0, 32)
-Q8_ROW(q8_row_q4_0_generic, q8_q4_0_generic, 18, q8_0, 32)
+Q8_ROW(q8_row_q2_k_generic, , q8_q2_k_generic, 84, q8, 256, float, 0.0f, FLOAT_TOTAL)
+Q8_ROW(q8_row_q3_k_generic, , q8_q3_k_generic, 110, q8, 256, float, 0.0f, FLOAT_TOTAL)
+Q8_ROW(q8_row_q4_k_generic, , q8_q4_k_generic, 144, q8, 256, float, 0.0f, FLOAT_TOTAL)
+Q8_ROW(q8_row_q6_k_generic, , q8_q6_k_generic, 210, q8, 256, float, 0.0f, FLOAT_TOTAL)
+Q8_ROW(q8_row_q8_0_generic, , q8_q8_0_generic, 34, q8_0, 32, float, 0.0f, FLOAT_TOTAL)
+Q8_ROW(q8_row_q4_0_generic, , q8_q4_0_generic, 18, q8_0, 32, float, 0.0f, FLOAT_TOTAL)
 
 static RowKernel q8_kernel(int ggml_type) {
     const int avx2 = HAVE_AVX2();
