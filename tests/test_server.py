@@ -326,18 +326,17 @@ def test_unknown_route_answers_an_openai_error(server):
     assert response.json()["error"]["type"] == "not_found_error"
 
 
+def long_story(server, **fields) -> dict:
+    """A completion request that generates 200 tokens unless cancelled."""
+    body = {"model": server.name, "prompt": "Tell me a long story", "max_tokens": 200, "temperature": 0}
+    return {**body, "ignore_eos": True, **fields}
+
+
 def test_disconnect_mid_stream_frees_the_sequence(slow_server):
     slow_server.wait_idle()
     cancelled_before = slow_server.health()["cancelled_jobs"]
     generated_before = slow_server.metric("k3stream_generation_tokens_total")
-    body = {
-        "model": slow_server.name,
-        "prompt": "Tell me a long story",
-        "max_tokens": 200,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = long_story(slow_server, stream=True)
     with httpx.stream("POST", slow_server.url + "/v1/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         received = [next(lines) for _ in range(3)]
@@ -351,13 +350,7 @@ def test_disconnect_while_waiting_for_a_whole_answer_frees_the_sequence(slow_ser
     slow_server.wait_idle()
     cancelled_before = slow_server.health()["cancelled_jobs"]
     generated_before = slow_server.metric("k3stream_generation_tokens_total")
-    body = {
-        "model": slow_server.name,
-        "prompt": "Tell me a long story",
-        "max_tokens": 200,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
+    body = long_story(slow_server)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(slow_server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
     slow_server.wait_idle(timeout=20)

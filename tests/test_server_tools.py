@@ -158,44 +158,37 @@ def test_multi_turn_with_a_tool_result(client, served):
     assert answer.usage.prompt_tokens == len(served.tokenizer.encode(rendered, allow_special=True))
 
 
+# a user question, the assistant's call of get_time and the tool's result
+TIME_CALL = {
+    "id": "functions.get_time:0",
+    "type": "function",
+    "function": {"name": "get_time", "arguments": "{}"},
+}
+TIME_TURN = [
+    {"role": "user", "content": "time?"},
+    {"role": "assistant", "content": "", "tool_calls": [TIME_CALL]},
+    {"role": "tool", "tool_call_id": TIME_CALL["id"], "content": "12:00"},
+]
+
+
 def test_prompt_is_the_file_template_rendering(served):
     """The server's prompt is the GGUF template's rendering of tools, calls and results, token for token."""
-    call = {
-        "id": "functions.get_time:0",
-        "type": "function",
-        "function": {"name": "get_time", "arguments": "{}"},
-    }
-    messages = [
-        {"role": "user", "content": "time?"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": call["id"], "content": "12:00"},
-    ]
-    expected = served.chat_template.render(messages, tools=TOOLS)
+    expected = served.chat_template.render(TIME_TURN, tools=TOOLS)
     assert "tool_declare" in expected and '"name":"get_time"' in expected
-    assert served.encode_chat(messages, TOOLS) == served.tokenizer.encode(expected, allow_special=True)
+    assert served.encode_chat(TIME_TURN, TOOLS) == served.tokenizer.encode(expected, allow_special=True)
 
 
 def test_builtin_template_renders_tools_and_calls(builtin_gguf):
     served = served_from_runtime(load_runtime(builtin_gguf))
     try:
         assert served.chat_template.is_builtin
-        call = {
-            "id": "functions.get_time:0",
-            "type": "function",
-            "function": {"name": "get_time", "arguments": "{}"},
-        }
-        messages = [
-            {"role": "user", "content": "time?"},
-            {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": call["id"], "content": "12:00"},
-        ]
-        text = served.chat_template.render(messages, tools=TOOLS)
+        text = served.chat_template.render(TIME_TURN, tools=TOOLS)
         assert '<|open|>tools<|sep|>[{"type": "function"' in text
         assert (
             "<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{}<|tool_call_end|>" in text
         )
         assert '<|open|>message role="tool"<|sep|>## Return of functions.get_time:0\n12:00' in text
-        assert served.encode_chat(messages, TOOLS) == served.tokenizer.encode(text, allow_special=True)
+        assert served.encode_chat(TIME_TURN, TOOLS) == served.tokenizer.encode(text, allow_special=True)
         app = create_app(served, ServerConfig(max_batch=2))
         with ServerThread(app) as thread:
             api = openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0, timeout=120)
