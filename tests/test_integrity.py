@@ -210,12 +210,12 @@ def test_resumed_build_records_the_same_digests(built, tmp_path):
 
 def test_loader_refuses_another_models_gguf_of_the_same_shape(work, built):
     """The non-expert loader (what `k3stream.load(manifest)` runs first) checks the sampled tensor data."""
-    from k3stream.gguf.weights import checkpoint_path
+    from k3stream.pack.manifest import open_checkpoint
 
     other = next(built[1].parent.glob("*.gguf"))
     shutil.copyfile(other, work.parent / other.name)
     with pytest.raises(FileNotFoundError, match="Kimi-K3 GGUF shard is missing or changed"):
-        checkpoint_path(work)
+        open_checkpoint(work)
 
 
 def test_a_stale_partial_pack_counts_as_free_space(built, tmp_path, monkeypatch):

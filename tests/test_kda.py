@@ -317,7 +317,7 @@ def test_tensor_parallel_ranks_sum_to_the_full_layer(kda_path, kda_model, tp_siz
         for rank, model in enumerate(ranks):
             layer, own = model.layers[i].attn, slice(rank * per_rank, (rank + 1) * per_rank)
             assert layer.heads == per_rank
-            assert torch.equal(layer.w.A_log, full.w.A_log[own])
+            assert torch.equal(layer.w.ssm_a, full.w.ssm_a[own])
             assert torch.equal(layer.w.dt_bias, full.w.dt_bias.view(full.heads, -1)[own].flatten())
             state = layer.new_state()
             prefill_sum += layer.prefill(h, state)  # o_proj is row-parallel: the all-reduce
@@ -335,22 +335,21 @@ def test_rank_handed_full_vectors_fails_with_the_seed_message(kda_path, kda_mode
     # seed 004's text, from the scalar-gate entry point: the rank's state with full-model vectors
     args = valid_gdn_args(batch=1, heads=rank_heads, dim=dim, slots=1)
     args["initial_state"] = rank.new_state().recurrent[None]
-    args["A_log"], args["dt_bias"] = full.w.A_log, full.w.A_log.clone()
+    args["A_log"], args["dt_bias"] = full.w.ssm_a, full.w.ssm_a.clone()
     with pytest.raises(ValueError) as excinfo:
         fused_recurrent_gated_delta_rule_packed_decode(**args)
     assert str(excinfo.value) == (
         f"`A_log` and `dt_bias` must have {rank_heads} elements "
         f"(got A_log.numel()={heads}, dt_bias.numel()={heads})."
     )
-    # the KDA entry point, through the rank's layer handed the full vectors one at a time
+    # the KDA entry point's checks, made when a rank's layer is handed the full vectors one at a time
     for field, message in (
-        ("A_log", f"`A_log` must have {rank_heads} elements (got {heads})."),
+        ("ssm_a", f"`A_log` must have {rank_heads} elements (got {heads})."),
         ("dt_bias", f"`dt_bias` must have {rank_heads * dim} elements (got {heads * dim})."),
     ):
         handed_full = replace(rank.w, **{field: getattr(full.w, field)})
-        layer = KDA(handed_full, rank_heads, dim, rank.lower_bound, rank.eps)
         with pytest.raises(ValueError) as excinfo:
-            layer.decode(step, [rank.new_state()])
+            KDA(handed_full, rank_heads, dim, rank.lower_bound, rank.eps)
         assert str(excinfo.value) == message
     assert torch.isfinite(rank.decode(step, [rank.new_state()])).all()  # its own vectors are accepted
 

@@ -9,15 +9,25 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "load", "nonexpert_weights"]
 
 
-def nonexpert_weights(path_or_manifest: Any, **kwargs: Any):
-    """Yield `(runtime_name, tensor)` pairs as the seed system's loader does."""
+def _checkpoint(source: Any) -> Any:
+    """An open `K3Checkpoint` as is; a GGUF or manifest path opened (`pack.manifest.open_checkpoint`)."""
+    from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.pack.manifest import open_checkpoint
+
+    return source if isinstance(source, K3Checkpoint) else open_checkpoint(source)
+
+
+def nonexpert_weights(path_or_manifest: Any, copy: bool = True):
+    """Yield `(runtime_name, tensor)` pairs as the seed system's loader does, from a GGUF (any shard or
+    directory), an expert-pack manifest, or an open `K3Checkpoint`."""
     from k3stream.gguf.weights import nonexpert_weights as _impl
 
-    return _impl(path_or_manifest, **kwargs)
+    return _impl(_checkpoint(path_or_manifest), copy)
 
 
-def load(path_or_manifest: Any, **kwargs: Any):
-    """Load a Kimi-K3 model from a GGUF (any shard or directory) or an expert-pack manifest."""
+def load(source: Any, **kwargs: Any):
+    """Load a Kimi-K3 model from a GGUF (any shard or directory), an expert-pack manifest, or an open
+    `K3Checkpoint` (keywords: `k3stream.model.k3.load`)."""
     from k3stream.model.k3 import load as _impl
 
-    return _impl(path_or_manifest, **kwargs)
+    return _impl(_checkpoint(source), **kwargs)

@@ -150,17 +150,20 @@ def load_resolved(
 
     import k3stream
     from k3stream.engine.tokenizer import Tokenizer
+    from k3stream.pack.manifest import open_checkpoint
 
+    # the one parse of the GGUF headers: the pack's config check, the model and the tokenizer share it
+    checkpoint = open_checkpoint(manifest or gguf_path)
     store = None
     if manifest is not None:
+        from k3stream.pack.reader import ExpertPack
         from k3stream.store.expert_store import ExpertStore
 
-        store = ExpertStore(
-            manifest, ram_mib=ram_mib, gpu_mib=gpu_mib, device=device, **asdict(store_options)
-        )
+        pack = ExpertPack(manifest, config=checkpoint.config)
+        store = ExpertStore(pack, ram_mib=ram_mib, gpu_mib=gpu_mib, device=device, **asdict(store_options))
     try:
         model = k3stream.load(
-            manifest or gguf_path,
+            checkpoint,
             device=device,
             dtype=dtype or torch.float32,
             expert_source=store,
@@ -168,7 +171,7 @@ def load_resolved(
             match_ggml=match_ggml,
             prefetch_hint=prefetch_hint,
         )
-        tokenizer = Tokenizer.from_gguf(gguf_path)
+        tokenizer = Tokenizer.from_gguf(checkpoint)
     except BaseException:
         if store is not None:
             store.close()

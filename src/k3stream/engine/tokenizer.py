@@ -156,14 +156,13 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path_or_checkpoint: Any) -> Tokenizer:
         """From a GGUF path (any shard) or an opened `K3Checkpoint`."""
-        if hasattr(path_or_checkpoint, "metadata"):
+        from k3stream.gguf.reader import K3Checkpoint
+
+        if isinstance(path_or_checkpoint, K3Checkpoint):
             checkpoint = path_or_checkpoint
         else:
-            from k3stream.gguf.reader import K3Checkpoint
-
             checkpoint = K3Checkpoint.open(Path(path_or_checkpoint))
-        source = str(getattr(checkpoint, "shards", [path_or_checkpoint])[0])
-        return cls(_read_fields(checkpoint.metadata, source))
+        return cls(_read_fields(checkpoint.metadata, str(checkpoint.shards[0])))
 
     def encode(self, text: str, *, allow_special: bool = False, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special-token text becomes those tokens only when `allow_special`.

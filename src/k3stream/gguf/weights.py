@@ -1,18 +1,17 @@
-"""The seed system's non-expert loader: GGUF tensors -> `(runtime_name, tensor)` in sglang's names.
+"""The non-expert tensors of a checkpoint, by GGUF name (what the model is built from), and the seed
+system's exporter over them: `(runtime_name, tensor)` in sglang's names.
 
-Routed expert tensors are skipped (they come from the expert pack). Quantized tensors keep their GGUF
-bytes: `...weight` becomes `...qweight`, preceded by a uint8 `...qweight_type` holding the GGML type
-id. A residual score s (stored fused as norm*proj) becomes proj `s.unsqueeze(0)` and norm
-`ones_like(s)`; `ssm_a` (stored as -exp(A_log)) becomes `A_log`. Tensors stream shard by shard.
+Routed expert tensors are skipped (they come from the expert pack). The exporter keeps quantized
+tensors' GGUF bytes: `...weight` becomes `...qweight`, preceded by a uint8 `...qweight_type` holding
+the GGML type id. A residual score s (stored fused as norm*proj) becomes proj `s.unsqueeze(0)` and
+norm `ones_like(s)`; `ssm_a` (stored as -exp(A_log)) becomes `A_log`. Tensors stream shard by shard.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -151,40 +150,21 @@ def _claim(name: str, emitted: set[str]) -> None:
     emitted.add(name)
 
 
-def nonexpert_weights(
-    path_or_manifest: str | os.PathLike[str], copy: bool = True
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream every non-routed tensor of a checkpoint (a GGUF, any shard, a directory, or an
-    expert-pack manifest `.json`) as `(runtime_name, tensor)`, shard by shard in file order.
-
-    `copy=False` yields read-only views of the memory map instead of copies where no transform
-    applies (the model's loader: the weights then occupy their file pages only, once).
-    """
-    from k3stream.gguf.reader import K3Checkpoint
-
-    yield from checkpoint_weights(K3Checkpoint.open(checkpoint_path(path_or_manifest)), copy)
-
-
-def checkpoint_weights(checkpoint: K3Checkpoint, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """`nonexpert_weights` of a checkpoint already open (the model's loader opens it once)."""
-    emitted: set[str] = set()
+def nonexpert_tensors(checkpoint: K3Checkpoint, copy: bool = True) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """`(GGUF name, value, GGML type)` of every non-routed tensor, shard by shard in file order (values
+    as `tensor_value` gives them)."""
     for name, info in checkpoint.tensors.items():
         if not is_routed_expert(name):
-            raw = tensor_value(checkpoint, name, copy)
-            yield from tensor_weights(name, raw, info.ggml_type, emitted)
+            yield name, tensor_value(checkpoint, name, copy), info.ggml_type
 
 
-def checkpoint_path(path_or_manifest: str | os.PathLike[str]) -> Path:
-    """The GGUF to open: the path itself, or for a manifest `.json` its first source shard, after
-    the seed loader's manifest and shard checks (format, completeness, sizes, inventory, types)."""
-    path = Path(path_or_manifest)
-    if path.suffix != ".json":
-        return path
-    from k3stream.pack.manifest import checked_shards, first_shard_path, load_manifest
-
-    manifest = load_manifest(path)
-    checked_shards(manifest, path)
-    return first_shard_path(manifest, path)
+def nonexpert_weights(checkpoint: K3Checkpoint, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The seed loader's output for an open checkpoint: every non-routed tensor as `(runtime_name,
+    tensor)` (`k3stream.nonexpert_weights` opens a path or manifest first). `copy=False` yields
+    read-only views of the memory map instead of copies where no transform applies."""
+    emitted: set[str] = set()
+    for name, raw, ggml_type in nonexpert_tensors(checkpoint, copy):
+        yield from tensor_weights(name, raw, ggml_type, emitted)
 
 
 def tensor_value(checkpoint: K3Checkpoint, name: str, copy: bool = True) -> torch.Tensor:

@@ -15,14 +15,16 @@ through the same layer loop; only the attention layers see the per-sequence stat
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from k3stream.experts import ExpertSource
 from k3stream.gguf.config import K3Config
+from k3stream.gguf.layout import check_residual_score
+from k3stream.gguf.weights import nonexpert_tensors
 from k3stream.model.attn_res import residual_mix
 from k3stream.model.experts import GGUFExpertSource
 from k3stream.model.hints import HINT_CHOICES, HintLog, sent_kind
@@ -31,6 +33,10 @@ from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, bytes_to_matr
 from k3stream.model.mla import MLA, HeadProjection, MLAState, MLAWeights
 from k3stream.model.moe import LatentMoE, MoEWeights, Routing, SituMLP
 from k3stream.quant.kernels import note_fallbacks, warm_up
+from k3stream.quant.types import FLOAT_TYPE_IDS
+
+if TYPE_CHECKING:
+    from k3stream.gguf.reader import K3Checkpoint
 
 AttentionState = KDAState | MLAState
 
@@ -189,58 +195,49 @@ class K3Model:
 
 
 class _Weights:
-    """The loader's `(runtime_name, tensor)` pairs, looked up by name."""
+    """The non-expert tensors by GGUF name (`gguf.layout`'s table), on the model's device."""
 
-    def __init__(
-        self,
-        pairs: Iterable[tuple[str, torch.Tensor]],
-        options: LoadOptions,
-        device: torch.device,
-    ) -> None:
-        self.values: dict[str, torch.Tensor] = {name: value.to(device) for name, value in pairs}
+    def __init__(self, tensors: Mapping[str, GGUFTensor], options: LoadOptions, device: torch.device) -> None:
+        self.tensors = {name: replace(t, value=t.value.to(device)) for name, t in tensors.items()}
         self.options = options
 
     def has(self, name: str) -> bool:
-        return f"{name}.weight" in self.values or f"{name}.qweight" in self.values
+        return name in self.tensors
 
     def tensor(self, name: str) -> GGUFTensor:
-        """`name` as stored: a float tensor, or bytes with their type at `name + '_type'`."""
-        value = self.values[name]
-        type_id = self.values.get(f"{name}_type")
-        return GGUFTensor(value, None if type_id is None else int(type_id), name)
-
-    def weight(self, name: str) -> GGUFTensor:
-        return self.tensor(f"{name}.weight" if f"{name}.weight" in self.values else f"{name}.qweight")
+        return self.tensors[name]
 
     def linear(self, name: str, out_features: int, in_features: int) -> Linear:
-        return self.weight(name).linear(out_features, in_features, self.options)
+        return self.tensors[name].linear(out_features, in_features, self.options)
 
     def vector(self, name: str) -> torch.Tensor:
-        return self.weight(name).matrix((-1,), torch.float32)
+        return self.tensors[name].matrix((-1,), torch.float32)
 
-    def score(self, prefix: str) -> torch.Tensor:
-        """A residual score as the runtime holds it (proj [1, E], norm [E]) fused back to one vector."""
-        proj, norm = (self.vector(f"{prefix}_{part}") for part in ("proj", "norm"))
-        return proj * norm
+    def score(self, name: str) -> torch.Tensor:
+        """An attention-residual score: the fused norm * proj vector the GGUF stores."""
+        check_residual_score(tuple(self.tensors[name].value.shape))
+        return self.vector(name)
 
 
 def _kda(w: _Weights, p: str, cfg: K3Config, tp: tuple[int, int]) -> KDA:
     heads, dim, e = cfg.kda_heads, cfg.kda_head_dim, cfg.hidden
     inner = heads * dim
-    convs = [w.weight(f"{p}{x}_conv1d").matrix((inner, cfg.conv_kernel), torch.float32) for x in "qkv"]
+    convs = [
+        w.tensor(f"{p}ssm_conv1d_{x}.weight").matrix((inner, cfg.conv_kernel), torch.float32) for x in "qkv"
+    ]
     weights = KDAWeights(
-        q_proj=w.linear(f"{p}q_proj", inner, e),
-        k_proj=w.linear(f"{p}k_proj", inner, e),
-        v_proj=w.linear(f"{p}v_proj", inner, e),
-        g_proj=w.linear(f"{p}g_proj", inner, e),
-        b_proj=w.linear(f"{p}b_proj", heads, e),
-        f_a_proj=w.linear(f"{p}f_a_proj", dim, e),
-        f_b_proj=w.linear(f"{p}f_b_proj", inner, dim),
-        o_proj=w.linear(f"{p}o_proj", e, inner),
+        q_proj=w.linear(f"{p}attn_q.weight", inner, e),
+        k_proj=w.linear(f"{p}attn_k.weight", inner, e),
+        v_proj=w.linear(f"{p}attn_v.weight", inner, e),
+        g_proj=w.linear(f"{p}ssm_g.weight", inner, e),
+        b_proj=w.linear(f"{p}ssm_beta.weight", heads, e),
+        f_a_proj=w.linear(f"{p}ssm_f_a.weight", dim, e),
+        f_b_proj=w.linear(f"{p}ssm_f_b.weight", inner, dim),
+        o_proj=w.linear(f"{p}attn_output.weight", e, inner),
         conv=torch.cat(convs),
-        A_log=w.tensor(f"{p}A_log").matrix((-1,), torch.float32),
-        dt_bias=w.tensor(f"{p}dt_bias").matrix((-1,), torch.float32),
-        o_norm=w.vector(f"{p}o_norm"),
+        ssm_a=w.vector(f"{p}ssm_a"),
+        dt_bias=w.vector(f"{p}ssm_dt.bias"),
+        o_norm=w.vector(f"{p}ssm_norm.weight"),
     )
     tp_rank, tp_size = tp
     if tp != (0, 1):
@@ -250,28 +247,29 @@ def _kda(w: _Weights, p: str, cfg: K3Config, tp: tuple[int, int]) -> KDA:
 
 def _mla(w: _Weights, p: str, cfg: K3Config) -> MLA:
     heads, e, q_width = cfg.mla_heads, cfg.hidden, cfg.mla_heads * (cfg.qk_nope + cfg.qk_rope)
-    q_lora = w.has(f"{p}q_a_proj")
+    q_lora = w.has(f"{p}attn_q_a.weight")
     weights = MLAWeights(
-        q_a_proj=w.linear(f"{p}q_a_proj", cfg.q_lora, e) if q_lora else None,
-        q_a_norm=w.vector(f"{p}q_a_layernorm") if q_lora else None,
-        q_b_proj=w.linear(f"{p}q_b_proj", q_width, cfg.q_lora)
+        q_a_proj=w.linear(f"{p}attn_q_a.weight", cfg.q_lora, e) if q_lora else None,
+        q_a_norm=w.vector(f"{p}attn_q_a_norm.weight") if q_lora else None,
+        q_b_proj=w.linear(f"{p}attn_q_b.weight", q_width, cfg.q_lora)
         if q_lora
-        else w.linear(f"{p}q_proj", q_width, e),
-        kv_a_proj=w.linear(f"{p}kv_a_proj_with_mqa", cfg.kv_lora + cfg.qk_rope, e),
-        kv_a_norm=w.vector(f"{p}kv_a_layernorm"),
-        k_b=HeadProjection(w.tensor(f"{p}k_b_qweight"), heads, cfg.kv_lora, cfg.qk_nope, w.options),
-        v_b=HeadProjection(w.tensor(f"{p}v_b_qweight"), heads, cfg.v_head_dim, cfg.kv_lora, w.options),
-        g_proj=w.linear(f"{p}g_proj", heads * cfg.v_head_dim, e),
-        o_proj=w.linear(f"{p}o_proj", e, heads * cfg.v_head_dim),
+        else w.linear(f"{p}attn_q.weight", q_width, e),
+        kv_a_proj=w.linear(f"{p}attn_kv_a_mqa.weight", cfg.kv_lora + cfg.qk_rope, e),
+        kv_a_norm=w.vector(f"{p}attn_kv_a_norm.weight"),
+        k_b=HeadProjection(w.tensor(f"{p}attn_k_b.weight"), heads, cfg.kv_lora, cfg.qk_nope, w.options),
+        v_b=HeadProjection(w.tensor(f"{p}attn_v_b.weight"), heads, cfg.v_head_dim, cfg.kv_lora, w.options),
+        g_proj=w.linear(f"{p}attn_gate.weight", heads * cfg.v_head_dim, e),
+        o_proj=w.linear(f"{p}attn_output.weight", e, heads * cfg.v_head_dim),
     )
     return MLA(weights, heads, cfg.qk_nope, cfg.qk_rope, cfg.kv_lora, cfg.rms_eps)
 
 
-def _situ_mlp(w: _Weights, p: str, cfg: K3Config, width: int) -> SituMLP:
+def _situ_mlp(w: _Weights, p: str, suffix: str, cfg: K3Config, width: int) -> SituMLP:
+    """The SiTU MLP of `{p}ffn_gate{suffix}.weight` and its up/down (dense: suffix "", shared: "_shexp")."""
     return SituMLP(
-        w.linear(f"{p}gate_proj", width, cfg.hidden),
-        w.linear(f"{p}up_proj", width, cfg.hidden),
-        w.linear(f"{p}down_proj", cfg.hidden, width),
+        w.linear(f"{p}ffn_gate{suffix}.weight", width, cfg.hidden),
+        w.linear(f"{p}ffn_up{suffix}.weight", width, cfg.hidden),
+        w.linear(f"{p}ffn_down{suffix}.weight", cfg.hidden, width),
         cfg.situ_beta,
         cfg.situ_linear_beta,
     )
@@ -280,16 +278,14 @@ def _situ_mlp(w: _Weights, p: str, cfg: K3Config, width: int) -> SituMLP:
 def _moe(w: _Weights, p: str, layer: int, cfg: K3Config, source: ExpertSource) -> LatentMoE:
     shared_width = cfg.expert_ff * cfg.n_shared
     weights = MoEWeights(
-        router=w.weight(f"{p}gate").linear(
+        router=w.tensor(f"{p}ffn_gate_inp.weight").linear(
             cfg.n_experts, cfg.hidden, replace(w.options, dtype=torch.float32)
         ),
-        correction_bias=w.tensor(f"{p}gate.e_score_correction_bias").matrix((-1,), torch.float32),
-        routed_down=w.linear(f"{p}routed_expert_down_proj", cfg.latent, cfg.hidden),
-        routed_up=w.linear(f"{p}routed_expert_up_proj", cfg.hidden, cfg.latent),
-        routed_norm=w.vector(f"{p}routed_expert_norm") if w.has(f"{p}routed_expert_norm") else None,
-        shared=_situ_mlp(w, f"{p}shared_experts.", cfg, shared_width)
-        if w.has(f"{p}shared_experts.gate_proj")
-        else None,
+        correction_bias=w.vector(f"{p}exp_probs_b.bias"),
+        routed_down=w.linear(f"{p}ffn_routed_down.weight", cfg.latent, cfg.hidden),
+        routed_up=w.linear(f"{p}ffn_routed_up.weight", cfg.hidden, cfg.latent),
+        routed_norm=w.vector(f"{p}ffn_routed_norm.weight") if w.has(f"{p}ffn_routed_norm.weight") else None,
+        shared=_situ_mlp(w, p, "_shexp", cfg, shared_width) if w.has(f"{p}ffn_gate_shexp.weight") else None,
     )
     routing = Routing(cfg.top_k, cfg.weights_norm, cfg.weights_scale)
     return LatentMoE(
@@ -312,24 +308,22 @@ def _layer(
     source: ExpertSource,
     tp: tuple[int, int],
 ) -> Layer:
-    p = f"model.layers.{i}."
-    attn = _mla(w, f"{p}self_attn.", cfg) if cfg.is_mla(i) else _kda(w, f"{p}self_attn.", cfg, tp)
-    ffn = (
-        _moe(w, f"{p}mlp.", i, cfg, source) if cfg.is_moe(i) else _situ_mlp(w, f"{p}mlp.", cfg, cfg.dense_ff)
-    )
+    p = f"blk.{i}."
+    attn = _mla(w, p, cfg) if cfg.is_mla(i) else _kda(w, p, cfg, tp)
+    ffn = _moe(w, p, i, cfg, source) if cfg.is_moe(i) else _situ_mlp(w, p, "", cfg, cfg.dense_ff)
     return Layer(
         index=i,
         attn=attn,
         ffn=ffn,
-        input_norm=w.vector(f"{p}input_layernorm"),
-        post_attention_norm=w.vector(f"{p}post_attention_layernorm"),
-        attn_score=w.score(f"{p}self_attention_res"),
-        ffn_score=w.score(f"{p}mlp_res"),
+        input_norm=w.vector(f"{p}attn_norm.weight"),
+        post_attention_norm=w.vector(f"{p}ffn_norm.weight"),
+        attn_score=w.score(f"{p}attn_res_score.weight"),
+        ffn_score=w.score(f"{p}ffn_res_score.weight"),
     )
 
 
 def load(
-    path_or_manifest: str | os.PathLike[str],
+    checkpoint: K3Checkpoint,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     expert_source: ExpertSource | None = None,
@@ -342,7 +336,7 @@ def load(
     kernels: str = "auto",
     prefetch_hint: str = "auto",
 ) -> K3Model:
-    """Build a K3Model from a GGUF (a file, any shard, a directory) or an expert-pack manifest.
+    """Build a K3Model from an open checkpoint (`k3stream.load` opens a path or a manifest).
 
     Non-expert weights are read once into anonymous memory in their GGUF types (never through the map,
     so a file that changes later cannot reach the running model). With `kernels="auto"` (default) every
@@ -360,10 +354,7 @@ def load(
     `prefetch_hint` picks the prediction sent to the expert source (`k3stream.model.hints`).
     """
     from k3stream.gguf.profile import get_profile
-    from k3stream.gguf.reader import K3Checkpoint
-    from k3stream.gguf.weights import checkpoint_path, checkpoint_weights
 
-    checkpoint = K3Checkpoint.open(checkpoint_path(path_or_manifest))
     cfg = checkpoint.config
     source = expert_source if expert_source is not None else GGUFExpertSource(checkpoint)
     device = torch.device(device)
@@ -374,15 +365,18 @@ def load(
         matrix_types = {t.ggml_type for t in checkpoint.tensors.values() if len(t.shape) >= 2}
         note_fallbacks(matrix_types, device)
         warm_up(matrix_types, device)
-    pairs = checkpoint_weights(checkpoint)
-    model = build(cfg, pairs, source, options, device, prefetch, (tp_rank, tp_size), prefetch_hint)
+    tensors = {
+        name: GGUFTensor(value, None if ggml_type in FLOAT_TYPE_IDS else ggml_type, name)
+        for name, value, ggml_type in nonexpert_tensors(checkpoint)
+    }
+    model = build(cfg, tensors, source, options, device, prefetch, (tp_rank, tp_size), prefetch_hint)
     get_profile(profile).check(checkpoint)  # seed 002: the audited MLA recipe, checked after loading
     return model
 
 
 def build(
     cfg: K3Config,
-    pairs: Iterable[tuple[str, torch.Tensor]],
+    tensors: Mapping[str, GGUFTensor],
     source: ExpertSource,
     options: LoadOptions,
     device: torch.device,
@@ -390,18 +384,18 @@ def build(
     tp: tuple[int, int] = (0, 1),
     prefetch_hint: str = "auto",
 ) -> K3Model:
-    """A K3Model from the loader's `(runtime_name, tensor)` pairs (`gguf.weights.tensor_weights`).
+    """A K3Model from its non-expert tensors by GGUF name (`gguf.layout.expected_shapes`' names).
 
     On the reference path float tensors are used as given, so weights that require grad give a model
     autograd can train (`k3stream.train` builds its model this way)."""
-    w = _Weights(pairs, options, device)
+    w = _Weights(tensors, options, device)
     return K3Model(
         config=cfg,
-        embedding=Embedding(w.weight("model.embed_tokens"), cfg.hidden, options),
+        embedding=Embedding(w.tensor("token_embd.weight"), cfg.hidden, options),
         layers=[_layer(w, i, cfg, source, tp) for i in range(cfg.n_layers)],
-        norm=w.vector("model.norm"),
-        output_score=w.score("model.output_attn_res"),
-        lm_head=w.linear("lm_head", cfg.vocab_size, cfg.hidden),
+        norm=w.vector("output_norm.weight"),
+        output_score=w.score("output_res_score.weight"),
+        lm_head=w.linear("output.weight", cfg.vocab_size, cfg.hidden),
         expert_source=source,
         device=device,
         prefetch=prefetch,

@@ -29,7 +29,7 @@ class KDAWeights:
     f_b_proj: Linear
     o_proj: Linear
     conv: torch.Tensor  # [3 * d_inner, C]: q, k and v channels stacked
-    A_log: torch.Tensor  # [H]
+    ssm_a: torch.Tensor  # [H]: -exp(A_log) per head, as the GGUF stores it
     dt_bias: torch.Tensor  # [H * D]
     o_norm: torch.Tensor  # [D]
 
@@ -40,9 +40,10 @@ class KDAState:
     recurrent: torch.Tensor  # [H, V, K]
 
 
-def kda_gate(f: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
-    """Log-space decay per key channel; f is [..., H, K] with dt_bias already added."""
-    a = torch.exp(A_log.float())[:, None]
+def kda_gate(f: torch.Tensor, ssm_a: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    """Log-space decay per key channel; f is [..., H, K] with dt_bias already added, ssm_a [H] the
+    GGUF's -exp(A_log)."""
+    a = -ssm_a.float()[:, None]
     if lower_bound is not None:
         return lower_bound * torch.sigmoid(a * f)
     return -a * torch.nn.functional.softplus(f, threshold=SOFTPLUS_THRESHOLD)
@@ -117,6 +118,7 @@ class KDA:
         self, weights: KDAWeights, heads: int, head_dim: int, lower_bound: float | None, eps: float
     ) -> None:
         self.w = weights
+        check_head_vectors(weights.ssm_a, weights.dt_bias, heads, head_dim)
         self.heads = heads
         self.head_dim = head_dim
         self.lower_bound = lower_bound
@@ -136,11 +138,9 @@ class KDA:
         """h [T, E] (normed layer input) -> [T, E]; advances `state`."""
         mixed, state.conv = causal_conv(self._project_qkv(h), state.conv, self.w.conv)
         q, k, v = self._split_activate(mixed)
-        g = kda_gate(
-            self._gate_input(h) + self.w.dt_bias.view(self.heads, -1), self.w.A_log, self.lower_bound
+        o = chunked_delta_rule(
+            q, k, v, self._gate(h), self._beta(h), state.recurrent, self.scale, self.chunk_size
         )
-        beta = torch.sigmoid(self.w.b_proj(h).float())
-        o = chunked_delta_rule(q, k, v, g, beta, state.recurrent, self.scale, self.chunk_size)
         return self._output(h, o)
 
     def decode(self, h: torch.Tensor, states: list[KDAState]) -> torch.Tensor:
@@ -154,17 +154,16 @@ class KDA:
         batch = h.shape[0]
         pool = torch.stack([state.recurrent for state in states])
         out = torch.empty(batch, 1, self.heads, self.head_dim, device=h.device)
-        fused_recurrent_kda_packed_decode(
+        _packed_step(
             torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1),
-            self._gate_input(h).flatten(1).contiguous(),
-            self.w.b_proj(h).float().contiguous(),
-            self.w.A_log,
-            self.w.dt_bias,
+            self._gate(h),
+            self._beta(h),
             self.scale,
             pool,
             out,
             torch.arange(batch, device=h.device),
-            lower_bound=self.lower_bound,
+            False,
+            self.heads,
         )
         for state, new in zip(states, pool, strict=True):
             state.recurrent = new
@@ -179,8 +178,13 @@ class KDA:
         )
         return l2_normalize(q, self.eps), l2_normalize(k, self.eps), v
 
-    def _gate_input(self, h: torch.Tensor) -> torch.Tensor:
-        return self.w.f_b_proj(self.w.f_a_proj(h)).float().view(-1, self.heads, self.head_dim)
+    def _gate(self, h: torch.Tensor) -> torch.Tensor:
+        """The log-space decay [T, H, K]."""
+        f = self.w.f_b_proj(self.w.f_a_proj(h)).float().view(-1, self.heads, self.head_dim)
+        return kda_gate(f + self.w.dt_bias.view(self.heads, -1), self.w.ssm_a, self.lower_bound)
+
+    def _beta(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.w.b_proj(h).float())
 
     def _output(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         gate = torch.sigmoid(self.w.g_proj(h).float()).view(-1, self.heads, self.head_dim)
@@ -193,7 +197,7 @@ def shard_kda_weights(
 ) -> KDAWeights:
     """The KDA weights of tensor-parallel rank `tp_rank` of `tp_size`: its heads only, in GGUF types.
 
-    q/k/v/g/f_b/beta and the convs are column-parallel, `A_log` and `dt_bias` follow the heads,
+    q/k/v/g/f_b/beta and the convs are column-parallel, `ssm_a` and `dt_bias` follow the heads,
     `o_proj` is row-parallel (sum the ranks' outputs), `f_a` is replicated and `o_norm` shared.
     `name` (the layer's) prefixes the error of a matrix that cannot split on its block boundaries.
     """
@@ -214,7 +218,7 @@ def shard_kda_weights(
         b_proj=output_rows(weights.b_proj, own_heads),
         o_proj=input_columns(weights.o_proj, channels, f"{name}.o_proj", tp_size),
         conv=conv_rows,
-        A_log=rows_of(weights.A_log, own_heads),
+        ssm_a=rows_of(weights.ssm_a, own_heads),
         dt_bias=rows_of(weights.dt_bias, channels),
     )
 
@@ -294,13 +298,10 @@ def fused_recurrent_kda_packed_decode(
         )
     if b.shape[1] != heads_v:
         raise ValueError(f"`b` must have shape [B, HV] with HV={heads_v} (got b.shape={tuple(b.shape)}).")
-    if A_log.numel() != heads_v:
-        raise ValueError(f"`A_log` must have {heads_v} elements (got {A_log.numel()}).")
-    if dt_bias.numel() != heads_v * key_dim:
-        raise ValueError(f"`dt_bias` must have {heads_v * key_dim} elements (got {dt_bias.numel()}).")
+    check_head_vectors(A_log, dt_bias, heads_v, key_dim)
     q_heads = _check_packed_shapes(mixed_qkv, initial_state, out, batch, kda=True)
     x = (a.float() + dt_bias.float()).view(batch, heads_v, key_dim)
-    gate = kda_gate(x, A_log, lower_bound)
+    gate = kda_gate(x, -torch.exp(A_log.float()), lower_bound)
     _packed_step(
         mixed_qkv,
         gate,
@@ -313,6 +314,15 @@ def fused_recurrent_kda_packed_decode(
         q_heads,
     )
     return out, initial_state
+
+
+def check_head_vectors(decay: torch.Tensor, dt_bias: torch.Tensor, heads: int, key_dim: int) -> None:
+    """The seed KDA entry point's checks of its per-head vectors (the decay, `A_log` there, and
+    `dt_bias`): what a layer holding another head configuration's vectors fails with."""
+    if decay.numel() != heads:
+        raise ValueError(f"`A_log` must have {heads} elements (got {decay.numel()}).")
+    if dt_bias.numel() != heads * key_dim:
+        raise ValueError(f"`dt_bias` must have {heads * key_dim} elements (got {dt_bias.numel()}).")
 
 
 def _check_packed_common(mixed_qkv, a, b, A_log, dt_bias, initial_state, out, ssm_state_indices) -> int:

@@ -16,10 +16,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k3stream.pack import format as fmt
 from k3stream.pack.fileio import COPY_CHUNK
+
+if TYPE_CHECKING:
+    from k3stream.gguf.reader import K3Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -297,34 +300,51 @@ def first_shard_path(manifest: dict[str, Any], manifest_path: Path) -> Path:
     return resolve_path(shards[0]["path"], manifest_path)
 
 
-def shard_tensor_types(path: Path) -> dict[str, str]:
-    """{tensor name: GGML type name} of one GGUF file, read from its header only."""
+def shard_tensor_types(path: Path, checkpoint: K3Checkpoint | None = None) -> dict[str, str]:
+    """{tensor name: GGML type name} of one GGUF file: from `checkpoint`'s inventory when it holds the
+    file (its header is parsed already), else read from the file's header."""
+    if checkpoint is not None and path.resolve() in {shard.resolve() for shard in checkpoint.shards}:
+        return {
+            name: info.type_name
+            for name, info in checkpoint.tensors.items()
+            if info.path.resolve() == path.resolve()
+        }
     from k3stream.gguf.header import open_reader
 
     return {tensor.name: tensor.tensor_type.name for tensor in open_reader(path).tensors}
 
 
+def present_shards(manifest: dict[str, Any], manifest_path: Path) -> list[tuple[dict[str, Any], Path]]:
+    """`(record, resolved path)` of every source shard, in shard order, after the seed loader's first
+    check: a missing or resized shard -> FileNotFoundError `Kimi-K3 GGUF shard is missing or changed`."""
+    present = []
+    for shard in sorted_shards(manifest):
+        path = resolve_path(shard["path"], manifest_path)
+        if not path.is_file() or path.stat().st_size != int(shard["size"]):
+            raise FileNotFoundError(f"Kimi-K3 GGUF shard is missing or changed: {path}")
+        present.append((shard, path))
+    return present
+
+
 def checked_shards(
-    manifest: dict[str, Any], manifest_path: str | os.PathLike[str]
+    manifest: dict[str, Any], manifest_path: str | os.PathLike[str], checkpoint: K3Checkpoint | None = None
 ) -> list[tuple[Path, list[dict]]]:
     """Every source shard of a manifest, checked as the seed loader does, with its tensor records.
 
     Missing or resized shard -> FileNotFoundError `Kimi-K3 GGUF shard is missing or changed: {path}`;
     different tensor names -> `Kimi-K3 GGUF shard inventory changed: {path}`; a tensor's GGML type
     differs -> `Kimi-K3 GGUF tensor type changed: {name}`. Returns `[(shard path, [record, ...])]`
-    in shard order, each record a `source.tensors` dict of that shard.
+    in shard order, each record a `source.tensors` dict of that shard. The tensor types of a shard
+    `checkpoint` holds come from it (no second header parse).
     """
     manifest_path = Path(manifest_path)
     records_by_shard: dict[int, list[dict]] = {}
     for record in field(manifest, "source", "tensors"):
         records_by_shard.setdefault(int(record["shard_index"]), []).append(record)
     result = []
-    for shard in sorted_shards(manifest):
-        path = resolve_path(shard["path"], manifest_path)
-        if not path.is_file() or path.stat().st_size != int(shard["size"]):
-            raise FileNotFoundError(f"Kimi-K3 GGUF shard is missing or changed: {path}")
+    for shard, path in present_shards(manifest, manifest_path):
         records = records_by_shard.get(int(shard["index"]), [])
-        found = shard_tensor_types(path)
+        found = shard_tensor_types(path, checkpoint)
         if set(found) != {record["name"] for record in records}:
             raise ValueError(f"Kimi-K3 GGUF shard inventory changed: {path}")
         for record in records:
@@ -333,6 +353,24 @@ def checked_shards(
         check_shard_identity(manifest, shard, path)
         result.append((path, records))
     return result
+
+
+def open_checkpoint(path_or_manifest: str | os.PathLike[str]) -> K3Checkpoint:
+    """The checkpoint a GGUF path (a file, any shard, a directory) or an expert-pack manifest `.json`
+    names. A manifest is checked as the seed loader checks it (format, completeness, shard sizes,
+    inventory, types, identity) and its first shard opened; each shard's header is parsed once."""
+    from k3stream.gguf.reader import K3Checkpoint
+
+    path = Path(path_or_manifest)
+    if path.suffix != ".json":
+        return K3Checkpoint.open(path)
+    manifest = load_manifest(path)
+    present = present_shards(manifest, path)
+    if not present:
+        raise ValueError("Kimi manifest field is missing: source.shards[0]")
+    checkpoint = K3Checkpoint.open(present[0][1])
+    checked_shards(manifest, path, checkpoint)
+    return checkpoint
 
 
 def check_shard_identity(manifest: dict[str, Any], shard: dict[str, Any], path: Path) -> None:

@@ -1,7 +1,7 @@
 """Training on the inference model: parameters by GGUF tensor name, the model built from them each step.
 
-Each step builds a `K3Model` (`model.k3.build`) from the loader's own transform of every tensor
-(`gguf.weights.tensor_weights`) on the reference path, where weights are float tensors used as given;
+Each step builds a `K3Model` (`model.k3.build`) from every tensor by GGUF name, as the GGUF stores it,
+on the reference path, where weights are float tensors used as given;
 routed experts come from `ParameterExperts`, an `ExpertSource` whose matrices are F32 views of the
 expert parameters, which the kernel seam multiplies with torch's matmul. Autograd follows the same
 KDA, MLA, residual and MoE code that serves the GGUF later. The router's correction bias gets no
@@ -20,10 +20,9 @@ import torch
 
 from k3stream.experts import ROLES, ExpertSource, ExpertWeights
 from k3stream.gguf.layout import FLOAT_TYPE_IDS, is_routed_expert, routed_expert_name
-from k3stream.gguf.weights import tensor_weights
 from k3stream.model.k3 import K3Model, build
 from k3stream.model.kda import KDA
-from k3stream.model.layers import Linear, LoadOptions
+from k3stream.model.layers import GGUFTensor, Linear, LoadOptions
 from k3stream.model.moe import LatentMoE, Routing
 from k3stream.quant.kernels import QWeight
 from k3stream.tiny import TinySpec, initial_values, tensor_plan, tiny_config
@@ -106,16 +105,14 @@ class CountingRouting:
 
 
 def build_model(params: Parameters) -> K3Model:
-    """The inference model over the current parameters (the loader's transforms, reference path)."""
-    emitted: set[str] = set()
-    pairs = [
-        pair
+    """The inference model over the current parameters (as the GGUF stores them, reference path)."""
+    tensors = {
+        name: GGUFTensor(params.gguf_value(name), name=name)
         for name in params.values
         if not is_routed_expert(name)
-        for pair in tensor_weights(name, params.gguf_value(name), F32, emitted)
-    ]
+    }
     source, options = ParameterExperts(params), LoadOptions(kernels="reference")
-    model = build(params.config, pairs, source, options, torch.device("cpu"), prefetch=False)
+    model = build(params.config, tensors, source, options, torch.device("cpu"), prefetch=False)
     for layer in model.layers:
         if isinstance(layer.attn, KDA):
             layer.attn.chunk_size = KDA_CHUNK
