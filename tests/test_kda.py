@@ -105,6 +105,27 @@ def test_chunked_prefill_survives_strong_decay():
     assert rel(out, expected) < 1e-5
 
 
+@pytest.mark.parametrize("gate_scale", [0.05, 1.0, 4.9])
+def test_factored_and_pairwise_chunk_products_agree(monkeypatch, gate_scale):
+    """The factored decay products (a chunk spanning at most FACTORED_DECAY_LIMIT) and the pairwise form
+    give the same prefill, up to a decay of 16 x 4.9 = 78 inside a chunk of 16 (the bound's edge)."""
+    from k3stream.model import kda
+
+    x = random_inputs(torch.Generator().manual_seed(11), 80, 3, 16)
+    g = -gate_scale * torch.rand(80, 3, 16, generator=torch.Generator().manual_seed(12))
+    beta = torch.sigmoid(x["b"])
+    outs = []
+    for limit in (kda.FACTORED_DECAY_LIMIT, -1.0):  # -1: every chunk takes the pairwise form
+        monkeypatch.setattr(kda, "FACTORED_DECAY_LIMIT", limit)
+        state = x["state"].clone()
+        outs.append((chunked_delta_rule(x["q"], x["k"], x["v"], g, beta, state, 0.3, 16), state))
+    expected, expected_state = reference_delta_rule(x["q"], x["k"], x["v"], g, beta, x["state"], 0.3)
+    for out, state in outs:
+        assert rel(out, expected) < 1e-5
+        assert rel(state, expected_state) < 1e-5
+    assert rel(outs[0][0], outs[1][0]) < 1e-5
+
+
 def packed(q, k, v):
     return torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1).contiguous()
 

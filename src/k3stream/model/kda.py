@@ -16,6 +16,9 @@ from k3stream.model.shard import input_columns, output_rows, part, rows_of
 
 SOFTPLUS_THRESHOLD = 20.0
 SEED_L2NORM_EPS = 1e-6  # the seed kernels' in-kernel q/k norm; the model itself uses the rms eps
+# the largest decay (-sum of a channel's gates) a prefill chunk may span for the factored products: the
+# factors and the masked-out products stay below exp(80) ~ 5.5e34, inside float32
+FACTORED_DECAY_LIMIT = 80.0
 
 
 @dataclass
@@ -92,13 +95,7 @@ def _delta_rule_chunk(q, k, v, g, beta, s, scale):
     """One chunk, heads first: q, k, g [H, L, K], v [H, L, V], beta [H, L], s [H, K, V]."""
     length = q.shape[1]
     cum = g.cumsum(1)
-    inclusive = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    # decay from token s to token t per key channel; exponents are <= 0 under the mask, so no overflow
-    exponent = (cum[:, :, None, :] - cum[:, None, :, :]).masked_fill(~inclusive[:, :, None], float("-inf"))
-    decay = torch.exp(exponent)  # [H, L(t), L(s), K]
-    key_weighted = decay * k[:, None, :, :]
-    a = torch.einsum("htsk,htk->hts", key_weighted, k).tril(-1)
-    p = torch.einsum("htsk,htk->hts", key_weighted, q)
+    a, p = _decayed_products(q, k, cum)
     k_start = torch.exp(cum) * k
     q_start = torch.exp(cum) * q
     rhs = beta[..., None] * (v - k_start @ s)
@@ -109,6 +106,28 @@ def _delta_rule_chunk(q, k, v, g, beta, s, scale):
     k_end = torch.exp(last - cum) * k
     s = torch.exp(last).transpose(1, 2) * s + k_end.transpose(1, 2) @ u
     return o, s
+
+
+def _decayed_products(q, k, cum):
+    """a[t, s] = sum_k k_t k_s exp(cum_t - cum_s) for s < t and p[t, s] the same with q_t for s <= t:
+    [H, L, L] each. When the chunk's decay spans at most FACTORED_DECAY_LIMIT (always, for a gate with a
+    lower bound of -5 over 16 tokens), exp(cum_t - cum_s) = exp(cum_t - mid) exp(mid - cum_s) splits
+    into two matrix products whose factors stay within float32; a stronger decay takes the pairwise
+    [H, L, L, K] form, whose exponents are <= 0 under the mask."""
+    length = q.shape[1]
+    span = float((cum[:, 0] - cum[:, -1]).max()) if length > 1 else 0.0
+    if span <= FACTORED_DECAY_LIMIT:
+        mid = cum[:, length // 2 : length // 2 + 1]
+        k_late = k * torch.exp(mid - cum)
+        a = (k * torch.exp(cum - mid)) @ k_late.transpose(1, 2)
+        p = (q * torch.exp(cum - mid)) @ k_late.transpose(1, 2)
+        return a.tril(-1), p.tril()
+    inclusive = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    exponent = (cum[:, :, None, :] - cum[:, None, :, :]).masked_fill(~inclusive[:, :, None], float("-inf"))
+    key_weighted = torch.exp(exponent) * k[:, None, :, :]  # [H, L(t), L(s), K]
+    a = torch.einsum("htsk,htk->hts", key_weighted, k).tril(-1)
+    p = torch.einsum("htsk,htk->hts", key_weighted, q)
+    return a, p
 
 
 class KDA:
@@ -151,23 +170,13 @@ class KDA:
             mixed_row, state.conv = causal_conv(projected[row : row + 1], state.conv, self.w.conv)
             mixed_rows.append(mixed_row)
         q, k, v = self._split_activate(torch.cat(mixed_rows))
-        batch = h.shape[0]
-        pool = torch.stack([state.recurrent for state in states])
-        out = torch.empty(batch, 1, self.heads, self.head_dim, device=h.device)
-        _packed_step(
-            torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1),
-            self._gate(h),
-            self._beta(h),
-            self.scale,
-            pool,
-            out,
-            torch.arange(batch, device=h.device),
-            False,
-            self.heads,
-        )
-        for state, new in zip(states, pool, strict=True):
-            state.recurrent = new
-        return self._output(h, out[:, 0])
+        # one sequence updates its state in place; several are stacked once and keep views of the stack
+        pool = states[0].recurrent[None] if len(states) == 1 else torch.stack([st.recurrent for st in states])
+        out = delta_step(q * self.scale, k, v, self._gate(h), self._beta(h), pool)
+        if len(states) > 1:
+            for state, new in zip(states, pool, strict=True):
+                state.recurrent = new
+        return self._output(h, out)
 
     def _project_qkv(self, h: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.w.q_proj(h), self.w.k_proj(h), self.w.v_proj(h)], dim=1).float()
@@ -410,8 +419,17 @@ def _packed_step(mixed_qkv, gate, beta, scale, initial_state, out, ssm_state_ind
     group = heads_v // q_heads  # value heads sharing one q/k head
     q = (q * scale).repeat_interleave(group, dim=1)
     k = k.repeat_interleave(group, dim=1)
-    s = initial_state[slots].float().mul_(torch.exp(gate[live])[:, :, None, :])  # [B, HV, V, K]
-    delta = (v - torch.matmul(s, k[..., None])[..., 0]) * beta[live][..., None]
-    s.add_(delta[..., None] * k[:, :, None, :])
-    out[live, 0] = torch.matmul(s, q[..., None])[..., 0].to(out.dtype)
+    s = initial_state[slots].float()
+    out[live, 0] = delta_step(q, k, v, gate[live], beta[live], s).to(out.dtype)
     initial_state[slots] = s.to(initial_state.dtype)
+
+
+def delta_step(q, k, v, gate, beta, s: torch.Tensor) -> torch.Tensor:
+    """One token of B sequences, in place on the float32 states s [B, HV, V, K]: S *= exp(gate);
+    S += (beta (v - S k)) k^T; returns S q [B, HV, V]. q (already scaled), k, gate [B, HV, K];
+    v [B, HV, V]; beta [B, HV]."""
+    s.mul_(torch.exp(gate)[:, :, None, :])
+    delta = (v - torch.matmul(s, k[..., None])[..., 0]) * beta[..., None]
+    flat = s.view(-1, *s.shape[2:])  # the rank-one update without a [B, HV, V, K] temporary
+    flat.baddbmm_(delta.reshape(-1, delta.shape[-1], 1), k.reshape(-1, 1, k.shape[-1]))
+    return torch.matmul(s, q[..., None])[..., 0]
