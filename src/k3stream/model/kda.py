@@ -56,9 +56,11 @@ def causal_conv(
     x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv of x [T, D] after `history` [C-1, D]; returns (out, new history)."""
-    kernel = weight.shape[1]
+    kernel, length = weight.shape[1], x.shape[0]
     window = torch.cat([history, x], dim=0)
-    out = (window.unfold(0, kernel, 1) * weight).sum(-1)
+    out = window[:length] * weight[:, 0]
+    for tap in range(1, kernel):  # a multiply-add per tap: no [T, D, C] windows tensor
+        out = out.addcmul(window[tap : tap + length], weight[:, tap])
     return out, window[window.shape[0] - (kernel - 1) :]
 
 
