@@ -9,7 +9,8 @@ from pathlib import Path
 import gguf
 import pytest
 
-from k3stream.engine.loading import load_runtime
+from k3stream.cli import build_parser
+from k3stream.engine.loading import load_runtime, runtime_from_args
 from k3stream.pack.builder import build_pack
 
 
@@ -34,15 +35,22 @@ def parsed(monkeypatch) -> Counter:
     return counts
 
 
-@pytest.mark.parametrize("through", ["manifest", "gguf"])
+def load(through: str, first: Path, manifest: Path):
+    if through == "command line":  # `k3stream generate`'s load: the memory plan reads the GGUF too
+        flags = ["generate", str(manifest), "--memory-limit", "2GiB", "--prompt", "x"]
+        return runtime_from_args(build_parser(flags).parse_args(flags))
+    return load_runtime(manifest if through == "manifest" else first, stream_experts=through == "manifest")
+
+
+@pytest.mark.parametrize("through", ["manifest", "gguf", "command line"])
 def test_a_load_parses_each_shard_header_once(split_pack, parsed, through):
     first, manifest = split_pack
     shards = sorted(path.name for path in first.parent.glob("*.gguf"))
     assert len(shards) == 3
-    runtime = load_runtime(manifest if through == "manifest" else first, stream_experts=through == "manifest")
+    runtime = load(through, first, manifest)
     try:
         assert runtime.tokenizer.encode_plain("def f():") and runtime.model.config.n_layers
-        assert (runtime.store is not None) == (through == "manifest")
+        assert (runtime.store is not None) == (through != "gguf")
     finally:
         runtime.close()
     assert dict(parsed) == dict.fromkeys(shards, 1)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from k3stream.engine.loading import Runtime, add_model_arguments, runtime_from_args
+from k3stream.engine.loading import Runtime, add_model_arguments, open_model, runtime_from_args
 
 DEFAULT_CTX = 512
 
@@ -236,26 +236,21 @@ def _p_diff_block(kld: Any) -> list[str]:
     ]
 
 
-def _tokenizer(args: argparse.Namespace) -> Any:
-    """The model's tokenizer, read before the model loads (so a bad text or base fails fast)."""
-    from k3stream.engine.loading import resolve_model
-    from k3stream.engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_gguf(resolve_model(args.model, stream_experts=False)[0])
-
-
 def run(args: argparse.Namespace) -> int:
     from k3stream.engine.perplexity import BaseFile, check_base_matches
+    from k3stream.engine.tokenizer import Tokenizer
 
     _check_flags(args)
     base = BaseFile.open(args.kl_divergence_base) if args.kl_divergence else None
     try:
         if base is not None and args.chunks is None:
             args.chunks = len(base.tokens) // base.ctx
-        plan = _plan(args, _tokenizer(args), base)
+        # the tokenizer before the model loads: a bad text or base fails fast
+        opened = open_model(args.model, not args.no_stream_experts)
+        plan = _plan(args, Tokenizer.from_gguf(opened[0]), base)
         if base is not None:
             check_base_matches(base, plan, None, args.file or str(base.path))
-        runtime = runtime_from_args(args)
+        runtime = runtime_from_args(args, opened)
         try:
             if base is None:
                 run_perplexity(runtime, plan, args)

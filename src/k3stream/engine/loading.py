@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
     from k3stream.engine.generate import GenerationResult
     from k3stream.engine.tokenizer import Tokenizer
+    from k3stream.gguf.reader import K3Checkpoint
     from k3stream.model.k3 import K3Model
     from k3stream.store.expert_store import ExpertStore
 
@@ -110,6 +111,16 @@ def resolve_model(path: str | Path, stream_experts: bool) -> tuple[Path, Path | 
     return path, manifest_next_to(path) if stream_experts else None
 
 
+def open_model(path: str | Path, stream_experts: bool) -> tuple[K3Checkpoint, Path | None]:
+    """`(checkpoint, manifest or None)`: `resolve_model`, then the checkpoint opened once
+    (`pack.manifest.open_checkpoint`, the seed loader's checks for a manifest), for everything a load
+    reads from the GGUF: the memory plan, the pack's config check, the model and the tokenizer."""
+    from k3stream.pack.manifest import open_checkpoint
+
+    gguf_path, manifest = resolve_model(path, stream_experts)
+    return open_checkpoint(manifest or gguf_path), manifest
+
+
 def load_runtime(
     path: str | Path,
     *,
@@ -121,9 +132,9 @@ def load_runtime(
     store_options: StoreOptions = StoreOptions(),
 ) -> Runtime:
     """Load for generation; routed experts stream from the pack when there is a manifest."""
-    gguf_path, manifest = resolve_model(path, stream_experts)
+    checkpoint, manifest = open_model(path, stream_experts)
     return load_resolved(
-        gguf_path,
+        checkpoint,
         manifest,
         device=device,
         dtype=dtype,
@@ -134,7 +145,7 @@ def load_runtime(
 
 
 def load_resolved(
-    gguf_path: Path,
+    checkpoint: K3Checkpoint,
     manifest: Path | None,
     *,
     device: str = "cpu",
@@ -145,15 +156,12 @@ def load_resolved(
     match_ggml: bool = False,
     prefetch_hint: str = "auto",
 ) -> Runtime:
-    """`load_runtime` for paths `resolve_model` already found."""
+    """`load_runtime` for what `open_model` opened."""
     import torch
 
     import k3stream
     from k3stream.engine.tokenizer import Tokenizer
-    from k3stream.pack.manifest import open_checkpoint
 
-    # the one parse of the GGUF headers: the pack's config check, the model and the tokenizer share it
-    checkpoint = open_checkpoint(manifest or gguf_path)
     store = None
     if manifest is not None:
         from k3stream.pack.reader import ExpertPack
@@ -276,7 +284,7 @@ def sampling_params(args: argparse.Namespace) -> Any:
     )
 
 
-def _expert_ram_mib(args: argparse.Namespace, gguf_path: Path, manifest: Path | None) -> float:
+def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest: Path | None) -> float:
     """`--ram-mib`, else the budget `--memory-limit` leaves (printed on stderr when a limit was given or
     binds); refuses a limit too small."""
     import sys
@@ -288,7 +296,7 @@ def _expert_ram_mib(args: argparse.Namespace, gguf_path: Path, manifest: Path | 
     pin_malloc_mmap_threshold()  # expert buffers churn: keep freed ones from bloating the heap
     if args.ram_mib is not None and args.memory_limit is None:
         return args.ram_mib
-    plan = plan_for_model(gguf_path, args.memory_limit, args.io_threads)
+    plan = plan_for_model(checkpoint, args.memory_limit, args.io_threads)
     if args.ram_mib is not None:
         print(f"{plan.summary()}; --ram-mib {args.ram_mib:g} MiB in use instead", file=sys.stderr)
         return args.ram_mib
@@ -297,8 +305,12 @@ def _expert_ram_mib(args: argparse.Namespace, gguf_path: Path, manifest: Path | 
     return plan.expert_budget / MIB
 
 
-def runtime_from_args(args: argparse.Namespace) -> Runtime:
-    gguf_path, manifest = resolve_model(args.model, not args.no_stream_experts)  # fails fast, before torch
+def runtime_from_args(
+    args: argparse.Namespace, opened: tuple[K3Checkpoint, Path | None] | None = None
+) -> Runtime:
+    """The runtime the model flags ask for; `opened`: what `open_model(args.model, ...)` returned, when
+    the command read the GGUF already (its tokenizer first)."""
+    checkpoint, manifest = opened or open_model(args.model, not args.no_stream_experts)  # before torch
     import torch
 
     if args.threads:
@@ -307,11 +319,11 @@ def runtime_from_args(args: argparse.Namespace) -> Runtime:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return load_resolved(
-        gguf_path,
+        checkpoint,
         manifest,
         device=device,
         dtype=getattr(torch, args.dtype),
-        ram_mib=_expert_ram_mib(args, gguf_path, manifest),
+        ram_mib=_expert_ram_mib(args, checkpoint, manifest),
         gpu_mib=args.gpu_mib,
         store_options=StoreOptions.from_args(args),
         match_ggml=args.match_ggml,

@@ -12,11 +12,13 @@ the command refuses with one line. The budget is never larger than the pack's ro
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from k3stream.gguf.reader import K3Checkpoint
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -260,15 +262,12 @@ def plan_memory(
     return MemoryPlan(limit, source, runtime_bytes, needs, budget)
 
 
-def plan_for_model(
-    gguf_path: str | os.PathLike[str], limit_text: str | None, io_threads: int = 4
-) -> MemoryPlan:
-    """The plan for a GGUF under `--memory-limit limit_text` (None: the cgroup's limit or available RAM)."""
-    from k3stream.gguf.reader import K3Checkpoint
-
+def plan_for_model(checkpoint: K3Checkpoint, limit_text: str | None, io_threads: int = 4) -> MemoryPlan:
+    """The plan for an open checkpoint under `--memory-limit limit_text` (None: the cgroup's limit or
+    available RAM)."""
     if limit_text is None:
         limit, source = default_memory_limit()
     else:
         limit, source = parse_size(limit_text), "--memory-limit"
-    needs = model_needs(K3Checkpoint.open(gguf_path), io_threads=io_threads)
+    needs = model_needs(checkpoint, io_threads=io_threads)
     return plan_memory(limit, needs, resident_bytes(), source)
