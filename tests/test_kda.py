@@ -126,6 +126,27 @@ def test_factored_and_pairwise_chunk_products_agree(monkeypatch, gate_scale):
     assert rel(outs[0][0], outs[1][0]) < 1e-5
 
 
+@pytest.mark.parametrize("gate_scale", [2.0, 4.9])
+def test_factored_products_give_the_pairwise_gradients(monkeypatch, gate_scale):
+    """Training differentiates the prefill: the factored products give the pairwise form's gradients,
+    finite, up to a span of 16 x 4.9 = 78 (the limit's edge)."""
+    from k3stream.model import kda
+
+    x = random_inputs(torch.Generator().manual_seed(13), 48, 2, 16)
+    g = -gate_scale * torch.rand(48, 2, 16, generator=torch.Generator().manual_seed(14))
+    grads = []
+    for limit in (kda.FACTORED_DECAY_LIMIT, -1.0):
+        monkeypatch.setattr(kda, "FACTORED_DECAY_LIMIT", limit)
+        inputs = [t.clone().requires_grad_() for t in (x["q"], x["k"], x["v"], g, x["b"])]
+        q, k, v, gate, b = inputs
+        out = chunked_delta_rule(q, k, v, gate, torch.sigmoid(b), x["state"].clone(), 0.3, 16)
+        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        grads.append([t.grad for t in inputs])
+    for factored, pairwise in zip(*grads, strict=True):
+        assert torch.isfinite(factored).all()
+        assert rel(factored, pairwise) < 1e-4
+
+
 def packed(q, k, v):
     return torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1).contiguous()
 

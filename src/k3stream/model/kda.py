@@ -117,7 +117,7 @@ def _decayed_products(q, k, cum):
     into two matrix products whose factors stay within float32; a stronger decay takes the pairwise
     [H, L, L, K] form, whose exponents are <= 0 under the mask."""
     length = q.shape[1]
-    span = float((cum[:, 0] - cum[:, -1]).max()) if length > 1 else 0.0
+    span = float((cum[:, 0] - cum[:, -1]).max().detach()) if length > 1 else 0.0
     if span <= FACTORED_DECAY_LIMIT:
         mid = cum[:, length // 2 : length // 2 + 1]
         k_late = k * torch.exp(mid - cum)
