@@ -263,3 +263,26 @@ def test_a_gguf_that_shrinks_under_a_running_model_is_a_clear_error(tiny_model, 
     )
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-1000:]}"
     assert "clear error:" in done.stdout and "cut short" in done.stdout and "model.gguf" in done.stdout
+
+
+def test_every_checkpoint_tensor_is_used_and_an_unsplit_kv_b_is_refused(tiny_model):
+    """The model takes each tensor by its GGUF name: one it would ignore, or an MLA layer with llama.cpp's
+    older unsplit attn_kv_b instead of attn_k_b/attn_v_b, fails the build in one line naming it."""
+    from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.model.k3 import build, checkpoint_tensors
+    from k3stream.model.layers import LoadOptions
+
+    checkpoint = K3Checkpoint.open(tiny_model())
+    tensors = checkpoint_tensors(checkpoint)
+    cfg, source, options = checkpoint.config, GGUFExpertSource(checkpoint), LoadOptions()
+    cpu = torch.device("cpu")
+    assert build(cfg, tensors, source, options, cpu).config.n_layers == cfg.n_layers
+    extra = dict(tensors, **{"blk.0.attn_q_extra.weight": tensors["blk.0.attn_norm.weight"]})
+    with pytest.raises(ValueError, match=r"^blk\.0\.attn_q_extra\.weight: a Kimi-K3 tensor the model"):
+        build(cfg, extra, source, options, cpu)
+    mla = cfg.mla_layers[0]
+    halves = (f"blk.{mla}.attn_k_b", f"blk.{mla}.attn_v_b")
+    unsplit = {name: t for name, t in tensors.items() if not name.startswith(halves)}
+    unsplit[f"blk.{mla}.attn_kv_b.weight"] = tensors[f"blk.{mla}.attn_k_b.weight"]
+    with pytest.raises(ValueError, match=rf"^blk\.{mla}\.attn_kv_b\.weight: an unsplit MLA kv_b is not"):
+        build(cfg, unsplit, source, options, cpu)

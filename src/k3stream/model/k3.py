@@ -200,23 +200,31 @@ class _Weights:
     def __init__(self, tensors: Mapping[str, GGUFTensor], options: LoadOptions, device: torch.device) -> None:
         self.tensors = {name: replace(t, value=t.value.to(device)) for name, t in tensors.items()}
         self.options = options
+        self.used: set[str] = set()
 
     def has(self, name: str) -> bool:
         return name in self.tensors
 
     def tensor(self, name: str) -> GGUFTensor:
+        self.used.add(name)
         return self.tensors[name]
 
     def linear(self, name: str, out_features: int, in_features: int) -> Linear:
-        return self.tensors[name].linear(out_features, in_features, self.options)
+        return self.tensor(name).linear(out_features, in_features, self.options)
 
     def vector(self, name: str) -> torch.Tensor:
-        return self.tensors[name].matrix((-1,), torch.float32)
+        return self.tensor(name).matrix((-1,), torch.float32)
 
     def score(self, name: str) -> torch.Tensor:
         """An attention-residual score: the fused norm * proj vector the GGUF stores."""
         check_residual_score(tuple(self.tensors[name].value.shape))
         return self.vector(name)
+
+    def check_all_used(self) -> None:
+        """Nothing in the checkpoint is silently ignored: a tensor the model did not take is an error."""
+        unused = [name for name in self.tensors if name not in self.used]
+        if unused:
+            raise ValueError(f"{unused[0]}: a Kimi-K3 tensor the model does not use ({len(unused)} in all)")
 
 
 def _kda(w: _Weights, p: str, cfg: K3Config, tp: tuple[int, int]) -> KDA:
@@ -247,6 +255,11 @@ def _kda(w: _Weights, p: str, cfg: K3Config, tp: tuple[int, int]) -> KDA:
 
 def _mla(w: _Weights, p: str, cfg: K3Config) -> MLA:
     heads, e, q_width = cfg.mla_heads, cfg.hidden, cfg.mla_heads * (cfg.qk_nope + cfg.qk_rope)
+    if w.has(f"{p}attn_kv_b.weight"):  # llama.cpp accepts it; the absorbed attention needs the halves
+        raise ValueError(
+            f"{p}attn_kv_b.weight: an unsplit MLA kv_b is not supported; convert the model with a llama.cpp "
+            "that writes attn_k_b and attn_v_b"
+        )
     q_lora = w.has(f"{p}attn_q_a.weight")
     weights = MLAWeights(
         q_a_proj=w.linear(f"{p}attn_q_a.weight", cfg.q_lora, e) if q_lora else None,
@@ -365,13 +378,19 @@ def load(
         matrix_types = {t.ggml_type for t in checkpoint.tensors.values() if len(t.shape) >= 2}
         note_fallbacks(matrix_types, device)
         warm_up(matrix_types, device)
-    tensors = {
-        name: GGUFTensor(value, None if ggml_type in FLOAT_TYPE_IDS else ggml_type, name)
-        for name, value, ggml_type in nonexpert_tensors(checkpoint)
-    }
+    tensors = checkpoint_tensors(checkpoint)
     model = build(cfg, tensors, source, options, device, prefetch, (tp_rank, tp_size), prefetch_hint)
     get_profile(profile).check(checkpoint)  # seed 002: the audited MLA recipe, checked after loading
     return model
+
+
+def checkpoint_tensors(checkpoint: K3Checkpoint) -> dict[str, GGUFTensor]:
+    """A checkpoint's non-expert tensors by GGUF name, read into memory in their GGUF types (float
+    values with type None, else bytes with their type id): what `build` takes."""
+    return {
+        name: GGUFTensor(value, None if ggml_type in FLOAT_TYPE_IDS else ggml_type, name)
+        for name, value, ggml_type in nonexpert_tensors(checkpoint)
+    }
 
 
 def build(
@@ -389,7 +408,7 @@ def build(
     On the reference path float tensors are used as given, so weights that require grad give a model
     autograd can train (`k3stream.train` builds its model this way)."""
     w = _Weights(tensors, options, device)
-    return K3Model(
+    model = K3Model(
         config=cfg,
         embedding=Embedding(w.tensor("token_embd.weight"), cfg.hidden, options),
         layers=[_layer(w, i, cfg, source, tp) for i in range(cfg.n_layers)],
@@ -401,3 +420,5 @@ def build(
         prefetch=prefetch,
         prefetch_hint=prefetch_hint,
     )
+    w.check_all_used()
+    return model
