@@ -247,3 +247,10 @@ def test_model_loads_from_the_manifest(packed_model):
     gguf_path, manifest = packed_model
     tokens = [3, 1, 4, 1, 5, 9, 2, 6]
     assert torch.equal(k3stream.load(manifest).logits(tokens), k3stream.load(gguf_path).logits(tokens))
+
+
+def test_the_seed_loader_is_a_generator(tmp_path):
+    """As the seed's loader: calling it opens nothing; the first pair asked for opens and checks the file."""
+    pairs = k3stream.nonexpert_weights(tmp_path / "missing.gguf")
+    with pytest.raises(FileNotFoundError, match="missing.gguf"):
+        next(pairs)

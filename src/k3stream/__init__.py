@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 __version__ = "0.1.0"
@@ -17,12 +18,13 @@ def _checkpoint(source: Any) -> Any:
     return source if isinstance(source, K3Checkpoint) else open_checkpoint(source)
 
 
-def nonexpert_weights(path_or_manifest: Any, copy: bool = True):
+def nonexpert_weights(path_or_manifest: Any, copy: bool = True) -> Iterator[tuple[str, Any]]:
     """Yield `(runtime_name, tensor)` pairs as the seed system's loader does, from a GGUF (any shard or
-    directory), an expert-pack manifest, or an open `K3Checkpoint`."""
+    directory), an expert-pack manifest, or an open `K3Checkpoint`. A generator, as the seed's: the
+    file is opened and checked when the first pair is asked for."""
     from k3stream.gguf.weights import nonexpert_weights as _impl
 
-    return _impl(_checkpoint(path_or_manifest), copy)
+    yield from _impl(_checkpoint(path_or_manifest), copy)
 
 
 def load(source: Any, **kwargs: Any):
