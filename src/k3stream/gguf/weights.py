@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from k3stream.gguf.layout import FLOAT_TYPE_IDS, check_residual_score, is_routed_expert
+from k3stream.gguf.layout import FLOAT_TYPE_IDS, check_residual_score, check_ssm_a, is_routed_expert
 from k3stream.quant.types import T
 
 if TYPE_CHECKING:
@@ -115,10 +115,7 @@ def residual_target_value(raw: torch.Tensor, target_index: int) -> torch.Tensor:
 
 def a_log_value(raw: torch.Tensor) -> torch.Tensor:
     """Undo llama.cpp's conversion-time A_log -> -exp(A_log)."""
-    if not raw.is_floating_point() or not torch.isfinite(raw).all():
-        raise ValueError("Kimi-K3 GGUF ssm_a must contain finite floating values")
-    if not torch.all(raw < 0):
-        raise ValueError("Kimi-K3 GGUF ssm_a must contain only -exp(A_log) values")
+    check_ssm_a(raw)
     return torch.log(-raw)
 
 

@@ -23,7 +23,7 @@ import torch
 
 from k3stream.experts import ExpertSource
 from k3stream.gguf.config import K3Config
-from k3stream.gguf.layout import check_residual_score
+from k3stream.gguf.layout import check_residual_score, check_ssm_a
 from k3stream.gguf.weights import nonexpert_tensors
 from k3stream.model.attn_res import residual_mix
 from k3stream.model.experts import GGUFExpertSource
@@ -220,6 +220,11 @@ class _Weights:
         check_residual_score(tuple(self.tensors[name].value.shape))
         return self.vector(name)
 
+    def decay(self, name: str) -> torch.Tensor:
+        """KDA's `ssm_a` as stored (-exp(A_log)), checked as the seed loader checks it."""
+        check_ssm_a(self.tensors[name].value)
+        return self.vector(name)
+
     def check_all_used(self) -> None:
         """Nothing in the checkpoint is silently ignored: a tensor the model did not take is an error."""
         unused = [name for name in self.tensors if name not in self.used]
@@ -243,7 +248,7 @@ def _kda(w: _Weights, p: str, cfg: K3Config, tp: tuple[int, int]) -> KDA:
         f_b_proj=w.linear(f"{p}ssm_f_b.weight", inner, dim),
         o_proj=w.linear(f"{p}attn_output.weight", e, inner),
         conv=torch.cat(convs),
-        ssm_a=w.vector(f"{p}ssm_a"),
+        ssm_a=w.decay(f"{p}ssm_a"),
         dt_bias=w.vector(f"{p}ssm_dt.bias"),
         o_norm=w.vector(f"{p}ssm_norm.weight"),
     )
