@@ -303,12 +303,11 @@ def first_shard_path(manifest: dict[str, Any], manifest_path: Path) -> Path:
 def shard_tensor_types(path: Path, checkpoint: K3Checkpoint | None = None) -> dict[str, str]:
     """{tensor name: GGML type name} of one GGUF file: from `checkpoint`'s inventory when it holds the
     file (its header is parsed already), else read from the file's header."""
-    if checkpoint is not None and path.resolve() in {shard.resolve() for shard in checkpoint.shards}:
-        return {
-            name: info.type_name
-            for name, info in checkpoint.tensors.items()
-            if info.path.resolve() == path.resolve()
-        }
+    target = path.resolve()
+    held = [i for i, shard in enumerate(checkpoint.shards if checkpoint else []) if shard.resolve() == target]
+    if held:  # one path resolution per shard, none per tensor
+        tensors = checkpoint.tensors.items()
+        return {name: info.type_name for name, info in tensors if info.shard_index == held[0]}
     from k3stream.gguf.header import open_reader
 
     return {tensor.name: tensor.tensor_type.name for tensor in open_reader(path).tensors}
