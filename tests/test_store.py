@@ -15,6 +15,8 @@ from gguf import GGUFReader
 from k3stream.pack.builder import build_pack
 from k3stream.pack.reader import ExpertPack
 from k3stream.store import ExpertStore
+from k3stream.store import pack_io
+from k3stream.store.pack_io import PackFile, ReadRequest
 from k3stream.store.simulate import simulate_policy
 from k3stream.store.traces import read_trace
 
@@ -169,6 +171,32 @@ def test_direct_io_serves_the_same_bytes_or_falls_back(packed):
         stats = store.stats()
     assert stats["direct_io"] is True or "buffered" in stats["direct_io_note"]
     assert stats["read_splits"] == 3 and stats["io_errors"] == 0
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_direct_reads_land_in_aligned_buffers_and_bounce_into_the_others(packed, monkeypatch, splits):
+    """O_DIRECT reads straight into a `host_buffer` (aligned, rounded up), through the bounce buffer
+    into any other destination; both give the object's bytes (objects here are not whole blocks)."""
+    _, pack = packed
+    monkeypatch.setattr(pack_io, "MIN_SPLIT_BYTES", 4096)
+    offset, nbytes = pack.object_range(pack.moe_layers[0], 5)
+    assert nbytes % pack_io.ALIGNMENT, "the fixture's objects should end mid-block"
+    expected = bytes(pack.read_object(pack.moe_layers[0], 5))
+    bounces = []
+    bounce = PackFile._bounce
+    monkeypatch.setattr(PackFile, "_bounce", lambda self, size: bounces.append(size) or bounce(self, size))
+    file = PackFile(pack.path, read_splits=splits, direct_io=True)
+    try:
+        aligned = pack_io.host_buffer(nbytes, file.direct_io)
+        file.read([ReadRequest("aligned", offset, nbytes, aligned)])
+        assert aligned[:nbytes].tobytes() == expected
+        assert not bounces  # no copy through a bounce buffer
+        unaligned = np.zeros(nbytes + 1, dtype=np.uint8)[1:]
+        file.read([ReadRequest("unaligned", offset, nbytes, unaligned)])
+        assert unaligned.tobytes() == expected
+        assert len(bounces) == (splits if file.direct_io else 0)
+    finally:
+        file.close()
 
 
 def test_o_direct_is_the_default_exactly_when_the_pack_does_not_fit_the_ram_budget(packed):

@@ -2,9 +2,10 @@
 
 An object is split into `read_splits` ranges whose starts are 4 KiB aligned (pack objects start on
 4 KiB boundaries), and the ranges of every object of one request are read at once by a thread pool.
-With O_DIRECT each range is read, rounded up to whole 4 KiB blocks, into an aligned per-thread bounce
-buffer and copied out; when the filesystem refuses O_DIRECT (tmpfs, some overlay filesystems) the
-file is reopened buffered and `direct_io_note` says why.
+With O_DIRECT each range is read, rounded up to whole 4 KiB blocks, straight into its destination
+when that is aligned and has room for the rounding (`host_buffer` makes such buffers), else into an
+aligned per-thread bounce buffer and copied out; when the filesystem refuses O_DIRECT (tmpfs, some
+overlay filesystems) the file is reopened buffered and `direct_io_note` says why.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ MIN_SPLIT_BYTES = 256 << 10
 
 @dataclass(frozen=True)
 class ReadRequest:
-    """Read `nbytes` at pack offset `offset` into `dest` (a writable uint8 numpy array)."""
+    """Read `nbytes` at pack offset `offset` into `dest` (a writable uint8 numpy array of at least
+    `nbytes`; bytes past `nbytes` may be overwritten)."""
 
     label: str
     offset: int
@@ -50,6 +52,16 @@ def _aligned_empty(nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
     pad = (-raw.ctypes.data) % ALIGNMENT
     return raw[pad : pad + nbytes]
+
+
+def _round_up(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+def host_buffer(nbytes: int, direct_io: bool) -> np.ndarray:
+    """A destination for an `nbytes` object: with O_DIRECT aligned and rounded up to whole 4 KiB
+    blocks, so the reads land in it without a bounce copy (slice the object's `nbytes` off it)."""
+    return _aligned_empty(_round_up(nbytes)) if direct_io else np.empty(nbytes, dtype=np.uint8)
 
 
 class PriorityPool:
@@ -213,7 +225,7 @@ class PackFile:
         target = request.dest[start : start + length]
         if self.direct_io:
             try:
-                self._read_direct(request.offset + start, target)
+                self._read_direct(request.offset + start, target, request.dest[start:])
                 return
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
@@ -221,16 +233,24 @@ class PackFile:
                 self._fall_back_to_buffered(exc)
         self._read_exact(self._fd, request.offset + start, target)
 
-    def _read_direct(self, offset: int, target: np.ndarray) -> None:
+    def _read_direct(self, offset: int, target: np.ndarray, room: np.ndarray) -> None:
+        """Read `target` (the start of `room`, which may be written past the target's end)."""
         head = offset % ALIGNMENT
-        span = -(-(head + target.size) // ALIGNMENT) * ALIGNMENT
-        bounce = getattr(self._local, "bounce", None)
-        if bounce is None or bounce.size < span:
-            bounce = self._local.bounce = _aligned_empty(span)
-        got = os.preadv(self._fd, [memoryview(bounce[:span])], offset - head)
+        span = _round_up(head + target.size)
+        straight = not head and not target.ctypes.data % ALIGNMENT and room.size >= span
+        buffer = room if straight else self._bounce(span)
+        got = os.preadv(self._fd, [memoryview(buffer[:span])], offset - head)
         if got < head + target.size:
             raise OSError(errno.EIO, f"short read: {max(got - head, 0)} of {target.size} bytes at {offset}")
-        target[:] = bounce[head : head + target.size]
+        if not straight:
+            target[:] = buffer[head : head + target.size]
+
+    def _bounce(self, nbytes: int) -> np.ndarray:
+        """This reader thread's aligned bounce buffer, at least `nbytes`."""
+        bounce = getattr(self._local, "bounce", None)
+        if bounce is None or bounce.size < nbytes:
+            bounce = self._local.bounce = _aligned_empty(nbytes)
+        return bounce
 
     def _fall_back_to_buffered(self, exc: OSError) -> None:
         with self._fallback_lock:

@@ -12,11 +12,10 @@ import time
 from collections import Counter
 from typing import Any
 
-import numpy as np
 import torch
 
 from k3stream.store.liveness import LiveBuffers
-from k3stream.store.pack_io import PackFile, ReadRequest
+from k3stream.store.pack_io import PackFile, ReadRequest, host_buffer
 
 Key = tuple[int, int]
 
@@ -39,10 +38,11 @@ class ObjectReader:
         buffers, requests = {}, []
         for key in keys:
             offset, nbytes = self.pack.object_range(*key)
-            array = np.empty(nbytes, dtype=np.uint8)
+            destination = host_buffer(nbytes, self.file.direct_io)
+            array = destination[:nbytes]
             self._live.track(array)
             buffers[key] = torch.from_numpy(array)
-            requests.append(ReadRequest(f"layer {key[0]} expert {key[1]}", offset, nbytes, array))
+            requests.append(ReadRequest(f"layer {key[0]} expert {key[1]}", offset, nbytes, destination))
         if requests:
             self.file.read(sorted(requests, key=lambda request: request.offset), background=not demand)
             self._check(buffers)
