@@ -14,8 +14,7 @@ from gguf import GGUFReader
 
 from k3stream.pack.builder import build_pack
 from k3stream.pack.reader import ExpertPack
-from k3stream.store import ExpertStore
-from k3stream.store import pack_io
+from k3stream.store import ExpertStore, pack_io
 from k3stream.store.pack_io import PackFile, ReadRequest
 from k3stream.store.simulate import simulate_policy
 from k3stream.store.traces import read_trace
