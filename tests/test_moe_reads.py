@@ -1,9 +1,11 @@
-"""The MoE's reads against a source that reads ahead: a step's first part is asked for before the
-projections that do not need it (routed_down, the shared experts) run, then fetched; the rest follows
-part by part; results equal a source that reads nothing ahead, bit for bit."""
+"""The MoE's reads against a source that reads ahead: a step's experts are asked for before the
+projections that do not need them (routed_down, the shared experts) run; then whatever has arrived is
+fetched and computed, and when nothing has, the next expert alone is waited for; results equal a
+source that reads nothing ahead, bit for bit, in any arrival order and at any cache size."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import k3stream
@@ -11,23 +13,44 @@ from k3stream.model.experts import GGUFExpertSource
 from source_helpers import RecordingSource
 
 
-class ReadingAheadSource(RecordingSource):
+class ArrivingSource(RecordingSource):
+    """Reads ahead; of the experts read ahead, `ready` reports those whose id is congruent to the
+    number of fetches so far (mod `spread`), so arrivals come in an order unlike pack order."""
+
     reads_ahead = True
+
+    def __init__(self, inner: GGUFExpertSource, spread: int, slots: int | None) -> None:
+        super().__init__(inner)
+        self.spread = spread
+        self.max_experts_per_fetch = slots
+        self.read: set[tuple[int, int]] = set()
 
     def read_ahead(self, layer: int, expert_ids: list[int]) -> None:
         self.calls.append(("read_ahead", layer, list(expert_ids)))
+        self.read.update((layer, expert) for expert in expert_ids)
+
+    def ready(self, layer: int, expert_ids: list[int]) -> list[int]:
+        fetches = sum(call == "fetch" for call, _, _ in self.calls)
+        return [e for e in expert_ids if (layer, e) in self.read and e % self.spread == fetches % self.spread]
 
 
-def test_the_first_part_is_read_ahead_before_the_projections_and_results_do_not_change(tiny_model):
+@pytest.mark.parametrize(("spread", "slots"), [(1, None), (3, None), (2, 6)])
+def test_experts_are_computed_as_they_arrive_and_results_do_not_change(tiny_model, spread, slots):
     path = tiny_model(n_layers=4, n_experts=32, top_k=4, seed=8)
     plain = k3stream.load(path)
-    source = ReadingAheadSource(GGUFExpertSource(plain.expert_source.checkpoint))
+    source = ArrivingSource(GGUFExpertSource(plain.expert_source.checkpoint), spread, slots)
     model = k3stream.load(path, expert_source=source, prefetch=False)
     tokens = list(range(3, 40))
     assert torch.equal(model.logits(tokens), plain.logits(tokens))
+    window = slots // 2 if slots else None
     for layer in sorted({layer for _, layer, _ in source.calls}):
         calls = [(call, experts) for call, at, experts in source.calls if at == layer]
-        (first_call, first_ids), (second_call, second_ids) = calls[:2]
-        assert (first_call, second_call) == ("read_ahead", "fetch") and first_ids == second_ids
+        first_call, first_ids = calls[0]
+        assert first_call == "read_ahead" and first_ids == sorted(first_ids)
+        assert len(first_ids) == (window or len(first_ids)) and calls[1][0] == "fetch"
+        read = [expert for call, experts in calls if call == "read_ahead" for expert in experts]
         fetched = [expert for call, experts in calls if call == "fetch" for expert in experts]
-        assert len(calls) > 3 and fetched == sorted(set(fetched))  # in parts, each expert once, in order
+        assert sorted(fetched) == sorted(read) == sorted(set(read))  # each read ahead once, fetched once
+        assert all(len(experts) <= (slots or len(read)) for call, experts in calls if call == "fetch")
+        if spread > 1:
+            assert fetched != sorted(fetched)  # computed in the order they arrived, not pack order

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -63,19 +63,19 @@ class PrefetchGate:
     def __init__(self, store: ExpertStore, fail: bool = False) -> None:
         self.reached = threading.Event()
         self._open = threading.Event()
-        read = store._file.read
+        read_each = store._file.read_each
         end = os.path.getsize(store._file.path)
 
-        def gated_read(requests: list[ReadRequest], background: bool = False) -> None:
+        def gated_read_each(requests: list[ReadRequest], background: bool = False) -> Iterator[ReadRequest]:
             if background:
                 self.reached.set()
                 if not self._open.wait(DEADLINE_S):
                     raise TimeoutError("the test never opened the prefetch gate")
-                if fail:
+                if fail:  # fails on the first request, before yielding any
                     requests = [dataclasses.replace(request, offset=end) for request in requests]
-            read(requests, background)
+            yield from read_each(requests, background)
 
-        store._file.read = gated_read
+        store._file.read_each = gated_read_each
 
     def open(self) -> None:
         self._open.set()

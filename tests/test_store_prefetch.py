@@ -82,9 +82,14 @@ def test_wrong_hints_stop_after_the_warm_up_and_cost_about_no_reads(pack):
     assert off["prefetch_requests"] == off["prefetch_loads"] == 0
     layers = adaptive["prefetch_layers"].values()
     assert all(layer["precision"] < PREFETCH_MIN_PRECISION and not layer["active"] for layer in layers)
-    # warm-up: precision DECAY^n after n wrong hints turns a layer off once it falls below the
+
+    # warm-up: after n wrong hints of top_k experts a layer's precision is its prior (one right hint
+    # of top_k) decayed n times over that plus the decayed wrong ones; it turns off below the
     # threshold (a hinted expert still resident from an earlier wrong hint is not read again)
-    hints_before_off = next(n for n in range(1, 50) if PREFETCH_DECAY**n < PREFETCH_MIN_PRECISION)
+    def precision_after(n: int) -> float:
+        return PREFETCH_DECAY**n / (PREFETCH_DECAY**n + sum(PREFETCH_DECAY**i for i in range(n)))
+
+    hints_before_off = next(n for n in range(1, 50) if precision_after(n) < PREFETCH_MIN_PRECISION)
     warm_up = hints_before_off * pack.top_k * len(pack.moe_layers)
     assert 0 < adaptive["prefetch_loads"] <= warm_up
     assert adaptive["prefetch_hits"] == adaptive["prefetch_waits"] == 0

@@ -31,7 +31,7 @@ class ExpertSource(Protocol):
     ignores hints; a source subclasses this protocol to inherit them."""
 
     prefetches: bool = False  # whether `prefetch` does anything (else the model predicts nothing)
-    reads_ahead: bool = False  # whether `read_ahead` does anything (else a step is fetched whole)
+    reads_ahead: bool = False  # whether `read_ahead` does anything (and `ready` may leave some out)
     max_experts_per_fetch: int | None = None  # distinct experts one fetch may ask for; None: any
 
     def fetch(self, layer: int, expert_ids: list[int]) -> dict[int, ExpertWeights]:
@@ -43,5 +43,11 @@ class ExpertSource(Protocol):
         return None
 
     def read_ahead(self, layer: int, expert_ids: list[int]) -> None:
-        """These experts of `layer` are the caller's next fetch (the rest of a step it fetches in parts)."""
+        """These experts of `layer` are the caller's next fetches (the step it is computing): load
+        them in the background, one after another, in this order."""
         return None
+
+    def ready(self, layer: int, expert_ids: list[int]) -> list[int]:
+        """Those of `expert_ids` a fetch would serve now, without waiting for a read (in the given
+        order); a source that reads nothing in the background has them all."""
+        return list(expert_ids)

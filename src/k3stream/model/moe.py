@@ -11,8 +11,9 @@ from k3stream.experts import ExpertSource
 from k3stream.model.layers import Linear, rms_norm, situ
 from k3stream.quant.kernels import expert_mlp
 
-# a step of at least twice this many experts is fetched in parts, the next part read while one computes
-READ_AHEAD_MIN_EXPERTS = 4
+# a step is computed in about this many groups at least: each waits only for what has not arrived
+# yet, and a smaller group costs a kernel call and a fetch (prefill steps have hundreds of experts)
+GROUPS_PER_STEP = 8
 # llama.cpp clamps the sum of the chosen weights from below before renormalising
 MIN_WEIGHT_SUM = 6.103515625e-5
 
@@ -98,9 +99,9 @@ class LatentMoE:
         """h [N, E] -> [N, E]; the union of the experts all rows chose, fetched once each."""
         chosen, weights = self.routing.choose(self.w.router, self.w.correction_bias, h)
         self.chosen = chosen  # the step's choices [N, k], for whoever scores predictions of them
-        if self.source.reads_ahead:  # the first part is read while the projections below compute
+        if self.source.reads_ahead:  # the first window is read while the projections below compute
             ids = np.unique(chosen.flatten().cpu().numpy())
-            self.source.read_ahead(self.layer, ids[: self._fetch_group(len(ids), True)].tolist())
+            self.source.read_ahead(self.layer, ids[: self._read_window(len(ids))].tolist())
         latent = self.w.routed_down(h).float()
         shared = self.w.shared(h).float() if self.w.shared is not None else None
         pair_outputs = self.routed_pairs(latent, chosen)
@@ -113,45 +114,65 @@ class LatentMoE:
     def _routed_pairs(self, latent: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """The expert output of every (row, choice) pair, [N * k, latent].
 
-        Pairs are sorted by expert; a cache smaller than one step's union serves it in groups of
-        `max_experts_per_fetch`. A pair's output depends only on its row and its expert (the kernel
-        computes each output on its own), so a streamed run equals an all-resident run bit for bit
-        at any cache size.
+        The step's experts are fetched in groups of at most `max_experts_per_fetch`: from a source
+        that reads ahead, whichever have arrived (waiting, when none has, for the next in pack order
+        only), so each expert is computed as soon as it is read. A pair's output depends only on its
+        row and its expert (the kernel computes each output on its own), so a streamed run equals an
+        all-resident run bit for bit at any cache size and in any arrival order.
         """
         pair_experts = chosen.flatten().cpu().numpy()  # tiny index arrays: numpy is cheaper here
         order = np.argsort(pair_experts, kind="stable")
         ids, counts = np.unique(pair_experts, return_counts=True)  # sorted, as `order` is
         bounds = np.concatenate([[0], np.cumsum(counts)])
-        rows = torch.from_numpy(order // chosen.shape[1])
-        reads_ahead = self.source.reads_ahead
-        group = self._fetch_group(len(ids), reads_ahead)
-        sorted_outputs = latent.new_empty(len(pair_experts), latent.shape[1])
-        for start in range(0, len(ids), group):
-            chunk = ids[start : start + group].tolist()
-            experts = self.source.fetch(self.layer, chunk)
-            if reads_ahead and start + group < len(ids):  # read the next part meanwhile
-                self.source.read_ahead(self.layer, ids[start + group : start + 2 * group].tolist())
-            first, last = int(bounds[start]), int(bounds[start + len(chunk)])
-            sorted_outputs[first:last] = expert_mlp(
+        position = {int(expert): i for i, expert in enumerate(ids)}
+        window = self._read_window(len(ids))
+        read = window if self.source.reads_ahead else len(ids)  # __call__ read the first window ahead
+        pending = ids.tolist()  # in pack order
+        outputs = latent.new_empty(len(pair_experts), latent.shape[1])
+        done: list[np.ndarray] = []  # the pairs computed so far, in the order of `outputs`
+        while pending:
+            group = self._next_group(pending, int(ids[read - 1]), -(-len(ids) // GROUPS_PER_STEP))
+            experts = self.source.fetch(self.layer, group)
+            pending = [expert for expert in pending if expert not in experts]
+            computed = len(ids) - len(pending)
+            if self.source.reads_ahead and read < min(len(ids), computed + window):
+                self.source.read_ahead(self.layer, ids[read : computed + window].tolist())
+                read = min(len(ids), computed + window)
+            pairs = np.concatenate([order[bounds[position[e]] : bounds[position[e] + 1]] for e in group])
+            first = sum(len(piece) for piece in done)
+            outputs[first : first + len(pairs)] = expert_mlp(
                 latent,
-                [experts[e] for e in chunk],
-                torch.from_numpy(bounds[start : start + len(chunk) + 1] - first),
-                rows[first:last],
+                [experts[e] for e in group],
+                torch.from_numpy(np.concatenate([[0], np.cumsum(counts[[position[e] for e in group]])])),
+                torch.from_numpy(pairs // chosen.shape[1]),
                 self._activation,
                 self.match_ggml,
                 self.backend,
             )
-        pair_outputs = torch.empty_like(sorted_outputs)
-        pair_outputs[torch.from_numpy(order).to(latent.device)] = sorted_outputs
+            done.append(pairs)
+        pair_outputs = torch.empty_like(outputs)
+        pair_outputs[torch.from_numpy(np.concatenate(done)).to(latent.device)] = outputs
         return pair_outputs
 
-    def _fetch_group(self, count: int, reads_ahead: bool) -> int:
-        """Experts per fetch: what the cache can hold; a source that reads ahead (the store) gets the
-        step in parts of at most half that, so the next part is read while this one is computed."""
+    def _read_window(self, count: int) -> int:
+        """Experts read ahead of the computing: the whole step, up to half the cache's slots (so
+        what is computed and what is read both fit)."""
         slots = self.source.max_experts_per_fetch or count
-        if not reads_ahead or count < 2 * READ_AHEAD_MIN_EXPERTS:
-            return slots
-        return max(READ_AHEAD_MIN_EXPERTS, min(slots // 2, -(-count // 4)))
+        return min(count, max(1, slots // 2))
+
+    def _next_group(self, pending: list[int], last_read: int, least: int) -> list[int]:
+        """The next fetch, at most a cache's worth of `pending`: in pack order from a source that reads
+        nothing ahead; else what has arrived of the experts read ahead (up to `last_read`), topped up
+        in pack order to `least` (the wait for those is the only stall)."""
+        slots = self.source.max_experts_per_fetch or len(pending)
+        if not self.source.reads_ahead:
+            return pending[:slots]
+        asked = [expert for expert in pending if expert <= last_read]
+        group = self.source.ready(self.layer, asked)[:slots]
+        if len(group) < least:
+            arrived = set(group)
+            group += [expert for expert in asked if expert not in arrived][: min(least, slots) - len(group)]
+        return group or asked[:1]
 
     def _activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return situ(gate, up, self.beta, self.linear_beta)

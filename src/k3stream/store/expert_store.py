@@ -113,7 +113,7 @@ class ExpertStore:
         self._slot_freed = threading.Condition(self._lock)
         self._closed = False
         self._pins = StepPins(self._slot_freed)
-        self._hints = HintScores(layers, adaptive=prefetch and adaptive_prefetch)
+        self._hints = HintScores(layers, adaptive=prefetch and adaptive_prefetch, prior=self.top_k)
         self._live = LiveBuffers()
         self._counts = Counter(fetches=0, fetch_ns=0, tokens=0, prefetch_requests=0, read_ahead=0)
         self._file: PackFile | None = None
@@ -212,8 +212,10 @@ class ExpertStore:
                 self._prefetcher.submit(self._prefetch_job, keys, self._hints.serial(layer))
 
     def read_ahead(self, layer: int, expert_ids: Iterable[int]) -> None:
-        """Start loading experts the caller is sure to fetch next (the rest of a step it fetches in
-        parts): like `prefetch`, but never scored or suppressed, since it is not a prediction."""
+        """Start loading experts the caller is sure to fetch next (the step it is computing), each
+        ready as soon as it is read (in this order): like `prefetch`, but never
+        scored, suppressed, dropped as stale or held to the speculative share (it is no prediction);
+        what is loaded keeps the others from eviction."""
         if self._prefetcher is None:
             return
         keys = self._keys(layer, expert_ids)
@@ -222,7 +224,14 @@ class ExpertStore:
                 return
             self._counts["read_ahead"] += len(keys)
             self._compute.read_ahead(keys)
-            self._prefetcher.submit(self._prefetch_job, keys, self._hints.serial(layer))
+            missing = self._compute.missing(keys)
+            if missing:
+                self._prefetcher.submit(self._read_ahead_job, missing, frozenset(keys))
+
+    def ready(self, layer: int, expert_ids: Iterable[int]) -> list[int]:
+        """Those of `expert_ids` resident in the compute tier (a fetch of them waits for no read)."""
+        with self._lock:
+            return [expert for expert in expert_ids if (layer, expert) in self._compute.buffers]
 
     def release(self) -> None:
         """Unpin the experts of the calling thread's latest fetch (a thread that is done with the store)."""
@@ -233,6 +242,7 @@ class ExpertStore:
         """The engine finished a step that produced `n_tokens` tokens (for bytes per token)."""
         with self._lock:
             self._counts["tokens"] += int(n_tokens)
+            self._hints.step_over()
             if self._trace is not None and not self._closed:
                 self._trace.end_token(n_tokens)
 
@@ -251,6 +261,10 @@ class ExpertStore:
                 return
         with contextlib.suppress(OSError):  # a hint only: the demand fetch reads again and reports it
             self._loader.ensure(self._compute, keys, demand=False, keep=False)
+
+    def _read_ahead_job(self, keys: list[Key], step: frozenset[Key]) -> None:
+        with contextlib.suppress(OSError):  # the fetch that follows reads again and reports it
+            self._loader.ensure(self._compute, keys, demand=False, keep=False, certain=step)
 
     # ---- handing out ----------------------------------------------------------------------------
 

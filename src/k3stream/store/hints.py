@@ -1,11 +1,14 @@
 """Which prefetch hints the store loads: adaptive scoring of each MoE layer's hints.
 
 The experts of every hint that the compute tier lacks (what the hint would read) are scored against
-the next fetch of their layer, whether the hint was issued or not, as an exponentially decayed
-precision per layer; with `adaptive`, a layer's hints are issued only while that precision is at least
-PREFETCH_MIN_PRECISION. Scoring suppressed hints too is the probe: a layer whose predictions improve
-gets prefetch back without spending reads on it. Hints are kept per layer, not per thread: a hint is
-scored by whichever fetch of its layer comes next. A layer starts trusted (1.0).
+the experts its layer's fetches ask for until the layer's next hint or the end of the step (a step is
+fetched in several parts), whether the hint was issued or not. A layer's precision is its right
+experts over its hinted experts, both sums decayed per hint, so a prefill hint of hundreds of experts
+weighs more than a decode hint of a few; with `adaptive`, a layer's hints are issued only while that
+precision is at least PREFETCH_MIN_PRECISION. Scoring suppressed hints too is the probe: a layer
+whose predictions improve gets prefetch back without spending reads on it. Hints are kept per layer,
+not per thread: a hint is scored by whichever fetches of its layer come next. A layer starts trusted,
+as if one right hint of `prior` experts had been scored.
 
 Each layer's fetches are numbered too: a hint queued before a fetch of its layer is stale when it runs.
 Every method runs under the store's lock.
@@ -21,14 +24,17 @@ from typing import Any
 # spends (1 - p) of its reads on experts nobody uses (beyond memory, prefill hints at ~50% precision
 # ran prefill at 6.5-7.5 tok/s, off at 11.9; this threshold: 10.2-10.7)
 PREFETCH_MIN_PRECISION = 0.75
-PREFETCH_DECAY = 0.75  # the weight of a layer's past hints: a wrong layer turns off after 2 fetches
+PREFETCH_DECAY = 0.75  # the weight of a layer's past hints
 
 
 class HintScores:
-    def __init__(self, layers: Iterable[int], adaptive: bool) -> None:
+    def __init__(self, layers: Iterable[int], adaptive: bool, prior: int) -> None:
         self.adaptive = adaptive
         self.precision = {layer: 1.0 for layer in layers}
-        self._pending: dict[int, set[int]] = {}
+        # per layer: the decayed sums of right and of hinted experts
+        self._sums = {layer: [float(prior), float(prior)] for layer in self.precision}
+        self._pending: dict[int, set[int]] = {}  # each layer's hinted experts, not yet scored
+        self._asked: dict[int, set[int]] = {}  # what its fetches asked for since
         self._fetches: Counter[int] = Counter()
         self.counts = Counter(prefetch_stale=0, prefetch_suppressed=0)
 
@@ -37,21 +43,37 @@ class HintScores:
         return not self.adaptive or self.precision[layer] >= PREFETCH_MIN_PRECISION
 
     def fetched(self, layer: int, experts: list[int]) -> None:
-        """A fetch of `layer` asked for `experts`: score the layer's pending hint and number the fetch."""
+        """A fetch of `layer` asked for `experts`: kept for scoring the layer's pending hint; numbered."""
         self._fetches[layer] += 1
-        hinted = self._pending.pop(layer, None)
-        if hinted:
-            right = len(hinted.intersection(experts)) / len(hinted)
-            self.precision[layer] = PREFETCH_DECAY * self.precision[layer] + (1 - PREFETCH_DECAY) * right
+        if layer in self._pending:
+            self._asked.setdefault(layer, set()).update(experts)
 
     def hinted(self, layer: int, requested: int, absent: list[int]) -> bool:
         """A hint of `requested` experts, `absent` of them not in the compute tier: remember those for
         scoring; returns whether to load the hint (else it is counted as suppressed)."""
+        self._score(layer)
         self._pending.setdefault(layer, set()).update(absent)
         if self.active(layer):
             return True
         self.counts["prefetch_suppressed"] += requested
         return False
+
+    def step_over(self) -> None:
+        """A step ended: score every hint whose layer was fetched."""
+        for layer in list(self._asked):
+            self._score(layer)
+
+    def _score(self, layer: int) -> None:
+        """Score `layer`'s pending hint against what its fetches asked for, if any fetch has."""
+        asked = self._asked.pop(layer, None)
+        if asked is None:
+            return
+        hinted = self._pending.pop(layer)
+        if hinted:
+            sums = self._sums[layer]
+            sums[0] = PREFETCH_DECAY * sums[0] + len(hinted & asked)
+            sums[1] = PREFETCH_DECAY * sums[1] + len(hinted)
+            self.precision[layer] = sums[0] / sums[1]
 
     def serial(self, layer: int) -> int:
         """The number of `layer`'s fetches so far: a queued load checks it with `stale`."""

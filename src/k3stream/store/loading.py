@@ -14,10 +14,11 @@ prefetch could not fit in the tier below is read from the pack straight through.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import Any
 
 import torch
 
@@ -47,9 +48,12 @@ class Loader:
         self.top_k = top_k
         self.counts = Counter(slot_waits=0, prefetch_skipped=0)
 
-    def ensure(self, tier: Tier, keys: list[Key], demand: bool, keep: bool) -> dict[Key, torch.Tensor]:
+    def ensure(
+        self, tier: Tier, keys: list[Key], demand: bool, keep: bool, certain: frozenset[Key] = frozenset()
+    ) -> dict[Key, torch.Tensor]:
         """Make `keys` resident in `tier`; return their buffers when `keep` (a prefetch skips what does
-        not fit, so it may return fewer)."""
+        not fit, so it may return fewer). A prefetch within `certain` (a read-ahead of the keys a fetch
+        will ask for) is not held to the speculative share and evicts none of them."""
         if demand:
             with self.lock:
                 for key in keys:
@@ -57,7 +61,7 @@ class Loader:
         found: dict[Key, torch.Tensor] = {}
         while keys:
             with self.lock:
-                resident, waits, mine = self._plan(tier, keys, demand, keep)
+                resident, waits, mine = self._plan(tier, keys, demand, keep, certain)
             found.update(resident)
             if mine:
                 found.update(self._load(tier, mine, demand, keep))
@@ -72,7 +76,7 @@ class Loader:
         return found
 
     def _plan(
-        self, tier: Tier, keys: list[Key], demand: bool, keep: bool
+        self, tier: Tier, keys: list[Key], demand: bool, keep: bool, certain: frozenset[Key]
     ) -> tuple[dict[Key, torch.Tensor], dict[Key, tuple[Future, bool]], list[Key]]:
         """Under the lock: (resident buffers when `keep`, {key: (load to wait for, whether a prefetch
         runs it)}, keys whose slots this call reserved and must load)."""
@@ -83,7 +87,7 @@ class Loader:
                 tier.reserve(key, self.pins)
         else:
             waits = {}
-            missing = self._reserve_what_fits(tier, tier.missing(keys), set(self.pins) | set(keys))
+            missing = self._reserve_what_fits(tier, tier.missing(keys), set(self.pins) | set(keys), certain)
         resident = {key: tier.buffers[key] for key in keys if key in tier.buffers} if keep else {}
         return resident, waits, missing
 
@@ -102,13 +106,17 @@ class Loader:
                 )
         return missing
 
-    def _reserve_what_fits(self, tier: Tier, keys: list[Key], pinned: set[Key]) -> list[Key]:
-        """Under the lock: reserve the slots of the keys of a prefetch that fit within the tier's share
-        for speculation; skip the rest."""
+    def _reserve_what_fits(
+        self, tier: Tier, keys: list[Key], pinned: set[Key], certain: frozenset[Key]
+    ) -> list[Key]:
+        """Under the lock: reserve the slots of the keys of a prefetch that fit (within the tier's share
+        for speculation, unless `certain`); skip the rest."""
         reserved = []
         share = max(self.top_k, int(tier.cache.capacity * SPECULATIVE_SHARE))
+        pinned = pinned | certain
         for key in keys:
-            if tier.speculative() >= share or not tier.cache.has_room_without(pinned):
+            speculative = key not in certain and tier.speculative() >= share
+            if speculative or not tier.cache.has_room_without(pinned):
                 self.counts["prefetch_skipped"] += 1
                 continue
             tier.reserve(key, pinned, prefetch=True)
@@ -116,44 +124,38 @@ class Loader:
         return reserved
 
     def _load(self, tier: Tier, keys: list[Key], demand: bool, keep: bool) -> dict[Key, torch.Tensor]:
-        """Fill the reserved slots of `keys` (outside the lock); on failure give the slots back."""
+        """Fill the reserved slots of `keys` (outside the lock), each as soon as it arrives, so a fetch
+        waiting for one need not wait for the others; on failure give the slots not filled back."""
+        installed: dict[Key, torch.Tensor] = {}
+        pending = list(keys)
         try:
-            loaded = self._from_below(tier, keys, demand)
+            with contextlib.closing(self._from_below(tier, keys, demand)) as arrivals:
+                for key, host in arrivals:
+                    buffer, ready = tier.place(host)
+                    del host
+                    with self.lock:
+                        tier.install(key, buffer, ready)
+                        if keep:
+                            installed[key] = buffer
+                        pending.remove(key)
+                        self.slot_freed.notify_all()
+                    # a prefetch keeps no reference once the lock is released, so an eviction right
+                    # after frees the buffer at once and live expert bytes stay within the budget
+                    del buffer
         except BaseException as exc:
             with self.lock:
-                for key in keys:
+                for key in pending:
                     tier.cancel(key, exc)
                 self.slot_freed.notify_all()
             raise
-        with self.lock:
-            installed = self._install(tier, loaded, keep)
-            self.slot_freed.notify_all()
         return installed
 
-    def _from_below(self, tier: Tier, keys: list[Key], demand: bool) -> dict[Key, tuple[torch.Tensor, Any]]:
-        """`keys` from the tier below `tier` (or the pack), placed on `tier`'s device: {key: (buffer,
-        ready event)} in the order of `keys`."""
+    def _from_below(self, tier: Tier, keys: list[Key], demand: bool) -> Iterator[tuple[Key, torch.Tensor]]:
+        """`keys`' host buffers from the tier below `tier` (or the pack), in the order of `keys`."""
         if tier.below is None:
-            hosts = self.reader.read(keys, demand)
-        else:
-            hosts = self.ensure(tier.below, keys, demand, keep=True)
-            hosts.update(self.reader.read([key for key in keys if key not in hosts], demand))
-        return {key: tier.place(hosts.pop(key)) for key in keys}
-
-    @staticmethod
-    def _install(
-        tier: Tier, loaded: dict[Key, tuple[torch.Tensor, Any]], keep: bool
-    ) -> dict[Key, torch.Tensor]:
-        """Under the lock: move `loaded` (emptied) into `tier`; the buffers too when `keep`.
-
-        A prefetch keeps no reference once the lock is released, so an eviction right after frees
-        the buffer at once and live expert bytes stay within the budget.
-        """
-        kept = {}
-        while loaded:
-            key = next(iter(loaded))  # in request order, as the simulator admits them
-            buffer, ready = loaded.pop(key)
-            tier.install(key, buffer, ready)
-            if keep:
-                kept[key] = buffer
-        return kept
+            yield from self.reader.read_each(keys, demand)
+            return
+        hosts = self.ensure(tier.below, keys, demand, keep=True)
+        hosts.update(self.reader.read([key for key in keys if key not in hosts], demand))
+        for key in keys:
+            yield key, hosts.pop(key)

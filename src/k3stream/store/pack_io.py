@@ -16,7 +16,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,41 +175,69 @@ class PackFile:
     def read(self, requests: list[ReadRequest], background: bool = False) -> None:
         """Read every request, all ranges in parallel; raises OSError naming the pack and object,
         RuntimeError once closed."""
+        for _ in self.read_each(requests, background):
+            pass
+
+    def read_each(self, requests: list[ReadRequest], background: bool = False) -> Iterator[ReadRequest]:
+        """`read`, yielding each request, in the given order, as soon as its bytes are in. The ranges
+        are queued in pack order, so the disk sees one forward sweep; when this ends (consumed, failed
+        or closed early) no read of its requests is still running."""
         with self._readers:
             if self._closed:
                 raise RuntimeError(f"expert-pack file {self.path} is closed")
             self._active_reads += 1
         try:
-            self._read_all(requests, background)
+            yield from self._read_each(requests, background)
         finally:
             with self._readers:
                 self._active_reads -= 1
                 self._readers.notify_all()
 
-    def _read_all(self, requests: list[ReadRequest], background: bool) -> None:
+    def _read_each(self, requests: list[ReadRequest], background: bool) -> Iterator[ReadRequest]:
         started = time.perf_counter_ns()
+        jobs = self._submit(requests, background)
+        failure = None
+        try:
+            for request in requests:
+                failure = self._failure(request, jobs[id(request)])
+                if failure is not None:
+                    break
+                yield request
+        finally:
+            futures.wait([job for pieces in jobs.values() for job in pieces])
+            self._count(requests, failure, time.perf_counter_ns() - started)
+        if failure is not None:
+            raise failure
+
+    def _submit(self, requests: list[ReadRequest], background: bool) -> dict[int, list[Future]]:
+        """Queue every range of `requests` in pack order: {id(request): its ranges' futures}."""
         parts = [
             (request, start, length)
-            for request in requests
+            for request in sorted(requests, key=lambda request: request.offset)
             for start, length in split_ranges(request.nbytes, self.read_splits)
         ]
-        if len(parts) == 1:  # one small object: read it here, no hand-off
-            jobs = [(parts[0][0], self._pool.run_here(self._read_range, *parts[0]))]
-        else:
-            jobs = [
-                (request, self._pool.submit(int(background), self._read_range, request, start, length))
-                for request, start, length in parts
-            ]
-        failure = None
-        for request, job in jobs:
+        jobs: dict[int, list[Future]] = {id(request): [] for request in requests}
+        for part in parts:
+            if len(parts) == 1:  # one small object: read it here, no hand-off
+                job = self._pool.run_here(self._read_range, *part)
+            else:
+                job = self._pool.submit(int(background), self._read_range, *part)
+            jobs[id(part[0])].append(job)
+        return jobs
+
+    def _failure(self, request: ReadRequest, jobs: list[Future]) -> OSError | None:
+        """Wait for `request`'s ranges: None, or the error naming the pack and object."""
+        for job in jobs:
             try:
                 job.result()
             except OSError as exc:
-                failure = failure or OSError(
+                return OSError(
                     exc.errno,
                     f"expert-pack read failed for {request.label} in {self.path}: {exc.strerror or exc}",
                 )
-        elapsed = time.perf_counter_ns() - started
+        return None
+
+    def _count(self, requests: list[ReadRequest], failure: OSError | None, elapsed: int) -> None:
         with self._stats_lock:
             if failure is not None:
                 self.stats["io_errors"] += 1
@@ -216,8 +245,6 @@ class PackFile:
                 self.stats["pack_reads"] += len(requests)
                 self.stats["pack_read_bytes"] += sum(request.nbytes for request in requests)
                 self.stats["pack_read_ns"] += elapsed
-        if failure is not None:
-            raise failure
 
     def _read_range(self, request: ReadRequest, start: int, length: int) -> None:
         if self.simulated_read_latency_us:

@@ -7,9 +7,11 @@ back and it is never cached.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,22 +33,28 @@ class ObjectReader:
         self.counts = Counter(integrity_errors=0, integrity_check_ns=0)
 
     def read(self, keys: list[Key], demand: bool) -> dict[Key, torch.Tensor]:
-        """Read whole objects into fresh host buffers (a prefetch's on the background pool).
+        """Read whole objects into fresh host buffers (a prefetch's on the background pool)."""
+        return dict(self.read_each(keys, demand))
+
+    def read_each(self, keys: list[Key], demand: bool) -> Iterator[tuple[Key, torch.Tensor]]:
+        """`read`, yielding each (key, buffer) in the order of `keys` as soon as it is read and checked.
 
         The reads are queued in pack order, so the disk sees a step's reads as one forward sweep; the
-        buffers keep the requested order (the order the tiers admit them, which the policies see)."""
-        buffers, requests = {}, []
+        buffers come in the requested order (the order the tiers admit them, which the policies see)."""
+        buffers, requests = {}, {}
         for key in keys:
             offset, nbytes = self.pack.object_range(*key)
             destination = host_buffer(nbytes, self.file.direct_io)
             array = destination[:nbytes]
             self._live.track(array)
             buffers[key] = torch.from_numpy(array)
-            requests.append(ReadRequest(f"layer {key[0]} expert {key[1]}", offset, nbytes, destination))
-        if requests:
-            self.file.read(sorted(requests, key=lambda request: request.offset), background=not demand)
-            self._check(buffers)
-        return buffers
+            requests[key] = ReadRequest(f"layer {key[0]} expert {key[1]}", offset, nbytes, destination)
+        keys_of = {id(request): key for key, request in requests.items()}
+        with contextlib.closing(self.file.read_each(list(requests.values()), background=not demand)) as reads:
+            for request in reads:
+                key = keys_of[id(request)]
+                self._check({key: buffers[key]})
+                yield key, buffers.pop(key)
 
     def _check(self, buffers: dict[Key, torch.Tensor]) -> None:
         if not self.integrity_checked:
