@@ -64,33 +64,37 @@ def test_streamed_prefill_equals_all_resident_bit_for_bit(streamed_model, extra_
     assert (evictions > 0) == (slots < every_expert)  # the small caches really were too small
 
 
-def test_expert_bytes_stay_within_the_ram_budget(streamed_model):
-    gguf_path, pack, reference, _ = streamed_model
-    limit = (pack.top_k + 3) * pack.object_bytes
-    with ExpertStore(pack, ram_mib=limit / MIB, prefetch=True) as store:
-        model = k3stream.load(gguf_path, expert_source=store)
-        state = model.new_state()
-        for position, token in enumerate(TOKENS):
-            logits = model.decode(state, token)
-            store.end_token(1)
-            assert torch.equal(logits, reference[position])
-            assert store.resident_bytes()["ram"] <= limit  # the store's accounting
-            assert store.live_host_bytes() <= limit  # every expert buffer still alive anywhere
+@pytest.mark.parametrize("hints", [False, True])
+@pytest.mark.parametrize(
+    ("extra_slots", "policy"), [(0, "cycle"), (3, "lru"), (9, "lfu-lru"), (None, "cycle")]
+)
+def test_a_prefill_reads_each_expert_once_per_layer_in_pack_order(streamed_model, extra_slots, policy, hints):
+    """With read-ahead on, at caches smaller than a step's union too: every expert a layer's step needs
+    is read from the pack once, each read queued in pack order. With prefetch hints on, an expert is
+    read again only after a hint's read of it was evicted unused (a small cache gives the step's own
+    reads priority over predictions)."""
+    gguf_path, pack, _, reference = streamed_model
+    every_expert = len(pack.moe_layers) * pack.num_experts
+    slots = every_expert if extra_slots is None else pack.top_k + extra_slots
+    with ExpertStore(pack, ram_mib=slots * pack.object_bytes / MIB, policy=policy) as store:
+        model = k3stream.load(gguf_path, expert_source=store, prefetch=hints)
+        reads: list[list[tuple[int, int]]] = []
+        read_each = store._reader.read_each
+
+        def recorded(keys, demand):
+            reads.append(list(keys))
+            return read_each(keys, demand)
+
+        store._reader.read_each = recorded
+        logits = model.logits(TOKENS)
         stats = store.stats()
-    assert stats["tokens"] == len(TOKENS)
-    assert stats["tiers"]["ram"]["cache_evictions"] > 0  # the budget was binding
-
-
-def test_quantized_experts_stream_bit_for_bit_at_the_smallest_budget(tiny_model, tmp_path):
-    """Q2_K/Q3_K experts (objects with padding between roles) through the smallest legal cache."""
-    gguf_path = tiny_model(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32)
-    result = build_pack(gguf_path, tmp_path / "q.pack", tmp_path / "q.manifest.json")
-    pack = ExpertPack(result.manifest)
-    tokens = TOKENS[:4]
-    resident = k3stream.load(gguf_path)
-    state = resident.new_state()
-    reference = torch.stack([resident.decode(state, token) for token in tokens])
-    with ExpertStore(pack, ram_mib=pack.top_k * pack.object_bytes / MIB, policy="cycle") as store:
-        model = k3stream.load(gguf_path, expert_source=store)
-        state = model.new_state()
-        assert torch.equal(torch.stack([model.decode(state, token) for token in tokens]), reference)
+    assert torch.equal(logits, reference)
+    assert all(keys == sorted(keys) for keys in reads)  # each read queued in pack order
+    read_keys = [key for keys in reads for key in keys]
+    moe = [layer.ffn for layer in model.layers if layer.index in pack.moe_layers]
+    used = {(ffn.layer, int(expert)) for ffn in moe for expert in ffn.chosen.unique()}
+    assert used <= set(read_keys)
+    assert len(read_keys) - len(set(read_keys)) <= stats["prefetch_unused_evictions"]
+    assert len(set(read_keys) - used) <= stats["prefetch_loads"]  # anything else was a hint's read
+    if not hints:
+        assert len(read_keys) == len(used)

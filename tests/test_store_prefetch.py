@@ -14,6 +14,7 @@ import pytest
 from k3stream.pack.builder import build_pack
 from k3stream.pack.reader import ExpertPack
 from k3stream.store import ExpertStore
+from k3stream.store.cache import WorkingSetTooLarge
 from k3stream.store.hints import PREFETCH_DECAY, PREFETCH_MIN_PRECISION
 
 MIB = 1 << 20
@@ -157,3 +158,25 @@ def test_read_ahead_loads_the_next_part_once_and_never_counts_as_a_hint(pack):
     )
     for counter in ("prefetch_loads", "prefetch_hits", "prefetch_waits"):
         assert stats[counter] == before[counter], counter
+
+
+def test_what_a_step_reads_ahead_stays_until_it_is_fetched(pack):
+    """Experts read ahead are pinned for the reading thread: the step's other fetches cannot evict
+    them, so none is read twice; a fetch of another layer lets them go."""
+    layer, other = pack.moe_layers[0], pack.moe_layers[1]
+    k = pack.top_k
+    ahead, rest, new, later = ([*range(start, start + k)] for start in range(0, 4 * k, k))
+    with ExpertStore(pack, ram_mib=2 * k * pack.object_bytes / MIB, policy="lru") as store:
+        store.read_ahead(layer, ahead)
+        drain(store)
+        store.fetch(layer, rest)  # the cache is full
+        store.fetch(layer, new)  # only `rest` may make room: `ahead` waits for its fetch
+        reads = store.stats()["pack_reads"]
+        store.fetch(layer, ahead)
+        assert store.stats()["pack_reads"] == reads  # still resident: not read twice
+        store.read_ahead(layer, later)
+        drain(store)
+        with pytest.raises(WorkingSetTooLarge):  # `later` holds k of the 2k slots
+            store.fetch(layer, rest + new[:-1])
+        store.fetch(other, [0])  # another layer: what was read ahead for `layer` is let go
+        store.fetch(layer, rest + new[:-1])

@@ -214,8 +214,8 @@ class ExpertStore:
     def read_ahead(self, layer: int, expert_ids: Iterable[int]) -> None:
         """Start loading experts the caller is sure to fetch next (the step it is computing), each
         ready as soon as it is read (in this order): like `prefetch`, but never
-        scored, suppressed, dropped as stale or held to the speculative share (it is no prediction);
-        what is loaded keeps the others from eviction."""
+        scored, suppressed, dropped as stale or held to the speculative share (it is no prediction).
+        They stay pinned for the calling thread until it fetches them or a layer other than theirs."""
         if self._prefetcher is None:
             return
         keys = self._keys(layer, expert_ids)
@@ -224,9 +224,10 @@ class ExpertStore:
                 return
             self._counts["read_ahead"] += len(keys)
             self._compute.read_ahead(keys)
+            self._pins.pin_ahead(keys)
             missing = self._compute.missing(keys)
             if missing:
-                self._prefetcher.submit(self._read_ahead_job, missing, frozenset(keys))
+                self._prefetcher.submit(self._read_ahead_job, missing)
 
     def ready(self, layer: int, expert_ids: Iterable[int]) -> list[int]:
         """Those of `expert_ids` resident in the compute tier (a fetch of them waits for no read)."""
@@ -262,9 +263,9 @@ class ExpertStore:
         with contextlib.suppress(OSError):  # a hint only: the demand fetch reads again and reports it
             self._loader.ensure(self._compute, keys, demand=False, keep=False)
 
-    def _read_ahead_job(self, keys: list[Key], step: frozenset[Key]) -> None:
+    def _read_ahead_job(self, keys: list[Key]) -> None:
         with contextlib.suppress(OSError):  # the fetch that follows reads again and reports it
-            self._loader.ensure(self._compute, keys, demand=False, keep=False, certain=step)
+            self._loader.ensure(self._compute, keys, demand=False, keep=False, speculative=False)
 
     # ---- handing out ----------------------------------------------------------------------------
 

@@ -49,11 +49,11 @@ class Loader:
         self.counts = Counter(slot_waits=0, prefetch_skipped=0)
 
     def ensure(
-        self, tier: Tier, keys: list[Key], demand: bool, keep: bool, certain: frozenset[Key] = frozenset()
+        self, tier: Tier, keys: list[Key], demand: bool, keep: bool, speculative: bool = True
     ) -> dict[Key, torch.Tensor]:
         """Make `keys` resident in `tier`; return their buffers when `keep` (a prefetch skips what does
-        not fit, so it may return fewer). A prefetch within `certain` (a read-ahead of the keys a fetch
-        will ask for) is not held to the speculative share and evicts none of them."""
+        not fit, so it may return fewer). A prefetch that is not `speculative` (a read-ahead: keys a fetch
+        will ask for) is not held to the speculative share."""
         if demand:
             with self.lock:
                 for key in keys:
@@ -61,7 +61,7 @@ class Loader:
         found: dict[Key, torch.Tensor] = {}
         while keys:
             with self.lock:
-                resident, waits, mine = self._plan(tier, keys, demand, keep, certain)
+                resident, waits, mine = self._plan(tier, keys, demand, keep, speculative)
             found.update(resident)
             if mine:
                 found.update(self._load(tier, mine, demand, keep))
@@ -76,7 +76,7 @@ class Loader:
         return found
 
     def _plan(
-        self, tier: Tier, keys: list[Key], demand: bool, keep: bool, certain: frozenset[Key]
+        self, tier: Tier, keys: list[Key], demand: bool, keep: bool, speculative: bool
     ) -> tuple[dict[Key, torch.Tensor], dict[Key, tuple[Future, bool]], list[Key]]:
         """Under the lock: (resident buffers when `keep`, {key: (load to wait for, whether a prefetch
         runs it)}, keys whose slots this call reserved and must load)."""
@@ -87,7 +87,8 @@ class Loader:
                 tier.reserve(key, self.pins)
         else:
             waits = {}
-            missing = self._reserve_what_fits(tier, tier.missing(keys), set(self.pins) | set(keys), certain)
+            pinned = set(self.pins) | set(keys)
+            missing = self._reserve_what_fits(tier, tier.missing(keys), pinned, speculative)
         resident = {key: tier.buffers[key] for key in keys if key in tier.buffers} if keep else {}
         return resident, waits, missing
 
@@ -107,16 +108,15 @@ class Loader:
         return missing
 
     def _reserve_what_fits(
-        self, tier: Tier, keys: list[Key], pinned: set[Key], certain: frozenset[Key]
+        self, tier: Tier, keys: list[Key], pinned: set[Key], speculative: bool
     ) -> list[Key]:
-        """Under the lock: reserve the slots of the keys of a prefetch that fit (within the tier's share
-        for speculation, unless `certain`); skip the rest."""
+        """Under the lock: reserve the slots of the keys of a prefetch that fit (a `speculative` one
+        within the tier's share for speculation); skip the rest."""
         reserved = []
         share = max(self.top_k, int(tier.cache.capacity * SPECULATIVE_SHARE))
-        pinned = pinned | certain
         for key in keys:
-            speculative = key not in certain and tier.speculative() >= share
-            if speculative or not tier.cache.has_room_without(pinned):
+            over_share = speculative and tier.speculative() >= share
+            if over_share or not tier.cache.has_room_without(pinned):
                 self.counts["prefetch_skipped"] += 1
                 continue
             tier.reserve(key, pinned, prefetch=True)
