@@ -42,6 +42,8 @@ def test_bench_streams_experts_when_the_budget_is_below_the_pack(model):
     assert decode["pack_reads"] > 0
     assert decode["bytes_per_token"] == decode["pack_read_bytes"] / 6 > 0
     assert decode["read_gb_per_s"] > 0
+    # the stall (fetches waiting) next to the time reads took, per token
+    assert decode["read_ms_per_token"] > 0 and decode["fetch_wait_ms_per_token"] >= 0
     sequential = results["sequential_read"]
     assert sequential["bytes"] == os.path.getsize(results["pack"]["path"])
     assert sequential["gb_per_s"] > 0

@@ -51,6 +51,7 @@ def store_counters(store: Any) -> dict[str, Any]:
         "pack_reads": stats["pack_reads"],
         "pack_read_bytes": stats["pack_read_bytes"],
         "pack_read_ns": stats["pack_read_ns"],
+        "fetch_ns": stats["fetch_ns"],
         "integrity_check_ns": stats.get("integrity_check_ns", 0),
         "prefetch": {name: stats[f"prefetch_{name}"] for name in PREFETCH_COUNTERS},
         "tiers": {
@@ -66,9 +67,11 @@ def _tier_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]
 
 
 def store_delta(before: dict[str, Any], after: dict[str, Any], tokens: int) -> dict[str, Any]:
-    """Hit rate per tier, pack reads, bytes read per token and read GB/s between two snapshots."""
+    """Hit rate per tier, pack reads, bytes read per token, read GB/s, and per token the time fetches
+    waited (the stall) next to the time reads took, between two snapshots."""
     read_bytes = after["pack_read_bytes"] - before["pack_read_bytes"]
     read_ns = after["pack_read_ns"] - before["pack_read_ns"]
+    per_token_ms = 1e-6 / tokens if tokens else 0.0
     return {
         "tiers": {name: _tier_delta(before["tiers"][name], tier) for name, tier in after["tiers"].items()},
         "pack_reads": after["pack_reads"] - before["pack_reads"],
@@ -77,6 +80,8 @@ def store_delta(before: dict[str, Any], after: dict[str, Any], tokens: int) -> d
         "bytes_per_token": read_bytes / tokens if tokens else 0.0,
         # bytes over the time the engine waited on its reads (reads in flight together count once)
         "read_gb_per_s": read_bytes / read_ns if read_ns else 0.0,
+        "read_ms_per_token": read_ns * per_token_ms,
+        "fetch_wait_ms_per_token": (after["fetch_ns"] - before["fetch_ns"]) * per_token_ms,
         # hashing every object read (xxh3_64 against the manifest), demand and prefetch reads together
         "integrity_check_s": (after["integrity_check_ns"] - before["integrity_check_ns"]) / 1e9,
     }

@@ -153,7 +153,10 @@ def _phase_table(phases: list[dict[str, Any]]) -> list[str]:
     tiers = list(phases[0].get("tiers", {}))
     header = f"{'phase':<8} {'tokens':>6} {'tok/s':>8}" + "".join(f" {t + ' hit':>8}" for t in tiers)
     if tiers:
-        header += f" {'reads':>7} {'prefetched':>10} {'KiB/token':>10} {'read GB/s':>9}"
+        header += (
+            f" {'reads':>7} {'prefetched':>10} {'KiB/token':>10} {'read GB/s':>9}"
+            f" {'read ms/tok':>11} {'wait ms/tok':>11}"
+        )
     rows = [header]
     for phase in phases:
         row = f"{phase['phase']:<8} {phase['tokens']:>6} {phase['tokens_per_s']:>8.2f}"
@@ -162,7 +165,8 @@ def _phase_table(phases: list[dict[str, Any]]) -> list[str]:
             row += (
                 f" {phase['pack_reads']:>7} {_prefetched(phase['prefetch']):>10} "
                 f"{phase['bytes_per_token'] / 1024:>10.1f} "
-                f"{phase['read_gb_per_s']:>9.3f}"
+                f"{phase['read_gb_per_s']:>9.3f} {phase['read_ms_per_token']:>11.2f} "
+                f"{phase['fetch_wait_ms_per_token']:>11.2f}"
             )
         rows.append(row)
     return rows
