@@ -66,14 +66,14 @@ class PrefetchGate:
         read_each = store._file.read_each
         end = os.path.getsize(store._file.path)
 
-        def gated_read_each(requests: list[ReadRequest], background: bool = False) -> Iterator[ReadRequest]:
-            if background:
+        def gated_read_each(requests: list[ReadRequest], priority: int = 0) -> Iterator[ReadRequest]:
+            if priority:
                 self.reached.set()
                 if not self._open.wait(DEADLINE_S):
                     raise TimeoutError("the test never opened the prefetch gate")
                 if fail:  # fails on the first request, before yielding any
                     requests = [dataclasses.replace(request, offset=end) for request in requests]
-            yield from read_each(requests, background)
+            yield from read_each(requests, priority)
 
         store._file.read_each = gated_read_each
 

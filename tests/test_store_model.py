@@ -81,9 +81,9 @@ def test_a_prefill_reads_each_expert_once_per_layer_in_pack_order(streamed_model
         reads: list[list[tuple[int, int]]] = []
         read_each = store._reader.read_each
 
-        def recorded(keys, demand):
+        def recorded(keys, priority):
             reads.append(list(keys))
-            return read_each(keys, demand)
+            return read_each(keys, priority)
 
         store._reader.read_each = recorded
         logits = model.logits(TOKENS)

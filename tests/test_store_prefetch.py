@@ -8,6 +8,8 @@ below do not depend on thread timing.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -39,8 +41,10 @@ def routed_steps(pack: ExpertPack, experts: int) -> list[tuple[int, list[int]]]:
 
 
 def drain(store: ExpertStore) -> None:
-    if store._prefetcher is not None:
-        store._prefetcher.submit(lambda: None).result()
+    """Wait for the hints and read-ahead queued so far (a no-op job behind them on each thread)."""
+    for thread in (store._prefetcher, store._reader_ahead):
+        if thread is not None:
+            thread.submit(lambda: None).result()
 
 
 def replay(pack: ExpertPack, steps, hints, **options) -> dict:
@@ -180,3 +184,28 @@ def test_what_a_step_reads_ahead_stays_until_it_is_fetched(pack):
             store.fetch(layer, rest + new[:-1])
         store.fetch(other, [0])  # another layer: what was read ahead for `layer` is let go
         store.fetch(layer, rest + new[:-1])
+
+
+def test_read_ahead_is_not_queued_behind_hints_and_reads_before_them(pack):
+    """A step's read-ahead runs on its own thread, so a hint's long load cannot hold it up, and its pack
+    reads queue after demand reads and before hints'."""
+    layer, other = pack.moe_layers[0], pack.moe_layers[1]
+    with ExpertStore(pack, ram_mib=4 * pack.top_k * pack.object_bytes / MIB, policy="lru") as store:
+        priorities: list[tuple[int, list[tuple[int, int]]]] = []
+        read_each = store._reader.read_each
+
+        def recorded(keys, priority):
+            priorities.append((priority, list(keys)))
+            return read_each(keys, priority)
+
+        store._reader.read_each = recorded
+        held = threading.Event()
+        store._prefetcher.submit(held.wait, 10)  # a hint load that has not finished
+        store.prefetch(other, [0])
+        store.read_ahead(layer, [1, 2])
+        store._reader_ahead.submit(lambda: None).result(timeout=10)  # done while the hint waits
+        assert store.ready(layer, [0, 1, 2]) == [1, 2]
+        store.fetch(layer, [3])
+        held.set()
+        drain(store)
+    assert sorted(priorities) == [(0, [(layer, 3)]), (1, [(layer, 1), (layer, 2)]), (2, [(other, 0)])]

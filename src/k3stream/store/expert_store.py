@@ -34,7 +34,7 @@ import torch
 from k3stream.experts import ExpertMatrix, ExpertWeights
 from k3stream.store.hints import HintScores
 from k3stream.store.liveness import LiveBuffers
-from k3stream.store.loading import Loader
+from k3stream.store.loading import Load, Loader
 from k3stream.store.pack_io import PackFile
 from k3stream.store.pins import StepPins
 from k3stream.store.reader import ObjectReader
@@ -117,7 +117,8 @@ class ExpertStore:
         self._live = LiveBuffers()
         self._counts = Counter(fetches=0, fetch_ns=0, tokens=0, prefetch_requests=0, read_ahead=0)
         self._file: PackFile | None = None
-        self._prefetcher: ThreadPoolExecutor | None = None
+        self._prefetcher: ThreadPoolExecutor | None = None  # hints
+        self._reader_ahead: ThreadPoolExecutor | None = None  # read-ahead, never queued behind a hint
         self._trace: TraceWriter | None = None
         try:
             direct = _direct_io(direct_io, ram_mib, len(self.moe_layers) * self.num_experts * self.slot_bytes)
@@ -150,6 +151,7 @@ class ExpertStore:
         )
         if prefetch:
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="k3stream-prefetch")
+            self._reader_ahead = ThreadPoolExecutor(1, thread_name_prefix="k3stream-read-ahead")
         if record_trace is not None:
             self._trace = TraceWriter(
                 record_trace,
@@ -187,7 +189,7 @@ class ExpertStore:
             self._hints.fetched(layer, experts)
             if self._trace is not None:
                 self._trace.step(layer, experts)
-        buffers = self._loader.ensure(self._compute, keys, demand=True, keep=True)
+        buffers = self._loader.ensure(self._compute, keys, Load.DEMAND, keep=True)
         weights = {expert: self._weights((layer, expert), buffers[(layer, expert)]) for expert in experts}
         with self._lock:
             self._compute.fetched(keys)
@@ -216,7 +218,7 @@ class ExpertStore:
         ready as soon as it is read (in this order): like `prefetch`, but never
         scored, suppressed, dropped as stale or held to the speculative share (it is no prediction).
         They stay pinned for the calling thread until it fetches them or a layer other than theirs."""
-        if self._prefetcher is None:
+        if self._reader_ahead is None:
             return
         keys = self._keys(layer, expert_ids)
         with self._lock:
@@ -227,7 +229,7 @@ class ExpertStore:
             self._pins.pin_ahead(keys)
             missing = self._compute.missing(keys)
             if missing:
-                self._prefetcher.submit(self._read_ahead_job, missing)
+                self._reader_ahead.submit(self._read_ahead_job, missing)
 
     def ready(self, layer: int, expert_ids: Iterable[int]) -> list[int]:
         """Those of `expert_ids` resident in the compute tier (a fetch of them waits for no read)."""
@@ -261,11 +263,11 @@ class ExpertStore:
             if self._hints.stale(keys[0][0], serial, len(keys)):  # its layer was fetched while it queued
                 return
         with contextlib.suppress(OSError):  # a hint only: the demand fetch reads again and reports it
-            self._loader.ensure(self._compute, keys, demand=False, keep=False)
+            self._loader.ensure(self._compute, keys, Load.HINT, keep=False)
 
     def _read_ahead_job(self, keys: list[Key]) -> None:
         with contextlib.suppress(OSError):  # the fetch that follows reads again and reports it
-            self._loader.ensure(self._compute, keys, demand=False, keep=False, speculative=False)
+            self._loader.ensure(self._compute, keys, Load.READ_AHEAD, keep=False)
 
     # ---- handing out ----------------------------------------------------------------------------
 
@@ -350,9 +352,10 @@ class ExpertStore:
         self._release()
 
     def _release(self) -> None:
-        """Shut down whatever the constructor opened (the prefetch thread first: it reads the pack)."""
-        if self._prefetcher is not None:
-            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        """Shut down whatever the constructor opened (the prefetch threads first: they read the pack)."""
+        for thread in (self._prefetcher, self._reader_ahead):
+            if thread is not None:
+                thread.shutdown(wait=True, cancel_futures=True)
         if self._file is not None:
             self._file.close()
         if self._trace is not None:

@@ -1,11 +1,12 @@
 """The load protocol over the tier chain: reservations, futures and waits for room.
 
 A slot is counted from the moment its load starts, so resident plus loading bytes never exceed a
-tier's budget. A demand load reserves the slots of all its misses at once or none, and waits (holding
-none) only while some load is running, so two fetches can never wait for each other; when nothing is
-loading and its misses still do not fit, it raises WorkingSetTooLarge. It may evict anything but the
-pinned steps. A prefetch reserves what fits within SPECULATIVE_SHARE of the tier, keeps its own keys
-and never waits. A key already loading is waited for, not read again; a demand that waited for a
+tier's budget. A demand load reserves the slots of all its misses at once or none, and waits
+(holding none) only while some load is running, so two fetches can never wait for each other; when
+nothing is loading and its misses still do not fit, it raises WorkingSetTooLarge. It may evict
+anything but the pinned steps. A prefetch reserves what fits (a hint within SPECULATIVE_SHARE of the
+tier), keeps its own keys and never waits. The reader threads serve demand loads first, then read-
+ahead, then hints. A key already loading is waited for, not read again; a demand that waited for a
 prefetch which failed loads that key itself.
 
 A miss in a tier loads from the tier below it, and a miss in the last tier reads the pack; what a
@@ -19,6 +20,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future
+from enum import IntEnum
 
 import torch
 
@@ -28,6 +30,14 @@ from k3stream.store.reader import ObjectReader
 from k3stream.store.tiers import Key, Tier
 
 SPECULATIVE_SHARE = 0.5
+
+
+class Load(IntEnum):
+    """Who asks for a load; its value is the priority of its pack reads (lowest first)."""
+
+    DEMAND = 0  # a fetch: counted as lookups, reserves all its misses or waits for room
+    READ_AHEAD = 1  # what a fetch will ask for next: a prefetch, not held to the speculative share
+    HINT = 2  # a prediction: a prefetch within the speculative share
 
 
 class Loader:
@@ -48,23 +58,20 @@ class Loader:
         self.top_k = top_k
         self.counts = Counter(slot_waits=0, prefetch_skipped=0)
 
-    def ensure(
-        self, tier: Tier, keys: list[Key], demand: bool, keep: bool, speculative: bool = True
-    ) -> dict[Key, torch.Tensor]:
+    def ensure(self, tier: Tier, keys: list[Key], load: Load, keep: bool) -> dict[Key, torch.Tensor]:
         """Make `keys` resident in `tier`; return their buffers when `keep` (a prefetch skips what does
-        not fit, so it may return fewer). A prefetch that is not `speculative` (a read-ahead: keys a fetch
-        will ask for) is not held to the speculative share."""
-        if demand:
+        not fit, so it may return fewer)."""
+        if load is Load.DEMAND:
             with self.lock:
                 for key in keys:
                     tier.lookup(key)
         found: dict[Key, torch.Tensor] = {}
         while keys:
             with self.lock:
-                resident, waits, mine = self._plan(tier, keys, demand, keep, speculative)
+                resident, waits, mine = self._plan(tier, keys, load, keep)
             found.update(resident)
             if mine:
-                found.update(self._load(tier, mine, demand, keep))
+                found.update(self._load(tier, mine, load, keep))
             keys = []
             for key, (future, by_prefetch) in waits.items():
                 try:
@@ -76,11 +83,11 @@ class Loader:
         return found
 
     def _plan(
-        self, tier: Tier, keys: list[Key], demand: bool, keep: bool, speculative: bool
+        self, tier: Tier, keys: list[Key], load: Load, keep: bool
     ) -> tuple[dict[Key, torch.Tensor], dict[Key, tuple[Future, bool]], list[Key]]:
         """Under the lock: (resident buffers when `keep`, {key: (load to wait for, whether a prefetch
         runs it)}, keys whose slots this call reserved and must load)."""
-        if demand:
+        if load is Load.DEMAND:
             missing = self._wait_for_room(tier, keys)
             waits = {key: tier.join(key) for key in keys if key in tier.loading}
             for key in missing:
@@ -88,7 +95,7 @@ class Loader:
         else:
             waits = {}
             pinned = set(self.pins) | set(keys)
-            missing = self._reserve_what_fits(tier, tier.missing(keys), pinned, speculative)
+            missing = self._reserve_what_fits(tier, tier.missing(keys), pinned, load is Load.HINT)
         resident = {key: tier.buffers[key] for key in keys if key in tier.buffers} if keep else {}
         return resident, waits, missing
 
@@ -123,13 +130,13 @@ class Loader:
             reserved.append(key)
         return reserved
 
-    def _load(self, tier: Tier, keys: list[Key], demand: bool, keep: bool) -> dict[Key, torch.Tensor]:
+    def _load(self, tier: Tier, keys: list[Key], load: Load, keep: bool) -> dict[Key, torch.Tensor]:
         """Fill the reserved slots of `keys` (outside the lock), each as soon as it arrives, so a fetch
         waiting for one need not wait for the others; on failure give the slots not filled back."""
         installed: dict[Key, torch.Tensor] = {}
         pending = list(keys)
         try:
-            with contextlib.closing(self._from_below(tier, keys, demand)) as arrivals:
+            with contextlib.closing(self._from_below(tier, keys, load)) as arrivals:
                 for key, host in arrivals:
                     buffer, ready = tier.place(host)
                     del host
@@ -150,12 +157,12 @@ class Loader:
             raise
         return installed
 
-    def _from_below(self, tier: Tier, keys: list[Key], demand: bool) -> Iterator[tuple[Key, torch.Tensor]]:
+    def _from_below(self, tier: Tier, keys: list[Key], load: Load) -> Iterator[tuple[Key, torch.Tensor]]:
         """`keys`' host buffers from the tier below `tier` (or the pack), in the order of `keys`."""
         if tier.below is None:
-            yield from self.reader.read_each(keys, demand)
+            yield from self.reader.read_each(keys, priority=int(load))
             return
-        hosts = self.ensure(tier.below, keys, demand, keep=True)
-        hosts.update(self.reader.read([key for key in keys if key not in hosts], demand))
+        hosts = self.ensure(tier.below, keys, load, keep=True)
+        hosts.update(self.reader.read([key for key in keys if key not in hosts], priority=int(load)))
         for key in keys:
             yield key, hosts.pop(key)

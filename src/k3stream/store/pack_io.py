@@ -66,7 +66,7 @@ def host_buffer(nbytes: int, direct_io: bool) -> np.ndarray:
 
 
 class PriorityPool:
-    """Worker threads that take the lowest priority number first: demand reads (0) overtake prefetches (1)."""
+    """Worker threads that take the lowest priority number first (demand reads overtake prefetches)."""
 
     def __init__(self, workers: int, name: str) -> None:
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
@@ -108,7 +108,7 @@ class PriorityPool:
     def shutdown(self) -> None:
         """Finish the queued reads, then stop the workers."""
         for _ in self._threads:
-            self._queue.put((2, next(self._order), None, None, ()))
+            self._queue.put((float("inf"), next(self._order), None, None, ()))
         for thread in self._threads:
             thread.join()
 
@@ -172,13 +172,13 @@ class PackFile:
                     return fd
         return _buffered(self.path)
 
-    def read(self, requests: list[ReadRequest], background: bool = False) -> None:
-        """Read every request, all ranges in parallel; raises OSError naming the pack and object,
-        RuntimeError once closed."""
-        for _ in self.read_each(requests, background):
+    def read(self, requests: list[ReadRequest], priority: int = 0) -> None:
+        """Read every request, all ranges in parallel, after the queued ranges of lower `priority`
+        numbers; raises OSError naming the pack and object, RuntimeError once closed."""
+        for _ in self.read_each(requests, priority):
             pass
 
-    def read_each(self, requests: list[ReadRequest], background: bool = False) -> Iterator[ReadRequest]:
+    def read_each(self, requests: list[ReadRequest], priority: int = 0) -> Iterator[ReadRequest]:
         """`read`, yielding each request, in the given order, as soon as its bytes are in. The ranges
         are queued in pack order, so the disk sees one forward sweep; when this ends (consumed, failed
         or closed early) no read of its requests is still running."""
@@ -187,15 +187,15 @@ class PackFile:
                 raise RuntimeError(f"expert-pack file {self.path} is closed")
             self._active_reads += 1
         try:
-            yield from self._read_each(requests, background)
+            yield from self._read_each(requests, priority)
         finally:
             with self._readers:
                 self._active_reads -= 1
                 self._readers.notify_all()
 
-    def _read_each(self, requests: list[ReadRequest], background: bool) -> Iterator[ReadRequest]:
+    def _read_each(self, requests: list[ReadRequest], priority: int) -> Iterator[ReadRequest]:
         started = time.perf_counter_ns()
-        jobs = self._submit(requests, background)
+        jobs = self._submit(requests, priority)
         failure = None
         try:
             for request in requests:
@@ -209,7 +209,7 @@ class PackFile:
         if failure is not None:
             raise failure
 
-    def _submit(self, requests: list[ReadRequest], background: bool) -> dict[int, list[Future]]:
+    def _submit(self, requests: list[ReadRequest], priority: int) -> dict[int, list[Future]]:
         """Queue every range of `requests` in pack order: {id(request): its ranges' futures}."""
         parts = [
             (request, start, length)
@@ -221,7 +221,7 @@ class PackFile:
             if len(parts) == 1:  # one small object: read it here, no hand-off
                 job = self._pool.run_here(self._read_range, *part)
             else:
-                job = self._pool.submit(int(background), self._read_range, *part)
+                job = self._pool.submit(priority, self._read_range, *part)
             jobs[id(part[0])].append(job)
         return jobs
 

@@ -32,11 +32,11 @@ class ObjectReader:
         self.integrity_checked = getattr(pack, "checksums", None) is not None
         self.counts = Counter(integrity_errors=0, integrity_check_ns=0)
 
-    def read(self, keys: list[Key], demand: bool) -> dict[Key, torch.Tensor]:
-        """Read whole objects into fresh host buffers (a prefetch's on the background pool)."""
-        return dict(self.read_each(keys, demand))
+    def read(self, keys: list[Key], priority: int) -> dict[Key, torch.Tensor]:
+        """Read whole objects into fresh host buffers (`PackFile.read`'s priority: 0 first)."""
+        return dict(self.read_each(keys, priority))
 
-    def read_each(self, keys: list[Key], demand: bool) -> Iterator[tuple[Key, torch.Tensor]]:
+    def read_each(self, keys: list[Key], priority: int) -> Iterator[tuple[Key, torch.Tensor]]:
         """`read`, yielding each (key, buffer) in the order of `keys` as soon as it is read and checked.
 
         The reads are queued in pack order, so the disk sees a step's reads as one forward sweep; the
@@ -50,7 +50,7 @@ class ObjectReader:
             buffers[key] = torch.from_numpy(array)
             requests[key] = ReadRequest(f"layer {key[0]} expert {key[1]}", offset, nbytes, destination)
         keys_of = {id(request): key for key, request in requests.items()}
-        with contextlib.closing(self.file.read_each(list(requests.values()), background=not demand)) as reads:
+        with contextlib.closing(self.file.read_each(list(requests.values()), priority)) as reads:
             for request in reads:
                 key = keys_of[id(request)]
                 self._check({key: buffers[key]})
