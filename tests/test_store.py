@@ -83,7 +83,9 @@ def test_budget_holds_and_current_step_stays_resident_under_prefetch(packed, pol
     _, pack = packed
     rng = np.random.default_rng(5)
     limit = int(budget(pack, pack.top_k + 2) * MIB)
-    with ExpertStore(pack, ram_mib=limit / MIB, policy=policy, prefetch=True, io_threads=3) as store:
+    with ExpertStore(  # random hints: adaptive prefetch would soon stop loading them
+        pack, ram_mib=limit / MIB, policy=policy, prefetch=True, adaptive_prefetch=False, io_threads=3
+    ) as store:
         for _ in range(40):
             for index, layer in enumerate(pack.moe_layers):
                 ids = random_route(rng, pack)
