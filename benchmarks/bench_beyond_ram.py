@@ -275,6 +275,7 @@ def summarize_k3stream(result: dict[str, Any]) -> dict[str, Any]:
         "decode_pack_read_ms_per_token": decode["read_ms_per_token"],
         "decode_pre_attention_precision": decode["hints"]["pre-attention"]["precision"],
         "decode_layer_ahead_precision": decode["hints"]["layer-ahead"]["precision"],
+        "decode_token_precision": decode["hints"]["token"]["precision"],
         "prefill_fetch_s": prefill["fetch_wait_ms_per_token"] * prefill["tokens"] / 1e3,
         "prefill_pack_read_s": prefill["read_ms_per_token"] * prefill["tokens"] / 1e3,
     }
@@ -301,6 +302,7 @@ ROWS = [
     ("decode pack read time per token, ms", "decode_pack_read_ms_per_token", ".1f", None),
     ("decode hint precision, pre-attention", "decode_pre_attention_precision", ".1%", None),
     ("decode hint precision, layer-ahead", "decode_layer_ahead_precision", ".1%", None),
+    ("decode hint precision, token", "decode_token_precision", ".1%", None),
 ]
 
 

@@ -1,15 +1,17 @@
-"""Expert predictions in the forward: both kinds are scored against what each layer then used, and the
+"""Expert predictions in the forward: every kind is scored against what each layer then used, and the
 chosen kind reaches the expert source at its moment (pre-attention: just before the layer's own fetch;
-layer-ahead: before the previous MoE layer's fetch)."""
+layer-ahead and token: before the previous MoE layer's fetch)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import k3stream
 from k3stream.model.experts import GGUFExpertSource
 from k3stream.model.hints import AUTO_LAYER_AHEAD_ROWS, HINT_KINDS
 from k3stream.model.moe import LatentMoE
+from k3stream.model.token_routes import TokenRoutes
 from source_helpers import RecordingSource
 
 
@@ -61,11 +63,14 @@ def test_the_chosen_hint_is_scored_exactly_and_sent_at_its_moment(model_path, hi
     model.score_all_hints = True
     state = model.new_state()
     model.prefill(state, [1, 2, 3])
-    for token in (4, 5, 6, 7):
+    for token in (4, 2, 6, 1, 4):  # some seen before: the token hint predicts only those
         model.decode(state, token)
     assert_sent_at_its_moment(source.calls, moe_layers(model), hint)
     summary = model.hints.summary()[hint]
-    assert (summary["predicted"], summary["correct"], summary["used"]) == exact_score(source.calls)
+    predicted, correct, used = exact_score(source.calls)
+    assert (summary["predicted"], summary["correct"]) == (predicted, correct)
+    # a token never seen predicts nothing and sends nothing, but what its step used still counts
+    assert summary["used"] == used if hint != "token" else summary["used"] > used
     assert summary["predicted"] > 0 and 0.0 <= summary["precision"] <= 1.0
     other = next(kind for kind in HINT_KINDS if kind != hint)
     assert model.hints.summary()[other]["predicted"] > 0  # scored on the same run, never sent
@@ -81,14 +86,28 @@ def test_the_hint_not_sent_costs_nothing_unless_asked_for(model_path):
     assert model.hints.summary()["layer-ahead"]["predicted"] == 0  # no router product spent on it
 
 
-def test_auto_sends_layer_ahead_hints_in_prefill_and_pre_attention_hints_in_decode(model_path):
+def test_auto_sends_layer_ahead_hints_in_prefill_and_token_hints_in_decode(model_path):
     model, source = load_recording(model_path, "auto")
     state = model.new_state()
     model.prefill(state, list(range(1, 1 + AUTO_LAYER_AHEAD_ROWS)))
     assert_sent_at_its_moment(source.calls, moe_layers(model), "layer-ahead")
     source.calls.clear()
-    model.decode(state, 9)
-    assert_sent_at_its_moment(source.calls, moe_layers(model), "pre-attention")
+    model.decode(state, 3)  # seen in the prefill: each layer's experts for it then are the hint
+    prefetched = {layer: experts for call, layer, experts in source.calls if call == "prefetch"}
+    assert sorted(prefetched) == moe_layers(model)
+    assert_sent_at_its_moment(source.calls, moe_layers(model), "token")
+    source.calls.clear()
+    model.decode(state, 99)  # never seen: no hint
+    assert not [call for call in source.calls if call[0] == "prefetch"]
+
+
+def test_token_routes_remember_each_layers_latest_experts_per_token():
+    routes = TokenRoutes(max_tokens=2)
+    routes.learn(1, [7, 8, 7], torch.tensor([[0, 1], [2, 3], [4, 5]]))
+    assert routes.predict(1, [7]) == [4, 5]  # the latest row of token 7
+    assert routes.predict(1, [8, 7, 9]) == [2, 3, 4, 5] and routes.predict(2, [7]) == []
+    routes.learn(1, [9], torch.tensor([[6, 7]]))  # a third token id: the least recently seen goes
+    assert routes.predict(1, [8]) == [] and routes.predict(1, [7, 9]) == [4, 5, 6, 7]
 
 
 def test_an_unknown_hint_is_refused(model_path):

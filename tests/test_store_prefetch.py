@@ -209,3 +209,26 @@ def test_read_ahead_is_not_queued_behind_hints_and_reads_before_them(pack):
         held.set()
         drain(store)
     assert sorted(priorities) == [(0, [(layer, 3)]), (1, [(layer, 1), (layer, 2)]), (2, [(other, 0)])]
+
+
+def test_a_prefetch_waits_for_its_layer_before_it_goes_first(pack):
+    """An expert prefetched for a layer whose step has not come is evicted only when nothing else can
+    go (a precise hint sent a layer early must survive the step before it); once its layer's fetch
+    passed without it, it is the first to go."""
+    layer, following = pack.moe_layers[0], pack.moe_layers[1]
+    k = pack.top_k
+    with ExpertStore(pack, ram_mib=(2 * k + 1) * pack.object_bytes / MIB, policy="lru") as store:
+        store.fetch(layer, list(range(k)))
+        store.prefetch(following, [0])
+        drain(store)
+        store.fetch(layer, list(range(k, 2 * k)))  # the cache is full
+        store.fetch(layer, list(range(2 * k, 3 * k)))  # evicts the first step, not the prefetch
+        before = store.stats()
+        store.fetch(following, [0])
+        after = store.stats()
+        assert after["pack_reads"] == before["pack_reads"] and after["prefetch_hits"] == 1
+        store.prefetch(following, [1])
+        drain(store)
+        store.fetch(following, [2])  # its layer's step came without it: now it goes first
+        store.fetch(layer, list(range(k)))
+        assert store.stats()["prefetch_unused_evictions"] == 1

@@ -242,8 +242,9 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
         choices=list(HINT_CHOICES),
         default="auto",
         help="which prediction is prefetched: a MoE layer's router on its input (pre-attention), on the "
-        "previous layer's stream after attention (layer-ahead, a MoE block earlier), or auto: layer-ahead "
-        "in steps of 8 or more rows (prefill), pre-attention otherwise (default)",
+        "previous layer's stream after attention (layer-ahead, a MoE block earlier), the experts the layer "
+        "last picked for each token id (token, a MoE layer earlier), or auto: layer-ahead in steps of 8 or "
+        "more rows (prefill), token otherwise (default)",
     )
     parser.add_argument(
         "--io-threads", type=int, default=defaults.io_threads, help="pack read threads (default %(default)s)"

@@ -27,11 +27,12 @@ from k3stream.gguf.layout import check_residual_score, check_ssm_a
 from k3stream.gguf.weights import nonexpert_tensors
 from k3stream.model.attn_res import residual_mix
 from k3stream.model.experts import GGUFExpertSource
-from k3stream.model.hints import HINT_CHOICES, HintLog, sent_kind
+from k3stream.model.hints import HINT_CHOICES, TOKEN_HINT_LEAD, HintLog, sent_kind
 from k3stream.model.kda import KDA, KDAState, KDAWeights, shard_kda_weights
 from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, bytes_to_matrix, rms_norm
 from k3stream.model.mla import MLA, HeadProjection, MLAState, MLAWeights
 from k3stream.model.moe import LatentMoE, MoEWeights, Routing, SituMLP
+from k3stream.model.token_routes import TokenRoutes
 from k3stream.quant.kernels import note_fallbacks, warm_up
 from k3stream.quant.types import FLOAT_TYPE_IDS
 
@@ -103,12 +104,20 @@ class K3Model:
         self.prefetch = prefetch and expert_source.prefetches
         self.prefetch_hint = prefetch_hint
         self.hints = HintLog()
+        self.token_routes = TokenRoutes()
         # predict (and score) the kind not sent too: a benchmark's choice, since it costs a router product
         self.score_all_hints = False
         self.eps = config.rms_eps
         moe_layers = [layer for layer in layers if isinstance(layer.ffn, LatentMoE)]
         self._next_moe = {
             layer.index: next((m for m in moe_layers if m.index > layer.index), None) for layer in layers
+        }
+        # token hints: the first ones at the step's start, then each MoE layer's sent from the one
+        # TOKEN_HINT_LEAD before it
+        self._first_token_hints = moe_layers[:TOKEN_HINT_LEAD]
+        self._token_hint_from = {
+            moe.index: moe_layers[i + TOKEN_HINT_LEAD]
+            for i, moe in enumerate(moe_layers[: len(moe_layers) - TOKEN_HINT_LEAD])
         }
 
     def new_state(self) -> SequenceState:
@@ -161,8 +170,13 @@ class K3Model:
     ) -> torch.Tensor:
         x = self.embedding(ids)
         bank: list[torch.Tensor] = []
+        token_ids = ids.tolist() if self.prefetch else []
+        for first in self._first_token_hints if self.prefetch else ():
+            self._predict_from_tokens(first, token_ids)
         for layer in self.layers:
             if self.prefetch and isinstance(layer.ffn, LatentMoE):
+                if layer.index in self._token_hint_from:
+                    self._predict_from_tokens(self._token_hint_from[layer.index], token_ids)
                 self._predict("pre-attention", layer, x)
             h = residual_mix(bank, x, layer.attn_score, self.eps)
             banked = layer.index % self.config.block_size == 0
@@ -179,6 +193,7 @@ class K3Model:
             x = prefix + layer.ffn(h).float()
             if self.prefetch and isinstance(layer.ffn, LatentMoE):
                 self.hints.used(layer.index, layer.ffn.chosen.unique().tolist())
+                self.token_routes.learn(layer.index, token_ids, layer.ffn.chosen)
         x = rms_norm(residual_mix(bank, x, self.output_score, self.eps), self.norm, self.eps)
         return self.lm_head(x).float()
 
@@ -186,11 +201,21 @@ class K3Model:
         """The experts `layer`'s router picks on `stream` (normed as its MoE input is), when `kind` is
         the hint sent to the expert source (or `score_all_hints`): logged, and sent if it is."""
         sent = kind == sent_kind(self.prefetch_hint, stream.shape[0])
-        if not (sent or self.score_all_hints):
-            return
-        predicted = layer.ffn.predict(rms_norm(stream, layer.post_attention_norm, self.eps))
+        if sent or self.score_all_hints:
+            predicted = layer.ffn.predict(rms_norm(stream, layer.post_attention_norm, self.eps))
+            self._hint(kind, layer, predicted, sent)
+
+    def _predict_from_tokens(self, layer: Layer, token_ids: list[int]) -> None:
+        """The token hint for `layer` (as `_predict`)."""
+        sent = sent_kind(self.prefetch_hint, len(token_ids)) == "token"
+        if sent or self.score_all_hints:
+            self._hint("token", layer, self.token_routes.predict(layer.index, token_ids), sent)
+
+    def _hint(self, kind: str, layer: Layer, predicted: list[int], sent: bool) -> None:
+        """Log a prediction and send it if it is the hint sent (a token id never seen at the layer
+        predicts nothing: nothing is sent)."""
         self.hints.predicted(kind, layer.index, predicted)
-        if sent:
+        if sent and predicted:
             self.expert_source.prefetch(layer.index, predicted)
 
 

@@ -35,14 +35,16 @@ class SlotCache:
         self.policy.access(key)
         return key in self.resident
 
-    def reserve(self, key: Key, pinned: Collection[Key]) -> list[Key]:
-        """Take a slot for `key` (about to be loaded), evicting unpinned keys; returns the evicted.
+    def reserve(self, key: Key, pinned: Collection[Key], spare: Collection[Key] = ()) -> list[Key]:
+        """Take a slot for `key` (about to be loaded), evicting unpinned keys, those in `spare` only when
+        nothing else can go; returns the evicted.
 
         Raises WorkingSetTooLarge when the slots are all pinned or loading.
         """
         evicted = []
         while self.used() >= self.capacity:
-            victim = self.policy.victim(lambda candidate: candidate not in pinned)
+            victim = spare and self.policy.victim(lambda c: c not in pinned and c not in spare)
+            victim = victim or self.policy.victim(lambda candidate: candidate not in pinned)
             if victim is None:
                 raise WorkingSetTooLarge(
                     f"expert cache of {self.capacity} objects cannot evict the active working set "

@@ -47,6 +47,8 @@ class Tier:
         self.loading: dict[Key, Future] = {}
         self.prefetching: set[Key] = set()  # the keys of `loading` that a prefetch loads
         self.demanded: set[Key] = set()  # the keys of `prefetching` a fetch waits for
+        # prefetched for a layer whose step has not come yet: evicted only when nothing else can go
+        self.fresh: set[Key] = set()
         self.counts = Counter(cache_hits=0, cache_misses=0, cache_evictions=0)
 
     def lookup(self, key: Key) -> bool:
@@ -73,7 +75,7 @@ class Tier:
 
     def reserve(self, key: Key, pinned: Collection[Key], prefetch: bool = False) -> None:
         """Take a slot for loading `key`, evicting resident keys outside `pinned`."""
-        self.evict(self.cache.reserve(key, pinned))
+        self.evict(self.cache.reserve(key, pinned, self.fresh))
         self.loading[key] = Future()
         if prefetch:
             self.prefetching.add(key)
@@ -111,6 +113,7 @@ class Tier:
         for key in keys:
             self.buffers.pop(key, None)
             self.ready.pop(key, None)
+            self.fresh.discard(key)
             self.counts["cache_evictions"] += 1
 
     def hand_out(self, key: Key, buffer: torch.Tensor) -> None:
@@ -171,8 +174,11 @@ class FrontTier(Tier):
         self.ahead.update(key for key in keys if key not in self.buffers)
 
     def fetched(self, keys: list[Key]) -> None:
-        """A fetch of `keys` is over: what was read ahead for it has been counted."""
+        """A fetch of `keys` is over: what was read ahead for it has been counted, and what was
+        prefetched for its layers and not asked for is no longer fresh (its step has come)."""
         self.ahead.difference_update(keys)
+        layers = {key[0] for key in keys}
+        self.fresh = {key for key in self.fresh if key[0] not in layers}
 
     def lookup(self, key: Key) -> bool:
         if key in self.ahead:  # read for this very fetch, only earlier: a miss
@@ -184,6 +190,7 @@ class FrontTier(Tier):
         self.layer_counts[key[0]]["hits" if hit else "misses"] += 1
         if hit and key in self.unused:
             self.unused.discard(key)
+            self.fresh.discard(key)
             self.prefetch_counts["prefetch_hits"] += 1
         return hit
 
@@ -200,6 +207,7 @@ class FrontTier(Tier):
             self.prefetch_counts["prefetch_loads"] += 1
             if key not in self.demanded:
                 self.unused.add(key)
+                self.fresh.add(key)
         super().install(key, buffer, ready)
 
     def evict(self, keys: list[Key]) -> None:
