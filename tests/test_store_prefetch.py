@@ -120,14 +120,15 @@ def test_a_layer_whose_hints_turn_right_gets_prefetch_back(pack):
 def test_speculation_never_takes_more_than_half_the_slots(pack):
     ram_mib = 4 * pack.top_k * pack.object_bytes / MIB
     with ExpertStore(pack, ram_mib=ram_mib, adaptive_prefetch=False) as store:
-        layer = pack.moe_layers[0]
+        layer, other = pack.moe_layers[0], pack.moe_layers[1]
         capacity = store.max_experts_per_fetch
         store.fetch(layer, range(pack.top_k))
-        store.prefetch(layer, range(pack.top_k, capacity))
+        store.prefetch(layer, range(pack.top_k, pack.top_k + capacity // 2))  # the whole share
+        store.prefetch(other, range(pack.top_k))  # the share is taken: skipped
         drain(store)
         stats = store.stats()
     assert stats["prefetch_loads"] == capacity // 2
-    assert stats["prefetch_skipped"] == capacity - pack.top_k - capacity // 2
+    assert stats["prefetch_skipped"] == pack.top_k
 
 
 def test_read_ahead_loads_the_next_part_once_and_never_counts_as_a_hint(pack):
@@ -229,6 +230,18 @@ def test_a_prefetch_waits_for_its_layer_before_it_goes_first(pack):
         assert after["pack_reads"] == before["pack_reads"] and after["prefetch_hits"] == 1
         store.prefetch(following, [1])
         drain(store)
-        store.fetch(following, [2])  # its layer's step came without it: now it goes first
-        store.fetch(layer, list(range(k)))
+        store.fetch(following, [2])  # its layer's step goes on without it: still fresh
+        store.fetch(layer, [2 * k])  # another layer: that step is over, and [1] was not used
+        store.fetch(layer, list(range(k)))  # so it is the first to go
         assert store.stats()["prefetch_unused_evictions"] == 1
+
+
+def test_a_hint_larger_than_the_share_of_hints_is_not_read(pack):
+    """A tier that cannot hold a hint beside the step in progress would only evict what it read."""
+    layer = pack.moe_layers[0]
+    with ExpertStore(pack, ram_mib=2 * pack.top_k * pack.object_bytes / MIB) as store:
+        store.prefetch(layer, list(range(pack.top_k + 1)))  # the share is max(top_k, half the slots)
+        drain(store)
+        stats = store.stats()
+    assert stats["prefetch_loads"] == stats["pack_reads"] == 0
+    assert stats["prefetch_too_large"] == pack.top_k + 1

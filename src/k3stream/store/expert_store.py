@@ -55,6 +55,7 @@ COUNTERS = (
     "prefetch_skipped",
     "prefetch_stale",
     "prefetch_suppressed",
+    "prefetch_too_large",
     "prefetch_waits",
     "integrity_errors",
     "integrity_check_ns",
@@ -115,7 +116,9 @@ class ExpertStore:
         self._pins = StepPins(self._slot_freed)
         self._hints = HintScores(layers, adaptive=prefetch and adaptive_prefetch, prior=self.top_k)
         self._live = LiveBuffers()
-        self._counts = Counter(fetches=0, fetch_ns=0, tokens=0, prefetch_requests=0, read_ahead=0)
+        self._counts = Counter(
+            fetches=0, fetch_ns=0, tokens=0, prefetch_requests=0, prefetch_too_large=0, read_ahead=0
+        )
         self._file: PackFile | None = None
         self._prefetcher: ThreadPoolExecutor | None = None  # hints
         self._reader_ahead: ThreadPoolExecutor | None = None  # read-ahead, never queued behind a hint
@@ -199,7 +202,8 @@ class ExpertStore:
 
     def prefetch(self, layer: int, expert_ids: Iterable[int]) -> None:
         """Start loading these experts in the background; never blocks, never evicts pinned experts.
-        Adaptive: only while the layer's hints have been precise enough. Ignored after `close()`."""
+        Adaptive: only while the layer's hints have been precise enough; not when the experts it
+        would read exceed the hints' share of the tier (`prefetch_too_large`). Ignored after `close()`."""
         if self._prefetcher is None:
             return
         keys = self._keys(layer, expert_ids)
@@ -210,8 +214,13 @@ class ExpertStore:
                 return
             self._counts["prefetch_requests"] += len(keys)
             absent = [expert for _, expert in self._compute.missing(keys)]
-            if self._hints.hinted(layer, len(keys), absent):
-                self._prefetcher.submit(self._prefetch_job, keys, self._hints.serial(layer))
+            if not self._hints.hinted(layer, len(keys), absent):
+                return
+            if len(absent) > self._loader.speculative_share(self._compute):
+                # the tier cannot hold it beside the step in progress: what it read would go unused
+                self._counts["prefetch_too_large"] += len(keys)
+                return
+            self._prefetcher.submit(self._prefetch_job, keys, self._hints.serial(layer))
 
     def read_ahead(self, layer: int, expert_ids: Iterable[int]) -> None:
         """Start loading experts the caller is sure to fetch next (the step it is computing), each

@@ -120,7 +120,7 @@ class Loader:
         """Under the lock: reserve the slots of the keys of a prefetch that fit (a `speculative` one
         within the tier's share for speculation); skip the rest."""
         reserved = []
-        share = max(self.top_k, int(tier.cache.capacity * SPECULATIVE_SHARE))
+        share = self.speculative_share(tier)
         for key in keys:
             over_share = speculative and tier.speculative() >= share
             if over_share or not tier.cache.has_room_without(pinned):
@@ -129,6 +129,10 @@ class Loader:
             tier.reserve(key, pinned, prefetch=True)
             reserved.append(key)
         return reserved
+
+    def speculative_share(self, tier: Tier) -> int:
+        """The slots of `tier` that hints may fill."""
+        return max(self.top_k, int(tier.cache.capacity * SPECULATIVE_SHARE))
 
     def _load(self, tier: Tier, keys: list[Key], load: Load, keep: bool) -> dict[Key, torch.Tensor]:
         """Fill the reserved slots of `keys` (outside the lock), each as soon as it arrives, so a fetch

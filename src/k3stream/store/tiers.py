@@ -164,6 +164,7 @@ class FrontTier(Tier):
         # keys read ahead for the fetch that follows (the rest of a step): that fetch counts them as
         # misses, and they are neither prefetch loads nor prefetch uses (they are not predictions)
         self.ahead: set[Key] = set()
+        self._stepping: set[int] = set()  # the layers of the latest fetch
         self.layer_counts = {layer: Counter(hits=0, misses=0) for layer in layers}
         self.prefetch_counts = Counter(
             prefetch_loads=0, prefetch_hits=0, prefetch_unused_evictions=0, prefetch_waits=0
@@ -174,11 +175,15 @@ class FrontTier(Tier):
         self.ahead.update(key for key in keys if key not in self.buffers)
 
     def fetched(self, keys: list[Key]) -> None:
-        """A fetch of `keys` is over: what was read ahead for it has been counted, and what was
-        prefetched for its layers and not asked for is no longer fresh (its step has come)."""
+        """A fetch of `keys` is over: what was read ahead for it has been counted. A fetch of another
+        layer ends the previous layer's step: what was prefetched for that one and not asked for is
+        no longer fresh."""
         self.ahead.difference_update(keys)
         layers = {key[0] for key in keys}
-        self.fresh = {key for key in self.fresh if key[0] not in layers}
+        ended = self._stepping - layers
+        if ended:
+            self.fresh = {key for key in self.fresh if key[0] not in ended}
+        self._stepping = layers
 
     def lookup(self, key: Key) -> bool:
         if key in self.ahead:  # read for this very fetch, only earlier: a miss
