@@ -163,7 +163,8 @@ def test_experts_come_through_the_source_once_per_layer(tiny_model):
 
     path = tiny_model(recipe="f32", n_experts=32, top_k=16, seed=22)
     source = RecordingSource(GGUFExpertSource(K3Checkpoint.open(path)))
-    model = k3stream.load(path, expert_source=source)
+    # the pre-attention hint: one per MoE layer, just before its fetch (`test_hints` has the others)
+    model = k3stream.load(path, expert_source=source, prefetch_hint="pre-attention")
     reference = k3stream.load(path, prefetch=False)
     tokens = tokens_for(5, model.config.vocab_size, 12)
     states = [model.new_state(), model.new_state()]
