@@ -9,6 +9,7 @@ any layer has run. Per layer it keeps the `MAX_TOKENS` token ids seen most recen
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 MAX_TOKENS = 4096  # token ids remembered per MoE layer (the least recently seen is forgotten first)
@@ -17,14 +18,15 @@ MAX_TOKENS = 4096  # token ids remembered per MoE layer (the least recently seen
 class TokenRoutes:
     def __init__(self, max_tokens: int = MAX_TOKENS) -> None:
         self.max_tokens = max_tokens
-        self._latest: dict[int, dict[int, tuple[int, ...]]] = {}  # layer -> token id -> its experts
+        # layer -> token id -> its experts, as int16 bytes (compact: the real model has 92 MoE layers)
+        self._latest: dict[int, dict[int, bytes]] = {}
 
     def learn(self, layer: int, token_ids: list[int], chosen: torch.Tensor) -> None:
         """Rows with these token ids picked `chosen` [N, k] at `layer`."""
         table = self._latest.setdefault(layer, {})
-        for token, experts in zip(token_ids, chosen.tolist(), strict=True):
+        for token, experts in zip(token_ids, chosen.to(torch.int16).cpu().numpy(), strict=True):
             table.pop(token, None)  # re-inserted last: the most recently seen
-            table[token] = tuple(experts)
+            table[token] = experts.tobytes()
         while len(table) > self.max_tokens:
             del table[next(iter(table))]
 
@@ -32,4 +34,7 @@ class TokenRoutes:
         """The experts `layer` picked for these token ids last time, sorted (a token id never seen at
         `layer` predicts nothing)."""
         table = self._latest.get(layer, {})
-        return sorted({expert for token in set(token_ids) for expert in table.get(token, ())})
+        known = [table[token] for token in set(token_ids) if token in table]
+        if not known:
+            return []
+        return np.unique(np.frombuffer(b"".join(known), dtype=np.int16)).tolist()
