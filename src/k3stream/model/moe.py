@@ -115,8 +115,8 @@ class LatentMoE:
         """The expert output of every (row, choice) pair, [N * k, latent].
 
         The step's experts are fetched in groups of at most `max_experts_per_fetch`: from a source
-        that reads ahead, whichever have arrived (waiting, when none has, for the next in pack order
-        only), so each expert is computed as soon as it is read. A pair's output depends only on its
+        that reads ahead, whichever have arrived, topped up in pack order to an eighth of the step
+        (`_next_group`), so each expert is computed soon after it is read. A pair's output depends only on its
         row and its expert (the kernel computes each output on its own), so a streamed run equals an
         all-resident run bit for bit at any cache size and in any arrival order.
         """
@@ -134,10 +134,7 @@ class LatentMoE:
             group = self._next_group(pending, int(ids[read - 1]), -(-len(ids) // GROUPS_PER_STEP))
             experts = self.source.fetch(self.layer, group)
             pending = [expert for expert in pending if expert not in experts]
-            computed = len(ids) - len(pending)
-            if self.source.reads_ahead and read < min(len(ids), computed + window):
-                self.source.read_ahead(self.layer, ids[read : computed + window].tolist())
-                read = min(len(ids), computed + window)
+            read = self._slide_window(ids, read, len(ids) - len(pending) + window)
             pairs = np.concatenate([order[bounds[position[e]] : bounds[position[e] + 1]] for e in group])
             first = sum(len(piece) for piece in done)
             outputs[first : first + len(pairs)] = expert_mlp(
@@ -159,6 +156,15 @@ class LatentMoE:
         what is computed and what is read both fit)."""
         slots = self.source.max_experts_per_fetch or count
         return min(count, max(1, slots // 2))
+
+    def _slide_window(self, ids: np.ndarray, read: int, end: int) -> int:
+        """Read ahead `ids` up to `end` (from `read`, how many were asked for so far); returns the new
+        count."""
+        end = min(len(ids), end)
+        if not self.source.reads_ahead or end <= read:
+            return read
+        self.source.read_ahead(self.layer, ids[read:end].tolist())
+        return end
 
     def _next_group(self, pending: list[int], last_read: int, least: int) -> list[int]:
         """The next fetch, at most a cache's worth of `pending`: in pack order from a source that reads
