@@ -275,6 +275,10 @@ class ExpertStore:
             self._loader.ensure(self._compute, keys, Load.HINT, keep=False)
 
     def _read_ahead_job(self, keys: list[Key]) -> None:
+        with self._lock:  # a fetch that came first has read (and maybe already dropped) the others
+            keys = [key for key in keys if key in self._compute.ahead]
+        if not keys:
+            return
         with contextlib.suppress(OSError):  # the fetch that follows reads again and reports it
             self._loader.ensure(self._compute, keys, Load.READ_AHEAD, keep=False)
 
