@@ -276,8 +276,6 @@ def summarize_k3stream(result: dict[str, Any]) -> dict[str, Any]:
         "decode_pre_attention_precision": decode["hints"]["pre-attention"]["precision"],
         "decode_layer_ahead_precision": decode["hints"]["layer-ahead"]["precision"],
         "decode_token_precision": decode["hints"]["token"]["precision"],
-        "prefill_fetch_s": prefill["fetch_wait_ms_per_token"] * prefill["tokens"] / 1e3,
-        "prefill_pack_read_s": prefill["read_ms_per_token"] * prefill["tokens"] / 1e3,
     }
 
 

@@ -84,6 +84,9 @@ def test_the_hint_not_sent_costs_nothing_unless_asked_for(model_path):
     model.logits([1, 2, 3, 4])
     assert model.hints.summary()["pre-attention"]["predicted"] > 0
     assert model.hints.summary()["layer-ahead"]["predicted"] == 0  # no router product spent on it
+    assert model.hints.summary()["token"]["predicted"] == 0
+    # no routing learned per token either
+    assert all(model.token_routes.predict(layer, [1, 2, 3, 4]) == [] for layer in moe_layers(model))
 
 
 def test_auto_sends_layer_ahead_hints_in_prefill_and_token_hints_in_decode(model_path):

@@ -170,12 +170,13 @@ class K3Model:
     ) -> torch.Tensor:
         x = self.embedding(ids)
         bank: list[torch.Tensor] = []
-        token_ids = ids.tolist() if self.prefetch else []
-        for first in self._first_token_hints if self.prefetch else ():
+        by_token = self._token_hints_used()
+        token_ids = ids.tolist() if by_token else []
+        for first in self._first_token_hints if by_token else ():
             self._predict_from_tokens(first, token_ids)
         for layer in self.layers:
             if self.prefetch and isinstance(layer.ffn, LatentMoE):
-                if layer.index in self._token_hint_from:
+                if by_token and layer.index in self._token_hint_from:
                     self._predict_from_tokens(self._token_hint_from[layer.index], token_ids)
                 self._predict("pre-attention", layer, x)
             h = residual_mix(bank, x, layer.attn_score, self.eps)
@@ -193,9 +194,14 @@ class K3Model:
             x = prefix + layer.ffn(h).float()
             if self.prefetch and isinstance(layer.ffn, LatentMoE):
                 self.hints.used(layer.index, layer.ffn.chosen.unique().tolist())
-                self.token_routes.learn(layer.index, token_ids, layer.ffn.chosen)
+                if by_token:
+                    self.token_routes.learn(layer.index, token_ids, layer.ffn.chosen)
         x = rms_norm(residual_mix(bank, x, self.output_score, self.eps), self.norm, self.eps)
         return self.lm_head(x).float()
+
+    def _token_hints_used(self) -> bool:
+        """Whether token hints may be predicted this step (only then is the routing learned per token)."""
+        return self.prefetch and (self.score_all_hints or self.prefetch_hint in ("auto", "token"))
 
     def _predict(self, kind: str, layer: Layer, stream: torch.Tensor) -> None:
         """The experts `layer`'s router picks on `stream` (normed as its MoE input is), when `kind` is

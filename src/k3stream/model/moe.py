@@ -116,9 +116,9 @@ class LatentMoE:
 
         The step's experts are fetched in groups of at most `max_experts_per_fetch`: from a source
         that reads ahead, whichever have arrived, topped up in pack order to an eighth of the step
-        (`_next_group`), so each expert is computed soon after it is read. A pair's output depends only on its
-        row and its expert (the kernel computes each output on its own), so a streamed run equals an
-        all-resident run bit for bit at any cache size and in any arrival order.
+        (`_next_group`), so each expert is computed soon after it is read. A pair's output depends only
+        on its row and its expert (the kernel computes each output on its own), so a streamed run
+        equals an all-resident run bit for bit at any cache size and in any arrival order.
         """
         pair_experts = chosen.flatten().cpu().numpy()  # tiny index arrays: numpy is cheaper here
         order = np.argsort(pair_experts, kind="stable")
@@ -130,14 +130,14 @@ class LatentMoE:
         pending = ids.tolist()  # in pack order
         outputs = latent.new_empty(len(pair_experts), latent.shape[1])
         done: list[np.ndarray] = []  # the pairs computed so far, in the order of `outputs`
+        filled = 0
         while pending:
             group = self._next_group(pending, int(ids[read - 1]), -(-len(ids) // GROUPS_PER_STEP))
             experts = self.source.fetch(self.layer, group)
             pending = [expert for expert in pending if expert not in experts]
             read = self._slide_window(ids, read, len(ids) - len(pending) + window)
             pairs = np.concatenate([order[bounds[position[e]] : bounds[position[e] + 1]] for e in group])
-            first = sum(len(piece) for piece in done)
-            outputs[first : first + len(pairs)] = expert_mlp(
+            outputs[filled : filled + len(pairs)] = expert_mlp(
                 latent,
                 [experts[e] for e in group],
                 torch.from_numpy(np.concatenate([[0], np.cumsum(counts[[position[e] for e in group]])])),
@@ -147,6 +147,7 @@ class LatentMoE:
                 self.backend,
             )
             done.append(pairs)
+            filled += len(pairs)
         pair_outputs = torch.empty_like(outputs)
         pair_outputs[torch.from_numpy(np.concatenate(done)).to(latent.device)] = outputs
         return pair_outputs
