@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import k3stream
+from k3stream.model.moe import LatentMoE
 from k3stream.pack.builder import build_pack
 from k3stream.pack.reader import ExpertPack
 from k3stream.store import ExpertStore
@@ -98,3 +99,24 @@ def test_a_prefill_reads_each_expert_once_per_layer_in_pack_order(streamed_model
     assert len(set(read_keys) - used) <= stats["prefetch_loads"]  # anything else was a hint's read
     if not hints:
         assert len(read_keys) == len(used)
+
+
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_a_step_larger_than_the_cache_reads_only_what_was_not_resident(streamed_model, read_ahead):
+    """Many sequences at once need more experts than the cache holds: the experts resident when the
+    step starts are computed first, before the step's reads can evict them, so a repeated step reads
+    only the others (before, each step evicted and read again the experts it would use)."""
+    gguf_path, pack, _, _ = streamed_model
+    slots = pack.top_k + 5
+    with ExpertStore(pack, ram_mib=slots * pack.object_bytes / MIB, prefetch=read_ahead) as store:
+        model = k3stream.load(gguf_path, expert_source=store, prefetch=False)
+        moe = next(layer.ffn for layer in model.layers if isinstance(layer.ffn, LatentMoE))
+        rows = torch.randn(16, model.config.hidden, generator=torch.Generator().manual_seed(3))
+        with torch.inference_mode():
+            first = moe(rows)
+            step = moe.chosen.unique().tolist()
+            resident = store.ready(moe.layer, step)
+            reads = store.stats()["pack_reads"]
+            assert torch.equal(moe(rows), first)
+        assert len(step) > slots and len(resident) >= slots // 2
+        assert store.stats()["pack_reads"] - reads == len(step) - len(resident)

@@ -89,6 +89,7 @@ class LatentMoE:
         # (`k3stream.parallel.experts`) wraps it to run only its rank's experts and exchange the rest
         self.routed_pairs = self._routed_pairs
         self.chosen = torch.empty(0, routing.top_k, dtype=torch.long)
+        self._asked: list[int] = []  # the experts __call__ read ahead for the step `routed_pairs` runs
 
     def predict(self, h: torch.Tensor) -> list[int]:
         """The experts this layer would pick for rows h (the prefetch hint)."""
@@ -100,8 +101,9 @@ class LatentMoE:
         chosen, weights = self.routing.choose(self.w.router, self.w.correction_bias, h)
         self.chosen = chosen  # the step's choices [N, k], for whoever scores predictions of them
         if self.source.reads_ahead:  # the first window is read while the projections below compute
-            ids = np.unique(chosen.flatten().cpu().numpy())
-            self.source.read_ahead(self.layer, ids[: self._read_window(len(ids))].tolist())
+            order, resident = self._step_order(np.unique(chosen.flatten().cpu().numpy()), [])
+            self._asked = order[: resident + self._read_window(len(order))]
+            self.source.read_ahead(self.layer, self._asked)
         latent = self.w.routed_down(h).float()
         shared = self.w.shared(h).float() if self.w.shared is not None else None
         pair_outputs = self.routed_pairs(latent, chosen)
@@ -114,29 +116,39 @@ class LatentMoE:
     def _routed_pairs(self, latent: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """The expert output of every (row, choice) pair, [N * k, latent].
 
-        The step's experts are fetched in groups of at most `max_experts_per_fetch`: from a source
-        that reads ahead, whichever have arrived, topped up in pack order to an eighth of the step
-        (`_next_group`), so each expert is computed soon after it is read. A pair's output depends only
-        on its row and its expert (the kernel computes each output on its own), so a streamed run
-        equals an all-resident run bit for bit at any cache size and in any arrival order.
+        The step's experts are fetched in groups of at most `max_experts_per_fetch`: first those
+        already resident (`_step_order`), then, from a source that reads ahead, whichever have arrived,
+        topped up in order to an eighth of the step (`_next_group`), so each expert is computed soon
+        after it is read. A pair's output depends only on its row and its expert (the kernel computes
+        each output on its own), so a streamed run equals an all-resident run bit for bit at any cache
+        size and in any arrival order.
         """
         pair_experts = chosen.flatten().cpu().numpy()  # tiny index arrays: numpy is cheaper here
-        order = np.argsort(pair_experts, kind="stable")
-        ids, counts = np.unique(pair_experts, return_counts=True)  # sorted, as `order` is
+        order_of_pairs = np.argsort(pair_experts, kind="stable")
+        ids, counts = np.unique(pair_experts, return_counts=True)  # sorted, as `order_of_pairs` is
         bounds = np.concatenate([[0], np.cumsum(counts)])
         position = {int(expert): i for i, expert in enumerate(ids)}
+        order, resident = self._step_order(ids, self._asked)
+        rank = {expert: i for i, expert in enumerate(order)}
         window = self._read_window(len(ids))
-        read = window if self.source.reads_ahead else len(ids)  # __call__ read the first window ahead
-        pending = ids.tolist()  # in pack order
+        read = len(ids)  # how many of `order` were asked for
+        if self.source.reads_ahead:  # those __call__ asked for, then the others resident now
+            read = max(len(self._asked), resident)
+            self._slide_window(order, len(self._asked), read)
+        self._asked = []
+        pending = order
         outputs = latent.new_empty(len(pair_experts), latent.shape[1])
         done: list[np.ndarray] = []  # the pairs computed so far, in the order of `outputs`
         filled = 0
         while pending:
-            group = self._next_group(pending, int(ids[read - 1]), -(-len(ids) // GROUPS_PER_STEP))
+            asked = [expert for expert in pending if rank[expert] < read]
+            group = self._next_group(pending, asked, -(-len(ids) // GROUPS_PER_STEP))
             experts = self.source.fetch(self.layer, group)
             pending = [expert for expert in pending if expert not in experts]
-            read = self._slide_window(ids, read, len(ids) - len(pending) + window)
-            pairs = np.concatenate([order[bounds[position[e]] : bounds[position[e] + 1]] for e in group])
+            read = self._slide_window(order, read, len(ids) - len(pending) + window)
+            pairs = np.concatenate(
+                [order_of_pairs[bounds[position[e]] : bounds[position[e] + 1]] for e in group]
+            )
             outputs[filled : filled + len(pairs)] = expert_mlp(
                 latent,
                 [experts[e] for e in group],
@@ -152,29 +164,48 @@ class LatentMoE:
         pair_outputs[torch.from_numpy(np.concatenate(done)).to(latent.device)] = outputs
         return pair_outputs
 
-    def _read_window(self, count: int) -> int:
-        """Experts read ahead of the computing: the whole step, up to half the cache's slots (so
-        what is computed and what is read both fit)."""
-        slots = self.source.max_experts_per_fetch or count
-        return min(count, max(1, slots // 2))
+    def _step_order(self, ids: np.ndarray, asked: list[int]) -> tuple[list[int], int]:
+        """The step's experts (`ids`, in pack order) in the order they are fetched, and how many
+        lead it that were asked for or are resident: first those already asked for (read ahead, in
+        that order), then those resident (they cost no read, and fetching them first pins them
+        before this step's reads evict them: in a step larger than the cache, a layer's experts not
+        yet used are the cheapest to evict), then the rest in pack order."""
+        experts = ids.tolist()
+        step = set(experts)
+        first = [expert for expert in asked if expert in step]  # an expert-parallel rank's own
+        taken = set(first)
+        rest = [expert for expert in experts if expert not in taken]
+        resident = self.source.ready(self.layer, rest)
+        held = set(resident)
+        order = first + resident + [expert for expert in rest if expert not in held]
+        return order, len(first) + len(resident)
 
-    def _slide_window(self, ids: np.ndarray, read: int, end: int) -> int:
-        """Read ahead `ids` up to `end` (from `read`, how many were asked for so far); returns the new
-        count."""
-        end = min(len(ids), end)
+    def _read_window(self, count: int) -> int:
+        """Experts read ahead of the computing: the whole step when the source has no cache or the
+        step fits in half its slots (so what is computed and what is read both fit); a larger step streams through the cache
+        and reads one group ahead of the one computing, so the slots it does not need keep experts
+        for the next steps (else such steps evict every layer's experts at every step)."""
+        slots = self.source.max_experts_per_fetch
+        if slots is None or count <= slots // 2:
+            return count
+        return max(1, min(slots // 2, -(-count // GROUPS_PER_STEP)))
+
+    def _slide_window(self, order: list[int], read: int, end: int) -> int:
+        """Read ahead the step's experts `order[read:end]` (`read`: how many were asked for so far);
+        returns the new count."""
+        end = min(len(order), end)
         if not self.source.reads_ahead or end <= read:
             return read
-        self.source.read_ahead(self.layer, ids[read:end].tolist())
+        self.source.read_ahead(self.layer, order[read:end])
         return end
 
-    def _next_group(self, pending: list[int], last_read: int, least: int) -> list[int]:
-        """The next fetch, at most a cache's worth of `pending`: in pack order from a source that reads
-        nothing ahead; else what has arrived of the experts read ahead (up to `last_read`), topped up
-        in pack order to `least` (the wait for those is the only stall)."""
+    def _next_group(self, pending: list[int], asked: list[int], least: int) -> list[int]:
+        """The next fetch, at most a cache's worth of `pending`: in order from a source that reads
+        nothing ahead; else what has arrived of those read ahead (`asked`), topped up in order to
+        `least` (the wait for those is the only stall)."""
         slots = self.source.max_experts_per_fetch or len(pending)
         if not self.source.reads_ahead:
             return pending[:slots]
-        asked = [expert for expert in pending if expert <= last_read]
         group = self.source.ready(self.layer, asked)[:slots]
         if len(group) < least:
             arrived = set(group)
