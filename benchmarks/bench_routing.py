@@ -7,8 +7,12 @@ The held-out standard-library files (`k3stream.train.corpus`, never trained on) 
 token (teacher forced: each next token is the text's) through an expert store that holds every
 expert, so the recorded routing trace is the model's own demand. Printed: every policy's hit rate
 against Belady's at 1/8, 1/4 and 1/2 of the experts, and per MoE layer the precision and recall of the
-pre-attention hint (a layer's router on its input, before its attention) and of the layer-ahead hint
-(the next MoE layer's router on this layer's stream after attention). `--trace` keeps the trace
+pre-attention hint (a layer's router on its input, before its attention), of the layer-ahead hint
+(the next MoE layer's router on this layer's stream after attention) and of the token hint. The same
+text is then decoded through a store at each budget with the default configuration (`cycle`, token
+hints and adaptive prefetch), prefetch on and off: its RAM hit rate (a prefetched expert a fetch finds
+resident is a hit) and pack bytes read per token, against Belady's (who reads each miss, and knows the
+future but prefetches nothing). `--trace` keeps the trace
 gzipped (`python -m k3stream.store.simulate` reads it). Then `--clients` concurrent sequences (held-out
 files, teacher forced) decode together (`decode_batch`) through a store holding a quarter of the
 experts: pack bytes read per token at each count.
@@ -91,6 +95,37 @@ def bytes_per_token(gguf: Path, manifest: Path, clients: int, length: int) -> di
     return {"clients": clients, "tokens": clients * length, "bytes_per_token": read / (clients * length)}
 
 
+def default_rows(gguf: Path, manifest: Path, runs: list[list[int]]) -> list[dict]:
+    """Per budget, prefetch on and off: RAM hit rate and pack bytes per token of the default store
+    decoding `runs` token by token (teacher forced)."""
+    import k3stream
+    from k3stream.pack.reader import ExpertPack
+    from k3stream.store import ExpertStore
+
+    with ExpertPack(manifest) as pack:
+        total, object_bytes = len(pack.moe_layers) * pack.num_experts, pack.object_bytes
+    rows = []
+    for fraction in BUDGETS:
+        row = {"fraction": fraction}
+        for prefetch in (True, False):
+            ram_mib = round(fraction * total) * object_bytes / MIB
+            with ExpertStore(manifest, ram_mib=ram_mib, prefetch=prefetch) as store:
+                model = k3stream.load(gguf, expert_source=store)
+                for run in runs:
+                    state = model.new_state()
+                    for token in run:
+                        model.decode(state, token)
+                        store.end_token(1)
+                stats = store.stats()
+            ram = stats["tiers"]["ram"]
+            row["on" if prefetch else "off"] = {
+                "hit_rate": ram["cache_hits"] / (ram["cache_hits"] + ram["cache_misses"]),
+                "bytes_per_token": stats["pack_read_bytes"] / stats["tokens"],
+            }
+        rows.append(row)
+    return rows
+
+
 def policy_rows(trace_path: Path) -> tuple[list[dict], dict]:
     from k3stream.store.simulate import hit_rate_table
     from k3stream.store.traces import read_trace
@@ -99,10 +134,13 @@ def policy_rows(trace_path: Path) -> tuple[list[dict], dict]:
     meta = trace.meta
     total = len(meta["moe_layers"]) * meta["num_experts"]
     sizes = [round(fraction * total) * meta["object_bytes"] / MIB for fraction in BUDGETS]
+    keys = sum(len(set(experts)) for _, experts in trace.steps)
     return hit_rate_table(trace.steps, meta["object_bytes"], sizes, POLICIES), {
         "steps": len(trace.steps),
         "tokens": trace.tokens,
         "experts": total,
+        "object_bytes": meta["object_bytes"],
+        "keys_per_token": keys / trace.tokens,
     }
 
 
@@ -128,6 +166,20 @@ def print_report(rows: list[dict], info: dict, hints: dict[int, dict]) -> None:
             f"{kind} {100 * s['precision']:5.1f}% / {100 * s['recall']:5.1f}%" for kind, s in summary.items()
         )
         print(f"layer {layer}: {cells}")
+
+
+def print_default(rows: list[dict], policies: list[dict], info: dict) -> None:
+    print("\n## the default store (cycle, token hints) decoding the same text: RAM hit rate, KiB per token")
+    print("budget    prefetch on           prefetch off          Belady             on/Belady (hits, bytes)")
+    for row, policy in zip(rows, policies, strict=False):
+        belady_bytes = (1 - policy["belady"]) * info["keys_per_token"] * info["object_bytes"]
+        on, off = row["on"], row["off"]
+        cells = "  ".join(
+            f"{100 * cell['hit_rate']:5.1f}% {cell['bytes_per_token'] / 1024:7.1f} KiB"
+            for cell in (on, off, {"hit_rate": policy["belady"], "bytes_per_token": belady_bytes})
+        )
+        ratios = f"{on['hit_rate'] / policy['belady']:.2f}x, {on['bytes_per_token'] / belady_bytes:.2f}x"
+        print(f"{row['fraction']:>6.1%}    {cells}    {ratios}")
 
 
 def print_clients(rows: list[dict]) -> None:
@@ -160,15 +212,17 @@ def main(argv: list[str] | None = None) -> int:
         trace_path = work / "trace.jsonl"
         hints = hint_rows(record(gguf, manifest, trace_path, runs))
         rows, info = policy_rows(trace_path)
+        defaults = default_rows(gguf, manifest, runs)
         counts = [int(c) for c in args.clients.split(",") if c]
         clients = [bytes_per_token(gguf, manifest, c, args.client_tokens) for c in counts]
         if args.trace is not None:
             with open(args.trace, "wb") as out, gzip.GzipFile(fileobj=out, mode="wb", mtime=0) as packed:
                 packed.write(trace_path.read_bytes())
     print_report(rows, info, hints)
+    print_default(defaults, rows, info)
     print_clients(clients)
     if args.json is not None:
-        figures = {"policies": rows, "trace": info, "hints": hints, "clients": clients}
+        figures = {"policies": rows, "trace": info, "hints": hints, "default": defaults, "clients": clients}
         args.json.write_text(json.dumps(figures, indent=1) + "\n")
     return 0
 
