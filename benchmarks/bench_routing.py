@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from k3stream.model.hints import HintLog
+from k3stream.model.hints import TOKEN_HINT_LEAD, HintLog
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "src" / "k3stream" / "data" / "k3-stdlib-audited.gguf"
@@ -95,35 +95,51 @@ def bytes_per_token(gguf: Path, manifest: Path, clients: int, length: int) -> di
     return {"clients": clients, "tokens": clients * length, "bytes_per_token": read / (clients * length)}
 
 
-def default_rows(gguf: Path, manifest: Path, runs: list[list[int]]) -> list[dict]:
-    """Per budget, prefetch on and off: RAM hit rate and pack bytes per token of the default store
-    decoding `runs` token by token (teacher forced)."""
+def replay(gguf: Path, manifest: Path, runs: list[list[int]], fraction: float, **options) -> dict:
+    """RAM hit rate, pack bytes and fetch wait per token of a store holding `fraction` of the experts
+    (the default one, else `prefetch=False`, or token hints sent `lead` MoE layers early) decoding
+    `runs` token by token (teacher forced)."""
     import k3stream
     from k3stream.pack.reader import ExpertPack
     from k3stream.store import ExpertStore
 
     with ExpertPack(manifest) as pack:
-        total, object_bytes = len(pack.moe_layers) * pack.num_experts, pack.object_bytes
-    rows = []
-    for fraction in BUDGETS:
-        row = {"fraction": fraction}
-        for prefetch in (True, False):
-            ram_mib = round(fraction * total) * object_bytes / MIB
-            with ExpertStore(manifest, ram_mib=ram_mib, prefetch=prefetch) as store:
-                model = k3stream.load(gguf, expert_source=store)
-                for run in runs:
-                    state = model.new_state()
-                    for token in run:
-                        model.decode(state, token)
-                        store.end_token(1)
-                stats = store.stats()
-            ram = stats["tiers"]["ram"]
-            row["on" if prefetch else "off"] = {
-                "hit_rate": ram["cache_hits"] / (ram["cache_hits"] + ram["cache_misses"]),
-                "bytes_per_token": stats["pack_read_bytes"] / stats["tokens"],
-            }
-        rows.append(row)
-    return rows
+        objects = round(fraction * len(pack.moe_layers) * pack.num_experts)
+        ram_mib = objects * pack.object_bytes / MIB
+    with ExpertStore(manifest, ram_mib=ram_mib, prefetch=options.get("prefetch", True)) as store:
+        model = k3stream.load(gguf, expert_source=store)
+        model.set_token_hint_lead(options.get("lead", TOKEN_HINT_LEAD))
+        for run in runs:
+            state = model.new_state()
+            for token in run:
+                model.decode(state, token)
+                store.end_token(1)
+        stats = store.stats()
+    ram = stats["tiers"]["ram"]
+    return {
+        "hit_rate": ram["cache_hits"] / (ram["cache_hits"] + ram["cache_misses"]),
+        "bytes_per_token": stats["pack_read_bytes"] / stats["tokens"],
+        "fetch_ms_per_token": stats["fetch_ns"] / stats["tokens"] / 1e6,
+    }
+
+
+def default_rows(gguf: Path, manifest: Path, runs: list[list[int]]) -> list[dict]:
+    """Per budget, the default store with prefetch on and off."""
+    return [
+        {
+            "fraction": fraction,
+            "on": replay(gguf, manifest, runs, fraction),
+            "off": replay(gguf, manifest, runs, fraction, prefetch=False),
+        }
+        for fraction in BUDGETS
+    ]
+
+
+def lead_rows(gguf: Path, manifest: Path, runs: list[list[int]], moe_layers: int) -> list[dict]:
+    """At a quarter of the experts, token hints sent 1.. MoE layers early (1 is the default)."""
+    return [
+        {"lead": lead, **replay(gguf, manifest, runs, 0.25, lead=lead)} for lead in range(1, moe_layers + 1)
+    ]
 
 
 def policy_rows(trace_path: Path) -> tuple[list[dict], dict]:
@@ -141,6 +157,7 @@ def policy_rows(trace_path: Path) -> tuple[list[dict], dict]:
         "experts": total,
         "object_bytes": meta["object_bytes"],
         "keys_per_token": keys / trace.tokens,
+        "moe_layers": meta["moe_layers"],
     }
 
 
@@ -182,6 +199,17 @@ def print_default(rows: list[dict], policies: list[dict], info: dict) -> None:
         print(f"{row['fraction']:>6.1%}    {cells}    {ratios}")
 
 
+def print_leads(rows: list[dict]) -> None:
+    print("\n## the token hint's horizon at 1/4 of the experts (sent N MoE layers before its layer)")
+    for row in rows:
+        default = " (default)" * (row["lead"] == TOKEN_HINT_LEAD)
+        print(
+            f"lead {row['lead']}: RAM hits {100 * row['hit_rate']:5.1f}%  "
+            f"{row['bytes_per_token'] / 1024:6.1f} KiB/token  "
+            f"fetch {row['fetch_ms_per_token']:.2f} ms/token{default}"
+        )
+
+
 def print_clients(rows: list[dict]) -> None:
     print("\n## concurrent clients at 1/4 of the experts: pack KiB read per token")
     for row in rows:
@@ -213,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         hints = hint_rows(record(gguf, manifest, trace_path, runs))
         rows, info = policy_rows(trace_path)
         defaults = default_rows(gguf, manifest, runs)
+        leads = lead_rows(gguf, manifest, runs, len(info["moe_layers"]))
         counts = [int(c) for c in args.clients.split(",") if c]
         clients = [bytes_per_token(gguf, manifest, c, args.client_tokens) for c in counts]
         if args.trace is not None:
@@ -220,9 +249,17 @@ def main(argv: list[str] | None = None) -> int:
                 packed.write(trace_path.read_bytes())
     print_report(rows, info, hints)
     print_default(defaults, rows, info)
+    print_leads(leads)
     print_clients(clients)
     if args.json is not None:
-        figures = {"policies": rows, "trace": info, "hints": hints, "default": defaults, "clients": clients}
+        figures = {
+            "policies": rows,
+            "trace": info,
+            "hints": hints,
+            "default": defaults,
+            "leads": leads,
+            "clients": clients,
+        }
         args.json.write_text(json.dumps(figures, indent=1) + "\n")
     return 0
 

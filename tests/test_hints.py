@@ -116,3 +116,26 @@ def test_token_routes_remember_each_layers_latest_experts_per_token():
 def test_an_unknown_hint_is_refused(model_path):
     with pytest.raises(ValueError, match="prefetch hint must be one of auto, pre-attention, layer-ahead"):
         k3stream.load(model_path, prefetch_hint="psychic")
+
+
+def test_token_hints_go_out_their_lead_of_moe_layers_early(model_path):
+    """Lead N: the first N MoE layers' token hints at the step's start (before any fetch), then each
+    layer's as the MoE layer N before it starts (before that layer's fetch)."""
+    model, source = load_recording(model_path, "token")
+    layers = moe_layers(model)
+    state = model.new_state()
+    model.prefill(state, [3, 5])
+    for lead in range(1, len(layers) + 1):
+        model.set_token_hint_lead(lead)
+        source.calls.clear()
+        model.decode(state, 3)
+        fetches_before = {}
+        for position, (call, layer, _) in enumerate(source.calls):
+            if call == "prefetch":
+                fetches_before[layer] = [c[1] for c in source.calls[:position] if c[0] == "fetch"]
+        assert sorted(fetches_before) == layers
+        for i, layer in enumerate(layers):
+            assert fetches_before[layer] == layers[: max(0, i - lead)], (lead, layer)
+    for bad in (0, len(layers) + 1):
+        with pytest.raises(ValueError, match="token hint lead must be 1.."):
+            model.set_token_hint_lead(bad)

@@ -112,12 +112,18 @@ class K3Model:
         self._next_moe = {
             layer.index: next((m for m in moe_layers if m.index > layer.index), None) for layer in layers
         }
-        # token hints: the first ones at the step's start, then each MoE layer's sent from the one
-        # TOKEN_HINT_LEAD before it
-        self._first_token_hints = moe_layers[:TOKEN_HINT_LEAD]
+        self._moe_layers = moe_layers
+        self.set_token_hint_lead(TOKEN_HINT_LEAD)
+
+    def set_token_hint_lead(self, lead: int) -> None:
+        """Send each MoE layer's token hint as the MoE layer `lead` before it starts (the first `lead`
+        layers' at the step's start); `TOKEN_HINT_LEAD` by default."""
+        moe_layers = self._moe_layers
+        if not 1 <= lead <= max(len(moe_layers), 1):
+            raise ValueError(f"token hint lead must be 1..{len(moe_layers)} MoE layers, got {lead}")
+        self._first_token_hints = moe_layers[:lead]
         self._token_hint_from = {
-            moe.index: moe_layers[i + TOKEN_HINT_LEAD]
-            for i, moe in enumerate(moe_layers[: len(moe_layers) - TOKEN_HINT_LEAD])
+            moe.index: moe_layers[i + lead] for i, moe in enumerate(moe_layers[: len(moe_layers) - lead])
         }
 
     def new_state(self) -> SequenceState:

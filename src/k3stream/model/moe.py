@@ -182,9 +182,10 @@ class LatentMoE:
 
     def _read_window(self, count: int) -> int:
         """Experts read ahead of the computing: the whole step when the source has no cache or the
-        step fits in half its slots (so what is computed and what is read both fit); a larger step streams through the cache
-        and reads one group ahead of the one computing, so the slots it does not need keep experts
-        for the next steps (else such steps evict every layer's experts at every step)."""
+        step fits in half its slots (so what is computed and what is read both fit); a larger step
+        streams through the cache and reads one group ahead of the one computing, so the slots it
+        does not need keep experts for the next steps (else such steps evict every layer's experts
+        at every step)."""
         slots = self.source.max_experts_per_fetch
         if slots is None or count <= slots // 2:
             return count
