@@ -128,14 +128,15 @@ class LatentMoE:
         ids, counts = np.unique(pair_experts, return_counts=True)  # sorted, as `order_of_pairs` is
         bounds = np.concatenate([[0], np.cumsum(counts)])
         position = {int(expert): i for i, expert in enumerate(ids)}
-        order, resident = self._step_order(ids, self._asked)
+        # what __call__ read ahead (of this step's experts: an expert-parallel rank computes its own)
+        read_before = [expert for expert in self._asked if expert in position]
+        self._asked = []
+        order, leading = self._step_order(ids, read_before)
         rank = {expert: i for i, expert in enumerate(order)}
         window = self._read_window(len(ids))
         read = len(ids)  # how many of `order` were asked for
         if self.source.reads_ahead:  # those __call__ asked for, then the others resident now
-            read = max(len(self._asked), resident)
-            self._slide_window(order, len(self._asked), read)
-        self._asked = []
+            read = self._slide_window(order, len(read_before), leading)
         pending = order
         outputs = latent.new_empty(len(pair_experts), latent.shape[1])
         done: list[np.ndarray] = []  # the pairs computed so far, in the order of `outputs`
@@ -165,20 +166,17 @@ class LatentMoE:
         return pair_outputs
 
     def _step_order(self, ids: np.ndarray, asked: list[int]) -> tuple[list[int], int]:
-        """The step's experts (`ids`, in pack order) in the order they are fetched, and how many
-        lead it that were asked for or are resident: first those already asked for (read ahead, in
-        that order), then those resident (they cost no read, and fetching them first pins them
-        before this step's reads evict them: in a step larger than the cache, a layer's experts not
-        yet used are the cheapest to evict), then the rest in pack order."""
-        experts = ids.tolist()
-        step = set(experts)
-        first = [expert for expert in asked if expert in step]  # an expert-parallel rank's own
-        taken = set(first)
-        rest = [expert for expert in experts if expert not in taken]
+        """The step's experts (`ids`, in pack order) in the order they are fetched, and how many lead
+        it that were asked for or are resident: first those already read ahead (`asked`, in that
+        order), then those resident (they cost no read, and fetching them first pins them before
+        this step's reads evict them: in a step larger than the cache, a layer's experts not yet used
+        are the cheapest to evict), then the rest in pack order."""
+        taken = set(asked)
+        rest = [expert for expert in ids.tolist() if expert not in taken]
         resident = self.source.ready(self.layer, rest)
         held = set(resident)
-        order = first + resident + [expert for expert in rest if expert not in held]
-        return order, len(first) + len(resident)
+        order = asked + resident + [expert for expert in rest if expert not in held]
+        return order, len(asked) + len(resident)
 
     def _read_window(self, count: int) -> int:
         """Experts read ahead of the computing: the whole step when the source has no cache or the
