@@ -192,3 +192,27 @@ def test_the_portable_kernels_match_the_reference_too():
     done = subprocess.run([sys.executable, "-c", GENERIC_CHECK], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.strip().splitlines()[-1]) <= 1e-5
+
+
+def test_f32_mat_vecs_take_the_c_kernel_and_rows_do_not_depend_on_their_company(monkeypatch):
+    """F32 GGUF bytes with at most F32_KERNEL_MAX_ROWS input rows (decode, small batches) go through the
+    C kernel, on every thread; each row's result is the same alone, in a batch and on one thread."""
+    from k3stream.quant.kernels import F32_KERNEL_MAX_ROWS
+
+    w = weight(T.F32, 300, 1024, seed=6)
+    x = torch.randn(F32_KERNEL_MAX_ROWS + 1, 1024)
+    calls = []
+    product = cpu.grouped_product
+    monkeypatch.setattr(cpu, "grouped_product", lambda *args: calls.append(len(args[0])) or product(*args))
+    alone = torch.stack([qmatmul(row[None], w)[0] for row in x[:F32_KERNEL_MAX_ROWS]])
+    assert calls == [1] * F32_KERNEL_MAX_ROWS
+    assert torch.equal(qmatmul(x[:F32_KERNEL_MAX_ROWS], w), alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(qmatmul(x[:5], w), alone[:5])
+    finally:
+        torch.set_num_threads(threads)
+    assert relative_error(alone, reference(x[:F32_KERNEL_MAX_ROWS], w)) <= 1e-6
+    calls.clear()
+    assert relative_error(qmatmul(x, w), reference(x, w)) <= 1e-6 and calls == []  # torch's GEMM

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "reference")
 F32 = 0
 FLOAT_WIDTH_TYPES = frozenset({1, 30})  # F16, BF16: one value per "block"
+# F32 products of at most this many rows take the C kernel (`_f32_by_kernel`), more take torch's
+F32_KERNEL_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -113,11 +115,31 @@ def qmatmul(
     input as ggml's CPU matmul sees it (see `grouped_qmatmul`)."""
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"qmatmul: input has {x.shape[-1]} features, the weight expects {weight.shape[1]}")
-    if weight.ggml_type == F32:
-        return torch.nn.functional.linear(x.float(), _f32_matrix(weight, x.device))
     flat = x.reshape(-1, x.shape[-1]).float()
-    out = grouped_qmatmul(flat, [weight], *_all_rows(flat.shape[0]), backend, match_ggml)
+    if weight.ggml_type != F32:
+        out = grouped_qmatmul(flat, [weight], *_all_rows(flat.shape[0]), backend, match_ggml)
+    elif _f32_by_kernel(flat, weight):
+        out_features, in_features = weight.shape
+        out = cpu.grouped_product(
+            flat, [weight.data], F32, out_features, 4 * in_features, *_all_rows(len(flat))
+        )
+    else:
+        return torch.nn.functional.linear(x.float(), _f32_matrix(weight, x.device))
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _f32_by_kernel(x: torch.Tensor, weight: QWeight) -> bool:
+    """Whether an F32 product takes the C kernel: GGUF bytes on the CPU, at most F32_KERNEL_MAX_ROWS
+    rows (a mat-vec reads the weight at the memory's speed, on every thread; torch's is one thread
+    wide and slow at 2-16 rows; with more rows torch's GEMM computes faster)."""
+    return (
+        x.shape[0] <= F32_KERNEL_MAX_ROWS
+        and weight.data.dtype == torch.uint8
+        and weight.data.is_contiguous()
+        and x.device.type == "cpu"
+        and weight.shape[1] % 32 == 0
+        and cpu.available()
+    )
 
 
 def _f32_matrix(weight: QWeight, device: torch.device) -> torch.Tensor:

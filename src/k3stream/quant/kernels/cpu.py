@@ -20,8 +20,10 @@ CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39})
 # Q8_0 for Q4_0, Q8_0
 Q8_TYPES = frozenset({10, 11, 12, 14, 2, 8})
 # products smaller than this many multiply-adds run on the calling thread: waking a second OpenMP pool
-# next to torch's (whose threads spin after each op) costs more than it saves
-PARALLEL_MIN_MACS = 1 << 22
+# next to torch's (whose threads spin after each op) costs more than it saves. Since the F32 mat-vecs
+# run here too (torch's rarely runs in decode), 1/4 M is where a mid-size decode gained most (1 M and
+# 4 M tried: up to 20% slower on 2 threads)
+PARALLEL_MIN_MACS = 1 << 18
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 

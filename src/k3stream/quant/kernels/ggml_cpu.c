@@ -647,8 +647,11 @@ ALWAYS __m256 bf16x8(const uint8_t *p) {
         for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);                                          \
     }
 
+ALWAYS __m256 f32x8(const uint8_t *p) { return _mm256_loadu_ps((const float *)p); }
+
 FLOAT_DOT(dot_f16, half8, 2)
 FLOAT_DOT(dot_bf16, bf16x8, 2)
+FLOAT_DOT(dot_f32, f32x8, 4)
 
 
 /* One weight row m of a fused type against its matrix's input rows, FUSED_ROWS rows at a time; DOT
@@ -685,6 +688,7 @@ FUSED_ROW(fused_q4_0, dot_q4_0, 32, 18)
 FUSED_ROW(fused_q8_0, dot_q8_0, 32, 34)
 FUSED_ROW(fused_f16, dot_f16, 32, 64)
 FUSED_ROW(fused_bf16, dot_bf16, 32, 64)
+FUSED_ROW(fused_f32, dot_f32, 32, 128)
 
 static RowKernel fused_kernel(int ggml_type) {
     if (!HAVE_AVX2()) return NULL;
@@ -697,6 +701,7 @@ static RowKernel fused_kernel(int ggml_type) {
         case 8: return fused_q8_0;
         case 1: return __builtin_cpu_supports("f16c") ? fused_f16 : NULL;
         case 30: return fused_bf16;
+        case 0: return fused_f32;
         default: return NULL;
     }
 }
