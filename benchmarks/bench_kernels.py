@@ -4,7 +4,8 @@
 
 One step of a real-size Kimi-K3 MoE layer: `--experts` matrices of one expert role (3072 x 3584, the
 shape of up and gate), each multiplied by one input row (decode: top-16 experts, one token), through
-`k3stream.quant.kernels.grouped_qmatmul`. The same bytes are then read by a plain sequential pass
+`k3stream.quant.kernels.grouped_qmatmul` (F32: `qmatmul` per matrix, as a model's F32 projections
+run). The same bytes are then read by a plain sequential pass
 (`torch.sum` over them as int64, the same thread count): the physical limit of reading them from RAM.
 The matrices together exceed the last-level cache, so both sides read from memory. Printed per type and
 thread count: both rates and the ratio; types with integer kernels (Q2_K, Q3_K) also with `match_ggml`
@@ -22,7 +23,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from k3stream.quant import quantize
-from k3stream.quant.kernels import QWeight, cpu, grouped_qmatmul
+from k3stream.quant.kernels import F32, QWeight, cpu, grouped_qmatmul, qmatmul
 
 ROWS, COLS = 3072, 3584  # one Kimi-K3 expert's up (or gate) projection: expert_ff x latent
 
@@ -46,7 +47,9 @@ def best_seconds(run, repeat: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--types", default="Q2_K,Q3_K,Q4_0,Q8_0,Q4_K,Q5_K,Q6_K,Q4_1,Q5_0,Q5_1,MXFP4,F16,BF16")
+    parser.add_argument(
+        "--types", default="Q2_K,Q3_K,Q4_0,Q8_0,Q4_K,Q5_K,Q6_K,Q4_1,Q5_0,Q5_1,MXFP4,F16,BF16,F32"
+    )
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
@@ -67,6 +70,8 @@ def main() -> None:
         for match_ggml in (False, True) if GGMLQuantizationType[name] in cpu.Q8_TYPES else (False,):
 
             def product(weights=weights, match_ggml=match_ggml):
+                if weights[0].ggml_type == F32:  # a model's F32 mat-vecs: one matrix at a time
+                    return [qmatmul(x[i : i + 1], w) for i, w in enumerate(weights)]
                 return grouped_qmatmul(x, weights, starts, rows, match_ggml=match_ggml)
 
             label = name + " q8" * match_ggml
