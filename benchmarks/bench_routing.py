@@ -66,12 +66,17 @@ def record(gguf: Path, manifest: Path, trace_path: Path, runs: list[list[int]]) 
         model = k3stream.load(gguf, expert_source=store)
         # predict (and score) both hints on every step; the store, its prefetch off, ignores them
         model.prefetch = model.score_all_hints = True
-        for run in runs:
-            state = model.new_state()
-            for token in run:
-                model.decode(state, token)
-                store.end_token(1)
+        decode_runs(model, store, runs)
     return model.hints
+
+
+def decode_runs(model, store, runs: list[list[int]]) -> None:
+    """Each run token by token (teacher forced) from a fresh state, each token ended at the store."""
+    for run in runs:
+        state = model.new_state()
+        for token in run:
+            model.decode(state, token)
+            store.end_token(1)
 
 
 def bytes_per_token(gguf: Path, manifest: Path, clients: int, length: int) -> dict:
@@ -95,10 +100,16 @@ def bytes_per_token(gguf: Path, manifest: Path, clients: int, length: int) -> di
     return {"clients": clients, "tokens": clients * length, "bytes_per_token": read / (clients * length)}
 
 
-def replay(gguf: Path, manifest: Path, runs: list[list[int]], fraction: float, **options) -> dict:
-    """RAM hit rate, pack bytes and fetch wait per token of a store holding `fraction` of the experts
-    (the default one, else `prefetch=False`, or token hints sent `lead` MoE layers early) decoding
-    `runs` token by token (teacher forced)."""
+def replay(
+    gguf: Path,
+    manifest: Path,
+    runs: list[list[int]],
+    fraction: float,
+    prefetch: bool = True,
+    lead: int = TOKEN_HINT_LEAD,
+) -> dict:
+    """RAM hit rate, pack bytes and fetch wait per token of the default store holding `fraction` of
+    the experts (prefetch on or off, token hints sent `lead` MoE layers early) decoding `runs`."""
     import k3stream
     from k3stream.pack.reader import ExpertPack
     from k3stream.store import ExpertStore
@@ -106,14 +117,10 @@ def replay(gguf: Path, manifest: Path, runs: list[list[int]], fraction: float, *
     with ExpertPack(manifest) as pack:
         objects = round(fraction * len(pack.moe_layers) * pack.num_experts)
         ram_mib = objects * pack.object_bytes / MIB
-    with ExpertStore(manifest, ram_mib=ram_mib, prefetch=options.get("prefetch", True)) as store:
+    with ExpertStore(manifest, ram_mib=ram_mib, prefetch=prefetch) as store:
         model = k3stream.load(gguf, expert_source=store)
-        model.set_token_hint_lead(options.get("lead", TOKEN_HINT_LEAD))
-        for run in runs:
-            state = model.new_state()
-            for token in run:
-                model.decode(state, token)
-                store.end_token(1)
+        model.set_token_hint_lead(lead)
+        decode_runs(model, store, runs)
         stats = store.stats()
     ram = stats["tiers"]["ram"]
     return {
