@@ -379,22 +379,36 @@ def test_full_queue_refuses_with_429(slow_server):
     slow_server.wait_idle()
 
 
+def _scheduler_job(tokenizer, loop, max_tokens: int, prompt: str = "Hello"):
+    from k3stream.engine.generate import Sequence
+    from k3stream.engine.sampling import SamplingParams
+    from k3stream.server.scheduler import EventSink, Job
+
+    ids = tokenizer.encode(prompt)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return Job(ids, Sequence(tokenizer, ids, params), EventSink(loop))
+
+
+def _wait_until(condition, what: str) -> None:
+    for _ in range(2000):  # a bound, not a timing assertion
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting until {what}")
+
+
 def test_scheduler_without_a_queue_fills_its_free_batch_slots(gguf_model):
     """`max_queue=0` still takes as many requests as there are free batch slots; then it refuses."""
     import asyncio
 
-    from k3stream.engine.generate import Sequence
-    from k3stream.engine.sampling import SamplingParams
     from k3stream.server.metrics import ServerMetrics
-    from k3stream.server.scheduler import ErrorEvent, EventSink, Job, QueueFull, Scheduler
+    from k3stream.server.scheduler import ErrorEvent, QueueFull, Scheduler
 
     model, tokenizer = gguf_model
     loop = asyncio.new_event_loop()
-    ids = tokenizer.encode("Hello")
 
     def job(max_tokens):
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        return Job(ids, Sequence(tokenizer, ids, params), EventSink(loop))
+        return _scheduler_job(tokenizer, loop, max_tokens)
 
     scheduler = Scheduler(model, ServerMetrics(), max_batch=2, max_queue=0)
     short, long = job(2), job(10_000)
@@ -404,10 +418,10 @@ def test_scheduler_without_a_queue_fills_its_free_batch_slots(gguf_model):
         scheduler.submit(job(2))
     scheduler.start()
     try:
-        for _ in range(2000):  # a bound, not a timing assertion
-            if short.logic.finish_reason is not None and scheduler.snapshot()["running"] == 1:
-                break
-            time.sleep(0.01)
+        _wait_until(
+            lambda: short.logic.finish_reason is not None and scheduler.snapshot()["running"] == 1,
+            "the short job finished",
+        )
         assert short.logic.finish_reason == "length"
         scheduler.submit(job(2))  # the finished one's slot is free again
     finally:
@@ -419,6 +433,53 @@ def test_scheduler_without_a_queue_fills_its_free_batch_slots(gguf_model):
     events = [long.sink.queue.get_nowait() for _ in range(long.sink.queue.qsize())]
     assert events[-1] == ErrorEvent("the server is shutting down")
     loop.close()
+
+
+class _GatedPrefill:
+    """The real model, whose prefill waits for a gate: a request is caught in the middle of it."""
+
+    def __init__(self, model):
+        self.model = model
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def prefill(self, state, tokens):
+        self.entered.set()
+        assert self.gate.wait(60), "the test never opened the gate"
+        return self.model.prefill(state, tokens)
+
+
+def test_a_request_in_prefill_is_active_and_its_cancellation_counted(gguf_model):
+    """/health counts a request while its prompt is prefilled; a client leaving then is counted once."""
+    import asyncio
+
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import Scheduler
+
+    model, tokenizer = gguf_model
+    gated = _GatedPrefill(model)
+    loop = asyncio.new_event_loop()
+    scheduler = Scheduler(gated, ServerMetrics(), max_batch=2, max_queue=2)
+    job = _scheduler_job(tokenizer, loop, 10_000)
+    scheduler.start()
+    try:
+        scheduler.submit(job)
+        assert gated.entered.wait(60), "the scheduler never prefilled the request"
+        snapshot = scheduler.snapshot()
+        assert (snapshot["waiting"], snapshot["running"], snapshot["active_sequences"]) == (0, 1, 1)
+        job.cancel()
+        scheduler.wake()
+        gated.gate.set()
+        _wait_until(lambda: scheduler.snapshot()["active_sequences"] == 0, "the cancelled job was freed")
+        assert scheduler.snapshot()["cancelled_jobs"] == 1
+        assert job.logic.completion_tokens <= 1
+    finally:
+        gated.gate.set()
+        scheduler.stop()
+        loop.close()
 
 
 def test_health_and_metrics(client, server):

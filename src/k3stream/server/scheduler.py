@@ -213,9 +213,11 @@ class Scheduler:
         return [job for job in jobs if job.active]
 
     def _next_waiting(self) -> Job | None:
+        """The next waiting job, moved to the running ones before its prefill: /health counts it."""
         with self._wake:
             while len(self._running) < self.max_batch and self._waiting:
                 if kept := self._keep_active([self._waiting.popleft()]):
+                    self._running += kept
                     self._update_gauges()
                     return kept[0]
             self._update_gauges()
@@ -234,9 +236,6 @@ class Scheduler:
             self._count_tokens(len(job.prompt_tokens))
             self.metrics.prompt_tokens.inc(len(job.prompt_tokens))
             self._emit_token(job, logits)
-            with self._wake:
-                self._running += self._keep_active([job])
-                self._update_gauges()
 
     def _decode_step(self) -> None:
         batch = [job for job in self._running if job.active]
