@@ -342,6 +342,43 @@ def test_kda_layer_decode_steps_match_chunked_prefill(kda_model):
     assert rel(decode_state.conv, prefill_state.conv) < 1e-6
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dict(conv_kernel=4, gate_lower_bound=-5.0, kda_heads=4, kda_head_dim=16),
+        dict(conv_kernel=2, gate_lower_bound=None, kda_heads=2, kda_head_dim=40),
+        dict(conv_kernel=1, gate_lower_bound=-5.0, kda_heads=1, kda_head_dim=8),
+    ],
+)
+def test_the_c_decode_step_matches_the_torch_one(tiny_model, monkeypatch, spec):
+    """`kda_cpu.c` against the torch step it replaces on the CPU: three sequences at different points,
+    stepped together; outputs, recurrent states and conv histories."""
+    import k3stream
+    from k3stream.quant.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("the C kernels were not built")
+    spec = dict(spec, mla_heads=spec["kda_heads"], n_layers=2, mla_layers=(1,), seed=5)
+    layer = k3stream.load(tiny_model(**spec)).layers[0].attn
+    h = torch.randn(3, 40, layer.w.q_proj.in_features, generator=torch.Generator().manual_seed(3))
+    runs = []
+    for in_c in (True, False):
+        if not in_c:
+            monkeypatch.setattr(KDA, "_step_in_c", lambda *_: False)
+        states = [layer.new_state() for _ in range(3)]
+        for row, state in enumerate(states):
+            layer.prefill(h[row, : 5 * row + 1], state)
+        with torch.inference_mode():
+            outputs = torch.stack([layer.decode(h[:, t], states) for t in range(16, 40)])
+        runs.append(
+            (outputs, torch.stack([s.recurrent for s in states]), torch.stack([s.conv for s in states]))
+        )
+    (c_out, c_rec, c_conv), (t_out, t_rec, t_conv) = runs
+    assert rel(c_out, t_out) < 1e-5
+    assert rel(c_rec, t_rec) < 1e-5
+    assert torch.equal(c_conv, t_conv)
+
+
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_tensor_parallel_ranks_sum_to_the_full_layer(kda_path, kda_model, tp_size):
     ranks = [load_rank(kda_path, rank, tp_size) for rank in range(tp_size)]

@@ -13,6 +13,7 @@ import torch
 
 from k3stream.model.layers import Linear, l2_normalize, rms_norm
 from k3stream.model.shard import input_columns, output_rows, part, rows_of
+from k3stream.quant.kernels import cpu
 
 SOFTPLUS_THRESHOLD = 20.0
 SEED_L2NORM_EPS = 1e-6  # the seed kernels' in-kernel q/k norm; the model itself uses the rms eps
@@ -167,6 +168,14 @@ class KDA:
     def decode(self, h: torch.Tensor, states: list[KDAState]) -> torch.Tensor:
         """h [B, E], one token of each of B sequences -> [B, E]; advances each state."""
         projected = self._project_qkv(h)
+        if self._step_in_c(projected, states):
+            gated = cpu.kda_decode(
+                projected, [state.conv for state in states], self.w.conv,
+                self.w.f_b_proj(self.w.f_a_proj(h)).float(), self.w.dt_bias, self.w.ssm_a, self.lower_bound,
+                self.w.b_proj(h).float(), [state.recurrent for state in states], self.w.g_proj(h).float(),
+                self.w.o_norm, self.eps, self.scale,
+            )  # fmt: skip
+            return self.w.o_proj(gated.to(h.dtype))
         mixed_rows = []
         for row, state in enumerate(states):
             mixed_row, state.conv = causal_conv(projected[row : row + 1], state.conv, self.w.conv)
@@ -179,6 +188,16 @@ class KDA:
             for state, new in zip(states, pool, strict=True):
                 state.recurrent = new
         return self._output(h, out)
+
+    def _step_in_c(self, projected: torch.Tensor, states: list[KDAState]) -> bool:
+        """Whether the step after the projections takes the C kernel (`kda_cpu.c`): float32 CPU
+        tensors it may update in place, none that autograd follows."""
+        tensors = [projected, self.w.conv, self.w.dt_bias, self.w.ssm_a, self.w.o_norm]
+        tensors += [t for state in states for t in (state.conv, state.recurrent)]
+        return cpu.available() and all(
+            t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad
+            for t in tensors
+        )
 
     def _project_qkv(self, h: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.w.q_proj(h), self.w.k_proj(h), self.w.v_proj(h)], dim=1).float()

@@ -51,6 +51,10 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_int,
         ctypes.c_int,
     ]
+    kda = library.k3_kda_decode
+    kda.restype = ctypes.c_int
+    kda.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_float, _PTR, _PTR, _PTR]
+    kda.argtypes += [_PTR, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, _PTR]
     return library
 
 
@@ -88,4 +92,38 @@ def grouped_product(
         raise ValueError(
             f"no CPU kernel for GGML type {ggml_type}" + " on 8-bit activations" * q8_activations
         )
+    return out
+
+
+def kda_decode(
+    projected: torch.Tensor,
+    histories: Sequence[torch.Tensor],
+    conv: torch.Tensor,
+    f: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_a: torch.Tensor,
+    lower_bound: float | None,
+    b_logits: torch.Tensor,
+    states: Sequence[torch.Tensor],
+    g_logits: torch.Tensor,
+    o_norm: torch.Tensor,
+    eps: float,
+    scale: float,
+) -> torch.Tensor:
+    """One KDA decode step of B sequences after the projections (`kda_cpu.c`): [B, H * D], the gated
+    and normed output for o_proj. Updates each conv history [taps - 1, 3 H D] and state [H, D, D] in
+    place; every tensor float32, contiguous, on the CPU."""
+    batch, inner = f.shape
+    heads, dim = ssm_a.numel(), o_norm.numel()
+    out = torch.empty(batch, inner, dtype=torch.float32)
+    history_ptrs = np.fromiter((t.data_ptr() for t in histories), dtype=np.int64, count=batch)
+    state_ptrs = np.fromiter((t.data_ptr() for t in states), dtype=np.int64, count=batch)
+    status = _library().k3_kda_decode(
+        projected.data_ptr(), history_ptrs.ctypes.data, conv.data_ptr(), conv.shape[1], f.data_ptr(),
+        dt_bias.data_ptr(), ssm_a.data_ptr(), int(lower_bound is not None), float(lower_bound or 0.0),
+        b_logits.data_ptr(), state_ptrs.ctypes.data, g_logits.data_ptr(), o_norm.data_ptr(), batch, heads,
+        dim, eps, scale, out.data_ptr(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("no memory for a KDA decode step")
     return out

@@ -1,0 +1,121 @@
+/* One KDA decode step on the CPU, after the projections (k3stream.model.kda.KDA.decode calls it).
+ *
+ * For each of B sequences and each head: the causal conv of the projected q/k/v (history updated in
+ * place), SiLU, l2-normalised q and k, the per-channel decay gate, the delta rule on the state
+ * S [V, K] (in place), then the output's RMS norm and sigmoid gate. The same operations as the torch
+ * path in kda.py (which stays the reference and the GPU path), in one pass over each state row, so
+ * a decode step costs one call instead of some eighty small tensor operations per layer.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SOFTPLUS_THRESHOLD 20.0f
+#define LANES 16
+#define INLINE static inline __attribute__((always_inline))
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+
+INLINE float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* mixed[c] = sum_t window[t][c] * w[c][t] over the C - 1 history rows then x; the history shifts */
+INLINE void causal_conv_step(const float *x, float *history, const float *w, int64_t taps, int64_t width,
+                             float *mixed) {
+    for (int64_t c = 0; c < width; c++) {
+        const float *wc = w + c * taps;
+        float sum = taps > 1 ? history[c] * wc[0] : x[c] * wc[0];
+        for (int64_t t = 1; t < taps - 1; t++) sum += history[t * width + c] * wc[t];
+        if (taps > 1) sum += x[c] * wc[taps - 1];
+        mixed[c] = sum;
+    }
+    if (taps > 1) {
+        memmove(history, history + width, sizeof(float) * (size_t)((taps - 2) * width));
+        memcpy(history + (taps - 2) * width, x, sizeof(float) * (size_t)width);
+    }
+}
+
+INLINE void silu_l2(float *v, int64_t n, float eps, int normalize) {
+    float squares = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        v[i] = v[i] * sigmoidf(v[i]);
+        squares += v[i] * v[i];
+    }
+    if (!normalize) return;
+    const float inverse = 1.0f / sqrtf(squares + eps);
+    for (int64_t i = 0; i < n; i++) v[i] *= inverse;
+}
+
+/* The decay of one head's key channels in log space: lower_bound * sigmoid(a f) or -a softplus(f) */
+INLINE void decay(const float *f, const float *bias, float a, int has_bound, float bound, int64_t n,
+                  float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const float value = f[i] + bias[i];
+        if (has_bound) {
+            out[i] = expf(bound * sigmoidf(a * value));
+        } else {
+            const float softplus = value > SOFTPLUS_THRESHOLD ? value : log1pf(expf(value));
+            out[i] = expf(-a * softplus);
+        }
+    }
+}
+
+/* sum_i a[i] b[i] in LANES interleaved partial sums (vectorizable without reassociating a sum) */
+INLINE float dot(const float *a, const float *b, int64_t n) {
+    float partial[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) partial[j] += a[i + j] * b[i + j];
+    float sum = 0.0f;
+    for (int j = 0; j < LANES; j++) sum += partial[j];
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* S *= exp(g); S += (beta (v - S k)) k^T; o = S q, one pass per state row */
+INLINE void delta_rule(float *s, const float *q, const float *k, const float *v, const float *factor, float beta,
+                       int64_t dim, float *o) {
+    for (int64_t row = 0; row < dim; row++) {
+        float *sr = s + row * dim;
+        for (int64_t i = 0; i < dim; i++) sr[i] *= factor[i];
+        const float delta = (v[row] - dot(sr, k, dim)) * beta;
+        for (int64_t i = 0; i < dim; i++) sr[i] += delta * k[i];
+        o[row] = dot(sr, q, dim);
+    }
+}
+
+/* Returns 0, or -2 without memory. proj [B, 3D] (q, k, v; D = heads * dim); histories[b] [taps - 1, 3D];
+ * conv_w [3D, taps]; f [B, D] (before dt_bias); ssm_a [H] (-exp(A_log)); b_logits [B, H];
+ * states[b] [H, dim, dim]; g_logits [B, D]; o_norm [dim]; out [B, D]. */
+CLONES int k3_kda_decode(const float *proj, float *const *histories, const float *conv_w, int64_t taps, const float *f,
+                  const float *dt_bias, const float *ssm_a, int has_bound, float bound, const float *b_logits,
+                  float *const *states, const float *g_logits, const float *o_norm, int64_t batch, int64_t heads,
+                  int64_t dim, float eps, float scale, float *out) {
+    const int64_t inner = heads * dim, width = 3 * inner;
+    float *mixed = malloc(sizeof(float) * (size_t)(width + 2 * dim));
+    if (mixed == NULL) return -2;
+    float *factor = mixed + width, *o = factor + dim;
+    for (int64_t b = 0; b < batch; b++) {
+        causal_conv_step(proj + b * width, histories[b], conv_w, taps, width, mixed);
+        for (int64_t h = 0; h < heads; h++) {
+            float *q = mixed + h * dim, *k = mixed + inner + h * dim, *v = mixed + 2 * inner + h * dim;
+            silu_l2(q, dim, eps, 1);
+            silu_l2(k, dim, eps, 1);
+            silu_l2(v, dim, eps, 0);
+            for (int64_t i = 0; i < dim; i++) q[i] *= scale;
+            decay(f + b * inner + h * dim, dt_bias + h * dim, -ssm_a[h], has_bound, bound, dim, factor);
+            delta_rule(states[b] + h * dim * dim, q, k, v, factor, sigmoidf(b_logits[b * heads + h]), dim, o);
+            float squares = 0.0f;
+            for (int64_t i = 0; i < dim; i++) squares += o[i] * o[i];
+            const float inverse = 1.0f / sqrtf(squares / (float)dim + eps);
+            const float *gate = g_logits + b * inner + h * dim;
+            float *y = out + b * inner + h * dim;
+            for (int64_t i = 0; i < dim; i++) y[i] = o[i] * inverse * o_norm[i] * sigmoidf(gate[i]);
+        }
+    }
+    free(mixed);
+    return 0;
+}
