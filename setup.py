@@ -9,7 +9,7 @@ setup(
     ext_modules=[
         Extension(
             "k3stream.quant.kernels._ggml_cpu",
-            ["src/k3stream/quant/kernels/ggml_cpu.c", "src/k3stream/quant/kernels/kda_cpu.c"],
+            ["src/k3stream/quant/kernels/ggml_cpu.c", "src/k3stream/quant/kernels/steps_cpu.c"],
             extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-std=gnu11"],
             extra_link_args=["-fopenmp"],
             optional=True,

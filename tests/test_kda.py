@@ -351,7 +351,7 @@ def test_kda_layer_decode_steps_match_chunked_prefill(kda_model):
     ],
 )
 def test_the_c_decode_step_matches_the_torch_one(tiny_model, monkeypatch, spec):
-    """`kda_cpu.c` against the torch step it replaces on the CPU: three sequences at different points,
+    """`steps_cpu.c` against the torch step it replaces on the CPU: three sequences at different points,
     stepped together; outputs, recurrent states and conv histories."""
     import k3stream
     from k3stream.quant.kernels import cpu

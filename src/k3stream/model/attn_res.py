@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from k3stream.model.layers import rms_norm
+from k3stream.quant.kernels import cpu
 
 
 def residual_mix(
@@ -13,9 +14,16 @@ def residual_mix(
     """Softmax-weighted sum of the banked rows and `current` ([N, E] each), scored by rms(row) . score.
 
     The scores use normalised rows, the sum the raw ones. An empty bank returns `current` as is.
+    Float32 CPU rows that autograd does not follow take the C kernel (`steps_cpu.c`).
     """
     if not bank:
         return current
+    tensors = [*bank, current, score]
+    if cpu.available() and all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad
+        for t in tensors
+    ):
+        return cpu.residual_mix([*bank, current], score, eps)
     rows = torch.stack([*bank, current])
     scores = (rms_norm(rows, None, eps) * score).sum(-1)
     weights = torch.softmax(scores, dim=0)

@@ -190,7 +190,7 @@ class KDA:
         return self._output(h, out)
 
     def _step_in_c(self, projected: torch.Tensor, states: list[KDAState]) -> bool:
-        """Whether the step after the projections takes the C kernel (`kda_cpu.c`): float32 CPU
+        """Whether the step after the projections takes the C kernel (`steps_cpu.c`): float32 CPU
         tensors it may update in place, none that autograd follows."""
         tensors = [projected, self.w.conv, self.w.dt_bias, self.w.ssm_a, self.w.o_norm]
         tensors += [t for state in states for t in (state.conv, state.recurrent)]

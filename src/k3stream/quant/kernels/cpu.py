@@ -55,6 +55,9 @@ def _library() -> ctypes.CDLL | None:
     kda.restype = ctypes.c_int
     kda.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_float, _PTR, _PTR, _PTR]
     kda.argtypes += [_PTR, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, _PTR]
+    mix = library.k3_residual_mix
+    mix.restype = ctypes.c_int
+    mix.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR]
     return library
 
 
@@ -110,7 +113,7 @@ def kda_decode(
     eps: float,
     scale: float,
 ) -> torch.Tensor:
-    """One KDA decode step of B sequences after the projections (`kda_cpu.c`): [B, H * D], the gated
+    """One KDA decode step of B sequences after the projections (`steps_cpu.c`): [B, H * D], the gated
     and normed output for o_proj. Updates each conv history [taps - 1, 3 H D] and state [H, D, D] in
     place; every tensor float32, contiguous, on the CPU."""
     batch, inner = f.shape
@@ -126,4 +129,18 @@ def kda_decode(
     )  # fmt: skip
     if status != 0:
         raise MemoryError("no memory for a KDA decode step")
+    return out
+
+
+def residual_mix(rows: Sequence[torch.Tensor], score: torch.Tensor, eps: float) -> torch.Tensor:
+    """The attention-residual mix (`steps_cpu.c`) of `rows` ([N, E] each, bank then current; float32,
+    contiguous, on the CPU) scored by `score` [E]: [N, E]."""
+    n, width = rows[0].shape
+    out = torch.empty(n, width, dtype=torch.float32)
+    pointers = np.fromiter((t.data_ptr() for t in rows), dtype=np.int64, count=len(rows))
+    status = _library().k3_residual_mix(
+        pointers.ctypes.data, len(rows), n, width, score.data_ptr(), eps, out.data_ptr()
+    )
+    if status != 0:
+        raise MemoryError("no memory for a residual mix")
     return out

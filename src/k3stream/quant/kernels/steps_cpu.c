@@ -1,10 +1,13 @@
-/* One KDA decode step on the CPU, after the projections (k3stream.model.kda.KDA.decode calls it).
+/* Per-token steps of the model in C, for the CPU (k3stream.quant.kernels.cpu calls them via ctypes):
  *
- * For each of B sequences and each head: the causal conv of the projected q/k/v (history updated in
- * place), SiLU, l2-normalised q and k, the per-channel decay gate, the delta rule on the state
- * S [V, K] (in place), then the output's RMS norm and sigmoid gate. The same operations as the torch
- * path in kda.py (which stays the reference and the GPU path), in one pass over each state row, so
- * a decode step costs one call instead of some eighty small tensor operations per layer.
+ * - k3_kda_decode: one KDA decode step after the projections (k3stream.model.kda.KDA.decode). For
+ *   each of B sequences and each head: the causal conv of the projected q/k/v (history updated in
+ *   place), SiLU, l2-normalised q and k, the per-channel decay gate, the delta rule on the state
+ *   S [V, K] (in place), then the output's RMS norm and sigmoid gate.
+ * - k3_residual_mix: the attention-residual mix (k3stream.model.attn_res.residual_mix).
+ *
+ * The same operations as the torch code they replace (which stays the reference and the GPU path),
+ * so a step costs one call instead of tens of small tensor operations.
  */
 #include <math.h>
 #include <stdint.h>
@@ -117,5 +120,37 @@ CLONES int k3_kda_decode(const float *proj, float *const *histories, const float
         }
     }
     free(mixed);
+    return 0;
+}
+
+/* out[r] = sum_i softmax_i(score . rms(rows_i[r])) rows_i[r] over the `count` rows (bank then current)
+ * of each of `n` positions; rows[i] [n, width]. Returns 0, or -2 without memory. */
+CLONES int k3_residual_mix(const float *const *rows, int64_t count, int64_t n, int64_t width, const float *score,
+                           float eps, float *out) {
+    float *weights = malloc(sizeof(float) * (size_t)count);
+    if (weights == NULL) return -2;
+    for (int64_t r = 0; r < n; r++) {
+        float largest = -INFINITY, total = 0.0f;
+        for (int64_t i = 0; i < count; i++) {
+            const float *x = rows[i] + r * width;
+            const float inverse = 1.0f / sqrtf(dot(x, x, width) / (float)width + eps);
+            float scored[LANES] = {0}, sum = 0.0f;
+            int64_t e = 0;
+            for (; e + LANES <= width; e += LANES)
+                for (int j = 0; j < LANES; j++) scored[j] += x[e + j] * inverse * score[e + j];
+            for (int j = 0; j < LANES; j++) sum += scored[j];
+            for (; e < width; e++) sum += x[e] * inverse * score[e];
+            weights[i] = sum;
+            largest = sum > largest ? sum : largest;
+        }
+        for (int64_t i = 0; i < count; i++) total += weights[i] = expf(weights[i] - largest);
+        float *y = out + r * width;
+        for (int64_t e = 0; e < width; e++) y[e] = 0.0f;
+        for (int64_t i = 0; i < count; i++) {
+            const float *x = rows[i] + r * width, w = weights[i] / total;
+            for (int64_t e = 0; e < width; e++) y[e] += w * x[e];
+        }
+    }
+    free(weights);
     return 0;
 }
