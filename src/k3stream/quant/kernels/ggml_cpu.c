@@ -463,15 +463,22 @@ ALWAYS void dot_q2_k(const uint8_t *restrict b, const float *const *x, const flo
     float steps[16], mins[16];
     nibbles_times(b, 0, f16(b + 80), steps);
     nibbles_times(b, 4, f16(b + 82), mins);
-    const __m256i three = _mm256_set1_epi8(3);
+    /* a code (0..3) times its step is a lookup in 8 lanes (step * [0 1 2 3 0 1 2 3]) by the code's
+     * bits at the bottom of its dword: the same product as converting the code and multiplying */
+    const __m256 levels = _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3);
     __m256 acc[FUSED_ROWS][4];
     for (int r = 0; r < n; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
     for (int g = 0; g < 2; g++) { /* byte 32g + i, bits 2f: element 128g + 32f + i, sub-block 8g + 2f + i/16 */
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * g));
-        for (int f = 0; f < 4; f++) {
-            const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(q, 2 * f), three);
-            fma32(codes, steps, 8 * g + 2 * f, x, at + 128 * g + 32 * f, acc, n);
+        __m256 table[8];
+        for (int t = 0; t < 8; t++) table[t] = _mm256_mul_ps(levels, _mm256_broadcast_ss(steps + 8 * g + t));
+        for (int c = 0; c < 4; c++) { /* bytes 8c..8c+7 of the 32: chain c, sub-block 8g + 2f + c/2 */
+            const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 + 32 * g + 8 * c)));
+            for (int f = 0; f < 4; f++) {
+                const __m256 w = _mm256_permutevar8x32_ps(table[2 * f + c / 2], _mm256_srli_epi32(bytes, 2 * f));
+                for (int r = 0; r < n; r++)
+                    acc[r][c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x[r] + at + 128 * g + 32 * f + 8 * c), acc[r][c]);
+            }
         }
     }
     for (int r = 0; r < n; r++) {
