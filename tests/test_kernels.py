@@ -59,6 +59,22 @@ def test_tiles_hold_exactly_the_reference_values(qt):
     assert torch.equal(columns.T, dequantize(w.data.view(9, -1), int(qt)))
 
 
+@pytest.mark.parametrize("qt", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_many_rows_of_one_matrix_equal_single_row_products_bit_for_bit(qt):
+    """Prefill-sized groups (from a few rows to more than one pass of the expanded path, which decodes
+    each block once for many rows) give each row exactly its single-row result."""
+    weights = [weight(qt, 40, 768, seed=s) for s in range(3)]
+    x = torch.randn(150, 768)
+    counts = [7, 0, 143]
+    starts = torch.tensor([0, *np.cumsum(counts).tolist()])
+    rows = torch.from_numpy(np.random.default_rng(0).integers(0, 150, sum(counts)))
+    together = grouped_qmatmul(x, weights, starts, rows)
+    for b, w in enumerate(weights):
+        for p in range(int(starts[b]), int(starts[b + 1])):
+            assert torch.equal(together[p], qmatmul(x[rows[p]][None], w)[0])
+    assert relative_error(together[starts[2] :], reference(x[rows[starts[2] :]], weights[2])) <= 1e-5
+
+
 @pytest.mark.parametrize("qt", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0, T.Q5_K], ids=lambda t: t.name)
 def test_grouped_rows_equal_separate_products_bit_for_bit(qt):
     """Uneven and empty groups; a row's result does not depend on what shared the call or on threads."""

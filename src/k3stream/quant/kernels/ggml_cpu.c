@@ -661,9 +661,103 @@ FLOAT_DOT(dot_bf16, bf16x8, 2)
 FLOAT_DOT(dot_f32, f32x8, 4)
 
 
+/* Many input rows (prefill): each 256-value block is expanded once into w[256], the same products
+ * code * step the fused dots form in registers, and every row then runs the fused dot's FMA chains and
+ * sums against it, so a row's result is bit for bit what it is alone. EXPAND also returns the block's
+ * sub-block mins (NULL for Q3_K, which has none). */
+ALWAYS void expand_q2_k(const uint8_t *restrict b, float *w, float *mins) {
+    float steps[16];
+    nibbles_times(b, 0, f16(b + 80), steps);
+    nibbles_times(b, 4, f16(b + 82), mins);
+    const __m256 levels = _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3);
+    for (int g = 0; g < 2; g++)
+        for (int c = 0; c < 4; c++) {
+            const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 + 32 * g + 8 * c)));
+            for (int f = 0; f < 4; f++) {
+                const __m256 table = _mm256_mul_ps(levels, _mm256_broadcast_ss(steps + 8 * g + 2 * f + c / 2));
+                _mm256_storeu_ps(w + 128 * g + 32 * f + 8 * c,
+                                 _mm256_permutevar8x32_ps(table, _mm256_srli_epi32(bytes, 2 * f)));
+            }
+        }
+}
+
+ALWAYS void expand_q3_k(const uint8_t *restrict b, float *w, float *mins) {
+    (void)mins;
+    float steps[16];
+    q3_k_steps(b, f16(b + 108), steps);
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m256i hmask = _mm256_loadu_si256((const __m256i *)b);
+    for (int g = 0; g < 2; g++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * g));
+        for (int f = 0; f < 4; f++) {
+            const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * f), three);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hmask, 4 * g + f), one);
+            const __m256i codes = _mm256_sub_epi8(low, _mm256_slli_epi16(_mm256_xor_si256(high, one), 2));
+            const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+            const __m256 a = _mm256_broadcast_ss(steps + 8 * g + 2 * f), c = _mm256_broadcast_ss(steps + 8 * g + 2 * f + 1);
+            float *out = w + 128 * g + 32 * f;
+            _mm256_storeu_ps(out, _mm256_mul_ps(codes_lo8(lo), a));
+            _mm256_storeu_ps(out + 8, _mm256_mul_ps(codes_lo8(_mm_srli_si128(lo, 8)), a));
+            _mm256_storeu_ps(out + 16, _mm256_mul_ps(codes_lo8(hi), c));
+            _mm256_storeu_ps(out + 24, _mm256_mul_ps(codes_lo8(_mm_srli_si128(hi, 8)), c));
+        }
+    }
+}
+
+/* out[r] = w . x_r (256 values at `at`) for n rows, in the fused dots' chains; less mins . sums_r */
+ALWAYS void dot_expanded(const float *w, const float *mins, const float *const *x, const float *const *sums,
+                         int64_t at, float *out, const int n) {
+    __m256 acc[FUSED_ROWS][4];
+    zero_acc(acc, n);
+    for (int i = 0; i < 8; i++)
+        for (int c = 0; c < 4; c++) {
+            const __m256 wc = _mm256_loadu_ps(w + 32 * i + 8 * c);
+            for (int r = 0; r < n; r++)
+                acc[r][c] = _mm256_fmadd_ps(wc, _mm256_loadu_ps(x[r] + at + 32 * i + 8 * c), acc[r][c]);
+        }
+    for (int r = 0; r < n; r++) {
+        out[r] = hsum_all(acc[r]);
+        if (mins != NULL) {
+            const float *row_sums = sums[r] + at / 16;
+            __m256 offsets = _mm256_mul_ps(_mm256_loadu_ps(mins), _mm256_loadu_ps(row_sums));
+            offsets = _mm256_fmadd_ps(_mm256_loadu_ps(mins + 8), _mm256_loadu_ps(row_sums + 8), offsets);
+            out[r] -= hsum8(offsets);
+        }
+    }
+}
+
+/* At least this many input rows of one matrix take the expanded path (below, each block is decoded
+ * once per FUSED_ROWS rows, which costs more than the FMAs); WIDE_ROWS rows are taken at a time */
+#define WIDE_MIN (2 * FUSED_ROWS)
+typedef void (*WideRow)(const Product *, const uint8_t *, int64_t, int64_t, int64_t);
+#define WIDE_ROWS 64
+#define WIDE_ROW(NAME, EXPAND, HAS_MINS, BLOCK_BYTES)                                                  \
+    AVX2 static void NAME(const Product *pr, const uint8_t *row, int64_t m, int64_t first, int64_t last) { \
+        const float *x[WIDE_ROWS], *sums[WIDE_ROWS];                                                   \
+        float total[WIDE_ROWS] = {0}, w[256], mins[16], part[FUSED_ROWS];                              \
+        const int64_t n = last - first, blocks = pr->row_bytes / (BLOCK_BYTES);                        \
+        for (int64_t r = 0; r < n; r++) {                                                              \
+            x[r] = pr->x + pr->rows[first + r] * pr->in_features;                                      \
+            sums[r] = pr->sums16 + pr->rows[first + r] * (pr->in_features / 16);                       \
+        }                                                                                              \
+        for (int64_t block = 0; block < blocks; block++) {                                             \
+            prefetch_ahead(row + block * (BLOCK_BYTES), BLOCK_BYTES);                                  \
+            EXPAND(row + block * (BLOCK_BYTES), w, mins);                                              \
+            for (int64_t r = 0; r < n; r += FUSED_ROWS) {                                              \
+                const int k = (int)(n - r < FUSED_ROWS ? n - r : FUSED_ROWS);                          \
+                dot_expanded(w, HAS_MINS ? mins : NULL, x + r, sums + r, 256 * block, part, k);         \
+                for (int j = 0; j < k; j++) total[r + j] += part[j];                                   \
+            }                                                                                          \
+        }                                                                                              \
+        for (int64_t r = 0; r < n; r++) pr->out[(first + r) * pr->out_rows + m] = total[r];            \
+    }
+
+WIDE_ROW(wide_q2_k, expand_q2_k, 1, 84)
+WIDE_ROW(wide_q3_k, expand_q3_k, 0, 110)
+
 /* One weight row m of a fused type against its matrix's input rows, FUSED_ROWS rows at a time; DOT
  * takes up to 256 values (a K-quant block, or up to eight 32-value blocks) per call. */
-#define FUSED_ROW(NAME, DOT, BLOCK_ELEMS, BLOCK_BYTES)                                                 \
+#define FUSED_ROW(NAME, DOT, BLOCK_ELEMS, BLOCK_BYTES, WIDE)                                           \
     AVX2 static void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
         const float *x[FUSED_ROWS], *sums[FUSED_ROWS];                                                 \
         float total[FUSED_ROWS] = {0}, part[FUSED_ROWS];                                                \
@@ -683,19 +777,23 @@ FLOAT_DOT(dot_f32, f32x8, 4)
     AVX2 static void NAME(const Product *pr, int64_t b, int64_t m) {                                   \
         const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;          \
         int64_t p = pr->starts[b];                                                                     \
+        const WideRow wide = WIDE;                                                                     \
+        if (wide != NULL && pr->starts[b + 1] - p >= WIDE_MIN)                                         \
+            for (; p < pr->starts[b + 1]; p += WIDE_ROWS)                                              \
+                wide(pr, row, m, p, p + WIDE_ROWS < pr->starts[b + 1] ? p + WIDE_ROWS : pr->starts[b + 1]); \
         for (; p + FUSED_ROWS <= pr->starts[b + 1]; p += FUSED_ROWS) NAME##_rows(pr, row, m, p, FUSED_ROWS); \
         for (; p < pr->starts[b + 1]; p++) NAME##_rows(pr, row, m, p, 1);                              \
     }
 
-FUSED_ROW(fused_q2_k, dot_q2_k, 256, 84)
-FUSED_ROW(fused_q3_k, dot_q3_k, 256, 110)
-FUSED_ROW(fused_q4_k, dot_q4_k, 256, 144)
-FUSED_ROW(fused_q6_k, dot_q6_k, 256, 210)
-FUSED_ROW(fused_q4_0, dot_q4_0, 32, 18)
-FUSED_ROW(fused_q8_0, dot_q8_0, 32, 34)
-FUSED_ROW(fused_f16, dot_f16, 32, 64)
-FUSED_ROW(fused_bf16, dot_bf16, 32, 64)
-FUSED_ROW(fused_f32, dot_f32, 32, 128)
+FUSED_ROW(fused_q2_k, dot_q2_k, 256, 84, wide_q2_k)
+FUSED_ROW(fused_q3_k, dot_q3_k, 256, 110, wide_q3_k)
+FUSED_ROW(fused_q4_k, dot_q4_k, 256, 144, NULL)
+FUSED_ROW(fused_q6_k, dot_q6_k, 256, 210, NULL)
+FUSED_ROW(fused_q4_0, dot_q4_0, 32, 18, NULL)
+FUSED_ROW(fused_q8_0, dot_q8_0, 32, 34, NULL)
+FUSED_ROW(fused_f16, dot_f16, 32, 64, NULL)
+FUSED_ROW(fused_bf16, dot_bf16, 32, 64, NULL)
+FUSED_ROW(fused_f32, dot_f32, 32, 128, NULL)
 
 static RowKernel fused_kernel(int ggml_type) {
     if (!HAVE_AVX2()) return NULL;
