@@ -1,12 +1,14 @@
 """Prefill and decode speed of k3stream and llama.cpp on the same mid-size tiny Kimi-K3 GGUF.
 
     python benchmarks/bench_forward.py [--recipe f32|f16|audited] [--shape mid|wide] [--threads 2]
-        [--prompt 128] [--decode 32]
+        [--prompt 128] [--decode 32] [--repeat 3]
         [--kernels auto|reference] [--match-ggml]
 
 Writes the model with `k3stream.tiny` (`mid`: hidden 1024, 8 layers, 64 experts top-8 of 256 x 256;
-`wide`: hidden 768, 128 experts top-8 of 512 x 512), runs each engine once on the
-same tokens with the same thread count, and prints tokens/s for both and the ratio k3stream/llama.cpp.
+`wide`: hidden 768, 128 experts top-8 of 512 x 512), runs the two engines in turn
+`--repeat` times on the same tokens with the same thread count (a shared machine's speed drifts by
+a quarter within a minute: alternating keeps both sides in the same weather), and prints the median
+tokens/s of each and the ratio of the medians, k3stream/llama.cpp.
 `--kernels reference` runs k3stream's reference path (weights dequantized to float32 at load);
 `--match-ggml` quantizes k3stream's activations as llama.cpp does (integer Q2_K/Q3_K kernels).
 """
@@ -91,6 +93,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each engine, alternating; medians")
     parser.add_argument("--kernels", default="auto", choices=["auto", "reference"])
     parser.add_argument("--match-ggml", action="store_true", help="k3stream quantizes activations as ggml")
     args = parser.parse_args()
@@ -102,18 +105,22 @@ def main() -> None:
         size_mb = sum(p.stat().st_size for p in Path(tmp).glob("*.gguf")) / 2**20
         print(
             f"model: {size_mb:.0f} MiB {args.recipe} GGUF, {SHAPES[args.shape]}; threads {args.threads}; "
+            f"medians of {args.repeat} alternating runs; "
             f"k3stream kernels {args.kernels}{', match_ggml' * args.match_ggml}"
         )
         tokens = np.random.default_rng(args.seed).integers(0, 500, args.prompt + args.decode).tolist()
-        results = {
-            "k3stream": bench_k3stream(
-                path, tokens, args.prompt, args.threads, args.kernels, args.match_ggml
-            ),
-            "llama.cpp": bench_llama(path, tokens, args.prompt, args.threads),
-        }
+        runs: dict[str, list[tuple[float, float]]] = {"k3stream": [], "llama.cpp": []}
+        for _ in range(args.repeat):
+            runs["k3stream"].append(
+                bench_k3stream(path, tokens, args.prompt, args.threads, args.kernels, args.match_ggml)
+            )
+            runs["llama.cpp"].append(bench_llama(path, tokens, args.prompt, args.threads))
     rates = {
-        name: (args.prompt / prefill_s, args.decode / decode_s)
-        for name, (prefill_s, decode_s) in results.items()
+        name: (
+            float(np.median([args.prompt / prefill_s for prefill_s, _ in times])),
+            float(np.median([args.decode / decode_s for _, decode_s in times])),
+        )
+        for name, times in runs.items()
     }
     for name, (prefill_rate, decode_rate) in rates.items():
         print(f"{name:10s} prefill {prefill_rate:8.1f} tok/s   decode {decode_rate:7.2f} tok/s")
