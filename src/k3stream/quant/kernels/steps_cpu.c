@@ -124,30 +124,34 @@ CLONES int k3_kda_decode(const float *proj, float *const *histories, const float
 }
 
 /* out[r] = sum_i softmax_i(score . rms(rows_i[r])) rows_i[r] over the `count` rows (bank then current)
- * of each of `n` positions; rows[i] [n, width]. Returns 0, or -2 without memory. */
+ * of each of `n` positions; rows[i] [n, width]. The scores and the softmax are summed in double: a
+ * score is a long sum that can reach the thousands, and the softmax amplifies its rounding. Returns 0,
+ * or -2 without memory. */
 CLONES int k3_residual_mix(const float *const *rows, int64_t count, int64_t n, int64_t width, const float *score,
                            float eps, float *out) {
-    float *weights = malloc(sizeof(float) * (size_t)count);
+    double *weights = malloc(sizeof(double) * (size_t)count);
     if (weights == NULL) return -2;
     for (int64_t r = 0; r < n; r++) {
-        float largest = -INFINITY, total = 0.0f;
+        double largest = -INFINITY, total = 0.0;
         for (int64_t i = 0; i < count; i++) {
             const float *x = rows[i] + r * width;
-            const float inverse = 1.0f / sqrtf(dot(x, x, width) / (float)width + eps);
-            float scored[LANES] = {0}, sum = 0.0f;
+            double squares_part[LANES] = {0}, scored_part[LANES] = {0}, squares = 0.0, scored = 0.0;
             int64_t e = 0;
             for (; e + LANES <= width; e += LANES)
-                for (int j = 0; j < LANES; j++) scored[j] += x[e + j] * inverse * score[e + j];
-            for (int j = 0; j < LANES; j++) sum += scored[j];
-            for (; e < width; e++) sum += x[e] * inverse * score[e];
-            weights[i] = sum;
-            largest = sum > largest ? sum : largest;
+                for (int j = 0; j < LANES; j++) {
+                    squares_part[j] += (double)x[e + j] * x[e + j];
+                    scored_part[j] += (double)x[e + j] * score[e + j];
+                }
+            for (int j = 0; j < LANES; j++) squares += squares_part[j], scored += scored_part[j];
+            for (; e < width; e++) squares += (double)x[e] * x[e], scored += (double)x[e] * score[e];
+            weights[i] = scored / sqrt(squares / (double)width + eps);
+            largest = weights[i] > largest ? weights[i] : largest;
         }
-        for (int64_t i = 0; i < count; i++) total += weights[i] = expf(weights[i] - largest);
+        for (int64_t i = 0; i < count; i++) total += weights[i] = exp(weights[i] - largest);
         float *y = out + r * width;
         for (int64_t e = 0; e < width; e++) y[e] = 0.0f;
         for (int64_t i = 0; i < count; i++) {
-            const float *x = rows[i] + r * width, w = weights[i] / total;
+            const float *x = rows[i] + r * width, w = (float)(weights[i] / total);
             for (int64_t e = 0; e < width; e++) y[e] += w * x[e];
         }
     }
