@@ -54,3 +54,12 @@ def test_the_c_kernel_is_the_cpu_path():
     assert torch.equal(
         attn_res.residual_mix(rows[:-1], rows[-1], score, 1e-5), cpu.residual_mix(rows, score, 1e-5)
     )
+
+
+def test_rows_of_different_shapes_are_refused_not_read_past():
+    """Mismatched rows never reach the C kernel (it would read past the shorter one): torch refuses."""
+    rows = [torch.randn(3, 64), torch.randn(2, 64)]
+    with pytest.raises(RuntimeError):
+        attn_res.residual_mix(rows[:1], rows[1], torch.randn(64), 1e-5)
+    with pytest.raises(RuntimeError):
+        attn_res.residual_mix([torch.randn(2, 64)], torch.randn(2, 64), torch.randn(32), 1e-5)

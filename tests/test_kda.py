@@ -379,6 +379,17 @@ def test_the_c_decode_step_matches_the_torch_one(tiny_model, monkeypatch, spec):
     assert torch.equal(c_conv, t_conv)
 
 
+def test_a_state_of_another_shape_is_a_clear_error(kda_model):
+    """A state this layer did not make is refused in one line before any kernel reads it."""
+    from k3stream.model.kda import KDAState
+
+    layer = kda_model.layers[1].attn
+    h = torch.randn(1, kda_model.config.hidden)
+    wrong = KDAState(conv=torch.zeros(2, 5), recurrent=torch.zeros(1, 2, 2))
+    with pytest.raises(ValueError, match="does not fit this layer.*new_state"):
+        layer.decode(h, [layer.new_state(), wrong])
+
+
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_tensor_parallel_ranks_sum_to_the_full_layer(kda_path, kda_model, tp_size):
     ranks = [load_rank(kda_path, rank, tp_size) for rank in range(tp_size)]

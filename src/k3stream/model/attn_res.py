@@ -19,9 +19,15 @@ def residual_mix(
     if not bank:
         return current
     tensors = [*bank, current, score]
-    if cpu.available() and all(
-        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad
-        for t in tensors
+    same_shapes = current.ndim == 2 and all(row.shape == current.shape for row in bank)
+    if (
+        cpu.available()
+        and same_shapes
+        and score.shape == current.shape[1:]
+        and all(
+            t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad
+            for t in tensors
+        )
     ):
         return cpu.residual_mix([*bank, current], score, eps)
     rows = torch.stack([*bank, current])

@@ -167,6 +167,7 @@ class KDA:
 
     def decode(self, h: torch.Tensor, states: list[KDAState]) -> torch.Tensor:
         """h [B, E], one token of each of B sequences -> [B, E]; advances each state."""
+        self._check_states(states)
         projected = self._project_qkv(h)
         if self._step_in_c(projected, states):
             gated = cpu.kda_decode(
@@ -198,6 +199,18 @@ class KDA:
             t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad
             for t in tensors
         )
+
+    def _check_states(self, states: list[KDAState]) -> None:
+        """One line for a state this layer did not make (the C step would read past its end)."""
+        width, taps = self.w.conv.shape
+        expected = ((taps - 1, width), (self.heads, self.head_dim, self.head_dim))
+        for state in states:
+            found = (tuple(state.conv.shape), tuple(state.recurrent.shape))
+            if found != expected:
+                raise ValueError(
+                    f"KDA state of shapes {found} does not fit this layer {expected}: "
+                    "pass states made by this model's new_state()"
+                )
 
     def _project_qkv(self, h: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.w.q_proj(h), self.w.k_proj(h), self.w.v_proj(h)], dim=1).float()
