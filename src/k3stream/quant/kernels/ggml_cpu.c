@@ -456,19 +456,17 @@ AVX2 static inline float hsum_all(__m256 acc[4]) {
     return hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
-/* out[r] = block . x_r (256 values at `at`) for n rows; sums: each row's 16-value sums */
+/* Q2_K and Q3_K run each row's four FMA chains (and Q2_K's min offsets, eight lanes) across all the
+ * blocks of a weight row and sum them once at its end: acc[r][c] += w . x_r over one block's 256 values
+ * at `at`, offsets[r] += mins . sums_r (sums: each row's 16-value sums). */
 ALWAYS void dot_q2_k(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
-                     float *out, const int n, const int count) {
-    (void)count;
+                     __m256 acc[FUSED_ROWS][4], __m256 offsets[FUSED_ROWS], const int n) {
     float steps[16], mins[16];
     nibbles_times(b, 0, f16(b + 80), steps);
     nibbles_times(b, 4, f16(b + 82), mins);
     /* a code (0..3) times its step is a lookup in 8 lanes (step * [0 1 2 3 0 1 2 3]) by the code's
      * bits at the bottom of its dword: the same product as converting the code and multiplying */
     const __m256 levels = _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3);
-    __m256 acc[FUSED_ROWS][4];
-    for (int r = 0; r < n; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
     for (int g = 0; g < 2; g++) { /* byte 32g + i, bits 2f: element 128g + 32f + i, sub-block 8g + 2f + i/16 */
         __m256 table[8];
         for (int t = 0; t < 8; t++) table[t] = _mm256_mul_ps(levels, _mm256_broadcast_ss(steps + 8 * g + t));
@@ -483,9 +481,8 @@ ALWAYS void dot_q2_k(const uint8_t *restrict b, const float *const *x, const flo
     }
     for (int r = 0; r < n; r++) {
         const float *row_sums = sums[r] + at / 16;
-        __m256 offsets = _mm256_mul_ps(_mm256_loadu_ps(mins), _mm256_loadu_ps(row_sums));
-        offsets = _mm256_fmadd_ps(_mm256_loadu_ps(mins + 8), _mm256_loadu_ps(row_sums + 8), offsets);
-        out[r] = hsum_all(acc[r]) - hsum8(offsets);
+        offsets[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mins), _mm256_loadu_ps(row_sums), offsets[r]);
+        offsets[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mins + 8), _mm256_loadu_ps(row_sums + 8), offsets[r]);
     }
 }
 
@@ -507,15 +504,12 @@ AVX2 static inline void q3_k_steps(const uint8_t *b, float d, float *out) {
 }
 
 ALWAYS void dot_q3_k(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
-                     float *out, const int n, const int count) {
-    (void)sums, (void)count;
+                     __m256 acc[FUSED_ROWS][4], __m256 offsets[FUSED_ROWS], const int n) {
+    (void)sums, (void)offsets;
     float steps[16];
     q3_k_steps(b, f16(b + 108), steps);
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const __m256i hmask = _mm256_loadu_si256((const __m256i *)b);
-    __m256 acc[FUSED_ROWS][4];
-    for (int r = 0; r < n; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
     for (int g = 0; g < 2; g++) { /* as Q2_K; a clear bit 4g + f of hmask[i] subtracts 4 */
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * g));
         for (int f = 0; f < 4; f++) {
@@ -525,7 +519,6 @@ ALWAYS void dot_q3_k(const uint8_t *restrict b, const float *const *x, const flo
             fma32(codes, steps, 8 * g + 2 * f, x, at + 128 * g + 32 * f, acc, n);
         }
     }
-    for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);
 }
 
 ALWAYS void zero_acc(__m256 acc[FUSED_ROWS][4], const int n) {
@@ -661,10 +654,9 @@ FLOAT_DOT(dot_bf16, bf16x8, 2)
 FLOAT_DOT(dot_f32, f32x8, 4)
 
 
-/* Many input rows (prefill): each 256-value block is expanded once into w[256], the same products
- * code * step the fused dots form in registers, and every row then runs the fused dot's FMA chains and
- * sums against it, so a row's result is bit for bit what it is alone. EXPAND also returns the block's
- * sub-block mins (NULL for Q3_K, which has none). */
+/* Many input rows (prefill): the weight row is expanded once, block by block, into floats (the same
+ * products code * step the dots above form in registers, and Q2_K's sub-block mins), and every input
+ * row then runs the same FMA chains against it, so a row's result is bit for bit what it is alone. */
 ALWAYS void expand_q2_k(const uint8_t *restrict b, float *w, float *mins) {
     float steps[16];
     nibbles_times(b, 0, f16(b + 80), steps);
@@ -704,60 +696,84 @@ ALWAYS void expand_q3_k(const uint8_t *restrict b, float *w, float *mins) {
     }
 }
 
-/* out[r] = w . x_r (256 values at `at`) for n rows, in the fused dots' chains; less mins . sums_r */
-ALWAYS void dot_expanded(const float *w, const float *mins, const float *const *x, const float *const *sums,
-                         int64_t at, float *out, const int n) {
-    __m256 acc[FUSED_ROWS][4];
-    zero_acc(acc, n);
-    for (int i = 0; i < 8; i++)
-        for (int c = 0; c < 4; c++) {
-            const __m256 wc = _mm256_loadu_ps(w + 32 * i + 8 * c);
-            for (int r = 0; r < n; r++)
-                acc[r][c] = _mm256_fmadd_ps(wc, _mm256_loadu_ps(x[r] + at + 32 * i + 8 * c), acc[r][c]);
-        }
-    for (int r = 0; r < n; r++) {
-        out[r] = hsum_all(acc[r]);
-        if (mins != NULL) {
-            const float *row_sums = sums[r] + at / 16;
-            __m256 offsets = _mm256_mul_ps(_mm256_loadu_ps(mins), _mm256_loadu_ps(row_sums));
-            offsets = _mm256_fmadd_ps(_mm256_loadu_ps(mins + 8), _mm256_loadu_ps(row_sums + 8), offsets);
-            out[r] -= hsum8(offsets);
-        }
-    }
-}
-
-/* At least this many input rows of one matrix take the expanded path (below, each block is decoded
- * once per FUSED_ROWS rows, which costs more than the FMAs); WIDE_ROWS rows are taken at a time */
-#define WIDE_MIN (2 * FUSED_ROWS)
-typedef void (*WideRow)(const Product *, const uint8_t *, int64_t, int64_t, int64_t);
-#define WIDE_ROWS 64
-#define WIDE_ROW(NAME, EXPAND, HAS_MINS, BLOCK_BYTES)                                                  \
-    AVX2 static void NAME(const Product *pr, const uint8_t *row, int64_t m, int64_t first, int64_t last) { \
-        const float *x[WIDE_ROWS], *sums[WIDE_ROWS];                                                   \
-        float total[WIDE_ROWS] = {0}, w[256], mins[16], part[FUSED_ROWS];                              \
-        const int64_t n = last - first, blocks = pr->row_bytes / (BLOCK_BYTES);                        \
-        for (int64_t r = 0; r < n; r++) {                                                              \
-            x[r] = pr->x + pr->rows[first + r] * pr->in_features;                                      \
-            sums[r] = pr->sums16 + pr->rows[first + r] * (pr->in_features / 16);                       \
+/* One weight row m against `n` (<= FUSED_ROWS) input rows from p: blocks in order into the chains */
+#define KQUANT_ROWS(NAME, DOT, HAS_MINS, BLOCK_BYTES)                                                 \
+    AVX2 static void NAME(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) {  \
+        const float *x[FUSED_ROWS], *sums[FUSED_ROWS];                                                 \
+        __m256 acc[FUSED_ROWS][4], offsets[FUSED_ROWS];                                                \
+        const int64_t blocks = pr->row_bytes / (BLOCK_BYTES);                                          \
+        for (int r = 0; r < n; r++) {                                                                  \
+            x[r] = pr->x + pr->rows[p + r] * pr->in_features;                                          \
+            sums[r] = pr->sums16 + pr->rows[p + r] * (pr->in_features / 16);                           \
+            offsets[r] = _mm256_setzero_ps();                                                          \
         }                                                                                              \
+        zero_acc(acc, n);                                                                              \
         for (int64_t block = 0; block < blocks; block++) {                                             \
             prefetch_ahead(row + block * (BLOCK_BYTES), BLOCK_BYTES);                                  \
-            EXPAND(row + block * (BLOCK_BYTES), w, mins);                                              \
-            for (int64_t r = 0; r < n; r += FUSED_ROWS) {                                              \
-                const int k = (int)(n - r < FUSED_ROWS ? n - r : FUSED_ROWS);                          \
-                dot_expanded(w, HAS_MINS ? mins : NULL, x + r, sums + r, 256 * block, part, k);         \
-                for (int j = 0; j < k; j++) total[r + j] += part[j];                                   \
-            }                                                                                          \
+            DOT(row + block * (BLOCK_BYTES), x, sums, 256 * block, acc, offsets, n);                   \
         }                                                                                              \
-        for (int64_t r = 0; r < n; r++) pr->out[(first + r) * pr->out_rows + m] = total[r];            \
+        for (int r = 0; r < n; r++)                                                                    \
+            pr->out[(p + r) * pr->out_rows + m] = hsum_all(acc[r]) - (HAS_MINS ? hsum8(offsets[r]) : 0.0f); \
     }
 
-WIDE_ROW(wide_q2_k, expand_q2_k, 1, 84)
-WIDE_ROW(wide_q3_k, expand_q3_k, 0, 110)
+/* The expanded row (w: in_features floats, mins: in_features / 16) against n <= FUSED_ROWS input rows */
+ALWAYS void rows_expanded(const Product *pr, const float *w, const float *mins, int64_t m, int64_t p, const int n) {
+    const float *x[FUSED_ROWS], *sums[FUSED_ROWS];
+    __m256 acc[FUSED_ROWS][4], offsets[FUSED_ROWS];
+    for (int r = 0; r < n; r++) {
+        x[r] = pr->x + pr->rows[p + r] * pr->in_features;
+        sums[r] = pr->sums16 + pr->rows[p + r] * (pr->in_features / 16);
+        offsets[r] = _mm256_setzero_ps();
+    }
+    zero_acc(acc, n);
+    for (int64_t at = 0; at < pr->in_features; at += 256) {
+        for (int i = 0; i < 8; i++)
+            for (int c = 0; c < 4; c++) {
+                const __m256 wc = _mm256_loadu_ps(w + at + 32 * i + 8 * c);
+                for (int r = 0; r < n; r++)
+                    acc[r][c] = _mm256_fmadd_ps(wc, _mm256_loadu_ps(x[r] + at + 32 * i + 8 * c), acc[r][c]);
+            }
+        if (mins != NULL)
+            for (int r = 0; r < n; r++) {
+                const float *row_sums = sums[r] + at / 16;
+                offsets[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mins + at / 16), _mm256_loadu_ps(row_sums), offsets[r]);
+                offsets[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mins + at / 16 + 8), _mm256_loadu_ps(row_sums + 8), offsets[r]);
+            }
+    }
+    for (int r = 0; r < n; r++)
+        pr->out[(p + r) * pr->out_rows + m] = hsum_all(acc[r]) - (mins != NULL ? hsum8(offsets[r]) : 0.0f);
+}
+
+/* At least WIDE_MIN input rows of one matrix, and rows of at most WIDE_MAX_IN values, take the
+ * expanded path (the fused rows decode each block once per FUSED_ROWS rows, which costs more than the
+ * FMAs); the expanded row lives on the worker's stack */
+#define WIDE_MIN (2 * FUSED_ROWS)
+#define WIDE_MAX_IN 16384
+#define KQUANT_ROW(NAME, DOT, EXPAND, HAS_MINS, BLOCK_BYTES)                                          \
+    KQUANT_ROWS(NAME##_rows, DOT, HAS_MINS, BLOCK_BYTES)                                               \
+    AVX2 static void NAME(const Product *pr, int64_t b, int64_t m) {                                   \
+        const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;          \
+        int64_t p = pr->starts[b];                                                                     \
+        if (pr->starts[b + 1] - p >= WIDE_MIN && pr->in_features <= WIDE_MAX_IN) {                     \
+            float w[WIDE_MAX_IN], mins[WIDE_MAX_IN / 16];                                              \
+            for (int64_t block = 0; block < pr->row_bytes / (BLOCK_BYTES); block++)                    \
+                EXPAND(row + block * (BLOCK_BYTES), w + 256 * block, mins + 16 * block);               \
+            for (; p < pr->starts[b + 1]; p += FUSED_ROWS) {                                           \
+                const int n = (int)(pr->starts[b + 1] - p < FUSED_ROWS ? pr->starts[b + 1] - p : FUSED_ROWS); \
+                rows_expanded(pr, w, HAS_MINS ? mins : NULL, m, p, n);                                 \
+            }                                                                                          \
+            return;                                                                                    \
+        }                                                                                              \
+        for (; p + FUSED_ROWS <= pr->starts[b + 1]; p += FUSED_ROWS) NAME##_rows(pr, row, m, p, FUSED_ROWS); \
+        for (; p < pr->starts[b + 1]; p++) NAME##_rows(pr, row, m, p, 1);                              \
+    }
+
+KQUANT_ROW(fused_q2_k, dot_q2_k, expand_q2_k, 1, 84)
+KQUANT_ROW(fused_q3_k, dot_q3_k, expand_q3_k, 0, 110)
 
 /* One weight row m of a fused type against its matrix's input rows, FUSED_ROWS rows at a time; DOT
  * takes up to 256 values (a K-quant block, or up to eight 32-value blocks) per call. */
-#define FUSED_ROW(NAME, DOT, BLOCK_ELEMS, BLOCK_BYTES, WIDE)                                           \
+#define FUSED_ROW(NAME, DOT, BLOCK_ELEMS, BLOCK_BYTES)                                                 \
     AVX2 static void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
         const float *x[FUSED_ROWS], *sums[FUSED_ROWS];                                                 \
         float total[FUSED_ROWS] = {0}, part[FUSED_ROWS];                                                \
@@ -777,23 +793,17 @@ WIDE_ROW(wide_q3_k, expand_q3_k, 0, 110)
     AVX2 static void NAME(const Product *pr, int64_t b, int64_t m) {                                   \
         const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;          \
         int64_t p = pr->starts[b];                                                                     \
-        const WideRow wide = WIDE;                                                                     \
-        if (wide != NULL && pr->starts[b + 1] - p >= WIDE_MIN)                                         \
-            for (; p < pr->starts[b + 1]; p += WIDE_ROWS)                                              \
-                wide(pr, row, m, p, p + WIDE_ROWS < pr->starts[b + 1] ? p + WIDE_ROWS : pr->starts[b + 1]); \
         for (; p + FUSED_ROWS <= pr->starts[b + 1]; p += FUSED_ROWS) NAME##_rows(pr, row, m, p, FUSED_ROWS); \
         for (; p < pr->starts[b + 1]; p++) NAME##_rows(pr, row, m, p, 1);                              \
     }
 
-FUSED_ROW(fused_q2_k, dot_q2_k, 256, 84, wide_q2_k)
-FUSED_ROW(fused_q3_k, dot_q3_k, 256, 110, wide_q3_k)
-FUSED_ROW(fused_q4_k, dot_q4_k, 256, 144, NULL)
-FUSED_ROW(fused_q6_k, dot_q6_k, 256, 210, NULL)
-FUSED_ROW(fused_q4_0, dot_q4_0, 32, 18, NULL)
-FUSED_ROW(fused_q8_0, dot_q8_0, 32, 34, NULL)
-FUSED_ROW(fused_f16, dot_f16, 32, 64, NULL)
-FUSED_ROW(fused_bf16, dot_bf16, 32, 64, NULL)
-FUSED_ROW(fused_f32, dot_f32, 32, 128, NULL)
+FUSED_ROW(fused_q4_k, dot_q4_k, 256, 144)
+FUSED_ROW(fused_q6_k, dot_q6_k, 256, 210)
+FUSED_ROW(fused_q4_0, dot_q4_0, 32, 18)
+FUSED_ROW(fused_q8_0, dot_q8_0, 32, 34)
+FUSED_ROW(fused_f16, dot_f16, 32, 64)
+FUSED_ROW(fused_bf16, dot_bf16, 32, 64)
+FUSED_ROW(fused_f32, dot_f32, 32, 128)
 
 static RowKernel fused_kernel(int ggml_type) {
     if (!HAVE_AVX2()) return NULL;
