@@ -18,17 +18,8 @@ def residual_mix(
     """
     if not bank:
         return current
-    tensors = [*bank, current, score]
     same_shapes = current.ndim == 2 and all(row.shape == current.shape for row in bank)
-    if (
-        cpu.available()
-        and same_shapes
-        and score.shape == current.shape[1:]
-        and all(
-            t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad
-            for t in tensors
-        )
-    ):
+    if same_shapes and score.shape == current.shape[1:] and cpu.takes([*bank, current, score]):
         return cpu.residual_mix([*bank, current], score, eps)
     rows = torch.stack([*bank, current])
     scores = (rms_norm(rows, None, eps) * score).sum(-1)

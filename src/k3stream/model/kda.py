@@ -194,11 +194,7 @@ class KDA:
         """Whether the step after the projections takes the C kernel (`steps_cpu.c`): float32 CPU
         tensors it may update in place, none that autograd follows."""
         tensors = [projected, self.w.conv, self.w.dt_bias, self.w.ssm_a, self.w.o_norm]
-        tensors += [t for state in states for t in (state.conv, state.recurrent)]
-        return cpu.available() and all(
-            t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad
-            for t in tensors
-        )
+        return cpu.takes(tensors + [t for state in states for t in (state.conv, state.recurrent)])
 
     def _check_states(self, states: list[KDAState]) -> None:
         """One line for a state this layer did not make (the C step would read past its end)."""

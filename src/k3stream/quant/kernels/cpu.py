@@ -66,6 +66,15 @@ def available() -> bool:
     return _library() is not None
 
 
+def takes(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the per-token C steps (`kda_decode`, `residual_mix`) may take these tensors: the library
+    is built and each is float32, contiguous, on the CPU, and not followed by autograd."""
+    return available() and all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad
+        for t in tensors
+    )
+
+
 def grouped_product(
     x: torch.Tensor,
     matrices: Sequence[torch.Tensor],

@@ -456,6 +456,16 @@ AVX2 static inline float hsum_all(__m256 acc[4]) {
     return hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
+/* offsets[r] += mins . sums_r over the 16 sub-blocks of the block at `at` (Q2_K's min offsets) */
+ALWAYS void add_min_offsets(const float *mins, const float *const *sums, int64_t at, __m256 offsets[FUSED_ROWS],
+                            const int n) {
+    for (int r = 0; r < n; r++) {
+        const float *row_sums = sums[r] + at / 16;
+        offsets[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mins), _mm256_loadu_ps(row_sums), offsets[r]);
+        offsets[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mins + 8), _mm256_loadu_ps(row_sums + 8), offsets[r]);
+    }
+}
+
 /* Q2_K and Q3_K run each row's four FMA chains (and Q2_K's min offsets, eight lanes) across all the
  * blocks of a weight row and sum them once at its end: acc[r][c] += w . x_r over one block's 256 values
  * at `at`, offsets[r] += mins . sums_r (sums: each row's 16-value sums). */
@@ -479,11 +489,7 @@ ALWAYS void dot_q2_k(const uint8_t *restrict b, const float *const *x, const flo
             }
         }
     }
-    for (int r = 0; r < n; r++) {
-        const float *row_sums = sums[r] + at / 16;
-        offsets[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mins), _mm256_loadu_ps(row_sums), offsets[r]);
-        offsets[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mins + 8), _mm256_loadu_ps(row_sums + 8), offsets[r]);
-    }
+    add_min_offsets(mins, sums, at, offsets, n);
 }
 
 /* Q3_K's 16 signed 6-bit scales (q3_k_scale) times d, into out[16] */
@@ -653,7 +659,6 @@ FLOAT_DOT(dot_f16, half8, 2)
 FLOAT_DOT(dot_bf16, bf16x8, 2)
 FLOAT_DOT(dot_f32, f32x8, 4)
 
-
 /* Many input rows (prefill): the weight row is expanded once, block by block, into floats (the same
  * products code * step the dots above form in registers, and Q2_K's sub-block mins), and every input
  * row then runs the same FMA chains against it, so a row's result is bit for bit what it is alone. */
@@ -696,36 +701,43 @@ ALWAYS void expand_q3_k(const uint8_t *restrict b, float *w, float *mins) {
     }
 }
 
-/* One weight row m against `n` (<= FUSED_ROWS) input rows from p: blocks in order into the chains */
-#define KQUANT_ROWS(NAME, DOT, HAS_MINS, BLOCK_BYTES)                                                 \
-    AVX2 static void NAME(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) {  \
-        const float *x[FUSED_ROWS], *sums[FUSED_ROWS];                                                 \
-        __m256 acc[FUSED_ROWS][4], offsets[FUSED_ROWS];                                                \
-        const int64_t blocks = pr->row_bytes / (BLOCK_BYTES);                                          \
-        for (int r = 0; r < n; r++) {                                                                  \
-            x[r] = pr->x + pr->rows[p + r] * pr->in_features;                                          \
-            sums[r] = pr->sums16 + pr->rows[p + r] * (pr->in_features / 16);                           \
-            offsets[r] = _mm256_setzero_ps();                                                          \
-        }                                                                                              \
-        zero_acc(acc, n);                                                                              \
-        for (int64_t block = 0; block < blocks; block++) {                                             \
-            prefetch_ahead(row + block * (BLOCK_BYTES), BLOCK_BYTES);                                  \
-            DOT(row + block * (BLOCK_BYTES), x, sums, 256 * block, acc, offsets, n);                   \
-        }                                                                                              \
-        for (int r = 0; r < n; r++)                                                                    \
-            pr->out[(p + r) * pr->out_rows + m] = hsum_all(acc[r]) - (HAS_MINS ? hsum8(offsets[r]) : 0.0f); \
-    }
-
-/* The expanded row (w: in_features floats, mins: in_features / 16) against n <= FUSED_ROWS input rows */
-ALWAYS void rows_expanded(const Product *pr, const float *w, const float *mins, int64_t m, int64_t p, const int n) {
-    const float *x[FUSED_ROWS], *sums[FUSED_ROWS];
-    __m256 acc[FUSED_ROWS][4], offsets[FUSED_ROWS];
+/* The `n` (<= FUSED_ROWS) input rows from p of a K-quant row product: their x and sums, chains at 0 */
+ALWAYS void start_rows(const Product *pr, int64_t p, const int n, const float **x, const float **sums,
+                       __m256 acc[FUSED_ROWS][4], __m256 offsets[FUSED_ROWS]) {
     for (int r = 0; r < n; r++) {
         x[r] = pr->x + pr->rows[p + r] * pr->in_features;
         sums[r] = pr->sums16 + pr->rows[p + r] * (pr->in_features / 16);
         offsets[r] = _mm256_setzero_ps();
     }
     zero_acc(acc, n);
+}
+
+/* Each row's output for weight row m: its chains summed, less its min offsets (Q2_K) */
+ALWAYS void store_rows(const Product *pr, __m256 acc[FUSED_ROWS][4], __m256 offsets[FUSED_ROWS], const int has_mins,
+                       int64_t m, int64_t p, const int n) {
+    for (int r = 0; r < n; r++)
+        pr->out[(p + r) * pr->out_rows + m] = hsum_all(acc[r]) - (has_mins ? hsum8(offsets[r]) : 0.0f);
+}
+
+/* One weight row m against `n` (<= FUSED_ROWS) input rows from p: blocks in order into the chains */
+#define KQUANT_ROWS(NAME, DOT, HAS_MINS, BLOCK_BYTES)                                                 \
+    AVX2 static void NAME(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) {  \
+        const float *x[FUSED_ROWS], *sums[FUSED_ROWS];                                                 \
+        __m256 acc[FUSED_ROWS][4], offsets[FUSED_ROWS];                                                \
+        start_rows(pr, p, n, x, sums, acc, offsets);                                                   \
+        for (int64_t block = 0; block < pr->row_bytes / (BLOCK_BYTES); block++) {                      \
+            prefetch_ahead(row + block * (BLOCK_BYTES), BLOCK_BYTES);                                  \
+            DOT(row + block * (BLOCK_BYTES), x, sums, 256 * block, acc, offsets, n);                   \
+        }                                                                                              \
+        store_rows(pr, acc, offsets, HAS_MINS, m, p, n);                                               \
+    }
+
+/* The expanded row (w: in_features floats, mins: in_features / 16 or NULL) against n <= FUSED_ROWS
+ * input rows, in the same chains as KQUANT_ROWS */
+ALWAYS void rows_expanded(const Product *pr, const float *w, const float *mins, int64_t m, int64_t p, const int n) {
+    const float *x[FUSED_ROWS], *sums[FUSED_ROWS];
+    __m256 acc[FUSED_ROWS][4], offsets[FUSED_ROWS];
+    start_rows(pr, p, n, x, sums, acc, offsets);
     for (int64_t at = 0; at < pr->in_features; at += 256) {
         for (int i = 0; i < 8; i++)
             for (int c = 0; c < 4; c++) {
@@ -733,15 +745,9 @@ ALWAYS void rows_expanded(const Product *pr, const float *w, const float *mins, 
                 for (int r = 0; r < n; r++)
                     acc[r][c] = _mm256_fmadd_ps(wc, _mm256_loadu_ps(x[r] + at + 32 * i + 8 * c), acc[r][c]);
             }
-        if (mins != NULL)
-            for (int r = 0; r < n; r++) {
-                const float *row_sums = sums[r] + at / 16;
-                offsets[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mins + at / 16), _mm256_loadu_ps(row_sums), offsets[r]);
-                offsets[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mins + at / 16 + 8), _mm256_loadu_ps(row_sums + 8), offsets[r]);
-            }
+        if (mins != NULL) add_min_offsets(mins + at / 16, sums, at, offsets, n);
     }
-    for (int r = 0; r < n; r++)
-        pr->out[(p + r) * pr->out_rows + m] = hsum_all(acc[r]) - (mins != NULL ? hsum8(offsets[r]) : 0.0f);
+    store_rows(pr, acc, offsets, mins != NULL, m, p, n);
 }
 
 /* At least WIDE_MIN input rows of one matrix, and rows of at most WIDE_MAX_IN values, take the
