@@ -3,6 +3,9 @@ results independent of grouping and threads, no float32 copy of a weight, fallba
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -151,6 +154,42 @@ def test_expert_mlp_matches_the_reference_path():
     fast = expert_mlp(x, experts, starts, rows, activation)
     slow = expert_mlp(x, experts, starts, rows, activation, backend="reference")
     assert relative_error(fast, slow) <= 1e-5
+
+
+def test_a_product_runs_without_the_gil_so_other_threads_go_on():
+    """The store's readers and the server's threads run beside a product: the extension's call must
+    release the GIL as ctypes did (else every thread stalls for the product's whole length)."""
+    w = weight(T.Q2_K, 4096, 4096)
+    x = torch.randn(16, 4096)
+    start = time.perf_counter()
+    qmatmul(x, w)
+    one_product = time.perf_counter() - start
+    started, finished, ticks = threading.Event(), threading.Event(), []
+
+    def products() -> None:
+        started.set()
+        for _ in range(20):
+            qmatmul(x, w)
+        finished.set()
+
+    worker = threading.Thread(target=products)
+    worker.start()
+    started.wait()
+    while not finished.is_set():
+        ticks.append(time.perf_counter())
+        time.sleep(0.001)
+    worker.join()
+    gaps = np.diff(ticks)
+    # a held GIL leaves gaps of a whole product between the ticks; released, they are ~1 ms
+    assert len(gaps) >= 10 and float(np.median(gaps)) < one_product / 3
+
+
+def test_the_extension_call_refuses_bad_arguments_in_one_line():
+    module = cpu._ggml_cpu()
+    with pytest.raises(TypeError, match="a list of addresses"):
+        module.grouped_product(0, 256, (0,), 1, 84, 10, 0, 0, 0, 1, 0)
+    with pytest.raises(TypeError, match="takes 11 arguments"):
+        module.grouped_product(0, 256)
 
 
 def test_a_product_allocates_no_float32_copy_of_the_weight():

@@ -1,7 +1,8 @@
-"""The C CPU kernels (`ggml_cpu.c`, built at install as `_ggml_cpu`), called through ctypes.
+"""The C CPU kernels (`ggml_cpu.c`, built at install as `_ggml_cpu`).
 
 `grouped_product` runs `out[p] = x[rows[p]] @ W_b^T` for the rows `starts[b]..starts[b+1]` of each
-matrix b in one call, threads from `torch.get_num_threads()`. `available()` says whether the library was
+matrix b in one call (the extension's own function), threads from `torch.get_num_threads()`; the
+per-token steps are called through ctypes. `available()` says whether the library was
 built; without it callers use the torch reference path.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -29,28 +31,23 @@ _PTR = ctypes.c_void_p
 
 
 @functools.lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
+def _ggml_cpu() -> ModuleType | None:
+    """The extension module (its `grouped_product` is called directly: ctypes costs more than a small
+    product), or None when it was not built."""
     try:
-        from k3stream.quant.kernels import _ggml_cpu
+        from k3stream.quant.kernels import _ggml_cpu as module
     except ImportError:
         return None
-    library = ctypes.CDLL(_ggml_cpu.__file__)
-    function = library.k3_grouped_product
-    function.restype = ctypes.c_int
-    function.argtypes = [
-        _PTR,
-        _I64,
-        _PTR,
-        _I64,
-        _I64,
-        _I64,
-        ctypes.c_int,
-        _PTR,
-        _PTR,
-        _PTR,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
+    return module
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    """The same library through ctypes, for the per-token steps."""
+    module = _ggml_cpu()
+    if module is None:
+        return None
+    library = ctypes.CDLL(module.__file__)
     kda = library.k3_kda_decode
     kda.restype = ctypes.c_int
     kda.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_float, _PTR, _PTR, _PTR]
@@ -91,12 +88,11 @@ def grouped_product(
     them). `q8_activations` (types in Q8_TYPES): x is quantized to Q8_K or Q8_0 as ggml does and the
     products are integer dot products per block, as ggml's."""
     x = x.contiguous()
-    addresses = np.fromiter((m.data_ptr() for m in matrices), dtype=np.int64, count=len(matrices))
-    out = torch.empty(int(rows.numel()), out_features, dtype=torch.float32)
+    out = torch.empty(rows.numel(), out_features, dtype=torch.float32)
     threads = torch.get_num_threads() if out.numel() * x.shape[1] >= PARALLEL_MIN_MACS else 1
-    status = _library().k3_grouped_product(
-        x.data_ptr(), x.shape[1], addresses.ctypes.data, len(matrices), out_features, row_bytes,
-        ggml_type, starts.data_ptr(), rows.data_ptr(), out.data_ptr(), threads, int(q8_activations),
+    status = _ggml_cpu().grouped_product(
+        x.data_ptr(), x.shape[1], [m.data_ptr() for m in matrices], out_features, row_bytes, ggml_type,
+        starts.data_ptr(), rows.data_ptr(), out.data_ptr(), threads, int(q8_activations),
     )  # fmt: skip
     if status == -2:
         raise MemoryError("no memory for the Q8_K activations")
