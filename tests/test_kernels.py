@@ -190,6 +190,10 @@ def test_the_extension_call_refuses_bad_arguments_in_one_line():
         module.grouped_product(0, 256, (0,), 1, 84, 10, 0, 0, 0, 1, 0)
     with pytest.raises(TypeError, match="takes 11 arguments"):
         module.grouped_product(0, 256)
+    with pytest.raises(TypeError):  # a pointer that is not an int: Python's own one-line error
+        module.grouped_product(0, "256", [0], 1, 84, 10, 0, 0, 0, 1, 0)
+    with pytest.raises(TypeError):
+        module.grouped_product(0, 256, ["0"], 1, 84, 10, 0, 0, 0, 1, 0)
 
 
 def test_a_product_allocates_no_float32_copy_of_the_weight():

@@ -2,8 +2,8 @@
 
 `grouped_product` runs `out[p] = x[rows[p]] @ W_b^T` for the rows `starts[b]..starts[b+1]` of each
 matrix b in one call (the extension's own function), threads from `torch.get_num_threads()`; the
-per-token steps are called through ctypes. `available()` says whether the library was
-built; without it callers use the torch reference path.
+per-token steps are called through ctypes. `available()` says whether the library was built; without
+it callers use the torch reference path.
 """
 
 from __future__ import annotations

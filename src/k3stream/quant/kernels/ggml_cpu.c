@@ -1080,9 +1080,9 @@ int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addre
 }
 
 /* grouped_product(x, in_features, [addresses], out_rows, row_bytes, ggml_type, starts, rows, out,
- * threads, q8_activations) -> k3_grouped_product's status; pointers as ints. The one hot call (about a
- * hundred per decoded token) is a METH_FASTCALL function: ctypes spends ~5 us converting its
- * arguments, this ~0.3 us. The computation runs without the GIL, as under ctypes. */
+ * threads, q8_activations) -> k3_grouped_product's status; pointers as ints. The one hot call (about
+ * 130 per decoded token) is a METH_FASTCALL function: a call with next to no work costs 0.5-0.7 us
+ * here, 2.8-3.8 us through ctypes (measured). The computation runs without the GIL, as under ctypes. */
 static PyObject *py_grouped_product(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 11 || !PyList_Check(args[2])) {
@@ -1091,10 +1091,12 @@ static PyObject *py_grouped_product(PyObject *self, PyObject *const *args, Py_ss
     }
     int64_t v[11];
     for (int i = 0; i < 11; i++) v[i] = i == 2 ? 0 : PyLong_AsLongLong(args[i]);
+    if (PyErr_Occurred()) return NULL;
     const Py_ssize_t matrices = PyList_GET_SIZE(args[2]);
     int64_t local[16], *addresses = matrices <= 16 ? local : malloc(sizeof(int64_t) * (size_t)matrices);
     if (addresses == NULL) return PyErr_NoMemory();
-    for (Py_ssize_t b = 0; b < matrices; b++) addresses[b] = PyLong_AsLongLong(PyList_GET_ITEM(args[2], b));
+    for (Py_ssize_t b = 0; b < matrices && !PyErr_Occurred(); b++)
+        addresses[b] = PyLong_AsLongLong(PyList_GET_ITEM(args[2], b));
     if (PyErr_Occurred()) {
         if (addresses != local) free(addresses);
         return NULL;
