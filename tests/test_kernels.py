@@ -11,9 +11,11 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
+from k3stream.model.layers import rms_norm
 from k3stream.quant import dequantize, quantize
 from k3stream.quant.kernels import (
     QWeight,
+    Situ,
     checked_weight,
     cpu,
     expert_mlp,
@@ -21,6 +23,7 @@ from k3stream.quant.kernels import (
     kernel_for,
     note_fallbacks,
     qmatmul,
+    situ,
 )
 from k3stream.quant.rounding import round_like_ggml
 
@@ -138,22 +141,64 @@ def test_match_ggml_rounds_the_inputs_of_types_without_integer_kernels(qt):
     assert torch.equal(qmatmul(x, w, match_ggml=True), qmatmul(round_like_ggml(x, int(qt)), w))
 
 
-def test_expert_mlp_matches_the_reference_path():
-    class Expert:
-        def __init__(self, seed: int) -> None:
-            self.up, self.gate = weight(T.Q2_K, 256, 512, seed), weight(T.Q2_K, 256, 512, seed + 10)
-            self.down = weight(T.Q3_K, 512, 256, seed + 20)
+class Expert:
+    """One routed expert's three matrices (gate and up 512 -> 256, down 256 -> 512)."""
 
+    def __init__(self, seed: int, gate: T = T.Q2_K, up: T = T.Q2_K, down: T = T.Q3_K) -> None:
+        self.gate, self.up = weight(gate, 256, 512, seed + 10), weight(up, 256, 512, seed)
+        self.down = weight(down, 512, 256, seed + 20)
+
+
+STEP_STARTS, STEP_ROWS = torch.tensor([0, 2, 5, 6]), torch.tensor([0, 4, 1, 2, 3, 0])
+
+
+def test_expert_mlp_matches_the_reference_path():
     experts = [Expert(s) for s in range(3)]
     x = torch.randn(5, 512)
-    starts, rows = torch.tensor([0, 2, 5, 6]), torch.tensor([0, 4, 1, 2, 3, 0])
-
-    def activation(gate, up):
-        return torch.nn.functional.silu(gate) * up
-
-    fast = expert_mlp(x, experts, starts, rows, activation)
-    slow = expert_mlp(x, experts, starts, rows, activation, backend="reference")
+    activation = Situ(2.0, 3.0)
+    fast = expert_mlp(x, experts, STEP_STARTS, STEP_ROWS, activation)
+    slow = expert_mlp(x, experts, STEP_STARTS, STEP_ROWS, activation, backend="reference")
     assert relative_error(fast, slow) <= 1e-5
+
+
+@pytest.mark.parametrize("match_ggml", [False, True])
+@pytest.mark.parametrize(
+    "types", [(T.Q2_K, T.Q2_K, T.Q3_K), (T.Q4_K, T.Q6_K, T.Q8_0), (T.Q5_0, T.Q4_0, T.F16)]
+)
+def test_the_one_call_expert_mlp_is_its_three_products_and_activation_bit_for_bit(types, match_ggml):
+    """`expert_mlp` on the CPU is one C call: the same products and activation as the per-product
+    path, in the same order (mixed types, 8-bit activations or, for a type without integer kernels
+    under match_ggml, the per-product path itself)."""
+    experts = [Expert(s, *types) for s in range(3)]
+    x = torch.randn(5, 512)
+    betas = Situ(1.5, 0.0 if types[0] == T.Q5_0 else 4.0)
+
+    def product(role: str, inputs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return grouped_qmatmul(
+            inputs, [getattr(e, role) for e in experts], STEP_STARTS, rows, "auto", match_ggml
+        )
+
+    hidden = situ(product("gate", x, STEP_ROWS), product("up", x, STEP_ROWS), betas.beta, betas.linear_beta)
+    expected = product("down", hidden, torch.arange(len(STEP_ROWS)))
+    assert torch.equal(expert_mlp(x, experts, STEP_STARTS, STEP_ROWS, betas, match_ggml), expected)
+
+
+@pytest.mark.parametrize("shape", [(1, 1024), (3, 7, 100), (2, 16)])
+def test_the_c_rms_norm_and_situ_match_their_torch_formulas(shape):
+    generator = torch.Generator().manual_seed(sum(shape))
+    x, weights = 30 * torch.randn(*shape, generator=generator), torch.randn(shape[-1], generator=generator)
+    for scale in (weights, None):
+        expected = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+        expected = expected if scale is None else expected * scale.double()
+        assert relative_error(rms_norm(x, scale, 1e-6).double(), expected) <= 1e-6
+    gate, up = x, torch.randn(*shape, generator=generator) * 50
+    for beta, linear_beta in ((2.0, 3.0), (0.5, 0.0)):
+        g, u = gate.double(), up.double()
+        u = linear_beta * torch.tanh(u / linear_beta) if linear_beta > 0 else u
+        expected = beta * torch.tanh(g / beta) * torch.sigmoid(g) * u
+        assert relative_error(situ(gate, up, beta, linear_beta).double(), expected) <= 1e-6
+    needs_grad = x.clone().requires_grad_()  # autograd takes the torch formula
+    assert rms_norm(needs_grad, weights, 1e-6).requires_grad
 
 
 def test_a_product_runs_without_the_gil_so_other_threads_go_on():
@@ -194,6 +239,18 @@ def test_the_extension_call_refuses_bad_arguments_in_one_line():
         module.grouped_product(0, "256", [0], 1, 84, 10, 0, 0, 0, 1, 0)
     with pytest.raises(TypeError):
         module.grouped_product(0, 256, ["0"], 1, 84, 10, 0, 0, 0, 1, 0)
+    with pytest.raises(TypeError, match="expert_mlp takes 20 arguments, got 2"):
+        module.expert_mlp(0, 256)
+    with pytest.raises(TypeError, match="address lists differ in length"):
+        module.expert_mlp(
+            0, 256, [0], 10, 84, [0, 0], 10, 84, [0], 11, 110, 256, 256, 0, 0, 2.0, 3.0, 0, 1, 0
+        )
+    with pytest.raises(TypeError, match="argument 3 must be a list"):
+        module.expert_mlp(0, 256, 0, 10, 84, [0], 10, 84, [0], 11, 110, 256, 256, 0, 0, 2.0, 3.0, 0, 1, 0)
+    with pytest.raises(TypeError):  # a float where a pointer goes
+        module.rms_norm(0.5, 1, 16, 0, 1e-6, 0)
+    with pytest.raises(TypeError, match="situ takes 6 arguments"):
+        module.situ(0, 0, 1)
 
 
 def test_a_product_allocates_no_float32_copy_of_the_weight():

@@ -7,14 +7,19 @@ from dataclasses import dataclass
 import torch
 
 from k3stream.quant.dequant import FLOAT_DTYPES
-from k3stream.quant.kernels import QWeight, checked_weight, qmatmul
+from k3stream.quant.kernels import QWeight, checked_weight, cpu, qmatmul
 from k3stream.quant.rounding import round_like_ggml
 
 FLOAT_TYPE_IDS = {dtype: type_id for type_id, dtype in FLOAT_DTYPES.items()}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight over the last dim (weight None: no scaling)."""
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim (weight None: no scaling); in C for CPU
+    float32 tensors outside autograd."""
+    if cpu.takes((x,) if weight is None else (x, weight)) and (
+        weight is None or weight.shape == x.shape[-1:]
+    ):
+        return cpu.rms_norm(x, weight, eps)
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y if weight is None else y * weight
 
@@ -22,14 +27,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (llama.cpp's KDA q/k norm, eps = rms eps)."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
-
-
-def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    """Kimi-K3's activation: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta)."""
-    activated = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
-    if linear_beta > 0:
-        up = linear_beta * torch.tanh(up / linear_beta)
-    return activated * up
 
 
 def bytes_to_matrix(data: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from k3stream.experts import ExpertSource
-from k3stream.model.layers import Linear, rms_norm, situ
-from k3stream.quant.kernels import expert_mlp
+from k3stream.model.layers import Linear, rms_norm
+from k3stream.quant.kernels import Situ, expert_mlp, situ
 
 # a step is computed in about this many groups at least: each waits only for what has not arrived
 # yet, and a smaller group costs a kernel call and a fetch (prefill steps have hundreds of experts)
@@ -80,8 +80,7 @@ class LatentMoE:
         self.w = weights
         self.source = source
         self.routing = routing
-        self.beta = beta
-        self.linear_beta = linear_beta
+        self.activation = Situ(beta, linear_beta)
         self.eps = eps
         self.match_ggml = match_ggml
         self.backend = backend
@@ -155,7 +154,7 @@ class LatentMoE:
                 [experts[e] for e in group],
                 torch.from_numpy(np.concatenate([[0], np.cumsum(counts[[position[e] for e in group]])])),
                 torch.from_numpy(pairs // chosen.shape[1]),
-                self._activation,
+                self.activation,
                 self.match_ggml,
                 self.backend,
             )
@@ -210,6 +209,3 @@ class LatentMoE:
             arrived = set(group)
             group += [expert for expert in asked if expert not in arrived][: min(least, slots) - len(group)]
         return group or asked[:1]
-
-    def _activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return situ(gate, up, self.beta, self.linear_beta)

@@ -3,8 +3,8 @@
 - `qmatmul(x, weight)`: `x @ W^T` for one matrix of any supported GGML type;
 - `grouped_qmatmul(x, weights, starts, rows)`: several matrices of one type and shape, each with its
   own input rows (the heads of MLA's k_b/v_b, the experts of one MoE step);
-- `expert_mlp(x, experts, starts, rows, activation)`: the routed-expert MLP (gate, up, activation, down)
-  over the experts of one step.
+- `expert_mlp(x, experts, starts, rows, activation)`: the routed-expert MLP (gate, up, `Situ`, down)
+  over the experts of one step; on the CPU one C call when every role has a C kernel.
 
 Backends: on CPU the C kernels (`cpu`: fused AVX2 kernels or blocks decoded into an L1 tile, never a
 float32 matrix); on CUDA
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -210,12 +210,34 @@ def _per_matrix(x, weights, starts, rows, kernel: str) -> torch.Tensor:
     return out
 
 
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """Kimi-K3's activation: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta) (no tanh
+    on u when linear_beta is 0); in C for CPU float32 tensors outside autograd."""
+    if gate.shape == up.shape and cpu.takes((gate, up)):
+        return cpu.situ(gate, up, beta, linear_beta)
+    activated = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+    if linear_beta > 0:
+        up = linear_beta * torch.tanh(up / linear_beta)
+    return activated * up
+
+
+@dataclass(frozen=True)
+class Situ:
+    """The routed experts' activation, `situ` with these betas (`expert_mlp` fuses it on the CPU)."""
+
+    beta: float
+    linear_beta: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return situ(gate, up, self.beta, self.linear_beta)
+
+
 def expert_mlp(
     x: torch.Tensor,
     experts: Sequence[ExpertMatrices],
     starts: torch.Tensor,
     rows: torch.Tensor,
-    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    activation: Situ,
     match_ggml: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -225,6 +247,9 @@ def expert_mlp(
     rounds each product's input as ggml's CPU matmul does for the weight's type.
     """
     as_qtype(experts[0].up.ggml_type)  # one clear error for an unsupported type
+    roles = _fused_roles(x, experts, match_ggml) if backend == "auto" else None
+    if roles is not None:
+        return cpu.expert_mlp(x, *roles, starts, rows, activation.beta, activation.linear_beta, match_ggml)
 
     def product(role: str, inputs: torch.Tensor, input_rows: torch.Tensor) -> torch.Tensor:
         return grouped_qmatmul(
@@ -233,3 +258,28 @@ def expert_mlp(
 
     hidden = activation(product("gate", x, rows), product("up", x, rows))
     return product("down", hidden, torch.arange(hidden.shape[0], dtype=torch.int64))
+
+
+def _fused_roles(
+    x: torch.Tensor, experts: Sequence[ExpertMatrices], match_ggml: bool
+) -> tuple[cpu.Role, cpu.Role, cpu.Role] | None:
+    """The gate, up and down roles for `cpu.expert_mlp`, or None where the step takes the per-product
+    path: off the CPU, under autograd, a role without a C kernel, or with `match_ggml` a role whose
+    kernel does not quantize activations itself (its inputs are rounded in torch first)."""
+    if not cpu.takes((x,)):
+        return None
+    roles = []
+    for role in ("gate", "up", "down"):
+        first = getattr(experts[0], role)
+        ggml_type, (out_features, in_features) = first.ggml_type, first.shape
+        if kernel_for(ggml_type, x.device, in_features) != "c" or (
+            match_ggml and ggml_type not in cpu.Q8_TYPES
+        ):
+            return None
+        matrices = [getattr(e, role) for e in experts]
+        if any(m.ggml_type != ggml_type or m.shape != first.shape for m in matrices):
+            raise ValueError(f"expert_mlp: the experts' {role} matrices differ in GGML type or shape")
+        roles.append(
+            cpu.Role([m.data for m in matrices], ggml_type, out_features, row_bytes(ggml_type, in_features))
+        )
+    return roles[0], roles[1], roles[2]

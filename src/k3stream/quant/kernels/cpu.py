@@ -1,8 +1,10 @@
 """The C CPU kernels (`ggml_cpu.c`, built at install as `_ggml_cpu`).
 
 `grouped_product` runs `out[p] = x[rows[p]] @ W_b^T` for the rows `starts[b]..starts[b+1]` of each
-matrix b in one call (the extension's own function), threads from `torch.get_num_threads()`; the
-per-token steps are called through ctypes. `available()` says whether the library was built; without
+matrix b in one call, `expert_mlp` a step's routed-expert MLP (its three products and the activation)
+in one call, `rms_norm` and `situ` one small step each: the extension's own functions, threads from
+`torch.get_num_threads()` (one for a small product). The per-token KDA and residual steps are called
+through ctypes. `available()` says whether the library was built; without
 it callers use the torch reference path.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
@@ -21,11 +24,6 @@ CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39})
 # ... and with integer kernels on 8-bit activations, as ggml's: Q8_K for Q2_K, Q3_K, Q4_K, Q6_K and
 # Q8_0 for Q4_0, Q8_0
 Q8_TYPES = frozenset({10, 11, 12, 14, 2, 8})
-# products smaller than this many multiply-adds run on the calling thread: waking a second OpenMP pool
-# next to torch's (whose threads spin after each op) costs more than it saves. Since the F32 mat-vecs
-# run here too (torch's rarely runs in decode), 1/4 M is where a mid-size decode gained most (1 M and
-# 4 M tried: up to 20% slower on 2 threads)
-PARALLEL_MIN_MACS = 1 << 18
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -64,8 +62,8 @@ def available() -> bool:
 
 
 def takes(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether the per-token C steps (`kda_decode`, `residual_mix`) may take these tensors: the library
-    is built and each is float32, contiguous, on the CPU, and not followed by autograd."""
+    """Whether the C steps (`kda_decode`, `residual_mix`, `rms_norm`, `situ`) may take these tensors: the
+    library is built and each is float32, contiguous, on the CPU, and not followed by autograd."""
     return available() and all(
         t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad
         for t in tensors
@@ -89,17 +87,74 @@ def grouped_product(
     products are integer dot products per block, as ggml's."""
     x = x.contiguous()
     out = torch.empty(rows.numel(), out_features, dtype=torch.float32)
-    threads = torch.get_num_threads() if out.numel() * x.shape[1] >= PARALLEL_MIN_MACS else 1
     status = _ggml_cpu().grouped_product(
         x.data_ptr(), x.shape[1], [m.data_ptr() for m in matrices], out_features, row_bytes, ggml_type,
-        starts.data_ptr(), rows.data_ptr(), out.data_ptr(), threads, int(q8_activations),
+        starts.data_ptr(), rows.data_ptr(), out.data_ptr(), torch.get_num_threads(), int(q8_activations),
     )  # fmt: skip
+    _check(status, ggml_type, q8_activations)
+    return out
+
+
+@dataclass(frozen=True)
+class Role:
+    """One role (gate, up or down) of a step's experts for `expert_mlp`: each expert's matrix (contiguous
+    uint8 GGUF bytes), their GGML type, output rows and bytes per row."""
+
+    matrices: Sequence[torch.Tensor]
+    ggml_type: int
+    out_features: int
+    row_bytes: int
+
+
+def expert_mlp(
+    x: torch.Tensor,
+    gate: Role,
+    up: Role,
+    down: Role,
+    starts: torch.Tensor,
+    rows: torch.Tensor,
+    beta: float,
+    linear_beta: float,
+    q8_activations: bool = False,
+) -> torch.Tensor:
+    """[P, down.out_features]: down(situ(gate(x), up(x))) of expert b on `x[rows[p]]` for p in
+    `starts[b]..starts[b+1]`; the same products and activation as `grouped_product` and `situ`, in one
+    call without the GIL."""
+    x = x.contiguous()
+    out = torch.empty(rows.numel(), down.out_features, dtype=torch.float32)
+    status = _ggml_cpu().expert_mlp(
+        x.data_ptr(), x.shape[1], [m.data_ptr() for m in gate.matrices], gate.ggml_type, gate.row_bytes,
+        [m.data_ptr() for m in up.matrices], up.ggml_type, up.row_bytes,
+        [m.data_ptr() for m in down.matrices], down.ggml_type, down.row_bytes, gate.out_features,
+        down.out_features, starts.data_ptr(), rows.data_ptr(), beta, linear_beta, out.data_ptr(),
+        torch.get_num_threads(), int(q8_activations),
+    )  # fmt: skip
+    _check(status, gate.ggml_type, q8_activations)
+    return out
+
+
+def _check(status: int, ggml_type: int, q8_activations: bool) -> None:
     if status == -2:
-        raise MemoryError("no memory for the Q8_K activations")
+        raise MemoryError("no memory for a CPU product's buffers")
     if status != 0:
         raise ValueError(
             f"no CPU kernel for GGML type {ggml_type}" + " on 8-bit activations" * q8_activations
         )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim (tensors as `takes` wants them)."""
+    out = torch.empty_like(x)
+    width = x.shape[-1]
+    address = 0 if weight is None else weight.data_ptr()
+    _ggml_cpu().rms_norm(x.data_ptr(), x.numel() // width, width, address, eps, out.data_ptr())
+    return out
+
+
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """Kimi-K3's activation of same-shaped `gate` and `up` (tensors as `takes` wants them)."""
+    out = torch.empty_like(gate)
+    _ggml_cpu().situ(gate.data_ptr(), up.data_ptr(), gate.numel(), beta, linear_beta, out.data_ptr())
     return out
 
 

@@ -1031,8 +1031,14 @@ static int64_t rows_used(const int64_t *starts, const int64_t *rows, int64_t mat
     return x_rows;
 }
 
+/* Products smaller than this many multiply-adds run on the calling thread: waking a second OpenMP pool
+ * next to torch's (whose threads spin after each op) costs more than it saves. Since the F32 mat-vecs
+ * run here too (torch's rarely runs in decode), 1/4 M is where a mid-size decode gained most (1 M and
+ * 4 M tried: up to 20% slower on 2 threads). */
+#define PARALLEL_MIN_MACS (1 << 18)
+
 /* Returns 0, -1 for a GGML type without a kernel, -2 without memory. Workers take ROWS_PER_TASK rows of
- * a matrix. `q8_activations`: quantize x as ggml does for the type (Q8_K for K-quants, Q8_0 for Q4_0
+ * a matrix; `threads` is the most used (one below PARALLEL_MIN_MACS). `q8_activations`: quantize x as ggml does for the type (Q8_K for K-quants, Q8_0 for Q4_0
  * and Q8_0) and take the integer kernels (types with a q8_kernel). */
 int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addresses, int64_t matrices,
                        int64_t out_rows, int64_t row_bytes, int ggml_type, const int64_t *starts,
@@ -1067,6 +1073,7 @@ int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addre
     }
     if (kernel == NULL) kernel = row_kernel(ggml_type);
     if (kernel == NULL) return -1;
+    if ((double)starts[matrices] * (double)out_rows * (double)in_features < PARALLEL_MIN_MACS) threads = 1;
     const int64_t chunks = (out_rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK, tasks = matrices * chunks;
     if (threads <= 1) { /* no OpenMP region at all: a one-thread team between torch's resizes its pool */
         for (int64_t task = 0; task < tasks; task++) run_task(&pr, kernel, task, chunks);
@@ -1079,45 +1086,168 @@ int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addre
     return 0;
 }
 
+void k3_rms_norm(const float *x, int64_t n, int64_t width, const float *weight, float eps, float *out);
+void k3_situ(const float *gate, const float *up, int64_t count, float beta, float linear_beta, float *out);
+
+/* The routed-expert MLP of one step: down(situ(gate(x), up(x))) of each expert b on its rows
+ * starts[b]..starts[b+1] (input rows `rows`), into out [P, out_features]. `gate`, `up`, `down`: each
+ * expert's matrix addresses and the role's GGML type, output rows and row bytes. The same products
+ * and activation as three k3_grouped_product calls with k3_situ between (so the same results), in
+ * one call. Returns k3_grouped_product's status. */
+typedef struct {
+    const int64_t *addresses;
+    int ggml_type;
+    int64_t out_rows, row_bytes;
+} Role;
+
+static int expert_mlp(const float *x, int64_t in_features, Role gate, Role up, Role down, int64_t experts,
+                      const int64_t *starts, const int64_t *rows, float beta, float linear_beta, float *out,
+                      int threads, int q8_activations) {
+    const int64_t pairs = starts[experts], hidden = gate.out_rows;
+    float *gated = malloc(sizeof(float) * (size_t)(2 * pairs * hidden + 1));
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)(pairs + 1));
+    int status = gated == NULL || order == NULL ? -2 : 0;
+    float *upped = gated + pairs * hidden;
+    if (status == 0)
+        status = k3_grouped_product(x, in_features, gate.addresses, experts, hidden, gate.row_bytes, gate.ggml_type,
+                                    starts, rows, gated, threads, q8_activations);
+    if (status == 0)
+        status = k3_grouped_product(x, in_features, up.addresses, experts, hidden, up.row_bytes, up.ggml_type,
+                                    starts, rows, upped, threads, q8_activations);
+    if (status == 0) {
+        k3_situ(gated, upped, pairs * hidden, beta, linear_beta, gated);
+        for (int64_t p = 0; p < pairs; p++) order[p] = p;
+        status = k3_grouped_product(gated, hidden, down.addresses, experts, down.out_rows, down.row_bytes,
+                                    down.ggml_type, starts, order, out, threads, q8_activations);
+    }
+    free(gated);
+    free(order);
+    return status;
+}
+
+/* Arguments of the fast calls: `kinds` has one letter per argument, 'i' an int (into ints), 'f' a float
+ * (into floats), 'l' a list of ints (its index into lists); -1 with a one-line TypeError. */
+static int parse_args(const char *name, PyObject *const *args, Py_ssize_t nargs, const char *kinds, int64_t *ints,
+                      double *floats, PyObject **lists) {
+    if (nargs != (Py_ssize_t)strlen(kinds)) {
+        PyErr_Format(PyExc_TypeError, "%s takes %d arguments, got %d", name, (int)strlen(kinds), (int)nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        if (kinds[i] == 'l') {
+            if (!PyList_Check(args[i])) {
+                PyErr_Format(PyExc_TypeError, "%s: argument %d must be a list of addresses", name, (int)i + 1);
+                return -1;
+            }
+            *lists++ = args[i];
+        } else if (kinds[i] == 'f') {
+            *floats++ = PyFloat_AsDouble(args[i]);
+        } else {
+            *ints++ = PyLong_AsLongLong(args[i]);
+        }
+        if (PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+/* The addresses in a Python list of ints: into `local` (16) or a new array (free it when it is not
+ * `local`); NULL with an exception set. */
+static int64_t *addresses_of(PyObject *list, int64_t *local) {
+    const Py_ssize_t count = PyList_GET_SIZE(list);
+    int64_t *addresses = count <= 16 ? local : malloc(sizeof(int64_t) * (size_t)count);
+    if (addresses == NULL) return (int64_t *)PyErr_NoMemory();
+    for (Py_ssize_t b = 0; b < count && !PyErr_Occurred(); b++) addresses[b] = PyLong_AsLongLong(PyList_GET_ITEM(list, b));
+    if (PyErr_Occurred()) {
+        if (addresses != local) free(addresses);
+        return NULL;
+    }
+    return addresses;
+}
+
 /* grouped_product(x, in_features, [addresses], out_rows, row_bytes, ggml_type, starts, rows, out,
  * threads, q8_activations) -> k3_grouped_product's status; pointers as ints. The one hot call (about
  * 130 per decoded token) is a METH_FASTCALL function: a call with next to no work costs 0.5-0.7 us
  * here, 2.8-3.8 us through ctypes (measured). The computation runs without the GIL, as under ctypes. */
 static PyObject *py_grouped_product(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 11 || !PyList_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "grouped_product takes 11 arguments, the third a list of addresses");
-        return NULL;
-    }
-    int64_t v[11];
-    for (int i = 0; i < 11; i++) v[i] = i == 2 ? 0 : PyLong_AsLongLong(args[i]);
-    if (PyErr_Occurred()) return NULL;
-    const Py_ssize_t matrices = PyList_GET_SIZE(args[2]);
-    int64_t local[16], *addresses = matrices <= 16 ? local : malloc(sizeof(int64_t) * (size_t)matrices);
-    if (addresses == NULL) return PyErr_NoMemory();
-    for (Py_ssize_t b = 0; b < matrices && !PyErr_Occurred(); b++)
-        addresses[b] = PyLong_AsLongLong(PyList_GET_ITEM(args[2], b));
-    if (PyErr_Occurred()) {
-        if (addresses != local) free(addresses);
-        return NULL;
-    }
+    int64_t v[10], local[16];
+    PyObject *list;
+    if (parse_args("grouped_product", args, nargs, "iiliiiiiiii", v, NULL, &list) != 0) return NULL;
+    int64_t *addresses = addresses_of(list, local);
+    if (addresses == NULL) return NULL;
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = k3_grouped_product((const float *)(uintptr_t)v[0], v[1], addresses, matrices, v[3], v[4], (int)v[5],
-                                (const int64_t *)(uintptr_t)v[6], (const int64_t *)(uintptr_t)v[7],
-                                (float *)(uintptr_t)v[8], (int)v[9], (int)v[10]);
+    status = k3_grouped_product((const float *)(uintptr_t)v[0], v[1], addresses, PyList_GET_SIZE(list), v[2], v[3],
+                                (int)v[4], (const int64_t *)(uintptr_t)v[5], (const int64_t *)(uintptr_t)v[6],
+                                (float *)(uintptr_t)v[7], (int)v[8], (int)v[9]);
     Py_END_ALLOW_THREADS
     if (addresses != local) free(addresses);
     return PyLong_FromLong(status);
 }
 
+/* expert_mlp(x, in_features, [gate addresses], gate_type, gate_row_bytes, [up addresses], up_type,
+ * up_row_bytes, [down addresses], down_type, down_row_bytes, hidden, out_features, starts, rows,
+ * beta, linear_beta, out, threads, q8_activations) -> expert_mlp's status; without the GIL. */
+static PyObject *py_expert_mlp(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t v[15], local[3][16], *addresses[3] = {NULL, NULL, NULL};
+    double betas[2];
+    PyObject *lists[3];
+    if (parse_args("expert_mlp", args, nargs, "iiliiliiliiiiiiffiii", v, betas, lists) != 0) return NULL;
+    const Py_ssize_t experts = PyList_GET_SIZE(lists[0]);
+    if (PyList_GET_SIZE(lists[1]) != experts || PyList_GET_SIZE(lists[2]) != experts) {
+        PyErr_SetString(PyExc_TypeError, "expert_mlp: the gate, up and down address lists differ in length");
+        return NULL;
+    }
+    int status = 0;
+    for (int role = 0; role < 3 && status == 0; role++)
+        status = (addresses[role] = addresses_of(lists[role], local[role])) == NULL ? -3 : 0;
+    if (status == 0) {
+        const Role gate = {addresses[0], (int)v[2], v[8], v[3]}, up = {addresses[1], (int)v[4], v[8], v[5]};
+        const Role down = {addresses[2], (int)v[6], v[9], v[7]};
+        Py_BEGIN_ALLOW_THREADS
+        status = expert_mlp((const float *)(uintptr_t)v[0], v[1], gate, up, down, experts,
+                            (const int64_t *)(uintptr_t)v[10], (const int64_t *)(uintptr_t)v[11], (float)betas[0],
+                            (float)betas[1], (float *)(uintptr_t)v[12], (int)v[13], (int)v[14]);
+        Py_END_ALLOW_THREADS
+    }
+    for (int role = 0; role < 3; role++)
+        if (addresses[role] != NULL && addresses[role] != local[role]) free(addresses[role]);
+    return status == -3 ? NULL : PyLong_FromLong(status);
+}
+
+/* rms_norm(x, rows, width, weight or 0, eps, out) and situ(gate, up, count, beta, linear_beta, out):
+ * k3_rms_norm and k3_situ on float32 buffers (pointers as ints); small steps, run with the GIL held. */
+static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t v[5];
+    double eps;
+    if (parse_args("rms_norm", args, nargs, "iiiifi", v, &eps, NULL) != 0) return NULL;
+    k3_rms_norm((const float *)(uintptr_t)v[0], v[1], v[2], (const float *)(uintptr_t)v[3], (float)eps,
+                (float *)(uintptr_t)v[4]);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_situ(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t v[4];
+    double betas[2];
+    if (parse_args("situ", args, nargs, "iiiffi", v, betas, NULL) != 0) return NULL;
+    k3_situ((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], (float)betas[0], (float)betas[1],
+            (float *)(uintptr_t)v[3]);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"grouped_product", (PyCFunction)(void (*)(void))py_grouped_product, METH_FASTCALL, NULL},
+    {"expert_mlp", (PyCFunction)(void (*)(void))py_expert_mlp, METH_FASTCALL, NULL},
+    {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, NULL},
+    {"situ", (PyCFunction)(void (*)(void))py_situ, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 
-/* Python finds the library through this module: grouped_product is its method, the per-token steps
- * (steps_cpu.c) are called with ctypes. */
+/* Python finds the library through this module: the products, the expert MLP and the small steps
+ * are its methods; the per-token KDA and residual steps (steps_cpu.c) are called with ctypes. */
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ggml_cpu", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__ggml_cpu(void) { return PyModule_Create(&module); }

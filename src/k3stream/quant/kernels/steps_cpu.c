@@ -5,6 +5,8 @@
  *   place), SiLU, l2-normalised q and k, the per-channel decay gate, the delta rule on the state
  *   S [V, K] (in place), then the output's RMS norm and sigmoid gate.
  * - k3_residual_mix: the attention-residual mix (k3stream.model.attn_res.residual_mix).
+ * - k3_rms_norm and k3_situ: the RMS norm (k3stream.model.layers.rms_norm) and Kimi-K3's activation
+ *   (k3stream.quant.kernels.situ), called through the extension's own functions (ggml_cpu.c).
  *
  * The same operations as the torch code they replace (which stays the reference and the GPU path),
  * so a step costs one call instead of tens of small tensor operations.
@@ -157,4 +159,65 @@ CLONES int k3_residual_mix(const float *const *rows, int64_t count, int64_t n, i
     }
     free(weights);
     return 0;
+}
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight (weight NULL: no scaling), n rows of width */
+CLONES void k3_rms_norm(const float *x, int64_t n, int64_t width, const float *weight, float eps, float *out) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *row = x + r * width;
+        float partial[LANES] = {0}, squares = 0.0f;
+        int64_t e = 0;
+        for (; e + LANES <= width; e += LANES)
+            for (int j = 0; j < LANES; j++) partial[j] += row[e + j] * row[e + j];
+        for (int j = 0; j < LANES; j++) squares += partial[j];
+        for (; e < width; e++) squares += row[e] * row[e];
+        const float inverse = 1.0f / sqrtf(squares / (float)width + eps);
+        float *y = out + r * width;
+        for (e = 0; e < width; e++) y[e] = weight == NULL ? row[e] * inverse : row[e] * inverse * weight[e];
+    }
+}
+
+/* exp, tanh and sigmoid from arithmetic alone (Cephes' single-precision polynomials, within 2 ulp of
+ * libm), so the loops over them vectorize: libm's scalar tanhf made a step's activation slower than
+ * torch's. */
+INLINE float as_float(int32_t bits) {
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+INLINE float exp_poly(float x) {
+    x = x < -87.3f ? -87.3f : x > 88.7f ? 88.7f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    return (p * r * r + r + 1.0f) * as_float(((int32_t)n + 127) << 23);
+}
+
+INLINE float tanh_poly(float x) {
+    const float a = fabsf(x), x2 = x * x;
+    float p = -5.70498872745e-3f;
+    p = p * x2 + 2.06390887954e-2f;
+    p = p * x2 - 5.37397155531e-2f;
+    p = p * x2 + 1.33314422036e-1f;
+    p = p * x2 - 3.33332819422e-1f;
+    const float small = x + x * x2 * p, large = 1.0f - 2.0f / (exp_poly(2.0f * a) + 1.0f);
+    return a < 0.625f ? small : copysignf(large, x);
+}
+
+/* out = beta tanh(gate / beta) sigmoid(gate) * (linear_beta > 0 ? linear_beta tanh(up / linear_beta) : up);
+ * out may be gate or up */
+CLONES void k3_situ(const float *gate, const float *up, int64_t count, float beta, float linear_beta, float *out) {
+    if (linear_beta > 0)
+        for (int64_t i = 0; i < count; i++)
+            out[i] = beta * tanh_poly(gate[i] / beta) / (1.0f + exp_poly(-gate[i])) *
+                     (linear_beta * tanh_poly(up[i] / linear_beta));
+    else
+        for (int64_t i = 0; i < count; i++)
+            out[i] = beta * tanh_poly(gate[i] / beta) / (1.0f + exp_poly(-gate[i])) * up[i];
 }
