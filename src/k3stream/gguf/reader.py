@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,17 +119,24 @@ class K3Checkpoint:
         """A fresh copy of the tensor's bytes `start..start + nbytes` (default: all) in anonymous
         memory, read from the file, not through the map: its pages never join this process's RSS, and
         a file that shrinks later raises a clear error here instead of a SIGBUS in a mapped read."""
-        info = self.info(name)
-        nbytes = info.nbytes - start if nbytes is None else nbytes
-        if start < 0 or nbytes < 0 or start + nbytes > info.nbytes:
-            raise ValueError(f"{info.path}: bytes {start}..{start + nbytes} outside tensor {name}")
-        out = np.empty(nbytes, dtype=np.uint8)
-        descriptor, view, done = self._descriptor(info.shard_index), memoryview(out), 0
-        while done < nbytes:
-            got = os.preadv(descriptor, [view[done:]], info.data_offset + start + done)
-            if got == 0:
-                raise ValueError(f"{info.path}: tensor {name} is cut short (the file shrank?)")
-            done += got
+        return self.read_parts([(name, start, self.info(name).nbytes - start if nbytes is None else nbytes)])
+
+    def read_parts(self, parts: Sequence[tuple[str, int, int]]) -> np.ndarray:
+        """The bytes `start..start + nbytes` of each `(tensor name, start, nbytes)`, one after another in
+        one fresh buffer, each read as `read` reads (a decode step's experts cost one allocation)."""
+        out = np.empty(sum(nbytes for _, _, nbytes in parts), dtype=np.uint8)
+        view, at = memoryview(out), 0
+        for name, start, nbytes in parts:
+            info = self.info(name)
+            if start < 0 or nbytes < 0 or start + nbytes > info.nbytes:
+                raise ValueError(f"{info.path}: bytes {start}..{start + nbytes} outside tensor {name}")
+            descriptor, done = self._descriptor(info.shard_index), 0
+            while done < nbytes:
+                got = os.preadv(descriptor, [view[at + done : at + nbytes]], info.data_offset + start + done)
+                if got == 0:
+                    raise ValueError(f"{info.path}: tensor {name} is cut short (the file shrank?)")
+                done += got
+            at += nbytes
         return out
 
     def _descriptor(self, shard: int) -> int:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 class GGUFExpertSource(ExpertSource):
     """Serves routed experts from the checkpoint's files (no cache: no prefetch, no read-ahead, no limit).
 
-    Each fetch reads the experts' bytes with `preadv` into fresh buffers rather than viewing the map,
+    Each fetch reads the experts' bytes with `preadv` into one fresh buffer rather than viewing the map,
     so a GGUF that shrinks while the model runs fails the step with a clear error instead of killing
     the process (a mapped read past the end is a SIGBUS).
     """
@@ -37,12 +37,13 @@ class GGUFExpertSource(ExpertSource):
             raise IndexError(
                 f"{self.checkpoint.shards[0]}: expert {bad[0]} outside 0..{count - 1} (layer {layer})"
             )
-        return {expert: ExpertWeights(*(self._read(role, expert) for role in roles)) for expert in expert_ids}
-
-    def _read(self, role: tuple[str, int, int, tuple[int, int]], expert: int) -> ExpertMatrix:
-        name, per_expert, type_id, shape = role
-        data = torch.from_numpy(self.checkpoint.read(name, expert * per_expert, per_expert))
-        return ExpertMatrix(data, type_id, shape)
+        parts = [(name, expert * size, size) for expert in expert_ids for name, size, *_ in roles]
+        data = torch.from_numpy(self.checkpoint.read_parts(parts))
+        views = iter(data.split([size for *_, size in parts]))
+        return {
+            expert: ExpertWeights(*(ExpertMatrix(next(views), kind, shape) for _, _, kind, shape in roles))
+            for expert in expert_ids
+        }
 
     def _role(self, layer: int, role: str) -> tuple[str, int, int, tuple[int, int]]:
         """One routed tensor's name, bytes per expert, GGML type and (out, in)."""
