@@ -49,7 +49,7 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("qt", CPU_TYPES + FLOATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows,cols,inputs", [(37, 256, 1), (5, 512, 3), (64, 768, 40)])
+@pytest.mark.parametrize("rows,cols,inputs", [(37, 256, 1), (5, 512, 3), (64, 768, 40), (37, 2048, 2)])
 def test_product_matches_the_reference(qt, rows, cols, inputs):
     w = weight(qt, rows, cols, seed=rows)
     x = torch.from_numpy(np.random.default_rng(cols).standard_normal((inputs, cols)).astype(np.float32))
@@ -63,6 +63,26 @@ def test_tiles_hold_exactly_the_reference_values(qt):
     w = weight(qt, 9, 512, seed=3)
     columns = qmatmul(torch.eye(512), w)
     assert torch.equal(columns.T, dequantize(w.data.view(9, -1), int(qt)))
+
+
+@pytest.mark.parametrize("qt", FLOATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("cols", [1024, 2048])
+def test_float_rows_of_a_page_or_more_give_each_output_row_its_own_result(qt, cols):
+    """Float rows of a page or more are computed four weight rows at a time (row counts that are not a
+    multiple of four included): each output is the same alone, in company and on any thread count."""
+    w = weight(qt, 45, cols, seed=cols)
+    x = torch.randn(3, cols)
+    alone = torch.stack(
+        [qmatmul(x, QWeight(w.data.view(45, -1)[m], w.ggml_type, (1, cols)))[:, 0] for m in range(45)]
+    )
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert torch.equal(qmatmul(x, w), alone.T)
+    finally:
+        torch.set_num_threads(threads)
+    assert relative_error(qmatmul(x, w), reference(x, w)) <= 1e-6
 
 
 @pytest.mark.parametrize("qt", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
@@ -103,7 +123,7 @@ def test_grouped_rows_equal_separate_products_bit_for_bit(qt):
 
 
 @pytest.mark.parametrize("qt", sorted(cpu.Q8_TYPES), ids=lambda t: T(t).name)
-@pytest.mark.parametrize("rows,cols,inputs", [(37, 256, 1), (5, 512, 3), (64, 768, 40)])
+@pytest.mark.parametrize("rows,cols,inputs", [(37, 256, 1), (5, 512, 3), (64, 768, 40), (37, 2048, 2)])
 def test_integer_kernels_equal_the_product_with_inputs_rounded_as_ggml(qt, rows, cols, inputs):
     """match_ggml: integer kernels on ggml's Q8_K or Q8_0 codes. Their sums are exact, so they agree with the
     rounded input times the dequantized weight; an all-zero block and a negative largest value included."""
