@@ -14,6 +14,7 @@ from gguf.constants import GGMLQuantizationType as T
 from k3stream.model.layers import rms_norm
 from k3stream.quant import dequantize, quantize
 from k3stream.quant.kernels import (
+    Product,
     QWeight,
     Situ,
     checked_weight,
@@ -219,6 +220,32 @@ def test_the_c_rms_norm_and_situ_match_their_torch_formulas(shape):
         assert relative_error(situ(gate, up, beta, linear_beta).double(), expected) <= 1e-6
     needs_grad = x.clone().requires_grad_()  # autograd takes the torch formula
     assert rms_norm(needs_grad, weights, 1e-6).requires_grad
+
+
+@pytest.mark.parametrize("qt", [T.F32, T.F16, T.Q2_K, T.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("match_ggml", [False, True])
+def test_a_prepared_product_is_qmatmul_bit_for_bit(qt, match_ggml, monkeypatch):
+    """`Product` (the linear layers' call) takes decode-sized inputs straight to the C kernel and
+    everything else through qmatmul: the same values either way, and qmatmul's errors."""
+    import k3stream.quant.kernels as seam
+
+    w = weight(qt, 40, 512, seed=1)
+    product = Product(w, match_ggml=match_ggml)
+    through_qmatmul = []
+    monkeypatch.setattr(seam, "qmatmul", lambda x, *args: through_qmatmul.append(len(x)) or qmatmul(x, *args))
+    for x in (
+        torch.randn(1, 512),
+        torch.randn(20, 512),
+        torch.randn(2, 3, 512),
+        torch.randn(4, 1024)[:, ::2],
+    ):
+        assert torch.equal(product(x), qmatmul(x, w, match_ggml=match_ggml))
+    # under match_ggml a type without integer kernels (F16, Q5_0) has its inputs rounded in torch first
+    direct = not match_ggml or qt in (T.F32, T.Q2_K)
+    many = [] if qt != T.F32 else [20]  # F32 products of more than F32_KERNEL_MAX_ROWS rows take torch's
+    assert through_qmatmul == ([] if direct else [1, 20]) + (many if direct else []) + [2, 4]
+    with pytest.raises(ValueError, match="input has 256 features, the weight expects 512"):
+        product(torch.randn(1, 256))
 
 
 def test_a_product_runs_without_the_gil_so_other_threads_go_on():

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from k3stream.quant.dequant import FLOAT_DTYPES
-from k3stream.quant.kernels import QWeight, checked_weight, cpu, qmatmul
+from k3stream.quant.kernels import Product, QWeight, checked_weight, cpu
 from k3stream.quant.rounding import round_like_ggml
 
 FLOAT_TYPE_IDS = {dtype: type_id for type_id, dtype in FLOAT_DTYPES.items()}
@@ -94,9 +94,10 @@ class QuantLinear:
         self.rounding_type = weight.ggml_type if round_inputs else None
         self.out_features, self.in_features = weight.shape
         self.backend = backend
+        self._product = Product(weight, backend, round_inputs)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return qmatmul(x, self.weight, self.backend, self.rounding_type is not None).to(x.dtype)
+        return self._product(x).to(x.dtype)
 
 
 Linear = DenseLinear | QuantLinear

@@ -1,6 +1,7 @@
 """The kernel seam: every product with GGUF weights goes through here, and only here a kernel is picked.
 
-- `qmatmul(x, weight)`: `x @ W^T` for one matrix of any supported GGML type;
+- `qmatmul(x, weight)`: `x @ W^T` for one matrix of any supported GGML type; `Product(weight)` the
+  same with what does not depend on x worked out once (the model's linear layers);
 - `grouped_qmatmul(x, weights, starts, rows)`: several matrices of one type and shape, each with its
   own input rows (the heads of MLA's k_b/v_b, the experts of one MoE step);
 - `expert_mlp(x, experts, starts, rows, activation)`: the routed-expert MLP (gate, up, `Situ`, down)
@@ -34,6 +35,7 @@ F32 = 0
 FLOAT_WIDTH_TYPES = frozenset({1, 30})  # F16, BF16: one value per "block"
 # F32 products of at most this many rows take the C kernel (`_f32_by_kernel`), more take torch's
 F32_KERNEL_MAX_ROWS = 16
+ANY_ROWS = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,42 @@ def qmatmul(
     else:
         return torch.nn.functional.linear(x.float(), _f32_matrix(weight, x.device))
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Product:
+    """`qmatmul(x, weight, backend, match_ggml)` for one weight, as a linear layer calls it many times:
+    a 2-D float32 input on the CPU that the C kernel takes (at most F32_KERNEL_MAX_ROWS rows for F32)
+    goes straight to it, without qmatmul's per-call checks (a decode token makes ~100 such calls of
+    a few microseconds of work each); anything else goes through qmatmul. Same results either way."""
+
+    def __init__(self, weight: QWeight, backend: str = "auto", match_ggml: bool = False) -> None:
+        self.weight, self.backend, self.match_ggml = weight, backend, match_ggml
+        self._max_rows = self._direct_rows()
+        self._address = [weight.data.data_ptr()] if self._max_rows else []
+        self._q8 = match_ggml and weight.ggml_type in cpu.Q8_TYPES
+        self._row_bytes = row_bytes(weight.ggml_type, weight.shape[1]) if self._max_rows else 0
+
+    def _direct_rows(self) -> int:
+        """The most input rows that go straight to the C kernel (0: none do)."""
+        data, (ggml_type, in_features) = self.weight.data, (self.weight.ggml_type, self.weight.shape[1])
+        if self.backend != "auto" or data.device.type != "cpu" or data.dtype != torch.uint8:
+            return 0
+        if not data.is_contiguous() or not cpu.available():
+            return 0
+        if ggml_type == F32:
+            return F32_KERNEL_MAX_ROWS if in_features % 32 == 0 else 0
+        if kernel_for(ggml_type, "cpu", in_features) != "c":
+            return 0
+        return 0 if self.match_ggml and ggml_type not in cpu.Q8_TYPES else ANY_ROWS
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight, (count, *features) = self.weight, x.shape
+        if features == [weight.shape[1]] and count <= self._max_rows and cpu.takes((x,)):
+            rows = _all_rows(count)
+            return cpu.product_at(
+                x, self._address, weight.ggml_type, weight.shape[0], self._row_bytes, *rows, self._q8
+            )
+        return qmatmul(x, weight, self.backend, self.match_ggml)  # which also says what is wrong
 
 
 def _f32_by_kernel(x: torch.Tensor, weight: QWeight) -> bool:
