@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
-import numpy as np
 import torch
 
 from k3stream.experts import ExpertSource
@@ -100,7 +100,7 @@ class LatentMoE:
         chosen, weights = self.routing.choose(self.w.router, self.w.correction_bias, h)
         self.chosen = chosen  # the step's choices [N, k], for whoever scores predictions of them
         if self.source.reads_ahead:  # the first window is read while the projections below compute
-            order, resident = self._step_order(np.unique(chosen.flatten().cpu().numpy()), [])
+            order, resident = self._step_order(sorted(set(chosen.flatten().tolist())), [])
             self._asked = order[: resident + self._read_window(len(order))]
             self.source.read_ahead(self.layer, self._asked)
         latent = self.w.routed_down(h).float()
@@ -122,13 +122,12 @@ class LatentMoE:
         each output on its own), so a streamed run equals an all-resident run bit for bit at any cache
         size and in any arrival order.
         """
-        pair_experts = chosen.flatten().cpu().numpy()  # tiny index arrays: numpy is cheaper here
-        order_of_pairs = np.argsort(pair_experts, kind="stable")
-        ids, counts = np.unique(pair_experts, return_counts=True)  # sorted, as `order_of_pairs` is
-        bounds = np.concatenate([[0], np.cumsum(counts)])
-        position = {int(expert): i for i, expert in enumerate(ids)}
+        pairs_of: dict[int, list[int]] = {}  # each expert's pairs, in order (tiny: Python lists are cheapest)
+        for pair, expert in enumerate(chosen.flatten().tolist()):
+            pairs_of.setdefault(expert, []).append(pair)
+        ids = sorted(pairs_of)
         # what __call__ read ahead (of this step's experts: an expert-parallel rank computes its own)
-        read_before = [expert for expert in self._asked if expert in position]
+        read_before = [expert for expert in self._asked if expert in pairs_of]
         self._asked = []
         order, leading = self._step_order(ids, read_before)
         rank = {expert: i for i, expert in enumerate(order)}
@@ -137,41 +136,37 @@ class LatentMoE:
         if self.source.reads_ahead:  # those __call__ asked for, then the others resident now
             read = self._slide_window(order, len(read_before), leading)
         pending = order
-        outputs = latent.new_empty(len(pair_experts), latent.shape[1])
-        done: list[np.ndarray] = []  # the pairs computed so far, in the order of `outputs`
-        filled = 0
+        outputs = latent.new_empty(chosen.numel(), latent.shape[1])
+        done: list[int] = []  # the pairs computed so far, in the order of `outputs`
         while pending:
             asked = [expert for expert in pending if rank[expert] < read]
             group = self._next_group(pending, asked, -(-len(ids) // GROUPS_PER_STEP))
             experts = self.source.fetch(self.layer, group)
             pending = [expert for expert in pending if expert not in experts]
             read = self._slide_window(order, read, len(ids) - len(pending) + window)
-            pairs = np.concatenate(
-                [order_of_pairs[bounds[position[e]] : bounds[position[e] + 1]] for e in group]
-            )
-            outputs[filled : filled + len(pairs)] = expert_mlp(
+            pairs = [pair for expert in group for pair in pairs_of[expert]]
+            outputs[len(done) : len(done) + len(pairs)] = expert_mlp(
                 latent,
                 [experts[e] for e in group],
-                torch.from_numpy(np.concatenate([[0], np.cumsum(counts[[position[e] for e in group]])])),
-                torch.from_numpy(pairs // chosen.shape[1]),
+                torch.tensor([0, *accumulate(len(pairs_of[e]) for e in group)]),
+                torch.tensor([pair // chosen.shape[1] for pair in pairs]),
                 self.activation,
                 self.match_ggml,
                 self.backend,
             )
-            done.append(pairs)
-            filled += len(pairs)
+            done += pairs
         pair_outputs = torch.empty_like(outputs)
-        pair_outputs[torch.from_numpy(np.concatenate(done)).to(latent.device)] = outputs
+        pair_outputs[torch.tensor(done, device=latent.device)] = outputs
         return pair_outputs
 
-    def _step_order(self, ids: np.ndarray, asked: list[int]) -> tuple[list[int], int]:
+    def _step_order(self, ids: list[int], asked: list[int]) -> tuple[list[int], int]:
         """The step's experts (`ids`, in pack order) in the order they are fetched, and how many lead
         it that were asked for or are resident: first those already read ahead (`asked`, in that
         order), then those resident (they cost no read, and fetching them first pins them before
         this step's reads evict them: in a step larger than the cache, a layer's experts not yet used
         are the cheapest to evict), then the rest in pack order."""
         taken = set(asked)
-        rest = [expert for expert in ids.tolist() if expert not in taken]
+        rest = [expert for expert in ids if expert not in taken]
         resident = self.source.ready(self.layer, rest)
         held = set(resident)
         order = asked + resident + [expert for expert in rest if expert not in held]
