@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from k3stream.gguf import layout
 from k3stream.gguf.config import K3Config, field_value
 from k3stream.gguf.shards import open_shards
+from k3stream.quant.kernels import cpu
 
 _TYPED_VIEWS = {
     GGMLQuantizationType.F32: np.float32,
@@ -123,20 +124,22 @@ class K3Checkpoint:
 
     def read_parts(self, parts: Sequence[tuple[str, int, int]]) -> np.ndarray:
         """The bytes `start..start + nbytes` of each `(tensor name, start, nbytes)`, one after another in
-        one fresh buffer, each read as `read` reads (a decode step's experts cost one allocation)."""
-        out = np.empty(sum(nbytes for _, _, nbytes in parts), dtype=np.uint8)
-        view, at = memoryview(out), 0
+        one fresh buffer, each read as `read` reads (a decode step's experts: one allocation, and with
+        the C extension one call for all their reads)."""
+        descriptors, offsets, lengths = [], [], []
         for name, start, nbytes in parts:
             info = self.info(name)
             if start < 0 or nbytes < 0 or start + nbytes > info.nbytes:
                 raise ValueError(f"{info.path}: bytes {start}..{start + nbytes} outside tensor {name}")
-            descriptor, done = self._descriptor(info.shard_index), 0
-            while done < nbytes:
-                got = os.preadv(descriptor, [view[at + done : at + nbytes]], info.data_offset + start + done)
-                if got == 0:
-                    raise ValueError(f"{info.path}: tensor {name} is cut short (the file shrank?)")
-                done += got
-            at += nbytes
+            descriptors.append(self._descriptor(info.shard_index))
+            offsets.append(info.data_offset + start)
+            lengths.append(nbytes)
+        out = np.empty(sum(lengths), dtype=np.uint8)
+        read = cpu.read_parts if cpu.available() else _read_parts
+        whole = read(descriptors, offsets, lengths, out)
+        if whole < len(parts):
+            name = parts[whole][0]
+            raise ValueError(f"{self.info(name).path}: tensor {name} is cut short (the file shrank?)")
         return out
 
     def _descriptor(self, shard: int) -> int:
@@ -165,3 +168,17 @@ class K3Checkpoint:
             raise IndexError(f"{info.path}: expert {expert} outside 0..{n_experts - 1} for tensor {name}")
         per_expert = info.nbytes // n_experts
         return self.raw(name)[expert * per_expert : (expert + 1) * per_expert]
+
+
+def _read_parts(descriptors: list[int], offsets: list[int], lengths: list[int], out: np.ndarray) -> int:
+    """`cpu.read_parts` in Python (an install without the C extension): how many parts were read whole."""
+    view, at = memoryview(out), 0
+    for whole, (descriptor, offset, nbytes) in enumerate(zip(descriptors, offsets, lengths, strict=True)):
+        done = 0
+        while done < nbytes:
+            got = os.preadv(descriptor, [view[at + done : at + nbytes]], offset + done)
+            if got == 0:
+                return whole
+            done += got
+        at += nbytes
+    return len(lengths)

@@ -172,6 +172,13 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) 
     return out
 
 
+def read_parts(descriptors: list[int], offsets: list[int], lengths: list[int], out: np.ndarray) -> int:
+    """Read `lengths[i]` bytes at `offsets[i]` of `descriptors[i]` for each part i into `out` (uint8,
+    contiguous, their total size), one after another, in one call without the GIL: how many were read
+    whole (fewer: the file ended early); a failed read raises OSError."""
+    return _ggml_cpu().read_parts(descriptors, offsets, lengths, out.ctypes.data)
+
+
 def kda_decode(
     projected: torch.Tensor,
     histories: Sequence[torch.Tensor],
