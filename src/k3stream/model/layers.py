@@ -97,7 +97,8 @@ class QuantLinear:
         self._product = Product(weight, backend, round_inputs)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._product(x).to(x.dtype)
+        out = self._product(x)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 Linear = DenseLinear | QuantLinear
