@@ -248,6 +248,31 @@ def test_a_prepared_product_is_qmatmul_bit_for_bit(qt, match_ggml, monkeypatch):
         product(torch.randn(1, 256))
 
 
+@pytest.mark.parametrize(
+    "experts,top_k,normalize", [(64, 8, True), (896, 16, True), (7, 7, False), (5, 1, True)]
+)
+def test_the_c_router_picks_and_weighs_as_the_torch_formula(experts, top_k, normalize):
+    """`Routing.choose` on float32 CPU logits is one C call: the same experts in the same order (sigmoid
+    plus bias, descending) and the same weights within float rounding; a top-k beyond the experts is
+    refused in one line."""
+    from k3stream.model.moe import MIN_WEIGHT_SUM, Routing
+
+    generator = torch.Generator().manual_seed(experts + top_k)
+    h, router = torch.randn(3, 32, generator=generator), Product(weight(T.F32, experts, 32, seed=experts))
+    bias = torch.randn(experts, generator=generator) * 0.5
+    routing = Routing(top_k, normalize, 2.5)
+    chosen, weights = routing.choose(router, bias, h)
+    probs = torch.sigmoid(router(h).double())
+    expected = torch.topk(probs + bias.double(), top_k, dim=-1).indices
+    picked = probs.gather(-1, expected)
+    if normalize:
+        picked = picked / picked.sum(-1, keepdim=True).clamp_min(MIN_WEIGHT_SUM)
+    assert torch.equal(chosen, expected) and chosen.dtype == torch.int64
+    assert relative_error(weights.double(), picked * 2.5) <= 1e-6
+    with pytest.raises(ValueError, match=f"route: top-k {experts + 1} outside 1..{experts} experts"):
+        Routing(experts + 1, normalize, 1.0).choose(router, bias, h)
+
+
 def test_a_product_runs_without_the_gil_so_other_threads_go_on():
     """The store's readers and the server's threads run beside a product: the extension's call must
     release the GIL as ctypes did (else every thread stalls for the product's whole length)."""

@@ -9,7 +9,7 @@ import torch
 
 from k3stream.experts import ExpertSource
 from k3stream.model.layers import Linear, rms_norm
-from k3stream.quant.kernels import Situ, expert_mlp, situ
+from k3stream.quant.kernels import Situ, cpu, expert_mlp, situ
 
 # a step is computed in about this many groups at least: each waits only for what has not arrived
 # yet, and a smaller group costs a kernel call and a fetch (prefill steps have hundreds of experts)
@@ -52,8 +52,12 @@ class Routing:
     def choose(
         self, router: Linear, bias: torch.Tensor, h: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Experts [N, k] and their weights [N, k]: sigmoid scores, the bias only picks."""
-        probs = torch.sigmoid(router(h).float())
+        """Experts [N, k] and their weights [N, k]: sigmoid scores, the bias only picks (in C for float32
+        CPU tensors outside autograd)."""
+        logits = router(h).float()
+        if logits.dim() == 2 and bias.shape == logits.shape[1:] and cpu.takes((logits, bias)):
+            return cpu.route(logits, bias, self.top_k, self.normalize, MIN_WEIGHT_SUM, self.scale)
+        probs = torch.sigmoid(logits)
         chosen = torch.topk(probs + bias, self.top_k, dim=-1).indices
         weights = probs.gather(-1, chosen)
         if self.normalize:
@@ -155,9 +159,10 @@ class LatentMoE:
                 self.backend,
             )
             done += pairs
-        pair_outputs = torch.empty_like(outputs)
-        pair_outputs[torch.tensor(done, device=latent.device)] = outputs
-        return pair_outputs
+        position = [0] * len(done)  # where each pair's output row is in `outputs`
+        for row, pair in enumerate(done):
+            position[pair] = row
+        return outputs.index_select(0, torch.tensor(position, device=latent.device))
 
     def _step_order(self, ids: list[int], asked: list[int]) -> tuple[list[int], int]:
         """The step's experts (`ids`, in pack order) in the order they are fetched, and how many lead

@@ -2,7 +2,7 @@
 
 `grouped_product` runs `out[p] = x[rows[p]] @ W_b^T` for the rows `starts[b]..starts[b+1]` of each
 matrix b in one call, `expert_mlp` a step's routed-expert MLP (its three products and the activation)
-in one call, `rms_norm` and `situ` one small step each: the extension's own functions, threads from
+in one call, `rms_norm`, `situ` and `route` one small step each: the extension's own functions, threads from
 `torch.get_num_threads()` (one for a small product). The per-token KDA and residual steps are called
 through ctypes. `available()` says whether the library was built; without
 it callers use the torch reference path.
@@ -170,6 +170,22 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) 
     out = torch.empty_like(gate)
     _ggml_cpu().situ(gate.data_ptr(), up.data_ptr(), gate.numel(), beta, linear_beta, out.data_ptr())
     return out
+
+
+def route(
+    logits: torch.Tensor, bias: torch.Tensor, top_k: int, normalize: bool, min_sum: float, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sigmoid router of `logits` [N, X] (tensors as `takes` wants them; bias [X]): the top_k experts
+    by sigmoid + bias, descending, [N, k] int64, and their sigmoid weights, divided by their sum
+    (clamped below at min_sum) when `normalize`, times scale, [N, k] float32."""
+    rows, experts = logits.shape
+    chosen = torch.empty(rows, top_k, dtype=torch.int64)
+    weights = torch.empty(rows, top_k, dtype=torch.float32)
+    _ggml_cpu().route(
+        logits.data_ptr(), bias.data_ptr(), rows, experts, top_k, int(normalize), min_sum, scale,
+        chosen.data_ptr(), weights.data_ptr(),
+    )  # fmt: skip
+    return chosen, weights
 
 
 def read_parts(descriptors: list[int], offsets: list[int], lengths: list[int], out: np.ndarray) -> int:

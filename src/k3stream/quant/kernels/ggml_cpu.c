@@ -1136,6 +1136,8 @@ int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addre
 
 void k3_rms_norm(const float *x, int64_t n, int64_t width, const float *weight, float eps, float *out);
 void k3_situ(const float *gate, const float *up, int64_t count, float beta, float linear_beta, float *out);
+void k3_route(const float *logits, const float *bias, int64_t n, int64_t experts, int64_t k, int normalize,
+              float min_sum, float scale, float *probs, int64_t *chosen, float *weights);
 
 /* The routed-expert MLP of one step: down(situ(gate(x), up(x))) of each expert b on its rows
  * starts[b]..starts[b+1] (input rows `rows`), into out [P, out_features]. `gate`, `up`, `down`: each
@@ -1286,6 +1288,25 @@ static PyObject *py_situ(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
+/* route(logits, bias, rows, experts, k, normalize, min_sum, scale, chosen, weights): k3_route on
+ * float32/int64 buffers (pointers as ints), with the GIL held; a k outside 1..experts is a ValueError. */
+static PyObject *py_route(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t v[8];
+    double floats[2];
+    if (parse_args("route", args, nargs, "iiiiiiffii", v, floats, NULL) != 0) return NULL;
+    if (v[4] < 1 || v[4] > v[3]) {
+        PyErr_Format(PyExc_ValueError, "route: top-k %lld outside 1..%lld experts", (long long)v[4], (long long)v[3]);
+        return NULL;
+    }
+    float *probs = malloc(sizeof(float) * (size_t)v[3]);
+    if (probs == NULL) return PyErr_NoMemory();
+    k3_route((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], v[3], v[4], (int)v[5],
+             (float)floats[0], (float)floats[1], probs, (int64_t *)(uintptr_t)v[6], (float *)(uintptr_t)v[7]);
+    free(probs);
+    Py_RETURN_NONE;
+}
+
 /* read_parts([descriptors], [offsets], [lengths], address) -> how many parts were read whole: part i's
  * `lengths[i]` bytes at `offsets[i]` of `descriptors[i]`, one after another from `address` (the
  * caller's buffer). Fewer than all: that part ends early (the file shrank); a failed read raises
@@ -1343,6 +1364,7 @@ static PyMethodDef methods[] = {
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, NULL},
     {"situ", (PyCFunction)(void (*)(void))py_situ, METH_FASTCALL, NULL},
     {"read_parts", (PyCFunction)(void (*)(void))py_read_parts, METH_FASTCALL, NULL},
+    {"route", (PyCFunction)(void (*)(void))py_route, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 

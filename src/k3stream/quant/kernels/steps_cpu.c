@@ -5,8 +5,9 @@
  *   place), SiLU, l2-normalised q and k, the per-channel decay gate, the delta rule on the state
  *   S [V, K] (in place), then the output's RMS norm and sigmoid gate.
  * - k3_residual_mix: the attention-residual mix (k3stream.model.attn_res.residual_mix).
- * - k3_rms_norm and k3_situ: the RMS norm (k3stream.model.layers.rms_norm) and Kimi-K3's activation
- *   (k3stream.quant.kernels.situ), called through the extension's own functions (ggml_cpu.c).
+ * - k3_rms_norm, k3_situ and k3_route: the RMS norm (k3stream.model.layers.rms_norm), Kimi-K3's
+ *   activation (k3stream.quant.kernels.situ) and the MoE's sigmoid router (k3stream.model.moe.Routing),
+ *   called through the extension's own functions (ggml_cpu.c).
  *
  * The same operations as the torch code they replace (which stays the reference and the GPU path),
  * so a step costs one call instead of tens of small tensor operations.
@@ -220,4 +221,31 @@ CLONES void k3_situ(const float *gate, const float *up, int64_t count, float bet
     else
         for (int64_t i = 0; i < count; i++)
             out[i] = beta * tanh_poly(gate[i] / beta) / (1.0f + exp_poly(-gate[i])) * up[i];
+}
+
+/* The sigmoid router of n rows: probs = sigmoid(logits); the k experts with the largest probs + bias
+ * (descending; of equal ones the lower index first) into chosen [n, k], their probs into weights
+ * [n, k], divided by their sum clamped below at min_sum when `normalize`, then times scale (the torch
+ * code's operations in its order). k <= experts. */
+CLONES void k3_route(const float *logits, const float *bias, int64_t n, int64_t experts, int64_t k, int normalize,
+                     float min_sum, float scale, float *probs, int64_t *chosen, float *weights) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *row = logits + r * experts;
+        int64_t *ids = chosen + r * k, count = 0;
+        float *w = weights + r * k;
+        for (int64_t e = 0; e < experts; e++) probs[e] = 1.0f / (1.0f + expf(-row[e]));
+        for (int64_t e = 0; e < experts; e++) { /* insertion into the sorted top k so far */
+            const float value = probs[e] + bias[e];
+            int64_t at = count < k ? count : k;
+            while (at > 0 && value > probs[ids[at - 1]] + bias[ids[at - 1]]) at--;
+            if (at == k) continue;
+            for (int64_t j = (count < k ? count : k - 1); j > at; j--) ids[j] = ids[j - 1];
+            ids[at] = e;
+            count += count < k;
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < k; j++) sum += w[j] = probs[ids[j]];
+        sum = sum < min_sum ? min_sum : sum;
+        for (int64_t j = 0; j < k; j++) w[j] = (normalize ? w[j] / sum : w[j]) * scale;
+    }
 }
