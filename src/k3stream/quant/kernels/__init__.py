@@ -139,7 +139,7 @@ class Product:
     def __init__(self, weight: QWeight, backend: str = "auto", match_ggml: bool = False) -> None:
         self.weight, self.backend, self.match_ggml = weight, backend, match_ggml
         self._max_rows = self._direct_rows()
-        self._address = [weight.data.data_ptr()] if self._max_rows else []
+        self._matrices = [weight.data]
         self._q8 = match_ggml and weight.ggml_type in cpu.Q8_TYPES
         self._row_bytes = row_bytes(weight.ggml_type, weight.shape[1]) if self._max_rows else 0
 
@@ -160,8 +160,8 @@ class Product:
         weight, (count, *features) = self.weight, x.shape
         if features == [weight.shape[1]] and count <= self._max_rows and cpu.takes((x,)):
             rows = _all_rows(count)
-            return cpu.product_at(
-                x, self._address, weight.ggml_type, weight.shape[0], self._row_bytes, *rows, self._q8
+            return cpu.grouped_product(
+                x, self._matrices, weight.ggml_type, weight.shape[0], self._row_bytes, *rows, self._q8
             )
         return qmatmul(x, weight, self.backend, self.match_ggml)  # which also says what is wrong
 

@@ -84,26 +84,11 @@ def grouped_product(
     the CPU; starts/rows: int64. The matrices must stay alive for the call (they do: the caller holds
     them). `q8_activations` (types in Q8_TYPES): x is quantized to Q8_K or Q8_0 as ggml does and the
     products are integer dot products per block, as ggml's."""
-    addresses = [m.data_ptr() for m in matrices]
-    return product_at(x, addresses, ggml_type, out_features, row_bytes, starts, rows, q8_activations)
-
-
-def product_at(
-    x: torch.Tensor,
-    addresses: list[int],
-    ggml_type: int,
-    out_features: int,
-    row_bytes: int,
-    starts: torch.Tensor,
-    rows: torch.Tensor,
-    q8_activations: bool = False,
-) -> torch.Tensor:
-    """`grouped_product` with the matrices given by address (the caller keeps them alive)."""
     x = x.contiguous()
     out = torch.empty(rows.numel(), out_features, dtype=torch.float32)
     status = _ggml_cpu().grouped_product(
-        x.data_ptr(), x.shape[1], addresses, out_features, row_bytes, ggml_type, starts.data_ptr(),
-        rows.data_ptr(), out.data_ptr(), torch.get_num_threads(), int(q8_activations),
+        x.data_ptr(), x.shape[1], [m.data_ptr() for m in matrices], out_features, row_bytes, ggml_type,
+        starts.data_ptr(), rows.data_ptr(), out.data_ptr(), torch.get_num_threads(), int(q8_activations),
     )  # fmt: skip
     _check(status, ggml_type, q8_activations)
     return out
