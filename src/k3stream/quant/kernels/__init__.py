@@ -145,13 +145,11 @@ class Product:
 
     def _direct_rows(self) -> int:
         """The most input rows that go straight to the C kernel (0: none do)."""
-        data, (ggml_type, in_features) = self.weight.data, (self.weight.ggml_type, self.weight.shape[1])
-        if self.backend != "auto" or data.device.type != "cpu" or data.dtype != torch.uint8:
-            return 0
-        if not data.is_contiguous() or not cpu.available():
+        ggml_type, in_features = self.weight.ggml_type, self.weight.shape[1]
+        if self.backend != "auto" or not _bytes_for_c(self.weight):
             return 0
         if ggml_type == F32:
-            return F32_KERNEL_MAX_ROWS if in_features % 32 == 0 else 0
+            return F32_KERNEL_MAX_ROWS
         if kernel_for(ggml_type, "cpu", in_features) != "c":
             return 0
         return 0 if self.match_ggml and ggml_type not in cpu.Q8_TYPES else ANY_ROWS
@@ -170,12 +168,18 @@ def _f32_by_kernel(x: torch.Tensor, weight: QWeight) -> bool:
     """Whether an F32 product takes the C kernel: GGUF bytes on the CPU, at most F32_KERNEL_MAX_ROWS
     rows (a mat-vec reads the weight at the memory's speed, on every thread; torch's is one thread
     wide and slow at 2-16 rows; with more rows torch's GEMM computes faster)."""
+    return x.shape[0] <= F32_KERNEL_MAX_ROWS and x.device.type == "cpu" and _bytes_for_c(weight)
+
+
+def _bytes_for_c(weight: QWeight) -> bool:
+    """Whether the C library may read this weight: it is built, and the weight is contiguous GGUF bytes
+    on the CPU (F32 rows in whole runs of 32 values)."""
+    data = weight.data
     return (
-        x.shape[0] <= F32_KERNEL_MAX_ROWS
-        and weight.data.dtype == torch.uint8
-        and weight.data.is_contiguous()
-        and x.device.type == "cpu"
-        and weight.shape[1] % 32 == 0
+        data.dtype == torch.uint8
+        and data.is_contiguous()
+        and data.device.type == "cpu"
+        and (weight.ggml_type != F32 or weight.shape[1] % 32 == 0)
         and cpu.available()
     )
 

@@ -2,10 +2,10 @@
 
 `grouped_product` runs `out[p] = x[rows[p]] @ W_b^T` for the rows `starts[b]..starts[b+1]` of each
 matrix b in one call, `expert_mlp` a step's routed-expert MLP (its three products and the activation)
-in one call, `rms_norm`, `situ` and `route` one small step each: the extension's own functions, threads from
-`torch.get_num_threads()` (one for a small product). The per-token KDA and residual steps are called
-through ctypes. `available()` says whether the library was built; without
-it callers use the torch reference path.
+in one call, `rms_norm`, `situ` and `route` one small step each, `read_parts` a step's expert reads:
+the extension's own functions, threads from `torch.get_num_threads()` (one for a small product). The
+per-token KDA and residual steps are called through ctypes. `available()` says whether the library was
+built; without it callers use the torch reference path.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def available() -> bool:
 
 
 def takes(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether the C steps (`kda_decode`, `residual_mix`, `rms_norm`, `situ`) may take these tensors: the
-    library is built and each is float32, contiguous, on the CPU, and not followed by autograd."""
+    """Whether the C steps (`kda_decode`, `residual_mix`, `rms_norm`, `situ`, `route`) may take these
+    tensors: the library is built and each is float32, contiguous, on the CPU, not followed by autograd."""
     return available() and all(
         t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad for t in tensors
     )

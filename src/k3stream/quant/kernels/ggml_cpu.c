@@ -478,8 +478,8 @@ ALWAYS void dot_q2_k(const uint8_t *restrict b, const float *const *x, const flo
     nibbles_times(b, 4, f16(b + 82), mins);
     /* a code (0..3) times its step is a lookup in step * [0 1 2 3 | 0 1 2 3] by the code's bits at the
      * bottom of its dword: the same product as converting the code and multiplying. The table is the
-     * same in both 128-bit lanes, so the in-lane `vpermilps` (one uop; AMD runs two a cycle) reads it
-     * as the lane-crossing `vpermps` did: Q2_K 1.2-1.3x faster on this Zen machine, the same bits */
+     * same in both 128-bit lanes, so the in-lane `vpermilps` reads it as the lane-crossing `vpermps`
+     * did: the same bits, Q2_K 1.2-1.3x faster on this Zen machine */
     const __m256 levels = _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3);
     for (int g = 0; g < 2; g++) { /* byte 32g + i, bits 2f: element 128g + 32f + i, sub-block 8g + 2f + i/16 */
         __m256 table[8];
