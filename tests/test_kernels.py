@@ -14,7 +14,7 @@ from gguf.constants import GGMLQuantizationType as T
 from k3stream.model.layers import rms_norm
 from k3stream.quant import dequantize, quantize
 from k3stream.quant.kernels import (
-    Product,
+    Products,
     QWeight,
     Situ,
     checked_weight,
@@ -222,30 +222,36 @@ def test_the_c_rms_norm_and_situ_match_their_torch_formulas(shape):
     assert rms_norm(needs_grad, weights, 1e-6).requires_grad
 
 
-@pytest.mark.parametrize("qt", [T.F32, T.F16, T.Q2_K, T.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "types",
+    [[T.F32], [T.F16], [T.Q2_K], [T.Q5_0], [T.Q2_K, T.F32, T.Q4_0], [T.Q3_K, T.F16, T.Q8_0]],
+    ids=lambda types: "+".join(t.name for t in types),
+)
 @pytest.mark.parametrize("match_ggml", [False, True])
-def test_a_prepared_product_is_qmatmul_bit_for_bit(qt, match_ggml, monkeypatch):
-    """`Product` (the linear layers' call) takes decode-sized inputs straight to the C kernel and
-    everything else through qmatmul: the same values either way, and qmatmul's errors."""
+def test_prepared_products_are_qmatmul_bit_for_bit(types, match_ggml, monkeypatch):
+    """`Products` (a linear layer's call, or a layer's projections of one input side by side) takes
+    decode-sized inputs straight to the C kernels in one call and everything else through qmatmul per
+    weight: the same values either way, and qmatmul's errors."""
     import k3stream.quant.kernels as seam
 
-    w = weight(qt, 40, 512, seed=1)
-    product = Product(w, match_ggml=match_ggml)
+    weights = [weight(qt, 40 + 8 * i, 512, seed=1 + i) for i, qt in enumerate(types)]
+    products = Products(weights, match_ggml=match_ggml)
     through_qmatmul = []
     monkeypatch.setattr(seam, "qmatmul", lambda x, *args: through_qmatmul.append(len(x)) or qmatmul(x, *args))
-    for x in (
-        torch.randn(1, 512),
-        torch.randn(20, 512),
-        torch.randn(2, 3, 512),
-        torch.randn(4, 1024)[:, ::2],
-    ):
-        assert torch.equal(product(x), qmatmul(x, w, match_ggml=match_ggml))
-    # under match_ggml a type without integer kernels (F16, Q5_0) has its inputs rounded in torch first
-    direct = not match_ggml or qt in (T.F32, T.Q2_K)
-    many = [] if qt != T.F32 else [20]  # F32 products of more than F32_KERNEL_MAX_ROWS rows take torch's
-    assert through_qmatmul == ([] if direct else [1, 20]) + (many if direct else []) + [2, 4]
+    inputs = [torch.randn(1, 512), torch.randn(20, 512), torch.randn(2, 3, 512), torch.randn(4, 1024)[:, ::2]]
+    for x in inputs:
+        expected = torch.cat([qmatmul(x, w, match_ggml=match_ggml) for w in weights], dim=-1)
+        assert torch.equal(products(x), expected)
+    # under match_ggml a type without integer kernels (F16, Q5_0) has its inputs rounded in torch first;
+    # F32 products of more than F32_KERNEL_MAX_ROWS rows take torch's
+    rounded_in_torch = match_ggml and any(qt in (T.F16, T.Q5_0) for qt in types)
+    most_direct = 0 if rounded_in_torch else 16 if T.F32 in types else len(inputs[1])
+    expected_calls = [len(x) for x in inputs[:2] if len(x) > most_direct] + [2, 4]
+    assert through_qmatmul == [rows for rows in expected_calls for _ in weights]
     with pytest.raises(ValueError, match="input has 256 features, the weight expects 512"):
-        product(torch.randn(1, 256))
+        products(torch.randn(1, 256))
+    with pytest.raises(ValueError, match="different input widths"):
+        Products([weights[0], weight(T.F32, 8, 256)])
 
 
 @pytest.mark.parametrize(
@@ -258,7 +264,7 @@ def test_the_c_router_picks_and_weighs_as_the_torch_formula(experts, top_k, norm
     from k3stream.model.moe import MIN_WEIGHT_SUM, Routing
 
     generator = torch.Generator().manual_seed(experts + top_k)
-    h, router = torch.randn(3, 32, generator=generator), Product(weight(T.F32, experts, 32, seed=experts))
+    h, router = torch.randn(3, 32, generator=generator), Products([weight(T.F32, experts, 32, seed=experts)])
     bias = torch.randn(experts, generator=generator) * 0.5
     routing = Routing(top_k, normalize, 2.5)
     chosen, weights = routing.choose(router, bias, h)

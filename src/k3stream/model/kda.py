@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from k3stream.model.layers import Linear, l2_normalize, rms_norm
+from k3stream.model.layers import JointLinear, Linear, l2_normalize, rms_norm
 from k3stream.model.shard import input_columns, output_rows, part, rows_of
 from k3stream.quant.kernels import cpu
 
@@ -147,6 +147,9 @@ class KDA:
         self.eps = eps
         self.scale = head_dim**-0.5
         self.chunk_size = 16  # the pairwise decay tensor is [H, L, L, K]: small chunks are faster on CPU
+        # q, k, v, g, beta and f_a all project the layer input: one kernel call
+        w = weights
+        self.projections = JointLinear([w.q_proj, w.k_proj, w.v_proj, w.g_proj, w.b_proj, w.f_a_proj])
 
     def new_state(self, device: torch.device | str = "cpu") -> KDAState:
         kernel = self.w.conv.shape[1]
@@ -158,42 +161,41 @@ class KDA:
 
     def prefill(self, h: torch.Tensor, state: KDAState) -> torch.Tensor:
         """h [T, E] (normed layer input) -> [T, E]; advances `state`."""
-        mixed, state.conv = causal_conv(self._project_qkv(h), state.conv, self.w.conv)
+        qkv, g_logits, b_logits, f_a = self._project(h)
+        mixed, state.conv = causal_conv(qkv, state.conv, self.w.conv)
         q, k, v = self._split_activate(mixed)
-        o = chunked_delta_rule(
-            q, k, v, self._gate(h), self._beta(h), state.recurrent, self.scale, self.chunk_size
-        )
-        return self._output(h, o)
+        beta = torch.sigmoid(b_logits)
+        o = chunked_delta_rule(q, k, v, self._gate(f_a), beta, state.recurrent, self.scale, self.chunk_size)
+        return self._output(o, g_logits, h.dtype)
 
     def decode(self, h: torch.Tensor, states: list[KDAState]) -> torch.Tensor:
         """h [B, E], one token of each of B sequences -> [B, E]; advances each state."""
         self._check_states(states)
-        projected = self._project_qkv(h)
-        if self._step_in_c(projected, states):
+        qkv, g_logits, b_logits, f_a = (part.contiguous() for part in self._project(h))
+        if self._step_in_c(qkv, states):
             gated = cpu.kda_decode(
-                projected, [state.conv for state in states], self.w.conv,
-                self.w.f_b_proj(self.w.f_a_proj(h)).float(), self.w.dt_bias, self.w.ssm_a, self.lower_bound,
-                self.w.b_proj(h).float(), [state.recurrent for state in states], self.w.g_proj(h).float(),
+                qkv, [state.conv for state in states], self.w.conv, self.w.f_b_proj(f_a).float(), self.w.dt_bias,
+                self.w.ssm_a, self.lower_bound, b_logits, [state.recurrent for state in states], g_logits,
                 self.w.o_norm, self.eps, self.scale,
             )  # fmt: skip
             return self.w.o_proj(gated.to(h.dtype))
         mixed_rows = []
         for row, state in enumerate(states):
-            mixed_row, state.conv = causal_conv(projected[row : row + 1], state.conv, self.w.conv)
+            mixed_row, state.conv = causal_conv(qkv[row : row + 1], state.conv, self.w.conv)
             mixed_rows.append(mixed_row)
         q, k, v = self._split_activate(torch.cat(mixed_rows))
         # one sequence updates its state in place; several are stacked once and keep views of the stack
         pool = states[0].recurrent[None] if len(states) == 1 else torch.stack([st.recurrent for st in states])
-        out = delta_step(q * self.scale, k, v, self._gate(h), self._beta(h), pool)
+        out = delta_step(q * self.scale, k, v, self._gate(f_a), torch.sigmoid(b_logits), pool)
         if len(states) > 1:
             for state, new in zip(states, pool, strict=True):
                 state.recurrent = new
-        return self._output(h, out)
+        return self._output(out, g_logits, h.dtype)
 
-    def _step_in_c(self, projected: torch.Tensor, states: list[KDAState]) -> bool:
+    def _step_in_c(self, qkv: torch.Tensor, states: list[KDAState]) -> bool:
         """Whether the step after the projections takes the C kernel (`steps_cpu.c`): float32 CPU
         tensors it may update in place, none that autograd follows."""
-        tensors = [projected, self.w.conv, self.w.dt_bias, self.w.ssm_a, self.w.o_norm]
+        tensors = [qkv, self.w.conv, self.w.dt_bias, self.w.ssm_a, self.w.o_norm]
         return cpu.takes(tensors + [t for state in states for t in (state.conv, state.recurrent)])
 
     def _check_states(self, states: list[KDAState]) -> None:
@@ -208,8 +210,11 @@ class KDA:
                     "pass states made by this model's new_state()"
                 )
 
-    def _project_qkv(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.w.q_proj(h), self.w.k_proj(h), self.w.v_proj(h)], dim=1).float()
+    def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The projections of the layer input as float32 views: q|k|v side by side [T, 3 H D], the output
+        gate's logits [T, H D], beta's logits [T, H] and the decay's first projection [T, D]."""
+        q_width, k_width, v_width, *rest = self.projections.widths
+        return self.projections(h).float().split([q_width + k_width + v_width, *rest], dim=1)
 
     def _split_activate(self, mixed: torch.Tensor):
         q, k, v = (
@@ -217,18 +222,15 @@ class KDA:
         )
         return l2_normalize(q, self.eps), l2_normalize(k, self.eps), v
 
-    def _gate(self, h: torch.Tensor) -> torch.Tensor:
-        """The log-space decay [T, H, K]."""
-        f = self.w.f_b_proj(self.w.f_a_proj(h)).float().view(-1, self.heads, self.head_dim)
+    def _gate(self, f_a: torch.Tensor) -> torch.Tensor:
+        """The log-space decay [T, H, K] from the decay's first projection."""
+        f = self.w.f_b_proj(f_a).float().view(-1, self.heads, self.head_dim)
         return kda_gate(f + self.w.dt_bias.view(self.heads, -1), self.w.ssm_a, self.lower_bound)
 
-    def _beta(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.w.b_proj(h).float())
-
-    def _output(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        gate = torch.sigmoid(self.w.g_proj(h).float()).view(-1, self.heads, self.head_dim)
+    def _output(self, o: torch.Tensor, g_logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        gate = torch.sigmoid(g_logits).view(-1, self.heads, self.head_dim)
         gated = rms_norm(o, self.w.o_norm, self.eps) * gate
-        return self.w.o_proj(gated.flatten(1).to(h.dtype))
+        return self.w.o_proj(gated.flatten(1).to(dtype))
 
 
 def shard_kda_weights(

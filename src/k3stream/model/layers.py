@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from k3stream.quant.dequant import FLOAT_DTYPES
-from k3stream.quant.kernels import Product, QWeight, checked_weight, cpu
+from k3stream.quant.kernels import Products, QWeight, checked_weight, cpu
 from k3stream.quant.rounding import round_like_ggml
 
 FLOAT_TYPE_IDS = {dtype: type_id for type_id, dtype in FLOAT_DTYPES.items()}
@@ -94,7 +94,7 @@ class QuantLinear:
         self.rounding_type = weight.ggml_type if round_inputs else None
         self.out_features, self.in_features = weight.shape
         self.backend = backend
-        self._product = Product(weight, backend, round_inputs)
+        self._product = Products([weight], backend, round_inputs)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = self._product(x)
@@ -102,6 +102,31 @@ class QuantLinear:
 
 
 Linear = DenseLinear | QuantLinear
+
+
+class JointLinear:
+    """Several linear layers of one input as one: their outputs side by side ([N, sum of `widths`]).
+    GGUF-typed layers on the kernels' path share one kernel call per input
+    (`kernels.Products`); any others (the reference path, a wrapped layer) run one by one."""
+
+    def __init__(self, linears: list[Linear]) -> None:
+        self.linears = linears
+        self.widths = [linear.out_features for linear in linears]
+        joint = all(isinstance(linear, QuantLinear) for linear in linears) and len(
+            {(linear.backend, linear.rounding_type is not None) for linear in linears}
+        ) == 1
+        first = linears[0]
+        self._products = (
+            Products([linear.weight for linear in linears], first.backend, first.rounding_type is not None)
+            if joint
+            else None
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._products is not None:
+            out = self._products(x)
+            return out if out.dtype == x.dtype else out.to(x.dtype)
+        return torch.cat([linear(x) for linear in self.linears], dim=-1)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, rms_norm
+from k3stream.model.layers import GGUFTensor, JointLinear, Linear, LoadOptions, rms_norm
 from k3stream.quant.kernels import F32, QWeight, checked_weight, grouped_qmatmul
 from k3stream.quant.rounding import round_like_ggml
 
@@ -106,35 +106,40 @@ class MLA:
         self.kv_lora = kv_lora
         self.eps = eps
         self.scale = (nope + rope) ** -0.5
+        w = weights
+        # the query's first projection, kv_a and the output gate all project the layer input: one call
+        self.projections = JointLinear([w.q_b_proj if w.q_a_proj is None else w.q_a_proj, w.kv_a_proj, w.g_proj])
 
     def new_state(self, device: torch.device | str = "cpu") -> MLAState:
         return MLAState(self.kv_lora + self.rope, device)
 
     def prefill(self, h: torch.Tensor, state: MLAState) -> torch.Tensor:
         """h [T, E] (normed layer input) of one sequence -> [T, E]; appends to its cache."""
-        queries, rows = self._queries_and_cache_rows(h)
+        queries, rows, g_logits = self._project(h)
         offset = state.length
         context = self._attend(queries, state.append(rows), offset)
-        return self._output(h, context)
+        return self._output(context, g_logits)
 
     def decode(self, h: torch.Tensor, states: list[MLAState]) -> torch.Tensor:
         """h [B, E], one token of each of B sequences -> [B, E]."""
-        queries, rows = self._queries_and_cache_rows(h)
+        queries, rows, g_logits = self._project(h)
         contexts = [
-            self._attend(queries[i : i + 1], state.append(rows[i : i + 1]), state.length - 1)
-            for i, state in enumerate(states)
+            self._attend_one(queries[i], state.append(rows[i : i + 1])) for i, state in enumerate(states)
         ]
-        return self._output(h, torch.cat(contexts))
+        return self._output(torch.stack(contexts), g_logits)
 
-    def _queries_and_cache_rows(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Absorbed queries [T, H, kv_lora + rope] and new cache rows [T, kv_lora + rope]."""
-        q_in = h if self.w.q_a_proj is None else rms_norm(self.w.q_a_proj(h), self.w.q_a_norm, self.eps)
-        q = self.w.q_b_proj(q_in).float().view(-1, self.heads, self.nope + self.rope)
+    def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Absorbed queries [T, H, kv_lora + rope], new cache rows [T, kv_lora + rope] and the output
+        gate's logits [T, H v]."""
+        first, compressed, g_logits = self.projections(h).float().split(self.projections.widths, dim=1)
+        q_in = first if self.w.q_a_proj is None else rms_norm(first.contiguous(), self.w.q_a_norm, self.eps)
+        q = (q_in if self.w.q_a_proj is None else self.w.q_b_proj(q_in).float()).view(
+            -1, self.heads, self.nope + self.rope
+        )
         q_absorbed = self.w.k_b(q[..., : self.nope])
-        compressed = self.w.kv_a_proj(h).float()
-        latent = rms_norm(compressed[:, : self.kv_lora], self.w.kv_a_norm, self.eps)
+        latent = rms_norm(compressed[:, : self.kv_lora].contiguous(), self.w.kv_a_norm, self.eps)
         rows = torch.cat([latent, compressed[:, self.kv_lora :]], dim=1)
-        return torch.cat([q_absorbed, q[..., self.nope :]], dim=-1), rows
+        return torch.cat([q_absorbed, q[..., self.nope :]], dim=-1), rows, g_logits
 
     def _attend(self, queries: torch.Tensor, cache: torch.Tensor, offset: int) -> torch.Tensor:
         """Causal attention of queries (positions offset..) over the cache -> latent context [T, H, kv].
@@ -148,6 +153,12 @@ class MLA:
         ]
         return torch.cat(parts)
 
+    def _attend_one(self, query: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """The newest position's query [H, kv_lora + rope] over its whole cache -> context [H, kv]
+        (`_attend_block` for one query, which masks nothing)."""
+        probs = torch.softmax(torch.mm(query, cache.T) * self.scale, dim=-1)
+        return torch.mm(probs, cache[:, : self.kv_lora])
+
     def _attend_block(self, queries: torch.Tensor, cache: torch.Tensor, offset: int) -> torch.Tensor:
         scores = torch.einsum("thd,sd->hts", queries, cache) * self.scale
         positions = torch.arange(queries.shape[0], device=cache.device)[:, None] + offset
@@ -155,7 +166,6 @@ class MLA:
         probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
         return torch.einsum("hts,sc->thc", probs, cache[:, : self.kv_lora])
 
-    def _output(self, h: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def _output(self, context: torch.Tensor, g_logits: torch.Tensor) -> torch.Tensor:
         values = self.w.v_b(context).flatten(1)
-        gated = values * torch.sigmoid(self.w.g_proj(h).float())
-        return self.w.o_proj(gated)
+        return self.w.o_proj(values * torch.sigmoid(g_logits))

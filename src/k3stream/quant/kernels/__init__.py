@@ -1,7 +1,8 @@
 """The kernel seam: every product with GGUF weights goes through here, and only here a kernel is picked.
 
-- `qmatmul(x, weight)`: `x @ W^T` for one matrix of any supported GGML type; `Product(weight)` the
-  same with what does not depend on x worked out once (the model's linear layers);
+- `qmatmul(x, weight)`: `x @ W^T` for one matrix of any supported GGML type; `Products(weights)` the
+  same for one or several matrices of one input, side by side, with what does not depend on x worked
+  out once (the model's linear layers and a layer's projections of one input);
 - `grouped_qmatmul(x, weights, starts, rows)`: several matrices of one type and shape, each with its
   own input rows (the heads of MLA's k_b/v_b, the experts of one MoE step);
 - `expert_mlp(x, experts, starts, rows, activation)`: the routed-expert MLP (gate, up, `Situ`, down)
@@ -130,38 +131,48 @@ def qmatmul(
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-class Product:
-    """`qmatmul(x, weight, backend, match_ggml)` for one weight, as a linear layer calls it many times:
-    a 2-D float32 input on the CPU that the C kernel takes (at most F32_KERNEL_MAX_ROWS rows for F32)
-    goes straight to it, without qmatmul's per-call checks (a decode token makes ~100 such calls of
-    a few microseconds of work each); anything else goes through qmatmul. Same results either way."""
+class Products:
+    """`qmatmul(x, w, backend, match_ggml)` for each of `weights` (one input width), side by side:
+    [N, sum of their output rows]. A linear layer holds one weight, a layer's projections of one input
+    several; the model calls them many times (a decode token ~100 calls of a few microseconds of work).
+    A 2-D float32 CPU input that every weight's C kernel takes (at most F32_KERNEL_MAX_ROWS rows where
+    one is F32) is one C call with everything that does not depend on x worked out here; anything else
+    goes through qmatmul per weight (which also says what is wrong) and a cat. Same results either way."""
 
-    def __init__(self, weight: QWeight, backend: str = "auto", match_ggml: bool = False) -> None:
-        self.weight, self.backend, self.match_ggml = weight, backend, match_ggml
-        self._max_rows = self._direct_rows()
-        self._matrices = [weight.data]
-        self._q8 = match_ggml and weight.ggml_type in cpu.Q8_TYPES
-        self._row_bytes = row_bytes(weight.ggml_type, weight.shape[1]) if self._max_rows else 0
+    def __init__(self, weights: Sequence[QWeight], backend: str = "auto", match_ggml: bool = False) -> None:
+        self.weights = list(weights)
+        widths = {weight.shape[1] for weight in self.weights}
+        if len(widths) != 1:
+            raise ValueError(f"Products: the weights take different input widths {sorted(widths)}")
+        self.in_features = widths.pop()
+        self.out_features = sum(weight.shape[0] for weight in self.weights)
+        self.backend, self.match_ggml = backend, match_ggml
+        self._max_rows = min(self._direct_rows(weight) for weight in self.weights)
+        self._arguments = (
+            [weight.data.data_ptr() for weight in self.weights],
+            [weight.ggml_type for weight in self.weights],
+            [weight.shape[0] for weight in self.weights],
+            [row_bytes(weight.ggml_type, self.in_features) for weight in self.weights],
+            [int(match_ggml and weight.ggml_type in cpu.Q8_TYPES) for weight in self.weights],
+        )
 
-    def _direct_rows(self) -> int:
-        """The most input rows that go straight to the C kernel (0: none do)."""
-        ggml_type, in_features = self.weight.ggml_type, self.weight.shape[1]
-        if self.backend != "auto" or not _bytes_for_c(self.weight):
+    def _direct_rows(self, weight: QWeight) -> int:
+        """The most input rows whose product with `weight` goes straight to the C kernel (0: none do)."""
+        ggml_type = weight.ggml_type
+        if self.backend != "auto" or not _bytes_for_c(weight):
             return 0
         if ggml_type == F32:
             return F32_KERNEL_MAX_ROWS
-        if kernel_for(ggml_type, "cpu", in_features) != "c":
+        if kernel_for(ggml_type, "cpu", self.in_features) != "c":
             return 0
         return 0 if self.match_ggml and ggml_type not in cpu.Q8_TYPES else ANY_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight, (count, *features) = self.weight, x.shape
-        if features == [weight.shape[1]] and count <= self._max_rows and cpu.takes((x,)):
-            rows = _all_rows(count)
-            return cpu.grouped_product(
-                x, self._matrices, weight.ggml_type, weight.shape[0], self._row_bytes, *rows, self._q8
-            )
-        return qmatmul(x, weight, self.backend, self.match_ggml)  # which also says what is wrong
+        count, *features = x.shape
+        if count <= self._max_rows and features == [self.in_features] and cpu.takes((x,)):
+            return cpu.products(x, *self._arguments)
+        outputs = [qmatmul(x, weight, self.backend, self.match_ggml) for weight in self.weights]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
 
 def _f32_by_kernel(x: torch.Tensor, weight: QWeight) -> bool:

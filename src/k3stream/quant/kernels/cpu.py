@@ -1,16 +1,16 @@
-"""The C CPU kernels (`ggml_cpu.c`, built at install as `_ggml_cpu`).
+"""The C CPU kernels (`ggml_cpu.c` and `steps_cpu.c`, built at install as `_ggml_cpu`).
 
 `grouped_product` runs `out[p] = x[rows[p]] @ W_b^T` for the rows `starts[b]..starts[b+1]` of each
-matrix b in one call, `expert_mlp` a step's routed-expert MLP (its three products and the activation)
-in one call, `rms_norm`, `situ` and `route` one small step each, `read_parts` a step's expert reads:
-the extension's own functions, threads from `torch.get_num_threads()` (one for a small product). The
-per-token KDA and residual steps are called through ctypes. `available()` says whether the library was
-built; without it callers use the torch reference path.
+matrix b in one call, `products` several matrices of different types on one input, `expert_mlp` a
+step's routed-expert MLP (its three products and the activation) in one call; `kda_decode`,
+`residual_mix`, `rms_norm`, `situ` and `route` one per-token step each; `read_parts` a step's expert
+reads. All are the extension module's own functions, threads from `torch.get_num_threads()` (one
+for a small product). `available()` says whether it was built; without it callers use the torch
+reference path.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,14 +24,12 @@ CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39})
 # ... and with integer kernels on 8-bit activations, as ggml's: Q8_K for Q2_K, Q3_K, Q4_K, Q6_K and
 # Q8_0 for Q4_0, Q8_0
 Q8_TYPES = frozenset({10, 11, 12, 14, 2, 8})
-_I64 = ctypes.c_int64
-_PTR = ctypes.c_void_p
 
 
 @functools.lru_cache(maxsize=1)
 def _ggml_cpu() -> ModuleType | None:
-    """The extension module (its `grouped_product` is called directly: ctypes costs more than a small
-    product), or None when it was not built."""
+    """The extension module (its functions are called directly: ctypes costs more than a small step),
+    or None when it was not built."""
     try:
         from k3stream.quant.kernels import _ggml_cpu as module
     except ImportError:
@@ -39,26 +37,9 @@ def _ggml_cpu() -> ModuleType | None:
     return module
 
 
-@functools.lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    """The same library through ctypes, for the per-token steps."""
-    module = _ggml_cpu()
-    if module is None:
-        return None
-    library = ctypes.CDLL(module.__file__)
-    kda = library.k3_kda_decode
-    kda.restype = ctypes.c_int
-    kda.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_float, _PTR, _PTR, _PTR]
-    kda.argtypes += [_PTR, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, _PTR]
-    mix = library.k3_residual_mix
-    mix.restype = ctypes.c_int
-    mix.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR]
-    return library
-
-
 def available() -> bool:
     """Whether the C kernels were built with this install."""
-    return _library() is not None
+    return _ggml_cpu() is not None
 
 
 def takes(tensors: Sequence[torch.Tensor]) -> bool:
@@ -91,6 +72,29 @@ def grouped_product(
         starts.data_ptr(), rows.data_ptr(), out.data_ptr(), torch.get_num_threads(), int(q8_activations),
     )  # fmt: skip
     _check(status, ggml_type, q8_activations)
+    return out
+
+
+def products(
+    x: torch.Tensor,
+    addresses: list[int],
+    ggml_types: list[int],
+    out_features: list[int],
+    row_bytes: list[int],
+    q8_activations: list[int],
+) -> torch.Tensor:
+    """[N, sum(out_features)]: x [N, K] (float32, contiguous, on the CPU) times each of several matrices
+    (their bytes' addresses, GGML types, output rows, bytes per row and `q8_activations` flags, as
+    `grouped_product` takes them), side by side in that order: one call for the projections a layer
+    takes of one input, each computed as `grouped_product` computes it alone. The matrices must stay
+    alive for the call."""
+    out = torch.empty(x.shape[0], sum(out_features), dtype=torch.float32)
+    status = _ggml_cpu().products(
+        x.data_ptr(), x.shape[1], x.shape[0], addresses, ggml_types, out_features, row_bytes, q8_activations,
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        _check(status, next((t for t in ggml_types if t not in CPU_TYPES), ggml_types[0]), any(q8_activations))
     return out
 
 
@@ -201,13 +205,11 @@ def kda_decode(
     batch, inner = f.shape
     heads, dim = ssm_a.numel(), o_norm.numel()
     out = torch.empty(batch, inner, dtype=torch.float32)
-    history_ptrs = np.fromiter((t.data_ptr() for t in histories), dtype=np.int64, count=batch)
-    state_ptrs = np.fromiter((t.data_ptr() for t in states), dtype=np.int64, count=batch)
-    status = _library().k3_kda_decode(
-        projected.data_ptr(), history_ptrs.ctypes.data, conv.data_ptr(), conv.shape[1], f.data_ptr(),
+    status = _ggml_cpu().kda_decode(
+        projected.data_ptr(), [t.data_ptr() for t in histories], conv.data_ptr(), conv.shape[1], f.data_ptr(),
         dt_bias.data_ptr(), ssm_a.data_ptr(), int(lower_bound is not None), float(lower_bound or 0.0),
-        b_logits.data_ptr(), state_ptrs.ctypes.data, g_logits.data_ptr(), o_norm.data_ptr(), batch, heads,
-        dim, eps, scale, out.data_ptr(),
+        b_logits.data_ptr(), [t.data_ptr() for t in states], g_logits.data_ptr(), o_norm.data_ptr(), heads, dim,
+        eps, scale, out.data_ptr(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("no memory for a KDA decode step")
@@ -219,10 +221,7 @@ def residual_mix(rows: Sequence[torch.Tensor], score: torch.Tensor, eps: float) 
     contiguous, on the CPU) scored by `score` [E]: [N, E]."""
     n, width = rows[0].shape
     out = torch.empty(n, width, dtype=torch.float32)
-    pointers = np.fromiter((t.data_ptr() for t in rows), dtype=np.int64, count=len(rows))
-    status = _library().k3_residual_mix(
-        pointers.ctypes.data, len(rows), n, width, score.data_ptr(), eps, out.data_ptr()
-    )
+    status = _ggml_cpu().residual_mix([t.data_ptr() for t in rows], n, width, score.data_ptr(), eps, out.data_ptr())
     if status != 0:
         raise MemoryError("no memory for a residual mix")
     return out

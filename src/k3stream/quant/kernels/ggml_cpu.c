@@ -1,4 +1,5 @@
-/* CPU kernels for products with GGUF-block weights (k3stream.quant.kernels.cpu calls them via ctypes).
+/* CPU kernels for products with GGUF-block weights (k3stream.quant.kernels.cpu calls them as the
+ * extension module `_ggml_cpu`'s functions).
  *
  * out[p, m] = sum_k x[rows[p], k] * W_b[m, k] for the rows p in starts[b]..starts[b+1] of matrix b.
  * A worker takes a chunk of one matrix's output rows. Types with a fused AVX2 kernel (below) expand
@@ -217,6 +218,7 @@ typedef struct {
     const int64_t *addresses, *starts, *rows;
     int64_t matrices;
     float *out;
+    int64_t out_stride; /* floats from one output row to the next: out_rows, or more in a wider out */
     const float *sums16; /* fused kernels: sum of each 16 consecutive values of each x row */
     const struct BlockQ8K *q8;    /* Q8_K kernels: each x row quantized as ggml does, in / 256 blocks */
     const struct BlockQ8_0 *q8_0; /* Q8_0 kernels: the same in Q8_0 blocks, in / 32 of them */
@@ -360,7 +362,7 @@ INLINE void prefetch_ahead(const uint8_t *at, int64_t bytes) {
             const __typeof__(*pr->Y) *y = pr->Y + pr->rows[p] * blocks;                                \
             ACC acc = ZERO;                                                                            \
             for (int64_t block = 0; block < blocks; block++) acc = DOT(row + block * (BLOCK_BYTES), y + block, acc); \
-            pr->out[p * pr->out_rows + m] = TOTAL(acc);                                                \
+            pr->out[p * pr->out_stride + m] = TOTAL(acc);                                                \
         }                                                                                              \
     }
 #define FLOAT_TOTAL(acc) (acc)
@@ -387,7 +389,7 @@ INLINE void prefetch_ahead(const uint8_t *at, int64_t bytes) {
                     sums[r] += dot(tile, xs, (int)(count * (BLOCK_ELEMS)));                          \
                 }                                                                                    \
             }                                                                                        \
-            for (int64_t r = 0; r < rows; r++) pr->out[(p0 + r) * pr->out_rows + m] = sums[r];       \
+            for (int64_t r = 0; r < rows; r++) pr->out[(p0 + r) * pr->out_stride + m] = sums[r];       \
         }                                                                                            \
     }
 
@@ -686,7 +688,7 @@ typedef void (*WideKernel)(const Product *, int64_t, int64_t, int);
                     for (int i = 0; i < 4; i++)                                                        \
                         acc[i][j] = _mm256_fmadd_ps(LOAD8(w[i] + (WIDTH) * (k + 8 * j)), xj, acc[i][j]); \
                 }                                                                                      \
-            for (int i = 0; i < count; i++) pr->out[p * pr->out_rows + m + i] = hsum_all(acc[i]);       \
+            for (int i = 0; i < count; i++) pr->out[p * pr->out_stride + m + i] = hsum_all(acc[i]);       \
         }                                                                                              \
     }
 
@@ -761,7 +763,7 @@ ALWAYS void start_rows(const Product *pr, int64_t p, const int n, const float **
 ALWAYS void store_rows(const Product *pr, __m256 acc[FUSED_ROWS][4], __m256 offsets[FUSED_ROWS], const int has_mins,
                        int64_t m, int64_t p, const int n) {
     for (int r = 0; r < n; r++)
-        pr->out[(p + r) * pr->out_rows + m] = hsum_all(acc[r]) - (has_mins ? hsum8(offsets[r]) : 0.0f);
+        pr->out[(p + r) * pr->out_stride + m] = hsum_all(acc[r]) - (has_mins ? hsum8(offsets[r]) : 0.0f);
 }
 
 /* One weight row m against `n` (<= FUSED_ROWS) input rows from p: blocks in order into the chains */
@@ -839,7 +841,7 @@ KQUANT_ROW(fused_q3_k, dot_q3_k, expand_q3_k, 0, 110)
             DOT(row + block * (BLOCK_BYTES), x, sums, (BLOCK_ELEMS) * block, part, n, count);          \
             for (int r = 0; r < n; r++) total[r] += part[r];                                           \
         }                                                                                              \
-        for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_rows + m] = total[r];                    \
+        for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = total[r];                    \
     }                                                                                                  \
     AVX2 static void NAME(const Product *pr, int64_t b, int64_t m) {                                   \
         const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;          \
@@ -1089,10 +1091,10 @@ static int64_t rows_used(const int64_t *starts, const int64_t *rows, int64_t mat
 /* Returns 0, -1 for a GGML type without a kernel, -2 without memory. Workers take ROWS_PER_TASK rows of
  * a matrix; `threads` is the most used (one below PARALLEL_MIN_MACS). `q8_activations`: quantize x as ggml does for the type (Q8_K for K-quants, Q8_0 for Q4_0
  * and Q8_0) and take the integer kernels (types with a q8_kernel). */
-int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addresses, int64_t matrices,
-                       int64_t out_rows, int64_t row_bytes, int ggml_type, const int64_t *starts,
-                       const int64_t *rows, float *out, int threads, int q8_activations) {
-    Product pr = {x, in_features, out_rows, row_bytes, addresses, starts, rows, matrices, out, NULL, NULL, NULL};
+static int grouped_product(const float *x, int64_t in_features, const int64_t *addresses, int64_t matrices,
+                           int64_t out_rows, int64_t row_bytes, int ggml_type, const int64_t *starts,
+                           const int64_t *rows, float *out, int64_t out_stride, int threads, int q8_activations) {
+    Product pr = {x, in_features, out_rows, row_bytes, addresses, starts, rows, matrices, out, out_stride, NULL, NULL, NULL};
     RowKernel kernel = q8_activations ? q8_kernel(ggml_type) : fused_kernel(ggml_type);
     float *sums16 = NULL;
     void *q8 = NULL;
@@ -1134,6 +1136,33 @@ int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addre
     free(sums16);
     free(q8);
     return 0;
+}
+
+int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addresses, int64_t matrices,
+                       int64_t out_rows, int64_t row_bytes, int ggml_type, const int64_t *starts,
+                       const int64_t *rows, float *out, int threads, int q8_activations) {
+    return grouped_product(x, in_features, addresses, matrices, out_rows, row_bytes, ggml_type, starts, rows, out,
+                           out_rows, threads, q8_activations);
+}
+
+/* The products of several matrices, each of its own GGML type and output rows, on the same `n` rows of x
+ * (the projections a layer takes of one input): matrix i's outputs fill columns c_i..c_i + out_rows[i] of
+ * out [n, sum of out_rows], c_i the output rows of the matrices before it; each computed as
+ * k3_grouped_product computes it alone (the same results; `q8_activations` per matrix). Returns its status. */
+int k3_products(const float *x, int64_t in_features, int64_t n, int64_t matrices, const int64_t *addresses,
+                const int64_t *types, const int64_t *out_rows, const int64_t *row_bytes, const int64_t *q8_activations,
+                float *out, int threads) {
+    int64_t width = 0, local[16], *rows = n <= 16 ? local : malloc(sizeof(int64_t) * (size_t)n);
+    if (rows == NULL) return -2;
+    for (int64_t p = 0; p < n; p++) rows[p] = p;
+    for (int64_t i = 0; i < matrices; i++) width += out_rows[i];
+    const int64_t starts[2] = {0, n};
+    int status = 0;
+    for (int64_t i = 0, column = 0; i < matrices && status == 0; column += out_rows[i++])
+        status = grouped_product(x, in_features, addresses + i, 1, out_rows[i], row_bytes[i], (int)types[i], starts,
+                                 rows, out + column, width, threads, (int)q8_activations[i]);
+    if (rows != local) free(rows);
+    return status;
 }
 
 void k3_rms_norm(const float *x, int64_t n, int64_t width, const float *weight, float eps, float *out);
@@ -1237,6 +1266,32 @@ static PyObject *py_grouped_product(PyObject *self, PyObject *const *args, Py_ss
     return PyLong_FromLong(status);
 }
 
+/* products(x, in_features, n, [addresses], [types], [out_rows], [row_bytes], [q8_activations], out, threads)
+ * -> k3_products' status; without the GIL. */
+static PyObject *py_products(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t v[5], local[5][16], *numbers[5] = {NULL, NULL, NULL, NULL, NULL};
+    PyObject *lists[5];
+    if (parse_args("products", args, nargs, "iiilllllii", v, NULL, lists) != 0) return NULL;
+    const Py_ssize_t matrices = PyList_GET_SIZE(lists[0]);
+    for (int i = 1; i < 5; i++)
+        if (PyList_GET_SIZE(lists[i]) != matrices) {
+            PyErr_SetString(PyExc_TypeError, "products: the five lists differ in length");
+            return NULL;
+        }
+    int status = 0;
+    for (int i = 0; i < 5 && status == 0; i++) status = (numbers[i] = addresses_of(lists[i], local[i])) == NULL ? -3 : 0;
+    if (status == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        status = k3_products((const float *)(uintptr_t)v[0], v[1], v[2], matrices, numbers[0], numbers[1], numbers[2],
+                             numbers[3], numbers[4], (float *)(uintptr_t)v[3], (int)v[4]);
+        Py_END_ALLOW_THREADS
+    }
+    for (int i = 0; i < 5; i++)
+        if (numbers[i] != NULL && numbers[i] != local[i]) free(numbers[i]);
+    return status == -3 ? NULL : PyLong_FromLong(status);
+}
+
 /* expert_mlp(x, in_features, [gate addresses], gate_type, gate_row_bytes, [up addresses], up_type,
  * up_row_bytes, [down addresses], down_type, down_row_bytes, hidden, out_features, starts, rows,
  * beta, linear_beta, out, threads, q8_activations) -> expert_mlp's status; without the GIL. */
@@ -1309,6 +1364,55 @@ static PyObject *py_route(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+int k3_kda_decode(const float *proj, float *const *histories, const float *conv_w, int64_t taps, const float *f,
+                  const float *dt_bias, const float *ssm_a, int has_bound, float bound, const float *b_logits,
+                  float *const *states, const float *g_logits, const float *o_norm, int64_t batch, int64_t heads,
+                  int64_t dim, float eps, float scale, float *out);
+int k3_residual_mix(const float *const *rows, int64_t count, int64_t n, int64_t width, const float *score, float eps,
+                    float *out);
+
+/* kda_decode(qkv, [histories], conv, taps, f, dt_bias, ssm_a, has_bound, bound, b_logits, [states], g_logits,
+ * o_norm, heads, dim, eps, scale, out) -> k3_kda_decode's status, one history and state per sequence;
+ * with the GIL held (a step of a few tens of microseconds). */
+static PyObject *py_kda_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t v[13], local[2][16], *pointers[2] = {NULL, NULL};
+    double floats[3];
+    PyObject *lists[2];
+    if (parse_args("kda_decode", args, nargs, "iliiiiiifiliiiiffi", v, floats, lists) != 0) return NULL;
+    const Py_ssize_t batch = PyList_GET_SIZE(lists[0]);
+    if (PyList_GET_SIZE(lists[1]) != batch) {
+        PyErr_SetString(PyExc_TypeError, "kda_decode: the history and state lists differ in length");
+        return NULL;
+    }
+    int status = 0;
+    for (int i = 0; i < 2 && status == 0; i++) status = (pointers[i] = addresses_of(lists[i], local[i])) == NULL ? -3 : 0;
+    if (status == 0)
+        status = k3_kda_decode((const float *)(uintptr_t)v[0], (float *const *)pointers[0], (const float *)(uintptr_t)v[1],
+                               v[2], (const float *)(uintptr_t)v[3], (const float *)(uintptr_t)v[4],
+                               (const float *)(uintptr_t)v[5], (int)v[6], (float)floats[0], (const float *)(uintptr_t)v[7],
+                               (float *const *)pointers[1], (const float *)(uintptr_t)v[8], (const float *)(uintptr_t)v[9],
+                               batch, v[10], v[11], (float)floats[1], (float)floats[2], (float *)(uintptr_t)v[12]);
+    for (int i = 0; i < 2; i++)
+        if (pointers[i] != NULL && pointers[i] != local[i]) free(pointers[i]);
+    return status == -3 ? NULL : PyLong_FromLong(status);
+}
+
+/* residual_mix([rows], n, width, score, eps, out) -> k3_residual_mix's status; with the GIL held. */
+static PyObject *py_residual_mix(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t v[4], local[16];
+    double eps;
+    PyObject *list;
+    if (parse_args("residual_mix", args, nargs, "liiifi", v, &eps, &list) != 0) return NULL;
+    int64_t *rows = addresses_of(list, local);
+    if (rows == NULL) return NULL;
+    const int status = k3_residual_mix((const float *const *)rows, PyList_GET_SIZE(list), v[0], v[1],
+                                       (const float *)(uintptr_t)v[2], (float)eps, (float *)(uintptr_t)v[3]);
+    if (rows != local) free(rows);
+    return PyLong_FromLong(status);
+}
+
 /* read_parts([descriptors], [offsets], [lengths], address) -> how many parts were read whole: part i's
  * `lengths[i]` bytes at `offsets[i]` of `descriptors[i]`, one after another from `address` (the
  * caller's buffer). Fewer than all: that part ends early (the file shrank); a failed read raises
@@ -1362,16 +1466,19 @@ static PyObject *py_read_parts(PyObject *self, PyObject *const *args, Py_ssize_t
 
 static PyMethodDef methods[] = {
     {"grouped_product", (PyCFunction)(void (*)(void))py_grouped_product, METH_FASTCALL, NULL},
+    {"products", (PyCFunction)(void (*)(void))py_products, METH_FASTCALL, NULL},
     {"expert_mlp", (PyCFunction)(void (*)(void))py_expert_mlp, METH_FASTCALL, NULL},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, NULL},
     {"situ", (PyCFunction)(void (*)(void))py_situ, METH_FASTCALL, NULL},
     {"read_parts", (PyCFunction)(void (*)(void))py_read_parts, METH_FASTCALL, NULL},
     {"route", (PyCFunction)(void (*)(void))py_route, METH_FASTCALL, NULL},
+    {"kda_decode", (PyCFunction)(void (*)(void))py_kda_decode, METH_FASTCALL, NULL},
+    {"residual_mix", (PyCFunction)(void (*)(void))py_residual_mix, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 
-/* Python finds the library through this module: the products, the expert MLP, the small steps and
- * the batched reads of experts' bytes are its methods; the per-token KDA and residual steps (steps_cpu.c) are called with ctypes. */
+/* Python finds the library through this module: the products, the expert MLP, the per-token steps
+ * (steps_cpu.c's too) and the batched reads of experts' bytes are its methods. */
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ggml_cpu", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__ggml_cpu(void) { return PyModule_Create(&module); }

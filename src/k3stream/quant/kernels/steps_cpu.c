@@ -1,4 +1,5 @@
-/* Per-token steps of the model in C, for the CPU (k3stream.quant.kernels.cpu calls them via ctypes):
+/* Per-token steps of the model in C, for the CPU (k3stream.quant.kernels.cpu calls them through
+ * the extension's functions in ggml_cpu.c):
  *
  * - k3_kda_decode: one KDA decode step after the projections (k3stream.model.kda.KDA.decode). For
  *   each of B sequences and each head: the causal conv of the projected q/k/v (history updated in
@@ -6,8 +7,7 @@
  *   S [V, K] (in place), then the output's RMS norm and sigmoid gate.
  * - k3_residual_mix: the attention-residual mix (k3stream.model.attn_res.residual_mix).
  * - k3_rms_norm, k3_situ and k3_route: the RMS norm (k3stream.model.layers.rms_norm), Kimi-K3's
- *   activation (k3stream.quant.kernels.situ) and the MoE's sigmoid router (k3stream.model.moe.Routing),
- *   called through the extension's own functions (ggml_cpu.c).
+ *   activation (k3stream.quant.kernels.situ) and the MoE's sigmoid router (k3stream.model.moe.Routing).
  *
  * The same operations as the torch code they replace (which stays the reference and the GPU path),
  * so a step costs one call instead of tens of small tensor operations.
