@@ -267,7 +267,7 @@ def test_the_c_router_picks_and_weighs_as_the_torch_formula(experts, top_k, norm
     h, router = torch.randn(3, 32, generator=generator), Products([weight(T.F32, experts, 32, seed=experts)])
     bias = torch.randn(experts, generator=generator) * 0.5
     routing = Routing(top_k, normalize, 2.5)
-    chosen, weights = routing.choose(router, bias, h)
+    chosen, weights = routing.choose(router(h), bias)
     probs = torch.sigmoid(router(h).double())
     expected = torch.topk(probs + bias.double(), top_k, dim=-1).indices
     picked = probs.gather(-1, expected)
@@ -276,7 +276,7 @@ def test_the_c_router_picks_and_weighs_as_the_torch_formula(experts, top_k, norm
     assert torch.equal(chosen, expected) and chosen.dtype == torch.int64
     assert relative_error(weights.double(), picked * 2.5) <= 1e-6
     with pytest.raises(ValueError, match=f"route: top-k {experts + 1} outside 1..{experts} experts"):
-        Routing(experts + 1, normalize, 1.0).choose(router, bias, h)
+        Routing(experts + 1, normalize, 1.0).choose(router(h), bias)
 
 
 def test_a_product_runs_without_the_gil_so_other_threads_go_on():

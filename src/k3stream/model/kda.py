@@ -173,10 +173,11 @@ class KDA:
         self._check_states(states)
         qkv, g_logits, b_logits, f_a = (part.contiguous() for part in self._project(h))
         if self._step_in_c(qkv, states):
+            recurrent = [state.recurrent for state in states]
             gated = cpu.kda_decode(
-                qkv, [state.conv for state in states], self.w.conv, self.w.f_b_proj(f_a).float(), self.w.dt_bias,
-                self.w.ssm_a, self.lower_bound, b_logits, [state.recurrent for state in states], g_logits,
-                self.w.o_norm, self.eps, self.scale,
+                qkv, [state.conv for state in states], self.w.conv, self.w.f_b_proj(f_a).float(),
+                self.w.dt_bias, self.w.ssm_a, self.lower_bound, b_logits, recurrent, g_logits, self.w.o_norm,
+                self.eps, self.scale,
             )  # fmt: skip
             return self.w.o_proj(gated.to(h.dtype))
         mixed_rows = []

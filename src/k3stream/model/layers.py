@@ -94,10 +94,10 @@ class QuantLinear:
         self.rounding_type = weight.ggml_type if round_inputs else None
         self.out_features, self.in_features = weight.shape
         self.backend = backend
-        self._product = Products([weight], backend, round_inputs)
+        self.products = Products([weight], backend, round_inputs)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._product(x)
+        out = self.products(x)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
@@ -112,9 +112,10 @@ class JointLinear:
     def __init__(self, linears: list[Linear]) -> None:
         self.linears = linears
         self.widths = [linear.out_features for linear in linears]
-        joint = all(isinstance(linear, QuantLinear) for linear in linears) and len(
-            {(linear.backend, linear.rounding_type is not None) for linear in linears}
-        ) == 1
+        joint = (
+            all(isinstance(linear, QuantLinear) for linear in linears)
+            and len({(linear.backend, linear.rounding_type is not None) for linear in linears}) == 1
+        )
         first = linears[0]
         self._products = (
             Products([linear.weight for linear in linears], first.backend, first.rounding_type is not None)

@@ -108,7 +108,9 @@ class MLA:
         self.scale = (nope + rope) ** -0.5
         w = weights
         # the query's first projection, kv_a and the output gate all project the layer input: one call
-        self.projections = JointLinear([w.q_b_proj if w.q_a_proj is None else w.q_a_proj, w.kv_a_proj, w.g_proj])
+        self.projections = JointLinear(
+            [w.q_b_proj if w.q_a_proj is None else w.q_a_proj, w.kv_a_proj, w.g_proj]
+        )
 
     def new_state(self, device: torch.device | str = "cpu") -> MLAState:
         return MLAState(self.kv_lora + self.rope, device)

@@ -8,8 +8,8 @@ from itertools import accumulate
 import torch
 
 from k3stream.experts import ExpertSource
-from k3stream.model.layers import Linear, rms_norm
-from k3stream.quant.kernels import Situ, cpu, expert_mlp, situ
+from k3stream.model.layers import JointLinear, Linear, QuantLinear, rms_norm
+from k3stream.quant.kernels import MLP, Situ, cpu, expert_mlp, situ
 
 # a step is computed in about this many groups at least: each waits only for what has not arrived
 # yet, and a smaller group costs a kernel call and a fetch (prefill steps have hundreds of experts)
@@ -28,7 +28,18 @@ class SituMLP:
     beta: float
     linear_beta: float
 
+    def __post_init__(self) -> None:
+        # GGUF-typed layers on the kernels' path: one kernel call (`kernels.MLP`)
+        linears = (self.gate_proj, self.up_proj, self.down_proj)
+        self._fused = (
+            MLP(*(linear.products for linear in linears), Situ(self.beta, self.linear_beta))
+            if all(isinstance(linear, QuantLinear) for linear in linears)
+            else None
+        )
+
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None and h.dtype == torch.float32:
+            return self._fused(h)
         activated = situ(self.gate_proj(h).float(), self.up_proj(h).float(), self.beta, self.linear_beta)
         return self.down_proj(activated)
 
@@ -49,12 +60,9 @@ class Routing:
     normalize: bool
     scale: float
 
-    def choose(
-        self, router: Linear, bias: torch.Tensor, h: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Experts [N, k] and their weights [N, k]: sigmoid scores, the bias only picks (in C for float32
-        CPU tensors outside autograd)."""
-        logits = router(h).float()
+    def choose(self, logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts [N, k] and their weights [N, k] from the router's logits [N, X]: sigmoid scores, the
+        bias only picks (in C for float32 CPU tensors outside autograd)."""
         if logits.dim() == 2 and bias.shape == logits.shape[1:] and cpu.takes((logits, bias)):
             return cpu.route(logits, bias, self.top_k, self.normalize, MIN_WEIGHT_SUM, self.scale)
         probs = torch.sigmoid(logits)
@@ -93,21 +101,23 @@ class LatentMoE:
         self.routed_pairs = self._routed_pairs
         self.chosen = torch.empty(0, routing.top_k, dtype=torch.long)
         self._asked: list[int] = []  # the experts __call__ read ahead for the step `routed_pairs` runs
+        # the router and the routed down projection both take the layer input: one kernel call
+        self.projections = JointLinear([weights.router, weights.routed_down])
 
     def predict(self, h: torch.Tensor) -> list[int]:
         """The experts this layer would pick for rows h (the prefetch hint)."""
-        chosen, _ = self.routing.choose(self.w.router, self.w.correction_bias, h)
+        chosen, _ = self.routing.choose(self.w.router(h).float(), self.w.correction_bias)
         return chosen.unique().tolist()
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h [N, E] -> [N, E]; the union of the experts all rows chose, fetched once each."""
-        chosen, weights = self.routing.choose(self.w.router, self.w.correction_bias, h)
+        logits, latent = self.projections(h).float().split(self.projections.widths, dim=1)
+        chosen, weights = self.routing.choose(logits.contiguous(), self.w.correction_bias)
         self.chosen = chosen  # the step's choices [N, k], for whoever scores predictions of them
         if self.source.reads_ahead:  # the first window is read while the projections below compute
             order, resident = self._step_order(sorted(set(chosen.flatten().tolist())), [])
             self._asked = order[: resident + self._read_window(len(order))]
             self.source.read_ahead(self.layer, self._asked)
-        latent = self.w.routed_down(h).float()
         shared = self.w.shared(h).float() if self.w.shared is not None else None
         pair_outputs = self.routed_pairs(latent, chosen)
         routed = (pair_outputs.view(*chosen.shape, -1) * weights[..., None]).sum(1)

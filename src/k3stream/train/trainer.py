@@ -22,7 +22,7 @@ from k3stream.experts import ROLES, ExpertSource, ExpertWeights
 from k3stream.gguf.layout import FLOAT_TYPE_IDS, is_routed_expert, routed_expert_name
 from k3stream.model.k3 import K3Model, build
 from k3stream.model.kda import KDA
-from k3stream.model.layers import GGUFTensor, Linear, LoadOptions
+from k3stream.model.layers import GGUFTensor, LoadOptions
 from k3stream.model.moe import LatentMoE, Routing
 from k3stream.quant.kernels import QWeight
 from k3stream.tiny import TinySpec, initial_values, tensor_plan, tiny_config
@@ -98,8 +98,8 @@ class CountingRouting:
         self.routing = routing
         self.counts = counts
 
-    def choose(self, router: Linear, bias: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        chosen, weights = self.routing.choose(router, bias, h)
+    def choose(self, logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        chosen, weights = self.routing.choose(logits, bias)
         self.counts += torch.bincount(chosen.flatten(), minlength=self.counts.numel())
         return chosen, weights
 

@@ -175,6 +175,33 @@ class Products:
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
 
+class MLP:
+    """down(activation(gate(x), up(x))) over three prepared products of one weight each (a dense or
+    shared-expert MLP): one C call (`cpu.expert_mlp`: the same products and activation) for an input
+    each would take straight to its C kernel, else the three calls with the activation between."""
+
+    def __init__(self, gate: Products, up: Products, down: Products, activation: Situ) -> None:
+        self.gate, self.up, self.down, self.activation = gate, up, down, activation
+        parts = (gate, up, down)
+        single = all(len(part.weights) == 1 and not part.match_ggml for part in parts)
+        self._max_rows = min(part._max_rows for part in parts) if single else 0
+        self._roles = tuple(
+            cpu.Role(
+                [part.weights[0].data], part.weights[0].ggml_type, part.out_features, part._arguments[3][0]
+            )
+            for part in parts
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        count, *features = x.shape
+        if count <= self._max_rows and features == [self.gate.in_features] and cpu.takes((x,)):
+            starts, rows = _all_rows(count)
+            return cpu.expert_mlp(
+                x, *self._roles, starts, rows, self.activation.beta, self.activation.linear_beta
+            )
+        return self.down(self.activation(self.gate(x), self.up(x)))
+
+
 def _f32_by_kernel(x: torch.Tensor, weight: QWeight) -> bool:
     """Whether an F32 product takes the C kernel: GGUF bytes on the CPU, at most F32_KERNEL_MAX_ROWS
     rows (a mat-vec reads the weight at the memory's speed, on every thread; torch's is one thread

@@ -94,7 +94,9 @@ def products(
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
-        _check(status, next((t for t in ggml_types if t not in CPU_TYPES), ggml_types[0]), any(q8_activations))
+        _check(
+            status, next((t for t in ggml_types if t not in CPU_TYPES), ggml_types[0]), any(q8_activations)
+        )
     return out
 
 
@@ -206,10 +208,10 @@ def kda_decode(
     heads, dim = ssm_a.numel(), o_norm.numel()
     out = torch.empty(batch, inner, dtype=torch.float32)
     status = _ggml_cpu().kda_decode(
-        projected.data_ptr(), [t.data_ptr() for t in histories], conv.data_ptr(), conv.shape[1], f.data_ptr(),
-        dt_bias.data_ptr(), ssm_a.data_ptr(), int(lower_bound is not None), float(lower_bound or 0.0),
-        b_logits.data_ptr(), [t.data_ptr() for t in states], g_logits.data_ptr(), o_norm.data_ptr(), heads, dim,
-        eps, scale, out.data_ptr(),
+        projected.data_ptr(), [t.data_ptr() for t in histories], conv.data_ptr(), conv.shape[1],
+        f.data_ptr(), dt_bias.data_ptr(), ssm_a.data_ptr(), int(lower_bound is not None),
+        float(lower_bound or 0.0), b_logits.data_ptr(), [t.data_ptr() for t in states], g_logits.data_ptr(),
+        o_norm.data_ptr(), heads, dim, eps, scale, out.data_ptr(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("no memory for a KDA decode step")
@@ -221,7 +223,9 @@ def residual_mix(rows: Sequence[torch.Tensor], score: torch.Tensor, eps: float) 
     contiguous, on the CPU) scored by `score` [E]: [N, E]."""
     n, width = rows[0].shape
     out = torch.empty(n, width, dtype=torch.float32)
-    status = _ggml_cpu().residual_mix([t.data_ptr() for t in rows], n, width, score.data_ptr(), eps, out.data_ptr())
+    status = _ggml_cpu().residual_mix(
+        [t.data_ptr() for t in rows], n, width, score.data_ptr(), eps, out.data_ptr()
+    )
     if status != 0:
         raise MemoryError("no memory for a residual mix")
     return out
