@@ -27,10 +27,10 @@ class GGUFExpertSource(ExpertSource):
 
     def __init__(self, checkpoint: K3Checkpoint) -> None:
         self.checkpoint = checkpoint
-        self._roles: dict[tuple[int, str], tuple[str, int, int, tuple[int, int]]] = {}
+        self._roles: dict[int, list[tuple[str, int, int, tuple[int, int]]]] = {}
 
     def fetch(self, layer: int, expert_ids: list[int]) -> dict[int, ExpertWeights]:
-        roles = [self._role(layer, role) for role in ROLES]
+        roles = self._roles_of(layer)
         count = self.checkpoint.config.n_experts
         bad = [expert for expert in expert_ids if not 0 <= expert < count]
         if bad:
@@ -38,19 +38,22 @@ class GGUFExpertSource(ExpertSource):
                 f"{self.checkpoint.shards[0]}: expert {bad[0]} outside 0..{count - 1} (layer {layer})"
             )
         parts = [(name, expert * size, size) for expert in expert_ids for name, size, *_ in roles]
-        data = torch.from_numpy(self.checkpoint.read_parts(parts))
-        views = iter(data.split([size for *_, size in parts]))
+        views = torch.from_numpy(self.checkpoint.read_parts(parts)).split([size for *_, size in parts])
+        kinds = [(kind, shape) for *_, kind, shape in roles] * len(expert_ids)
+        matrices = [ExpertMatrix(view, kind, shape) for view, (kind, shape) in zip(views, kinds, strict=True)]
+        per = len(roles)
         return {
-            expert: ExpertWeights(*(ExpertMatrix(next(views), kind, shape) for _, _, kind, shape in roles))
-            for expert in expert_ids
+            expert: ExpertWeights(*matrices[per * i : per * (i + 1)]) for i, expert in enumerate(expert_ids)
         }
 
+    def _roles_of(self, layer: int) -> list[tuple[str, int, int, tuple[int, int]]]:
+        """Each routed tensor's name, bytes per expert, GGML type and (out, in), in ROLES order."""
+        if layer not in self._roles:
+            self._roles[layer] = [self._role(layer, role) for role in ROLES]
+        return self._roles[layer]
+
     def _role(self, layer: int, role: str) -> tuple[str, int, int, tuple[int, int]]:
-        """One routed tensor's name, bytes per expert, GGML type and (out, in)."""
-        key = (layer, role)
-        if key not in self._roles:
-            name = routed_expert_name(layer, role)
-            info = self.checkpoint.info(name)
-            count, rows, cols = info.shape
-            self._roles[key] = (name, info.nbytes // count, int(info.ggml_type), (int(rows), int(cols)))
-        return self._roles[key]
+        name = routed_expert_name(layer, role)
+        info = self.checkpoint.info(name)
+        count, rows, cols = info.shape
+        return name, info.nbytes // count, int(info.ggml_type), (int(rows), int(cols))

@@ -7,7 +7,7 @@ from itertools import accumulate
 
 import torch
 
-from k3stream.experts import ExpertSource
+from k3stream.experts import ExpertSource, ExpertWeights
 from k3stream.model.layers import JointLinear, Linear, QuantLinear, rms_norm
 from k3stream.quant.kernels import MLP, Situ, cpu, expert_mlp, situ
 
@@ -111,10 +111,12 @@ class LatentMoE:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h [N, E] -> [N, E]; the union of the experts all rows chose, fetched once each."""
-        logits, latent = self.projections(h).float().split(self.projections.widths, dim=1)
-        chosen, weights = self.routing.choose(logits.contiguous(), self.w.correction_bias)
+        logits, latent = (
+            part.contiguous() for part in self.projections(h).float().split(self.projections.widths, 1)
+        )
+        chosen, weights = self.routing.choose(logits, self.w.correction_bias)
         self.chosen = chosen  # the step's choices [N, k], for whoever scores predictions of them
-        if self.source.reads_ahead:  # the first window is read while the projections below compute
+        if self.source.reads_ahead:  # the first window is read while the shared expert below computes
             order, resident = self._step_order(sorted(set(chosen.flatten().tolist())), [])
             self._asked = order[: resident + self._read_window(len(order))]
             self.source.read_ahead(self.layer, self._asked)
@@ -150,7 +152,7 @@ class LatentMoE:
         if self.source.reads_ahead:  # those __call__ asked for, then the others resident now
             read = self._slide_window(order, len(read_before), leading)
         pending = order
-        outputs = latent.new_empty(chosen.numel(), latent.shape[1])
+        outputs: list[torch.Tensor] = []  # each group's pair outputs
         done: list[int] = []  # the pairs computed so far, in the order of `outputs`
         while pending:
             asked = [expert for expert in pending if rank[expert] < read]
@@ -158,21 +160,36 @@ class LatentMoE:
             experts = self.source.fetch(self.layer, group)
             pending = [expert for expert in pending if expert not in experts]
             read = self._slide_window(order, read, len(ids) - len(pending) + window)
-            pairs = [pair for expert in group for pair in pairs_of[expert]]
-            outputs[len(done) : len(done) + len(pairs)] = expert_mlp(
-                latent,
-                [experts[e] for e in group],
-                torch.tensor([0, *accumulate(len(pairs_of[e]) for e in group)]),
-                torch.tensor([pair // chosen.shape[1] for pair in pairs]),
-                self.activation,
-                self.match_ggml,
-                self.backend,
-            )
+            pairs, computed = self._compute_group(latent, experts, group, pairs_of, chosen.shape[1])
+            outputs.append(computed)
             done += pairs
-        position = [0] * len(done)  # where each pair's output row is in `outputs`
+        joined = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        if done == list(range(len(done))):
+            return joined
+        position = [0] * len(done)  # where each pair's output row is in `joined`
         for row, pair in enumerate(done):
             position[pair] = row
-        return outputs.index_select(0, torch.tensor(position, device=latent.device))
+        return joined.index_select(0, torch.tensor(position, device=latent.device))
+
+    def _compute_group(
+        self,
+        latent: torch.Tensor,
+        experts: dict[int, ExpertWeights],
+        group: list[int],
+        pairs_of: dict[int, list[int]],
+        top_k: int,
+    ) -> tuple[list[int], torch.Tensor]:
+        """The pairs of the fetched `group` and their outputs [pairs, latent] (in that order), taken in
+        the order of their first pairs (a step computed in one group comes out in pair order)."""
+        in_order = sorted(group, key=lambda expert: pairs_of[expert][0])
+        pairs = [pair for expert in in_order for pair in pairs_of[expert]]
+        counts = accumulate(len(pairs_of[expert]) for expert in in_order)
+        bounds = torch.tensor([0, *counts, *(pair // top_k for pair in pairs)])  # starts, then rows
+        starts, rows = bounds[: len(group) + 1], bounds[len(group) + 1 :]
+        weights = [experts[expert] for expert in in_order]
+        return pairs, expert_mlp(
+            latent, weights, starts, rows, self.activation, self.match_ggml, self.backend
+        )
 
     def _step_order(self, ids: list[int], asked: list[int]) -> tuple[list[int], int]:
         """The step's experts (`ids`, in pack order) in the order they are fetched, and how many lead

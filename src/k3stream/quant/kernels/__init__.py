@@ -326,10 +326,10 @@ def expert_mlp(
     Rows `starts[b]..starts[b+1]` of the result are expert b's outputs for `x[rows[p]]`. `match_ggml`
     rounds each product's input as ggml's CPU matmul does for the weight's type.
     """
-    as_qtype(experts[0].up.ggml_type)  # one clear error for an unsupported type
     roles = _fused_roles(x, experts, match_ggml) if backend == "auto" else None
     if roles is not None:
         return cpu.expert_mlp(x, *roles, starts, rows, activation.beta, activation.linear_beta, match_ggml)
+    as_qtype(experts[0].up.ggml_type)  # one clear error for an unsupported type
 
     def product(role: str, inputs: torch.Tensor, input_rows: torch.Tensor) -> torch.Tensor:
         return grouped_qmatmul(
@@ -348,18 +348,27 @@ def _fused_roles(
     kernel does not quantize activations itself (its inputs are rounded in torch first)."""
     if not cpu.takes((x,)):
         return None
-    roles = []
-    for role in ("gate", "up", "down"):
-        first = getattr(experts[0], role)
-        ggml_type, (out_features, in_features) = first.ggml_type, first.shape
-        if kernel_for(ggml_type, x.device, in_features) != "c" or (
-            match_ggml and ggml_type not in cpu.Q8_TYPES
-        ):
-            return None
-        matrices = [getattr(e, role) for e in experts]
-        if any(m.ggml_type != ggml_type or m.shape != first.shape for m in matrices):
-            raise ValueError(f"expert_mlp: the experts' {role} matrices differ in GGML type or shape")
-        roles.append(
-            cpu.Role([m.data for m in matrices], ggml_type, out_features, row_bytes(ggml_type, in_features))
-        )
-    return roles[0], roles[1], roles[2]
+    first = experts[0]
+    kinds = [(matrix.ggml_type, matrix.shape) for matrix in (first.gate, first.up, first.down)]
+    layouts = [_fused_layout(ggml_type, shape, match_ggml) for ggml_type, shape in kinds]
+    if None in layouts:
+        return None
+    for expert in experts:
+        for matrix, (ggml_type, shape) in zip((expert.gate, expert.up, expert.down), kinds, strict=True):
+            if matrix.ggml_type != ggml_type or matrix.shape != shape:
+                raise ValueError("expert_mlp: the experts' matrices of one role differ in GGML type or shape")
+    gate, up, down = (
+        cpu.Role([getattr(expert, role).data for expert in experts], ggml_type, *layout)
+        for role, (ggml_type, _), layout in zip(("gate", "up", "down"), kinds, layouts, strict=True)
+    )
+    return gate, up, down
+
+
+@functools.lru_cache(maxsize=64)
+def _fused_layout(ggml_type: int, shape: tuple[int, int], match_ggml: bool) -> tuple[int, int] | None:
+    """A role's output rows and bytes per row for `cpu.expert_mlp`, or None where it does not take it
+    (see `_fused_roles`)."""
+    out_features, in_features = shape
+    if kernel_for(ggml_type, "cpu", in_features) != "c" or (match_ggml and ggml_type not in cpu.Q8_TYPES):
+        return None
+    return out_features, row_bytes(ggml_type, in_features)
