@@ -45,9 +45,10 @@ def available() -> bool:
 def takes(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether the C steps (`kda_decode`, `residual_mix`, `rms_norm`, `situ`, `route`) may take these
     tensors: the library is built and each is float32, contiguous, on the CPU, not followed by autograd."""
-    return available() and all(
-        t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad for t in tensors
-    )
+    for t in tensors:  # a loop, not all(...): called ~100 times a token
+        if not (t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad):
+            return False
+    return available()
 
 
 def grouped_product(
