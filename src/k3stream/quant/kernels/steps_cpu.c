@@ -26,7 +26,29 @@
 #define CLONES
 #endif
 
-INLINE float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+/* exp, tanh and sigmoid from arithmetic alone (Cephes' single-precision polynomials, within 2 ulp of
+ * libm), so the loops over them vectorize: libm's scalar tanhf made a step's activation slower than
+ * torch's. */
+INLINE float as_float(int32_t bits) {
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+INLINE float exp_poly(float x) {
+    x = x < -87.3f ? -87.3f : x > 88.7f ? 88.7f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    return (p * r * r + r + 1.0f) * as_float(((int32_t)n + 127) << 23);
+}
+
+INLINE float sigmoidf(float x) { return 1.0f / (1.0f + exp_poly(-x)); }
 
 /* mixed[c] = sum_t window[t][c] * w[c][t] over the C - 1 history rows then x; the history shifts */
 INLINE void causal_conv_step(const float *x, float *history, const float *w, int64_t taps, int64_t width,
@@ -61,35 +83,46 @@ INLINE void decay(const float *f, const float *bias, float a, int has_bound, flo
     for (int64_t i = 0; i < n; i++) {
         const float value = f[i] + bias[i];
         if (has_bound) {
-            out[i] = expf(bound * sigmoidf(a * value));
+            out[i] = exp_poly(bound * sigmoidf(a * value));
         } else {
-            const float softplus = value > SOFTPLUS_THRESHOLD ? value : log1pf(expf(value));
-            out[i] = expf(-a * softplus);
+            const float softplus = value > SOFTPLUS_THRESHOLD ? value : log1pf(exp_poly(value));
+            out[i] = exp_poly(-a * softplus);
         }
     }
 }
 
-/* sum_i a[i] b[i] in LANES interleaved partial sums (vectorizable without reassociating a sum) */
-INLINE float dot(const float *a, const float *b, int64_t n) {
+/* row = row * scale + add * along (scale or along NULL: that term left out), then sum_i row[i] with[i] in
+ * LANES interleaved partial sums (vectorizable without reassociating a sum): one pass over a state row
+ * for a step of the delta rule and the dot that follows it */
+INLINE float update_dot(float *row, const float *scale, float add, const float *along, const float *with,
+                        int64_t n) {
     float partial[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; j++) partial[j] += a[i + j] * b[i + j];
+        for (int j = 0; j < LANES; j++) {
+            float value = scale != NULL ? row[i + j] * scale[i + j] : row[i + j];
+            if (along != NULL) value += add * along[i + j];
+            row[i + j] = value;
+            partial[j] += value * with[i + j];
+        }
     float sum = 0.0f;
     for (int j = 0; j < LANES; j++) sum += partial[j];
-    for (; i < n; i++) sum += a[i] * b[i];
+    for (; i < n; i++) {
+        float value = scale != NULL ? row[i] * scale[i] : row[i];
+        if (along != NULL) value += add * along[i];
+        row[i] = value;
+        sum += value * with[i];
+    }
     return sum;
 }
 
-/* S *= exp(g); S += (beta (v - S k)) k^T; o = S q, one pass per state row */
+/* S *= exp(g); S += (beta (v - S k)) k^T; o = S q, two passes per state row */
 INLINE void delta_rule(float *s, const float *q, const float *k, const float *v, const float *factor, float beta,
                        int64_t dim, float *o) {
     for (int64_t row = 0; row < dim; row++) {
         float *sr = s + row * dim;
-        for (int64_t i = 0; i < dim; i++) sr[i] *= factor[i];
-        const float delta = (v[row] - dot(sr, k, dim)) * beta;
-        for (int64_t i = 0; i < dim; i++) sr[i] += delta * k[i];
-        o[row] = dot(sr, q, dim);
+        const float delta = (v[row] - update_dot(sr, factor, 0.0f, NULL, k, dim)) * beta;
+        o[row] = update_dot(sr, NULL, delta, k, q, dim);
     }
 }
 
@@ -176,28 +209,6 @@ CLONES void k3_rms_norm(const float *x, int64_t n, int64_t width, const float *w
         float *y = out + r * width;
         for (e = 0; e < width; e++) y[e] = weight == NULL ? row[e] * inverse : row[e] * inverse * weight[e];
     }
-}
-
-/* exp, tanh and sigmoid from arithmetic alone (Cephes' single-precision polynomials, within 2 ulp of
- * libm), so the loops over them vectorize: libm's scalar tanhf made a step's activation slower than
- * torch's. */
-INLINE float as_float(int32_t bits) {
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-INLINE float exp_poly(float x) {
-    x = x < -87.3f ? -87.3f : x > 88.7f ? 88.7f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    return (p * r * r + r + 1.0f) * as_float(((int32_t)n + 127) << 23);
 }
 
 INLINE float tanh_poly(float x) {
