@@ -403,28 +403,37 @@ def test_cli_dequantize_refuses_to_overwrite(tiny_model, tmp_path):
     assert K3Checkpoint.open(out).tensors.keys() == K3Checkpoint.open(tiny_model()).tensors.keys()
 
 
-@pytest.mark.parametrize("in_c", [True, False], ids=["extension", "python"])
+@pytest.mark.parametrize(
+    "in_c,threads", [(True, 1), (True, 2), (False, 1)], ids=["extension", "extension-2-threads", "python"]
+)
 def test_read_parts_copies_the_file_bytes_and_names_a_tensor_cut_short(
-    tiny_model, tmp_path, monkeypatch, in_c
+    tiny_model, tmp_path, monkeypatch, in_c, threads
 ):
     """A decode step's expert reads (`read_parts`, one C call, or os.preadv without the extension): the
-    bytes the map holds, in order; a part past the end of a shrunk file is a one-line error naming it."""
+    bytes the map holds, in order; a part past the end of a shrunk file is a one-line error naming it.
+    The extension reads a megabyte or more on several threads: the same bytes, the same error."""
+    import torch
+
     from k3stream.quant.kernels import cpu
 
     if in_c and not cpu.available():
         pytest.skip("the C extension was not built with this install")
     monkeypatch.setattr(cpu, "available", lambda: in_c)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     path = tmp_path / "model.gguf"
     shutil.copy(tiny_model(seed=3), path)
     checkpoint = K3Checkpoint.open(path)
     names = [name for name in checkpoint.tensors if "exps" in name][:3]
-    parts = [(name, 7 * i, 100 + i) for i, name in enumerate(names)] + [(names[0], 0, 0)]
-    got = checkpoint.read_parts(parts)
-    expected = np.concatenate([checkpoint.raw(name)[start : start + n] for name, start, n in parts])
-    assert got.flags.writeable and np.array_equal(got, expected)
+    whole = [(name, 0, checkpoint.info(name).nbytes) for name in names]
+    many = whole * -(-(1 << 20) // sum(n for *_, n in whole))  # a megabyte and more: threads read it
+    for parts in ([(name, 7 * i, 100 + i) for i, name in enumerate(names)] + [(names[0], 0, 0)], many):
+        got = checkpoint.read_parts(parts)
+        expected = np.concatenate([checkpoint.raw(name)[start : start + n] for name, start, n in parts])
+        assert got.flags.writeable and np.array_equal(got, expected)
     last = max(checkpoint.tensors.values(), key=lambda info: info.data_offset)
     tail = next(name for name, info in checkpoint.tensors.items() if info is last)
     with open(path, "r+b") as handle:
         handle.truncate(last.data_offset + 10)
-    with pytest.raises(ValueError, match=f"model.gguf: tensor {tail} is cut short"):
-        checkpoint.read_parts([(names[0], 0, 10), (tail, 0, last.nbytes)])
+    for before in ([(names[0], 0, 10)], many):
+        with pytest.raises(ValueError, match=f"model.gguf: tensor {tail} is cut short"):
+            checkpoint.read_parts(before + [(tail, 0, last.nbytes)] + many)

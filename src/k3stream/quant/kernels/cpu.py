@@ -182,9 +182,10 @@ def route(
 
 def read_parts(descriptors: list[int], offsets: list[int], lengths: list[int], out: np.ndarray) -> int:
     """Read `lengths[i]` bytes at `offsets[i]` of `descriptors[i]` for each part i into `out` (uint8,
-    contiguous, their total size), one after another, in one call without the GIL: how many were read
-    whole (fewer: the file ended early); a failed read raises OSError."""
-    return _ggml_cpu().read_parts(descriptors, offsets, lengths, out.ctypes.data)
+    contiguous, their total size), one after another, in one call without the GIL (a megabyte or more
+    on `torch.get_num_threads()` threads at once): how many were read whole (fewer: the file ended
+    early); a failed read raises OSError."""
+    return _ggml_cpu().read_parts(descriptors, offsets, lengths, out.ctypes.data, torch.get_num_threads())
 
 
 def kda_decode(

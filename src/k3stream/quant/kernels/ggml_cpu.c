@@ -1373,7 +1373,7 @@ int k3_residual_mix(const float *const *rows, int64_t count, int64_t n, int64_t 
 
 /* kda_decode(qkv, [histories], conv, taps, f, dt_bias, ssm_a, has_bound, bound, b_logits, [states], g_logits,
  * o_norm, heads, dim, eps, scale, out) -> k3_kda_decode's status, one history and state per sequence;
- * with the GIL held (a step of a few tens of microseconds). */
+ * without the GIL. */
 static PyObject *py_kda_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     int64_t v[13], local[2][16], *pointers[2] = {NULL, NULL};
@@ -1387,12 +1387,15 @@ static PyObject *py_kda_decode(PyObject *self, PyObject *const *args, Py_ssize_t
     }
     int status = 0;
     for (int i = 0; i < 2 && status == 0; i++) status = (pointers[i] = addresses_of(lists[i], local[i])) == NULL ? -3 : 0;
-    if (status == 0)
+    if (status == 0) {
+        Py_BEGIN_ALLOW_THREADS
         status = k3_kda_decode((const float *)(uintptr_t)v[0], (float *const *)pointers[0], (const float *)(uintptr_t)v[1],
                                v[2], (const float *)(uintptr_t)v[3], (const float *)(uintptr_t)v[4],
                                (const float *)(uintptr_t)v[5], (int)v[6], (float)floats[0], (const float *)(uintptr_t)v[7],
                                (float *const *)pointers[1], (const float *)(uintptr_t)v[8], (const float *)(uintptr_t)v[9],
                                batch, v[10], v[11], (float)floats[1], (float)floats[2], (float *)(uintptr_t)v[12]);
+        Py_END_ALLOW_THREADS
+    }
     for (int i = 0; i < 2; i++)
         if (pointers[i] != NULL && pointers[i] != local[i]) free(pointers[i]);
     return status == -3 ? NULL : PyLong_FromLong(status);
@@ -1413,22 +1416,39 @@ static PyObject *py_residual_mix(PyObject *self, PyObject *const *args, Py_ssize
     return PyLong_FromLong(status);
 }
 
-/* read_parts([descriptors], [offsets], [lengths], address) -> how many parts were read whole: part i's
- * `lengths[i]` bytes at `offsets[i]` of `descriptors[i]`, one after another from `address` (the
+/* Reads `length` bytes at `offset` of `descriptor` into `to`: 0, -1 if the file ends first, else errno */
+static int read_part(int descriptor, int64_t offset, int64_t length, uint8_t *to) {
+    int64_t done = 0;
+    while (done < length) {
+        const ssize_t got = pread(descriptor, to + done, (size_t)(length - done), (off_t)(offset + done));
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) return got < 0 ? errno : -1;
+        done += got;
+    }
+    return 0;
+}
+
+/* Parts of at least this many bytes in all are read on `threads` threads at once (copies out of the
+ * page cache scale with the threads; a small step is not worth waking them) */
+#define PARALLEL_MIN_READ (1 << 20)
+
+/* read_parts([descriptors], [offsets], [lengths], address, threads) -> how many parts were read whole:
+ * part i's `lengths[i]` bytes at `offsets[i]` of `descriptors[i]`, one after another from `address` (the
  * caller's buffer). Fewer than all: that part ends early (the file shrank); a failed read raises
  * OSError. One call for the 8-16 experts' 3 matrices of a decode step, without the GIL (each part
  * through Python's os.preadv cost about four times its read). */
 static PyObject *py_read_parts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    int64_t address;
+    int64_t v[2];
     PyObject *lists[3];
-    if (parse_args("read_parts", args, nargs, "llli", &address, NULL, lists) != 0) return NULL;
+    if (parse_args("read_parts", args, nargs, "lllii", v, NULL, lists) != 0) return NULL;
     const Py_ssize_t parts = PyList_GET_SIZE(lists[0]);
     if (PyList_GET_SIZE(lists[1]) != parts || PyList_GET_SIZE(lists[2]) != parts) {
         PyErr_SetString(PyExc_TypeError, "read_parts: the descriptor, offset and length lists differ in length");
         return NULL;
     }
-    int64_t *numbers = malloc(sizeof(int64_t) * (size_t)(3 * parts + 1));
+    /* descriptors, offsets, lengths, then where each part starts in the buffer and its outcome */
+    int64_t *numbers = malloc(sizeof(int64_t) * (size_t)(5 * parts + 1));
     if (numbers == NULL) return PyErr_NoMemory();
     for (Py_ssize_t i = 0; i < 3 * parts && !PyErr_Occurred(); i++)
         numbers[i] = PyLong_AsLongLong(PyList_GET_ITEM(lists[i / parts], i % parts));
@@ -1436,26 +1456,27 @@ static PyObject *py_read_parts(PyObject *self, PyObject *const *args, Py_ssize_t
         free(numbers);
         return NULL;
     }
-    Py_ssize_t whole = 0;
-    int error = 0;
+    int64_t *starts = numbers + 3 * parts, *outcomes = numbers + 4 * parts, total = 0;
+    for (Py_ssize_t i = 0; i < parts; i++) {
+        starts[i] = total;
+        total += numbers[2 * parts + i];
+    }
+    uint8_t *to = (uint8_t *)(uintptr_t)v[0];
+    const int threads = total >= PARALLEL_MIN_READ ? (int)v[1] : 1;
     Py_BEGIN_ALLOW_THREADS
-    uint8_t *to = (uint8_t *)(uintptr_t)address;
-    for (; whole < parts && error == 0; whole++) {
-        const int64_t descriptor = numbers[whole], offset = numbers[parts + whole], length = numbers[2 * parts + whole];
-        int64_t done = 0;
-        while (done < length) {
-            const ssize_t got = pread((int)descriptor, to + done, (size_t)(length - done), (off_t)(offset + done));
-            if (got < 0 && errno == EINTR) continue;
-            if (got <= 0) {
-                error = got < 0 ? errno : -1;
+    if (threads <= 1) { /* in order, stopping at the first part that fails */
+        for (Py_ssize_t i = 0; i < parts; i++)
+            if ((outcomes[i] = read_part((int)numbers[i], numbers[parts + i], numbers[2 * parts + i], to + starts[i])) != 0)
                 break;
-            }
-            done += got;
-        }
-        if (error != 0) break;
-        to += length;
+    } else {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+        for (Py_ssize_t i = 0; i < parts; i++)
+            outcomes[i] = read_part((int)numbers[i], numbers[parts + i], numbers[2 * parts + i], to + starts[i]);
     }
     Py_END_ALLOW_THREADS
+    Py_ssize_t whole = 0;
+    while (whole < parts && outcomes[whole] == 0) whole++;
+    const int error = whole < parts ? (int)outcomes[whole] : 0;
     free(numbers);
     if (error > 0) {
         errno = error;
