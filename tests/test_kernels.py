@@ -14,6 +14,7 @@ from gguf.constants import GGMLQuantizationType as T
 from k3stream.model.layers import rms_norm
 from k3stream.quant import dequantize, quantize
 from k3stream.quant.kernels import (
+    GroupedProduct,
     Products,
     QWeight,
     Situ,
@@ -252,6 +253,26 @@ def test_prepared_products_are_qmatmul_bit_for_bit(types, match_ggml, monkeypatc
         products(torch.randn(1, 256))
     with pytest.raises(ValueError, match="different input widths"):
         Products([weights[0], weight(T.F32, 8, 256)])
+
+
+@pytest.mark.parametrize("qt", [T.Q4_0, T.Q2_K, T.F16, T.F32], ids=lambda t: t.name)
+@pytest.mark.parametrize("match_ggml", [False, True])
+def test_a_prepared_grouped_product_is_grouped_qmatmul_bit_for_bit(qt, match_ggml):
+    """`GroupedProduct` (MLA's per-head k_b and v_b) sends what grouped_qmatmul sends to the C kernel
+    straight there: the same values for any grouping, and grouped_qmatmul's path for anything else."""
+    weights = [weight(qt, 24, 256, seed=10 + h) for h in range(4)]
+    product = GroupedProduct(weights, match_ggml=match_ggml)
+    generator = torch.Generator().manual_seed(5)
+    for count in (4, 9, 40):
+        x = torch.randn(count, 256, generator=generator)
+        rows = torch.randperm(count, generator=generator)
+        cuts = sorted(torch.randint(0, count + 1, (3,), generator=generator).tolist())
+        starts = torch.tensor([0, *cuts, count])
+        expected = grouped_qmatmul(x, weights, starts, rows, match_ggml=match_ggml)
+        assert torch.equal(product(x, starts, rows), expected)
+        assert torch.equal(product(x[:, :256].T.contiguous().T, starts, rows), expected)  # not contiguous
+    with pytest.raises(ValueError, match="differ in GGML type or shape"):
+        GroupedProduct(weights + [weight(qt, 8, 256)])(x, torch.tensor([0, 1, 2, 3, 4, count]), rows)
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from k3stream.model.layers import GGUFTensor, JointLinear, Linear, LoadOptions, rms_norm
-from k3stream.quant.kernels import F32, QWeight, checked_weight, grouped_qmatmul
+from k3stream.quant.kernels import F32, GroupedProduct, checked_weight
 from k3stream.quant.rounding import round_like_ggml
 
 QUERY_BLOCK = 512
@@ -31,14 +31,14 @@ class HeadProjection:
     ) -> None:
         self.heads = heads
         self.rounding_type = tensor.input_rounding(options)
-        self.backend = options.kernels
-        self.per_head: list[QWeight] = []
+        self.per_head: GroupedProduct | None = None
         if options.in_gguf_types and tensor.type_id != F32:
             data = tensor.value.reshape(heads, -1)
             shape = (out_features, in_features)
-            self.per_head = [
+            per_head = [
                 checked_weight(f"{tensor.name}[{h}]", data[h], tensor.type_id, shape) for h in range(heads)
             ]
+            self.per_head = GroupedProduct(per_head, options.kernels, self.rounding_type is not None)
             self.weight = None
         else:
             self.weight = tensor.matrix((heads, out_features, in_features), options.dtype)
@@ -49,10 +49,7 @@ class HeadProjection:
             return torch.einsum("nhi,hoi->nho", x_rounded, self.weight).to(x.dtype)
         rows = x.shape[0]
         starts, order = _rows_by_head(rows, self.heads)
-        match_ggml = self.rounding_type is not None
-        out = grouped_qmatmul(
-            x.reshape(rows * self.heads, -1), self.per_head, starts, order, self.backend, match_ggml
-        )
+        out = self.per_head(x.reshape(rows * self.heads, -1), starts, order)
         return out.view(self.heads, rows, -1).transpose(0, 1)
 
 

@@ -23,6 +23,7 @@ from k3stream.model.mla import MLA, HeadProjection
 from k3stream.model.moe import LatentMoE, SituMLP
 from k3stream.model.shard import input_columns, output_rows, part
 from k3stream.parallel.groups import collective
+from k3stream.quant.kernels import GroupedProduct
 
 
 class AllReduced:
@@ -111,5 +112,8 @@ def _heads(projection: HeadProjection, heads: slice) -> HeadProjection:
     sharded.heads = heads.stop - heads.start
     if projection.weight is not None:
         sharded.weight = projection.weight[heads].clone()
-    sharded.per_head = [replace(w, data=w.data.clone()) for w in projection.per_head[heads]]
+    own = projection.per_head
+    if own is not None:
+        weights = [replace(w, data=w.data.clone()) for w in own.weights[heads]]
+        sharded.per_head = GroupedProduct(weights, own.backend, own.match_ggml)
     return sharded

@@ -175,6 +175,36 @@ class Products:
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
 
+class GroupedProduct:
+    """`grouped_qmatmul(x, weights, starts, rows, backend, match_ggml)` for fixed weights (one GGML type
+    and shape) with what does not depend on x worked out once (MLA's per-head k_b and v_b, twice a
+    layer and token): a float32 CPU input goes straight to the C kernel where grouped_qmatmul would
+    send it, anything else through grouped_qmatmul. Same results either way."""
+
+    def __init__(self, weights: Sequence[QWeight], backend: str = "auto", match_ggml: bool = False) -> None:
+        self.weights, self.backend, self.match_ggml = list(weights), backend, match_ggml
+        first = self.weights[0]
+        ggml_type, (out_features, in_features) = first.ggml_type, first.shape
+        self._direct = (
+            backend == "auto"
+            and kernel_for(ggml_type, "cpu", in_features) == "c"
+            and (not match_ggml or ggml_type in cpu.Q8_TYPES)
+            and all(
+                _bytes_for_c(w) and (w.ggml_type, w.shape) == (ggml_type, first.shape) for w in self.weights
+            )
+        )
+        q8_activations = match_ggml and ggml_type in cpu.Q8_TYPES
+        datas = [w.data for w in self.weights]
+        self._arguments = (datas, ggml_type, out_features, row_bytes(ggml_type, in_features))
+        self._q8 = q8_activations
+        self.in_features = in_features
+
+    def __call__(self, x: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        if self._direct and x.ndim == 2 and x.shape[1] == self.in_features and cpu.takes((x,)):
+            return cpu.grouped_product(x, *self._arguments, starts, rows, self._q8)
+        return grouped_qmatmul(x, self.weights, starts, rows, self.backend, self.match_ggml)
+
+
 class MLP:
     """down(activation(gate(x), up(x))) over three prepared products of one weight each (a dense or
     shared-expert MLP): one C call (`cpu.expert_mlp`: the same products and activation) for an input
