@@ -344,6 +344,10 @@ def test_the_extension_call_refuses_bad_arguments_in_one_line():
         module.expert_mlp(
             0, 256, [0], 10, 84, [0, 0], 10, 84, [0], 11, 110, 256, 256, 0, 0, 2.0, 3.0, 0, 1, 0
         )
+    with pytest.raises(TypeError, match="products: its address lists differ in length"):
+        module.products(0, 256, 1, [0], [10, 10], [1], [84], [0], 0, 1)
+    with pytest.raises(TypeError, match="kda_decode: its address lists differ in length"):
+        module.kda_decode(0, [0], 0, 4, 0, 0, 0, 0, 0.0, 0, [0, 0], 0, 0, 8, 128, 1e-6, 0.1, 0)
     with pytest.raises(TypeError, match="argument 3 must be a list"):
         module.expert_mlp(0, 256, 0, 10, 84, [0], 10, 84, [0], 11, 110, 256, 256, 0, 0, 2.0, 3.0, 0, 1, 0)
     with pytest.raises(TypeError):  # a float where a pointer goes

@@ -1245,6 +1245,43 @@ static int64_t *addresses_of(PyObject *list, int64_t *local) {
     return addresses;
 }
 
+/* The arguments of a fast call with several lists of addresses of one length (`count` of them, the 'l's
+ * of `kinds`), each taken as `addresses_of` takes one */
+#define MAX_LISTS 5
+typedef struct {
+    int64_t local[MAX_LISTS][16];
+    int64_t *numbers[MAX_LISTS];
+    int count;
+    Py_ssize_t length;
+} AddressLists;
+
+static void free_lists(AddressLists *taken) {
+    for (int i = 0; i < taken->count; i++)
+        if (taken->numbers[i] != NULL && taken->numbers[i] != taken->local[i]) free(taken->numbers[i]);
+}
+
+/* parse_args, then the lists into `taken`; -1 with a one-line exception (lists of different lengths
+ * name the call) and nothing left to free, else free_lists(taken) after the call */
+static int parse_with_lists(const char *name, PyObject *const *args, Py_ssize_t nargs, const char *kinds,
+                            int64_t *ints, double *floats, AddressLists *taken) {
+    PyObject *lists[MAX_LISTS];
+    taken->count = 0;
+    for (const char *kind = kinds; *kind; kind++) taken->count += *kind == 'l';
+    if (taken->count > MAX_LISTS || parse_args(name, args, nargs, kinds, ints, floats, lists) != 0) return -1;
+    for (int i = 0; i < taken->count; i++) taken->numbers[i] = NULL;
+    taken->length = PyList_GET_SIZE(lists[0]);
+    int status = 0;
+    for (int i = 1; i < taken->count && status == 0; i++)
+        if (PyList_GET_SIZE(lists[i]) != taken->length) {
+            PyErr_Format(PyExc_TypeError, "%s: its address lists differ in length", name);
+            status = -1;
+        }
+    for (int i = 0; i < taken->count && status == 0; i++)
+        status = (taken->numbers[i] = addresses_of(lists[i], taken->local[i])) == NULL ? -1 : 0;
+    if (status != 0) free_lists(taken);
+    return status;
+}
+
 /* grouped_product(x, in_features, [addresses], out_rows, row_bytes, ggml_type, starts, rows, out,
  * threads, q8_activations) -> k3_grouped_product's status; pointers as ints. The one hot call (about
  * 130 per decoded token) is a METH_FASTCALL function: a call with next to no work costs 0.5-0.7 us
@@ -1270,26 +1307,17 @@ static PyObject *py_grouped_product(PyObject *self, PyObject *const *args, Py_ss
  * -> k3_products' status; without the GIL. */
 static PyObject *py_products(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    int64_t v[5], local[5][16], *numbers[5] = {NULL, NULL, NULL, NULL, NULL};
-    PyObject *lists[5];
-    if (parse_args("products", args, nargs, "iiilllllii", v, NULL, lists) != 0) return NULL;
-    const Py_ssize_t matrices = PyList_GET_SIZE(lists[0]);
-    for (int i = 1; i < 5; i++)
-        if (PyList_GET_SIZE(lists[i]) != matrices) {
-            PyErr_SetString(PyExc_TypeError, "products: the five lists differ in length");
-            return NULL;
-        }
-    int status = 0;
-    for (int i = 0; i < 5 && status == 0; i++) status = (numbers[i] = addresses_of(lists[i], local[i])) == NULL ? -3 : 0;
-    if (status == 0) {
-        Py_BEGIN_ALLOW_THREADS
-        status = k3_products((const float *)(uintptr_t)v[0], v[1], v[2], matrices, numbers[0], numbers[1], numbers[2],
-                             numbers[3], numbers[4], (float *)(uintptr_t)v[3], (int)v[4]);
-        Py_END_ALLOW_THREADS
-    }
-    for (int i = 0; i < 5; i++)
-        if (numbers[i] != NULL && numbers[i] != local[i]) free(numbers[i]);
-    return status == -3 ? NULL : PyLong_FromLong(status);
+    int64_t v[5];
+    AddressLists taken;
+    if (parse_with_lists("products", args, nargs, "iiilllllii", v, NULL, &taken) != 0) return NULL;
+    int status;
+    int64_t **numbers = taken.numbers;
+    Py_BEGIN_ALLOW_THREADS
+    status = k3_products((const float *)(uintptr_t)v[0], v[1], v[2], taken.length, numbers[0],
+                         numbers[1], numbers[2], numbers[3], numbers[4], (float *)(uintptr_t)v[3], (int)v[4]);
+    Py_END_ALLOW_THREADS
+    free_lists(&taken);
+    return PyLong_FromLong(status);
 }
 
 /* expert_mlp(x, in_features, [gate addresses], gate_type, gate_row_bytes, [up addresses], up_type,
@@ -1297,30 +1325,20 @@ static PyObject *py_products(PyObject *self, PyObject *const *args, Py_ssize_t n
  * beta, linear_beta, out, threads, q8_activations) -> expert_mlp's status; without the GIL. */
 static PyObject *py_expert_mlp(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    int64_t v[15], local[3][16], *addresses[3] = {NULL, NULL, NULL};
+    int64_t v[15];
     double betas[2];
-    PyObject *lists[3];
-    if (parse_args("expert_mlp", args, nargs, "iiliiliiliiiiiiffiii", v, betas, lists) != 0) return NULL;
-    const Py_ssize_t experts = PyList_GET_SIZE(lists[0]);
-    if (PyList_GET_SIZE(lists[1]) != experts || PyList_GET_SIZE(lists[2]) != experts) {
-        PyErr_SetString(PyExc_TypeError, "expert_mlp: the gate, up and down address lists differ in length");
-        return NULL;
-    }
-    int status = 0;
-    for (int role = 0; role < 3 && status == 0; role++)
-        status = (addresses[role] = addresses_of(lists[role], local[role])) == NULL ? -3 : 0;
-    if (status == 0) {
-        const Role gate = {addresses[0], (int)v[2], v[8], v[3]}, up = {addresses[1], (int)v[4], v[8], v[5]};
-        const Role down = {addresses[2], (int)v[6], v[9], v[7]};
-        Py_BEGIN_ALLOW_THREADS
-        status = expert_mlp((const float *)(uintptr_t)v[0], v[1], gate, up, down, experts,
-                            (const int64_t *)(uintptr_t)v[10], (const int64_t *)(uintptr_t)v[11], (float)betas[0],
-                            (float)betas[1], (float *)(uintptr_t)v[12], (int)v[13], (int)v[14]);
-        Py_END_ALLOW_THREADS
-    }
-    for (int role = 0; role < 3; role++)
-        if (addresses[role] != NULL && addresses[role] != local[role]) free(addresses[role]);
-    return status == -3 ? NULL : PyLong_FromLong(status);
+    AddressLists taken;
+    if (parse_with_lists("expert_mlp", args, nargs, "iiliiliiliiiiiiffiii", v, betas, &taken) != 0) return NULL;
+    int status;
+    const Role gate = {taken.numbers[0], (int)v[2], v[8], v[3]}, up = {taken.numbers[1], (int)v[4], v[8], v[5]};
+    const Role down = {taken.numbers[2], (int)v[6], v[9], v[7]};
+    Py_BEGIN_ALLOW_THREADS
+    status = expert_mlp((const float *)(uintptr_t)v[0], v[1], gate, up, down, taken.length,
+                        (const int64_t *)(uintptr_t)v[10], (const int64_t *)(uintptr_t)v[11], (float)betas[0],
+                        (float)betas[1], (float *)(uintptr_t)v[12], (int)v[13], (int)v[14]);
+    Py_END_ALLOW_THREADS
+    free_lists(&taken);
+    return PyLong_FromLong(status);
 }
 
 /* rms_norm(x, rows, width, weight or 0, eps, out) and situ(gate, up, count, beta, linear_beta, out):
@@ -1376,29 +1394,22 @@ int k3_residual_mix(const float *const *rows, int64_t count, int64_t n, int64_t 
  * without the GIL. */
 static PyObject *py_kda_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    int64_t v[13], local[2][16], *pointers[2] = {NULL, NULL};
+    int64_t v[13];
     double floats[3];
-    PyObject *lists[2];
-    if (parse_args("kda_decode", args, nargs, "iliiiiiifiliiiiffi", v, floats, lists) != 0) return NULL;
-    const Py_ssize_t batch = PyList_GET_SIZE(lists[0]);
-    if (PyList_GET_SIZE(lists[1]) != batch) {
-        PyErr_SetString(PyExc_TypeError, "kda_decode: the history and state lists differ in length");
-        return NULL;
-    }
-    int status = 0;
-    for (int i = 0; i < 2 && status == 0; i++) status = (pointers[i] = addresses_of(lists[i], local[i])) == NULL ? -3 : 0;
-    if (status == 0) {
-        Py_BEGIN_ALLOW_THREADS
-        status = k3_kda_decode((const float *)(uintptr_t)v[0], (float *const *)pointers[0], (const float *)(uintptr_t)v[1],
-                               v[2], (const float *)(uintptr_t)v[3], (const float *)(uintptr_t)v[4],
-                               (const float *)(uintptr_t)v[5], (int)v[6], (float)floats[0], (const float *)(uintptr_t)v[7],
-                               (float *const *)pointers[1], (const float *)(uintptr_t)v[8], (const float *)(uintptr_t)v[9],
-                               batch, v[10], v[11], (float)floats[1], (float)floats[2], (float *)(uintptr_t)v[12]);
-        Py_END_ALLOW_THREADS
-    }
-    for (int i = 0; i < 2; i++)
-        if (pointers[i] != NULL && pointers[i] != local[i]) free(pointers[i]);
-    return status == -3 ? NULL : PyLong_FromLong(status);
+    AddressLists taken;
+    if (parse_with_lists("kda_decode", args, nargs, "iliiiiiifiliiiiffi", v, floats, &taken) != 0) return NULL;
+    int status;
+    float *const *histories = (float *const *)taken.numbers[0], *const *states = (float *const *)taken.numbers[1];
+    Py_BEGIN_ALLOW_THREADS
+    status = k3_kda_decode((const float *)(uintptr_t)v[0], histories, (const float *)(uintptr_t)v[1], v[2],
+                           (const float *)(uintptr_t)v[3], (const float *)(uintptr_t)v[4],
+                           (const float *)(uintptr_t)v[5], (int)v[6], (float)floats[0], (const float *)(uintptr_t)v[7],
+                           states, (const float *)(uintptr_t)v[8], (const float *)(uintptr_t)v[9],
+                           taken.length, v[10], v[11], (float)floats[1], (float)floats[2],
+                           (float *)(uintptr_t)v[12]);
+    Py_END_ALLOW_THREADS
+    free_lists(&taken);
+    return PyLong_FromLong(status);
 }
 
 /* residual_mix([rows], n, width, score, eps, out) -> k3_residual_mix's status; with the GIL held. */
