@@ -1088,80 +1088,128 @@ static int64_t rows_used(const int64_t *starts, const int64_t *rows, int64_t mat
  * 4 M tried: up to 20% slower on 2 threads). */
 #define PARALLEL_MIN_MACS (1 << 18)
 
-/* Returns 0, -1 for a GGML type without a kernel, -2 without memory. Workers take ROWS_PER_TASK rows of
- * a matrix; `threads` is the most used (one below PARALLEL_MIN_MACS). `q8_activations`: quantize x as ggml does for the type (Q8_K for K-quants, Q8_0 for Q4_0
- * and Q8_0) and take the integer kernels (types with a q8_kernel). */
-static int grouped_product(const float *x, int64_t in_features, const int64_t *addresses, int64_t matrices,
-                           int64_t out_rows, int64_t row_bytes, int ggml_type, const int64_t *starts,
-                           const int64_t *rows, float *out, int64_t out_stride, int threads, int q8_activations) {
-    Product pr = {x, in_features, out_rows, row_bytes, addresses, starts, rows, matrices, out, out_stride, NULL, NULL, NULL};
+/* A product ready to run: its Product, kernels and tasks (ROWS_PER_TASK output rows of one matrix each),
+ * and the buffers it allocated (x's sub-block sums or its 8-bit blocks) */
+typedef struct {
+    Product pr;
+    RowKernel kernel;
+    WideKernel wide;
+    int64_t chunks, tasks;
+    void *owned;
+} Plan;
+
+/* Plans one product (arguments as k3_grouped_product's, with the output's row stride): 0, -1 for a GGML type
+ * without a kernel, -2 without memory (nothing left to free on failure) */
+static int plan_product(Plan *plan, const float *x, int64_t in_features, const int64_t *addresses, int64_t matrices,
+                        int64_t out_rows, int64_t row_bytes, int ggml_type, const int64_t *starts, const int64_t *rows,
+                        float *out, int64_t out_stride, int q8_activations) {
+    const Product pr = {x, in_features, out_rows, row_bytes, addresses, starts, rows, matrices, out, out_stride,
+                        NULL, NULL, NULL};
+    plan->pr = pr;
+    plan->owned = NULL;
     RowKernel kernel = q8_activations ? q8_kernel(ggml_type) : fused_kernel(ggml_type);
-    float *sums16 = NULL;
-    void *q8 = NULL;
     if (q8_activations) {
         const int k_quant = ggml_type >= 10 && ggml_type <= 14, elems = k_quant ? 256 : 32;
         if (kernel == NULL || in_features % elems != 0) return -1;
         const int64_t blocks = rows_used(starts, rows, matrices) * (in_features / elems);
-        q8 = malloc((k_quant ? sizeof(BlockQ8K) : sizeof(BlockQ8_0)) * (size_t)(blocks + 1));
+        void *q8 = plan->owned = malloc((k_quant ? sizeof(BlockQ8K) : sizeof(BlockQ8_0)) * (size_t)(blocks + 1));
         if (q8 == NULL) return -2;
         if (k_quant) {
             quantize_q8_k(x, blocks, q8);
-            pr.q8 = q8;
+            plan->pr.q8 = q8;
         } else {
             quantize_q8_0(x, blocks, q8);
-            pr.q8_0 = q8;
+            plan->pr.q8_0 = q8;
         }
     } else if (kernel != NULL) { /* x's sub-block sums, once per call: [x rows, in / 16], 16 values in order */
         const int64_t x_rows = rows_used(starts, rows, matrices);
-        sums16 = malloc(sizeof(float) * (size_t)(x_rows * (in_features / 16) + 1));
+        float *sums16 = plan->owned = malloc(sizeof(float) * (size_t)(x_rows * (in_features / 16) + 1));
         if (sums16 == NULL) kernel = NULL;
         for (int64_t i = 0; sums16 != NULL && i < x_rows * (in_features / 16); i++) {
             float sum = 0.0f;
             for (int j = 0; j < 16; j++) sum += x[16 * i + j];
             sums16[i] = sum;
         }
-        pr.sums16 = sums16;
+        plan->pr.sums16 = sums16;
     }
     if (kernel == NULL) kernel = row_kernel(ggml_type);
-    if (kernel == NULL) return -1;
-    const WideKernel wide = q8_activations ? NULL : wide_kernel(ggml_type, row_bytes);
-    if ((double)starts[matrices] * (double)out_rows * (double)in_features < PARALLEL_MIN_MACS) threads = 1;
-    const int64_t chunks = (out_rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK, tasks = matrices * chunks;
-    if (threads <= 1) { /* no OpenMP region at all: a one-thread team between torch's resizes its pool */
-        for (int64_t task = 0; task < tasks; task++) run_task(&pr, kernel, wide, task, chunks);
-    } else {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-        for (int64_t task = 0; task < tasks; task++) run_task(&pr, kernel, wide, task, chunks);
+    if (kernel == NULL) {
+        free(plan->owned);
+        return -1;
     }
-    free(sums16);
-    free(q8);
+    plan->kernel = kernel;
+    plan->wide = q8_activations ? NULL : wide_kernel(ggml_type, row_bytes);
+    plan->chunks = (out_rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    plan->tasks = matrices * plan->chunks;
     return 0;
 }
 
+/* Runs the planned products' tasks in one go: on up to `threads` threads (one OpenMP region for all of
+ * them) when they come to PARALLEL_MIN_MACS or more; then frees their buffers */
+static void run_plans(Plan *plans, int64_t count, int threads) {
+    int64_t tasks = 0;
+    double macs = 0.0;
+    for (int64_t i = 0; i < count; i++) {
+        const Product *pr = &plans[i].pr;
+        tasks += plans[i].tasks;
+        macs += (double)pr->starts[pr->matrices] * (double)pr->out_rows * (double)pr->in_features;
+    }
+    if (macs < PARALLEL_MIN_MACS) threads = 1;
+    if (threads <= 1) { /* no OpenMP region at all: a one-thread team between torch's resizes its pool */
+        for (int64_t i = 0; i < count; i++)
+            for (int64_t task = 0; task < plans[i].tasks; task++)
+                run_task(&plans[i].pr, plans[i].kernel, plans[i].wide, task, plans[i].chunks);
+    } else {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+        for (int64_t task = 0; task < tasks; task++) {
+            int64_t i = 0, own = task;
+            while (own >= plans[i].tasks) own -= plans[i++].tasks;
+            run_task(&plans[i].pr, plans[i].kernel, plans[i].wide, own, plans[i].chunks);
+        }
+    }
+    for (int64_t i = 0; i < count; i++) free(plans[i].owned);
+}
+
+/* Returns 0, -1 for a GGML type without a kernel, -2 without memory. Workers take ROWS_PER_TASK rows of
+ * a matrix; `threads` is the most used (one below PARALLEL_MIN_MACS). `q8_activations`: quantize x as ggml
+ * does for the type (Q8_K for K-quants, Q8_0 for Q4_0 and Q8_0) and take the integer kernels (types with a
+ * q8_kernel). */
 int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addresses, int64_t matrices,
                        int64_t out_rows, int64_t row_bytes, int ggml_type, const int64_t *starts,
                        const int64_t *rows, float *out, int threads, int q8_activations) {
-    return grouped_product(x, in_features, addresses, matrices, out_rows, row_bytes, ggml_type, starts, rows, out,
-                           out_rows, threads, q8_activations);
+    Plan plan;
+    const int status = plan_product(&plan, x, in_features, addresses, matrices, out_rows, row_bytes, ggml_type, starts,
+                                    rows, out, out_rows, q8_activations);
+    if (status == 0) run_plans(&plan, 1, threads);
+    return status;
 }
 
 /* The products of several matrices, each of its own GGML type and output rows, on the same `n` rows of x
  * (the projections a layer takes of one input): matrix i's outputs fill columns c_i..c_i + out_rows[i] of
  * out [n, sum of out_rows], c_i the output rows of the matrices before it; each computed as
- * k3_grouped_product computes it alone (the same results; `q8_activations` per matrix). Returns its status. */
+ * k3_grouped_product computes it alone (the same results; `q8_activations` per matrix), all their tasks
+ * in one OpenMP region. Returns k3_grouped_product's status. */
 int k3_products(const float *x, int64_t in_features, int64_t n, int64_t matrices, const int64_t *addresses,
                 const int64_t *types, const int64_t *out_rows, const int64_t *row_bytes, const int64_t *q8_activations,
                 float *out, int threads) {
-    int64_t width = 0, local[16], *rows = n <= 16 ? local : malloc(sizeof(int64_t) * (size_t)n);
-    if (rows == NULL) return -2;
-    for (int64_t p = 0; p < n; p++) rows[p] = p;
+    int64_t width = 0, *rows = malloc(sizeof(int64_t) * (size_t)(n + 1));
+    Plan *plans = malloc(sizeof(Plan) * (size_t)(matrices + 1));
+    int status = rows == NULL || plans == NULL ? -2 : 0;
+    for (int64_t p = 0; p < n && status == 0; p++) rows[p] = p;
     for (int64_t i = 0; i < matrices; i++) width += out_rows[i];
     const int64_t starts[2] = {0, n};
-    int status = 0;
-    for (int64_t i = 0, column = 0; i < matrices && status == 0; column += out_rows[i++])
-        status = grouped_product(x, in_features, addresses + i, 1, out_rows[i], row_bytes[i], (int)types[i], starts,
-                                 rows, out + column, width, threads, (int)q8_activations[i]);
-    if (rows != local) free(rows);
+    int64_t planned = 0;
+    for (int64_t column = 0; planned < matrices && status == 0; column += out_rows[planned++])
+        status = plan_product(&plans[planned], x, in_features, addresses + planned, 1, out_rows[planned],
+                              row_bytes[planned], (int)types[planned], starts, rows, out + column, width,
+                              (int)q8_activations[planned]);
+    if (status == 0) {
+        run_plans(plans, matrices, threads);
+    } else {
+        for (int64_t i = 0; i + 1 < planned; i++) free(plans[i].owned); /* those planned before the failure */
+    }
+    free(rows);
+    free(plans);
     return status;
 }
 
