@@ -127,11 +127,15 @@ class K3Checkpoint:
         one fresh buffer, each read as `read` reads (a decode step's experts: one allocation, and with
         the C extension one call for all their reads)."""
         descriptors, offsets, lengths = [], [], []
+        tensors: dict[str, tuple[TensorInfo, int]] = {}  # each name's info and descriptor, looked up once
         for name, start, nbytes in parts:
-            info = self.info(name)
+            if name not in tensors:
+                info = self.info(name)
+                tensors[name] = info, self._descriptor(info.shard_index)
+            info, descriptor = tensors[name]
             if start < 0 or nbytes < 0 or start + nbytes > info.nbytes:
                 raise ValueError(f"{info.path}: bytes {start}..{start + nbytes} outside tensor {name}")
-            descriptors.append(self._descriptor(info.shard_index))
+            descriptors.append(descriptor)
             offsets.append(info.data_offset + start)
             lengths.append(nbytes)
         out = np.empty(sum(lengths), dtype=np.uint8)
