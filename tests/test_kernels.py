@@ -14,6 +14,7 @@ from gguf.constants import GGMLQuantizationType as T
 from k3stream.model.layers import rms_norm
 from k3stream.quant import dequantize, quantize
 from k3stream.quant.kernels import (
+    MLP,
     GroupedProduct,
     Products,
     QWeight,
@@ -253,6 +254,26 @@ def test_prepared_products_are_qmatmul_bit_for_bit(types, match_ggml, monkeypatc
         products(torch.randn(1, 256))
     with pytest.raises(ValueError, match="different input widths"):
         Products([weights[0], weight(T.F32, 8, 256)])
+
+
+@pytest.mark.parametrize("types", [(T.F32, T.F32, T.F32), (T.Q2_K, T.Q2_K, T.Q3_K), (T.F16, T.Q4_0, T.F32)])
+def test_an_mlp_in_one_call_is_its_three_products_bit_for_bit(types, monkeypatch):
+    """`MLP` (the dense and shared-expert MLPs) is one C call for inputs its products take straight to
+    the C kernels (F32: at most 16 rows) and the three products otherwise: the same values either way."""
+    gate, up, down = (
+        weight(qt, rows, 256, seed=i) for i, (qt, rows) in enumerate(zip(types, (256, 256, 64), strict=True))
+    )
+    activation = Situ(2.0, 3.0)
+    mlp = MLP(Products([gate]), Products([up]), Products([down]), activation)
+    generator = torch.Generator().manual_seed(3)
+    one_call = []
+    fused = cpu.expert_mlp
+    monkeypatch.setattr(cpu, "expert_mlp", lambda x, *args: one_call.append(len(x)) or fused(x, *args))
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 256, generator=generator)
+        expected = qmatmul(activation(qmatmul(x, gate), qmatmul(x, up)), down)
+        assert torch.equal(mlp(x), expected)
+    assert one_call == ([1, 5] if T.F32 in types else [1, 5, 40])
 
 
 @pytest.mark.parametrize("qt", [T.Q4_0, T.Q2_K, T.F16, T.F32], ids=lambda t: t.name)

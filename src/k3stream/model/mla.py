@@ -131,10 +131,9 @@ class MLA:
         """Absorbed queries [T, H, kv_lora + rope], new cache rows [T, kv_lora + rope] and the output
         gate's logits [T, H v]."""
         first, compressed, g_logits = self.projections(h).float().split(self.projections.widths, dim=1)
-        q_in = first if self.w.q_a_proj is None else rms_norm(first.contiguous(), self.w.q_a_norm, self.eps)
-        q = (q_in if self.w.q_a_proj is None else self.w.q_b_proj(q_in).float()).view(
-            -1, self.heads, self.nope + self.rope
-        )
+        if self.w.q_a_proj is not None:  # q-lora: `first` is q_a's output, normed before q_b
+            first = self.w.q_b_proj(rms_norm(first.contiguous(), self.w.q_a_norm, self.eps)).float()
+        q = first.view(-1, self.heads, self.nope + self.rope)
         q_absorbed = self.w.k_b(q[..., : self.nope])
         latent = rms_norm(compressed[:, : self.kv_lora].contiguous(), self.w.kv_a_norm, self.eps)
         rows = torch.cat([latent, compressed[:, self.kv_lora :]], dim=1)

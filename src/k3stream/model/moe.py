@@ -180,7 +180,7 @@ class LatentMoE:
         top_k: int,
     ) -> tuple[list[int], torch.Tensor]:
         """The pairs of the fetched `group` and their outputs [pairs, latent] (in that order), taken in
-        the order of their first pairs (a step computed in one group comes out in pair order)."""
+        the order of their first pairs (so one row's step, computed in one group, needs no reorder)."""
         in_order = sorted(group, key=lambda expert: pairs_of[expert][0])
         pairs = [pair for expert in in_order for pair in pairs_of[expert]]
         counts = accumulate(len(pairs_of[expert]) for expert in in_order)

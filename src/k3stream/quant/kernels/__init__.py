@@ -193,10 +193,9 @@ class GroupedProduct:
                 _bytes_for_c(w) and (w.ggml_type, w.shape) == (ggml_type, first.shape) for w in self.weights
             )
         )
-        q8_activations = match_ggml and ggml_type in cpu.Q8_TYPES
         datas = [w.data for w in self.weights]
         self._arguments = (datas, ggml_type, out_features, row_bytes(ggml_type, in_features))
-        self._q8 = q8_activations
+        self._q8 = match_ggml and ggml_type in cpu.Q8_TYPES
         self.in_features = in_features
 
     def __call__(self, x: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -217,9 +216,13 @@ class MLP:
         self._max_rows = min(part._max_rows for part in parts) if single else 0
         self._roles = tuple(
             cpu.Role(
-                [part.weights[0].data], part.weights[0].ggml_type, part.out_features, part._arguments[3][0]
+                [weight.data],
+                weight.ggml_type,
+                part.out_features,
+                row_bytes(weight.ggml_type, part.in_features),
             )
             for part in parts
+            for weight in part.weights[:1]
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
