@@ -163,9 +163,7 @@ class Products:
             return 0
         if ggml_type == F32:
             return F32_KERNEL_MAX_ROWS
-        if kernel_for(ggml_type, "cpu", self.in_features) != "c":
-            return 0
-        return 0 if self.match_ggml and ggml_type not in cpu.Q8_TYPES else ANY_ROWS
+        return ANY_ROWS if _c_kernel_takes(ggml_type, self.in_features, self.match_ggml) else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         count, *features = x.shape
@@ -187,8 +185,7 @@ class GroupedProduct:
         ggml_type, (out_features, in_features) = first.ggml_type, first.shape
         self._direct = (
             backend == "auto"
-            and kernel_for(ggml_type, "cpu", in_features) == "c"
-            and (not match_ggml or ggml_type in cpu.Q8_TYPES)
+            and _c_kernel_takes(ggml_type, in_features, match_ggml)
             and all(
                 _bytes_for_c(w) and (w.ggml_type, w.shape) == (ggml_type, first.shape) for w in self.weights
             )
@@ -402,6 +399,13 @@ def _fused_layout(ggml_type: int, shape: tuple[int, int], match_ggml: bool) -> t
     """A role's output rows and bytes per row for `cpu.expert_mlp`, or None where it does not take it
     (see `_fused_roles`)."""
     out_features, in_features = shape
-    if kernel_for(ggml_type, "cpu", in_features) != "c" or (match_ggml and ggml_type not in cpu.Q8_TYPES):
+    if not _c_kernel_takes(ggml_type, in_features, match_ggml):
         return None
     return out_features, row_bytes(ggml_type, in_features)
+
+
+@functools.lru_cache(maxsize=64)
+def _c_kernel_takes(ggml_type: int, in_features: int, match_ggml: bool) -> bool:
+    """Whether a product of this type goes to a C kernel on the CPU as it is: one exists, and under
+    `match_ggml` it quantizes its activations itself (other types have their inputs rounded in torch)."""
+    return kernel_for(ggml_type, "cpu", in_features) == "c" and (not match_ggml or ggml_type in cpu.Q8_TYPES)
