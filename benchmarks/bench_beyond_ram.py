@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from k3stream.engine.cgroups import ChildCgroup, drop_page_cache
-from k3stream.engine.memlimit import MIB, format_size, parse_size
+from k3stream.memlimit import MIB, format_size, parse_size
 from k3stream.tiny import TinySpec
 
 # the model: hidden 1024, 512 experts top-8, expert_ff = latent = 1024 (one object 1.14 MB)

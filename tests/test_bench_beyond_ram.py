@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from k3stream.engine.cgroups import ChildCgroup, read_process_io
-from k3stream.engine.memlimit import MIB
+from k3stream.memlimit import MIB
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_beyond_ram.py"
 

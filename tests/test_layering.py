@@ -25,7 +25,8 @@ BENEATH: dict[str, tuple[str, ...]] = {
     "pack": ("gguf",),
     "model": ("gguf", "quant"),
     "store": ("pack",),
-    "api": ("model", "pack"),
+    "memlimit": ("gguf",),  # k3stream/memlimit.py: the memory plan (limits, what a checkpoint needs)
+    "api": ("model", "pack", "memlimit"),
     "engine": ("api", "model", "store", "pack"),
     "server": ("engine",),
     "parallel": ("engine",),

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from k3stream.engine.memlimit import (
+from k3stream.memlimit import (
     HEADROOM_BYTES,
     MIB,
     MemoryLimitError,
@@ -114,6 +114,6 @@ def test_no_cgroup_mounted_falls_back_to_available_ram(tmp_path):
 
 
 def test_pinning_the_malloc_mmap_threshold_reports_whether_it_could():
-    from k3stream.engine.memlimit import pin_malloc_mmap_threshold
+    from k3stream.memlimit import pin_malloc_mmap_threshold
 
     assert isinstance(pin_malloc_mmap_threshold(), bool)

@@ -290,7 +290,7 @@ def test_kernels_agree_with_the_reference_path(tiny_model):
 TRUNCATE_WHILE_RUNNING = """
 import os, sys
 import k3stream
-model = k3stream.load(sys.argv[1])
+model = k3stream.load(sys.argv[1], expert_ram_mib=0)  # no expert kept in RAM: each step reads its own
 model.logits([1, 2, 3])
 os.truncate(sys.argv[1], os.path.getsize(sys.argv[1]) // 2)
 try:
@@ -313,6 +313,37 @@ def test_a_gguf_that_shrinks_under_a_running_model_is_a_clear_error(tiny_model, 
     )
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-1000:]}"
     assert "clear error:" in done.stdout and "cut short" in done.stdout and "model.gguf" in done.stdout
+
+
+def test_gguf_experts_stay_in_ram_when_all_of_them_fit_the_budget(tiny_model, tmp_path):
+    """Without a pack, a budget that holds every routed expert keeps each after its first read: the
+    same logits as reading them at every step, and once all are kept the file is never read again
+    (a truncated GGUF changes nothing); a budget short of them keeps none."""
+    import shutil
+
+    from k3stream.gguf.layout import is_routed_expert
+
+    path = tmp_path / "model.gguf"
+    shutil.copy(tiny_model(**AUDITED, seed=43), path)
+    kept, read = (k3stream.load(path, expert_ram_mib=mib) for mib in (1024, 0))
+    checkpoint = kept.expert_source.checkpoint
+    routed = sum(t.nbytes for t in checkpoint.tensors.values() if is_routed_expert(t.name))
+    short = k3stream.load(path, expert_ram_mib=0.99 * routed / (1 << 20))
+    tokens = tokens_for(43, kept.config.vocab_size)
+    expected = read.logits(tokens)
+    for model in (kept, kept, short):
+        assert torch.equal(model.logits(tokens), expected)
+    assert read.expert_source.kept_bytes() == short.expert_source.kept_bytes() == 0
+    assert 0 < kept.expert_source.kept_bytes() <= routed
+
+    for layer in checkpoint.config.moe_layers:
+        kept.expert_source.fetch(layer, list(range(checkpoint.config.n_experts)))
+    assert kept.expert_source.kept_bytes() == routed
+    with path.open("r+b") as stream:
+        stream.truncate(path.stat().st_size // 2)
+    assert torch.equal(kept.logits(tokens), expected)
+    with pytest.raises(ValueError, match="cut short"):
+        read.logits(tokens)
 
 
 def test_every_checkpoint_tensor_is_used_and_an_unsplit_kv_b_is_refused(tiny_model):

@@ -29,7 +29,14 @@ def nonexpert_weights(path_or_manifest: Any, copy: bool = True) -> Iterator[tupl
 
 def load(source: Any, **kwargs: Any):
     """Load a Kimi-K3 model from a GGUF (any shard or directory), an expert-pack manifest, or an open
-    `K3Checkpoint` (keywords: `k3stream.model.k3.load`)."""
+    `K3Checkpoint` (keywords: `k3stream.model.k3.load`). Without an `expert_source` or `expert_ram_mib`,
+    the routed experts read from the GGUF stay in RAM when all of them fit the expert budget the memory
+    plan leaves (`k3stream.memlimit`: the cgroup's limit or the available RAM)."""
     from k3stream.model.k3 import load as _impl
 
-    return _impl(_checkpoint(source), **kwargs)
+    checkpoint = _checkpoint(source)
+    if kwargs.get("expert_source") is None and "expert_ram_mib" not in kwargs:
+        from k3stream.memlimit import default_expert_ram_mib
+
+        kwargs["expert_ram_mib"] = default_expert_ram_mib(checkpoint)
+    return _impl(checkpoint, **kwargs)

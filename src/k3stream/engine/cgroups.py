@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3stream.engine.memlimit import own_memory_cgroup
+from k3stream.memlimit import own_memory_cgroup
 
 
 @dataclass(frozen=True)

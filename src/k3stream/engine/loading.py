@@ -175,6 +175,7 @@ def load_resolved(
             device=device,
             dtype=dtype or torch.float32,
             expert_source=store,
+            expert_ram_mib=ram_mib,
             prefetch=store_options.prefetch,
             match_ggml=match_ggml,
             prefetch_hint=prefetch_hint,
@@ -193,7 +194,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--ram-mib",
         type=float,
         default=None,
-        help="RAM budget of the expert store (MiB); default: what --memory-limit leaves for experts",
+        help="RAM budget of the expert store (MiB); without a pack, the GGUF's routed experts stay in RAM "
+        "when all of them fit it; default: what --memory-limit leaves for experts",
     )
     parser.add_argument(
         "--memory-limit",
@@ -290,10 +292,15 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
     binds); refuses a limit too small."""
     import sys
 
-    from k3stream.engine.memlimit import MIB, pin_malloc_mmap_threshold, plan_for_model
+    from k3stream.memlimit import (
+        MIB,
+        default_expert_ram_mib,
+        pin_malloc_mmap_threshold,
+        plan_for_model,
+    )
 
-    if manifest is None:  # experts come from the GGUF map: no expert store to size
-        return args.ram_mib if args.ram_mib is not None else 1024.0
+    if manifest is None and args.memory_limit is None:  # the GGUF's experts, kept in RAM when all fit
+        return args.ram_mib if args.ram_mib is not None else default_expert_ram_mib(checkpoint)
     pin_malloc_mmap_threshold()  # expert buffers churn: keep freed ones from bloating the heap
     if args.ram_mib is not None and args.memory_limit is None:
         return args.ram_mib

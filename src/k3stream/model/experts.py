@@ -18,18 +18,36 @@ if TYPE_CHECKING:
 
 
 class GGUFExpertSource(ExpertSource):
-    """Serves routed experts from the checkpoint's files (no cache: no prefetch, no read-ahead, no limit).
+    """Serves routed experts from the checkpoint's files (no prefetch, no read-ahead, no limit).
 
-    Each fetch reads the experts' bytes with `preadv` into one fresh buffer rather than viewing the map,
+    Each read takes the experts' bytes with `preadv` into one fresh buffer rather than viewing the map,
     so a GGUF that shrinks while the model runs fails the step with a clear error instead of killing
-    the process (a mapped read past the end is a SIGBUS).
+    the process (a mapped read past the end is a SIGBUS). With `keep` every expert read is kept and
+    served from RAM from then on (when all the routed experts fit the memory: `k3stream.load`'s
+    `expert_ram_mib`); else each fetch reads its experts again.
     """
 
-    def __init__(self, checkpoint: K3Checkpoint) -> None:
+    def __init__(self, checkpoint: K3Checkpoint, keep: bool = False) -> None:
         self.checkpoint = checkpoint
         self._roles: dict[int, list[tuple[str, int, int, tuple[int, int]]]] = {}
+        # layer -> expert -> its weights, read once (None: nothing is kept)
+        self._kept: dict[int, dict[int, ExpertWeights]] | None = {} if keep else None
 
     def fetch(self, layer: int, expert_ids: list[int]) -> dict[int, ExpertWeights]:
+        if self._kept is None:
+            return self._read(layer, expert_ids)
+        kept = self._kept.setdefault(layer, {})
+        missing = [expert for expert in expert_ids if expert not in kept]
+        if missing:
+            kept.update(self._read(layer, missing))
+        return {expert: kept[expert] for expert in expert_ids}
+
+    def kept_bytes(self) -> int:
+        """Bytes of the experts held in RAM (0 without `keep`)."""
+        weights = [expert for experts in (self._kept or {}).values() for expert in experts.values()]
+        return sum(getattr(expert, role).data.numel() for expert in weights for role in ROLES)
+
+    def _read(self, layer: int, expert_ids: list[int]) -> dict[int, ExpertWeights]:
         roles = self._roles_of(layer)
         count = self.checkpoint.config.n_experts
         bad = [expert for expert in expert_ids if not 0 <= expert < count]

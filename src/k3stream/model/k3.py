@@ -23,7 +23,7 @@ import torch
 
 from k3stream.experts import ExpertSource
 from k3stream.gguf.config import K3Config
-from k3stream.gguf.layout import check_residual_score, check_ssm_a
+from k3stream.gguf.layout import check_residual_score, check_ssm_a, is_routed_expert
 from k3stream.gguf.weights import nonexpert_tensors
 from k3stream.model.attn_res import residual_mix
 from k3stream.model.experts import GGUFExpertSource
@@ -390,6 +390,7 @@ def load(
     tp_size: int = 1,
     kernels: str = "auto",
     prefetch_hint: str = "auto",
+    expert_ram_mib: float = 0.0,
 ) -> K3Model:
     """Build a K3Model from an open checkpoint (`k3stream.load` opens a path or a manifest).
 
@@ -398,7 +399,9 @@ def load(
     product runs on GGUF blocks through `k3stream.quant.kernels`; `kernels="reference"` is the path the
     kernels are tested against: weights dequantized to `dtype` at load, or with `keep_quantized` kept
     in blocks and dequantized a slab at a time; a `dtype` other than float32 implies it. Routed
-    experts come from `expert_source` (default: straight from the GGUF). `profile="audited"`
+    experts come from `expert_source` (default: straight from the GGUF, each kept in RAM after its
+    first read when all the routed experts fit in `expert_ram_mib`, else read at every step;
+    `k3stream.load` defaults the budget to what the memory plan leaves). `profile="audited"`
     enforces the published recipe after loading.
     `match_ggml` rounds the inputs of F16/BF16 and block-quantized matrices as llama.cpp's CPU matmul
     does (to F16/BF16, or 8-bit Q8_K/Q8_0 blocks): for comparing with llama.cpp; it costs precision.
@@ -411,7 +414,10 @@ def load(
     from k3stream.gguf.profile import get_profile
 
     cfg = checkpoint.config
-    source = expert_source if expert_source is not None else GGUFExpertSource(checkpoint)
+    source = expert_source
+    if source is None:
+        routed = sum(t.nbytes for t in checkpoint.tensors.values() if is_routed_expert(t.name))
+        source = GGUFExpertSource(checkpoint, keep=routed <= expert_ram_mib * (1 << 20))
     device = torch.device(device)
     if dtype != torch.float32:
         kernels = "reference"  # re-typed weights are dense matrices

@@ -271,3 +271,12 @@ def plan_for_model(checkpoint: K3Checkpoint, limit_text: str | None, io_threads:
         limit, source = parse_size(limit_text), "--memory-limit"
     needs = model_needs(checkpoint, io_threads=io_threads)
     return plan_memory(limit, needs, resident_bytes(), source)
+
+
+def default_expert_ram_mib(checkpoint: K3Checkpoint) -> float:
+    """The expert budget (MiB) of the default plan for `checkpoint`: 0 when that plan cannot hold one
+    top-k working set."""
+    try:
+        return plan_for_model(checkpoint, None).expert_budget / MIB
+    except MemoryLimitError:
+        return 0.0
