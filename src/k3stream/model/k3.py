@@ -32,6 +32,7 @@ from k3stream.model.kda import KDA, KDAState, KDAWeights, shard_kda_weights
 from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, bytes_to_matrix, rms_norm
 from k3stream.model.mla import MLA, HeadProjection, MLAState, MLAWeights
 from k3stream.model.moe import LatentMoE, MoEWeights, Routing, SituMLP
+from k3stream.model.program import DecodeProgram
 from k3stream.model.token_routes import TokenRoutes
 from k3stream.quant.kernels import note_fallbacks, warm_up
 from k3stream.quant.types import FLOAT_TYPE_IDS
@@ -114,6 +115,9 @@ class K3Model:
         }
         self._moe_layers = moe_layers
         self.set_token_hint_lead(TOKEN_HINT_LEAD)
+        # one-sequence decode steps run as a built program (`program.DecodeProgram`) where they can
+        self.use_program = True
+        self._program: DecodeProgram | None = None  # the last one built
 
     def set_token_hint_lead(self, lead: int) -> None:
         """Send each MoE layer's token hint as the MoE layer `lead` before it starts (the first `lead`
@@ -151,12 +155,27 @@ class K3Model:
         if len(states) != len(tokens):
             raise ValueError(f"decode_batch: {len(states)} states but {len(tokens)} tokens")
         ids = self._ids(tokens)
-        logits = self._forward(
-            ids, lambda layer, h: layer.attn.decode(h, [state.layers[layer.index] for state in states])
-        )
+        program = self._program_for(states)
+        if program is not None:
+            logits = program.run(ids)
+        else:
+            logits = self._forward(
+                ids, lambda layer, h: layer.attn.decode(h, [state.layers[layer.index] for state in states])
+            )
         for state in states:
             state.length += 1
         return logits
+
+    def _program_for(self, states: list[SequenceState]) -> DecodeProgram | None:
+        """The decode program of a one-sequence step (`program.DecodeProgram`, built again when the
+        sequence, its state's tensors, the thread count or the model's layers change), or None where the
+        step runs eagerly (several sequences, or a step with no C form)."""
+        if len(states) != 1 or not self.use_program:
+            return None
+        threads = torch.get_num_threads()
+        if self._program is None or not self._program.fits(self, states[0], threads):
+            self._program = DecodeProgram(self, states[0], threads)
+        return self._program if self._program.steps is not None else None
 
     def logits(self, tokens: Iterable[int]) -> torch.Tensor:
         """Full-sequence logits [T, vocab] from a fresh state."""
@@ -469,4 +488,5 @@ def build(
         prefetch_hint=prefetch_hint,
     )
     w.check_all_used()
+    model.use_program = options.kernels == "auto"  # the reference path stays the eager forward
     return model

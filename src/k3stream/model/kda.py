@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from k3stream.model.layers import JointLinear, Linear, l2_normalize, rms_norm
+from k3stream.model.layers import JointLinear, Linear, bind_linear, l2_normalize, rms_norm
 from k3stream.model.shard import input_columns, output_rows, part, rows_of
 from k3stream.quant.kernels import cpu
 
@@ -192,6 +192,35 @@ class KDA:
             for state, new in zip(states, pool, strict=True):
                 state.recurrent = new
         return self._output(out, g_logits, h.dtype)
+
+    def decode_steps(
+        self, h: torch.Tensor, out: torch.Tensor, state: KDAState, threads: int
+    ) -> list[cpu.Call]:
+        """`decode` of one sequence (h [1, E] into out [1, E]) as C calls bound to buffers of their own
+        (one Python step where the step after the projections would not run in C); they advance `state`
+        in place, as `decode` does."""
+        self._check_states([state])
+        q_width, k_width, v_width, *rest = self.projections.widths
+        joint = h.new_empty(1, sum(self.projections.widths))
+        qkv, g_logits, b_logits, f_a = joint.split([q_width + k_width + v_width, *rest], dim=1)
+        f = h.new_empty(1, self.w.f_b_proj.out_features)
+        gated = torch.empty_like(f)
+        if not self._step_in_c(qkv, [state]):
+            return [cpu.python_step(lambda: out.copy_(self.decode(h, [state])))]
+        w = self.w
+        return [
+            bind_linear(self.projections, h, joint, threads),
+            bind_linear(w.f_b_proj, f_a, f, threads),
+            cpu.bind_kda_decode(
+                (qkv, f, b_logits, g_logits),
+                [state.conv],
+                [state.recurrent],
+                (w.conv, w.dt_bias, w.ssm_a, w.o_norm),
+                (self.lower_bound, self.eps, self.scale),
+                gated,
+            ),
+            bind_linear(w.o_proj, gated, out, threads),
+        ]
 
     def _step_in_c(self, qkv: torch.Tensor, states: list[KDAState]) -> bool:
         """Whether the step after the projections takes the C kernel (`steps_cpu.c`): float32 CPU

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,12 +17,22 @@ FLOAT_TYPE_IDS = {dtype: type_id for type_id, dtype in FLOAT_DTYPES.items()}
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim (weight None: no scaling); in C for CPU
     float32 tensors outside autograd."""
-    if cpu.takes((x,) if weight is None else (x, weight)) and (
-        weight is None or weight.shape == x.shape[-1:]
-    ):
+    if _rms_norm_in_c(x, weight):
         return cpu.rms_norm(x, weight, eps)
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y if weight is None else y * weight
+
+
+def bind_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torch.Tensor) -> cpu.Call:
+    """`rms_norm(x, weight, eps)` into `out` as a bound C call where it runs in C, else a Python step."""
+    if _rms_norm_in_c(x, weight):
+        return cpu.bind_rms_norm(x, weight, eps, out)
+    return cpu.python_step(lambda: out.copy_(rms_norm(x, weight, eps)))
+
+
+def _rms_norm_in_c(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    tensors = (x,) if weight is None else (x, weight)
+    return cpu.takes(tensors) and (weight is None or weight.shape == x.shape[-1:])
 
 
 def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -117,17 +128,27 @@ class JointLinear:
             and len({(linear.backend, linear.rounding_type is not None) for linear in linears}) == 1
         )
         first = linears[0]
-        self._products = (
+        self.products = (
             Products([linear.weight for linear in linears], first.backend, first.rounding_type is not None)
             if joint
             else None
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._products is not None:
-            out = self._products(x)
+        if self.products is not None:
+            out = self.products(x)
             return out if out.dtype == x.dtype else out.to(x.dtype)
         return torch.cat([linear(x) for linear in self.linears], dim=-1)
+
+
+def bind_linear(
+    linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, out: torch.Tensor, threads: int
+) -> cpu.Call:
+    """A linear layer's product of x into `out` as a bound C call (`kernels.Products.bind`), or as a
+    Python step calling the layer where it is not one C call (dense, wrapped, or sent elsewhere)."""
+    products = linear.products if isinstance(linear, QuantLinear | JointLinear) else None
+    call = products.bind(x, out, threads) if products is not None else None
+    return call or cpu.python_step(lambda: out.copy_(linear(x)))
 
 
 @dataclass(frozen=True)

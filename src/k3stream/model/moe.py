@@ -8,7 +8,7 @@ from itertools import accumulate
 import torch
 
 from k3stream.experts import ExpertSource, ExpertWeights
-from k3stream.model.layers import JointLinear, Linear, QuantLinear, rms_norm
+from k3stream.model.layers import JointLinear, Linear, QuantLinear, bind_linear, bind_rms_norm, rms_norm
 from k3stream.quant.kernels import MLP, Situ, cpu, expert_mlp, situ
 
 # a step is computed in about this many groups at least: each waits only for what has not arrived
@@ -42,6 +42,15 @@ class SituMLP:
             return self._fused(h)
         activated = situ(self.gate_proj(h).float(), self.up_proj(h).float(), self.beta, self.linear_beta)
         return self.down_proj(activated)
+
+    def bind(self, h: torch.Tensor, out: torch.Tensor, threads: int) -> cpu.Call:
+        """The MLP of h into `out` as one bound C call, or a Python step calling it where it is not one."""
+        call = (
+            self._fused.bind(h, out, threads)
+            if self._fused is not None and h.dtype == torch.float32
+            else None
+        )
+        return call or cpu.python_step(lambda: out.copy_(self(h)))
 
 
 @dataclass
@@ -115,18 +124,71 @@ class LatentMoE:
             part.contiguous() for part in self.projections(h).float().split(self.projections.widths, 1)
         )
         chosen, weights = self.routing.choose(logits, self.w.correction_bias)
-        self.chosen = chosen  # the step's choices [N, k], for whoever scores predictions of them
-        if self.source.reads_ahead:  # the first window is read while the shared expert below computes
-            order, resident = self._step_order(sorted(set(chosen.flatten().tolist())), [])
-            self._asked = order[: resident + self._read_window(len(order))]
-            self.source.read_ahead(self.layer, self._asked)
+        self._start_step(chosen)
         shared = self.w.shared(h).float() if self.w.shared is not None else None
-        pair_outputs = self.routed_pairs(latent, chosen)
-        routed = (pair_outputs.view(*chosen.shape, -1) * weights[..., None]).sum(1)
+        routed = self._routed_sum(latent, chosen, weights)
         if self.w.routed_norm is not None:
             routed = rms_norm(routed, self.w.routed_norm, self.eps)
         out = self.w.routed_up(routed).float()
         return out if shared is None else out + shared
+
+    def decode_steps(self, h: torch.Tensor, out: torch.Tensor, threads: int) -> list[cpu.Call]:
+        """`__call__` of one row (h [1, E] into out [1, E]) as C calls bound to buffers of their own and
+        two Python steps: the step's start, and its routed experts' fetch and sum (one Python step
+        calling the layer where its router would not run in C)."""
+        w, routing = self.w, self.routing
+        joint = h.new_empty(1, sum(self.projections.widths))
+        logits, latent = joint.split(self.projections.widths, dim=1)
+        if (
+            type(routing) is not Routing
+            or logits.shape[1:] != w.correction_bias.shape
+            or not cpu.takes((w.correction_bias,))
+        ):
+            return [cpu.python_step(lambda: out.copy_(self(h)))]
+        chosen, weights = torch.empty(1, routing.top_k, dtype=torch.int64), h.new_empty(1, routing.top_k)
+        routed = h.new_empty(latent.shape)
+        shared = None if w.shared is None else torch.empty_like(out)
+        up = out if shared is None else torch.empty_like(out)
+        how = (routing.top_k, routing.normalize, MIN_WEIGHT_SUM, routing.scale)
+        steps = [
+            bind_linear(self.projections, h, joint, threads),
+            cpu.bind_route(logits, w.correction_bias, how, chosen, weights),
+            cpu.python_step(lambda: self._start_step(chosen.clone())),
+        ]
+        if shared is not None:
+            steps.append(w.shared.bind(h, shared, threads))
+        steps.append(cpu.python_step(lambda: self._routed_sum(latent, self.chosen, weights, routed)))
+        normed = routed
+        if w.routed_norm is not None:
+            normed = torch.empty_like(routed)
+            steps.append(bind_rms_norm(routed, w.routed_norm, self.eps, normed))
+        steps.append(bind_linear(w.routed_up, normed, up, threads))
+        if shared is not None:
+            steps.append(cpu.bind_add(up, shared, out))
+        return steps
+
+    def _start_step(self, chosen: torch.Tensor) -> None:
+        """Keep the step's choices [N, k] (for whoever scores predictions of them); a source that reads
+        ahead starts on the first window, read while the shared expert computes."""
+        self.chosen = chosen
+        if self.source.reads_ahead:
+            order, resident = self._step_order(sorted(set(chosen.flatten().tolist())), [])
+            self._asked = order[: resident + self._read_window(len(order))]
+            self.source.read_ahead(self.layer, self._asked)
+
+    def _routed_sum(
+        self,
+        latent: torch.Tensor,
+        chosen: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Each row's expert outputs summed by their weights [N, latent] (into `out` when given)."""
+        pairs = self.routed_pairs(latent, chosen)
+        if cpu.takes((pairs, weights)):
+            return cpu.combine(pairs, weights, out)
+        summed = (pairs.view(*chosen.shape, -1) * weights[..., None]).sum(1)
+        return summed if out is None else out.copy_(summed)
 
     def _routed_pairs(self, latent: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """The expert output of every (row, choice) pair, [N * k, latent].

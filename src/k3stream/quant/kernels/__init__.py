@@ -166,11 +166,19 @@ class Products:
         return ANY_ROWS if _c_kernel_takes(ggml_type, self.in_features, self.match_ggml) else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        count, *features = x.shape
-        if count <= self._max_rows and features == [self.in_features] and cpu.takes((x,)):
+        if self._direct(x):
             return cpu.products(x, *self._arguments)
         outputs = [qmatmul(x, weight, self.backend, self.match_ggml) for weight in self.weights]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+    def bind(self, x: torch.Tensor, out: torch.Tensor, threads: int) -> cpu.Call | None:
+        """The product of x into `out` ([N, out_features] float32) as a bound C call, or None where x
+        would not go straight to C."""
+        return cpu.bind_products(x, self._arguments, out, threads) if self._direct(x) else None
+
+    def _direct(self, x: torch.Tensor) -> bool:
+        count, *features = x.shape
+        return count <= self._max_rows and features == [self.in_features] and cpu.takes((x,))
 
 
 class GroupedProduct:
@@ -223,13 +231,23 @@ class MLP:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        count, *features = x.shape
-        if count <= self._max_rows and features == [self.gate.in_features] and cpu.takes((x,)):
-            starts, rows = _all_rows(count)
+        if self._direct(x):
+            starts, rows = _all_rows(x.shape[0])
             return cpu.expert_mlp(
                 x, *self._roles, starts, rows, self.activation.beta, self.activation.linear_beta
             )
         return self.down(self.activation(self.gate(x), self.up(x)))
+
+    def bind(self, x: torch.Tensor, out: torch.Tensor, threads: int) -> cpu.Call | None:
+        """The MLP of x into `out` as a bound C call, or None where x would not take the one call."""
+        if not self._direct(x):
+            return None
+        betas = (self.activation.beta, self.activation.linear_beta)
+        return cpu.bind_expert_mlp(x, self._roles, *_all_rows(x.shape[0]), betas, out, threads)
+
+    def _direct(self, x: torch.Tensor) -> bool:
+        count, *features = x.shape
+        return count <= self._max_rows and features == [self.gate.in_features] and cpu.takes((x,))
 
 
 def _f32_by_kernel(x: torch.Tensor, weight: QWeight) -> bool:

@@ -3,21 +3,27 @@
 `grouped_product` runs `out[p] = x[rows[p]] @ W_b^T` for the rows `starts[b]..starts[b+1]` of each
 matrix b in one call, `products` several matrices of different types on one input, `expert_mlp` a
 step's routed-expert MLP (its three products and the activation) in one call; `kda_decode`,
-`residual_mix`, `rms_norm`, `situ` and `route` one per-token step each; `read_parts` a step's expert
-reads. All are the extension module's own functions, threads from `torch.get_num_threads()` (one
-for a small product). `available()` says whether it was built; without it callers use the torch
-reference path.
+`residual_mix`, `rms_norm`, `situ`, `route`, `add` and `combine` one per-token step each; `read_parts`
+a step's expert reads. All are the extension module's own functions, threads from
+`torch.get_num_threads()` (one for a small product). `bind_*` give a step as a `Call` on fixed buffers
+(the decode program, `k3stream.model.program`, runs a token as a list of them). `available()` says
+whether it was built; without it callers use the torch reference path.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
+
+# a C step bound to fixed buffers: function(*args) runs it (a nonzero result is its error status); the
+# tensors its addresses point into are held in the third item for as long as the call is kept
+Call = tuple[Callable[..., Any], tuple, tuple]
 
 # GGML type ids with a C kernel
 CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39})
@@ -90,15 +96,30 @@ def products(
     takes of one input, each computed as `grouped_product` computes it alone. The matrices must stay
     alive for the call."""
     out = torch.empty(x.shape[0], sum(out_features), dtype=torch.float32)
-    status = _ggml_cpu().products(
-        x.data_ptr(), x.shape[1], x.shape[0], addresses, ggml_types, out_features, row_bytes, q8_activations,
-        out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+    arguments = (addresses, ggml_types, out_features, row_bytes, q8_activations)
+    function, args, _ = bind_products(x, arguments, out, torch.get_num_threads())
+    status = function(*args)
     if status != 0:
         _check(
             status, next((t for t in ggml_types if t not in CPU_TYPES), ggml_types[0]), any(q8_activations)
         )
     return out
+
+
+def bind_products(x: torch.Tensor, arguments: tuple, out: torch.Tensor, threads: int) -> Call:
+    """`products` of x into `out` as a bound call; `arguments`: its addresses, GGML types, output rows,
+    bytes per row and `q8_activations` flags."""
+    args = (x.data_ptr(), x.shape[1], x.shape[0], *arguments, out.data_ptr(), threads)
+    return _ggml_cpu().products, args, (x, out)
+
+
+def python_step(function: Callable[[], object]) -> Call:
+    """A Python step among bound calls (what it returns is dropped)."""
+    return _dropping_result, (function,), ()
+
+
+def _dropping_result(function: Callable[[], object]) -> None:
+    function()
 
 
 @dataclass(frozen=True)
@@ -126,17 +147,35 @@ def expert_mlp(
     """[P, down.out_features]: down(situ(gate(x), up(x))) of expert b on `x[rows[p]]` for p in
     `starts[b]..starts[b+1]`; the same products and activation as `grouped_product` and `situ`, in one
     call without the GIL."""
-    x = x.contiguous()
     out = torch.empty(rows.numel(), down.out_features, dtype=torch.float32)
-    status = _ggml_cpu().expert_mlp(
+    roles = (gate, up, down)
+    function, args, _ = bind_expert_mlp(
+        x.contiguous(), roles, starts, rows, (beta, linear_beta), out, torch.get_num_threads(), q8_activations
+    )
+    _check(function(*args), gate.ggml_type, q8_activations)
+    return out
+
+
+def bind_expert_mlp(
+    x: torch.Tensor,
+    roles: tuple[Role, Role, Role],
+    starts: torch.Tensor,
+    rows: torch.Tensor,
+    betas: tuple[float, float],
+    out: torch.Tensor,
+    threads: int,
+    q8_activations: bool = False,
+) -> Call:
+    """`expert_mlp` of x (contiguous) with its (gate, up, down) roles into `out` as a bound call."""
+    gate, up, down = roles
+    args = (
         x.data_ptr(), x.shape[1], [m.data_ptr() for m in gate.matrices], gate.ggml_type, gate.row_bytes,
         [m.data_ptr() for m in up.matrices], up.ggml_type, up.row_bytes,
         [m.data_ptr() for m in down.matrices], down.ggml_type, down.row_bytes, gate.out_features,
-        down.out_features, starts.data_ptr(), rows.data_ptr(), beta, linear_beta, out.data_ptr(),
-        torch.get_num_threads(), int(q8_activations),
+        down.out_features, starts.data_ptr(), rows.data_ptr(), *betas, out.data_ptr(), threads,
+        int(q8_activations),
     )  # fmt: skip
-    _check(status, gate.ggml_type, q8_activations)
-    return out
+    return _ggml_cpu().expert_mlp, args, (x, starts, rows, out, roles)
 
 
 def _check(status: int, ggml_type: int, q8_activations: bool) -> None:
@@ -151,10 +190,20 @@ def _check(status: int, ggml_type: int, q8_activations: bool) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim (tensors as `takes` wants them)."""
     out = torch.empty_like(x)
+    function, args, _ = bind_rms_norm(x, weight, eps, out)
+    function(*args)
+    return out
+
+
+def bind_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torch.Tensor) -> Call:
+    """`rms_norm` of x into `out` as a bound call."""
     width = x.shape[-1]
     address = 0 if weight is None else weight.data_ptr()
-    _ggml_cpu().rms_norm(x.data_ptr(), x.numel() // width, width, address, eps, out.data_ptr())
-    return out
+    return (
+        _ggml_cpu().rms_norm,
+        (x.data_ptr(), x.numel() // width, width, address, eps, out.data_ptr()),
+        (x, out),
+    )
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
@@ -170,14 +219,27 @@ def route(
     """The sigmoid router of `logits` [N, X] (tensors as `takes` wants them; bias [X]): the top_k experts
     by sigmoid + bias, descending, [N, k] int64, and their sigmoid weights, divided by their sum
     (clamped below at min_sum) when `normalize`, times scale, [N, k] float32."""
-    rows, experts = logits.shape
+    rows = logits.shape[0]
     chosen = torch.empty(rows, top_k, dtype=torch.int64)
     weights = torch.empty(rows, top_k, dtype=torch.float32)
-    _ggml_cpu().route(
+    function, args, _ = bind_route(logits, bias, (top_k, normalize, min_sum, scale), chosen, weights)
+    function(*args)
+    return chosen, weights
+
+
+def bind_route(
+    logits: torch.Tensor, bias: torch.Tensor, how: tuple[int, bool, float, float], chosen: torch.Tensor,
+    weights: torch.Tensor,
+) -> Call:  # fmt: skip
+    """`route` of logits into `chosen` and `weights` as a bound call; `how`: (top_k, normalize, min_sum,
+    scale)."""
+    rows, experts = logits.shape
+    top_k, normalize, min_sum, scale = how
+    args = (
         logits.data_ptr(), bias.data_ptr(), rows, experts, top_k, int(normalize), min_sum, scale,
         chosen.data_ptr(), weights.data_ptr(),
     )  # fmt: skip
-    return chosen, weights
+    return _ggml_cpu().route, args, (logits, bias, chosen, weights)
 
 
 def read_parts(descriptors: list[int], offsets: list[int], lengths: list[int], out: np.ndarray) -> int:
@@ -206,28 +268,76 @@ def kda_decode(
     """One KDA decode step of B sequences after the projections (`steps_cpu.c`): [B, H * D], the gated
     and normed output for o_proj. Updates each conv history [taps - 1, 3 H D] and state [H, D, D] in
     place; every tensor float32, contiguous, on the CPU."""
-    batch, inner = f.shape
-    heads, dim = ssm_a.numel(), o_norm.numel()
-    out = torch.empty(batch, inner, dtype=torch.float32)
-    status = _ggml_cpu().kda_decode(
+    out = torch.empty(f.shape, dtype=torch.float32)
+    function, args, _ = bind_kda_decode(
+        (projected, f, b_logits, g_logits), histories, states, (conv, dt_bias, ssm_a, o_norm),
+        (lower_bound, eps, scale), out,
+    )  # fmt: skip
+    if function(*args) != 0:
+        raise MemoryError("no memory for a KDA decode step")
+    return out
+
+
+def bind_kda_decode(
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    histories: Sequence[torch.Tensor],
+    states: Sequence[torch.Tensor],
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    numbers: tuple[float | None, float, float],
+    out: torch.Tensor,
+) -> Call:
+    """`kda_decode` into `out` as a bound call: inputs (projected, f, b_logits, g_logits), weights (conv,
+    dt_bias, ssm_a, o_norm), numbers (lower_bound, eps, scale)."""
+    projected, f, b_logits, g_logits = inputs
+    conv, dt_bias, ssm_a, o_norm = weights
+    lower_bound, eps, scale = numbers
+    args = (
         projected.data_ptr(), [t.data_ptr() for t in histories], conv.data_ptr(), conv.shape[1],
         f.data_ptr(), dt_bias.data_ptr(), ssm_a.data_ptr(), int(lower_bound is not None),
         float(lower_bound or 0.0), b_logits.data_ptr(), [t.data_ptr() for t in states], g_logits.data_ptr(),
-        o_norm.data_ptr(), heads, dim, eps, scale, out.data_ptr(),
+        o_norm.data_ptr(), ssm_a.numel(), o_norm.numel(), eps, scale, out.data_ptr(),
     )  # fmt: skip
-    if status != 0:
-        raise MemoryError("no memory for a KDA decode step")
-    return out
+    return _ggml_cpu().kda_decode, args, (*inputs, *histories, *states, *weights, out)
 
 
 def residual_mix(rows: Sequence[torch.Tensor], score: torch.Tensor, eps: float) -> torch.Tensor:
     """The attention-residual mix (`steps_cpu.c`) of `rows` ([N, E] each, bank then current; float32,
     contiguous, on the CPU) scored by `score` [E]: [N, E]."""
-    n, width = rows[0].shape
-    out = torch.empty(n, width, dtype=torch.float32)
-    status = _ggml_cpu().residual_mix(
-        [t.data_ptr() for t in rows], n, width, score.data_ptr(), eps, out.data_ptr()
-    )
-    if status != 0:
+    out = torch.empty(rows[0].shape, dtype=torch.float32)
+    function, args, _ = bind_residual_mix(rows, score, eps, out)
+    if function(*args) != 0:
         raise MemoryError("no memory for a residual mix")
+    return out
+
+
+def bind_residual_mix(
+    rows: Sequence[torch.Tensor], score: torch.Tensor, eps: float, out: torch.Tensor
+) -> Call:
+    """`residual_mix` of rows into `out` as a bound call."""
+    n, width = rows[0].shape
+    args = ([t.data_ptr() for t in rows], n, width, score.data_ptr(), eps, out.data_ptr())
+    return _ggml_cpu().residual_mix, args, (*rows, score, out)
+
+
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b (same shapes; tensors as `takes` wants them)."""
+    out = torch.empty_like(a)
+    function, args, _ = bind_add(a, b, out)
+    function(*args)
+    return out
+
+
+def bind_add(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Call:
+    """`add` into `out` as a bound call."""
+    return _ggml_cpu().add, (a.data_ptr(), b.data_ptr(), a.numel(), out.data_ptr()), (a, b, out)
+
+
+def combine(pairs: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE's weighted sum of each row's expert outputs: pairs [N * k, W], weights [N, k] -> [N, W]
+    (into `out` when given), each product rounded, then summed from zero in choice order (as torch's
+    `(pairs.view(N, k, W) * weights[..., None]).sum(1)`); tensors as `takes` wants them."""
+    rows, top_k = weights.shape
+    width = pairs.shape[1]
+    out = torch.empty(rows, width, dtype=torch.float32) if out is None else out
+    _ggml_cpu().combine(pairs.data_ptr(), weights.data_ptr(), rows, top_k, width, out.data_ptr())
     return out

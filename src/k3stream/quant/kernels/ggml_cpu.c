@@ -1475,6 +1475,28 @@ static PyObject *py_residual_mix(PyObject *self, PyObject *const *args, Py_ssize
     return PyLong_FromLong(status);
 }
 
+void k3_add(const float *a, const float *b, int64_t n, float *out);
+void k3_combine(const float *pairs, const float *weights, int64_t n, int64_t k, int64_t width, float *out);
+
+/* add(a, b, n, out) and combine(pairs, weights, rows, k, width, out): k3_add and k3_combine on float32
+ * buffers (pointers as ints), with the GIL held. */
+static PyObject *py_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t v[4];
+    if (parse_args("add", args, nargs, "iiii", v, NULL, NULL) != 0) return NULL;
+    k3_add((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], (float *)(uintptr_t)v[3]);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_combine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t v[6];
+    if (parse_args("combine", args, nargs, "iiiiii", v, NULL, NULL) != 0) return NULL;
+    k3_combine((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], v[3], v[4],
+               (float *)(uintptr_t)v[5]);
+    Py_RETURN_NONE;
+}
+
 /* Reads `length` bytes at `offset` of `descriptor` into `to`: 0, -1 if the file ends first, else errno */
 static int read_part(int descriptor, int64_t offset, int64_t length, uint8_t *to) {
     int64_t done = 0;
@@ -1554,6 +1576,8 @@ static PyMethodDef methods[] = {
     {"route", (PyCFunction)(void (*)(void))py_route, METH_FASTCALL, NULL},
     {"kda_decode", (PyCFunction)(void (*)(void))py_kda_decode, METH_FASTCALL, NULL},
     {"residual_mix", (PyCFunction)(void (*)(void))py_residual_mix, METH_FASTCALL, NULL},
+    {"add", (PyCFunction)(void (*)(void))py_add, METH_FASTCALL, NULL},
+    {"combine", (PyCFunction)(void (*)(void))py_combine, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 

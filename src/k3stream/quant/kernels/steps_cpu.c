@@ -8,6 +8,7 @@
  * - k3_residual_mix: the attention-residual mix (k3stream.model.attn_res.residual_mix).
  * - k3_rms_norm, k3_situ and k3_route: the RMS norm (k3stream.model.layers.rms_norm), Kimi-K3's
  *   activation (k3stream.quant.kernels.situ) and the MoE's sigmoid router (k3stream.model.moe.Routing).
+ * - k3_add and k3_combine: the residual stream's sums and the MoE's weighted sum of its experts' outputs.
  *
  * The same operations as the torch code they replace (which stays the reference and the GPU path),
  * so a step costs one call instead of tens of small tensor operations.
@@ -258,5 +259,23 @@ CLONES void k3_route(const float *logits, const float *bias, int64_t n, int64_t 
         for (int64_t j = 0; j < k; j++) sum += w[j] = probs[ids[j]];
         sum = sum < min_sum ? min_sum : sum;
         for (int64_t j = 0; j < k; j++) w[j] = (normalize ? w[j] / sum : w[j]) * scale;
+    }
+}
+
+/* out = a + b over n values (the residual stream's sums) */
+CLONES void k3_add(const float *a, const float *b, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+}
+
+/* The MoE's weighted sum of each row's k expert outputs: out[r] = sum_j weights[r, j] pairs[r k + j] (rows
+ * of width), each product rounded, then summed from zero in j order */
+CLONES void k3_combine(const float *pairs, const float *weights, int64_t n, int64_t k, int64_t width, float *out) {
+    for (int64_t r = 0; r < n; r++) {
+        float *y = out + r * width;
+        for (int64_t e = 0; e < width; e++) y[e] = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            const float *x = pairs + (r * k + j) * width, w = weights[r * k + j];
+            for (int64_t e = 0; e < width; e++) y[e] += x[e] * w;
+        }
     }
 }

@@ -1,0 +1,132 @@
+"""One sequence's decode step as a program: C calls bound to buffers of their own, built once.
+
+Outside its weight reads, an eager decode token (`k3.K3Model._forward`) spends its time in a few
+hundred Python-level steps: wrapper checks, tensor allocations, small torch operations. A
+`DecodeProgram` builds the step of one sequence once (its KDA states bound into the calls) as a list of
+C calls on fixed buffers (`kernels.cpu.Call`), with Python steps only where the work changes from token
+to token: the embedding, each MoE layer's routed experts (fetched and computed by the layer's own
+`routed_pairs`, so any expert source or expert-parallel wrapper serves them), MLA's attention over its
+growing cache, and the logits. It computes what `_forward` computes with the same C functions on the
+same values, so its logits are equal bit for bit (tested); a model with a step that has no C form here
+(another device, the reference path, a wrapped layer, prefetch hints to send) keeps the eager forward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from k3stream.model.attn_res import bind_residual_mix
+from k3stream.model.kda import KDA, KDAState
+from k3stream.model.layers import bind_rms_norm
+from k3stream.model.moe import LatentMoE
+from k3stream.quant.kernels import cpu
+
+if TYPE_CHECKING:
+    from k3stream.model.k3 import K3Model, Layer, SequenceState
+
+
+class DecodeProgram:
+    """The decode step of the sequence `state` on `threads` threads: `run(ids)` -> logits [1, V].
+    `steps` is None off the CPU kernels and for a model that sends prefetch hints (the caller then runs
+    the eager forward)."""
+
+    def __init__(self, model: K3Model, state: SequenceState, threads: int) -> None:
+        self.model = model
+        self.threads = threads
+        self._parts = _parts(model)
+        self._state_layers = list(state.layers)
+        self._state_buffers = _state_buffers(state)
+        self._ids = torch.empty(0, dtype=torch.long)
+        hidden = model.config.hidden
+        self._x = torch.empty(1, hidden)  # the token's embedding: the first layer's input
+        self.final = torch.empty(1, hidden)  # the last layer's output, mixed and normed for lm_head
+        self.steps: list[cpu.Call] | None = None
+        if model.device.type == "cpu" and cpu.available() and not model.prefetch and model.use_program:
+            self.steps = self._build(state)
+
+    def fits(self, model: K3Model, state: SequenceState, threads: int) -> bool:
+        """Whether this program is the step of `state` in `model` as it is now (the same layers, the
+        same state tensors, the same thread count)."""
+        return (
+            threads == self.threads
+            and len(state.layers) == len(self._state_layers)
+            and all(now is then for now, then in zip(state.layers, self._state_layers, strict=True))
+            and _state_buffers(state) == self._state_buffers
+            and all(now is then for now, then in zip(_parts(model), self._parts, strict=True))
+        )
+
+    def run(self, ids: torch.Tensor) -> torch.Tensor:
+        """The logits [1, V] of token `ids` [1]; advances the bound state as `_forward` does."""
+        self._ids = ids
+        for function, args, _ in self.steps:
+            status = function(*args)
+            if status:
+                raise MemoryError(f"decode step {function.__name__}: status {status} (no memory)")
+        return self.model.lm_head(self.final).float()
+
+    def _build(self, state: SequenceState) -> list[cpu.Call]:
+        """The steps of `_forward` for one token of `state`."""
+        model, x = self.model, self._x
+        steps = [cpu.python_step(lambda: self._x.copy_(model.embedding(self._ids)))]
+        bank: list[torch.Tensor] = []
+        for layer in model.layers:
+            h = x if not bank else self._mix(steps, bank, x, layer.attn_score)
+            banked = layer.index % model.config.block_size == 0
+            if banked:
+                bank.append(x)
+            normed = self._norm(steps, h, layer.input_norm)
+            attended = torch.empty_like(x)
+            steps += self._attention(layer, normed, attended, state.layers[layer.index])
+            prefix = attended if banked else torch.empty_like(x)
+            if not banked:
+                steps.append(cpu.bind_add(x, attended, prefix))
+            mixed = self._norm(
+                steps, self._mix(steps, bank, prefix, layer.ffn_score), layer.post_attention_norm
+            )
+            ffn_out = torch.empty_like(x)
+            steps += self._ffn(layer, mixed, ffn_out)
+            x = torch.empty_like(x)
+            steps.append(cpu.bind_add(prefix, ffn_out, x))
+        mixed = self._mix(steps, bank, x, model.output_score)
+        steps.append(bind_rms_norm(mixed, model.norm, model.eps, self.final))
+        return steps
+
+    def _attention(
+        self, layer: Layer, normed: torch.Tensor, out: torch.Tensor, state: object
+    ) -> list[cpu.Call]:
+        if isinstance(layer.attn, KDA):
+            return layer.attn.decode_steps(normed, out, state, self.threads)
+        attention = layer.attn  # MLA: its attention over a cache that grows, in Python
+        return [cpu.python_step(lambda: out.copy_(attention.decode(normed, [state])))]
+
+    def _ffn(self, layer: Layer, h: torch.Tensor, out: torch.Tensor) -> list[cpu.Call]:
+        if isinstance(layer.ffn, LatentMoE):
+            return layer.ffn.decode_steps(h, out, self.threads)
+        return [layer.ffn.bind(h, out, self.threads)]
+
+    def _mix(
+        self, steps: list, bank: list[torch.Tensor], current: torch.Tensor, score: torch.Tensor
+    ) -> torch.Tensor:
+        """`residual_mix(bank, current, score)` into a new buffer (its step appended to `steps`)."""
+        out = torch.empty_like(current)
+        steps.append(bind_residual_mix(list(bank), current, score, self.model.eps, out))
+        return out
+
+    def _norm(self, steps: list, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`rms_norm(x, weight)` into a new buffer (its step appended to `steps`)."""
+        out = torch.empty_like(x)
+        steps.append(bind_rms_norm(x, weight, self.model.eps, out))
+        return out
+
+
+def _parts(model: K3Model) -> list[object]:
+    """What a program binds of the model: each layer's attention and feed-forward, the output head."""
+    return [part for layer in model.layers for part in (layer.attn, layer.ffn)] + [model.lm_head]
+
+
+def _state_buffers(state: SequenceState) -> list[int]:
+    """The addresses of the state's KDA tensors (a prefill replaces a conv history's tensor)."""
+    kda = [layer for layer in state.layers if isinstance(layer, KDAState)]
+    return [tensor.data_ptr() for layer in kda for tensor in (layer.conv, layer.recurrent)]

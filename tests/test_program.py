@@ -1,0 +1,125 @@
+"""The decode program (`k3stream.model.program`): one sequence's decode step built once as C calls on
+fixed buffers computes exactly what the eager forward computes, bit for bit, on every kind of layer and
+expert source, and is rebuilt whenever what it bound changes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import k3stream
+from bench_helpers import MIB, pack_expert_bytes, packed_tiny
+
+# audited recipe (Q2_K/Q3_K experts, Q4_0/Q2_K MLA heads) or F32; MLA layers, shared experts or none
+SPECS = [
+    dict(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32, kda_head_dim=32),
+    dict(recipe="f32", n_layers=7, n_experts=32, top_k=16, block_size=2, hidden=96, dense_ff=64),
+    dict(recipe="f16", n_shared=0, mla_layers=(2, 4), kda_head_dim=32),
+]
+
+
+def tokens_for(seed: int, vocab: int, count: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, count).tolist()
+
+
+def decodes(model, prompt: list[int], steps: list[int]) -> torch.Tensor:
+    state = model.new_state()
+    model.prefill(state, prompt)
+    return torch.stack([model.decode(state, token) for token in steps])
+
+
+def eager_and_program(path, **load_options):
+    program, eager = (k3stream.load(path, **load_options) for _ in range(2))
+    eager.use_program = False
+    return program, eager
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=st.sampled_from(SPECS), seed=st.integers(0, 2**16), threads=st.sampled_from([1, 2]))
+def test_the_program_decodes_what_the_eager_forward_decodes_bit_for_bit(tiny_model, spec, seed, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        program, eager = eager_and_program(tiny_model(**spec, seed=seed))
+        prompt, steps = tokens_for(seed, program.config.vocab_size, 24)[:16], tokens_for(seed + 1, 500, 8)
+        assert torch.equal(decodes(program, prompt, steps), decodes(eager, prompt, steps))
+        calls = program._program.steps  # it ran, mostly as C calls
+        assert sum(function.__name__ == "_dropping_result" for function, *_ in calls) < len(calls) / 4
+        assert eager._program is None
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_program_is_rebuilt_for_another_sequence_a_prefill_and_a_thread_count(tiny_model):
+    """Two sequences decoded in turn, one prefilled again between its tokens, the thread count changed:
+    each step is still the eager step."""
+    program, eager = eager_and_program(tiny_model(**SPECS[0], seed=7))
+    tokens = tokens_for(7, program.config.vocab_size, 40)
+    states = {model: [model.new_state(), model.new_state()] for model in (program, eager)}
+    logits = {program: [], eager: []}
+    before = torch.get_num_threads()
+    try:
+        for model in (program, eager):
+            first, second = states[model]
+            model.prefill(first, tokens[:8])
+            model.prefill(second, tokens[8:12])
+            for step, token in enumerate(tokens[12:30]):
+                torch.set_num_threads(1 + step // 9)
+                if step == 6:
+                    model.prefill(first, tokens[30:34])  # replaces the state's conv histories
+                logits[model].append(model.decode(states[model][step % 2], token))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(torch.stack(logits[program]), torch.stack(logits[eager]))
+
+
+def test_the_program_serves_experts_from_the_store_and_from_an_uncached_gguf(tmp_path):
+    """A store whose cache holds a third of the experts (read ahead, evicted) and a GGUF read at every
+    step: the program's routed experts go through the MoE's own fetch, so they equal the eager ones."""
+    from k3stream.pack.reader import ExpertPack
+    from k3stream.store.expert_store import ExpertStore
+
+    gguf_path, manifest = packed_tiny(tmp_path, n_experts=16, top_k=4, seed=12)
+    tokens = tokens_for(12, 500, 28)
+    results = []
+    for use_program in (True, False):
+        with ExpertStore(ExpertPack(manifest), ram_mib=pack_expert_bytes(manifest) / 3 / MIB) as store:
+            model = k3stream.load(gguf_path, expert_source=store, prefetch=False)
+            model.use_program = use_program
+            results.append(decodes(model, tokens[:12], tokens[12:]))
+            assert (model._program is not None) == use_program
+    assert torch.equal(*results)
+    program, eager = eager_and_program(gguf_path, expert_ram_mib=0)
+    assert torch.equal(decodes(program, tokens[:12], tokens[12:]), results[1])
+    assert program.expert_source.kept_bytes() == 0
+
+
+def test_the_reference_path_and_a_model_sending_hints_decode_eagerly(tiny_model):
+    """The reference path (the kernels' oracle) and a model that sends prefetch hints (predicted from
+    the stream between layers) keep the eager forward, and decode as before."""
+    from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.model.experts import GGUFExpertSource
+    from source_helpers import RecordingSource
+
+    path = tiny_model(**SPECS[0], seed=9)
+    reference = k3stream.load(path, kernels="reference")
+    hinted = k3stream.load(path, expert_source=RecordingSource(GGUFExpertSource(K3Checkpoint.open(path))))
+    tokens = tokens_for(9, reference.config.vocab_size, 20)
+    expected = decodes(k3stream.load(path, kernels="reference"), tokens[:12], tokens[12:])
+    assert torch.equal(decodes(reference, tokens[:12], tokens[12:]), expected)
+    assert reference._program is None
+    decodes(hinted, tokens[:12], tokens[12:])
+    assert hinted._program.steps is None
+    assert any(kind == "prefetch" for kind, *_ in hinted.expert_source.calls)
+
+
+@pytest.mark.parametrize("tokens", [[-1], [10**9]])
+def test_a_bad_token_is_refused_before_the_program_runs(tiny_model, tokens):
+    model = k3stream.load(tiny_model(**SPECS[0], seed=9))
+    state = model.new_state()
+    model.prefill(state, [1, 2, 3])
+    with pytest.raises(ValueError, match="token id outside"):
+        model.decode_batch([state], tokens)
