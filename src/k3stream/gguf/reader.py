@@ -139,6 +139,9 @@ class K3Checkpoint:
             offsets.append(info.data_offset + start)
             lengths.append(nbytes)
         out = np.empty(sum(lengths), dtype=np.uint8)
+        # fault a fresh buffer's pages in from here first: inside the read they fault one small page at a
+        # time, several times slower (first reads of experts kept in RAM: prefill 1.6x slower without)
+        out[::4096] = 0
         read = cpu.read_parts if cpu.available() else _read_parts
         whole = read(descriptors, offsets, lengths, out)
         if whole < len(parts):

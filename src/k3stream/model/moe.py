@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -16,6 +17,12 @@ from k3stream.quant.kernels import MLP, Situ, cpu, expert_mlp, situ
 GROUPS_PER_STEP = 8
 # llama.cpp clamps the sum of the chosen weights from below before renormalising
 MIN_WEIGHT_SUM = 6.103515625e-5
+
+
+@functools.lru_cache(maxsize=16)
+def _one_row_bounds(count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`starts`/`rows` of `expert_mlp` for one row through `count` experts, one pair each."""
+    return torch.arange(count + 1, dtype=torch.int64), torch.zeros(count, dtype=torch.int64)
 
 
 @dataclass
@@ -198,8 +205,29 @@ class LatentMoE:
         topped up in order to an eighth of the step (`_next_group`), so each expert is computed soon
         after it is read. A pair's output depends only on its row and its expert (the kernel computes
         each output on its own), so a streamed run equals an all-resident run bit for bit at any cache
-        size and in any arrival order.
+        size and in any arrival order. A one-row step of distinct experts from a source that serves
+        them at once (a decode token) skips the grouping's bookkeeping (`_one_row_pairs`).
         """
+        experts = chosen[0].tolist() if chosen.shape[0] == 1 else []
+        if len(set(experts)) == len(experts) > 0 and self._serves_at_once(len(experts)):
+            return self._one_row_pairs(latent, experts)
+        return self._grouped_pairs(latent, chosen)
+
+    def _serves_at_once(self, count: int) -> bool:
+        """Whether the source serves `count` experts in one fetch with nothing read ahead to wait for."""
+        return not self.source.reads_ahead and (self.source.max_experts_per_fetch or count) >= count
+
+    def _one_row_pairs(self, latent: torch.Tensor, experts: list[int]) -> torch.Tensor:
+        """A one-row step (a decode token) of distinct experts from a source that serves it at once:
+        what `_grouped_pairs` does then (one fetch in pack order, computed in the order of choice),
+        without its bookkeeping."""
+        fetched = self.source.fetch(self.layer, sorted(experts))
+        starts, rows = _one_row_bounds(len(experts))
+        weights = [fetched[expert] for expert in experts]
+        return expert_mlp(latent, weights, starts, rows, self.activation, self.match_ggml, self.backend)
+
+    def _grouped_pairs(self, latent: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """`_routed_pairs` of any step: its experts fetched and computed group by group."""
         pairs_of: dict[int, list[int]] = {}  # each expert's pairs, in order (tiny: Python lists are cheapest)
         for pair, expert in enumerate(chosen.flatten().tolist()):
             pairs_of.setdefault(expert, []).append(pair)

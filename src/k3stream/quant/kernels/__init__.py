@@ -401,13 +401,16 @@ def _fused_roles(
     layouts = [_fused_layout(ggml_type, shape, match_ggml) for ggml_type, shape in kinds]
     if None in layouts:
         return None
-    for expert in experts:
-        for matrix, (ggml_type, shape) in zip((expert.gate, expert.up, expert.down), kinds, strict=True):
-            if matrix.ggml_type != ggml_type or matrix.shape != shape:
-                raise ValueError("expert_mlp: the experts' matrices of one role differ in GGML type or shape")
+    signature = [kind for kind in kinds for kind in kind]
+    datas: tuple[list[torch.Tensor], ...] = ([], [], [])
+    for expert in experts:  # one pass (a decode step calls this once per MoE layer)
+        gate, up, down = expert.gate, expert.up, expert.down
+        if [gate.ggml_type, gate.shape, up.ggml_type, up.shape, down.ggml_type, down.shape] != signature:
+            raise ValueError("expert_mlp: the experts' matrices of one role differ in GGML type or shape")
+        datas[0].append(gate.data), datas[1].append(up.data), datas[2].append(down.data)
     gate, up, down = (
-        cpu.Role([getattr(expert, role).data for expert in experts], ggml_type, *layout)
-        for role, (ggml_type, _), layout in zip(("gate", "up", "down"), kinds, layouts, strict=True)
+        cpu.Role(data, ggml_type, *layout)
+        for data, (ggml_type, _), layout in zip(datas, kinds, layouts, strict=True)
     )
     return gate, up, down
 
