@@ -30,8 +30,8 @@ def nonexpert_weights(path_or_manifest: Any, copy: bool = True) -> Iterator[tupl
 def load(source: Any, **kwargs: Any):
     """Load a Kimi-K3 model from a GGUF (any shard or directory), an expert-pack manifest, or an open
     `K3Checkpoint` (keywords: `k3stream.model.k3.load`). Without an `expert_source` or `expert_ram_mib`,
-    the routed experts read from the GGUF stay in RAM when all of them fit the expert budget the memory
-    plan leaves (`k3stream.memlimit`: the cgroup's limit or the available RAM)."""
+    the routed experts are read from the GGUF into RAM at load when all of them fit the expert budget
+    the memory plan leaves (`k3stream.memlimit`: the cgroup's limit or the available RAM)."""
     from k3stream.model.k3 import load as _impl
 
     checkpoint = _checkpoint(source)

@@ -20,41 +20,63 @@ if TYPE_CHECKING:
 class GGUFExpertSource(ExpertSource):
     """Serves routed experts from the checkpoint's files (no prefetch, no read-ahead, no limit).
 
-    Each read takes the experts' bytes with `preadv` into one fresh buffer rather than viewing the map,
-    so a GGUF that shrinks while the model runs fails the step with a clear error instead of killing
-    the process (a mapped read past the end is a SIGBUS). With `keep` every expert read is kept and
-    served from RAM from then on (when all the routed experts fit the memory: `k3stream.load`'s
-    `expert_ram_mib`); else each fetch reads its experts again.
+    Reads take the experts' bytes with `preadv` into fresh buffers rather than viewing the map, so a
+    GGUF that shrinks while the model runs fails the step with a clear error instead of killing the
+    process (a mapped read past the end is a SIGBUS). With `keep` every routed tensor is read into RAM
+    once, here (one read per MoE layer; for when all of them fit the memory: `k3stream.load`'s
+    `expert_ram_mib`), and fetches hand out views of it; else each fetch reads its experts.
     """
 
     def __init__(self, checkpoint: K3Checkpoint, keep: bool = False) -> None:
         self.checkpoint = checkpoint
         self._roles: dict[int, list[tuple[str, int, int, tuple[int, int]]]] = {}
-        # layer -> expert -> its weights, read once (None: nothing is kept)
-        self._kept: dict[int, dict[int, ExpertWeights]] | None = {} if keep else None
+        # layer -> its routed tensors' bytes (ROLES order), with `keep`; and the views handed out of them
+        self._resident = (
+            {layer: self._read_layer(layer) for layer in checkpoint.config.moe_layers} if keep else {}
+        )
+        self._views: dict[int, dict[int, ExpertWeights]] = {layer: {} for layer in self._resident}
 
     def fetch(self, layer: int, expert_ids: list[int]) -> dict[int, ExpertWeights]:
-        if self._kept is None:
+        views = self._views.get(layer)
+        if views is None:
             return self._read(layer, expert_ids)
-        kept = self._kept.setdefault(layer, {})
-        missing = [expert for expert in expert_ids if expert not in kept]
+        missing = [expert for expert in expert_ids if expert not in views]
         if missing:
-            kept.update(self._read(layer, missing))
-        return {expert: kept[expert] for expert in expert_ids}
+            self._check_ids(layer, missing)
+            views.update((expert, self._view(layer, expert)) for expert in missing)
+        return {expert: views[expert] for expert in expert_ids}
 
     def kept_bytes(self) -> int:
-        """Bytes of the experts held in RAM (0 without `keep`)."""
-        weights = [expert for experts in (self._kept or {}).values() for expert in experts.values()]
-        return sum(getattr(expert, role).data.numel() for expert in weights for role in ROLES)
+        """Bytes of the routed experts held in RAM (0 without `keep`)."""
+        return sum(tensor.numel() for tensors in self._resident.values() for tensor in tensors)
 
-    def _read(self, layer: int, expert_ids: list[int]) -> dict[int, ExpertWeights]:
-        roles = self._roles_of(layer)
+    def _read_layer(self, layer: int) -> list[torch.Tensor]:
+        """`layer`'s routed tensors, whole, in one read."""
+        parts = [
+            (name, 0, size * self.checkpoint.config.n_experts) for name, size, *_ in self._roles_of(layer)
+        ]
+        return list(torch.from_numpy(self.checkpoint.read_parts(parts)).split([size for *_, size in parts]))
+
+    def _view(self, layer: int, expert: int) -> ExpertWeights:
+        roles = zip(self._resident[layer], self._roles_of(layer), strict=True)
+        return ExpertWeights(
+            *(
+                ExpertMatrix(data[expert * size : (expert + 1) * size], kind, shape)
+                for data, (_, size, kind, shape) in roles
+            )
+        )
+
+    def _check_ids(self, layer: int, expert_ids: list[int]) -> None:
         count = self.checkpoint.config.n_experts
         bad = [expert for expert in expert_ids if not 0 <= expert < count]
         if bad:
             raise IndexError(
                 f"{self.checkpoint.shards[0]}: expert {bad[0]} outside 0..{count - 1} (layer {layer})"
             )
+
+    def _read(self, layer: int, expert_ids: list[int]) -> dict[int, ExpertWeights]:
+        self._check_ids(layer, expert_ids)
+        roles = self._roles_of(layer)
         parts = [(name, expert * size, size) for expert in expert_ids for name, size, *_ in roles]
         views = torch.from_numpy(self.checkpoint.read_parts(parts)).split([size for *_, size in parts])
         kinds = [(kind, shape) for *_, kind, shape in roles] * len(expert_ids)

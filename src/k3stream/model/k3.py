@@ -418,9 +418,9 @@ def load(
     product runs on GGUF blocks through `k3stream.quant.kernels`; `kernels="reference"` is the path the
     kernels are tested against: weights dequantized to `dtype` at load, or with `keep_quantized` kept
     in blocks and dequantized a slab at a time; a `dtype` other than float32 implies it. Routed
-    experts come from `expert_source` (default: straight from the GGUF, each kept in RAM after its
-    first read when all the routed experts fit in `expert_ram_mib`, else read at every step;
-    `k3stream.load` defaults the budget to what the memory plan leaves). `profile="audited"`
+    experts come from `expert_source` (default: straight from the GGUF, all read into RAM here when
+    they fit in `expert_ram_mib`, else read at every step; `k3stream.load` defaults the budget to what
+    the memory plan leaves). `profile="audited"`
     enforces the published recipe after loading.
     `match_ggml` rounds the inputs of F16/BF16 and block-quantized matrices as llama.cpp's CPU matmul
     does (to F16/BF16, or 8-bit Q8_K/Q8_0 blocks): for comparing with llama.cpp; it costs precision.
