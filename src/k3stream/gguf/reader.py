@@ -140,7 +140,7 @@ class K3Checkpoint:
             lengths.append(nbytes)
         out = np.empty(sum(lengths), dtype=np.uint8)
         # fault a fresh buffer's pages in from here first: inside the read they fault one small page at a
-        # time, several times slower (first reads of experts kept in RAM: prefill 1.6x slower without)
+        # time, several times slower (a 128-expert model's 270 MB of experts: 0.57 s, against 0.05-0.23 s)
         out[::4096] = 0
         read = cpu.read_parts if cpu.available() else _read_parts
         whole = read(descriptors, offsets, lengths, out)

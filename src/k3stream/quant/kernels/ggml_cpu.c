@@ -1237,12 +1237,18 @@ static int expert_mlp(const float *x, int64_t in_features, Role gate, Role up, R
     int64_t *order = malloc(sizeof(int64_t) * (size_t)(pairs + 1));
     int status = gated == NULL || order == NULL ? -2 : 0;
     float *upped = gated + pairs * hidden;
+    Plan plans[2]; /* gate and up in one OpenMP region */
     if (status == 0)
-        status = k3_grouped_product(x, in_features, gate.addresses, experts, hidden, gate.row_bytes, gate.ggml_type,
-                                    starts, rows, gated, threads, q8_activations);
-    if (status == 0)
-        status = k3_grouped_product(x, in_features, up.addresses, experts, hidden, up.row_bytes, up.ggml_type,
-                                    starts, rows, upped, threads, q8_activations);
+        status = plan_product(&plans[0], x, in_features, gate.addresses, experts, hidden, gate.row_bytes,
+                              gate.ggml_type, starts, rows, gated, hidden, q8_activations);
+    if (status == 0) {
+        status = plan_product(&plans[1], x, in_features, up.addresses, experts, hidden, up.row_bytes, up.ggml_type,
+                              starts, rows, upped, hidden, q8_activations);
+        if (status == 0)
+            run_plans(plans, 2, threads);
+        else
+            free(plans[0].owned);
+    }
     if (status == 0) {
         k3_situ(gated, upped, pairs * hidden, beta, linear_beta, gated);
         for (int64_t p = 0; p < pairs; p++) order[p] = p;
