@@ -7,8 +7,16 @@ from dataclasses import dataclass
 
 import torch
 
-from k3stream.model.layers import GGUFTensor, JointLinear, Linear, LoadOptions, rms_norm
-from k3stream.quant.kernels import F32, GroupedProduct, checked_weight
+from k3stream.model.layers import (
+    GGUFTensor,
+    JointLinear,
+    Linear,
+    LoadOptions,
+    bind_linear,
+    bind_rms_norm,
+    rms_norm,
+)
+from k3stream.quant.kernels import F32, GroupedProduct, checked_weight, cpu
 from k3stream.quant.rounding import round_like_ggml
 
 QUERY_BLOCK = 512
@@ -51,6 +59,13 @@ class HeadProjection:
         starts, order = _rows_by_head(rows, self.heads)
         out = self.per_head(x.reshape(rows * self.heads, -1), starts, order)
         return out.view(self.heads, rows, -1).transpose(0, 1)
+
+    def bind(self, x: torch.Tensor, out: torch.Tensor, threads: int) -> cpu.Call:
+        """One row's heads, x [H, in] into out [H, out] (contiguous), as a bound C call, or a Python step
+        calling the projection where that is not one."""
+        starts, order = _rows_by_head(1, self.heads)
+        call = self.per_head.bind(x, starts, order, out, threads) if self.per_head is not None else None
+        return call or cpu.python_step(lambda: out.copy_(self(x[None])[0]))
 
 
 @functools.lru_cache(maxsize=64)
@@ -126,6 +141,44 @@ class MLA:
             self._attend_one(queries[i], state.append(rows[i : i + 1])) for i, state in enumerate(states)
         ]
         return self._output(torch.stack(contexts), g_logits)
+
+    def decode_steps(
+        self, h: torch.Tensor, out: torch.Tensor, state: MLAState, threads: int
+    ) -> list[cpu.Call]:
+        """`decode` of one sequence (h [1, E] into out [1, E]) as C calls bound to buffers of their own and
+        Python steps for the copies between them and the attention over the growing cache."""
+        w, heads, width = self.w, self.heads, self.nope + self.rope
+        joint = h.new_empty(1, sum(self.projections.widths))
+        first, compressed, g_logits = joint.split(self.projections.widths, dim=1)
+        steps = [bind_linear(self.projections, h, joint, threads)]
+        if w.q_a_proj is not None:  # q-lora: `first` is q_a's output, normed before q_b
+            q_a, q_flat = torch.empty_like(first), h.new_empty(1, heads * width)
+            steps += [
+                bind_rms_norm(first, w.q_a_norm, self.eps, q_a),
+                bind_linear(w.q_b_proj, q_a, q_flat, threads),
+            ]
+            first = q_flat
+        q = first.view(heads, width)
+        q_nope, query = h.new_empty(heads, self.nope), h.new_empty(heads, self.kv_lora + self.rope)
+        q_absorbed, row = h.new_empty(heads, self.kv_lora), h.new_empty(1, self.kv_lora + self.rope)
+        context, values = torch.empty_like(q_absorbed), h.new_empty(heads, g_logits.shape[1] // heads)
+        gated = torch.empty_like(g_logits)
+
+        def queries_and_row() -> None:
+            query[:, : self.kv_lora] = q_absorbed
+            query[:, self.kv_lora :] = q[:, self.nope :]
+            row[:, self.kv_lora :] = compressed[:, self.kv_lora :]
+
+        return steps + [
+            cpu.python_step(lambda: q_nope.copy_(q[:, : self.nope])),
+            w.k_b.bind(q_nope, q_absorbed, threads),
+            bind_rms_norm(compressed[:, : self.kv_lora], w.kv_a_norm, self.eps, row[:, : self.kv_lora]),
+            cpu.python_step(queries_and_row),
+            cpu.python_step(lambda: context.copy_(self._attend_one(query, state.append(row)))),
+            w.v_b.bind(context, values, threads),
+            cpu.python_step(lambda: torch.mul(values.view(1, -1), torch.sigmoid(g_logits), out=gated)),
+            bind_linear(w.o_proj, gated, out, threads),
+        ]
 
     def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Absorbed queries [T, H, kv_lora + rope], new cache rows [T, kv_lora + rope] and the output

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from k3stream.model.attn_res import bind_residual_mix
-from k3stream.model.kda import KDA, KDAState
+from k3stream.model.kda import KDAState
 from k3stream.model.layers import bind_rms_norm
 from k3stream.model.moe import LatentMoE
 from k3stream.quant.kernels import cpu
@@ -96,10 +96,7 @@ class DecodeProgram:
     def _attention(
         self, layer: Layer, normed: torch.Tensor, out: torch.Tensor, state: object
     ) -> list[cpu.Call]:
-        if isinstance(layer.attn, KDA):
-            return layer.attn.decode_steps(normed, out, state, self.threads)
-        attention = layer.attn  # MLA: its attention over a cache that grows, in Python
-        return [cpu.python_step(lambda: out.copy_(attention.decode(normed, [state])))]
+        return layer.attn.decode_steps(normed, out, state, self.threads)
 
     def _ffn(self, layer: Layer, h: torch.Tensor, out: torch.Tensor) -> list[cpu.Call]:
         if isinstance(layer.ffn, LatentMoE):

@@ -198,15 +198,26 @@ class GroupedProduct:
                 _bytes_for_c(w) and (w.ggml_type, w.shape) == (ggml_type, first.shape) for w in self.weights
             )
         )
-        datas = [w.data for w in self.weights]
-        self._arguments = (datas, ggml_type, out_features, row_bytes(ggml_type, in_features))
+        self._datas = [w.data for w in self.weights]
+        self._layout = (ggml_type, out_features, row_bytes(ggml_type, in_features))
         self._q8 = match_ggml and ggml_type in cpu.Q8_TYPES
         self.in_features = in_features
 
     def __call__(self, x: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        if self._direct and x.ndim == 2 and x.shape[1] == self.in_features and cpu.takes((x,)):
-            return cpu.grouped_product(x, *self._arguments, starts, rows, self._q8)
+        if self._takes(x):
+            return cpu.grouped_product(x, self._datas, *self._layout, starts, rows, self._q8)
         return grouped_qmatmul(x, self.weights, starts, rows, self.backend, self.match_ggml)
+
+    def bind(
+        self, x: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, threads: int
+    ) -> cpu.Call | None:
+        """The product into `out` as a bound C call, or None where x would not go straight to C."""
+        if not self._takes(x):
+            return None
+        return cpu.bind_grouped_product(x, self._datas, self._layout, starts, rows, out, threads, self._q8)
+
+    def _takes(self, x: torch.Tensor) -> bool:
+        return self._direct and x.ndim == 2 and x.shape[1] == self.in_features and cpu.takes((x,))
 
 
 class MLP:

@@ -72,14 +72,33 @@ def grouped_product(
     the CPU; starts/rows: int64. The matrices must stay alive for the call (they do: the caller holds
     them). `q8_activations` (types in Q8_TYPES): x is quantized to Q8_K or Q8_0 as ggml does and the
     products are integer dot products per block, as ggml's."""
-    x = x.contiguous()
     out = torch.empty(rows.numel(), out_features, dtype=torch.float32)
-    status = _ggml_cpu().grouped_product(
-        x.data_ptr(), x.shape[1], [m.data_ptr() for m in matrices], out_features, row_bytes, ggml_type,
-        starts.data_ptr(), rows.data_ptr(), out.data_ptr(), torch.get_num_threads(), int(q8_activations),
-    )  # fmt: skip
-    _check(status, ggml_type, q8_activations)
+    layout = (ggml_type, out_features, row_bytes)
+    function, args, _ = bind_grouped_product(
+        x.contiguous(), matrices, layout, starts, rows, out, torch.get_num_threads(), q8_activations
+    )
+    _check(function(*args), ggml_type, q8_activations)
     return out
+
+
+def bind_grouped_product(
+    x: torch.Tensor,
+    matrices: Sequence[torch.Tensor],
+    layout: tuple[int, int, int],
+    starts: torch.Tensor,
+    rows: torch.Tensor,
+    out: torch.Tensor,
+    threads: int,
+    q8_activations: bool = False,
+) -> Call:
+    """`grouped_product` of x (contiguous) into `out` as a bound call; `layout`: the matrices' GGML type,
+    output rows and bytes per row."""
+    ggml_type, out_features, row_bytes = layout
+    args = (
+        x.data_ptr(), x.shape[1], [m.data_ptr() for m in matrices], out_features, row_bytes, ggml_type,
+        starts.data_ptr(), rows.data_ptr(), out.data_ptr(), threads, int(q8_activations),
+    )  # fmt: skip
+    return _ggml_cpu().grouped_product, args, (x, *matrices, starts, rows, out)
 
 
 def products(
