@@ -47,8 +47,10 @@ def test_the_program_decodes_what_the_eager_forward_decodes_bit_for_bit(tiny_mod
         program, eager = eager_and_program(tiny_model(**spec, seed=seed))
         prompt, steps = tokens_for(seed, program.config.vocab_size, 24)[:16], tokens_for(seed + 1, 500, 8)
         assert torch.equal(decodes(program, prompt, steps), decodes(eager, prompt, steps))
-        calls = program._program.steps  # it ran, mostly as C calls
-        assert sum(function.__name__ == "_dropping_result" for function, *_ in calls) < len(calls) / 4
+        names = [function.__name__ for function, *_ in program._program.steps]  # it ran, mostly in C
+        assert names.count("_dropping_result") < len(names) / 4
+        if spec["recipe"] == "audited":  # experts of 256-value rows, all in RAM: from their addresses
+            assert "chosen_experts" in names
         assert eager._program is None
     finally:
         torch.set_num_threads(before)

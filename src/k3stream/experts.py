@@ -8,9 +8,12 @@ the members below; none probes a source for what it can do.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from k3stream.quant.kernels import QWeight
+
+if TYPE_CHECKING:
+    import torch
 
 ExpertMatrix = QWeight  # one role matrix of one expert: GGUF bytes, GGML type id, (out, in)
 
@@ -22,7 +25,18 @@ class ExpertWeights:
     down: ExpertMatrix
 
 
-ROLES = tuple(field.name for field in fields(ExpertWeights))  # ("up", "gate", "down")
+ROLES = tuple(field.name for field in fields(ExpertWeights))
+
+
+@dataclass(frozen=True)
+class ResidentRole:
+    """One role of a layer's experts, all in RAM: expert e's matrix is data[e * nbytes:(e + 1) * nbytes]
+    (uint8 GGUF bytes of GGML type `ggml_type`, shape (out, in))."""
+
+    data: torch.Tensor
+    nbytes: int
+    ggml_type: int
+    shape: tuple[int, int]  # ("up", "gate", "down")
 
 
 @runtime_checkable
@@ -45,6 +59,12 @@ class ExpertSource(Protocol):
     def read_ahead(self, layer: int, expert_ids: list[int]) -> None:
         """These experts of `layer` are the caller's next fetches (the step it is computing): load
         them in the background, one after another, in this order."""
+        return None
+
+    def resident(self, layer: int) -> dict[str, ResidentRole] | None:
+        """Every expert of `layer` by role when all of them sit in RAM for as long as the source lives
+        (its fetches hand out views of these bytes), else None: the MoE then computes a decode step's
+        experts straight from their addresses, without a fetch."""
         return None
 
     def ready(self, layer: int, expert_ids: list[int]) -> list[int]:

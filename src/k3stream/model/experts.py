@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from k3stream.experts import ROLES, ExpertMatrix, ExpertSource, ExpertWeights
+from k3stream.experts import ROLES, ExpertMatrix, ExpertSource, ExpertWeights, ResidentRole
 from k3stream.gguf.layout import routed_expert_name
 
 if TYPE_CHECKING:
@@ -45,6 +45,13 @@ class GGUFExpertSource(ExpertSource):
             self._check_ids(layer, missing)
             views.update((expert, self._view(layer, expert)) for expert in missing)
         return {expert: views[expert] for expert in expert_ids}
+
+    def resident(self, layer: int) -> dict[str, ResidentRole] | None:
+        tensors = self._resident.get(layer)
+        if tensors is None:
+            return None
+        roles = zip(ROLES, tensors, self._roles_of(layer), strict=True)
+        return {role: ResidentRole(data, size, kind, shape) for role, data, (_, size, kind, shape) in roles}
 
     def kept_bytes(self) -> int:
         """Bytes of the routed experts held in RAM (0 without `keep`)."""

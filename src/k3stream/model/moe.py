@@ -10,7 +10,7 @@ import torch
 
 from k3stream.experts import ExpertSource, ExpertWeights
 from k3stream.model.layers import JointLinear, Linear, QuantLinear, bind_linear, bind_rms_norm, rms_norm
-from k3stream.quant.kernels import MLP, Situ, cpu, expert_mlp, situ
+from k3stream.quant.kernels import MLP, Situ, bind_chosen_experts, cpu, expert_mlp, situ
 
 # a step is computed in about this many groups at least: each waits only for what has not arrived
 # yet, and a smaller group costs a kernel call and a fetch (prefill steps have hundreds of experts)
@@ -164,7 +164,7 @@ class LatentMoE:
         ]
         if shared is not None:
             steps.append(w.shared.bind(h, shared, threads))
-        steps.append(cpu.python_step(lambda: self._routed_sum(latent, self.chosen, weights, routed)))
+        steps += self._routed_steps(latent, chosen, weights, routed, threads)
         normed = routed
         if w.routed_norm is not None:
             normed = torch.empty_like(routed)
@@ -173,6 +173,30 @@ class LatentMoE:
         if shared is not None:
             steps.append(cpu.bind_add(up, shared, out))
         return steps
+
+    def _routed_steps(
+        self,
+        latent: torch.Tensor,
+        chosen: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor,
+        threads: int,
+    ) -> list[cpu.Call]:
+        """A one-row step's routed experts summed into `out`: from a source holding all the layer's experts
+        in RAM, two C calls (the chosen experts' MLP from their addresses, then the weighted sum); else a
+        Python step (`_routed_sum`: the fetch, then the same products and sum)."""
+        resident = self.source.resident(self.layer) if self.routed_pairs == self._routed_pairs else None
+        pairs = latent.new_empty(chosen.shape[1], latent.shape[1])
+        call = None
+        if resident is not None:
+            roles = [
+                (r.data, r.nbytes, r.ggml_type, r.shape) for r in map(resident.get, ("gate", "up", "down"))
+            ]
+            how = (self.match_ggml, self.backend)
+            call = bind_chosen_experts(latent, chosen, roles, self.activation, pairs, threads, *how)
+        if call is None:
+            return [cpu.python_step(lambda: self._routed_sum(latent, self.chosen, weights, out))]
+        return [call, cpu.bind_combine(pairs, weights, out)]
 
     def _start_step(self, chosen: torch.Tensor) -> None:
         """Keep the step's choices [N, k] (for whoever scores predictions of them); a source that reads

@@ -62,6 +62,10 @@ class OwnedExperts:
     def read_ahead(self, layer: int, expert_ids: list[int]) -> None:
         self.source.read_ahead(layer, [e for e in expert_ids if e in self.owned])
 
+    def resident(self, layer: int) -> None:
+        """None: a rank computes its own experts through its exchange, never all of a layer's."""
+        return None
+
     def __getattr__(self, name: str) -> Any:  # stats, pack, ...
         return getattr(self.source, name)
 

@@ -245,6 +245,10 @@ class ExpertStore:
         with self._lock:
             return [expert for expert in expert_ids if (layer, expert) in self._compute.buffers]
 
+    def resident(self, layer: int) -> None:
+        """None: the store's experts come and go with its cache (see `ExpertSource.resident`)."""
+        return None
+
     def release(self) -> None:
         """Unpin the experts of the calling thread's latest fetch (a thread that is done with the store)."""
         with self._lock:

@@ -399,6 +399,33 @@ def expert_mlp(
     return product("down", hidden, torch.arange(hidden.shape[0], dtype=torch.int64))
 
 
+def bind_chosen_experts(
+    x: torch.Tensor,
+    chosen: torch.Tensor,
+    roles: Sequence[tuple[torch.Tensor, int, int, tuple[int, int]]],
+    activation: Situ,
+    out: torch.Tensor,
+    threads: int,
+    match_ggml: bool = False,
+    backend: str = "auto",
+) -> cpu.Call | None:
+    """`expert_mlp` of one row x [1, in] through the experts `chosen` [1, k] picks, each one pair in the
+    order of choice, into out [k, down rows], as a bound C call (the call `expert_mlp` makes for those
+    experts' matrices), or None where `expert_mlp` would not take them straight to C. `roles` (gate,
+    up, down): each role's matrices of all the layer's experts in RAM, as (bytes, bytes per expert,
+    GGML type, shape (out, in)), expert e's at e times the bytes per expert."""
+    layouts = [_fused_layout(ggml_type, shape, match_ggml) for _, _, ggml_type, shape in roles]
+    if backend != "auto" or x.shape[0] != 1 or None in layouts or not cpu.takes((x,)):
+        return None
+    experts = roles[0][0].numel() // roles[0][1]
+    described = [
+        (data, nbytes, cpu.Role([], ggml_type, *layout))
+        for (data, nbytes, ggml_type, _), layout in zip(roles, layouts, strict=True)
+    ]
+    betas = (activation.beta, activation.linear_beta)
+    return cpu.bind_chosen_experts(x, chosen, described, experts, betas, out, threads, match_ggml)
+
+
 def _fused_roles(
     x: torch.Tensor, experts: Sequence[ExpertMatrices], match_ggml: bool
 ) -> tuple[cpu.Role, cpu.Role, cpu.Role] | None:

@@ -197,6 +197,40 @@ def bind_expert_mlp(
     return _ggml_cpu().expert_mlp, args, (x, starts, rows, out, roles)
 
 
+def bind_chosen_experts(
+    x: torch.Tensor,
+    chosen: torch.Tensor,
+    roles: Sequence[tuple[torch.Tensor, int, Role]],
+    experts: int,
+    betas: tuple[float, float],
+    out: torch.Tensor,
+    threads: int,
+    q8_activations: bool = False,
+) -> Call:
+    """`expert_mlp` of one row x (contiguous) through the experts `chosen` [1, k] (int64) picks, one pair
+    each in the order of choice, into out [k, down rows], as a bound call: `roles` (gate, up, down) each
+    (the bytes of all `experts` experts, bytes per expert, its Role without matrices), expert e's matrix
+    at e times the bytes per expert; the addresses are worked out in C at each call."""
+    gate, down = roles[0][2], roles[2][2]
+    per_role = [
+        number
+        for data, nbytes, role in roles
+        for number in (data.data_ptr(), nbytes, role.ggml_type, role.row_bytes)
+    ]
+    args = (
+        x.data_ptr(), x.shape[1], chosen.data_ptr(), chosen.shape[1], experts, *per_role, gate.out_features,
+        down.out_features, *betas, out.data_ptr(), threads, int(q8_activations),
+    )  # fmt: skip
+    return _ggml_cpu().chosen_experts, args, (x, chosen, out, *(data for data, _, _ in roles))
+
+
+def bind_combine(pairs: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> Call:
+    """`combine` into `out` as a bound call."""
+    rows, top_k = weights.shape
+    args = (pairs.data_ptr(), weights.data_ptr(), rows, top_k, pairs.shape[1], out.data_ptr())
+    return _ggml_cpu().combine, args, (pairs, weights, out)
+
+
 def _check(status: int, ggml_type: int, q8_activations: bool) -> None:
     if status == -2:
         raise MemoryError("no memory for a CPU product's buffers")
@@ -355,8 +389,7 @@ def combine(pairs: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None
     """The MoE's weighted sum of each row's expert outputs: pairs [N * k, W], weights [N, k] -> [N, W]
     (into `out` when given), each product rounded, then summed from zero in choice order (as torch's
     `(pairs.view(N, k, W) * weights[..., None]).sum(1)`); tensors as `takes` wants them."""
-    rows, top_k = weights.shape
-    width = pairs.shape[1]
-    out = torch.empty(rows, width, dtype=torch.float32) if out is None else out
-    _ggml_cpu().combine(pairs.data_ptr(), weights.data_ptr(), rows, top_k, width, out.data_ptr())
+    out = torch.empty(weights.shape[0], pairs.shape[1], dtype=torch.float32) if out is None else out
+    function, args, _ = bind_combine(pairs, weights, out)
+    function(*args)
     return out

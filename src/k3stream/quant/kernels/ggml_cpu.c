@@ -1395,6 +1395,42 @@ static PyObject *py_expert_mlp(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyLong_FromLong(status);
 }
 
+/* chosen_experts(x, in_features, chosen, k, experts, then gate, up and down each as (base, bytes per
+ * expert, ggml_type, row_bytes), hidden, out_features, beta, linear_beta, out, threads, q8_activations)
+ * -> expert_mlp's status: one row x through the k experts chosen[0..k) picked, whose matrices of a role
+ * lie at base + expert * bytes per expert (a layer's experts all in RAM), each one pair in the order of
+ * choice: expert_mlp with starts 0..k and rows all 0, addresses worked out here. Without the GIL. */
+#define MAX_CHOSEN 256
+static PyObject *py_chosen_experts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t v[22], addresses[3][MAX_CHOSEN], starts[MAX_CHOSEN + 1], rows[MAX_CHOSEN];
+    double betas[2];
+    if (parse_args("chosen_experts", args, nargs, "iiiiiiiiiiiiiiiiiiiffiii", v, betas, NULL) != 0) return NULL;
+    const int64_t *chosen = (const int64_t *)(uintptr_t)v[2], k = v[3], count = v[4];
+    if (k < 1 || k > MAX_CHOSEN) {
+        PyErr_Format(PyExc_ValueError, "chosen_experts: %lld experts, not 1..%d", (long long)k, MAX_CHOSEN);
+        return NULL;
+    }
+    for (int64_t j = 0; j < k; j++) {
+        if (chosen[j] < 0 || chosen[j] >= count) {
+            PyErr_Format(PyExc_ValueError, "chosen_experts: expert %lld outside 0..%lld", (long long)chosen[j],
+                         (long long)count - 1);
+            return NULL;
+        }
+        for (int r = 0; r < 3; r++) addresses[r][j] = v[5 + 4 * r] + chosen[j] * v[6 + 4 * r];
+        starts[j] = j, rows[j] = 0;
+    }
+    starts[k] = k;
+    const Role gate = {addresses[0], (int)v[7], v[17], v[8]}, up = {addresses[1], (int)v[11], v[17], v[12]};
+    const Role down = {addresses[2], (int)v[15], v[18], v[16]};
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = expert_mlp((const float *)(uintptr_t)v[0], v[1], gate, up, down, k, starts, rows, (float)betas[0],
+                        (float)betas[1], (float *)(uintptr_t)v[19], (int)v[20], (int)v[21]);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(status);
+}
+
 /* rms_norm(x, rows, width, weight or 0, eps, out) and situ(gate, up, count, beta, linear_beta, out):
  * k3_rms_norm and k3_situ on float32 buffers (pointers as ints); small steps, run with the GIL held. */
 static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -1576,6 +1612,7 @@ static PyMethodDef methods[] = {
     {"grouped_product", (PyCFunction)(void (*)(void))py_grouped_product, METH_FASTCALL, NULL},
     {"products", (PyCFunction)(void (*)(void))py_products, METH_FASTCALL, NULL},
     {"expert_mlp", (PyCFunction)(void (*)(void))py_expert_mlp, METH_FASTCALL, NULL},
+    {"chosen_experts", (PyCFunction)(void (*)(void))py_chosen_experts, METH_FASTCALL, NULL},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, NULL},
     {"situ", (PyCFunction)(void (*)(void))py_situ, METH_FASTCALL, NULL},
     {"read_parts", (PyCFunction)(void (*)(void))py_read_parts, METH_FASTCALL, NULL},
