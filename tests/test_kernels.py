@@ -224,6 +224,28 @@ def test_the_c_rms_norm_and_situ_match_their_torch_formulas(shape):
     assert rms_norm(needs_grad, weights, 1e-6).requires_grad
 
 
+@pytest.mark.parametrize("heads, length", [(1, 1), (4, 37), (16, 300)])
+def test_the_c_mla_attention_matches_its_torch_formula(heads, length):
+    """MLA's decode attention (one query a head over the latent cache; heads on two threads when the
+    work is large, the same bits as on one) against softmax(q K^T s) K[:, :kv] in double."""
+    from k3stream.quant.kernels import cpu
+
+    generator = torch.Generator().manual_seed(heads * length)
+    query = torch.randn(heads, 288, generator=generator)
+    cache = 3 * torch.randn(length, 288, generator=generator)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(cpu.mla_attend(query, cache, 256, 0.06))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(*results)
+    probs = torch.softmax(query.double() @ cache.double().T * 0.06, dim=-1)
+    assert relative_error(results[0].double(), probs @ cache.double()[:, :256]) <= 1e-6
+
+
 @pytest.mark.parametrize(
     "types",
     [[T.F32], [T.F16], [T.Q2_K], [T.Q5_0], [T.Q2_K, T.F32, T.Q4_0], [T.Q3_K, T.F16, T.Q8_0]],

@@ -206,7 +206,9 @@ class MLA:
 
     def _attend_one(self, query: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """The newest position's query [H, kv_lora + rope] over its whole cache -> context [H, kv]
-        (`_attend_block` for one query, which masks nothing)."""
+        (`_attend_block` for one query, which masks nothing; in C for float32 CPU tensors)."""
+        if cpu.takes((query, cache)) and cache.shape[1] == query.shape[1]:
+            return cpu.mla_attend(query, cache, self.kv_lora, self.scale)
         probs = torch.softmax(torch.mm(query, cache.T) * self.scale, dim=-1)
         return torch.mm(probs, cache[:, : self.kv_lora])
 

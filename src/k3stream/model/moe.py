@@ -160,7 +160,7 @@ class LatentMoE:
         steps = [
             bind_linear(self.projections, h, joint, threads),
             cpu.bind_route(logits, w.correction_bias, how, chosen, weights),
-            cpu.python_step(lambda: self._start_step(chosen.clone())),
+            cpu.python_step(lambda: self._start_step(chosen)),  # the program's buffer: the latest step's
         ]
         if shared is not None:
             steps.append(w.shared.bind(h, shared, threads))

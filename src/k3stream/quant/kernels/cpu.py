@@ -2,12 +2,13 @@
 
 `grouped_product` runs `out[p] = x[rows[p]] @ W_b^T` for the rows `starts[b]..starts[b+1]` of each
 matrix b in one call, `products` several matrices of different types on one input, `expert_mlp` a
-step's routed-expert MLP (its three products and the activation) in one call; `kda_decode`,
-`residual_mix`, `rms_norm`, `situ`, `route`, `add` and `combine` one per-token step each; `read_parts`
-a step's expert reads. All are the extension module's own functions, threads from
-`torch.get_num_threads()` (one for a small product). `bind_*` give a step as a `Call` on fixed buffers
-(the decode program, `k3stream.model.program`, runs a token as a list of them). `available()` says
-whether it was built; without it callers use the torch reference path.
+step's routed-expert MLP (its three products and the activation) in one call (`chosen_experts` for a
+row's experts all in RAM); `kda_decode`, `residual_mix`, `rms_norm`, `situ`, `route`, `add`, `combine`
+and `mla_attend` one per-token step each; `read_parts` a step's expert reads. All are the extension
+module's own functions, threads from `torch.get_num_threads()` (one for a small product). `bind_*` give
+a step as a `Call` on fixed buffers (the decode program, `k3stream.model.program`, runs a token as a
+list of them). `available()` says whether it was built; without it callers use the torch reference
+path.
 """
 
 from __future__ import annotations
@@ -229,6 +230,21 @@ def bind_combine(pairs: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) 
     rows, top_k = weights.shape
     args = (pairs.data_ptr(), weights.data_ptr(), rows, top_k, pairs.shape[1], out.data_ptr())
     return _ggml_cpu().combine, args, (pairs, weights, out)
+
+
+def mla_attend(query: torch.Tensor, cache: torch.Tensor, kv: int, scale: float) -> torch.Tensor:
+    """MLA's decode attention (`steps_cpu.c`): one query [H, width] per head over the latent cache
+    [T, width], softmax((query @ cache^T) * scale) @ cache[:, :kv] -> [H, kv] (tensors as `takes` wants
+    them; heads on `torch.get_num_threads()` threads when the work is large)."""
+    heads, width = query.shape
+    out = torch.empty(heads, kv, dtype=torch.float32)
+    status = _ggml_cpu().mla_attend(
+        query.data_ptr(), cache.data_ptr(), cache.shape[0], heads, width, kv, scale, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("no memory for an MLA attention step")
+    return out
 
 
 def _check(status: int, ggml_type: int, q8_activations: bool) -> None:

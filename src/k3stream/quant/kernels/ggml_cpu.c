@@ -1539,6 +1539,27 @@ static PyObject *py_combine(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+void k3_mla_attend(const float *query, const float *cache, int64_t length, int64_t heads, int64_t width, int64_t kv,
+                   float scale, float *probs, float *out, int threads);
+
+/* mla_attend(query, cache, length, heads, width, kv, scale, out, threads): k3_mla_attend on float32
+ * buffers (pointers as ints), without the GIL; -2 without memory. */
+static PyObject *py_mla_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t v[8];
+    double scale;
+    if (parse_args("mla_attend", args, nargs, "iiiiiifii", v, &scale, NULL) != 0) return NULL;
+    const int threads = v[7] < 1 ? 1 : (int)v[7];
+    float *probs = malloc(sizeof(float) * (size_t)(threads * v[2] + 1));
+    if (probs == NULL) return PyLong_FromLong(-2);
+    Py_BEGIN_ALLOW_THREADS
+    k3_mla_attend((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], v[3], v[4], v[5],
+                  (float)scale, probs, (float *)(uintptr_t)v[6], threads);
+    Py_END_ALLOW_THREADS
+    free(probs);
+    return PyLong_FromLong(0);
+}
+
 /* Reads `length` bytes at `offset` of `descriptor` into `to`: 0, -1 if the file ends first, else errno */
 static int read_part(int descriptor, int64_t offset, int64_t length, uint8_t *to) {
     int64_t done = 0;
@@ -1621,6 +1642,7 @@ static PyMethodDef methods[] = {
     {"residual_mix", (PyCFunction)(void (*)(void))py_residual_mix, METH_FASTCALL, NULL},
     {"add", (PyCFunction)(void (*)(void))py_add, METH_FASTCALL, NULL},
     {"combine", (PyCFunction)(void (*)(void))py_combine, METH_FASTCALL, NULL},
+    {"mla_attend", (PyCFunction)(void (*)(void))py_mla_attend, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 

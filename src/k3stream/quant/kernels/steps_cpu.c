@@ -9,11 +9,13 @@
  * - k3_rms_norm, k3_situ and k3_route: the RMS norm (k3stream.model.layers.rms_norm), Kimi-K3's
  *   activation (k3stream.quant.kernels.situ) and the MoE's sigmoid router (k3stream.model.moe.Routing).
  * - k3_add and k3_combine: the residual stream's sums and the MoE's weighted sum of its experts' outputs.
+ * - k3_mla_attend: MLA's decode attention of one query per head over its latent cache.
  *
  * The same operations as the torch code they replace (which stays the reference and the GPU path),
  * so a step costs one call instead of tens of small tensor operations.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -276,6 +278,39 @@ CLONES void k3_combine(const float *pairs, const float *weights, int64_t n, int6
         for (int64_t j = 0; j < k; j++) {
             const float *x = pairs + (r * k + j) * width, w = weights[r * k + j];
             for (int64_t e = 0; e < width; e++) y[e] += x[e] * w;
+        }
+    }
+}
+
+/* One query per head over a latent cache (MLA's absorbed decode attention,
+ * k3stream.model.mla.MLA._attend_one): for each of `heads` rows q [width] of query, scores
+ * s_t = (q . cache[t]) * scale over the `length` cache rows [width], p = softmax(s), and
+ * out[h] = sum_t p_t cache[t, :kv] (the first kv values of each row). `probs`: scratch of `length`
+ * floats per thread. Heads run on up to `threads` threads when the work is large. */
+CLONES void k3_mla_attend(const float *query, const float *cache, int64_t length, int64_t heads, int64_t width,
+                          int64_t kv, float scale, float *probs, float *out, int threads) {
+    const double work = (double)heads * (double)length * (double)(width + kv);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work >= (1 << 20))
+    for (int64_t h = 0; h < heads; h++) {
+        float *p = probs + (int64_t)omp_get_thread_num() * length, largest = -INFINITY, total = 0.0f;
+        const float *q = query + h * width;
+        for (int64_t t = 0; t < length; t++) {
+            const float *row = cache + t * width;
+            float partial[LANES] = {0}, dot = 0.0f;
+            int64_t e = 0;
+            for (; e + LANES <= width; e += LANES)
+                for (int j = 0; j < LANES; j++) partial[j] += q[e + j] * row[e + j];
+            for (int j = 0; j < LANES; j++) dot += partial[j];
+            for (; e < width; e++) dot += q[e] * row[e];
+            p[t] = dot * scale;
+            largest = p[t] > largest ? p[t] : largest;
+        }
+        for (int64_t t = 0; t < length; t++) total += p[t] = expf(p[t] - largest);
+        float *y = out + h * kv;
+        for (int64_t e = 0; e < kv; e++) y[e] = 0.0f;
+        for (int64_t t = 0; t < length; t++) {
+            const float *row = cache + t * width, w = p[t] / total;
+            for (int64_t e = 0; e < kv; e++) y[e] += w * row[e];
         }
     }
 }
