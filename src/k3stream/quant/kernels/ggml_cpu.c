@@ -1550,7 +1550,7 @@ static PyObject *py_mla_attend(PyObject *self, PyObject *const *args, Py_ssize_t
     double scale;
     if (parse_args("mla_attend", args, nargs, "iiiiiifii", v, &scale, NULL) != 0) return NULL;
     const int threads = v[7] < 1 ? 1 : (int)v[7];
-    float *probs = malloc(sizeof(float) * (size_t)(threads * v[2] + 1));
+    float *probs = malloc(sizeof(float) * (size_t)(v[3] * v[2] + 1));
     if (probs == NULL) return PyLong_FromLong(-2);
     Py_BEGIN_ALLOW_THREADS
     k3_mla_attend((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], v[3], v[4], v[5],
