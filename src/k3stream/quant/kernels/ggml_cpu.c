@@ -811,10 +811,10 @@ ALWAYS void rows_expanded(const Product *pr, const float *w, const float *mins, 
             float w[WIDE_MAX_IN], mins[WIDE_MAX_IN / 16];                                              \
             for (int64_t block = 0; block < pr->row_bytes / (BLOCK_BYTES); block++)                    \
                 EXPAND(row + block * (BLOCK_BYTES), w + 256 * block, mins + 16 * block);               \
-            for (; p < pr->starts[b + 1]; p += FUSED_ROWS) {                                           \
-                const int n = (int)(pr->starts[b + 1] - p < FUSED_ROWS ? pr->starts[b + 1] - p : FUSED_ROWS); \
-                rows_expanded(pr, w, HAS_MINS ? mins : NULL, m, p, n);                                 \
-            }                                                                                          \
+            /* n a constant in each call: the chains stay in registers */                             \
+            for (; p + FUSED_ROWS <= pr->starts[b + 1]; p += FUSED_ROWS)                               \
+                rows_expanded(pr, w, HAS_MINS ? mins : NULL, m, p, FUSED_ROWS);                        \
+            for (; p < pr->starts[b + 1]; p++) rows_expanded(pr, w, HAS_MINS ? mins : NULL, m, p, 1);  \
             return;                                                                                    \
         }                                                                                              \
         for (; p + FUSED_ROWS <= pr->starts[b + 1]; p += FUSED_ROWS) NAME##_rows(pr, row, m, p, FUSED_ROWS); \
