@@ -126,7 +126,7 @@ def load_runtime(
     *,
     device: str = "cpu",
     dtype: torch.dtype | None = None,
-    ram_mib: float = 1024.0,
+    ram_mib: float | None = 1024.0,
     gpu_mib: float | None = None,
     stream_experts: bool = True,
     store_options: StoreOptions = StoreOptions(),
@@ -150,7 +150,7 @@ def load_resolved(
     *,
     device: str = "cpu",
     dtype: torch.dtype | None = None,
-    ram_mib: float = 1024.0,
+    ram_mib: float | None = 1024.0,
     gpu_mib: float | None = None,
     store_options: StoreOptions = StoreOptions(),
     match_ggml: bool = False,
@@ -169,13 +169,14 @@ def load_resolved(
 
         pack = ExpertPack(manifest, config=checkpoint.config)
         store = ExpertStore(pack, ram_mib=ram_mib, gpu_mib=gpu_mib, device=device, **asdict(store_options))
+    budget = {} if ram_mib is None else {"expert_ram_mib": ram_mib}  # None: `k3stream.load`'s default
     try:
         model = k3stream.load(
             checkpoint,
+            **budget,
             device=device,
             dtype=dtype or torch.float32,
             expert_source=store,
-            expert_ram_mib=ram_mib,
             prefetch=store_options.prefetch,
             match_ggml=match_ggml,
             prefetch_hint=prefetch_hint,
