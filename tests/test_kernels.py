@@ -224,6 +224,34 @@ def test_the_c_rms_norm_and_situ_match_their_torch_formulas(shape):
     assert rms_norm(needs_grad, weights, 1e-6).requires_grad
 
 
+def test_the_c_kda_step_gives_the_same_bits_on_one_and_two_threads():
+    """Kimi-K3's 64 heads of 128 take the threads, each head on one: the same output and states."""
+    from k3stream.quant.kernels import cpu
+
+    heads, dim, taps = 64, 128, 4
+    generator = torch.Generator().manual_seed(64)
+
+    def draw(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return scale * torch.randn(*shape, generator=generator)
+
+    inner = heads * dim
+    inputs = (draw(1, 3 * inner), draw(1, inner), draw(1, heads), draw(1, inner))
+    weights = (draw(3 * inner, taps), draw(inner), -torch.rand(heads, generator=generator), torch.rand(dim))
+    history, state = draw(taps - 1, 3 * inner), draw(heads, dim, dim, scale=0.01)
+    results = []
+    for threads in (1, 2):
+        histories, states = [history.clone()], [state.clone()]
+        out = torch.empty(1, inner)
+        function, args, _ = cpu.bind_kda_decode(
+            inputs, histories, states, weights, (-5.0, 1e-6, 0.1), out, threads
+        )
+        assert function(*args) == 0
+        results.append((out, histories[0], states[0]))
+    for first, second in zip(*results, strict=True):
+        assert torch.equal(first, second)
+    assert not torch.equal(results[0][2], state)  # the state moved
+
+
 @pytest.mark.parametrize("heads, length", [(1, 1), (4, 37), (16, 300)])
 def test_the_c_mla_attention_matches_its_torch_formula(heads, length):
     """MLA's decode attention (one query a head over the latent cache; heads on two threads when the
@@ -390,7 +418,12 @@ def test_the_extension_call_refuses_bad_arguments_in_one_line():
     with pytest.raises(TypeError, match="products: its address lists differ in length"):
         module.products(0, 256, 1, [0], [10, 10], [1], [84], [0], 0, 1)
     with pytest.raises(TypeError, match="kda_decode: its address lists differ in length"):
-        module.kda_decode(0, [0], 0, 4, 0, 0, 0, 0, 0.0, 0, [0, 0], 0, 0, 8, 128, 1e-6, 0.1, 0)
+        module.kda_decode(0, [0], 0, 4, 0, 0, 0, 0, 0.0, 0, [0, 0], 0, 0, 8, 128, 1e-6, 0.1, 0, 1)
+    with pytest.raises(ValueError, match="chosen_experts: expert 9 outside 0..7"):
+        chosen = torch.tensor([[1, 9]])
+        module.chosen_experts(
+            0, 256, chosen.data_ptr(), 2, 8, *[0, 84, 10, 84] * 3, 256, 256, 1.0, 0.0, 0, 1, 0
+        )
     with pytest.raises(TypeError, match="argument 3 must be a list"):
         module.expert_mlp(0, 256, 0, 10, 84, [0], 10, 84, [0], 11, 110, 256, 256, 0, 0, 2.0, 3.0, 0, 1, 0)
     with pytest.raises(TypeError):  # a float where a pointer goes

@@ -218,6 +218,7 @@ class KDA:
                 (w.conv, w.dt_bias, w.ssm_a, w.o_norm),
                 (self.lower_bound, self.eps, self.scale),
                 gated,
+                threads,
             ),
             bind_linear(w.o_proj, gated, out, threads),
         ]

@@ -340,7 +340,7 @@ def kda_decode(
     out = torch.empty(f.shape, dtype=torch.float32)
     function, args, _ = bind_kda_decode(
         (projected, f, b_logits, g_logits), histories, states, (conv, dt_bias, ssm_a, o_norm),
-        (lower_bound, eps, scale), out,
+        (lower_bound, eps, scale), out, torch.get_num_threads(),
     )  # fmt: skip
     if function(*args) != 0:
         raise MemoryError("no memory for a KDA decode step")
@@ -354,9 +354,11 @@ def bind_kda_decode(
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     numbers: tuple[float | None, float, float],
     out: torch.Tensor,
+    threads: int,
 ) -> Call:
     """`kda_decode` into `out` as a bound call: inputs (projected, f, b_logits, g_logits), weights (conv,
-    dt_bias, ssm_a, o_norm), numbers (lower_bound, eps, scale)."""
+    dt_bias, ssm_a, o_norm), numbers (lower_bound, eps, scale); heads on up to `threads` threads when a
+    sequence's states are large (each head on one: the same bits)."""
     projected, f, b_logits, g_logits = inputs
     conv, dt_bias, ssm_a, o_norm = weights
     lower_bound, eps, scale = numbers
@@ -364,7 +366,7 @@ def bind_kda_decode(
         projected.data_ptr(), [t.data_ptr() for t in histories], conv.data_ptr(), conv.shape[1],
         f.data_ptr(), dt_bias.data_ptr(), ssm_a.data_ptr(), int(lower_bound is not None),
         float(lower_bound or 0.0), b_logits.data_ptr(), [t.data_ptr() for t in states], g_logits.data_ptr(),
-        o_norm.data_ptr(), ssm_a.numel(), o_norm.numel(), eps, scale, out.data_ptr(),
+        o_norm.data_ptr(), ssm_a.numel(), o_norm.numel(), eps, scale, out.data_ptr(), threads,
     )  # fmt: skip
     return _ggml_cpu().kda_decode, args, (*inputs, *histories, *states, *weights, out)
 

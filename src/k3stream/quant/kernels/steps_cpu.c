@@ -15,6 +15,7 @@
  * so a step costs one call instead of tens of small tensor operations.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -131,30 +132,56 @@ INLINE void delta_rule(float *s, const float *q, const float *k, const float *v,
 /* Returns 0, or -2 without memory. proj [B, 3D] (q, k, v; D = heads * dim); histories[b] [taps - 1, 3D];
  * conv_w [3D, taps]; f [B, D] (before dt_bias); ssm_a [H] (-exp(A_log)); b_logits [B, H];
  * states[b] [H, dim, dim]; g_logits [B, D]; o_norm [dim]; out [B, D]. */
+/* One head of one sequence's KDA step after the conv (`mixed` its conved q|k|v); `scratch`: 2 dim floats */
+INLINE void kda_head(float *mixed, const float *f, const float *dt_bias, const float *ssm_a, int has_bound,
+                     float bound, float beta_logit, float *state, const float *g_logits, const float *o_norm,
+                     int64_t h, int64_t inner, int64_t dim, float eps, float scale, float *scratch, float *y) {
+    float *q = mixed + h * dim, *k = mixed + inner + h * dim, *v = mixed + 2 * inner + h * dim;
+    float *factor = scratch, *o = scratch + dim;
+    silu_l2(q, dim, eps, 1);
+    silu_l2(k, dim, eps, 1);
+    silu_l2(v, dim, eps, 0);
+    for (int64_t i = 0; i < dim; i++) q[i] *= scale;
+    decay(f + h * dim, dt_bias + h * dim, -ssm_a[h], has_bound, bound, dim, factor);
+    delta_rule(state + h * dim * dim, q, k, v, factor, sigmoidf(beta_logit), dim, o);
+    float squares = 0.0f;
+    for (int64_t i = 0; i < dim; i++) squares += o[i] * o[i];
+    const float inverse = 1.0f / sqrtf(squares / (float)dim + eps);
+    const float *gate = g_logits + h * dim;
+    for (int64_t i = 0; i < dim; i++) y[i] = o[i] * inverse * o_norm[i] * sigmoidf(gate[i]);
+}
+
+/* Heads run on up to `threads` threads when a sequence's states come to KDA_PARALLEL_MIN values or more
+ * (Kimi-K3's 64 heads of 128; each head on one thread, the same operations as on one: the same bits);
+ * else no OpenMP region at all. 8 heads of 128 on this machine's two vCPUs ran slower on two (0.9
+ * against 0.7 ms a mid token): its compute-bound work barely gains from the second one. */
+#define KDA_PARALLEL_MIN (1 << 20)
 CLONES int k3_kda_decode(const float *proj, float *const *histories, const float *conv_w, int64_t taps, const float *f,
                   const float *dt_bias, const float *ssm_a, int has_bound, float bound, const float *b_logits,
                   float *const *states, const float *g_logits, const float *o_norm, int64_t batch, int64_t heads,
-                  int64_t dim, float eps, float scale, float *out) {
+                  int64_t dim, float eps, float scale, float *out, int threads) {
     const int64_t inner = heads * dim, width = 3 * inner;
-    float *mixed = malloc(sizeof(float) * (size_t)(width + 2 * dim));
+    const int teams = threads > 1 && heads * dim * dim >= KDA_PARALLEL_MIN ? (threads < heads ? threads : (int)heads) : 1;
+    float *mixed = malloc(sizeof(float) * (size_t)(width + 2 * dim * teams));
     if (mixed == NULL) return -2;
-    float *factor = mixed + width, *o = factor + dim;
+    float *scratch = mixed + width;
     for (int64_t b = 0; b < batch; b++) {
         causal_conv_step(proj + b * width, histories[b], conv_w, taps, width, mixed);
-        for (int64_t h = 0; h < heads; h++) {
-            float *q = mixed + h * dim, *k = mixed + inner + h * dim, *v = mixed + 2 * inner + h * dim;
-            silu_l2(q, dim, eps, 1);
-            silu_l2(k, dim, eps, 1);
-            silu_l2(v, dim, eps, 0);
-            for (int64_t i = 0; i < dim; i++) q[i] *= scale;
-            decay(f + b * inner + h * dim, dt_bias + h * dim, -ssm_a[h], has_bound, bound, dim, factor);
-            delta_rule(states[b] + h * dim * dim, q, k, v, factor, sigmoidf(b_logits[b * heads + h]), dim, o);
-            float squares = 0.0f;
-            for (int64_t i = 0; i < dim; i++) squares += o[i] * o[i];
-            const float inverse = 1.0f / sqrtf(squares / (float)dim + eps);
-            const float *gate = g_logits + b * inner + h * dim;
-            float *y = out + b * inner + h * dim;
-            for (int64_t i = 0; i < dim; i++) y[i] = o[i] * inverse * o_norm[i] * sigmoidf(gate[i]);
+        const float *fb = f + b * inner, *gb = g_logits + b * inner, *beta = b_logits + b * heads;
+        float *yb = out + b * inner;
+        if (teams == 1) {
+            for (int64_t h = 0; h < heads; h++)
+                kda_head(mixed, fb, dt_bias, ssm_a, has_bound, bound, beta[h], states[b], gb, o_norm, h, inner, dim,
+                         eps, scale, scratch, yb + h * dim);
+        } else {
+#pragma omp parallel num_threads(teams)
+            {
+                float *own = scratch + 2 * dim * omp_get_thread_num();
+#pragma omp for schedule(static)
+                for (int64_t h = 0; h < heads; h++)
+                    kda_head(mixed, fb, dt_bias, ssm_a, has_bound, bound, beta[h], states[b], gb, o_norm, h, inner,
+                             dim, eps, scale, own, yb + h * dim);
+            }
         }
     }
     free(mixed);
