@@ -436,6 +436,13 @@ AVX2 static inline float hsum8(__m256 v) {
 #define FUSED_ROWS 3
 #define ALWAYS AVX2 static inline __attribute__((always_inline))
 
+/* an F16 scale by F16C (one instruction; the scalar f16() costs as much as a 32-value block's codes) */
+ALWAYS float f16c(const uint8_t *p) {
+    uint16_t bits;
+    memcpy(&bits, p, 2);
+    return _cvtsh_ss(bits);
+}
+
 /* acc[r][j] += (codes * step) * x_r over 32 elements at `at`, 8 per chain j: codes (signed bytes)
  * of sub-blocks s (first 16) and s + 1 */
 ALWAYS void fma32(__m256i codes, const float *steps, int s, const float *const *x, int64_t at,
@@ -476,8 +483,8 @@ ALWAYS void add_min_offsets(const float *mins, const float *const *sums, int64_t
 ALWAYS void dot_q2_k(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
                      __m256 acc[FUSED_ROWS][4], __m256 offsets[FUSED_ROWS], const int n) {
     float steps[16], mins[16];
-    nibbles_times(b, 0, f16(b + 80), steps);
-    nibbles_times(b, 4, f16(b + 82), mins);
+    nibbles_times(b, 0, f16c(b + 80), steps);
+    nibbles_times(b, 4, f16c(b + 82), mins);
     /* a code (0..3) times its step is a lookup in step * [0 1 2 3 | 0 1 2 3] by the code's bits at the
      * bottom of its dword: the same product as converting the code and multiplying. The table is the
      * same in both 128-bit lanes, so the in-lane `vpermilps` reads it as the lane-crossing `vpermps`
@@ -519,7 +526,7 @@ ALWAYS void dot_q3_k(const uint8_t *restrict b, const float *const *x, const flo
                      __m256 acc[FUSED_ROWS][4], __m256 offsets[FUSED_ROWS], const int n) {
     (void)sums, (void)offsets;
     float steps[16];
-    q3_k_steps(b, f16(b + 108), steps);
+    q3_k_steps(b, f16c(b + 108), steps);
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const __m256i hmask = _mm256_loadu_si256((const __m256i *)b);
     for (int g = 0; g < 2; g++) { /* as Q2_K; a clear bit 4g + f of hmask[i] subtracts 4 */
@@ -562,7 +569,7 @@ ALWAYS void dot_q8_0(const uint8_t *restrict b, const float *const *x, const flo
     zero_acc(acc, n);
     for (int k = 0; k < count; k++) {
         const uint8_t *block = b + 34 * k;
-        fma32_step(_mm256_loadu_si256((const __m256i *)(block + 2)), f16(block), x, at + 32 * k, acc, n);
+        fma32_step(_mm256_loadu_si256((const __m256i *)(block + 2)), f16c(block), x, at + 32 * k, acc, n);
     }
     for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);
 }
@@ -579,7 +586,7 @@ ALWAYS void dot_q4_0(const uint8_t *restrict b, const float *const *x, const flo
                                                                            element 16 + i: its high nibble */
         const __m128i low = _mm_sub_epi8(_mm_and_si128(q, nibble), eight);
         const __m128i high = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), nibble), eight);
-        fma32_step(_mm256_set_m128i(high, low), f16(block), x, at + 32 * k, acc, n);
+        fma32_step(_mm256_set_m128i(high, low), f16c(block), x, at + 32 * k, acc, n);
     }
     for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);
 }
@@ -588,7 +595,7 @@ ALWAYS void dot_q4_0(const uint8_t *restrict b, const float *const *x, const flo
 ALWAYS void dot_q4_k(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
                      float *out, const int n, const int count) {
     (void)count;
-    const float d = f16(b), dmin = f16(b + 2);
+    const float d = f16c(b), dmin = f16c(b + 2);
     float mins[8];
     __m256 acc[FUSED_ROWS][4];
     zero_acc(acc, n);
@@ -626,7 +633,7 @@ ALWAYS __m256i q6_k_codes(const uint8_t *restrict b, int run) {
 ALWAYS void dot_q6_k(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
                      float *out, const int n, const int count) {
     (void)sums, (void)count;
-    const float d = f16(b + 208);
+    const float d = f16c(b + 208);
     __m256 acc[FUSED_ROWS][4];
     zero_acc(acc, n);
     const __m256i bias = _mm256_set1_epi8(32);
@@ -711,8 +718,8 @@ static WideKernel wide_kernel(int ggml_type, int64_t row_bytes) {
  * row then runs the same FMA chains against it, so a row's result is bit for bit what it is alone. */
 ALWAYS void expand_q2_k(const uint8_t *restrict b, float *w, float *mins) {
     float steps[16];
-    nibbles_times(b, 0, f16(b + 80), steps);
-    nibbles_times(b, 4, f16(b + 82), mins);
+    nibbles_times(b, 0, f16c(b + 80), steps);
+    nibbles_times(b, 4, f16c(b + 82), mins);
     const __m256 levels = _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3);
     for (int g = 0; g < 2; g++)
         for (int c = 0; c < 4; c++) {
@@ -728,7 +735,7 @@ ALWAYS void expand_q2_k(const uint8_t *restrict b, float *w, float *mins) {
 ALWAYS void expand_q3_k(const uint8_t *restrict b, float *w, float *mins) {
     (void)mins;
     float steps[16];
-    q3_k_steps(b, f16(b + 108), steps);
+    q3_k_steps(b, f16c(b + 108), steps);
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const __m256i hmask = _mm256_loadu_si256((const __m256i *)b);
     for (int g = 0; g < 2; g++) {
@@ -872,13 +879,6 @@ static RowKernel fused_kernel(int ggml_type) {
         case 0: return fused_f32;
         default: return NULL;
     }
-}
-
-/* an F16 scale by F16C (one instruction; the scalar f16() costs as much as a 32-value block's codes) */
-ALWAYS float f16c(const uint8_t *p) {
-    uint16_t bits;
-    memcpy(&bits, p, 2);
-    return _cvtsh_ss(bits);
 }
 
 /* The 16 sub-block scales (int8 in `scales8`) as int16, one half per group of 128 values, copied to
