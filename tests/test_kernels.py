@@ -252,6 +252,23 @@ def test_the_c_kda_step_gives_the_same_bits_on_one_and_two_threads():
     assert not torch.equal(results[0][2], state)  # the state moved
 
 
+@pytest.mark.parametrize("rows, top_k, width", [(1, 8, 256), (5, 16, 96), (3, 1, 7)])
+def test_the_c_combine_is_the_torch_weighted_sum(rows, top_k, width):
+    """The MoE's weighted sum of each row's expert outputs: the torch formula's products, summed in
+    choice order (the same bits as `(pairs.view(N, k, W) * weights[..., None]).sum(1)` here)."""
+    from k3stream.quant.kernels import cpu
+
+    generator = torch.Generator().manual_seed(rows * top_k)
+    pairs, weights = (
+        torch.randn(rows * top_k, width, generator=generator),
+        torch.rand(rows, top_k, generator=generator),
+    )
+    expected = (pairs.double().view(rows, top_k, width) * weights.double()[..., None]).sum(1)
+    assert relative_error(cpu.combine(pairs, weights).double(), expected) <= 1e-6
+    out = torch.empty(rows, width)
+    assert cpu.combine(pairs, weights, out) is out and torch.equal(out, cpu.combine(pairs, weights))
+
+
 @pytest.mark.parametrize("heads, length", [(1, 1), (4, 37), (16, 300)])
 def test_the_c_mla_attention_matches_its_torch_formula(heads, length):
     """MLA's decode attention (one query a head over the latent cache; heads on two threads when the

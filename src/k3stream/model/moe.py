@@ -190,7 +190,8 @@ class LatentMoE:
         call = None
         if resident is not None:
             roles = [
-                (r.data, r.nbytes, r.ggml_type, r.shape) for r in map(resident.get, ("gate", "up", "down"))
+                (r.data, r.nbytes, r.ggml_type, r.shape)
+                for r in (resident[n] for n in ("gate", "up", "down"))
             ]
             how = (self.match_ggml, self.backend)
             call = bind_chosen_experts(latent, chosen, roles, self.activation, pairs, threads, *how)

@@ -43,7 +43,7 @@ class DecodeProgram:
         self._x = torch.empty(1, hidden)  # the token's embedding: the first layer's input
         self.final = torch.empty(1, hidden)  # the last layer's output, mixed and normed for lm_head
         self.steps: list[cpu.Call] | None = None
-        if model.device.type == "cpu" and cpu.available() and not model.prefetch and model.use_program:
+        if model.device.type == "cpu" and cpu.available() and not model.prefetch:
             self.steps = self._build(state)
 
     def fits(self, model: K3Model, state: SequenceState, threads: int) -> bool:

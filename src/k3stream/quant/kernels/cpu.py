@@ -390,14 +390,6 @@ def bind_residual_mix(
     return _ggml_cpu().residual_mix, args, (*rows, score, out)
 
 
-def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a + b (same shapes; tensors as `takes` wants them)."""
-    out = torch.empty_like(a)
-    function, args, _ = bind_add(a, b, out)
-    function(*args)
-    return out
-
-
 def bind_add(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Call:
     """`add` into `out` as a bound call."""
     return _ggml_cpu().add, (a.data_ptr(), b.data_ptr(), a.numel(), out.data_ptr()), (a, b, out)

@@ -312,10 +312,9 @@ CLONES void k3_combine(const float *pairs, const float *weights, int64_t n, int6
  * k3stream.model.mla.MLA._attend_one): for each of `heads` rows q [width] of query, scores
  * s_t = (q . cache[t]) * scale over the `length` cache rows [width], p = softmax(s), and
  * out[h] = sum_t p_t cache[t, :kv] (the first kv values of each row, summed in t order). A thread takes
- * a run of heads: their scores with each cache row read once for all of them, then each head's sums.
+ * a run of heads: their scores with each cache row read once for all of them, then each head's sum.
  * `probs`: scratch of heads x length floats.
  * Heads run on up to `threads` threads when the work is large; each head's sums are the same on any. */
-#define SUM_RUN 64 /* eight vector registers */
 CLONES void k3_mla_attend(const float *query, const float *cache, int64_t length, int64_t heads, int64_t width,
                           int64_t kv, float scale, float *probs, float *out, int threads) {
     const double work = (double)heads * (double)length * (double)(width + kv);
@@ -331,9 +330,7 @@ CLONES void k3_mla_attend(const float *query, const float *cache, int64_t length
                 int64_t e = 0;
                 for (; e + LANES <= width; e += LANES)
                     for (int j = 0; j < LANES; j++) partial[j] += q[e + j] * row[e + j];
-                for (int half = LANES / 2; half > 0; half /= 2) /* a tree: the lanes' sum is no chain */
-                    for (int j = 0; j < half; j++) partial[j] += partial[j + half];
-                dot = partial[0];
+                for (int j = 0; j < LANES; j++) dot += partial[j];
                 for (; e < width; e++) dot += q[e] * row[e];
                 probs[h * length + t] = dot * scale;
             }
@@ -342,19 +339,11 @@ CLONES void k3_mla_attend(const float *query, const float *cache, int64_t length
             float *p = probs + h * length, largest = -INFINITY, total = 0.0f;
             for (int64_t t = 0; t < length; t++) largest = p[t] > largest ? p[t] : largest;
             for (int64_t t = 0; t < length; t++) total += p[t] = expf(p[t] - largest);
-            for (int64_t t = 0; t < length; t++) p[t] /= total;
-            /* out[h] in runs of SUM_RUN values summed in registers over t, in t order */
-            for (int64_t e0 = 0; e0 < kv; e0 += SUM_RUN) {
-                const int64_t run = kv - e0 < SUM_RUN ? kv - e0 : SUM_RUN;
-                float sums[SUM_RUN] = {0};
-                for (int64_t t = 0; t < length; t++) {
-                    const float *row = cache + t * width + e0, w = p[t];
-                    if (run == SUM_RUN)
-                        for (int j = 0; j < SUM_RUN; j++) sums[j] += w * row[j];
-                    else
-                        for (int64_t j = 0; j < run; j++) sums[j] += w * row[j];
-                }
-                memcpy(out + h * kv + e0, sums, sizeof(float) * (size_t)run);
+            float *y = out + h * kv;
+            for (int64_t e = 0; e < kv; e++) y[e] = 0.0f;
+            for (int64_t t = 0; t < length; t++) {
+                const float *row = cache + t * width, w = p[t] / total;
+                for (int64_t e = 0; e < kv; e++) y[e] += w * row[e];
             }
         }
     }
