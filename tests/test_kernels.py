@@ -89,11 +89,13 @@ def test_float_rows_of_a_page_or_more_give_each_output_row_its_own_result(qt, co
 
 
 @pytest.mark.parametrize("qt", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-def test_many_rows_of_one_matrix_equal_single_row_products_bit_for_bit(qt):
-    """Prefill-sized groups (from a few rows to more than one pass of the expanded path, which decodes
-    each block once for many rows) give each row exactly its single-row result."""
-    weights = [weight(qt, 40, 768, seed=s) for s in range(3)]
-    x = torch.randn(150, 768)
+@pytest.mark.parametrize("cols", [768, 2304])
+def test_many_rows_of_one_matrix_equal_single_row_products_bit_for_bit(qt, cols):
+    """Prefill-sized groups (from a few rows to more than one group of the tiled path, which expands
+    each block once for many rows; weight rows that do not fill the last tile; rows longer than one
+    expanded chunk) give each row exactly its single-row result."""
+    weights = [weight(qt, 42, cols, seed=s) for s in range(3)]
+    x = torch.randn(150, cols)
     counts = [7, 0, 143]
     starts = torch.tensor([0, *np.cumsum(counts).tolist()])
     rows = torch.from_numpy(np.random.default_rng(0).integers(0, 150, sum(counts)))

@@ -410,11 +410,18 @@ ROW_KERNEL(row_q6_k, dec_q6_k, 256, 210)
 
 typedef void (*RowKernel)(const Product *, int64_t, int64_t);
 
+/* Weight rows m..m + count - 1 (count <= TILE_W) of matrix b against all its input rows, for matrices
+ * with at least TILE_MIN of them (prefill; measured: from two rows on at least as fast as the rows) */
+typedef void (*TileKernel)(const Product *, int64_t b, int64_t m, int count);
+#define TILE_W 4
+#define TILE_MIN 2
+
 /* ---- fused AVX2 kernels: Q2_K, Q3_K, Q4_K, Q6_K, Q4_0, Q8_0, F16, BF16 ---------------------------
  * No tile: codes are expanded in registers, multiplied by their sub-block step (the reference's first
  * operation), and accumulated against x with FMA; each sub-block's min (Q2_K, Q4_K) enters once, as
- * min * sum(x) over its values (from sums of 16, precomputed per x row). A different (but fixed) summation than the tile path:
- * chosen per type and machine, never per call, so results still do not depend on grouping. */
+ * min * sum(x) over its values (from sums of 16, precomputed per x row). A different (but fixed) summation than the
+ * reference's 256-value tile (`ROW_KERNEL`): chosen per type and machine, never per call, so results still do not
+ * depend on grouping. */
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -713,9 +720,8 @@ static WideKernel wide_kernel(int ggml_type, int64_t row_bytes) {
     }
 }
 
-/* Many input rows (prefill): the weight row is expanded once, block by block, into floats (the same
- * products code * step the dots above form in registers, and Q2_K's sub-block mins), and every input
- * row then runs the same FMA chains against it, so a row's result is bit for bit what it is alone. */
+/* One block expanded into floats for the tiles below: the products code * step the dots above form
+ * in registers (256 into w) and Q2_K's sub-block mins (16 into mins). */
 ALWAYS void expand_q2_k(const uint8_t *restrict b, float *w, float *mins) {
     float steps[16];
     nibbles_times(b, 0, f16c(b + 80), steps);
@@ -786,50 +792,127 @@ ALWAYS void store_rows(const Product *pr, __m256 acc[FUSED_ROWS][4], __m256 offs
         store_rows(pr, acc, offsets, HAS_MINS, m, p, n);                                               \
     }
 
-/* The expanded row (w: in_features floats, mins: in_features / 16 or NULL) against n <= FUSED_ROWS
- * input rows, in the same chains as KQUANT_ROWS */
-ALWAYS void rows_expanded(const Product *pr, const float *w, const float *mins, int64_t m, int64_t p, const int n) {
-    const float *x[FUSED_ROWS], *sums[FUSED_ROWS];
-    __m256 acc[FUSED_ROWS][4], offsets[FUSED_ROWS];
-    start_rows(pr, p, n, x, sums, acc, offsets);
-    for (int64_t at = 0; at < pr->in_features; at += 256) {
-        for (int i = 0; i < 8; i++)
-            for (int c = 0; c < 4; c++) {
-                const __m256 wc = _mm256_loadu_ps(w + at + 32 * i + 8 * c);
-                for (int r = 0; r < n; r++)
-                    acc[r][c] = _mm256_fmadd_ps(wc, _mm256_loadu_ps(x[r] + at + 32 * i + 8 * c), acc[r][c]);
+/* Many input rows of one matrix (prefill), TILE_W weight rows at a time: their blocks are expanded,
+ * TILE_K values at a time, into floats (the products code * step the dots above form in registers, and
+ * Q2_K's sub-block mins); then TILE_X input rows at a time run against them chain by chain, the
+ * TILE_X x TILE_W pairs' eight-lane sums of chain c (elements 32i + 8c, in order) in twelve registers,
+ * parked between chunks in `parts`. Every chain sees the same FMAs in the same order as in the dots
+ * above, so a row's result is bit for bit what it is alone; the tile spends 7 loads on 12 FMAs where
+ * one weight row against three input rows spent 4 on 3. */
+#define TILE_X 3
+#define TILE_K 1024
+#define TILE_ROWS 48 /* input rows whose sums are parked at once (a multiple of TILE_X) */
+#define PAIR_FLOATS 40 /* a pair's parked sums: four chains and the min offsets, eight lanes each */
+
+/* the parked sums at `parked` (zeros for the first chunk) */
+ALWAYS __m256 unpark(const float *parked, int first) { return first ? _mm256_setzero_ps() : _mm256_loadu_ps(parked); }
+
+/* chain sums of TILE_W expanded weight rows (w, `span` values each) against nx input rows x (at the
+ * chunk's start), parked in parts[r][j] */
+ALWAYS void tile_chains(const float *w, int64_t span, const float *const *x, float *parts, int first, const int nx) {
+    for (int c = 0; c < 4; c++) {
+        __m256 acc[TILE_X][TILE_W];
+        for (int r = 0; r < nx; r++)
+            for (int j = 0; j < TILE_W; j++) acc[r][j] = unpark(parts + (r * TILE_W + j) * PAIR_FLOATS + 8 * c, first);
+        for (int64_t at = 8 * c; at < span; at += 32) {
+            __m256 xs[TILE_X];
+            for (int r = 0; r < nx; r++) xs[r] = _mm256_loadu_ps(x[r] + at);
+            for (int j = 0; j < TILE_W; j++) {
+                const __m256 wj = _mm256_loadu_ps(w + j * span + at);
+                for (int r = 0; r < nx; r++) acc[r][j] = _mm256_fmadd_ps(wj, xs[r], acc[r][j]);
             }
-        if (mins != NULL) add_min_offsets(mins + at / 16, sums, at, offsets, n);
+        }
+        for (int r = 0; r < nx; r++)
+            for (int j = 0; j < TILE_W; j++) _mm256_storeu_ps(parts + (r * TILE_W + j) * PAIR_FLOATS + 8 * c, acc[r][j]);
     }
-    store_rows(pr, acc, offsets, mins != NULL, m, p, n);
 }
 
-/* At least WIDE_MIN input rows of one matrix, and rows of at most WIDE_MAX_IN values, take the
- * expanded path (the fused rows decode each block once per FUSED_ROWS rows, which costs more than the
- * FMAs); the expanded row lives on the worker's stack */
-#define WIDE_MIN (2 * FUSED_ROWS)
-#define WIDE_MAX_IN 16384
-#define KQUANT_ROW(NAME, DOT, EXPAND, HAS_MINS, BLOCK_BYTES)                                          \
+/* the min offsets of TILE_W weight rows' blocks in a chunk (mins: span / 16 per row) for nx input rows'
+ * sums at the chunk's start: as add_min_offsets, block by block */
+ALWAYS void tile_offsets(const float *mins, int64_t span, const float *const *sums, float *parts, int first,
+                         const int nx) {
+    for (int r = 0; r < nx; r++)
+        for (int j = 0; j < TILE_W; j++) {
+            float *parked = parts + (r * TILE_W + j) * PAIR_FLOATS + 32;
+            __m256 offset = unpark(parked, first);
+            for (int64_t s = 0; s < span / 16; s += 16) {
+                const float *m = mins + j * (span / 16) + s;
+                offset = _mm256_fmadd_ps(_mm256_loadu_ps(m), _mm256_loadu_ps(sums[r] + s), offset);
+                offset = _mm256_fmadd_ps(_mm256_loadu_ps(m + 8), _mm256_loadu_ps(sums[r] + s + 8), offset);
+            }
+            _mm256_storeu_ps(parked, offset);
+        }
+}
+
+/* nx input rows from p (x and sums at value `at`) against the expanded chunk */
+ALWAYS void tile_rows(const Product *pr, const float *w, const float *mins, int64_t span, int64_t at, int64_t p,
+                      float *parts, const int nx) {
+    const float *x[TILE_X], *sums[TILE_X];
+    for (int r = 0; r < nx; r++) {
+        x[r] = pr->x + pr->rows[p + r] * pr->in_features + at;
+        sums[r] = pr->sums16 + pr->rows[p + r] * (pr->in_features / 16) + at / 16;
+    }
+    tile_chains(w, span, x, parts, at == 0, nx);
+    if (mins != NULL) tile_offsets(mins, span, sums, parts, at == 0, nx);
+}
+
+/* Weight rows m..m + count - 1 (count <= TILE_W; the rest of the tile repeats row m) of matrix b
+ * against input rows p..p + n - 1 (n <= TILE_ROWS) */
+#define KQUANT_TILE(NAME, EXPAND, HAS_MINS, BLOCK_BYTES)                                               \
+    AVX2 static void NAME##_group(const Product *pr, int64_t b, int64_t m, int count, int64_t p, int64_t n) { \
+        const uint8_t *first = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes, *row[TILE_W]; \
+        for (int j = 0; j < TILE_W; j++) row[j] = first + (j < count ? j : 0) * pr->row_bytes;        \
+        prefetch_ahead(first, TILE_W * pr->row_bytes); /* the next tile's rows */                     \
+        float w[TILE_W * TILE_K], mins[TILE_W * TILE_K / 16], parts[TILE_ROWS * TILE_W * PAIR_FLOATS];   \
+        for (int64_t at = 0; at < pr->in_features; at += TILE_K) {                                    \
+            const int64_t span = pr->in_features - at < TILE_K ? pr->in_features - at : TILE_K;       \
+            for (int j = 0; j < TILE_W; j++)                                                           \
+                for (int64_t k = 0; k < span; k += 256)                                                \
+                    EXPAND(row[j] + (at + k) / 256 * (BLOCK_BYTES), w + j * span + k, mins + (j * span + k) / 16); \
+            const float *m16 = HAS_MINS ? mins : NULL;                                                 \
+            int64_t r = 0;                                                                             \
+            for (; r + TILE_X <= n; r += TILE_X)                                                       \
+                tile_rows(pr, w, m16, span, at, p + r, parts + r * TILE_W * PAIR_FLOATS, TILE_X);      \
+            if (n - r == 2) tile_rows(pr, w, m16, span, at, p + r, parts + r * TILE_W * PAIR_FLOATS, 2); \
+            if (n - r == 1) tile_rows(pr, w, m16, span, at, p + r, parts + r * TILE_W * PAIR_FLOATS, 1); \
+        }                                                                                              \
+        for (int64_t r = 0; r < n; r++)                                                                \
+            for (int j = 0; j < count; j++) {                                                          \
+                const float *parked = parts + (r * TILE_W + j) * PAIR_FLOATS;                          \
+                const __m256 chains = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(parked), _mm256_loadu_ps(parked + 8)), \
+                                                    _mm256_add_ps(_mm256_loadu_ps(parked + 16), _mm256_loadu_ps(parked + 24))); \
+                pr->out[(p + r) * pr->out_stride + m + j] =                                            \
+                    hsum8(chains) - (HAS_MINS ? hsum8(_mm256_loadu_ps(parked + 32)) : 0.0f);          \
+            }                                                                                          \
+    }                                                                                                  \
+    AVX2 static void NAME(const Product *pr, int64_t b, int64_t m, int count) {                      \
+        for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p += TILE_ROWS)                         \
+            NAME##_group(pr, b, m, count, p, pr->starts[b + 1] - p < TILE_ROWS ? pr->starts[b + 1] - p : TILE_ROWS); \
+    }
+
+/* One weight row m against its matrix's input rows (decode: a few), FUSED_ROWS at a time */
+#define KQUANT_ROW(NAME, DOT, HAS_MINS, BLOCK_BYTES)                                                   \
     KQUANT_ROWS(NAME##_rows, DOT, HAS_MINS, BLOCK_BYTES)                                               \
     AVX2 static void NAME(const Product *pr, int64_t b, int64_t m) {                                   \
         const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;          \
         int64_t p = pr->starts[b];                                                                     \
-        if (pr->starts[b + 1] - p >= WIDE_MIN && pr->in_features <= WIDE_MAX_IN) {                     \
-            float w[WIDE_MAX_IN], mins[WIDE_MAX_IN / 16];                                              \
-            for (int64_t block = 0; block < pr->row_bytes / (BLOCK_BYTES); block++)                    \
-                EXPAND(row + block * (BLOCK_BYTES), w + 256 * block, mins + 16 * block);               \
-            /* n a constant in each call: the chains stay in registers */                             \
-            for (; p + FUSED_ROWS <= pr->starts[b + 1]; p += FUSED_ROWS)                               \
-                rows_expanded(pr, w, HAS_MINS ? mins : NULL, m, p, FUSED_ROWS);                        \
-            for (; p < pr->starts[b + 1]; p++) rows_expanded(pr, w, HAS_MINS ? mins : NULL, m, p, 1);  \
-            return;                                                                                    \
-        }                                                                                              \
         for (; p + FUSED_ROWS <= pr->starts[b + 1]; p += FUSED_ROWS) NAME##_rows(pr, row, m, p, FUSED_ROWS); \
         for (; p < pr->starts[b + 1]; p++) NAME##_rows(pr, row, m, p, 1);                              \
     }
 
-KQUANT_ROW(fused_q2_k, dot_q2_k, expand_q2_k, 1, 84)
-KQUANT_ROW(fused_q3_k, dot_q3_k, expand_q3_k, 0, 110)
+KQUANT_ROW(fused_q2_k, dot_q2_k, 1, 84)
+KQUANT_ROW(fused_q3_k, dot_q3_k, 0, 110)
+KQUANT_TILE(tile_q2_k, expand_q2_k, 1, 84)
+KQUANT_TILE(tile_q3_k, expand_q3_k, 0, 110)
+
+static TileKernel tile_kernel(int ggml_type) {
+    if (!HAVE_AVX2()) return NULL;
+    switch (ggml_type) {
+        case 10: return tile_q2_k;
+        case 11: return tile_q3_k;
+        default: return NULL;
+    }
+}
 
 /* One weight row m of a fused type against its matrix's input rows, FUSED_ROWS rows at a time; DOT
  * takes up to 256 values (a K-quant block, or up to eight 32-value blocks) per call. */
@@ -1016,6 +1099,7 @@ Q8_ROW(q8_row_q8_0_avx2, AVX2, q8_q8_0, 34, q8_0, 32, __m256, _mm256_setzero_ps(
 Q8_ROW(q8_row_q4_0_avx2, AVX2, q8_q4_0, 18, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
 #else
 static RowKernel fused_kernel(int ggml_type) { (void)ggml_type; return NULL; }
+static TileKernel tile_kernel(int ggml_type) { (void)ggml_type; return NULL; }
 #define HAVE_AVX2() 0
 #define q8_row_q2_k_avx2 q8_row_q2_k_generic
 #define q8_row_q3_k_avx2 q8_row_q3_k_generic
@@ -1065,12 +1149,16 @@ static RowKernel row_kernel(int ggml_type) {
     }
 }
 
-/* ROWS_PER_TASK output rows of one matrix: four at a time by `wide` where there is one. */
-static void run_task(const Product *pr, RowKernel kernel, WideKernel wide, int64_t task, int64_t chunks) {
+/* ROWS_PER_TASK output rows of one matrix: four at a time by `wide` where there is one, TILE_W at a
+ * time by `tile` for many input rows. */
+static void run_task(const Product *pr, RowKernel kernel, WideKernel wide, TileKernel tile, int64_t task,
+                     int64_t chunks) {
     const int64_t b = task / chunks, first = (task % chunks) * ROWS_PER_TASK;
     const int64_t last = first + ROWS_PER_TASK < pr->out_rows ? first + ROWS_PER_TASK : pr->out_rows;
     if (pr->starts[b + 1] == pr->starts[b]) return;
-    if (wide != NULL)
+    if (tile != NULL && pr->starts[b + 1] - pr->starts[b] >= TILE_MIN)
+        for (int64_t m = first; m < last; m += TILE_W) tile(pr, b, m, last - m < TILE_W ? (int)(last - m) : TILE_W);
+    else if (wide != NULL)
         for (int64_t m = first; m < last; m += 4) wide(pr, b, m, last - m < 4 ? (int)(last - m) : 4);
     else
         for (int64_t m = first; m < last; m++) kernel(pr, b, m);
@@ -1094,6 +1182,7 @@ typedef struct {
     Product pr;
     RowKernel kernel;
     WideKernel wide;
+    TileKernel tile;
     int64_t chunks, tasks;
     void *owned;
 } Plan;
@@ -1139,6 +1228,7 @@ static int plan_product(Plan *plan, const float *x, int64_t in_features, const i
     }
     plan->kernel = kernel;
     plan->wide = q8_activations ? NULL : wide_kernel(ggml_type, row_bytes);
+    plan->tile = q8_activations || plan->pr.sums16 == NULL ? NULL : tile_kernel(ggml_type);
     plan->chunks = (out_rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     plan->tasks = matrices * plan->chunks;
     return 0;
@@ -1158,13 +1248,13 @@ static void run_plans(Plan *plans, int64_t count, int threads) {
     if (threads <= 1) { /* no OpenMP region at all: a one-thread team between torch's resizes its pool */
         for (int64_t i = 0; i < count; i++)
             for (int64_t task = 0; task < plans[i].tasks; task++)
-                run_task(&plans[i].pr, plans[i].kernel, plans[i].wide, task, plans[i].chunks);
+                run_task(&plans[i].pr, plans[i].kernel, plans[i].wide, plans[i].tile, task, plans[i].chunks);
     } else {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
         for (int64_t task = 0; task < tasks; task++) {
             int64_t i = 0, own = task;
             while (own >= plans[i].tasks) own -= plans[i++].tasks;
-            run_task(&plans[i].pr, plans[i].kernel, plans[i].wide, own, plans[i].chunks);
+            run_task(&plans[i].pr, plans[i].kernel, plans[i].wide, plans[i].tile, own, plans[i].chunks);
         }
     }
     for (int64_t i = 0; i < count; i++) free(plans[i].owned);
