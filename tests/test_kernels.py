@@ -238,13 +238,13 @@ def test_the_c_kda_step_gives_the_same_bits_on_one_and_two_threads():
 
     inner = heads * dim
     inputs = (draw(1, 3 * inner), draw(1, inner), draw(1, heads), draw(1, inner))
-    weights = (draw(3 * inner, taps), draw(inner), -torch.rand(heads, generator=generator), torch.rand(dim))
+    weights = (draw(taps, 3 * inner), draw(inner), -torch.rand(heads, generator=generator), torch.rand(dim))
     history, state = draw(taps - 1, 3 * inner), draw(heads, dim, dim, scale=0.01)
     results = []
     for threads in (1, 2):
         histories, states = [history.clone()], [state.clone()]
         out = torch.empty(1, inner)
-        function, args, _ = cpu.bind_kda_decode(
+        function, args, _ = cpu.bind_kda_recurrent(
             inputs, histories, states, weights, (-5.0, 1e-6, 0.1), out, threads
         )
         assert function(*args) == 0
@@ -436,8 +436,8 @@ def test_the_extension_call_refuses_bad_arguments_in_one_line():
         )
     with pytest.raises(TypeError, match="products: its address lists differ in length"):
         module.products(0, 256, 1, [0], [10, 10], [1], [84], [0], 0, 1)
-    with pytest.raises(TypeError, match="kda_decode: its address lists differ in length"):
-        module.kda_decode(0, [0], 0, 4, 0, 0, 0, 0, 0.0, 0, [0, 0], 0, 0, 8, 128, 1e-6, 0.1, 0, 1)
+    with pytest.raises(TypeError, match="kda_recurrent: its address lists differ in length"):
+        module.kda_recurrent(0, [0], 0, 4, 0, 0, 0, 0, 0.0, 0, [0, 0], 0, 0, 1, 8, 128, 1e-6, 0.1, 0, 1)
     with pytest.raises(ValueError, match="chosen_experts: expert 9 outside 0..7"):
         chosen = torch.tensor([[1, 9]])
         module.chosen_experts(

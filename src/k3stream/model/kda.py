@@ -150,6 +150,7 @@ class KDA:
         # q, k, v, g, beta and f_a all project the layer input: one kernel call
         w = weights
         self.projections = JointLinear([w.q_proj, w.k_proj, w.v_proj, w.g_proj, w.b_proj, w.f_a_proj])
+        self._conv_by_tap: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def new_state(self, device: torch.device | str = "cpu") -> KDAState:
         kernel = self.w.conv.shape[1]
@@ -160,8 +161,13 @@ class KDA:
         )
 
     def prefill(self, h: torch.Tensor, state: KDAState) -> torch.Tensor:
-        """h [T, E] (normed layer input) -> [T, E]; advances `state`."""
-        qkv, g_logits, b_logits, f_a = self._project(h)
+        """h [T, E] (normed layer input) -> [T, E]; advances `state`. On the CPU the C recurrence runs
+        the tokens one by one, as T decode steps would (the same bits; 8 heads of 128 over 128 tokens:
+        ~3x the chunked torch form, which stays for autograd and other devices)."""
+        self._check_states([state])
+        qkv, g_logits, b_logits, f_a = (part.contiguous() for part in self._project(h))
+        if self._step_in_c(qkv, [state]):
+            return self._recurrent(h, qkv, g_logits, b_logits, f_a, [state])
         mixed, state.conv = causal_conv(qkv, state.conv, self.w.conv)
         q, k, v = self._split_activate(mixed)
         beta = torch.sigmoid(b_logits)
@@ -173,13 +179,7 @@ class KDA:
         self._check_states(states)
         qkv, g_logits, b_logits, f_a = (part.contiguous() for part in self._project(h))
         if self._step_in_c(qkv, states):
-            recurrent = [state.recurrent for state in states]
-            gated = cpu.kda_decode(
-                qkv, [state.conv for state in states], self.w.conv, self.w.f_b_proj(f_a).float(),
-                self.w.dt_bias, self.w.ssm_a, self.lower_bound, b_logits, recurrent, g_logits, self.w.o_norm,
-                self.eps, self.scale,
-            )  # fmt: skip
-            return self.w.o_proj(gated.to(h.dtype))
+            return self._recurrent(h, qkv, g_logits, b_logits, f_a, states)
         mixed_rows = []
         for row, state in enumerate(states):
             mixed_row, state.conv = causal_conv(qkv[row : row + 1], state.conv, self.w.conv)
@@ -192,6 +192,23 @@ class KDA:
             for state, new in zip(states, pool, strict=True):
                 state.recurrent = new
         return self._output(out, g_logits, h.dtype)
+
+    def _conv_taps(self) -> torch.Tensor:
+        """The conv weights by tap, [C, 3 H D], as the C recurrence reads them (made again when the
+        weights change, as in training)."""
+        key = (self.w.conv.data_ptr(), self.w.conv._version)
+        if self._conv_by_tap is None or self._conv_by_tap[0] != key:
+            self._conv_by_tap = key, self.w.conv.detach().t().contiguous()
+        return self._conv_by_tap[1]
+
+    def _recurrent(self, h, qkv, g_logits, b_logits, f_a, states: list[KDAState]) -> torch.Tensor:
+        """The C recurrence over the projections of each state's rows (in order), then o_proj."""
+        gated = cpu.kda_recurrent(
+            qkv, [state.conv for state in states], self._conv_taps(), self.w.f_b_proj(f_a).float(), self.w.dt_bias,
+            self.w.ssm_a, self.lower_bound, b_logits, [state.recurrent for state in states], g_logits,
+            self.w.o_norm, self.eps, self.scale,
+        )  # fmt: skip
+        return self.w.o_proj(gated.to(h.dtype))
 
     def decode_steps(
         self, h: torch.Tensor, out: torch.Tensor, state: KDAState, threads: int
@@ -211,11 +228,11 @@ class KDA:
         return [
             bind_linear(self.projections, h, joint, threads),
             bind_linear(w.f_b_proj, f_a, f, threads),
-            cpu.bind_kda_decode(
+            cpu.bind_kda_recurrent(
                 (qkv, f, b_logits, g_logits),
                 [state.conv],
                 [state.recurrent],
-                (w.conv, w.dt_bias, w.ssm_a, w.o_norm),
+                (self._conv_taps(), w.dt_bias, w.ssm_a, w.o_norm),
                 (self.lower_bound, self.eps, self.scale),
                 gated,
                 threads,

@@ -3,7 +3,7 @@
 `grouped_product` runs `out[p] = x[rows[p]] @ W_b^T` for the rows `starts[b]..starts[b+1]` of each
 matrix b in one call, `products` several matrices of different types on one input, `expert_mlp` a
 step's routed-expert MLP (its three products and the activation) in one call (`chosen_experts` for a
-row's experts all in RAM); `kda_decode`, `residual_mix`, `rms_norm`, `situ`, `route`, `add`, `combine`
+row's experts all in RAM); `kda_recurrent`, `residual_mix`, `rms_norm`, `situ`, `route`, `add`, `combine`
 and `mla_attend` one per-token step each; `read_parts` a step's expert reads. All are the extension
 module's own functions, threads from `torch.get_num_threads()` (one for a small product). `bind_*` give
 a step as a `Call` on fixed buffers (the decode program, `k3stream.model.program`, runs a token as a
@@ -50,7 +50,7 @@ def available() -> bool:
 
 
 def takes(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether the C steps (`kda_decode`, `residual_mix`, `rms_norm`, `situ`, `route`) may take these
+    """Whether the C steps (`kda_recurrent`, `residual_mix`, `rms_norm`, `situ`, `route`) may take these
     tensors: the library is built and each is float32, contiguous, on the CPU, not followed by autograd."""
     for t in tensors:  # a loop, not all(...): called ~100 times a token
         if not (t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad):
@@ -319,7 +319,7 @@ def read_parts(descriptors: list[int], offsets: list[int], lengths: list[int], o
     return _ggml_cpu().read_parts(descriptors, offsets, lengths, out.ctypes.data, torch.get_num_threads())
 
 
-def kda_decode(
+def kda_recurrent(
     projected: torch.Tensor,
     histories: Sequence[torch.Tensor],
     conv: torch.Tensor,
@@ -334,20 +334,22 @@ def kda_decode(
     eps: float,
     scale: float,
 ) -> torch.Tensor:
-    """One KDA decode step of B sequences after the projections (`steps_cpu.c`): [B, H * D], the gated
-    and normed output for o_proj. Updates each conv history [taps - 1, 3 H D] and state [H, D, D] in
-    place; every tensor float32, contiguous, on the CPU."""
+    """The KDA recurrence after the projections, token by token (`steps_cpu.c`), of B sequences with the
+    same number of rows each (decode: one row each; prefill: one sequence of T rows): [rows, H * D], the
+    gated and normed output for o_proj. `conv` [taps, 3 H D] by tap (the GGUF's [3 H D, taps] transposed).
+    Updates each conv history [taps - 1, 3 H D] and state [H, D, D] in place; every tensor float32,
+    contiguous, on the CPU."""
     out = torch.empty(f.shape, dtype=torch.float32)
-    function, args, _ = bind_kda_decode(
+    function, args, _ = bind_kda_recurrent(
         (projected, f, b_logits, g_logits), histories, states, (conv, dt_bias, ssm_a, o_norm),
         (lower_bound, eps, scale), out, torch.get_num_threads(),
     )  # fmt: skip
     if function(*args) != 0:
-        raise MemoryError("no memory for a KDA decode step")
+        raise MemoryError("no memory for the KDA recurrence")
     return out
 
 
-def bind_kda_decode(
+def bind_kda_recurrent(
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     histories: Sequence[torch.Tensor],
     states: Sequence[torch.Tensor],
@@ -356,19 +358,25 @@ def bind_kda_decode(
     out: torch.Tensor,
     threads: int,
 ) -> Call:
-    """`kda_decode` into `out` as a bound call: inputs (projected, f, b_logits, g_logits), weights (conv,
-    dt_bias, ssm_a, o_norm), numbers (lower_bound, eps, scale); heads on up to `threads` threads when a
-    sequence's states are large (each head on one: the same bits)."""
+    """`kda_recurrent` into `out` as a bound call: inputs (projected, f, b_logits, g_logits), weights
+    (conv by tap, dt_bias, ssm_a, o_norm), numbers (lower_bound, eps, scale); heads on up to `threads` threads
+    when the call's steps are large (each head on one: the same bits)."""
     projected, f, b_logits, g_logits = inputs
     conv, dt_bias, ssm_a, o_norm = weights
     lower_bound, eps, scale = numbers
+    tokens, rest = divmod(projected.shape[0], len(histories))
+    if rest or len(states) != len(histories):
+        raise ValueError(
+            f"kda_recurrent: {projected.shape[0]} rows, {len(histories)} histories and {len(states)} states "
+            "do not make whole sequences"
+        )
     args = (
-        projected.data_ptr(), [t.data_ptr() for t in histories], conv.data_ptr(), conv.shape[1],
+        projected.data_ptr(), [t.data_ptr() for t in histories], conv.data_ptr(), conv.shape[0],
         f.data_ptr(), dt_bias.data_ptr(), ssm_a.data_ptr(), int(lower_bound is not None),
         float(lower_bound or 0.0), b_logits.data_ptr(), [t.data_ptr() for t in states], g_logits.data_ptr(),
-        o_norm.data_ptr(), ssm_a.numel(), o_norm.numel(), eps, scale, out.data_ptr(), threads,
+        o_norm.data_ptr(), tokens, ssm_a.numel(), o_norm.numel(), eps, scale, out.data_ptr(), threads,
     )  # fmt: skip
-    return _ggml_cpu().kda_decode, args, (*inputs, *histories, *states, *weights, out)
+    return _ggml_cpu().kda_recurrent, args, (*inputs, *histories, *states, *weights, out)
 
 
 def residual_mix(rows: Sequence[torch.Tensor], score: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,8 +1,8 @@
 /* Per-token steps of the model in C, for the CPU (k3stream.quant.kernels.cpu calls them through
  * the extension's functions in ggml_cpu.c):
  *
- * - k3_kda_decode: one KDA decode step after the projections (k3stream.model.kda.KDA.decode). For
- *   each of B sequences and each head: the causal conv of the projected q/k/v (history updated in
+ * - k3_kda_recurrent: the KDA recurrence after the projections, token by token (k3stream.model.kda.KDA's
+ *   decode, and its prefill on the CPU). For each of B sequences, each of its tokens and each head: the causal conv of the projected q/k/v (history updated in
  *   place), SiLU, l2-normalised q and k, the per-channel decay gate, the delta rule on the state
  *   S [V, K] (in place), then the output's RMS norm and sigmoid gate.
  * - k3_residual_mix: the attention-residual mix (k3stream.model.attn_res.residual_mix).
@@ -53,64 +53,114 @@ INLINE float exp_poly(float x) {
 
 INLINE float sigmoidf(float x) { return 1.0f / (1.0f + exp_poly(-x)); }
 
-/* mixed[c] = sum_t window[t][c] * w[c][t] over the C - 1 history rows then x; the history shifts */
+/* mixed[c] = sum_t window[t][c] * w[t][c] over the C - 1 history rows then x (w by tap: [C, width], so
+ * the loops run along the channels and vectorize); the history shifts */
 INLINE void causal_conv_step(const float *x, float *history, const float *w, int64_t taps, int64_t width,
                              float *mixed) {
-    for (int64_t c = 0; c < width; c++) {
-        const float *wc = w + c * taps;
-        float sum = taps > 1 ? history[c] * wc[0] : x[c] * wc[0];
-        for (int64_t t = 1; t < taps - 1; t++) sum += history[t * width + c] * wc[t];
-        if (taps > 1) sum += x[c] * wc[taps - 1];
-        mixed[c] = sum;
+    const float *first = taps > 1 ? history : x, *last = w + (taps - 1) * width;
+    for (int64_t c = 0; c < width; c++) mixed[c] = first[c] * w[c];
+    for (int64_t t = 1; t < taps - 1; t++)
+        for (int64_t c = 0; c < width; c++) mixed[c] += history[t * width + c] * w[t * width + c];
+    if (taps == 1) return;
+    for (int64_t c = 0; c < width; c++) mixed[c] += x[c] * last[c];
+    memmove(history, history + width, sizeof(float) * (size_t)((taps - 2) * width));
+    memcpy(history + (taps - 2) * width, x, sizeof(float) * (size_t)width);
+}
+
+/* Eight floats as one value (GCC's vector extension: AVX registers in the x86-64-v3 clone, SSE pairs in
+ * the default one; the same lane-wise IEEE operations, so the same bits): the delta rule's loops and
+ * sums in a fixed order the compiler cannot reorder or leave scalar */
+typedef float Floats8 __attribute__((vector_size(32)));
+INLINE Floats8 load8(const float *p) {
+    Floats8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+INLINE void store8(float *p, Floats8 v) { memcpy(p, &v, sizeof v); }
+
+typedef float Floats4 __attribute__((vector_size(16)));
+
+/* the sum of eight partial sums as a tree: lanes i and i + 4, then i and i + 2, then the two (as
+ * vectors: three adds deep, where a running sum of sixteen was a third of a prefill's KDA step) */
+INLINE float tree_sum(Floats8 v) {
+    const Floats4 quad = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    const Floats4 pair = quad + __builtin_shufflevector(quad, quad, 2, 3, 2, 3);
+    return pair[0] + pair[1];
+}
+
+/* tree_sum of eight vectors at once, lane r the sum of v[r], by the same adds */
+INLINE Floats8 tree_sums(const Floats8 *v) {
+    Floats8 quads[4], pairs[2];
+    for (int r = 0; r < 4; r++) /* [quad of v[r] | quad of v[r + 4]] */
+        quads[r] = __builtin_shufflevector(v[r], v[r + 4], 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(v[r], v[r + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int r = 0; r < 2; r++) /* [pairs of rows 2r, 2r + 1 | of rows 2r + 4, 2r + 5] */
+        pairs[r] = __builtin_shufflevector(quads[2 * r], quads[2 * r + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+                   __builtin_shufflevector(quads[2 * r], quads[2 * r + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(pairs[0], pairs[1], 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(pairs[0], pairs[1], 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+/* sum_i v[i]^2 in LANES interleaved partial sums */
+INLINE float sum_squares(const float *v, int64_t n) {
+    Floats8 low = {0}, high = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const Floats8 a = load8(v + i), b = load8(v + i + 8);
+        low += a * a;
+        high += b * b;
     }
-    if (taps > 1) {
-        memmove(history, history + width, sizeof(float) * (size_t)((taps - 2) * width));
-        memcpy(history + (taps - 2) * width, x, sizeof(float) * (size_t)width);
-    }
+    float sum = tree_sum(low + high);
+    for (; i < n; i++) sum += v[i] * v[i];
+    return sum;
 }
 
 INLINE void silu_l2(float *v, int64_t n, float eps, int normalize) {
-    float squares = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
-        v[i] = v[i] * sigmoidf(v[i]);
-        squares += v[i] * v[i];
-    }
+    for (int64_t i = 0; i < n; i++) v[i] = v[i] * sigmoidf(v[i]);
     if (!normalize) return;
-    const float inverse = 1.0f / sqrtf(squares + eps);
+    const float inverse = 1.0f / sqrtf(sum_squares(v, n) + eps);
     for (int64_t i = 0; i < n; i++) v[i] *= inverse;
 }
 
-/* The decay of one head's key channels in log space: lower_bound * sigmoid(a f) or -a softplus(f) */
+/* The decay of one head's key channels in log space: lower_bound * sigmoid(a f) or -a softplus(f)
+ * (a loop per form, so the bounded one vectorizes) */
 INLINE void decay(const float *f, const float *bias, float a, int has_bound, float bound, int64_t n,
                   float *out) {
+    if (has_bound) {
+        for (int64_t i = 0; i < n; i++) out[i] = exp_poly(bound * sigmoidf(a * (f[i] + bias[i])));
+        return;
+    }
     for (int64_t i = 0; i < n; i++) {
         const float value = f[i] + bias[i];
-        if (has_bound) {
-            out[i] = exp_poly(bound * sigmoidf(a * value));
-        } else {
-            const float softplus = value > SOFTPLUS_THRESHOLD ? value : log1pf(exp_poly(value));
-            out[i] = exp_poly(-a * softplus);
-        }
+        const float softplus = value > SOFTPLUS_THRESHOLD ? value : log1pf(exp_poly(value));
+        out[i] = exp_poly(-a * softplus);
     }
 }
 
-/* row = row * scale + add * along (scale or along NULL: that term left out), then sum_i row[i] with[i] in
- * LANES interleaved partial sums (vectorizable without reassociating a sum): one pass over a state row
- * for a step of the delta rule and the dot that follows it */
+/* row = row * scale + add * along (scale or along NULL: that term left out) over n values (a multiple
+ * of LANES), and row . with in LANES interleaved partial sums, returned as lanes i + (i + 8): one pass
+ * over a state row for a step of the delta rule and the dot that follows it */
+INLINE Floats8 update_partials(float *row, const float *scale, float add, const float *along, const float *with,
+                               int64_t n) {
+    Floats8 low = {0}, high = {0};
+    for (int64_t i = 0; i < n; i += LANES) {
+        Floats8 a = load8(row + i), b = load8(row + i + 8);
+        if (scale != NULL) a *= load8(scale + i), b *= load8(scale + i + 8);
+        if (along != NULL) a += add * load8(along + i), b += add * load8(along + i + 8);
+        store8(row + i, a);
+        store8(row + i + 8, b);
+        low += a * load8(with + i);
+        high += b * load8(with + i + 8);
+    }
+    return low + high;
+}
+
+/* update_partials over any n, summed (the values past the last whole LANES one by one) */
 INLINE float update_dot(float *row, const float *scale, float add, const float *along, const float *with,
                         int64_t n) {
-    float partial[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; j++) {
-            float value = scale != NULL ? row[i + j] * scale[i + j] : row[i + j];
-            if (along != NULL) value += add * along[i + j];
-            row[i + j] = value;
-            partial[j] += value * with[i + j];
-        }
-    float sum = 0.0f;
-    for (int j = 0; j < LANES; j++) sum += partial[j];
-    for (; i < n; i++) {
+    const int64_t whole = n - n % LANES;
+    float sum = tree_sum(update_partials(row, scale, add, along, with, whole));
+    for (int64_t i = whole; i < n; i++) {
         float value = scale != NULL ? row[i] * scale[i] : row[i];
         if (along != NULL) value += add * along[i];
         row[i] = value;
@@ -119,19 +169,28 @@ INLINE float update_dot(float *row, const float *scale, float add, const float *
     return sum;
 }
 
-/* S *= exp(g); S += (beta (v - S k)) k^T; o = S q, two passes per state row */
+/* S *= exp(g); S += (beta (v - S k)) k^T; o = S q, two passes per state row. Rows of a multiple of
+ * LANES go eight at a time (each pass of eight rows, then their eight sums at once: the same adds, no
+ * chain of one row's sum, delta and second pass to wait on) */
 INLINE void delta_rule(float *s, const float *q, const float *k, const float *v, const float *factor, float beta,
                        int64_t dim, float *o) {
-    for (int64_t row = 0; row < dim; row++) {
-        float *sr = s + row * dim;
-        const float delta = (v[row] - update_dot(sr, factor, 0.0f, NULL, k, dim)) * beta;
-        o[row] = update_dot(sr, NULL, delta, k, q, dim);
+    if (dim % LANES != 0) {
+        for (int64_t row = 0; row < dim; row++) {
+            float *sr = s + row * dim;
+            const float delta = (v[row] - update_dot(sr, factor, 0.0f, NULL, k, dim)) * beta;
+            o[row] = update_dot(sr, NULL, delta, k, q, dim);
+        }
+        return;
+    }
+    for (int64_t row = 0; row < dim; row += 8) {
+        Floats8 parts[8];
+        for (int r = 0; r < 8; r++) parts[r] = update_partials(s + (row + r) * dim, factor, 0.0f, NULL, k, dim);
+        const Floats8 delta = (load8(v + row) - tree_sums(parts)) * beta;
+        for (int r = 0; r < 8; r++) parts[r] = update_partials(s + (row + r) * dim, NULL, delta[r], k, q, dim);
+        store8(o + row, tree_sums(parts));
     }
 }
 
-/* Returns 0, or -2 without memory. proj [B, 3D] (q, k, v; D = heads * dim); histories[b] [taps - 1, 3D];
- * conv_w [3D, taps]; f [B, D] (before dt_bias); ssm_a [H] (-exp(A_log)); b_logits [B, H];
- * states[b] [H, dim, dim]; g_logits [B, D]; o_norm [dim]; out [B, D]. */
 /* One head of one sequence's KDA step after the conv (`mixed` its conved q|k|v); `scratch`: 2 dim floats */
 INLINE void kda_head(float *mixed, const float *f, const float *dt_bias, const float *ssm_a, int has_bound,
                      float bound, float beta_logit, float *state, const float *g_logits, const float *o_norm,
@@ -144,43 +203,66 @@ INLINE void kda_head(float *mixed, const float *f, const float *dt_bias, const f
     for (int64_t i = 0; i < dim; i++) q[i] *= scale;
     decay(f + h * dim, dt_bias + h * dim, -ssm_a[h], has_bound, bound, dim, factor);
     delta_rule(state + h * dim * dim, q, k, v, factor, sigmoidf(beta_logit), dim, o);
-    float squares = 0.0f;
-    for (int64_t i = 0; i < dim; i++) squares += o[i] * o[i];
-    const float inverse = 1.0f / sqrtf(squares / (float)dim + eps);
+    const float inverse = 1.0f / sqrtf(sum_squares(o, dim) / (float)dim + eps);
     const float *gate = g_logits + h * dim;
     for (int64_t i = 0; i < dim; i++) y[i] = o[i] * inverse * o_norm[i] * sigmoidf(gate[i]);
 }
 
-/* Heads run on up to `threads` threads when a sequence's states come to KDA_PARALLEL_MIN values or more
- * (Kimi-K3's 64 heads of 128; each head on one thread, the same operations as on one: the same bits);
- * else no OpenMP region at all. 8 heads of 128 on this machine's two vCPUs ran slower on two (0.9
- * against 0.7 ms a mid token): its compute-bound work barely gains from the second one. */
+/* `tokens` steps in order of one head of one sequence: rows t of mixed [tokens, 3D], f and g_logits
+ * [tokens, D], b_logits [tokens, H] and out [tokens, D] */
+INLINE void kda_head_steps(float *mixed, const float *f, const float *dt_bias, const float *ssm_a, int has_bound,
+                           float bound, const float *b_logits, float *state, const float *g_logits,
+                           const float *o_norm, int64_t h, int64_t heads, int64_t dim, int64_t tokens, float eps,
+                           float scale, float *scratch, float *out) {
+    const int64_t inner = heads * dim;
+    for (int64_t t = 0; t < tokens; t++)
+        kda_head(mixed + 3 * inner * t, f + inner * t, dt_bias, ssm_a, has_bound, bound, b_logits[heads * t + h],
+                 state, g_logits + inner * t, o_norm, h, inner, dim, eps, scale, scratch, out + inner * t + h * dim);
+}
+
+/* Heads run on up to `threads` threads when a call's steps come to KDA_PARALLEL_MIN state values or
+ * more (Kimi-K3's 64 heads of 128 in decode, a prefill's tokens; each head on one thread, all its steps
+ * in order, the same operations as on one: the same bits); else no OpenMP region at all. One decode
+ * step of 8 heads of 128 on this machine's two vCPUs ran slower on two (0.9 against 0.7 ms a mid
+ * token): its compute-bound work barely gains from the second one. */
 #define KDA_PARALLEL_MIN (1 << 20)
-CLONES int k3_kda_decode(const float *proj, float *const *histories, const float *conv_w, int64_t taps, const float *f,
-                  const float *dt_bias, const float *ssm_a, int has_bound, float bound, const float *b_logits,
-                  float *const *states, const float *g_logits, const float *o_norm, int64_t batch, int64_t heads,
-                  int64_t dim, float eps, float scale, float *out, int threads) {
+
+/* The KDA recurrence after the projections, token by token, for B sequences of `tokens` rows each
+ * (decode: one each; prefill: one sequence): its conv, the heads' steps, their output norm and gate.
+ * Returns 0, or -2 without memory. proj [B tokens, 3D] (q, k, v; D = heads * dim; sequence b's rows
+ * b tokens .. (b + 1) tokens - 1, oldest first); histories[b] [taps - 1, 3D]; conv_w [taps, 3D];
+ * f [B tokens, D] (before dt_bias); ssm_a [H] (-exp(A_log)); b_logits [B tokens, H];
+ * states[b] [H, dim, dim]; g_logits [B tokens, D]; o_norm [dim]; out [B tokens, D]. */
+CLONES int k3_kda_recurrent(const float *proj, float *const *histories, const float *conv_w, int64_t taps,
+                            const float *f, const float *dt_bias, const float *ssm_a, int has_bound, float bound,
+                            const float *b_logits, float *const *states, const float *g_logits, const float *o_norm,
+                            int64_t batch, int64_t tokens, int64_t heads, int64_t dim, float eps, float scale,
+                            float *out, int threads) {
     const int64_t inner = heads * dim, width = 3 * inner;
-    const int teams = threads > 1 && heads * dim * dim >= KDA_PARALLEL_MIN ? (threads < heads ? threads : (int)heads) : 1;
-    float *mixed = malloc(sizeof(float) * (size_t)(width + 2 * dim * teams));
+    const int teams = threads > 1 && tokens * heads * dim * dim >= KDA_PARALLEL_MIN
+                          ? (threads < heads ? threads : (int)heads)
+                          : 1;
+    float *mixed = malloc(sizeof(float) * (size_t)(tokens * width + 2 * dim * teams));
     if (mixed == NULL) return -2;
-    float *scratch = mixed + width;
+    float *scratch = mixed + tokens * width;
     for (int64_t b = 0; b < batch; b++) {
-        causal_conv_step(proj + b * width, histories[b], conv_w, taps, width, mixed);
-        const float *fb = f + b * inner, *gb = g_logits + b * inner, *beta = b_logits + b * heads;
-        float *yb = out + b * inner;
+        const int64_t first = b * tokens;
+        for (int64_t t = 0; t < tokens; t++)
+            causal_conv_step(proj + (first + t) * width, histories[b], conv_w, taps, width, mixed + t * width);
+        const float *fb = f + first * inner, *gb = g_logits + first * inner, *beta = b_logits + first * heads;
+        float *yb = out + first * inner;
         if (teams == 1) {
             for (int64_t h = 0; h < heads; h++)
-                kda_head(mixed, fb, dt_bias, ssm_a, has_bound, bound, beta[h], states[b], gb, o_norm, h, inner, dim,
-                         eps, scale, scratch, yb + h * dim);
+                kda_head_steps(mixed, fb, dt_bias, ssm_a, has_bound, bound, beta, states[b], gb, o_norm, h, heads,
+                               dim, tokens, eps, scale, scratch, yb);
         } else {
 #pragma omp parallel num_threads(teams)
             {
                 float *own = scratch + 2 * dim * omp_get_thread_num();
 #pragma omp for schedule(static)
                 for (int64_t h = 0; h < heads; h++)
-                    kda_head(mixed, fb, dt_bias, ssm_a, has_bound, bound, beta[h], states[b], gb, o_norm, h, inner,
-                             dim, eps, scale, own, yb + h * dim);
+                    kda_head_steps(mixed, fb, dt_bias, ssm_a, has_bound, bound, beta, states[b], gb, o_norm, h,
+                                   heads, dim, tokens, eps, scale, own, yb);
             }
         }
     }
