@@ -203,10 +203,11 @@ class KDA:
 
     def _recurrent(self, h, qkv, g_logits, b_logits, f_a, states: list[KDAState]) -> torch.Tensor:
         """The C recurrence over the projections of each state's rows (in order), then o_proj."""
+        w = self.w
         gated = cpu.kda_recurrent(
-            qkv, [state.conv for state in states], self._conv_taps(), self.w.f_b_proj(f_a).float(), self.w.dt_bias,
-            self.w.ssm_a, self.lower_bound, b_logits, [state.recurrent for state in states], g_logits,
-            self.w.o_norm, self.eps, self.scale,
+            qkv, [state.conv for state in states], self._conv_taps(), w.f_b_proj(f_a).float(), w.dt_bias,
+            w.ssm_a, self.lower_bound, b_logits, [state.recurrent for state in states], g_logits, w.o_norm,
+            self.eps, self.scale,
         )  # fmt: skip
         return self.w.o_proj(gated.to(h.dtype))
 
