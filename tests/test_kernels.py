@@ -254,6 +254,39 @@ def test_the_c_kda_step_gives_the_same_bits_on_one_and_two_threads():
     assert not torch.equal(results[0][2], state)  # the state moved
 
 
+@pytest.mark.parametrize("heads, dim, taps", [(8, 128, 4), (3, 24, 2), (2, 16, 1)])
+def test_the_c_kda_recurrence_over_a_sequence_is_its_steps_one_by_one(heads, dim, taps):
+    """A prefill's call (one sequence of T rows, heads on two threads) gives the same bits as T decode
+    calls of one row: outputs, the state and the conv history (head sizes with and without the eight-row
+    blocks of the delta rule)."""
+    from k3stream.quant.kernels import cpu
+
+    generator = torch.Generator().manual_seed(heads * dim)
+    inner, length = heads * dim, 37
+    inputs = [torch.randn(length, width, generator=generator) for width in (3 * inner, inner, heads, inner)]
+    weights = (
+        0.5 * torch.randn(taps, 3 * inner, generator=generator),
+        torch.randn(inner, generator=generator),
+        -torch.rand(heads, generator=generator),
+        torch.rand(dim, generator=generator),
+    )
+    history, state = torch.randn(taps - 1, 3 * inner, generator=generator), torch.zeros(heads, dim, dim)
+    numbers, runs = (-5.0, 1e-6, dim**-0.5), []
+    for steps in ((slice(0, length),), [slice(t, t + 1) for t in range(length)]):
+        histories, states, outs = [history.clone()], [state.clone()], []
+        for rows in steps:
+            out = torch.empty(rows.stop - rows.start, inner)
+            function, args, _ = cpu.bind_kda_recurrent(
+                [t[rows].contiguous() for t in inputs], histories, states, weights, numbers, out, 2
+            )
+            assert function(*args) == 0
+            outs.append(out)
+        runs.append((torch.cat(outs), histories[0], states[0]))
+    for together, one_by_one in zip(*runs, strict=True):
+        assert torch.equal(together, one_by_one)
+    assert runs[0][2].abs().sum() > 0
+
+
 @pytest.mark.parametrize("rows, top_k, width", [(1, 8, 256), (5, 16, 96), (3, 1, 7)])
 def test_the_c_combine_is_the_torch_weighted_sum(rows, top_k, width):
     """The MoE's weighted sum of each row's expert outputs: the torch formula's products, summed in
