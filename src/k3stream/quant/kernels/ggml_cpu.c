@@ -308,7 +308,7 @@ INLINE float q8_q2_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict
 }
 
 INLINE int q3_k_int_scale(const uint8_t *restrict b, int s) {
-    return ((b[96 + (s & 7)] >> (4 * (s >> 3))) & 15 | ((b[104 + (s & 3)] >> (2 * (s >> 2))) & 3) << 4) - 32;
+    return (((b[96 + (s & 7)] >> (4 * (s >> 3))) & 15) | ((b[104 + (s & 3)] >> (2 * (s >> 2))) & 3) << 4) - 32;
 }
 
 INLINE float q8_q3_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y, float acc) {
@@ -823,7 +823,8 @@ ALWAYS void tile_chains(const float *w, int64_t span, const float *const *x, flo
             }
         }
         for (int r = 0; r < nx; r++)
-            for (int j = 0; j < TILE_W; j++) _mm256_storeu_ps(parts + (r * TILE_W + j) * PAIR_FLOATS + 8 * c, acc[r][j]);
+            for (int j = 0; j < TILE_W; j++)
+                _mm256_storeu_ps(parts + (r * TILE_W + j) * PAIR_FLOATS + 8 * c, acc[r][j]);
     }
 }
 
@@ -856,6 +857,19 @@ ALWAYS void tile_rows(const Product *pr, const float *w, const float *mins, int6
     if (mins != NULL) tile_offsets(mins, span, sums, parts, at == 0, nx);
 }
 
+/* Each pair's output: its chains summed as hsum_all sums them, less its min offsets (has_mins) */
+ALWAYS void tile_outputs(const Product *pr, const float *parts, int64_t m, int count, int64_t p, int64_t n,
+                         const int has_mins) {
+    for (int64_t r = 0; r < n; r++)
+        for (int j = 0; j < count; j++) {
+            const float *parked = parts + (r * TILE_W + j) * PAIR_FLOATS;
+            const __m256 low = _mm256_add_ps(_mm256_loadu_ps(parked), _mm256_loadu_ps(parked + 8));
+            const __m256 high = _mm256_add_ps(_mm256_loadu_ps(parked + 16), _mm256_loadu_ps(parked + 24));
+            const float offset = has_mins ? hsum8(_mm256_loadu_ps(parked + 32)) : 0.0f;
+            pr->out[(p + r) * pr->out_stride + m + j] = hsum8(_mm256_add_ps(low, high)) - offset;
+        }
+}
+
 /* Weight rows m..m + count - 1 (count <= TILE_W; the rest of the tile repeats row m) of matrix b
  * against input rows p..p + n - 1 (n <= TILE_ROWS) */
 #define KQUANT_TILE(NAME, EXPAND, HAS_MINS, BLOCK_BYTES)                                               \
@@ -876,14 +890,7 @@ ALWAYS void tile_rows(const Product *pr, const float *w, const float *mins, int6
             if (n - r == 2) tile_rows(pr, w, m16, span, at, p + r, parts + r * TILE_W * PAIR_FLOATS, 2); \
             if (n - r == 1) tile_rows(pr, w, m16, span, at, p + r, parts + r * TILE_W * PAIR_FLOATS, 1); \
         }                                                                                              \
-        for (int64_t r = 0; r < n; r++)                                                                \
-            for (int j = 0; j < count; j++) {                                                          \
-                const float *parked = parts + (r * TILE_W + j) * PAIR_FLOATS;                          \
-                const __m256 chains = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(parked), _mm256_loadu_ps(parked + 8)), \
-                                                    _mm256_add_ps(_mm256_loadu_ps(parked + 16), _mm256_loadu_ps(parked + 24))); \
-                pr->out[(p + r) * pr->out_stride + m + j] =                                            \
-                    hsum8(chains) - (HAS_MINS ? hsum8(_mm256_loadu_ps(parked + 32)) : 0.0f);          \
-            }                                                                                          \
+        tile_outputs(pr, parts, m, count, p, n, HAS_MINS);                                             \
     }                                                                                                  \
     AVX2 static void NAME(const Product *pr, int64_t b, int64_t m, int count) {                      \
         for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p += TILE_ROWS)                         \

@@ -2,9 +2,10 @@
  * the extension's functions in ggml_cpu.c):
  *
  * - k3_kda_recurrent: the KDA recurrence after the projections, token by token (k3stream.model.kda.KDA's
- *   decode, and its prefill on the CPU). For each of B sequences, each of its tokens and each head: the causal conv of the projected q/k/v (history updated in
- *   place), SiLU, l2-normalised q and k, the per-channel decay gate, the delta rule on the state
- *   S [V, K] (in place), then the output's RMS norm and sigmoid gate.
+ *   decode, and its prefill on the CPU). For each of B sequences, each of its tokens and each head: the
+ *   causal conv of the projected q/k/v (history updated in place), SiLU, l2-normalised q and k, the
+ *   per-channel decay gate, the delta rule on the state S [V, K] (in place), then the output's RMS norm
+ *   and sigmoid gate.
  * - k3_residual_mix: the attention-residual mix (k3stream.model.attn_res.residual_mix).
  * - k3_rms_norm, k3_situ and k3_route: the RMS norm (k3stream.model.layers.rms_norm), Kimi-K3's
  *   activation (k3stream.quant.kernels.situ) and the MoE's sigmoid router (k3stream.model.moe.Routing).
@@ -71,6 +72,9 @@ INLINE void causal_conv_step(const float *x, float *history, const float *w, int
  * the default one; the same lane-wise IEEE operations, so the same bits): the delta rule's loops and
  * sums in a fixed order the compiler cannot reorder or leave scalar */
 typedef float Floats8 __attribute__((vector_size(32)));
+/* they pass only between always-inline functions, never across the call ABI GCC warns about for the
+ * default (SSE) clone */
+#pragma GCC diagnostic ignored "-Wpsabi"
 INLINE Floats8 load8(const float *p) {
     Floats8 v;
     memcpy(&v, p, sizeof v);
