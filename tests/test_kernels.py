@@ -285,6 +285,9 @@ def test_the_c_kda_recurrence_over_a_sequence_is_its_steps_one_by_one(heads, dim
     for together, one_by_one in zip(*runs, strict=True):
         assert torch.equal(together, one_by_one)
     assert runs[0][2].abs().sum() > 0
+    out = torch.empty(length, inner)
+    with pytest.raises(ValueError, match="37 rows, 2 histories and 2 states do not make whole sequences"):
+        cpu.bind_kda_recurrent(inputs, [history] * 2, [state] * 2, weights, numbers, out, 1)
 
 
 @pytest.mark.parametrize("rows, top_k, width", [(1, 8, 256), (5, 16, 96), (3, 1, 7)])
