@@ -105,24 +105,23 @@ INLINE Floats8 tree_sums(const Floats8 *v) {
            __builtin_shufflevector(pairs[0], pairs[1], 1, 3, 9, 11, 5, 7, 13, 15);
 }
 
-/* sum_i v[i]^2 in LANES interleaved partial sums */
-INLINE float sum_squares(const float *v, int64_t n) {
+/* sum_i a[i] b[i] in LANES interleaved partial sums, added as a tree */
+INLINE float dot(const float *a, const float *b, int64_t n) {
     Floats8 low = {0}, high = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES) {
-        const Floats8 a = load8(v + i), b = load8(v + i + 8);
-        low += a * a;
-        high += b * b;
+        low += load8(a + i) * load8(b + i);
+        high += load8(a + i + 8) * load8(b + i + 8);
     }
     float sum = tree_sum(low + high);
-    for (; i < n; i++) sum += v[i] * v[i];
+    for (; i < n; i++) sum += a[i] * b[i];
     return sum;
 }
 
 INLINE void silu_l2(float *v, int64_t n, float eps, int normalize) {
     for (int64_t i = 0; i < n; i++) v[i] = v[i] * sigmoidf(v[i]);
     if (!normalize) return;
-    const float inverse = 1.0f / sqrtf(sum_squares(v, n) + eps);
+    const float inverse = 1.0f / sqrtf(dot(v, v, n) + eps);
     for (int64_t i = 0; i < n; i++) v[i] *= inverse;
 }
 
@@ -207,7 +206,7 @@ INLINE void kda_head(float *mixed, const float *f, const float *dt_bias, const f
     for (int64_t i = 0; i < dim; i++) q[i] *= scale;
     decay(f + h * dim, dt_bias + h * dim, -ssm_a[h], has_bound, bound, dim, factor);
     delta_rule(state + h * dim * dim, q, k, v, factor, sigmoidf(beta_logit), dim, o);
-    const float inverse = 1.0f / sqrtf(sum_squares(o, dim) / (float)dim + eps);
+    const float inverse = 1.0f / sqrtf(dot(o, o, dim) / (float)dim + eps);
     const float *gate = g_logits + h * dim;
     for (int64_t i = 0; i < dim; i++) y[i] = o[i] * inverse * o_norm[i] * sigmoidf(gate[i]);
 }
@@ -398,7 +397,7 @@ CLONES void k3_combine(const float *pairs, const float *weights, int64_t n, int6
  * k3stream.model.mla.MLA._attend_one): for each of `heads` rows q [width] of query, scores
  * s_t = (q . cache[t]) * scale over the `length` cache rows [width], p = softmax(s), and
  * out[h] = sum_t p_t cache[t, :kv] (the first kv values of each row, summed in t order). A thread takes
- * a run of heads: their scores with each cache row read once for all of them, then each head's sum.
+ * a run of heads: their scores, then their sums, each cache row read once for all of them in each.
  * `probs`: scratch of heads x length floats.
  * Heads run on up to `threads` threads when the work is large; each head's sums are the same on any. */
 CLONES void k3_mla_attend(const float *query, const float *cache, int64_t length, int64_t heads, int64_t width,
@@ -410,25 +409,22 @@ CLONES void k3_mla_attend(const float *query, const float *cache, int64_t length
         const int64_t first = heads * team / teams, last = heads * (team + 1) / teams;
         for (int64_t t = 0; t < length; t++) {
             const float *row = cache + t * width;
-            for (int64_t h = first; h < last; h++) {
-                const float *q = query + h * width;
-                float partial[LANES] = {0}, dot = 0.0f;
-                int64_t e = 0;
-                for (; e + LANES <= width; e += LANES)
-                    for (int j = 0; j < LANES; j++) partial[j] += q[e + j] * row[e + j];
-                for (int j = 0; j < LANES; j++) dot += partial[j];
-                for (; e < width; e++) dot += q[e] * row[e];
-                probs[h * length + t] = dot * scale;
-            }
+            for (int64_t h = first; h < last; h++) probs[h * length + t] = dot(query + h * width, row, width) * scale;
         }
+        float totals[last - first + 1];
         for (int64_t h = first; h < last; h++) {
             float *p = probs + h * length, largest = -INFINITY, total = 0.0f;
             for (int64_t t = 0; t < length; t++) largest = p[t] > largest ? p[t] : largest;
-            for (int64_t t = 0; t < length; t++) total += p[t] = expf(p[t] - largest);
-            float *y = out + h * kv;
-            for (int64_t e = 0; e < kv; e++) y[e] = 0.0f;
-            for (int64_t t = 0; t < length; t++) {
-                const float *row = cache + t * width, w = p[t] / total;
+            for (int64_t t = 0; t < length; t++) p[t] = exp_poly(p[t] - largest);
+            for (int64_t t = 0; t < length; t++) total += p[t];
+            totals[h - first] = total;
+            for (int64_t e = 0; e < kv; e++) out[h * kv + e] = 0.0f;
+        }
+        for (int64_t t = 0; t < length; t++) { /* each cache row read once for the team's heads */
+            const float *row = cache + t * width;
+            for (int64_t h = first; h < last; h++) {
+                float *y = out + h * kv;
+                const float w = probs[h * length + t] / totals[h - first];
                 for (int64_t e = 0; e < kv; e++) y[e] += w * row[e];
             }
         }
