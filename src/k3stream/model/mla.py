@@ -20,6 +20,10 @@ from k3stream.quant.kernels import F32, GroupedProduct, checked_weight, cpu
 from k3stream.quant.rounding import round_like_ggml
 
 QUERY_BLOCK = 512
+# multiply-adds of one query's scores (heads x cache rows x row width) up to which the C attention runs:
+# beyond, torch's two matrix products are faster (Kimi-K3's 64 heads of 576 over 256-4096 cached rows:
+# 25-35 against 13-19 G multiply-adds/s; the tiny models' 8 heads over a few hundred rows: even)
+C_ATTENTION_MAX_MACS = 1 << 22
 
 
 class HeadProjection:
@@ -206,8 +210,10 @@ class MLA:
 
     def _attend_one(self, query: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """The newest position's query [H, kv_lora + rope] over its whole cache -> context [H, kv]
-        (`_attend_block` for one query, which masks nothing; in C for float32 CPU tensors)."""
-        if cpu.takes((query, cache)) and cache.shape[1] == query.shape[1]:
+        (`_attend_block` for one query, which masks nothing; in C for float32 CPU tensors of at most
+        C_ATTENTION_MAX_MACS multiply-adds)."""
+        small = query.shape[0] * cache.shape[0] * cache.shape[1] <= C_ATTENTION_MAX_MACS
+        if small and cpu.takes((query, cache)) and cache.shape[1] == query.shape[1]:
             return cpu.mla_attend(query, cache, self.kv_lora, self.scale)
         probs = torch.softmax(torch.mm(query, cache.T) * self.scale, dim=-1)
         return torch.mm(probs, cache[:, : self.kv_lora])
