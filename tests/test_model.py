@@ -276,6 +276,25 @@ def test_long_prompts_attend_in_query_blocks(small_model, monkeypatch):
     assert relative_error(small_model.logits(tokens), whole) < 1e-5
 
 
+def test_decode_attention_beyond_the_c_size_takes_torch_and_agrees(small_model, monkeypatch):
+    """A decode query's MLA attention larger than `C_ATTENTION_MAX_MACS` takes torch's two products
+    (Kimi-K3's 64 heads): the same logits as the C attention within 1e-5."""
+    from k3stream.model import mla
+    from k3stream.quant.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("the C kernels were not built")
+    calls, attend = [], cpu.mla_attend
+    monkeypatch.setattr(cpu, "mla_attend", lambda *args: calls.append(1) or attend(*args))
+    tokens = tokens_for(9, small_model.config.vocab_size, PREFIX + 8)
+    in_c = prefill_then_decode(small_model, tokens)
+    assert calls  # the small model's decode attention is in C
+    calls.clear()
+    monkeypatch.setattr(mla, "C_ATTENTION_MAX_MACS", 0)
+    beyond = prefill_then_decode(small_model, tokens)
+    assert not calls and relative_error(beyond, in_c) < 1e-5
+
+
 def test_kernels_agree_with_the_reference_path(tiny_model):
     """Every product on GGUF blocks (kernels) against the dequantize-first reference, prefill and decode,
     on the audited recipe (Q2_K/Q3_K experts, Q4_0/Q2_K MLA heads) and on F16 weights."""
