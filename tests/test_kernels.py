@@ -88,12 +88,17 @@ def test_float_rows_of_a_page_or_more_give_each_output_row_its_own_result(qt, co
     assert relative_error(qmatmul(x, w), reference(x, w)) <= 1e-6
 
 
-@pytest.mark.parametrize("qt", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("cols", [768, 2304])
+MANY_ROW_CASES = [(qt, cols) for qt in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K) for cols in (768, 2304)] + [
+    (qt, cols) for qt in (T.F16, T.BF16) for cols in (768, 2304, 800)
+]
+
+
+@pytest.mark.parametrize("qt, cols", MANY_ROW_CASES, ids=lambda case: str(getattr(case, "name", case)))
 def test_many_rows_of_one_matrix_equal_single_row_products_bit_for_bit(qt, cols):
     """Prefill-sized groups (from a few rows to more than one group of the tiled path, which expands
     each block once for many rows; weight rows that do not fill the last tile; rows longer than one
-    expanded chunk) give each row exactly its single-row result."""
+    expanded chunk; float rows that are not whole 256s, which stay off the tiles) give each row exactly
+    its single-row result."""
     weights = [weight(qt, 42, cols, seed=s) for s in range(3)]
     x = torch.randn(150, cols)
     counts = [7, 0, 143]

@@ -912,22 +912,38 @@ KQUANT_ROW(fused_q3_k, dot_q3_k, 0, 110)
 KQUANT_TILE(tile_q2_k, expand_q2_k, 1, 84)
 KQUANT_TILE(tile_q3_k, expand_q3_k, 0, 110)
 
+/* F16 and BF16: 256 values converted, for the tiles (their chains are the whole-row float dots') */
+#define EXPAND_FLOAT(NAME, LOAD8)                                                                      \
+    ALWAYS void NAME(const uint8_t *restrict b, float *w, float *mins) {                               \
+        (void)mins;                                                                                    \
+        for (int i = 0; i < 32; i++) _mm256_storeu_ps(w + 8 * i, LOAD8(b + 16 * i));                   \
+    }
+
+EXPAND_FLOAT(expand_f16, half8)
+EXPAND_FLOAT(expand_bf16, bf16x8)
+KQUANT_TILE(tile_f16, expand_f16, 0, 512)
+KQUANT_TILE(tile_bf16, expand_bf16, 0, 512)
+
 static TileKernel tile_kernel(int ggml_type) {
     if (!HAVE_AVX2()) return NULL;
     switch (ggml_type) {
         case 10: return tile_q2_k;
         case 11: return tile_q3_k;
+        case 1: return __builtin_cpu_supports("f16c") ? tile_f16 : NULL;
+        case 30: return tile_bf16;
         default: return NULL;
     }
 }
 
 /* One weight row m of a fused type against its matrix's input rows, FUSED_ROWS rows at a time; DOT
- * takes up to 256 values (a K-quant block, or up to eight 32-value blocks) per call. */
-#define FUSED_ROW(NAME, DOT, BLOCK_ELEMS, BLOCK_BYTES)                                                 \
+ * takes VALUES values per call (256: a K-quant block, or eight 32-value blocks; the float types take
+ * their whole row, its four chains across it as the wide rows and the tiles sum it), the calls'
+ * results summed in order. */
+#define FUSED_ROW(NAME, DOT, BLOCK_ELEMS, BLOCK_BYTES, VALUES)                                         \
     AVX2 static void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
         const float *x[FUSED_ROWS], *sums[FUSED_ROWS];                                                 \
         float total[FUSED_ROWS] = {0}, part[FUSED_ROWS];                                                \
-        const int64_t blocks = pr->row_bytes / (BLOCK_BYTES), per_call = 256 / (BLOCK_ELEMS);          \
+        const int64_t blocks = pr->row_bytes / (BLOCK_BYTES), per_call = (VALUES) / (BLOCK_ELEMS);     \
         for (int r = 0; r < n; r++) {                                                                  \
             x[r] = pr->x + pr->rows[p + r] * pr->in_features;                                          \
             sums[r] = pr->sums16 + pr->rows[p + r] * (pr->in_features / 16);                           \
@@ -936,7 +952,7 @@ static TileKernel tile_kernel(int ggml_type) {
             const int count = (int)(blocks - block < per_call ? blocks - block : per_call);            \
             prefetch_ahead(row + block * (BLOCK_BYTES), count * (BLOCK_BYTES));                        \
             DOT(row + block * (BLOCK_BYTES), x, sums, (BLOCK_ELEMS) * block, part, n, count);          \
-            for (int r = 0; r < n; r++) total[r] += part[r];                                           \
+            for (int r = 0; r < n; r++) total[r] = block == 0 ? part[r] : total[r] + part[r];          \
         }                                                                                              \
         for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = total[r];                    \
     }                                                                                                  \
@@ -947,13 +963,13 @@ static TileKernel tile_kernel(int ggml_type) {
         for (; p < pr->starts[b + 1]; p++) NAME##_rows(pr, row, m, p, 1);                              \
     }
 
-FUSED_ROW(fused_q4_k, dot_q4_k, 256, 144)
-FUSED_ROW(fused_q6_k, dot_q6_k, 256, 210)
-FUSED_ROW(fused_q4_0, dot_q4_0, 32, 18)
-FUSED_ROW(fused_q8_0, dot_q8_0, 32, 34)
-FUSED_ROW(fused_f16, dot_f16, 32, 64)
-FUSED_ROW(fused_bf16, dot_bf16, 32, 64)
-FUSED_ROW(fused_f32, dot_f32, 32, 128)
+FUSED_ROW(fused_q4_k, dot_q4_k, 256, 144, 256)
+FUSED_ROW(fused_q6_k, dot_q6_k, 256, 210, 256)
+FUSED_ROW(fused_q4_0, dot_q4_0, 32, 18, 256)
+FUSED_ROW(fused_q8_0, dot_q8_0, 32, 34, 256)
+FUSED_ROW(fused_f16, dot_f16, 32, 64, pr->in_features)
+FUSED_ROW(fused_bf16, dot_bf16, 32, 64, pr->in_features)
+FUSED_ROW(fused_f32, dot_f32, 32, 128, pr->in_features)
 
 static RowKernel fused_kernel(int ggml_type) {
     if (!HAVE_AVX2()) return NULL;
@@ -1235,7 +1251,9 @@ static int plan_product(Plan *plan, const float *x, int64_t in_features, const i
     }
     plan->kernel = kernel;
     plan->wide = q8_activations ? NULL : wide_kernel(ggml_type, row_bytes);
-    plan->tile = q8_activations || plan->pr.sums16 == NULL ? NULL : tile_kernel(ggml_type);
+    /* the tiles expand 256 values at a time (the K-quants' block; F16 and BF16 rows of whole 256s) */
+    const int tiles = !q8_activations && plan->pr.sums16 != NULL && in_features % 256 == 0;
+    plan->tile = tiles ? tile_kernel(ggml_type) : NULL;
     plan->chunks = (out_rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     plan->tasks = matrices * plan->chunks;
     return 0;
