@@ -89,7 +89,7 @@ def test_float_rows_of_a_page_or_more_give_each_output_row_its_own_result(qt, co
 
 
 MANY_ROW_CASES = [(qt, cols) for qt in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K) for cols in (768, 2304)] + [
-    (qt, cols) for qt in (T.F16, T.BF16) for cols in (768, 2304, 800)
+    (qt, cols) for qt in (T.F16, T.BF16, T.Q4_0, T.Q8_0) for cols in (768, 2304, 800)
 ]
 
 

@@ -912,6 +912,36 @@ KQUANT_ROW(fused_q3_k, dot_q3_k, 0, 110)
 KQUANT_TILE(tile_q2_k, expand_q2_k, 1, 84)
 KQUANT_TILE(tile_q3_k, expand_q3_k, 0, 110)
 
+/* Q8_0 and Q4_0: eight 32-value blocks, each code times its block's step (fma32_step's products) */
+ALWAYS void codes_times(__m256i codes, float step, float *w) {
+    const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+    const __m256 s = _mm256_set1_ps(step);
+    _mm256_storeu_ps(w, _mm256_mul_ps(codes_lo8(lo), s));
+    _mm256_storeu_ps(w + 8, _mm256_mul_ps(codes_lo8(_mm_srli_si128(lo, 8)), s));
+    _mm256_storeu_ps(w + 16, _mm256_mul_ps(codes_lo8(hi), s));
+    _mm256_storeu_ps(w + 24, _mm256_mul_ps(codes_lo8(_mm_srli_si128(hi, 8)), s));
+}
+
+ALWAYS void expand_q8_0(const uint8_t *restrict b, float *w, float *mins) {
+    (void)mins;
+    for (int k = 0; k < 8; k++) codes_times(_mm256_loadu_si256((const __m256i *)(b + 34 * k + 2)), f16c(b + 34 * k), w + 32 * k);
+}
+
+ALWAYS void expand_q4_0(const uint8_t *restrict b, float *w, float *mins) {
+    (void)mins;
+    const __m128i nibble = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+    for (int k = 0; k < 8; k++) { /* as dot_q4_0: low nibbles then high nibbles, less 8 */
+        const uint8_t *block = b + 18 * k;
+        const __m128i q = _mm_loadu_si128((const __m128i *)(block + 2));
+        const __m128i low = _mm_sub_epi8(_mm_and_si128(q, nibble), eight);
+        const __m128i high = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), nibble), eight);
+        codes_times(_mm256_set_m128i(high, low), f16c(block), w + 32 * k);
+    }
+}
+
+KQUANT_TILE(tile_q8_0, expand_q8_0, 0, 272)
+KQUANT_TILE(tile_q4_0, expand_q4_0, 0, 144)
+
 /* F16 and BF16: 256 values converted, for the tiles (their chains are the whole-row float dots') */
 #define EXPAND_FLOAT(NAME, LOAD8)                                                                      \
     ALWAYS void NAME(const uint8_t *restrict b, float *w, float *mins) {                               \
@@ -931,14 +961,16 @@ static TileKernel tile_kernel(int ggml_type) {
         case 11: return tile_q3_k;
         case 1: return __builtin_cpu_supports("f16c") ? tile_f16 : NULL;
         case 30: return tile_bf16;
+        case 8: return tile_q8_0;
+        case 2: return tile_q4_0;
         default: return NULL;
     }
 }
 
 /* One weight row m of a fused type against its matrix's input rows, FUSED_ROWS rows at a time; DOT
- * takes VALUES values per call (256: a K-quant block, or eight 32-value blocks; the float types take
- * their whole row, its four chains across it as the wide rows and the tiles sum it), the calls'
- * results summed in order. */
+ * takes VALUES values per call (256: a Q4_K or Q6_K block; the float types, Q4_0 and Q8_0 take their
+ * whole row, its four chains across it as the wide rows and the tiles sum it), the calls' results
+ * summed in order. */
 #define FUSED_ROW(NAME, DOT, BLOCK_ELEMS, BLOCK_BYTES, VALUES)                                         \
     AVX2 static void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
         const float *x[FUSED_ROWS], *sums[FUSED_ROWS];                                                 \
@@ -965,8 +997,8 @@ static TileKernel tile_kernel(int ggml_type) {
 
 FUSED_ROW(fused_q4_k, dot_q4_k, 256, 144, 256)
 FUSED_ROW(fused_q6_k, dot_q6_k, 256, 210, 256)
-FUSED_ROW(fused_q4_0, dot_q4_0, 32, 18, 256)
-FUSED_ROW(fused_q8_0, dot_q8_0, 32, 34, 256)
+FUSED_ROW(fused_q4_0, dot_q4_0, 32, 18, pr->in_features)
+FUSED_ROW(fused_q8_0, dot_q8_0, 32, 34, pr->in_features)
 FUSED_ROW(fused_f16, dot_f16, 32, 64, pr->in_features)
 FUSED_ROW(fused_bf16, dot_bf16, 32, 64, pr->in_features)
 FUSED_ROW(fused_f32, dot_f32, 32, 128, pr->in_features)
