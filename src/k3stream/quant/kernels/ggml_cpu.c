@@ -598,30 +598,31 @@ ALWAYS void dot_q4_0(const uint8_t *restrict b, const float *const *x, const flo
     for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);
 }
 
-/* Q4_K: 8 sub-blocks of 32, byte 16 + 32(s/2) + i holds element 32s + i in nibble s%2 */
-ALWAYS void dot_q4_k(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
-                     float *out, const int n, const int count) {
-    (void)count;
+/* Q4_K's 8 sub-block steps (scale * d) and each 16 values' min (min * dmin, a 32-value sub-block's
+ * twice: its offset enters as two 16-value sums, as Q2_K's) */
+ALWAYS void q4_k_steps(const uint8_t *restrict b, float *steps, float *mins) {
     const float d = f16c(b), dmin = f16c(b + 2);
-    float mins[8];
-    __m256 acc[FUSED_ROWS][4];
-    zero_acc(acc, n);
-    const __m256i nibble = _mm256_set1_epi8(15);
     for (int s = 0; s < 8; s++) {
         int scale, min;
         k_scale_min(b + 4, s, &scale, &min);
-        mins[s] = (float)min * dmin;
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (s >> 1)));
-        const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(q, 4 * (s & 1)), nibble);
-        fma32_step(codes, (float)scale * d, x, at + 32 * s, acc, n);
+        steps[s] = (float)scale * d;
+        mins[2 * s] = mins[2 * s + 1] = (float)min * dmin;
     }
-    for (int r = 0; r < n; r++) { /* each sub-block's min times the sum of its 32 values */
-        const float *row_sums = sums[r] + at / 16;
-        __m256 pairs = _mm256_setr_ps(row_sums[0] + row_sums[1], row_sums[2] + row_sums[3], row_sums[4] + row_sums[5],
-                                      row_sums[6] + row_sums[7], row_sums[8] + row_sums[9], row_sums[10] + row_sums[11],
-                                      row_sums[12] + row_sums[13], row_sums[14] + row_sums[15]);
-        out[r] = hsum_all(acc[r]) - hsum8(_mm256_mul_ps(_mm256_loadu_ps(mins), pairs));
-    }
+}
+
+/* Q4_K's 32 codes of sub-block s: byte 16 + 32(s/2) + i holds element 32s + i in nibble s%2 */
+ALWAYS __m256i q4_k_codes(const uint8_t *restrict b, int s) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (s >> 1)));
+    return _mm256_and_si256(_mm256_srli_epi16(q, 4 * (s & 1)), _mm256_set1_epi8(15));
+}
+
+/* Q4_K and Q6_K run each row's chains (and Q4_K's min offsets) across the row, as Q2_K */
+ALWAYS void dot_q4_k(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
+                     __m256 acc[FUSED_ROWS][4], __m256 offsets[FUSED_ROWS], const int n) {
+    float steps[8], mins[16];
+    q4_k_steps(b, steps, mins);
+    for (int s = 0; s < 8; s++) fma32_step(q4_k_codes(b, s), steps[s], x, at + 32 * s, acc, n);
+    add_min_offsets(mins, sums, at, offsets, n);
 }
 
 /* Q6_K's 32 unsigned 6-bit codes (0..63) of run r: low nibbles at 64(r/4) + 32((r%4)%2), shift
@@ -635,22 +636,20 @@ ALWAYS __m256i q6_k_codes(const uint8_t *restrict b, int run) {
     return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
 }
 
-/* Q6_K: run r of 32 values (sub-blocks 2r, 2r + 1): low nibbles at 64(r/4) + 32((r%4)%2), shift
- * 4((r%4)/2); high bits at 128 + 32(r/4), shift 2(r%4) */
-ALWAYS void dot_q6_k(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
-                     float *out, const int n, const int count) {
-    (void)sums, (void)count;
+/* Q6_K's 16 sub-block steps (scale * d) */
+ALWAYS void q6_k_steps(const uint8_t *restrict b, float *steps) {
     const float d = f16c(b + 208);
-    __m256 acc[FUSED_ROWS][4];
-    zero_acc(acc, n);
-    const __m256i bias = _mm256_set1_epi8(32);
-    float steps[16];
     for (int s = 0; s < 16; s++) steps[s] = (float)(int8_t)b[192 + s] * d;
-    for (int run = 0; run < 8; run++) {
-        const __m256i codes = _mm256_sub_epi8(q6_k_codes(b, run), bias);
-        fma32(codes, steps, 2 * run, x, at + 32 * run, acc, n);
-    }
-    for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);
+}
+
+/* Q6_K: run r of 32 values (sub-blocks 2r, 2r + 1), codes less 32 */
+ALWAYS void dot_q6_k(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
+                     __m256 acc[FUSED_ROWS][4], __m256 offsets[FUSED_ROWS], const int n) {
+    (void)sums, (void)offsets;
+    float steps[16];
+    q6_k_steps(b, steps);
+    for (int run = 0; run < 8; run++)
+        fma32(_mm256_sub_epi8(q6_k_codes(b, run), _mm256_set1_epi8(32)), steps, 2 * run, x, at + 32 * run, acc, n);
 }
 
 /* F16 (F16C's exact conversion) and BF16 (the bits shifted up): `count` runs of 32 values */
@@ -720,8 +719,19 @@ static WideKernel wide_kernel(int ggml_type, int64_t row_bytes) {
     }
 }
 
+/* 32 signed byte codes times their steps (`low` the first 16's, `high` the last 16's) into w[32]: the
+ * products fma32 and fma32_step form in registers */
+ALWAYS void codes_times(__m256i codes, float low, float high, float *w) {
+    const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+    const __m256 a = _mm256_set1_ps(low), b = _mm256_set1_ps(high);
+    _mm256_storeu_ps(w, _mm256_mul_ps(codes_lo8(lo), a));
+    _mm256_storeu_ps(w + 8, _mm256_mul_ps(codes_lo8(_mm_srli_si128(lo, 8)), a));
+    _mm256_storeu_ps(w + 16, _mm256_mul_ps(codes_lo8(hi), b));
+    _mm256_storeu_ps(w + 24, _mm256_mul_ps(codes_lo8(_mm_srli_si128(hi, 8)), b));
+}
+
 /* One block expanded into floats for the tiles below: the products code * step the dots above form
- * in registers (256 into w) and Q2_K's sub-block mins (16 into mins). */
+ * in registers (256 into w) and the sub-block mins of Q2_K and Q4_K (16 into mins). */
 ALWAYS void expand_q2_k(const uint8_t *restrict b, float *w, float *mins) {
     float steps[16];
     nibbles_times(b, 0, f16c(b + 80), steps);
@@ -907,24 +917,37 @@ ALWAYS void tile_outputs(const Product *pr, const float *parts, int64_t m, int c
         for (; p < pr->starts[b + 1]; p++) NAME##_rows(pr, row, m, p, 1);                              \
     }
 
-KQUANT_ROW(fused_q2_k, dot_q2_k, 1, 84)
-KQUANT_ROW(fused_q3_k, dot_q3_k, 0, 110)
-KQUANT_TILE(tile_q2_k, expand_q2_k, 1, 84)
-KQUANT_TILE(tile_q3_k, expand_q3_k, 0, 110)
-
-/* Q8_0 and Q4_0: eight 32-value blocks, each code times its block's step (fma32_step's products) */
-ALWAYS void codes_times(__m256i codes, float step, float *w) {
-    const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
-    const __m256 s = _mm256_set1_ps(step);
-    _mm256_storeu_ps(w, _mm256_mul_ps(codes_lo8(lo), s));
-    _mm256_storeu_ps(w + 8, _mm256_mul_ps(codes_lo8(_mm_srli_si128(lo, 8)), s));
-    _mm256_storeu_ps(w + 16, _mm256_mul_ps(codes_lo8(hi), s));
-    _mm256_storeu_ps(w + 24, _mm256_mul_ps(codes_lo8(_mm_srli_si128(hi, 8)), s));
+ALWAYS void expand_q4_k(const uint8_t *restrict b, float *w, float *mins) {
+    float steps[8];
+    q4_k_steps(b, steps, mins);
+    for (int s = 0; s < 8; s++) codes_times(q4_k_codes(b, s), steps[s], steps[s], w + 32 * s);
 }
 
+ALWAYS void expand_q6_k(const uint8_t *restrict b, float *w, float *mins) {
+    (void)mins;
+    float steps[16];
+    q6_k_steps(b, steps);
+    for (int run = 0; run < 8; run++)
+        codes_times(_mm256_sub_epi8(q6_k_codes(b, run), _mm256_set1_epi8(32)), steps[2 * run], steps[2 * run + 1],
+                    w + 32 * run);
+}
+
+KQUANT_ROW(fused_q2_k, dot_q2_k, 1, 84)
+KQUANT_ROW(fused_q3_k, dot_q3_k, 0, 110)
+KQUANT_ROW(fused_q4_k, dot_q4_k, 1, 144)
+KQUANT_ROW(fused_q6_k, dot_q6_k, 0, 210)
+KQUANT_TILE(tile_q2_k, expand_q2_k, 1, 84)
+KQUANT_TILE(tile_q3_k, expand_q3_k, 0, 110)
+KQUANT_TILE(tile_q4_k, expand_q4_k, 1, 144)
+KQUANT_TILE(tile_q6_k, expand_q6_k, 0, 210)
+
+/* Q8_0 and Q4_0: eight 32-value blocks, each code times its block's step (fma32_step's products) */
 ALWAYS void expand_q8_0(const uint8_t *restrict b, float *w, float *mins) {
     (void)mins;
-    for (int k = 0; k < 8; k++) codes_times(_mm256_loadu_si256((const __m256i *)(b + 34 * k + 2)), f16c(b + 34 * k), w + 32 * k);
+    for (int k = 0; k < 8; k++) {
+        const float step = f16c(b + 34 * k);
+        codes_times(_mm256_loadu_si256((const __m256i *)(b + 34 * k + 2)), step, step, w + 32 * k);
+    }
 }
 
 ALWAYS void expand_q4_0(const uint8_t *restrict b, float *w, float *mins) {
@@ -935,7 +958,7 @@ ALWAYS void expand_q4_0(const uint8_t *restrict b, float *w, float *mins) {
         const __m128i q = _mm_loadu_si128((const __m128i *)(block + 2));
         const __m128i low = _mm_sub_epi8(_mm_and_si128(q, nibble), eight);
         const __m128i high = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), nibble), eight);
-        codes_times(_mm256_set_m128i(high, low), f16c(block), w + 32 * k);
+        codes_times(_mm256_set_m128i(high, low), f16c(block), f16c(block), w + 32 * k);
     }
 }
 
@@ -961,31 +984,27 @@ static TileKernel tile_kernel(int ggml_type) {
         case 11: return tile_q3_k;
         case 1: return __builtin_cpu_supports("f16c") ? tile_f16 : NULL;
         case 30: return tile_bf16;
+        case 12: return tile_q4_k;
+        case 14: return tile_q6_k;
         case 8: return tile_q8_0;
         case 2: return tile_q4_0;
         default: return NULL;
     }
 }
 
-/* One weight row m of a fused type against its matrix's input rows, FUSED_ROWS rows at a time; DOT
- * takes VALUES values per call (256: a Q4_K or Q6_K block; the float types, Q4_0 and Q8_0 take their
- * whole row, its four chains across it as the wide rows and the tiles sum it), the calls' results
- * summed in order. */
-#define FUSED_ROW(NAME, DOT, BLOCK_ELEMS, BLOCK_BYTES, VALUES)                                         \
+/* One weight row m of a type in 32-value blocks (Q4_0, Q8_0, F16, BF16, F32) against its matrix's input
+ * rows, FUSED_ROWS at a time: DOT over the whole row, its four chains across it (as the wide rows and
+ * the tiles sum it) */
+#define FUSED_ROW(NAME, DOT, BLOCK_BYTES)                                                              \
     AVX2 static void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
         const float *x[FUSED_ROWS], *sums[FUSED_ROWS];                                                 \
-        float total[FUSED_ROWS] = {0}, part[FUSED_ROWS];                                                \
-        const int64_t blocks = pr->row_bytes / (BLOCK_BYTES), per_call = (VALUES) / (BLOCK_ELEMS);     \
+        float total[FUSED_ROWS];                                                                       \
         for (int r = 0; r < n; r++) {                                                                  \
             x[r] = pr->x + pr->rows[p + r] * pr->in_features;                                          \
             sums[r] = pr->sums16 + pr->rows[p + r] * (pr->in_features / 16);                           \
         }                                                                                              \
-        for (int64_t block = 0; block < blocks; block += per_call) {                                   \
-            const int count = (int)(blocks - block < per_call ? blocks - block : per_call);            \
-            prefetch_ahead(row + block * (BLOCK_BYTES), count * (BLOCK_BYTES));                        \
-            DOT(row + block * (BLOCK_BYTES), x, sums, (BLOCK_ELEMS) * block, part, n, count);          \
-            for (int r = 0; r < n; r++) total[r] = block == 0 ? part[r] : total[r] + part[r];          \
-        }                                                                                              \
+        prefetch_ahead(row, pr->row_bytes);                                                            \
+        DOT(row, x, sums, 0, total, n, (int)(pr->row_bytes / (BLOCK_BYTES)));                          \
         for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = total[r];                    \
     }                                                                                                  \
     AVX2 static void NAME(const Product *pr, int64_t b, int64_t m) {                                   \
@@ -995,13 +1014,11 @@ static TileKernel tile_kernel(int ggml_type) {
         for (; p < pr->starts[b + 1]; p++) NAME##_rows(pr, row, m, p, 1);                              \
     }
 
-FUSED_ROW(fused_q4_k, dot_q4_k, 256, 144, 256)
-FUSED_ROW(fused_q6_k, dot_q6_k, 256, 210, 256)
-FUSED_ROW(fused_q4_0, dot_q4_0, 32, 18, pr->in_features)
-FUSED_ROW(fused_q8_0, dot_q8_0, 32, 34, pr->in_features)
-FUSED_ROW(fused_f16, dot_f16, 32, 64, pr->in_features)
-FUSED_ROW(fused_bf16, dot_bf16, 32, 64, pr->in_features)
-FUSED_ROW(fused_f32, dot_f32, 32, 128, pr->in_features)
+FUSED_ROW(fused_q4_0, dot_q4_0, 18)
+FUSED_ROW(fused_q8_0, dot_q8_0, 34)
+FUSED_ROW(fused_f16, dot_f16, 64)
+FUSED_ROW(fused_bf16, dot_bf16, 64)
+FUSED_ROW(fused_f32, dot_f32, 128)
 
 static RowKernel fused_kernel(int ggml_type) {
     if (!HAVE_AVX2()) return NULL;
