@@ -803,12 +803,12 @@ ALWAYS void store_rows(const Product *pr, __m256 acc[FUSED_ROWS][4], __m256 offs
     }
 
 /* Many input rows of one matrix (prefill), TILE_W weight rows at a time: their blocks are expanded,
- * TILE_K values at a time, into floats (the products code * step the dots above form in registers, and
- * Q2_K's sub-block mins); then TILE_X input rows at a time run against them chain by chain, the
- * TILE_X x TILE_W pairs' eight-lane sums of chain c (elements 32i + 8c, in order) in twelve registers,
- * parked between chunks in `parts`. Every chain sees the same FMAs in the same order as in the dots
- * above, so a row's result is bit for bit what it is alone; the tile spends 7 loads on 12 FMAs where
- * one weight row against three input rows spent 4 on 3. */
+ * TILE_K values at a time, into floats (the products code * step the dots above form in registers, the
+ * sub-block mins of Q2_K and Q4_K; F16 and BF16 converted); then TILE_X input rows at a time run
+ * against them chain by chain, the TILE_X x TILE_W pairs' eight-lane sums of chain c (elements 32i + 8c,
+ * in order) in twelve registers, parked between chunks in `parts`. Every chain sees the same FMAs in the
+ * same order as in the dots above, so a row's result is bit for bit what it is alone; the tile spends 7
+ * loads on 12 FMAs where one weight row against three input rows spent 4 on 3. */
 #define TILE_X 3
 #define TILE_K 1024
 #define TILE_ROWS 48 /* input rows whose sums are parked at once (a multiple of TILE_X) */
@@ -882,7 +882,7 @@ ALWAYS void tile_outputs(const Product *pr, const float *parts, int64_t m, int c
 
 /* Weight rows m..m + count - 1 (count <= TILE_W; the rest of the tile repeats row m) of matrix b
  * against input rows p..p + n - 1 (n <= TILE_ROWS) */
-#define KQUANT_TILE(NAME, EXPAND, HAS_MINS, BLOCK_BYTES)                                               \
+#define EXPANDED_TILE(NAME, EXPAND, HAS_MINS, BLOCK_BYTES)                                             \
     AVX2 static void NAME##_group(const Product *pr, int64_t b, int64_t m, int count, int64_t p, int64_t n) { \
         const uint8_t *first = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes, *row[TILE_W]; \
         for (int j = 0; j < TILE_W; j++) row[j] = first + (j < count ? j : 0) * pr->row_bytes;        \
@@ -936,10 +936,10 @@ KQUANT_ROW(fused_q2_k, dot_q2_k, 1, 84)
 KQUANT_ROW(fused_q3_k, dot_q3_k, 0, 110)
 KQUANT_ROW(fused_q4_k, dot_q4_k, 1, 144)
 KQUANT_ROW(fused_q6_k, dot_q6_k, 0, 210)
-KQUANT_TILE(tile_q2_k, expand_q2_k, 1, 84)
-KQUANT_TILE(tile_q3_k, expand_q3_k, 0, 110)
-KQUANT_TILE(tile_q4_k, expand_q4_k, 1, 144)
-KQUANT_TILE(tile_q6_k, expand_q6_k, 0, 210)
+EXPANDED_TILE(tile_q2_k, expand_q2_k, 1, 84)
+EXPANDED_TILE(tile_q3_k, expand_q3_k, 0, 110)
+EXPANDED_TILE(tile_q4_k, expand_q4_k, 1, 144)
+EXPANDED_TILE(tile_q6_k, expand_q6_k, 0, 210)
 
 /* Q8_0 and Q4_0: eight 32-value blocks, each code times its block's step (fma32_step's products) */
 ALWAYS void expand_q8_0(const uint8_t *restrict b, float *w, float *mins) {
@@ -962,8 +962,8 @@ ALWAYS void expand_q4_0(const uint8_t *restrict b, float *w, float *mins) {
     }
 }
 
-KQUANT_TILE(tile_q8_0, expand_q8_0, 0, 272)
-KQUANT_TILE(tile_q4_0, expand_q4_0, 0, 144)
+EXPANDED_TILE(tile_q8_0, expand_q8_0, 0, 272)
+EXPANDED_TILE(tile_q4_0, expand_q4_0, 0, 144)
 
 /* F16 and BF16: 256 values converted, for the tiles (their chains are the whole-row float dots') */
 #define EXPAND_FLOAT(NAME, LOAD8)                                                                      \
@@ -974,8 +974,8 @@ KQUANT_TILE(tile_q4_0, expand_q4_0, 0, 144)
 
 EXPAND_FLOAT(expand_f16, half8)
 EXPAND_FLOAT(expand_bf16, bf16x8)
-KQUANT_TILE(tile_f16, expand_f16, 0, 512)
-KQUANT_TILE(tile_bf16, expand_bf16, 0, 512)
+EXPANDED_TILE(tile_f16, expand_f16, 0, 512)
+EXPANDED_TILE(tile_bf16, expand_bf16, 0, 512)
 
 static TileKernel tile_kernel(int ggml_type) {
     if (!HAVE_AVX2()) return NULL;
