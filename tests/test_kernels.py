@@ -334,6 +334,41 @@ def test_the_c_mla_attention_matches_its_torch_formula(heads, length):
     assert relative_error(results[0].double(), probs @ cache.double()[:, :256]) <= 1e-6
 
 
+@pytest.mark.parametrize("count", [1, 7, 4096 + 3])
+def test_the_c_sigmoid_gate_matches_torch(count):
+    """MLA's output gate values * sigmoid(logits) in C (the polynomial exp) against torch's, extreme
+    logits included (no overflow, no NaN)."""
+    from k3stream.quant.kernels import cpu
+
+    generator = torch.Generator().manual_seed(count)
+    values = torch.randn(1, count, generator=generator)
+    logits = 8 * torch.randn(1, count, generator=generator)
+    logits[0, 0] = -1e4 if count > 1 else 1e4
+    got = cpu.sigmoid_gate(values, logits)
+    expected = values.double() * torch.sigmoid(logits.double())
+    assert torch.isfinite(got).all() and relative_error(got.double(), expected) <= 1e-6
+
+
+def test_c_copies_move_strided_rows_exactly_and_fall_back_to_torch_where_they_cannot():
+    """`bind_copy` between matrices whose rows belong to wider ones (a decode token's query assembled
+    from its parts), `copy_row` into a cache's next row; a view with strided columns copies by torch."""
+    from k3stream.quant.kernels import cpu
+
+    wide, target = torch.randn(5, 12), torch.zeros(5, 20)
+    function, args, _ = cpu.bind_copy(wide[:, 3:10], target[:, 8:15])
+    assert function is cpu._ggml_cpu().copy
+    function(*args)
+    assert torch.equal(target[:, 8:15], wide[:, 3:10])
+    assert not target[:, :8].any() and not target[:, 15:].any()
+    function, args, _ = cpu.bind_copy(wide[:, ::2], target[:, :6])
+    assert function is not cpu._ggml_cpu().copy
+    function(*args)
+    assert torch.equal(target[:, :6], wide[:, ::2])
+    cache, row = torch.zeros(4, 12), torch.randn(1, 12)
+    cpu.copy_row(row, cache, 2)
+    assert torch.equal(cache[2], row[0]) and not cache[[0, 1, 3]].any()
+
+
 @pytest.mark.parametrize(
     "types",
     [[T.F32], [T.F16], [T.Q2_K], [T.Q5_0], [T.Q2_K, T.F32, T.Q4_0], [T.Q3_K, T.F16, T.Q8_0]],

@@ -276,6 +276,23 @@ def test_long_prompts_attend_in_query_blocks(small_model, monkeypatch):
     assert relative_error(small_model.logits(tokens), whole) < 1e-5
 
 
+def test_a_cache_grown_row_by_row_in_c_holds_what_torch_appends():
+    """The decode program appends each token's latent row by a C copy (`MLAState.append_row`): across
+    the buffer's doublings the cache holds the same rows as one grown by `append`."""
+    from k3stream.model.mla import MLAState
+    from k3stream.quant.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("the C kernels were not built")
+    rows = torch.randn(40, 24)
+    by_c, by_torch = MLAState(24), MLAState(24)
+    for row in rows:
+        by_c.append_row(row[None])
+        by_torch.append(row[None])
+    assert by_c.length == by_torch.length == 40 and by_c.buffer.shape[0] >= 40
+    assert torch.equal(by_c.buffer[:40], rows) and torch.equal(by_torch.buffer[:40], rows)
+
+
 def test_decode_attention_beyond_the_c_size_takes_torch_and_agrees(small_model, monkeypatch):
     """A decode query's MLA attention larger than `C_ATTENTION_MAX_MACS` takes torch's two products
     (Kimi-K3's 64 heads): the same logits as the C attention within 1e-5."""

@@ -72,6 +72,14 @@ class HeadProjection:
         return call or cpu.python_step(lambda: out.copy_(self(x[None])[0]))
 
 
+def _bind_output_gate(values: torch.Tensor, g_logits: torch.Tensor, out: torch.Tensor) -> cpu.Call:
+    """`_output`'s gate (values * sigmoid(g_logits)) into `out` as a bound call: C's where `_output`
+    takes it, else torch's."""
+    if cpu.takes((values, g_logits, out)):
+        return cpu.bind_sigmoid_gate(values, g_logits, out)
+    return cpu.python_step(lambda: torch.mul(values, torch.sigmoid(g_logits), out=out))
+
+
 @functools.lru_cache(maxsize=64)
 def _rows_by_head(rows: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`starts`/`rows` of a grouped product whose matrix h takes rows h, h + H, ... of [N * H, in]."""
@@ -102,13 +110,24 @@ class MLAState:
     def append(self, rows: torch.Tensor) -> torch.Tensor:
         """Add rows [T, width]; returns the whole cache [length, width]."""
         needed = self.length + rows.shape[0]
-        if needed > self.buffer.shape[0]:
-            grown = self.buffer.new_zeros(max(needed, 2 * self.buffer.shape[0]), self.buffer.shape[1])
-            grown[: self.length] = self.buffer[: self.length]
-            self.buffer = grown
+        self._make_room(needed)
         self.buffer[self.length : needed] = rows
         self.length = needed
         return self.buffer[:needed]
+
+    def append_row(self, row: torch.Tensor) -> None:
+        """`append` of one contiguous float32 CPU row [1, width] by a C copy (a decode step's, which
+        then reads `buffer`'s first `length` rows): no torch operation, each costly in a token whose
+        weight reads have evicted torch's own code and data from the caches."""
+        self._make_room(self.length + 1)
+        cpu.copy_row(row, self.buffer, self.length)
+        self.length += 1
+
+    def _make_room(self, rows: int) -> None:
+        if rows > self.buffer.shape[0]:
+            grown = self.buffer.new_zeros(max(rows, 2 * self.buffer.shape[0]), self.buffer.shape[1])
+            grown[: self.length] = self.buffer[: self.length]
+            self.buffer = grown
 
 
 class MLA:
@@ -149,8 +168,9 @@ class MLA:
     def decode_steps(
         self, h: torch.Tensor, out: torch.Tensor, state: MLAState, threads: int
     ) -> list[cpu.Call]:
-        """`decode` of one sequence (h [1, E] into out [1, E]) as C calls bound to buffers of their own and
-        Python steps for the copies between them and the attention over the growing cache."""
+        """`decode` of one sequence (h [1, E] into out [1, E]) as C calls bound to buffers of their own,
+        the copies between them C calls too, and one Python step: the attention over the growing cache
+        (`_attend_step`)."""
         w, heads, width = self.w, self.heads, self.nope + self.rope
         joint = h.new_empty(1, sum(self.projections.widths))
         first, compressed, g_logits = joint.split(self.projections.widths, dim=1)
@@ -165,24 +185,39 @@ class MLA:
         q = first.view(heads, width)
         q_nope, query = h.new_empty(heads, self.nope), h.new_empty(heads, self.kv_lora + self.rope)
         q_absorbed, row = h.new_empty(heads, self.kv_lora), h.new_empty(1, self.kv_lora + self.rope)
-        context, values = torch.empty_like(q_absorbed), h.new_empty(heads, g_logits.shape[1] // heads)
+        context, values = torch.empty_like(q_absorbed), h.new_empty(1, g_logits.shape[1])
         gated = torch.empty_like(g_logits)
-
-        def queries_and_row() -> None:
-            query[:, : self.kv_lora] = q_absorbed
-            query[:, self.kv_lora :] = q[:, self.nope :]
-            row[:, self.kv_lora :] = compressed[:, self.kv_lora :]
-
         return steps + [
-            cpu.python_step(lambda: q_nope.copy_(q[:, : self.nope])),
+            cpu.bind_copy(q[:, : self.nope], q_nope),
             w.k_b.bind(q_nope, q_absorbed, threads),
             bind_rms_norm(compressed[:, : self.kv_lora], w.kv_a_norm, self.eps, row[:, : self.kv_lora]),
-            cpu.python_step(queries_and_row),
-            cpu.python_step(lambda: context.copy_(self._attend_one(query, state.append(row)))),
-            w.v_b.bind(context, values, threads),
-            cpu.python_step(lambda: torch.mul(values.view(1, -1), torch.sigmoid(g_logits), out=gated)),
+            cpu.bind_copy(q_absorbed, query[:, : self.kv_lora]),
+            cpu.bind_copy(q[:, self.nope :], query[:, self.kv_lora :]),
+            cpu.bind_copy(compressed[:, self.kv_lora :], row[:, self.kv_lora :]),
+            self._attend_step(query, row, state, context, threads),
+            w.v_b.bind(context, values.view(heads, -1), threads),
+            _bind_output_gate(values, g_logits, gated),
             bind_linear(w.o_proj, gated, out, threads),
         ]
+
+    def _attend_step(
+        self, query: torch.Tensor, row: torch.Tensor, state: MLAState, context: torch.Tensor, threads: int
+    ) -> cpu.Call:
+        """The decode step's new cache row appended and its query's attention over the cache into
+        `context`: the C copy and attention on addresses where `_attend_one` would run in C, else its
+        torch form."""
+        heads, width = query.shape
+        c_rows = C_ATTENTION_MAX_MACS // (heads * width)  # cache rows up to which the attention is C's
+        by_c = cpu.takes((query, row, context, state.buffer)) and width == state.buffer.shape[1]
+
+        def attend() -> None:
+            if not by_c or state.length >= c_rows:
+                context.copy_(self._attend_one(query, state.append(row)))
+                return
+            state.append_row(row)
+            cpu.mla_attend(query, state.buffer, self.kv_lora, self.scale, context, state.length, threads)
+
+        return cpu.python_step(attend)
 
     def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Absorbed queries [T, H, kv_lora + rope], new cache rows [T, kv_lora + rope] and the output
@@ -227,4 +262,5 @@ class MLA:
 
     def _output(self, context: torch.Tensor, g_logits: torch.Tensor) -> torch.Tensor:
         values = self.w.v_b(context).flatten(1)
-        return self.w.o_proj(values * torch.sigmoid(g_logits))
+        gated = cpu.sigmoid_gate(values, g_logits) if cpu.takes((values, g_logits)) else None
+        return self.w.o_proj(values * torch.sigmoid(g_logits) if gated is None else gated)

@@ -4,7 +4,8 @@
 matrix b in one call, `products` several matrices of different types on one input, `expert_mlp` a
 step's routed-expert MLP (its three products and the activation) in one call (`chosen_experts` for a
 row's experts all in RAM); `kda_recurrent`, `residual_mix`, `rms_norm`, `situ`, `route`, `add`, `combine`
-and `mla_attend` one per-token step each; `read_parts` a step's expert reads. All are the extension
+`mla_attend` and `sigmoid_gate` one per-token step each, `copy` the copies between a decode token's
+buffers; `read_parts` a step's expert reads. All are the extension
 module's own functions, threads from `torch.get_num_threads()` (one for a small product). `bind_*` give
 a step as a `Call` on fixed buffers (the decode program, `k3stream.model.program`, runs a token as a
 list of them). `available()` says whether it was built; without it callers use the torch reference
@@ -232,19 +233,61 @@ def bind_combine(pairs: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) 
     return _ggml_cpu().combine, args, (pairs, weights, out)
 
 
-def mla_attend(query: torch.Tensor, cache: torch.Tensor, kv: int, scale: float) -> torch.Tensor:
-    """MLA's decode attention (`steps_cpu.c`): one query [H, width] per head over the latent cache
-    [T, width], softmax((query @ cache^T) * scale) @ cache[:, :kv] -> [H, kv] (tensors as `takes` wants
-    them; heads on `torch.get_num_threads()` threads when the work is large)."""
+def mla_attend(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    kv: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    length: int | None = None,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """MLA's decode attention (`steps_cpu.c`): one query [H, width] per head over the first `length`
+    rows (all by default) of the latent cache [T, width], softmax((query @ cache^T) * scale) @
+    cache[:, :kv] -> [H, kv] (into `out` when given; tensors as `takes` wants them; heads on `threads`,
+    by default `torch.get_num_threads()`, when the work is large)."""
     heads, width = query.shape
-    out = torch.empty(heads, kv, dtype=torch.float32)
+    out = torch.empty(heads, kv, dtype=torch.float32) if out is None else out
     status = _ggml_cpu().mla_attend(
-        query.data_ptr(), cache.data_ptr(), cache.shape[0], heads, width, kv, scale, out.data_ptr(),
-        torch.get_num_threads(),
+        query.data_ptr(), cache.data_ptr(), cache.shape[0] if length is None else length, heads, width, kv,
+        scale, out.data_ptr(), torch.get_num_threads() if threads is None else threads,
     )  # fmt: skip
     if status != 0:
         raise MemoryError("no memory for an MLA attention step")
     return out
+
+
+def sigmoid_gate(values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """values * sigmoid(logits) (MLA's output gate; same shapes, tensors as `takes` wants them)."""
+    out = torch.empty_like(values)
+    function, args, _ = bind_sigmoid_gate(values, logits, out)
+    function(*args)
+    return out
+
+
+def bind_sigmoid_gate(values: torch.Tensor, logits: torch.Tensor, out: torch.Tensor) -> Call:
+    """`sigmoid_gate` into `out` as a bound call."""
+    args = (values.data_ptr(), logits.data_ptr(), values.numel(), out.data_ptr())
+    return _ggml_cpu().sigmoid_gate, args, (values, logits, out)
+
+
+def bind_copy(src: torch.Tensor, dst: torch.Tensor) -> Call:
+    """dst[:] = src for two float32 CPU matrices of one shape, each row contiguous (the rows of either
+    may be a wider matrix's), as a bound call; a Python step where they are not that."""
+    if not all(t.ndim == 2 and t.stride(1) == 1 for t in (src, dst)) or src.shape != dst.shape:
+        return python_step(lambda: dst.copy_(src))
+    if not all(t.is_cpu and t.dtype == torch.float32 and not t.requires_grad for t in (src, dst)):
+        return python_step(lambda: dst.copy_(src))
+    rows, cols = src.shape
+    args = (src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(0), rows, cols)
+    return _ggml_cpu().copy, args, (src, dst)
+
+
+def copy_row(row: torch.Tensor, to: torch.Tensor, index: int) -> None:
+    """to[index] = row for a float32 CPU matrix `to` and a contiguous row of its width (no torch
+    operation: a decode step appending to a cache)."""
+    width = to.shape[1]
+    _ggml_cpu().copy(row.data_ptr(), width, to.data_ptr() + 4 * width * index, width, 1, width)
 
 
 def _check(status: int, ggml_type: int, q8_activations: bool) -> None:

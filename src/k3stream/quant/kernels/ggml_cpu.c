@@ -1703,6 +1703,27 @@ static PyObject *py_combine(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+void k3_sigmoid_gate(const float *values, const float *logits, int64_t n, float *out);
+void k3_copy(const float *src, int64_t src_stride, float *dst, int64_t dst_stride, int64_t rows, int64_t cols);
+
+/* sigmoid_gate(values, logits, n, out) and copy(src, src_stride, dst, dst_stride, rows, cols):
+ * k3_sigmoid_gate and k3_copy on float32 buffers (pointers as ints), with the GIL held. */
+static PyObject *py_sigmoid_gate(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t v[4];
+    if (parse_args("sigmoid_gate", args, nargs, "iiii", v, NULL, NULL) != 0) return NULL;
+    k3_sigmoid_gate((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], (float *)(uintptr_t)v[3]);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t v[6];
+    if (parse_args("copy", args, nargs, "iiiiii", v, NULL, NULL) != 0) return NULL;
+    k3_copy((const float *)(uintptr_t)v[0], v[1], (float *)(uintptr_t)v[2], v[3], v[4], v[5]);
+    Py_RETURN_NONE;
+}
+
 void k3_mla_attend(const float *query, const float *cache, int64_t length, int64_t heads, int64_t width, int64_t kv,
                    float scale, float *probs, float *out, int threads);
 
@@ -1807,6 +1828,8 @@ static PyMethodDef methods[] = {
     {"add", (PyCFunction)(void (*)(void))py_add, METH_FASTCALL, NULL},
     {"combine", (PyCFunction)(void (*)(void))py_combine, METH_FASTCALL, NULL},
     {"mla_attend", (PyCFunction)(void (*)(void))py_mla_attend, METH_FASTCALL, NULL},
+    {"sigmoid_gate", (PyCFunction)(void (*)(void))py_sigmoid_gate, METH_FASTCALL, NULL},
+    {"copy", (PyCFunction)(void (*)(void))py_copy, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -10,7 +10,8 @@
  * - k3_rms_norm, k3_situ and k3_route: the RMS norm (k3stream.model.layers.rms_norm), Kimi-K3's
  *   activation (k3stream.quant.kernels.situ) and the MoE's sigmoid router (k3stream.model.moe.Routing).
  * - k3_add and k3_combine: the residual stream's sums and the MoE's weighted sum of its experts' outputs.
- * - k3_mla_attend: MLA's decode attention of one query per head over its latent cache.
+ * - k3_mla_attend: MLA's decode attention of one query per head over its latent cache; k3_sigmoid_gate
+ *   its output gate; k3_copy the copies between a decode token's buffers (rows with strides of their own).
  *
  * The same operations as the torch code they replace (which stays the reference and the GPU path),
  * so a step costs one call instead of tens of small tensor operations.
@@ -378,6 +379,16 @@ CLONES void k3_route(const float *logits, const float *bias, int64_t n, int64_t 
 /* out = a + b over n values (the residual stream's sums) */
 CLONES void k3_add(const float *a, const float *b, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+}
+
+/* out = values * sigmoid(logits) over n values (MLA's output gate) */
+CLONES void k3_sigmoid_gate(const float *values, const float *logits, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = values[i] * sigmoidf(logits[i]);
+}
+
+/* dst[r, :cols] = src[r, :cols] for `rows` rows, each side with its own row stride (in floats) */
+void k3_copy(const float *src, int64_t src_stride, float *dst, int64_t dst_stride, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; r++) memcpy(dst + r * dst_stride, src + r * src_stride, sizeof(float) * (size_t)cols);
 }
 
 /* The MoE's weighted sum of each row's k expert outputs: out[r] = sum_j weights[r, j] pairs[r k + j] (rows
