@@ -34,7 +34,7 @@ from k3stream.model.mla import MLA, HeadProjection, MLAState, MLAWeights
 from k3stream.model.moe import LatentMoE, MoEWeights, Routing, SituMLP
 from k3stream.model.program import DecodeProgram
 from k3stream.model.token_routes import TokenRoutes
-from k3stream.quant.kernels import note_fallbacks, warm_up
+from k3stream.quant.kernels import F32, cpu, note_fallbacks, warm_up
 from k3stream.quant.types import FLOAT_TYPE_IDS
 
 if TYPE_CHECKING:
@@ -75,6 +75,23 @@ class Embedding:
             return self.dense[tokens].float()
         rows = self.table.value.reshape(-1, self.table.value.shape[-1])[tokens]
         return bytes_to_matrix(rows, self.table.ggml_type, (len(tokens), self.hidden))
+
+    def row_writer(self, out: torch.Tensor) -> Callable[[int], object]:
+        """A decode token's embedding: token -> its row into out [1, hidden]; a C decode of the row's
+        blocks (the same values) where the table is GGUF bytes on the CPU, else this call's."""
+        if self.dense is not None:  # float32 rows are F32 blocks
+            table, ggml_type = self.dense, F32 if self.dense.dtype == torch.float32 else None
+        else:
+            table, ggml_type = self.table.value, self.table.ggml_type
+        in_c = table.is_cpu and table.is_contiguous() and cpu.takes((out,)) and ggml_type in cpu.CPU_TYPES
+        if not in_c:
+            return lambda token: out.copy_(self(torch.tensor([token], device=out.device)))
+        base, row_bytes, hidden = (
+            table.data_ptr(),
+            table.numel() * table.element_size() // table.shape[0],
+            self.hidden,
+        )
+        return lambda token: cpu.decode_row(ggml_type, base + token * row_bytes, hidden, out)
 
 
 class K3Model:
@@ -154,13 +171,14 @@ class K3Model:
         """One token for each of several sequences (experts fetched once per layer); logits [B, vocab]."""
         if len(states) != len(tokens):
             raise ValueError(f"decode_batch: {len(states)} states but {len(tokens)} tokens")
-        ids = self._ids(tokens)
+        ids = self._token_list(tokens)
         program = self._program_for(states)
         if program is not None:
-            logits = program.run(ids)
+            logits = program.run(ids[0])
         else:
             logits = self._forward(
-                ids, lambda layer, h: layer.attn.decode(h, [state.layers[layer.index] for state in states])
+                torch.tensor(ids, device=self.device),
+                lambda layer, h: layer.attn.decode(h, [state.layers[layer.index] for state in states]),
             )
         for state in states:
             state.length += 1
@@ -182,11 +200,21 @@ class K3Model:
         return self.prefill(self.new_state(), tokens)
 
     def _ids(self, tokens: Iterable[int]) -> torch.Tensor:
-        ids = torch.as_tensor(list(tokens), dtype=torch.long, device=self.device)
-        if ids.ndim != 1 or ids.numel() == 0:
+        return torch.tensor(self._token_list(tokens), dtype=torch.long, device=self.device)
+
+    def _token_list(self, tokens: Iterable[int]) -> list[int]:
+        """The ids as Python ints, checked: a non-empty flat list, each in the vocabulary (checked in
+        Python where they are ints already: a decode token then costs no torch operation here)."""
+        ids = list(tokens)
+        if not all(type(token) is int for token in ids):
+            as_tensor = torch.as_tensor(ids, dtype=torch.long)
+            if as_tensor.ndim != 1:
+                raise ValueError("expected a non-empty list of token ids")
+            ids = as_tensor.tolist()
+        if not ids:
             raise ValueError("expected a non-empty list of token ids")
         vocab = self.config.vocab_size
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"token id outside 0..{vocab - 1}")
         return ids
 

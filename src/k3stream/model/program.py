@@ -4,11 +4,14 @@ Outside its weight reads, an eager decode token (`k3.K3Model._forward`) spends i
 hundred Python-level steps: wrapper checks, tensor allocations, small torch operations. A
 `DecodeProgram` builds the step of one sequence once (its KDA states bound into the calls) as a list of
 C calls on fixed buffers (`kernels.cpu.Call`), with Python steps only where the work changes from token
-to token: the embedding, each MoE layer's routed experts (fetched and computed by the layer's own
-`routed_pairs`, so any expert source or expert-parallel wrapper serves them), MLA's attention over its
-growing cache, and the logits. It computes what `_forward` computes with the same C functions on the
-same values, so its logits are equal bit for bit (tested); a model with a step that has no C form here
-(another device, the reference path, a wrapped layer, prefetch hints to send) keeps the eager forward.
+to token: the embedding (a C decode of the token's row), each MoE layer's routed experts (fetched and
+computed by the layer's own `routed_pairs`, so any expert source or expert-parallel wrapper serves
+them; all in RAM, one C call from their addresses) and MLA's attention over its growing cache (a C
+append and a C attention). Those steps call C directly, not torch: in a token whose weight reads have
+evicted torch's code and data from the caches, one small torch operation costs 30-120 us. It computes
+what `_forward` computes with the same C functions on the same values, so its logits are equal bit for
+bit (tested); a model with a step that has no C form here (another device, the reference path, a
+wrapped layer, prefetch hints to send) keeps the eager forward.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from k3stream.model.attn_res import bind_residual_mix
 from k3stream.model.kda import KDAState
-from k3stream.model.layers import bind_rms_norm
+from k3stream.model.layers import bind_linear, bind_rms_norm
 from k3stream.model.moe import LatentMoE
 from k3stream.quant.kernels import cpu
 
@@ -38,10 +41,11 @@ class DecodeProgram:
         self._parts = _parts(model)
         self._state_layers = list(state.layers)
         self._state_buffers = _state_buffers(state)
-        self._ids = torch.empty(0, dtype=torch.long)
+        self._token = 0
         hidden = model.config.hidden
         self._x = torch.empty(1, hidden)  # the token's embedding: the first layer's input
         self.final = torch.empty(1, hidden)  # the last layer's output, mixed and normed for lm_head
+        self._logits = torch.empty(1, model.config.vocab_size)
         self.steps: list[cpu.Call] | None = None
         if model.device.type == "cpu" and cpu.available() and not model.prefetch:
             self.steps = self._build(state)
@@ -57,19 +61,20 @@ class DecodeProgram:
             and all(now is then for now, then in zip(_parts(model), self._parts, strict=True))
         )
 
-    def run(self, ids: torch.Tensor) -> torch.Tensor:
-        """The logits [1, V] of token `ids` [1]; advances the bound state as `_forward` does."""
-        self._ids = ids
+    def run(self, token: int) -> torch.Tensor:
+        """The logits [1, V] of `token` (a checked id); advances the bound state as `_forward` does."""
+        self._token = token
         for function, args, _ in self.steps:
             status = function(*args)
             if status:
                 raise MemoryError(f"decode step {function.__name__}: status {status} (no memory)")
-        return self.model.lm_head(self.final).float()
+        return self._logits.clone()
 
     def _build(self, state: SequenceState) -> list[cpu.Call]:
         """The steps of `_forward` for one token of `state`."""
         model, x = self.model, self._x
-        steps = [cpu.python_step(lambda: self._x.copy_(model.embedding(self._ids)))]
+        embed = model.embedding.row_writer(self._x)
+        steps = [cpu.python_step(lambda: embed(self._token))]
         bank: list[torch.Tensor] = []
         for layer in model.layers:
             h = x if not bank else self._mix(steps, bank, x, layer.attn_score)
@@ -91,6 +96,7 @@ class DecodeProgram:
             steps.append(cpu.bind_add(prefix, ffn_out, x))
         mixed = self._mix(steps, bank, x, model.output_score)
         steps.append(bind_rms_norm(mixed, model.norm, model.eps, self.final))
+        steps.append(bind_linear(model.lm_head, self.final, self._logits, self.threads))
         return steps
 
     def _attention(

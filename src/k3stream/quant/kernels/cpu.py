@@ -5,7 +5,7 @@ matrix b in one call, `products` several matrices of different types on one inpu
 step's routed-expert MLP (its three products and the activation) in one call (`chosen_experts` for a
 row's experts all in RAM); `kda_recurrent`, `residual_mix`, `rms_norm`, `situ`, `route`, `add`, `combine`
 `mla_attend` and `sigmoid_gate` one per-token step each, `copy` the copies between a decode token's
-buffers; `read_parts` a step's expert reads. All are the extension
+buffers, `decode_row` its embedding; `read_parts` a step's expert reads. All are the extension
 module's own functions, threads from `torch.get_num_threads()` (one for a small product). `bind_*` give
 a step as a `Call` on fixed buffers (the decode program, `k3stream.model.program`, runs a token as a
 list of them). `available()` says whether it was built; without it callers use the torch reference
@@ -281,6 +281,14 @@ def bind_copy(src: torch.Tensor, dst: torch.Tensor) -> Call:
     rows, cols = src.shape
     args = (src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(0), rows, cols)
     return _ggml_cpu().copy, args, (src, dst)
+
+
+def decode_row(ggml_type: int, address: int, values: int, out: torch.Tensor) -> None:
+    """The first `values` values (whole blocks; `ggml_type` one of CPU_TYPES) of the GGUF bytes at
+    `address` into float32 `out` (contiguous, CPU): the reference dequantizer's values, with no torch
+    operation (a decode token's embedding)."""
+    if _ggml_cpu().decode_row(ggml_type, address, values, out.data_ptr()) != 0:
+        raise ValueError(f"no decoder for GGML type {ggml_type} over {values} values")
 
 
 def copy_row(row: torch.Tensor, to: torch.Tensor, index: int) -> None:

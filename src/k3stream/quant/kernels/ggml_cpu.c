@@ -393,20 +393,29 @@ INLINE void prefetch_ahead(const uint8_t *at, int64_t bytes) {
         }                                                                                            \
     }
 
-ROW_KERNEL(row_f32, dec_f32, 32, 128)
-ROW_KERNEL(row_f16, dec_f16, 32, 64)
-ROW_KERNEL(row_bf16, dec_bf16, 32, 64)
-ROW_KERNEL(row_q4_0, dec_q4_0, 32, 18)
-ROW_KERNEL(row_q4_1, dec_q4_1, 32, 20)
-ROW_KERNEL(row_q5_0, dec_q5_0, 32, 22)
-ROW_KERNEL(row_q5_1, dec_q5_1, 32, 24)
-ROW_KERNEL(row_q8_0, dec_q8_0, 32, 34)
-ROW_KERNEL(row_mxfp4, dec_mxfp4, 32, 17)
-ROW_KERNEL(row_q2_k, dec_q2_k, 256, 84)
-ROW_KERNEL(row_q3_k, dec_q3_k, 256, 110)
-ROW_KERNEL(row_q4_k, dec_q4_k, 256, 144)
-ROW_KERNEL(row_q5_k, dec_q5_k, 256, 176)
-ROW_KERNEL(row_q6_k, dec_q6_k, 256, 210)
+/* Every type with a decoder: X(GGML type id, name, values and bytes per block) */
+#define DECODED_TYPES(X)                                                                                \
+    X(0, f32, 32, 128) X(1, f16, 32, 64) X(30, bf16, 32, 64) X(2, q4_0, 32, 18) X(3, q4_1, 32, 20)      \
+    X(6, q5_0, 32, 22) X(7, q5_1, 32, 24) X(8, q8_0, 32, 34) X(39, mxfp4, 32, 17) X(10, q2_k, 256, 84)  \
+    X(11, q3_k, 256, 110) X(12, q4_k, 256, 144) X(13, q5_k, 256, 176) X(14, q6_k, 256, 210)
+
+#define DEFINE_ROW_KERNEL(ID, NAME, ELEMS, BYTES) ROW_KERNEL(row_##NAME, dec_##NAME, ELEMS, BYTES)
+DECODED_TYPES(DEFINE_ROW_KERNEL)
+
+/* A type's decoder: one block's values into out (the reference dequantizer's), values and bytes a block */
+typedef struct {
+    void (*decode)(const uint8_t *restrict, float *restrict);
+    int elems, bytes;
+} BlockDecoder;
+
+static BlockDecoder block_decoder(int ggml_type) {
+#define DECODER_CASE(ID, NAME, ELEMS, BYTES) \
+    case ID: return (BlockDecoder){dec_##NAME, ELEMS, BYTES};
+    switch (ggml_type) {
+        DECODED_TYPES(DECODER_CASE)
+        default: return (BlockDecoder){NULL, 0, 0};
+    }
+}
 
 typedef void (*RowKernel)(const Product *, int64_t, int64_t);
 
@@ -1202,21 +1211,10 @@ static RowKernel q8_kernel(int ggml_type) {
 }
 
 static RowKernel row_kernel(int ggml_type) {
+#define ROW_KERNEL_CASE(ID, NAME, ELEMS, BYTES) \
+    case ID: return row_##NAME;
     switch (ggml_type) {
-        case 0: return row_f32;
-        case 1: return row_f16;
-        case 30: return row_bf16;
-        case 2: return row_q4_0;
-        case 3: return row_q4_1;
-        case 6: return row_q5_0;
-        case 7: return row_q5_1;
-        case 8: return row_q8_0;
-        case 39: return row_mxfp4;
-        case 10: return row_q2_k;
-        case 11: return row_q3_k;
-        case 12: return row_q4_k;
-        case 13: return row_q5_k;
-        case 14: return row_q6_k;
+        DECODED_TYPES(ROW_KERNEL_CASE)
         default: return NULL;
     }
 }
@@ -1737,6 +1735,22 @@ static PyObject *py_combine(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+/* decode_row(ggml_type, address, values, out): the first `values` values (whole blocks) of the GGUF
+ * bytes at `address` into float32 `out` (pointers as ints; the embedding of a decode token), the
+ * reference dequantizer's values; -1 for a type without a decoder or values not in whole blocks. */
+static PyObject *py_decode_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t v[4];
+    if (parse_args("decode_row", args, nargs, "iiii", v, NULL, NULL) != 0) return NULL;
+    const BlockDecoder decoder = block_decoder((int)v[0]);
+    if (decoder.decode == NULL || v[2] % decoder.elems != 0) return PyLong_FromLong(-1);
+    const uint8_t *blocks = (const uint8_t *)(uintptr_t)v[1];
+    float *out = (float *)(uintptr_t)v[3];
+    for (int64_t block = 0; block < v[2] / decoder.elems; block++)
+        decoder.decode(blocks + block * decoder.bytes, out + block * decoder.elems);
+    return PyLong_FromLong(0);
+}
+
 void k3_sigmoid_gate(const float *values, const float *logits, int64_t n, float *out);
 void k3_copy(const float *src, int64_t src_stride, float *dst, int64_t dst_stride, int64_t rows, int64_t cols);
 
@@ -1864,6 +1878,7 @@ static PyMethodDef methods[] = {
     {"mla_attend", (PyCFunction)(void (*)(void))py_mla_attend, METH_FASTCALL, NULL},
     {"sigmoid_gate", (PyCFunction)(void (*)(void))py_sigmoid_gate, METH_FASTCALL, NULL},
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_FASTCALL, NULL},
+    {"decode_row", (PyCFunction)(void (*)(void))py_decode_row, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 
