@@ -140,9 +140,10 @@ class LatentMoE:
         return out if shared is None else out + shared
 
     def decode_steps(self, h: torch.Tensor, out: torch.Tensor, threads: int) -> list[cpu.Call]:
-        """`__call__` of one row (h [1, E] into out [1, E]) as C calls bound to buffers of their own and
-        two Python steps: the step's start, and its routed experts' fetch and sum (one Python step
-        calling the layer where its router would not run in C)."""
+        """`__call__` of one row (h [1, E] into out [1, E]) as C calls bound to buffers of their own, and
+        Python steps only where the work is Python's: a reading-ahead source's start (`_start_step`),
+        routed experts not all in RAM (fetched and summed by `_routed_sum`), or the whole layer where its
+        router would not run in C."""
         w, routing = self.w, self.routing
         joint = h.new_empty(1, sum(self.projections.widths))
         logits, latent = joint.split(self.projections.widths, dim=1)
@@ -160,8 +161,9 @@ class LatentMoE:
         steps = [
             bind_linear(self.projections, h, joint, threads),
             cpu.bind_route(logits, w.correction_bias, how, chosen, weights),
-            cpu.python_step(lambda: self._start_step(chosen)),  # the program's buffer: the latest step's
         ]
+        if self.source.reads_ahead:  # its reads start while the shared expert computes
+            steps.append(cpu.python_step(lambda: self._start_step(chosen)))
         if shared is not None:
             steps.append(w.shared.bind(h, shared, threads))
         steps += self._routed_steps(latent, chosen, weights, routed, threads)
@@ -196,7 +198,7 @@ class LatentMoE:
             how = (self.match_ggml, self.backend)
             call = bind_chosen_experts(latent, chosen, roles, self.activation, pairs, threads, *how)
         if call is None:
-            return [cpu.python_step(lambda: self._routed_sum(latent, self.chosen, weights, out))]
+            return [cpu.python_step(lambda: self._routed_sum(latent, chosen, weights, out))]
         return [call, cpu.bind_combine(pairs, weights, out)]
 
     def _start_step(self, chosen: torch.Tensor) -> None:
