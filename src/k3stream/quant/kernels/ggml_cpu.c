@@ -798,9 +798,11 @@ ALWAYS void store_rows(const Product *pr, __m256 acc[FUSED_ROWS][4], __m256 offs
         pr->out[(p + r) * pr->out_stride + m] = hsum_all(acc[r]) - (has_mins ? hsum8(offsets[r]) : 0.0f);
 }
 
-/* One weight row m against `n` (<= FUSED_ROWS) input rows from p: blocks in order into the chains */
+/* One weight row m against `n` (<= FUSED_ROWS) input rows from p: blocks in order into the chains.
+ * Inlined into its caller's two calls (n = FUSED_ROWS, n = 1), so each is compiled for its n: left to
+ * GCC's heuristics, one build made a single copy for any n and a Q2_K decode row ran 1.5x slower. */
 #define KQUANT_ROWS(NAME, DOT, HAS_MINS, BLOCK_BYTES)                                                 \
-    AVX2 static void NAME(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) {  \
+    ALWAYS void NAME(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) {       \
         const float *x[FUSED_ROWS], *sums[FUSED_ROWS];                                                 \
         __m256 acc[FUSED_ROWS][4], offsets[FUSED_ROWS];                                                \
         start_rows(pr, p, n, x, sums, acc, offsets);                                                   \
