@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from itertools import accumulate
 
+import numpy as np
 import torch
 
 from k3stream.experts import ExpertSource, ExpertWeights
@@ -255,10 +255,8 @@ class LatentMoE:
 
     def _grouped_pairs(self, latent: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """`_routed_pairs` of any step: its experts fetched and computed group by group."""
-        pairs_of: dict[int, list[int]] = {}  # each expert's pairs, in order (tiny: Python lists are cheapest)
-        for pair, expert in enumerate(chosen.flatten().tolist()):
-            pairs_of.setdefault(expert, []).append(pair)
-        ids = sorted(pairs_of)
+        pairs_of = _pairs_by_expert(chosen)
+        ids = list(pairs_of)
         # what __call__ read ahead (of this step's experts: an expert-parallel rank computes its own)
         read_before = [expert for expert in self._asked if expert in pairs_of]
         self._asked = []
@@ -270,7 +268,7 @@ class LatentMoE:
             read = self._slide_window(order, len(read_before), leading)
         pending = order
         outputs: list[torch.Tensor] = []  # each group's pair outputs
-        done: list[int] = []  # the pairs computed so far, in the order of `outputs`
+        done: list[np.ndarray] = []  # the pairs computed so far, in the order of `outputs`
         while pending:
             asked = [expert for expert in pending if rank[expert] < read]
             group = self._next_group(pending, asked, -(-len(ids) // GROUPS_PER_STEP))
@@ -279,29 +277,31 @@ class LatentMoE:
             read = self._slide_window(order, read, len(ids) - len(pending) + window)
             pairs, computed = self._compute_group(latent, experts, group, pairs_of, chosen.shape[1])
             outputs.append(computed)
-            done += pairs
+            done.append(pairs)
         joined = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        if done == list(range(len(done))):
+        computed_pairs = np.concatenate(done)
+        rows = np.arange(len(computed_pairs))
+        if np.array_equal(computed_pairs, rows):
             return joined
-        position = [0] * len(done)  # where each pair's output row is in `joined`
-        for row, pair in enumerate(done):
-            position[pair] = row
-        return joined.index_select(0, torch.tensor(position, device=latent.device))
+        position = np.empty_like(rows)  # where each pair's output row is in `joined`
+        position[computed_pairs] = rows
+        return joined.index_select(0, torch.from_numpy(position).to(latent.device))
 
     def _compute_group(
         self,
         latent: torch.Tensor,
         experts: dict[int, ExpertWeights],
         group: list[int],
-        pairs_of: dict[int, list[int]],
+        pairs_of: dict[int, np.ndarray],
         top_k: int,
-    ) -> tuple[list[int], torch.Tensor]:
+    ) -> tuple[np.ndarray, torch.Tensor]:
         """The pairs of the fetched `group` and their outputs [pairs, latent] (in that order), taken in
         the order of their first pairs (so one row's step, computed in one group, needs no reorder)."""
         in_order = sorted(group, key=lambda expert: pairs_of[expert][0])
-        pairs = [pair for expert in in_order for pair in pairs_of[expert]]
-        counts = accumulate(len(pairs_of[expert]) for expert in in_order)
-        bounds = torch.tensor([0, *counts, *(pair // top_k for pair in pairs)])  # starts, then rows
+        pairs = np.concatenate([pairs_of[expert] for expert in in_order])
+        counts = np.cumsum([len(pairs_of[expert]) for expert in in_order])
+        # starts, then rows
+        bounds = torch.from_numpy(np.concatenate(([0], counts, pairs // top_k)).astype(np.int64))
         starts, rows = bounds[: len(group) + 1], bounds[len(group) + 1 :]
         weights = [experts[expert] for expert in in_order]
         return pairs, expert_mlp(
@@ -353,3 +353,16 @@ class LatentMoE:
             arrived = set(group)
             group += [expert for expert in asked if expert not in arrived][: min(least, slots) - len(group)]
         return group or asked[:1]
+
+
+def _pairs_by_expert(chosen: torch.Tensor) -> dict[int, np.ndarray]:
+    """A step's pairs (row * k + choice, for chosen [N, k]) by the expert they chose: each expert's in
+    pair order, the experts in ascending id (one sort, not a Python loop over the pairs: a long
+    prompt's step has tens of thousands)."""
+    flat = chosen.flatten().cpu().numpy()
+    order = np.argsort(flat, kind="stable")
+    ids, firsts, counts = np.unique(flat[order], return_index=True, return_counts=True)
+    return {
+        expert: order[first : first + count]
+        for expert, first, count in zip(ids.tolist(), firsts.tolist(), counts.tolist(), strict=True)
+    }
