@@ -267,11 +267,11 @@ def test_quantized_embedding_rows_are_dequantized_on_demand():
         assert np.array_equal(embedding(ids).numpy(), expected[ids.numpy()])
 
 
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_K", "Q2_K", "MXFP4"])
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_K", "Q2_K", "MXFP4"])
 def test_a_decode_tokens_embedding_row_is_the_tables_row(qtype, monkeypatch):
     """The decode program's embedding (`Embedding.row_writer`: the row's blocks decoded in C, no torch
     operation) writes exactly the row the embedding's call gives, quantized and float tables alike, and
-    with no C library the call itself."""
+    with no C library the call itself; the table stays as stored (an F16 table is not widened)."""
     from gguf import GGMLQuantizationType
 
     from k3stream.model.k3 import Embedding
@@ -283,9 +283,14 @@ def test_a_decode_tokens_embedding_row_is_the_tables_row(qtype, monkeypatch):
     monkeypatch.setattr(cpu, "decode_row", lambda *args: decoded.append(1) or decode_row(*args))
     table = np.random.default_rng(8).normal(size=(10, 512)).astype(np.float32)
     ggml_type = int(GGMLQuantizationType[qtype])
-    raw = table if qtype == "F32" else np.ascontiguousarray(quantize(table, ggml_type)).reshape(10, -1)
-    tensor = GGUFTensor(torch.from_numpy(raw), None if qtype == "F32" else ggml_type)
+    floats = {"F32": np.float32, "F16": np.float16}
+    if qtype in floats:
+        raw, stored_type = table.astype(floats[qtype]), None
+    else:
+        raw, stored_type = np.ascontiguousarray(quantize(table, ggml_type)).reshape(10, -1), ggml_type
+    tensor = GGUFTensor(torch.from_numpy(raw), stored_type)
     embedding, out = Embedding(tensor, 512, LoadOptions()), torch.empty(1, 512)
+    assert embedding.dense is None and embedding.table.value.data_ptr() == tensor.value.data_ptr()
     write = embedding.row_writer(out)
     for token in (9, 0, 4):
         write(token)

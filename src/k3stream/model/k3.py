@@ -63,10 +63,11 @@ class SequenceState:
 
 
 class Embedding:
-    """Rows of the token table: a dense table on the reference path, else decoded row by row."""
+    """Rows of the token table: kept as the GGUF stores it (float values in their own dtype, or blocks)
+    and decoded row by row, so an F16 table stays F16 in memory; a dense table on the reference path."""
 
     def __init__(self, table: GGUFTensor, hidden: int, options: LoadOptions) -> None:
-        self.table = table if options.in_gguf_types and table.ggml_type is not None else None
+        self.table = table if options.in_gguf_types else None
         self.dense = None if self.table else table.matrix((-1, hidden), options.dtype)
         self.hidden = hidden
 
@@ -74,15 +75,18 @@ class Embedding:
         if self.dense is not None:
             return self.dense[tokens].float()
         rows = self.table.value.reshape(-1, self.table.value.shape[-1])[tokens]
+        if self.table.ggml_type is None:  # float values (autograd follows them: the trainer's)
+            return rows.reshape(len(tokens), self.hidden).float()
         return bytes_to_matrix(rows, self.table.ggml_type, (len(tokens), self.hidden))
 
     def row_writer(self, out: torch.Tensor) -> Callable[[int], object]:
         """A decode token's embedding: token -> its row into out [1, hidden]; a C decode of the row's
-        blocks (the same values) where the table is GGUF bytes on the CPU, else this call's."""
+        blocks (the same values) where the table is on the CPU in a type with a decoder, else this
+        call's."""
         if self.dense is not None:  # float32 rows are F32 blocks
             table, ggml_type = self.dense, F32 if self.dense.dtype == torch.float32 else None
         else:
-            table, ggml_type = self.table.value, self.table.ggml_type
+            table, ggml_type = self.table.value, self.table.type_id
         in_c = table.is_cpu and table.is_contiguous() and cpu.takes((out,)) and ggml_type in cpu.CPU_TYPES
         if not in_c:
             return lambda token: out.copy_(self(torch.tensor([token], device=out.device)))
