@@ -1327,7 +1327,7 @@ static double task_macs(const Plan *plan, int64_t task) {
 
 /* The tasks (all the plans', in order) cut into `runs` runs of consecutive tasks of about equal
  * multiply-adds: run r is tasks bounds[r]..bounds[r + 1] */
-static void split_tasks(const Plan *plans, int64_t count, int64_t tasks, double macs, int runs, int64_t *bounds) {
+static void split_tasks(const Plan *plans, int64_t tasks, double macs, int runs, int64_t *bounds) {
     double done = 0.0;
     int64_t task = 0;
     bounds[0] = 0;
@@ -1360,7 +1360,7 @@ static void run_plans(Plan *plans, int64_t count, int threads) {
     } else {
         const int runs = RUNS_PER_THREAD * threads;
         int64_t bounds[RUNS_PER_THREAD * threads + 1];
-        split_tasks(plans, count, tasks, macs, runs, bounds);
+        split_tasks(plans, tasks, macs, runs, bounds);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
         for (int run = 0; run < runs; run++)
             for (int64_t task = bounds[run]; task < bounds[run + 1]; task++) {
