@@ -262,5 +262,6 @@ class MLA:
 
     def _output(self, context: torch.Tensor, g_logits: torch.Tensor) -> torch.Tensor:
         values = self.w.v_b(context).flatten(1)
-        gated = cpu.sigmoid_gate(values, g_logits) if cpu.takes((values, g_logits)) else None
-        return self.w.o_proj(values * torch.sigmoid(g_logits) if gated is None else gated)
+        if cpu.takes((values, g_logits)):  # as the decode program's gate (`_bind_output_gate`)
+            return self.w.o_proj(cpu.sigmoid_gate(values, g_logits))
+        return self.w.o_proj(values * torch.sigmoid(g_logits))

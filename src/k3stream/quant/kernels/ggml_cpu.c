@@ -1722,16 +1722,24 @@ static PyObject *py_residual_mix(PyObject *self, PyObject *const *args, Py_ssize
 void k3_add(const float *a, const float *b, int64_t n, float *out);
 void k3_combine(const float *pairs, const float *weights, int64_t n, int64_t k, int64_t width, float *out);
 
-/* add(a, b, n, out) and combine(pairs, weights, rows, k, width, out): k3_add and k3_combine on float32
- * buffers (pointers as ints), with the GIL held. */
-static PyObject *py_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
+/* name(a, b, n, out): an elementwise step over n values of two float32 buffers (pointers as ints), with
+ * the GIL held: add (k3_add) and sigmoid_gate (k3_sigmoid_gate) */
+typedef void (*Elementwise)(const float *, const float *, int64_t, float *);
+
+static PyObject *elementwise(const char *name, Elementwise step, PyObject *const *args, Py_ssize_t nargs) {
     int64_t v[4];
-    if (parse_args("add", args, nargs, "iiii", v, NULL, NULL) != 0) return NULL;
-    k3_add((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], (float *)(uintptr_t)v[3]);
+    if (parse_args(name, args, nargs, "iiii", v, NULL, NULL) != 0) return NULL;
+    step((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], (float *)(uintptr_t)v[3]);
     Py_RETURN_NONE;
 }
 
+static PyObject *py_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return elementwise("add", k3_add, args, nargs);
+}
+
+/* combine(pairs, weights, rows, k, width, out): k3_combine on float32 buffers (pointers as ints), with
+ * the GIL held. */
 static PyObject *py_combine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     int64_t v[6];
@@ -1760,16 +1768,13 @@ static PyObject *py_decode_row(PyObject *self, PyObject *const *args, Py_ssize_t
 void k3_sigmoid_gate(const float *values, const float *logits, int64_t n, float *out);
 void k3_copy(const float *src, int64_t src_stride, float *dst, int64_t dst_stride, int64_t rows, int64_t cols);
 
-/* sigmoid_gate(values, logits, n, out) and copy(src, src_stride, dst, dst_stride, rows, cols):
- * k3_sigmoid_gate and k3_copy on float32 buffers (pointers as ints), with the GIL held. */
 static PyObject *py_sigmoid_gate(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    int64_t v[4];
-    if (parse_args("sigmoid_gate", args, nargs, "iiii", v, NULL, NULL) != 0) return NULL;
-    k3_sigmoid_gate((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], (float *)(uintptr_t)v[3]);
-    Py_RETURN_NONE;
+    return elementwise("sigmoid_gate", k3_sigmoid_gate, args, nargs);
 }
 
+/* copy(src, src_stride, dst, dst_stride, rows, cols): k3_copy on float32 buffers (pointers as ints),
+ * with the GIL held. */
 static PyObject *py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     int64_t v[6];
