@@ -853,17 +853,20 @@ ALWAYS void tile_chains(const float *w, int64_t span, const float *const *x, flo
  * sums at the chunk's start: as add_min_offsets, block by block */
 ALWAYS void tile_offsets(const float *mins, int64_t span, const float *const *sums, float *parts, int first,
                          const int nx) {
+    __m256 offset[TILE_X][TILE_W];
     for (int r = 0; r < nx; r++)
-        for (int j = 0; j < TILE_W; j++) {
-            float *parked = parts + (r * TILE_W + j) * PAIR_FLOATS + 32;
-            __m256 offset = unpark(parked, first);
-            for (int64_t s = 0; s < span / 16; s += 16) {
-                const float *m = mins + j * (span / 16) + s;
-                offset = _mm256_fmadd_ps(_mm256_loadu_ps(m), _mm256_loadu_ps(sums[r] + s), offset);
-                offset = _mm256_fmadd_ps(_mm256_loadu_ps(m + 8), _mm256_loadu_ps(sums[r] + s + 8), offset);
+        for (int j = 0; j < TILE_W; j++) offset[r][j] = unpark(parts + (r * TILE_W + j) * PAIR_FLOATS + 32, first);
+    for (int64_t s = 0; s < span / 16; s += 16)
+        for (int half = 0; half < 16; half += 8) {
+            __m256 row_sums[TILE_X];
+            for (int r = 0; r < nx; r++) row_sums[r] = _mm256_loadu_ps(sums[r] + s + half);
+            for (int j = 0; j < TILE_W; j++) {
+                const __m256 m = _mm256_loadu_ps(mins + j * (span / 16) + s + half);
+                for (int r = 0; r < nx; r++) offset[r][j] = _mm256_fmadd_ps(m, row_sums[r], offset[r][j]);
             }
-            _mm256_storeu_ps(parked, offset);
         }
+    for (int r = 0; r < nx; r++)
+        for (int j = 0; j < TILE_W; j++) _mm256_storeu_ps(parts + (r * TILE_W + j) * PAIR_FLOATS + 32, offset[r][j]);
 }
 
 /* nx input rows from p (x and sums at value `at`) against the expanded chunk */
