@@ -354,15 +354,17 @@ INLINE void prefetch_ahead(const uint8_t *at, int64_t bytes) {
 /* One weight row m against each of its input rows' 8-bit blocks (Y: Q8_K or Q8_0, ELEMS values each),
  * blocks summed in order into ACC (from ZERO; a float, or eight lanes summed at the end by TOTAL) */
 #define Q8_ROW(NAME, ATTR, DOT, BLOCK_BYTES, Y, ELEMS, ACC, ZERO, TOTAL)                               \
-    ATTR static void NAME(const Product *pr, int64_t b, int64_t m) {                                   \
-        const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;          \
+    ATTR static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) {                 \
         const int64_t blocks = pr->in_features / (ELEMS);                                             \
-        prefetch_ahead(row, pr->row_bytes);                                                            \
-        for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {                                  \
-            const __typeof__(*pr->Y) *y = pr->Y + pr->rows[p] * blocks;                                \
-            ACC acc = ZERO;                                                                            \
-            for (int64_t block = 0; block < blocks; block++) acc = DOT(row + block * (BLOCK_BYTES), y + block, acc); \
-            pr->out[p * pr->out_stride + m] = TOTAL(acc);                                                \
+        for (int64_t m = first; m < last; m++) {                                                       \
+            const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;      \
+            prefetch_ahead(row, pr->row_bytes);                                                        \
+            for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {                              \
+                const __typeof__(*pr->Y) *y = pr->Y + pr->rows[p] * blocks;                            \
+                ACC acc = ZERO;                                                                        \
+                for (int64_t block = 0; block < blocks; block++) acc = DOT(row + block * (BLOCK_BYTES), y + block, acc); \
+                pr->out[p * pr->out_stride + m] = TOTAL(acc);                                            \
+            }                                                                                          \
         }                                                                                              \
     }
 #define FLOAT_TOTAL(acc) (acc)
@@ -372,24 +374,26 @@ INLINE void prefetch_ahead(const uint8_t *at, int64_t bytes) {
  * pass decodes the row's tiles once and keeps its sums in registers). The decoders inline here. */
 #define ROWS_AT_ONCE 16
 #define ROW_KERNEL(NAME, DECODE, BLOCK_ELEMS, BLOCK_BYTES)                                         \
-    CLONES static void NAME(const Product *pr, int64_t b, int64_t m) {                             \
+    CLONES static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) {           \
         const int64_t blocks = pr->row_bytes / (BLOCK_BYTES), per_tile = TILE / (BLOCK_ELEMS);       \
-        const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;      \
         float tile[TILE] __attribute__((aligned(32)));                                              \
-        for (int64_t p0 = pr->starts[b]; p0 < pr->starts[b + 1]; p0 += ROWS_AT_ONCE) {              \
-            const int64_t rows = pr->starts[b + 1] - p0 < ROWS_AT_ONCE ? pr->starts[b + 1] - p0      \
-                                                                        : ROWS_AT_ONCE;             \
-            float sums[ROWS_AT_ONCE] = {0};                                                          \
-            for (int64_t block = 0; block < blocks; block += per_tile) {                            \
-                const int64_t count = blocks - block < per_tile ? blocks - block : per_tile;         \
-                for (int64_t j = 0; j < count; j++)                                                  \
-                    DECODE(row + (block + j) * (BLOCK_BYTES), tile + j * (BLOCK_ELEMS));             \
-                for (int64_t r = 0; r < rows; r++) {                                                 \
-                    const float *xs = pr->x + pr->rows[p0 + r] * pr->in_features + block * (BLOCK_ELEMS); \
-                    sums[r] += dot(tile, xs, (int)(count * (BLOCK_ELEMS)));                          \
+        for (int64_t m = first; m < last; m++) {                                                    \
+            const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;  \
+            for (int64_t p0 = pr->starts[b]; p0 < pr->starts[b + 1]; p0 += ROWS_AT_ONCE) {          \
+                const int64_t rows = pr->starts[b + 1] - p0 < ROWS_AT_ONCE ? pr->starts[b + 1] - p0  \
+                                                                            : ROWS_AT_ONCE;         \
+                float sums[ROWS_AT_ONCE] = {0};                                                      \
+                for (int64_t block = 0; block < blocks; block += per_tile) {                        \
+                    const int64_t count = blocks - block < per_tile ? blocks - block : per_tile;     \
+                    for (int64_t j = 0; j < count; j++)                                              \
+                        DECODE(row + (block + j) * (BLOCK_BYTES), tile + j * (BLOCK_ELEMS));         \
+                    for (int64_t r = 0; r < rows; r++) {                                             \
+                        const float *xs = pr->x + pr->rows[p0 + r] * pr->in_features + block * (BLOCK_ELEMS); \
+                        sums[r] += dot(tile, xs, (int)(count * (BLOCK_ELEMS)));                      \
+                    }                                                                                \
                 }                                                                                    \
+                for (int64_t r = 0; r < rows; r++) pr->out[(p0 + r) * pr->out_stride + m] = sums[r];   \
             }                                                                                        \
-            for (int64_t r = 0; r < rows; r++) pr->out[(p0 + r) * pr->out_stride + m] = sums[r];       \
         }                                                                                            \
     }
 
@@ -417,7 +421,7 @@ static BlockDecoder block_decoder(int ggml_type) {
     }
 }
 
-typedef void (*RowKernel)(const Product *, int64_t, int64_t);
+typedef void (*RowKernel)(const Product *, int64_t b, int64_t first, int64_t last);
 
 /* Weight rows m..m + count - 1 (count <= TILE_W) of matrix b against all its input rows, for matrices
  * with at least TILE_MIN of them (prefill; measured: from two rows on at least as fast as the rows) */
@@ -921,15 +925,22 @@ ALWAYS void tile_outputs(const Product *pr, const float *parts, int64_t m, int c
             NAME##_group(pr, b, m, count, p, pr->starts[b + 1] - p < TILE_ROWS ? pr->starts[b + 1] - p : TILE_ROWS); \
     }
 
-/* One weight row m against its matrix's input rows (decode: a few), FUSED_ROWS at a time */
+/* Weight rows first..last - 1 of matrix b, each against its matrix's input rows (decode: a few),
+ * FUSED_ROWS at a time by NAME##_rows: one call for a task's rows, so what a call sets up is paid once
+ * for them (at 512-value rows it cost as much as a row's two blocks) */
+#define ROW_RANGE(NAME)                                                                                \
+    AVX2 static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) {                 \
+        for (int64_t m = first; m < last; m++) {                                                       \
+            const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;      \
+            int64_t p = pr->starts[b];                                                                 \
+            for (; p + FUSED_ROWS <= pr->starts[b + 1]; p += FUSED_ROWS) NAME##_rows(pr, row, m, p, FUSED_ROWS); \
+            for (; p < pr->starts[b + 1]; p++) NAME##_rows(pr, row, m, p, 1);                          \
+        }                                                                                              \
+    }
+
 #define KQUANT_ROW(NAME, DOT, HAS_MINS, BLOCK_BYTES)                                                   \
     KQUANT_ROWS(NAME##_rows, DOT, HAS_MINS, BLOCK_BYTES)                                               \
-    AVX2 static void NAME(const Product *pr, int64_t b, int64_t m) {                                   \
-        const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;          \
-        int64_t p = pr->starts[b];                                                                     \
-        for (; p + FUSED_ROWS <= pr->starts[b + 1]; p += FUSED_ROWS) NAME##_rows(pr, row, m, p, FUSED_ROWS); \
-        for (; p < pr->starts[b + 1]; p++) NAME##_rows(pr, row, m, p, 1);                              \
-    }
+    ROW_RANGE(NAME)
 
 ALWAYS void expand_q4_k(const uint8_t *restrict b, float *w, float *mins) {
     float steps[8];
@@ -1021,12 +1032,7 @@ static TileKernel tile_kernel(int ggml_type) {
         DOT(row, x, sums, 0, total, n, (int)(pr->row_bytes / (BLOCK_BYTES)));                          \
         for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = total[r];                    \
     }                                                                                                  \
-    AVX2 static void NAME(const Product *pr, int64_t b, int64_t m) {                                   \
-        const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;          \
-        int64_t p = pr->starts[b];                                                                     \
-        for (; p + FUSED_ROWS <= pr->starts[b + 1]; p += FUSED_ROWS) NAME##_rows(pr, row, m, p, FUSED_ROWS); \
-        for (; p < pr->starts[b + 1]; p++) NAME##_rows(pr, row, m, p, 1);                              \
-    }
+    ROW_RANGE(NAME)
 
 FUSED_ROW(fused_q4_0, dot_q4_0, 18)
 FUSED_ROW(fused_q8_0, dot_q8_0, 34)
@@ -1240,7 +1246,7 @@ static void run_task(const Product *pr, RowKernel kernel, WideKernel wide, TileK
     else if (wide != NULL)
         for (int64_t m = first; m < last; m += 4) wide(pr, b, m, last - m < 4 ? (int)(last - m) : 4);
     else
-        for (int64_t m = first; m < last; m++) kernel(pr, b, m);
+        kernel(pr, b, first, last);
 }
 
 static int64_t rows_used(const int64_t *starts, const int64_t *rows, int64_t matrices) {
