@@ -69,14 +69,15 @@ def test_tiles_hold_exactly_the_reference_values(qt):
 
 
 @pytest.mark.parametrize("qt", FLOATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("cols", [1024, 2048])
-def test_float_rows_of_a_page_or_more_give_each_output_row_its_own_result(qt, cols):
-    """Float rows of a page or more are computed four weight rows at a time (row counts that are not a
-    multiple of four included): each output is the same alone, in company and on any thread count."""
-    w = weight(qt, 45, cols, seed=cols)
+@pytest.mark.parametrize("rows, cols", [(45, 1024), (45, 2048), (131, 768), (70, 96)])
+def test_float_rows_run_as_streams_and_each_output_row_keeps_its_own_result(qt, rows, cols):
+    """Float rows are computed four weight rows at a time from four streams through a thread's rows
+    (row counts that are not a multiple of four, and products split over threads, included): each
+    output is the same alone, in company and on any thread count."""
+    w = weight(qt, rows, cols, seed=cols)
     x = torch.randn(3, cols)
     alone = torch.stack(
-        [qmatmul(x, QWeight(w.data.view(45, -1)[m], w.ggml_type, (1, cols)))[:, 0] for m in range(45)]
+        [qmatmul(x, QWeight(w.data.view(rows, -1)[m], w.ggml_type, (1, cols)))[:, 0] for m in range(rows)]
     )
     threads = torch.get_num_threads()
     try:
