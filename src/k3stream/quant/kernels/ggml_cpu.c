@@ -1454,6 +1454,23 @@ typedef struct {
     int64_t out_rows, row_bytes;
 } Role;
 
+/* k3_situ over `count` values in chunks on up to `threads` threads when there are enough of them (a
+ * prefill's: 1,024 pairs of 512 values take ~1.5 ms on one core); elementwise, so the same values */
+#define SITU_CHUNK 16384
+static void situ_on_threads(const float *gate, const float *up, int64_t count, float beta, float linear_beta,
+                            float *out, int threads) {
+    const int64_t chunks = (count + SITU_CHUNK - 1) / SITU_CHUNK;
+    if (threads <= 1 || chunks < 4) {
+        k3_situ(gate, up, count, beta, linear_beta, out);
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t chunk = 0; chunk < chunks; chunk++) {
+        const int64_t start = chunk * SITU_CHUNK, n = count - start < SITU_CHUNK ? count - start : SITU_CHUNK;
+        k3_situ(gate + start, up + start, n, beta, linear_beta, out + start);
+    }
+}
+
 static int expert_mlp(const float *x, int64_t in_features, Role gate, Role up, Role down, int64_t experts,
                       const int64_t *starts, const int64_t *rows, float beta, float linear_beta, float *out,
                       int threads, int q8_activations) {
@@ -1475,7 +1492,7 @@ static int expert_mlp(const float *x, int64_t in_features, Role gate, Role up, R
             free(plans[0].owned);
     }
     if (status == 0) {
-        k3_situ(gated, upped, pairs * hidden, beta, linear_beta, gated);
+        situ_on_threads(gated, upped, pairs * hidden, beta, linear_beta, gated, threads);
         for (int64_t p = 0; p < pairs; p++) order[p] = p;
         status = k3_grouped_product(gated, hidden, down.addresses, experts, down.out_rows, down.row_bytes,
                                     down.ggml_type, starts, order, out, threads, q8_activations);
