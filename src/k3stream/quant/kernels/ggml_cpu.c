@@ -885,17 +885,46 @@ ALWAYS void tile_rows(const Product *pr, const float *w, const float *mins, int6
     if (mins != NULL) tile_offsets(mins, span, sums, parts, at == 0, nx);
 }
 
-/* Each pair's output: its chains summed as hsum_all sums them, less its min offsets (has_mins) */
+/* [hsum8(v0), hsum8(v1), hsum8(v2), hsum8(v3)]: each the same additions in the same order as hsum8
+ * (halves, then lanes i and i + 2, then the two left), four at a time */
+ALWAYS __m128 hsum8_x4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+    const __m256 halves01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
+    const __m256 halves23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
+    const __m256 pairs = _mm256_add_ps(_mm256_shuffle_ps(halves01, halves23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm256_shuffle_ps(halves01, halves23, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(pairs, pairs, _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm256_shuffle_ps(pairs, pairs, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm_unpacklo_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1)); /* 0, 1, 2, 3 */
+}
+
+/* A pair's chains summed as hsum_all sums them, before its hsum8 */
+ALWAYS __m256 parked_chains(const float *parked) {
+    const __m256 low = _mm256_add_ps(_mm256_loadu_ps(parked), _mm256_loadu_ps(parked + 8));
+    return _mm256_add_ps(low, _mm256_add_ps(_mm256_loadu_ps(parked + 16), _mm256_loadu_ps(parked + 24)));
+}
+
+/* Each pair's output: its chains summed as hsum_all sums them, less its min offsets (has_mins); a
+ * whole tile's four outputs of an input row summed together and stored at once */
 ALWAYS void tile_outputs(const Product *pr, const float *parts, int64_t m, int count, int64_t p, int64_t n,
                          const int has_mins) {
-    for (int64_t r = 0; r < n; r++)
-        for (int j = 0; j < count; j++) {
-            const float *parked = parts + (r * TILE_W + j) * PAIR_FLOATS;
-            const __m256 low = _mm256_add_ps(_mm256_loadu_ps(parked), _mm256_loadu_ps(parked + 8));
-            const __m256 high = _mm256_add_ps(_mm256_loadu_ps(parked + 16), _mm256_loadu_ps(parked + 24));
-            const float offset = has_mins ? hsum8(_mm256_loadu_ps(parked + 32)) : 0.0f;
-            pr->out[(p + r) * pr->out_stride + m + j] = hsum8(_mm256_add_ps(low, high)) - offset;
+    for (int64_t r = 0; r < n; r++) {
+        const float *parked = parts + r * TILE_W * PAIR_FLOATS;
+        float *out = pr->out + (p + r) * pr->out_stride + m;
+        if (count == 4 && TILE_W == 4) {
+            __m128 sums = hsum8_x4(parked_chains(parked), parked_chains(parked + PAIR_FLOATS),
+                                   parked_chains(parked + 2 * PAIR_FLOATS), parked_chains(parked + 3 * PAIR_FLOATS));
+            if (has_mins)
+                sums = _mm_sub_ps(sums, hsum8_x4(_mm256_loadu_ps(parked + 32), _mm256_loadu_ps(parked + PAIR_FLOATS + 32),
+                                                 _mm256_loadu_ps(parked + 2 * PAIR_FLOATS + 32),
+                                                 _mm256_loadu_ps(parked + 3 * PAIR_FLOATS + 32)));
+            _mm_storeu_ps(out, sums);
+            continue;
         }
+        for (int j = 0; j < count; j++) {
+            const float offset = has_mins ? hsum8(_mm256_loadu_ps(parked + j * PAIR_FLOATS + 32)) : 0.0f;
+            out[j] = hsum8(parked_chains(parked + j * PAIR_FLOATS)) - offset;
+        }
+    }
 }
 
 /* Weight rows m..m + count - 1 (count <= TILE_W; the rest of the tile repeats row m) of matrix b
