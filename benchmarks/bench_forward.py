@@ -59,7 +59,7 @@ def bench_k3stream(
     model.logits(tokens[:8])  # warm-up
     state = model.new_state()
     start = time.perf_counter()
-    model.prefill(state, tokens[:prompt])
+    model.prefill_last(state, tokens[:prompt])  # the last logits alone, as llama.cpp by default
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
     for token in tokens[prompt:]:

@@ -40,11 +40,14 @@ def main(argv: list[str]) -> int:
 
 def batched(model, state, prompt: list[int], steps: list[int]) -> list[torch.Tensor]:
     """A second sequence, one step of both together (a server's batch), then the first alone after
-    the second was dropped (the followers drop theirs too)."""
+    the second was dropped (the followers drop theirs too), then a third's `prefill_last`."""
     other = model.new_state()
     logits = [model.prefill(other, prompt[::-1]), model.decode_batch([state, other], steps[:2])]
     del other
-    return [*logits, model.decode(state, steps[0])[None]]
+    logits.append(model.decode(state, steps[0])[None])
+    last = model.new_state()  # generation's prefill: the last token's logits alone
+    logits.append(model.prefill_last(last, prompt)[None])
+    return logits
 
 
 def _ids(text: str) -> list[int]:

@@ -194,6 +194,39 @@ def test_greedy_generation_equals_stateless_recompute(model, tokenizer):
     assert result.timings["decode_tokens_per_s"] > 0
 
 
+class _ReplacedPrefill:
+    """A wrapper that replaces `prefill` and forwards everything else to the model."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def prefill(self, state, tokens):
+        self.calls += 1
+        return self.model.prefill(state, tokens)
+
+
+def test_generation_prefills_the_output_matrix_on_the_last_token_alone(model, tokenizer, monkeypatch):
+    """The model's `prefill_last` (one row through the output matrix, the last row of `prefill`'s
+    logits); a wrapper that replaces `prefill` keeps its say."""
+    from k3stream.engine.generate import prefill_last
+
+    prompt = tokenizer.encode("The capital of France is")
+    full = model.prefill(model.new_state(), prompt)[-1]
+    rows = []
+    head = model.lm_head
+    monkeypatch.setattr(model, "lm_head", lambda x: rows.append(len(x)) or head(x))
+    assert torch.allclose(prefill_last(model, model.new_state(), prompt), full, rtol=1e-5, atol=1e-5)
+    assert rows == [1]
+    wrapped = _ReplacedPrefill(model)
+    assert torch.equal(
+        prefill_last(wrapped, model.new_state(), prompt), model.prefill(model.new_state(), prompt)[-1]
+    )
+    assert wrapped.calls == 1
+
+
 def _llama_greedy(model_path, prompt: list[int], n: int) -> tuple[list[int], float]:
     """llama.cpp's greedy continuation and the smallest top-1/top-2 logit gap along the way."""
     import llama_cpp

@@ -191,6 +191,22 @@ def test_prefill_continues_and_decode_matches_full_forward(small_model):
     assert relative_error(torch.cat([first, second, decoded]), full) < 1e-5
 
 
+def test_prefill_last_is_the_last_row_and_leaves_the_same_state(small_model, monkeypatch):
+    """Generation's prefill runs the output matrix on the last token alone: the last row of the full
+    prefill's logits, and the same state to decode from."""
+    tokens = tokens_for(2, small_model.config.vocab_size, 30)
+    full_state, last_state = small_model.new_state(), small_model.new_state()
+    full = small_model.prefill(full_state, tokens[:24])
+    head_rows = []
+    head = small_model.lm_head
+    monkeypatch.setattr(small_model, "lm_head", lambda x: head_rows.append(len(x)) or head(x))
+    last = small_model.prefill_last(last_state, tokens[:24])
+    assert head_rows == [1] and last.shape == full[-1].shape and last_state.length == 24
+    assert relative_error(last, full[-1]) < 1e-6
+    for token in tokens[24:]:
+        assert torch.equal(small_model.decode(last_state, token), small_model.decode(full_state, token))
+
+
 def test_decode_batch_equals_separate_decodes(small_model):
     prompts = [tokens_for(seed, small_model.config.vocab_size, n) for seed, n in [(2, 5), (3, 17), (4, 1)]]
     batch_states, single_states = [], []

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from k3stream.engine.generate import prefill_last
+
 if TYPE_CHECKING:
     from k3stream.engine.loading import Runtime
 
@@ -154,13 +156,13 @@ def run_k3stream(runtime: Runtime, prompt_ids: list[int], decode_tokens: int) ->
             peak.sample(store)
 
     warm = model.new_state()  # warmup: first-call costs of both paths, and a realistic cache
-    model.decode(warm, int(model.prefill(warm, prompt_ids)[-1].argmax()))
+    model.decode(warm, int(prefill_last(model, warm, prompt_ids).argmax()))
     step_done(len(prompt_ids) + 1)
     state = model.new_state()
     decoded: list[int] = []
 
     def prefill() -> None:
-        decoded.append(int(model.prefill(state, prompt_ids)[-1].argmax()))
+        decoded.append(int(prefill_last(model, state, prompt_ids).argmax()))
         step_done(len(prompt_ids))
 
     def decode() -> None:

@@ -11,10 +11,13 @@ import time
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k3stream.engine.sampling import Sampler, SamplingParams
 from k3stream.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 
@@ -27,6 +30,16 @@ class GenerationResult:
     prompt_tokens: int
     completion_tokens: int
     timings: dict[str, float] = field(default_factory=dict)
+
+
+def prefill_last(model: Any, state: Any, tokens: list[int]) -> torch.Tensor:
+    """The last prompt token's logits [vocab]: the model class's own `prefill_last` (the output matrix
+    on that row alone) where its `prefill` is the class's too, else the last row of `prefill`'s (so a
+    wrapper or a replaced `prefill` keeps its say)."""
+    own = getattr(type(model), "prefill_last", None)
+    if own is not None and getattr(model.prefill, "__func__", None) is type(model).prefill:
+        return own(model, state, tokens)
+    return model.prefill(state, tokens)[-1]
 
 
 def _prefix_function(pattern: str) -> list[int]:
@@ -198,7 +211,7 @@ def generate(
     sequence = Sequence(tokenizer, prompt_ids, _within_context(model, len(prompt_ids), params), on_text)
     state = model.new_state()
     start = time.perf_counter()
-    logits = model.prefill(state, sequence.prompt_ids)[-1]
+    logits = prefill_last(model, state, sequence.prompt_ids)
     token, done = sequence.feed(logits)
     first_token_at = time.perf_counter()
     while not done:

@@ -159,10 +159,19 @@ class K3Model:
         """Run `tokens` of one sequence after what `state` holds; logits [T, vocab]."""
         return self.forward(state, self._ids(tokens))
 
-    def forward(self, state: SequenceState, ids: torch.Tensor) -> torch.Tensor:
+    @torch.inference_mode()
+    def prefill_last(self, state: SequenceState, tokens: Iterable[int]) -> torch.Tensor:
+        """`prefill` with the logits of the last token alone [vocab]: what generation needs, and what
+        llama.cpp computes by default (Kimi-K3's output matrix on every row of a 4,096-token prompt
+        would be 4.8 T multiply-adds and 2.7 GB of logits)."""
+        return self.forward(state, self._ids(tokens), last_only=True)[0]
+
+    def forward(self, state: SequenceState, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """`prefill` of checked ids [T] outside inference mode: autograd records it when the weights
         require grad (the trainer's model, `k3stream.train`)."""
-        logits = self._forward(ids, lambda layer, h: layer.attn.prefill(h, state.layers[layer.index]))
+        logits = self._forward(
+            ids, lambda layer, h: layer.attn.prefill(h, state.layers[layer.index]), last_only
+        )
         state.length += len(ids)
         return logits
 
@@ -223,7 +232,10 @@ class K3Model:
         return ids
 
     def _forward(
-        self, ids: torch.Tensor, attend: Callable[[Layer, torch.Tensor], torch.Tensor]
+        self,
+        ids: torch.Tensor,
+        attend: Callable[[Layer, torch.Tensor], torch.Tensor],
+        last_only: bool = False,
     ) -> torch.Tensor:
         x = self.embedding(ids)
         bank: list[torch.Tensor] = []
@@ -254,7 +266,7 @@ class K3Model:
                 if by_token:
                     self.token_routes.learn(layer.index, token_ids, layer.ffn.chosen)
         x = rms_norm(residual_mix(bank, x, self.output_score, self.eps), self.norm, self.eps)
-        return self.lm_head(x).float()
+        return self.lm_head(x[-1:] if last_only else x).float()
 
     def _token_hints_used(self) -> bool:
         """Whether token hints may be predicted this step (only then is the routing learned per token)."""

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from k3stream.parallel.groups import PeerFailed, collective, command_device
 
-NEW, PREFILL, DECODE, STATS, STOP, NOOP = range(6)
+NEW, PREFILL, DECODE, STATS, STOP, NOOP, PREFILL_LAST = range(7)
 HEADER = 4  # op, ids, tokens, dropped states
 
 
@@ -67,6 +67,12 @@ class DriverModel:
         with self._lock:
             self._send(PREFILL, [state.parallel_id], tokens)
             return self._guarded(self.model.prefill, state, tokens)
+
+    def prefill_last(self, state: Any, tokens: Iterable[int]) -> torch.Tensor:
+        tokens = self._checked(tokens)
+        with self._lock:
+            self._send(PREFILL_LAST, [state.parallel_id], tokens)
+            return self._guarded(self.model.prefill_last, state, tokens)
 
     def decode(self, state: Any, token: int) -> torch.Tensor:
         return self.decode_batch([state], [token])[0]
@@ -154,6 +160,8 @@ def follow(model: Any, report: Callable[[], Any] = lambda: None) -> None:
             states[ids[0]] = model.new_state()
         elif op == PREFILL:
             model.prefill(states[ids[0]], tokens)
+        elif op == PREFILL_LAST:
+            model.prefill_last(states[ids[0]], tokens)
         elif op == DECODE:
             model.decode_batch([states[i] for i in ids], tokens)
         elif op == STATS:

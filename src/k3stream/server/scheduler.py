@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from k3stream.engine.generate import prefill_last
 from k3stream.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -228,7 +229,7 @@ class Scheduler:
         while (job := self._next_waiting()) is not None:
             try:
                 job.state = self.model.new_state()
-                logits = self.model.prefill(job.state, job.prompt_tokens)[-1]
+                logits = prefill_last(self.model, job.state, job.prompt_tokens)
             except Exception as exc:  # one bad request must not stop the server
                 log.exception("prefill failed")
                 self._fail_request(job, f"prefill failed: {exc}")
