@@ -56,6 +56,23 @@ def test_the_c_kernel_is_the_cpu_path():
     )
 
 
+def test_a_prefills_mix_on_the_threads_gives_each_position_its_own_result():
+    """Enough positions (a prefill's) are split over the threads: the same bits as on one thread."""
+    if not cpu.available():
+        pytest.skip("the C kernels were not built")
+    rows = [torch.randn(301, 1024) for _ in range(3)]
+    score = torch.randn(1024)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu.residual_mix(rows, score, 1e-5)
+        torch.set_num_threads(2)
+        assert torch.equal(cpu.residual_mix(rows, score, 1e-5), alone)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone[7:8], cpu.residual_mix([r[7:8] for r in rows], score, 1e-5))
+
+
 def test_rows_of_different_shapes_are_refused_not_read_past():
     """Mismatched rows never reach the C kernel (it would read past the shorter one): torch refuses."""
     rows = [torch.randn(3, 64), torch.randn(2, 64)]

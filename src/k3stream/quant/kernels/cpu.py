@@ -432,20 +432,21 @@ def bind_kda_recurrent(
 
 def residual_mix(rows: Sequence[torch.Tensor], score: torch.Tensor, eps: float) -> torch.Tensor:
     """The attention-residual mix (`steps_cpu.c`) of `rows` ([N, E] each, bank then current; float32,
-    contiguous, on the CPU) scored by `score` [E]: [N, E]."""
+    contiguous, on the CPU) scored by `score` [E]: [N, E]; a prefill's positions on the threads."""
     out = torch.empty(rows[0].shape, dtype=torch.float32)
-    function, args, _ = bind_residual_mix(rows, score, eps, out)
+    function, args, _ = bind_residual_mix(rows, score, eps, out, torch.get_num_threads())
     if function(*args) != 0:
         raise MemoryError("no memory for a residual mix")
     return out
 
 
 def bind_residual_mix(
-    rows: Sequence[torch.Tensor], score: torch.Tensor, eps: float, out: torch.Tensor
+    rows: Sequence[torch.Tensor], score: torch.Tensor, eps: float, out: torch.Tensor, threads: int = 1
 ) -> Call:
-    """`residual_mix` of rows into `out` as a bound call."""
+    """`residual_mix` of rows into `out` as a bound call (positions split over `threads` when there
+    are enough of them: each one's result is the same)."""
     n, width = rows[0].shape
-    args = ([t.data_ptr() for t in rows], n, width, score.data_ptr(), eps, out.data_ptr())
+    args = ([t.data_ptr() for t in rows], n, width, score.data_ptr(), eps, out.data_ptr(), threads)
     return _ggml_cpu().residual_mix, args, (*rows, score, out)
 
 

@@ -1748,7 +1748,7 @@ int k3_kda_recurrent(const float *proj, float *const *histories, const float *co
                      float *const *states, const float *g_logits, const float *o_norm, int64_t batch, int64_t tokens,
                      int64_t heads, int64_t dim, float eps, float scale, float *out, int threads);
 int k3_residual_mix(const float *const *rows, int64_t count, int64_t n, int64_t width, const float *score, float eps,
-                    float *out);
+                    float *out, int threads);
 
 /* kda_recurrent(qkv, [histories], conv, taps, f, dt_bias, ssm_a, has_bound, bound, b_logits, [states],
  * g_logits, o_norm, tokens, heads, dim, eps, scale, out, threads) -> k3_kda_recurrent's status, one history
@@ -1773,17 +1773,17 @@ static PyObject *py_kda_recurrent(PyObject *self, PyObject *const *args, Py_ssiz
     return PyLong_FromLong(status);
 }
 
-/* residual_mix([rows], n, width, score, eps, out) -> k3_residual_mix's status; with the GIL held. */
+/* residual_mix([rows], n, width, score, eps, out, threads) -> k3_residual_mix's status; with the GIL held. */
 static PyObject *py_residual_mix(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    int64_t v[4], local[16];
+    int64_t v[5], local[16];
     double eps;
     PyObject *list;
-    if (parse_args("residual_mix", args, nargs, "liiifi", v, &eps, &list) != 0) return NULL;
+    if (parse_args("residual_mix", args, nargs, "liiifii", v, &eps, &list) != 0) return NULL;
     int64_t *rows = addresses_of(list, local);
     if (rows == NULL) return NULL;
     const int status = k3_residual_mix((const float *const *)rows, PyList_GET_SIZE(list), v[0], v[1],
-                                       (const float *)(uintptr_t)v[2], (float)eps, (float *)(uintptr_t)v[3]);
+                                       (const float *)(uintptr_t)v[2], (float)eps, (float *)(uintptr_t)v[3], (int)v[4]);
     if (rows != local) free(rows);
     return PyLong_FromLong(status);
 }

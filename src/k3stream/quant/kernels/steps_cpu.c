@@ -278,33 +278,47 @@ CLONES int k3_kda_recurrent(const float *proj, float *const *histories, const fl
  * of each of `n` positions; rows[i] [n, width]. The scores and the softmax are summed in double: a
  * score is a long sum that can reach the thousands, and the softmax amplifies its rounding. Returns 0,
  * or -2 without memory. */
+/* position r of k3_residual_mix; weights: `count` doubles of scratch */
+INLINE void mix_position(const float *const *rows, int64_t count, int64_t r, int64_t width, const float *score,
+                         float eps, double *weights, float *out) {
+    double largest = -INFINITY, total = 0.0;
+    for (int64_t i = 0; i < count; i++) {
+        const float *x = rows[i] + r * width;
+        double squares_part[LANES] = {0}, scored_part[LANES] = {0}, squares = 0.0, scored = 0.0;
+        int64_t e = 0;
+        for (; e + LANES <= width; e += LANES)
+            for (int j = 0; j < LANES; j++) {
+                squares_part[j] += (double)x[e + j] * x[e + j];
+                scored_part[j] += (double)x[e + j] * score[e + j];
+            }
+        for (int j = 0; j < LANES; j++) squares += squares_part[j], scored += scored_part[j];
+        for (; e < width; e++) squares += (double)x[e] * x[e], scored += (double)x[e] * score[e];
+        weights[i] = scored / sqrt(squares / (double)width + eps);
+        largest = weights[i] > largest ? weights[i] : largest;
+    }
+    for (int64_t i = 0; i < count; i++) total += weights[i] = exp(weights[i] - largest);
+    float *y = out + r * width;
+    for (int64_t e = 0; e < width; e++) y[e] = 0.0f;
+    for (int64_t i = 0; i < count; i++) {
+        const float *x = rows[i] + r * width, w = (float)(weights[i] / total);
+        for (int64_t e = 0; e < width; e++) y[e] += w * x[e];
+    }
+}
+
+/* Mixes of at least this many values (a prefill's) take the threads, positions split between them */
+#define MIX_PARALLEL_MIN (1 << 18)
+
 CLONES int k3_residual_mix(const float *const *rows, int64_t count, int64_t n, int64_t width, const float *score,
-                           float eps, float *out) {
-    double *weights = malloc(sizeof(double) * (size_t)count);
+                           float eps, float *out, int threads) {
+    const int teams = threads > 1 && count * n * width >= MIX_PARALLEL_MIN ? threads : 1;
+    double *weights = malloc(sizeof(double) * (size_t)(count * teams));
     if (weights == NULL) return -2;
-    for (int64_t r = 0; r < n; r++) {
-        double largest = -INFINITY, total = 0.0;
-        for (int64_t i = 0; i < count; i++) {
-            const float *x = rows[i] + r * width;
-            double squares_part[LANES] = {0}, scored_part[LANES] = {0}, squares = 0.0, scored = 0.0;
-            int64_t e = 0;
-            for (; e + LANES <= width; e += LANES)
-                for (int j = 0; j < LANES; j++) {
-                    squares_part[j] += (double)x[e + j] * x[e + j];
-                    scored_part[j] += (double)x[e + j] * score[e + j];
-                }
-            for (int j = 0; j < LANES; j++) squares += squares_part[j], scored += scored_part[j];
-            for (; e < width; e++) squares += (double)x[e] * x[e], scored += (double)x[e] * score[e];
-            weights[i] = scored / sqrt(squares / (double)width + eps);
-            largest = weights[i] > largest ? weights[i] : largest;
-        }
-        for (int64_t i = 0; i < count; i++) total += weights[i] = exp(weights[i] - largest);
-        float *y = out + r * width;
-        for (int64_t e = 0; e < width; e++) y[e] = 0.0f;
-        for (int64_t i = 0; i < count; i++) {
-            const float *x = rows[i] + r * width, w = (float)(weights[i] / total);
-            for (int64_t e = 0; e < width; e++) y[e] += w * x[e];
-        }
+    if (teams == 1) {
+        for (int64_t r = 0; r < n; r++) mix_position(rows, count, r, width, score, eps, weights, out);
+    } else {
+#pragma omp parallel for schedule(static) num_threads(teams)
+        for (int64_t r = 0; r < n; r++)
+            mix_position(rows, count, r, width, score, eps, weights + count * omp_get_thread_num(), out);
     }
     free(weights);
     return 0;
