@@ -262,8 +262,8 @@ class KDA:
     def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The projections of the layer input as float32 views: q|k|v side by side [T, 3 H D], the output
         gate's logits [T, H D], beta's logits [T, H] and the decay's first projection [T, D]."""
-        q_width, k_width, v_width, *rest = self.projections.widths
-        return self.projections(h).float().split([q_width + k_width + v_width, *rest], dim=1)
+        q, k, v, *rest = (part.float() for part in self.projections.parts(h))
+        return (torch.cat([q, k, v], dim=1), *rest)
 
     def _split_activate(self, mixed: torch.Tensor):
         q, k, v = (

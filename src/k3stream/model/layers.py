@@ -140,6 +140,12 @@ class JointLinear:
             return out if out.dtype == x.dtype else out.to(x.dtype)
         return torch.cat([linear(x) for linear in self.linears], dim=-1)
 
+    def parts(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's output [N, width] (as float32 or x's dtype), without joining them."""
+        if self.products is not None:
+            return self.products.parts(x)
+        return [linear(x) for linear in self.linears]
+
 
 def bind_linear(
     linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, out: torch.Tensor, threads: int

@@ -222,7 +222,7 @@ class MLA:
     def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Absorbed queries [T, H, kv_lora + rope], new cache rows [T, kv_lora + rope] and the output
         gate's logits [T, H v]."""
-        first, compressed, g_logits = self.projections(h).float().split(self.projections.widths, dim=1)
+        first, compressed, g_logits = (part.float() for part in self.projections.parts(h))
         if self.w.q_a_proj is not None:  # q-lora: `first` is q_a's output, normed before q_b
             first = self.w.q_b_proj(rms_norm(first.contiguous(), self.w.q_a_norm, self.eps)).float()
         q = first.view(-1, self.heads, self.nope + self.rope)

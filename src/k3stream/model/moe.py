@@ -127,9 +127,7 @@ class LatentMoE:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h [N, E] -> [N, E]; the union of the experts all rows chose, fetched once each."""
-        logits, latent = (
-            part.contiguous() for part in self.projections(h).float().split(self.projections.widths, 1)
-        )
+        logits, latent = (part.float().contiguous() for part in self.projections.parts(h))
         chosen, weights = self.routing.choose(logits, self.w.correction_bias)
         self._start_step(chosen)
         shared = self.w.shared(h).float() if self.w.shared is not None else None

@@ -168,8 +168,15 @@ class Products:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._direct(x):
             return cpu.products(x, *self._arguments)
-        outputs = [qmatmul(x, weight, self.backend, self.match_ggml) for weight in self.weights]
+        outputs = self.parts(x)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+    def parts(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each matrix's product [N, its out]: views of one C call's output where x goes straight to
+        C, else each product as it comes (a prefill's: no joint copy to split again)."""
+        if self._direct(x):
+            return list(cpu.products(x, *self._arguments).split([w.shape[0] for w in self.weights], dim=-1))
+        return [qmatmul(x, weight, self.backend, self.match_ggml) for weight in self.weights]
 
     def bind(self, x: torch.Tensor, out: torch.Tensor, threads: int) -> cpu.Call | None:
         """The product of x into `out` ([N, out_features] float32) as a bound C call, or None where x
