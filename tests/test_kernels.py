@@ -232,6 +232,24 @@ def test_the_c_rms_norm_and_situ_match_their_torch_formulas(shape):
     assert rms_norm(needs_grad, weights, 1e-6).requires_grad
 
 
+def test_a_prefills_activation_on_the_threads_gives_the_same_values():
+    """Enough values (a prefill's) are cut in chunks over the threads: the same bits as one thread."""
+    generator = torch.Generator().manual_seed(7)
+    gate, up = (
+        30 * torch.randn(300, 512, generator=generator),
+        50 * torch.randn(300, 512, generator=generator),
+    )
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = situ(gate, up, 2.0, 3.0)
+        torch.set_num_threads(2)
+        assert torch.equal(situ(gate, up, 2.0, 3.0), alone)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(situ(gate[5:6], up[5:6], 2.0, 3.0), alone[5:6])
+
+
 def test_the_c_kda_step_gives_the_same_bits_on_one_and_two_threads():
     """Kimi-K3's 64 heads of 128 take the threads, each head on one: the same output and states."""
     from k3stream.quant.kernels import cpu
@@ -524,7 +542,7 @@ def test_the_extension_call_refuses_bad_arguments_in_one_line():
         module.expert_mlp(0, 256, 0, 10, 84, [0], 10, 84, [0], 11, 110, 256, 256, 0, 0, 2.0, 3.0, 0, 1, 0)
     with pytest.raises(TypeError):  # a float where a pointer goes
         module.rms_norm(0.5, 1, 16, 0, 1e-6, 0)
-    with pytest.raises(TypeError, match="situ takes 6 arguments"):
+    with pytest.raises(TypeError, match="situ takes 7 arguments"):
         module.situ(0, 0, 1)
 
 

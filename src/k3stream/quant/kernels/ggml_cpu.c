@@ -1702,8 +1702,9 @@ static PyObject *py_chosen_experts(PyObject *self, PyObject *const *args, Py_ssi
     return PyLong_FromLong(status);
 }
 
-/* rms_norm(x, rows, width, weight or 0, eps, out) and situ(gate, up, count, beta, linear_beta, out):
- * k3_rms_norm and k3_situ on float32 buffers (pointers as ints); small steps, run with the GIL held. */
+/* rms_norm(x, rows, width, weight or 0, eps, out) and situ(gate, up, count, beta, linear_beta, out,
+ * threads): k3_rms_norm and k3_situ (situ_on_threads) on float32 buffers (pointers as ints), with the
+ * GIL held. */
 static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     int64_t v[5];
@@ -1716,11 +1717,11 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t n
 
 static PyObject *py_situ(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    int64_t v[4];
+    int64_t v[5];
     double betas[2];
-    if (parse_args("situ", args, nargs, "iiiffi", v, betas, NULL) != 0) return NULL;
-    k3_situ((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], (float)betas[0], (float)betas[1],
-            (float *)(uintptr_t)v[3]);
+    if (parse_args("situ", args, nargs, "iiiffii", v, betas, NULL) != 0) return NULL;
+    situ_on_threads((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], (float)betas[0],
+                    (float)betas[1], (float *)(uintptr_t)v[3], (int)v[4]);
     Py_RETURN_NONE;
 }
 
