@@ -55,18 +55,31 @@ INLINE float exp_poly(float x) {
 
 INLINE float sigmoidf(float x) { return 1.0f / (1.0f + exp_poly(-x)); }
 
-/* mixed[c] = sum_t window[t][c] * w[t][c] over the C - 1 history rows then x (w by tap: [C, width], so
- * the loops run along the channels and vectorize); the history shifts */
-INLINE void causal_conv_step(const float *x, float *history, const float *w, int64_t taps, int64_t width,
-                             float *mixed) {
-    const float *first = taps > 1 ? history : x, *last = w + (taps - 1) * width;
-    for (int64_t c = 0; c < width; c++) mixed[c] = first[c] * w[c];
-    for (int64_t t = 1; t < taps - 1; t++)
-        for (int64_t c = 0; c < width; c++) mixed[c] += history[t * width + c] * w[t * width + c];
-    if (taps == 1) return;
-    for (int64_t c = 0; c < width; c++) mixed[c] += x[c] * last[c];
-    memmove(history, history + width, sizeof(float) * (size_t)((taps - 2) * width));
-    memcpy(history + (taps - 2) * width, x, sizeof(float) * (size_t)width);
+/* The conv's input at `position` of a step's rows: negative positions are the history's rows (the
+ * taps - 1 inputs before the step) */
+INLINE const float *conv_input(const float *rows, const float *history, int64_t taps, int64_t width,
+                               int64_t position) {
+    return position < 0 ? history + (position + taps - 1) * width : rows + position * width;
+}
+
+/* Channels c0..c1 - 1 of the short causal conv over `tokens` rows: mixed[t][c] = sum_i input(t - taps
+ * + 1 + i)[c] * w[i][c], oldest tap first (w by tap: [taps, width], so the loops run along the channels
+ * and vectorize); then those channels of the history become the last taps - 1 inputs. Channel ranges
+ * are independent, so threads may take them. */
+INLINE void causal_conv_rows(const float *rows, float *history, const float *w, int64_t taps, int64_t width,
+                             int64_t tokens, float *mixed, int64_t c0, int64_t c1) {
+    for (int64_t t = 0; t < tokens; t++) {
+        float *out = mixed + t * width;
+        const float *oldest = conv_input(rows, history, taps, width, t - taps + 1);
+        for (int64_t c = c0; c < c1; c++) out[c] = oldest[c] * w[c];
+        for (int64_t i = 1; i < taps; i++) {
+            const float *in = conv_input(rows, history, taps, width, t - taps + 1 + i), *wi = w + i * width;
+            for (int64_t c = c0; c < c1; c++) out[c] += in[c] * wi[c];
+        }
+    }
+    for (int64_t i = 0; i < taps - 1; i++) /* a history row moves down (i < tokens + i): never overwritten first */
+        memmove(history + i * width + c0, conv_input(rows, history, taps, width, tokens - taps + 1 + i) + c0,
+                sizeof(float) * (size_t)(c1 - c0));
 }
 
 /* Eight floats as one value (GCC's vector extension: AVX registers in the x86-64-v3 clone, SSE pairs in
@@ -230,6 +243,7 @@ INLINE void kda_head_steps(float *mixed, const float *f, const float *dt_bias, c
  * step of 8 heads of 128 on this machine's two vCPUs ran slower on two (0.9 against 0.7 ms a mid
  * token): its compute-bound work barely gains from the second one. */
 #define KDA_PARALLEL_MIN (1 << 20)
+#define CONV_CHUNK 512 /* channels a thread takes of a prefill's conv */
 
 /* The KDA recurrence after the projections, token by token, for B sequences of `tokens` rows each
  * (decode: one each; prefill: one sequence): its conv, the heads' steps, their output norm and gate.
@@ -251,8 +265,12 @@ CLONES int k3_kda_recurrent(const float *proj, float *const *histories, const fl
     float *scratch = mixed + tokens * width;
     for (int64_t b = 0; b < batch; b++) {
         const int64_t first = b * tokens;
-        for (int64_t t = 0; t < tokens; t++)
-            causal_conv_step(proj + (first + t) * width, histories[b], conv_w, taps, width, mixed + t * width);
+        const int64_t chunks = teams > 1 ? (width + CONV_CHUNK - 1) / CONV_CHUNK : 1;
+#pragma omp parallel for schedule(static) num_threads(teams) if (chunks > 1)
+        for (int64_t chunk = 0; chunk < chunks; chunk++) {
+            const int64_t c0 = chunk * CONV_CHUNK, c1 = chunks == 1 || c0 + CONV_CHUNK > width ? width : c0 + CONV_CHUNK;
+            causal_conv_rows(proj + first * width, histories[b], conv_w, taps, width, tokens, mixed, c0, c1);
+        }
         const float *fb = f + first * inner, *gb = g_logits + first * inner, *beta = b_logits + first * heads;
         float *yb = out + first * inner;
         if (teams == 1) {
