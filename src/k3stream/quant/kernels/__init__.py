@@ -421,7 +421,7 @@ def bind_chosen_experts(
     experts' matrices), or None where `expert_mlp` would not take them straight to C. `roles` (gate,
     up, down): each role's matrices of all the layer's experts in RAM, as (bytes, bytes per expert,
     GGML type, shape (out, in)), expert e's at e times the bytes per expert."""
-    layouts = [_fused_layout(ggml_type, shape, match_ggml) for _, _, ggml_type, shape in roles]
+    layouts = [_fused_layout(ggml_type, shape, match_ggml, one_row=True) for _, _, ggml_type, shape in roles]
     if backend != "auto" or x.shape[0] != 1 or None in layouts or not cpu.takes((x,)):
         return None
     experts = roles[0][0].numel() // roles[0][1]
@@ -443,7 +443,8 @@ def _fused_roles(
         return None
     first = experts[0]
     kinds = [(matrix.ggml_type, matrix.shape) for matrix in (first.gate, first.up, first.down)]
-    layouts = [_fused_layout(ggml_type, shape, match_ggml) for ggml_type, shape in kinds]
+    one_row = x.shape[0] == 1  # a decode step's: as `bind_chosen_experts` takes it (the same bits)
+    layouts = [_fused_layout(ggml_type, shape, match_ggml, one_row) for ggml_type, shape in kinds]
     if None in layouts:
         return None
     signature = [kind for kind in kinds for kind in kind]
@@ -461,11 +462,15 @@ def _fused_roles(
 
 
 @functools.lru_cache(maxsize=64)
-def _fused_layout(ggml_type: int, shape: tuple[int, int], match_ggml: bool) -> tuple[int, int] | None:
+def _fused_layout(
+    ggml_type: int, shape: tuple[int, int], match_ggml: bool, one_row: bool = False
+) -> tuple[int, int] | None:
     """A role's output rows and bytes per row for `cpu.expert_mlp`, or None where it does not take it
-    (see `_fused_roles`)."""
+    (see `_fused_roles`). F32 matrices take it for `one_row` (a decode step's chosen experts), as
+    `qmatmul` sends a few rows of F32 to the C kernel; torch's GEMM stays faster for many."""
     out_features, in_features = shape
-    if not _c_kernel_takes(ggml_type, in_features, match_ggml):
+    f32_row = one_row and ggml_type == F32 and not match_ggml and in_features % 32 == 0 and cpu.available()
+    if not (f32_row or _c_kernel_takes(ggml_type, in_features, match_ggml)):
         return None
     return out_features, row_bytes(ggml_type, in_features)
 
