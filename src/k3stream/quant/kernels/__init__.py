@@ -148,10 +148,11 @@ class Products:
         self.out_features = sum(weight.shape[0] for weight in self.weights)
         self.backend, self.match_ggml = backend, match_ggml
         self._max_rows = min(self._direct_rows(weight) for weight in self.weights)
+        self.widths = [weight.shape[0] for weight in self.weights]
         self._arguments = (
             [weight.data.data_ptr() for weight in self.weights],
             [weight.ggml_type for weight in self.weights],
-            [weight.shape[0] for weight in self.weights],
+            self.widths,
             [row_bytes(weight.ggml_type, self.in_features) for weight in self.weights],
             [int(match_ggml and weight.ggml_type in cpu.Q8_TYPES) for weight in self.weights],
         )
@@ -168,14 +169,17 @@ class Products:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._direct(x):
             return cpu.products(x, *self._arguments)
-        outputs = self.parts(x)
+        outputs = self._each(x)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
     def parts(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each matrix's product [N, its out]: views of one C call's output where x goes straight to
         C, else each product as it comes (a prefill's: no joint copy to split again)."""
         if self._direct(x):
-            return list(cpu.products(x, *self._arguments).split([w.shape[0] for w in self.weights], dim=-1))
+            return list(cpu.products(x, *self._arguments).split(self.widths, dim=-1))
+        return self._each(x)
+
+    def _each(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [qmatmul(x, weight, self.backend, self.match_ggml) for weight in self.weights]
 
     def bind(self, x: torch.Tensor, out: torch.Tensor, threads: int) -> cpu.Call | None:

@@ -329,17 +329,8 @@ def bind_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out:
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
     """Kimi-K3's activation of same-shaped `gate` and `up` (tensors as `takes` wants them); a
     prefill's values on the threads."""
-    out = torch.empty_like(gate)
-    args = (
-        gate.data_ptr(),
-        up.data_ptr(),
-        gate.numel(),
-        beta,
-        linear_beta,
-        out.data_ptr(),
-        torch.get_num_threads(),
-    )
-    _ggml_cpu().situ(*args)
+    out, threads = torch.empty_like(gate), torch.get_num_threads()
+    _ggml_cpu().situ(gate.data_ptr(), up.data_ptr(), gate.numel(), beta, linear_beta, out.data_ptr(), threads)
     return out
 
 
