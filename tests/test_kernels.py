@@ -89,8 +89,8 @@ def test_float_rows_run_as_streams_and_each_output_row_keeps_its_own_result(qt, 
     assert relative_error(qmatmul(x, w), reference(x, w)) <= 1e-6
 
 
-MANY_ROW_CASES = [(qt, cols) for qt in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K) for cols in (768, 2304)] + [
-    (qt, cols) for qt in (T.F16, T.BF16, T.Q4_0, T.Q8_0) for cols in (768, 2304, 800)
+MANY_ROW_CASES = [(qt, cols) for qt in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K) for cols in (768, 2304)] + [
+    (qt, cols) for qt in (T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4) for cols in (768, 2304, 800)
 ]
 
 
@@ -112,7 +112,7 @@ def test_many_rows_of_one_matrix_equal_single_row_products_bit_for_bit(qt, cols)
     assert relative_error(together[starts[2] :], reference(x[rows[starts[2] :]], weights[2])) <= 1e-5
 
 
-@pytest.mark.parametrize("qt", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K, T.Q4_0, T.Q8_0, T.Q5_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", CPU_TYPES, ids=lambda t: t.name)
 def test_grouped_rows_equal_separate_products_bit_for_bit(qt):
     """Uneven and empty groups; a row's result does not depend on what shared the call or on threads."""
     weights = [weight(qt, 48, 512, seed=s) for s in range(4)]

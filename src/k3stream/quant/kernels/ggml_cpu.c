@@ -581,35 +581,94 @@ ALWAYS void fma32_step(__m256i codes, float step, const float *const *x, int64_t
     fma8(_mm256_mul_ps(codes_lo8(_mm_srli_si128(hi, 8)), s), x, at + 24, acc, 3, n);
 }
 
-/* Q8_0 and Q4_0: `count` 32-value blocks; (code - 8) * d is exact in the codes, as the reference's */
-ALWAYS void dot_q8_0(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
-                     float *out, const int n, const int count) {
-    (void)sums;
-    __m256 acc[FUSED_ROWS][4];
-    zero_acc(acc, n);
-    for (int k = 0; k < count; k++) {
-        const uint8_t *block = b + 34 * k;
-        fma32_step(_mm256_loadu_si256((const __m256i *)(block + 2)), f16c(block), x, at + 32 * k, acc, n);
-    }
-    for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);
+/* 32-value blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4): a block's 32 codes as bytes (element i at
+ * byte i) and its step d (and Q4_1/Q5_1's offset m); each value is code * d (+ m), the reference's
+ * product (and sum), exact in the codes */
+typedef struct {
+    __m256i codes;
+    float d, m;
+} Block32;
+
+/* element i: the low nibble of q[i] (i < 16), element 16 + i: its high nibble */
+ALWAYS __m256i nibble_codes(const uint8_t *q) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)q), nibble = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), _mm_and_si128(bytes, nibble));
 }
 
-ALWAYS void dot_q4_0(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
-                     float *out, const int n, const int count) {
-    (void)sums;
-    __m256 acc[FUSED_ROWS][4];
-    zero_acc(acc, n);
-    const __m128i nibble = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
-    for (int k = 0; k < count; k++) {
-        const uint8_t *block = b + 18 * k;
-        const __m128i q = _mm_loadu_si128((const __m128i *)(block + 2)); /* element i: low nibble of byte i,
-                                                                           element 16 + i: its high nibble */
-        const __m128i low = _mm_sub_epi8(_mm_and_si128(q, nibble), eight);
-        const __m128i high = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), nibble), eight);
-        fma32_step(_mm256_set_m128i(high, low), f16c(block), x, at + 32 * k, acc, n);
-    }
-    for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);
+/* Q5_0/Q5_1's fifth bits: bit j of the 32-bit qh as 16 (set) or 0 in byte j */
+ALWAYS __m256i fifth_bits(const uint8_t *qh) {
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                  0x0303030303030303)); /* byte j: qh byte j/8 */
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);          /* byte j: 1 << j%8 */
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
 }
+
+ALWAYS Block32 block_q8_0(const uint8_t *b) {
+    return (Block32){_mm256_loadu_si256((const __m256i *)(b + 2)), f16c(b), 0.0f};
+}
+
+ALWAYS Block32 block_q4_0(const uint8_t *b) {
+    return (Block32){_mm256_sub_epi8(nibble_codes(b + 2), _mm256_set1_epi8(8)), f16c(b), 0.0f};
+}
+
+ALWAYS Block32 block_q4_1(const uint8_t *b) { return (Block32){nibble_codes(b + 4), f16c(b), f16c(b + 2)}; }
+
+ALWAYS Block32 block_q5_0(const uint8_t *b) {
+    const __m256i codes = _mm256_or_si256(nibble_codes(b + 6), fifth_bits(b + 2));
+    return (Block32){_mm256_sub_epi8(codes, _mm256_set1_epi8(16)), f16c(b), 0.0f};
+}
+
+ALWAYS Block32 block_q5_1(const uint8_t *b) {
+    return (Block32){_mm256_or_si256(nibble_codes(b + 8), fifth_bits(b + 4)), f16c(b), f16c(b + 2)};
+}
+
+/* MXFP4: each nibble's E2M1 value (an integer times 1/2, doubled here) looked up as a byte, times the
+ * block's E8M0 scale halved (as dec_mxfp4) */
+ALWAYS Block32 block_mxfp4(const uint8_t *b) {
+    const __m256i values = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6,
+                                            8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const uint32_t e = b[0];
+    return (Block32){_mm256_shuffle_epi8(values, nibble_codes(b + 1)),
+                     bits_f32(e < 2 ? 0x00200000u << e : (e - 1) << 23), 0.0f};
+}
+
+/* 32 unsigned byte codes times d plus m (Q4_1, Q5_1), against x at `at` (chains 0-3) */
+ALWAYS void fma32_affine(__m256i codes, float d, float m, const float *const *x, int64_t at,
+                         __m256 acc[FUSED_ROWS][4], const int n) {
+    const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+    const __m256 s = _mm256_set1_ps(d), o = _mm256_set1_ps(m);
+    fma8(_mm256_add_ps(_mm256_mul_ps(codes_lo8(lo), s), o), x, at, acc, 0, n);
+    fma8(_mm256_add_ps(_mm256_mul_ps(codes_lo8(_mm_srli_si128(lo, 8)), s), o), x, at + 8, acc, 1, n);
+    fma8(_mm256_add_ps(_mm256_mul_ps(codes_lo8(hi), s), o), x, at + 16, acc, 2, n);
+    fma8(_mm256_add_ps(_mm256_mul_ps(codes_lo8(_mm_srli_si128(hi, 8)), s), o), x, at + 24, acc, 3, n);
+}
+
+/* `count` blocks of a 32-value type into each row's four chains */
+#define BLOCK32_DOT(TYPE, BYTES, AFFINE)                                                                \
+    ALWAYS void dot_##TYPE(const uint8_t *restrict b, const float *const *x, const float *const *sums, \
+                           int64_t at, float *out, const int n, const int count) {                      \
+        (void)sums;                                                                                     \
+        __m256 acc[FUSED_ROWS][4];                                                                      \
+        zero_acc(acc, n);                                                                               \
+        for (int k = 0; k < count; k++) {                                                               \
+            const Block32 block = block_##TYPE(b + (BYTES) * k);                                        \
+            if (AFFINE)                                                                                 \
+                fma32_affine(block.codes, block.d, block.m, x, at + 32 * k, acc, n);                   \
+            else                                                                                        \
+                fma32_step(block.codes, block.d, x, at + 32 * k, acc, n);                               \
+        }                                                                                               \
+        for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);                                          \
+    }
+
+BLOCK32_DOT(q8_0, 34, 0)
+BLOCK32_DOT(q4_0, 18, 0)
+BLOCK32_DOT(q4_1, 20, 1)
+BLOCK32_DOT(q5_0, 22, 0)
+BLOCK32_DOT(q5_1, 24, 1)
+BLOCK32_DOT(mxfp4, 17, 0)
 
 /* Q4_K's 8 sub-block steps (scale * d) and each 16 values' min (min * dmin, a 32-value sub-block's
  * twice: its offset enters as two 16-value sums, as Q2_K's) */
@@ -629,14 +688,27 @@ ALWAYS __m256i q4_k_codes(const uint8_t *restrict b, int s) {
     return _mm256_and_si256(_mm256_srli_epi16(q, 4 * (s & 1)), _mm256_set1_epi8(15));
 }
 
-/* Q4_K and Q6_K run each row's chains (and Q4_K's min offsets) across the row, as Q2_K */
-ALWAYS void dot_q4_k(const uint8_t *restrict b, const float *const *x, const float *const *sums, int64_t at,
-                     __m256 acc[FUSED_ROWS][4], __m256 offsets[FUSED_ROWS], const int n) {
-    float steps[8], mins[16];
-    q4_k_steps(b, steps, mins);
-    for (int s = 0; s < 8; s++) fma32_step(q4_k_codes(b, s), steps[s], x, at + 32 * s, acc, n);
-    add_min_offsets(mins, sums, at, offsets, n);
+/* Q5_K's 32 codes of sub-block s: Q4_K's nibbles (from byte 48) and bit s of byte 16 + i as the fifth */
+ALWAYS __m256i q5_k_codes(const uint8_t *restrict b, int s) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * (s >> 1)));
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 4 * (s & 1)), _mm256_set1_epi8(15));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 16)), s),
+                                          _mm256_set1_epi8(1));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
 }
+
+/* Q4_K, Q5_K and Q6_K run each row's chains (and Q4_K/Q5_K's min offsets) across the row, as Q2_K */
+#define K45_DOT(TYPE)                                                                                   \
+    ALWAYS void dot_##TYPE(const uint8_t *restrict b, const float *const *x, const float *const *sums, \
+                           int64_t at, __m256 acc[FUSED_ROWS][4], __m256 offsets[FUSED_ROWS], const int n) { \
+        float steps[8], mins[16];                                                                       \
+        q4_k_steps(b, steps, mins);                                                                     \
+        for (int s = 0; s < 8; s++) fma32_step(TYPE##_codes(b, s), steps[s], x, at + 32 * s, acc, n);  \
+        add_min_offsets(mins, sums, at, offsets, n);                                                    \
+    }
+
+K45_DOT(q4_k)
+K45_DOT(q5_k)
 
 /* Q6_K's 32 unsigned 6-bit codes (0..63) of run r: low nibbles at 64(r/4) + 32((r%4)%2), shift
  * 4((r%4)/2); high bits at 128 + 32(r/4), shift 2(r%4) */
@@ -971,11 +1043,15 @@ ALWAYS void tile_outputs(const Product *pr, const float *parts, int64_t m, int c
     KQUANT_ROWS(NAME##_rows, DOT, HAS_MINS, BLOCK_BYTES)                                               \
     ROW_RANGE(NAME)
 
-ALWAYS void expand_q4_k(const uint8_t *restrict b, float *w, float *mins) {
-    float steps[8];
-    q4_k_steps(b, steps, mins);
-    for (int s = 0; s < 8; s++) codes_times(q4_k_codes(b, s), steps[s], steps[s], w + 32 * s);
-}
+#define K45_EXPAND(TYPE)                                                                                \
+    ALWAYS void expand_##TYPE(const uint8_t *restrict b, float *w, float *mins) {                      \
+        float steps[8];                                                                                 \
+        q4_k_steps(b, steps, mins);                                                                     \
+        for (int s = 0; s < 8; s++) codes_times(TYPE##_codes(b, s), steps[s], steps[s], w + 32 * s);   \
+    }
+
+K45_EXPAND(q4_k)
+K45_EXPAND(q5_k)
 
 ALWAYS void expand_q6_k(const uint8_t *restrict b, float *w, float *mins) {
     (void)mins;
@@ -989,35 +1065,38 @@ ALWAYS void expand_q6_k(const uint8_t *restrict b, float *w, float *mins) {
 KQUANT_ROW(fused_q2_k, dot_q2_k, 1, 84)
 KQUANT_ROW(fused_q3_k, dot_q3_k, 0, 110)
 KQUANT_ROW(fused_q4_k, dot_q4_k, 1, 144)
+KQUANT_ROW(fused_q5_k, dot_q5_k, 1, 176)
 KQUANT_ROW(fused_q6_k, dot_q6_k, 0, 210)
 EXPANDED_TILE(tile_q2_k, expand_q2_k, 1, 84)
 EXPANDED_TILE(tile_q3_k, expand_q3_k, 0, 110)
 EXPANDED_TILE(tile_q4_k, expand_q4_k, 1, 144)
+EXPANDED_TILE(tile_q5_k, expand_q5_k, 1, 176)
 EXPANDED_TILE(tile_q6_k, expand_q6_k, 0, 210)
 
-/* Q8_0 and Q4_0: eight 32-value blocks, each code times its block's step (fma32_step's products) */
-ALWAYS void expand_q8_0(const uint8_t *restrict b, float *w, float *mins) {
-    (void)mins;
-    for (int k = 0; k < 8; k++) {
-        const float step = f16c(b + 34 * k);
-        codes_times(_mm256_loadu_si256((const __m256i *)(b + 34 * k + 2)), step, step, w + 32 * k);
-    }
+/* w[0..32] += m (Q4_1 and Q5_1's offsets, after the products codes_times stored) */
+ALWAYS void add_to_32(float *w, float m) {
+    for (int i = 0; i < 32; i += 8) _mm256_storeu_ps(w + i, _mm256_add_ps(_mm256_loadu_ps(w + i), _mm256_set1_ps(m)));
 }
 
-ALWAYS void expand_q4_0(const uint8_t *restrict b, float *w, float *mins) {
-    (void)mins;
-    const __m128i nibble = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
-    for (int k = 0; k < 8; k++) { /* as dot_q4_0: low nibbles then high nibbles, less 8 */
-        const uint8_t *block = b + 18 * k;
-        const __m128i q = _mm_loadu_si128((const __m128i *)(block + 2));
-        const __m128i low = _mm_sub_epi8(_mm_and_si128(q, nibble), eight);
-        const __m128i high = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), nibble), eight);
-        codes_times(_mm256_set_m128i(high, low), f16c(block), f16c(block), w + 32 * k);
-    }
-}
+/* eight 32-value blocks expanded: each code times its block's step (plus m: Q4_1, Q5_1), the products
+ * (and sums) fma32_step and fma32_affine form in registers */
+#define BLOCK32_EXPAND(TYPE, BYTES, AFFINE)                                                             \
+    ALWAYS void expand_##TYPE(const uint8_t *restrict b, float *w, float *mins) {                      \
+        (void)mins;                                                                                     \
+        for (int k = 0; k < 8; k++) {                                                                   \
+            const Block32 block = block_##TYPE(b + (BYTES) * k);                                        \
+            codes_times(block.codes, block.d, block.d, w + 32 * k);                                     \
+            if (AFFINE) add_to_32(w + 32 * k, block.m);                                                \
+        }                                                                                               \
+    }                                                                                                   \
+    EXPANDED_TILE(tile_##TYPE, expand_##TYPE, 0, 8 * (BYTES))
 
-EXPANDED_TILE(tile_q8_0, expand_q8_0, 0, 272)
-EXPANDED_TILE(tile_q4_0, expand_q4_0, 0, 144)
+BLOCK32_EXPAND(q8_0, 34, 0)
+BLOCK32_EXPAND(q4_0, 18, 0)
+BLOCK32_EXPAND(q4_1, 20, 1)
+BLOCK32_EXPAND(q5_0, 22, 0)
+BLOCK32_EXPAND(q5_1, 24, 1)
+BLOCK32_EXPAND(mxfp4, 17, 0)
 
 /* F16 and BF16: 256 values converted, for the tiles (their chains are the whole-row float dots') */
 #define EXPAND_FLOAT(NAME, LOAD8)                                                                      \
@@ -1040,8 +1119,13 @@ static TileKernel tile_kernel(int ggml_type) {
         case 30: return tile_bf16;
         case 12: return tile_q4_k;
         case 14: return tile_q6_k;
+        case 13: return tile_q5_k;
         case 8: return tile_q8_0;
         case 2: return tile_q4_0;
+        case 3: return tile_q4_1;
+        case 6: return tile_q5_0;
+        case 7: return tile_q5_1;
+        case 39: return tile_mxfp4;
         default: return NULL;
     }
 }
@@ -1066,6 +1150,10 @@ static TileKernel tile_kernel(int ggml_type) {
 
 FUSED_ROW(fused_q4_0, dot_q4_0, 18)
 FUSED_ROW(fused_q8_0, dot_q8_0, 34)
+FUSED_ROW(fused_q4_1, dot_q4_1, 20)
+FUSED_ROW(fused_q5_0, dot_q5_0, 22)
+FUSED_ROW(fused_q5_1, dot_q5_1, 24)
+FUSED_ROW(fused_mxfp4, dot_mxfp4, 17)
 FUSED_ROW(fused_f16, dot_f16, 64)
 FUSED_ROW(fused_bf16, dot_bf16, 64)
 FUSED_ROW(fused_f32, dot_f32, 128)
@@ -1076,9 +1164,14 @@ static RowKernel fused_kernel(int ggml_type) {
         case 10: return fused_q2_k;
         case 11: return fused_q3_k;
         case 12: return fused_q4_k;
+        case 13: return fused_q5_k;
         case 14: return fused_q6_k;
         case 2: return fused_q4_0;
         case 8: return fused_q8_0;
+        case 3: return fused_q4_1;
+        case 6: return fused_q5_0;
+        case 7: return fused_q5_1;
+        case 39: return fused_mxfp4;
         case 1: return __builtin_cpu_supports("f16c") ? fused_f16 : NULL;
         case 30: return fused_bf16;
         case 0: return fused_f32;
