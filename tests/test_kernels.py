@@ -89,8 +89,9 @@ def test_float_rows_run_as_streams_and_each_output_row_keeps_its_own_result(qt, 
     assert relative_error(qmatmul(x, w), reference(x, w)) <= 1e-6
 
 
+BLOCK32_TYPES = (T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4)
 MANY_ROW_CASES = [(qt, cols) for qt in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K) for cols in (768, 2304)] + [
-    (qt, cols) for qt in (T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4) for cols in (768, 2304, 800)
+    (qt, cols) for qt in BLOCK32_TYPES for cols in (768, 2304, 800)
 ]
 
 
