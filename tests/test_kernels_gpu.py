@@ -39,6 +39,7 @@ SHAPES = [(1, 64, 512), (3, 5, 512), (17, 64, 256), (8, 5, 256)]
 LEGACY_SHAPES = [(2, 5, 288), (17, 3, 288)]
 # byte offsets of the fp16 scales in each block, set to sane values in random blocks
 SCALE_FIELDS = {T.Q4_0: (0,), T.Q8_0: (0,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
+SCALE_FIELDS |= {T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q5_K: (0, 2), T.MXFP4: ()}
 
 
 def _weights(qt: T, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -55,6 +56,8 @@ def _random_blocks(qt: T, out_features: int, in_features: int, seed: int = 0) ->
     for start in SCALE_FIELDS[qt]:
         scales = rng.uniform(0.01, 1.0, len(blocks)).astype(np.float16)
         blocks[:, start : start + 2] = scales.view(np.uint8).reshape(-1, 2)
+    if qt == T.MXFP4:  # E8M0 scales 2^-27..2^23 (and the subnormal halves of 0 and 1): finite products
+        blocks[:, 0] = rng.choice([0, 1, *range(100, 151)], len(blocks))
     return torch.from_numpy(blocks.reshape(out_features, -1))
 
 
@@ -73,7 +76,7 @@ def _check(qt: T, n: int, m: int, k: int, device: str) -> None:
 
 
 def _cases() -> list[tuple[T, int, int, int]]:
-    legacy = {T.F32, T.F16, T.BF16, T.Q4_0, T.Q8_0}
+    legacy = {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4}
     return [(qt, *s) for qt in TYPES for s in SHAPES + (LEGACY_SHAPES if qt in legacy else [])]
 
 
@@ -156,8 +159,8 @@ def test_interp_leading_dims_and_dtype() -> None:
 
 def test_rejects_bad_arguments() -> None:
     x = torch.zeros(2, 256)
-    with pytest.raises(ValueError, match="no Triton kernel for GGML type Q5_K"):
-        triton_qmatmul(x, torch.zeros(4, 176, dtype=torch.uint8), T.Q5_K, 4, 256)
+    with pytest.raises(ValueError, match="GGML type IQ4_NL .20. is not supported by k3stream.quant"):
+        triton_qmatmul(x, torch.zeros(4, 136, dtype=torch.uint8), T.IQ4_NL, 4, 256)
     with pytest.raises(ValueError, match="expected 4 rows x 84 bytes"):
         triton_qmatmul(x, torch.zeros(3, 84, dtype=torch.uint8), T.Q2_K, 4, 256)
     with pytest.raises(ValueError, match="input has 256 features"):

@@ -2,10 +2,11 @@
  * extension module `_ggml_cpu`'s functions).
  *
  * out[p, m] = sum_k x[rows[p], k] * W_b[m, k] for the rows p in starts[b]..starts[b+1] of matrix b.
- * A worker takes a chunk of one matrix's output rows. Types with a fused AVX2 kernel (below) expand
- * codes in registers; the others decode up to 256 weights at a time into a float32 tile on the stack
- * (exactly the reference dequantizer's values: the same float operations, built with
- * -ffp-contract=off) and dot the tile with every input row of that matrix.
+ * A worker takes a chunk of one matrix's output rows. On x86-64 with AVX2 every type has a fused
+ * kernel (below) that expands codes in registers; elsewhere (or with K3STREAM_GENERIC_KERNELS=1) a
+ * type decodes up to 256 weights at a time into a float32 tile on the stack (exactly the reference
+ * dequantizer's values: the same float operations, built with -ffp-contract=off) and dots the tile
+ * with every input row of that matrix.
  * No float32 copy of a weight matrix is ever written. Each output is summed in one fixed order that
  * depends only on K, so results do not depend on the thread count or on what else shared the call.
  *
@@ -429,7 +430,7 @@ typedef void (*TileKernel)(const Product *, int64_t b, int64_t m, int count);
 #define TILE_W 4
 #define TILE_MIN 2
 
-/* ---- fused AVX2 kernels: Q2_K, Q3_K, Q4_K, Q6_K, Q4_0, Q8_0, F16, BF16 ---------------------------
+/* ---- fused AVX2 kernels: Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, F16, BF16, F32 ----------
  * No tile: codes are expanded in registers, multiplied by their sub-block step (the reference's first
  * operation), and accumulated against x with FMA; each sub-block's min (Q2_K, Q4_K) enters once, as
  * min * sum(x) over its values (from sums of 16, precomputed per x row). A different (but fixed) summation than the

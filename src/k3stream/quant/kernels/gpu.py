@@ -32,7 +32,8 @@ else:
 
 T = GGMLQuantizationType
 SUPPORTED_GPU_TYPES: frozenset[GGMLQuantizationType] = frozenset(
-    {T.F32, T.F16, T.BF16, T.Q4_0, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K}
+    {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4}
+    | {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
 )
 # float types are read through a typed view of W's bytes (BF16 as int16: the kernel shifts its bits)
 _FLOAT_VIEWS = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.int16}
@@ -111,7 +112,8 @@ def _dq_q3_k(blk, ok):
 
 
 @_jit
-def _dq_q4_k(blk, ok):
+def _dq_q45_k(blk, ok, FIFTH_BIT: tl.constexpr):
+    """Q4_K, or Q5_K (FIFTH_BIT: nibbles from byte 48; bit s of byte 16 + i the fifth of element 32s + i)."""
     s = tl.arange(0, 8)
     first = (s < 4)[None, :]
     d_part = _load(blk + (4 + s % 4)[None, :], ok)
@@ -119,7 +121,11 @@ def _dq_q4_k(blk, ok):
     md_part = _load(blk + (12 + s % 4)[None, :], ok)
     sc = tl.where(first, d_part & 63, (md_part & 0xF) | ((d_part >> 2) & 0x30)).to(tl.float32)
     mn = tl.where(first, m_part & 63, (md_part >> 4) | ((m_part >> 2) & 0x30)).to(tl.float32)
-    q = _fields(_load(blk + 16 + tl.arange(0, 128)[None, :], ok), 4, 4).to(tl.float32)
+    if FIFTH_BIT:
+        low = _fields(_load(blk + 48 + tl.arange(0, 128)[None, :], ok), 4, 4)
+        q = (low | (_fields(_load(blk + 16 + tl.arange(0, 32)[None, :], ok), 1, 1) << 4)).to(tl.float32)
+    else:
+        q = _fields(_load(blk + 16 + tl.arange(0, 128)[None, :], ok), 4, 4).to(tl.float32)
     return _scaled(q, sc * _f16(blk, ok), mn * _f16(blk + 2, ok), 32)
 
 
@@ -134,25 +140,78 @@ def _dq_q6_k(blk, ok):
 
 
 @_jit
+def _e2m1_doubled(code):
+    """MXFP4's E2M1 value of a 4-bit code, doubled (0 1 2 3 4 6 8 12, negative from code 8 on)."""
+    magnitude = code & 7
+    big = (2 + (magnitude & 1)) << ((magnitude >> 1) - 1)  # 4 6 8 12 for 4..7
+    value = tl.where(magnitude < 4, magnitude, big)
+    return tl.where(code >= 8, -value, value)
+
+
+@_jit
+def _nibbles(w_rows, k0, K, row_ok, bb: tl.constexpr, at: tl.constexpr):
+    """[rows, 256] 4-bit codes of the tile's eight blocks (codes from byte `at` of each): element i of a
+    block the low nibble of its byte i, element 16 + i its high nibble."""
+    i = tl.arange(0, 128)
+    ptr = w_rows + ((k0 // 32 + i // 16) * bb + at + i % 16)[None, :]
+    return _fields(_load(ptr, row_ok & (k0 + i // 16 * 32 < K)[None, :]), 8, 4)
+
+
+@_jit
+def _fifth_bits(w_rows, k0, K, row_ok, bb: tl.constexpr, at: tl.constexpr):
+    """[rows, 256] Q5_0/Q5_1 fifth bits as 16 or 0: bit j of each block's 32-bit qh (from byte `at`)."""
+    j = tl.arange(0, 256)
+    qh = _load(
+        w_rows + ((k0 // 32 + j // 32) * bb + at + j % 32 // 8)[None, :],
+        row_ok & (k0 + j // 32 * 32 < K)[None, :],
+    )
+    return ((qh >> (j % 8)[None, :]) & 1) << 4
+
+
+@_jit
+def _e2m1_doubled(code):
+    """MXFP4's E2M1 value of a 4-bit code, doubled (0 1 2 3 4 6 8 12, negative from code 8 on)."""
+    magnitude = code & 7
+    big = (2 + (magnitude & 1)) << ((magnitude >> 1) - 1)  # 4 6 8 12 for 4..7
+    value = tl.where(magnitude < 4, magnitude, big)
+    return tl.where(code >= 8, -value, value)
+
+
+@_jit
 def _dq_legacy(w_rows, k0, K, row_ok, QTYPE: tl.constexpr, bb: tl.constexpr):
-    """Q4_0 / Q8_0 (`bb` bytes a block): the tile's eight 32-element blocks (those past K read as 0)."""
+    """32-element blocks of `bb` bytes (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 MXFP4): the tile's eight (those past K
+    read as 0), each code times its block's step (plus Q4_1/Q5_1's offset m), as `dequant` computes."""
     b = tl.arange(0, 8)
     blocks = w_rows + ((k0 // 32 + b) * bb)[None, :]  # [rows, 8]
     ok = row_ok & (k0 + b * 32 < K)[None, :]
-    d = _f16(blocks, ok)
-    if QTYPE == 2:
-        i = tl.arange(0, 128)
-        q = _load(
-            w_rows + ((k0 // 32 + i // 16) * bb + 2 + i % 16)[None, :],
-            row_ok & (k0 + i // 16 * 32 < K)[None, :],
-        )
-        q = _fields(q, 8, 4).to(tl.float32) - 8.0
+    if QTYPE == 39:  # E8M0 scale, halved as dec_mxfp4: 2^(e - 128)
+        e = _load(blocks, ok)
+        d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
     else:
+        d = _f16(blocks, ok)
+    offset = tl.zeros_like(d)
+    if QTYPE == 8:
         i = tl.arange(0, 256)
         ptr = w_rows + ((k0 // 32 + i // 32) * bb + 2 + i % 32)[None, :]
         q = tl.load(ptr, mask=row_ok & (k0 + i < K)[None, :], other=0).to(tl.int8, bitcast=True)
         q = q.to(tl.float32)
-    return _scaled(q, d, tl.zeros_like(d), 32)
+    elif QTYPE == 2:
+        q = _nibbles(w_rows, k0, K, row_ok, bb, 2).to(tl.float32) - 8.0
+    elif QTYPE == 3:
+        q = _nibbles(w_rows, k0, K, row_ok, bb, 4).to(tl.float32)
+        offset = -_f16(blocks + 2, ok)  # q d - (-m): the reference's q d + m
+    elif QTYPE == 6:
+        q = (_nibbles(w_rows, k0, K, row_ok, bb, 6) | _fifth_bits(w_rows, k0, K, row_ok, bb, 2)).to(
+            tl.float32
+        ) - 16.0
+    elif QTYPE == 7:
+        q = (_nibbles(w_rows, k0, K, row_ok, bb, 8) | _fifth_bits(w_rows, k0, K, row_ok, bb, 4)).to(
+            tl.float32
+        )
+        offset = -_f16(blocks + 2, ok)
+    else:
+        q = _e2m1_doubled(_nibbles(w_rows, k0, K, row_ok, bb, 1)).to(tl.float32)
+    return _scaled(q, d, offset, 32)
 
 
 @_jit
@@ -172,13 +231,23 @@ def _dequant(w_rows, k0, K, row_ok, QTYPE: tl.constexpr):
     elif QTYPE == 11:
         w = _dq_q3_k(w_rows + k0 // 256 * 110, row_ok)
     elif QTYPE == 12:
-        w = _dq_q4_k(w_rows + k0 // 256 * 144, row_ok)
+        w = _dq_q45_k(w_rows + k0 // 256 * 144, row_ok, False)
+    elif QTYPE == 13:
+        w = _dq_q45_k(w_rows + k0 // 256 * 176, row_ok, True)
     elif QTYPE == 14:
         w = _dq_q6_k(w_rows + k0 // 256 * 210, row_ok)
     elif QTYPE == 2:
         w = _dq_legacy(w_rows, k0, K, row_ok, QTYPE, 18)
+    elif QTYPE == 3:
+        w = _dq_legacy(w_rows, k0, K, row_ok, QTYPE, 20)
+    elif QTYPE == 6:
+        w = _dq_legacy(w_rows, k0, K, row_ok, QTYPE, 22)
+    elif QTYPE == 7:
+        w = _dq_legacy(w_rows, k0, K, row_ok, QTYPE, 24)
     elif QTYPE == 8:
         w = _dq_legacy(w_rows, k0, K, row_ok, QTYPE, 34)
+    elif QTYPE == 39:
+        w = _dq_legacy(w_rows, k0, K, row_ok, QTYPE, 17)
     else:
         w = _dq_float(w_rows, k0, K, row_ok, QTYPE)
     return w
@@ -380,10 +449,7 @@ def _checked(x: torch.Tensor, qtype: QType, in_features: int) -> tuple[torch.Ten
         raise ImportError(
             "k3stream's GPU kernels need triton (the project's `gpu` extra: pip install -e '.[gpu]')"
         ) from _TRITON_MISSING
-    qt = as_qtype(qtype)
-    if qt not in SUPPORTED_GPU_TYPES:
-        names = ", ".join(t.name for t in sorted(SUPPORTED_GPU_TYPES))
-        raise ValueError(f"no Triton kernel for GGML type {qt.name} (kernels: {names})")
+    qt = as_qtype(qtype)  # every type k3stream.quant supports has a Triton kernel
     if x.shape[-1] != in_features:
         raise ValueError(f"triton_qmatmul: input has {x.shape[-1]} features, weight expects {in_features}")
     x2 = x.reshape(-1, in_features)
@@ -397,7 +463,7 @@ def triton_qmatmul(
     when elsewhere, as `qlinear` does).
 
     `x` is `[..., in_features]` of any float dtype; the product accumulates in float32 and is returned in
-    x's dtype. ValueError for a type outside `SUPPORTED_GPU_TYPES` or mismatched sizes.
+    x's dtype. ValueError for a type k3stream.quant does not support or mismatched sizes.
     """
     x2, qt = _checked(x, qtype, in_features)
     w, stride_w = _weight_operand(data, qt, out_features, in_features, x.device)
