@@ -6,8 +6,10 @@ For every type in `SUPPORTED_GPU_TYPES` and each `[out, in]` weight shape (defau
 expert roles 3072 x 3584 and 7168 x 3584), times `triton_qmatmul` with one input row (decode) and prints
 the GB/s of weight bytes it consumes and its ratio to the bytes a plain `dst.copy_(src)` of 1 GiB reads
 per second. The weights rotate through enough copies to exceed the L2 cache, so every call reads DRAM.
-Also printed: k3stream's CUDA fallback (`qlinear`: dequantise to float32, then matmul) and, unless
-`--no-sweep`, the best of a few mat-vec tilings (BLOCK_M, num_warps) to tune `gpu._tiles` with.
+Also printed: k3stream's CUDA fallback (`qlinear`: dequantise to float32, then matmul) and, for the
+audited recipe's expert types (Q2_K, Q3_K) unless `--no-sweep`, the best of a few mat-vec tilings
+(BLOCK_M, num_warps) to tune `gpu._tiles` with (each tiling compiles: sweeping all fourteen types would
+take the one-GPU check past its ten minutes).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ GIB = 1 << 30
 DEVICE = "cuda"
 ROTATE_BYTES = 512 << 20  # weight copies per case: well beyond an H100/H200's 50-60 MB of L2
 SWEEP = [(4, 2), (8, 2), (16, 2), (8, 4), (16, 4), (32, 4)]  # mat-vec (BLOCK_M, num_warps) tried
+SWEPT_TYPES = (T.Q2_K, T.Q3_K)
 # byte offsets of the fp16 scales in each block: given sane values so the arithmetic is ordinary
 SCALE_FIELDS = {T.Q4_0: (0,), T.Q8_0: (0,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
+SCALE_FIELDS |= {T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q5_K: (0, 2), T.MXFP4: ()}
 FLOAT_DTYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 
 
@@ -64,6 +68,8 @@ def random_weights(qt: T, out_features: int, in_features: int, seed: int) -> tor
     scales = torch.from_numpy(np.full(len(blocks), 0.01, dtype=np.float16).view(np.uint8).reshape(-1, 2))
     for at in SCALE_FIELDS[qt]:
         blocks[:, at : at + 2] = scales
+    if qt == T.MXFP4:
+        blocks[:, 0] = 120  # its E8M0 scale: 2^-8
     return blocks.reshape(out_features, -1).to(DEVICE)
 
 
@@ -103,7 +109,7 @@ def bench_case(qt: T, shape: tuple[int, int], args: argparse.Namespace, copy_gbs
         f"{seconds * 1e6:8.1f} us {gbs:7.1f} GB/s {gbs / copy_gbs:6.1%} of copy "
         f"| qlinear {fallback * 1e6:8.1f} us"
     )
-    if args.sweep:
+    if args.sweep and qt in SWEPT_TYPES:
         best, tiles = sweep_tilings(x, copies, qt, shape, args.repeat)
         line += (
             f" | best BLOCK_M={tiles.block_m:2} warps={tiles.num_warps} splits={tiles.splits:2}: "
