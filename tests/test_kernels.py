@@ -14,6 +14,7 @@ from gguf.constants import GGMLQuantizationType as T
 from k3stream.model.layers import rms_norm
 from k3stream.quant import dequantize, quantize
 from k3stream.quant.kernels import (
+    F32_EXPERT_MAX_ROWS,
     MLP,
     GroupedProduct,
     Products,
@@ -213,6 +214,31 @@ def test_the_one_call_expert_mlp_is_its_three_products_and_activation_bit_for_bi
     hidden = situ(product("gate", x, STEP_ROWS), product("up", x, STEP_ROWS), betas.beta, betas.linear_beta)
     expected = product("down", hidden, torch.arange(len(STEP_ROWS)))
     assert torch.equal(expert_mlp(x, experts, STEP_STARTS, STEP_ROWS, betas, match_ggml), expected)
+
+
+def test_f32_experts_of_a_prefill_take_the_c_call_while_their_rows_are_few(monkeypatch):
+    """F32 experts with at most F32_EXPERT_MAX_ROWS rows each on average are one C call, whose every row
+    is bit for bit that row's decode step (the C call too); more rows take torch's GEMM per product."""
+    experts = [Expert(s, T.F32, T.F32, T.F32) for s in range(3)]
+    activation = Situ(2.0, 3.0)
+    one_call = []
+    fused = cpu.expert_mlp
+    monkeypatch.setattr(cpu, "expert_mlp", lambda x, *args: one_call.append(len(args[4])) or fused(x, *args))
+    x = torch.randn(5, 512)
+    prefill = expert_mlp(x, experts, STEP_STARTS, STEP_ROWS, activation)
+    for b in range(3):
+        for p in range(int(STEP_STARTS[b]), int(STEP_STARTS[b + 1])):
+            alone = expert_mlp(
+                x[STEP_ROWS[p]][None], [experts[b]], torch.tensor([0, 1]), torch.tensor([0]), activation
+            )
+            assert torch.equal(prefill[p], alone[0])
+    slow = expert_mlp(x, experts, STEP_STARTS, STEP_ROWS, activation, backend="reference")
+    assert relative_error(prefill, slow) <= 1e-6
+    assert one_call == [6, 1, 1, 1, 1, 1, 1]
+    many = F32_EXPERT_MAX_ROWS + 1
+    rows = torch.arange(many).repeat(3)
+    expert_mlp(torch.randn(many, 512), experts, torch.tensor([0, many, 2 * many, 3 * many]), rows, activation)
+    assert one_call == [6, 1, 1, 1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("shape", [(1, 1024), (3, 7, 100), (2, 16)])
