@@ -432,7 +432,7 @@ typedef void (*TileKernel)(const Product *, int64_t b, int64_t m, int count);
 
 /* ---- fused AVX2 kernels: Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, F16, BF16, F32 ----------
  * No tile: codes are expanded in registers, multiplied by their sub-block step (the reference's first
- * operation), and accumulated against x with FMA; each sub-block's min (Q2_K, Q4_K) enters once, as
+ * operation), and accumulated against x with FMA; each sub-block's min (Q2_K, Q4_K, Q5_K) enters once, as
  * min * sum(x) over its values (from sums of 16, precomputed per x row). A different (but fixed) summation than the
  * reference's 256-value tile (`ROW_KERNEL`): chosen per type and machine, never per call, so results still do not
  * depend on grouping. */
@@ -817,7 +817,7 @@ ALWAYS void codes_times(__m256i codes, float low, float high, float *w) {
 }
 
 /* One block expanded into floats for the tiles below: the products code * step the dots above form
- * in registers (256 into w) and the sub-block mins of Q2_K and Q4_K (16 into mins). */
+ * in registers (256 into w) and the sub-block mins of Q2_K, Q4_K and Q5_K (16 into mins). */
 ALWAYS void expand_q2_k(const uint8_t *restrict b, float *w, float *mins) {
     float steps[16];
     nibbles_times(b, 0, f16c(b + 80), steps);
@@ -892,7 +892,7 @@ ALWAYS void store_rows(const Product *pr, __m256 acc[FUSED_ROWS][4], __m256 offs
 
 /* Many input rows of one matrix (prefill), TILE_W weight rows at a time: their blocks are expanded,
  * TILE_K values at a time, into floats (the products code * step the dots above form in registers, the
- * sub-block mins of Q2_K and Q4_K; F16 and BF16 converted); then TILE_X input rows at a time run
+ * sub-block mins of Q2_K, Q4_K and Q5_K; F16 and BF16 converted); then TILE_X input rows at a time run
  * against them chain by chain, the TILE_X x TILE_W pairs' eight-lane sums of chain c (elements 32i + 8c,
  * in order) in twelve registers, parked between chunks in `parts`. Every chain sees the same FMAs in the
  * same order as in the dots above, so a row's result is bit for bit what it is alone; the tile spends 7
