@@ -184,7 +184,8 @@ INT_ARGS = {"single": ["N", "M", "K"], "grouped": ["M", "K"]}
 @pytest.mark.parametrize("kind,qt,n", COMPILE_CASES, ids=lambda v: getattr(v, "name", str(v)))
 def test_gpu_kernel_compiles_for_sm90(kind: str, qt: T, n: int) -> None:
     """Triton compiles the kernels to an sm_90 (H100/H200) cubin without a GPU: catches what the
-    interpreter lets through (layouts, shared memory over the 227 KiB limit, register spills)."""
+    interpreter lets through (layouts, shared memory over the 227 KiB limit, register spills, a
+    multiply-add contracted into an FMA, which Triton does by default and the interpreter never)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -208,8 +209,11 @@ def test_gpu_kernel_compiles_for_sm90(kind: str, qt: T, n: int) -> None:
         source = ASTSource(fn=kernel_fn, signature=signature, constexprs=constants)
     except TypeError as exc:  # triton's ahead-of-time API differs between releases
         pytest.skip(f"triton {triton.__version__}: ASTSource takes other arguments ({exc})")
-    kernel = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tiles.num_warps})
+    options = {"num_warps": tiles.num_warps, **gpu.COMPILE_OPTIONS}
+    kernel = compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
+    if not tiles.use_dot:  # no multiply-add contracted: each weight is the reference's, two roundings
+        assert "fma.rn.f32" not in kernel.asm["ptx"]
 
 
 def test_imports_without_triton() -> None:

@@ -421,6 +421,11 @@ def _launch_grouped(
     _reduce_splits(target, out)
 
 
+# No multiply-add contracted into an FMA (Triton's default, as C's -ffp-contract=on): each weight is
+# the reference's `q * step - offset`, two roundings, as the C kernels built with -ffp-contract=off
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
+
 def _meta(qt: int, tiles: Tiles) -> dict[str, int | bool]:
     return {
         "QTYPE": qt,
@@ -428,6 +433,7 @@ def _meta(qt: int, tiles: Tiles) -> dict[str, int | bool]:
         "BLOCK_M": tiles.block_m,
         "USE_DOT": tiles.use_dot,
         "num_warps": tiles.num_warps,
+        **COMPILE_OPTIONS,
     }
 
 
