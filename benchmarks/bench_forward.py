@@ -1,14 +1,16 @@
 """Prefill and decode speed of k3stream and llama.cpp on the same mid-size tiny Kimi-K3 GGUF.
 
     python benchmarks/bench_forward.py [--recipe f32|f16|audited] [--shape mid|wide] [--threads 2]
-        [--prompt 128] [--decode 32] [--repeat 3]
+        [--prompt 128] [--decode 32] [--repeat 3] [--prefills 3]
         [--kernels auto|reference] [--match-ggml]
 
 Writes the model with `k3stream.tiny` (`mid`: hidden 1024, 8 layers, 64 experts top-8 of 256 x 256;
 `wide`: hidden 768, 128 experts top-8 of 512 x 512), runs the two engines in turn
 `--repeat` times on the same tokens with the same thread count (a shared machine's speed drifts by
-a quarter within a minute: alternating keeps both sides in the same weather), and prints the median
-tokens/s of each and the ratio of the medians, k3stream/llama.cpp.
+a quarter within a minute: alternating keeps both sides in the same weather; each run times
+`--prefills` prefills of the prompt from a fresh state and keeps its fastest, both engines alike, as a
+run's single prefill of half a second fell in a slow phase of a few seconds as often as not), and
+prints the median tokens/s of each and the ratio of the medians, k3stream/llama.cpp.
 `--kernels reference` runs k3stream's reference path (weights dequantized to float32 at load);
 `--match-ggml` quantizes k3stream's activations as llama.cpp does (integer Q2_K/Q3_K kernels).
 """
@@ -48,7 +50,13 @@ SHAPES["wide"] = dict(MID_SIZE, hidden=768, dense_ff=1536, n_experts=128, expert
 
 
 def bench_k3stream(
-    path: Path, tokens: list[int], prompt: int, threads: int, kernels: str = "auto", match_ggml: bool = False
+    path: Path,
+    tokens: list[int],
+    prompt: int,
+    threads: int,
+    kernels: str = "auto",
+    match_ggml: bool = False,
+    prefills: int = 1,
 ) -> tuple[float, float]:
     import torch
 
@@ -57,17 +65,21 @@ def bench_k3stream(
     torch.set_num_threads(threads)
     model = k3stream.load(path, kernels=kernels, match_ggml=match_ggml)
     model.logits(tokens[:8])  # warm-up
-    state = model.new_state()
-    start = time.perf_counter()
-    model.prefill_last(state, tokens[:prompt])  # the last logits alone, as llama.cpp by default
-    prefill_s = time.perf_counter() - start
+    prefill_s = float("inf")
+    for _ in range(prefills):
+        state = model.new_state()
+        start = time.perf_counter()
+        model.prefill_last(state, tokens[:prompt])  # the last logits alone, as llama.cpp by default
+        prefill_s = min(prefill_s, time.perf_counter() - start)
     start = time.perf_counter()
     for token in tokens[prompt:]:
         model.decode(state, token)
     return prefill_s, time.perf_counter() - start
 
 
-def bench_llama(path: Path, tokens: list[int], prompt: int, threads: int) -> tuple[float, float]:
+def bench_llama(
+    path: Path, tokens: list[int], prompt: int, threads: int, prefills: int = 1
+) -> tuple[float, float]:
     from llama_cpp import Llama
 
     model = Llama(
@@ -75,10 +87,12 @@ def bench_llama(path: Path, tokens: list[int], prompt: int, threads: int) -> tup
         n_threads_batch=threads, type_k=0, type_v=0, verbose=False,
     )  # fmt: skip
     model.eval(tokens[:8])  # warm-up
-    model.reset()
-    start = time.perf_counter()
-    model.eval(tokens[:prompt])
-    prefill_s = time.perf_counter() - start
+    prefill_s = float("inf")
+    for _ in range(prefills):
+        model.reset()
+        start = time.perf_counter()
+        model.eval(tokens[:prompt])
+        prefill_s = min(prefill_s, time.perf_counter() - start)
     start = time.perf_counter()
     for token in tokens[prompt:]:
         model.eval([token])
@@ -94,6 +108,12 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each engine, alternating; medians")
+    parser.add_argument(
+        "--prefills",
+        type=int,
+        default=3,
+        help="prefills a run times (a fresh state each), keeping its fastest",
+    )
     parser.add_argument("--kernels", default="auto", choices=["auto", "reference"])
     parser.add_argument("--match-ggml", action="store_true", help="k3stream quantizes activations as ggml")
     args = parser.parse_args()
@@ -105,16 +125,18 @@ def main() -> None:
         size_mb = sum(p.stat().st_size for p in Path(tmp).glob("*.gguf")) / 2**20
         print(
             f"model: {size_mb:.0f} MiB {args.recipe} GGUF, {SHAPES[args.shape]}; threads {args.threads}; "
-            f"medians of {args.repeat} alternating runs; "
+            f"medians of {args.repeat} alternating runs (each the fastest of {args.prefills} prefills); "
             f"k3stream kernels {args.kernels}{', match_ggml' * args.match_ggml}"
         )
         tokens = np.random.default_rng(args.seed).integers(0, 500, args.prompt + args.decode).tolist()
         runs: dict[str, list[tuple[float, float]]] = {"k3stream": [], "llama.cpp": []}
         for _ in range(args.repeat):
             runs["k3stream"].append(
-                bench_k3stream(path, tokens, args.prompt, args.threads, args.kernels, args.match_ggml)
+                bench_k3stream(
+                    path, tokens, args.prompt, args.threads, args.kernels, args.match_ggml, args.prefills
+                )
             )
-            runs["llama.cpp"].append(bench_llama(path, tokens, args.prompt, args.threads))
+            runs["llama.cpp"].append(bench_llama(path, tokens, args.prompt, args.threads, args.prefills))
     rates = {
         name: (
             float(np.median([args.prompt / prefill_s for prefill_s, _ in times])),
