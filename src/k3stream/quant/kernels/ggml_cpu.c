@@ -648,7 +648,7 @@ ALWAYS void fma32_affine(__m256i codes, float d, float m, const float *const *x,
 }
 
 /* `count` blocks of a 32-value type into each row's four chains */
-#define BLOCK32_DOT(TYPE, BYTES, AFFINE)                                                                \
+#define BLOCK32_DOT(TYPE, ID, BYTES, AFFINE)                                                              \
     ALWAYS void dot_##TYPE(const uint8_t *restrict b, const float *const *x, const float *const *sums, \
                            int64_t at, float *out, const int n, const int count) {                      \
         (void)sums;                                                                                     \
@@ -664,12 +664,10 @@ ALWAYS void fma32_affine(__m256i codes, float d, float m, const float *const *x,
         for (int r = 0; r < n; r++) out[r] = hsum_all(acc[r]);                                          \
     }
 
-BLOCK32_DOT(q8_0, 34, 0)
-BLOCK32_DOT(q4_0, 18, 0)
-BLOCK32_DOT(q4_1, 20, 1)
-BLOCK32_DOT(q5_0, 22, 0)
-BLOCK32_DOT(q5_1, 24, 1)
-BLOCK32_DOT(mxfp4, 17, 0)
+/* the 32-value types: name, GGML type id, bytes a block, whether affine (code * d + m) */
+#define BLOCK32_TYPES(X) \
+    X(q8_0, 8, 34, 0) X(q4_0, 2, 18, 0) X(q4_1, 3, 20, 1) X(q5_0, 6, 22, 0) X(q5_1, 7, 24, 1) X(mxfp4, 39, 17, 0)
+BLOCK32_TYPES(BLOCK32_DOT)
 
 /* Q4_K's 8 sub-block steps (scale * d) and each 16 values' min (min * dmin, a 32-value sub-block's
  * twice: its offset enters as two 16-value sums, as Q2_K's) */
@@ -1081,7 +1079,7 @@ ALWAYS void add_to_32(float *w, float m) {
 
 /* eight 32-value blocks expanded: each code times its block's step (plus m: Q4_1, Q5_1), the products
  * (and sums) fma32_step and fma32_affine form in registers */
-#define BLOCK32_EXPAND(TYPE, BYTES, AFFINE)                                                             \
+#define BLOCK32_EXPAND(TYPE, ID, BYTES, AFFINE)                                                           \
     ALWAYS void expand_##TYPE(const uint8_t *restrict b, float *w, float *mins) {                      \
         (void)mins;                                                                                     \
         for (int k = 0; k < 8; k++) {                                                                   \
@@ -1092,12 +1090,7 @@ ALWAYS void add_to_32(float *w, float m) {
     }                                                                                                   \
     EXPANDED_TILE(tile_##TYPE, expand_##TYPE, 0, 8 * (BYTES))
 
-BLOCK32_EXPAND(q8_0, 34, 0)
-BLOCK32_EXPAND(q4_0, 18, 0)
-BLOCK32_EXPAND(q4_1, 20, 1)
-BLOCK32_EXPAND(q5_0, 22, 0)
-BLOCK32_EXPAND(q5_1, 24, 1)
-BLOCK32_EXPAND(mxfp4, 17, 0)
+BLOCK32_TYPES(BLOCK32_EXPAND)
 
 /* F16 and BF16: 256 values converted, for the tiles (their chains are the whole-row float dots') */
 #define EXPAND_FLOAT(NAME, LOAD8)                                                                      \
@@ -1111,6 +1104,8 @@ EXPAND_FLOAT(expand_bf16, bf16x8)
 EXPANDED_TILE(tile_f16, expand_f16, 0, 512)
 EXPANDED_TILE(tile_bf16, expand_bf16, 0, 512)
 
+#define BLOCK32_TILE_CASE(TYPE, ID, BYTES, AFFINE) \
+    case ID: return tile_##TYPE;
 static TileKernel tile_kernel(int ggml_type) {
     if (!HAVE_AVX2()) return NULL;
     switch (ggml_type) {
@@ -1121,12 +1116,7 @@ static TileKernel tile_kernel(int ggml_type) {
         case 12: return tile_q4_k;
         case 14: return tile_q6_k;
         case 13: return tile_q5_k;
-        case 8: return tile_q8_0;
-        case 2: return tile_q4_0;
-        case 3: return tile_q4_1;
-        case 6: return tile_q5_0;
-        case 7: return tile_q5_1;
-        case 39: return tile_mxfp4;
+        BLOCK32_TYPES(BLOCK32_TILE_CASE)
         default: return NULL;
     }
 }
@@ -1149,16 +1139,14 @@ static TileKernel tile_kernel(int ggml_type) {
     }                                                                                                  \
     ROW_RANGE(NAME)
 
-FUSED_ROW(fused_q4_0, dot_q4_0, 18)
-FUSED_ROW(fused_q8_0, dot_q8_0, 34)
-FUSED_ROW(fused_q4_1, dot_q4_1, 20)
-FUSED_ROW(fused_q5_0, dot_q5_0, 22)
-FUSED_ROW(fused_q5_1, dot_q5_1, 24)
-FUSED_ROW(fused_mxfp4, dot_mxfp4, 17)
+#define BLOCK32_ROW(TYPE, ID, BYTES, AFFINE) FUSED_ROW(fused_##TYPE, dot_##TYPE, BYTES)
+BLOCK32_TYPES(BLOCK32_ROW)
 FUSED_ROW(fused_f16, dot_f16, 64)
 FUSED_ROW(fused_bf16, dot_bf16, 64)
 FUSED_ROW(fused_f32, dot_f32, 128)
 
+#define BLOCK32_FUSED_CASE(TYPE, ID, BYTES, AFFINE) \
+    case ID: return fused_##TYPE;
 static RowKernel fused_kernel(int ggml_type) {
     if (!HAVE_AVX2()) return NULL;
     switch (ggml_type) {
@@ -1167,12 +1155,7 @@ static RowKernel fused_kernel(int ggml_type) {
         case 12: return fused_q4_k;
         case 13: return fused_q5_k;
         case 14: return fused_q6_k;
-        case 2: return fused_q4_0;
-        case 8: return fused_q8_0;
-        case 3: return fused_q4_1;
-        case 6: return fused_q5_0;
-        case 7: return fused_q5_1;
-        case 39: return fused_mxfp4;
+        BLOCK32_TYPES(BLOCK32_FUSED_CASE)
         case 1: return __builtin_cpu_supports("f16c") ? fused_f16 : NULL;
         case 30: return fused_bf16;
         case 0: return fused_f32;

@@ -140,15 +140,6 @@ def _dq_q6_k(blk, ok):
 
 
 @_jit
-def _e2m1_doubled(code):
-    """MXFP4's E2M1 value of a 4-bit code, doubled (0 1 2 3 4 6 8 12, negative from code 8 on)."""
-    magnitude = code & 7
-    big = (2 + (magnitude & 1)) << ((magnitude >> 1) - 1)  # 4 6 8 12 for 4..7
-    value = tl.where(magnitude < 4, magnitude, big)
-    return tl.where(code >= 8, -value, value)
-
-
-@_jit
 def _nibbles(w_rows, k0, K, row_ok, bb: tl.constexpr, at: tl.constexpr):
     """[rows, 256] 4-bit codes of the tile's eight blocks (codes from byte `at` of each): element i of a
     block the low nibble of its byte i, element 16 + i its high nibble."""
