@@ -590,10 +590,15 @@ typedef struct {
     float d, m;
 } Block32;
 
-/* element i: the low nibble of q[i] (i < 16), element 16 + i: its high nibble */
-ALWAYS __m256i nibble_codes(const uint8_t *q) {
+/* element i: the low nibble of q[i] (i < 16), element 16 + i: its high nibble; less `bias`, per 128-bit
+ * half (so fma32_step, which takes the halves apart again, finds them as they were made: Q4_0's decode
+ * rows 3-4% slower with one 256-bit subtraction) */
+ALWAYS __m256i nibble_codes(const uint8_t *q, char bias) {
     const __m128i bytes = _mm_loadu_si128((const __m128i *)q), nibble = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), _mm_and_si128(bytes, nibble));
+    const __m128i low = _mm_and_si128(bytes, nibble), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    if (bias == 0) return _mm256_set_m128i(high, low);
+    const __m128i offset = _mm_set1_epi8(bias);
+    return _mm256_set_m128i(_mm_sub_epi8(high, offset), _mm_sub_epi8(low, offset));
 }
 
 /* Q5_0/Q5_1's fifth bits: bit j of the 32-bit qh as 16 (set) or 0 in byte j */
@@ -612,18 +617,18 @@ ALWAYS Block32 block_q8_0(const uint8_t *b) {
 }
 
 ALWAYS Block32 block_q4_0(const uint8_t *b) {
-    return (Block32){_mm256_sub_epi8(nibble_codes(b + 2), _mm256_set1_epi8(8)), f16c(b), 0.0f};
+    return (Block32){nibble_codes(b + 2, 8), f16c(b), 0.0f};
 }
 
-ALWAYS Block32 block_q4_1(const uint8_t *b) { return (Block32){nibble_codes(b + 4), f16c(b), f16c(b + 2)}; }
+ALWAYS Block32 block_q4_1(const uint8_t *b) { return (Block32){nibble_codes(b + 4, 0), f16c(b), f16c(b + 2)}; }
 
 ALWAYS Block32 block_q5_0(const uint8_t *b) {
-    const __m256i codes = _mm256_or_si256(nibble_codes(b + 6), fifth_bits(b + 2));
+    const __m256i codes = _mm256_or_si256(nibble_codes(b + 6, 0), fifth_bits(b + 2));
     return (Block32){_mm256_sub_epi8(codes, _mm256_set1_epi8(16)), f16c(b), 0.0f};
 }
 
 ALWAYS Block32 block_q5_1(const uint8_t *b) {
-    return (Block32){_mm256_or_si256(nibble_codes(b + 8), fifth_bits(b + 4)), f16c(b), f16c(b + 2)};
+    return (Block32){_mm256_or_si256(nibble_codes(b + 8, 0), fifth_bits(b + 4)), f16c(b), f16c(b + 2)};
 }
 
 /* MXFP4: each nibble's E2M1 value (an integer times 1/2, doubled here) looked up as a byte, times the
@@ -632,7 +637,7 @@ ALWAYS Block32 block_mxfp4(const uint8_t *b) {
     const __m256i values = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6,
                                             8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
     const uint32_t e = b[0];
-    return (Block32){_mm256_shuffle_epi8(values, nibble_codes(b + 1)),
+    return (Block32){_mm256_shuffle_epi8(values, nibble_codes(b + 1, 0)),
                      bits_f32(e < 2 ? 0x00200000u << e : (e - 1) << 23), 0.0f};
 }
 
@@ -1121,13 +1126,16 @@ static TileKernel tile_kernel(int ggml_type) {
     }
 }
 
-/* One weight row m of a type in 32-value blocks (Q4_0, Q8_0, F16, BF16, F32) against its matrix's input
- * rows, FUSED_ROWS at a time: DOT over the whole row, its four chains across it (as the wide rows and
- * the tiles sum it). No software prefetch: these rows are read as one stream, which the hardware
- * follows; asking for the lines a page ahead slowed them (3 KB F32 rows on one core: 13.9-15.7 GB/s with
- * it, 15.6-17.6 without) */
+/* One weight row m of a type in 32-value blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, F16, BF16, F32)
+ * against its matrix's input rows, FUSED_ROWS at a time: DOT over the whole row, its four chains across
+ * it (as the wide rows and the tiles sum it). No software prefetch: these rows are read as one stream,
+ * which the hardware follows; asking for the lines a page ahead slowed them (3 KB F32 rows on one core:
+ * 13.9-15.7 GB/s with it, 15.6-17.6 without). One copy for one input row and one for FUSED_ROWS, each
+ * compiled for its n and its own registers (with six more of these, GCC stopped making the copies
+ * itself, and inlined into ROW_RANGE they kept their constants on the stack: Q4_0 and Q8_0 decode rows
+ * 3-7% slower) */
 #define FUSED_ROW(NAME, DOT, BLOCK_BYTES)                                                              \
-    AVX2 static void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
+    ALWAYS void NAME##_body(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
         const float *x[FUSED_ROWS], *sums[FUSED_ROWS];                                                 \
         float total[FUSED_ROWS];                                                                       \
         for (int r = 0; r < n; r++) {                                                                  \
@@ -1136,6 +1144,20 @@ static TileKernel tile_kernel(int ggml_type) {
         }                                                                                              \
         DOT(row, x, sums, 0, total, n, (int)(pr->row_bytes / (BLOCK_BYTES)));                          \
         for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = total[r];                    \
+    }                                                                                                  \
+    AVX2 __attribute__((noinline)) static void NAME##_one(const Product *pr, const uint8_t *row, int64_t m, \
+                                                          int64_t p) {                                 \
+        NAME##_body(pr, row, m, p, 1);                                                                 \
+    }                                                                                                  \
+    AVX2 __attribute__((noinline)) static void NAME##_many(const Product *pr, const uint8_t *row, int64_t m, \
+                                                           int64_t p) {                                \
+        NAME##_body(pr, row, m, p, FUSED_ROWS);                                                        \
+    }                                                                                                  \
+    ALWAYS void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
+        if (n == 1)                                                                                    \
+            NAME##_one(pr, row, m, p);                                                                 \
+        else                                                                                           \
+            NAME##_many(pr, row, m, p);                                                                \
     }                                                                                                  \
     ROW_RANGE(NAME)
 
