@@ -5,11 +5,12 @@
 One step of a real-size Kimi-K3 MoE layer: `--experts` matrices of one expert role (3072 x 3584, the
 shape of up and gate), each multiplied by one input row (decode: top-16 experts, one token), through
 `k3stream.quant.kernels.grouped_qmatmul` (F32: `qmatmul` per matrix, as a model's F32 projections
-run). The same bytes are then read by a plain sequential pass
-(`torch.sum` over them as int64, the same thread count): the physical limit of reading them from RAM.
+run). The same bytes are read by a plain sequential pass (`torch.sum` over them as int64, the same
+thread count), the physical limit of reading them from RAM, alternating with the product run for run
+(the best of each), so both meet the machine in the same phases.
 The matrices together exceed the last-level cache, so both sides read from memory. Printed per type and
-thread count: both rates and the ratio; types with integer kernels (Q2_K, Q3_K) also with `match_ggml`
-("q8": activations quantized to Q8_K as llama.cpp does). Also prints the reference path (dequantize,
+thread count: both rates and the ratio; types with integer kernels (`cpu.Q8_TYPES`) also with `match_ggml`
+("q8": activations quantized to Q8_K or Q8_0 as llama.cpp does). Also prints the reference path (dequantize,
 then matmul) once.
 """
 
@@ -44,6 +45,19 @@ def best_seconds(run, repeat: int) -> float:
     return min(times)
 
 
+def best_of_both(first, second, repeat: int) -> tuple[float, float]:
+    """The fastest of `repeat` runs of each, alternating (the machine's speed drifts within seconds:
+    both see the same phases)."""
+    first(), second()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeat):
+        for run, spent in zip((first, second), times, strict=True):
+            start = time.perf_counter()
+            run()
+            spent.append(time.perf_counter() - start)
+    return min(times[0]), min(times[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="1,2")
@@ -57,7 +71,8 @@ def main() -> None:
     x = torch.randn(args.experts, COLS)
     starts = torch.arange(args.experts + 1)
     rows = torch.arange(args.experts)
-    print(f"{args.experts} matrices of {ROWS} x {COLS}, one input row each; best of {args.repeat}")
+    each = f"best of {args.repeat}, kernel and read alternating"
+    print(f"{args.experts} matrices of {ROWS} x {COLS}, one input row each; {each}")
     print(f"{'type':9s} {'threads':>7s} {'kernel GB/s':>11s} {'read GB/s':>9s} {'ratio':>6s} {'Gw/s':>6s}")
     for name in args.types.split(","):
         weights = matrices(GGMLQuantizationType[name], args.experts)
@@ -77,8 +92,7 @@ def main() -> None:
             label = name + " q8" * match_ggml
             for threads in (int(t) for t in args.threads.split(",")):
                 torch.set_num_threads(threads)
-                kernel = best_seconds(product, args.repeat)
-                read = best_seconds(plain_read, args.repeat)
+                kernel, read = best_of_both(product, plain_read, args.repeat)
                 print(
                     f"{label:9s} {threads:7d} {total / kernel / 1e9:11.2f} {total / read / 1e9:9.2f} "
                     f"{read / kernel:6.2f} {ROWS * COLS * args.experts / kernel / 1e9:6.2f}"
