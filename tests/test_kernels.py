@@ -14,7 +14,7 @@ from gguf.constants import GGMLQuantizationType as T
 from k3stream.model.layers import rms_norm
 from k3stream.quant import dequantize, quantize
 from k3stream.quant.kernels import (
-    F32_EXPERT_MAX_ROWS,
+    F32_EXPERT_MAX_TOKENS,
     MLP,
     GroupedProduct,
     Products,
@@ -216,9 +216,10 @@ def test_the_one_call_expert_mlp_is_its_three_products_and_activation_bit_for_bi
     assert torch.equal(expert_mlp(x, experts, STEP_STARTS, STEP_ROWS, betas, match_ggml), expected)
 
 
-def test_f32_experts_of_a_prefill_take_the_c_call_while_their_rows_are_few(monkeypatch):
-    """F32 experts with at most F32_EXPERT_MAX_ROWS rows each on average are one C call, whose every row
-    is bit for bit that row's decode step (the C call too); more rows take torch's GEMM per product."""
+def test_f32_experts_of_a_prefill_take_the_c_call_up_to_a_bound_on_its_tokens(monkeypatch):
+    """F32 experts of a step of at most F32_EXPERT_MAX_TOKENS tokens are one C call whose every row is bit
+    for bit that row's decode step and its result in any grouping of the experts (a streamed step's
+    fetch groups); a longer step takes torch's GEMM per product."""
     experts = [Expert(s, T.F32, T.F32, T.F32) for s in range(3)]
     activation = Situ(2.0, 3.0)
     one_call = []
@@ -226,19 +227,20 @@ def test_f32_experts_of_a_prefill_take_the_c_call_while_their_rows_are_few(monke
     monkeypatch.setattr(cpu, "expert_mlp", lambda x, *args: one_call.append(len(args[4])) or fused(x, *args))
     x = torch.randn(5, 512)
     prefill = expert_mlp(x, experts, STEP_STARTS, STEP_ROWS, activation)
+    first_two = expert_mlp(x, experts[:2], STEP_STARTS[:3], STEP_ROWS[:5], activation)
+    last = expert_mlp(x, experts[2:], torch.tensor([0, 1]), STEP_ROWS[5:], activation)
+    assert torch.equal(torch.cat([first_two, last]), prefill)
     for b in range(3):
         for p in range(int(STEP_STARTS[b]), int(STEP_STARTS[b + 1])):
-            alone = expert_mlp(
-                x[STEP_ROWS[p]][None], [experts[b]], torch.tensor([0, 1]), torch.tensor([0]), activation
-            )
+            one = torch.tensor([0, 1])
+            alone = expert_mlp(x[STEP_ROWS[p]][None], [experts[b]], one, torch.tensor([0]), activation)
             assert torch.equal(prefill[p], alone[0])
     slow = expert_mlp(x, experts, STEP_STARTS, STEP_ROWS, activation, backend="reference")
     assert relative_error(prefill, slow) <= 1e-6
-    assert one_call == [6, 1, 1, 1, 1, 1, 1]
-    many = F32_EXPERT_MAX_ROWS + 1
-    rows = torch.arange(many).repeat(3)
-    expert_mlp(torch.randn(many, 512), experts, torch.tensor([0, many, 2 * many, 3 * many]), rows, activation)
-    assert one_call == [6, 1, 1, 1, 1, 1, 1]
+    assert one_call == [6, 5, 1, 1, 1, 1, 1, 1, 1]
+    tokens = F32_EXPERT_MAX_TOKENS + 1
+    expert_mlp(torch.randn(tokens, 512), experts, STEP_STARTS, STEP_ROWS, activation)
+    assert len(one_call) == 9
 
 
 @pytest.mark.parametrize("shape", [(1, 1024), (3, 7, 100), (2, 16)])

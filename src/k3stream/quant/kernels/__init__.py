@@ -36,10 +36,11 @@ F32 = 0
 FLOAT_WIDTH_TYPES = frozenset({1, 30})  # F16, BF16: one value per "block"
 # F32 products of at most this many rows take the C kernel (`_f32_by_kernel`), more take torch's
 F32_KERNEL_MAX_ROWS = 16
-# F32 routed experts take the C call while their rows average at most this many (a mid prefill: 128
-# tokens 535 -> 437 ms on one thread, 418 -> 275 on two; even at 512 tokens, 64 rows each; torch's GEMM
-# 5% faster at 128)
-F32_EXPERT_MAX_ROWS = 64
+# F32 routed experts take the C call in steps of at most this many tokens (a mid prefill, 64 experts
+# top-8: 128 tokens 535 -> 437 ms on one thread, 418 -> 275 on two; a tie at 512, 64 rows an expert;
+# torch's GEMM 5% faster at 1,024; more experts give fewer rows an expert). Tokens, not rows an
+# expert: a step's fetch groups all see the same count, so streamed and resident runs agree.
+F32_EXPERT_MAX_TOKENS = 512
 ANY_ROWS = 1 << 62
 
 
@@ -400,7 +401,7 @@ def expert_mlp(
     Rows `starts[b]..starts[b+1]` of the result are expert b's outputs for `x[rows[p]]`. `match_ggml`
     rounds each product's input as ggml's CPU matmul does for the weight's type.
     """
-    roles = _fused_roles(x, experts, rows.numel(), match_ggml) if backend == "auto" else None
+    roles = _fused_roles(x, experts, match_ggml) if backend == "auto" else None
     if roles is not None:
         return cpu.expert_mlp(x, *roles, starts, rows, activation.beta, activation.linear_beta, match_ggml)
     as_qtype(experts[0].up.ggml_type)  # one clear error for an unsupported type
@@ -442,17 +443,17 @@ def bind_chosen_experts(
 
 
 def _fused_roles(
-    x: torch.Tensor, experts: Sequence[ExpertMatrices], pairs: int, match_ggml: bool
+    x: torch.Tensor, experts: Sequence[ExpertMatrices], match_ggml: bool
 ) -> tuple[cpu.Role, cpu.Role, cpu.Role] | None:
-    """The gate, up and down roles for `cpu.expert_mlp` of `pairs` (row, expert) pairs, or None where
-    the step takes the per-product path: off the CPU, under autograd, a role without a C kernel, F32
-    experts with more than F32_EXPERT_MAX_ROWS rows each on average, or with `match_ggml` a role whose
-    kernel does not quantize activations itself (its inputs are rounded in torch first)."""
+    """The gate, up and down roles for `cpu.expert_mlp`, or None where the step takes the per-product
+    path: off the CPU, under autograd, a role without a C kernel, F32 experts of a step of more than
+    F32_EXPERT_MAX_TOKENS tokens (x's rows), or with `match_ggml` a role whose kernel does not quantize
+    activations itself (its inputs are rounded in torch first)."""
     if not cpu.takes((x,)):
         return None
     first = experts[0]
     kinds = [(matrix.ggml_type, matrix.shape) for matrix in (first.gate, first.up, first.down)]
-    few_rows = pairs <= F32_EXPERT_MAX_ROWS * len(experts)  # a decode step's one row among them
+    few_rows = x.shape[0] <= F32_EXPERT_MAX_TOKENS  # a decode step's one row among them
     layouts = [_fused_layout(ggml_type, shape, match_ggml, few_rows) for ggml_type, shape in kinds]
     if None in layouts:
         return None
@@ -475,9 +476,9 @@ def _fused_layout(
     ggml_type: int, shape: tuple[int, int], match_ggml: bool, few_rows: bool = False
 ) -> tuple[int, int] | None:
     """A role's output rows and bytes per row for `cpu.expert_mlp`, or None where it does not take it
-    (see `_fused_roles`). F32 matrices take it for `few_rows` (a decode step's chosen experts, a prefill's
-    experts of at most F32_EXPERT_MAX_ROWS rows each on average), as `qmatmul` sends a few rows of F32 to
-    the C kernel; torch's GEMM is faster for many."""
+    (see `_fused_roles`). F32 matrices take it for `few_rows` (a decode step's chosen experts, a step of
+    at most F32_EXPERT_MAX_TOKENS tokens), as `qmatmul` sends a few rows of F32 to the C kernel; torch's
+    GEMM is faster for many."""
     out_features, in_features = shape
     f32_rows = few_rows and ggml_type == F32 and not match_ggml and in_features % 32 == 0 and cpu.available()
     if not (f32_rows or _c_kernel_takes(ggml_type, in_features, match_ggml)):
