@@ -121,12 +121,10 @@ def _dq_q45_k(blk, ok, FIFTH_BIT: tl.constexpr):
     md_part = _load(blk + (12 + s % 4)[None, :], ok)
     sc = tl.where(first, d_part & 63, (md_part & 0xF) | ((d_part >> 2) & 0x30)).to(tl.float32)
     mn = tl.where(first, m_part & 63, (md_part >> 4) | ((m_part >> 2) & 0x30)).to(tl.float32)
+    q = _fields(_load(blk + (48 if FIFTH_BIT else 16) + tl.arange(0, 128)[None, :], ok), 4, 4)
     if FIFTH_BIT:
-        low = _fields(_load(blk + 48 + tl.arange(0, 128)[None, :], ok), 4, 4)
-        q = (low | (_fields(_load(blk + 16 + tl.arange(0, 32)[None, :], ok), 1, 1) << 4)).to(tl.float32)
-    else:
-        q = _fields(_load(blk + 16 + tl.arange(0, 128)[None, :], ok), 4, 4).to(tl.float32)
-    return _scaled(q, sc * _f16(blk, ok), mn * _f16(blk + 2, ok), 32)
+        q = q | (_fields(_load(blk + 16 + tl.arange(0, 32)[None, :], ok), 1, 1) << 4)
+    return _scaled(q.to(tl.float32), sc * _f16(blk, ok), mn * _f16(blk + 2, ok), 32)
 
 
 @_jit
