@@ -192,15 +192,26 @@ def test_prefill_continues_and_decode_matches_full_forward(small_model):
 
 
 def test_prefill_last_is_the_last_row_and_leaves_the_same_state(small_model, monkeypatch):
-    """Generation's prefill runs the output matrix on the last token alone: the last row of the full
-    prefill's logits, and the same state to decode from."""
+    """Generation's prefill runs the last layer's feed-forward and the output matrix on the last token
+    alone (every layer's attention on all of them): the last row of the full prefill's logits, and the
+    same state to decode from."""
     tokens = tokens_for(2, small_model.config.vocab_size, 30)
     full_state, last_state = small_model.new_state(), small_model.new_state()
     full = small_model.prefill(full_state, tokens[:24])
-    head_rows = []
+    head_rows, ffn_rows = [], {}
     head = small_model.lm_head
     monkeypatch.setattr(small_model, "lm_head", lambda x: head_rows.append(len(x)) or head(x))
+    for ffn_class in {type(layer.ffn) for layer in small_model.layers}:
+        call = ffn_class.__call__
+        monkeypatch.setattr(
+            ffn_class,
+            "__call__",
+            lambda ffn, h, call=call: ffn_rows.setdefault(id(ffn), len(h)) and call(ffn, h),
+        )
     last = small_model.prefill_last(last_state, tokens[:24])
+    assert [ffn_rows[id(layer.ffn)] for layer in small_model.layers] == [24] * (
+        len(small_model.layers) - 1
+    ) + [1]
     assert head_rows == [1] and last.shape == full[-1].shape and last_state.length == 24
     assert relative_error(last, full[-1]) < 1e-6
     for token in tokens[24:]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from k3stream.gguf.reader import K3Checkpoint
 
 AttentionState = KDAState | MLAState
+Rows = TypeVar("Rows", torch.Tensor, list[int])
 
 
 @dataclass
@@ -241,22 +242,33 @@ class K3Model:
         bank: list[torch.Tensor] = []
         by_token = self._token_hints_used()
         token_ids = ids.tolist() if by_token else []
+        # with last_only, the last layer's attention runs on every row (it fills the state) and the
+        # rest of it on the last row alone, as llama.cpp's output rows (`inp_out_ids`)
+        last = self.layers[-1].index if last_only else None
+
+        def read(index: int, rows: Rows) -> Rows:  # the rows of layer `index` read past its attention
+            return rows[-1:] if index == last else rows
+
         for first in self._first_token_hints if by_token else ():
-            self._predict_from_tokens(first, token_ids)
+            self._predict_from_tokens(first, read(first.index, token_ids))
         for layer in self.layers:
             if self.prefetch and isinstance(layer.ffn, LatentMoE):
                 if by_token and layer.index in self._token_hint_from:
-                    self._predict_from_tokens(self._token_hint_from[layer.index], token_ids)
-                self._predict("pre-attention", layer, x)
+                    ahead = self._token_hint_from[layer.index]
+                    self._predict_from_tokens(ahead, read(ahead.index, token_ids))
+                self._predict("pre-attention", layer, read(layer.index, x))
             h = residual_mix(bank, x, layer.attn_score, self.eps)
             banked = layer.index % self.config.block_size == 0
             if banked:
                 bank.append(x)
             attended = attend(layer, rms_norm(h, layer.input_norm, self.eps)).float()
+            if layer.index == last:
+                x, attended, token_ids = x[-1:], attended[-1:], token_ids[-1:]
+                bank = [row[-1:] for row in bank]
             prefix = attended if banked else x + attended
             following = self._next_moe[layer.index]
             if self.prefetch and following is not None:
-                self._predict("layer-ahead", following, prefix)
+                self._predict("layer-ahead", following, read(following.index, prefix))
             h = rms_norm(
                 residual_mix(bank, prefix, layer.ffn_score, self.eps), layer.post_attention_norm, self.eps
             )
@@ -266,7 +278,7 @@ class K3Model:
                 if by_token:
                     self.token_routes.learn(layer.index, token_ids, layer.ffn.chosen)
         x = rms_norm(residual_mix(bank, x, self.output_score, self.eps), self.norm, self.eps)
-        return self.lm_head(x[-1:] if last_only else x).float()
+        return self.lm_head(x).float()
 
     def _token_hints_used(self) -> bool:
         """Whether token hints may be predicted this step (only then is the routing learned per token)."""
