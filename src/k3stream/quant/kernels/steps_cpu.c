@@ -186,9 +186,36 @@ INLINE float update_dot(float *row, const float *scale, float add, const float *
     return sum;
 }
 
+/* update_partials of four rows `stride` apart at once (row r adding add[r] * along), into parts[0..3]:
+ * each row's operations as update_partials's, with scale, along and with loaded once for the four */
+INLINE void update_partials4(float *row, int64_t stride, const float *scale, const float *add, const float *along,
+                             const float *with, int64_t n, Floats8 *parts) {
+    Floats8 low[4] = {{0}}, high[4] = {{0}};
+    for (int64_t i = 0; i < n; i += LANES) {
+        const Floats8 with_low = load8(with + i), with_high = load8(with + i + 8);
+        const Floats8 scale_low = scale != NULL ? load8(scale + i) : with_low;
+        const Floats8 scale_high = scale != NULL ? load8(scale + i + 8) : with_high;
+        const Floats8 along_low = along != NULL ? load8(along + i) : with_low;
+        const Floats8 along_high = along != NULL ? load8(along + i + 8) : with_high;
+        for (int r = 0; r < 4; r++) {
+            float *at = row + r * stride + i;
+            Floats8 a = load8(at), b = load8(at + 8);
+            if (scale != NULL) a *= scale_low, b *= scale_high;
+            if (along != NULL) a += add[r] * along_low, b += add[r] * along_high;
+            store8(at, a);
+            store8(at + 8, b);
+            low[r] += a * with_low;
+            high[r] += b * with_high;
+        }
+    }
+    for (int r = 0; r < 4; r++) parts[r] = low[r] + high[r];
+}
+
 /* S *= exp(g); S += (beta (v - S k)) k^T; o = S q, two passes per state row. Rows of a multiple of
  * LANES go eight at a time (each pass of eight rows, then their eight sums at once: the same adds, no
- * chain of one row's sum, delta and second pass to wait on) */
+ * chain of one row's sum, delta and second pass to wait on), four rows of a pass together: k, q and the
+ * decay factors loaded once for the four (one row at a time loaded them for each, three loads per two
+ * state values: the loads a step waited on; a prefill's KDA 1.2x faster) */
 INLINE void delta_rule(float *s, const float *q, const float *k, const float *v, const float *factor, float beta,
                        int64_t dim, float *o) {
     if (dim % LANES != 0) {
@@ -201,9 +228,10 @@ INLINE void delta_rule(float *s, const float *q, const float *k, const float *v,
     }
     for (int64_t row = 0; row < dim; row += 8) {
         Floats8 parts[8];
-        for (int r = 0; r < 8; r++) parts[r] = update_partials(s + (row + r) * dim, factor, 0.0f, NULL, k, dim);
-        const Floats8 delta = (load8(v + row) - tree_sums(parts)) * beta;
-        for (int r = 0; r < 8; r++) parts[r] = update_partials(s + (row + r) * dim, NULL, delta[r], k, q, dim);
+        for (int r = 0; r < 8; r += 4) update_partials4(s + (row + r) * dim, dim, factor, NULL, NULL, k, dim, parts + r);
+        float deltas[8];
+        store8(deltas, (load8(v + row) - tree_sums(parts)) * beta);
+        for (int r = 0; r < 8; r += 4) update_partials4(s + (row + r) * dim, dim, NULL, deltas + r, k, q, dim, parts + r);
         store8(o + row, tree_sums(parts));
     }
 }
