@@ -218,6 +218,24 @@ def test_prefill_last_is_the_last_row_and_leaves_the_same_state(small_model, mon
         assert torch.equal(small_model.decode(last_state, token), small_model.decode(full_state, token))
 
 
+@pytest.mark.parametrize("kind", ["KDA", "MLA"])
+def test_an_attention_layer_gives_the_last_row_alone_and_the_same_state(small_model, kind):
+    """`last_only` (prefill_last's last layer): the last row's output alone, as the full prefill's last
+    row, after taking every row into the state (the same bits)."""
+    attention = next(layer.attn for layer in small_model.layers if type(layer.attn).__name__ == kind)
+    h = torch.randn(20, small_model.config.hidden, generator=torch.Generator().manual_seed(4))
+    full_state, last_state = attention.new_state(), attention.new_state()
+    full = attention.prefill(h, full_state)
+    last = attention.prefill(h, last_state, last_only=True)
+    assert last.shape == (1, h.shape[1]) and relative_error(last, full[-1:]) < 1e-6
+    if kind == "KDA":
+        assert torch.equal(last_state.conv, full_state.conv)
+        assert torch.equal(last_state.recurrent, full_state.recurrent)
+    else:
+        assert last_state.length == full_state.length == 20
+        assert torch.equal(last_state.buffer[:20], full_state.buffer[:20])
+
+
 def test_decode_batch_equals_separate_decodes(small_model):
     prompts = [tokens_for(seed, small_model.config.vocab_size, n) for seed, n in [(2, 5), (3, 17), (4, 1)]]
     batch_states, single_states = [], []

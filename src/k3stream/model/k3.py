@@ -171,7 +171,7 @@ class K3Model:
         """`prefill` of checked ids [T] outside inference mode: autograd records it when the weights
         require grad (the trainer's model, `k3stream.train`)."""
         logits = self._forward(
-            ids, lambda layer, h: layer.attn.prefill(h, state.layers[layer.index]), last_only
+            ids, lambda layer, h, last: layer.attn.prefill(h, state.layers[layer.index], last), last_only
         )
         state.length += len(ids)
         return logits
@@ -192,7 +192,7 @@ class K3Model:
         else:
             logits = self._forward(
                 torch.tensor(ids, device=self.device),
-                lambda layer, h: layer.attn.decode(h, [state.layers[layer.index] for state in states]),
+                lambda layer, h, _: layer.attn.decode(h, [state.layers[layer.index] for state in states]),
             )
         for state in states:
             state.length += 1
@@ -235,15 +235,16 @@ class K3Model:
     def _forward(
         self,
         ids: torch.Tensor,
-        attend: Callable[[Layer, torch.Tensor], torch.Tensor],
+        attend: Callable[[Layer, torch.Tensor, bool], torch.Tensor],
         last_only: bool = False,
     ) -> torch.Tensor:
         x = self.embedding(ids)
         bank: list[torch.Tensor] = []
         by_token = self._token_hints_used()
         token_ids = ids.tolist() if by_token else []
-        # with last_only, the last layer's attention runs on every row (it fills the state) and the
-        # rest of it on the last row alone, as llama.cpp's output rows (`inp_out_ids`)
+        # with last_only, the last layer's attention takes every row into the state and gives the last
+        # row's output alone, the rest of the layer runs on that row (llama.cpp's output rows do the
+        # same from after the attention)
         last = self.layers[-1].index if last_only else None
 
         def read(index: int, rows: Rows) -> Rows:  # the rows of layer `index` read past its attention
@@ -261,10 +262,9 @@ class K3Model:
             banked = layer.index % self.config.block_size == 0
             if banked:
                 bank.append(x)
-            attended = attend(layer, rms_norm(h, layer.input_norm, self.eps)).float()
+            attended = attend(layer, rms_norm(h, layer.input_norm, self.eps), layer.index == last).float()
             if layer.index == last:
-                x, attended, token_ids = x[-1:], attended[-1:], token_ids[-1:]
-                bank = [row[-1:] for row in bank]
+                x, token_ids, bank = x[-1:], token_ids[-1:], [row[-1:] for row in bank]
             prefix = attended if banked else x + attended
             following = self._next_moe[layer.index]
             if self.prefetch and following is not None:

@@ -160,26 +160,30 @@ class KDA:
             recurrent=torch.zeros(self.heads, self.head_dim, self.head_dim, device=device),
         )
 
-    def prefill(self, h: torch.Tensor, state: KDAState) -> torch.Tensor:
-        """h [T, E] (normed layer input) -> [T, E]; advances `state`. On the CPU the C recurrence runs
-        the tokens one by one, as T decode steps would (the same bits; 8 heads of 128 over 128 tokens:
-        ~3x the chunked torch form, which stays for autograd and other devices)."""
+    def prefill(self, h: torch.Tensor, state: KDAState, last_only: bool = False) -> torch.Tensor:
+        """h [T, E] (normed layer input) -> [T, E] ([1, E], the last row's, with `last_only`: the state
+        takes every row, the output projection the last alone); advances `state`. On the CPU the C
+        recurrence runs the tokens one by one, as T decode steps would (the same bits; 8 heads of 128
+        over 128 tokens: ~3x the chunked torch form, which stays for autograd and other devices)."""
         self._check_states([state])
         qkv, g_logits, b_logits, f_a = (part.contiguous() for part in self._project(h))
         if self._step_in_c(qkv, [state]):
-            return self._recurrent(h, qkv, g_logits, b_logits, f_a, [state])
+            gated = self._recurrent(qkv, g_logits, b_logits, f_a, [state])
+            return self.w.o_proj((gated[-1:] if last_only else gated).to(h.dtype))
         mixed, state.conv = causal_conv(qkv, state.conv, self.w.conv)
         q, k, v = self._split_activate(mixed)
         beta = torch.sigmoid(b_logits)
         o = chunked_delta_rule(q, k, v, self._gate(f_a), beta, state.recurrent, self.scale, self.chunk_size)
-        return self._output(o, g_logits, h.dtype)
+        return (
+            self._output(o[-1:], g_logits[-1:], h.dtype) if last_only else self._output(o, g_logits, h.dtype)
+        )
 
     def decode(self, h: torch.Tensor, states: list[KDAState]) -> torch.Tensor:
         """h [B, E], one token of each of B sequences -> [B, E]; advances each state."""
         self._check_states(states)
         qkv, g_logits, b_logits, f_a = (part.contiguous() for part in self._project(h))
         if self._step_in_c(qkv, states):
-            return self._recurrent(h, qkv, g_logits, b_logits, f_a, states)
+            return self.w.o_proj(self._recurrent(qkv, g_logits, b_logits, f_a, states).to(h.dtype))
         mixed_rows = []
         for row, state in enumerate(states):
             mixed_row, state.conv = causal_conv(qkv[row : row + 1], state.conv, self.w.conv)
@@ -201,15 +205,16 @@ class KDA:
             self._conv_by_tap = key, self.w.conv.detach().t().contiguous()
         return self._conv_by_tap[1]
 
-    def _recurrent(self, h, qkv, g_logits, b_logits, f_a, states: list[KDAState]) -> torch.Tensor:
-        """The C recurrence over the projections of each state's rows (in order), then o_proj."""
+    def _recurrent(self, qkv, g_logits, b_logits, f_a, states: list[KDAState]) -> torch.Tensor:
+        """The C recurrence over the projections of each state's rows (in order): the gated outputs
+        before o_proj [rows, H D]."""
         w = self.w
         gated = cpu.kda_recurrent(
             qkv, [state.conv for state in states], self._conv_taps(), w.f_b_proj(f_a).float(), w.dt_bias,
             w.ssm_a, self.lower_bound, b_logits, [state.recurrent for state in states], g_logits, w.o_norm,
             self.eps, self.scale,
         )  # fmt: skip
-        return self.w.o_proj(gated.to(h.dtype))
+        return gated
 
     def decode_steps(
         self, h: torch.Tensor, out: torch.Tensor, state: KDAState, threads: int

@@ -150,10 +150,15 @@ class MLA:
     def new_state(self, device: torch.device | str = "cpu") -> MLAState:
         return MLAState(self.kv_lora + self.rope, device)
 
-    def prefill(self, h: torch.Tensor, state: MLAState) -> torch.Tensor:
-        """h [T, E] (normed layer input) of one sequence -> [T, E]; appends to its cache."""
-        queries, rows, g_logits = self._project(h)
+    def prefill(self, h: torch.Tensor, state: MLAState, last_only: bool = False) -> torch.Tensor:
+        """h [T, E] (normed layer input) of one sequence -> [T, E]; appends to its cache. `last_only`:
+        every row goes into the cache, the last alone through the attention and output -> [1, E]."""
         offset = state.length
+        if last_only:
+            cache = state.append(self._cache_rows(self.w.kv_a_proj(h).float()))
+            query, _, g_logits = self._project(h[-1:])
+            return self._output(self._attend(query, cache, offset + h.shape[0] - 1), g_logits)
+        queries, rows, g_logits = self._project(h)
         context = self._attend(queries, state.append(rows), offset)
         return self._output(context, g_logits)
 
@@ -227,9 +232,12 @@ class MLA:
             first = self.w.q_b_proj(rms_norm(first.contiguous(), self.w.q_a_norm, self.eps)).float()
         q = first.view(-1, self.heads, self.nope + self.rope)
         q_absorbed = self.w.k_b(q[..., : self.nope])
+        return torch.cat([q_absorbed, q[..., self.nope :]], dim=-1), self._cache_rows(compressed), g_logits
+
+    def _cache_rows(self, compressed: torch.Tensor) -> torch.Tensor:
+        """Cache rows [T, kv_lora + rope] from kv_a's output: the latent part normed, the rope part as is."""
         latent = rms_norm(compressed[:, : self.kv_lora].contiguous(), self.w.kv_a_norm, self.eps)
-        rows = torch.cat([latent, compressed[:, self.kv_lora :]], dim=1)
-        return torch.cat([q_absorbed, q[..., self.nope :]], dim=-1), rows, g_logits
+        return torch.cat([latent, compressed[:, self.kv_lora :]], dim=1)
 
     def _attend(self, queries: torch.Tensor, cache: torch.Tensor, offset: int) -> torch.Tensor:
         """Causal attention of queries (positions offset..) over the cache -> latent context [T, H, kv].
