@@ -154,42 +154,13 @@ INLINE void decay(const float *f, const float *bias, float a, int has_bound, flo
     }
 }
 
-/* row = row * scale + add * along (scale or along NULL: that term left out) over n values (a multiple
- * of LANES), and row . with in LANES interleaved partial sums, returned as lanes i + (i + 8): one pass
- * over a state row for a step of the delta rule and the dot that follows it */
-INLINE Floats8 update_partials(float *row, const float *scale, float add, const float *along, const float *with,
-                               int64_t n) {
-    Floats8 low = {0}, high = {0};
-    for (int64_t i = 0; i < n; i += LANES) {
-        Floats8 a = load8(row + i), b = load8(row + i + 8);
-        if (scale != NULL) a *= load8(scale + i), b *= load8(scale + i + 8);
-        if (along != NULL) a += add * load8(along + i), b += add * load8(along + i + 8);
-        store8(row + i, a);
-        store8(row + i + 8, b);
-        low += a * load8(with + i);
-        high += b * load8(with + i + 8);
-    }
-    return low + high;
-}
-
-/* update_partials over any n, summed (the values past the last whole LANES one by one) */
-INLINE float update_dot(float *row, const float *scale, float add, const float *along, const float *with,
-                        int64_t n) {
-    const int64_t whole = n - n % LANES;
-    float sum = tree_sum(update_partials(row, scale, add, along, with, whole));
-    for (int64_t i = whole; i < n; i++) {
-        float value = scale != NULL ? row[i] * scale[i] : row[i];
-        if (along != NULL) value += add * along[i];
-        row[i] = value;
-        sum += value * with[i];
-    }
-    return sum;
-}
-
-/* update_partials of four rows `stride` apart at once (row r adding add[r] * along), into parts[0..3]:
- * each row's operations as update_partials's, with scale, along and with loaded once for the four */
-INLINE void update_partials4(float *row, int64_t stride, const float *scale, const float *add, const float *along,
-                             const float *with, int64_t n, Floats8 *parts) {
+/* Each of `rows` (1..4) state rows `stride` apart: row = row * scale + add[r] * along (scale or along
+ * NULL: that term left out) over n values (a multiple of LANES), and row . with in LANES interleaved
+ * partial sums, into parts[r] as lanes i + (i + 8): one pass over state rows for a step of the delta
+ * rule and the dot that follows it. scale, along and with are loaded once for the rows (one row at a time
+ * loaded them for each, three loads per two state values: the loads the step waited on) */
+INLINE void update_partials(float *row, int64_t stride, const int rows, const float *scale, const float *add,
+                            const float *along, const float *with, int64_t n, Floats8 *parts) {
     Floats8 low[4] = {{0}}, high[4] = {{0}};
     for (int64_t i = 0; i < n; i += LANES) {
         const Floats8 with_low = load8(with + i), with_high = load8(with + i + 8);
@@ -197,7 +168,7 @@ INLINE void update_partials4(float *row, int64_t stride, const float *scale, con
         const Floats8 scale_high = scale != NULL ? load8(scale + i + 8) : with_high;
         const Floats8 along_low = along != NULL ? load8(along + i) : with_low;
         const Floats8 along_high = along != NULL ? load8(along + i + 8) : with_high;
-        for (int r = 0; r < 4; r++) {
+        for (int r = 0; r < rows; r++) {
             float *at = row + r * stride + i;
             Floats8 a = load8(at), b = load8(at + 8);
             if (scale != NULL) a *= scale_low, b *= scale_high;
@@ -208,14 +179,29 @@ INLINE void update_partials4(float *row, int64_t stride, const float *scale, con
             high[r] += b * with_high;
         }
     }
-    for (int r = 0; r < 4; r++) parts[r] = low[r] + high[r];
+    for (int r = 0; r < rows; r++) parts[r] = low[r] + high[r];
+}
+
+/* update_partials of one row over any n, summed (the values past the last whole LANES one by one) */
+INLINE float update_dot(float *row, const float *scale, float add, const float *along, const float *with,
+                        int64_t n) {
+    const int64_t whole = n - n % LANES;
+    Floats8 parts;
+    update_partials(row, 0, 1, scale, &add, along, with, whole, &parts);
+    float sum = tree_sum(parts);
+    for (int64_t i = whole; i < n; i++) {
+        float value = scale != NULL ? row[i] * scale[i] : row[i];
+        if (along != NULL) value += add * along[i];
+        row[i] = value;
+        sum += value * with[i];
+    }
+    return sum;
 }
 
 /* S *= exp(g); S += (beta (v - S k)) k^T; o = S q, two passes per state row. Rows of a multiple of
  * LANES go eight at a time (each pass of eight rows, then their eight sums at once: the same adds, no
- * chain of one row's sum, delta and second pass to wait on), four rows of a pass together: k, q and the
- * decay factors loaded once for the four (one row at a time loaded them for each, three loads per two
- * state values: the loads a step waited on; a prefill's KDA 1.2x faster) */
+ * chain of one row's sum, delta and second pass to wait on), four rows of a pass together (a prefill's
+ * KDA 1.2x faster than one at a time) */
 INLINE void delta_rule(float *s, const float *q, const float *k, const float *v, const float *factor, float beta,
                        int64_t dim, float *o) {
     if (dim % LANES != 0) {
@@ -228,10 +214,10 @@ INLINE void delta_rule(float *s, const float *q, const float *k, const float *v,
     }
     for (int64_t row = 0; row < dim; row += 8) {
         Floats8 parts[8];
-        for (int r = 0; r < 8; r += 4) update_partials4(s + (row + r) * dim, dim, factor, NULL, NULL, k, dim, parts + r);
+        for (int r = 0; r < 8; r += 4) update_partials(s + (row + r) * dim, dim, 4, factor, NULL, NULL, k, dim, parts + r);
         float deltas[8];
         store8(deltas, (load8(v + row) - tree_sums(parts)) * beta);
-        for (int r = 0; r < 8; r += 4) update_partials4(s + (row + r) * dim, dim, NULL, deltas + r, k, q, dim, parts + r);
+        for (int r = 0; r < 8; r += 4) update_partials(s + (row + r) * dim, dim, 4, NULL, deltas + r, k, q, dim, parts + r);
         store8(o + row, tree_sums(parts));
     }
 }
