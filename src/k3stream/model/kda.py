@@ -174,9 +174,9 @@ class KDA:
         q, k, v = self._split_activate(mixed)
         beta = torch.sigmoid(b_logits)
         o = chunked_delta_rule(q, k, v, self._gate(f_a), beta, state.recurrent, self.scale, self.chunk_size)
-        return (
-            self._output(o[-1:], g_logits[-1:], h.dtype) if last_only else self._output(o, g_logits, h.dtype)
-        )
+        if last_only:
+            o, g_logits = o[-1:], g_logits[-1:]
+        return self._output(o, g_logits, h.dtype)
 
     def decode(self, h: torch.Tensor, states: list[KDAState]) -> torch.Tensor:
         """h [B, E], one token of each of B sequences -> [B, E]; advances each state."""
