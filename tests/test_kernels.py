@@ -152,9 +152,13 @@ def test_integer_kernels_equal_the_product_with_inputs_rounded_as_ggml(qt, rows,
 
 @pytest.mark.parametrize("qt", sorted(cpu.Q8_TYPES), ids=lambda t: T(t).name)
 def test_integer_kernel_rows_do_not_depend_on_grouping_or_threads(qt):
-    weights = [weight(T(qt), 24, 512, seed=s) for s in range(3)]
-    x = torch.randn(5, 512)
-    starts, rows = torch.tensor([0, 2, 2, 6]), torch.tensor([4, 0, 1, 2, 3, 4])
+    """A matrix's input rows in groups of four sharing each weight row's decoded codes (Q2_K, Q3_K), the
+    rest three, two or one at a time: each row is its single-row result."""
+    counts = [2, 0, 3, 9, 7]  # 9: 4 + 4 + 1, 7: 4 + 3
+    weights = [weight(T(qt), 24, 512, seed=s) for s in range(len(counts))]
+    x = torch.randn(12, 512)
+    starts = torch.tensor([0, *np.cumsum(counts).tolist()])
+    rows = torch.from_numpy(np.random.default_rng(qt).integers(0, 12, sum(counts)))
     together = grouped_qmatmul(x, weights, starts, rows, match_ggml=True)
     for b, w in enumerate(weights):
         for p in range(int(starts[b]), int(starts[b + 1])):

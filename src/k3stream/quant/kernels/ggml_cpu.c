@@ -1036,21 +1036,24 @@ ALWAYS void tile_outputs(const Product *pr, const float *parts, int64_t m, int c
     }
 
 /* Weight rows first..last - 1 of matrix b, each against its matrix's input rows (decode: a few),
- * FUSED_ROWS at a time by NAME##_rows: one call for a task's rows, so what a call sets up is paid once
- * for them (at 512-value rows it cost as much as a row's two blocks) */
-#define ROW_RANGE(NAME)                                                                                \
+ * GROUP (FUSED_ROWS, Q8_ROWS) at a time by NAME##_rows: one call for a task's rows, so what a call sets
+ * up is paid once for them (at 512-value rows it cost as much as a row's two blocks) */
+#define ROW_RANGE(NAME, GROUP)                                                                         \
     AVX2 static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) {                 \
         for (int64_t m = first; m < last; m++) {                                                       \
             const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;      \
             int64_t p = pr->starts[b];                                                                 \
-            for (; p + FUSED_ROWS <= pr->starts[b + 1]; p += FUSED_ROWS) NAME##_rows(pr, row, m, p, FUSED_ROWS); \
+            for (; p + (GROUP) <= pr->starts[b + 1]; p += (GROUP)) NAME##_rows(pr, row, m, p, GROUP);  \
+            const int64_t rest = pr->starts[b + 1] - p;                                                \
+            if ((GROUP) > 3 && rest == 3) NAME##_rows(pr, row, m, p, 3), p += 3;                       \
+            if ((GROUP) > 3 && rest == 2) NAME##_rows(pr, row, m, p, 2), p += 2;                       \
             for (; p < pr->starts[b + 1]; p++) NAME##_rows(pr, row, m, p, 1);                          \
         }                                                                                              \
     }
 
 #define KQUANT_ROW(NAME, DOT, HAS_MINS, BLOCK_BYTES)                                                   \
     KQUANT_ROWS(NAME##_rows, DOT, HAS_MINS, BLOCK_BYTES)                                               \
-    ROW_RANGE(NAME)
+    ROW_RANGE(NAME, FUSED_ROWS)
 
 #define K45_EXPAND(TYPE)                                                                                \
     ALWAYS void expand_##TYPE(const uint8_t *restrict b, float *w, float *mins) {                      \
@@ -1164,7 +1167,7 @@ static TileKernel tile_kernel(int ggml_type) {
         else                                                                                           \
             NAME##_many(pr, row, m, p);                                                                \
     }                                                                                                  \
-    ROW_RANGE(NAME)
+    ROW_RANGE(NAME, FUSED_ROWS)
 
 #define BLOCK32_ROW(TYPE, ID, BYTES, AFFINE) FUSED_ROW(fused_##TYPE, dot_##TYPE, BYTES)
 BLOCK32_TYPES(BLOCK32_ROW)
@@ -1205,38 +1208,50 @@ ALWAYS __m256i pair_scales(__m256i half, int f) {
     return _mm256_shuffle_epi8(half, _mm256_set_m128i(_mm_set1_epi16(second), _mm_set1_epi16(first)));
 }
 
-/* acc += per-lane float sums of one Q2_K block times one Q8_K block: d_y (d sum_s sc_s q.y_s -
- * dmin sum_s m_s bsum_s), with exact integer sums */
-ALWAYS __m256 q8_q2_k(const uint8_t *restrict b, const BlockQ8K *restrict y, __m256 acc) {
+/* Up to Q8_ROWS input rows share each weight row's decoded codes and scales (prefill, batched decode):
+ * each row keeps its own sums and sees exactly the operations it would see alone. */
+#define Q8_ROWS 4
+
+/* acc[r] += per-lane float sums of one Q2_K block times input row r's Q8_K block y[r] + at: d_y (d
+ * sum_s sc_s q.y_s - dmin sum_s m_s bsum_s), with exact integer sums */
+ALWAYS void q8_q2_k(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n) {
     const __m128i packed = _mm_loadu_si128((const __m128i *)b), nibble = _mm_set1_epi8(15);
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
-    const __m256i offsets = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)y->bsums));
-    __m256i halves[2];
+    __m256i halves[2], sumi[Q8_ROWS];
     scale_halves(_mm_and_si128(packed, nibble), halves);
     const __m256i three = _mm256_set1_epi8(3);
-    __m256i sumi = _mm256_setzero_si256();
+    for (int r = 0; r < n; r++) sumi[r] = _mm256_setzero_si256();
     for (int g = 0; g < 2; g++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * g));
         for (int f = 0; f < 4; f++) {
-            const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(q, 2 * f), three);
-            const __m256i q8 = _mm256_loadu_si256((const __m256i *)(y->qs + 128 * g + 32 * f));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q8), pair_scales(halves[g], f)));
+            const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(q, 2 * f), three), scales = pair_scales(halves[g], f);
+            for (int r = 0; r < n; r++) {
+                const __m256i q8 = _mm256_loadu_si256((const __m256i *)(y[r][at].qs + 128 * g + 32 * f));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q8), scales));
+            }
         }
     }
-    const float d = y->d * f16c(b + 80), dmin = -y->d * f16c(b + 82);
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
-    return _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(offsets), acc);
+    const float step = f16c(b + 80), min_step = f16c(b + 82);
+    for (int r = 0; r < n; r++) {
+        const __m256i offsets = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)y[r][at].bsums));
+        const float d = y[r][at].d * step, dmin = -y[r][at].d * min_step;
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(offsets), acc[r]);
+    }
 }
 
 /* Q3_K: code + 4 = low + 4 h (0..7, unsigned for maddubs; h: bit 4g + f of hmask[i] set), the 4 taken
  * back once a block from the Q8_K sums (4 sum_s sc_s bsum_s): the same integer sum as subtracting 4
  * where the bit is clear, in fewer operations a run */
-ALWAYS __m256 q8_q3_k(const uint8_t *restrict b, const BlockQ8K *restrict y, __m256 acc) {
+ALWAYS void q8_q3_k(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n) {
     const __m128i scales8 = q3_k_scales8(b);
-    __m256i halves[2];
+    __m256i halves[2], sumi[Q8_ROWS];
     scale_halves(scales8, halves);
-    const __m256i fours = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scales8), _mm256_loadu_si256((const __m256i *)y->bsums));
-    __m256i sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(fours, 2));
+    const __m256i wide_scales = _mm256_cvtepi8_epi16(scales8);
+    for (int r = 0; r < n; r++) {
+        const __m256i fours = _mm256_madd_epi16(wide_scales, _mm256_loadu_si256((const __m256i *)y[r][at].bsums));
+        sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(fours, 2));
+    }
     const __m256i hmask = _mm256_loadu_si256((const __m256i *)b), three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
     for (int g = 0; g < 2; g++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * g));
@@ -1245,11 +1260,16 @@ ALWAYS __m256 q8_q3_k(const uint8_t *restrict b, const BlockQ8K *restrict y, __m
             const __m256i moved = bit >= 2 ? _mm256_srli_epi16(hmask, bit - 2) : _mm256_slli_epi16(hmask, 2 - bit);
             const __m256i codes = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * f), three),
                                                   _mm256_and_si256(moved, four));
-            const __m256i q8 = _mm256_loadu_si256((const __m256i *)(y->qs + 128 * g + 32 * f));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q8), pair_scales(halves[g], f)));
+            const __m256i scales = pair_scales(halves[g], f);
+            for (int r = 0; r < n; r++) {
+                const __m256i q8 = _mm256_loadu_si256((const __m256i *)(y[r][at].qs + 128 * g + 32 * f));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q8), scales));
+            }
         }
     }
-    return _mm256_fmadd_ps(_mm256_set1_ps(f16c(b + 108) * y->d), _mm256_cvtepi32_ps(sumi), acc);
+    const float step = f16c(b + 108);
+    for (int r = 0; r < n; r++)
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(step * y[r][at].d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
 }
 
 /* Q4_K: sub-blocks 2j (low nibbles) and 2j + 1 (high) of bytes 32j..; mins against the Q8_K sums */
@@ -1309,8 +1329,24 @@ ALWAYS __m256 q8_q4_0(const uint8_t *restrict b, const BlockQ8_0 *restrict y, __
 }
 
 
-Q8_ROW(q8_row_q2_k_avx2, AVX2, q8_q2_k, 84, q8, 256, __m256, _mm256_setzero_ps(), hsum8)
-Q8_ROW(q8_row_q3_k_avx2, AVX2, q8_q3_k, 110, q8, 256, __m256, _mm256_setzero_ps(), hsum8)
+/* One weight row against `n` (<= Q8_ROWS) input rows' Q8_K blocks from p: blocks in order into each
+ * row's eight lanes (DOT), summed at the end, as Q8_ROW sums one row's */
+#define Q8_SHARED_ROW(NAME, DOT, BLOCK_BYTES)                                                          \
+    ALWAYS void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
+        const int64_t blocks = pr->in_features / 256;                                                  \
+        const BlockQ8K *y[Q8_ROWS];                                                                    \
+        __m256 acc[Q8_ROWS];                                                                           \
+        for (int r = 0; r < n; r++) y[r] = pr->q8 + pr->rows[p + r] * blocks, acc[r] = _mm256_setzero_ps(); \
+        for (int64_t block = 0; block < blocks; block++) {                                            \
+            prefetch_ahead(row + block * (BLOCK_BYTES), BLOCK_BYTES);                                  \
+            DOT(row + block * (BLOCK_BYTES), y, block, acc, n);                                        \
+        }                                                                                              \
+        for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = hsum8(acc[r]);            \
+    }                                                                                                  \
+    ROW_RANGE(NAME, Q8_ROWS)
+
+Q8_SHARED_ROW(q8_row_q2_k_avx2, q8_q2_k, 84)
+Q8_SHARED_ROW(q8_row_q3_k_avx2, q8_q3_k, 110)
 Q8_ROW(q8_row_q4_k_avx2, AVX2, q8_q4_k, 144, q8, 256, __m256, _mm256_setzero_ps(), hsum8)
 Q8_ROW(q8_row_q6_k_avx2, AVX2, q8_q6_k, 210, q8, 256, __m256, _mm256_setzero_ps(), hsum8)
 Q8_ROW(q8_row_q8_0_avx2, AVX2, q8_q8_0, 34, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
