@@ -1,11 +1,12 @@
 """Prefill and decode speed of k3stream and llama.cpp on the same mid-size tiny Kimi-K3 GGUF.
 
-    python benchmarks/bench_forward.py [--recipe f32|f16|audited] [--shape mid|wide] [--threads 2]
+    python benchmarks/bench_forward.py [--recipe f32|f16|audited] [--shape mid|wide|big] [--threads 2]
         [--prompt 128] [--decode 32] [--repeat 3] [--prefills 3]
         [--kernels auto|reference] [--match-ggml]
 
 Writes the model with `k3stream.tiny` (`mid`: hidden 1024, 8 layers, 64 experts top-8 of 256 x 256;
-`wide`: hidden 768, 128 experts top-8 of 512 x 512), runs the two engines in turn
+`wide`: hidden 768, 128 experts top-8 of 512 x 512; `big`: hidden 1024, 128 experts top-8 of 1024 x
+1024, where the routed experts are most of a token's work, as in Kimi-K3), runs the two engines in turn
 `--repeat` times on the same tokens with the same thread count (a shared machine's speed drifts by
 a quarter within a minute: alternating keeps both sides in the same weather; each run times
 `--prefills` prefills of the prompt from a fresh state and keeps its fastest, both engines alike, as a
@@ -47,6 +48,8 @@ SHAPES["mid"] = MID_SIZE = dict(
 )
 # more, larger experts (128 of them, top-8, 512 x 512) beside a narrower trunk
 SHAPES["wide"] = dict(MID_SIZE, hidden=768, dense_ff=1536, n_experts=128, expert_ff=512, latent=512)
+# the routed experts most of the work (two thirds of a decode token's time), as in the real model
+SHAPES["big"] = dict(MID_SIZE, n_experts=128, expert_ff=1024, latent=1024)
 
 
 def bench_k3stream(
