@@ -152,8 +152,8 @@ def test_integer_kernels_equal_the_product_with_inputs_rounded_as_ggml(qt, rows,
 
 @pytest.mark.parametrize("qt", sorted(cpu.Q8_TYPES), ids=lambda t: T(t).name)
 def test_integer_kernel_rows_do_not_depend_on_grouping_or_threads(qt):
-    """A matrix's input rows in groups of four sharing each weight row's decoded codes (Q2_K, Q3_K), the
-    rest three, two or one at a time: each row is its single-row result."""
+    """A matrix's input rows in groups of four sharing each weight row's decoded codes (Q2_K, Q3_K,
+    Q4_K), the rest three, two or one at a time: each row is its single-row result."""
     counts = [2, 0, 3, 9, 7]  # 9: 4 + 4 + 1, 7: 4 + 3
     weights = [weight(T(qt), 24, 512, seed=s) for s in range(len(counts))]
     x = torch.randn(12, 512)
