@@ -1285,14 +1285,14 @@ ALWAYS void q8_q4_k(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t
         k_scale_min(b + 4, 2 * j + 1, &scale_hi, &min_hi);
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * j));
         const __m256i lo = _mm256_and_si256(q, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble);
-        const __m256i steps_lo = _mm256_set1_epi16((short)scale_lo), steps_hi = _mm256_set1_epi16((short)scale_hi);
+        const __m256i scales_lo = _mm256_set1_epi16((short)scale_lo), scales_hi = _mm256_set1_epi16((short)scale_hi);
         for (int r = 0; r < n; r++) {
             const int16_t *bsums = y[r][at].bsums + 4 * j;
             summs[r] += min_lo * (bsums[0] + bsums[1]) + min_hi * (bsums[2] + bsums[3]);
             const __m256i y_lo = _mm256_loadu_si256((const __m256i *)(y[r][at].qs + 64 * j));
             const __m256i y_hi = _mm256_loadu_si256((const __m256i *)(y[r][at].qs + 64 * j + 32));
-            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, y_lo), steps_lo));
-            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y_hi), steps_hi));
+            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, y_lo), scales_lo));
+            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y_hi), scales_hi));
         }
     }
     const float step = f16c(b), min_step = f16c(b + 2);
