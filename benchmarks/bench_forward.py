@@ -48,7 +48,7 @@ SHAPES["mid"] = MID_SIZE = dict(
 )
 # more, larger experts (128 of them, top-8, 512 x 512) beside a narrower trunk
 SHAPES["wide"] = dict(MID_SIZE, hidden=768, dense_ff=1536, n_experts=128, expert_ff=512, latent=512)
-# the routed experts most of the work (two thirds of a decode token's time), as in the real model
+# the routed experts most of the work (over half of a decode token's time), as in the real model
 SHAPES["big"] = dict(MID_SIZE, n_experts=128, expert_ff=1024, latent=1024)
 
 
