@@ -1037,7 +1037,9 @@ ALWAYS void tile_outputs(const Product *pr, const float *parts, int64_t m, int c
 
 /* Weight rows first..last - 1 of matrix b, each against its matrix's input rows (decode: a few),
  * GROUP (FUSED_ROWS, Q8_ROWS) at a time by NAME##_rows: one call for a task's rows, so what a call sets
- * up is paid once for them (at 512-value rows it cost as much as a row's two blocks) */
+ * up is paid once for them (at 512-value rows it cost as much as a row's two blocks). Past the groups,
+ * a group of four leaves its last three or two together (Q8_ROWS: two rows 1.3-1.4x faster so), the
+ * float rows' group of three its last ones one at a time (those compiled for one and three alone). */
 #define ROW_RANGE(NAME, GROUP)                                                                         \
     AVX2 static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) {                 \
         for (int64_t m = first; m < last; m++) {                                                       \
