@@ -59,14 +59,21 @@ def nonexpert_bytes(path) -> int:
 
 def held_bytes(root) -> int:
     """Bytes of every distinct tensor or array buffer reachable from `root` through the garbage collector's
-    references (closures and bound calls included), leaving out expert sources (the routed experts)."""
+    references (closures, default arguments and bound methods included, but not a function's module
+    globals or a C function's module), leaving out expert sources (the routed experts)."""
     seen, buffers, pending = set(), {}, [root]
     while pending:
         obj = pending.pop()
-        if id(obj) in seen or isinstance(obj, (GGUFExpertSource, type, types.ModuleType)):
+        skipped = (GGUFExpertSource, type, types.ModuleType, types.BuiltinFunctionType, types.CodeType)
+        if id(obj) in seen or isinstance(obj, skipped):
             continue
         seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, types.FunctionType):
+            pending.extend(
+                cell.cell_contents for cell in obj.__closure__ or () if cell.cell_contents is not None
+            )
+            pending.extend([*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()])
+        elif isinstance(obj, torch.Tensor):
             storage = obj.untyped_storage()
             buffers[storage.data_ptr()] = max(buffers.get(storage.data_ptr(), 0), storage.nbytes())
         elif isinstance(obj, np.ndarray):
