@@ -658,3 +658,24 @@ def test_f32_mat_vecs_take_the_c_kernel_and_rows_do_not_depend_on_their_company(
     assert relative_error(alone, reference(x[:F32_KERNEL_MAX_ROWS], w)) <= 1e-6
     calls.clear()
     assert relative_error(qmatmul(x, w), reference(x, w)) <= 1e-6 and calls == []  # torch's GEMM
+
+
+def test_grouped_f32_products_take_qmatmuls_choice_for_each_matrix():
+    """F32 matrices in one grouped product (MLA's heads in an F32 file): a matrix with at most
+    F32_KERNEL_MAX_ROWS rows gives each row its C mat-vec result, the bits qmatmul gives it alone, in
+    any company; a matrix with more takes torch's GEMM, as qmatmul does."""
+    from k3stream.quant.kernels import F32_KERNEL_MAX_ROWS
+
+    weights = [weight(T.F32, 40, 512, seed=s) for s in range(3)]
+    x = torch.randn(30, 512)
+    for counts in ([1, 3, 2], [F32_KERNEL_MAX_ROWS, 0, 5], [F32_KERNEL_MAX_ROWS + 4, 2, 7]):
+        starts = torch.tensor([0, *np.cumsum(counts)])
+        rows = torch.from_numpy(np.random.default_rng(sum(counts)).integers(0, len(x), sum(counts)))
+        got = grouped_qmatmul(x, weights, starts, rows)
+        for b, w in enumerate(weights):
+            mine = slice(int(starts[b]), int(starts[b + 1]))
+            assert torch.equal(got[mine], qmatmul(x[rows[mine]], w))
+            if 0 < counts[b] <= F32_KERNEL_MAX_ROWS:
+                alone = [qmatmul(x[rows[p]][None], w)[0] for p in range(mine.start, mine.stop)]
+                assert torch.equal(got[mine], torch.stack(alone))
+            assert counts[b] == 0 or relative_error(got[mine], reference(x[rows[mine]], w)) <= 1e-6

@@ -126,7 +126,7 @@ def qmatmul(
     flat = x.reshape(-1, x.shape[-1]).float()
     if weight.ggml_type != F32:
         out = grouped_qmatmul(flat, [weight], *_all_rows(flat.shape[0]), backend, match_ggml)
-    elif _f32_by_kernel(flat, weight):
+    elif _f32_by_kernel(len(flat), flat.device, [weight]):
         out_features, in_features = weight.shape
         out = cpu.grouped_product(
             flat, [weight.data], F32, out_features, 4 * in_features, *_all_rows(len(flat))
@@ -277,11 +277,11 @@ class MLP:
         return count <= self._max_rows and features == [self.gate.in_features] and cpu.takes((x,))
 
 
-def _f32_by_kernel(x: torch.Tensor, weight: QWeight) -> bool:
+def _f32_by_kernel(most_rows: int, device: torch.device, weights: Sequence[QWeight]) -> bool:
     """Whether an F32 product takes the C kernel: GGUF bytes on the CPU, at most F32_KERNEL_MAX_ROWS
-    rows (a mat-vec reads the weight at the memory's speed, on every thread; torch's is one thread
-    wide and slow at 2-16 rows; with more rows torch's GEMM computes faster)."""
-    return x.shape[0] <= F32_KERNEL_MAX_ROWS and x.device.type == "cpu" and _bytes_for_c(weight)
+    rows a matrix (a mat-vec reads the weight at the memory's speed, on every thread; torch's is one
+    thread wide and slow at 2-16 rows; with more rows torch's GEMM computes faster)."""
+    return most_rows <= F32_KERNEL_MAX_ROWS and device.type == "cpu" and all(map(_bytes_for_c, weights))
 
 
 def _bytes_for_c(weight: QWeight) -> bool:
@@ -328,6 +328,9 @@ def grouped_qmatmul(
     if any(w.ggml_type != first.ggml_type or w.shape != first.shape for w in weights):
         raise ValueError("grouped_qmatmul: the matrices differ in GGML type or shape")
     kernel = "reference" if backend == "reference" else kernel_for(first.ggml_type, x.device, first.shape[1])
+    if kernel == "torch":  # as qmatmul: few rows a matrix take the C mat-vec, alone or in company
+        most_rows = int(starts.diff().max()) if len(starts) > 1 else 0
+        kernel = "c" if _f32_by_kernel(most_rows, x.device, weights) else kernel
     q8_activations = match_ggml and kernel == "c" and first.ggml_type in cpu.Q8_TYPES
     if match_ggml and not q8_activations:
         x = round_like_ggml(x, first.ggml_type)
@@ -349,7 +352,7 @@ def grouped_qmatmul(
 
 
 def _per_matrix(x, weights, starts, rows, kernel: str) -> torch.Tensor:
-    """One matmul per matrix: torch's on F32 bytes, else the reference dequantize path."""
+    """One matmul per matrix: qmatmul's on F32 bytes, else the reference dequantize path."""
     from k3stream.quant.matmul import qlinear
 
     out = x.new_empty(int(rows.numel()), weights[0].shape[0])
@@ -358,8 +361,8 @@ def _per_matrix(x, weights, starts, rows, kernel: str) -> torch.Tensor:
         if bounds[b + 1] == bounds[b]:
             continue
         inputs = x[rows[bounds[b] : bounds[b + 1]].to(x.device)]
-        if kernel == "torch":
-            out[bounds[b] : bounds[b + 1]] = torch.nn.functional.linear(inputs, _f32_matrix(weight, x.device))
+        if kernel == "torch":  # qmatmul's F32 choice per matrix (C for a few rows, else torch's GEMM)
+            out[bounds[b] : bounds[b + 1]] = qmatmul(inputs, weight)
         else:
             out[bounds[b] : bounds[b + 1]] = qlinear(inputs, weight.data, weight.ggml_type, *weight.shape)
     return out
