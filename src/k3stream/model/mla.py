@@ -16,7 +16,7 @@ from k3stream.model.layers import (
     bind_rms_norm,
     rms_norm,
 )
-from k3stream.quant.kernels import F32, GroupedProduct, checked_weight, cpu
+from k3stream.quant.kernels import GroupedProduct, checked_weight, cpu
 from k3stream.quant.rounding import round_like_ggml
 
 QUERY_BLOCK = 512
@@ -29,8 +29,9 @@ C_ATTENTION_MAX_MACS = 1 << 22
 class HeadProjection:
     """x [N, H, in] -> [N, H, out] with a separate matrix per head (k_b, v_b: [H, out, in]).
 
-    Kept in its GGUF type, the heads' matrices go through the kernel seam in one grouped product
-    (F32 heads: one einsum over a view of the bytes); the reference path holds dense values.
+    Kept in its GGUF type, the heads' matrices go through the kernel seam in one grouped product (F32
+    heads too: a decode row's heads take the C mat-vec, so its bits do not depend on its batch); the
+    reference path holds dense values.
     """
 
     def __init__(
@@ -44,7 +45,7 @@ class HeadProjection:
         self.heads = heads
         self.rounding_type = tensor.input_rounding(options)
         self.per_head: GroupedProduct | None = None
-        if options.in_gguf_types and tensor.type_id != F32:
+        if options.in_gguf_types:
             data = tensor.value.reshape(heads, -1)
             shape = (out_features, in_features)
             per_head = [
@@ -270,6 +271,7 @@ class MLA:
 
     def _output(self, context: torch.Tensor, g_logits: torch.Tensor) -> torch.Tensor:
         values = self.w.v_b(context).flatten(1)
+        g_logits = g_logits.contiguous()  # several rows' are a strided slice of the projections
         if cpu.takes((values, g_logits)):  # as the decode program's gate (`_bind_output_gate`)
             return self.w.o_proj(cpu.sigmoid_gate(values, g_logits))
         return self.w.o_proj(values * torch.sigmoid(g_logits))
