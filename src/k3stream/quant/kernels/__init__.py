@@ -214,18 +214,19 @@ class GroupedProduct:
         ggml_type, (out_features, in_features) = first.ggml_type, first.shape
         self._direct = (
             backend == "auto"
-            and _c_kernel_takes(ggml_type, in_features, match_ggml)
+            and (ggml_type == F32 or _c_kernel_takes(ggml_type, in_features, match_ggml))
             and all(
                 _bytes_for_c(w) and (w.ggml_type, w.shape) == (ggml_type, first.shape) for w in self.weights
             )
         )
+        self._most_rows = F32_KERNEL_MAX_ROWS if ggml_type == F32 else ANY_ROWS  # as grouped_qmatmul
         self._datas = [w.data for w in self.weights]
         self._layout = (ggml_type, out_features, row_bytes(ggml_type, in_features))
         self._q8 = match_ggml and ggml_type in cpu.Q8_TYPES
         self.in_features = in_features
 
     def __call__(self, x: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        if self._takes(x):
+        if self._takes(x, starts):
             return cpu.grouped_product(x, self._datas, *self._layout, starts, rows, self._q8)
         return grouped_qmatmul(x, self.weights, starts, rows, self.backend, self.match_ggml)
 
@@ -233,12 +234,13 @@ class GroupedProduct:
         self, x: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, threads: int
     ) -> cpu.Call | None:
         """The product into `out` as a bound C call, or None where x would not go straight to C."""
-        if not self._takes(x):
+        if not self._takes(x, starts):
             return None
         return cpu.bind_grouped_product(x, self._datas, self._layout, starts, rows, out, threads, self._q8)
 
-    def _takes(self, x: torch.Tensor) -> bool:
-        return self._direct and x.ndim == 2 and x.shape[1] == self.in_features and cpu.takes((x,))
+    def _takes(self, x: torch.Tensor, starts: torch.Tensor) -> bool:
+        direct = self._direct and x.ndim == 2 and x.shape[1] == self.in_features and cpu.takes((x,))
+        return direct and (self._most_rows == ANY_ROWS or int(starts.diff().max()) <= self._most_rows)
 
 
 class MLP:
