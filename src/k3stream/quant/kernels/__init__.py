@@ -240,7 +240,7 @@ class GroupedProduct:
 
     def _takes(self, x: torch.Tensor, starts: torch.Tensor) -> bool:
         direct = self._direct and x.ndim == 2 and x.shape[1] == self.in_features and cpu.takes((x,))
-        return direct and (self._most_rows == ANY_ROWS or int(starts.diff().max()) <= self._most_rows)
+        return direct and (self._most_rows == ANY_ROWS or _most_rows(starts) <= self._most_rows)
 
 
 class MLP:
@@ -291,6 +291,11 @@ def _f32_by_kernel(most_rows: int, device: torch.device, weights: Sequence[QWeig
     return most_rows <= F32_KERNEL_MAX_ROWS and device.type == "cpu" and all(map(_bytes_for_c, weights))
 
 
+def _most_rows(starts: torch.Tensor) -> int:
+    """The most input rows any matrix of a grouped product takes."""
+    return int(starts.diff().max()) if len(starts) > 1 else 0
+
+
 def _bytes_for_c(weight: QWeight) -> bool:
     """Whether the C library may read this weight: it is built, and the weight is contiguous GGUF bytes
     on the CPU (F32 rows in whole runs of 32 values)."""
@@ -335,9 +340,8 @@ def grouped_qmatmul(
     if any(w.ggml_type != first.ggml_type or w.shape != first.shape for w in weights):
         raise ValueError("grouped_qmatmul: the matrices differ in GGML type or shape")
     kernel = "reference" if backend == "reference" else kernel_for(first.ggml_type, x.device, first.shape[1])
-    if kernel == "torch":  # as qmatmul: few rows a matrix take the C mat-vec, alone or in company
-        most_rows = int(starts.diff().max()) if len(starts) > 1 else 0
-        kernel = "c" if _f32_by_kernel(most_rows, x.device, weights) else kernel
+    if kernel == "torch" and _f32_by_kernel(_most_rows(starts), x.device, weights):
+        kernel = "c"  # as qmatmul: few rows a matrix take the C mat-vec, alone or in company
     q8_activations = match_ggml and kernel == "c" and first.ggml_type in cpu.Q8_TYPES
     if match_ggml and not q8_activations:
         x = round_like_ggml(x, first.ggml_type)
