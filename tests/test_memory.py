@@ -61,10 +61,10 @@ def held_bytes(root) -> int:
     """Bytes of every distinct tensor or array buffer reachable from `root` through the garbage collector's
     references (closures, default arguments and bound methods included, but not a function's module
     globals or a C function's module), leaving out expert sources (the routed experts)."""
+    skipped = (GGUFExpertSource, type, types.ModuleType, types.BuiltinFunctionType, types.CodeType)
     seen, buffers, pending = set(), {}, [root]
     while pending:
         obj = pending.pop()
-        skipped = (GGUFExpertSource, type, types.ModuleType, types.BuiltinFunctionType, types.CodeType)
         if id(obj) in seen or isinstance(obj, skipped):
             continue
         seen.add(id(obj))

@@ -131,12 +131,10 @@ def qmatmul(
         out = cpu.grouped_product(
             flat, [weight.data], F32, out_features, 4 * in_features, *_all_rows(len(flat))
         )
-    elif len(flat) <= F32_KERNEL_MAX_ROWS and flat.device.type == "cpu" and weight.data.dtype == torch.uint8:
-        # GGUF rows the C kernel does not take (widths off its runs of 32): a row at a time, so that a
-        # row's bits do not depend on its company (torch's product rounds as its row count has it)
+    elif weight.data.dtype == torch.uint8:  # GGUF rows the C kernel does not take (widths off its 32s)
         matrix = _f32_matrix(weight, x.device)
-        out = torch.cat([torch.nn.functional.linear(row, matrix) for row in flat.split(1)])
-    else:
+        out = _row_at_a_time(flat, lambda rows: torch.nn.functional.linear(rows, matrix))
+    else:  # float parameters (the trainer's): one product autograd follows
         return torch.nn.functional.linear(x.float(), _f32_matrix(weight, x.device))
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -362,10 +360,18 @@ def grouped_qmatmul(
     return _per_matrix(x, weights, starts, rows, kernel)
 
 
+def _row_at_a_time(x: torch.Tensor, product) -> torch.Tensor:
+    """product(x), a row at a time for at most F32_KERNEL_MAX_ROWS rows on the CPU: for products the C
+    kernels do not take, so that a row's bits do not depend on its company (torch's products round as
+    their row count has them)."""
+    if len(x) <= F32_KERNEL_MAX_ROWS and x.device.type == "cpu":
+        return torch.cat([product(row) for row in x.split(1)])
+    return product(x)
+
+
 def _per_matrix(x, weights, starts, rows, kernel: str) -> torch.Tensor:
-    """One matmul per matrix: qmatmul's on F32 bytes, else the reference dequantize path (a row at a
-    time for at most F32_KERNEL_MAX_ROWS rows on the CPU, as qmatmul's F32 rows where C does not take
-    them: a row's bits then do not depend on its company)."""
+    """One matmul per matrix: qmatmul's on F32 bytes, else the reference dequantize path (through
+    `_row_at_a_time`)."""
     from k3stream.quant.matmul import qlinear
 
     out = x.new_empty(int(rows.numel()), weights[0].shape[0])
@@ -376,11 +382,10 @@ def _per_matrix(x, weights, starts, rows, kernel: str) -> torch.Tensor:
         inputs = x[rows[bounds[b] : bounds[b + 1]].to(x.device)]
         if kernel == "torch":  # qmatmul's F32 choice per matrix (C for a few rows, else torch's GEMM)
             out[bounds[b] : bounds[b + 1]] = qmatmul(inputs, weight)
-            continue
-        few = len(inputs) <= F32_KERNEL_MAX_ROWS and inputs.device.type == "cpu"
-        parts = inputs.split(1) if few else [inputs]
-        products = [qlinear(part, weight.data, weight.ggml_type, *weight.shape) for part in parts]
-        out[bounds[b] : bounds[b + 1]] = torch.cat(products)
+        else:
+            out[bounds[b] : bounds[b + 1]] = _row_at_a_time(
+                inputs, lambda part, w=weight: qlinear(part, w.data, w.ggml_type, *w.shape)
+            )
     return out
 
 
