@@ -14,7 +14,7 @@ import time
 import torch
 
 from k3stream.cli import build_parser
-from k3stream.parallel.runtime import parallel_runtime, rank_report
+from k3stream.commands.launch import parallel_runtime, rank_report
 
 
 def main(argv: list[str]) -> int:

@@ -13,7 +13,7 @@ import pytest
 from gguf import GGUFReader
 
 from bench_helpers import MIB
-from k3stream.engine.cmd_demo import DEFAULT_PROMPT
+from k3stream.commands.demo import DEFAULT_PROMPT
 
 AUDITED_TYPES = {
     "ffn_up_exps.weight": "Q2_K",

@@ -17,7 +17,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from conftest import requires_llama
 from k3stream import cli
-from k3stream.gguf.cmd_dequantize import dequantize_gguf
+from k3stream.commands.dequantize import dequantize_gguf
 from k3stream.gguf.config import K3Config
 from k3stream.gguf.profile import check_recipe
 from k3stream.gguf.reader import K3Checkpoint

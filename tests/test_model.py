@@ -42,7 +42,7 @@ def prefill_then_decode(model, tokens: list[int]) -> np.ndarray:
 
 def f32_rewrite(path, out_dir):
     """llama.cpp's input for quantized/F16 checks: every tensor rewritten as F32 (`k3stream dequantize`)."""
-    from k3stream.gguf.cmd_dequantize import dequantize_gguf
+    from k3stream.commands.dequantize import dequantize_gguf
 
     return dequantize_gguf(path, out_dir / f"{path.stem}-f32.gguf", floats_to_f32=True)
 

@@ -170,7 +170,7 @@ def test_kld_of_a_model_against_its_own_base(model_path, capsys, tmp_path):
 def test_audited_recipe_against_f32(tiny_model, tmp_path, capsys):
     """The audited file quantizes the F32 recipe's values (same spec and seed): its KLD is the recipe's
     cost. Its F32 rewrite runs the same numbers as the audited file: KLD ~0."""
-    from k3stream.gguf.cmd_dequantize import dequantize_gguf
+    from k3stream.commands.dequantize import dequantize_gguf
 
     audited, f32 = tiny_model(recipe="audited", **AUDITED), tiny_model(recipe="f32", **AUDITED)
     rewrite = dequantize_gguf(audited, tmp_path / "rewrite.gguf", floats_to_f32=True)

@@ -14,12 +14,12 @@ import torch
 
 import k3stream
 from conftest import requires_llama
+from k3stream.commands.train import write_gguf
 from k3stream.engine.tokenizer import Tokenizer
 from k3stream.gguf.layout import is_routed_expert
 from k3stream.store.simulate import hit_rate_table
 from k3stream.store.traces import read_trace
 from k3stream.tiny import TinySpec
-from k3stream.train.cmd_train import write_gguf
 from k3stream.train.corpus import HELD_OUT_EVERY, read_texts, split_corpus
 from k3stream.train.trainer import (
     BIAS_SUFFIX,
@@ -156,25 +156,25 @@ def test_llama_cpp_runs_the_trained_gguf(trained, vocab, tmp_path, one_torch_thr
 def test_a_shape_the_audited_recipe_cannot_quantize_fails_before_training(tmp_path):
     import argparse
 
-    from k3stream.train import cmd_train
+    from k3stream.commands import train as train_command
 
     parser = argparse.ArgumentParser()
-    cmd_train.add_arguments(parser)
+    train_command.add_arguments(parser)
     args = parser.parse_args([str(tmp_path / "out"), "--latent", "64", "--recipes", "f32,audited"])
     with pytest.raises(ValueError, match=r"recipe audited: blk\.1\.ffn_gate_exps\.weight rows of 64 values"):
-        cmd_train.run(args)
+        train_command.run(args)
     assert not (tmp_path / "out").exists()
 
 
 def test_shape_flags_reach_the_spec():
     import argparse
 
-    from k3stream.train import cmd_train
+    from k3stream.commands import train as train_command
 
     parser = argparse.ArgumentParser()
-    cmd_train.add_arguments(parser)
+    train_command.add_arguments(parser)
     args = parser.parse_args(["out", "--experts", "8", "--hidden", "48", "--seed", "3"])
-    spec = cmd_train.spec_from_args(args)
+    spec = train_command.spec_from_args(args)
     assert (spec.n_experts, spec.hidden, spec.seed, spec.latent) == (8, 48, 3, 256)
     assert dataclasses.replace(spec, recipe="audited").recipe == "audited"
 
@@ -209,7 +209,7 @@ def test_committed_trace_is_the_shipped_models_routing_and_belady_bounds_every_p
 @requires_llama
 def test_greedy_held_out_continuation_equals_llama_cpp_for_64_tokens(corpus, tmp_path, one_torch_thread):
     """The shipped model's exact values in F32 (`dequantize --all-f32`): real, trained activations."""
-    from k3stream.gguf.cmd_dequantize import dequantize_gguf
+    from k3stream.commands.dequantize import dequantize_gguf
 
     record = json.loads((SHIPPED / "k3-stdlib.json").read_text())
     path = dequantize_gguf(SHIPPED / record["files"]["audited"], tmp_path / "shipped-f32.gguf", True)

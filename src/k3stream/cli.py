@@ -1,7 +1,7 @@
 """The `k3stream` command line.
 
-Each subcommand lives in the package that owns its job, as a module exposing
-`add_arguments(parser)` and `run(args) -> int`. Modules are imported only when their command runs
+Each subcommand is a module of `k3stream.commands` exposing `add_arguments(parser)` and
+`run(args) -> int`. Modules are imported only when their command runs
 (or its help is shown), so `k3stream --help` stays fast and never imports torch.
 """
 
@@ -13,18 +13,18 @@ import os
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("k3stream.engine.cmd_demo", "make, pack and run a tiny Kimi-K3 with streamed experts"),
-    "make-tiny": ("k3stream.tiny", "write a random tiny Kimi-K3 GGUF"),
-    "train-tiny": ("k3stream.train.cmd_train", "train a small Kimi-K3 on the Python standard library"),
-    "inspect": ("k3stream.gguf.cmd_inspect", "describe a Kimi-K3 GGUF: config, layers, bytes, recipe"),
-    "dequantize": ("k3stream.gguf.cmd_dequantize", "rewrite a GGUF with every tensor dequantized to F32"),
-    "pack": ("k3stream.pack.cmd_pack", "build the expert pack and its manifest from a GGUF"),
-    "verify": ("k3stream.pack.cmd_verify", "check an expert pack against its manifest"),
-    "generate": ("k3stream.engine.cmd_generate", "generate text from a prompt"),
-    "chat": ("k3stream.engine.cmd_chat", "interactive chat"),
-    "perplexity": ("k3stream.engine.cmd_perplexity", "perplexity and KL divergence, as llama-perplexity"),
-    "bench": ("k3stream.engine.cmd_bench", "measure prefill/decode speed and the expert store"),
-    "serve": ("k3stream.server.cmd_serve", "OpenAI-compatible HTTP server"),
+    "demo": ("k3stream.commands.demo", "make, pack and run a tiny Kimi-K3 with streamed experts"),
+    "make-tiny": ("k3stream.commands.make_tiny", "write a random tiny Kimi-K3 GGUF"),
+    "train-tiny": ("k3stream.commands.train", "train a small Kimi-K3 on the Python standard library"),
+    "inspect": ("k3stream.commands.inspect", "describe a Kimi-K3 GGUF: config, layers, bytes, recipe"),
+    "dequantize": ("k3stream.commands.dequantize", "rewrite a GGUF with every tensor dequantized to F32"),
+    "pack": ("k3stream.commands.pack", "build the expert pack and its manifest from a GGUF"),
+    "verify": ("k3stream.commands.verify", "check an expert pack against its manifest"),
+    "generate": ("k3stream.commands.generate", "generate text from a prompt"),
+    "chat": ("k3stream.commands.chat", "interactive chat"),
+    "perplexity": ("k3stream.commands.perplexity", "perplexity and KL divergence, as llama-perplexity"),
+    "bench": ("k3stream.commands.bench", "measure prefill/decode speed and the expert store"),
+    "serve": ("k3stream.commands.serve", "OpenAI-compatible HTTP server"),
 }
 
 

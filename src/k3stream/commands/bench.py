@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from k3stream.engine.cmd_generate import format_mib
+from k3stream.commands.generate import format_mib
 from k3stream.engine.loading import add_model_arguments, resolve_model, runtime_from_args
 
 MIB = 1 << 20

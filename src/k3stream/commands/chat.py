@@ -7,8 +7,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from k3stream.commands.generate import report, statistics_lines, store_snapshot
 from k3stream.engine.chat import ChatTemplate, chat_stop_token_ids
-from k3stream.engine.cmd_generate import report, statistics_lines, store_snapshot
 from k3stream.engine.loading import (
     Runtime,
     add_model_arguments,

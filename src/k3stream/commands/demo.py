@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from k3stream.engine.cmd_generate import format_mib
+from k3stream.commands.generate import format_mib
 from k3stream.engine.loading import add_sampling_arguments, add_store_arguments
 
 MIB = 1 << 20
@@ -169,7 +169,7 @@ def _write(text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from k3stream.engine.cmd_generate import chat_stop_token_ids, prompt_ids, statistics_lines, store_snapshot
+    from k3stream.commands.generate import chat_stop_token_ids, prompt_ids, statistics_lines, store_snapshot
     from k3stream.engine.generate import generate
     from k3stream.engine.loading import StoreOptions, load_runtime, sampling_params
     from k3stream.pack.reader import ExpertPack

@@ -55,7 +55,8 @@ NOT_SHAPE = ("recipe", "shards", "seed", "vocab")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from k3stream.tiny import FLAG_ALIASES, TinySpec, field_parser
+    from k3stream.commands.make_tiny import FLAG_ALIASES, field_parser
+    from k3stream.tiny import TinySpec
     from k3stream.train.trainer import TrainOptions
 
     parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="where the GGUFs and train.json go")

@@ -87,8 +87,8 @@ def report(lines: list[str]) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from k3stream.commands.launch import parallel_runtime, report_ranks
     from k3stream.engine.generate import generate
-    from k3stream.parallel.runtime import parallel_runtime, report_ranks
 
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = sampling_params(args)  # bad flags fail before the model loads

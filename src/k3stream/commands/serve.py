@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from k3stream.parallel.runtime import parallel_runtime
+    from k3stream.commands.launch import parallel_runtime
     from k3stream.server.app import ServerConfig, create_app
     from k3stream.server.guard import uvicorn_options
     from k3stream.server.runtime import served_from_runtime
