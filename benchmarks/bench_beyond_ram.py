@@ -147,7 +147,7 @@ from k3stream.cli import calm_openmp
 calm_openmp()  # as the k3stream command does, before torch loads the OpenMP runtime
 import torch
 from k3stream.engine import bench
-from k3stream.engine.loading import add_model_arguments, runtime_from_args
+from k3stream.commands.flags import add_model_arguments, runtime_from_args
 parser = argparse.ArgumentParser()
 add_model_arguments(parser)
 args = parser.parse_args(job["argv"])

@@ -399,7 +399,7 @@ def test_store_flags_reach_the_store_and_quiet_chat_counts_tokens(packed):
 
     from k3stream.cli import build_parser
     from k3stream.commands.chat import ChatSession
-    from k3stream.engine.loading import runtime_from_args, sampling_params
+    from k3stream.commands.flags import runtime_from_args, sampling_params
 
     _gguf, manifest = packed
 

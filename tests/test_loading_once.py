@@ -10,7 +10,8 @@ import gguf
 import pytest
 
 from k3stream.cli import build_parser
-from k3stream.engine.loading import load_runtime, runtime_from_args
+from k3stream.commands.flags import runtime_from_args
+from k3stream.engine.loading import load_runtime
 from k3stream.pack.builder import build_pack
 
 

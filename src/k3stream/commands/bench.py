@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from k3stream.commands.generate import format_mib
-from k3stream.engine.loading import add_model_arguments, resolve_model, runtime_from_args
+from k3stream.commands.flags import add_model_arguments, runtime_from_args
+from k3stream.commands.report import format_mib
+from k3stream.engine.loading import resolve_model
 
 MIB = 1 << 20
 

@@ -7,15 +7,15 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from k3stream.commands.generate import report, statistics_lines, store_snapshot
-from k3stream.engine.chat import ChatTemplate, chat_stop_token_ids
-from k3stream.engine.loading import (
-    Runtime,
+from k3stream.commands.flags import (
     add_model_arguments,
     add_sampling_arguments,
     runtime_from_args,
     sampling_params,
 )
+from k3stream.commands.report import report, statistics_lines, store_snapshot
+from k3stream.engine.chat import ChatTemplate, chat_stop_token_ids
+from k3stream.engine.loading import Runtime
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

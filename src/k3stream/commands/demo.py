@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from k3stream.commands.generate import format_mib
-from k3stream.engine.loading import add_sampling_arguments, add_store_arguments
+from k3stream.commands.flags import add_sampling_arguments, add_store_arguments
+from k3stream.commands.report import format_mib
 
 MIB = 1 << 20
 DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
@@ -169,9 +169,11 @@ def _write(text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from k3stream.commands.generate import chat_stop_token_ids, prompt_ids, statistics_lines, store_snapshot
+    from k3stream.commands.flags import prompt_ids, sampling_params, store_options
+    from k3stream.commands.report import statistics_lines, store_snapshot
+    from k3stream.engine.chat import chat_stop_token_ids
     from k3stream.engine.generate import generate
-    from k3stream.engine.loading import StoreOptions, load_runtime, sampling_params
+    from k3stream.engine.loading import load_runtime
     from k3stream.pack.reader import ExpertPack
 
     params = sampling_params(args)  # bad flags fail before anything is made
@@ -185,9 +187,7 @@ def run(args: argparse.Namespace) -> int:
     kind = "trained on the Python standard library" if demo.trained else "random weights"
     print(f"model   {demo.gguf} ({kind}) {_took(demo.made_s, 'copied' if demo.trained else 'made')}")
     print(f"pack    {demo.pack}: {format_mib(expert_bytes)} of experts {_took(demo.packed_s, 'packed')}")
-    runtime = load_runtime(
-        demo.manifest, device="cpu", ram_mib=ram_mib, store_options=StoreOptions.from_args(args)
-    )
+    runtime = load_runtime(demo.manifest, device="cpu", ram_mib=ram_mib, store_options=store_options(args))
     try:
         print(f"budget  expert RAM {ram_mib:g} MiB, {ram_mib * MIB / expert_bytes:.0%} of the pack's experts")
         tokenizer = runtime.tokenizer

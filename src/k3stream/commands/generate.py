@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
-from k3stream.engine.chat import ChatTemplate, chat_stop_token_ids
-from k3stream.engine.loading import add_model_arguments, add_sampling_arguments, sampling_params
-from k3stream.parallel.options import add_parallel_arguments
-
-MIB = 1 << 20
+from k3stream.commands.flags import (
+    add_model_arguments,
+    add_parallel_arguments,
+    add_sampling_arguments,
+    prompt_ids,
+    sampling_params,
+)
+from k3stream.commands.report import report, statistics_lines, store_snapshot
+from k3stream.engine.chat import chat_stop_token_ids
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,63 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sampling_arguments(parser, max_tokens=128)
 
 
-def prompt_ids(tokenizer: Any, args: argparse.Namespace, text: str) -> list[int]:
-    if not args.chat:
-        return tokenizer.encode(text)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    messages.append({"role": "user", "content": text})
-    rendered = ChatTemplate.for_tokenizer(tokenizer).render(messages, thinking=args.thinking)
-    return tokenizer.encode(rendered, allow_special=True)
-
-
 def _write(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
-
-
-def store_snapshot(store: Any) -> dict[str, Any] | None:
-    """The store's counters before a generation (None without a store), for `statistics_lines`."""
-    from k3stream.engine.bench import store_counters
-
-    return store_counters(store) if store is not None else None
-
-
-def statistics_lines(result: Any, store: Any, start: dict[str, Any] | None, tokens: int) -> list[str]:
-    """Speed, cache hits per tier and pack reads of one generation of `tokens` forwarded tokens."""
-    t = result.timings
-    lines = [
-        f"speed   prefill {result.prompt_tokens} tokens at {t['prefill_tokens_per_s']:.1f} tok/s, "
-        f"decode {result.completion_tokens} tokens at {t['decode_tokens_per_s']:.1f} tok/s "
-        f"(finish: {result.finish_reason})"
-    ]
-    if store is None or start is None:
-        return lines
-    from k3stream.engine.bench import store_counters, store_delta
-
-    delta = store_delta(start, store_counters(store), tokens)
-    resident = store.resident_bytes()
-    budgets = {name: tier["budget_bytes"] for name, tier in store.stats()["tiers"].items()}
-    for name, tier in delta["tiers"].items():
-        lines.append(
-            f"cache   {name}: {tier['hits']} hits, {tier['misses']} misses, hit rate {tier['hit_rate']:.1%}; "
-            f"holds {format_mib(resident[name])} of its {format_mib(budgets[name])} budget"
-        )
-    prefetch = delta["prefetch"]
-    lines.append(
-        f"reads   {delta['pack_reads']} experts read from the pack ({prefetch['loads']} read ahead, "
-        f"{prefetch['hits'] + prefetch['waits']} of them used), {format_mib(delta['pack_read_bytes'])}: "
-        f"{delta['bytes_per_token'] / 1024:.1f} KiB per token, {delta['read_gb_per_s']:.2f} GB/s"
-    )
-    return lines
-
-
-def format_mib(nbytes: float) -> str:
-    return f"{nbytes / MIB:.1f} MiB"
-
-
-def report(lines: list[str]) -> None:
-    """Statistics on stderr, so that stdout holds only the generated text."""
-    print("\n".join(lines), file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from k3stream.engine.loading import Runtime, runtime_from_args
+from k3stream.commands.flags import runtime_from_args
+from k3stream.engine.loading import Runtime
 from k3stream.parallel import groups
 from k3stream.parallel.experts import ExpertExchange, apply_expert_parallel
 from k3stream.parallel.runner import DriverModel, follow

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from k3stream.engine.loading import Runtime, add_model_arguments, open_model, runtime_from_args
+from k3stream.commands.flags import add_model_arguments, runtime_from_args
+from k3stream.engine.loading import Runtime, open_model
 
 DEFAULT_CTX = 512
 

@@ -10,8 +10,7 @@ from k3stream.server.guard import API_KEY_ENV, GuardConfig, allowed_hosts_for, a
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from k3stream.engine.loading import add_model_arguments
-    from k3stream.parallel.options import add_parallel_arguments
+    from k3stream.commands.flags import add_model_arguments, add_parallel_arguments
 
     add_model_arguments(parser)
     add_parallel_arguments(parser)
