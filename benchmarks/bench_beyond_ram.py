@@ -30,9 +30,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from k3stream.engine.cgroups import ChildCgroup, drop_page_cache
 from k3stream.memlimit import MIB, format_size, parse_size
-from k3stream.tiny import TinySpec
+from k3stream.testing.cgroups import ChildCgroup, drop_page_cache
+from k3stream.testing.tiny import TinySpec
 
 # the issue's model: hidden 1024, 512 experts top-8, expert_ff = latent = 1024 (one object 1.14 MB)
 SHAPE = dict(
@@ -61,8 +61,9 @@ def model_spec(limit: int, ratio: float, layers: int | None = None) -> TinySpec:
 
 def ensure_model(spec: TinySpec, cache_dir: Path) -> tuple[Path, Path]:
     """`(gguf, manifest)` for `spec` in `cache_dir`, written and packed unless already there."""
+    from k3stream.gguf.writer import shard_paths
     from k3stream.pack.builder import BuildOptions, build_pack
-    from k3stream.tiny import make_tiny, shard_paths
+    from k3stream.testing.tiny import make_tiny
 
     key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
     directory = cache_dir / f"L{spec.n_layers}-E{spec.n_experts}-{key}"

@@ -4,7 +4,7 @@
         [--prompt 128] [--decode 32] [--repeat 3] [--prefills 3]
         [--kernels auto|reference] [--match-ggml]
 
-Writes the model with `k3stream.tiny` (`mid`: hidden 1024, 8 layers, 64 experts top-8 of 256 x 256;
+Writes the model with `k3stream.testing.tiny` (`mid`: hidden 1024, 8 layers, 64 experts top-8 of 256 x 256;
 `wide`: hidden 768, 128 experts top-8 of 512 x 512; `big`: hidden 1024, 128 experts top-8 of 1024 x
 1024, where the routed experts are most of a token's work, as in Kimi-K3), runs the two engines in turn
 `--repeat` times on the same tokens with the same thread count (a shared machine's speed drifts by
@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--match-ggml", action="store_true", help="k3stream quantizes activations as ggml")
     args = parser.parse_args()
 
-    from k3stream.tiny import TinySpec, make_tiny
+    from k3stream.testing.tiny import TinySpec, make_tiny
 
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny(tmp, TinySpec(**SHAPES[args.shape], recipe=args.recipe, seed=args.seed))

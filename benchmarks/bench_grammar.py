@@ -22,7 +22,8 @@ from collections.abc import Callable
 import torch
 
 from k3stream.engine.tokenizer import Tokenizer
-from k3stream.tinyvocab import padded, tiny_vocab
+from k3stream.gguf.vocab import padded
+from k3stream.testing.tinyvocab import tiny_vocab
 from k3stream.train.vocab import vocab_tokenizer
 
 SCHEMA = {

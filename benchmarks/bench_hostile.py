@@ -105,7 +105,7 @@ def generate_args(model: Path) -> list[str]:
 
 
 def gguf_section(work: Path) -> list[dict]:
-    from k3stream.hostile import GGUF_CASES, GGUF_HEAVY_CASES
+    from k3stream.testing.hostile import GGUF_CASES, GGUF_HEAVY_CASES
 
     rows = []
     for name, make in {**GGUF_CASES, **GGUF_HEAVY_CASES}.items():
@@ -117,7 +117,7 @@ def gguf_section(work: Path) -> list[dict]:
 
 
 def manifest_section(manifest: Path, work: Path) -> list[dict]:
-    from k3stream.hostile import manifest_cases, write_manifest_case
+    from k3stream.testing.hostile import manifest_cases, write_manifest_case
 
     rows = []
     for name, edit in manifest_cases(manifest).items():
@@ -344,7 +344,7 @@ def request_section(model: Path) -> list[dict]:
 
 def _model(folder: Path, seed: int) -> Path:
     from k3stream.pack.builder import BuildOptions, build_pack
-    from k3stream.tiny import TinySpec, make_tiny
+    from k3stream.testing.tiny import TinySpec, make_tiny
 
     folder.mkdir(parents=True)
     made = make_tiny(folder, TinySpec(seed=seed))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.pack.builder import BuildOptions, build_pack
-from k3stream.tiny import TinySpec, make_tiny
+from k3stream.testing.tiny import TinySpec, make_tiny
 
 # 3 MoE layers x 64 experts x 3 roles x 2 MiB (F16 1024 x 1024) = 1.125 GiB of routed experts
 SPEC = TinySpec(n_layers=4, n_experts=64, top_k=8, expert_ff=1024, latent=1024, recipe="f16", shards=2)

@@ -31,7 +31,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from k3stream.server.live import ServerProcess
-from k3stream.tiny import TinySpec, make_tiny
+from k3stream.testing.tiny import TinySpec, make_tiny
 
 SPEC = TinySpec(n_layers=6, hidden=128, n_experts=64, top_k=4, expert_ff=64, context_length=512, seed=11)
 PROMPTS = [

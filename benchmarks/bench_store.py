@@ -65,7 +65,7 @@ def synthetic_section(tokens: int) -> list[dict]:
 
 def build_tiny(work: Path) -> tuple[Path, Path]:
     from k3stream.pack.builder import build_pack
-    from k3stream.tiny import TinySpec, make_tiny
+    from k3stream.testing.tiny import TinySpec, make_tiny
 
     gguf_path = make_tiny(work / "model", TinySpec(**TINY_SPEC))
     result = build_pack(gguf_path, work / "tiny.pack", work / "tiny.manifest.json")

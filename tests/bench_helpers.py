@@ -14,7 +14,7 @@ MIB = 1 << 20
 def packed_tiny(directory: Path, **spec_fields: Any) -> tuple[Path, Path]:
     """A tiny Kimi-K3 GGUF in `directory` with its expert pack beside it: `(gguf, manifest)`."""
     from k3stream.pack.builder import BuildOptions, build_pack
-    from k3stream.tiny import TinySpec, make_tiny
+    from k3stream.testing.tiny import TinySpec, make_tiny
 
     gguf_path = make_tiny(directory, TinySpec(**spec_fields))
     result = build_pack(gguf_path, options=BuildOptions(progress=False, margin_bytes=0))

@@ -18,7 +18,7 @@ requires_llama = pytest.mark.skipif(
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """`tiny_model(**spec_fields) -> Path` of the first shard; one file per distinct spec."""
-    from k3stream.tiny import TinySpec, make_tiny
+    from k3stream.testing.tiny import TinySpec, make_tiny
 
     made: dict[tuple, Path] = {}
 

@@ -20,7 +20,15 @@ from k3stream.gguf.shards import SHARD_NAME
 
 TEST_CACHE = Path(os.environ.get("K3STREAM_TEST_CACHE", "~/.cache/k3stream-test")).expanduser()
 # what decides a tiny model's bytes besides its spec
-GENERATOR_SOURCES = ("tiny.py", "tinyvocab.py", "gguf/layout.py", "gguf/config.py", "quant/encode.py")
+GENERATOR_SOURCES = (
+    "testing/tiny.py",
+    "testing/tinyvocab.py",
+    "gguf/writer.py",
+    "gguf/vocab.py",
+    "gguf/layout.py",
+    "gguf/config.py",
+    "quant/encode.py",
+)
 
 
 def model_files(first_shard: Path) -> list[Path]:
@@ -113,7 +121,8 @@ def _generator_digest() -> str:
 def cached_tiny(**fields) -> Path:
     """First shard of `make_tiny(TinySpec(**fields))`, generated once per spec and generator version
     into TEST_CACHE: written to a scratch directory there, then renamed whole."""
-    from k3stream.tiny import TinySpec, make_tiny, shard_paths
+    from k3stream.gguf.writer import TinySpec, shard_paths
+    from k3stream.testing.tiny import make_tiny
 
     spec = TinySpec(**fields)
     key = hashlib.sha256(f"{spec!r}\n{_generator_digest()}".encode()).hexdigest()[:16]

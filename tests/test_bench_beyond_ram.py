@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from k3stream.engine.cgroups import ChildCgroup, read_process_io
 from k3stream.memlimit import MIB
+from k3stream.testing.cgroups import ChildCgroup, read_process_io
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_beyond_ram.py"
 

@@ -450,7 +450,7 @@ def test_bad_store_flags_are_one_line_errors(packed):
 def test_kimi_k3_chat_stops_at_the_response_close():
     from k3stream.engine.chat import chat_stop_token_ids
     from k3stream.engine.tokenizer import VocabFields
-    from k3stream.tinyvocab import tiny_vocab
+    from k3stream.testing.tinyvocab import tiny_vocab
 
     vocab = tiny_vocab()
     fields = VocabFields(

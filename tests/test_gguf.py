@@ -22,7 +22,7 @@ from k3stream.gguf.config import K3Config
 from k3stream.gguf.profile import check_recipe
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.gguf.shards import discover_shards
-from k3stream.tiny import TinySpec, hparams
+from k3stream.gguf.writer import TinySpec, hparams
 from llama_oracle import llama_runs
 from pack_helpers import file_size_limit, open_file_paths
 

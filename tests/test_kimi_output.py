@@ -8,8 +8,9 @@ import pytest
 from k3stream.engine.generate import Sequence
 from k3stream.engine.sampling import SamplingParams
 from k3stream.engine.tokenizer import Tokenizer, VocabFields
+from k3stream.gguf.vocab import padded
 from k3stream.server.kimi_output import KimiFormat, OutputParser, Piece, ToolCall
-from k3stream.tinyvocab import padded, tiny_vocab
+from k3stream.testing.tinyvocab import tiny_vocab
 
 TOOLS = ("get_weather", "get_time")
 SECTION = (

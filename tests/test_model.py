@@ -1,4 +1,4 @@
-"""The Kimi-K3 forward held against llama.cpp (F32 KV cache) on tiny GGUFs from `k3stream.tiny`.
+"""The Kimi-K3 forward held against llama.cpp (F32 KV cache) on tiny GGUFs from `k3stream.testing.tiny`.
 
 Seeds and shape options are drawn by hypothesis, so nothing here is tuned to one model.
 """

@@ -259,16 +259,17 @@ def test_seed_store_takes_the_path_of_a_default_build(seed, tiny_model, tmp_path
 
 def _two_dimensional_score(monkeypatch, tmp_path: Path) -> Path:
     """A tiny GGUF (hidden 256) whose `blk.0.attn_res_score.weight` is (2, 128) instead of (256,)."""
-    from k3stream import tiny
+    from k3stream.gguf import writer
+    from k3stream.testing.tiny import make_tiny
 
-    plan, name = tiny.tensor_plan, "blk.0.attn_res_score.weight"
+    plan, name = writer.tensor_plan, "blk.0.attn_res_score.weight"
 
     def planned(spec, vocab_size):
         tensors = plan(spec, vocab_size)
         return [dataclasses.replace(t, shape=(2, t.shape[0] // 2)) if t.name == name else t for t in tensors]
 
-    monkeypatch.setattr(tiny, "tensor_plan", planned)
-    return tiny.make_tiny(tmp_path, tiny.TinySpec(hidden=256))
+    monkeypatch.setattr(writer, "tensor_plan", planned)
+    return make_tiny(tmp_path, writer.TinySpec(hidden=256))
 
 
 def test_non_vector_residual_score_raises_the_seed_message(seed, tmp_path, monkeypatch):

@@ -8,8 +8,9 @@ from gguf import GGUFReader
 
 from conftest import requires_llama
 from k3stream import cli
-from k3stream.tiny import TinySpec, make_tiny
-from k3stream.tinyvocab import SPECIAL_TOKENS, tiny_vocab
+from k3stream.gguf.vocab import SPECIAL_TOKENS
+from k3stream.testing.tiny import TinySpec, make_tiny
+from k3stream.testing.tinyvocab import tiny_vocab
 from llama_oracle import llama_runs
 
 # shapes that fit the audited recipe's block sizes (K-quants: rows of 256, Q4_0: rows of 32)

@@ -8,9 +8,9 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from conftest import requires_llama
-from k3stream import tiny
-from k3stream.tiny import TinySpec, make_tiny
-from k3stream.tinyblocks import Q2_K, Q3_K, random_block_slabs
+from k3stream.testing import tiny
+from k3stream.testing.tiny import TinySpec, make_tiny
+from k3stream.testing.tinyblocks import Q2_K, Q3_K, random_block_slabs
 from llama_oracle import llama_runs
 
 AUDITED = dict(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32)

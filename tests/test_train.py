@@ -17,9 +17,9 @@ from conftest import requires_llama
 from k3stream.commands.train import write_gguf
 from k3stream.engine.tokenizer import Tokenizer
 from k3stream.gguf.layout import is_routed_expert
+from k3stream.gguf.writer import TinySpec
 from k3stream.store.simulate import hit_rate_table
 from k3stream.store.traces import read_trace
-from k3stream.tiny import TinySpec
 from k3stream.train.corpus import HELD_OUT_EVERY, read_texts, split_corpus
 from k3stream.train.trainer import (
     BIAS_SUFFIX,

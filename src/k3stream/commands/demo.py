@@ -91,7 +91,7 @@ class DemoModel:
 
 
 def demo_spec() -> Any:
-    from k3stream.tiny import TinySpec
+    from k3stream.gguf.writer import TinySpec
 
     return TinySpec(**DEMO_SPEC_FIELDS)
 
@@ -123,8 +123,9 @@ def _locked(folder: Path) -> Iterator[None]:
 def prepare_demo_model(cache_dir: Path, trained: bool = True) -> DemoModel:
     """The demo GGUF (the shipped one copied, or a random one made) and its pack in `cache_dir`, made and
     packed only when missing."""
+    from k3stream.gguf.writer import shard_paths
     from k3stream.pack.builder import BuildOptions, build_pack, default_outputs
-    from k3stream.tiny import make_tiny, shard_paths
+    from k3stream.testing.tiny import make_tiny
 
     folder = model_folder(cache_dir, trained)
     with _locked(folder):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from k3stream.tiny import RECIPES, TinySpec, make_tiny
+from k3stream.gguf.writer import RECIPES, TinySpec
+from k3stream.testing.tiny import make_tiny
 
 FLAG_ALIASES = {
     "n_layers": "--layers",

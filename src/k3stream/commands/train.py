@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-    from k3stream.tiny import TinySpec
-    from k3stream.tinyvocab import Vocab
+    from k3stream.gguf.vocab import Vocab
+    from k3stream.gguf.writer import TinySpec
 
 MIB = 1 << 20
 STEM = "k3-stdlib"
@@ -56,7 +56,7 @@ NOT_SHAPE = ("recipe", "shards", "seed", "vocab")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from k3stream.commands.make_tiny import FLAG_ALIASES, field_parser
-    from k3stream.tiny import TinySpec
+    from k3stream.gguf.writer import TinySpec
     from k3stream.train.trainer import TrainOptions
 
     parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="where the GGUFs and train.json go")
@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from k3stream.tiny import RECIPES, check_spec
+    from k3stream.gguf.writer import RECIPES, check_spec
 
     recipes = [r for r in args.recipes.split(",") if r]
     bad = [r for r in recipes if r not in RECIPES]
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
 def spec_from_args(args: argparse.Namespace) -> TinySpec:
     """The `TinySpec` the shape flags and `--seed` describe."""
-    from k3stream.tiny import TinySpec
+    from k3stream.gguf.writer import TinySpec
 
     shape = {f.name: getattr(args, f.name) for f in dataclasses.fields(TinySpec) if f.name not in NOT_SHAPE}
     return TinySpec(**shape, seed=args.seed)
@@ -213,11 +213,11 @@ def _reporter(every: int):
 def write_gguf(
     out_dir: Path, spec: TinySpec, recipe: str, vocab: Vocab, weights: dict[str, np.ndarray]
 ) -> Path:
-    """`out_dir/k3-stdlib-RECIPE.gguf` through the tiny-model writer (in a temp folder, then moved)."""
-    from k3stream.tiny import make_tiny
+    """`out_dir/k3-stdlib-RECIPE.gguf` through the GGUF writer (in a temp folder, then moved)."""
+    from k3stream.gguf.writer import write_model
 
     target = out_dir / f"{STEM}-{recipe}.gguf"
     with tempfile.TemporaryDirectory(dir=out_dir) as temp:
-        written = make_tiny(temp, dataclasses.replace(spec, recipe=recipe), vocab, weights)
+        written = write_model(temp, dataclasses.replace(spec, recipe=recipe), vocab, weights)
         os.replace(written, target)
     return target

@@ -20,12 +20,12 @@ import torch
 
 from k3stream.experts import ROLES, ExpertSource, ExpertWeights
 from k3stream.gguf.layout import FLOAT_TYPE_IDS, is_routed_expert, routed_expert_name
+from k3stream.gguf.writer import TinySpec, initial_values, tensor_plan, tiny_config
 from k3stream.model.k3 import K3Model, build
 from k3stream.model.kda import KDA
 from k3stream.model.layers import GGUFTensor, LoadOptions
 from k3stream.model.moe import LatentMoE, Routing
 from k3stream.quant.kernels import QWeight
-from k3stream.tiny import TinySpec, initial_values, tensor_plan, tiny_config
 
 F32 = FLOAT_TYPE_IDS[0]
 A_LOG_SUFFIX = ".ssm_a"  # stored as -exp(A_log); trained as A_log

@@ -2,7 +2,7 @@
 
 `tokenizers` learns merges over words cut by the `kimi-k2` pre-tokenizer regex; the merge results in
 learned order become tokens 256.. after the 256 bytes (rank = id, as Kimi's tiktoken vocabulary), then
-the special tokens (`tinyvocab.vocab_from_learned`). The GGUF's merge list is derived from the ranks,
+the special tokens (`gguf.vocab.vocab_from_learned`). The GGUF's merge list is derived from the ranks,
 so llama.cpp and `engine.tokenizer.Tokenizer` tokenize alike.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from k3stream.engine.tokenizer import KIMI_K2_PATTERN, Tokenizer, VocabFields, token_text_to_bytes
-from k3stream.tinyvocab import SPECIAL_TOKENS, Vocab, vocab_from_learned
+from k3stream.gguf.vocab import SPECIAL_TOKENS, Vocab, vocab_from_learned
 
 
 def learn_vocab(texts: list[str], size: int) -> Vocab:

@@ -3,8 +3,8 @@
 Quantizing random floats costs minutes per GB; a routed-expert tensor of a benchmark model only needs
 blocks that decode to finite, moderate values. Each block here has random code bytes and a fixed fp16
 super-scale chosen so the decoded values have a standard deviation of about 1/sqrt(row length), like
-the float initialisation in `k3stream.tiny`. One generator per tensor (seeded by the caller) and a fixed
-slab size make the bytes a function of the seed and shape alone.
+the float initialisation in `k3stream.gguf.writer`. One generator per tensor (seeded by the caller) and
+a fixed slab size make the bytes a function of the seed and shape alone.
 
 Block layouts (as in ggml and `gguf.quants`):
 - Q2_K, 84 bytes: scales[16] (low nibble scale, high nibble min), qs[64] (2-bit codes), d, dmin (fp16);

@@ -1,22 +1,24 @@
-"""Tiny random Kimi-K3 GGUFs: real files (metadata, tokenizer, tensors) that llama.cpp loads and runs.
+"""Kimi-K3 GGUFs written from a `TinySpec`: real files (metadata, tokenizer, tensors) that llama.cpp
+loads and runs.
 
-`make_tiny(out_dir, TinySpec(...))` writes one file or a split set `NAME-0000K-of-0000N.gguf`. The
-weights are random (seeded per tensor, so the same spec gives the same bytes and the recipes share
-their values) with scales that keep activations O(1) through the depth. Large routed-expert tensors
-(Q2_K/Q3_K, at least `FAST_EXPERT_VALUES` values) are random valid blocks instead (`k3stream.tinyblocks`),
-so multi-GB benchmark models are written at close to disk speed; tensors stream to disk one at a time.
+`write_model(out_dir, spec, vocab, weights)` writes one file or a split set `NAME-0000K-of-0000N.gguf`
+in the spec's recipe, tensors streamed to disk one at a time. Without `weights` the values are
+`initial_values` (seeded per tensor, so the same spec gives the same bytes and the recipes share their
+values) with scales that keep activations O(1) through the depth; the trainer starts from them.
 """
 
 from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from k3stream.gguf.vocab import CHAT_TEMPLATE, Vocab
 
 ARCH = "kimi-k3"
 NAME = "tiny-kimi-k3"
@@ -147,9 +149,7 @@ def _add_value(writer, key: str, value: object) -> None:
         writer.add_array(key, list(value))
 
 
-def _add_tokenizer(writer, vocab) -> None:
-    from k3stream.tinyvocab import CHAT_TEMPLATE
-
+def _add_tokenizer(writer, vocab: Vocab) -> None:
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_string("tokenizer.ggml.pre", "kimi-k2")
     writer.add_array("tokenizer.ggml.tokens", list(vocab.tokens))
@@ -162,7 +162,7 @@ def _add_tokenizer(writer, vocab) -> None:
     writer.add_string("tokenizer.chat_template", CHAT_TEMPLATE)
 
 
-def _add_metadata(writer, spec: TinySpec, vocab) -> None:
+def _add_metadata(writer, spec: TinySpec, vocab: Vocab) -> None:
     writer.add_string("general.name", NAME)
     writer.add_uint32("general.file_type", FILE_TYPES[spec.recipe])
     writer.add_uint32("general.quantization_version", 2)
@@ -235,6 +235,8 @@ def initial_values(tensor: _Tensor, spec: TinySpec) -> np.ndarray:
 
 
 ValuesOf = Callable[[_Tensor, TinySpec], np.ndarray]
+# a tensor's bytes in slabs, written instead of its encoded values; None: encode the values
+SlabsOf = Callable[[_Tensor, TinySpec, int], Iterable[np.ndarray] | None]
 
 
 def _given(weights: dict[str, np.ndarray]) -> ValuesOf:
@@ -301,9 +303,10 @@ def _write_shard(
     path: Path,
     tensors: list[_Tensor],
     spec: TinySpec,
-    vocab,
+    vocab: Vocab,
     split: tuple[int, int, int],
     values_of: ValuesOf,
+    slabs_of: SlabsOf | None,
 ) -> None:
     """One GGUF file, tensors streamed one at a time (large expert tensors in slabs) after the header."""
     from gguf import GGUFWriter
@@ -325,11 +328,13 @@ def _write_shard(
         fout = writer.fout[0]
         writer.write_padding(fout, fout.tell())
         for tensor in tensors:
-            writer.write_padding(fout, _write_overlapped(fout, _tensor_slabs(tensor, spec, values_of)))
+            writer.write_padding(
+                fout, _write_overlapped(fout, _tensor_slabs(tensor, spec, values_of, slabs_of))
+            )
         fout.flush()
         os.fsync(fout.fileno())
         writer.close()
-    except BaseException:  # make_tiny removes the temp file; the writer must not keep it open
+    except BaseException:  # write_model removes the temp file; the writer must not keep it open
         with suppress(OSError):  # closing flushes, which fails again on a full disk; the file closes anyway
             writer.close()
         raise
@@ -374,36 +379,19 @@ def _row_bytes(row_values: int, ggml_type: int) -> int:
     return row_values // block * block_bytes
 
 
-def _tensor_slabs(tensor: _Tensor, spec: TinySpec, values_of: ValuesOf):
-    """The tensor's bytes: random valid blocks in slabs for large random routed experts, else encoded
-    whole."""
-    from k3stream.tinyblocks import FAST_TYPES, random_block_slabs
-
+def _tensor_slabs(tensor: _Tensor, spec: TinySpec, values_of: ValuesOf, slabs_of: SlabsOf | None):
+    """The tensor's bytes: what `slabs_of` gives, else its values encoded whole."""
     ggml_type = ggml_type_for(tensor.name, len(tensor.shape), spec.recipe)
-    if values_of is initial_values and _fast_path(tensor, ggml_type, FAST_TYPES):
-        seed = [spec.seed, zlib.crc32(tensor.name.encode()), 1]
-        yield from random_block_slabs(tensor.shape, ggml_type, seed)
+    slabs = slabs_of(tensor, spec, ggml_type) if slabs_of is not None else None
+    if slabs is not None:
+        yield from slabs
         return
     data, _ = _encoded(tensor, spec, values_of)
     yield np.ascontiguousarray(data)
 
 
-# Routed-expert tensors of at least this many values are written as random valid blocks (seconds per GB)
-# instead of quantized random floats (minutes per GB). Test models stay far below it, so their bytes, and
-# the property that every recipe quantizes the same float values, do not change.
-FAST_EXPERT_VALUES = 1 << 27
-
-
-def _fast_path(tensor: _Tensor, ggml_type: int, fast_types: frozenset[int]) -> bool:
-    return (
-        "_exps." in tensor.name
-        and ggml_type in fast_types
-        and int(np.prod(tensor.shape)) >= FAST_EXPERT_VALUES
-    )
-
-
 def check_spec(spec: TinySpec, vocab_size: int) -> list[_Tensor]:
-    """Raise one line for a spec `make_tiny` cannot write (shapes its recipe cannot quantize too);
+    """Raise one line for a spec `write_model` cannot write (shapes its recipe cannot quantize too);
     returns the tensor plan."""
     _check_spec(spec)
     plan = tensor_plan(spec, vocab_size)
@@ -415,20 +403,17 @@ def check_spec(spec: TinySpec, vocab_size: int) -> list[_Tensor]:
     return plan
 
 
-def make_tiny(
+def write_model(
     out_dir: str | os.PathLike[str],
     spec: TinySpec,
-    vocab=None,
+    vocab: Vocab,
     weights: dict[str, np.ndarray] | None = None,
+    slabs_of: SlabsOf | None = None,
 ) -> Path:
-    """Write a tiny Kimi-K3 GGUF into `out_dir`; return the file (or shard 1) path.
+    """Write a Kimi-K3 GGUF into `out_dir`; return the file (or shard 1) path.
 
-    Random weights and the built-in vocabulary unless given: `vocab` (a `tinyvocab.Vocab`) and
-    `weights` (float32 values of every tensor by GGUF name, in its numpy shape: a trained model)."""
-    from k3stream.tinyvocab import padded, tiny_vocab
-
-    if vocab is None:
-        vocab = tiny_vocab() if spec.vocab is None else padded(tiny_vocab(), spec.vocab)
+    `weights`: float32 values of every tensor by GGUF name, in its numpy shape (a trained model);
+    without them, `initial_values`. `slabs_of` may give a tensor's bytes instead (random test blocks)."""
     values_of = initial_values if weights is None else _given(weights)
     plan = check_spec(spec, len(vocab.tokens))
     out = Path(out_dir)
@@ -439,7 +424,7 @@ def make_tiny(
     try:
         for index, (temp, group) in enumerate(zip(temps, groups, strict=True)):
             split = (index, spec.shards, len(plan))
-            _write_shard(temp, [plan[i] for i in group], spec, vocab, split, values_of)
+            _write_shard(temp, [plan[i] for i in group], spec, vocab, split, values_of, slabs_of)
     except BaseException:
         for temp in temps:
             temp.unlink(missing_ok=True)
