@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3stream.parallel.groups import check_sizes
+from k3stream.engine.parallel.groups import check_sizes
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 AUDITED = dict(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32)
@@ -278,8 +278,8 @@ def test_a_split_off_block_boundaries_is_refused_naming_tensor_and_world():
 
 def test_heads_and_experts_that_do_not_divide_are_refused(packed):
     import k3stream
-    from k3stream.parallel.experts import expert_partition
-    from k3stream.parallel.tensor import apply_tensor_parallel
+    from k3stream.engine.parallel.experts import expert_partition
+    from k3stream.engine.parallel.tensor import apply_tensor_parallel
 
     model = k3stream.load(packed)
     mla = next(layer.index for layer in model.layers if type(layer.attn).__name__ == "MLA")
@@ -295,7 +295,7 @@ def test_heads_and_experts_that_do_not_divide_are_refused(packed):
 
 def test_a_rank_reads_only_its_own_experts(packed):
     """The rank's source refuses another rank's expert and drops it from hints: the store never reads it."""
-    from k3stream.parallel.experts import OwnedExperts, expert_partition
+    from k3stream.engine.parallel.experts import OwnedExperts, expert_partition
     from k3stream.store.expert_store import ExpertStore
 
     with ExpertStore(packed, ram_mib=16, prefetch=True) as store:

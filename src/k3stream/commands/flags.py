@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from k3stream.engine.chat import ChatTemplate
 from k3stream.engine.loading import Runtime, StoreOptions, load_resolved, open_model
-from k3stream.parallel import DEFAULT_TIMEOUT_S
+from k3stream.engine.parallel import DEFAULT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from k3stream.gguf.reader import K3Checkpoint

@@ -13,10 +13,10 @@ import torch
 
 from k3stream.commands.flags import runtime_from_args
 from k3stream.engine.loading import Runtime
-from k3stream.parallel import groups
-from k3stream.parallel.experts import ExpertExchange, apply_expert_parallel
-from k3stream.parallel.runner import DriverModel, follow
-from k3stream.parallel.tensor import apply_tensor_parallel
+from k3stream.engine.parallel import groups
+from k3stream.engine.parallel.experts import ExpertExchange, apply_expert_parallel
+from k3stream.engine.parallel.runner import DriverModel, follow
+from k3stream.engine.parallel.tensor import apply_tensor_parallel
 
 
 @contextmanager

@@ -482,7 +482,7 @@ def load(
     does (to F16/BF16, or 8-bit Q8_K/Q8_0 blocks): for comparing with llama.cpp; it costs precision.
     `tp_rank`/`tp_size` load tensor-parallel rank `tp_rank` of `tp_size`: each KDA layer holds only
     that rank's heads (see `shard_kda_weights`), so its output is a partial sum to all-reduce over the
-    ranks; nothing else is sharded and the forward does no all-reduce (`k3stream.parallel` shards the
+    ranks; nothing else is sharded and the forward does no all-reduce (`k3stream.engine.parallel` shards the
     whole model over a process group and reduces).
     `prefetch_hint` picks the prediction sent to the expert source (`k3stream.model.hints`).
     """

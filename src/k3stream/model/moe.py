@@ -113,7 +113,7 @@ class LatentMoE:
         self.match_ggml = match_ggml
         self.backend = backend
         # (latent [N, L], chosen [N, k]) -> the [N * k, L] pair outputs; expert parallelism
-        # (`k3stream.parallel.experts`) wraps it to run only its rank's experts and exchange the rest
+        # (`k3stream.engine.parallel.experts`) wraps it to run only its rank's experts and exchange the rest
         self.routed_pairs = self._routed_pairs
         self.chosen = torch.empty(0, routing.top_k, dtype=torch.long)
         self._asked: list[int] = []  # the experts __call__ read ahead for the step `routed_pairs` runs

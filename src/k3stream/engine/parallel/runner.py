@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from k3stream.parallel.groups import PeerFailed, collective, command_device
+from k3stream.engine.parallel.groups import PeerFailed, collective, command_device
 
 NEW, PREFILL, DECODE, STATS, STOP, NOOP, PREFILL_LAST = range(7)
 HEADER = 4  # op, ids, tokens, dropped states

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from k3stream.engine.parallel.groups import collective
 from k3stream.experts import ExpertSource, ExpertWeights
 from k3stream.model.k3 import K3Model
 from k3stream.model.moe import LatentMoE
-from k3stream.parallel.groups import collective
 
 PairRunner = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

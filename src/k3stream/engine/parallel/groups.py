@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from k3stream.parallel import DEFAULT_TIMEOUT_S
+from k3stream.engine.parallel import DEFAULT_TIMEOUT_S
 
 T = TypeVar("T")
 
