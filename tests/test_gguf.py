@@ -285,7 +285,7 @@ def test_check_recipe_lists_every_deviation(tiny_model):
     assert "blk.3.attn_k_b.weight is F32, the audited recipe has Q4_0" in deviations
 
 
-def test_audited_profile_raises_the_seed_messages(tiny_model, tmp_path):
+def test_audited_profile_raises_sglangs_messages(tiny_model, tmp_path):
     with pytest.raises(ValueError, match=r"^Kimi-K3 MLA K projection must remain GGUF Q4_0$"):
         K3Checkpoint.open(tiny_model(), profile="audited")
     audited = tiny_model(**AUDITED)

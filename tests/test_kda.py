@@ -1,4 +1,4 @@
-"""KDA: the chunked prefill, the seed system's packed decode entry points (seed 004), TP sharding.
+"""KDA: the chunked prefill, sglang's packed decode entry points, TP sharding.
 
 The oracle is a float64 token-by-token loop written here from the reference recurrence
 (../shared/reference/kimi-k3-architecture.md), with S indexed [key][value].
@@ -428,12 +428,12 @@ def test_tensor_parallel_ranks_sum_to_the_full_layer(kda_path, kda_model, tp_siz
         assert rel(decode_sum, full_decode) < 1e-5
 
 
-def test_rank_handed_full_vectors_fails_with_the_seed_message(kda_path, kda_model):
+def test_rank_handed_full_vectors_fails_with_sglangs_message(kda_path, kda_model):
     full = kda_model.layers[1].attn
     rank = load_rank(kda_path, 1, 2).layers[1].attn
     heads, rank_heads, dim = full.heads, rank.heads, full.head_dim
     step = torch.randn(1, kda_model.config.hidden, generator=torch.Generator().manual_seed(12))
-    # seed 004's text, from the scalar-gate entry point: the rank's state with full-model vectors
+    # sglang's text, from the scalar-gate entry point: the rank's state with full-model vectors
     args = valid_gdn_args(batch=1, heads=rank_heads, dim=dim, slots=1)
     args["initial_state"] = rank.new_state().recurrent[None]
     args["A_log"], args["dt_bias"] = full.w.ssm_a, full.w.ssm_a.clone()

@@ -157,7 +157,7 @@ def test_reader_refuses_unknown_layer_and_expert(tiny_model, tmp_path):
 
 
 def test_default_manifest_is_absolute_and_survives_moving_the_directory(tiny_model, tmp_path, caplog):
-    """The seed's form by default; once the folder moves, its files are found beside the manifest,
+    """sglang's form by default; once the folder moves, its files are found beside the manifest,
     and a note says so once."""
     gguf = copy_model(tiny_model(**SPLIT), tmp_path / "a")
     result = build_pack(gguf, options=QUIET)

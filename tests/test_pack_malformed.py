@@ -1,4 +1,4 @@
-"""Malformed packs, manifests and changed shards: each fails with its (seed system's) one-line message,
+"""Malformed packs, manifests and changed shards: each fails with its (sglang's) one-line message,
 through `verify_pack`, the reader and the CLI, and nothing is written."""
 
 from __future__ import annotations
@@ -349,7 +349,7 @@ def test_shard_changed_after_packing(work, case):
     change(work)
     message = message.format(shard1=work / "tiny-kimi-k3-00001-of-00002.gguf", shard2=work / SHARD2)
     check_fails(work, message)
-    if case != "shard metadata":  # the loader's checks are the seed's: size, names, types
+    if case != "shard metadata":  # the loader's checks are sglang's: size, names, types
         with pytest.raises((ValueError, FileNotFoundError), match=f"^{message}$"):
             checked_shards(load_manifest(work / MANIFEST), work / MANIFEST)
 

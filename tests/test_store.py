@@ -232,7 +232,7 @@ def test_read_error_names_the_pack_and_expert_and_is_counted(packed, tmp_path):
         assert store._compute.cache.used() == 0  # the reserved slot was given back
 
 
-def test_stats_json_has_the_seed_counters_per_tier_and_per_layer(packed):
+def test_stats_json_has_sglangs_counters_per_tier_and_per_layer(packed):
     _, pack = packed
     with ExpertStore(pack, ram_mib=budget(pack, 2 * pack.top_k)) as store:
         layer = pack.moe_layers[0]

@@ -57,15 +57,15 @@ def test_belady_bounds_every_policy_on_synthetic_trace():
             assert simulate_policy(trace.steps, policy, capacity).hits <= best.hits
 
 
-def test_seed_policy_keeps_frequent_experts_and_lru_does_not():
-    # a a a b c b with room for 2: the seed evicts b at c (b used once, a thrice) and c at the second b
+def test_sglang_policy_keeps_frequent_experts_and_lru_does_not():
+    # a a a b c b with room for 2: sglang's policy evicts b at c (b used once, a thrice) and c at the second b
     # (its counters survive eviction: b has 2 uses, c one); LRU evicts a at c and hits the second b.
     steps = [(0, (e,)) for e in (0, 0, 0, 1, 2, 1)]
     assert simulate_policy(steps, "lfu-lru", 2).hits == 2
     assert simulate_policy(steps, "lru", 2).hits == 3
 
 
-def test_seed_policy_caps_frequency_at_255_then_breaks_ties_by_lru():
+def test_sglang_policy_caps_frequency_at_255_then_breaks_ties_by_lru():
     # a used 300 times, then b 260 times: both counters saturate at 255, so c evicts the older a.
     # Uncapped counters would evict b (260 < 300) and then hit a.
     steps = [(0, (0,))] * 300 + [(0, (1,))] * 260 + [(0, (2,)), (0, (0,))]
@@ -89,7 +89,7 @@ def test_policy_never_evicts_the_current_step(policy):
             fresh.reserve((0, expert), pinned={(0, e) for e in range(6)})
 
 
-def test_cycle_policy_beats_the_seed_policy_on_a_synthetic_trace():
+def test_cycle_policy_beats_sglangs_policy_on_a_synthetic_trace():
     # seed 1: the cycle policy's half-life was chosen on seed 0 of a larger trace
     trace = synthetic_trace(SyntheticSpec(moe_layers=10, num_experts=128, top_k=8, tokens=120, seed=1))
     # 40 objects is half of one token's 80 (layer, expert) pairs: LRU thrashes there

@@ -1,4 +1,4 @@
-"""The seed loader (`k3stream.nonexpert_weights`) on real tiny GGUFs, checked with the `gguf` package.
+"""sglang's loader (`k3stream.nonexpert_weights`) on real tiny GGUFs, checked with the `gguf` package.
 
 Expected names come from the reference's name table (../shared/reference/kimi-k3-architecture.md).
 """
@@ -241,7 +241,8 @@ def test_manifest_messages(packed_model, tmp_path):
 
 
 def test_audited_profile_rejects_mla_projection_types_at_load(tiny_model):
-    """Seed 002: after loading, split MLA layers must keep k_b Q4_0 (checked first) and v_b Q2_K."""
+    """sglang's MLA recipe check: after loading, split MLA layers must keep k_b Q4_0 (checked first)
+    and v_b Q2_K."""
     with pytest.raises(ValueError, match="^Kimi-K3 MLA K projection must remain GGUF Q4_0$"):
         k3stream.load(tiny_model(recipe="f32", seed=1), profile="audited")
 
@@ -252,8 +253,8 @@ def test_model_loads_from_the_manifest(packed_model):
     assert torch.equal(k3stream.load(manifest).logits(tokens), k3stream.load(gguf_path).logits(tokens))
 
 
-def test_the_seed_loader_is_a_generator(tmp_path):
-    """As the seed's loader: calling it opens nothing; the first pair asked for opens and checks the file."""
+def test_the_sglang_loader_is_a_generator(tmp_path):
+    """As sglang's loader: calling it opens nothing; the first pair asked for opens and checks the file."""
     pairs = k3stream.nonexpert_weights(tmp_path / "missing.gguf")
     with pytest.raises(FileNotFoundError, match="missing.gguf"):
         next(pairs)

@@ -19,8 +19,8 @@ def _checkpoint(source: Any) -> Any:
 
 
 def nonexpert_weights(path_or_manifest: Any, copy: bool = True) -> Iterator[tuple[str, Any]]:
-    """Yield `(runtime_name, tensor)` pairs as the seed system's loader does, from a GGUF (any shard or
-    directory), an expert-pack manifest, or an open `K3Checkpoint`. A generator, as the seed's: the
+    """Yield `(runtime_name, tensor)` pairs as sglang's loader does, from a GGUF (any shard or
+    directory), an expert-pack manifest, or an open `K3Checkpoint`. A generator, as sglang's: the
     file is opened and checked when the first pair is asked for."""
     from k3stream.gguf.weights import nonexpert_weights as _impl
 

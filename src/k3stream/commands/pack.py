@@ -21,14 +21,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="relative_paths",
         action="store_false",
         default=False,
-        help="store absolute paths, what the seed system writes and requires (default); a moved folder "
+        help="store absolute paths, what sglang writes and requires (default); a moved folder "
         "is still read: files gone from their paths are found beside the manifest",
     )
     paths.add_argument(
         "--relative-paths",
         dest="relative_paths",
         action="store_true",
-        help="store paths relative to the manifest's directory (the seed's run-time store refuses them)",
+        help="store paths relative to the manifest's directory (sglang's run-time store refuses them)",
     )
     from k3stream.gguf.profile import PROFILES
 

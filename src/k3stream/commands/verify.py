@@ -57,7 +57,7 @@ def checked_text(summary: dict) -> str:
         hashed, algorithm = summary["objects_hashed"], summary["checksums"]
         parts.append(f"shard data samples, {hashed} object {algorithm} checksums")
     else:
-        parts.append("no checksums (the manifest records none: seed-written or older; not checked)")
+        parts.append("no checksums (the manifest records none: sglang-written or older; not checked)")
     if summary.get("full"):
         parts.append("SHA-256 and every payload")
     else:

@@ -103,7 +103,7 @@ def resolve_model(path: str | Path, stream_experts: bool) -> tuple[Path, Path | 
 
 def open_model(path: str | Path, stream_experts: bool) -> tuple[K3Checkpoint, Path | None]:
     """`(checkpoint, manifest or None)`: `resolve_model`, then the checkpoint opened once
-    (`pack.manifest.open_checkpoint`, the seed loader's checks for a manifest), for everything a load
+    (`pack.manifest.open_checkpoint`, sglang's loader's checks for a manifest), for everything a load
     reads from the GGUF: the memory plan, the pack's config check, the model and the tokenizer."""
     from k3stream.pack.manifest import open_checkpoint
 

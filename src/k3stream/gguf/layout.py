@@ -36,14 +36,14 @@ def is_residual_score(name: str) -> bool:
 
 
 def check_residual_score(shape: tuple[int, ...]) -> None:
-    """Seed 000: a residual score is a vector; the seed system's message, its shape in numpy order."""
+    """A residual score is a vector; sglang's loader's message, its shape in numpy order."""
     if len(shape) != 1:
         raise ValueError(f"Kimi-K3 attention-residual score must be a vector, got {tuple(shape)}")
 
 
 def check_ssm_a(values: Any) -> None:
-    """Seed 001: KDA's `ssm_a` holds llama.cpp's -exp(A_log): finite floats, every one negative (a
-    tensor of another form would make the decay grow); the seed loader's messages."""
+    """KDA's `ssm_a` holds llama.cpp's -exp(A_log): finite floats, every one negative (a
+    tensor of another form would make the decay grow); sglang's loader's messages."""
     if not values.is_floating_point() or not values.isfinite().all():
         raise ValueError("Kimi-K3 GGUF ssm_a must contain finite floating values")
     if not (values < 0).all():

@@ -1,8 +1,8 @@
 """Checkpoint profiles: which GGML types a checkpoint may hold.
 
 `generic` accepts any type k3stream's quant kernels decode. `audited` enforces the published Kimi-K3
-recipe (routed up/gate Q2_K, down Q3_K, MLA k_b Q4_0, v_b Q2_K) that the seed system's expert-pack
-path accepts; its k_b/v_b errors are the seed system's (seed 002) messages.
+recipe (routed up/gate Q2_K, down Q3_K, MLA k_b Q4_0, v_b Q2_K) that sglang's expert-pack
+path accepts; its k_b/v_b errors are sglang's messages.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class ModelNumbers:
     expert_ff: int
 
 
-# the published Kimi-K3: what the audited profile enforces (the seed system hard-codes it)
+# the published Kimi-K3: what the audited profile enforces (sglang's expert-pack path hard-codes it)
 AUDITED_MODEL = ModelNumbers(
     n_layers=93,
     moe_layers=tuple(range(1, 93)),
@@ -51,7 +51,7 @@ AUDITED_RECIPE: dict[str, GGMLQuantizationType] = {
     "attn_k_b.weight": T.Q4_0,
     "attn_v_b.weight": T.Q2_K,
 }
-# seed 002: raised for split MLA layers whose k_b / v_b left the recipe
+# sglang's message for split MLA layers whose k_b / v_b left the recipe
 MLA_PROJECTION_ERRORS = {
     "attn_k_b.weight": "Kimi-K3 MLA K projection must remain GGUF Q4_0",
     "attn_v_b.weight": "Kimi-K3 MLA V projection must remain GGUF Q2_K",

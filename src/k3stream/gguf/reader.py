@@ -65,7 +65,7 @@ def check_tensors(config: K3Config, tensors: dict[str, TensorInfo]) -> None:
                 continue
             raise ValueError(f"{config.source}: missing tensor {name} (expected shape {shape})")
         if layout.is_residual_score(name):
-            layout.check_residual_score(info.shape)  # the seed's message before the generic one
+            layout.check_residual_score(info.shape)  # sglang's message before the generic one
         if info.shape not in layout.accepted_shapes(name, shape):
             raise ValueError(f"{info.path}: tensor {name} has shape {info.shape}, the config implies {shape}")
     unexpected = [name for name in tensors if name not in expected]

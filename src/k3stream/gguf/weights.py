@@ -1,5 +1,5 @@
-"""The non-expert tensors of a checkpoint, by GGUF name (what the model is built from), and the seed
-system's exporter over them: `(runtime_name, tensor)` in sglang's names.
+"""The non-expert tensors of a checkpoint, by GGUF name (what the model is built from), and sglang's
+loader's exporter over them: `(runtime_name, tensor)` in sglang's names.
 
 Routed expert tensors are skipped (they come from the expert pack). The exporter keeps quantized
 tensors' GGUF bytes: `...weight` becomes `...qweight`, preceded by a uint8 `...qweight_type` holding
@@ -156,7 +156,7 @@ def nonexpert_tensors(checkpoint: K3Checkpoint, copy: bool = True) -> Iterator[t
 
 
 def nonexpert_weights(checkpoint: K3Checkpoint, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """The seed loader's output for an open checkpoint: every non-routed tensor as `(runtime_name,
+    """sglang's loader's output for an open checkpoint: every non-routed tensor as `(runtime_name,
     tensor)` (`k3stream.nonexpert_weights` opens a path or manifest first). `copy=False` yields
     read-only views of the memory map instead of copies where no transform applies."""
     emitted: set[str] = set()

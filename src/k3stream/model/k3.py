@@ -333,7 +333,7 @@ class _Weights:
         return self.vector(name)
 
     def decay(self, name: str) -> torch.Tensor:
-        """KDA's `ssm_a` as stored (-exp(A_log)), checked as the seed loader checks it."""
+        """KDA's `ssm_a` as stored (-exp(A_log)), checked as sglang's loader checks it."""
         check_ssm_a(self.tensors[name].value)
         return self.vector(name)
 
@@ -503,7 +503,7 @@ def load(
         warm_up(matrix_types, device)
     tensors = checkpoint_tensors(checkpoint)
     model = build(cfg, tensors, source, options, device, prefetch, (tp_rank, tp_size), prefetch_hint)
-    get_profile(profile).check(checkpoint)  # seed 002: the audited MLA recipe, checked after loading
+    get_profile(profile).check(checkpoint)  # sglang's MLA recipe check, after loading
     return model
 
 

@@ -1,6 +1,6 @@
 """Kimi Delta Attention (KDA): short causal convolutions, a per-channel decay gate and the delta rule.
 
-Recurrent state per head is S with layout [V, K] (value rows, key columns), the seed system's layout,
+Recurrent state per head is S with layout [V, K] (value rows, key columns), sglang's layout,
 so the packed single-token entry points below can update a pool of states in place. Prefill runs the
 recurrence chunk by chunk in closed form (the WY/UT transform of fla's chunk_kda); decode takes one step.
 """
@@ -16,7 +16,7 @@ from k3stream.model.shard import input_columns, output_rows, part, rows_of
 from k3stream.quant.kernels import cpu
 
 SOFTPLUS_THRESHOLD = 20.0
-SEED_L2NORM_EPS = 1e-6  # the seed kernels' in-kernel q/k norm; the model itself uses the rms eps
+SGLANG_L2NORM_EPS = 1e-6  # sglang's KDA kernels' in-kernel q/k norm; the model itself uses the rms eps
 # the largest decay (-sum of a channel's gates) a prefill chunk may span for the factored products: the
 # factors and the masked-out products stay below exp(80) ~ 5.5e34, inside float32
 FACTORED_DECAY_LIMIT = 80.0
@@ -318,7 +318,7 @@ def shard_kda_weights(
     )
 
 
-# --- the seed system's single-token packed decode entry points (pure torch) ---
+# --- sglang's single-token packed KDA decode entry points, in pure torch ---
 
 
 def fused_recurrent_gated_delta_rule_packed_decode(
@@ -349,7 +349,7 @@ def fused_recurrent_gated_delta_rule_packed_decode(
     q_heads = _check_packed_shapes(mixed_qkv, initial_state, out, batch, kda=False)
     x = a.float() + dt_bias.float()
     gate = -torch.exp(A_log.float()) * torch.nn.functional.softplus(x, threshold=SOFTPLUS_THRESHOLD)
-    # the seed kernel rounds beta to b's dtype before using it
+    # sglang's kernel rounds beta to b's dtype before using it
     beta = torch.sigmoid(b.float()).to(b.dtype).float()
     key_dim = initial_state.shape[-1]
     _packed_step(
@@ -412,7 +412,7 @@ def fused_recurrent_kda_packed_decode(
 
 
 def check_head_vectors(decay: torch.Tensor, dt_bias: torch.Tensor, heads: int, key_dim: int) -> None:
-    """The seed KDA entry point's checks of its per-head vectors (the decay, `A_log` there, and
+    """sglang's KDA entry point's checks of its per-head vectors (the decay, `A_log` there, and
     `dt_bias`): what a layer holding another head configuration's vectors fails with."""
     if decay.numel() != heads:
         raise ValueError(f"`A_log` must have {heads} elements (got {decay.numel()}).")
@@ -421,7 +421,7 @@ def check_head_vectors(decay: torch.Tensor, dt_bias: torch.Tensor, heads: int, k
 
 
 def _check_packed_common(mixed_qkv, a, b, A_log, dt_bias, initial_state, out, ssm_state_indices) -> int:
-    """The checks both seed entry points make first, in their order; returns the batch size."""
+    """The checks both of sglang's entry points make first, in their order; returns the batch size."""
     if mixed_qkv.ndim != 2:
         raise ValueError(f"`mixed_qkv` must be a 2D tensor (got ndim={mixed_qkv.ndim}).")
     if mixed_qkv.stride(-1) != 1:
@@ -462,7 +462,7 @@ def _check_packed_common(mixed_qkv, a, b, A_log, dt_bias, initial_state, out, ss
 
 
 def _check_packed_shapes(mixed_qkv, initial_state, out, batch: int, kda: bool) -> int:
-    """The seed's output and packed-layout checks; returns the number of q/k heads H."""
+    """sglang's output and packed-layout checks; returns the number of q/k heads H."""
     heads_v, value_dim, key_dim = initial_state.shape[-3:]
     if out.shape != (batch, 1, heads_v, value_dim):
         raise ValueError(
@@ -500,8 +500,8 @@ def _packed_step(mixed_qkv, gate, beta, scale, initial_state, out, ssm_state_ind
     k = rows[:, q_dim : 2 * q_dim].view(-1, q_heads, key_dim)
     v = rows[:, 2 * q_dim :].view(-1, heads_v, value_dim)
     if l2norm:
-        q = l2_normalize(q, SEED_L2NORM_EPS)
-        k = l2_normalize(k, SEED_L2NORM_EPS)
+        q = l2_normalize(q, SGLANG_L2NORM_EPS)
+        k = l2_normalize(k, SGLANG_L2NORM_EPS)
     group = heads_v // q_heads  # value heads sharing one q/k head
     q = (q * scale).repeat_interleave(group, dim=1)
     k = k.repeat_interleave(group, dim=1)

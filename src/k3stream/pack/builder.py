@@ -235,7 +235,7 @@ def first_bad_entry(plan: PackPlan, sources: SourceFiles, partial_fd: int, count
 
 
 def sample_indices(count: int, samples: int) -> list[int]:
-    """Evenly spaced entries, first and last included (the seed system's choice)."""
+    """Evenly spaced entries, first and last included (sglang's choice)."""
     if samples <= 0:
         return []
     if samples == 1:

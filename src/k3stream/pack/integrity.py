@@ -1,12 +1,12 @@
 """Integrity records of a pack: an xxh3_64 per expert object, and a sampled fingerprint of each GGUF shard.
 
-They live in the manifest's top-level `integrity` section, which the seed system does not read (its
+They live in the manifest's top-level `integrity` section, which sglang does not read (its
 readers look keys up by name and ignore the rest). An expert object's digest covers exactly the bytes
 the store reads for it (`object_bytes` from its up offset: up, gate, down and the padding between them),
 so the store can check an object as it enters its cache. A shard's fingerprint is xxh3_64 over
 `SHARD_SAMPLE_WINDOWS` windows of `SHARD_SAMPLE_BYTES` spread evenly over its tensor data, so a GGUF of
 the same shape and metadata but other weights is caught without reading it whole. Manifests without the
-section (older ones, the seed system's) are read as before: nothing is checked, and `verify` says so.
+section (older ones, sglang's) are read as before: nothing is checked, and `verify` says so.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The adapter manifest (SGLANG-KIMI-GGMLMOEPACK-ADAPTER-v1): schema, paths, atomic writes, shard checks.
 
-Paths in a manifest are absolute (our default, and what the seed system writes and requires) or
+Paths in a manifest are absolute (our default, and what sglang writes and requires) or
 relative to the manifest's directory (`--relative-paths`); both are read. An absolute path that no
 longer exists is looked for beside the manifest (the model folder moved), with one logged note.
 """
@@ -262,7 +262,7 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a manifest for the non-expert loader (the seed loader's checks and messages)."""
+    """Read a manifest for the non-expert loader (sglang's loader's checks and messages)."""
     manifest = read_manifest(path)
     if manifest.get("format") != FORMAT:
         raise ValueError("Kimi-K3 manifest format is unsupported")
@@ -314,7 +314,7 @@ def shard_tensor_types(path: Path, checkpoint: K3Checkpoint | None = None) -> di
 
 
 def present_shards(manifest: dict[str, Any], manifest_path: Path) -> list[tuple[dict[str, Any], Path]]:
-    """`(record, resolved path)` of every source shard, in shard order, after the seed loader's first
+    """`(record, resolved path)` of every source shard, in shard order, after sglang's loader's first
     check: a missing or resized shard -> FileNotFoundError `Kimi-K3 GGUF shard is missing or changed`."""
     present = []
     for shard in sorted_shards(manifest):
@@ -328,7 +328,7 @@ def present_shards(manifest: dict[str, Any], manifest_path: Path) -> list[tuple[
 def checked_shards(
     manifest: dict[str, Any], manifest_path: str | os.PathLike[str], checkpoint: K3Checkpoint | None = None
 ) -> list[tuple[Path, list[dict]]]:
-    """Every source shard of a manifest, checked as the seed loader does, with its tensor records.
+    """Every source shard of a manifest, checked as sglang's loader does, with its tensor records.
 
     Missing or resized shard -> FileNotFoundError `Kimi-K3 GGUF shard is missing or changed: {path}`;
     different tensor names -> `Kimi-K3 GGUF shard inventory changed: {path}`; a tensor's GGML type
@@ -356,7 +356,7 @@ def checked_shards(
 
 def open_checkpoint(path_or_manifest: str | os.PathLike[str]) -> K3Checkpoint:
     """The checkpoint a GGUF path (a file, any shard, a directory) or an expert-pack manifest `.json`
-    names. A manifest is checked as the seed loader checks it (format, completeness, shard sizes,
+    names. A manifest is checked as sglang's loader checks it (format, completeness, shard sizes,
     inventory, types, identity) and its first shard opened; each shard's header is parsed once."""
     from k3stream.gguf.reader import K3Checkpoint
 
@@ -375,7 +375,7 @@ def open_checkpoint(path_or_manifest: str | os.PathLike[str]) -> K3Checkpoint:
 def check_shard_identity(manifest: dict[str, Any], shard: dict[str, Any], path: Path) -> None:
     """The shard's metadata bytes (header, key/values, tensor infos) hash as when it was packed, and so
     do the sampled windows of its tensor data when the manifest records them (`integrity`): a GGUF of
-    the same size, names and types but other weights is refused with the seed's message."""
+    the same size, names and types but other weights is refused with sglang's message."""
     from k3stream.pack import integrity
 
     if sha256_range(path, 0, int(shard["metadata_nbytes"])) != shard["metadata_sha256"]:
@@ -426,7 +426,7 @@ def inventory_sha256(source: dict[str, Any]) -> str:
 class ManifestOptions:
     """What a built manifest records; `builder.BuildOptions` adds how the build runs."""
 
-    relative_paths: bool = False  # absolute paths: what the seed system's run-time store requires
+    relative_paths: bool = False  # absolute paths: what sglang's run-time store requires
     payload_samples: int = 6
     full_hash: bool = False
     full_source_hashes: bool = False
@@ -442,7 +442,7 @@ def role_summary(
     return {
         "dtype": info.type_name,
         "dtype_id": info.ggml_type,
-        "logical_shape": list(reversed(info.shape[1:])),  # GGML order (in, out), as the seed writes it
+        "logical_shape": list(reversed(info.shape[1:])),  # GGML order (in, out), as sglang writes it
         "expert_bytes": layout.role_bytes[position],
         "entry_count": entries,
         "payload_bytes": entries * layout.role_bytes[position],

@@ -52,7 +52,7 @@ class ExpertPack:
         roles = self.manifest["expert_pack"]["roles"]
         self._role_types = {role: int(roles[role]["dtype_id"]) for role in fmt.ROLES}
         self._role_shapes = {role: tuple(reversed(roles[role]["logical_shape"])) for role in fmt.ROLES}
-        # xxh3_64 of every object (layer-major) when the manifest records them (ours do; the seed's do not)
+        # xxh3_64 of every object (layer-major) when the manifest records them (ours do; sglang's do not)
         self.checksums = object_checksums(self.manifest, self.layout)
         shards = sorted_shards(self.manifest)
         self.gguf_paths = [resolve_path(shard["path"], self.manifest_path) for shard in shards]

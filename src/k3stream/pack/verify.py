@@ -1,4 +1,4 @@
-"""Check an expert pack against its manifest, with the seed system's messages.
+"""Check an expert pack against its manifest, with sglang's messages.
 
 `verify_pack` checks the manifest (format, hard constraints, dimensions, roles), the source shards
 (present, same size, same metadata bytes, same tensors and types), and the pack's header and index
@@ -6,7 +6,7 @@
 only the pack's header and index, a sample of the source shards' tensor data (against the
 manifest's fingerprints) and a sample of expert objects (each against its recorded xxh3_64 and its GGUF
 bytes); with `full` it also hashes the whole pack, checks every object's digest and compares every
-payload with the GGUF. Manifests without an `integrity` section (the seed system's, older ones) get the
+payload with the GGUF. Manifests without an `integrity` section (sglang's, older ones) get the
 GGUF comparison of the samples only, and the summary says that no checksums were checked.
 """
 
@@ -217,7 +217,7 @@ def check_roles(manifest: dict[str, Any], expected: ModelExpectation) -> fmt.Pac
         _check_role_size(role, summary, tensors, expected)
     role_bytes = tuple(int(roles[role]["expert_bytes"]) for role in fmt.ROLES)
     layout = fmt.PackLayout(expected.moe_layers, expected.num_experts, role_bytes)
-    # the audited runtime (the seed's store) reads an object as up+gate+down with no padding between
+    # the audited runtime (sglang's store) reads an object as up+gate+down with no padding between
     padding_allowed = expected.role_types is None
     if int(field(pack, "object_bytes")) != layout.object_bytes or (
         not padding_allowed and layout.object_bytes != sum(role_bytes)
@@ -290,7 +290,7 @@ def _names_up_to_nul(raw_names: np.ndarray) -> np.ndarray:
 
 
 def check_entries(index: np.ndarray, layout: fmt.PackLayout, data_start: int, file_size: int) -> np.ndarray:
-    """Vectorised form of the seed reader's per-entry loop: the first bad index fails, checked in its
+    """Vectorised form of sglang's reader's per-entry loop: the first bad index fails, checked in its
     order (identity, then range, then contiguity). Returns the object offsets."""
     count = layout.index_count
     names_bad = (_names_up_to_nul(index["name"]) != _expected_names(layout)).any(axis=1)
@@ -393,7 +393,7 @@ def check_structure(
     pack_path: str | os.PathLike[str] | None = None,
     shards: bool = True,
 ) -> CheckedPack:
-    """Everything except payload bytes, in the seed reader's order; `shards` adds the source checks."""
+    """Everything except payload bytes, in sglang's reader's order; `shards` adds the source checks."""
     manifest_path = Path(manifest_path)
     manifest = read_manifest(manifest_path)
     check_format(manifest)

