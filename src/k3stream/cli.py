@@ -46,8 +46,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def calm_openmp() -> None:
     """Idle OpenMP threads sleep instead of spinning (unless the user chose otherwise). torch and the C
     kernels share one OpenMP runtime; on a machine with few cores its spinning threads starve the pack
-    reader threads and each other, and a loaded 2-core machine measured decode 20x slower at times.
-    Read when the runtime loads, so this runs before anything imports torch."""
+    reader threads and each other. Read when the runtime loads, so this runs before anything imports
+    torch."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

@@ -21,8 +21,7 @@ from k3stream.quant.rounding import round_like_ggml
 
 QUERY_BLOCK = 512
 # multiply-adds of one query's scores (heads x cache rows x row width) up to which the C attention runs:
-# beyond, torch's two matrix products are faster (Kimi-K3's 64 heads of 576 over 256-4096 cached rows:
-# 25-35 against 13-19 G multiply-adds/s; the tiny models' 8 heads over a few hundred rows: even)
+# beyond, torch's two matrix products are faster
 C_ATTENTION_MAX_MACS = 1 << 22
 
 

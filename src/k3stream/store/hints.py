@@ -21,8 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 # a layer's hints are read only while this precise: when reads bound the step, a hint of precision p
-# spends (1 - p) of its reads on experts nobody uses (beyond memory, prefill hints at ~50% precision
-# ran prefill at 6.5-7.5 tok/s, off at 11.9; this threshold: 10.2-10.7)
+# spends (1 - p) of its reads on experts nobody uses
 PREFETCH_MIN_PRECISION = 0.75
 PREFETCH_DECAY = 0.75  # the weight of a layer's past hints
 

@@ -36,10 +36,9 @@ F32 = 0
 FLOAT_WIDTH_TYPES = frozenset({1, 30})  # F16, BF16: one value per "block"
 # F32 products of at most this many rows take the C kernel (`_f32_by_kernel`), more take torch's
 F32_KERNEL_MAX_ROWS = 16
-# F32 routed experts take the C call in steps of at most this many tokens (a mid prefill, 64 experts
-# top-8: 128 tokens 535 -> 437 ms on one thread, 418 -> 275 on two; a tie at 512, 64 rows an expert;
-# torch's GEMM 5% faster at 1,024; more experts give fewer rows an expert). Tokens, not rows an
-# expert: a step's fetch groups all see the same count, so streamed and resident runs agree.
+# F32 routed experts take the C call in steps of at most this many tokens (beyond, torch's GEMM is
+# as fast). Tokens, not rows an expert: a step's fetch groups all see the same count, so streamed and
+# resident runs agree.
 F32_EXPERT_MAX_TOKENS = 512
 ANY_ROWS = 1 << 62
 
