@@ -48,7 +48,8 @@ SPECIALS = [
 
 @pytest.fixture(scope="module")
 def llama_vocab(model_path):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    import llama_cpp
+
     return llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
 
 
