@@ -431,7 +431,7 @@ def test_prepared_products_are_qmatmul_bit_for_bit(types, match_ggml, monkeypatc
     """`Products` (a linear layer's call, or a layer's projections of one input side by side) takes
     decode-sized inputs straight to the C kernels in one call and everything else through qmatmul per
     weight: the same values either way, and qmatmul's errors."""
-    import k3stream.quant.kernels as seam
+    from k3stream.quant.kernels import seam
 
     weights = [weight(qt, 40 + 8 * i, 512, seed=1 + i) for i, qt in enumerate(types)]
     products = Products(weights, match_ggml=match_ggml)
