@@ -302,8 +302,8 @@ def test_token_ids_are_checked(small_model):
 def test_quantized_embedding_rows_are_dequantized_on_demand():
     from gguf import GGMLQuantizationType, quants
 
-    from k3stream.model.k3 import Embedding
     from k3stream.model.layers import GGUFTensor, LoadOptions
+    from k3stream.model.state import Embedding
 
     table = np.random.default_rng(7).normal(size=(10, 256)).astype(np.float32)
     blocks = quants.quantize(table, GGMLQuantizationType.Q8_0)
@@ -322,8 +322,8 @@ def test_a_decode_tokens_embedding_row_is_the_tables_row(qtype, monkeypatch):
     with no C library the call itself; the table stays as stored (an F16 table is not widened)."""
     from gguf import GGMLQuantizationType
 
-    from k3stream.model.k3 import Embedding
     from k3stream.model.layers import GGUFTensor, LoadOptions
+    from k3stream.model.state import Embedding
     from k3stream.quant import quantize
     from k3stream.quant.kernels import cpu
 

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType
 from k3stream.quant.types import SUPPORTED_TYPES
 
 if TYPE_CHECKING:
-    from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.gguf.tensors import TensorInventory
 
 T = GGMLQuantizationType
 
@@ -63,7 +63,7 @@ def recipe_type(name: str) -> GGMLQuantizationType | None:
     return next((t for suffix, t in AUDITED_RECIPE.items() if name.endswith(suffix)), None)
 
 
-def check_recipe(checkpoint: K3Checkpoint) -> list[str]:
+def check_recipe(checkpoint: TensorInventory) -> list[str]:
     """Every deviation from the audited recipe, one line each (empty: the checkpoint follows it)."""
     deviations = []
     for name, info in checkpoint.tensors.items():
@@ -76,7 +76,7 @@ def check_recipe(checkpoint: K3Checkpoint) -> list[str]:
 class GenericProfile:
     name = "generic"
 
-    def check(self, checkpoint: K3Checkpoint) -> None:
+    def check(self, checkpoint: TensorInventory) -> None:
         for name, info in checkpoint.tensors.items():
             if info.ggml_type not in SUPPORTED_TYPES:
                 raise ValueError(
@@ -88,7 +88,7 @@ class GenericProfile:
 class AuditedProfile(GenericProfile):
     name = "audited"
 
-    def check(self, checkpoint: K3Checkpoint) -> None:
+    def check(self, checkpoint: TensorInventory) -> None:
         super().check(checkpoint)
         self._check_mla_projections(checkpoint)
         deviations = check_recipe(checkpoint)
@@ -99,7 +99,7 @@ class AuditedProfile(GenericProfile):
             )
 
     @staticmethod
-    def _check_mla_projections(checkpoint: K3Checkpoint) -> None:
+    def _check_mla_projections(checkpoint: TensorInventory) -> None:
         for layer in checkpoint.config.mla_layers:
             for suffix, message in MLA_PROJECTION_ERRORS.items():
                 info = checkpoint.tensors.get(f"blk.{layer}.{suffix}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,9 @@ from gguf import GGMLQuantizationType, GGUFReader
 
 from k3stream.gguf import layout
 from k3stream.gguf.config import K3Config, field_value
+from k3stream.gguf.profile import get_profile
 from k3stream.gguf.shards import open_shards
+from k3stream.gguf.tensors import TensorInfo
 from k3stream.quant.kernels import cpu
 
 _TYPED_VIEWS = {
@@ -22,21 +23,6 @@ _TYPED_VIEWS = {
     GGMLQuantizationType.F16: np.float16,
     GGMLQuantizationType.BF16: np.uint16,  # numpy has no bfloat16: the raw bits
 }
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    shape: tuple[int, ...]  # numpy order, (out, in) for matrices
-    ggml_type: int
-    shard_index: int  # 0-based
-    path: Path
-    data_offset: int  # absolute in the shard file
-    nbytes: int
-
-    @property
-    def type_name(self) -> str:
-        return GGMLQuantizationType(self.ggml_type).name
 
 
 def _inventory(shards: list[tuple[Path, GGUFReader]]) -> dict[str, TensorInfo]:
@@ -89,8 +75,6 @@ class K3Checkpoint:
     @classmethod
     def open(cls, path: str | Path, profile: str = "generic") -> K3Checkpoint:
         """Open a single GGUF, any shard of a split set, or a directory; `profile` is checked."""
-        from k3stream.gguf.profile import get_profile
-
         checkpoint = cls(open_shards(path), get_profile(profile))
         checkpoint.profile.check(checkpoint)
         return checkpoint

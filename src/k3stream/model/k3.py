@@ -16,7 +16,7 @@ through the same layer loop; only the attention layers see the per-sequence stat
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -28,75 +28,20 @@ from k3stream.gguf.weights import nonexpert_tensors
 from k3stream.model.attn_res import residual_mix
 from k3stream.model.experts import GGUFExpertSource
 from k3stream.model.hints import HINT_CHOICES, TOKEN_HINT_LEAD, HintLog, sent_kind
-from k3stream.model.kda import KDA, KDAState, KDAWeights, shard_kda_weights
-from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, bytes_to_matrix, rms_norm
-from k3stream.model.mla import MLA, HeadProjection, MLAState, MLAWeights
+from k3stream.model.kda import KDA, KDAWeights, shard_kda_weights
+from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, rms_norm
+from k3stream.model.mla import MLA, HeadProjection, MLAWeights
 from k3stream.model.moe import LatentMoE, MoEWeights, Routing, SituMLP
 from k3stream.model.program import DecodeProgram
+from k3stream.model.state import Embedding, Layer, SequenceState
 from k3stream.model.token_routes import TokenRoutes
-from k3stream.quant.kernels import F32, cpu, note_fallbacks, warm_up
+from k3stream.quant.kernels import note_fallbacks, warm_up
 from k3stream.quant.types import FLOAT_TYPE_IDS
 
 if TYPE_CHECKING:
     from k3stream.gguf.reader import K3Checkpoint
 
-AttentionState = KDAState | MLAState
 Rows = TypeVar("Rows", torch.Tensor, list[int])
-
-
-@dataclass
-class Layer:
-    index: int
-    attn: KDA | MLA
-    ffn: SituMLP | LatentMoE
-    input_norm: torch.Tensor
-    post_attention_norm: torch.Tensor
-    attn_score: torch.Tensor  # fused residual score: proj * norm
-    ffn_score: torch.Tensor
-
-
-@dataclass
-class SequenceState:
-    """Everything one sequence carries between calls: one attention state per layer."""
-
-    layers: list[AttentionState]
-    length: int = 0
-
-
-class Embedding:
-    """Rows of the token table: kept as the GGUF stores it (float values in their own dtype, or blocks)
-    and decoded row by row, so an F16 table stays F16 in memory; a dense table on the reference path."""
-
-    def __init__(self, table: GGUFTensor, hidden: int, options: LoadOptions) -> None:
-        self.table = table if options.in_gguf_types else None
-        self.dense = None if self.table else table.matrix((-1, hidden), options.dtype)
-        self.hidden = hidden
-
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None:
-            return self.dense[tokens].float()
-        rows = self.table.value.reshape(-1, self.table.value.shape[-1])[tokens]
-        if self.table.ggml_type is None:  # float values (autograd follows them: the trainer's)
-            return rows.reshape(len(tokens), self.hidden).float()
-        return bytes_to_matrix(rows, self.table.ggml_type, (len(tokens), self.hidden))
-
-    def row_writer(self, out: torch.Tensor) -> Callable[[int], object]:
-        """A decode token's embedding: token -> its row into out [1, hidden]; a C decode of the row's
-        blocks (the same values) where the table is on the CPU in a type with a decoder, else this
-        call's."""
-        if self.dense is not None:  # float32 rows are F32 blocks
-            table, ggml_type = self.dense, F32 if self.dense.dtype == torch.float32 else None
-        else:
-            table, ggml_type = self.table.value, self.table.type_id
-        in_c = table.is_cpu and table.is_contiguous() and cpu.takes((out,)) and ggml_type in cpu.CPU_TYPES
-        if not in_c:
-            return lambda token: out.copy_(self(torch.tensor([token], device=out.device)))
-        base, row_bytes, hidden = (
-            table.data_ptr(),
-            table.numel() * table.element_size() // table.shape[0],
-            self.hidden,
-        )
-        return lambda token: cpu.decode_row(ggml_type, base + token * row_bytes, hidden, out)
 
 
 class K3Model:

@@ -27,7 +27,7 @@ from k3stream.model.moe import LatentMoE
 from k3stream.quant.kernels import cpu
 
 if TYPE_CHECKING:
-    from k3stream.model.k3 import K3Model, Layer, SequenceState
+    from k3stream.model.state import DecodedModel, Layer, SequenceState
 
 
 class DecodeProgram:
@@ -35,7 +35,7 @@ class DecodeProgram:
     `steps` is None off the CPU kernels and for a model that sends prefetch hints (the caller then runs
     the eager forward)."""
 
-    def __init__(self, model: K3Model, state: SequenceState, threads: int) -> None:
+    def __init__(self, model: DecodedModel, state: SequenceState, threads: int) -> None:
         self.model = model
         self.threads = threads
         self._parts = _parts(model)
@@ -50,7 +50,7 @@ class DecodeProgram:
         if model.device.type == "cpu" and cpu.available() and not model.prefetch:
             self.steps = self._build(state)
 
-    def fits(self, model: K3Model, state: SequenceState, threads: int) -> bool:
+    def fits(self, model: DecodedModel, state: SequenceState, threads: int) -> bool:
         """Whether this program is the step of `state` in `model` as it is now (the same layers, the
         same state tensors, the same thread count)."""
         return (
@@ -124,7 +124,7 @@ class DecodeProgram:
         return out
 
 
-def _parts(model: K3Model) -> list[object]:
+def _parts(model: DecodedModel) -> list[object]:
     """What a program binds of the model: each layer's attention and feed-forward, the output head."""
     return [part for layer in model.layers for part in (layer.attn, layer.ffn)] + [model.lm_head]
 

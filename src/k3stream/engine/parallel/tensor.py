@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 
 from k3stream.engine.parallel.groups import collective
-from k3stream.model.k3 import K3Model, Layer
+from k3stream.model.k3 import K3Model
 from k3stream.model.kda import KDA, shard_kda_weights
 from k3stream.model.layers import Linear
 from k3stream.model.mla import MLA, HeadProjection
 from k3stream.model.moe import LatentMoE, SituMLP
 from k3stream.model.shard import input_columns, output_rows, part
+from k3stream.model.state import Layer
 from k3stream.quant.kernels import GroupedProduct
 
 
