@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None
-requires_llama = pytest.mark.skipif(
-    not HAVE_LLAMA,
-    reason="llama-cpp-python 0.3.36 (the logits oracle) is not installed; "
-    "install ../shared/wheels/llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl",
+LLAMA_MISSING = (
+    "llama-cpp-python 0.3.36 (the llama.cpp oracle) is not installed: `pip install llama-cpp-python==0.3.36` "
+    "builds it from source (PyPI has no wheel; it needs a C++ compiler and cmake); CI installs a prebuilt "
+    "wheel"
 )
+requires_llama = pytest.mark.skipif(not HAVE_LLAMA, reason=LLAMA_MISSING)
 
 
 @pytest.fixture(scope="session")

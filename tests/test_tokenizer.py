@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import requires_llama
+from conftest import LLAMA_MISSING, requires_llama
 from k3stream.engine.tokenizer import Tokenizer, VocabFields
 
 VARIED = [
@@ -48,7 +48,7 @@ SPECIALS = [
 
 @pytest.fixture(scope="module")
 def llama_vocab(model_path):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = pytest.importorskip("llama_cpp", reason=LLAMA_MISSING)
     return llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
 
 
