@@ -11,20 +11,21 @@ import pytest
 HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None
 # CI sets it: the llama.cpp-oracle tests fail instead of skipping when the oracle is missing
 REQUIRE_ORACLE = os.environ.get("K3STREAM_REQUIRE_ORACLE") == "1"
-ORACLE_MISSING = (
-    "llama-cpp-python 0.3.36 (the logits oracle) is not installed; "
-    "install ../shared/wheels/llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
+LLAMA_MISSING = (
+    "llama-cpp-python 0.3.36 (the llama.cpp oracle) is not installed: `pip install llama-cpp-python==0.3.36` "
+    "builds it from source (PyPI has no wheel; it needs a C++ compiler and cmake); CI installs a prebuilt "
+    "wheel"
 )
 if REQUIRE_ORACLE and not HAVE_LLAMA:
     requires_llama = pytest.mark.usefixtures("missing_oracle")
 else:
-    requires_llama = pytest.mark.skipif(not HAVE_LLAMA, reason=ORACLE_MISSING)
+    requires_llama = pytest.mark.skipif(not HAVE_LLAMA, reason=LLAMA_MISSING)
 
 
 @pytest.fixture(scope="session")
 def missing_oracle():
     """Fails every llama.cpp-oracle test under K3STREAM_REQUIRE_ORACLE=1 when the oracle is missing."""
-    pytest.fail(f"K3STREAM_REQUIRE_ORACLE=1 but {ORACLE_MISSING}")
+    pytest.fail(f"K3STREAM_REQUIRE_ORACLE=1 but {LLAMA_MISSING}")
 
 
 @pytest.fixture(scope="session")

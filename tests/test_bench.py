@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import pytest
 
 from bench_helpers import MIB, bench_json, pack_expert_bytes, packed_tiny, run_cli
 from conftest import requires_llama
+from k3stream.commands.bench import LLAMA_MISSING
 
 SPEC = dict(n_layers=6, n_dense=1, n_experts=16, top_k=4, seed=11)
 MOE_LAYERS = SPEC["n_layers"] - SPEC["n_dense"]
@@ -88,6 +90,19 @@ def test_bench_text_report_with_llama_cpp(model):
     )
     assert speeds is not None, llama
     assert all(float(value) > 0 for value in speeds.groups())
+
+
+def test_bench_llama_without_llama_cpp_keeps_its_own_figures(model, monkeypatch):
+    gguf_path, _manifest = model
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not installed, as on a fresh machine
+    status, out, err = run_cli("bench", str(gguf_path), "--no-stream-experts", "--llama", *TOKENS)
+    assert status == 0, err
+    lines = out.splitlines()
+    assert [line.split()[0] for line in lines if line.startswith(("prefill ", "decode "))] == [
+        "prefill",
+        "decode",
+    ]
+    assert lines[-1] == LLAMA_MISSING and "pip install llama-cpp-python==0.3.36" in lines[-1]
 
 
 def test_bench_rejects_bad_token_counts(model):

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import os
 import sys
+from pathlib import Path
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("k3stream.commands.demo", "make, pack and run a tiny Kimi-K3 with streamed experts"),
@@ -28,6 +29,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# the positional argument naming the model, in each command that reads one
+SOURCE_ARGUMENTS: dict[str, str] = {
+    "inspect": "path",
+    "dequantize": "input",
+    "pack": "gguf",
+    "verify": "source",
+    "generate": "model",
+    "chat": "model",
+    "perplexity": "model",
+    "bench": "model",
+    "serve": "model",
+}
+DEMO_SOURCE = "demo"
+
+
 def _command_module(name: str):
     return importlib.import_module(COMMANDS[name][0])
 
@@ -41,6 +57,15 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         if name == chosen:
             _command_module(name).add_arguments(command_parser)
     return parser
+
+
+def resolve_demo_source(args: argparse.Namespace) -> None:
+    """The model name `demo` (when no file of that name is there) stands for the shipped demo model,
+    copied and packed in the cache on first use, as `k3stream demo` does."""
+    name = SOURCE_ARGUMENTS.get(args.command)
+    value = getattr(args, name, None) if name else None
+    if value is not None and str(value) == DEMO_SOURCE and not Path(value).exists():
+        setattr(args, name, type(value)(_command_module("demo").demo_gguf()))
 
 
 def calm_openmp() -> None:
@@ -60,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        resolve_demo_source(args)
         return int(_command_module(args.command).run(args) or 0)
     except (ValueError, OSError, RuntimeError) as exc:  # OSError: missing files, permissions, a full disk
         print(f"k3stream {args.command}: error: {exc}", file=sys.stderr)

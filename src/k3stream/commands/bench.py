@@ -4,6 +4,7 @@ read of the pack and (with `--llama`) llama.cpp on the same model, all in one ru
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,10 @@ from k3stream.commands.report import format_mib
 from k3stream.engine.loading import resolve_model
 
 MIB = 1 << 20
+LLAMA_MISSING = (
+    "llama.cpp not run: llama-cpp-python is not installed (`pip install llama-cpp-python==0.3.36` builds "
+    "it from source with a C++ compiler and cmake)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
         results["k3stream"] = bench.run_k3stream(runtime, prompt, args.decode_tokens)
     finally:
         runtime.close()
-    if args.llama:
+    if args.llama and importlib.util.find_spec("llama_cpp") is None:
+        results["llama_cpp_missing"] = LLAMA_MISSING
+    elif args.llama:
         if args.drop_cache:
             bench.drop_page_cache(gguf)
         decoded = results["k3stream"]["decoded_ids"]
@@ -105,6 +112,8 @@ def report_lines(results: dict[str, Any]) -> list[str]:
         lines.append(_sequential_line(results["sequential_read"], k3["phases"][-1]))
     if "llama_cpp" in results:
         lines.append(_llama_line(results["llama_cpp"], k3["phases"]))
+    if "llama_cpp_missing" in results:
+        lines.append(results["llama_cpp_missing"])
     if "expert_bytes" in k3:
         lines.append(_peak_line(k3["expert_bytes"]))
     if "store" in k3:

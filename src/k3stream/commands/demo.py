@@ -146,6 +146,15 @@ def prepare_demo_model(cache_dir: Path, trained: bool = True) -> DemoModel:
     return DemoModel(gguf, pack, manifest, made_s, packed_s, trained)
 
 
+def demo_gguf() -> Path:
+    """The shipped demo model's GGUF in the default cache, its pack beside it, made on first use: what
+    the source name `demo` stands for in every command."""
+    demo = prepare_demo_model(default_cache_dir())
+    if demo.packed_s is not None:
+        print(f"k3stream: the demo model is packed in {default_cache_dir()}", file=sys.stderr)
+    return demo.gguf
+
+
 def _copy(source: Path, target: Path) -> None:
     """Copy through a temp file, so an interrupted copy never looks like the model."""
     import shutil

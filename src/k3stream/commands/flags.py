@@ -16,7 +16,10 @@ if TYPE_CHECKING:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="a Kimi-K3 GGUF (any shard) or an expert-pack manifest (.json)")
+    parser.add_argument(
+        "model",
+        help="a Kimi-K3 GGUF (any shard), an expert-pack manifest (.json), or demo (the shipped model)",
+    )
     parser.add_argument(
         "--ram-mib",
         type=float,

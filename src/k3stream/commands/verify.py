@@ -1,4 +1,6 @@
-"""`k3stream verify MANIFEST`: check an expert pack against its manifest and its GGUF."""
+"""`k3stream verify SOURCE`: check an expert pack against its manifest and its GGUF. SOURCE is what the
+other commands take: the manifest, or a GGUF (a file, any shard, a directory) packed with the default
+outputs."""
 
 from __future__ import annotations
 
@@ -12,7 +14,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from k3stream.gguf.profile import AUDITED_MODEL as REAL
     from k3stream.gguf.profile import PROFILES
 
-    parser.add_argument("manifest", type=Path, help="the pack's .manifest.json")
+    parser.add_argument(
+        "source",
+        type=Path,
+        help="the pack's .manifest.json, or a GGUF (any shard, or its directory) with its pack beside it",
+    )
     parser.add_argument(
         "--full", action="store_true", help="also hash the whole pack and compare every payload with the GGUF"
     )
@@ -32,11 +38,12 @@ def run(args: argparse.Namespace) -> int:
     from k3stream.pack.verify import verify_pack
 
     try:
+        args.manifest = manifest_of(args.source)
         summary = verify_pack(args.manifest, full=args.full, profile=args.profile, pack_path=args.pack)
     except (OSError, ValueError) as exc:
         message = str(exc)
         if args.json:
-            print(json.dumps({"ok": False, "manifest": str(args.manifest), "error": message}))
+            print(json.dumps({"ok": False, "manifest": str(args.source), "error": message}))
         else:
             print(f"k3stream verify: error: {message}", file=sys.stderr)
         return 1
@@ -48,6 +55,22 @@ def run(args: argparse.Namespace) -> int:
             f"{summary['moe_layers']} MoE layers x {summary['num_experts']} experts ({checked_text(summary)})"
         )
     return 0
+
+
+def manifest_of(source: Path) -> Path:
+    """The manifest itself, or the one `k3stream pack` writes beside a GGUF by default."""
+    if source.suffix == ".json":
+        return source
+    from k3stream.gguf.shards import discover_shards
+    from k3stream.pack.paths import default_outputs
+
+    _pack, manifest = default_outputs(discover_shards(source))
+    if not manifest.is_file():
+        raise FileNotFoundError(
+            f"{source}: no expert pack beside it (looked for {manifest.name}); run `k3stream pack {source}` "
+            "first, or give the pack's manifest"
+        )
+    return manifest
 
 
 def checked_text(summary: dict) -> str:

@@ -1,0 +1,80 @@
+"""What the commands take as a model: `demo` (the shipped model, packed in the cache on first use) in every
+command, and `verify` given a GGUF, its folder or its manifest as the other commands are."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench_helpers import packed_tiny
+
+PACKED = "the demo model is packed in"
+
+
+def k3stream_at_home(home: Path, *argv: str) -> subprocess.CompletedProcess:
+    """`k3stream ARGV` in a subprocess whose cache is under `home` (a fresh machine's)."""
+    env = {key: value for key, value in os.environ.items() if key != "XDG_CACHE_HOME"}
+    env["HOME"] = str(home)
+    return subprocess.run(
+        [sys.executable, "-m", "k3stream.cli", *argv], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def verify(*argv: str) -> tuple[int, str, str]:
+    from k3stream.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(["verify", *argv])
+    return status, out.getvalue(), err.getvalue()
+
+
+def cache_files(home: Path) -> dict[Path, int]:
+    return {path: path.stat().st_mtime_ns for path in (home / ".cache").rglob("*") if path.is_file()}
+
+
+def test_demo_by_name_is_packed_once_then_reused_by_every_command(tmp_path):
+    first = k3stream_at_home(
+        tmp_path, "generate", "demo", "--prompt", "import os", "--max-tokens", "3", "--threads", "1"
+    )
+    assert first.returncode == 0, first.stderr
+    assert PACKED in first.stderr and "speed   prefill" in first.stderr
+    made = cache_files(tmp_path)
+    assert any(path.name.endswith(".pack.manifest.json") for path in made)
+
+    for argv in (("inspect", "demo"), ("verify", "demo"), ("bench", "demo", "--decode-tokens", "2")):
+        again = k3stream_at_home(tmp_path, *argv)
+        assert again.returncode == 0, (argv, again.stderr)
+        assert PACKED not in again.stderr
+    assert "OK " in k3stream_at_home(tmp_path, "verify", "demo").stdout
+    assert cache_files(tmp_path) == made  # nothing made or packed again
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    return packed_tiny(tmp_path_factory.mktemp("verify"), n_layers=3, n_experts=8, top_k=2, seed=5)
+
+
+@pytest.mark.parametrize("given", ["manifest", "gguf", "folder"])
+def test_verify_takes_what_the_other_commands_take(packed, given):
+    gguf_path, manifest = packed
+    source = {"manifest": manifest, "gguf": gguf_path, "folder": gguf_path.parent}[given]
+    status, out, err = verify(str(source))
+    assert status == 0, err
+    assert out.startswith("OK ") and str(manifest.with_suffix("").with_suffix("")) in out
+
+
+def test_verify_of_an_unpacked_gguf_says_what_it_needs(tmp_path):
+    from k3stream.testing.tiny import TinySpec, make_tiny
+
+    gguf_path = make_tiny(tmp_path, TinySpec(n_layers=2, n_experts=4, top_k=2))
+    status, out, err = verify(str(gguf_path))
+    assert (status, out) == (1, "")
+    assert len(err.splitlines()) == 1 and "JSON" not in err
+    assert "no expert pack beside it" in err and f"run `k3stream pack {gguf_path}` first" in err

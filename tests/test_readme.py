@@ -1,0 +1,78 @@
+"""README.md stays a manual: at most 300 lines, every `k3stream ...` command it shows still parses with the
+command line's argparse (parsed only, never run), and every link to a file in it, or in docs/, exists."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from k3stream.cli import COMMANDS, build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+MAX_LINES = 300
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+INLINE = re.compile(r"`([^`\n]+)`")
+COMMAND = re.compile(r"(?:^|\s)k3stream\s+(.+)$")  # `k3stream ...`, `$ k3stream ...`, `-m k3stream ...`
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def code_lines(markdown: str) -> list[str]:
+    """The lines of fenced and indented code blocks and the inline code spans, continuations joined."""
+    fenced = [line for block in FENCE.findall(markdown) for line in block.splitlines()[1:-1]]
+    prose = FENCE.sub("", markdown).replace("\\\n", " ")
+    indented = [line for line in prose.splitlines() if line.startswith("    ")]
+    spans = [
+        span for line in prose.splitlines() if not line.startswith("    ") for span in INLINE.findall(line)
+    ]
+    return fenced + indented + spans
+
+
+def shown_commands(markdown: str) -> list[list[str]]:
+    matches = (COMMAND.search(line) for line in code_lines(markdown))
+    return [shlex.split(match.group(1), comments=True) for match in matches if match]
+
+
+def test_readme_is_at_most_300_lines():
+    lines = len(README.read_text().splitlines())
+    assert lines <= MAX_LINES, f"README.md has {lines} lines; move detail into docs/"
+
+
+def test_every_command_the_readme_shows_parses():
+    commands = shown_commands(README.read_text())
+    assert len(commands) >= 10, commands  # the manual shows its commands: a broken extraction fails here
+    for argv in commands:
+        if len(argv) == 1:  # a command named in prose (`k3stream pack`): it must exist
+            assert argv[0] in COMMANDS, f"README.md names `k3stream {argv[0]}`, which is not a command"
+            continue
+        try:
+            build_parser(argv).parse_args(argv)
+        except SystemExit as exc:
+            assert exc.code == 0, f"README.md shows `k3stream {shlex.join(argv)}`, which no longer parses"
+
+
+def test_a_command_that_does_not_parse_is_caught():
+    (argv,) = shown_commands("    k3stream generate demo --no-such-flag\n")
+    with pytest.raises(SystemExit):
+        build_parser(argv).parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    "page",
+    [README, *sorted((ROOT / "docs").glob("*.md"))],
+    ids=lambda path: path.relative_to(ROOT).as_posix(),
+)
+def test_links_to_files_point_at_files_that_exist(page):
+    for target in LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        path = target.split("#", 1)[0]
+        assert (page.parent / path).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_ci_runs_the_test_command_the_readme_gives():
+    (command,) = [line.strip() for line in README.read_text().splitlines() if "-e '.[test]'" in line]
+    assert command in (ROOT / ".ci" / "run").read_text(), f".ci/run does not run the README's `{command}`"
