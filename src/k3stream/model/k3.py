@@ -15,6 +15,7 @@ through the same layer loop; only the attention layers see the per-sequence stat
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
@@ -154,6 +155,10 @@ class K3Model:
 
     def new_state(self) -> SequenceState:
         return SequenceState([layer.attn.new_state(self.device) for layer in self.layers])
+
+    def fork_state(self, state: SequenceState) -> SequenceState:
+        """An independent copy of `state`: a second continuation of the same prompt."""
+        return copy.deepcopy(state)
 
     @torch.inference_mode()
     def prefill(self, state: SequenceState, tokens: Iterable[int]) -> torch.Tensor:

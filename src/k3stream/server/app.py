@@ -166,10 +166,10 @@ class Endpoints:
         else:
             tokens = self._check_ids(prompt)
         explicit = "max_tokens" in body.model_fields_set
-        job = self._submit(
+        jobs = self._submit(
             body, tokens, body.max_tokens, explicit_limit=explicit, prompt_param="prompt", top=body.logprobs
         )
-        stream = Stream(job, self.scheduler, _CompletionChunks(self.served.name))
+        stream = Stream(jobs, self.scheduler, _CompletionChunks.for_choices(self.served.name, body.n))
         return await stream.respond(request, body.stream, body.include_usage())
 
     async def chat_completions(self, request: Request) -> Response:
@@ -178,7 +178,7 @@ class Endpoints:
         prompt = await self._off_loop(self.served.prepare_chat, body)
         limit = body.token_limit()
         top = (body.top_logprobs or 0) if body.logprobs else None
-        job = self._submit(
+        jobs = self._submit(
             body,
             prompt.tokens,
             limit,
@@ -187,11 +187,17 @@ class Endpoints:
             top=top,
             chat=prompt,
         )
-        stream = Stream(job, self.scheduler, _ChatChunks(self.served.name))
+        stream = Stream(jobs, self.scheduler, _ChatChunks.for_choices(self.served.name, body.n))
         return await stream.respond(request, body.stream, body.include_usage())
 
     def _check_request(self, body: SamplingFields) -> None:
         body.check_supported()
+        body.logit_bias_ids(self.served.vocab_size)
+        if body.n > self.scheduler.max_batch:
+            raise invalid_request(
+                f"n: at most {self.scheduler.max_batch} choices per request on this server (its batch size)",
+                param="n",
+            )
         if body.model not in (None, self.served.name):
             raise APIError(
                 404,
@@ -219,16 +225,27 @@ class Endpoints:
         prompt_param: str,
         top: int | None,
         chat: ChatPrompt | None = None,
-    ) -> Job:
-        """Queue the request; `top` is the number of top logprobs per token (None: no logprobs)."""
+    ) -> list[Job]:
+        """Queue the request, one job per choice (the first one's prefill shared by all); `top` is the
+        number of top logprobs per token (None: no logprobs)."""
         max_tokens = self._token_budget(len(tokens), limit, explicit_limit, prompt_param)
-        logic = self.served.new_sequence(body, tokens, max_tokens, chat=chat, top_logprobs=top)
-        job = Job(prompt_tokens=tokens, logic=logic, sink=EventSink(asyncio.get_running_loop()))
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        jobs = [
+            Job(
+                prompt_tokens=tokens,
+                logic=self.served.new_sequence(
+                    body, tokens, max_tokens, chat=chat, top_logprobs=top, choice=choice
+                ),
+                sink=EventSink(loop, queue, choice),
+            )
+            for choice in range(body.n)
+        ]
+        jobs[0].forks = jobs[1:]
         try:
-            self.scheduler.submit(job)
+            self.scheduler.submit(jobs[0])
         except QueueFull as exc:
             raise APIError(429, str(exc), type="server_overloaded", code="queue_full") from None
-        return job
+        return jobs
 
     def _token_budget(self, prompt_len: int, limit: int | None, explicit: bool, prompt_param: str) -> int:
         """Tokens this request may generate; a request that cannot fit the context is refused."""
@@ -254,15 +271,17 @@ class Endpoints:
 
 
 class Stream:
-    """One request's events, as a server-sent event stream or as one JSON body."""
+    """One request's events (of each of its choices), as a server-sent event stream or as one JSON body."""
 
-    def __init__(self, job: Job, scheduler: Scheduler, chunks: _Chunks) -> None:
-        self.job = job
+    def __init__(self, jobs: list[Job], scheduler: Scheduler, chunks: list[_Chunks]) -> None:
+        self.jobs = jobs
+        self.queue = jobs[0].sink.queue  # the choices share it
         self.scheduler = scheduler
         self.chunks = chunks
 
     def cancel(self) -> None:
-        self.job.cancel()
+        for job in self.jobs:
+            job.cancel()
         self.scheduler.wake()
 
     async def respond(self, request: Request, stream: bool, include_usage: bool) -> Response:
@@ -276,42 +295,50 @@ class Stream:
 
     async def _sse(self, include_usage: bool) -> AsyncIterator[str]:
         try:
-            yield _sse_data(self.chunks.first())
-            while True:
-                event = await self.job.sink.queue.get()
+            for chunks in self.chunks:
+                yield _sse_data(chunks.first())
+            finished: list[FinishEvent] = []
+            while len(finished) < len(self.jobs):
+                choice, event = await self.queue.get()
                 if isinstance(event, PieceEvent):
-                    yield _sse_data(self.chunks.piece(event.piece))
-                    continue
-                if isinstance(event, FinishEvent):
-                    yield _sse_data(self.chunks.last(event.reason))
-                    if include_usage:
-                        yield _sse_data(self.chunks.usage_only(_usage(event)))
+                    yield _sse_data(self.chunks[choice].piece(event.piece))
+                elif isinstance(event, FinishEvent):
+                    yield _sse_data(self.chunks[choice].last(event.reason))
+                    finished.append(event)
                 else:
                     yield _sse_data(APIError(500, event.message, type="server_error").body())
-                yield "data: [DONE]\n\n"
-                return
+                    break
+            else:
+                if include_usage:
+                    yield _sse_data(self.chunks[0].usage_only(_usage(finished)))
+            yield "data: [DONE]\n\n"
         finally:
-            self.cancel()  # a no-op for a finished job; frees the sequence of a client that left
+            self.cancel()  # a no-op for a finished job; frees the sequences of a client that left
 
     async def _whole(self, request: Request) -> Response:
-        total = Piece()
+        totals = [Piece() for _ in self.jobs]
+        finished: dict[int, FinishEvent] = {}
         watcher = asyncio.create_task(_watch_disconnect(request))
         try:
-            while True:
-                event = await self._next_event(watcher)
+            while len(finished) < len(self.jobs):
+                choice, event = await self._next_event(watcher)
                 if isinstance(event, PieceEvent):
-                    total.extend(event.piece)
+                    totals[choice].extend(event.piece)
                 elif isinstance(event, FinishEvent):
-                    return JSONResponse(self.chunks.whole(total, event.reason, _usage(event)))
+                    finished[choice] = event
                 else:
                     return APIError(500, event.message, type="server_error").response()
+            choices = [
+                c.whole_choice(t, finished[c.index].reason) for c, t in zip(self.chunks, totals, strict=True)
+            ]
+            return JSONResponse(self.chunks[0].whole(choices, _usage(list(finished.values()))))
         finally:
             watcher.cancel()
             self.cancel()
 
-    async def _next_event(self, watcher: asyncio.Task) -> Event:
-        """The next event; raises CancelledError once `watcher` saw the client go."""
-        getter = asyncio.ensure_future(self.job.sink.queue.get())
+    async def _next_event(self, watcher: asyncio.Task) -> tuple[int, Event]:
+        """The next `(choice, event)`; raises CancelledError once `watcher` saw the client go."""
+        getter = asyncio.ensure_future(self.queue.get())
         await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if getter.done():
             return getter.result()
@@ -325,11 +352,14 @@ async def _watch_disconnect(request: Request) -> None:
         pass
 
 
-def _usage(event: FinishEvent) -> dict[str, int]:
+def _usage(events: list[FinishEvent]) -> dict[str, int]:
+    """A request's usage from its choices' finish events: the prompt counted once."""
+    prompt_tokens = events[0].prompt_tokens
+    completion_tokens = sum(event.completion_tokens for event in events)
     return {
-        "prompt_tokens": event.prompt_tokens,
-        "completion_tokens": event.completion_tokens,
-        "total_tokens": event.prompt_tokens + event.completion_tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 
@@ -344,10 +374,17 @@ class _Chunks:
     object_chunk: str
     id_prefix: str
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, index: int = 0, ident: str = "", created: int = 0) -> None:
         self.model = model
-        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
+        self.index = index  # the choice
+        self.id = ident or f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = created or int(time.time())
+
+    @classmethod
+    def for_choices(cls, model: str, n: int) -> list[_Chunks]:
+        """One maker per choice, all with the request's id and timestamp."""
+        first = cls(model)
+        return [first, *(cls(model, index, first.id, first.created) for index in range(1, n))]
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -361,8 +398,11 @@ class _Chunks:
     def usage_only(self, usage: dict[str, int]) -> dict[str, Any]:
         return {**self._envelope(self.object_chunk, []), "usage": usage}
 
-    def whole(self, total: Piece, reason: str, usage: dict[str, int]) -> dict[str, Any]:
-        return {**self._envelope(self.object_whole, [self._whole_choice(total, reason)]), "usage": usage}
+    def whole(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._envelope(self.object_whole, choices), "usage": usage}
+
+    def whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
+        return {"index": self.index, **self._whole_choice(total, reason)}
 
     def first(self) -> dict[str, Any]:
         return self._envelope(self.object_chunk, [self._delta_choice(self._opening(), None)])
@@ -374,7 +414,7 @@ class _Chunks:
         return self._envelope(self.object_chunk, [self._delta_choice(self._text(Piece()), reason)])
 
     def _delta_choice(self, content: dict[str, Any], reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "logprobs": None, **content, "finish_reason": reason}
+        return {"index": self.index, "logprobs": None, **content, "finish_reason": reason}
 
     def _opening(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -390,8 +430,8 @@ class _CompletionChunks(_Chunks):
     object_whole = object_chunk = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, model: str) -> None:
-        super().__init__(model)
+    def __init__(self, model: str, index: int = 0, ident: str = "", created: int = 0) -> None:
+        super().__init__(model, index, ident, created)
         self._offset = 0  # characters of token text before the next token, for `text_offset`
 
     def _opening(self) -> dict[str, Any]:
@@ -402,7 +442,7 @@ class _CompletionChunks(_Chunks):
 
     def _whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
         logprobs = self._logprobs(total.logprobs)
-        return {"index": 0, "text": total.content, "logprobs": logprobs, "finish_reason": reason}
+        return {"text": total.content, "logprobs": logprobs, "finish_reason": reason}
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
         """The completions API's logprobs object (None without logprobs)."""
@@ -446,7 +486,7 @@ class _ChatChunks(_Chunks):
             message["content"] = total.content or None
             message["tool_calls"] = [_without_index(call.openai()) for call in total.tool_calls]
         logprobs = _chat_logprobs(total.logprobs)
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
+        return {"message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
 def _top_dict(top: list[TokenLogprob]) -> dict[str, float]:

@@ -19,8 +19,8 @@ from k3stream.server.kimi_output import OutputParser, Piece
 
 
 class TokenConstraint(Protocol):
-    def allowed(self) -> torch.Tensor:
-        """bool [V]: the tokens that may come next."""
+    def allowed(self) -> torch.Tensor | None:
+        """bool [V]: the tokens that may come next (None: any)."""
 
     def advance(self, token: int) -> None:
         """Record the token that came."""

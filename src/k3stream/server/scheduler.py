@@ -60,16 +60,23 @@ class SequenceLogic(Protocol):
 
 
 class EventSink:
-    """Delivers events from the scheduler thread to one request's asyncio queue."""
+    """Delivers events from the scheduler thread to one request's asyncio queue as `(choice, event)`:
+    the choices of a request with n > 1 share the queue, each with its own index."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        queue: asyncio.Queue[tuple[int, Event]] | None = None,
+        choice: int = 0,
+    ) -> None:
         self._loop = loop
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, Event]] = queue if queue is not None else asyncio.Queue()
+        self.choice = choice
 
     def put(self, event: Event) -> None:
         # A closed event loop means the server is shutting down; the event has no one to go to.
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, (self.choice, event))
 
 
 @dataclass(eq=False)
@@ -86,6 +93,12 @@ class Job:
     state: Any = None
     last_token: int = -1
     last_token_at: float = 0.0
+    forks: list[Job] = field(default_factory=list)  # the request's further choices: they share the prefill
+
+    @property
+    def width(self) -> int:
+        """Batch slots the job takes once admitted: one per choice."""
+        return 1 + len(self.forks)
 
     @property
     def active(self) -> bool:
@@ -216,9 +229,9 @@ class Scheduler:
     def _next_waiting(self) -> Job | None:
         """The next waiting job, moved to the running ones before its prefill: /health counts it."""
         with self._wake:
-            while len(self._running) < self.max_batch and self._waiting:
+            while self._waiting and len(self._running) + self._waiting[0].width <= self.max_batch:
                 if kept := self._keep_active([self._waiting.popleft()]):
-                    self._running += kept
+                    self._running += kept + self._keep_active(kept[0].forks)
                     self._update_gauges()
                     return kept[0]
             self._update_gauges()
@@ -236,7 +249,27 @@ class Scheduler:
                 continue
             self._count_tokens(len(job.prompt_tokens))
             self.metrics.prompt_tokens.inc(len(job.prompt_tokens))
-            self._emit_token(job, logits)
+            for choice, choice_logits in self._share_prefill(job, logits):
+                self._emit_token(choice, choice_logits)
+
+    def _share_prefill(self, job: Job, logits: Any) -> list[tuple[Job, Any]]:
+        """`job` and its forks with their first logits: each fork starts from a copy of `job`'s state
+        where the model can copy one (`fork_state`), else from a prefill of its own."""
+        fork_state = getattr(type(self.model), "fork_state", None)
+        shared = [(job, logits)]
+        for fork in job.forks:
+            try:
+                if fork_state is not None:
+                    fork.state = fork_state(self.model, job.state)
+                    shared.append((fork, logits))
+                    continue
+                fork.state = self.model.new_state()
+                shared.append((fork, prefill_last(self.model, fork.state, fork.prompt_tokens)))
+                self._count_tokens(len(fork.prompt_tokens))
+            except Exception as exc:
+                log.exception("prefill failed")
+                self._fail_request(fork, f"prefill failed: {exc}")
+        return shared
 
     def _decode_step(self) -> None:
         batch = [job for job in self._running if job.active]
