@@ -11,19 +11,21 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3stream.server.errors import APIError, from_validation_error, invalid_request, redact_paths
+from k3stream.server.bodies import parse_body
+from k3stream.server.endpoints_llama import llama_router
+from k3stream.server.errors import APIError, invalid_request, redact_paths
 from k3stream.server.guard import Guard, GuardConfig
 from k3stream.server.kimi_output import Piece
 from k3stream.server.metrics import ServerMetrics
 from k3stream.server.request_logic import TokenLogprob
+from k3stream.server.routes import LLAMA_ENDPOINTS
 from k3stream.server.runtime import ChatPrompt, ServedModel
 from k3stream.server.scheduler import (
     Event,
@@ -31,13 +33,15 @@ from k3stream.server.scheduler import (
     FinishEvent,
     Job,
     PieceEvent,
+    ProgressEvent,
     QueueFull,
     Scheduler,
 )
 from k3stream.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
-KNOWN_ENDPOINTS = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"})
-RequestModel = TypeVar("RequestModel", bound=BaseModel)
+KNOWN_ENDPOINTS = frozenset(
+    {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", *LLAMA_ENDPOINTS}
+)
 
 
 # a run of this many failed requests, with no success between, makes /health answer 503
@@ -51,12 +55,17 @@ class ServerConfig:
     max_batch: int = 16
     max_queue: int = 64
     guard: GuardConfig = field(default_factory=GuardConfig)
+    # seconds an event stream may stay silent before a `: keep-alive` comment line (proxies close
+    # silent connections; a prefill streamed from disk can take minutes)
+    sse_keepalive_s: float = 15.0
 
     def check(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"--max-batch must be at least 1, got {self.max_batch}")
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be at least 0, got {self.max_queue}")
+        if not self.sse_keepalive_s > 0:
+            raise ValueError(f"--sse-keepalive must be above 0 seconds, got {self.sse_keepalive_s}")
         self.guard.check()
 
     def batch_for(self, served: ServedModel) -> int:
@@ -93,12 +102,13 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     app.add_middleware(Guard, config=config.guard)
     app.add_middleware(RequestCounter, metrics=metrics)  # outermost: refusals are counted too
     _add_error_handlers(app)
-    api = Endpoints(served, scheduler, metrics, tokenizers)
+    api = Endpoints(served, scheduler, metrics, tokenizers, config.sse_keepalive_s)
     app.get("/v1/models")(api.models)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics_text)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
+    app.include_router(llama_router(served, scheduler, tokenizers))
     return app
 
 
@@ -109,11 +119,13 @@ class Endpoints:
         scheduler: Scheduler,
         metrics: ServerMetrics,
         tokenizers: ThreadPoolExecutor,
+        keepalive_s: float,
     ) -> None:
         self.served = served
         self.scheduler = scheduler
         self.metrics = metrics
         self.tokenizers = tokenizers
+        self.keepalive_s = keepalive_s
 
     async def _off_loop(self, function: Callable, *args: Any) -> Any:
         """Run tokenizing / template rendering on the tokenizer threads, not the event loop."""
@@ -158,7 +170,7 @@ class Endpoints:
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     async def completions(self, request: Request) -> Response:
-        body = await _parse(request, CompletionRequest)
+        body = await parse_body(request, CompletionRequest)
         self._check_request(body)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
@@ -169,11 +181,11 @@ class Endpoints:
         jobs = self._submit(
             body, tokens, body.max_tokens, explicit_limit=explicit, prompt_param="prompt", top=body.logprobs
         )
-        stream = Stream(jobs, self.scheduler, _CompletionChunks.for_choices(self.served.name, body.n))
+        stream = self._stream(jobs, body, _CompletionChunks)
         return await stream.respond(request, body.stream, body.include_usage())
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await _parse(request, ChatCompletionRequest)
+        body = await parse_body(request, ChatCompletionRequest)
         self._check_request(body)
         prompt = await self._off_loop(self.served.prepare_chat, body)
         limit = body.token_limit()
@@ -187,8 +199,12 @@ class Endpoints:
             top=top,
             chat=prompt,
         )
-        stream = Stream(jobs, self.scheduler, _ChatChunks.for_choices(self.served.name, body.n))
+        stream = self._stream(jobs, body, _ChatChunks)
         return await stream.respond(request, body.stream, body.include_usage())
+
+    def _stream(self, jobs: list[Job], body: SamplingFields, chunks: type[_Chunks]) -> Stream:
+        makers = chunks.for_choices(self.served.name, body.n)
+        return Stream(jobs, self.scheduler, makers, self.keepalive_s, body.return_progress)
 
     def _check_request(self, body: SamplingFields) -> None:
         body.check_supported()
@@ -273,11 +289,20 @@ class Endpoints:
 class Stream:
     """One request's events (of each of its choices), as a server-sent event stream or as one JSON body."""
 
-    def __init__(self, jobs: list[Job], scheduler: Scheduler, chunks: list[_Chunks]) -> None:
+    def __init__(
+        self,
+        jobs: list[Job],
+        scheduler: Scheduler,
+        chunks: list[_Chunks],
+        keepalive_s: float = 15.0,
+        progress: bool = False,
+    ) -> None:
         self.jobs = jobs
         self.queue = jobs[0].sink.queue  # the choices share it
         self.scheduler = scheduler
         self.chunks = chunks
+        self.keepalive_s = keepalive_s
+        self.progress = progress  # send the prefill's progress events (llama-server's return_progress)
 
     def cancel(self) -> None:
         for job in self.jobs:
@@ -299,8 +324,15 @@ class Stream:
                 yield _sse_data(chunks.first())
             finished: list[FinishEvent] = []
             while len(finished) < len(self.jobs):
-                choice, event = await self.queue.get()
-                if isinstance(event, PieceEvent):
+                try:
+                    choice, event = await asyncio.wait_for(self.queue.get(), self.keepalive_s)
+                except TimeoutError:
+                    yield ": keep-alive\n\n"
+                    continue
+                if isinstance(event, ProgressEvent):
+                    if self.progress:
+                        yield _sse_data(self.chunks[choice].progress(event))
+                elif isinstance(event, PieceEvent):
                     yield _sse_data(self.chunks[choice].piece(event.piece))
                 elif isinstance(event, FinishEvent):
                     yield _sse_data(self.chunks[choice].last(event.reason))
@@ -322,6 +354,8 @@ class Stream:
         try:
             while len(finished) < len(self.jobs):
                 choice, event = await self._next_event(watcher)
+                if isinstance(event, ProgressEvent):
+                    continue
                 if isinstance(event, PieceEvent):
                     totals[choice].extend(event.piece)
                 elif isinstance(event, FinishEvent):
@@ -394,6 +428,11 @@ class _Chunks:
             "model": self.model,
             "choices": choices,
         }
+
+    def progress(self, event: ProgressEvent) -> dict[str, Any]:
+        """A chunk with no choices and llama-server's `prompt_progress`."""
+        progress = {"total": event.total, "cache": 0, "processed": event.processed, "time_ms": event.time_ms}
+        return {**self._envelope(self.object_chunk, []), "prompt_progress": progress}
 
     def usage_only(self, usage: dict[str, int]) -> dict[str, Any]:
         return {**self._envelope(self.object_chunk, []), "usage": usage}
@@ -503,16 +542,6 @@ def _chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any] | None:
 
 def _without_index(call: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in call.items() if key != "index"}
-
-
-async def _parse(request: Request, model: type[RequestModel]) -> RequestModel:
-    try:
-        body = await request.body()
-        if len(body) > 64 * 1024:  # parsing a few MiB takes milliseconds: keep it off the event loop
-            return await asyncio.to_thread(model.model_validate_json, body)
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
 
 
 def _add_error_handlers(app: FastAPI) -> None:

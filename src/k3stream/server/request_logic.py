@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from k3stream.engine.generate import FINISH_STOP, Sequence
+from k3stream.engine.sampling import SamplingParams
 from k3stream.server.kimi_output import OutputParser, Piece
 
 
@@ -71,6 +72,10 @@ class RequestLogic:
     @property
     def completion_tokens(self) -> int:
         return self.sequence.completion_tokens
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.sequence.params
 
     def choose(self, logits: torch.Tensor) -> int:
         allowed = self.constraint.allowed() if self.constraint is not None else None

@@ -39,7 +39,16 @@ class ErrorEvent:
     message: str
 
 
-Event = PieceEvent | FinishEvent | ErrorEvent
+@dataclass(frozen=True)
+class ProgressEvent:
+    """How far the prefill of a request's prompt is (llama-server's `prompt_progress`)."""
+
+    total: int
+    processed: int
+    time_ms: float
+
+
+Event = PieceEvent | FinishEvent | ErrorEvent | ProgressEvent
 
 
 class QueueFull(Exception):
@@ -93,6 +102,8 @@ class Job:
     state: Any = None
     last_token: int = -1
     last_token_at: float = 0.0
+    prompt_done: int = 0  # prompt tokens prefilled so far
+    prefill_started_at: float = 0.0
     forks: list[Job] = field(default_factory=list)  # the request's further choices: they share the prefill
 
     @property
@@ -177,6 +188,12 @@ class Scheduler:
         with self._wake:
             self._wake.notify()
 
+    def active_jobs(self) -> list[Job]:
+        """The running jobs, then the waiting ones, as they stand (for /slots)."""
+        with self._wake:
+            jobs = list(self._running) + list(self._waiting)
+        return [job for job in jobs if job.active]
+
     def snapshot(self) -> dict[str, int]:
         with self._wake:
             waiting, running = len(self._waiting), len(self._running)
@@ -241,8 +258,10 @@ class Scheduler:
         """Prefill waiting requests one at a time while the batch has room."""
         while (job := self._next_waiting()) is not None:
             try:
+                self._progress(job, 0)
                 job.state = self.model.new_state()
                 logits = prefill_last(self.model, job.state, job.prompt_tokens)
+                self._progress(job, len(job.prompt_tokens))
             except Exception as exc:  # one bad request must not stop the server
                 log.exception("prefill failed")
                 self._fail_request(job, f"prefill failed: {exc}")
@@ -251,6 +270,15 @@ class Scheduler:
             self.metrics.prompt_tokens.inc(len(job.prompt_tokens))
             for choice, choice_logits in self._share_prefill(job, logits):
                 self._emit_token(choice, choice_logits)
+
+    def _progress(self, job: Job, processed: int) -> None:
+        """Record and send how many prompt tokens of `job` are prefilled."""
+        now = time.perf_counter()
+        if processed == 0:
+            job.prefill_started_at = now
+        job.prompt_done = processed
+        elapsed_ms = (now - job.prefill_started_at) * 1000
+        job.sink.put(ProgressEvent(len(job.prompt_tokens), processed, elapsed_ms))
 
     def _share_prefill(self, job: Job, logits: Any) -> list[tuple[Job, Any]]:
         """`job` and its forks with their first logits: each fork starts from a copy of `job`'s state

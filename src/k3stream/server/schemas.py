@@ -89,6 +89,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence
+    return_progress: bool = False  # llama-server's: stream `prompt_progress` chunks during the prefill
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
