@@ -232,3 +232,18 @@ def test_bad_bodies_are_one_line_400s_naming_the_field(server, path, body, param
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and "\n" not in error["message"]
+
+
+def test_answers_carry_llama_server_timings(server):
+    body = {"prompt": "The quick brown fox", "max_tokens": 5, "ignore_eos": True}
+    whole = post(server, "/v1/completions", body).json()
+    timings, usage = whole["timings"], whole["usage"]
+    assert (
+        timings["prompt_n"] == usage["prompt_tokens"] and timings["predicted_n"] == usage["completion_tokens"]
+    )
+    assert timings["prompt_ms"] > 0 and timings["predicted_ms"] > 0
+    assert timings["predicted_per_second"] == pytest.approx(5 / timings["predicted_ms"] * 1000)
+    lines: list = []
+    _stream_lines(server, {**body, "n": 1, "stream": True, "stream_options": {"include_usage": True}}, lines)
+    last = json.loads([line for _, line in lines if line.startswith("data: {")][-1][6:])
+    assert last["usage"]["completion_tokens"] == 5 and last["timings"]["predicted_n"] == 5

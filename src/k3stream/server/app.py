@@ -38,9 +38,10 @@ from k3stream.server.scheduler import (
     Scheduler,
 )
 from k3stream.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from k3stream.server.webui import webui_router
 
 KNOWN_ENDPOINTS = frozenset(
-    {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", *LLAMA_ENDPOINTS}
+    {"/", "/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", *LLAMA_ENDPOINTS}
 )
 
 
@@ -58,6 +59,7 @@ class ServerConfig:
     # seconds an event stream may stay silent before a `: keep-alive` comment line (proxies close
     # silent connections; a prefill streamed from disk can take minutes)
     sse_keepalive_s: float = 15.0
+    webui: bool = True  # the chat page at `/`
 
     def check(self) -> None:
         if self.max_batch < 1:
@@ -109,6 +111,8 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
     app.include_router(llama_router(served, scheduler, tokenizers))
+    if config.webui:
+        app.include_router(webui_router())
     return app
 
 
@@ -342,7 +346,8 @@ class Stream:
                     break
             else:
                 if include_usage:
-                    yield _sse_data(self.chunks[0].usage_only(_usage(finished)))
+                    usage_chunk = self.chunks[0].usage_only(_usage(finished))
+                    yield _sse_data({**usage_chunk, "timings": _timings(self.jobs)})
             yield "data: [DONE]\n\n"
         finally:
             self.cancel()  # a no-op for a finished job; frees the sequences of a client that left
@@ -365,7 +370,8 @@ class Stream:
             choices = [
                 c.whole_choice(t, finished[c.index].reason) for c, t in zip(self.chunks, totals, strict=True)
             ]
-            return JSONResponse(self.chunks[0].whole(choices, _usage(list(finished.values()))))
+            body = self.chunks[0].whole(choices, _usage(list(finished.values())))
+            return JSONResponse({**body, "timings": _timings(self.jobs)})
         finally:
             watcher.cancel()
             self.cancel()
@@ -384,6 +390,23 @@ async def _watch_disconnect(request: Request) -> None:
     """Returns when the client of a request whose body was read has disconnected."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _timings(jobs: list[Job]) -> dict[str, float]:
+    """llama-server's `timings` of a finished request, measured by the scheduler: the prompt's prefill
+    (shared by the choices) and the decoding after it, to the last token of any choice."""
+    first = jobs[0]
+    prompt_ms = (first.prefill_done_at - first.prefill_started_at) * 1000
+    predicted_n = sum(job.logic.completion_tokens for job in jobs)
+    predicted_ms = (max(job.last_token_at for job in jobs) - first.prefill_done_at) * 1000
+    return {
+        "prompt_n": len(first.prompt_tokens),
+        "prompt_ms": prompt_ms,
+        "prompt_per_second": len(first.prompt_tokens) / prompt_ms * 1000 if prompt_ms > 0 else 0.0,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_second": predicted_n / predicted_ms * 1000 if predicted_ms > 0 else 0.0,
+    }
 
 
 def _usage(events: list[FinishEvent]) -> dict[str, int]:

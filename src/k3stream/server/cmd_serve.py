@@ -75,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=15.0,
         help="seconds a stream may stay silent before a `: keep-alive` comment line (default %(default)s)",
     )
+    parser.add_argument("--no-webui", action="store_true", help="do not serve the chat page at /")
     parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         guard=guard_config(args),
         sse_keepalive_s=args.sse_keepalive,
+        webui=not args.no_webui,
     )
     config.check()
     # under torchrun rank 0 serves and the others follow; a failed rank stops the server (as Ctrl-C)
@@ -108,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         print(access_note(config.guard), flush=True)
+        if config.webui:
+            print(f"k3stream serve: chat page at http://{args.host}:{args.port}/ (--no-webui to turn it off)")
         try:
             uvicorn.run(
                 app,

@@ -104,6 +104,7 @@ class Job:
     last_token_at: float = 0.0
     prompt_done: int = 0  # prompt tokens prefilled so far
     prefill_started_at: float = 0.0
+    prefill_done_at: float = 0.0
     forks: list[Job] = field(default_factory=list)  # the request's further choices: they share the prefill
 
     @property
@@ -276,6 +277,8 @@ class Scheduler:
         now = time.perf_counter()
         if processed == 0:
             job.prefill_started_at = now
+        if processed == len(job.prompt_tokens):
+            job.prefill_done_at = now
         job.prompt_done = processed
         elapsed_ms = (now - job.prefill_started_at) * 1000
         job.sink.put(ProgressEvent(len(job.prompt_tokens), processed, elapsed_ms))
