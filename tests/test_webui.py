@@ -65,7 +65,7 @@ def browser():
 def tool_gguf(tiny_model, tmp_path_factory):
     source = tiny_model(vocab=600, context_length=2048)
     out = tmp_path_factory.mktemp("webui") / "kimi-webui.gguf"
-    return retokenized(source, out, chat_template=KIMI_TOOL_TEMPLATE)
+    return retokenized(source, out, chat_template=KIMI_TOOL_TEMPLATE, special_tokens=("<think>", "</think>"))
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +190,21 @@ def test_a_tool_call_is_shown(page):
     assert name == "tool call: get_weather"
     jsonschema.validate(json.loads(arguments), WEATHER)
     assert _stored_answer(page)["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_reasoning_is_shown_folded(page):
+    """The template opens a think block: the answer is reasoning, shown in a closed <details>."""
+    _fill(page, {"extra": '{"chat_template_kwargs": {"thinking": true}}', "max_tokens": "16"})
+    _send(page, "Think first")
+    _wait(page, lambda: "tokens/s" in _stats(page), "the answer finished")
+    reasoning = _stored_answer(page)["reasoning"]
+    assert reasoning
+    folded = page.execute_script(
+        "const d = document.querySelector('.msg.assistant details.reasoning');"
+        "return d ? [d.open, d.querySelector('summary').textContent, d.textContent] : null"
+    )
+    assert folded[0] is False and folded[1] == "Reasoning"
+    assert "".join(reasoning.split()) in "".join(folded[2].split())
 
 
 def test_wrong_api_key_shows_the_servers_error(page):
