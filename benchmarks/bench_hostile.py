@@ -262,6 +262,34 @@ def _request_cases(url: str) -> dict:
             {400},
         ),
         "unknown route": (lambda: httpx.get(url + "/admin", headers=auth, timeout=10), {404}),
+        "n 10^6": (post(completions, {"prompt": "hi", "max_tokens": 2, "n": 10**6}), {400}),
+        "logit_bias id outside the vocabulary": (
+            post(completions, {"prompt": "hi", "logit_bias": {str(1 << 40): 1}}),
+            {400},
+        ),
+        "logit_bias 1e308": (post(completions, {"prompt": "hi", "logit_bias": {"1": 1e308}}), {400}),
+        "frequency_penalty 1e9": (post(completions, {"prompt": "hi", "frequency_penalty": 1e9}), {400}),
+        "/tokenize content of the wrong type": (post(url + "/tokenize", {"content": [1, 2]}), {400}),
+        "/tokenize 2 MiB of content": (post(url + "/tokenize", {"content": "ab " * (700 << 10)}), {400}),
+        "/tokenize special-token text": (
+            post(url + "/tokenize", {"content": "<|im_end|>" * 1000, "with_pieces": True}),
+            {200},
+        ),
+        "/detokenize id outside the vocabulary": (post(url + "/detokenize", {"tokens": [1 << 40]}), {400}),
+        "/detokenize negative id": (post(url + "/detokenize", {"tokens": [-1]}), {400}),
+        "/apply-template no messages": (post(url + "/apply-template", {"messages": []}), {400}),
+        "/apply-template template variable set by the server": (
+            post(url + "/apply-template", {**message("hi"), "chat_template_kwargs": {"messages": 1}}),
+            {400},
+        ),
+        **{
+            f"{path} without API key": (lambda path=path: httpx.get(url + path, timeout=10), {401})
+            for path in ("/props", "/slots")
+        },
+        "/tokenize without API key": (
+            lambda: httpx.post(url + "/tokenize", json={"content": "hi"}, timeout=10),
+            {401},
+        ),
     }
 
 

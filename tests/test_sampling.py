@@ -9,6 +9,8 @@ import torch
 from k3stream.engine.sampling import (
     Sampler,
     SamplingParams,
+    apply_logit_bias,
+    apply_output_penalties,
     apply_repetition_penalty,
     min_p_mask,
     sampling_distribution,
@@ -134,3 +136,34 @@ def test_seed_makes_draws_reproducible():
 def test_bad_parameters_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**fields)
+
+
+def test_output_penalties_are_openais():
+    """logit - frequency * count - presence * (count > 0), from a direct numpy computation."""
+    logits = _logits(3, 50)
+    output = [4, 4, 4, 9, 17, 4, 9]
+    counts = np.bincount(output, minlength=50)
+    expected = logits.numpy() - 0.7 * counts - (-0.4) * (counts > 0)
+    got = apply_output_penalties(logits, output, 0.7, -0.4)
+    assert np.allclose(got.numpy(), expected, atol=1e-6)
+    assert apply_output_penalties(logits, output, 0.0, 0.0) is logits
+    assert apply_output_penalties(logits, [], 1.0, 1.0) is logits
+
+
+def test_logit_bias_adds_to_the_named_tokens():
+    logits = _logits(4, 20)
+    got = apply_logit_bias(logits, ((3, 5.0), (19, -100.0)))
+    expected = logits.numpy().copy()
+    expected[3] += 5.0
+    expected[19] -= 100.0
+    assert np.array_equal(got.numpy(), expected)
+    assert Sampler(SamplingParams(temperature=0, logit_bias=((7, 100.0),))).sample(logits) == 7
+
+
+def test_penalties_see_the_output_only():
+    """Tokens in the prompt alone are not penalised (OpenAI's and vLLM's frequency/presence)."""
+    logits = torch.zeros(10)
+    logits[2] = 1.0
+    sampler = Sampler(SamplingParams(temperature=0, presence_penalty=2.0))
+    assert sampler.sample(logits, previous_ids=[2, 2, 2]) == 2
+    assert sampler.sample(logits, previous_ids=[2], output_ids=[2]) != 2

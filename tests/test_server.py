@@ -282,7 +282,8 @@ BAD_BODIES = [
     ("prompt longer than the context", {"prompt": "word " * 600}, "context_length_exceeded"),
     ("token ids outside the vocabulary", {"prompt": [1, 2, 10**9]}, None),
     ("missing prompt", {"max_tokens": 3}, None),
-    ("n=2", {"prompt": "hi", "n": 2}, "unsupported_value"),
+    ("n above the batch", {"prompt": "hi", "n": MAX_BATCH + 1}, None),
+    ("n zero", {"prompt": "hi", "n": 0}, None),
     ("two prompts", {"prompt": ["a", "b"]}, "unsupported_value"),
     ("stop of wrong type", {"prompt": "hi", "stop": 5}, None),
     ("stream not a bool", {"prompt": "hi", "stream": "yes"}, None),
@@ -430,7 +431,7 @@ def test_scheduler_without_a_queue_fills_its_free_batch_slots(gguf_model):
     time.sleep(0.05)
     assert scheduler.snapshot()["steps"] == steps, "the scheduler thread ran on after stop()"
     loop.run_until_complete(asyncio.sleep(0))
-    events = [long.sink.queue.get_nowait() for _ in range(long.sink.queue.qsize())]
+    events = [long.sink.queue.get_nowait()[1] for _ in range(long.sink.queue.qsize())]
     assert events[-1] == ErrorEvent("the server is shutting down")
     loop.close()
 

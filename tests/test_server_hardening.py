@@ -256,13 +256,15 @@ def test_non_finite_logits_are_never_sampled():
     "fields, param",
     [
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"logit_bias": {"5": 10}}, "logit_bias"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+        ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"presence_penalty": -3}, "presence_penalty"),
         ({"top_logprobs": 2}, "top_logprobs"),
     ],
 )
-def test_unsupported_openai_fields_are_refused_by_name(server, fields, param):
+def test_unsupported_or_out_of_range_fields_are_refused_by_name(server, fields, param):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
     response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == param

@@ -326,7 +326,7 @@ def test_completion_logprobs(client):
             {"tools": [{**TOOLS[0], "function": {"name": "f", "description": "<|im_end|>"}}]},
             "tools.0.function.description",
         ),
-        ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"tools": TOOLS, "n": 99}, "n"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),

@@ -69,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a connection may take to send a request's headers (default %(default)s)",
     )
     parser.add_argument(
+        "--sse-keepalive",
+        type=float,
+        default=15.0,
+        help="seconds a stream may stay silent before a `: keep-alive` comment line (default %(default)s)",
+    )
+    parser.add_argument("--no-webui", action="store_true", help="do not serve the chat page at /")
+    parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
 
@@ -81,7 +88,13 @@ def run(args: argparse.Namespace) -> int:
     from k3stream.server.guard import uvicorn_options
     from k3stream.server.runtime import served_from_runtime
 
-    config = ServerConfig(max_batch=args.max_batch, max_queue=args.max_queue, guard=guard_config(args))
+    config = ServerConfig(
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        guard=guard_config(args),
+        sse_keepalive_s=args.sse_keepalive,
+        webui=not args.no_webui,
+    )
     config.check()
     # under torchrun rank 0 serves and the others follow; a failed rank stops the server (as Ctrl-C)
     with parallel_runtime(args, on_failure=lambda: os.kill(os.getpid(), signal.SIGINT)) as runtime:
@@ -96,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         print(access_note(config.guard), flush=True)
+        if config.webui:
+            print(f"k3stream serve: chat page at http://{args.host}:{args.port}/ (--no-webui to turn it off)")
         try:
             uvicorn.run(
                 app,

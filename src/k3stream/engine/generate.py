@@ -144,7 +144,7 @@ class Sequence:
 
     def choose(self, logits: Any, allowed: Any = None) -> int:
         """Sample the next token from a `[V]` logits row (among the `allowed` tokens, bool [V], if given)."""
-        return self._sampler.sample(logits, self._context_ids(), allowed)
+        return self._sampler.sample(logits, self._context_ids(), allowed, self.token_ids)
 
     def _context_ids(self) -> list[int]:
         if self.params.repetition_penalty == 1.0:

@@ -1,7 +1,9 @@
-"""Next-token sampling: repetition penalty, temperature, top-k, top-p, min-p, seeded draws.
+"""Next-token sampling: logit bias, repetition, frequency and presence penalties, temperature, top-k,
+top-p, min-p, seeded draws.
 
-Order (as in HF transformers and vLLM): repetition penalty on the raw logits, then temperature, then the
-top-k, top-p and min-p masks on the tempered distribution, then one draw from a per-request generator.
+Order (as in vLLM): logit bias on the raw logits, then the repetition penalty, then the frequency and
+presence penalties (OpenAI's: on the tokens generated so far), then temperature, then the top-k, top-p
+and min-p masks on the tempered distribution, then one draw from a per-request generator.
 Temperature 0 (or below GREEDY_BELOW, as in vLLM) is greedy: the argmax of the penalised logits.
 Non-finite logits (NaN or infinity: damaged weights, an overflow) are never sampled from: `sample`
 raises NonFiniteLogits.
@@ -30,6 +32,9 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0  # subtracted once per earlier occurrence in the output
+    presence_penalty: float = 0.0  # subtracted once from every token the output holds
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit)
     seed: int | None = None
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
@@ -44,6 +49,18 @@ class SamplingParams:
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                -2 <= self.presence_penalty <= 2,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                all(-100 <= bias <= 100 for _, bias in self.logit_bias),
+                "logit_bias values must be in [-100, 100]",
+            ),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (all(self.stop), "stop strings must not be empty"),
         ]
@@ -52,6 +69,7 @@ class SamplingParams:
                 raise ValueError(message)
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -72,6 +90,29 @@ def apply_repetition_penalty(
     seen = out[ids]
     out[ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
     return out
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """`logits` with each `(token, value)` of `bias` added to that token's logit (OpenAI's logit_bias)."""
+    if not bias:
+        return logits
+    ids = torch.tensor([token for token, _ in bias], dtype=torch.long, device=logits.device)
+    values = torch.tensor([value for _, value in bias], dtype=logits.dtype, device=logits.device)
+    return logits.index_add(0, ids, values)
+
+
+def apply_output_penalties(
+    logits: torch.Tensor, output_ids: Iterable[int], frequency: float, presence: float
+) -> torch.Tensor:
+    """OpenAI's penalties: each token's logit less `frequency` times its count in the output so far, less
+    `presence` once if it occurs there at all."""
+    if frequency == 0.0 and presence == 0.0:
+        return logits
+    ids = torch.tensor(list(output_ids), dtype=torch.long, device=logits.device)
+    if ids.numel() == 0:
+        return logits
+    counts = torch.bincount(ids, minlength=logits.numel())[: logits.numel()].to(logits.dtype)
+    return logits - counts * frequency - (counts > 0).to(logits.dtype) * presence
 
 
 def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -139,13 +180,21 @@ class Sampler:
         return self._generator
 
     def sample(
-        self, logits: torch.Tensor, previous_ids: Iterable[int] = (), allowed: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        previous_ids: Iterable[int] = (),
+        allowed: torch.Tensor | None = None,
+        output_ids: Iterable[int] = (),
     ) -> int:
-        """Next token from `logits` [V]; `previous_ids` (prompt and output) feed the repetition penalty;
-        `allowed` (bool [V], constrained decoding) keeps only those tokens. Raises NonFiniteLogits when
-        any logit is NaN or infinite."""
+        """Next token from `logits` [V]; `previous_ids` (prompt and output) feed the repetition penalty,
+        `output_ids` (the output alone) the frequency and presence penalties; `allowed` (bool [V],
+        constrained decoding) keeps only those tokens. Raises NonFiniteLogits when any logit is NaN or
+        infinite."""
         check_finite(logits)
-        logits = apply_repetition_penalty(logits.reshape(-1), previous_ids, self.params.repetition_penalty)
+        params = self.params
+        logits = apply_logit_bias(logits.reshape(-1), params.logit_bias)
+        logits = apply_repetition_penalty(logits, previous_ids, params.repetition_penalty)
+        logits = apply_output_penalties(logits, output_ids, params.frequency_penalty, params.presence_penalty)
         if allowed is not None:
             logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
         if self.params.greedy:

@@ -15,6 +15,7 @@ through the same layer loop; only the attention layers see the per-sequence stat
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
@@ -99,6 +100,10 @@ class K3Model:
 
     def new_state(self) -> SequenceState:
         return SequenceState([layer.attn.new_state(self.device) for layer in self.layers])
+
+    def fork_state(self, state: SequenceState) -> SequenceState:
+        """An independent copy of `state`: a second continuation of the same prompt."""
+        return copy.deepcopy(state)
 
     @torch.inference_mode()
     def prefill(self, state: SequenceState, tokens: Iterable[int]) -> torch.Tensor:

@@ -11,19 +11,21 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3stream.server.errors import APIError, from_validation_error, invalid_request, redact_paths
+from k3stream.server.bodies import parse_body
+from k3stream.server.endpoints_llama import llama_router
+from k3stream.server.errors import APIError, invalid_request, redact_paths
 from k3stream.server.guard import Guard, GuardConfig
 from k3stream.server.kimi_output import Piece
 from k3stream.server.metrics import ServerMetrics
 from k3stream.server.request_logic import TokenLogprob
+from k3stream.server.routes import LLAMA_ENDPOINTS
 from k3stream.server.runtime import ChatPrompt, ServedModel
 from k3stream.server.scheduler import (
     Event,
@@ -31,13 +33,16 @@ from k3stream.server.scheduler import (
     FinishEvent,
     Job,
     PieceEvent,
+    ProgressEvent,
     QueueFull,
     Scheduler,
 )
 from k3stream.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from k3stream.server.webui import webui_router
 
-KNOWN_ENDPOINTS = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"})
-RequestModel = TypeVar("RequestModel", bound=BaseModel)
+KNOWN_ENDPOINTS = frozenset(
+    {"/", "/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", *LLAMA_ENDPOINTS}
+)
 
 
 # a run of this many failed requests, with no success between, makes /health answer 503
@@ -51,12 +56,18 @@ class ServerConfig:
     max_batch: int = 16
     max_queue: int = 64
     guard: GuardConfig = field(default_factory=GuardConfig)
+    # seconds an event stream may stay silent before a `: keep-alive` comment line (proxies close
+    # silent connections; a prefill streamed from disk can take minutes)
+    sse_keepalive_s: float = 15.0
+    webui: bool = True  # the chat page at `/`
 
     def check(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"--max-batch must be at least 1, got {self.max_batch}")
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be at least 0, got {self.max_queue}")
+        if not self.sse_keepalive_s > 0:
+            raise ValueError(f"--sse-keepalive must be above 0 seconds, got {self.sse_keepalive_s}")
         self.guard.check()
 
     def batch_for(self, served: ServedModel) -> int:
@@ -93,12 +104,15 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     app.add_middleware(Guard, config=config.guard)
     app.add_middleware(RequestCounter, metrics=metrics)  # outermost: refusals are counted too
     _add_error_handlers(app)
-    api = Endpoints(served, scheduler, metrics, tokenizers)
+    api = Endpoints(served, scheduler, metrics, tokenizers, config.sse_keepalive_s)
     app.get("/v1/models")(api.models)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics_text)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
+    app.include_router(llama_router(served, scheduler, tokenizers))
+    if config.webui:
+        app.include_router(webui_router())
     return app
 
 
@@ -109,11 +123,13 @@ class Endpoints:
         scheduler: Scheduler,
         metrics: ServerMetrics,
         tokenizers: ThreadPoolExecutor,
+        keepalive_s: float,
     ) -> None:
         self.served = served
         self.scheduler = scheduler
         self.metrics = metrics
         self.tokenizers = tokenizers
+        self.keepalive_s = keepalive_s
 
     async def _off_loop(self, function: Callable, *args: Any) -> Any:
         """Run tokenizing / template rendering on the tokenizer threads, not the event loop."""
@@ -158,7 +174,7 @@ class Endpoints:
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     async def completions(self, request: Request) -> Response:
-        body = await _parse(request, CompletionRequest)
+        body = await parse_body(request, CompletionRequest)
         self._check_request(body)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
@@ -166,19 +182,19 @@ class Endpoints:
         else:
             tokens = self._check_ids(prompt)
         explicit = "max_tokens" in body.model_fields_set
-        job = self._submit(
+        jobs = self._submit(
             body, tokens, body.max_tokens, explicit_limit=explicit, prompt_param="prompt", top=body.logprobs
         )
-        stream = Stream(job, self.scheduler, _CompletionChunks(self.served.name))
+        stream = self._stream(jobs, body, _CompletionChunks)
         return await stream.respond(request, body.stream, body.include_usage())
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await _parse(request, ChatCompletionRequest)
+        body = await parse_body(request, ChatCompletionRequest)
         self._check_request(body)
         prompt = await self._off_loop(self.served.prepare_chat, body)
         limit = body.token_limit()
         top = (body.top_logprobs or 0) if body.logprobs else None
-        job = self._submit(
+        jobs = self._submit(
             body,
             prompt.tokens,
             limit,
@@ -187,11 +203,21 @@ class Endpoints:
             top=top,
             chat=prompt,
         )
-        stream = Stream(job, self.scheduler, _ChatChunks(self.served.name))
+        stream = self._stream(jobs, body, _ChatChunks)
         return await stream.respond(request, body.stream, body.include_usage())
+
+    def _stream(self, jobs: list[Job], body: SamplingFields, chunks: type[_Chunks]) -> Stream:
+        makers = chunks.for_choices(self.served.name, body.n)
+        return Stream(jobs, self.scheduler, makers, self.keepalive_s, body.return_progress)
 
     def _check_request(self, body: SamplingFields) -> None:
         body.check_supported()
+        body.logit_bias_ids(self.served.vocab_size)
+        if body.n > self.scheduler.max_batch:
+            raise invalid_request(
+                f"n: at most {self.scheduler.max_batch} choices per request on this server (its batch size)",
+                param="n",
+            )
         if body.model not in (None, self.served.name):
             raise APIError(
                 404,
@@ -219,16 +245,27 @@ class Endpoints:
         prompt_param: str,
         top: int | None,
         chat: ChatPrompt | None = None,
-    ) -> Job:
-        """Queue the request; `top` is the number of top logprobs per token (None: no logprobs)."""
+    ) -> list[Job]:
+        """Queue the request, one job per choice (the first one's prefill shared by all); `top` is the
+        number of top logprobs per token (None: no logprobs)."""
         max_tokens = self._token_budget(len(tokens), limit, explicit_limit, prompt_param)
-        logic = self.served.new_sequence(body, tokens, max_tokens, chat=chat, top_logprobs=top)
-        job = Job(prompt_tokens=tokens, logic=logic, sink=EventSink(asyncio.get_running_loop()))
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        jobs = [
+            Job(
+                prompt_tokens=tokens,
+                logic=self.served.new_sequence(
+                    body, tokens, max_tokens, chat=chat, top_logprobs=top, choice=choice
+                ),
+                sink=EventSink(loop, queue, choice),
+            )
+            for choice in range(body.n)
+        ]
+        jobs[0].forks = jobs[1:]
         try:
-            self.scheduler.submit(job)
+            self.scheduler.submit(jobs[0])
         except QueueFull as exc:
             raise APIError(429, str(exc), type="server_overloaded", code="queue_full") from None
-        return job
+        return jobs
 
     def _token_budget(self, prompt_len: int, limit: int | None, explicit: bool, prompt_param: str) -> int:
         """Tokens this request may generate; a request that cannot fit the context is refused."""
@@ -254,15 +291,26 @@ class Endpoints:
 
 
 class Stream:
-    """One request's events, as a server-sent event stream or as one JSON body."""
+    """One request's events (of each of its choices), as a server-sent event stream or as one JSON body."""
 
-    def __init__(self, job: Job, scheduler: Scheduler, chunks: _Chunks) -> None:
-        self.job = job
+    def __init__(
+        self,
+        jobs: list[Job],
+        scheduler: Scheduler,
+        chunks: list[_Chunks],
+        keepalive_s: float = 15.0,
+        progress: bool = False,
+    ) -> None:
+        self.jobs = jobs
+        self.queue = jobs[0].sink.queue  # the choices share it
         self.scheduler = scheduler
         self.chunks = chunks
+        self.keepalive_s = keepalive_s
+        self.progress = progress  # send the prefill's progress events (llama-server's return_progress)
 
     def cancel(self) -> None:
-        self.job.cancel()
+        for job in self.jobs:
+            job.cancel()
         self.scheduler.wake()
 
     async def respond(self, request: Request, stream: bool, include_usage: bool) -> Response:
@@ -276,42 +324,61 @@ class Stream:
 
     async def _sse(self, include_usage: bool) -> AsyncIterator[str]:
         try:
-            yield _sse_data(self.chunks.first())
-            while True:
-                event = await self.job.sink.queue.get()
-                if isinstance(event, PieceEvent):
-                    yield _sse_data(self.chunks.piece(event.piece))
+            for chunks in self.chunks:
+                yield _sse_data(chunks.first())
+            finished: list[FinishEvent] = []
+            while len(finished) < len(self.jobs):
+                try:
+                    choice, event = await asyncio.wait_for(self.queue.get(), self.keepalive_s)
+                except TimeoutError:
+                    yield ": keep-alive\n\n"
                     continue
-                if isinstance(event, FinishEvent):
-                    yield _sse_data(self.chunks.last(event.reason))
-                    if include_usage:
-                        yield _sse_data(self.chunks.usage_only(_usage(event)))
+                if isinstance(event, ProgressEvent):
+                    if self.progress:
+                        yield _sse_data(self.chunks[choice].progress(event))
+                elif isinstance(event, PieceEvent):
+                    yield _sse_data(self.chunks[choice].piece(event.piece))
+                elif isinstance(event, FinishEvent):
+                    yield _sse_data(self.chunks[choice].last(event.reason))
+                    finished.append(event)
                 else:
                     yield _sse_data(APIError(500, event.message, type="server_error").body())
-                yield "data: [DONE]\n\n"
-                return
+                    break
+            else:
+                if include_usage:
+                    usage_chunk = self.chunks[0].usage_only(_usage(finished))
+                    yield _sse_data({**usage_chunk, "timings": _timings(self.jobs)})
+            yield "data: [DONE]\n\n"
         finally:
-            self.cancel()  # a no-op for a finished job; frees the sequence of a client that left
+            self.cancel()  # a no-op for a finished job; frees the sequences of a client that left
 
     async def _whole(self, request: Request) -> Response:
-        total = Piece()
+        totals = [Piece() for _ in self.jobs]
+        finished: dict[int, FinishEvent] = {}
         watcher = asyncio.create_task(_watch_disconnect(request))
         try:
-            while True:
-                event = await self._next_event(watcher)
+            while len(finished) < len(self.jobs):
+                choice, event = await self._next_event(watcher)
+                if isinstance(event, ProgressEvent):
+                    continue
                 if isinstance(event, PieceEvent):
-                    total.extend(event.piece)
+                    totals[choice].extend(event.piece)
                 elif isinstance(event, FinishEvent):
-                    return JSONResponse(self.chunks.whole(total, event.reason, _usage(event)))
+                    finished[choice] = event
                 else:
                     return APIError(500, event.message, type="server_error").response()
+            choices = [
+                c.whole_choice(t, finished[c.index].reason) for c, t in zip(self.chunks, totals, strict=True)
+            ]
+            body = self.chunks[0].whole(choices, _usage(list(finished.values())))
+            return JSONResponse({**body, "timings": _timings(self.jobs)})
         finally:
             watcher.cancel()
             self.cancel()
 
-    async def _next_event(self, watcher: asyncio.Task) -> Event:
-        """The next event; raises CancelledError once `watcher` saw the client go."""
-        getter = asyncio.ensure_future(self.job.sink.queue.get())
+    async def _next_event(self, watcher: asyncio.Task) -> tuple[int, Event]:
+        """The next `(choice, event)`; raises CancelledError once `watcher` saw the client go."""
+        getter = asyncio.ensure_future(self.queue.get())
         await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if getter.done():
             return getter.result()
@@ -325,11 +392,31 @@ async def _watch_disconnect(request: Request) -> None:
         pass
 
 
-def _usage(event: FinishEvent) -> dict[str, int]:
+def _timings(jobs: list[Job]) -> dict[str, float]:
+    """llama-server's `timings` of a finished request, measured by the scheduler: the prompt's prefill
+    (shared by the choices) and the decoding after it, to the last token of any choice."""
+    first = jobs[0]
+    prompt_ms = (first.prefill_done_at - first.prefill_started_at) * 1000
+    predicted_n = sum(job.logic.completion_tokens for job in jobs)
+    predicted_ms = (max(job.last_token_at for job in jobs) - first.prefill_done_at) * 1000
     return {
-        "prompt_tokens": event.prompt_tokens,
-        "completion_tokens": event.completion_tokens,
-        "total_tokens": event.prompt_tokens + event.completion_tokens,
+        "prompt_n": len(first.prompt_tokens),
+        "prompt_ms": prompt_ms,
+        "prompt_per_second": len(first.prompt_tokens) / prompt_ms * 1000 if prompt_ms > 0 else 0.0,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_second": predicted_n / predicted_ms * 1000 if predicted_ms > 0 else 0.0,
+    }
+
+
+def _usage(events: list[FinishEvent]) -> dict[str, int]:
+    """A request's usage from its choices' finish events: the prompt counted once."""
+    prompt_tokens = events[0].prompt_tokens
+    completion_tokens = sum(event.completion_tokens for event in events)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 
@@ -344,10 +431,17 @@ class _Chunks:
     object_chunk: str
     id_prefix: str
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, index: int = 0, ident: str = "", created: int = 0) -> None:
         self.model = model
-        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
+        self.index = index  # the choice
+        self.id = ident or f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = created or int(time.time())
+
+    @classmethod
+    def for_choices(cls, model: str, n: int) -> list[_Chunks]:
+        """One maker per choice, all with the request's id and timestamp."""
+        first = cls(model)
+        return [first, *(cls(model, index, first.id, first.created) for index in range(1, n))]
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -358,11 +452,19 @@ class _Chunks:
             "choices": choices,
         }
 
+    def progress(self, event: ProgressEvent) -> dict[str, Any]:
+        """A chunk with no choices and llama-server's `prompt_progress`."""
+        progress = {"total": event.total, "cache": 0, "processed": event.processed, "time_ms": event.time_ms}
+        return {**self._envelope(self.object_chunk, []), "prompt_progress": progress}
+
     def usage_only(self, usage: dict[str, int]) -> dict[str, Any]:
         return {**self._envelope(self.object_chunk, []), "usage": usage}
 
-    def whole(self, total: Piece, reason: str, usage: dict[str, int]) -> dict[str, Any]:
-        return {**self._envelope(self.object_whole, [self._whole_choice(total, reason)]), "usage": usage}
+    def whole(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._envelope(self.object_whole, choices), "usage": usage}
+
+    def whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
+        return {"index": self.index, **self._whole_choice(total, reason)}
 
     def first(self) -> dict[str, Any]:
         return self._envelope(self.object_chunk, [self._delta_choice(self._opening(), None)])
@@ -374,7 +476,7 @@ class _Chunks:
         return self._envelope(self.object_chunk, [self._delta_choice(self._text(Piece()), reason)])
 
     def _delta_choice(self, content: dict[str, Any], reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "logprobs": None, **content, "finish_reason": reason}
+        return {"index": self.index, "logprobs": None, **content, "finish_reason": reason}
 
     def _opening(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -390,8 +492,8 @@ class _CompletionChunks(_Chunks):
     object_whole = object_chunk = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, model: str) -> None:
-        super().__init__(model)
+    def __init__(self, model: str, index: int = 0, ident: str = "", created: int = 0) -> None:
+        super().__init__(model, index, ident, created)
         self._offset = 0  # characters of token text before the next token, for `text_offset`
 
     def _opening(self) -> dict[str, Any]:
@@ -402,7 +504,7 @@ class _CompletionChunks(_Chunks):
 
     def _whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
         logprobs = self._logprobs(total.logprobs)
-        return {"index": 0, "text": total.content, "logprobs": logprobs, "finish_reason": reason}
+        return {"text": total.content, "logprobs": logprobs, "finish_reason": reason}
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
         """The completions API's logprobs object (None without logprobs)."""
@@ -446,7 +548,7 @@ class _ChatChunks(_Chunks):
             message["content"] = total.content or None
             message["tool_calls"] = [_without_index(call.openai()) for call in total.tool_calls]
         logprobs = _chat_logprobs(total.logprobs)
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
+        return {"message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
 def _top_dict(top: list[TokenLogprob]) -> dict[str, float]:
@@ -463,16 +565,6 @@ def _chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any] | None:
 
 def _without_index(call: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in call.items() if key != "index"}
-
-
-async def _parse(request: Request, model: type[RequestModel]) -> RequestModel:
-    try:
-        body = await request.body()
-        if len(body) > 64 * 1024:  # parsing a few MiB takes milliseconds: keep it off the event loop
-            return await asyncio.to_thread(model.model_validate_json, body)
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
 
 
 def _add_error_handlers(app: FastAPI) -> None:

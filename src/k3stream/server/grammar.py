@@ -121,3 +121,19 @@ class BannedTokens:
 
     def advance(self, token: int) -> None:
         del token
+
+
+class SingleToolCall:
+    """A constraint for parallel_tool_calls false without a forced call: once one call has ended, no
+    other may begin (a new call or a new section)."""
+
+    def __init__(self, call_end: int, begins: Sequence[int], vocab_size: int) -> None:
+        self._call_end = call_end
+        self._after_call = BannedTokens(begins, vocab_size)
+        self._ended = False
+
+    def allowed(self) -> torch.Tensor | None:
+        return self._after_call.allowed() if self._ended else None
+
+    def advance(self, token: int) -> None:
+        self._ended = self._ended or token == self._call_end

@@ -1,9 +1,10 @@
 """What keeps the server from being stalled or used by strangers, ahead of the endpoints.
 
-- `Guard`, an ASGI middleware: foreign `Host` headers are refused (400; DNS rebinding), `/v1/*` needs
-  `Authorization: Bearer KEY` when an API key is set (401, constant-time compare), a request body is
-  read in full before the app sees it, at most `max_body_bytes` (413) and within `body_timeout_s`
-  (408). No CORS headers are ever sent, so browsers refuse cross-origin calls.
+- `Guard`, an ASGI middleware: foreign `Host` headers are refused (400; DNS rebinding), `/v1/*` and
+  llama-server's endpoints (`routes.needs_api_key`) need `Authorization: Bearer KEY` when an API key
+  is set (401, constant-time compare), a request body is read in full before the app sees it, at most
+  `max_body_bytes` (413) and within `body_timeout_s` (408). No CORS headers are ever sent, so browsers
+  refuse cross-origin calls.
 - `guarded_h11(header_timeout_s)`: uvicorn's h11 protocol with a deadline for a request's headers,
   from the moment the connection opens or the previous response ends: a connection that sends nothing
   or trickles its headers is closed.
@@ -23,6 +24,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from k3stream.server.errors import APIError, redact_paths  # noqa: F401 (re-exported)
+from k3stream.server.routes import needs_api_key
 
 API_KEY_ENV = "K3STREAM_API_KEY"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -104,7 +106,7 @@ class Guard:
                     f"Host header {host!r} is not allowed; start the server with --allowed-hosts to serve it",
                     code="invalid_host",
                 )
-        if self._key is not None and scope["path"].startswith("/v1"):
+        if self._key is not None and needs_api_key(scope["path"]):
             given = headers.get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):

@@ -15,12 +15,13 @@ from typing import Any, Protocol
 import torch
 
 from k3stream.engine.generate import FINISH_STOP, Sequence
+from k3stream.engine.sampling import SamplingParams
 from k3stream.server.kimi_output import OutputParser, Piece
 
 
 class TokenConstraint(Protocol):
-    def allowed(self) -> torch.Tensor:
-        """bool [V]: the tokens that may come next."""
+    def allowed(self) -> torch.Tensor | None:
+        """bool [V]: the tokens that may come next (None: any)."""
 
     def advance(self, token: int) -> None:
         """Record the token that came."""
@@ -71,6 +72,10 @@ class RequestLogic:
     @property
     def completion_tokens(self) -> int:
         return self.sequence.completion_tokens
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.sequence.params
 
     def choose(self, logits: torch.Tensor) -> int:
         allowed = self.constraint.allowed() if self.constraint is not None else None

@@ -15,7 +15,13 @@ from k3stream.engine.loading import Runtime
 from k3stream.engine.sampling import SamplingParams
 from k3stream.gguf.shards import set_name
 from k3stream.server.errors import invalid_request
-from k3stream.server.grammar import BannedTokens, GrammarCompiler, json_schema_grammar, tool_calls_grammar
+from k3stream.server.grammar import (
+    BannedTokens,
+    GrammarCompiler,
+    SingleToolCall,
+    json_schema_grammar,
+    tool_calls_grammar,
+)
 from k3stream.server.kimi_output import KimiFormat, OutputParser
 from k3stream.server.request_logic import RequestLogic, TokenConstraint
 from k3stream.server.schemas import ChatCompletionRequest, SamplingFields
@@ -103,7 +109,7 @@ class ServedModel(Runtime):
         return ChatPrompt(
             tokens=tokens,
             tool_names=tuple(tool.function.name for tool in body.tools or []),
-            constraint=self._constraint(body),
+            constraints=tuple(self._constraint(body) for _ in range(body.n)),
             reasoning=body.separate_reasoning,
             in_reasoning=self._opens_thinking(tokens),
         )
@@ -134,6 +140,11 @@ class ServedModel(Runtime):
         if body.tool_choice == "none" and self.kimi.tools is not None:
             section = self.tokenizer.token_id("<|tool_calls_section_begin|>")
             return BannedTokens([section], self.vocab_size)
+        if body.parallel_tool_calls is False and body.tools and self.kimi.tools is not None:
+            begins = [
+                self.tokenizer.token_id(t) for t in ("<|tool_call_begin|>", "<|tool_calls_section_begin|>")
+            ]
+            return SingleToolCall(self.tokenizer.token_id("<|tool_call_end|>"), begins, self.vocab_size)
         return None
 
     def _check_tool_schemas(self, body: ChatCompletionRequest) -> None:
@@ -152,14 +163,19 @@ class ServedModel(Runtime):
         *,
         chat: ChatPrompt | None,
         top_logprobs: int | None = None,
+        choice: int = 0,
     ) -> RequestLogic:
         """The per-sequence logic (sampling, stops, detokenisation, grammar, output parsing, logprobs) of
-        one request; a chat answer also stops where the template closes the assistant's response."""
+        one choice of a request; a chat answer also stops where the template closes the assistant's
+        response. Choice `i` of a seeded request draws with seed + i, so the choices differ."""
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=max(body.top_k or 0, 0),
-            seed=body.seed,
+            seed=None if body.seed is None else _choice_seed(body.seed, choice),
+            frequency_penalty=body.frequency_penalty or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            logit_bias=body.logit_bias_ids(self.vocab_size),
             max_tokens=max_tokens,
             stop=tuple(body.stop_list()),
             ignore_eos=body.ignore_eos,
@@ -172,8 +188,9 @@ class ServedModel(Runtime):
         parser = OutputParser(
             self.kimi, chat.tool_names, reasoning=chat.reasoning, in_reasoning=chat.in_reasoning
         )
+        constraint = chat.constraints[choice]
         return RequestLogic(
-            sequence, self.tokenizer, parser=parser, constraint=chat.constraint, top_logprobs=top_logprobs
+            sequence, self.tokenizer, parser=parser, constraint=constraint, top_logprobs=top_logprobs
         )
 
     def file_problems(self) -> list[str]:
@@ -190,6 +207,11 @@ class ServedModel(Runtime):
         return problems
 
 
+def _choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice`: the request's for the first, wrapped into the request's seed range."""
+    return (seed + choice + (1 << 63)) % (1 << 64) - (1 << 63) if choice else seed
+
+
 # private-use characters around a message index stand for its content while the template renders
 MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"
 
@@ -200,7 +222,7 @@ class ChatPrompt:
 
     tokens: list[int]
     tool_names: tuple[str, ...]
-    constraint: TokenConstraint | None
+    constraints: tuple[TokenConstraint | None, ...]  # one per choice: a constraint follows its tokens
     reasoning: bool
     in_reasoning: bool  # the prompt opened a think block
 

@@ -39,7 +39,16 @@ class ErrorEvent:
     message: str
 
 
-Event = PieceEvent | FinishEvent | ErrorEvent
+@dataclass(frozen=True)
+class ProgressEvent:
+    """How far the prefill of a request's prompt is (llama-server's `prompt_progress`)."""
+
+    total: int
+    processed: int
+    time_ms: float
+
+
+Event = PieceEvent | FinishEvent | ErrorEvent | ProgressEvent
 
 
 class QueueFull(Exception):
@@ -60,16 +69,23 @@ class SequenceLogic(Protocol):
 
 
 class EventSink:
-    """Delivers events from the scheduler thread to one request's asyncio queue."""
+    """Delivers events from the scheduler thread to one request's asyncio queue as `(choice, event)`:
+    the choices of a request with n > 1 share the queue, each with its own index."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        queue: asyncio.Queue[tuple[int, Event]] | None = None,
+        choice: int = 0,
+    ) -> None:
         self._loop = loop
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, Event]] = queue if queue is not None else asyncio.Queue()
+        self.choice = choice
 
     def put(self, event: Event) -> None:
         # A closed event loop means the server is shutting down; the event has no one to go to.
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, (self.choice, event))
 
 
 @dataclass(eq=False)
@@ -86,6 +102,15 @@ class Job:
     state: Any = None
     last_token: int = -1
     last_token_at: float = 0.0
+    prompt_done: int = 0  # prompt tokens prefilled so far
+    prefill_started_at: float = 0.0
+    prefill_done_at: float = 0.0
+    forks: list[Job] = field(default_factory=list)  # the request's further choices: they share the prefill
+
+    @property
+    def width(self) -> int:
+        """Batch slots the job takes once admitted: one per choice."""
+        return 1 + len(self.forks)
 
     @property
     def active(self) -> bool:
@@ -164,6 +189,12 @@ class Scheduler:
         with self._wake:
             self._wake.notify()
 
+    def active_jobs(self) -> list[Job]:
+        """The running jobs, then the waiting ones, as they stand (for /slots)."""
+        with self._wake:
+            jobs = list(self._running) + list(self._waiting)
+        return [job for job in jobs if job.active]
+
     def snapshot(self) -> dict[str, int]:
         with self._wake:
             waiting, running = len(self._waiting), len(self._running)
@@ -216,9 +247,9 @@ class Scheduler:
     def _next_waiting(self) -> Job | None:
         """The next waiting job, moved to the running ones before its prefill: /health counts it."""
         with self._wake:
-            while len(self._running) < self.max_batch and self._waiting:
+            while self._waiting and len(self._running) + self._waiting[0].width <= self.max_batch:
                 if kept := self._keep_active([self._waiting.popleft()]):
-                    self._running += kept
+                    self._running += kept + self._keep_active(kept[0].forks)
                     self._update_gauges()
                     return kept[0]
             self._update_gauges()
@@ -228,15 +259,48 @@ class Scheduler:
         """Prefill waiting requests one at a time while the batch has room."""
         while (job := self._next_waiting()) is not None:
             try:
+                self._progress(job, 0)
                 job.state = self.model.new_state()
                 logits = prefill_last(self.model, job.state, job.prompt_tokens)
+                self._progress(job, len(job.prompt_tokens))
             except Exception as exc:  # one bad request must not stop the server
                 log.exception("prefill failed")
                 self._fail_request(job, f"prefill failed: {exc}")
                 continue
             self._count_tokens(len(job.prompt_tokens))
             self.metrics.prompt_tokens.inc(len(job.prompt_tokens))
-            self._emit_token(job, logits)
+            for choice, choice_logits in self._share_prefill(job, logits):
+                self._emit_token(choice, choice_logits)
+
+    def _progress(self, job: Job, processed: int) -> None:
+        """Record and send how many prompt tokens of `job` are prefilled."""
+        now = time.perf_counter()
+        if processed == 0:
+            job.prefill_started_at = now
+        if processed == len(job.prompt_tokens):
+            job.prefill_done_at = now
+        job.prompt_done = processed
+        elapsed_ms = (now - job.prefill_started_at) * 1000
+        job.sink.put(ProgressEvent(len(job.prompt_tokens), processed, elapsed_ms))
+
+    def _share_prefill(self, job: Job, logits: Any) -> list[tuple[Job, Any]]:
+        """`job` and its forks with their first logits: each fork starts from a copy of `job`'s state
+        where the model can copy one (`fork_state`), else from a prefill of its own."""
+        fork_state = getattr(type(self.model), "fork_state", None)
+        shared = [(job, logits)]
+        for fork in job.forks:
+            try:
+                if fork_state is not None:
+                    fork.state = fork_state(self.model, job.state)
+                    shared.append((fork, logits))
+                    continue
+                fork.state = self.model.new_state()
+                shared.append((fork, prefill_last(self.model, fork.state, fork.prompt_tokens)))
+                self._count_tokens(len(fork.prompt_tokens))
+            except Exception as exc:
+                log.exception("prefill failed")
+                self._fail_request(fork, f"prefill failed: {exc}")
+        return shared
 
     def _decode_step(self) -> None:
         batch = [job for job in self._running if job.active]

@@ -2,7 +2,7 @@
 
 Unknown fields are ignored (clients send many optional ones); known fields of the wrong type or out of
 range are refused with a 400 naming the field. OpenAI fields this server does not implement (legacy
-functions, logit_bias, penalties...) are refused with a 400 naming the field unless they hold their
+functions, best_of, audio...) are refused with a 400 naming the field unless they hold their
 neutral value (absent, null, empty, zero), so no request is silently answered as if they had been
 honoured. Tool definitions and JSON schemas must be valid JSON Schema (draft 2020-12).
 """
@@ -25,6 +25,10 @@ TopK = Annotated[int, Field(ge=-1)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+# choices per request: each is one more sequence in the batch, sharing the prompt's prefill
+MAX_CHOICES = 16
+Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES)]
 
 
 def _empty(value: Any) -> bool:
@@ -35,9 +39,6 @@ def _empty(value: Any) -> bool:
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "functions": _empty,
     "function_call": lambda value: value in (None, "none", "auto"),
-    "logit_bias": _empty,
-    "presence_penalty": lambda value: value in (None, 0),
-    "frequency_penalty": lambda value: value in (None, 0),
     "best_of": lambda value: value in (None, 1),
     "suffix": _empty,
     "audio": _empty,
@@ -79,11 +80,16 @@ class SamplingFields(BaseModel):
     top_p: TopP | None = None
     top_k: TopK | None = None
     seed: Seed | None = None
-    n: int = 1
+    n: Choices = 1
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    # token id (as a string, OpenAI's JSON) -> value added to its logit
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence
+    return_progress: bool = False  # llama-server's: stream `prompt_progress` chunks during the prefill
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -92,12 +98,23 @@ class SamplingFields(BaseModel):
                 raise invalid_request(
                     f"{name} is not supported by this server", param=name, code="unsupported_parameter"
                 )
-        if self.n != 1:
-            raise invalid_request("only n=1 is supported", param="n", code="unsupported_value")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise invalid_request("stop: at most 4 sequences", param="stop")
         if any(s == "" for s in self.stop_list()):
             raise invalid_request("stop: sequences must not be empty", param="stop")
+
+    def logit_bias_ids(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, value) pairs; a 400 naming the first key that is no token id."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            token = int(key) if key.isascii() and key.isdigit() and len(key) <= 12 else None
+            if token is None or not 0 <= token < vocab_size:
+                raise invalid_request(
+                    f"logit_bias: {key!r} is not a token id of this model's vocabulary of {vocab_size}",
+                    param="logit_bias",
+                )
+            pairs.append((token, value))
+        return tuple(pairs)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -280,12 +297,6 @@ class ChatCompletionRequest(SamplingFields):
             )
         if choice == "required" and not names:
             raise invalid_request("tool_choice: 'required' needs at least one tool", param="tool_choice")
-        if self.parallel_tool_calls is False and not self.forced_tools():
-            raise invalid_request(
-                "parallel_tool_calls: false is only enforced with tool_choice 'required' or a named function",
-                param="parallel_tool_calls",
-                code="unsupported_value",
-            )
 
     def _check_response_format(self) -> None:
         response_format = self.response_format

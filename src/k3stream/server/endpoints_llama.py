@@ -1,0 +1,181 @@
+"""llama-server's own endpoints, in its shapes: `/tokenize`, `/detokenize`, `/apply-template`, `/props`
+and `/slots` (see docs/server-endpoints.md; `routes.LLAMA_ENDPOINTS` lists them for the API-key check).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+import k3stream
+from k3stream.engine.sampling import SamplingParams
+from k3stream.server.bodies import parse_body
+from k3stream.server.errors import invalid_request
+from k3stream.server.runtime import ServedModel
+from k3stream.server.scheduler import Job, Scheduler
+from k3stream.server.schemas import RESERVED_TEMPLATE_NAMES, ChatMessage, TemplateValue, Tool
+
+# text a /tokenize request may hold (the body limit bounds it too); tokenizing is linear in it
+MAX_TOKENIZE_CHARS = 1 << 20
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    content: Annotated[str, Field(max_length=MAX_TOKENIZE_CHARS)]
+    add_special: bool = False  # a BOS token first, where the file's tokenizer adds one
+    parse_special: bool = True  # special-token text becomes those tokens
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    tokens: list[int]
+
+
+class ApplyTemplateRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, TemplateValue] | None = None
+
+
+class LlamaEndpoints:
+    def __init__(self, served: ServedModel, scheduler: Scheduler, tokenizers: ThreadPoolExecutor) -> None:
+        self.served = served
+        self.scheduler = scheduler
+        self.tokenizers = tokenizers
+
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        body = await parse_body(request, TokenizeRequest)
+        tokenizer = self.served.tokenizer
+        add_bos = None if body.add_special else False  # the file's add_bos_token decides, as in llama.cpp
+        ids = await self._off_loop(
+            lambda: tokenizer.encode(body.content, allow_special=body.parse_special, add_bos=add_bos)
+        )
+        if not body.with_pieces:
+            return {"tokens": ids}
+        return {"tokens": [{"id": token, "piece": _piece(tokenizer.piece(token))} for token in ids]}
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        body = await parse_body(request, DetokenizeRequest)
+        vocab = self.served.vocab_size
+        bad = next((index for index, token in enumerate(body.tokens) if not 0 <= token < vocab), None)
+        if bad is not None:
+            raise invalid_request(
+                f"tokens.{bad}: token id {body.tokens[bad]} is outside the vocabulary of {vocab}",
+                param=f"tokens.{bad}",
+            )
+        return {"content": await self._off_loop(self.served.tokenizer.decode, body.tokens)}
+
+    async def apply_template(self, request: Request) -> dict[str, Any]:
+        body = await parse_body(request, ApplyTemplateRequest)
+        reserved = next((k for k in body.chat_template_kwargs or {} if k in RESERVED_TEMPLATE_NAMES), None)
+        if reserved is not None:
+            param = f"chat_template_kwargs.{reserved}"
+            raise invalid_request(f"{param}: set by the server", param=param)
+        messages = [{**m.template_fields(), "content": m.text()} for m in body.messages]
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+        extras = {**(body.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        return {"prompt": await self._off_loop(self._render, messages, extras)}
+
+    def _render(self, messages: list[dict[str, Any]], extras: dict[str, Any]) -> str:
+        try:
+            return self.served.chat_template.render(messages, **extras)
+        except (TypeError, ValueError) as exc:
+            raise invalid_request(f"messages: {exc}", param="messages") from None
+
+    async def props(self) -> dict[str, Any]:
+        served = self.served
+        return {
+            "default_generation_settings": {
+                "n_ctx": served.ctx,
+                "params": _params(SamplingParams(max_tokens=served.ctx)),
+            },
+            "total_slots": self.scheduler.max_batch,
+            "model_path": Path(str(served.tokenizer.source)).name,  # the name alone: no paths leave
+            "model_alias": served.name,
+            "chat_template": served.chat_template.template_text,
+            "modalities": {"vision": False, "audio": False},
+            "build_info": f"k3stream {k3stream.__version__}",
+            "is_sleeping": False,
+        }
+
+    async def slots(self) -> list[dict[str, Any]]:
+        return [self._slot(index, job) for index, job in enumerate(self.scheduler.active_jobs())]
+
+    def _slot(self, index: int, job: Job) -> dict[str, Any]:
+        params = job.logic.params
+        decoded = job.logic.completion_tokens
+        prompt = len(job.prompt_tokens)
+        elapsed_ms = (time.perf_counter() - job.prefill_started_at) * 1000 if job.prefill_started_at else 0.0
+        return {
+            "id": index,
+            "n_ctx": self.served.ctx,
+            "is_processing": job.state is not None,
+            "state": _phase(job),
+            "n_prompt_tokens": prompt,
+            "n_decoded": decoded,
+            "prompt_progress": {
+                "total": prompt,
+                "cache": 0,
+                "processed": job.prompt_done,
+                "time_ms": elapsed_ms,
+            },
+            "params": _params(params),
+            "next_token": {
+                "has_next_token": job.active,
+                "n_remain": params.max_tokens - decoded,
+                "n_decoded": decoded,
+            },
+        }
+
+    async def _off_loop(self, function: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizers, function, *args)
+
+
+def _phase(job: Job) -> str:
+    if job.state is None:
+        return "waiting"
+    return "prefill" if job.prompt_done < len(job.prompt_tokens) else "decode"
+
+
+def _params(params: SamplingParams) -> dict[str, Any]:
+    """Sampling settings under llama-server's names."""
+    return {
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "repeat_penalty": params.repetition_penalty,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "seed": params.seed if params.seed is not None else -1,
+        "max_tokens": params.max_tokens,
+        "ignore_eos": params.ignore_eos,
+        "stop": list(params.stop),
+    }
+
+
+def _piece(raw: bytes) -> str | list[int]:
+    """llama-server's piece: the text where the bytes are valid UTF-8, else the bytes."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
+def llama_router(served: ServedModel, scheduler: Scheduler, tokenizers: ThreadPoolExecutor) -> APIRouter:
+    api = LlamaEndpoints(served, scheduler, tokenizers)
+    router = APIRouter()
+    router.post("/tokenize")(api.tokenize)
+    router.post("/detokenize")(api.detokenize)
+    router.post("/apply-template")(api.apply_template)
+    router.get("/props")(api.props)
+    router.get("/slots")(api.slots)
+    return router

@@ -1,0 +1,120 @@
+"""Agent frameworks nobody here wrote, driving a multi-turn tool loop against `k3stream serve` on
+127.0.0.1 with the shipped demo model: the `openai-agents` SDK and `langchain-openai` (test extras;
+skipped with the reason where missing).
+
+The demo model's text is noise, so its first turn is a forced call (`tool_choice="required"`); the
+frameworks then run the tool, send its result back and let the model answer freely, as they do with any
+OpenAI-compatible server. Both send `parallel_tool_calls: false`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+import k3stream
+from k3stream.engine.loading import load_runtime
+from k3stream.server.app import ServerConfig, create_app
+from k3stream.server.guard import GuardConfig
+from k3stream.server.live import ServerThread
+from k3stream.server.runtime import served_from_runtime
+
+DEMO_GGUF = Path(k3stream.__file__).resolve().parent / "data" / "k3-stdlib-audited.gguf"
+KEY = "sk-test-agents"
+FORECASTS = {"Paris": "sunny, 21 C", "Lima": "cloudy, 17 C"}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def server():
+    served = served_from_runtime(load_runtime(DEMO_GGUF))
+    thread = ServerThread(create_app(served, ServerConfig(guard=GuardConfig(api_key=KEY)))).start()
+    yield thread, served.name
+    thread.stop()
+    served.close()
+
+
+def test_openai_agents_sdk_runs_a_tool_loop(server):
+    agents = pytest.importorskip(
+        "agents", reason="openai-agents is not installed (pip install openai-agents)"
+    )
+    from openai import AsyncOpenAI
+
+    thread, name = server
+    agents.set_tracing_disabled(True)  # nothing leaves the machine
+    calls: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Lima"]) -> str:
+        """The weather forecast of a city."""
+        calls.append(city)
+        return FORECASTS[city]
+
+    client = AsyncOpenAI(base_url=thread.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    agent = agents.Agent(
+        name="forecaster",
+        instructions="Answer with the forecast.",
+        tools=[get_weather],
+        model=agents.OpenAIChatCompletionsModel(model=name, openai_client=client),
+        model_settings=agents.ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=48
+        ),
+    )
+
+    async def two_turns():
+        first = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+        follow_up = [*first.to_input_list(), {"role": "user", "content": "And in Lima?"}]
+        return first, await agents.Runner.run(agent, follow_up, max_turns=4)
+
+    first, second = asyncio.run(two_turns())
+    assert len(calls) == 2 and set(calls) <= set(FORECASTS)
+    for result in (first, second):
+        kinds = [type(item).__name__ for item in result.new_items]
+        assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"] and kinds[-1] == "MessageOutputItem"
+        assert isinstance(result.final_output, str)
+    outputs = [item for item in second.to_input_list() if item.get("type") == "function_call_output"]
+    assert [item["output"] for item in outputs] == [FORECASTS[city] for city in calls]
+
+
+def test_langchain_openai_runs_a_tool_loop(server):
+    pytest.importorskip(
+        "langchain_openai", reason="langchain-openai is not installed (pip install langchain-openai)"
+    )
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    thread, name = server
+
+    @tool
+    def get_weather(city: Literal["Paris", "Lima"]) -> str:
+        """The weather forecast of a city."""
+        return FORECASTS[city]
+
+    model = ChatOpenAI(
+        model=name, base_url=thread.url + "/v1", api_key=KEY, temperature=0, max_tokens=48, max_retries=0
+    )
+    # strict: additionalProperties false, so the grammar of a forced call admits no made-up keys
+    forced = model.bind_tools([get_weather], tool_choice="required", parallel_tool_calls=False, strict=True)
+    free = model.bind_tools([get_weather], parallel_tool_calls=False, strict=True)
+    messages: list = []
+    for question in ("What is the weather in Paris?", "And in Lima?"):
+        messages.append(HumanMessage(question))
+        call_message = forced.invoke(messages)
+        assert len(call_message.tool_calls) == 1
+        call = call_message.tool_calls[0]
+        assert call["name"] == "get_weather" and call["args"]["city"] in FORECASTS
+        messages += [call_message, ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])]
+        answer = free.invoke(messages)
+        assert isinstance(answer.content, str) and answer.response_metadata["finish_reason"] in (
+            "stop",
+            "length",
+        )
+        messages.append(answer)
+    assert [m.content for m in messages if isinstance(m, ToolMessage)] == [
+        FORECASTS[m.tool_calls[0]["args"]["city"]] for m in messages if getattr(m, "tool_calls", None)
+    ]

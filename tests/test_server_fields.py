@@ -1,0 +1,210 @@
+"""Request fields real clients send: `n` choices, frequency and presence penalties, `logit_bias` and
+`parallel_tool_calls: false`, driven by the real `openai` client against a live server on 127.0.0.1 on a
+tiny Kimi-K3 GGUF with Kimi-K2's tool template. Oracles: the engine's own generation loop on a second
+copy of the model, and single-choice requests of the same server.
+"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import torch
+
+from chat_models import KIMI_TOOL_TEMPLATE, retokenized
+from k3stream.engine.generate import generate
+from k3stream.engine.loading import load_runtime
+from k3stream.engine.sampling import SamplingParams
+from k3stream.server.app import ServerConfig, create_app
+from k3stream.server.live import ServerThread
+from k3stream.server.runtime import served_from_runtime
+from k3stream.server.schemas import ChatCompletionRequest
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]}},
+    "required": ["city"],
+}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+PROMPT = "Once upon a time"
+MAX_BATCH = 4
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tool_gguf(tiny_model, tmp_path_factory):
+    source = tiny_model(vocab=600, context_length=2048)
+    out = tmp_path_factory.mktemp("fields") / "kimi-fields.gguf"
+    return retokenized(source, out, chat_template=KIMI_TOOL_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def server(tool_gguf):
+    served = served_from_runtime(load_runtime(tool_gguf), ctx=512)
+    thread = ServerThread(create_app(served, ServerConfig(max_batch=MAX_BATCH))).start()
+    yield thread
+    thread.stop()
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tool_gguf):
+    """A second copy of the model for the engine's own generation loop."""
+    served = served_from_runtime(load_runtime(tool_gguf), ctx=512)
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def complete(client, **fields):
+    return client.completions.create(model="kimi-fields", prompt=PROMPT, **{"max_tokens": 8, **fields})
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_seeded_choices_equal_single_requests_with_the_next_seeds(client, endpoint):
+    """Choice i of a seeded n-choice request is the answer of a one-choice request with seed + i: the
+    shared prefill leaves each choice what its own prefill would have."""
+    if endpoint == "chat":
+
+        def texts(**fields):
+            answer = client.chat.completions.create(model="kimi-fields", messages=ASK, max_tokens=8, **fields)
+            return [c.message.content for c in answer.choices], answer
+    else:
+
+        def texts(**fields):
+            answer = complete(client, **fields)
+            return [c.text for c in answer.choices], answer
+
+    many, answer = texts(n=3, temperature=1.0, seed=7)
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert many == [texts(temperature=1.0, seed=7 + i)[0][0] for i in range(3)]
+    assert len(set(many)) > 1
+    single_usage = texts(temperature=1.0, seed=7)[1].usage
+    assert answer.usage.prompt_tokens == single_usage.prompt_tokens
+    assert answer.usage.completion_tokens == sum(
+        texts(temperature=1.0, seed=7 + i)[1].usage.completion_tokens for i in range(3)
+    )
+
+
+def test_streamed_choices_equal_the_whole_ones(client):
+    whole = complete(client, n=2, temperature=1.0, seed=3)
+    chunks = list(
+        complete(client, n=2, temperature=1.0, seed=3, stream=True, stream_options={"include_usage": True})
+    )
+    streamed = {0: "", 1: ""}
+    finished = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+            if choice.finish_reason:
+                finished[choice.index] = choice.finish_reason
+    assert streamed == {c.index: c.text for c in whole.choices}
+    assert finished == {c.index: c.finish_reason for c in whole.choices}
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_absent_and_neutral_fields_leave_answers_unchanged(client, engine):
+    """Greedy and seeded answers equal the engine loop's with default sampling, and neutral values of the
+    new fields change nothing."""
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "n": 1}
+    ids = engine.encode_prompt(PROMPT)
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 11}):
+        expected = generate(
+            engine.model, engine.tokenizer, ids, SamplingParams(max_tokens=8, **sampling)
+        ).text
+        assert complete(client, **sampling).choices[0].text == expected
+        assert complete(client, **sampling, **neutral).choices[0].text == expected
+
+
+def test_penalties_follow_the_engine_loop(client, engine):
+    ids = engine.encode_prompt(PROMPT)
+    fields = {"frequency_penalty": 1.5, "presence_penalty": -0.5}
+    params = SamplingParams(temperature=0, max_tokens=16, **fields)
+    expected = generate(engine.model, engine.tokenizer, ids, params)
+    plain = generate(engine.model, engine.tokenizer, ids, SamplingParams(temperature=0, max_tokens=16))
+    assert complete(client, temperature=0, max_tokens=16, **fields).choices[0].text == expected.text
+    assert expected.token_ids != plain.token_ids, "the penalties changed nothing on this prompt"
+
+
+def test_logit_bias_forces_and_forbids_tokens(client, engine):
+    ids = engine.encode_prompt(PROMPT)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    greedy = generate(engine.model, engine.tokenizer, ids, params).token_ids[0]
+    banned = complete(client, temperature=0, max_tokens=1, logprobs=0, logit_bias={str(greedy): -100})
+    assert banned.choices[0].logprobs.tokens[0] != engine.tokenizer.piece(greedy).decode()
+    forced_id = next(t for t in range(300, 600) if t != greedy and engine.tokenizer.piece(t).isalpha())
+    bias = {str(forced_id): 100}
+    forced = complete(client, temperature=1.0, seed=5, max_tokens=4, logprobs=0, logit_bias=bias)
+    assert forced.choices[0].logprobs.tokens == [engine.tokenizer.piece(forced_id).decode()] * 4
+
+
+def test_parallel_tool_calls_false_is_accepted_with_any_tool_choice(client):
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        answer = client.chat.completions.create(
+            model="kimi-fields",
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            max_tokens=40,
+            temperature=0,
+        )
+        assert len(answer.choices[0].message.tool_calls or []) <= 1
+
+
+def test_parallel_tool_calls_false_stops_a_second_call(engine):
+    """With automatic tool choice, a second call cannot begin once one ended, however likely it is."""
+    tokenizer = engine.tokenizer
+    begin = tokenizer.token_id("<|tool_call_begin|>")
+    after_call = torch.zeros(tokenizer.vocab_size)
+    after_call[begin] = 50.0
+    fields = {"messages": ASK, "tools": TOOLS, "temperature": 0}
+    single = _after_one_call(engine, {**fields, "parallel_tool_calls": False})
+    assert single.choose(after_call) != begin
+    assert _after_one_call(engine, fields).choose(after_call) == begin
+
+
+def _after_one_call(engine, fields):
+    """The logic of a chat request that has generated one complete tool call."""
+    tokenizer = engine.tokenizer
+    body = ChatCompletionRequest.model_validate(fields)
+    prompt = engine.prepare_chat(body)
+    logic = engine.new_sequence(body, prompt.tokens, 64, chat=prompt)
+    call = (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+        + json.dumps({"city": "Paris"})
+        + "<|tool_call_end|>"
+    )
+    for token in tokenizer.encode(call, allow_special=True, add_bos=False):
+        logits = torch.zeros(tokenizer.vocab_size)
+        logits[token] = 50.0
+        assert logic.choose(logits) == token
+        assert not logic.accept(token).content
+    return logic
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"n": MAX_BATCH + 1}, "n"),
+        ({"n": 17}, "n"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"presence_penalty": "1"}, "presence_penalty"),
+        ({"logit_bias": {"600": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"3": -100.5}}, "logit_bias.3"),
+    ],
+)
+def test_out_of_range_fields_are_one_line_400s(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(client, extra_body=fields)
+    error = caught.value.body
+    assert error["param"] == param and param.split(".")[0] in error["message"]
+    assert "\n" not in error["message"]

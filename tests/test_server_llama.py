@@ -1,0 +1,249 @@
+"""llama-server's endpoints (`/tokenize`, `/detokenize`, `/apply-template`, `/props`, `/slots`), SSE
+keep-alive comments and prompt progress, against a live server on 127.0.0.1 on a tiny Kimi-K3 GGUF.
+Tokens are checked against llama.cpp's tokenizer (llama-cpp-python) on the same file.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import requires_llama
+from k3stream.engine.loading import load_runtime
+from k3stream.server.app import ServerConfig, create_app
+from k3stream.server.guard import GuardConfig
+from k3stream.server.live import ServerThread
+from k3stream.server.routes import LLAMA_ENDPOINTS
+from k3stream.server.runtime import served_from_runtime
+
+KEY = "sk-test-llama"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+KEEPALIVE_S = 0.05
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello <b>there</b>"}]
+TEXTS = ["Hello world", "café naïve 中文 🙂", "<|im_end|>[BOS]x", "  two  spaces\n"]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def served(model_path):
+    served = served_from_runtime(load_runtime(model_path), ctx=512)
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    config = ServerConfig(max_batch=1, guard=GuardConfig(api_key=KEY), sse_keepalive_s=KEEPALIVE_S)
+    thread = ServerThread(create_app(served, config)).start()
+    yield thread
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def llama_vocab(model_path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    return llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
+
+
+def post(server, path, body, headers=AUTH):
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60)
+
+
+@requires_llama
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("parse_special", [True, False])
+def test_tokenize_matches_llama_cpp(server, llama_vocab, text, parse_special):
+    body = {"content": text, "parse_special": parse_special}
+    tokens = post(server, "/tokenize", body).json()["tokens"]
+    assert tokens == list(llama_vocab.tokenize(text.encode(), add_bos=False, special=parse_special))
+    with_bos = post(server, "/tokenize", {**body, "add_special": True}).json()["tokens"]
+    assert with_bos == list(llama_vocab.tokenize(text.encode(), add_bos=True, special=parse_special))
+
+
+def test_tokenize_with_pieces_and_detokenize_round_trip(server):
+    text = "café naïve 中文 🙂 <|im_end|>"
+    tokens = post(server, "/tokenize", {"content": text, "with_pieces": True}).json()["tokens"]
+    ids = [entry["id"] for entry in tokens]
+    assert ids == post(server, "/tokenize", {"content": text}).json()["tokens"]
+    joined = b"".join(
+        entry["piece"].encode() if isinstance(entry["piece"], str) else bytes(entry["piece"])
+        for entry in tokens
+    )
+    assert joined.decode() == text
+    assert any(isinstance(entry["piece"], list) for entry in tokens), "no token split a UTF-8 character"
+    assert post(server, "/detokenize", {"tokens": ids}).json() == {"content": text}
+
+
+def test_apply_template_is_the_chat_prompt(server, served):
+    prompt = post(server, "/apply-template", {"messages": MESSAGES}).json()["prompt"]
+    assert prompt == served.chat_template.render(MESSAGES)
+    ids = post(server, "/tokenize", {"content": prompt, "add_special": False}).json()["tokens"]
+    answer = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}).json()
+    assert answer["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_props_describe_the_model(server, served, model_path):
+    props = httpx.get(server.url + "/props", headers=AUTH, timeout=10).json()
+    assert props["model_path"] == model_path.name and props["model_alias"] == served.name
+    assert props["default_generation_settings"]["n_ctx"] == 512
+    assert props["default_generation_settings"]["params"]["temperature"] == 1.0
+    assert props["total_slots"] == 1
+    assert props["chat_template"] == served.chat_template.template_text
+    assert props["build_info"].startswith("k3stream ")
+    assert "/" not in props["model_path"]
+
+
+def _stream_lines(server, body, lines, started=None):
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as reply:
+        if started is not None:
+            started.set()
+        for line in reply.iter_lines():
+            lines.append((time.monotonic(), line))
+
+
+def test_slots_show_running_and_waiting_sequences(server, served):
+    long = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    lines: list = []
+    started = threading.Event()
+    runner = threading.Thread(target=_stream_lines, args=(server, long, lines, started), daemon=True)
+    runner.start()
+    started.wait(30)
+    waiting = threading.Thread(
+        target=lambda: post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}), daemon=True
+    )
+    waiting.start()
+    slots = _poll_slots(server, lambda s: len(s) == 2 and s[0]["n_decoded"] > 0)
+    running, queued = slots
+    assert running["state"] == "decode" and running["is_processing"]
+    assert running["n_prompt_tokens"] == len(served.encode_prompt("Once upon a time"))
+    assert running["prompt_progress"]["processed"] == running["n_prompt_tokens"]
+    assert running["next_token"]["n_remain"] == 400 - running["n_decoded"]
+    assert queued["state"] == "waiting" and queued["n_decoded"] == 0 and not queued["is_processing"]
+    runner.join(120)
+    waiting.join(60)
+    assert _poll_slots(server, lambda s: s == []) == []
+
+
+def _poll_slots(server, condition):
+    for _ in range(3000):  # a bound, not a timing assertion
+        slots = httpx.get(server.url + "/slots", headers=AUTH, timeout=10).json()
+        if condition(slots):
+            return slots
+        time.sleep(0.005)
+    raise AssertionError(f"/slots never showed the expected sequences: {slots}")
+
+
+def test_waiting_stream_gets_keep_alive_comments(server, client, served):
+    """With one batch slot busy, a second stream waits in the queue: comment lines keep it alive, and
+    the openai client reads such a stream as usual."""
+    body = {"prompt": "Hi", "max_tokens": 3, "stream": True, "temperature": 0}
+    second: list = []
+    _while_busy(server, lambda: _stream_lines(server, body, second))
+    comments = [at for at, line in second if line == ": keep-alive"]
+    assert comments, "no keep-alive comment while the request waited"
+    data = [at for at, line in second if line.startswith("data: ") and '"text": ""' not in line]
+    assert max(comments) <= min(data), "keep-alive comments came after the answer began"
+    chunks = [json.loads(line[6:]) for _, line in second if line.startswith("data: {")]
+    raw_text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    streamed: list = []
+    fields = {k: v for k, v in body.items() if k != "stream"}
+    _while_busy(
+        server, lambda: streamed.extend(client.completions.create(model=served.name, stream=True, **fields))
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == raw_text
+
+
+def _while_busy(server, call):
+    """`call()` while a long generation holds the server's one batch slot."""
+    long = {"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    started = threading.Event()
+    runner = threading.Thread(target=_stream_lines, args=(server, long, [], started), daemon=True)
+    runner.start()
+    started.wait(30)
+    call()
+    runner.join(120)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def test_return_progress_streams_prompt_progress(server, served):
+    prompt = "The quick brown fox"
+    lines: list = []
+    body = {"prompt": prompt, "max_tokens": 2, "stream": True, "return_progress": True}
+    _stream_lines(server, body, lines)
+    chunks = [json.loads(line[6:]) for _, line in lines if line.startswith("data: {")]
+    progress = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+    total = len(served.encode_prompt(prompt))
+    assert [p["processed"] for p in progress] == [0, total]
+    assert all(p["total"] == total and p["time_ms"] >= 0 for p in progress)
+    assert all(c["choices"] == [] for c in chunks if "prompt_progress" in c)
+    plain: list = []
+    _stream_lines(server, {**body, "return_progress": False}, plain)
+    assert not any("prompt_progress" in line for _, line in plain)
+
+
+@pytest.mark.parametrize("path", sorted(LLAMA_ENDPOINTS))
+def test_llama_endpoints_need_the_api_key(server, path):
+    bodies = {
+        "/tokenize": {"content": "hi"},
+        "/detokenize": {"tokens": [1]},
+        "/apply-template": {"messages": MESSAGES},
+    }
+    method = "POST" if path in bodies else "GET"
+
+    def call(headers):
+        return httpx.request(method, server.url + path, json=bodies.get(path), headers=headers, timeout=10)
+
+    assert call({}).status_code == 401
+    assert call({"Authorization": "Bearer wrong"}).status_code == 401
+    assert call(AUTH).status_code == 200
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/tokenize", {"content": 5}, "content"),
+        ("/tokenize", {}, "content"),
+        ("/tokenize", {"content": "x", "with_pieces": "yes"}, "with_pieces"),
+        ("/detokenize", {"tokens": [1, 10**9]}, "tokens.1"),
+        ("/detokenize", {"tokens": [-1]}, "tokens.0"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/apply-template", {"messages": []}, "messages"),
+        ("/apply-template", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        (
+            "/apply-template",
+            {"messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": False}},
+            "chat_template_kwargs.add_generation_prompt",
+        ),
+    ],
+)
+def test_bad_bodies_are_one_line_400s_naming_the_field(server, path, body, param):
+    response = post(server, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "\n" not in error["message"]
+
+
+def test_answers_carry_llama_server_timings(server):
+    body = {"prompt": "The quick brown fox", "max_tokens": 5, "ignore_eos": True}
+    whole = post(server, "/v1/completions", body).json()
+    timings, usage = whole["timings"], whole["usage"]
+    assert (
+        timings["prompt_n"] == usage["prompt_tokens"] and timings["predicted_n"] == usage["completion_tokens"]
+    )
+    assert timings["prompt_ms"] > 0 and timings["predicted_ms"] > 0
+    assert timings["predicted_per_second"] == pytest.approx(5 / timings["predicted_ms"] * 1000)
+    lines: list = []
+    _stream_lines(server, {**body, "n": 1, "stream": True, "stream_options": {"include_usage": True}}, lines)
+    last = json.loads([line for _, line in lines if line.startswith("data: {")][-1][6:])
+    assert last["usage"]["completion_tokens"] == 5 and last["timings"]["predicted_n"] == 5
