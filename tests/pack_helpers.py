@@ -20,7 +20,14 @@ from k3stream.gguf.shards import SHARD_NAME
 
 TEST_CACHE = Path(os.environ.get("K3STREAM_TEST_CACHE", "~/.cache/k3stream-test")).expanduser()
 # what decides a tiny model's bytes besides its spec
-GENERATOR_SOURCES = ("tiny.py", "tinyvocab.py", "gguf/layout.py", "gguf/config.py", "quant/encode.py")
+GENERATOR_SOURCES = (
+    "tiny.py",
+    "tinyvocab.py",
+    "tinyrecipes.py",
+    "gguf/layout.py",
+    "gguf/config.py",
+    "quant/encode.py",
+)
 
 
 def model_files(first_shard: Path) -> list[Path]:
