@@ -13,7 +13,7 @@ from gguf.constants import GGMLQuantizationType
 
 from k3stream.cli import main
 from k3stream.quant import IQUANT_TYPES, dequantize
-from k3stream.quant.kernels import QWeight, grouped_qmatmul, kernel_for, qmatmul
+from k3stream.quant.kernels import QWeight, grouped_qmatmul, kernel_for, note_fallbacks, qmatmul
 from k3stream.tinyrecipes import random_blocks
 
 T = GGMLQuantizationType
@@ -59,12 +59,16 @@ def test_a_type_k3stream_does_not_know_stops_at_load_in_one_line(
     assert not any(out.iterdir()) and sorted(tmp_path.iterdir()) == [out, path]
 
 
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
 @pytest.mark.parametrize("qt", sorted(IQUANT_TYPES), ids=lambda t: t.name)
-def test_new_types_take_the_reference_route_through_the_seam(qt):
-    """Before a kernel registers for a type, every product takes the dequantize-a-slab route: qmatmul
-    and grouped products equal the float product of the decoded matrix."""
-    if kernel_for(qt) != "reference":
-        pytest.skip(f"{qt.name} has a kernel in the seam: tested with the kernels")
+def test_products_of_the_new_types_through_the_seam(qt, backend):
+    """qmatmul and grouped products equal the float product of the decoded matrices, by the seam's own
+    choice (the reference route, dequantize a slab and multiply, for a type no kernel takes) and by
+    the reference route itself."""
     width = 512
     weights = [
         QWeight(
@@ -74,11 +78,18 @@ def test_new_types_take_the_reference_route_through_the_seam(qt):
     ]
     x = torch.randn(5, width, generator=torch.Generator().manual_seed(int(qt)))
     dense = [dequantize(w.data.reshape(8, -1), qt) for w in weights]
-    torch.testing.assert_close(qmatmul(x, weights[0]), x @ dense[0].T, rtol=1e-5, atol=1e-6)
+    assert relative_error(qmatmul(x, weights[0], backend=backend), x @ dense[0].T) <= 1e-5
     starts, rows = torch.tensor([0, 2, 2, 5]), torch.tensor([4, 0, 1, 2, 3])
-    got = grouped_qmatmul(x, weights, starts, rows)
+    got = grouped_qmatmul(x, weights, starts, rows, backend=backend)
     expected = torch.cat([x[[4, 0]] @ dense[0].T, x[[1, 2, 3]] @ dense[2].T])
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert relative_error(got, expected) <= 1e-5
+
+
+def test_a_type_without_a_kernel_is_noted_once_at_load():
+    """The seam's fallback is announced in one line per type (kernels registered later drop the note)."""
+    lines = note_fallbacks(set(IQUANT_TYPES), "cpu")
+    assert all(line.endswith("using the reference dequantize path") for line in lines)
+    assert len(lines) == sum(kernel_for(t) == "reference" for t in IQUANT_TYPES)
 
 
 @pytest.mark.parametrize("type_name", ["TQ1_0", "TQ2_0"])
