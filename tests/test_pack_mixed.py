@@ -139,3 +139,26 @@ def test_streamed_greedy_generation_equals_the_resident_load(dynamic_pack):
             assert store.stats()["pack_reads"] > 0
     assert tokens == expected_tokens
     assert torch.equal(logits, expected_logits)
+
+
+@pytest.mark.parametrize(
+    ("layers", "message"),
+    [
+        ("not a list", "Kimi expert-pack layers do not list its MoE layers"),
+        ([], "Kimi expert-pack layers do not list its MoE layers"),
+        ([{"layer": 1}], "Kimi expert-pack layers do not list its MoE layers"),
+        ("drop roles", "Kimi expert-pack layer 1 role up is recorded as None (None)"),
+    ],
+)
+def test_malformed_layer_records_fail_in_one_line(dynamic_pack, tmp_path, layers, message):
+    _, manifest_path = dynamic_pack
+    manifest = json.loads(manifest_path.read_text())
+    if layers == "drop roles":
+        del manifest["expert_pack"]["layers"][0]["roles"]
+    else:
+        manifest["expert_pack"]["layers"] = layers
+    tampered = tmp_path / "tampered.manifest.json"
+    tampered.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=re.escape(message)) as caught:
+        verify_pack(tampered)
+    assert "\n" not in str(caught.value)
