@@ -25,6 +25,8 @@ GENERATOR_SOURCES = (
     "testing/tinyvocab.py",
     "gguf/writer.py",
     "gguf/vocab.py",
+    "testing/iquant_blocks.py",
+    "gguf/mixed_recipes.py",
     "gguf/layout.py",
     "gguf/config.py",
     "quant/encode.py",

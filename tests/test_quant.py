@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from k3stream.quant import (
+    IQUANT_TYPES,
     SUPPORTED_TYPES,
     default_slab_rows,
     dequantize,
@@ -25,10 +26,14 @@ from k3stream.quant import (
 T = GGMLQuantizationType
 ALL_TYPES = sorted(SUPPORTED_TYPES)
 QUANT_TYPES = [t for t in ALL_TYPES if t not in (T.F32, T.F16, T.BF16)]
+ENCODED_TYPES = [t for t in ALL_TYPES if t not in IQUANT_TYPES]  # the types k3stream can encode
+ENCODED_QUANT_TYPES = [t for t in QUANT_TYPES if t not in IQUANT_TYPES]
 # byte offsets of the fp16 scale fields in each block (ggml-common.h); random bytes there could be NaN/inf
 FP16_SCALE_OFFSETS = {
     T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,), T.IQ1_S: (0,),
+    T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.TQ1_0: (52,), T.TQ2_0: (64,),
 }  # fmt: skip
 # relative RMS error of the reference encoders on N(0, 1) data: loose upper bounds
 ENCODER_ERROR_BOUND = {
@@ -43,6 +48,9 @@ def random_blocks(qt: GGMLQuantizationType, n_blocks: int, seed: int) -> np.ndar
     for offset in FP16_SCALE_OFFSETS.get(qt, ()):
         high = blocks[:, offset + 1]
         blocks[:, offset + 1] = np.where((high & 0x7C) == 0x7C, high ^ 0x40, high)
+    if qt == T.IQ1_M:  # the fp16 scale is the top nibbles of bytes 49, 51, 53, 55: exponent in 53 and 55
+        all_ones = ((blocks[:, 53] & 0xC0) == 0xC0) & ((blocks[:, 55] & 0x70) == 0x70)
+        blocks[:, 55] = np.where(all_ones, blocks[:, 55] ^ 0x40, blocks[:, 55])
     return blocks
 
 
@@ -129,8 +137,8 @@ def test_empty_rows_decode_to_empty():
 
 
 def test_unsupported_type_is_named():
-    with pytest.raises(ValueError, match="IQ2_XXS"):
-        dequantize(np.zeros((1, 66), dtype=np.uint8), T.IQ2_XXS)
+    with pytest.raises(ValueError, match="NVFP4"):
+        dequantize(np.zeros((1, 36), dtype=np.uint8), T.NVFP4)
     with pytest.raises(ValueError, match="999"):
         dequantize(np.zeros((1, 84), dtype=np.uint8), 999)
 
@@ -149,8 +157,9 @@ def test_type_helpers():
     assert type_name(10) == "Q2_K" and type_name(T.MXFP4) == "MXFP4"
     with pytest.raises(ValueError, match="Q2_K"):
         row_bytes(T.Q2_K, 100)
-    with pytest.raises(ValueError, match="TQ2_0"):
-        type_size(T.TQ2_0)
+    assert type_size(T.IQ2_XXS) == (256, 66) and row_bytes(T.IQ1_S, 512) == 100
+    with pytest.raises(ValueError, match="Q8_K"):
+        type_size(T.Q8_K)
     with pytest.raises(ValueError, match="'Q2_K'"):
         type_name("Q2_K")
 
@@ -158,7 +167,7 @@ def test_type_helpers():
 # ---- reference encoders -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("qt", ALL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", ENCODED_TYPES, ids=lambda t: t.name)
 def test_encoder_round_trip_error_and_gguf_agreement(qt):
     values = gaussian((6, 512), seed=int(qt))
     data = quantize(values, qt)
@@ -168,7 +177,7 @@ def test_encoder_round_trip_error_and_gguf_agreement(qt):
     assert_same_bits(dequantize(data, qt), decoded)
 
 
-@pytest.mark.parametrize("qt", QUANT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", ENCODED_QUANT_TYPES, ids=lambda t: t.name)
 def test_encoder_tracks_per_row_scale_and_sign(qt):
     """Rows at very different scales, and one-signed rows, keep their relative error."""
     row_scale = np.array([1e-3, 1.0, 50.0], dtype=np.float32)[:, None]
@@ -200,7 +209,7 @@ def test_mxfp4_encoder_writes_the_same_bytes_as_gguf():
     np.testing.assert_array_equal(quantize(values, T.MXFP4), gguf.quants.quantize(values, T.MXFP4))
 
 
-@pytest.mark.parametrize("qt", QUANT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", ENCODED_QUANT_TYPES, ids=lambda t: t.name)
 def test_encoder_zero_blocks_decode_to_zero(qt):
     data = quantize(np.zeros((2, 256), dtype=np.float32), qt)
     assert not dequantize(data, qt).any()
@@ -315,3 +324,35 @@ def test_cuda_qlinear_moves_bytes_to_x_device(qt):
     got = qlinear(x.cuda(), data, qt, 40, 512, slab_rows=7)
     assert got.device.type == "cuda"
     torch.testing.assert_close(got.cpu(), qlinear(x, data, qt, 40, 512), rtol=1e-4, atol=1e-3)
+
+
+# ---- i-quants and ternary: the tables are gguf's, every scale pattern decodes as gguf does -------
+
+
+def with_every_finite_scale(qt: GGMLQuantizationType, blocks: np.ndarray) -> np.ndarray:
+    """`blocks` (one per finite fp16 pattern) with block i's fp16 scale set to the i-th finite pattern."""
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    halves = halves[(halves & 0x7C00) != 0x7C00]
+    assert len(blocks) == len(halves)
+    if qt == T.IQ1_M:  # the scale's four nibbles top the block's last four 16-bit words
+        words = blocks[:, 48:56].copy().view(np.uint16)
+        nibbles = (halves[:, None] >> np.array([0, 4, 8, 12], dtype=np.uint16)) & 0xF
+        blocks[:, 48:56] = ((words & 0x0FFF) | (nibbles << 12)).view(np.uint8)
+    else:
+        (offset,) = FP16_SCALE_OFFSETS[qt]
+        blocks[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return blocks
+
+
+@pytest.mark.parametrize("qt", sorted(IQUANT_TYPES), ids=lambda t: t.name)
+def test_iquant_every_finite_scale_decodes_as_gguf(qt):
+    """Every finite fp16 scale pattern (one a block), over random sub-scales, codes and signs."""
+    data = with_every_finite_scale(qt, random_blocks(qt, 63488, seed=int(qt)))
+    reference = gguf.quants.dequantize(data, qt)
+    assert np.isfinite(reference).all()
+    assert_same_bits(dequantize(data, qt), reference)
+
+
+def test_quantize_refuses_types_it_only_decodes():
+    with pytest.raises(ValueError, match="IQ2_XXS: k3stream decodes IQ2_XXS but has no encoder"):
+        quantize(np.zeros((1, 256), dtype=np.float32), T.IQ2_XXS)

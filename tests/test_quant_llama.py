@@ -12,8 +12,9 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from conftest import requires_llama
-from k3stream.quant import dequantize, quantize
-from test_quant import ALL_TYPES, gaussian, random_blocks
+from k3stream.quant import IQUANT_TYPES, dequantize, quantize
+from k3stream.testing.iquant_blocks import random_blocks as recipe_blocks
+from test_quant import ALL_TYPES, ENCODED_TYPES, gaussian, random_blocks
 
 pytestmark = [requires_llama, pytest.mark.llama]
 
@@ -53,7 +54,7 @@ def ggml_dequantize(lib, data: np.ndarray, qt: GGMLQuantizationType, n_elems: in
     return out
 
 
-@pytest.mark.parametrize("qt", ALL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", ENCODED_TYPES, ids=lambda t: t.name)
 def test_llama_cpp_accepts_and_decodes_encoder_output(ggml, qt):
     values = gaussian((4, 512), seed=11)
     data = quantize(values, qt)
@@ -72,3 +73,13 @@ def test_random_blocks_decode_like_llama_cpp(ggml, qt):
     n_elems = 64 * dequantize(data[:1], qt).shape[-1]
     ours = dequantize(torch.from_numpy(data), qt).reshape(-1).numpy()
     np.testing.assert_array_equal(ours, ggml_dequantize(ggml, data, qt, n_elems))
+
+
+@pytest.mark.parametrize("qt", sorted(IQUANT_TYPES), ids=lambda t: t.name)
+def test_make_tiny_blocks_of_the_new_types_are_valid_for_llama_cpp(ggml, qt):
+    """The random blocks `make-tiny --recipe` writes pass ggml's own row validation and decode as ggml
+    decodes them."""
+    data = recipe_blocks(qt.name, (4, 512), [int(qt)])
+    assert ggml.ggml_validate_row_data(int(qt), data.ctypes.data, data.nbytes)
+    ours = dequantize(data, qt).reshape(-1).numpy()
+    np.testing.assert_array_equal(ours, ggml_dequantize(ggml, data, qt, 4 * 512))

@@ -1,7 +1,8 @@
 """`k3stream inspect PATH [--json] [--profile generic|audited]`: describe a Kimi-K3 GGUF.
 
-Config, layer map (KDA/MLA, dense/MoE), bytes by tensor class, GGML type histogram, shards, the profile
-in force and whether the checkpoint follows the audited recipe.
+Config, layer map (KDA/MLA, dense/MoE), bytes by tensor class, GGML type histogram, the recipe per MoE
+layer and role with its bits per weight and bytes per token uncached, shards, the profile in force and
+whether the checkpoint follows the audited recipe.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def _shards(checkpoint) -> list[dict[str, Any]]:
 def describe(checkpoint) -> dict[str, Any]:
     """Everything `inspect` reports, as one JSON-ready dict."""
     from k3stream.gguf.profile import check_recipe
+    from k3stream.gguf.recipe import recipe_report
 
     cfg = checkpoint.config
     derived = {"mla_layers": list(cfg.mla_layers), "moe_layers": list(cfg.moe_layers)}
@@ -88,6 +90,7 @@ def describe(checkpoint) -> dict[str, Any]:
         "layers": _layer_map(checkpoint.config),
         "bytes": _bytes_by_class(checkpoint),
         "types": _type_histogram(checkpoint),
+        "recipe": recipe_report(checkpoint),
         "shards": _shards(checkpoint),
     }
 
@@ -101,6 +104,8 @@ def _layer_line(layers: list[dict[str, Any]]) -> str:
 
 
 def format_text(report: dict[str, Any]) -> str:
+    from k3stream.gguf.recipe import recipe_lines
+
     config, sizes, types = report["config"], report["bytes"], report["types"]
     recipe = "yes" if report["audited_recipe"] else f"no ({len(report['recipe_deviations'])} deviations)"
     lines = [
@@ -111,6 +116,7 @@ def format_text(report: dict[str, Any]) -> str:
         f"bytes: non-expert {_mib(sizes['non_expert'])}, routed experts {_mib(sizes['routed_experts'])}, "
         f"total {_mib(sizes['total'])}, one expert object {sizes['expert_object']:,} B",
         "types: " + ", ".join(f"{t} {v['tensors']} tensors {_mib(v['bytes'])}" for t, v in types.items()),
+        *recipe_lines(report["recipe"]),
         "shards:",
         *(f"  {s['path']}  {s['tensors']} tensors  {_mib(s['file_bytes'])}" for s in report["shards"]),
     ]

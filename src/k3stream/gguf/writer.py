@@ -18,11 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
+from k3stream.gguf.mixed_recipes import MIXED_RECIPES, file_type, mixed_type
 from k3stream.gguf.vocab import CHAT_TEMPLATE, Vocab
 
 ARCH = "kimi-k3"
 NAME = "tiny-kimi-k3"
-RECIPES = ("f32", "f16", "audited")
+RECIPES = ("f32", "f16", "audited", *MIXED_RECIPES)
 
 # GGML type ids (gguf.GGMLQuantizationType), spelled here to keep the import light.
 F32, F16 = 0, 1
@@ -164,7 +165,7 @@ def _add_tokenizer(writer, vocab: Vocab) -> None:
 
 def _add_metadata(writer, spec: TinySpec, vocab: Vocab) -> None:
     writer.add_string("general.name", NAME)
-    writer.add_uint32("general.file_type", FILE_TYPES[spec.recipe])
+    writer.add_uint32("general.file_type", _file_type(spec.recipe))
     writer.add_uint32("general.quantization_version", 2)
     for key, value in hparams(spec, len(vocab.tokens)).items():
         _add_value(writer, key, value)
@@ -265,19 +266,32 @@ def ggml_type_for(name: str, ndim: int, recipe: str) -> int:
     return F32
 
 
-def _check_quantizable(tensor: _Tensor, ggml_type: int) -> None:
+def tensor_type(tensor: _Tensor, spec: TinySpec) -> int:
+    """The GGML type id `spec.recipe` gives `tensor`."""
+    if spec.recipe in MIXED_RECIPES:
+        return mixed_type(MIXED_RECIPES[spec.recipe], tensor.name, tensor.shape, first_moe_layer=spec.n_dense)
+    return ggml_type_for(tensor.name, len(tensor.shape), spec.recipe)
+
+
+def _file_type(recipe: str) -> int:
+    if recipe in MIXED_RECIPES:
+        return file_type(MIXED_RECIPES[recipe])
+    return FILE_TYPES[recipe]
+
+
+def _check_quantizable(tensor: _Tensor, ggml_type: int, recipe: str) -> None:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     block = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][0]
     if tensor.shape[-1] % block:
         raise ValueError(
-            f"recipe audited: {tensor.name} rows of {tensor.shape[-1]} values are not a multiple of "
+            f"recipe {recipe}: {tensor.name} rows of {tensor.shape[-1]} values are not a multiple of "
             f"{block} ({GGMLQuantizationType(ggml_type).name}); choose shapes that fit the recipe"
         )
 
 
 def _encoded(tensor: _Tensor, spec: TinySpec, values_of: ValuesOf) -> tuple[np.ndarray, int]:
-    ggml_type = ggml_type_for(tensor.name, len(tensor.shape), spec.recipe)
+    ggml_type = tensor_type(tensor, spec)
     values = values_of(tensor, spec)
     if ggml_type == F32:
         return values, F32
@@ -321,7 +335,7 @@ def _write_shard(
             writer.add_uint16("split.count", count)
             writer.add_int32("split.tensors.count", total)
         for tensor in tensors:
-            _add_tensor_info(writer, tensor, spec.recipe)
+            _add_tensor_info(writer, tensor, spec)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -356,10 +370,10 @@ def _write_overlapped(fout, slabs) -> int:
     return written
 
 
-def _add_tensor_info(writer, tensor: _Tensor, recipe: str) -> None:
+def _add_tensor_info(writer, tensor: _Tensor, spec: TinySpec) -> None:
     from gguf import GGMLQuantizationType
 
-    ggml_type = ggml_type_for(tensor.name, len(tensor.shape), recipe)
+    ggml_type = tensor_type(tensor, spec)
     if ggml_type in (F32, F16):
         dtype = np.dtype(np.float32 if ggml_type == F32 else np.float16)
         nbytes = int(np.prod(tensor.shape)) * dtype.itemsize
@@ -381,11 +395,18 @@ def _row_bytes(row_values: int, ggml_type: int) -> int:
 
 def _tensor_slabs(tensor: _Tensor, spec: TinySpec, values_of: ValuesOf, slabs_of: SlabsOf | None):
     """The tensor's bytes: what `slabs_of` gives, else its values encoded whole."""
-    ggml_type = ggml_type_for(tensor.name, len(tensor.shape), spec.recipe)
+    from k3stream.quant import IQUANT_TYPES
+
+    ggml_type = tensor_type(tensor, spec)
     slabs = slabs_of(tensor, spec, ggml_type) if slabs_of is not None else None
     if slabs is not None:
         yield from slabs
         return
+    if ggml_type in IQUANT_TYPES:
+        from gguf import GGMLQuantizationType
+
+        type_name = GGMLQuantizationType(ggml_type).name
+        raise ValueError(f"{tensor.name}: k3stream cannot encode given weights as {type_name}")
     data, _ = _encoded(tensor, spec, values_of)
     yield np.ascontiguousarray(data)
 
@@ -397,9 +418,9 @@ def check_spec(spec: TinySpec, vocab_size: int) -> list[_Tensor]:
     plan = tensor_plan(spec, vocab_size)
     if spec.shards > len(plan):
         raise ValueError(f"TinySpec.shards: {spec.shards} shards for only {len(plan)} tensors")
-    if spec.recipe == "audited":
+    if spec.recipe not in ("f32", "f16"):
         for tensor in plan:
-            _check_quantizable(tensor, ggml_type_for(tensor.name, len(tensor.shape), spec.recipe))
+            _check_quantizable(tensor, tensor_type(tensor, spec), spec.recipe)
     return plan
 
 

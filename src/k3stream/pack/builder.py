@@ -59,16 +59,16 @@ class PackPlan:
         """(shard path, absolute offset, tensor name) of index entry `index`."""
         layer, expert, role = self.layout.identity(index)
         info = self.role_tensors[(layer, fmt.ROLES[role])]
-        return info.path, info.data_offset + expert * self.layout.role_bytes[role], info.name
+        return info.path, info.data_offset + expert * info.nbytes // self.layout.num_experts, info.name
 
 
 def plan_pack(checkpoint: Any) -> PackPlan:
-    """Check the routed expert tensors (present, 3-D, evenly sliceable, one size per role)."""
+    """Check the routed expert tensors (present, 3-D, evenly sliceable); each MoE layer's role sizes
+    follow its tensors' types (a mixed recipe's layers differ)."""
     config = checkpoint.config
     moe_layers = tuple(config.moe_layers)
     experts = config.n_experts
     role_tensors: dict[tuple[int, str], Any] = {}
-    role_bytes: dict[str, int] = {}
     for layer in moe_layers:
         for role in fmt.ROLES:
             info = checkpoint.info(routed_expert_name(layer, role))
@@ -77,13 +77,10 @@ def plan_pack(checkpoint: Any) -> PackPlan:
                     f"{info.path}: routed expert tensor {info.name} of shape {info.shape} "
                     f"({info.nbytes} bytes) does not split into {experts} experts"
                 )
-            first = role_bytes.setdefault(role, info.nbytes // experts)
-            if info.nbytes // experts != first:
-                raise ValueError(
-                    f"{info.path}: {info.name} has {info.nbytes // experts} bytes per expert, "
-                    f"layer {moe_layers[0]} has {first}"
-                )
             role_tensors[(layer, role)] = info
+    sizes = tuple(
+        tuple(role_tensors[(layer, role)].nbytes // experts for role in fmt.ROLES) for layer in moe_layers
+    )
     strays = [
         name
         for name in checkpoint.tensors
@@ -91,7 +88,7 @@ def plan_pack(checkpoint: Any) -> PackPlan:
     ]
     if strays:
         raise ValueError(f"{checkpoint.shards[0]}: routed expert tensor {strays[0]} in a layer without MoE")
-    layout = fmt.PackLayout(moe_layers, experts, tuple(role_bytes[role] for role in fmt.ROLES))
+    layout = fmt.PackLayout.of_layers(moe_layers, experts, sizes)
     return PackPlan(checkpoint, layout, role_tensors)
 
 

@@ -7,6 +7,7 @@ role slice at a 4096-aligned offset in index order. The file ends at the end of 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Iterator
@@ -70,12 +71,22 @@ class PackLayout:
 
     Each slice starts at the next 4096-aligned offset after the previous one, so an object is
     contiguous (no padding between roles) exactly when the up and gate sizes are multiples of 4096,
-    as they are for the real model.
+    as they are for the real model. `role_bytes` are every layer's sizes, unless `layer_role_bytes`
+    gives each MoE layer its own (a mixed recipe): then a layer's objects follow the previous layer's,
+    each still one contiguous, 4096-aligned read. One size for all layers gives the same bytes either way.
     """
 
     moe_layers: tuple[int, ...]
     num_experts: int
-    role_bytes: tuple[int, int, int]  # up, gate, down bytes of one expert
+    role_bytes: tuple[int, int, int]  # up, gate, down bytes of one expert (the first MoE layer's)
+    layer_role_bytes: tuple[tuple[int, int, int], ...] | None = None  # per MoE layer, when they differ
+
+    @classmethod
+    def of_layers(
+        cls, moe_layers: tuple[int, ...], num_experts: int, sizes: tuple[tuple[int, int, int], ...]
+    ) -> PackLayout:
+        """The layout of MoE layers with these (up, gate, down) bytes per expert, one row a layer."""
+        return cls(moe_layers, num_experts, sizes[0], sizes if len(set(sizes)) > 1 else None)
 
     @property
     def index_count(self) -> int:
@@ -86,16 +97,41 @@ class PackLayout:
         return align_up(HEADER.size + self.index_count * ENTRY.size)
 
     @property
-    def role_offsets(self) -> tuple[int, int, int]:
-        """Offset of each role from the start of its object."""
-        up, gate, _ = self.role_bytes
+    def mixed(self) -> bool:
+        """Whether the MoE layers differ in their role sizes."""
+        return self.layer_role_bytes is not None and len(set(self.layer_role_bytes)) > 1
+
+    def sizes_at(self, position: int) -> tuple[int, int, int]:
+        """Up, gate, down bytes of one expert of the `position`-th MoE layer."""
+        return self.role_bytes if self.layer_role_bytes is None else self.layer_role_bytes[position]
+
+    def offsets_at(self, position: int) -> tuple[int, int, int]:
+        """Offset of each role from the start of its object, in the `position`-th MoE layer."""
+        up, gate, _ = self.sizes_at(position)
         gate_offset = align_up(up)
         return 0, gate_offset, align_up(gate_offset + gate)
 
+    def object_bytes_at(self, position: int) -> int:
+        """Span of one object of the `position`-th MoE layer: from the start of up to the end of down."""
+        return self.offsets_at(position)[2] + self.sizes_at(position)[2]
+
+    @functools.cached_property
+    def _layer_starts(self) -> tuple[int, ...]:
+        """Offset of each MoE layer's first object, and the end of the last layer's strides."""
+        starts = [self.data_start]
+        for position in range(len(self.moe_layers)):
+            starts.append(starts[-1] + self.num_experts * align_up(self.object_bytes_at(position)))
+        return tuple(starts)
+
+    @property
+    def role_offsets(self) -> tuple[int, int, int]:
+        """Offset of each role from the start of its object (the first MoE layer's)."""
+        return self.offsets_at(0)
+
     @property
     def object_bytes(self) -> int:
-        """Span of one object: from the start of up to the end of down."""
-        return self.role_offsets[2] + self.role_bytes[2]
+        """Span of the largest object (every object's, with one size for all layers)."""
+        return max(self.object_bytes_at(p) for p in range(len(self.moe_layers)))
 
     @property
     def object_stride(self) -> int:
@@ -103,17 +139,22 @@ class PackLayout:
 
     @property
     def total_size(self) -> int:
-        objects = len(self.moe_layers) * self.num_experts
-        return self.data_start + (objects - 1) * self.object_stride + self.object_bytes
+        last = len(self.moe_layers) - 1
+        return self._layer_starts[-1] - align_up(self.object_bytes_at(last)) + self.object_bytes_at(last)
 
     @property
     def payload_bytes(self) -> int:
-        return len(self.moe_layers) * self.num_experts * sum(self.role_bytes)
+        return self.num_experts * sum(sum(self.sizes_at(p)) for p in range(len(self.moe_layers)))
 
     def payload_before(self, index: int) -> int:
         """Payload bytes of entries 0..index-1."""
         objects, roles = divmod(index, len(ROLES))
-        return objects * sum(self.role_bytes) + sum(self.role_bytes[:roles])
+        position, expert = divmod(objects, self.num_experts)
+        earlier = self.num_experts * sum(sum(self.sizes_at(p)) for p in range(position))
+        if position == len(self.moe_layers):
+            return earlier
+        sizes = self.sizes_at(position)
+        return earlier + expert * sum(sizes) + sum(sizes[:roles])
 
     def layer_position(self, layer: int) -> int:
         try:
@@ -124,8 +165,8 @@ class PackLayout:
     def object_offset(self, layer: int, expert: int) -> int:
         if not 0 <= expert < self.num_experts:
             raise KeyError(f"expert {expert} is out of range 0..{self.num_experts - 1}")
-        ordinal = self.layer_position(layer) * self.num_experts + expert
-        return self.data_start + ordinal * self.object_stride
+        position = self.layer_position(layer)
+        return self._layer_starts[position] + expert * align_up(self.object_bytes_at(position))
 
     def identity(self, index: int) -> tuple[int, int, int]:
         """(layer, expert, role position) of index entry `index`."""
@@ -135,8 +176,17 @@ class PackLayout:
 
     def entry(self, index: int) -> Entry:
         layer, expert, role = self.identity(index)
-        offset = self.object_offset(layer, expert) + self.role_offsets[role]
-        return Entry(routed_expert_name(layer, ROLES[role]), expert, offset, self.role_bytes[role])
+        position = self.layer_position(layer)
+        offset = self.object_offset(layer, expert) + self.offsets_at(position)[role]
+        return Entry(routed_expert_name(layer, ROLES[role]), expert, offset, self.sizes_at(position)[role])
+
+    def entry_sizes(self) -> list[int]:
+        """Payload bytes of every index entry, in index order."""
+        return [n for p in range(len(self.moe_layers)) for n in self.sizes_at(p) * self.num_experts]
+
+    def entry_role_offsets(self) -> list[int]:
+        """Offset of every index entry from the start of its object, in index order."""
+        return [n for p in range(len(self.moe_layers)) for n in self.offsets_at(p) * self.num_experts]
 
     def entries(self) -> Iterator[Entry]:
         return (self.entry(index) for index in range(self.index_count))

@@ -73,8 +73,9 @@ class ObjectHasher:
     def hash_object(self, fd: int, ordinal: int) -> None:
         layer, expert = object_identity(self.layout, ordinal)
         offset = self.layout.object_offset(layer, expert)
-        data = pread_exact(fd, self.layout.object_bytes, offset)
-        if len(data) != self.layout.object_bytes:
+        nbytes = self.layout.object_bytes_at(self.layout.layer_position(layer))
+        data = pread_exact(fd, nbytes, offset)
+        if len(data) != nbytes:
             raise ValueError(f"expert pack ends inside expert {expert} of layer {layer}")
         self.digests[ordinal] = object_digest(data)
         self.done[ordinal] = True

@@ -435,18 +435,47 @@ class ManifestOptions:
 def role_summary(
     layout: fmt.PackLayout, role_tensors: dict[tuple[int, str], Any], role: str
 ) -> dict[str, Any]:
-    """`expert_pack.roles[role]`, from the role's tensor in the first MoE layer (a `TensorInfo`)."""
+    """`expert_pack.roles[role]`, from the role's tensor in the first MoE layer (a `TensorInfo`); the
+    payload bytes are every layer's (the first layer's times the layers, with one size for all)."""
     position = fmt.ROLES.index(role)
     info = role_tensors[(layout.moe_layers[0], role)]
     entries = len(layout.moe_layers) * layout.num_experts
+    sizes = [layout.sizes_at(p)[position] for p in range(len(layout.moe_layers))]
     return {
         "dtype": info.type_name,
         "dtype_id": info.ggml_type,
         "logical_shape": list(reversed(info.shape[1:])),  # GGML order (in, out), as sglang writes it
-        "expert_bytes": layout.role_bytes[position],
+        "expert_bytes": sizes[0],
         "entry_count": entries,
-        "payload_bytes": entries * layout.role_bytes[position],
+        "payload_bytes": layout.num_experts * sum(sizes),
     }
+
+
+def layer_records(layout: fmt.PackLayout, role_tensors: dict[tuple[int, str], Any]) -> list[dict[str, Any]]:
+    """`expert_pack.layers`: each MoE layer's role types and bytes per expert (a mixed recipe's)."""
+    return [
+        {
+            "layer": layer,
+            "object_bytes": layout.object_bytes_at(position),
+            "roles": {
+                role: {
+                    "dtype": role_tensors[(layer, role)].type_name,
+                    "dtype_id": role_tensors[(layer, role)].ggml_type,
+                    "expert_bytes": layout.sizes_at(position)[index],
+                }
+                for index, role in enumerate(fmt.ROLES)
+            },
+        }
+        for position, layer in enumerate(layout.moe_layers)
+    ]
+
+
+def is_mixed(layout: fmt.PackLayout, role_tensors: dict[tuple[int, str], Any]) -> bool:
+    """Whether the MoE layers differ in a role's type or size (the manifest then records each layer)."""
+    types = {
+        tuple(role_tensors[(layer, role)].ggml_type for role in fmt.ROLES) for layer in layout.moe_layers
+    }
+    return layout.mixed or len(types) > 1
 
 
 def expert_pack_section(
@@ -477,6 +506,8 @@ def expert_pack_section(
         "payload_samples_verified": samples_verified,
         "full_pack_hash": sha256 is not None,
     }
+    if is_mixed(layout, role_tensors):
+        section["layers"] = layer_records(layout, role_tensors)
     if sha256 is not None:
         section["sha256"] = sha256
     return section

@@ -50,7 +50,11 @@ class ExpertPack:
         self._object_offsets = [int(offset) for offset in checked.index.object_offsets]
         self.top_k = checked.expected.top_k
         roles = self.manifest["expert_pack"]["roles"]
-        self._role_types = {role: int(roles[role]["dtype_id"]) for role in fmt.ROLES}
+        layers = self.manifest["expert_pack"].get("layers")  # a mixed recipe's types per layer (checked)
+        self._layer_types = [
+            {role: int((layer["roles"] if layers else roles)[role]["dtype_id"]) for role in fmt.ROLES}
+            for layer in (layers or [None] * len(self.layout.moe_layers))
+        ]
         self._role_shapes = {role: tuple(reversed(roles[role]["logical_shape"])) for role in fmt.ROLES}
         # xxh3_64 of every object (layer-major) when the manifest records them (ours do; sglang's do not)
         self.checksums = object_checksums(self.manifest, self.layout)
@@ -78,8 +82,10 @@ class ExpertPack:
     def object_range(self, layer: int, expert: int) -> tuple[int, int]:
         """(absolute offset, nbytes) of one expert object: up, gate and down in one contiguous read."""
         self.layout.object_offset(layer, expert)  # range checks with one-line errors
-        ordinal = self.layout.layer_position(layer) * self.num_experts + expert
-        return self._object_offsets[ordinal], self.layout.object_bytes
+        position = self.layout.layer_position(layer)
+        return self._object_offsets[position * self.num_experts + expert], self.layout.object_bytes_at(
+            position
+        )
 
     def check_object(self, layer: int, expert: int, data: Any) -> None:
         """Raise ChecksumMismatch (one line: layer, expert, pack) unless `data` hashes as recorded;
@@ -93,14 +99,16 @@ class ExpertPack:
 
     def role_slices(self, layer: int, expert: int) -> dict[str, RoleSlice]:
         start, _ = self.object_range(layer, expert)
+        position = self.layout.layer_position(layer)
+        offsets, sizes = self.layout.offsets_at(position), self.layout.sizes_at(position)
         return {
             role: RoleSlice(
-                start + self.layout.role_offsets[position],
-                self.layout.role_bytes[position],
-                self._role_types[role],
+                start + offsets[index],
+                sizes[index],
+                self._layer_types[position][role],
                 self._role_shapes[role],
             )
-            for position, role in enumerate(fmt.ROLES)
+            for index, role in enumerate(fmt.ROLES)
         }
 
     def read_object(self, layer: int, expert: int, buf: bytearray | memoryview | None = None) -> memoryview:

@@ -183,19 +183,28 @@ def _check_role_type(
 
 
 def _check_role_size(
-    role: str, summary: dict[str, Any], tensors: list[dict], expected: ModelExpectation
+    role: str,
+    summary: dict[str, Any],
+    tensors: list[dict],
+    expected: ModelExpectation,
+    layer_bytes: list | None,
 ) -> None:
+    """`layer_bytes`: the role's bytes per expert in each MoE layer, when the manifest records layers
+    (then `tensors` is the first layer's alone: `_layer_sizes` checked the others)."""
     experts = expected.num_experts
     latent_ff = [expected.latent, expected.expert_ff]
     logical = latent_ff if role != "down" else latent_ff[::-1]  # GGML order (in, out)
     entry_count = len(expected.moe_layers) * experts
+    payload = (
+        entry_count * summary.get("expert_bytes", -1) if layer_bytes is None else experts * sum(layer_bytes)
+    )
     for tensor in tensors:
         ok = (
             list(tensor["shape"]) == [*logical, experts]
             and int(tensor["nbytes"]) == int(summary.get("expert_bytes", -1)) * experts
             and summary.get("logical_shape") == logical
             and summary.get("entry_count") == entry_count
-            and summary.get("payload_bytes") == entry_count * summary.get("expert_bytes", -1)
+            and summary.get("payload_bytes") == payload
         )
         if not ok:
             raise ValueError(
@@ -204,19 +213,75 @@ def _check_role_size(
             )
 
 
+def _layer_sizes(
+    manifest: dict[str, Any], pack: dict[str, Any], expected: ModelExpectation
+) -> tuple[tuple[int, int, int], ...] | None:
+    """Each MoE layer's (up, gate, down) bytes per expert from `expert_pack.layers` (a mixed recipe's;
+    None when the manifest has none), after checking every layer's types and sizes against the GGUF's
+    tensor records: a disagreement names the layer and role."""
+    layers = pack.get("layers")
+    if layers is None:
+        return None
+    if not isinstance(layers, list) or [_get(record, "layer") for record in layers] != list(
+        expected.moe_layers
+    ):
+        raise ValueError("Kimi expert-pack layers do not list its MoE layers")
+    records = {record["name"]: record for record in field(manifest, "source", "tensors")}
+    return tuple(
+        tuple(_layer_role_bytes(record["layer"], role, record, records, expected) for role in fmt.ROLES)
+        for record in layers
+    )
+
+
+def _get(record: Any, key: str) -> Any:
+    return record.get(key) if isinstance(record, dict) else None
+
+
+def _layer_role_bytes(
+    layer: int, role: str, record: dict[str, Any], tensors: dict[str, dict], expected: ModelExpectation
+) -> int:
+    from gguf import GGMLQuantizationType
+
+    summary = _get(_get(record, "roles"), role)
+    dtype, dtype_id, expert_bytes = (_get(summary, key) for key in ("dtype", "dtype_id", "expert_bytes"))
+    name = routed_expert_name(layer, role)
+    tensor = tensors.get(name)
+    if tensor is None:
+        raise ValueError(f"Kimi manifest source has no routed expert tensor {name}")
+    known = dtype in GGMLQuantizationType.__members__ and GGMLQuantizationType[dtype] == dtype_id
+    if expected.role_types is not None and (dtype, dtype_id) != expected.role_types[role]:
+        raise ValueError(f"Kimi expert-pack {role} quant type is unsupported")
+    if not known or tensor["dtype"] != dtype:
+        raise ValueError(
+            f"Kimi expert-pack layer {layer} role {role} is recorded as {dtype} ({dtype_id}), "
+            f"its GGUF tensor {name} is {tensor['dtype']}"
+        )
+    if not isinstance(expert_bytes, int) or int(tensor["nbytes"]) != expert_bytes * expected.num_experts:
+        raise ValueError(
+            f"Kimi expert-pack layer {layer} role {role} is recorded as {expert_bytes} bytes per expert, "
+            f"its GGUF tensor {name} has {tensor['nbytes']} bytes for {expected.num_experts} experts"
+        )
+    return expert_bytes
+
+
 def check_roles(manifest: dict[str, Any], expected: ModelExpectation) -> fmt.PackLayout:
     """Role order, types and sizes; returns the layout the index must follow."""
     pack = field(manifest, "expert_pack")
     if pack.get("physical_role_order") != list(fmt.ROLES):
         raise ValueError("Kimi expert-pack physical role order is unsupported")
     roles = field(pack, "roles")
-    for role in fmt.ROLES:
+    layer_sizes = _layer_sizes(manifest, pack, expected)
+    for position, role in enumerate(fmt.ROLES):
         summary = field(roles, role)
         tensors = _role_tensors(manifest, expected.moe_layers, role)
+        layer_bytes = None if layer_sizes is None else [sizes[position] for sizes in layer_sizes]
+        tensors = tensors if layer_sizes is None else tensors[:1]
         _check_role_type(role, summary, tensors, expected)
-        _check_role_size(role, summary, tensors, expected)
+        _check_role_size(role, summary, tensors, expected, layer_bytes)
     role_bytes = tuple(int(roles[role]["expert_bytes"]) for role in fmt.ROLES)
-    layout = fmt.PackLayout(expected.moe_layers, expected.num_experts, role_bytes)
+    layout = fmt.PackLayout.of_layers(
+        expected.moe_layers, expected.num_experts, layer_sizes or (role_bytes,) * len(expected.moe_layers)
+    )
     # the audited runtime (sglang's store) reads an object as up+gate+down with no padding between
     padding_allowed = expected.role_types is None
     if int(field(pack, "object_bytes")) != layout.object_bytes or (
@@ -294,7 +359,6 @@ def check_entries(index: np.ndarray, layout: fmt.PackLayout, data_start: int, fi
     order (identity, then range, then contiguity). Returns the object offsets."""
     count = layout.index_count
     names_bad = (_names_up_to_nul(index["name"]) != _expected_names(layout)).any(axis=1)
-    roles = np.arange(count) % len(fmt.ROLES)
     experts = (np.arange(count) // len(fmt.ROLES)) % layout.num_experts
     identity_bad = names_bad | (index["expert"] != experts) | (index["reserved"] != 0)
 
@@ -302,7 +366,7 @@ def check_entries(index: np.ndarray, layout: fmt.PackLayout, data_start: int, fi
     ends = offsets + nbytes
     previous_ends = np.concatenate([np.array([data_start], dtype=np.uint64), ends[:-1]])
     range_bad = (
-        (nbytes != np.array(layout.role_bytes, dtype=np.uint64)[roles])
+        (nbytes != np.array(layout.entry_sizes(), dtype=np.uint64))
         | (offsets % np.uint64(fmt.ALIGNMENT) != 0)
         | (offsets < previous_ends)
         | (ends < offsets)
@@ -310,7 +374,7 @@ def check_entries(index: np.ndarray, layout: fmt.PackLayout, data_start: int, fi
     )
 
     object_offsets = offsets[0::3]
-    expected = np.repeat(object_offsets, 3) + np.array(layout.role_offsets, dtype=np.uint64)[roles]
+    expected = np.repeat(object_offsets, 3) + np.array(layout.entry_role_offsets(), dtype=np.uint64)
     contiguity_bad = offsets != expected
 
     firsts = [
@@ -435,9 +499,10 @@ def check_object_samples(
     try:
         for ordinal in ordinals:
             layer, expert = integrity.object_identity(layout, ordinal)
+            position = layout.layer_position(layer)
             offset = int(offsets[ordinal])
             if digests is not None:
-                got = integrity.object_digest(pread_exact(fd, layout.object_bytes, offset))
+                got = integrity.object_digest(pread_exact(fd, layout.object_bytes_at(position), offset))
                 if got != int(digests[ordinal]):
                     want = int(digests[ordinal])
                     message = integrity.mismatch_message(layer, expert, checked.pack_path, got, want)
@@ -446,8 +511,9 @@ def check_object_samples(
                 path, source_offset = entry_source(layout, sources, ordinal * len(fmt.ROLES) + role)
                 if path not in shard_fds:
                     shard_fds[path] = os.open(path, os.O_RDONLY)
-                role_offset = offset + layout.role_offsets[role]
-                if not same_bytes(fd, role_offset, shard_fds[path], source_offset, layout.role_bytes[role]):
+                role_offset = offset + layout.offsets_at(position)[role]
+                nbytes = layout.sizes_at(position)[role]
+                if not same_bytes(fd, role_offset, shard_fds[path], source_offset, nbytes):
                     name = routed_expert_name(layer, fmt.ROLES[role])
                     raise ValueError(
                         f"expert-pack payload does not match GGUF source for {name} expert {expert}"
@@ -476,7 +542,7 @@ def entry_source(
     """Where index entry `index` comes from in the GGUF: (shard path, absolute offset)."""
     layer, expert, role = layout.identity(index)
     path, data_offset = sources[routed_expert_name(layer, fmt.ROLES[role])]
-    return path, data_offset + expert * layout.role_bytes[role]
+    return path, data_offset + expert * layout.sizes_at(layout.layer_position(layer))[role]
 
 
 def verify_payloads(checked: CheckedPack) -> str:
@@ -490,17 +556,17 @@ def verify_payloads(checked: CheckedPack) -> str:
         position = _hash_span(pack_fd, 0, checked.index.data_start, digest)
         for index in range(layout.index_count):
             layer, expert, role = layout.identity(index)
-            offset = int(offsets[index // 3]) + layout.role_offsets[role]
+            layer_position = layout.layer_position(layer)
+            offset = int(offsets[index // 3]) + layout.offsets_at(layer_position)[role]
+            nbytes = layout.sizes_at(layer_position)[role]
             position = _hash_span(pack_fd, position, offset, digest)
             path, source_offset = entry_source(layout, sources, index)
             if path not in shard_fds:
                 shard_fds[path] = os.open(path, os.O_RDONLY)
-            if not same_bytes(
-                pack_fd, offset, shard_fds[path], source_offset, layout.role_bytes[role], digest
-            ):
+            if not same_bytes(pack_fd, offset, shard_fds[path], source_offset, nbytes, digest):
                 name = routed_expert_name(layer, fmt.ROLES[role])
                 raise ValueError(f"expert-pack payload does not match GGUF source for {name} expert {expert}")
-            position = offset + layout.role_bytes[role]
+            position = offset + nbytes
     finally:
         for fd in (pack_fd, *shard_fds.values()):
             os.close(fd)

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType
 
+from .fields import as_floats, fp16_field, fp16_to_fp32, unpack, with_high_bits
+from .iquants import IQUANT_DECODERS
 from .types import QType, as_qtype, type_size
 
 T = GGMLQuantizationType
@@ -68,54 +70,8 @@ def _decode_float(raw: torch.Tensor, qt: GGMLQuantizationType) -> torch.Tensor:
         # via integer bits: keeps every NaN payload exactly as gguf's shift does
         return (flat.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
     if qt == T.F16:
-        return _fp16_to_fp32(flat.view(torch.float16))
+        return fp16_to_fp32(flat.view(torch.float16))
     return flat.view(torch.float32)
-
-
-# ---- field helpers --------------------------------------------------------------------------
-
-
-def _fp16_to_fp32(half: torch.Tensor) -> torch.Tensor:
-    """Exact fp16 -> fp32 for every bit pattern: torch's CPU cast canonicalises NaNs, numpy keeps
-    their sign and payload (shifted up 13 bits), so NaNs are rebuilt from the bits."""
-    out = half.to(torch.float32)
-    nan = out.isnan()
-    if nan.any():
-        bits = half.view(torch.int16)[nan].to(torch.int32)
-        # written as integers: a float copy could quieten signalling NaNs
-        out.view(torch.int32)[nan] = ((bits & 0x8000) << 16) | 0x7F800000 | ((bits & 0x03FF) << 13)
-    return out
-
-
-def _fp16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """(n, 1) float32 from the little-endian fp16 at byte `start` of every block."""
-    return _fp16_to_fp32(blocks[:, start : start + 2].contiguous().view(torch.float16))
-
-
-def _unpack(fields: torch.Tensor, bits: int, groups: int) -> torch.Tensor:
-    """(n, groups, 8//bits, width) bit fields of (n, groups*width) bytes; field f at bit f*bits.
-
-    Returns a fresh tensor, so callers may update it in place (the decoders do, to save passes).
-    Shifts whole words (up to 8 bytes at once) by scalars: a field never crosses a byte, so masking
-    every byte of the shifted word leaves exactly the bytes' fields, and the little-endian byte view
-    of the words is the unpacked bytes. Several times faster than a broadcast shift of the bytes."""
-    count = 8 // bits
-    width = fields.shape[1] // groups
-    word = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8) if width % d.itemsize == 0)
-    packed = fields.clone(memory_format=torch.contiguous_format)  # word views need offset 0
-    words = packed.view(word).reshape(fields.shape[0], groups, -1)
-    mask = int.from_bytes(bytes([(1 << bits) - 1]) * word.itemsize, "little")
-    shifted = torch.stack([words >> (field * bits) for field in range(count)], dim=2)
-    return shifted.bitwise_and_(mask).view(torch.uint8)
-
-
-def _with_high_bits(low: torch.Tensor, high: torch.Tensor, low_bits: int) -> torch.Tensor:
-    """`low | (high << low_bits)`, reusing both (fresh) tensors."""
-    return low.bitwise_or_(high.bitwise_left_shift_(low_bits))
-
-
-def _floats(q: torch.Tensor) -> torch.Tensor:
-    return q.to(torch.float32)
 
 
 @functools.lru_cache(maxsize=16)
@@ -128,33 +84,33 @@ def _mxfp4_table(device: torch.device) -> torch.Tensor:
 
 
 def _decode_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    q = _floats(_unpack(blocks[:, 2:], bits=4, groups=1).reshape(-1, 32))
-    return q.sub_(8).mul_(_fp16_field(blocks, 0))
+    q = as_floats(unpack(blocks[:, 2:], bits=4, groups=1).reshape(-1, 32))
+    return q.sub_(8).mul_(fp16_field(blocks, 0))
 
 
 def _decode_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    q = _floats(_unpack(blocks[:, 4:], bits=4, groups=1).reshape(-1, 32))
-    return q.mul_(_fp16_field(blocks, 0)).add_(_fp16_field(blocks, 2))
+    q = as_floats(unpack(blocks[:, 4:], bits=4, groups=1).reshape(-1, 32))
+    return q.mul_(fp16_field(blocks, 0)).add_(fp16_field(blocks, 2))
 
 
 def _q5_codes(blocks: torch.Tensor, high_at: int) -> torch.Tensor:
     """The 5-bit codes of Q5_0/Q5_1, as floats: low nibbles after the 32-bit high mask at `high_at`."""
-    high = _unpack(blocks[:, high_at : high_at + 4], bits=1, groups=4).reshape(-1, 32)
-    low = _unpack(blocks[:, high_at + 4 :], bits=4, groups=1).reshape(-1, 32)
-    return _floats(_with_high_bits(low, high, 4))
+    high = unpack(blocks[:, high_at : high_at + 4], bits=1, groups=4).reshape(-1, 32)
+    low = unpack(blocks[:, high_at + 4 :], bits=4, groups=1).reshape(-1, 32)
+    return as_floats(with_high_bits(low, high, 4))
 
 
 def _decode_q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    return _q5_codes(blocks, high_at=2).sub_(16).mul_(_fp16_field(blocks, 0))
+    return _q5_codes(blocks, high_at=2).sub_(16).mul_(fp16_field(blocks, 0))
 
 
 def _decode_q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    return _q5_codes(blocks, high_at=4).mul_(_fp16_field(blocks, 0)).add_(_fp16_field(blocks, 2))
+    return _q5_codes(blocks, high_at=4).mul_(fp16_field(blocks, 0)).add_(fp16_field(blocks, 2))
 
 
 def _decode_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    q = _floats(blocks[:, 2:].contiguous().view(torch.int8))
-    return q.mul_(_fp16_field(blocks, 0))
+    q = as_floats(blocks[:, 2:].contiguous().view(torch.int8))
+    return q.mul_(fp16_field(blocks, 0))
 
 
 def _decode_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
@@ -162,7 +118,7 @@ def _decode_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     scale_bits = torch.where(
         e < 2, torch.tensor(0x00200000, dtype=torch.int32, device=e.device) << e, (e - 1) << 23
     )
-    q = _unpack(blocks[:, 1:], bits=4, groups=1).reshape(-1, 32)
+    q = unpack(blocks[:, 1:], bits=4, groups=1).reshape(-1, 32)
     return _mxfp4_table(blocks.device)[q.to(torch.int32)].mul_(scale_bits.view(torch.float32))
 
 
@@ -171,27 +127,27 @@ def _decode_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
 
 def _decode_q2_k(blocks: torch.Tensor) -> torch.Tensor:
     scales = blocks[:, :16]
-    d, dmin = _fp16_field(blocks, 80), _fp16_field(blocks, 82)
-    step = _floats(scales & 0x0F).mul_(d).unsqueeze(-1)
-    offset = _floats(scales >> 4).mul_(dmin).unsqueeze(-1)
-    q = _floats(_unpack(blocks[:, 16:80], bits=2, groups=2).reshape(-1, 16, 16))
+    d, dmin = fp16_field(blocks, 80), fp16_field(blocks, 82)
+    step = as_floats(scales & 0x0F).mul_(d).unsqueeze(-1)
+    offset = as_floats(scales >> 4).mul_(dmin).unsqueeze(-1)
+    q = as_floats(unpack(blocks[:, 16:80], bits=2, groups=2).reshape(-1, 16, 16))
     return q.mul_(step).sub_(offset).reshape(-1, 256)
 
 
 def _q3_k_scales(packed: torch.Tensor) -> torch.Tensor:
     """Sixteen signed 6-bit scales from Q3_K's 12 bytes, as floats."""
-    low = _unpack(packed[:, :8], bits=4, groups=1).reshape(-1, 16)
-    high = _unpack(packed[:, 8:], bits=2, groups=1).reshape(-1, 16)
-    return _floats(_with_high_bits(low, high, 4)).sub_(32)
+    low = unpack(packed[:, :8], bits=4, groups=1).reshape(-1, 16)
+    high = unpack(packed[:, 8:], bits=2, groups=1).reshape(-1, 16)
+    return as_floats(with_high_bits(low, high, 4)).sub_(32)
 
 
 def _decode_q3_k(blocks: torch.Tensor) -> torch.Tensor:
-    step = _q3_k_scales(blocks[:, 96:108]).mul_(_fp16_field(blocks, 108)).unsqueeze(-1)
-    low = _unpack(blocks[:, 32:96], bits=2, groups=2).reshape(-1, 16, 16)
-    high = _unpack(blocks[:, :32], bits=1, groups=1).reshape(-1, 16, 16)
+    step = _q3_k_scales(blocks[:, 96:108]).mul_(fp16_field(blocks, 108)).unsqueeze(-1)
+    low = unpack(blocks[:, 32:96], bits=2, groups=2).reshape(-1, 16, 16)
+    high = unpack(blocks[:, :32], bits=1, groups=1).reshape(-1, 16, 16)
     # a clear high bit means "minus 4" (ggml's hmask is inverted)
     q = low.view(torch.int8).sub_(high.bitwise_xor_(1).bitwise_left_shift_(2).view(torch.int8))
-    return _floats(q).mul_(step).reshape(-1, 256)
+    return as_floats(q).mul_(step).reshape(-1, 256)
 
 
 def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,32 +155,32 @@ def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d, m, md = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
     scales = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
     mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return _floats(scales), _floats(mins)
+    return as_floats(scales), as_floats(mins)
 
 
 def _affine_k(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     scales, mins = _k_scales_mins(blocks[:, 4:16])
-    step = scales.mul_(_fp16_field(blocks, 0)).unsqueeze(-1)
-    offset = mins.mul_(_fp16_field(blocks, 2)).unsqueeze(-1)
-    return _floats(q.reshape(-1, 8, 32)).mul_(step).sub_(offset).reshape(-1, 256)
+    step = scales.mul_(fp16_field(blocks, 0)).unsqueeze(-1)
+    offset = mins.mul_(fp16_field(blocks, 2)).unsqueeze(-1)
+    return as_floats(q.reshape(-1, 8, 32)).mul_(step).sub_(offset).reshape(-1, 256)
 
 
 def _decode_q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    return _affine_k(blocks, _unpack(blocks[:, 16:], bits=4, groups=4))
+    return _affine_k(blocks, unpack(blocks[:, 16:], bits=4, groups=4))
 
 
 def _decode_q5_k(blocks: torch.Tensor) -> torch.Tensor:
-    high = _unpack(blocks[:, 16:48], bits=1, groups=1).reshape(-1, 8, 32)
-    low = _unpack(blocks[:, 48:], bits=4, groups=4).reshape(-1, 8, 32)
-    return _affine_k(blocks, _with_high_bits(low, high, 4))
+    high = unpack(blocks[:, 16:48], bits=1, groups=1).reshape(-1, 8, 32)
+    low = unpack(blocks[:, 48:], bits=4, groups=4).reshape(-1, 8, 32)
+    return _affine_k(blocks, with_high_bits(low, high, 4))
 
 
 def _decode_q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    scales = _floats(blocks[:, 192:208].contiguous().view(torch.int8))
-    step = scales.mul_(_fp16_field(blocks, 208)).unsqueeze(-1)
-    low = _unpack(blocks[:, :128], bits=4, groups=2).reshape(-1, 8, 32)
-    high = _unpack(blocks[:, 128:192], bits=2, groups=2).reshape(-1, 8, 32)
-    q = _floats(_with_high_bits(low, high, 4).reshape(-1, 16, 16)).sub_(32)
+    scales = as_floats(blocks[:, 192:208].contiguous().view(torch.int8))
+    step = scales.mul_(fp16_field(blocks, 208)).unsqueeze(-1)
+    low = unpack(blocks[:, :128], bits=4, groups=2).reshape(-1, 8, 32)
+    high = unpack(blocks[:, 128:192], bits=2, groups=2).reshape(-1, 8, 32)
+    q = as_floats(with_high_bits(low, high, 4).reshape(-1, 16, 16)).sub_(32)
     return q.mul_(step).reshape(-1, 256)
 
 
@@ -241,3 +197,4 @@ _DECODERS: dict[GGMLQuantizationType, BlockDecoder] = {
     T.Q5_K: _decode_q5_k,
     T.Q6_K: _decode_q6_k,
 }
+_DECODERS.update(IQUANT_DECODERS)

@@ -10,8 +10,14 @@ T = GGMLQuantizationType
 # F32, F16, BF16: tensors held as values (the one list of them); every other GGML type is quantized bytes
 FLOAT_TYPE_IDS: tuple[GGMLQuantizationType, ...] = (T.F32, T.F16, T.BF16)
 FLOAT_TYPES: frozenset[GGMLQuantizationType] = frozenset(FLOAT_TYPE_IDS)
-SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = FLOAT_TYPES | frozenset(
-    {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4}
+# the i-quants (lookup grids, 1.56 to 4.25 bits a weight) and the ternary TQ1_0/TQ2_0
+IQUANT_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    {T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS, T.TQ1_0, T.TQ2_0}
+)
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = (
+    FLOAT_TYPES
+    | frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4})
+    | IQUANT_TYPES
 )
 
 

@@ -16,6 +16,8 @@ import numpy as np
 
 from k3stream.gguf.vocab import Vocab, padded
 from k3stream.gguf.writer import TinySpec, write_model
+from k3stream.quant import IQUANT_TYPES
+from k3stream.testing.iquant_blocks import random_blocks
 from k3stream.testing.tinyblocks import FAST_TYPES, random_block_slabs
 from k3stream.testing.tinyvocab import tiny_vocab
 
@@ -41,9 +43,15 @@ def make_tiny(
 
 
 def _random_blocks(tensor, spec: TinySpec, ggml_type: int) -> Iterator[np.ndarray] | None:
-    """Random valid blocks in slabs for a large routed-expert tensor; None for any other."""
+    """Random valid blocks: in slabs for a large routed-expert tensor, whole for a type k3stream cannot
+    encode (the i-quants, the ternary types); None for any other."""
+    seed = [spec.seed, zlib.crc32(tensor.name.encode()), 1]
+    if ggml_type in IQUANT_TYPES:
+        from gguf import GGMLQuantizationType
+
+        return iter([random_blocks(GGMLQuantizationType(ggml_type).name, tensor.shape, seed)])
     if "_exps." not in tensor.name or ggml_type not in FAST_TYPES:
         return None
     if int(np.prod(tensor.shape)) < FAST_EXPERT_VALUES:
         return None
-    return random_block_slabs(tensor.shape, ggml_type, [spec.seed, zlib.crc32(tensor.name.encode()), 1])
+    return random_block_slabs(tensor.shape, ggml_type, seed)
