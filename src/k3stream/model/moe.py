@@ -262,8 +262,10 @@ class LatentMoE:
         rank = {expert: i for i, expert in enumerate(order)}
         window = self._read_window(len(ids))
         read = len(ids)  # how many of `order` were asked for
-        if self.source.reads_ahead:  # those __call__ asked for, then the others resident now
-            read = self._slide_window(order, len(read_before), leading)
+        if self.source.reads_ahead:  # those __call__ asked for, the others resident now, and at least
+            # a window: __call__'s window covers the whole step, which an expert-parallel rank's share
+            # of it may lie beyond (then nothing of this rank's was asked for)
+            read = self._slide_window(order, len(read_before), max(leading, window))
         pending = order
         outputs: list[torch.Tensor] = []  # each group's pair outputs
         done: list[np.ndarray] = []  # the pairs computed so far, in the order of `outputs`
