@@ -11,6 +11,7 @@ from k3stream.engine.chat import ChatTemplate, chat_stop_token_ids
 from k3stream.engine.cmd_generate import report, statistics_lines, store_snapshot
 from k3stream.engine.loading import (
     Runtime,
+    add_context_argument,
     add_model_arguments,
     add_sampling_arguments,
     runtime_from_args,
@@ -20,6 +21,7 @@ from k3stream.engine.loading import (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_context_argument(parser)
     parser.add_argument("--system", default=None, help="system message at the start of the conversation")
     parser.add_argument("--thinking", action="store_true", help="open the think channel (Kimi-K3 templates)")
     parser.add_argument("--quiet", action="store_true", help="no statistics after each answer")

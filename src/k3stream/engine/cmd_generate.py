@@ -7,7 +7,12 @@ import sys
 from typing import Any
 
 from k3stream.engine.chat import ChatTemplate, chat_stop_token_ids
-from k3stream.engine.loading import add_model_arguments, add_sampling_arguments, sampling_params
+from k3stream.engine.loading import (
+    add_context_argument,
+    add_model_arguments,
+    add_sampling_arguments,
+    sampling_params,
+)
 from k3stream.parallel.options import add_parallel_arguments
 
 MIB = 1 << 20
@@ -15,6 +20,7 @@ MIB = 1 << 20
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_context_argument(parser)
     add_parallel_arguments(parser)
     parser.add_argument("--prompt", required=True, help="the prompt ('-' reads it from stdin)")
     parser.add_argument(
