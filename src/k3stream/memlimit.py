@@ -127,6 +127,14 @@ def default_memory_limit(
     return available_memory(proc), "available RAM"
 
 
+def memory_limited(limit_text: str | None) -> bool:
+    """Whether this process runs under a memory limit: `--memory-limit`, or its memory cgroup's."""
+    if limit_text is not None:
+        return True
+    directory = own_memory_cgroup()
+    return directory is not None and cgroup_limit(directory) is not None
+
+
 def resident_bytes(proc: Path = Path("/proc")) -> int:
     """This process's resident set (VmRSS), in bytes: the interpreter and libraries loaded so far."""
     for line in (proc / "self" / "status").read_text().splitlines():

@@ -334,6 +334,9 @@ def runtime_from_args(
     """The runtime the model flags ask for; `opened`: what `open_model(args.model, ...)` returned, when
     the command read the GGUF already (its tokenizer first)."""
     checkpoint, manifest = opened or open_model(args.model, not args.no_stream_experts)  # before torch
+    from k3stream.memlimit import memory_limited
+
+    checkpoint.uncached_reads = memory_limited(args.memory_limit)  # page cache would count against it
     import torch
 
     if args.threads:
