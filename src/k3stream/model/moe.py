@@ -121,9 +121,13 @@ class LatentMoE:
         self.projections = JointLinear([weights.router, weights.routed_down])
 
     def predict(self, h: torch.Tensor) -> list[int]:
-        """The experts this layer would pick for rows h (the prefetch hint)."""
+        """The experts this layer would pick for rows h (the prefetch hint), those most rows pick first
+        (ties in id order): a source that reads only part of a hint reads the likeliest."""
         chosen, _ = self.routing.choose(self.w.router(h).float(), self.w.correction_bias)
-        return chosen.unique().tolist()
+        votes = torch.bincount(chosen.flatten().cpu())
+        picked = votes.nonzero().flatten()
+        order = torch.sort(-votes[picked], stable=True).indices
+        return picked[order].tolist()
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h [N, E] -> [N, E]; the union of the experts all rows chose, fetched once each."""
