@@ -164,7 +164,8 @@ class LatentMoE:
             bind_linear(self.projections, h, joint, threads),
             cpu.bind_route(logits, w.correction_bias, how, chosen, weights),
         ]
-        if self.source.reads_ahead:  # its reads start while the shared expert computes
+        if self.source.reads_ahead or self.source.prefetches:  # reads start while the shared expert
+            # computes; `chosen` is kept for the hints' scoring
             steps.append(cpu.python_step(lambda: self._start_step(chosen)))
         if shared is not None:
             steps.append(w.shared.bind(h, shared, threads))
