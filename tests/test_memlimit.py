@@ -162,10 +162,10 @@ def real_slice_config():
     )
 
 
-def slice_plan(ctx, limit=SLICE_NONEXPERT + (3 << 30)):
+def slice_plan(ctx, limit=SLICE_NONEXPERT + (3 << 30), sequences=1):
     from k3stream.memlimit import config_needs
 
-    needs = config_needs(real_slice_config(), SLICE_EXPERTS, SLICE_NONEXPERT, ctx)
+    needs = config_needs(real_slice_config(), SLICE_EXPERTS, SLICE_NONEXPERT, ctx, sequences)
     return plan_memory(limit, needs, SLICE_RUNTIME)
 
 
@@ -178,6 +178,14 @@ def test_state_is_the_caches_of_the_served_context():
     assert plan.needs.state_bytes == mla + kda
     assert plan.needs.tokens == 64
     assert "KV/state for 64 tokens" in plan.summary()
+
+
+def test_a_servers_batch_holds_the_state_of_each_sequence():
+    one, batch = slice_plan(1024), slice_plan(1024, sequences=16)
+    assert batch.needs.state_bytes == 16 * one.needs.state_bytes
+    assert batch.needs.working_bytes == one.needs.working_bytes  # one prefill at a time
+    assert batch.expert_budget == one.expert_budget - 15 * one.needs.state_bytes
+    assert "KV/state for 1024 tokens x 16 sequences" in batch.summary()
 
 
 def test_a_larger_context_never_gives_experts_more():

@@ -157,6 +157,7 @@ class ModelNeeds:
     top_k: int
     expert_bytes: int  # all routed experts (the pack's payload)
     tokens: int  # the served context: KV/state and a prefill's activations are sized for it
+    sequences: int = 1  # KV/state is held for this many sequences at once
 
     @property
     def working_set(self) -> int:
@@ -231,31 +232,36 @@ def served_tokens(config: Any, ctx: int | None) -> int:
     return min(ctx or DEFAULT_CTX, config.context_length)
 
 
-def config_needs(config: Any, expert_bytes: int, nonexpert_bytes: int, ctx: int | None = None) -> ModelNeeds:
+def config_needs(
+    config: Any, expert_bytes: int, nonexpert_bytes: int, ctx: int | None = None, sequences: int = 1
+) -> ModelNeeds:
     """What a model of `config` needs besides the expert cache, from its config and byte counts alone
-    (nothing is allocated): one sequence of the served context, and a prefill of as many rows (of
-    DEFAULT_PREFILL_ROWS when no context was given: a longer prompt needs `--ctx`)."""
+    (nothing is allocated): `sequences` sequences of the served context (a server's batch), and a
+    prefill of as many rows (of DEFAULT_PREFILL_ROWS when no context was given: a longer prompt needs
+    `--ctx`)."""
     tokens = served_tokens(config, ctx)
     rows = tokens if ctx is not None else min(tokens, DEFAULT_PREFILL_ROWS)
     objects = len(config.moe_layers) * config.n_experts
     return ModelNeeds(
         nonexpert_bytes=nonexpert_bytes,
-        state_bytes=state_bytes(config, tokens),
+        state_bytes=state_bytes(config, tokens, sequences),
         working_bytes=working_bytes(config, rows),
         object_bytes=math.ceil(expert_bytes / objects) if objects else 0,
         top_k=config.top_k,
         expert_bytes=expert_bytes,
         tokens=tokens,
+        sequences=sequences,
     )
 
 
-def model_needs(checkpoint: Any, ctx: int | None = None) -> ModelNeeds:
-    """What `checkpoint` (a `K3Checkpoint`) needs besides the expert cache, serving `ctx` tokens."""
+def model_needs(checkpoint: Any, ctx: int | None = None, sequences: int = 1) -> ModelNeeds:
+    """What `checkpoint` (a `K3Checkpoint`) needs besides the expert cache, serving `sequences`
+    sequences of `ctx` tokens."""
     from k3stream.gguf.layout import is_routed_expert
 
     routed = sum(t.nbytes for t in checkpoint.tensors.values() if is_routed_expert(t.name))
     total = sum(t.nbytes for t in checkpoint.tensors.values())
-    return config_needs(checkpoint.config, routed, total - routed, ctx)
+    return config_needs(checkpoint.config, routed, total - routed, ctx, sequences)
 
 
 # ---- the allocator ---------------------------------------------------------------------------------
@@ -303,7 +309,7 @@ class MemoryPlan:
         return (
             f"memory limit {format_size(self.limit)} ({self.source}): runtime "
             f"{format_size(self.runtime_bytes)}, non-expert weights {format_size(n.nonexpert_bytes)}, "
-            f"KV/state for {n.tokens} tokens "
+            f"KV/state for {n.tokens} tokens{f' x {n.sequences} sequences' if n.sequences > 1 else ''} "
             f"{format_size(n.state_bytes)}, working buffers {format_size(n.working_bytes)}, headroom "
             f"{format_size(HEADROOM_BYTES)} -> expert RAM budget {format_size(self.expert_budget)} "
             f"({self.expert_budget // max(n.object_bytes, 1)} experts of {n.object_bytes / MIB:.2f} MiB, "
@@ -330,21 +336,24 @@ def plan_memory(
     return MemoryPlan(limit, source, runtime_bytes, needs, budget)
 
 
-def plan_for_model(checkpoint: K3Checkpoint, limit_text: str | None, ctx: int | None = None) -> MemoryPlan:
+def plan_for_model(
+    checkpoint: K3Checkpoint, limit_text: str | None, ctx: int | None = None, sequences: int = 1
+) -> MemoryPlan:
     """The plan for an open checkpoint under `--memory-limit limit_text` (None: the cgroup's limit or
-    available RAM), serving `ctx` tokens (None: DEFAULT_CTX or the model's context, if shorter)."""
+    available RAM), serving `sequences` sequences of `ctx` tokens (None: DEFAULT_CTX or the model's
+    context, if shorter)."""
     if limit_text is None:
         limit, source = default_memory_limit()
     else:
         limit, source = parse_size(limit_text), "--memory-limit"
-    needs = model_needs(checkpoint, ctx)
+    needs = model_needs(checkpoint, ctx, sequences)
     return plan_memory(limit, needs, resident_bytes(), source)
 
 
-def default_expert_ram_mib(checkpoint: K3Checkpoint, ctx: int | None = None) -> float:
+def default_expert_ram_mib(checkpoint: K3Checkpoint, ctx: int | None = None, sequences: int = 1) -> float:
     """The expert budget (MiB) of the default plan for `checkpoint`: 0 when that plan cannot hold one
     top-k working set."""
     try:
-        return plan_for_model(checkpoint, None, ctx).expert_budget / MIB
+        return plan_for_model(checkpoint, None, ctx, sequences).expert_budget / MIB
     except MemoryLimitError:
         return 0.0

@@ -315,17 +315,22 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
     if manifest is None and args.memory_limit is None:  # the GGUF's experts, kept in RAM when all fit
         if args.ram_mib is not None:
             return args.ram_mib
-        return default_expert_ram_mib(checkpoint, getattr(args, "ctx", None))
+        return default_expert_ram_mib(checkpoint, *_served(args))
     pin_malloc_mmap_threshold()  # expert buffers churn: keep freed ones from bloating the heap
     if args.ram_mib is not None and args.memory_limit is None:
         return args.ram_mib
-    plan = plan_for_model(checkpoint, args.memory_limit, getattr(args, "ctx", None))
+    plan = plan_for_model(checkpoint, args.memory_limit, *_served(args))
     if args.ram_mib is not None:
         print(f"{plan.summary()}; --ram-mib {args.ram_mib:g} MiB in use instead", file=sys.stderr)
         return args.ram_mib
     if args.memory_limit is not None or plan.expert_budget < plan.needs.expert_bytes:  # the limit binds
         print(plan.summary(), file=sys.stderr)
     return plan.expert_budget / MIB
+
+
+def _served(args: argparse.Namespace) -> tuple[int | None, int]:
+    """The context and the sequences at once the command serves (`--ctx`, a server's `--max-batch`)."""
+    return getattr(args, "ctx", None), getattr(args, "max_batch", 1)
 
 
 def runtime_from_args(
