@@ -117,3 +117,117 @@ def test_pinning_the_malloc_mmap_threshold_reports_whether_it_could():
     from k3stream.memlimit import pin_malloc_mmap_threshold
 
     assert isinstance(pin_malloc_mmap_threshold(), bool)
+
+
+# ---- the plan's arithmetic at Kimi-K3's real dimensions (nothing allocated) ----------------------
+
+# a 3-layer slice at the real shapes: layer 0 dense, layers 1-2 MoE, layer 2 MLA (the last layer is);
+# 21.4 GB of routed experts in the audited recipe, 2.1 GB of non-expert weights in Q8_0
+SLICE_EXPERTS, SLICE_NONEXPERT, SLICE_RUNTIME = 21_400_000_000, 2_100_000_000, 227 * MIB
+
+
+def real_slice_config():
+    from k3stream.gguf.config import K3Config
+
+    return K3Config(
+        source="real-dimension slice",
+        n_layers=3,
+        hidden=7168,
+        vocab_size=163840,
+        context_length=262144,
+        dense_ff=18432,
+        n_heads=96,
+        head_count_kv=(0, 0, 1),
+        rms_eps=1e-5,
+        q_lora=1536,
+        kv_lora=512,
+        qk_nope=128,
+        qk_rope=64,
+        v_head_dim=128,
+        conv_kernel=4,
+        kda_head_dim=128,
+        gate_lower_bound=-5.0,
+        n_experts=896,
+        top_k=16,
+        expert_ff=3072,
+        n_shared=2,
+        n_dense=1,
+        latent=3584,
+        weights_scale=2.5,
+        weights_norm=True,
+        gating_func=2,
+        situ_beta=4.0,
+        situ_linear_beta=25.0,
+        block_size=12,
+    )
+
+
+def slice_plan(ctx, limit=SLICE_NONEXPERT + (3 << 30), sequences=1):
+    from k3stream.memlimit import config_needs
+
+    needs = config_needs(real_slice_config(), SLICE_EXPERTS, SLICE_NONEXPERT, ctx, sequences)
+    return plan_memory(limit, needs, SLICE_RUNTIME)
+
+
+def test_state_is_the_caches_of_the_served_context():
+    """64 tokens: the MLA layer's cache of 64 rows of 576 floats (and 32 rows of the buffer it grew
+    from), two KDA layers' 96 x 128 x 128 recurrent states and 3 x 96 x 128 x 3 conv inputs."""
+    plan = slice_plan(64)
+    mla = (64 + 32) * 576 * 4
+    kda = 2 * (96 * 128 * 128 + 3 * 96 * 128 * 3) * 4
+    assert plan.needs.state_bytes == mla + kda
+    assert plan.needs.tokens == 64
+    assert "KV/state for 64 tokens" in plan.summary()
+
+
+def test_a_servers_batch_holds_the_state_of_each_sequence():
+    one, batch = slice_plan(1024), slice_plan(1024, sequences=16)
+    assert batch.needs.state_bytes == 16 * one.needs.state_bytes
+    assert batch.needs.working_bytes == one.needs.working_bytes  # one prefill at a time
+    assert batch.expert_budget == one.expert_budget - 15 * one.needs.state_bytes
+    assert "KV/state for 1024 tokens x 16 sequences" in batch.summary()
+
+
+def test_a_larger_context_never_gives_experts_more():
+    budgets = [slice_plan(ctx).expert_budget for ctx in (64, 256, 512, 1024)]
+    assert budgets == sorted(budgets, reverse=True) and budgets[0] > budgets[-1]
+
+
+def test_the_default_context_keeps_4096_tokens_of_state_and_gives_experts_more_than_a_fixed_reserve():
+    """Without `--ctx`: state for 4,096 tokens, a prefill of 256 rows; the fixed reserve it replaces
+    (246 MiB of state, 399 MiB of buffers at these shapes) left experts 75% of what the runtime and
+    the non-expert weights leave."""
+    plan = slice_plan(None)
+    left = plan.limit - SLICE_RUNTIME - SLICE_NONEXPERT
+    assert plan.needs.tokens == 4096
+    assert plan.expert_budget / left > 0.85
+
+
+def test_a_short_served_context_gives_experts_about_all_that_is_left():
+    """A 64-token context (a short prompt and output): everything but the caches, one prefill's
+    buffers and the headroom goes to experts, 95% of what is left to within a rounding."""
+    plan = slice_plan(64)
+    left = plan.limit - SLICE_RUNTIME - SLICE_NONEXPERT
+    assert plan.expert_budget / left > 0.945
+    assert plan.expert_budget == left - plan.needs.state_bytes - plan.needs.working_bytes - HEADROOM_BYTES
+
+
+def test_a_context_beyond_the_model_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match=r"--ctx 300000 must be between 2 and the model's context length"):
+        slice_plan(300000)
+
+
+def test_generate_sizes_its_plan_for_ctx(tiny_model, tmp_path):
+    """`generate --ctx 64 --memory-limit`: the plan printed is for 64 tokens."""
+    import subprocess
+    import sys
+
+    from k3stream.pack.builder import build_pack
+    from pack_helpers import copy_model
+
+    manifest = build_pack(copy_model(tiny_model(), tmp_path)).manifest
+    command = [sys.executable, "-m", "k3stream", "generate", str(manifest), "--memory-limit", "2GiB"]
+    command += ["--ctx", "64", "--prompt", "hi", "--max-tokens", "1", "--temperature", "0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "KV/state for 64 tokens" in done.stderr, done.stderr[-2000:]

@@ -28,10 +28,12 @@ def torchrun(ranks: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), *args]
 
 
-def run_worker(tmp: Path, manifest: Path, ranks: int, *flags: str) -> dict:
-    out = tmp / f"out-{ranks}-{'-'.join(flags) or 'single'}.pt"
+def run_worker(tmp: Path, manifest: Path, ranks: int, *flags: str, ram_mib: float = 64) -> dict:
+    """The worker's logits and reports; the default `ram_mib` holds every expert (each one is read at
+    most once per rank)."""
+    out = tmp / f"out-{ranks}-{'-'.join(flags) or 'single'}-{ram_mib:g}.pt"
     command = torchrun(ranks, str(WORKER), str(out), PROMPT, STEPS, "--", str(manifest), *flags)
-    command += ["--ram-mib", "64"]  # every expert fits: each one is read at most once per rank
+    command += ["--ram-mib", repr(ram_mib)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=_env())
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out)

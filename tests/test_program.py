@@ -79,9 +79,11 @@ def test_the_program_is_rebuilt_for_another_sequence_a_prefill_and_a_thread_coun
     assert torch.equal(torch.stack(logits[program]), torch.stack(logits[eager]))
 
 
-def test_the_program_serves_experts_from_the_store_and_from_an_uncached_gguf(tmp_path):
-    """A store whose cache holds a third of the experts (read ahead, evicted) and a GGUF read at every
-    step: the program's routed experts go through the MoE's own fetch, so they equal the eager ones."""
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_program_serves_experts_from_the_store_and_from_an_uncached_gguf(tmp_path, prefetch):
+    """A store whose cache holds a third of the experts (read ahead, evicted; hinted or not) and a GGUF
+    read at every step: the program's routed experts go through the MoE's own fetch, so they equal the
+    eager ones."""
     from k3stream.pack.reader import ExpertPack
     from k3stream.store.expert_store import ExpertStore
 
@@ -90,26 +92,27 @@ def test_the_program_serves_experts_from_the_store_and_from_an_uncached_gguf(tmp
     results = []
     for use_program in (True, False):
         with ExpertStore(ExpertPack(manifest), ram_mib=pack_expert_bytes(manifest) / 3 / MIB) as store:
-            model = k3stream.load(gguf_path, expert_source=store, prefetch=False)
+            model = k3stream.load(gguf_path, expert_source=store, prefetch=prefetch)
             model.use_program = use_program
             results.append(decodes(model, tokens[:12], tokens[12:]))
-            assert (model._program is not None) == use_program
+            assert (model._program is not None and model._program.steps is not None) == use_program
     assert torch.equal(*results)
     program, eager = eager_and_program(gguf_path, expert_ram_mib=0)
     assert torch.equal(decodes(program, tokens[:12], tokens[12:]), results[1])
     assert program.expert_source.kept_bytes() == 0
 
 
-def test_the_reference_path_and_a_model_sending_hints_decode_eagerly(tiny_model):
-    """The reference path (the kernels' oracle) and a model that sends prefetch hints (predicted from
-    the stream between layers) keep the eager forward, and decode as before."""
+def test_the_reference_path_and_a_model_sending_stream_hints_decode_eagerly(tiny_model):
+    """The reference path (the kernels' oracle) and a model that sends hints predicted from the stream
+    between layers keep the eager forward, and decode as before."""
     from k3stream.gguf.reader import K3Checkpoint
     from k3stream.model.experts import GGUFExpertSource
     from source_helpers import RecordingSource
 
     path = tiny_model(**SPECS[0], seed=9)
     reference = k3stream.load(path, kernels="reference")
-    hinted = k3stream.load(path, expert_source=RecordingSource(GGUFExpertSource(K3Checkpoint.open(path))))
+    source = RecordingSource(GGUFExpertSource(K3Checkpoint.open(path)))
+    hinted = k3stream.load(path, expert_source=source, prefetch_hint="pre-attention")
     tokens = tokens_for(9, reference.config.vocab_size, 20)
     expected = decodes(k3stream.load(path, kernels="reference"), tokens[:12], tokens[12:])
     assert torch.equal(decodes(reference, tokens[:12], tokens[12:]), expected)
@@ -117,6 +120,31 @@ def test_the_reference_path_and_a_model_sending_hints_decode_eagerly(tiny_model)
     decodes(hinted, tokens[:12], tokens[12:])
     assert hinted._program.steps is None
     assert any(kind == "prefetch" for kind, *_ in hinted.expert_source.calls)
+
+
+@pytest.mark.parametrize("lead", [1, 2])
+def test_a_model_sending_token_hints_decodes_by_program_with_the_eager_hints(tiny_model, lead):
+    """Token hints (a decode step's default): the program sends the same hints, in the same order among
+    the fetches, learns the same routes, and decodes the same bits as the eager forward."""
+    from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.model.experts import GGUFExpertSource
+    from source_helpers import RecordingSource
+
+    path = tiny_model(**SPECS[1], seed=5)
+    tokens = tokens_for(5, 500, 24)
+    runs = []
+    for use_program in (True, False):
+        source = RecordingSource(GGUFExpertSource(K3Checkpoint.open(path)))
+        model = k3stream.load(path, expert_source=source)
+        model.set_token_hint_lead(lead)
+        model.use_program = use_program
+        runs.append((decodes(model, tokens[:12], tokens[12:] * 2), source.calls, model))
+    (program_logits, program_calls, program), (eager_logits, eager_calls, _) = runs
+    assert program._program.steps is not None
+    assert torch.equal(program_logits, eager_logits)
+    assert program_calls == eager_calls
+    assert sum(kind == "prefetch" for kind, *_ in program_calls) > 0
+    assert program.hints.summary() == runs[1][2].hints.summary()
 
 
 @pytest.mark.parametrize("tokens", [[-1], [10**9]])

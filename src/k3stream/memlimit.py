@@ -5,6 +5,10 @@
     limit = runtime (interpreter + torch, measured) + non-expert weights (their GGUF bytes, held in
             anonymous memory) + KV/state + working buffers + headroom + expert RAM budget
 
+KV/state and working buffers are computed from the config for the context served (`--ctx`, default
+DEFAULT_CTX): the MLA caches and KDA states of a sequence that long, and the activations of a prefill
+of that many rows (the engine prefills a prompt in one forward).
+
 and the expert budget must hold at least one top-k working set (top_k x one expert object); below that
 the command refuses with one line. The budget is never larger than the pack's routed experts.
 """
@@ -23,11 +27,12 @@ if TYPE_CHECKING:
 MIB = 1 << 20
 GIB = 1 << 30
 UNLIMITED = 1 << 60  # cgroup v1 writes 2^63 - page size for "no limit"; anything this large is none
-SIZING_TOKENS = 4096  # KV/state is sized for this many tokens (or the context length if shorter)
-PREFILL_TOKENS = 256  # activations are sized for a prefill of this many tokens at once
+DEFAULT_CTX = 4096  # the context served when none is given (or the model's, if shorter)
+DEFAULT_PREFILL_ROWS = 256  # prompt rows a prefill's activations are sized for when no context is given
 HEADROOM_BYTES = 64 * MIB  # allocator slack, reads in flight, the pack's page cache between reads
-SCRATCH_BYTES = 64 * MIB  # dequantisation slabs (16 MiB of float32 rows at a time) and friends
-ACTIVATION_FACTOR = 16  # float32 activations alive per token, in units of max(hidden, latent, ff)
+SLAB_BYTES = 16 * MIB  # float32 rows of a weight dequantised at a time (`quant.matmul.SLAB_BYTES`)
+QUERY_BLOCK = 512  # MLA prefill queries attended at a time (`model.mla.QUERY_BLOCK`)
+STREAM_COPIES = 6  # residual-stream rows alive per token: x, its mix, the normed input, attention, sum, FFN
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": MIB, "g": GIB, "t": 1 << 40}
@@ -122,6 +127,14 @@ def default_memory_limit(
     return available_memory(proc), "available RAM"
 
 
+def memory_limited(limit_text: str | None) -> bool:
+    """Whether this process runs under a memory limit: `--memory-limit`, or its memory cgroup's."""
+    if limit_text is not None:
+        return True
+    directory = own_memory_cgroup()
+    return directory is not None and cgroup_limit(directory) is not None
+
+
 def resident_bytes(proc: Path = Path("/proc")) -> int:
     """This process's resident set (VmRSS), in bytes: the interpreter and libraries loaded so far."""
     for line in (proc / "self" / "status").read_text().splitlines():
@@ -143,51 +156,112 @@ class ModelNeeds:
     object_bytes: int
     top_k: int
     expert_bytes: int  # all routed experts (the pack's payload)
-    tokens: int  # KV/state is sized for this many tokens
+    tokens: int  # the served context: KV/state and a prefill's activations are sized for it
+    sequences: int = 1  # KV/state is held for this many sequences at once
 
     @property
     def working_set(self) -> int:
         return self.top_k * self.object_bytes
 
 
-def state_bytes(config: Any, tokens: int) -> int:
-    """Float32 KV/state of one sequence of `tokens`: MLA latent cache, KDA recurrent and conv states."""
-    per_mla = tokens * (config.kv_lora + config.qk_rope) * 4
+def state_bytes(config: Any, tokens: int, sequences: int = 1) -> int:
+    """Float32 state of `sequences` sequences of `tokens` each: every MLA layer's latent cache (grown by
+    doubling from 16 rows, so its capacity, and one layer's old buffer while it grows), every KDA
+    layer's recurrent and conv states."""
+    capacity = 16 << max(0, math.ceil(math.log2(max(tokens, 1) / 16)))
+    row = (config.kv_lora + config.qk_rope) * 4
+    mla = len(config.mla_layers) * capacity * row + capacity // 2 * row
     heads, dim = config.kda_heads, config.kda_head_dim
-    per_kda = (heads * dim * dim + 3 * heads * dim * max(config.conv_kernel - 1, 0)) * 4
-    banks = (config.n_layers // max(config.block_size, 1) + 2) * tokens * config.hidden * 4
-    return len(config.mla_layers) * per_mla + len(config.kda_layers) * per_kda + banks
+    kda = len(config.kda_layers) * (heads * dim * dim + 3 * heads * dim * max(config.conv_kernel - 1, 0)) * 4
+    return sequences * (mla + kda)
 
 
-def working_bytes(config: Any, tokens: int, io_threads: int, object_bytes: int) -> int:
-    """Activations of a prefill of `tokens` (at most PREFILL_TOKENS), logits of its last row, scratch,
-    and reads in flight."""
-    tokens = min(tokens, PREFILL_TOKENS)
-    width = max(config.hidden, config.latent, config.expert_ff, config.dense_ff)
-    activations = ACTIVATION_FACTOR * tokens * width * 4
+def attention_floats(config: Any) -> int:
+    """Float32 values per prompt row alive at the wider attention kind's peak. MLA: the gate's logits
+    throughout, then the largest of its phases: projecting (q_a and kv_a's outputs, q_b's, the absorbed
+    queries and their join with the rope part), attending (the queries and the latent context), the
+    output (the context, v_b's output and the gated one). KDA: the joint projection, the convolved
+    q, k, v and the output with its gate."""
+    heads, kv_lora, rope = config.n_heads, config.kv_lora, config.qk_rope
+    queries = heads * (kv_lora + rope)
+    projecting = (
+        (config.q_lora or 0) + kv_lora + rope + heads * (config.qk_nope + rope) + heads * kv_lora + queries
+    )
+    attending = queries + heads * kv_lora
+    output = heads * kv_lora + 2 * heads * config.v_head_dim
+    mla = heads * config.v_head_dim + max(projecting, attending, output)
+    inner = config.kda_inner
+    kda = 3 * inner + inner + 2 * heads + 3 * inner + 2 * inner
+    return max(mla if config.mla_layers else 0, kda if config.kda_layers else 0)
+
+
+def ffn_floats(config: Any) -> int:
+    """Float32 values per prompt row alive at the wider feed-forward kind's peak: the dense MLP's gate,
+    up and activation; or the MoE's router logits and latent input, its routed pairs with one expert
+    group's products, and the shared experts' gate and up."""
+    dense = 3 * config.dense_ff if config.dense_layers else 0
+    shared = 2 * config.expert_ff * config.n_shared
+    routed = config.n_experts + 2 * config.latent + config.top_k * config.latent
+    return max(dense, routed + shared if config.moe_layers else 0)
+
+
+def activation_bytes(config: Any, rows: int) -> int:
+    """Float32 activations of a forward of `rows` prompt rows (one prefill holds its whole prompt): the
+    residual stream with the attention-residual bank (and the stacked copy a mix makes), the wider of
+    a layer's attention and feed-forward, and the MLA score blocks."""
+    banks = -(-config.n_layers // max(config.block_size, 1))
+    stream = (STREAM_COPIES + 2 * (banks + 1)) * config.hidden
+    per_row = stream + max(attention_floats(config), ffn_floats(config))
+    scores = 2 * config.n_heads * min(rows, QUERY_BLOCK) * rows if config.mla_layers else 0
+    return 4 * (rows * per_row + scores)
+
+
+def working_bytes(config: Any, rows: int) -> int:
+    """A prefill of `rows` prompt rows, one row's logits and a dequantisation slab. Reads in flight
+    are not here: a load reserves its slot in the expert budget before it reads."""
     logits = 2 * config.vocab_size * 4
-    return activations + logits + SCRATCH_BYTES + io_threads * object_bytes
+    return activation_bytes(config, rows) + logits + SLAB_BYTES
 
 
-def model_needs(checkpoint: Any, tokens: int = SIZING_TOKENS, io_threads: int = 4) -> ModelNeeds:
-    """What `checkpoint` (a `K3Checkpoint`) needs besides the expert cache."""
+def served_tokens(config: Any, ctx: int | None) -> int:
+    """The context the plan is sized for: `ctx`, else DEFAULT_CTX, never beyond the model's."""
+    if ctx is not None and not 1 < ctx <= config.context_length:
+        raise ValueError(
+            f"--ctx {ctx} must be between 2 and the model's context length {config.context_length}"
+        )
+    return min(ctx or DEFAULT_CTX, config.context_length)
+
+
+def config_needs(
+    config: Any, expert_bytes: int, nonexpert_bytes: int, ctx: int | None = None, sequences: int = 1
+) -> ModelNeeds:
+    """What a model of `config` needs besides the expert cache, from its config and byte counts alone
+    (nothing is allocated): `sequences` sequences of the served context (a server's batch), and a
+    prefill of as many rows (of DEFAULT_PREFILL_ROWS when no context was given: a longer prompt needs
+    `--ctx`)."""
+    tokens = served_tokens(config, ctx)
+    rows = tokens if ctx is not None else min(tokens, DEFAULT_PREFILL_ROWS)
+    objects = len(config.moe_layers) * config.n_experts
+    return ModelNeeds(
+        nonexpert_bytes=nonexpert_bytes,
+        state_bytes=state_bytes(config, tokens, sequences),
+        working_bytes=working_bytes(config, rows),
+        object_bytes=math.ceil(expert_bytes / objects) if objects else 0,
+        top_k=config.top_k,
+        expert_bytes=expert_bytes,
+        tokens=tokens,
+        sequences=sequences,
+    )
+
+
+def model_needs(checkpoint: Any, ctx: int | None = None, sequences: int = 1) -> ModelNeeds:
+    """What `checkpoint` (a `K3Checkpoint`) needs besides the expert cache, serving `sequences`
+    sequences of `ctx` tokens."""
     from k3stream.gguf.layout import is_routed_expert
 
-    config = checkpoint.config
-    tokens = min(tokens, config.context_length)
     routed = sum(t.nbytes for t in checkpoint.tensors.values() if is_routed_expert(t.name))
     total = sum(t.nbytes for t in checkpoint.tensors.values())
-    objects = len(config.moe_layers) * config.n_experts
-    object_bytes = math.ceil(routed / objects) if objects else 0
-    return ModelNeeds(
-        nonexpert_bytes=total - routed,
-        state_bytes=state_bytes(config, tokens),
-        working_bytes=working_bytes(config, tokens, io_threads, object_bytes),
-        object_bytes=object_bytes,
-        top_k=config.top_k,
-        expert_bytes=routed,
-        tokens=tokens,
-    )
+    return config_needs(checkpoint.config, routed, total - routed, ctx, sequences)
 
 
 # ---- the allocator ---------------------------------------------------------------------------------
@@ -235,7 +309,7 @@ class MemoryPlan:
         return (
             f"memory limit {format_size(self.limit)} ({self.source}): runtime "
             f"{format_size(self.runtime_bytes)}, non-expert weights {format_size(n.nonexpert_bytes)}, "
-            f"KV/state for {n.tokens} tokens "
+            f"KV/state for {n.tokens} tokens{f' x {n.sequences} sequences' if n.sequences > 1 else ''} "
             f"{format_size(n.state_bytes)}, working buffers {format_size(n.working_bytes)}, headroom "
             f"{format_size(HEADROOM_BYTES)} -> expert RAM budget {format_size(self.expert_budget)} "
             f"({self.expert_budget // max(n.object_bytes, 1)} experts of {n.object_bytes / MIB:.2f} MiB, "
@@ -262,21 +336,24 @@ def plan_memory(
     return MemoryPlan(limit, source, runtime_bytes, needs, budget)
 
 
-def plan_for_model(checkpoint: K3Checkpoint, limit_text: str | None, io_threads: int = 4) -> MemoryPlan:
+def plan_for_model(
+    checkpoint: K3Checkpoint, limit_text: str | None, ctx: int | None = None, sequences: int = 1
+) -> MemoryPlan:
     """The plan for an open checkpoint under `--memory-limit limit_text` (None: the cgroup's limit or
-    available RAM)."""
+    available RAM), serving `sequences` sequences of `ctx` tokens (None: DEFAULT_CTX or the model's
+    context, if shorter)."""
     if limit_text is None:
         limit, source = default_memory_limit()
     else:
         limit, source = parse_size(limit_text), "--memory-limit"
-    needs = model_needs(checkpoint, io_threads=io_threads)
+    needs = model_needs(checkpoint, ctx, sequences)
     return plan_memory(limit, needs, resident_bytes(), source)
 
 
-def default_expert_ram_mib(checkpoint: K3Checkpoint) -> float:
+def default_expert_ram_mib(checkpoint: K3Checkpoint, ctx: int | None = None, sequences: int = 1) -> float:
     """The expert budget (MiB) of the default plan for `checkpoint`: 0 when that plan cannot hold one
     top-k working set."""
     try:
-        return plan_for_model(checkpoint, None).expert_budget / MIB
+        return plan_for_model(checkpoint, None, ctx, sequences).expert_budget / MIB
     except MemoryLimitError:
         return 0.0

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from k3stream.commands.flags import add_model_arguments, runtime_from_args
+from k3stream.commands.flags import add_context_argument, add_model_arguments, runtime_from_args
 from k3stream.commands.report import format_mib
 from k3stream.engine.loading import resolve_model
 
@@ -22,6 +22,7 @@ LLAMA_MISSING = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_context_argument(parser)
     parser.add_argument("--prompt-tokens", type=int, default=64, help="default %(default)s")
     parser.add_argument("--decode-tokens", type=int, default=32, help="default %(default)s")
     parser.add_argument("--llama", action="store_true", help="also run the GGUF with llama.cpp (mmap)")

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from k3stream.commands.flags import (
+    add_context_argument,
     add_model_arguments,
     add_sampling_arguments,
     runtime_from_args,
@@ -20,6 +21,7 @@ from k3stream.engine.loading import Runtime
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_context_argument(parser)
     parser.add_argument("--system", default=None, help="system message at the start of the conversation")
     parser.add_argument("--thinking", action="store_true", help="open the think channel (Kimi-K3 templates)")
     parser.add_argument("--quiet", action="store_true", help="no statistics after each answer")

@@ -52,6 +52,18 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser)
 
 
+def add_context_argument(parser: argparse.ArgumentParser) -> None:
+    """`--ctx`: the context a sequence may reach, which the memory plan sizes KV/state and a prefill's
+    activations for (a command serving sequences adds its own)."""
+    parser.add_argument(
+        "--ctx",
+        type=int,
+        default=None,
+        help="tokens a sequence may reach, prompt plus output: the memory plan reserves KV/state and "
+        "prefill buffers for this many (default: the model's context, at most 4096)",
+    )
+
+
 def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     """The expert store's flags (they apply when experts stream from a pack)."""
     from k3stream.model.hints import HINT_CHOICES
@@ -130,11 +142,13 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
     )
 
     if manifest is None and args.memory_limit is None:  # the GGUF's experts, kept in RAM when all fit
-        return args.ram_mib if args.ram_mib is not None else default_expert_ram_mib(checkpoint)
+        if args.ram_mib is not None:
+            return args.ram_mib
+        return default_expert_ram_mib(checkpoint, *_served(args))
     pin_malloc_mmap_threshold()  # expert buffers churn: keep freed ones from bloating the heap
     if args.ram_mib is not None and args.memory_limit is None:
         return args.ram_mib
-    plan = plan_for_model(checkpoint, args.memory_limit, args.io_threads)
+    plan = plan_for_model(checkpoint, args.memory_limit, *_served(args))
     if args.ram_mib is not None:
         print(f"{plan.summary()}; --ram-mib {args.ram_mib:g} MiB in use instead", file=sys.stderr)
         return args.ram_mib
@@ -143,12 +157,20 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
     return plan.expert_budget / MIB
 
 
+def _served(args: argparse.Namespace) -> tuple[int | None, int]:
+    """The context and the sequences at once the command serves (`--ctx`, a server's `--max-batch`)."""
+    return getattr(args, "ctx", None), getattr(args, "max_batch", 1)
+
+
 def runtime_from_args(
     args: argparse.Namespace, opened: tuple[K3Checkpoint, Path | None] | None = None
 ) -> Runtime:
     """The runtime the model flags ask for; `opened`: what `open_model(args.model, ...)` returned, when
     the command read the GGUF already (its tokenizer first)."""
     checkpoint, manifest = opened or open_model(args.model, not args.no_stream_experts)  # before torch
+    from k3stream.memlimit import memory_limited
+
+    checkpoint.uncached_reads = memory_limited(args.memory_limit)  # page cache would count against it
     import torch
 
     if args.threads:

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from k3stream.commands.flags import (
+    add_context_argument,
     add_model_arguments,
     add_parallel_arguments,
     add_sampling_arguments,
@@ -18,6 +19,7 @@ from k3stream.engine.chat import chat_stop_token_ids
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_context_argument(parser)
     add_parallel_arguments(parser)
     parser.add_argument("--prompt", required=True, help="the prompt ('-' reads it from stdin)")
     parser.add_argument(

@@ -16,6 +16,7 @@ from k3stream.gguf.config import K3Config, field_value
 from k3stream.gguf.profile import get_profile
 from k3stream.gguf.shards import open_shards
 from k3stream.gguf.tensors import TensorInfo
+from k3stream.gguf.uncached import read_uncached
 from k3stream.quant.kernels import cpu
 
 _TYPED_VIEWS = {
@@ -70,6 +71,9 @@ class K3Checkpoint:
         self.tensors = _inventory(shards)
         self.profile = profile
         self._descriptors: dict[int, int] = {}
+        # `read` drops what it read from the page cache (a load under a memory limit, which that cache
+        # would be charged to); expert reads (`read_parts`) keep theirs
+        self.uncached_reads = False
         check_tensors(self.config, self.tensors)
 
     @classmethod
@@ -104,7 +108,15 @@ class K3Checkpoint:
         """A fresh copy of the tensor's bytes `start..start + nbytes` (default: all) in anonymous
         memory, read from the file, not through the map: its pages never join this process's RSS, and
         a file that shrinks later raises a clear error here instead of a SIGBUS in a mapped read."""
-        return self.read_parts([(name, start, self.info(name).nbytes - start if nbytes is None else nbytes)])
+        nbytes = self.info(name).nbytes - start if nbytes is None else nbytes
+        if not self.uncached_reads:
+            return self.read_parts([(name, start, nbytes)])
+        info = self.info(name)
+        _check_range(info, name, start, nbytes)
+        out = np.empty(nbytes, dtype=np.uint8)
+        if read_uncached(self._descriptor(info.shard_index), info.data_offset + start, out) < nbytes:
+            raise ValueError(f"{info.path}: tensor {name} is cut short (the file shrank?)")
+        return out
 
     def read_parts(self, parts: Sequence[tuple[str, int, int]]) -> np.ndarray:
         """The bytes `start..start + nbytes` of each `(tensor name, start, nbytes)`, one after another in
@@ -117,8 +129,7 @@ class K3Checkpoint:
                 info = self.info(name)
                 tensors[name] = info, self._descriptor(info.shard_index)
             info, descriptor = tensors[name]
-            if start < 0 or nbytes < 0 or start + nbytes > info.nbytes:
-                raise ValueError(f"{info.path}: bytes {start}..{start + nbytes} outside tensor {name}")
+            _check_range(info, name, start, nbytes)
             descriptors.append(descriptor)
             offsets.append(info.data_offset + start)
             lengths.append(nbytes)
@@ -159,6 +170,11 @@ class K3Checkpoint:
             raise IndexError(f"{info.path}: expert {expert} outside 0..{n_experts - 1} for tensor {name}")
         per_expert = info.nbytes // n_experts
         return self.raw(name)[expert * per_expert : (expert + 1) * per_expert]
+
+
+def _check_range(info: TensorInfo, name: str, start: int, nbytes: int) -> None:
+    if start < 0 or nbytes < 0 or start + nbytes > info.nbytes:
+        raise ValueError(f"{info.path}: bytes {start}..{start + nbytes} outside tensor {name}")
 
 
 def _read_parts(descriptors: list[int], offsets: list[int], lengths: list[int], out: np.ndarray) -> int:

@@ -121,9 +121,13 @@ class LatentMoE:
         self.projections = JointLinear([weights.router, weights.routed_down])
 
     def predict(self, h: torch.Tensor) -> list[int]:
-        """The experts this layer would pick for rows h (the prefetch hint)."""
+        """The experts this layer would pick for rows h (the prefetch hint), those most rows pick first
+        (ties in id order): a source that reads only part of a hint reads the likeliest."""
         chosen, _ = self.routing.choose(self.w.router(h).float(), self.w.correction_bias)
-        return chosen.unique().tolist()
+        votes = torch.bincount(chosen.flatten().cpu())
+        picked = votes.nonzero().flatten()
+        order = torch.sort(-votes[picked], stable=True).indices
+        return picked[order].tolist()
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h [N, E] -> [N, E]; the union of the experts all rows chose, fetched once each."""
@@ -160,7 +164,8 @@ class LatentMoE:
             bind_linear(self.projections, h, joint, threads),
             cpu.bind_route(logits, w.correction_bias, how, chosen, weights),
         ]
-        if self.source.reads_ahead:  # its reads start while the shared expert computes
+        if self.source.reads_ahead or self.source.prefetches:  # reads start while the shared expert
+            # computes; `chosen` is kept for the hints' scoring
             steps.append(cpu.python_step(lambda: self._start_step(chosen)))
         if shared is not None:
             steps.append(w.shared.bind(h, shared, threads))
@@ -262,8 +267,10 @@ class LatentMoE:
         rank = {expert: i for i, expert in enumerate(order)}
         window = self._read_window(len(ids))
         read = len(ids)  # how many of `order` were asked for
-        if self.source.reads_ahead:  # those __call__ asked for, then the others resident now
-            read = self._slide_window(order, len(read_before), leading)
+        if self.source.reads_ahead:  # those __call__ asked for, the others resident now, and at least
+            # a window: __call__'s window covers the whole step, which an expert-parallel rank's share
+            # of it may lie beyond (then nothing of this rank's was asked for)
+            read = self._slide_window(order, len(read_before), max(leading, window))
         pending = order
         outputs: list[torch.Tensor] = []  # each group's pair outputs
         done: list[np.ndarray] = []  # the pairs computed so far, in the order of `outputs`

@@ -10,8 +10,10 @@ them; all in RAM, one C call from their addresses) and MLA's attention over its 
 append and a C attention). Those steps call C directly, not torch: in a token whose weight reads have
 evicted torch's code and data from the caches, one small torch operation costs 30-120 us. It computes
 what `_forward` computes with the same C functions on the same values, so its logits are equal bit for
-bit (tested); a model with a step that has no C form here (another device, the reference path, a
-wrapped layer, prefetch hints to send) keeps the eager forward.
+bit (tested). A model sending token hints (a one-row step's default) gets them as Python steps where
+`_forward` sends them, and each MoE layer's routing learned after it; a model with a step that has no
+C form here (another device, the reference path, a wrapped layer, hints predicted from the stream)
+keeps the eager forward.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from k3stream.model.attn_res import bind_residual_mix
+from k3stream.model.hints import sent_kind
 from k3stream.model.kda import KDAState
 from k3stream.model.layers import bind_linear, bind_rms_norm
 from k3stream.model.moe import LatentMoE
@@ -32,8 +35,8 @@ if TYPE_CHECKING:
 
 class DecodeProgram:
     """The decode step of the sequence `state` on `threads` threads: `run(ids)` -> logits [1, V].
-    `steps` is None off the CPU kernels and for a model that sends prefetch hints (the caller then runs
-    the eager forward)."""
+    `steps` is None off the CPU kernels and for a model that sends hints other than token hints (the
+    caller then runs the eager forward)."""
 
     def __init__(self, model: DecodedModel, state: SequenceState, threads: int) -> None:
         self.model = model
@@ -41,24 +44,28 @@ class DecodeProgram:
         self._parts = _parts(model)
         self._state_layers = list(state.layers)
         self._state_buffers = _state_buffers(state)
+        self._hint_from = model._token_hint_from  # the token hints' lead (`set_token_hint_lead`)
+        self._hinting = _hinting(model)
         self._token = 0
         hidden = model.config.hidden
         self._x = torch.empty(1, hidden)  # the token's embedding: the first layer's input
         self.final = torch.empty(1, hidden)  # the last layer's output, mixed and normed for lm_head
         self._logits = torch.empty(1, model.config.vocab_size)
         self.steps: list[cpu.Call] | None = None
-        if model.device.type == "cpu" and cpu.available() and not model.prefetch:
+        if model.device.type == "cpu" and cpu.available() and _hints_in_program(model):
             self.steps = self._build(state)
 
     def fits(self, model: DecodedModel, state: SequenceState, threads: int) -> bool:
         """Whether this program is the step of `state` in `model` as it is now (the same layers, the
-        same state tensors, the same thread count)."""
+        same state tensors, the same thread count, the same hints and lead)."""
         return (
             threads == self.threads
             and len(state.layers) == len(self._state_layers)
             and all(now is then for now, then in zip(state.layers, self._state_layers, strict=True))
             and _state_buffers(state) == self._state_buffers
             and all(now is then for now, then in zip(_parts(model), self._parts, strict=True))
+            and model._token_hint_from is self._hint_from
+            and _hinting(model) == self._hinting
         )
 
     def run(self, token: int) -> torch.Tensor:
@@ -75,8 +82,12 @@ class DecodeProgram:
         model, x = self.model, self._x
         embed = model.embedding.row_writer(self._x)
         steps = [cpu.python_step(lambda: embed(self._token))]
+        if model.prefetch:
+            steps += [self._token_hint(first) for first in model._first_token_hints]
         bank: list[torch.Tensor] = []
         for layer in model.layers:
+            if model.prefetch and layer.index in model._token_hint_from:
+                steps.append(self._token_hint(model._token_hint_from[layer.index]))
             h = x if not bank else self._mix(steps, bank, x, layer.attn_score)
             banked = layer.index % model.config.block_size == 0
             if banked:
@@ -92,12 +103,24 @@ class DecodeProgram:
             )
             ffn_out = torch.empty_like(x)
             steps += self._ffn(layer, mixed, ffn_out)
+            if model.prefetch and isinstance(layer.ffn, LatentMoE):
+                steps.append(cpu.python_step(lambda moe=layer.ffn: self._learn_routes(moe)))
             x = torch.empty_like(x)
             steps.append(cpu.bind_add(prefix, ffn_out, x))
         mixed = self._mix(steps, bank, x, model.output_score)
         steps.append(bind_rms_norm(mixed, model.norm, model.eps, self.final))
         steps.append(bind_linear(model.lm_head, self.final, self._logits, self.threads))
         return steps
+
+    def _token_hint(self, layer: Layer) -> cpu.Call:
+        """The step sending `layer`'s token hint for the step's token (as `_forward` sends it)."""
+        return cpu.python_step(lambda: self.model._predict_from_tokens(layer, [self._token]))
+
+    def _learn_routes(self, moe: LatentMoE) -> None:
+        """What `_forward` does after a MoE layer of a model sending hints: score the predictions made
+        for it, and learn the token's route for the next token hints."""
+        self.model.hints.used(moe.layer, moe.chosen.unique().tolist())
+        self.model.token_routes.learn(moe.layer, [self._token], moe.chosen)
 
     def _attention(
         self, layer: Layer, normed: torch.Tensor, out: torch.Tensor, state: object
@@ -122,6 +145,19 @@ class DecodeProgram:
         out = torch.empty_like(x)
         steps.append(bind_rms_norm(x, weight, self.model.eps, out))
         return out
+
+
+def _hints_in_program(model: DecodedModel) -> bool:
+    """Whether the program sends what `_forward` would send of `model`'s hints in a one-row step: none,
+    or the token hints alone (the kinds predicted from the stream between layers stay eager)."""
+    if not model.prefetch:
+        return True
+    return sent_kind(model.prefetch_hint, 1) == "token" and not model.score_all_hints
+
+
+def _hinting(model: DecodedModel) -> tuple[bool, str, bool]:
+    """What decides the hints a model sends."""
+    return model.prefetch, model.prefetch_hint, model.score_all_hints
 
 
 def _parts(model: DecodedModel) -> list[object]:

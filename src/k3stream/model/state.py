@@ -85,4 +85,6 @@ class DecodedModel(Protocol):
     lm_head: Linear
     device: torch.device
     prefetch: bool
+    prefetch_hint: str
+    score_all_hints: bool
     eps: float

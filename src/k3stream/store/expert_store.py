@@ -202,8 +202,10 @@ class ExpertStore:
 
     def prefetch(self, layer: int, expert_ids: Iterable[int]) -> None:
         """Start loading these experts in the background; never blocks, never evicts pinned experts.
-        Adaptive: only while the layer's hints have been precise enough; not when the experts it
-        would read exceed the hints' share of the tier (`prefetch_too_large`). Ignored after `close()`."""
+        Adaptive: only while the layer's hints have been precise enough, and no more of the experts
+        it would read than its hints earned (`HintScores.allowance`, the first in `expert_ids`' order);
+        not when those exceed the hints' share of the tier (`prefetch_too_large`). Ignored after
+        `close()`."""
         if self._prefetcher is None:
             return
         keys = self._keys(layer, expert_ids)
@@ -214,9 +216,12 @@ class ExpertStore:
                 return
             self._counts["prefetch_requests"] += len(keys)
             absent = [expert for _, expert in self._compute.missing(keys)]
-            if not self._hints.hinted(layer, len(keys), absent):
+            loaded = self._hints.hinted(layer, len(keys), absent)
+            if absent and not loaded:
                 return
-            if len(absent) > self._loader.speculative_share(self._compute):
+            dropped = set(absent[len(loaded) :])  # beyond what the layer's hints have earned
+            keys = sorted(key for key in keys if key[1] not in dropped)  # read in pack order
+            if len(loaded) > self._loader.speculative_share(self._compute):
                 # the tier cannot hold it beside the step in progress: what it read would go unused
                 self._counts["prefetch_too_large"] += len(keys)
                 return

@@ -1,6 +1,7 @@
 """Which prefetch hints the store loads: adaptive scoring of each MoE layer's hints.
 
-The experts of every hint that the compute tier lacks (what the hint would read) are scored against
+The experts each hint reads (those the compute tier lacks; of a suppressed hint, those it would have
+read) are scored against
 the experts its layer's fetches ask for until the layer's next hint or the end of the step (a step is
 fetched in several parts), whether the hint was issued or not. A layer's precision is its right
 experts over its hinted experts, both sums decayed per hint, so a prefill hint of hundreds of experts
@@ -10,12 +11,21 @@ whose predictions improve gets prefetch back without spending reads on it. Hints
 not per thread: a hint is scored by whichever fetches of its layer come next. A layer starts trusted,
 as if one right hint of `prior` experts had been scored.
 
+With `adaptive`, a hint reads no more absent experts than its layer's evidence covers: its decayed
+right experts over PREFETCH_MIN_PRECISION (`allowance`), the first ones in the hint's order (a
+prediction lists the experts most rows chose first). A layer's first prefill hint is hundreds of
+experts on the evidence of `prior`: read whole, at the precision a random-weight model's routing has
+(~25-40%), it spent more reads on unused experts than it saved, and made a cold prefill read more
+with a larger budget (where the hint fitted the tier) than with a smaller one; a layer
+whose hints prove right earns a larger allowance with each one (steady decode hints never reach it).
+
 Each layer's fetches are numbered too: a hint queued before a fetch of its layer is stale when it runs.
 Every method runs under the store's lock.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -47,15 +57,25 @@ class HintScores:
         if layer in self._pending:
             self._asked.setdefault(layer, set()).update(experts)
 
-    def hinted(self, layer: int, requested: int, absent: list[int]) -> bool:
-        """A hint of `requested` experts, `absent` of them not in the compute tier: remember those for
-        scoring; returns whether to load the hint (else it is counted as suppressed)."""
+    def hinted(self, layer: int, requested: int, absent: list[int]) -> list[int]:
+        """A hint of `requested` experts, `absent` of them not in the compute tier (in the hint's order):
+        those of `absent` to load, remembered for scoring (all of them when the layer's hints are
+        suppressed: the probe); what is not loaded is counted as suppressed."""
         self._score(layer)
-        self._pending.setdefault(layer, set()).update(absent)
-        if self.active(layer):
-            return True
-        self.counts["prefetch_suppressed"] += requested
-        return False
+        pending = self._pending.setdefault(layer, set())
+        if not self.active(layer):
+            pending.update(absent)
+            self.counts["prefetch_suppressed"] += requested
+            return []
+        loaded = absent[: self.allowance(layer)] if self.adaptive else absent
+        pending.update(loaded)
+        self.counts["prefetch_suppressed"] += len(absent) - len(loaded)
+        return loaded
+
+    def allowance(self, layer: int) -> int:
+        """The most absent experts one hint of `layer` reads when adaptive: what its right experts so far
+        vouch for."""
+        return math.ceil(self._sums[layer][0] / PREFETCH_MIN_PRECISION)
 
     def step_over(self) -> None:
         """A step ended: score every hint whose layer was fetched."""

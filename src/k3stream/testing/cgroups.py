@@ -72,6 +72,11 @@ class ChildCgroup:
             "oom_kills": _keyed(self.path / "memory.oom_control").get("oom_kill"),
         }
 
+    def page_cache_bytes(self) -> int:
+        """File pages (page cache) charged to the group now: memory.stat's `file` (v2) or `cache` (v1)."""
+        stat = _keyed(self.path / "memory.stat")
+        return int(stat.get("file" if self.version == 2 else "cache", 0))
+
     def remove(self) -> None:
         """Delete the group (its processes must have exited); v1 first moves its page cache out."""
         if self.version == 1:
