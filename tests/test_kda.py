@@ -328,7 +328,7 @@ def kda_model(kda_path):
 def load_rank(path, tp_rank: int, tp_size: int):
     import k3stream
 
-    return k3stream.load(path, tp_rank=tp_rank, tp_size=tp_size)
+    return k3stream.load(path, k3stream.LoadOptions(tp_rank=tp_rank, tp_size=tp_size))
 
 
 def test_kda_prefill_is_its_decode_steps_and_matches_the_chunked_form(kda_model, monkeypatch):
