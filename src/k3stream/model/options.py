@@ -63,9 +63,7 @@ class LoadOptions:
         _choice("profile", self.profile, tuple(PROFILES))
         _choice("prefetch_hint", self.prefetch_hint, HINT_CHOICES)
         if self.kernels == "auto" and self.dtype != "float32":
-            raise ValueError(
-                f"LoadOptions.dtype {self.dtype} re-types weights: needs kernels='reference'"
-            )
+            raise ValueError(f"LoadOptions.dtype {self.dtype} re-types weights: needs kernels='reference'")
         if self.expert_ram_mib is not None and not self.expert_ram_mib >= 0:
             raise ValueError(f"LoadOptions.expert_ram_mib must be >= 0 or None, got {self.expert_ram_mib!r}")
         if self.tp_size < 1:
