@@ -22,6 +22,29 @@ else:
     requires_llama = pytest.mark.skipif(not HAVE_LLAMA, reason=LLAMA_MISSING)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--clear-test-cache",
+        action="store_true",
+        help="remove the large test models cached across sessions ($K3STREAM_TEST_CACHE, default "
+        "~/.cache/k3stream-test) when the session ends",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from pack_helpers import TEST_CACHE
+
+    # hypothesis's examples and caches go with the test models, not into the checkout's .hypothesis/
+    os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(TEST_CACHE / "hypothesis"))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if session.config.getoption("--clear-test-cache"):
+        from pack_helpers import clear_test_cache
+
+        clear_test_cache()
+
+
 @pytest.fixture(scope="session")
 def missing_oracle():
     """Fails every llama.cpp-oracle test under K3STREAM_REQUIRE_ORACLE=1 when the oracle is missing."""
