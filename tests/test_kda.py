@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import NO_C_KERNELS
 from k3stream.model.kda import (
     KDA,
     chunked_delta_rule,
@@ -368,7 +369,7 @@ def test_the_c_decode_step_matches_the_torch_one(tiny_model, monkeypatch, spec):
     from k3stream.quant.kernels import cpu
 
     if not cpu.available():
-        pytest.skip("the C kernels were not built")
+        pytest.skip(NO_C_KERNELS)
     spec = dict(spec, mla_heads=spec["kda_heads"], n_layers=2, mla_layers=(1,), seed=5)
     layer = k3stream.load(tiny_model(**spec)).layers[0].attn
     h = torch.randn(3, 40, layer.w.q_proj.in_features, generator=torch.Generator().manual_seed(3))

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import k3stream
-from conftest import requires_llama
+from conftest import NO_C_KERNELS, requires_llama
 from k3stream import LoadOptions
 from k3stream.model.experts import GGUFExpertSource
 from llama_logits import llama_logits, relative_error
@@ -363,7 +363,7 @@ def test_a_cache_grown_row_by_row_in_c_holds_what_torch_appends():
     from k3stream.quant.kernels import cpu
 
     if not cpu.available():
-        pytest.skip("the C kernels were not built")
+        pytest.skip(NO_C_KERNELS)
     rows = torch.randn(40, 24)
     by_c, by_torch = MLAState(24), MLAState(24)
     for row in rows:
@@ -380,7 +380,7 @@ def test_decode_attention_beyond_the_c_size_takes_torch_and_agrees(small_model, 
     from k3stream.quant.kernels import cpu
 
     if not cpu.available():
-        pytest.skip("the C kernels were not built")
+        pytest.skip(NO_C_KERNELS)
     calls, attend = [], cpu.mla_attend
     monkeypatch.setattr(cpu, "mla_attend", lambda *args: calls.append(1) or attend(*args))
     tokens = tokens_for(9, small_model.config.vocab_size, PREFIX + 8)

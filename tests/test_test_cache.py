@@ -18,4 +18,3 @@ def test_clearing_removes_the_tests_entries_and_keeps_the_users_files(tmp_path):
     clear_test_cache(cache)
     assert not cache.exists()
     clear_test_cache(cache)  # nothing there: nothing to do
-
