@@ -460,8 +460,12 @@ def test_sharding_rejects_uneven_split_and_bad_ranks(kda_path, kda_model):
     layer = kda_model.layers[1].attn
     with pytest.raises(ValueError, match="cannot shard 4 KDA heads for tensor-parallel rank 0 of 3"):
         shard_kda_weights(layer.w, layer.heads, 0, 3)
-    for tp_rank, tp_size in ((2, 2), (0, 0), (-1, 2)):
+    for tp_rank, tp_size in ((2, 2), (-1, 2)):
         with pytest.raises(ValueError, match=f"tensor-parallel rank {tp_rank} of {tp_size}$"):
+            shard_kda_weights(layer.w, layer.heads, tp_rank, tp_size)
+    bad_ranks = {(2, 2): r"tp_rank must be in \[0, 2\), got 2", (0, 0): "tp_size must be >= 1, got 0"}
+    for (tp_rank, tp_size), message in bad_ranks.items():
+        with pytest.raises(ValueError, match=rf"^LoadOptions\.{message}$"):
             load_rank(kda_path, tp_rank, tp_size)
 
 
