@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k3stream.model.options import LoadOptions
+
+if TYPE_CHECKING:
+    from k3stream.model.k3 import K3Model
 
 __version__ = "0.1.0"
 
@@ -30,7 +33,7 @@ def nonexpert_weights(path_or_manifest: Any, copy: bool = True) -> Iterator[tupl
     yield from _impl(_checkpoint(path_or_manifest), copy)
 
 
-def load(source: Any, options: LoadOptions | None = None):
+def load(source: Any, options: LoadOptions | None = None) -> K3Model:
     """Load a Kimi-K3 model from a GGUF (any shard or directory), an expert-pack manifest, or an open
     `K3Checkpoint`, as `options` say (`LoadOptions`; default: `LoadOptions()`). With neither an
     `expert_source` nor an `expert_ram_mib`, the routed experts are read from the GGUF into RAM at load
