@@ -18,6 +18,7 @@ import os
 import time
 from pathlib import Path
 
+from k3stream import LoadOptions
 from k3stream.engine.loading import StoreOptions, load_runtime
 from k3stream.testing.tiny import TinySpec
 
@@ -49,8 +50,8 @@ def ensure_model(cache_dir: Path) -> Path:
 
 
 def cold_prefill(manifest: Path, ram_mib: float, prompt: list[int], prefetch: bool) -> dict:
-    options = StoreOptions(prefetch=prefetch, direct_io=True)
-    runtime = load_runtime(manifest, ram_mib=ram_mib, store_options=options)
+    options = LoadOptions(expert_ram_mib=ram_mib, prefetch=prefetch)
+    runtime = load_runtime(manifest, options, store_options=StoreOptions(direct_io=True))
     try:
         model = runtime.model
         start = time.perf_counter()

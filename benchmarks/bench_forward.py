@@ -66,7 +66,7 @@ def bench_k3stream(
     import k3stream
 
     torch.set_num_threads(threads)
-    model = k3stream.load(path, kernels=kernels, match_ggml=match_ggml)
+    model = k3stream.load(path, k3stream.LoadOptions(kernels=kernels, match_ggml=match_ggml))
     model.logits(tokens[:8])  # warm-up
     prefill_s = float("inf")
     for _ in range(prefills):

@@ -63,7 +63,7 @@ def record(gguf: Path, manifest: Path, trace_path: Path, runs: list[list[int]]) 
     with ExpertPack(manifest) as pack:
         everything = len(pack.moe_layers) * pack.num_experts * pack.object_bytes / MIB
     with ExpertStore(manifest, ram_mib=everything, prefetch=False, record_trace=trace_path) as store:
-        model = k3stream.load(gguf, expert_source=store)
+        model = k3stream.load(gguf, k3stream.LoadOptions(expert_source=store))
         # predict (and score) both hints on every step; the store, its prefetch off, ignores them
         model.prefetch = model.score_all_hints = True
         decode_runs(model, store, runs)
@@ -91,7 +91,7 @@ def bytes_per_token(gguf: Path, manifest: Path, clients: int, length: int) -> di
     with ExpertPack(manifest) as pack:
         budget = len(pack.moe_layers) * pack.num_experts // 4 * pack.object_bytes / MIB
     with ExpertStore(manifest, ram_mib=budget) as store:
-        model = k3stream.load(gguf, expert_source=store)
+        model = k3stream.load(gguf, k3stream.LoadOptions(expert_source=store))
         states = [model.new_state() for _ in range(clients)]
         for step in range(length):
             model.decode_batch(states, [run[step] for run in runs[:clients]])
@@ -118,7 +118,7 @@ def replay(
         objects = round(fraction * len(pack.moe_layers) * pack.num_experts)
         ram_mib = objects * pack.object_bytes / MIB
     with ExpertStore(manifest, ram_mib=ram_mib, prefetch=prefetch) as store:
-        model = k3stream.load(gguf, expert_source=store)
+        model = k3stream.load(gguf, k3stream.LoadOptions(expert_source=store))
         model.set_token_hint_lead(lead)
         decode_runs(model, store, runs)
         stats = store.stats()

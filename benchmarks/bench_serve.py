@@ -240,11 +240,13 @@ def constrained_cpu_cost(manifest: Path, args: argparse.Namespace) -> tuple[floa
     (free, constrained, grammar part of constrained)."""
     import torch
 
+    from k3stream import LoadOptions
     from k3stream.engine.loading import load_runtime
     from k3stream.server.runtime import served_from_runtime
 
     torch.set_num_threads(args.threads)
-    served = served_from_runtime(load_runtime(manifest, ram_mib=ram_budget_mib(manifest, 1.0)[1] + 1))
+    options = LoadOptions(expert_ram_mib=ram_budget_mib(manifest, 1.0)[1] + 1)
+    served = served_from_runtime(load_runtime(manifest, options))
     try:
         free, constrained = [], []
         for _ in range(args.constrained_requests):

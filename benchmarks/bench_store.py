@@ -89,7 +89,7 @@ def text_trace_section(gguf_path: Path, manifest: Path, work: Path, tokens: list
     trace_path = work / TEXT_TRACE
     everything = len(pack.moe_layers) * pack.num_experts * pack.object_bytes / MIB
     with ExpertStore(pack, ram_mib=everything, prefetch=False, record_trace=trace_path) as store:
-        model = k3stream.load(gguf_path, expert_source=store, prefetch=False)
+        model = k3stream.load(gguf_path, k3stream.LoadOptions(expert_source=store, prefetch=False))
         state = model.new_state()
         for token in tokens:
             model.decode(state, token)
@@ -122,7 +122,7 @@ def decode_run(gguf_path: Path, manifest: Path, tokens: list[int], prefetch: boo
     import k3stream
 
     with quarter_budget_store(manifest, prefetch, latency_us) as store:
-        model = k3stream.load(gguf_path, expert_source=store, prefetch=prefetch)
+        model = k3stream.load(gguf_path, k3stream.LoadOptions(expert_source=store, prefetch=prefetch))
         state = model.new_state()
         started = time.perf_counter()
         for token in tokens:

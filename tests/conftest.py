@@ -16,10 +16,48 @@ LLAMA_MISSING = (
     "builds it from source (PyPI has no wheel; it needs a C++ compiler and cmake); CI installs a prebuilt "
     "wheel"
 )
+NO_C_KERNELS = (
+    "the C kernels were not built: `python3 setup.py build_ext --inplace` builds them (needs a C compiler)"
+)
+NO_CUDA = "needs a CUDA device: an NVIDIA GPU and a CUDA build of torch"
 if REQUIRE_ORACLE and not HAVE_LLAMA:
     requires_llama = pytest.mark.usefixtures("missing_oracle")
 else:
     requires_llama = pytest.mark.skipif(not HAVE_LLAMA, reason=LLAMA_MISSING)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--clear-test-cache",
+        action="store_true",
+        help="remove the large test models cached across sessions ($K3STREAM_TEST_CACHE, default "
+        "~/.cache/k3stream-test) when the session ends",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from pack_helpers import TEST_CACHE
+
+    # hypothesis's examples and caches go with the test models, not into the checkout's .hypothesis/
+    os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(TEST_CACHE / "hypothesis"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The `interp` cases run only where TRITON_INTERPRET=1 is set (test_kernels_gpu.py's
+    `test_interpreter_subprocess` runs them so): elsewhere they are deselected, not skipped."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    elsewhere = [item for item in items if item.get_closest_marker("interp")]
+    if elsewhere:
+        config.hook.pytest_deselected(items=elsewhere)
+        items[:] = [item for item in items if not item.get_closest_marker("interp")]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if session.config.getoption("--clear-test-cache"):
+        from pack_helpers import clear_test_cache
+
+        clear_test_cache()
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,9 @@ from gguf import GGUFReader
 from k3stream.gguf.shards import SHARD_NAME
 
 TEST_CACHE = Path(os.environ.get("K3STREAM_TEST_CACHE", "~/.cache/k3stream-test")).expanduser()
+# what the tests put in TEST_CACHE: tiny models (and their scratch folders), sglang's downloaded files,
+# hypothesis's examples (tests/conftest.py)
+TEST_CACHE_ENTRIES = ("tiny-*", ".tiny-*", "sglang-*", "hypothesis")
 # what decides a tiny model's bytes besides its spec
 GENERATOR_SOURCES = (
     "testing/tiny.py",
@@ -139,3 +142,15 @@ def cached_tiny(**fields) -> Path:
                 if not directory.is_dir():
                     raise
     return shard_paths(directory, spec.shards)[0]
+
+
+def clear_test_cache(cache: Path = TEST_CACHE) -> None:
+    """Remove what the tests put in `cache`, then the folder itself if that left it empty (it may be a
+    folder of the user's own, named by K3STREAM_TEST_CACHE)."""
+    if not cache.is_dir():
+        return
+    for pattern in TEST_CACHE_ENTRIES:
+        for entry in cache.glob(pattern):
+            shutil.rmtree(entry, ignore_errors=True)
+    if not any(cache.iterdir()):
+        cache.rmdir()

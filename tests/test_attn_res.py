@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import NO_C_KERNELS
 from k3stream.model import attn_res
 from k3stream.quant.kernels import cpu
 
@@ -48,7 +49,7 @@ def test_both_paths_match_the_float64_mix(positions, width, banked, scale, seed)
 
 def test_the_c_kernel_is_the_cpu_path():
     if not cpu.available():
-        pytest.skip("the C kernels were not built")
+        pytest.skip(NO_C_KERNELS)
     rows = [torch.randn(3, 64) for _ in range(3)]
     score = torch.randn(64)
     assert torch.equal(
@@ -59,7 +60,7 @@ def test_the_c_kernel_is_the_cpu_path():
 def test_a_prefills_mix_on_the_threads_gives_each_position_its_own_result():
     """Enough positions (a prefill's) are split over the threads: the same bits as on one thread."""
     if not cpu.available():
-        pytest.skip("the C kernels were not built")
+        pytest.skip(NO_C_KERNELS)
     rows = [torch.randn(301, 1024) for _ in range(3)]
     score = torch.randn(1024)
     threads = torch.get_num_threads()

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from k3stream.engine.loading import StoreOptions, load_runtime
+from k3stream import LoadOptions
+from k3stream.engine.loading import load_runtime
 from k3stream.pack.builder import build_pack
 from k3stream.pack.reader import ExpertPack
 from k3stream.store import ExpertStore
@@ -57,7 +58,7 @@ def test_a_layer_whose_hints_are_right_earns_a_larger_allowance(many):
 
 
 def test_hints_list_the_experts_most_rows_chose_first(many):
-    runtime = load_runtime(many, ram_mib=64)
+    runtime = load_runtime(many, LoadOptions(expert_ram_mib=64))
     try:
         moe = next(layer.ffn for layer in runtime.model.layers if hasattr(layer.ffn, "predict"))
         rows = torch.randn(32, runtime.model.config.hidden, generator=torch.Generator().manual_seed(1))
@@ -74,7 +75,7 @@ def test_hints_list_the_experts_most_rows_chose_first(many):
 def cold_prefill_reads(manifest, share: float, prefetch: bool) -> int:
     with ExpertPack(manifest) as pack:
         pack_mib = len(pack.moe_layers) * pack.num_experts * pack.object_bytes / MIB
-    runtime = load_runtime(manifest, ram_mib=share * pack_mib, store_options=StoreOptions(prefetch=prefetch))
+    runtime = load_runtime(manifest, LoadOptions(expert_ram_mib=share * pack_mib, prefetch=prefetch))
     try:
         runtime.model.prefill_last(runtime.model.new_state(), PROMPT)
         return runtime.store.stats()["pack_reads"]

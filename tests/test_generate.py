@@ -174,7 +174,7 @@ def test_sequence_refuses_empty_prompts_and_extra_tokens(tokenizer):
 def model(model_path):
     import k3stream
 
-    return k3stream.load(model_path, device="cpu", dtype=torch.float32)
+    return k3stream.load(model_path)
 
 
 def _greedy_by_recompute(model, prompt: list[int], n: int) -> list[int]:
@@ -484,7 +484,7 @@ def test_kimi_k3_chat_stops_at_the_response_close():
 def test_generation_ends_when_the_context_is_full(tiny_model, tokenizer):
     import k3stream
 
-    short = k3stream.load(tiny_model(context_length=12), device="cpu", dtype=torch.float32)
+    short = k3stream.load(tiny_model(context_length=12))
     prompt = tokenizer.encode("Hello, world! How are")
     assert len(prompt) < 12
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)

@@ -15,7 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from conftest import requires_llama
+from conftest import NO_C_KERNELS, requires_llama
 from k3stream import cli
 from k3stream.commands.dequantize import dequantize_gguf
 from k3stream.gguf.config import K3Config
@@ -417,7 +417,7 @@ def test_read_parts_copies_the_file_bytes_and_names_a_tensor_cut_short(
     from k3stream.quant.kernels import cpu
 
     if in_c and not cpu.available():
-        pytest.skip("the C extension was not built with this install")
+        pytest.skip(NO_C_KERNELS)
     monkeypatch.setattr(cpu, "available", lambda: in_c)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     path = tmp_path / "model.gguf"

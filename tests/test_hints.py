@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import k3stream
+from k3stream import LoadOptions
 from k3stream.model.experts import GGUFExpertSource
 from k3stream.model.hints import AUTO_LAYER_AHEAD_ROWS, HINT_KINDS
 from k3stream.model.moe import LatentMoE
@@ -18,7 +19,7 @@ from source_helpers import RecordingSource
 def load_recording(path, hint: str):
     plain = k3stream.load(path)
     source = RecordingSource(GGUFExpertSource(plain.expert_source.checkpoint))
-    return k3stream.load(path, expert_source=source, prefetch_hint=hint), source
+    return k3stream.load(path, LoadOptions(expert_source=source, prefetch_hint=hint)), source
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +114,9 @@ def test_token_routes_remember_each_layers_latest_experts_per_token():
     assert routes.predict(1, [8]) == [] and routes.predict(1, [7, 9]) == [4, 5, 6, 7]
 
 
-def test_an_unknown_hint_is_refused(model_path):
-    with pytest.raises(ValueError, match="prefetch hint must be one of auto, pre-attention, layer-ahead"):
-        k3stream.load(model_path, prefetch_hint="psychic")
+def test_an_unknown_hint_is_refused():
+    with pytest.raises(ValueError, match="prefetch_hint must be one of auto, pre-attention, layer-ahead"):
+        LoadOptions(prefetch_hint="psychic")
 
 
 def test_token_hints_go_out_their_lead_of_moe_layers_early(model_path):

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import NO_C_KERNELS
 from k3stream.model.kda import (
     KDA,
     chunked_delta_rule,
@@ -328,7 +329,7 @@ def kda_model(kda_path):
 def load_rank(path, tp_rank: int, tp_size: int):
     import k3stream
 
-    return k3stream.load(path, tp_rank=tp_rank, tp_size=tp_size)
+    return k3stream.load(path, k3stream.LoadOptions(tp_rank=tp_rank, tp_size=tp_size))
 
 
 def test_kda_prefill_is_its_decode_steps_and_matches_the_chunked_form(kda_model, monkeypatch):
@@ -368,7 +369,7 @@ def test_the_c_decode_step_matches_the_torch_one(tiny_model, monkeypatch, spec):
     from k3stream.quant.kernels import cpu
 
     if not cpu.available():
-        pytest.skip("the C kernels were not built")
+        pytest.skip(NO_C_KERNELS)
     spec = dict(spec, mla_heads=spec["kda_heads"], n_layers=2, mla_layers=(1,), seed=5)
     layer = k3stream.load(tiny_model(**spec)).layers[0].attn
     h = torch.randn(3, 40, layer.w.q_proj.in_features, generator=torch.Generator().manual_seed(3))
@@ -459,8 +460,12 @@ def test_sharding_rejects_uneven_split_and_bad_ranks(kda_path, kda_model):
     layer = kda_model.layers[1].attn
     with pytest.raises(ValueError, match="cannot shard 4 KDA heads for tensor-parallel rank 0 of 3"):
         shard_kda_weights(layer.w, layer.heads, 0, 3)
-    for tp_rank, tp_size in ((2, 2), (0, 0), (-1, 2)):
+    for tp_rank, tp_size in ((2, 2), (-1, 2)):
         with pytest.raises(ValueError, match=f"tensor-parallel rank {tp_rank} of {tp_size}$"):
+            shard_kda_weights(layer.w, layer.heads, tp_rank, tp_size)
+    bad_ranks = {(2, 2): r"tp_rank must be in \[0, 2\), got 2", (0, 0): "tp_size must be >= 1, got 0"}
+    for (tp_rank, tp_size), message in bad_ranks.items():
+        with pytest.raises(ValueError, match=rf"^LoadOptions\.{message}$"):
             load_rank(kda_path, tp_rank, tp_size)
 
 

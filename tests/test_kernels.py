@@ -11,6 +11,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
+from conftest import NO_C_KERNELS
 from k3stream.model.layers import rms_norm
 from k3stream.quant import dequantize, quantize
 from k3stream.quant.kernels import (
@@ -31,7 +32,7 @@ from k3stream.quant.kernels import (
 )
 from k3stream.quant.rounding import round_like_ggml
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C kernels were not built with this install")
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=NO_C_KERNELS)
 
 CPU_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4]
 FLOATS = [T.F16, T.BF16, T.F32]

@@ -17,6 +17,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
 
+from conftest import NO_CUDA
 from k3stream.quant import dequantize, quantize, type_size
 
 triton = pytest.importorskip("triton", reason="triton is not installed (the project's `gpu` extra)")
@@ -31,8 +32,8 @@ from k3stream.quant.kernels.gpu import (  # noqa: E402
 T = GGMLQuantizationType
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and not INTERPRET
-interp = pytest.mark.skipif(not INTERPRET, reason="runs in test_interpreter_subprocess (TRITON_INTERPRET=1)")
-cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+interp = pytest.mark.interp  # collected only under TRITON_INTERPRET=1 (tests/conftest.py)
+cuda = pytest.mark.skipif(not CUDA, reason=NO_CUDA)
 TYPES = sorted(SUPPORTED_GPU_TYPES)
 # (rows of x, out features, in features); K = 288 is 256 plus one 32-block: a partial K tile
 SHAPES = [(1, 64, 512), (3, 5, 512), (17, 64, 256), (8, 5, 256)]

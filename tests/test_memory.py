@@ -18,6 +18,7 @@ from gguf import GGUFReader
 
 import k3stream
 from bench_helpers import MIB, bench_json, pack_expert_bytes, packed_tiny
+from k3stream import LoadOptions
 from k3stream.model.experts import GGUFExpertSource
 from pack_helpers import cached_tiny
 
@@ -44,7 +45,7 @@ baseline = peak()
 MEASURE_LOAD = (
     PEAK_AFTER_IMPORTS
     + """
-model = k3stream.load(sys.argv[1], device="cpu", dtype=torch.float32)
+model = k3stream.load(sys.argv[1])
 print(json.dumps({"baseline": baseline, "peak": peak(), "vocab": model.config.vocab_size}))
 """
 )
@@ -89,10 +90,10 @@ def held_bytes(root) -> int:
 def test_a_loaded_model_holds_its_nonexpert_weights_in_their_gguf_bytes(recipe):
     path = cached_tiny(recipe=recipe, latent=256, expert_ff=256, kv_lora=256, qk_nope=32)
     weights = nonexpert_bytes(path)
-    held = held_bytes(k3stream.load(path, expert_ram_mib=0))
+    held = held_bytes(k3stream.load(path, LoadOptions(expert_ram_mib=0)))
     assert weights <= held <= 1.05 * weights, f"{recipe}: {held} bytes held for {weights} in the GGUF"
     if recipe != "f32":  # the walk sees a widening: the reference path holds float32 copies
-        widened = held_bytes(k3stream.load(path, expert_ram_mib=0, kernels="reference"))
+        widened = held_bytes(k3stream.load(path, LoadOptions(expert_ram_mib=0, kernels="reference")))
         assert widened > 1.05 * weights
 
 

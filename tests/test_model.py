@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import k3stream
-from conftest import requires_llama
+from conftest import NO_C_KERNELS, requires_llama
+from k3stream import LoadOptions
 from k3stream.model.experts import GGUFExpertSource
 from llama_logits import llama_logits, relative_error
 from source_helpers import RecordingSource
@@ -136,7 +137,7 @@ def test_f16_two_layers_directly_against_llama(tiny_model, tmp_path_factory, see
     models, jobs = [], []
     for seed in seeds:
         path = tiny_model(recipe="f16", n_layers=2, mla_layers=(1,), seed=seed)
-        models.append(k3stream.load(path, match_ggml=True))
+        models.append(k3stream.load(path, LoadOptions(match_ggml=True)))
         jobs.append((path, tokens_for(seed, models[-1].config.vocab_size)))
     references = llama_logits(jobs, tmp_path_factory.mktemp("f16direct"))
     runs = list(zip(models, [tokens for _, tokens in jobs], references, strict=True))
@@ -151,13 +152,13 @@ def test_f16_two_layers_directly_against_llama(tiny_model, tmp_path_factory, see
 @given(seed=st.integers(0, 2**20), block_size=st.integers(1, 3))
 def test_audited_recipe_matches_llama_on_its_f32_rewrite(tiny_model, tmp_path_factory, seed, block_size):
     path = tiny_model(**AUDITED, n_experts=8, top_k=4, block_size=block_size, seed=seed)
-    model = k3stream.load(path, profile="audited")
+    model = k3stream.load(path, LoadOptions(profile="audited"))
     tokens = tokens_for(seed, model.config.vocab_size)
     out_dir = tmp_path_factory.mktemp("audited")
     (reference,) = llama_logits([(f32_rewrite(path, out_dir), tokens)], out_dir)
     assert relative_error(model.logits(tokens).numpy(), reference) <= 1e-3
     assert relative_error(prefill_then_decode(model, tokens), reference[PREFIX:]) <= 1e-3
-    dense = k3stream.load(path, kernels="reference", profile="audited")
+    dense = k3stream.load(path, LoadOptions(kernels="reference", profile="audited"))
     assert relative_error(dense.logits(tokens).numpy(), reference) <= 1e-3
 
 
@@ -168,7 +169,7 @@ def test_audited_two_layers_directly_against_llama(tiny_model, tmp_path_factory,
     """llama.cpp quantizes activations to 8 bits (Q8_K/Q8_0) in quantized dot products; k3stream does
     the same with match_ggml=True, and then runs the quantized file itself through the same numbers."""
     path = tiny_model(**AUDITED, n_layers=2, mla_layers=(1,), seed=seed)
-    model = k3stream.load(path, match_ggml=True)
+    model = k3stream.load(path, LoadOptions(match_ggml=True))
     tokens = tokens_for(seed, model.config.vocab_size)
     (reference,) = llama_logits([(path, tokens)], tmp_path_factory.mktemp("direct"))
     assert relative_error(model.logits(tokens).numpy(), reference) <= 3e-2
@@ -261,8 +262,8 @@ def test_experts_come_through_the_source_once_per_layer(tiny_model):
     path = tiny_model(recipe="f32", n_experts=32, top_k=16, seed=22)
     source = RecordingSource(GGUFExpertSource(K3Checkpoint.open(path)))
     # the pre-attention hint: one per MoE layer, just before its fetch (`test_hints` has the others)
-    model = k3stream.load(path, expert_source=source, prefetch_hint="pre-attention")
-    reference = k3stream.load(path, prefetch=False)
+    model = k3stream.load(path, LoadOptions(expert_source=source, prefetch_hint="pre-attention"))
+    reference = k3stream.load(path, LoadOptions(prefetch=False))
     tokens = tokens_for(5, model.config.vocab_size, 12)
     states = [model.new_state(), model.new_state()]
     model.prefill(states[0], tokens[:6])
@@ -287,7 +288,7 @@ def test_bfloat16_weights_stay_close(tiny_model):
     path = tiny_model(recipe="f32", n_layers=3, mla_layers=(1,), n_experts=4, top_k=4, seed=23)
     tokens = tokens_for(6, 500, 16)
     exact = k3stream.load(path).logits(tokens)
-    bf16 = k3stream.load(path, dtype=torch.bfloat16, kernels="reference").logits(tokens)
+    bf16 = k3stream.load(path, LoadOptions(dtype="bfloat16", kernels="reference")).logits(tokens)
     assert relative_error(bf16, exact) < 0.1
 
 
@@ -302,7 +303,7 @@ def test_token_ids_are_checked(small_model):
 def test_quantized_embedding_rows_are_dequantized_on_demand():
     from gguf import GGMLQuantizationType, quants
 
-    from k3stream.model.layers import GGUFTensor, LoadOptions
+    from k3stream.model.layers import GGUFTensor
     from k3stream.model.state import Embedding
 
     table = np.random.default_rng(7).normal(size=(10, 256)).astype(np.float32)
@@ -322,7 +323,7 @@ def test_a_decode_tokens_embedding_row_is_the_tables_row(qtype, monkeypatch):
     with no C library the call itself; the table stays as stored (an F16 table is not widened)."""
     from gguf import GGMLQuantizationType
 
-    from k3stream.model.layers import GGUFTensor, LoadOptions
+    from k3stream.model.layers import GGUFTensor
     from k3stream.model.state import Embedding
     from k3stream.quant import quantize
     from k3stream.quant.kernels import cpu
@@ -362,7 +363,7 @@ def test_a_cache_grown_row_by_row_in_c_holds_what_torch_appends():
     from k3stream.quant.kernels import cpu
 
     if not cpu.available():
-        pytest.skip("the C kernels were not built")
+        pytest.skip(NO_C_KERNELS)
     rows = torch.randn(40, 24)
     by_c, by_torch = MLAState(24), MLAState(24)
     for row in rows:
@@ -379,7 +380,7 @@ def test_decode_attention_beyond_the_c_size_takes_torch_and_agrees(small_model, 
     from k3stream.quant.kernels import cpu
 
     if not cpu.available():
-        pytest.skip("the C kernels were not built")
+        pytest.skip(NO_C_KERNELS)
     calls, attend = [], cpu.mla_attend
     monkeypatch.setattr(cpu, "mla_attend", lambda *args: calls.append(1) or attend(*args))
     tokens = tokens_for(9, small_model.config.vocab_size, PREFIX + 8)
@@ -396,7 +397,7 @@ def test_kernels_agree_with_the_reference_path(tiny_model):
     on the audited recipe (Q2_K/Q3_K experts, Q4_0/Q2_K MLA heads) and on F16 weights."""
     for recipe, spec in (("audited", AUDITED), ("f16", {})):
         path = tiny_model(**{**spec, "recipe": recipe}, seed=31)
-        fast, slow = (k3stream.load(path, kernels=k) for k in ("auto", "reference"))
+        fast, slow = (k3stream.load(path, LoadOptions(kernels=k)) for k in ("auto", "reference"))
         tokens = tokens_for(31, fast.config.vocab_size, PREFIX + 8)
         assert relative_error(fast.logits(tokens), slow.logits(tokens)) < 1e-5
         assert relative_error(prefill_then_decode(fast, tokens), prefill_then_decode(slow, tokens)) < 1e-5
@@ -405,7 +406,8 @@ def test_kernels_agree_with_the_reference_path(tiny_model):
 TRUNCATE_WHILE_RUNNING = """
 import os, sys
 import k3stream
-model = k3stream.load(sys.argv[1], expert_ram_mib=0)  # no expert kept in RAM: each step reads its own
+# no expert kept in RAM: each step reads its own
+model = k3stream.load(sys.argv[1], k3stream.LoadOptions(expert_ram_mib=0))
 model.logits([1, 2, 3])
 os.truncate(sys.argv[1], os.path.getsize(sys.argv[1]) // 2)
 try:
@@ -440,10 +442,10 @@ def test_gguf_experts_stay_in_ram_when_all_of_them_fit_the_budget(tiny_model, tm
 
     path = tmp_path / "model.gguf"
     shutil.copy(tiny_model(**AUDITED, seed=43), path)
-    kept, read = (k3stream.load(path, expert_ram_mib=mib) for mib in (1024, 0))
+    kept, read = (k3stream.load(path, LoadOptions(expert_ram_mib=mib)) for mib in (1024, 0))
     checkpoint = kept.expert_source.checkpoint
     routed = sum(t.nbytes for t in checkpoint.tensors.values() if is_routed_expert(t.name))
-    short = k3stream.load(path, expert_ram_mib=0.99 * routed / (1 << 20))
+    short = k3stream.load(path, LoadOptions(expert_ram_mib=0.99 * routed / (1 << 20)))
     assert kept.expert_source.kept_bytes() == routed
     assert read.expert_source.kept_bytes() == short.expert_source.kept_bytes() == 0
     tokens = tokens_for(43, kept.config.vocab_size)
@@ -465,19 +467,17 @@ def test_every_checkpoint_tensor_is_used_and_an_unsplit_kv_b_is_refused(tiny_mod
     older unsplit attn_kv_b instead of attn_k_b/attn_v_b, fails the build in one line naming it."""
     from k3stream.gguf.reader import K3Checkpoint
     from k3stream.model.k3 import build, checkpoint_tensors
-    from k3stream.model.layers import LoadOptions
 
     checkpoint = K3Checkpoint.open(tiny_model())
     tensors = checkpoint_tensors(checkpoint)
     cfg, source, options = checkpoint.config, GGUFExpertSource(checkpoint), LoadOptions()
-    cpu = torch.device("cpu")
-    assert build(cfg, tensors, source, options, cpu).config.n_layers == cfg.n_layers
+    assert build(cfg, tensors, source, options).config.n_layers == cfg.n_layers
     extra = dict(tensors, **{"blk.0.attn_q_extra.weight": tensors["blk.0.attn_norm.weight"]})
     with pytest.raises(ValueError, match=r"^blk\.0\.attn_q_extra\.weight: a Kimi-K3 tensor the model"):
-        build(cfg, extra, source, options, cpu)
+        build(cfg, extra, source, options)
     mla = cfg.mla_layers[0]
     halves = (f"blk.{mla}.attn_k_b", f"blk.{mla}.attn_v_b")
     unsplit = {name: t for name, t in tensors.items() if not name.startswith(halves)}
     unsplit[f"blk.{mla}.attn_kv_b.weight"] = tensors[f"blk.{mla}.attn_k_b.weight"]
     with pytest.raises(ValueError, match=rf"^blk\.{mla}\.attn_kv_b\.weight: an unsplit MLA kv_b is not"):
-        build(cfg, unsplit, source, options, cpu)
+        build(cfg, unsplit, source, options)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import k3stream
+from k3stream import LoadOptions
 from k3stream.model.experts import GGUFExpertSource
 from k3stream.model.moe import GROUPS_PER_STEP
 from source_helpers import RecordingSource
@@ -40,7 +41,7 @@ def test_experts_are_computed_as_they_arrive_and_results_do_not_change(tiny_mode
     path = tiny_model(n_layers=4, n_experts=32, top_k=4, seed=8)
     plain = k3stream.load(path)
     source = ArrivingSource(GGUFExpertSource(plain.expert_source.checkpoint), spread, slots)
-    model = k3stream.load(path, expert_source=source, prefetch=False)
+    model = k3stream.load(path, LoadOptions(expert_source=source, prefetch=False))
     tokens = list(range(3, 40))
     assert torch.equal(model.logits(tokens), plain.logits(tokens))
     for layer in sorted({layer for _, layer, _ in source.calls}):

@@ -11,6 +11,7 @@ import torch
 from gguf import GGUFReader
 
 import k3stream
+from k3stream import LoadOptions
 from k3stream.pack import format as fmt
 from k3stream.pack.builder import build_pack
 from k3stream.pack.reader import ExpertPack
@@ -135,7 +136,7 @@ def test_streamed_greedy_generation_equals_the_resident_load(dynamic_pack):
     with ExpertPack(manifest_path) as pack:
         slots = pack.top_k + 2
         with ExpertStore(pack, ram_mib=slots * pack.object_bytes / MIB) as store:
-            tokens, logits = greedy(k3stream.load(gguf, expert_source=store), prompt, 8)
+            tokens, logits = greedy(k3stream.load(gguf, LoadOptions(expert_source=store)), prompt, 8)
             assert store.stats()["pack_reads"] > 0
     assert tokens == expected_tokens
     assert torch.equal(logits, expected_logits)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import k3stream
 from bench_helpers import MIB, pack_expert_bytes, packed_tiny
+from k3stream import LoadOptions
 
 # audited recipe (Q2_K/Q3_K experts, Q4_0/Q2_K MLA heads) or F32; MLA layers, shared experts or none
 SPECS = [
@@ -31,8 +32,8 @@ def decodes(model, prompt: list[int], steps: list[int]) -> torch.Tensor:
     return torch.stack([model.decode(state, token) for token in steps])
 
 
-def eager_and_program(path, **load_options):
-    program, eager = (k3stream.load(path, **load_options) for _ in range(2))
+def eager_and_program(path, options: LoadOptions | None = None):
+    program, eager = (k3stream.load(path, options) for _ in range(2))
     eager.use_program = False
     return program, eager
 
@@ -92,12 +93,12 @@ def test_the_program_serves_experts_from_the_store_and_from_an_uncached_gguf(tmp
     results = []
     for use_program in (True, False):
         with ExpertStore(ExpertPack(manifest), ram_mib=pack_expert_bytes(manifest) / 3 / MIB) as store:
-            model = k3stream.load(gguf_path, expert_source=store, prefetch=prefetch)
+            model = k3stream.load(gguf_path, LoadOptions(expert_source=store, prefetch=prefetch))
             model.use_program = use_program
             results.append(decodes(model, tokens[:12], tokens[12:]))
             assert (model._program is not None and model._program.steps is not None) == use_program
     assert torch.equal(*results)
-    program, eager = eager_and_program(gguf_path, expert_ram_mib=0)
+    program, eager = eager_and_program(gguf_path, LoadOptions(expert_ram_mib=0))
     assert torch.equal(decodes(program, tokens[:12], tokens[12:]), results[1])
     assert program.expert_source.kept_bytes() == 0
 
@@ -110,11 +111,11 @@ def test_the_reference_path_and_a_model_sending_stream_hints_decode_eagerly(tiny
     from source_helpers import RecordingSource
 
     path = tiny_model(**SPECS[0], seed=9)
-    reference = k3stream.load(path, kernels="reference")
+    reference = k3stream.load(path, LoadOptions(kernels="reference"))
     source = RecordingSource(GGUFExpertSource(K3Checkpoint.open(path)))
-    hinted = k3stream.load(path, expert_source=source, prefetch_hint="pre-attention")
+    hinted = k3stream.load(path, LoadOptions(expert_source=source, prefetch_hint="pre-attention"))
     tokens = tokens_for(9, reference.config.vocab_size, 20)
-    expected = decodes(k3stream.load(path, kernels="reference"), tokens[:12], tokens[12:])
+    expected = decodes(k3stream.load(path, LoadOptions(kernels="reference")), tokens[:12], tokens[12:])
     assert torch.equal(decodes(reference, tokens[:12], tokens[12:]), expected)
     assert reference._program is None
     decodes(hinted, tokens[:12], tokens[12:])
@@ -135,7 +136,7 @@ def test_a_model_sending_token_hints_decodes_by_program_with_the_eager_hints(tin
     runs = []
     for use_program in (True, False):
         source = RecordingSource(GGUFExpertSource(K3Checkpoint.open(path)))
-        model = k3stream.load(path, expert_source=source)
+        model = k3stream.load(path, LoadOptions(expert_source=source))
         model.set_token_hint_lead(lead)
         model.use_program = use_program
         runs.append((decodes(model, tokens[:12], tokens[12:] * 2), source.calls, model))

@@ -10,6 +10,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import NO_CUDA
 from k3stream.quant import (
     IQUANT_TYPES,
     SUPPORTED_TYPES,
@@ -296,7 +297,7 @@ def test_qlinear_dequantises_no_more_than_a_slab_at_once():
 
 # ---- CUDA (runs where a GPU is present) -------------------------------------------------------
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 
 
 @requires_cuda

@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from k3stream import LoadOptions
 from k3stream.engine.loading import StoreOptions, load_runtime
 from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.live import ServerProcess, ServerThread
@@ -58,7 +59,8 @@ class LiveServer:
     """The app on a uvicorn thread, plus the probes the tests read."""
 
     def __init__(self, manifest, ram_mib, store_options=None, **config):
-        runtime = load_runtime(manifest, ram_mib=ram_mib, store_options=store_options or StoreOptions())
+        options = LoadOptions(expert_ram_mib=ram_mib)
+        runtime = load_runtime(manifest, options, store_options=store_options or StoreOptions())
         self.served = served_from_runtime(runtime, ctx=CTX)
         self.name = self.served.name
         self.app = create_app(self.served, ServerConfig(**config))

@@ -15,8 +15,9 @@ import httpx
 import pytest
 import torch
 
+from k3stream import LoadOptions
 from k3stream.engine.generate import Sequence, StopMatcher
-from k3stream.engine.loading import StoreOptions, load_runtime
+from k3stream.engine.loading import load_runtime
 from k3stream.engine.sampling import NonFiniteLogits, Sampler, SamplingParams
 from k3stream.server.app import UNHEALTHY_AFTER, ServerConfig, create_app
 from k3stream.server.guard import GuardConfig
@@ -30,7 +31,7 @@ BODY_LIMIT = 256 << 10
 
 class Live:
     def __init__(self, path: Path, guard: GuardConfig, ram_mib: float | None = None, wrap=None) -> None:
-        runtime = load_runtime(path, ram_mib=ram_mib, store_options=StoreOptions(prefetch=False))
+        runtime = load_runtime(path, LoadOptions(expert_ram_mib=ram_mib, prefetch=False))
         self.served = served_from_runtime(runtime, ctx=128)
         if wrap is not None:
             self.served.model = wrap(self.served.model)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import k3stream
+from k3stream import LoadOptions
 from k3stream.model.moe import LatentMoE
 from k3stream.pack.builder import build_pack
 from k3stream.pack.reader import ExpertPack
@@ -47,7 +48,7 @@ def test_streamed_decode_equals_all_resident_bit_for_bit(streamed_model, policy,
     with ExpertStore(
         pack, ram_mib=objects * pack.object_bytes / MIB, policy=policy, prefetch=prefetch
     ) as store:
-        model = k3stream.load(gguf_path, expert_source=store, prefetch=prefetch)
+        model = k3stream.load(gguf_path, LoadOptions(expert_source=store, prefetch=prefetch))
         assert torch.equal(decode_all(model), reference)
         assert store.stats()["pack_reads"] > 0
 
@@ -59,7 +60,7 @@ def test_streamed_prefill_equals_all_resident_bit_for_bit(streamed_model, extra_
     every_expert = len(pack.moe_layers) * pack.num_experts
     slots = every_expert if extra_slots is None else pack.top_k + extra_slots
     with ExpertStore(pack, ram_mib=slots * pack.object_bytes / MIB) as store:
-        model = k3stream.load(gguf_path, expert_source=store)
+        model = k3stream.load(gguf_path, LoadOptions(expert_source=store))
         assert torch.equal(model.logits(TOKENS), reference)
         evictions = store.stats()["tiers"]["ram"]["cache_evictions"]
     assert (evictions > 0) == (slots < every_expert)  # the small caches really were too small
@@ -78,7 +79,7 @@ def test_a_prefill_reads_each_expert_once_per_layer_in_pack_order(streamed_model
     every_expert = len(pack.moe_layers) * pack.num_experts
     slots = every_expert if extra_slots is None else pack.top_k + extra_slots
     with ExpertStore(pack, ram_mib=slots * pack.object_bytes / MIB, policy=policy) as store:
-        model = k3stream.load(gguf_path, expert_source=store, prefetch=hints)
+        model = k3stream.load(gguf_path, LoadOptions(expert_source=store, prefetch=hints))
         reads: list[list[tuple[int, int]]] = []
         read_each = store._reader.read_each
 
@@ -109,7 +110,7 @@ def test_a_step_larger_than_the_cache_reads_only_what_was_not_resident(streamed_
     gguf_path, pack, _, _ = streamed_model
     slots = pack.top_k + 5
     with ExpertStore(pack, ram_mib=slots * pack.object_bytes / MIB, prefetch=read_ahead) as store:
-        model = k3stream.load(gguf_path, expert_source=store, prefetch=False)
+        model = k3stream.load(gguf_path, LoadOptions(expert_source=store, prefetch=False))
         moe = next(layer.ffn for layer in model.layers if isinstance(layer.ffn, LatentMoE))
         rows = torch.randn(16, model.config.hidden, generator=torch.Generator().manual_seed(3))
         with torch.inference_mode():

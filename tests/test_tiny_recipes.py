@@ -11,6 +11,7 @@ from gguf import GGUFReader
 
 import k3stream
 from conftest import requires_llama
+from k3stream import LoadOptions
 from k3stream.gguf.mixed_recipes import MIXED_RECIPES
 from k3stream.gguf.writer import tensor_plan
 from k3stream.quant import IQUANT_TYPES, dequantize
@@ -99,7 +100,7 @@ def test_each_recipe_two_layers_directly_against_llama(tiny_model, tmp_path, rec
     (`test_model.test_audited_two_layers_directly_against_llama`, 3e-2): match_ggml rounds the
     activations as ggml does (Q8_K for the i-quants and ternary types, Q8_0 for IQ4_NL)."""
     path = tiny_model(recipe=recipe, **DIMS, n_layers=2, mla_layers=(1,), seed=1)
-    model = k3stream.load(path, match_ggml=True)
+    model = k3stream.load(path, LoadOptions(match_ggml=True))
     tokens = tokens_for(1, model.config.vocab_size, TOKENS)
     (reference,) = llama_logits([(path, tokens)], tmp_path)
     assert relative_error(model.logits(tokens).numpy(), reference) <= 3e-2

@@ -14,6 +14,7 @@ import torch
 
 import k3stream
 from conftest import requires_llama
+from k3stream import LoadOptions
 from k3stream.commands.train import write_gguf
 from k3stream.engine.tokenizer import Tokenizer
 from k3stream.gguf.layout import is_routed_expert
@@ -233,5 +234,5 @@ def test_llama_cpp_runs_the_shipped_audited_gguf_as_k3stream_does(corpus, tmp_pa
     path = SHIPPED / record["files"]["audited"]
     ids = Tokenizer.from_gguf(path).encode_plain(read_texts(corpus.root, corpus.held_out, 4000)[0])[:96]
     (theirs,) = llama_logits([(path, ids)], tmp_path)
-    ours = k3stream.load(path, match_ggml=True, profile="audited").logits(ids).numpy()
+    ours = k3stream.load(path, LoadOptions(match_ggml=True, profile="audited")).logits(ids).numpy()
     assert relative_error(ours, theirs) <= 1e-3

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from chat_models import KIMI_TOOL_TEMPLATE, retokenized
+from k3stream import LoadOptions
 from k3stream.engine.loading import load_runtime
 from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.guard import GuardConfig
@@ -81,7 +82,7 @@ def tool_pack(tool_gguf, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tool_pack):
-    served = served_from_runtime(load_runtime(tool_pack, ram_mib=1), ctx=2048)
+    served = served_from_runtime(load_runtime(tool_pack, LoadOptions(expert_ram_mib=1)), ctx=2048)
     config = ServerConfig(max_batch=2, guard=GuardConfig(api_key=KEY))
     thread = ServerThread(create_app(served, config)).start()
     yield thread

@@ -14,6 +14,7 @@ import torch
 from gguf import GGUFReader
 
 import k3stream
+from k3stream import LoadOptions
 from k3stream.gguf.weights import checkpoint_targets, residual_target_value, tensor_weights
 from pack_helpers import model_files
 
@@ -244,7 +245,7 @@ def test_audited_profile_rejects_mla_projection_types_at_load(tiny_model):
     """sglang's MLA recipe check: after loading, split MLA layers must keep k_b Q4_0 (checked first)
     and v_b Q2_K."""
     with pytest.raises(ValueError, match="^Kimi-K3 MLA K projection must remain GGUF Q4_0$"):
-        k3stream.load(tiny_model(recipe="f32", seed=1), profile="audited")
+        k3stream.load(tiny_model(recipe="f32", seed=1), LoadOptions(profile="audited"))
 
 
 def test_model_loads_from_the_manifest(packed_model):

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from k3stream.model.options import LoadOptions
+
+if TYPE_CHECKING:
+    from k3stream.model.k3 import K3Model
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "load", "nonexpert_weights"]
+__all__ = ["LoadOptions", "__version__", "load", "nonexpert_weights"]
 
 
 def _checkpoint(source: Any) -> Any:
@@ -27,16 +33,18 @@ def nonexpert_weights(path_or_manifest: Any, copy: bool = True) -> Iterator[tupl
     yield from _impl(_checkpoint(path_or_manifest), copy)
 
 
-def load(source: Any, **kwargs: Any):
+def load(source: Any, options: LoadOptions | None = None) -> K3Model:
     """Load a Kimi-K3 model from a GGUF (any shard or directory), an expert-pack manifest, or an open
-    `K3Checkpoint` (keywords: `k3stream.model.k3.load`). Without an `expert_source` or `expert_ram_mib`,
-    the routed experts are read from the GGUF into RAM at load when all of them fit the expert budget
-    the memory plan leaves (`k3stream.memlimit`: the cgroup's limit or the available RAM)."""
+    `K3Checkpoint`, as `options` say (`LoadOptions`; default: `LoadOptions()`). With neither an
+    `expert_source` nor an `expert_ram_mib`, the routed experts are read from the GGUF into RAM at load
+    when all of them fit the expert budget the memory plan leaves (`k3stream.memlimit`: the cgroup's
+    limit or the available RAM)."""
     from k3stream.model.k3 import load as _impl
 
     checkpoint = _checkpoint(source)
-    if kwargs.get("expert_source") is None and "expert_ram_mib" not in kwargs:
+    options = options or LoadOptions()
+    if options.expert_source is None and options.expert_ram_mib is None:
         from k3stream.memlimit import default_expert_ram_mib
 
-        kwargs["expert_ram_mib"] = default_expert_ram_mib(checkpoint)
-    return _impl(checkpoint, **kwargs)
+        options = replace(options, expert_ram_mib=default_expert_ram_mib(checkpoint))
+    return _impl(checkpoint, options)

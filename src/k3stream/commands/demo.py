@@ -179,7 +179,7 @@ def _write(text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from k3stream.commands.flags import prompt_ids, sampling_params, store_options
+    from k3stream.commands.flags import load_options, prompt_ids, sampling_params, store_options
     from k3stream.commands.report import statistics_lines, store_snapshot
     from k3stream.engine.chat import chat_stop_token_ids
     from k3stream.engine.generate import generate
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     kind = "trained on the Python standard library" if demo.trained else "random weights"
     print(f"model   {demo.gguf} ({kind}) {_took(demo.made_s, 'copied' if demo.trained else 'made')}")
     print(f"pack    {demo.pack}: {format_mib(expert_bytes)} of experts {_took(demo.packed_s, 'packed')}")
-    runtime = load_runtime(demo.manifest, device="cpu", ram_mib=ram_mib, store_options=store_options(args))
+    runtime = load_runtime(demo.manifest, load_options(args, ram_mib), store_options=store_options(args))
     try:
         print(f"budget  expert RAM {ram_mib:g} MiB, {ram_mib * MIB / expert_bytes:.0%} of the pack's experts")
         tokenizer = runtime.tokenizer

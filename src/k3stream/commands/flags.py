@@ -13,6 +13,7 @@ from k3stream.engine.parallel import DEFAULT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.model.options import LoadOptions
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -178,15 +179,24 @@ def runtime_from_args(
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return load_resolved(
-        checkpoint,
-        manifest,
+    options = load_options(args, _expert_ram_mib(args, checkpoint, manifest), device)
+    store = store_options(args)
+    return load_resolved(checkpoint, manifest, options, gpu_mib=args.gpu_mib, store_options=store)
+
+
+def load_options(args: argparse.Namespace, expert_ram_mib: float, device: str = "cpu") -> LoadOptions:
+    """`LoadOptions` from the model and store flags (a command with only the store flags, as `demo`,
+    gets float32 weights through the kernels)."""
+    from k3stream.model.options import LoadOptions
+
+    dtype = getattr(args, "dtype", "float32")
+    return LoadOptions(
         device=device,
-        dtype=getattr(torch, args.dtype),
-        ram_mib=_expert_ram_mib(args, checkpoint, manifest),
-        gpu_mib=args.gpu_mib,
-        store_options=store_options(args),
-        match_ggml=args.match_ggml,
+        dtype=dtype,
+        kernels="auto" if dtype == "float32" else "reference",  # re-typed weights are dense matrices
+        match_ggml=getattr(args, "match_ggml", False),
+        expert_ram_mib=expert_ram_mib,
+        prefetch=not args.no_prefetch,
         prefetch_hint=args.prefetch_hint,
     )
 
@@ -207,7 +217,6 @@ def store_options(args: argparse.Namespace) -> StoreOptions:
     """`StoreOptions` from the store flags."""
     return StoreOptions(
         policy=args.policy,
-        prefetch=not args.no_prefetch,
         io_threads=args.io_threads,
         direct_io=args.direct_io,
     )

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import torch
-
     from k3stream.engine.generate import GenerationResult
     from k3stream.engine.tokenizer import Tokenizer
     from k3stream.gguf.reader import K3Checkpoint
     from k3stream.model.k3 import K3Model
+    from k3stream.model.options import LoadOptions
     from k3stream.store.expert_store import ExpertStore
+
+DEFAULT_RAM_MIB = 1024.0  # `load_runtime`'s expert RAM budget when it is given no options
 
 
 def manifest_next_to(gguf_path: Path) -> Path | None:
@@ -82,10 +83,10 @@ class Runtime:
 
 @dataclass(frozen=True)
 class StoreOptions:
-    """How the expert store caches and reads (the `ExpertStore` keywords of the same names)."""
+    """How the expert store caches and reads (the `ExpertStore` keywords of the same names; whether it
+    prefetches is `LoadOptions.prefetch`)."""
 
     policy: str = "cycle"
-    prefetch: bool = True
     io_threads: int = 4
     direct_io: bool | None = None  # None: O_DIRECT when the pack does not fit the RAM budget
     simulated_read_latency_us: float = 0.0  # sleeps before each pack read: tests and experiments
@@ -113,64 +114,55 @@ def open_model(path: str | Path, stream_experts: bool) -> tuple[K3Checkpoint, Pa
 
 def load_runtime(
     path: str | Path,
+    options: LoadOptions | None = None,
     *,
-    device: str = "cpu",
-    dtype: torch.dtype | None = None,
-    ram_mib: float | None = 1024.0,
     gpu_mib: float | None = None,
     stream_experts: bool = True,
     store_options: StoreOptions = StoreOptions(),
 ) -> Runtime:
-    """Load for generation; routed experts stream from the pack when there is a manifest."""
+    """Load for generation; routed experts stream from the pack when there is a manifest. Default
+    `options`: `LoadOptions(expert_ram_mib=1024)`."""
+    from k3stream.model.options import LoadOptions
+
     checkpoint, manifest = open_model(path, stream_experts)
-    return load_resolved(
-        checkpoint,
-        manifest,
-        device=device,
-        dtype=dtype,
-        ram_mib=ram_mib,
-        gpu_mib=gpu_mib,
-        store_options=store_options,
-    )
+    options = options or LoadOptions(expert_ram_mib=DEFAULT_RAM_MIB)
+    return load_resolved(checkpoint, manifest, options, gpu_mib=gpu_mib, store_options=store_options)
 
 
 def load_resolved(
     checkpoint: K3Checkpoint,
     manifest: Path | None,
+    options: LoadOptions,
     *,
-    device: str = "cpu",
-    dtype: torch.dtype | None = None,
-    ram_mib: float | None = 1024.0,
     gpu_mib: float | None = None,
     store_options: StoreOptions = StoreOptions(),
-    match_ggml: bool = False,
-    prefetch_hint: str = "auto",
 ) -> Runtime:
-    """`load_runtime` for what `open_model` opened."""
-    import torch
-
+    """`load_runtime` for what `open_model` opened. With a manifest the expert store is the expert
+    source, its RAM budget `options.expert_ram_mib` (None: what the memory plan leaves) and its device
+    `options.device`."""
     import k3stream
     from k3stream.engine.tokenizer import Tokenizer
 
     store = None
     if manifest is not None:
+        from k3stream.memlimit import default_expert_ram_mib
         from k3stream.pack.reader import ExpertPack
         from k3stream.store.expert_store import ExpertStore
 
+        ram_mib = options.expert_ram_mib
+        ram_mib = default_expert_ram_mib(checkpoint) if ram_mib is None else ram_mib
         pack = ExpertPack(manifest, config=checkpoint.config)
-        store = ExpertStore(pack, ram_mib=ram_mib, gpu_mib=gpu_mib, device=device, **asdict(store_options))
-    budget = {} if ram_mib is None else {"expert_ram_mib": ram_mib}  # None: `k3stream.load`'s default
-    try:
-        model = k3stream.load(
-            checkpoint,
-            **budget,
-            device=device,
-            dtype=dtype or torch.float32,
-            expert_source=store,
-            prefetch=store_options.prefetch,
-            match_ggml=match_ggml,
-            prefetch_hint=prefetch_hint,
+        store = ExpertStore(
+            pack,
+            ram_mib=ram_mib,
+            gpu_mib=gpu_mib,
+            device=options.device,
+            prefetch=options.prefetch,
+            **asdict(store_options),
         )
+        options = replace(options, expert_source=store, expert_ram_mib=ram_mib)
+    try:
+        model = k3stream.load(checkpoint, options)
         tokenizer = Tokenizer.from_gguf(checkpoint)
     except BaseException:
         if store is not None:

@@ -30,9 +30,10 @@ from k3stream.model.attn_res import residual_mix
 from k3stream.model.experts import GGUFExpertSource
 from k3stream.model.hints import HINT_CHOICES, TOKEN_HINT_LEAD, HintLog, sent_kind
 from k3stream.model.kda import KDA, KDAWeights, shard_kda_weights
-from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, rms_norm
+from k3stream.model.layers import GGUFTensor, Linear, rms_norm
 from k3stream.model.mla import MLA, HeadProjection, MLAWeights
 from k3stream.model.moe import LatentMoE, MoEWeights, Routing, SituMLP
+from k3stream.model.options import LoadOptions
 from k3stream.model.program import DecodeProgram
 from k3stream.model.state import Embedding, Layer, SequenceState
 from k3stream.model.token_routes import TokenRoutes
@@ -359,7 +360,7 @@ def _moe(w: _Weights, p: str, layer: int, cfg: K3Config, source: ExpertSource) -
     shared_width = cfg.expert_ff * cfg.n_shared
     weights = MoEWeights(
         router=w.tensor(f"{p}ffn_gate_inp.weight").linear(
-            cfg.n_experts, cfg.hidden, replace(w.options, dtype=torch.float32)
+            cfg.n_experts, cfg.hidden, replace(w.options, dtype="float32")
         ),
         correction_bias=w.vector(f"{p}exp_probs_b.bias"),
         routed_down=w.linear(f"{p}ffn_routed_down.weight", cfg.latent, cfg.hidden),
@@ -402,58 +403,28 @@ def _layer(
     )
 
 
-def load(
-    checkpoint: K3Checkpoint,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
-    expert_source: ExpertSource | None = None,
-    keep_quantized: bool = False,
-    profile: str = "generic",
-    prefetch: bool = True,
-    match_ggml: bool = False,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    kernels: str = "auto",
-    prefetch_hint: str = "auto",
-    expert_ram_mib: float = 0.0,
-) -> K3Model:
-    """Build a K3Model from an open checkpoint (`k3stream.load` opens a path or a manifest).
+def load(checkpoint: K3Checkpoint, options: LoadOptions | None = None) -> K3Model:
+    """Build a K3Model from an open checkpoint as `options` say (`LoadOptions`; `k3stream.load` opens a
+    path or a manifest and defaults the expert budget to what the memory plan leaves).
 
     Non-expert weights are read once into anonymous memory in their GGUF types (never through the map,
-    so a file that changes later cannot reach the running model). With `kernels="auto"` (default) every
-    product runs on GGUF blocks through `k3stream.quant.kernels`; `kernels="reference"` is the path the
-    kernels are tested against: weights dequantized to `dtype` at load, or with `keep_quantized` kept
-    in blocks and dequantized a slab at a time; a `dtype` other than float32 implies it. Routed
-    experts come from `expert_source` (default: straight from the GGUF, all read into RAM here when
-    they fit in `expert_ram_mib`, else read at every step; `k3stream.load` defaults the budget to what
-    the memory plan leaves). `profile="audited"`
-    enforces the published recipe after loading.
-    `match_ggml` rounds the inputs of F16/BF16 and block-quantized matrices as llama.cpp's CPU matmul
-    does (to F16/BF16, or 8-bit Q8_K/Q8_0 blocks): for comparing with llama.cpp; it costs precision.
-    `tp_rank`/`tp_size` load tensor-parallel rank `tp_rank` of `tp_size`: each KDA layer holds only
-    that rank's heads (see `shard_kda_weights`), so its output is a partial sum to all-reduce over the
-    ranks; nothing else is sharded and the forward does no all-reduce (`k3stream.engine.parallel` shards the
-    whole model over a process group and reduces).
-    `prefetch_hint` picks the prediction sent to the expert source (`k3stream.model.hints`).
+    so a file that changes later cannot reach the running model). The checkpoint profile is checked
+    after loading. `tp_size` > 1 shards only the KDA heads and the forward does no all-reduce (see
+    `shard_kda_weights`).
     """
     from k3stream.gguf.profile import get_profile
 
-    cfg = checkpoint.config
-    source = expert_source
+    options = options or LoadOptions()
+    source = options.expert_source
     if source is None:
         routed = sum(t.nbytes for t in checkpoint.tensors.values() if is_routed_expert(t.name))
-        source = GGUFExpertSource(checkpoint, keep=routed <= expert_ram_mib * (1 << 20))
-    device = torch.device(device)
-    if dtype != torch.float32:
-        kernels = "reference"  # re-typed weights are dense matrices
-    options = LoadOptions(dtype, keep_quantized, match_ggml, kernels)
-    if kernels == "auto":
+        source = GGUFExpertSource(checkpoint, keep=routed <= (options.expert_ram_mib or 0.0) * (1 << 20))
+    if options.kernels == "auto":
         matrix_types = {t.ggml_type for t in checkpoint.tensors.values() if len(t.shape) >= 2}
-        note_fallbacks(matrix_types, device)
-        warm_up(matrix_types, device)
-    tensors = checkpoint_tensors(checkpoint)
-    model = build(cfg, tensors, source, options, device, prefetch, (tp_rank, tp_size), prefetch_hint)
-    get_profile(profile).check(checkpoint)  # sglang's MLA recipe check, after loading
+        note_fallbacks(matrix_types, torch.device(options.device))
+        warm_up(matrix_types, torch.device(options.device))
+    model = build(checkpoint.config, checkpoint_tensors(checkpoint), source, options)
+    get_profile(options.profile).check(checkpoint)  # sglang's MLA recipe check, after loading
     return model
 
 
@@ -471,27 +442,24 @@ def build(
     tensors: Mapping[str, GGUFTensor],
     source: ExpertSource,
     options: LoadOptions,
-    device: torch.device,
-    prefetch: bool = True,
-    tp: tuple[int, int] = (0, 1),
-    prefetch_hint: str = "auto",
 ) -> K3Model:
     """A K3Model from its non-expert tensors by GGUF name (`gguf.layout.expected_shapes`' names).
 
     On the reference path float tensors are used as given, so weights that require grad give a model
     autograd can train (`k3stream.train` builds its model this way)."""
+    device = torch.device(options.device)
     w = _Weights(tensors, options, device)
     model = K3Model(
         config=cfg,
         embedding=Embedding(w.tensor("token_embd.weight"), cfg.hidden, options),
-        layers=[_layer(w, i, cfg, source, tp) for i in range(cfg.n_layers)],
+        layers=[_layer(w, i, cfg, source, (options.tp_rank, options.tp_size)) for i in range(cfg.n_layers)],
         norm=w.vector("output_norm.weight"),
         output_score=w.score("output_res_score.weight"),
         lm_head=w.linear("output.weight", cfg.vocab_size, cfg.hidden),
         expert_source=source,
         device=device,
-        prefetch=prefetch,
-        prefetch_hint=prefetch_hint,
+        prefetch=options.prefetch,
+        prefetch_hint=options.prefetch_hint,
     )
     w.check_all_used()
     model.use_program = options.kernels == "auto"  # the reference path stays the eager forward

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3stream.model.options import LoadOptions
 from k3stream.quant.dequant import FLOAT_DTYPES
 from k3stream.quant.kernels import Products, QWeight, checked_weight, cpu
 from k3stream.quant.rounding import round_like_ggml
@@ -48,35 +49,6 @@ def bytes_to_matrix(data: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) 
     from k3stream.quant import dequantize
 
     return dequantize(data, ggml_type).reshape(shape)
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """How weights become layers.
-
-    `kernels="auto"`: every matrix stays in its GGUF type and bytes, and products go through the kernel
-    seam (`k3stream.quant.kernels`). `kernels="reference"`: the reference path the kernels are tested
-    against: matrices dequantized to `dtype` at load, or with `keep_quantized` kept in blocks and
-    dequantized a slab at a time. `match_ggml`: inputs rounded as ggml's CPU matmul rounds them.
-    """
-
-    dtype: torch.dtype = torch.float32
-    keep_quantized: bool = False
-    match_ggml: bool = False
-    kernels: str = "auto"
-
-    def __post_init__(self) -> None:
-        from k3stream.quant.kernels import BACKENDS
-
-        if self.kernels not in BACKENDS:
-            raise ValueError(f"kernels must be one of {', '.join(BACKENDS)}, got {self.kernels!r}")
-        if self.kernels == "auto" and self.dtype != torch.float32:
-            raise ValueError(f"dtype {self.dtype} re-types the weights: it needs kernels='reference'")
-
-    @property
-    def in_gguf_types(self) -> bool:
-        """Whether matrices stay as GGUF bytes (rather than dense float tensors)."""
-        return self.kernels == "auto" or self.keep_quantized
 
 
 class DenseLinear:
@@ -184,7 +156,7 @@ class GGUFTensor:
         """A linear layer over this weight; GGUF types kept unless the reference path densifies them."""
         if options.kernels == "auto" or (options.keep_quantized and self.ggml_type is not None):
             return QuantLinear(self.qweight(out_features, in_features), options.match_ggml, options.kernels)
-        weight = self.matrix((out_features, in_features), options.dtype)
+        weight = self.matrix((out_features, in_features), options.torch_dtype)
         return DenseLinear(weight, self.input_rounding(options))
 
     def input_rounding(self, options: LoadOptions) -> int | None:

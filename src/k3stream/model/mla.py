@@ -11,11 +11,11 @@ from k3stream.model.layers import (
     GGUFTensor,
     JointLinear,
     Linear,
-    LoadOptions,
     bind_linear,
     bind_rms_norm,
     rms_norm,
 )
+from k3stream.model.options import LoadOptions
 from k3stream.quant.kernels import GroupedProduct, checked_weight, cpu
 from k3stream.quant.rounding import round_like_ggml
 
@@ -53,7 +53,7 @@ class HeadProjection:
             self.per_head = GroupedProduct(per_head, options.kernels, self.rounding_type is not None)
             self.weight = None
         else:
-            self.weight = tensor.matrix((heads, out_features, in_features), options.dtype)
+            self.weight = tensor.matrix((heads, out_features, in_features), options.torch_dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:

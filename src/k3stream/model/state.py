@@ -11,9 +11,10 @@ import torch
 
 from k3stream.gguf.config import K3Config
 from k3stream.model.kda import KDA, KDAState
-from k3stream.model.layers import GGUFTensor, Linear, LoadOptions, bytes_to_matrix
+from k3stream.model.layers import GGUFTensor, Linear, bytes_to_matrix
 from k3stream.model.mla import MLA, MLAState
 from k3stream.model.moe import LatentMoE, SituMLP
+from k3stream.model.options import LoadOptions
 from k3stream.quant.kernels import F32, cpu
 
 AttentionState = KDAState | MLAState
@@ -44,7 +45,7 @@ class Embedding:
 
     def __init__(self, table: GGUFTensor, hidden: int, options: LoadOptions) -> None:
         self.table = table if options.in_gguf_types else None
-        self.dense = None if self.table else table.matrix((-1, hidden), options.dtype)
+        self.dense = None if self.table else table.matrix((-1, hidden), options.torch_dtype)
         self.hidden = hidden
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:

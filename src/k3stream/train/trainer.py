@@ -23,8 +23,9 @@ from k3stream.gguf.layout import FLOAT_TYPE_IDS, is_routed_expert, routed_expert
 from k3stream.gguf.writer import TinySpec, initial_values, tensor_plan, tiny_config
 from k3stream.model.k3 import K3Model, build
 from k3stream.model.kda import KDA
-from k3stream.model.layers import GGUFTensor, LoadOptions
+from k3stream.model.layers import GGUFTensor
 from k3stream.model.moe import LatentMoE, Routing
+from k3stream.model.options import LoadOptions
 from k3stream.quant.kernels import QWeight
 
 F32 = FLOAT_TYPE_IDS[0]
@@ -111,8 +112,8 @@ def build_model(params: Parameters) -> K3Model:
         for name in params.values
         if not is_routed_expert(name)
     }
-    source, options = ParameterExperts(params), LoadOptions(kernels="reference")
-    model = build(params.config, tensors, source, options, torch.device("cpu"), prefetch=False)
+    source, options = ParameterExperts(params), LoadOptions(kernels="reference", prefetch=False)
+    model = build(params.config, tensors, source, options)
     for layer in model.layers:
         if isinstance(layer.attn, KDA):
             layer.attn.chunk_size = KDA_CHUNK
