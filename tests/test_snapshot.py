@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import k3stream
-from k3stream.model.snapshot import exact_positions, restore, take_snapshot
+from k3stream.model.snapshot import exact_positions, prefill_marked, restore, take_snapshot
 from k3stream.quant.kernels import set_row_exact
 
 AUDITED = dict(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32, kda_head_dim=32)
@@ -100,3 +100,25 @@ def test_a_snapshot_of_another_model_is_refused(models):
     f32.prefill_last(state, prompt(f32, 4))
     with pytest.raises(ValueError, match="snapshot layer 0 does not fit"):
         restore(audited, take_snapshot(state))
+
+
+@pytest.mark.parametrize("name", ["f32", "streamed"])
+def test_snapshots_taken_inside_one_prefill_equal_prefills_that_end_there(models, name):
+    model = models[name]
+    tokens = prompt(model)
+    cold = model.prefill_last(model.new_state(), tokens)
+    state = model.new_state()
+    model.prefill_last(state, tokens[:3])
+    logits, snapshots = prefill_marked(model, state, tokens[3:], [1, 3, 16, 29, PROMPT])
+    assert torch.equal(logits, cold)
+    assert [snapshot.length for snapshot in snapshots] == [16, 29]
+    for snapshot in snapshots:
+        resumed = model.prefill_last(restore(model, snapshot), tokens[snapshot.length :])
+        assert torch.equal(resumed, cold), snapshot.length
+        ended_there = model.new_state()
+        model.prefill_last(ended_there, tokens[: snapshot.length])
+        for saved, direct in zip(snapshot.layers, take_snapshot(ended_there).layers, strict=True):
+            if hasattr(saved, "recurrent"):
+                assert torch.equal(saved.recurrent, direct.recurrent) and torch.equal(saved.conv, direct.conv)
+            else:
+                assert torch.equal(saved.rows(), direct.rows())

@@ -136,3 +136,34 @@ def exact_positions(model: K3Model) -> int:
     if not kda or (model.device.type == "cpu" and cpu.available()):
         return 1
     return max(layer.chunk_size for layer in kda)
+
+
+def prefill_marked(
+    model: K3Model, state: SequenceState, tokens: list[int], marks: list[int]
+) -> tuple[torch.Tensor, list[Snapshot]]:
+    """`model.prefill_last(state, tokens)` that also snapshots the state at each length in `marks` (sorted,
+    inside the prefill) in the same pass: each KDA layer runs its recurrence in runs split there and keeps
+    a copy at each; the MLA layers' rows are a length into the buffer the pass fills. No snapshots where
+    the recurrence is not the per-token C one (a prefill's positions then group by chunk)."""
+    base = state.length
+    inside = tuple(mark - base for mark in marks if base < mark < base + len(tokens))
+    kda = [layer for layer in state.layers if isinstance(layer, KDAState)]
+    for layer in kda:
+        layer.marks, layer.marked = inside, []
+    try:
+        logits = model.prefill_last(state, tokens)
+    finally:
+        captured = [layer.marked for layer in kda]
+        for layer in kda:
+            layer.marks, layer.marked = (), []
+    if any(len(copies) != len(inside) for copies in captured):
+        return logits, []
+    snapshots = []
+    for index, offset in enumerate(inside):
+        copies = iter(copies[index] for copies in captured)
+        layers = tuple(
+            next(copies) if isinstance(layer, KDAState) else LatentRows(layer.buffer, base + offset)
+            for layer in state.layers
+        )
+        snapshots.append(Snapshot(base + offset, layers))
+    return logits, snapshots
