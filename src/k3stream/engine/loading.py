@@ -305,7 +305,8 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
     pin_malloc_mmap_threshold()  # expert buffers churn: keep freed ones from bloating the heap
     if args.ram_mib is not None and args.memory_limit is None:
         return args.ram_mib
-    plan = plan_for_model(checkpoint, args.memory_limit, args.io_threads)
+    cache_bytes = int(getattr(args, "cache_ram", 0) * MIB)  # the prompt cache of serve and chat
+    plan = plan_for_model(checkpoint, args.memory_limit, args.io_threads, cache_bytes)
     if args.ram_mib is not None:
         print(f"{plan.summary()}; --ram-mib {args.ram_mib:g} MiB in use instead", file=sys.stderr)
         return args.ram_mib
