@@ -22,7 +22,7 @@ def model(model_path, one_torch_thread):
 
 @pytest.fixture(scope="module")
 def fingerprint(model_path) -> str:
-    return model_fingerprint(K3Checkpoint.open(model_path))
+    return model_fingerprint(K3Checkpoint.open(model_path).shards)
 
 
 def ids(model, length: int, seed: int = 0) -> list[int]:
@@ -60,6 +60,9 @@ def test_a_second_turn_computes_only_its_new_tokens_with_the_cold_bits(model, fi
     again = cache.prefill(second)
     assert again.reused == len(first) + len(answer) - 1
     assert torch.equal(again.logits, cold(model, second))
+    assert cache.stats.tokens_computed == len(first) + len(second) - again.reused
+    repeated = cache.prefill(second)  # a prompt seen whole: its state and its kept logits
+    assert repeated.reused == len(second) and torch.equal(repeated.logits, again.logits)
     assert cache.stats.tokens_computed == len(first) + len(second) - again.reused
     branch = first[:40] + ids(model, 10, seed=2)  # an edited turn: the snapshot at 32 serves it
     assert cache.prefill(branch).reused == 32

@@ -22,7 +22,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +42,8 @@ from k3stream.model.snapshot import (
 from k3stream.quant.kernels import set_row_exact
 
 if TYPE_CHECKING:
-    from k3stream.gguf.reader import K3Checkpoint
+    import argparse
+
     from k3stream.model.k3 import K3Model, SequenceState
 
 log = logging.getLogger(__name__)
@@ -53,12 +54,12 @@ MAGIC = b"K3SNAP01"
 SUFFIX = ".k3snap"
 
 
-def model_fingerprint(checkpoint: K3Checkpoint) -> str:
-    """xxh3_64 (hex) of the checkpoint's shards: sizes and sampled windows of their bytes."""
+def model_fingerprint(shards: list[Path]) -> str:
+    """xxh3_64 (hex) of a model's GGUF shards: their sizes and sampled windows of their bytes."""
     from k3stream.pack.integrity import shard_fingerprint
 
     digest = xxhash.xxh3_64()
-    for path in checkpoint.shards:
+    for path in shards:
         size = os.path.getsize(path)
         digest.update(f"{size}:{shard_fingerprint(Path(path), 0, size)};".encode())
     return digest.hexdigest()
@@ -73,6 +74,7 @@ class Entry:
     disk_path: Path | None = None
     disk_bytes: int = 0
     last_used: int = 0
+    has_logits: bool = False  # the snapshot ends a prompt and holds its last token's logits
 
     @property
     def length(self) -> int:
@@ -112,8 +114,10 @@ class RadixTree:
             node.entry = entry
         return node.entry
 
-    def deepest(self, tokens: tuple[int, ...] | list[int], limit: int) -> Entry | None:
-        """The entry of the longest prefix of `tokens` of at most `limit` tokens."""
+    def deepest(
+        self, tokens: tuple[int, ...] | list[int], limit: int, accept: Callable[[Entry], bool] = bool
+    ) -> Entry | None:
+        """The entry of the longest prefix of `tokens` of at most `limit` tokens that `accept`s."""
         node, depth, best = self.root, 0, None
         while depth < limit:
             child = node.children.get(tokens[depth])
@@ -122,7 +126,8 @@ class RadixTree:
             if tuple(tokens[depth : depth + len(child.edge)]) != child.edge:
                 break
             node, depth = child, depth + len(child.edge)
-            best = node.entry or best
+            if node.entry is not None and accept(node.entry):
+                best = node.entry
         return best
 
     def remove(self, tokens: tuple[int, ...]) -> None:
@@ -219,16 +224,18 @@ class PromptCache:
 
     def prefill(self, tokens: list[int]) -> Prefilled:
         """The prompt's last logits and live state: restored from the deepest snapshot of a prefix of
-        `tokens` (at most all but the last token: the last one's logits are computed), the rest prefilled
-        in one pass that snapshots every `every` tokens and at its end."""
-        state, reused = self.restore_longest(tokens, len(tokens) - 1)
+        `tokens`, the rest prefilled in one pass that snapshots every `every` tokens and at its end. A
+        prompt seen whole before comes back with the logits its prefill kept."""
+        state, reused, logits = self.restore_longest(tokens)
+        if logits is not None:
+            return Prefilled(logits, state, reused)
         first_mark = (reused // self.every + 1) * self.every
         marks = list(range(first_mark, len(tokens), self.every)) if self.enabled else []
         started = time.perf_counter()
         logits, inside = prefill_marked(self.model, state, tokens[reused:], marks)
         for snapshot in inside:
             self._store(tokens[: snapshot.length], snapshot, durable=False)
-        self.save(tokens, state)
+        self.save(tokens, state, logits)
         with self._lock:
             self.stats.tokens_computed += len(tokens) - reused
         log.debug(
@@ -236,13 +243,18 @@ class PromptCache:
         )
         return Prefilled(logits, state, reused)
 
-    def restore_longest(self, tokens: list[int], limit: int) -> tuple[SequenceState, int]:
-        """A state restored from the deepest snapshot of at most `limit` tokens of `tokens` (a new state
-        and 0 where none is), and that snapshot's length."""
-        while self.enabled and limit > 0:
+    def restore_longest(self, tokens: list[int]) -> tuple[SequenceState, int, torch.Tensor | None]:
+        """A state restored from the deepest snapshot of a prefix of `tokens` (a new state and 0 where
+        none is), that snapshot's length, and the last token's logits where it is the whole prompt (a
+        snapshot of all of `tokens` without logits is passed over: the last logits must be computed)."""
+
+        def usable(entry: Entry) -> bool:
+            return entry.length < len(tokens) or entry.has_logits
+
+        while self.enabled:
             with self._lock:
                 self._clock += 1
-                entry = self._tree.deepest(tokens, limit)
+                entry = self._tree.deepest(tokens, len(tokens), usable)
                 if entry is None:
                     break
                 entry.last_used = self._clock
@@ -257,19 +269,23 @@ class PromptCache:
                 self.stats.restore_s += time.perf_counter() - started
                 self.stats.hits += 1
                 self.stats.tokens_reused += entry.length
-            return state, entry.length
+            whole = entry.length == len(tokens) and snapshot.logits is not None
+            return state, entry.length, snapshot.logits.clone() if whole else None
         with self._lock:
             self.stats.misses += self.enabled
-        return self.model.new_state(), 0
+        return self.model.new_state(), 0, None
 
-    def save(self, tokens: list[int], state: SequenceState) -> None:
-        """Snapshot `state`, the state after exactly `tokens` (the end of a prompt or of a response)."""
+    def save(self, tokens: list[int], state: SequenceState, logits: torch.Tensor | None = None) -> None:
+        """Snapshot `state`, the state after exactly `tokens` (the end of a prompt, with its last
+        `logits`, or of a response)."""
         if not self.enabled:
             return
         if state.length != len(tokens):
             raise ValueError(f"prompt cache: a state of {state.length} tokens saved under {len(tokens)} ids")
         started = time.perf_counter()
         snapshot = take_snapshot(state)
+        if logits is not None:
+            snapshot = snapshot.with_logits(logits)
         with self._lock:
             self.stats.create_s += time.perf_counter() - started
         self._store(tokens, snapshot, durable=True)
@@ -284,8 +300,11 @@ class PromptCache:
             self._clock += 1
             entry = self._tree.insert(Entry(key, last_used=self._clock))
             entry.last_used = self._clock
-            if entry.snapshot is None:
+            if entry.snapshot is None or (snapshot.logits is not None and not entry.has_logits):
+                if entry.snapshot is not None:
+                    self._account(entry.snapshot, -1)
                 entry.snapshot = snapshot
+                entry.has_logits = snapshot.logits is not None
                 self._account(snapshot, +1)
                 self.stats.snapshots_created += 1
             self._evict_ram()
@@ -384,12 +403,14 @@ class PromptCache:
         for path in sorted(self.disk_dir.glob(f"*{SUFFIX}")):
             try:
                 header = read_header(path, self.fingerprint)
-            except (OSError, ValueError) as error:
+                tokens, layers = tuple(header["tokens"]), list(header.get("layers", []))
+                has_logits = any(layer[:1] == ["logits"] for layer in layers)
+            except (OSError, ValueError, TypeError) as error:
                 log.warning("prompt cache: %s: %s; skipped", path, error)
                 self.stats.disk_errors += 1
                 continue
-            entry = self._tree.insert(Entry(tuple(header["tokens"])))
-            entry.disk_path, entry.disk_bytes = path, path.stat().st_size
+            entry = self._tree.insert(Entry(tokens))
+            entry.disk_path, entry.disk_bytes, entry.has_logits = path, path.stat().st_size, has_logits
         for stale in self.disk_dir.glob(f"*{SUFFIX}.tmp*"):
             stale.unlink(missing_ok=True)
 
@@ -428,6 +449,8 @@ def encode(fingerprint: str, tokens: tuple[int, ...], snapshot: Snapshot) -> byt
         else ["mla", [layer.length, layer.buffer.shape[1]]]
         for layer in snapshot.layers
     ]
+    if snapshot.logits is not None:
+        layers.append(["logits", list(snapshot.logits.shape)])
     header = json.dumps({"fingerprint": fingerprint, "tokens": list(tokens), "layers": layers}).encode()
     parts = [
         MAGIC,
@@ -445,6 +468,8 @@ def _tensors(snapshot: Snapshot) -> Iterator[torch.Tensor]:
             yield from (layer.conv, layer.recurrent)
         else:
             yield layer.rows()
+    if snapshot.logits is not None:
+        yield snapshot.logits
 
 
 def read_header(path: Path, fingerprint: str) -> dict[str, Any]:
@@ -490,7 +515,7 @@ def _decode(data: bytes, fingerprint: str, tokens: tuple[int, ...], model: K3Mod
     header = _parse_header(body[start : start + length], length)
     if header.get("fingerprint") != fingerprint or tuple(header["tokens"]) != tokens:
         raise ValueError("a snapshot of another model or prompt")
-    offset, layers = start + length, []
+    offset, layers, logits = start + length, [], None
     for kind, *shapes in header["layers"]:
         tensors = []
         for shape in shapes:
@@ -500,9 +525,63 @@ def _decode(data: bytes, fingerprint: str, tokens: tuple[int, ...], model: K3Mod
                 raise ValueError("tensor data shorter than its header says")
             tensors.append(torch.frombuffer(bytearray(chunk), dtype=torch.float32).view(shape))
             offset += 4 * count
-        layers.append(KDAState(*tensors) if kind == "kda" else LatentRows(tensors[0], shapes[0][0]))
+        if kind == "logits":
+            logits = tensors[0]
+        else:
+            layers.append(KDAState(*tensors) if kind == "kda" else LatentRows(tensors[0], shapes[0][0]))
     if offset != len(body):
         raise ValueError("tensor data longer than its header says")
-    snapshot = Snapshot(len(tokens), tuple(layers))
+    snapshot = Snapshot(len(tokens), tuple(layers), logits)
     check_fits(model.new_state(), snapshot)
     return snapshot
+
+
+# ---- flags -------------------------------------------------------------------------------------------
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser, ram_mib: float = 1024.0) -> None:
+    parser.add_argument(
+        "--cache-ram",
+        type=float,
+        default=ram_mib,
+        metavar="MIB",
+        help="RAM for reused prompt states, part of --memory-limit's plan; 0 turns reuse off "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--cache-every",
+        type=int,
+        default=DEFAULT_EVERY,
+        metavar="N",
+        help="tokens between state snapshots inside a long prefill (default %(default)s)",
+    )
+    parser.add_argument("--cache-dir", default=None, help="keep prompt states on disk here, across restarts")
+    parser.add_argument(
+        "--cache-disk", type=float, default=16.0, metavar="GIB", help="disk budget of --cache-dir (GiB)"
+    )
+
+
+def cache_from_args(args: argparse.Namespace, model: Any) -> PromptCache | None:
+    """The prompt cache the flags ask for on `model` (None: --cache-ram 0, or a model whose sequence
+    states are not this process's, as under tensor or expert parallelism)."""
+    from k3stream.gguf.shards import discover_shards
+    from k3stream.model.k3 import K3Model
+
+    if args.cache_ram < 0 or args.cache_disk < 0 or args.cache_every < 1:
+        raise ValueError("--cache-ram and --cache-disk must be >= 0, --cache-every >= 1")
+    if args.cache_ram == 0:
+        return None
+    if not isinstance(model, K3Model):
+        log.warning("prompt cache: off for a model split over processes")
+        return None
+    from k3stream.engine.loading import resolve_model
+
+    gguf_path, _ = resolve_model(args.model, False)
+    return PromptCache(
+        model,
+        model_fingerprint(discover_shards(gguf_path)),
+        ram_bytes=int(args.cache_ram * MIB),
+        disk_dir=args.cache_dir,
+        disk_bytes=int(args.cache_disk * GIB),
+        every=args.cache_every,
+    )

@@ -56,11 +56,16 @@ class Snapshot:
 
     length: int
     layers: tuple[KDAState | LatentRows, ...]
+    logits: torch.Tensor | None = None  # the last token's [vocab], where the snapshot ends a prefill
+
+    def with_logits(self, logits: torch.Tensor) -> Snapshot:
+        return Snapshot(self.length, self.layers, logits.detach().clone())
 
     @property
     def fixed_bytes(self) -> int:
-        """Bytes of the KDA layers' copies (the same at every position)."""
-        return sum(_tensor_bytes(s.conv) + _tensor_bytes(s.recurrent) for s in self._kda())
+        """Bytes of the KDA layers' copies (the same at every position) and of the logits."""
+        kda = sum(_tensor_bytes(s.conv) + _tensor_bytes(s.recurrent) for s in self._kda())
+        return kda + (0 if self.logits is None else _tensor_bytes(self.logits))
 
     @property
     def latent_bytes(self) -> int:

@@ -23,6 +23,7 @@ from k3stream.server.errors import APIError, from_validation_error, invalid_requ
 from k3stream.server.guard import Guard, GuardConfig
 from k3stream.server.kimi_output import Piece
 from k3stream.server.metrics import ServerMetrics
+from k3stream.server.prompt_reuse import register_cache_metrics
 from k3stream.server.request_logic import TokenLogprob
 from k3stream.server.runtime import ChatPrompt, ServedModel
 from k3stream.server.scheduler import (
@@ -68,12 +69,14 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     """An app serving `served`; its scheduler thread runs while the app's lifespan is active."""
     config.check()
     metrics = ServerMetrics(served.store_stats)
+    register_cache_metrics(metrics.registry, served.prompt_cache)
     scheduler = Scheduler(
         served.model,
         metrics,
         max_batch=config.batch_for(served),
         max_queue=config.max_queue,
         on_tokens=served.end_tokens,
+        cache=served.prompt_cache,
     )
 
     tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="k3stream-tokenize")
@@ -325,11 +328,12 @@ async def _watch_disconnect(request: Request) -> None:
         pass
 
 
-def _usage(event: FinishEvent) -> dict[str, int]:
+def _usage(event: FinishEvent) -> dict[str, Any]:
     return {
         "prompt_tokens": event.prompt_tokens,
         "completion_tokens": event.completion_tokens,
         "total_tokens": event.prompt_tokens + event.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": event.cached_tokens},
     }
 
 
@@ -358,10 +362,10 @@ class _Chunks:
             "choices": choices,
         }
 
-    def usage_only(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_only(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope(self.object_chunk, []), "usage": usage}
 
-    def whole(self, total: Piece, reason: str, usage: dict[str, int]) -> dict[str, Any]:
+    def whole(self, total: Piece, reason: str, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope(self.object_whole, [self._whole_choice(total, reason)]), "usage": usage}
 
     def first(self) -> dict[str, Any]:

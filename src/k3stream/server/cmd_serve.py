@@ -11,10 +11,12 @@ from k3stream.server.guard import API_KEY_ENV, GuardConfig, allowed_hosts_for, a
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from k3stream.engine.loading import add_model_arguments
+    from k3stream.engine.prompt_cache import add_cache_arguments
     from k3stream.parallel.options import add_parallel_arguments
 
     add_model_arguments(parser)
     add_parallel_arguments(parser)
+    add_cache_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -77,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from k3stream.engine.prompt_cache import cache_from_args
     from k3stream.parallel.runtime import parallel_runtime
     from k3stream.server.app import ServerConfig, create_app
     from k3stream.server.guard import uvicorn_options
@@ -89,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         if runtime is None:
             return 0
         served = served_from_runtime(runtime, name=args.served_model_name, ctx=args.ctx)
+        served.prompt_cache = cache_from_args(args, runtime.model)
         app = create_app(served, config)
         experts = f"streamed from {runtime.manifest}" if runtime.store else "from the GGUF"
         print(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from k3stream.engine.generate import prefill_last
+from k3stream.engine.prompt_cache import PromptCache
 from k3stream.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class FinishEvent:
     reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens restored from the prompt cache
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,8 @@ class Job:
     state: Any = None
     last_token: int = -1
     last_token_at: float = 0.0
+    cached_tokens: int = 0
+    generated: list[int] = field(default_factory=list)
 
     @property
     def active(self) -> bool:
@@ -107,9 +111,17 @@ class Scheduler:
     """Owns the model; every model call happens on its thread."""
 
     def __init__(
-        self, model: Any, metrics: ServerMetrics, *, max_batch: int, max_queue: int, on_tokens: Any = None
+        self,
+        model: Any,
+        metrics: ServerMetrics,
+        *,
+        max_batch: int,
+        max_queue: int,
+        on_tokens: Any = None,
+        cache: PromptCache | None = None,
     ) -> None:
         self.model = model
+        self.cache = cache  # reused prompt states (`engine.prompt_cache`), or None
         self.metrics = metrics
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -228,15 +240,24 @@ class Scheduler:
         """Prefill waiting requests one at a time while the batch has room."""
         while (job := self._next_waiting()) is not None:
             try:
-                job.state = self.model.new_state()
-                logits = prefill_last(self.model, job.state, job.prompt_tokens)
+                logits = self._prefill(job)
             except Exception as exc:  # one bad request must not stop the server
                 log.exception("prefill failed")
                 self._fail_request(job, f"prefill failed: {exc}")
                 continue
-            self._count_tokens(len(job.prompt_tokens))
-            self.metrics.prompt_tokens.inc(len(job.prompt_tokens))
+            self._count_tokens(len(job.prompt_tokens) - job.cached_tokens)
+            self.metrics.prompt_tokens.inc(len(job.prompt_tokens) - job.cached_tokens)
             self._emit_token(job, logits)
+
+    def _prefill(self, job: Job) -> Any:
+        """The job's state after its prompt, restored from the prompt cache as far as it holds it; the
+        last prompt token's logits."""
+        if self.cache is None:
+            job.state = self.model.new_state()
+            return prefill_last(self.model, job.state, job.prompt_tokens)
+        prefilled = self.cache.prefill(job.prompt_tokens)
+        job.state, job.cached_tokens = prefilled.state, prefilled.reused
+        return prefilled.logits
 
     def _decode_step(self) -> None:
         batch = [job for job in self._running if job.active]
@@ -271,15 +292,31 @@ class Scheduler:
         else:
             self.metrics.time_per_output_token.observe(now - job.last_token_at)
         job.last_token, job.last_token_at = token, now
+        job.generated.append(token)
         self.metrics.generation_tokens.inc()
         if piece:
             job.sink.put(PieceEvent(piece))
         if job.logic.finish_reason is not None:
             self.completed_jobs += 1
             self.consecutive_failures = 0
-            job.sink.put(
-                FinishEvent(job.logic.finish_reason, len(job.prompt_tokens), job.logic.completion_tokens)
+            self._save_response(job)
+            finish = FinishEvent(
+                job.logic.finish_reason,
+                len(job.prompt_tokens),
+                job.logic.completion_tokens,
+                job.cached_tokens,
             )
+            job.sink.put(finish)
+
+    def _save_response(self, job: Job) -> None:
+        """The finished job's state into the prompt cache: its prompt and every generated token but the
+        last (never fed to the model)."""
+        if self.cache is None:
+            return
+        try:
+            self.cache.save(job.prompt_tokens + job.generated[:-1], job.state)
+        except Exception:  # a cache that cannot keep a state costs the next turn time, nothing else
+            log.exception("prompt cache: saving a response's state failed")
 
     def _count_tokens(self, n: int) -> None:
         if self._on_tokens is not None:
