@@ -83,10 +83,13 @@ def test_the_ram_budget_evicts_and_holds(model, fingerprint):
 
 def test_a_restarted_cache_resumes_from_disk_and_a_bad_file_is_a_miss(model, fingerprint, tmp_path, caplog):
     tokens = ids(model, 40)
-    PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30).prefill(tokens)
+    first = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30)
+    first.prefill(tokens)
+    first.close()  # its files written
     longer = tokens + ids(model, 7, seed=3)
     restarted = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30)
     got = restarted.prefill(longer)
+    restarted.flush()
     assert got.reused == 40 and torch.equal(got.logits, cold(model, longer))
     other_model = PromptCache(model, "0" * 16, 64 * MIB, tmp_path, 1 << 30)
     assert other_model.prefill(longer).reused == 0

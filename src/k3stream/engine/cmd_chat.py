@@ -87,19 +87,27 @@ class ChatSession:
         return result.text
 
 
+def converse(session: ChatSession) -> None:
+    for line in _lines(sys.stdin):
+        command = line.strip()
+        if command == "/exit":
+            break
+        if command == "/reset":
+            session.reset()
+        elif command:
+            session.answer(line, sys.stdout)
+
+
 def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # bad flags fail before the model loads
     runtime = runtime_from_args(args)
     try:
         session = ChatSession(runtime, args, params)
-        for line in _lines(sys.stdin):
-            command = line.strip()
-            if command == "/exit":
-                break
-            if command == "/reset":
-                session.reset()
-            elif command:
-                session.answer(line, sys.stdout)
+        try:
+            converse(session)
+        finally:
+            if session.cache is not None:
+                session.cache.close()  # its queued snapshot files, for the next chat
     finally:
         runtime.close()
     return 0

@@ -23,6 +23,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -210,6 +211,7 @@ class PromptCache:
         self._storages: dict[int, list[int]] = {}  # latent storage -> [references, bytes]
         self._fixed_ram = 0
         self.disk_dir = Path(disk_dir) / fingerprint if disk_dir is not None else None
+        self._writes = ThreadPoolExecutor(1, thread_name_prefix="k3stream-cache-writer")
         if self.disk_dir is not None and self.disk_budget:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
             self._scan_disk()
@@ -219,6 +221,14 @@ class PromptCache:
     @property
     def enabled(self) -> bool:
         return self.ram_budget > 0
+
+    def flush(self) -> None:
+        """Wait for the snapshot files queued so far."""
+        self._writes.submit(lambda: None).result()
+
+    def close(self) -> None:
+        """Finish the queued snapshot files (a restarted process finds them) and stop writing."""
+        self._writes.shutdown(wait=True)
 
     # ---- the driver --------------------------------------------------------------------------------
 
@@ -311,8 +321,8 @@ class PromptCache:
             write = (
                 durable and self.disk_budget > 0 and entry.disk_path is None and entry.snapshot is not None
             )
-        if write:
-            self._write(entry, snapshot)
+        if write:  # off the request's path: the first token does not wait for the disk
+            self._writes.submit(self._write, entry, snapshot)
 
     def _account(self, snapshot: Snapshot, sign: int) -> None:
         self._fixed_ram += sign * snapshot.fixed_bytes

@@ -89,6 +89,8 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
         finally:
             scheduler.stop()
             tokenizers.shutdown(wait=False, cancel_futures=True)
+            if served.prompt_cache is not None:
+                served.prompt_cache.close()  # its queued snapshot files, for the next start
 
     app = FastAPI(title="k3stream", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler = scheduler
