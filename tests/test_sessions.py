@@ -130,3 +130,35 @@ def _sample(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+def test_chunked_prefills_beside_a_running_stream_answer_as_each_request_alone(model_path):
+    """Prompts prefilled 16 tokens between decode steps, while other requests stream, give the greedy
+    answers of `generate` on each prompt alone, whole (the cache's row-exact products: the same bits)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from k3stream.engine.loading import load_runtime
+    from k3stream.server.app import ServerConfig, create_app
+    from k3stream.server.live import ServerThread
+    from k3stream.server.runtime import served_from_runtime
+
+    served = served_from_runtime(load_runtime(model_path, stream_experts=False), ctx=512)
+    served.prompt_cache = PromptCache(served.model, "chunked", 64 * MIB, every=24)
+    tokenizer, model = served.tokenizer, served.model
+    prompts = [" ".join(["river", "stone", "cloud", "seed"][i:] * (12 + 9 * i)) for i in range(4)]
+    expected = [generate(model, tokenizer, tokenizer.encode(text), GREEDY).text for text in prompts]
+    app = create_app(served, ServerConfig(max_batch=4, prefill_chunk=16))
+    with ServerThread(app) as thread:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+        def complete(text: str) -> str:
+            reply = client.completions.create(
+                model=served.name, prompt=text, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+            )
+            return reply.choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(complete, prompts))
+    served.prompt_cache.close()
+    served.close()
+    assert answers == expected

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
+from k3stream.engine.generate import prefill_last
 from k3stream.model.kda import KDAState
 from k3stream.model.snapshot import (
     LatentRows,
@@ -174,6 +175,50 @@ class CacheStats:
     restore_s: float = 0.0
 
 
+class ChunkedPrefill:
+    """A prompt's prefill in steps: restored from `cache` (if any) as far as it holds the prompt, then
+    `step(chunk)` runs the tokens up to the next multiple of `chunk` (absolute positions: a prompt is cut
+    the same way whatever runs beside it). The last step gives the logits and saves the prompt's end."""
+
+    def __init__(self, model: Any, tokens: list[int], cache: PromptCache | None = None) -> None:
+        self.model, self.tokens, self.cache = model, list(tokens), cache
+        self.logits: torch.Tensor | None = None
+        if cache is not None and cache.enabled:
+            self.state, self.reused, self.logits = cache.restore_longest(self.tokens)
+        else:
+            self.state, self.reused = model.new_state(), 0
+        self.position = len(self.tokens) if self.logits is not None else self.reused
+
+    @property
+    def done(self) -> bool:
+        return self.logits is not None
+
+    def step(self, chunk: int) -> bool:
+        """Prefill the next chunk; whether the prompt is done."""
+        if self.done:
+            return True
+        start, end = self.position, min(len(self.tokens), (self.position // chunk + 1) * chunk)
+        cache = self.cache if self.cache is not None and self.cache.enabled else None
+        if cache is None:
+            logits = prefill_last(self.model, self.state, self.tokens[start:end])
+        else:
+            logits, inside = prefill_marked(
+                self.model, self.state, self.tokens[start:end], cache.marks(start, end)
+            )
+            cache.note_prefilled(self.tokens, start, end, inside)
+        self.position = end
+        if end == len(self.tokens):
+            self.logits = logits
+            if cache is not None:
+                cache.save(self.tokens, self.state, logits)
+        return self.done
+
+    def run(self) -> Prefilled:
+        """The whole prefill in one pass."""
+        self.step(max(len(self.tokens), 1))
+        return Prefilled(self.logits, self.state, self.reused)
+
+
 @dataclass
 class Prefilled:
     """What `PromptCache.prefill` returns: the last prompt token's logits, the sequence's live state and
@@ -236,22 +281,18 @@ class PromptCache:
         """The prompt's last logits and live state: restored from the deepest snapshot of a prefix of
         `tokens`, the rest prefilled in one pass that snapshots every `every` tokens and at its end. A
         prompt seen whole before comes back with the logits its prefill kept."""
-        state, reused, logits = self.restore_longest(tokens)
-        if logits is not None:
-            return Prefilled(logits, state, reused)
-        first_mark = (reused // self.every + 1) * self.every
-        marks = list(range(first_mark, len(tokens), self.every)) if self.enabled else []
-        started = time.perf_counter()
-        logits, inside = prefill_marked(self.model, state, tokens[reused:], marks)
+        return ChunkedPrefill(self.model, tokens, self).run()
+
+    def note_prefilled(self, tokens: list[int], start: int, end: int, inside: list[Snapshot]) -> None:
+        """Tokens start..end of `tokens` went through the model, with snapshots `inside`."""
         for snapshot in inside:
             self._store(tokens[: snapshot.length], snapshot, durable=False)
-        self.save(tokens, state, logits)
         with self._lock:
-            self.stats.tokens_computed += len(tokens) - reused
-        log.debug(
-            "prefill of %d tokens: %d reused in %.3f s", len(tokens), reused, time.perf_counter() - started
-        )
-        return Prefilled(logits, state, reused)
+            self.stats.tokens_computed += end - start
+
+    def marks(self, start: int, end: int) -> list[int]:
+        """The positions in start < p < end at which a prefill snapshots."""
+        return list(range((start // self.every + 1) * self.every, end, self.every)) if self.enabled else []
 
     def restore_longest(self, tokens: list[int]) -> tuple[SequenceState, int, torch.Tensor | None]:
         """A state restored from the deepest snapshot of a prefix of `tokens` (a new state and 0 where

@@ -27,6 +27,7 @@ from k3stream.server.prompt_reuse import register_cache_metrics
 from k3stream.server.request_logic import TokenLogprob
 from k3stream.server.runtime import ChatPrompt, ServedModel
 from k3stream.server.scheduler import (
+    DEFAULT_PREFILL_CHUNK,
     Event,
     EventSink,
     FinishEvent,
@@ -52,12 +53,15 @@ class ServerConfig:
     max_batch: int = 16
     max_queue: int = 64
     guard: GuardConfig = field(default_factory=GuardConfig)
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
 
     def check(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"--max-batch must be at least 1, got {self.max_batch}")
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be at least 0, got {self.max_queue}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
         self.guard.check()
 
     def batch_for(self, served: ServedModel) -> int:
@@ -77,6 +81,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
         max_queue=config.max_queue,
         on_tokens=served.end_tokens,
         cache=served.prompt_cache,
+        prefill_chunk=config.prefill_chunk,
     )
 
     tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="k3stream-tokenize")

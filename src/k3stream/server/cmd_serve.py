@@ -32,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-batch", type=int, default=16, help="sequences decoded together per step")
     parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        help="prompt tokens prefilled between two decode steps of the running streams (default %(default)s)",
+    )
+    parser.add_argument(
         "--max-queue",
         type=int,
         default=64,
@@ -85,7 +91,12 @@ def run(args: argparse.Namespace) -> int:
     from k3stream.server.guard import uvicorn_options
     from k3stream.server.runtime import served_from_runtime
 
-    config = ServerConfig(max_batch=args.max_batch, max_queue=args.max_queue, guard=guard_config(args))
+    config = ServerConfig(
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        guard=guard_config(args),
+        prefill_chunk=args.prefill_chunk,
+    )
     config.check()
     # under torchrun rank 0 serves and the others follow; a failed rank stops the server (as Ctrl-C)
     with parallel_runtime(args, on_failure=lambda: os.kill(os.getpid(), signal.SIGINT)) as runtime:

@@ -1,8 +1,12 @@
-"""Continuous batching: one thread prefills new requests, then decodes every running sequence in one step.
+"""Continuous batching: one thread prefills new requests a chunk at a time between decode steps of every
+running sequence.
 
-Requests join and leave between steps. Each decode step is one `model.decode_batch` call, so in every MoE
-layer the union of the batch's experts is fetched once and shared by all the tokens that routed to it.
-Results flow back to the HTTP layer as events through a thread-safe `EventSink`.
+Requests join and leave between steps. A new request's prompt is restored from the prompt cache as far
+as it holds it, then prefilled `prefill_chunk` tokens per loop (cut at absolute positions, so a prompt's
+chunks do not depend on what runs beside it): a running stream waits at most about one chunk, whatever
+another prompt's length. Each decode step is one `model.decode_batch` call, so in every MoE layer the
+union of the batch's experts is fetched once and shared by all the tokens that routed to it. Results
+flow back to the HTTP layer as events through a thread-safe `EventSink`.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from k3stream.engine.generate import prefill_last
-from k3stream.engine.prompt_cache import PromptCache
+from k3stream.engine.prompt_cache import ChunkedPrefill, PromptCache
 from k3stream.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
+# prompt tokens prefilled between two decode steps of the running sequences
+DEFAULT_PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ class Job:
     last_token_at: float = 0.0
     cached_tokens: int = 0
     generated: list[int] = field(default_factory=list)
+    prefill: ChunkedPrefill | None = None  # the prompt's prefill while it runs
 
     @property
     def active(self) -> bool:
@@ -119,9 +125,13 @@ class Scheduler:
         max_queue: int,
         on_tokens: Any = None,
         cache: PromptCache | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"--prefill-chunk must be at least 1, got {prefill_chunk}")
         self.model = model
         self.cache = cache  # reused prompt states (`engine.prompt_cache`), or None
+        self.prefill_chunk = prefill_chunk
         self.metrics = metrics
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -198,6 +208,7 @@ class Scheduler:
             try:
                 self._drop_finished()
                 self._admit_waiting()
+                self._prefill_step()
                 if self._running:
                     self._decode_step()
             except Exception:  # a bug here must not stop the server: fail what runs, go on
@@ -237,30 +248,42 @@ class Scheduler:
             return None
 
     def _admit_waiting(self) -> None:
-        """Prefill waiting requests one at a time while the batch has room."""
+        """Start the prefills of waiting requests while the batch has room (their states restored from
+        the prompt cache as far as it holds them)."""
         while (job := self._next_waiting()) is not None:
             try:
-                logits = self._prefill(job)
+                job.prefill = ChunkedPrefill(self.model, job.prompt_tokens, self.cache)
             except Exception as exc:  # one bad request must not stop the server
                 log.exception("prefill failed")
                 self._fail_request(job, f"prefill failed: {exc}")
                 continue
-            self._count_tokens(len(job.prompt_tokens) - job.cached_tokens)
-            self.metrics.prompt_tokens.inc(len(job.prompt_tokens) - job.cached_tokens)
-            self._emit_token(job, logits)
+            job.state, job.cached_tokens = job.prefill.state, job.prefill.reused
+            if job.prefill.done:  # the whole prompt was cached
+                self._end_prefill(job)
 
-    def _prefill(self, job: Job) -> Any:
-        """The job's state after its prompt, restored from the prompt cache as far as it holds it; the
-        last prompt token's logits."""
-        if self.cache is None:
-            job.state = self.model.new_state()
-            return prefill_last(self.model, job.state, job.prompt_tokens)
-        prefilled = self.cache.prefill(job.prompt_tokens)
-        job.state, job.cached_tokens = prefilled.state, prefilled.reused
-        return prefilled.logits
+    def _prefill_step(self) -> None:
+        """One chunk of the oldest running prefill."""
+        job = next((job for job in self._running if job.active and job.prefill is not None), None)
+        if job is None:
+            return
+        try:
+            before = job.prefill.position
+            job.prefill.step(self.prefill_chunk)
+        except Exception as exc:  # one bad request must not stop the server
+            log.exception("prefill failed")
+            self._fail_request(job, f"prefill failed: {exc}")
+            return
+        self._count_tokens(job.prefill.position - before)
+        self.metrics.prompt_tokens.inc(job.prefill.position - before)
+        if job.prefill.done:
+            self._end_prefill(job)
+
+    def _end_prefill(self, job: Job) -> None:
+        logits, job.prefill = job.prefill.logits, None
+        self._emit_token(job, logits)
 
     def _decode_step(self) -> None:
-        batch = [job for job in self._running if job.active]
+        batch = [job for job in self._running if job.active and job.prefill is None]
         if not batch:
             return
         self.metrics.batch_size.observe(len(batch))
