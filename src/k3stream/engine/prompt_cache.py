@@ -22,6 +22,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -175,6 +176,25 @@ class CacheStats:
     restore_s: float = 0.0
 
 
+class _RowExactUsers:
+    """The open caches: the products are row-exact while there is one (`kernels.set_row_exact`)."""
+
+    count = 0
+    lock = threading.Lock()
+
+    @classmethod
+    def enter(cls) -> None:
+        with cls.lock:
+            cls.count += 1
+            set_row_exact(True)
+
+    @classmethod
+    def leave(cls) -> None:
+        with cls.lock:
+            cls.count -= 1
+            set_row_exact(cls.count > 0)
+
+
 class ChunkedPrefill:
     """A prompt's prefill in steps: restored from `cache` (if any) as far as it holds the prompt, then
     `step(chunk)` runs the tokens up to the next multiple of `chunk` (absolute positions: a prompt is cut
@@ -260,8 +280,9 @@ class PromptCache:
         if self.disk_dir is not None and self.disk_budget:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
             self._scan_disk()
-        if self.enabled:
-            set_row_exact(True)  # a restored state continues with the cold bits (`model.snapshot`)
+        if self.enabled:  # a restored state continues with the cold bits (`model.snapshot`)
+            self._row_exact = weakref.finalize(self, _RowExactUsers.leave)
+            _RowExactUsers.enter()
 
     @property
     def enabled(self) -> bool:
@@ -274,6 +295,8 @@ class PromptCache:
     def close(self) -> None:
         """Finish the queued snapshot files (a restarted process finds them) and stop writing."""
         self._writes.shutdown(wait=True)
+        if self.enabled:
+            self._row_exact()  # runs once, here or when the cache is collected
 
     # ---- the driver --------------------------------------------------------------------------------
 
