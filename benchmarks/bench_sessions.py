@@ -266,6 +266,10 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=3, help="sessions run; each turn's least time is shown"
     )
+    parser.add_argument(
+        "--stall-tokens", type=int, default=4096, help="the long prompt beside a stream (0: skip)"
+    )
+    parser.add_argument("--prefill-chunk", type=int, default=256)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = k3stream.load(args.model)
@@ -288,6 +292,8 @@ def main() -> None:
         )
         restart(model, workload, args, fingerprint, cache_dir, on)
     sweep(model, workload, args, fingerprint)
+    if args.stall_tokens:
+        stalls(args)
     rate = measure_copy_rate()
     print()
     for line in real_model_arithmetic(rate, 64, 32768):
@@ -343,6 +349,80 @@ def sweep(model, workload: Workload, args, fingerprint: str) -> None:
             f"{cache.stats.snapshots_created} snapshots, {cache.ram_bytes / MIB:.2f} MiB, "
             f"a branch recomputes at most {every} tokens"
         )
+
+
+def stalls(args) -> None:
+    """A client streaming while another sends a `--stall-tokens` prompt, served with the prompt prefilled
+    whole and in `--prefill-chunk` chunks: the stream's longest gap between chunks, against one chunk's
+    prefill. A tiny model with a long enough context (the shipped one's is 1,024)."""
+    from k3stream.tiny import TinySpec, make_tiny
+
+    with tempfile.TemporaryDirectory() as directory:
+        spec = TinySpec(
+            n_layers=6, hidden=128, n_experts=64, top_k=4, expert_ff=64, context_length=8192, seed=11
+        )
+        path = make_tiny(Path(directory), spec)
+        generator = torch.Generator().manual_seed(args.seed)
+        long_prompt = torch.randint(10, 500, (args.stall_tokens,), generator=generator).tolist()
+        print(f"\na stream beside a {args.stall_tokens}-token prompt (tiny model, context 8192):")
+        for chunk in (1 << 30, args.prefill_chunk):
+            gaps, prefill_s = stream_beside(path, long_prompt, chunk, args.threads)
+            label = "whole prompt" if chunk == 1 << 30 else f"--prefill-chunk {chunk}"
+            longest = ", ".join(f"{1e3 * gap:.0f}" for gap in sorted(gaps)[::-1][:4])
+            median = sorted(gaps)[len(gaps) // 2]
+            print(
+                f"  {label:>20}: longest gaps {longest} ms, median {1e3 * median:.1f} ms ({len(gaps)} gaps); "
+                f"the long prompt's TTFT {prefill_s:.2f} s"
+            )
+        model = k3stream.load(path)
+        set_row_exact(False)
+        walls = []
+        for _ in range(3):
+            start = time.perf_counter()
+            model.prefill_last(model.new_state(), long_prompt[: args.prefill_chunk])
+            walls.append(time.perf_counter() - start)
+        print(f"  one {args.prefill_chunk}-token chunk alone: {1e3 * min(walls):.1f} ms (least of 3)")
+
+
+def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) -> tuple[list[float], float]:
+    """Gaps between a streamed completion's chunks while `long_prompt` is prefilled, and its TTFT."""
+    import threading
+
+    import openai
+
+    from k3stream.engine.loading import load_runtime
+    from k3stream.server.app import ServerConfig, create_app
+    from k3stream.server.live import ServerThread
+    from k3stream.server.runtime import served_from_runtime
+
+    torch.set_num_threads(threads)
+    served = served_from_runtime(load_runtime(path, stream_experts=False), ctx=8192)
+    app = create_app(served, ServerConfig(max_batch=4, prefill_chunk=chunk))
+    arrivals: list[float] = []
+    with ServerThread(app) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+        started = threading.Event()
+
+        def stream() -> None:
+            chunks = client.completions.create(
+                model=served.name, prompt="Once upon a time", max_tokens=400, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            for _ in chunks:
+                arrivals.append(time.perf_counter())
+                started.set()
+
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        started.wait()
+        time.sleep(0.2)
+        begin = time.perf_counter()
+        client.completions.create(model=served.name, prompt=long_prompt, max_tokens=1, temperature=0)
+        prefill_s, end = time.perf_counter() - begin, time.perf_counter()
+        streamer.join()
+    served.close()
+    during = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if begin <= b <= end + 0.5]
+    return during or [0.0], prefill_s
 
 
 def _best_of(n: int, function) -> float:
