@@ -122,3 +122,14 @@ def test_concurrent_requests_share_a_prefix_while_one_extends_it(model, fingerpr
     for i, tokens in enumerate(prompts):
         assert torch.equal(results[i], cold(model, tokens))
     assert cache.stats.hits >= 4
+
+
+def test_a_ram_budget_smaller_than_a_snapshot_still_fills_the_disk_tier(model, fingerprint, tmp_path):
+    tokens = ids(model, 30)
+    cache = PromptCache(model, fingerprint, ram_bytes=1, disk_dir=tmp_path, disk_bytes=1 << 30)
+    cache.prefill(tokens)
+    cache.flush()
+    assert cache.ram_bytes == 0 and cache.stats.evictions_ram == 1
+    assert cache.counts() == {"ram_snapshots": 0, "disk_snapshots": 1}
+    got = cache.prefill(tokens + [3])  # read back from disk
+    assert got.reused == 30 and torch.equal(got.logits, cold(model, tokens + [3]))

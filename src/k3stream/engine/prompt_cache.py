@@ -381,10 +381,8 @@ class PromptCache:
                 entry.has_logits = snapshot.logits is not None
                 self._account(snapshot, +1)
                 self.stats.snapshots_created += 1
-            self._evict_ram()
-            write = (
-                durable and self.disk_budget > 0 and entry.disk_path is None and entry.snapshot is not None
-            )
+            write = durable and self.disk_budget > 0 and entry.disk_path is None
+            self._evict_ram()  # may take this one out of RAM: its file is still written
         if write:  # off the request's path: the first token does not wait for the disk
             self._writes.submit(self._write, entry, snapshot)
 
@@ -469,7 +467,10 @@ class PromptCache:
                 self.stats.disk_errors += 1
             return
         with self._lock:
-            entry.disk_path, entry.disk_bytes = path, len(payload)
+            kept = self._tree.insert(entry)  # back in the tree if RAM evicted it meanwhile
+            if kept.disk_path is None:
+                kept.disk_path, kept.disk_bytes = path, len(payload)
+                kept.has_logits = kept.has_logits or snapshot.logits is not None
             self._evict_disk()
 
     def _scan_disk(self) -> None:
