@@ -374,8 +374,11 @@ def stalls(args) -> None:
                 f"  {label:>20}: longest gaps {longest} ms, median {1e3 * median:.1f} ms ({len(gaps)} gaps); "
                 f"the long prompt's TTFT {prefill_s:.2f} s"
             )
-        model = k3stream.load(path)
+        from k3stream.engine.loading import load_runtime
+
+        model = load_runtime(path, stream_experts=False).model  # as served
         set_row_exact(False)
+        model.prefill_last(model.new_state(), long_prompt[:16])  # warm
         walls = []
         for _ in range(3):
             start = time.perf_counter()
