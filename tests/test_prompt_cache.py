@@ -43,6 +43,8 @@ def test_the_radix_tree_finds_the_deepest_stored_prefix_and_splits_branches():
     assert tree.deepest([1, 2, 9, 9], 4).tokens == (1, 2, 9)
     assert tree.deepest([1, 2, 3], 3) is None and tree.deepest([8], 1) is None
     tree.remove((1, 2, 3, 4, 5, 6))
+    tree.remove((1, 2, 3, 4, 5, 6))  # gone already: nothing
+    tree.remove((1, 2, 8))
     assert tree.deepest([1, 2, 3, 4, 5, 6], 6).tokens == (1, 2, 3, 4)
     assert sorted(entry.tokens for entry in tree.entries()) == [(1, 2, 3, 4), (1, 2, 9), (7,)]
 

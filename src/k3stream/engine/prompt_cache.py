@@ -134,9 +134,12 @@ class RadixTree:
         return best
 
     def remove(self, tokens: tuple[int, ...]) -> None:
+        """Take the entry at `tokens` out (nothing when there is none), and the nodes left empty."""
         path, node, rest = [self.root], self.root, tokens
         while rest:
-            node = node.children[rest[0]]
+            node = node.children.get(rest[0])
+            if node is None or tuple(rest[: len(node.edge)]) != node.edge:
+                return
             path.append(node)
             rest = rest[len(node.edge) :]
         node.entry = None
@@ -493,10 +496,14 @@ class PromptCache:
         """The entry's snapshot read from disk into the RAM tier, or None (a warning; the entry is
         dropped) for a file that is gone, truncated, corrupt or of another model."""
         started = time.perf_counter()
+        with self._lock:
+            path = entry.disk_path
+        if path is None:  # evicted since it was matched
+            return None
         try:
-            snapshot = decode(entry.disk_path.read_bytes(), self.fingerprint, entry.tokens, self.model)
+            snapshot = decode(path.read_bytes(), self.fingerprint, entry.tokens, self.model)
         except (OSError, ValueError) as error:
-            log.warning("prompt cache: %s: %s; treated as a miss", entry.disk_path, error)
+            log.warning("prompt cache: %s: %s; treated as a miss", path, error)
             with self._lock:
                 self.stats.disk_errors += 1
                 self._drop_file(entry)
