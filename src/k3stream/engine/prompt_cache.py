@@ -280,6 +280,7 @@ class PromptCache:
         self._fixed_ram = 0
         self.disk_dir = Path(disk_dir) / fingerprint if disk_dir is not None else None
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="k3stream-cache-writer")
+        self._closed = False
         if self.disk_dir is not None and self.disk_budget:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
             self._scan_disk()
@@ -297,6 +298,8 @@ class PromptCache:
 
     def close(self) -> None:
         """Finish the queued snapshot files (a restarted process finds them) and stop writing."""
+        with self._lock:
+            self._closed = True  # later snapshots stay in RAM
         self._writes.shutdown(wait=True)
         if self.enabled:
             self._row_exact()  # runs once, here or when the cache is collected
@@ -384,7 +387,7 @@ class PromptCache:
                 entry.has_logits = snapshot.logits is not None
                 self._account(snapshot, +1)
                 self.stats.snapshots_created += 1
-            write = durable and self.disk_budget > 0 and entry.disk_path is None
+            write = durable and self.disk_budget > 0 and entry.disk_path is None and not self._closed
             self._evict_ram()  # may take this one out of RAM: its file is still written
         if write:  # off the request's path: the first token does not wait for the disk
             self._writes.submit(self._write, entry, snapshot)
