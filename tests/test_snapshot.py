@@ -122,3 +122,22 @@ def test_snapshots_taken_inside_one_prefill_equal_prefills_that_end_there(models
                 assert torch.equal(saved.recurrent, direct.recurrent) and torch.equal(saved.conv, direct.conv)
             else:
                 assert torch.equal(saved.rows(), direct.rows())
+
+
+@pytest.mark.parametrize("name", ["f32", "streamed"])
+def test_prefills_batched_in_one_pass_give_each_sequence_alone(models, name):
+    model = models[name]
+    prompts = [prompt(model, length, seed) for length, seed in ((9, 1), (23, 2), (4, 3))]
+    alone, states = [], []
+    for i, tokens in enumerate(prompts):
+        before = prompt(model, 5 * i, seed=10 + i) if i else []  # one starts fresh, two after a history
+        state, twin = model.new_state(), model.new_state()
+        if before:
+            model.prefill_last(state, before)
+            model.prefill_last(twin, before)
+        alone.append(model.prefill_last(twin, tokens))
+        states.append(state)
+    batched = model.prefill_batch(states, prompts)
+    for i, expected in enumerate(alone):
+        assert torch.equal(batched[i], expected), i
+    assert [state.length for state in states] == [len(p) + 5 * i for i, p in enumerate(prompts)]

@@ -150,19 +150,48 @@ def prefill_marked(
     inside the prefill) in the same pass: each KDA layer runs its recurrence in runs split there and keeps
     a copy at each; the MLA layers' rows are a length into the buffer the pass fills. No snapshots where
     the recurrence is not the per-token C one (a prefill's positions then group by chunk)."""
-    base = state.length
-    inside = tuple(mark - base for mark in marks if base < mark < base + len(tokens))
-    kda = [layer for layer in state.layers if isinstance(layer, KDAState)]
-    for layer in kda:
-        layer.marks, layer.marked = inside, []
-    try:
-        logits = model.prefill_last(state, tokens)
-    finally:
-        captured = [layer.marked for layer in kda]
+    logits, snapshots = prefill_marked_batch(model, [state], [tokens], [marks])
+    return logits[0], snapshots[0]
+
+
+def prefill_marked_batch(
+    model: K3Model, states: list[SequenceState], token_lists: list[list[int]], marks: list[list[int]]
+) -> tuple[torch.Tensor, list[list[Snapshot]]]:
+    """`prefill_marked` of several sequences in one pass (`K3Model.prefill_batch`): the last logits of
+    each [B, vocab] and each one's snapshots."""
+    insides = [
+        tuple(mark - state.length for mark in wanted if state.length < mark < state.length + len(tokens))
+        for state, tokens, wanted in zip(states, token_lists, marks, strict=True)
+    ]
+    kdas = [[layer for layer in state.layers if isinstance(layer, KDAState)] for state in states]
+    for kda, inside in zip(kdas, insides, strict=True):
         for layer in kda:
-            layer.marks, layer.marked = (), []
+            layer.marks, layer.marked = inside, []
+    bases = [state.length for state in states]
+    try:
+        if len(states) == 1:
+            logits = model.prefill_last(states[0], token_lists[0])[None]
+        else:
+            logits = model.prefill_batch(states, token_lists)
+    finally:
+        captured = [[layer.marked for layer in kda] for kda in kdas]
+        for kda in kdas:
+            for layer in kda:
+                layer.marks, layer.marked = (), []
+    snapshots = [
+        _marked_snapshots(state, base, inside, copies)
+        for state, base, inside, copies in zip(states, bases, insides, captured, strict=True)
+    ]
+    return logits, snapshots
+
+
+def _marked_snapshots(
+    state: SequenceState, base: int, inside: tuple[int, ...], captured: list[list[KDAState]]
+) -> list[Snapshot]:
+    """The snapshots at `base + inside` of a state whose KDA layers kept `captured` copies (none where a
+    layer kept fewer: it ran the chunked recurrence)."""
     if any(len(copies) != len(inside) for copies in captured):
-        return logits, []
+        return []
     snapshots = []
     for index, offset in enumerate(inside):
         copies = iter(copies[index] for copies in captured)
@@ -171,4 +200,4 @@ def prefill_marked(
             for layer in state.layers
         )
         snapshots.append(Snapshot(base + offset, layers))
-    return logits, snapshots
+    return snapshots
