@@ -162,3 +162,32 @@ def test_chunked_prefills_beside_a_running_stream_answer_as_each_request_alone(m
     served.prompt_cache.close()
     served.close()
     assert answers == expected
+
+
+def test_waiting_prefills_share_one_pass_and_answer_as_each_alone(model, model_path, tokenizer):
+    import asyncio
+    import time
+
+    from k3stream.engine.generate import Sequence
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import EventSink, Job, Scheduler
+
+    cache = PromptCache(model, "batched", 64 * MIB, every=16)
+    loop = asyncio.new_event_loop()
+    prompts = [tokenizer.encode(" ".join(["sun", "moon", "star"][i % 3 :] * (5 + 7 * i))) for i in range(4)]
+    jobs = [Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in prompts]
+    scheduler = Scheduler(model, ServerMetrics(), max_batch=4, max_queue=4, cache=cache, prefill_chunk=512)
+    for job in jobs:
+        scheduler.submit(job)  # all waiting before the loop starts: one pass prefills them
+    scheduler.start()
+    try:
+        for _ in range(3000):  # a bound, not a timing assertion
+            if all(job.logic.finish_reason is not None for job in jobs):
+                break
+            time.sleep(0.01)
+    finally:
+        scheduler.stop()
+        loop.close()
+    assert scheduler.snapshot()["batched_prefills"] >= 1
+    for job, ids in zip(jobs, prompts, strict=True):
+        assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids

@@ -38,7 +38,7 @@ from k3stream.model.snapshot import (
     LatentRows,
     Snapshot,
     check_fits,
-    prefill_marked,
+    prefill_marked_batch,
     restore,
     take_snapshot,
 )
@@ -216,30 +216,50 @@ class ChunkedPrefill:
     def done(self) -> bool:
         return self.logits is not None
 
+    def next_end(self, chunk: int) -> int:
+        """Where the next chunk of `chunk` tokens ends."""
+        return min(len(self.tokens), (self.position // chunk + 1) * chunk)
+
     def step(self, chunk: int) -> bool:
         """Prefill the next chunk; whether the prompt is done."""
-        if self.done:
-            return True
-        start, end = self.position, min(len(self.tokens), (self.position // chunk + 1) * chunk)
+        if not self.done:
+            step_together([self], chunk)
+        return self.done
+
+    def advance(self, end: int, logits: torch.Tensor, inside: list[Snapshot]) -> None:
+        """Tokens up to `end` went through the model, `logits` the last one's."""
+        start, self.position = self.position, end
         cache = self.cache if self.cache is not None and self.cache.enabled else None
-        if cache is None:
-            logits = prefill_last(self.model, self.state, self.tokens[start:end])
-        else:
-            logits, inside = prefill_marked(
-                self.model, self.state, self.tokens[start:end], cache.marks(start, end)
-            )
+        if cache is not None:
             cache.note_prefilled(self.tokens, start, end, inside)
-        self.position = end
         if end == len(self.tokens):
             self.logits = logits
             if cache is not None:
                 cache.save(self.tokens, self.state, logits)
-        return self.done
 
     def run(self) -> Prefilled:
         """The whole prefill in one pass."""
         self.step(max(len(self.tokens), 1))
         return Prefilled(self.logits, self.state, self.reused)
+
+
+def step_together(prefills: list[ChunkedPrefill], chunk: int) -> None:
+    """The next chunk of each of `prefills` (one model, one cache or none; none done) in one pass: in
+    each MoE layer the experts any of them routes to are read once."""
+    first = prefills[0]
+    ends = [prefill.next_end(chunk) for prefill in prefills]
+    parts = [prefill.tokens[prefill.position : end] for prefill, end in zip(prefills, ends, strict=True)]
+    states = [prefill.state for prefill in prefills]
+    cache = first.cache if first.cache is not None and first.cache.enabled else None
+    if cache is not None:
+        marks = [cache.marks(prefill.position, end) for prefill, end in zip(prefills, ends, strict=True)]
+        logits, snapshots = prefill_marked_batch(first.model, states, parts, marks)
+    elif len(prefills) == 1:
+        logits, snapshots = prefill_last(first.model, states[0], parts[0])[None], [[]]
+    else:
+        logits, snapshots = first.model.prefill_batch(states, parts), [[] for _ in prefills]
+    for row, (prefill, end, inside) in enumerate(zip(prefills, ends, snapshots, strict=True)):
+        prefill.advance(end, logits[row], inside)
 
 
 @dataclass

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from k3stream.engine.prompt_cache import ChunkedPrefill, PromptCache
+from k3stream.engine.prompt_cache import ChunkedPrefill, PromptCache, step_together
 from k3stream.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -145,6 +145,7 @@ class Scheduler:
         # dropped because their client left, and the most requests ever waiting at once
         self.steps = 0
         self.batched_steps = 0
+        self.batched_prefills = 0  # prefill passes over the chunks of several requests
         self.cancelled_jobs = 0
         self.peak_waiting = 0
         # request outcomes, for /health: a run of UNHEALTHY_AFTER failures with no success between
@@ -195,6 +196,7 @@ class Scheduler:
             "active_sequences": waiting + running,
             "steps": self.steps,
             "batched_steps": self.batched_steps,
+            "batched_prefills": self.batched_prefills,
             "cancelled_jobs": self.cancelled_jobs,
             "peak_waiting": self.peak_waiting,
             "completed_jobs": self.completed_jobs,
@@ -262,21 +264,38 @@ class Scheduler:
                 self._end_prefill(job)
 
     def _prefill_step(self) -> None:
-        """One chunk of the oldest running prefill."""
-        job = next((job for job in self._running if job.active and job.prefill is not None), None)
-        if job is None:
+        """The next chunk of the oldest running prefill, with those of the next ones that fit in one
+        chunk's tokens beside it, in one pass."""
+        jobs = self._prefill_batch()
+        if not jobs:
             return
+        before = [job.prefill.position for job in jobs]
         try:
-            before = job.prefill.position
-            job.prefill.step(self.prefill_chunk)
-        except Exception as exc:  # one bad request must not stop the server
+            step_together([job.prefill for job in jobs], self.prefill_chunk)
+        except Exception as exc:  # the requests of a pass that failed fail; the server goes on
             log.exception("prefill failed")
-            self._fail_request(job, f"prefill failed: {exc}")
+            self._fail(jobs, f"prefill failed: {exc}")
             return
-        self._count_tokens(job.prefill.position - before)
-        self.metrics.prompt_tokens.inc(job.prefill.position - before)
-        if job.prefill.done:
-            self._end_prefill(job)
+        self.batched_prefills += len(jobs) > 1
+        computed = sum(job.prefill.position - start for job, start in zip(jobs, before, strict=True))
+        self._count_tokens(computed)
+        self.metrics.prompt_tokens.inc(computed)
+        for job in jobs:
+            if job.prefill.done:
+                self._end_prefill(job)
+
+    def _prefill_batch(self) -> list[Job]:
+        """The prefilling jobs of the next pass: the oldest, then the next ones while their chunks
+        together stay within `prefill_chunk` tokens (one only for a model with no batched prefill)."""
+        waiting = [job for job in self._running if job.active and job.prefill is not None]
+        batch, tokens = [], 0
+        for job in waiting:
+            size = job.prefill.next_end(self.prefill_chunk) - job.prefill.position
+            if batch and (tokens + size > self.prefill_chunk or not hasattr(self.model, "prefill_batch")):
+                break
+            batch.append(job)
+            tokens += size
+        return batch
 
     def _end_prefill(self, job: Job) -> None:
         logits, job.prefill = job.prefill.logits, None
