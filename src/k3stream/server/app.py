@@ -64,6 +64,12 @@ class ServerConfig:
             raise ValueError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
         self.guard.check()
 
+    def prefill_pass(self, served: ServedModel) -> int:
+        """Prompt tokens one prefill pass takes from waiting requests: a chunk of each batch slot's when
+        experts stream from a pack (a pass then costs its expert reads, nearly whatever its tokens),
+        else one chunk's."""
+        return self.prefill_chunk * (self.batch_for(served) if served.store is not None else 1)
+
     def batch_for(self, served: ServedModel) -> int:
         """`max_batch`, capped where the expert store could not hold one step's experts."""
         return min(self.max_batch, served.batch_limit() or self.max_batch)
@@ -82,6 +88,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
         on_tokens=served.end_tokens,
         cache=served.prompt_cache,
         prefill_chunk=config.prefill_chunk,
+        prefill_pass=config.prefill_pass(served),
     )
 
     tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="k3stream-tokenize")

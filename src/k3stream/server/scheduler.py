@@ -126,12 +126,15 @@ class Scheduler:
         on_tokens: Any = None,
         cache: PromptCache | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_pass: int | None = None,
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"--prefill-chunk must be at least 1, got {prefill_chunk}")
         self.model = model
         self.cache = cache  # reused prompt states (`engine.prompt_cache`), or None
         self.prefill_chunk = prefill_chunk
+        # prompt tokens one prefill pass may take from several requests' chunks (default: one chunk's)
+        self.prefill_pass = max(prefill_pass or prefill_chunk, prefill_chunk)
         self.metrics = metrics
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -286,12 +289,12 @@ class Scheduler:
 
     def _prefill_batch(self) -> list[Job]:
         """The prefilling jobs of the next pass: the oldest, then the next ones while their chunks
-        together stay within `prefill_chunk` tokens (one only for a model with no batched prefill)."""
+        together stay within `prefill_pass` tokens (one only for a model with no batched prefill)."""
         waiting = [job for job in self._running if job.active and job.prefill is not None]
         batch, tokens = [], 0
         for job in waiting:
             size = job.prefill.next_end(self.prefill_chunk) - job.prefill.position
-            if batch and (tokens + size > self.prefill_chunk or not hasattr(self.model, "prefill_batch")):
+            if batch and (tokens + size > self.prefill_pass or not hasattr(self.model, "prefill_batch")):
                 break
             batch.append(job)
             tokens += size
