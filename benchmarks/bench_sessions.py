@@ -3,7 +3,7 @@ snapshot create/restore ms and bytes per tier; then a restart from the same --ca
 
     python benchmarks/bench_sessions.py [--model GGUF] [--turns 8] [--system-tokens 2048]
         [--tool-tokens 300,1000] [--answer-tokens 16] [--cache-every 1024] [--threads 2]
-        [--every-sweep 256,1024,4096]
+        [--every-sweep 256,1024,4096] [--stall-tokens 4096] [--prefill-chunk 256]
 
 The workload is an agent harness that keeps its token ids: a system prompt with tool schemas of
 `--system-tokens` tokens; each turn appends a tool output of 300-1000 tokens (seeded) and the chat
@@ -294,6 +294,7 @@ def main() -> None:
     sweep(model, workload, args, fingerprint)
     if args.stall_tokens:
         stalls(args)
+        shared_reads(args)
     rate = measure_copy_rate()
     print()
     for line in real_model_arithmetic(rate, 64, 32768):
@@ -426,6 +427,59 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) 
     served.close()
     during = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if begin <= b <= end + 0.5]
     return during or [0.0], prefill_s
+
+
+def shared_reads(args) -> None:
+    """Pack bytes read per prefilled token: one `--stall-tokens`/4-token prompt alone, then four at
+    once (their chunks share passes), on a tiny model served from its pack with an expert RAM budget of
+    one MoE layer's experts (every pass reads most of the pack)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from k3stream.engine.loading import load_runtime
+    from k3stream.pack.builder import BuildOptions, build_pack
+    from k3stream.pack.reader import ExpertPack
+    from k3stream.server.app import ServerConfig, create_app
+    from k3stream.server.live import ServerThread
+    from k3stream.server.runtime import served_from_runtime
+    from k3stream.tiny import TinySpec, make_tiny
+
+    length = max(args.stall_tokens // 4, args.prefill_chunk)
+    with tempfile.TemporaryDirectory() as directory:
+        spec = TinySpec(
+            n_layers=6, hidden=128, n_experts=64, top_k=4, expert_ff=64, context_length=8192, seed=11
+        )
+        gguf = make_tiny(Path(directory) / "model", spec)
+        manifest = Path(directory) / "tiny.manifest.json"
+        build_pack(gguf, Path(directory) / "tiny.pack", manifest, BuildOptions(progress=False))
+        with ExpertPack(manifest) as pack:
+            layer_mib = pack.num_experts * pack.object_bytes / MIB
+        served = served_from_runtime(load_runtime(manifest, ram_mib=layer_mib), ctx=8192)
+        app = create_app(served, ServerConfig(max_batch=4, prefill_chunk=args.prefill_chunk))
+        generator = torch.Generator().manual_seed(args.seed)
+        prompts = [torch.randint(10, 500, (length,), generator=generator).tolist() for _ in range(5)]
+        with ServerThread(app) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+            def prefill(prompt: list[int]) -> None:
+                client.completions.create(model=served.name, prompt=prompt, max_tokens=1, temperature=0)
+
+            per_token = []
+            for batch in ([prompts[0]], prompts[1:]):
+                before = served.store_stats()["pack_read_bytes"]
+                with ThreadPoolExecutor(len(batch)) as pool:
+                    list(pool.map(prefill, batch))
+                read = served.store_stats()["pack_read_bytes"] - before
+                per_token.append(read / (len(batch) * length))
+            passes = app.state.scheduler.snapshot()["batched_prefills"]
+        served.close()
+    print(
+        f"\npack bytes read per prefilled token ({length}-token prompts, --prefill-chunk "
+        f"{args.prefill_chunk}, expert RAM one layer's): one alone {per_token[0] / 1024:.1f} KiB, "
+        f"four at once {per_token[1] / 1024:.1f} KiB ({per_token[1] / per_token[0]:.2f}x; "
+        f"{passes} shared passes)"
+    )
 
 
 def _best_of(n: int, function) -> float:
