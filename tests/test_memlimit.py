@@ -50,6 +50,14 @@ def test_plan_gives_experts_what_is_left():
     assert "expert RAM budget 300.0 MiB (300 experts" in plan.summary()
 
 
+def test_the_prompt_cache_comes_out_of_the_expert_budget():
+    plan = plan_memory(FIXED + 300 * MIB, NEEDS, RUNTIME, cache_bytes=100 * MIB)
+    assert plan.expert_budget == 200 * MIB
+    assert "prompt cache 100.0 MiB -> expert RAM budget 200.0 MiB" in plan.summary()
+    with pytest.raises(MemoryLimitError, match=r"prompt cache \(100.0 MiB\)"):
+        plan_memory(FIXED + 100 * MIB, NEEDS, RUNTIME, cache_bytes=100 * MIB)
+
+
 def test_plan_never_exceeds_the_routed_experts():
     assert plan_memory(FIXED + 10 * 4096 * MIB, NEEDS, RUNTIME).expert_budget == NEEDS.expert_bytes
 

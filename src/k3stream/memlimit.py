@@ -3,7 +3,8 @@
 `--memory-limit SIZE` (default: this process's memory cgroup limit, else the available RAM) is split as
 
     limit = runtime (interpreter + torch, measured) + non-expert weights (their GGUF bytes, held in
-            anonymous memory) + KV/state + working buffers + headroom + expert RAM budget
+            anonymous memory) + KV/state + working buffers + headroom + prompt cache (`--cache-ram`)
+            + expert RAM budget
 
 KV/state and working buffers are computed from the config for the context served (`--ctx`, default
 DEFAULT_CTX): the MLA caches and KDA states of a sequence that long, and the activations of a prefill
@@ -297,12 +298,14 @@ class MemoryPlan:
     runtime_bytes: int
     needs: ModelNeeds
     expert_budget: int
+    cache_bytes: int = 0  # the prompt cache's RAM tier
 
     @property
     def fixed_bytes(self) -> int:
         """Everything but the expert cache."""
         n = self.needs
-        return self.runtime_bytes + n.nonexpert_bytes + n.state_bytes + n.working_bytes + HEADROOM_BYTES
+        resident = self.runtime_bytes + n.nonexpert_bytes + n.state_bytes + n.working_bytes
+        return resident + HEADROOM_BYTES + self.cache_bytes
 
     def summary(self) -> str:
         n = self.needs
@@ -311,43 +314,49 @@ class MemoryPlan:
             f"{format_size(self.runtime_bytes)}, non-expert weights {format_size(n.nonexpert_bytes)}, "
             f"KV/state for {n.tokens} tokens{f' x {n.sequences} sequences' if n.sequences > 1 else ''} "
             f"{format_size(n.state_bytes)}, working buffers {format_size(n.working_bytes)}, headroom "
-            f"{format_size(HEADROOM_BYTES)} -> expert RAM budget {format_size(self.expert_budget)} "
+            f"{format_size(HEADROOM_BYTES)}, prompt cache {format_size(self.cache_bytes)} -> expert RAM "
+            f"budget {format_size(self.expert_budget)} "
             f"({self.expert_budget // max(n.object_bytes, 1)} experts of {n.object_bytes / MIB:.2f} MiB, "
             f"{self.expert_budget / max(n.expert_bytes, 1):.0%} of the routed experts)"
         )
 
 
 def plan_memory(
-    limit: int, needs: ModelNeeds, runtime_bytes: int, source: str = "--memory-limit"
+    limit: int, needs: ModelNeeds, runtime_bytes: int, source: str = "--memory-limit", cache_bytes: int = 0
 ) -> MemoryPlan:
     """Split `limit`; raise `MemoryLimitError` (one line) when it cannot hold one top-k working set."""
-    plan = MemoryPlan(limit, source, runtime_bytes, needs, 0)
+    plan = MemoryPlan(limit, source, runtime_bytes, needs, 0, cache_bytes)
     room = limit - plan.fixed_bytes
     if room < needs.working_set:
         raise MemoryLimitError(
             f"memory limit {format_size(limit)} ({source}) cannot hold the runtime "
             f"({format_size(runtime_bytes)}), non-expert weights ({format_size(needs.nonexpert_bytes)}), "
             f"KV/state ({format_size(needs.state_bytes)}), working buffers "
-            f"({format_size(needs.working_bytes)}) and headroom ({format_size(HEADROOM_BYTES)}) plus one "
+            f"({format_size(needs.working_bytes)}), headroom ({format_size(HEADROOM_BYTES)}) and prompt "
+            f"cache ({format_size(cache_bytes)}) plus one "
             f"top-k working set ({needs.top_k} x {needs.object_bytes} bytes); it needs at least "
             f"{format_size(plan.fixed_bytes + needs.working_set)}"
         )
     budget = min(room, max(needs.expert_bytes, needs.working_set))
-    return MemoryPlan(limit, source, runtime_bytes, needs, budget)
+    return MemoryPlan(limit, source, runtime_bytes, needs, budget, cache_bytes)
 
 
 def plan_for_model(
-    checkpoint: K3Checkpoint, limit_text: str | None, ctx: int | None = None, sequences: int = 1
+    checkpoint: K3Checkpoint,
+    limit_text: str | None,
+    ctx: int | None = None,
+    sequences: int = 1,
+    cache_bytes: int = 0,
 ) -> MemoryPlan:
     """The plan for an open checkpoint under `--memory-limit limit_text` (None: the cgroup's limit or
     available RAM), serving `sequences` sequences of `ctx` tokens (None: DEFAULT_CTX or the model's
-    context, if shorter)."""
+    context, if shorter), `cache_bytes` of it the prompt cache's RAM tier."""
     if limit_text is None:
         limit, source = default_memory_limit()
     else:
         limit, source = parse_size(limit_text), "--memory-limit"
     needs = model_needs(checkpoint, ctx, sequences)
-    return plan_memory(limit, needs, resident_bytes(), source)
+    return plan_memory(limit, needs, resident_bytes(), source, cache_bytes)
 
 
 def default_expert_ram_mib(checkpoint: K3Checkpoint, ctx: int | None = None, sequences: int = 1) -> float:

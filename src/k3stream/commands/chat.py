@@ -8,9 +8,11 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from k3stream.commands.flags import (
+    add_cache_arguments,
     add_context_argument,
     add_model_arguments,
     add_sampling_arguments,
+    cache_from_args,
     runtime_from_args,
     sampling_params,
 )
@@ -25,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", default=None, help="system message at the start of the conversation")
     parser.add_argument("--thinking", action="store_true", help="open the think channel (Kimi-K3 templates)")
     parser.add_argument("--quiet", action="store_true", help="no statistics after each answer")
+    add_cache_arguments(parser)
     add_sampling_arguments(parser, max_tokens=512)
 
 
@@ -53,6 +56,9 @@ class ChatSession:
         self.template = ChatTemplate.for_tokenizer(runtime.tokenizer)
         self.params = replace(params, stop_token_ids=chat_stop_token_ids(runtime.tokenizer, args.thinking))
         self.messages: list[dict[str, str]] = []
+        # the conversation's states between turns: each turn restores the last one's instead of
+        # prefilling the whole history again
+        self.cache = cache_from_args(args, runtime.model)
         self.reset()
 
     def reset(self) -> None:
@@ -71,14 +77,28 @@ class ChatSession:
             out.flush()
 
         start = store_snapshot(self.runtime.store)
-        result = generate(self.runtime.model, self.runtime.tokenizer, ids, self.params, on_text=write)
+        result = generate(
+            self.runtime.model, self.runtime.tokenizer, ids, self.params, on_text=write, cache=self.cache
+        )
         out.write("\n")
         out.flush()
         tokens = self.runtime.end_generation(result)
         if not self.args.quiet:
-            report(statistics_lines(result, self.runtime.store, start, tokens))
+            reused = [f"cache   {result.cached_tokens} of {result.prompt_tokens} prompt tokens reused"]
+            report(statistics_lines(result, self.runtime.store, start, tokens) + reused * bool(self.cache))
         self.messages = [*messages, {"role": "assistant", "content": result.text}]
         return result.text
+
+
+def converse(session: ChatSession) -> None:
+    for line in _lines(sys.stdin):
+        command = line.strip()
+        if command == "/exit":
+            break
+        if command == "/reset":
+            session.reset()
+        elif command:
+            session.answer(line, sys.stdout)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,14 +106,11 @@ def run(args: argparse.Namespace) -> int:
     runtime = runtime_from_args(args)
     try:
         session = ChatSession(runtime, args, params)
-        for line in _lines(sys.stdin):
-            command = line.strip()
-            if command == "/exit":
-                break
-            if command == "/reset":
-                session.reset()
-            elif command:
-                session.answer(line, sys.stdout)
+        try:
+            converse(session)
+        finally:
+            if session.cache is not None:
+                session.cache.close()  # its queued snapshot files, for the next chat
     finally:
         runtime.close()
     return 0

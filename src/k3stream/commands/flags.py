@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +13,7 @@ from k3stream.engine.loading import Runtime, StoreOptions, load_resolved, open_m
 from k3stream.engine.parallel import DEFAULT_TIMEOUT_S
 
 if TYPE_CHECKING:
+    from k3stream.engine.prompt_cache import PromptCache
     from k3stream.gguf.reader import K3Checkpoint
     from k3stream.model.options import LoadOptions
 
@@ -149,7 +151,8 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
     pin_malloc_mmap_threshold()  # expert buffers churn: keep freed ones from bloating the heap
     if args.ram_mib is not None and args.memory_limit is None:
         return args.ram_mib
-    plan = plan_for_model(checkpoint, args.memory_limit, *_served(args))
+    cache_bytes = int(getattr(args, "cache_ram", 0) * MIB)  # the prompt cache of serve and chat
+    plan = plan_for_model(checkpoint, args.memory_limit, *_served(args), cache_bytes)
     if args.ram_mib is not None:
         print(f"{plan.summary()}; --ram-mib {args.ram_mib:g} MiB in use instead", file=sys.stderr)
         return args.ram_mib
@@ -229,3 +232,54 @@ def prompt_ids(tokenizer: Any, args: argparse.Namespace, text: str) -> list[int]
     messages.append({"role": "user", "content": text})
     rendered = ChatTemplate.for_tokenizer(tokenizer).render(messages, thinking=args.thinking)
     return tokenizer.encode(rendered, allow_special=True)
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser, ram_mib: float = 1024.0) -> None:
+    """The prompt cache's flags (`serve`, `chat`): reused conversation states in RAM and on disk."""
+    from k3stream.engine.prompt_cache import DEFAULT_EVERY
+
+    parser.add_argument(
+        "--cache-ram",
+        type=float,
+        default=ram_mib,
+        metavar="MIB",
+        help="RAM for reused prompt states, part of --memory-limit's plan; 0 turns reuse off "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--cache-every",
+        type=int,
+        default=DEFAULT_EVERY,
+        metavar="N",
+        help="tokens between state snapshots inside a long prefill (default %(default)s)",
+    )
+    parser.add_argument("--cache-dir", default=None, help="keep prompt states on disk here, across restarts")
+    parser.add_argument(
+        "--cache-disk", type=float, default=16.0, metavar="GIB", help="disk budget of --cache-dir (GiB)"
+    )
+
+
+def cache_from_args(args: argparse.Namespace, model: Any) -> PromptCache | None:
+    """The prompt cache the flags ask for on `model` (None: --cache-ram 0, or a model whose sequence
+    states are not this process's, as under tensor or expert parallelism)."""
+    from k3stream.engine.loading import resolve_model
+    from k3stream.engine.prompt_cache import PromptCache, model_fingerprint
+    from k3stream.gguf.shards import discover_shards
+    from k3stream.model.k3 import K3Model
+
+    if args.cache_ram < 0 or args.cache_disk < 0 or args.cache_every < 1:
+        raise ValueError("--cache-ram and --cache-disk must be >= 0, --cache-every >= 1")
+    if args.cache_ram == 0:
+        return None
+    if not isinstance(model, K3Model):
+        logging.getLogger(__name__).warning("prompt cache: off for a model split over processes")
+        return None
+    gguf_path, _ = resolve_model(args.model, False)
+    return PromptCache(
+        model,
+        model_fingerprint(discover_shards(gguf_path)),
+        ram_bytes=int(args.cache_ram * (1 << 20)),
+        disk_dir=args.cache_dir,
+        disk_bytes=int(args.cache_disk * (1 << 30)),
+        every=args.cache_every,
+    )

@@ -10,10 +10,11 @@ from k3stream.server.guard import API_KEY_ENV, GuardConfig, allowed_hosts_for, a
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from k3stream.commands.flags import add_model_arguments, add_parallel_arguments
+    from k3stream.commands.flags import add_cache_arguments, add_model_arguments, add_parallel_arguments
 
     add_model_arguments(parser)
     add_parallel_arguments(parser)
+    add_cache_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -28,6 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="context per sequence, prompt plus output (default: the model's, at most 4096)",
     )
     parser.add_argument("--max-batch", type=int, default=16, help="sequences decoded together per step")
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        help="prompt tokens prefilled between two decode steps of the running streams (default %(default)s)",
+    )
     parser.add_argument(
         "--max-queue",
         type=int,
@@ -83,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from k3stream.commands.flags import cache_from_args
     from k3stream.commands.launch import parallel_runtime
     from k3stream.server.app import ServerConfig, create_app
     from k3stream.server.guard import uvicorn_options
@@ -94,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         guard=guard_config(args),
         sse_keepalive_s=args.sse_keepalive,
         webui=not args.no_webui,
+        prefill_chunk=args.prefill_chunk,
     )
     config.check()
     # under torchrun rank 0 serves and the others follow; a failed rank stops the server (as Ctrl-C)
@@ -101,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         if runtime is None:
             return 0
         served = served_from_runtime(runtime, name=args.served_model_name, ctx=args.ctx)
+        served.prompt_cache = cache_from_args(args, runtime.model)
         app = create_app(served, config)
         experts = f"streamed from {runtime.manifest}" if runtime.store else "from the GGUF"
         print(

@@ -19,6 +19,8 @@ from k3stream.engine.tokenizer import Tokenizer
 if TYPE_CHECKING:
     import torch
 
+    from k3stream.engine.prompt_cache import PromptCache
+
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 
 
@@ -30,6 +32,7 @@ class GenerationResult:
     prompt_tokens: int
     completion_tokens: int
     timings: dict[str, float] = field(default_factory=dict)
+    cached_tokens: int = 0  # prompt tokens restored from a prompt cache instead of computed
 
 
 def prefill_last(model: Any, state: Any, tokens: list[int]) -> torch.Tensor:
@@ -203,20 +206,30 @@ def generate(
     prompt_ids: Seq[int],
     params: SamplingParams,
     on_text: Callable[[str], Any] | None = None,
+    cache: PromptCache | None = None,
 ) -> GenerationResult:
     """Run `prompt_ids` through `model` and sample until a stop condition; stream text to `on_text`.
 
-    Generation also ends ("length") when the model's context is full.
+    Generation also ends ("length") when the model's context is full. With a prompt `cache`
+    (`prompt_cache.PromptCache` of this model) the longest cached prefix of the prompt is restored
+    instead of computed (`cached_tokens` in the result) and the states at the prompt's and the
+    response's ends are kept for the next turn.
     """
     sequence = Sequence(tokenizer, prompt_ids, _within_context(model, len(prompt_ids), params), on_text)
-    state = model.new_state()
     start = time.perf_counter()
-    logits = prefill_last(model, state, sequence.prompt_ids)
+    if cache is not None:
+        prefilled = cache.prefill(sequence.prompt_ids)
+        state, logits, cached = prefilled.state, prefilled.logits, prefilled.reused
+    else:
+        state, cached = model.new_state(), 0
+        logits = prefill_last(model, state, sequence.prompt_ids)
     token, done = sequence.feed(logits)
     first_token_at = time.perf_counter()
     while not done:
         token, done = sequence.feed(model.decode(state, token))
     end = time.perf_counter()
+    if cache is not None:  # every token but the last one sampled went through the model
+        cache.save(sequence.prompt_ids + sequence.token_ids[:-1], state)
     return GenerationResult(
         text=sequence.text,
         token_ids=list(sequence.token_ids),
@@ -224,6 +237,7 @@ def generate(
         prompt_tokens=len(sequence.prompt_ids),
         completion_tokens=sequence.completion_tokens,
         timings=_timings(len(sequence.prompt_ids), sequence.completion_tokens, start, first_token_at, end),
+        cached_tokens=cached,
     )
 
 

@@ -127,6 +127,32 @@ class K3Model:
         state.length += len(ids)
         return logits
 
+    @torch.inference_mode()
+    def prefill_batch(self, states: list[SequenceState], token_lists: list[list[int]]) -> torch.Tensor:
+        """`prefill_last` of several sequences in one pass (in each MoE layer the experts any of them
+        routes to are fetched once); the last token's logits of each [B, vocab]. Under
+        `kernels.set_row_exact` each row equals that sequence's prefill alone, bit for bit."""
+        if len(states) != len(token_lists):
+            raise ValueError(f"prefill_batch: {len(states)} states but {len(token_lists)} token lists")
+        lists = [self._token_list(tokens) for tokens in token_lists]
+        bounds = [0]
+        for tokens in lists:
+            bounds.append(bounds[-1] + len(tokens))
+        spans = list(zip(bounds, bounds[1:], strict=False))
+
+        def attend(layer: Layer, h: torch.Tensor, last: bool) -> torch.Tensor:
+            parts = [
+                layer.attn.prefill(h[start:end], state.layers[layer.index], last)
+                for (start, end), state in zip(spans, states, strict=True)
+            ]
+            return torch.cat(parts)
+
+        ids = torch.tensor([token for tokens in lists for token in tokens], device=self.device)
+        logits = self._forward(ids, attend, ends=[end - 1 for _, end in spans])
+        for state, tokens in zip(states, lists, strict=True):
+            state.length += len(tokens)
+        return logits
+
     def decode(self, state: SequenceState, token: int) -> torch.Tensor:
         """One token of one sequence; logits [vocab]."""
         return self.decode_batch([state], [token])[0]
@@ -188,6 +214,7 @@ class K3Model:
         ids: torch.Tensor,
         attend: Callable[[Layer, torch.Tensor, bool], torch.Tensor],
         last_only: bool = False,
+        ends: list[int] | None = None,
     ) -> torch.Tensor:
         x = self.embedding(ids)
         bank: list[torch.Tensor] = []
@@ -196,10 +223,13 @@ class K3Model:
         # with last_only, the last layer's attention takes every row into the state and gives the last
         # row's output alone, the rest of the layer runs on that row (llama.cpp's output rows do the
         # same from after the attention)
-        last = self.layers[-1].index if last_only else None
+        # `ends`: the last row of each sequence of a batched prefill, read past the last attention as
+        # last_only's one row is
+        kept = ends if ends is not None else [len(ids) - 1] if last_only else None
+        last = self.layers[-1].index if kept is not None else None
 
         def read(index: int, rows: Rows) -> Rows:  # the rows of layer `index` read past its attention
-            return rows[-1:] if index == last else rows
+            return _rows_at(rows, kept) if index == last else rows
 
         for first in self._first_token_hints if by_token else ():
             self._predict_from_tokens(first, read(first.index, token_ids))
@@ -215,7 +245,7 @@ class K3Model:
                 bank.append(x)
             attended = attend(layer, rms_norm(h, layer.input_norm, self.eps), layer.index == last).float()
             if layer.index == last:
-                x, token_ids, bank = x[-1:], token_ids[-1:], [row[-1:] for row in bank]
+                x, token_ids, bank = read(last, x), read(last, token_ids), [read(last, row) for row in bank]
             prefix = attended if banked else x + attended
             following = self._next_moe[layer.index]
             if self.prefetch and following is not None:
@@ -255,6 +285,13 @@ class K3Model:
         self.hints.predicted(kind, layer.index, predicted)
         if sent and predicted:
             self.expert_source.prefetch(layer.index, predicted)
+
+
+def _rows_at(rows: Rows, kept: list[int]) -> Rows:
+    """Rows `kept` of a tensor's rows or of a list (a tensor's last row alone stays a view)."""
+    if isinstance(rows, list):  # token ids: none where token hints are not predicted
+        return [rows[i] for i in kept] if rows else rows
+    return rows[-1:] if kept == [len(rows) - 1] else rows[kept]
 
 
 class _Weights:

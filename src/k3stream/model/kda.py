@@ -7,7 +7,7 @@ recurrence chunk by chunk in closed form (the WY/UT transform of fla's chunk_kda
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -42,6 +42,9 @@ class KDAWeights:
 class KDAState:
     conv: torch.Tensor  # [C - 1, 3 * d_inner]: the last projected q/k/v inputs, oldest first
     recurrent: torch.Tensor  # [H, V, K]
+    # rows of the next prefill after which a copy of the state is kept in `marked` (`model.snapshot`)
+    marks: tuple[int, ...] = ()
+    marked: list[KDAState] = field(default_factory=list)
 
 
 def kda_gate(f: torch.Tensor, ssm_a: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
@@ -168,7 +171,7 @@ class KDA:
         self._check_states([state])
         qkv, g_logits, b_logits, f_a = (part.contiguous() for part in self._project(h))
         if self._step_in_c(qkv, [state]):
-            gated = self._recurrent(qkv, g_logits, b_logits, f_a, [state])
+            gated = self._recurrent_marked(qkv, g_logits, b_logits, f_a, state)
             return self.w.o_proj((gated[-1:] if last_only else gated).to(h.dtype))
         mixed, state.conv = causal_conv(qkv, state.conv, self.w.conv)
         q, k, v = self._split_activate(mixed)
@@ -204,6 +207,18 @@ class KDA:
         if self._conv_by_tap is None or self._conv_by_tap[0] != key:
             self._conv_by_tap = key, self.w.conv.detach().t().contiguous()
         return self._conv_by_tap[1]
+
+    def _recurrent_marked(self, qkv, g_logits, b_logits, f_a, state: KDAState) -> torch.Tensor:
+        """`_recurrent` of one state's rows in runs split at its `marks`, a copy of the state kept after
+        each (the recurrence goes token by token: the same bits as one run)."""
+        bounds = [0, *(mark for mark in state.marks if 0 < mark < qkv.shape[0]), qkv.shape[0]]
+        runs = []
+        for start, end in zip(bounds, bounds[1:], strict=False):
+            rows = (t[start:end] for t in (qkv, g_logits, b_logits, f_a))
+            runs.append(self._recurrent(*rows, [state]))
+            if end in state.marks:
+                state.marked.append(KDAState(state.conv.clone(), state.recurrent.clone()))
+        return runs[0] if len(runs) == 1 else torch.cat(runs)
 
     def _recurrent(self, qkv, g_logits, b_logits, f_a, states: list[KDAState]) -> torch.Tensor:
         """The C recurrence over the projections of each state's rows (in order): the gated outputs

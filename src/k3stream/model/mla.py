@@ -16,7 +16,7 @@ from k3stream.model.layers import (
     rms_norm,
 )
 from k3stream.model.options import LoadOptions
-from k3stream.quant.kernels import GroupedProduct, checked_weight, cpu
+from k3stream.quant.kernels import GroupedProduct, checked_weight, cpu, row_exact
 from k3stream.quant.rounding import round_like_ggml
 
 QUERY_BLOCK = 512
@@ -242,8 +242,12 @@ class MLA:
     def _attend(self, queries: torch.Tensor, cache: torch.Tensor, offset: int) -> torch.Tensor:
         """Causal attention of queries (positions offset..) over the cache -> latent context [T, H, kv].
 
-        Long prompts go QUERY_BLOCK queries at a time, so the score matrix stays bounded.
+        Long prompts go QUERY_BLOCK queries at a time, so the score matrix stays bounded. Under
+        `kernels.row_exact()` each query attends alone, as a decode step's does (its bits then do not
+        depend on where the prefill started).
         """
+        if row_exact():
+            return torch.stack([self._attend_one(q, cache[: offset + i + 1]) for i, q in enumerate(queries)])
         blocks = range(0, queries.shape[0], QUERY_BLOCK)
         parts = [
             self._attend_block(queries[i : i + QUERY_BLOCK], cache[: offset + i + QUERY_BLOCK], offset + i)

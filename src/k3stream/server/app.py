@@ -24,10 +24,12 @@ from k3stream.server.errors import APIError, invalid_request, redact_paths
 from k3stream.server.guard import Guard, GuardConfig
 from k3stream.server.kimi_output import Piece
 from k3stream.server.metrics import ServerMetrics
+from k3stream.server.prompt_reuse import register_cache_metrics
 from k3stream.server.request_logic import TokenLogprob
 from k3stream.server.routes import LLAMA_ENDPOINTS
 from k3stream.server.runtime import ChatPrompt, ServedModel
 from k3stream.server.scheduler import (
+    DEFAULT_PREFILL_CHUNK,
     Event,
     EventSink,
     FinishEvent,
@@ -60,6 +62,7 @@ class ServerConfig:
     # silent connections; a prefill streamed from disk can take minutes)
     sse_keepalive_s: float = 15.0
     webui: bool = True  # the chat page at `/`
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
 
     def check(self) -> None:
         if self.max_batch < 1:
@@ -68,7 +71,15 @@ class ServerConfig:
             raise ValueError(f"--max-queue must be at least 0, got {self.max_queue}")
         if not self.sse_keepalive_s > 0:
             raise ValueError(f"--sse-keepalive must be above 0 seconds, got {self.sse_keepalive_s}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
         self.guard.check()
+
+    def prefill_pass(self, served: ServedModel) -> int:
+        """Prompt tokens one prefill pass takes from waiting requests: a chunk of each batch slot's when
+        experts stream from a pack (a pass then costs its expert reads, nearly whatever its tokens),
+        else one chunk's."""
+        return self.prefill_chunk * (self.batch_for(served) if served.store is not None else 1)
 
     def batch_for(self, served: ServedModel) -> int:
         """`max_batch`, capped where the expert store could not hold one step's experts."""
@@ -79,12 +90,16 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     """An app serving `served`; its scheduler thread runs while the app's lifespan is active."""
     config.check()
     metrics = ServerMetrics(served.store_stats)
+    register_cache_metrics(metrics.registry, served.prompt_cache)
     scheduler = Scheduler(
         served.model,
         metrics,
         max_batch=config.batch_for(served),
         max_queue=config.max_queue,
         on_tokens=served.end_tokens,
+        cache=served.prompt_cache,
+        prefill_chunk=config.prefill_chunk,
+        prefill_pass=config.prefill_pass(served),
     )
 
     tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="k3stream-tokenize")
@@ -97,6 +112,8 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
         finally:
             scheduler.stop()
             tokenizers.shutdown(wait=False, cancel_futures=True)
+            if served.prompt_cache is not None:
+                served.prompt_cache.close()  # its queued snapshot files, for the next start
 
     app = FastAPI(title="k3stream", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler = scheduler
@@ -409,7 +426,7 @@ def _timings(jobs: list[Job]) -> dict[str, float]:
     }
 
 
-def _usage(events: list[FinishEvent]) -> dict[str, int]:
+def _usage(events: list[FinishEvent]) -> dict[str, Any]:
     """A request's usage from its choices' finish events: the prompt counted once."""
     prompt_tokens = events[0].prompt_tokens
     completion_tokens = sum(event.completion_tokens for event in events)
@@ -417,6 +434,7 @@ def _usage(events: list[FinishEvent]) -> dict[str, int]:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": events[0].cached_tokens},
     }
 
 
@@ -454,13 +472,18 @@ class _Chunks:
 
     def progress(self, event: ProgressEvent) -> dict[str, Any]:
         """A chunk with no choices and llama-server's `prompt_progress`."""
-        progress = {"total": event.total, "cache": 0, "processed": event.processed, "time_ms": event.time_ms}
+        progress = {
+            "total": event.total,
+            "cache": event.cached,
+            "processed": event.processed,
+            "time_ms": event.time_ms,
+        }
         return {**self._envelope(self.object_chunk, []), "prompt_progress": progress}
 
-    def usage_only(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_only(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope(self.object_chunk, []), "usage": usage}
 
-    def whole(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+    def whole(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope(self.object_whole, choices), "usage": usage}
 
     def whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:

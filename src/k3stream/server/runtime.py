@@ -12,6 +12,7 @@ from typing import Any
 from k3stream.engine.chat import ChatTemplate, chat_stop_token_ids
 from k3stream.engine.generate import Sequence
 from k3stream.engine.loading import Runtime
+from k3stream.engine.prompt_cache import PromptCache
 from k3stream.engine.sampling import SamplingParams
 from k3stream.gguf.shards import set_name
 from k3stream.server.errors import invalid_request
@@ -40,6 +41,7 @@ class ServedModel(Runtime):
     files: dict[Path, int] = field(default_factory=dict)
     kimi: KimiFormat = field(default_factory=KimiFormat)  # reasoning and tool-call delimiters
     grammars: GrammarCompiler | None = None
+    prompt_cache: PromptCache | None = None  # reused prompt states (`engine.prompt_cache`)
 
     def __post_init__(self) -> None:
         if self.grammars is None:

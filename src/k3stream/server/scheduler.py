@@ -1,8 +1,12 @@
-"""Continuous batching: one thread prefills new requests, then decodes every running sequence in one step.
+"""Continuous batching: one thread prefills new requests a chunk at a time between decode steps of every
+running sequence.
 
-Requests join and leave between steps. Each decode step is one `model.decode_batch` call, so in every MoE
-layer the union of the batch's experts is fetched once and shared by all the tokens that routed to it.
-Results flow back to the HTTP layer as events through a thread-safe `EventSink`.
+Requests join and leave between steps. A new request's prompt is restored from the prompt cache as far
+as it holds it, then prefilled `prefill_chunk` tokens per loop (cut at absolute positions, so a prompt's
+chunks do not depend on what runs beside it): a running stream waits at most about one chunk, whatever
+another prompt's length. Each decode step is one `model.decode_batch` call, so in every MoE layer the
+union of the batch's experts is fetched once and shared by all the tokens that routed to it. Results
+flow back to the HTTP layer as events through a thread-safe `EventSink`.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from k3stream.engine.generate import prefill_last
+from k3stream.engine.prompt_cache import ChunkedPrefill, PromptCache, step_together
 from k3stream.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
+# prompt tokens prefilled between two decode steps of the running sequences
+DEFAULT_PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,7 @@ class FinishEvent:
     reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens restored from the prompt cache
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,7 @@ class ProgressEvent:
     total: int
     processed: int
     time_ms: float
+    cached: int = 0  # of `processed`, the tokens restored from the prompt cache
 
 
 Event = PieceEvent | FinishEvent | ErrorEvent | ProgressEvent
@@ -106,6 +115,9 @@ class Job:
     prefill_started_at: float = 0.0
     prefill_done_at: float = 0.0
     forks: list[Job] = field(default_factory=list)  # the request's further choices: they share the prefill
+    cached_tokens: int = 0
+    generated: list[int] = field(default_factory=list)
+    prefill: ChunkedPrefill | None = None  # the prompt's prefill while it runs
 
     @property
     def width(self) -> int:
@@ -132,9 +144,24 @@ class Scheduler:
     """Owns the model; every model call happens on its thread."""
 
     def __init__(
-        self, model: Any, metrics: ServerMetrics, *, max_batch: int, max_queue: int, on_tokens: Any = None
+        self,
+        model: Any,
+        metrics: ServerMetrics,
+        *,
+        max_batch: int,
+        max_queue: int,
+        on_tokens: Any = None,
+        cache: PromptCache | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_pass: int | None = None,
     ) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"--prefill-chunk must be at least 1, got {prefill_chunk}")
         self.model = model
+        self.cache = cache  # reused prompt states (`engine.prompt_cache`), or None
+        self.prefill_chunk = prefill_chunk
+        # prompt tokens one prefill pass may take from several requests' chunks (default: one chunk's)
+        self.prefill_pass = max(prefill_pass or prefill_chunk, prefill_chunk)
         self.metrics = metrics
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -148,6 +175,7 @@ class Scheduler:
         # dropped because their client left, and the most requests ever waiting at once
         self.steps = 0
         self.batched_steps = 0
+        self.batched_prefills = 0  # prefill passes over the chunks of several requests
         self.cancelled_jobs = 0
         self.peak_waiting = 0
         # request outcomes, for /health: a run of UNHEALTHY_AFTER failures with no success between
@@ -204,6 +232,7 @@ class Scheduler:
             "active_sequences": waiting + running,
             "steps": self.steps,
             "batched_steps": self.batched_steps,
+            "batched_prefills": self.batched_prefills,
             "cancelled_jobs": self.cancelled_jobs,
             "peak_waiting": self.peak_waiting,
             "completed_jobs": self.completed_jobs,
@@ -217,6 +246,7 @@ class Scheduler:
             try:
                 self._drop_finished()
                 self._admit_waiting()
+                self._prefill_step()
                 if self._running:
                     self._decode_step()
             except Exception:  # a bug here must not stop the server: fail what runs, go on
@@ -256,21 +286,62 @@ class Scheduler:
             return None
 
     def _admit_waiting(self) -> None:
-        """Prefill waiting requests one at a time while the batch has room."""
+        """Start the prefills of waiting requests while the batch has room (their states restored from
+        the prompt cache as far as it holds them)."""
         while (job := self._next_waiting()) is not None:
             try:
                 self._progress(job, 0)
-                job.state = self.model.new_state()
-                logits = prefill_last(self.model, job.state, job.prompt_tokens)
-                self._progress(job, len(job.prompt_tokens))
+                job.prefill = ChunkedPrefill(self.model, job.prompt_tokens, self.cache)
             except Exception as exc:  # one bad request must not stop the server
                 log.exception("prefill failed")
                 self._fail_request(job, f"prefill failed: {exc}")
                 continue
-            self._count_tokens(len(job.prompt_tokens))
-            self.metrics.prompt_tokens.inc(len(job.prompt_tokens))
-            for choice, choice_logits in self._share_prefill(job, logits):
-                self._emit_token(choice, choice_logits)
+            job.state, job.cached_tokens = job.prefill.state, job.prefill.reused
+            if job.prefill.done:  # the whole prompt was cached
+                self._end_prefill(job)
+
+    def _prefill_step(self) -> None:
+        """The next chunk of the oldest running prefill, with those of the next ones that fit in one
+        chunk's tokens beside it, in one pass."""
+        jobs = self._prefill_batch()
+        if not jobs:
+            return
+        before = [job.prefill.position for job in jobs]
+        try:
+            step_together([job.prefill for job in jobs], self.prefill_chunk)
+        except Exception as exc:  # the requests of a pass that failed fail; the server goes on
+            log.exception("prefill failed")
+            self._fail(jobs, f"prefill failed: {exc}")
+            return
+        self.batched_prefills += len(jobs) > 1
+        computed = sum(job.prefill.position - start for job, start in zip(jobs, before, strict=True))
+        self._count_tokens(computed)
+        self.metrics.prompt_tokens.inc(computed)
+        for job in jobs:
+            if job.prefill.done:
+                self._end_prefill(job)
+            else:
+                self._progress(job, job.prefill.position)
+
+    def _prefill_batch(self) -> list[Job]:
+        """The prefilling jobs of the next pass: the oldest, then the next ones while their chunks
+        together stay within `prefill_pass` tokens (one only for a model with no batched prefill)."""
+        waiting = [job for job in self._running if job.active and job.prefill is not None]
+        batch, tokens = [], 0
+        for job in waiting:
+            size = job.prefill.next_end(self.prefill_chunk) - job.prefill.position
+            if batch and (tokens + size > self.prefill_pass or not hasattr(self.model, "prefill_batch")):
+                break
+            batch.append(job)
+            tokens += size
+        return batch
+
+    def _end_prefill(self, job: Job) -> None:
+        """The prompt is in `job`'s state: its choices start from its last logits."""
+        logits, job.prefill = job.prefill.logits, None
+        self._progress(job, len(job.prompt_tokens))
+        for choice, choice_logits in self._share_prefill(job, logits):
+            self._emit_token(choice, choice_logits)
 
     def _progress(self, job: Job, processed: int) -> None:
         """Record and send how many prompt tokens of `job` are prefilled."""
@@ -281,7 +352,7 @@ class Scheduler:
             job.prefill_done_at = now
         job.prompt_done = processed
         elapsed_ms = (now - job.prefill_started_at) * 1000
-        job.sink.put(ProgressEvent(len(job.prompt_tokens), processed, elapsed_ms))
+        job.sink.put(ProgressEvent(len(job.prompt_tokens), processed, elapsed_ms, job.cached_tokens))
 
     def _share_prefill(self, job: Job, logits: Any) -> list[tuple[Job, Any]]:
         """`job` and its forks with their first logits: each fork starts from a copy of `job`'s state
@@ -289,6 +360,7 @@ class Scheduler:
         fork_state = getattr(type(self.model), "fork_state", None)
         shared = [(job, logits)]
         for fork in job.forks:
+            fork.cached_tokens = job.cached_tokens
             try:
                 if fork_state is not None:
                     fork.state = fork_state(self.model, job.state)
@@ -303,7 +375,8 @@ class Scheduler:
         return shared
 
     def _decode_step(self) -> None:
-        batch = [job for job in self._running if job.active]
+        # a choice decodes once it has its first token: after its prompt's prefill (a fork: its request's)
+        batch = [job for job in self._running if job.active and job.prefill is None and job.last_token >= 0]
         if not batch:
             return
         self.metrics.batch_size.observe(len(batch))
@@ -335,15 +408,31 @@ class Scheduler:
         else:
             self.metrics.time_per_output_token.observe(now - job.last_token_at)
         job.last_token, job.last_token_at = token, now
+        job.generated.append(token)
         self.metrics.generation_tokens.inc()
         if piece:
             job.sink.put(PieceEvent(piece))
         if job.logic.finish_reason is not None:
             self.completed_jobs += 1
             self.consecutive_failures = 0
-            job.sink.put(
-                FinishEvent(job.logic.finish_reason, len(job.prompt_tokens), job.logic.completion_tokens)
+            self._save_response(job)
+            finish = FinishEvent(
+                job.logic.finish_reason,
+                len(job.prompt_tokens),
+                job.logic.completion_tokens,
+                job.cached_tokens,
             )
+            job.sink.put(finish)
+
+    def _save_response(self, job: Job) -> None:
+        """The finished job's state into the prompt cache: its prompt and every generated token but the
+        last (never fed to the model)."""
+        if self.cache is None:
+            return
+        try:
+            self.cache.save(job.prompt_tokens + job.generated[:-1], job.state)
+        except Exception:  # a cache that cannot keep a state costs the next turn time, nothing else
+            log.exception("prompt cache: saving a response's state failed")
 
     def _count_tokens(self, n: int) -> None:
         if self._on_tokens is not None:

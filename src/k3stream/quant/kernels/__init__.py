@@ -21,6 +21,8 @@ from .seam import (
     kernel_for,
     note_fallbacks,
     qmatmul,
+    row_exact,
+    set_row_exact,
     situ,
     warm_up,
 )
@@ -44,6 +46,8 @@ __all__ = [
     "kernel_for",
     "note_fallbacks",
     "qmatmul",
+    "row_exact",
+    "set_row_exact",
     "situ",
     "warm_up",
 ]

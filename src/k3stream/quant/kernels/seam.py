@@ -43,6 +43,28 @@ F32_EXPERT_MAX_TOKENS = 512
 ANY_ROWS = 1 << 62
 
 
+class _RowExact:
+    """Process-wide: whether F32 products take the C kernel at any row count (`set_row_exact`)."""
+
+    on = False
+
+
+def set_row_exact(on: bool) -> None:
+    """Make every F32 product on the CPU take the C kernel whatever its row count, so that a row's bits
+    never depend on the rows computed with it (a prefill's row then has a decode step's bits, and a
+    prefill resumed at any position the bits of one from the start: what a restored sequence snapshot
+    needs). Off, prefills of more than F32_KERNEL_MAX_ROWS rows take torch's faster GEMM."""
+    _RowExact.on = on
+
+
+def row_exact() -> bool:
+    return _RowExact.on
+
+
+def _f32_rows_fit(rows: int, limit: int) -> bool:
+    return rows <= limit or _RowExact.on
+
+
 @dataclass(frozen=True)
 class QWeight:
     """A matrix as GGUF stores it: bytes (uint8, `out` rows of whole blocks), GGML type id, (out, in)."""
@@ -196,7 +218,8 @@ class Products:
 
     def _direct(self, x: torch.Tensor) -> bool:
         count, *features = x.shape
-        return count <= self._max_rows and features == [self.in_features] and cpu.takes((x,))
+        fits = count <= self._max_rows or (_RowExact.on and self._max_rows > 0)
+        return fits and features == [self.in_features] and cpu.takes((x,))
 
 
 class GroupedProduct:
@@ -237,7 +260,7 @@ class GroupedProduct:
 
     def _takes(self, x: torch.Tensor, starts: torch.Tensor) -> bool:
         direct = self._direct and x.ndim == 2 and x.shape[1] == self.in_features and cpu.takes((x,))
-        return direct and (self._most_rows == ANY_ROWS or _most_rows(starts) <= self._most_rows)
+        return direct and (self._most_rows == ANY_ROWS or _f32_rows_fit(_most_rows(starts), self._most_rows))
 
 
 class MLP:
@@ -278,14 +301,16 @@ class MLP:
 
     def _direct(self, x: torch.Tensor) -> bool:
         count, *features = x.shape
-        return count <= self._max_rows and features == [self.gate.in_features] and cpu.takes((x,))
+        fits = count <= self._max_rows or (_RowExact.on and self._max_rows > 0)
+        return fits and features == [self.gate.in_features] and cpu.takes((x,))
 
 
 def _f32_by_kernel(most_rows: int, device: torch.device, weights: Sequence[QWeight]) -> bool:
     """Whether an F32 product takes the C kernel: GGUF bytes on the CPU, at most F32_KERNEL_MAX_ROWS
     rows a matrix (a mat-vec reads the weight at the memory's speed, on every thread; torch's is one
     thread wide and slow at 2-16 rows; with more rows torch's GEMM computes faster)."""
-    return most_rows <= F32_KERNEL_MAX_ROWS and device.type == "cpu" and all(map(_bytes_for_c, weights))
+    fits = _f32_rows_fit(most_rows, F32_KERNEL_MAX_ROWS)
+    return fits and device.type == "cpu" and all(map(_bytes_for_c, weights))
 
 
 def _most_rows(starts: torch.Tensor) -> int:
@@ -363,7 +388,7 @@ def _row_at_a_time(x: torch.Tensor, product) -> torch.Tensor:
     """product(x), a row at a time for at most F32_KERNEL_MAX_ROWS rows on the CPU: for products the C
     kernels do not take, so that a row's bits do not depend on its company (torch's products round as
     their row count has them)."""
-    if len(x) <= F32_KERNEL_MAX_ROWS and x.device.type == "cpu":
+    if _f32_rows_fit(len(x), F32_KERNEL_MAX_ROWS) and x.device.type == "cpu":
         return torch.cat([product(row) for row in x.split(1)])
     return product(x)
 
@@ -476,7 +501,7 @@ def _fused_roles(
         return None
     first = experts[0]
     kinds = [(matrix.ggml_type, matrix.shape) for matrix in (first.gate, first.up, first.down)]
-    few_rows = x.shape[0] <= F32_EXPERT_MAX_TOKENS  # a decode step's one row among them
+    few_rows = _f32_rows_fit(x.shape[0], F32_EXPERT_MAX_TOKENS)  # a decode step's one row among them
     layouts = [_fused_layout(ggml_type, shape, match_ggml, few_rows) for ggml_type, shape in kinds]
     if None in layouts:
         return None

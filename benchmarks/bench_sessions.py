@@ -1,0 +1,498 @@
+"""An agent session with prompt reuse on and off, side by side: per turn TTFT, prompt tokens computed,
+snapshot create/restore ms and bytes per tier; then a restart from the same --cache-dir.
+
+    python benchmarks/bench_sessions.py [--model GGUF] [--turns 8] [--system-tokens 2048]
+        [--tool-tokens 300,1000] [--answer-tokens 16] [--cache-every 1024] [--threads 2]
+        [--every-sweep 256,1024,4096] [--stall-tokens 4096] [--prefill-chunk 256]
+
+The workload is an agent harness that keeps its token ids: a system prompt with tool schemas of
+`--system-tokens` tokens; each turn appends a tool output of 300-1000 tokens (seeded) and the chat
+template's assistant opening, answers greedily for `--answer-tokens` tokens, and appends the answer and
+the template's close. Reuse off prefills the whole history every turn (what `serve` did); reuse on
+restores the deepest snapshot (`engine.prompt_cache`) and prefills the rest. Every turn's answer must be
+the same token for token (checked). Runs through the Python API (`PromptCache.prefill`, `model.decode`),
+so a history beyond the model's context metadata runs (the shipped model's is 1,024; its MLA is NoPE).
+The last lines give, by arithmetic from the measured copy rate, the bytes and ms of one snapshot of
+Kimi-K3 at its real dimensions and how many sessions a RAM budget holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import k3stream
+from k3stream.engine.chat import ChatTemplate
+from k3stream.engine.prompt_cache import DEFAULT_EVERY, GIB, MIB, PromptCache, model_fingerprint
+from k3stream.engine.tokenizer import Tokenizer
+from k3stream.gguf.reader import K3Checkpoint
+from k3stream.quant.kernels import set_row_exact
+
+SHIPPED = Path(k3stream.__file__).parent / "data" / "k3-stdlib-audited.gguf"
+# Kimi-K3 (docs: /reference/kimi-k3-architecture.md): 69 KDA layers of 96 heads x 128, conv 4; 24 MLA
+# layers of kv_lora 512 + rope 64; vocabulary 163,840
+REAL = dict(kda_layers=69, heads=96, head_dim=128, conv=4, mla_layers=24, latent_width=576, vocab=163840)
+
+
+@dataclass
+class Turn:
+    prompt_tokens: int
+    computed: int
+    ttft_s: float
+    cpu_s: float  # CPU time of the prefill, all threads: robust to other processes on the machine
+    answer: list[int]
+    created: int = 0
+    create_ms: float = 0.0
+    restore_ms: float = 0.0
+    ram_bytes: int = 0
+    disk_bytes: int = 0
+
+
+@dataclass
+class Workload:
+    system: list[int]
+    tools: list[list[int]]
+    assistant_open: list[int]
+    close: list[int]
+    turns: list[Turn] = field(default_factory=list)
+
+
+def build_workload(tokenizer: Tokenizer, args: argparse.Namespace) -> Workload:
+    """Token ids of the system prompt (tool schemas) and of each turn's tool output, seeded."""
+    rng = random.Random(args.seed)
+    template = ChatTemplate.for_tokenizer(tokenizer)
+    schemas = [
+        {
+            "name": f"tool_{i}",
+            "description": " ".join(rng.choices(WORDS, k=24)),
+            "parameters": {"type": "object"},
+        }
+        for i in range(64)
+    ]
+    system_text = template.render([{"role": "system", "content": "You are an agent."}], tools=schemas)
+    system = tokenizer.encode(system_text, allow_special=True)
+    while len(system) < args.system_tokens:
+        system += tokenizer.encode(" ".join(rng.choices(WORDS, k=64)))
+    low, high = (int(x) for x in args.tool_tokens.split(","))
+    tools = []
+    for turn in range(args.turns + 1):  # the last for the turn after the restart
+        text = template.render(
+            [{"role": "tool", "tool_call_id": f"call_{turn}", "content": "x"}], add_generation_prompt=False
+        )
+        body = tokenizer.encode(" ".join(rng.choices(WORDS, k=high)))[: rng.randint(low, high)]
+        tools.append(
+            tokenizer.encode(text, allow_special=True)[:-3]
+            + body
+            + tokenizer.encode(text, allow_special=True)[-3:]
+        )
+    opening = template.render([{"role": "user", "content": ""}], add_generation_prompt=True)
+    opening_ids = tokenizer.encode(opening, allow_special=True)
+    bare = tokenizer.encode(
+        template.render([{"role": "user", "content": ""}], add_generation_prompt=False), allow_special=True
+    )
+    close = tokenizer.encode(
+        "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>", allow_special=True
+    )
+    return Workload(system[: args.system_tokens], tools, opening_ids[len(bare) :], close)
+
+
+WORDS = (
+    "file",
+    "path",
+    "line",
+    "error",
+    "result",
+    "value",
+    "status",
+    "request",
+    "response",
+    "json",
+    "list",
+    "object",
+    "string",
+    "number",
+    "token",
+    "search",
+    "query",
+    "read",
+    "write",
+    "open",
+    "close",
+    "build",
+    "test",
+    "run",
+    "check",
+    "commit",
+    "branch",
+    "merge",
+    "diff",
+    "patch",
+    "config",
+)
+
+
+def run_sessions(model, workload: Workload, turns: int, cache: PromptCache, answer_tokens: int):
+    """The session with reuse on and off, a turn of each in turn (so a busy machine slows both alike);
+    off is the engine without a cache (F32 products of many rows on torch's GEMM)."""
+    context, on, off = list(workload.system), [], []
+    for turn in range(turns):
+        context += workload.tools[turn] + workload.assistant_open
+        on.append(one_turn(model, context, cache, answer_tokens))
+        off.append(one_turn(model, context, None, answer_tokens))
+        context += on[-1].answer + workload.close
+    return on, off
+
+
+def one_turn(model, context: list[int], cache: PromptCache | None, answer_tokens: int) -> Turn:
+    set_row_exact(cache is not None)  # what a cache turns on (`model.snapshot`)
+    before = _stats(cache)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    if cache is None:
+        state, computed = model.new_state(), len(context)
+        logits = model.prefill_last(state, context)
+    else:
+        prefilled = cache.prefill(context)
+        state, logits, computed = prefilled.state, prefilled.logits, len(context) - prefilled.reused
+    ttft, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    answer = [int(logits.argmax())]
+    while len(answer) < answer_tokens:
+        answer.append(int(model.decode(state, answer[-1]).argmax()))
+    if cache is not None:
+        cache.save(context + answer[:-1], state)
+        cache.flush()  # the files of this turn written, for the disk figures
+    after = _stats(cache)
+    turn = Turn(len(context), computed, ttft, cpu, answer)
+    if cache is not None:
+        turn.created = after["created"] - before["created"]
+        turn.create_ms = 1e3 * (after["create_s"] - before["create_s"])
+        turn.restore_ms = 1e3 * (after["restore_s"] - before["restore_s"])
+        turn.ram_bytes, turn.disk_bytes = cache.ram_bytes, cache.disk_used
+    return turn
+
+
+def _stats(cache: PromptCache | None) -> dict[str, float]:
+    if cache is None:
+        return {}
+    s = cache.stats
+    return {"created": s.snapshots_created, "create_s": s.create_s, "restore_s": s.restore_s}
+
+
+def repeated_sessions(model, workload: Workload, args, fingerprint: str, cache_dir: str):
+    """`args.repeats` sessions, each with a new cache (in `cache_dir/run<i>`): the first session's turns
+    with each turn's least TTFT and CPU time over the runs (this machine's other load only adds)."""
+    best: tuple[list[Turn], list[Turn]] | None = None
+    for run in range(args.repeats):
+        directory = Path(cache_dir) / f"run{run}"
+        cache = PromptCache(
+            model, fingerprint, int(args.cache_ram * MIB), directory, 4 * GIB, args.cache_every
+        )
+        sides = run_sessions(model, workload, args.turns, cache, args.answer_tokens)
+        cache.close()
+        if best is None:
+            best = sides
+            continue
+        for kept, new in zip(best, sides, strict=True):
+            for turn, again in zip(kept, new, strict=True):
+                turn.ttft_s, turn.cpu_s = min(turn.ttft_s, again.ttft_s), min(turn.cpu_s, again.cpu_s)
+    return best
+
+
+def print_side_by_side(on: list[Turn], off: list[Turn]) -> None:
+    print(
+        f"{'turn':>4} {'prompt':>7} | {'off: computed':>13} {'TTFT ms':>8} {'CPU ms':>8} | "
+        f"{'on: computed':>12} {'TTFT ms':>8} {'CPU ms':>8} {'ratio':>6} | {'snaps':>5} {'create ms':>9} "
+        f"{'restore ms':>10} {'RAM MiB':>8} {'disk MiB':>8} | same"
+    )
+    for i, (a, b) in enumerate(zip(on, off, strict=True), 1):
+        print(
+            f"{i:>4} {a.prompt_tokens:>7} | {b.computed:>13} {1e3 * b.ttft_s:>8.1f} "
+            f"{1e3 * b.cpu_s:>8.1f} | {a.computed:>12} {1e3 * a.ttft_s:>8.1f} {1e3 * a.cpu_s:>8.1f} "
+            f"{a.cpu_s / b.cpu_s:>6.3f} | {a.created:>5} {a.create_ms:>9.2f} {a.restore_ms:>10.2f} "
+            f"{a.ram_bytes / MIB:>8.2f} {a.disk_bytes / MIB:>8.2f} | {a.answer == b.answer}"
+        )
+
+
+def real_model_arithmetic(copy_bytes_per_s: float, ram_gib: float, session_tokens: int) -> list[str]:
+    r = REAL
+    fixed = (
+        r["kda_layers"]
+        * (r["heads"] * r["head_dim"] ** 2 + 3 * r["heads"] * r["head_dim"] * (r["conv"] - 1))
+        * 4
+    )
+    fixed_logits = fixed + 4 * r["vocab"]
+    per_token = r["mla_layers"] * r["latent_width"] * 4
+    session = 2 * fixed_logits + per_token * session_tokens  # prompt end and response end share the rows
+    return [
+        f"Kimi-K3 at its real dimensions: a snapshot is {fixed_logits / MIB:.0f} MiB of KDA state and logits "
+        f"plus {per_token / 1024:.1f} KiB of MLA latents per token (shared along one conversation)",
+        f"  at the copy rate measured here ({copy_bytes_per_s / GIB:.2f} GiB/s) one snapshot takes "
+        f"{1e3 * fixed_logits / copy_bytes_per_s:.0f} ms; a restore of a {session_tokens}-token session "
+        f"{1e3 * (fixed + per_token * session_tokens) / copy_bytes_per_s:.0f} ms",
+        f"  a {session_tokens}-token session's two live snapshots hold {session / GIB:.2f} GiB: "
+        f"--cache-ram {ram_gib:.0f} GiB holds {int(ram_gib * GIB // session)} such sessions",
+    ]
+
+
+def measure_copy_rate() -> float:
+    source = torch.randn(64 << 20 >> 2)
+    start = time.perf_counter()
+    for _ in range(4):
+        source.clone()
+    return 4 * source.numel() * 4 / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=str(SHIPPED))
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--system-tokens", type=int, default=2048)
+    parser.add_argument("--tool-tokens", default="300,1000")
+    parser.add_argument("--answer-tokens", type=int, default=16)
+    parser.add_argument("--cache-every", type=int, default=DEFAULT_EVERY)
+    parser.add_argument("--cache-ram", type=float, default=1024.0, help="MiB")
+    parser.add_argument(
+        "--every-sweep", default="256,1024,4096", help="--cache-every values to time (empty: none)"
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="sessions run; each turn's least time is shown"
+    )
+    parser.add_argument(
+        "--stall-tokens", type=int, default=4096, help="the long prompt beside a stream (0: skip)"
+    )
+    parser.add_argument("--prefill-chunk", type=int, default=256)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = k3stream.load(args.model)
+    tokenizer = Tokenizer.from_gguf(args.model)
+    workload = build_workload(tokenizer, args)
+    fingerprint = model_fingerprint(K3Checkpoint.open(args.model).shards)
+    print(f"model {args.model} (context metadata {model.config.context_length}); {args.threads} threads; "
+          f"system prompt {len(workload.system)} tokens, tool outputs "
+          f"{[len(t) for t in workload.tools[: args.turns]]}")  # fmt: skip
+    model.prefill_last(model.new_state(), workload.system[:64])  # warm
+    with tempfile.TemporaryDirectory() as cache_dir:
+        on, off = repeated_sessions(model, workload, args, fingerprint, cache_dir)
+        print(f"\nreuse on (--cache-every {args.cache_every}) and off, side by side")
+        print(f"(each turn's least time of {args.repeats} runs; ratio: CPU time on / off):")
+        print_side_by_side(on, off)
+        same = all(a.answer == b.answer for a, b in zip(on, off, strict=True))
+        print(
+            f"TTFT at turn {args.turns}: on/off = {on[-1].ttft_s / off[-1].ttft_s:.3f} wall, "
+            f"{on[-1].cpu_s / off[-1].cpu_s:.3f} CPU; answers equal every turn: {same}"
+        )
+        restart(model, workload, args, fingerprint, cache_dir, on)
+    sweep(model, workload, args, fingerprint)
+    if args.stall_tokens:
+        stalls(args)
+        shared_reads(args)
+    rate = measure_copy_rate()
+    print()
+    for line in real_model_arithmetic(rate, 64, 32768):
+        print(line)
+
+
+def restart(model, workload: Workload, args, fingerprint: str, cache_dir: str, on: list[Turn]) -> None:
+    """Turn 9 in a new cache on the same directory (an empty RAM tier): it reuses turn 8's state."""
+    context = list(workload.system)
+    for turn in range(args.turns):
+        context += workload.tools[turn] + workload.assistant_open + on[turn].answer + workload.close
+    context += workload.tools[args.turns] + workload.assistant_open
+    directory = Path(cache_dir) / "run0"
+    restarted = PromptCache(
+        model, fingerprint, int(args.cache_ram * MIB), directory, 4 * GIB, args.cache_every
+    )
+    warm = one_turn(model, context, restarted, args.answer_tokens)
+    cold = one_turn(model, context, None, args.answer_tokens)
+    print(
+        f"after a restart on the same cache dir, turn {args.turns + 1}: {warm.prompt_tokens} prompt tokens, "
+        f"{warm.computed} computed (restore from disk {warm.restore_ms:.1f} ms), TTFT "
+        f"{1e3 * warm.ttft_s:.1f} ms (CPU {1e3 * warm.cpu_s:.1f}) against {1e3 * cold.ttft_s:.1f} ms "
+        f"(CPU {1e3 * cold.cpu_s:.1f}) with reuse off; same answer: {warm.answer == cold.answer}"
+    )
+
+
+def sweep(model, workload: Workload, args, fingerprint: str) -> None:
+    """Prefill of the whole 8-turn history from nothing with snapshots every N tokens against none: the
+    overhead of taking them, and what they hold."""
+    values = [int(v) for v in args.every_sweep.split(",") if v]
+    if not values:
+        return
+    context = list(workload.system)
+    for tool in workload.tools[: args.turns]:
+        context += tool
+    set_row_exact(True)
+    base = _best_of(3, lambda: model.prefill_last(model.new_state(), context))
+    print(
+        f"\n--cache-every sweep: one prefill of {len(context)} tokens, {1e3 * base:.1f} CPU ms, no snapshots"
+    )
+    for every in values:
+        caches = iter([PromptCache(model, fingerprint, 1 << 40, every=every) for _ in range(3)])
+        cache = None
+
+        def run(fresh=caches) -> None:
+            nonlocal cache
+            cache = next(fresh)
+            cache.prefill(context)
+
+        took = _best_of(3, run)
+        print(
+            f"  every {every:>5}: {1e3 * took:8.1f} ms ({took / base - 1:+.1%}), "
+            f"{cache.stats.snapshots_created} snapshots, {cache.ram_bytes / MIB:.2f} MiB, "
+            f"a branch recomputes at most {every} tokens"
+        )
+
+
+def stalls(args) -> None:
+    """A client streaming while another sends a `--stall-tokens` prompt, served with the prompt prefilled
+    whole and in `--prefill-chunk` chunks: the stream's longest gap between chunks, against one chunk's
+    prefill. A tiny model with a long enough context (the shipped one's is 1,024)."""
+    from k3stream.testing.tiny import TinySpec, make_tiny
+
+    with tempfile.TemporaryDirectory() as directory:
+        spec = TinySpec(
+            n_layers=6, hidden=128, n_experts=64, top_k=4, expert_ff=64, context_length=8192, seed=11
+        )
+        path = make_tiny(Path(directory), spec)
+        generator = torch.Generator().manual_seed(args.seed)
+        long_prompt = torch.randint(10, 500, (args.stall_tokens,), generator=generator).tolist()
+        print(f"\na stream beside a {args.stall_tokens}-token prompt (tiny model, context 8192):")
+        for chunk in (1 << 30, args.prefill_chunk):
+            gaps, prefill_s = stream_beside(path, long_prompt, chunk, args.threads)
+            label = "whole prompt" if chunk == 1 << 30 else f"--prefill-chunk {chunk}"
+            longest = ", ".join(f"{1e3 * gap:.0f}" for gap in sorted(gaps)[::-1][:4])
+            median = sorted(gaps)[len(gaps) // 2]
+            print(
+                f"  {label:>20}: longest gaps {longest} ms, median {1e3 * median:.1f} ms ({len(gaps)} gaps); "
+                f"the long prompt's TTFT {prefill_s:.2f} s"
+            )
+        from k3stream.engine.loading import load_runtime
+
+        model = load_runtime(path, stream_experts=False).model  # as served
+        set_row_exact(False)
+        model.prefill_last(model.new_state(), long_prompt[:16])  # warm
+        walls = []
+        for _ in range(3):
+            start = time.perf_counter()
+            model.prefill_last(model.new_state(), long_prompt[: args.prefill_chunk])
+            walls.append(time.perf_counter() - start)
+        print(f"  one {args.prefill_chunk}-token chunk alone: {1e3 * min(walls):.1f} ms (least of 3)")
+
+
+def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) -> tuple[list[float], float]:
+    """Gaps between a streamed completion's chunks while `long_prompt` is prefilled, and its TTFT."""
+    import threading
+
+    import openai
+
+    from k3stream.engine.loading import load_runtime
+    from k3stream.server.app import ServerConfig, create_app
+    from k3stream.server.live import ServerThread
+    from k3stream.server.runtime import served_from_runtime
+
+    torch.set_num_threads(threads)
+    served = served_from_runtime(load_runtime(path, stream_experts=False), ctx=8192)
+    app = create_app(served, ServerConfig(max_batch=4, prefill_chunk=chunk))
+    arrivals: list[float] = []
+    with ServerThread(app) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+        started = threading.Event()
+
+        def stream() -> None:
+            chunks = client.completions.create(
+                model=served.name, prompt="Once upon a time", max_tokens=400, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            for _ in chunks:
+                arrivals.append(time.perf_counter())
+                started.set()
+
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        started.wait()
+        time.sleep(0.2)
+        begin = time.perf_counter()
+        client.completions.create(model=served.name, prompt=long_prompt, max_tokens=1, temperature=0)
+        prefill_s, end = time.perf_counter() - begin, time.perf_counter()
+        streamer.join()
+    served.close()
+    during = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if begin <= b <= end + 0.5]
+    return during or [0.0], prefill_s
+
+
+def shared_reads(args) -> None:
+    """Pack bytes read per prefilled token: one `--stall-tokens`/4-token prompt alone, then four at
+    once (their chunks share passes), on a tiny model served from its pack with an expert RAM budget of
+    one MoE layer's experts (every pass reads most of the pack)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from k3stream.engine.loading import load_runtime
+    from k3stream.pack.builder import BuildOptions, build_pack
+    from k3stream.pack.reader import ExpertPack
+    from k3stream.server.app import ServerConfig, create_app
+    from k3stream.server.live import ServerThread
+    from k3stream.server.runtime import served_from_runtime
+    from k3stream.testing.tiny import TinySpec, make_tiny
+
+    length = max(args.stall_tokens // 4, args.prefill_chunk)
+    with tempfile.TemporaryDirectory() as directory:
+        spec = TinySpec(
+            n_layers=6, hidden=128, n_experts=64, top_k=4, expert_ff=64, context_length=8192, seed=11
+        )
+        gguf = make_tiny(Path(directory) / "model", spec)
+        manifest = Path(directory) / "tiny.manifest.json"
+        build_pack(gguf, Path(directory) / "tiny.pack", manifest, BuildOptions(progress=False))
+        with ExpertPack(manifest) as pack:
+            layer_mib = pack.num_experts * pack.object_bytes / MIB
+        served = served_from_runtime(
+            load_runtime(manifest, k3stream.LoadOptions(expert_ram_mib=layer_mib)), ctx=8192
+        )
+        app = create_app(served, ServerConfig(max_batch=4, prefill_chunk=args.prefill_chunk))
+        generator = torch.Generator().manual_seed(args.seed)
+        prompts = [torch.randint(10, 500, (length,), generator=generator).tolist() for _ in range(5)]
+        with ServerThread(app) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+            def prefill(prompt: list[int]) -> None:
+                client.completions.create(model=served.name, prompt=prompt, max_tokens=1, temperature=0)
+
+            per_token = []
+            for batch in ([prompts[0]], prompts[1:]):
+                before = served.store_stats()["pack_read_bytes"]
+                with ThreadPoolExecutor(len(batch)) as pool:
+                    list(pool.map(prefill, batch))
+                read = served.store_stats()["pack_read_bytes"] - before
+                per_token.append(read / (len(batch) * length))
+            passes = app.state.scheduler.snapshot()["batched_prefills"]
+        served.close()
+    print(
+        f"\npack bytes read per prefilled token ({length}-token prompts, --prefill-chunk "
+        f"{args.prefill_chunk}, expert RAM one layer's): one alone {per_token[0] / 1024:.1f} KiB, "
+        f"four at once {per_token[1] / 1024:.1f} KiB ({per_token[1] / per_token[0]:.2f}x; "
+        f"{passes} shared passes)"
+    )
+
+
+def _best_of(n: int, function) -> float:
+    """The least CPU time of n runs (all threads)."""
+    times = []
+    for _ in range(n):
+        start = time.process_time()
+        function()
+        times.append(time.process_time() - start)
+    return min(times)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,642 @@
+"""The prompt cache: sequence-state snapshots by exact token prefix, in RAM and on disk.
+
+A request's prompt ids are matched against a radix tree of the token ids whose states were snapshotted
+(`model.snapshot`); the longest prefix with a snapshot is restored and only the rest is prefilled.
+Snapshots come from passes that run anyway: the end of each prompt's prefill, every `every` tokens
+inside it (the same pass: `snapshot.prefill_marked`), and the end of each response. A snapshot is
+keyed to the token ids and to the model file's fingerprint, so another model, template or system prompt
+never reuses a wrong state.
+
+Tiers: RAM (a byte budget; snapshots of one sequence share their MLA rows, counted once per buffer) and
+disk (one file a snapshot: a header with the fingerprint and token ids, the tensors, an xxh3_64 of all
+of it; written to a temporary name and renamed, so a restarted process finds whole files or none; a
+file that fails its checksum is a miss with a warning). Both tiers evict by what a snapshot saves
+(tokens of recompute) per byte, halved for every `HALF_LIFE` cache operations since its last use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import xxhash
+
+from k3stream.engine.generate import prefill_last
+from k3stream.model.kda import KDAState
+from k3stream.model.snapshot import (
+    LatentRows,
+    Snapshot,
+    check_fits,
+    prefill_marked_batch,
+    restore,
+    take_snapshot,
+)
+from k3stream.quant.kernels import set_row_exact
+
+if TYPE_CHECKING:
+    from k3stream.model.k3 import K3Model, SequenceState
+
+log = logging.getLogger(__name__)
+MIB, GIB = 1 << 20, 1 << 30
+HALF_LIFE = 64  # cache operations after which a snapshot's score halves
+DEFAULT_EVERY = 1024  # tokens between snapshots inside a prefill (docs/prompt-cache.md: why)
+MAGIC = b"K3SNAP01"
+SUFFIX = ".k3snap"
+
+
+def model_fingerprint(shards: list[Path]) -> str:
+    """xxh3_64 (hex) of a model's GGUF shards: their sizes and sampled windows of their bytes."""
+    from k3stream.pack.integrity import shard_fingerprint
+
+    digest = xxhash.xxh3_64()
+    for path in shards:
+        size = os.path.getsize(path)
+        digest.update(f"{size}:{shard_fingerprint(Path(path), 0, size)};".encode())
+    return digest.hexdigest()
+
+
+@dataclass
+class Entry:
+    """One snapshot's place in the tree: its token ids, and where it lives (RAM, disk or both)."""
+
+    tokens: tuple[int, ...]
+    snapshot: Snapshot | None = None
+    disk_path: Path | None = None
+    disk_bytes: int = 0
+    last_used: int = 0
+    has_logits: bool = False  # the snapshot ends a prompt and holds its last token's logits
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class _Node:
+    edge: tuple[int, ...] = ()
+    children: dict[int, _Node] = field(default_factory=dict)
+    entry: Entry | None = None
+
+
+class RadixTree:
+    """Token-id sequences with an entry each; `deepest(tokens)`: the longest stored prefix of tokens."""
+
+    def __init__(self) -> None:
+        self.root = _Node()
+
+    def insert(self, entry: Entry) -> Entry:
+        """Store `entry` at its tokens (an entry already there stays and is returned)."""
+        node, tokens = self.root, entry.tokens
+        while tokens:
+            child = node.children.get(tokens[0])
+            if child is None:
+                child = node.children[tokens[0]] = _Node(tokens)
+                node, tokens = child, ()
+                break
+            common = _common_length(child.edge, tokens)
+            if common < len(child.edge):  # split the edge where the two part
+                middle = _Node(child.edge[:common], {child.edge[common]: child})
+                child.edge = child.edge[common:]
+                node.children[tokens[0]] = middle
+                child = middle
+            node, tokens = child, tokens[common:]
+        if node.entry is None:
+            node.entry = entry
+        return node.entry
+
+    def deepest(
+        self, tokens: tuple[int, ...] | list[int], limit: int, accept: Callable[[Entry], bool] = bool
+    ) -> Entry | None:
+        """The entry of the longest prefix of `tokens` of at most `limit` tokens that `accept`s."""
+        node, depth, best = self.root, 0, None
+        while depth < limit:
+            child = node.children.get(tokens[depth])
+            if child is None or depth + len(child.edge) > limit:
+                break
+            if tuple(tokens[depth : depth + len(child.edge)]) != child.edge:
+                break
+            node, depth = child, depth + len(child.edge)
+            if node.entry is not None and accept(node.entry):
+                best = node.entry
+        return best
+
+    def remove(self, tokens: tuple[int, ...]) -> None:
+        """Take the entry at `tokens` out (nothing when there is none), and the nodes left empty."""
+        path, node, rest = [self.root], self.root, tokens
+        while rest:
+            node = node.children.get(rest[0])
+            if node is None or tuple(rest[: len(node.edge)]) != node.edge:
+                return
+            path.append(node)
+            rest = rest[len(node.edge) :]
+        node.entry = None
+        for parent, child in zip(reversed(path[:-1]), reversed(path[1:]), strict=True):
+            if child.entry is not None or child.children:
+                break
+            del parent.children[child.edge[0]]
+
+    def entries(self) -> Iterator[Entry]:
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node.entry is not None:
+                yield node.entry
+            stack.extend(node.children.values())
+
+
+def _common_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    tokens_reused: int = 0
+    tokens_computed: int = 0
+    evictions_ram: int = 0
+    evictions_disk: int = 0
+    snapshots_created: int = 0
+    disk_errors: int = 0
+    create_s: float = 0.0
+    restore_s: float = 0.0
+
+
+class _RowExactUsers:
+    """The open caches: the products are row-exact while there is one (`kernels.set_row_exact`)."""
+
+    count = 0
+    lock = threading.Lock()
+
+    @classmethod
+    def enter(cls) -> None:
+        with cls.lock:
+            cls.count += 1
+            set_row_exact(True)
+
+    @classmethod
+    def leave(cls) -> None:
+        with cls.lock:
+            cls.count -= 1
+            set_row_exact(cls.count > 0)
+
+
+class ChunkedPrefill:
+    """A prompt's prefill in steps: restored from `cache` (if any) as far as it holds the prompt, then
+    `step(chunk)` runs the tokens up to the next multiple of `chunk` (absolute positions: a prompt is cut
+    the same way whatever runs beside it). The last step gives the logits and saves the prompt's end."""
+
+    def __init__(self, model: Any, tokens: list[int], cache: PromptCache | None = None) -> None:
+        self.model, self.tokens, self.cache = model, list(tokens), cache
+        self.logits: torch.Tensor | None = None
+        if cache is not None and cache.enabled:
+            self.state, self.reused, self.logits = cache.restore_longest(self.tokens)
+        else:
+            self.state, self.reused = model.new_state(), 0
+        self.position = len(self.tokens) if self.logits is not None else self.reused
+
+    @property
+    def done(self) -> bool:
+        return self.logits is not None
+
+    def next_end(self, chunk: int) -> int:
+        """Where the next chunk of `chunk` tokens ends."""
+        return min(len(self.tokens), (self.position // chunk + 1) * chunk)
+
+    def step(self, chunk: int) -> bool:
+        """Prefill the next chunk; whether the prompt is done."""
+        if not self.done:
+            step_together([self], chunk)
+        return self.done
+
+    def advance(self, end: int, logits: torch.Tensor, inside: list[Snapshot]) -> None:
+        """Tokens up to `end` went through the model, `logits` the last one's."""
+        start, self.position = self.position, end
+        cache = self.cache if self.cache is not None and self.cache.enabled else None
+        if cache is not None:
+            cache.note_prefilled(self.tokens, start, end, inside)
+        if end == len(self.tokens):
+            self.logits = logits
+            if cache is not None:
+                cache.save(self.tokens, self.state, logits)
+
+    def run(self) -> Prefilled:
+        """The whole prefill in one pass."""
+        self.step(max(len(self.tokens), 1))
+        return Prefilled(self.logits, self.state, self.reused)
+
+
+def step_together(prefills: list[ChunkedPrefill], chunk: int) -> None:
+    """The next chunk of each of `prefills` (one model, one cache or none; none done) in one pass: in
+    each MoE layer the experts any of them routes to are read once."""
+    first = prefills[0]
+    ends = [prefill.next_end(chunk) for prefill in prefills]
+    parts = [prefill.tokens[prefill.position : end] for prefill, end in zip(prefills, ends, strict=True)]
+    states = [prefill.state for prefill in prefills]
+    cache = first.cache if first.cache is not None and first.cache.enabled else None
+    if cache is not None:
+        marks = [cache.marks(prefill.position, end) for prefill, end in zip(prefills, ends, strict=True)]
+        logits, snapshots = prefill_marked_batch(first.model, states, parts, marks)
+    elif len(prefills) == 1:
+        logits, snapshots = prefill_last(first.model, states[0], parts[0])[None], [[]]
+    else:
+        logits, snapshots = first.model.prefill_batch(states, parts), [[] for _ in prefills]
+    for row, (prefill, end, inside) in enumerate(zip(prefills, ends, snapshots, strict=True)):
+        prefill.advance(end, logits[row], inside)
+
+
+@dataclass
+class Prefilled:
+    """What `PromptCache.prefill` returns: the last prompt token's logits, the sequence's live state and
+    how many prompt tokens came from the cache."""
+
+    logits: torch.Tensor
+    state: SequenceState
+    reused: int
+
+
+class PromptCache:
+    """Snapshots of one model's sequences by exact token prefix (thread-safe: one lock around the tree
+    and tiers; snapshots are immutable once stored, restores copy them)."""
+
+    def __init__(
+        self,
+        model: K3Model,
+        fingerprint: str,
+        ram_bytes: int,
+        disk_dir: Path | str | None = None,
+        disk_bytes: int = 0,
+        every: int = DEFAULT_EVERY,
+    ) -> None:
+        if ram_bytes < 0 or disk_bytes < 0 or every < 1:
+            raise ValueError("prompt cache: budgets must be >= 0 and --cache-every >= 1")
+        self.model = model
+        self.fingerprint = fingerprint
+        self.ram_budget = ram_bytes
+        self.disk_budget = disk_bytes if disk_dir is not None else 0
+        self.every = every
+        self.stats = CacheStats()
+        self._tree = RadixTree()
+        self._lock = threading.RLock()
+        self._clock = 0
+        self._storages: dict[int, list[int]] = {}  # latent storage -> [references, bytes]
+        self._fixed_ram = 0
+        self.disk_dir = Path(disk_dir) / fingerprint if disk_dir is not None else None
+        self._writes = ThreadPoolExecutor(1, thread_name_prefix="k3stream-cache-writer")
+        self._closed = False
+        if self.disk_dir is not None and self.disk_budget:
+            self.disk_dir.mkdir(parents=True, exist_ok=True)
+            self._scan_disk()
+        if self.enabled:  # a restored state continues with the cold bits (`model.snapshot`)
+            self._row_exact = weakref.finalize(self, _RowExactUsers.leave)
+            _RowExactUsers.enter()
+
+    @property
+    def enabled(self) -> bool:
+        return self.ram_budget > 0
+
+    def flush(self) -> None:
+        """Wait for the snapshot files queued so far."""
+        self._writes.submit(lambda: None).result()
+
+    def close(self) -> None:
+        """Finish the queued snapshot files (a restarted process finds them) and stop writing."""
+        with self._lock:
+            self._closed = True  # later snapshots stay in RAM
+        self._writes.shutdown(wait=True)
+        if self.enabled:
+            self._row_exact()  # runs once, here or when the cache is collected
+
+    # ---- the driver --------------------------------------------------------------------------------
+
+    def prefill(self, tokens: list[int]) -> Prefilled:
+        """The prompt's last logits and live state: restored from the deepest snapshot of a prefix of
+        `tokens`, the rest prefilled in one pass that snapshots every `every` tokens and at its end. A
+        prompt seen whole before comes back with the logits its prefill kept."""
+        return ChunkedPrefill(self.model, tokens, self).run()
+
+    def note_prefilled(self, tokens: list[int], start: int, end: int, inside: list[Snapshot]) -> None:
+        """Tokens start..end of `tokens` went through the model, with snapshots `inside`."""
+        for snapshot in inside:
+            self._store(tokens[: snapshot.length], snapshot, durable=False)
+        with self._lock:
+            self.stats.tokens_computed += end - start
+
+    def marks(self, start: int, end: int) -> list[int]:
+        """The positions in start < p < end at which a prefill snapshots."""
+        return list(range((start // self.every + 1) * self.every, end, self.every)) if self.enabled else []
+
+    def restore_longest(self, tokens: list[int]) -> tuple[SequenceState, int, torch.Tensor | None]:
+        """A state restored from the deepest snapshot of a prefix of `tokens` (a new state and 0 where
+        none is), that snapshot's length, and the last token's logits where it is the whole prompt (a
+        snapshot of all of `tokens` without logits is passed over: the last logits must be computed)."""
+
+        def usable(entry: Entry) -> bool:
+            return entry.length < len(tokens) or entry.has_logits
+
+        while self.enabled:
+            with self._lock:
+                self._clock += 1
+                entry = self._tree.deepest(tokens, len(tokens), usable)
+                if entry is None:
+                    break
+                entry.last_used = self._clock
+                snapshot = entry.snapshot
+            if snapshot is None:
+                snapshot = self._load(entry)
+            if snapshot is None:  # a bad file: dropped, look again
+                continue
+            started = time.perf_counter()
+            state = restore(self.model, snapshot)
+            with self._lock:
+                self.stats.restore_s += time.perf_counter() - started
+                self.stats.hits += 1
+                self.stats.tokens_reused += entry.length
+            whole = entry.length == len(tokens) and snapshot.logits is not None
+            return state, entry.length, snapshot.logits.clone() if whole else None
+        with self._lock:
+            self.stats.misses += self.enabled
+        return self.model.new_state(), 0, None
+
+    def save(self, tokens: list[int], state: SequenceState, logits: torch.Tensor | None = None) -> None:
+        """Snapshot `state`, the state after exactly `tokens` (the end of a prompt, with its last
+        `logits`, or of a response)."""
+        if not self.enabled:
+            return
+        if state.length != len(tokens):
+            raise ValueError(f"prompt cache: a state of {state.length} tokens saved under {len(tokens)} ids")
+        started = time.perf_counter()
+        snapshot = take_snapshot(state)
+        if logits is not None:
+            snapshot = snapshot.with_logits(logits)
+        with self._lock:
+            self.stats.create_s += time.perf_counter() - started
+        self._store(tokens, snapshot, durable=True)
+
+    # ---- the tiers ---------------------------------------------------------------------------------
+
+    def _store(self, tokens: list[int], snapshot: Snapshot, durable: bool) -> None:
+        if not self.enabled:
+            return
+        key = tuple(tokens)
+        with self._lock:
+            self._clock += 1
+            entry = self._tree.insert(Entry(key, last_used=self._clock))
+            entry.last_used = self._clock
+            if entry.snapshot is None or (snapshot.logits is not None and not entry.has_logits):
+                if entry.snapshot is not None:
+                    self._account(entry.snapshot, -1)
+                entry.snapshot = snapshot
+                entry.has_logits = snapshot.logits is not None
+                self._account(snapshot, +1)
+                self.stats.snapshots_created += 1
+            write = durable and self.disk_budget > 0 and entry.disk_path is None and not self._closed
+            self._evict_ram()  # may take this one out of RAM: its file is still written
+        if write:  # off the request's path: the first token does not wait for the disk
+            self._writes.submit(self._write, entry, snapshot)
+
+    def _account(self, snapshot: Snapshot, sign: int) -> None:
+        self._fixed_ram += sign * snapshot.fixed_bytes
+        for latent in snapshot.latents():
+            held = self._storages.setdefault(latent.storage_key(), [0, latent.storage_bytes])
+            held[0] += sign
+            if held[0] == 0:
+                del self._storages[latent.storage_key()]
+
+    @property
+    def ram_bytes(self) -> int:
+        with self._lock:
+            return self._fixed_ram + sum(nbytes for _, nbytes in self._storages.values())
+
+    @property
+    def disk_used(self) -> int:
+        with self._lock:
+            return sum(entry.disk_bytes for entry in self._tree.entries())
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            entries = list(self._tree.entries())
+            return {
+                "ram_snapshots": sum(entry.snapshot is not None for entry in entries),
+                "disk_snapshots": sum(entry.disk_path is not None for entry in entries),
+            }
+
+    def _score(self, entry: Entry, nbytes: int) -> float:
+        """Tokens of recompute saved per byte, halved every HALF_LIFE operations since the last use."""
+        return entry.length / max(nbytes, 1) * 0.5 ** ((self._clock - entry.last_used) / HALF_LIFE)
+
+    def _evict_ram(self) -> None:
+        while self.ram_bytes > self.ram_budget:
+            held = [entry for entry in self._tree.entries() if entry.snapshot is not None]
+            if not held:
+                return
+            victim = min(held, key=lambda e: self._score(e, e.snapshot.nbytes))
+            self._account(victim.snapshot, -1)
+            victim.snapshot = None
+            self.stats.evictions_ram += 1
+            self._forget_if_gone(victim)
+
+    def _evict_disk(self) -> None:
+        while self.disk_used > self.disk_budget:
+            held = [entry for entry in self._tree.entries() if entry.disk_path is not None]
+            if not held:
+                return
+            victim = min(held, key=lambda e: self._score(e, e.disk_bytes))
+            self._drop_file(victim)
+            self.stats.evictions_disk += 1
+            self._forget_if_gone(victim)
+
+    def _forget_if_gone(self, entry: Entry) -> None:
+        if entry.snapshot is None and entry.disk_path is None:
+            self._tree.remove(entry.tokens)
+
+    def _drop_file(self, entry: Entry) -> None:
+        if entry.disk_path is not None:
+            entry.disk_path.unlink(missing_ok=True)
+        entry.disk_path, entry.disk_bytes = None, 0
+
+    # ---- disk --------------------------------------------------------------------------------------
+
+    def _write(self, entry: Entry, snapshot: Snapshot) -> None:
+        """The snapshot's file, written to a temporary name, synced and renamed into place."""
+        payload = encode(self.fingerprint, entry.tokens, snapshot)
+        name = xxhash.xxh3_128_hexdigest(struct.pack(f"<{len(entry.tokens)}q", *entry.tokens)) + SUFFIX
+        path = self.disk_dir / name
+        temporary = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+        try:
+            with open(temporary, "wb") as stream:
+                stream.write(payload)
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.replace(temporary, path)
+        except OSError as error:
+            temporary.unlink(missing_ok=True)
+            log.warning("prompt cache: cannot write %s: %s", path, error)
+            with self._lock:
+                self.stats.disk_errors += 1
+            return
+        with self._lock:
+            kept = self._tree.insert(entry)  # back in the tree if RAM evicted it meanwhile
+            if kept.disk_path is None:
+                kept.disk_path, kept.disk_bytes = path, len(payload)
+                kept.has_logits = kept.has_logits or snapshot.logits is not None
+            self._evict_disk()
+
+    def _scan_disk(self) -> None:
+        """Enter every whole snapshot file of this fingerprint into the tree (disk tier only)."""
+        for path in sorted(self.disk_dir.glob(f"*{SUFFIX}")):
+            try:
+                header = read_header(path, self.fingerprint)
+                tokens, layers = tuple(header["tokens"]), list(header.get("layers", []))
+                has_logits = any(layer[:1] == ["logits"] for layer in layers)
+            except (OSError, ValueError, TypeError) as error:
+                log.warning("prompt cache: %s: %s; skipped", path, error)
+                self.stats.disk_errors += 1
+                continue
+            entry = self._tree.insert(Entry(tokens))
+            entry.disk_path, entry.disk_bytes, entry.has_logits = path, path.stat().st_size, has_logits
+        for stale in self.disk_dir.glob(f"*{SUFFIX}.tmp*"):
+            stale.unlink(missing_ok=True)
+
+    def _load(self, entry: Entry) -> Snapshot | None:
+        """The entry's snapshot read from disk into the RAM tier, or None (a warning; the entry is
+        dropped) for a file that is gone, truncated, corrupt or of another model."""
+        started = time.perf_counter()
+        with self._lock:
+            path = entry.disk_path
+        if path is None:  # evicted since it was matched
+            return None
+        try:
+            snapshot = decode(path.read_bytes(), self.fingerprint, entry.tokens, self.model)
+        except (OSError, ValueError) as error:
+            log.warning("prompt cache: %s: %s; treated as a miss", path, error)
+            with self._lock:
+                self.stats.disk_errors += 1
+                self._drop_file(entry)
+                self._forget_if_gone(entry)
+            return None
+        with self._lock:
+            self.stats.restore_s += time.perf_counter() - started
+            if entry.snapshot is None:
+                entry.snapshot = snapshot
+                self._account(snapshot, +1)
+                self._evict_ram()
+        return snapshot
+
+
+# ---- the file format -------------------------------------------------------------------------------
+# MAGIC, u64 header length, JSON header {fingerprint, tokens, layers: [[kind, shape...]]}, the tensors'
+# float32 bytes in layer order, then the xxh3_64 of everything before it (u64).
+
+
+def encode(fingerprint: str, tokens: tuple[int, ...], snapshot: Snapshot) -> bytes:
+    tensors = list(_tensors(snapshot))
+    layers = [
+        ["kda", list(layer.conv.shape), list(layer.recurrent.shape)]
+        if isinstance(layer, KDAState)
+        else ["mla", [layer.length, layer.buffer.shape[1]]]
+        for layer in snapshot.layers
+    ]
+    if snapshot.logits is not None:
+        layers.append(["logits", list(snapshot.logits.shape)])
+    header = json.dumps({"fingerprint": fingerprint, "tokens": list(tokens), "layers": layers}).encode()
+    parts = [
+        MAGIC,
+        struct.pack("<Q", len(header)),
+        header,
+        *(t.contiguous().numpy().tobytes() for t in tensors),
+    ]
+    body = b"".join(parts)
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+
+def _tensors(snapshot: Snapshot) -> Iterator[torch.Tensor]:
+    for layer in snapshot.layers:
+        if isinstance(layer, KDAState):
+            yield from (layer.conv, layer.recurrent)
+        else:
+            yield layer.rows()
+    if snapshot.logits is not None:
+        yield snapshot.logits
+
+
+def read_header(path: Path, fingerprint: str) -> dict[str, Any]:
+    with open(path, "rb") as stream:
+        head = stream.read(len(MAGIC) + 8)
+        if len(head) < len(MAGIC) + 8 or head[: len(MAGIC)] != MAGIC:
+            raise ValueError("not a k3stream snapshot")
+        (length,) = struct.unpack("<Q", head[len(MAGIC) :])
+        header = _parse_header(stream.read(min(length, 1 << 34)), length)
+    if header.get("fingerprint") != fingerprint:
+        raise ValueError("a snapshot of another model file")
+    return header
+
+
+def _parse_header(raw: bytes, length: int) -> dict[str, Any]:
+    if len(raw) != length:
+        raise ValueError("truncated header")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"unreadable header ({error})") from None
+    if not isinstance(header, dict) or not isinstance(header.get("tokens"), list):
+        raise ValueError("header without token ids")
+    return header
+
+
+def decode(data: bytes, fingerprint: str, tokens: tuple[int, ...], model: K3Model) -> Snapshot:
+    """A snapshot from a file's bytes, checked: checksum, fingerprint, token ids, layer shapes."""
+    try:
+        return _decode(data, fingerprint, tokens, model)
+    except (TypeError, KeyError, RuntimeError) as error:  # a header that passed its checksum, but odd
+        raise ValueError(f"malformed snapshot header ({error})") from None
+
+
+def _decode(data: bytes, fingerprint: str, tokens: tuple[int, ...], model: K3Model) -> Snapshot:
+    if len(data) < len(MAGIC) + 16 or data[: len(MAGIC)] != MAGIC:
+        raise ValueError("not a k3stream snapshot")
+    body, (checksum,) = data[:-8], struct.unpack("<Q", data[-8:])
+    if xxhash.xxh3_64_intdigest(body) != checksum:
+        raise ValueError("checksum mismatch (truncated or corrupt)")
+    (length,) = struct.unpack("<Q", body[len(MAGIC) : len(MAGIC) + 8])
+    start = len(MAGIC) + 8
+    header = _parse_header(body[start : start + length], length)
+    if header.get("fingerprint") != fingerprint or tuple(header["tokens"]) != tokens:
+        raise ValueError("a snapshot of another model or prompt")
+    offset, layers, logits = start + length, [], None
+    for kind, *shapes in header["layers"]:
+        tensors = []
+        for shape in shapes:
+            count = int(torch.Size(shape).numel())
+            chunk = body[offset : offset + 4 * count]
+            if len(chunk) != 4 * count:
+                raise ValueError("tensor data shorter than its header says")
+            tensors.append(torch.frombuffer(bytearray(chunk), dtype=torch.float32).view(shape))
+            offset += 4 * count
+        if kind == "logits":
+            logits = tensors[0]
+        else:
+            layers.append(KDAState(*tensors) if kind == "kda" else LatentRows(tensors[0], shapes[0][0]))
+    if offset != len(body):
+        raise ValueError("tensor data longer than its header says")
+    snapshot = Snapshot(len(tokens), tuple(layers), logits)
+    check_fits(model.new_state(), snapshot)
+    return snapshot
+
+
+# ---- flags -------------------------------------------------------------------------------------------

@@ -1,0 +1,203 @@
+"""Sequence-state snapshots: what a sequence holds at position p, restorable to the same bits.
+
+A sequence's state (`k3.SequenceState`) is, per layer, a KDA layer's conv history and recurrent state
+(fixed size, changed in place by every step: a snapshot copies them) or an MLA layer's latent cache
+(one row per token, only ever appended to: a snapshot keeps a reference to the live buffer and its
+length, so the snapshots of one conversation share its rows). Nothing else carries over between calls:
+the attention-residual bank lives inside one forward, and MLA is NoPE (no positions to keep).
+
+A restored state continues exactly as the cold one would: on the CPU kernels the KDA recurrence runs a
+prefill token by token (`kda.KDA.prefill`), and every other product's row is computed from that row
+alone, so where a prefill starts does not change a bit. The chunked torch recurrence (autograd, other
+devices) groups tokens by chunk, so there snapshots are taken at multiples of `KDA.chunk_size` only
+(`exact_positions`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from k3stream.model.kda import KDA, KDAState
+from k3stream.model.mla import MLAState
+
+if TYPE_CHECKING:
+    from k3stream.model.k3 import K3Model, SequenceState
+
+
+@dataclass(frozen=True)
+class LatentRows:
+    """The first `length` rows of an append-only latent buffer (shared with the sequence that wrote it
+    and with its other snapshots)."""
+
+    buffer: torch.Tensor
+    length: int
+
+    def rows(self) -> torch.Tensor:
+        return self.buffer[: self.length]
+
+    @property
+    def nbytes(self) -> int:
+        return self.length * self.buffer.shape[1] * self.buffer.element_size()
+
+    def storage_key(self) -> int:
+        return self.buffer.untyped_storage().data_ptr()
+
+    @property
+    def storage_bytes(self) -> int:
+        return self.buffer.untyped_storage().nbytes()
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A sequence's state after its first `length` tokens: per layer a KDAState (copies) or LatentRows."""
+
+    length: int
+    layers: tuple[KDAState | LatentRows, ...]
+    logits: torch.Tensor | None = None  # the last token's [vocab], where the snapshot ends a prefill
+
+    def with_logits(self, logits: torch.Tensor) -> Snapshot:
+        return Snapshot(self.length, self.layers, logits.detach().clone())
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes of the KDA layers' copies (the same at every position) and of the logits."""
+        kda = sum(_tensor_bytes(s.conv) + _tensor_bytes(s.recurrent) for s in self._kda())
+        return kda + (0 if self.logits is None else _tensor_bytes(self.logits))
+
+    @property
+    def latent_bytes(self) -> int:
+        """Bytes of the latent rows the snapshot refers to (shared: counted per snapshot here)."""
+        return sum(layer.nbytes for layer in self.layers if isinstance(layer, LatentRows))
+
+    @property
+    def nbytes(self) -> int:
+        return self.fixed_bytes + self.latent_bytes
+
+    def latents(self) -> list[LatentRows]:
+        return [layer for layer in self.layers if isinstance(layer, LatentRows)]
+
+    def _kda(self) -> list[KDAState]:
+        return [layer for layer in self.layers if isinstance(layer, KDAState)]
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def take_snapshot(state: SequenceState) -> Snapshot:
+    """The state as it is now; the live sequence may go on (its latent appends land past the snapshot's
+    rows, its KDA steps change its own tensors)."""
+    layers: list[KDAState | LatentRows] = []
+    for layer in state.layers:
+        if isinstance(layer, KDAState):
+            layers.append(KDAState(layer.conv.detach().clone(), layer.recurrent.detach().clone()))
+        elif isinstance(layer, MLAState):
+            layers.append(LatentRows(layer.buffer, layer.length))
+        else:
+            raise TypeError(f"cannot snapshot a layer state of type {type(layer).__name__}")
+    return Snapshot(state.length, tuple(layers))
+
+
+def restore(model: K3Model, snapshot: Snapshot) -> SequenceState:
+    """A new sequence state equal to the one `snapshot` was taken of (its own copies: continuing it
+    leaves the snapshot and the sequences sharing its rows untouched)."""
+    state = model.new_state()
+    check_fits(state, snapshot)
+    for index, saved in enumerate(snapshot.layers):
+        live = state.layers[index]
+        if isinstance(saved, KDAState):
+            live.conv.copy_(saved.conv)
+            live.recurrent.copy_(saved.recurrent)
+        else:
+            live.append(saved.rows())
+    state.length = snapshot.length
+    return state
+
+
+def check_fits(state: SequenceState, snapshot: Snapshot) -> None:
+    """One line for a snapshot of another model (layer kinds or shapes differ)."""
+    if len(state.layers) != len(snapshot.layers):
+        raise ValueError(f"snapshot of {len(snapshot.layers)} layers for a model of {len(state.layers)}")
+    for index, (live, saved) in enumerate(zip(state.layers, snapshot.layers, strict=True)):
+        if isinstance(live, KDAState) and isinstance(saved, KDAState):
+            fits = live.conv.shape == saved.conv.shape and live.recurrent.shape == saved.recurrent.shape
+        elif isinstance(live, MLAState) and isinstance(saved, LatentRows):
+            fits = live.buffer.shape[1] == saved.buffer.shape[1] and saved.length <= saved.buffer.shape[0]
+        else:
+            fits = False
+        if not fits:
+            raise ValueError(f"snapshot layer {index} does not fit this model's layer {index}")
+
+
+def exact_positions(model: K3Model) -> int:
+    """The multiple of positions at which a snapshot restores to the cold state's bits: 1 where every
+    KDA prefill runs the per-token C recurrence, else the KDA chunk size."""
+    from k3stream.quant.kernels import cpu
+
+    kda = [layer.attn for layer in model.layers if isinstance(layer.attn, KDA)]
+    if not kda or (model.device.type == "cpu" and cpu.available()):
+        return 1
+    return max(layer.chunk_size for layer in kda)
+
+
+def prefill_marked(
+    model: K3Model, state: SequenceState, tokens: list[int], marks: list[int]
+) -> tuple[torch.Tensor, list[Snapshot]]:
+    """`model.prefill_last(state, tokens)` that also snapshots the state at each length in `marks` (sorted,
+    inside the prefill) in the same pass: each KDA layer runs its recurrence in runs split there and keeps
+    a copy at each; the MLA layers' rows are a length into the buffer the pass fills. No snapshots where
+    the recurrence is not the per-token C one (a prefill's positions then group by chunk)."""
+    logits, snapshots = prefill_marked_batch(model, [state], [tokens], [marks])
+    return logits[0], snapshots[0]
+
+
+def prefill_marked_batch(
+    model: K3Model, states: list[SequenceState], token_lists: list[list[int]], marks: list[list[int]]
+) -> tuple[torch.Tensor, list[list[Snapshot]]]:
+    """`prefill_marked` of several sequences in one pass (`K3Model.prefill_batch`): the last logits of
+    each [B, vocab] and each one's snapshots."""
+    insides = [
+        tuple(mark - state.length for mark in wanted if state.length < mark < state.length + len(tokens))
+        for state, tokens, wanted in zip(states, token_lists, marks, strict=True)
+    ]
+    kdas = [[layer for layer in state.layers if isinstance(layer, KDAState)] for state in states]
+    for kda, inside in zip(kdas, insides, strict=True):
+        for layer in kda:
+            layer.marks, layer.marked = inside, []
+    bases = [state.length for state in states]
+    try:
+        if len(states) == 1:
+            logits = model.prefill_last(states[0], token_lists[0])[None]
+        else:
+            logits = model.prefill_batch(states, token_lists)
+    finally:
+        captured = [[layer.marked for layer in kda] for kda in kdas]
+        for kda in kdas:
+            for layer in kda:
+                layer.marks, layer.marked = (), []
+    snapshots = [
+        _marked_snapshots(state, base, inside, copies)
+        for state, base, inside, copies in zip(states, bases, insides, captured, strict=True)
+    ]
+    return logits, snapshots
+
+
+def _marked_snapshots(
+    state: SequenceState, base: int, inside: tuple[int, ...], captured: list[list[KDAState]]
+) -> list[Snapshot]:
+    """The snapshots at `base + inside` of a state whose KDA layers kept `captured` copies (none where a
+    layer kept fewer: it ran the chunked recurrence)."""
+    if any(len(copies) != len(inside) for copies in captured):
+        return []
+    snapshots = []
+    for index, offset in enumerate(inside):
+        copies = iter(copies[index] for copies in captured)
+        layers = tuple(
+            next(copies) if isinstance(layer, KDAState) else LatentRows(layer.buffer, base + offset)
+            for layer in state.layers
+        )
+        snapshots.append(Snapshot(base + offset, layers))
+    return snapshots

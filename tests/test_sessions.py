@@ -1,0 +1,193 @@
+"""Reuse across turns: `generate` with a prompt cache, the `chat` command, and the server (the real
+`openai` client against `k3stream serve` on 127.0.0.1): the second turn computes only its new tokens,
+greedy answers equal reuse off token for token, and a restarted server resumes from --cache-dir."""
+
+from __future__ import annotations
+
+import io
+
+import openai
+import pytest
+
+import k3stream
+from k3stream.engine.generate import generate
+from k3stream.engine.prompt_cache import MIB, PromptCache, model_fingerprint
+from k3stream.engine.sampling import SamplingParams
+from k3stream.gguf.reader import K3Checkpoint
+from k3stream.quant.kernels import set_row_exact
+from k3stream.server.live import ServerProcess
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    yield k3stream.load(model_path)
+    set_row_exact(False)
+
+
+def test_generate_with_a_cache_reuses_the_last_turn_and_answers_the_same(model, model_path, tokenizer):
+    cache = PromptCache(model, model_fingerprint(K3Checkpoint.open(model_path).shards), 64 * MIB, every=32)
+    first_prompt = tokenizer.encode("The first turn of a conversation about rivers")
+    first = generate(model, tokenizer, first_prompt, GREEDY, cache=cache)
+    second_prompt = first_prompt + first.token_ids + tokenizer.encode(" and then about the sea")
+    second = generate(model, tokenizer, second_prompt, GREEDY, cache=cache)
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == len(first_prompt) + len(first.token_ids) - 1  # the response's end
+    cold = generate(model, tokenizer, second_prompt, GREEDY)
+    assert (second.token_ids, second.text) == (cold.token_ids, cold.text)
+
+
+def test_chat_keeps_its_conversation_state_between_turns(model_path):
+    from k3stream.cli import build_parser
+    from k3stream.commands.chat import ChatSession
+    from k3stream.commands.flags import runtime_from_args, sampling_params
+
+    def conversation(*flags: str) -> tuple[list[str], ChatSession]:
+        argv = ["chat", str(model_path), "--device", "cpu", "--temperature", "0", "--max-tokens", "6"]
+        args = build_parser([*argv, *flags]).parse_args([*argv, "--quiet", *flags])
+        runtime = runtime_from_args(args)
+        try:
+            session = ChatSession(runtime, args, sampling_params(args))
+            return [session.answer(text, io.StringIO()) for text in ("Hello there", "Tell me more")], session
+        finally:
+            runtime.close()
+
+    answers, session = conversation()
+    first_prompt = session.template.render(session.messages[:1])
+    first_tokens = len(session.runtime.tokenizer.encode(first_prompt, allow_special=True))
+    assert session.cache.stats.hits == 1  # the second turn
+    assert session.cache.stats.tokens_reused >= first_tokens  # at least the first turn's whole prompt
+    off_answers, off_session = conversation("--cache-ram", "0")
+    assert off_session.cache is None and answers == off_answers
+    set_row_exact(False)
+
+
+def _chat(client: openai.OpenAI, messages: list[dict]) -> openai.types.chat.ChatCompletion:
+    return client.chat.completions.create(
+        model="tiny-kimi-k3", messages=messages, max_tokens=6, temperature=0
+    )
+
+
+def _two_turns(client: openai.OpenAI) -> tuple[list, list]:
+    messages = [{"role": "system", "content": "You are terse. " * 8}, {"role": "user", "content": "Hi"}]
+    first = _chat(client, messages)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}]
+    messages += [{"role": "user", "content": "And the next step?"}]
+    return [first, _chat(client, messages)], messages
+
+
+@pytest.mark.slow
+def test_the_server_reuses_a_conversation_and_resumes_it_after_a_restart(model_path, tmp_path):
+    cache_dir = str(tmp_path / "states")
+    with ServerProcess(
+        model_path, "--threads", "1", "--cache-dir", cache_dir, log_path=tmp_path / "a.log"
+    ) as on:
+        client = openai.OpenAI(base_url=on.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        (first, second), messages = _two_turns(client)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert 0 < cached < second.usage.prompt_tokens
+        assert cached >= first.usage.prompt_tokens  # at least the first turn's whole prompt
+        stream = client.chat.completions.create(
+            model="tiny-kimi-k3", messages=messages, max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
+        assert usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens  # seen whole
+        completion = client.completions.create(
+            model="tiny-kimi-k3", prompt="Once upon a time", max_tokens=4, temperature=0
+        )
+        assert completion.usage.prompt_tokens_details.cached_tokens == 0
+        metrics = _metrics(on.url)
+        assert _sample(metrics, "k3stream_prompt_tokens_reused_total") >= cached
+        assert _sample(metrics, 'k3stream_prompt_cache_snapshots{tier="disk"}') >= 2
+    with ServerProcess(model_path, "--threads", "1", "--cache-ram", "0", log_path=tmp_path / "b.log") as off:
+        client = openai.OpenAI(base_url=off.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        (off_first, off_second), _ = _two_turns(client)
+        assert off_second.usage.prompt_tokens_details.cached_tokens == 0
+    assert [r.choices[0].message.content for r in (first, second)] == [
+        r.choices[0].message.content for r in (off_first, off_second)
+    ]
+    with ServerProcess(
+        model_path, "--threads", "1", "--cache-dir", cache_dir, log_path=tmp_path / "c.log"
+    ) as again:
+        client = openai.OpenAI(base_url=again.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        resumed = _chat(client, messages)
+        assert resumed.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens
+        assert resumed.choices[0].message.content == second.choices[0].message.content
+
+
+def _metrics(url: str) -> str:
+    import httpx
+
+    return httpx.get(url + "/metrics", timeout=10).text
+
+
+def _sample(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_chunked_prefills_beside_a_running_stream_answer_as_each_request_alone(model_path):
+    """Prompts prefilled 16 tokens between decode steps, while other requests stream, give the greedy
+    answers of `generate` on each prompt alone, whole (the cache's row-exact products: the same bits)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from k3stream.engine.loading import load_runtime
+    from k3stream.server.app import ServerConfig, create_app
+    from k3stream.server.live import ServerThread
+    from k3stream.server.runtime import served_from_runtime
+
+    served = served_from_runtime(load_runtime(model_path, stream_experts=False), ctx=512)
+    served.prompt_cache = PromptCache(served.model, "chunked", 64 * MIB, every=24)
+    tokenizer, model = served.tokenizer, served.model
+    prompts = [" ".join(["river", "stone", "cloud", "seed"][i:] * (12 + 9 * i)) for i in range(4)]
+    expected = [generate(model, tokenizer, tokenizer.encode(text), GREEDY).text for text in prompts]
+    app = create_app(served, ServerConfig(max_batch=4, prefill_chunk=16))
+    with ServerThread(app) as thread:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+        def complete(text: str) -> str:
+            reply = client.completions.create(
+                model=served.name, prompt=text, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+            )
+            return reply.choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(complete, prompts))
+    served.prompt_cache.close()
+    served.close()
+    assert answers == expected
+
+
+def test_waiting_prefills_share_one_pass_and_answer_as_each_alone(model, model_path, tokenizer):
+    import asyncio
+    import time
+
+    from k3stream.engine.generate import Sequence
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import EventSink, Job, Scheduler
+
+    cache = PromptCache(model, "batched", 64 * MIB, every=16)
+    loop = asyncio.new_event_loop()
+    prompts = [tokenizer.encode(" ".join(["sun", "moon", "star"][i % 3 :] * (5 + 7 * i))) for i in range(4)]
+    jobs = [Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in prompts]
+    scheduler = Scheduler(model, ServerMetrics(), max_batch=4, max_queue=4, cache=cache, prefill_chunk=512)
+    for job in jobs:
+        scheduler.submit(job)  # all waiting before the loop starts: one pass prefills them
+    scheduler.start()
+    try:
+        for _ in range(3000):  # a bound, not a timing assertion
+            if all(job.logic.finish_reason is not None for job in jobs):
+                break
+            time.sleep(0.01)
+    finally:
+        scheduler.stop()
+        loop.close()
+    assert scheduler.snapshot()["batched_prefills"] >= 1
+    for job, ids in zip(jobs, prompts, strict=True):
+        assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
