@@ -12,8 +12,9 @@ import pytest
 from k3stream.gguf.header import GGUFHeaderError, check_header
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.pack.builder import BuildOptions, build_pack
-from k3stream.pack.manifest import checked_shards, first_shard_path, load_manifest, read_json
+from k3stream.pack.manifest import load_manifest, read_json
 from k3stream.pack.reader import ExpertPack
+from k3stream.pack.source import checked_shards, first_shard_path
 from k3stream.pack.verify import verify_pack
 from k3stream.testing.hostile import GGUF_CASES, GGUF_HEAVY_CASES, manifest_cases, write_manifest_case
 

@@ -14,8 +14,8 @@ import xxhash
 
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.pack.builder import BuildOptions, build_pack
+from k3stream.pack.fileio import write_json_atomic
 from k3stream.pack.integrity import ChecksumMismatch
-from k3stream.pack.manifest import write_json_atomic
 from k3stream.pack.reader import ExpertPack
 from k3stream.pack.verify import verify_pack
 from k3stream.store import ExpertStore
@@ -210,7 +210,7 @@ def test_resumed_build_records_the_same_digests(built, tmp_path):
 
 def test_loader_refuses_another_models_gguf_of_the_same_shape(work, built):
     """The non-expert loader (what `k3stream.load(manifest)` runs first) checks the sampled tensor data."""
-    from k3stream.pack.manifest import open_checkpoint
+    from k3stream.pack.source import open_checkpoint
 
     other = next(built[1].parent.glob("*.gguf"))
     shutil.copyfile(other, work.parent / other.name)

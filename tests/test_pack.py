@@ -13,7 +13,7 @@ import pytest
 
 from k3stream.cli import main as cli
 from k3stream.pack.builder import BuildOptions, Copier, build_lock, build_pack
-from k3stream.pack.manifest import write_json_atomic
+from k3stream.pack.fileio import write_json_atomic
 from k3stream.pack.reader import ExpertPack
 from k3stream.pack.verify import verify_pack
 from pack_helpers import (
@@ -166,7 +166,7 @@ def test_default_manifest_is_absolute_and_survives_moving_the_directory(tiny_mod
     assert [shard["path"] for shard in manifest["source"]["shards"]] == [str(p) for p in model_files(gguf)]
     (tmp_path / "a").rename(tmp_path / "b")
     moved = tmp_path / "b" / result.manifest.name
-    with caplog.at_level("WARNING", logger="k3stream.pack.manifest"):
+    with caplog.at_level("WARNING", logger="k3stream.pack.paths"):
         assert verify_pack(moved, full=True)["pack"] == str(tmp_path / "b" / result.pack.name)
         with ExpertPack(moved) as pack:
             assert pack.gguf_paths == model_files(tmp_path / "b" / gguf.name)

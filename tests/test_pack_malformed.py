@@ -14,8 +14,9 @@ from gguf import GGUFReader
 
 from k3stream.cli import main as cli
 from k3stream.pack.builder import BuildOptions, build_pack
-from k3stream.pack.manifest import checked_shards, inventory_sha256, load_manifest
+from k3stream.pack.manifest import inventory_sha256, load_manifest
 from k3stream.pack.reader import ExpertPack
+from k3stream.pack.source import checked_shards
 from k3stream.pack.verify import verify_pack
 from pack_helpers import copy_model, read_index, snapshot
 

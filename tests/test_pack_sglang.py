@@ -23,8 +23,9 @@ import pytest
 
 from k3stream.cli import main as cli
 from k3stream.pack.builder import BuildOptions, build_pack
-from k3stream.pack.manifest import checked_shards, load_manifest
+from k3stream.pack.manifest import load_manifest
 from k3stream.pack.reader import ExpertPack
+from k3stream.pack.source import checked_shards
 from k3stream.pack.verify import verify_pack
 from pack_helpers import TEST_CACHE, cached_tiny, copy_model, model_files
 from test_pack import AUDITED

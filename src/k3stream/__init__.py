@@ -17,9 +17,9 @@ __all__ = ["LoadOptions", "__version__", "load", "nonexpert_weights"]
 
 
 def _checkpoint(source: Any) -> Any:
-    """An open `K3Checkpoint` as is; a GGUF or manifest path opened (`pack.manifest.open_checkpoint`)."""
+    """An open `K3Checkpoint` as is; a GGUF or manifest path opened (`pack.source.open_checkpoint`)."""
     from k3stream.gguf.reader import K3Checkpoint
-    from k3stream.pack.manifest import open_checkpoint
+    from k3stream.pack.source import open_checkpoint
 
     return source if isinstance(source, K3Checkpoint) else open_checkpoint(source)
 

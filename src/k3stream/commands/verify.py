@@ -59,11 +59,12 @@ def run(args: argparse.Namespace) -> int:
 
 def manifest_of(source: Path) -> Path:
     """The manifest itself, or the one `k3stream pack` writes beside a GGUF by default."""
-    if source.suffix == ".json":
-        return source
     from k3stream.gguf.shards import discover_shards
     from k3stream.pack.paths import default_outputs
+    from k3stream.pack.source import is_manifest
 
+    if is_manifest(source):
+        return source
     _pack, manifest = default_outputs(discover_shards(source))
     if not manifest.is_file():
         raise FileNotFoundError(

@@ -17,22 +17,6 @@ if TYPE_CHECKING:
 DEFAULT_RAM_MIB = 1024.0  # `load_runtime`'s expert RAM budget when it is given no options
 
 
-def manifest_next_to(gguf_path: Path) -> Path | None:
-    """The manifest `k3stream pack` writes beside a GGUF by default, if it is there."""
-    from k3stream.gguf.shards import discover_shards
-    from k3stream.pack.paths import default_outputs
-
-    _pack, manifest = default_outputs(discover_shards(gguf_path))
-    return manifest if manifest.is_file() else None
-
-
-def manifest_gguf(manifest_path: Path) -> Path:
-    """The first GGUF shard a manifest was built from."""
-    from k3stream.pack.manifest import first_shard_path, read_json
-
-    return first_shard_path(read_json(manifest_path), manifest_path)
-
-
 @dataclass
 class Runtime:
     """A loaded model with its tokenizer and, when experts stream from a pack, the expert store: what
@@ -94,19 +78,21 @@ class StoreOptions:
 
 def resolve_model(path: str | Path, stream_experts: bool) -> tuple[Path, Path | None]:
     """`(gguf, manifest or None)` for a GGUF or a manifest path; a GGUF uses the manifest beside it."""
+    from k3stream.pack.source import is_manifest, manifest_gguf, manifest_next_to
+
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
-    if path.suffix == ".json":
+    if is_manifest(path):
         return manifest_gguf(path), path if stream_experts else None
     return path, manifest_next_to(path) if stream_experts else None
 
 
 def open_model(path: str | Path, stream_experts: bool) -> tuple[K3Checkpoint, Path | None]:
     """`(checkpoint, manifest or None)`: `resolve_model`, then the checkpoint opened once
-    (`pack.manifest.open_checkpoint`, sglang's loader's checks for a manifest), for everything a load
+    (`pack.source.open_checkpoint`, sglang's loader's checks for a manifest), for everything a load
     reads from the GGUF: the memory plan, the pack's config check, the model and the tokenizer."""
-    from k3stream.pack.manifest import open_checkpoint
+    from k3stream.pack.source import open_checkpoint
 
     gguf_path, manifest = resolve_model(path, stream_experts)
     return open_checkpoint(manifest or gguf_path), manifest

@@ -27,17 +27,9 @@ from typing import Any
 
 from k3stream.gguf.layout import ROUTED_EXPERT_RE, routed_expert_name
 from k3stream.pack import format as fmt
-from k3stream.pack.fileio import COPY_CHUNK, pread_exact, same_bytes
-from k3stream.pack.integrity import ObjectHasher
-from k3stream.pack.manifest import (
-    ManifestOptions,
-    build_manifest,
-    expert_pack_section,
-    fsync_directory,
-    read_json,
-    sha256_file,
-    write_json_atomic,
-)
+from k3stream.pack.fileio import COPY_CHUNK, fsync_directory, pread_exact, same_bytes, write_json_atomic
+from k3stream.pack.integrity import ObjectHasher, sha256_file
+from k3stream.pack.manifest import ManifestOptions, build_manifest, expert_pack_section, read_json
 from k3stream.pack.paths import default_outputs, manifest_path_for
 from k3stream.pack.verify import check_index
 

@@ -1,9 +1,13 @@
-"""Positional reads shared by the pack builder, verifier and reader: whole ranges, never a short read
-mistaken for the end of a range, and no file offset shared between threads."""
+"""File utilities of the pack: positional reads shared by the builder, verifier and reader (whole ranges,
+never a short read mistaken for the end of a range, and no file offset shared between threads), atomic
+JSON writes, and bounded reads of a manifest."""
 
 from __future__ import annotations
 
+import json
 import os
+import stat
+from pathlib import Path
 from typing import Any
 
 COPY_CHUNK = 16 * 1024 * 1024
@@ -45,3 +49,40 @@ def same_bytes(fd_a: int, offset_a: int, fd_b: int, offset_b: int, nbytes: int, 
             return False
         done += size
     return True
+
+
+def fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    """Temp file, fsync, rename, fsync the directory: readers see the old file or the new one, and a
+    failure (unserialisable value, full disk, Ctrl-C) leaves no temp file behind."""
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        with temporary.open("w", encoding="utf-8", newline="\n") as stream:
+            json.dump(value, stream, ensure_ascii=False, indent=2, sort_keys=True)
+            stream.write("\n")
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+
+
+def read_bounded(path: Path, limit: int) -> bytes:
+    """A regular file's bytes, at most `limit` of them: a device (/dev/zero), a FIFO or an oversized
+    file is refused with a one-line error instead of being read without bound."""
+    with path.open("rb") as stream:
+        if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
+            raise ValueError(f"{path}: manifest is not a regular file")
+        data = stream.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path}: manifest is larger than {limit >> 20} MiB")
+    return data

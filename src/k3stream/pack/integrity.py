@@ -1,4 +1,5 @@
-"""Integrity records of a pack: an xxh3_64 per expert object, and a sampled fingerprint of each GGUF shard.
+"""Checksums of a pack: the integrity records (an xxh3_64 per expert object, and a sampled fingerprint of
+each GGUF shard) and the SHA-256 digests the manifest records (canonical JSON, file ranges, whole files).
 
 They live in the manifest's top-level `integrity` section, which sglang does not read (its
 readers look keys up by name and ignore the rest). An expert object's digest covers exactly the bytes
@@ -11,6 +12,8 @@ section (older ones, sglang's) are read as before: nothing is checked, and `veri
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -19,12 +22,35 @@ import numpy as np
 import xxhash
 
 from k3stream.pack import format as fmt
-from k3stream.pack.fileio import pread_exact
+from k3stream.pack.fileio import COPY_CHUNK, pread_exact
 
 ALGORITHM = "xxh3_64"
 SHARD_SAMPLE_WINDOWS = 64
 SHARD_SAMPLE_BYTES = 64 << 10
 DIGEST_HEX = 16
+
+
+def canonical_sha256(value: Any) -> str:
+    encoded = json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(encoded.encode("utf-8")).hexdigest()
+
+
+def sha256_range(path: Path, offset: int, nbytes: int) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb", buffering=0) as stream:
+        stream.seek(offset)
+        remaining = nbytes
+        while remaining:
+            chunk = stream.read(min(COPY_CHUNK, remaining))
+            if not chunk:
+                raise ValueError(f"{path}: file ends {remaining} bytes before offset {offset + nbytes}")
+            digest.update(chunk)
+            remaining -= len(chunk)
+    return digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    return sha256_range(path, 0, path.stat().st_size)
 
 
 class ChecksumMismatch(OSError):

@@ -1,30 +1,21 @@
-"""The adapter manifest (SGLANG-KIMI-GGMLMOEPACK-ADAPTER-v1): schema, paths, atomic writes, shard checks.
-
-Paths in a manifest are absolute (our default, and what sglang writes and requires) or
-relative to the manifest's directory (`--relative-paths`); both are read. An absolute path that no
-longer exists is looked for beside the manifest (the model folder moved), with one logged note.
-"""
+"""The adapter manifest (SGLANG-KIMI-GGMLMOEPACK-ADAPTER-v1): its schema, reading and type-checking a
+manifest, and assembling the manifest of a built pack."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
 import os
-import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from k3stream.pack import format as fmt
-from k3stream.pack.fileio import COPY_CHUNK
-
-if TYPE_CHECKING:
-    from k3stream.gguf.reader import K3Checkpoint
-
-log = logging.getLogger(__name__)
+from k3stream.pack import integrity
+from k3stream.pack.fileio import read_bounded
+from k3stream.pack.integrity import canonical_sha256, sha256_file, sha256_range
+from k3stream.pack.paths import stored_path
 
 FORMAT = "SGLANG-KIMI-GGMLMOEPACK-ADAPTER-v1"
 ARCHITECTURE = "KimiLinearForCausalLM"
@@ -42,108 +33,14 @@ def hard_constraints(top_k: int) -> dict[str, Any]:
     }
 
 
-def canonical_sha256(value: Any) -> str:
-    encoded = json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(encoded.encode("utf-8")).hexdigest()
-
-
-def sha256_range(path: Path, offset: int, nbytes: int) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb", buffering=0) as stream:
-        stream.seek(offset)
-        remaining = nbytes
-        while remaining:
-            chunk = stream.read(min(COPY_CHUNK, remaining))
-            if not chunk:
-                raise ValueError(f"{path}: file ends {remaining} bytes before offset {offset + nbytes}")
-            digest.update(chunk)
-            remaining -= len(chunk)
-    return digest.hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    return sha256_range(path, 0, path.stat().st_size)
-
-
-def fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, value: Any) -> None:
-    """Temp file, fsync, rename, fsync the directory: readers see the old file or the new one, and a
-    failure (unserialisable value, full disk, Ctrl-C) leaves no temp file behind."""
-    temporary = path.with_name(path.name + ".tmp")
-    try:
-        with temporary.open("w", encoding="utf-8", newline="\n") as stream:
-            json.dump(value, stream, ensure_ascii=False, indent=2, sort_keys=True)
-            stream.write("\n")
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    fsync_directory(path.parent)
-
-
-def stored_path(path: Path, manifest_path: Path, relative: bool) -> str:
-    """How `path` is written into the manifest at `manifest_path`."""
-    path = path.resolve()
-    if not relative:
-        return str(path)
-    return os.path.relpath(path, manifest_path.resolve().parent)
-
-
-def resolve_path(stored: str, manifest_path: Path) -> Path:
-    """A manifest path: relative to the manifest's directory, or absolute; an absolute path that is
-    gone resolves to the file of that name beside the manifest when there is one (the folder moved)."""
-    beside = manifest_path.resolve().parent
-    path = (beside / stored).resolve()  # an absolute `stored` replaces `beside`
-    if not Path(stored).is_absolute() or path.exists():
-        return path
-    moved = beside / path.name
-    if not moved.is_file():
-        return path  # the readers name the stored path as missing
-    _note_moved(path.parent, beside)
-    return moved
-
-
-_MOVES_NOTED: set[tuple[Path, Path]] = set()
-
-
-def _note_moved(written: Path, found: Path) -> None:
-    """Say once per process and pair of folders that a manifest's files are read from a new place."""
-    if (written, found) not in _MOVES_NOTED:
-        _MOVES_NOTED.add((written, found))
-        note = "manifest paths in %s are gone: reading those files beside the manifest in %s (folder moved)"
-        log.warning(note, written, found)
-
-
 # the real model's manifest is a few MiB (tensor records, one digest per expert object)
 MAX_MANIFEST_BYTES = 256 << 20
-
-
-def read_bounded(path: Path, limit: int | None = None) -> bytes:
-    """A regular file's bytes, at most `limit` of them: a device (/dev/zero), a FIFO or an oversized
-    file is refused with a one-line error instead of being read without bound."""
-    with path.open("rb") as stream:
-        limit = MAX_MANIFEST_BYTES if limit is None else limit
-        if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
-            raise ValueError(f"{path}: manifest is not a regular file")
-        data = stream.read(limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"{path}: manifest is larger than {limit >> 20} MiB")
-    return data
 
 
 def read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(path)
     try:
-        value = json.loads(read_bounded(path).decode("utf-8"))
+        value = json.loads(read_bounded(path, MAX_MANIFEST_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise FileNotFoundError(f"Kimi-K3 manifest is missing: {path}") from None
     except IsADirectoryError:
@@ -279,116 +176,6 @@ def field(manifest: dict[str, Any], *keys: str) -> Any:
             raise ValueError(f"Kimi manifest field is missing: {'.'.join(keys[: depth + 1])}")
         value = value[key]
     return value
-
-
-def sorted_shards(manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    """The manifest's `source.shards` records in shard order."""
-    shards = field(manifest, "source", "shards")
-    check_types(shards, MANIFEST_TYPES["source"]["shards"], "source.shards")  # callers may skip read_manifest
-    for position, shard in enumerate(shards):
-        for key in ("index", "path"):
-            if key not in shard:
-                raise ValueError(f"Kimi manifest field is missing: source.shards[{position}].{key}")
-    return sorted(shards, key=lambda shard: shard["index"])
-
-
-def first_shard_path(manifest: dict[str, Any], manifest_path: Path) -> Path:
-    """Shard 1 of the manifest's source (it holds the config and tokenizer), resolved; not checked."""
-    shards = sorted_shards(manifest)
-    if not shards:
-        raise ValueError("Kimi manifest field is missing: source.shards[0]")
-    return resolve_path(shards[0]["path"], manifest_path)
-
-
-def shard_tensor_types(path: Path, checkpoint: K3Checkpoint | None = None) -> dict[str, str]:
-    """{tensor name: GGML type name} of one GGUF file: from `checkpoint`'s inventory when it holds the
-    file (its header is parsed already), else read from the file's header."""
-    target = path.resolve()
-    held = [i for i, shard in enumerate(checkpoint.shards if checkpoint else []) if shard.resolve() == target]
-    if held:  # one path resolution per shard, none per tensor
-        tensors = checkpoint.tensors.items()
-        return {name: info.type_name for name, info in tensors if info.shard_index == held[0]}
-    from k3stream.gguf.header import open_reader
-
-    return {tensor.name: tensor.tensor_type.name for tensor in open_reader(path).tensors}
-
-
-def present_shards(manifest: dict[str, Any], manifest_path: Path) -> list[tuple[dict[str, Any], Path]]:
-    """`(record, resolved path)` of every source shard, in shard order, after sglang's loader's first
-    check: a missing or resized shard -> FileNotFoundError `Kimi-K3 GGUF shard is missing or changed`."""
-    present = []
-    for shard in sorted_shards(manifest):
-        path = resolve_path(shard["path"], manifest_path)
-        if not path.is_file() or path.stat().st_size != int(shard["size"]):
-            raise FileNotFoundError(f"Kimi-K3 GGUF shard is missing or changed: {path}")
-        present.append((shard, path))
-    return present
-
-
-def checked_shards(
-    manifest: dict[str, Any], manifest_path: str | os.PathLike[str], checkpoint: K3Checkpoint | None = None
-) -> list[tuple[Path, list[dict]]]:
-    """Every source shard of a manifest, checked as sglang's loader does, with its tensor records.
-
-    Missing or resized shard -> FileNotFoundError `Kimi-K3 GGUF shard is missing or changed: {path}`;
-    different tensor names -> `Kimi-K3 GGUF shard inventory changed: {path}`; a tensor's GGML type
-    differs -> `Kimi-K3 GGUF tensor type changed: {name}`. Returns `[(shard path, [record, ...])]`
-    in shard order, each record a `source.tensors` dict of that shard. The tensor types of a shard
-    `checkpoint` holds come from it (no second header parse).
-    """
-    manifest_path = Path(manifest_path)
-    records_by_shard: dict[int, list[dict]] = {}
-    for record in field(manifest, "source", "tensors"):
-        records_by_shard.setdefault(int(record["shard_index"]), []).append(record)
-    result = []
-    for shard, path in present_shards(manifest, manifest_path):
-        records = records_by_shard.get(int(shard["index"]), [])
-        found = shard_tensor_types(path, checkpoint)
-        if set(found) != {record["name"] for record in records}:
-            raise ValueError(f"Kimi-K3 GGUF shard inventory changed: {path}")
-        for record in records:
-            if found[record["name"]] != record["dtype"]:
-                raise ValueError(f"Kimi-K3 GGUF tensor type changed: {record['name']}")
-        check_shard_identity(manifest, shard, path)
-        result.append((path, records))
-    return result
-
-
-def open_checkpoint(path_or_manifest: str | os.PathLike[str]) -> K3Checkpoint:
-    """The checkpoint a GGUF path (a file, any shard, a directory) or an expert-pack manifest `.json`
-    names. A manifest is checked as sglang's loader checks it (format, completeness, shard sizes,
-    inventory, types, identity) and its first shard opened; each shard's header is parsed once."""
-    from k3stream.gguf.reader import K3Checkpoint
-
-    path = Path(path_or_manifest)
-    if path.suffix != ".json":
-        return K3Checkpoint.open(path)
-    manifest = load_manifest(path)
-    present = present_shards(manifest, path)
-    if not present:
-        raise ValueError("Kimi manifest field is missing: source.shards[0]")
-    checkpoint = K3Checkpoint.open(present[0][1])
-    checked_shards(manifest, path, checkpoint)
-    return checkpoint
-
-
-def check_shard_identity(manifest: dict[str, Any], shard: dict[str, Any], path: Path) -> None:
-    """The shard's metadata bytes (header, key/values, tensor infos) hash as when it was packed, and so
-    do the sampled windows of its tensor data when the manifest records them (`integrity`): a GGUF of
-    the same size, names and types but other weights is refused with sglang's message."""
-    from k3stream.pack import integrity
-
-    if sha256_range(path, 0, int(shard["metadata_nbytes"])) != shard["metadata_sha256"]:
-        raise FileNotFoundError(f"Kimi-K3 GGUF shard is missing or changed: {path}")
-    recorded = integrity.section(manifest)
-    if recorded is None:
-        return
-    fingerprints = recorded.get("shard_fingerprints")
-    want = fingerprints.get(str(shard["index"])) if isinstance(fingerprints, dict) else None
-    if not isinstance(want, str):
-        raise ValueError(f"Kimi manifest field integrity.shard_fingerprints.{shard['index']} is missing")
-    if integrity.shard_fingerprint(path, int(shard["metadata_nbytes"]), int(shard["size"])) != want:
-        raise FileNotFoundError(f"Kimi-K3 GGUF shard is missing or changed: {path}")
 
 
 def source_section(
@@ -589,7 +376,6 @@ def build_manifest(
 ) -> dict[str, Any]:
     """The whole manifest of a built pack (`pack_section` from `expert_pack_section`), `complete`."""
     from k3stream import __version__
-    from k3stream.pack.integrity import integrity_section
 
     shards = shard_records(checkpoint, manifest_path, options.relative_paths, options.full_source_hashes)
     tensors = [tensor_record(info) for info in checkpoint.tensors.values()]
@@ -604,7 +390,7 @@ def build_manifest(
         "source": source_section(shards, tensors, options.full_source_hashes),
         "expert_pack": {**pack_section, "path": stored_path(pack, manifest_path, options.relative_paths)},
         "tokenizer": tokenizer_section(checkpoint, first["path"]),
-        "integrity": integrity_section(object_digests, shards, list(checkpoint.shards)),
+        "integrity": integrity.integrity_section(object_digests, shards, list(checkpoint.shards)),
         "verification": {
             "structure": "complete",
             "payload_samples": options.payload_samples,

@@ -11,7 +11,8 @@ from typing import Any
 from k3stream.pack import format as fmt
 from k3stream.pack.fileio import pread_into
 from k3stream.pack.integrity import ChecksumMismatch, mismatch_message, object_checksums, object_digest
-from k3stream.pack.manifest import resolve_path, sorted_shards
+from k3stream.pack.paths import resolve_path
+from k3stream.pack.source import sorted_shards
 from k3stream.pack.verify import check_structure
 
 

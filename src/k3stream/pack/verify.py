@@ -25,16 +25,9 @@ from k3stream.gguf.profile import AUDITED_MODEL, PROFILES, recipe_type
 from k3stream.pack import format as fmt
 from k3stream.pack import integrity
 from k3stream.pack.fileio import pread_exact, same_bytes
-from k3stream.pack.manifest import (
-    FORMAT,
-    checked_shards,
-    field,
-    first_shard_path,
-    hard_constraints,
-    inventory_sha256,
-    read_manifest,
-    resolve_path,
-)
+from k3stream.pack.manifest import FORMAT, field, hard_constraints, inventory_sha256, read_manifest
+from k3stream.pack.paths import resolve_path
+from k3stream.pack.source import checked_shards, first_shard_path
 
 
 def _audited_role_type(role: str) -> tuple[str, int]:
