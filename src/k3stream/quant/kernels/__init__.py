@@ -79,7 +79,9 @@ class ExpertMatrices(Protocol):
 def kernel_for(ggml_type: int, device: torch.device | str = "cpu", in_features: int = 256) -> str:
     """Which path a product on `device` takes: "torch" (F32), "c", "triton" or "reference".
 
-    The C kernels read F16/BF16 rows 32 values at a time: other widths take the reference path.
+    The C kernels read F16/BF16 rows 32 values at a time: other widths take the reference path. The
+    i-quants and ternary types (`cpu.INTEGER_TYPES`) have only ggml's integer kernels: their "c" products
+    quantize the activations to 8 bits, `match_ggml` or not, as ggml's do.
     """
     if ggml_type == F32:
         return "torch"
@@ -88,7 +90,8 @@ def kernel_for(ggml_type: int, device: torch.device | str = "cpu", in_features: 
 
         return "triton" if gpu.available() and ggml_type in gpu.SUPPORTED_GPU_TYPES else "reference"
     whole_tiles = ggml_type not in FLOAT_WIDTH_TYPES or in_features % 32 == 0
-    return "c" if cpu.available() and ggml_type in cpu.CPU_TYPES and whole_tiles else "reference"
+    has_kernel = ggml_type in cpu.CPU_TYPES or ggml_type in cpu.INTEGER_TYPES
+    return "c" if cpu.available() and has_kernel and whole_tiles else "reference"
 
 
 def note_fallbacks(types: set[int], device: torch.device | str) -> list[str]:

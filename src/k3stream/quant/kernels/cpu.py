@@ -27,11 +27,15 @@ import torch
 # tensors its addresses point into are held in the third item for as long as the call is kept
 Call = tuple[Callable[..., Any], tuple, tuple]
 
-# GGML type ids with a C kernel
+# GGML type ids with a C kernel on float activations (a decoder: also `decode_row`)
 CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39})
+# ... with only integer kernels, as ggml's (`iquants_cpu.c`): their products always quantize the
+# activations to Q8_K (IQ4_NL: Q8_0); IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ4_NL, IQ3_S, IQ2_S, IQ4_XS, IQ1_M,
+# TQ1_0, TQ2_0
+INTEGER_TYPES = frozenset({16, 17, 18, 19, 20, 21, 22, 23, 29, 34, 35})
 # ... and with integer kernels on 8-bit activations, as ggml's: Q8_K for Q2_K, Q3_K, Q4_K, Q6_K and
-# Q8_0 for Q4_0, Q8_0
-Q8_TYPES = frozenset({10, 11, 12, 14, 2, 8})
+# INTEGER_TYPES but IQ4_NL, Q8_0 for Q4_0, Q8_0, IQ4_NL and MXFP4
+Q8_TYPES = frozenset({10, 11, 12, 14, 2, 8, 39}) | INTEGER_TYPES
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,7 +46,21 @@ def _ggml_cpu() -> ModuleType | None:
         from k3stream.quant.kernels import _ggml_cpu as module
     except ImportError:
         return None
+    module.set_iq_grids(*_iq_grids())
     return module
+
+
+def _iq_grids() -> list[bytes]:
+    """The i-quants' lookup grids and value tables from the `gguf` package, as `set_iq_grids` takes them:
+    IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, then IQ4_NL's and MXFP4's values, a byte each."""
+    from gguf import quants
+
+    grids = []
+    for kind in (quants.IQ2_XXS, quants.IQ2_XS, quants.IQ2_S, quants.IQ3_XXS, quants.IQ3_S, quants.IQ1_S):
+        kind.init_grid()
+        grids.append(np.asarray(kind.grid).astype(np.int8).tobytes())
+    values = [np.asarray(kind.kvalues).astype(np.int8).tobytes() for kind in (quants.IQ4_NL, quants.MXFP4)]
+    return grids + values
 
 
 def available() -> bool:

@@ -1,0 +1,575 @@
+/* ggml's integer dot products of the i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
+ * IQ4_NL, IQ4_XS), the ternary types (TQ1_0, TQ2_0) and MXFP4 on 8-bit activations: Q8_K blocks for the
+ * 256-value types, Q8_0 for IQ4_NL and MXFP4 (ggml's vec_dot_type of each).
+ *
+ * Each block's integer sums are exact, so only the float operations decide the bits:
+ * - the portable kernels (`*_generic`) do ggml's generic C (ggml_vec_dot_*_generic) in its order: one
+ *   float sum over the blocks, d * (integer sum) added per block (per 32 values for IQ4_XS);
+ * - the AVX2 kernels do ggml's AVX2 ones: a block's integer sums in eight lanes (lane l: values 4l..4l+3
+ *   of each run of 32, times the run's scale), d times the lanes added into eight float lanes by FMA,
+ *   summed at the end as hsum_float_8 does.
+ * The lookup grids are not written here: `set_iq_grids` receives them from the `gguf` package at import.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+/* ---- the grids (filled once by set_iq_grids) ----------------------------------------------------- */
+
+static uint8_t iq2xxs_grid[256][8], iq2xs_grid[512][8], iq2s_grid[1024][8];
+static uint8_t iq3xxs_grid[256][4], iq3s_grid[512][4];
+static int8_t iq1s_grid[2048][8], iq4nl_values[16], mxfp4_values[16];
+static uint8_t ksigns[128];     /* 7 sign bits, the eighth their parity (ggml's ksigns_iq2xs) */
+static uint64_t sign_bytes[256]; /* bit j of the index set: byte j is -1, else +1 (for _mm256_sign_epi8) */
+static int grids_set;
+
+typedef struct {
+    void *to;
+    Py_ssize_t size;
+} GridSlot;
+
+/* set_iq_grids(iq2xxs, iq2xs, iq2s, iq3xxs, iq3s, iq1s, iq4nl, mxfp4): each a bytes object of the grid's
+ * values, one byte each, row after row (the IQ1_S grid's and the value tables' as int8) */
+PyObject *py_set_iq_grids(PyObject *self, PyObject *args) {
+    (void)self;
+    const GridSlot slots[8] = {
+        {iq2xxs_grid, sizeof iq2xxs_grid}, {iq2xs_grid, sizeof iq2xs_grid}, {iq2s_grid, sizeof iq2s_grid},
+        {iq3xxs_grid, sizeof iq3xxs_grid}, {iq3s_grid, sizeof iq3s_grid},   {iq1s_grid, sizeof iq1s_grid},
+        {iq4nl_values, sizeof iq4nl_values}, {mxfp4_values, sizeof mxfp4_values},
+    };
+    Py_buffer views[8];
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*", &views[0], &views[1], &views[2], &views[3], &views[4],
+                          &views[5], &views[6], &views[7]))
+        return NULL;
+    int wrong = -1;
+    for (int i = 0; i < 8; i++)
+        if (views[i].len != slots[i].size && wrong < 0) wrong = i;
+    for (int i = 0; i < 8 && wrong < 0; i++) memcpy(slots[i].to, views[i].buf, (size_t)slots[i].size);
+    for (int i = 0; i < 8; i++) PyBuffer_Release(&views[i]);
+    if (wrong >= 0)
+        return PyErr_Format(PyExc_ValueError, "set_iq_grids: grid %d has %zd bytes, expected %zd", wrong,
+                            views[wrong].len, slots[wrong].size);
+    for (int i = 0; i < 128; i++) ksigns[i] = (uint8_t)(i | (__builtin_popcount(i) & 1) << 7);
+    for (int i = 0; i < 256; i++) {
+        sign_bytes[i] = 0;
+        for (int j = 0; j < 8; j++) sign_bytes[i] |= (uint64_t)((i >> j) & 1 ? 0xFF : 0x01) << (8 * j);
+    }
+    grids_set = 1;
+    Py_RETURN_NONE;
+}
+
+INLINE uint32_t u32_at(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+INLINE uint16_t u16_at(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+INLINE float e8m0_half(uint8_t e) { return bits_f32(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23); }
+
+/* eight grid values times eight Q8 codes, each sign bit j of `signs` negating value j */
+INLINE int signed_dot8(const uint8_t *grid, const int8_t *q8, uint8_t signs) {
+    int sum = 0;
+    for (int j = 0; j < 8; j++) sum += grid[j] * q8[j] * ((signs >> j) & 1 ? -1 : 1);
+    return sum;
+}
+
+/* ---- ggml's generic kernels: a row's dot with one input row's blocks y ------------------------------- */
+
+INLINE float iq2_xxs_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 66) {
+        const float d = f16(x) * y[i].d;
+        int32_t bsum = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *run = x + 2 + 8 * ib;
+            const uint32_t packed = u32_at(run + 4); /* four 7-bit sign indices, the scale on top */
+            int32_t sumi = 0;
+            for (int l = 0; l < 4; l++)
+                sumi += signed_dot8(iq2xxs_grid[run[l]], y[i].qs + 32 * ib + 8 * l, ksigns[(packed >> 7 * l) & 127]);
+            bsum += sumi * (int32_t)(2 * (packed >> 28) + 1);
+        }
+        sumf = fmaf(d, (float)bsum, sumf);
+    }
+    return 0.125f * sumf;
+}
+
+INLINE float iq2_xs_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 74) {
+        const float d = f16(x) * y[i].d;
+        int32_t bsum = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            for (int half = 0; half < 2; half++) {
+                int32_t sumi = 0;
+                for (int l = 2 * half; l < 2 * half + 2; l++) {
+                    const uint16_t q = u16_at(x + 2 + 8 * ib + 2 * l);
+                    sumi += signed_dot8(iq2xs_grid[q & 511], y[i].qs + 32 * ib + 8 * l, ksigns[q >> 9]);
+                }
+                bsum += sumi * (2 * ((x[66 + ib] >> 4 * half) & 15) + 1);
+            }
+        }
+        sumf = fmaf(d, (float)bsum, sumf);
+    }
+    return 0.125f * sumf;
+}
+
+INLINE float iq2_s_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 82) {
+        const float d = f16(x) * y[i].d;
+        const uint8_t *qs = x + 2, *signs = x + 34, *qh = x + 66, *scales = x + 74;
+        int32_t bsum = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            for (int half = 0; half < 2; half++) {
+                int32_t sumi = 0;
+                for (int l = 2 * half; l < 2 * half + 2; l++) {
+                    const int index = qs[4 * ib + l] | ((qh[ib] << (8 - 2 * l)) & 0x300);
+                    sumi += signed_dot8(iq2s_grid[index], y[i].qs + 32 * ib + 8 * l, signs[4 * ib + l]);
+                }
+                bsum += sumi * (2 * ((scales[ib] >> 4 * half) & 15) + 1);
+            }
+        }
+        sumf = fmaf(d, (float)bsum, sumf);
+    }
+    return 0.125f * sumf;
+}
+
+/* IQ3 runs: eight values from two 4-value grid entries, one sign byte */
+INLINE int iq3_dot8(const uint8_t *g1, const uint8_t *g2, const int8_t *q8, uint8_t signs) {
+    uint8_t grid[8];
+    memcpy(grid, g1, 4);
+    memcpy(grid + 4, g2, 4);
+    return signed_dot8(grid, q8, signs);
+}
+
+INLINE float iq3_xxs_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 98) {
+        const float d = f16(x) * y[i].d;
+        int32_t bsum = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *q3 = x + 2 + 8 * ib;
+            const uint32_t packed = u32_at(x + 66 + 4 * ib);
+            int32_t sumi = 0;
+            for (int l = 0; l < 4; l++)
+                sumi += iq3_dot8(iq3xxs_grid[q3[2 * l]], iq3xxs_grid[q3[2 * l + 1]], y[i].qs + 32 * ib + 8 * l,
+                                 ksigns[(packed >> 7 * l) & 127]);
+            bsum += sumi * (int32_t)(2 * (packed >> 28) + 1);
+        }
+        sumf = fmaf(d, (float)bsum, sumf);
+    }
+    return 0.25f * sumf;
+}
+
+INLINE int iq3_s_index(const uint8_t *qs, uint8_t qh, int k) { /* grid entry k (0..7) of a run */
+    return qs[k] | ((qh << (8 - k)) & 256);
+}
+
+INLINE float iq3_s_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 110) {
+        const float d = f16(x) * y[i].d;
+        const uint8_t *qh = x + 66, *signs = x + 74, *scales = x + 106;
+        int32_t bsum = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *qs = x + 2 + 8 * ib;
+            int32_t sumi = 0;
+            for (int l = 0; l < 4; l++)
+                sumi += iq3_dot8(iq3s_grid[iq3_s_index(qs, qh[ib], 2 * l)], iq3s_grid[iq3_s_index(qs, qh[ib], 2 * l + 1)],
+                                 y[i].qs + 32 * ib + 8 * l, signs[4 * ib + l]);
+            bsum += sumi * (2 * ((scales[ib / 2] >> 4 * (ib & 1)) & 15) + 1);
+        }
+        sumf = fmaf(d, (float)bsum, sumf);
+    }
+    return sumf;
+}
+
+INLINE int iq1_dot8(const int8_t *grid, const int8_t *q8) {
+    int sum = 0;
+    for (int j = 0; j < 8; j++) sum += grid[j] * q8[j];
+    return sum;
+}
+
+INLINE float iq1_s_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 50) {
+        int sumi = 0, sumi1 = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            const uint16_t qh = u16_at(x + 34 + 2 * ib);
+            const int ls = 2 * ((qh >> 12) & 7) + 1, delta = qh & 0x8000 ? -1 : 1;
+            int lsum = 0;
+            for (int l = 0; l < 4; l++)
+                lsum += iq1_dot8(iq1s_grid[x[2 + 4 * ib + l] | (((qh >> 3 * l) & 7) << 8)], y[i].qs + 32 * ib + 8 * l);
+            sumi += ls * lsum;
+            sumi1 += ls * delta * (y[i].bsums[2 * ib] + y[i].bsums[2 * ib + 1]);
+        }
+        sumf = fmaf(f16(x) * y[i].d, (float)sumi + 0.125f * (float)sumi1, sumf);
+    }
+    return sumf;
+}
+
+INLINE float iq1_m_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 56) {
+        const uint8_t *qs = x, *qh = x + 32, *sc = x + 48;
+        const uint16_t s0 = u16_at(sc), s1 = u16_at(sc + 2), s2 = u16_at(sc + 4), s3 = u16_at(sc + 6);
+        const uint16_t scale = (uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000));
+        const uint8_t scale_bytes[2] = {(uint8_t)(scale & 255), (uint8_t)(scale >> 8)};
+        int sumi1 = 0, sumi2 = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            const int8_t *q8 = y[i].qs + 32 * ib;
+            int sum1[2] = {0, 0}, sum2[2] = {0, 0};
+            for (int l = 0; l < 4; l++) {
+                const uint8_t h = qh[2 * ib + l / 2];
+                const int index = qs[4 * ib + l] | (((uint16_t)h << (8 - 4 * (l % 2))) & 0x700);
+                const int delta = h & (l % 2 ? 0x80 : 0x08) ? -1 : 1;
+                int codes = 0;
+                for (int j = 0; j < 8; j++) codes += q8[8 * l + j];
+                sum1[l / 2] += iq1_dot8(iq1s_grid[index], q8 + 8 * l);
+                sum2[l / 2] += codes * delta;
+            }
+            const uint16_t word = u16_at(sc + 2 * (ib / 2));
+            const int ls1 = 2 * ((word >> 6 * (ib % 2)) & 7) + 1, ls2 = 2 * ((word >> (6 * (ib % 2) + 3)) & 7) + 1;
+            sumi1 += sum1[0] * ls1 + sum1[1] * ls2;
+            sumi2 += sum2[0] * ls1 + sum2[1] * ls2;
+        }
+        sumf = fmaf(f16(scale_bytes) * y[i].d, (float)sumi1 + 0.125f * (float)sumi2, sumf);
+    }
+    return sumf;
+}
+
+/* a 32-value block of 4-bit indices into `values` (low nibbles: values 0..15, high: 16..31) times q8 */
+INLINE int nibble_dot32(const uint8_t *qs, const int8_t *q8, const int8_t *values) {
+    int sum = 0;
+    for (int j = 0; j < 16; j++) sum += q8[j] * values[qs[j] & 15] + q8[j + 16] * values[qs[j] >> 4];
+    return sum;
+}
+
+INLINE float iq4_xs_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 136) {
+        const float d4d8 = f16(x) * y[i].d;
+        const uint16_t high = u16_at(x + 2);
+        for (int ib = 0; ib < 8; ib++) {
+            const int ls = ((x[4 + ib / 2] >> 4 * (ib & 1)) & 15) | (((high >> 2 * ib) & 3) << 4);
+            const float d = d4d8 * (float)(ls - 32);
+            sumf = fmaf(d, (float)nibble_dot32(x + 8 + 16 * ib, y[i].qs + 32 * ib, iq4nl_values), sumf);
+        }
+    }
+    return sumf;
+}
+
+INLINE float tq1_0_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 54) {
+        const int8_t *q8 = y[i].qs;
+        int sum = 0;
+        for (int l = 0; l < 5; l++) { /* trit l of byte m: values 32l + m (bytes 0..31), 160 + 16l + m (32..47) */
+            for (int m = 0; m < 32; m++) sum += ((((uint8_t)(x[m] * pow3[l])) * 3 >> 8) - 1) * q8[32 * l + m];
+            for (int m = 0; m < 16; m++) sum += ((((uint8_t)(x[32 + m] * pow3[l])) * 3 >> 8) - 1) * q8[160 + 16 * l + m];
+        }
+        for (int l = 0; l < 4; l++)
+            for (int j = 0; j < 4; j++) sum += ((((uint8_t)(x[48 + j] * pow3[l])) * 3 >> 8) - 1) * q8[240 + 4 * l + j];
+        sumf = fmaf((float)sum, f16(x + 52) * y[i].d, sumf);
+    }
+    return sumf;
+}
+
+INLINE float tq2_0_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 66) {
+        int32_t sumi = 0;
+        for (int j = 0; j < 64; j += 32)
+            for (int l = 0; l < 4; l++)
+                for (int k = 0; k < 32; k++) sumi += y[i].qs[4 * j + 32 * l + k] * (((x[j + k] >> 2 * l) & 3) - 1);
+        const float d = y[i].d * f16(x + 64);
+        sumf = fmaf((float)sumi, d, sumf);
+    }
+    return sumf;
+}
+
+INLINE float iq4_nl_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 18)
+        sumf = fmaf(y[i].d * f16(x), (float)nibble_dot32(x + 2, y[i].qs, iq4nl_values), sumf);
+    return sumf;
+}
+
+INLINE float mxfp4_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 17)
+        sumf = fmaf(y[i].d * e8m0_half(x[0]), (float)nibble_dot32(x + 1, y[i].qs, mxfp4_values), sumf);
+    return sumf;
+}
+
+/* A row kernel from a row dot DOT(row, y, blocks): each weight row m against each of its input rows'
+ * blocks (Y: the Product's q8 or q8_0, ELEMS values a block) */
+#define IQ_ROWS(NAME, ATTR, DOT, Y, ELEMS)                                                               \
+    ATTR static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) {                 \
+        const int64_t blocks = pr->in_features / (ELEMS);                                             \
+        for (int64_t m = first; m < last; m++) {                                                       \
+            const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;      \
+            prefetch_ahead(row, pr->row_bytes);                                                        \
+            for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++)                                \
+                pr->out[p * pr->out_stride + m] = DOT(row, pr->Y + pr->rows[p] * blocks, blocks);      \
+        }                                                                                              \
+    }
+
+/* X(GGML type id, name, Product field of its activations, values a block) */
+#define IQ_TYPES(X)                                                                                      \
+    X(16, iq2_xxs, q8, 256) X(17, iq2_xs, q8, 256) X(18, iq3_xxs, q8, 256) X(19, iq1_s, q8, 256)        \
+    X(20, iq4_nl, q8_0, 32) X(21, iq3_s, q8, 256) X(22, iq2_s, q8, 256) X(23, iq4_xs, q8, 256)          \
+    X(29, iq1_m, q8, 256) X(34, tq1_0, q8, 256) X(35, tq2_0, q8, 256) X(39, mxfp4, q8_0, 32)
+
+#define GENERIC_ROWS(ID, NAME, Y, ELEMS) IQ_ROWS(NAME##_rows_generic, , NAME##_generic, Y, ELEMS)
+IQ_TYPES(GENERIC_ROWS)
+
+/* ---- ggml's AVX2 kernels ------------------------------------------------------------------------- */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define AVX2_ALWAYS __attribute__((target("avx2,fma,f16c"))) static inline __attribute__((always_inline))
+
+AVX2_ALWAYS float hsum_lanes(__m256 v) { /* ggml's hsum_float_8 */
+    __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+AVX2_ALWAYS __m256i four_u64(const void *a, const void *b, const void *c, const void *d) {
+    uint64_t v[4];
+    memcpy(&v[0], a, 8), memcpy(&v[1], b, 8), memcpy(&v[2], c, 8), memcpy(&v[3], d, 8);
+    return _mm256_loadu_si256((const __m256i *)v);
+}
+
+/* lanes of unsigned weights w times signed codes q8 (pairs, then pairs of pairs times 16-bit scales) */
+AVX2_ALWAYS __m256i scaled_pairs(__m256i w, __m256i q8, __m256i scales) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, q8), scales);
+}
+
+/* the same for signed weights */
+AVX2_ALWAYS __m256i signed_pairs(__m256i w, __m256i q8, __m256i scales) {
+    return scaled_pairs(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q8, w), scales);
+}
+
+AVX2_ALWAYS __m256i two_scales(int first16, int second16) {
+    return _mm256_set_m128i(_mm_set1_epi16((short)second16), _mm_set1_epi16((short)first16));
+}
+
+AVX2_ALWAYS __m256i q8_run(const BlockQ8K *y, int ib) { return _mm256_loadu_si256((const __m256i *)(y->qs + 32 * ib)); }
+
+AVX2_ALWAYS __m256i iq2_xxs_lanes(const uint8_t *x, const BlockQ8K *y) {
+    __m256i sumi = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *run = x + 2 + 8 * ib;
+        const uint32_t packed = u32_at(run + 4);
+        const __m256i grid = four_u64(iq2xxs_grid[run[0]], iq2xxs_grid[run[1]], iq2xxs_grid[run[2]], iq2xxs_grid[run[3]]);
+        const __m256i signs = four_u64(&sign_bytes[ksigns[packed & 127]], &sign_bytes[ksigns[(packed >> 7) & 127]],
+                                       &sign_bytes[ksigns[(packed >> 14) & 127]], &sign_bytes[ksigns[(packed >> 21) & 127]]);
+        const int ls = 2 * (int)(packed >> 28) + 1;
+        sumi = _mm256_add_epi32(sumi, scaled_pairs(grid, _mm256_sign_epi8(q8_run(y, ib), signs), two_scales(ls, ls)));
+    }
+    return sumi;
+}
+
+AVX2_ALWAYS __m256i iq2_xs_lanes(const uint8_t *x, const BlockQ8K *y) {
+    __m256i sumi = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ib++) {
+        uint16_t q[4];
+        for (int l = 0; l < 4; l++) q[l] = u16_at(x + 2 + 8 * ib + 2 * l);
+        const __m256i grid = four_u64(iq2xs_grid[q[0] & 511], iq2xs_grid[q[1] & 511], iq2xs_grid[q[2] & 511],
+                                      iq2xs_grid[q[3] & 511]);
+        const __m256i signs = four_u64(&sign_bytes[ksigns[q[0] >> 9]], &sign_bytes[ksigns[q[1] >> 9]],
+                                       &sign_bytes[ksigns[q[2] >> 9]], &sign_bytes[ksigns[q[3] >> 9]]);
+        const __m256i scales = two_scales(2 * (x[66 + ib] & 15) + 1, 2 * (x[66 + ib] >> 4) + 1);
+        sumi = _mm256_add_epi32(sumi, scaled_pairs(grid, _mm256_sign_epi8(q8_run(y, ib), signs), scales));
+    }
+    return sumi;
+}
+
+AVX2_ALWAYS __m256i iq2_s_lanes(const uint8_t *x, const BlockQ8K *y) {
+    const uint8_t *qs = x + 2, *signs = x + 34, *qh = x + 66, *scales = x + 74;
+    __m256i sumi = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *q = qs + 4 * ib, *s = signs + 4 * ib;
+        const int h = qh[ib];
+        const __m256i grid = four_u64(iq2s_grid[q[0] | ((h << 8) & 0x300)], iq2s_grid[q[1] | ((h << 6) & 0x300)],
+                                      iq2s_grid[q[2] | ((h << 4) & 0x300)], iq2s_grid[q[3] | ((h << 2) & 0x300)]);
+        const __m256i sign = four_u64(&sign_bytes[s[0]], &sign_bytes[s[1]], &sign_bytes[s[2]], &sign_bytes[s[3]]);
+        const __m256i scale = two_scales(2 * (scales[ib] & 15) + 1, 2 * (scales[ib] >> 4) + 1);
+        sumi = _mm256_add_epi32(sumi, scaled_pairs(grid, _mm256_sign_epi8(q8_run(y, ib), sign), scale));
+    }
+    return sumi;
+}
+
+AVX2_ALWAYS __m256i eight_u32(const uint8_t (*grid)[4], const int *index) {
+    return _mm256_set_epi32((int)u32_at(grid[index[7]]), (int)u32_at(grid[index[6]]), (int)u32_at(grid[index[5]]),
+                            (int)u32_at(grid[index[4]]), (int)u32_at(grid[index[3]]), (int)u32_at(grid[index[2]]),
+                            (int)u32_at(grid[index[1]]), (int)u32_at(grid[index[0]]));
+}
+
+AVX2_ALWAYS __m256i iq3_xxs_lanes(const uint8_t *x, const BlockQ8K *y) {
+    __m256i sumi = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *q3 = x + 2 + 8 * ib;
+        const uint32_t packed = u32_at(x + 66 + 4 * ib);
+        const int index[8] = {q3[0], q3[1], q3[2], q3[3], q3[4], q3[5], q3[6], q3[7]};
+        const __m256i signs = four_u64(&sign_bytes[ksigns[packed & 127]], &sign_bytes[ksigns[(packed >> 7) & 127]],
+                                       &sign_bytes[ksigns[(packed >> 14) & 127]], &sign_bytes[ksigns[(packed >> 21) & 127]]);
+        const int ls = 2 * (int)(packed >> 28) + 1;
+        sumi = _mm256_add_epi32(
+            sumi, scaled_pairs(eight_u32(iq3xxs_grid, index), _mm256_sign_epi8(q8_run(y, ib), signs), two_scales(ls, ls)));
+    }
+    return sumi;
+}
+
+AVX2_ALWAYS __m256i iq3_s_lanes(const uint8_t *x, const BlockQ8K *y) {
+    const uint8_t *qh = x + 66, *signs = x + 74, *scales = x + 106;
+    __m256i sumi = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *qs = x + 2 + 8 * ib, *s = signs + 4 * ib;
+        int index[8];
+        for (int k = 0; k < 8; k++) index[k] = iq3_s_index(qs, qh[ib], k);
+        const __m256i sign = four_u64(&sign_bytes[s[0]], &sign_bytes[s[1]], &sign_bytes[s[2]], &sign_bytes[s[3]]);
+        const int ls = 2 * ((scales[ib / 2] >> 4 * (ib & 1)) & 15) + 1;
+        sumi = _mm256_add_epi32(
+            sumi, scaled_pairs(eight_u32(iq3s_grid, index), _mm256_sign_epi8(q8_run(y, ib), sign), two_scales(ls, ls)));
+    }
+    return sumi;
+}
+
+AVX2_ALWAYS __m256i iq4_xs_lanes(const uint8_t *x, const BlockQ8K *y) {
+    const __m128i values = _mm_loadu_si128((const __m128i *)iq4nl_values), nibble = _mm_set1_epi8(15);
+    const uint16_t high = u16_at(x + 2);
+    __m256i sumi = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ib++) {
+        const __m128i q = _mm_loadu_si128((const __m128i *)(x + 8 + 16 * ib));
+        const __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(q, 4), nibble)),
+                                           _mm_shuffle_epi8(values, _mm_and_si128(q, nibble)));
+        const int ls = (((x[4 + ib / 2] >> 4 * (ib & 1)) & 15) | (((high >> 2 * ib) & 3) << 4)) - 32;
+        sumi = _mm256_add_epi32(sumi, signed_pairs(w, q8_run(y, ib), two_scales(ls, ls)));
+    }
+    return sumi;
+}
+
+/* The 256-value types whose AVX2 kernel is d times the lanes by FMA, then FACTOR times their sum */
+#define LANES_DOT(NAME, BYTES, FACTOR)                                                                   \
+    AVX2_ALWAYS float NAME##_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {                 \
+        __m256 acc = _mm256_setzero_ps();                                                                \
+        for (int64_t i = 0; i < blocks; i++, x += (BYTES)) {                                             \
+            const float d = f16(x) * y[i].d;                                                             \
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(NAME##_lanes(x, y + i)), acc);   \
+        }                                                                                                \
+        return (FACTOR) * hsum_lanes(acc);                                                               \
+    }
+
+LANES_DOT(iq2_xxs, 66, 0.125f)
+LANES_DOT(iq2_xs, 74, 0.125f)
+LANES_DOT(iq2_s, 82, 0.125f)
+LANES_DOT(iq3_xxs, 98, 0.25f)
+LANES_DOT(iq3_s, 110, 1.0f)
+LANES_DOT(iq4_xs, 136, 1.0f)
+
+/* IQ1_S: the grid's -1/0/1 as signs of the codes; the delta terms an exact integer a block, d times
+ * it summed apart and added at the end, as ggml's */
+AVX2_ALWAYS float iq1_s_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    float deltas = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 50) {
+        __m256i sumi = _mm256_setzero_si256();
+        int sumi1 = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            const uint16_t qh = u16_at(x + 34 + 2 * ib);
+            const uint8_t *qs = x + 2 + 4 * ib;
+            const __m256i grid = four_u64(iq1s_grid[qs[0] | ((qh << 8) & 0x700)], iq1s_grid[qs[1] | ((qh << 5) & 0x700)],
+                                          iq1s_grid[qs[2] | ((qh << 2) & 0x700)], iq1s_grid[qs[3] | ((qh >> 1) & 0x700)]);
+            const int ls = 2 * ((qh >> 12) & 7) + 1;
+            sumi = _mm256_add_epi32(sumi, scaled_pairs(ones, _mm256_sign_epi8(q8_run(y + i, ib), grid), two_scales(ls, ls)));
+            sumi1 += (y[i].bsums[2 * ib] + y[i].bsums[2 * ib + 1]) * (qh & 0x8000 ? -1 : 1) * ls;
+        }
+        const float d = y[i].d * f16(x);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        deltas = fmaf(d, (float)sumi1, deltas);
+    }
+    return hsum_lanes(acc) + 0.125f * deltas;
+}
+
+/* IQ4_NL and MXFP4: blocks in pairs, the first's lanes into one accumulator and the second's into
+ * another; an odd last block as the generic kernel adds it, after the lanes' sum */
+#define PAIRED_DOT(NAME, BYTES, VALUES, SCALE, CODES)                                                      \
+    AVX2_ALWAYS __m256 NAME##_lanes(const uint8_t *x, const BlockQ8_0 *y, __m256 acc) {                   \
+        const __m128i q = _mm_loadu_si128((const __m128i *)(x + (CODES))), nibble = _mm_set1_epi8(15);      \
+        const __m128i values = _mm_loadu_si128((const __m128i *)(VALUES));                                  \
+        const __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(q, 4), nibble)), \
+                                           _mm_shuffle_epi8(values, _mm_and_si128(q, nibble)));            \
+        const __m256i lanes = signed_pairs(w, _mm256_loadu_si256((const __m256i *)y->qs), _mm256_set1_epi16(1)); \
+        return _mm256_fmadd_ps(_mm256_set1_ps(y->d * (SCALE)), _mm256_cvtepi32_ps(lanes), acc);             \
+    }                                                                                                     \
+    AVX2_ALWAYS float NAME##_avx2(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks) {                  \
+        __m256 acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();                                    \
+        int64_t i = 0;                                                                                    \
+        for (; i + 1 < blocks; i += 2) {                                                                  \
+            acc1 = NAME##_lanes(x + i * (BYTES), y + i, acc1);                                            \
+            acc2 = NAME##_lanes(x + (i + 1) * (BYTES), y + i + 1, acc2);                                  \
+        }                                                                                                 \
+        const float sumf = hsum_lanes(_mm256_add_ps(acc1, acc2));                                         \
+        return i < blocks ? sumf + NAME##_generic(x + i * (BYTES), y + i, 1) : sumf;                      \
+    }
+
+PAIRED_DOT(iq4_nl, 18, iq4nl_values, f16(x), 2)
+PAIRED_DOT(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
+
+#define AVX2_ROWS(ID, NAME, Y, ELEMS) IQ_ROWS(NAME##_rows_avx2, __attribute__((target("avx2,fma,f16c"))), NAME##_avx2, Y, ELEMS)
+AVX2_ROWS(16, iq2_xxs, q8, 256)
+AVX2_ROWS(17, iq2_xs, q8, 256)
+AVX2_ROWS(18, iq3_xxs, q8, 256)
+AVX2_ROWS(19, iq1_s, q8, 256)
+AVX2_ROWS(20, iq4_nl, q8_0, 32)
+AVX2_ROWS(21, iq3_s, q8, 256)
+AVX2_ROWS(22, iq2_s, q8, 256)
+AVX2_ROWS(23, iq4_xs, q8, 256)
+AVX2_ROWS(39, mxfp4, q8_0, 32)
+#define HAS_AVX2_ROWS(NAME) NAME##_rows_avx2
+#else
+#define HAS_AVX2_ROWS(NAME) NULL
+#endif
+
+static RowKernel avx2_rows(int ggml_type) {
+    switch (ggml_type) {
+        case 16: return HAS_AVX2_ROWS(iq2_xxs);
+        case 17: return HAS_AVX2_ROWS(iq2_xs);
+        case 18: return HAS_AVX2_ROWS(iq3_xxs);
+        case 19: return HAS_AVX2_ROWS(iq1_s);
+        case 20: return HAS_AVX2_ROWS(iq4_nl);
+        case 21: return HAS_AVX2_ROWS(iq3_s);
+        case 22: return HAS_AVX2_ROWS(iq2_s);
+        case 23: return HAS_AVX2_ROWS(iq4_xs);
+        case 39: return HAS_AVX2_ROWS(mxfp4);
+        default: return NULL;
+    }
+}
+
+RowKernel iq_q8_kernel(int ggml_type, int avx2) {
+#define GENERIC_CASE(ID, NAME, Y, ELEMS) \
+    case ID: generic = NAME##_rows_generic; break;
+    RowKernel generic = NULL;
+    switch (ggml_type) {
+        IQ_TYPES(GENERIC_CASE)
+        default: return NULL;
+    }
+    if (!grids_set) return NULL;
+    RowKernel fast = avx2 ? avx2_rows(ggml_type) : NULL;
+    return fast != NULL ? fast : generic;
+}
+
+int iq_q8_0_activations(int ggml_type) { return ggml_type == 20 || ggml_type == 39; }
+
+int iq_integer_only(int ggml_type) { return ggml_type != 39 && iq_q8_kernel(ggml_type, 0) != NULL; }
