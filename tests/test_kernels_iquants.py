@@ -25,31 +25,14 @@ TYPES = [T.IQ2_XXS, T.IQ1_S, T.IQ4_XS, T.IQ2_XS, T.IQ3_XXS, T.IQ3_S, T.IQ2_S, T.
 # the types whose AVX2 kernel is ggml's AVX2 one (the others run the portable kernel everywhere)
 AVX2_TYPES = {T.IQ2_XXS, T.IQ1_S, T.IQ4_XS, T.IQ2_XS, T.IQ3_XXS, T.IQ3_S, T.IQ2_S, T.IQ4_NL, T.MXFP4}
 SHAPES = [(5, 256, 1), (37, 512, 3), (19, 2048, 2)]
-F16_AT = {T.TQ1_0: 52, T.TQ2_0: 64}  # where a block's F16 scale is (0 for the others but IQ1_M's)
-
-
-def random_blocks(qt: T, count: int, rng: np.random.Generator) -> np.ndarray:
-    """`count` blocks [count, bytes] of random codes and finite scales (the F16 d, IQ1_M's d spread
-    over its scales' top nibbles, MXFP4's E8M0 exponent within float range of its products)."""
-    data = rng.integers(0, 256, (count, GGML_QUANT_SIZES[qt][1]), dtype=np.uint8)
-    scales = (rng.standard_normal(count) * 0.02).astype(np.float16).view(np.uint16)
-    if qt == T.MXFP4:
-        data[:, 0] = rng.integers(100, 150, count)
-    elif qt == T.IQ1_M:
-        words = data[:, 48:56].copy().view(np.uint16) & 0x0FFF
-        for k in range(4):
-            words[:, k] |= ((scales >> (4 * k)) & 15) << 12
-        data[:, 48:56] = words.view(np.uint8)
-    else:
-        at = F16_AT.get(qt, 0)
-        data[:, at : at + 2] = scales.view(np.uint8).reshape(count, 2)
-    return data
 
 
 def matrix(qt: T, rows: int, cols: int, seed: int) -> np.ndarray:
     """[rows, bytes per row] of random valid blocks."""
     elems = GGML_QUANT_SIZES[qt][0]
-    return random_blocks(qt, rows * cols // elems, np.random.default_rng(seed)).reshape(rows, -1)
+    return ggml_oracle.random_blocks(int(qt), rows * cols // elems, np.random.default_rng(seed)).reshape(
+        rows, -1
+    )
 
 
 def product(qt: T, w: np.ndarray, x: np.ndarray) -> np.ndarray:

@@ -1,7 +1,8 @@
 """llama.cpp's own CPU dot products, reached through the shared libraries llama-cpp-python installs
 (`libggml-cpu.so`), for tests and benchmarks to compare the C kernels with: the 8-bit quantizer of a
 type's activations (its `vec_dot_type`'s `from_float`) and `vec_dot` from `ggml_get_type_traits_cpu`,
-which the library picks for this machine (AVX2 here), and ggml's portable `ggml_vec_dot_*_generic`.
+which the library picks for this machine (AVX2 here), and ggml's portable `ggml_vec_dot_*_generic`;
+`random_blocks` makes the weights to compare them on.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import functools
 from pathlib import Path
 
 import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 Q8_0, Q8_K = 8, 15
+IQ1_M, MXFP4, TQ1_0, TQ2_0 = 29, 39, 34, 35
+F16_AT = {TQ1_0: 52, TQ2_0: 64}  # where a block's F16 scale is (0 for the others but IQ1_M's)
 # bytes of one Q8_0 and one Q8_K block as ggml lays them out (F16 d + 32 codes; F32 d + 256 codes + 16 sums)
 ACTIVATION_BLOCK = {Q8_0: (32, 34), Q8_K: (256, 292)}
 VecDot = ctypes.CFUNCTYPE(
@@ -78,6 +82,22 @@ def vec_dot(
 
 
 def _type_name(ggml_type: int) -> str:
-    from gguf.constants import GGMLQuantizationType
-
     return {Q8_0: "q8_0", Q8_K: "q8_K"}.get(ggml_type) or GGMLQuantizationType(ggml_type).name.lower()
+
+
+def random_blocks(ggml_type: int, count: int, rng: np.random.Generator) -> np.ndarray:
+    """`count` blocks [count, bytes] of random codes and finite scales: the F16 d (IQ1_M's spread over
+    its scales' top nibbles), MXFP4's E8M0 exponent where its products stay within float range."""
+    data = rng.integers(0, 256, (count, GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][1]), dtype=np.uint8)
+    scales = (rng.standard_normal(count) * 0.02).astype(np.float16).view(np.uint16)
+    if ggml_type == MXFP4:
+        data[:, 0] = rng.integers(100, 150, count)
+    elif ggml_type == IQ1_M:
+        words = data[:, 48:56].copy().view(np.uint16) & 0x0FFF
+        for k in range(4):
+            words[:, k] |= ((scales >> (4 * k)) & 15) << 12
+        data[:, 48:56] = words.view(np.uint8)
+    else:
+        at = F16_AT.get(ggml_type, 0)
+        data[:, at : at + 2] = scales.view(np.uint8).reshape(count, 2)
+    return data

@@ -25,6 +25,7 @@ static uint8_t iq3xxs_grid[256][4], iq3s_grid[512][4];
 static int8_t iq1s_grid[2048][8], iq4nl_values[16], mxfp4_values[16];
 static uint8_t ksigns[128];     /* 7 sign bits, the eighth their parity (ggml's ksigns_iq2xs) */
 static uint64_t sign_bytes[256]; /* bit j of the index set: byte j is -1, else +1 (for _mm256_sign_epi8) */
+static uint64_t even_signs[128]; /* sign_bytes of ksigns */
 static int grids_set;
 
 typedef struct {
@@ -58,6 +59,7 @@ PyObject *py_set_iq_grids(PyObject *self, PyObject *args) {
         sign_bytes[i] = 0;
         for (int j = 0; j < 8; j++) sign_bytes[i] |= (uint64_t)((i >> j) & 1 ? 0xFF : 0x01) << (8 * j);
     }
+    for (int i = 0; i < 128; i++) even_signs[i] = sign_bytes[ksigns[i]];
     grids_set = 1;
     Py_RETURN_NONE;
 }
@@ -202,7 +204,7 @@ INLINE float iq1_s_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) 
         int sumi = 0, sumi1 = 0;
         for (int ib = 0; ib < 8; ib++) {
             const uint16_t qh = u16_at(x + 34 + 2 * ib);
-            const int ls = 2 * ((qh >> 12) & 7) + 1, delta = qh & 0x8000 ? -1 : 1;
+            const int ls = 2 * ((qh >> 12) & 7) + 1, delta = 1 - 2 * (qh >> 15);
             int lsum = 0;
             for (int l = 0; l < 4; l++)
                 lsum += iq1_dot8(iq1s_grid[x[2 + 4 * ib + l] | (((qh >> 3 * l) & 7) << 8)], y[i].qs + 32 * ib + 8 * l);
@@ -228,7 +230,7 @@ INLINE float iq1_m_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) 
             for (int l = 0; l < 4; l++) {
                 const uint8_t h = qh[2 * ib + l / 2];
                 const int index = qs[4 * ib + l] | (((uint16_t)h << (8 - 4 * (l % 2))) & 0x700);
-                const int delta = h & (l % 2 ? 0x80 : 0x08) ? -1 : 1;
+                const int delta = 1 - 2 * ((h >> (l % 2 ? 7 : 3)) & 1);
                 int codes = 0;
                 for (int j = 0; j < 8; j++) codes += q8[8 * l + j];
                 sum1[l / 2] += iq1_dot8(iq1s_grid[index], q8 + 8 * l);
@@ -343,10 +345,16 @@ AVX2_ALWAYS float hsum_lanes(__m256 v) { /* ggml's hsum_float_8 */
     return _mm_cvtss_f32(s);
 }
 
+INLINE uint64_t u64_at(const void *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* four 8-byte entries a (bytes 0..7) .. d (24..31): inserted in registers (four stores and one wide
+ * load would stall on store forwarding) */
 AVX2_ALWAYS __m256i four_u64(const void *a, const void *b, const void *c, const void *d) {
-    uint64_t v[4];
-    memcpy(&v[0], a, 8), memcpy(&v[1], b, 8), memcpy(&v[2], c, 8), memcpy(&v[3], d, 8);
-    return _mm256_loadu_si256((const __m256i *)v);
+    return _mm256_set_epi64x((long long)u64_at(d), (long long)u64_at(c), (long long)u64_at(b), (long long)u64_at(a));
 }
 
 /* lanes of unsigned weights w times signed codes q8 (pairs, then pairs of pairs times 16-bit scales) */
@@ -365,14 +373,25 @@ AVX2_ALWAYS __m256i two_scales(int first16, int second16) {
 
 AVX2_ALWAYS __m256i q8_run(const BlockQ8K *y, int ib) { return _mm256_loadu_si256((const __m256i *)(y->qs + 32 * ib)); }
 
+/* q8 with value 8k + j negated where bit j of byte k of `bits` is set (IQ2_S's and IQ3_S's sign bytes),
+ * in registers: each byte spread over its eight values, tested against its bit */
+AVX2_ALWAYS __m256i negated_where(__m256i q8, uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                               _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                                                 0x0101010101010101LL, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i mask = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_sub_epi8(_mm256_xor_si256(q8, mask), mask);
+}
+
 AVX2_ALWAYS __m256i iq2_xxs_lanes(const uint8_t *x, const BlockQ8K *y) {
     __m256i sumi = _mm256_setzero_si256();
-    for (int ib = 0; ib < 8; ib++) {
+    _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
         const uint8_t *run = x + 2 + 8 * ib;
         const uint32_t packed = u32_at(run + 4);
         const __m256i grid = four_u64(iq2xxs_grid[run[0]], iq2xxs_grid[run[1]], iq2xxs_grid[run[2]], iq2xxs_grid[run[3]]);
-        const __m256i signs = four_u64(&sign_bytes[ksigns[packed & 127]], &sign_bytes[ksigns[(packed >> 7) & 127]],
-                                       &sign_bytes[ksigns[(packed >> 14) & 127]], &sign_bytes[ksigns[(packed >> 21) & 127]]);
+        const __m256i signs = four_u64(&even_signs[packed & 127], &even_signs[(packed >> 7) & 127],
+                                       &even_signs[(packed >> 14) & 127], &even_signs[(packed >> 21) & 127]);
         const int ls = 2 * (int)(packed >> 28) + 1;
         sumi = _mm256_add_epi32(sumi, scaled_pairs(grid, _mm256_sign_epi8(q8_run(y, ib), signs), two_scales(ls, ls)));
     }
@@ -381,13 +400,13 @@ AVX2_ALWAYS __m256i iq2_xxs_lanes(const uint8_t *x, const BlockQ8K *y) {
 
 AVX2_ALWAYS __m256i iq2_xs_lanes(const uint8_t *x, const BlockQ8K *y) {
     __m256i sumi = _mm256_setzero_si256();
-    for (int ib = 0; ib < 8; ib++) {
+    _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
         uint16_t q[4];
         for (int l = 0; l < 4; l++) q[l] = u16_at(x + 2 + 8 * ib + 2 * l);
         const __m256i grid = four_u64(iq2xs_grid[q[0] & 511], iq2xs_grid[q[1] & 511], iq2xs_grid[q[2] & 511],
                                       iq2xs_grid[q[3] & 511]);
-        const __m256i signs = four_u64(&sign_bytes[ksigns[q[0] >> 9]], &sign_bytes[ksigns[q[1] >> 9]],
-                                       &sign_bytes[ksigns[q[2] >> 9]], &sign_bytes[ksigns[q[3] >> 9]]);
+        const __m256i signs = four_u64(&even_signs[q[0] >> 9], &even_signs[q[1] >> 9], &even_signs[q[2] >> 9],
+                                       &even_signs[q[3] >> 9]);
         const __m256i scales = two_scales(2 * (x[66 + ib] & 15) + 1, 2 * (x[66 + ib] >> 4) + 1);
         sumi = _mm256_add_epi32(sumi, scaled_pairs(grid, _mm256_sign_epi8(q8_run(y, ib), signs), scales));
     }
@@ -397,14 +416,13 @@ AVX2_ALWAYS __m256i iq2_xs_lanes(const uint8_t *x, const BlockQ8K *y) {
 AVX2_ALWAYS __m256i iq2_s_lanes(const uint8_t *x, const BlockQ8K *y) {
     const uint8_t *qs = x + 2, *signs = x + 34, *qh = x + 66, *scales = x + 74;
     __m256i sumi = _mm256_setzero_si256();
-    for (int ib = 0; ib < 8; ib++) {
+    _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
         const uint8_t *q = qs + 4 * ib, *s = signs + 4 * ib;
         const int h = qh[ib];
         const __m256i grid = four_u64(iq2s_grid[q[0] | ((h << 8) & 0x300)], iq2s_grid[q[1] | ((h << 6) & 0x300)],
                                       iq2s_grid[q[2] | ((h << 4) & 0x300)], iq2s_grid[q[3] | ((h << 2) & 0x300)]);
-        const __m256i sign = four_u64(&sign_bytes[s[0]], &sign_bytes[s[1]], &sign_bytes[s[2]], &sign_bytes[s[3]]);
         const __m256i scale = two_scales(2 * (scales[ib] & 15) + 1, 2 * (scales[ib] >> 4) + 1);
-        sumi = _mm256_add_epi32(sumi, scaled_pairs(grid, _mm256_sign_epi8(q8_run(y, ib), sign), scale));
+        sumi = _mm256_add_epi32(sumi, scaled_pairs(grid, negated_where(q8_run(y, ib), u32_at(s)), scale));
     }
     return sumi;
 }
@@ -417,12 +435,12 @@ AVX2_ALWAYS __m256i eight_u32(const uint8_t (*grid)[4], const int *index) {
 
 AVX2_ALWAYS __m256i iq3_xxs_lanes(const uint8_t *x, const BlockQ8K *y) {
     __m256i sumi = _mm256_setzero_si256();
-    for (int ib = 0; ib < 8; ib++) {
+    _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
         const uint8_t *q3 = x + 2 + 8 * ib;
         const uint32_t packed = u32_at(x + 66 + 4 * ib);
         const int index[8] = {q3[0], q3[1], q3[2], q3[3], q3[4], q3[5], q3[6], q3[7]};
-        const __m256i signs = four_u64(&sign_bytes[ksigns[packed & 127]], &sign_bytes[ksigns[(packed >> 7) & 127]],
-                                       &sign_bytes[ksigns[(packed >> 14) & 127]], &sign_bytes[ksigns[(packed >> 21) & 127]]);
+        const __m256i signs = four_u64(&even_signs[packed & 127], &even_signs[(packed >> 7) & 127],
+                                       &even_signs[(packed >> 14) & 127], &even_signs[(packed >> 21) & 127]);
         const int ls = 2 * (int)(packed >> 28) + 1;
         sumi = _mm256_add_epi32(
             sumi, scaled_pairs(eight_u32(iq3xxs_grid, index), _mm256_sign_epi8(q8_run(y, ib), signs), two_scales(ls, ls)));
@@ -433,14 +451,13 @@ AVX2_ALWAYS __m256i iq3_xxs_lanes(const uint8_t *x, const BlockQ8K *y) {
 AVX2_ALWAYS __m256i iq3_s_lanes(const uint8_t *x, const BlockQ8K *y) {
     const uint8_t *qh = x + 66, *signs = x + 74, *scales = x + 106;
     __m256i sumi = _mm256_setzero_si256();
-    for (int ib = 0; ib < 8; ib++) {
+    _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
         const uint8_t *qs = x + 2 + 8 * ib, *s = signs + 4 * ib;
         int index[8];
         for (int k = 0; k < 8; k++) index[k] = iq3_s_index(qs, qh[ib], k);
-        const __m256i sign = four_u64(&sign_bytes[s[0]], &sign_bytes[s[1]], &sign_bytes[s[2]], &sign_bytes[s[3]]);
         const int ls = 2 * ((scales[ib / 2] >> 4 * (ib & 1)) & 15) + 1;
         sumi = _mm256_add_epi32(
-            sumi, scaled_pairs(eight_u32(iq3s_grid, index), _mm256_sign_epi8(q8_run(y, ib), sign), two_scales(ls, ls)));
+            sumi, scaled_pairs(eight_u32(iq3s_grid, index), negated_where(q8_run(y, ib), u32_at(s)), two_scales(ls, ls)));
     }
     return sumi;
 }
@@ -449,7 +466,7 @@ AVX2_ALWAYS __m256i iq4_xs_lanes(const uint8_t *x, const BlockQ8K *y) {
     const __m128i values = _mm_loadu_si128((const __m128i *)iq4nl_values), nibble = _mm_set1_epi8(15);
     const uint16_t high = u16_at(x + 2);
     __m256i sumi = _mm256_setzero_si256();
-    for (int ib = 0; ib < 8; ib++) {
+    _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
         const __m128i q = _mm_loadu_si128((const __m128i *)(x + 8 + 16 * ib));
         const __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(q, 4), nibble)),
                                            _mm_shuffle_epi8(values, _mm_and_si128(q, nibble)));
@@ -486,14 +503,14 @@ AVX2_ALWAYS float iq1_s_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks
     for (int64_t i = 0; i < blocks; i++, x += 50) {
         __m256i sumi = _mm256_setzero_si256();
         int sumi1 = 0;
-        for (int ib = 0; ib < 8; ib++) {
+        _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
             const uint16_t qh = u16_at(x + 34 + 2 * ib);
             const uint8_t *qs = x + 2 + 4 * ib;
             const __m256i grid = four_u64(iq1s_grid[qs[0] | ((qh << 8) & 0x700)], iq1s_grid[qs[1] | ((qh << 5) & 0x700)],
                                           iq1s_grid[qs[2] | ((qh << 2) & 0x700)], iq1s_grid[qs[3] | ((qh >> 1) & 0x700)]);
             const int ls = 2 * ((qh >> 12) & 7) + 1;
             sumi = _mm256_add_epi32(sumi, scaled_pairs(ones, _mm256_sign_epi8(q8_run(y + i, ib), grid), two_scales(ls, ls)));
-            sumi1 += (y[i].bsums[2 * ib] + y[i].bsums[2 * ib + 1]) * (qh & 0x8000 ? -1 : 1) * ls;
+            sumi1 += (y[i].bsums[2 * ib] + y[i].bsums[2 * ib + 1]) * (1 - 2 * (qh >> 15)) * ls; /* no branch */
         }
         const float d = y[i].d * f16(x);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
