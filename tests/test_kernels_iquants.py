@@ -22,8 +22,6 @@ needs_llama = pytest.mark.skipif(
 # most used first
 TYPES = [T.IQ2_XXS, T.IQ1_S, T.IQ4_XS, T.IQ2_XS, T.IQ3_XXS, T.IQ3_S, T.IQ2_S, T.IQ1_M, T.IQ4_NL, T.TQ1_0,
          T.TQ2_0, T.MXFP4]  # fmt: skip
-# the types whose AVX2 kernel is ggml's AVX2 one (the others run the portable kernel everywhere)
-AVX2_TYPES = {T.IQ2_XXS, T.IQ1_S, T.IQ4_XS, T.IQ2_XS, T.IQ3_XXS, T.IQ3_S, T.IQ2_S, T.IQ4_NL, T.MXFP4}
 SHAPES = [(5, 256, 1), (37, 512, 3), (19, 2048, 2)]
 
 
@@ -71,11 +69,11 @@ def inputs(count: int, cols: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,cols,count", SHAPES)
 def test_the_kernels_are_llama_cpps_dot_products_bit_for_bit(qt, rows, cols, count, monkeypatch):
-    """The default kernel is the one llama.cpp runs on this machine (its AVX2 one where AVX2_TYPES has
-    the type, else ggml's generic C); K3STREAM_GENERIC_KERNELS=1 gives ggml's generic C for every type."""
+    """The default kernel is the one llama.cpp runs on this machine (its AVX2 one, else ggml's generic
+    C); K3STREAM_GENERIC_KERNELS=1 gives ggml's generic C."""
     w, x = matrix(qt, rows, cols, seed=rows), inputs(count, cols, seed=cols)
     avx2 = bool(ggml_oracle.library().ggml_cpu_has_avx2())
-    assert np.array_equal(product(qt, w, x), ggml_product(qt, w, x, generic=not (avx2 and qt in AVX2_TYPES)))
+    assert np.array_equal(product(qt, w, x), ggml_product(qt, w, x, generic=not avx2))
     monkeypatch.setenv("K3STREAM_GENERIC_KERNELS", "1")
     assert np.array_equal(product(qt, w, x), ggml_product(qt, w, x, generic=True))
 

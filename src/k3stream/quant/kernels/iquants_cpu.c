@@ -519,6 +519,100 @@ AVX2_ALWAYS float iq1_s_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks
     return hsum_lanes(acc) + 0.125f * deltas;
 }
 
+/* IQ1_M: the grid's lanes and the deltas' (each 8 values' codes, negated where its delta bit is set)
+ * into two accumulators, scales per 16 values; 0.125 times the second's sum added at the end */
+AVX2_ALWAYS float iq1_m_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m256 acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < blocks; i++, x += 56) {
+        const uint8_t *qs = x, *qh = x + 32, *sc = x + 48;
+        const uint16_t s0 = u16_at(sc), s1 = u16_at(sc + 2), s2 = u16_at(sc + 4), s3 = u16_at(sc + 6);
+        const uint16_t scale = (uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000));
+        const uint8_t scale_bytes[2] = {(uint8_t)(scale & 255), (uint8_t)(scale >> 8)};
+        __m256i sumi1 = _mm256_setzero_si256(), sumi2 = _mm256_setzero_si256();
+        _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *q = qs + 4 * ib, h0 = qh[2 * ib], h1 = qh[2 * ib + 1];
+            const __m256i grid = four_u64(iq1s_grid[q[0] | ((h0 << 8) & 0x700)], iq1s_grid[q[1] | ((h0 << 4) & 0x700)],
+                                          iq1s_grid[q[2] | ((h1 << 8) & 0x700)], iq1s_grid[q[3] | ((h1 << 4) & 0x700)]);
+            const uint32_t negative = (uint32_t)(-((h0 >> 3) & 1) & 0xFF) | (uint32_t)(-((h0 >> 7) & 1) & 0xFF) << 8 |
+                                      (uint32_t)(-((h1 >> 3) & 1) & 0xFF) << 16 | (uint32_t)(-((h1 >> 7) & 1) & 0xFF) << 24;
+            const uint16_t word = u16_at(sc + 2 * (ib / 2));
+            const int shift = 6 * (ib % 2);
+            const __m256i scales = two_scales(2 * ((word >> shift) & 7) + 1, 2 * ((word >> (shift + 3)) & 7) + 1);
+            const __m256i q8 = q8_run(y + i, ib);
+            sumi1 = _mm256_add_epi32(sumi1, scaled_pairs(ones, _mm256_sign_epi8(q8, grid), scales));
+            sumi2 = _mm256_add_epi32(sumi2, scaled_pairs(ones, negated_where(q8, negative), scales));
+        }
+        const __m256 d = _mm256_set1_ps(y[i].d * f16(scale_bytes));
+        acc1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi1), acc1);
+        acc2 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi2), acc2);
+    }
+    return hsum_lanes(acc1) + 0.125f * hsum_lanes(acc2);
+}
+
+/* The ternary types: codes 0..2 (value + 1) in block order, 32 at a time; their pair sums in 16-bit
+ * lanes over the block (exact: at most 8 * 2 * 2 * 127), less the Q8_K sums of 16, then pairs of
+ * lanes: ggml's lanes; d times them added into eight float lanes (fused, as gcc builds ggml's) */
+AVX2_ALWAYS void ternary_total(const BlockQ8K *y, __m256i pairs16, float d, __m256 *acc) {
+    const __m256i lanes = _mm256_madd_epi16(_mm256_sub_epi16(pairs16, _mm256_loadu_si256((const __m256i *)y->bsums)),
+                                            _mm256_set1_epi16(1));
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d), *acc);
+}
+
+AVX2_ALWAYS __m256i tq2_0_pairs(const uint8_t *x, const BlockQ8K *y) {
+    const __m256i three = _mm256_set1_epi8(3);
+    __m256i sum = _mm256_setzero_si256();
+    for (int j = 0; j < 2; j++) { /* bits 2l of byte 32j + k: value 128j + 32l + k */
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(x + 32 * j));
+        for (int l = 0; l < 4; l++) {
+            const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(q, 2 * l), three);
+            sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(codes, q8_run(y, 4 * j + l)));
+        }
+    }
+    return sum;
+}
+
+/* trit k of each byte q (as ggml's generic code: (uint8_t)(q * 3^k) * 3 >> 8), `mul` = 3^k */
+AVX2_ALWAYS __m256i trits(__m256i q, int mul) {
+    __m256i scaled = q;
+    for (int k = 1; k < mul; k *= 3) scaled = _mm256_add_epi8(scaled, _mm256_add_epi8(scaled, scaled));
+    const __m256i three = _mm256_set1_epi16(3);
+    const __m256i low = _mm256_mulhi_epu16(_mm256_slli_epi16(scaled, 8), three);
+    const __m256i high = _mm256_mulhi_epu16(_mm256_and_si256(scaled, _mm256_set1_epi16((short)0xFF00)), three);
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 8));
+}
+
+AVX2_ALWAYS __m256i tq1_0_pairs(const uint8_t *x, const BlockQ8K *y) {
+    const __m256i first = _mm256_loadu_si256((const __m256i *)x); /* bytes 0..31: values 32k + m */
+    /* bytes 32..47 (values 160 + 16k + m) in both halves; the last 4 bytes' trits k: values 240 + 4k + j */
+    const __m128i rest = _mm_loadu_si128((const __m128i *)(x + 32));
+    const __m256i second = _mm256_set_m128i(rest, rest);
+    uint8_t tail_bytes[32] = {0}; /* in the high half: bytes 48 + j times 3^k at 16 + 4k + j */
+    for (int k = 0, mul = 1; k < 4; k++, mul *= 3)
+        for (int j = 0; j < 4; j++) tail_bytes[16 + 4 * k + j] = (uint8_t)(x[48 + j] * mul);
+    const __m256i tail = _mm256_loadu_si256((const __m256i *)tail_bytes);
+    __m256i sum = _mm256_setzero_si256();
+    for (int k = 0, mul = 1; k < 5; k++, mul *= 3)
+        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(trits(first, mul), q8_run(y, k)));
+    for (int k = 0, mul = 1; k < 4; k += 2, mul *= 9) { /* runs 5, 6: trits k, k + 1 of bytes 32..47 */
+        const __m256i both = _mm256_blend_epi32(trits(second, mul), trits(second, 3 * mul), 0xF0);
+        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(both, q8_run(y, 5 + k / 2)));
+    }
+    const __m256i last = _mm256_blend_epi32(trits(second, 81), trits(tail, 1), 0xF0); /* run 7 */
+    return _mm256_add_epi16(sum, _mm256_maddubs_epi16(last, q8_run(y, 7)));
+}
+
+#define TERNARY_DOT(NAME, BYTES, D_AT)                                                                  \
+    AVX2_ALWAYS float NAME##_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {                 \
+        __m256 acc = _mm256_setzero_ps();                                                                \
+        for (int64_t i = 0; i < blocks; i++, x += (BYTES))                                               \
+            ternary_total(y + i, NAME##_pairs(x, y + i), y[i].d * f16(x + (D_AT)), &acc);                 \
+        return hsum_lanes(acc);                                                                          \
+    }
+
+TERNARY_DOT(tq2_0, 66, 64)
+TERNARY_DOT(tq1_0, 54, 52)
+
 /* IQ4_NL and MXFP4: blocks in pairs, the first's lanes into one accumulator and the second's into
  * another; an odd last block as the generic kernel adds it, after the lanes' sum */
 #define PAIRED_DOT(NAME, BYTES, VALUES, SCALE, CODES)                                                      \
@@ -544,47 +638,21 @@ AVX2_ALWAYS float iq1_s_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks
 PAIRED_DOT(iq4_nl, 18, iq4nl_values, f16(x), 2)
 PAIRED_DOT(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
 
-#define AVX2_ROWS(ID, NAME, Y, ELEMS) IQ_ROWS(NAME##_rows_avx2, __attribute__((target("avx2,fma,f16c"))), NAME##_avx2, Y, ELEMS)
-AVX2_ROWS(16, iq2_xxs, q8, 256)
-AVX2_ROWS(17, iq2_xs, q8, 256)
-AVX2_ROWS(18, iq3_xxs, q8, 256)
-AVX2_ROWS(19, iq1_s, q8, 256)
-AVX2_ROWS(20, iq4_nl, q8_0, 32)
-AVX2_ROWS(21, iq3_s, q8, 256)
-AVX2_ROWS(22, iq2_s, q8, 256)
-AVX2_ROWS(23, iq4_xs, q8, 256)
-AVX2_ROWS(39, mxfp4, q8_0, 32)
-#define HAS_AVX2_ROWS(NAME) NAME##_rows_avx2
+#define AVX2_ROWS(ID, NAME, Y, ELEMS) \
+    IQ_ROWS(NAME##_rows_avx2, __attribute__((target("avx2,fma,f16c"))), NAME##_avx2, Y, ELEMS)
+IQ_TYPES(AVX2_ROWS)
+#define AVX2_ROWS_OF(NAME) NAME##_rows_avx2
 #else
-#define HAS_AVX2_ROWS(NAME) NULL
+#define AVX2_ROWS_OF(NAME) NULL
 #endif
 
-static RowKernel avx2_rows(int ggml_type) {
-    switch (ggml_type) {
-        case 16: return HAS_AVX2_ROWS(iq2_xxs);
-        case 17: return HAS_AVX2_ROWS(iq2_xs);
-        case 18: return HAS_AVX2_ROWS(iq3_xxs);
-        case 19: return HAS_AVX2_ROWS(iq1_s);
-        case 20: return HAS_AVX2_ROWS(iq4_nl);
-        case 21: return HAS_AVX2_ROWS(iq3_s);
-        case 22: return HAS_AVX2_ROWS(iq2_s);
-        case 23: return HAS_AVX2_ROWS(iq4_xs);
-        case 39: return HAS_AVX2_ROWS(mxfp4);
-        default: return NULL;
-    }
-}
-
 RowKernel iq_q8_kernel(int ggml_type, int avx2) {
-#define GENERIC_CASE(ID, NAME, Y, ELEMS) \
-    case ID: generic = NAME##_rows_generic; break;
-    RowKernel generic = NULL;
+#define KERNEL_CASE(ID, NAME, Y, ELEMS) \
+    case ID: return !grids_set ? NULL : avx2 && AVX2_ROWS_OF(NAME) != NULL ? AVX2_ROWS_OF(NAME) : NAME##_rows_generic;
     switch (ggml_type) {
-        IQ_TYPES(GENERIC_CASE)
+        IQ_TYPES(KERNEL_CASE)
         default: return NULL;
     }
-    if (!grids_set) return NULL;
-    RowKernel fast = avx2 ? avx2_rows(ggml_type) : NULL;
-    return fast != NULL ? fast : generic;
 }
 
 int iq_q8_0_activations(int ggml_type) { return ggml_type == 20 || ggml_type == 39; }
