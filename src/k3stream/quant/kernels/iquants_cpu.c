@@ -530,7 +530,7 @@ AVX2_ALWAYS float iq1_m_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks
         const uint16_t scale = (uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000));
         const uint8_t scale_bytes[2] = {(uint8_t)(scale & 255), (uint8_t)(scale >> 8)};
         __m256i sumi1 = _mm256_setzero_si256(), sumi2 = _mm256_setzero_si256();
-        _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
+        for (int ib = 0; ib < 8; ib++) {
             const uint8_t *q = qs + 4 * ib, h0 = qh[2 * ib], h1 = qh[2 * ib + 1];
             const __m256i grid = four_u64(iq1s_grid[q[0] | ((h0 << 8) & 0x700)], iq1s_grid[q[1] | ((h0 << 4) & 0x700)],
                                           iq1s_grid[q[2] | ((h1 << 8) & 0x700)], iq1s_grid[q[3] | ((h1 << 4) & 0x700)]);
@@ -572,34 +572,33 @@ AVX2_ALWAYS __m256i tq2_0_pairs(const uint8_t *x, const BlockQ8K *y) {
     return sum;
 }
 
-/* trit k of each byte q (as ggml's generic code: (uint8_t)(q * 3^k) * 3 >> 8), `mul` = 3^k */
-AVX2_ALWAYS __m256i trits(__m256i q, int mul) {
-    __m256i scaled = q;
-    for (int k = 1; k < mul; k *= 3) scaled = _mm256_add_epi8(scaled, _mm256_add_epi8(scaled, scaled));
+/* each byte's top trit after scaling, (q * 3) >> 8 as ggml's generic code computes it (exact) */
+AVX2_ALWAYS __m256i top_trits(__m256i q) {
     const __m256i three = _mm256_set1_epi16(3);
-    const __m256i low = _mm256_mulhi_epu16(_mm256_slli_epi16(scaled, 8), three);
-    const __m256i high = _mm256_mulhi_epu16(_mm256_and_si256(scaled, _mm256_set1_epi16((short)0xFF00)), three);
+    const __m256i low = _mm256_mulhi_epu16(_mm256_slli_epi16(q, 8), three);
+    const __m256i high = _mm256_mulhi_epu16(_mm256_and_si256(q, _mm256_set1_epi16((short)0xFF00)), three);
     return _mm256_or_si256(low, _mm256_slli_epi16(high, 8));
 }
 
+AVX2_ALWAYS __m256i times3(__m256i q) { return _mm256_add_epi8(q, _mm256_add_epi8(q, q)); } /* mod 256 */
+
+/* TQ1_0: trit k of byte m is value 32k + m (bytes 0..31), 160 + 16k + m (32..47), 240 + 4k + j (48..51) */
 AVX2_ALWAYS __m256i tq1_0_pairs(const uint8_t *x, const BlockQ8K *y) {
-    const __m256i first = _mm256_loadu_si256((const __m256i *)x); /* bytes 0..31: values 32k + m */
-    /* bytes 32..47 (values 160 + 16k + m) in both halves; the last 4 bytes' trits k: values 240 + 4k + j */
+    __m256i sum = _mm256_setzero_si256(), scaled = _mm256_loadu_si256((const __m256i *)x);
+    for (int k = 0; k < 5; k++, scaled = times3(scaled))
+        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(top_trits(scaled), q8_run(y, k)));
     const __m128i rest = _mm_loadu_si128((const __m128i *)(x + 32));
-    const __m256i second = _mm256_set_m128i(rest, rest);
-    uint8_t tail_bytes[32] = {0}; /* in the high half: bytes 48 + j times 3^k at 16 + 4k + j */
-    for (int k = 0, mul = 1; k < 4; k++, mul *= 3)
-        for (int j = 0; j < 4; j++) tail_bytes[16 + 4 * k + j] = (uint8_t)(x[48 + j] * mul);
-    const __m256i tail = _mm256_loadu_si256((const __m256i *)tail_bytes);
-    __m256i sum = _mm256_setzero_si256();
-    for (int k = 0, mul = 1; k < 5; k++, mul *= 3)
-        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(trits(first, mul), q8_run(y, k)));
-    for (int k = 0, mul = 1; k < 4; k += 2, mul *= 9) { /* runs 5, 6: trits k, k + 1 of bytes 32..47 */
-        const __m256i both = _mm256_blend_epi32(trits(second, mul), trits(second, 3 * mul), 0xF0);
-        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(both, q8_run(y, 5 + k / 2)));
-    }
-    const __m256i last = _mm256_blend_epi32(trits(second, 81), trits(tail, 1), 0xF0); /* run 7 */
-    return _mm256_add_epi16(sum, _mm256_maddubs_epi16(last, q8_run(y, 7)));
+    const __m256i pair = _mm256_set_m128i(_mm_add_epi8(rest, _mm_add_epi8(rest, rest)), rest); /* trits 0, 1 */
+    const __m256i pair9 = times3(times3(pair));                                                  /* trits 2, 3 */
+    /* the last 4 bytes times 1, 3, 9, 27 in the high half, after trit 4 of bytes 32..47 */
+    const __m256i wide = _mm256_cvtepu8_epi16(_mm_set1_epi32((int)u32_at(x + 48)));
+    const __m256i powers = _mm256_set_epi16(27, 27, 27, 27, 9, 9, 9, 9, 3, 3, 3, 3, 1, 1, 1, 1);
+    const __m256i products = _mm256_and_si256(_mm256_mullo_epi16(wide, powers), _mm256_set1_epi16(0xFF));
+    const __m128i tail = _mm_packus_epi16(_mm256_castsi256_si128(products), _mm256_extracti128_si256(products, 1));
+    const __m256i last = _mm256_inserti128_si256(times3(times3(pair9)), tail, 1);
+    sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(top_trits(pair), q8_run(y, 5)));
+    sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(top_trits(pair9), q8_run(y, 6)));
+    return _mm256_add_epi16(sum, _mm256_maddubs_epi16(top_trits(last), q8_run(y, 7)));
 }
 
 #define TERNARY_DOT(NAME, BYTES, D_AT)                                                                  \
