@@ -26,6 +26,7 @@ static int8_t iq1s_grid[2048][8], iq4nl_values[16], mxfp4_values[16];
 static uint8_t ksigns[128];     /* 7 sign bits, the eighth their parity (ggml's ksigns_iq2xs) */
 static uint64_t sign_bytes[256]; /* bit j of the index set: byte j is -1, else +1 (for _mm256_sign_epi8) */
 static uint64_t even_signs[128]; /* sign_bytes of ksigns */
+static int32_t group_signs[16][8] __attribute__((aligned(32))); /* bit g of the index set: lanes 2g, 2g + 1 are -1, else +1 */
 static int grids_set;
 
 typedef struct {
@@ -60,6 +61,8 @@ PyObject *py_set_iq_grids(PyObject *self, PyObject *args) {
         for (int j = 0; j < 8; j++) sign_bytes[i] |= (uint64_t)((i >> j) & 1 ? 0xFF : 0x01) << (8 * j);
     }
     for (int i = 0; i < 128; i++) even_signs[i] = sign_bytes[ksigns[i]];
+    for (int i = 0; i < 16; i++)
+        for (int lane = 0; lane < 8; lane++) group_signs[i][lane] = (i >> (lane / 2)) & 1 ? -1 : 1;
     grids_set = 1;
     Py_RETURN_NONE;
 }
@@ -338,6 +341,9 @@ IQ_TYPES(GENERIC_ROWS)
 #include <immintrin.h>
 #define AVX2_ALWAYS __attribute__((target("avx2,fma,f16c"))) static inline __attribute__((always_inline))
 
+/* an F16 by F16C: one instruction, the same value as f16() */
+AVX2_ALWAYS float f16c(const uint8_t *p) { return _cvtsh_ss(u16_at(p)); }
+
 AVX2_ALWAYS float hsum_lanes(__m256 v) { /* ggml's hsum_float_8 */
     __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -393,7 +399,7 @@ AVX2_ALWAYS __m256i iq2_xxs_lanes(const uint8_t *x, const BlockQ8K *y) {
         const __m256i signs = four_u64(&even_signs[packed & 127], &even_signs[(packed >> 7) & 127],
                                        &even_signs[(packed >> 14) & 127], &even_signs[(packed >> 21) & 127]);
         const int ls = 2 * (int)(packed >> 28) + 1;
-        sumi = _mm256_add_epi32(sumi, scaled_pairs(grid, _mm256_sign_epi8(q8_run(y, ib), signs), two_scales(ls, ls)));
+        sumi = _mm256_add_epi32(sumi, scaled_pairs(grid, _mm256_sign_epi8(q8_run(y, ib), signs), _mm256_set1_epi16((short)ls)));
     }
     return sumi;
 }
@@ -443,7 +449,7 @@ AVX2_ALWAYS __m256i iq3_xxs_lanes(const uint8_t *x, const BlockQ8K *y) {
                                        &even_signs[(packed >> 14) & 127], &even_signs[(packed >> 21) & 127]);
         const int ls = 2 * (int)(packed >> 28) + 1;
         sumi = _mm256_add_epi32(
-            sumi, scaled_pairs(eight_u32(iq3xxs_grid, index), _mm256_sign_epi8(q8_run(y, ib), signs), two_scales(ls, ls)));
+            sumi, scaled_pairs(eight_u32(iq3xxs_grid, index), _mm256_sign_epi8(q8_run(y, ib), signs), _mm256_set1_epi16((short)ls)));
     }
     return sumi;
 }
@@ -457,7 +463,7 @@ AVX2_ALWAYS __m256i iq3_s_lanes(const uint8_t *x, const BlockQ8K *y) {
         for (int k = 0; k < 8; k++) index[k] = iq3_s_index(qs, qh[ib], k);
         const int ls = 2 * ((scales[ib / 2] >> 4 * (ib & 1)) & 15) + 1;
         sumi = _mm256_add_epi32(
-            sumi, scaled_pairs(eight_u32(iq3s_grid, index), negated_where(q8_run(y, ib), u32_at(s)), two_scales(ls, ls)));
+            sumi, scaled_pairs(eight_u32(iq3s_grid, index), negated_where(q8_run(y, ib), u32_at(s)), _mm256_set1_epi16((short)ls)));
     }
     return sumi;
 }
@@ -471,7 +477,7 @@ AVX2_ALWAYS __m256i iq4_xs_lanes(const uint8_t *x, const BlockQ8K *y) {
         const __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(q, 4), nibble)),
                                            _mm_shuffle_epi8(values, _mm_and_si128(q, nibble)));
         const int ls = (((x[4 + ib / 2] >> 4 * (ib & 1)) & 15) | (((high >> 2 * ib) & 3) << 4)) - 32;
-        sumi = _mm256_add_epi32(sumi, signed_pairs(w, q8_run(y, ib), two_scales(ls, ls)));
+        sumi = _mm256_add_epi32(sumi, signed_pairs(w, q8_run(y, ib), _mm256_set1_epi16((short)ls)));
     }
     return sumi;
 }
@@ -481,7 +487,7 @@ AVX2_ALWAYS __m256i iq4_xs_lanes(const uint8_t *x, const BlockQ8K *y) {
     AVX2_ALWAYS float NAME##_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {                 \
         __m256 acc = _mm256_setzero_ps();                                                                \
         for (int64_t i = 0; i < blocks; i++, x += (BYTES)) {                                             \
-            const float d = f16(x) * y[i].d;                                                             \
+            const float d = f16c(x) * y[i].d;                                                             \
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(NAME##_lanes(x, y + i)), acc);   \
         }                                                                                                \
         return (FACTOR) * hsum_lanes(acc);                                                               \
@@ -509,10 +515,10 @@ AVX2_ALWAYS float iq1_s_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks
             const __m256i grid = four_u64(iq1s_grid[qs[0] | ((qh << 8) & 0x700)], iq1s_grid[qs[1] | ((qh << 5) & 0x700)],
                                           iq1s_grid[qs[2] | ((qh << 2) & 0x700)], iq1s_grid[qs[3] | ((qh >> 1) & 0x700)]);
             const int ls = 2 * ((qh >> 12) & 7) + 1;
-            sumi = _mm256_add_epi32(sumi, scaled_pairs(ones, _mm256_sign_epi8(q8_run(y + i, ib), grid), two_scales(ls, ls)));
+            sumi = _mm256_add_epi32(sumi, scaled_pairs(ones, _mm256_sign_epi8(q8_run(y + i, ib), grid), _mm256_set1_epi16((short)ls)));
             sumi1 += (y[i].bsums[2 * ib] + y[i].bsums[2 * ib + 1]) * (1 - 2 * (qh >> 15)) * ls; /* no branch */
         }
-        const float d = y[i].d * f16(x);
+        const float d = y[i].d * f16c(x);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
         deltas = fmaf(d, (float)sumi1, deltas);
     }
@@ -534,16 +540,17 @@ AVX2_ALWAYS float iq1_m_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks
             const uint8_t *q = qs + 4 * ib, h0 = qh[2 * ib], h1 = qh[2 * ib + 1];
             const __m256i grid = four_u64(iq1s_grid[q[0] | ((h0 << 8) & 0x700)], iq1s_grid[q[1] | ((h0 << 4) & 0x700)],
                                           iq1s_grid[q[2] | ((h1 << 8) & 0x700)], iq1s_grid[q[3] | ((h1 << 4) & 0x700)]);
-            const uint32_t negative = (uint32_t)(-((h0 >> 3) & 1) & 0xFF) | (uint32_t)(-((h0 >> 7) & 1) & 0xFF) << 8 |
-                                      (uint32_t)(-((h1 >> 3) & 1) & 0xFF) << 16 | (uint32_t)(-((h1 >> 7) & 1) & 0xFF) << 24;
+            /* each 8 values' delta sign (bits 3 and 7 of h0, h1) on the lanes of its 8 values */
+            const int negative = ((h0 >> 3) & 1) | ((h0 >> 6) & 2) | ((h1 >> 1) & 4) | ((h1 >> 4) & 8);
             const uint16_t word = u16_at(sc + 2 * (ib / 2));
             const int shift = 6 * (ib % 2);
             const __m256i scales = two_scales(2 * ((word >> shift) & 7) + 1, 2 * ((word >> (shift + 3)) & 7) + 1);
             const __m256i q8 = q8_run(y + i, ib);
             sumi1 = _mm256_add_epi32(sumi1, scaled_pairs(ones, _mm256_sign_epi8(q8, grid), scales));
-            sumi2 = _mm256_add_epi32(sumi2, scaled_pairs(ones, negated_where(q8, negative), scales));
+            const __m256i signs = _mm256_load_si256((const __m256i *)group_signs[negative]);
+            sumi2 = _mm256_add_epi32(sumi2, _mm256_sign_epi32(scaled_pairs(ones, q8, scales), signs));
         }
-        const __m256 d = _mm256_set1_ps(y[i].d * f16(scale_bytes));
+        const __m256 d = _mm256_set1_ps(y[i].d * f16c(scale_bytes));
         acc1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi1), acc1);
         acc2 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi2), acc2);
     }
@@ -605,7 +612,7 @@ AVX2_ALWAYS __m256i tq1_0_pairs(const uint8_t *x, const BlockQ8K *y) {
     AVX2_ALWAYS float NAME##_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {                 \
         __m256 acc = _mm256_setzero_ps();                                                                \
         for (int64_t i = 0; i < blocks; i++, x += (BYTES))                                               \
-            ternary_total(y + i, NAME##_pairs(x, y + i), y[i].d * f16(x + (D_AT)), &acc);                 \
+            ternary_total(y + i, NAME##_pairs(x, y + i), y[i].d * f16c(x + (D_AT)), &acc);                 \
         return hsum_lanes(acc);                                                                          \
     }
 
@@ -634,7 +641,7 @@ TERNARY_DOT(tq1_0, 54, 52)
         return i < blocks ? sumf + NAME##_generic(x + i * (BYTES), y + i, 1) : sumf;                      \
     }
 
-PAIRED_DOT(iq4_nl, 18, iq4nl_values, f16(x), 2)
+PAIRED_DOT(iq4_nl, 18, iq4nl_values, f16c(x), 2)
 PAIRED_DOT(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
 
 #define AVX2_ROWS(ID, NAME, Y, ELEMS) \
