@@ -339,7 +339,7 @@ IQ_TYPES(GENERIC_ROWS)
 /* ---- ggml's AVX2 kernels ------------------------------------------------------------------------- */
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-#define AVX2_ALWAYS __attribute__((target("avx2,fma,f16c"))) static inline __attribute__((always_inline))
+#define AVX2_ALWAYS __attribute__((target("avx2,fma,f16c,bmi2"))) static inline __attribute__((always_inline))
 
 /* an F16 by F16C: one instruction, the same value as f16() */
 AVX2_ALWAYS float f16c(const uint8_t *p) { return _cvtsh_ss(u16_at(p)); }
@@ -511,9 +511,11 @@ AVX2_ALWAYS float iq1_s_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks
         int sumi1 = 0;
         _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
             const uint16_t qh = u16_at(x + 34 + 2 * ib);
-            const uint8_t *qs = x + 2 + 4 * ib;
-            const __m256i grid = four_u64(iq1s_grid[qs[0] | ((qh << 8) & 0x700)], iq1s_grid[qs[1] | ((qh << 5) & 0x700)],
-                                          iq1s_grid[qs[2] | ((qh << 2) & 0x700)], iq1s_grid[qs[3] | ((qh >> 1) & 0x700)]);
+            /* the four 11-bit indices in 16-bit fields: 8 bits of qs, 3 of qh each (BMI2 deposits) */
+            const uint64_t index = _pdep_u64(u32_at(x + 2 + 4 * ib), 0x00FF00FF00FF00FFULL) |
+                                   _pdep_u64(qh, 0x0700070007000700ULL);
+            const __m256i grid = four_u64(iq1s_grid[index & 0xFFFF], iq1s_grid[(index >> 16) & 0xFFFF],
+                                          iq1s_grid[(index >> 32) & 0xFFFF], iq1s_grid[index >> 48]);
             const int ls = 2 * ((qh >> 12) & 7) + 1;
             sumi = _mm256_add_epi32(sumi, scaled_pairs(ones, _mm256_sign_epi8(q8_run(y + i, ib), grid), _mm256_set1_epi16((short)ls)));
             sumi1 += (y[i].bsums[2 * ib] + y[i].bsums[2 * ib + 1]) * (1 - 2 * (qh >> 15)) * ls; /* no branch */
@@ -537,9 +539,12 @@ AVX2_ALWAYS float iq1_m_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks
         const uint8_t scale_bytes[2] = {(uint8_t)(scale & 255), (uint8_t)(scale >> 8)};
         __m256i sumi1 = _mm256_setzero_si256(), sumi2 = _mm256_setzero_si256();
         for (int ib = 0; ib < 8; ib++) {
-            const uint8_t *q = qs + 4 * ib, h0 = qh[2 * ib], h1 = qh[2 * ib + 1];
-            const __m256i grid = four_u64(iq1s_grid[q[0] | ((h0 << 8) & 0x700)], iq1s_grid[q[1] | ((h0 << 4) & 0x700)],
-                                          iq1s_grid[q[2] | ((h1 << 8) & 0x700)], iq1s_grid[q[3] | ((h1 << 4) & 0x700)]);
+            const uint8_t h0 = qh[2 * ib], h1 = qh[2 * ib + 1];
+            /* 8 bits of qs and the low 3 of each qh nibble (its top bit: the delta's sign) an index */
+            const uint64_t index = _pdep_u64(u32_at(qs + 4 * ib), 0x00FF00FF00FF00FFULL) |
+                                   _pdep_u64(u16_at(qh + 2 * ib) & 0x7777, 0x0F000F000F000F00ULL);
+            const __m256i grid = four_u64(iq1s_grid[index & 0xFFFF], iq1s_grid[(index >> 16) & 0xFFFF],
+                                          iq1s_grid[(index >> 32) & 0xFFFF], iq1s_grid[index >> 48]);
             /* each 8 values' delta sign (bits 3 and 7 of h0, h1) on the lanes of its 8 values */
             const int negative = ((h0 >> 3) & 1) | ((h0 >> 6) & 2) | ((h1 >> 1) & 4) | ((h1 >> 4) & 8);
             const uint16_t word = u16_at(sc + 2 * (ib / 2));
@@ -645,14 +650,19 @@ PAIRED_DOT(iq4_nl, 18, iq4nl_values, f16c(x), 2)
 PAIRED_DOT(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
 
 #define AVX2_ROWS(ID, NAME, Y, ELEMS) \
-    IQ_ROWS(NAME##_rows_avx2, __attribute__((target("avx2,fma,f16c"))), NAME##_avx2, Y, ELEMS)
+    IQ_ROWS(NAME##_rows_avx2, __attribute__((target("avx2,fma,f16c,bmi2"))), NAME##_avx2, Y, ELEMS)
 IQ_TYPES(AVX2_ROWS)
 #define AVX2_ROWS_OF(NAME) NAME##_rows_avx2
 #else
 #define AVX2_ROWS_OF(NAME) NULL
 #endif
 
+/* `avx2`: the machine has AVX2 and FMA (and the portable kernels are not asked for); these also take BMI2
+ * (every x86-64-v3 machine has it) */
 RowKernel iq_q8_kernel(int ggml_type, int avx2) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    avx2 = avx2 && __builtin_cpu_supports("bmi2");
+#endif
 #define KERNEL_CASE(ID, NAME, Y, ELEMS) \
     case ID: return !grids_set ? NULL : avx2 && AVX2_ROWS_OF(NAME) != NULL ? AVX2_ROWS_OF(NAME) : NAME##_rows_generic;
     switch (ggml_type) {
