@@ -327,11 +327,15 @@ INLINE float mxfp4_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks)
         }                                                                                              \
     }
 
-/* X(GGML type id, name, Product field of its activations, values a block) */
-#define IQ_TYPES(X)                                                                                      \
-    X(16, iq2_xxs, q8, 256) X(17, iq2_xs, q8, 256) X(18, iq3_xxs, q8, 256) X(19, iq1_s, q8, 256)        \
-    X(20, iq4_nl, q8_0, 32) X(21, iq3_s, q8, 256) X(22, iq2_s, q8, 256) X(23, iq4_xs, q8, 256)          \
-    X(29, iq1_m, q8, 256) X(34, tq1_0, q8, 256) X(35, tq2_0, q8, 256) X(39, mxfp4, q8_0, 32)
+/* X(GGML type id, name, Product field of its activations, values a block): the types whose AVX2
+ * kernel shares decoded runs between input rows (SHARED_RUNS), and the others */
+#define RUN_TYPES(X)                                                                                     \
+    X(16, iq2_xxs, q8, 256) X(17, iq2_xs, q8, 256) X(18, iq3_xxs, q8, 256) X(21, iq3_s, q8, 256)        \
+    X(22, iq2_s, q8, 256) X(23, iq4_xs, q8, 256)
+#define ROW_TYPES(X)                                                                                     \
+    X(19, iq1_s, q8, 256) X(20, iq4_nl, q8_0, 32) X(29, iq1_m, q8, 256) X(34, tq1_0, q8, 256)           \
+    X(35, tq2_0, q8, 256) X(39, mxfp4, q8_0, 32)
+#define IQ_TYPES(X) RUN_TYPES(X) ROW_TYPES(X)
 
 #define GENERIC_ROWS(ID, NAME, Y, ELEMS) IQ_ROWS(NAME##_rows_generic, , NAME##_generic, Y, ELEMS)
 IQ_TYPES(GENERIC_ROWS)
@@ -379,58 +383,48 @@ AVX2_ALWAYS __m256i two_scales(int first16, int second16) {
 
 AVX2_ALWAYS __m256i q8_run(const BlockQ8K *y, int ib) { return _mm256_loadu_si256((const __m256i *)(y->qs + 32 * ib)); }
 
-/* q8 with value 8k + j negated where bit j of byte k of `bits` is set (IQ2_S's and IQ3_S's sign bytes),
- * in registers: each byte spread over its eight values, tested against its bit */
-AVX2_ALWAYS __m256i negated_where(__m256i q8, uint32_t bits) {
+/* 0xFF at byte 8k + j where bit j of byte k of `bits` is set (IQ2_S's, IQ3_S's and IQ1_M's sign bytes),
+ * else 0, in registers: each byte spread over its eight values, tested against its bit */
+AVX2_ALWAYS __m256i set_bits(uint32_t bits) {
     const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
                                                _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
                                                                  0x0101010101010101LL, 0));
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    const __m256i mask = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-    return _mm256_sub_epi8(_mm256_xor_si256(q8, mask), mask);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
 }
 
-AVX2_ALWAYS __m256i iq2_xxs_lanes(const uint8_t *x, const BlockQ8K *y) {
-    __m256i sumi = _mm256_setzero_si256();
-    _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
-        const uint8_t *run = x + 2 + 8 * ib;
-        const uint32_t packed = u32_at(run + 4);
-        const __m256i grid = four_u64(iq2xxs_grid[run[0]], iq2xxs_grid[run[1]], iq2xxs_grid[run[2]], iq2xxs_grid[run[3]]);
-        const __m256i signs = four_u64(&even_signs[packed & 127], &even_signs[(packed >> 7) & 127],
-                                       &even_signs[(packed >> 14) & 127], &even_signs[(packed >> 21) & 127]);
-        const int ls = 2 * (int)(packed >> 28) + 1;
-        sumi = _mm256_add_epi32(sumi, scaled_pairs(grid, _mm256_sign_epi8(q8_run(y, ib), signs), _mm256_set1_epi16((short)ls)));
-    }
-    return sumi;
+/* One run (32 values) of a block decoded for any number of input rows: each row's lanes gain
+ * madd(maddubs(w, sign(q8, sign)), scales) (w unsigned; sign's bytes +1, -1 or 0) */
+typedef struct {
+    __m256i w, sign, scales;
+} Run;
+
+/* the bits of `bits` (4 sign bytes, one for each 8 values) as bytes -1 where set, else +1 */
+AVX2_ALWAYS __m256i sign_of_bits(uint32_t bits) { return _mm256_or_si256(set_bits(bits), _mm256_set1_epi8(1)); }
+
+AVX2_ALWAYS Run iq2_xxs_run(const uint8_t *x, int ib) {
+    const uint8_t *run = x + 2 + 8 * ib;
+    const uint32_t packed = u32_at(run + 4);
+    return (Run){four_u64(iq2xxs_grid[run[0]], iq2xxs_grid[run[1]], iq2xxs_grid[run[2]], iq2xxs_grid[run[3]]),
+                 four_u64(&even_signs[packed & 127], &even_signs[(packed >> 7) & 127],
+                          &even_signs[(packed >> 14) & 127], &even_signs[(packed >> 21) & 127]),
+                 _mm256_set1_epi16((short)(2 * (packed >> 28) + 1))};
 }
 
-AVX2_ALWAYS __m256i iq2_xs_lanes(const uint8_t *x, const BlockQ8K *y) {
-    __m256i sumi = _mm256_setzero_si256();
-    _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
-        uint16_t q[4];
-        for (int l = 0; l < 4; l++) q[l] = u16_at(x + 2 + 8 * ib + 2 * l);
-        const __m256i grid = four_u64(iq2xs_grid[q[0] & 511], iq2xs_grid[q[1] & 511], iq2xs_grid[q[2] & 511],
-                                      iq2xs_grid[q[3] & 511]);
-        const __m256i signs = four_u64(&even_signs[q[0] >> 9], &even_signs[q[1] >> 9], &even_signs[q[2] >> 9],
-                                       &even_signs[q[3] >> 9]);
-        const __m256i scales = two_scales(2 * (x[66 + ib] & 15) + 1, 2 * (x[66 + ib] >> 4) + 1);
-        sumi = _mm256_add_epi32(sumi, scaled_pairs(grid, _mm256_sign_epi8(q8_run(y, ib), signs), scales));
-    }
-    return sumi;
+AVX2_ALWAYS Run iq2_xs_run(const uint8_t *x, int ib) {
+    uint16_t q[4];
+    for (int l = 0; l < 4; l++) q[l] = u16_at(x + 2 + 8 * ib + 2 * l);
+    return (Run){four_u64(iq2xs_grid[q[0] & 511], iq2xs_grid[q[1] & 511], iq2xs_grid[q[2] & 511], iq2xs_grid[q[3] & 511]),
+                 four_u64(&even_signs[q[0] >> 9], &even_signs[q[1] >> 9], &even_signs[q[2] >> 9], &even_signs[q[3] >> 9]),
+                 two_scales(2 * (x[66 + ib] & 15) + 1, 2 * (x[66 + ib] >> 4) + 1)};
 }
 
-AVX2_ALWAYS __m256i iq2_s_lanes(const uint8_t *x, const BlockQ8K *y) {
-    const uint8_t *qs = x + 2, *signs = x + 34, *qh = x + 66, *scales = x + 74;
-    __m256i sumi = _mm256_setzero_si256();
-    _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
-        const uint8_t *q = qs + 4 * ib, *s = signs + 4 * ib;
-        const int h = qh[ib];
-        const __m256i grid = four_u64(iq2s_grid[q[0] | ((h << 8) & 0x300)], iq2s_grid[q[1] | ((h << 6) & 0x300)],
-                                      iq2s_grid[q[2] | ((h << 4) & 0x300)], iq2s_grid[q[3] | ((h << 2) & 0x300)]);
-        const __m256i scale = two_scales(2 * (scales[ib] & 15) + 1, 2 * (scales[ib] >> 4) + 1);
-        sumi = _mm256_add_epi32(sumi, scaled_pairs(grid, negated_where(q8_run(y, ib), u32_at(s)), scale));
-    }
-    return sumi;
+AVX2_ALWAYS Run iq2_s_run(const uint8_t *x, int ib) {
+    const uint8_t *q = x + 2 + 4 * ib;
+    const int h = x[66 + ib];
+    return (Run){four_u64(iq2s_grid[q[0] | ((h << 8) & 0x300)], iq2s_grid[q[1] | ((h << 6) & 0x300)],
+                          iq2s_grid[q[2] | ((h << 4) & 0x300)], iq2s_grid[q[3] | ((h << 2) & 0x300)]),
+                 sign_of_bits(u32_at(x + 34 + 4 * ib)), two_scales(2 * (x[74 + ib] & 15) + 1, 2 * (x[74 + ib] >> 4) + 1)};
 }
 
 AVX2_ALWAYS __m256i eight_u32(const uint8_t (*grid)[4], const int *index) {
@@ -439,66 +433,76 @@ AVX2_ALWAYS __m256i eight_u32(const uint8_t (*grid)[4], const int *index) {
                             (int)u32_at(grid[index[1]]), (int)u32_at(grid[index[0]]));
 }
 
-AVX2_ALWAYS __m256i iq3_xxs_lanes(const uint8_t *x, const BlockQ8K *y) {
-    __m256i sumi = _mm256_setzero_si256();
-    _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
-        const uint8_t *q3 = x + 2 + 8 * ib;
-        const uint32_t packed = u32_at(x + 66 + 4 * ib);
-        const int index[8] = {q3[0], q3[1], q3[2], q3[3], q3[4], q3[5], q3[6], q3[7]};
-        const __m256i signs = four_u64(&even_signs[packed & 127], &even_signs[(packed >> 7) & 127],
-                                       &even_signs[(packed >> 14) & 127], &even_signs[(packed >> 21) & 127]);
-        const int ls = 2 * (int)(packed >> 28) + 1;
-        sumi = _mm256_add_epi32(
-            sumi, scaled_pairs(eight_u32(iq3xxs_grid, index), _mm256_sign_epi8(q8_run(y, ib), signs), _mm256_set1_epi16((short)ls)));
-    }
-    return sumi;
+AVX2_ALWAYS Run iq3_xxs_run(const uint8_t *x, int ib) {
+    const uint8_t *q3 = x + 2 + 8 * ib;
+    const uint32_t packed = u32_at(x + 66 + 4 * ib);
+    const int index[8] = {q3[0], q3[1], q3[2], q3[3], q3[4], q3[5], q3[6], q3[7]};
+    return (Run){eight_u32(iq3xxs_grid, index),
+                 four_u64(&even_signs[packed & 127], &even_signs[(packed >> 7) & 127],
+                          &even_signs[(packed >> 14) & 127], &even_signs[(packed >> 21) & 127]),
+                 _mm256_set1_epi16((short)(2 * (packed >> 28) + 1))};
 }
 
-AVX2_ALWAYS __m256i iq3_s_lanes(const uint8_t *x, const BlockQ8K *y) {
-    const uint8_t *qh = x + 66, *signs = x + 74, *scales = x + 106;
-    __m256i sumi = _mm256_setzero_si256();
-    _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
-        const uint8_t *qs = x + 2 + 8 * ib, *s = signs + 4 * ib;
-        int index[8];
-        for (int k = 0; k < 8; k++) index[k] = iq3_s_index(qs, qh[ib], k);
-        const int ls = 2 * ((scales[ib / 2] >> 4 * (ib & 1)) & 15) + 1;
-        sumi = _mm256_add_epi32(
-            sumi, scaled_pairs(eight_u32(iq3s_grid, index), negated_where(q8_run(y, ib), u32_at(s)), _mm256_set1_epi16((short)ls)));
-    }
-    return sumi;
+AVX2_ALWAYS Run iq3_s_run(const uint8_t *x, int ib) {
+    int index[8];
+    for (int k = 0; k < 8; k++) index[k] = iq3_s_index(x + 2 + 8 * ib, x[66 + ib], k);
+    const int ls = 2 * ((x[106 + ib / 2] >> 4 * (ib & 1)) & 15) + 1;
+    return (Run){eight_u32(iq3s_grid, index), sign_of_bits(u32_at(x + 74 + 4 * ib)), _mm256_set1_epi16((short)ls)};
 }
 
-AVX2_ALWAYS __m256i iq4_xs_lanes(const uint8_t *x, const BlockQ8K *y) {
+AVX2_ALWAYS Run iq4_xs_run(const uint8_t *x, int ib) { /* signed values: |w| and w's signs */
     const __m128i values = _mm_loadu_si128((const __m128i *)iq4nl_values), nibble = _mm_set1_epi8(15);
-    const uint16_t high = u16_at(x + 2);
-    __m256i sumi = _mm256_setzero_si256();
-    _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
-        const __m128i q = _mm_loadu_si128((const __m128i *)(x + 8 + 16 * ib));
-        const __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(q, 4), nibble)),
-                                           _mm_shuffle_epi8(values, _mm_and_si128(q, nibble)));
-        const int ls = (((x[4 + ib / 2] >> 4 * (ib & 1)) & 15) | (((high >> 2 * ib) & 3) << 4)) - 32;
-        sumi = _mm256_add_epi32(sumi, signed_pairs(w, q8_run(y, ib), _mm256_set1_epi16((short)ls)));
-    }
-    return sumi;
+    const __m128i q = _mm_loadu_si128((const __m128i *)(x + 8 + 16 * ib));
+    const __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(q, 4), nibble)),
+                                       _mm_shuffle_epi8(values, _mm_and_si128(q, nibble)));
+    const int ls = (((x[4 + ib / 2] >> 4 * (ib & 1)) & 15) | (((u16_at(x + 2) >> 2 * ib) & 3) << 4)) - 32;
+    return (Run){_mm256_sign_epi8(w, w), w, _mm256_set1_epi16((short)ls)};
 }
 
-/* The 256-value types whose AVX2 kernel is d times the lanes by FMA, then FACTOR times their sum */
-#define LANES_DOT(NAME, BYTES, FACTOR)                                                                   \
-    AVX2_ALWAYS float NAME##_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {                 \
-        __m256 acc = _mm256_setzero_ps();                                                                \
-        for (int64_t i = 0; i < blocks; i++, x += (BYTES)) {                                             \
-            const float d = f16c(x) * y[i].d;                                                             \
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(NAME##_lanes(x, y + i)), acc);   \
-        }                                                                                                \
-        return (FACTOR) * hsum_lanes(acc);                                                               \
+/* Up to RUN_ROWS input rows share each decoded run of a weight row (prefill, batched decode); each row
+ * keeps its own lanes and float sums and sees exactly the operations it would see alone: d times its
+ * lanes by FMA a block, FACTOR times their sum at the end */
+#define RUN_ROWS 4
+#define SHARED_RUNS(NAME, BYTES, FACTOR)                                                                 \
+    AVX2_ALWAYS void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
+        const int64_t blocks = pr->in_features / 256;                                                  \
+        const BlockQ8K *y[RUN_ROWS];                                                                   \
+        __m256 acc[RUN_ROWS];                                                                          \
+        for (int r = 0; r < n; r++) y[r] = pr->q8 + pr->rows[p + r] * blocks, acc[r] = _mm256_setzero_ps(); \
+        for (int64_t i = 0; i < blocks; i++) {                                                         \
+            const uint8_t *x = row + i * (BYTES);                                                      \
+            __m256i sumi[RUN_ROWS];                                                                    \
+            for (int r = 0; r < n; r++) sumi[r] = _mm256_setzero_si256();                              \
+            for (int ib = 0; ib < 8; ib++) {                                                           \
+                const Run run = NAME##_run(x, ib);                                                     \
+                for (int r = 0; r < n; r++) {                                                          \
+                    const __m256i q8 = _mm256_sign_epi8(q8_run(y[r] + i, ib), run.sign);               \
+                    sumi[r] = _mm256_add_epi32(sumi[r], scaled_pairs(run.w, q8, run.scales));          \
+                }                                                                                      \
+            }                                                                                          \
+            const float d = f16c(x);                                                                   \
+            for (int r = 0; r < n; r++)                                                                \
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * y[r][i].d), _mm256_cvtepi32_ps(sumi[r]), acc[r]); \
+        }                                                                                              \
+        for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = (FACTOR) * hsum_lanes(acc[r]); \
+    }                                                                                                  \
+    __attribute__((target("avx2,fma,f16c,bmi2"))) static void NAME##_rows_avx2(const Product *pr, int64_t b, \
+                                                                              int64_t first, int64_t last) { \
+        for (int64_t m = first; m < last; m++) {                                                       \
+            const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;      \
+            prefetch_ahead(row, pr->row_bytes);                                                        \
+            int64_t p = pr->starts[b];                                                                 \
+            for (; p + RUN_ROWS <= pr->starts[b + 1]; p += RUN_ROWS) NAME##_rows(pr, row, m, p, RUN_ROWS); \
+            for (; p < pr->starts[b + 1]; p++) NAME##_rows(pr, row, m, p, 1);                          \
+        }                                                                                              \
     }
 
-LANES_DOT(iq2_xxs, 66, 0.125f)
-LANES_DOT(iq2_xs, 74, 0.125f)
-LANES_DOT(iq2_s, 82, 0.125f)
-LANES_DOT(iq3_xxs, 98, 0.25f)
-LANES_DOT(iq3_s, 110, 1.0f)
-LANES_DOT(iq4_xs, 136, 1.0f)
+SHARED_RUNS(iq2_xxs, 66, 0.125f)
+SHARED_RUNS(iq2_xs, 74, 0.125f)
+SHARED_RUNS(iq2_s, 82, 0.125f)
+SHARED_RUNS(iq3_xxs, 98, 0.25f)
+SHARED_RUNS(iq3_s, 110, 1.0f)
+SHARED_RUNS(iq4_xs, 136, 1.0f)
 
 /* IQ1_S: the grid's -1/0/1 as signs of the codes; the delta terms an exact integer a block, d times
  * it summed apart and added at the end, as ggml's */
@@ -651,7 +655,7 @@ PAIRED_DOT(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
 
 #define AVX2_ROWS(ID, NAME, Y, ELEMS) \
     IQ_ROWS(NAME##_rows_avx2, __attribute__((target("avx2,fma,f16c,bmi2"))), NAME##_avx2, Y, ELEMS)
-IQ_TYPES(AVX2_ROWS)
+ROW_TYPES(AVX2_ROWS)
 #define AVX2_ROWS_OF(NAME) NAME##_rows_avx2
 #else
 #define AVX2_ROWS_OF(NAME) NULL
