@@ -331,9 +331,9 @@ INLINE float mxfp4_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks)
  * kernel shares decoded runs between input rows (SHARED_RUNS), and the others */
 #define RUN_TYPES(X)                                                                                     \
     X(16, iq2_xxs, q8, 256) X(17, iq2_xs, q8, 256) X(18, iq3_xxs, q8, 256) X(21, iq3_s, q8, 256)        \
-    X(22, iq2_s, q8, 256) X(23, iq4_xs, q8, 256)
+    X(22, iq2_s, q8, 256) X(23, iq4_xs, q8, 256) X(19, iq1_s, q8, 256)
 #define ROW_TYPES(X)                                                                                     \
-    X(19, iq1_s, q8, 256) X(20, iq4_nl, q8_0, 32) X(29, iq1_m, q8, 256) X(34, tq1_0, q8, 256)           \
+    X(20, iq4_nl, q8_0, 32) X(29, iq1_m, q8, 256) X(34, tq1_0, q8, 256)                                 \
     X(35, tq2_0, q8, 256) X(39, mxfp4, q8_0, 32)
 #define IQ_TYPES(X) RUN_TYPES(X) ROW_TYPES(X)
 
@@ -459,16 +459,38 @@ AVX2_ALWAYS Run iq4_xs_run(const uint8_t *x, int ib) { /* signed values: |w| and
     return (Run){_mm256_sign_epi8(w, w), w, _mm256_set1_epi16((short)ls)};
 }
 
+/* IQ1_S: the grid's -1/0/1 as the signs of the codes (w: ones); the delta terms an exact integer a
+ * block (`iq1_s_deltas`), d times it summed apart and 0.125 times that added at the end, as ggml's */
+AVX2_ALWAYS Run iq1_s_run(const uint8_t *x, int ib) {
+    const uint16_t qh = u16_at(x + 34 + 2 * ib);
+    /* the four 11-bit indices in 16-bit fields: 8 bits of qs, 3 of qh each (BMI2 deposits) */
+    const uint64_t index = _pdep_u64(u32_at(x + 2 + 4 * ib), 0x00FF00FF00FF00FFULL) | _pdep_u64(qh, 0x0700070007000700ULL);
+    return (Run){_mm256_set1_epi8(1),
+                 four_u64(iq1s_grid[index & 0xFFFF], iq1s_grid[(index >> 16) & 0xFFFF], iq1s_grid[(index >> 32) & 0xFFFF],
+                          iq1s_grid[index >> 48]),
+                 _mm256_set1_epi16((short)(2 * ((qh >> 12) & 7) + 1))};
+}
+
+AVX2_ALWAYS int iq1_s_deltas(const uint8_t *x, const BlockQ8K *y) {
+    int sum = 0;
+    for (int ib = 0; ib < 8; ib++) {
+        const uint16_t qh = u16_at(x + 34 + 2 * ib);
+        sum += (y->bsums[2 * ib] + y->bsums[2 * ib + 1]) * (1 - 2 * (qh >> 15)) * (2 * ((qh >> 12) & 7) + 1);
+    }
+    return sum;
+}
+
 /* Up to RUN_ROWS input rows share each decoded run of a weight row (prefill, batched decode); each row
  * keeps its own lanes and float sums and sees exactly the operations it would see alone: d times its
  * lanes by FMA a block, FACTOR times their sum at the end */
 #define RUN_ROWS 4
-#define SHARED_RUNS(NAME, BYTES, FACTOR)                                                                 \
+#define SHARED_RUNS(NAME, BYTES, FACTOR, DELTAS)                                                         \
     AVX2_ALWAYS void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
         const int64_t blocks = pr->in_features / 256;                                                  \
         const BlockQ8K *y[RUN_ROWS];                                                                   \
         __m256 acc[RUN_ROWS];                                                                          \
-        for (int r = 0; r < n; r++) y[r] = pr->q8 + pr->rows[p + r] * blocks, acc[r] = _mm256_setzero_ps(); \
+        float deltas[RUN_ROWS];                                                                        \
+        for (int r = 0; r < n; r++) y[r] = pr->q8 + pr->rows[p + r] * blocks, acc[r] = _mm256_setzero_ps(), deltas[r] = 0.0f; \
         for (int64_t i = 0; i < blocks; i++) {                                                         \
             const uint8_t *x = row + i * (BYTES);                                                      \
             __m256i sumi[RUN_ROWS];                                                                    \
@@ -481,10 +503,14 @@ AVX2_ALWAYS Run iq4_xs_run(const uint8_t *x, int ib) { /* signed values: |w| and
                 }                                                                                      \
             }                                                                                          \
             const float d = f16c(x);                                                                   \
-            for (int r = 0; r < n; r++)                                                                \
+            for (int r = 0; r < n; r++) {                                                              \
                 acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * y[r][i].d), _mm256_cvtepi32_ps(sumi[r]), acc[r]); \
+                if (DELTAS) deltas[r] = fmaf(d * y[r][i].d, (float)iq1_s_deltas(x, y[r] + i), deltas[r]); \
+            }                                                                                          \
         }                                                                                              \
-        for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = (FACTOR) * hsum_lanes(acc[r]); \
+        for (int r = 0; r < n; r++)                                                                    \
+            pr->out[(p + r) * pr->out_stride + m] =                                                    \
+                DELTAS ? hsum_lanes(acc[r]) + 0.125f * deltas[r] : (FACTOR) * hsum_lanes(acc[r]);      \
     }                                                                                                  \
     __attribute__((target("avx2,fma,f16c,bmi2"))) static void NAME##_rows_avx2(const Product *pr, int64_t b, \
                                                                               int64_t first, int64_t last) { \
@@ -497,39 +523,14 @@ AVX2_ALWAYS Run iq4_xs_run(const uint8_t *x, int ib) { /* signed values: |w| and
         }                                                                                              \
     }
 
-SHARED_RUNS(iq2_xxs, 66, 0.125f)
-SHARED_RUNS(iq2_xs, 74, 0.125f)
-SHARED_RUNS(iq2_s, 82, 0.125f)
-SHARED_RUNS(iq3_xxs, 98, 0.25f)
-SHARED_RUNS(iq3_s, 110, 1.0f)
-SHARED_RUNS(iq4_xs, 136, 1.0f)
+SHARED_RUNS(iq2_xxs, 66, 0.125f, 0)
+SHARED_RUNS(iq2_xs, 74, 0.125f, 0)
+SHARED_RUNS(iq2_s, 82, 0.125f, 0)
+SHARED_RUNS(iq3_xxs, 98, 0.25f, 0)
+SHARED_RUNS(iq3_s, 110, 1.0f, 0)
+SHARED_RUNS(iq4_xs, 136, 1.0f, 0)
 
-/* IQ1_S: the grid's -1/0/1 as signs of the codes; the delta terms an exact integer a block, d times
- * it summed apart and added at the end, as ggml's */
-AVX2_ALWAYS float iq1_s_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
-    const __m256i ones = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps();
-    float deltas = 0.0f;
-    for (int64_t i = 0; i < blocks; i++, x += 50) {
-        __m256i sumi = _mm256_setzero_si256();
-        int sumi1 = 0;
-        _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
-            const uint16_t qh = u16_at(x + 34 + 2 * ib);
-            /* the four 11-bit indices in 16-bit fields: 8 bits of qs, 3 of qh each (BMI2 deposits) */
-            const uint64_t index = _pdep_u64(u32_at(x + 2 + 4 * ib), 0x00FF00FF00FF00FFULL) |
-                                   _pdep_u64(qh, 0x0700070007000700ULL);
-            const __m256i grid = four_u64(iq1s_grid[index & 0xFFFF], iq1s_grid[(index >> 16) & 0xFFFF],
-                                          iq1s_grid[(index >> 32) & 0xFFFF], iq1s_grid[index >> 48]);
-            const int ls = 2 * ((qh >> 12) & 7) + 1;
-            sumi = _mm256_add_epi32(sumi, scaled_pairs(ones, _mm256_sign_epi8(q8_run(y + i, ib), grid), _mm256_set1_epi16((short)ls)));
-            sumi1 += (y[i].bsums[2 * ib] + y[i].bsums[2 * ib + 1]) * (1 - 2 * (qh >> 15)) * ls; /* no branch */
-        }
-        const float d = y[i].d * f16c(x);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
-        deltas = fmaf(d, (float)sumi1, deltas);
-    }
-    return hsum_lanes(acc) + 0.125f * deltas;
-}
+SHARED_RUNS(iq1_s, 50, 1.0f, 1)
 
 /* IQ1_M: the grid's lanes and the deltas' (each 8 values' codes, negated where its delta bit is set)
  * into two accumulators, scales per 16 values; 0.125 times the second's sum added at the end */
