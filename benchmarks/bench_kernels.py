@@ -87,6 +87,9 @@ def main() -> None:
     parser.add_argument(
         "--iquants", nargs="?", const=IQUANTS, default="", help=f"these types against llama.cpp ({IQUANTS})"
     )
+    parser.add_argument(
+        "--rows", type=int, default=1, help="--iquants: input rows (1: decode; more: prefill)"
+    )
     args = parser.parse_args()
     if args.iquants:
         return iquants_against_llama_cpp(args)
@@ -137,13 +140,14 @@ GGML_ROWS = r"""
 #include <stdint.h>
 typedef void (*vec_dot_t)(int, float *, size_t, const void *, size_t, const void *, size_t, int);
 typedef void (*from_float_t)(const float *, void *, int64_t);
-void ggml_rows(void *dot, void *from_float, const float *x, int n, void *q8, const int64_t *matrices,
-               int count, int rows, int64_t row_bytes, float *out, int threads) {
-    ((from_float_t)from_float)(x, q8, n);
+void ggml_rows(void *dot, void *from_float, const float *x, int n, int inputs, uint8_t *q8, int64_t q8_bytes,
+               const int64_t *matrices, int count, int rows, int64_t row_bytes, float *out, int threads) {
+    for (int i = 0; i < inputs; i++) ((from_float_t)from_float)(x + (int64_t)i * n, q8 + i * q8_bytes, n);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < (int64_t)count * rows; r++) {
         const uint8_t *row = (const uint8_t *)(intptr_t)matrices[r / rows] + (r % rows) * row_bytes;
-        ((vec_dot_t)dot)(n, out + r, 0, row, 0, q8, 0, 1);
+        for (int i = 0; i < inputs; i++)
+            ((vec_dot_t)dot)(n, out + (int64_t)i * count * rows + r, 0, row, 0, q8 + i * q8_bytes, 0, 1);
     }
 }
 """
@@ -170,18 +174,18 @@ class IquantCase:
     out: torch.Tensor
 
     @classmethod
-    def make(cls, name: str, experts: int) -> IquantCase:
+    def make(cls, name: str, experts: int, inputs: int) -> IquantCase:
         qtype = GGMLQuantizationType[name]
         elems, nbytes = GGML_QUANT_SIZES[qtype]
         blocks = ggml_oracle.random_blocks(int(qtype), ROWS * COLS // elems, np.random.default_rng(0))
         datas = [torch.from_numpy(blocks.reshape(-1)).clone() for _ in range(experts)]
-        q8 = np.zeros(COLS * 2, dtype=np.uint8)  # Q8_K or Q8_0 bytes of one row (under 2 a value)
-        return cls(qtype, datas, COLS // elems * nbytes, q8, torch.empty(experts, ROWS))
+        q8 = np.zeros((inputs, COLS * 2), dtype=np.uint8)  # Q8_K or Q8_0 bytes of each row (under 2 a value)
+        return cls(qtype, datas, COLS // elems * nbytes, q8, torch.empty(inputs, experts, ROWS))
 
     def ours(self, x: torch.Tensor) -> torch.Tensor:
-        """x's one row times every matrix, one call (a decode step's experts)."""
-        count = len(self.datas)
-        starts, rows = torch.arange(count + 1), torch.zeros(count, dtype=torch.int64)
+        """Every row of x times every matrix, one call (a step's experts)."""
+        count, inputs = len(self.datas), len(x)
+        starts, rows = torch.arange(count + 1) * inputs, torch.arange(inputs).repeat(count)
         return cpu.grouped_product(x, self.datas, int(self.qtype), ROWS, self.row_bytes, starts, rows, True)
 
     def theirs(self, x: torch.Tensor, library: ctypes.CDLL, threads: int) -> None:
@@ -190,7 +194,8 @@ class IquantCase:
         addresses = (ctypes.c_int64 * len(self.datas))(*[d.data_ptr() for d in self.datas])
         library.ggml_rows(
             ctypes.c_void_p(weights.vec_dot), ctypes.c_void_p(activations.from_float),
-            ctypes.c_void_p(x.data_ptr()), COLS, ctypes.c_void_p(self.q8.ctypes.data), addresses,
+            ctypes.c_void_p(x.data_ptr()), COLS, len(x), ctypes.c_void_p(self.q8.ctypes.data),
+            ctypes.c_int64(self.q8.shape[1]), addresses,
             len(self.datas), ROWS, ctypes.c_int64(self.row_bytes), ctypes.c_void_p(self.out.data_ptr()),
             threads,
         )  # fmt: skip
@@ -208,18 +213,18 @@ class IquantCase:
 
 
 def iquants_against_llama_cpp(args: argparse.Namespace) -> None:
-    """The --iquants table: one decode row through `--experts` matrices of each type."""
+    """The --iquants table: `--rows` input rows through `--experts` matrices of each type."""
     if ggml_oracle.library() is None:
         raise SystemExit("--iquants needs llama-cpp-python's libggml-cpu")
-    library, x = ggml_rows_library(), torch.randn(1, COLS)
+    library, x = ggml_rows_library(), torch.randn(args.rows, COLS)
     print(
-        f"{args.experts} matrices of {ROWS} x {COLS} (random valid blocks), one input row; best of "
-        f"{args.repeat}, ours, llama.cpp's and the read alternating"
+        f"{args.experts} matrices of {ROWS} x {COLS} (random valid blocks), {args.rows} input row(s) each; "
+        f"best of {args.repeat}, ours, llama.cpp's and the read alternating"
     )
     print(f"{'type':8s} {'threads':>7s} {'k3 GB/s':>8s} {'read GB/s':>9s} {'k3/read':>7s} "
           f"{'llama GB/s':>10s} {'k3/llama':>8s}")  # fmt: skip
     for name in args.iquants.split(","):
-        case = IquantCase.make(name, args.experts)
+        case = IquantCase.make(name, args.experts, args.rows)
         total = sum(d.numel() for d in case.datas)
         for threads in (int(t) for t in args.threads.split(",")):
             kernel, llama, read = case.seconds(x, library, threads, args.repeat)
