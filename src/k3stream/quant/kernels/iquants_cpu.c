@@ -328,12 +328,12 @@ INLINE float mxfp4_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks)
     }
 
 /* X(GGML type id, name, Product field of its activations, values a block): the types whose AVX2
- * kernel shares decoded runs between input rows (SHARED_RUNS), and the others */
+ * kernel shares decoded runs between input rows (SHARED_RUNS, iq1_m_rows), and the others */
 #define RUN_TYPES(X)                                                                                     \
     X(16, iq2_xxs, q8, 256) X(17, iq2_xs, q8, 256) X(18, iq3_xxs, q8, 256) X(21, iq3_s, q8, 256)        \
-    X(22, iq2_s, q8, 256) X(23, iq4_xs, q8, 256) X(19, iq1_s, q8, 256)
+    X(22, iq2_s, q8, 256) X(23, iq4_xs, q8, 256) X(19, iq1_s, q8, 256) X(29, iq1_m, q8, 256)
 #define ROW_TYPES(X)                                                                                     \
-    X(20, iq4_nl, q8_0, 32) X(29, iq1_m, q8, 256) X(34, tq1_0, q8, 256)                                 \
+    X(20, iq4_nl, q8_0, 32) X(34, tq1_0, q8, 256)                                                      \
     X(35, tq2_0, q8, 256) X(39, mxfp4, q8_0, 32)
 #define IQ_TYPES(X) RUN_TYPES(X) ROW_TYPES(X)
 
@@ -480,6 +480,20 @@ AVX2_ALWAYS int iq1_s_deltas(const uint8_t *x, const BlockQ8K *y) {
     return sum;
 }
 
+/* A row kernel from NAME##_rows(pr, row, m, p, n): input rows p..p + n - 1 (n <= RUN_ROWS) against
+ * weight row m, RUN_ROWS at a time, then the rest one by one */
+#define RUNS_DRIVER(NAME)                                                                                \
+    __attribute__((target("avx2,fma,f16c,bmi2"))) static void NAME##_rows_avx2(const Product *pr, int64_t b, \
+                                                                              int64_t first, int64_t last) { \
+        for (int64_t m = first; m < last; m++) {                                                       \
+            const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;      \
+            prefetch_ahead(row, pr->row_bytes);                                                        \
+            int64_t p = pr->starts[b];                                                                 \
+            for (; p + RUN_ROWS <= pr->starts[b + 1]; p += RUN_ROWS) NAME##_rows(pr, row, m, p, RUN_ROWS); \
+            for (; p < pr->starts[b + 1]; p++) NAME##_rows(pr, row, m, p, 1);                          \
+        }                                                                                              \
+    }
+
 /* Up to RUN_ROWS input rows share each decoded run of a weight row (prefill, batched decode); each row
  * keeps its own lanes and float sums and sees exactly the operations it would see alone: d times its
  * lanes by FMA a block, FACTOR times their sum at the end */
@@ -512,16 +526,7 @@ AVX2_ALWAYS int iq1_s_deltas(const uint8_t *x, const BlockQ8K *y) {
             pr->out[(p + r) * pr->out_stride + m] =                                                    \
                 DELTAS ? hsum_lanes(acc[r]) + 0.125f * deltas[r] : (FACTOR) * hsum_lanes(acc[r]);      \
     }                                                                                                  \
-    __attribute__((target("avx2,fma,f16c,bmi2"))) static void NAME##_rows_avx2(const Product *pr, int64_t b, \
-                                                                              int64_t first, int64_t last) { \
-        for (int64_t m = first; m < last; m++) {                                                       \
-            const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;      \
-            prefetch_ahead(row, pr->row_bytes);                                                        \
-            int64_t p = pr->starts[b];                                                                 \
-            for (; p + RUN_ROWS <= pr->starts[b + 1]; p += RUN_ROWS) NAME##_rows(pr, row, m, p, RUN_ROWS); \
-            for (; p < pr->starts[b + 1]; p++) NAME##_rows(pr, row, m, p, 1);                          \
-        }                                                                                              \
-    }
+    RUNS_DRIVER(NAME)
 
 SHARED_RUNS(iq2_xxs, 66, 0.125f, 0)
 SHARED_RUNS(iq2_xs, 74, 0.125f, 0)
@@ -532,17 +537,23 @@ SHARED_RUNS(iq4_xs, 136, 1.0f, 0)
 
 SHARED_RUNS(iq1_s, 50, 1.0f, 1)
 
-/* IQ1_M: the grid's lanes and the deltas' (each 8 values' codes, negated where its delta bit is set)
- * into two accumulators, scales per 16 values; 0.125 times the second's sum added at the end */
-AVX2_ALWAYS float iq1_m_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+/* IQ1_M: the grid's lanes and the deltas' (each 8 values' codes times its delta's sign) into two
+ * accumulators, scales per 16 values; 0.125 times the second's sum added at the end. Runs decoded once
+ * for up to RUN_ROWS input rows, as SHARED_RUNS. */
+AVX2_ALWAYS void iq1_m_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) {
+    const int64_t blocks = pr->in_features / 256;
     const __m256i ones = _mm256_set1_epi8(1);
-    __m256 acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
-    for (int64_t i = 0; i < blocks; i++, x += 56) {
-        const uint8_t *qs = x, *qh = x + 32, *sc = x + 48;
+    const BlockQ8K *y[RUN_ROWS];
+    __m256 acc1[RUN_ROWS], acc2[RUN_ROWS];
+    for (int r = 0; r < n; r++)
+        y[r] = pr->q8 + pr->rows[p + r] * blocks, acc1[r] = _mm256_setzero_ps(), acc2[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *x = row + 56 * i, *qs = x, *qh = x + 32, *sc = x + 48;
         const uint16_t s0 = u16_at(sc), s1 = u16_at(sc + 2), s2 = u16_at(sc + 4), s3 = u16_at(sc + 6);
         const uint16_t scale = (uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000));
         const uint8_t scale_bytes[2] = {(uint8_t)(scale & 255), (uint8_t)(scale >> 8)};
-        __m256i sumi1 = _mm256_setzero_si256(), sumi2 = _mm256_setzero_si256();
+        __m256i sumi1[RUN_ROWS], sumi2[RUN_ROWS];
+        for (int r = 0; r < n; r++) sumi1[r] = sumi2[r] = _mm256_setzero_si256();
         for (int ib = 0; ib < 8; ib++) {
             const uint8_t h0 = qh[2 * ib], h1 = qh[2 * ib + 1];
             /* 8 bits of qs and the low 3 of each qh nibble (its top bit: the delta's sign) an index */
@@ -552,20 +563,28 @@ AVX2_ALWAYS float iq1_m_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks
                                           iq1s_grid[(index >> 32) & 0xFFFF], iq1s_grid[index >> 48]);
             /* each 8 values' delta sign (bits 3 and 7 of h0, h1) on the lanes of its 8 values */
             const int negative = ((h0 >> 3) & 1) | ((h0 >> 6) & 2) | ((h1 >> 1) & 4) | ((h1 >> 4) & 8);
+            const __m256i signs = _mm256_load_si256((const __m256i *)group_signs[negative]);
             const uint16_t word = u16_at(sc + 2 * (ib / 2));
             const int shift = 6 * (ib % 2);
             const __m256i scales = two_scales(2 * ((word >> shift) & 7) + 1, 2 * ((word >> (shift + 3)) & 7) + 1);
-            const __m256i q8 = q8_run(y + i, ib);
-            sumi1 = _mm256_add_epi32(sumi1, scaled_pairs(ones, _mm256_sign_epi8(q8, grid), scales));
-            const __m256i signs = _mm256_load_si256((const __m256i *)group_signs[negative]);
-            sumi2 = _mm256_add_epi32(sumi2, _mm256_sign_epi32(scaled_pairs(ones, q8, scales), signs));
+            for (int r = 0; r < n; r++) {
+                const __m256i q8 = q8_run(y[r] + i, ib);
+                sumi1[r] = _mm256_add_epi32(sumi1[r], scaled_pairs(ones, _mm256_sign_epi8(q8, grid), scales));
+                sumi2[r] = _mm256_add_epi32(sumi2[r], _mm256_sign_epi32(scaled_pairs(ones, q8, scales), signs));
+            }
         }
-        const __m256 d = _mm256_set1_ps(y[i].d * f16c(scale_bytes));
-        acc1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi1), acc1);
-        acc2 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi2), acc2);
+        const float d = f16c(scale_bytes);
+        for (int r = 0; r < n; r++) {
+            const __m256 dy = _mm256_set1_ps(y[r][i].d * d);
+            acc1[r] = _mm256_fmadd_ps(dy, _mm256_cvtepi32_ps(sumi1[r]), acc1[r]);
+            acc2[r] = _mm256_fmadd_ps(dy, _mm256_cvtepi32_ps(sumi2[r]), acc2[r]);
+        }
     }
-    return hsum_lanes(acc1) + 0.125f * hsum_lanes(acc2);
+    for (int r = 0; r < n; r++)
+        pr->out[(p + r) * pr->out_stride + m] = hsum_lanes(acc1[r]) + 0.125f * hsum_lanes(acc2[r]);
 }
+
+RUNS_DRIVER(iq1_m)
 
 /* The ternary types: codes 0..2 (value + 1) in block order, 32 at a time; their pair sums in 16-bit
  * lanes over the block (exact: at most 8 * 2 * 2 * 127), less the Q8_K sums of 16, then pairs of
