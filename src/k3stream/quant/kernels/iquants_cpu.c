@@ -509,7 +509,7 @@ AVX2_ALWAYS int iq1_s_deltas(const uint8_t *x, const BlockQ8K *y) {
             const uint8_t *x = row + i * (BYTES);                                                      \
             __m256i sumi[RUN_ROWS];                                                                    \
             for (int r = 0; r < n; r++) sumi[r] = _mm256_setzero_si256();                              \
-            for (int ib = 0; ib < 8; ib++) {                                                           \
+            _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {                                   \
                 const Run run = NAME##_run(x, ib);                                                     \
                 for (int r = 0; r < n; r++) {                                                          \
                     const __m256i q8 = _mm256_sign_epi8(q8_run(y[r] + i, ib), run.sign);               \
