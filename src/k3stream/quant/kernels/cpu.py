@@ -1,4 +1,4 @@
-"""The C CPU kernels (`ggml_cpu.c` and `steps_cpu.c`, built at install as `_ggml_cpu`).
+"""The C CPU kernels (`ggml_cpu.c`, `steps_cpu.c` and `iquants_cpu.c`, built at install as `_ggml_cpu`).
 
 `grouped_product` runs `out[p] = x[rows[p]] @ W_b^T` for the rows `starts[b]..starts[b+1]` of each
 matrix b in one call, `products` several matrices of different types on one input, `expert_mlp` a
