@@ -136,9 +136,11 @@ def test_rows_do_not_depend_on_grouping_or_threads(qt):
 
 
 @pytest.mark.parametrize("qt", sorted(cpu.INTEGER_TYPES), ids=lambda t: T(t).name)
-def test_the_seam_sends_the_integer_types_to_the_c_kernels_with_8_bit_activations(qt):
-    """kernel_for picks C; float activations or `match_ggml`, the product quantizes x as ggml does."""
-    assert kernel_for(qt, "cpu", 512) == "c"
+def test_the_seam_takes_the_integer_kernels_under_match_ggml_and_the_reference_path_else(qt):
+    """`match_ggml`: the C integer kernels on ggml's 8-bit activations; float activations: the reference
+    path (no float kernel in C for these types), the float product of the decoded matrix."""
+    assert kernel_for(qt, "cpu", 512, match_ggml=True) == "c"
+    assert kernel_for(qt, "cpu", 512) == "reference"
     try:
         from k3stream.quant.types import row_bytes
 
@@ -147,9 +149,11 @@ def test_the_seam_sends_the_integer_types_to_the_c_kernels_with_8_bit_activation
         pytest.skip(f"{T(qt).name} is not in this branch's type registry")
     w, x = matrix(T(qt), 9, 512, seed=2), inputs(2, 512, seed=4)
     weight = QWeight(torch.from_numpy(w.reshape(-1)), qt, (9, 512))
-    expected = product(T(qt), w, x)
-    assert np.array_equal(qmatmul(torch.from_numpy(x), weight).numpy(), expected)
-    assert np.array_equal(qmatmul(torch.from_numpy(x), weight, match_ggml=True).numpy(), expected)
+    assert np.array_equal(qmatmul(torch.from_numpy(x), weight, match_ggml=True).numpy(), product(T(qt), w, x))
+    dense = gguf_dequantize(w, T(qt)).astype(np.float64).reshape(9, 512)
+    float_product = qmatmul(torch.from_numpy(x), weight).double().numpy()
+    expected = x.astype(np.float64) @ dense.T
+    assert np.linalg.norm(float_product - expected) <= 1e-5 * np.linalg.norm(expected)
 
 
 def test_mxfp4_takes_its_integer_kernel_only_under_match_ggml():

@@ -29,8 +29,8 @@ Call = tuple[Callable[..., Any], tuple, tuple]
 
 # GGML type ids with a C kernel on float activations (a decoder: also `decode_row`)
 CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39})
-# ... with only integer kernels, as ggml's (`iquants_cpu.c`): their products always quantize the
-# activations to Q8_K (IQ4_NL: Q8_0); IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ4_NL, IQ3_S, IQ2_S, IQ4_XS, IQ1_M,
+# ... with only integer kernels, as ggml's (`iquants_cpu.c`), taken with `q8_activations` (activations
+# quantized to Q8_K; IQ4_NL: Q8_0): IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ4_NL, IQ3_S, IQ2_S, IQ4_XS, IQ1_M,
 # TQ1_0, TQ2_0
 INTEGER_TYPES = frozenset({16, 17, 18, 19, 20, 21, 22, 23, 29, 34, 35})
 # ... and with integer kernels on 8-bit activations, as ggml's: Q8_K for Q2_K, Q3_K, Q4_K, Q6_K and

@@ -1400,7 +1400,6 @@ static int plan_product(Plan *plan, const float *x, int64_t in_features, const i
                         NULL, NULL, NULL};
     plan->pr = pr;
     plan->owned = NULL;
-    q8_activations = q8_activations || iq_integer_only(ggml_type);
     RowKernel kernel = q8_activations ? q8_kernel(ggml_type) : fused_kernel(ggml_type);
     if (q8_activations) {
         const int k_quant = ggml_type != 2 && ggml_type != 8 && !iq_q8_0_activations(ggml_type), elems = k_quant ? 256 : 32;

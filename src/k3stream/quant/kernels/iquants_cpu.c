@@ -696,5 +696,3 @@ RowKernel iq_q8_kernel(int ggml_type, int avx2) {
 }
 
 int iq_q8_0_activations(int ggml_type) { return ggml_type == 20 || ggml_type == 39; }
-
-int iq_integer_only(int ggml_type) { return ggml_type != 39 && iq_q8_kernel(ggml_type, 0) != NULL; }

@@ -57,10 +57,8 @@ INLINE void prefetch_ahead(const uint8_t *at, int64_t bytes) {
 }
 
 /* ggml's integer kernels of the i-quants, ternary types and MXFP4 on 8-bit activations (`iquants_cpu.c`):
- * a type's row kernel (NULL: none), whether its activations are Q8_0 (else Q8_K) blocks, and whether
- * its products always take those kernels (types without a float decoder here) */
+ * a type's row kernel (NULL: none) and whether its activations are Q8_0 (else Q8_K) blocks */
 RowKernel iq_q8_kernel(int ggml_type, int avx2);
 int iq_q8_0_activations(int ggml_type);
-int iq_integer_only(int ggml_type);
 
 #endif
