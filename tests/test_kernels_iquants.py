@@ -135,12 +135,13 @@ def test_rows_do_not_depend_on_grouping_or_threads(qt):
     assert torch.equal(alone, together)
 
 
-@pytest.mark.parametrize("qt", sorted(cpu.INTEGER_TYPES), ids=lambda t: T(t).name)
-def test_the_seam_takes_the_integer_kernels_under_match_ggml_and_the_reference_path_else(qt):
-    """`match_ggml`: the C integer kernels on ggml's 8-bit activations; float activations: the reference
-    path (no float kernel in C for these types), the float product of the decoded matrix."""
+@pytest.mark.parametrize("qt", [int(t) for t in TYPES if t != T.MXFP4], ids=lambda t: T(t).name)
+def test_the_seam_takes_the_integer_kernels_under_match_ggml_and_a_float_path_else(qt):
+    """`match_ggml`: the C integer kernels on ggml's 8-bit activations; float activations: the C float
+    tile path where the type has a decoder (`cpu.CPU_TYPES`), else the reference path; either is the
+    float product of the decoded matrix."""
     assert kernel_for(qt, "cpu", 512, match_ggml=True) == "c"
-    assert kernel_for(qt, "cpu", 512) == "reference"
+    assert kernel_for(qt, "cpu", 512) == ("c" if qt in cpu.CPU_TYPES else "reference")
     try:
         from k3stream.quant.types import row_bytes
 
@@ -164,6 +165,20 @@ def test_mxfp4_takes_its_integer_kernel_only_under_match_ggml():
         qmatmul(torch.from_numpy(x), weight, match_ggml=True).numpy(), product(T.MXFP4, w, x)
     )
     assert not np.array_equal(qmatmul(torch.from_numpy(x), weight).numpy(), product(T.MXFP4, w, x))
+
+
+@pytest.mark.parametrize(
+    "qt", sorted(cpu.CPU_TYPES & cpu.Q8_TYPES - {2, 8, 10, 11, 12, 14, 39}), ids=lambda t: T(t).name
+)
+def test_the_float_decoders_give_gguf_dequantize_bit_for_bit(qt):
+    """`decode_row` (the float tile path's decoder) of random valid blocks: gguf's values exactly."""
+    elems = GGML_QUANT_SIZES[T(qt)][0]
+    blocks = ggml_oracle.random_blocks(qt, 64, np.random.default_rng(qt))
+    out = torch.empty(64 * elems)
+    cpu.decode_row(qt, torch.from_numpy(blocks.reshape(-1)).data_ptr(), 64 * elems, out)
+    assert np.array_equal(
+        out.numpy().view(np.uint32), gguf_dequantize(blocks, T(qt)).reshape(-1).view(np.uint32)
+    )
 
 
 def test_grids_of_the_wrong_size_are_refused_in_one_line():

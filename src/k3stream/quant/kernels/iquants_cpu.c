@@ -314,6 +314,56 @@ INLINE float mxfp4_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks)
     return sumf;
 }
 
+/* ---- float decoders: one block's values as gguf's dequantize (and k3stream.quant's) computes them,
+ * for the float tile path (ggml_cpu.c's ROW_KERNEL) and decode_row ------------------------------- */
+
+void dec_iq2_xxs(const uint8_t *restrict b, float *restrict y) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *run = b + 2 + 8 * ib;
+        const uint32_t packed = u32_at(run + 4);
+        const float db = d * (0.5f + (float)(packed >> 28)) * 0.25f;
+        for (int l = 0; l < 4; l++) {
+            const uint8_t signs = ksigns[(packed >> 7 * l) & 127];
+            for (int j = 0; j < 8; j++) {
+                const float value = db * (float)iq2xxs_grid[run[l]][j];
+                y[32 * ib + 8 * l + j] = (signs >> j) & 1 ? -value : value;
+            }
+        }
+    }
+}
+
+void dec_iq1_s(const uint8_t *restrict b, float *restrict y) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint16_t qh = u16_at(b + 34 + 2 * ib);
+        const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1), delta = qh & 0x8000 ? -0.125f : 0.125f;
+        for (int l = 0; l < 4; l++) {
+            const int8_t *grid = iq1s_grid[b[2 + 4 * ib + l] | (((qh >> 3 * l) & 7) << 8)];
+            for (int j = 0; j < 8; j++) y[32 * ib + 8 * l + j] = dl * ((float)grid[j] + delta);
+        }
+    }
+}
+
+void dec_iq4_xs(const uint8_t *restrict b, float *restrict y) {
+    const float d = f16(b);
+    const uint16_t high = u16_at(b + 2);
+    for (int ib = 0; ib < 8; ib++) {
+        const int ls = ((b[4 + ib / 2] >> 4 * (ib & 1)) & 15) | (((high >> 2 * ib) & 3) << 4);
+        const float dl = d * (float)(ls - 32);
+        const uint8_t *qs = b + 8 + 16 * ib;
+        for (int j = 0; j < 16; j++) {
+            y[32 * ib + j] = dl * (float)iq4nl_values[qs[j] & 15];
+            y[32 * ib + 16 + j] = dl * (float)iq4nl_values[qs[j] >> 4];
+        }
+    }
+}
+
+void dec_tq2_0(const uint8_t *restrict b, float *restrict y) {
+    const float d = f16(b + 64);
+    for (int e = 0; e < 256; e++) y[e] = d * (float)(((b[e / 128 * 32 + e % 32] >> (e % 128 / 32 * 2)) & 3) - 1);
+}
+
 /* A row kernel from a row dot DOT(row, y, blocks): each weight row m against each of its input rows'
  * blocks (Y: the Product's q8 or q8_0, ELEMS values a block) */
 #define IQ_ROWS(NAME, ATTR, DOT, Y, ELEMS)                                                               \
