@@ -325,9 +325,11 @@ void dec_iq2_xxs(const uint8_t *restrict b, float *restrict y) {
         const float db = d * (0.5f + (float)(packed >> 28)) * 0.25f;
         for (int l = 0; l < 4; l++) {
             const uint8_t signs = ksigns[(packed >> 7 * l) & 127];
-            for (int j = 0; j < 8; j++) {
+            for (int j = 0; j < 8; j++) { /* the sign bit flipped: exact negation, and no branch */
                 const float value = db * (float)iq2xxs_grid[run[l]][j];
-                y[32 * ib + 8 * l + j] = (signs >> j) & 1 ? -value : value;
+                uint32_t bits;
+                memcpy(&bits, &value, 4);
+                y[32 * ib + 8 * l + j] = bits_f32(bits ^ ((uint32_t)((signs >> j) & 1) << 31));
             }
         }
     }
@@ -359,9 +361,11 @@ void dec_iq4_xs(const uint8_t *restrict b, float *restrict y) {
     }
 }
 
-void dec_tq2_0(const uint8_t *restrict b, float *restrict y) {
+void dec_tq2_0(const uint8_t *restrict b, float *restrict y) { /* bits 2l of byte 32j + k: value 128j + 32l + k */
     const float d = f16(b + 64);
-    for (int e = 0; e < 256; e++) y[e] = d * (float)(((b[e / 128 * 32 + e % 32] >> (e % 128 / 32 * 2)) & 3) - 1);
+    for (int j = 0; j < 2; j++)
+        for (int l = 0; l < 4; l++)
+            for (int k = 0; k < 32; k++) y[128 * j + 32 * l + k] = d * (float)(((b[32 * j + k] >> 2 * l) & 3) - 1);
 }
 
 /* A row kernel from a row dot DOT(row, y, blocks): each weight row m against each of its input rows'
