@@ -9,7 +9,9 @@ setup(
     ext_modules=[
         Extension(
             "k3stream.quant.kernels._ggml_cpu",
-            ["src/k3stream/quant/kernels/ggml_cpu.c", "src/k3stream/quant/kernels/steps_cpu.c"],
+            ["src/k3stream/quant/kernels/ggml_cpu.c", "src/k3stream/quant/kernels/steps_cpu.c",
+             "src/k3stream/quant/kernels/iquants_cpu.c"],
+            depends=["src/k3stream/quant/kernels/kernels.h"],
             # -fno-trapping-math: a loop computing both sides of a select (the activation's polynomials)
             # may vectorize; no result changes (nothing reassociates, no FP exception is ever read)
             extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-std=gnu11"],

@@ -12,19 +12,30 @@ The matrices together exceed the last-level cache, so both sides read from memor
 thread count: both rates and the ratio; types with integer kernels (`cpu.Q8_TYPES`) also with `match_ggml`
 ("q8": activations quantized to Q8_K or Q8_0 as llama.cpp does). Also prints the reference path (dequantize,
 then matmul) once.
+
+`--iquants` (the i-quants, TQ1_0, TQ2_0 and MXFP4 on random valid blocks): the integer mat-vec GB/s
+(activations quantized to 8 bits in the call, as ggml does), the plain read's and llama.cpp's own: its
+`from_float` and then its `vec_dot` (libggml-cpu's function pointers, from llama-cpp-python) over every
+row of every matrix, in a loop compiled here with gcc and split over the same threads, alternating run
+for run with ours; the ratios to the read and to llama.cpp.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import subprocess
+import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
-from gguf.constants import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from k3stream.quant import quantize
-from k3stream.quant.kernels import F32, QWeight, cpu, grouped_qmatmul, qmatmul
+from k3stream.quant.kernels import F32, QWeight, cpu, ggml_oracle, grouped_qmatmul, qmatmul
 
 ROWS, COLS = 3072, 3584  # one Kimi-K3 expert's up (or gate) projection: expert_ff x latent
 
@@ -48,14 +59,21 @@ def best_seconds(run, repeat: int) -> float:
 def best_of_both(first, second, repeat: int) -> tuple[float, float]:
     """The fastest of `repeat` runs of each, alternating (the machine's speed drifts within seconds:
     both see the same phases)."""
-    first(), second()
-    times: tuple[list[float], list[float]] = ([], [])
+    fastest_first, fastest_second = best_of_each((first, second), repeat)
+    return fastest_first, fastest_second
+
+
+def best_of_each(runs, repeat: int) -> tuple[float, ...]:
+    """best_of_both for any number of runs, taken in turn."""
+    for run in runs:
+        run()
+    times: list[list[float]] = [[] for _ in runs]
     for _ in range(repeat):
-        for run, spent in zip((first, second), times, strict=True):
+        for run, spent in zip(runs, times, strict=True):
             start = time.perf_counter()
             run()
             spent.append(time.perf_counter() - start)
-    return min(times[0]), min(times[1])
+    return tuple(min(spent) for spent in times)
 
 
 def main() -> None:
@@ -66,7 +84,15 @@ def main() -> None:
     )
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--iquants", nargs="?", const=IQUANTS, default="", help=f"these types against llama.cpp ({IQUANTS})"
+    )
+    parser.add_argument(
+        "--rows", type=int, default=1, help="--iquants: input rows (1: decode; more: prefill)"
+    )
     args = parser.parse_args()
+    if args.iquants:
+        return iquants_against_llama_cpp(args)
 
     x = torch.randn(args.experts, COLS)
     starts = torch.arange(args.experts + 1)
@@ -75,6 +101,8 @@ def main() -> None:
     print(f"{args.experts} matrices of {ROWS} x {COLS}, one input row each; {each}")
     print(f"{'type':9s} {'threads':>7s} {'kernel GB/s':>11s} {'read GB/s':>9s} {'ratio':>6s} {'Gw/s':>6s}")
     for name in args.types.split(","):
+        if GGMLQuantizationType[name] in cpu.INTEGER_TYPES:
+            raise SystemExit(f"{name}: no float kernel, see --iquants")
         weights = matrices(GGMLQuantizationType[name], args.experts)
         total = sum(w.data.numel() for w in weights)
         words = [w.data.view(torch.int64) for w in weights]
@@ -102,6 +130,108 @@ def main() -> None:
     reference = best_seconds(lambda: grouped_qmatmul(x, weights, starts, rows, "reference"), 2)
     total = sum(w.data.numel() for w in weights)
     print(f"reference path (dequantize, then matmul), Q2_K, 1 thread: {total / reference / 1e9:.2f} GB/s")
+
+
+IQUANTS = "IQ2_XXS,IQ1_S,IQ4_XS,IQ2_XS,IQ3_XXS,IQ3_S,IQ2_S,IQ1_M,IQ4_NL,TQ1_0,TQ2_0,MXFP4"
+# llama.cpp's mat-vec as its CPU backend runs one (x quantized once, then vec_dot row by row, rows split
+# over the threads), on libggml-cpu's function pointers
+GGML_ROWS = r"""
+#include <stddef.h>
+#include <stdint.h>
+typedef void (*vec_dot_t)(int, float *, size_t, const void *, size_t, const void *, size_t, int);
+typedef void (*from_float_t)(const float *, void *, int64_t);
+void ggml_rows(void *dot, void *from_float, const float *x, int n, int inputs, uint8_t *q8, int64_t q8_bytes,
+               const int64_t *matrices, int count, int rows, int64_t row_bytes, float *out, int threads) {
+    for (int i = 0; i < inputs; i++) ((from_float_t)from_float)(x + (int64_t)i * n, q8 + i * q8_bytes, n);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < (int64_t)count * rows; r++) {
+        const uint8_t *row = (const uint8_t *)(intptr_t)matrices[r / rows] + (r % rows) * row_bytes;
+        for (int i = 0; i < inputs; i++)
+            ((vec_dot_t)dot)(n, out + (int64_t)i * count * rows + r, 0, row, 0, q8 + i * q8_bytes, 0, 1);
+    }
+}
+"""
+
+
+def ggml_rows_library() -> ctypes.CDLL:
+    """GGML_ROWS compiled here (gcc, OpenMP) into a temporary shared library."""
+    folder = Path(tempfile.mkdtemp(prefix="k3-bench-"))
+    (folder / "rows.c").write_text(GGML_ROWS)
+    library = folder / "rows.so"
+    command = ["gcc", "-O2", "-fopenmp", "-shared", "-fPIC", str(folder / "rows.c"), "-o", str(library)]
+    subprocess.run(command, check=True)
+    return ctypes.CDLL(str(library))
+
+
+@dataclass
+class IquantCase:
+    """One type's matrices for the --iquants table, and the buffers both sides write."""
+
+    qtype: GGMLQuantizationType
+    datas: list[torch.Tensor]
+    row_bytes: int
+    q8: np.ndarray
+    out: torch.Tensor
+
+    @classmethod
+    def make(cls, name: str, experts: int, inputs: int) -> IquantCase:
+        qtype = GGMLQuantizationType[name]
+        elems, nbytes = GGML_QUANT_SIZES[qtype]
+        blocks = ggml_oracle.random_blocks(int(qtype), ROWS * COLS // elems, np.random.default_rng(0))
+        datas = [torch.from_numpy(blocks.reshape(-1)).clone() for _ in range(experts)]
+        q8 = np.zeros((inputs, COLS * 2), dtype=np.uint8)  # Q8_K or Q8_0 bytes of each row (under 2 a value)
+        return cls(qtype, datas, COLS // elems * nbytes, q8, torch.empty(inputs, experts, ROWS))
+
+    def ours(self, x: torch.Tensor) -> torch.Tensor:
+        """Every row of x times every matrix, one call (a step's experts)."""
+        count, inputs = len(self.datas), len(x)
+        starts, rows = torch.arange(count + 1) * inputs, torch.arange(inputs).repeat(count)
+        return cpu.grouped_product(x, self.datas, int(self.qtype), ROWS, self.row_bytes, starts, rows, True)
+
+    def theirs(self, x: torch.Tensor, library: ctypes.CDLL, threads: int) -> None:
+        weights = ggml_oracle._traits(int(self.qtype))
+        activations = ggml_oracle._traits(ggml_oracle.activation_type(int(self.qtype)))
+        addresses = (ctypes.c_int64 * len(self.datas))(*[d.data_ptr() for d in self.datas])
+        library.ggml_rows(
+            ctypes.c_void_p(weights.vec_dot), ctypes.c_void_p(activations.from_float),
+            ctypes.c_void_p(x.data_ptr()), COLS, len(x), ctypes.c_void_p(self.q8.ctypes.data),
+            ctypes.c_int64(self.q8.shape[1]), addresses,
+            len(self.datas), ROWS, ctypes.c_int64(self.row_bytes), ctypes.c_void_p(self.out.data_ptr()),
+            threads,
+        )  # fmt: skip
+
+    def seconds(self, x: torch.Tensor, library: ctypes.CDLL, threads: int, repeat: int) -> tuple[float, ...]:
+        """The best times of ours and llama.cpp's (alternating), and of a plain read of the bytes."""
+        torch.set_num_threads(threads)
+        words = [d.view(torch.int64) for d in self.datas]
+        runs = (
+            lambda: self.ours(x),
+            lambda: self.theirs(x, library, threads),
+            lambda: [w.sum() for w in words],
+        )
+        return best_of_each(runs, repeat)
+
+
+def iquants_against_llama_cpp(args: argparse.Namespace) -> None:
+    """The --iquants table: `--rows` input rows through `--experts` matrices of each type."""
+    if ggml_oracle.library() is None:
+        raise SystemExit("--iquants needs llama-cpp-python's libggml-cpu")
+    library, x = ggml_rows_library(), torch.randn(args.rows, COLS)
+    print(
+        f"{args.experts} matrices of {ROWS} x {COLS} (random valid blocks), {args.rows} input row(s) each; "
+        f"best of {args.repeat}, ours, llama.cpp's and the read alternating"
+    )
+    print(f"{'type':8s} {'threads':>7s} {'k3 GB/s':>8s} {'read GB/s':>9s} {'k3/read':>7s} "
+          f"{'llama GB/s':>10s} {'k3/llama':>8s}")  # fmt: skip
+    for name in args.iquants.split(","):
+        case = IquantCase.make(name, args.experts, args.rows)
+        total = sum(d.numel() for d in case.datas)
+        for threads in (int(t) for t in args.threads.split(",")):
+            kernel, llama, read = case.seconds(x, library, threads, args.repeat)
+            print(
+                f"{name:8s} {threads:7d} {total / kernel / 1e9:8.2f} {total / read / 1e9:9.2f} "
+                f"{read / kernel:7.2f} {total / llama / 1e9:10.2f} {llama / kernel:8.2f}"
+            )
 
 
 if __name__ == "__main__":

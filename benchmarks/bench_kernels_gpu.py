@@ -8,7 +8,7 @@ the GB/s of weight bytes it consumes and its ratio to the bytes a plain `dst.cop
 per second. The weights rotate through enough copies to exceed the L2 cache, so every call reads DRAM.
 Also printed: k3stream's CUDA fallback (`qlinear`: dequantise to float32, then matmul) and, for the
 audited recipe's expert types (Q2_K, Q3_K) unless `--no-sweep`, the best of a few mat-vec tilings
-(BLOCK_M, num_warps) to tune `gpu._tiles` with (each tiling compiles: sweeping all fourteen types would
+(BLOCK_M, num_warps) to tune `gpu._tiles` with (each tiling compiles: sweeping all twenty-five types would
 take the one-GPU check past its ten minutes).
 """
 
@@ -22,7 +22,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from k3stream.quant import qlinear, row_bytes, type_size
-from k3stream.quant.kernels import gpu
+from k3stream.quant.kernels import ggml_oracle, gpu
 
 T = GGMLQuantizationType
 GIB = 1 << 30
@@ -64,6 +64,9 @@ def random_weights(qt: T, out_features: int, in_features: int, seed: int) -> tor
         return values.view(torch.uint8).to(DEVICE)
     block_bytes = type_size(qt)[1]
     n_blocks = out_features * row_bytes(qt, in_features) // block_bytes
+    if qt in gpu.IQUANT_GPU_TYPES:  # random codes, finite scales where each type keeps them
+        valid = ggml_oracle.random_blocks(int(qt), n_blocks, np.random.default_rng(seed))
+        return torch.from_numpy(valid).reshape(out_features, -1).to(DEVICE)
     blocks = torch.randint(0, 256, (n_blocks, block_bytes), dtype=torch.uint8, generator=gen)
     scales = torch.from_numpy(np.full(len(blocks), 0.01, dtype=np.float16).view(np.uint8).reshape(-1, 2))
     for at in SCALE_FIELDS[qt]:

@@ -34,7 +34,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and not INTERPRET
 interp = pytest.mark.interp  # collected only under TRITON_INTERPRET=1 (tests/conftest.py)
 cuda = pytest.mark.skipif(not CUDA, reason=NO_CUDA)
-TYPES = sorted(SUPPORTED_GPU_TYPES)
+TYPES = sorted(SUPPORTED_GPU_TYPES - gpu.IQUANT_GPU_TYPES)  # the i-quants': test_kernels_gpu_iquants.py
 # (rows of x, out features, in features); K = 288 is 256 plus one 32-block: a partial K tile
 SHAPES = [(1, 64, 512), (3, 5, 512), (17, 64, 256), (8, 5, 256)]
 LEGACY_SHAPES = [(2, 5, 288), (17, 3, 288)]
@@ -171,7 +171,9 @@ def test_rejects_bad_arguments() -> None:
 
 
 # compile-only cases: every type's mat-vec kernel, the tiled (tl.dot) kernel and the grouped kernel for a few
-COMPILE_CASES = [("single", qt, 1) for qt in TYPES] + [
+COMPILE_CASES = [("single", qt, 1) for qt in sorted(SUPPORTED_GPU_TYPES)] + [
+    ("single", T.IQ2_XXS, 17),
+    ("grouped", T.IQ1_M, 17),
     ("single", T.Q2_K, 17),
     ("single", T.Q3_K, 8),
     ("grouped", T.Q2_K, 1),
@@ -197,7 +199,7 @@ def test_gpu_kernel_compiles_for_sm90(kind: str, qt: T, n: int) -> None:
     else:
         signature = {"x_ptr": "*fp32", "w_like": w_type, "table_ptr": "*i64", "out_ptr": "*fp32"}
     ints = [*INT_ARGS[kind], "stride_x", "stride_w", "stride_out", "stride_split", "SPLITS", "K_CHUNK"]
-    signature |= dict.fromkeys(ints, "i32")
+    signature |= dict.fromkeys(ints, "i32") | {"lut": "*i8"}
     constants = {
         "QTYPE": int(qt),
         "BLOCK_N": tiles.block_n,

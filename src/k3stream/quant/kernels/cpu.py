@@ -1,4 +1,4 @@
-"""The C CPU kernels (`ggml_cpu.c` and `steps_cpu.c`, built at install as `_ggml_cpu`).
+"""The C CPU kernels (`ggml_cpu.c`, `steps_cpu.c` and `iquants_cpu.c`, built at install as `_ggml_cpu`).
 
 `grouped_product` runs `out[p] = x[rows[p]] @ W_b^T` for the rows `starts[b]..starts[b+1]` of each
 matrix b in one call, `products` several matrices of different types on one input, `expert_mlp` a
@@ -27,11 +27,15 @@ import torch
 # tensors its addresses point into are held in the third item for as long as the call is kept
 Call = tuple[Callable[..., Any], tuple, tuple]
 
-# GGML type ids with a C kernel
-CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39})
-# ... and with integer kernels on 8-bit activations, as ggml's: Q8_K for Q2_K, Q3_K, Q4_K, Q6_K and
-# Q8_0 for Q4_0, Q8_0
-Q8_TYPES = frozenset({10, 11, 12, 14, 2, 8})
+# GGML type ids with a C kernel on float activations (a decoder: also `decode_row`); IQ2_XXS, IQ1_S,
+# IQ4_XS and TQ2_0 by the float tile path only
+CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39, 16, 19, 23, 35})
+# ... with only integer kernels, as ggml's (`iquants_cpu.c`), taken with `q8_activations` (activations
+# quantized to Q8_K; IQ4_NL: Q8_0): IQ2_XS, IQ3_XXS, IQ4_NL, IQ3_S, IQ2_S, IQ1_M, TQ1_0
+INTEGER_TYPES = frozenset({17, 18, 20, 21, 22, 29, 34})
+# ... and with integer kernels on 8-bit activations, as ggml's: Q8_K for Q2_K, Q3_K, Q4_K, Q6_K, the
+# i-quants but IQ4_NL and the ternary types, Q8_0 for Q4_0, Q8_0, IQ4_NL and MXFP4
+Q8_TYPES = frozenset({10, 11, 12, 14, 2, 8, 39, 16, 19, 23, 35}) | INTEGER_TYPES
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,7 +46,21 @@ def _ggml_cpu() -> ModuleType | None:
         from k3stream.quant.kernels import _ggml_cpu as module
     except ImportError:
         return None
+    module.set_iq_grids(*_iq_grids())
     return module
+
+
+def _iq_grids() -> list[bytes]:
+    """The i-quants' lookup grids and value tables from the `gguf` package, as `set_iq_grids` takes them:
+    IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, then IQ4_NL's and MXFP4's values, a byte each."""
+    from gguf import quants
+
+    grids = []
+    for kind in (quants.IQ2_XXS, quants.IQ2_XS, quants.IQ2_S, quants.IQ3_XXS, quants.IQ3_S, quants.IQ1_S):
+        kind.init_grid()
+        grids.append(np.asarray(kind.grid).astype(np.int8).tobytes())
+    values = [np.asarray(kind.kvalues).astype(np.int8).tobytes() for kind in (quants.IQ4_NL, quants.MXFP4)]
+    return grids + values
 
 
 def available() -> bool:

@@ -22,6 +22,8 @@
 #include <errno.h>
 #include <unistd.h>
 
+#include "kernels.h"
+
 #define TILE 256
 #define ROWS_PER_TASK 32
 
@@ -30,22 +32,8 @@
 #else
 #define CLONES
 #endif
-#define INLINE static inline __attribute__((always_inline))
 
-INLINE float bits_f32(uint32_t bits) {
-    float value;
-    memcpy(&value, &bits, 4);
-    return value;
-}
 
-INLINE float f16(const uint8_t *p) { /* exact, NaN payloads kept, as numpy converts */
-    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
-    uint32_t sign = (h & 0x8000u) << 16, rest = h & 0x7FFFu;
-    if (rest >= 0x7C00u) return bits_f32(sign | 0x7F800000u | ((rest & 0x3FFu) << 13));
-    if (rest >= 0x0400u) return bits_f32(sign | ((rest + 0x1C000u) << 13)); /* exponent + 112 */
-    float magnitude = (float)rest * 0x1p-24f;                                 /* subnormal: exact */
-    return sign ? -magnitude : magnitude;
-}
 
 /* ---- block decoders: one block at b -> its values at y ------------------------------------ */
 
@@ -213,23 +201,7 @@ INLINE float dot(const float *restrict a, const float *restrict b, int n) { /* n
     return lanes[0];
 }
 
-typedef struct {
-    const float *x;
-    int64_t in_features, out_rows, row_bytes;
-    const int64_t *addresses, *starts, *rows;
-    int64_t matrices;
-    float *out;
-    int64_t out_stride; /* floats from one output row to the next: out_rows, or more in a wider out */
-    const float *sums16; /* fused kernels: sum of each 16 consecutive values of each x row */
-    const struct BlockQ8K *q8;    /* Q8_K kernels: each x row quantized as ggml does, in / 256 blocks */
-    const struct BlockQ8_0 *q8_0; /* Q8_0 kernels: the same in Q8_0 blocks, in / 32 of them */
-} Product;
 
-/* ggml's block_q8_0: 32 codes x * 127 / amax rounded, and d = amax / 127 rounded to F16 (held as float) */
-typedef struct BlockQ8_0 {
-    float d;
-    int8_t qs[32];
-} BlockQ8_0;
 
 /* The bits of the F16 nearest to `value` (ties to even), as numpy and F16C convert */
 static uint16_t f16_bits(float value) {
@@ -269,12 +241,6 @@ INLINE float q8_q4_0_generic(const uint8_t *restrict b, const BlockQ8_0 *restric
     return acc + f16(b) * y->d * (float)isum;
 }
 
-/* ggml's block_q8_K: x * (1 / d) rounded to int8, and the sums of each 16 codes */
-typedef struct BlockQ8K {
-    float d;
-    int8_t qs[256];
-    int16_t bsums[16];
-} BlockQ8K;
 
 /* quantize_row_q8_K_ref: the scale is -127 over the signed value of largest magnitude (its first
  * occurrence), codes round half to even (ggml's nearest_int) and are clamped to 127 */
@@ -345,13 +311,6 @@ INLINE float q8_q6_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict
     return acc + f16(b + 208) * y->d * (float)isum;
 }
 
-/* Rows of a matrix are contiguous, but each is often one 4 KiB page and hardware prefetchers stop at
- * page boundaries: ask for the lines PREFETCH_BYTES ahead of each chunk so the next row is on its way. */
-#define PREFETCH_BYTES 4096
-INLINE void prefetch_ahead(const uint8_t *at, int64_t bytes) {
-    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(at + PREFETCH_BYTES + line, 0, 3);
-}
-
 /* One weight row m against each of its input rows' 8-bit blocks (Y: Q8_K or Q8_0, ELEMS values each),
  * blocks summed in order into ACC (from ZERO; a float, or eight lanes summed at the end by TOTAL) */
 #define Q8_ROW(NAME, ATTR, DOT, BLOCK_BYTES, Y, ELEMS, ACC, ZERO, TOTAL)                               \
@@ -402,7 +361,8 @@ INLINE void prefetch_ahead(const uint8_t *at, int64_t bytes) {
 #define DECODED_TYPES(X)                                                                                \
     X(0, f32, 32, 128) X(1, f16, 32, 64) X(30, bf16, 32, 64) X(2, q4_0, 32, 18) X(3, q4_1, 32, 20)      \
     X(6, q5_0, 32, 22) X(7, q5_1, 32, 24) X(8, q8_0, 32, 34) X(39, mxfp4, 32, 17) X(10, q2_k, 256, 84)  \
-    X(11, q3_k, 256, 110) X(12, q4_k, 256, 144) X(13, q5_k, 256, 176) X(14, q6_k, 256, 210)
+    X(11, q3_k, 256, 110) X(12, q4_k, 256, 144) X(13, q5_k, 256, 176) X(14, q6_k, 256, 210)            \
+    X(16, iq2_xxs, 256, 66) X(19, iq1_s, 256, 50) X(23, iq4_xs, 256, 136) X(35, tq2_0, 256, 66)
 
 #define DEFINE_ROW_KERNEL(ID, NAME, ELEMS, BYTES) ROW_KERNEL(row_##NAME, dec_##NAME, ELEMS, BYTES)
 DECODED_TYPES(DEFINE_ROW_KERNEL)
@@ -422,7 +382,6 @@ static BlockDecoder block_decoder(int ggml_type) {
     }
 }
 
-typedef void (*RowKernel)(const Product *, int64_t b, int64_t first, int64_t last);
 
 /* Weight rows m..m + count - 1 (count <= TILE_W) of matrix b against all its input rows, for matrices
  * with at least TILE_MIN of them (prefill; measured: from two rows on at least as fast as the rows) */
@@ -1392,7 +1351,7 @@ static RowKernel q8_kernel(int ggml_type) {
         case 14: return avx2 ? q8_row_q6_k_avx2 : q8_row_q6_k_generic;
         case 8: return avx2 ? q8_row_q8_0_avx2 : q8_row_q8_0_generic;
         case 2: return avx2 ? q8_row_q4_0_avx2 : q8_row_q4_0_generic;
-        default: return NULL;
+        default: return iq_q8_kernel(ggml_type, avx2);
     }
 }
 
@@ -1444,7 +1403,7 @@ static int plan_product(Plan *plan, const float *x, int64_t in_features, const i
     plan->owned = NULL;
     RowKernel kernel = q8_activations ? q8_kernel(ggml_type) : fused_kernel(ggml_type);
     if (q8_activations) {
-        const int k_quant = ggml_type >= 10 && ggml_type <= 14, elems = k_quant ? 256 : 32;
+        const int k_quant = ggml_type != 2 && ggml_type != 8 && !iq_q8_0_activations(ggml_type), elems = k_quant ? 256 : 32;
         if (kernel == NULL || in_features % elems != 0) return -1;
         const int64_t blocks = rows_used(starts, rows, matrices) * (in_features / elems);
         void *q8 = plan->owned = malloc((k_quant ? sizeof(BlockQ8K) : sizeof(BlockQ8_0)) * (size_t)(blocks + 1));
@@ -2084,7 +2043,10 @@ static PyObject *py_read_parts(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyLong_FromSsize_t(whole);
 }
 
+PyObject *py_set_iq_grids(PyObject *self, PyObject *args); /* iquants_cpu.c */
+
 static PyMethodDef methods[] = {
+    {"set_iq_grids", py_set_iq_grids, METH_VARARGS, NULL},
     {"grouped_product", (PyCFunction)(void (*)(void))py_grouped_product, METH_FASTCALL, NULL},
     {"products", (PyCFunction)(void (*)(void))py_products, METH_FASTCALL, NULL},
     {"expert_mlp", (PyCFunction)(void (*)(void))py_expert_mlp, METH_FASTCALL, NULL},

@@ -31,9 +31,14 @@ else:
     _TRITON_MISSING = None
 
 T = GGMLQuantizationType
+# the i-quants and ternary types (`_dq_iquant`, their grids from `lookup_table`)
+IQUANT_GPU_TYPES = frozenset(
+    {T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M, T.IQ4_NL, T.IQ4_XS, T.TQ1_0, T.TQ2_0}
+)
 SUPPORTED_GPU_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4}
     | {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
+    | IQUANT_GPU_TYPES
 )
 # float types are read through a typed view of W's bytes (BF16 as int16: the kernel shifts its bits)
 _FLOAT_VIEWS = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.int16}
@@ -212,9 +217,144 @@ def _dq_float(w_rows, k0, K, row_ok, QTYPE: tl.constexpr):
     return w.to(tl.float32)
 
 
+# The i-quants' grids and value tables in one int8 tensor (`lookup_table`), each at its offset here:
+# IQ2_XXS, IQ2_XS, IQ2_S (8 values an entry), IQ3_XXS, IQ3_S (4), IQ1_S (8), IQ4_NL's 16 values, MXFP4's
+# 16 and ggml's 128 ksigns (7 sign bits and their parity, as int8)
+# (constexpr: the only globals a compiled kernel may read)
+_constexpr = tl.constexpr if tl is not None else int
+LUT_IQ2_XXS, LUT_IQ2_XS, LUT_IQ2_S = _constexpr(0), _constexpr(2048), _constexpr(6144)
+LUT_IQ3_XXS, LUT_IQ3_S, LUT_IQ1_S = _constexpr(14336), _constexpr(15360), _constexpr(17408)
+LUT_IQ4_NL, LUT_KSIGNS = _constexpr(33792), _constexpr(33824)
+
+
+@functools.lru_cache(maxsize=8)
+def lookup_table(device: torch.device) -> torch.Tensor:
+    """The grids (`cpu._iq_grids`, from the gguf package) and ksigns as one int8 tensor on `device`."""
+    from . import cpu
+
+    ksigns = bytes((i | (bin(i).count("1") & 1) << 7) for i in range(128))
+    table = b"".join(cpu._iq_grids()) + ksigns
+    return torch.frombuffer(bytearray(table), dtype=torch.int8).to(device)
+
+
 @_jit
-def _dequant(w_rows, k0, K, row_ok, QTYPE: tl.constexpr):
-    """float32 [BLOCK_M, 256] of the K tile starting at element `k0` (a multiple of 256)."""
+def _lut(lut, index):
+    return tl.load(lut + index).to(tl.int32)
+
+
+@_jit
+def _signed(sign_byte, j):
+    """+1.0 or -1.0: bit j of `sign_byte` clear or set."""
+    return (1 - 2 * ((sign_byte >> j) & 1)).to(tl.float32)
+
+
+@_jit
+def _dq_iquant(w_rows, k0, K, row_ok, lut, QTYPE: tl.constexpr):
+    """The tile of an i-quant or ternary type: element e of the 256 is value j of group l (8 values) of
+    run ib (32 values), decoded from its own bytes with gathered loads, as gguf's dequantize does."""
+    e = tl.arange(0, 256)[None, :]
+    ib, group, j = e // 32, e % 32 // 8, e % 8
+    if QTYPE == 20:  # IQ4_NL: eight 32-value blocks of 18 bytes
+        blk = w_rows + (k0 // 32 + ib) * 18
+        ok = row_ok & (k0 + ib * 32 < K)
+        code = (_load(blk + 2 + e % 16, ok) >> (e % 32 // 16 * 4)) & 15
+        w = _f16(blk, ok) * _lut(lut, LUT_IQ4_NL + code).to(tl.float32)
+    elif QTYPE == 16:
+        blk = w_rows + k0 // 256 * 66
+        packed = _u32(blk + 6 + 8 * ib, row_ok)
+        sign = _lut(lut, LUT_KSIGNS + ((packed >> 7 * group) & 127))
+        step = _f16(blk, row_ok) * (0.5 + (packed >> 28).to(tl.float32)) * 0.25
+        grid = _lut(lut, LUT_IQ2_XXS + _load(blk + 2 + 8 * ib + group, row_ok) * 8 + j)
+        w = step * grid.to(tl.float32) * _signed(sign, j)
+    elif QTYPE == 17:
+        blk = w_rows + k0 // 256 * 74
+        q = _load(blk + 2 + 8 * ib + 2 * group, row_ok) | (_load(blk + 3 + 8 * ib + 2 * group, row_ok) << 8)
+        sign = _lut(lut, LUT_KSIGNS + (q >> 9))
+        step = _f16(blk, row_ok) * (
+            0.5 + ((_load(blk + 66 + ib, row_ok) >> group // 2 * 4) & 15).to(tl.float32)
+        )
+        grid = _lut(lut, LUT_IQ2_XS + (q & 511) * 8 + j)
+        w = step * 0.25 * grid.to(tl.float32) * _signed(sign, j)
+    elif QTYPE == 22:
+        blk = w_rows + k0 // 256 * 82
+        index = _load(blk + 2 + 4 * ib + group, row_ok) | (
+            (_load(blk + 66 + ib, row_ok) << (8 - 2 * group)) & 0x300
+        )
+        step = _f16(blk, row_ok) * (
+            0.5 + ((_load(blk + 74 + ib, row_ok) >> group // 2 * 4) & 15).to(tl.float32)
+        )
+        grid = _lut(lut, LUT_IQ2_S + index * 8 + j)
+        sign = _load(blk + 34 + 4 * ib + group, row_ok)
+        w = step * 0.25 * grid.to(tl.float32) * _signed(sign, j)
+    elif QTYPE == 18:
+        blk = w_rows + k0 // 256 * 98
+        packed = _u32(blk + 66 + 4 * ib, row_ok)
+        sign = _lut(lut, LUT_KSIGNS + ((packed >> 7 * group) & 127))
+        step = _f16(blk, row_ok) * (0.5 + (packed >> 28).to(tl.float32)) * 0.5
+        grid = _lut(lut, LUT_IQ3_XXS + _load(blk + 2 + 8 * ib + e % 32 // 4, row_ok) * 4 + e % 4)
+        w = step * grid.to(tl.float32) * _signed(sign, j)
+    elif QTYPE == 21:
+        blk = w_rows + k0 // 256 * 110
+        entry = e % 32 // 4
+        index = _load(blk + 2 + 8 * ib + entry, row_ok) | (
+            (_load(blk + 66 + ib, row_ok) << (8 - entry)) & 256
+        )
+        scale = (_load(blk + 106 + ib // 2, row_ok) >> (ib % 2 * 4)) & 15
+        step = _f16(blk, row_ok) * (1 + 2 * scale).to(tl.float32)
+        grid = _lut(lut, LUT_IQ3_S + index * 4 + e % 4)
+        sign = _load(blk + 74 + 4 * ib + group, row_ok)
+        w = step * grid.to(tl.float32) * _signed(sign, j)
+    elif QTYPE == 19:
+        blk = w_rows + k0 // 256 * 50
+        qh = _load(blk + 34 + 2 * ib, row_ok) | (_load(blk + 35 + 2 * ib, row_ok) << 8)
+        index = _load(blk + 2 + 4 * ib + group, row_ok) | (((qh >> 3 * group) & 7) << 8)
+        step = _f16(blk, row_ok) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
+        delta = tl.where((qh & 0x8000) != 0, -0.125, 0.125)
+        w = step * (_lut(lut, LUT_IQ1_S + index * 8 + j).to(tl.float32) + delta)
+    elif QTYPE == 29:
+        blk = w_rows + k0 // 256 * 56
+        qh = _load(blk + 32 + 2 * ib + group // 2, row_ok)
+        index = _load(blk + 4 * ib + group, row_ok) | ((qh << (8 - 4 * (group % 2))) & 0x700)
+        delta = tl.where(((qh >> (3 + 4 * (group % 2))) & 1) != 0, -0.125, 0.125)
+        words = blk + 48 + 2 * tl.arange(0, 4)[None, :]
+        top = ((_load(words + 1, row_ok) >> 4) << (4 * tl.arange(0, 4)[None, :])).to(tl.int32)
+        d = tl.sum(top, axis=1).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+        word = _load(blk + 48 + 2 * (ib // 2), row_ok) | (_load(blk + 49 + 2 * (ib // 2), row_ok) << 8)
+        scale = (word >> (6 * (ib % 2) + 3 * (group // 2))) & 7
+        w = d * (2 * scale + 1).to(tl.float32) * (_lut(lut, LUT_IQ1_S + index * 8 + j).to(tl.float32) + delta)
+    elif QTYPE == 23:
+        blk = w_rows + k0 // 256 * 136
+        high = (_load(blk + 2 + ib // 4, row_ok) >> (2 * (ib % 4))) & 3
+        scale = ((_load(blk + 4 + ib // 2, row_ok) >> (ib % 2 * 4)) & 15) | (high << 4)
+        code = (_load(blk + 8 + 16 * ib + e % 16, row_ok) >> (e % 32 // 16 * 4)) & 15
+        w = _f16(blk, row_ok) * (scale - 32).to(tl.float32) * _lut(lut, LUT_IQ4_NL + code).to(tl.float32)
+    elif QTYPE == 34:
+        blk = w_rows + k0 // 256 * 54
+        at = tl.where(e < 160, e % 32, tl.where(e < 240, 32 + (e - 160) % 16, 48 + (e - 240) % 4))
+        trit = tl.where(e < 160, e // 32, tl.where(e < 240, (e - 160) // 16, (e - 240) // 4))
+        power = tl.where(
+            trit == 0, 1, tl.where(trit == 1, 3, tl.where(trit == 2, 9, tl.where(trit == 3, 27, 81)))
+        )
+        q = (_load(blk + at, row_ok) * power) & 255
+        w = _f16(blk + 52, row_ok) * (((q * 3) >> 8) - 1).to(tl.float32)
+    else:  # TQ2_0: bits 2l of byte 32(e // 128) + e % 32
+        blk = w_rows + k0 // 256 * 66
+        code = (_load(blk + e // 128 * 32 + e % 32, row_ok) >> (e % 128 // 32 * 2)) & 3
+        w = _f16(blk + 64, row_ok) * (code - 1).to(tl.float32)
+    return w
+
+
+@_jit
+def _u32(ptr, mask):
+    """The little-endian uint32 at `ptr`."""
+    low = _load(ptr, mask) | (_load(ptr + 1, mask) << 8) | (_load(ptr + 2, mask) << 16)
+    return (low | (_load(ptr + 3, mask) << 24)).to(tl.uint32, bitcast=True)
+
+
+@_jit
+def _dequant(w_rows, k0, K, row_ok, lut, QTYPE: tl.constexpr):
+    """float32 [BLOCK_M, 256] of the K tile starting at element `k0` (a multiple of 256); `lut`: the
+    i-quants' grids (`lookup_table`)."""
     if QTYPE == 10:
         w = _dq_q2_k(w_rows + k0 // 256 * 84, row_ok)
     elif QTYPE == 11:
@@ -237,8 +377,10 @@ def _dequant(w_rows, k0, K, row_ok, QTYPE: tl.constexpr):
         w = _dq_legacy(w_rows, k0, K, row_ok, QTYPE, 34)
     elif QTYPE == 39:
         w = _dq_legacy(w_rows, k0, K, row_ok, QTYPE, 17)
-    else:
+    elif QTYPE == 0 or QTYPE == 1 or QTYPE == 30:
         w = _dq_float(w_rows, k0, K, row_ok, QTYPE)
+    else:
+        w = _dq_iquant(w_rows, k0, K, row_ok, lut, QTYPE)
     return w
 
 
@@ -247,7 +389,7 @@ def _dequant(w_rows, k0, K, row_ok, QTYPE: tl.constexpr):
 
 @_jit
 def _product_tile(
-    x_ptr, w_ptr, out_ptr, m_tile, n_start, n_end, k_start, k_end, M, K, stride_x, stride_w, stride_out,
+    x_ptr, w_ptr, out_ptr, m_tile, n_start, n_end, k_start, k_end, M, K, stride_x, stride_w, stride_out, lut,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
 ):  # fmt: skip
     """out[n, m] = sum over k in [k_start, k_end) of x[n, k] W[m, k], for n in [n_start, n_start + BLOCK_N)
@@ -264,7 +406,7 @@ def _product_tile(
         acc = tl.zeros([BLOCK_N, BLOCK_M, 256], dtype=tl.float32)
     for k0 in range(k_start, k_end, 256):
         k = k0 + tl.arange(0, 256)
-        w = _dequant(w_rows, k0, K, row_ok, QTYPE)
+        w = _dequant(w_rows, k0, K, row_ok, lut, QTYPE)
         xk = tl.load(x_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0).to(tl.float32)
         if USE_DOT:
             acc += tl.dot(xk, tl.trans(w), input_precision="ieee")
@@ -277,7 +419,7 @@ def _product_tile(
 
 @_jit
 def _qmm_kernel(
-    x_ptr, w_ptr, out_ptr, N, M, K, stride_x, stride_w, stride_out, stride_split, SPLITS, K_CHUNK,
+    x_ptr, w_ptr, out_ptr, N, M, K, stride_x, stride_w, stride_out, stride_split, SPLITS, K_CHUNK, lut,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
 ):  # fmt: skip
     """Grid (M tiles x SPLITS, N tiles): one weight matrix; split s sums K in [s K_CHUNK, (s+1) K_CHUNK)
@@ -286,14 +428,14 @@ def _qmm_kernel(
     k_start = split * K_CHUNK
     out_split = out_ptr + split.to(tl.int64) * stride_split
     _product_tile(x_ptr, w_ptr, out_split, tl.program_id(0) // SPLITS, tl.program_id(1) * BLOCK_N, N,
-                  k_start, tl.minimum(K, k_start + K_CHUNK), M, K, stride_x, stride_w, stride_out,
+                  k_start, tl.minimum(K, k_start + K_CHUNK), M, K, stride_x, stride_w, stride_out, lut,
                   QTYPE, BLOCK_N, BLOCK_M, USE_DOT)  # fmt: skip
 
 
 @_jit
 def _grouped_kernel(
     x_ptr, w_like, table_ptr, out_ptr, M, K, stride_x, stride_w, stride_out, stride_split, SPLITS, K_CHUNK,
-    QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
+    lut, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
 ):  # fmt: skip
     """Grid (M tiles x SPLITS, N tiles of the largest group, groups): group g's rows [lo, hi) of x times
     the matrix at address `addr`, from `table[g] = (addr, lo, hi)`; `w_like` only gives the pointer
@@ -308,7 +450,7 @@ def _grouped_kernel(
         out_split = out_ptr + split.to(tl.int64) * stride_split
         _product_tile(x_ptr, w_ptr, out_split, tl.program_id(0) // SPLITS, n_start, n_end,
                       k_start, tl.minimum(K, k_start + K_CHUNK), M, K, stride_x, stride_w, stride_out,
-                      QTYPE, BLOCK_N, BLOCK_M, USE_DOT)  # fmt: skip
+                      lut, QTYPE, BLOCK_N, BLOCK_M, USE_DOT)  # fmt: skip
 
 
 class Tiles(NamedTuple):
@@ -371,9 +513,8 @@ def _launch(
     target, k_chunk = _split_target(out, tiles, in_features)
     grid = (triton.cdiv(out.shape[1], tiles.block_m) * tiles.splits, triton.cdiv(n_rows, tiles.block_n))
     args = (x, w, target, n_rows, out.shape[1], in_features, x.stride(0), stride_w, target.stride(-2))
-    _qmm_kernel[grid](
-        *args, target.stride(0) if tiles.splits > 1 else 0, tiles.splits, k_chunk, **_meta(qt, tiles)
-    )
+    split_stride = target.stride(0) if tiles.splits > 1 else 0
+    _qmm_kernel[grid](*args, split_stride, tiles.splits, k_chunk, lookup_table(x.device), **_meta(qt, tiles))
     _reduce_splits(target, out)
 
 
@@ -406,7 +547,8 @@ def _launch_grouped(
         target.stride(-2),
     )
     split_stride = target.stride(0) if tiles.splits > 1 else 0
-    _grouped_kernel[grid](*args, split_stride, tiles.splits, k_chunk, **_meta(qt, tiles))
+    lut = lookup_table(x.device)
+    _grouped_kernel[grid](*args, split_stride, tiles.splits, k_chunk, lut, **_meta(qt, tiles))
     _reduce_splits(target, out)
 
 

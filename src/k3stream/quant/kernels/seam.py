@@ -97,10 +97,14 @@ class ExpertMatrices(Protocol):
     down: QWeight
 
 
-def kernel_for(ggml_type: int, device: torch.device | str = "cpu", in_features: int = 256) -> str:
+def kernel_for(
+    ggml_type: int, device: torch.device | str = "cpu", in_features: int = 256, match_ggml: bool = False
+) -> str:
     """Which path a product on `device` takes: "torch" (F32), "c", "triton" or "reference".
 
-    The C kernels read F16/BF16 rows 32 values at a time: other widths take the reference path.
+    The C kernels read F16/BF16 rows 32 values at a time: other widths take the reference path. The
+    i-quants and ternary types (`cpu.INTEGER_TYPES`) have only ggml's integer kernels on 8-bit
+    activations: "c" under `match_ggml`, else the reference path (float activations).
     """
     if ggml_type == F32:
         return "torch"
@@ -109,7 +113,8 @@ def kernel_for(ggml_type: int, device: torch.device | str = "cpu", in_features: 
 
         return "triton" if gpu.available() and ggml_type in gpu.SUPPORTED_GPU_TYPES else "reference"
     whole_tiles = ggml_type not in FLOAT_WIDTH_TYPES or in_features % 32 == 0
-    return "c" if cpu.available() and ggml_type in cpu.CPU_TYPES and whole_tiles else "reference"
+    has_kernel = ggml_type in cpu.CPU_TYPES or (match_ggml and ggml_type in cpu.INTEGER_TYPES)
+    return "c" if cpu.available() and has_kernel and whole_tiles else "reference"
 
 
 def note_fallbacks(types: set[int], device: torch.device | str) -> list[str]:
@@ -361,7 +366,11 @@ def grouped_qmatmul(
     first = weights[0]
     if any(w.ggml_type != first.ggml_type or w.shape != first.shape for w in weights):
         raise ValueError("grouped_qmatmul: the matrices differ in GGML type or shape")
-    kernel = "reference" if backend == "reference" else kernel_for(first.ggml_type, x.device, first.shape[1])
+    kernel = (
+        "reference"
+        if backend == "reference"
+        else kernel_for(first.ggml_type, x.device, first.shape[1], match_ggml)
+    )
     if kernel == "torch" and _f32_by_kernel(_most_rows(starts), x.device, weights):
         kernel = "c"  # as qmatmul: few rows a matrix take the C mat-vec, alone or in company
     q8_activations = match_ggml and kernel == "c" and first.ggml_type in cpu.Q8_TYPES
@@ -538,4 +547,6 @@ def _fused_layout(
 def _c_kernel_takes(ggml_type: int, in_features: int, match_ggml: bool) -> bool:
     """Whether a product of this type goes to a C kernel on the CPU as it is: one exists, and under
     `match_ggml` it quantizes its activations itself (other types have their inputs rounded in torch)."""
-    return kernel_for(ggml_type, "cpu", in_features) == "c" and (not match_ggml or ggml_type in cpu.Q8_TYPES)
+    return kernel_for(ggml_type, "cpu", in_features, match_ggml) == "c" and (
+        not match_ggml or ggml_type in cpu.Q8_TYPES
+    )

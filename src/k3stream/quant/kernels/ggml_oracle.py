@@ -1,0 +1,103 @@
+"""llama.cpp's own CPU dot products, reached through the shared libraries llama-cpp-python installs
+(`libggml-cpu.so`), for tests and benchmarks to compare the C kernels with: the 8-bit quantizer of a
+type's activations (its `vec_dot_type`'s `from_float`) and `vec_dot` from `ggml_get_type_traits_cpu`,
+which the library picks for this machine (AVX2 here), and ggml's portable `ggml_vec_dot_*_generic`;
+`random_blocks` makes the weights to compare them on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+Q8_0, Q8_K = 8, 15
+IQ1_M, MXFP4, TQ1_0, TQ2_0 = 29, 39, 34, 35
+F16_AT = {TQ1_0: 52, TQ2_0: 64}  # where a block's F16 scale is (0 for the others but IQ1_M's)
+# bytes of one Q8_0 and one Q8_K block as ggml lays them out (F16 d + 32 codes; F32 d + 256 codes + 16 sums)
+ACTIVATION_BLOCK = {Q8_0: (32, 34), Q8_K: (256, 292)}
+VecDot = ctypes.CFUNCTYPE(
+    None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+    ctypes.c_size_t, ctypes.c_int,
+)  # fmt: skip
+FromFloat = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+
+
+class _TraitsCpu(ctypes.Structure):
+    _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
+                ("nrows", ctypes.c_int64)]  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """libggml-cpu.so of the installed llama-cpp-python, or None without it."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    path = Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"
+    if not path.exists():
+        return None
+    ggml = ctypes.CDLL(str(path))
+    ggml.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_TraitsCpu)
+    ggml.ggml_cpu_init()
+    return ggml
+
+
+def _traits(ggml_type: int) -> _TraitsCpu:
+    return library().ggml_get_type_traits_cpu(ggml_type).contents
+
+
+def activation_type(ggml_type: int) -> int:
+    """ggml's vec_dot_type of a weight type: the 8-bit type its activations are quantized to."""
+    return _traits(ggml_type).vec_dot_type
+
+
+def quantize_activations(x: np.ndarray, ggml_type: int) -> np.ndarray:
+    """One row of float32 activations as ggml quantizes them for products with `ggml_type` (uint8 bytes)."""
+    kind = activation_type(ggml_type)
+    elems, nbytes = ACTIVATION_BLOCK[kind]
+    row = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.zeros(row.size // elems * nbytes, dtype=np.uint8)
+    FromFloat(_traits(kind).from_float)(row.ctypes.data, out.ctypes.data, row.size)
+    return out
+
+
+def vec_dot(
+    ggml_type: int, n: int, weights: np.ndarray, activations: np.ndarray, generic: bool = False
+) -> float:
+    """ggml's dot product of one weight row (its GGUF bytes, n values) with quantized activations: the
+    function llama.cpp runs on this machine, or with `generic` ggml's portable C one."""
+    if generic:
+        name = f"ggml_vec_dot_{_type_name(ggml_type)}_{_type_name(activation_type(ggml_type))}_generic"
+        function = VecDot(ctypes.cast(getattr(library(), name), ctypes.c_void_p).value)
+    else:
+        function = VecDot(_traits(ggml_type).vec_dot)
+    result = ctypes.c_float()
+    function(n, ctypes.addressof(result), 0, weights.ctypes.data, 0, activations.ctypes.data, 0, 1)
+    return result.value
+
+
+def _type_name(ggml_type: int) -> str:
+    return {Q8_0: "q8_0", Q8_K: "q8_K"}.get(ggml_type) or GGMLQuantizationType(ggml_type).name.lower()
+
+
+def random_blocks(ggml_type: int, count: int, rng: np.random.Generator) -> np.ndarray:
+    """`count` blocks [count, bytes] of random codes and finite scales: the F16 d (IQ1_M's spread over
+    its scales' top nibbles), MXFP4's E8M0 exponent where its products stay within float range."""
+    data = rng.integers(0, 256, (count, GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][1]), dtype=np.uint8)
+    scales = (rng.standard_normal(count) * 0.02).astype(np.float16).view(np.uint16)
+    if ggml_type == MXFP4:
+        data[:, 0] = rng.integers(100, 150, count)
+    elif ggml_type == IQ1_M:
+        words = data[:, 48:56].copy().view(np.uint16) & 0x0FFF
+        for k in range(4):
+            words[:, k] |= ((scales >> (4 * k)) & 15) << 12
+        data[:, 48:56] = words.view(np.uint8)
+    else:
+        at = F16_AT.get(ggml_type, 0)
+        data[:, at : at + 2] = scales.view(np.uint8).reshape(count, 2)
+    return data

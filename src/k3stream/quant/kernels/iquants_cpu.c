@@ -1,0 +1,752 @@
+/* ggml's integer dot products of the i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
+ * IQ4_NL, IQ4_XS), the ternary types (TQ1_0, TQ2_0) and MXFP4 on 8-bit activations: Q8_K blocks for the
+ * 256-value types, Q8_0 for IQ4_NL and MXFP4 (ggml's vec_dot_type of each).
+ *
+ * Each block's integer sums are exact, so only the float operations decide the bits:
+ * - the portable kernels (`*_generic`) do ggml's generic C (ggml_vec_dot_*_generic) in its order: one
+ *   float sum over the blocks, d * (integer sum) added per block (per 32 values for IQ4_XS);
+ * - the AVX2 kernels do ggml's AVX2 ones: a block's integer sums in eight lanes (lane l: values 4l..4l+3
+ *   of each run of 32, times the run's scale), d times the lanes added into eight float lanes by FMA,
+ *   summed at the end as hsum_float_8 does.
+ * The lookup grids are not written here: `set_iq_grids` receives them from the `gguf` package at import.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+/* ---- the grids (filled once by set_iq_grids) ----------------------------------------------------- */
+
+static uint8_t iq2xxs_grid[256][8], iq2xs_grid[512][8], iq2s_grid[1024][8];
+static uint8_t iq3xxs_grid[256][4], iq3s_grid[512][4];
+static int8_t iq1s_grid[2048][8], iq4nl_values[16], mxfp4_values[16];
+static uint8_t ksigns[128];     /* 7 sign bits, the eighth their parity (ggml's ksigns_iq2xs) */
+static uint64_t sign_bytes[256]; /* bit j of the index set: byte j is -1, else +1 (for _mm256_sign_epi8) */
+static uint64_t even_signs[128]; /* sign_bytes of ksigns */
+static int32_t group_signs[16][8] __attribute__((aligned(32))); /* bit g of the index set: lanes 2g, 2g + 1 are -1, else +1 */
+static int grids_set;
+
+typedef struct {
+    void *to;
+    Py_ssize_t size;
+} GridSlot;
+
+/* set_iq_grids(iq2xxs, iq2xs, iq2s, iq3xxs, iq3s, iq1s, iq4nl, mxfp4): each a bytes object of the grid's
+ * values, one byte each, row after row (the IQ1_S grid's and the value tables' as int8) */
+PyObject *py_set_iq_grids(PyObject *self, PyObject *args) {
+    (void)self;
+    const GridSlot slots[8] = {
+        {iq2xxs_grid, sizeof iq2xxs_grid}, {iq2xs_grid, sizeof iq2xs_grid}, {iq2s_grid, sizeof iq2s_grid},
+        {iq3xxs_grid, sizeof iq3xxs_grid}, {iq3s_grid, sizeof iq3s_grid},   {iq1s_grid, sizeof iq1s_grid},
+        {iq4nl_values, sizeof iq4nl_values}, {mxfp4_values, sizeof mxfp4_values},
+    };
+    Py_buffer views[8];
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*", &views[0], &views[1], &views[2], &views[3], &views[4],
+                          &views[5], &views[6], &views[7]))
+        return NULL;
+    int wrong = -1;
+    for (int i = 0; i < 8; i++)
+        if (views[i].len != slots[i].size && wrong < 0) wrong = i;
+    for (int i = 0; i < 8 && wrong < 0; i++) memcpy(slots[i].to, views[i].buf, (size_t)slots[i].size);
+    for (int i = 0; i < 8; i++) PyBuffer_Release(&views[i]);
+    if (wrong >= 0)
+        return PyErr_Format(PyExc_ValueError, "set_iq_grids: grid %d has %zd bytes, expected %zd", wrong,
+                            views[wrong].len, slots[wrong].size);
+    for (int i = 0; i < 128; i++) ksigns[i] = (uint8_t)(i | (__builtin_popcount(i) & 1) << 7);
+    for (int i = 0; i < 256; i++) {
+        sign_bytes[i] = 0;
+        for (int j = 0; j < 8; j++) sign_bytes[i] |= (uint64_t)((i >> j) & 1 ? 0xFF : 0x01) << (8 * j);
+    }
+    for (int i = 0; i < 128; i++) even_signs[i] = sign_bytes[ksigns[i]];
+    for (int i = 0; i < 16; i++)
+        for (int lane = 0; lane < 8; lane++) group_signs[i][lane] = (i >> (lane / 2)) & 1 ? -1 : 1;
+    grids_set = 1;
+    Py_RETURN_NONE;
+}
+
+INLINE uint32_t u32_at(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+INLINE uint16_t u16_at(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+INLINE float e8m0_half(uint8_t e) { return bits_f32(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23); }
+
+/* eight grid values times eight Q8 codes, each sign bit j of `signs` negating value j */
+INLINE int signed_dot8(const uint8_t *grid, const int8_t *q8, uint8_t signs) {
+    int sum = 0;
+    for (int j = 0; j < 8; j++) sum += grid[j] * q8[j] * ((signs >> j) & 1 ? -1 : 1);
+    return sum;
+}
+
+/* ---- ggml's generic kernels: a row's dot with one input row's blocks y ------------------------------- */
+
+INLINE float iq2_xxs_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 66) {
+        const float d = f16(x) * y[i].d;
+        int32_t bsum = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *run = x + 2 + 8 * ib;
+            const uint32_t packed = u32_at(run + 4); /* four 7-bit sign indices, the scale on top */
+            int32_t sumi = 0;
+            for (int l = 0; l < 4; l++)
+                sumi += signed_dot8(iq2xxs_grid[run[l]], y[i].qs + 32 * ib + 8 * l, ksigns[(packed >> 7 * l) & 127]);
+            bsum += sumi * (int32_t)(2 * (packed >> 28) + 1);
+        }
+        sumf = fmaf(d, (float)bsum, sumf);
+    }
+    return 0.125f * sumf;
+}
+
+INLINE float iq2_xs_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 74) {
+        const float d = f16(x) * y[i].d;
+        int32_t bsum = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            for (int half = 0; half < 2; half++) {
+                int32_t sumi = 0;
+                for (int l = 2 * half; l < 2 * half + 2; l++) {
+                    const uint16_t q = u16_at(x + 2 + 8 * ib + 2 * l);
+                    sumi += signed_dot8(iq2xs_grid[q & 511], y[i].qs + 32 * ib + 8 * l, ksigns[q >> 9]);
+                }
+                bsum += sumi * (2 * ((x[66 + ib] >> 4 * half) & 15) + 1);
+            }
+        }
+        sumf = fmaf(d, (float)bsum, sumf);
+    }
+    return 0.125f * sumf;
+}
+
+INLINE float iq2_s_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 82) {
+        const float d = f16(x) * y[i].d;
+        const uint8_t *qs = x + 2, *signs = x + 34, *qh = x + 66, *scales = x + 74;
+        int32_t bsum = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            for (int half = 0; half < 2; half++) {
+                int32_t sumi = 0;
+                for (int l = 2 * half; l < 2 * half + 2; l++) {
+                    const int index = qs[4 * ib + l] | ((qh[ib] << (8 - 2 * l)) & 0x300);
+                    sumi += signed_dot8(iq2s_grid[index], y[i].qs + 32 * ib + 8 * l, signs[4 * ib + l]);
+                }
+                bsum += sumi * (2 * ((scales[ib] >> 4 * half) & 15) + 1);
+            }
+        }
+        sumf = fmaf(d, (float)bsum, sumf);
+    }
+    return 0.125f * sumf;
+}
+
+/* IQ3 runs: eight values from two 4-value grid entries, one sign byte */
+INLINE int iq3_dot8(const uint8_t *g1, const uint8_t *g2, const int8_t *q8, uint8_t signs) {
+    uint8_t grid[8];
+    memcpy(grid, g1, 4);
+    memcpy(grid + 4, g2, 4);
+    return signed_dot8(grid, q8, signs);
+}
+
+INLINE float iq3_xxs_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 98) {
+        const float d = f16(x) * y[i].d;
+        int32_t bsum = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *q3 = x + 2 + 8 * ib;
+            const uint32_t packed = u32_at(x + 66 + 4 * ib);
+            int32_t sumi = 0;
+            for (int l = 0; l < 4; l++)
+                sumi += iq3_dot8(iq3xxs_grid[q3[2 * l]], iq3xxs_grid[q3[2 * l + 1]], y[i].qs + 32 * ib + 8 * l,
+                                 ksigns[(packed >> 7 * l) & 127]);
+            bsum += sumi * (int32_t)(2 * (packed >> 28) + 1);
+        }
+        sumf = fmaf(d, (float)bsum, sumf);
+    }
+    return 0.25f * sumf;
+}
+
+INLINE int iq3_s_index(const uint8_t *qs, uint8_t qh, int k) { /* grid entry k (0..7) of a run */
+    return qs[k] | ((qh << (8 - k)) & 256);
+}
+
+INLINE float iq3_s_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 110) {
+        const float d = f16(x) * y[i].d;
+        const uint8_t *qh = x + 66, *signs = x + 74, *scales = x + 106;
+        int32_t bsum = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *qs = x + 2 + 8 * ib;
+            int32_t sumi = 0;
+            for (int l = 0; l < 4; l++)
+                sumi += iq3_dot8(iq3s_grid[iq3_s_index(qs, qh[ib], 2 * l)], iq3s_grid[iq3_s_index(qs, qh[ib], 2 * l + 1)],
+                                 y[i].qs + 32 * ib + 8 * l, signs[4 * ib + l]);
+            bsum += sumi * (2 * ((scales[ib / 2] >> 4 * (ib & 1)) & 15) + 1);
+        }
+        sumf = fmaf(d, (float)bsum, sumf);
+    }
+    return sumf;
+}
+
+INLINE int iq1_dot8(const int8_t *grid, const int8_t *q8) {
+    int sum = 0;
+    for (int j = 0; j < 8; j++) sum += grid[j] * q8[j];
+    return sum;
+}
+
+INLINE float iq1_s_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 50) {
+        int sumi = 0, sumi1 = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            const uint16_t qh = u16_at(x + 34 + 2 * ib);
+            const int ls = 2 * ((qh >> 12) & 7) + 1, delta = 1 - 2 * (qh >> 15);
+            int lsum = 0;
+            for (int l = 0; l < 4; l++)
+                lsum += iq1_dot8(iq1s_grid[x[2 + 4 * ib + l] | (((qh >> 3 * l) & 7) << 8)], y[i].qs + 32 * ib + 8 * l);
+            sumi += ls * lsum;
+            sumi1 += ls * delta * (y[i].bsums[2 * ib] + y[i].bsums[2 * ib + 1]);
+        }
+        sumf = fmaf(f16(x) * y[i].d, (float)sumi + 0.125f * (float)sumi1, sumf);
+    }
+    return sumf;
+}
+
+INLINE float iq1_m_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 56) {
+        const uint8_t *qs = x, *qh = x + 32, *sc = x + 48;
+        const uint16_t s0 = u16_at(sc), s1 = u16_at(sc + 2), s2 = u16_at(sc + 4), s3 = u16_at(sc + 6);
+        const uint16_t scale = (uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000));
+        const uint8_t scale_bytes[2] = {(uint8_t)(scale & 255), (uint8_t)(scale >> 8)};
+        int sumi1 = 0, sumi2 = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            const int8_t *q8 = y[i].qs + 32 * ib;
+            int sum1[2] = {0, 0}, sum2[2] = {0, 0};
+            for (int l = 0; l < 4; l++) {
+                const uint8_t h = qh[2 * ib + l / 2];
+                const int index = qs[4 * ib + l] | (((uint16_t)h << (8 - 4 * (l % 2))) & 0x700);
+                const int delta = 1 - 2 * ((h >> (l % 2 ? 7 : 3)) & 1);
+                int codes = 0;
+                for (int j = 0; j < 8; j++) codes += q8[8 * l + j];
+                sum1[l / 2] += iq1_dot8(iq1s_grid[index], q8 + 8 * l);
+                sum2[l / 2] += codes * delta;
+            }
+            const uint16_t word = u16_at(sc + 2 * (ib / 2));
+            const int ls1 = 2 * ((word >> 6 * (ib % 2)) & 7) + 1, ls2 = 2 * ((word >> (6 * (ib % 2) + 3)) & 7) + 1;
+            sumi1 += sum1[0] * ls1 + sum1[1] * ls2;
+            sumi2 += sum2[0] * ls1 + sum2[1] * ls2;
+        }
+        sumf = fmaf(f16(scale_bytes) * y[i].d, (float)sumi1 + 0.125f * (float)sumi2, sumf);
+    }
+    return sumf;
+}
+
+/* a 32-value block of 4-bit indices into `values` (low nibbles: values 0..15, high: 16..31) times q8 */
+INLINE int nibble_dot32(const uint8_t *qs, const int8_t *q8, const int8_t *values) {
+    int sum = 0;
+    for (int j = 0; j < 16; j++) sum += q8[j] * values[qs[j] & 15] + q8[j + 16] * values[qs[j] >> 4];
+    return sum;
+}
+
+INLINE float iq4_xs_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 136) {
+        const float d4d8 = f16(x) * y[i].d;
+        const uint16_t high = u16_at(x + 2);
+        for (int ib = 0; ib < 8; ib++) {
+            const int ls = ((x[4 + ib / 2] >> 4 * (ib & 1)) & 15) | (((high >> 2 * ib) & 3) << 4);
+            const float d = d4d8 * (float)(ls - 32);
+            sumf = fmaf(d, (float)nibble_dot32(x + 8 + 16 * ib, y[i].qs + 32 * ib, iq4nl_values), sumf);
+        }
+    }
+    return sumf;
+}
+
+INLINE float tq1_0_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 54) {
+        const int8_t *q8 = y[i].qs;
+        int sum = 0;
+        for (int l = 0; l < 5; l++) { /* trit l of byte m: values 32l + m (bytes 0..31), 160 + 16l + m (32..47) */
+            for (int m = 0; m < 32; m++) sum += ((((uint8_t)(x[m] * pow3[l])) * 3 >> 8) - 1) * q8[32 * l + m];
+            for (int m = 0; m < 16; m++) sum += ((((uint8_t)(x[32 + m] * pow3[l])) * 3 >> 8) - 1) * q8[160 + 16 * l + m];
+        }
+        for (int l = 0; l < 4; l++)
+            for (int j = 0; j < 4; j++) sum += ((((uint8_t)(x[48 + j] * pow3[l])) * 3 >> 8) - 1) * q8[240 + 4 * l + j];
+        sumf = fmaf((float)sum, f16(x + 52) * y[i].d, sumf);
+    }
+    return sumf;
+}
+
+INLINE float tq2_0_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 66) {
+        int32_t sumi = 0;
+        for (int j = 0; j < 64; j += 32)
+            for (int l = 0; l < 4; l++)
+                for (int k = 0; k < 32; k++) sumi += y[i].qs[4 * j + 32 * l + k] * (((x[j + k] >> 2 * l) & 3) - 1);
+        const float d = y[i].d * f16(x + 64);
+        sumf = fmaf((float)sumi, d, sumf);
+    }
+    return sumf;
+}
+
+INLINE float iq4_nl_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 18)
+        sumf = fmaf(y[i].d * f16(x), (float)nibble_dot32(x + 2, y[i].qs, iq4nl_values), sumf);
+    return sumf;
+}
+
+INLINE float mxfp4_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks; i++, x += 17)
+        sumf = fmaf(y[i].d * e8m0_half(x[0]), (float)nibble_dot32(x + 1, y[i].qs, mxfp4_values), sumf);
+    return sumf;
+}
+
+/* ---- float decoders: one block's values as gguf's dequantize (and k3stream.quant's) computes them,
+ * for the float tile path (ggml_cpu.c's ROW_KERNEL) and decode_row ------------------------------- */
+
+void dec_iq2_xxs(const uint8_t *restrict b, float *restrict y) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *run = b + 2 + 8 * ib;
+        const uint32_t packed = u32_at(run + 4);
+        const float db = d * (0.5f + (float)(packed >> 28)) * 0.25f;
+        for (int l = 0; l < 4; l++) {
+            const uint8_t signs = ksigns[(packed >> 7 * l) & 127];
+            for (int j = 0; j < 8; j++) { /* the sign bit flipped: exact negation, and no branch */
+                const float value = db * (float)iq2xxs_grid[run[l]][j];
+                uint32_t bits;
+                memcpy(&bits, &value, 4);
+                y[32 * ib + 8 * l + j] = bits_f32(bits ^ ((uint32_t)((signs >> j) & 1) << 31));
+            }
+        }
+    }
+}
+
+void dec_iq1_s(const uint8_t *restrict b, float *restrict y) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint16_t qh = u16_at(b + 34 + 2 * ib);
+        const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1), delta = qh & 0x8000 ? -0.125f : 0.125f;
+        for (int l = 0; l < 4; l++) {
+            const int8_t *grid = iq1s_grid[b[2 + 4 * ib + l] | (((qh >> 3 * l) & 7) << 8)];
+            for (int j = 0; j < 8; j++) y[32 * ib + 8 * l + j] = dl * ((float)grid[j] + delta);
+        }
+    }
+}
+
+void dec_iq4_xs(const uint8_t *restrict b, float *restrict y) {
+    const float d = f16(b);
+    const uint16_t high = u16_at(b + 2);
+    for (int ib = 0; ib < 8; ib++) {
+        const int ls = ((b[4 + ib / 2] >> 4 * (ib & 1)) & 15) | (((high >> 2 * ib) & 3) << 4);
+        const float dl = d * (float)(ls - 32);
+        const uint8_t *qs = b + 8 + 16 * ib;
+        for (int j = 0; j < 16; j++) {
+            y[32 * ib + j] = dl * (float)iq4nl_values[qs[j] & 15];
+            y[32 * ib + 16 + j] = dl * (float)iq4nl_values[qs[j] >> 4];
+        }
+    }
+}
+
+void dec_tq2_0(const uint8_t *restrict b, float *restrict y) { /* bits 2l of byte 32j + k: value 128j + 32l + k */
+    const float d = f16(b + 64);
+    for (int j = 0; j < 2; j++)
+        for (int l = 0; l < 4; l++)
+            for (int k = 0; k < 32; k++) y[128 * j + 32 * l + k] = d * (float)(((b[32 * j + k] >> 2 * l) & 3) - 1);
+}
+
+/* A row kernel from a row dot DOT(row, y, blocks): each weight row m against each of its input rows'
+ * blocks (Y: the Product's q8 or q8_0, ELEMS values a block) */
+#define IQ_ROWS(NAME, ATTR, DOT, Y, ELEMS)                                                               \
+    ATTR static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) {                 \
+        const int64_t blocks = pr->in_features / (ELEMS);                                             \
+        for (int64_t m = first; m < last; m++) {                                                       \
+            const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;      \
+            prefetch_ahead(row, pr->row_bytes);                                                        \
+            for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++)                                \
+                pr->out[p * pr->out_stride + m] = DOT(row, pr->Y + pr->rows[p] * blocks, blocks);      \
+        }                                                                                              \
+    }
+
+/* X(GGML type id, name, Product field of its activations, values a block): the types whose AVX2
+ * kernel shares decoded runs between input rows (SHARED_RUNS, iq1_m_rows), and the others */
+#define RUN_TYPES(X)                                                                                     \
+    X(16, iq2_xxs, q8, 256) X(17, iq2_xs, q8, 256) X(18, iq3_xxs, q8, 256) X(21, iq3_s, q8, 256)        \
+    X(22, iq2_s, q8, 256) X(23, iq4_xs, q8, 256) X(19, iq1_s, q8, 256) X(29, iq1_m, q8, 256)
+#define ROW_TYPES(X)                                                                                     \
+    X(20, iq4_nl, q8_0, 32) X(34, tq1_0, q8, 256)                                                      \
+    X(35, tq2_0, q8, 256) X(39, mxfp4, q8_0, 32)
+#define IQ_TYPES(X) RUN_TYPES(X) ROW_TYPES(X)
+
+#define GENERIC_ROWS(ID, NAME, Y, ELEMS) IQ_ROWS(NAME##_rows_generic, , NAME##_generic, Y, ELEMS)
+IQ_TYPES(GENERIC_ROWS)
+
+/* ---- ggml's AVX2 kernels ------------------------------------------------------------------------- */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define AVX2_ALWAYS __attribute__((target("avx2,fma,f16c,bmi2"))) static inline __attribute__((always_inline))
+
+/* an F16 by F16C: one instruction, the same value as f16() */
+AVX2_ALWAYS float f16c(const uint8_t *p) { return _cvtsh_ss(u16_at(p)); }
+
+AVX2_ALWAYS float hsum_lanes(__m256 v) { /* ggml's hsum_float_8 */
+    __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+INLINE uint64_t u64_at(const void *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* four 8-byte entries a (bytes 0..7) .. d (24..31): inserted in registers (four stores and one wide
+ * load would stall on store forwarding) */
+AVX2_ALWAYS __m256i four_u64(const void *a, const void *b, const void *c, const void *d) {
+    return _mm256_set_epi64x((long long)u64_at(d), (long long)u64_at(c), (long long)u64_at(b), (long long)u64_at(a));
+}
+
+/* lanes of unsigned weights w times signed codes q8 (pairs, then pairs of pairs times 16-bit scales) */
+AVX2_ALWAYS __m256i scaled_pairs(__m256i w, __m256i q8, __m256i scales) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, q8), scales);
+}
+
+/* the same for signed weights */
+AVX2_ALWAYS __m256i signed_pairs(__m256i w, __m256i q8, __m256i scales) {
+    return scaled_pairs(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q8, w), scales);
+}
+
+AVX2_ALWAYS __m256i two_scales(int first16, int second16) {
+    return _mm256_set_m128i(_mm_set1_epi16((short)second16), _mm_set1_epi16((short)first16));
+}
+
+AVX2_ALWAYS __m256i q8_run(const BlockQ8K *y, int ib) { return _mm256_loadu_si256((const __m256i *)(y->qs + 32 * ib)); }
+
+/* 0xFF at byte 8k + j where bit j of byte k of `bits` is set (IQ2_S's, IQ3_S's and IQ1_M's sign bytes),
+ * else 0, in registers: each byte spread over its eight values, tested against its bit */
+AVX2_ALWAYS __m256i set_bits(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                               _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                                                 0x0101010101010101LL, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+
+/* One run (32 values) of a block decoded for any number of input rows: each row's lanes gain
+ * madd(maddubs(w, sign(q8, sign)), scales) (w unsigned; sign's bytes +1, -1 or 0) */
+typedef struct {
+    __m256i w, sign, scales;
+} Run;
+
+/* the bits of `bits` (4 sign bytes, one for each 8 values) as bytes -1 where set, else +1 */
+AVX2_ALWAYS __m256i sign_of_bits(uint32_t bits) { return _mm256_or_si256(set_bits(bits), _mm256_set1_epi8(1)); }
+
+AVX2_ALWAYS Run iq2_xxs_run(const uint8_t *x, int ib) {
+    const uint8_t *run = x + 2 + 8 * ib;
+    const uint32_t packed = u32_at(run + 4);
+    return (Run){four_u64(iq2xxs_grid[run[0]], iq2xxs_grid[run[1]], iq2xxs_grid[run[2]], iq2xxs_grid[run[3]]),
+                 four_u64(&even_signs[packed & 127], &even_signs[(packed >> 7) & 127],
+                          &even_signs[(packed >> 14) & 127], &even_signs[(packed >> 21) & 127]),
+                 _mm256_set1_epi16((short)(2 * (packed >> 28) + 1))};
+}
+
+AVX2_ALWAYS Run iq2_xs_run(const uint8_t *x, int ib) {
+    uint16_t q[4];
+    for (int l = 0; l < 4; l++) q[l] = u16_at(x + 2 + 8 * ib + 2 * l);
+    return (Run){four_u64(iq2xs_grid[q[0] & 511], iq2xs_grid[q[1] & 511], iq2xs_grid[q[2] & 511], iq2xs_grid[q[3] & 511]),
+                 four_u64(&even_signs[q[0] >> 9], &even_signs[q[1] >> 9], &even_signs[q[2] >> 9], &even_signs[q[3] >> 9]),
+                 two_scales(2 * (x[66 + ib] & 15) + 1, 2 * (x[66 + ib] >> 4) + 1)};
+}
+
+AVX2_ALWAYS Run iq2_s_run(const uint8_t *x, int ib) {
+    const uint8_t *q = x + 2 + 4 * ib;
+    const int h = x[66 + ib];
+    return (Run){four_u64(iq2s_grid[q[0] | ((h << 8) & 0x300)], iq2s_grid[q[1] | ((h << 6) & 0x300)],
+                          iq2s_grid[q[2] | ((h << 4) & 0x300)], iq2s_grid[q[3] | ((h << 2) & 0x300)]),
+                 sign_of_bits(u32_at(x + 34 + 4 * ib)), two_scales(2 * (x[74 + ib] & 15) + 1, 2 * (x[74 + ib] >> 4) + 1)};
+}
+
+AVX2_ALWAYS __m256i eight_u32(const uint8_t (*grid)[4], const int *index) {
+    return _mm256_set_epi32((int)u32_at(grid[index[7]]), (int)u32_at(grid[index[6]]), (int)u32_at(grid[index[5]]),
+                            (int)u32_at(grid[index[4]]), (int)u32_at(grid[index[3]]), (int)u32_at(grid[index[2]]),
+                            (int)u32_at(grid[index[1]]), (int)u32_at(grid[index[0]]));
+}
+
+AVX2_ALWAYS Run iq3_xxs_run(const uint8_t *x, int ib) {
+    const uint8_t *q3 = x + 2 + 8 * ib;
+    const uint32_t packed = u32_at(x + 66 + 4 * ib);
+    const int index[8] = {q3[0], q3[1], q3[2], q3[3], q3[4], q3[5], q3[6], q3[7]};
+    return (Run){eight_u32(iq3xxs_grid, index),
+                 four_u64(&even_signs[packed & 127], &even_signs[(packed >> 7) & 127],
+                          &even_signs[(packed >> 14) & 127], &even_signs[(packed >> 21) & 127]),
+                 _mm256_set1_epi16((short)(2 * (packed >> 28) + 1))};
+}
+
+AVX2_ALWAYS Run iq3_s_run(const uint8_t *x, int ib) {
+    int index[8];
+    for (int k = 0; k < 8; k++) index[k] = iq3_s_index(x + 2 + 8 * ib, x[66 + ib], k);
+    const int ls = 2 * ((x[106 + ib / 2] >> 4 * (ib & 1)) & 15) + 1;
+    return (Run){eight_u32(iq3s_grid, index), sign_of_bits(u32_at(x + 74 + 4 * ib)), _mm256_set1_epi16((short)ls)};
+}
+
+AVX2_ALWAYS Run iq4_xs_run(const uint8_t *x, int ib) { /* signed values: |w| and w's signs */
+    const __m128i values = _mm_loadu_si128((const __m128i *)iq4nl_values), nibble = _mm_set1_epi8(15);
+    const __m128i q = _mm_loadu_si128((const __m128i *)(x + 8 + 16 * ib));
+    const __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(q, 4), nibble)),
+                                       _mm_shuffle_epi8(values, _mm_and_si128(q, nibble)));
+    const int ls = (((x[4 + ib / 2] >> 4 * (ib & 1)) & 15) | (((u16_at(x + 2) >> 2 * ib) & 3) << 4)) - 32;
+    return (Run){_mm256_sign_epi8(w, w), w, _mm256_set1_epi16((short)ls)};
+}
+
+/* IQ1_S: the grid's -1/0/1 as the signs of the codes (w: ones); the delta terms an exact integer a
+ * block (`iq1_s_deltas`), d times it summed apart and 0.125 times that added at the end, as ggml's */
+AVX2_ALWAYS Run iq1_s_run(const uint8_t *x, int ib) {
+    const uint16_t qh = u16_at(x + 34 + 2 * ib);
+    /* the four 11-bit indices in 16-bit fields: 8 bits of qs, 3 of qh each (BMI2 deposits) */
+    const uint64_t index = _pdep_u64(u32_at(x + 2 + 4 * ib), 0x00FF00FF00FF00FFULL) | _pdep_u64(qh, 0x0700070007000700ULL);
+    return (Run){_mm256_set1_epi8(1),
+                 four_u64(iq1s_grid[index & 0xFFFF], iq1s_grid[(index >> 16) & 0xFFFF], iq1s_grid[(index >> 32) & 0xFFFF],
+                          iq1s_grid[index >> 48]),
+                 _mm256_set1_epi16((short)(2 * ((qh >> 12) & 7) + 1))};
+}
+
+AVX2_ALWAYS int iq1_s_deltas(const uint8_t *x, const BlockQ8K *y) {
+    int sum = 0;
+    for (int ib = 0; ib < 8; ib++) {
+        const uint16_t qh = u16_at(x + 34 + 2 * ib);
+        sum += (y->bsums[2 * ib] + y->bsums[2 * ib + 1]) * (1 - 2 * (qh >> 15)) * (2 * ((qh >> 12) & 7) + 1);
+    }
+    return sum;
+}
+
+/* A row kernel from NAME##_rows(pr, row, m, p, n): input rows p..p + n - 1 (n <= RUN_ROWS) against
+ * weight row m, RUN_ROWS at a time, then the rest one by one */
+#define RUNS_DRIVER(NAME)                                                                                \
+    __attribute__((target("avx2,fma,f16c,bmi2"))) static void NAME##_rows_avx2(const Product *pr, int64_t b, \
+                                                                              int64_t first, int64_t last) { \
+        for (int64_t m = first; m < last; m++) {                                                       \
+            const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;      \
+            prefetch_ahead(row, pr->row_bytes);                                                        \
+            int64_t p = pr->starts[b];                                                                 \
+            for (; p + RUN_ROWS <= pr->starts[b + 1]; p += RUN_ROWS) NAME##_rows(pr, row, m, p, RUN_ROWS); \
+            for (; p < pr->starts[b + 1]; p++) NAME##_rows(pr, row, m, p, 1);                          \
+        }                                                                                              \
+    }
+
+/* Up to RUN_ROWS input rows share each decoded run of a weight row (prefill, batched decode); each row
+ * keeps its own lanes and float sums and sees exactly the operations it would see alone: d times its
+ * lanes by FMA a block, FACTOR times their sum at the end */
+#define RUN_ROWS 4
+#define SHARED_RUNS(NAME, BYTES, FACTOR, DELTAS)                                                         \
+    AVX2_ALWAYS void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
+        const int64_t blocks = pr->in_features / 256;                                                  \
+        const BlockQ8K *y[RUN_ROWS];                                                                   \
+        __m256 acc[RUN_ROWS];                                                                          \
+        float deltas[RUN_ROWS];                                                                        \
+        for (int r = 0; r < n; r++) y[r] = pr->q8 + pr->rows[p + r] * blocks, acc[r] = _mm256_setzero_ps(), deltas[r] = 0.0f; \
+        for (int64_t i = 0; i < blocks; i++) {                                                         \
+            const uint8_t *x = row + i * (BYTES);                                                      \
+            __m256i sumi[RUN_ROWS];                                                                    \
+            for (int r = 0; r < n; r++) sumi[r] = _mm256_setzero_si256();                              \
+            _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {                                   \
+                const Run run = NAME##_run(x, ib);                                                     \
+                for (int r = 0; r < n; r++) {                                                          \
+                    const __m256i q8 = _mm256_sign_epi8(q8_run(y[r] + i, ib), run.sign);               \
+                    sumi[r] = _mm256_add_epi32(sumi[r], scaled_pairs(run.w, q8, run.scales));          \
+                }                                                                                      \
+            }                                                                                          \
+            const float d = f16c(x);                                                                   \
+            for (int r = 0; r < n; r++) {                                                              \
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * y[r][i].d), _mm256_cvtepi32_ps(sumi[r]), acc[r]); \
+                if (DELTAS) deltas[r] = fmaf(d * y[r][i].d, (float)iq1_s_deltas(x, y[r] + i), deltas[r]); \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < n; r++)                                                                    \
+            pr->out[(p + r) * pr->out_stride + m] =                                                    \
+                DELTAS ? hsum_lanes(acc[r]) + 0.125f * deltas[r] : (FACTOR) * hsum_lanes(acc[r]);      \
+    }                                                                                                  \
+    RUNS_DRIVER(NAME)
+
+SHARED_RUNS(iq2_xxs, 66, 0.125f, 0)
+SHARED_RUNS(iq2_xs, 74, 0.125f, 0)
+SHARED_RUNS(iq2_s, 82, 0.125f, 0)
+SHARED_RUNS(iq3_xxs, 98, 0.25f, 0)
+SHARED_RUNS(iq3_s, 110, 1.0f, 0)
+SHARED_RUNS(iq4_xs, 136, 1.0f, 0)
+
+SHARED_RUNS(iq1_s, 50, 1.0f, 1)
+
+/* IQ1_M: the grid's lanes and the deltas' (each 8 values' codes times its delta's sign) into two
+ * accumulators, scales per 16 values; 0.125 times the second's sum added at the end. Runs decoded once
+ * for up to RUN_ROWS input rows, as SHARED_RUNS. */
+AVX2_ALWAYS void iq1_m_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) {
+    const int64_t blocks = pr->in_features / 256;
+    const __m256i ones = _mm256_set1_epi8(1);
+    const BlockQ8K *y[RUN_ROWS];
+    __m256 acc1[RUN_ROWS], acc2[RUN_ROWS];
+    for (int r = 0; r < n; r++)
+        y[r] = pr->q8 + pr->rows[p + r] * blocks, acc1[r] = _mm256_setzero_ps(), acc2[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *x = row + 56 * i, *qs = x, *qh = x + 32, *sc = x + 48;
+        const uint16_t s0 = u16_at(sc), s1 = u16_at(sc + 2), s2 = u16_at(sc + 4), s3 = u16_at(sc + 6);
+        const uint16_t scale = (uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000));
+        const uint8_t scale_bytes[2] = {(uint8_t)(scale & 255), (uint8_t)(scale >> 8)};
+        __m256i sumi1[RUN_ROWS], sumi2[RUN_ROWS];
+        for (int r = 0; r < n; r++) sumi1[r] = sumi2[r] = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t h0 = qh[2 * ib], h1 = qh[2 * ib + 1];
+            /* 8 bits of qs and the low 3 of each qh nibble (its top bit: the delta's sign) an index */
+            const uint64_t index = _pdep_u64(u32_at(qs + 4 * ib), 0x00FF00FF00FF00FFULL) |
+                                   _pdep_u64(u16_at(qh + 2 * ib) & 0x7777, 0x0F000F000F000F00ULL);
+            const __m256i grid = four_u64(iq1s_grid[index & 0xFFFF], iq1s_grid[(index >> 16) & 0xFFFF],
+                                          iq1s_grid[(index >> 32) & 0xFFFF], iq1s_grid[index >> 48]);
+            /* each 8 values' delta sign (bits 3 and 7 of h0, h1) on the lanes of its 8 values */
+            const int negative = ((h0 >> 3) & 1) | ((h0 >> 6) & 2) | ((h1 >> 1) & 4) | ((h1 >> 4) & 8);
+            const __m256i signs = _mm256_load_si256((const __m256i *)group_signs[negative]);
+            const uint16_t word = u16_at(sc + 2 * (ib / 2));
+            const int shift = 6 * (ib % 2);
+            const __m256i scales = two_scales(2 * ((word >> shift) & 7) + 1, 2 * ((word >> (shift + 3)) & 7) + 1);
+            for (int r = 0; r < n; r++) {
+                const __m256i q8 = q8_run(y[r] + i, ib);
+                sumi1[r] = _mm256_add_epi32(sumi1[r], scaled_pairs(ones, _mm256_sign_epi8(q8, grid), scales));
+                sumi2[r] = _mm256_add_epi32(sumi2[r], _mm256_sign_epi32(scaled_pairs(ones, q8, scales), signs));
+            }
+        }
+        const float d = f16c(scale_bytes);
+        for (int r = 0; r < n; r++) {
+            const __m256 dy = _mm256_set1_ps(y[r][i].d * d);
+            acc1[r] = _mm256_fmadd_ps(dy, _mm256_cvtepi32_ps(sumi1[r]), acc1[r]);
+            acc2[r] = _mm256_fmadd_ps(dy, _mm256_cvtepi32_ps(sumi2[r]), acc2[r]);
+        }
+    }
+    for (int r = 0; r < n; r++)
+        pr->out[(p + r) * pr->out_stride + m] = hsum_lanes(acc1[r]) + 0.125f * hsum_lanes(acc2[r]);
+}
+
+RUNS_DRIVER(iq1_m)
+
+/* The ternary types: codes 0..2 (value + 1) in block order, 32 at a time; their pair sums in 16-bit
+ * lanes over the block (exact: at most 8 * 2 * 2 * 127), less the Q8_K sums of 16, then pairs of
+ * lanes: ggml's lanes; d times them added into eight float lanes (fused, as gcc builds ggml's) */
+AVX2_ALWAYS void ternary_total(const BlockQ8K *y, __m256i pairs16, float d, __m256 *acc) {
+    const __m256i lanes = _mm256_madd_epi16(_mm256_sub_epi16(pairs16, _mm256_loadu_si256((const __m256i *)y->bsums)),
+                                            _mm256_set1_epi16(1));
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d), *acc);
+}
+
+AVX2_ALWAYS __m256i tq2_0_pairs(const uint8_t *x, const BlockQ8K *y) {
+    const __m256i three = _mm256_set1_epi8(3);
+    __m256i sum = _mm256_setzero_si256();
+    for (int j = 0; j < 2; j++) { /* bits 2l of byte 32j + k: value 128j + 32l + k */
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(x + 32 * j));
+        for (int l = 0; l < 4; l++) {
+            const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(q, 2 * l), three);
+            sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(codes, q8_run(y, 4 * j + l)));
+        }
+    }
+    return sum;
+}
+
+/* each byte's top trit after scaling, (q * 3) >> 8 as ggml's generic code computes it (exact) */
+AVX2_ALWAYS __m256i top_trits(__m256i q) {
+    const __m256i three = _mm256_set1_epi16(3);
+    const __m256i low = _mm256_mulhi_epu16(_mm256_slli_epi16(q, 8), three);
+    const __m256i high = _mm256_mulhi_epu16(_mm256_and_si256(q, _mm256_set1_epi16((short)0xFF00)), three);
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 8));
+}
+
+AVX2_ALWAYS __m256i times3(__m256i q) { return _mm256_add_epi8(q, _mm256_add_epi8(q, q)); } /* mod 256 */
+
+/* TQ1_0: trit k of byte m is value 32k + m (bytes 0..31), 160 + 16k + m (32..47), 240 + 4k + j (48..51) */
+AVX2_ALWAYS __m256i tq1_0_pairs(const uint8_t *x, const BlockQ8K *y) {
+    __m256i sum = _mm256_setzero_si256(), scaled = _mm256_loadu_si256((const __m256i *)x);
+    for (int k = 0; k < 5; k++, scaled = times3(scaled))
+        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(top_trits(scaled), q8_run(y, k)));
+    const __m128i rest = _mm_loadu_si128((const __m128i *)(x + 32));
+    const __m256i pair = _mm256_set_m128i(_mm_add_epi8(rest, _mm_add_epi8(rest, rest)), rest); /* trits 0, 1 */
+    const __m256i pair9 = times3(times3(pair));                                                  /* trits 2, 3 */
+    /* the last 4 bytes times 1, 3, 9, 27 in the high half, after trit 4 of bytes 32..47 */
+    const __m256i wide = _mm256_cvtepu8_epi16(_mm_set1_epi32((int)u32_at(x + 48)));
+    const __m256i powers = _mm256_set_epi16(27, 27, 27, 27, 9, 9, 9, 9, 3, 3, 3, 3, 1, 1, 1, 1);
+    const __m256i products = _mm256_and_si256(_mm256_mullo_epi16(wide, powers), _mm256_set1_epi16(0xFF));
+    const __m128i tail = _mm_packus_epi16(_mm256_castsi256_si128(products), _mm256_extracti128_si256(products, 1));
+    const __m256i last = _mm256_inserti128_si256(times3(times3(pair9)), tail, 1);
+    sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(top_trits(pair), q8_run(y, 5)));
+    sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(top_trits(pair9), q8_run(y, 6)));
+    return _mm256_add_epi16(sum, _mm256_maddubs_epi16(top_trits(last), q8_run(y, 7)));
+}
+
+#define TERNARY_DOT(NAME, BYTES, D_AT)                                                                  \
+    AVX2_ALWAYS float NAME##_avx2(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {                 \
+        __m256 acc = _mm256_setzero_ps();                                                                \
+        for (int64_t i = 0; i < blocks; i++, x += (BYTES))                                               \
+            ternary_total(y + i, NAME##_pairs(x, y + i), y[i].d * f16c(x + (D_AT)), &acc);                 \
+        return hsum_lanes(acc);                                                                          \
+    }
+
+TERNARY_DOT(tq2_0, 66, 64)
+TERNARY_DOT(tq1_0, 54, 52)
+
+/* IQ4_NL and MXFP4: blocks in pairs, the first's lanes into one accumulator and the second's into
+ * another; an odd last block as the generic kernel adds it, after the lanes' sum */
+#define PAIRED_DOT(NAME, BYTES, VALUES, SCALE, CODES)                                                      \
+    AVX2_ALWAYS __m256 NAME##_lanes(const uint8_t *x, const BlockQ8_0 *y, __m256 acc) {                   \
+        const __m128i q = _mm_loadu_si128((const __m128i *)(x + (CODES))), nibble = _mm_set1_epi8(15);      \
+        const __m128i values = _mm_loadu_si128((const __m128i *)(VALUES));                                  \
+        const __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(q, 4), nibble)), \
+                                           _mm_shuffle_epi8(values, _mm_and_si128(q, nibble)));            \
+        const __m256i lanes = signed_pairs(w, _mm256_loadu_si256((const __m256i *)y->qs), _mm256_set1_epi16(1)); \
+        return _mm256_fmadd_ps(_mm256_set1_ps(y->d * (SCALE)), _mm256_cvtepi32_ps(lanes), acc);             \
+    }                                                                                                     \
+    AVX2_ALWAYS float NAME##_avx2(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks) {                  \
+        __m256 acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();                                    \
+        int64_t i = 0;                                                                                    \
+        for (; i + 1 < blocks; i += 2) {                                                                  \
+            acc1 = NAME##_lanes(x + i * (BYTES), y + i, acc1);                                            \
+            acc2 = NAME##_lanes(x + (i + 1) * (BYTES), y + i + 1, acc2);                                  \
+        }                                                                                                 \
+        const float sumf = hsum_lanes(_mm256_add_ps(acc1, acc2));                                         \
+        return i < blocks ? sumf + NAME##_generic(x + i * (BYTES), y + i, 1) : sumf;                      \
+    }
+
+PAIRED_DOT(iq4_nl, 18, iq4nl_values, f16c(x), 2)
+PAIRED_DOT(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
+
+#define AVX2_ROWS(ID, NAME, Y, ELEMS) \
+    IQ_ROWS(NAME##_rows_avx2, __attribute__((target("avx2,fma,f16c,bmi2"))), NAME##_avx2, Y, ELEMS)
+ROW_TYPES(AVX2_ROWS)
+#define AVX2_ROWS_OF(NAME) NAME##_rows_avx2
+#else
+#define AVX2_ROWS_OF(NAME) NULL
+#endif
+
+/* `avx2`: the machine has AVX2 and FMA (and the portable kernels are not asked for); these also take BMI2
+ * (every x86-64-v3 machine has it) */
+RowKernel iq_q8_kernel(int ggml_type, int avx2) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    avx2 = avx2 && __builtin_cpu_supports("bmi2");
+#endif
+#define KERNEL_CASE(ID, NAME, Y, ELEMS) \
+    case ID: return !grids_set ? NULL : avx2 && AVX2_ROWS_OF(NAME) != NULL ? AVX2_ROWS_OF(NAME) : NAME##_rows_generic;
+    switch (ggml_type) {
+        IQ_TYPES(KERNEL_CASE)
+        default: return NULL;
+    }
+}
+
+int iq_q8_0_activations(int ggml_type) { return ggml_type == 20 || ggml_type == 39; }

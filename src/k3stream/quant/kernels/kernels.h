@@ -1,0 +1,69 @@
+/* What the C kernels' files share: a product's description, ggml's 8-bit activation blocks, F16. */
+#ifndef K3STREAM_KERNELS_H
+#define K3STREAM_KERNELS_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float bits_f32(uint32_t bits) {
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
+INLINE float f16(const uint8_t *p) { /* exact, NaN payloads kept, as numpy converts */
+    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    uint32_t sign = (h & 0x8000u) << 16, rest = h & 0x7FFFu;
+    if (rest >= 0x7C00u) return bits_f32(sign | 0x7F800000u | ((rest & 0x3FFu) << 13));
+    if (rest >= 0x0400u) return bits_f32(sign | ((rest + 0x1C000u) << 13)); /* exponent + 112 */
+    float magnitude = (float)rest * 0x1p-24f;                                 /* subnormal: exact */
+    return sign ? -magnitude : magnitude;
+}
+
+typedef struct {
+    const float *x;
+    int64_t in_features, out_rows, row_bytes;
+    const int64_t *addresses, *starts, *rows;
+    int64_t matrices;
+    float *out;
+    int64_t out_stride; /* floats from one output row to the next: out_rows, or more in a wider out */
+    const float *sums16; /* fused kernels: sum of each 16 consecutive values of each x row */
+    const struct BlockQ8K *q8;    /* Q8_K kernels: each x row quantized as ggml does, in / 256 blocks */
+    const struct BlockQ8_0 *q8_0; /* Q8_0 kernels: the same in Q8_0 blocks, in / 32 of them */
+} Product;
+
+/* ggml's block_q8_0: 32 codes x * 127 / amax rounded, and d = amax / 127 rounded to F16 (held as float) */
+typedef struct BlockQ8_0 {
+    float d;
+    int8_t qs[32];
+} BlockQ8_0;
+
+/* ggml's block_q8_K: x * (1 / d) rounded to int8, and the sums of each 16 codes */
+typedef struct BlockQ8K {
+    float d;
+    int8_t qs[256];
+    int16_t bsums[16];
+} BlockQ8K;
+
+typedef void (*RowKernel)(const Product *, int64_t b, int64_t first, int64_t last);
+
+/* Rows of a matrix are contiguous, but each is often one 4 KiB page and hardware prefetchers stop at
+ * page boundaries: ask for the lines PREFETCH_BYTES ahead of each chunk so the next row is on its way. */
+#define PREFETCH_BYTES 4096
+INLINE void prefetch_ahead(const uint8_t *at, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(at + PREFETCH_BYTES + line, 0, 3);
+}
+
+/* ggml's integer kernels of the i-quants, ternary types and MXFP4 on 8-bit activations (`iquants_cpu.c`):
+ * a type's row kernel (NULL: none) and whether its activations are Q8_0 (else Q8_K) blocks */
+RowKernel iq_q8_kernel(int ggml_type, int avx2);
+/* ... and the float decoders of those that have one (ggml_cpu.c's DECODED_TYPES): one block into y */
+void dec_iq2_xxs(const uint8_t *restrict b, float *restrict y);
+void dec_iq1_s(const uint8_t *restrict b, float *restrict y);
+void dec_iq4_xs(const uint8_t *restrict b, float *restrict y);
+void dec_tq2_0(const uint8_t *restrict b, float *restrict y);
+int iq_q8_0_activations(int ggml_type);
+
+#endif
