@@ -22,7 +22,8 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from k3stream.quant import qlinear, row_bytes, type_size
-from k3stream.quant.kernels import ggml_oracle, gpu
+from k3stream.quant.kernels import gpu
+from k3stream.testing import ggml_oracle
 
 T = GGMLQuantizationType
 GIB = 1 << 30

@@ -18,7 +18,8 @@ from gguf.quants import dequantize as gguf_dequantize
 
 triton = pytest.importorskip("triton", reason="triton is not installed (the project's `gpu` extra)")
 
-from k3stream.quant.kernels import ggml_oracle, gpu  # noqa: E402  (after the skip above)
+from k3stream.quant.kernels import gpu  # noqa: E402  (after the skip above)
+from k3stream.testing import ggml_oracle  # noqa: E402
 
 interp = pytest.mark.interp  # collected only under TRITON_INTERPRET=1 (test_the_interpreter_runs_them)
 TYPES = sorted(gpu.IQUANT_GPU_TYPES)

@@ -12,7 +12,8 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
-from k3stream.quant.kernels import QWeight, cpu, ggml_oracle, kernel_for, qmatmul
+from k3stream.quant.kernels import QWeight, cpu, kernel_for, qmatmul
+from k3stream.testing import ggml_oracle
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C kernels were not built with this install")
 needs_llama = pytest.mark.skipif(
