@@ -44,18 +44,14 @@ def test_largest_legal_headers_stay_cheap(case, tmp_path):
     """At the header limits GGUFReader parses the file; the compact reader keeps that cheap (GGUFReader
     itself made one array per element: seconds and hundreds of MiB, or far more)."""
     path = GGUF_HEAVY_CASES[case](tmp_path / "heavy.gguf")
-    began = time.perf_counter()
-    with pytest.raises(ValueError, match="missing metadata key"):
-        K3Checkpoint.open(path)
-    seconds = time.perf_counter() - began
     tracemalloc.start()
     try:
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="missing metadata key"):
             K3Checkpoint.open(path)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert seconds < 2 and peak < 64 * MIB
+    assert peak < 64 * MIB  # the memory, not a wall time: the machine's load must not decide it
 
 
 def test_compact_reader_reads_what_gguf_reader_reads(tiny_model):

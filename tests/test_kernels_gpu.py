@@ -160,8 +160,8 @@ def test_interp_leading_dims_and_dtype() -> None:
 
 def test_rejects_bad_arguments() -> None:
     x = torch.zeros(2, 256)
-    with pytest.raises(ValueError, match="GGML type IQ4_NL .20. is not supported by k3stream.quant"):
-        triton_qmatmul(x, torch.zeros(4, 136, dtype=torch.uint8), T.IQ4_NL, 4, 256)
+    with pytest.raises(ValueError, match="GGML type Q8_1 .9. is not supported by k3stream.quant"):
+        triton_qmatmul(x, torch.zeros(4, 288, dtype=torch.uint8), T.Q8_1, 4, 256)
     with pytest.raises(ValueError, match="expected 4 rows x 84 bytes"):
         triton_qmatmul(x, torch.zeros(3, 84, dtype=torch.uint8), T.Q2_K, 4, 256)
     with pytest.raises(ValueError, match="input has 256 features"):
