@@ -53,7 +53,7 @@ def _kind(name: str, mla: set[int], n_dense: int) -> str | None:
         return None
     if rest.startswith(("attn_", "ssm_")):
         return "MLA attention" if layer in mla else "KDA attention"
-    if rest.startswith("ffn_"):
+    if rest.startswith(("ffn_", "exp_probs_b.")):
         if layer < n_dense:
             return "dense FFN"
         return "MoE shared" if "_shexp" in rest else "MoE routed"
@@ -234,7 +234,7 @@ def real_model_arithmetic(
         f"  + the output head at the real vocabulary (163840 x 7168 Q8_0, 1.25 GB) at the RAM rate: "
         f">= {1e3 * HEAD_BYTES / ram_rate:.0f} ms",
     ]
-    expert_bytes = per_token["MoE routed"]  # per MoE layer and token, no cache
+    expert_bytes = per_token["routed experts"]  # the top-k expert objects of one MoE layer, no cache
     for row in rows:
         if row["name"] == "resident" or row.get("hit") is None:
             continue
@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     gguf, manifest = beyond.ensure_model(spec, args.cache_dir)
     files = beyond.model_files(gguf, manifest)
     per_token, counts, expert_bytes = bytes_per_token(gguf, spec)
+    per_token["routed experts"] = expert_bytes / counts["MoE routed"] / spec.n_experts * spec.top_k
     non_expert = gguf.stat().st_size - expert_bytes
     disk_rate = disk_read_rate(files[1], min(files[1].stat().st_size, 4 << 30))
     ram_rate = ram_read_rate(args.threads)
