@@ -14,7 +14,7 @@ from gguf.quants import dequantize
 import k3stream
 from conftest import requires_llama
 from k3stream.gguf.mixed_recipes import RELEASE_RECIPES
-from k3stream.gguf.writer import tensor_plan
+from k3stream.gguf.writer import TinySpec, tensor_plan
 from k3stream.testing.slices import like
 from llama_logits import llama_logits, relative_error
 from test_model import tokens_for
@@ -128,3 +128,28 @@ def test_release_recipes_against_llama_cpp(tiny_model, tmp_path, recipe):
     tokens = tokens_for(1, model.config.vocab_size, 40)
     (reference,) = llama_logits([(path, tokens)], tmp_path)
     assert relative_error(model.logits(tokens).numpy(), reference) <= 3e-2
+
+
+def _spec_of(argv: list[str]):
+    import argparse
+
+    from k3stream.commands import make_tiny
+
+    parser = argparse.ArgumentParser()
+    make_tiny.add_arguments(parser)
+    return make_tiny.spec_from_args(parser.parse_args(["out", *argv]))
+
+
+def test_the_command_starts_from_the_real_shapes_and_takes_overrides():
+    assert _spec_of(["--layers", "4", "--experts", "64", "--top-k", "8"]) == TinySpec(
+        n_layers=4, n_experts=64, top_k=8
+    )
+    spec = _spec_of(
+        ["--like", "kimi-k3", "--layers", "4", "--experts", "64", "--recipe", "q4_k", "--real-vocab"]
+    )
+    assert spec == like("kimi-k3", 4, n_experts=64, recipe="q4_k", vocab=163840)
+    assert (spec.hidden, spec.top_k, spec.mla_layer_ids()) == (7168, 16, (3,))
+    with pytest.raises(SystemExit, match="--real-vocab needs --like"):
+        _spec_of(["--real-vocab"])
+    with pytest.raises(SystemExit, match="make-tiny: like kimi-k3: --layers 1 must be in 2..93"):
+        _spec_of(["--like", "kimi-k3", "--layers", "1"])
