@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--like",
         choices=sorted(LIKE),
         default=None,
-        help="a real-dimension slice: the model's shapes and layer pattern for --layers layers (2 unless given), "
-        "release-like recipe (q8_0); other flags override",
+        help="a real-dimension slice: the model's shapes and layer pattern for --layers layers "
+        "(2 unless given), release-like recipe (q8_0); other flags override",
     )
     parser.add_argument(
         "--real-vocab",
