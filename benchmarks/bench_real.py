@@ -151,6 +151,10 @@ def _f(value, fmt: str) -> str:
     return "n/a" if value is None else format(value, fmt)
 
 
+def _times(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}x"
+
+
 def _mb(value: float | None) -> str:
     return _f(None if value is None else value / 1e6, ".0f")
 
@@ -179,7 +183,7 @@ def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> 
             _f(row.get("k3_prefill"), ".2f"),
             _f(row.get("llama_decode"), ".2f"),
             _f(row.get("k3_decode"), ".2f"),
-            _f(speedup, ".2f") + "x" if speedup else "n/a",
+            _times(speedup),
             _f(k3_ms, ".0f"),
             reads,
             _f(row.get("hit"), ".1%"),
@@ -212,7 +216,7 @@ def kind_table(
         lines.append(
             f"| {kind} | {per_token[kind] / 1e6:.1f} | {bound_ms:.1f} | "
             + " | ".join(cells)
-            + f" | {_f(ratio, '.2f')}x |"
+            + f" | {_times(ratio)} |"
         )
     return lines
 

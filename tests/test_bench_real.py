@@ -56,3 +56,26 @@ def test_the_weight_bytes_per_kind_cover_every_layer_matrix(tiny_model, monkeypa
     assert experts == sum(int(t.n_bytes) for t in tensors if "_exps." in t.name)
     not_read = experts * (1 - SPEC.top_k / SPEC.n_experts)  # the experts a token does not route to
     assert sum(per_token[kind] * counts[kind] for kind in BENCH_KINDS) == pytest.approx(in_layers - not_read)
+
+
+def test_the_bound_is_the_larger_of_resident_compute_and_reads(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_real import run_table
+
+    row = {
+        "name": "10%",
+        "k3_decode": 2.0,
+        "llama_decode": 1.0,
+        "k3_read": 3e8,
+        "llama_read": 6e8,
+        "hit": 0.5,
+    }
+    reads_bound = run_table([row], 400.0, 5e8)[-1].split(" | ")  # 600 ms of reads, 500 ms measured
+    assert reads_bound[5:8] == ["2.00x", "500", "600 / 300"] and reads_bound[-3:] == [
+        "600.0",
+        "600",
+        "1.20 |",
+    ]
+    compute_bound = run_table([row], 400.0, 1e9)[-1].split(" | ")
+    assert compute_bound[-3:] == ["300.0", "400", "0.80 |"]
+    assert run_table([row], None, 1e9)[-1].split(" | ")[-2:] == ["n/a", "n/a |"]
