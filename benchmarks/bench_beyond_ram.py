@@ -186,11 +186,16 @@ def decode():
         store.end_token(1)
 measured("prefill", len(prompt), prefill)
 measured("decode", job["decode_tokens"], decode)
+profile = {}
+if job.get("profile_tokens"):  # per layer kind, on the eager path (engine.layer_profile)
+    from k3stream.engine.layer_profile import profile_decode
+    profile_ids = prompt[: job["profile_tokens"]]
+    measured("profile", len(profile_ids), lambda: profile.update(profile_decode(model, state, profile_ids)))
 budget = store.stats()["tiers"]["ram"]["budget_bytes"]
 status = read_status()
 runtime.close()
 print(json.dumps({"load_s": load_s, "phases": phases, "io": io, "tokens": decoded[:-1],
-                  "ram_budget_bytes": budget, "status": status}))
+                  "ram_budget_bytes": budget, "status": status, "profile": profile}))
 """
 )
 
@@ -238,7 +243,13 @@ def run_k3stream(
     argv = [str(manifest), "--device", "cpu", "--threads", str(args.threads), *args.k3stream_args]
     if "--ram-mib" not in args.k3stream_args and "--memory-limit" not in args.k3stream_args:
         argv += ["--memory-limit", str(args.limit_bytes)]
-    job = {"argv": argv, "threads": args.threads, "prompt": prompt, "decode_tokens": args.decode_tokens}
+    job = {
+        "argv": argv,
+        "threads": args.threads,
+        "prompt": prompt,
+        "decode_tokens": args.decode_tokens,
+        "profile_tokens": getattr(args, "profile_tokens", 0),
+    }
     return run_child("k3stream", K3_CHILD, job, args.limit_bytes, files)
 
 

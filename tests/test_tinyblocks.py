@@ -10,16 +10,17 @@ from gguf.quants import dequantize
 from conftest import requires_llama
 from k3stream.testing import tiny
 from k3stream.testing.tiny import TinySpec, make_tiny
-from k3stream.testing.tinyblocks import Q2_K, Q3_K, random_block_slabs
+from k3stream.testing.tinyblocks import BLOCK_BYTES, FAST_TYPES, Q2_K, random_block_slabs
 from llama_oracle import llama_runs
 
 AUDITED = dict(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32)
 
 
-@pytest.mark.parametrize("ggml_type", [Q2_K, Q3_K])
+@pytest.mark.parametrize("ggml_type", sorted(FAST_TYPES))
 @pytest.mark.parametrize("row", [256, 1024])
 def test_blocks_decode_to_moderate_values(ggml_type, row):
-    blocks = np.concatenate(list(random_block_slabs((48, row), ggml_type, [0, 1], slab_blocks=7)))
+    slab_bytes = 7 * BLOCK_BYTES[ggml_type]
+    blocks = np.concatenate(list(random_block_slabs((48, row), ggml_type, [0, 1], slab_bytes=slab_bytes)))
     values = dequantize(blocks.reshape(48, -1), GGMLQuantizationType(ggml_type))
     assert values.shape == (48, row) and np.isfinite(values).all()
     assert 0.9 < values.std() * np.sqrt(row) < 1.1  # like the float initialisation: std 1/sqrt(fan_in)
@@ -36,8 +37,8 @@ def test_blocks_depend_on_the_seed_only():
 
 
 def test_other_types_are_refused():
-    with pytest.raises(ValueError, match="is not Q2_K"):
-        next(random_block_slabs((4, 256), 12, [0]))
+    with pytest.raises(ValueError, match="GGML type 13 is not one of"):
+        next(random_block_slabs((4, 256), 13, [0]))  # Q5_K
 
 
 @pytest.fixture(scope="module")

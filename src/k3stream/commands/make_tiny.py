@@ -1,4 +1,5 @@
-"""`k3stream make-tiny OUT_DIR [...]`: a random tiny Kimi-K3 GGUF, one flag per `TinySpec` field."""
+"""`k3stream make-tiny OUT_DIR [...]`: a random tiny Kimi-K3 GGUF, one flag per `TinySpec` field;
+`--like kimi-k3 --layers N` starts from the released model's shapes (`testing.slices`) instead."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import dataclasses
 
 from k3stream.gguf.writer import RECIPES, TinySpec
+from k3stream.testing.slices import LIKE, REAL_VOCAB, like
 from k3stream.testing.tiny import make_tiny
 
 FLAG_ALIASES = {
@@ -38,6 +40,18 @@ def field_parser(field: dataclasses.Field):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to write the GGUF (or its shards) into")
+    parser.add_argument(
+        "--like",
+        choices=sorted(LIKE),
+        default=None,
+        help="a real-dimension slice: the model's shapes and layer pattern for --layers layers "
+        "(2 unless given), release-like recipe (q8_0); other flags override",
+    )
+    parser.add_argument(
+        "--real-vocab",
+        action="store_true",
+        help="with --like: the model's vocabulary size (tokenizer padded)",
+    )
     for field in dataclasses.fields(TinySpec):
         flag = FLAG_ALIASES.get(field.name, "--" + field.name.replace("_", "-"))
         extra = {"choices": RECIPES} if field.name == "recipe" else {}
@@ -45,14 +59,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             flag,
             dest=field.name,
             type=field_parser(field),
-            default=field.default,
+            default=argparse.SUPPRESS,  # `run` tells given flags from defaults
             help=f"default {field.default}" + (" ('none' to omit)" if "None" in str(field.type) else ""),
             **extra,
         )
 
 
+def spec_from_args(args: argparse.Namespace) -> TinySpec:
+    given = {
+        field.name: getattr(args, field.name) for field in dataclasses.fields(TinySpec) if field.name in args
+    }
+    if args.like is None:
+        if args.real_vocab:
+            raise SystemExit("make-tiny: --real-vocab needs --like")
+        return TinySpec(**given)
+    if args.real_vocab:
+        given.setdefault("vocab", REAL_VOCAB[args.like])
+    try:
+        return like(args.like, given.pop("n_layers", 2), **given)
+    except ValueError as error:
+        raise SystemExit(f"make-tiny: {error}") from None
+
+
 def run(args: argparse.Namespace) -> int:
-    spec = TinySpec(**{field.name: getattr(args, field.name) for field in dataclasses.fields(TinySpec)})
-    path = make_tiny(args.out_dir, spec)
+    path = make_tiny(args.out_dir, spec_from_args(args))
     print(path)
     return 0

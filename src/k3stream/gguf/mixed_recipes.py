@@ -25,6 +25,7 @@ class MixedRecipe:
     expert_layers: tuple[tuple[str, str, str], ...]  # (gate, up, down) of the 1st, 2nd... MoE layer
     matrices: tuple[str, ...] = ()  # other matrices: the first type whose block fits the row
     file_type: str = "MOSTLY_Q2_K"  # general.file_type (gguf.LlamaFileType name)
+    keep_f32: tuple[str, ...] = KEEP_F32  # name parts of matrices that stay F32
 
 
 MIXED_RECIPES: dict[str, MixedRecipe] = {
@@ -43,6 +44,17 @@ MIXED_RECIPES: dict[str, MixedRecipe] = {
         ("Q6_K", "Q8_0"),
     ),
 }
+
+# Release-like files: the audited routed experts, every other matrix (the token table too) in one type
+# as published quantizations store them; rows too narrow for it take the next type.
+AUDITED_EXPERTS = (("Q2_K", "Q2_K", "Q3_K"),)
+RELEASE_KEEP_F32 = ("ffn_gate_inp.weight", "ssm_conv1d")
+RELEASE_RECIPES: dict[str, MixedRecipe] = {
+    "q8_0": MixedRecipe(AUDITED_EXPERTS, ("Q8_0",), "MOSTLY_Q8_0", RELEASE_KEEP_F32),
+    "q6_k": MixedRecipe(AUDITED_EXPERTS, ("Q6_K", "Q8_0"), "MOSTLY_Q6_K", RELEASE_KEEP_F32),
+    "q4_k": MixedRecipe(AUDITED_EXPERTS, ("Q4_K", "Q8_0"), "MOSTLY_Q4_K_M", RELEASE_KEEP_F32),
+}
+WRITABLE_RECIPES = {**MIXED_RECIPES, **RELEASE_RECIPES}
 
 
 def _type_id(name: str) -> int:
@@ -69,7 +81,7 @@ def mixed_type(recipe: MixedRecipe, name: str, shape: tuple[int, ...], first_moe
         layer = int(name.split(".")[1])
         role = name.split(".")[2].removeprefix("ffn_").removesuffix("_exps")
         return _type_id(expert_types(recipe, layer - first_moe_layer)[role])
-    if len(shape) < 2 or any(part in name for part in KEEP_F32):
+    if len(shape) < 2 or any(part in name for part in recipe.keep_f32):
         return 0
     return next((_type_id(t) for t in recipe.matrices if _fits(t, shape[-1])), 0)
 

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from k3stream.gguf.mixed_recipes import MIXED_RECIPES, file_type, mixed_type
+from k3stream.gguf.mixed_recipes import WRITABLE_RECIPES, file_type, mixed_type
 from k3stream.gguf.vocab import CHAT_TEMPLATE, Vocab
 
 ARCH = "kimi-k3"
 NAME = "tiny-kimi-k3"
-RECIPES = ("f32", "f16", "audited", *MIXED_RECIPES)
+RECIPES = ("f32", "f16", "audited", *WRITABLE_RECIPES)
 
 # GGML type ids (gguf.GGMLQuantizationType), spelled here to keep the import light.
 F32, F16 = 0, 1
@@ -268,14 +268,15 @@ def ggml_type_for(name: str, ndim: int, recipe: str) -> int:
 
 def tensor_type(tensor: _Tensor, spec: TinySpec) -> int:
     """The GGML type id `spec.recipe` gives `tensor`."""
-    if spec.recipe in MIXED_RECIPES:
-        return mixed_type(MIXED_RECIPES[spec.recipe], tensor.name, tensor.shape, first_moe_layer=spec.n_dense)
+    if spec.recipe in WRITABLE_RECIPES:
+        recipe = WRITABLE_RECIPES[spec.recipe]
+        return mixed_type(recipe, tensor.name, tensor.shape, first_moe_layer=spec.n_dense)
     return ggml_type_for(tensor.name, len(tensor.shape), spec.recipe)
 
 
 def _file_type(recipe: str) -> int:
-    if recipe in MIXED_RECIPES:
-        return file_type(MIXED_RECIPES[recipe])
+    if recipe in WRITABLE_RECIPES:
+        return file_type(WRITABLE_RECIPES[recipe])
     return FILE_TYPES[recipe]
 
 

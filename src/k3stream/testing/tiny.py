@@ -1,8 +1,10 @@
 """Tiny random Kimi-K3 GGUFs for tests, benchmarks and the demo (`gguf.writer` with the built-in vocabulary).
 
 `make_tiny(out_dir, TinySpec(...))` writes random weights (`gguf.writer.initial_values`). Large
-routed-expert tensors (Q2_K/Q3_K, at least `FAST_EXPERT_VALUES` values) are random valid blocks instead
-(`testing.tinyblocks`), so multi-GB benchmark models are written at close to disk speed.
+routed-expert tensors (at least `FAST_EXPERT_VALUES` values) and other large matrices (at least
+`FAST_MATRIX_VALUES`: real-dimension slices) are random valid blocks instead (`testing.tinyblocks`,
+`testing.iquant_blocks`) or random F32 rows, written slab by slab at close to disk speed and in
+constant memory.
 """
 
 from __future__ import annotations
@@ -15,16 +17,19 @@ from pathlib import Path
 import numpy as np
 
 from k3stream.gguf.vocab import Vocab, padded
-from k3stream.gguf.writer import TinySpec, write_model
+from k3stream.gguf.writer import F32, TinySpec, write_model
 from k3stream.quant import IQUANT_TYPES
 from k3stream.testing.iquant_blocks import random_blocks
 from k3stream.testing.tinyblocks import FAST_TYPES, random_block_slabs
 from k3stream.testing.tinyvocab import tiny_vocab
 
-# Routed-expert tensors of at least this many values are written as random valid blocks (seconds per GB)
-# instead of quantized random floats (minutes per GB). Test models stay far below it, so their bytes, and
-# the property that every recipe quantizes the same float values, do not change.
-FAST_EXPERT_VALUES = 1 << 27
+# Tensors of at least this many values (routed experts; other matrices) are written as random valid
+# blocks or random F32 rows in slabs (seconds per GB, constant memory) instead of quantized random
+# floats (minutes per GB, the whole tensor in float64). Test models stay far below them, so their bytes,
+# and the property that every recipe quantizes the same float values, do not change.
+FAST_EXPERT_VALUES = 1 << 22
+FAST_MATRIX_VALUES = 1 << 22
+SLAB_VALUES = 1 << 22  # F32 and i-quant slabs: 16 MiB of F32 values
 
 
 def make_tiny(
@@ -43,15 +48,48 @@ def make_tiny(
 
 
 def _random_blocks(tensor, spec: TinySpec, ggml_type: int) -> Iterator[np.ndarray] | None:
-    """Random valid blocks: in slabs for a large routed-expert tensor, whole for a type k3stream cannot
-    encode (the i-quants, the ternary types); None for any other."""
+    """Random values in slabs for a large tensor, random valid blocks for a type k3stream cannot encode
+    (the i-quants, the ternary types); None for any other (its values are encoded whole)."""
     seed = [spec.seed, zlib.crc32(tensor.name.encode()), 1]
+    large = int(np.prod(tensor.shape)) >= (
+        FAST_EXPERT_VALUES if "_exps." in tensor.name else FAST_MATRIX_VALUES
+    )
     if ggml_type in IQUANT_TYPES:
-        from gguf import GGMLQuantizationType
+        return _iquant_slabs(tensor.shape, ggml_type, seed, SLAB_VALUES if large else None)
+    if not large or len(tensor.shape) < 2:
+        return None
+    if ggml_type in FAST_TYPES:
+        return random_block_slabs(tensor.shape, ggml_type, seed)
+    if ggml_type == F32:
+        return _float_slabs(tensor.shape, seed, 1.0 if tensor.name == "token_embd.weight" else None)
+    return None
 
-        return iter([random_blocks(GGMLQuantizationType(ggml_type).name, tensor.shape, seed)])
-    if "_exps." not in tensor.name or ggml_type not in FAST_TYPES:
-        return None
-    if int(np.prod(tensor.shape)) < FAST_EXPERT_VALUES:
-        return None
-    return random_block_slabs(tensor.shape, ggml_type, seed)
+
+def _rows_per_slab(shape: tuple[int, ...], slab_values: int) -> tuple[int, int]:
+    """(rows, rows per slab) of a tensor seen as rows of shape[-1] values."""
+    rows = int(np.prod(shape[:-1]))
+    return rows, max(1, slab_values // shape[-1])
+
+
+def _iquant_slabs(shape, ggml_type: int, seed: list[int], slab_values: int | None) -> Iterator[np.ndarray]:
+    """Random valid i-quant blocks, the whole tensor at once or `slab_values` at a time."""
+    from gguf import GGMLQuantizationType
+
+    name = GGMLQuantizationType(ggml_type).name
+    if slab_values is None:
+        yield random_blocks(name, shape, seed)
+        return
+    rows, step = _rows_per_slab(shape, slab_values)
+    for index, start in enumerate(range(0, rows, step)):
+        yield random_blocks(name, (min(step, rows - start), shape[-1]), [*seed, index])
+
+
+def _float_slabs(shape, seed: list[int], std: float | None) -> Iterator[np.ndarray]:
+    """F32 rows of normal values (std 1/sqrt(row) unless given, as `initial_values` gives matrices)."""
+    rng = np.random.default_rng(seed)
+    scale = np.float32(std if std is not None else 1.0 / np.sqrt(shape[-1]))
+    rows, step = _rows_per_slab(shape, SLAB_VALUES)
+    for start in range(0, rows, step):
+        slab = rng.standard_normal((min(step, rows - start), shape[-1]), dtype=np.float32)
+        slab *= scale
+        yield slab

@@ -1,0 +1,339 @@
+"""k3stream against llama.cpp on a real-dimension Kimi-K3 slice, resident and in memory cgroups.
+
+    python benchmarks/bench_real.py [--layers 3] [--experts 128] [--fractions 0.1,0.25,0.5] [--cache-dir DIR]
+
+Writes (or reuses) `make-tiny --like kimi-k3` for --layers layers with --experts routed experts (every
+matrix at its real shape, non-expert matrices Q8_0, experts Q2_K/Q3_K), packs it, and measures in one run:
+
+- the machine's bounds: the disk's sequential read rate (page cache dropped) and the RAM read rate;
+- resident: both contenders with every file in the page cache and no memory limit (k3stream's expert
+  budget holds every expert);
+- streamed: for each fraction f, both in a child memory cgroup of (non-expert bytes + f x expert bytes +
+  --slack), page cache dropped, k3stream's expert budget f x expert bytes (`--ram-mib`).
+
+Per run: prefill and decode tok/s of both, and for k3stream the decode ms per token, pack bytes read
+per token, RAM hit rate, fetch wait, and the bound max(resident decode ms, read bytes / disk rate).
+Per layer kind (KDA, MLA, dense FFN, MoE routed and shared; k3stream's eager decode path): ms per
+token, weight bytes read per token, and for the resident run that time against bytes / RAM rate. Last,
+the real model's 93 layers as ARITHMETIC: measured per-layer costs times the real layer counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import bench_beyond_ram as beyond
+from k3stream.engine.bench import sequential_read
+from k3stream.memlimit import MIB, format_size
+from k3stream.testing.cgroups import ChildCgroup, drop_page_cache
+from k3stream.testing.slices import like
+
+KINDS = ("KDA attention", "MLA attention", "dense FFN", "MoE routed", "MoE shared")
+HEAD_BYTES = 163840 * 7168 // 32 * 34  # the real output head in Q8_0
+REAL_LAYERS = {"KDA attention": 69, "MLA attention": 24, "dense FFN": 1, "MoE routed": 92, "MoE shared": 92}
+DEFAULT_CACHE = Path("/tmp/slice-bench")
+
+
+# ---- what each layer kind reads --------------------------------------------------------------------
+
+
+def _kind(name: str, mla: set[int], n_dense: int) -> str | None:
+    """The layer kind a tensor's bytes belong to (None: not in a layer)."""
+    found = re.match(r"blk\.(\d+)\.(.*)", name)
+    if found is None:
+        return None
+    layer, rest = int(found.group(1)), found.group(2)
+    if rest.startswith(("attn_norm.", "ffn_norm.", "attn_res_score.", "ffn_res_score.")):
+        return None
+    if rest.startswith(("attn_", "ssm_")):
+        return "MLA attention" if layer in mla else "KDA attention"
+    if rest.startswith(("ffn_", "exp_probs_b.")):
+        if layer < n_dense:
+            return "dense FFN"
+        return "MoE shared" if "_shexp" in rest else "MoE routed"
+    return None
+
+
+def bytes_per_token(gguf: Path, spec) -> tuple[dict[str, float], dict[str, int], int]:
+    """Weight bytes one decode token reads per layer of each kind (routed experts: top-k of them),
+    the slice's layer count per kind, and the routed experts' total bytes."""
+    from gguf import GGUFReader
+
+    mla = set(spec.mla_layer_ids())
+    totals = dict.fromkeys(KINDS, 0.0)
+    experts = 0
+    for tensor in GGUFReader(gguf).tensors:
+        kind = _kind(tensor.name, mla, spec.n_dense)
+        if kind is None:
+            continue
+        size = int(tensor.n_bytes)
+        if "_exps." in tensor.name:
+            experts += size
+            size = size * spec.top_k / spec.n_experts
+        totals[kind] += size
+    moe = spec.n_layers - spec.n_dense
+    counts = {
+        "KDA attention": spec.n_layers - len(mla),
+        "MLA attention": len(mla),
+        "dense FFN": spec.n_dense,
+        "MoE routed": moe,
+        "MoE shared": moe,
+    }
+    return {kind: totals[kind] / counts[kind] for kind in KINDS}, counts, experts
+
+
+def ram_read_rate(threads: int, size: int = 512 * MIB) -> float:
+    """Bytes per second summing a float32 buffer with `threads` threads (best of 5)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    buffer = torch.ones(size // 4)
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - started)
+    return size / best
+
+
+def disk_read_rate(path: Path, limit: int) -> float:
+    drop_page_cache(path)
+    return sequential_read(path, limit)["gb_per_s"] * 1e9
+
+
+# ---- the runs ---------------------------------------------------------------------------------------
+
+
+def run_pair(
+    name: str, gguf: Path, manifest: Path, prompt: list[int], args, limit: int, ram: int, files
+) -> dict:
+    """Both contenders under `limit` (files' page cache dropped first unless `files` is empty)."""
+    run_args = copy.copy(args)
+    run_args.limit_bytes = limit
+    run_args.k3stream_args = ["--ram-mib", str(max(1, ram // MIB)), *args.k3stream_args]
+    results: dict[str, Any] = {"name": name, "limit": limit, "ram": ram}
+    print(f"{name}: limit {format_size(limit)}, expert budget {format_size(ram)} ...", flush=True)
+    results["llama"] = beyond.run_llama(gguf, prompt, run_args, files)
+    results["k3"] = beyond.run_k3stream(manifest, prompt, run_args, files)
+    for who in ("llama", "k3"):
+        if "error" in results[who]:
+            print(f"  {who} failed: {results[who]['error']}", flush=True)
+    return results
+
+
+def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"name": result["name"]}
+    if "error" not in result["llama"]:
+        llama = beyond.summarize_llama(result["llama"], prompt, decode)
+        row.update(llama_prefill=llama["prefill_tok_s"], llama_decode=llama["decode_tok_s"])
+        row["llama_read"] = llama["decode_read_per_token"]
+    if "error" not in result["k3"]:
+        k3 = beyond.summarize_k3stream(result["k3"])
+        row.update(
+            k3_prefill=k3["prefill_tok_s"], k3_decode=k3["decode_tok_s"], k3_read=k3["decode_read_per_token"]
+        )
+        row.update(hit=k3["decode_hit_rate"], fetch_ms=k3["decode_fetch_ms_per_token"])
+        row["budget"] = k3["ram_budget_bytes"]
+        row["profile"] = result["k3"].get("profile", {}).get("ms_per_token")
+    return row
+
+
+# ---- the report -------------------------------------------------------------------------------------
+
+
+def _f(value, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def _times(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}x"
+
+
+def _mb(value: float | None) -> str:
+    return _f(None if value is None else value / 1e6, ".0f")
+
+
+def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> list[str]:
+    head = (
+        "| run | llama.cpp prefill tok/s | k3stream prefill tok/s | llama.cpp decode tok/s | k3stream decode "
+        "tok/s | k3/llama decode | k3stream decode ms/token | disk read/token MB (llama / k3) | RAM hit "
+        "rate | fetch wait ms/token | read ms/token (bytes / disk rate) | bound ms/token | bound / measured |"
+    )
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for row in rows:
+        k3_ms = 1e3 / row["k3_decode"] if row.get("k3_decode") else None
+        read_ms = 1e3 * row["k3_read"] / disk_rate if row.get("k3_read") is not None else None
+        bound = max(resident_ms or 0.0, read_ms or 0.0) if resident_ms else None
+        ratio = bound / k3_ms if bound and k3_ms else None
+        speedup = (
+            row["k3_decode"] / row["llama_decode"]
+            if row.get("k3_decode") and row.get("llama_decode")
+            else None
+        )
+        reads = f"{_mb(row.get('llama_read'))} / {_mb(row.get('k3_read'))}"
+        cells = [
+            row["name"],
+            _f(row.get("llama_prefill"), ".2f"),
+            _f(row.get("k3_prefill"), ".2f"),
+            _f(row.get("llama_decode"), ".2f"),
+            _f(row.get("k3_decode"), ".2f"),
+            _times(speedup),
+            _f(k3_ms, ".0f"),
+            reads,
+            _f(row.get("hit"), ".1%"),
+            _f(row.get("fetch_ms"), ".1f"),
+            _f(read_ms, ".1f"),
+            _f(bound, ".0f"),
+            _f(ratio, ".2f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def kind_table(
+    rows: list[dict], per_token: dict[str, float], counts: dict[str, int], ram_rate: float
+) -> list[str]:
+    names = [row["name"] for row in rows if row.get("profile")]
+    lines = [
+        "| layer kind (per layer) | weight bytes/token MB | RAM bound ms | "
+        + " | ".join(f"{name} ms" for name in names)
+        + " | resident / RAM bound |",
+        "|---|---|---|" + "---|" * len(names) + "---|",
+    ]
+    resident = next(
+        (row["profile"] for row in rows if row["name"] == "resident" and row.get("profile")), None
+    )
+    for kind in KINDS:
+        bound_ms = 1e3 * per_token[kind] / ram_rate
+        cells = [_f(row["profile"][kind] / counts[kind], ".1f") for row in rows if row.get("profile")]
+        ratio = resident[kind] / counts[kind] / bound_ms if resident else None
+        lines.append(
+            f"| {kind} | {per_token[kind] / 1e6:.1f} | {bound_ms:.1f} | "
+            + " | ".join(cells)
+            + f" | {_times(ratio)} |"
+        )
+    return lines
+
+
+def real_model_arithmetic(
+    rows: list[dict], counts: dict[str, int], per_token: dict[str, float], rates: tuple[float, float]
+) -> list[str]:
+    """The 93-layer model as measured per-layer ms times real layer counts (arithmetic, not a run)."""
+    disk_rate, ram_rate = rates
+    resident = next((row for row in rows if row["name"] == "resident" and row.get("profile")), None)
+    if resident is None:
+        return ["(no resident profile: no arithmetic)"]
+    layer_ms = {kind: resident["profile"][kind] / counts[kind] for kind in KINDS}
+    compute = sum(layer_ms[kind] * REAL_LAYERS[kind] for kind in KINDS)
+    lines = [
+        "ARITHMETIC, not a measurement: the real model's 93 layers = measured per-layer ms x layer counts "
+        "(69 KDA, 24 MLA, 1 dense FFN, 92 MoE); the output head and the embedding are left out",
+        f"  resident compute per token: {compute:.0f} ms ({1e3 / compute:.2f} tok/s)",
+        f"  + the output head at the real vocabulary (163840 x 7168 Q8_0, 1.25 GB) at the RAM rate: "
+        f">= {1e3 * HEAD_BYTES / ram_rate:.0f} ms",
+    ]
+    expert_bytes = per_token["routed experts"]  # the top-k expert objects of one MoE layer, no cache
+    for row in rows:
+        if row["name"] == "resident" or row.get("hit") is None:
+            continue
+        read = 92 * (1 - row["hit"]) * expert_bytes
+        read_ms = 1e3 * read / disk_rate
+        fetch = 92 * row["fetch_ms"] / counts["MoE routed"]
+        lines.append(
+            f"  {row['name']}: hit rate {row['hit']:.1%} -> {read / 1e9:.2f} GB read per token, "
+            f"{read_ms:.0f} ms at {disk_rate / 1e9:.2f} GB/s; bound max(compute, reads) "
+            f"{max(compute, read_ms):.0f} ms; compute + the slice's fetch wait per MoE layer x 92: "
+            f"{compute + fetch:.0f} ms"
+        )
+    return lines
+
+
+# ---- main -------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=3, help="slice layers (default %(default)s)")
+    parser.add_argument(
+        "--experts", type=int, default=128, help="routed experts per layer (default %(default)s)"
+    )
+    parser.add_argument("--fractions", default="0.1,0.25,0.5", help="expert fractions that fit (%(default)s)")
+    parser.add_argument("--slack", default="1.5GiB", help="cgroup room above weights + experts (%(default)s)")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="models (default %(default)s)")
+    parser.add_argument("--prompt-tokens", type=int, default=16, help="default %(default)s")
+    parser.add_argument("--decode-tokens", type=int, default=8, help="default %(default)s")
+    parser.add_argument(
+        "--profile-tokens", type=int, default=4, help="eager per-kind decode steps (%(default)s)"
+    )
+    parser.add_argument("--threads", type=int, default=2, help="default %(default)s")
+    parser.add_argument("--no-resident", action="store_true", help="skip the resident run")
+    parser.add_argument("--k3stream-args", default="", help="extra k3stream flags")
+    args = parser.parse_args(argv)
+    args.k3stream_args = args.k3stream_args.split()
+    args.fraction_list = [float(part) for part in args.fractions.split(",") if part.strip()]
+    from k3stream.memlimit import parse_size
+
+    args.slack_bytes = parse_size(args.slack)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    probe = ChildCgroup.create(f"bench-probe-{os.getpid()}", 1 << 30)
+    if isinstance(probe, str):
+        print(f"bench_real: skipped: {probe}")
+        return 0
+    probe.remove()
+    spec = like("kimi-k3", args.layers, n_experts=args.experts)
+    gguf, manifest = beyond.ensure_model(spec, args.cache_dir)
+    files = beyond.model_files(gguf, manifest)
+    per_token, counts, expert_bytes = bytes_per_token(gguf, spec)
+    per_token["routed experts"] = expert_bytes / counts["MoE routed"] / spec.n_experts * spec.top_k
+    non_expert = gguf.stat().st_size - expert_bytes
+    disk_rate = disk_read_rate(files[1], min(files[1].stat().st_size, 4 << 30))
+    ram_rate = ram_read_rate(args.threads)
+    prompt = beyond.bench_prompt(gguf, args.prompt_tokens)
+    print(
+        f"slice {gguf}: {format_size(gguf.stat().st_size)} ({format_size(expert_bytes)} routed experts), "
+        f"{spec.n_layers} layers (MLA {spec.mla_layer_ids()}), {spec.n_experts} experts top-{spec.top_k}; "
+        f"{args.prompt_tokens}-token prompt, {args.decode_tokens} decode steps, {args.threads} threads\n"
+        f"machine bounds: disk {disk_rate / 1e9:.2f} GB/s (sequential, page cache dropped), "
+        f"RAM {ram_rate / 1e9:.1f} GB/s ({args.threads} threads)",
+        flush=True,
+    )
+    results = []
+    if not args.no_resident:
+        for path in files:  # into the page cache, where the children find them
+            sequential_read(path)
+        everything = non_expert + 2 * expert_bytes + 4 * args.slack_bytes
+        results.append(run_pair("resident", gguf, manifest, prompt, args, everything, 2 * expert_bytes, []))
+    for fraction in args.fraction_list:
+        ram = int(fraction * expert_bytes)
+        limit = non_expert + ram + args.slack_bytes
+        results.append(
+            run_pair(f"{fraction:.0%} of experts", gguf, manifest, prompt, args, limit, ram, files)
+        )
+    rows = [summary(result, len(prompt), args.decode_tokens) for result in results]
+    resident_ms = next(
+        (1e3 / row["k3_decode"] for row in rows if row["name"] == "resident" and row.get("k3_decode")), None
+    )
+    print("\n".join(run_table(rows, resident_ms, disk_rate)))
+    print("\nper layer kind, k3stream eager decode (ms per token per layer):")
+    print("\n".join(kind_table(rows, per_token, counts, ram_rate)))
+    print()
+    print("\n".join(real_model_arithmetic(rows, counts, per_token, (disk_rate, ram_rate))))
+    for result in results:
+        pairs = zip(result["llama"].get("tokens", []), result["k3"].get("tokens", []), strict=False)
+        same = sum(a == b for a, b in pairs)
+        print(f"{result['name']}: greedy tokens equal at {same} of {args.decode_tokens} decode steps")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""bench_real's parts: the per-kind decode profile (engine.layer_profile) and the weight bytes per kind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gguf import GGUFReader
+
+import k3stream
+from k3stream.engine.layer_profile import KINDS, profile_decode
+from k3stream.model.kda import KDA
+from k3stream.model.moe import LatentMoE, SituMLP
+from k3stream.testing.tiny import TinySpec
+
+SPEC = TinySpec(n_layers=4, seed=2)  # layer 0 dense, MLA on layer 3, KDA elsewhere
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_the_profile_times_every_kind_and_leaves_the_model_as_it_was(tiny_model):
+    model = k3stream.load(tiny_model(n_layers=4, seed=2))
+    originals = (KDA.decode, SituMLP.__call__, LatentMoE.__call__, model.use_program)
+    state = model.new_state()
+    model.prefill(state, [1, 2, 3])
+    profile = profile_decode(model, state, [4, 5, 6])
+    assert state.length == 6
+    assert set(profile["ms_per_token"]) == set(KINDS)
+    assert all(profile["ms_per_token"][kind] > 0 for kind in KINDS[:-1])
+    assert profile["ms_per_token"]["other"] >= 0
+    assert sum(profile["ms_per_token"].values()) == pytest.approx(profile["total_ms_per_token"])
+    assert (KDA.decode, SituMLP.__call__, LatentMoE.__call__, model.use_program) == originals
+
+
+def test_the_weight_bytes_per_kind_cover_every_layer_matrix(tiny_model, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_real import KINDS as BENCH_KINDS
+    from bench_real import bytes_per_token
+
+    path = tiny_model(n_layers=4, seed=2)
+    per_token, counts, experts = bytes_per_token(path, SPEC)
+    assert counts == {
+        "KDA attention": 3,
+        "MLA attention": 1,
+        "dense FFN": 1,
+        "MoE routed": 3,
+        "MoE shared": 3,
+    }
+    tensors = GGUFReader(path).tensors
+    in_layers = sum(
+        int(t.n_bytes)
+        for t in tensors
+        if t.name.startswith("blk.")
+        and t.name.split(".")[2] not in ("attn_norm", "ffn_norm")
+        and not t.name.split(".")[2].endswith("res_score")
+    )
+    assert experts == sum(int(t.n_bytes) for t in tensors if "_exps." in t.name)
+    not_read = experts * (1 - SPEC.top_k / SPEC.n_experts)  # the experts a token does not route to
+    assert sum(per_token[kind] * counts[kind] for kind in BENCH_KINDS) == pytest.approx(in_layers - not_read)
+
+
+def test_the_bound_is_the_larger_of_resident_compute_and_reads(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_real import run_table
+
+    row = {
+        "name": "10%",
+        "k3_decode": 2.0,
+        "llama_decode": 1.0,
+        "k3_read": 3e8,
+        "llama_read": 6e8,
+        "hit": 0.5,
+    }
+    reads_bound = run_table([row], 400.0, 5e8)[-1].split(" | ")  # 600 ms of reads, 500 ms measured
+    assert reads_bound[5:8] == ["2.00x", "500", "600 / 300"] and reads_bound[-3:] == [
+        "600.0",
+        "600",
+        "1.20 |",
+    ]
+    compute_bound = run_table([row], 400.0, 1e9)[-1].split(" | ")
+    assert compute_bound[-3:] == ["300.0", "400", "0.80 |"]
+    assert run_table([row], None, 1e9)[-1].split(" | ")[-2:] == ["n/a", "n/a |"]
