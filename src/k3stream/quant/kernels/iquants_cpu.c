@@ -270,6 +270,9 @@ INLINE float iq4_xs_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks)
     return sumf;
 }
 
+/* the ternary digit of byte q that multiplying by pow (a power of 3) brings to the top, less 1 */
+INLINE int trit(uint8_t q, uint8_t pow) { return ((((uint8_t)(q * pow)) * 3) >> 8) - 1; }
+
 INLINE float tq1_0_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
     static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
     float sumf = 0.0f;
@@ -277,11 +280,11 @@ INLINE float tq1_0_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) 
         const int8_t *q8 = y[i].qs;
         int sum = 0;
         for (int l = 0; l < 5; l++) { /* trit l of byte m: values 32l + m (bytes 0..31), 160 + 16l + m (32..47) */
-            for (int m = 0; m < 32; m++) sum += ((((uint8_t)(x[m] * pow3[l])) * 3 >> 8) - 1) * q8[32 * l + m];
-            for (int m = 0; m < 16; m++) sum += ((((uint8_t)(x[32 + m] * pow3[l])) * 3 >> 8) - 1) * q8[160 + 16 * l + m];
+            for (int m = 0; m < 32; m++) sum += trit(x[m], pow3[l]) * q8[32 * l + m];
+            for (int m = 0; m < 16; m++) sum += trit(x[32 + m], pow3[l]) * q8[160 + 16 * l + m];
         }
         for (int l = 0; l < 4; l++)
-            for (int j = 0; j < 4; j++) sum += ((((uint8_t)(x[48 + j] * pow3[l])) * 3 >> 8) - 1) * q8[240 + 4 * l + j];
+            for (int j = 0; j < 4; j++) sum += trit(x[48 + j], pow3[l]) * q8[240 + 4 * l + j];
         sumf = fmaf((float)sum, f16(x + 52) * y[i].d, sumf);
     }
     return sumf;
@@ -317,21 +320,91 @@ INLINE float mxfp4_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks)
 /* ---- float decoders: one block's values as gguf's dequantize (and k3stream.quant's) computes them,
  * for the float tile path (ggml_cpu.c's ROW_KERNEL) and decode_row ------------------------------- */
 
+/* eight values db * grid[j], value j negated where bit j of `signs` is set (exact negation, no branch) */
+INLINE void put_signed8(float *restrict y, const uint8_t *grid, float db, uint8_t signs) {
+    for (int j = 0; j < 8; j++) {
+        const float value = db * (float)grid[j];
+        uint32_t bits;
+        memcpy(&bits, &value, 4);
+        y[j] = bits_f32(bits ^ ((uint32_t)((signs >> j) & 1) << 31));
+    }
+}
+
+/* the same for the IQ3 grids' two 4-value entries and one sign byte */
+INLINE void put_signed_pair(float *restrict y, const uint8_t *g1, const uint8_t *g2, float db, uint8_t signs) {
+    uint8_t grid[8];
+    memcpy(grid, g1, 4);
+    memcpy(grid + 4, g2, 4);
+    put_signed8(y, grid, db, signs);
+}
+
+/* IQ1_S, IQ1_M: eight values dl * (grid[j] + delta) */
+INLINE void put_iq1(float *restrict y, const int8_t *grid, float dl, float delta) {
+    for (int j = 0; j < 8; j++) y[j] = dl * ((float)grid[j] + delta);
+}
+
+/* IQ4_NL, IQ4_XS: 32 values dl * iq4nl_values[code], low nibbles first */
+INLINE void put_nibbles32(float *restrict y, const uint8_t *qs, float dl) {
+    for (int j = 0; j < 16; j++) {
+        y[j] = dl * (float)iq4nl_values[qs[j] & 15];
+        y[16 + j] = dl * (float)iq4nl_values[qs[j] >> 4];
+    }
+}
+
+/* the IQ2 grids' run scale: d (0.5 + s) / 4, rounded as gguf's */
+INLINE float iq2_scale(float d, int s) { return d * (0.5f + (float)s) * 0.25f; }
+
 void dec_iq2_xxs(const uint8_t *restrict b, float *restrict y) {
     const float d = f16(b);
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t *run = b + 2 + 8 * ib;
         const uint32_t packed = u32_at(run + 4);
-        const float db = d * (0.5f + (float)(packed >> 28)) * 0.25f;
+        const float db = iq2_scale(d, (int)(packed >> 28));
+        for (int l = 0; l < 4; l++)
+            put_signed8(y + 32 * ib + 8 * l, iq2xxs_grid[run[l]], db, ksigns[(packed >> 7 * l) & 127]);
+    }
+}
+
+void dec_iq2_xs(const uint8_t *restrict b, float *restrict y) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++)
         for (int l = 0; l < 4; l++) {
-            const uint8_t signs = ksigns[(packed >> 7 * l) & 127];
-            for (int j = 0; j < 8; j++) { /* the sign bit flipped: exact negation, and no branch */
-                const float value = db * (float)iq2xxs_grid[run[l]][j];
-                uint32_t bits;
-                memcpy(&bits, &value, 4);
-                y[32 * ib + 8 * l + j] = bits_f32(bits ^ ((uint32_t)((signs >> j) & 1) << 31));
-            }
+            const uint16_t q = u16_at(b + 2 + 8 * ib + 2 * l);
+            const float db = iq2_scale(d, (b[66 + ib] >> 4 * (l / 2)) & 15);
+            put_signed8(y + 32 * ib + 8 * l, iq2xs_grid[q & 511], db, ksigns[q >> 9]);
         }
+}
+
+void dec_iq2_s(const uint8_t *restrict b, float *restrict y) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++)
+        for (int l = 0; l < 4; l++) {
+            const int index = b[2 + 4 * ib + l] | ((b[66 + ib] << (8 - 2 * l)) & 0x300);
+            const float db = iq2_scale(d, (b[74 + ib] >> 4 * (l / 2)) & 15);
+            put_signed8(y + 32 * ib + 8 * l, iq2s_grid[index], db, b[34 + 4 * ib + l]);
+        }
+}
+
+void dec_iq3_xxs(const uint8_t *restrict b, float *restrict y) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *q3 = b + 2 + 8 * ib;
+        const uint32_t packed = u32_at(b + 66 + 4 * ib);
+        const float db = d * (0.5f + (float)(packed >> 28)) * 0.5f;
+        for (int l = 0; l < 4; l++)
+            put_signed_pair(y + 32 * ib + 8 * l, iq3xxs_grid[q3[2 * l]], iq3xxs_grid[q3[2 * l + 1]], db,
+                            ksigns[(packed >> 7 * l) & 127]);
+    }
+}
+
+void dec_iq3_s(const uint8_t *restrict b, float *restrict y) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *qs = b + 2 + 8 * ib, qh = b[66 + ib];
+        const float db = d * (float)(1 + 2 * ((b[106 + ib / 2] >> 4 * (ib & 1)) & 15));
+        for (int l = 0; l < 4; l++)
+            put_signed_pair(y + 32 * ib + 8 * l, iq3s_grid[iq3_s_index(qs, qh, 2 * l)],
+                            iq3s_grid[iq3_s_index(qs, qh, 2 * l + 1)], db, b[74 + 4 * ib + l]);
     }
 }
 
@@ -340,25 +413,44 @@ void dec_iq1_s(const uint8_t *restrict b, float *restrict y) {
     for (int ib = 0; ib < 8; ib++) {
         const uint16_t qh = u16_at(b + 34 + 2 * ib);
         const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1), delta = qh & 0x8000 ? -0.125f : 0.125f;
-        for (int l = 0; l < 4; l++) {
-            const int8_t *grid = iq1s_grid[b[2 + 4 * ib + l] | (((qh >> 3 * l) & 7) << 8)];
-            for (int j = 0; j < 8; j++) y[32 * ib + 8 * l + j] = dl * ((float)grid[j] + delta);
-        }
+        for (int l = 0; l < 4; l++)
+            put_iq1(y + 32 * ib + 8 * l, iq1s_grid[b[2 + 4 * ib + l] | (((qh >> 3 * l) & 7) << 8)], dl, delta);
     }
 }
+
+void dec_iq1_m(const uint8_t *restrict b, float *restrict y) { /* qs: b, qh: b + 32, scales: b + 48 */
+    const uint8_t *sc = b + 48;
+    const uint16_t s0 = u16_at(sc), s1 = u16_at(sc + 2), s2 = u16_at(sc + 4), s3 = u16_at(sc + 6);
+    const uint16_t scale = (uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000));
+    const uint8_t scale_bytes[2] = {(uint8_t)(scale & 255), (uint8_t)(scale >> 8)};
+    const float d = f16(scale_bytes);
+    for (int k = 0; k < 32; k++) { /* values 8k..8k + 7: qh's nibble k, 3-bit scale k / 2 */
+        const int h = (b[32 + k / 2] >> 4 * (k % 2)) & 15;
+        const float dl = d * (float)(2 * ((u16_at(sc + 2 * (k / 8)) >> 3 * (k / 2 % 4)) & 7) + 1);
+        put_iq1(y + 8 * k, iq1s_grid[b[k] | (h & 7) << 8], dl, h & 8 ? -0.125f : 0.125f);
+    }
+}
+
+void dec_iq4_nl(const uint8_t *restrict b, float *restrict y) { put_nibbles32(y, b + 2, f16(b)); }
 
 void dec_iq4_xs(const uint8_t *restrict b, float *restrict y) {
     const float d = f16(b);
     const uint16_t high = u16_at(b + 2);
     for (int ib = 0; ib < 8; ib++) {
         const int ls = ((b[4 + ib / 2] >> 4 * (ib & 1)) & 15) | (((high >> 2 * ib) & 3) << 4);
-        const float dl = d * (float)(ls - 32);
-        const uint8_t *qs = b + 8 + 16 * ib;
-        for (int j = 0; j < 16; j++) {
-            y[32 * ib + j] = dl * (float)iq4nl_values[qs[j] & 15];
-            y[32 * ib + 16 + j] = dl * (float)iq4nl_values[qs[j] >> 4];
-        }
+        put_nibbles32(y + 32 * ib, b + 8 + 16 * ib, d * (float)(ls - 32));
     }
+}
+
+void dec_tq1_0(const uint8_t *restrict b, float *restrict y) { /* value order as tq1_0_generic's */
+    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+    const float d = f16(b + 52);
+    for (int l = 0; l < 5; l++) {
+        for (int m = 0; m < 32; m++) y[32 * l + m] = d * (float)trit(b[m], pow3[l]);
+        for (int m = 0; m < 16; m++) y[160 + 16 * l + m] = d * (float)trit(b[32 + m], pow3[l]);
+    }
+    for (int l = 0; l < 4; l++)
+        for (int j = 0; j < 4; j++) y[240 + 4 * l + j] = d * (float)trit(b[48 + j], pow3[l]);
 }
 
 void dec_tq2_0(const uint8_t *restrict b, float *restrict y) { /* bits 2l of byte 32j + k: value 128j + 32l + k */
