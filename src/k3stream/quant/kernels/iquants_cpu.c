@@ -27,7 +27,27 @@ static uint8_t ksigns[128];     /* 7 sign bits, the eighth their parity (ggml's 
 static uint64_t sign_bytes[256]; /* bit j of the index set: byte j is -1, else +1 (for _mm256_sign_epi8) */
 static uint64_t even_signs[128]; /* sign_bytes of ksigns */
 static int32_t group_signs[16][8] __attribute__((aligned(32))); /* bit g of the index set: lanes 2g, 2g + 1 are -1, else +1 */
+/* the grids as floats and each sign byte as lane masks, for the float decoders' 8-lane loads */
+static float iq2xxs_floats[256][8] __attribute__((aligned(32))), iq2xs_floats[512][8] __attribute__((aligned(32)));
+static float iq2s_floats[1024][8] __attribute__((aligned(32))), iq1s_floats[2048][8] __attribute__((aligned(32)));
+static float iq3xxs_floats[256][4] __attribute__((aligned(16))), iq3s_floats[512][4] __attribute__((aligned(16)));
+static uint32_t sign_masks[256][8] __attribute__((aligned(32))); /* bit j of the index set: lane j 1 << 31 */
 static int grids_set;
+
+static void widen(const uint8_t *from, float *to, int n) {
+    for (int i = 0; i < n; i++) to[i] = (float)from[i];
+}
+
+static void widen_float_grids(void) {
+    widen(&iq2xxs_grid[0][0], &iq2xxs_floats[0][0], 256 * 8);
+    widen(&iq2xs_grid[0][0], &iq2xs_floats[0][0], 512 * 8);
+    widen(&iq2s_grid[0][0], &iq2s_floats[0][0], 1024 * 8);
+    widen(&iq3xxs_grid[0][0], &iq3xxs_floats[0][0], 256 * 4);
+    widen(&iq3s_grid[0][0], &iq3s_floats[0][0], 512 * 4);
+    for (int i = 0; i < 2048 * 8; i++) (&iq1s_floats[0][0])[i] = (float)(&iq1s_grid[0][0])[i];
+    for (int i = 0; i < 256; i++)
+        for (int j = 0; j < 8; j++) sign_masks[i][j] = (uint32_t)((i >> j) & 1) << 31;
+}
 
 typedef struct {
     void *to;
@@ -63,6 +83,7 @@ PyObject *py_set_iq_grids(PyObject *self, PyObject *args) {
     for (int i = 0; i < 128; i++) even_signs[i] = sign_bytes[ksigns[i]];
     for (int i = 0; i < 16; i++)
         for (int lane = 0; lane < 8; lane++) group_signs[i][lane] = (i >> (lane / 2)) & 1 ? -1 : 1;
+    widen_float_grids();
     grids_set = 1;
     Py_RETURN_NONE;
 }
@@ -320,27 +341,52 @@ INLINE float mxfp4_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks)
 /* ---- float decoders: one block's values as gguf's dequantize (and k3stream.quant's) computes them,
  * for the float tile path (ggml_cpu.c's ROW_KERNEL) and decode_row ------------------------------- */
 
-/* eight values db * grid[j], value j negated where bit j of `signs` is set (exact negation, no branch) */
-INLINE void put_signed8(float *restrict y, const uint8_t *grid, float db, uint8_t signs) {
-    for (int j = 0; j < 8; j++) {
-        const float value = db * (float)grid[j];
-        uint32_t bits;
-        memcpy(&bits, &value, 4);
-        y[j] = bits_f32(bits ^ ((uint32_t)((signs >> j) & 1) << 31));
-    }
+/* a decoder built twice, for x86-64-v3 (AVX2, FMA: its 8-value helpers vectorize) and the baseline,
+ * picked once at load */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define DECODER __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define DECODER
+#endif
+
+/* 8 lanes (GCC's vector extensions: one AVX2 register in the x86-64-v3 build, two SSE ones else); each
+ * lane computes exactly the scalar expression, so the values do not depend on the build. The helpers
+ * returning them always inline: no call passes them, whatever the ABI says */
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float Floats8 __attribute__((vector_size(32)));
+typedef float Floats4 __attribute__((vector_size(16)));
+typedef uint32_t Words8 __attribute__((vector_size(32)));
+
+INLINE Floats8 floats8(const float *p) {
+    Floats8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
-/* the same for the IQ3 grids' two 4-value entries and one sign byte */
-INLINE void put_signed_pair(float *restrict y, const uint8_t *g1, const uint8_t *g2, float db, uint8_t signs) {
-    uint8_t grid[8];
-    memcpy(grid, g1, 4);
-    memcpy(grid + 4, g2, 4);
-    put_signed8(y, grid, db, signs);
+INLINE void store8(float *restrict y, Floats8 v) { memcpy(y, &v, sizeof v); }
+
+/* db times eight grid values, value j negated where bit j of `signs` is set (exact negation, no branch) */
+INLINE void put_signed(float *restrict y, Floats8 grid, float db, uint8_t signs) {
+    Words8 flip;
+    memcpy(&flip, sign_masks[signs], sizeof flip);
+    store8(y, (Floats8)((Words8)(db * grid) ^ flip));
 }
+
+/* the IQ3 grids' two 4-value entries as one run of eight (joined in registers: a store of each half
+ * and one wide load would stall on store forwarding) */
+INLINE Floats8 pair8(const float *g1, const float *g2) {
+    Floats4 low, high;
+    memcpy(&low, g1, sizeof low);
+    memcpy(&high, g2, sizeof high);
+    return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+
+/* IQ1_S, IQ1_M: 0.125, negative where bit 31 of `sign` is set (no branch: random bits would mislead one) */
+INLINE float iq1_delta(uint32_t sign) { return bits_f32(0x3E000000u | (sign & 0x80000000u)); }
 
 /* IQ1_S, IQ1_M: eight values dl * (grid[j] + delta) */
-INLINE void put_iq1(float *restrict y, const int8_t *grid, float dl, float delta) {
-    for (int j = 0; j < 8; j++) y[j] = dl * ((float)grid[j] + delta);
+INLINE void put_iq1(float *restrict y, const float *grid, float dl, float delta) {
+    store8(y, dl * (floats8(grid) + delta));
 }
 
 /* IQ4_NL, IQ4_XS: 32 values dl * iq4nl_values[code], low nibbles first */
@@ -354,86 +400,88 @@ INLINE void put_nibbles32(float *restrict y, const uint8_t *qs, float dl) {
 /* the IQ2 grids' run scale: d (0.5 + s) / 4, rounded as gguf's */
 INLINE float iq2_scale(float d, int s) { return d * (0.5f + (float)s) * 0.25f; }
 
-void dec_iq2_xxs(const uint8_t *restrict b, float *restrict y) {
+DECODER void dec_iq2_xxs(const uint8_t *restrict b, float *restrict y) {
     const float d = f16(b);
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t *run = b + 2 + 8 * ib;
         const uint32_t packed = u32_at(run + 4);
         const float db = iq2_scale(d, (int)(packed >> 28));
         for (int l = 0; l < 4; l++)
-            put_signed8(y + 32 * ib + 8 * l, iq2xxs_grid[run[l]], db, ksigns[(packed >> 7 * l) & 127]);
+            put_signed(y + 32 * ib + 8 * l, floats8(iq2xxs_floats[run[l]]), db, ksigns[(packed >> 7 * l) & 127]);
     }
 }
 
-void dec_iq2_xs(const uint8_t *restrict b, float *restrict y) {
+DECODER void dec_iq2_xs(const uint8_t *restrict b, float *restrict y) {
     const float d = f16(b);
     for (int ib = 0; ib < 8; ib++)
         for (int l = 0; l < 4; l++) {
             const uint16_t q = u16_at(b + 2 + 8 * ib + 2 * l);
             const float db = iq2_scale(d, (b[66 + ib] >> 4 * (l / 2)) & 15);
-            put_signed8(y + 32 * ib + 8 * l, iq2xs_grid[q & 511], db, ksigns[q >> 9]);
+            put_signed(y + 32 * ib + 8 * l, floats8(iq2xs_floats[q & 511]), db, ksigns[q >> 9]);
         }
 }
 
-void dec_iq2_s(const uint8_t *restrict b, float *restrict y) {
+DECODER void dec_iq2_s(const uint8_t *restrict b, float *restrict y) {
     const float d = f16(b);
     for (int ib = 0; ib < 8; ib++)
         for (int l = 0; l < 4; l++) {
             const int index = b[2 + 4 * ib + l] | ((b[66 + ib] << (8 - 2 * l)) & 0x300);
             const float db = iq2_scale(d, (b[74 + ib] >> 4 * (l / 2)) & 15);
-            put_signed8(y + 32 * ib + 8 * l, iq2s_grid[index], db, b[34 + 4 * ib + l]);
+            put_signed(y + 32 * ib + 8 * l, floats8(iq2s_floats[index]), db, b[34 + 4 * ib + l]);
         }
 }
 
-void dec_iq3_xxs(const uint8_t *restrict b, float *restrict y) {
+DECODER void dec_iq3_xxs(const uint8_t *restrict b, float *restrict y) {
     const float d = f16(b);
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t *q3 = b + 2 + 8 * ib;
         const uint32_t packed = u32_at(b + 66 + 4 * ib);
         const float db = d * (0.5f + (float)(packed >> 28)) * 0.5f;
         for (int l = 0; l < 4; l++)
-            put_signed_pair(y + 32 * ib + 8 * l, iq3xxs_grid[q3[2 * l]], iq3xxs_grid[q3[2 * l + 1]], db,
-                            ksigns[(packed >> 7 * l) & 127]);
+            put_signed(y + 32 * ib + 8 * l, pair8(iq3xxs_floats[q3[2 * l]], iq3xxs_floats[q3[2 * l + 1]]), db,
+                       ksigns[(packed >> 7 * l) & 127]);
     }
 }
 
-void dec_iq3_s(const uint8_t *restrict b, float *restrict y) {
+DECODER void dec_iq3_s(const uint8_t *restrict b, float *restrict y) {
     const float d = f16(b);
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t *qs = b + 2 + 8 * ib, qh = b[66 + ib];
         const float db = d * (float)(1 + 2 * ((b[106 + ib / 2] >> 4 * (ib & 1)) & 15));
         for (int l = 0; l < 4; l++)
-            put_signed_pair(y + 32 * ib + 8 * l, iq3s_grid[iq3_s_index(qs, qh, 2 * l)],
-                            iq3s_grid[iq3_s_index(qs, qh, 2 * l + 1)], db, b[74 + 4 * ib + l]);
+            put_signed(y + 32 * ib + 8 * l,
+                       pair8(iq3s_floats[iq3_s_index(qs, qh, 2 * l)], iq3s_floats[iq3_s_index(qs, qh, 2 * l + 1)]), db,
+                       b[74 + 4 * ib + l]);
     }
 }
 
-void dec_iq1_s(const uint8_t *restrict b, float *restrict y) {
+DECODER void dec_iq1_s(const uint8_t *restrict b, float *restrict y) {
     const float d = f16(b);
     for (int ib = 0; ib < 8; ib++) {
         const uint16_t qh = u16_at(b + 34 + 2 * ib);
-        const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1), delta = qh & 0x8000 ? -0.125f : 0.125f;
+        const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1), delta = iq1_delta((uint32_t)qh << 16);
         for (int l = 0; l < 4; l++)
-            put_iq1(y + 32 * ib + 8 * l, iq1s_grid[b[2 + 4 * ib + l] | (((qh >> 3 * l) & 7) << 8)], dl, delta);
+            put_iq1(y + 32 * ib + 8 * l, iq1s_floats[b[2 + 4 * ib + l] | (((qh >> 3 * l) & 7) << 8)], dl, delta);
     }
 }
 
-void dec_iq1_m(const uint8_t *restrict b, float *restrict y) { /* qs: b, qh: b + 32, scales: b + 48 */
+DECODER void dec_iq1_m(const uint8_t *restrict b, float *restrict y) { /* qs: b, qh: b + 32, scales: b + 48 */
     const uint8_t *sc = b + 48;
     const uint16_t s0 = u16_at(sc), s1 = u16_at(sc + 2), s2 = u16_at(sc + 4), s3 = u16_at(sc + 6);
     const uint16_t scale = (uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000));
     const uint8_t scale_bytes[2] = {(uint8_t)(scale & 255), (uint8_t)(scale >> 8)};
     const float d = f16(scale_bytes);
-    for (int k = 0; k < 32; k++) { /* values 8k..8k + 7: qh's nibble k, 3-bit scale k / 2 */
-        const int h = (b[32 + k / 2] >> 4 * (k % 2)) & 15;
-        const float dl = d * (float)(2 * ((u16_at(sc + 2 * (k / 8)) >> 3 * (k / 2 % 4)) & 7) + 1);
-        put_iq1(y + 8 * k, iq1s_grid[b[k] | (h & 7) << 8], dl, h & 8 ? -0.125f : 0.125f);
+    for (int g = 0; g < 16; g++) { /* values 16g..16g + 15: 3-bit scale g, qh byte g (a nibble per 8) */
+        const float dl = d * (float)(2 * ((u16_at(sc + 2 * (g / 4)) >> 3 * (g % 4)) & 7) + 1);
+        const int h = b[32 + g];
+        put_iq1(y + 16 * g, iq1s_floats[b[2 * g] | (h & 7) << 8], dl, iq1_delta((uint32_t)h << 28));
+        put_iq1(y + 16 * g + 8, iq1s_floats[b[2 * g + 1] | (h & 0x70) << 4], dl, iq1_delta((uint32_t)h << 24));
     }
 }
 
 void dec_iq4_nl(const uint8_t *restrict b, float *restrict y) { put_nibbles32(y, b + 2, f16(b)); }
 
-void dec_iq4_xs(const uint8_t *restrict b, float *restrict y) {
+DECODER void dec_iq4_xs(const uint8_t *restrict b, float *restrict y) {
     const float d = f16(b);
     const uint16_t high = u16_at(b + 2);
     for (int ib = 0; ib < 8; ib++) {
@@ -442,7 +490,7 @@ void dec_iq4_xs(const uint8_t *restrict b, float *restrict y) {
     }
 }
 
-void dec_tq1_0(const uint8_t *restrict b, float *restrict y) { /* value order as tq1_0_generic's */
+DECODER void dec_tq1_0(const uint8_t *restrict b, float *restrict y) { /* value order as tq1_0_generic's */
     static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
     const float d = f16(b + 52);
     for (int l = 0; l < 5; l++) {
@@ -453,7 +501,7 @@ void dec_tq1_0(const uint8_t *restrict b, float *restrict y) { /* value order as
         for (int j = 0; j < 4; j++) y[240 + 4 * l + j] = d * (float)trit(b[48 + j], pow3[l]);
 }
 
-void dec_tq2_0(const uint8_t *restrict b, float *restrict y) { /* bits 2l of byte 32j + k: value 128j + 32l + k */
+DECODER void dec_tq2_0(const uint8_t *restrict b, float *restrict y) { /* bits 2l of byte 32j + k: value 128j + 32l + k */
     const float d = f16(b + 64);
     for (int j = 0; j < 2; j++)
         for (int l = 0; l < 4; l++)
