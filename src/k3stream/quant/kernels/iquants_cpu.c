@@ -390,7 +390,29 @@ INLINE void put_iq1(float *restrict y, const float *grid, float dl, float delta)
 }
 
 /* IQ4_NL, IQ4_XS: 32 values dl * iq4nl_values[code], low nibbles first */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+__attribute__((target("avx2"))) static void put_nibbles32_avx2(float *restrict y, const uint8_t *qs, float dl) {
+    const __m128i values = _mm_loadu_si128((const __m128i *)iq4nl_values), nibble = _mm_set1_epi8(15);
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i half[2] = {_mm_shuffle_epi8(values, _mm_and_si128(q, nibble)),
+                             _mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(q, 4), nibble))};
+    const __m256 scale = _mm256_set1_ps(dl);
+    for (int h = 0; h < 2; h++)
+        for (int e = 0; e < 2; e++) {
+            const __m256i codes = _mm256_cvtepi8_epi32(e ? _mm_srli_si128(half[h], 8) : half[h]);
+            _mm256_storeu_ps(y + 16 * h + 8 * e, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(codes)));
+        }
+}
+#endif
+
 INLINE void put_nibbles32(float *restrict y, const uint8_t *qs, float dl) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx2")) { /* the same values, 8 at a time */
+        put_nibbles32_avx2(y, qs, dl);
+        return;
+    }
+#endif
     for (int j = 0; j < 16; j++) {
         y[j] = dl * (float)iq4nl_values[qs[j] & 15];
         y[16 + j] = dl * (float)iq4nl_values[qs[j] >> 4];
