@@ -1,6 +1,7 @@
 """Prefill and decode speed of k3stream and llama.cpp on the same mid-size tiny Kimi-K3 GGUF.
 
-    python benchmarks/bench_forward.py [--recipe f32|f16|audited] [--shape mid|wide|big] [--threads 2]
+    python benchmarks/bench_forward.py [--recipe f32|f16|audited|iq2_xxs|dynamic|...] [--shape mid|wide|big]
+        [--threads 2]
         [--prompt 128] [--decode 32] [--repeat 3] [--prefills 3]
         [--kernels auto|reference] [--match-ggml]
 
@@ -13,7 +14,7 @@ a quarter within a minute: alternating keeps both sides in the same weather; eac
 run's single prefill of half a second fell in a slow phase of a few seconds as often as not), and
 prints the median tokens/s of each and the ratio of the medians, k3stream/llama.cpp.
 `--kernels reference` runs k3stream's reference path (weights dequantized to float32 at load);
-`--match-ggml` quantizes k3stream's activations as llama.cpp does (integer Q2_K/Q3_K kernels).
+`--match-ggml` quantizes k3stream's activations as llama.cpp does (ggml's integer kernels).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from k3stream.gguf.writer import RECIPES
 
 SHAPES = {}
 SHAPES["mid"] = MID_SIZE = dict(
@@ -104,7 +107,7 @@ def bench_llama(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", default="f32", choices=["f32", "f16", "audited"])
+    parser.add_argument("--recipe", default="f32", choices=RECIPES, help="as make-tiny --recipe")
     parser.add_argument("--shape", default="mid", choices=sorted(SHAPES))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=128)

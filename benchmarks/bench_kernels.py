@@ -11,7 +11,7 @@ thread count), the physical limit of reading them from RAM, alternating with the
 The matrices together exceed the last-level cache, so both sides read from memory. Printed per type and
 thread count: both rates and the ratio; types with integer kernels (`cpu.Q8_TYPES`) also with `match_ggml`
 ("q8": activations quantized to Q8_K or Q8_0 as llama.cpp does). Also prints the reference path (dequantize,
-then matmul) once.
+then matmul) once. The i-quants and ternary types (which k3stream does not encode) take random valid blocks.
 
 `--iquants` (the i-quants, TQ1_0, TQ2_0 and MXFP4 on random valid blocks): the integer mat-vec GB/s
 (activations quantized to 8 bits in the call, as ggml does), the plain read's and llama.cpp's own: its
@@ -42,8 +42,12 @@ ROWS, COLS = 3072, 3584  # one Kimi-K3 expert's up (or gate) projection: expert_
 
 
 def matrices(qtype: GGMLQuantizationType, count: int) -> list[QWeight]:
-    values = np.random.default_rng(0).standard_normal((ROWS, COLS)).astype(np.float32)
-    data = torch.from_numpy(np.ascontiguousarray(quantize(values, qtype)).reshape(-1))
+    rng = np.random.default_rng(0)
+    if qtype in cpu.IQ_TYPES:  # types k3stream does not encode: random valid blocks
+        blocks = ggml_oracle.random_blocks(int(qtype), ROWS * COLS // GGML_QUANT_SIZES[qtype][0], rng)
+    else:
+        blocks = quantize(rng.standard_normal((ROWS, COLS)).astype(np.float32), qtype)
+    data = torch.from_numpy(np.ascontiguousarray(blocks).reshape(-1))
     return [QWeight(data.clone(), int(qtype), (ROWS, COLS)) for _ in range(count)]
 
 
@@ -102,8 +106,6 @@ def main() -> None:
     print(f"{args.experts} matrices of {ROWS} x {COLS}, one input row each; {each}")
     print(f"{'type':9s} {'threads':>7s} {'kernel GB/s':>11s} {'read GB/s':>9s} {'ratio':>6s} {'Gw/s':>6s}")
     for name in args.types.split(","):
-        if GGMLQuantizationType[name] in cpu.INTEGER_TYPES:
-            raise SystemExit(f"{name}: no float kernel, see --iquants")
         weights = matrices(GGMLQuantizationType[name], args.experts)
         total = sum(w.data.numel() for w in weights)
         words = [w.data.view(torch.int64) for w in weights]

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason=NO_C_KERNELS)
 CPU_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4]
 FLOATS = [T.F16, T.BF16, T.F32]
 # the types with integer kernels that k3stream.quant.quantize writes (the others: test_kernels_iquants.py)
-Q8_QUANTIZED = sorted(cpu.Q8_TYPES - cpu.INTEGER_TYPES - {16, 19, 23, 35})
+Q8_QUANTIZED = sorted(cpu.Q8_TYPES - cpu.IQ_TYPES)
 
 
 def weight(qt: T, rows: int, cols: int, seed: int = 0) -> QWeight:

@@ -137,12 +137,11 @@ def test_rows_do_not_depend_on_grouping_or_threads(qt):
 
 
 @pytest.mark.parametrize("qt", [int(t) for t in TYPES if t != T.MXFP4], ids=lambda t: T(t).name)
-def test_the_seam_takes_the_integer_kernels_under_match_ggml_and_a_float_path_else(qt):
+def test_the_seam_takes_the_integer_kernels_under_match_ggml_and_the_float_tile_path_else(qt):
     """`match_ggml`: the C integer kernels on ggml's 8-bit activations; float activations: the C float
-    tile path where the type has a decoder (`cpu.CPU_TYPES`), else the reference path; either is the
-    float product of the decoded matrix."""
+    tile path (a C decoder for every type), the float product of the decoded matrix."""
     assert kernel_for(qt, "cpu", 512, match_ggml=True) == "c"
-    assert kernel_for(qt, "cpu", 512) == ("c" if qt in cpu.CPU_TYPES else "reference")
+    assert kernel_for(qt, "cpu", 512) == "c"
     try:
         from k3stream.quant.types import row_bytes
 
@@ -168,9 +167,7 @@ def test_mxfp4_takes_its_integer_kernel_only_under_match_ggml():
     assert not np.array_equal(qmatmul(torch.from_numpy(x), weight).numpy(), product(T.MXFP4, w, x))
 
 
-@pytest.mark.parametrize(
-    "qt", sorted(cpu.CPU_TYPES & cpu.Q8_TYPES - {2, 8, 10, 11, 12, 14, 39}), ids=lambda t: T(t).name
-)
+@pytest.mark.parametrize("qt", [int(t) for t in TYPES], ids=lambda t: T(t).name)
 def test_the_float_decoders_give_gguf_dequantize_bit_for_bit(qt):
     """`decode_row` (the float tile path's decoder) of random valid blocks: gguf's values exactly."""
     elems = GGML_QUANT_SIZES[T(qt)][0]

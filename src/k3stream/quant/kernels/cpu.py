@@ -27,15 +27,14 @@ import torch
 # tensors its addresses point into are held in the third item for as long as the call is kept
 Call = tuple[Callable[..., Any], tuple, tuple]
 
-# GGML type ids with a C kernel on float activations (a decoder: also `decode_row`); IQ2_XXS, IQ1_S,
-# IQ4_XS and TQ2_0 by the float tile path only
-CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39, 16, 19, 23, 35})
-# ... with only integer kernels, as ggml's (`iquants_cpu.c`), taken with `q8_activations` (activations
-# quantized to Q8_K; IQ4_NL: Q8_0): IQ2_XS, IQ3_XXS, IQ4_NL, IQ3_S, IQ2_S, IQ1_M, TQ1_0
-INTEGER_TYPES = frozenset({17, 18, 20, 21, 22, 29, 34})
+# the i-quants and ternary types (`iquants_cpu.c`): on float activations by the float tile path (a C
+# decoder a type), with `q8_activations` by ggml's integer kernels
+IQ_TYPES = frozenset({16, 17, 18, 19, 20, 21, 22, 23, 29, 34, 35})
+# GGML type ids with a C kernel on float activations (a decoder: also `decode_row`)
+CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39}) | IQ_TYPES
 # ... and with integer kernels on 8-bit activations, as ggml's: Q8_K for Q2_K, Q3_K, Q4_K, Q6_K, the
 # i-quants but IQ4_NL and the ternary types, Q8_0 for Q4_0, Q8_0, IQ4_NL and MXFP4
-Q8_TYPES = frozenset({10, 11, 12, 14, 2, 8, 39, 16, 19, 23, 35}) | INTEGER_TYPES
+Q8_TYPES = frozenset({10, 11, 12, 14, 2, 8, 39}) | IQ_TYPES
 
 
 @functools.lru_cache(maxsize=1)

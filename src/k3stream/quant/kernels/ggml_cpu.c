@@ -362,7 +362,9 @@ INLINE float q8_q6_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict
     X(0, f32, 32, 128) X(1, f16, 32, 64) X(30, bf16, 32, 64) X(2, q4_0, 32, 18) X(3, q4_1, 32, 20)      \
     X(6, q5_0, 32, 22) X(7, q5_1, 32, 24) X(8, q8_0, 32, 34) X(39, mxfp4, 32, 17) X(10, q2_k, 256, 84)  \
     X(11, q3_k, 256, 110) X(12, q4_k, 256, 144) X(13, q5_k, 256, 176) X(14, q6_k, 256, 210)            \
-    X(16, iq2_xxs, 256, 66) X(19, iq1_s, 256, 50) X(23, iq4_xs, 256, 136) X(35, tq2_0, 256, 66)
+    X(16, iq2_xxs, 256, 66) X(17, iq2_xs, 256, 74) X(18, iq3_xxs, 256, 98) X(19, iq1_s, 256, 50)        \
+    X(20, iq4_nl, 32, 18) X(21, iq3_s, 256, 110) X(22, iq2_s, 256, 82) X(23, iq4_xs, 256, 136)          \
+    X(29, iq1_m, 256, 56) X(34, tq1_0, 256, 54) X(35, tq2_0, 256, 66)
 
 #define DEFINE_ROW_KERNEL(ID, NAME, ELEMS, BYTES) ROW_KERNEL(row_##NAME, dec_##NAME, ELEMS, BYTES)
 DECODED_TYPES(DEFINE_ROW_KERNEL)

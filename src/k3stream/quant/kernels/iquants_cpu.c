@@ -27,7 +27,27 @@ static uint8_t ksigns[128];     /* 7 sign bits, the eighth their parity (ggml's 
 static uint64_t sign_bytes[256]; /* bit j of the index set: byte j is -1, else +1 (for _mm256_sign_epi8) */
 static uint64_t even_signs[128]; /* sign_bytes of ksigns */
 static int32_t group_signs[16][8] __attribute__((aligned(32))); /* bit g of the index set: lanes 2g, 2g + 1 are -1, else +1 */
+/* the grids as floats and each sign byte as lane masks, for the float decoders' 8-lane loads */
+static float iq2xxs_floats[256][8] __attribute__((aligned(32))), iq2xs_floats[512][8] __attribute__((aligned(32)));
+static float iq2s_floats[1024][8] __attribute__((aligned(32))), iq1s_floats[2048][8] __attribute__((aligned(32)));
+static float iq3xxs_floats[256][4] __attribute__((aligned(16))), iq3s_floats[512][4] __attribute__((aligned(16)));
+static uint32_t sign_masks[256][8] __attribute__((aligned(32))); /* bit j of the index set: lane j 1 << 31 */
 static int grids_set;
+
+static void widen(const uint8_t *from, float *to, int n) {
+    for (int i = 0; i < n; i++) to[i] = (float)from[i];
+}
+
+static void widen_float_grids(void) {
+    widen(&iq2xxs_grid[0][0], &iq2xxs_floats[0][0], 256 * 8);
+    widen(&iq2xs_grid[0][0], &iq2xs_floats[0][0], 512 * 8);
+    widen(&iq2s_grid[0][0], &iq2s_floats[0][0], 1024 * 8);
+    widen(&iq3xxs_grid[0][0], &iq3xxs_floats[0][0], 256 * 4);
+    widen(&iq3s_grid[0][0], &iq3s_floats[0][0], 512 * 4);
+    for (int i = 0; i < 2048 * 8; i++) (&iq1s_floats[0][0])[i] = (float)(&iq1s_grid[0][0])[i];
+    for (int i = 0; i < 256; i++)
+        for (int j = 0; j < 8; j++) sign_masks[i][j] = (uint32_t)((i >> j) & 1) << 31;
+}
 
 typedef struct {
     void *to;
@@ -63,6 +83,7 @@ PyObject *py_set_iq_grids(PyObject *self, PyObject *args) {
     for (int i = 0; i < 128; i++) even_signs[i] = sign_bytes[ksigns[i]];
     for (int i = 0; i < 16; i++)
         for (int lane = 0; lane < 8; lane++) group_signs[i][lane] = (i >> (lane / 2)) & 1 ? -1 : 1;
+    widen_float_grids();
     grids_set = 1;
     Py_RETURN_NONE;
 }
@@ -270,6 +291,9 @@ INLINE float iq4_xs_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks)
     return sumf;
 }
 
+/* the ternary digit of byte q that multiplying by pow (a power of 3) brings to the top, less 1 */
+INLINE int trit(uint8_t q, uint8_t pow) { return ((((uint8_t)(q * pow)) * 3) >> 8) - 1; }
+
 INLINE float tq1_0_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
     static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
     float sumf = 0.0f;
@@ -277,11 +301,11 @@ INLINE float tq1_0_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) 
         const int8_t *q8 = y[i].qs;
         int sum = 0;
         for (int l = 0; l < 5; l++) { /* trit l of byte m: values 32l + m (bytes 0..31), 160 + 16l + m (32..47) */
-            for (int m = 0; m < 32; m++) sum += ((((uint8_t)(x[m] * pow3[l])) * 3 >> 8) - 1) * q8[32 * l + m];
-            for (int m = 0; m < 16; m++) sum += ((((uint8_t)(x[32 + m] * pow3[l])) * 3 >> 8) - 1) * q8[160 + 16 * l + m];
+            for (int m = 0; m < 32; m++) sum += trit(x[m], pow3[l]) * q8[32 * l + m];
+            for (int m = 0; m < 16; m++) sum += trit(x[32 + m], pow3[l]) * q8[160 + 16 * l + m];
         }
         for (int l = 0; l < 4; l++)
-            for (int j = 0; j < 4; j++) sum += ((((uint8_t)(x[48 + j] * pow3[l])) * 3 >> 8) - 1) * q8[240 + 4 * l + j];
+            for (int j = 0; j < 4; j++) sum += trit(x[48 + j], pow3[l]) * q8[240 + 4 * l + j];
         sumf = fmaf((float)sum, f16(x + 52) * y[i].d, sumf);
     }
     return sumf;
@@ -317,51 +341,189 @@ INLINE float mxfp4_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks)
 /* ---- float decoders: one block's values as gguf's dequantize (and k3stream.quant's) computes them,
  * for the float tile path (ggml_cpu.c's ROW_KERNEL) and decode_row ------------------------------- */
 
-void dec_iq2_xxs(const uint8_t *restrict b, float *restrict y) {
+/* a decoder built twice, for x86-64-v3 (AVX2, FMA: its 8-value helpers vectorize) and the baseline,
+ * picked once at load */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define DECODER __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define DECODER
+#endif
+
+/* 8 lanes (GCC's vector extensions: one AVX2 register in the x86-64-v3 build, two SSE ones else); each
+ * lane computes exactly the scalar expression, so the values do not depend on the build. The helpers
+ * returning them always inline: no call passes them, whatever the ABI says */
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float Floats8 __attribute__((vector_size(32)));
+typedef float Floats4 __attribute__((vector_size(16)));
+typedef uint32_t Words8 __attribute__((vector_size(32)));
+
+INLINE Floats8 floats8(const float *p) {
+    Floats8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE void store8(float *restrict y, Floats8 v) { memcpy(y, &v, sizeof v); }
+
+/* db times eight grid values, value j negated where bit j of `signs` is set (exact negation, no branch) */
+INLINE void put_signed(float *restrict y, Floats8 grid, float db, uint8_t signs) {
+    Words8 flip;
+    memcpy(&flip, sign_masks[signs], sizeof flip);
+    store8(y, (Floats8)((Words8)(db * grid) ^ flip));
+}
+
+/* the IQ3 grids' two 4-value entries as one run of eight (joined in registers: a store of each half
+ * and one wide load would stall on store forwarding) */
+INLINE Floats8 pair8(const float *g1, const float *g2) {
+    Floats4 low, high;
+    memcpy(&low, g1, sizeof low);
+    memcpy(&high, g2, sizeof high);
+    return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+
+/* IQ1_S, IQ1_M: 0.125, negative where bit 31 of `sign` is set (no branch: random bits would mislead one) */
+INLINE float iq1_delta(uint32_t sign) { return bits_f32(0x3E000000u | (sign & 0x80000000u)); }
+
+/* IQ1_S, IQ1_M: eight values dl * (grid[j] + delta) */
+INLINE void put_iq1(float *restrict y, const float *grid, float dl, float delta) {
+    store8(y, dl * (floats8(grid) + delta));
+}
+
+/* IQ4_NL, IQ4_XS: 32 values dl * iq4nl_values[code], low nibbles first */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+__attribute__((target("avx2"))) static void put_nibbles32_avx2(float *restrict y, const uint8_t *qs, float dl) {
+    const __m128i values = _mm_loadu_si128((const __m128i *)iq4nl_values), nibble = _mm_set1_epi8(15);
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i half[2] = {_mm_shuffle_epi8(values, _mm_and_si128(q, nibble)),
+                             _mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(q, 4), nibble))};
+    const __m256 scale = _mm256_set1_ps(dl);
+    for (int h = 0; h < 2; h++)
+        for (int e = 0; e < 2; e++) {
+            const __m256i codes = _mm256_cvtepi8_epi32(e ? _mm_srli_si128(half[h], 8) : half[h]);
+            _mm256_storeu_ps(y + 16 * h + 8 * e, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(codes)));
+        }
+}
+#endif
+
+INLINE void put_nibbles32(float *restrict y, const uint8_t *qs, float dl) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx2")) { /* the same values, 8 at a time */
+        put_nibbles32_avx2(y, qs, dl);
+        return;
+    }
+#endif
+    for (int j = 0; j < 16; j++) {
+        y[j] = dl * (float)iq4nl_values[qs[j] & 15];
+        y[16 + j] = dl * (float)iq4nl_values[qs[j] >> 4];
+    }
+}
+
+/* the IQ2 grids' run scale: d (0.5 + s) / 4, rounded as gguf's */
+INLINE float iq2_scale(float d, int s) { return d * (0.5f + (float)s) * 0.25f; }
+
+DECODER void dec_iq2_xxs(const uint8_t *restrict b, float *restrict y) {
     const float d = f16(b);
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t *run = b + 2 + 8 * ib;
         const uint32_t packed = u32_at(run + 4);
-        const float db = d * (0.5f + (float)(packed >> 28)) * 0.25f;
-        for (int l = 0; l < 4; l++) {
-            const uint8_t signs = ksigns[(packed >> 7 * l) & 127];
-            for (int j = 0; j < 8; j++) { /* the sign bit flipped: exact negation, and no branch */
-                const float value = db * (float)iq2xxs_grid[run[l]][j];
-                uint32_t bits;
-                memcpy(&bits, &value, 4);
-                y[32 * ib + 8 * l + j] = bits_f32(bits ^ ((uint32_t)((signs >> j) & 1) << 31));
-            }
-        }
+        const float db = iq2_scale(d, (int)(packed >> 28));
+        for (int l = 0; l < 4; l++)
+            put_signed(y + 32 * ib + 8 * l, floats8(iq2xxs_floats[run[l]]), db, ksigns[(packed >> 7 * l) & 127]);
     }
 }
 
-void dec_iq1_s(const uint8_t *restrict b, float *restrict y) {
+DECODER void dec_iq2_xs(const uint8_t *restrict b, float *restrict y) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++)
+        for (int l = 0; l < 4; l++) {
+            const uint16_t q = u16_at(b + 2 + 8 * ib + 2 * l);
+            const float db = iq2_scale(d, (b[66 + ib] >> 4 * (l / 2)) & 15);
+            put_signed(y + 32 * ib + 8 * l, floats8(iq2xs_floats[q & 511]), db, ksigns[q >> 9]);
+        }
+}
+
+DECODER void dec_iq2_s(const uint8_t *restrict b, float *restrict y) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++)
+        for (int l = 0; l < 4; l++) {
+            const int index = b[2 + 4 * ib + l] | ((b[66 + ib] << (8 - 2 * l)) & 0x300);
+            const float db = iq2_scale(d, (b[74 + ib] >> 4 * (l / 2)) & 15);
+            put_signed(y + 32 * ib + 8 * l, floats8(iq2s_floats[index]), db, b[34 + 4 * ib + l]);
+        }
+}
+
+DECODER void dec_iq3_xxs(const uint8_t *restrict b, float *restrict y) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *q3 = b + 2 + 8 * ib;
+        const uint32_t packed = u32_at(b + 66 + 4 * ib);
+        const float db = d * (0.5f + (float)(packed >> 28)) * 0.5f;
+        for (int l = 0; l < 4; l++)
+            put_signed(y + 32 * ib + 8 * l, pair8(iq3xxs_floats[q3[2 * l]], iq3xxs_floats[q3[2 * l + 1]]), db,
+                       ksigns[(packed >> 7 * l) & 127]);
+    }
+}
+
+DECODER void dec_iq3_s(const uint8_t *restrict b, float *restrict y) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *qs = b + 2 + 8 * ib, qh = b[66 + ib];
+        const float db = d * (float)(1 + 2 * ((b[106 + ib / 2] >> 4 * (ib & 1)) & 15));
+        for (int l = 0; l < 4; l++)
+            put_signed(y + 32 * ib + 8 * l,
+                       pair8(iq3s_floats[iq3_s_index(qs, qh, 2 * l)], iq3s_floats[iq3_s_index(qs, qh, 2 * l + 1)]), db,
+                       b[74 + 4 * ib + l]);
+    }
+}
+
+DECODER void dec_iq1_s(const uint8_t *restrict b, float *restrict y) {
     const float d = f16(b);
     for (int ib = 0; ib < 8; ib++) {
         const uint16_t qh = u16_at(b + 34 + 2 * ib);
-        const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1), delta = qh & 0x8000 ? -0.125f : 0.125f;
-        for (int l = 0; l < 4; l++) {
-            const int8_t *grid = iq1s_grid[b[2 + 4 * ib + l] | (((qh >> 3 * l) & 7) << 8)];
-            for (int j = 0; j < 8; j++) y[32 * ib + 8 * l + j] = dl * ((float)grid[j] + delta);
-        }
+        const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1), delta = iq1_delta((uint32_t)qh << 16);
+        for (int l = 0; l < 4; l++)
+            put_iq1(y + 32 * ib + 8 * l, iq1s_floats[b[2 + 4 * ib + l] | (((qh >> 3 * l) & 7) << 8)], dl, delta);
     }
 }
 
-void dec_iq4_xs(const uint8_t *restrict b, float *restrict y) {
+DECODER void dec_iq1_m(const uint8_t *restrict b, float *restrict y) { /* qs: b, qh: b + 32, scales: b + 48 */
+    const uint8_t *sc = b + 48;
+    const uint16_t s0 = u16_at(sc), s1 = u16_at(sc + 2), s2 = u16_at(sc + 4), s3 = u16_at(sc + 6);
+    const uint16_t scale = (uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000));
+    const uint8_t scale_bytes[2] = {(uint8_t)(scale & 255), (uint8_t)(scale >> 8)};
+    const float d = f16(scale_bytes);
+    for (int g = 0; g < 16; g++) { /* values 16g..16g + 15: 3-bit scale g, qh byte g (a nibble per 8) */
+        const float dl = d * (float)(2 * ((u16_at(sc + 2 * (g / 4)) >> 3 * (g % 4)) & 7) + 1);
+        const int h = b[32 + g];
+        put_iq1(y + 16 * g, iq1s_floats[b[2 * g] | (h & 7) << 8], dl, iq1_delta((uint32_t)h << 28));
+        put_iq1(y + 16 * g + 8, iq1s_floats[b[2 * g + 1] | (h & 0x70) << 4], dl, iq1_delta((uint32_t)h << 24));
+    }
+}
+
+void dec_iq4_nl(const uint8_t *restrict b, float *restrict y) { put_nibbles32(y, b + 2, f16(b)); }
+
+DECODER void dec_iq4_xs(const uint8_t *restrict b, float *restrict y) {
     const float d = f16(b);
     const uint16_t high = u16_at(b + 2);
     for (int ib = 0; ib < 8; ib++) {
         const int ls = ((b[4 + ib / 2] >> 4 * (ib & 1)) & 15) | (((high >> 2 * ib) & 3) << 4);
-        const float dl = d * (float)(ls - 32);
-        const uint8_t *qs = b + 8 + 16 * ib;
-        for (int j = 0; j < 16; j++) {
-            y[32 * ib + j] = dl * (float)iq4nl_values[qs[j] & 15];
-            y[32 * ib + 16 + j] = dl * (float)iq4nl_values[qs[j] >> 4];
-        }
+        put_nibbles32(y + 32 * ib, b + 8 + 16 * ib, d * (float)(ls - 32));
     }
 }
 
-void dec_tq2_0(const uint8_t *restrict b, float *restrict y) { /* bits 2l of byte 32j + k: value 128j + 32l + k */
+DECODER void dec_tq1_0(const uint8_t *restrict b, float *restrict y) { /* value order as tq1_0_generic's */
+    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+    const float d = f16(b + 52);
+    for (int l = 0; l < 5; l++) {
+        for (int m = 0; m < 32; m++) y[32 * l + m] = d * (float)trit(b[m], pow3[l]);
+        for (int m = 0; m < 16; m++) y[160 + 16 * l + m] = d * (float)trit(b[32 + m], pow3[l]);
+    }
+    for (int l = 0; l < 4; l++)
+        for (int j = 0; j < 4; j++) y[240 + 4 * l + j] = d * (float)trit(b[48 + j], pow3[l]);
+}
+
+DECODER void dec_tq2_0(const uint8_t *restrict b, float *restrict y) { /* bits 2l of byte 32j + k: value 128j + 32l + k */
     const float d = f16(b + 64);
     for (int j = 0; j < 2; j++)
         for (int l = 0; l < 4; l++)

@@ -59,10 +59,17 @@ INLINE void prefetch_ahead(const uint8_t *at, int64_t bytes) {
 /* ggml's integer kernels of the i-quants, ternary types and MXFP4 on 8-bit activations (`iquants_cpu.c`):
  * a type's row kernel (NULL: none) and whether its activations are Q8_0 (else Q8_K) blocks */
 RowKernel iq_q8_kernel(int ggml_type, int avx2);
-/* ... and the float decoders of those that have one (ggml_cpu.c's DECODED_TYPES): one block into y */
+/* ... and their float decoders (ggml_cpu.c's DECODED_TYPES): one block into y */
 void dec_iq2_xxs(const uint8_t *restrict b, float *restrict y);
+void dec_iq2_xs(const uint8_t *restrict b, float *restrict y);
+void dec_iq2_s(const uint8_t *restrict b, float *restrict y);
+void dec_iq3_xxs(const uint8_t *restrict b, float *restrict y);
+void dec_iq3_s(const uint8_t *restrict b, float *restrict y);
 void dec_iq1_s(const uint8_t *restrict b, float *restrict y);
+void dec_iq1_m(const uint8_t *restrict b, float *restrict y);
+void dec_iq4_nl(const uint8_t *restrict b, float *restrict y);
 void dec_iq4_xs(const uint8_t *restrict b, float *restrict y);
+void dec_tq1_0(const uint8_t *restrict b, float *restrict y);
 void dec_tq2_0(const uint8_t *restrict b, float *restrict y);
 int iq_q8_0_activations(int ggml_type);
 

@@ -102,9 +102,8 @@ def kernel_for(
 ) -> str:
     """Which path a product on `device` takes: "torch" (F32), "c", "triton" or "reference".
 
-    The C kernels read F16/BF16 rows 32 values at a time: other widths take the reference path. The
-    i-quants and ternary types (`cpu.INTEGER_TYPES`) have only ggml's integer kernels on 8-bit
-    activations: "c" under `match_ggml`, else the reference path (float activations).
+    The C kernels read F16/BF16 rows 32 values at a time: other widths take the reference path.
+    `match_ggml` picks between a type's C kernels (float or 8-bit activations), not the path.
     """
     if ggml_type == F32:
         return "torch"
@@ -113,8 +112,7 @@ def kernel_for(
 
         return "triton" if gpu.available() and ggml_type in gpu.SUPPORTED_GPU_TYPES else "reference"
     whole_tiles = ggml_type not in FLOAT_WIDTH_TYPES or in_features % 32 == 0
-    has_kernel = ggml_type in cpu.CPU_TYPES or (match_ggml and ggml_type in cpu.INTEGER_TYPES)
-    return "c" if cpu.available() and has_kernel and whole_tiles else "reference"
+    return "c" if cpu.available() and ggml_type in cpu.CPU_TYPES and whole_tiles else "reference"
 
 
 def note_fallbacks(types: set[int], device: torch.device | str) -> list[str]:
