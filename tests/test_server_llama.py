@@ -48,6 +48,7 @@ def server(served):
 @pytest.fixture(scope="module")
 def llama_vocab(model_path):
     import llama_cpp  # its tests are `requires_llama`
+
     return llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
 
 
