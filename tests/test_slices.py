@@ -98,7 +98,7 @@ def test_k3stream_loads_and_runs_the_slice(slice_file):
 def test_the_slice_against_llama_cpp(slice_file, tmp_path):
     """The quantized slice itself against llama.cpp, held as the quantized files are
     (`test_model.test_audited_two_layers_directly_against_llama`, 3e-2, match_ggml)."""
-    model = k3stream.load(slice_file[0], match_ggml=True)
+    model = k3stream.load(slice_file[0], k3stream.LoadOptions(match_ggml=True))
     tokens = tokens_for(1, model.config.vocab_size, 24)
     (reference,) = llama_logits([(slice_file[0], tokens)], tmp_path, n_threads=2)
     assert relative_error(model.logits(tokens).numpy(), reference) <= 3e-2
@@ -124,7 +124,7 @@ def test_release_recipes_quantize_every_matrix_but_the_router(tiny_model, recipe
 @pytest.mark.parametrize("recipe", RELEASE_RECIPES)
 def test_release_recipes_against_llama_cpp(tiny_model, tmp_path, recipe):
     path = tiny_model(recipe=recipe, **SMALL_DIMS, n_layers=2, mla_layers=(1,), seed=1)
-    model = k3stream.load(path, match_ggml=True)
+    model = k3stream.load(path, k3stream.LoadOptions(match_ggml=True))
     tokens = tokens_for(1, model.config.vocab_size, 40)
     (reference,) = llama_logits([(path, tokens)], tmp_path)
     assert relative_error(model.logits(tokens).numpy(), reference) <= 3e-2
