@@ -44,31 +44,34 @@ def test_a_slice_outside_the_model_is_refused():
         like("kimi-k3", 94)
 
 
-# the command in a child that prints its own peak resident set (KiB) when done
+# the command in a child that prints the peak of what it allocated (bytes; numpy's buffers included) when
+# done: the resident set would also count what the allocator keeps and file pages, which the machine's
+# load decides
 WRITE_SLICE = """
-import resource, sys
+import sys, tracemalloc
+tracemalloc.start()
 from k3stream.cli import main
 assert main(["make-tiny", *sys.argv[1:]]) == 0
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(tracemalloc.get_traced_memory()[1])
 """
 
 
 @pytest.fixture(scope="module")
 def slice_file(tmp_path_factory):
-    """A 2-layer slice written by the command in a child, with the child's peak resident set."""
+    """A 2-layer slice written by the command in a child, with the child's peak allocation."""
     out = tmp_path_factory.mktemp("slice")
     done = subprocess.run(
         [sys.executable, "-c", WRITE_SLICE, str(out), *SLICE_ARGS], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    return out / "tiny-kimi-k3.gguf", int(done.stdout.split()[-1]) * 1024
+    return out / "tiny-kimi-k3.gguf", int(done.stdout.split()[-1])
 
 
 def test_the_slice_is_written_in_constant_memory(slice_file):
     path, peak = slice_file
     size = path.stat().st_size
     assert size > 1.3e9
-    assert peak < 400 << 20, f"peak resident set {peak >> 20} MiB writing {size >> 20} MiB"
+    assert peak < 256 << 20, f"peak allocation {peak >> 20} MiB writing {size >> 20} MiB"
 
 
 def test_the_slice_takes_release_types_and_decodes_to_moderate_values(slice_file):
