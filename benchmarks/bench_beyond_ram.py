@@ -1,11 +1,12 @@
 """k3stream against llama.cpp on a model several times larger than a memory limit.
 
-    python benchmarks/bench_beyond_ram.py [--limit 1.5GiB] [--ratio 2.5] [--cache-dir DIR]
+    python benchmarks/bench_beyond_ram.py [--limit 1.5GiB] [--ratio 2.5] [--recipe R] [--cache-dir DIR]
 
-Writes (or reuses, in --cache-dir) an audited-recipe tiny model with the real model's sparsity (512
-experts top-8: top-k / experts = 1.6%) and enough MoE layers to be >= --ratio x the limit, packs it,
-then runs each contender alone in a child memory cgroup (created under this process's own cgroup, limit
---limit) after dropping the model files' page cache:
+Writes (or reuses, in --cache-dir) a tiny model with the real model's sparsity (512 experts top-8:
+top-k / experts = 1.6%) and enough MoE layers for its audited-recipe experts to be >= --ratio x the
+limit, in --recipe (audited, or the i-quant `iq2_xxs` / `iq1_s` experts at the same parameter count),
+packs it, then runs each contender alone in a child memory cgroup (created under this process's own
+cgroup, limit --limit) after dropping the model files' page cache:
 
 - llama.cpp (llama-cpp-python, mmap, CPU) as users run it;
 - k3stream with experts streaming from the pack, sized by `--memory-limit` (the same limit).
@@ -46,17 +47,19 @@ SHAPE = dict(
     qk_nope=32,
 )
 OBJECT_BYTES = 1024 * 1024 // 256 * (84 + 84 + 110)  # up + gate (Q2_K), down (Q3_K)
+RECIPES = ("audited", "iq2_xxs", "iq1_s")  # iq1_s: IQ1_S gate and up, IQ1_M down
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "k3stream-beyond-ram"
 
 # ---- the model --------------------------------------------------------------------------------------
 
 
-def model_spec(limit: int, ratio: float, layers: int | None = None) -> TinySpec:
-    """The issue's shape with enough MoE layers (after one dense layer) for >= ratio x limit of experts."""
+def model_spec(limit: int, ratio: float, layers: int | None = None, recipe: str = "audited") -> TinySpec:
+    """The issue's shape in `recipe` with enough MoE layers (after one dense layer) for audited
+    experts of >= ratio x limit: every recipe has the same parameter count."""
     if layers is None:
         moe_layers = max(1, math.ceil(ratio * limit / (SHAPE["n_experts"] * OBJECT_BYTES)))
         layers = moe_layers + 1
-    return TinySpec(n_layers=max(layers, 2), **SHAPE)
+    return TinySpec(n_layers=max(layers, 2), **{**SHAPE, "recipe": recipe})
 
 
 def ensure_model(spec: TinySpec, cache_dir: Path) -> tuple[Path, Path]:
@@ -66,7 +69,8 @@ def ensure_model(spec: TinySpec, cache_dir: Path) -> tuple[Path, Path]:
     from k3stream.testing.tiny import make_tiny
 
     key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
-    directory = cache_dir / f"L{spec.n_layers}-E{spec.n_experts}-{key}"
+    recipe = "" if spec.recipe == "audited" else f"{spec.recipe}-"
+    directory = cache_dir / f"{recipe}L{spec.n_layers}-E{spec.n_experts}-{key}"
     gguf = shard_paths(directory, spec.shards)[0]
     manifest = gguf.with_name(gguf.stem + ".expert-major.pack.manifest.json")
     if not gguf.is_file():
@@ -351,6 +355,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--ratio", type=float, default=2.5, help="model bytes / limit, at least (%(default)s)"
     )
+    parser.add_argument(
+        "--recipe", choices=RECIPES, default="audited", help="the model's quantization (%(default)s)"
+    )
     parser.add_argument("--layers", type=int, default=None, help="model layers (default: from --ratio)")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="models (default %(default)s)")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="default %(default)s")
@@ -374,13 +381,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_beyond_ram: skipped: {probe}")
         return 0
     probe.remove()
-    spec = model_spec(args.limit_bytes, args.ratio, args.layers)
+    spec = model_spec(args.limit_bytes, args.ratio, args.layers, args.recipe)
     gguf, manifest = ensure_model(spec, args.cache_dir)
     files = model_files(gguf, manifest)
     model_bytes = sum(path.stat().st_size for path in files[:1])
     print(
-        f"model {gguf}: {format_size(model_bytes)}, {spec.n_layers} layers, {spec.n_experts} experts "
-        f"top-{spec.top_k}; limit {format_size(args.limit_bytes)} ({model_bytes / args.limit_bytes:.1f}x); "
+        f"model {gguf} ({spec.recipe}): {format_size(model_bytes)}, {spec.n_layers} layers, "
+        f"{spec.n_experts} experts top-{spec.top_k}; limit {format_size(args.limit_bytes)} "
+        f"({model_bytes / args.limit_bytes:.1f}x); "
         f"{args.prompt_tokens}-token prompt, {args.decode_tokens} greedy decode steps, "
         f"{args.threads} threads",
         flush=True,
