@@ -62,15 +62,20 @@ def model_spec(limit: int, ratio: float, layers: int | None = None, recipe: str 
     return TinySpec(n_layers=max(layers, 2), **{**SHAPE, "recipe": recipe})
 
 
+def model_directory(spec: TinySpec, cache_dir: Path) -> Path:
+    """Where `spec` is cached: named by its recipe (but audited), layers, experts and a hash of it."""
+    key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
+    recipe = "" if spec.recipe == "audited" else f"{spec.recipe}-"
+    return cache_dir / f"{recipe}L{spec.n_layers}-E{spec.n_experts}-{key}"
+
+
 def ensure_model(spec: TinySpec, cache_dir: Path) -> tuple[Path, Path]:
     """`(gguf, manifest)` for `spec` in `cache_dir`, written and packed unless already there."""
     from k3stream.gguf.writer import shard_paths
     from k3stream.pack.builder import BuildOptions, build_pack
     from k3stream.testing.tiny import make_tiny
 
-    key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
-    recipe = "" if spec.recipe == "audited" else f"{spec.recipe}-"
-    directory = cache_dir / f"{recipe}L{spec.n_layers}-E{spec.n_experts}-{key}"
+    directory = model_directory(spec, cache_dir)
     gguf = shard_paths(directory, spec.shards)[0]
     manifest = gguf.with_name(gguf.stem + ".expert-major.pack.manifest.json")
     if not gguf.is_file():

@@ -95,6 +95,19 @@ def test_model_is_at_least_ratio_times_the_limit():
         assert spec.top_k / spec.n_experts <= 0.02
 
 
+def test_i_quant_recipes_have_the_same_parameters_and_their_own_cache(tmp_path):
+    bench = _bench_module()
+    audited = bench.model_spec(1536 * MIB, 2.5)
+    directories = {bench.model_directory(audited, tmp_path).name}
+    for recipe in ("iq2_xxs", "iq1_s"):
+        spec = bench.model_spec(1536 * MIB, 2.5, recipe=recipe)
+        assert spec.recipe == recipe and spec.n_layers == audited.n_layers
+        assert (spec.hidden, spec.expert_ff) == (audited.hidden, audited.expert_ff)
+        directory = bench.model_directory(spec, tmp_path).name
+        assert directory.startswith(recipe) and directory not in directories
+        directories.add(directory)
+
+
 def test_table_and_ratios():
     bench = _bench_module()
     llama = {"prefill_tok_s": 10.0, "decode_tok_s": 1.0, "read_bytes": 4e9, "decode_read_per_token": 5e8}
