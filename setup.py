@@ -9,8 +9,11 @@ setup(
     ext_modules=[
         Extension(
             "k3stream.quant.kernels._ggml_cpu",
-            ["src/k3stream/quant/kernels/ggml_cpu.c", "src/k3stream/quant/kernels/steps_cpu.c",
-             "src/k3stream/quant/kernels/iquants_cpu.c"],
+            [
+                "src/k3stream/quant/kernels/ggml_cpu.c",
+                "src/k3stream/quant/kernels/steps_cpu.c",
+                "src/k3stream/quant/kernels/iquants_cpu.c",
+            ],
             depends=["src/k3stream/quant/kernels/kernels.h"],
             # -fno-trapping-math: a loop computing both sides of a select (the activation's polynomials)
             # may vectorize; no result changes (nothing reassociates, no FP exception is ever read)
