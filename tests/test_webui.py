@@ -7,6 +7,7 @@ Skipped with the reason when the browser, its driver or selenium is missing.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import time
@@ -47,7 +48,7 @@ def _browser_or_skip() -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def browser():
+def browser(tmp_path_factory):
     chromium, driver_path = _browser_or_skip()
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
@@ -57,7 +58,11 @@ def browser():
     options.binary_location = chromium
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,860"):
         options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    # Chromium's profile, singleton socket and chromedriver's scoped dirs go under pytest's tmp folder
+    scratch = tmp_path_factory.mktemp("chromium")
+    options.add_argument(f"--user-data-dir={scratch / 'profile'}")
+    service = Service(driver_path, env={**os.environ, "TMPDIR": str(scratch)})
+    driver = webdriver.Chrome(service=service, options=options)
     yield driver
     driver.quit()
 
