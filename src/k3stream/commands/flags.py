@@ -217,9 +217,10 @@ def load_options(args: argparse.Namespace, expert_ram_mib: float, device: str = 
         prefetch_hint=args.prefetch_hint,
     )
     if getattr(args, "match_ggml", False) and not options.ggml_arithmetic:
+        where = f"products on {device}" if options.device != "cpu" else f"weights re-typed to {dtype}"
         raise ValueError(
-            f"--match-ggml is llama.cpp's CPU arithmetic on the GGUF's types: not on device {device} with "
-            f"--dtype {dtype}, whose products take float32 activations (use --device cpu --dtype float32)"
+            f"--match-ggml is llama.cpp's CPU arithmetic on the GGUF's types: {where} take float32 "
+            "activations (use --device cpu and --dtype float32, or drop --match-ggml)"
         )
     return options
 
