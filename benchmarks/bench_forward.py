@@ -3,7 +3,7 @@
     python benchmarks/bench_forward.py [--recipe f32|f16|audited|iq2_xxs|dynamic|...] [--shape mid|wide|big]
         [--threads 2]
         [--prompt 128] [--decode 32] [--repeat 3] [--prefills 3]
-        [--kernels auto|reference] [--match-ggml]
+        [--kernels auto|reference] [--float-activations]
 
 Writes the model with `k3stream.testing.tiny` (`mid`: hidden 1024, 8 layers, 64 experts top-8 of 256 x 256;
 `wide`: hidden 768, 128 experts top-8 of 512 x 512; `big`: hidden 1024, 128 experts top-8 of 1024 x
@@ -14,7 +14,8 @@ a quarter within a minute: alternating keeps both sides in the same weather; eac
 run's single prefill of half a second fell in a slow phase of a few seconds as often as not), and
 prints the median tokens/s of each and the ratio of the medians, k3stream/llama.cpp.
 `--kernels reference` runs k3stream's reference path (weights dequantized to float32 at load);
-`--match-ggml` quantizes k3stream's activations as llama.cpp does (ggml's integer kernels).
+k3stream computes with its default arithmetic, llama.cpp's (activations quantized to 8 bits a row,
+ggml's integer kernels), or with `--float-activations` on float32 activations.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from k3stream.commands.flags import add_arithmetic_arguments
 from k3stream.gguf.writer import RECIPES
 
 SHAPES = {}
@@ -61,7 +63,7 @@ def bench_k3stream(
     prompt: int,
     threads: int,
     kernels: str = "auto",
-    match_ggml: bool = False,
+    match_ggml: bool = True,
     prefills: int = 1,
 ) -> tuple[float, float]:
     import torch
@@ -121,8 +123,9 @@ def main() -> None:
         help="prefills a run times (a fresh state each), keeping its fastest",
     )
     parser.add_argument("--kernels", default="auto", choices=["auto", "reference"])
-    parser.add_argument("--match-ggml", action="store_true", help="k3stream quantizes activations as ggml")
+    add_arithmetic_arguments(parser)
     args = parser.parse_args()
+    match_ggml = not args.float_activations
 
     from k3stream.testing.tiny import TinySpec, make_tiny
 
@@ -132,14 +135,14 @@ def main() -> None:
         print(
             f"model: {size_mb:.0f} MiB {args.recipe} GGUF, {SHAPES[args.shape]}; threads {args.threads}; "
             f"medians of {args.repeat} alternating runs (each the fastest of {args.prefills} prefills); "
-            f"k3stream kernels {args.kernels}{', match_ggml' * args.match_ggml}"
+            f"k3stream kernels {args.kernels}, {'ggml arithmetic' if match_ggml else 'float32 activations'}"
         )
         tokens = np.random.default_rng(args.seed).integers(0, 500, args.prompt + args.decode).tolist()
         runs: dict[str, list[tuple[float, float]]] = {"k3stream": [], "llama.cpp": []}
         for _ in range(args.repeat):
             runs["k3stream"].append(
                 bench_k3stream(
-                    path, tokens, args.prompt, args.threads, args.kernels, args.match_ggml, args.prefills
+                    path, tokens, args.prompt, args.threads, args.kernels, match_ggml, args.prefills
                 )
             )
             runs["llama.cpp"].append(bench_llama(path, tokens, args.prompt, args.threads, args.prefills))

@@ -3,6 +3,7 @@ results independent of grouping and threads, no float32 copy of a weight, fallba
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -203,12 +204,18 @@ def test_expert_mlp_matches_the_reference_path():
 
 @pytest.mark.parametrize("match_ggml", [False, True])
 @pytest.mark.parametrize(
-    "types", [(T.Q2_K, T.Q2_K, T.Q3_K), (T.Q4_K, T.Q6_K, T.Q8_0), (T.Q5_0, T.Q4_0, T.F16)]
+    "types",
+    [(T.Q2_K, T.Q2_K, T.Q3_K), (T.Q4_K, T.Q6_K, T.Q8_0), (T.Q5_0, T.Q4_0, T.F16), (T.F32, T.F32, T.F32)],
 )
-def test_the_one_call_expert_mlp_is_its_three_products_and_activation_bit_for_bit(types, match_ggml):
+def test_the_one_call_expert_mlp_is_its_three_products_and_activation_bit_for_bit(
+    types, match_ggml, monkeypatch
+):
     """`expert_mlp` on the CPU is one C call: the same products and activation as the per-product
-    path, in the same order (mixed types, 8-bit activations or, for a type without integer kernels
-    under match_ggml, the per-product path itself)."""
+    path, in the same order (mixed types, 8-bit activations, F32 experts whatever match_ggml says, or,
+    for a type without integer kernels under match_ggml, the per-product path itself)."""
+    one_call = []
+    fused = cpu.expert_mlp
+    monkeypatch.setattr(cpu, "expert_mlp", lambda x, *args: one_call.append(len(x)) or fused(x, *args))
     experts = [Expert(s, *types) for s in range(3)]
     x = torch.randn(5, 512)
     betas = Situ(1.5, 0.0 if types[0] == T.Q5_0 else 4.0)
@@ -221,6 +228,7 @@ def test_the_one_call_expert_mlp_is_its_three_products_and_activation_bit_for_bi
     hidden = situ(product("gate", x, STEP_ROWS), product("up", x, STEP_ROWS), betas.beta, betas.linear_beta)
     expected = product("down", hidden, torch.arange(len(STEP_ROWS)))
     assert torch.equal(expert_mlp(x, experts, STEP_STARTS, STEP_ROWS, betas, match_ggml), expected)
+    assert one_call == ([] if match_ggml and T.Q5_0 in types else [len(x)])
 
 
 def test_f32_experts_of_a_prefill_take_the_c_call_up_to_a_bound_on_its_tokens(monkeypatch):
@@ -456,24 +464,28 @@ def test_prepared_products_are_qmatmul_bit_for_bit(types, match_ggml, monkeypatc
         Products([weights[0], weight(T.F32, 8, 256)])
 
 
+@pytest.mark.parametrize("match_ggml", [False, True])
 @pytest.mark.parametrize("types", [(T.F32, T.F32, T.F32), (T.Q2_K, T.Q2_K, T.Q3_K), (T.F16, T.Q4_0, T.F32)])
-def test_an_mlp_in_one_call_is_its_three_products_bit_for_bit(types, monkeypatch):
+def test_an_mlp_in_one_call_is_its_three_products_bit_for_bit(types, match_ggml, monkeypatch):
     """`MLP` (the dense and shared-expert MLPs) is one C call for inputs its products take straight to
-    the C kernels (F32: at most 16 rows) and the three products otherwise: the same values either way."""
+    the C kernels (F32: at most 16 rows; under match_ggml, types whose kernels quantize their own
+    activations, or F32 alone) and the three products otherwise: the same values either way."""
     gate, up, down = (
         weight(qt, rows, 256, seed=i) for i, (qt, rows) in enumerate(zip(types, (256, 256, 64), strict=True))
     )
     activation = Situ(2.0, 3.0)
-    mlp = MLP(Products([gate]), Products([up]), Products([down]), activation)
+    mlp = MLP(*(Products([w], match_ggml=match_ggml) for w in (gate, up, down)), activation)
     generator = torch.Generator().manual_seed(3)
     one_call = []
     fused = cpu.expert_mlp
     monkeypatch.setattr(cpu, "expert_mlp", lambda x, *args: one_call.append(len(x)) or fused(x, *args))
     for rows in (1, 5, 40):
         x = torch.randn(rows, 256, generator=generator)
-        expected = qmatmul(activation(qmatmul(x, gate), qmatmul(x, up)), down)
+        product = functools.partial(qmatmul, match_ggml=match_ggml)
+        expected = product(activation(product(x, gate), product(x, up)), down)
         assert torch.equal(mlp(x), expected)
-    assert one_call == ([1, 5] if T.F32 in types else [1, 5, 40])
+    rounded_in_torch = match_ggml and T.F16 in types
+    assert one_call == ([] if rounded_in_torch else [1, 5] if T.F32 in types else [1, 5, 40])
 
 
 @pytest.mark.parametrize("qt", [T.Q4_0, T.Q2_K, T.F16, T.F32], ids=lambda t: t.name)

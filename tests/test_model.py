@@ -26,6 +26,8 @@ SHAPES = {
     "small": dict(),  # 6 layers (KDA + MLA), top-4 of 16, bank every 2 layers
     "wide": dict(n_layers=7, n_experts=32, top_k=16, block_size=2, hidden=96, dense_ff=64),  # 4 bank rows
 }
+# what llama.cpp computes on an F32 rewrite: products with float32 activations
+FLOAT = LoadOptions(match_ggml=False)
 HYPOTHESIS = settings(
     max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -105,7 +107,7 @@ def test_any_shape_matches_llama(tiny_model, tmp_path_factory, spec):
     models found all within 1e-5; with one head, llama.cpp's batched prefill of a Q4_0 k_b disagrees
     with its own token-by-token run by up to 0.5, so quantized files are compared through the rewrite.)"""
     path = tiny_model(**spec)
-    model = k3stream.load(path)
+    model = k3stream.load(path, FLOAT)
     tokens = tokens_for(spec["seed"], model.config.vocab_size, PREFIX + 6)
     out_dir = tmp_path_factory.mktemp("anyshape")
     oracle = path if spec["recipe"] == "f32" else f32_rewrite(path, out_dir)
@@ -119,7 +121,7 @@ def test_any_shape_matches_llama(tiny_model, tmp_path_factory, spec):
 @given(seed=st.integers(0, 2**20), shape=st.sampled_from(sorted(SHAPES)))
 def test_f16_matches_llama_on_its_f32_rewrite(tiny_model, tmp_path_factory, seed, shape):
     path = tiny_model(recipe="f16", **SHAPES[shape], seed=seed)
-    model = k3stream.load(path)
+    model = k3stream.load(path, FLOAT)
     tokens = tokens_for(seed, model.config.vocab_size)
     out_dir = tmp_path_factory.mktemp("f16")
     (reference,) = llama_logits([(f32_rewrite(path, out_dir), tokens)], out_dir)
@@ -131,20 +133,21 @@ def test_f16_matches_llama_on_its_f32_rewrite(tiny_model, tmp_path_factory, seed
 @settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seeds=st.lists(st.integers(0, 2**20), min_size=8, max_size=8, unique=True))
 def test_f16_two_layers_directly_against_llama(tiny_model, tmp_path_factory, seeds):
-    """llama.cpp rounds matmul inputs to F16 for F16 weights (match_ggml does too). One rounding that
+    """llama.cpp rounds matmul inputs to F16 for F16 weights (k3stream's default does too). One rounding that
     lands the other way can flip an expert and start a divergence of up to ~1e-1 (about one seed in 20
-    here, see the README), so the bound is on the median of eight seeds, prefill and decode."""
+    here, see the README), so the bound is on the median of eight seeds, prefill and decode (measured
+    about 3e-4; 6.5e-4 with float32 activations)."""
     models, jobs = [], []
     for seed in seeds:
         path = tiny_model(recipe="f16", n_layers=2, mla_layers=(1,), seed=seed)
-        models.append(k3stream.load(path, LoadOptions(match_ggml=True)))
+        models.append(k3stream.load(path))
         jobs.append((path, tokens_for(seed, models[-1].config.vocab_size)))
     references = llama_logits(jobs, tmp_path_factory.mktemp("f16direct"))
     runs = list(zip(models, [tokens for _, tokens in jobs], references, strict=True))
     prefill = [relative_error(m.logits(tokens).numpy(), ref) for m, tokens, ref in runs]
     decode = [relative_error(prefill_then_decode(m, tokens), ref[PREFIX:]) for m, tokens, ref in runs]
-    assert np.median(prefill) <= 1e-3, prefill
-    assert np.median(decode) <= 1e-3, decode
+    assert np.median(prefill) <= 5e-4, prefill
+    assert np.median(decode) <= 5e-4, decode
 
 
 @requires_llama
@@ -152,13 +155,13 @@ def test_f16_two_layers_directly_against_llama(tiny_model, tmp_path_factory, see
 @given(seed=st.integers(0, 2**20), block_size=st.integers(1, 3))
 def test_audited_recipe_matches_llama_on_its_f32_rewrite(tiny_model, tmp_path_factory, seed, block_size):
     path = tiny_model(**AUDITED, n_experts=8, top_k=4, block_size=block_size, seed=seed)
-    model = k3stream.load(path, LoadOptions(profile="audited"))
+    model = k3stream.load(path, LoadOptions(match_ggml=False, profile="audited"))
     tokens = tokens_for(seed, model.config.vocab_size)
     out_dir = tmp_path_factory.mktemp("audited")
     (reference,) = llama_logits([(f32_rewrite(path, out_dir), tokens)], out_dir)
     assert relative_error(model.logits(tokens).numpy(), reference) <= 1e-3
     assert relative_error(prefill_then_decode(model, tokens), reference[PREFIX:]) <= 1e-3
-    dense = k3stream.load(path, LoadOptions(kernels="reference", profile="audited"))
+    dense = k3stream.load(path, LoadOptions(kernels="reference", match_ggml=False, profile="audited"))
     assert relative_error(dense.logits(tokens).numpy(), reference) <= 1e-3
 
 
@@ -166,14 +169,16 @@ def test_audited_recipe_matches_llama_on_its_f32_rewrite(tiny_model, tmp_path_fa
 @HYPOTHESIS
 @given(seed=st.integers(0, 2**20))
 def test_audited_two_layers_directly_against_llama(tiny_model, tmp_path_factory, seed):
-    """llama.cpp quantizes activations to 8 bits (Q8_K/Q8_0) in quantized dot products; k3stream does
-    the same with match_ggml=True, and then runs the quantized file itself through the same numbers."""
+    """llama.cpp quantizes activations to 8 bits (Q8_K/Q8_0) in quantized dot products; k3stream's
+    default does the same, and then runs the quantized file itself through the same numbers: over 24
+    seeds at most 1.8e-3 (prefill, where llama.cpp batches) and 3.3e-3 (decode, mostly 4e-7, a few
+    seeds where one code lands apart and flips an expert); float32 activations 0.9e-2 to 6.7e-2."""
     path = tiny_model(**AUDITED, n_layers=2, mla_layers=(1,), seed=seed)
-    model = k3stream.load(path, LoadOptions(match_ggml=True))
+    model = k3stream.load(path)
     tokens = tokens_for(seed, model.config.vocab_size)
     (reference,) = llama_logits([(path, tokens)], tmp_path_factory.mktemp("direct"))
-    assert relative_error(model.logits(tokens).numpy(), reference) <= 3e-2
-    assert relative_error(prefill_then_decode(model, tokens), reference[PREFIX:]) <= 3e-2
+    assert relative_error(model.logits(tokens).numpy(), reference) <= 1e-2
+    assert relative_error(prefill_then_decode(model, tokens), reference[PREFIX:]) <= 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -394,10 +399,15 @@ def test_decode_attention_beyond_the_c_size_takes_torch_and_agrees(small_model, 
 
 def test_kernels_agree_with_the_reference_path(tiny_model):
     """Every product on GGUF blocks (kernels) against the dequantize-first reference, prefill and decode,
-    on the audited recipe (Q2_K/Q3_K experts, Q4_0/Q2_K MLA heads) and on F16 weights."""
+    on the audited recipe (Q2_K/Q3_K experts, Q4_0/Q2_K MLA heads) and on F16 weights, with float32
+    activations (ggml's 8-bit codes are discontinuous: over 40 tokens two paths equal up to summation
+    order can land one code apart and pick another expert; `test_options` holds the default to the
+    reference on rounded inputs over a few tokens, `test_kernels` each product)."""
     for recipe, spec in (("audited", AUDITED), ("f16", {})):
         path = tiny_model(**{**spec, "recipe": recipe}, seed=31)
-        fast, slow = (k3stream.load(path, LoadOptions(kernels=k)) for k in ("auto", "reference"))
+        fast, slow = (
+            k3stream.load(path, LoadOptions(kernels=k, match_ggml=False)) for k in ("auto", "reference")
+        )
         tokens = tokens_for(31, fast.config.vocab_size, PREFIX + 8)
         assert relative_error(fast.logits(tokens), slow.logits(tokens)) < 1e-5
         assert relative_error(prefill_then_decode(fast, tokens), prefill_then_decode(slow, tokens)) < 1e-5

@@ -7,10 +7,15 @@ import dataclasses
 import pytest
 
 import k3stream
+from conftest import NO_C_KERNELS
 from k3stream import LoadOptions
+from k3stream.cli import build_parser
+from k3stream.commands.flags import load_options
 from k3stream.gguf.layout import is_routed_expert
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.model import k3
+from k3stream.quant.kernels import cpu
+from llama_logits import relative_error
 
 
 @pytest.mark.parametrize(
@@ -53,3 +58,52 @@ def test_the_default_budget_comes_from_the_memory_plan(tiny_model):
     assert k3stream.load(path).expert_source.kept_bytes() == routed
     assert k3stream.load(path, LoadOptions(expert_ram_mib=0)).expert_source.kept_bytes() == 0
     assert k3.load(checkpoint).expert_source.kept_bytes() == 0
+
+
+@pytest.mark.skipif(not cpu.available(), reason=NO_C_KERNELS)
+def test_ggml_arithmetic_is_the_default_and_float_activations_a_flag(tiny_model):
+    """`LoadOptions()` and every model command's default compute as llama.cpp's CPU backend does (8-bit
+    activations against quantized matrices: the reference dequantizer's product on inputs rounded as
+    ggml rounds them); `--float-activations` and `match_ggml=False` give float32 activations, the
+    reference dequantizer's product on the inputs as they are. The two differ visibly."""
+    path = tiny_model(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32, seed=4)
+
+    def options(command: str, *flags: str, device: str = "cpu") -> LoadOptions:
+        argv = [command, str(path), *(["--prompt", "Hi"] if command == "generate" else []), *flags]
+        return load_options(build_parser(argv).parse_args(argv), 1024, device)
+
+    for command in ("generate", "chat", "serve", "bench", "perplexity"):
+        assert options(command) == options(command, "--match-ggml") == LoadOptions(expert_ram_mib=1024)
+        assert options(command, "--float-activations") == LoadOptions(expert_ram_mib=1024, match_ggml=False)
+    assert LoadOptions().ggml_arithmetic
+    with pytest.raises(SystemExit):
+        options("generate", "--match-ggml", "--float-activations")
+    tokens = list(range(1, 9))  # few: 8-bit codes are discontinuous, so over a long sequence two paths
+    # equal up to summation order can round one code apart and pick another expert
+    default = k3stream.load(path).logits(tokens)
+    floats = k3stream.load(path, options("generate", "--float-activations")).logits(tokens)
+    rounded = k3stream.load(path, LoadOptions(kernels="reference")).logits(tokens)
+    reference = k3stream.load(path, LoadOptions(kernels="reference", match_ggml=False)).logits(tokens)
+    assert relative_error(default, rounded) < 1e-5 and relative_error(floats, reference) < 1e-5
+    assert relative_error(default, floats) > 1e-3
+
+
+def test_cuda_and_retyped_weights_take_float_activations_and_asking_for_ggml_there_is_refused(tiny_model):
+    """ggml's arithmetic is llama.cpp's CPU arithmetic on the GGUF's types: on CUDA and with weights
+    re-typed by --dtype the products take float32 activations, and an explicit --match-ggml there is a
+    one-line error."""
+    assert not LoadOptions(device="cuda").ggml_arithmetic
+    assert not LoadOptions(dtype="bfloat16", kernels="reference").ggml_arithmetic
+    argv = ["generate", str(tiny_model(seed=5)), "--prompt", "Hi"]
+    plain, explicit = (build_parser(a).parse_args(a) for a in (argv, [*argv, "--match-ggml"]))
+    assert load_options(plain, 0, "cuda").match_ggml
+    with pytest.raises(
+        ValueError,
+        match=r"^--match-ggml is llama\.cpp's CPU arithmetic on the GGUF's types: products on cuda take",
+    ):
+        load_options(explicit, 0, "cuda")
+    retyped = build_parser(argv).parse_args([*argv, "--match-ggml", "--dtype", "bfloat16"])
+    with pytest.raises(
+        ValueError, match=r": weights re-typed to bfloat16 take float32 activations \(use --device cpu"
+    ):
+        load_options(retyped, 0)

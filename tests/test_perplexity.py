@@ -169,7 +169,8 @@ def test_kld_of_a_model_against_its_own_base(model_path, capsys, tmp_path):
 
 def test_audited_recipe_against_f32(tiny_model, tmp_path, capsys):
     """The audited file quantizes the F32 recipe's values (same spec and seed): its KLD is the recipe's
-    cost. Its F32 rewrite runs the same numbers as the audited file: KLD ~0."""
+    cost. Its F32 rewrite runs the same numbers as the audited file with float32 activations: KLD ~0
+    (the default's 8-bit activations are a cost of their own)."""
     from k3stream.commands.dequantize import dequantize_gguf
 
     audited, f32 = tiny_model(recipe="audited", **AUDITED), tiny_model(recipe="f32", **AUDITED)
@@ -179,7 +180,8 @@ def test_audited_recipe_against_f32(tiny_model, tmp_path, capsys):
         assert _run(capsys, model, *args, "--kl-divergence-base", tmp_path / base)[0] == 0
     recipe_cost = _value("Mean    KLD", _kld_run(capsys, audited, tmp_path / "f32.npz"))
     assert recipe_cost > 0.01
-    assert abs(_value("Mean    KLD", _kld_run(capsys, audited, tmp_path / "rewrite.npz"))) < 1e-4
+    same_numbers = _kld_run(capsys, audited, tmp_path / "rewrite.npz", "--float-activations")
+    assert abs(_value("Mean    KLD", same_numbers)) < 1e-4
 
 
 def test_mismatched_base_is_one_line_error(model_path, capsys, tmp_path):

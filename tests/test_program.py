@@ -45,7 +45,10 @@ def test_the_program_decodes_what_the_eager_forward_decodes_bit_for_bit(tiny_mod
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        program, eager = eager_and_program(tiny_model(**spec, seed=seed))
+        # F16 products under ggml's arithmetic round their inputs in torch first, a step the program
+        # leaves to Python: the F16 model checks the float-activation program
+        options = LoadOptions(match_ggml=spec["recipe"] != "f16")
+        program, eager = eager_and_program(tiny_model(**spec, seed=seed), options)
         prompt, steps = tokens_for(seed, program.config.vocab_size, 24)[:16], tokens_for(seed + 1, 500, 8)
         assert torch.equal(decodes(program, prompt, steps), decodes(eager, prompt, steps))
         names = [function.__name__ for function, *_ in program._program.steps]  # it ran, mostly in C

@@ -78,9 +78,10 @@ def test_recipes_keep_the_plan(tiny_model):
 @pytest.mark.parametrize("recipe", MIXED_RECIPES)
 def test_llama_cpp_runs_each_recipe_and_k3stream_matches_it_on_the_f32_rewrite(tiny_model, tmp_path, recipe):
     """llama.cpp loads and runs the quantized file itself (finite logits); k3stream's logits on the
-    quantized file equal llama.cpp's on its F32 rewrite within 1e-3, prefill and decode."""
+    quantized file with float32 activations equal llama.cpp's on its F32 rewrite within 1e-3, prefill
+    and decode."""
     path = tiny_model(recipe=recipe, **DIMS, seed=3)
-    model = k3stream.load(path)
+    model = k3stream.load(path, LoadOptions(match_ggml=False))
     tokens = tokens_for(3, model.config.vocab_size, TOKENS)
     rewrite = f32_rewrite(path, tmp_path)
     direct, reference = llama_logits([(path, tokens), (rewrite, tokens)], tmp_path)
@@ -97,13 +98,14 @@ def test_llama_cpp_runs_each_recipe_and_k3stream_matches_it_on_the_f32_rewrite(t
 @pytest.mark.parametrize("recipe", MIXED_RECIPES)
 def test_each_recipe_two_layers_directly_against_llama(tiny_model, tmp_path, recipe):
     """The quantized file itself against llama.cpp, as the audited K-quants are held
-    (`test_model.test_audited_two_layers_directly_against_llama`, 3e-2): match_ggml rounds the
-    activations as ggml does (Q8_K for the i-quants and ternary types, Q8_0 for IQ4_NL)."""
+    (`test_model.test_audited_two_layers_directly_against_llama`): the default rounds the activations
+    as ggml does (Q8_K for the i-quants and ternary types, Q8_0 for IQ4_NL). Measured: 5e-7 on most
+    recipes, 3.2e-3 on iq4_xs (llama.cpp's batched prefill); float32 activations 1e-2 to 7e-2."""
     path = tiny_model(recipe=recipe, **DIMS, n_layers=2, mla_layers=(1,), seed=1)
-    model = k3stream.load(path, LoadOptions(match_ggml=True))
+    model = k3stream.load(path)
     tokens = tokens_for(1, model.config.vocab_size, TOKENS)
     (reference,) = llama_logits([(path, tokens)], tmp_path)
-    assert relative_error(model.logits(tokens).numpy(), reference) <= 3e-2
+    assert relative_error(model.logits(tokens).numpy(), reference) <= 5e-3
 
 
 def test_inspect_shows_the_recipe_per_layer_and_role_and_what_it_implies(tiny_model, capsys):

@@ -41,18 +41,31 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument(
-        "--match-ggml",
-        action="store_true",
-        help="compute as llama.cpp's CPU backend does: activations quantized to 8 bits against quantized "
-        "weights (integer kernels for Q2_K/Q3_K, about 2x faster); default: float32 activations",
-    )
+    add_arithmetic_arguments(parser)
     parser.add_argument(
         "--no-stream-experts",
         action="store_true",
         help="serve routed experts from the GGUF mmap even when a pack is there",
     )
     add_store_arguments(parser)
+
+
+def add_arithmetic_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--match-ggml` (the default) or `--float-activations`: how CPU products compute."""
+    arithmetic = parser.add_mutually_exclusive_group()
+    arithmetic.add_argument(
+        "--match-ggml",
+        action="store_true",
+        help="the default: CPU products compute as llama.cpp's CPU backend does (activations quantized to "
+        "8 bits a row and integer dot products against quantized weights, F16/BF16 inputs rounded): "
+        "faster, and closer to llama.cpp on a quantized file",
+    )
+    arithmetic.add_argument(
+        "--float-activations",
+        action="store_true",
+        help="products with float32 activations: dequantized weight tiles times unrounded inputs; the "
+        "path the reference dequantizer is tested against (CUDA products always take it)",
+    )
 
 
 def add_context_argument(parser: argparse.ArgumentParser) -> None:
@@ -189,19 +202,27 @@ def runtime_from_args(
 
 def load_options(args: argparse.Namespace, expert_ram_mib: float, device: str = "cpu") -> LoadOptions:
     """`LoadOptions` from the model and store flags (a command with only the store flags, as `demo`,
-    gets float32 weights through the kernels)."""
+    gets float32 weights through the kernels and ggml's arithmetic); `--match-ggml` where it cannot
+    apply is refused."""
     from k3stream.model.options import LoadOptions
 
     dtype = getattr(args, "dtype", "float32")
-    return LoadOptions(
+    options = LoadOptions(
         device=device,
         dtype=dtype,
         kernels="auto" if dtype == "float32" else "reference",  # re-typed weights are dense matrices
-        match_ggml=getattr(args, "match_ggml", False),
+        match_ggml=not getattr(args, "float_activations", False),
         expert_ram_mib=expert_ram_mib,
         prefetch=not args.no_prefetch,
         prefetch_hint=args.prefetch_hint,
     )
+    if getattr(args, "match_ggml", False) and not options.ggml_arithmetic:
+        where = f"products on {device}" if options.device != "cpu" else f"weights re-typed to {dtype}"
+        raise ValueError(
+            f"--match-ggml is llama.cpp's CPU arithmetic on the GGUF's types: {where} take float32 "
+            "activations (use --device cpu and --dtype float32, or drop --match-ggml)"
+        )
+    return options
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:

@@ -414,7 +414,7 @@ def _moe(w: _Weights, p: str, layer: int, cfg: K3Config, source: ExpertSource) -
         cfg.situ_beta,
         cfg.situ_linear_beta,
         cfg.rms_eps,
-        w.options.match_ggml,
+        w.options.ggml_arithmetic,
         w.options.kernels,
     )
 

@@ -155,10 +155,11 @@ class GGUFTensor:
     def linear(self, out_features: int, in_features: int, options: LoadOptions) -> Linear:
         """A linear layer over this weight; GGUF types kept unless the reference path densifies them."""
         if options.kernels == "auto" or (options.keep_quantized and self.ggml_type is not None):
-            return QuantLinear(self.qweight(out_features, in_features), options.match_ggml, options.kernels)
+            stored = self.qweight(out_features, in_features)
+            return QuantLinear(stored, options.ggml_arithmetic, options.kernels)
         weight = self.matrix((out_features, in_features), options.torch_dtype)
         return DenseLinear(weight, self.input_rounding(options))
 
     def input_rounding(self, options: LoadOptions) -> int | None:
-        """This weight's GGML type when inputs are to be rounded as ggml does (see match_ggml)."""
-        return self.type_id if options.match_ggml else None
+        """This weight's GGML type when inputs are to be rounded as ggml does (`ggml_arithmetic`)."""
+        return self.type_id if options.ggml_arithmetic else None

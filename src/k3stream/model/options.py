@@ -24,9 +24,14 @@ class LoadOptions:
     bytes, and products go through the kernel seam (`k3stream.quant.kernels`); `kernels="reference"`:
     the path the kernels are tested against: matrices dequantized to `dtype` at load (a `dtype` other
     than float32 needs it), or with `keep_quantized` kept in blocks and dequantized a slab at a time.
-    `match_ggml` rounds the inputs of F16/BF16 and block-quantized matrices as llama.cpp's CPU matmul
-    does: for comparing with llama.cpp; it costs precision. `profile="audited"` enforces the published
-    recipe after loading.
+    `match_ggml` (default): CPU products compute as llama.cpp's CPU backend does: inputs of
+    block-quantized matrices quantized to 8 bits a row (Q8_K or Q8_0) and ggml's integer dot products,
+    inputs of F16/BF16 matrices rounded to their type. It is the faster arithmetic on the CPU and the
+    closer one to llama.cpp on a quantized file. `match_ggml=False`: float32 activations, dequantized
+    weight tiles times unrounded inputs (the path the reference dequantizer is tested against; training
+    takes it). Products on CUDA, and weights re-typed by `dtype`, take float32 activations either way
+    (`ggml_arithmetic`).
+    `profile="audited"` enforces the published recipe after loading.
 
     Routed experts come from `expert_source` (default: straight from the GGUF, all read into RAM at load
     when they fit in `expert_ram_mib`, else read at every step). `expert_ram_mib=None`: `k3stream.load`
@@ -42,7 +47,7 @@ class LoadOptions:
     device: str = "cpu"
     dtype: str = "float32"
     kernels: str = "auto"
-    match_ggml: bool = False
+    match_ggml: bool = True
     keep_quantized: bool = False
     profile: str = "generic"
     expert_ram_mib: float | None = None
@@ -77,6 +82,14 @@ class LoadOptions:
         import torch
 
         return getattr(torch, self.dtype)
+
+    @property
+    def ggml_arithmetic(self) -> bool:
+        """Whether products round their inputs as llama.cpp's CPU backend does: `match_ggml` on the CPU,
+        matrices in their GGUF types (float32 `dtype`). On CUDA the Triton kernels take float32
+        activations: rounding each input in torch first would only slow them, and llama.cpp's CUDA
+        backend computes its own way. Weights re-typed by `dtype` are no longer ggml's types."""
+        return self.match_ggml and self.device == "cpu" and self.dtype == "float32"
 
     @property
     def in_gguf_types(self) -> bool:

@@ -112,7 +112,10 @@ def build_model(params: Parameters) -> K3Model:
         for name in params.values
         if not is_routed_expert(name)
     }
-    source, options = ParameterExperts(params), LoadOptions(kernels="reference", prefetch=False)
+    source, options = (
+        ParameterExperts(params),
+        LoadOptions(kernels="reference", match_ggml=False, prefetch=False),
+    )
     model = build(params.config, tensors, source, options)
     for layer in model.layers:
         if isinstance(layer.attn, KDA):

@@ -274,8 +274,12 @@ class MLP:
     def __init__(self, gate: Products, up: Products, down: Products, activation: Situ) -> None:
         self.gate, self.up, self.down, self.activation = gate, up, down, activation
         parts = (gate, up, down)
-        single = all(len(part.weights) == 1 and not part.match_ggml for part in parts)
-        self._max_rows = min(part._max_rows for part in parts) if single else 0
+        single = all(len(part.weights) == 1 for part in parts)
+        match_ggml = {part.match_ggml for part in parts}
+        types = [weight.ggml_type for part in parts for weight in part.weights]
+        q8 = _q8_flag(types, match_ggml.pop()) if len(match_ggml) == 1 else None
+        self._q8 = bool(q8)
+        self._max_rows = min(part._max_rows for part in parts) if single and q8 is not None else 0
         self._roles = tuple(
             cpu.Role(
                 [weight.data],
@@ -291,7 +295,7 @@ class MLP:
         if self._direct(x):
             starts, rows = _all_rows(x.shape[0])
             return cpu.expert_mlp(
-                x, *self._roles, starts, rows, self.activation.beta, self.activation.linear_beta
+                x, *self._roles, starts, rows, self.activation.beta, self.activation.linear_beta, self._q8
             )
         return self.down(self.activation(self.gate(x), self.up(x)))
 
@@ -300,7 +304,7 @@ class MLP:
         if not self._direct(x):
             return None
         betas = (self.activation.beta, self.activation.linear_beta)
-        return cpu.bind_expert_mlp(x, self._roles, *_all_rows(x.shape[0]), betas, out, threads)
+        return cpu.bind_expert_mlp(x, self._roles, *_all_rows(x.shape[0]), betas, out, threads, self._q8)
 
     def _direct(self, x: torch.Tensor) -> bool:
         count, *features = x.shape
@@ -458,7 +462,8 @@ def expert_mlp(
     """
     roles = _fused_roles(x, experts, match_ggml) if backend == "auto" else None
     if roles is not None:
-        return cpu.expert_mlp(x, *roles, starts, rows, activation.beta, activation.linear_beta, match_ggml)
+        q8 = _q8_flag([role.ggml_type for role in roles], match_ggml)
+        return cpu.expert_mlp(x, *roles, starts, rows, activation.beta, activation.linear_beta, q8)
     as_qtype(experts[0].up.ggml_type)  # one clear error for an unsupported type
 
     def product(role: str, inputs: torch.Tensor, input_rows: torch.Tensor) -> torch.Tensor:
@@ -486,7 +491,8 @@ def bind_chosen_experts(
     up, down): each role's matrices of all the layer's experts in RAM, as (bytes, bytes per expert,
     GGML type, shape (out, in)), expert e's at e times the bytes per expert."""
     layouts = [_fused_layout(ggml_type, shape, match_ggml, few_rows=True) for _, _, ggml_type, shape in roles]
-    if backend != "auto" or x.shape[0] != 1 or None in layouts or not cpu.takes((x,)):
+    q8 = _q8_flag([ggml_type for _, _, ggml_type, _ in roles], match_ggml)
+    if backend != "auto" or x.shape[0] != 1 or None in (*layouts, q8) or not cpu.takes((x,)):
         return None
     experts = roles[0][0].numel() // roles[0][1]
     described = [
@@ -494,7 +500,7 @@ def bind_chosen_experts(
         for (data, nbytes, ggml_type, _), layout in zip(roles, layouts, strict=True)
     ]
     betas = (activation.beta, activation.linear_beta)
-    return cpu.bind_chosen_experts(x, chosen, described, experts, betas, out, threads, match_ggml)
+    return cpu.bind_chosen_experts(x, chosen, described, experts, betas, out, threads, bool(q8))
 
 
 def _fused_roles(
@@ -503,14 +509,14 @@ def _fused_roles(
     """The gate, up and down roles for `cpu.expert_mlp`, or None where the step takes the per-product
     path: off the CPU, under autograd, a role without a C kernel, F32 experts of a step of more than
     F32_EXPERT_MAX_TOKENS tokens (x's rows), or with `match_ggml` a role whose kernel does not quantize
-    activations itself (its inputs are rounded in torch first)."""
+    activations itself (its inputs are rounded in torch first) or F32 roles beside quantized ones."""
     if not cpu.takes((x,)):
         return None
     first = experts[0]
     kinds = [(matrix.ggml_type, matrix.shape) for matrix in (first.gate, first.up, first.down)]
     few_rows = _f32_rows_fit(x.shape[0], F32_EXPERT_MAX_TOKENS)  # a decode step's one row among them
     layouts = [_fused_layout(ggml_type, shape, match_ggml, few_rows) for ggml_type, shape in kinds]
-    if None in layouts:
+    if None in (*layouts, _q8_flag([ggml_type for ggml_type, _ in kinds], match_ggml)):
         return None
     signature = [kind for kind in kinds for kind in kind]
     datas: tuple[list[torch.Tensor], ...] = ([], [], [])
@@ -535,10 +541,17 @@ def _fused_layout(
     at most F32_EXPERT_MAX_TOKENS tokens), as `qmatmul` sends a few rows of F32 to the C kernel; torch's
     GEMM is faster for many."""
     out_features, in_features = shape
-    f32_rows = few_rows and ggml_type == F32 and not match_ggml and in_features % 32 == 0 and cpu.available()
+    f32_rows = few_rows and ggml_type == F32 and in_features % 32 == 0 and cpu.available()
     if not (f32_rows or _c_kernel_takes(ggml_type, in_features, match_ggml)):
         return None
     return out_features, row_bytes(ggml_type, in_features)
+
+
+def _q8_flag(ggml_types: Sequence[int], match_ggml: bool) -> bool | None:
+    """Whether one C call over roles of these types quantizes their activations: under `match_ggml`
+    all of them or none (F32, which ggml never rounds), None where they differ."""
+    flags = {match_ggml and ggml_type in cpu.Q8_TYPES for ggml_type in ggml_types}
+    return flags.pop() if len(flags) == 1 else None
 
 
 @functools.lru_cache(maxsize=64)
