@@ -1,9 +1,10 @@
 """Run under torchrun by tests/test_parallel.py and benchmarks/bench_parallel.py: the `generate`
 command's own runtime (same flags, same `parallel_runtime`), a fixed prefill and fixed decode steps,
 then a second sequence batched with the first, and on rank 0 the logits and every rank's report saved
-to OUT (torch.save).
+to OUT (torch.save). ARITHMETIC, if given, sets the arithmetic whatever the flags' default: `float`
+(float32 activations) or `ggml` (`--match-ggml`'s).
 
-    torchrun --nproc-per-node N tests/parallel_worker.py OUT PROMPT_IDS DECODE_IDS -- GENERATE_FLAGS...
+    torchrun --nproc-per-node N tests/parallel_worker.py OUT PROMPT_IDS DECODE_IDS [ARITHMETIC] -- FLAGS...
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ def main(argv: list[str]) -> int:
     out, prompt, steps = argv[0], _ids(argv[1]), _ids(argv[2])
     command = ["generate", *argv[argv.index("--") + 1 :], "--prompt", "unused"]
     args = build_parser(command).parse_args(command)
+    if argv[3] != "--":
+        args.match_ggml = {"float": False, "ggml": True}[argv[3]]
     torch.set_num_threads(1)
     with parallel_runtime(args) as runtime:
         if runtime is None:

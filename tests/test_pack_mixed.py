@@ -163,3 +163,43 @@ def test_malformed_layer_records_fail_in_one_line(dynamic_pack, tmp_path, layers
     with pytest.raises(ValueError, match=re.escape(message)) as caught:
         verify_pack(tampered)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.slow
+def test_generate_chat_and_serve_stream_the_dynamic_recipe(dynamic_pack, tmp_path):
+    """The commands on the packed dynamic recipe, experts streamed from the pack in a budget of a few
+    objects: `generate` and `chat` print the library's greedy text of the resident GGUF, and `serve`
+    answers the openai client's completion (127.0.0.1) with the same text. ggml's arithmetic, named
+    on both sides (the commands' default and the library's need not be the same)."""
+    import openai
+
+    from k3stream.engine.chat import ChatTemplate
+    from k3stream.engine.generate import SamplingParams, generate
+    from k3stream.engine.tokenizer import Tokenizer
+    from k3stream.server.live import ServerProcess
+    from test_generate import _cli
+
+    gguf, manifest = dynamic_pack
+    model, tokenizer = k3stream.load(gguf, LoadOptions(match_ggml=True)), Tokenizer.from_gguf(gguf)
+    prompt, turn = "The capital of France is", [{"role": "user", "content": "Hello"}]
+    expected = generate(
+        model, tokenizer, tokenizer.encode(prompt), SamplingParams(temperature=0, max_tokens=8)
+    )
+    reply_ids = tokenizer.encode(ChatTemplate.for_tokenizer(tokenizer).render(turn), allow_special=True)
+    reply = generate(model, tokenizer, reply_ids, SamplingParams(temperature=0, max_tokens=5))
+    assert expected.text and reply.text
+    with ExpertPack(manifest) as pack:
+        flags = ["--match-ggml", "--ram-mib", f"{(pack.top_k + 2) * pack.object_bytes / MIB:.3f}"]
+    done = _cli(
+        "generate", str(manifest), "--prompt", prompt, "--temperature", "0", "--max-tokens", "8", *flags
+    )
+    assert done.returncode == 0 and done.stdout == expected.text + "\n", done.stderr
+    done = _cli(
+        "chat", str(manifest), "--temperature", "0", "--max-tokens", "5", "--quiet", *flags, stdin="Hello\n"
+    )
+    assert done.returncode == 0 and done.stdout == reply.text + "\n", done.stderr
+    with ServerProcess(manifest, *flags, log_path=tmp_path / "serve.log") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        name = client.models.list().data[0].id
+        answer = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
+    assert answer.choices[0].text == expected.text

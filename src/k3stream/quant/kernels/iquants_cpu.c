@@ -26,7 +26,6 @@ static int8_t iq1s_grid[2048][8], iq4nl_values[16], mxfp4_values[16];
 static uint8_t ksigns[128];     /* 7 sign bits, the eighth their parity (ggml's ksigns_iq2xs) */
 static uint64_t sign_bytes[256]; /* bit j of the index set: byte j is -1, else +1 (for _mm256_sign_epi8) */
 static uint64_t even_signs[128]; /* sign_bytes of ksigns */
-static int32_t group_signs[16][8] __attribute__((aligned(32))); /* bit g of the index set: lanes 2g, 2g + 1 are -1, else +1 */
 /* the grids as floats and each sign byte as lane masks, for the float decoders' 8-lane loads */
 static float iq2xxs_floats[256][8] __attribute__((aligned(32))), iq2xs_floats[512][8] __attribute__((aligned(32)));
 static float iq2s_floats[1024][8] __attribute__((aligned(32))), iq1s_floats[2048][8] __attribute__((aligned(32)));
@@ -81,8 +80,6 @@ PyObject *py_set_iq_grids(PyObject *self, PyObject *args) {
         for (int j = 0; j < 8; j++) sign_bytes[i] |= (uint64_t)((i >> j) & 1 ? 0xFF : 0x01) << (8 * j);
     }
     for (int i = 0; i < 128; i++) even_signs[i] = sign_bytes[ksigns[i]];
-    for (int i = 0; i < 16; i++)
-        for (int lane = 0; lane < 8; lane++) group_signs[i][lane] = (i >> (lane / 2)) & 1 ? -1 : 1;
     widen_float_grids();
     grids_set = 1;
     Py_RETURN_NONE;
@@ -512,8 +509,24 @@ DECODER void dec_iq4_xs(const uint8_t *restrict b, float *restrict y) {
     }
 }
 
+/* the ternary types' AVX2 decoders (with the integer kernels' code extraction, below) */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define AVX2_DECODER __attribute__((target("avx2,fma,f16c,bmi2"))) static void
+AVX2_DECODER tq1_0_values_avx2(const uint8_t *restrict b, float *restrict y);
+AVX2_DECODER tq2_0_values_avx2(const uint8_t *restrict b, float *restrict y);
+#define TERNARY_AVX2(NAME, b, y)                                                                                 \
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") && \
+        __builtin_cpu_supports("bmi2")) {                                                                    \
+        NAME##_values_avx2(b, y);                                                                            \
+        return;                                                                                              \
+    }
+#else
+#define TERNARY_AVX2(NAME, b, y)
+#endif
+
 DECODER void dec_tq1_0(const uint8_t *restrict b, float *restrict y) { /* value order as tq1_0_generic's */
     static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+    TERNARY_AVX2(tq1_0, b, y)
     const float d = f16(b + 52);
     for (int l = 0; l < 5; l++) {
         for (int m = 0; m < 32; m++) y[32 * l + m] = d * (float)trit(b[m], pow3[l]);
@@ -524,6 +537,7 @@ DECODER void dec_tq1_0(const uint8_t *restrict b, float *restrict y) { /* value 
 }
 
 DECODER void dec_tq2_0(const uint8_t *restrict b, float *restrict y) { /* bits 2l of byte 32j + k: value 128j + 32l + k */
+    TERNARY_AVX2(tq2_0, b, y)
     const float d = f16(b + 64);
     for (int j = 0; j < 2; j++)
         for (int l = 0; l < 4; l++)
@@ -753,9 +767,34 @@ SHARED_RUNS(iq4_xs, 136, 1.0f, 0)
 
 SHARED_RUNS(iq1_s, 50, 1.0f, 1)
 
-/* IQ1_M: the grid's lanes and the deltas' (each 8 values' codes times its delta's sign) into two
- * accumulators, scales per 16 values; 0.125 times the second's sum added at the end. Runs decoded once
- * for up to RUN_ROWS input rows, as SHARED_RUNS. */
+/* IQ1_M's 16 run scales 2s + 1 of a block (3 bits each, four to a 16-bit word at bits 0, 3, 6, 9) as
+ * 16-bit lanes: each 64-bit lane holds the four words shifted by 0, 6 (low 128 bits), 3, 9 (high), so
+ * scale 4w + k sits in word w of 64-bit lane k / 2 + 2 (k & 1) */
+AVX2_ALWAYS __m256i iq1_m_scales(const uint8_t *sc) {
+    const __m256i words = _mm256_srlv_epi64(_mm256_set1_epi64x((long long)u64_at(sc)), _mm256_set_epi64x(9, 3, 6, 0));
+    return _mm256_add_epi16(_mm256_slli_epi16(_mm256_and_si256(words, _mm256_set1_epi16(7)), 1), _mm256_set1_epi16(1));
+}
+
+/* run ib's scales on its lanes: scale 2ib on values 0..15 (low 128 bits), 2ib + 1 on 16..31 (high) */
+AVX2_ALWAYS __m256i iq1_m_run_scales(__m256i scales, int ib) {
+    return _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (ib / 2) + 0x0808 * (ib & 1))));
+}
+
+/* the delta signs of runs 2 pair and 2 pair + 1 (bit 3 of each qh nibble: one for each 8 values) as
+ * 8 bytes, 0x80 where negative: bit 3 of nibble k deposited in bit 7 of byte k */
+AVX2_ALWAYS uint64_t iq1_m_delta_bytes(const uint8_t *qh, int pair) {
+    return _pdep_u64(u32_at(qh + 4 * pair) & 0x88888888u, 0xF0F0F0F0F0F0F0F0ULL);
+}
+
+/* a run's 4 delta sign bytes as 32 lanes -1 (each byte sign-extended over its 8 values) or +1 */
+AVX2_ALWAYS __m256i iq1_m_delta_signs(uint32_t bytes) {
+    return _mm256_or_si256(_mm256_cvtepi8_epi64(_mm_cvtsi32_si128((int)bytes)), _mm256_set1_epi8(1));
+}
+
+/* IQ1_M: the grid's lanes and the deltas' (each 8 values' codes, negated where their delta is) into
+ * two accumulators, scales per 16 values; 0.125 times the second's sum added at the end: ggml's lanes
+ * (lane k of a run: its values 4k..4k + 3). Runs decoded once for up to RUN_ROWS input rows, as
+ * SHARED_RUNS. */
 AVX2_ALWAYS void iq1_m_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) {
     const int64_t blocks = pr->in_features / 256;
     const __m256i ones = _mm256_set1_epi8(1);
@@ -768,25 +807,21 @@ AVX2_ALWAYS void iq1_m_rows(const Product *pr, const uint8_t *row, int64_t m, in
         const uint16_t s0 = u16_at(sc), s1 = u16_at(sc + 2), s2 = u16_at(sc + 4), s3 = u16_at(sc + 6);
         const uint16_t scale = (uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000));
         const uint8_t scale_bytes[2] = {(uint8_t)(scale & 255), (uint8_t)(scale >> 8)};
+        const __m256i scales = iq1_m_scales(sc);
         __m256i sumi1[RUN_ROWS], sumi2[RUN_ROWS];
         for (int r = 0; r < n; r++) sumi1[r] = sumi2[r] = _mm256_setzero_si256();
-        for (int ib = 0; ib < 8; ib++) {
-            const uint8_t h0 = qh[2 * ib], h1 = qh[2 * ib + 1];
+        _Pragma("GCC unroll 8") for (int ib = 0; ib < 8; ib++) {
             /* 8 bits of qs and the low 3 of each qh nibble (its top bit: the delta's sign) an index */
             const uint64_t index = _pdep_u64(u32_at(qs + 4 * ib), 0x00FF00FF00FF00FFULL) |
                                    _pdep_u64(u16_at(qh + 2 * ib) & 0x7777, 0x0F000F000F000F00ULL);
             const __m256i grid = four_u64(iq1s_grid[index & 0xFFFF], iq1s_grid[(index >> 16) & 0xFFFF],
                                           iq1s_grid[(index >> 32) & 0xFFFF], iq1s_grid[index >> 48]);
-            /* each 8 values' delta sign (bits 3 and 7 of h0, h1) on the lanes of its 8 values */
-            const int negative = ((h0 >> 3) & 1) | ((h0 >> 6) & 2) | ((h1 >> 1) & 4) | ((h1 >> 4) & 8);
-            const __m256i signs = _mm256_load_si256((const __m256i *)group_signs[negative]);
-            const uint16_t word = u16_at(sc + 2 * (ib / 2));
-            const int shift = 6 * (ib % 2);
-            const __m256i scales = two_scales(2 * ((word >> shift) & 7) + 1, 2 * ((word >> (shift + 3)) & 7) + 1);
+            const __m256i delta = iq1_m_delta_signs((uint32_t)(iq1_m_delta_bytes(qh, ib / 2) >> 32 * (ib & 1)));
+            const __m256i run_scales = iq1_m_run_scales(scales, ib);
             for (int r = 0; r < n; r++) {
                 const __m256i q8 = q8_run(y[r] + i, ib);
-                sumi1[r] = _mm256_add_epi32(sumi1[r], scaled_pairs(ones, _mm256_sign_epi8(q8, grid), scales));
-                sumi2[r] = _mm256_add_epi32(sumi2[r], _mm256_sign_epi32(scaled_pairs(ones, q8, scales), signs));
+                sumi1[r] = _mm256_add_epi32(sumi1[r], scaled_pairs(ones, _mm256_sign_epi8(q8, grid), run_scales));
+                sumi2[r] = _mm256_add_epi32(sumi2[r], scaled_pairs(ones, _mm256_sign_epi8(q8, delta), run_scales));
             }
         }
         const float d = f16c(scale_bytes);
@@ -811,34 +846,34 @@ AVX2_ALWAYS void ternary_total(const BlockQ8K *y, __m256i pairs16, float d, __m2
     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d), *acc);
 }
 
+/* TQ2_0's codes of values 32 run .. 32 run + 31: bits 2l of byte 32j + k are value 128j + 32l + k */
+AVX2_ALWAYS __m256i tq2_0_codes(const uint8_t *x, int run) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(x + 32 * (run / 4)));
+    return _mm256_and_si256(_mm256_srli_epi16(q, 2 * (run % 4)), _mm256_set1_epi8(3));
+}
+
 AVX2_ALWAYS __m256i tq2_0_pairs(const uint8_t *x, const BlockQ8K *y) {
-    const __m256i three = _mm256_set1_epi8(3);
     __m256i sum = _mm256_setzero_si256();
-    for (int j = 0; j < 2; j++) { /* bits 2l of byte 32j + k: value 128j + 32l + k */
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(x + 32 * j));
-        for (int l = 0; l < 4; l++) {
-            const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(q, 2 * l), three);
-            sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(codes, q8_run(y, 4 * j + l)));
-        }
-    }
+    for (int run = 0; run < 8; run++) sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(tq2_0_codes(x, run), q8_run(y, run)));
     return sum;
 }
 
-/* each byte's top trit after scaling, (q * 3) >> 8 as ggml's generic code computes it (exact) */
+/* each byte's top trit after scaling, (q * 3) >> 8 as ggml's generic code computes it, in 8-bit lanes:
+ * with a = max(q - 1, 0), (a + (a + 1) / 2 + 1) / 2 (two rounding averages) has that value in its top
+ * two bits, for every byte (checked over all 256) */
 AVX2_ALWAYS __m256i top_trits(__m256i q) {
-    const __m256i three = _mm256_set1_epi16(3);
-    const __m256i low = _mm256_mulhi_epu16(_mm256_slli_epi16(q, 8), three);
-    const __m256i high = _mm256_mulhi_epu16(_mm256_and_si256(q, _mm256_set1_epi16((short)0xFF00)), three);
-    return _mm256_or_si256(low, _mm256_slli_epi16(high, 8));
+    const __m256i a = _mm256_subs_epu8(q, _mm256_set1_epi8(1));
+    const __m256i scaled = _mm256_avg_epu8(a, _mm256_avg_epu8(a, _mm256_setzero_si256()));
+    return _mm256_and_si256(_mm256_srli_epi16(scaled, 6), _mm256_set1_epi8(3));
 }
 
 AVX2_ALWAYS __m256i times3(__m256i q) { return _mm256_add_epi8(q, _mm256_add_epi8(q, q)); } /* mod 256 */
 
-/* TQ1_0: trit k of byte m is value 32k + m (bytes 0..31), 160 + 16k + m (32..47), 240 + 4k + j (48..51) */
-AVX2_ALWAYS __m256i tq1_0_pairs(const uint8_t *x, const BlockQ8K *y) {
-    __m256i sum = _mm256_setzero_si256(), scaled = _mm256_loadu_si256((const __m256i *)x);
-    for (int k = 0; k < 5; k++, scaled = times3(scaled))
-        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(top_trits(scaled), q8_run(y, k)));
+/* TQ1_0's codes in value order, 32 a vector: trit k of byte m is value 32k + m (bytes 0..31), 160 +
+ * 16k + m (32..47), 240 + 4k + j (48..51) */
+AVX2_ALWAYS void tq1_0_codes(const uint8_t *x, __m256i codes[8]) {
+    __m256i scaled = _mm256_loadu_si256((const __m256i *)x);
+    for (int k = 0; k < 5; k++, scaled = times3(scaled)) codes[k] = top_trits(scaled);
     const __m128i rest = _mm_loadu_si128((const __m128i *)(x + 32));
     const __m256i pair = _mm256_set_m128i(_mm_add_epi8(rest, _mm_add_epi8(rest, rest)), rest); /* trits 0, 1 */
     const __m256i pair9 = times3(times3(pair));                                                  /* trits 2, 3 */
@@ -847,10 +882,39 @@ AVX2_ALWAYS __m256i tq1_0_pairs(const uint8_t *x, const BlockQ8K *y) {
     const __m256i powers = _mm256_set_epi16(27, 27, 27, 27, 9, 9, 9, 9, 3, 3, 3, 3, 1, 1, 1, 1);
     const __m256i products = _mm256_and_si256(_mm256_mullo_epi16(wide, powers), _mm256_set1_epi16(0xFF));
     const __m128i tail = _mm_packus_epi16(_mm256_castsi256_si128(products), _mm256_extracti128_si256(products, 1));
-    const __m256i last = _mm256_inserti128_si256(times3(times3(pair9)), tail, 1);
-    sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(top_trits(pair), q8_run(y, 5)));
-    sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(top_trits(pair9), q8_run(y, 6)));
-    return _mm256_add_epi16(sum, _mm256_maddubs_epi16(top_trits(last), q8_run(y, 7)));
+    codes[5] = top_trits(pair);
+    codes[6] = top_trits(pair9);
+    codes[7] = top_trits(_mm256_inserti128_si256(times3(times3(pair9)), tail, 1));
+}
+
+AVX2_ALWAYS __m256i tq1_0_pairs(const uint8_t *x, const BlockQ8K *y) {
+    __m256i codes[8], sum = _mm256_setzero_si256();
+    tq1_0_codes(x, codes);
+    for (int run = 0; run < 8; run++) sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(codes[run], q8_run(y, run)));
+    return sum;
+}
+
+/* the ternary float decoders' values: d * (code - 1) for 32 codes, exactly the scalar products */
+AVX2_ALWAYS void put_ternary32(float *restrict y, __m256i codes, __m256 d) {
+    const __m256i values = _mm256_sub_epi8(codes, _mm256_set1_epi8(1));
+    const __m128i half[2] = {_mm256_castsi256_si128(values), _mm256_extracti128_si256(values, 1)};
+    for (int h = 0; h < 2; h++)
+        for (int e = 0; e < 2; e++) {
+            const __m256i wide = _mm256_cvtepi8_epi32(e ? _mm_srli_si128(half[h], 8) : half[h]);
+            _mm256_storeu_ps(y + 16 * h + 8 * e, _mm256_mul_ps(d, _mm256_cvtepi32_ps(wide)));
+        }
+}
+
+AVX2_DECODER tq1_0_values_avx2(const uint8_t *restrict b, float *restrict y) {
+    __m256i codes[8];
+    tq1_0_codes(b, codes);
+    const __m256 d = _mm256_set1_ps(f16(b + 52));
+    for (int run = 0; run < 8; run++) put_ternary32(y + 32 * run, codes[run], d);
+}
+
+AVX2_DECODER tq2_0_values_avx2(const uint8_t *restrict b, float *restrict y) {
+    const __m256 d = _mm256_set1_ps(f16(b + 64));
+    for (int run = 0; run < 8; run++) put_ternary32(y + 32 * run, tq2_0_codes(b, run), d);
 }
 
 #define TERNARY_DOT(NAME, BYTES, D_AT)                                                                  \
