@@ -265,8 +265,8 @@ def test_generate_sizes_its_plan_for_ctx(tiny_model, tmp_path):
 
 def test_a_streamed_generate_stays_inside_the_cgroup_limit_its_plan_splits(tiny_model, tmp_path):
     """A child memory cgroup whose limit leaves about half the routed experts: `generate` plans from the
-    cgroup's limit for its prompt and output (no `--ctx`), fills its expert budget, and finishes without an OOM kill or a single charge that
-    hit the limit (no reclaim, no thrash); its peak stays under the limit."""
+    cgroup's limit for its prompt and output (no `--ctx`), fills its expert budget, and finishes
+    without an OOM kill or a single charge that hit the limit (no reclaim, no thrash)."""
     import os
     import subprocess
     import sys
