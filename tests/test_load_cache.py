@@ -75,3 +75,26 @@ def test_uncached_reads_are_the_files_bytes_and_a_shrunk_file_is_named(tiny_mode
         handle.truncate(last.data_offset + 10)
     with pytest.raises(ValueError, match=f"model.gguf: tensor {tail} is cut short"):
         checkpoint.read(tail)
+
+
+def test_under_a_memory_limit_the_pack_is_read_with_o_direct_even_where_it_fits(tiny_model, tmp_path):
+    """A RAM budget that holds the whole pack reads it buffered only without a memory limit: under one,
+    its page cache would be charged to the limit beside the experts read from it (and each byte
+    copied once more)."""
+    from k3stream.cli import build_parser
+    from k3stream.commands.flags import runtime_from_args
+    from k3stream.memlimit import memory_limited
+    from k3stream.pack.builder import build_pack
+    from pack_helpers import copy_model
+
+    manifest = build_pack(copy_model(tiny_model(), tmp_path)).manifest
+    for limit, limited in ((["--memory-limit", "8GiB"], True), ([], memory_limited(None))):
+        flags = ["generate", str(manifest), "--prompt", "x", "--ram-mib", "4096", *limit]
+        runtime = runtime_from_args(build_parser(flags).parse_args(flags))
+        try:
+            stats = runtime.store.stats()
+        finally:
+            runtime.close()
+        if "refused" in stats["direct_io_note"]:
+            pytest.skip(f"{tmp_path}: {stats['direct_io_note']}")
+        assert stats["direct_io"] is limited, (limit, stats["direct_io_note"])
