@@ -3,9 +3,9 @@
     python benchmarks/bench_read_cpu.py MANIFEST [--rounds 3] [--batch 16] [--digest]
 
 Reads every object of the pack with the store's reader (`PackFile`, O_DIRECT, 4 threads, 4 splits per
-object), `--batch` objects at a time, alternating per round between a fresh buffer per object
-(`host_buffer`: its pages mapped and zeroed by the kernel, unmapped when freed) and the store's
-`RecycledBuffers` (a buffer comes back when its object dies and the next read takes it).
+object), `--batch` objects at a time, alternating per round between a fresh buffer per object (each
+page faulted in and zeroed by the kernel on the read's first write, unmapped when freed) and the
+store's `RecycledBuffers` (a buffer comes back when its object dies and the next read takes it).
 Then the same into recycled buffers through the page cache (buffered reads, the pack's pages dropped
 before each pass: what the store does when the pack fits its RAM budget and no memory limit is set).
 Prints the process CPU seconds per GB (all threads: reader threads, page faults, digest checks with
@@ -40,7 +40,7 @@ def read_all(pack: ExpertPack, file: PackFile, batch: int, buffers: RecycledBuff
         for key in keys[start : start + batch]:
             offset, nbytes = pack.object_range(*key)
             if buffers is None:
-                destination = host_buffer(nbytes)
+                destination = host_buffer(nbytes, direct_io=True)
                 view = destination[:nbytes]
             else:
                 destination, view = buffers.take(nbytes)

@@ -214,7 +214,7 @@ def test_direct_reads_land_in_aligned_buffers_and_bounce_into_the_others(packed,
     monkeypatch.setattr(PackFile, "_bounce", lambda self, size: bounces.append(size) or bounce(self, size))
     file = PackFile(pack.path, read_splits=splits, direct_io=True)
     try:
-        aligned = pack_io.host_buffer(nbytes)
+        aligned = pack_io.host_buffer(nbytes, file.direct_io)
         file.read([ReadRequest("aligned", offset, nbytes, aligned)])
         assert aligned[:nbytes].tobytes() == expected
         assert not bounces  # no copy through a bounce buffer

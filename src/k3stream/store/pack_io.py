@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import itertools
-import mmap
 import os
 import queue
 import threading
@@ -60,13 +59,10 @@ def _round_up(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
-def host_buffer(nbytes: int) -> np.ndarray:
-    """A fresh destination for an `nbytes` object, page aligned and rounded up to whole 4 KiB blocks, so
-    O_DIRECT reads land in it without a bounce copy (slice the object's `nbytes` off it). Its pages are
-    mapped in one call (MAP_POPULATE) rather than faulted in one by one on the read's first writes:
-    half the system time of a cold prefill's fresh buffers, measured on a real-dimension slice."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    return np.frombuffer(mmap.mmap(-1, _round_up(nbytes), flags=flags), dtype=np.uint8)
+def host_buffer(nbytes: int, direct_io: bool) -> np.ndarray:
+    """A destination for an `nbytes` object: with O_DIRECT aligned and rounded up to whole 4 KiB
+    blocks, so the reads land in it without a bounce copy (slice the object's `nbytes` off it)."""
+    return _aligned_empty(_round_up(nbytes)) if direct_io else np.empty(nbytes, dtype=np.uint8)
 
 
 class PriorityPool:

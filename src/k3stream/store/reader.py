@@ -50,7 +50,7 @@ class RecycledBuffers:
             base = self._free.pop()
             self.counts["buffers_reused"] += 1
         except IndexError:
-            base = host_buffer(self.slot_bytes)
+            base = host_buffer(self.slot_bytes, direct_io=True)
             self.counts["buffers_made"] += 1
         view = base[:nbytes]
         ident = id(view)
