@@ -96,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         pack_mib = len(layers) * pack.num_experts * pack.object_range(layers[0], 0)[1] / 2**20
     prompt = [(7 * i + 3) % 200 + 5 for i in range(args.prompt_tokens)]
     print(
-        "budget  prefill s (on / off, ratio)  fetch wait s (on / off)  read  hinted  hints used  "
-        "sys s  fresh"
+        "budget  prefill s (on / off, ratio)  fetch wait s (on / off)  read  hinted  hints used  sys s  fresh"
     )
     for share in SHARES:
         on = best(manifest, share * pack_mib, prompt, True, args.repeat)
