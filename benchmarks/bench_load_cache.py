@@ -6,7 +6,7 @@ Each method loads every non-expert tensor of MODEL in a fresh child memory cgrou
 cache dropped first) and reports the load time, the page cache charged to the group after the load
 (memory.stat), the group's peak memory and how often its limit was hit:
 
-- `buffered`: plain reads (what a load did before `K3Checkpoint.uncached_reads`);
+- `buffered`: plain reads (a load without `K3Checkpoint.uncached_reads`);
 - `fadvise`: `k3stream.gguf.uncached.read_uncached`: 16 MiB reads, each dropped from the cache after;
 - `direct`: O_DIRECT reads of 4 KiB-aligned 16 MiB chunks into an aligned buffer, copied out.
 

@@ -91,3 +91,39 @@ def test_a_cold_prefill_reads_about_what_it_uses_at_any_budget(many):
         spare = len(pack.moe_layers) * math.ceil(pack.top_k / PREFETCH_MIN_PRECISION)
     for share in (0.25, 1.0):
         assert used <= cold_prefill_reads(many, share, prefetch=True) <= used + spare
+
+
+def prefill_reads(manifest, share: float, prefetch: bool) -> tuple[int, int, int]:
+    """Pack reads of a cold prefill and one decode step, then of the same prompt prefilled again (as
+    `bench_real.py` measures), at `share` of the pack; and the hinted experts nobody then used."""
+    with ExpertPack(manifest) as pack:
+        pack_mib = len(pack.moe_layers) * pack.num_experts * pack.object_bytes / MIB
+    runtime = load_runtime(manifest, LoadOptions(expert_ram_mib=share * pack_mib, prefetch=prefetch))
+    try:
+        model, store = runtime.model, runtime.store
+        state = model.new_state()
+        model.decode(state, int(model.prefill(state, PROMPT)[-1].argmax()))
+        store.end_token(len(PROMPT) + 1)
+        cold = store.stats()["pack_reads"]
+        model.prefill(model.new_state(), PROMPT)
+        stats = store.stats()
+        return cold, stats["pack_reads"] - cold, stats["prefetch_loads"] - stats["prefetch_hits"]
+    finally:
+        runtime.close()
+
+
+def test_a_larger_budget_never_makes_a_prefill_read_more(many):
+    """From two working sets to the whole pack, neither the cold prefill nor the same prompt again reads
+    more experts with a larger budget (reads, not times: the times swing on a shared machine). With
+    hints, what a larger budget may add is only hinted experts nobody used: a small budget drops a
+    hint that does not fit beside the step, a larger one reads it, the wrong experts included."""
+    with ExpertPack(many) as pack:
+        working_sets = len(pack.moe_layers) * pack.num_experts / pack.top_k
+    shares = [2 / working_sets, 0.1, 0.25, 0.5, 1.0]
+    demand = [prefill_reads(many, share, prefetch=False) for share in shares]
+    for phase in (0, 1):
+        counts = [reads[phase] for reads in demand]
+        assert counts == sorted(counts, reverse=True), (shares, demand)
+    assert demand[-1][1] < demand[0][1]  # a budget that holds the prompt's experts reads less again
+    for cold, again, unused in (prefill_reads(many, share, prefetch=True) for share in shares):
+        assert cold + again - unused <= demand[0][0] + demand[0][1], (cold, again, unused, demand)

@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 
 from k3stream.memlimit import (
-    HEADROOM_BYTES,
     MIB,
     MemoryLimitError,
     ModelNeeds,
     cgroup_limit,
     default_memory_limit,
+    format_size,
+    headroom_bytes,
     own_memory_cgroup,
     parse_size,
     plan_memory,
@@ -28,7 +29,15 @@ NEEDS = ModelNeeds(
     tokens=512,
 )
 RUNTIME = 200 * MIB
-FIXED = RUNTIME + 130 * MIB + HEADROOM_BYTES
+PLANNED = RUNTIME + 130 * MIB  # the runtime, non-expert weights, state and working buffers of NEEDS
+
+
+def limit_leaving(room: int) -> int:
+    """The smallest limit that leaves `room` bytes beside NEEDS, the runtime and the headroom."""
+    limit = PLANNED + room
+    while (short := room - (limit - PLANNED - headroom_bytes(limit))) > 0:
+        limit += short
+    return limit
 
 
 @pytest.mark.parametrize(
@@ -45,35 +54,47 @@ def test_parse_size_names_the_flag():
 
 
 def test_plan_gives_experts_what_is_left():
-    plan = plan_memory(FIXED + 300 * MIB, NEEDS, RUNTIME)
-    assert plan.expert_budget == 300 * MIB
-    assert "expert RAM budget 300.0 MiB (300 experts" in plan.summary()
+    limit = 1 << 30
+    plan = plan_memory(limit, NEEDS, RUNTIME)
+    assert plan.expert_budget == limit - PLANNED - headroom_bytes(limit)
+    assert f"expert RAM budget {format_size(plan.expert_budget)} (" in plan.summary()
+
+
+def test_the_headroom_is_the_kernels_share_of_the_limit_and_one_uncached_read():
+    """1/256 of the limit (page tables and slab: 5.8 MiB measured for 2.5 GB resident) and 16 MiB read
+    with a 2 MiB folio either side: 36 MiB of a 4 GiB limit, under 1% of 64 GiB."""
+    assert headroom_bytes(4 << 30) == 16 * MIB + 20 * MIB
+    assert headroom_bytes(64 << 30) < (64 << 30) // 100
+    assert (
+        f"headroom {format_size(headroom_bytes(1 << 30))}" in plan_memory(1 << 30, NEEDS, RUNTIME).summary()
+    )
 
 
 def test_the_prompt_cache_comes_out_of_the_expert_budget():
-    plan = plan_memory(FIXED + 300 * MIB, NEEDS, RUNTIME, cache_bytes=100 * MIB)
+    plan = plan_memory(limit_leaving(300 * MIB), NEEDS, RUNTIME, cache_bytes=100 * MIB)
     assert plan.expert_budget == 200 * MIB
     assert "prompt cache 100.0 MiB -> expert RAM budget 200.0 MiB" in plan.summary()
     with pytest.raises(MemoryLimitError, match=r"prompt cache \(100.0 MiB\)"):
-        plan_memory(FIXED + 100 * MIB, NEEDS, RUNTIME, cache_bytes=100 * MIB)
+        plan_memory(limit_leaving(100 * MIB), NEEDS, RUNTIME, cache_bytes=100 * MIB)
 
 
 def test_plan_never_exceeds_the_routed_experts():
-    assert plan_memory(FIXED + 10 * 4096 * MIB, NEEDS, RUNTIME).expert_budget == NEEDS.expert_bytes
+    assert plan_memory(limit_leaving(10 * 4096 * MIB), NEEDS, RUNTIME).expert_budget == NEEDS.expert_bytes
 
 
 def test_plan_holds_exactly_one_working_set():
-    assert plan_memory(FIXED + 8 * MIB, NEEDS, RUNTIME).expert_budget == 8 * MIB
+    assert plan_memory(limit_leaving(8 * MIB), NEEDS, RUNTIME).expert_budget == 8 * MIB
 
 
 def test_plan_refuses_below_one_working_set_in_one_line():
+    limit = limit_leaving(8 * MIB) - 1
     with pytest.raises(MemoryLimitError) as error:
-        plan_memory(FIXED + 8 * MIB - 1, NEEDS, RUNTIME, source="--memory-limit")
+        plan_memory(limit, NEEDS, RUNTIME, source="--memory-limit")
     message = str(error.value)
     assert "\n" not in message
     assert "non-expert weights (100.0 MiB)" in message
     assert "top-k working set (8 x 1048576 bytes)" in message
-    assert f"needs at least {(FIXED + 8 * MIB) / MIB:.1f} MiB" in message
+    assert f"needs at least {(PLANNED + headroom_bytes(limit) + 8 * MIB) / MIB:.1f} MiB" in message
 
 
 def _fake_tree(tmp_path: Path, cgroup_lines: str) -> tuple[Path, Path]:
@@ -211,13 +232,14 @@ def test_the_default_context_keeps_4096_tokens_of_state_and_gives_experts_more_t
     assert plan.expert_budget / left > 0.85
 
 
-def test_a_short_served_context_gives_experts_about_all_that_is_left():
-    """A 64-token context (a short prompt and output): everything but the caches, one prefill's
-    buffers and the headroom goes to experts, 95% of what is left to within a rounding."""
-    plan = slice_plan(64)
-    left = plan.limit - SLICE_RUNTIME - SLICE_NONEXPERT
-    assert plan.expert_budget / left > 0.945
-    assert plan.expert_budget == left - plan.needs.state_bytes - plan.needs.working_bytes - HEADROOM_BYTES
+@pytest.mark.parametrize("ctx", [64, 16 + 128, 1024])
+def test_experts_get_95_percent_of_what_the_served_context_leaves(ctx):
+    """Everything but the caches and one prefill's buffers of the served context goes to experts, but
+    the headroom: at least 95% of it (a 16-token prompt and `generate`'s 128 output tokens is 144)."""
+    plan = slice_plan(ctx)
+    left = plan.limit - SLICE_RUNTIME - SLICE_NONEXPERT - plan.needs.state_bytes - plan.needs.working_bytes
+    assert plan.expert_budget == left - plan.headroom
+    assert plan.expert_budget / left >= 0.95
 
 
 def test_a_context_beyond_the_model_is_refused_naming_the_flag():
@@ -239,3 +261,47 @@ def test_generate_sizes_its_plan_for_ctx(tiny_model, tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "KV/state for 64 tokens" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_streamed_generate_stays_inside_the_cgroup_limit_its_plan_splits(tiny_model, tmp_path):
+    """A child memory cgroup whose limit leaves about half the routed experts: `generate` plans from the
+    cgroup's limit for its prompt and output (no `--ctx`), fills its expert budget, and finishes
+    without an OOM kill or a single charge that hit the limit (no reclaim, no thrash)."""
+    import os
+    import subprocess
+    import sys
+
+    from bench_helpers import pack_expert_bytes
+    from k3stream.gguf.layout import is_routed_expert
+    from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.pack.builder import build_pack
+    from k3stream.testing.cgroups import ChildCgroup, drop_page_cache
+    from pack_helpers import copy_model
+
+    model = copy_model(tiny_model(n_layers=4, n_experts=64, top_k=8, expert_ff=256, latent=512), tmp_path)
+    manifest = build_pack(model).manifest
+    experts = pack_expert_bytes(manifest)
+    tensors = K3Checkpoint.open(model).tensors.values()
+    nonexpert = sum(t.nbytes for t in tensors if not is_routed_expert(t.name))
+    limit = nonexpert + experts // 2 + 300 * MIB  # the runtime (~230 MiB), state, buffers, headroom
+    cgroup = ChildCgroup.create(f"test-memlimit-{os.getpid()}", limit)
+    if isinstance(cgroup, str):
+        pytest.skip(cgroup)
+    command = [sys.executable, "-m", "k3stream", "generate", str(manifest), "--threads", "2"]
+    command += ["--prompt", "the quick brown fox " * 8, "--max-tokens", "16", "--temperature", "0"]
+    try:
+        os.sync()
+        drop_page_cache(model, manifest.with_name(manifest.name.removesuffix(".manifest.json")))
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, preexec_fn=cgroup.join)
+        usage = cgroup.usage()
+    finally:
+        cgroup.remove()
+    assert done.returncode == 0, done.stderr[-2000:]
+    plan = next(line for line in done.stderr.splitlines() if line.startswith("memory limit"))
+    budget_mib = float(plan.split("expert RAM budget ")[1].split(" MiB")[0])
+    assert experts / 4 < budget_mib * MIB < experts, plan  # the limit binds, the budget is used
+    served = int(plan.split("KV/state for ")[1].split(" tokens")[0])
+    assert 16 < served < 200, plan  # the prompt and 16 tokens, not the default 4,096
+    assert "hit rate" in done.stderr
+    assert usage["oom_kills"] in (0, None) and usage["limit_hits"] == 0, (usage, plan)
+    assert usage["peak_bytes"] <= limit

@@ -103,6 +103,32 @@ def test_budget_holds_and_current_step_stays_resident_under_prefetch(packed, pol
     assert stats["prefetch_loads"] > 0 and stats["tokens"] == 40
 
 
+def test_reads_reuse_the_buffers_of_evicted_experts_and_serve_the_gguf_bytes(packed):
+    """Streaming through a cache of a few working sets: after the cache first fills, each read lands in
+    the buffer of an expert it evicted (no fresh pages to fault in and zero), never in one a caller
+    still holds, and every fetch still returns the GGUF's bytes."""
+    gguf_path, pack = packed
+    rng = np.random.default_rng(11)
+    slots = 2 * pack.top_k
+    layer = pack.moe_layers[0]
+    with ExpertStore(pack, ram_mib=budget(pack, slots), prefetch=False, direct_io=True) as store:
+        held = store.fetch(layer, random_route(rng, pack))  # a caller keeps this step's views
+        kept = {expert: bytes(weights.gate.data.numpy()) for expert, weights in held.items()}
+        store.release()
+        for _ in range(30):
+            ids = random_route(rng, pack)
+            weights = store.fetch(layer, ids)
+            expert = ids[0]
+            gate = gguf_expert_bytes(gguf_path, layer, expert)["gate"]
+            assert weights[expert].gate.data.numpy().tobytes() == gate
+            del weights
+        stats = store.stats()
+        assert {expert: bytes(weights.gate.data.numpy()) for expert, weights in held.items()} == kept
+    assert stats["pack_reads"] > 3 * slots
+    assert stats["buffers_made"] <= slots + pack.top_k  # the cache, and the step a caller still holds
+    assert stats["buffers_reused"] == stats["pack_reads"] - stats["buffers_made"]
+
+
 @pytest.mark.parametrize("policy", ["lfu-lru", "cycle", "arc"])
 def test_store_decisions_match_the_simulator_on_its_recorded_trace(packed, tmp_path, policy):
     _, pack = packed

@@ -3,8 +3,8 @@
 `--memory-limit SIZE` (default: this process's memory cgroup limit, else the available RAM) is split as
 
     limit = runtime (interpreter + torch, measured) + non-expert weights (their GGUF bytes, held in
-            anonymous memory) + KV/state + working buffers + headroom + prompt cache (`--cache-ram`)
-            + expert RAM budget
+            anonymous memory) + KV/state + working buffers + headroom (`headroom_bytes`) + prompt cache
+            (`--cache-ram`) + expert RAM budget
 
 KV/state and working buffers are computed from the config for the context served (`--ctx`, default
 DEFAULT_CTX): the MLA caches and KDA states of a sequence that long, and the activations of a prefill
@@ -30,7 +30,9 @@ GIB = 1 << 30
 UNLIMITED = 1 << 60  # cgroup v1 writes 2^63 - page size for "no limit"; anything this large is none
 DEFAULT_CTX = 4096  # the context served when none is given (or the model's, if shorter)
 DEFAULT_PREFILL_ROWS = 256  # prompt rows a prefill's activations are sized for when no context is given
-HEADROOM_BYTES = 64 * MIB  # allocator slack, reads in flight, the pack's page cache between reads
+# the kernel's memory for a process's anonymous pages (page tables, slab), per byte of the limit: measured
+# 5.8-6.2 MiB charged (memory.kmem.usage_in_bytes) for 2.5-2.7 GB resident on a real-dimension slice
+KERNEL_SHARE = 1 / 256
 SLAB_BYTES = 16 * MIB  # float32 rows of a weight dequantised at a time (`quant.matmul.SLAB_BYTES`)
 QUERY_BLOCK = 512  # MLA prefill queries attended at a time (`model.mla.QUERY_BLOCK`)
 STREAM_COPIES = 6  # residual-stream rows alive per token: x, its mix, the normed input, attention, sum, FFN
@@ -288,6 +290,18 @@ def pin_malloc_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, threshold))
 
 
+def headroom_bytes(limit: int) -> int:
+    """What the limit keeps beyond the planned terms, from its measured parts: the kernel's page tables
+    and slab (KERNEL_SHARE of the limit) and the page cache of one uncached read with the folios
+    around it (`gguf.uncached`: a load's non-expert reads; pack reads bypass the page cache). Measured
+    in a child cgroup around `generate` on a real-dimension slice, the anonymous memory stayed under the
+    other terms (allocations of 64 KiB and more are returned to the system, `pin_malloc_mmap_threshold`;
+    the reader threads' stacks are a few pages each)."""
+    from k3stream.gguf.uncached import CHUNK_BYTES, FOLIO_BYTES
+
+    return math.ceil(limit * KERNEL_SHARE) + CHUNK_BYTES + 2 * FOLIO_BYTES
+
+
 # ---- the plan ------------------------------------------------------------------------------------
 
 
@@ -301,11 +315,15 @@ class MemoryPlan:
     cache_bytes: int = 0  # the prompt cache's RAM tier
 
     @property
+    def headroom(self) -> int:
+        return headroom_bytes(self.limit)
+
+    @property
     def fixed_bytes(self) -> int:
         """Everything but the expert cache."""
         n = self.needs
         resident = self.runtime_bytes + n.nonexpert_bytes + n.state_bytes + n.working_bytes
-        return resident + HEADROOM_BYTES + self.cache_bytes
+        return resident + self.headroom + self.cache_bytes
 
     def summary(self) -> str:
         n = self.needs
@@ -314,7 +332,7 @@ class MemoryPlan:
             f"{format_size(self.runtime_bytes)}, non-expert weights {format_size(n.nonexpert_bytes)}, "
             f"KV/state for {n.tokens} tokens{f' x {n.sequences} sequences' if n.sequences > 1 else ''} "
             f"{format_size(n.state_bytes)}, working buffers {format_size(n.working_bytes)}, headroom "
-            f"{format_size(HEADROOM_BYTES)}, prompt cache {format_size(self.cache_bytes)} -> expert RAM "
+            f"{format_size(self.headroom)}, prompt cache {format_size(self.cache_bytes)} -> expert RAM "
             f"budget {format_size(self.expert_budget)} "
             f"({self.expert_budget // max(n.object_bytes, 1)} experts of {n.object_bytes / MIB:.2f} MiB, "
             f"{self.expert_budget / max(n.expert_bytes, 1):.0%} of the routed experts)"
@@ -332,7 +350,7 @@ def plan_memory(
             f"memory limit {format_size(limit)} ({source}) cannot hold the runtime "
             f"({format_size(runtime_bytes)}), non-expert weights ({format_size(needs.nonexpert_bytes)}), "
             f"KV/state ({format_size(needs.state_bytes)}), working buffers "
-            f"({format_size(needs.working_bytes)}), headroom ({format_size(HEADROOM_BYTES)}) and prompt "
+            f"({format_size(needs.working_bytes)}), headroom ({format_size(plan.headroom)}) and prompt "
             f"cache ({format_size(cache_bytes)}) plus one "
             f"top-k working set ({needs.top_k} x {needs.object_bytes} bytes); it needs at least "
             f"{format_size(plan.fixed_bytes + needs.working_set)}"

@@ -40,10 +40,16 @@ def run(args: argparse.Namespace) -> int:
 
     from k3stream.commands.launch import parallel_runtime, report_ranks
     from k3stream.engine.generate import generate
+    from k3stream.engine.loading import open_model
+    from k3stream.engine.tokenizer import Tokenizer
 
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = sampling_params(args)  # bad flags fail before the model loads
-    with parallel_runtime(args) as runtime:  # under torchrun: rank 0 generates, the others follow it
+    opened = open_model(args.model, not args.no_stream_experts)
+    prompt = prompt_ids(Tokenizer.from_gguf(opened[0]), args, text)
+    if args.ctx is None:  # the memory plan holds the context this run reaches, no more
+        args.ctx = min(max(len(prompt) + args.max_tokens, 2), opened[0].config.context_length)
+    with parallel_runtime(args, opened=opened) as runtime:  # under torchrun: rank 0 generates
         if runtime is None:
             return 0
         tokenizer = runtime.tokenizer
@@ -52,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         result = generate(
             runtime.model,
             tokenizer,
-            prompt_ids(tokenizer, args, text),
+            prompt,
             replace(params, stop_token_ids=stops),
             on_text=_write,
         )

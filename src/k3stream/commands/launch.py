@@ -21,16 +21,17 @@ from k3stream.engine.parallel.tensor import apply_tensor_parallel
 
 @contextmanager
 def parallel_runtime(
-    args: argparse.Namespace, on_failure: Callable[[], None] = lambda: None
+    args: argparse.Namespace, on_failure: Callable[[], None] = lambda: None, opened: Any = None
 ) -> Iterator[Runtime | None]:
     """Rank 0's runtime (its model a `DriverModel` when there are several ranks); on the other ranks,
     follows rank 0 until it stops and yields None. One process without torchrun: the plain runtime.
+    `opened`: what `open_model` returned, when the command read the GGUF already.
 
     When a peer fails, rank 0's model calls `on_failure()` (a server stops itself) and the failure is
     raised on leaving, also if the caller swallowed it."""
     parallel = groups.start(args.tp, args.ep, _device_kind(args.device), args.dist_timeout)
     try:
-        runtime = runtime_from_args(args)
+        runtime = runtime_from_args(args, opened)
         try:
             exchanges = shard(runtime.model, parallel)
             groups.loaded(parallel)

@@ -72,7 +72,9 @@ class StoreOptions:
 
     policy: str = "cycle"
     io_threads: int = 4
-    direct_io: bool | None = None  # None: O_DIRECT when the pack does not fit the RAM budget
+    # None: O_DIRECT under a memory limit (the checkpoint's `uncached_reads`) or when the pack does not
+    # fit the RAM budget
+    direct_io: bool | None = None
     simulated_read_latency_us: float = 0.0  # sleeps before each pack read: tests and experiments
 
 
@@ -137,6 +139,9 @@ def load_resolved(
 
         ram_mib = options.expert_ram_mib
         ram_mib = default_expert_ram_mib(checkpoint) if ram_mib is None else ram_mib
+        if store_options.direct_io is None and checkpoint.uncached_reads:
+            # the pack's page cache would be charged to the limit beside the expert budget
+            store_options = replace(store_options, direct_io=True)
         pack = ExpertPack(manifest, config=checkpoint.config)
         store = ExpertStore(
             pack,

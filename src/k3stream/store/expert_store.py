@@ -37,7 +37,7 @@ from k3stream.store.liveness import LiveBuffers
 from k3stream.store.loading import Load, Loader
 from k3stream.store.pack_io import PackFile
 from k3stream.store.pins import StepPins
-from k3stream.store.reader import ObjectReader
+from k3stream.store.reader import ObjectReader, RecycledBuffers
 from k3stream.store.tiers import MIB, Key, make_tiers
 from k3stream.store.traces import TraceWriter
 
@@ -59,6 +59,8 @@ COUNTERS = (
     "prefetch_waits",
     "integrity_errors",
     "integrity_check_ns",
+    "buffers_made",
+    "buffers_reused",
 )
 
 
@@ -129,7 +131,8 @@ class ExpertStore:
         except BaseException:
             self._release()
             raise
-        self._reader = ObjectReader(self.pack, self._file, self._live, self._lock)
+        buffers = RecycledBuffers(self.slot_bytes, keep=self._compute.cache.capacity)
+        self._reader = ObjectReader(self.pack, self._file, self._live, self._lock, buffers)
         self.integrity_checked = self._reader.integrity_checked
         self._loader = Loader(self._reader, self._pins, self._lock, self._slot_freed, self.top_k)
 
@@ -344,6 +347,7 @@ class ExpertStore:
                 **self._counts,
                 **self._loader.counts,
                 **self._reader.counts,
+                **self._reader.buffers.counts,
                 **self._compute.prefetch_counts,
                 **self._hints.counts,
             }
@@ -372,6 +376,7 @@ class ExpertStore:
                 return
             self._closed = True
         self._release()
+        self._reader.buffers.clear()
 
     def _release(self) -> None:
         """Shut down whatever the constructor opened (the prefetch threads first: they read the pack)."""
