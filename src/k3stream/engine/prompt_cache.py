@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import xxhash
@@ -260,6 +260,15 @@ def step_together(prefills: list[ChunkedPrefill], chunk: int) -> None:
         prefill.advance(end, logits[row], inside)
 
 
+class Peers(Protocol):
+    """The other ranks of a model split over processes (`parallel.runner.DriverModel`): each keeps its
+    own cache of its shard of the states, told by rank 0 what to snapshot and restore."""
+
+    def save_snapshot(self, state: SequenceState) -> None: ...
+
+    def restored(self, state: SequenceState, tokens: list[int]) -> bool: ...
+
+
 @dataclass
 class Prefilled:
     """What `PromptCache.prefill` returns: the last prompt token's logits, the sequence's live state and
@@ -282,6 +291,7 @@ class PromptCache:
         disk_dir: Path | str | None = None,
         disk_bytes: int = 0,
         every: int = DEFAULT_EVERY,
+        peers: Peers | None = None,
     ) -> None:
         if ram_bytes < 0 or disk_bytes < 0 or every < 1:
             raise ValueError("prompt cache: budgets must be >= 0 and --cache-every >= 1")
@@ -290,6 +300,7 @@ class PromptCache:
         self.ram_budget = ram_bytes
         self.disk_budget = disk_bytes if disk_dir is not None else 0
         self.every = every
+        self.peers = peers
         self.stats = CacheStats()
         self._tree = RadixTree()
         self._lock = threading.RLock()
@@ -363,6 +374,10 @@ class PromptCache:
                 continue
             started = time.perf_counter()
             state = restore(self.model, snapshot)
+            if self.peers is not None and not self.peers.restored(state, list(entry.tokens)):
+                log.warning("prompt cache: a rank lacks the snapshot of %d tokens; a miss", entry.length)
+                self._discard(entry)
+                continue
             with self._lock:
                 self.stats.restore_s += time.perf_counter() - started
                 self.stats.hits += 1
@@ -373,6 +388,26 @@ class PromptCache:
             self.stats.misses += self.enabled
         return self.model.new_state(), 0, None
 
+    def restore_exact(self, tokens: list[int]) -> SequenceState | None:
+        """A state restored from the snapshot of exactly `tokens`, or None (a rank told by rank 0)."""
+        with self._lock:
+            self._clock += 1
+            entry = self._tree.deepest(tokens, len(tokens), lambda e: e.length == len(tokens))
+            if entry is None:
+                return None
+            entry.last_used = self._clock
+            snapshot = entry.snapshot
+        snapshot = snapshot or self._load(entry)
+        if snapshot is None:
+            return None
+        started = time.perf_counter()
+        state = restore(self.model, snapshot)
+        with self._lock:
+            self.stats.restore_s += time.perf_counter() - started
+            self.stats.hits += 1
+            self.stats.tokens_reused += entry.length
+        return state
+
     def save(self, tokens: list[int], state: SequenceState, logits: torch.Tensor | None = None) -> None:
         """Snapshot `state`, the state after exactly `tokens` (the end of a prompt, with its last
         `logits`, or of a response)."""
@@ -380,6 +415,8 @@ class PromptCache:
             return
         if state.length != len(tokens):
             raise ValueError(f"prompt cache: a state of {state.length} tokens saved under {len(tokens)} ids")
+        if self.peers is not None:
+            self.peers.save_snapshot(state)
         started = time.perf_counter()
         snapshot = take_snapshot(state)
         if logits is not None:
@@ -460,6 +497,15 @@ class PromptCache:
             self._drop_file(victim)
             self.stats.evictions_disk += 1
             self._forget_if_gone(victim)
+
+    def _discard(self, entry: Entry) -> None:
+        """Take `entry` out of both tiers."""
+        with self._lock:
+            if entry.snapshot is not None:
+                self._account(entry.snapshot, -1)
+                entry.snapshot = None
+            self._drop_file(entry)
+            self._forget_if_gone(entry)
 
     def _forget_if_gone(self, entry: Entry) -> None:
         if entry.snapshot is None and entry.disk_path is None:
