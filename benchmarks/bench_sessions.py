@@ -39,7 +39,14 @@ import torch
 
 import k3stream
 from k3stream.engine.chat import ChatTemplate
-from k3stream.engine.prompt_cache import DEFAULT_EVERY, GIB, MIB, PromptCache, model_fingerprint
+from k3stream.engine.prompt_cache import (
+    DEFAULT_EVERY,
+    GIB,
+    MIB,
+    ChunkedPrefill,
+    PromptCache,
+    model_fingerprint,
+)
 from k3stream.engine.tokenizer import Tokenizer
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.memlimit import format_size, parse_size
@@ -150,32 +157,32 @@ WORDS = (
 )
 
 
-def run_sessions(model, workload: Workload, turns: int, cache: PromptCache, answer_tokens: int):
+def run_sessions(model, workload: Workload, args, cache: PromptCache):
     """The session with reuse on and off, a turn of each in turn (so a busy machine slows both alike);
     off is the engine without a cache (F32 products of many rows on torch's GEMM)."""
     context, on, off = list(workload.system), [], []
-    for turn in range(turns):
+    for turn in range(args.turns):
         context += workload.tools[turn] + workload.assistant_open
-        on.append(one_turn(model, context, cache, answer_tokens))
-        off.append(one_turn(model, context, None, answer_tokens))
+        on.append(one_turn(model, context, cache, args))
+        off.append(one_turn(model, context, None, args))
         context += on[-1].answer + workload.close
     return on, off
 
 
-def one_turn(model, context: list[int], cache: PromptCache | None, answer_tokens: int) -> Turn:
+def one_turn(model, context: list[int], cache: PromptCache | None, args) -> Turn:
+    """One turn's prefill (whole, or in `serve`'s chunks of --prefill-chunk where experts stream from a
+    pack) and greedy answer of --answer-tokens."""
     set_row_exact(cache is not None)  # what a cache turns on (`model.snapshot`)
     before, read_before = _stats(cache), read_process_io()["read_bytes"]
     start, cpu_start = time.perf_counter(), time.process_time()
-    if cache is None:
-        state, computed = model.new_state(), len(context)
-        logits = model.prefill_last(state, context)
-    else:
-        prefilled = cache.prefill(context)
-        state, logits, computed = prefilled.state, prefilled.logits, len(context) - prefilled.reused
+    prefill = ChunkedPrefill(model, context, cache)
+    while not prefill.step(args.prefill_chunk if args.pack else len(context)):
+        pass
+    state, logits, computed = prefill.state, prefill.logits, len(context) - prefill.reused
     ttft, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     read = read_process_io()["read_bytes"] - read_before
     answer = [int(logits.argmax())]
-    while len(answer) < answer_tokens:
+    while len(answer) < args.answer_tokens:
         answer.append(int(model.decode(state, answer[-1]).argmax()))
     if cache is not None:
         cache.save(context + answer[:-1], state)
@@ -206,7 +213,7 @@ def repeated_sessions(model, workload: Workload, args, fingerprint: str, cache_d
         cache = PromptCache(
             model, fingerprint, int(args.cache_ram * MIB), directory, 4 * GIB, args.cache_every
         )
-        sides = run_sessions(model, workload, args.turns, cache, args.answer_tokens)
+        sides = run_sessions(model, workload, args, cache)
         cache.close()
         if best is None:
             best = sides
@@ -385,8 +392,8 @@ def restart(model, workload: Workload, args, fingerprint: str, cache_dir: str, o
     restarted = PromptCache(
         model, fingerprint, int(args.cache_ram * MIB), directory, 4 * GIB, args.cache_every
     )
-    warm = one_turn(model, context, restarted, args.answer_tokens)
-    cold = one_turn(model, context, None, args.answer_tokens)
+    warm = one_turn(model, context, restarted, args)
+    cold = one_turn(model, context, None, args)
     print(
         f"after a restart on the same cache dir, turn {args.turns + 1}: {warm.prompt_tokens} prompt tokens, "
         f"{warm.computed} computed (restore from disk {warm.restore_ms:.1f} ms), TTFT "
