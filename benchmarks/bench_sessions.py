@@ -355,7 +355,7 @@ def beyond_ram(args) -> None:
     if isinstance(cgroup, str):
         print(f"bench_sessions --beyond-ram: skipped: {cgroup}")
         return
-    command = [sys.executable, __file__, *sys.argv[1:], "--model", str(gguf), "--pack", str(manifest)]
+    command = [sys.executable, "-u", __file__, *sys.argv[1:], "--model", str(gguf), "--pack", str(manifest)]
     try:
         drop_page_cache(*files)
         done = subprocess.run(command, preexec_fn=cgroup.join)
