@@ -553,12 +553,11 @@ class PromptCache:
             return
         with self._lock:
             kept = self._tree.insert(entry)  # back in the tree if RAM evicted it meanwhile
-            if kept.disk_path is None:
-                kept.disk_path, kept.disk_bytes = path, len(payload)
-                kept.disk_checksum, kept.disk_parent = _checksum(payload), parent
-                kept.has_logits = kept.has_logits or snapshot.logits is not None
-            elif parent is not None:
-                parent.disk_children -= 1
+            if kept.disk_parent is not None:  # a file of these tokens written before, replaced
+                kept.disk_parent.disk_children -= 1
+            kept.disk_path, kept.disk_bytes = path, len(payload)
+            kept.disk_checksum, kept.disk_parent = _checksum(payload), parent
+            kept.has_logits = kept.has_logits or snapshot.logits is not None
             self._evict_disk()
 
     def _scan_disk(self) -> None:
