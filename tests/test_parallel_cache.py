@@ -54,8 +54,12 @@ def assert_restores_are_cold(result: dict) -> None:
 
 @pytest.mark.parametrize(
     "flags",
-    [("--tp", "2", "--ep", "2"), ("--tp", "2"), ("--ep", "2"), ("--ep", "2", "--ram-mib", "0.2")],
-    ids=["tp2-ep2", "tp2", "ep2", "ep2-streamed"],
+    [
+        pytest.param(("--tp", "2", "--ep", "2"), id="tp2-ep2"),
+        pytest.param(("--tp", "2"), id="tp2", marks=pytest.mark.slow),
+        pytest.param(("--ep", "2"), id="ep2"),
+        pytest.param(("--ep", "2", "--ram-mib", "0.2"), id="ep2-streamed", marks=pytest.mark.slow),
+    ],
 )
 def test_a_restore_across_ranks_gives_the_cold_bits(packed, tmp_path, flags):
     assert_restores_are_cold(run_worker(tmp_path, packed, 2, "--ram-mib", "64", *flags))
