@@ -4,6 +4,7 @@ snapshot create/restore ms and bytes per tier; then a restart from the same --ca
     python benchmarks/bench_sessions.py [--model GGUF] [--turns 8] [--system-tokens 2048]
         [--tool-tokens 300,1000] [--answer-tokens 16] [--cache-every 1024] [--threads 2]
         [--every-sweep 256,1024,4096] [--stall-tokens 4096] [--prefill-chunk 256]
+        [--beyond-ram LIMIT [--ratio 2.5]]
 
 The workload is an agent harness that keeps its token ids: a system prompt with tool schemas of
 `--system-tokens` tokens; each turn appends a tool output of 300-1000 tokens (seeded) and the chat
@@ -14,12 +15,21 @@ the same token for token (checked). Runs through the Python API (`PromptCache.pr
 so a history beyond the model's context metadata runs (the shipped model's is 1,024; its MLA is NoPE).
 The last lines give, by arithmetic from the measured copy rate, the bytes and ms of one snapshot of
 Kimi-K3 at its real dimensions and how many sessions a RAM budget holds.
+
+`--beyond-ram LIMIT` runs the session instead on bench_beyond_ram.py's model (512 experts top-8, its
+audited experts >= --ratio x LIMIT, written once into its cache), its experts streaming from the pack,
+in a child memory cgroup of LIMIT (the model files' page cache dropped first) with `--memory-limit
+LIMIT`, whose plan holds `--cache-ram` beside the experts: the same table, with the bytes read from disk
+during each prefill (`/proc/self/io`), and the cgroup's peak memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -29,10 +39,19 @@ import torch
 
 import k3stream
 from k3stream.engine.chat import ChatTemplate
-from k3stream.engine.prompt_cache import DEFAULT_EVERY, GIB, MIB, PromptCache, model_fingerprint
+from k3stream.engine.prompt_cache import (
+    DEFAULT_EVERY,
+    GIB,
+    MIB,
+    ChunkedPrefill,
+    PromptCache,
+    model_fingerprint,
+)
 from k3stream.engine.tokenizer import Tokenizer
 from k3stream.gguf.reader import K3Checkpoint
+from k3stream.memlimit import format_size, parse_size
 from k3stream.quant.kernels import set_row_exact
+from k3stream.testing.cgroups import ChildCgroup, drop_page_cache, read_process_io
 
 SHIPPED = Path(k3stream.__file__).parent / "data" / "k3-stdlib-audited.gguf"
 # Kimi-K3 (docs: /reference/kimi-k3-architecture.md): 69 KDA layers of 96 heads x 128, conv 4; 24 MLA
@@ -52,6 +71,7 @@ class Turn:
     restore_ms: float = 0.0
     ram_bytes: int = 0
     disk_bytes: int = 0
+    read_bytes: int = 0  # read from storage during the prefill (pack, snapshot files)
 
 
 @dataclass
@@ -137,37 +157,38 @@ WORDS = (
 )
 
 
-def run_sessions(model, workload: Workload, turns: int, cache: PromptCache, answer_tokens: int):
+def run_sessions(model, workload: Workload, args, cache: PromptCache):
     """The session with reuse on and off, a turn of each in turn (so a busy machine slows both alike);
     off is the engine without a cache (F32 products of many rows on torch's GEMM)."""
     context, on, off = list(workload.system), [], []
-    for turn in range(turns):
+    for turn in range(args.turns):
         context += workload.tools[turn] + workload.assistant_open
-        on.append(one_turn(model, context, cache, answer_tokens))
-        off.append(one_turn(model, context, None, answer_tokens))
+        on.append(one_turn(model, context, cache, args))
+        off.append(one_turn(model, context, None, args))
         context += on[-1].answer + workload.close
     return on, off
 
 
-def one_turn(model, context: list[int], cache: PromptCache | None, answer_tokens: int) -> Turn:
+def one_turn(model, context: list[int], cache: PromptCache | None, args) -> Turn:
+    """One turn's prefill (whole, or in `serve`'s chunks of --prefill-chunk where experts stream from a
+    pack) and greedy answer of --answer-tokens."""
     set_row_exact(cache is not None)  # what a cache turns on (`model.snapshot`)
-    before = _stats(cache)
+    before, read_before = _stats(cache), read_process_io()["read_bytes"]
     start, cpu_start = time.perf_counter(), time.process_time()
-    if cache is None:
-        state, computed = model.new_state(), len(context)
-        logits = model.prefill_last(state, context)
-    else:
-        prefilled = cache.prefill(context)
-        state, logits, computed = prefilled.state, prefilled.logits, len(context) - prefilled.reused
+    prefill = ChunkedPrefill(model, context, cache)
+    while not prefill.step(args.prefill_chunk if args.pack else len(context)):
+        pass
+    state, logits, computed = prefill.state, prefill.logits, len(context) - prefill.reused
     ttft, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    read = read_process_io()["read_bytes"] - read_before
     answer = [int(logits.argmax())]
-    while len(answer) < answer_tokens:
+    while len(answer) < args.answer_tokens:
         answer.append(int(model.decode(state, answer[-1]).argmax()))
     if cache is not None:
         cache.save(context + answer[:-1], state)
         cache.flush()  # the files of this turn written, for the disk figures
     after = _stats(cache)
-    turn = Turn(len(context), computed, ttft, cpu, answer)
+    turn = Turn(len(context), computed, ttft, cpu, answer, read_bytes=read)
     if cache is not None:
         turn.created = after["created"] - before["created"]
         turn.create_ms = 1e3 * (after["create_s"] - before["create_s"])
@@ -192,7 +213,7 @@ def repeated_sessions(model, workload: Workload, args, fingerprint: str, cache_d
         cache = PromptCache(
             model, fingerprint, int(args.cache_ram * MIB), directory, 4 * GIB, args.cache_every
         )
-        sides = run_sessions(model, workload, args.turns, cache, args.answer_tokens)
+        sides = run_sessions(model, workload, args, cache)
         cache.close()
         if best is None:
             best = sides
@@ -207,14 +228,15 @@ def print_side_by_side(on: list[Turn], off: list[Turn]) -> None:
     print(
         f"{'turn':>4} {'prompt':>7} | {'off: computed':>13} {'TTFT ms':>8} {'CPU ms':>8} | "
         f"{'on: computed':>12} {'TTFT ms':>8} {'CPU ms':>8} {'ratio':>6} | {'snaps':>5} {'create ms':>9} "
-        f"{'restore ms':>10} {'RAM MiB':>8} {'disk MiB':>8} | same"
+        f"{'restore ms':>10} {'RAM MiB':>8} {'disk MiB':>8} | {'read MiB off':>12} {'on':>6} | same"
     )
     for i, (a, b) in enumerate(zip(on, off, strict=True), 1):
         print(
             f"{i:>4} {a.prompt_tokens:>7} | {b.computed:>13} {1e3 * b.ttft_s:>8.1f} "
             f"{1e3 * b.cpu_s:>8.1f} | {a.computed:>12} {1e3 * a.ttft_s:>8.1f} {1e3 * a.cpu_s:>8.1f} "
             f"{a.cpu_s / b.cpu_s:>6.3f} | {a.created:>5} {a.create_ms:>9.2f} {a.restore_ms:>10.2f} "
-            f"{a.ram_bytes / MIB:>8.2f} {a.disk_bytes / MIB:>8.2f} | {a.answer == b.answer}"
+            f"{a.ram_bytes / MIB:>8.2f} {a.disk_bytes / MIB:>8.2f} | {b.read_bytes / MIB:>12.1f} "
+            f"{a.read_bytes / MIB:>6.1f} | {a.answer == b.answer}"
         )
 
 
@@ -270,9 +292,18 @@ def main() -> None:
         "--stall-tokens", type=int, default=4096, help="the long prompt beside a stream (0: skip)"
     )
     parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument(
+        "--beyond-ram", default=None, metavar="LIMIT", help="the beyond-memory model in a cgroup of LIMIT"
+    )
+    parser.add_argument("--ratio", type=float, default=2.5, help="--beyond-ram: model bytes / limit")
+    parser.add_argument("--pack", default=None, help=argparse.SUPPRESS)  # the cgroup's child: its pack
     args = parser.parse_args()
+    if args.beyond_ram and args.pack is None:
+        beyond_ram(args)
+        return
     torch.set_num_threads(args.threads)
-    model = k3stream.load(args.model)
+    runtime = streamed(args) if args.pack else None
+    model = runtime.model if runtime else k3stream.load(args.model)
     tokenizer = Tokenizer.from_gguf(args.model)
     workload = build_workload(tokenizer, args)
     fingerprint = model_fingerprint(K3Checkpoint.open(args.model).shards)
@@ -291,6 +322,10 @@ def main() -> None:
             f"{on[-1].cpu_s / off[-1].cpu_s:.3f} CPU; answers equal every turn: {same}"
         )
         restart(model, workload, args, fingerprint, cache_dir, on)
+    if runtime is not None:  # the other parts run models of their own
+        print(f"pack read by the expert store: {runtime.store.stats()['pack_read_bytes'] / MIB:.0f} MiB")
+        runtime.close()
+        return
     sweep(model, workload, args, fingerprint)
     if args.stall_tokens:
         stalls(args)
@@ -299,6 +334,52 @@ def main() -> None:
     print()
     for line in real_model_arithmetic(rate, 64, 32768):
         print(line)
+
+
+def beyond_ram(args) -> None:
+    """This script again, on the beyond-memory model, in a child memory cgroup of `--beyond-ram`."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_beyond_ram import DEFAULT_CACHE, ensure_model, model_files, model_spec
+
+    limit = parse_size(args.beyond_ram)
+    spec = model_spec(limit, args.ratio)
+    gguf, manifest = ensure_model(spec, DEFAULT_CACHE)
+    files = model_files(gguf, manifest)
+    print(
+        f"beyond memory: {gguf.name}, experts {format_size(files[1].stat().st_size)} in the pack, "
+        f"{spec.n_layers} layers, {spec.n_experts} experts top-{spec.top_k}; cgroup limit "
+        f"{format_size(limit)}, --memory-limit the same, --cache-ram {args.cache_ram:g} MiB in its plan",
+        flush=True,
+    )
+    cgroup = ChildCgroup.create(f"bench-sessions-{os.getpid()}", limit)
+    if isinstance(cgroup, str):
+        print(f"bench_sessions --beyond-ram: skipped: {cgroup}")
+        return
+    command = [sys.executable, "-u", __file__, *sys.argv[1:], "--model", str(gguf), "--pack", str(manifest)]
+    try:
+        drop_page_cache(*files)
+        done = subprocess.run(command, preexec_fn=cgroup.join)
+        usage = cgroup.usage()
+    finally:
+        cgroup.remove()
+    peak = usage["peak_bytes"] or 0
+    print(
+        f"cgroup: exit status {done.returncode}, peak {peak / MIB:.0f} MiB of {limit / MIB:.0f} MiB, "
+        f"limit hit {usage['limit_hits']} times, OOM kills {usage['oom_kills']}"
+    )
+
+
+def streamed(args):
+    """The runtime `k3stream serve PACK --memory-limit LIMIT --cache-ram MIB` would load."""
+    from k3stream.commands.flags import add_model_arguments, runtime_from_args
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    model_args = parser.parse_args(
+        [args.pack, "--memory-limit", args.beyond_ram, "--threads", str(args.threads), "--device", "cpu"]
+    )
+    model_args.cache_ram = args.cache_ram
+    return runtime_from_args(model_args)
 
 
 def restart(model, workload: Workload, args, fingerprint: str, cache_dir: str, on: list[Turn]) -> None:
@@ -311,8 +392,8 @@ def restart(model, workload: Workload, args, fingerprint: str, cache_dir: str, o
     restarted = PromptCache(
         model, fingerprint, int(args.cache_ram * MIB), directory, 4 * GIB, args.cache_every
     )
-    warm = one_turn(model, context, restarted, args.answer_tokens)
-    cold = one_turn(model, context, None, args.answer_tokens)
+    warm = one_turn(model, context, restarted, args)
+    cold = one_turn(model, context, None, args)
     print(
         f"after a restart on the same cache dir, turn {args.turns + 1}: {warm.prompt_tokens} prompt tokens, "
         f"{warm.computed} computed (restore from disk {warm.restore_ms:.1f} ms), TTFT "

@@ -223,7 +223,8 @@ def test_a_rank_failing_its_step_ends_the_run_naming_it(tiny_model, tmp_path_fac
 @pytest.mark.slow
 def test_serve_under_torchrun_answers_as_one_process_and_outlives_idle_time(packed):
     """Two ranks serve a greedy completion with the single process's text, stay up idle past the
-    collective timeout (rank 0 keeps the followers waiting), and end when a rank is killed."""
+    collective timeout (rank 0 keeps the followers waiting), serve it again from every rank's prompt
+    cache, and end when a rank is killed."""
     import httpx
 
     from k3stream.server.live import free_port
@@ -242,6 +243,10 @@ def test_serve_under_torchrun_answers_as_one_process_and_outlives_idle_time(pack
         time.sleep(6)  # idle for longer than --dist-timeout
         answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         assert answer["choices"][0]["text"] + "\n" == expected
+        again = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()  # the prompt cache's
+        assert again["choices"][0]["text"] == answer["choices"][0]["text"]
+        usage = again["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]
         os.kill(_rank_pid(launcher.pid, 1), signal.SIGKILL)
         killed = time.monotonic()
         _out, err = launcher.communicate(timeout=60)

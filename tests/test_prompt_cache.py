@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import k3stream
-from k3stream.engine.prompt_cache import MIB, Entry, PromptCache, RadixTree, model_fingerprint
+from k3stream.engine.prompt_cache import MIB, Entry, PromptCache, RadixTree, file_name, model_fingerprint
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.quant.kernels import set_row_exact
 
@@ -135,3 +135,102 @@ def test_a_ram_budget_smaller_than_a_snapshot_still_fills_the_disk_tier(model, f
     assert cache.counts() == {"ram_snapshots": 0, "disk_snapshots": 1}
     got = cache.prefill(tokens + [3])  # read back from disk
     assert got.reused == 30 and torch.equal(got.logits, cold(model, tokens + [3]))
+
+
+def conversation(model, cache: PromptCache, turns: int) -> list[list[int]]:
+    """`turns` turns of a conversation (a prompt, a 4-token answer, the next prompt extends both): the
+    prompts."""
+    prompts, context = [], ids(model, 30)
+    for turn in range(turns):
+        got = cache.prefill(context)
+        answer = [int(got.logits.argmax())]
+        for _ in range(3):
+            answer.append(int(model.decode(got.state, answer[-1]).argmax()))
+        cache.save(context + answer[:-1], got.state)
+        prompts.append(context)
+        context = context + answer + ids(model, 12, seed=20 + turn)
+    cache.flush()
+    return prompts
+
+
+def headers(directory) -> dict[int, dict]:
+    from k3stream.engine.prompt_cache import read_header
+
+    found = [read_header(path, path.parent.name) for path in directory.iterdir()]
+    return {len(header["tokens"]): header for header in found}
+
+
+def test_snapshot_files_of_a_conversation_share_its_latent_rows(model, fingerprint, tmp_path):
+    """Each file holds only the latent rows past its parent (the deepest file of a prefix of its
+    tokens): three turns' six files hold each latent row once, not once per file."""
+    cache = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30)
+    conversation(model, cache, 3)
+    found = headers(tmp_path / fingerprint)
+    lengths = sorted(found)
+    assert len(lengths) == 6 and "parent" not in found[lengths[0]]
+    for shorter, longer in zip(lengths, lengths[1:], strict=False):
+        assert found[longer]["parent"][0] == shorter
+        mla = [layer for layer in found[longer]["layers"] if layer[0] == "mla"]
+        assert mla and all(layer[1][0] == longer - shorter for layer in mla)
+    whole = PromptCache(model, fingerprint, 64 * MIB)  # each snapshot's file as if it stood alone
+    conversation(model, whole, 3)
+    from k3stream.engine.prompt_cache import encode
+
+    alone = {e.length: len(encode(fingerprint, e.tokens, e.snapshot)) for e in whole._tree.entries()}
+    row_bytes = sum(4 * layer[1][1] for layer in found[lengths[0]]["layers"] if layer[0] == "mla")
+    shared = sum(row_bytes * found[length]["parent"][0] for length in lengths[1:])  # rows not repeated
+    assert abs(sum(alone[length] for length in lengths) - shared - cache.disk_used) < 64 * len(lengths)
+    cache.close()
+    restarted = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30)  # RAM empty: the chain
+    longest = lengths[-1]
+    prompt = next(e.tokens for e in whole._tree.entries() if e.length == longest) + (7, 8)
+    got = restarted.prefill(list(prompt))
+    assert got.reused == longest and torch.equal(got.logits, cold(model, list(prompt)))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_a_damaged_parent_makes_its_children_misses(model, fingerprint, tmp_path, caplog, damage):
+    """The second of three turns' files damaged (a byte flipped, cut short, deleted): the snapshots
+    chained through it are misses with a warning; the first turn's still serves; the answer is cold."""
+    cache = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30)
+    prompts = conversation(model, cache, 3)
+    cache.close()
+    directory = tmp_path / fingerprint
+    files = {len(h["tokens"]): directory / file_name(tuple(h["tokens"])) for h in headers(directory).values()}
+    middle = files[len(prompts[1])]  # the second prompt's end: the files after it chain through it
+    data = middle.read_bytes()
+    if damage == "flip":
+        middle.write_bytes(data[:200] + bytes([data[200] ^ 4]) + data[201:])
+    elif damage == "truncate":
+        middle.write_bytes(data[: len(data) // 2])
+    else:
+        middle.unlink()
+    restarted = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30)
+    prompt = prompts[2] + [9, 9]
+    with caplog.at_level(logging.WARNING):
+        got = restarted.prefill(prompt)
+    assert torch.equal(got.logits, cold(model, prompt))
+    first_turn = sorted(length for length in files if length < len(prompts[1]))[-1]
+    assert got.reused == first_turn  # the response end of turn 1: before the damage
+    assert f"its parent snapshot of {len(prompts[1])} tokens" in caplog.text
+    assert restarted.stats.disk_errors >= 1
+
+
+def test_disk_eviction_never_orphans_a_file(model, fingerprint, tmp_path):
+    """Under a disk budget of a few files, eviction takes files no other file refers to: every file
+    left has its parent, and the deepest one still restores with the cold bits."""
+    probe = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "probe", 1 << 30)
+    conversation(model, probe, 1)
+    budget = 3 * probe.disk_used
+    cache = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "tight", budget, every=1 << 20)
+    for seed in range(3):  # three conversations: the oldest give way
+        cache.prefill(ids(model, 25, seed=40 + seed))
+        prompts = conversation(model, cache, 3)
+    assert cache.stats.evictions_disk > 0 and cache.disk_used <= budget
+    found = headers(tmp_path / "tight" / fingerprint)
+    chained = [header["parent"][0] for header in found.values() if "parent" in header]
+    assert chained and all(length in found for length in chained)
+    cache.close()
+    restarted = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "tight", budget)
+    got = restarted.prefill(prompts[-1] + [3])
+    assert got.reused >= len(prompts[-1]) and torch.equal(got.logits, cold(model, prompts[-1] + [3]))

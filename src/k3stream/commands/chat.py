@@ -11,9 +11,9 @@ from k3stream.commands.flags import (
     add_cache_arguments,
     add_context_argument,
     add_model_arguments,
+    add_parallel_arguments,
     add_sampling_arguments,
     cache_from_args,
-    runtime_from_args,
     sampling_params,
 )
 from k3stream.commands.report import report, statistics_lines, store_snapshot
@@ -24,6 +24,7 @@ from k3stream.engine.loading import Runtime
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_context_argument(parser)
+    add_parallel_arguments(parser)
     parser.add_argument("--system", default=None, help="system message at the start of the conversation")
     parser.add_argument("--thinking", action="store_true", help="open the think channel (Kimi-K3 templates)")
     parser.add_argument("--quiet", action="store_true", help="no statistics after each answer")
@@ -102,15 +103,16 @@ def converse(session: ChatSession) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from k3stream.commands.launch import parallel_runtime
+
     params = sampling_params(args)  # bad flags fail before the model loads
-    runtime = runtime_from_args(args)
-    try:
+    with parallel_runtime(args) as runtime:  # under torchrun: rank 0 converses, the others follow it
+        if runtime is None:
+            return 0
         session = ChatSession(runtime, args, params)
         try:
             converse(session)
         finally:
             if session.cache is not None:
                 session.cache.close()  # its queued snapshot files, for the next chat
-    finally:
-        runtime.close()
     return 0

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -280,27 +279,27 @@ def add_cache_arguments(parser: argparse.ArgumentParser, ram_mib: float = 1024.0
     )
 
 
-def cache_from_args(args: argparse.Namespace, model: Any) -> PromptCache | None:
-    """The prompt cache the flags ask for on `model` (None: --cache-ram 0, or a model whose sequence
-    states are not this process's, as under tensor or expert parallelism)."""
+def cache_from_args(args: argparse.Namespace, model: Any, layout: str = "") -> PromptCache | None:
+    """The prompt cache the flags ask for on `model` (None: --cache-ram 0). Under torchrun every rank
+    has one (`layout`: this rank's place, keyed into the fingerprint: a rank's snapshots hold its shard);
+    rank 0's model is a `DriverModel`, whose followers snapshot and restore with it."""
     from k3stream.engine.loading import resolve_model
+    from k3stream.engine.parallel.runner import DriverModel
     from k3stream.engine.prompt_cache import PromptCache, model_fingerprint
     from k3stream.gguf.shards import discover_shards
-    from k3stream.model.k3 import K3Model
 
     if args.cache_ram < 0 or args.cache_disk < 0 or args.cache_every < 1:
         raise ValueError("--cache-ram and --cache-disk must be >= 0, --cache-every >= 1")
     if args.cache_ram == 0:
         return None
-    if not isinstance(model, K3Model):
-        logging.getLogger(__name__).warning("prompt cache: off for a model split over processes")
-        return None
+    driver = isinstance(model, DriverModel)
     gguf_path, _ = resolve_model(args.model, False)
     return PromptCache(
         model,
-        model_fingerprint(discover_shards(gguf_path)),
+        model_fingerprint(discover_shards(gguf_path)) + (model.layout if driver else layout),
         ram_bytes=int(args.cache_ram * (1 << 20)),
         disk_dir=args.cache_dir,
         disk_bytes=int(args.cache_disk * (1 << 30)),
         every=args.cache_every,
+        peers=model if driver else None,
     )

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from k3stream.commands.flags import (
+    add_cache_arguments,
     add_context_argument,
     add_model_arguments,
     add_parallel_arguments,
@@ -28,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", default=None, help="system message (with --chat)")
     parser.add_argument("--thinking", action="store_true", help="open the think channel (Kimi-K3 templates)")
     add_sampling_arguments(parser, max_tokens=128)
+    add_cache_arguments(parser, ram_mib=0.0)  # off unless asked: a prompt reused across runs (--cache-dir)
 
 
 def _write(text: str) -> None:
@@ -38,6 +40,7 @@ def _write(text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from k3stream.commands.flags import cache_from_args
     from k3stream.commands.launch import parallel_runtime, report_ranks
     from k3stream.engine.generate import generate
     from k3stream.engine.loading import open_model
@@ -54,16 +57,23 @@ def run(args: argparse.Namespace) -> int:
             return 0
         tokenizer = runtime.tokenizer
         stops = chat_stop_token_ids(tokenizer, args.thinking) if args.chat else ()
+        cache = cache_from_args(args, runtime.model)
         start = store_snapshot(runtime.store)
-        result = generate(
-            runtime.model,
-            tokenizer,
-            prompt,
-            replace(params, stop_token_ids=stops),
-            on_text=_write,
-        )
+        try:
+            result = generate(
+                runtime.model,
+                tokenizer,
+                prompt,
+                replace(params, stop_token_ids=stops),
+                on_text=_write,
+                cache=cache,
+            )
+        finally:
+            if cache is not None:
+                cache.close()  # its snapshot files, for the next run
         _write("\n")
         tokens = runtime.end_generation(result)
-        report(statistics_lines(result, runtime.store, start, tokens))
+        reused = [f"cache   {result.cached_tokens} of {result.prompt_tokens} prompt tokens reused"]
+        report(statistics_lines(result, runtime.store, start, tokens) + reused * bool(cache))
         report_ranks(runtime, tokens)
     return 0

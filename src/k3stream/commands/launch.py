@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 
-from k3stream.commands.flags import runtime_from_args
+from k3stream.commands.flags import cache_from_args, runtime_from_args
 from k3stream.engine.loading import Runtime
 from k3stream.engine.parallel import groups
 from k3stream.engine.parallel.experts import ExpertExchange, apply_expert_parallel
 from k3stream.engine.parallel.runner import DriverModel, follow
 from k3stream.engine.parallel.tensor import apply_tensor_parallel
+from k3stream.engine.prompt_cache import PromptCache
 
 
 @contextmanager
@@ -39,9 +40,9 @@ def parallel_runtime(
             if not parallel.distributed:
                 yield runtime
             elif parallel.driver:
-                yield from _drive(runtime, report, on_failure, args.dist_timeout / 2)
+                yield from _drive(runtime, report, on_failure, args.dist_timeout / 2, layout(parallel))
             else:
-                _follow(runtime.model, report, parallel.rank)
+                _follow(runtime.model, report, parallel.rank, _rank_cache(args, runtime.model, parallel))
                 yield None
         finally:
             runtime.close()
@@ -49,11 +50,25 @@ def parallel_runtime(
         groups.stop(parallel)
 
 
+def layout(parallel: groups.Parallel) -> str:
+    """A rank's place, as keyed into its prompt-cache snapshots (they hold its shard of a state)."""
+    return f"-tp{parallel.tp}-ep{parallel.ep}-rank{parallel.rank}"
+
+
+def _rank_cache(args: argparse.Namespace, model: Any, parallel: groups.Parallel) -> PromptCache | None:
+    """A follower's own prompt cache, where the command has one (rank 0 builds its own the same way)."""
+    return cache_from_args(args, model, layout(parallel)) if hasattr(args, "cache_ram") else None
+
+
 def _drive(
-    runtime: Runtime, report: Callable[[], Any], on_failure: Callable[[], None], keepalive_s: float
+    runtime: Runtime,
+    report: Callable[[], Any],
+    on_failure: Callable[[], None],
+    keepalive_s: float,
+    place: str,
 ) -> Iterator[Runtime]:
     """Rank 0: the caller's runtime with its model wrapped; the followers released at the end."""
-    driver = DriverModel(runtime.model, report, on_failure, keepalive_s)
+    driver = DriverModel(runtime.model, report, on_failure, keepalive_s, place)
     runtime.model = driver
     try:
         yield runtime
@@ -64,14 +79,17 @@ def _drive(
     driver.stop()  # not reached when the run failed: the followers see the failure
 
 
-def _follow(model: Any, report: Callable[[], Any], rank: int) -> None:
+def _follow(model: Any, report: Callable[[], Any], rank: int, cache: PromptCache | None) -> None:
     """`follow`, with this rank's own failure (its pack, its step) named by rank on the way out."""
     try:
-        follow(model, report)
+        follow(model, report, cache)
     except groups.PeerFailed:
         raise
     except (ValueError, OSError, RuntimeError) as exc:
         raise RuntimeError(f"rank {rank}: {exc}") from exc
+    finally:
+        if cache is not None:
+            cache.close()  # its queued snapshot files, for the next start
 
 
 def _device_kind(device: str) -> str:

@@ -10,8 +10,12 @@ never reuses a wrong state.
 Tiers: RAM (a byte budget; snapshots of one sequence share their MLA rows, counted once per buffer) and
 disk (one file a snapshot: a header with the fingerprint and token ids, the tensors, an xxh3_64 of all
 of it; written to a temporary name and renamed, so a restarted process finds whole files or none; a
-file that fails its checksum is a miss with a warning). Both tiers evict by what a snapshot saves
-(tokens of recompute) per byte, halved for every `HALF_LIFE` cache operations since its last use.
+file that fails its checksum is a miss with a warning). On disk too a conversation's snapshots share
+their MLA rows: a file holds only the rows past its parent, the deepest snapshot file of a prefix of its
+tokens, named in its header by length and checksum; a restore reads the chain. A parent is kept while a
+file refers to it; a missing or changed parent makes its children misses. Both tiers evict by what a
+snapshot saves (tokens of recompute) per byte, halved for every `HALF_LIFE` cache operations since its
+last use.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import xxhash
@@ -51,7 +55,7 @@ log = logging.getLogger(__name__)
 MIB, GIB = 1 << 20, 1 << 30
 HALF_LIFE = 64  # cache operations after which a snapshot's score halves
 DEFAULT_EVERY = 1024  # tokens between snapshots inside a prefill (docs/prompt-cache.md: why)
-MAGIC = b"K3SNAP01"
+MAGIC = b"K3SNAP02"
 SUFFIX = ".k3snap"
 
 
@@ -74,6 +78,9 @@ class Entry:
     snapshot: Snapshot | None = None
     disk_path: Path | None = None
     disk_bytes: int = 0
+    disk_checksum: int | None = None  # the file's trailing xxh3_64, which its children name
+    disk_parent: Entry | None = None  # the file holding the latent rows before this file's own
+    disk_children: int = 0  # files whose rows continue this one's: it stays while there are any
     last_used: int = 0
     has_logits: bool = False  # the snapshot ends a prompt and holds its last token's logits
 
@@ -260,6 +267,15 @@ def step_together(prefills: list[ChunkedPrefill], chunk: int) -> None:
         prefill.advance(end, logits[row], inside)
 
 
+class Peers(Protocol):
+    """The other ranks of a model split over processes (`parallel.runner.DriverModel`): each keeps its
+    own cache of its shard of the states, told by rank 0 what to snapshot and restore."""
+
+    def save_snapshot(self, state: SequenceState) -> None: ...
+
+    def restored(self, state: SequenceState, tokens: list[int]) -> bool: ...
+
+
 @dataclass
 class Prefilled:
     """What `PromptCache.prefill` returns: the last prompt token's logits, the sequence's live state and
@@ -282,6 +298,7 @@ class PromptCache:
         disk_dir: Path | str | None = None,
         disk_bytes: int = 0,
         every: int = DEFAULT_EVERY,
+        peers: Peers | None = None,
     ) -> None:
         if ram_bytes < 0 or disk_bytes < 0 or every < 1:
             raise ValueError("prompt cache: budgets must be >= 0 and --cache-every >= 1")
@@ -290,6 +307,7 @@ class PromptCache:
         self.ram_budget = ram_bytes
         self.disk_budget = disk_bytes if disk_dir is not None else 0
         self.every = every
+        self.peers = peers
         self.stats = CacheStats()
         self._tree = RadixTree()
         self._lock = threading.RLock()
@@ -363,6 +381,10 @@ class PromptCache:
                 continue
             started = time.perf_counter()
             state = restore(self.model, snapshot)
+            if self.peers is not None and not self.peers.restored(state, list(entry.tokens)):
+                log.warning("prompt cache: a rank lacks the snapshot of %d tokens; a miss", entry.length)
+                self._discard(entry)
+                continue
             with self._lock:
                 self.stats.restore_s += time.perf_counter() - started
                 self.stats.hits += 1
@@ -373,6 +395,26 @@ class PromptCache:
             self.stats.misses += self.enabled
         return self.model.new_state(), 0, None
 
+    def restore_exact(self, tokens: list[int]) -> SequenceState | None:
+        """A state restored from the snapshot of exactly `tokens`, or None (a rank told by rank 0)."""
+        with self._lock:
+            self._clock += 1
+            entry = self._tree.deepest(tokens, len(tokens), lambda e: e.length == len(tokens))
+            if entry is None:
+                return None
+            entry.last_used = self._clock
+            snapshot = entry.snapshot
+        snapshot = snapshot or self._load(entry)
+        if snapshot is None:
+            return None
+        started = time.perf_counter()
+        state = restore(self.model, snapshot)
+        with self._lock:
+            self.stats.restore_s += time.perf_counter() - started
+            self.stats.hits += 1
+            self.stats.tokens_reused += entry.length
+        return state
+
     def save(self, tokens: list[int], state: SequenceState, logits: torch.Tensor | None = None) -> None:
         """Snapshot `state`, the state after exactly `tokens` (the end of a prompt, with its last
         `logits`, or of a response)."""
@@ -380,6 +422,8 @@ class PromptCache:
             return
         if state.length != len(tokens):
             raise ValueError(f"prompt cache: a state of {state.length} tokens saved under {len(tokens)} ids")
+        if self.peers is not None:
+            self.peers.save_snapshot(state)
         started = time.perf_counter()
         snapshot = take_snapshot(state)
         if logits is not None:
@@ -453,13 +497,22 @@ class PromptCache:
 
     def _evict_disk(self) -> None:
         while self.disk_used > self.disk_budget:
-            held = [entry for entry in self._tree.entries() if entry.disk_path is not None]
+            held = [e for e in self._tree.entries() if e.disk_path is not None and not e.disk_children]
             if not held:
                 return
             victim = min(held, key=lambda e: self._score(e, e.disk_bytes))
             self._drop_file(victim)
             self.stats.evictions_disk += 1
             self._forget_if_gone(victim)
+
+    def _discard(self, entry: Entry) -> None:
+        """Take `entry` out of both tiers."""
+        with self._lock:
+            if entry.snapshot is not None:
+                self._account(entry.snapshot, -1)
+                entry.snapshot = None
+            self._drop_file(entry)
+            self._forget_if_gone(entry)
 
     def _forget_if_gone(self, entry: Entry) -> None:
         if entry.snapshot is None and entry.disk_path is None:
@@ -468,15 +521,21 @@ class PromptCache:
     def _drop_file(self, entry: Entry) -> None:
         if entry.disk_path is not None:
             entry.disk_path.unlink(missing_ok=True)
-        entry.disk_path, entry.disk_bytes = None, 0
+        if entry.disk_parent is not None:
+            entry.disk_parent.disk_children -= 1
+        entry.disk_path, entry.disk_bytes, entry.disk_checksum, entry.disk_parent = None, 0, None, None
 
     # ---- disk --------------------------------------------------------------------------------------
 
     def _write(self, entry: Entry, snapshot: Snapshot) -> None:
-        """The snapshot's file, written to a temporary name, synced and renamed into place."""
-        payload = encode(self.fingerprint, entry.tokens, snapshot)
-        name = xxhash.xxh3_128_hexdigest(struct.pack(f"<{len(entry.tokens)}q", *entry.tokens)) + SUFFIX
-        path = self.disk_dir / name
+        """The snapshot's file (its latent rows past its parent's), written to a temporary name, synced
+        and renamed into place."""
+        with self._lock:
+            parent = self._tree.deepest(entry.tokens, entry.length - 1, _on_disk)
+            if parent is not None:
+                parent.disk_children += 1  # kept while this file is written and refers to it
+        payload = encode(self.fingerprint, entry.tokens, snapshot, parent)
+        path = self.disk_dir / file_name(entry.tokens)
         temporary = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
         try:
             with open(temporary, "wb") as stream:
@@ -489,40 +548,57 @@ class PromptCache:
             log.warning("prompt cache: cannot write %s: %s", path, error)
             with self._lock:
                 self.stats.disk_errors += 1
+                if parent is not None:
+                    parent.disk_children -= 1
             return
         with self._lock:
             kept = self._tree.insert(entry)  # back in the tree if RAM evicted it meanwhile
-            if kept.disk_path is None:
-                kept.disk_path, kept.disk_bytes = path, len(payload)
-                kept.has_logits = kept.has_logits or snapshot.logits is not None
+            if kept.disk_parent is not None:  # a file of these tokens written before, replaced
+                kept.disk_parent.disk_children -= 1
+            kept.disk_path, kept.disk_bytes = path, len(payload)
+            kept.disk_checksum, kept.disk_parent = _checksum(payload), parent
+            kept.has_logits = kept.has_logits or snapshot.logits is not None
             self._evict_disk()
 
     def _scan_disk(self) -> None:
-        """Enter every whole snapshot file of this fingerprint into the tree (disk tier only)."""
+        """Enter every whole snapshot file of this fingerprint into the tree (disk tier only), each
+        linked to its parent's entry (a file whose parent is gone stays: a miss when it is read)."""
+        parents: list[tuple[Entry, int]] = []
         for path in sorted(self.disk_dir.glob(f"*{SUFFIX}")):
             try:
                 header = read_header(path, self.fingerprint)
                 tokens, layers = tuple(header["tokens"]), list(header.get("layers", []))
                 has_logits = any(layer[:1] == ["logits"] for layer in layers)
+                parent_length = _parent_of(header, len(tokens))[0]
+                checksum = read_checksum(path)
             except (OSError, ValueError, TypeError) as error:
                 log.warning("prompt cache: %s: %s; skipped", path, error)
                 self.stats.disk_errors += 1
                 continue
             entry = self._tree.insert(Entry(tokens))
             entry.disk_path, entry.disk_bytes, entry.has_logits = path, path.stat().st_size, has_logits
+            entry.disk_checksum = checksum
+            if parent_length:
+                parents.append((entry, parent_length))
+        for entry, length in parents:
+            parent = self._tree.deepest(entry.tokens, length, lambda e, n=length: e.length == n)
+            if parent is not None and parent.disk_path is not None:
+                entry.disk_parent = parent
+                parent.disk_children += 1
         for stale in self.disk_dir.glob(f"*{SUFFIX}.tmp*"):
             stale.unlink(missing_ok=True)
 
     def _load(self, entry: Entry) -> Snapshot | None:
-        """The entry's snapshot read from disk into the RAM tier, or None (a warning; the entry is
-        dropped) for a file that is gone, truncated, corrupt or of another model."""
+        """The entry's snapshot read from disk (its file and its parents') into the RAM tier, or None (a
+        warning; the entry is dropped) for a file that is gone, truncated, corrupt or of another model,
+        or whose parent is."""
         started = time.perf_counter()
         with self._lock:
             path = entry.disk_path
         if path is None:  # evicted since it was matched
             return None
         try:
-            snapshot = decode(path.read_bytes(), self.fingerprint, entry.tokens, self.model)
+            snapshot = self._read_chain(entry.tokens, path)
         except (OSError, ValueError) as error:
             log.warning("prompt cache: %s: %s; treated as a miss", path, error)
             with self._lock:
@@ -538,23 +614,98 @@ class PromptCache:
                 self._evict_ram()
         return snapshot
 
+    def _read_chain(self, tokens: tuple[int, ...], path: Path) -> Snapshot:
+        """The whole snapshot of `tokens` from its file and its parents' (or a parent held in RAM)."""
+        own, (length, checksum) = decode(path.read_bytes(), self.fingerprint, tokens, self.model)
+        pieces = [own]
+        while length:
+            with self._lock:
+                held = self._tree.deepest(tokens, length, lambda e, n=length: e.length == n)
+                in_ram = held.snapshot if held is not None else None
+            if in_ram is not None:
+                pieces.append(in_ram)
+                break
+            piece, (length, checksum) = self._read_parent(tokens[:length], checksum)
+            pieces.append(piece)
+        snapshot = joined(pieces)
+        check_fits(self.model.new_state(), snapshot)
+        return snapshot
+
+    def _read_parent(self, tokens: tuple[int, ...], checksum: int) -> tuple[Snapshot, tuple[int, int]]:
+        """A parent's file read and checked: the one its child names (by tokens and checksum)."""
+        try:
+            data = (self.disk_dir / file_name(tokens)).read_bytes()
+            if len(data) < 8 or _checksum(data) != checksum:
+                raise ValueError("changed since its child was written")
+            return decode(data, self.fingerprint, tokens, self.model)
+        except (OSError, ValueError) as error:
+            reason = "gone" if isinstance(error, OSError) else str(error)
+            raise ValueError(f"its parent snapshot of {len(tokens)} tokens: {reason}") from None
+
+
+def _on_disk(entry: Entry) -> bool:
+    return entry.disk_path is not None and entry.disk_checksum is not None
+
+
+def file_name(tokens: tuple[int, ...]) -> str:
+    """A snapshot file's name: a hash of its token ids."""
+    return xxhash.xxh3_128_hexdigest(struct.pack(f"<{len(tokens)}q", *tokens)) + SUFFIX
+
+
+def _checksum(data: bytes) -> int:
+    return struct.unpack("<Q", data[-8:])[0]
+
+
+def read_checksum(path: Path) -> int:
+    """A snapshot file's trailing checksum (its children name their parent by it)."""
+    with open(path, "rb") as stream:
+        stream.seek(0, os.SEEK_END)
+        if stream.tell() < len(MAGIC) + 16:
+            raise ValueError("not a k3stream snapshot")
+        stream.seek(-8, os.SEEK_END)
+        return _checksum(stream.read(8))
+
+
+def joined(pieces: list[Snapshot]) -> Snapshot:
+    """One snapshot from a file's own (KDA states, logits, its latent rows) and its parents' latent
+    rows, nearest parent first."""
+    if len(pieces) == 1:
+        return pieces[0]
+    own, layers = pieces[0], []
+    for index, layer in enumerate(own.layers):
+        if isinstance(layer, KDAState):
+            layers.append(layer)
+            continue
+        rows = torch.cat([piece.layers[index].rows() for piece in reversed(pieces)])
+        layers.append(LatentRows(rows, rows.shape[0]))
+    return Snapshot(own.length, tuple(layers), own.logits)
+
 
 # ---- the file format -------------------------------------------------------------------------------
-# MAGIC, u64 header length, JSON header {fingerprint, tokens, layers: [[kind, shape...]]}, the tensors'
-# float32 bytes in layer order, then the xxh3_64 of everything before it (u64).
+# MAGIC, u64 header length, JSON header {fingerprint, tokens, layers: [[kind, shape...]], parent: [length,
+# checksum] (absent: none)}, the tensors' float32 bytes in layer order (an MLA layer's rows from the
+# parent's length on), then the xxh3_64 of everything before it (u64).
 
 
-def encode(fingerprint: str, tokens: tuple[int, ...], snapshot: Snapshot) -> bytes:
-    tensors = list(_tensors(snapshot))
+def encode(
+    fingerprint: str, tokens: tuple[int, ...], snapshot: Snapshot, parent: Entry | None = None
+) -> bytes:
+    """A snapshot file's bytes; with a `parent` (a file of a prefix of `tokens`), only the latent rows
+    past it."""
+    start = 0 if parent is None else parent.length
+    tensors = list(_tensors(snapshot, start))
     layers = [
         ["kda", list(layer.conv.shape), list(layer.recurrent.shape)]
         if isinstance(layer, KDAState)
-        else ["mla", [layer.length, layer.buffer.shape[1]]]
+        else ["mla", [layer.length - start, layer.buffer.shape[1]]]
         for layer in snapshot.layers
     ]
     if snapshot.logits is not None:
         layers.append(["logits", list(snapshot.logits.shape)])
-    header = json.dumps({"fingerprint": fingerprint, "tokens": list(tokens), "layers": layers}).encode()
+    fields = {"fingerprint": fingerprint, "tokens": list(tokens), "layers": layers}
+    if parent is not None:
+        fields["parent"] = [parent.length, parent.disk_checksum]
+    header = json.dumps(fields).encode()
     parts = [
         MAGIC,
         struct.pack("<Q", len(header)),
@@ -565,12 +716,12 @@ def encode(fingerprint: str, tokens: tuple[int, ...], snapshot: Snapshot) -> byt
     return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
 
-def _tensors(snapshot: Snapshot) -> Iterator[torch.Tensor]:
+def _tensors(snapshot: Snapshot, start: int) -> Iterator[torch.Tensor]:
     for layer in snapshot.layers:
         if isinstance(layer, KDAState):
             yield from (layer.conv, layer.recurrent)
         else:
-            yield layer.rows()
+            yield layer.rows()[start:]
     if snapshot.logits is not None:
         yield snapshot.logits
 
@@ -599,15 +750,33 @@ def _parse_header(raw: bytes, length: int) -> dict[str, Any]:
     return header
 
 
-def decode(data: bytes, fingerprint: str, tokens: tuple[int, ...], model: K3Model) -> Snapshot:
-    """A snapshot from a file's bytes, checked: checksum, fingerprint, token ids, layer shapes."""
+def _parent_of(header: dict[str, Any], length: int) -> tuple[int, int]:
+    """The parent a header names: its length and checksum ((0, 0): none)."""
+    parent = header.get("parent")
+    if parent is None:
+        return 0, 0
+    if not (isinstance(parent, list) and len(parent) == 2 and all(isinstance(v, int) for v in parent)):
+        raise ValueError("malformed parent reference")
+    if not 0 < parent[0] < length:
+        raise ValueError(f"a parent of {parent[0]} tokens for a snapshot of {length}")
+    return parent[0], parent[1]
+
+
+def decode(
+    data: bytes, fingerprint: str, tokens: tuple[int, ...], model: K3Model
+) -> tuple[Snapshot, tuple[int, int]]:
+    """A snapshot from a file's bytes, checked (checksum, fingerprint, token ids, layer shapes), and its
+    parent's length and checksum ((0, 0): none); with a parent, its MLA layers hold the rows past the
+    parent's length only."""
     try:
         return _decode(data, fingerprint, tokens, model)
     except (TypeError, KeyError, RuntimeError) as error:  # a header that passed its checksum, but odd
         raise ValueError(f"malformed snapshot header ({error})") from None
 
 
-def _decode(data: bytes, fingerprint: str, tokens: tuple[int, ...], model: K3Model) -> Snapshot:
+def _decode(
+    data: bytes, fingerprint: str, tokens: tuple[int, ...], model: K3Model
+) -> tuple[Snapshot, tuple[int, int]]:
     if len(data) < len(MAGIC) + 16 or data[: len(MAGIC)] != MAGIC:
         raise ValueError("not a k3stream snapshot")
     body, (checksum,) = data[:-8], struct.unpack("<Q", data[-8:])
@@ -618,6 +787,7 @@ def _decode(data: bytes, fingerprint: str, tokens: tuple[int, ...], model: K3Mod
     header = _parse_header(body[start : start + length], length)
     if header.get("fingerprint") != fingerprint or tuple(header["tokens"]) != tokens:
         raise ValueError("a snapshot of another model or prompt")
+    parent = _parent_of(header, len(tokens))
     offset, layers, logits = start + length, [], None
     for kind, *shapes in header["layers"]:
         tensors = []
@@ -634,9 +804,10 @@ def _decode(data: bytes, fingerprint: str, tokens: tuple[int, ...], model: K3Mod
             layers.append(KDAState(*tensors) if kind == "kda" else LatentRows(tensors[0], shapes[0][0]))
     if offset != len(body):
         raise ValueError("tensor data longer than its header says")
-    snapshot = Snapshot(len(tokens), tuple(layers), logits)
-    check_fits(model.new_state(), snapshot)
-    return snapshot
+    latents = {layer.length for layer in layers if isinstance(layer, LatentRows)}
+    if latents - {len(tokens) - parent[0]}:
+        raise ValueError("latent rows do not fit the snapshot's tokens and parent")
+    return Snapshot(len(tokens), tuple(layers), logits), parent
 
 
 # ---- flags -------------------------------------------------------------------------------------------

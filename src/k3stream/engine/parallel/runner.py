@@ -5,6 +5,11 @@ call); each call first broadcasts a command (new state, prefill, decode of a bat
 then runs the forward, in which the ranks meet in the tensor- and expert-parallel collectives. The
 other ranks run `follow`: they keep one state per rank-0 state and run the same forwards until rank 0
 sends `stop`. Only rank 0 tokenizes, samples and serves; every rank computes the same logits.
+
+With a prompt cache (`engine.prompt_cache`) every rank keeps its own: each snapshots its own shard of a
+sequence's state at the same token ids (a follower knows each state's ids from the commands). Rank 0
+decides what is restored; a restore counts only when every rank restored that exact prefix (an
+all-reduce of one flag), else it is a miss everywhere, so the ranks never continue different states.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ import torch
 import torch.distributed as dist
 
 from k3stream.engine.parallel.groups import PeerFailed, collective, command_device
+from k3stream.engine.prompt_cache import PromptCache
+from k3stream.model.kda import KDAState
+from k3stream.model.snapshot import prefill_marked_batch
 
-NEW, PREFILL, DECODE, STATS, STOP, NOOP, PREFILL_LAST = range(7)
-HEADER = 4  # op, ids, tokens, dropped states
+NEW, PREFILL, DECODE, STATS, STOP, NOOP, PREFILL_LAST, PREFILL_BATCH, SAVE, RESTORE = range(10)
+HEADER = 5  # op, ids, tokens, dropped states, extra
 
 
 class DriverModel:
@@ -34,8 +42,10 @@ class DriverModel:
         report: Callable[[], Any] = lambda: None,
         on_failure: Callable[[], None] = lambda: None,
         keepalive_s: float = 5.0,
+        layout: str = "",
     ) -> None:
         self.model = model
+        self.layout = layout  # this rank's place ("-tp2-ep1-rank0"), keyed into its snapshots' files
         self.report = report
         self.on_failure = on_failure  # called once when a peer failed (the server stops itself)
         self.failure: PeerFailed | None = None
@@ -71,8 +81,27 @@ class DriverModel:
     def prefill_last(self, state: Any, tokens: Iterable[int]) -> torch.Tensor:
         tokens = self._checked(tokens)
         with self._lock:
-            self._send(PREFILL_LAST, [state.parallel_id], tokens)
+            self._send(PREFILL_LAST, [state.parallel_id], tokens, _layout([state], [tokens]))
             return self._guarded(self.model.prefill_last, state, tokens)
+
+    def prefill_batch(self, states: list[Any], token_lists: list[Iterable[int]]) -> torch.Tensor:
+        lists = [self._checked(tokens) for tokens in token_lists]
+        with self._lock:
+            ids, flat = [s.parallel_id for s in states], [t for tokens in lists for t in tokens]
+            self._send(PREFILL_BATCH, ids, flat, _layout(states, lists))
+            return self._guarded(self.model.prefill_batch, states, lists)
+
+    def save_snapshot(self, state: Any) -> None:
+        """Every follower snapshots its shard of `state` into its own cache (at the ids it was fed)."""
+        with self._lock:
+            self._send(SAVE, [state.parallel_id], [])
+
+    def restored(self, state: Any, tokens: list[int]) -> bool:
+        """Whether every follower restored its shard of the snapshot at exactly `tokens` into `state`
+        (rank 0 restored its own); where one could not, `state` must be dropped (a miss)."""
+        with self._lock:
+            self._send(RESTORE, [state.parallel_id], list(tokens))
+            return self._guarded(_all_agree, True)
 
     def decode(self, state: Any, token: int) -> torch.Tensor:
         return self.decode_batch([state], [token])[0]
@@ -137,44 +166,115 @@ class DriverModel:
             self.on_failure()
             raise
 
-    def _send(self, op: int, ids: list[int], tokens: list[int]) -> None:
+    def _send(self, op: int, ids: list[int], tokens: list[int], extra: list[int] = ()) -> None:
         dropped, self._dropped = self._dropped, []
-        header = torch.tensor([op, len(ids), len(tokens), len(dropped)], device=command_device())
+        extra = list(extra)
+        header = torch.tensor([op, len(ids), len(tokens), len(dropped), len(extra)], device=command_device())
         self._last_sent = time.monotonic()
         self._guarded(collective, "a broadcast", dist.broadcast, header, 0)
-        payload = torch.tensor(ids + tokens + dropped, dtype=torch.int64, device=command_device())
+        payload = torch.tensor(ids + tokens + dropped + extra, dtype=torch.int64, device=command_device())
         if len(payload):
             self._guarded(collective, "a broadcast", dist.broadcast, payload, 0)
 
 
-def follow(model: Any, report: Callable[[], Any] = lambda: None) -> None:
-    """Run rank 0's commands on `model` until it stops; `report()` answers rank 0's `reports()`."""
-    states: dict[int, Any] = {}
+def _layout(states: list[Any], token_lists: list[list[int]]) -> list[int]:
+    """A prefill's shape for the followers: each sequence's token count, then its snapshot marks (the
+    absolute positions `snapshot.prefill_marked_batch` set on its KDA layers), counted then listed."""
+    marks = [_marks(state) for state in states]
+    return [len(t) for t in token_lists] + [len(m) for m in marks] + [p for m in marks for p in m]
+
+
+def _marks(state: Any) -> list[int]:
+    kda = next((layer for layer in state.layers if isinstance(layer, KDAState)), None)
+    return [] if kda is None else [state.length + offset for offset in kda.marks]
+
+
+def _all_agree(mine: bool) -> bool:
+    """Whether every rank says yes (an all-reduce of one flag)."""
+    flag = torch.tensor([int(mine)], dtype=torch.int64, device=command_device())
+    collective("an all-reduce", dist.all_reduce, flag, dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+class Follower:
+    """A follower's sequences: its state and the token ids it was fed for each of rank 0's states, and
+    its own prompt cache (or None)."""
+
+    def __init__(self, model: Any, cache: PromptCache | None) -> None:
+        self.model, self.cache = model, cache
+        self.states: dict[int, Any] = {}
+        self.fed: dict[int, list[int]] = {}
+
+    def run(self, op: int, ids: list[int], tokens: list[int], extra: list[int]) -> None:
+        if op == NEW:
+            self.states[ids[0]], self.fed[ids[0]] = self.model.new_state(), []
+        elif op == PREFILL:
+            self.model.prefill(self.states[ids[0]], tokens)
+            self.fed[ids[0]] += tokens
+        elif op in (PREFILL_LAST, PREFILL_BATCH):
+            self._prefill(op, ids, tokens, extra)
+        elif op == DECODE:
+            self.model.decode_batch([self.states[i] for i in ids], tokens)
+            for state_id, token in zip(ids, tokens, strict=True):
+                self.fed[state_id].append(token)
+        elif op == SAVE and self.cache is not None:
+            self.cache.save(self.fed[ids[0]], self.states[ids[0]])
+        elif op == RESTORE:
+            state = self.cache.restore_exact(tokens) if self.cache is not None else None
+            if _all_agree(state is not None):
+                self.states[ids[0]], self.fed[ids[0]] = state, list(tokens)
+
+    def drop(self, state_id: int) -> None:
+        self.states.pop(state_id, None)
+        self.fed.pop(state_id, None)
+
+    def _prefill(self, op: int, ids: list[int], tokens: list[int], extra: list[int]) -> None:
+        count = len(ids)
+        lengths, mark_counts, flat_marks = extra[:count], extra[count : 2 * count], extra[2 * count :]
+        bounds = [sum(lengths[:i]) for i in range(count + 1)]
+        parts = [tokens[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        states = [self.states[i] for i in ids]
+        ends = [sum(mark_counts[:i]) for i in range(count + 1)]
+        marks = [flat_marks[a:b] for a, b in zip(ends, ends[1:], strict=False)]
+        starts = [state.length for state in states]
+        if self.cache is not None and any(marks):
+            _, inside = prefill_marked_batch(self.model, states, parts, marks)
+        elif op == PREFILL_LAST:
+            self.model.prefill_last(states[0], parts[0])
+            inside = [[]]
+        else:
+            self.model.prefill_batch(states, parts)
+            inside = [[] for _ in states]
+        for state_id, part, start, snapshots in zip(ids, parts, starts, inside, strict=True):
+            self.fed[state_id] += part
+            if self.cache is not None:
+                self.cache.note_prefilled(self.fed[state_id], start, start + len(part), snapshots)
+
+
+def follow(model: Any, report: Callable[[], Any] = lambda: None, cache: PromptCache | None = None) -> None:
+    """Run rank 0's commands on `model` until it stops; `report()` answers rank 0's `reports()`; `cache`:
+    this rank's prompt cache (rank 0 has one too)."""
+    follower = Follower(model, cache)
     while True:
-        op, ids, tokens, dropped = _receive()
+        op, ids, tokens, dropped, extra = _receive()
         for state_id in dropped:
-            states.pop(state_id, None)
+            follower.drop(state_id)
         if op == STOP:
             return
-        if op == NEW:
-            states[ids[0]] = model.new_state()
-        elif op == PREFILL:
-            model.prefill(states[ids[0]], tokens)
-        elif op == PREFILL_LAST:
-            model.prefill_last(states[ids[0]], tokens)
-        elif op == DECODE:
-            model.decode_batch([states[i] for i in ids], tokens)
-        elif op == STATS:
+        if op == STATS:
             collective("gather", dist.gather_object, report(), None, 0)
+        else:
+            follower.run(op, ids, tokens, extra)
 
 
-def _receive() -> tuple[int, list[int], list[int], list[int]]:
-    """The next command: op, state ids, token ids, state ids rank 0 dropped."""
+def _receive() -> tuple[int, list[int], list[int], list[int], list[int]]:
+    """The next command: op, state ids, token ids, state ids rank 0 dropped, extra ints."""
     header = torch.empty(HEADER, dtype=torch.int64, device=command_device())
     collective("a broadcast", dist.broadcast, header, 0)
-    op, n_ids, n_tokens, n_dropped = header.tolist()
-    payload = torch.empty(n_ids + n_tokens + n_dropped, dtype=torch.int64, device=command_device())
+    op, n_ids, n_tokens, n_dropped, n_extra = header.tolist()
+    payload = torch.empty(n_ids + n_tokens + n_dropped + n_extra, dtype=torch.int64, device=command_device())
     if len(payload):
         collective("a broadcast", dist.broadcast, payload, 0)
     values = payload.tolist()
-    return op, values[:n_ids], values[n_ids : n_ids + n_tokens], values[n_ids + n_tokens :]
+    ends = (n_ids, n_ids + n_tokens, n_ids + n_tokens + n_dropped)
+    return op, values[: ends[0]], values[ends[0] : ends[1]], values[ends[1] : ends[2]], values[ends[2] :]
