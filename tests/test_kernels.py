@@ -117,6 +117,27 @@ def test_many_rows_of_one_matrix_equal_single_row_products_bit_for_bit(qt, cols)
     assert relative_error(together[starts[2] :], reference(x[rows[starts[2] :]], weights[2])) <= 1e-5
 
 
+@pytest.mark.parametrize("cols", [16, 5, 40])
+def test_f32_rows_off_the_kernels_32s_are_row_exact_in_one_call(cols):
+    """F32 matrices whose rows are not whole 32s (a KDA decay's 16-wide second projection) take the C
+    products with zeros appended, under row-exact products at any row count: each row its one-row
+    result, the products x @ W^T."""
+    from k3stream.quant.kernels import set_row_exact
+
+    matrices = [torch.randn(24, cols), torch.randn(3, cols)]
+    products = Products([QWeight(m.view(torch.uint8).reshape(-1), T.F32, tuple(m.shape)) for m in matrices])
+    x = torch.randn(70, cols)
+    set_row_exact(True)
+    try:
+        one_by_one = torch.cat([products(x[i : i + 1]) for i in range(len(x))])
+        for count in (2, 3, 17, 49, 70):
+            assert torch.equal(products(x[:count]), one_by_one[:count])
+            assert torch.equal(torch.cat(products.parts(x[:count]), dim=1), one_by_one[:count])
+    finally:
+        set_row_exact(False)
+    assert relative_error(one_by_one, torch.cat([x @ m.T for m in matrices], dim=1)) <= 1e-6
+
+
 @pytest.mark.parametrize("qt", CPU_TYPES, ids=lambda t: t.name)
 def test_grouped_rows_equal_separate_products_bit_for_bit(qt):
     """Uneven and empty groups; a row's result does not depend on what shared the call or on threads."""

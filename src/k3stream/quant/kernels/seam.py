@@ -180,6 +180,7 @@ class Products:
         self.out_features = sum(weight.shape[0] for weight in self.weights)
         self.backend, self.match_ggml = backend, match_ggml
         self._max_rows = min(self._direct_rows(weight) for weight in self.weights)
+        self._padded = self._zero_padded()
         self.widths = [weight.shape[0] for weight in self.weights]
         self._arguments = (
             [weight.data.data_ptr() for weight in self.weights],
@@ -198,9 +199,31 @@ class Products:
             return F32_KERNEL_MAX_ROWS
         return ANY_ROWS if _c_kernel_takes(ggml_type, self.in_features, self.match_ggml) else 0
 
+    def _zero_padded(self) -> Products | None:
+        """F32 matrices whose rows the C kernel cannot take (widths off its 32s), with zeros appended
+        to whole 32s: x padded alike, their C products are these ones' (the zeros add +0 to chains of
+        their own), row by row whatever the rows' company. None for any other matrices."""
+        padding = -self.in_features % 32
+        if self.backend != "auto" or not padding or any(w.ggml_type != F32 for w in self.weights):
+            return None
+        padded = [
+            QWeight(
+                torch.nn.functional.pad(_f32_matrix(w, w.data.device), (0, padding))
+                .contiguous()
+                .view(torch.uint8)
+                .reshape(-1),
+                F32,
+                (w.shape[0], w.shape[1] + padding),
+            )
+            for w in self.weights
+        ]
+        return Products(padded) if all(map(_bytes_for_c, padded)) else None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._direct(x):
             return cpu.products(x, *self._arguments)
+        if self._pads(x):
+            return self._padded(torch.nn.functional.pad(x, (0, self._padded.in_features - self.in_features)))
         outputs = self._each(x)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
@@ -209,7 +232,14 @@ class Products:
         C, else each product as it comes (a prefill's: no joint copy to split again)."""
         if self._direct(x):
             return list(cpu.products(x, *self._arguments).split(self.widths, dim=-1))
+        if self._pads(x):
+            return list(self(x).split(self.widths, dim=-1))
         return self._each(x)
+
+    def _pads(self, x: torch.Tensor) -> bool:
+        """Whether x takes the zero-padded C products: where an F32 product of its rows would be C's."""
+        fits = x.ndim == 2 and _f32_rows_fit(len(x), F32_KERNEL_MAX_ROWS)
+        return self._padded is not None and fits and cpu.takes((x,))
 
     def _each(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [qmatmul(x, weight, self.backend, self.match_ggml) for weight in self.weights]
