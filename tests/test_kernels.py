@@ -388,6 +388,21 @@ def test_the_c_combine_is_the_torch_weighted_sum(rows, top_k, width):
     assert cpu.combine(pairs, weights, out) is out and torch.equal(out, cpu.combine(pairs, weights))
 
 
+@pytest.mark.parametrize("offset", [0, 1, 37])
+def test_a_prefills_mla_queries_attend_in_one_call_with_each_decode_steps_bits(offset):
+    """The row-exact prefill attention: queries at positions offset.., each over the latent cache up to
+    its own, in one call of any count on one thread or two, give each query what a decode step's
+    attention at its position gives, bit for bit."""
+    generator = torch.Generator().manual_seed(offset)
+    queries = torch.randn(50, 4, 40, generator=generator)
+    cache = 3 * torch.randn(offset + 50, 40, generator=generator)
+    alone = torch.stack([cpu.mla_attend(queries[i], cache[: offset + i + 1], 32, 0.1) for i in range(50)])
+    for count in (1, 2, 7, 50):
+        for threads in (1, 2):
+            together = cpu.mla_attend_rows(queries[:count], cache, offset, 32, 0.1, threads)
+            assert torch.equal(together, alone[:count])
+
+
 @pytest.mark.parametrize("heads, length", [(1, 1), (4, 37), (16, 300)])
 def test_the_c_mla_attention_matches_its_torch_formula(heads, length):
     """MLA's decode attention (one query a head over the latent cache; heads on two threads when the

@@ -243,16 +243,27 @@ class MLA:
         """Causal attention of queries (positions offset..) over the cache -> latent context [T, H, kv].
 
         Long prompts go QUERY_BLOCK queries at a time, so the score matrix stays bounded. Under
-        `kernels.row_exact()` each query attends alone, as a decode step's does (its bits then do not
-        depend on where the prefill started).
+        `kernels.row_exact()` each query attends as a decode step's does (`_attend_exact`).
         """
         if row_exact():
-            return torch.stack([self._attend_one(q, cache[: offset + i + 1]) for i, q in enumerate(queries)])
+            return self._attend_exact(queries, cache, offset)
         blocks = range(0, queries.shape[0], QUERY_BLOCK)
         parts = [
             self._attend_block(queries[i : i + QUERY_BLOCK], cache[: offset + i + QUERY_BLOCK], offset + i)
             for i in blocks
         ]
+        return torch.cat(parts)
+
+    def _attend_exact(self, queries: torch.Tensor, cache: torch.Tensor, offset: int) -> torch.Tensor:
+        """Each query over the cache up to its own position with a decode step's bits (which then do not
+        depend on where the prefill started): those `_attend_one` runs in C in one C call, the rest one
+        at a time."""
+        heads, width = queries.shape[1:]
+        by_c = cpu.takes((queries, cache)) and cache.shape[1] == width
+        in_c = min(max(C_ATTENTION_MAX_MACS // (heads * width) - offset, 0), len(queries)) if by_c else 0
+        parts = [cpu.mla_attend_rows(queries[:in_c], cache, offset, self.kv_lora, self.scale)] if in_c else []
+        rest = enumerate(queries[in_c:], in_c)
+        parts += [self._attend_one(query, cache[: offset + i + 1])[None] for i, query in rest]
         return torch.cat(parts)
 
     def _attend_one(self, query: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:

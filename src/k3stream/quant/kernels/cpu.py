@@ -274,6 +274,23 @@ def mla_attend(
     return out
 
 
+def mla_attend_rows(
+    queries: torch.Tensor, cache: torch.Tensor, offset: int, kv: int, scale: float, threads: int | None = None
+) -> torch.Tensor:
+    """A prefill's MLA attention: queries [T, H, width] at positions offset.., each over the latent cache
+    [>= offset + T, width] up to its own position -> [T, H, kv], each query's result `mla_attend`'s for
+    it, bit for bit (`steps_cpu.c`; queries on `threads`, by default `torch.get_num_threads()`)."""
+    count, heads, width = queries.shape
+    out = torch.empty(count, heads, kv, dtype=torch.float32)
+    status = _ggml_cpu().mla_attend_rows(
+        queries.data_ptr(), cache.data_ptr(), offset, count, heads, width, kv, scale, out.data_ptr(),
+        torch.get_num_threads() if threads is None else threads,
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("no memory for an MLA prefill attention")
+    return out
+
+
 def sigmoid_gate(values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """values * sigmoid(logits) (MLA's output gate; same shapes, tensors as `takes` wants them)."""
     out = torch.empty_like(values)

@@ -1976,6 +1976,27 @@ static PyObject *py_mla_attend(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyLong_FromLong(0);
 }
 
+void k3_mla_attend_rows(const float *queries, const float *cache, int64_t offset, int64_t n, int64_t heads,
+                        int64_t width, int64_t kv, float scale, float *probs, float *out, int threads);
+
+/* mla_attend_rows(queries, cache, offset, n, heads, width, kv, scale, out, threads): k3_mla_attend_rows on
+ * float32 buffers (pointers as ints), without the GIL; -2 without memory. */
+static PyObject *py_mla_attend_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t v[9];
+    double scale;
+    if (parse_args("mla_attend_rows", args, nargs, "iiiiiiifii", v, &scale, NULL) != 0) return NULL;
+    const int threads = v[8] < 1 ? 1 : (int)v[8];
+    float *probs = malloc(sizeof(float) * (size_t)(threads * v[4] * (v[2] + v[3]) + 1));
+    if (probs == NULL) return PyLong_FromLong(-2);
+    Py_BEGIN_ALLOW_THREADS
+    k3_mla_attend_rows((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], v[3], v[4], v[5], v[6],
+                       (float)scale, probs, (float *)(uintptr_t)v[7], threads);
+    Py_END_ALLOW_THREADS
+    free(probs);
+    return PyLong_FromLong(0);
+}
+
 /* Reads `length` bytes at `offset` of `descriptor` into `to`: 0, -1 if the file ends first, else errno */
 static int read_part(int descriptor, int64_t offset, int64_t length, uint8_t *to) {
     int64_t done = 0;
@@ -2062,6 +2083,7 @@ static PyMethodDef methods[] = {
     {"add", (PyCFunction)(void (*)(void))py_add, METH_FASTCALL, NULL},
     {"combine", (PyCFunction)(void (*)(void))py_combine, METH_FASTCALL, NULL},
     {"mla_attend", (PyCFunction)(void (*)(void))py_mla_attend, METH_FASTCALL, NULL},
+    {"mla_attend_rows", (PyCFunction)(void (*)(void))py_mla_attend_rows, METH_FASTCALL, NULL},
     {"sigmoid_gate", (PyCFunction)(void (*)(void))py_sigmoid_gate, METH_FASTCALL, NULL},
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_FASTCALL, NULL},
     {"decode_row", (PyCFunction)(void (*)(void))py_decode_row, METH_FASTCALL, NULL},
