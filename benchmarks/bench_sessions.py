@@ -378,18 +378,21 @@ def stalls(args) -> None:
         print(f"\na stream beside a {args.stall_tokens}-token prompt (tiny model, context 8192, cache on):")
         alone, runs = [], []
         for chunk in (1 << 30, args.prefill_chunk, args.prefill_chunk, args.prefill_chunk):
-            runs.append((chunk, *stream_beside(path, long_prompt, chunk, args.threads)))
+            runs.append((chunk, stream_beside(path, long_prompt, chunk, args.threads)))
             alone.append(_least_wall(3, lambda: model.prefill_last(model.new_state(), first_chunk)))
         one = min(alone)
-        for chunk, gaps, prefill_s, passes in runs:
+        for chunk, stall in runs:
             label = "whole prompt" if chunk == 1 << 30 else f"--prefill-chunk {chunk}"
-            longest = ", ".join(f"{1e3 * gap:.0f}" for gap in sorted(gaps)[::-1][:4])
-            typical = sorted(passes)[len(passes) // 2]
+            longest = ", ".join(f"{1e3 * gap:.0f}" for gap in sorted(stall.gaps)[::-1][:4])
+            typical = sorted(stall.passes)[len(stall.passes) // 2]
+            worst = max(stall.gaps)
             print(
-                f"  {label:>20}: longest gaps {longest} ms ({max(gaps) / one:.2f}x one chunk alone; "
-                f"{max(gaps) / typical:.2f}x the median of this run's {len(passes)} passes, "
-                f"{1e3 * typical:.0f} ms; longest pass {1e3 * max(passes):.0f} ms); the long prompt's "
-                f"TTFT {prefill_s:.2f} s"
+                f"  {label:>20}: longest gaps {longest} ms at the client ({worst / one:.2f}x one chunk "
+                f"alone, "
+                f"{worst / typical:.2f}x the median of this run's {len(stall.passes)} passes, "
+                f"{1e3 * typical:.0f} ms); in the scheduler {1e3 * max(stall.steps):.0f} ms between the "
+                f"stream's steps, the longest pass {1e3 * max(stall.passes):.0f} ms; the long prompt's TTFT "
+                f"{stall.prefill_s:.2f} s"
             )
         print(f"  one {args.prefill_chunk}-token chunk alone: {1e3 * one:.1f} ms (least of {3 * len(alone)})")
         chunk_times(model, long_prompt, args.prefill_chunk)
@@ -417,11 +420,9 @@ def chunk_times(model, prompt: list[int], tokens: int) -> None:
         )
 
 
-def stream_beside(
-    path: Path, long_prompt: list[int], chunk: int, threads: int
-) -> tuple[list[float], float, list[float]]:
-    """Gaps between a streamed completion's chunks while `long_prompt` is prefilled (prompt cache on,
-    as `serve` runs by default), its TTFT, and the wall time of each prefill pass the server ran."""
+def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) -> Stall:
+    """A streamed completion while `long_prompt` is prefilled (prompt cache on, as `serve` runs by
+    default): its gaps at the client and in the scheduler, the prompt's TTFT, the passes' times."""
     import threading
 
     import openai
@@ -436,7 +437,7 @@ def stream_beside(
     served.prompt_cache = PromptCache(served.model, "stall", 256 * MIB)
     app = create_app(served, ServerConfig(max_batch=4, prefill_chunk=chunk))
     arrivals: list[float] = []
-    with ServerThread(app) as server, _timing_passes() as passes:
+    with ServerThread(app) as server, _timing_steps() as (passes, steps):
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
         started = threading.Event()
 
@@ -459,27 +460,49 @@ def stream_beside(
         streamer.join()
     served.prompt_cache.close()
     served.close()
-    during = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if begin <= b <= end + 0.5]
-    return during or [0.0], prefill_s, [took for at, took in passes if begin <= at <= end]
+    return Stall(
+        _gaps(arrivals, begin, end) or [0.0],
+        prefill_s,
+        [took for at, took in passes if begin <= at <= end],
+        _gaps(steps, begin, end) or [0.0],
+    )
+
+
+@dataclass
+class Stall:
+    gaps: list[float]  # between the stream's chunks at the client, during the long prompt
+    prefill_s: float  # the long prompt's TTFT
+    passes: list[float]  # the wall time of each prefill pass
+    steps: list[float]  # between the scheduler's decode steps (the stream's tokens), during the prompt
+
+
+def _gaps(times: list[float], begin: float, end: float) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:], strict=False) if begin <= b <= end + 0.5]
 
 
 @contextlib.contextmanager
-def _timing_passes() -> Iterator[list[tuple[float, float]]]:
-    """(start, wall seconds) of each prefill pass the server's scheduler runs meanwhile."""
+def _timing_steps() -> Iterator[tuple[list[tuple[float, float]], list[float]]]:
+    """(start, wall seconds) of each prefill pass the server's scheduler runs meanwhile, and the end of
+    each of its decode steps."""
     from k3stream.server import scheduler
 
-    passes, real = [], scheduler.step_together
+    passes, steps = [], []
+    real_pass, real_step = scheduler.step_together, scheduler.Scheduler._decode_step
 
-    def timed(prefills, chunks) -> None:
+    def timed_pass(prefills, chunks) -> None:
         start = time.perf_counter()
-        real(prefills, chunks)
+        real_pass(prefills, chunks)
         passes.append((start, time.perf_counter() - start))
 
-    scheduler.step_together = timed
+    def timed_step(self) -> None:
+        real_step(self)
+        steps.append(time.perf_counter())
+
+    scheduler.step_together, scheduler.Scheduler._decode_step = timed_pass, timed_step
     try:
-        yield passes
+        yield passes, steps
     finally:
-        scheduler.step_together = real
+        scheduler.step_together, scheduler.Scheduler._decode_step = real_pass, real_step
 
 
 def shared_reads(args) -> None:
