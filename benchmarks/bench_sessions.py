@@ -381,20 +381,24 @@ def stalls(args) -> None:
             runs.append((chunk, stream_beside(path, long_prompt, chunk, args.threads)))
             alone.append(_least_wall(3, lambda: model.prefill_last(model.new_state(), first_chunk)))
         one = min(alone)
+        one_cpu = _best_of(3, lambda: model.prefill_last(model.new_state(), first_chunk))
         for chunk, stall in runs:
             label = "whole prompt" if chunk == 1 << 30 else f"--prefill-chunk {chunk}"
-            longest = ", ".join(f"{1e3 * gap:.0f}" for gap in sorted(stall.gaps)[::-1][:4])
+            longest = ", ".join(f"{1e3 * gap:.0f}" for gap in sorted(stall.gaps)[::-1][:3])
             typical = sorted(stall.passes)[len(stall.passes) // 2]
-            worst = max(stall.gaps)
+            worst, worst_cpu = max(stall.gaps), max(stall.step_cpu)
             print(
-                f"  {label:>20}: longest gaps {longest} ms at the client ({worst / one:.2f}x one chunk "
-                f"alone, "
-                f"{worst / typical:.2f}x the median of this run's {len(stall.passes)} passes, "
-                f"{1e3 * typical:.0f} ms); in the scheduler {1e3 * max(stall.steps):.0f} ms between the "
-                f"stream's steps, the longest pass {1e3 * max(stall.passes):.0f} ms; the long prompt's TTFT "
-                f"{stall.prefill_s:.2f} s"
+                f"  {label:>20}: {len(stall.passes)} passes; the stream's longest gaps at the client "
+                f"{longest} ms ({worst / one:.2f}x one chunk alone, {worst / typical:.2f}x the median pass, "
+                f"{1e3 * typical:.0f} ms), in the scheduler {1e3 * max(stall.steps):.0f} ms (longest pass "
+                f"{1e3 * max(stall.passes):.0f} ms); in CPU time the most between two of its tokens "
+                f"{1e3 * worst_cpu:.0f} ms ({worst_cpu / one_cpu:.2f}x one chunk alone; the most in a pass "
+                f"{1e3 * max(stall.pass_cpu):.0f} ms); the long prompt's TTFT {stall.prefill_s:.2f} s"
             )
-        print(f"  one {args.prefill_chunk}-token chunk alone: {1e3 * one:.1f} ms (least of {3 * len(alone)})")
+        print(
+            f"  one {args.prefill_chunk}-token chunk alone: {1e3 * one:.1f} ms, {1e3 * one_cpu:.1f} CPU ms "
+            f"(least of {3 * len(alone)})"
+        )
         chunk_times(model, long_prompt, args.prefill_chunk)
         row_exact.close()
 
@@ -460,11 +464,14 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) 
         streamer.join()
     served.prompt_cache.close()
     served.close()
+    during = [(at, cpu) for at, cpu in steps if begin <= at <= end + 0.5]
     return Stall(
         _gaps(arrivals, begin, end) or [0.0],
         prefill_s,
-        [took for at, took in passes if begin <= at <= end],
-        _gaps(steps, begin, end) or [0.0],
+        [took for at, took, _ in passes if begin <= at <= end],
+        [cpu for at, _, cpu in passes if begin <= at <= end],
+        [b[0] - a[0] for a, b in zip(during, during[1:], strict=False)] or [0.0],
+        [b[1] - a[1] for a, b in zip(during, during[1:], strict=False)] or [0.0],
     )
 
 
@@ -473,7 +480,9 @@ class Stall:
     gaps: list[float]  # between the stream's chunks at the client, during the long prompt
     prefill_s: float  # the long prompt's TTFT
     passes: list[float]  # the wall time of each prefill pass
-    steps: list[float]  # between the scheduler's decode steps (the stream's tokens), during the prompt
+    pass_cpu: list[float]  # the CPU time of each
+    steps: list[float]  # wall time between the scheduler's decode steps (the stream's tokens)
+    step_cpu: list[float]  # the scheduler thread's CPU time between them
 
 
 def _gaps(times: list[float], begin: float, end: float) -> list[float]:
@@ -481,22 +490,23 @@ def _gaps(times: list[float], begin: float, end: float) -> list[float]:
 
 
 @contextlib.contextmanager
-def _timing_steps() -> Iterator[tuple[list[tuple[float, float]], list[float]]]:
-    """(start, wall seconds) of each prefill pass the server's scheduler runs meanwhile, and the end of
-    each of its decode steps."""
+def _timing_steps() -> Iterator[tuple[list[tuple[float, float, float]], list[tuple[float, float]]]]:
+    """(start, wall seconds, CPU seconds) of each prefill pass the server's scheduler runs meanwhile,
+    and (wall, scheduler thread's CPU clock) at the end of each of its decode steps: the CPU clock of
+    the one thread that runs the model (on one torch thread) does not count other processes' time."""
     from k3stream.server import scheduler
 
     passes, steps = [], []
     real_pass, real_step = scheduler.step_together, scheduler.Scheduler._decode_step
 
     def timed_pass(prefills, chunks) -> None:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         real_pass(prefills, chunks)
-        passes.append((start, time.perf_counter() - start))
+        passes.append((start, time.perf_counter() - start, time.thread_time() - cpu))
 
     def timed_step(self) -> None:
         real_step(self)
-        steps.append(time.perf_counter())
+        steps.append((time.perf_counter(), time.thread_time()))
 
     scheduler.step_together, scheduler.Scheduler._decode_step = timed_pass, timed_step
     try:
