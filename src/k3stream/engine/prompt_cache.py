@@ -429,7 +429,7 @@ class PromptCache:
             if snapshot is None:  # a bad file: dropped, look again
                 continue
             started = time.perf_counter()
-            state = restore(self.model, snapshot)
+            state = restore(self.model, snapshot, room=len(tokens) - entry.length)
             with self._lock:
                 self.stats.restore_s += time.perf_counter() - started
                 self.stats.hits += 1

@@ -110,7 +110,7 @@ class MLAState:
     def append(self, rows: torch.Tensor) -> torch.Tensor:
         """Add rows [T, width]; returns the whole cache [length, width]."""
         needed = self.length + rows.shape[0]
-        self._make_room(needed)
+        self.reserve(needed)
         self.buffer[self.length : needed] = rows
         self.length = needed
         return self.buffer[:needed]
@@ -119,11 +119,12 @@ class MLAState:
         """`append` of one contiguous float32 CPU row [1, width] by a C copy (a decode step's, which
         then reads `buffer`'s first `length` rows): no torch operation, each costly in a token whose
         weight reads have evicted torch's own code and data from the caches."""
-        self._make_room(self.length + 1)
+        self.reserve(self.length + 1)
         cpu.copy_row(row, self.buffer, self.length)
         self.length += 1
 
-    def _make_room(self, rows: int) -> None:
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` rows in all (at least double the buffer when it grows)."""
         if rows > self.buffer.shape[0]:
             grown = self.buffer.new_zeros(max(rows, 2 * self.buffer.shape[0]), self.buffer.shape[1])
             grown[: self.length] = self.buffer[: self.length]
