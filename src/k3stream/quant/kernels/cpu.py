@@ -31,6 +31,9 @@ Call = tuple[Callable[..., Any], tuple, tuple]
 # decoder a type), with `q8_activations` by ggml's integer kernels
 IQ_TYPES = frozenset({16, 17, 18, 19, 20, 21, 22, 23, 29, 34, 35})
 # GGML type ids with a C kernel on float activations (a decoder: also `decode_row`)
+# the type id of an F32 matrix stored input-major ([in, out], float32; no GGML type): `products` and
+# `expert_mlp` sum each output in one chain over its inputs, the same bits at any row count
+INPUT_MAJOR_F32 = 1000
 CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39}) | IQ_TYPES
 # ... and with integer kernels on 8-bit activations, as ggml's: Q8_K for Q2_K, Q3_K, Q4_K, Q6_K, the
 # i-quants but IQ4_NL and the ternary types, Q8_0 for Q4_0, Q8_0, IQ4_NL and MXFP4

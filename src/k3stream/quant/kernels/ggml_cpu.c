@@ -391,6 +391,29 @@ typedef void (*TileKernel)(const Product *, int64_t b, int64_t m, int count);
 #define TILE_W 4
 #define TILE_MIN 2
 
+/* F32 matrices as k3stream keeps them for its row-exact products: input-major ([in, out], `seam.Products`),
+ * type INPUT_MAJOR_F32 (no GGML type). Each output's sum is one chain over its inputs in order,
+ * acc = fma(x_k, w_k, acc) from zero, so a mat-vec and a GEMM of any blocking give it the same bits, and
+ * many rows cost a GEMM's work (no horizontal sums). */
+#define INPUT_MAJOR_F32 1000
+#define INPUT_MAJOR_ROWS 4
+
+/* Outputs first..last - 1 of input-major F32 matrix b, one at a time (fmaf, exact: the vector
+ * kernel's lanes; an instruction where the function's target has FMA) */
+#define INPUT_MAJOR_ONE(NAME, ATTR)                                                                    \
+    ATTR static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) {                 \
+        const float *w = (const float *)(uintptr_t)pr->addresses[b];                                   \
+        for (int64_t m = first; m < last; m++)                                                         \
+            for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {                              \
+                const float *x = pr->x + pr->rows[p] * pr->in_features;                                \
+                float acc = 0.0f;                                                                      \
+                for (int64_t k = 0; k < pr->in_features; k++)                                          \
+                    acc = __builtin_fmaf(x[k], w[k * pr->out_rows + m], acc);                          \
+                pr->out[p * pr->out_stride + m] = acc;                                                 \
+            }                                                                                          \
+    }
+INPUT_MAJOR_ONE(input_major_generic, )
+
 /* ---- fused AVX2 kernels: Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, F16, BF16, F32 ----------
  * No tile: codes are expanded in registers, multiplied by their sub-block step (the reference's first
  * operation), and accumulated against x with FMA; each sub-block's min (Q2_K, Q4_K, Q5_K) enters once, as
@@ -1325,10 +1348,60 @@ Q8_SHARED_ROW(q8_row_q4_k_avx2, q8_q4_k, 144)
 Q8_ROW(q8_row_q6_k_avx2, AVX2, q8_q6_k, 210, q8, 256, __m256, _mm256_setzero_ps(), hsum8)
 Q8_ROW(q8_row_q8_0_avx2, AVX2, q8_q8_0, 34, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
 Q8_ROW(q8_row_q4_0_avx2, AVX2, q8_q4_0, 18, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
+
+INPUT_MAJOR_ONE(input_major_tail, AVX2)
+
+/* Outputs m..m + 15 of an input-major F32 matrix w [in, out] for input rows p..p + n - 1: per output
+ * acc = fma(x_k, w_k, acc) over k in order from zero, eight outputs a vector */
+ALWAYS void input_major_block(const Product *pr, const float *w, int64_t m, int64_t p, const int n) {
+    const int64_t in = pr->in_features, width = pr->out_rows;
+    const float *x[INPUT_MAJOR_ROWS];
+    __m256 acc[INPUT_MAJOR_ROWS][2];
+    for (int r = 0; r < n; r++) {
+        x[r] = pr->x + pr->rows[p + r] * in;
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    }
+    for (int64_t k = 0; k < in; k++) {
+        const __m256 w0 = _mm256_loadu_ps(w + k * width + m), w1 = _mm256_loadu_ps(w + k * width + m + 8);
+        for (int r = 0; r < n; r++) {
+            const __m256 xk = _mm256_broadcast_ss(x[r] + k);
+            acc[r][0] = _mm256_fmadd_ps(xk, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xk, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        float *out = pr->out + (p + r) * pr->out_stride + m;
+        _mm256_storeu_ps(out, acc[r][0]);
+        _mm256_storeu_ps(out + 8, acc[r][1]);
+    }
+}
+
+AVX2 __attribute__((noinline)) static void input_major_rows(const Product *pr, const float *w, int64_t m, int64_t p) {
+    input_major_block(pr, w, m, p, INPUT_MAJOR_ROWS);
+}
+
+AVX2 __attribute__((noinline)) static void input_major_row(const Product *pr, const float *w, int64_t m, int64_t p) {
+    input_major_block(pr, w, m, p, 1);
+}
+
+/* Outputs first..last - 1 of input-major F32 matrix b: sixteen at a time for INPUT_MAJOR_ROWS input
+ * rows at a time, the rest one at a time (the same operations) */
+AVX2 static void input_major_avx2(const Product *pr, int64_t b, int64_t first, int64_t last) {
+    const float *w = (const float *)(uintptr_t)pr->addresses[b];
+    const int64_t end = pr->starts[b + 1];
+    int64_t m = first;
+    for (; m + 16 <= last; m += 16) {
+        int64_t p = pr->starts[b];
+        for (; p + INPUT_MAJOR_ROWS <= end; p += INPUT_MAJOR_ROWS) input_major_rows(pr, w, m, p);
+        for (; p < end; p++) input_major_row(pr, w, m, p);
+    }
+    input_major_tail(pr, b, m, last);
+}
 #else
 static RowKernel fused_kernel(int ggml_type) { (void)ggml_type; return NULL; }
 static TileKernel tile_kernel(int ggml_type) { (void)ggml_type; return NULL; }
 #define HAVE_AVX2() 0
+#define input_major_avx2 input_major_generic
 #define q8_row_q2_k_avx2 q8_row_q2_k_generic
 #define q8_row_q3_k_avx2 q8_row_q3_k_generic
 #define q8_row_q4_k_avx2 q8_row_q4_k_generic
@@ -1404,7 +1477,10 @@ static int plan_product(Plan *plan, const float *x, int64_t in_features, const i
     plan->pr = pr;
     plan->owned = NULL;
     RowKernel kernel = q8_activations ? q8_kernel(ggml_type) : fused_kernel(ggml_type);
-    if (q8_activations) {
+    if (ggml_type == INPUT_MAJOR_F32) {
+        if (q8_activations) return -1;
+        kernel = HAVE_AVX2() ? input_major_avx2 : input_major_generic;
+    } else if (q8_activations) {
         const int k_quant = ggml_type != 2 && ggml_type != 8 && !iq_q8_0_activations(ggml_type), elems = k_quant ? 256 : 32;
         if (kernel == NULL || in_features % elems != 0) return -1;
         const int64_t blocks = rows_used(starts, rows, matrices) * (in_features / elems);

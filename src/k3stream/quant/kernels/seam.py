@@ -41,6 +41,11 @@ F32_KERNEL_MAX_ROWS = 16
 # resident runs agree.
 F32_EXPERT_MAX_TOKENS = 512
 ANY_ROWS = 1 << 62
+# F32 matrices of at most this many bytes go to `Products`' C call as an input-major copy (small
+# models' short rows, whose products are compute-bound); larger ones (a real model's 7168-wide rows,
+# read at the memory's speed in a decode step) keep their GGUF bytes and the row-major kernel, and no
+# second copy of them is made
+INPUT_MAJOR_MAX_BYTES = 1 << 20
 
 
 class _RowExact:
@@ -168,8 +173,11 @@ class Products:
     [N, sum of their output rows]. A linear layer holds one weight, a layer's projections of one input
     several; the model calls them many times (a decode token ~100 calls of a few microseconds of work).
     A 2-D float32 CPU input that every weight's C kernel takes (at most F32_KERNEL_MAX_ROWS rows where
-    one is F32) is one C call with everything that does not depend on x worked out here; anything else
-    goes through qmatmul per weight (which also says what is wrong) and a cat. Same results either way."""
+    one is F32, any under `set_row_exact`) is one C call with everything that does not depend on x
+    worked out here; anything else goes through qmatmul per weight (which also says what is wrong) and
+    a cat. The C call takes F32 matrices from an input-major copy made here (`INPUT_MAJOR_F32`: each
+    output's sum one chain over its inputs, so a decode row and a prefill's rows get the same bits at a
+    GEMM's speed, whatever the width)."""
 
     def __init__(self, weights: Sequence[QWeight], backend: str = "auto", match_ggml: bool = False) -> None:
         self.weights = list(weights)
@@ -180,11 +188,13 @@ class Products:
         self.out_features = sum(weight.shape[0] for weight in self.weights)
         self.backend, self.match_ggml = backend, match_ggml
         self._max_rows = min(self._direct_rows(weight) for weight in self.weights)
-        self._padded = self._zero_padded()
         self.widths = [weight.shape[0] for weight in self.weights]
+        # the matrices as the C call reads them (kept alive here) and their kernels' type ids
+        direct = self._max_rows > 0
+        self._matrices = [_as_c_reads(w) if direct else (w.data, w.ggml_type) for w in self.weights]
         self._arguments = (
-            [weight.data.data_ptr() for weight in self.weights],
-            [weight.ggml_type for weight in self.weights],
+            [matrix.data_ptr() for matrix, _ in self._matrices],
+            [kind for _, kind in self._matrices],
             self.widths,
             [row_bytes(weight.ggml_type, self.in_features) for weight in self.weights],
             [int(match_ggml and weight.ggml_type in cpu.Q8_TYPES) for weight in self.weights],
@@ -193,37 +203,24 @@ class Products:
     def _direct_rows(self, weight: QWeight) -> int:
         """The most input rows whose product with `weight` goes straight to the C kernel (0: none do)."""
         ggml_type = weight.ggml_type
-        if self.backend != "auto" or not _bytes_for_c(weight):
+        if self.backend != "auto":
+            return 0
+        if ggml_type == F32 and weight.data.numel() <= INPUT_MAJOR_MAX_BYTES:
+            return F32_KERNEL_MAX_ROWS if _input_major_takes(weight) else 0
+        if not _bytes_for_c(weight):
             return 0
         if ggml_type == F32:
             return F32_KERNEL_MAX_ROWS
         return ANY_ROWS if _c_kernel_takes(ggml_type, self.in_features, self.match_ggml) else 0
 
-    def _zero_padded(self) -> Products | None:
-        """F32 matrices whose rows the C kernel cannot take (widths off its 32s), with zeros appended
-        to whole 32s: x padded alike, their C products are these ones' (the zeros add +0 to chains of
-        their own), row by row whatever the rows' company. None for any other matrices."""
-        padding = -self.in_features % 32
-        if self.backend != "auto" or not padding or any(w.ggml_type != F32 for w in self.weights):
-            return None
-        padded = [
-            QWeight(
-                torch.nn.functional.pad(_f32_matrix(w, w.data.device), (0, padding))
-                .contiguous()
-                .view(torch.uint8)
-                .reshape(-1),
-                F32,
-                (w.shape[0], w.shape[1] + padding),
-            )
-            for w in self.weights
-        ]
-        return Products(padded) if all(map(_bytes_for_c, padded)) else None
+    def role(self) -> cpu.Role:
+        """The first matrix as `cpu.expert_mlp` takes it (an F32 one input-major)."""
+        matrix, kind = self._matrices[0]
+        return cpu.Role([matrix], kind, self.widths[0], self._arguments[3][0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._direct(x):
             return cpu.products(x, *self._arguments)
-        if self._pads(x):
-            return self._padded(torch.nn.functional.pad(x, (0, self._padded.in_features - self.in_features)))
         outputs = self._each(x)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
@@ -232,14 +229,7 @@ class Products:
         C, else each product as it comes (a prefill's: no joint copy to split again)."""
         if self._direct(x):
             return list(cpu.products(x, *self._arguments).split(self.widths, dim=-1))
-        if self._pads(x):
-            return list(self(x).split(self.widths, dim=-1))
         return self._each(x)
-
-    def _pads(self, x: torch.Tensor) -> bool:
-        """Whether x takes the zero-padded C products: where an F32 product of its rows would be C's."""
-        fits = x.ndim == 2 and _f32_rows_fit(len(x), F32_KERNEL_MAX_ROWS)
-        return self._padded is not None and fits and cpu.takes((x,))
 
     def _each(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [qmatmul(x, weight, self.backend, self.match_ggml) for weight in self.weights]
@@ -253,6 +243,20 @@ class Products:
         count, *features = x.shape
         fits = count <= self._max_rows or (_RowExact.on and self._max_rows > 0)
         return fits and features == [self.in_features] and cpu.takes((x,))
+
+
+def _input_major_takes(weight: QWeight) -> bool:
+    """Whether an F32 weight's products may take the C kernel from an input-major copy: GGUF bytes on
+    the CPU and the library built (any width)."""
+    return weight.data.dtype == torch.uint8 and weight.data.device.type == "cpu" and cpu.available()
+
+
+def _as_c_reads(weight: QWeight) -> tuple[torch.Tensor, int]:
+    """A weight's matrix as the C products read it, and its type id there: an F32 one of at most
+    INPUT_MAJOR_MAX_BYTES as an input-major float32 copy ([in, out]), any other as its GGUF bytes."""
+    if weight.ggml_type != F32 or weight.data.numel() > INPUT_MAJOR_MAX_BYTES:
+        return weight.data, weight.ggml_type
+    return _f32_matrix(weight, weight.data.device).T.contiguous(), cpu.INPUT_MAJOR_F32
 
 
 class GroupedProduct:
@@ -306,16 +310,7 @@ class MLP:
         parts = (gate, up, down)
         single = all(len(part.weights) == 1 and not part.match_ggml for part in parts)
         self._max_rows = min(part._max_rows for part in parts) if single else 0
-        self._roles = tuple(
-            cpu.Role(
-                [weight.data],
-                weight.ggml_type,
-                part.out_features,
-                row_bytes(weight.ggml_type, part.in_features),
-            )
-            for part in parts
-            for weight in part.weights[:1]
-        )
+        self._roles = tuple(part.role() for part in parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._direct(x):
