@@ -124,9 +124,10 @@ class MLAState:
         self.length += 1
 
     def reserve(self, rows: int) -> None:
-        """Room for `rows` rows in all (at least double the buffer when it grows)."""
+        """Room for `rows` rows in all (at least double the buffer when it grows; rows past `length` are
+        never read, so not cleared)."""
         if rows > self.buffer.shape[0]:
-            grown = self.buffer.new_zeros(max(rows, 2 * self.buffer.shape[0]), self.buffer.shape[1])
+            grown = self.buffer.new_empty(max(rows, 2 * self.buffer.shape[0]), self.buffer.shape[1])
             grown[: self.length] = self.buffer[: self.length]
             self.buffer = grown
 

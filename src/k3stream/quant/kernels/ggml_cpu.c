@@ -398,13 +398,14 @@ typedef void (*TileKernel)(const Product *, int64_t b, int64_t m, int count);
 #define INPUT_MAJOR_F32 1000
 #define INPUT_MAJOR_ROWS 4
 
-/* Outputs first..last - 1 of input-major F32 matrix b, one at a time (fmaf, exact: the vector
- * kernel's lanes; an instruction where the function's target has FMA) */
+/* Outputs first..last - 1 of input-major F32 matrix b for input rows from..to - 1, one at a time
+ * (fmaf, exact: the vector kernel's lanes; an instruction where the function's target has FMA) */
 #define INPUT_MAJOR_ONE(NAME, ATTR)                                                                    \
-    ATTR static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) {                 \
+    ATTR static void NAME##_rows(const Product *pr, int64_t b, int64_t first, int64_t last, int64_t from, \
+                                 int64_t to) {                                                         \
         const float *w = (const float *)(uintptr_t)pr->addresses[b];                                   \
         for (int64_t m = first; m < last; m++)                                                         \
-            for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {                              \
+            for (int64_t p = from; p < to; p++) {                                                      \
                 const float *x = pr->x + pr->rows[p] * pr->in_features;                                \
                 float acc = 0.0f;                                                                      \
                 for (int64_t k = 0; k < pr->in_features; k++)                                          \
@@ -413,6 +414,10 @@ typedef void (*TileKernel)(const Product *, int64_t b, int64_t m, int count);
             }                                                                                          \
     }
 INPUT_MAJOR_ONE(input_major_generic, )
+
+static void input_major_generic(const Product *pr, int64_t b, int64_t first, int64_t last) {
+    input_major_generic_rows(pr, b, first, last, pr->starts[b], pr->starts[b + 1]);
+}
 
 /* ---- fused AVX2 kernels: Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, F16, BF16, F32 ----------
  * No tile: codes are expanded in registers, multiplied by their sub-block step (the reference's first
@@ -1380,22 +1385,36 @@ AVX2 __attribute__((noinline)) static void input_major_rows(const Product *pr, c
     input_major_block(pr, w, m, p, INPUT_MAJOR_ROWS);
 }
 
+/* Outputs m..m + 63 for input row p alone (a decode step's): eight chains, so the FMAs do not wait on
+ * each other */
 AVX2 __attribute__((noinline)) static void input_major_row(const Product *pr, const float *w, int64_t m, int64_t p) {
-    input_major_block(pr, w, m, p, 1);
+    const int64_t in = pr->in_features, width = pr->out_rows;
+    const float *x = pr->x + pr->rows[p] * in;
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < in; k++) {
+        const __m256 xk = _mm256_broadcast_ss(x + k);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(xk, _mm256_loadu_ps(w + k * width + m + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < 8; j++) _mm256_storeu_ps(pr->out + p * pr->out_stride + m + 8 * j, acc[j]);
 }
 
 /* Outputs first..last - 1 of input-major F32 matrix b: sixteen at a time for INPUT_MAJOR_ROWS input
- * rows at a time, the rest one at a time (the same operations) */
+ * rows at a time, 64 at a time for a row left alone, the rest one at a time (the same operations) */
 AVX2 static void input_major_avx2(const Product *pr, int64_t b, int64_t first, int64_t last) {
     const float *w = (const float *)(uintptr_t)pr->addresses[b];
-    const int64_t end = pr->starts[b + 1];
+    const int64_t start = pr->starts[b], end = pr->starts[b + 1];
+    const int64_t grouped = start + (end - start) / INPUT_MAJOR_ROWS * INPUT_MAJOR_ROWS;
     int64_t m = first;
-    for (; m + 16 <= last; m += 16) {
-        int64_t p = pr->starts[b];
-        for (; p + INPUT_MAJOR_ROWS <= end; p += INPUT_MAJOR_ROWS) input_major_rows(pr, w, m, p);
-        for (; p < end; p++) input_major_row(pr, w, m, p);
+    for (; m + 16 <= last; m += 16)
+        for (int64_t p = start; p < grouped; p += INPUT_MAJOR_ROWS) input_major_rows(pr, w, m, p);
+    for (int64_t p = grouped; p < end; p++) {
+        int64_t single = first;
+        for (; single + 64 <= last; single += 64) input_major_row(pr, w, single, p);
+        for (; single + 16 <= last; single += 16) input_major_block(pr, w, single, p, 1);
+        input_major_tail_rows(pr, b, single, last, p, p + 1);
     }
-    input_major_tail(pr, b, m, last);
+    input_major_tail_rows(pr, b, m, last, start, grouped);
 }
 #else
 static RowKernel fused_kernel(int ggml_type) { (void)ggml_type; return NULL; }
