@@ -398,25 +398,17 @@ typedef void (*TileKernel)(const Product *, int64_t b, int64_t m, int count);
 #define INPUT_MAJOR_F32 1000
 #define INPUT_MAJOR_ROWS 4
 
-/* Outputs first..last - 1 of input-major F32 matrix b for input rows from..to - 1, one at a time
- * (fmaf, exact: the vector kernel's lanes; an instruction where the function's target has FMA) */
-#define INPUT_MAJOR_ONE(NAME, ATTR)                                                                    \
-    ATTR static void NAME##_rows(const Product *pr, int64_t b, int64_t first, int64_t last, int64_t from, \
-                                 int64_t to) {                                                         \
-        const float *w = (const float *)(uintptr_t)pr->addresses[b];                                   \
-        for (int64_t m = first; m < last; m++)                                                         \
-            for (int64_t p = from; p < to; p++) {                                                      \
-                const float *x = pr->x + pr->rows[p] * pr->in_features;                                \
-                float acc = 0.0f;                                                                      \
-                for (int64_t k = 0; k < pr->in_features; k++)                                          \
-                    acc = __builtin_fmaf(x[k], w[k * pr->out_rows + m], acc);                          \
-                pr->out[p * pr->out_stride + m] = acc;                                                 \
-            }                                                                                          \
-    }
-INPUT_MAJOR_ONE(input_major_generic, )
-
+/* Outputs first..last - 1 of input-major F32 matrix b, one at a time (fmaf, exact: the vector kernel's
+ * lanes) */
 static void input_major_generic(const Product *pr, int64_t b, int64_t first, int64_t last) {
-    input_major_generic_rows(pr, b, first, last, pr->starts[b], pr->starts[b + 1]);
+    const float *w = (const float *)(uintptr_t)pr->addresses[b];
+    for (int64_t m = first; m < last; m++)
+        for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {
+            const float *x = pr->x + pr->rows[p] * pr->in_features;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < pr->in_features; k++) acc = fmaf(x[k], w[k * pr->out_rows + m], acc);
+            pr->out[p * pr->out_stride + m] = acc;
+        }
 }
 
 /* ---- fused AVX2 kernels: Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, F16, BF16, F32 ----------
@@ -1354,11 +1346,12 @@ Q8_ROW(q8_row_q6_k_avx2, AVX2, q8_q6_k, 210, q8, 256, __m256, _mm256_setzero_ps(
 Q8_ROW(q8_row_q8_0_avx2, AVX2, q8_q8_0, 34, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
 Q8_ROW(q8_row_q4_0_avx2, AVX2, q8_q4_0, 18, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
 
-INPUT_MAJOR_ONE(input_major_tail, AVX2)
-
 /* Outputs m..m + 15 of an input-major F32 matrix w [in, out] for input rows p..p + n - 1: per output
- * acc = fma(x_k, w_k, acc) over k in order from zero, eight outputs a vector */
-ALWAYS void input_major_block(const Product *pr, const float *w, int64_t m, int64_t p, const int n) {
+ * acc = fma(x_k, w_k, acc) over k in order from zero, eight outputs a vector; `masked`: the last ones of
+ * a matrix whose outputs are not whole 16s, `masks` the outputs kept of each vector (masked loads are
+ * slow on some cores: only there) */
+ALWAYS void input_major_block(const Product *pr, const float *w, int64_t m, int64_t p, const int n,
+                              const __m256i masks[2], const int masked) {
     const int64_t in = pr->in_features, width = pr->out_rows;
     const float *x[INPUT_MAJOR_ROWS];
     __m256 acc[INPUT_MAJOR_ROWS][2];
@@ -1367,7 +1360,9 @@ ALWAYS void input_major_block(const Product *pr, const float *w, int64_t m, int6
         acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     }
     for (int64_t k = 0; k < in; k++) {
-        const __m256 w0 = _mm256_loadu_ps(w + k * width + m), w1 = _mm256_loadu_ps(w + k * width + m + 8);
+        const float *row = w + k * width + m;
+        const __m256 w0 = masked ? _mm256_maskload_ps(row, masks[0]) : _mm256_loadu_ps(row);
+        const __m256 w1 = masked ? _mm256_maskload_ps(row + 8, masks[1]) : _mm256_loadu_ps(row + 8);
         for (int r = 0; r < n; r++) {
             const __m256 xk = _mm256_broadcast_ss(x[r] + k);
             acc[r][0] = _mm256_fmadd_ps(xk, w0, acc[r][0]);
@@ -1376,13 +1371,42 @@ ALWAYS void input_major_block(const Product *pr, const float *w, int64_t m, int6
     }
     for (int r = 0; r < n; r++) {
         float *out = pr->out + (p + r) * pr->out_stride + m;
-        _mm256_storeu_ps(out, acc[r][0]);
-        _mm256_storeu_ps(out + 8, acc[r][1]);
+        if (masked) {
+            _mm256_maskstore_ps(out, masks[0], acc[r][0]);
+            _mm256_maskstore_ps(out + 8, masks[1], acc[r][1]);
+        } else {
+            _mm256_storeu_ps(out, acc[r][0]);
+            _mm256_storeu_ps(out + 8, acc[r][1]);
+        }
     }
 }
 
-AVX2 __attribute__((noinline)) static void input_major_rows(const Product *pr, const float *w, int64_t m, int64_t p) {
-    input_major_block(pr, w, m, p, INPUT_MAJOR_ROWS);
+/* The lanes of outputs m.. below `last`, for two vectors */
+ALWAYS void output_masks(int64_t m, int64_t last, __m256i masks[2]) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int64_t left = last - m;
+    masks[0] = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 16 ? left : 16)), lanes);
+    masks[1] = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 16 ? left : 16) - 8), lanes);
+}
+
+AVX2 __attribute__((noinline)) static void input_major_rows(const Product *pr, const float *w, int64_t m, int64_t p,
+                                                           int64_t last) {
+    __m256i masks[2];
+    output_masks(m, last, masks);
+    if (last - m >= 16)
+        input_major_block(pr, w, m, p, INPUT_MAJOR_ROWS, masks, 0);
+    else
+        input_major_block(pr, w, m, p, INPUT_MAJOR_ROWS, masks, 1);
+}
+
+AVX2 __attribute__((noinline)) static void input_major_one(const Product *pr, const float *w, int64_t m, int64_t p,
+                                                          int64_t last) {
+    __m256i masks[2];
+    output_masks(m, last, masks);
+    if (last - m >= 16)
+        input_major_block(pr, w, m, p, 1, masks, 0);
+    else
+        input_major_block(pr, w, m, p, 1, masks, 1);
 }
 
 /* Outputs m..m + 63 for input row p alone (a decode step's): eight chains, so the FMAs do not wait on
@@ -1399,22 +1423,19 @@ AVX2 __attribute__((noinline)) static void input_major_row(const Product *pr, co
     for (int j = 0; j < 8; j++) _mm256_storeu_ps(pr->out + p * pr->out_stride + m + 8 * j, acc[j]);
 }
 
-/* Outputs first..last - 1 of input-major F32 matrix b: sixteen at a time for INPUT_MAJOR_ROWS input
- * rows at a time, 64 at a time for a row left alone, the rest one at a time (the same operations) */
+/* Outputs first..last - 1 of input-major F32 matrix b: sixteen at a time (the last ones masked) for
+ * INPUT_MAJOR_ROWS input rows at a time, 64 at a time for a row left alone (the same operations) */
 AVX2 static void input_major_avx2(const Product *pr, int64_t b, int64_t first, int64_t last) {
     const float *w = (const float *)(uintptr_t)pr->addresses[b];
     const int64_t start = pr->starts[b], end = pr->starts[b + 1];
     const int64_t grouped = start + (end - start) / INPUT_MAJOR_ROWS * INPUT_MAJOR_ROWS;
-    int64_t m = first;
-    for (; m + 16 <= last; m += 16)
-        for (int64_t p = start; p < grouped; p += INPUT_MAJOR_ROWS) input_major_rows(pr, w, m, p);
+    for (int64_t m = first; m < last; m += 16)
+        for (int64_t p = start; p < grouped; p += INPUT_MAJOR_ROWS) input_major_rows(pr, w, m, p, last);
     for (int64_t p = grouped; p < end; p++) {
-        int64_t single = first;
-        for (; single + 64 <= last; single += 64) input_major_row(pr, w, single, p);
-        for (; single + 16 <= last; single += 16) input_major_block(pr, w, single, p, 1);
-        input_major_tail_rows(pr, b, single, last, p, p + 1);
+        int64_t m = first;
+        for (; m + 64 <= last; m += 64) input_major_row(pr, w, m, p);
+        for (; m < last; m += 16) input_major_one(pr, w, m, p, last);
     }
-    input_major_tail_rows(pr, b, m, last, start, grouped);
 }
 #else
 static RowKernel fused_kernel(int ggml_type) { (void)ggml_type; return NULL; }
