@@ -175,9 +175,10 @@ class Products:
     A 2-D float32 CPU input that every weight's C kernel takes (at most F32_KERNEL_MAX_ROWS rows where
     one is F32, any under `set_row_exact`) is one C call with everything that does not depend on x
     worked out here; anything else goes through qmatmul per weight (which also says what is wrong) and
-    a cat. The C call takes F32 matrices from an input-major copy made here (`INPUT_MAJOR_F32`: each
-    output's sum one chain over its inputs, so a decode row and a prefill's rows get the same bits at a
-    GEMM's speed, whatever the width)."""
+    a cat. The C call takes F32 matrices of at most INPUT_MAJOR_MAX_BYTES from an input-major copy made
+    here (`INPUT_MAJOR_F32`: each output's sum one chain over its inputs, so a decode row and a
+    prefill's rows get the same bits, whatever the width, without a row-major kernel's horizontal
+    sums); the same results as qmatmul's but for those, within 1e-6."""
 
     def __init__(self, weights: Sequence[QWeight], backend: str = "auto", match_ggml: bool = False) -> None:
         self.weights = list(weights)
