@@ -26,12 +26,14 @@ during each prefill (`/proc/self/io`), and the cgroup's peak memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -434,9 +436,13 @@ def sweep(model, workload: Workload, args, fingerprint: str) -> None:
 
 
 def stalls(args) -> None:
-    """A client streaming while another sends a `--stall-tokens` prompt, served with the prompt prefilled
-    whole and in `--prefill-chunk` chunks: the stream's longest gap between chunks, against one chunk's
-    prefill. A tiny model with a long enough context (the shipped one's is 1,024)."""
+    """A client streaming while another sends a `--stall-tokens` prompt, served as `serve` serves it by
+    default (prompt cache on) with the prompt prefilled whole and in `--prefill-chunk` chunks: the
+    stream's longest gaps between chunks, against one chunk's prefill (the prompt's first
+    `--prefill-chunk` tokens, timed between the runs). Then each chunk's time along the prompt, cut
+    every `--prefill-chunk` tokens and by equal work (`PrefillChunks`). A tiny model with a long
+    enough context (the shipped one's is 1,024)."""
+    from k3stream.engine.loading import load_runtime
     from k3stream.testing.tiny import TinySpec, make_tiny
 
     with tempfile.TemporaryDirectory() as directory:
@@ -446,31 +452,62 @@ def stalls(args) -> None:
         path = make_tiny(Path(directory), spec)
         generator = torch.Generator().manual_seed(args.seed)
         long_prompt = torch.randint(10, 500, (args.stall_tokens,), generator=generator).tolist()
-        print(f"\na stream beside a {args.stall_tokens}-token prompt (tiny model, context 8192):")
-        for chunk in (1 << 30, args.prefill_chunk):
-            gaps, prefill_s = stream_beside(path, long_prompt, chunk, args.threads)
+        model = load_runtime(path, stream_experts=False).model
+        row_exact = PromptCache(model, "row-exact", MIB)  # open: the products as a served cache has them
+        first_chunk = long_prompt[: args.prefill_chunk]
+        model.prefill_last(model.new_state(), first_chunk)  # warm
+        print(f"\na stream beside a {args.stall_tokens}-token prompt (tiny model, context 8192, cache on):")
+        alone, runs = [], []
+        for chunk in (1 << 30, args.prefill_chunk, args.prefill_chunk, args.prefill_chunk):
+            runs.append((chunk, stream_beside(path, long_prompt, chunk, args.threads)))
+            alone.append(_least_wall(3, lambda: model.prefill_last(model.new_state(), first_chunk)))
+        one = min(alone)
+        one_cpu = _best_of(3, lambda: model.prefill_last(model.new_state(), first_chunk))
+        for chunk, stall in runs:
             label = "whole prompt" if chunk == 1 << 30 else f"--prefill-chunk {chunk}"
-            longest = ", ".join(f"{1e3 * gap:.0f}" for gap in sorted(gaps)[::-1][:4])
-            median = sorted(gaps)[len(gaps) // 2]
+            longest = ", ".join(f"{1e3 * gap:.0f}" for gap in sorted(stall.gaps)[::-1][:3])
+            typical = sorted(stall.passes)[len(stall.passes) // 2]
+            worst, worst_cpu = max(stall.gaps), max(stall.step_cpu)
             print(
-                f"  {label:>20}: longest gaps {longest} ms, median {1e3 * median:.1f} ms ({len(gaps)} gaps); "
-                f"the long prompt's TTFT {prefill_s:.2f} s"
+                f"  {label:>20}: {len(stall.passes)} passes; the stream's longest gaps at the client "
+                f"{longest} ms ({worst / one:.2f}x one chunk alone, {worst / typical:.2f}x the median pass, "
+                f"{1e3 * typical:.0f} ms), in the scheduler {1e3 * max(stall.steps):.0f} ms (longest pass "
+                f"{1e3 * max(stall.passes):.0f} ms); in CPU time the most between two of its tokens "
+                f"{1e3 * worst_cpu:.0f} ms ({worst_cpu / one_cpu:.2f}x one chunk alone; the most in a pass "
+                f"{1e3 * max(stall.pass_cpu):.0f} ms); the long prompt's TTFT {stall.prefill_s:.2f} s"
             )
-        from k3stream.engine.loading import load_runtime
-
-        model = load_runtime(path, stream_experts=False).model  # as served
-        set_row_exact(False)
-        model.prefill_last(model.new_state(), long_prompt[:16])  # warm
-        walls = []
-        for _ in range(3):
-            start = time.perf_counter()
-            model.prefill_last(model.new_state(), long_prompt[: args.prefill_chunk])
-            walls.append(time.perf_counter() - start)
-        print(f"  one {args.prefill_chunk}-token chunk alone: {1e3 * min(walls):.1f} ms (least of 3)")
+        print(
+            f"  one {args.prefill_chunk}-token chunk alone: {1e3 * one:.1f} ms, {1e3 * one_cpu:.1f} CPU ms "
+            f"(least of {3 * len(alone)})"
+        )
+        chunk_times(model, long_prompt, args.prefill_chunk)
+        row_exact.close()
 
 
-def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) -> tuple[list[float], float]:
-    """Gaps between a streamed completion's chunks while `long_prompt` is prefilled, and its TTFT."""
+def chunk_times(model, prompt: list[int], tokens: int) -> None:
+    """Each chunk's CPU time along `prompt` (cache on), cut every `tokens` tokens and by equal work."""
+    from k3stream.engine.prompt_cache import ChunkedPrefill, PrefillChunks, attention_rows_per_token
+
+    rows = attention_rows_per_token(model.config)
+    for label, chunks in (("every", PrefillChunks(tokens)), ("equal work", PrefillChunks(tokens, rows))):
+        cache = PromptCache(model, "chunks", 1 << 30)
+        prefill, times = ChunkedPrefill(model, prompt, cache), []
+        while not prefill.done:
+            start = time.process_time()
+            prefill.step(chunks)
+            times.append(time.process_time() - start)
+        cache.close()
+        quarters = [times[i * len(times) // 4] for i in range(4)] + [times[-2]]
+        print(
+            f"  chunks cut {label} {tokens} tokens{'' if label == 'every' else f' (rows/token {rows:.0f})'}: "
+            f"{len(times)} chunks, CPU ms at 0, 1/4, 1/2, 3/4 and the last whole one: "
+            f"{', '.join(f'{1e3 * t:.0f}' for t in quarters)}; most {1e3 * max(times):.0f}"
+        )
+
+
+def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) -> Stall:
+    """A streamed completion while `long_prompt` is prefilled (prompt cache on, as `serve` runs by
+    default): its gaps at the client and in the scheduler, the prompt's TTFT, the passes' times."""
     import threading
 
     import openai
@@ -482,9 +519,10 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) 
 
     torch.set_num_threads(threads)
     served = served_from_runtime(load_runtime(path, stream_experts=False), ctx=8192)
+    served.prompt_cache = PromptCache(served.model, "stall", 256 * MIB)
     app = create_app(served, ServerConfig(max_batch=4, prefill_chunk=chunk))
     arrivals: list[float] = []
-    with ServerThread(app) as server:
+    with ServerThread(app) as server, _timing_steps() as (passes, steps):
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
         started = threading.Event()
 
@@ -505,9 +543,57 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) 
         client.completions.create(model=served.name, prompt=long_prompt, max_tokens=1, temperature=0)
         prefill_s, end = time.perf_counter() - begin, time.perf_counter()
         streamer.join()
+    served.prompt_cache.close()
     served.close()
-    during = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if begin <= b <= end + 0.5]
-    return during or [0.0], prefill_s
+    during = [(at, cpu) for at, cpu in steps if begin <= at <= end + 0.5]
+    return Stall(
+        _gaps(arrivals, begin, end) or [0.0],
+        prefill_s,
+        [took for at, took, _ in passes if begin <= at <= end],
+        [cpu for at, _, cpu in passes if begin <= at <= end],
+        [b[0] - a[0] for a, b in zip(during, during[1:], strict=False)] or [0.0],
+        [b[1] - a[1] for a, b in zip(during, during[1:], strict=False)] or [0.0],
+    )
+
+
+@dataclass
+class Stall:
+    gaps: list[float]  # between the stream's chunks at the client, during the long prompt
+    prefill_s: float  # the long prompt's TTFT
+    passes: list[float]  # the wall time of each prefill pass
+    pass_cpu: list[float]  # the CPU time of each
+    steps: list[float]  # wall time between the scheduler's decode steps (the stream's tokens)
+    step_cpu: list[float]  # the scheduler thread's CPU time between them
+
+
+def _gaps(times: list[float], begin: float, end: float) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:], strict=False) if begin <= b <= end + 0.5]
+
+
+@contextlib.contextmanager
+def _timing_steps() -> Iterator[tuple[list[tuple[float, float, float]], list[tuple[float, float]]]]:
+    """(start, wall seconds, CPU seconds) of each prefill pass the server's scheduler runs meanwhile,
+    and (wall, scheduler thread's CPU clock) at the end of each of its decode steps: the CPU clock of
+    the one thread that runs the model (on one torch thread) does not count other processes' time."""
+    from k3stream.server import scheduler
+
+    passes, steps = [], []
+    real_pass, real_step = scheduler.step_together, scheduler.Scheduler._decode_step
+
+    def timed_pass(prefills, chunks) -> None:
+        start, cpu = time.perf_counter(), time.thread_time()
+        real_pass(prefills, chunks)
+        passes.append((start, time.perf_counter() - start, time.thread_time() - cpu))
+
+    def timed_step(self) -> None:
+        real_step(self)
+        steps.append((time.perf_counter(), time.thread_time()))
+
+    scheduler.step_together, scheduler.Scheduler._decode_step = timed_pass, timed_step
+    try:
+        yield passes, steps
+    finally:
+        scheduler.step_together, scheduler.Scheduler._decode_step = real_pass, real_step
 
 
 def shared_reads(args) -> None:
@@ -563,6 +649,16 @@ def shared_reads(args) -> None:
         f"four at once {per_token[1] / 1024:.1f} KiB ({per_token[1] / per_token[0]:.2f}x; "
         f"{passes} shared passes)"
     )
+
+
+def _least_wall(n: int, function) -> float:
+    """The least wall time of n runs."""
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def _best_of(n: int, function) -> float:

@@ -3,7 +3,6 @@ results independent of grouping and threads, no float32 copy of a weight, fallba
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 
@@ -116,6 +115,28 @@ def test_many_rows_of_one_matrix_equal_single_row_products_bit_for_bit(qt, cols)
         for p in range(int(starts[b]), int(starts[b + 1])):
             assert torch.equal(together[p], qmatmul(x[rows[p]][None], w)[0])
     assert relative_error(together[starts[2] :], reference(x[rows[starts[2] :]], weights[2])) <= 1e-5
+
+
+@pytest.mark.parametrize("cols", [16, 5, 40, 12000])
+def test_f32_products_are_row_exact_in_one_call_at_any_width(cols):
+    """F32 matrices (of any width: a KDA decay's 16-wide second projection) take the C products from
+    an input-major copy, one chain an output (beyond INPUT_MAJOR_MAX_BYTES from their own bytes, the
+    row-major kernel), under row-exact products at any row count: each row its one-row result (a decode
+    step's), the products x @ W^T."""
+    from k3stream.quant.kernels import set_row_exact
+
+    matrices = [torch.randn(24, cols), torch.randn(3, cols)]
+    products = Products([QWeight(m.view(torch.uint8).reshape(-1), T.F32, tuple(m.shape)) for m in matrices])
+    x = torch.randn(70, cols)
+    set_row_exact(True)
+    try:
+        one_by_one = torch.cat([products(x[i : i + 1]) for i in range(len(x))])
+        for count in (2, 3, 17, 49, 70):
+            assert torch.equal(products(x[:count]), one_by_one[:count])
+            assert torch.equal(torch.cat(products.parts(x[:count]), dim=1), one_by_one[:count])
+    finally:
+        set_row_exact(False)
+    assert relative_error(one_by_one, torch.cat([x @ m.T for m in matrices], dim=1)) <= 1e-6
 
 
 @pytest.mark.parametrize("qt", CPU_TYPES, ids=lambda t: t.name)
@@ -375,6 +396,21 @@ def test_the_c_combine_is_the_torch_weighted_sum(rows, top_k, width):
     assert cpu.combine(pairs, weights, out) is out and torch.equal(out, cpu.combine(pairs, weights))
 
 
+@pytest.mark.parametrize("offset", [0, 1, 37])
+def test_a_prefills_mla_queries_attend_in_one_call_with_each_decode_steps_bits(offset):
+    """The row-exact prefill attention: queries at positions offset.., each over the latent cache up to
+    its own, in one call of any count on one thread or two, give each query what a decode step's
+    attention at its position gives, bit for bit."""
+    generator = torch.Generator().manual_seed(offset)
+    queries = torch.randn(50, 4, 40, generator=generator)
+    cache = 3 * torch.randn(offset + 50, 40, generator=generator)
+    alone = torch.stack([cpu.mla_attend(queries[i], cache[: offset + i + 1], 32, 0.1) for i in range(50)])
+    for count in (1, 2, 7, 50):
+        for threads in (1, 2):
+            together = cpu.mla_attend_rows(queries[:count], cache, offset, 32, 0.1, threads)
+            assert torch.equal(together, alone[:count])
+
+
 @pytest.mark.parametrize("heads, length", [(1, 1), (4, 37), (16, 300)])
 def test_the_c_mla_attention_matches_its_torch_formula(heads, length):
     """MLA's decode attention (one query a head over the latent cache; heads on two threads when the
@@ -441,7 +477,8 @@ def test_c_copies_move_strided_rows_exactly_and_fall_back_to_torch_where_they_ca
 def test_prepared_products_are_qmatmul_bit_for_bit(types, match_ggml, monkeypatch):
     """`Products` (a linear layer's call, or a layer's projections of one input side by side) takes
     decode-sized inputs straight to the C kernels in one call and everything else through qmatmul per
-    weight: the same values either way, and qmatmul's errors."""
+    weight: the same values either way (bit for bit; F32 matrices within rounding: the C call sums
+    each of their outputs in one chain, from an input-major copy), and qmatmul's errors."""
     from k3stream.quant.kernels import seam
 
     weights = [weight(qt, 40 + 8 * i, 512, seed=1 + i) for i, qt in enumerate(types)]
@@ -450,8 +487,11 @@ def test_prepared_products_are_qmatmul_bit_for_bit(types, match_ggml, monkeypatc
     monkeypatch.setattr(seam, "qmatmul", lambda x, *args: through_qmatmul.append(len(x)) or qmatmul(x, *args))
     inputs = [torch.randn(1, 512), torch.randn(20, 512), torch.randn(2, 3, 512), torch.randn(4, 1024)[:, ::2]]
     for x in inputs:
-        expected = torch.cat([qmatmul(x, w, match_ggml=match_ggml) for w in weights], dim=-1)
-        assert torch.equal(products(x), expected)
+        got = products(x).split([w.shape[0] for w in weights], dim=-1)
+        for part, w in zip(got, weights, strict=True):
+            expected = qmatmul(x, w, match_ggml=match_ggml)
+            close = w.ggml_type == T.F32 and relative_error(part, expected) < 1e-6
+            assert torch.equal(part, expected) or close
     # under match_ggml a type without integer kernels (F16, Q5_0) has its inputs rounded in torch first;
     # F32 products of more than F32_KERNEL_MAX_ROWS rows take torch's
     rounded_in_torch = match_ggml and any(qt in (T.F16, T.Q5_0) for qt in types)
@@ -481,8 +521,7 @@ def test_an_mlp_in_one_call_is_its_three_products_bit_for_bit(types, match_ggml,
     monkeypatch.setattr(cpu, "expert_mlp", lambda x, *args: one_call.append(len(x)) or fused(x, *args))
     for rows in (1, 5, 40):
         x = torch.randn(rows, 256, generator=generator)
-        product = functools.partial(qmatmul, match_ggml=match_ggml)
-        expected = product(activation(product(x, gate), product(x, up)), down)
+        expected = mlp.down(activation(mlp.gate(x), mlp.up(x)))
         assert torch.equal(mlp(x), expected)
     rounded_in_torch = match_ggml and T.F16 in types
     assert one_call == ([] if rounded_in_torch else [1, 5] if T.F32 in types else [1, 5, 40])

@@ -9,7 +9,17 @@ import pytest
 import torch
 
 import k3stream
-from k3stream.engine.prompt_cache import MIB, Entry, PromptCache, RadixTree, file_name, model_fingerprint
+from k3stream.engine.prompt_cache import (
+    MIB,
+    ChunkedPrefill,
+    Entry,
+    PrefillChunks,
+    PromptCache,
+    RadixTree,
+    attention_rows_per_token,
+    file_name,
+    model_fingerprint,
+)
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.quant.kernels import set_row_exact
 
@@ -234,3 +244,34 @@ def test_disk_eviction_never_orphans_a_file(model, fingerprint, tmp_path):
     restarted = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "tight", budget)
     got = restarted.prefill(prompts[-1] + [3])
     assert got.reused >= len(prompts[-1]) and torch.equal(got.logits, cold(model, prompts[-1] + [3]))
+
+
+def test_chunks_cut_at_fixed_positions_each_about_the_work_of_the_first(model):
+    """Deep in a long prompt a token attends over more rows: its chunks take fewer tokens, each as much
+    work as the prompt's first chunk (within one token), cut where they are whatever position a
+    restored prefill starts from."""
+    chunks, length = PrefillChunks(64, attention_rows_per_token(model.config)), 4096
+    ends = [chunks.next_end(0, length)]
+    while ends[-1] < length:
+        ends.append(chunks.next_end(ends[-1], length))
+    starts = [0, *ends[:-1]]
+    assert ends[0] == 64
+    for start, end in zip(starts[:-1], ends[:-1], strict=True):  # the last is cut by the prompt's end
+        assert chunks.cost(start, end) <= chunks.budget < chunks.cost(start, end + 1)
+        assert chunks.next_end((start + end) // 2, length) == end
+    assert ends[-2] - starts[-2] < 32  # at ~4K positions the attention outweighs the rest
+    assert PrefillChunks(64).next_end(100, length) == 128  # without attention rows: every 64 tokens
+
+
+def test_a_prefill_in_chunks_of_equal_work_has_the_whole_prefills_bits(model, fingerprint):
+    cache = PromptCache(model, fingerprint, ram_bytes=64 * MIB, every=40)
+    tokens = ids(model, 300, seed=3)
+    chunks = PrefillChunks(48, attention_rows_per_token(model.config) / 16)  # shrinking within 300
+    prefill, steps = ChunkedPrefill(model, tokens, cache), 1
+    while not prefill.step(chunks):
+        steps += 1
+    assert steps > 300 // 48 + 1
+    assert torch.equal(prefill.logits, cold(model, tokens))
+    restored = cache.prefill(tokens[:250] + ids(model, 30, seed=4))  # from the snapshot at 240
+    assert restored.reused == 240
+    cache.close()

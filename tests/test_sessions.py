@@ -164,6 +164,22 @@ def test_chunked_prefills_beside_a_running_stream_answer_as_each_request_alone(m
     assert answers == expected
 
 
+def test_the_server_cuts_prompts_by_equal_work_where_the_experts_are_in_ram(model_path):
+    """`serve` with resident experts cuts a long prompt into chunks of equal work: a chunk deep in it,
+    whose tokens attend over more rows, takes fewer tokens than `--prefill-chunk`."""
+    from k3stream.engine.loading import load_runtime
+    from k3stream.engine.prompt_cache import attention_rows_per_token
+    from k3stream.server.app import ServerConfig, create_app
+    from k3stream.server.runtime import served_from_runtime
+
+    served = served_from_runtime(load_runtime(model_path, stream_experts=False), ctx=512)
+    chunks = create_app(served, ServerConfig(prefill_chunk=64)).state.scheduler.chunks
+    served.close()
+    assert chunks.rows_per_token == attention_rows_per_token(served.model.config)
+    deep = chunks.next_end(3000, 4096)  # where a chunk starts, ~3,000 tokens in
+    assert chunks.next_end(0, 4096) == 64 and chunks.next_end(deep, 4096) - deep < 32
+
+
 def test_waiting_prefills_share_one_pass_and_answer_as_each_alone(model, model_path, tokenizer):
     import asyncio
     import time

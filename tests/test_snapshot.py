@@ -23,7 +23,8 @@ def exact_rows():
 
 @pytest.fixture(scope="module")
 def models(tiny_model, tmp_path_factory, one_torch_thread, exact_rows):
-    """name -> model: the tiny F32 file, the audited recipe, and the audited one streamed from its pack."""
+    """name -> model: the tiny F32 file, the audited recipe (its quantized products in floats, and with
+    llama.cpp's integer arithmetic: `match_ggml`), and the audited one streamed from its pack."""
     from k3stream.engine.loading import load_resolved
     from k3stream.gguf.reader import K3Checkpoint
     from k3stream.pack.builder import build_pack
@@ -32,7 +33,12 @@ def models(tiny_model, tmp_path_factory, one_torch_thread, exact_rows):
     out = tmp_path_factory.mktemp("pack")
     manifest = build_pack(audited, out / "tiny.pack", out / "tiny.manifest.json").manifest
     streamed = load_resolved(K3Checkpoint.open(audited), manifest, LoadOptions(expert_ram_mib=0.5))
-    yield {"f32": k3stream.load(tiny_model()), "audited": k3stream.load(audited), "streamed": streamed.model}
+    yield {
+        "f32": k3stream.load(tiny_model()),
+        "audited": k3stream.load(audited),
+        "audited-ggml": k3stream.load(audited, LoadOptions(match_ggml=True)),
+        "streamed": streamed.model,
+    }
     streamed.store.close()
 
 
@@ -41,7 +47,7 @@ def prompt(model, length: int = PROMPT, seed: int = 0) -> list[int]:
     return torch.randint(0, model.config.vocab_size, (length,), generator=generator).tolist()
 
 
-@pytest.mark.parametrize("name", ["f32", "audited", "streamed"])
+@pytest.mark.parametrize("name", ["f32", "audited", "audited-ggml", "streamed"])
 def test_a_restored_prefix_continues_with_the_cold_bits(models, name):
     model = models[name]
     tokens = prompt(model)
@@ -59,7 +65,7 @@ def test_a_restored_prefix_continues_with_the_cold_bits(models, name):
         assert torch.equal(model.prefill(restore(model, snapshot), tokens[p:]), cold_rows[p:]), p
 
 
-@pytest.mark.parametrize("name", ["f32", "audited"])
+@pytest.mark.parametrize("name", ["f32", "audited", "audited-ggml"])
 def test_a_snapshot_after_decode_steps_restores_the_cold_prefill(models, name):
     model = models[name]
     tokens, state = prompt(model, 20), model.new_state()
@@ -103,7 +109,7 @@ def test_a_snapshot_of_another_model_is_refused(models):
         restore(audited, take_snapshot(state))
 
 
-@pytest.mark.parametrize("name", ["f32", "streamed"])
+@pytest.mark.parametrize("name", ["f32", "audited-ggml", "streamed"])
 def test_snapshots_taken_inside_one_prefill_equal_prefills_that_end_there(models, name):
     model = models[name]
     tokens = prompt(model)
@@ -125,7 +131,7 @@ def test_snapshots_taken_inside_one_prefill_equal_prefills_that_end_there(models
                 assert torch.equal(saved.rows(), direct.rows())
 
 
-@pytest.mark.parametrize("name", ["f32", "streamed"])
+@pytest.mark.parametrize("name", ["f32", "audited-ggml", "streamed"])
 def test_prefills_batched_in_one_pass_give_each_sequence_alone(models, name):
     model = models[name]
     prompts = [prompt(model, length, seed) for length, seed in ((9, 1), (23, 2), (4, 3))]

@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-chunk",
         type=int,
         default=512,
-        help="prompt tokens prefilled between two decode steps of the running streams (default %(default)s)",
+        help="prompt tokens prefilled between two decode steps of the running streams, at a prompt's start "
+        "(deeper chunks take fewer tokens, of equal work; default %(default)s)",
     )
     parser.add_argument(
         "--max-queue",

@@ -20,8 +20,10 @@ last use.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
+import math
 import os
 import struct
 import threading
@@ -37,6 +39,7 @@ import torch
 import xxhash
 
 from k3stream.engine.generate import prefill_last
+from k3stream.gguf.layout import is_routed_expert, layer_shapes
 from k3stream.model.kda import KDAState
 from k3stream.model.snapshot import (
     LatentRows,
@@ -49,6 +52,7 @@ from k3stream.model.snapshot import (
 from k3stream.quant.kernels import set_row_exact
 
 if TYPE_CHECKING:
+    from k3stream.gguf.config import K3Config
     from k3stream.model.k3 import K3Model, SequenceState
 
 log = logging.getLogger(__name__)
@@ -203,9 +207,72 @@ class _RowExactUsers:
             set_row_exact(cls.count > 0)
 
 
+def attention_rows_per_token(config: K3Config) -> float:
+    """How many latent rows one token's MLA attention must cover to cost as much as all of its other
+    work (multiply-adds: every matrix of every layer, the routed experts' by top_k / experts, and the
+    KDA recurrence's ~4 D^2 a head), by the config's shapes. A prompt token at position i attends over
+    i + 1 rows, so deep in a long prompt the attention outweighs the rest."""
+    per_token, per_row = 0.0, 0.0
+    for layer in range(config.n_layers):
+        for name, shape in layer_shapes(config, layer).items():
+            if len(shape) >= 2:
+                share = config.top_k / config.n_experts if is_routed_expert(name) else 1.0
+                per_token += math.prod(shape) * share
+        if config.is_mla(layer):  # the scores over kv_lora + rope, the context over kv_lora
+            per_row += config.n_heads * (2 * config.kv_lora + config.qk_rope)
+        else:
+            per_token += 4 * config.n_heads * config.kda_head_dim**2
+    return per_token / per_row if per_row else math.inf
+
+
+class PrefillChunks:
+    """Where a chunked prefill cuts its prompts: at absolute positions (a prompt is computed the same way
+    whatever runs beside it), each chunk about the work of a prompt's first `tokens` tokens, so a stream
+    running beside waits about one such chunk however deep the prompt is. With `rows_per_token`
+    (`attention_rows_per_token`) a token's work grows with the rows it attends over, and chunks deep in
+    a long prompt take fewer tokens; without, every chunk takes `tokens` (where experts stream from a
+    pack: a pass then costs its expert reads, nearly whatever its tokens)."""
+
+    def __init__(self, tokens: int, rows_per_token: float | None = None) -> None:
+        if tokens < 1:
+            raise ValueError(f"--prefill-chunk must be at least 1, got {tokens}")
+        self.tokens = tokens
+        finite = rows_per_token is not None and math.isfinite(rows_per_token)
+        self.rows_per_token = rows_per_token if finite else None
+        self.budget = self.cost(0, tokens)
+        self._ends = [0]  # the chunks' ends from the prompt's start, as far as they were needed
+
+    def cost(self, start: int, end: int) -> float:
+        """The work of positions start..end - 1, in tokens without attention."""
+        if self.rows_per_token is None:
+            return float(end - start)
+        rows = (end * (end + 1) - start * (start + 1)) / 2  # position i attends over i + 1 rows
+        return end - start + rows / self.rows_per_token
+
+    def next_end(self, position: int, length: int) -> int:
+        """Where the chunk that holds `position` ends, in a prompt of `length` tokens."""
+        if self.rows_per_token is None:
+            return min(length, (position // self.tokens + 1) * self.tokens)
+        while self._ends[-1] <= position:
+            self._ends.append(self._end_after(self._ends[-1]))
+        return min(length, self._ends[bisect.bisect_right(self._ends, position)])
+
+    def _end_after(self, start: int) -> int:
+        """The most positions from `start` whose cost fits the budget (at least one): the root of
+        e^2 + (1 + 2r) e - (start (start + 1) + 2r (start + budget)) = 0, r = rows_per_token."""
+        r = self.rows_per_token
+        linear, constant = 1 + 2 * r, start * (start + 1) + 2 * r * (start + self.budget)
+        end = int((math.sqrt(linear * linear + 4 * constant) - linear) / 2)
+        while self.cost(start, end + 1) <= self.budget:  # the root's rounding, either way
+            end += 1
+        while end > start and self.cost(start, end) > self.budget:
+            end -= 1
+        return max(end, start + 1)
+
+
 class ChunkedPrefill:
     """A prompt's prefill in steps: restored from `cache` (if any) as far as it holds the prompt, then
-    `step(chunk)` runs the tokens up to the next multiple of `chunk` (absolute positions: a prompt is cut
+    `step(chunks)` runs the tokens up to the next of `chunks`' cuts (absolute positions: a prompt is cut
     the same way whatever runs beside it). The last step gives the logits and saves the prompt's end."""
 
     def __init__(self, model: Any, tokens: list[int], cache: PromptCache | None = None) -> None:
@@ -221,14 +288,14 @@ class ChunkedPrefill:
     def done(self) -> bool:
         return self.logits is not None
 
-    def next_end(self, chunk: int) -> int:
-        """Where the next chunk of `chunk` tokens ends."""
-        return min(len(self.tokens), (self.position // chunk + 1) * chunk)
+    def next_end(self, chunks: PrefillChunks) -> int:
+        """Where the next of `chunks` ends."""
+        return chunks.next_end(self.position, len(self.tokens))
 
-    def step(self, chunk: int) -> bool:
+    def step(self, chunks: PrefillChunks) -> bool:
         """Prefill the next chunk; whether the prompt is done."""
         if not self.done:
-            step_together([self], chunk)
+            step_together([self], chunks)
         return self.done
 
     def advance(self, end: int, logits: torch.Tensor, inside: list[Snapshot]) -> None:
@@ -244,15 +311,15 @@ class ChunkedPrefill:
 
     def run(self) -> Prefilled:
         """The whole prefill in one pass."""
-        self.step(max(len(self.tokens), 1))
+        self.step(PrefillChunks(max(len(self.tokens), 1)))
         return Prefilled(self.logits, self.state, self.reused)
 
 
-def step_together(prefills: list[ChunkedPrefill], chunk: int) -> None:
+def step_together(prefills: list[ChunkedPrefill], chunks: PrefillChunks) -> None:
     """The next chunk of each of `prefills` (one model, one cache or none; none done) in one pass: in
     each MoE layer the experts any of them routes to are read once."""
     first = prefills[0]
-    ends = [prefill.next_end(chunk) for prefill in prefills]
+    ends = [prefill.next_end(chunks) for prefill in prefills]
     parts = [prefill.tokens[prefill.position : end] for prefill, end in zip(prefills, ends, strict=True)]
     states = [prefill.state for prefill in prefills]
     cache = first.cache if first.cache is not None and first.cache.enabled else None
@@ -380,7 +447,7 @@ class PromptCache:
             if snapshot is None:  # a bad file: dropped, look again
                 continue
             started = time.perf_counter()
-            state = restore(self.model, snapshot)
+            state = restore(self.model, snapshot, room=len(tokens) - entry.length)
             if self.peers is not None and not self.peers.restored(state, list(entry.tokens)):
                 log.warning("prompt cache: a rank lacks the snapshot of %d tokens; a miss", entry.length)
                 self._discard(entry)

@@ -110,7 +110,7 @@ class MLAState:
     def append(self, rows: torch.Tensor) -> torch.Tensor:
         """Add rows [T, width]; returns the whole cache [length, width]."""
         needed = self.length + rows.shape[0]
-        self._make_room(needed)
+        self.reserve(needed)
         self.buffer[self.length : needed] = rows
         self.length = needed
         return self.buffer[:needed]
@@ -119,13 +119,15 @@ class MLAState:
         """`append` of one contiguous float32 CPU row [1, width] by a C copy (a decode step's, which
         then reads `buffer`'s first `length` rows): no torch operation, each costly in a token whose
         weight reads have evicted torch's own code and data from the caches."""
-        self._make_room(self.length + 1)
+        self.reserve(self.length + 1)
         cpu.copy_row(row, self.buffer, self.length)
         self.length += 1
 
-    def _make_room(self, rows: int) -> None:
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` rows in all (at least double the buffer when it grows; rows past `length` are
+        never read, so not cleared)."""
         if rows > self.buffer.shape[0]:
-            grown = self.buffer.new_zeros(max(rows, 2 * self.buffer.shape[0]), self.buffer.shape[1])
+            grown = self.buffer.new_empty(max(rows, 2 * self.buffer.shape[0]), self.buffer.shape[1])
             grown[: self.length] = self.buffer[: self.length]
             self.buffer = grown
 
@@ -243,16 +245,27 @@ class MLA:
         """Causal attention of queries (positions offset..) over the cache -> latent context [T, H, kv].
 
         Long prompts go QUERY_BLOCK queries at a time, so the score matrix stays bounded. Under
-        `kernels.row_exact()` each query attends alone, as a decode step's does (its bits then do not
-        depend on where the prefill started).
+        `kernels.row_exact()` each query attends as a decode step's does (`_attend_exact`).
         """
         if row_exact():
-            return torch.stack([self._attend_one(q, cache[: offset + i + 1]) for i, q in enumerate(queries)])
+            return self._attend_exact(queries, cache, offset)
         blocks = range(0, queries.shape[0], QUERY_BLOCK)
         parts = [
             self._attend_block(queries[i : i + QUERY_BLOCK], cache[: offset + i + QUERY_BLOCK], offset + i)
             for i in blocks
         ]
+        return torch.cat(parts)
+
+    def _attend_exact(self, queries: torch.Tensor, cache: torch.Tensor, offset: int) -> torch.Tensor:
+        """Each query over the cache up to its own position with a decode step's bits (which then do not
+        depend on where the prefill started): those `_attend_one` runs in C in one C call, the rest one
+        at a time."""
+        heads, width = queries.shape[1:]
+        by_c = cpu.takes((queries, cache)) and cache.shape[1] == width
+        in_c = min(max(C_ATTENTION_MAX_MACS // (heads * width) - offset, 0), len(queries)) if by_c else 0
+        parts = [cpu.mla_attend_rows(queries[:in_c], cache, offset, self.kv_lora, self.scale)] if in_c else []
+        rest = enumerate(queries[in_c:], in_c)
+        parts += [self._attend_one(query, cache[: offset + i + 1])[None] for i, query in rest]
         return torch.cat(parts)
 
     def _attend_one(self, query: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:

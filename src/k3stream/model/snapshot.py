@@ -101,9 +101,11 @@ def take_snapshot(state: SequenceState) -> Snapshot:
     return Snapshot(state.length, tuple(layers))
 
 
-def restore(model: K3Model, snapshot: Snapshot) -> SequenceState:
+def restore(model: K3Model, snapshot: Snapshot, room: int = 0) -> SequenceState:
     """A new sequence state equal to the one `snapshot` was taken of (its own copies: continuing it
-    leaves the snapshot and the sequences sharing its rows untouched)."""
+    leaves the snapshot and the sequences sharing its rows untouched), its latent buffers with room for
+    twice its tokens and `room` more (a prefill about to follow and the response after it then do not
+    grow them, and the snapshots at their ends share one buffer)."""
     state = model.new_state()
     check_fits(state, snapshot)
     for index, saved in enumerate(snapshot.layers):
@@ -112,6 +114,7 @@ def restore(model: K3Model, snapshot: Snapshot) -> SequenceState:
             live.conv.copy_(saved.conv)
             live.recurrent.copy_(saved.recurrent)
         else:
+            live.reserve(2 * (saved.length + room))
             live.append(saved.rows())
     state.length = snapshot.length
     return state

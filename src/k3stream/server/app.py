@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from k3stream.engine.prompt_cache import attention_rows_per_token
 from k3stream.server.bodies import parse_body
 from k3stream.server.endpoints_llama import llama_router
 from k3stream.server.errors import APIError, invalid_request, redact_paths
@@ -81,6 +82,11 @@ class ServerConfig:
         else one chunk's."""
         return self.prefill_chunk * (self.batch_for(served) if served.store is not None else 1)
 
+    def attention_rows(self, served: ServedModel) -> float | None:
+        """`PrefillChunks`' rows_per_token: chunks of equal work where the experts are in RAM, of
+        `prefill_chunk` tokens where they stream from a pack (a pass costs its reads)."""
+        return None if served.store is not None else attention_rows_per_token(served.model.config)
+
     def batch_for(self, served: ServedModel) -> int:
         """`max_batch`, capped where the expert store could not hold one step's experts."""
         return min(self.max_batch, served.batch_limit() or self.max_batch)
@@ -100,6 +106,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
         cache=served.prompt_cache,
         prefill_chunk=config.prefill_chunk,
         prefill_pass=config.prefill_pass(served),
+        attention_rows=config.attention_rows(served),
     )
 
     tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="k3stream-tokenize")

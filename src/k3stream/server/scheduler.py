@@ -2,11 +2,13 @@
 running sequence.
 
 Requests join and leave between steps. A new request's prompt is restored from the prompt cache as far
-as it holds it, then prefilled `prefill_chunk` tokens per loop (cut at absolute positions, so a prompt's
-chunks do not depend on what runs beside it): a running stream waits at most about one chunk, whatever
-another prompt's length. Each decode step is one `model.decode_batch` call, so in every MoE layer the
-union of the batch's experts is fetched once and shared by all the tokens that routed to it. Results
-flow back to the HTTP layer as events through a thread-safe `EventSink`.
+as it holds it, then prefilled a chunk per loop (`PrefillChunks`: cut at absolute positions, so a
+prompt's chunks do not depend on what runs beside it; each about the work of `prefill_chunk` tokens at
+the start of a prompt, fewer tokens deep in a long one, whose attention covers more rows): a running
+stream waits at most about one chunk, whatever another prompt's length. Each decode step is one
+`model.decode_batch` call, so in every MoE layer the union of the batch's experts is fetched once and
+shared by all the tokens that routed to it. Results flow back to the HTTP layer as events through a
+thread-safe `EventSink`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from k3stream.engine.generate import prefill_last
-from k3stream.engine.prompt_cache import ChunkedPrefill, PromptCache, step_together
+from k3stream.engine.prompt_cache import ChunkedPrefill, PrefillChunks, PromptCache, step_together
 from k3stream.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -154,14 +156,17 @@ class Scheduler:
         cache: PromptCache | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         prefill_pass: int | None = None,
+        attention_rows: float | None = None,
     ) -> None:
-        if prefill_chunk < 1:
-            raise ValueError(f"--prefill-chunk must be at least 1, got {prefill_chunk}")
         self.model = model
         self.cache = cache  # reused prompt states (`engine.prompt_cache`), or None
-        self.prefill_chunk = prefill_chunk
-        # prompt tokens one prefill pass may take from several requests' chunks (default: one chunk's)
-        self.prefill_pass = max(prefill_pass or prefill_chunk, prefill_chunk)
+        # where prompts are cut (`attention_rows`: `prompt_cache.attention_rows_per_token`, or None for
+        # chunks of `prefill_chunk` tokens)
+        self.chunks = PrefillChunks(prefill_chunk, attention_rows)
+        # the work one prefill pass may take from several requests' chunks, as `prefill_pass` tokens at a
+        # prompt's start (default: one chunk's)
+        passes = max(prefill_pass or prefill_chunk, prefill_chunk) / prefill_chunk
+        self.pass_budget = self.chunks.budget * passes
         self.metrics = metrics
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -308,7 +313,7 @@ class Scheduler:
             return
         before = [job.prefill.position for job in jobs]
         try:
-            step_together([job.prefill for job in jobs], self.prefill_chunk)
+            step_together([job.prefill for job in jobs], self.chunks)
         except Exception as exc:  # the requests of a pass that failed fail; the server goes on
             log.exception("prefill failed")
             self._fail(jobs, f"prefill failed: {exc}")
@@ -324,16 +329,17 @@ class Scheduler:
                 self._progress(job, job.prefill.position)
 
     def _prefill_batch(self) -> list[Job]:
-        """The prefilling jobs of the next pass: the oldest, then the next ones while their chunks
-        together stay within `prefill_pass` tokens (one only for a model with no batched prefill)."""
+        """The prefilling jobs of the next pass: the oldest, then the next ones while their chunks'
+        work together stays within `pass_budget` (one only for a model with no batched prefill)."""
         waiting = [job for job in self._running if job.active and job.prefill is not None]
-        batch, tokens = [], 0
+        batch, work = [], 0.0
         for job in waiting:
-            size = job.prefill.next_end(self.prefill_chunk) - job.prefill.position
-            if batch and (tokens + size > self.prefill_pass or not hasattr(self.model, "prefill_batch")):
+            start = job.prefill.position
+            cost = self.chunks.cost(start, job.prefill.next_end(self.chunks))
+            if batch and (work + cost > self.pass_budget or not hasattr(self.model, "prefill_batch")):
                 break
             batch.append(job)
-            tokens += size
+            work += cost
         return batch
 
     def _end_prefill(self, job: Job) -> None:

@@ -31,6 +31,9 @@ Call = tuple[Callable[..., Any], tuple, tuple]
 # decoder a type), with `q8_activations` by ggml's integer kernels
 IQ_TYPES = frozenset({16, 17, 18, 19, 20, 21, 22, 23, 29, 34, 35})
 # GGML type ids with a C kernel on float activations (a decoder: also `decode_row`)
+# the type id of an F32 matrix stored input-major ([in, out], float32; no GGML type): `products` and
+# `expert_mlp` sum each output in one chain over its inputs, the same bits at any row count
+INPUT_MAJOR_F32 = 1000
 CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39}) | IQ_TYPES
 # ... and with integer kernels on 8-bit activations, as ggml's: Q8_K for Q2_K, Q3_K, Q4_K, Q6_K, the
 # i-quants but IQ4_NL and the ternary types, Q8_0 for Q4_0, Q8_0, IQ4_NL and MXFP4
@@ -271,6 +274,23 @@ def mla_attend(
     )  # fmt: skip
     if status != 0:
         raise MemoryError("no memory for an MLA attention step")
+    return out
+
+
+def mla_attend_rows(
+    queries: torch.Tensor, cache: torch.Tensor, offset: int, kv: int, scale: float, threads: int | None = None
+) -> torch.Tensor:
+    """A prefill's MLA attention: queries [T, H, width] at positions offset.., each over the latent cache
+    [>= offset + T, width] up to its own position -> [T, H, kv], each query's result `mla_attend`'s for
+    it, bit for bit (`steps_cpu.c`; queries on `threads`, by default `torch.get_num_threads()`)."""
+    count, heads, width = queries.shape
+    out = torch.empty(count, heads, kv, dtype=torch.float32)
+    status = _ggml_cpu().mla_attend_rows(
+        queries.data_ptr(), cache.data_ptr(), offset, count, heads, width, kv, scale, out.data_ptr(),
+        torch.get_num_threads() if threads is None else threads,
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("no memory for an MLA prefill attention")
     return out
 
 

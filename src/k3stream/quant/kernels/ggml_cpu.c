@@ -391,6 +391,26 @@ typedef void (*TileKernel)(const Product *, int64_t b, int64_t m, int count);
 #define TILE_W 4
 #define TILE_MIN 2
 
+/* F32 matrices as k3stream keeps them for its row-exact products: input-major ([in, out], `seam.Products`),
+ * type INPUT_MAJOR_F32 (no GGML type). Each output's sum is one chain over its inputs in order,
+ * acc = fma(x_k, w_k, acc) from zero, so a mat-vec and a GEMM of any blocking give it the same bits, and
+ * many rows cost a GEMM's work (no horizontal sums). */
+#define INPUT_MAJOR_F32 1000
+#define INPUT_MAJOR_ROWS 4
+
+/* Outputs first..last - 1 of input-major F32 matrix b, one at a time (fmaf, exact: the vector kernel's
+ * lanes) */
+static void input_major_generic(const Product *pr, int64_t b, int64_t first, int64_t last) {
+    const float *w = (const float *)(uintptr_t)pr->addresses[b];
+    for (int64_t m = first; m < last; m++)
+        for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {
+            const float *x = pr->x + pr->rows[p] * pr->in_features;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < pr->in_features; k++) acc = fmaf(x[k], w[k * pr->out_rows + m], acc);
+            pr->out[p * pr->out_stride + m] = acc;
+        }
+}
+
 /* ---- fused AVX2 kernels: Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, F16, BF16, F32 ----------
  * No tile: codes are expanded in registers, multiplied by their sub-block step (the reference's first
  * operation), and accumulated against x with FMA; each sub-block's min (Q2_K, Q4_K, Q5_K) enters once, as
@@ -1325,10 +1345,103 @@ Q8_SHARED_ROW(q8_row_q4_k_avx2, q8_q4_k, 144)
 Q8_ROW(q8_row_q6_k_avx2, AVX2, q8_q6_k, 210, q8, 256, __m256, _mm256_setzero_ps(), hsum8)
 Q8_ROW(q8_row_q8_0_avx2, AVX2, q8_q8_0, 34, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
 Q8_ROW(q8_row_q4_0_avx2, AVX2, q8_q4_0, 18, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
+
+/* Outputs m..m + 15 of an input-major F32 matrix w [in, out] for input rows p..p + n - 1: per output
+ * acc = fma(x_k, w_k, acc) over k in order from zero, eight outputs a vector; `masked`: the last ones of
+ * a matrix whose outputs are not whole 16s, `masks` the outputs kept of each vector (masked loads are
+ * slow on some cores: only there) */
+ALWAYS void input_major_block(const Product *pr, const float *w, int64_t m, int64_t p, const int n,
+                              const __m256i masks[2], const int masked) {
+    const int64_t in = pr->in_features, width = pr->out_rows;
+    const float *x[INPUT_MAJOR_ROWS];
+    __m256 acc[INPUT_MAJOR_ROWS][2];
+    for (int r = 0; r < n; r++) {
+        x[r] = pr->x + pr->rows[p + r] * in;
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    }
+    for (int64_t k = 0; k < in; k++) {
+        const float *row = w + k * width + m;
+        const __m256 w0 = masked ? _mm256_maskload_ps(row, masks[0]) : _mm256_loadu_ps(row);
+        const __m256 w1 = masked ? _mm256_maskload_ps(row + 8, masks[1]) : _mm256_loadu_ps(row + 8);
+        for (int r = 0; r < n; r++) {
+            const __m256 xk = _mm256_broadcast_ss(x[r] + k);
+            acc[r][0] = _mm256_fmadd_ps(xk, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xk, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        float *out = pr->out + (p + r) * pr->out_stride + m;
+        if (masked) {
+            _mm256_maskstore_ps(out, masks[0], acc[r][0]);
+            _mm256_maskstore_ps(out + 8, masks[1], acc[r][1]);
+        } else {
+            _mm256_storeu_ps(out, acc[r][0]);
+            _mm256_storeu_ps(out + 8, acc[r][1]);
+        }
+    }
+}
+
+/* The lanes of outputs m.. below `last`, for two vectors */
+ALWAYS void output_masks(int64_t m, int64_t last, __m256i masks[2]) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int64_t left = last - m;
+    masks[0] = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 16 ? left : 16)), lanes);
+    masks[1] = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 16 ? left : 16) - 8), lanes);
+}
+
+AVX2 __attribute__((noinline)) static void input_major_rows(const Product *pr, const float *w, int64_t m, int64_t p,
+                                                           int64_t last) {
+    __m256i masks[2];
+    output_masks(m, last, masks);
+    if (last - m >= 16)
+        input_major_block(pr, w, m, p, INPUT_MAJOR_ROWS, masks, 0);
+    else
+        input_major_block(pr, w, m, p, INPUT_MAJOR_ROWS, masks, 1);
+}
+
+AVX2 __attribute__((noinline)) static void input_major_one(const Product *pr, const float *w, int64_t m, int64_t p,
+                                                          int64_t last) {
+    __m256i masks[2];
+    output_masks(m, last, masks);
+    if (last - m >= 16)
+        input_major_block(pr, w, m, p, 1, masks, 0);
+    else
+        input_major_block(pr, w, m, p, 1, masks, 1);
+}
+
+/* Outputs m..m + 63 for input row p alone (a decode step's): eight chains, so the FMAs do not wait on
+ * each other */
+AVX2 __attribute__((noinline)) static void input_major_row(const Product *pr, const float *w, int64_t m, int64_t p) {
+    const int64_t in = pr->in_features, width = pr->out_rows;
+    const float *x = pr->x + pr->rows[p] * in;
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < in; k++) {
+        const __m256 xk = _mm256_broadcast_ss(x + k);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(xk, _mm256_loadu_ps(w + k * width + m + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < 8; j++) _mm256_storeu_ps(pr->out + p * pr->out_stride + m + 8 * j, acc[j]);
+}
+
+/* Outputs first..last - 1 of input-major F32 matrix b: sixteen at a time (the last ones masked) for
+ * INPUT_MAJOR_ROWS input rows at a time, 64 at a time for a row left alone (the same operations) */
+AVX2 static void input_major_avx2(const Product *pr, int64_t b, int64_t first, int64_t last) {
+    const float *w = (const float *)(uintptr_t)pr->addresses[b];
+    const int64_t start = pr->starts[b], end = pr->starts[b + 1];
+    const int64_t grouped = start + (end - start) / INPUT_MAJOR_ROWS * INPUT_MAJOR_ROWS;
+    for (int64_t m = first; m < last; m += 16)
+        for (int64_t p = start; p < grouped; p += INPUT_MAJOR_ROWS) input_major_rows(pr, w, m, p, last);
+    for (int64_t p = grouped; p < end; p++) {
+        int64_t m = first;
+        for (; m + 64 <= last; m += 64) input_major_row(pr, w, m, p);
+        for (; m < last; m += 16) input_major_one(pr, w, m, p, last);
+    }
+}
 #else
 static RowKernel fused_kernel(int ggml_type) { (void)ggml_type; return NULL; }
 static TileKernel tile_kernel(int ggml_type) { (void)ggml_type; return NULL; }
 #define HAVE_AVX2() 0
+#define input_major_avx2 input_major_generic
 #define q8_row_q2_k_avx2 q8_row_q2_k_generic
 #define q8_row_q3_k_avx2 q8_row_q3_k_generic
 #define q8_row_q4_k_avx2 q8_row_q4_k_generic
@@ -1404,7 +1517,10 @@ static int plan_product(Plan *plan, const float *x, int64_t in_features, const i
     plan->pr = pr;
     plan->owned = NULL;
     RowKernel kernel = q8_activations ? q8_kernel(ggml_type) : fused_kernel(ggml_type);
-    if (q8_activations) {
+    if (ggml_type == INPUT_MAJOR_F32) {
+        if (q8_activations) return -1;
+        kernel = HAVE_AVX2() ? input_major_avx2 : input_major_generic;
+    } else if (q8_activations) {
         const int k_quant = ggml_type != 2 && ggml_type != 8 && !iq_q8_0_activations(ggml_type), elems = k_quant ? 256 : 32;
         if (kernel == NULL || in_features % elems != 0) return -1;
         const int64_t blocks = rows_used(starts, rows, matrices) * (in_features / elems);
@@ -1976,6 +2092,27 @@ static PyObject *py_mla_attend(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyLong_FromLong(0);
 }
 
+void k3_mla_attend_rows(const float *queries, const float *cache, int64_t offset, int64_t n, int64_t heads,
+                        int64_t width, int64_t kv, float scale, float *probs, float *out, int threads);
+
+/* mla_attend_rows(queries, cache, offset, n, heads, width, kv, scale, out, threads): k3_mla_attend_rows on
+ * float32 buffers (pointers as ints), without the GIL; -2 without memory. */
+static PyObject *py_mla_attend_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t v[9];
+    double scale;
+    if (parse_args("mla_attend_rows", args, nargs, "iiiiiiifii", v, &scale, NULL) != 0) return NULL;
+    const int threads = v[8] < 1 ? 1 : (int)v[8];
+    float *probs = malloc(sizeof(float) * (size_t)(threads * v[4] * (v[2] + v[3]) + 1));
+    if (probs == NULL) return PyLong_FromLong(-2);
+    Py_BEGIN_ALLOW_THREADS
+    k3_mla_attend_rows((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], v[3], v[4], v[5], v[6],
+                       (float)scale, probs, (float *)(uintptr_t)v[7], threads);
+    Py_END_ALLOW_THREADS
+    free(probs);
+    return PyLong_FromLong(0);
+}
+
 /* Reads `length` bytes at `offset` of `descriptor` into `to`: 0, -1 if the file ends first, else errno */
 static int read_part(int descriptor, int64_t offset, int64_t length, uint8_t *to) {
     int64_t done = 0;
@@ -2062,6 +2199,7 @@ static PyMethodDef methods[] = {
     {"add", (PyCFunction)(void (*)(void))py_add, METH_FASTCALL, NULL},
     {"combine", (PyCFunction)(void (*)(void))py_combine, METH_FASTCALL, NULL},
     {"mla_attend", (PyCFunction)(void (*)(void))py_mla_attend, METH_FASTCALL, NULL},
+    {"mla_attend_rows", (PyCFunction)(void (*)(void))py_mla_attend_rows, METH_FASTCALL, NULL},
     {"sigmoid_gate", (PyCFunction)(void (*)(void))py_sigmoid_gate, METH_FASTCALL, NULL},
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_FASTCALL, NULL},
     {"decode_row", (PyCFunction)(void (*)(void))py_decode_row, METH_FASTCALL, NULL},

@@ -41,6 +41,11 @@ F32_KERNEL_MAX_ROWS = 16
 # resident runs agree.
 F32_EXPERT_MAX_TOKENS = 512
 ANY_ROWS = 1 << 62
+# F32 matrices of at most this many bytes go to `Products`' C call as an input-major copy (small
+# models' short rows, whose products are compute-bound); larger ones (a real model's 7168-wide rows,
+# read at the memory's speed in a decode step) keep their GGUF bytes and the row-major kernel, and no
+# second copy of them is made
+INPUT_MAJOR_MAX_BYTES = 1 << 20
 
 
 class _RowExact:
@@ -168,8 +173,12 @@ class Products:
     [N, sum of their output rows]. A linear layer holds one weight, a layer's projections of one input
     several; the model calls them many times (a decode token ~100 calls of a few microseconds of work).
     A 2-D float32 CPU input that every weight's C kernel takes (at most F32_KERNEL_MAX_ROWS rows where
-    one is F32) is one C call with everything that does not depend on x worked out here; anything else
-    goes through qmatmul per weight (which also says what is wrong) and a cat. Same results either way."""
+    one is F32, any under `set_row_exact`) is one C call with everything that does not depend on x
+    worked out here; anything else goes through qmatmul per weight (which also says what is wrong) and
+    a cat. The C call takes F32 matrices of at most INPUT_MAJOR_MAX_BYTES from an input-major copy made
+    here (`INPUT_MAJOR_F32`: each output's sum one chain over its inputs, so a decode row and a
+    prefill's rows get the same bits, whatever the width, without a row-major kernel's horizontal
+    sums); the same results as qmatmul's but for those, within 1e-6."""
 
     def __init__(self, weights: Sequence[QWeight], backend: str = "auto", match_ggml: bool = False) -> None:
         self.weights = list(weights)
@@ -181,9 +190,12 @@ class Products:
         self.backend, self.match_ggml = backend, match_ggml
         self._max_rows = min(self._direct_rows(weight) for weight in self.weights)
         self.widths = [weight.shape[0] for weight in self.weights]
+        # the matrices as the C call reads them (kept alive here) and their kernels' type ids
+        direct = self._max_rows > 0
+        self._matrices = [_as_c_reads(w) if direct else (w.data, w.ggml_type) for w in self.weights]
         self._arguments = (
-            [weight.data.data_ptr() for weight in self.weights],
-            [weight.ggml_type for weight in self.weights],
+            [matrix.data_ptr() for matrix, _ in self._matrices],
+            [kind for _, kind in self._matrices],
             self.widths,
             [row_bytes(weight.ggml_type, self.in_features) for weight in self.weights],
             [int(match_ggml and weight.ggml_type in cpu.Q8_TYPES) for weight in self.weights],
@@ -192,11 +204,20 @@ class Products:
     def _direct_rows(self, weight: QWeight) -> int:
         """The most input rows whose product with `weight` goes straight to the C kernel (0: none do)."""
         ggml_type = weight.ggml_type
-        if self.backend != "auto" or not _bytes_for_c(weight):
+        if self.backend != "auto":
+            return 0
+        if ggml_type == F32 and weight.data.numel() <= INPUT_MAJOR_MAX_BYTES:
+            return F32_KERNEL_MAX_ROWS if _input_major_takes(weight) else 0
+        if not _bytes_for_c(weight):
             return 0
         if ggml_type == F32:
             return F32_KERNEL_MAX_ROWS
         return ANY_ROWS if _c_kernel_takes(ggml_type, self.in_features, self.match_ggml) else 0
+
+    def role(self) -> cpu.Role:
+        """The first matrix as `cpu.expert_mlp` takes it (an F32 one input-major)."""
+        matrix, kind = self._matrices[0]
+        return cpu.Role([matrix], kind, self.widths[0], self._arguments[3][0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._direct(x):
@@ -223,6 +244,20 @@ class Products:
         count, *features = x.shape
         fits = count <= self._max_rows or (_RowExact.on and self._max_rows > 0)
         return fits and features == [self.in_features] and cpu.takes((x,))
+
+
+def _input_major_takes(weight: QWeight) -> bool:
+    """Whether an F32 weight's products may take the C kernel from an input-major copy: GGUF bytes on
+    the CPU and the library built (any width)."""
+    return weight.data.dtype == torch.uint8 and weight.data.device.type == "cpu" and cpu.available()
+
+
+def _as_c_reads(weight: QWeight) -> tuple[torch.Tensor, int]:
+    """A weight's matrix as the C products read it, and its type id there: an F32 one of at most
+    INPUT_MAJOR_MAX_BYTES as an input-major float32 copy ([in, out]), any other as its GGUF bytes."""
+    if weight.ggml_type != F32 or weight.data.numel() > INPUT_MAJOR_MAX_BYTES:
+        return weight.data, weight.ggml_type
+    return _f32_matrix(weight, weight.data.device).T.contiguous(), cpu.INPUT_MAJOR_F32
 
 
 class GroupedProduct:
@@ -280,16 +315,7 @@ class MLP:
         q8 = _q8_flag(types, match_ggml.pop()) if len(match_ggml) == 1 else None
         self._q8 = bool(q8)
         self._max_rows = min(part._max_rows for part in parts) if single and q8 is not None else 0
-        self._roles = tuple(
-            cpu.Role(
-                [weight.data],
-                weight.ggml_type,
-                part.out_features,
-                row_bytes(weight.ggml_type, part.in_features),
-            )
-            for part in parts
-            for weight in part.weights[:1]
-        )
+        self._roles = tuple(part.role() for part in parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._direct(x):

@@ -10,7 +10,8 @@
  * - k3_rms_norm, k3_situ and k3_route: the RMS norm (k3stream.model.layers.rms_norm), Kimi-K3's
  *   activation (k3stream.quant.kernels.situ) and the MoE's sigmoid router (k3stream.model.moe.Routing).
  * - k3_add and k3_combine: the residual stream's sums and the MoE's weighted sum of its experts' outputs.
- * - k3_mla_attend: MLA's decode attention of one query per head over its latent cache; k3_sigmoid_gate
+ * - k3_mla_attend: MLA's decode attention of one query per head over its latent cache (k3_mla_attend_rows:
+ *   a prefill's queries, each as a decode step at its position computes it); k3_sigmoid_gate
  *   its output gate; k3_copy the copies between a decode token's buffers (rows with strides of their own).
  *
  * The same operations as the torch code they replace (which stays the reference and the GPU path),
@@ -450,40 +451,62 @@ CLONES void k3_combine(const float *pairs, const float *weights, int64_t n, int6
     }
 }
 
+/* Heads first..last - 1 of one query [heads, width] over the first `length` rows of a latent cache
+ * [width each]: for each head's q, scores s_t = (q . cache[t]) * scale, p = softmax(s), and
+ * out[h] = sum_t p_t cache[t, :kv] (the first kv values of each row, summed in t order); each cache row
+ * read once for all of these heads in each of the two passes. `probs`: scratch of heads x length floats.
+ * A head's sums are its own: the same whatever heads or queries are computed beside it. */
+INLINE void attend_heads(const float *query, const float *cache, int64_t length, int64_t first, int64_t last,
+                         int64_t width, int64_t kv, float scale, float *probs, float *out) {
+    for (int64_t t = 0; t < length; t++) {
+        const float *row = cache + t * width;
+        for (int64_t h = first; h < last; h++) probs[h * length + t] = dot(query + h * width, row, width) * scale;
+    }
+    float totals[last - first + 1];
+    for (int64_t h = first; h < last; h++) {
+        float *p = probs + h * length, largest = -INFINITY, total = 0.0f;
+        for (int64_t t = 0; t < length; t++) largest = p[t] > largest ? p[t] : largest;
+        for (int64_t t = 0; t < length; t++) p[t] = exp_poly(p[t] - largest);
+        for (int64_t t = 0; t < length; t++) total += p[t];
+        totals[h - first] = total;
+        for (int64_t e = 0; e < kv; e++) out[h * kv + e] = 0.0f;
+    }
+    for (int64_t t = 0; t < length; t++) {
+        const float *row = cache + t * width;
+        for (int64_t h = first; h < last; h++) {
+            float *y = out + h * kv;
+            const float w = probs[h * length + t] / totals[h - first];
+            for (int64_t e = 0; e < kv; e++) y[e] += w * row[e];
+        }
+    }
+}
+
 /* One query per head over a latent cache (MLA's absorbed decode attention,
- * k3stream.model.mla.MLA._attend_one): for each of `heads` rows q [width] of query, scores
- * s_t = (q . cache[t]) * scale over the `length` cache rows [width], p = softmax(s), and
- * out[h] = sum_t p_t cache[t, :kv] (the first kv values of each row, summed in t order). A thread takes
- * a run of heads: their scores, then their sums, each cache row read once for all of them in each.
- * `probs`: scratch of heads x length floats.
- * Heads run on up to `threads` threads when the work is large; each head's sums are the same on any. */
+ * k3stream.model.mla.MLA._attend_one): `attend_heads` for all `heads`, a run of heads a thread on up to
+ * `threads` threads when the work is large (each head's sums the same on any).
+ * `probs`: scratch of heads x length floats. */
 CLONES void k3_mla_attend(const float *query, const float *cache, int64_t length, int64_t heads, int64_t width,
                           int64_t kv, float scale, float *probs, float *out, int threads) {
     const double work = (double)heads * (double)length * (double)(width + kv);
     const int teams = threads > 1 && work >= (1 << 20) ? (threads < heads ? threads : (int)heads) : 1;
 #pragma omp parallel for schedule(static, 1) num_threads(teams) if (teams > 1)
-    for (int team = 0; team < teams; team++) {
-        const int64_t first = heads * team / teams, last = heads * (team + 1) / teams;
-        for (int64_t t = 0; t < length; t++) {
-            const float *row = cache + t * width;
-            for (int64_t h = first; h < last; h++) probs[h * length + t] = dot(query + h * width, row, width) * scale;
-        }
-        float totals[last - first + 1];
-        for (int64_t h = first; h < last; h++) {
-            float *p = probs + h * length, largest = -INFINITY, total = 0.0f;
-            for (int64_t t = 0; t < length; t++) largest = p[t] > largest ? p[t] : largest;
-            for (int64_t t = 0; t < length; t++) p[t] = exp_poly(p[t] - largest);
-            for (int64_t t = 0; t < length; t++) total += p[t];
-            totals[h - first] = total;
-            for (int64_t e = 0; e < kv; e++) out[h * kv + e] = 0.0f;
-        }
-        for (int64_t t = 0; t < length; t++) { /* each cache row read once for the team's heads */
-            const float *row = cache + t * width;
-            for (int64_t h = first; h < last; h++) {
-                float *y = out + h * kv;
-                const float w = probs[h * length + t] / totals[h - first];
-                for (int64_t e = 0; e < kv; e++) y[e] += w * row[e];
-            }
-        }
+    for (int team = 0; team < teams; team++)
+        attend_heads(query, cache, length, heads * team / teams, heads * (team + 1) / teams, width, kv, scale, probs,
+                     out);
+}
+
+/* A prefill's queries [n, heads, width] at positions offset..offset + n - 1, each over the cache rows up
+ * to its own (offset + i + 1 rows): out [n, heads, kv], each query's heads as k3_mla_attend computes
+ * them for a decode step at that position, bit for bit (the same `attend_heads`), whatever queries come
+ * with it. Queries on up to `threads` threads; `probs`: scratch of threads x heads x (offset + n) floats. */
+CLONES void k3_mla_attend_rows(const float *queries, const float *cache, int64_t offset, int64_t n, int64_t heads,
+                               int64_t width, int64_t kv, float scale, float *probs, float *out, int threads) {
+    const double work = (double)n * (double)heads * (double)(offset + n) * (double)(width + kv);
+    const int teams = threads > 1 && work >= (1 << 20) ? threads : 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(teams) if (teams > 1)
+    for (int64_t i = n - 1; i >= 0; i--) { /* the longest first: dynamic scheduling evens the rest */
+        float *scratch = probs + (int64_t)omp_get_thread_num() * heads * (offset + n);
+        attend_heads(queries + i * heads * width, cache, offset + i + 1, 0, heads, width, kv, scale, scratch,
+                     out + i * heads * kv);
     }
 }
