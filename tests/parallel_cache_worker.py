@@ -15,7 +15,7 @@ import torch
 from k3stream.cli import build_parser
 from k3stream.commands.flags import cache_from_args
 from k3stream.commands.launch import parallel_runtime
-from k3stream.engine.prompt_cache import ChunkedPrefill, step_together
+from k3stream.engine.prompt_cache import ChunkedPrefill, PrefillChunks, step_together
 
 CHUNK = 16  # the KDA chunk (`KDA.chunk_size`)
 STEPS = 3  # decode steps after each prefill
@@ -97,7 +97,7 @@ def batched(model, cache) -> tuple[int, torch.Tensor, torch.Tensor]:
     cache.prefill(system)
     prompts = [system + ids(model, 5 + i, seed=12 + i) for i in range(2)]
     prefills = [ChunkedPrefill(model, tokens, cache) for tokens in prompts]
-    step_together(prefills, 512)
+    step_together(prefills, PrefillChunks(512))
     reused = sum(prefill.reused for prefill in prefills)
     warm_rows = torch.stack([prefill.logits for prefill in prefills])
     cold_rows = torch.stack([model.prefill_last(model.new_state(), tokens) for tokens in prompts])
