@@ -15,8 +15,8 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 Q8_0, Q8_K = 8, 15
-IQ1_M, MXFP4, TQ1_0, TQ2_0 = 29, 39, 34, 35
-F16_AT = {TQ1_0: 52, TQ2_0: 64}  # where a block's F16 scale is (0 for the others but IQ1_M's)
+Q6_K, IQ1_M, MXFP4, TQ1_0, TQ2_0 = 14, 29, 39, 34, 35
+F16_AT = {Q6_K: 208, TQ1_0: 52, TQ2_0: 64}  # where a block's F16 scale is (0 for the others but IQ1_M's)
 # bytes of one Q8_0 and one Q8_K block as ggml lays them out (F16 d + 32 codes; F32 d + 256 codes + 16 sums)
 ACTIVATION_BLOCK = {Q8_0: (32, 34), Q8_K: (256, 292)}
 VecDot = ctypes.CFUNCTYPE(
@@ -82,7 +82,8 @@ def vec_dot(
 
 
 def _type_name(ggml_type: int) -> str:
-    return {Q8_0: "q8_0", Q8_K: "q8_K"}.get(ggml_type) or GGMLQuantizationType(ggml_type).name.lower()
+    name = {Q8_0: "q8_0", Q8_K: "q8_K"}.get(ggml_type) or GGMLQuantizationType(ggml_type).name.lower()
+    return name[:-2] + "_K" if name.endswith("_k") else name  # ggml's K-quants: q6_K
 
 
 def random_blocks(ggml_type: int, count: int, rng: np.random.Generator) -> np.ndarray:

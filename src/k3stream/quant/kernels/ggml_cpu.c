@@ -406,13 +406,6 @@ typedef void (*TileKernel)(const Product *, int64_t b, int64_t m, int count);
 
 AVX2 static inline __m256 codes_lo8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
 
-AVX2 static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
-
 /* Up to FUSED_ROWS input rows share each expanded weight vector; every row keeps its own four FMA
  * chains and sees exactly the operations it would see alone, so results do not depend on pairing. */
 #define FUSED_ROWS 3
@@ -679,17 +672,6 @@ ALWAYS __m256i q5_k_codes(const uint8_t *restrict b, int s) {
 
 K45_DOT(q4_k)
 K45_DOT(q5_k)
-
-/* Q6_K's 32 unsigned 6-bit codes (0..63) of run r: low nibbles at 64(r/4) + 32((r%4)%2), shift
- * 4((r%4)/2); high bits at 128 + 32(r/4), shift 2(r%4) */
-ALWAYS __m256i q6_k_codes(const uint8_t *restrict b, int run) {
-    const int half = run >> 2, rest = (run & 3) * 32;
-    const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * half + (rest & 63)));
-    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
-    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (rest >> 6)), _mm256_set1_epi8(15));
-    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * (run & 3)), _mm256_set1_epi8(3));
-    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
-}
 
 /* Q6_K's 16 sub-block steps (scale * d) */
 ALWAYS void q6_k_steps(const uint8_t *restrict b, float *steps) {
@@ -1388,6 +1370,7 @@ static int64_t rows_used(const int64_t *starts, const int64_t *rows, int64_t mat
 typedef struct {
     Product pr;
     RowKernel kernel;
+    RowKernel q8_tile; /* on 8-bit activations, for a matrix with two input rows or more (NULL: none) */
     WideKernel wide;
     TileKernel tile;
     int64_t chunks, tasks;
@@ -1434,6 +1417,7 @@ static int plan_product(Plan *plan, const float *x, int64_t in_features, const i
         return -1;
     }
     plan->kernel = kernel;
+    plan->q8_tile = q8_activations ? q8_tile_kernel(ggml_type, HAVE_AVX2()) : NULL;
     plan->wide = q8_activations ? NULL : wide_kernel(ggml_type);
     /* the tiles expand 256 values at a time (the K-quants' block; F16 and BF16 rows of whole 256s) */
     const int tiles = !q8_activations && plan->pr.sums16 != NULL && in_features % 256 == 0;
@@ -1473,7 +1457,9 @@ static void split_tasks(const Plan *plans, int64_t tasks, double macs, int runs,
 static void run_rows(const Plan *plan, int64_t b, int64_t first, int64_t last) {
     const Product *pr = &plan->pr;
     if (pr->starts[b + 1] == pr->starts[b]) return;
-    if (plan->tile != NULL && pr->starts[b + 1] - pr->starts[b] >= TILE_MIN) {
+    if (plan->q8_tile != NULL && pr->starts[b + 1] - pr->starts[b] >= 2) {
+        plan->q8_tile(pr, b, first, last);
+    } else if (plan->tile != NULL && pr->starts[b + 1] - pr->starts[b] >= TILE_MIN) {
         for (int64_t m = first; m < last; m += TILE_W) plan->tile(pr, b, m, last - m < TILE_W ? (int)(last - m) : TILE_W);
     } else if (plan->wide != NULL) {
         const int64_t stride = (last - first + STREAMS - 1) / STREAMS;

@@ -73,4 +73,33 @@ void dec_tq1_0(const uint8_t *restrict b, float *restrict y);
 void dec_tq2_0(const uint8_t *restrict b, float *restrict y);
 int iq_q8_0_activations(int ggml_type);
 
+/* Kernels that decode a weight block once for several input rows (`tiles_cpu.c`): a type's kernel
+ * for a matrix with more than one input row (NULL: none; the one-row kernel then takes every row),
+ * each output bit for bit what the type's one-row kernel on 8-bit activations gives */
+RowKernel q8_tile_kernel(int ggml_type, int avx2);
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define AVX2_INLINE __attribute__((target("avx2,fma,f16c"))) static inline __attribute__((always_inline))
+
+/* the sum of eight float lanes, in the one order every kernel's final sum takes */
+AVX2_INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* Q6_K's 32 unsigned 6-bit codes (0..63) of run r: low nibbles at 64(r/4) + 32((r%4)%2), shift
+ * 4((r%4)/2); high bits at 128 + 32(r/4), shift 2(r%4) */
+AVX2_INLINE __m256i q6_k_codes(const uint8_t *restrict b, int run) {
+    const int half = run >> 2, rest = (run & 3) * 32;
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * half + (rest & 63)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (rest >> 6)), _mm256_set1_epi8(15));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * (run & 3)), _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+}
+#endif
+
 #endif

@@ -1,0 +1,158 @@
+/* Products of one weight matrix with several input rows on 8-bit activations (prefill, batched decode,
+ * an expert's tokens), for the types whose one-row kernel spends most of its time decoding weights:
+ * each weight block is decoded ONCE into a small buffer (codes and scales as the one-row kernel holds
+ * them in registers) and then dotted with every input row of the matrix.
+ *
+ * The contract: every output is bit for bit what the type's one-row kernel gives (which is llama.cpp's
+ * vec_dot): per block the same integer sums in the same lanes, converted and accumulated into the same
+ * float lanes in block order, summed at the end as that kernel sums them. A row's result never depends
+ * on the other rows of its call. ggml_cpu.c's run_rows takes these kernels for a matrix with two input
+ * rows or more.
+ *
+ * Blocking (AVX2): TILE_ROWS weight rows are decoded together, CHUNK_BLOCKS blocks of each at a time
+ * (a few KiB, in L1 beside the input rows streaming past); each input row's 8-bit blocks are loaded
+ * once per run for all TILE_ROWS weight rows. Partial sums of up to PARK_ROWS input rows wait in
+ * memory between chunks (a store and a load of the same lanes: no rounding).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define TILE_ROWS 4
+#define CHUNK_BLOCKS 4
+#define PARK_ROWS 64
+
+/* ---- portable: Q6_K's codes less 32 and scales of one block, then each input row's integer sum ---- */
+
+typedef struct {
+    int8_t values[256], scales[16];
+    float d;
+} Q6Block;
+
+static void q6_k_values(const uint8_t *restrict b, Q6Block *out) {
+    for (int e = 0; e < 256; e++) { /* as q8_q6_k_generic: run r = e / 32 */
+        const int run = e / 32, half = run >> 2, rest = (run & 3) * 32, i = e % 32;
+        const int low = (b[64 * half + (rest & 63) + i] >> (4 * (rest >> 6))) & 15;
+        const int high = (b[128 + 32 * half + i] >> (2 * (run & 3))) & 3;
+        out->values[e] = (int8_t)((low | high << 4) - 32);
+    }
+    memcpy(out->scales, b + 192, 16);
+    out->d = f16(b + 208);
+}
+
+static void q6_k_tiles_generic(const Product *pr, int64_t b, int64_t first, int64_t last) {
+    const int64_t blocks = pr->in_features / 256, end = pr->starts[b + 1];
+    Q6Block block;
+    for (int64_t m = first; m < last; m++) {
+        const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
+        for (int64_t p0 = pr->starts[b]; p0 < end; p0 += PARK_ROWS) {
+            const int64_t count = end - p0 < PARK_ROWS ? end - p0 : PARK_ROWS;
+            float acc[PARK_ROWS] = {0};
+            for (int64_t i = 0; i < blocks; i++) {
+                q6_k_values(row + 210 * i, &block);
+                for (int64_t p = 0; p < count; p++) {
+                    const BlockQ8K *y = pr->q8 + pr->rows[p0 + p] * blocks + i;
+                    int isum = 0;
+                    for (int e = 0; e < 256; e++) isum += block.scales[e / 16] * block.values[e] * y->qs[e];
+                    acc[p] = acc[p] + block.d * y->d * (float)isum;
+                }
+            }
+            for (int64_t p = 0; p < count; p++) pr->out[(p0 + p) * pr->out_stride + m] = acc[p];
+        }
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define AVX2_TILE __attribute__((target("avx2,fma,f16c")))
+
+/* TILE_ROWS weight rows' CHUNK_BLOCKS Q6_K blocks as q8_q6_k uses them: each run's 32 codes (0..63),
+ * its two sub-blocks' int16 scales (low, high 16 values), each block's scales times -32 (the codes'
+ * offset, taken against the Q8_K sums of 16) and d */
+typedef struct {
+    uint8_t codes[TILE_ROWS][CHUNK_BLOCKS][256] __attribute__((aligned(32)));
+    __m256i scales[TILE_ROWS][CHUNK_BLOCKS][8];
+    __m256i offsets[TILE_ROWS][CHUNK_BLOCKS];
+    float d[TILE_ROWS][CHUNK_BLOCKS];
+} Q6Tile;
+
+AVX2_INLINE void q6_k_decode(const uint8_t *restrict b, Q6Tile *tile, int w, int j) {
+    for (int run = 0; run < 8; run++)
+        _mm256_store_si256((__m256i *)(tile->codes[w][j] + 32 * run), q6_k_codes(b, run));
+    const int8_t *scales = (const int8_t *)(b + 192);
+    for (int run = 0; run < 8; run++)
+        tile->scales[w][j][run] = _mm256_set_m128i(_mm_set1_epi16(scales[2 * run + 1]), _mm_set1_epi16(scales[2 * run]));
+    const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
+    tile->offsets[w][j] = _mm256_mullo_epi16(wide, _mm256_set1_epi16(-32));
+    tile->d[w][j] = f16(b + 208);
+}
+
+/* acc[w] (n weight rows) gains one input row's `count` blocks y */
+AVX2_INLINE void q6_k_tile_dot(const Q6Tile *tile, const BlockQ8K *y, int count, __m256 *acc, const int n) {
+    for (int j = 0; j < count; j++) {
+        const __m256i bsums = _mm256_loadu_si256((const __m256i *)y[j].bsums);
+        __m256i sumi[TILE_ROWS];
+        for (int w = 0; w < n; w++) sumi[w] = _mm256_madd_epi16(tile->offsets[w][j], bsums);
+        for (int run = 0; run < 8; run++) {
+            const __m256i q8 = _mm256_loadu_si256((const __m256i *)(y[j].qs + 32 * run));
+            for (int w = 0; w < n; w++) {
+                const __m256i codes = _mm256_load_si256((const __m256i *)(tile->codes[w][j] + 32 * run));
+                const __m256i products = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q8), tile->scales[w][j][run]);
+                sumi[w] = _mm256_add_epi32(sumi[w], products);
+            }
+        }
+        for (int w = 0; w < n; w++)
+            acc[w] = _mm256_fmadd_ps(_mm256_set1_ps(tile->d[w][j] * y[j].d), _mm256_cvtepi32_ps(sumi[w]), acc[w]);
+    }
+}
+
+/* weight rows m..m + n - 1 of matrix b against all its input rows */
+AVX2_INLINE void q6_k_group(const Product *pr, int64_t b, int64_t m, const int n) {
+    const int64_t blocks = pr->in_features / 256, end = pr->starts[b + 1];
+    const uint8_t *rows = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
+    Q6Tile tile;
+    __m256 parked[PARK_ROWS][TILE_ROWS];
+    for (int64_t p0 = pr->starts[b]; p0 < end; p0 += PARK_ROWS) {
+        const int64_t inputs = end - p0 < PARK_ROWS ? end - p0 : PARK_ROWS;
+        for (int64_t c = 0; c < blocks; c += CHUNK_BLOCKS) {
+            const int count = blocks - c < CHUNK_BLOCKS ? (int)(blocks - c) : CHUNK_BLOCKS;
+            for (int w = 0; w < n; w++)
+                for (int j = 0; j < count; j++) {
+                    const uint8_t *block = rows + w * pr->row_bytes + (c + j) * 210;
+                    prefetch_ahead(block, 210);
+                    q6_k_decode(block, &tile, w, j);
+                }
+            const int done = c + count == blocks;
+            for (int64_t p = 0; p < inputs; p++) {
+                __m256 acc[TILE_ROWS];
+                for (int w = 0; w < n; w++) acc[w] = c == 0 ? _mm256_setzero_ps() : parked[p][w];
+                q6_k_tile_dot(&tile, pr->q8 + pr->rows[p0 + p] * blocks + c, count, acc, n);
+                for (int w = 0; w < n; w++) {
+                    if (done)
+                        pr->out[(p0 + p) * pr->out_stride + m + w] = hsum8(acc[w]);
+                    else
+                        parked[p][w] = acc[w];
+                }
+            }
+        }
+    }
+}
+
+AVX2_TILE static void q6_k_tiles(const Product *pr, int64_t b, int64_t first, int64_t last) {
+    int64_t m = first;
+    for (; m + TILE_ROWS <= last; m += TILE_ROWS) q6_k_group(pr, b, m, TILE_ROWS);
+    if (last - m == 3) q6_k_group(pr, b, m, 3);
+    if (last - m == 2) q6_k_group(pr, b, m, 2);
+    if (last - m == 1) q6_k_group(pr, b, m, 1);
+}
+#define AVX2_TILES(NAME) NAME##_tiles
+#else
+#define AVX2_TILES(NAME) NAME##_tiles_generic
+#endif
+
+RowKernel q8_tile_kernel(int ggml_type, int avx2) {
+    switch (ggml_type) {
+        case 14: return avx2 ? AVX2_TILES(q6_k) : q6_k_tiles_generic;
+        default: return NULL;
+    }
+}
