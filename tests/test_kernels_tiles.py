@@ -19,7 +19,7 @@ needs_llama = pytest.mark.skipif(
     ggml_oracle.library() is None, reason="llama-cpp-python's libggml-cpu not found"
 )
 
-TILED = [T.Q6_K]
+TILED = [T.Q6_K, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ4_XS]
 PORTABLE = pytest.mark.parametrize("generic", [False, True], ids=["default", "portable"])
 # input rows: one (the one-row kernel), the tile's groups and tails, past the 64 parked rows
 COUNTS = [1, 2, 3, 5, 8, 17, 64, 70]

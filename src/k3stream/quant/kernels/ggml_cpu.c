@@ -1370,7 +1370,8 @@ static int64_t rows_used(const int64_t *starts, const int64_t *rows, int64_t mat
 typedef struct {
     Product pr;
     RowKernel kernel;
-    RowKernel q8_tile; /* on 8-bit activations, for a matrix with two input rows or more (NULL: none) */
+    RowKernel q8_tile; /* on 8-bit activations, for a matrix with several input rows (NULL: none) */
+    int ggml_type;
     WideKernel wide;
     TileKernel tile;
     int64_t chunks, tasks;
@@ -1418,6 +1419,7 @@ static int plan_product(Plan *plan, const float *x, int64_t in_features, const i
     }
     plan->kernel = kernel;
     plan->q8_tile = q8_activations ? q8_tile_kernel(ggml_type, HAVE_AVX2()) : NULL;
+    plan->ggml_type = ggml_type;
     plan->wide = q8_activations ? NULL : wide_kernel(ggml_type);
     /* the tiles expand 256 values at a time (the K-quants' block; F16 and BF16 rows of whole 256s) */
     const int tiles = !q8_activations && plan->pr.sums16 != NULL && in_features % 256 == 0;
@@ -1457,7 +1459,7 @@ static void split_tasks(const Plan *plans, int64_t tasks, double macs, int runs,
 static void run_rows(const Plan *plan, int64_t b, int64_t first, int64_t last) {
     const Product *pr = &plan->pr;
     if (pr->starts[b + 1] == pr->starts[b]) return;
-    if (plan->q8_tile != NULL && pr->starts[b + 1] - pr->starts[b] >= 2) {
+    if (plan->q8_tile != NULL && q8_tiles_take(plan->ggml_type, pr->starts[b + 1] - pr->starts[b])) {
         plan->q8_tile(pr, b, first, last);
     } else if (plan->tile != NULL && pr->starts[b + 1] - pr->starts[b] >= TILE_MIN) {
         for (int64_t m = first; m < last; m += TILE_W) plan->tile(pr, b, m, last - m < TILE_W ? (int)(last - m) : TILE_W);

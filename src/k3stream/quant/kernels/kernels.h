@@ -73,10 +73,31 @@ void dec_tq1_0(const uint8_t *restrict b, float *restrict y);
 void dec_tq2_0(const uint8_t *restrict b, float *restrict y);
 int iq_q8_0_activations(int ggml_type);
 
+/* One i-quant block as its AVX2 kernel decodes it (SHARED_RUNS in `iquants_cpu.c`), for the multi-row
+ * kernels: each run of 32 values' unsigned weights, the signs its activations take (a byte +1, -1 or
+ * 0), the int16 scales of its pairs of pairs; d; IQ1_S's delta factor of each run (sign times scale) */
+typedef struct {
+    uint8_t w[8][32], sign[8][32];
+    int16_t scales[8][16];
+    int32_t deltas[8];
+    float d;
+} __attribute__((aligned(32))) IqRuns;
+
+/* a type's block decoder (NULL: none here), bytes a block, whether IQ1_S's deltas enter, and the factor
+ * its lanes' sum takes at the end */
+typedef struct {
+    void (*decode)(const uint8_t *block, IqRuns *out);
+    int bytes, deltas;
+    float factor;
+} IqRunType;
+IqRunType iq_run_type(int ggml_type, int avx2);
+
 /* Kernels that decode a weight block once for several input rows (`tiles_cpu.c`): a type's kernel
  * for a matrix with more than one input row (NULL: none; the one-row kernel then takes every row),
  * each output bit for bit what the type's one-row kernel on 8-bit activations gives */
 RowKernel q8_tile_kernel(int ggml_type, int avx2);
+/* ... and whether it is the faster one for a matrix with `rows` input rows */
+int q8_tiles_take(int ggml_type, int64_t rows);
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>

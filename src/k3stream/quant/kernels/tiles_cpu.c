@@ -6,14 +6,15 @@
  * The contract: every output is bit for bit what the type's one-row kernel gives (which is llama.cpp's
  * vec_dot): per block the same integer sums in the same lanes, converted and accumulated into the same
  * float lanes in block order, summed at the end as that kernel sums them. A row's result never depends
- * on the other rows of its call. ggml_cpu.c's run_rows takes these kernels for a matrix with two input
- * rows or more.
+ * on the other rows of its call. ggml_cpu.c's run_rows takes these kernels for a matrix whose input
+ * rows they run faster than the one-row kernels (`q8_tiles_take`).
  *
  * Blocking (AVX2): TILE_ROWS weight rows are decoded together, CHUNK_BLOCKS blocks of each at a time
  * (a few KiB, in L1 beside the input rows streaming past); each input row's 8-bit blocks are loaded
  * once per run for all TILE_ROWS weight rows. Partial sums of up to PARK_ROWS input rows wait in
  * memory between chunks (a store and a load of the same lanes: no rounding).
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -106,53 +107,153 @@ AVX2_INLINE void q6_k_tile_dot(const Q6Tile *tile, const BlockQ8K *y, int count,
     }
 }
 
-/* weight rows m..m + n - 1 of matrix b against all its input rows */
-AVX2_INLINE void q6_k_group(const Product *pr, int64_t b, int64_t m, const int n) {
+/* TILE_ROWS weight rows' CHUNK_BLOCKS i-quant blocks as SHARED_RUNS decodes them */
+typedef struct {
+    IqRuns blocks[TILE_ROWS][CHUNK_BLOCKS];
+} IqTile;
+
+/* as q6_k_tile_dot, as SHARED_RUNS sums a block: each run's activations signed, times the unsigned
+ * weights, pairs of pairs scaled; IQ1_S's deltas (an exact integer a block) into `deltas` */
+AVX2_INLINE void iq_tile_dot(const IqTile *tile, const BlockQ8K *y, int count, __m256 *acc, float *deltas,
+                             const int n, const int with_deltas) {
+    for (int j = 0; j < count; j++) {
+        __m256i sumi[TILE_ROWS];
+        for (int w = 0; w < n; w++) sumi[w] = _mm256_setzero_si256();
+        for (int run = 0; run < 8; run++) {
+            const __m256i q8 = _mm256_loadu_si256((const __m256i *)(y[j].qs + 32 * run));
+            for (int w = 0; w < n; w++) {
+                const IqRuns *block = &tile->blocks[w][j];
+                const __m256i signed_q8 = _mm256_sign_epi8(q8, _mm256_load_si256((const __m256i *)block->sign[run]));
+                const __m256i pairs = _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)block->w[run]), signed_q8);
+                sumi[w] = _mm256_add_epi32(sumi[w], _mm256_madd_epi16(pairs, _mm256_load_si256((const __m256i *)block->scales[run])));
+            }
+        }
+        for (int w = 0; w < n; w++) {
+            const float dy = tile->blocks[w][j].d * y[j].d;
+            acc[w] = _mm256_fmadd_ps(_mm256_set1_ps(dy), _mm256_cvtepi32_ps(sumi[w]), acc[w]);
+            if (with_deltas) {
+                int sum = 0;
+                for (int ib = 0; ib < 8; ib++) sum += (y[j].bsums[2 * ib] + y[j].bsums[2 * ib + 1]) * tile->blocks[w][j].deltas[ib];
+                deltas[w] = fmaf(dy, (float)sum, deltas[w]);
+            }
+        }
+    }
+}
+
+/* What a weight-row group's kernel is: Q6_K, or an i-quant of `type` */
+typedef enum { Q6_K_TILES, IQ_TILES, IQ_DELTA_TILES } TileKind;
+
+typedef union {
+    Q6Tile q6;
+    IqTile iq;
+} Tile;
+
+/* weight rows m..m + n - 1 of matrix b against all its input rows: CHUNK_BLOCKS blocks of the n rows
+ * decoded at a time, then each input row's sums carried on (parked between chunks) */
+AVX2_INLINE void tile_group(const Product *pr, int64_t b, int64_t m, const int n, const TileKind kind,
+                            const IqRunType *type) {
     const int64_t blocks = pr->in_features / 256, end = pr->starts[b + 1];
+    const int block_bytes = kind == Q6_K_TILES ? 210 : type->bytes;
     const uint8_t *rows = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
-    Q6Tile tile;
+    Tile tile;
     __m256 parked[PARK_ROWS][TILE_ROWS];
+    float parked_deltas[PARK_ROWS][TILE_ROWS];
     for (int64_t p0 = pr->starts[b]; p0 < end; p0 += PARK_ROWS) {
         const int64_t inputs = end - p0 < PARK_ROWS ? end - p0 : PARK_ROWS;
         for (int64_t c = 0; c < blocks; c += CHUNK_BLOCKS) {
             const int count = blocks - c < CHUNK_BLOCKS ? (int)(blocks - c) : CHUNK_BLOCKS;
             for (int w = 0; w < n; w++)
                 for (int j = 0; j < count; j++) {
-                    const uint8_t *block = rows + w * pr->row_bytes + (c + j) * 210;
-                    prefetch_ahead(block, 210);
-                    q6_k_decode(block, &tile, w, j);
+                    const uint8_t *block = rows + w * pr->row_bytes + (c + j) * block_bytes;
+                    prefetch_ahead(block, block_bytes);
+                    if (kind == Q6_K_TILES)
+                        q6_k_decode(block, &tile.q6, w, j);
+                    else
+                        type->decode(block, &tile.iq.blocks[w][j]);
                 }
             const int done = c + count == blocks;
             for (int64_t p = 0; p < inputs; p++) {
+                const BlockQ8K *y = pr->q8 + pr->rows[p0 + p] * blocks + c;
                 __m256 acc[TILE_ROWS];
-                for (int w = 0; w < n; w++) acc[w] = c == 0 ? _mm256_setzero_ps() : parked[p][w];
-                q6_k_tile_dot(&tile, pr->q8 + pr->rows[p0 + p] * blocks + c, count, acc, n);
+                float deltas[TILE_ROWS];
                 for (int w = 0; w < n; w++) {
-                    if (done)
-                        pr->out[(p0 + p) * pr->out_stride + m + w] = hsum8(acc[w]);
-                    else
-                        parked[p][w] = acc[w];
+                    acc[w] = c == 0 ? _mm256_setzero_ps() : parked[p][w];
+                    deltas[w] = c == 0 ? 0.0f : parked_deltas[p][w];
+                }
+                if (kind == Q6_K_TILES)
+                    q6_k_tile_dot(&tile.q6, y, count, acc, n);
+                else
+                    iq_tile_dot(&tile.iq, y, count, acc, deltas, n, kind == IQ_DELTA_TILES);
+                for (int w = 0; w < n; w++) {
+                    if (!done) {
+                        parked[p][w] = acc[w], parked_deltas[p][w] = deltas[w];
+                    } else if (kind == IQ_DELTA_TILES) {
+                        pr->out[(p0 + p) * pr->out_stride + m + w] = hsum8(acc[w]) + 0.125f * deltas[w];
+                    } else {
+                        const float factor = kind == Q6_K_TILES ? 1.0f : type->factor;
+                        pr->out[(p0 + p) * pr->out_stride + m + w] = factor * hsum8(acc[w]);
+                    }
                 }
             }
         }
     }
 }
 
-AVX2_TILE static void q6_k_tiles(const Product *pr, int64_t b, int64_t first, int64_t last) {
+/* rows first..last - 1 of matrix b in groups of TILE_ROWS, then the last one to three together */
+AVX2_INLINE void tile_rows(const Product *pr, int64_t b, int64_t first, int64_t last, const TileKind kind,
+                           const IqRunType *type) {
     int64_t m = first;
-    for (; m + TILE_ROWS <= last; m += TILE_ROWS) q6_k_group(pr, b, m, TILE_ROWS);
-    if (last - m == 3) q6_k_group(pr, b, m, 3);
-    if (last - m == 2) q6_k_group(pr, b, m, 2);
-    if (last - m == 1) q6_k_group(pr, b, m, 1);
+    for (; m + TILE_ROWS <= last; m += TILE_ROWS) tile_group(pr, b, m, TILE_ROWS, kind, type);
+    if (last - m == 3) tile_group(pr, b, m, 3, kind, type);
+    if (last - m == 2) tile_group(pr, b, m, 2, kind, type);
+    if (last - m == 1) tile_group(pr, b, m, 1, kind, type);
+}
+
+AVX2_TILE static void q6_k_tiles(const Product *pr, int64_t b, int64_t first, int64_t last) {
+    tile_rows(pr, b, first, last, Q6_K_TILES, NULL);
+}
+
+#define IQ_TILES_OF(ID, KIND)                                                                            \
+    AVX2_TILE static void iq_tiles_##ID(const Product *pr, int64_t b, int64_t first, int64_t last) {    \
+        const IqRunType type = iq_run_type(ID, 1);                                                       \
+        tile_rows(pr, b, first, last, KIND, &type);                                                     \
+    }
+IQ_TILES_OF(16, IQ_TILES)
+IQ_TILES_OF(17, IQ_TILES)
+IQ_TILES_OF(18, IQ_TILES)
+IQ_TILES_OF(19, IQ_DELTA_TILES)
+IQ_TILES_OF(21, IQ_TILES)
+IQ_TILES_OF(22, IQ_TILES)
+IQ_TILES_OF(23, IQ_TILES)
+
+static RowKernel iq_tiles(int ggml_type) {
+    switch (ggml_type) {
+        case 16: return iq_tiles_16;
+        case 17: return iq_tiles_17;
+        case 18: return iq_tiles_18;
+        case 19: return iq_tiles_19;
+        case 21: return iq_tiles_21;
+        case 22: return iq_tiles_22;
+        case 23: return iq_tiles_23;
+        default: return NULL;
+    }
 }
 #define AVX2_TILES(NAME) NAME##_tiles
+#define IQ_TILES(ggml_type) iq_tiles(ggml_type)
 #else
 #define AVX2_TILES(NAME) NAME##_tiles_generic
+#define IQ_TILES(ggml_type) NULL
 #endif
 
 RowKernel q8_tile_kernel(int ggml_type, int avx2) {
-    switch (ggml_type) {
-        case 14: return avx2 ? AVX2_TILES(q6_k) : q6_k_tiles_generic;
-        default: return NULL;
-    }
+    if (ggml_type == 14) return avx2 ? AVX2_TILES(q6_k) : q6_k_tiles_generic;
+    return avx2 && iq_run_type(ggml_type, avx2).decode != NULL ? IQ_TILES(ggml_type) : NULL;
+}
+
+/* Measured (1024 x 1024, one thread, AVX2): Q6_K's one-row kernel is faster for two rows; the
+ * i-quants' own kernels share each decoded run between RUN_ROWS = 4 input rows in registers, faster
+ * than the tiles where the rows are 4 or 8 (no rows left over to run one at a time), slower elsewhere */
+int q8_tiles_take(int ggml_type, int64_t rows) {
+    if (ggml_type == 14) return rows >= 3;
+    return rows >= 2 && (rows > 8 || rows % 4 != 0);
 }
