@@ -114,3 +114,27 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qt, generic, monkey
     for b, w in enumerate(weights):
         alone = one_row_at_a_time(qt, w, x[rows[starts[b] : starts[b + 1]]])
         assert np.array_equal(one_thread[starts[b] : starts[b + 1]].view(np.uint32), alone.view(np.uint32))
+
+
+@PORTABLE
+def test_products_on_one_input_equal_each_product_alone(generic, monkeypatch):
+    """`cpu.products` quantizes x once for its matrices of one activation type (Q8_K, Q8_0) and
+    each matrix's outputs are its `grouped_product` alone, float-activation matrices among them."""
+    if generic:
+        monkeypatch.setenv("K3STREAM_GENERIC_KERNELS", "1")
+    kinds = [(T.Q6_K, 1), (T.Q8_0, 1), (T.IQ2_XXS, 1), (T.Q4_K, 0), (T.Q6_K, 1), (T.Q8_0, 1)]
+    weights = [matrix(qt, 5 + i, 512, seed=i) for i, (qt, _) in enumerate(kinds)]
+    x = inputs(9, 512, seed=2)
+    got = cpu.products(
+        torch.from_numpy(x), [w.ctypes.data for w in weights], [int(qt) for qt, _ in kinds],
+        [w.shape[0] for w in weights], [w.shape[1] for w in weights], [q8 for _, q8 in kinds],
+    ).numpy()  # fmt: skip
+    column = 0
+    for (qt, q8), w in zip(kinds, weights, strict=True):
+        data = torch.from_numpy(w.reshape(-1))
+        alone = cpu.grouped_product(
+            torch.from_numpy(x), [data], int(qt), w.shape[0], w.shape[1], torch.tensor([0, len(x)]),
+            torch.arange(len(x)), bool(q8),
+        ).numpy()  # fmt: skip
+        assert np.array_equal(got[:, column : column + w.shape[0]].view(np.uint32), alone.view(np.uint32))
+        column += w.shape[0]

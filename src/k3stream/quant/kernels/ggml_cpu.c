@@ -1378,11 +1378,21 @@ typedef struct {
     void *owned;
 } Plan;
 
+/* The 8-bit blocks of x (Q8_K or else Q8_0) that one of `count` earlier plans on the same x rows holds, or NULL */
+static void *blocks_planned(const Plan *earlier, int64_t count, int k_quant) {
+    for (int64_t i = 0; i < count; i++) {
+        void *blocks = k_quant ? (void *)earlier[i].pr.q8 : (void *)earlier[i].pr.q8_0;
+        if (blocks != NULL) return blocks;
+    }
+    return NULL;
+}
+
 /* Plans one product (arguments as k3_grouped_product's, with the output's row stride): 0, -1 for a GGML type
- * without a kernel, -2 without memory (nothing left to free on failure) */
+ * without a kernel, -2 without memory (nothing left to free on failure). `earlier`: `planned` plans of the
+ * same call on the same x rows, whose 8-bit blocks of x this one takes rather than quantizing x again. */
 static int plan_product(Plan *plan, const float *x, int64_t in_features, const int64_t *addresses, int64_t matrices,
                         int64_t out_rows, int64_t row_bytes, int ggml_type, const int64_t *starts, const int64_t *rows,
-                        float *out, int64_t out_stride, int q8_activations) {
+                        float *out, int64_t out_stride, int q8_activations, const Plan *earlier, int64_t planned) {
     const Product pr = {x, in_features, out_rows, row_bytes, addresses, starts, rows, matrices, out, out_stride,
                         NULL, NULL, NULL};
     plan->pr = pr;
@@ -1392,15 +1402,19 @@ static int plan_product(Plan *plan, const float *x, int64_t in_features, const i
         const int k_quant = ggml_type != 2 && ggml_type != 8 && !iq_q8_0_activations(ggml_type), elems = k_quant ? 256 : 32;
         if (kernel == NULL || in_features % elems != 0) return -1;
         const int64_t blocks = rows_used(starts, rows, matrices) * (in_features / elems);
-        void *q8 = plan->owned = malloc((k_quant ? sizeof(BlockQ8K) : sizeof(BlockQ8_0)) * (size_t)(blocks + 1));
-        if (q8 == NULL) return -2;
-        if (k_quant) {
-            quantize_q8_k(x, blocks, q8);
-            plan->pr.q8 = q8;
-        } else {
-            quantize_q8_0(x, blocks, q8);
-            plan->pr.q8_0 = q8;
+        void *q8 = blocks_planned(earlier, planned, k_quant);
+        if (q8 == NULL) {
+            q8 = plan->owned = malloc((k_quant ? sizeof(BlockQ8K) : sizeof(BlockQ8_0)) * (size_t)(blocks + 1));
+            if (q8 == NULL) return -2;
+            if (k_quant)
+                quantize_q8_k(x, blocks, q8);
+            else
+                quantize_q8_0(x, blocks, q8);
         }
+        if (k_quant)
+            plan->pr.q8 = q8;
+        else
+            plan->pr.q8_0 = q8;
     } else if (kernel != NULL) { /* x's sub-block sums, once per call: [x rows, in / 16], 16 values in order */
         const int64_t x_rows = rows_used(starts, rows, matrices);
         float *sums16 = plan->owned = malloc(sizeof(float) * (size_t)(x_rows * (in_features / 16) + 1));
@@ -1523,7 +1537,7 @@ int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addre
                        const int64_t *rows, float *out, int threads, int q8_activations) {
     Plan plan;
     const int status = plan_product(&plan, x, in_features, addresses, matrices, out_rows, row_bytes, ggml_type, starts,
-                                    rows, out, out_rows, q8_activations);
+                                    rows, out, out_rows, q8_activations, NULL, 0);
     if (status == 0) run_plans(&plan, 1, threads);
     return status;
 }
@@ -1537,7 +1551,7 @@ int k3_products(const float *x, int64_t in_features, int64_t n, int64_t matrices
                 const int64_t *types, const int64_t *out_rows, const int64_t *row_bytes, const int64_t *q8_activations,
                 float *out, int threads) {
     int64_t width = 0, *rows = malloc(sizeof(int64_t) * (size_t)(n + 1));
-    Plan *plans = malloc(sizeof(Plan) * (size_t)(matrices + 1));
+    Plan *plans = calloc((size_t)(matrices + 1), sizeof(Plan)); /* zeroed: no 8-bit blocks planned yet */
     int status = rows == NULL || plans == NULL ? -2 : 0;
     for (int64_t p = 0; p < n && status == 0; p++) rows[p] = p;
     for (int64_t i = 0; i < matrices; i++) width += out_rows[i];
@@ -1546,7 +1560,7 @@ int k3_products(const float *x, int64_t in_features, int64_t n, int64_t matrices
     for (int64_t column = 0; planned < matrices && status == 0; column += out_rows[planned++])
         status = plan_product(&plans[planned], x, in_features, addresses + planned, 1, out_rows[planned],
                               row_bytes[planned], (int)types[planned], starts, rows, out + column, width,
-                              (int)q8_activations[planned]);
+                              (int)q8_activations[planned], plans, planned);
     if (status == 0) {
         run_plans(plans, matrices, threads);
     } else {
@@ -1601,10 +1615,10 @@ static int expert_mlp(const float *x, int64_t in_features, Role gate, Role up, R
     Plan plans[2]; /* gate and up in one OpenMP region */
     if (status == 0)
         status = plan_product(&plans[0], x, in_features, gate.addresses, experts, hidden, gate.row_bytes,
-                              gate.ggml_type, starts, rows, gated, hidden, q8_activations);
+                              gate.ggml_type, starts, rows, gated, hidden, q8_activations, NULL, 0);
     if (status == 0) {
         status = plan_product(&plans[1], x, in_features, up.addresses, experts, hidden, up.row_bytes, up.ggml_type,
-                              starts, rows, upped, hidden, q8_activations);
+                              starts, rows, upped, hidden, q8_activations, plans, 1);
         if (status == 0)
             run_plans(plans, 2, threads);
         else
