@@ -17,7 +17,10 @@ then matmul) once. The i-quants and ternary types (which k3stream does not encod
 (activations quantized to 8 bits in the call, as ggml does), the plain read's and llama.cpp's own: its
 `from_float` and then its `vec_dot` (libggml-cpu's function pointers, from llama-cpp-python) over every
 row of every matrix, in a loop compiled here with gcc and split over the same threads, alternating run
-for run with ours; the ratios to the read and to llama.cpp.
+for run with ours; the ratios to the read and to llama.cpp. Any type with an integer kernel may be
+named (`--iquants Q6_K,Q8_0,IQ2_XXS`). `--rows N` gives each matrix N input rows (prefill-shaped: k3stream
+takes its multi-row kernels, each weight block decoded once for all the rows, llama.cpp its vec_dot for
+every row and input row); "Gw/s" counts weights times input rows a second.
 """
 
 from __future__ import annotations
@@ -225,15 +228,16 @@ def iquants_against_llama_cpp(args: argparse.Namespace) -> None:
         f"best of {args.repeat}, ours, llama.cpp's and the read alternating"
     )
     print(f"{'type':8s} {'threads':>7s} {'k3 GB/s':>8s} {'read GB/s':>9s} {'k3/read':>7s} "
-          f"{'llama GB/s':>10s} {'k3/llama':>8s}")  # fmt: skip
+          f"{'llama GB/s':>10s} {'k3/llama':>8s} {'k3 Gw/s':>8s} {'llama Gw/s':>10s}")  # fmt: skip
     for name in args.iquants.split(","):
         case = IquantCase.make(name, args.experts, args.rows)
-        total = sum(d.numel() for d in case.datas)
+        total, products = sum(d.numel() for d in case.datas), ROWS * COLS * args.experts * args.rows
         for threads in (int(t) for t in args.threads.split(",")):
             kernel, llama, read = case.seconds(x, library, threads, args.repeat)
             print(
                 f"{name:8s} {threads:7d} {total / kernel / 1e9:8.2f} {total / read / 1e9:9.2f} "
-                f"{read / kernel:7.2f} {total / llama / 1e9:10.2f} {llama / kernel:8.2f}"
+                f"{read / kernel:7.2f} {total / llama / 1e9:10.2f} {llama / kernel:8.2f} "
+                f"{products / kernel / 1e9:8.2f} {products / llama / 1e9:10.2f}"
             )
 
 
