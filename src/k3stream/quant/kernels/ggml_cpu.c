@@ -146,16 +146,6 @@ INLINE void dec_q3_k(const uint8_t *restrict b, float *restrict y) { /* high bit
     }
 }
 
-INLINE void k_scale_min(const uint8_t *p, int s, int *scale, int *min) {
-    if (s < 4) {
-        *scale = p[s] & 63;
-        *min = p[4 + s] & 63;
-    } else {
-        *scale = (p[4 + s] & 15) | ((p[s - 4] >> 2) & 0x30);
-        *min = (p[4 + s] >> 4) | ((p[s] >> 2) & 0x30);
-    }
-}
-
 INLINE void dec_q45_k(const uint8_t *restrict b, float *restrict y, int fifth_bit) {
     float d = f16(b), dmin = f16(b + 2);
     const uint8_t *low = b + (fifth_bit ? 48 : 16), *high = b + 16;

@@ -34,6 +34,17 @@ typedef struct {
     const struct BlockQ8_0 *q8_0; /* Q8_0 kernels: the same in Q8_0 blocks, in / 32 of them */
 } Product;
 
+/* Q4_K's and Q5_K's 6-bit scale and min of sub-block s (0..7) from the 12 bytes at p */
+INLINE void k_scale_min(const uint8_t *p, int s, int *scale, int *min) {
+    if (s < 4) {
+        *scale = p[s] & 63;
+        *min = p[4 + s] & 63;
+    } else {
+        *scale = (p[4 + s] & 15) | ((p[s - 4] >> 2) & 0x30);
+        *min = (p[4 + s] >> 4) | ((p[s] >> 2) & 0x30);
+    }
+}
+
 /* ggml's block_q8_0: 32 codes x * 127 / amax rounded, and d = amax / 127 rounded to F16 (held as float) */
 typedef struct BlockQ8_0 {
     float d;

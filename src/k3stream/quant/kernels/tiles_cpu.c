@@ -107,6 +107,92 @@ AVX2_INLINE void q6_k_tile_dot(const Q6Tile *tile, const BlockQ8K *y, int count,
     }
 }
 
+/* ... Q4_K blocks as q8_q4_k uses them: each sub-block's 32 codes (0..15) and int16 scale, the mins
+ * beside the Q8_K sums of 16 (min s in int16 lanes 2s and 2s + 1), d and dmin */
+typedef struct {
+    uint8_t codes[TILE_ROWS][CHUNK_BLOCKS][256] __attribute__((aligned(32)));
+    int16_t scales[TILE_ROWS][CHUNK_BLOCKS][8];
+    __m256i mins[TILE_ROWS][CHUNK_BLOCKS];
+    float d[TILE_ROWS][CHUNK_BLOCKS], dmin[TILE_ROWS][CHUNK_BLOCKS];
+} Q4Tile;
+
+AVX2_INLINE void q4_k_decode(const uint8_t *restrict b, Q4Tile *tile, int w, int j) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    int16_t mins[16];
+    for (int pair = 0; pair < 4; pair++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * pair));
+        _mm256_store_si256((__m256i *)(tile->codes[w][j] + 64 * pair), _mm256_and_si256(q, nibble));
+        _mm256_store_si256((__m256i *)(tile->codes[w][j] + 64 * pair + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble));
+    }
+    for (int s = 0; s < 8; s++) {
+        int scale, min;
+        k_scale_min(b + 4, s, &scale, &min);
+        tile->scales[w][j][s] = (int16_t)scale;
+        mins[2 * s] = mins[2 * s + 1] = (int16_t)min;
+    }
+    tile->mins[w][j] = _mm256_loadu_si256((const __m256i *)mins);
+    tile->d[w][j] = f16(b), tile->dmin[w][j] = f16(b + 2);
+}
+
+/* the sum of eight int32 lanes (exact) */
+AVX2_INLINE int hsum_int8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+/* as q8_q4_k: scaled code sums in lanes, the mins' integer sum added to lane 0 times -d_y dmin */
+AVX2_INLINE void q4_k_tile_dot(const Q4Tile *tile, const BlockQ8K *y, int count, __m256 *acc, const int n) {
+    for (int j = 0; j < count; j++) {
+        const __m256i bsums = _mm256_loadu_si256((const __m256i *)y[j].bsums);
+        __m256i sumi[TILE_ROWS];
+        for (int w = 0; w < n; w++) sumi[w] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            const __m256i q8 = _mm256_loadu_si256((const __m256i *)(y[j].qs + 32 * s));
+            for (int w = 0; w < n; w++) {
+                const __m256i codes = _mm256_load_si256((const __m256i *)(tile->codes[w][j] + 32 * s));
+                const __m256i scale = _mm256_set1_epi16(tile->scales[w][j][s]);
+                sumi[w] = _mm256_add_epi32(sumi[w], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q8), scale));
+            }
+        }
+        for (int w = 0; w < n; w++) {
+            const int summs = hsum_int8(_mm256_madd_epi16(tile->mins[w][j], bsums));
+            acc[w] = _mm256_fmadd_ps(_mm256_set1_ps(y[j].d * tile->d[w][j]), _mm256_cvtepi32_ps(sumi[w]), acc[w]);
+            const float offset = -y[j].d * tile->dmin[w][j] * (float)summs;
+            acc[w] = _mm256_add_ps(acc[w], _mm256_setr_ps(offset, 0, 0, 0, 0, 0, 0, 0));
+        }
+    }
+}
+
+/* ... Q8_0 blocks (Q8_0_CHUNK of them, as many values as CHUNK_BLOCKS K-quant blocks) as q8_q8_0 uses
+ * them: |w|, w (the signs its activations take) and d */
+#define Q8_0_CHUNK (CHUNK_BLOCKS * 8)
+typedef struct {
+    uint8_t magnitudes[TILE_ROWS][Q8_0_CHUNK][32] __attribute__((aligned(32)));
+    int8_t codes[TILE_ROWS][Q8_0_CHUNK][32] __attribute__((aligned(32)));
+    float d[TILE_ROWS][Q8_0_CHUNK];
+} Q80Tile;
+
+AVX2_INLINE void q8_0_decode(const uint8_t *restrict b, Q80Tile *tile, int w, int j) {
+    const __m256i codes = _mm256_loadu_si256((const __m256i *)(b + 2));
+    _mm256_store_si256((__m256i *)tile->codes[w][j], codes);
+    _mm256_store_si256((__m256i *)tile->magnitudes[w][j], _mm256_sign_epi8(codes, codes));
+    tile->d[w][j] = f16(b);
+}
+
+AVX2_INLINE void q8_0_tile_dot(const Q80Tile *tile, const BlockQ8_0 *y, int count, __m256 *acc, const int n) {
+    for (int j = 0; j < count; j++) {
+        const __m256i q8 = _mm256_loadu_si256((const __m256i *)y[j].qs);
+        for (int w = 0; w < n; w++) {
+            const __m256i codes = _mm256_load_si256((const __m256i *)tile->codes[w][j]);
+            const __m256i magnitudes = _mm256_load_si256((const __m256i *)tile->magnitudes[w][j]);
+            const __m256i pairs = _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(q8, codes));
+            const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+            acc[w] = _mm256_fmadd_ps(_mm256_set1_ps(tile->d[w][j] * y[j].d), _mm256_cvtepi32_ps(sums), acc[w]);
+        }
+    }
+}
+
 /* TILE_ROWS weight rows' CHUNK_BLOCKS i-quant blocks as SHARED_RUNS decodes them */
 typedef struct {
     IqRuns blocks[TILE_ROWS][CHUNK_BLOCKS];
@@ -140,57 +226,79 @@ AVX2_INLINE void iq_tile_dot(const IqTile *tile, const BlockQ8K *y, int count, _
     }
 }
 
-/* What a weight-row group's kernel is: Q6_K, or an i-quant of `type` */
-typedef enum { Q6_K_TILES, IQ_TILES, IQ_DELTA_TILES } TileKind;
+/* What a weight-row group's kernel is: Q6_K, Q4_K, Q8_0, or an i-quant of `type` (IQ1_S with deltas) */
+typedef enum { Q6_K_TILES, Q4_K_TILES, Q8_0_TILES, IQ_TILES, IQ_DELTA_TILES } TileKind;
 
 typedef union {
     Q6Tile q6;
+    Q4Tile q4;
+    Q80Tile q80;
     IqTile iq;
 } Tile;
+
+AVX2_INLINE void tile_decode(const uint8_t *block, Tile *tile, int w, int j, const TileKind kind, const IqRunType *type) {
+    if (kind == Q6_K_TILES)
+        q6_k_decode(block, &tile->q6, w, j);
+    else if (kind == Q4_K_TILES)
+        q4_k_decode(block, &tile->q4, w, j);
+    else if (kind == Q8_0_TILES)
+        q8_0_decode(block, &tile->q80, w, j);
+    else
+        type->decode(block, &tile->iq.blocks[w][j]);
+}
+
+/* input row `row`'s blocks from `first` on against the tile (count blocks) */
+AVX2_INLINE void tile_dot(const Product *pr, const Tile *tile, int64_t row, int64_t first, int count, __m256 *acc,
+                          float *deltas, const int n, const TileKind kind) {
+    const int64_t blocks = pr->in_features / (kind == Q8_0_TILES ? 32 : 256);
+    const BlockQ8K *y = pr->q8 + row * blocks + first;
+    if (kind == Q6_K_TILES)
+        q6_k_tile_dot(&tile->q6, y, count, acc, n);
+    else if (kind == Q4_K_TILES)
+        q4_k_tile_dot(&tile->q4, y, count, acc, n);
+    else if (kind == Q8_0_TILES)
+        q8_0_tile_dot(&tile->q80, pr->q8_0 + row * blocks + first, count, acc, n);
+    else
+        iq_tile_dot(&tile->iq, y, count, acc, deltas, n, kind == IQ_DELTA_TILES);
+}
 
 /* weight rows m..m + n - 1 of matrix b against all its input rows: CHUNK_BLOCKS blocks of the n rows
  * decoded at a time, then each input row's sums carried on (parked between chunks) */
 AVX2_INLINE void tile_group(const Product *pr, int64_t b, int64_t m, const int n, const TileKind kind,
                             const IqRunType *type) {
-    const int64_t blocks = pr->in_features / 256, end = pr->starts[b + 1];
-    const int block_bytes = kind == Q6_K_TILES ? 210 : type->bytes;
+    const int64_t blocks = pr->in_features / (kind == Q8_0_TILES ? 32 : 256), end = pr->starts[b + 1];
+    const int block_bytes = kind == Q6_K_TILES ? 210 : kind == Q4_K_TILES ? 144 : kind == Q8_0_TILES ? 34 : type->bytes;
+    const int chunk = kind == Q8_0_TILES ? Q8_0_CHUNK : CHUNK_BLOCKS;
     const uint8_t *rows = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
     Tile tile;
     __m256 parked[PARK_ROWS][TILE_ROWS];
     float parked_deltas[PARK_ROWS][TILE_ROWS];
     for (int64_t p0 = pr->starts[b]; p0 < end; p0 += PARK_ROWS) {
         const int64_t inputs = end - p0 < PARK_ROWS ? end - p0 : PARK_ROWS;
-        for (int64_t c = 0; c < blocks; c += CHUNK_BLOCKS) {
-            const int count = blocks - c < CHUNK_BLOCKS ? (int)(blocks - c) : CHUNK_BLOCKS;
+        for (int64_t c = 0; c < blocks; c += chunk) {
+            const int count = blocks - c < chunk ? (int)(blocks - c) : chunk;
             for (int w = 0; w < n; w++)
                 for (int j = 0; j < count; j++) {
                     const uint8_t *block = rows + w * pr->row_bytes + (c + j) * block_bytes;
                     prefetch_ahead(block, block_bytes);
-                    if (kind == Q6_K_TILES)
-                        q6_k_decode(block, &tile.q6, w, j);
-                    else
-                        type->decode(block, &tile.iq.blocks[w][j]);
+                    tile_decode(block, &tile, w, j, kind, type);
                 }
             const int done = c + count == blocks;
             for (int64_t p = 0; p < inputs; p++) {
-                const BlockQ8K *y = pr->q8 + pr->rows[p0 + p] * blocks + c;
                 __m256 acc[TILE_ROWS];
                 float deltas[TILE_ROWS];
                 for (int w = 0; w < n; w++) {
                     acc[w] = c == 0 ? _mm256_setzero_ps() : parked[p][w];
                     deltas[w] = c == 0 ? 0.0f : parked_deltas[p][w];
                 }
-                if (kind == Q6_K_TILES)
-                    q6_k_tile_dot(&tile.q6, y, count, acc, n);
-                else
-                    iq_tile_dot(&tile.iq, y, count, acc, deltas, n, kind == IQ_DELTA_TILES);
+                tile_dot(pr, &tile, pr->rows[p0 + p], c, count, acc, deltas, n, kind);
                 for (int w = 0; w < n; w++) {
                     if (!done) {
                         parked[p][w] = acc[w], parked_deltas[p][w] = deltas[w];
                     } else if (kind == IQ_DELTA_TILES) {
                         pr->out[(p0 + p) * pr->out_stride + m + w] = hsum8(acc[w]) + 0.125f * deltas[w];
                     } else {
-                        const float factor = kind == Q6_K_TILES ? 1.0f : type->factor;
+                        const float factor = kind == IQ_TILES ? type->factor : 1.0f;
                         pr->out[(p0 + p) * pr->out_stride + m + w] = factor * hsum8(acc[w]);
                     }
                 }
@@ -209,9 +317,13 @@ AVX2_INLINE void tile_rows(const Product *pr, int64_t b, int64_t first, int64_t 
     if (last - m == 1) tile_group(pr, b, m, 1, kind, type);
 }
 
-AVX2_TILE static void q6_k_tiles(const Product *pr, int64_t b, int64_t first, int64_t last) {
-    tile_rows(pr, b, first, last, Q6_K_TILES, NULL);
-}
+#define TILES_OF(NAME, KIND)                                                                             \
+    AVX2_TILE static void NAME##_tiles(const Product *pr, int64_t b, int64_t first, int64_t last) {     \
+        tile_rows(pr, b, first, last, KIND, NULL);                                                     \
+    }
+TILES_OF(q6_k, Q6_K_TILES)
+TILES_OF(q4_k, Q4_K_TILES)
+TILES_OF(q8_0, Q8_0_TILES)
 
 #define IQ_TILES_OF(ID, KIND)                                                                            \
     AVX2_TILE static void iq_tiles_##ID(const Product *pr, int64_t b, int64_t first, int64_t last) {    \
@@ -247,13 +359,23 @@ static RowKernel iq_tiles(int ggml_type) {
 
 RowKernel q8_tile_kernel(int ggml_type, int avx2) {
     if (ggml_type == 14) return avx2 ? AVX2_TILES(q6_k) : q6_k_tiles_generic;
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (ggml_type == 12) return avx2 ? q4_k_tiles : NULL;
+    if (ggml_type == 8) return avx2 ? q8_0_tiles : NULL;
+#endif
     return avx2 && iq_run_type(ggml_type, avx2).decode != NULL ? IQ_TILES(ggml_type) : NULL;
 }
 
-/* Measured (1024 x 1024, one thread, AVX2): Q6_K's one-row kernel is faster for two rows; the
- * i-quants' own kernels share each decoded run between RUN_ROWS = 4 input rows in registers, faster
- * than the tiles where the rows are 4 or 8 (no rows left over to run one at a time), slower elsewhere */
+/* Measured (1024 x 1024, one thread, AVX2), against the kernels they replace: Q6_K's one-row kernel is
+ * faster for two rows, Q8_0's up to four; Q4_K's own kernel shares decoded codes between 4 input rows
+ * in registers (as fast as the tiles at 16 rows, 1.1x slower at 24, 1.2x at 64); the i-quants' kernels
+ * share each decoded run between RUN_ROWS = 4 input rows, faster than the tiles where the rows are 4
+ * or 8 (none left over to run one at a time), slower elsewhere */
 int q8_tiles_take(int ggml_type, int64_t rows) {
-    if (ggml_type == 14) return rows >= 3;
-    return rows >= 2 && (rows > 8 || rows % 4 != 0);
+    switch (ggml_type) {
+        case 14: return rows >= 3;
+        case 8: return rows >= 5;
+        case 12: return rows >= 24;
+        default: return rows >= 2 && (rows > 8 || rows % 4 != 0);
+    }
 }
