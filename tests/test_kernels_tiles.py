@@ -45,7 +45,9 @@ def inputs(count: int, cols: int, seed: int) -> np.ndarray:
     return x
 
 
-def grouped(qt: T, weights: list[np.ndarray], x: np.ndarray, counts: list[int], rows: np.ndarray) -> np.ndarray:
+def grouped(
+    qt: T, weights: list[np.ndarray], x: np.ndarray, counts: list[int], rows: np.ndarray
+) -> np.ndarray:
     """`cpu.grouped_product` on 8-bit activations: matrix b takes the x rows `rows[starts[b]:starts[b+1]]`."""
     starts = torch.tensor([0, *np.cumsum(counts).tolist()])
     datas = [torch.from_numpy(np.ascontiguousarray(w).reshape(-1)) for w in weights]
