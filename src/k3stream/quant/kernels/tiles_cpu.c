@@ -88,22 +88,30 @@ AVX2_INLINE void q6_k_decode(const uint8_t *restrict b, Q6Tile *tile, int w, int
     tile->d[w][j] = f16(b + 208);
 }
 
-/* acc[w] (n weight rows) gains one input row's `count` blocks y */
-AVX2_INLINE void q6_k_tile_dot(const Q6Tile *tile, const BlockQ8K *y, int count, __m256 *acc, const int n) {
+/* acc[r][w] (n weight rows, `inputs` input rows: 1 or 2, each 32-byte load of the tile then serving
+ * both) gains input row r's `count` blocks y[r] */
+AVX2_INLINE void q6_k_tile_dot(const Q6Tile *tile, const BlockQ8K *const *y, int count, __m256 (*acc)[TILE_ROWS],
+                               const int n, const int inputs) {
     for (int j = 0; j < count; j++) {
-        const __m256i bsums = _mm256_loadu_si256((const __m256i *)y[j].bsums);
-        __m256i sumi[TILE_ROWS];
-        for (int w = 0; w < n; w++) sumi[w] = _mm256_madd_epi16(tile->offsets[w][j], bsums);
+        __m256i sumi[2][TILE_ROWS];
+        for (int r = 0; r < inputs; r++) {
+            const __m256i bsums = _mm256_loadu_si256((const __m256i *)y[r][j].bsums);
+            for (int w = 0; w < n; w++) sumi[r][w] = _mm256_madd_epi16(tile->offsets[w][j], bsums);
+        }
         for (int run = 0; run < 8; run++) {
-            const __m256i q8 = _mm256_loadu_si256((const __m256i *)(y[j].qs + 32 * run));
+            __m256i q8[2];
+            for (int r = 0; r < inputs; r++) q8[r] = _mm256_loadu_si256((const __m256i *)(y[r][j].qs + 32 * run));
             for (int w = 0; w < n; w++) {
                 const __m256i codes = _mm256_load_si256((const __m256i *)(tile->codes[w][j] + 32 * run));
-                const __m256i products = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q8), tile->scales[w][j][run]);
-                sumi[w] = _mm256_add_epi32(sumi[w], products);
+                const __m256i scales = tile->scales[w][j][run];
+                for (int r = 0; r < inputs; r++)
+                    sumi[r][w] = _mm256_add_epi32(sumi[r][w], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q8[r]), scales));
             }
         }
-        for (int w = 0; w < n; w++)
-            acc[w] = _mm256_fmadd_ps(_mm256_set1_ps(tile->d[w][j] * y[j].d), _mm256_cvtepi32_ps(sumi[w]), acc[w]);
+        for (int r = 0; r < inputs; r++)
+            for (int w = 0; w < n; w++)
+                acc[r][w] = _mm256_fmadd_ps(_mm256_set1_ps(tile->d[w][j] * y[r][j].d), _mm256_cvtepi32_ps(sumi[r][w]),
+                                            acc[r][w]);
     }
 }
 
@@ -200,29 +208,37 @@ typedef struct {
 
 /* as q6_k_tile_dot, as SHARED_RUNS sums a block: each run's activations signed, times the unsigned
  * weights, pairs of pairs scaled; IQ1_S's deltas (an exact integer a block) into `deltas` */
-AVX2_INLINE void iq_tile_dot(const IqTile *tile, const BlockQ8K *y, int count, __m256 *acc, float *deltas,
-                             const int n, const int with_deltas) {
+AVX2_INLINE void iq_tile_dot(const IqTile *tile, const BlockQ8K *const *y, int count, __m256 (*acc)[TILE_ROWS],
+                             float (*deltas)[TILE_ROWS], const int n, const int inputs, const int with_deltas) {
     for (int j = 0; j < count; j++) {
-        __m256i sumi[TILE_ROWS];
-        for (int w = 0; w < n; w++) sumi[w] = _mm256_setzero_si256();
+        __m256i sumi[2][TILE_ROWS];
+        for (int r = 0; r < inputs; r++)
+            for (int w = 0; w < n; w++) sumi[r][w] = _mm256_setzero_si256();
         for (int run = 0; run < 8; run++) {
-            const __m256i q8 = _mm256_loadu_si256((const __m256i *)(y[j].qs + 32 * run));
+            __m256i q8[2];
+            for (int r = 0; r < inputs; r++) q8[r] = _mm256_loadu_si256((const __m256i *)(y[r][j].qs + 32 * run));
             for (int w = 0; w < n; w++) {
                 const IqRuns *block = &tile->blocks[w][j];
-                const __m256i signed_q8 = _mm256_sign_epi8(q8, _mm256_load_si256((const __m256i *)block->sign[run]));
-                const __m256i pairs = _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)block->w[run]), signed_q8);
-                sumi[w] = _mm256_add_epi32(sumi[w], _mm256_madd_epi16(pairs, _mm256_load_si256((const __m256i *)block->scales[run])));
+                const __m256i sign = _mm256_load_si256((const __m256i *)block->sign[run]);
+                const __m256i weights = _mm256_load_si256((const __m256i *)block->w[run]);
+                const __m256i scales = _mm256_load_si256((const __m256i *)block->scales[run]);
+                for (int r = 0; r < inputs; r++) {
+                    const __m256i pairs = _mm256_maddubs_epi16(weights, _mm256_sign_epi8(q8[r], sign));
+                    sumi[r][w] = _mm256_add_epi32(sumi[r][w], _mm256_madd_epi16(pairs, scales));
+                }
             }
         }
-        for (int w = 0; w < n; w++) {
-            const float dy = tile->blocks[w][j].d * y[j].d;
-            acc[w] = _mm256_fmadd_ps(_mm256_set1_ps(dy), _mm256_cvtepi32_ps(sumi[w]), acc[w]);
-            if (with_deltas) {
-                int sum = 0;
-                for (int ib = 0; ib < 8; ib++) sum += (y[j].bsums[2 * ib] + y[j].bsums[2 * ib + 1]) * tile->blocks[w][j].deltas[ib];
-                deltas[w] = fmaf(dy, (float)sum, deltas[w]);
+        for (int r = 0; r < inputs; r++)
+            for (int w = 0; w < n; w++) {
+                const float dy = tile->blocks[w][j].d * y[r][j].d;
+                acc[r][w] = _mm256_fmadd_ps(_mm256_set1_ps(dy), _mm256_cvtepi32_ps(sumi[r][w]), acc[r][w]);
+                if (with_deltas) {
+                    int sum = 0;
+                    for (int ib = 0; ib < 8; ib++)
+                        sum += (y[r][j].bsums[2 * ib] + y[r][j].bsums[2 * ib + 1]) * tile->blocks[w][j].deltas[ib];
+                    deltas[r][w] = fmaf(dy, (float)sum, deltas[r][w]);
+                }
             }
-        }
     }
 }
 
@@ -247,19 +263,24 @@ AVX2_INLINE void tile_decode(const uint8_t *block, Tile *tile, int w, int j, con
         type->decode(block, &tile->iq.blocks[w][j]);
 }
 
-/* input row `row`'s blocks from `first` on against the tile (count blocks) */
-AVX2_INLINE void tile_dot(const Product *pr, const Tile *tile, int64_t row, int64_t first, int count, __m256 *acc,
-                          float *deltas, const int n, const TileKind kind) {
+/* input rows rows[0..inputs - 1]'s blocks from `first` on against the tile (count blocks) */
+AVX2_INLINE void tile_dot(const Product *pr, const Tile *tile, const int64_t *rows, int64_t first, int count,
+                          __m256 (*acc)[TILE_ROWS], float (*deltas)[TILE_ROWS], const int n, const int inputs,
+                          const TileKind kind) {
     const int64_t blocks = pr->in_features / (kind == Q8_0_TILES ? 32 : 256);
-    const BlockQ8K *y = pr->q8 + row * blocks + first;
+    const BlockQ8K *y[2];
+    for (int r = 0; r < inputs; r++) y[r] = pr->q8 + rows[r] * blocks + first;
     if (kind == Q6_K_TILES)
-        q6_k_tile_dot(&tile->q6, y, count, acc, n);
-    else if (kind == Q4_K_TILES)
-        q4_k_tile_dot(&tile->q4, y, count, acc, n);
-    else if (kind == Q8_0_TILES)
-        q8_0_tile_dot(&tile->q80, pr->q8_0 + row * blocks + first, count, acc, n);
+        q6_k_tile_dot(&tile->q6, y, count, acc, n, inputs);
+    else if (kind == IQ_TILES || kind == IQ_DELTA_TILES)
+        iq_tile_dot(&tile->iq, y, count, acc, deltas, n, inputs, kind == IQ_DELTA_TILES);
     else
-        iq_tile_dot(&tile->iq, y, count, acc, deltas, n, kind == IQ_DELTA_TILES);
+        for (int r = 0; r < inputs; r++) {
+            if (kind == Q4_K_TILES)
+                q4_k_tile_dot(&tile->q4, y[r], count, acc[r], n);
+            else
+                q8_0_tile_dot(&tile->q80, pr->q8_0 + rows[r] * blocks + first, count, acc[r], n);
+        }
 }
 
 /* weight rows m..m + n - 1 of matrix b against all its input rows: CHUNK_BLOCKS blocks of the n rows
@@ -283,26 +304,22 @@ AVX2_INLINE void tile_group(const Product *pr, int64_t b, int64_t m, const int n
                     prefetch_ahead(block, block_bytes);
                     tile_decode(block, &tile, w, j, kind, type);
                 }
-            const int done = c + count == blocks;
-            for (int64_t p = 0; p < inputs; p++) {
-                __m256 acc[TILE_ROWS];
-                float deltas[TILE_ROWS];
+            if (c == 0)
+                for (int64_t p = 0; p < inputs; p++)
+                    for (int w = 0; w < n; w++) parked[p][w] = _mm256_setzero_ps(), parked_deltas[p][w] = 0.0f;
+            int64_t p = 0;
+            for (; p + 2 <= inputs; p += 2)
+                tile_dot(pr, &tile, pr->rows + p0 + p, c, count, parked + p, parked_deltas + p, n, 2, kind);
+            if (p < inputs) tile_dot(pr, &tile, pr->rows + p0 + p, c, count, parked + p, parked_deltas + p, n, 1, kind);
+            if (c + count < blocks) continue;
+            for (p = 0; p < inputs; p++)
                 for (int w = 0; w < n; w++) {
-                    acc[w] = c == 0 ? _mm256_setzero_ps() : parked[p][w];
-                    deltas[w] = c == 0 ? 0.0f : parked_deltas[p][w];
+                    float *out = pr->out + (p0 + p) * pr->out_stride + m + w;
+                    if (kind == IQ_DELTA_TILES)
+                        *out = hsum8(parked[p][w]) + 0.125f * parked_deltas[p][w];
+                    else
+                        *out = (kind == IQ_TILES ? type->factor : 1.0f) * hsum8(parked[p][w]);
                 }
-                tile_dot(pr, &tile, pr->rows[p0 + p], c, count, acc, deltas, n, kind);
-                for (int w = 0; w < n; w++) {
-                    if (!done) {
-                        parked[p][w] = acc[w], parked_deltas[p][w] = deltas[w];
-                    } else if (kind == IQ_DELTA_TILES) {
-                        pr->out[(p0 + p) * pr->out_stride + m + w] = hsum8(acc[w]) + 0.125f * deltas[w];
-                    } else {
-                        const float factor = kind == IQ_TILES ? type->factor : 1.0f;
-                        pr->out[(p0 + p) * pr->out_stride + m + w] = factor * hsum8(acc[w]);
-                    }
-                }
-            }
         }
     }
 }
