@@ -143,3 +143,24 @@ def test_products_on_one_input_equal_each_product_alone(generic, monkeypatch):
         ).numpy()  # fmt: skip
         assert np.array_equal(got[:, column : column + w.shape[0]].view(np.uint32), alone.view(np.uint32))
         column += w.shape[0]
+
+
+@needs_llama
+def test_activations_round_as_ggml_quantizes_them():
+    """Inputs whose 8-bit codes are exact halves (ties to even) and blocks whose largest magnitude comes
+    twice with both signs: the products (Q6_K, Q8_K activations; Q8_0) are llama.cpp's bit for bit."""
+    avx2 = bool(ggml_oracle.library().ggml_cpu_has_avx2())
+    rng = np.random.default_rng(9)
+    x = (rng.integers(-127, 128, (6, 512)) / 2).astype(np.float32)
+    x[:, 0], x[:, 100], x[:, 300], x[:, 400] = -127.0, 127.0, 127.0, -127.0  # the first one sets the sign
+    x[1, 256:] = 0.0
+    x[2, 5] = 127.0
+    for qt in (T.Q6_K, T.Q8_0):
+        w = matrix(qt, 5, 512, seed=int(qt))
+        activations = [ggml_oracle.quantize_activations(row, int(qt)) for row in x]
+        expected = np.array(
+            [[ggml_oracle.vec_dot(int(qt), 512, r, a, not avx2) for r in w] for a in activations],
+            dtype=np.float32,
+        )
+        got = grouped(qt, [w], x, [len(x)], np.arange(len(x)))
+        assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), qt.name
