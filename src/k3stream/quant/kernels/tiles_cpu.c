@@ -4,15 +4,17 @@
  * them in registers) and then dotted with every input row of the matrix.
  *
  * The contract: every output is bit for bit what the type's one-row kernel gives (which is llama.cpp's
- * vec_dot): per block the same integer sums in the same lanes, converted and accumulated into the same
+ * vec_dot on AVX2 machines, Q4_K's a few ulp apart): per block the same integer sums in the same lanes, converted and accumulated into the same
  * float lanes in block order, summed at the end as that kernel sums them. A row's result never depends
  * on the other rows of its call. ggml_cpu.c's run_rows takes these kernels for a matrix whose input
  * rows they run faster than the one-row kernels (`q8_tiles_take`).
  *
  * Blocking (AVX2): TILE_ROWS weight rows are decoded together, CHUNK_BLOCKS blocks of each at a time
  * (a few KiB, in L1 beside the input rows streaming past); each input row's 8-bit blocks are loaded
- * once per run for all TILE_ROWS weight rows. Partial sums of up to PARK_ROWS input rows wait in
- * memory between chunks (a store and a load of the same lanes: no rounding).
+ * once per run for all TILE_ROWS weight rows, and (Q6_K, the i-quants) two input rows share each load
+ * of the tile. Partial sums of up to PARK_ROWS input rows wait in memory between chunks (a store and a
+ * load of the same lanes: no rounding). Without AVX2 only Q6_K has a multi-row kernel (a block's codes
+ * decoded once, each input row's integer sum as the portable one-row kernel's); the others keep theirs.
  */
 #include <math.h>
 #include <stdint.h>
