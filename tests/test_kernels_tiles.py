@@ -77,6 +77,14 @@ def test_many_rows_give_the_one_row_kernels_bits(qt, out_rows, cols, generic, mo
         assert np.array_equal(together.view(np.uint32), alone[:count].view(np.uint32)), count
 
 
+@pytest.mark.parametrize("cols", [32, 96, 1056])
+def test_q8_0_rows_of_any_whole_blocks(cols):
+    """Q8_0 rows of 1, 3 and 33 blocks (its tiles take 32 blocks at a time): the one-row kernel's bits."""
+    w, x = matrix(T.Q8_0, 9, cols, seed=cols), inputs(11, cols, seed=cols + 1)
+    together = grouped(T.Q8_0, [w], x, [len(x)], np.arange(len(x)))
+    assert np.array_equal(together.view(np.uint32), one_row_at_a_time(T.Q8_0, w, x).view(np.uint32))
+
+
 @needs_llama
 @pytest.mark.parametrize("qt", LLAMA_EXACT, ids=lambda t: t.name)
 @pytest.mark.parametrize("count", [2, 5, 17])
