@@ -388,13 +388,13 @@ RowKernel q8_tile_kernel(int ggml_type, int avx2) {
 /* Measured (1024 x 1024, one thread, AVX2), against the kernels they replace: Q6_K's one-row kernel is
  * faster for two rows, Q8_0's up to four; Q4_K's own kernel shares decoded codes between 4 input rows
  * in registers (as fast as the tiles at 16 rows, 1.1x slower at 24, 1.2x at 64); the i-quants' kernels
- * share each decoded run between RUN_ROWS = 4 input rows, faster than the tiles where the rows are 4
- * or 8 (none left over to run one at a time), slower elsewhere */
+ * share each decoded run between RUN_ROWS = 4 input rows, faster than the tiles at exactly 4 rows
+ * (none left over to run one at a time), as fast or slower elsewhere */
 int q8_tiles_take(int ggml_type, int64_t rows) {
     switch (ggml_type) {
         case 14: return rows >= 3;
         case 8: return rows >= 5;
         case 12: return rows >= 24;
-        default: return rows >= 2 && (rows > 8 || rows % 4 != 0);
+        default: return rows >= 2 && rows != 4;
     }
 }
