@@ -264,10 +264,6 @@ INLINE float q8_q2_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict
     return acc + (y->d * f16(b + 80) * (float)isum - y->d * f16(b + 82) * (float)summs);
 }
 
-INLINE int q3_k_int_scale(const uint8_t *restrict b, int s) {
-    return (((b[96 + (s & 7)] >> (4 * (s >> 3))) & 15) | ((b[104 + (s & 3)] >> (2 * (s >> 2))) & 3) << 4) - 32;
-}
-
 INLINE float q8_q3_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y, float acc) {
     int isum = 0;
     for (int e = 0; e < 256; e++) {

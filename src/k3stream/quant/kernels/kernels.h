@@ -45,6 +45,11 @@ INLINE void k_scale_min(const uint8_t *p, int s, int *scale, int *min) {
     }
 }
 
+/* Q3_K's 6-bit scale of sub-block s (0..15), less 32 */
+INLINE int q3_k_int_scale(const uint8_t *restrict b, int s) {
+    return (((b[96 + (s & 7)] >> (4 * (s >> 3))) & 15) | ((b[104 + (s & 3)] >> (2 * (s >> 2))) & 3) << 4) - 32;
+}
+
 /* ggml's block_q8_0: 32 codes x * 127 / amax rounded, and d = amax / 127 rounded to F16 (held as float) */
 typedef struct BlockQ8_0 {
     float d;

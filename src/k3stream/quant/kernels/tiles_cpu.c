@@ -69,36 +69,82 @@ static void q6_k_tiles_generic(const Product *pr, int64_t b, int64_t first, int6
 #if defined(__x86_64__) && defined(__GNUC__)
 #define AVX2_TILE __attribute__((target("avx2,fma,f16c")))
 
-/* TILE_ROWS weight rows' CHUNK_BLOCKS Q6_K blocks as q8_q6_k uses them: each run's 32 codes (0..63),
- * its two sub-blocks' int16 scales (low, high 16 values), each block's scales times -32 (the codes'
- * offset, taken against the Q8_K sums of 16) and d */
+/* TILE_ROWS weight rows' CHUNK_BLOCKS Q2_K, Q3_K or Q6_K blocks as their one-row kernels use them: each
+ * run's 32 unsigned codes, its two sub-blocks' int16 scales (low, high 16 values), int16 factors of
+ * the Q8_K sums of 16 (Q2_K: the mins; Q3_K: the scales times -4, Q6_K: times -32, the codes' offsets),
+ * d and Q2_K's dmin */
 typedef struct {
     uint8_t codes[TILE_ROWS][CHUNK_BLOCKS][256] __attribute__((aligned(32)));
     __m256i scales[TILE_ROWS][CHUNK_BLOCKS][8];
     __m256i offsets[TILE_ROWS][CHUNK_BLOCKS];
-    float d[TILE_ROWS][CHUNK_BLOCKS];
-} Q6Tile;
+    float d[TILE_ROWS][CHUNK_BLOCKS], dmin[TILE_ROWS][CHUNK_BLOCKS];
+} KTile;
 
-AVX2_INLINE void q6_k_decode(const uint8_t *restrict b, Q6Tile *tile, int w, int j) {
+/* run r's pair of scales: scales[2r] on its first 16 values, scales[2r + 1] on the rest */
+AVX2_INLINE void k_run_scales(const int *scales, KTile *tile, int w, int j) {
+    for (int run = 0; run < 8; run++)
+        tile->scales[w][j][run] = _mm256_set_m128i(_mm_set1_epi16((short)scales[2 * run + 1]), _mm_set1_epi16((short)scales[2 * run]));
+}
+
+AVX2_INLINE void q6_k_decode(const uint8_t *restrict b, KTile *tile, int w, int j) {
+    int scales[16];
     for (int run = 0; run < 8; run++)
         _mm256_store_si256((__m256i *)(tile->codes[w][j] + 32 * run), q6_k_codes(b, run));
-    const int8_t *scales = (const int8_t *)(b + 192);
-    for (int run = 0; run < 8; run++)
-        tile->scales[w][j][run] = _mm256_set_m128i(_mm_set1_epi16(scales[2 * run + 1]), _mm_set1_epi16(scales[2 * run]));
-    const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
+    for (int s = 0; s < 16; s++) scales[s] = (int8_t)b[192 + s];
+    k_run_scales(scales, tile, w, j);
+    const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
     tile->offsets[w][j] = _mm256_mullo_epi16(wide, _mm256_set1_epi16(-32));
     tile->d[w][j] = f16(b + 208);
 }
 
+/* as q8_q2_k: codes 2f..2f + 1 of the bytes 16 + 32g.. for run 4g + f */
+AVX2_INLINE void q2_k_decode(const uint8_t *restrict b, KTile *tile, int w, int j) {
+    int scales[16];
+    for (int g = 0; g < 2; g++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * g));
+        for (int f = 0; f < 4; f++)
+            _mm256_store_si256((__m256i *)(tile->codes[w][j] + 32 * (4 * g + f)),
+                               _mm256_and_si256(_mm256_srli_epi16(q, 2 * f), _mm256_set1_epi8(3)));
+    }
+    for (int s = 0; s < 16; s++) scales[s] = b[s] & 15;
+    k_run_scales(scales, tile, w, j);
+    const __m128i packed = _mm_loadu_si128((const __m128i *)b);
+    tile->offsets[w][j] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15)));
+    tile->d[w][j] = f16(b + 80), tile->dmin[w][j] = f16(b + 82);
+}
+
+/* as q8_q3_k: code + 4 = low + 4 h (h: bit 4g + f of hmask), the 4 taken back from the Q8_K sums */
+AVX2_INLINE void q3_k_decode(const uint8_t *restrict b, KTile *tile, int w, int j) {
+    int scales[16];
+    const __m256i hmask = _mm256_loadu_si256((const __m256i *)b);
+    for (int g = 0; g < 2; g++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * g));
+        for (int f = 0; f < 4; f++) {
+            const int bit = 4 * g + f; /* moved to bit 2 of each byte */
+            const __m256i moved = bit >= 2 ? _mm256_srli_epi16(hmask, bit - 2) : _mm256_slli_epi16(hmask, 2 - bit);
+            const __m256i codes = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * f), _mm256_set1_epi8(3)),
+                                                  _mm256_and_si256(moved, _mm256_set1_epi8(4)));
+            _mm256_store_si256((__m256i *)(tile->codes[w][j] + 32 * bit), codes);
+        }
+    }
+    int16_t times4[16];
+    for (int s = 0; s < 16; s++) scales[s] = q3_k_int_scale(b, s), times4[s] = (int16_t)(-4 * scales[s]);
+    k_run_scales(scales, tile, w, j);
+    tile->offsets[w][j] = _mm256_loadu_si256((const __m256i *)times4);
+    tile->d[w][j] = f16(b + 108);
+}
+
 /* acc[r][w] (n weight rows, `inputs` input rows: 1 or 2, each 32-byte load of the tile then serving
- * both) gains input row r's `count` blocks y[r] */
-AVX2_INLINE void q6_k_tile_dot(const Q6Tile *tile, const BlockQ8K *const *y, int count, __m256 (*acc)[TILE_ROWS],
-                               const int n, const int inputs) {
+ * both) gains input row r's `count` blocks y[r]; `mins` (Q2_K): the offsets' sums enter by a second
+ * FMA with -d_y dmin, else they start the integer sums */
+AVX2_INLINE void k_tile_dot(const KTile *tile, const BlockQ8K *const *y, int count, __m256 (*acc)[TILE_ROWS],
+                            const int n, const int inputs, const int mins) {
     for (int j = 0; j < count; j++) {
         __m256i sumi[2][TILE_ROWS];
         for (int r = 0; r < inputs; r++) {
             const __m256i bsums = _mm256_loadu_si256((const __m256i *)y[r][j].bsums);
-            for (int w = 0; w < n; w++) sumi[r][w] = _mm256_madd_epi16(tile->offsets[w][j], bsums);
+            for (int w = 0; w < n; w++)
+                sumi[r][w] = mins ? _mm256_setzero_si256() : _mm256_madd_epi16(tile->offsets[w][j], bsums);
         }
         for (int run = 0; run < 8; run++) {
             __m256i q8[2];
@@ -111,9 +157,16 @@ AVX2_INLINE void q6_k_tile_dot(const Q6Tile *tile, const BlockQ8K *const *y, int
             }
         }
         for (int r = 0; r < inputs; r++)
-            for (int w = 0; w < n; w++)
+            for (int w = 0; w < n; w++) {
                 acc[r][w] = _mm256_fmadd_ps(_mm256_set1_ps(tile->d[w][j] * y[r][j].d), _mm256_cvtepi32_ps(sumi[r][w]),
                                             acc[r][w]);
+                if (mins) {
+                    const __m256i bsums = _mm256_loadu_si256((const __m256i *)y[r][j].bsums);
+                    const __m256i offsets = _mm256_madd_epi16(tile->offsets[w][j], bsums);
+                    acc[r][w] = _mm256_fmadd_ps(_mm256_set1_ps(-y[r][j].d * tile->dmin[w][j]), _mm256_cvtepi32_ps(offsets),
+                                                acc[r][w]);
+                }
+            }
     }
 }
 
@@ -208,7 +261,7 @@ typedef struct {
     IqRuns blocks[TILE_ROWS][CHUNK_BLOCKS];
 } IqTile;
 
-/* as q6_k_tile_dot, as SHARED_RUNS sums a block: each run's activations signed, times the unsigned
+/* as k_tile_dot, as SHARED_RUNS sums a block: each run's activations signed, times the unsigned
  * weights, pairs of pairs scaled; IQ1_S's deltas (an exact integer a block) into `deltas` */
 AVX2_INLINE void iq_tile_dot(const IqTile *tile, const BlockQ8K *const *y, int count, __m256 (*acc)[TILE_ROWS],
                              float (*deltas)[TILE_ROWS], const int n, const int inputs, const int with_deltas) {
@@ -244,19 +297,24 @@ AVX2_INLINE void iq_tile_dot(const IqTile *tile, const BlockQ8K *const *y, int c
     }
 }
 
-/* What a weight-row group's kernel is: Q6_K, Q4_K, Q8_0, or an i-quant of `type` (IQ1_S with deltas) */
-typedef enum { Q6_K_TILES, Q4_K_TILES, Q8_0_TILES, IQ_TILES, IQ_DELTA_TILES } TileKind;
+/* What a weight-row group's kernel is: Q2_K, Q3_K, Q6_K, Q4_K, Q8_0, or an i-quant of `type` (IQ1_S with
+ * deltas) */
+typedef enum { Q2_K_TILES, Q3_K_TILES, Q6_K_TILES, Q4_K_TILES, Q8_0_TILES, IQ_TILES, IQ_DELTA_TILES } TileKind;
 
 typedef union {
-    Q6Tile q6;
+    KTile k;
     Q4Tile q4;
     Q80Tile q80;
     IqTile iq;
 } Tile;
 
 AVX2_INLINE void tile_decode(const uint8_t *block, Tile *tile, int w, int j, const TileKind kind, const IqRunType *type) {
-    if (kind == Q6_K_TILES)
-        q6_k_decode(block, &tile->q6, w, j);
+    if (kind == Q2_K_TILES)
+        q2_k_decode(block, &tile->k, w, j);
+    else if (kind == Q3_K_TILES)
+        q3_k_decode(block, &tile->k, w, j);
+    else if (kind == Q6_K_TILES)
+        q6_k_decode(block, &tile->k, w, j);
     else if (kind == Q4_K_TILES)
         q4_k_decode(block, &tile->q4, w, j);
     else if (kind == Q8_0_TILES)
@@ -272,8 +330,8 @@ AVX2_INLINE void tile_dot(const Product *pr, const Tile *tile, const int64_t *ro
     const int64_t blocks = pr->in_features / (kind == Q8_0_TILES ? 32 : 256);
     const BlockQ8K *y[2];
     for (int r = 0; r < inputs; r++) y[r] = pr->q8 + rows[r] * blocks + first;
-    if (kind == Q6_K_TILES)
-        q6_k_tile_dot(&tile->q6, y, count, acc, n, inputs);
+    if (kind == Q2_K_TILES || kind == Q3_K_TILES || kind == Q6_K_TILES)
+        k_tile_dot(&tile->k, y, count, acc, n, inputs, kind == Q2_K_TILES);
     else if (kind == IQ_TILES || kind == IQ_DELTA_TILES)
         iq_tile_dot(&tile->iq, y, count, acc, deltas, n, inputs, kind == IQ_DELTA_TILES);
     else
@@ -290,7 +348,12 @@ AVX2_INLINE void tile_dot(const Product *pr, const Tile *tile, const int64_t *ro
 AVX2_INLINE void tile_group(const Product *pr, int64_t b, int64_t m, const int n, const TileKind kind,
                             const IqRunType *type) {
     const int64_t blocks = pr->in_features / (kind == Q8_0_TILES ? 32 : 256), end = pr->starts[b + 1];
-    const int block_bytes = kind == Q6_K_TILES ? 210 : kind == Q4_K_TILES ? 144 : kind == Q8_0_TILES ? 34 : type->bytes;
+    const int block_bytes = kind == Q2_K_TILES   ? 84
+                            : kind == Q3_K_TILES ? 110
+                            : kind == Q6_K_TILES ? 210
+                            : kind == Q4_K_TILES ? 144
+                            : kind == Q8_0_TILES ? 34
+                                                 : type->bytes;
     const int chunk = kind == Q8_0_TILES ? Q8_0_CHUNK : CHUNK_BLOCKS;
     const uint8_t *rows = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
     Tile tile;
@@ -340,6 +403,8 @@ AVX2_INLINE void tile_rows(const Product *pr, int64_t b, int64_t first, int64_t 
     AVX2_TILE static void NAME##_tiles(const Product *pr, int64_t b, int64_t first, int64_t last) {     \
         tile_rows(pr, b, first, last, KIND, NULL);                                                     \
     }
+TILES_OF(q2_k, Q2_K_TILES)
+TILES_OF(q3_k, Q3_K_TILES)
 TILES_OF(q6_k, Q6_K_TILES)
 TILES_OF(q4_k, Q4_K_TILES)
 TILES_OF(q8_0, Q8_0_TILES)
@@ -379,6 +444,8 @@ static RowKernel iq_tiles(int ggml_type) {
 RowKernel q8_tile_kernel(int ggml_type, int avx2) {
     if (ggml_type == 14) return avx2 ? AVX2_TILES(q6_k) : q6_k_tiles_generic;
 #if defined(__x86_64__) && defined(__GNUC__)
+    if (ggml_type == 10) return avx2 ? q2_k_tiles : NULL;
+    if (ggml_type == 11) return avx2 ? q3_k_tiles : NULL;
     if (ggml_type == 12) return avx2 ? q4_k_tiles : NULL;
     if (ggml_type == 8) return avx2 ? q8_0_tiles : NULL;
 #endif
@@ -386,8 +453,9 @@ RowKernel q8_tile_kernel(int ggml_type, int avx2) {
 }
 
 /* Measured (1024 x 1024, one thread, AVX2), against the kernels they replace: Q6_K's one-row kernel is
- * faster for two rows, Q8_0's up to four; Q4_K's own kernel shares decoded codes between 4 input rows
- * in registers (as fast as the tiles at 16 rows, 1.1x slower at 24, 1.2x at 64); the i-quants' kernels
+ * faster for two rows, Q8_0's up to four; Q2_K's, Q3_K's and Q4_K's own kernels share decoded codes
+ * between 4 input rows in registers (Q2_K, Q3_K: as fast as the tiles at 10 rows, faster below, 1.1-1.2x
+ * slower at 16, 1.4x at 128; Q4_K: as fast at 16 rows, 1.1x slower at 24, 1.2x at 64); the i-quants' kernels
  * share each decoded run between RUN_ROWS = 4 input rows, faster than the tiles at exactly 4 rows
  * (none left over to run one at a time), as fast or slower elsewhere */
 int q8_tiles_take(int ggml_type, int64_t rows) {
@@ -395,6 +463,8 @@ int q8_tiles_take(int ggml_type, int64_t rows) {
         case 14: return rows >= 3;
         case 8: return rows >= 5;
         case 12: return rows >= 24;
+        case 10:
+        case 11: return rows >= 10;
         default: return rows >= 2 && rows != 4;
     }
 }
