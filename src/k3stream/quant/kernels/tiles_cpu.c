@@ -11,7 +11,7 @@
  *
  * Blocking (AVX2): TILE_ROWS weight rows are decoded together, CHUNK_BLOCKS blocks of each at a time
  * (a few KiB, in L1 beside the input rows streaming past); each input row's 8-bit blocks are loaded
- * once per run for all TILE_ROWS weight rows, and (Q6_K, the i-quants) two input rows share each load
+ * once per run for all TILE_ROWS weight rows, and (all but Q4_K, Q8_0) two input rows share each load
  * of the tile. Partial sums of up to PARK_ROWS input rows wait in memory between chunks (a store and a
  * load of the same lanes: no rounding). Without AVX2 only Q6_K has a multi-row kernel (a block's codes
  * decoded once, each input row's integer sum as the portable one-row kernel's); the others keep theirs.
