@@ -1251,6 +1251,39 @@ ALWAYS __m256 q8_q6_k(const uint8_t *restrict b, const BlockQ8K *restrict y, __m
     return _mm256_fmadd_ps(_mm256_set1_ps(f16c(b + 208) * y->d), _mm256_cvtepi32_ps(sumi), acc);
 }
 
+/* quantize_q8_k eight values at a time: the same largest magnitude (its first occurrence's sign), the same
+ * products rounded half to even and clamped, the same sums: the same bytes */
+AVX2 static void quantize_q8_k_avx2(const float *restrict x, int64_t blocks, BlockQ8K *restrict y) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t i = 0; i < blocks; i++, x += 256) {
+        __m256 most = _mm256_setzero_ps();
+        for (int j = 0; j < 256; j += 8) /* a NaN (first operand) is skipped, as `>` skips it */
+            most = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), magnitude), most);
+        float lanes[8], amax = 0.0f;
+        _mm256_storeu_ps(lanes, most);
+        for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+        memset(&y[i], 0, sizeof(BlockQ8K));
+        if (amax == 0.0f) continue;
+        int first = 0;
+        while (fabsf(x[first]) != amax) first++;
+        const float iscale = -127.0f / x[first];
+        const __m256 scale = _mm256_set1_ps(iscale), top = _mm256_set1_ps(127.0f);
+        for (int j = 0; j < 256; j += 32) {
+            __m256i codes[4];
+            for (int k = 0; k < 4; k++) {
+                const __m256 v = _mm256_round_ps(_mm256_mul_ps(scale, _mm256_loadu_ps(x + j + 8 * k)),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                codes[k] = _mm256_cvtps_epi32(_mm256_min_ps(v, top));
+            }
+            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]), _mm256_packs_epi32(codes[2], codes[3]));
+            _mm256_storeu_si256((__m256i *)(y[i].qs + j), _mm256_permutevar8x32_epi32(packed, order));
+        }
+        for (int j = 0; j < 16; j++)
+            for (int l = 0; l < 16; l++) y[i].bsums[j] += y[i].qs[16 * j + l];
+        y[i].d = 1.0f / iscale;
+    }
+}
 /* Q8_0 weights: signed codes times signed codes, by maddubs on |w| and y with w's sign */
 ALWAYS __m256 q8_signed_dot(__m256i w, __m256i q8, float scale, __m256 acc) {
     const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q8, w));
@@ -1293,41 +1326,7 @@ Q8_SHARED_ROW(q8_row_q4_k_avx2, q8_q4_k, 144)
 Q8_ROW(q8_row_q6_k_avx2, AVX2, q8_q6_k, 210, q8, 256, __m256, _mm256_setzero_ps(), hsum8)
 Q8_ROW(q8_row_q8_0_avx2, AVX2, q8_q8_0, 34, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
 Q8_ROW(q8_row_q4_0_avx2, AVX2, q8_q4_0, 18, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
-/* quantize_q8_k eight values at a time: the same largest magnitude (its first occurrence's sign), the same
- * products rounded half to even and clamped, the same sums: the same bytes */
-AVX2 static void quantize_q8_k_avx2(const float *restrict x, int64_t blocks, BlockQ8K *restrict y) {
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int64_t i = 0; i < blocks; i++, x += 256) {
-        __m256 most = _mm256_setzero_ps();
-        for (int j = 0; j < 256; j += 8) /* a NaN (first operand) is skipped, as `>` skips it */
-            most = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), magnitude), most);
-        float lanes[8], amax = 0.0f;
-        _mm256_storeu_ps(lanes, most);
-        for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
-        memset(&y[i], 0, sizeof(BlockQ8K));
-        if (amax == 0.0f) continue;
-        int first = 0;
-        while (fabsf(x[first]) != amax) first++;
-        const float iscale = -127.0f / x[first];
-        const __m256 scale = _mm256_set1_ps(iscale), top = _mm256_set1_ps(127.0f);
-        for (int j = 0; j < 256; j += 32) {
-            __m256i codes[4];
-            for (int k = 0; k < 4; k++) {
-                const __m256 v = _mm256_round_ps(_mm256_mul_ps(scale, _mm256_loadu_ps(x + j + 8 * k)),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                codes[k] = _mm256_cvtps_epi32(_mm256_min_ps(v, top));
-            }
-            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]), _mm256_packs_epi32(codes[2], codes[3]));
-            _mm256_storeu_si256((__m256i *)(y[i].qs + j), _mm256_permutevar8x32_epi32(packed, order));
-        }
-        for (int j = 0; j < 16; j++)
-            for (int l = 0; l < 16; l++) y[i].bsums[j] += y[i].qs[16 * j + l];
-        y[i].d = 1.0f / iscale;
-    }
-}
 #else
-#define quantize_q8_k_avx2 quantize_q8_k
 static RowKernel fused_kernel(int ggml_type) { (void)ggml_type; return NULL; }
 static TileKernel tile_kernel(int ggml_type) { (void)ggml_type; return NULL; }
 #define HAVE_AVX2() 0
@@ -1426,10 +1425,14 @@ static int plan_product(Plan *plan, const float *x, int64_t in_features, const i
         if (q8 == NULL) {
             q8 = plan->owned = malloc((k_quant ? sizeof(BlockQ8K) : sizeof(BlockQ8_0)) * (size_t)(blocks + 1));
             if (q8 == NULL) return -2;
-            if (k_quant)
-                (HAVE_AVX2() ? quantize_q8_k_avx2 : quantize_q8_k)(x, blocks, q8);
-            else
+            if (!k_quant)
                 quantize_q8_0(x, blocks, q8);
+#if defined(__x86_64__) && defined(__GNUC__)
+            else if (HAVE_AVX2())
+                quantize_q8_k_avx2(x, blocks, q8);
+#endif
+            else
+                quantize_q8_k(x, blocks, q8);
         }
         if (k_quant)
             plan->pr.q8 = q8;
