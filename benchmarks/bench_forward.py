@@ -1,9 +1,13 @@
 """Prefill and decode speed of k3stream and llama.cpp on the same mid-size tiny Kimi-K3 GGUF.
 
     python benchmarks/bench_forward.py [--recipe f32|f16|audited|iq2_xxs|dynamic|...] [--shape mid|wide|big]
-        [--threads 2]
+        [--threads 2] [--clock wall|cpu]
         [--prompt 128] [--decode 32] [--repeat 3] [--prefills 3]
-        [--kernels auto|reference] [--match-ggml] [--clock wall|cpu]
+        [--kernels auto|reference] [--match-ggml]
+
+`--clock cpu` times the process's CPU seconds instead of wall seconds (meaningful with `--threads 1`,
+where both engines compute on the calling thread alone): on a shared machine the cores other
+processes take are then not counted.
 
 Writes the model with `k3stream.testing.tiny` (`mid`: hidden 1024, 8 layers, 64 experts top-8 of 256 x 256;
 `wide`: hidden 768, 128 experts top-8 of 512 x 512; `big`: hidden 1024, 128 experts top-8 of 1024 x
@@ -15,9 +19,6 @@ run's single prefill of half a second fell in a slow phase of a few seconds as o
 prints the median tokens/s of each and the ratio of the medians, k3stream/llama.cpp.
 `--kernels reference` runs k3stream's reference path (weights dequantized to float32 at load);
 `--match-ggml` quantizes k3stream's activations as llama.cpp does (ggml's integer kernels).
-`--clock cpu` times the process's CPU seconds instead of wall seconds (meaningful with `--threads 1`,
-where both engines compute on the calling thread alone): on a shared machine the cores other
-processes take are then not counted.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS), help="cpu: process CPU seconds")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each engine, alternating; medians")
     parser.add_argument(
         "--prefills",
@@ -134,7 +136,6 @@ def main() -> None:
     )
     parser.add_argument("--kernels", default="auto", choices=["auto", "reference"])
     parser.add_argument("--match-ggml", action="store_true", help="k3stream quantizes activations as ggml")
-    parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS), help="cpu: process CPU seconds")
     args = parser.parse_args()
 
     from k3stream.testing.tiny import TinySpec, make_tiny
@@ -145,7 +146,7 @@ def main() -> None:
         print(
             f"model: {size_mb:.0f} MiB {args.recipe} GGUF, {SHAPES[args.shape]}; threads {args.threads}; "
             f"medians of {args.repeat} alternating runs (each the fastest of {args.prefills} prefills); "
-            f"k3stream kernels {args.kernels}{', match_ggml' * args.match_ggml}; {args.clock} clock"
+            f"k3stream kernels {args.kernels}{', match_ggml' * args.match_ggml}"
         )
         clock = CLOCKS[args.clock]
         tokens = np.random.default_rng(args.seed).integers(0, 500, args.prompt + args.decode).tolist()
