@@ -3,10 +3,10 @@
  * each weight block is decoded ONCE into a small buffer (codes and scales as the one-row kernel holds
  * them in registers) and then dotted with every input row of the matrix.
  *
- * The contract: every output is bit for bit what the type's one-row kernel gives (which is llama.cpp's
- * vec_dot on AVX2 machines, Q4_K's a few ulp apart): per block the same integer sums in the same lanes, converted and accumulated into the same
- * float lanes in block order, summed at the end as that kernel sums them. A row's result never depends
- * on the other rows of its call. ggml_cpu.c's run_rows takes these kernels for a matrix whose input
+ * The contract: every output is bit for bit what the type's one-row kernel gives (on AVX2 machines
+ * llama.cpp's vec_dot; Q2_K's, Q3_K's and Q4_K's a few ulp apart from it): per block the same integer
+ * sums in the same lanes, converted and accumulated into the same float lanes in block order, summed at
+ * the end as that kernel sums them. A row's result never depends on the other rows of its call. ggml_cpu.c's run_rows takes these kernels for a matrix whose input
  * rows they run faster than the one-row kernels (`q8_tiles_take`).
  *
  * Blocking (AVX2): TILE_ROWS weight rows are decoded together, CHUNK_BLOCKS blocks of each at a time
