@@ -1,9 +1,13 @@
 """Prefill and decode speed of k3stream and llama.cpp on the same mid-size tiny Kimi-K3 GGUF.
 
     python benchmarks/bench_forward.py [--recipe f32|f16|audited|iq2_xxs|dynamic|...] [--shape mid|wide|big]
-        [--threads 2]
+        [--threads 2] [--clock wall|cpu]
         [--prompt 128] [--decode 32] [--repeat 3] [--prefills 3]
         [--kernels auto|reference] [--float-activations]
+
+`--clock cpu` times the process's CPU seconds instead of wall seconds (meaningful with `--threads 1`,
+where both engines compute on the calling thread alone): on a shared machine the cores other
+processes take are then not counted.
 
 Writes the model with `k3stream.testing.tiny` (`mid`: hidden 1024, 8 layers, 64 experts top-8 of 256 x 256;
 `wide`: hidden 768, 128 experts top-8 of 512 x 512; `big`: hidden 1024, 128 experts top-8 of 1024 x
@@ -23,12 +27,15 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from k3stream.commands.flags import add_arithmetic_arguments
 from k3stream.gguf.writer import RECIPES
+
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 SHAPES = {}
 SHAPES["mid"] = MID_SIZE = dict(
@@ -65,6 +72,7 @@ def bench_k3stream(
     kernels: str = "auto",
     match_ggml: bool = True,
     prefills: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, float]:
     import torch
 
@@ -76,17 +84,22 @@ def bench_k3stream(
     prefill_s = float("inf")
     for _ in range(prefills):
         state = model.new_state()
-        start = time.perf_counter()
+        start = clock()
         model.prefill_last(state, tokens[:prompt])  # the last logits alone, as llama.cpp by default
-        prefill_s = min(prefill_s, time.perf_counter() - start)
-    start = time.perf_counter()
+        prefill_s = min(prefill_s, clock() - start)
+    start = clock()
     for token in tokens[prompt:]:
         model.decode(state, token)
-    return prefill_s, time.perf_counter() - start
+    return prefill_s, clock() - start
 
 
 def bench_llama(
-    path: Path, tokens: list[int], prompt: int, threads: int, prefills: int = 1
+    path: Path,
+    tokens: list[int],
+    prompt: int,
+    threads: int,
+    prefills: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, float]:
     from llama_cpp import Llama
 
@@ -98,13 +111,13 @@ def bench_llama(
     prefill_s = float("inf")
     for _ in range(prefills):
         model.reset()
-        start = time.perf_counter()
+        start = clock()
         model.eval(tokens[:prompt])
-        prefill_s = min(prefill_s, time.perf_counter() - start)
-    start = time.perf_counter()
+        prefill_s = min(prefill_s, clock() - start)
+    start = clock()
     for token in tokens[prompt:]:
         model.eval([token])
-    return prefill_s, time.perf_counter() - start
+    return prefill_s, clock() - start
 
 
 def main() -> None:
@@ -115,6 +128,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS), help="cpu: process CPU seconds")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each engine, alternating; medians")
     parser.add_argument(
         "--prefills",
@@ -137,15 +151,25 @@ def main() -> None:
             f"medians of {args.repeat} alternating runs (each the fastest of {args.prefills} prefills); "
             f"k3stream kernels {args.kernels}, {'ggml arithmetic' if match_ggml else 'float32 activations'}"
         )
+        clock = CLOCKS[args.clock]
         tokens = np.random.default_rng(args.seed).integers(0, 500, args.prompt + args.decode).tolist()
         runs: dict[str, list[tuple[float, float]]] = {"k3stream": [], "llama.cpp": []}
         for _ in range(args.repeat):
             runs["k3stream"].append(
                 bench_k3stream(
-                    path, tokens, args.prompt, args.threads, args.kernels, match_ggml, args.prefills
+                    path,
+                    tokens,
+                    args.prompt,
+                    args.threads,
+                    args.kernels,
+                    match_ggml,
+                    args.prefills,
+                    clock,
                 )
             )
-            runs["llama.cpp"].append(bench_llama(path, tokens, args.prompt, args.threads, args.prefills))
+            runs["llama.cpp"].append(
+                bench_llama(path, tokens, args.prompt, args.threads, args.prefills, clock)
+            )
     rates = {
         name: (
             float(np.median([args.prompt / prefill_s for prefill_s, _ in times])),

@@ -17,7 +17,12 @@ then matmul) once. The i-quants and ternary types (which k3stream does not encod
 (activations quantized to 8 bits in the call, as ggml does), the plain read's and llama.cpp's own: its
 `from_float` and then its `vec_dot` (libggml-cpu's function pointers, from llama-cpp-python) over every
 row of every matrix, in a loop compiled here with gcc and split over the same threads, alternating run
-for run with ours; the ratios to the read and to llama.cpp.
+for run with ours; the ratios to the read and to llama.cpp. Any type with an integer kernel may be
+named (`--iquants Q6_K,Q8_0,IQ2_XXS`). `--rows N` gives each matrix N input rows (prefill-shaped: k3stream
+takes its multi-row kernels, each weight block decoded once for all the rows, llama.cpp its vec_dot for
+every row and input row); "Gw/s" counts weights times input rows a second. `--clock cpu` (with
+`--threads 1`) times the calling thread's CPU seconds, which other processes on a shared machine do
+not take.
 """
 
 from __future__ import annotations
@@ -68,16 +73,16 @@ def best_of_both(first, second, repeat: int) -> tuple[float, float]:
     return fastest_first, fastest_second
 
 
-def best_of_each(runs, repeat: int) -> tuple[float, ...]:
-    """best_of_both for any number of runs, taken in turn."""
+def best_of_each(runs, repeat: int, clock=time.perf_counter) -> tuple[float, ...]:
+    """best_of_both for any number of runs, taken in turn (timed by `clock`)."""
     for run in runs:
         run()
     times: list[list[float]] = [[] for _ in runs]
     for _ in range(repeat):
         for run, spent in zip(runs, times, strict=True):
-            start = time.perf_counter()
+            start = clock()
             run()
-            spent.append(time.perf_counter() - start)
+            spent.append(clock() - start)
     return tuple(min(spent) for spent in times)
 
 
@@ -94,6 +99,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--rows", type=int, default=1, help="--iquants: input rows (1: decode; more: prefill)"
+    )
+    parser.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="--iquants, one thread: the thread's CPU seconds",
     )
     args = parser.parse_args()
     if args.iquants:
@@ -203,7 +214,9 @@ class IquantCase:
             threads,
         )  # fmt: skip
 
-    def seconds(self, x: torch.Tensor, library: ctypes.CDLL, threads: int, repeat: int) -> tuple[float, ...]:
+    def seconds(
+        self, x: torch.Tensor, library: ctypes.CDLL, threads: int, repeat: int, clock=time.perf_counter
+    ) -> tuple[float, ...]:
         """The best times of ours and llama.cpp's (alternating), and of a plain read of the bytes."""
         torch.set_num_threads(threads)
         words = [d.view(torch.int64) for d in self.datas]
@@ -212,7 +225,7 @@ class IquantCase:
             lambda: self.theirs(x, library, threads),
             lambda: [w.sum() for w in words],
         )
-        return best_of_each(runs, repeat)
+        return best_of_each(runs, repeat, clock)
 
 
 def iquants_against_llama_cpp(args: argparse.Namespace) -> None:
@@ -225,15 +238,17 @@ def iquants_against_llama_cpp(args: argparse.Namespace) -> None:
         f"best of {args.repeat}, ours, llama.cpp's and the read alternating"
     )
     print(f"{'type':8s} {'threads':>7s} {'k3 GB/s':>8s} {'read GB/s':>9s} {'k3/read':>7s} "
-          f"{'llama GB/s':>10s} {'k3/llama':>8s}")  # fmt: skip
+          f"{'llama GB/s':>10s} {'k3/llama':>8s} {'k3 Gw/s':>8s} {'llama Gw/s':>10s}")  # fmt: skip
     for name in args.iquants.split(","):
         case = IquantCase.make(name, args.experts, args.rows)
-        total = sum(d.numel() for d in case.datas)
+        total, products = sum(d.numel() for d in case.datas), ROWS * COLS * args.experts * args.rows
         for threads in (int(t) for t in args.threads.split(",")):
-            kernel, llama, read = case.seconds(x, library, threads, args.repeat)
+            clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+            kernel, llama, read = case.seconds(x, library, threads, args.repeat, clock)
             print(
                 f"{name:8s} {threads:7d} {total / kernel / 1e9:8.2f} {total / read / 1e9:9.2f} "
-                f"{read / kernel:7.2f} {total / llama / 1e9:10.2f} {llama / kernel:8.2f}"
+                f"{read / kernel:7.2f} {total / llama / 1e9:10.2f} {llama / kernel:8.2f} "
+                f"{products / kernel / 1e9:8.2f} {products / llama / 1e9:10.2f}"
             )
 
 

@@ -15,8 +15,9 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 Q8_0, Q8_K = 8, 15
-IQ1_M, MXFP4, TQ1_0, TQ2_0 = 29, 39, 34, 35
-F16_AT = {TQ1_0: 52, TQ2_0: 64}  # where a block's F16 scale is (0 for the others but IQ1_M's)
+Q2_K, Q3_K, Q4_K, Q6_K, IQ1_M, MXFP4, TQ1_0, TQ2_0 = 10, 11, 12, 14, 29, 39, 34, 35
+# where a block's F16 scales are (d, and the K-quants' dmin; 0 for the others but IQ1_M's)
+F16_AT = {Q2_K: (80, 82), Q3_K: (108,), Q4_K: (0, 2), Q6_K: (208,), TQ1_0: (52,), TQ2_0: (64,)}
 # bytes of one Q8_0 and one Q8_K block as ggml lays them out (F16 d + 32 codes; F32 d + 256 codes + 16 sums)
 ACTIVATION_BLOCK = {Q8_0: (32, 34), Q8_K: (256, 292)}
 VecDot = ctypes.CFUNCTYPE(
@@ -82,12 +83,14 @@ def vec_dot(
 
 
 def _type_name(ggml_type: int) -> str:
-    return {Q8_0: "q8_0", Q8_K: "q8_K"}.get(ggml_type) or GGMLQuantizationType(ggml_type).name.lower()
+    name = {Q8_0: "q8_0", Q8_K: "q8_K"}.get(ggml_type) or GGMLQuantizationType(ggml_type).name.lower()
+    return name[:-2] + "_K" if name.endswith("_k") else name  # ggml's K-quants: q6_K
 
 
 def random_blocks(ggml_type: int, count: int, rng: np.random.Generator) -> np.ndarray:
-    """`count` blocks [count, bytes] of random codes and finite scales: the F16 d (IQ1_M's spread over
-    its scales' top nibbles), MXFP4's E8M0 exponent where its products stay within float range."""
+    """`count` blocks [count, bytes] of random codes and finite scales: the F16 d (and dmin; IQ1_M's d
+    spread over its scales' top nibbles), MXFP4's E8M0 exponent where its products stay within float
+    range."""
     data = rng.integers(0, 256, (count, GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][1]), dtype=np.uint8)
     scales = (rng.standard_normal(count) * 0.02).astype(np.float16).view(np.uint16)
     if ggml_type == MXFP4:
@@ -98,6 +101,6 @@ def random_blocks(ggml_type: int, count: int, rng: np.random.Generator) -> np.nd
             words[:, k] |= ((scales >> (4 * k)) & 15) << 12
         data[:, 48:56] = words.view(np.uint8)
     else:
-        at = F16_AT.get(ggml_type, 0)
-        data[:, at : at + 2] = scales.view(np.uint8).reshape(count, 2)
+        for k, at in enumerate(F16_AT.get(ggml_type, (0,))):
+            data[:, at : at + 2] = np.roll(scales, k).view(np.uint8).reshape(count, 2)
     return data

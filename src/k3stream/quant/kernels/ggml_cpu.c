@@ -146,16 +146,6 @@ INLINE void dec_q3_k(const uint8_t *restrict b, float *restrict y) { /* high bit
     }
 }
 
-INLINE void k_scale_min(const uint8_t *p, int s, int *scale, int *min) {
-    if (s < 4) {
-        *scale = p[s] & 63;
-        *min = p[4 + s] & 63;
-    } else {
-        *scale = (p[4 + s] & 15) | ((p[s - 4] >> 2) & 0x30);
-        *min = (p[4 + s] >> 4) | ((p[s] >> 2) & 0x30);
-    }
-}
-
 INLINE void dec_q45_k(const uint8_t *restrict b, float *restrict y, int fifth_bit) {
     float d = f16(b), dmin = f16(b + 2);
     const uint8_t *low = b + (fifth_bit ? 48 : 16), *high = b + 16;
@@ -272,10 +262,6 @@ INLINE float q8_q2_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict
         isum += (b[s] & 15) * code * y->qs[e];
     }
     return acc + (y->d * f16(b + 80) * (float)isum - y->d * f16(b + 82) * (float)summs);
-}
-
-INLINE int q3_k_int_scale(const uint8_t *restrict b, int s) {
-    return (((b[96 + (s & 7)] >> (4 * (s >> 3))) & 15) | ((b[104 + (s & 3)] >> (2 * (s >> 2))) & 3) << 4) - 32;
 }
 
 INLINE float q8_q3_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y, float acc) {
@@ -425,13 +411,6 @@ static void input_major_generic(const Product *pr, int64_t b, int64_t first, int
     (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && getenv("K3STREAM_GENERIC_KERNELS") == NULL)
 
 AVX2 static inline __m256 codes_lo8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
-
-AVX2 static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
 
 /* Up to FUSED_ROWS input rows share each expanded weight vector; every row keeps its own four FMA
  * chains and sees exactly the operations it would see alone, so results do not depend on pairing. */
@@ -699,17 +678,6 @@ ALWAYS __m256i q5_k_codes(const uint8_t *restrict b, int s) {
 
 K45_DOT(q4_k)
 K45_DOT(q5_k)
-
-/* Q6_K's 32 unsigned 6-bit codes (0..63) of run r: low nibbles at 64(r/4) + 32((r%4)%2), shift
- * 4((r%4)/2); high bits at 128 + 32(r/4), shift 2(r%4) */
-ALWAYS __m256i q6_k_codes(const uint8_t *restrict b, int run) {
-    const int half = run >> 2, rest = (run & 3) * 32;
-    const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * half + (rest & 63)));
-    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
-    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (rest >> 6)), _mm256_set1_epi8(15));
-    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * (run & 3)), _mm256_set1_epi8(3));
-    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
-}
 
 /* Q6_K's 16 sub-block steps (scale * d) */
 ALWAYS void q6_k_steps(const uint8_t *restrict b, float *steps) {
@@ -1303,6 +1271,39 @@ ALWAYS __m256 q8_q6_k(const uint8_t *restrict b, const BlockQ8K *restrict y, __m
     return _mm256_fmadd_ps(_mm256_set1_ps(f16c(b + 208) * y->d), _mm256_cvtepi32_ps(sumi), acc);
 }
 
+/* quantize_q8_k eight values at a time: the same largest magnitude (its first occurrence's sign), the same
+ * products rounded half to even and clamped, the same sums: the same bytes */
+AVX2 static void quantize_q8_k_avx2(const float *restrict x, int64_t blocks, BlockQ8K *restrict y) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t i = 0; i < blocks; i++, x += 256) {
+        __m256 most = _mm256_setzero_ps();
+        for (int j = 0; j < 256; j += 8) /* a NaN (first operand) is skipped, as `>` skips it */
+            most = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), magnitude), most);
+        float lanes[8], amax = 0.0f;
+        _mm256_storeu_ps(lanes, most);
+        for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+        memset(&y[i], 0, sizeof(BlockQ8K));
+        if (amax == 0.0f) continue;
+        int first = 0;
+        while (fabsf(x[first]) != amax) first++;
+        const float iscale = -127.0f / x[first];
+        const __m256 scale = _mm256_set1_ps(iscale), top = _mm256_set1_ps(127.0f);
+        for (int j = 0; j < 256; j += 32) {
+            __m256i codes[4];
+            for (int k = 0; k < 4; k++) {
+                const __m256 v = _mm256_round_ps(_mm256_mul_ps(scale, _mm256_loadu_ps(x + j + 8 * k)),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                codes[k] = _mm256_cvtps_epi32(_mm256_min_ps(v, top));
+            }
+            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]), _mm256_packs_epi32(codes[2], codes[3]));
+            _mm256_storeu_si256((__m256i *)(y[i].qs + j), _mm256_permutevar8x32_epi32(packed, order));
+        }
+        for (int j = 0; j < 16; j++)
+            for (int l = 0; l < 16; l++) y[i].bsums[j] += y[i].qs[16 * j + l];
+        y[i].d = 1.0f / iscale;
+    }
+}
 /* Q8_0 weights: signed codes times signed codes, by maddubs on |w| and y with w's sign */
 ALWAYS __m256 q8_signed_dot(__m256i w, __m256i q8, float scale, __m256 acc) {
     const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q8, w));
@@ -1501,17 +1502,29 @@ static int64_t rows_used(const int64_t *starts, const int64_t *rows, int64_t mat
 typedef struct {
     Product pr;
     RowKernel kernel;
+    RowKernel q8_tile; /* on 8-bit activations, for a matrix with several input rows (NULL: none) */
+    int ggml_type;
     WideKernel wide;
     TileKernel tile;
     int64_t chunks, tasks;
     void *owned;
 } Plan;
 
+/* The 8-bit blocks of x (Q8_K or else Q8_0) that one of `count` earlier plans on the same x rows holds, or NULL */
+static void *blocks_planned(const Plan *earlier, int64_t count, int k_quant) {
+    for (int64_t i = 0; i < count; i++) {
+        void *blocks = k_quant ? (void *)earlier[i].pr.q8 : (void *)earlier[i].pr.q8_0;
+        if (blocks != NULL) return blocks;
+    }
+    return NULL;
+}
+
 /* Plans one product (arguments as k3_grouped_product's, with the output's row stride): 0, -1 for a GGML type
- * without a kernel, -2 without memory (nothing left to free on failure) */
+ * without a kernel, -2 without memory (nothing left to free on failure). `earlier`: `planned` plans of the
+ * same call on the same x rows, whose 8-bit blocks of x this one takes rather than quantizing x again. */
 static int plan_product(Plan *plan, const float *x, int64_t in_features, const int64_t *addresses, int64_t matrices,
                         int64_t out_rows, int64_t row_bytes, int ggml_type, const int64_t *starts, const int64_t *rows,
-                        float *out, int64_t out_stride, int q8_activations) {
+                        float *out, int64_t out_stride, int q8_activations, const Plan *earlier, int64_t planned) {
     const Product pr = {x, in_features, out_rows, row_bytes, addresses, starts, rows, matrices, out, out_stride,
                         NULL, NULL, NULL};
     plan->pr = pr;
@@ -1524,15 +1537,23 @@ static int plan_product(Plan *plan, const float *x, int64_t in_features, const i
         const int k_quant = ggml_type != 2 && ggml_type != 8 && !iq_q8_0_activations(ggml_type), elems = k_quant ? 256 : 32;
         if (kernel == NULL || in_features % elems != 0) return -1;
         const int64_t blocks = rows_used(starts, rows, matrices) * (in_features / elems);
-        void *q8 = plan->owned = malloc((k_quant ? sizeof(BlockQ8K) : sizeof(BlockQ8_0)) * (size_t)(blocks + 1));
-        if (q8 == NULL) return -2;
-        if (k_quant) {
-            quantize_q8_k(x, blocks, q8);
-            plan->pr.q8 = q8;
-        } else {
-            quantize_q8_0(x, blocks, q8);
-            plan->pr.q8_0 = q8;
+        void *q8 = blocks_planned(earlier, planned, k_quant);
+        if (q8 == NULL) {
+            q8 = plan->owned = malloc((k_quant ? sizeof(BlockQ8K) : sizeof(BlockQ8_0)) * (size_t)(blocks + 1));
+            if (q8 == NULL) return -2;
+            if (!k_quant)
+                quantize_q8_0(x, blocks, q8);
+#if defined(__x86_64__) && defined(__GNUC__)
+            else if (HAVE_AVX2())
+                quantize_q8_k_avx2(x, blocks, q8);
+#endif
+            else
+                quantize_q8_k(x, blocks, q8);
         }
+        if (k_quant)
+            plan->pr.q8 = q8;
+        else
+            plan->pr.q8_0 = q8;
     } else if (kernel != NULL) { /* x's sub-block sums, once per call: [x rows, in / 16], 16 values in order */
         const int64_t x_rows = rows_used(starts, rows, matrices);
         float *sums16 = plan->owned = malloc(sizeof(float) * (size_t)(x_rows * (in_features / 16) + 1));
@@ -1550,6 +1571,8 @@ static int plan_product(Plan *plan, const float *x, int64_t in_features, const i
         return -1;
     }
     plan->kernel = kernel;
+    plan->q8_tile = q8_activations ? q8_tile_kernel(ggml_type, HAVE_AVX2()) : NULL;
+    plan->ggml_type = ggml_type;
     plan->wide = q8_activations ? NULL : wide_kernel(ggml_type);
     /* the tiles expand 256 values at a time (the K-quants' block; F16 and BF16 rows of whole 256s) */
     const int tiles = !q8_activations && plan->pr.sums16 != NULL && in_features % 256 == 0;
@@ -1589,7 +1612,9 @@ static void split_tasks(const Plan *plans, int64_t tasks, double macs, int runs,
 static void run_rows(const Plan *plan, int64_t b, int64_t first, int64_t last) {
     const Product *pr = &plan->pr;
     if (pr->starts[b + 1] == pr->starts[b]) return;
-    if (plan->tile != NULL && pr->starts[b + 1] - pr->starts[b] >= TILE_MIN) {
+    if (plan->q8_tile != NULL && q8_tiles_take(plan->ggml_type, pr->starts[b + 1] - pr->starts[b])) {
+        plan->q8_tile(pr, b, first, last);
+    } else if (plan->tile != NULL && pr->starts[b + 1] - pr->starts[b] >= TILE_MIN) {
         for (int64_t m = first; m < last; m += TILE_W) plan->tile(pr, b, m, last - m < TILE_W ? (int)(last - m) : TILE_W);
     } else if (plan->wide != NULL) {
         const int64_t stride = (last - first + STREAMS - 1) / STREAMS;
@@ -1651,7 +1676,7 @@ int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addre
                        const int64_t *rows, float *out, int threads, int q8_activations) {
     Plan plan;
     const int status = plan_product(&plan, x, in_features, addresses, matrices, out_rows, row_bytes, ggml_type, starts,
-                                    rows, out, out_rows, q8_activations);
+                                    rows, out, out_rows, q8_activations, NULL, 0);
     if (status == 0) run_plans(&plan, 1, threads);
     return status;
 }
@@ -1665,7 +1690,7 @@ int k3_products(const float *x, int64_t in_features, int64_t n, int64_t matrices
                 const int64_t *types, const int64_t *out_rows, const int64_t *row_bytes, const int64_t *q8_activations,
                 float *out, int threads) {
     int64_t width = 0, *rows = malloc(sizeof(int64_t) * (size_t)(n + 1));
-    Plan *plans = malloc(sizeof(Plan) * (size_t)(matrices + 1));
+    Plan *plans = calloc((size_t)(matrices + 1), sizeof(Plan)); /* zeroed: no 8-bit blocks planned yet */
     int status = rows == NULL || plans == NULL ? -2 : 0;
     for (int64_t p = 0; p < n && status == 0; p++) rows[p] = p;
     for (int64_t i = 0; i < matrices; i++) width += out_rows[i];
@@ -1674,7 +1699,7 @@ int k3_products(const float *x, int64_t in_features, int64_t n, int64_t matrices
     for (int64_t column = 0; planned < matrices && status == 0; column += out_rows[planned++])
         status = plan_product(&plans[planned], x, in_features, addresses + planned, 1, out_rows[planned],
                               row_bytes[planned], (int)types[planned], starts, rows, out + column, width,
-                              (int)q8_activations[planned]);
+                              (int)q8_activations[planned], plans, planned);
     if (status == 0) {
         run_plans(plans, matrices, threads);
     } else {
@@ -1729,10 +1754,10 @@ static int expert_mlp(const float *x, int64_t in_features, Role gate, Role up, R
     Plan plans[2]; /* gate and up in one OpenMP region */
     if (status == 0)
         status = plan_product(&plans[0], x, in_features, gate.addresses, experts, hidden, gate.row_bytes,
-                              gate.ggml_type, starts, rows, gated, hidden, q8_activations);
+                              gate.ggml_type, starts, rows, gated, hidden, q8_activations, NULL, 0);
     if (status == 0) {
         status = plan_product(&plans[1], x, in_features, up.addresses, experts, hidden, up.row_bytes, up.ggml_type,
-                              starts, rows, upped, hidden, q8_activations);
+                              starts, rows, upped, hidden, q8_activations, plans, 1);
         if (status == 0)
             run_plans(plans, 2, threads);
         else

@@ -953,12 +953,41 @@ TERNARY_DOT(tq1_0, 54, 52)
 PAIRED_DOT(iq4_nl, 18, iq4nl_values, f16c(x), 2)
 PAIRED_DOT(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
 
+/* X(GGML type id, name, bytes a block, FACTOR, DELTAS): the SHARED_RUNS types, whose blocks
+ * `iq_run_type` decodes for the multi-row kernels (`tiles_cpu.c`) */
+#define SHARED_RUN_TYPES(X)                                                                              \
+    X(16, iq2_xxs, 66, 0.125f, 0) X(17, iq2_xs, 74, 0.125f, 0) X(22, iq2_s, 82, 0.125f, 0)              \
+    X(18, iq3_xxs, 98, 0.25f, 0) X(21, iq3_s, 110, 1.0f, 0) X(23, iq4_xs, 136, 1.0f, 0) X(19, iq1_s, 50, 1.0f, 1)
+
+#define BLOCK_RUNS(ID, NAME, BYTES, FACTOR, DELTAS)                                                      \
+    __attribute__((target("avx2,fma,f16c,bmi2"))) static void NAME##_block_runs(const uint8_t *x, IqRuns *out) { \
+        for (int ib = 0; ib < 8; ib++) {                                                                 \
+            const Run run = NAME##_run(x, ib);                                                           \
+            _mm256_store_si256((__m256i *)out->w[ib], run.w);                                            \
+            _mm256_store_si256((__m256i *)out->sign[ib], run.sign);                                      \
+            _mm256_store_si256((__m256i *)out->scales[ib], run.scales);                                  \
+            const uint16_t qh = u16_at(x + 34 + 2 * ib); /* IQ1_S's, as iq1_s_deltas reads them */      \
+            out->deltas[ib] = (DELTAS) ? (1 - 2 * (qh >> 15)) * (2 * ((qh >> 12) & 7) + 1) : 0;          \
+        }                                                                                                \
+        out->d = f16c(x);                                                                                \
+    }
+SHARED_RUN_TYPES(BLOCK_RUNS)
+#define RUN_TYPE_CASE(ID, NAME, BYTES, FACTOR, DELTAS) \
+    case ID: return (IqRunType){NAME##_block_runs, BYTES, DELTAS, FACTOR};
+IqRunType iq_run_type(int ggml_type, int avx2) {
+    if (grids_set && avx2 && __builtin_cpu_supports("bmi2")) switch (ggml_type) {
+            SHARED_RUN_TYPES(RUN_TYPE_CASE)
+        }
+    return (IqRunType){NULL, 0, 0, 0.0f};
+}
+
 #define AVX2_ROWS(ID, NAME, Y, ELEMS) \
     IQ_ROWS(NAME##_rows_avx2, __attribute__((target("avx2,fma,f16c,bmi2"))), NAME##_avx2, Y, ELEMS)
 ROW_TYPES(AVX2_ROWS)
 #define AVX2_ROWS_OF(NAME) NAME##_rows_avx2
 #else
 #define AVX2_ROWS_OF(NAME) NULL
+IqRunType iq_run_type(int ggml_type, int avx2) { return (IqRunType){NULL, 0, 0, 0.0f}; }
 #endif
 
 /* `avx2`: the machine has AVX2 and FMA (and the portable kernels are not asked for); these also take BMI2

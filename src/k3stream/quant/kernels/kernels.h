@@ -34,6 +34,22 @@ typedef struct {
     const struct BlockQ8_0 *q8_0; /* Q8_0 kernels: the same in Q8_0 blocks, in / 32 of them */
 } Product;
 
+/* Q4_K's and Q5_K's 6-bit scale and min of sub-block s (0..7) from the 12 bytes at p */
+INLINE void k_scale_min(const uint8_t *p, int s, int *scale, int *min) {
+    if (s < 4) {
+        *scale = p[s] & 63;
+        *min = p[4 + s] & 63;
+    } else {
+        *scale = (p[4 + s] & 15) | ((p[s - 4] >> 2) & 0x30);
+        *min = (p[4 + s] >> 4) | ((p[s] >> 2) & 0x30);
+    }
+}
+
+/* Q3_K's 6-bit scale of sub-block s (0..15), less 32 */
+INLINE int q3_k_int_scale(const uint8_t *restrict b, int s) {
+    return (((b[96 + (s & 7)] >> (4 * (s >> 3))) & 15) | ((b[104 + (s & 3)] >> (2 * (s >> 2))) & 3) << 4) - 32;
+}
+
 /* ggml's block_q8_0: 32 codes x * 127 / amax rounded, and d = amax / 127 rounded to F16 (held as float) */
 typedef struct BlockQ8_0 {
     float d;
@@ -72,5 +88,55 @@ void dec_iq4_xs(const uint8_t *restrict b, float *restrict y);
 void dec_tq1_0(const uint8_t *restrict b, float *restrict y);
 void dec_tq2_0(const uint8_t *restrict b, float *restrict y);
 int iq_q8_0_activations(int ggml_type);
+
+/* One i-quant block as its AVX2 kernel decodes it (SHARED_RUNS in `iquants_cpu.c`), for the multi-row
+ * kernels: each run of 32 values' unsigned weights, the signs its activations take (a byte +1, -1 or
+ * 0), the int16 scales of its pairs of pairs; d; IQ1_S's delta factor of each run (sign times scale) */
+typedef struct {
+    uint8_t w[8][32], sign[8][32];
+    int16_t scales[8][16];
+    int32_t deltas[8];
+    float d;
+} __attribute__((aligned(32))) IqRuns;
+
+/* a type's block decoder (NULL: none here), bytes a block, whether IQ1_S's deltas enter, and the factor
+ * its lanes' sum takes at the end */
+typedef struct {
+    void (*decode)(const uint8_t *block, IqRuns *out);
+    int bytes, deltas;
+    float factor;
+} IqRunType;
+IqRunType iq_run_type(int ggml_type, int avx2);
+
+/* Kernels that decode a weight block once for several input rows (`tiles_cpu.c`): a type's kernel
+ * for a matrix with more than one input row (NULL: none; the one-row kernel then takes every row),
+ * each output bit for bit what the type's one-row kernel on 8-bit activations gives */
+RowKernel q8_tile_kernel(int ggml_type, int avx2);
+/* ... and whether it is the faster one for a matrix with `rows` input rows */
+int q8_tiles_take(int ggml_type, int64_t rows);
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define AVX2_INLINE __attribute__((target("avx2,fma,f16c"))) static inline __attribute__((always_inline))
+
+/* the sum of eight float lanes, in the one order every kernel's final sum takes */
+AVX2_INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* Q6_K's 32 unsigned 6-bit codes (0..63) of run r: low nibbles at 64(r/4) + 32((r%4)%2), shift
+ * 4((r%4)/2); high bits at 128 + 32(r/4), shift 2(r%4) */
+AVX2_INLINE __m256i q6_k_codes(const uint8_t *restrict b, int run) {
+    const int half = run >> 2, rest = (run & 3) * 32;
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * half + (rest & 63)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (rest >> 6)), _mm256_set1_epi8(15));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * (run & 3)), _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+}
+#endif
 
 #endif

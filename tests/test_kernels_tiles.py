@@ -1,0 +1,175 @@
+"""The multi-row integer kernels (`tiles_cpu.c`): a matrix's product with several 8-bit input rows,
+each weight block decoded once for all of them, is bit for bit the one-row kernel's product of each
+row alone and llama.cpp's own vec_dot (its libggml-cpu), on random valid blocks, for every row count
+and width the blocking treats apart, and a row's result does not depend on the rows beside it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
+
+from k3stream.quant.kernels import cpu
+from k3stream.testing import ggml_oracle
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C kernels were not built with this install")
+needs_llama = pytest.mark.skipif(
+    ggml_oracle.library() is None, reason="llama-cpp-python's libggml-cpu not found"
+)
+
+TILED = [T.Q2_K, T.Q3_K, T.Q6_K, T.Q4_K, T.Q8_0, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S,
+         T.IQ4_XS]  # fmt: skip
+# the one-row Q2_K, Q3_K and Q4_K kernels order their float operations apart from this llama.cpp's AVX2
+# vec_dot (results a few ulp off): their tiles are held to the one-row kernels alone
+LLAMA_EXACT = [t for t in TILED if t not in (T.Q2_K, T.Q3_K, T.Q4_K)]
+PORTABLE = pytest.mark.parametrize("generic", [False, True], ids=["default", "portable"])
+# input rows: one (the one-row kernel), the tile's groups and tails, past the 64 parked rows
+COUNTS = [1, 2, 3, 5, 8, 17, 24, 64, 70]
+# (weight rows, width): weight-row groups of 4 with tails of 1-3, tasks of 32 rows; chunks of 4
+# blocks with a tail, one block, many
+MATRICES = [(1, 256), (6, 512), (7, 1280), (37, 2304), (33, 1024)]
+
+
+def matrix(qt: T, rows: int, cols: int, seed: int) -> np.ndarray:
+    elems = GGML_QUANT_SIZES[qt][0]
+    blocks = ggml_oracle.random_blocks(int(qt), rows * cols // elems, np.random.default_rng(seed))
+    return blocks.reshape(rows, -1)
+
+
+def inputs(count: int, cols: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((count, cols)).astype(np.float32)
+    x[-1, cols // 2] = -4 * np.abs(x[-1]).max()  # a block whose signed max is negative: codes reach -127
+    if count > 1:
+        x[0, :256] = 0.0  # an all-zero block
+    return x
+
+
+def grouped(
+    qt: T, weights: list[np.ndarray], x: np.ndarray, counts: list[int], rows: np.ndarray
+) -> np.ndarray:
+    """`cpu.grouped_product` on 8-bit activations: matrix b takes the x rows `rows[starts[b]:starts[b+1]]`."""
+    starts = torch.tensor([0, *np.cumsum(counts).tolist()])
+    datas = [torch.from_numpy(np.ascontiguousarray(w).reshape(-1)) for w in weights]
+    out = cpu.grouped_product(
+        torch.from_numpy(x), datas, int(qt), weights[0].shape[0], weights[0].shape[1], starts,
+        torch.from_numpy(rows), True,
+    )  # fmt: skip
+    return out.numpy()
+
+
+def one_row_at_a_time(qt: T, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    alone = [grouped(qt, [w], row[None], [1], np.zeros(1, dtype=np.int64))[0] for row in x]
+    return np.stack(alone) if alone else np.zeros((0, w.shape[0]), dtype=np.float32)
+
+
+@pytest.mark.parametrize("qt", TILED, ids=lambda t: t.name)
+@pytest.mark.parametrize("out_rows,cols", MATRICES)
+@PORTABLE
+def test_many_rows_give_the_one_row_kernels_bits(qt, out_rows, cols, generic, monkeypatch):
+    if generic:
+        monkeypatch.setenv("K3STREAM_GENERIC_KERNELS", "1")
+    w = matrix(qt, out_rows, cols, seed=out_rows)
+    x = inputs(max(COUNTS), cols, seed=cols)
+    alone = one_row_at_a_time(qt, w, x)
+    for count in COUNTS:
+        together = grouped(qt, [w], x[:count], [count], np.arange(count))
+        assert np.array_equal(together.view(np.uint32), alone[:count].view(np.uint32)), count
+
+
+@pytest.mark.parametrize("cols", [32, 96, 1056])
+def test_q8_0_rows_of_any_whole_blocks(cols):
+    """Q8_0 rows of 1, 3 and 33 blocks (its tiles take 32 blocks at a time): the one-row kernel's bits."""
+    w, x = matrix(T.Q8_0, 9, cols, seed=cols), inputs(11, cols, seed=cols + 1)
+    together = grouped(T.Q8_0, [w], x, [len(x)], np.arange(len(x)))
+    assert np.array_equal(together.view(np.uint32), one_row_at_a_time(T.Q8_0, w, x).view(np.uint32))
+
+
+@needs_llama
+@pytest.mark.parametrize("qt", LLAMA_EXACT, ids=lambda t: t.name)
+@pytest.mark.parametrize("count", [2, 5, 17])
+def test_many_rows_give_llama_cpps_vec_dot_bit_for_bit(qt, count):
+    """Against the vec_dot llama.cpp runs on this machine (the portable K-quant kernels sum a block's
+    lanes in another order than ggml's generic C: they are held to the one-row kernel above)."""
+    avx2 = bool(ggml_oracle.library().ggml_cpu_has_avx2())
+    cols = 1280
+    w, x = matrix(qt, 7, cols, seed=count), inputs(count, cols, seed=count + 1)
+    activations = [ggml_oracle.quantize_activations(row, int(qt)) for row in x]
+    expected = np.array(
+        [[ggml_oracle.vec_dot(int(qt), cols, r, a, not avx2) for r in w] for a in activations],
+        dtype=np.float32,
+    )
+    got = grouped(qt, [w], x, [count], np.arange(count))
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("qt", TILED, ids=lambda t: t.name)
+@PORTABLE
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qt, generic, monkeypatch):
+    """Several matrices in one call, input rows repeated and in any order, on 1 and 2 threads: each
+    output is that row's product alone."""
+    if generic:
+        monkeypatch.setenv("K3STREAM_GENERIC_KERNELS", "1")
+    counts = [2, 0, 3, 9, 1, 66]
+    weights = [matrix(qt, 10, 768, seed=s) for s in range(len(counts))]
+    x = inputs(12, 768, seed=5)
+    rows = np.random.default_rng(6).integers(0, len(x), sum(counts))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = grouped(qt, weights, x, counts, rows)
+        torch.set_num_threads(2)
+        two_threads = grouped(qt, weights, x, counts, rows)
+    finally:
+        torch.set_num_threads(threads)
+    assert np.array_equal(one_thread.view(np.uint32), two_threads.view(np.uint32))
+    starts = np.cumsum([0, *counts])
+    for b, w in enumerate(weights):
+        alone = one_row_at_a_time(qt, w, x[rows[starts[b] : starts[b + 1]]])
+        assert np.array_equal(one_thread[starts[b] : starts[b + 1]].view(np.uint32), alone.view(np.uint32))
+
+
+@PORTABLE
+def test_products_on_one_input_equal_each_product_alone(generic, monkeypatch):
+    """`cpu.products` quantizes x once for its matrices of one activation type (Q8_K, Q8_0) and
+    each matrix's outputs are its `grouped_product` alone, float-activation matrices among them."""
+    if generic:
+        monkeypatch.setenv("K3STREAM_GENERIC_KERNELS", "1")
+    kinds = [(T.Q6_K, 1), (T.Q8_0, 1), (T.IQ2_XXS, 1), (T.Q4_K, 0), (T.Q6_K, 1), (T.Q8_0, 1)]
+    weights = [matrix(qt, 5 + i, 512, seed=i) for i, (qt, _) in enumerate(kinds)]
+    x = inputs(9, 512, seed=2)
+    got = cpu.products(
+        torch.from_numpy(x), [w.ctypes.data for w in weights], [int(qt) for qt, _ in kinds],
+        [w.shape[0] for w in weights], [w.shape[1] for w in weights], [q8 for _, q8 in kinds],
+    ).numpy()  # fmt: skip
+    column = 0
+    for (qt, q8), w in zip(kinds, weights, strict=True):
+        data = torch.from_numpy(w.reshape(-1))
+        alone = cpu.grouped_product(
+            torch.from_numpy(x), [data], int(qt), w.shape[0], w.shape[1], torch.tensor([0, len(x)]),
+            torch.arange(len(x)), bool(q8),
+        ).numpy()  # fmt: skip
+        assert np.array_equal(got[:, column : column + w.shape[0]].view(np.uint32), alone.view(np.uint32))
+        column += w.shape[0]
+
+
+@needs_llama
+def test_activations_round_as_ggml_quantizes_them():
+    """Inputs whose 8-bit codes are exact halves (ties to even) and blocks whose largest magnitude comes
+    twice with both signs: the products (Q6_K, Q8_K activations; Q8_0) are llama.cpp's bit for bit."""
+    avx2 = bool(ggml_oracle.library().ggml_cpu_has_avx2())
+    rng = np.random.default_rng(9)
+    x = (rng.integers(-127, 128, (6, 512)) / 2).astype(np.float32)
+    x[:, 0], x[:, 100], x[:, 300], x[:, 400] = -127.0, 127.0, 127.0, -127.0  # the first one sets the sign
+    x[1, 256:] = 0.0
+    x[2, 5] = 127.0
+    for qt in (T.Q6_K, T.Q8_0):
+        w = matrix(qt, 5, 512, seed=int(qt))
+        activations = [ggml_oracle.quantize_activations(row, int(qt)) for row in x]
+        expected = np.array(
+            [[ggml_oracle.vec_dot(int(qt), 512, r, a, not avx2) for r in w] for a in activations],
+            dtype=np.float32,
+        )
+        got = grouped(qt, [w], x, [len(x)], np.arange(len(x)))
+        assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), qt.name
