@@ -86,12 +86,31 @@ def held_bytes(root) -> int:
     return sum(buffers.values())
 
 
+def small_f32_matrix_bytes(path) -> int:
+    """Bytes of the non-expert F32 matrices of at most INPUT_MAJOR_MAX_BYTES: the C products also hold
+    each as an input-major copy (row-exact sums at a GEMM's speed). On Kimi-K3 those are a few small
+    matrices per layer; on the tiny test models most of the trunk."""
+    from k3stream.quant.kernels.seam import INPUT_MAJOR_MAX_BYTES
+
+    return sum(
+        int(t.n_bytes)
+        for t in GGUFReader(str(path)).tensors
+        if t.tensor_type == 0
+        and len(t.shape) == 2
+        and t.n_bytes <= INPUT_MAJOR_MAX_BYTES
+        and not ROUTED_EXPERT.search(t.name)
+    )
+
+
 @pytest.mark.parametrize("recipe", ["f32", "f16", "audited"])
 def test_a_loaded_model_holds_its_nonexpert_weights_in_their_gguf_bytes(recipe):
+    """Every non-expert matrix in its GGUF bytes, once, plus at most one input-major copy of each small
+    F32 matrix (shared by every product over it)."""
     path = cached_tiny(recipe=recipe, latent=256, expert_ff=256, kv_lora=256, qk_nope=32)
     weights = nonexpert_bytes(path)
     held = held_bytes(k3stream.load(path, LoadOptions(expert_ram_mib=0)))
-    assert weights <= held <= 1.05 * weights, f"{recipe}: {held} bytes held for {weights} in the GGUF"
+    bound = 1.05 * weights + small_f32_matrix_bytes(path)
+    assert weights <= held <= bound, f"{recipe}: {held} bytes held for {weights} in the GGUF"
     if recipe != "f32":  # the walk sees a widening: the reference path holds float32 copies
         widened = held_bytes(k3stream.load(path, LoadOptions(expert_ram_mib=0, kernels="reference")))
         assert widened > 1.05 * weights

@@ -81,6 +81,12 @@ class QWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return qmatmul(x, self)
 
+    @functools.cached_property
+    def input_major(self) -> torch.Tensor:
+        """An F32 matrix as a float32 [in, out] copy for the C products (`INPUT_MAJOR_F32`), made once:
+        every `Products` over this weight shares it."""
+        return _f32_matrix(self, self.data.device).T.contiguous()
+
 
 def checked_weight(name: str, data: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> QWeight:
     """A QWeight after checking that `data` holds `shape` in whole blocks; errors name the tensor."""
@@ -257,7 +263,7 @@ def _as_c_reads(weight: QWeight) -> tuple[torch.Tensor, int]:
     INPUT_MAJOR_MAX_BYTES as an input-major float32 copy ([in, out]), any other as its GGUF bytes."""
     if weight.ggml_type != F32 or weight.data.numel() > INPUT_MAJOR_MAX_BYTES:
         return weight.data, weight.ggml_type
-    return _f32_matrix(weight, weight.data.device).T.contiguous(), cpu.INPUT_MAJOR_F32
+    return weight.input_major, cpu.INPUT_MAJOR_F32
 
 
 class GroupedProduct:
