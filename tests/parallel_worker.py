@@ -23,7 +23,8 @@ def main(argv: list[str]) -> int:
     command = ["generate", *argv[argv.index("--") + 1 :], "--prompt", "unused"]
     args = build_parser(command).parse_args(command)
     if argv[3] != "--":
-        args.match_ggml = {"float": False, "ggml": True}[argv[3]]
+        args.float_activations = {"float": True, "ggml": False}[argv[3]]
+        args.match_ggml = not args.float_activations
     torch.set_num_threads(1)
     with parallel_runtime(args) as runtime:
         if runtime is None:

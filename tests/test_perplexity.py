@@ -233,6 +233,7 @@ def _run_in(capsys, arithmetic: str, *argv) -> str:
     command = ["perplexity", *map(str, argv)]
     args = build_parser(command).parse_args(command)
     args.match_ggml = arithmetic == "ggml"
+    args.float_activations = arithmetic == "float"
     assert perplexity.run(args) == 0
     return capsys.readouterr().out
 
