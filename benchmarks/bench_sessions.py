@@ -46,6 +46,7 @@ from k3stream.engine.prompt_cache import (
     GIB,
     MIB,
     ChunkedPrefill,
+    PrefillChunks,
     PromptCache,
     model_fingerprint,
 )
@@ -178,7 +179,8 @@ def one_turn(model, context: list[int], cache: PromptCache | None, args) -> Turn
     before, read_before = _stats(cache), read_process_io()["read_bytes"]
     start, cpu_start = time.perf_counter(), time.process_time()
     prefill = ChunkedPrefill(model, context, cache)
-    while not prefill.step(args.prefill_chunk if args.pack else len(context)):
+    chunks = PrefillChunks(args.prefill_chunk if args.pack else max(len(context), 1))
+    while not prefill.step(chunks):
         pass
     state, logits, computed = prefill.state, prefill.logits, len(context) - prefill.reused
     ttft, cpu = time.perf_counter() - start, time.process_time() - cpu_start
