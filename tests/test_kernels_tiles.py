@@ -13,6 +13,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from k3stream.quant.kernels import cpu
 from k3stream.testing import ggml_oracle
+from test_kernels_iquants import inputs
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C kernels were not built with this install")
 needs_llama = pytest.mark.skipif(
@@ -36,14 +37,6 @@ def matrix(qt: T, rows: int, cols: int, seed: int) -> np.ndarray:
     elems = GGML_QUANT_SIZES[qt][0]
     blocks = ggml_oracle.random_blocks(int(qt), rows * cols // elems, np.random.default_rng(seed))
     return blocks.reshape(rows, -1)
-
-
-def inputs(count: int, cols: int, seed: int) -> np.ndarray:
-    x = np.random.default_rng(seed).standard_normal((count, cols)).astype(np.float32)
-    x[-1, cols // 2] = -4 * np.abs(x[-1]).max()  # a block whose signed max is negative: codes reach -127
-    if count > 1:
-        x[0, :256] = 0.0  # an all-zero block
-    return x
 
 
 def grouped(

@@ -435,15 +435,10 @@ class PromptCache:
             return entry.length < len(tokens) or entry.has_logits
 
         while self.enabled:
-            with self._lock:
-                self._clock += 1
-                entry = self._tree.deepest(tokens, len(tokens), usable)
-                if entry is None:
-                    break
-                entry.last_used = self._clock
-                snapshot = entry.snapshot
-            if snapshot is None:
-                snapshot = self._load(entry)
+            found = self._use_deepest(tokens, usable)
+            if found is None:
+                break
+            entry, snapshot = found
             if snapshot is None:  # a bad file: dropped, look again
                 continue
             started = time.perf_counter()
@@ -452,10 +447,7 @@ class PromptCache:
                 log.warning("prompt cache: a rank lacks the snapshot of %d tokens; a miss", entry.length)
                 self._discard(entry)
                 continue
-            with self._lock:
-                self.stats.restore_s += time.perf_counter() - started
-                self.stats.hits += 1
-                self.stats.tokens_reused += entry.length
+            self._count_hit(entry, started)
             whole = entry.length == len(tokens) and snapshot.logits is not None
             return state, entry.length, snapshot.logits.clone() if whole else None
         with self._lock:
@@ -464,23 +456,34 @@ class PromptCache:
 
     def restore_exact(self, tokens: list[int]) -> SequenceState | None:
         """A state restored from the snapshot of exactly `tokens`, or None (a rank told by rank 0)."""
+        found = self._use_deepest(tokens, lambda entry: entry.length == len(tokens))
+        if found is None or found[1] is None:
+            return None
+        entry, snapshot = found
+        started = time.perf_counter()
+        state = restore(self.model, snapshot)
+        self._count_hit(entry, started)
+        return state
+
+    def _use_deepest(
+        self, tokens: list[int], usable: Callable[[Entry], bool]
+    ) -> tuple[Entry, Snapshot | None] | None:
+        """The deepest usable entry of a prefix of `tokens`, marked used, and its snapshot (read from
+        disk where only its file holds it; None for a bad file, which is dropped); None for no entry."""
         with self._lock:
             self._clock += 1
-            entry = self._tree.deepest(tokens, len(tokens), lambda e: e.length == len(tokens))
+            entry = self._tree.deepest(tokens, len(tokens), usable)
             if entry is None:
                 return None
             entry.last_used = self._clock
             snapshot = entry.snapshot
-        snapshot = snapshot or self._load(entry)
-        if snapshot is None:
-            return None
-        started = time.perf_counter()
-        state = restore(self.model, snapshot)
+        return entry, self._load(entry) if snapshot is None else snapshot
+
+    def _count_hit(self, entry: Entry, started: float) -> None:
         with self._lock:
             self.stats.restore_s += time.perf_counter() - started
             self.stats.hits += 1
             self.stats.tokens_reused += entry.length
-        return state
 
     def save(self, tokens: list[int], state: SequenceState, logits: torch.Tensor | None = None) -> None:
         """Snapshot `state`, the state after exactly `tokens` (the end of a prompt, with its last

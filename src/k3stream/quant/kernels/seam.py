@@ -255,8 +255,8 @@ class Products:
 
 def _input_major_takes(weight: QWeight) -> bool:
     """Whether an F32 weight's products may take the C kernel from an input-major copy: GGUF bytes on
-    the CPU and the library built (any width)."""
-    return weight.data.dtype == torch.uint8 and weight.data.device.type == "cpu" and cpu.available()
+    the CPU and the library built (any width: the copy is the C call's own)."""
+    return _gguf_bytes_on_cpu(weight) and cpu.available()
 
 
 def _as_c_reads(weight: QWeight) -> tuple[torch.Tensor, int]:
@@ -361,14 +361,16 @@ def _most_rows(starts: torch.Tensor) -> int:
 def _bytes_for_c(weight: QWeight) -> bool:
     """Whether the C library may read this weight: it is built, and the weight is contiguous GGUF bytes
     on the CPU (F32 rows in whole runs of 32 values)."""
-    data = weight.data
     return (
-        data.dtype == torch.uint8
-        and data.is_contiguous()
-        and data.device.type == "cpu"
+        _gguf_bytes_on_cpu(weight)
+        and weight.data.is_contiguous()
         and (weight.ggml_type != F32 or weight.shape[1] % 32 == 0)
         and cpu.available()
     )
+
+
+def _gguf_bytes_on_cpu(weight: QWeight) -> bool:
+    return weight.data.dtype == torch.uint8 and weight.data.device.type == "cpu"
 
 
 def _f32_matrix(weight: QWeight, device: torch.device) -> torch.Tensor:
