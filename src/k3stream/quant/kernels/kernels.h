@@ -119,6 +119,15 @@ int q8_tiles_take(int ggml_type, int64_t rows);
 #include <immintrin.h>
 #define AVX2_INLINE __attribute__((target("avx2,fma,f16c"))) static inline __attribute__((always_inline))
 
+/* AVX-512 kernels (F, BW, VL, VNNI, VBMI) where the CPU has them; K3STREAM_NO_AVX512=1 takes the AVX2
+ * ones on any machine (so tests reach both), K3STREAM_GENERIC_KERNELS=1 the portable ones */
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c,bmi2")))
+#define HAVE_AVX512()                                                                                        \
+    (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&                              \
+     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&                           \
+     __builtin_cpu_supports("avx512vbmi") && getenv("K3STREAM_NO_AVX512") == NULL &&                         \
+     getenv("K3STREAM_GENERIC_KERNELS") == NULL)
+
 /* the sum of eight float lanes, in the one order every kernel's final sum takes */
 AVX2_INLINE float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
