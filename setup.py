@@ -14,6 +14,7 @@ setup(
                 "src/k3stream/quant/kernels/steps_cpu.c",
                 "src/k3stream/quant/kernels/iquants_cpu.c",
                 "src/k3stream/quant/kernels/tiles_cpu.c",
+                "src/k3stream/quant/kernels/kquants_avx512.c",
             ],
             depends=["src/k3stream/quant/kernels/kernels.h"],
             # -fno-trapping-math: a loop computing both sides of a select (the activation's polynomials)

@@ -20,6 +20,8 @@ NO_C_KERNELS = (
     "the C kernels were not built: `python3 setup.py build_ext --inplace` builds them (needs a C compiler)"
 )
 NO_CUDA = "needs a CUDA device: an NVIDIA GPU and a CUDA build of torch"
+# the C kernels' instruction sets, each test of them taking each in turn (`take_kernel_isa`)
+KERNEL_ISAS = ["avx512", "avx2", "portable"]
 if REQUIRE_ORACLE and not HAVE_LLAMA:
     requires_llama = pytest.mark.usefixtures("missing_oracle")
 else:
@@ -105,3 +107,18 @@ def tokenizer(model_path):
     from k3stream.engine.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(model_path)
+
+
+def take_kernel_isa(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes the C kernels take `isa` (one of KERNEL_ISAS) through their environment switches; skips
+    where this CPU cannot run it."""
+    from k3stream.quant.kernels import cpu
+
+    monkeypatch.delenv("K3STREAM_NO_AVX512", raising=False)
+    monkeypatch.delenv("K3STREAM_GENERIC_KERNELS", raising=False)
+    if isa == "avx2":
+        monkeypatch.setenv("K3STREAM_NO_AVX512", "1")
+    elif isa == "portable":
+        monkeypatch.setenv("K3STREAM_GENERIC_KERNELS", "1")
+    if cpu.isa() != isa:
+        pytest.skip(f"this CPU does not run the {isa} kernels")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
-from conftest import NO_C_KERNELS
+from conftest import KERNEL_ISAS, NO_C_KERNELS, take_kernel_isa
 from k3stream.model.layers import rms_norm
 from k3stream.quant import dequantize, quantize
 from k3stream.quant.kernels import (
@@ -162,9 +162,13 @@ def test_grouped_rows_equal_separate_products_bit_for_bit(qt):
 
 @pytest.mark.parametrize("qt", Q8_QUANTIZED, ids=lambda t: T(t).name)
 @pytest.mark.parametrize("rows,cols,inputs", [(37, 256, 1), (5, 512, 3), (64, 768, 40), (37, 2048, 2)])
-def test_integer_kernels_equal_the_product_with_inputs_rounded_as_ggml(qt, rows, cols, inputs):
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+def test_integer_kernels_equal_the_product_with_inputs_rounded_as_ggml(
+    qt, rows, cols, inputs, isa, monkeypatch
+):
     """match_ggml: integer kernels on ggml's Q8_K or Q8_0 codes. Their sums are exact, so they agree with the
     rounded input times the dequantized weight; an all-zero block and a negative largest value included."""
+    take_kernel_isa(isa, monkeypatch)
     w = weight(T(qt), rows, cols, seed=rows)
     x = torch.from_numpy(np.random.default_rng(cols).standard_normal((inputs, cols)).astype(np.float32))
     x[-1, 256 % cols] = -x[-1].abs().max() * 2  # the block's signed max is negative: codes reach -127
@@ -176,9 +180,11 @@ def test_integer_kernels_equal_the_product_with_inputs_rounded_as_ggml(qt, rows,
 
 
 @pytest.mark.parametrize("qt", Q8_QUANTIZED, ids=lambda t: T(t).name)
-def test_integer_kernel_rows_do_not_depend_on_grouping_or_threads(qt):
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+def test_integer_kernel_rows_do_not_depend_on_grouping_or_threads(qt, isa, monkeypatch):
     """A matrix's input rows in groups of four sharing each weight row's decoded codes (Q2_K, Q3_K,
     Q4_K), the rest three, two or one at a time: each row is its single-row result."""
+    take_kernel_isa(isa, monkeypatch)
     counts = [2, 0, 3, 9, 7]  # 9: 4 + 4 + 1, 7: 4 + 3
     weights = [weight(T(qt), 24, 512, seed=s) for s in range(len(counts))]
     x = torch.randn(12, 512)

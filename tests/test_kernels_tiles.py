@@ -11,6 +11,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
+from conftest import KERNEL_ISAS, take_kernel_isa
 from k3stream.quant.kernels import cpu
 from k3stream.testing import ggml_oracle
 from test_kernels_iquants import inputs
@@ -25,7 +26,11 @@ TILED = [T.Q2_K, T.Q3_K, T.Q6_K, T.Q4_K, T.Q8_0, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T
 # the one-row Q2_K, Q3_K and Q4_K kernels order their float operations apart from this llama.cpp's AVX2
 # vec_dot (results a few ulp off): their tiles are held to the one-row kernels alone
 LLAMA_EXACT = [t for t in TILED if t not in (T.Q2_K, T.Q3_K, T.Q4_K)]
-PORTABLE = pytest.mark.parametrize("generic", [False, True], ids=["default", "portable"])
+ISAS = pytest.mark.parametrize("isa", KERNEL_ISAS)
+# the instruction sets whose kernels are llama.cpp's AVX2 vec_dot bit for bit
+VECTOR_ISAS = pytest.mark.parametrize("isa", ["avx512", "avx2"])
+# the types with AVX-512 one-row kernels (`kquants_avx512.c`)
+AVX512_TYPES = [T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K]
 # input rows: one (the one-row kernel), the tile's groups and tails, past the 64 parked rows
 COUNTS = [1, 2, 3, 5, 8, 17, 24, 64, 70]
 # (weight rows, width): weight-row groups of 4 with tails of 1-3, tasks of 32 rows; chunks of 4
@@ -59,10 +64,9 @@ def one_row_at_a_time(qt: T, w: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("qt", TILED, ids=lambda t: t.name)
 @pytest.mark.parametrize("out_rows,cols", MATRICES)
-@PORTABLE
-def test_many_rows_give_the_one_row_kernels_bits(qt, out_rows, cols, generic, monkeypatch):
-    if generic:
-        monkeypatch.setenv("K3STREAM_GENERIC_KERNELS", "1")
+@ISAS
+def test_many_rows_give_the_one_row_kernels_bits(qt, out_rows, cols, isa, monkeypatch):
+    take_kernel_isa(isa, monkeypatch)
     w = matrix(qt, out_rows, cols, seed=out_rows)
     x = inputs(max(COUNTS), cols, seed=cols)
     alone = one_row_at_a_time(qt, w, x)
@@ -72,8 +76,10 @@ def test_many_rows_give_the_one_row_kernels_bits(qt, out_rows, cols, generic, mo
 
 
 @pytest.mark.parametrize("cols", [32, 96, 1056])
-def test_q8_0_rows_of_any_whole_blocks(cols):
+@ISAS
+def test_q8_0_rows_of_any_whole_blocks(cols, isa, monkeypatch):
     """Q8_0 rows of 1, 3 and 33 blocks (its tiles take 32 blocks at a time): the one-row kernel's bits."""
+    take_kernel_isa(isa, monkeypatch)
     w, x = matrix(T.Q8_0, 9, cols, seed=cols), inputs(11, cols, seed=cols + 1)
     together = grouped(T.Q8_0, [w], x, [len(x)], np.arange(len(x)))
     assert np.array_equal(together.view(np.uint32), one_row_at_a_time(T.Q8_0, w, x).view(np.uint32))
@@ -81,10 +87,13 @@ def test_q8_0_rows_of_any_whole_blocks(cols):
 
 @needs_llama
 @pytest.mark.parametrize("qt", LLAMA_EXACT, ids=lambda t: t.name)
-@pytest.mark.parametrize("count", [2, 5, 17])
-def test_many_rows_give_llama_cpps_vec_dot_bit_for_bit(qt, count):
+@pytest.mark.parametrize("count", [1, 2, 5, 17])
+@VECTOR_ISAS
+def test_many_rows_give_llama_cpps_vec_dot_bit_for_bit(qt, count, isa, monkeypatch):
     """Against the vec_dot llama.cpp runs on this machine (the portable K-quant kernels sum a block's
-    lanes in another order than ggml's generic C: they are held to the one-row kernel above)."""
+    lanes in another order than ggml's generic C: they are held to the one-row kernel above); the
+    AVX-512 kernels form ggml's AVX2 lanes, so they are held to it too."""
+    take_kernel_isa(isa, monkeypatch)
     avx2 = bool(ggml_oracle.library().ggml_cpu_has_avx2())
     cols = 1280
     w, x = matrix(qt, 7, cols, seed=count), inputs(count, cols, seed=count + 1)
@@ -98,12 +107,11 @@ def test_many_rows_give_llama_cpps_vec_dot_bit_for_bit(qt, count):
 
 
 @pytest.mark.parametrize("qt", TILED, ids=lambda t: t.name)
-@PORTABLE
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qt, generic, monkeypatch):
+@ISAS
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qt, isa, monkeypatch):
     """Several matrices in one call, input rows repeated and in any order, on 1 and 2 threads: each
     output is that row's product alone."""
-    if generic:
-        monkeypatch.setenv("K3STREAM_GENERIC_KERNELS", "1")
+    take_kernel_isa(isa, monkeypatch)
     counts = [2, 0, 3, 9, 1, 66]
     weights = [matrix(qt, 10, 768, seed=s) for s in range(len(counts))]
     x = inputs(12, 768, seed=5)
@@ -123,12 +131,11 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qt, generic, monkey
         assert np.array_equal(one_thread[starts[b] : starts[b + 1]].view(np.uint32), alone.view(np.uint32))
 
 
-@PORTABLE
-def test_products_on_one_input_equal_each_product_alone(generic, monkeypatch):
+@ISAS
+def test_products_on_one_input_equal_each_product_alone(isa, monkeypatch):
     """`cpu.products` quantizes x once for its matrices of one activation type (Q8_K, Q8_0) and
     each matrix's outputs are its `grouped_product` alone, float-activation matrices among them."""
-    if generic:
-        monkeypatch.setenv("K3STREAM_GENERIC_KERNELS", "1")
+    take_kernel_isa(isa, monkeypatch)
     kinds = [(T.Q6_K, 1), (T.Q8_0, 1), (T.IQ2_XXS, 1), (T.Q4_K, 0), (T.Q6_K, 1), (T.Q8_0, 1)]
     weights = [matrix(qt, 5 + i, 512, seed=i) for i, (qt, _) in enumerate(kinds)]
     x = inputs(9, 512, seed=2)
@@ -148,9 +155,11 @@ def test_products_on_one_input_equal_each_product_alone(generic, monkeypatch):
 
 
 @needs_llama
-def test_activations_round_as_ggml_quantizes_them():
+@VECTOR_ISAS
+def test_activations_round_as_ggml_quantizes_them(isa, monkeypatch):
     """Inputs whose 8-bit codes are exact halves (ties to even) and blocks whose largest magnitude comes
     twice with both signs: the products (Q6_K, Q8_K activations; Q8_0) are llama.cpp's bit for bit."""
+    take_kernel_isa(isa, monkeypatch)
     avx2 = bool(ggml_oracle.library().ggml_cpu_has_avx2())
     rng = np.random.default_rng(9)
     x = (rng.integers(-127, 128, (6, 512)) / 2).astype(np.float32)
@@ -166,3 +175,18 @@ def test_activations_round_as_ggml_quantizes_them():
         )
         got = grouped(qt, [w], x, [len(x)], np.arange(len(x)))
         assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), qt.name
+
+
+@pytest.mark.parametrize("qt", AVX512_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("out_rows,cols", [(5, 256), (7, 1280), (3, 7168)])
+def test_the_avx512_kernels_give_the_avx2_kernels_bits(qt, out_rows, cols, monkeypatch):
+    """The AVX-512 one-row kernels (one to five input rows a matrix: below the tiles) form the AVX2
+    kernels' integer lanes and float operations: the same bits, on weights whose codes reach both ends."""
+    take_kernel_isa("avx512", monkeypatch)
+    w, x = matrix(qt, out_rows, cols, seed=cols), inputs(5, cols, seed=out_rows)
+    for count in range(1, 6):
+        avx512 = grouped(qt, [w], x[:count], [count], np.arange(count))
+        monkeypatch.setenv("K3STREAM_NO_AVX512", "1")
+        avx2 = grouped(qt, [w], x[:count], [count], np.arange(count))
+        monkeypatch.delenv("K3STREAM_NO_AVX512")
+        assert np.array_equal(avx512.view(np.uint32), avx2.view(np.uint32)), count

@@ -70,6 +70,12 @@ def available() -> bool:
     return _ggml_cpu() is not None
 
 
+def isa() -> str:
+    """The instruction set the integer kernels take now: "avx512" (AVX-512 with VNNI and VBMI, unless
+    K3STREAM_NO_AVX512=1), "avx2" or "portable" (K3STREAM_GENERIC_KERNELS=1, or neither)."""
+    return _ggml_cpu().isa()
+
+
 def takes(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether the C steps (`kda_recurrent`, `residual_mix`, `rms_norm`, `situ`, `route`) may take these
     tensors: the library is built and each is float32, contiguous, on the CPU, not followed by autograd."""

@@ -486,20 +486,6 @@ ALWAYS void dot_q2_k(const uint8_t *restrict b, const float *const *x, const flo
     add_min_offsets(mins, sums, at, offsets, n);
 }
 
-/* Q3_K's 16 six-bit scales minus 32, from its 12 scale bytes at b + 96, as int8 (q3_k_scale): scale j's
- * low four bits are the low (j < 8) or high nibble of byte j % 8, its high two bits 2 (j / 4) .. of byte
- * 8 + j % 4. In vector registers: decoded with scalar shifts and inserted, the scales had been a third
- * of a Q3_K integer dot's time (its block 1.2x faster so) */
-ALWAYS __m128i q3_k_scales8(const uint8_t *restrict b) {
-    uint32_t high;
-    memcpy(&high, b + 104, 4);
-    const __m128i bytes = _mm_loadl_epi64((const __m128i *)(b + 96)), nibble = _mm_set1_epi8(15);
-    const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(bytes, nibble), _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
-    const __m128i tops = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)high), _mm_setr_epi32(0, 2, 4, 6)),
-                                       _mm_set1_epi8(3));
-    return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi32(tops, 4)), _mm_set1_epi8(32));
-}
-
 /* Q3_K's 16 scales times d, into out[16] */
 ALWAYS void q3_k_steps(const uint8_t *b, float d, float *out) {
     const __m128i codes = q3_k_scales8(b);
@@ -1459,6 +1445,8 @@ Q8_ROW(q8_row_q8_0_generic, , q8_q8_0_generic, 34, q8_0, 32, float, 0.0f, FLOAT_
 Q8_ROW(q8_row_q4_0_generic, , q8_q4_0_generic, 18, q8_0, 32, float, 0.0f, FLOAT_TOTAL)
 
 static RowKernel q8_kernel(int ggml_type) {
+    const RowKernel avx512 = q8_kernel_avx512(ggml_type);
+    if (avx512 != NULL) return avx512;
     const int avx2 = HAVE_AVX2();
     switch (ggml_type) {
         case 10: return avx2 ? q8_row_q2_k_avx2 : q8_row_q2_k_generic;
@@ -2209,8 +2197,19 @@ static PyObject *py_read_parts(PyObject *self, PyObject *const *args, Py_ssize_t
 
 PyObject *py_set_iq_grids(PyObject *self, PyObject *args); /* iquants_cpu.c */
 
+/* The instruction set the integer kernels take now: "avx512", "avx2" or "portable" (the environment's
+ * K3STREAM_NO_AVX512 and K3STREAM_GENERIC_KERNELS included) */
+static PyObject *py_isa(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (HAVE_AVX512()) return PyUnicode_FromString("avx512");
+#endif
+    return PyUnicode_FromString(HAVE_AVX2() ? "avx2" : "portable");
+}
+
 static PyMethodDef methods[] = {
     {"set_iq_grids", py_set_iq_grids, METH_VARARGS, NULL},
+    {"isa", py_isa, METH_NOARGS, NULL},
     {"grouped_product", (PyCFunction)(void (*)(void))py_grouped_product, METH_FASTCALL, NULL},
     {"products", (PyCFunction)(void (*)(void))py_products, METH_FASTCALL, NULL},
     {"expert_mlp", (PyCFunction)(void (*)(void))py_expert_mlp, METH_FASTCALL, NULL},
