@@ -94,21 +94,46 @@ AVX512_INLINE void run_pair_dot(__m512i codes, __m512i scales, const BlockQ8K *c
     }
 }
 
-/* Q2_K's codes of runs 2j, 2j + 1: bits 2f of bytes 16 + 32g.. for run 4g + f */
-AVX512_INLINE __m512i q2_k_pair(const uint8_t *restrict b, int j) {
-    const int f = 2 * (j & 1);
-    return _mm512_and_si512(shift_halves(both_halves(b + 16 + 32 * (j >> 1)), 2 * f, 2 * f + 2), _mm512_set1_epi8(3));
+/* each byte b of the four 128-bit lanes set to `base` + 4 (lane) (bytes), base + 4 (b / 4) (by_dword) */
+AVX512_INLINE __m512i lane_bytes(int base) {
+    const int at = base * 0x01010101, step = 4 * 0x01010101;
+    return _mm512_set_epi32(at + 3 * step, at + 3 * step, at + 3 * step, at + 3 * step, at + 2 * step, at + 2 * step,
+                            at + 2 * step, at + 2 * step, at + step, at + step, at + step, at + step, at, at, at, at);
 }
 
-/* acc[r] += one Q2_K block times input row r's Q8_K block, as ggml_cpu.c's q8_q2_k */
+/* Q2_K's scaled codes: byte 4i + c holds c times sub-block i's scale (at most 45: an unsigned byte) */
+AVX512_INLINE __m512i q2_k_scaled_codes(__m128i scales) {
+    const __m512i quarter = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(0x01010101));
+    const __m512i scale = _mm512_permutexvar_epi8(quarter, _mm512_castsi128_si512(scales));
+    const __m512i odd = _mm512_set1_epi32((int)0xFF00FF00), high = _mm512_set1_epi32((int)0xFFFF0000);
+    return _mm512_add_epi8(_mm512_and_si512(scale, odd), _mm512_and_si512(_mm512_add_epi8(scale, scale), high));
+}
+
+/* Q2_K's runs 2j, 2j + 1 (codes at bits 2f of bytes 16 + 32g.. for run 4g + f), each code times its
+ * sub-block's scale, looked up in `table` (q2_k_scaled_codes): sub-block 4j + i on 128-bit lane i */
+AVX512_INLINE __m512i q2_k_pair(const uint8_t *restrict b, __m512i table, int j) {
+    const int f = 2 * (j & 1);
+    const __m512i codes = shift_halves(both_halves(b + 16 + 32 * (j >> 1)), 2 * f, 2 * f + 2);
+    /* (codes & 3) | 4 (sub-block): the table's byte */
+    const __m512i at = _mm512_ternarylogic_epi32(codes, _mm512_set1_epi8(3), lane_bytes(16 * j), 0xEA);
+    return _mm512_permutexvar_epi8(at, table);
+}
+
+/* acc[r] += one Q2_K block times input row r's Q8_K block, as ggml_cpu.c's q8_q2_k: the scaled codes'
+ * sums by one vpdpbusd a pair of runs */
 AVX512_INLINE void q2_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc,
                               const int n) {
     const __m128i packed = _mm_loadu_si128((const __m128i *)b), nibble = _mm_set1_epi8(15);
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
-    const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(packed, nibble)));
+    const __m512i table = q2_k_scaled_codes(_mm_and_si128(packed, nibble));
     __m512i sums[4];
     for (int r = 0; r < n; r++) sums[r] = _mm512_setzero_si512();
-    for (int j = 0; j < 4; j++) run_pair_dot(q2_k_pair(b, j), run_pair_scales(scales, j), y, at, j, sums, n);
+    for (int j = 0; j < 4; j++) {
+        const __m512i scaled = q2_k_pair(b, table, j);
+        for (int r = 0; r < n; r++)
+            sums[r] = _mm512_dpbusd_epi32(sums[r], scaled, _mm512_loadu_si512((const void *)(y[r][at].qs + 64 * j)));
+    }
     const float step = f16_scale(b + 80), min_step = f16_scale(b + 82);
     for (int r = 0; r < n; r++) {
         const __m256i offsets = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)y[r][at].bsums));
@@ -118,14 +143,14 @@ AVX512_INLINE void q2_k_block(const uint8_t *restrict b, const BlockQ8K *const *
     }
 }
 
-/* Q3_K's codes + 4 of runs 2j, 2j + 1 (low two bits | 4 h, h: bit 4g + f of hmask; q8_q3_k's) */
+/* Q3_K's codes + 4 of runs 2j, 2j + 1: the low two bits, plus 4 where bit 4g + f of hmask is set (a mask
+ * test, no shifts; q8_q3_k's codes) */
 AVX512_INLINE __m512i q3_k_pair(const uint8_t *restrict b, int j) {
     const int g = j >> 1, f = 2 * (j & 1), bit = 4 * g + f;
     const __m512i low = _mm512_and_si512(shift_halves(both_halves(b + 32 + 32 * g), 2 * f, 2 * f + 2), _mm512_set1_epi8(3));
-    const __m512i hmask = both_halves(b);
-    const __m512i moved = bit >= 2 ? shift_halves(hmask, bit - 2, bit - 1) /* bit 4g + f to bit 2 */
-                                   : _mm512_sllv_epi16(hmask, _mm512_inserti64x4(_mm512_set1_epi16(2), _mm256_set1_epi16(1), 1));
-    return _mm512_or_si512(low, _mm512_and_si512(moved, _mm512_set1_epi8(4)));
+    const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << bit)), _mm256_set1_epi8((char)(2 << bit)), 1);
+    const __mmask64 high = _mm512_test_epi8_mask(both_halves(b), bits);
+    return _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(4));
 }
 
 /* acc[r] += one Q3_K block times input row r's Q8_K block, as ggml_cpu.c's q8_q3_k (the 4 taken back
@@ -224,7 +249,7 @@ AVX512_INLINE __m256 q6_k_block(const uint8_t *restrict b, const BlockQ8K *restr
         __m256 acc[Q8_ROWS];                                                                            \
         for (int r = 0; r < n; r++) y[r] = pr->q8 + pr->rows[p + r] * blocks, acc[r] = _mm256_setzero_ps(); \
         for (int64_t block = 0; block < blocks; block++) {                                             \
-            prefetch_ahead(row + block * (BLOCK_BYTES), BLOCK_BYTES);                                   \
+            prefetch_ahead(row + block * (BLOCK_BYTES), BLOCK_BYTES);                                \
             BLOCK(row + block * (BLOCK_BYTES), y, block, acc, n);                                       \
         }                                                                                               \
         for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = hsum8(acc[r]);             \
@@ -249,11 +274,13 @@ AVX512_TARGET static void q6_k_avx512(const Product *pr, int64_t b, int64_t firs
     const int64_t blocks = pr->in_features / 256;
     for (int64_t m = first; m < last; m++) {
         const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
-        prefetch_ahead(row, pr->row_bytes);
         for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {
             const BlockQ8K *y = pr->q8 + pr->rows[p] * blocks;
             __m256 acc = _mm256_setzero_ps();
-            for (int64_t block = 0; block < blocks; block++) acc = q6_k_block(row + 210 * block, y + block, acc);
+            for (int64_t block = 0; block < blocks; block++) {
+                if (p == pr->starts[b]) prefetch_ahead(row + 210 * block, 210);
+                acc = q6_k_block(row + 210 * block, y + block, acc);
+            }
             pr->out[p * pr->out_stride + m] = hsum8(acc);
         }
     }
