@@ -286,6 +286,75 @@ AVX512_TARGET static void q6_k_avx512(const Product *pr, int64_t b, int64_t firs
     }
 }
 
+/* ---- Q8_0 with several input rows (prefill): tiles_cpu.c's blocking, the one-row kernel's bits ------
+ * TILE_ROWS weight rows' CHUNK_BLOCKS blocks are held once as the one-row kernel uses them (codes with the
+ * top bit flipped, d), every input row of the matrix then run past them (each activation block's
+ * vpdpbusd start serving the four rows); partial sums wait in memory between chunks (no rounding). */
+#define TILE_ROWS 4
+#define CHUNK_BLOCKS 32
+#define PARK_ROWS 64
+
+typedef struct {
+    uint8_t codes[TILE_ROWS][CHUNK_BLOCKS][32] __attribute__((aligned(32)));
+    float d[TILE_ROWS][CHUNK_BLOCKS];
+} Q80Tile;
+
+/* parked[w] gains the input row's `count` blocks y against the tile's n weight rows */
+AVX512_INLINE void q8_0_tile_dot(const Q80Tile *tile, const BlockQ8_0 *restrict y, int count, __m256 *parked,
+                                 const int n) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
+    __m256 acc[TILE_ROWS];
+    for (int w = 0; w < n; w++) acc[w] = parked[w];
+    for (int j = 0; j < count; j++) {
+        const __m256i q8 = _mm256_loadu_si256((const __m256i *)y[j].qs);
+        const __m256i start = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, flip, q8));
+        for (int w = 0; w < n; w++) {
+            const __m256i sums = _mm256_dpbusd_epi32(start, _mm256_load_si256((const __m256i *)tile->codes[w][j]), q8);
+            acc[w] = _mm256_fmadd_ps(_mm256_set1_ps(tile->d[w][j] * y[j].d), _mm256_cvtepi32_ps(sums), acc[w]);
+        }
+    }
+    for (int w = 0; w < n; w++) parked[w] = acc[w];
+}
+
+/* weight rows m..m + n - 1 of matrix b against all its input rows */
+AVX512_INLINE void q8_0_tile_group(const Product *pr, int64_t b, int64_t m, const int n) {
+    const int64_t blocks = pr->in_features / 32, end = pr->starts[b + 1];
+    const uint8_t *rows = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    Q80Tile tile;
+    __m256 parked[PARK_ROWS][TILE_ROWS];
+    for (int64_t p0 = pr->starts[b]; p0 < end; p0 += PARK_ROWS) {
+        const int64_t inputs = end - p0 < PARK_ROWS ? end - p0 : PARK_ROWS;
+        for (int64_t c = 0; c < blocks; c += CHUNK_BLOCKS) {
+            const int count = blocks - c < CHUNK_BLOCKS ? (int)(blocks - c) : CHUNK_BLOCKS;
+            for (int w = 0; w < n; w++)
+                for (int j = 0; j < count; j++) {
+                    const uint8_t *block = rows + w * pr->row_bytes + (c + j) * 34;
+                    prefetch_ahead(block, 34);
+                    const __m256i codes = _mm256_loadu_si256((const __m256i *)(block + 2));
+                    _mm256_store_si256((__m256i *)tile.codes[w][j], _mm256_xor_si256(codes, flip));
+                    tile.d[w][j] = f16_scale(block);
+                }
+            for (int64_t p = 0; c == 0 && p < inputs; p++)
+                for (int w = 0; w < n; w++) parked[p][w] = _mm256_setzero_ps();
+            for (int64_t p = 0; p < inputs; p++)
+                q8_0_tile_dot(&tile, pr->q8_0 + pr->rows[p0 + p] * blocks + c, count, parked[p], n);
+        }
+        for (int64_t p = 0; p < inputs; p++)
+            for (int w = 0; w < n; w++) pr->out[(p0 + p) * pr->out_stride + m + w] = hsum8(parked[p][w]);
+    }
+}
+
+AVX512_TARGET static void q8_0_tiles_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) {
+    int64_t m = first;
+    for (; m + TILE_ROWS <= last; m += TILE_ROWS) q8_0_tile_group(pr, b, m, TILE_ROWS);
+    if (last - m == 3) q8_0_tile_group(pr, b, m, 3);
+    if (last - m == 2) q8_0_tile_group(pr, b, m, 2);
+    if (last - m == 1) q8_0_tile_group(pr, b, m, 1);
+}
+
+RowKernel q8_tile_kernel_avx512(int ggml_type) { return ggml_type == 8 && HAVE_AVX512() ? q8_0_tiles_avx512 : NULL; }
+
 RowKernel q8_kernel_avx512(int ggml_type) {
     if (!HAVE_AVX512()) return NULL;
     switch (ggml_type) {
@@ -300,6 +369,10 @@ RowKernel q8_kernel_avx512(int ggml_type) {
 
 #else
 RowKernel q8_kernel_avx512(int ggml_type) {
+    (void)ggml_type;
+    return NULL;
+}
+RowKernel q8_tile_kernel_avx512(int ggml_type) {
     (void)ggml_type;
     return NULL;
 }

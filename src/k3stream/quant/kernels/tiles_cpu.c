@@ -442,6 +442,8 @@ static RowKernel iq_tiles(int ggml_type) {
 #endif
 
 RowKernel q8_tile_kernel(int ggml_type, int avx2) {
+    const RowKernel avx512 = q8_tile_kernel_avx512(ggml_type);
+    if (avx512 != NULL) return avx512;
     if (ggml_type == 14) return avx2 ? AVX2_TILES(q6_k) : q6_k_tiles_generic;
 #if defined(__x86_64__) && defined(__GNUC__)
     if (ggml_type == 10) return avx2 ? q2_k_tiles : NULL;
