@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import subprocess
 import tempfile
 import time
@@ -202,6 +203,14 @@ class IquantCase:
         starts, rows = torch.arange(count + 1) * inputs, torch.arange(inputs).repeat(count)
         return cpu.grouped_product(x, self.datas, int(self.qtype), ROWS, self.row_bytes, starts, rows, True)
 
+    def ours_avx2(self, x: torch.Tensor) -> torch.Tensor:
+        """`ours` on the AVX2 kernels (K3STREAM_NO_AVX512=1 for the call)."""
+        os.environ["K3STREAM_NO_AVX512"] = "1"
+        try:
+            return self.ours(x)
+        finally:
+            del os.environ["K3STREAM_NO_AVX512"]
+
     def theirs(self, x: torch.Tensor, library: ctypes.CDLL, threads: int) -> None:
         weights = ggml_oracle._traits(int(self.qtype))
         activations = ggml_oracle._traits(ggml_oracle.activation_type(int(self.qtype)))
@@ -217,13 +226,15 @@ class IquantCase:
     def seconds(
         self, x: torch.Tensor, library: ctypes.CDLL, threads: int, repeat: int, clock=time.perf_counter
     ) -> tuple[float, ...]:
-        """The best times of ours and llama.cpp's (alternating), and of a plain read of the bytes."""
+        """The best times of ours and llama.cpp's (alternating), of a plain read of the bytes and of ours
+        on the AVX2 kernels (where the AVX-512 ones run; else ours again)."""
         torch.set_num_threads(threads)
         words = [d.view(torch.int64) for d in self.datas]
         runs = (
             lambda: self.ours(x),
             lambda: self.theirs(x, library, threads),
             lambda: [w.sum() for w in words],
+            lambda: self.ours_avx2(x),
         )
         return best_of_each(runs, repeat, clock)
 
@@ -233,22 +244,26 @@ def iquants_against_llama_cpp(args: argparse.Namespace) -> None:
     if ggml_oracle.library() is None:
         raise SystemExit("--iquants needs llama-cpp-python's libggml-cpu")
     library, x = ggml_rows_library(), torch.randn(args.rows, COLS)
+    llama_avx512 = "with" if ggml_oracle.library().ggml_cpu_has_avx512() else "without"
     print(
         f"{args.experts} matrices of {ROWS} x {COLS} (random valid blocks), {args.rows} input row(s) each; "
-        f"best of {args.repeat}, ours, llama.cpp's and the read alternating"
+        f"best of {args.repeat}, ours, llama.cpp's, the read and ours on AVX2 alternating; k3stream's "
+        f"kernels: {cpu.isa()}, llama.cpp's libggml-cpu {llama_avx512} AVX-512"
     )
     print(f"{'type':8s} {'threads':>7s} {'k3 GB/s':>8s} {'read GB/s':>9s} {'k3/read':>7s} "
-          f"{'llama GB/s':>10s} {'k3/llama':>8s} {'k3 Gw/s':>8s} {'llama Gw/s':>10s}")  # fmt: skip
+          f"{'llama GB/s':>10s} {'k3/llama':>8s} {'k3 Gw/s':>8s} {'llama Gw/s':>10s} "
+          f"{'k3 avx2 GB/s':>12s} {'k3/avx2':>7s}")  # fmt: skip
     for name in args.iquants.split(","):
         case = IquantCase.make(name, args.experts, args.rows)
         total, products = sum(d.numel() for d in case.datas), ROWS * COLS * args.experts * args.rows
         for threads in (int(t) for t in args.threads.split(",")):
             clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-            kernel, llama, read = case.seconds(x, library, threads, args.repeat, clock)
+            kernel, llama, read, avx2 = case.seconds(x, library, threads, args.repeat, clock)
             print(
                 f"{name:8s} {threads:7d} {total / kernel / 1e9:8.2f} {total / read / 1e9:9.2f} "
                 f"{read / kernel:7.2f} {total / llama / 1e9:10.2f} {llama / kernel:8.2f} "
-                f"{products / kernel / 1e9:8.2f} {products / llama / 1e9:10.2f}"
+                f"{products / kernel / 1e9:8.2f} {products / llama / 1e9:10.2f} "
+                f"{total / avx2 / 1e9:12.2f} {avx2 / kernel:7.2f}"
             )
 
 
