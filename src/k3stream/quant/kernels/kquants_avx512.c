@@ -1,6 +1,6 @@
-/* The integer one-row kernels of Q8_0, Q2_K, Q3_K, Q4_K and Q6_K on 8-bit activations with AVX-512
- * (F, BW, VL, VNNI, VBMI), where the CPU has them (HAVE_AVX512(); K3STREAM_NO_AVX512=1 keeps the AVX2
- * ones of ggml_cpu.c).
+/* The integer one-row kernels of Q8_0, Q2_K, Q3_K, Q4_K and Q6_K on 8-bit activations, and Q8_0's
+ * multi-row kernel, with AVX-512 (F, BW, VL, VNNI, VBMI), where the CPU has them (HAVE_AVX512();
+ * K3STREAM_NO_AVX512=1 keeps the AVX2 ones of ggml_cpu.c and tiles_cpu.c).
  *
  * The contract: every output is bit for bit the AVX2 kernel's. Each block's integer sums land in the
  * same eight int32 lanes (lane l: the products of bytes 4l..4l + 3 of each 32-byte run, times their
@@ -11,7 +11,7 @@
  * What AVX-512 changes: VNNI's vpdpbusd (unsigned x signed bytes into int32 lanes) and vpdpwssd (int16
  * pairs into them) fuse the AVX2 kernels' maddubs/madd/add chains; the K-quants take two 32-value runs
  * in one 64-byte vector (their lanes folded onto eight at the block's end), their scales spread by one
- * vpermw.
+ * vpermw (Q2_K: each code looks up its code-times-scale byte, one vpdpbusd a pair of runs).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -93,7 +93,7 @@ AVX512_INLINE void run_pair_dot(__m512i codes, __m512i scales, const BlockQ8K *c
     }
 }
 
-/* each byte b of the four 128-bit lanes set to `base` + 4 (lane) (bytes), base + 4 (b / 4) (by_dword) */
+/* every byte of 128-bit lane i set to base + 4i (the table's bytes of sub-block base / 4 + i start there) */
 AVX512_INLINE __m512i lane_bytes(int base) {
     const int at = base * 0x01010101, step = 4 * 0x01010101;
     return _mm512_set_epi32(at + 3 * step, at + 3 * step, at + 3 * step, at + 3 * step, at + 2 * step, at + 2 * step,
@@ -142,8 +142,8 @@ AVX512_INLINE void q2_k_block(const uint8_t *restrict b, const BlockQ8K *const *
     }
 }
 
-/* Q3_K's codes + 4 of runs 2j, 2j + 1: the low two bits, plus 4 where bit 4g + f of hmask is set (a mask
- * test, no shifts; q8_q3_k's codes) */
+/* Q3_K's codes + 4 of runs 2j, 2j + 1 (q8_q3_k's): the low two bits, plus 4 where bit 4g + f of hmask is
+ * set (found by a mask test) */
 AVX512_INLINE __m512i q3_k_pair(const uint8_t *restrict b, int j) {
     const int g = j >> 1, f = 2 * (j & 1), bit = 4 * g + f;
     const __m512i low = _mm512_and_si512(shift_halves(both_halves(b + 32 + 32 * g), 2 * f, 2 * f + 2), _mm512_set1_epi8(3));
