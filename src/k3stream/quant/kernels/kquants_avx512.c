@@ -349,15 +349,16 @@ AVX512_TARGET static void q8_0_tiles_avx512(const Product *pr, int64_t b, int64_
 RowKernel q8_tile_kernel_avx512(int ggml_type) { return ggml_type == 8 && HAVE_AVX512() ? q8_0_tiles_avx512 : NULL; }
 
 RowKernel q8_kernel_avx512(int ggml_type) {
-    if (!HAVE_AVX512()) return NULL;
+    RowKernel kernel = NULL;
     switch (ggml_type) {
-        case 8: return q8_0_avx512;
-        case 10: return q2_k_avx512;
-        case 11: return q3_k_avx512;
-        case 12: return q4_k_avx512;
-        case 14: return q6_k_avx512;
+        case 8: kernel = q8_0_avx512; break;
+        case 10: kernel = q2_k_avx512; break;
+        case 11: kernel = q3_k_avx512; break;
+        case 12: kernel = q4_k_avx512; break;
+        case 14: kernel = q6_k_avx512; break;
         default: return NULL;
     }
+    return HAVE_AVX512() ? kernel : NULL;
 }
 
 #else
