@@ -13,7 +13,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from k3stream.quant.kernels import cpu
 from k3stream.testing import ggml_oracle
-from test_kernels_iquants import inputs
+from test_kernels_iquants import ISAS, inputs, take_isa
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C kernels were not built with this install")
 needs_llama = pytest.mark.skipif(
@@ -26,6 +26,7 @@ TILED = [T.Q2_K, T.Q3_K, T.Q6_K, T.Q4_K, T.Q8_0, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T
 # vec_dot (results a few ulp off): their tiles are held to the one-row kernels alone
 LLAMA_EXACT = [t for t in TILED if t not in (T.Q2_K, T.Q3_K, T.Q4_K)]
 PORTABLE = pytest.mark.parametrize("generic", [False, True], ids=["default", "portable"])
+KERNELS = pytest.mark.parametrize("isa", ISAS)  # where a type has an AVX-512 kernel it takes every row
 # input rows: one (the one-row kernel), the tile's groups and tails, past the 64 parked rows
 COUNTS = [1, 2, 3, 5, 8, 17, 24, 64, 70]
 # (weight rows, width): weight-row groups of 4 with tails of 1-3, tasks of 32 rows; chunks of 4
@@ -59,10 +60,9 @@ def one_row_at_a_time(qt: T, w: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("qt", TILED, ids=lambda t: t.name)
 @pytest.mark.parametrize("out_rows,cols", MATRICES)
-@PORTABLE
-def test_many_rows_give_the_one_row_kernels_bits(qt, out_rows, cols, generic, monkeypatch):
-    if generic:
-        monkeypatch.setenv("K3STREAM_GENERIC_KERNELS", "1")
+@KERNELS
+def test_many_rows_give_the_one_row_kernels_bits(qt, out_rows, cols, isa, monkeypatch):
+    take_isa(isa, monkeypatch)
     w = matrix(qt, out_rows, cols, seed=out_rows)
     x = inputs(max(COUNTS), cols, seed=cols)
     alone = one_row_at_a_time(qt, w, x)
@@ -82,9 +82,11 @@ def test_q8_0_rows_of_any_whole_blocks(cols):
 @needs_llama
 @pytest.mark.parametrize("qt", LLAMA_EXACT, ids=lambda t: t.name)
 @pytest.mark.parametrize("count", [2, 5, 17])
-def test_many_rows_give_llama_cpps_vec_dot_bit_for_bit(qt, count):
+def test_many_rows_give_llama_cpps_vec_dot_bit_for_bit(qt, count, monkeypatch):
     """Against the vec_dot llama.cpp runs on this machine (the portable K-quant kernels sum a block's
-    lanes in another order than ggml's generic C: they are held to the one-row kernel above)."""
+    lanes in another order than ggml's generic C: they are held to the one-row kernel above); the
+    AVX-512 kernels, a few ulp apart from it, in test_kernels_iquants."""
+    monkeypatch.setenv("K3STREAM_NO_AVX512", "1")
     avx2 = bool(ggml_oracle.library().ggml_cpu_has_avx2())
     cols = 1280
     w, x = matrix(qt, 7, cols, seed=count), inputs(count, cols, seed=count + 1)
@@ -98,12 +100,11 @@ def test_many_rows_give_llama_cpps_vec_dot_bit_for_bit(qt, count):
 
 
 @pytest.mark.parametrize("qt", TILED, ids=lambda t: t.name)
-@PORTABLE
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qt, generic, monkeypatch):
+@KERNELS
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qt, isa, monkeypatch):
     """Several matrices in one call, input rows repeated and in any order, on 1 and 2 threads: each
     output is that row's product alone."""
-    if generic:
-        monkeypatch.setenv("K3STREAM_GENERIC_KERNELS", "1")
+    take_isa(isa, monkeypatch)
     counts = [2, 0, 3, 9, 1, 66]
     weights = [matrix(qt, 10, 768, seed=s) for s in range(len(counts))]
     x = inputs(12, 768, seed=5)

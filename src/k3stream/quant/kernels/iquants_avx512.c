@@ -1,0 +1,230 @@
+/* AVX-512 (VBMI, VNNI) integer kernels of the 1-3-bit grid i-quants on Q8_K activations, where the CPU
+ * has them (HAVE_AVX512; K3STREAM_NO_AVX512=1 keeps ggml's AVX2 kernels of `iquants_cpu.c`).
+ *
+ * Byte planes: a grid of entries of 8 bytes is 8 byte-planes (plane j: byte j of every entry); 64 grid
+ * indices look up 64 bytes of a plane in two-table byte permutes (128 bytes each) and a blend on the
+ * index's high bits. Two blocks (512 values) are 64 entries: entry k (0..63) is values 8k..8k + 7, so
+ * plane j holds values 8k + j. The activations are put in the same order once per kernel call (x is
+ * shared by every weight row): `x_planes`. The signs go to the activations (a masked negate), the
+ * unsigned grid bytes times them by VPDPBUSD; a 32-bit lane then sums 4 adjacent entries of a plane,
+ * one 32-value sub-block, so the 8 planes' products give each sub-block's exact sum in its own lane.
+ *
+ * The float step (every input-row count, one or many, gives a row the same bits):
+ * lane t (0..15) of a pair of blocks: sub-block t's scaled integer sum (exact in float32), times
+ * d_w * d_y of its block (a float product), added by FMA into lane t of 16 float lanes, block pair after
+ * pair; at the end the 16 lanes summed (hsum16) and multiplied by the type's factor. This is not ggml's
+ * lane order: the results are within a few ulp of llama.cpp's vec_dot, not bit for bit.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define AVX512 AVX512_TARGET static inline __attribute__((always_inline))
+
+#define RUN_ROWS 4 /* input rows sharing each decoded pair of blocks */
+
+/* the grids' byte planes, the sign table, and byte and qword orders (filled by iq_avx512_set_grids) */
+/* IQ2 grids: each value one of three levels (code 0, 1, 2); table h of a grid holds entry e's codes of
+ * bytes 4h..4h + 3 in bits 2j, 2j + 1 (j = 0..3); level_tables[j][i]: the level of bits 2j, 2j + 1 of i */
+static uint8_t iq2xxs_codes[2][256] __attribute__((aligned(64)));
+static uint8_t level_tables[3][64] __attribute__((aligned(64)));
+static int levels_fit; /* every IQ2 grid value one of three levels */
+static uint8_t ksigns_table[128] __attribute__((aligned(64)));
+static uint8_t entry_order[64] __attribute__((aligned(64))); /* entry k: byte 8q + l of sub-block vectors */
+static uint8_t plane_order[64] __attribute__((aligned(64))); /* byte 8j + e <- byte 8e + j */
+static int64_t transpose_low[3][8] __attribute__((aligned(64))), transpose_high[3][8] __attribute__((aligned(64)));
+
+/* the distinct values of the IQ2 grids, ascending, into levels; how many (more than 3: not all kept) */
+static int grid_levels(const uint8_t *grid, int bytes, uint8_t levels[3]) {
+    int count = 0;
+    for (int v = 0; v < 256; v++) {
+        int seen = 0;
+        for (int i = 0; i < bytes && !seen; i++) seen = grid[i] == v;
+        if (seen && count < 3) levels[count] = (uint8_t)v;
+        count += seen;
+    }
+    return count;
+}
+
+static void code_tables(const uint8_t *grid, int entries, const uint8_t levels[3], uint8_t *tables) {
+    for (int h = 0; h < 2; h++)
+        for (int e = 0; e < entries; e++) {
+            uint8_t packed = 0;
+            for (int j = 0; j < 4; j++) {
+                const uint8_t value = grid[8 * e + 4 * h + j];
+                packed |= (uint8_t)((value == levels[1] ? 1 : value == levels[2] ? 2 : 0) << 2 * j);
+            }
+            tables[h * entries + e] = packed;
+        }
+}
+
+void iq_avx512_set_grids(const IqGrids *grids) {
+    uint8_t levels[3];
+    levels_fit = grid_levels(grids->iq2xxs, 256 * 8, levels) <= 3;
+    for (int j = 0; j < 3; j++)
+        for (int i = 0; i < 64; i++) level_tables[j][i] = levels[((i >> 2 * j) & 3) % 3];
+    code_tables(grids->iq2xxs, 256, levels, &iq2xxs_codes[0][0]);
+    memcpy(ksigns_table, grids->ksigns, 128);
+    for (int k = 0; k < 64; k++) {
+        entry_order[k] = (uint8_t)((k >= 32 ? 64 : 0) + 8 * ((k % 32) / 4) + k % 4);
+        plane_order[k] = (uint8_t)(8 * (k % 8) + k / 8);
+    }
+    for (int stage = 0, s = 1; s < 8; stage++, s *= 2) /* 2 x 2 blocks of s qwords swapped */
+        for (int p = 0; p < 8; p++) {
+            transpose_low[stage][p] = p & s ? 8 + p - s : p;
+            transpose_high[stage][p] = p & s ? 8 + p : p + s;
+        }
+}
+
+/* a pair of blocks decoded: the entries' grid indices (byte k: entry k), their sign bytes (bit j: value
+ * 8k + j negative), the 16 sub-blocks' scales as int32 lanes, each block's d */
+typedef struct {
+    __m512i index, signs, scales;
+    float d[2];
+} Pair;
+
+/* the bytes 8q + l (l = 0..3) of two 8-sub-block vectors a (entries 0..31) and b (32..63), entry order */
+AVX512 __m512i entry_bytes(__m512i a, __m512i b) {
+    return _mm512_permutex2var_epi8(a, _mm512_load_si512(entry_order), b);
+}
+
+/* plane j's values of the entries whose code bytes (table j / 4) are `codes` */
+AVX512 __m512i iq2_plane(const __m512i *codes, int j) {
+    const __m512i table = _mm512_load_si512(level_tables[j % 4 == 3 ? 0 : j % 4]);
+    const __m512i bits = j % 4 == 3 ? _mm512_srli_epi16(codes[j / 4], 6) : codes[j / 4];
+    return _mm512_permutexvar_epi8(bits, table);
+}
+
+/* 64 bytes of table `plane` (256 entries) at `index` */
+AVX512 __m512i plane256(const uint8_t *plane, __m512i index) {
+    const __m512i low = _mm512_permutex2var_epi8(_mm512_load_si512(plane), index, _mm512_load_si512(plane + 64));
+    const __m512i high = _mm512_permutex2var_epi8(_mm512_load_si512(plane + 128), index, _mm512_load_si512(plane + 192));
+    return _mm512_mask_blend_epi8(_mm512_movepi8_mask(index), low, high);
+}
+
+/* the 7-bit sign fields (bits 32 + 7l of each sub-block's 8 bytes) and the 4-bit scales (bits 60..63) */
+AVX512 Pair iq2_xxs_pair(const uint8_t *x, int two) {
+    const __m512i a = _mm512_loadu_si512(x + 2), b = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0, x + 68);
+    const __m512i fields = _mm512_set1_epi64(0x352E2720352E2720LL); /* bit offsets 32, 39, 46, 53 twice */
+    const __m512i sevens = entry_bytes(_mm512_multishift_epi64_epi8(fields, a), _mm512_multishift_epi64_epi8(fields, b));
+    const __m512i ksigns = _mm512_permutex2var_epi8(_mm512_load_si512(ksigns_table), sevens,
+                                                    _mm512_load_si512(ksigns_table + 64));
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i ls = _mm512_permutex2var_epi32(_mm512_srli_epi64(a, 60), even, _mm512_srli_epi64(b, 60));
+    Pair pair = {entry_bytes(a, b), ksigns, _mm512_add_epi32(_mm512_slli_epi32(ls, 1), _mm512_set1_epi32(1)), {0, 0}};
+    pair.d[0] = _cvtsh_ss((uint16_t)(x[0] | x[1] << 8));
+    pair.d[1] = two ? _cvtsh_ss((uint16_t)(x[66] | x[67] << 8)) : 0.0f;
+    return pair;
+}
+
+/* hsum8 of the sum of the two halves */
+AVX512 float hsum16(__m512 v) {
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+
+/* x's codes (`blocks` Q8_K blocks) as byte planes, 512 bytes a pair of blocks (a last odd block's pair
+ * padded with zeros): plane j of pair g at planes + 512 g + 64 j, byte k = code 8k + j of the pair */
+AVX512 void x_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
+    const __m512i by_plane = _mm512_load_si512(plane_order);
+    for (int64_t g = 0; g < (blocks + 1) / 2; g++) {
+        __m512i v[8];
+        for (int i = 0; i < 8; i++) {
+            const int64_t block = 2 * g + i / 4;
+            const __m512i codes = block < blocks ? _mm512_loadu_si512(y[block].qs + 64 * (i % 4)) : _mm512_setzero_si512();
+            v[i] = _mm512_permutexvar_epi8(by_plane, codes); /* qword j: plane j of entries 8i..8i + 7 */
+        }
+        for (int stage = 0, s = 1; s < 8; stage++, s *= 2) { /* transpose the 8 x 8 qwords: plane j = qword j of each v[i] */
+            const __m512i lo = _mm512_load_si512(transpose_low[stage]), hi = _mm512_load_si512(transpose_high[stage]);
+            for (int i = 0; i < 8; i++)
+                if (!(i & s)) {
+                    const __m512i a = v[i], b = v[i + s];
+                    v[i] = _mm512_permutex2var_epi64(a, lo, b);
+                    v[i + s] = _mm512_permutex2var_epi64(a, hi, b);
+                }
+        }
+        for (int j = 0; j < 8; j++) _mm512_store_si512(planes + 512 * g + 64 * j, v[j]);
+    }
+}
+
+/* n input rows (planes xs[r], blocks y[r]) against weight row `row`: the float lanes of each */
+#define PAIR_DOT(NAME, BYTES, PLANES)                                                                    \
+    AVX512 void NAME##_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, \
+                             __m512 *acc, const int n) {                                                 \
+        for (int64_t g = 0; g < (blocks + 1) / 2; g++) {                                                 \
+            const int two = 2 * g + 1 < blocks;                                                          \
+            const Pair pair = NAME##_pair(row + 2 * g * (BYTES), two);                                   \
+            __m512i sumi[2][RUN_ROWS]; /* even and odd planes apart: two shorter chains */               \
+            for (int r = 0; r < n; r++) sumi[0][r] = sumi[1][r] = _mm512_setzero_si512();                \
+            const __m512i codes[2] = {plane256(PLANES[0], pair.index), plane256(PLANES[1], pair.index)}; \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                        \
+                const __m512i w = iq2_plane(codes, j);                                                   \
+                const __mmask64 negative = _mm512_test_epi8_mask(pair.signs, _mm512_set1_epi8((char)(1 << j))); \
+                for (int r = 0; r < n; r++) {                                                            \
+                    const __m512i codes = _mm512_load_si512(xs[r] + 512 * g + 64 * j);                  \
+                    sumi[j & 1][r] = _mm512_dpbusd_epi32(sumi[j & 1][r], w, _mm512_mask_sub_epi8(codes, negative, _mm512_setzero_si512(), codes)); \
+                }                                                                                        \
+            }                                                                                            \
+            for (int r = 0; r < n; r++) {                                                                \
+                sumi[0][r] = _mm512_add_epi32(sumi[0][r], sumi[1][r]);                                   \
+                const float d1 = two ? pair.d[1] * y[r][2 * g + 1].d : 0.0f;                             \
+                const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(pair.d[0] * y[r][2 * g].d), _mm512_set1_ps(d1)); \
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(sumi[0][r], pair.scales)), d, acc[r]); \
+            }                                                                                            \
+        }                                                                                                \
+    }
+
+PAIR_DOT(iq2_xxs, 66, iq2xxs_codes)
+
+/* A row kernel: the input rows of matrix b RUN_ROWS at a time, each batch's activations put in planes
+ * once, then every weight row first..last - 1 against them */
+#define PLANES_ROWS(ID, NAME, FACTOR)                                                                        \
+    AVX512_TARGET static void NAME##_rows_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) { \
+        const int64_t blocks = pr->in_features / 256, pair_bytes = 512 * ((blocks + 1) / 2);             \
+        int8_t *buffer = aligned_alloc(64, (size_t)(RUN_ROWS * pair_bytes));                             \
+        if (buffer == NULL) { /* no memory for the planes: ggml's AVX2 kernel (a few ulp apart) */       \
+            iq_q8_kernel_avx2(ID)(pr, b, first, last);                     \
+            return;                                                                                      \
+        }                                                                                                \
+        for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p += RUN_ROWS) {                          \
+            const int n = pr->starts[b + 1] - p < RUN_ROWS ? (int)(pr->starts[b + 1] - p) : RUN_ROWS;    \
+            const int8_t *xs[RUN_ROWS];                                                                  \
+            const BlockQ8K *y[RUN_ROWS];                                                                 \
+            for (int r = 0; r < n; r++) {                                                                \
+                y[r] = pr->q8 + pr->rows[p + r] * blocks;                                                \
+                x_planes(y[r], blocks, buffer + r * pair_bytes);                                         \
+                xs[r] = buffer + r * pair_bytes;                                                         \
+            }                                                                                            \
+            for (int64_t m = first; m < last; m++) {                                                     \
+                const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;   \
+                if (p == pr->starts[b]) prefetch_ahead(row, pr->row_bytes);                              \
+                __m512 acc[RUN_ROWS];                                                                    \
+                for (int r = 0; r < RUN_ROWS; r++) acc[r] = _mm512_setzero_ps();                         \
+                if (n == RUN_ROWS)                                                                       \
+                    NAME##_pairs(row, blocks, xs, y, acc, RUN_ROWS);                                     \
+                else                                                                                     \
+                    for (int r = 0; r < n; r++) NAME##_pairs(row, blocks, xs + r, y + r, acc + r, 1);    \
+                for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = (FACTOR) * hsum16(acc[r]); \
+            }                                                                                            \
+        }                                                                                                \
+        free(buffer);                                                                                    \
+    }
+
+PLANES_ROWS(16, iq2_xxs, 0.125f)
+
+RowKernel iq_avx512_kernel(int ggml_type) {
+    if (!HAVE_AVX512() || !levels_fit) return NULL;
+    switch (ggml_type) {
+        case 16: return iq2_xxs_rows_avx512;
+        default: return NULL;
+    }
+}
+#else
+void iq_avx512_set_grids(const IqGrids *grids) { (void)grids; }
+RowKernel iq_avx512_kernel(int ggml_type) {
+    (void)ggml_type;
+    return NULL;
+}
+#endif
