@@ -26,50 +26,65 @@
 
 #define RUN_ROWS 4 /* input rows sharing each decoded pair of blocks */
 
-/* the grids' byte planes, the sign table, and byte and qword orders (filled by iq_avx512_set_grids) */
-/* IQ2 grids: each value one of three levels (code 0, 1, 2); table h of a grid holds entry e's codes of
- * bytes 4h..4h + 3 in bits 2j, 2j + 1 (j = 0..3); level_tables[j][i]: the level of bits 2j, 2j + 1 of i */
+/* Each grid's values are a few levels: IQ2's three (a 2-bit code), IQ3's eight (3 bits). A grid's code
+ * tables (one byte an entry each) hold its entries' codes, four bytes of an IQ2 entry a table (code of
+ * byte 4h + j at bits 2j), two of an IQ3 one (byte 2h + j at bits 3j); a 64-byte level table (VPERMB:
+ * the index's low 6 bits) gives the level of one code position. Filled by iq_avx512_set_grids. */
 static uint8_t iq2xxs_codes[2][256] __attribute__((aligned(64)));
-static uint8_t level_tables[3][64] __attribute__((aligned(64)));
-static int levels_fit; /* every IQ2 grid value one of three levels */
+static uint8_t iq3xxs_codes[2][256] __attribute__((aligned(64)));
+static uint8_t iq2_levels[3][64] __attribute__((aligned(64))), iq3_levels[2][64] __attribute__((aligned(64)));
+static int iq2_levels_fit, iq3_levels_fit; /* the grids have at most 3 (IQ2), 8 (IQ3) distinct values */
 static uint8_t ksigns_table[128] __attribute__((aligned(64)));
 static uint8_t entry_order[64] __attribute__((aligned(64))); /* entry k: byte 8q + l of sub-block vectors */
+static uint8_t even_bytes[2][64] __attribute__((aligned(64))); /* bytes 2k (+ 1) of two vectors */
 static uint8_t plane_order[64] __attribute__((aligned(64))); /* byte 8j + e <- byte 8e + j */
 static int64_t transpose_low[3][8] __attribute__((aligned(64))), transpose_high[3][8] __attribute__((aligned(64)));
 
-/* the distinct values of the IQ2 grids, ascending, into levels; how many (more than 3: not all kept) */
-static int grid_levels(const uint8_t *grid, int bytes, uint8_t levels[3]) {
+/* a grid's distinct values, ascending, into levels (at most `most` kept): whether there are at most `most` */
+static int grid_levels(const uint8_t *grid, int bytes, uint8_t *levels, int most) {
     int count = 0;
     for (int v = 0; v < 256; v++) {
         int seen = 0;
         for (int i = 0; i < bytes && !seen; i++) seen = grid[i] == v;
-        if (seen && count < 3) levels[count] = (uint8_t)v;
+        if (seen && count < most) levels[count] = (uint8_t)v;
         count += seen;
     }
-    return count;
+    return count <= most;
 }
 
-static void code_tables(const uint8_t *grid, int entries, const uint8_t levels[3], uint8_t *tables) {
-    for (int h = 0; h < 2; h++)
+/* tables h = 0..width / per_table - 1 of a grid of `entries` entries of `width` bytes */
+static void code_tables(const uint8_t *grid, int entries, int width, int per_table, int bits, const uint8_t *levels,
+                        int count, uint8_t *tables) {
+    for (int h = 0; h < width / per_table; h++)
         for (int e = 0; e < entries; e++) {
             uint8_t packed = 0;
-            for (int j = 0; j < 4; j++) {
-                const uint8_t value = grid[8 * e + 4 * h + j];
-                packed |= (uint8_t)((value == levels[1] ? 1 : value == levels[2] ? 2 : 0) << 2 * j);
+            for (int j = 0; j < per_table; j++) {
+                int code = 0;
+                while (code < count - 1 && levels[code] != grid[width * e + per_table * h + j]) code++;
+                packed |= (uint8_t)(code << bits * j);
             }
             tables[h * entries + e] = packed;
         }
 }
 
+static void level_tables(const uint8_t *levels, int count, int bits, int positions, uint8_t (*tables)[64]) {
+    for (int j = 0; j < positions; j++)
+        for (int i = 0; i < 64; i++) tables[j][i] = levels[((i >> bits * j) & ((1 << bits) - 1)) % count];
+}
+
 void iq_avx512_set_grids(const IqGrids *grids) {
-    uint8_t levels[3];
-    levels_fit = grid_levels(grids->iq2xxs, 256 * 8, levels) <= 3;
-    for (int j = 0; j < 3; j++)
-        for (int i = 0; i < 64; i++) level_tables[j][i] = levels[((i >> 2 * j) & 3) % 3];
-    code_tables(grids->iq2xxs, 256, levels, &iq2xxs_codes[0][0]);
+    uint8_t levels2[3], levels3[8];
+    iq2_levels_fit = grid_levels(grids->iq2xxs, 256 * 8, levels2, 3);
+    iq3_levels_fit = grid_levels(grids->iq3xxs, 256 * 4, levels3, 8);
+    level_tables(levels2, 3, 2, 3, iq2_levels);
+    level_tables(levels3, 8, 3, 2, iq3_levels);
+    code_tables(grids->iq2xxs, 256, 8, 4, 2, levels2, 3, &iq2xxs_codes[0][0]);
+    code_tables(grids->iq3xxs, 256, 4, 2, 3, levels3, 8, &iq3xxs_codes[0][0]);
     memcpy(ksigns_table, grids->ksigns, 128);
     for (int k = 0; k < 64; k++) {
         entry_order[k] = (uint8_t)((k >= 32 ? 64 : 0) + 8 * ((k % 32) / 4) + k % 4);
+        even_bytes[0][k] = (uint8_t)((k >= 32 ? 64 : 0) + 2 * (k % 32));
+        even_bytes[1][k] = (uint8_t)(even_bytes[0][k] + 1);
         plane_order[k] = (uint8_t)(8 * (k % 8) + k / 8);
     }
     for (int stage = 0, s = 1; s < 8; stage++, s *= 2) /* 2 x 2 blocks of s qwords swapped */
@@ -79,10 +94,11 @@ void iq_avx512_set_grids(const IqGrids *grids) {
         }
 }
 
-/* a pair of blocks decoded: the entries' grid indices (byte k: entry k), their sign bytes (bit j: value
- * 8k + j negative), the 16 sub-blocks' scales as int32 lanes, each block's d */
+/* A pair of blocks decoded: 64 bytes k = 0..63 for the values 8k..8k + 7 (k < 32: the first block):
+ * the code bytes of their grid entries (per type), their sign bytes (bit j: value 8k + j negative),
+ * the 16 sub-blocks' scales as int32 lanes, each block's d (the second's 0 where there is none) */
 typedef struct {
-    __m512i index, signs, scales;
+    __m512i codes[4], signs, scales;
     float d[2];
 } Pair;
 
@@ -91,33 +107,64 @@ AVX512 __m512i entry_bytes(__m512i a, __m512i b) {
     return _mm512_permutex2var_epi8(a, _mm512_load_si512(entry_order), b);
 }
 
-/* plane j's values of the entries whose code bytes (table j / 4) are `codes` */
-AVX512 __m512i iq2_plane(const __m512i *codes, int j) {
-    const __m512i table = _mm512_load_si512(level_tables[j % 4 == 3 ? 0 : j % 4]);
-    const __m512i bits = j % 4 == 3 ? _mm512_srli_epi16(codes[j / 4], 6) : codes[j / 4];
-    return _mm512_permutexvar_epi8(bits, table);
-}
-
-/* 64 bytes of table `plane` (256 entries) at `index` */
-AVX512 __m512i plane256(const uint8_t *plane, __m512i index) {
-    const __m512i low = _mm512_permutex2var_epi8(_mm512_load_si512(plane), index, _mm512_load_si512(plane + 64));
-    const __m512i high = _mm512_permutex2var_epi8(_mm512_load_si512(plane + 128), index, _mm512_load_si512(plane + 192));
+/* 64 bytes of a 256-entry table at `index` */
+AVX512 __m512i lookup256(const uint8_t *table, __m512i index) {
+    const __m512i low = _mm512_permutex2var_epi8(_mm512_load_si512(table), index, _mm512_load_si512(table + 64));
+    const __m512i high = _mm512_permutex2var_epi8(_mm512_load_si512(table + 128), index, _mm512_load_si512(table + 192));
     return _mm512_mask_blend_epi8(_mm512_movepi8_mask(index), low, high);
 }
 
-/* the 7-bit sign fields (bits 32 + 7l of each sub-block's 8 bytes) and the 4-bit scales (bits 60..63) */
+/* 7-bit sign indices (bit 7 ignored) as ggml's ksigns_iq2xs bytes: 7 sign bits, their parity on top */
+AVX512 __m512i ksigns(__m512i sevens) {
+    return _mm512_permutex2var_epi8(_mm512_load_si512(ksigns_table), sevens, _mm512_load_si512(ksigns_table + 64));
+}
+
+AVX512 __m512i odd_scales(__m512i fours) { return _mm512_add_epi32(_mm512_slli_epi32(fours, 1), _mm512_set1_epi32(1)); }
+
+AVX512 float f16_at(const uint8_t *p) { return _cvtsh_ss((uint16_t)(p[0] | p[1] << 8)); }
+
+/* IQ2_XXS: each sub-block's 8 bytes: 4 grid indices, four 7-bit sign fields (bits 32 + 7l), the scale
+ * (bits 60..63); an entry is 8 values, codes[h] its bytes 4h..4h + 3 */
 AVX512 Pair iq2_xxs_pair(const uint8_t *x, int two) {
     const __m512i a = _mm512_loadu_si512(x + 2), b = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0, x + 68);
     const __m512i fields = _mm512_set1_epi64(0x352E2720352E2720LL); /* bit offsets 32, 39, 46, 53 twice */
     const __m512i sevens = entry_bytes(_mm512_multishift_epi64_epi8(fields, a), _mm512_multishift_epi64_epi8(fields, b));
-    const __m512i ksigns = _mm512_permutex2var_epi8(_mm512_load_si512(ksigns_table), sevens,
-                                                    _mm512_load_si512(ksigns_table + 64));
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i ls = _mm512_permutex2var_epi32(_mm512_srli_epi64(a, 60), even, _mm512_srli_epi64(b, 60));
-    Pair pair = {entry_bytes(a, b), ksigns, _mm512_add_epi32(_mm512_slli_epi32(ls, 1), _mm512_set1_epi32(1)), {0, 0}};
-    pair.d[0] = _cvtsh_ss((uint16_t)(x[0] | x[1] << 8));
-    pair.d[1] = two ? _cvtsh_ss((uint16_t)(x[66] | x[67] << 8)) : 0.0f;
-    return pair;
+    const __m512i index = entry_bytes(a, b);
+    return (Pair){{lookup256(iq2xxs_codes[0], index), lookup256(iq2xxs_codes[1], index)},
+                  ksigns(sevens),
+                  odd_scales(ls),
+                  {f16_at(x), two ? f16_at(x + 66) : 0.0f}};
+}
+
+/* plane j's values: code position j % 4 of codes[j / 4] (the last from the byte's top bits) */
+AVX512 __m512i iq2_xxs_plane(const Pair *pair, int j) {
+    const __m512i table = _mm512_load_si512(iq2_levels[j % 4 == 3 ? 0 : j % 4]);
+    const __m512i bits = j % 4 == 3 ? _mm512_srli_epi16(pair->codes[j / 4], 6) : pair->codes[j / 4];
+    return _mm512_permutexvar_epi8(bits, table);
+}
+
+/* IQ3_XXS: 64 grid indices (an entry: 4 values), then each sub-block's 32-bit word of four 7-bit sign
+ * fields (bits 7l) and the scale (bits 28..31); values 8k..8k + 3 are entry 2k, 8k + 4.. entry 2k + 1:
+ * codes[0], codes[1] (entry 2k's bytes 0-1, 2-3), codes[2], codes[3] (entry 2k + 1's) */
+AVX512 Pair iq3_xxs_pair(const uint8_t *x, int two) {
+    const __m512i a = _mm512_loadu_si512(x + 2), b = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0, x + 100);
+    const __m256i second = _mm256_maskz_loadu_epi8(two ? ~0U : 0, x + 164);
+    const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 66))), second, 1);
+    const __m512i fields = _mm512_set1_epi64(0x352E2720150E0700LL); /* bit offsets 0, 7, 14, 21 of each word */
+    const __m512i even = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[0]), b);
+    const __m512i odd = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[1]), b);
+    return (Pair){{lookup256(iq3xxs_codes[0], even), lookup256(iq3xxs_codes[1], even), lookup256(iq3xxs_codes[0], odd),
+                   lookup256(iq3xxs_codes[1], odd)},
+                  ksigns(_mm512_multishift_epi64_epi8(fields, words)),
+                  odd_scales(_mm512_srli_epi32(words, 28)),
+                  {f16_at(x), two ? f16_at(x + 98) : 0.0f}};
+}
+
+/* plane j's values: byte j % 4 of entry 2k + j / 4: code position j % 2 of codes[2 (j / 4) + j % 4 / 2] */
+AVX512 __m512i iq3_xxs_plane(const Pair *pair, int j) {
+    return _mm512_permutexvar_epi8(pair->codes[2 * (j / 4) + j % 4 / 2], _mm512_load_si512(iq3_levels[j % 2]));
 }
 
 /* hsum8 of the sum of the two halves */
@@ -150,7 +197,7 @@ AVX512 void x_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
 }
 
 /* n input rows (planes xs[r], blocks y[r]) against weight row `row`: the float lanes of each */
-#define PAIR_DOT(NAME, BYTES, PLANES)                                                                    \
+#define PAIR_DOT(NAME, BYTES)                                                                    \
     AVX512 void NAME##_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, \
                              __m512 *acc, const int n) {                                                 \
         for (int64_t g = 0; g < (blocks + 1) / 2; g++) {                                                 \
@@ -158,9 +205,8 @@ AVX512 void x_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
             const Pair pair = NAME##_pair(row + 2 * g * (BYTES), two);                                   \
             __m512i sumi[2][RUN_ROWS]; /* even and odd planes apart: two shorter chains */               \
             for (int r = 0; r < n; r++) sumi[0][r] = sumi[1][r] = _mm512_setzero_si512();                \
-            const __m512i codes[2] = {plane256(PLANES[0], pair.index), plane256(PLANES[1], pair.index)}; \
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                        \
-                const __m512i w = iq2_plane(codes, j);                                                   \
+                const __m512i w = NAME##_plane(&pair, j);                                                \
                 const __mmask64 negative = _mm512_test_epi8_mask(pair.signs, _mm512_set1_epi8((char)(1 << j))); \
                 for (int r = 0; r < n; r++) {                                                            \
                     const __m512i codes = _mm512_load_si512(xs[r] + 512 * g + 64 * j);                  \
@@ -176,7 +222,8 @@ AVX512 void x_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
         }                                                                                                \
     }
 
-PAIR_DOT(iq2_xxs, 66, iq2xxs_codes)
+PAIR_DOT(iq2_xxs, 66)
+PAIR_DOT(iq3_xxs, 98)
 
 /* A row kernel: the input rows of matrix b RUN_ROWS at a time, each batch's activations put in planes
  * once, then every weight row first..last - 1 against them */
@@ -213,11 +260,13 @@ PAIR_DOT(iq2_xxs, 66, iq2xxs_codes)
     }
 
 PLANES_ROWS(16, iq2_xxs, 0.125f)
+PLANES_ROWS(18, iq3_xxs, 0.25f)
 
 RowKernel iq_avx512_kernel(int ggml_type) {
-    if (!HAVE_AVX512() || !levels_fit) return NULL;
+    if (!HAVE_AVX512()) return NULL;
     switch (ggml_type) {
-        case 16: return iq2_xxs_rows_avx512;
+        case 16: return iq2_levels_fit ? iq2_xxs_rows_avx512 : NULL;
+        case 18: return iq3_levels_fit ? iq3_xxs_rows_avx512 : NULL;
         default: return NULL;
     }
 }
