@@ -31,9 +31,10 @@
  * byte 4h + j at bits 2j), two of an IQ3 one (byte 2h + j at bits 3j); a 64-byte level table (VPERMB:
  * the index's low 6 bits) gives the level of one code position. Filled by iq_avx512_set_grids. */
 static uint8_t iq2xxs_codes[2][256] __attribute__((aligned(64)));
-static uint8_t iq3xxs_codes[2][256] __attribute__((aligned(64)));
-static uint8_t iq2_levels[3][64] __attribute__((aligned(64))), iq3_levels[2][64] __attribute__((aligned(64)));
-static int iq2_levels_fit, iq3_levels_fit; /* the grids have at most 3 (IQ2), 8 (IQ3) distinct values */
+static uint8_t iq3xxs_codes[2][256] __attribute__((aligned(64))), iq3s_codes[2][512] __attribute__((aligned(64)));
+static uint8_t iq2_levels[3][64] __attribute__((aligned(64)));
+static uint8_t iq3xxs_levels[2][64] __attribute__((aligned(64))), iq3s_levels[2][64] __attribute__((aligned(64)));
+static int iq2_levels_fit, iq3xxs_levels_fit, iq3s_levels_fit; /* at most 3 (IQ2), 8 (IQ3) distinct values */
 static uint8_t ksigns_table[128] __attribute__((aligned(64)));
 static uint8_t entry_order[64] __attribute__((aligned(64))); /* entry k: byte 8q + l of sub-block vectors */
 static uint8_t even_bytes[2][64] __attribute__((aligned(64))); /* bytes 2k (+ 1) of two vectors */
@@ -73,13 +74,16 @@ static void level_tables(const uint8_t *levels, int count, int bits, int positio
 }
 
 void iq_avx512_set_grids(const IqGrids *grids) {
-    uint8_t levels2[3], levels3[8];
+    uint8_t levels2[3], levels3[8], levels3s[8];
     iq2_levels_fit = grid_levels(grids->iq2xxs, 256 * 8, levels2, 3);
-    iq3_levels_fit = grid_levels(grids->iq3xxs, 256 * 4, levels3, 8);
+    iq3xxs_levels_fit = grid_levels(grids->iq3xxs, 256 * 4, levels3, 8);
+    iq3s_levels_fit = grid_levels(grids->iq3s, 512 * 4, levels3s, 8);
     level_tables(levels2, 3, 2, 3, iq2_levels);
-    level_tables(levels3, 8, 3, 2, iq3_levels);
+    level_tables(levels3, 8, 3, 2, iq3xxs_levels);
+    level_tables(levels3s, 8, 3, 2, iq3s_levels);
     code_tables(grids->iq2xxs, 256, 8, 4, 2, levels2, 3, &iq2xxs_codes[0][0]);
     code_tables(grids->iq3xxs, 256, 4, 2, 3, levels3, 8, &iq3xxs_codes[0][0]);
+    code_tables(grids->iq3s, 512, 4, 2, 3, levels3s, 8, &iq3s_codes[0][0]);
     memcpy(ksigns_table, grids->ksigns, 128);
     for (int k = 0; k < 64; k++) {
         entry_order[k] = (uint8_t)((k >= 32 ? 64 : 0) + 8 * ((k % 32) / 4) + k % 4);
@@ -112,6 +116,16 @@ AVX512 __m512i lookup256(const uint8_t *table, __m512i index) {
     const __m512i low = _mm512_permutex2var_epi8(_mm512_load_si512(table), index, _mm512_load_si512(table + 64));
     const __m512i high = _mm512_permutex2var_epi8(_mm512_load_si512(table + 128), index, _mm512_load_si512(table + 192));
     return _mm512_mask_blend_epi8(_mm512_movepi8_mask(index), low, high);
+}
+
+/* ... of a 512-entry table at the 9-bit indices whose low 8 bits are `low` and whose bit 8 is `high` */
+AVX512 __m512i lookup512(const uint8_t *table, __m512i low, __mmask64 high) {
+    const __mmask64 bit7 = _mm512_movepi8_mask(low);
+    __m512i quarter[4];
+    for (int q = 0; q < 4; q++)
+        quarter[q] = _mm512_permutex2var_epi8(_mm512_load_si512(table + 128 * q), low, _mm512_load_si512(table + 128 * q + 64));
+    return _mm512_mask_blend_epi8(high, _mm512_mask_blend_epi8(bit7, quarter[0], quarter[1]),
+                                  _mm512_mask_blend_epi8(bit7, quarter[2], quarter[3]));
 }
 
 /* 7-bit sign indices (bit 7 ignored) as ggml's ksigns_iq2xs bytes: 7 sign bits, their parity on top */
@@ -162,10 +176,49 @@ AVX512 Pair iq3_xxs_pair(const uint8_t *x, int two) {
                   {f16_at(x), two ? f16_at(x + 98) : 0.0f}};
 }
 
-/* plane j's values: byte j % 4 of entry 2k + j / 4: code position j % 2 of codes[2 (j / 4) + j % 4 / 2] */
-AVX512 __m512i iq3_xxs_plane(const Pair *pair, int j) {
-    return _mm512_permutexvar_epi8(pair->codes[2 * (j / 4) + j % 4 / 2], _mm512_load_si512(iq3_levels[j % 2]));
+/* IQ3 plane j's values: byte j % 4 of entry 2k + j / 4: code position j % 2 of codes[2 (j / 4) + j % 4 / 2] */
+AVX512 __m512i iq3_plane(const Pair *pair, int j, const uint8_t (*levels)[64]) {
+    return _mm512_permutexvar_epi8(pair->codes[2 * (j / 4) + j % 4 / 2], _mm512_load_si512(levels[j % 2]));
 }
+
+AVX512 __m512i iq3_xxs_plane(const Pair *pair, int j) { return iq3_plane(pair, j, iq3xxs_levels); }
+
+AVX512 uint64_t u64_at(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+AVX512 uint32_t u32_at(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* IQ3_S: 64 index bytes (low 8 bits), 8 bytes of their bit 8 (bit e % 8 of byte e / 8: 128 bits in entry
+ * order over the pair, even entries' at even bits), 32 sign bytes (byte k: values 8k..8k + 7), a nibble
+ * of scale a sub-block; entries as IQ3_XXS's */
+AVX512 Pair iq3_s_pair(const uint8_t *x, int two) {
+    const __m512i a = _mm512_loadu_si512(x + 2), b = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0, x + 112);
+    const __m512i even = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[0]), b);
+    const __m512i odd = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[1]), b);
+    const uint64_t high0 = u64_at(x + 66), high1 = two ? u64_at(x + 176) : 0, evens = 0x5555555555555555ULL;
+    const __mmask64 high_even = _pext_u64(high0, evens) | _pext_u64(high1, evens) << 32;
+    const __mmask64 high_odd = _pext_u64(high0, evens << 1) | _pext_u64(high1, evens << 1) << 32;
+    const __m256i second = _mm256_maskz_loadu_epi8(two ? ~0U : 0, x + 184);
+    const __m512i signs = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 74))), second, 1);
+    const __m512i nibbles = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32((int)u32_at(x + 106)),
+                                                    _mm512_set1_epi32(two ? (int)u32_at(x + 216) : 0));
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    const __m512i ls = _mm512_and_si512(_mm512_srlv_epi32(nibbles, shifts), _mm512_set1_epi32(15));
+    return (Pair){{lookup512(iq3s_codes[0], even, high_even), lookup512(iq3s_codes[1], even, high_even),
+                   lookup512(iq3s_codes[0], odd, high_odd), lookup512(iq3s_codes[1], odd, high_odd)},
+                  signs,
+                  odd_scales(ls),
+                  {f16_at(x), two ? f16_at(x + 110) : 0.0f}};
+}
+
+AVX512 __m512i iq3_s_plane(const Pair *pair, int j) { return iq3_plane(pair, j, iq3s_levels); }
 
 /* hsum8 of the sum of the two halves */
 AVX512 float hsum16(__m512 v) {
@@ -224,6 +277,7 @@ AVX512 void x_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
 
 PAIR_DOT(iq2_xxs, 66)
 PAIR_DOT(iq3_xxs, 98)
+PAIR_DOT(iq3_s, 110)
 
 /* A row kernel: the input rows of matrix b RUN_ROWS at a time, each batch's activations put in planes
  * once, then every weight row first..last - 1 against them */
@@ -261,12 +315,14 @@ PAIR_DOT(iq3_xxs, 98)
 
 PLANES_ROWS(16, iq2_xxs, 0.125f)
 PLANES_ROWS(18, iq3_xxs, 0.25f)
+PLANES_ROWS(21, iq3_s, 1.0f)
 
 RowKernel iq_avx512_kernel(int ggml_type) {
     if (!HAVE_AVX512()) return NULL;
     switch (ggml_type) {
         case 16: return iq2_levels_fit ? iq2_xxs_rows_avx512 : NULL;
-        case 18: return iq3_levels_fit ? iq3_xxs_rows_avx512 : NULL;
+        case 18: return iq3xxs_levels_fit ? iq3_xxs_rows_avx512 : NULL;
+        case 21: return iq3s_levels_fit ? iq3_s_rows_avx512 : NULL;
         default: return NULL;
     }
 }
