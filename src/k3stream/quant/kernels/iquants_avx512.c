@@ -30,11 +30,13 @@
  * tables (one byte an entry each) hold its entries' codes, four bytes of an IQ2 entry a table (code of
  * byte 4h + j at bits 2j), two of an IQ3 one (byte 2h + j at bits 3j); a 64-byte level table (VPERMB:
  * the index's low 6 bits) gives the level of one code position. Filled by iq_avx512_set_grids. */
-static uint8_t iq2xxs_codes[2][256] __attribute__((aligned(64)));
+static uint8_t iq2xxs_codes[2][256] __attribute__((aligned(64))), iq2xs_codes[2][512] __attribute__((aligned(64)));
+static uint8_t iq2s_codes[2][1024] __attribute__((aligned(64)));
 static uint8_t iq3xxs_codes[2][256] __attribute__((aligned(64))), iq3s_codes[2][512] __attribute__((aligned(64)));
-static uint8_t iq2_levels[3][64] __attribute__((aligned(64)));
+static uint8_t iq2xxs_levels[3][64] __attribute__((aligned(64))), iq2xs_levels[3][64] __attribute__((aligned(64)));
+static uint8_t iq2s_levels[3][64] __attribute__((aligned(64)));
 static uint8_t iq3xxs_levels[2][64] __attribute__((aligned(64))), iq3s_levels[2][64] __attribute__((aligned(64)));
-static int iq2_levels_fit, iq3xxs_levels_fit, iq3s_levels_fit; /* at most 3 (IQ2), 8 (IQ3) distinct values */
+static int iq2xxs_fit, iq2xs_fit, iq2s_fit, iq3xxs_fit, iq3s_fit; /* at most 3 (IQ2), 8 (IQ3) distinct values */
 static uint8_t ksigns_table[128] __attribute__((aligned(64)));
 static uint8_t entry_order[64] __attribute__((aligned(64))); /* entry k: byte 8q + l of sub-block vectors */
 static uint8_t even_bytes[2][64] __attribute__((aligned(64))); /* bytes 2k (+ 1) of two vectors */
@@ -73,17 +75,22 @@ static void level_tables(const uint8_t *levels, int count, int bits, int positio
         for (int i = 0; i < 64; i++) tables[j][i] = levels[((i >> bits * j) & ((1 << bits) - 1)) % count];
 }
 
+/* a grid's code and level tables (IQ2: 8-byte entries, 3 levels; IQ3: 4-byte, 8): whether its values fit */
+static int grid_codes(const uint8_t *grid, int entries, int width, uint8_t *codes, uint8_t (*levels)[64]) {
+    const int count = width == 8 ? 3 : 8, bits = width == 8 ? 2 : 3, per_table = width / 2;
+    uint8_t values[8];
+    const int fit = grid_levels(grid, entries * width, values, count);
+    level_tables(values, count, bits, width == 8 ? 3 : 2, levels);
+    code_tables(grid, entries, width, per_table, bits, values, count, codes);
+    return fit;
+}
+
 void iq_avx512_set_grids(const IqGrids *grids) {
-    uint8_t levels2[3], levels3[8], levels3s[8];
-    iq2_levels_fit = grid_levels(grids->iq2xxs, 256 * 8, levels2, 3);
-    iq3xxs_levels_fit = grid_levels(grids->iq3xxs, 256 * 4, levels3, 8);
-    iq3s_levels_fit = grid_levels(grids->iq3s, 512 * 4, levels3s, 8);
-    level_tables(levels2, 3, 2, 3, iq2_levels);
-    level_tables(levels3, 8, 3, 2, iq3xxs_levels);
-    level_tables(levels3s, 8, 3, 2, iq3s_levels);
-    code_tables(grids->iq2xxs, 256, 8, 4, 2, levels2, 3, &iq2xxs_codes[0][0]);
-    code_tables(grids->iq3xxs, 256, 4, 2, 3, levels3, 8, &iq3xxs_codes[0][0]);
-    code_tables(grids->iq3s, 512, 4, 2, 3, levels3s, 8, &iq3s_codes[0][0]);
+    iq2xxs_fit = grid_codes(grids->iq2xxs, 256, 8, &iq2xxs_codes[0][0], iq2xxs_levels);
+    iq2xs_fit = grid_codes(grids->iq2xs, 512, 8, &iq2xs_codes[0][0], iq2xs_levels);
+    iq2s_fit = grid_codes(grids->iq2s, 1024, 8, &iq2s_codes[0][0], iq2s_levels);
+    iq3xxs_fit = grid_codes(grids->iq3xxs, 256, 4, &iq3xxs_codes[0][0], iq3xxs_levels);
+    iq3s_fit = grid_codes(grids->iq3s, 512, 4, &iq3s_codes[0][0], iq3s_levels);
     memcpy(ksigns_table, grids->ksigns, 128);
     for (int k = 0; k < 64; k++) {
         entry_order[k] = (uint8_t)((k >= 32 ? 64 : 0) + 8 * ((k % 32) / 4) + k % 4);
@@ -103,6 +110,7 @@ void iq_avx512_set_grids(const IqGrids *grids) {
  * the 16 sub-blocks' scales as int32 lanes, each block's d (the second's 0 where there is none) */
 typedef struct {
     __m512i codes[4], signs, scales;
+    __m512i scales_high; /* IQ2_XS, IQ2_S: entries 4t + 2, 4t + 3's scales (`scales`: 4t, 4t + 1's) */
     float d[2];
 } Pair;
 
@@ -135,6 +143,18 @@ AVX512 __m512i ksigns(__m512i sevens) {
 
 AVX512 __m512i odd_scales(__m512i fours) { return _mm512_add_epi32(_mm512_slli_epi32(fours, 1), _mm512_set1_epi32(1)); }
 
+AVX512 uint64_t u64_at(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+AVX512 uint32_t u32_at(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
 AVX512 float f16_at(const uint8_t *p) { return _cvtsh_ss((uint16_t)(p[0] | p[1] << 8)); }
 
 /* IQ2_XXS: each sub-block's 8 bytes: 4 grid indices, four 7-bit sign fields (bits 32 + 7l), the scale
@@ -149,14 +169,67 @@ AVX512 Pair iq2_xxs_pair(const uint8_t *x, int two) {
     return (Pair){{lookup256(iq2xxs_codes[0], index), lookup256(iq2xxs_codes[1], index)},
                   ksigns(sevens),
                   odd_scales(ls),
+                  odd_scales(ls),
                   {f16_at(x), two ? f16_at(x + 66) : 0.0f}};
 }
 
-/* plane j's values: code position j % 4 of codes[j / 4] (the last from the byte's top bits) */
-AVX512 __m512i iq2_xxs_plane(const Pair *pair, int j) {
-    const __m512i table = _mm512_load_si512(iq2_levels[j % 4 == 3 ? 0 : j % 4]);
+/* IQ2 plane j's values: code position j % 4 of codes[j / 4] (the last from the byte's top bits) */
+AVX512 __m512i iq2_plane(const Pair *pair, int j, const uint8_t (*levels)[64]) {
+    const __m512i table = _mm512_load_si512(levels[j % 4 == 3 ? 0 : j % 4]);
     const __m512i bits = j % 4 == 3 ? _mm512_srli_epi16(pair->codes[j / 4], 6) : pair->codes[j / 4];
     return _mm512_permutexvar_epi8(bits, table);
+}
+
+AVX512 __m512i iq2_xxs_plane(const Pair *pair, int j) { return iq2_plane(pair, j, iq2xxs_levels); }
+AVX512 __m512i iq2_xs_plane(const Pair *pair, int j) { return iq2_plane(pair, j, iq2xs_levels); }
+AVX512 __m512i iq2_s_plane(const Pair *pair, int j) { return iq2_plane(pair, j, iq2s_levels); }
+
+/* ... of a 1024-entry table at the 10-bit indices of low 8 bits `low`, bit 8 `bit8`, bit 9 `bit9` */
+AVX512 __m512i lookup1024(const uint8_t *table, __m512i low, __mmask64 bit8, __mmask64 bit9) {
+    return _mm512_mask_blend_epi8(bit9, lookup512(table, low, bit8), lookup512(table + 512, low, bit8));
+}
+
+/* IQ2_XS and IQ2_S scales: a byte a sub-block, the low nibble for its first 16 values, the high one for
+ * the rest; `first` the first block's 8 bytes, `second` the second's */
+AVX512 void half_scales(uint64_t first, uint64_t second, Pair *pair) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_set_epi64x((long long)second, (long long)first));
+    pair->scales = odd_scales(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+    pair->scales_high = odd_scales(_mm512_srli_epi32(bytes, 4));
+}
+
+/* IQ2_XS: a 16-bit word an entry: a 9-bit grid index, a 7-bit sign index; 8 scale bytes */
+AVX512 Pair iq2_xs_pair(const uint8_t *x, int two) {
+    const __m512i a = _mm512_loadu_si512(x + 2), b = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0, x + 76);
+    const __m512i low = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[0]), b);
+    const __m512i high = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[1]), b);
+    const __mmask64 bit8 = _mm512_test_epi8_mask(high, _mm512_set1_epi8(1));
+    Pair pair = {{lookup512(iq2xs_codes[0], low, bit8), lookup512(iq2xs_codes[1], low, bit8)},
+                 ksigns(_mm512_srli_epi16(high, 1)), /* bits 1..7 of each byte (ksigns reads 7 bits) */
+                 _mm512_setzero_si512(),
+                 _mm512_setzero_si512(),
+                 {f16_at(x), two ? f16_at(x + 74) : 0.0f}};
+    half_scales(u64_at(x + 66), two ? u64_at(x + 140) : 0, &pair);
+    return pair;
+}
+
+/* IQ2_S: 32 low index bytes, 32 sign bytes (one an entry), 8 bytes of index bits 8-9 (bits 2e, 2e + 1 of
+ * the pair's entry order), 8 scale bytes */
+AVX512 Pair iq2_s_pair(const uint8_t *x, int two) {
+    const __mmask32 second = two ? ~0U : 0;
+    const __m512i low = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 2))),
+                                           _mm256_maskz_loadu_epi8(second, x + 84), 1);
+    const __m512i signs = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 34))),
+                                             _mm256_maskz_loadu_epi8(second, x + 116), 1);
+    const uint64_t high0 = u64_at(x + 66), high1 = two ? u64_at(x + 148) : 0, evens = 0x5555555555555555ULL;
+    const __mmask64 bit8 = _pext_u64(high0, evens) | _pext_u64(high1, evens) << 32;
+    const __mmask64 bit9 = _pext_u64(high0, evens << 1) | _pext_u64(high1, evens << 1) << 32;
+    Pair pair = {{lookup1024(iq2s_codes[0], low, bit8, bit9), lookup1024(iq2s_codes[1], low, bit8, bit9)},
+                 signs,
+                 _mm512_setzero_si512(),
+                 _mm512_setzero_si512(),
+                 {f16_at(x), two ? f16_at(x + 82) : 0.0f}};
+    half_scales(u64_at(x + 74), two ? u64_at(x + 156) : 0, &pair);
+    return pair;
 }
 
 /* IQ3_XXS: 64 grid indices (an entry: 4 values), then each sub-block's 32-bit word of four 7-bit sign
@@ -173,6 +246,7 @@ AVX512 Pair iq3_xxs_pair(const uint8_t *x, int two) {
                    lookup256(iq3xxs_codes[1], odd)},
                   ksigns(_mm512_multishift_epi64_epi8(fields, words)),
                   odd_scales(_mm512_srli_epi32(words, 28)),
+                  odd_scales(_mm512_srli_epi32(words, 28)),
                   {f16_at(x), two ? f16_at(x + 98) : 0.0f}};
 }
 
@@ -182,18 +256,6 @@ AVX512 __m512i iq3_plane(const Pair *pair, int j, const uint8_t (*levels)[64]) {
 }
 
 AVX512 __m512i iq3_xxs_plane(const Pair *pair, int j) { return iq3_plane(pair, j, iq3xxs_levels); }
-
-AVX512 uint64_t u64_at(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
-    return v;
-}
-
-AVX512 uint32_t u32_at(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
 
 /* IQ3_S: 64 index bytes (low 8 bits), 8 bytes of their bit 8 (bit e % 8 of byte e / 8: 128 bits in entry
  * order over the pair, even entries' at even bits), 32 sign bytes (byte k: values 8k..8k + 7), a nibble
@@ -214,6 +276,7 @@ AVX512 Pair iq3_s_pair(const uint8_t *x, int two) {
     return (Pair){{lookup512(iq3s_codes[0], even, high_even), lookup512(iq3s_codes[1], even, high_even),
                    lookup512(iq3s_codes[0], odd, high_odd), lookup512(iq3s_codes[1], odd, high_odd)},
                   signs,
+                  odd_scales(ls),
                   odd_scales(ls),
                   {f16_at(x), two ? f16_at(x + 110) : 0.0f}};
 }
@@ -250,34 +313,46 @@ AVX512 void x_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
 }
 
 /* n input rows (planes xs[r], blocks y[r]) against weight row `row`: the float lanes of each */
-#define PAIR_DOT(NAME, BYTES)                                                                    \
+#define FIRST_HALVES 0x3333333333333333ULL /* entries 4t, 4t + 1 of the 64 */
+#define PAIR_DOT(NAME, BYTES, HALVES)                                                                    \
     AVX512 void NAME##_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, \
                              __m512 *acc, const int n) {                                                 \
         for (int64_t g = 0; g < (blocks + 1) / 2; g++) {                                                 \
             const int two = 2 * g + 1 < blocks;                                                          \
             const Pair pair = NAME##_pair(row + 2 * g * (BYTES), two);                                   \
-            __m512i sumi[2][RUN_ROWS]; /* even and odd planes apart: two shorter chains */               \
+            __m512i sumi[2][RUN_ROWS]; /* HALVES: each sub-block's halves apart; else even and odd planes */ \
             for (int r = 0; r < n; r++) sumi[0][r] = sumi[1][r] = _mm512_setzero_si512();                \
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                        \
                 const __m512i w = NAME##_plane(&pair, j);                                                \
+                const __m512i w0 = (HALVES) ? _mm512_maskz_mov_epi8(FIRST_HALVES, w) : w;                \
+                const __m512i w1 = _mm512_maskz_mov_epi8(~FIRST_HALVES, w);                              \
                 const __mmask64 negative = _mm512_test_epi8_mask(pair.signs, _mm512_set1_epi8((char)(1 << j))); \
                 for (int r = 0; r < n; r++) {                                                            \
                     const __m512i codes = _mm512_load_si512(xs[r] + 512 * g + 64 * j);                  \
-                    sumi[j & 1][r] = _mm512_dpbusd_epi32(sumi[j & 1][r], w, _mm512_mask_sub_epi8(codes, negative, _mm512_setzero_si512(), codes)); \
+                    const __m512i signed_codes = _mm512_mask_sub_epi8(codes, negative, _mm512_setzero_si512(), codes); \
+                    if (HALVES) {                                                                        \
+                        sumi[0][r] = _mm512_dpbusd_epi32(sumi[0][r], w0, signed_codes);                  \
+                        sumi[1][r] = _mm512_dpbusd_epi32(sumi[1][r], w1, signed_codes);                  \
+                    } else                                                                               \
+                        sumi[j & 1][r] = _mm512_dpbusd_epi32(sumi[j & 1][r], w0, signed_codes);          \
                 }                                                                                        \
             }                                                                                            \
             for (int r = 0; r < n; r++) {                                                                \
-                sumi[0][r] = _mm512_add_epi32(sumi[0][r], sumi[1][r]);                                   \
+                const __m512i scaled = (HALVES) ? _mm512_add_epi32(_mm512_mullo_epi32(sumi[0][r], pair.scales), \
+                                                                   _mm512_mullo_epi32(sumi[1][r], pair.scales_high)) \
+                                                : _mm512_mullo_epi32(_mm512_add_epi32(sumi[0][r], sumi[1][r]), pair.scales); \
                 const float d1 = two ? pair.d[1] * y[r][2 * g + 1].d : 0.0f;                             \
                 const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(pair.d[0] * y[r][2 * g].d), _mm512_set1_ps(d1)); \
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(sumi[0][r], pair.scales)), d, acc[r]); \
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), d, acc[r]);                         \
             }                                                                                            \
         }                                                                                                \
     }
 
-PAIR_DOT(iq2_xxs, 66)
-PAIR_DOT(iq3_xxs, 98)
-PAIR_DOT(iq3_s, 110)
+PAIR_DOT(iq2_xxs, 66, 0)
+PAIR_DOT(iq2_xs, 74, 1)
+PAIR_DOT(iq2_s, 82, 1)
+PAIR_DOT(iq3_xxs, 98, 0)
+PAIR_DOT(iq3_s, 110, 0)
 
 /* A row kernel: the input rows of matrix b RUN_ROWS at a time, each batch's activations put in planes
  * once, then every weight row first..last - 1 against them */
@@ -314,15 +389,19 @@ PAIR_DOT(iq3_s, 110)
     }
 
 PLANES_ROWS(16, iq2_xxs, 0.125f)
+PLANES_ROWS(17, iq2_xs, 0.125f)
+PLANES_ROWS(22, iq2_s, 0.125f)
 PLANES_ROWS(18, iq3_xxs, 0.25f)
 PLANES_ROWS(21, iq3_s, 1.0f)
 
 RowKernel iq_avx512_kernel(int ggml_type) {
     if (!HAVE_AVX512()) return NULL;
     switch (ggml_type) {
-        case 16: return iq2_levels_fit ? iq2_xxs_rows_avx512 : NULL;
-        case 18: return iq3xxs_levels_fit ? iq3_xxs_rows_avx512 : NULL;
-        case 21: return iq3s_levels_fit ? iq3_s_rows_avx512 : NULL;
+        case 16: return iq2xxs_fit ? iq2_xxs_rows_avx512 : NULL;
+        case 17: return iq2xs_fit ? iq2_xs_rows_avx512 : NULL;
+        case 22: return iq2s_fit ? iq2_s_rows_avx512 : NULL;
+        case 18: return iq3xxs_fit ? iq3_xxs_rows_avx512 : NULL;
+        case 21: return iq3s_fit ? iq3_s_rows_avx512 : NULL;
         default: return NULL;
     }
 }
