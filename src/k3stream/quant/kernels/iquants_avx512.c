@@ -31,12 +31,13 @@
  * byte 4h + j at bits 2j), two of an IQ3 one (byte 2h + j at bits 3j); a 64-byte level table (VPERMB:
  * the index's low 6 bits) gives the level of one code position. Filled by iq_avx512_set_grids. */
 static uint8_t iq2xxs_codes[2][256] __attribute__((aligned(64))), iq2xs_codes[2][512] __attribute__((aligned(64)));
-static uint8_t iq2s_codes[2][1024] __attribute__((aligned(64)));
+static uint8_t iq2s_codes[2][1024] __attribute__((aligned(64))), iq1s_codes[2][2048] __attribute__((aligned(64)));
 static uint8_t iq3xxs_codes[2][256] __attribute__((aligned(64))), iq3s_codes[2][512] __attribute__((aligned(64)));
 static uint8_t iq2xxs_levels[3][64] __attribute__((aligned(64))), iq2xs_levels[3][64] __attribute__((aligned(64)));
-static uint8_t iq2s_levels[3][64] __attribute__((aligned(64)));
+static uint8_t iq2s_levels[3][64] __attribute__((aligned(64))), iq1s_levels[3][64] __attribute__((aligned(64)));
 static uint8_t iq3xxs_levels[2][64] __attribute__((aligned(64))), iq3s_levels[2][64] __attribute__((aligned(64)));
-static int iq2xxs_fit, iq2xs_fit, iq2s_fit, iq3xxs_fit, iq3s_fit; /* at most 3 (IQ2), 8 (IQ3) distinct values */
+/* at most 3 (IQ2; IQ1_S's values + 1), 8 (IQ3) distinct values */
+static int iq2xxs_fit, iq2xs_fit, iq2s_fit, iq3xxs_fit, iq3s_fit, iq1s_fit;
 static uint8_t ksigns_table[128] __attribute__((aligned(64)));
 static uint8_t entry_order[64] __attribute__((aligned(64))); /* entry k: byte 8q + l of sub-block vectors */
 static uint8_t even_bytes[2][64] __attribute__((aligned(64))); /* bytes 2k (+ 1) of two vectors */
@@ -91,6 +92,10 @@ void iq_avx512_set_grids(const IqGrids *grids) {
     iq2s_fit = grid_codes(grids->iq2s, 1024, 8, &iq2s_codes[0][0], iq2s_levels);
     iq3xxs_fit = grid_codes(grids->iq3xxs, 256, 4, &iq3xxs_codes[0][0], iq3xxs_levels);
     iq3s_fit = grid_codes(grids->iq3s, 512, 4, &iq3s_codes[0][0], iq3s_levels);
+    uint8_t *plus_one = malloc(2048 * 8); /* IQ1_S's -1, 0, 1 as the unsigned 0, 1, 2 */
+    for (int i = 0; plus_one != NULL && i < 2048 * 8; i++) plus_one[i] = (uint8_t)(grids->iq1s[i] + 1);
+    iq1s_fit = plus_one != NULL && grid_codes(plus_one, 2048, 8, &iq1s_codes[0][0], iq1s_levels);
+    free(plus_one);
     memcpy(ksigns_table, grids->ksigns, 128);
     for (int k = 0; k < 64; k++) {
         entry_order[k] = (uint8_t)((k >= 32 ? 64 : 0) + 8 * ((k % 32) / 4) + k % 4);
@@ -110,7 +115,8 @@ void iq_avx512_set_grids(const IqGrids *grids) {
  * the 16 sub-blocks' scales as int32 lanes, each block's d (the second's 0 where there is none) */
 typedef struct {
     __m512i codes[4], signs, scales;
-    __m512i scales_high; /* IQ2_XS, IQ2_S: entries 4t + 2, 4t + 3's scales (`scales`: 4t, 4t + 1's) */
+    __m512i scales_high; /* IQ2_XS, IQ2_S: entries 4t + 2, 4t + 3's scales (`scales`: 4t, 4t + 1's);
+                            IQ1_S: each sub-block's delta sign less 8 */
     float d[2];
 } Pair;
 
@@ -188,6 +194,40 @@ AVX512 __m512i iq2_s_plane(const Pair *pair, int j) { return iq2_plane(pair, j, 
 AVX512 __m512i lookup1024(const uint8_t *table, __m512i low, __mmask64 bit8, __mmask64 bit9) {
     return _mm512_mask_blend_epi8(bit9, lookup512(table, low, bit8), lookup512(table + 512, low, bit8));
 }
+
+/* ... of a 2048-entry table at the 11-bit indices of low 8 bits `low` and bits 8, 9, 10 `high` */
+AVX512 __m512i lookup2048(const uint8_t *table, __m512i low, const __mmask64 *high) {
+    __m512i quarter[4];
+    for (int q = 0; q < 4; q++) quarter[q] = lookup512(table + 512 * q, low, high[0]);
+    return _mm512_mask_blend_epi8(high[2], _mm512_mask_blend_epi8(high[1], quarter[0], quarter[1]),
+                                  _mm512_mask_blend_epi8(high[1], quarter[2], quarter[3]));
+}
+
+/* IQ1_S: 32 low index bytes, a 16-bit word a sub-block: its entries' index bits 8-10 (3 each, at 3l),
+ * its scale (bits 12-14) and delta sign (bit 15); the grid's values plus one (0, 1, 2) in the codes, the
+ * activations' sums taking the one back */
+AVX512 Pair iq1_s_pair(const uint8_t *x, int two) {
+    const __m512i low = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 2))),
+                                           _mm256_maskz_loadu_epi8(two ? ~0U : 0, x + 52), 1);
+    const uint64_t words[4] = {u64_at(x + 34), u64_at(x + 42), two ? u64_at(x + 84) : 0, two ? u64_at(x + 92) : 0};
+    __mmask64 high[3];
+    for (int b = 0; b < 3; b++) {
+        const uint64_t fields = 0x0249024902490249ULL << b; /* bit b of each 3-bit field */
+        high[b] = _pext_u64(words[0], fields) | _pext_u64(words[1], fields) << 16 | _pext_u64(words[2], fields) << 32 |
+                  _pext_u64(words[3], fields) << 48;
+    }
+    const __m256i packed = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(x + 34))),
+                                                   _mm_maskz_loadu_epi8(two ? 0xFFFF : 0, x + 84), 1);
+    const __m512i qh = _mm512_cvtepu16_epi32(packed);
+    const __m512i negative = _mm512_srli_epi32(qh, 15);
+    return (Pair){{lookup2048(iq1s_codes[0], low, high), lookup2048(iq1s_codes[1], low, high)},
+                  _mm512_setzero_si512(),
+                  odd_scales(_mm512_and_si512(_mm512_srli_epi32(qh, 12), _mm512_set1_epi32(7))),
+                  _mm512_sub_epi32(_mm512_set1_epi32(-7), _mm512_slli_epi32(negative, 1)),
+                  {f16_at(x), two ? f16_at(x + 50) : 0.0f}};
+}
+
+AVX512 __m512i iq1_s_plane(const Pair *pair, int j) { return iq2_plane(pair, j, iq1s_levels); }
 
 /* IQ2_XS and IQ2_S scales: a byte a sub-block, the low nibble for its first 16 values, the high one for
  * the rest; `first` the first block's 8 bytes, `second` the second's */
@@ -314,7 +354,29 @@ AVX512 void x_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
 
 /* n input rows (planes xs[r], blocks y[r]) against weight row `row`: the float lanes of each */
 #define FIRST_HALVES 0x3333333333333333ULL /* entries 4t, 4t + 1 of the 64 */
-#define PAIR_DOT(NAME, BYTES, HALVES)                                                                    \
+/* how a type's lanes are summed: one scale a sub-block; one a half (HALVES); IQ1_S's deltas, no signs */
+#define WHOLE 0
+#define HALVES 1
+#define DELTAS 2
+/* x's sub-block sums (DELTAS) of the pair of blocks y[0], y[1] (`two`) in lanes */
+AVX512 __m512i sub_block_sums(const BlockQ8K *y, int two) {
+    const __m256i second = two ? _mm256_loadu_si256((const __m256i *)y[1].bsums) : _mm256_setzero_si256();
+    const __m512i sums16 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y[0].bsums)), second, 1);
+    return _mm512_madd_epi16(sums16, _mm512_set1_epi16(1));
+}
+
+/* DELTAS: 8 (sum of (value + 1) x) + (delta - 8) (sum of x) = 8 (sum of value x) + delta (sum of x), times
+ * the scale (the type's factor 0.125 restores it); HALVES: each half times its scale */
+AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, const BlockQ8K *y, int two, const int kind) {
+    if (kind == HALVES)
+        return _mm512_add_epi32(_mm512_mullo_epi32(first, pair->scales), _mm512_mullo_epi32(second, pair->scales_high));
+    const __m512i sum = _mm512_add_epi32(first, second);
+    if (kind == WHOLE) return _mm512_mullo_epi32(sum, pair->scales);
+    const __m512i total = _mm512_add_epi32(_mm512_slli_epi32(sum, 3), _mm512_mullo_epi32(pair->scales_high, sub_block_sums(y, two)));
+    return _mm512_mullo_epi32(total, pair->scales);
+}
+
+#define PAIR_DOT(NAME, BYTES, KIND)                                                                    \
     AVX512 void NAME##_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, \
                              __m512 *acc, const int n) {                                                 \
         for (int64_t g = 0; g < (blocks + 1) / 2; g++) {                                                 \
@@ -324,13 +386,14 @@ AVX512 void x_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
             for (int r = 0; r < n; r++) sumi[0][r] = sumi[1][r] = _mm512_setzero_si512();                \
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                        \
                 const __m512i w = NAME##_plane(&pair, j);                                                \
-                const __m512i w0 = (HALVES) ? _mm512_maskz_mov_epi8(FIRST_HALVES, w) : w;                \
+                const __m512i w0 = (KIND) == HALVES ? _mm512_maskz_mov_epi8(FIRST_HALVES, w) : w;        \
                 const __m512i w1 = _mm512_maskz_mov_epi8(~FIRST_HALVES, w);                              \
                 const __mmask64 negative = _mm512_test_epi8_mask(pair.signs, _mm512_set1_epi8((char)(1 << j))); \
                 for (int r = 0; r < n; r++) {                                                            \
                     const __m512i codes = _mm512_load_si512(xs[r] + 512 * g + 64 * j);                  \
-                    const __m512i signed_codes = _mm512_mask_sub_epi8(codes, negative, _mm512_setzero_si512(), codes); \
-                    if (HALVES) {                                                                        \
+                    const __m512i signed_codes =                                                         \
+                        (KIND) == DELTAS ? codes : _mm512_mask_sub_epi8(codes, negative, _mm512_setzero_si512(), codes); \
+                    if ((KIND) == HALVES) {                                                              \
                         sumi[0][r] = _mm512_dpbusd_epi32(sumi[0][r], w0, signed_codes);                  \
                         sumi[1][r] = _mm512_dpbusd_epi32(sumi[1][r], w1, signed_codes);                  \
                     } else                                                                               \
@@ -338,9 +401,7 @@ AVX512 void x_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
                 }                                                                                        \
             }                                                                                            \
             for (int r = 0; r < n; r++) {                                                                \
-                const __m512i scaled = (HALVES) ? _mm512_add_epi32(_mm512_mullo_epi32(sumi[0][r], pair.scales), \
-                                                                   _mm512_mullo_epi32(sumi[1][r], pair.scales_high)) \
-                                                : _mm512_mullo_epi32(_mm512_add_epi32(sumi[0][r], sumi[1][r]), pair.scales); \
+                const __m512i scaled = scaled_lanes(&pair, sumi[0][r], sumi[1][r], y[r] + 2 * g, two, KIND); \
                 const float d1 = two ? pair.d[1] * y[r][2 * g + 1].d : 0.0f;                             \
                 const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(pair.d[0] * y[r][2 * g].d), _mm512_set1_ps(d1)); \
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), d, acc[r]);                         \
@@ -348,11 +409,12 @@ AVX512 void x_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
         }                                                                                                \
     }
 
-PAIR_DOT(iq2_xxs, 66, 0)
-PAIR_DOT(iq2_xs, 74, 1)
-PAIR_DOT(iq2_s, 82, 1)
-PAIR_DOT(iq3_xxs, 98, 0)
-PAIR_DOT(iq3_s, 110, 0)
+PAIR_DOT(iq2_xxs, 66, WHOLE)
+PAIR_DOT(iq2_xs, 74, HALVES)
+PAIR_DOT(iq2_s, 82, HALVES)
+PAIR_DOT(iq3_xxs, 98, WHOLE)
+PAIR_DOT(iq3_s, 110, WHOLE)
+PAIR_DOT(iq1_s, 50, DELTAS)
 
 /* A row kernel: the input rows of matrix b RUN_ROWS at a time, each batch's activations put in planes
  * once, then every weight row first..last - 1 against them */
@@ -391,6 +453,7 @@ PAIR_DOT(iq3_s, 110, 0)
 PLANES_ROWS(16, iq2_xxs, 0.125f)
 PLANES_ROWS(17, iq2_xs, 0.125f)
 PLANES_ROWS(22, iq2_s, 0.125f)
+PLANES_ROWS(19, iq1_s, 0.125f)
 PLANES_ROWS(18, iq3_xxs, 0.25f)
 PLANES_ROWS(21, iq3_s, 1.0f)
 
@@ -402,6 +465,7 @@ RowKernel iq_avx512_kernel(int ggml_type) {
         case 22: return iq2s_fit ? iq2_s_rows_avx512 : NULL;
         case 18: return iq3xxs_fit ? iq3_xxs_rows_avx512 : NULL;
         case 21: return iq3s_fit ? iq3_s_rows_avx512 : NULL;
+        case 19: return iq1s_fit ? iq1_s_rows_avx512 : NULL;
         default: return NULL;
     }
 }
