@@ -115,7 +115,7 @@ void iq_avx512_set_grids(const IqGrids *grids) {
  * the 16 sub-blocks' scales as int32 lanes, each block's d (the second's 0 where there is none) */
 typedef struct {
     __m512i codes[4], signs, scales;
-    __m512i scales_high; /* IQ2_XS, IQ2_S: entries 4t + 2, 4t + 3's scales (`scales`: 4t, 4t + 1's);
+    __m512i scales_high; /* IQ2_XS, IQ2_S: entries 4t + 2, 4t + 3's scales (`scales`: 4t, 4t + 1's less these);
                             IQ1_S: each sub-block's delta sign less 8 */
     float d[2];
 } Pair;
@@ -233,8 +233,8 @@ AVX512 __m512i iq1_s_plane(const Pair *pair, int j) { return iq2_plane(pair, j, 
  * the rest; `first` the first block's 8 bytes, `second` the second's */
 AVX512 void half_scales(uint64_t first, uint64_t second, Pair *pair) {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_set_epi64x((long long)second, (long long)first));
-    pair->scales = odd_scales(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
     pair->scales_high = odd_scales(_mm512_srli_epi32(bytes, 4));
+    pair->scales = _mm512_sub_epi32(odd_scales(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), pair->scales_high);
 }
 
 /* IQ2_XS: a 16-bit word an entry: a 9-bit grid index, a 7-bit sign index; 8 scale bytes */
@@ -366,7 +366,8 @@ AVX512 __m512i sub_block_sums(const BlockQ8K *y, int two) {
 }
 
 /* DELTAS: 8 (sum of (value + 1) x) + (delta - 8) (sum of x) = 8 (sum of value x) + delta (sum of x), times
- * the scale (the type's factor 0.125 restores it); HALVES: each half times its scale */
+ * the scale (the type's factor 0.125 restores it); HALVES: the first halves' sum (`first`) times their
+ * scale less the second's, the whole's (`second`) times the second's */
 AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, const BlockQ8K *y, int two, const int kind) {
     if (kind == HALVES)
         return _mm512_add_epi32(_mm512_mullo_epi32(first, pair->scales), _mm512_mullo_epi32(second, pair->scales_high));
@@ -376,18 +377,17 @@ AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, con
     return _mm512_mullo_epi32(total, pair->scales);
 }
 
+/* pair g of the row against n input rows (`two`: its second block is there) */
 #define PAIR_DOT(NAME, BYTES, KIND)                                                                    \
-    AVX512 void NAME##_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, \
-                             __m512 *acc, const int n) {                                                 \
-        for (int64_t g = 0; g < (blocks + 1) / 2; g++) {                                                 \
-            const int two = 2 * g + 1 < blocks;                                                          \
+    AVX512 void NAME##_pair_dot(const uint8_t *row, int64_t g, const int two, const int8_t *const *xs,   \
+                                const BlockQ8K *const *y, __m512 *acc, const int n) {                    \
+        {                                                                                                \
             const Pair pair = NAME##_pair(row + 2 * g * (BYTES), two);                                   \
-            __m512i sumi[2][RUN_ROWS]; /* HALVES: each sub-block's halves apart; else even and odd planes */ \
+            __m512i sumi[2][RUN_ROWS]; /* HALVES: first halves, wholes; else even and odd planes */       \
             for (int r = 0; r < n; r++) sumi[0][r] = sumi[1][r] = _mm512_setzero_si512();                \
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                        \
                 const __m512i w = NAME##_plane(&pair, j);                                                \
                 const __m512i w0 = (KIND) == HALVES ? _mm512_maskz_mov_epi8(FIRST_HALVES, w) : w;        \
-                const __m512i w1 = _mm512_maskz_mov_epi8(~FIRST_HALVES, w);                              \
                 const __mmask64 negative = _mm512_test_epi8_mask(pair.signs, _mm512_set1_epi8((char)(1 << j))); \
                 for (int r = 0; r < n; r++) {                                                            \
                     const __m512i codes = _mm512_load_si512(xs[r] + 512 * g + 64 * j);                  \
@@ -395,7 +395,7 @@ AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, con
                         (KIND) == DELTAS ? codes : _mm512_mask_sub_epi8(codes, negative, _mm512_setzero_si512(), codes); \
                     if ((KIND) == HALVES) {                                                              \
                         sumi[0][r] = _mm512_dpbusd_epi32(sumi[0][r], w0, signed_codes);                  \
-                        sumi[1][r] = _mm512_dpbusd_epi32(sumi[1][r], w1, signed_codes);                  \
+                        sumi[1][r] = _mm512_dpbusd_epi32(sumi[1][r], w, signed_codes);                   \
                     } else                                                                               \
                         sumi[j & 1][r] = _mm512_dpbusd_epi32(sumi[j & 1][r], w0, signed_codes);          \
                 }                                                                                        \
@@ -407,6 +407,11 @@ AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, con
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), d, acc[r]);                         \
             }                                                                                            \
         }                                                                                                \
+    }                                                                                                    \
+    AVX512 void NAME##_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, \
+                             __m512 *acc, const int n) {                                                 \
+        for (int64_t g = 0; g < blocks / 2; g++) NAME##_pair_dot(row, g, 1, xs, y, acc, n);              \
+        if (blocks % 2) NAME##_pair_dot(row, blocks / 2, 0, xs, y, acc, n);                              \
     }
 
 PAIR_DOT(iq2_xxs, 66, WHOLE)
