@@ -1,13 +1,14 @@
 /* AVX-512 (VBMI, VNNI) integer kernels of the 1-3-bit grid i-quants on Q8_K activations, where the CPU
  * has them (HAVE_AVX512; K3STREAM_NO_AVX512=1 keeps ggml's AVX2 kernels of `iquants_cpu.c`).
  *
- * Byte planes: a grid of entries of 8 bytes is 8 byte-planes (plane j: byte j of every entry); 64 grid
- * indices look up 64 bytes of a plane in two-table byte permutes (128 bytes each) and a blend on the
- * index's high bits. Two blocks (512 values) are 64 entries: entry k (0..63) is values 8k..8k + 7, so
- * plane j holds values 8k + j. The activations are put in the same order once per kernel call (x is
+ * Byte planes: two blocks (512 values) are 64 "entries" k of 8 values 8k..8k + 7 (an IQ2 or IQ1_S grid
+ * entry; two IQ3 ones), and plane j (0..7) is value 8k + j of every k, 64 bytes. The grids' entries are
+ * held as codes of their few levels (code tables, below); 64 grid indices look up 64 code bytes in
+ * two-table byte permutes (128 entries each) blended on the index's high bits, and one byte permute a
+ * plane turns codes into levels. The activations are put in plane order once per kernel call (x is
  * shared by every weight row): `x_planes`. The signs go to the activations (a masked negate), the
- * unsigned grid bytes times them by VPDPBUSD; a 32-bit lane then sums 4 adjacent entries of a plane,
- * one 32-value sub-block, so the 8 planes' products give each sub-block's exact sum in its own lane.
+ * unsigned levels times them by VPDPBUSD; a 32-bit lane then sums 4 adjacent entries of a plane, one
+ * 32-value sub-block, so the 8 planes' products give each sub-block's exact sum in its own lane.
  *
  * The float step (every input-row count, one or many, gives a row the same bits):
  * lane t (0..15) of a pair of blocks: sub-block t's scaled integer sum (exact in float32), times
@@ -380,32 +381,30 @@ AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, con
 /* pair g of the row against n input rows (`two`: its second block is there) */
 #define PAIR_DOT(NAME, BYTES, KIND)                                                                    \
     AVX512 void NAME##_pair_dot(const uint8_t *row, int64_t g, const int two, const int8_t *const *xs,   \
-                                const BlockQ8K *const *y, __m512 *acc, const int n) {                    \
-        {                                                                                                \
-            const Pair pair = NAME##_pair(row + 2 * g * (BYTES), two);                                   \
-            __m512i sumi[2][RUN_ROWS]; /* HALVES: first halves, wholes; else even and odd planes */       \
-            for (int r = 0; r < n; r++) sumi[0][r] = sumi[1][r] = _mm512_setzero_si512();                \
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                        \
-                const __m512i w = NAME##_plane(&pair, j);                                                \
-                const __m512i w0 = (KIND) == HALVES ? _mm512_maskz_mov_epi8(FIRST_HALVES, w) : w;        \
-                const __mmask64 negative = _mm512_test_epi8_mask(pair.signs, _mm512_set1_epi8((char)(1 << j))); \
-                for (int r = 0; r < n; r++) {                                                            \
-                    const __m512i codes = _mm512_load_si512(xs[r] + 512 * g + 64 * j);                  \
-                    const __m512i signed_codes =                                                         \
-                        (KIND) == DELTAS ? codes : _mm512_mask_sub_epi8(codes, negative, _mm512_setzero_si512(), codes); \
-                    if ((KIND) == HALVES) {                                                              \
-                        sumi[0][r] = _mm512_dpbusd_epi32(sumi[0][r], w0, signed_codes);                  \
-                        sumi[1][r] = _mm512_dpbusd_epi32(sumi[1][r], w, signed_codes);                   \
-                    } else                                                                               \
-                        sumi[j & 1][r] = _mm512_dpbusd_epi32(sumi[j & 1][r], w0, signed_codes);          \
-                }                                                                                        \
-            }                                                                                            \
+                                const BlockQ8K *const *y, __m512 *acc, const int n) {                        \
+        const Pair pair = NAME##_pair(row + 2 * g * (BYTES), two);                                       \
+        __m512i sumi[2][RUN_ROWS]; /* HALVES: first halves, wholes; else even and odd planes */          \
+        for (int r = 0; r < n; r++) sumi[0][r] = sumi[1][r] = _mm512_setzero_si512();                    \
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                            \
+            const __m512i w = NAME##_plane(&pair, j);                                                    \
+            const __m512i w0 = (KIND) == HALVES ? _mm512_maskz_mov_epi8(FIRST_HALVES, w) : w;            \
+            const __mmask64 negative = _mm512_test_epi8_mask(pair.signs, _mm512_set1_epi8((char)(1 << j))); \
             for (int r = 0; r < n; r++) {                                                                \
-                const __m512i scaled = scaled_lanes(&pair, sumi[0][r], sumi[1][r], y[r] + 2 * g, two, KIND); \
-                const float d1 = two ? pair.d[1] * y[r][2 * g + 1].d : 0.0f;                             \
-                const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(pair.d[0] * y[r][2 * g].d), _mm512_set1_ps(d1)); \
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), d, acc[r]);                         \
+                const __m512i codes = _mm512_load_si512(xs[r] + 512 * g + 64 * j);                       \
+                const __m512i signed_codes =                                                             \
+                    (KIND) == DELTAS ? codes : _mm512_mask_sub_epi8(codes, negative, _mm512_setzero_si512(), codes); \
+                if ((KIND) == HALVES) {                                                                  \
+                    sumi[0][r] = _mm512_dpbusd_epi32(sumi[0][r], w0, signed_codes);                      \
+                    sumi[1][r] = _mm512_dpbusd_epi32(sumi[1][r], w, signed_codes);                       \
+                } else                                                                                   \
+                    sumi[j & 1][r] = _mm512_dpbusd_epi32(sumi[j & 1][r], w0, signed_codes);              \
             }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < n; r++) {                                                                    \
+            const __m512i scaled = scaled_lanes(&pair, sumi[0][r], sumi[1][r], y[r] + 2 * g, two, KIND); \
+            const float d1 = two ? pair.d[1] * y[r][2 * g + 1].d : 0.0f;                                 \
+            const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(pair.d[0] * y[r][2 * g].d), _mm512_set1_ps(d1)); \
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), d, acc[r]);                             \
         }                                                                                                \
     }                                                                                                    \
     AVX512 void NAME##_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, \
@@ -428,7 +427,7 @@ PAIR_DOT(iq1_s, 50, DELTAS)
         const int64_t blocks = pr->in_features / 256, pair_bytes = 512 * ((blocks + 1) / 2);             \
         int8_t *buffer = aligned_alloc(64, (size_t)(RUN_ROWS * pair_bytes));                             \
         if (buffer == NULL) { /* no memory for the planes: ggml's AVX2 kernel (a few ulp apart) */       \
-            iq_q8_kernel_avx2(ID)(pr, b, first, last);                     \
+            iq_q8_kernel_avx2(ID)(pr, b, first, last);                                                   \
             return;                                                                                      \
         }                                                                                                \
         for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p += RUN_ROWS) {                          \
