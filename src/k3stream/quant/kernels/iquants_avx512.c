@@ -353,7 +353,6 @@ AVX512 void x_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
     }
 }
 
-/* n input rows (planes xs[r], blocks y[r]) against weight row `row`: the float lanes of each */
 #define FIRST_HALVES 0x3333333333333333ULL /* entries 4t, 4t + 1 of the 64 */
 /* how a type's lanes are summed: one scale a sub-block; one a half (HALVES); IQ1_S's deltas, no signs */
 #define WHOLE 0
@@ -378,7 +377,8 @@ AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, con
     return _mm512_mullo_epi32(total, pair->scales);
 }
 
-/* pair g of the row against n input rows (`two`: its second block is there) */
+/* pair g of weight row `row` against n input rows (planes xs[r], blocks y[r]; `two`: the pair's second
+ * block is there) into their float lanes acc[r]; NAME##_pairs: every pair of the row */
 #define PAIR_DOT(NAME, BYTES, KIND)                                                                    \
     AVX512 void NAME##_pair_dot(const uint8_t *row, int64_t g, const int two, const int8_t *const *xs,   \
                                 const BlockQ8K *const *y, __m512 *acc, const int n) {                        \
