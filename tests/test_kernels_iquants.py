@@ -46,6 +46,8 @@ ISAS = ["avx512", "avx2", "portable"]
 def take_isa(isa: str, monkeypatch) -> None:
     if isa == "avx512" and not has_avx512():
         pytest.skip("this CPU lacks AVX-512 F/BW/VL/VNNI/VBMI")
+    monkeypatch.delenv("K3STREAM_NO_AVX512", raising=False)
+    monkeypatch.delenv("K3STREAM_GENERIC_KERNELS", raising=False)
     if isa == "avx2":
         monkeypatch.setenv("K3STREAM_NO_AVX512", "1")
     if isa == "portable":
