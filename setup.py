@@ -13,6 +13,7 @@ setup(
                 "src/k3stream/quant/kernels/ggml_cpu.c",
                 "src/k3stream/quant/kernels/steps_cpu.c",
                 "src/k3stream/quant/kernels/iquants_cpu.c",
+                "src/k3stream/quant/kernels/iquants_avx512.c",
                 "src/k3stream/quant/kernels/tiles_cpu.c",
                 "src/k3stream/quant/kernels/kquants_avx512.c",
             ],

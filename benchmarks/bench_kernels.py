@@ -22,7 +22,8 @@ named (`--iquants Q6_K,Q8_0,IQ2_XXS`). `--rows N` gives each matrix N input rows
 takes its multi-row kernels, each weight block decoded once for all the rows, llama.cpp its vec_dot for
 every row and input row); "Gw/s" counts weights times input rows a second. `--clock cpu` (with
 `--threads 1`) times the calling thread's CPU seconds, which other processes on a shared machine do
-not take.
+not take. `--avx2` (on an AVX-512 machine) also times ours under K3STREAM_NO_AVX512=1 (the AVX2
+kernels) in the same alternation: "avx2 GB/s", its ratio to the read and ours to it.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def main() -> None:
         choices=["wall", "cpu"],
         help="--iquants, one thread: the thread's CPU seconds",
     )
+    parser.add_argument("--avx2", action="store_true", help="--iquants: also ours under K3STREAM_NO_AVX512=1")
     args = parser.parse_args()
     if args.iquants:
         return iquants_against_llama_cpp(args)
@@ -204,12 +206,16 @@ class IquantCase:
         return cpu.grouped_product(x, self.datas, int(self.qtype), ROWS, self.row_bytes, starts, rows, True)
 
     def ours_avx2(self, x: torch.Tensor) -> torch.Tensor:
-        """`ours` on the AVX2 kernels (K3STREAM_NO_AVX512=1 for the call)."""
+        """`ours` with the AVX2 kernels (the AVX-512 ones turned off for the call)."""
+        before = os.environ.get("K3STREAM_NO_AVX512")
         os.environ["K3STREAM_NO_AVX512"] = "1"
         try:
             return self.ours(x)
         finally:
-            del os.environ["K3STREAM_NO_AVX512"]
+            if before is None:
+                del os.environ["K3STREAM_NO_AVX512"]
+            else:
+                os.environ["K3STREAM_NO_AVX512"] = before
 
     def theirs(self, x: torch.Tensor, library: ctypes.CDLL, threads: int) -> None:
         weights = ggml_oracle._traits(int(self.qtype))
@@ -224,19 +230,24 @@ class IquantCase:
         )  # fmt: skip
 
     def seconds(
-        self, x: torch.Tensor, library: ctypes.CDLL, threads: int, repeat: int, clock=time.perf_counter
+        self,
+        x: torch.Tensor,
+        library: ctypes.CDLL,
+        threads: int,
+        repeat: int,
+        clock=time.perf_counter,
+        avx2: bool = False,
     ) -> tuple[float, ...]:
-        """The best times of ours and llama.cpp's (alternating), of a plain read of the bytes and of ours
-        on the AVX2 kernels (where the AVX-512 ones run; else ours again)."""
+        """The best times of ours and llama.cpp's (alternating), of a plain read of the bytes, and (`avx2`)
+        of ours on the AVX2 kernels."""
         torch.set_num_threads(threads)
         words = [d.view(torch.int64) for d in self.datas]
         runs = (
             lambda: self.ours(x),
             lambda: self.theirs(x, library, threads),
             lambda: [w.sum() for w in words],
-            lambda: self.ours_avx2(x),
         )
-        return best_of_each(runs, repeat, clock)
+        return best_of_each(runs + ((lambda: self.ours_avx2(x)),) * avx2, repeat, clock)
 
 
 def iquants_against_llama_cpp(args: argparse.Namespace) -> None:
@@ -247,23 +258,23 @@ def iquants_against_llama_cpp(args: argparse.Namespace) -> None:
     llama_avx512 = "with" if ggml_oracle.library().ggml_cpu_has_avx512() else "without"
     print(
         f"{args.experts} matrices of {ROWS} x {COLS} (random valid blocks), {args.rows} input row(s) each; "
-        f"best of {args.repeat}, ours, llama.cpp's, the read and ours on AVX2 alternating; k3stream's "
-        f"kernels: {cpu.isa()}, llama.cpp's libggml-cpu {llama_avx512} AVX-512"
+        f"best of {args.repeat}, ours, llama.cpp's, the read (--avx2: ours on AVX2) alternating; "
+        f"k3stream's kernels: {cpu.isa()}, llama.cpp's libggml-cpu {llama_avx512} AVX-512"
     )
     print(f"{'type':8s} {'threads':>7s} {'k3 GB/s':>8s} {'read GB/s':>9s} {'k3/read':>7s} "
-          f"{'llama GB/s':>10s} {'k3/llama':>8s} {'k3 Gw/s':>8s} {'llama Gw/s':>10s} "
-          f"{'k3 avx2 GB/s':>12s} {'k3/avx2':>7s}")  # fmt: skip
+          f"{'llama GB/s':>10s} {'k3/llama':>8s} {'k3 Gw/s':>8s} {'llama Gw/s':>10s}"
+          + f" {'avx2 GB/s':>9s} {'avx2/read':>9s} {'k3/avx2':>7s}" * args.avx2)  # fmt: skip
     for name in args.iquants.split(","):
         case = IquantCase.make(name, args.experts, args.rows)
         total, products = sum(d.numel() for d in case.datas), ROWS * COLS * args.experts * args.rows
         for threads in (int(t) for t in args.threads.split(",")):
             clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-            kernel, llama, read, avx2 = case.seconds(x, library, threads, args.repeat, clock)
+            kernel, llama, read, *avx2 = case.seconds(x, library, threads, args.repeat, clock, args.avx2)
             print(
                 f"{name:8s} {threads:7d} {total / kernel / 1e9:8.2f} {total / read / 1e9:9.2f} "
                 f"{read / kernel:7.2f} {total / llama / 1e9:10.2f} {llama / kernel:8.2f} "
-                f"{products / kernel / 1e9:8.2f} {products / llama / 1e9:10.2f} "
-                f"{total / avx2 / 1e9:12.2f} {avx2 / kernel:7.2f}"
+                f"{products / kernel / 1e9:8.2f} {products / llama / 1e9:10.2f}"
+                + "".join(f" {total / t / 1e9:9.2f} {read / t:9.2f} {t / kernel:7.2f}" for t in avx2)
             )
 
 

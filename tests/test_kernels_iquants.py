@@ -1,7 +1,9 @@
 """The integer kernels of the i-quants, the ternary types and MXFP4 (`iquants_cpu.c`) on random valid
 blocks: bit for bit llama.cpp's own dot products (its libggml-cpu: the AVX2 kernel it runs here, and
 ggml's generic C for the portable build), and within float rounding of `gguf.quants.dequantize` times
-the 8-bit activations in float64."""
+the 8-bit activations in float64. The grid types' AVX-512 kernels (`iquants_avx512.c`, on a CPU with
+AVX-512 F/BW/VL/VNNI/VBMI) order their float operations apart from ggml's: within 1e-6 of each output's
+magnitude of llama.cpp's AVX2 vec_dot (a few ulp), and K3STREAM_NO_AVX512=1 gives its bits."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
+from conftest import KERNEL_ISAS, take_kernel_isa
 from k3stream.quant.kernels import QWeight, cpu, kernel_for, qmatmul
 from k3stream.testing import ggml_oracle
 
@@ -24,6 +27,7 @@ needs_llama = pytest.mark.skipif(
 TYPES = [T.IQ2_XXS, T.IQ1_S, T.IQ4_XS, T.IQ2_XS, T.IQ3_XXS, T.IQ3_S, T.IQ2_S, T.IQ1_M, T.IQ4_NL, T.TQ1_0,
          T.TQ2_0, T.MXFP4]  # fmt: skip
 SHAPES = [(5, 256, 1), (37, 512, 3), (19, 2048, 5)]  # 5 rows: four sharing decoded runs, one alone
+AVX512_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S]  # the types with AVX-512 kernels
 
 
 def matrix(qt: T, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -70,13 +74,31 @@ def inputs(count: int, cols: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,cols,count", SHAPES)
 def test_the_kernels_are_llama_cpps_dot_products_bit_for_bit(qt, rows, cols, count, monkeypatch):
-    """The default kernel is the one llama.cpp runs on this machine (its AVX2 one, else ggml's generic
-    C); K3STREAM_GENERIC_KERNELS=1 gives ggml's generic C."""
+    """Without AVX-512 the kernel is the one llama.cpp runs on this machine (its AVX2 one, else ggml's
+    generic C); K3STREAM_GENERIC_KERNELS=1 gives ggml's generic C."""
+    monkeypatch.setenv("K3STREAM_NO_AVX512", "1")
     w, x = matrix(qt, rows, cols, seed=rows), inputs(count, cols, seed=cols)
     avx2 = bool(ggml_oracle.library().ggml_cpu_has_avx2())
     assert np.array_equal(product(qt, w, x), ggml_product(qt, w, x, generic=not avx2))
     monkeypatch.setenv("K3STREAM_GENERIC_KERNELS", "1")
     assert np.array_equal(product(qt, w, x), ggml_product(qt, w, x, generic=True))
+
+
+@needs_llama
+@pytest.mark.parametrize("qt", AVX512_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,cols,count", [*SHAPES, (9, 1280, 9)])
+def test_the_avx512_kernels_are_within_a_few_ulp_of_llama_cpps(qt, rows, cols, count, monkeypatch):
+    """The AVX-512 kernels (llama.cpp's wheel has none for these types): each output within 1e-6 of
+    its magnitude (the sum of |weight x activation| over the row) of llama.cpp's AVX2 vec_dot, and
+    not its bits (their own float order: the AVX-512 kernel ran)."""
+    take_kernel_isa("avx512", monkeypatch)
+    w, x = matrix(qt, rows, cols, seed=rows), inputs(count, cols, seed=cols)
+    got, expected = product(qt, w, x), ggml_product(qt, w, x, generic=False)
+    dense = np.abs(gguf_dequantize(w, qt).astype(np.float64).reshape(rows, cols))
+    magnitude = np.stack([dense @ np.abs(activations_f64(row, qt)) for row in x])
+    assert np.all(np.abs(got.astype(np.float64) - expected) <= 1e-6 * magnitude)
+    if rows * count > 20:
+        assert not np.array_equal(got, expected)
 
 
 def activations_f64(x_row: np.ndarray, qt: T) -> np.ndarray:
@@ -94,12 +116,11 @@ def activations_f64(x_row: np.ndarray, qt: T) -> np.ndarray:
 
 @needs_llama
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("generic", [False, True], ids=["default", "portable"])
-def test_the_kernels_agree_with_gguf_dequantize_on_the_8_bit_activations(qt, generic, monkeypatch):
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+def test_the_kernels_agree_with_gguf_dequantize_on_the_8_bit_activations(qt, isa, monkeypatch):
     """An oracle apart from ggml's kernels: `gguf.quants.dequantize` of the weights times the dequantized
     8-bit activations in float64; the kernel's float32 operations stay within 2e-6 of it."""
-    if generic:
-        monkeypatch.setenv("K3STREAM_GENERIC_KERNELS", "1")
+    take_kernel_isa(isa, monkeypatch)
     rows, cols = 23, 1024
     w, x = matrix(qt, rows, cols, seed=7), inputs(3, cols, seed=8)
     dense = gguf_dequantize(w, qt).astype(np.float64).reshape(rows, cols)
@@ -111,8 +132,10 @@ def test_the_kernels_agree_with_gguf_dequantize_on_the_8_bit_activations(qt, gen
 
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-def test_rows_do_not_depend_on_grouping_or_threads(qt):
+@pytest.mark.parametrize("isa", KERNEL_ISAS[:2])
+def test_rows_do_not_depend_on_grouping_or_threads(qt, isa, monkeypatch):
     """Several matrices with their own input rows in one call: each output is its single-row product."""
+    take_kernel_isa(isa, monkeypatch)
     counts = [2, 0, 3, 5]
     weights = [matrix(qt, 16, 512, seed=s) for s in range(len(counts))]
     x = inputs(6, 512, seed=1)

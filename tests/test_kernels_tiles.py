@@ -14,6 +14,7 @@ from gguf.constants import GGMLQuantizationType as T
 from conftest import KERNEL_ISAS, take_kernel_isa
 from k3stream.quant.kernels import cpu
 from k3stream.testing import ggml_oracle
+from test_kernels_iquants import AVX512_TYPES as GRID_AVX512_TYPES
 from test_kernels_iquants import inputs
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C kernels were not built with this install")
@@ -27,10 +28,12 @@ TILED = [T.Q2_K, T.Q3_K, T.Q6_K, T.Q4_K, T.Q8_0, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T
 # vec_dot (results a few ulp off): their tiles are held to the one-row kernels alone
 LLAMA_EXACT = [t for t in TILED if t not in (T.Q2_K, T.Q3_K, T.Q4_K)]
 ISAS = pytest.mark.parametrize("isa", KERNEL_ISAS)
-# the instruction sets whose kernels are llama.cpp's AVX2 vec_dot bit for bit
-VECTOR_ISAS = pytest.mark.parametrize("isa", ["avx512", "avx2"])
+# the kernels that are llama.cpp's AVX2 vec_dot bit for bit: every AVX2 one, and the AVX-512 ones but the
+# grid i-quants' (their own lanes: held within a few ulp in test_kernels_iquants)
+LLAMA_EXACT_ISAS = [(t, isa) for t in LLAMA_EXACT for isa in ("avx512", "avx2")
+                    if not (isa == "avx512" and t in GRID_AVX512_TYPES)]  # fmt: skip
 # the types with AVX-512 one-row kernels (`kquants_avx512.c`)
-AVX512_TYPES = [T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K]
+KQUANT_AVX512_TYPES = [T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K]
 # input rows: one (the one-row kernel), the tile's groups and tails, past the 64 parked rows
 COUNTS = [1, 2, 3, 5, 8, 17, 24, 64, 70]
 # (weight rows, width): weight-row groups of 4 with tails of 1-3, tasks of 32 rows; chunks of 4
@@ -86,10 +89,9 @@ def test_q8_0_rows_of_any_whole_blocks(cols, isa, monkeypatch):
 
 
 @needs_llama
-@pytest.mark.parametrize("qt", LLAMA_EXACT, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt,isa", LLAMA_EXACT_ISAS, ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("count", [1, 2, 5, 17])
-@VECTOR_ISAS
-def test_many_rows_give_llama_cpps_vec_dot_bit_for_bit(qt, count, isa, monkeypatch):
+def test_many_rows_give_llama_cpps_vec_dot_bit_for_bit(qt, isa, count, monkeypatch):
     """Against the vec_dot llama.cpp runs on this machine (the portable K-quant kernels sum a block's
     lanes in another order than ggml's generic C: they are held to the one-row kernel above); the
     AVX-512 kernels form ggml's AVX2 lanes, so they are held to it too."""
@@ -155,7 +157,7 @@ def test_products_on_one_input_equal_each_product_alone(isa, monkeypatch):
 
 
 @needs_llama
-@VECTOR_ISAS
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
 def test_activations_round_as_ggml_quantizes_them(isa, monkeypatch):
     """Inputs whose 8-bit codes are exact halves (ties to even) and blocks whose largest magnitude comes
     twice with both signs: the products (Q6_K, Q8_K activations; Q8_0) are llama.cpp's bit for bit."""
@@ -177,7 +179,7 @@ def test_activations_round_as_ggml_quantizes_them(isa, monkeypatch):
         assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), qt.name
 
 
-@pytest.mark.parametrize("qt", AVX512_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", KQUANT_AVX512_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("out_rows,cols", [(5, 256), (7, 1280), (3, 7168)])
 def test_the_avx512_kernels_give_the_avx2_kernels_bits(qt, out_rows, cols, monkeypatch):
     """The AVX-512 one-row kernels (one to five input rows a matrix: below the tiles) form the AVX2

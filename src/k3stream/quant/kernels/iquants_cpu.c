@@ -81,6 +81,9 @@ PyObject *py_set_iq_grids(PyObject *self, PyObject *args) {
     }
     for (int i = 0; i < 128; i++) even_signs[i] = sign_bytes[ksigns[i]];
     widen_float_grids();
+    const IqGrids grids = {&iq2xxs_grid[0][0], &iq2xs_grid[0][0], &iq2s_grid[0][0], &iq3xxs_grid[0][0],
+                           &iq3s_grid[0][0],   ksigns,            &iq1s_grid[0][0]};
+    iq_avx512_set_grids(&grids);
     grids_set = 1;
     Py_RETURN_NONE;
 }
@@ -992,7 +995,7 @@ IqRunType iq_run_type(int ggml_type, int avx2) { return (IqRunType){NULL, 0, 0, 
 
 /* `avx2`: the machine has AVX2 and FMA (and the portable kernels are not asked for); these also take BMI2
  * (every x86-64-v3 machine has it) */
-RowKernel iq_q8_kernel(int ggml_type, int avx2) {
+static RowKernel ggml_kernel(int ggml_type, int avx2) {
 #if defined(__x86_64__) && defined(__GNUC__)
     avx2 = avx2 && __builtin_cpu_supports("bmi2");
 #endif
@@ -1003,5 +1006,13 @@ RowKernel iq_q8_kernel(int ggml_type, int avx2) {
         default: return NULL;
     }
 }
+
+/* ... the AVX-512 one first where the machine has it */
+RowKernel iq_q8_kernel(int ggml_type, int avx2) {
+    const RowKernel planes = avx2 && grids_set ? iq_avx512_kernel(ggml_type) : NULL;
+    return planes != NULL ? planes : ggml_kernel(ggml_type, avx2);
+}
+
+RowKernel iq_q8_kernel_avx2(int ggml_type) { return ggml_kernel(ggml_type, 1); }
 
 int iq_q8_0_activations(int ggml_type) { return ggml_type == 20 || ggml_type == 39; }

@@ -75,6 +75,17 @@ INLINE void prefetch_ahead(const uint8_t *at, int64_t bytes) {
 /* ggml's integer kernels of the i-quants, ternary types and MXFP4 on 8-bit activations (`iquants_cpu.c`):
  * a type's row kernel (NULL: none) and whether its activations are Q8_0 (else Q8_K) blocks */
 RowKernel iq_q8_kernel(int ggml_type, int avx2);
+/* ... ggml's AVX2 (else portable) one alone */
+RowKernel iq_q8_kernel_avx2(int ggml_type);
+/* The AVX-512 kernels of the grid types (`iquants_avx512.c`): a type's row kernel where the CPU has
+ * AVX-512 (HAVE_AVX512), else NULL; it takes any number of input rows (no multi-row kernel beside it) */
+RowKernel iq_avx512_kernel(int ggml_type);
+/* the grids (rows of bytes, IQ1_S's int8) and ksigns, once set */
+typedef struct {
+    const uint8_t *iq2xxs, *iq2xs, *iq2s, *iq3xxs, *iq3s, *ksigns;
+    const int8_t *iq1s;
+} IqGrids;
+void iq_avx512_set_grids(const IqGrids *grids);
 /* ... and their float decoders (ggml_cpu.c's DECODED_TYPES): one block into y */
 void dec_iq2_xxs(const uint8_t *restrict b, float *restrict y);
 void dec_iq2_xs(const uint8_t *restrict b, float *restrict y);

@@ -444,6 +444,7 @@ static RowKernel iq_tiles(int ggml_type) {
 RowKernel q8_tile_kernel(int ggml_type, int avx2) {
     const RowKernel avx512 = q8_tile_kernel_avx512(ggml_type);
     if (avx512 != NULL) return avx512;
+    if (avx2 && iq_avx512_kernel(ggml_type) != NULL) return NULL; /* its one-row kernel takes many rows */
     if (ggml_type == 14) return avx2 ? AVX2_TILES(q6_k) : q6_k_tiles_generic;
 #if defined(__x86_64__) && defined(__GNUC__)
     if (ggml_type == 10) return avx2 ? q2_k_tiles : NULL;

@@ -1,0 +1,482 @@
+/* AVX-512 (VBMI, VNNI) integer kernels of the 1-3-bit grid i-quants on Q8_K activations, where the CPU
+ * has them (HAVE_AVX512; K3STREAM_NO_AVX512=1 keeps ggml's AVX2 kernels of `iquants_cpu.c`).
+ *
+ * Byte planes: two blocks (512 values) are 64 "entries" k of 8 values 8k..8k + 7 (an IQ2 or IQ1_S grid
+ * entry; two IQ3 ones), and plane j (0..7) is value 8k + j of every k, 64 bytes. The grids' entries are
+ * held as codes of their few levels (code tables, below); 64 grid indices look up 64 code bytes in
+ * two-table byte permutes (128 entries each) blended on the index's high bits, and one byte permute a
+ * plane turns codes into levels. The activations are put in plane order once per kernel call (x is
+ * shared by every weight row): `x_planes`. The signs go to the activations (a masked negate), the
+ * unsigned levels times them by VPDPBUSD; a 32-bit lane then sums 4 adjacent entries of a plane, one
+ * 32-value sub-block, so the 8 planes' products give each sub-block's exact sum in its own lane.
+ *
+ * The float step (every input-row count, one or many, gives a row the same bits):
+ * lane t (0..15) of a pair of blocks: sub-block t's scaled integer sum (exact in float32), times
+ * d_w * d_y of its block (a float product), added by FMA into lane t of 16 float lanes, block pair after
+ * pair; at the end the 16 lanes summed (hsum16) and multiplied by the type's factor. This is not ggml's
+ * lane order: the results are within a few ulp of llama.cpp's vec_dot, not bit for bit.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define AVX512 AVX512_TARGET static inline __attribute__((always_inline))
+
+#define RUN_ROWS 4 /* input rows sharing each decoded pair of blocks */
+
+/* Each grid's values are a few levels: IQ2's three (a 2-bit code), IQ3's eight (3 bits). A grid's code
+ * tables (one byte an entry each) hold its entries' codes, four bytes of an IQ2 entry a table (code of
+ * byte 4h + j at bits 2j), two of an IQ3 one (byte 2h + j at bits 3j); a 64-byte level table (VPERMB:
+ * the index's low 6 bits) gives the level of one code position. Filled by iq_avx512_set_grids. */
+static uint8_t iq2xxs_codes[2][256] __attribute__((aligned(64))), iq2xs_codes[2][512] __attribute__((aligned(64)));
+static uint8_t iq2s_codes[2][1024] __attribute__((aligned(64))), iq1s_codes[2][2048] __attribute__((aligned(64)));
+static uint8_t iq3xxs_codes[2][256] __attribute__((aligned(64))), iq3s_codes[2][512] __attribute__((aligned(64)));
+static uint8_t iq2xxs_levels[3][64] __attribute__((aligned(64))), iq2xs_levels[3][64] __attribute__((aligned(64)));
+static uint8_t iq2s_levels[3][64] __attribute__((aligned(64))), iq1s_levels[3][64] __attribute__((aligned(64)));
+static uint8_t iq3xxs_levels[2][64] __attribute__((aligned(64))), iq3s_levels[2][64] __attribute__((aligned(64)));
+/* at most 3 (IQ2; IQ1_S's values + 1), 8 (IQ3) distinct values */
+static int iq2xxs_fit, iq2xs_fit, iq2s_fit, iq3xxs_fit, iq3s_fit, iq1s_fit;
+static uint8_t ksigns_table[128] __attribute__((aligned(64)));
+static uint8_t entry_order[64] __attribute__((aligned(64))); /* entry k: byte 8q + l of sub-block vectors */
+static uint8_t even_bytes[2][64] __attribute__((aligned(64))); /* bytes 2k (+ 1) of two vectors */
+static uint8_t plane_order[64] __attribute__((aligned(64))); /* byte 8j + e <- byte 8e + j */
+static int64_t transpose_low[3][8] __attribute__((aligned(64))), transpose_high[3][8] __attribute__((aligned(64)));
+
+/* a grid's distinct values, ascending, into levels (at most `most` kept): whether there are at most `most` */
+static int grid_levels(const uint8_t *grid, int bytes, uint8_t *levels, int most) {
+    int count = 0;
+    for (int v = 0; v < 256; v++) {
+        int seen = 0;
+        for (int i = 0; i < bytes && !seen; i++) seen = grid[i] == v;
+        if (seen && count < most) levels[count] = (uint8_t)v;
+        count += seen;
+    }
+    return count <= most;
+}
+
+/* tables h = 0..width / per_table - 1 of a grid of `entries` entries of `width` bytes */
+static void code_tables(const uint8_t *grid, int entries, int width, int per_table, int bits, const uint8_t *levels,
+                        int count, uint8_t *tables) {
+    for (int h = 0; h < width / per_table; h++)
+        for (int e = 0; e < entries; e++) {
+            uint8_t packed = 0;
+            for (int j = 0; j < per_table; j++) {
+                int code = 0;
+                while (code < count - 1 && levels[code] != grid[width * e + per_table * h + j]) code++;
+                packed |= (uint8_t)(code << bits * j);
+            }
+            tables[h * entries + e] = packed;
+        }
+}
+
+static void level_tables(const uint8_t *levels, int count, int bits, int positions, uint8_t (*tables)[64]) {
+    for (int j = 0; j < positions; j++)
+        for (int i = 0; i < 64; i++) tables[j][i] = levels[((i >> bits * j) & ((1 << bits) - 1)) % count];
+}
+
+/* a grid's code and level tables (IQ2: 8-byte entries, 3 levels; IQ3: 4-byte, 8): whether its values fit */
+static int grid_codes(const uint8_t *grid, int entries, int width, uint8_t *codes, uint8_t (*levels)[64]) {
+    const int count = width == 8 ? 3 : 8, bits = width == 8 ? 2 : 3, per_table = width / 2;
+    uint8_t values[8];
+    const int fit = grid_levels(grid, entries * width, values, count);
+    level_tables(values, count, bits, width == 8 ? 3 : 2, levels);
+    code_tables(grid, entries, width, per_table, bits, values, count, codes);
+    return fit;
+}
+
+void iq_avx512_set_grids(const IqGrids *grids) {
+    iq2xxs_fit = grid_codes(grids->iq2xxs, 256, 8, &iq2xxs_codes[0][0], iq2xxs_levels);
+    iq2xs_fit = grid_codes(grids->iq2xs, 512, 8, &iq2xs_codes[0][0], iq2xs_levels);
+    iq2s_fit = grid_codes(grids->iq2s, 1024, 8, &iq2s_codes[0][0], iq2s_levels);
+    iq3xxs_fit = grid_codes(grids->iq3xxs, 256, 4, &iq3xxs_codes[0][0], iq3xxs_levels);
+    iq3s_fit = grid_codes(grids->iq3s, 512, 4, &iq3s_codes[0][0], iq3s_levels);
+    uint8_t *plus_one = malloc(2048 * 8); /* IQ1_S's -1, 0, 1 as the unsigned 0, 1, 2 */
+    for (int i = 0; plus_one != NULL && i < 2048 * 8; i++) plus_one[i] = (uint8_t)(grids->iq1s[i] + 1);
+    iq1s_fit = plus_one != NULL && grid_codes(plus_one, 2048, 8, &iq1s_codes[0][0], iq1s_levels);
+    free(plus_one);
+    memcpy(ksigns_table, grids->ksigns, 128);
+    for (int k = 0; k < 64; k++) {
+        entry_order[k] = (uint8_t)((k >= 32 ? 64 : 0) + 8 * ((k % 32) / 4) + k % 4);
+        even_bytes[0][k] = (uint8_t)((k >= 32 ? 64 : 0) + 2 * (k % 32));
+        even_bytes[1][k] = (uint8_t)(even_bytes[0][k] + 1);
+        plane_order[k] = (uint8_t)(8 * (k % 8) + k / 8);
+    }
+    for (int stage = 0, s = 1; s < 8; stage++, s *= 2) /* 2 x 2 blocks of s qwords swapped */
+        for (int p = 0; p < 8; p++) {
+            transpose_low[stage][p] = p & s ? 8 + p - s : p;
+            transpose_high[stage][p] = p & s ? 8 + p : p + s;
+        }
+}
+
+/* A pair of blocks decoded: 64 bytes k = 0..63 for the values 8k..8k + 7 (k < 32: the first block):
+ * the code bytes of their grid entries (per type), their sign bytes (bit j: value 8k + j negative),
+ * the 16 sub-blocks' scales as int32 lanes, each block's d (the second's 0 where there is none) */
+typedef struct {
+    __m512i codes[4], signs, scales;
+    __m512i scales_high; /* IQ2_XS, IQ2_S: entries 4t + 2, 4t + 3's scales (`scales`: 4t, 4t + 1's less these);
+                            IQ1_S: each sub-block's delta sign less 8 */
+    float d[2];
+} Pair;
+
+/* the bytes 8q + l (l = 0..3) of two 8-sub-block vectors a (entries 0..31) and b (32..63), entry order */
+AVX512 __m512i entry_bytes(__m512i a, __m512i b) {
+    return _mm512_permutex2var_epi8(a, _mm512_load_si512(entry_order), b);
+}
+
+/* 64 bytes of a 256-entry table at `index` */
+AVX512 __m512i lookup256(const uint8_t *table, __m512i index) {
+    const __m512i low = _mm512_permutex2var_epi8(_mm512_load_si512(table), index, _mm512_load_si512(table + 64));
+    const __m512i high = _mm512_permutex2var_epi8(_mm512_load_si512(table + 128), index, _mm512_load_si512(table + 192));
+    return _mm512_mask_blend_epi8(_mm512_movepi8_mask(index), low, high);
+}
+
+/* ... of a 512-entry table at the 9-bit indices whose low 8 bits are `low` and whose bit 8 is `high` */
+AVX512 __m512i lookup512(const uint8_t *table, __m512i low, __mmask64 high) {
+    const __mmask64 bit7 = _mm512_movepi8_mask(low);
+    __m512i quarter[4];
+    for (int q = 0; q < 4; q++)
+        quarter[q] = _mm512_permutex2var_epi8(_mm512_load_si512(table + 128 * q), low, _mm512_load_si512(table + 128 * q + 64));
+    return _mm512_mask_blend_epi8(high, _mm512_mask_blend_epi8(bit7, quarter[0], quarter[1]),
+                                  _mm512_mask_blend_epi8(bit7, quarter[2], quarter[3]));
+}
+
+/* 7-bit sign indices (bit 7 ignored) as ggml's ksigns_iq2xs bytes: 7 sign bits, their parity on top */
+AVX512 __m512i ksigns(__m512i sevens) {
+    return _mm512_permutex2var_epi8(_mm512_load_si512(ksigns_table), sevens, _mm512_load_si512(ksigns_table + 64));
+}
+
+AVX512 __m512i odd_scales(__m512i fours) { return _mm512_add_epi32(_mm512_slli_epi32(fours, 1), _mm512_set1_epi32(1)); }
+
+AVX512 uint64_t u64_at(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+AVX512 uint32_t u32_at(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+AVX512 float f16_at(const uint8_t *p) { return _cvtsh_ss((uint16_t)(p[0] | p[1] << 8)); }
+
+/* IQ2_XXS: each sub-block's 8 bytes: 4 grid indices, four 7-bit sign fields (bits 32 + 7l), the scale
+ * (bits 60..63); an entry is 8 values, codes[h] its bytes 4h..4h + 3 */
+AVX512 Pair iq2_xxs_pair(const uint8_t *x, int two) {
+    const __m512i a = _mm512_loadu_si512(x + 2), b = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0, x + 68);
+    const __m512i fields = _mm512_set1_epi64(0x352E2720352E2720LL); /* bit offsets 32, 39, 46, 53 twice */
+    const __m512i sevens = entry_bytes(_mm512_multishift_epi64_epi8(fields, a), _mm512_multishift_epi64_epi8(fields, b));
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i ls = _mm512_permutex2var_epi32(_mm512_srli_epi64(a, 60), even, _mm512_srli_epi64(b, 60));
+    const __m512i index = entry_bytes(a, b);
+    return (Pair){{lookup256(iq2xxs_codes[0], index), lookup256(iq2xxs_codes[1], index)},
+                  ksigns(sevens),
+                  odd_scales(ls),
+                  odd_scales(ls),
+                  {f16_at(x), two ? f16_at(x + 66) : 0.0f}};
+}
+
+/* IQ2 plane j's values: code position j % 4 of codes[j / 4] (the last from the byte's top bits) */
+AVX512 __m512i iq2_plane(const Pair *pair, int j, const uint8_t (*levels)[64]) {
+    const __m512i table = _mm512_load_si512(levels[j % 4 == 3 ? 0 : j % 4]);
+    const __m512i bits = j % 4 == 3 ? _mm512_srli_epi16(pair->codes[j / 4], 6) : pair->codes[j / 4];
+    return _mm512_permutexvar_epi8(bits, table);
+}
+
+AVX512 __m512i iq2_xxs_plane(const Pair *pair, int j) { return iq2_plane(pair, j, iq2xxs_levels); }
+AVX512 __m512i iq2_xs_plane(const Pair *pair, int j) { return iq2_plane(pair, j, iq2xs_levels); }
+AVX512 __m512i iq2_s_plane(const Pair *pair, int j) { return iq2_plane(pair, j, iq2s_levels); }
+
+/* ... of a 1024-entry table at the 10-bit indices of low 8 bits `low`, bit 8 `bit8`, bit 9 `bit9` */
+AVX512 __m512i lookup1024(const uint8_t *table, __m512i low, __mmask64 bit8, __mmask64 bit9) {
+    return _mm512_mask_blend_epi8(bit9, lookup512(table, low, bit8), lookup512(table + 512, low, bit8));
+}
+
+/* ... of a 2048-entry table at the 11-bit indices of low 8 bits `low` and bits 8, 9, 10 `high` */
+AVX512 __m512i lookup2048(const uint8_t *table, __m512i low, const __mmask64 *high) {
+    __m512i quarter[4];
+    for (int q = 0; q < 4; q++) quarter[q] = lookup512(table + 512 * q, low, high[0]);
+    return _mm512_mask_blend_epi8(high[2], _mm512_mask_blend_epi8(high[1], quarter[0], quarter[1]),
+                                  _mm512_mask_blend_epi8(high[1], quarter[2], quarter[3]));
+}
+
+/* IQ1_S: 32 low index bytes, a 16-bit word a sub-block: its entries' index bits 8-10 (3 each, at 3l),
+ * its scale (bits 12-14) and delta sign (bit 15); the grid's values plus one (0, 1, 2) in the codes, the
+ * activations' sums taking the one back */
+AVX512 Pair iq1_s_pair(const uint8_t *x, int two) {
+    const __m512i low = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 2))),
+                                           _mm256_maskz_loadu_epi8(two ? ~0U : 0, x + 52), 1);
+    const uint64_t words[4] = {u64_at(x + 34), u64_at(x + 42), two ? u64_at(x + 84) : 0, two ? u64_at(x + 92) : 0};
+    __mmask64 high[3];
+    for (int b = 0; b < 3; b++) {
+        const uint64_t fields = 0x0249024902490249ULL << b; /* bit b of each 3-bit field */
+        high[b] = _pext_u64(words[0], fields) | _pext_u64(words[1], fields) << 16 | _pext_u64(words[2], fields) << 32 |
+                  _pext_u64(words[3], fields) << 48;
+    }
+    const __m256i packed = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(x + 34))),
+                                                   _mm_maskz_loadu_epi8(two ? 0xFFFF : 0, x + 84), 1);
+    const __m512i qh = _mm512_cvtepu16_epi32(packed);
+    const __m512i negative = _mm512_srli_epi32(qh, 15);
+    return (Pair){{lookup2048(iq1s_codes[0], low, high), lookup2048(iq1s_codes[1], low, high)},
+                  _mm512_setzero_si512(),
+                  odd_scales(_mm512_and_si512(_mm512_srli_epi32(qh, 12), _mm512_set1_epi32(7))),
+                  _mm512_sub_epi32(_mm512_set1_epi32(-7), _mm512_slli_epi32(negative, 1)),
+                  {f16_at(x), two ? f16_at(x + 50) : 0.0f}};
+}
+
+AVX512 __m512i iq1_s_plane(const Pair *pair, int j) { return iq2_plane(pair, j, iq1s_levels); }
+
+/* IQ2_XS and IQ2_S scales: a byte a sub-block, the low nibble for its first 16 values, the high one for
+ * the rest; `first` the first block's 8 bytes, `second` the second's */
+AVX512 void half_scales(uint64_t first, uint64_t second, Pair *pair) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_set_epi64x((long long)second, (long long)first));
+    pair->scales_high = odd_scales(_mm512_srli_epi32(bytes, 4));
+    pair->scales = _mm512_sub_epi32(odd_scales(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), pair->scales_high);
+}
+
+/* IQ2_XS: a 16-bit word an entry: a 9-bit grid index, a 7-bit sign index; 8 scale bytes */
+AVX512 Pair iq2_xs_pair(const uint8_t *x, int two) {
+    const __m512i a = _mm512_loadu_si512(x + 2), b = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0, x + 76);
+    const __m512i low = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[0]), b);
+    const __m512i high = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[1]), b);
+    const __mmask64 bit8 = _mm512_test_epi8_mask(high, _mm512_set1_epi8(1));
+    Pair pair = {{lookup512(iq2xs_codes[0], low, bit8), lookup512(iq2xs_codes[1], low, bit8)},
+                 ksigns(_mm512_srli_epi16(high, 1)), /* bits 1..7 of each byte (ksigns reads 7 bits) */
+                 _mm512_setzero_si512(),
+                 _mm512_setzero_si512(),
+                 {f16_at(x), two ? f16_at(x + 74) : 0.0f}};
+    half_scales(u64_at(x + 66), two ? u64_at(x + 140) : 0, &pair);
+    return pair;
+}
+
+/* IQ2_S: 32 low index bytes, 32 sign bytes (one an entry), 8 bytes of index bits 8-9 (bits 2e, 2e + 1 of
+ * the pair's entry order), 8 scale bytes */
+AVX512 Pair iq2_s_pair(const uint8_t *x, int two) {
+    const __mmask32 second = two ? ~0U : 0;
+    const __m512i low = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 2))),
+                                           _mm256_maskz_loadu_epi8(second, x + 84), 1);
+    const __m512i signs = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 34))),
+                                             _mm256_maskz_loadu_epi8(second, x + 116), 1);
+    const uint64_t high0 = u64_at(x + 66), high1 = two ? u64_at(x + 148) : 0, evens = 0x5555555555555555ULL;
+    const __mmask64 bit8 = _pext_u64(high0, evens) | _pext_u64(high1, evens) << 32;
+    const __mmask64 bit9 = _pext_u64(high0, evens << 1) | _pext_u64(high1, evens << 1) << 32;
+    Pair pair = {{lookup1024(iq2s_codes[0], low, bit8, bit9), lookup1024(iq2s_codes[1], low, bit8, bit9)},
+                 signs,
+                 _mm512_setzero_si512(),
+                 _mm512_setzero_si512(),
+                 {f16_at(x), two ? f16_at(x + 82) : 0.0f}};
+    half_scales(u64_at(x + 74), two ? u64_at(x + 156) : 0, &pair);
+    return pair;
+}
+
+/* IQ3_XXS: 64 grid indices (an entry: 4 values), then each sub-block's 32-bit word of four 7-bit sign
+ * fields (bits 7l) and the scale (bits 28..31); values 8k..8k + 3 are entry 2k, 8k + 4.. entry 2k + 1:
+ * codes[0], codes[1] (entry 2k's bytes 0-1, 2-3), codes[2], codes[3] (entry 2k + 1's) */
+AVX512 Pair iq3_xxs_pair(const uint8_t *x, int two) {
+    const __m512i a = _mm512_loadu_si512(x + 2), b = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0, x + 100);
+    const __m256i second = _mm256_maskz_loadu_epi8(two ? ~0U : 0, x + 164);
+    const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 66))), second, 1);
+    const __m512i fields = _mm512_set1_epi64(0x352E2720150E0700LL); /* bit offsets 0, 7, 14, 21 of each word */
+    const __m512i even = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[0]), b);
+    const __m512i odd = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[1]), b);
+    return (Pair){{lookup256(iq3xxs_codes[0], even), lookup256(iq3xxs_codes[1], even), lookup256(iq3xxs_codes[0], odd),
+                   lookup256(iq3xxs_codes[1], odd)},
+                  ksigns(_mm512_multishift_epi64_epi8(fields, words)),
+                  odd_scales(_mm512_srli_epi32(words, 28)),
+                  odd_scales(_mm512_srli_epi32(words, 28)),
+                  {f16_at(x), two ? f16_at(x + 98) : 0.0f}};
+}
+
+/* IQ3 plane j's values: byte j % 4 of entry 2k + j / 4: code position j % 2 of codes[2 (j / 4) + j % 4 / 2] */
+AVX512 __m512i iq3_plane(const Pair *pair, int j, const uint8_t (*levels)[64]) {
+    return _mm512_permutexvar_epi8(pair->codes[2 * (j / 4) + j % 4 / 2], _mm512_load_si512(levels[j % 2]));
+}
+
+AVX512 __m512i iq3_xxs_plane(const Pair *pair, int j) { return iq3_plane(pair, j, iq3xxs_levels); }
+
+/* IQ3_S: 64 index bytes (low 8 bits), 8 bytes of their bit 8 (bit e % 8 of byte e / 8: 128 bits in entry
+ * order over the pair, even entries' at even bits), 32 sign bytes (byte k: values 8k..8k + 7), a nibble
+ * of scale a sub-block; entries as IQ3_XXS's */
+AVX512 Pair iq3_s_pair(const uint8_t *x, int two) {
+    const __m512i a = _mm512_loadu_si512(x + 2), b = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0, x + 112);
+    const __m512i even = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[0]), b);
+    const __m512i odd = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[1]), b);
+    const uint64_t high0 = u64_at(x + 66), high1 = two ? u64_at(x + 176) : 0, evens = 0x5555555555555555ULL;
+    const __mmask64 high_even = _pext_u64(high0, evens) | _pext_u64(high1, evens) << 32;
+    const __mmask64 high_odd = _pext_u64(high0, evens << 1) | _pext_u64(high1, evens << 1) << 32;
+    const __m256i second = _mm256_maskz_loadu_epi8(two ? ~0U : 0, x + 184);
+    const __m512i signs = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 74))), second, 1);
+    const __m512i nibbles = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32((int)u32_at(x + 106)),
+                                                    _mm512_set1_epi32(two ? (int)u32_at(x + 216) : 0));
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    const __m512i ls = _mm512_and_si512(_mm512_srlv_epi32(nibbles, shifts), _mm512_set1_epi32(15));
+    return (Pair){{lookup512(iq3s_codes[0], even, high_even), lookup512(iq3s_codes[1], even, high_even),
+                   lookup512(iq3s_codes[0], odd, high_odd), lookup512(iq3s_codes[1], odd, high_odd)},
+                  signs,
+                  odd_scales(ls),
+                  odd_scales(ls),
+                  {f16_at(x), two ? f16_at(x + 110) : 0.0f}};
+}
+
+AVX512 __m512i iq3_s_plane(const Pair *pair, int j) { return iq3_plane(pair, j, iq3s_levels); }
+
+/* hsum8 of the sum of the two halves */
+AVX512 float hsum16(__m512 v) {
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+
+/* x's codes (`blocks` Q8_K blocks) as byte planes, 512 bytes a pair of blocks (a last odd block's pair
+ * padded with zeros): plane j of pair g at planes + 512 g + 64 j, byte k = code 8k + j of the pair */
+AVX512 void x_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
+    const __m512i by_plane = _mm512_load_si512(plane_order);
+    for (int64_t g = 0; g < (blocks + 1) / 2; g++) {
+        __m512i v[8];
+        for (int i = 0; i < 8; i++) {
+            const int64_t block = 2 * g + i / 4;
+            const __m512i codes = block < blocks ? _mm512_loadu_si512(y[block].qs + 64 * (i % 4)) : _mm512_setzero_si512();
+            v[i] = _mm512_permutexvar_epi8(by_plane, codes); /* qword j: plane j of entries 8i..8i + 7 */
+        }
+        for (int stage = 0, s = 1; s < 8; stage++, s *= 2) { /* transpose the 8 x 8 qwords: plane j = qword j of each v[i] */
+            const __m512i lo = _mm512_load_si512(transpose_low[stage]), hi = _mm512_load_si512(transpose_high[stage]);
+            for (int i = 0; i < 8; i++)
+                if (!(i & s)) {
+                    const __m512i a = v[i], b = v[i + s];
+                    v[i] = _mm512_permutex2var_epi64(a, lo, b);
+                    v[i + s] = _mm512_permutex2var_epi64(a, hi, b);
+                }
+        }
+        for (int j = 0; j < 8; j++) _mm512_store_si512(planes + 512 * g + 64 * j, v[j]);
+    }
+}
+
+#define FIRST_HALVES 0x3333333333333333ULL /* entries 4t, 4t + 1 of the 64 */
+/* how a type's lanes are summed: one scale a sub-block; one a half (HALVES); IQ1_S's deltas, no signs */
+#define WHOLE 0
+#define HALVES 1
+#define DELTAS 2
+/* x's sub-block sums (DELTAS) of the pair of blocks y[0], y[1] (`two`) in lanes */
+AVX512 __m512i sub_block_sums(const BlockQ8K *y, int two) {
+    const __m256i second = two ? _mm256_loadu_si256((const __m256i *)y[1].bsums) : _mm256_setzero_si256();
+    const __m512i sums16 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y[0].bsums)), second, 1);
+    return _mm512_madd_epi16(sums16, _mm512_set1_epi16(1));
+}
+
+/* DELTAS: 8 (sum of (value + 1) x) + (delta - 8) (sum of x) = 8 (sum of value x) + delta (sum of x), times
+ * the scale (the type's factor 0.125 restores it); HALVES: the first halves' sum (`first`) times their
+ * scale less the second's, the whole's (`second`) times the second's */
+AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, const BlockQ8K *y, int two, const int kind) {
+    if (kind == HALVES)
+        return _mm512_add_epi32(_mm512_mullo_epi32(first, pair->scales), _mm512_mullo_epi32(second, pair->scales_high));
+    const __m512i sum = _mm512_add_epi32(first, second);
+    if (kind == WHOLE) return _mm512_mullo_epi32(sum, pair->scales);
+    const __m512i total = _mm512_add_epi32(_mm512_slli_epi32(sum, 3), _mm512_mullo_epi32(pair->scales_high, sub_block_sums(y, two)));
+    return _mm512_mullo_epi32(total, pair->scales);
+}
+
+/* pair g of weight row `row` against n input rows (planes xs[r], blocks y[r]; `two`: the pair's second
+ * block is there) into their float lanes acc[r]; NAME##_pairs: every pair of the row */
+#define PAIR_DOT(NAME, BYTES, KIND)                                                                    \
+    AVX512 void NAME##_pair_dot(const uint8_t *row, int64_t g, const int two, const int8_t *const *xs,   \
+                                const BlockQ8K *const *y, __m512 *acc, const int n) {                        \
+        const Pair pair = NAME##_pair(row + 2 * g * (BYTES), two);                                       \
+        __m512i sumi[2][RUN_ROWS]; /* HALVES: first halves, wholes; else even and odd planes */          \
+        for (int r = 0; r < n; r++) sumi[0][r] = sumi[1][r] = _mm512_setzero_si512();                    \
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                            \
+            const __m512i w = NAME##_plane(&pair, j);                                                    \
+            const __m512i w0 = (KIND) == HALVES ? _mm512_maskz_mov_epi8(FIRST_HALVES, w) : w;            \
+            const __mmask64 negative = _mm512_test_epi8_mask(pair.signs, _mm512_set1_epi8((char)(1 << j))); \
+            for (int r = 0; r < n; r++) {                                                                \
+                const __m512i codes = _mm512_load_si512(xs[r] + 512 * g + 64 * j);                       \
+                const __m512i signed_codes =                                                             \
+                    (KIND) == DELTAS ? codes : _mm512_mask_sub_epi8(codes, negative, _mm512_setzero_si512(), codes); \
+                if ((KIND) == HALVES) {                                                                  \
+                    sumi[0][r] = _mm512_dpbusd_epi32(sumi[0][r], w0, signed_codes);                      \
+                    sumi[1][r] = _mm512_dpbusd_epi32(sumi[1][r], w, signed_codes);                       \
+                } else                                                                                   \
+                    sumi[j & 1][r] = _mm512_dpbusd_epi32(sumi[j & 1][r], w0, signed_codes);              \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < n; r++) {                                                                    \
+            const __m512i scaled = scaled_lanes(&pair, sumi[0][r], sumi[1][r], y[r] + 2 * g, two, KIND); \
+            const float d1 = two ? pair.d[1] * y[r][2 * g + 1].d : 0.0f;                                 \
+            const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(pair.d[0] * y[r][2 * g].d), _mm512_set1_ps(d1)); \
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), d, acc[r]);                             \
+        }                                                                                                \
+    }                                                                                                    \
+    AVX512 void NAME##_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, \
+                             __m512 *acc, const int n) {                                                 \
+        for (int64_t g = 0; g < blocks / 2; g++) NAME##_pair_dot(row, g, 1, xs, y, acc, n);              \
+        if (blocks % 2) NAME##_pair_dot(row, blocks / 2, 0, xs, y, acc, n);                              \
+    }
+
+PAIR_DOT(iq2_xxs, 66, WHOLE)
+PAIR_DOT(iq2_xs, 74, HALVES)
+PAIR_DOT(iq2_s, 82, HALVES)
+PAIR_DOT(iq3_xxs, 98, WHOLE)
+PAIR_DOT(iq3_s, 110, WHOLE)
+PAIR_DOT(iq1_s, 50, DELTAS)
+
+/* A row kernel: the input rows of matrix b RUN_ROWS at a time, each batch's activations put in planes
+ * once, then every weight row first..last - 1 against them */
+#define PLANES_ROWS(ID, NAME, FACTOR)                                                                        \
+    AVX512_TARGET static void NAME##_rows_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) { \
+        const int64_t blocks = pr->in_features / 256, pair_bytes = 512 * ((blocks + 1) / 2);             \
+        int8_t *buffer = aligned_alloc(64, (size_t)(RUN_ROWS * pair_bytes));                             \
+        if (buffer == NULL) { /* no memory for the planes: ggml's AVX2 kernel (a few ulp apart) */       \
+            iq_q8_kernel_avx2(ID)(pr, b, first, last);                                                   \
+            return;                                                                                      \
+        }                                                                                                \
+        for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p += RUN_ROWS) {                          \
+            const int n = pr->starts[b + 1] - p < RUN_ROWS ? (int)(pr->starts[b + 1] - p) : RUN_ROWS;    \
+            const int8_t *xs[RUN_ROWS];                                                                  \
+            const BlockQ8K *y[RUN_ROWS];                                                                 \
+            for (int r = 0; r < n; r++) {                                                                \
+                y[r] = pr->q8 + pr->rows[p + r] * blocks;                                                \
+                x_planes(y[r], blocks, buffer + r * pair_bytes);                                         \
+                xs[r] = buffer + r * pair_bytes;                                                         \
+            }                                                                                            \
+            for (int64_t m = first; m < last; m++) {                                                     \
+                const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;   \
+                if (p == pr->starts[b]) prefetch_ahead(row, pr->row_bytes);                              \
+                __m512 acc[RUN_ROWS];                                                                    \
+                for (int r = 0; r < RUN_ROWS; r++) acc[r] = _mm512_setzero_ps();                         \
+                if (n == RUN_ROWS)                                                                       \
+                    NAME##_pairs(row, blocks, xs, y, acc, RUN_ROWS);                                     \
+                else                                                                                     \
+                    for (int r = 0; r < n; r++) NAME##_pairs(row, blocks, xs + r, y + r, acc + r, 1);    \
+                for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = (FACTOR) * hsum16(acc[r]); \
+            }                                                                                            \
+        }                                                                                                \
+        free(buffer);                                                                                    \
+    }
+
+PLANES_ROWS(16, iq2_xxs, 0.125f)
+PLANES_ROWS(17, iq2_xs, 0.125f)
+PLANES_ROWS(22, iq2_s, 0.125f)
+PLANES_ROWS(19, iq1_s, 0.125f)
+PLANES_ROWS(18, iq3_xxs, 0.25f)
+PLANES_ROWS(21, iq3_s, 1.0f)
+
+RowKernel iq_avx512_kernel(int ggml_type) {
+    if (!HAVE_AVX512()) return NULL;
+    switch (ggml_type) {
+        case 16: return iq2xxs_fit ? iq2_xxs_rows_avx512 : NULL;
+        case 17: return iq2xs_fit ? iq2_xs_rows_avx512 : NULL;
+        case 22: return iq2s_fit ? iq2_s_rows_avx512 : NULL;
+        case 18: return iq3xxs_fit ? iq3_xxs_rows_avx512 : NULL;
+        case 21: return iq3s_fit ? iq3_s_rows_avx512 : NULL;
+        case 19: return iq1s_fit ? iq1_s_rows_avx512 : NULL;
+        default: return NULL;
+    }
+}
+#else
+void iq_avx512_set_grids(const IqGrids *grids) { (void)grids; }
+RowKernel iq_avx512_kernel(int ggml_type) {
+    (void)ggml_type;
+    return NULL;
+}
+#endif
