@@ -297,6 +297,12 @@ def main() -> None:
     )
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument(
+        "--stall-runs", type=int, default=3, help="chunked runs, each with the delivery wait on and off"
+    )
+    parser.add_argument(
+        "--stalls-only", action="store_true", help="only the stream beside a long prompt (a served model)"
+    )
+    parser.add_argument(
         "--beyond-ram", default=None, metavar="LIMIT", help="the beyond-memory model in a cgroup of LIMIT"
     )
     parser.add_argument("--ratio", type=float, default=2.5, help="--beyond-ram: model bytes / limit")
@@ -306,6 +312,9 @@ def main() -> None:
         beyond_ram(args)
         return
     torch.set_num_threads(args.threads)
+    if args.stalls_only:
+        stalls(args)
+        return
     runtime = streamed(args) if args.pack else None
     model = runtime.model if runtime else k3stream.load(args.model)
     tokenizer = Tokenizer.from_gguf(args.model)
@@ -438,12 +447,13 @@ def sweep(model, workload: Workload, args, fingerprint: str) -> None:
 
 
 def stalls(args) -> None:
-    """A client streaming while another sends a `--stall-tokens` prompt, served as `serve` serves it by
-    default (prompt cache on) with the prompt prefilled whole and in `--prefill-chunk` chunks: the
-    stream's longest gaps between chunks, against one chunk's prefill (the prompt's first
-    `--prefill-chunk` tokens, timed between the runs). Then each chunk's time along the prompt, cut
-    every `--prefill-chunk` tokens and by equal work (`PrefillChunks`). A tiny model with a long
-    enough context (the shipped one's is 1,024)."""
+    """A client streaming while another sends a `--stall-tokens` prompt to `k3stream serve` in its own
+    process (prompt cache on, its default), the prompt prefilled whole, then in `--prefill-chunk`
+    chunks with the scheduler's wait for the streams' delivery (`scheduler.DELIVERY_WAIT`) on and off
+    in turn: the stream's longest gaps at the client and in the scheduler, against one chunk's prefill
+    (the prompt's first `--prefill-chunk` tokens, timed between the runs). Then each chunk's time along
+    the prompt, cut every `--prefill-chunk` tokens and by equal work (`PrefillChunks`). A tiny model
+    with a long enough context (the shipped one's is 1,024)."""
     from k3stream.engine.loading import load_runtime
     from k3stream.testing.tiny import TinySpec, make_tiny
 
@@ -458,30 +468,33 @@ def stalls(args) -> None:
         row_exact = PromptCache(model, "row-exact", MIB)  # open: the products as a served cache has them
         first_chunk = long_prompt[: args.prefill_chunk]
         model.prefill_last(model.new_state(), first_chunk)  # warm
-        print(f"\na stream beside a {args.stall_tokens}-token prompt (tiny model, context 8192, cache on):")
+        print(
+            f"\na stream beside a {args.stall_tokens}-token prompt (tiny model, context 8192, cache on; "
+            f"`k3stream serve --threads {args.threads}` in its own process, the clients in this one):"
+        )
         alone, runs = [], []
-        for chunk in (1 << 30, args.prefill_chunk, args.prefill_chunk, args.prefill_chunk):
-            runs.append((chunk, stream_beside(path, long_prompt, chunk, args.threads)))
+        chunked = f"--prefill-chunk {args.prefill_chunk}"
+        settings = [("whole prompt", 1 << 30, None)] + [
+            (f"{chunked}, wait {'on' if wait else 'off'}", args.prefill_chunk, wait)
+            for _ in range(args.stall_runs)
+            for wait in (True, False)
+        ]
+        for label, chunk, wait in settings:
+            runs.append((label, stream_beside(path, long_prompt, chunk, args.threads, wait is False)))
             alone.append(_least_wall(3, lambda: model.prefill_last(model.new_state(), first_chunk)))
         one = min(alone)
-        one_cpu = _best_of(3, lambda: model.prefill_last(model.new_state(), first_chunk))
-        for chunk, stall in runs:
-            label = "whole prompt" if chunk == 1 << 30 else f"--prefill-chunk {chunk}"
+        for label, stall in runs:
             longest = ", ".join(f"{1e3 * gap:.0f}" for gap in sorted(stall.gaps)[::-1][:3])
             typical = sorted(stall.passes)[len(stall.passes) // 2]
-            worst, worst_cpu = max(stall.gaps), max(stall.step_cpu)
             print(
-                f"  {label:>20}: {len(stall.passes)} passes; the stream's longest gaps at the client "
-                f"{longest} ms ({worst / one:.2f}x one chunk alone, {worst / typical:.2f}x the median pass, "
-                f"{1e3 * typical:.0f} ms), in the scheduler {1e3 * max(stall.steps):.0f} ms (longest pass "
-                f"{1e3 * max(stall.passes):.0f} ms); in CPU time the most between two of its tokens "
-                f"{1e3 * worst_cpu:.0f} ms ({worst_cpu / one_cpu:.2f}x one chunk alone; the most in a pass "
-                f"{1e3 * max(stall.pass_cpu):.0f} ms); the long prompt's TTFT {stall.prefill_s:.2f} s"
+                f"  {label:>28}: {len(stall.passes)} passes (median {1e3 * typical:.0f} ms, longest "
+                f"{1e3 * max(stall.passes):.0f}); the stream's longest gaps at the client {longest} ms, in "
+                f"the scheduler {1e3 * max(stall.steps):.0f} ms: {max(stall.gaps) / one:.2f}x and "
+                f"{max(stall.steps) / one:.2f}x one chunk alone, {max(stall.gaps) / typical:.2f}x and "
+                f"{max(stall.steps) / typical:.2f}x the median pass; the long prompt's TTFT "
+                f"{stall.prefill_s:.2f} s"
             )
-        print(
-            f"  one {args.prefill_chunk}-token chunk alone: {1e3 * one:.1f} ms, {1e3 * one_cpu:.1f} CPU ms "
-            f"(least of {3 * len(alone)})"
-        )
+        print(f"  one {args.prefill_chunk}-token chunk alone: {1e3 * one:.1f} ms (least of {3 * len(alone)})")
         chunk_times(model, long_prompt, args.prefill_chunk)
         row_exact.close()
 
@@ -507,46 +520,50 @@ def chunk_times(model, prompt: list[int], tokens: int) -> None:
         )
 
 
-def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) -> Stall:
-    """A streamed completion while `long_prompt` is prefilled (prompt cache on, as `serve` runs by
-    default): its gaps at the client and in the scheduler, the prompt's TTFT, the passes' times."""
+def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int, no_wait: bool) -> Stall:
+    """A streamed completion while `long_prompt` is prefilled, as users see it: `k3stream serve` in its
+    own process (prompt cache on, its default), the clients in this one. The stream's gaps at the
+    client, and the scheduler's passes and decode steps from a trace the server writes."""
     import threading
 
     import openai
 
-    from k3stream.engine.loading import load_runtime
-    from k3stream.server.app import ServerConfig, create_app
-    from k3stream.server.live import ServerThread
-    from k3stream.server.runtime import served_from_runtime
+    from k3stream.server.live import ServerProcess
 
-    torch.set_num_threads(threads)
-    served = served_from_runtime(load_runtime(path, stream_experts=False), ctx=8192)
-    served.prompt_cache = PromptCache(served.model, "stall", 256 * MIB)
-    app = create_app(served, ServerConfig(max_batch=4, prefill_chunk=chunk))
     arrivals: list[float] = []
-    with ServerThread(app) as server, _timing_steps() as (passes, steps):
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
-        started = threading.Event()
+    with tempfile.TemporaryDirectory() as directory:
+        trace = Path(directory) / "trace"
+        serve_args = ["--ctx", "8192", "--threads", str(threads), "--max-batch", "4"]
+        serve_args += ["--prefill-chunk", str(chunk), "--cache-ram", "256"]
+        launcher = [sys.executable, __file__, "--timed-serve", str(trace)]
+        log = Path(directory) / "serve.log"
+        environment = {"BENCH_DELIVERY_WAIT": "0"} if no_wait else {}
+        with (
+            _environment(environment),
+            ServerProcess(path, *serve_args, launcher=launcher, log_path=log) as server,
+        ):
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+            name = client.models.list().data[0].id
+            started = threading.Event()
 
-        def stream() -> None:
-            chunks = client.completions.create(
-                model=served.name, prompt="Once upon a time", max_tokens=400, temperature=0, stream=True,
-                extra_body={"ignore_eos": True},
-            )  # fmt: skip
-            for _ in chunks:
-                arrivals.append(time.perf_counter())
-                started.set()
+            def stream() -> None:
+                chunks = client.completions.create(
+                    model=name, prompt="Once upon a time", max_tokens=3000, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                for _ in chunks:
+                    arrivals.append(time.perf_counter())
+                    started.set()
 
-        streamer = threading.Thread(target=stream)
-        streamer.start()
-        started.wait()
-        time.sleep(0.2)
-        begin = time.perf_counter()
-        client.completions.create(model=served.name, prompt=long_prompt, max_tokens=1, temperature=0)
-        prefill_s, end = time.perf_counter() - begin, time.perf_counter()
-        streamer.join()
-    served.prompt_cache.close()
-    served.close()
+            streamer = threading.Thread(target=stream)
+            streamer.start()
+            started.wait()
+            time.sleep(0.2)
+            begin = time.perf_counter()
+            client.completions.create(model=name, prompt=long_prompt, max_tokens=1, temperature=0)
+            prefill_s, end = time.perf_counter() - begin, time.perf_counter()
+            streamer.join()
+        passes, steps = _read_trace(trace)
     during = [(at, cpu) for at, cpu in steps if begin <= at <= end + 0.5]
     return Stall(
         _gaps(arrivals, begin, end) or [0.0],
@@ -556,6 +573,21 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) 
         [b[0] - a[0] for a, b in zip(during, during[1:], strict=False)] or [0.0],
         [b[1] - a[1] for a, b in zip(during, during[1:], strict=False)] or [0.0],
     )
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ meanwhile (a child process started inside inherits them)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @dataclass
@@ -572,30 +604,38 @@ def _gaps(times: list[float], begin: float, end: float) -> list[float]:
     return [b - a for a, b in zip(times, times[1:], strict=False) if begin <= b <= end + 0.5]
 
 
-@contextlib.contextmanager
-def _timing_steps() -> Iterator[tuple[list[tuple[float, float, float]], list[tuple[float, float]]]]:
-    """(start, wall seconds, CPU seconds) of each prefill pass the server's scheduler runs meanwhile,
-    and (wall, scheduler thread's CPU clock) at the end of each of its decode steps: the CPU clock of
-    the one thread that runs the model (on one torch thread) does not count other processes' time."""
+def timed_serve(trace: str, serve_argv: list[str]) -> int:
+    """`k3stream serve` with its scheduler's prefill passes (`pass START WALL CPU`) and decode steps
+    (`step END CPU`) written to `trace` as they happen: perf_counter (the system's monotonic clock, the
+    same in every process) and the scheduler thread's CPU clock (on one torch thread, the time of the
+    one thread that runs the model, other processes' time not counted)."""
+    from k3stream import cli
     from k3stream.server import scheduler
 
-    passes, steps = [], []
     real_pass, real_step = scheduler.step_together, scheduler.Scheduler._decode_step
+    out = open(trace, "w", buffering=1)  # noqa: SIM115 - open while the server runs
 
     def timed_pass(prefills, chunks) -> None:
         start, cpu = time.perf_counter(), time.thread_time()
         real_pass(prefills, chunks)
-        passes.append((start, time.perf_counter() - start, time.thread_time() - cpu))
+        out.write(f"pass {start} {time.perf_counter() - start} {time.thread_time() - cpu}\n")
 
     def timed_step(self) -> None:
         real_step(self)
-        steps.append((time.perf_counter(), time.thread_time()))
+        out.write(f"step {time.perf_counter()} {time.thread_time()}\n")
 
     scheduler.step_together, scheduler.Scheduler._decode_step = timed_pass, timed_step
-    try:
-        yield passes, steps
-    finally:
-        scheduler.step_together, scheduler.Scheduler._decode_step = real_pass, real_step
+    if os.environ.get("BENCH_DELIVERY_WAIT"):  # the wait off, to compare
+        scheduler.DELIVERY_WAIT = float(os.environ["BENCH_DELIVERY_WAIT"])
+    return cli.main(serve_argv)
+
+
+def _read_trace(trace: Path) -> tuple[list[tuple[float, float, float]], list[tuple[float, float]]]:
+    passes, steps = [], []
+    for line in trace.read_text().splitlines():
+        kind, *values = line.split()
+        (passes if kind == "pass" else steps).append(tuple(float(v) for v in values))
+    return passes, steps
 
 
 def shared_reads(args) -> None:
@@ -674,4 +714,6 @@ def _best_of(n: int, function) -> float:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--timed-serve"]:  # the server child of `stream_beside`
+        raise SystemExit(timed_serve(sys.argv[2], sys.argv[3:]))
     main()

@@ -207,3 +207,51 @@ def test_waiting_prefills_share_one_pass_and_answer_as_each_alone(model, model_p
     assert scheduler.snapshot()["batched_prefills"] >= 1
     for job, ids in zip(jobs, prompts, strict=True):
         assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
+
+
+def test_a_prefill_pass_starts_once_the_streams_sent_their_last_tokens(model_path, monkeypatch):
+    """Beside a long prompt prefilled in chunks, the scheduler starts each pass only after the running
+    stream's response has sent every token it was given (`scheduler.Delivery`): otherwise the pass
+    holds the CPU while the event loop has a token to write, and the client sees it a pass late."""
+    import threading
+
+    from k3stream.engine.loading import load_runtime
+    from k3stream.server import scheduler
+    from k3stream.server.app import ServerConfig, create_app
+    from k3stream.server.live import ServerThread
+    from k3stream.server.runtime import served_from_runtime
+
+    served = served_from_runtime(load_runtime(model_path, stream_experts=False), ctx=512)
+    served.prompt_cache = PromptCache(served.model, "delivery", 64 * MIB)
+    app = create_app(served, ServerConfig(max_batch=4, prefill_chunk=16))
+    monkeypatch.setattr(scheduler, "DELIVERY_WAIT", 1e3)  # a bound no loaded machine reaches
+    caught_up, real_pass = [], scheduler.step_together
+
+    def checked_pass(prefills, chunks) -> None:
+        streams = [job for job in app.state.scheduler._running if job.prefill is None and job.active]
+        caught_up.extend(job.sink.delivery.wait(0) for job in streams)
+        real_pass(prefills, chunks)
+
+    monkeypatch.setattr(scheduler, "step_together", checked_pass)
+    with ServerThread(app) as thread:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        started, received = threading.Event(), []
+
+        def stream() -> None:
+            for chunk in client.completions.create(
+                model=served.name, prompt="Once upon a time", max_tokens=200, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            ):  # fmt: skip
+                received.append(chunk)
+                started.set()
+
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        assert started.wait(60)
+        long_prompt = [10 + i % 400 for i in range(300)]
+        client.completions.create(model=served.name, prompt=long_prompt, max_tokens=1, temperature=0)
+        streamer.join(120)
+    served.prompt_cache.close()
+    served.close()
+    assert len(caught_up) >= 10 and all(caught_up)  # ~19 passes of 16 tokens, each beside the stream
+    assert sum(len(c.choices[0].text) > 0 for c in received if c.choices) > 0
