@@ -186,7 +186,8 @@ def test_a_growing_conversation_takes_its_history_from_the_memo_with_the_ids_of_
 
     served.encode_chat(TIME_TURN, TOOLS)
     hits = served.pieces.hits
-    longer = [*TIME_TURN, {"role": "assistant", "content": "It is noon."}, {"role": "user", "content": "date?"}]
+    answer, question = {"role": "assistant", "content": "It is noon."}, {"role": "user", "content": "date?"}
+    longer = [*TIME_TURN, answer, question]
     expected = served.tokenizer.encode(served.chat_template.render(longer, tools=TOOLS), allow_special=True)
     assert served.encode_chat(longer, TOOLS) == expected
     assert served.pieces.hits - hits >= 2 * len(TIME_TURN)  # each earlier message: content and template
