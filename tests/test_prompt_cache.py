@@ -227,8 +227,8 @@ def test_a_damaged_parent_makes_its_children_misses(model, fingerprint, tmp_path
 
 
 def test_disk_eviction_never_orphans_a_file(model, fingerprint, tmp_path):
-    """Under a disk budget of a few files, eviction takes files no other file refers to: every file
-    left has its parent, and the deepest one still restores with the cold bits."""
+    """Under a disk budget of a few files, eviction never takes the rows a file refers to: every file
+    left has its parent, and the newest conversation's deepest file still restores with the cold bits."""
     probe = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "probe", 1 << 30)
     conversation(model, probe, 1)
     budget = 3 * probe.disk_used
@@ -242,8 +242,9 @@ def test_disk_eviction_never_orphans_a_file(model, fingerprint, tmp_path):
     assert chained and all(length in found for length in chained)
     cache.close()
     restarted = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "tight", budget)
-    got = restarted.prefill(prompts[-1] + [3])
-    assert got.reused >= len(prompts[-1]) and torch.equal(got.logits, cold(model, prompts[-1] + [3]))
+    prompt = prompts[-1] + [3]
+    got = restarted.prefill(prompt)
+    assert got.reused == len(prompts[-1]) and torch.equal(got.logits, cold(model, prompt))
 
 
 def test_chunks_cut_at_fixed_positions_each_about_the_work_of_the_first(model):
@@ -275,3 +276,25 @@ def test_a_prefill_in_chunks_of_equal_work_has_the_whole_prefills_bits(model, fi
     restored = cache.prefill(tokens[:250] + ids(model, 30, seed=4))  # from the snapshot at 240
     assert restored.reused == 240
     cache.close()
+
+
+def test_a_conversation_longer_than_the_disk_budget_keeps_its_newest_state(model, fingerprint, tmp_path):
+    """One conversation whose files outgrow the disk budget: eviction frees what a snapshot's file
+    holds besides the rows its children need (an older turn's KDA state and logits: the file keeps
+    only its latent rows), so the newest turn stays on disk and a restarted cache resumes from it with
+    the cold bits. Taking only files no other refers to would drop each new turn's file at once."""
+    probe = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "probe", 1 << 30)
+    conversation(model, probe, 2)
+    budget = probe.disk_used  # two turns' four files; the conversation writes sixteen
+    cache = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "tight", budget, every=1 << 20)
+    prompts = conversation(model, cache, 8)
+    assert cache.stats.evictions_disk > 0 and cache.disk_used <= budget
+    cache.close()
+    found = headers(tmp_path / "tight" / fingerprint)
+    assert any(header.get("rows_only") for header in found.values())  # older turns: their rows only
+    assert all(header["parent"][0] in found for header in found.values() if "parent" in header)
+    restarted = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "tight", budget)
+    prompt = prompts[-1] + [3]
+    got = restarted.prefill(prompt)
+    assert got.reused == len(prompts[-1]) and torch.equal(got.logits, cold(model, prompt))
+    restarted.close()
