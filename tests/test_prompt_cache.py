@@ -298,3 +298,33 @@ def test_a_conversation_longer_than_the_disk_budget_keeps_its_newest_state(model
     got = restarted.prefill(prompt)
     assert got.reused == len(prompts[-1]) and torch.equal(got.logits, cold(model, prompt))
     restarted.close()
+
+
+def test_a_next_turn_appends_to_its_conversations_rows_in_place_and_a_branch_copies(model, fingerprint):
+    """The next turn restored from the response's end shares that snapshot's latent buffer (no copy of
+    the history's rows); a branch from the prompt's end, whose rows the response wrote past, copies
+    them: each goes on with the cold bits, and neither writes into the other's rows."""
+    cache = PromptCache(model, fingerprint, 64 * MIB)
+    prompt = ids(model, 40)
+    first = cache.prefill(prompt)
+    answer = [int(first.logits.argmax())]
+    for _ in range(3):
+        answer.append(int(model.decode(first.state, answer[-1]).argmax()))
+    cache.save(prompt + answer[:-1], first.state)
+    buffers = [layer.buffer for layer in first.state.layers if hasattr(layer, "buffer")]
+    assert buffers
+    following = prompt + answer + ids(model, 9, seed=5)
+    branch = prompt + ids(model, 6, seed=6)
+    turn = cache.prefill(following)
+    turn_buffers = [layer.buffer for layer in turn.state.layers if hasattr(layer, "buffer")]
+    assert turn.reused == len(prompt) + 3 and all(a is b for a, b in zip(turn_buffers, buffers, strict=True))
+    other = cache.prefill(branch)
+    other_buffers = [layer.buffer for layer in other.state.layers if hasattr(layer, "buffer")]
+    assert other.reused == len(prompt)
+    assert not any(a is b for a, b in zip(other_buffers, buffers, strict=True))
+    for got, tokens in ((turn, following), (other, branch), (turn, following), (other, branch)):
+        token = int(got.logits.argmax())
+        got.logits = model.decode(got.state, token)  # each appends a row; the other's stay
+        tokens.append(token)
+        assert torch.equal(got.logits, cold(model, tokens))
+    cache.close()
