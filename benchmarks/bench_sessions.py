@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import random
 import subprocess
@@ -335,6 +336,8 @@ def main() -> None:
             f"{on[-1].cpu_s / off[-1].cpu_s:.3f} CPU; answers equal every turn: {same}"
         )
         restart(model, workload, args, fingerprint, cache_dir, on)
+    if runtime is None:
+        last_turn_profile(model, workload, args, fingerprint, on)
     if runtime is not None:  # the other parts run models of their own
         print(f"pack read by the expert store: {runtime.store.stats()['pack_read_bytes'] / MIB:.0f} MiB")
         runtime.close()
@@ -413,6 +416,75 @@ def restart(model, workload: Workload, args, fingerprint: str, cache_dir: str, o
         f"{1e3 * warm.ttft_s:.1f} ms (CPU {1e3 * warm.cpu_s:.1f}) against {1e3 * cold.ttft_s:.1f} ms "
         f"(CPU {1e3 * cold.cpu_s:.1f}) with reuse off; same answer: {warm.answer == cold.answer}"
     )
+
+
+def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: list[Turn]) -> None:
+    """What the last turn's TTFT with reuse is made of, in CPU time (least of --repeats + 2, the sides
+    alternating): its restore; prefills over the restored history of a few new tokens to all of the
+    turn's, and cold prefills of a few lengths up to the whole prompt (reuse off's products): a line
+    through each gives its fixed cost and its cost per token."""
+    context = list(workload.system)
+    for turn in range(args.turns - 1):
+        context += workload.tools[turn] + workload.assistant_open + on[turn].answer + workload.close
+    history = len(context)
+    context += workload.tools[args.turns - 1] + workload.assistant_open
+    new = len(context) - history
+    cache = PromptCache(model, fingerprint, 1 << 30)
+    model.prefill_last(model.new_state(), context[:history])  # warm
+    base = cache.prefill(context[:history]).state
+    counts = sorted({min(25, new), new // 4, new // 2, new})
+    lengths = sorted({min(25, len(context)), len(context) // 4, len(context) // 2, len(context)})
+
+    def restored(count: int) -> float:
+        one = PromptCache(model, fingerprint, 1 << 30)
+        one.save(context[:history], base)
+        start = time.process_time()
+        ChunkedPrefill(model, context[: history + count], one).run()
+        took = time.process_time() - start
+        one.close()
+        return took
+
+    def cold(length: int) -> float:
+        set_row_exact(False)
+        start = time.process_time()
+        model.prefill_last(model.new_state(), context[:length])
+        took = time.process_time() - start
+        set_row_exact(True)
+        return took
+
+    def restore() -> float:
+        start = time.process_time()
+        cache.restore_longest(context)
+        return time.process_time() - start
+
+    times: dict[tuple[str, int], float] = {}
+    for _ in range(args.repeats + 2):
+        for key, run in [(("on", n), restored) for n in counts] + [(("off", n), cold) for n in lengths]:
+            times[key] = min(times.get(key, math.inf), run(key[1]))
+        times[("restore", 0)] = min(times.get(("restore", 0), math.inf), restore())
+    cache.close()
+    on_fixed, on_token = _line([(n, times[("on", n)]) for n in counts])
+    off_fixed, off_token = _line([(n, times[("off", n)]) for n in lengths])
+    whole_on, whole_off = times[("on", new)], times[("off", len(context))]
+    print(
+        f"\nturn {args.turns} with reuse, in CPU time (least of {args.repeats + 2}): {1e3 * whole_on:.1f} ms "
+        f"for {new} new tokens over {history} restored, against {1e3 * whole_off:.1f} ms for all "
+        f"{len(context)} with reuse off ({whole_on / whole_off:.3f}x; tokens {new / len(context):.3f}x); "
+        f"the restore alone {1e3 * times[('restore', 0)]:.2f} ms"
+    )
+    print(
+        f"  on: {1e3 * on_fixed:.2f} ms fixed + {1e6 * on_token:.1f} us a token (prefills of "
+        f"{', '.join(map(str, counts))} new tokens); off: {1e3 * off_fixed:.2f} ms fixed + "
+        f"{1e6 * off_token:.1f} us a token (prefills of {', '.join(map(str, lengths))})"
+    )
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """The least-squares line through `points`: (intercept, slope)."""
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    return mean_y - slope * mean_x, slope
 
 
 def sweep(model, workload: Workload, args, fingerprint: str) -> None:
