@@ -426,7 +426,7 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
     context = list(workload.system)
     for turn in range(args.turns - 1):
         context += workload.tools[turn] + workload.assistant_open + on[turn].answer + workload.close
-    history = len(context)
+    history = len(context) - len(workload.close) - 1  # the last response's end: its snapshot's
     context += workload.tools[args.turns - 1] + workload.assistant_open
     new = len(context) - history
     cache = PromptCache(model, fingerprint, 1 << 30)
