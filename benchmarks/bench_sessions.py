@@ -26,7 +26,6 @@ during each prefill (`/proc/self/io`), and the cgroup's peak memory.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import random
@@ -34,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -297,9 +295,7 @@ def main() -> None:
         "--stall-tokens", type=int, default=4096, help="the long prompt beside a stream (0: skip)"
     )
     parser.add_argument("--prefill-chunk", type=int, default=256)
-    parser.add_argument(
-        "--stall-runs", type=int, default=3, help="chunked runs, each with the delivery wait on and off"
-    )
+    parser.add_argument("--stall-runs", type=int, default=3, help="runs with the long prompt in chunks")
     parser.add_argument(
         "--stalls-only", action="store_true", help="only the stream beside a long prompt (a served model)"
     )
@@ -520,12 +516,12 @@ def sweep(model, workload: Workload, args, fingerprint: str) -> None:
 
 def stalls(args) -> None:
     """A client streaming while another sends a `--stall-tokens` prompt to `k3stream serve` in its own
-    process (prompt cache on, its default), the prompt prefilled whole, then in `--prefill-chunk`
-    chunks with the scheduler's wait for the streams' delivery (`scheduler.DELIVERY_WAIT`) on and off
-    in turn: the stream's longest gaps at the client and in the scheduler, against one chunk's prefill
-    (the prompt's first `--prefill-chunk` tokens, timed between the runs). Then each chunk's time along
-    the prompt, cut every `--prefill-chunk` tokens and by equal work (`PrefillChunks`). A tiny model
-    with a long enough context (the shipped one's is 1,024)."""
+    process (prompt cache on, its default), the prompt prefilled whole, then `--stall-runs` times in
+    `--prefill-chunk` chunks: the stream's longest gaps at the client, between the server's sends and
+    in the scheduler, against one chunk's prefill (the prompt's first `--prefill-chunk` tokens, timed
+    between the runs) and the run's median pass. Then each chunk's time along the prompt, cut every
+    `--prefill-chunk` tokens and by equal work (`PrefillChunks`). A tiny model with a long enough
+    context (the shipped one's is 1,024)."""
     from k3stream.engine.loading import load_runtime
     from k3stream.testing.tiny import TinySpec, make_tiny
 
@@ -545,14 +541,11 @@ def stalls(args) -> None:
             f"`k3stream serve --threads {args.threads}` in its own process, the clients in this one):"
         )
         alone, runs = [], []
-        chunked = f"--prefill-chunk {args.prefill_chunk}"
-        settings = [("whole prompt", 1 << 30, None)] + [
-            (f"{chunked}, wait {'on' if wait else 'off'}", args.prefill_chunk, wait)
-            for _ in range(args.stall_runs)
-            for wait in (True, False)
-        ]
-        for label, chunk, wait in settings:
-            runs.append((label, stream_beside(path, long_prompt, chunk, args.threads, wait is False)))
+        settings = [("whole prompt", 1 << 30)] + [
+            (f"--prefill-chunk {args.prefill_chunk}", args.prefill_chunk)
+        ] * args.stall_runs
+        for label, chunk in settings:
+            runs.append((label, stream_beside(path, long_prompt, chunk, args.threads)))
             alone.append(_least_wall(3, lambda: model.prefill_last(model.new_state(), first_chunk)))
         one = min(alone)
         for label, stall in runs:
@@ -560,11 +553,12 @@ def stalls(args) -> None:
             typical = sorted(stall.passes)[len(stall.passes) // 2]
             print(
                 f"  {label:>28}: {len(stall.passes)} passes (median {1e3 * typical:.0f} ms, longest "
-                f"{1e3 * max(stall.passes):.0f}); the stream's longest gaps at the client {longest} ms, in "
-                f"the scheduler {1e3 * max(stall.steps):.0f} ms: {max(stall.gaps) / one:.2f}x and "
-                f"{max(stall.steps) / one:.2f}x one chunk alone, {max(stall.gaps) / typical:.2f}x and "
-                f"{max(stall.steps) / typical:.2f}x the median pass; the long prompt's TTFT "
-                f"{stall.prefill_s:.2f} s"
+                f"{1e3 * max(stall.passes):.0f}); the stream's longest gaps at the client {longest} ms, "
+                f"sent {1e3 * max(stall.sent_gaps):.0f}, in the scheduler {1e3 * max(stall.steps):.0f}: "
+                f"{max(stall.gaps) / one:.2f}x, {max(stall.sent_gaps) / one:.2f}x and "
+                f"{max(stall.steps) / one:.2f}x one chunk alone; {max(stall.gaps) / typical:.2f}x, "
+                f"{max(stall.sent_gaps) / typical:.2f}x and {max(stall.steps) / typical:.2f}x the median "
+                f"pass; the long prompt's TTFT {stall.prefill_s:.2f} s"
             )
         print(f"  one {args.prefill_chunk}-token chunk alone: {1e3 * one:.1f} ms (least of {3 * len(alone)})")
         chunk_times(model, long_prompt, args.prefill_chunk)
@@ -592,7 +586,7 @@ def chunk_times(model, prompt: list[int], tokens: int) -> None:
         )
 
 
-def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int, no_wait: bool) -> Stall:
+def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) -> Stall:
     """A streamed completion while `long_prompt` is prefilled, as users see it: `k3stream serve` in its
     own process (prompt cache on, its default), the clients in this one. The stream's gaps at the
     client, and the scheduler's passes and decode steps from a trace the server writes."""
@@ -609,11 +603,7 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int, 
         serve_args += ["--prefill-chunk", str(chunk), "--cache-ram", "256"]
         launcher = [sys.executable, __file__, "--timed-serve", str(trace)]
         log = Path(directory) / "serve.log"
-        environment = {"BENCH_DELIVERY_WAIT": "0"} if no_wait else {}
-        with (
-            _environment(environment),
-            ServerProcess(path, *serve_args, launcher=launcher, log_path=log) as server,
-        ):
+        with ServerProcess(path, *serve_args, launcher=launcher, log_path=log) as server:
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
             name = client.models.list().data[0].id
             started = threading.Event()
@@ -621,7 +611,7 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int, 
             def stream() -> None:
                 chunks = client.completions.create(
                     model=name, prompt="Once upon a time", max_tokens=3000, temperature=0, stream=True,
-                    extra_body={"ignore_eos": True},
+                    logit_bias=LETTERS, extra_body={"ignore_eos": True},
                 )  # fmt: skip
                 for _ in chunks:
                     arrivals.append(time.perf_counter())
@@ -635,10 +625,12 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int, 
             client.completions.create(model=name, prompt=long_prompt, max_tokens=1, temperature=0)
             prefill_s, end = time.perf_counter() - begin, time.perf_counter()
             streamer.join()
-        passes, steps = _read_trace(trace)
+        found = _read_trace(trace)
+    passes, steps = found["pass"], found["step"]
     during = [(at, cpu) for at, cpu in steps if begin <= at <= end + 0.5]
     return Stall(
         _gaps(arrivals, begin, end) or [0.0],
+        _gaps([at for (at,) in found["sent"]], begin, end) or [0.0],
         prefill_s,
         [took for at, took, _ in passes if begin <= at <= end],
         [cpu for at, _, cpu in passes if begin <= at <= end],
@@ -647,24 +639,16 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int, 
     )
 
 
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """`values` in os.environ meanwhile (a child process started inside inherits them)."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+# the tiny model's byte tokens of a..z, raised: every token the stream samples is whole text, so each
+# decode step sends a chunk (a random model's bytes are mostly pieces of UTF-8 characters, held back
+# until the character is whole: its client would see one chunk every few steps)
+LETTERS = {str(token): 100 for token in range(ord("a"), ord("z") + 1)}
 
 
 @dataclass
 class Stall:
     gaps: list[float]  # between the stream's chunks at the client, during the long prompt
+    sent_gaps: list[float]  # between the server's sends of them
     prefill_s: float  # the long prompt's TTFT
     passes: list[float]  # the wall time of each prefill pass
     pass_cpu: list[float]  # the CPU time of each
@@ -677,12 +661,13 @@ def _gaps(times: list[float], begin: float, end: float) -> list[float]:
 
 
 def timed_serve(trace: str, serve_argv: list[str]) -> int:
-    """`k3stream serve` with its scheduler's prefill passes (`pass START WALL CPU`) and decode steps
-    (`step END CPU`) written to `trace` as they happen: perf_counter (the system's monotonic clock, the
+    """`k3stream serve` with its scheduler's prefill passes (`pass START WALL CPU`), decode steps
+    (`step END CPU`) and the streamed chunks its responses send (`sent AT`) written to `trace` as they
+    happen: perf_counter (the system's monotonic clock, the
     same in every process) and the scheduler thread's CPU clock (on one torch thread, the time of the
     one thread that runs the model, other processes' time not counted)."""
     from k3stream import cli
-    from k3stream.server import scheduler
+    from k3stream.server import app, scheduler
 
     real_pass, real_step = scheduler.step_together, scheduler.Scheduler._decode_step
     out = open(trace, "w", buffering=1)  # noqa: SIM115 - open while the server runs
@@ -696,18 +681,22 @@ def timed_serve(trace: str, serve_argv: list[str]) -> int:
         real_step(self)
         out.write(f"step {time.perf_counter()} {time.thread_time()}\n")
 
+    def timed_chunk(data) -> str:  # a streamed chunk, sent as soon as the response has it
+        out.write(f"sent {time.perf_counter()}\n")
+        return real_chunk(data)
+
     scheduler.step_together, scheduler.Scheduler._decode_step = timed_pass, timed_step
-    if os.environ.get("BENCH_DELIVERY_WAIT"):  # the wait off, to compare
-        scheduler.DELIVERY_WAIT = float(os.environ["BENCH_DELIVERY_WAIT"])
+    real_chunk, app._sse_data = app._sse_data, timed_chunk
     return cli.main(serve_argv)
 
 
-def _read_trace(trace: Path) -> tuple[list[tuple[float, float, float]], list[tuple[float, float]]]:
-    passes, steps = [], []
+def _read_trace(trace: Path) -> dict[str, list[tuple[float, ...]]]:
+    """The trace's lines by kind: `pass`, `step`, `sent`."""
+    found: dict[str, list[tuple[float, ...]]] = {"pass": [], "step": [], "sent": []}
     for line in trace.read_text().splitlines():
         kind, *values = line.split()
-        (passes if kind == "pass" else steps).append(tuple(float(v) for v in values))
-    return passes, steps
+        found[kind].append(tuple(float(v) for v in values))
+    return found
 
 
 def shared_reads(args) -> None:

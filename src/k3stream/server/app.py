@@ -31,7 +31,6 @@ from k3stream.server.routes import LLAMA_ENDPOINTS
 from k3stream.server.runtime import ChatPrompt, ServedModel
 from k3stream.server.scheduler import (
     DEFAULT_PREFILL_CHUNK,
-    Delivery,
     Event,
     EventSink,
     FinishEvent,
@@ -274,14 +273,14 @@ class Endpoints:
         """Queue the request, one job per choice (the first one's prefill shared by all); `top` is the
         number of top logprobs per token (None: no logprobs)."""
         max_tokens = self._token_budget(len(tokens), limit, explicit_limit, prompt_param)
-        loop, queue, delivery = asyncio.get_running_loop(), asyncio.Queue(), Delivery()
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         jobs = [
             Job(
                 prompt_tokens=tokens,
                 logic=self.served.new_sequence(
                     body, tokens, max_tokens, chat=chat, top_logprobs=top, choice=choice
                 ),
-                sink=EventSink(loop, queue, choice, delivery),
+                sink=EventSink(loop, queue, choice),
             )
             for choice in range(body.n)
         ]
@@ -348,20 +347,16 @@ class Stream:
         return await self._whole(request)
 
     async def _sse(self, include_usage: bool) -> AsyncIterator[str]:
-        delivery, taken = self.jobs[0].sink.delivery, 0
-        delivery.follow()
         try:
             for chunks in self.chunks:
                 yield _sse_data(chunks.first())
             finished: list[FinishEvent] = []
             while len(finished) < len(self.jobs):
-                delivery.sent(taken)  # each chunk yielded was sent before the generator resumed
                 try:
                     choice, event = await asyncio.wait_for(self.queue.get(), self.keepalive_s)
                 except TimeoutError:
                     yield ": keep-alive\n\n"
                     continue
-                taken += 1
                 if isinstance(event, ProgressEvent):
                     if self.progress:
                         yield _sse_data(self.chunks[choice].progress(event))

@@ -29,8 +29,6 @@ from k3stream.server.metrics import ServerMetrics
 log = logging.getLogger(__name__)
 # prompt tokens prefilled between two decode steps of the running sequences
 DEFAULT_PREFILL_CHUNK = 512
-# the most a prefill pass waits for the streams to send their last tokens, as a share of the last pass
-DELIVERY_WAIT = 0.25
 
 
 @dataclass(frozen=True)
@@ -81,60 +79,24 @@ class SequenceLogic(Protocol):
         """Record a generated token; return what it releases (falsy: nothing)."""
 
 
-class Delivery:
-    """How far a request's response has sent the events its sinks queued. A streamed response follows
-    it (`follow`, then `sent` as it sends); before a prefill pass the scheduler waits, a bounded time,
-    until the streams have sent what the last decode step gave them: the pass would otherwise hold the
-    CPU (and the GIL between its kernels) while the event loop has a token to write, and the client
-    would see it a pass late."""
-
-    def __init__(self) -> None:
-        self._changed = threading.Condition()
-        self._queued = 0
-        self._sent = 0
-        self._followed = False
-
-    def queued(self) -> None:
-        with self._changed:
-            self._queued += 1
-
-    def follow(self) -> None:
-        with self._changed:
-            self._followed = True
-
-    def sent(self, events: int) -> None:
-        """The response has taken `events` events from its queue and sent what they made."""
-        with self._changed:
-            self._sent = events
-            self._changed.notify_all()
-
-    def wait(self, timeout: float) -> bool:
-        """Wait at most `timeout` seconds until every queued event is sent (at once where not followed)."""
-        with self._changed:
-            return not self._followed or self._changed.wait_for(lambda: self._sent >= self._queued, timeout)
-
-
 class EventSink:
     """Delivers events from the scheduler thread to one request's asyncio queue as `(choice, event)`:
-    the choices of a request with n > 1 share the queue and its `Delivery`, each with its own index."""
+    the choices of a request with n > 1 share the queue, each with its own index."""
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
         queue: asyncio.Queue[tuple[int, Event]] | None = None,
         choice: int = 0,
-        delivery: Delivery | None = None,
     ) -> None:
         self._loop = loop
         self.queue: asyncio.Queue[tuple[int, Event]] = queue if queue is not None else asyncio.Queue()
         self.choice = choice
-        self.delivery = delivery if delivery is not None else Delivery()
 
     def put(self, event: Event) -> None:
         # A closed event loop means the server is shutting down; the event has no one to go to.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self.queue.put_nowait, (self.choice, event))
-            self.delivery.queued()
 
 
 @dataclass(eq=False)
@@ -205,7 +167,6 @@ class Scheduler:
         # prompt's start (default: one chunk's)
         passes = max(prefill_pass or prefill_chunk, prefill_chunk) / prefill_chunk
         self.pass_budget = self.chunks.budget * passes
-        self._last_pass_s = 0.0
         self.metrics = metrics
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -351,15 +312,12 @@ class Scheduler:
         if not jobs:
             return
         before = [job.prefill.position for job in jobs]
-        self._await_delivery()
-        started = time.perf_counter()
         try:
             step_together([job.prefill for job in jobs], self.chunks)
         except Exception as exc:  # the requests of a pass that failed fail; the server goes on
             log.exception("prefill failed")
             self._fail(jobs, f"prefill failed: {exc}")
             return
-        self._last_pass_s = time.perf_counter() - started
         self.batched_prefills += len(jobs) > 1
         computed = sum(job.prefill.position - start for job, start in zip(jobs, before, strict=True))
         self._count_tokens(computed)
@@ -369,14 +327,6 @@ class Scheduler:
                 self._end_prefill(job)
             else:
                 self._progress(job, job.prefill.position)
-
-    def _await_delivery(self) -> None:
-        """Let the running streams send their last tokens before a pass: at most `DELIVERY_WAIT` of
-        the last pass's time in all."""
-        deadline = time.perf_counter() + DELIVERY_WAIT * self._last_pass_s
-        for job in self._running:
-            if job.active and job.prefill is None:
-                job.sink.delivery.wait(max(0.0, deadline - time.perf_counter()))
 
     def _prefill_batch(self) -> list[Job]:
         """The prefilling jobs of the next pass: the oldest, then the next ones while their chunks'
