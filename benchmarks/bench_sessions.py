@@ -258,7 +258,9 @@ def real_model_arithmetic(copy_bytes_per_s: float, ram_gib: float, session_token
         f"plus {per_token / 1024:.1f} KiB of MLA latents per token (shared along one conversation)",
         f"  at the copy rate measured here ({copy_bytes_per_s / GIB:.2f} GiB/s) one snapshot takes "
         f"{1e3 * fixed_logits / copy_bytes_per_s:.0f} ms; a restore of a {session_tokens}-token session "
-        f"{1e3 * (fixed + per_token * session_tokens) / copy_bytes_per_s:.0f} ms",
+        f"{1e3 * fixed / copy_bytes_per_s:.0f} ms where the turn continues its conversation's latent "
+        f"buffer, {1e3 * (fixed + per_token * session_tokens) / copy_bytes_per_s:.0f} ms for a branch "
+        f"(its rows copied)",
         f"  a {session_tokens}-token session's two live snapshots hold {session / GIB:.2f} GiB: "
         f"--cache-ram {ram_gib:.0f} GiB holds {int(ram_gib * GIB // session)} such sessions",
     ]
