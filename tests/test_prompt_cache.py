@@ -341,3 +341,26 @@ def test_a_next_turn_appends_to_its_conversations_rows_in_place_and_a_branch_cop
         tokens.append(token)
         assert torch.equal(got.logits, cold(model, tokens))
     cache.close()
+
+
+def test_ram_eviction_weighs_what_a_snapshot_frees_not_the_rows_it_shares(model, fingerprint):
+    """A prompt's end and its response's end share one latent buffer: dropping either frees its KDA
+    copies only. Just over the budget, the cache drops another prompt's snapshot, whose buffer is its
+    own, rather than one of the pair that frees next to nothing."""
+    cache = PromptCache(model, fingerprint, 64 * MIB)
+    prompt = ids(model, 20)
+    got = cache.prefill(prompt)
+    answer = [int(got.logits.argmax())]
+    for _ in range(3):
+        answer.append(int(model.decode(got.state, answer[-1]).argmax()))
+    cache.save(prompt + answer[:-1], got.state)
+    pair = [entry.snapshot for entry in cache._tree.entries()]
+    assert len({snapshot.latents()[0].storage_key() for snapshot in pair}) == 1
+    alone = ids(model, 25, seed=9)
+    cache.prefill(alone)
+    with cache._lock:
+        cache.ram_budget = cache.ram_bytes - 1
+        cache._evict_ram()
+    left = {entry.tokens for entry in cache._tree.entries() if entry.snapshot is not None}
+    assert left == {tuple(prompt), tuple(prompt + answer[:-1])} and cache.ram_bytes <= cache.ram_budget
+    cache.close()

@@ -574,11 +574,17 @@ class PromptCache:
             held = [entry for entry in self._tree.entries() if entry.snapshot is not None]
             if not held:
                 return
-            victim = min(held, key=lambda e: self._score(e, e.snapshot.nbytes))
+            victim = min(held, key=lambda e: self._score(e, self._ram_freed(e.snapshot)))
             self._account(victim.snapshot, -1)
             victim.snapshot = None
             self.stats.evictions_ram += 1
             self._forget_if_gone(victim)
+
+    def _ram_freed(self, snapshot: Snapshot) -> int:
+        """What dropping `snapshot` from RAM frees: its KDA copies and logits, and the latent buffers no
+        other snapshot holds (a conversation's snapshots share one)."""
+        shared = (self._storages[latent.storage_key()] for latent in snapshot.latents())
+        return snapshot.fixed_bytes + sum(nbytes for references, nbytes in shared if references == 1)
 
     def _evict_disk(self) -> None:
         """Evict the file of the fewest tokens of recompute saved per byte its eviction frees (and
