@@ -3,8 +3,8 @@ snapshot create/restore ms and bytes per tier; then a restart from the same --ca
 
     python benchmarks/bench_sessions.py [--model GGUF] [--turns 8] [--system-tokens 2048]
         [--tool-tokens 300,1000] [--answer-tokens 16] [--cache-every 1024] [--threads 2]
-        [--every-sweep 256,1024,4096] [--stall-tokens 4096] [--prefill-chunk 256]
-        [--beyond-ram LIMIT [--ratio 2.5]]
+        [--every-sweep 256,1024,4096] [--stall-tokens 4096] [--prefill-chunk 256] [--stall-runs 3]
+        [--stalls-only] [--beyond-ram LIMIT [--ratio 2.5]]
 
 The workload is an agent harness that keeps its token ids: a system prompt with tool schemas of
 `--system-tokens` tokens; each turn appends a tool output of 300-1000 tokens (seeded) and the chat
@@ -13,8 +13,11 @@ the template's close. Reuse off prefills the whole history every turn (what `ser
 restores the deepest snapshot (`engine.prompt_cache`) and prefills the rest. Every turn's answer must be
 the same token for token (checked). Runs through the Python API (`PromptCache.prefill`, `model.decode`),
 so a history beyond the model's context metadata runs (the shipped model's is 1,024; its MLA is NoPE).
-The last lines give, by arithmetic from the measured copy rate, the bytes and ms of one snapshot of
-Kimi-K3 at its real dimensions and how many sessions a RAM budget holds.
+Then the last turn's TTFT with reuse taken apart (its restore, a fixed cost and a cost per token,
+beside reuse off's), and a stream beside a `--stall-tokens` prompt sent to `k3stream serve` in its own
+process (`--stalls-only`: that alone). The last lines give, by arithmetic from the measured copy
+rate, the bytes and ms of one snapshot of Kimi-K3 at its real dimensions and how many sessions a RAM
+budget holds.
 
 `--beyond-ram LIMIT` runs the session instead on bench_beyond_ram.py's model (512 experts top-8, its
 audited experts >= --ratio x LIMIT, written once into its cache), its experts streaming from the pack,
