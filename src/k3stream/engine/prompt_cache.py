@@ -712,6 +712,9 @@ class PromptCache:
             if parent is not None and parent.disk_path is not None:
                 entry.disk_parent = parent
                 parent.disk_children += 1
+        for entry in [e for e in self._tree.entries() if e.rows_only and not e.disk_children]:
+            self._drop_file(entry)  # rows no file needs any more (a process stopped between the two)
+            self._forget_if_gone(entry)
         for stale in self.disk_dir.glob(f"*{SUFFIX}.tmp*"):
             stale.unlink(missing_ok=True)
 
