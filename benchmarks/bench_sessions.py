@@ -339,6 +339,7 @@ def main() -> None:
         restart(model, workload, args, fingerprint, cache_dir, on)
     if runtime is None:
         last_turn_profile(model, workload, args, fingerprint, on)
+        chat_prompt_times(args)
     if runtime is not None:  # the other parts run models of their own
         print(f"pack read by the expert store: {runtime.store.stats()['pack_read_bytes'] / MIB:.0f} MiB")
         runtime.close()
@@ -475,6 +476,49 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
         f"  on: {1e3 * on_fixed:.2f} ms fixed + {1e6 * on_token:.1f} us a token (prefills of "
         f"{', '.join(map(str, counts))} new tokens); off: {1e3 * off_fixed:.2f} ms fixed + "
         f"{1e6 * off_token:.1f} us a token (prefills of {', '.join(map(str, lengths))})"
+    )
+
+
+def chat_prompt_times(args) -> None:
+    """What `serve` spends on a chat turn's prompt before the model: an agent conversation of --turns
+    turns (64 tool schemas, tool outputs of --tool-tokens words) rendered and tokenized
+    (`ServedModel.encode_chat`), with an empty memo and then again, as the next turn finds it."""
+    from k3stream.engine.loading import load_runtime
+    from k3stream.server.runtime import TextMemo, served_from_runtime
+
+    rng = random.Random(args.seed)
+    served = served_from_runtime(load_runtime(args.model, stream_experts=False))
+    functions = [
+        {
+            "name": f"tool_{i}",
+            "description": " ".join(rng.choices(WORDS, k=24)),
+            "parameters": {"type": "object"},
+        }
+        for i in range(64)
+    ]
+    tools = [{"type": "function", "function": function} for function in functions]
+    messages = [{"role": "system", "content": "You are an agent."}]
+    for turn in range(args.turns):
+        call = {"id": f"call_{turn}", "type": "function", "function": {"name": "tool_1", "arguments": "{}"}}
+        messages += [
+            {"role": "user", "content": "next"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": " ".join(rng.choices(WORDS, k=700))},
+            {"role": "assistant", "content": "done " * 10},
+        ]
+    cold, warm = math.inf, math.inf
+    for _ in range(5):
+        served.pieces = TextMemo(served.pieces.max_chars)
+        start = time.perf_counter()
+        ids = served.encode_chat(messages, tools)
+        middle = time.perf_counter()
+        served.encode_chat(messages, tools)
+        cold, warm = min(cold, middle - start), min(warm, time.perf_counter() - middle)
+    served.close()
+    print(
+        f"\na chat turn's prompt in `serve` ({len(ids)} tokens, {len(messages)} messages, 64 tools): "
+        f"rendered and tokenized in {1e3 * cold:.2f} ms, {1e3 * warm:.2f} ms with its history's pieces "
+        f"in the memo (least of 5)"
     )
 
 
