@@ -3,8 +3,8 @@ snapshot create/restore ms and bytes per tier; then a restart from the same --ca
 
     python benchmarks/bench_sessions.py [--model GGUF] [--turns 8] [--system-tokens 2048]
         [--tool-tokens 300,1000] [--answer-tokens 16] [--cache-every 1024] [--threads 2]
-        [--every-sweep 256,1024,4096] [--stall-tokens 4096] [--prefill-chunk 256]
-        [--beyond-ram LIMIT [--ratio 2.5]]
+        [--every-sweep 256,1024,4096] [--stall-tokens 4096] [--prefill-chunk 256] [--stall-runs 3]
+        [--stalls-only] [--beyond-ram LIMIT [--ratio 2.5]]
 
 The workload is an agent harness that keeps its token ids: a system prompt with tool schemas of
 `--system-tokens` tokens; each turn appends a tool output of 300-1000 tokens (seeded) and the chat
@@ -13,8 +13,11 @@ the template's close. Reuse off prefills the whole history every turn (what `ser
 restores the deepest snapshot (`engine.prompt_cache`) and prefills the rest. Every turn's answer must be
 the same token for token (checked). Runs through the Python API (`PromptCache.prefill`, `model.decode`),
 so a history beyond the model's context metadata runs (the shipped model's is 1,024; its MLA is NoPE).
-The last lines give, by arithmetic from the measured copy rate, the bytes and ms of one snapshot of
-Kimi-K3 at its real dimensions and how many sessions a RAM budget holds.
+Then the last turn's TTFT with reuse taken apart (its restore, a fixed cost and a cost per token,
+beside reuse off's), and a stream beside a `--stall-tokens` prompt sent to `k3stream serve` in its own
+process (`--stalls-only`: that alone). The last lines give, by arithmetic from the measured copy
+rate, the bytes and ms of one snapshot of Kimi-K3 at its real dimensions and how many sessions a RAM
+budget holds.
 
 `--beyond-ram LIMIT` runs the session instead on bench_beyond_ram.py's model (512 experts top-8, its
 audited experts >= --ratio x LIMIT, written once into its cache), its experts streaming from the pack,
@@ -26,14 +29,13 @@ during each prefill (`/proc/self/io`), and the cgroup's peak memory.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import math
 import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -259,7 +261,9 @@ def real_model_arithmetic(copy_bytes_per_s: float, ram_gib: float, session_token
         f"plus {per_token / 1024:.1f} KiB of MLA latents per token (shared along one conversation)",
         f"  at the copy rate measured here ({copy_bytes_per_s / GIB:.2f} GiB/s) one snapshot takes "
         f"{1e3 * fixed_logits / copy_bytes_per_s:.0f} ms; a restore of a {session_tokens}-token session "
-        f"{1e3 * (fixed + per_token * session_tokens) / copy_bytes_per_s:.0f} ms",
+        f"{1e3 * fixed / copy_bytes_per_s:.0f} ms where the turn continues its conversation's latent "
+        f"buffer, {1e3 * (fixed + per_token * session_tokens) / copy_bytes_per_s:.0f} ms for a branch "
+        f"(its rows copied)",
         f"  a {session_tokens}-token session's two live snapshots hold {session / GIB:.2f} GiB: "
         f"--cache-ram {ram_gib:.0f} GiB holds {int(ram_gib * GIB // session)} such sessions",
     ]
@@ -296,6 +300,10 @@ def main() -> None:
         "--stall-tokens", type=int, default=4096, help="the long prompt beside a stream (0: skip)"
     )
     parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--stall-runs", type=int, default=3, help="runs with the long prompt in chunks")
+    parser.add_argument(
+        "--stalls-only", action="store_true", help="only the stream beside a long prompt (a served model)"
+    )
     parser.add_argument(
         "--beyond-ram", default=None, metavar="LIMIT", help="the beyond-memory model in a cgroup of LIMIT"
     )
@@ -306,6 +314,9 @@ def main() -> None:
         beyond_ram(args)
         return
     torch.set_num_threads(args.threads)
+    if args.stalls_only:
+        stalls(args)
+        return
     runtime = streamed(args) if args.pack else None
     model = runtime.model if runtime else k3stream.load(args.model)
     tokenizer = Tokenizer.from_gguf(args.model)
@@ -326,6 +337,9 @@ def main() -> None:
             f"{on[-1].cpu_s / off[-1].cpu_s:.3f} CPU; answers equal every turn: {same}"
         )
         restart(model, workload, args, fingerprint, cache_dir, on)
+    if runtime is None:
+        last_turn_profile(model, workload, args, fingerprint, on)
+        chat_prompt_times(args)
     if runtime is not None:  # the other parts run models of their own
         print(f"pack read by the expert store: {runtime.store.stats()['pack_read_bytes'] / MIB:.0f} MiB")
         runtime.close()
@@ -406,6 +420,116 @@ def restart(model, workload: Workload, args, fingerprint: str, cache_dir: str, o
     )
 
 
+def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: list[Turn]) -> None:
+    """What the last turn's TTFT with reuse is made of, in CPU time (least of --repeats + 2, the sides
+    alternating): its restore; prefills over the restored history of a few new tokens to all of the
+    turn's, and cold prefills of a few lengths up to the whole prompt (reuse off's products): a line
+    through each gives its fixed cost and its cost per token."""
+    context = list(workload.system)
+    for turn in range(args.turns - 1):
+        context += workload.tools[turn] + workload.assistant_open + on[turn].answer + workload.close
+    history = len(context) - len(workload.close) - 1  # the last response's end: its snapshot's
+    context += workload.tools[args.turns - 1] + workload.assistant_open
+    new = len(context) - history
+    cache = PromptCache(model, fingerprint, 1 << 30)
+    model.prefill_last(model.new_state(), context[:history])  # warm
+    cache.prefill(context[:history])
+    counts = sorted({min(25, new), new // 4, new // 2, new})
+    lengths = sorted({min(25, len(context)), len(context) // 4, len(context) // 2, len(context)})
+    restores: list[float] = []
+
+    def restored(count: int) -> float:
+        """The turn as the session runs it: from a snapshot of the history whose rows end its buffer."""
+        one = PromptCache(model, fingerprint, 1 << 30)
+        one.save(context[:history], cache.restore_longest(context[:history])[0])
+        start = time.process_time()
+        prefill = ChunkedPrefill(model, context[: history + count], one)
+        restores.append(time.process_time() - start)
+        prefill.run()
+        took = time.process_time() - start
+        one.close()
+        return took
+
+    def cold(length: int) -> float:
+        set_row_exact(False)
+        start = time.process_time()
+        model.prefill_last(model.new_state(), context[:length])
+        took = time.process_time() - start
+        set_row_exact(True)
+        return took
+
+    times: dict[tuple[str, int], float] = {}
+    for _ in range(args.repeats + 2):
+        for key, run in [(("on", n), restored) for n in counts] + [(("off", n), cold) for n in lengths]:
+            times[key] = min(times.get(key, math.inf), run(key[1]))
+    cache.close()
+    on_fixed, on_token = _line([(n, times[("on", n)]) for n in counts])
+    off_fixed, off_token = _line([(n, times[("off", n)]) for n in lengths])
+    whole_on, whole_off = times[("on", new)], times[("off", len(context))]
+    print(
+        f"\nturn {args.turns} with reuse, in CPU time (least of {args.repeats + 2}): {1e3 * whole_on:.1f} ms "
+        f"for {new} new tokens over {history} restored, against {1e3 * whole_off:.1f} ms for all "
+        f"{len(context)} with reuse off ({whole_on / whole_off:.3f}x; tokens {new / len(context):.3f}x); "
+        f"the restore alone {1e3 * min(restores):.2f} ms"
+    )
+    print(
+        f"  on: {1e3 * on_fixed:.2f} ms fixed + {1e6 * on_token:.1f} us a token (prefills of "
+        f"{', '.join(map(str, counts))} new tokens); off: {1e3 * off_fixed:.2f} ms fixed + "
+        f"{1e6 * off_token:.1f} us a token (prefills of {', '.join(map(str, lengths))})"
+    )
+
+
+def chat_prompt_times(args) -> None:
+    """What `serve` spends on a chat turn's prompt before the model: an agent conversation of --turns
+    turns (64 tool schemas, tool outputs of --tool-tokens words) rendered and tokenized
+    (`ServedModel.encode_chat`), with an empty memo and then again, as the next turn finds it."""
+    from k3stream.engine.loading import load_runtime
+    from k3stream.server.runtime import TextMemo, served_from_runtime
+
+    rng = random.Random(args.seed)
+    served = served_from_runtime(load_runtime(args.model, stream_experts=False))
+    functions = [
+        {
+            "name": f"tool_{i}",
+            "description": " ".join(rng.choices(WORDS, k=24)),
+            "parameters": {"type": "object"},
+        }
+        for i in range(64)
+    ]
+    tools = [{"type": "function", "function": function} for function in functions]
+    messages = [{"role": "system", "content": "You are an agent."}]
+    for turn in range(args.turns):
+        call = {"id": f"call_{turn}", "type": "function", "function": {"name": "tool_1", "arguments": "{}"}}
+        messages += [
+            {"role": "user", "content": "next"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": " ".join(rng.choices(WORDS, k=700))},
+            {"role": "assistant", "content": "done " * 10},
+        ]
+    cold, warm = math.inf, math.inf
+    for _ in range(5):
+        served.pieces = TextMemo(served.pieces.max_chars)
+        start = time.perf_counter()
+        ids = served.encode_chat(messages, tools)
+        middle = time.perf_counter()
+        served.encode_chat(messages, tools)
+        cold, warm = min(cold, middle - start), min(warm, time.perf_counter() - middle)
+    served.close()
+    print(
+        f"\na chat turn's prompt in `serve` ({len(ids)} tokens, {len(messages)} messages, 64 tools): "
+        f"rendered and tokenized in {1e3 * cold:.2f} ms, {1e3 * warm:.2f} ms with its history's pieces "
+        f"in the memo (least of 5)"
+    )
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """The least-squares line through `points`: (intercept, slope)."""
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    return mean_y - slope * mean_x, slope
+
+
 def sweep(model, workload: Workload, args, fingerprint: str) -> None:
     """Prefill of the whole 8-turn history from nothing with snapshots every N tokens against none: the
     overhead of taking them, and what they hold."""
@@ -438,12 +562,13 @@ def sweep(model, workload: Workload, args, fingerprint: str) -> None:
 
 
 def stalls(args) -> None:
-    """A client streaming while another sends a `--stall-tokens` prompt, served as `serve` serves it by
-    default (prompt cache on) with the prompt prefilled whole and in `--prefill-chunk` chunks: the
-    stream's longest gaps between chunks, against one chunk's prefill (the prompt's first
-    `--prefill-chunk` tokens, timed between the runs). Then each chunk's time along the prompt, cut
-    every `--prefill-chunk` tokens and by equal work (`PrefillChunks`). A tiny model with a long
-    enough context (the shipped one's is 1,024)."""
+    """A client streaming while another sends a `--stall-tokens` prompt to `k3stream serve` in its own
+    process (prompt cache on, its default), the prompt prefilled whole, then `--stall-runs` times in
+    `--prefill-chunk` chunks: the stream's longest gaps at the client, between the server's sends and
+    in the scheduler, against one chunk's prefill (the prompt's first `--prefill-chunk` tokens, timed
+    between the runs) and the run's median pass. Then each chunk's time along the prompt, cut every
+    `--prefill-chunk` tokens and by equal work (`PrefillChunks`). A tiny model with a long enough
+    context (the shipped one's is 1,024)."""
     from k3stream.engine.loading import load_runtime
     from k3stream.testing.tiny import TinySpec, make_tiny
 
@@ -458,30 +583,31 @@ def stalls(args) -> None:
         row_exact = PromptCache(model, "row-exact", MIB)  # open: the products as a served cache has them
         first_chunk = long_prompt[: args.prefill_chunk]
         model.prefill_last(model.new_state(), first_chunk)  # warm
-        print(f"\na stream beside a {args.stall_tokens}-token prompt (tiny model, context 8192, cache on):")
+        print(
+            f"\na stream beside a {args.stall_tokens}-token prompt (tiny model, context 8192, cache on; "
+            f"`k3stream serve --threads {args.threads}` in its own process, the clients in this one):"
+        )
         alone, runs = [], []
-        for chunk in (1 << 30, args.prefill_chunk, args.prefill_chunk, args.prefill_chunk):
-            runs.append((chunk, stream_beside(path, long_prompt, chunk, args.threads)))
+        settings = [("whole prompt", 1 << 30)] + [
+            (f"--prefill-chunk {args.prefill_chunk}", args.prefill_chunk)
+        ] * args.stall_runs
+        for label, chunk in settings:
+            runs.append((label, stream_beside(path, long_prompt, chunk, args.threads)))
             alone.append(_least_wall(3, lambda: model.prefill_last(model.new_state(), first_chunk)))
         one = min(alone)
-        one_cpu = _best_of(3, lambda: model.prefill_last(model.new_state(), first_chunk))
-        for chunk, stall in runs:
-            label = "whole prompt" if chunk == 1 << 30 else f"--prefill-chunk {chunk}"
+        for label, stall in runs:
             longest = ", ".join(f"{1e3 * gap:.0f}" for gap in sorted(stall.gaps)[::-1][:3])
             typical = sorted(stall.passes)[len(stall.passes) // 2]
-            worst, worst_cpu = max(stall.gaps), max(stall.step_cpu)
             print(
-                f"  {label:>20}: {len(stall.passes)} passes; the stream's longest gaps at the client "
-                f"{longest} ms ({worst / one:.2f}x one chunk alone, {worst / typical:.2f}x the median pass, "
-                f"{1e3 * typical:.0f} ms), in the scheduler {1e3 * max(stall.steps):.0f} ms (longest pass "
-                f"{1e3 * max(stall.passes):.0f} ms); in CPU time the most between two of its tokens "
-                f"{1e3 * worst_cpu:.0f} ms ({worst_cpu / one_cpu:.2f}x one chunk alone; the most in a pass "
-                f"{1e3 * max(stall.pass_cpu):.0f} ms); the long prompt's TTFT {stall.prefill_s:.2f} s"
+                f"  {label:>28}: {len(stall.passes)} passes (median {1e3 * typical:.0f} ms, longest "
+                f"{1e3 * max(stall.passes):.0f}); the stream's longest gaps at the client {longest} ms, "
+                f"sent {1e3 * max(stall.sent_gaps):.0f}, in the scheduler {1e3 * max(stall.steps):.0f}: "
+                f"{max(stall.gaps) / one:.2f}x, {max(stall.sent_gaps) / one:.2f}x and "
+                f"{max(stall.steps) / one:.2f}x one chunk alone; {max(stall.gaps) / typical:.2f}x, "
+                f"{max(stall.sent_gaps) / typical:.2f}x and {max(stall.steps) / typical:.2f}x the median "
+                f"pass; the long prompt's TTFT {stall.prefill_s:.2f} s"
             )
-        print(
-            f"  one {args.prefill_chunk}-token chunk alone: {1e3 * one:.1f} ms, {1e3 * one_cpu:.1f} CPU ms "
-            f"(least of {3 * len(alone)})"
-        )
+        print(f"  one {args.prefill_chunk}-token chunk alone: {1e3 * one:.1f} ms (least of {3 * len(alone)})")
         chunk_times(model, long_prompt, args.prefill_chunk)
         row_exact.close()
 
@@ -508,48 +634,50 @@ def chunk_times(model, prompt: list[int], tokens: int) -> None:
 
 
 def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) -> Stall:
-    """A streamed completion while `long_prompt` is prefilled (prompt cache on, as `serve` runs by
-    default): its gaps at the client and in the scheduler, the prompt's TTFT, the passes' times."""
+    """A streamed completion while `long_prompt` is prefilled, as users see it: `k3stream serve` in its
+    own process (prompt cache on, its default), the clients in this one. The stream's gaps at the
+    client, and the scheduler's passes and decode steps from a trace the server writes."""
     import threading
 
     import openai
 
-    from k3stream.engine.loading import load_runtime
-    from k3stream.server.app import ServerConfig, create_app
-    from k3stream.server.live import ServerThread
-    from k3stream.server.runtime import served_from_runtime
+    from k3stream.server.live import ServerProcess
 
-    torch.set_num_threads(threads)
-    served = served_from_runtime(load_runtime(path, stream_experts=False), ctx=8192)
-    served.prompt_cache = PromptCache(served.model, "stall", 256 * MIB)
-    app = create_app(served, ServerConfig(max_batch=4, prefill_chunk=chunk))
     arrivals: list[float] = []
-    with ServerThread(app) as server, _timing_steps() as (passes, steps):
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
-        started = threading.Event()
+    with tempfile.TemporaryDirectory() as directory:
+        trace = Path(directory) / "trace"
+        serve_args = ["--ctx", "8192", "--threads", str(threads), "--max-batch", "4"]
+        serve_args += ["--prefill-chunk", str(chunk), "--cache-ram", "256"]
+        launcher = [sys.executable, __file__, "--timed-serve", str(trace)]
+        log = Path(directory) / "serve.log"
+        with ServerProcess(path, *serve_args, launcher=launcher, log_path=log) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+            name = client.models.list().data[0].id
+            started = threading.Event()
 
-        def stream() -> None:
-            chunks = client.completions.create(
-                model=served.name, prompt="Once upon a time", max_tokens=400, temperature=0, stream=True,
-                extra_body={"ignore_eos": True},
-            )  # fmt: skip
-            for _ in chunks:
-                arrivals.append(time.perf_counter())
-                started.set()
+            def stream() -> None:
+                chunks = client.completions.create(
+                    model=name, prompt="Once upon a time", max_tokens=3000, temperature=0, stream=True,
+                    logit_bias=LETTERS, extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                for _ in chunks:
+                    arrivals.append(time.perf_counter())
+                    started.set()
 
-        streamer = threading.Thread(target=stream)
-        streamer.start()
-        started.wait()
-        time.sleep(0.2)
-        begin = time.perf_counter()
-        client.completions.create(model=served.name, prompt=long_prompt, max_tokens=1, temperature=0)
-        prefill_s, end = time.perf_counter() - begin, time.perf_counter()
-        streamer.join()
-    served.prompt_cache.close()
-    served.close()
+            streamer = threading.Thread(target=stream)
+            streamer.start()
+            started.wait()
+            time.sleep(0.2)
+            begin = time.perf_counter()
+            client.completions.create(model=name, prompt=long_prompt, max_tokens=1, temperature=0)
+            prefill_s, end = time.perf_counter() - begin, time.perf_counter()
+            streamer.join()
+        found = _read_trace(trace)
+    passes, steps = found["pass"], found["step"]
     during = [(at, cpu) for at, cpu in steps if begin <= at <= end + 0.5]
     return Stall(
         _gaps(arrivals, begin, end) or [0.0],
+        _gaps([at for (at,) in found["sent"]], begin, end) or [0.0],
         prefill_s,
         [took for at, took, _ in passes if begin <= at <= end],
         [cpu for at, _, cpu in passes if begin <= at <= end],
@@ -558,9 +686,16 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) 
     )
 
 
+# the tiny model's byte tokens of a..z, raised: every token the stream samples is whole text, so each
+# decode step sends a chunk (a random model's bytes are mostly pieces of UTF-8 characters, held back
+# until the character is whole: its client would see one chunk every few steps)
+LETTERS = {str(token): 100 for token in range(ord("a"), ord("z") + 1)}
+
+
 @dataclass
 class Stall:
     gaps: list[float]  # between the stream's chunks at the client, during the long prompt
+    sent_gaps: list[float]  # between the server's sends of them
     prefill_s: float  # the long prompt's TTFT
     passes: list[float]  # the wall time of each prefill pass
     pass_cpu: list[float]  # the CPU time of each
@@ -572,30 +707,43 @@ def _gaps(times: list[float], begin: float, end: float) -> list[float]:
     return [b - a for a, b in zip(times, times[1:], strict=False) if begin <= b <= end + 0.5]
 
 
-@contextlib.contextmanager
-def _timing_steps() -> Iterator[tuple[list[tuple[float, float, float]], list[tuple[float, float]]]]:
-    """(start, wall seconds, CPU seconds) of each prefill pass the server's scheduler runs meanwhile,
-    and (wall, scheduler thread's CPU clock) at the end of each of its decode steps: the CPU clock of
-    the one thread that runs the model (on one torch thread) does not count other processes' time."""
-    from k3stream.server import scheduler
+def timed_serve(trace: str, serve_argv: list[str]) -> int:
+    """`k3stream serve` with its scheduler's prefill passes (`pass START WALL CPU`), decode steps
+    (`step END CPU`) and the streamed chunks its responses send (`sent AT`) written to `trace` as they
+    happen: perf_counter (the system's monotonic clock, the
+    same in every process) and the scheduler thread's CPU clock (on one torch thread, the time of the
+    one thread that runs the model, other processes' time not counted)."""
+    from k3stream import cli
+    from k3stream.server import app, scheduler
 
-    passes, steps = [], []
     real_pass, real_step = scheduler.step_together, scheduler.Scheduler._decode_step
+    out = open(trace, "w", buffering=1)  # noqa: SIM115 - open while the server runs
 
     def timed_pass(prefills, chunks) -> None:
         start, cpu = time.perf_counter(), time.thread_time()
         real_pass(prefills, chunks)
-        passes.append((start, time.perf_counter() - start, time.thread_time() - cpu))
+        out.write(f"pass {start} {time.perf_counter() - start} {time.thread_time() - cpu}\n")
 
     def timed_step(self) -> None:
         real_step(self)
-        steps.append((time.perf_counter(), time.thread_time()))
+        out.write(f"step {time.perf_counter()} {time.thread_time()}\n")
+
+    def timed_chunk(data) -> str:  # a streamed chunk, sent as soon as the response has it
+        out.write(f"sent {time.perf_counter()}\n")
+        return real_chunk(data)
 
     scheduler.step_together, scheduler.Scheduler._decode_step = timed_pass, timed_step
-    try:
-        yield passes, steps
-    finally:
-        scheduler.step_together, scheduler.Scheduler._decode_step = real_pass, real_step
+    real_chunk, app._sse_data = app._sse_data, timed_chunk
+    return cli.main(serve_argv)
+
+
+def _read_trace(trace: Path) -> dict[str, list[tuple[float, ...]]]:
+    """The trace's lines by kind: `pass`, `step`, `sent`."""
+    found: dict[str, list[tuple[float, ...]]] = {"pass": [], "step": [], "sent": []}
+    for line in trace.read_text().splitlines():
+        kind, *values = line.split()
+        found[kind].append(tuple(float(v) for v in values))
+    return found
 
 
 def shared_reads(args) -> None:
@@ -674,4 +822,6 @@ def _best_of(n: int, function) -> float:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--timed-serve"]:  # the server child of `stream_beside`
+        raise SystemExit(timed_serve(sys.argv[2], sys.argv[3:]))
     main()

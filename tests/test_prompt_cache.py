@@ -59,6 +59,19 @@ def test_the_radix_tree_finds_the_deepest_stored_prefix_and_splits_branches():
     assert sorted(entry.tokens for entry in tree.entries()) == [(1, 2, 3, 4), (1, 2, 9), (7,)]
 
 
+def test_the_common_prefix_length_of_token_ids_is_where_they_first_differ():
+    import random
+
+    from k3stream.engine.prompt_cache import _common_length
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        a = tuple(rng.randint(0, 2) for _ in range(rng.randint(0, 40)))
+        b = tuple(rng.randint(0, 2) for _ in range(rng.randint(0, 40)))
+        first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        assert _common_length(a, b) == first
+
+
 def test_a_second_turn_computes_only_its_new_tokens_with_the_cold_bits(model, fingerprint):
     cache = PromptCache(model, fingerprint, ram_bytes=64 * MIB, every=16)
     first = ids(model, 50)
@@ -227,8 +240,8 @@ def test_a_damaged_parent_makes_its_children_misses(model, fingerprint, tmp_path
 
 
 def test_disk_eviction_never_orphans_a_file(model, fingerprint, tmp_path):
-    """Under a disk budget of a few files, eviction takes files no other file refers to: every file
-    left has its parent, and the deepest one still restores with the cold bits."""
+    """Under a disk budget of a few files, eviction never takes the rows a file refers to: every file
+    left has its parent, and the newest conversation's deepest file still restores with the cold bits."""
     probe = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "probe", 1 << 30)
     conversation(model, probe, 1)
     budget = 3 * probe.disk_used
@@ -242,8 +255,9 @@ def test_disk_eviction_never_orphans_a_file(model, fingerprint, tmp_path):
     assert chained and all(length in found for length in chained)
     cache.close()
     restarted = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "tight", budget)
-    got = restarted.prefill(prompts[-1] + [3])
-    assert got.reused >= len(prompts[-1]) and torch.equal(got.logits, cold(model, prompts[-1] + [3]))
+    prompt = prompts[-1] + [3]
+    got = restarted.prefill(prompt)
+    assert got.reused == len(prompts[-1]) and torch.equal(got.logits, cold(model, prompt))
 
 
 def test_chunks_cut_at_fixed_positions_each_about_the_work_of_the_first(model):
@@ -274,4 +288,85 @@ def test_a_prefill_in_chunks_of_equal_work_has_the_whole_prefills_bits(model, fi
     assert torch.equal(prefill.logits, cold(model, tokens))
     restored = cache.prefill(tokens[:250] + ids(model, 30, seed=4))  # from the snapshot at 240
     assert restored.reused == 240
+    cache.close()
+
+
+def test_a_conversation_longer_than_the_disk_budget_keeps_its_newest_state(model, fingerprint, tmp_path):
+    """One conversation whose files outgrow the disk budget: eviction frees what a snapshot's file
+    holds besides the rows its children need (an older turn's KDA state and logits: the file keeps
+    only its latent rows), so the newest turn stays on disk and a restarted cache resumes from it with
+    the cold bits. Taking only files no other refers to would drop each new turn's file at once."""
+    probe = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "probe", 1 << 30)
+    conversation(model, probe, 2)
+    budget = probe.disk_used  # two turns' four files; the conversation writes sixteen
+    cache = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "tight", budget, every=1 << 20)
+    prompts = conversation(model, cache, 8)
+    assert cache.stats.evictions_disk > 0 and cache.disk_used <= budget
+    cache.close()
+    found = headers(tmp_path / "tight" / fingerprint)
+    assert any(header.get("rows_only") for header in found.values())  # older turns: their rows only
+    assert all(header["parent"][0] in found for header in found.values() if "parent" in header)
+    restarted = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "tight", budget)
+    prompt = prompts[-1] + [3]
+    got = restarted.prefill(prompt)
+    assert got.reused == len(prompts[-1]) and torch.equal(got.logits, cold(model, prompt))
+    restarted.close()
+    directory = tmp_path / "tight" / fingerprint
+    for length, header in found.items():  # the files that chain through a rows-only one, gone
+        if length > min(n for n, h in found.items() if h.get("rows_only")):
+            (directory / file_name(tuple(header["tokens"]))).unlink()
+    PromptCache(model, fingerprint, 64 * MIB, tmp_path / "tight", budget).close()
+    assert not any(header.get("rows_only") for header in headers(directory).values())
+
+
+def test_a_next_turn_appends_to_its_conversations_rows_in_place_and_a_branch_copies(model, fingerprint):
+    """The next turn restored from the response's end shares that snapshot's latent buffer (no copy of
+    the history's rows); a branch from the prompt's end, whose rows the response wrote past, copies
+    them: each goes on with the cold bits, and neither writes into the other's rows."""
+    cache = PromptCache(model, fingerprint, 64 * MIB)
+    prompt = ids(model, 40)
+    first = cache.prefill(prompt)
+    answer = [int(first.logits.argmax())]
+    for _ in range(3):
+        answer.append(int(model.decode(first.state, answer[-1]).argmax()))
+    cache.save(prompt + answer[:-1], first.state)
+    buffers = [layer.buffer for layer in first.state.layers if hasattr(layer, "buffer")]
+    assert buffers
+    following = prompt + answer + ids(model, 9, seed=5)
+    branch = prompt + ids(model, 6, seed=6)
+    turn = cache.prefill(following)
+    turn_buffers = [layer.buffer for layer in turn.state.layers if hasattr(layer, "buffer")]
+    assert turn.reused == len(prompt) + 3 and all(a is b for a, b in zip(turn_buffers, buffers, strict=True))
+    other = cache.prefill(branch)
+    other_buffers = [layer.buffer for layer in other.state.layers if hasattr(layer, "buffer")]
+    assert other.reused == len(prompt)
+    assert not any(a is b for a, b in zip(other_buffers, buffers, strict=True))
+    for got, tokens in ((turn, following), (other, branch), (turn, following), (other, branch)):
+        token = int(got.logits.argmax())
+        got.logits = model.decode(got.state, token)  # each appends a row; the other's stay
+        tokens.append(token)
+        assert torch.equal(got.logits, cold(model, tokens))
+    cache.close()
+
+
+def test_ram_eviction_weighs_what_a_snapshot_frees_not_the_rows_it_shares(model, fingerprint):
+    """A prompt's end and its response's end share one latent buffer: dropping either frees its KDA
+    copies only. Just over the budget, the cache drops another prompt's snapshot, whose buffer is its
+    own, rather than one of the pair that frees next to nothing."""
+    cache = PromptCache(model, fingerprint, 64 * MIB)
+    prompt = ids(model, 20)
+    got = cache.prefill(prompt)
+    answer = [int(got.logits.argmax())]
+    for _ in range(3):
+        answer.append(int(model.decode(got.state, answer[-1]).argmax()))
+    cache.save(prompt + answer[:-1], got.state)
+    pair = [entry.snapshot for entry in cache._tree.entries()]
+    assert len({snapshot.latents()[0].storage_key() for snapshot in pair}) == 1
+    alone = ids(model, 25, seed=9)
+    cache.prefill(alone)
+    with cache._lock:
+        cache.ram_budget = cache.ram_bytes - 1
+        cache._evict_ram()
+    left = {entry.tokens for entry in cache._tree.entries() if entry.snapshot is not None}
+    assert left == {tuple(prompt), tuple(prompt + answer[:-1])} and cache.ram_bytes <= cache.ram_budget
     cache.close()

@@ -82,15 +82,21 @@ class Entry:
     snapshot: Snapshot | None = None
     disk_path: Path | None = None
     disk_bytes: int = 0
-    disk_checksum: int | None = None  # the file's trailing xxh3_64, which its children name
+    disk_checksum: int | None = None  # the file's identity its children name: its first xxh3_64
     disk_parent: Entry | None = None  # the file holding the latent rows before this file's own
     disk_children: int = 0  # files whose rows continue this one's: it stays while there are any
+    disk_rows_bytes: int = 0  # of `disk_bytes`, the file's own latent rows
+    rows_only: bool = False  # the file keeps only its latent rows, for its children (not restorable)
     last_used: int = 0
     has_logits: bool = False  # the snapshot ends a prompt and holds its last token's logits
 
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+    @property
+    def restorable(self) -> bool:
+        return self.snapshot is not None or (self.disk_path is not None and not self.rows_only)
 
 
 @dataclass
@@ -167,11 +173,18 @@ class RadixTree:
 
 
 def _common_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    """The length of the common prefix: by slice comparisons (C loops), halving the range where they
+    part, not a Python loop over a conversation's thousands of ids."""
+    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; they part before high (or are equal to it)
+    if a[:high] == b[:high]:
+        return high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 @dataclass
@@ -472,7 +485,7 @@ class PromptCache:
         disk where only its file holds it; None for a bad file, which is dropped); None for no entry."""
         with self._lock:
             self._clock += 1
-            entry = self._tree.deepest(tokens, len(tokens), usable)
+            entry = self._tree.deepest(tokens, len(tokens), lambda e: e.restorable and usable(e))
             if entry is None:
                 return None
             entry.last_used = self._clock
@@ -547,7 +560,9 @@ class PromptCache:
             entries = list(self._tree.entries())
             return {
                 "ram_snapshots": sum(entry.snapshot is not None for entry in entries),
-                "disk_snapshots": sum(entry.disk_path is not None for entry in entries),
+                "disk_snapshots": sum(
+                    entry.disk_path is not None and not entry.rows_only for entry in entries
+                ),
             }
 
     def _score(self, entry: Entry, nbytes: int) -> float:
@@ -559,21 +574,59 @@ class PromptCache:
             held = [entry for entry in self._tree.entries() if entry.snapshot is not None]
             if not held:
                 return
-            victim = min(held, key=lambda e: self._score(e, e.snapshot.nbytes))
+            victim = min(held, key=lambda e: self._score(e, self._ram_freed(e.snapshot)))
             self._account(victim.snapshot, -1)
             victim.snapshot = None
             self.stats.evictions_ram += 1
             self._forget_if_gone(victim)
 
+    def _ram_freed(self, snapshot: Snapshot) -> int:
+        """What dropping `snapshot` from RAM frees: its KDA copies and logits, and the latent buffers no
+        other snapshot holds (a conversation's snapshots share one)."""
+        shared = (self._storages[latent.storage_key()] for latent in snapshot.latents())
+        return snapshot.fixed_bytes + sum(nbytes for references, nbytes in shared if references == 1)
+
     def _evict_disk(self) -> None:
+        """Evict the file of the fewest tokens of recompute saved per byte its eviction frees (and
+        recency): a file its children need keeps its latent rows and frees the rest (`_trim`); a file
+        without children goes, with the rows-only parents only it needed."""
         while self.disk_used > self.disk_budget:
-            held = [e for e in self._tree.entries() if e.disk_path is not None and not e.disk_children]
+            held = [e for e in self._tree.entries() if e.disk_path is not None and not e.rows_only]
             if not held:
                 return
-            victim = min(held, key=lambda e: self._score(e, e.disk_bytes))
-            self._drop_file(victim)
+            victim = min(held, key=lambda e: self._disk_score(e))
+            if victim.disk_children and not self._trim(victim):
+                return
+            if not victim.disk_children:
+                self._drop_file(victim)
+                self._forget_if_gone(victim)
             self.stats.evictions_disk += 1
-            self._forget_if_gone(victim)
+
+    def _disk_score(self, entry: Entry) -> float:
+        """`_score` per byte evicting `entry`'s file frees: the file less the rows its children need,
+        or with no children the whole file and those of the rows-only parents only it needs."""
+        if entry.disk_children:
+            return self._score(entry, entry.disk_bytes - entry.disk_rows_bytes)
+        freed, parent = entry.disk_bytes, entry.disk_parent
+        while parent is not None and parent.rows_only and parent.disk_children == 1:
+            freed, parent = freed + parent.disk_bytes, parent.disk_parent
+        return self._score(entry, freed)
+
+    def _trim(self, entry: Entry) -> bool:
+        """Rewrite `entry`'s file with its latent rows only (its identity and parent kept: its children
+        still chain through it); False where it cannot be read or written (a warning)."""
+        path = entry.disk_path
+        try:
+            own, parent, identity = decode(path.read_bytes(), self.fingerprint, entry.tokens, self.model)
+            rows = Snapshot(own.length, tuple(layer if _is_rows(layer) else None for layer in own.layers))
+            reference = parent if parent[0] else None
+            _write_atomically(path, encode(self.fingerprint, entry.tokens, rows, reference, 0, identity))
+        except (OSError, ValueError) as error:
+            log.warning("prompt cache: cannot trim %s: %s", path, error)
+            self.stats.disk_errors += 1
+            return False
+        entry.disk_bytes, entry.rows_only = path.stat().st_size, True
+        return True
 
     def _discard(self, entry: Entry) -> None:
         """Take `entry` out of both tiers."""
@@ -589,11 +642,17 @@ class PromptCache:
             self._tree.remove(entry.tokens)
 
     def _drop_file(self, entry: Entry) -> None:
+        """Delete `entry`'s file, and its parent's where that one kept only rows for its children."""
         if entry.disk_path is not None:
             entry.disk_path.unlink(missing_ok=True)
-        if entry.disk_parent is not None:
-            entry.disk_parent.disk_children -= 1
+        parent = entry.disk_parent
         entry.disk_path, entry.disk_bytes, entry.disk_checksum, entry.disk_parent = None, 0, None, None
+        entry.disk_rows_bytes, entry.rows_only = 0, False
+        if parent is not None:
+            parent.disk_children -= 1
+            if parent.rows_only and parent.disk_children == 0:
+                self._drop_file(parent)
+                self._forget_if_gone(parent)
 
     # ---- disk --------------------------------------------------------------------------------------
 
@@ -604,17 +663,12 @@ class PromptCache:
             parent = self._tree.deepest(entry.tokens, entry.length - 1, _on_disk)
             if parent is not None:
                 parent.disk_children += 1  # kept while this file is written and refers to it
-        payload = encode(self.fingerprint, entry.tokens, snapshot, parent)
+        reference = None if parent is None else (parent.length, parent.disk_checksum)
+        payload = encode(self.fingerprint, entry.tokens, snapshot, reference)
         path = self.disk_dir / file_name(entry.tokens)
-        temporary = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
         try:
-            with open(temporary, "wb") as stream:
-                stream.write(payload)
-                stream.flush()
-                os.fsync(stream.fileno())
-            os.replace(temporary, path)
+            _write_atomically(path, payload)
         except OSError as error:
-            temporary.unlink(missing_ok=True)
             log.warning("prompt cache: cannot write %s: %s", path, error)
             with self._lock:
                 self.stats.disk_errors += 1
@@ -627,6 +681,7 @@ class PromptCache:
                 kept.disk_parent.disk_children -= 1
             kept.disk_path, kept.disk_bytes = path, len(payload)
             kept.disk_checksum, kept.disk_parent = _checksum(payload), parent
+            kept.disk_rows_bytes, kept.rows_only = _rows_bytes(snapshot, reference), False
             kept.has_logits = kept.has_logits or snapshot.logits is not None
             self._evict_disk()
 
@@ -640,14 +695,16 @@ class PromptCache:
                 tokens, layers = tuple(header["tokens"]), list(header.get("layers", []))
                 has_logits = any(layer[:1] == ["logits"] for layer in layers)
                 parent_length = _parent_of(header, len(tokens))[0]
-                checksum = read_checksum(path)
+                checksum = header.get("identity") or read_checksum(path)
+                rows_bytes = sum(4 * math.prod(layer[1]) for layer in layers if layer[0] == "mla")
             except (OSError, ValueError, TypeError) as error:
                 log.warning("prompt cache: %s: %s; skipped", path, error)
                 self.stats.disk_errors += 1
                 continue
             entry = self._tree.insert(Entry(tokens))
             entry.disk_path, entry.disk_bytes, entry.has_logits = path, path.stat().st_size, has_logits
-            entry.disk_checksum = checksum
+            entry.disk_checksum, entry.disk_rows_bytes = checksum, rows_bytes
+            entry.rows_only = bool(header.get("rows_only"))
             if parent_length:
                 parents.append((entry, parent_length))
         for entry, length in parents:
@@ -655,6 +712,9 @@ class PromptCache:
             if parent is not None and parent.disk_path is not None:
                 entry.disk_parent = parent
                 parent.disk_children += 1
+        for entry in [e for e in self._tree.entries() if e.rows_only and not e.disk_children]:
+            self._drop_file(entry)  # rows no file needs any more (a process stopped between the two)
+            self._forget_if_gone(entry)
         for stale in self.disk_dir.glob(f"*{SUFFIX}.tmp*"):
             stale.unlink(missing_ok=True)
 
@@ -686,7 +746,9 @@ class PromptCache:
 
     def _read_chain(self, tokens: tuple[int, ...], path: Path) -> Snapshot:
         """The whole snapshot of `tokens` from its file and its parents' (or a parent held in RAM)."""
-        own, (length, checksum) = decode(path.read_bytes(), self.fingerprint, tokens, self.model)
+        own, (length, checksum), _ = decode(path.read_bytes(), self.fingerprint, tokens, self.model)
+        if any(layer is None for layer in own.layers):
+            raise ValueError("it keeps only latent rows")
         pieces = [own]
         while length:
             with self._lock:
@@ -705,9 +767,10 @@ class PromptCache:
         """A parent's file read and checked: the one its child names (by tokens and checksum)."""
         try:
             data = (self.disk_dir / file_name(tokens)).read_bytes()
-            if len(data) < 8 or _checksum(data) != checksum:
+            piece, parent, identity = decode(data, self.fingerprint, tokens, self.model)
+            if identity != checksum:
                 raise ValueError("changed since its child was written")
-            return decode(data, self.fingerprint, tokens, self.model)
+            return piece, parent
         except (OSError, ValueError) as error:
             reason = "gone" if isinstance(error, OSError) else str(error)
             raise ValueError(f"its parent snapshot of {len(tokens)} tokens: {reason}") from None
@@ -715,6 +778,30 @@ class PromptCache:
 
 def _on_disk(entry: Entry) -> bool:
     return entry.disk_path is not None and entry.disk_checksum is not None
+
+
+def _is_rows(layer: KDAState | LatentRows | None) -> bool:
+    return isinstance(layer, LatentRows)
+
+
+def _rows_bytes(snapshot: Snapshot, parent: tuple[int, int] | None) -> int:
+    """Bytes of the latent rows a file of `snapshot` holds (past its parent's length)."""
+    start = 0 if parent is None else parent[0]
+    return sum(4 * (rows.length - start) * rows.buffer.shape[1] for rows in snapshot.latents())
+
+
+def _write_atomically(path: Path, payload: bytes) -> None:
+    """`payload` written to a temporary name, synced and renamed to `path`."""
+    temporary = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+    try:
+        with open(temporary, "wb") as stream:
+            stream.write(payload)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except OSError:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def file_name(tokens: tuple[int, ...]) -> str:
@@ -753,20 +840,30 @@ def joined(pieces: list[Snapshot]) -> Snapshot:
 
 # ---- the file format -------------------------------------------------------------------------------
 # MAGIC, u64 header length, JSON header {fingerprint, tokens, layers: [[kind, shape...]], parent: [length,
-# checksum] (absent: none)}, the tensors' float32 bytes in layer order (an MLA layer's rows from the
-# parent's length on), then the xxh3_64 of everything before it (u64).
+# identity] (absent: none), identity and rows_only (a file trimmed to its rows: its KDA layers ["kda"]
+# without shapes, no logits)}, the tensors' float32 bytes in layer order (an MLA layer's rows from the
+# parent's length on), then the xxh3_64 of everything before it (u64). A file's identity, which its
+# children name, is that checksum of its first writing (`identity` in the header once trimmed).
 
 
 def encode(
-    fingerprint: str, tokens: tuple[int, ...], snapshot: Snapshot, parent: Entry | None = None
+    fingerprint: str,
+    tokens: tuple[int, ...],
+    snapshot: Snapshot,
+    parent: tuple[int, int] | None = None,
+    start: int | None = None,
+    identity: int | None = None,
 ) -> bytes:
-    """A snapshot file's bytes; with a `parent` (a file of a prefix of `tokens`), only the latent rows
-    past it."""
-    start = 0 if parent is None else parent.length
+    """A snapshot file's bytes; with a `parent` (the length and identity of a file of a prefix of
+    `tokens`), only the latent rows past it (from `start` of the snapshot's rows: default the parent's
+    length). A snapshot whose KDA layers are None is a rows-only file of `identity`."""
+    start = (0 if parent is None else parent[0]) if start is None else start
     tensors = list(_tensors(snapshot, start))
     layers = [
         ["kda", list(layer.conv.shape), list(layer.recurrent.shape)]
         if isinstance(layer, KDAState)
+        else ["kda"]
+        if layer is None
         else ["mla", [layer.length - start, layer.buffer.shape[1]]]
         for layer in snapshot.layers
     ]
@@ -774,7 +871,9 @@ def encode(
         layers.append(["logits", list(snapshot.logits.shape)])
     fields = {"fingerprint": fingerprint, "tokens": list(tokens), "layers": layers}
     if parent is not None:
-        fields["parent"] = [parent.length, parent.disk_checksum]
+        fields["parent"] = list(parent)
+    if any(layer is None for layer in snapshot.layers):
+        fields["rows_only"], fields["identity"] = True, identity
     header = json.dumps(fields).encode()
     parts = [
         MAGIC,
@@ -790,7 +889,7 @@ def _tensors(snapshot: Snapshot, start: int) -> Iterator[torch.Tensor]:
     for layer in snapshot.layers:
         if isinstance(layer, KDAState):
             yield from (layer.conv, layer.recurrent)
-        else:
+        elif layer is not None:
             yield layer.rows()[start:]
     if snapshot.logits is not None:
         yield snapshot.logits
@@ -834,10 +933,10 @@ def _parent_of(header: dict[str, Any], length: int) -> tuple[int, int]:
 
 def decode(
     data: bytes, fingerprint: str, tokens: tuple[int, ...], model: K3Model
-) -> tuple[Snapshot, tuple[int, int]]:
-    """A snapshot from a file's bytes, checked (checksum, fingerprint, token ids, layer shapes), and its
-    parent's length and checksum ((0, 0): none); with a parent, its MLA layers hold the rows past the
-    parent's length only."""
+) -> tuple[Snapshot, tuple[int, int], int]:
+    """A snapshot from a file's bytes, checked (checksum, fingerprint, token ids, layer shapes), its
+    parent's length and identity ((0, 0): none) and its own identity; with a parent, its MLA layers hold
+    the rows past the parent's length only; a rows-only file's KDA layers are None."""
     try:
         return _decode(data, fingerprint, tokens, model)
     except (TypeError, KeyError, RuntimeError) as error:  # a header that passed its checksum, but odd
@@ -846,7 +945,7 @@ def decode(
 
 def _decode(
     data: bytes, fingerprint: str, tokens: tuple[int, ...], model: K3Model
-) -> tuple[Snapshot, tuple[int, int]]:
+) -> tuple[Snapshot, tuple[int, int], int]:
     if len(data) < len(MAGIC) + 16 or data[: len(MAGIC)] != MAGIC:
         raise ValueError("not a k3stream snapshot")
     body, (checksum,) = data[:-8], struct.unpack("<Q", data[-8:])
@@ -870,14 +969,19 @@ def _decode(
             offset += 4 * count
         if kind == "logits":
             logits = tensors[0]
+        elif kind == "kda":
+            layers.append(KDAState(*tensors) if tensors else None)
         else:
-            layers.append(KDAState(*tensors) if kind == "kda" else LatentRows(tensors[0], shapes[0][0]))
+            layers.append(LatentRows(tensors[0], shapes[0][0]))
     if offset != len(body):
         raise ValueError("tensor data longer than its header says")
     latents = {layer.length for layer in layers if isinstance(layer, LatentRows)}
     if latents - {len(tokens) - parent[0]}:
         raise ValueError("latent rows do not fit the snapshot's tokens and parent")
-    return Snapshot(len(tokens), tuple(layers), logits), parent
+    identity = header.get("identity", checksum) if header.get("rows_only") else checksum
+    if not isinstance(identity, int):
+        raise ValueError("malformed identity")
+    return Snapshot(len(tokens), tuple(layers), logits), parent, identity
 
 
 # ---- flags -------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -101,16 +102,21 @@ class MLAWeights:
 
 
 class MLAState:
-    """The latent cache of one sequence: [tokens, kv_lora + rope], grown by doubling."""
+    """The latent cache of one sequence: [tokens, kv_lora + rope], grown by doubling. A restored state
+    may share its buffer with the snapshot it came from (`model.snapshot.restore`): rows are only ever
+    appended, and `written` (shared by all the states and snapshots on one buffer) holds how many rows
+    anyone wrote into it, so a state appends in place only where its rows end the buffer's; else it
+    copies its rows to a buffer of its own first."""
 
     def __init__(self, width: int, device: torch.device | str = "cpu") -> None:
         self.buffer = torch.zeros(16, width, device=device)
         self.length = 0
+        self.written = [0]
 
     def append(self, rows: torch.Tensor) -> torch.Tensor:
         """Add rows [T, width]; returns the whole cache [length, width]."""
         needed = self.length + rows.shape[0]
-        self.reserve(needed)
+        self._claim(needed)
         self.buffer[self.length : needed] = rows
         self.length = needed
         return self.buffer[:needed]
@@ -119,7 +125,7 @@ class MLAState:
         """`append` of one contiguous float32 CPU row [1, width] by a C copy (a decode step's, which
         then reads `buffer`'s first `length` rows): no torch operation, each costly in a token whose
         weight reads have evicted torch's own code and data from the caches."""
-        self.reserve(self.length + 1)
+        self._claim(self.length + 1)
         cpu.copy_row(row, self.buffer, self.length)
         self.length += 1
 
@@ -127,9 +133,29 @@ class MLAState:
         """Room for `rows` rows in all (at least double the buffer when it grows; rows past `length` are
         never read, so not cleared)."""
         if rows > self.buffer.shape[0]:
-            grown = self.buffer.new_empty(max(rows, 2 * self.buffer.shape[0]), self.buffer.shape[1])
-            grown[: self.length] = self.buffer[: self.length]
-            self.buffer = grown
+            self._own(max(rows, 2 * self.buffer.shape[0]))
+
+    def share(self, buffer: torch.Tensor, length: int, written: list[int]) -> None:
+        """Continue from the first `length` rows of `buffer`, shared (`written` its count of rows)."""
+        self.buffer, self.length, self.written = buffer, length, written
+
+    def _claim(self, needed: int) -> None:
+        """Make rows length..needed this state's to write: in place where no one wrote past its rows."""
+        with _CLAIMS:
+            if self.written[0] != self.length:
+                self._own(max(needed, self.buffer.shape[0]))
+            elif needed > self.buffer.shape[0]:
+                self._own(max(needed, 2 * self.buffer.shape[0]))
+            self.written[0] = needed
+
+    def _own(self, capacity: int) -> None:
+        """A buffer of `capacity` rows of this state's own, with its rows."""
+        grown = self.buffer.new_empty(capacity, self.buffer.shape[1])
+        grown[: self.length] = self.buffer[: self.length]
+        self.buffer, self.written = grown, [self.length]
+
+
+_CLAIMS = threading.Lock()  # the check and the claim of `MLAState.written` together
 
 
 class MLA:

@@ -15,7 +15,7 @@ devices) groups tokens by chunk, so there snapshots are taken at multiples of `K
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,10 +30,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class LatentRows:
     """The first `length` rows of an append-only latent buffer (shared with the sequence that wrote it
-    and with its other snapshots)."""
+    and with its other snapshots; `written`: the buffer's count of rows written, `MLAState.written`,
+    None for rows of their own)."""
 
     buffer: torch.Tensor
     length: int
+    written: list[int] | None = field(default=None, compare=False)
 
     def rows(self) -> torch.Tensor:
         return self.buffer[: self.length]
@@ -95,17 +97,18 @@ def take_snapshot(state: SequenceState) -> Snapshot:
         if isinstance(layer, KDAState):
             layers.append(KDAState(layer.conv.detach().clone(), layer.recurrent.detach().clone()))
         elif isinstance(layer, MLAState):
-            layers.append(LatentRows(layer.buffer, layer.length))
+            layers.append(LatentRows(layer.buffer, layer.length, layer.written))
         else:
             raise TypeError(f"cannot snapshot a layer state of type {type(layer).__name__}")
     return Snapshot(state.length, tuple(layers))
 
 
 def restore(model: K3Model, snapshot: Snapshot, room: int = 0) -> SequenceState:
-    """A new sequence state equal to the one `snapshot` was taken of (its own copies: continuing it
-    leaves the snapshot and the sequences sharing its rows untouched), its latent buffers with room for
-    twice its tokens and `room` more (a prefill about to follow and the response after it then do not
-    grow them, and the snapshots at their ends share one buffer)."""
+    """A new sequence state equal to the one `snapshot` was taken of (continuing it leaves the snapshot
+    and the sequences sharing its rows untouched). Its latent rows are the snapshot's buffer itself
+    where they end what was written into it and `room` more rows fit (a conversation's next turn: it
+    appends in place, `MLAState`), else a copy with room for twice its tokens and `room` more (a prefill
+    about to follow and the response after it then do not grow it)."""
     state = model.new_state()
     check_fits(state, snapshot)
     for index, saved in enumerate(snapshot.layers):
@@ -113,11 +116,19 @@ def restore(model: K3Model, snapshot: Snapshot, room: int = 0) -> SequenceState:
         if isinstance(saved, KDAState):
             live.conv.copy_(saved.conv)
             live.recurrent.copy_(saved.recurrent)
+        elif _continues(saved, room):
+            live.share(saved.buffer, saved.length, saved.written)
         else:
             live.reserve(2 * (saved.length + room))
             live.append(saved.rows())
     state.length = snapshot.length
     return state
+
+
+def _continues(rows: LatentRows, room: int) -> bool:
+    """Whether a restore may share `rows`' buffer: no one wrote past them, and `room` more fit."""
+    fits = rows.length + room <= rows.buffer.shape[0]
+    return rows.written is not None and rows.written[0] == rows.length and fits
 
 
 def check_fits(state: SequenceState, snapshot: Snapshot) -> None:
@@ -199,7 +210,9 @@ def _marked_snapshots(
     for index, offset in enumerate(inside):
         copies = iter(copies[index] for copies in captured)
         layers = tuple(
-            next(copies) if isinstance(layer, KDAState) else LatentRows(layer.buffer, base + offset)
+            next(copies)
+            if isinstance(layer, KDAState)
+            else LatentRows(layer.buffer, base + offset, layer.written)
             for layer in state.layers
         )
         snapshots.append(Snapshot(base + offset, layers))

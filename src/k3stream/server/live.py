@@ -64,14 +64,18 @@ class ServerProcess:
     """`k3stream serve MODEL ...` in a child process on 127.0.0.1, ready once `/health` answers."""
 
     def __init__(
-        self, model: str | Path, *serve_args: str, port: int | None = None, log_path: str | Path | None = None
+        self,
+        model: str | Path,
+        *serve_args: str,
+        port: int | None = None,
+        log_path: str | Path | None = None,
+        launcher: list[str] | None = None,
     ) -> None:
+        """`launcher`: the command line that takes `serve MODEL ...` (default `python -m k3stream.cli`)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._command = [
-            sys.executable,
-            "-m",
-            "k3stream.cli",
+            *(launcher or [sys.executable, "-m", "k3stream.cli"]),
             "serve",
             str(model),
             "--host",

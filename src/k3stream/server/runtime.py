@@ -3,8 +3,11 @@ name and context size."""
 
 from __future__ import annotations
 
+import json
+import threading
 import time
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,9 @@ class ServedModel(Runtime):
     kimi: KimiFormat = field(default_factory=KimiFormat)  # reasoning and tool-call delimiters
     grammars: GrammarCompiler | None = None
     prompt_cache: PromptCache | None = None  # reused prompt states (`engine.prompt_cache`)
+    # the ids of each message's content and template text as tokenized before, and the tool lists found
+    # free of special-token text: an agent's turn repeats its whole history (`encode_chat`)
+    pieces: TextMemo = field(default_factory=lambda: TextMemo(PIECE_MEMO_CHARS))
 
     def __post_init__(self) -> None:
         if self.grammars is None:
@@ -70,7 +76,8 @@ class ServedModel(Runtime):
         `<|im_end|><|im_system|>` cannot forge a turn, and tool definitions, calls and template variables
         holding special-token text are refused."""
         extras = {"tools": tools, **(variables or {})} if tools else dict(variables or {})
-        self._refuse_special_text(_template_strings(messages, extras))
+        self._refuse_special_text(_template_strings(messages, {}))
+        self._refuse_special_extras(extras)
         marks = [f"{MARK_OPEN}{index}{MARK_CLOSE}" for index in range(len(messages))]
         skeleton = self._render(
             [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)], extras
@@ -81,11 +88,26 @@ class ServedModel(Runtime):
                 (f"messages.{index}.content", m["content"]) for index, m in enumerate(messages)
             )
             return self.tokenizer.encode(self._render(messages, extras), allow_special=True)
-        ids = self.tokenizer.encode(pieces[0], allow_special=True)
+        encode, plain = self.tokenizer.encode, self.tokenizer.encode_plain
+        ids = list(self.pieces.get(("first", pieces[0]), lambda text: encode(text, allow_special=True)))
         for message, template_text in zip(messages, pieces[1:], strict=True):
-            ids += self.tokenizer.encode_plain(message["content"])
-            ids += self.tokenizer.encode(template_text, allow_special=True, add_bos=False)
+            ids += self.pieces.get(("plain", message["content"]), plain)
+            ids += self.pieces.get(
+                ("template", template_text), lambda text: encode(text, allow_special=True, add_bos=False)
+            )
         return ids
+
+    def _refuse_special_extras(self, extras: dict[str, Any]) -> None:
+        """`_refuse_special_text` over the tools and template variables, once per distinct set."""
+        if not extras:
+            return
+        key = ("extras", json.dumps(extras, sort_keys=True, default=repr))
+
+        def check(_: str) -> tuple[int, ...]:
+            self._refuse_special_text(_template_strings([], extras))
+            return ()
+
+        self.pieces.get(key, check)
 
     def _render(self, messages: list[dict[str, Any]], extras: dict[str, Any]) -> str:
         try:
@@ -227,6 +249,39 @@ class ChatPrompt:
     constraints: tuple[TokenConstraint | None, ...]  # one per choice: a constraint follows its tokens
     reasoning: bool
     in_reasoning: bool  # the prompt opened a think block
+
+
+PIECE_MEMO_CHARS = 64 << 20  # characters of text whose ids `TextMemo` keeps
+
+
+class TextMemo:
+    """Token ids by (kind, text), least recently used first out once the texts exceed `max_chars`
+    characters: the ids of a text are those a tokenization of it gives, whatever surrounds it (each
+    message's content and template text is tokenized apart, `ServedModel.encode_chat`)."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        self._ids: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()  # requests are prepared on several threads
+        self.hits = 0
+
+    def get(self, key: tuple[str, str], compute: Callable[[str], Iterable[int]]) -> tuple[int, ...]:
+        with self._lock:
+            found = self._ids.get(key)
+            if found is not None:
+                self._ids.move_to_end(key)
+                self.hits += 1
+                return found
+        ids = tuple(compute(key[1]))  # raises for a text that is refused: nothing kept
+        with self._lock:
+            if key not in self._ids and len(key[1]) <= self.max_chars:
+                self._ids[key] = ids
+                self._chars += len(key[1])
+                while self._chars > self.max_chars:
+                    (_, text), _ = self._ids.popitem(last=False)
+                    self._chars -= len(text)
+        return ids
 
 
 def _template_strings(messages: list[dict[str, Any]], extras: dict[str, Any]) -> Iterable[tuple[str, str]]:
