@@ -5,14 +5,17 @@
 Writes (or reuses) `make-tiny --like kimi-k3` for --layers layers with --experts routed experts (every
 matrix at its real shape, non-expert matrices Q8_0, experts Q2_K/Q3_K), packs it, and measures in one run:
 
-- the machine's bounds: the disk's sequential read rate (page cache dropped) and the RAM read rate;
+- the machine's bounds: the pack's read rate as the expert store reads it (objects in a random order,
+  top-k a request, the store's reader threads and splits, O_DIRECT, page cache dropped; one stream's
+  sequential rate beside it) and the RAM read rate;
 - resident: both contenders with every file in the page cache and no memory limit (k3stream's expert
   budget holds every expert);
 - streamed: for each fraction f, both in a child memory cgroup of (non-expert bytes + f x expert bytes +
   --slack), page cache dropped, k3stream's expert budget f x expert bytes (`--ram-mib`).
 
 Per run: prefill and decode tok/s of both, and for k3stream the decode ms per token, pack bytes read
-per token, RAM hit rate, fetch wait, and the bound max(resident decode ms, read bytes / disk rate).
+per token, RAM hit rate, fetch wait, and the bound max(resident decode ms, read bytes / the store's read
+rate).
 Per layer kind (KDA, MLA, dense FFN, MoE routed and shared; k3stream's eager decode path): ms per
 token, weight bytes read per token, and for the resident run that time against bytes / RAM rate. Last,
 the real model's 93 layers as ARITHMETIC: measured per-layer costs times the real layer counts.
@@ -103,8 +106,39 @@ def ram_read_rate(threads: int, size: int = 512 * MIB) -> float:
 
 
 def disk_read_rate(path: Path, limit: int) -> float:
+    """One stream's sequential read rate, page cache dropped (bytes per second)."""
     drop_page_cache(path)
     return sequential_read(path, limit)["gb_per_s"] * 1e9
+
+
+def store_read_rate(manifest: Path, batch: int, limit: int, seed: int = 0) -> float:
+    """The pack's read rate the way the expert store reads it under a memory limit (bytes per second):
+    whole objects in a random order (a token's misses lie anywhere in the pack), `batch` of them a
+    request (a layer's top-k), with the store's reader threads and splits (`StoreOptions`,
+    `ExpertStore` defaults), O_DIRECT into recycled buffers, page cache dropped; at most `limit` bytes."""
+    import inspect
+    import random
+
+    from bench_read_cpu import read_all
+    from k3stream.engine.loading import StoreOptions
+    from k3stream.pack.reader import ExpertPack
+    from k3stream.store.expert_store import ExpertStore
+    from k3stream.store.pack_io import PackFile
+    from k3stream.store.reader import RecycledBuffers
+
+    splits = inspect.signature(ExpertStore).parameters["read_splits"].default
+    with ExpertPack(manifest) as pack:
+        keys = [(layer, expert) for layer in pack.moe_layers for expert in range(pack.num_experts)]
+        random.Random(seed).shuffle(keys)
+        keys = keys[: max(batch, limit // pack.object_bytes)]
+        file = PackFile(pack.path, io_threads=StoreOptions().io_threads, read_splits=splits, direct_io=True)
+        try:
+            drop_page_cache(pack.path)
+            buffers = RecycledBuffers(pack.object_bytes, batch)
+            nbytes, _, seconds = read_all(pack, file, batch, buffers, False, keys)
+        finally:
+            file.close()
+    return nbytes / seconds
 
 
 # ---- the runs ---------------------------------------------------------------------------------------
@@ -141,6 +175,7 @@ def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
         row.update(hit=k3["decode_hit_rate"], fetch_ms=k3["decode_fetch_ms_per_token"])
         row["budget"] = k3["ram_budget_bytes"]
         row["profile"] = result["k3"].get("profile", {}).get("ms_per_token")
+        row["kernels"] = result["k3"].get("profile", {}).get("kernel_ms_per_token")
     return row
 
 
@@ -160,10 +195,12 @@ def _mb(value: float | None) -> str:
 
 
 def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> list[str]:
+    """One line per run; `disk_rate`: the pack read as the store reads it (`store_read_rate`)."""
     head = (
         "| run | llama.cpp prefill tok/s | k3stream prefill tok/s | llama.cpp decode tok/s | k3stream decode "
         "tok/s | k3/llama decode | k3stream decode ms/token | disk read/token MB (llama / k3) | RAM hit "
-        "rate | fetch wait ms/token | read ms/token (bytes / disk rate) | bound ms/token | bound / measured |"
+        "rate | fetch wait ms/token | read ms/token (bytes / store read rate) | bound ms/token | bound / "
+        "measured |"
     )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for row in rows:
@@ -199,24 +236,29 @@ def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> 
 def kind_table(
     rows: list[dict], per_token: dict[str, float], counts: dict[str, int], ram_rate: float
 ) -> list[str]:
-    names = [row["name"] for row in rows if row.get("profile")]
+    """Per layer of each kind: ms per token in each profiled run; for the resident run its C mat-vec
+    calls' share (kernel) and the rest (other), against the weight bytes at the RAM rate."""
+    profiled = [row for row in rows if row.get("profile")]
     lines = [
         "| layer kind (per layer) | weight bytes/token MB | RAM bound ms | "
-        + " | ".join(f"{name} ms" for name in names)
-        + " | resident / RAM bound |",
-        "|---|---|---|" + "---|" * len(names) + "---|",
+        + " | ".join(f"{row['name']} ms" for row in profiled)
+        + " | resident kernel ms | resident other ms | kernel / RAM bound | resident / RAM bound |",
+        "|---|---|---|" + "---|" * len(profiled) + "---|---|---|---|",
     ]
-    resident = next(
-        (row["profile"] for row in rows if row["name"] == "resident" and row.get("profile")), None
-    )
+    resident = next((row for row in profiled if row["name"] == "resident"), None)
     for kind in KINDS:
         bound_ms = 1e3 * per_token[kind] / ram_rate
-        cells = [_f(row["profile"][kind] / counts[kind], ".1f") for row in rows if row.get("profile")]
-        ratio = resident[kind] / counts[kind] / bound_ms if resident else None
+        cells = [_f(row["profile"][kind] / counts[kind], ".1f") for row in profiled]
+        whole = kernel = None
+        if resident is not None:
+            whole = resident["profile"][kind] / counts[kind]
+            kernel = resident["kernels"][kind] / counts[kind]
+        other = None if whole is None else whole - kernel
+        ratios = [_times(None if ms is None else ms / bound_ms) for ms in (kernel, whole)]
         lines.append(
             f"| {kind} | {per_token[kind] / 1e6:.1f} | {bound_ms:.1f} | "
-            + " | ".join(cells)
-            + f" | {_times(ratio)} |"
+            + " | ".join([*cells, _f(kernel, ".1f"), _f(other, ".1f"), *ratios])
+            + " |"
         )
     return lines
 
@@ -296,15 +338,17 @@ def main(argv: list[str] | None = None) -> int:
     per_token, counts, expert_bytes = bytes_per_token(gguf, spec)
     per_token["routed experts"] = expert_bytes / counts["MoE routed"] / spec.n_experts * spec.top_k
     non_expert = gguf.stat().st_size - expert_bytes
-    disk_rate = disk_read_rate(files[1], min(files[1].stat().st_size, 4 << 30))
+    sequential_rate = disk_read_rate(files[1], min(files[1].stat().st_size, 4 << 30))
+    disk_rate = store_read_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30))
     ram_rate = ram_read_rate(args.threads)
     prompt = beyond.bench_prompt(gguf, args.prompt_tokens)
     print(
         f"slice {gguf}: {format_size(gguf.stat().st_size)} ({format_size(expert_bytes)} routed experts), "
         f"{spec.n_layers} layers (MLA {spec.mla_layer_ids()}), {spec.n_experts} experts top-{spec.top_k}; "
         f"{args.prompt_tokens}-token prompt, {args.decode_tokens} decode steps, {args.threads} threads\n"
-        f"machine bounds: disk {disk_rate / 1e9:.2f} GB/s (sequential, page cache dropped), "
-        f"RAM {ram_rate / 1e9:.1f} GB/s ({args.threads} threads)",
+        f"machine bounds: disk {disk_rate / 1e9:.2f} GB/s as the store reads (random objects, "
+        f"{spec.top_k} a request, its reader threads, O_DIRECT, page cache dropped; one sequential stream "
+        f"{sequential_rate / 1e9:.2f} GB/s), RAM {ram_rate / 1e9:.1f} GB/s ({args.threads} threads)",
         flush=True,
     )
     results = []

@@ -28,6 +28,9 @@ def test_the_profile_times_every_kind_and_leaves_the_model_as_it_was(tiny_model)
     assert all(profile["ms_per_token"][kind] > 0 for kind in KINDS[:-1])
     assert profile["ms_per_token"]["other"] >= 0
     assert sum(profile["ms_per_token"].values()) == pytest.approx(profile["total_ms_per_token"])
+    kernels = profile["kernel_ms_per_token"]  # the C mat-vec calls inside each kind's time
+    assert all(0 < kernels[kind] <= profile["ms_per_token"][kind] for kind in KINDS[:-1])
+    assert kernels["other"] > 0  # the output head
     assert (KDA.decode, SituMLP.__call__, LatentMoE.__call__, model.use_program) == originals
 
 
