@@ -153,16 +153,17 @@ def run_pair(
     run_args.k3stream_args = ["--ram-mib", str(max(1, ram // MIB)), *args.k3stream_args]
     results: dict[str, Any] = {"name": name, "limit": limit, "ram": ram}
     print(f"{name}: limit {format_size(limit)}, expert budget {format_size(ram)} ...", flush=True)
-    results["llama"] = beyond.run_llama(gguf, prompt, run_args, files)
+    skipped = {"error": "skipped (--k3stream-only)"}
+    results["llama"] = skipped if args.k3stream_only else beyond.run_llama(gguf, prompt, run_args, files)
     results["k3"] = beyond.run_k3stream(manifest, prompt, run_args, files)
     for who in ("llama", "k3"):
-        if "error" in results[who]:
+        if "error" in results[who] and results[who] is not skipped:
             print(f"  {who} failed: {results[who]['error']}", flush=True)
     return results
 
 
 def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
-    row: dict[str, Any] = {"name": result["name"]}
+    row: dict[str, Any] = {"name": result["name"], "prompt": prompt}
     if "error" not in result["llama"]:
         llama = beyond.summarize_llama(result["llama"], prompt, decode)
         row.update(llama_prefill=llama["prefill_tok_s"], llama_decode=llama["decode_tok_s"])
@@ -174,6 +175,11 @@ def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
         )
         row.update(hit=k3["decode_hit_rate"], fetch_ms=k3["decode_fetch_ms_per_token"])
         row["budget"] = k3["ram_budget_bytes"]
+        row["hints"] = result["k3"]["phases"]["decode"]["hints"]
+        io, phases = result["k3"]["io"], result["k3"]["phases"]
+        row["prefill_read"] = io["prefill"] - io["warmup"]
+        row["cold_ms"] = 1e3 * phases["cold"]["seconds"]
+        row["cold_read"] = io["cold"] - io["load"]
         row["profile"] = result["k3"].get("profile", {}).get("ms_per_token")
         row["kernels"] = result["k3"].get("profile", {}).get("kernel_ms_per_token")
     return row
@@ -230,6 +236,41 @@ def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> 
             _f(ratio, ".2f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def prefill_table(rows: list[dict], disk_rate: float) -> list[str]:
+    """k3stream's prefill of the prompt, cold (the first after the load) and again (a fresh sequence
+    after one decode step), against max(the resident prefill's ms, its reads / the store's read rate)."""
+    resident = next((row for row in rows if row["name"] == "resident" and row.get("k3_prefill")), None)
+    compute_ms = 1e3 * resident["prompt"] / resident["k3_prefill"] if resident else None
+    lines = [
+        "| run | cold prefill ms | cold read MB | cold bound ms | cold bound / measured | prefill ms | "
+        "prefill read MB | prefill bound ms | prefill bound / measured |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if not row.get("k3_prefill"):
+            continue
+        again_ms = 1e3 * row["prompt"] / row["k3_prefill"]
+        cells = [row["name"]]
+        for ms, read in ((row["cold_ms"], row["cold_read"]), (again_ms, row["prefill_read"])):
+            bound = max(compute_ms, 1e3 * read / disk_rate) if compute_ms else None
+            cells += [_f(ms, ".0f"), _mb(read), _f(bound, ".0f"), _f(bound and bound / ms, ".2f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def hint_lines(rows: list[dict]) -> list[str]:
+    """Per run, how right each kind of decode prediction was (the sent kind and the others, scored)."""
+    lines = []
+    for row in rows:
+        if row.get("hints"):
+            kinds = ", ".join(
+                f"{kind} {_f(counts['precision'], '.0%')} / {_f(counts['recall'], '.0%')}"
+                for kind, counts in row["hints"].items()
+            )
+            lines.append(f"  {row['name']}: {kinds}")
     return lines
 
 
@@ -315,6 +356,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=2, help="default %(default)s")
     parser.add_argument("--no-resident", action="store_true", help="skip the resident run")
+    parser.add_argument("--k3stream-only", action="store_true", help="skip llama.cpp (to iterate)")
     parser.add_argument("--k3stream-args", default="", help="extra k3stream flags")
     args = parser.parse_args(argv)
     args.k3stream_args = args.k3stream_args.split()
@@ -368,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         (1e3 / row["k3_decode"] for row in rows if row["name"] == "resident" and row.get("k3_decode")), None
     )
     print("\n".join(run_table(rows, resident_ms, disk_rate)))
+    print("\nprefill, k3stream (bound: max(resident prefill, reads / the store's read rate)):")
+    print("\n".join(prefill_table(rows, disk_rate)))
+    print("decode expert predictions, precision / recall:")
+    print("\n".join(hint_lines(rows)))
     print("\nper layer kind, k3stream eager decode (ms per token per layer):")
     print("\n".join(kind_table(rows, per_token, counts, ram_rate)))
     print()

@@ -82,3 +82,17 @@ def test_the_bound_is_the_larger_of_resident_compute_and_reads(monkeypatch):
     compute_bound = run_table([row], 400.0, 1e9)[-1].split(" | ")
     assert compute_bound[-3:] == ["300.0", "400", "0.80 |"]
     assert run_table([row], None, 1e9)[-1].split(" | ")[-2:] == ["n/a", "n/a |"]
+
+
+def test_the_prefill_bound_is_the_resident_prefill_or_the_reads(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_real import prefill_table
+
+    resident = {"name": "resident", "prompt": 16, "k3_prefill": 20.0, "cold_ms": 1000.0}
+    resident.update(cold_read=1e9, prefill_read=0)  # 800 ms of compute
+    streamed = {"name": "10%", "prompt": 16, "k3_prefill": 10.0, "cold_ms": 2500.0}
+    streamed.update(cold_read=2e9, prefill_read=5e8)
+    lines = prefill_table([resident, streamed], 1e9)  # reads: 1000 ms resident, 2000 / 500 ms at 10%
+    assert lines[-2].split(" | ")[1:] == ["1000", "1000", "1000", "1.00", "800", "0", "800", "1.00 |"]
+    assert lines[-1].split(" | ")[1:] == ["2500", "2000", "2000", "0.80", "1600", "500", "800", "0.50 |"]
+    assert len(prefill_table([streamed], 1e9)[-1].split(" | ")) == 9  # no resident run: no bound
