@@ -150,7 +150,7 @@ print(json.dumps({"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s
 K3_CHILD = (
     IO_SNIPPET
     + """
-import argparse, json, sys, time
+import argparse, json, resource, sys, time
 job = json.loads(sys.argv[1])
 io = {"start": read_io()}
 from k3stream.cli import calm_openmp
@@ -170,14 +170,19 @@ model, store = runtime.model, runtime.store
 model.score_all_hints = True
 prompt = job["prompt"]
 phases = {}
+def cpu_seconds():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"user": usage.ru_utime, "system": usage.ru_stime}
 def measured(name, tokens, work):
     before = bench.store_counters(store)
     hints_before = model.hints.summary()
+    cpu_before = cpu_seconds()
     started = time.perf_counter()
     work()
     seconds = time.perf_counter() - started
     delta = bench.store_delta(before, bench.store_counters(store), tokens)
     delta["hints"] = bench.hint_delta(hints_before, model.hints.summary())
+    delta["cpu_s"] = {key: value - cpu_before[key] for key, value in cpu_seconds().items()}
     phases[name] = {"seconds": seconds, "tokens": tokens, **delta}
     io[name] = read_io()
 warm, first = model.new_state(), []
