@@ -159,10 +159,22 @@ def run_pair(
     skipped = {"error": "skipped (--k3stream-only)"}
     results["llama"] = skipped if args.k3stream_only else beyond.run_llama(gguf, prompt, run_args, files)
     results["k3"] = beyond.run_k3stream(manifest, prompt, run_args, files)
+    results["k3_args"] = run_args.k3stream_args
     for who in ("llama", "k3"):
         if "error" in results[who] and results[who] is not skipped:
             print(f"  {who} failed: {results[who]['error']}", flush=True)
     return results
+
+
+def sent_hint(k3stream_args: list[str]) -> str:
+    """The decode prediction k3stream sends with these flags (`--prefetch-hint`, "auto": token)."""
+    from k3stream.model.hints import sent_kind
+
+    choice = "auto"
+    for flag, value in zip(k3stream_args, k3stream_args[1:], strict=False):
+        if flag == "--prefetch-hint":
+            choice = value
+    return sent_kind(choice, rows=1)
 
 
 def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
@@ -179,6 +191,7 @@ def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
         row.update(hit=k3["decode_hit_rate"], fetch_ms=k3["decode_fetch_ms_per_token"])
         row["budget"] = k3["ram_budget_bytes"]
         row["hints"] = result["k3"]["phases"]["decode"]["hints"]
+        row["recall"] = row["hints"][sent_hint(result["k3_args"])]["recall"]
         io, phases = result["k3"]["io"], result["k3"]["phases"]
         row["prefill_read"] = io["prefill"] - io["warmup"]
         row["cold_ms"] = 1e3 * phases["cold"]["seconds"]
@@ -209,7 +222,7 @@ def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> 
         "| run | llama.cpp prefill tok/s | k3stream prefill tok/s | llama.cpp decode tok/s | k3stream decode "
         "tok/s | k3/llama decode | k3stream decode ms/token | disk read/token MB (llama / k3) | RAM hit "
         "rate | fetch wait ms/token | read ms/token (bytes / store read rate) | bound ms/token | bound / "
-        "measured |"
+        "measured | resident + unpredicted reads ms/token | that / measured |"
     )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for row in rows:
@@ -217,6 +230,11 @@ def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> 
         read_ms = 1e3 * row["k3_read"] / disk_rate if row.get("k3_read") is not None else None
         bound = max(resident_ms or 0.0, read_ms or 0.0) if resident_ms else None
         ratio = bound / k3_ms if bound and k3_ms else None
+        # the reads no decode prediction asked for cannot overlap compute: resident + their share
+        recall = row.get("recall")
+        serial = None
+        if resident_ms and read_ms and recall is not None:
+            serial = resident_ms + (1 - recall) * read_ms
         speedup = (
             row["k3_decode"] / row["llama_decode"]
             if row.get("k3_decode") and row.get("llama_decode")
@@ -237,6 +255,8 @@ def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> 
             _f(read_ms, ".1f"),
             _f(bound, ".0f"),
             _f(ratio, ".2f"),
+            _f(serial, ".0f"),
+            _f(serial and k3_ms and serial / k3_ms, ".2f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines

@@ -63,7 +63,7 @@ def test_the_weight_bytes_per_kind_cover_every_layer_matrix(tiny_model, monkeypa
 
 def test_the_bound_is_the_larger_of_resident_compute_and_reads(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    from bench_real import run_table
+    from bench_real import run_table, sent_hint
 
     row = {
         "name": "10%",
@@ -72,16 +72,16 @@ def test_the_bound_is_the_larger_of_resident_compute_and_reads(monkeypatch):
         "k3_read": 3e8,
         "llama_read": 6e8,
         "hit": 0.5,
+        "recall": 0.25,
     }
     reads_bound = run_table([row], 400.0, 5e8)[-1].split(" | ")  # 600 ms of reads, 500 ms measured
-    assert reads_bound[5:8] == ["2.00x", "500", "600 / 300"] and reads_bound[-3:] == [
-        "600.0",
-        "600",
-        "1.20 |",
-    ]
+    assert reads_bound[5:8] == ["2.00x", "500", "600 / 300"]
+    # 450 of the 600 ms of reads were not predicted: 400 + 450 ms
+    assert reads_bound[-5:] == ["600.0", "600", "1.20", "850", "1.70 |"]
     compute_bound = run_table([row], 400.0, 1e9)[-1].split(" | ")
-    assert compute_bound[-3:] == ["300.0", "400", "0.80 |"]
-    assert run_table([row], None, 1e9)[-1].split(" | ")[-2:] == ["n/a", "n/a |"]
+    assert compute_bound[-5:] == ["300.0", "400", "0.80", "625", "1.25 |"]
+    assert run_table([row], None, 1e9)[-1].split(" | ")[-4:] == ["n/a", "n/a", "n/a", "n/a |"]
+    assert sent_hint([]) == "token" and sent_hint(["--prefetch-hint", "pre-attention"]) == "pre-attention"
 
 
 def test_the_prefill_bound_is_the_resident_prefill_or_the_reads(monkeypatch):
