@@ -195,6 +195,7 @@ def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
         io, phases = result["k3"]["io"], result["k3"]["phases"]
         row["prefill_read"] = io["prefill"] - io["warmup"]
         row["cold_ms"] = 1e3 * phases["cold"]["seconds"]
+        row["cold_cpu"] = phases["cold"]["cpu_s"]
         row["cold_read"] = io["cold"] - io["load"]
         row["profile"] = result["k3"].get("profile", {}).get("ms_per_token")
         row["kernels"] = result["k3"].get("profile", {}).get("kernel_ms_per_token")
@@ -268,18 +269,20 @@ def prefill_table(rows: list[dict], disk_rate: float) -> list[str]:
     resident = next((row for row in rows if row["name"] == "resident" and row.get("k3_prefill")), None)
     compute_ms = 1e3 * resident["prompt"] / resident["k3_prefill"] if resident else None
     lines = [
-        "| run | cold prefill ms | cold read MB | cold bound ms | cold bound / measured | prefill ms | "
-        "prefill read MB | prefill bound ms | prefill bound / measured |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | cold prefill ms | cold CPU s, user / system | cold read MB | cold bound ms | cold bound / "
+        "measured | prefill ms | prefill read MB | prefill bound ms | prefill bound / measured |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if not row.get("k3_prefill"):
             continue
         again_ms = 1e3 * row["prompt"] / row["k3_prefill"]
+        cpu = row["cold_cpu"]
         cells = [row["name"]]
         for ms, read in ((row["cold_ms"], row["cold_read"]), (again_ms, row["prefill_read"])):
             bound = max(compute_ms, 1e3 * read / disk_rate) if compute_ms else None
             cells += [_f(ms, ".0f"), _mb(read), _f(bound, ".0f"), _f(bound and bound / ms, ".2f")]
+        cells.insert(2, f"{cpu['user']:.2f} / {cpu['system']:.2f}")  # beside the cold prefill's ms
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

@@ -88,11 +88,32 @@ def test_the_prefill_bound_is_the_resident_prefill_or_the_reads(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from bench_real import prefill_table
 
-    resident = {"name": "resident", "prompt": 16, "k3_prefill": 20.0, "cold_ms": 1000.0}
+    cpu = {"user": 1.5, "system": 0.25}
+    resident = {"name": "resident", "prompt": 16, "k3_prefill": 20.0, "cold_ms": 1000.0, "cold_cpu": cpu}
     resident.update(cold_read=1e9, prefill_read=0)  # 800 ms of compute
-    streamed = {"name": "10%", "prompt": 16, "k3_prefill": 10.0, "cold_ms": 2500.0}
+    streamed = {"name": "10%", "prompt": 16, "k3_prefill": 10.0, "cold_ms": 2500.0, "cold_cpu": cpu}
     streamed.update(cold_read=2e9, prefill_read=5e8)
     lines = prefill_table([resident, streamed], 1e9)  # reads: 1000 ms resident, 2000 / 500 ms at 10%
-    assert lines[-2].split(" | ")[1:] == ["1000", "1000", "1000", "1.00", "800", "0", "800", "1.00 |"]
-    assert lines[-1].split(" | ")[1:] == ["2500", "2000", "2000", "0.80", "1600", "500", "800", "0.50 |"]
-    assert len(prefill_table([streamed], 1e9)[-1].split(" | ")) == 9  # no resident run: no bound
+    assert lines[-2].split(" | ")[1:] == [
+        "1000",
+        "1.50 / 0.25",
+        "1000",
+        "1000",
+        "1.00",
+        "800",
+        "0",
+        "800",
+        "1.00 |",
+    ]
+    assert lines[-1].split(" | ")[1:] == [
+        "2500",
+        "1.50 / 0.25",
+        "2000",
+        "2000",
+        "0.80",
+        "1600",
+        "500",
+        "800",
+        "0.50 |",
+    ]
+    assert prefill_table([streamed], 1e9)[-1].split(" | ")[4:6] == ["n/a", "n/a"]  # no resident: no bound
