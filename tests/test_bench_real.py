@@ -117,3 +117,27 @@ def test_the_prefill_bound_is_the_resident_prefill_or_the_reads(monkeypatch):
         "0.50 |",
     ]
     assert prefill_table([streamed], 1e9)[-1].split(" | ")[4:6] == ["n/a", "n/a"]  # no resident: no bound
+
+
+def _disk_read_bytes() -> int:
+    with open("/proc/self/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("read_bytes:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs /proc/self/io")
+def test_the_store_read_rate_reads_whole_objects_from_the_disk(tiny_model, tmp_path, monkeypatch):
+    """The decode bound's disk rate: top-k objects a request, from the disk (page cache dropped)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_real import store_read_rate
+    from k3stream.pack.builder import build_pack
+    from k3stream.pack.reader import ExpertPack
+
+    manifest = build_pack(tiny_model(n_layers=4, seed=2), tmp_path / "t.pack", tmp_path / "t.json").manifest
+    with ExpertPack(manifest) as pack:
+        object_bytes, requests = pack.object_bytes, 3 * pack.top_k
+    before = _disk_read_bytes()
+    rate = store_read_rate(manifest, requests // 3, requests * object_bytes)
+    read = _disk_read_bytes() - before
+    assert rate > 0
+    blocks = -(-object_bytes // 4096) * 4096  # O_DIRECT reads whole blocks
+    assert requests * object_bytes <= read <= requests * blocks + (1 << 20)  # + the pack's index pages
