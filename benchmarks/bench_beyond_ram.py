@@ -150,7 +150,7 @@ print(json.dumps({"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s
 K3_CHILD = (
     IO_SNIPPET
     + """
-import argparse, json, sys, time
+import argparse, json, resource, sys, time
 job = json.loads(sys.argv[1])
 io = {"start": read_io()}
 from k3stream.cli import calm_openmp
@@ -169,21 +169,30 @@ io["load"] = read_io()
 model, store = runtime.model, runtime.store
 model.score_all_hints = True
 prompt = job["prompt"]
-warm = model.new_state()
-model.decode(warm, int(model.prefill(warm, prompt)[-1].argmax()))
-store.end_token(len(prompt) + 1)
-io["warmup"] = read_io()
 phases = {}
+def cpu_seconds():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"user": usage.ru_utime, "system": usage.ru_stime}
 def measured(name, tokens, work):
     before = bench.store_counters(store)
     hints_before = model.hints.summary()
+    cpu_before = cpu_seconds()
     started = time.perf_counter()
     work()
     seconds = time.perf_counter() - started
     delta = bench.store_delta(before, bench.store_counters(store), tokens)
     delta["hints"] = bench.hint_delta(hints_before, model.hints.summary())
+    delta["cpu_s"] = {key: value - cpu_before[key] for key, value in cpu_seconds().items()}
     phases[name] = {"seconds": seconds, "tokens": tokens, **delta}
     io[name] = read_io()
+warm, first = model.new_state(), []
+def cold():  # the first prefill after the load: every expert it uses is read
+    first.append(int(model.prefill(warm, prompt)[-1].argmax()))
+    store.end_token(len(prompt))
+measured("cold", len(prompt), cold)
+model.decode(warm, first[0])
+store.end_token(1)
+io["warmup"] = read_io()
 state = model.new_state()
 decoded = []
 def prefill():

@@ -31,9 +31,18 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def read_all(pack: ExpertPack, file: PackFile, batch: int, buffers: RecycledBuffers | None, digest: bool):
-    """(bytes read, CPU seconds, wall seconds) of one pass over every object."""
-    keys = [(layer, expert) for layer in pack.moe_layers for expert in range(pack.num_experts)]
+def read_all(
+    pack: ExpertPack,
+    file: PackFile,
+    batch: int,
+    buffers: RecycledBuffers | None,
+    digest: bool,
+    keys: list[tuple[int, int]] | None = None,
+):
+    """(bytes read, CPU seconds, wall seconds) of one pass over the objects `keys` (default: every
+    object, in pack order), `batch` at a time."""
+    if keys is None:
+        keys = [(layer, expert) for layer in pack.moe_layers for expert in range(pack.num_experts)]
     total, cpu, wall = 0, cpu_seconds(), time.perf_counter()
     for start in range(0, len(keys), batch):
         requests, views = [], []

@@ -5,14 +5,17 @@
 Writes (or reuses) `make-tiny --like kimi-k3` for --layers layers with --experts routed experts (every
 matrix at its real shape, non-expert matrices Q8_0, experts Q2_K/Q3_K), packs it, and measures in one run:
 
-- the machine's bounds: the disk's sequential read rate (page cache dropped) and the RAM read rate;
+- the machine's bounds: the pack's read rate as the expert store reads it (objects in a random order,
+  top-k a request, the store's reader threads and splits, O_DIRECT, page cache dropped), before and
+  after the runs, the best of both (one stream's sequential rate beside it); the RAM read rate;
 - resident: both contenders with every file in the page cache and no memory limit (k3stream's expert
   budget holds every expert);
 - streamed: for each fraction f, both in a child memory cgroup of (non-expert bytes + f x expert bytes +
   --slack), page cache dropped, k3stream's expert budget f x expert bytes (`--ram-mib`).
 
 Per run: prefill and decode tok/s of both, and for k3stream the decode ms per token, pack bytes read
-per token, RAM hit rate, fetch wait, and the bound max(resident decode ms, read bytes / disk rate).
+per token, RAM hit rate, fetch wait, and the bound max(resident decode ms, read bytes / the store's read
+rate).
 Per layer kind (KDA, MLA, dense FFN, MoE routed and shared; k3stream's eager decode path): ms per
 token, weight bytes read per token, and for the resident run that time against bytes / RAM rate. Last,
 the real model's 93 layers as ARITHMETIC: measured per-layer costs times the real layer counts.
@@ -89,11 +92,14 @@ def bytes_per_token(gguf: Path, spec) -> tuple[dict[str, float], dict[str, int],
 
 
 def ram_read_rate(threads: int, size: int = 512 * MIB) -> float:
-    """Bytes per second summing a float32 buffer with `threads` threads (best of 5)."""
+    """Bytes per second summing a float32 buffer with `threads` threads (best of 5). The buffer is a
+    NumPy array, on transparent huge pages as the model's weights are (NumPy advises its large arrays
+    for them): on this VM a plain read of 4 KiB pages ran at half the rate of 2 MiB pages."""
+    import numpy as np
     import torch
 
     torch.set_num_threads(threads)
-    buffer = torch.ones(size // 4)
+    buffer = torch.from_numpy(np.ones(size // 4, dtype=np.float32))
     best = float("inf")
     for _ in range(5):
         started = time.perf_counter()
@@ -103,8 +109,39 @@ def ram_read_rate(threads: int, size: int = 512 * MIB) -> float:
 
 
 def disk_read_rate(path: Path, limit: int) -> float:
+    """One stream's sequential read rate, page cache dropped (bytes per second)."""
     drop_page_cache(path)
     return sequential_read(path, limit)["gb_per_s"] * 1e9
+
+
+def store_read_rate(manifest: Path, batch: int, limit: int, seed: int = 0) -> float:
+    """The pack's read rate the way the expert store reads it under a memory limit (bytes per second):
+    whole objects in a random order (a token's misses lie anywhere in the pack), `batch` of them a
+    request (a layer's top-k), with the store's reader threads and splits (`StoreOptions`,
+    `ExpertStore` defaults), O_DIRECT into recycled buffers, page cache dropped; at most `limit` bytes."""
+    import inspect
+    import random
+
+    from bench_read_cpu import read_all
+    from k3stream.engine.loading import StoreOptions
+    from k3stream.pack.reader import ExpertPack
+    from k3stream.store.expert_store import ExpertStore
+    from k3stream.store.pack_io import PackFile
+    from k3stream.store.reader import RecycledBuffers
+
+    splits = inspect.signature(ExpertStore).parameters["read_splits"].default
+    with ExpertPack(manifest) as pack:
+        keys = [(layer, expert) for layer in pack.moe_layers for expert in range(pack.num_experts)]
+        random.Random(seed).shuffle(keys)
+        keys = keys[: max(batch, limit // pack.object_bytes)]
+        file = PackFile(pack.path, io_threads=StoreOptions().io_threads, read_splits=splits, direct_io=True)
+        try:
+            drop_page_cache(pack.path)
+            buffers = RecycledBuffers(pack.object_bytes, batch)
+            nbytes, _, seconds = read_all(pack, file, batch, buffers, False, keys)
+        finally:
+            file.close()
+    return nbytes / seconds
 
 
 # ---- the runs ---------------------------------------------------------------------------------------
@@ -119,16 +156,29 @@ def run_pair(
     run_args.k3stream_args = ["--ram-mib", str(max(1, ram // MIB)), *args.k3stream_args]
     results: dict[str, Any] = {"name": name, "limit": limit, "ram": ram}
     print(f"{name}: limit {format_size(limit)}, expert budget {format_size(ram)} ...", flush=True)
-    results["llama"] = beyond.run_llama(gguf, prompt, run_args, files)
+    skipped = {"error": "skipped (--k3stream-only)"}
+    results["llama"] = skipped if args.k3stream_only else beyond.run_llama(gguf, prompt, run_args, files)
     results["k3"] = beyond.run_k3stream(manifest, prompt, run_args, files)
+    results["k3_args"] = run_args.k3stream_args
     for who in ("llama", "k3"):
-        if "error" in results[who]:
+        if "error" in results[who] and results[who] is not skipped:
             print(f"  {who} failed: {results[who]['error']}", flush=True)
     return results
 
 
+def sent_hint(k3stream_args: list[str]) -> str:
+    """The decode prediction k3stream sends with these flags (`--prefetch-hint`, "auto": token)."""
+    from k3stream.model.hints import sent_kind
+
+    choice = "auto"
+    for flag, value in zip(k3stream_args, k3stream_args[1:], strict=False):
+        if flag == "--prefetch-hint":
+            choice = value
+    return sent_kind(choice, rows=1)
+
+
 def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
-    row: dict[str, Any] = {"name": result["name"]}
+    row: dict[str, Any] = {"name": result["name"], "prompt": prompt}
     if "error" not in result["llama"]:
         llama = beyond.summarize_llama(result["llama"], prompt, decode)
         row.update(llama_prefill=llama["prefill_tok_s"], llama_decode=llama["decode_tok_s"])
@@ -140,7 +190,15 @@ def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
         )
         row.update(hit=k3["decode_hit_rate"], fetch_ms=k3["decode_fetch_ms_per_token"])
         row["budget"] = k3["ram_budget_bytes"]
+        row["hints"] = result["k3"]["phases"]["decode"]["hints"]
+        row["recall"] = row["hints"][sent_hint(result["k3_args"])]["recall"]
+        io, phases = result["k3"]["io"], result["k3"]["phases"]
+        row["prefill_read"] = io["prefill"] - io["warmup"]
+        row["cold_ms"] = 1e3 * phases["cold"]["seconds"]
+        row["cold_cpu"] = phases["cold"]["cpu_s"]
+        row["cold_read"] = io["cold"] - io["load"]
         row["profile"] = result["k3"].get("profile", {}).get("ms_per_token")
+        row["kernels"] = result["k3"].get("profile", {}).get("kernel_ms_per_token")
     return row
 
 
@@ -160,10 +218,12 @@ def _mb(value: float | None) -> str:
 
 
 def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> list[str]:
+    """One line per run; `disk_rate`: the pack read as the store reads it (`store_read_rate`)."""
     head = (
         "| run | llama.cpp prefill tok/s | k3stream prefill tok/s | llama.cpp decode tok/s | k3stream decode "
         "tok/s | k3/llama decode | k3stream decode ms/token | disk read/token MB (llama / k3) | RAM hit "
-        "rate | fetch wait ms/token | read ms/token (bytes / disk rate) | bound ms/token | bound / measured |"
+        "rate | fetch wait ms/token | read ms/token (bytes / store read rate) | bound ms/token | bound / "
+        "measured | resident + unpredicted reads ms/token | that / measured |"
     )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for row in rows:
@@ -171,6 +231,11 @@ def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> 
         read_ms = 1e3 * row["k3_read"] / disk_rate if row.get("k3_read") is not None else None
         bound = max(resident_ms or 0.0, read_ms or 0.0) if resident_ms else None
         ratio = bound / k3_ms if bound and k3_ms else None
+        # the reads no decode prediction asked for cannot overlap compute: resident + their share
+        recall = row.get("recall")
+        serial = None
+        if resident_ms and read_ms and recall is not None:
+            serial = resident_ms + (1 - recall) * read_ms
         speedup = (
             row["k3_decode"] / row["llama_decode"]
             if row.get("k3_decode") and row.get("llama_decode")
@@ -191,32 +256,76 @@ def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> 
             _f(read_ms, ".1f"),
             _f(bound, ".0f"),
             _f(ratio, ".2f"),
+            _f(serial, ".0f"),
+            _f(serial and k3_ms and serial / k3_ms, ".2f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def prefill_table(rows: list[dict], disk_rate: float) -> list[str]:
+    """k3stream's prefill of the prompt, cold (the first after the load) and again (a fresh sequence
+    after one decode step), against max(the resident prefill's ms, its reads / the store's read rate)."""
+    resident = next((row for row in rows if row["name"] == "resident" and row.get("k3_prefill")), None)
+    compute_ms = 1e3 * resident["prompt"] / resident["k3_prefill"] if resident else None
+    lines = [
+        "| run | cold prefill ms | cold CPU s, user / system | cold read MB | cold bound ms | cold bound / "
+        "measured | prefill ms | prefill read MB | prefill bound ms | prefill bound / measured |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if not row.get("k3_prefill"):
+            continue
+        again_ms = 1e3 * row["prompt"] / row["k3_prefill"]
+        cpu = row["cold_cpu"]
+        cells = [row["name"]]
+        for ms, read in ((row["cold_ms"], row["cold_read"]), (again_ms, row["prefill_read"])):
+            bound = max(compute_ms, 1e3 * read / disk_rate) if compute_ms else None
+            cells += [_f(ms, ".0f"), _mb(read), _f(bound, ".0f"), _f(bound and bound / ms, ".2f")]
+        cells.insert(2, f"{cpu['user']:.2f} / {cpu['system']:.2f}")  # beside the cold prefill's ms
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def hint_lines(rows: list[dict]) -> list[str]:
+    """Per run, how right each kind of decode prediction was (the sent kind and the others, scored)."""
+    lines = []
+    for row in rows:
+        if row.get("hints"):
+            kinds = ", ".join(
+                f"{kind} {_f(counts['precision'], '.0%')} / {_f(counts['recall'], '.0%')}"
+                for kind, counts in row["hints"].items()
+            )
+            lines.append(f"  {row['name']}: {kinds}")
     return lines
 
 
 def kind_table(
     rows: list[dict], per_token: dict[str, float], counts: dict[str, int], ram_rate: float
 ) -> list[str]:
-    names = [row["name"] for row in rows if row.get("profile")]
+    """Per layer of each kind: ms per token in each profiled run; for the resident run its C mat-vec
+    calls' share (kernel) and the rest (other), against the weight bytes at the RAM rate."""
+    profiled = [row for row in rows if row.get("profile")]
     lines = [
         "| layer kind (per layer) | weight bytes/token MB | RAM bound ms | "
-        + " | ".join(f"{name} ms" for name in names)
-        + " | resident / RAM bound |",
-        "|---|---|---|" + "---|" * len(names) + "---|",
+        + " | ".join(f"{row['name']} ms" for row in profiled)
+        + " | resident kernel ms | resident other ms | kernel / RAM bound | resident / RAM bound |",
+        "|---|---|---|" + "---|" * len(profiled) + "---|---|---|---|",
     ]
-    resident = next(
-        (row["profile"] for row in rows if row["name"] == "resident" and row.get("profile")), None
-    )
+    resident = next((row for row in profiled if row["name"] == "resident"), None)
     for kind in KINDS:
         bound_ms = 1e3 * per_token[kind] / ram_rate
-        cells = [_f(row["profile"][kind] / counts[kind], ".1f") for row in rows if row.get("profile")]
-        ratio = resident[kind] / counts[kind] / bound_ms if resident else None
+        cells = [_f(row["profile"][kind] / counts[kind], ".1f") for row in profiled]
+        whole = kernel = None
+        if resident is not None:
+            whole = resident["profile"][kind] / counts[kind]
+            kernel = resident["kernels"][kind] / counts[kind]
+        other = None if whole is None else whole - kernel
+        ratios = [_times(None if ms is None else ms / bound_ms) for ms in (kernel, whole)]
         lines.append(
             f"| {kind} | {per_token[kind] / 1e6:.1f} | {bound_ms:.1f} | "
-            + " | ".join(cells)
-            + f" | {_times(ratio)} |"
+            + " | ".join([*cells, _f(kernel, ".1f"), _f(other, ".1f"), *ratios])
+            + " |"
         )
     return lines
 
@@ -273,6 +382,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=2, help="default %(default)s")
     parser.add_argument("--no-resident", action="store_true", help="skip the resident run")
+    parser.add_argument("--k3stream-only", action="store_true", help="skip llama.cpp (to iterate)")
     parser.add_argument("--k3stream-args", default="", help="extra k3stream flags")
     args = parser.parse_args(argv)
     args.k3stream_args = args.k3stream_args.split()
@@ -296,15 +406,17 @@ def main(argv: list[str] | None = None) -> int:
     per_token, counts, expert_bytes = bytes_per_token(gguf, spec)
     per_token["routed experts"] = expert_bytes / counts["MoE routed"] / spec.n_experts * spec.top_k
     non_expert = gguf.stat().st_size - expert_bytes
-    disk_rate = disk_read_rate(files[1], min(files[1].stat().st_size, 4 << 30))
+    sequential_rate = disk_read_rate(files[1], min(files[1].stat().st_size, 4 << 30))
+    store_rate = [store_read_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30))]
     ram_rate = ram_read_rate(args.threads)
     prompt = beyond.bench_prompt(gguf, args.prompt_tokens)
     print(
         f"slice {gguf}: {format_size(gguf.stat().st_size)} ({format_size(expert_bytes)} routed experts), "
         f"{spec.n_layers} layers (MLA {spec.mla_layer_ids()}), {spec.n_experts} experts top-{spec.top_k}; "
         f"{args.prompt_tokens}-token prompt, {args.decode_tokens} decode steps, {args.threads} threads\n"
-        f"machine bounds: disk {disk_rate / 1e9:.2f} GB/s (sequential, page cache dropped), "
-        f"RAM {ram_rate / 1e9:.1f} GB/s ({args.threads} threads)",
+        f"machine bounds: disk {store_rate[0] / 1e9:.2f} GB/s as the store reads (random objects, "
+        f"{spec.top_k} a request, its reader threads, O_DIRECT, page cache dropped; one sequential stream "
+        f"{sequential_rate / 1e9:.2f} GB/s), RAM {ram_rate / 1e9:.1f} GB/s ({args.threads} threads)",
         flush=True,
     )
     results = []
@@ -319,11 +431,19 @@ def main(argv: list[str] | None = None) -> int:
         results.append(
             run_pair(f"{fraction:.0%} of experts", gguf, manifest, prompt, args, limit, ram, files)
         )
+    # the disk's best of the rates measured before and after the runs (a shared disk varies)
+    store_rate.append(store_read_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30), seed=1))
+    disk_rate = max(store_rate)
+    print(f"the store's read rate after the runs {store_rate[1] / 1e9:.2f} GB/s; the bound takes the best")
     rows = [summary(result, len(prompt), args.decode_tokens) for result in results]
     resident_ms = next(
         (1e3 / row["k3_decode"] for row in rows if row["name"] == "resident" and row.get("k3_decode")), None
     )
     print("\n".join(run_table(rows, resident_ms, disk_rate)))
+    print("\nprefill, k3stream (bound: max(resident prefill, reads / the store's read rate)):")
+    print("\n".join(prefill_table(rows, disk_rate)))
+    print("decode expert predictions, precision / recall:")
+    print("\n".join(hint_lines(rows)))
     print("\nper layer kind, k3stream eager decode (ms per token per layer):")
     print("\n".join(kind_table(rows, per_token, counts, ram_rate)))
     print()

@@ -28,6 +28,9 @@ def test_the_profile_times_every_kind_and_leaves_the_model_as_it_was(tiny_model)
     assert all(profile["ms_per_token"][kind] > 0 for kind in KINDS[:-1])
     assert profile["ms_per_token"]["other"] >= 0
     assert sum(profile["ms_per_token"].values()) == pytest.approx(profile["total_ms_per_token"])
+    kernels = profile["kernel_ms_per_token"]  # the C mat-vec calls inside each kind's time
+    assert all(0 < kernels[kind] <= profile["ms_per_token"][kind] for kind in KINDS[:-1])
+    assert kernels["other"] > 0  # the output head
     assert (KDA.decode, SituMLP.__call__, LatentMoE.__call__, model.use_program) == originals
 
 
@@ -60,7 +63,7 @@ def test_the_weight_bytes_per_kind_cover_every_layer_matrix(tiny_model, monkeypa
 
 def test_the_bound_is_the_larger_of_resident_compute_and_reads(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    from bench_real import run_table
+    from bench_real import run_table, sent_hint
 
     row = {
         "name": "10%",
@@ -69,13 +72,72 @@ def test_the_bound_is_the_larger_of_resident_compute_and_reads(monkeypatch):
         "k3_read": 3e8,
         "llama_read": 6e8,
         "hit": 0.5,
+        "recall": 0.25,
     }
     reads_bound = run_table([row], 400.0, 5e8)[-1].split(" | ")  # 600 ms of reads, 500 ms measured
-    assert reads_bound[5:8] == ["2.00x", "500", "600 / 300"] and reads_bound[-3:] == [
-        "600.0",
-        "600",
-        "1.20 |",
-    ]
+    assert reads_bound[5:8] == ["2.00x", "500", "600 / 300"]
+    # 450 of the 600 ms of reads were not predicted: 400 + 450 ms
+    assert reads_bound[-5:] == ["600.0", "600", "1.20", "850", "1.70 |"]
     compute_bound = run_table([row], 400.0, 1e9)[-1].split(" | ")
-    assert compute_bound[-3:] == ["300.0", "400", "0.80 |"]
-    assert run_table([row], None, 1e9)[-1].split(" | ")[-2:] == ["n/a", "n/a |"]
+    assert compute_bound[-5:] == ["300.0", "400", "0.80", "625", "1.25 |"]
+    assert run_table([row], None, 1e9)[-1].split(" | ")[-4:] == ["n/a", "n/a", "n/a", "n/a |"]
+    assert sent_hint([]) == "token" and sent_hint(["--prefetch-hint", "pre-attention"]) == "pre-attention"
+
+
+def test_the_prefill_bound_is_the_resident_prefill_or_the_reads(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_real import prefill_table
+
+    cpu = {"user": 1.5, "system": 0.25}
+    resident = {"name": "resident", "prompt": 16, "k3_prefill": 20.0, "cold_ms": 1000.0, "cold_cpu": cpu}
+    resident.update(cold_read=1e9, prefill_read=0)  # 800 ms of compute
+    streamed = {"name": "10%", "prompt": 16, "k3_prefill": 10.0, "cold_ms": 2500.0, "cold_cpu": cpu}
+    streamed.update(cold_read=2e9, prefill_read=5e8)
+    lines = prefill_table([resident, streamed], 1e9)  # reads: 1000 ms resident, 2000 / 500 ms at 10%
+    assert lines[-2].split(" | ")[1:] == [
+        "1000",
+        "1.50 / 0.25",
+        "1000",
+        "1000",
+        "1.00",
+        "800",
+        "0",
+        "800",
+        "1.00 |",
+    ]
+    assert lines[-1].split(" | ")[1:] == [
+        "2500",
+        "1.50 / 0.25",
+        "2000",
+        "2000",
+        "0.80",
+        "1600",
+        "500",
+        "800",
+        "0.50 |",
+    ]
+    assert prefill_table([streamed], 1e9)[-1].split(" | ")[4:6] == ["n/a", "n/a"]  # no resident: no bound
+
+
+def _disk_read_bytes() -> int:
+    with open("/proc/self/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("read_bytes:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs /proc/self/io")
+def test_the_store_read_rate_reads_whole_objects_from_the_disk(tiny_model, tmp_path, monkeypatch):
+    """The decode bound's disk rate: top-k objects a request, from the disk (page cache dropped)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_real import store_read_rate
+    from k3stream.pack.builder import build_pack
+    from k3stream.pack.reader import ExpertPack
+
+    manifest = build_pack(tiny_model(n_layers=4, seed=2), tmp_path / "t.pack", tmp_path / "t.json").manifest
+    with ExpertPack(manifest) as pack:
+        object_bytes, requests = pack.object_bytes, 3 * pack.top_k
+    before = _disk_read_bytes()
+    rate = store_read_rate(manifest, requests // 3, requests * object_bytes)
+    read = _disk_read_bytes() - before
+    assert rate > 0
+    blocks = -(-object_bytes // 4096) * 4096  # O_DIRECT reads whole blocks
+    assert requests * object_bytes <= read <= requests * blocks + (1 << 20)  # + the pack's index pages

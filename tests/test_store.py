@@ -226,6 +226,33 @@ def test_direct_reads_land_in_aligned_buffers_and_bounce_into_the_others(packed,
         file.close()
 
 
+def _huge_page_kib(array: np.ndarray) -> int:
+    """AnonHugePages of the mapping holding `array` (/proc/self/smaps)."""
+    address, found = array.ctypes.data, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: start-end perms ...
+                start, end = (int(part, 16) for part in fields[0].split("-"))
+                found = start <= address < end
+            elif found and fields[0] == "AnonHugePages:":
+                return int(fields[1])
+    raise AssertionError("the array's mapping is not in /proc/self/smaps")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_read_buffers_are_page_aligned_on_small_pages(direct_io):
+    """Reads land in fresh memory: a huge page's first touch in a memory cgroup cost the cold prefill
+    far more system time than small pages (docs/real-model.md), and the read writes every byte."""
+    nbytes = (16 << 20) + 100
+    buffer = pack_io.host_buffer(nbytes, direct_io)
+    buffer[:] = 7  # every page touched
+    assert buffer.ctypes.data % pack_io.ALIGNMENT == 0 and buffer.flags.writeable
+    assert buffer.size == (-(-nbytes // pack_io.ALIGNMENT) * pack_io.ALIGNMENT if direct_io else nbytes)
+    assert _huge_page_kib(buffer) == 0
+
+
 def test_o_direct_is_the_default_exactly_when_the_pack_does_not_fit_the_ram_budget(packed):
     _, pack = packed
     every_expert = len(pack.moe_layers) * pack.num_experts

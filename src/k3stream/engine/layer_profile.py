@@ -5,6 +5,10 @@ whole layers in C and has no per-kind seams) with each kind's call timed: KDA an
 dense FFN, the shared experts and the whole MoE block (its routed part is the block less the shared
 experts: router, routed experts with their fetches, latent projections). "other" is the rest of the
 step (embedding, norms, residual mixes, the output head).
+
+Within each kind the mat-vec calls into the C kernels (`products`, `grouped_product`, `expert_mlp`,
+`chosen_experts`: activations quantized, OpenMP region, the dot products) are timed apart as its
+kernel time; the rest of the kind's time is the Python, torch and other C steps around them.
 """
 
 from __future__ import annotations
@@ -18,22 +22,40 @@ from typing import Any
 from k3stream.model.kda import KDA
 from k3stream.model.mla import MLA
 from k3stream.model.moe import LatentMoE, SituMLP
+from k3stream.quant.kernels import cpu
 
 KINDS = ("KDA attention", "MLA attention", "dense FFN", "MoE routed", "MoE shared", "other")
+# the C library's mat-vec entry points (`quant.kernels.cpu` looks them up at each call)
+MAT_VECS = ("products", "grouped_product", "expert_mlp", "chosen_experts")
 
 
 class _Clock:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.kernel_seconds: dict[str, float] = defaultdict(float)
         self.in_moe = False
+        self.running: list[str] = ["other"]  # the kinds whose calls are on the stack
 
     def timed(self, kind_of: Callable[[], str], call: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
+            kind = kind_of()
+            self.running.append("MoE routed" if kind == "MoE block" else kind)
             started = time.perf_counter()
             try:
                 return call(*args, **kwargs)
             finally:
-                self.seconds[kind_of()] += time.perf_counter() - started
+                self.seconds[kind] += time.perf_counter() - started
+                self.running.pop()
+
+        return run
+
+    def kernel(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                self.kernel_seconds[self.running[-1]] += time.perf_counter() - started
 
         return run
 
@@ -61,6 +83,9 @@ def _clocked() -> Iterator[_Clock]:
         ),
         (LatentMoE, "__call__", clock.moe(LatentMoE.__call__)),
     ]
+    library = cpu._ggml_cpu()
+    if library is not None:
+        patched += [(library, name, clock.kernel(getattr(library, name))) for name in MAT_VECS]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
     try:
         for owner, name, wrapped in patched:
@@ -72,7 +97,8 @@ def _clocked() -> Iterator[_Clock]:
 
 
 def profile_decode(model: Any, state: Any, tokens: list[int]) -> dict[str, Any]:
-    """Decode `tokens` into `state` eagerly; ms per token of each kind in KINDS, and the total."""
+    """Decode `tokens` into `state` eagerly: ms per token of each kind in KINDS (`ms_per_token`), of
+    its C mat-vec calls (`kernel_ms_per_token`), and the total."""
     use_program = model.use_program
     model.use_program = False
     try:
@@ -87,4 +113,9 @@ def profile_decode(model: Any, state: Any, tokens: list[int]) -> dict[str, Any]:
     seconds["MoE routed"] = seconds.pop("MoE block", 0.0) - seconds.get("MoE shared", 0.0)
     seconds["other"] = total - sum(seconds.values())
     per_token = {kind: 1e3 * seconds.get(kind, 0.0) / len(tokens) for kind in KINDS}
-    return {"ms_per_token": per_token, "total_ms_per_token": 1e3 * total / len(tokens)}
+    kernels = {kind: 1e3 * clock.kernel_seconds.get(kind, 0.0) / len(tokens) for kind in KINDS}
+    return {
+        "ms_per_token": per_token,
+        "kernel_ms_per_token": kernels,
+        "total_ms_per_token": 1e3 * total / len(tokens),
+    }
