@@ -129,6 +129,10 @@ def last_argmax():
     logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(model._ctx.ctx, -1), shape=(n_vocab,))
     return int(logits.argmax())
 model.eval(job["prompt"])
+token = last_argmax()
+for _ in range(job["decode_tokens"] if job["warm_decode"] else 0):  # the measured run's own tokens
+    model.eval([token])
+    token = last_argmax()
 model.reset()
 io["warmup"] = read_io()
 started = time.perf_counter()
@@ -190,8 +194,9 @@ def cold():  # the first prefill after the load: every expert it uses is read
     first.append(int(model.prefill(warm, prompt)[-1].argmax()))
     store.end_token(len(prompt))
 measured("cold", len(prompt), cold)
-model.decode(warm, first[0])
-store.end_token(1)
+for _ in range(job["decode_tokens"] if job["warm_decode"] else 1):  # the measured run's own tokens
+    first.append(int(model.decode(warm, first[-1]).argmax()))
+    store.end_token(1)
 io["warmup"] = read_io()
 state = model.new_state()
 decoded = []
@@ -251,6 +256,7 @@ def run_llama(gguf: Path, prompt: list[int], args: argparse.Namespace, files: li
         "threads": args.threads,
         "prompt": prompt,
         "decode_tokens": args.decode_tokens,
+        "warm_decode": getattr(args, "warm_decode", False),
     }
     return run_child("llama", LLAMA_CHILD, job, args.limit_bytes, files)
 
@@ -266,6 +272,7 @@ def run_k3stream(
         "threads": args.threads,
         "prompt": prompt,
         "decode_tokens": args.decode_tokens,
+        "warm_decode": getattr(args, "warm_decode", False),
         "profile_tokens": getattr(args, "profile_tokens", 0),
     }
     return run_child("k3stream", K3_CHILD, job, args.limit_bytes, files)

@@ -9,7 +9,8 @@ matrix at its real shape, non-expert matrices Q8_0, experts Q2_K/Q3_K), packs it
   top-k a request, the store's reader threads and splits, O_DIRECT, page cache dropped), before and
   after the runs, the best of both (one stream's sequential rate beside it); the RAM read rate;
 - resident: both contenders with every file in the page cache and no memory limit (k3stream's expert
-  budget holds every expert);
+  budget holds every expert), each warmed up by the measured prompt and decode steps themselves (the
+  same greedy tokens), so neither meets a weight first in the measured run;
 - streamed: for each fraction f, both in a child memory cgroup of (non-expert bytes + f x expert bytes +
   --slack), page cache dropped, k3stream's expert budget f x expert bytes (`--ram-mib`).
 
@@ -153,6 +154,8 @@ def run_pair(
     """Both contenders under `limit` (files' page cache dropped first unless `files` is empty)."""
     run_args = copy.copy(args)
     run_args.limit_bytes = limit
+    # resident: the warm-up decodes the measured run's tokens too, so both read every weight from RAM
+    run_args.warm_decode = name == "resident"
     run_args.k3stream_args = ["--ram-mib", str(max(1, ram // MIB)), *args.k3stream_args]
     results: dict[str, Any] = {"name": name, "limit": limit, "ram": ram}
     print(f"{name}: limit {format_size(limit)}, expert budget {format_size(ram)} ...", flush=True)

@@ -44,7 +44,9 @@ def test_both_paths_match_the_float64_mix(positions, width, banked, scale, seed)
         tracked = rows[-1].clone().requires_grad_()
         traced = attn_res.residual_mix(rows[:-1], tracked, score, 1e-5)
     assert traced.grad_fn is not None
-    assert relative(traced.detach(), expected) < 1e-5
+    # torch's float32 softmax takes logits of up to |score| sqrt(width) (hundreds at scale 30), each
+    # rounded to 2^-24 of its size: the weights carry a few 1e-5 of it where the C kernel does not
+    assert relative(traced.detach(), expected) < 1e-5 * max(1.0, scale / 6)
 
 
 def test_the_c_kernel_is_the_cpu_path():
