@@ -956,6 +956,62 @@ TERNARY_DOT(tq1_0, 54, 52)
 PAIRED_DOT(iq4_nl, 18, iq4nl_values, f16c(x), 2)
 PAIRED_DOT(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
 
+/* ... with AVX-512 (VBMI, VNNI): a pair of blocks in one vector, the first's 32 values in its low half
+ * and the second's in its high half, so the float lanes are the AVX2 kernel's acc1 (low) and acc2
+ * (high) and every output its bits. Each nibble looks up its value + 128 (unsigned); VPDPBUSD of those
+ * with the codes, started from -128 times each lane's four codes, gives the lanes of ggml's
+ * maddubs(|w|, sign(y, w)) summed in pairs: the exact products of values 4l..4l + 3. */
+#define AVX512_ALWAYS AVX512_TARGET static inline __attribute__((always_inline))
+
+/* the nibbles of blocks x, x + bytes as bytes: 16 low ones of the first, its 16 high ones, the second's */
+AVX512_ALWAYS __m512i nibble_pair(const uint8_t *x, int bytes, int codes_at) {
+    const __m512i raw = _mm512_maskz_loadu_epi8(((__mmask64)1 << (2 * bytes)) - 1, x); /* no read past the row */
+    const __m512i at = _mm512_add_epi8(_mm512_set4_epi32(0x0F0E0D0C, 0x0B0A0908, 0x07060504, 0x03020100),
+                                       _mm512_set1_epi8((char)codes_at));
+    const __m512i second = _mm512_maskz_set1_epi8(0xFFFFFFFF00000000ULL, (char)bytes); /* 128-bit lanes 2, 3 */
+    const __m512i q = _mm512_permutexvar_epi8(_mm512_add_epi8(at, second), raw);
+    const __m512i shifts = _mm512_maskz_set1_epi16(0xFF00FF00u, 4); /* 128-bit lanes 1, 3: the high nibbles */
+    return _mm512_and_si512(_mm512_srlv_epi16(q, shifts), _mm512_set1_epi8(15));
+}
+
+/* the 8-bit codes of blocks y, y + 1 in the two halves */
+AVX512_ALWAYS __m512i q8_0_pair(const BlockQ8_0 *y) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y[0].qs)),
+                              _mm256_loadu_si256((const __m256i *)y[1].qs), 1);
+}
+
+#define PAIRED_DOT_AVX512(NAME, BYTES, VALUES, SCALE, CODES)                                               \
+    AVX512_ALWAYS float NAME##_d(const uint8_t *x, const BlockQ8_0 *y) { return y->d * (SCALE); }          \
+    AVX512_ALWAYS float NAME##_avx512(const uint8_t *row, const BlockQ8_0 *y, int64_t blocks) {             \
+        const __m512i flip = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();                  \
+        const __m512i values = _mm512_xor_si512(                                                            \
+            _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(VALUES))), flip); /* value + 128 */    \
+        __m512 acc = _mm512_setzero_ps();                                                                   \
+        int64_t i = 0;                                                                                      \
+        for (; i + 1 < blocks; i += 2) {                                                                    \
+            const uint8_t *x = row + i * (BYTES);                                                           \
+            const __m512i q8 = q8_0_pair(y + i);                                                            \
+            const __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, q8));             \
+            const __m512i w = _mm512_shuffle_epi8(values, nibble_pair(x, BYTES, CODES));                    \
+            const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(NAME##_d(x, y + i)),              \
+                                                  _mm512_set1_ps(NAME##_d(x + (BYTES), y + i + 1)));        \
+            acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w, q8)), acc);          \
+        }                                                                                                   \
+        const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));             \
+        const float sumf = hsum_lanes(_mm256_add_ps(_mm512_castps512_ps256(acc), high));                   \
+        return i < blocks ? sumf + NAME##_generic(row + i * (BYTES), y + i, 1) : sumf;                     \
+    }                                                                                                       \
+    IQ_ROWS(NAME##_rows_avx512, AVX512_TARGET, NAME##_avx512, q8_0, 32)
+
+PAIRED_DOT_AVX512(iq4_nl, 18, iq4nl_values, f16c(x), 2)
+PAIRED_DOT_AVX512(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
+
+/* the AVX-512 kernel of IQ4_NL or MXFP4 where HAVE_AVX512(), else NULL */
+static RowKernel nibble_kernel_avx512(int ggml_type) {
+    if (!HAVE_AVX512()) return NULL;
+    return ggml_type == 20 ? iq4_nl_rows_avx512 : ggml_type == 39 ? mxfp4_rows_avx512 : NULL;
+}
+
 /* X(GGML type id, name, bytes a block, FACTOR, DELTAS): the SHARED_RUNS types, whose blocks
  * `iq_run_type` decodes for the multi-row kernels (`tiles_cpu.c`) */
 #define SHARED_RUN_TYPES(X)                                                                              \
@@ -990,6 +1046,7 @@ ROW_TYPES(AVX2_ROWS)
 #define AVX2_ROWS_OF(NAME) NAME##_rows_avx2
 #else
 #define AVX2_ROWS_OF(NAME) NULL
+static RowKernel nibble_kernel_avx512(int ggml_type) { return NULL; }
 IqRunType iq_run_type(int ggml_type, int avx2) { return (IqRunType){NULL, 0, 0, 0.0f}; }
 #endif
 
@@ -1009,8 +1066,9 @@ static RowKernel ggml_kernel(int ggml_type, int avx2) {
 
 /* ... the AVX-512 one first where the machine has it */
 RowKernel iq_q8_kernel(int ggml_type, int avx2) {
-    const RowKernel planes = avx2 && grids_set ? iq_avx512_kernel(ggml_type) : NULL;
-    return planes != NULL ? planes : ggml_kernel(ggml_type, avx2);
+    if (!avx2 || !grids_set) return ggml_kernel(ggml_type, avx2);
+    const RowKernel planes = iq_avx512_kernel(ggml_type), nibbles = nibble_kernel_avx512(ggml_type);
+    return planes != NULL ? planes : nibbles != NULL ? nibbles : ggml_kernel(ggml_type, avx2);
 }
 
 RowKernel iq_q8_kernel_avx2(int ggml_type) { return ggml_kernel(ggml_type, 1); }
