@@ -1006,10 +1006,56 @@ AVX512_ALWAYS __m512i q8_0_pair(const BlockQ8_0 *y) {
 PAIRED_DOT_AVX512(iq4_nl, 18, iq4nl_values, f16c(x), 2)
 PAIRED_DOT_AVX512(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
 
-/* the AVX-512 kernel of IQ4_NL or MXFP4 where HAVE_AVX512(), else NULL */
+/* IQ4_XS with AVX-512: runs 2j, 2j + 1 of a block in one vector (low, high half), their lanes
+ * madd(maddubs(|w|, y negated where w is), scales) as iq4_xs_run's, folded onto eight at the block's end
+ * (exact integers): the AVX2 kernel's lanes and float operations, its bits */
+
+/* the block's eight run scales (6 bits, less 32) as int32 lanes, run ib in lane ib */
+AVX512_ALWAYS __m256i iq4_xs_scales(const uint8_t *x) {
+    const __m256i low = _mm256_srlv_epi32(_mm256_set1_epi32((int)u32_at(x + 4)),
+                                          _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    const __m256i high = _mm256_srlv_epi32(_mm256_set1_epi32(u16_at(x + 2)),
+                                           _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    const __m256i scales = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(15)),
+                                           _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(3)), 4));
+    return _mm256_sub_epi32(scales, _mm256_set1_epi32(32));
+}
+
+AVX512_ALWAYS float iq4_xs_avx512(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)iq4nl_values));
+    const __m512i halves = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0); /* 16 bytes each twice */
+    const __m512i shifts = _mm512_maskz_set1_epi16(0xFF00FF00u, 4);  /* 128-bit lanes 1, 3: high nibbles */
+    const __m512i nibble = _mm512_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < blocks; i++, x += 136) {
+        const __m512i scales = _mm512_castsi256_si512(iq4_xs_scales(x)); /* run ib's at int16 lane 2ib */
+        __m512i sumi = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m256i codes = _mm256_loadu_si256((const __m256i *)(x + 8 + 32 * j));
+            const __m512i q = _mm512_permutexvar_epi64(halves, _mm512_castsi256_si512(codes));
+            const __m512i w = _mm512_shuffle_epi8(values, _mm512_and_si512(_mm512_srlv_epi16(q, shifts), nibble));
+            const __m512i q8 = _mm512_loadu_si512(y[i].qs + 64 * j);
+            const __m512i signed_q8 = _mm512_mask_sub_epi8(q8, _mm512_movepi8_mask(w), _mm512_setzero_si512(), q8);
+            const __m512i pair = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * j)), _mm256_set1_epi16((short)(4 * j + 2)), 1);
+            const __m512i run_scales = _mm512_permutexvar_epi16(pair, scales);
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(_mm512_abs_epi8(w), signed_q8), run_scales);
+        }
+        const __m256i lanes = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16c(x) * y[i].d), _mm256_cvtepi32_ps(lanes), acc);
+    }
+    return hsum_lanes(acc);
+}
+IQ_ROWS(iq4_xs_rows_avx512, AVX512_TARGET, iq4_xs_avx512, q8, 256)
+
+/* the AVX-512 kernel of IQ4_NL, MXFP4 or IQ4_XS where HAVE_AVX512(), else NULL */
 static RowKernel nibble_kernel_avx512(int ggml_type) {
     if (!HAVE_AVX512()) return NULL;
-    return ggml_type == 20 ? iq4_nl_rows_avx512 : ggml_type == 39 ? mxfp4_rows_avx512 : NULL;
+    switch (ggml_type) {
+        case 20: return iq4_nl_rows_avx512;
+        case 39: return mxfp4_rows_avx512;
+        case 23: return iq4_xs_rows_avx512;
+        default: return NULL;
+    }
 }
 
 /* X(GGML type id, name, bytes a block, FACTOR, DELTAS): the SHARED_RUNS types, whose blocks
