@@ -1036,7 +1036,7 @@ AVX512_ALWAYS float iq4_xs_avx512(const uint8_t *x, const BlockQ8K *y, int64_t b
             const __m512i w = _mm512_shuffle_epi8(values, _mm512_and_si512(_mm512_srlv_epi16(q, shifts), nibble));
             const __m512i q8 = _mm512_loadu_si512(y[i].qs + 64 * j);
             const __m512i signed_q8 = _mm512_mask_sub_epi8(q8, _mm512_movepi8_mask(w), _mm512_setzero_si512(), q8);
-            const __m512i pair = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * j)), _mm256_set1_epi16((short)(4 * j + 2)), 1);
+            const __m512i pair = _mm512_mask_set1_epi16(_mm512_set1_epi16((short)(4 * j)), 0xFFFF0000u, (short)(4 * j + 2));
             const __m512i run_scales = _mm512_permutexvar_epi16(pair, scales);
             sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(_mm512_abs_epi8(w), signed_q8), run_scales);
         }
@@ -1047,13 +1047,58 @@ AVX512_ALWAYS float iq4_xs_avx512(const uint8_t *x, const BlockQ8K *y, int64_t b
 }
 IQ_ROWS(iq4_xs_rows_avx512, AVX512_TARGET, iq4_xs_avx512, q8, 256)
 
-/* the AVX-512 kernel of IQ4_NL, MXFP4 or IQ4_XS where HAVE_AVX512(), else NULL */
+/* The ternary types with AVX-512: runs 2j, 2j + 1 in one vector, VPDPBUSD of the codes 0..2 with the
+ * activations, folded onto eight lanes at the block's end, less the Q8_K sums of 32 as ternary_total
+ * takes them: ggml's lanes, exact, and the AVX2 kernel's float operations */
+AVX512_ALWAYS __m512i tq2_0_sums(const uint8_t *x, const BlockQ8K *y) {
+    __m512i sums = _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++) { /* runs 2j, 2j + 1: bits 4 (j % 2) and 4 (j % 2) + 2 of bytes 32 (j / 2).. */
+        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x + 32 * (j / 2))));
+        const __m512i shifts = _mm512_mask_set1_epi16(_mm512_set1_epi16((short)(4 * (j % 2))), 0xFFFF0000u,
+                                                      (short)(4 * (j % 2) + 2));
+        const __m512i codes = _mm512_and_si512(_mm512_srlv_epi16(q, shifts), _mm512_set1_epi8(3));
+        sums = _mm512_dpbusd_epi32(sums, codes, _mm512_loadu_si512(y->qs + 64 * j));
+    }
+    return sums;
+}
+
+AVX512_ALWAYS __m512i tq1_0_sums(const uint8_t *x, const BlockQ8K *y) {
+    __m256i codes[8];
+    tq1_0_codes(x, codes);
+    __m512i sums = _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++)
+        sums = _mm512_dpbusd_epi32(sums, _mm512_inserti64x4(_mm512_castsi256_si512(codes[2 * j]), codes[2 * j + 1], 1),
+                                   _mm512_loadu_si512(y->qs + 64 * j));
+    return sums;
+}
+
+#define TERNARY_DOT_AVX512(NAME, BYTES, D_AT)                                                              \
+    AVX512_ALWAYS float NAME##_avx512(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {                \
+        __m256 acc = _mm256_setzero_ps();                                                                   \
+        for (int64_t i = 0; i < blocks; i++, x += (BYTES)) {                                                \
+            const __m512i sums = NAME##_sums(x, y + i);                                                     \
+            const __m256i bsums16 = _mm256_loadu_si256((const __m256i *)y[i].bsums);                         \
+            const __m256i bsums = _mm256_madd_epi16(bsums16, _mm256_set1_epi16(1));                         \
+            const __m256i lanes = _mm256_sub_epi32(                                                         \
+                _mm256_add_epi32(_mm512_castsi512_si256(sums), _mm512_extracti64x4_epi64(sums, 1)), bsums); \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(y[i].d * f16c(x + (D_AT))), acc); \
+        }                                                                                                   \
+        return hsum_lanes(acc);                                                                             \
+    }                                                                                                       \
+    IQ_ROWS(NAME##_rows_avx512, AVX512_TARGET, NAME##_avx512, q8, 256)
+
+TERNARY_DOT_AVX512(tq2_0, 66, 64)
+TERNARY_DOT_AVX512(tq1_0, 54, 52)
+
+/* the AVX-512 kernel of IQ4_NL, MXFP4, IQ4_XS, TQ2_0 or TQ1_0 where HAVE_AVX512(), else NULL */
 static RowKernel nibble_kernel_avx512(int ggml_type) {
     if (!HAVE_AVX512()) return NULL;
     switch (ggml_type) {
         case 20: return iq4_nl_rows_avx512;
         case 39: return mxfp4_rows_avx512;
         case 23: return iq4_xs_rows_avx512;
+        case 35: return tq2_0_rows_avx512;
+        case 34: return tq1_0_rows_avx512;
         default: return NULL;
     }
 }
