@@ -7,7 +7,10 @@
  *   float sum over the blocks, d * (integer sum) added per block (per 32 values for IQ4_XS);
  * - the AVX2 kernels do ggml's AVX2 ones: a block's integer sums in eight lanes (lane l: values 4l..4l+3
  *   of each run of 32, times the run's scale), d times the lanes added into eight float lanes by FMA,
- *   summed at the end as hsum_float_8 does.
+ *   summed at the end as hsum_float_8 does;
+ * - the AVX-512 kernels of IQ4_NL, MXFP4, IQ4_XS, TQ2_0 and TQ1_0 (where HAVE_AVX512()) form the AVX2
+ *   kernels' lanes two runs a vector (VNNI) and take the same float operations: the same bits. (The grid
+ *   types' AVX-512 kernels, `iquants_avx512.c`, keep their own float order.)
  * The lookup grids are not written here: `set_iq_grids` receives them from the `gguf` package at import.
  */
 #define PY_SSIZE_T_CLEAN
