@@ -9,8 +9,9 @@
  *   of each run of 32, times the run's scale), d times the lanes added into eight float lanes by FMA,
  *   summed at the end as hsum_float_8 does;
  * - the AVX-512 kernels of IQ4_NL, MXFP4, IQ4_XS, TQ2_0 and TQ1_0 (where HAVE_AVX512()) form the AVX2
- *   kernels' lanes two runs a vector (VNNI) and take the same float operations: the same bits. (The grid
- *   types' AVX-512 kernels, `iquants_avx512.c`, keep their own float order.)
+ *   kernels' lanes with VNNI (two runs a 512-bit vector but the ternary types') and take the same float
+ *   operations: the same bits. (The grid types' AVX-512 kernels, `iquants_avx512.c`, keep their own
+ *   float order.)
  * The lookup grids are not written here: `set_iq_grids` receives them from the `gguf` package at import.
  */
 #define PY_SSIZE_T_CLEAN
@@ -875,26 +876,22 @@ AVX2_ALWAYS __m256i top_trits(__m256i q) {
 
 AVX2_ALWAYS __m256i times3(__m256i q) { return _mm256_add_epi8(q, _mm256_add_epi8(q, q)); } /* mod 256 */
 
-/* TQ1_0's bytes 32..51 scaled for the top trits of runs 5, 6, 7 (bytes 32..47 times 1, 3 / 9, 27 / 81
- * beside the last 4 bytes times 1, 3, 9, 27) */
-AVX2_ALWAYS void tq1_0_rest(const uint8_t *x, __m256i scaled[3]) {
+/* TQ1_0's codes in value order, 32 a vector: trit k of byte m is value 32k + m (bytes 0..31), 160 +
+ * 16k + m (32..47), 240 + 4k + j (48..51) */
+AVX2_ALWAYS void tq1_0_codes(const uint8_t *x, __m256i codes[8]) {
+    __m256i scaled = _mm256_loadu_si256((const __m256i *)x);
+    for (int k = 0; k < 5; k++, scaled = times3(scaled)) codes[k] = top_trits(scaled);
     const __m128i rest = _mm_loadu_si128((const __m128i *)(x + 32));
-    scaled[0] = _mm256_set_m128i(_mm_add_epi8(rest, _mm_add_epi8(rest, rest)), rest); /* trits 0, 1 */
-    scaled[1] = times3(times3(scaled[0]));                                             /* trits 2, 3 */
+    const __m256i pair = _mm256_set_m128i(_mm_add_epi8(rest, _mm_add_epi8(rest, rest)), rest); /* trits 0, 1 */
+    const __m256i pair9 = times3(times3(pair));                                                  /* trits 2, 3 */
+    /* the last 4 bytes times 1, 3, 9, 27 in the high half, after trit 4 of bytes 32..47 */
     const __m256i wide = _mm256_cvtepu8_epi16(_mm_set1_epi32((int)u32_at(x + 48)));
     const __m256i powers = _mm256_set_epi16(27, 27, 27, 27, 9, 9, 9, 9, 3, 3, 3, 3, 1, 1, 1, 1);
     const __m256i products = _mm256_and_si256(_mm256_mullo_epi16(wide, powers), _mm256_set1_epi16(0xFF));
     const __m128i tail = _mm_packus_epi16(_mm256_castsi256_si128(products), _mm256_extracti128_si256(products, 1));
-    scaled[2] = _mm256_inserti128_si256(times3(times3(scaled[1])), tail, 1); /* trit 4, the tail */
-}
-
-/* TQ1_0's codes in value order, 32 a vector: trit k of byte m is value 32k + m (bytes 0..31), 160 +
- * 16k + m (32..47), 240 + 4k + j (48..51) */
-AVX2_ALWAYS void tq1_0_codes(const uint8_t *x, __m256i codes[8]) {
-    __m256i scaled = _mm256_loadu_si256((const __m256i *)x), rest[3];
-    for (int k = 0; k < 5; k++, scaled = times3(scaled)) codes[k] = top_trits(scaled);
-    tq1_0_rest(x, rest);
-    for (int k = 0; k < 3; k++) codes[5 + k] = top_trits(rest[k]);
+    codes[5] = top_trits(pair);
+    codes[6] = top_trits(pair9);
+    codes[7] = top_trits(_mm256_inserti128_si256(times3(times3(pair9)), tail, 1));
 }
 
 AVX2_ALWAYS __m256i tq1_0_pairs(const uint8_t *x, const BlockQ8K *y) {
@@ -1054,56 +1051,33 @@ AVX512_ALWAYS float iq4_xs_avx512(const uint8_t *x, const BlockQ8K *y, int64_t b
 }
 IQ_ROWS(iq4_xs_rows_avx512, AVX512_TARGET, iq4_xs_avx512, q8, 256)
 
-/* The ternary types with AVX-512: runs 2j, 2j + 1 in one vector, VPDPBUSD of the codes 0..2 with the
- * activations, folded onto eight lanes at the block's end, less the Q8_K sums of 32 as ternary_total
- * takes them: ggml's lanes, exact, and the AVX2 kernel's float operations */
-AVX512_ALWAYS __m512i tq2_0_sums(const uint8_t *x, const BlockQ8K *y) {
-    __m512i sums = _mm512_setzero_si512();
-    for (int j = 0; j < 4; j++) { /* runs 2j, 2j + 1: bits 4 (j % 2) and 4 (j % 2) + 2 of bytes 32 (j / 2).. */
-        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x + 32 * (j / 2))));
-        const __m512i shifts = _mm512_mask_set1_epi16(_mm512_set1_epi16((short)(4 * (j % 2))), 0xFFFF0000u,
-                                                      (short)(4 * (j % 2) + 2));
-        const __m512i codes = _mm512_and_si512(_mm512_srlv_epi16(q, shifts), _mm512_set1_epi8(3));
-        sums = _mm512_dpbusd_epi32(sums, codes, _mm512_loadu_si512(y->qs + 64 * j));
-    }
-    return sums;
+/* The ternary types with AVX-512: VPDPBUSD (256-bit) of each run's codes 0..2 with its activations gives
+ * ggml's lanes (lane l: values 4l..4l + 3 of every run), less the Q8_K sums of 32 as ternary_total takes
+ * them: exact, and the AVX2 kernel's float operations. Even and odd runs in two sums (one chain of eight
+ * VPDPBUSD was 1.1x slower, as slow as the AVX2 kernel, on AMD EPYC). 512-bit vectors of two runs each
+ * gained nothing there. */
+AVX512_ALWAYS __m256i tq2_0_sums(const uint8_t *x, const BlockQ8K *y) {
+    __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int run = 0; run < 8; run++)
+        sums[run & 1] = _mm256_dpbusd_epi32(sums[run & 1], tq2_0_codes(x, run), q8_run(y, run));
+    return _mm256_add_epi32(sums[0], sums[1]);
 }
 
-/* top_trits and times3 on 64 bytes */
-AVX512_ALWAYS __m512i top_trits512(__m512i q) {
-    const __m512i a = _mm512_subs_epu8(q, _mm512_set1_epi8(1));
-    const __m512i scaled = _mm512_avg_epu8(a, _mm512_avg_epu8(a, _mm512_setzero_si512()));
-    return _mm512_and_si512(_mm512_srli_epi16(scaled, 6), _mm512_set1_epi8(3));
-}
-
-AVX512_ALWAYS __m512i times3_512(__m512i q) { return _mm512_add_epi8(q, _mm512_add_epi8(q, q)); }
-
-/* tq1_0_codes' runs in pairs: bytes 0..31 times 1 and 3 (runs 0, 1), 9 and 27 (2, 3), 81 (4) beside
- * run 5, then runs 6, 7 (tq1_0_rest) */
-AVX512_ALWAYS __m512i tq1_0_sums(const uint8_t *x, const BlockQ8K *y) {
-    const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)x));
-    const __m512i runs01 = _mm512_mask_add_epi8(q, 0xFFFFFFFF00000000ULL, q, _mm512_add_epi8(q, q));
-    const __m512i runs23 = times3_512(times3_512(runs01));
-    __m256i rest[3];
-    tq1_0_rest(x, rest);
-    const __m512i runs45 = _mm512_inserti64x4(times3_512(times3_512(runs23)), rest[0], 1);
-    const __m512i runs67 = _mm512_inserti64x4(_mm512_castsi256_si512(rest[1]), rest[2], 1);
-    const __m512i runs[4] = {runs01, runs23, runs45, runs67};
-    __m512i sums = _mm512_setzero_si512();
-    for (int j = 0; j < 4; j++)
-        sums = _mm512_dpbusd_epi32(sums, top_trits512(runs[j]), _mm512_loadu_si512(y->qs + 64 * j));
-    return sums;
+AVX512_ALWAYS __m256i tq1_0_sums(const uint8_t *x, const BlockQ8K *y) {
+    __m256i codes[8], sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    tq1_0_codes(x, codes);
+    for (int run = 0; run < 8; run++) sums[run & 1] = _mm256_dpbusd_epi32(sums[run & 1], codes[run], q8_run(y, run));
+    return _mm256_add_epi32(sums[0], sums[1]);
 }
 
 #define TERNARY_DOT_AVX512(NAME, BYTES, D_AT)                                                              \
     AVX512_ALWAYS float NAME##_avx512(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {                \
         __m256 acc = _mm256_setzero_ps();                                                                   \
         for (int64_t i = 0; i < blocks; i++, x += (BYTES)) {                                                \
-            const __m512i sums = NAME##_sums(x, y + i);                                                     \
+            const __m256i sums = NAME##_sums(x, y + i);                                                     \
             const __m256i bsums16 = _mm256_loadu_si256((const __m256i *)y[i].bsums);                         \
             const __m256i bsums = _mm256_madd_epi16(bsums16, _mm256_set1_epi16(1));                         \
-            const __m256i lanes = _mm256_sub_epi32(                                                         \
-                _mm256_add_epi32(_mm512_castsi512_si256(sums), _mm512_extracti64x4_epi64(sums, 1)), bsums); \
+            const __m256i lanes = _mm256_sub_epi32(sums, bsums);                                            \
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(y[i].d * f16c(x + (D_AT))), acc); \
         }                                                                                                   \
         return hsum_lanes(acc);                                                                             \
