@@ -28,6 +28,8 @@ TYPES = [T.IQ2_XXS, T.IQ1_S, T.IQ4_XS, T.IQ2_XS, T.IQ3_XXS, T.IQ3_S, T.IQ2_S, T.
          T.TQ2_0, T.MXFP4]  # fmt: skip
 SHAPES = [(5, 256, 1), (37, 512, 3), (19, 2048, 5)]  # 5 rows: four sharing decoded runs, one alone
 AVX512_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S]  # the types with AVX-512 kernels
+# the types whose AVX-512 kernels give their AVX2 kernels' (llama.cpp's) bits
+AVX2_BITS_AVX512_TYPES = [T.IQ4_NL, T.MXFP4, T.IQ4_XS, T.TQ2_0, T.TQ1_0]
 
 
 def matrix(qt: T, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -82,6 +84,21 @@ def test_the_kernels_are_llama_cpps_dot_products_bit_for_bit(qt, rows, cols, cou
     assert np.array_equal(product(qt, w, x), ggml_product(qt, w, x, generic=not avx2))
     monkeypatch.setenv("K3STREAM_GENERIC_KERNELS", "1")
     assert np.array_equal(product(qt, w, x), ggml_product(qt, w, x, generic=True))
+
+
+@needs_llama
+@pytest.mark.parametrize(
+    "qt,rows,cols,count",
+    [(t, *shape) for t in AVX2_BITS_AVX512_TYPES for shape in SHAPES]
+    + [(t, 3, 288, 2) for t in AVX2_BITS_AVX512_TYPES if GGML_QUANT_SIZES[t][0] == 32],  # odd block counts
+    ids=str,
+)
+def test_the_avx512_kernels_of_the_nibble_types_are_llama_cpps_bits(qt, rows, cols, count, monkeypatch):
+    """IQ4_NL's, MXFP4's, IQ4_XS's and the ternary types' AVX-512 kernels keep the AVX2 kernels' integer
+    lanes and float operations: llama.cpp's AVX2 vec_dot bit for bit."""
+    take_kernel_isa("avx512", monkeypatch)
+    w, x = matrix(qt, rows, cols, seed=rows), inputs(count, cols, seed=cols)
+    assert np.array_equal(product(qt, w, x), ggml_product(qt, w, x, generic=False))
 
 
 @needs_llama

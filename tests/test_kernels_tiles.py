@@ -14,8 +14,8 @@ from gguf.constants import GGMLQuantizationType as T
 from conftest import KERNEL_ISAS, take_kernel_isa
 from k3stream.quant.kernels import cpu
 from k3stream.testing import ggml_oracle
+from test_kernels_iquants import AVX2_BITS_AVX512_TYPES, inputs
 from test_kernels_iquants import AVX512_TYPES as GRID_AVX512_TYPES
-from test_kernels_iquants import inputs
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C kernels were not built with this install")
 needs_llama = pytest.mark.skipif(
@@ -32,8 +32,8 @@ ISAS = pytest.mark.parametrize("isa", KERNEL_ISAS)
 # grid i-quants' (their own lanes: held within a few ulp in test_kernels_iquants)
 LLAMA_EXACT_ISAS = [(t, isa) for t in LLAMA_EXACT for isa in ("avx512", "avx2")
                     if not (isa == "avx512" and t in GRID_AVX512_TYPES)]  # fmt: skip
-# the types with AVX-512 one-row kernels (`kquants_avx512.c`)
-KQUANT_AVX512_TYPES = [T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K]
+# the types whose AVX-512 one-row kernels keep the AVX2 ones' bits (`kquants_avx512.c`, `iquants_cpu.c`)
+SAME_BITS_AVX512_TYPES = [T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K, *AVX2_BITS_AVX512_TYPES]
 # input rows: one (the one-row kernel), the tile's groups and tails, past the 64 parked rows
 COUNTS = [1, 2, 3, 5, 8, 17, 24, 64, 70]
 # (weight rows, width): weight-row groups of 4 with tails of 1-3, tasks of 32 rows; chunks of 4
@@ -179,7 +179,7 @@ def test_activations_round_as_ggml_quantizes_them(isa, monkeypatch):
         assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), qt.name
 
 
-@pytest.mark.parametrize("qt", KQUANT_AVX512_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", SAME_BITS_AVX512_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("out_rows,cols", [(5, 256), (7, 1280), (3, 7168)])
 def test_the_avx512_kernels_give_the_avx2_kernels_bits(qt, out_rows, cols, monkeypatch):
     """The AVX-512 one-row kernels (one to five input rows a matrix: below the tiles) form the AVX2

@@ -7,7 +7,11 @@
  *   float sum over the blocks, d * (integer sum) added per block (per 32 values for IQ4_XS);
  * - the AVX2 kernels do ggml's AVX2 ones: a block's integer sums in eight lanes (lane l: values 4l..4l+3
  *   of each run of 32, times the run's scale), d times the lanes added into eight float lanes by FMA,
- *   summed at the end as hsum_float_8 does.
+ *   summed at the end as hsum_float_8 does;
+ * - the AVX-512 kernels of IQ4_NL, MXFP4, IQ4_XS, TQ2_0 and TQ1_0 (where HAVE_AVX512()) form the AVX2
+ *   kernels' lanes with VNNI (two runs a 512-bit vector but the ternary types') and take the same float
+ *   operations: the same bits. (The grid types' AVX-512 kernels, `iquants_avx512.c`, keep their own
+ *   float order.)
  * The lookup grids are not written here: `set_iq_grids` receives them from the `gguf` package at import.
  */
 #define PY_SSIZE_T_CLEAN
@@ -956,6 +960,146 @@ TERNARY_DOT(tq1_0, 54, 52)
 PAIRED_DOT(iq4_nl, 18, iq4nl_values, f16c(x), 2)
 PAIRED_DOT(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
 
+/* ... with AVX-512 (VBMI, VNNI): a pair of blocks in one vector, the first's 32 values in its low half
+ * and the second's in its high half, so the float lanes are the AVX2 kernel's acc1 (low) and acc2
+ * (high) and every output its bits. Each nibble looks up its value + 128 (unsigned); VPDPBUSD of those
+ * with the codes, started from -128 times each lane's four codes, gives the lanes of ggml's
+ * maddubs(|w|, sign(y, w)) summed in pairs: the exact products of values 4l..4l + 3. */
+#define AVX512_ALWAYS AVX512_TARGET static inline __attribute__((always_inline))
+
+/* the nibbles of blocks x, x + bytes as bytes: 16 low ones of the first, its 16 high ones, the second's */
+AVX512_ALWAYS __m512i nibble_pair(const uint8_t *x, int bytes, int codes_at) {
+    const __m512i raw = _mm512_maskz_loadu_epi8(((__mmask64)1 << (2 * bytes)) - 1, x); /* no read past the row */
+    const __m512i at = _mm512_add_epi8(_mm512_set4_epi32(0x0F0E0D0C, 0x0B0A0908, 0x07060504, 0x03020100),
+                                       _mm512_set1_epi8((char)codes_at));
+    const __m512i second = _mm512_maskz_set1_epi8(0xFFFFFFFF00000000ULL, (char)bytes); /* 128-bit lanes 2, 3 */
+    const __m512i q = _mm512_permutexvar_epi8(_mm512_add_epi8(at, second), raw);
+    const __m512i shifts = _mm512_maskz_set1_epi16(0xFF00FF00u, 4); /* 128-bit lanes 1, 3: the high nibbles */
+    return _mm512_and_si512(_mm512_srlv_epi16(q, shifts), _mm512_set1_epi8(15));
+}
+
+/* the 8-bit codes of blocks y, y + 1 in the two halves */
+AVX512_ALWAYS __m512i q8_0_pair(const BlockQ8_0 *y) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y[0].qs)),
+                              _mm256_loadu_si256((const __m256i *)y[1].qs), 1);
+}
+
+#define PAIRED_DOT_AVX512(NAME, BYTES, VALUES, SCALE, CODES)                                               \
+    AVX512_ALWAYS float NAME##_d(const uint8_t *x, const BlockQ8_0 *y) { return y->d * (SCALE); }          \
+    AVX512_ALWAYS float NAME##_avx512(const uint8_t *row, const BlockQ8_0 *y, int64_t blocks) {             \
+        const __m512i flip = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();                  \
+        const __m512i values = _mm512_xor_si512(                                                            \
+            _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(VALUES))), flip); /* value + 128 */    \
+        __m512 acc = _mm512_setzero_ps();                                                                   \
+        int64_t i = 0;                                                                                      \
+        for (; i + 1 < blocks; i += 2) {                                                                    \
+            const uint8_t *x = row + i * (BYTES);                                                           \
+            const __m512i q8 = q8_0_pair(y + i);                                                            \
+            const __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, q8));             \
+            const __m512i w = _mm512_shuffle_epi8(values, nibble_pair(x, BYTES, CODES));                    \
+            const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(NAME##_d(x, y + i)),              \
+                                                  _mm512_set1_ps(NAME##_d(x + (BYTES), y + i + 1)));        \
+            acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w, q8)), acc);          \
+        }                                                                                                   \
+        const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));             \
+        const float sumf = hsum_lanes(_mm256_add_ps(_mm512_castps512_ps256(acc), high));                   \
+        return i < blocks ? sumf + NAME##_generic(row + i * (BYTES), y + i, 1) : sumf;                     \
+    }                                                                                                       \
+    IQ_ROWS(NAME##_rows_avx512, AVX512_TARGET, NAME##_avx512, q8_0, 32)
+
+PAIRED_DOT_AVX512(iq4_nl, 18, iq4nl_values, f16c(x), 2)
+PAIRED_DOT_AVX512(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
+
+/* IQ4_XS with AVX-512: runs 2j, 2j + 1 of a block in one vector (low, high half), their lanes
+ * madd(maddubs(|w|, y negated where w is), scales) as iq4_xs_run's, folded onto eight at the block's end
+ * (exact integers): the AVX2 kernel's lanes and float operations, its bits */
+
+/* the block's eight run scales (6 bits, less 32) as int32 lanes, run ib in lane ib */
+AVX512_ALWAYS __m256i iq4_xs_scales(const uint8_t *x) {
+    const __m256i low = _mm256_srlv_epi32(_mm256_set1_epi32((int)u32_at(x + 4)),
+                                          _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    const __m256i high = _mm256_srlv_epi32(_mm256_set1_epi32(u16_at(x + 2)),
+                                           _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    const __m256i scales = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(15)),
+                                           _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(3)), 4));
+    return _mm256_sub_epi32(scales, _mm256_set1_epi32(32));
+}
+
+AVX512_ALWAYS float iq4_xs_avx512(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {
+    const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)iq4nl_values));
+    const __m512i halves = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0); /* 16 bytes each twice */
+    const __m512i shifts = _mm512_maskz_set1_epi16(0xFF00FF00u, 4);  /* 128-bit lanes 1, 3: high nibbles */
+    const __m512i nibble = _mm512_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < blocks; i++, x += 136) {
+        const __m512i scales = _mm512_castsi256_si512(iq4_xs_scales(x)); /* run ib's at int16 lane 2ib */
+        __m512i sumi = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m256i codes = _mm256_loadu_si256((const __m256i *)(x + 8 + 32 * j));
+            const __m512i q = _mm512_permutexvar_epi64(halves, _mm512_castsi256_si512(codes));
+            const __m512i w = _mm512_shuffle_epi8(values, _mm512_and_si512(_mm512_srlv_epi16(q, shifts), nibble));
+            const __m512i q8 = _mm512_loadu_si512(y[i].qs + 64 * j);
+            const __m512i signed_q8 = _mm512_mask_sub_epi8(q8, _mm512_movepi8_mask(w), _mm512_setzero_si512(), q8);
+            const __m512i pair = _mm512_mask_set1_epi16(_mm512_set1_epi16((short)(4 * j)), 0xFFFF0000u, (short)(4 * j + 2));
+            const __m512i run_scales = _mm512_permutexvar_epi16(pair, scales);
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(_mm512_abs_epi8(w), signed_q8), run_scales);
+        }
+        const __m256i lanes = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16c(x) * y[i].d), _mm256_cvtepi32_ps(lanes), acc);
+    }
+    return hsum_lanes(acc);
+}
+IQ_ROWS(iq4_xs_rows_avx512, AVX512_TARGET, iq4_xs_avx512, q8, 256)
+
+/* The ternary types with AVX-512: VPDPBUSD (256-bit) of each run's codes 0..2 with its activations gives
+ * ggml's lanes (lane l: values 4l..4l + 3 of every run), less the Q8_K sums of 32 as ternary_total takes
+ * them: exact, and the AVX2 kernel's float operations. Even and odd runs in two sums (one chain of eight
+ * VPDPBUSD was 1.1x slower, as slow as the AVX2 kernel, on AMD EPYC). 512-bit vectors of two runs each
+ * gained nothing there. */
+AVX512_ALWAYS __m256i tq2_0_sums(const uint8_t *x, const BlockQ8K *y) {
+    __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int run = 0; run < 8; run++)
+        sums[run & 1] = _mm256_dpbusd_epi32(sums[run & 1], tq2_0_codes(x, run), q8_run(y, run));
+    return _mm256_add_epi32(sums[0], sums[1]);
+}
+
+AVX512_ALWAYS __m256i tq1_0_sums(const uint8_t *x, const BlockQ8K *y) {
+    __m256i codes[8], sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    tq1_0_codes(x, codes);
+    for (int run = 0; run < 8; run++) sums[run & 1] = _mm256_dpbusd_epi32(sums[run & 1], codes[run], q8_run(y, run));
+    return _mm256_add_epi32(sums[0], sums[1]);
+}
+
+#define TERNARY_DOT_AVX512(NAME, BYTES, D_AT)                                                              \
+    AVX512_ALWAYS float NAME##_avx512(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {                \
+        __m256 acc = _mm256_setzero_ps();                                                                   \
+        for (int64_t i = 0; i < blocks; i++, x += (BYTES)) {                                                \
+            const __m256i sums = NAME##_sums(x, y + i);                                                     \
+            const __m256i bsums16 = _mm256_loadu_si256((const __m256i *)y[i].bsums);                         \
+            const __m256i bsums = _mm256_madd_epi16(bsums16, _mm256_set1_epi16(1));                         \
+            const __m256i lanes = _mm256_sub_epi32(sums, bsums);                                            \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(y[i].d * f16c(x + (D_AT))), acc); \
+        }                                                                                                   \
+        return hsum_lanes(acc);                                                                             \
+    }                                                                                                       \
+    IQ_ROWS(NAME##_rows_avx512, AVX512_TARGET, NAME##_avx512, q8, 256)
+
+TERNARY_DOT_AVX512(tq2_0, 66, 64)
+TERNARY_DOT_AVX512(tq1_0, 54, 52)
+
+/* the AVX-512 kernel of IQ4_NL, MXFP4, IQ4_XS, TQ2_0 or TQ1_0 where HAVE_AVX512(), else NULL */
+static RowKernel nibble_kernel_avx512(int ggml_type) {
+    if (!HAVE_AVX512()) return NULL;
+    switch (ggml_type) {
+        case 20: return iq4_nl_rows_avx512;
+        case 39: return mxfp4_rows_avx512;
+        case 23: return iq4_xs_rows_avx512;
+        case 35: return tq2_0_rows_avx512;
+        case 34: return tq1_0_rows_avx512;
+        default: return NULL;
+    }
+}
+
 /* X(GGML type id, name, bytes a block, FACTOR, DELTAS): the SHARED_RUNS types, whose blocks
  * `iq_run_type` decodes for the multi-row kernels (`tiles_cpu.c`) */
 #define SHARED_RUN_TYPES(X)                                                                              \
@@ -990,6 +1134,7 @@ ROW_TYPES(AVX2_ROWS)
 #define AVX2_ROWS_OF(NAME) NAME##_rows_avx2
 #else
 #define AVX2_ROWS_OF(NAME) NULL
+static RowKernel nibble_kernel_avx512(int ggml_type) { return NULL; }
 IqRunType iq_run_type(int ggml_type, int avx2) { return (IqRunType){NULL, 0, 0, 0.0f}; }
 #endif
 
@@ -1009,8 +1154,9 @@ static RowKernel ggml_kernel(int ggml_type, int avx2) {
 
 /* ... the AVX-512 one first where the machine has it */
 RowKernel iq_q8_kernel(int ggml_type, int avx2) {
-    const RowKernel planes = avx2 && grids_set ? iq_avx512_kernel(ggml_type) : NULL;
-    return planes != NULL ? planes : ggml_kernel(ggml_type, avx2);
+    if (!avx2 || !grids_set) return ggml_kernel(ggml_type, avx2);
+    const RowKernel planes = iq_avx512_kernel(ggml_type), nibbles = nibble_kernel_avx512(ggml_type);
+    return planes != NULL ? planes : nibbles != NULL ? nibbles : ggml_kernel(ggml_type, avx2);
 }
 
 RowKernel iq_q8_kernel_avx2(int ggml_type) { return ggml_kernel(ggml_type, 1); }

@@ -73,7 +73,8 @@ INLINE void prefetch_ahead(const uint8_t *at, int64_t bytes) {
 }
 
 /* ggml's integer kernels of the i-quants, ternary types and MXFP4 on 8-bit activations (`iquants_cpu.c`):
- * a type's row kernel (NULL: none) and whether its activations are Q8_0 (else Q8_K) blocks */
+ * a type's row kernel (NULL: none; the AVX-512 one where HAVE_AVX512()) and whether its activations are
+ * Q8_0 (else Q8_K) blocks */
 RowKernel iq_q8_kernel(int ggml_type, int avx2);
 /* ... ggml's AVX2 (else portable) one alone */
 RowKernel iq_q8_kernel_avx2(int ggml_type);
