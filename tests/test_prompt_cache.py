@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -237,6 +239,30 @@ def test_a_damaged_parent_makes_its_children_misses(model, fingerprint, tmp_path
     assert got.reused == first_turn  # the response end of turn 1: before the damage
     assert f"its parent snapshot of {len(prompts[1])} tokens" in caplog.text
     assert restarted.stats.disk_errors >= 1
+
+
+def test_a_snapshot_file_cut_before_its_rename_is_removed_at_the_next_start(
+    model, fingerprint, tmp_path, monkeypatch
+):
+    """A process killed between writing a snapshot and renaming it leaves the temp file under the name
+    the writer gave it: the next start on the directory removes it."""
+    temporaries: list[Path] = []
+    rename = os.replace
+
+    def recorded(source, target):
+        temporaries.append(Path(source))
+        rename(source, target)
+
+    monkeypatch.setattr(os, "replace", recorded)
+    cache = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30)
+    cache.prefill(ids(model, 25, seed=7))
+    cache.close()
+    monkeypatch.undo()
+    assert temporaries and not any(path.exists() for path in temporaries)
+    left = temporaries[0]
+    left.write_bytes(b"half a snapshot")  # what a killed writer leaves
+    PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30).close()
+    assert not left.exists()
 
 
 def test_disk_eviction_never_orphans_a_file(model, fingerprint, tmp_path):

@@ -49,6 +49,7 @@ from k3stream.model.snapshot import (
     restore,
     take_snapshot,
 )
+from k3stream.pack.fileio import write_bytes_atomic
 from k3stream.quant.kernels import set_row_exact
 
 if TYPE_CHECKING:
@@ -620,7 +621,7 @@ class PromptCache:
             own, parent, identity = decode(path.read_bytes(), self.fingerprint, entry.tokens, self.model)
             rows = Snapshot(own.length, tuple(layer if _is_rows(layer) else None for layer in own.layers))
             reference = parent if parent[0] else None
-            _write_atomically(path, encode(self.fingerprint, entry.tokens, rows, reference, 0, identity))
+            write_bytes_atomic(path, encode(self.fingerprint, entry.tokens, rows, reference, 0, identity))
         except (OSError, ValueError) as error:
             log.warning("prompt cache: cannot trim %s: %s", path, error)
             self.stats.disk_errors += 1
@@ -667,7 +668,7 @@ class PromptCache:
         payload = encode(self.fingerprint, entry.tokens, snapshot, reference)
         path = self.disk_dir / file_name(entry.tokens)
         try:
-            _write_atomically(path, payload)
+            write_bytes_atomic(path, payload)
         except OSError as error:
             log.warning("prompt cache: cannot write %s: %s", path, error)
             with self._lock:
@@ -788,20 +789,6 @@ def _rows_bytes(snapshot: Snapshot, parent: tuple[int, int] | None) -> int:
     """Bytes of the latent rows a file of `snapshot` holds (past its parent's length)."""
     start = 0 if parent is None else parent[0]
     return sum(4 * (rows.length - start) * rows.buffer.shape[1] for rows in snapshot.latents())
-
-
-def _write_atomically(path: Path, payload: bytes) -> None:
-    """`payload` written to a temporary name, synced and renamed to `path`."""
-    temporary = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
-    try:
-        with open(temporary, "wb") as stream:
-            stream.write(payload)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except OSError:
-        temporary.unlink(missing_ok=True)
-        raise
 
 
 def file_name(tokens: tuple[int, ...]) -> str:

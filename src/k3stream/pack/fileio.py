@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -59,14 +60,14 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, value: Any) -> None:
-    """Temp file, fsync, rename, fsync the directory: readers see the old file or the new one, and a
-    failure (unserialisable value, full disk, Ctrl-C) leaves no temp file behind."""
-    temporary = path.with_name(path.name + ".tmp")
+def write_bytes_atomic(path: Path, payload: bytes) -> None:
+    """Temp file (`<name>.tmp<pid>.<thread>`: concurrent writers never share one), fsync, rename, fsync
+    the directory: readers see the old file or the new one, and a failure (full disk, Ctrl-C) leaves
+    no temp file behind."""
+    temporary = path.with_name(f"{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
     try:
-        with temporary.open("w", encoding="utf-8", newline="\n") as stream:
-            json.dump(value, stream, ensure_ascii=False, indent=2, sort_keys=True)
-            stream.write("\n")
+        with temporary.open("wb") as stream:
+            stream.write(payload)
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, path)
@@ -74,6 +75,13 @@ def write_json_atomic(path: Path, value: Any) -> None:
         temporary.unlink(missing_ok=True)
         raise
     fsync_directory(path.parent)
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    """`value` as sorted, indented JSON, by `write_bytes_atomic` (an unserialisable value writes
+    nothing)."""
+    text = json.dumps(value, ensure_ascii=False, indent=2, sort_keys=True) + "\n"
+    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def read_bounded(path: Path, limit: int) -> bytes:
