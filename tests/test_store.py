@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import resource
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -127,6 +130,77 @@ def test_reads_reuse_the_buffers_of_evicted_experts_and_serve_the_gguf_bytes(pac
     assert stats["pack_reads"] > 3 * slots
     assert stats["buffers_made"] <= slots + pack.top_k  # the cache, and the step a caller still holds
     assert stats["buffers_reused"] == stats["pack_reads"] - stats["buffers_made"]
+
+
+def _minor_faults(who: int = resource.RUSAGE_SELF) -> int:
+    return resource.getrusage(who).ru_minflt
+
+
+def _prefaulted(store: ExpertStore, buffers: int, seconds: float = 20.0) -> dict:
+    """The store's stats once its background thread made `buffers` read buffers ahead of the reads
+    (or `seconds` passed)."""
+    deadline = time.monotonic() + seconds
+    while store.stats().get("buffers_prefaulted") != buffers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return store.stats()
+
+
+def test_a_budget_holding_the_pack_reads_into_buffers_faulted_in_ahead(packed):
+    """A cold read of every object into a RAM tier that holds them all (a resident budget's cold
+    prefill): the buffers were made, their pages faulted in, while nothing read (the model's load),
+    so the reads make no buffer and fault almost none of the pages they write."""
+    gguf_path, pack = packed
+    objects = len(pack.moe_layers) * pack.num_experts
+    pages = objects * pack.object_bytes // mmap.PAGESIZE
+    with ExpertStore(pack, ram_mib=budget(pack, 2 * objects), prefetch=False, direct_io=True) as store:
+        made_ahead = _prefaulted(store, objects).get("buffers_prefaulted")
+        before = _minor_faults()
+        steps = [
+            (layer, range(first, min(first + pack.top_k, pack.num_experts)))
+            for layer in pack.moe_layers
+            for first in range(0, pack.num_experts, pack.top_k)
+        ]
+        held = [store.fetch(layer, experts) for layer, experts in steps]
+        faults = _minor_faults() - before
+        stats = store.stats()
+        layer, expert = steps[-1][0], steps[-1][1][-1]
+        expected = gguf_expert_bytes(gguf_path, layer, expert)["up"]
+        assert held[-1][expert].up.data.numpy().tobytes() == expected
+    assert faults < pages // 4, (faults, pages)
+    assert stats["pack_reads"] == stats["buffers_reused"] == objects and stats["buffers_made"] == 0
+    assert made_ahead == objects  # one a slot, never more than the pack's objects
+
+
+def test_buffers_made_ahead_stay_within_the_tier_slots(packed):
+    """A budget of a few working sets: the buffers made ahead fill its slots, no more, and reads then
+    recycle them (the process holds the tier's budget, as it would once that many experts were read)."""
+    _, pack = packed
+    rng = np.random.default_rng(3)
+    slots = 2 * pack.top_k
+    layer = pack.moe_layers[0]
+    with ExpertStore(pack, ram_mib=budget(pack, slots), prefetch=False) as store:
+        assert _prefaulted(store, slots).get("buffers_prefaulted") == slots
+        for _ in range(20):
+            weights = store.fetch(layer, random_route(rng, pack))
+            del weights
+        stats = store.stats()
+    assert stats["buffers_made"] == 0 and stats["buffers_reused"] == stats["pack_reads"] > slots
+
+
+@pytest.mark.skipif(not hasattr(resource, "RUSAGE_THREAD"), reason="needs per-thread rusage (Linux)")
+def test_a_buffer_made_ahead_has_its_pages_faulted_in():
+    """Writing every page of a prefaulted buffer faults nothing; of a fresh `host_buffer`, every page."""
+    nbytes = 8 << 20
+    pages = nbytes // mmap.PAGESIZE
+    for buffer, most in (
+        (pack_io.prefaulted_buffer(nbytes), pages // 16),
+        (pack_io.host_buffer(nbytes, True), None),
+    ):
+        before = _minor_faults(resource.RUSAGE_THREAD)
+        buffer[:: mmap.PAGESIZE] = 1
+        faults = _minor_faults(resource.RUSAGE_THREAD) - before
+        assert buffer.size == nbytes and buffer.ctypes.data % pack_io.ALIGNMENT == 0
+        assert faults < most if most is not None else faults >= pages, faults
 
 
 @pytest.mark.parametrize("policy", ["lfu-lru", "cycle", "arc"])

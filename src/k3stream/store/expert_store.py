@@ -61,6 +61,7 @@ COUNTERS = (
     "integrity_check_ns",
     "buffers_made",
     "buffers_reused",
+    "buffers_prefaulted",
 )
 
 
@@ -125,6 +126,8 @@ class ExpertStore:
         self._prefetcher: ThreadPoolExecutor | None = None  # hints
         self._reader_ahead: ThreadPoolExecutor | None = None  # read-ahead, never queued behind a hint
         self._trace: TraceWriter | None = None
+        self._prefaulter: threading.Thread | None = None
+        self._prefault_stop = threading.Event()
         try:
             direct = _direct_io(direct_io, ram_mib, len(self.moe_layers) * self.num_experts * self.slot_bytes)
             self._open(io_threads, read_splits, direct, simulated_read_latency_us, prefetch, record_trace)
@@ -132,6 +135,8 @@ class ExpertStore:
             self._release()
             raise
         buffers = RecycledBuffers(self.slot_bytes, keep=self._compute.cache.capacity)
+        if self._compute.name == "ram":
+            self._start_prefault(buffers, len(self.moe_layers) * self.num_experts)
         self._reader = ObjectReader(self.pack, self._file, self._live, self._lock, buffers)
         self.integrity_checked = self._reader.integrity_checked
         self._loader = Loader(self._reader, self._pins, self._lock, self._slot_freed, self.top_k)
@@ -169,6 +174,23 @@ class ExpertStore:
                     "object_bytes": self.slot_bytes,
                 },
             )
+
+    def _start_prefault(self, buffers: RecycledBuffers, objects: int) -> None:
+        """Make the RAM tier's read buffers (one a slot, no more than the pack has objects), their
+        pages faulted in, in a thread at the lowest priority: it runs on the CPU time the load and
+        the compute leave, mostly while the model's weights load from disk, so the first reads into
+        them (a cold prefill) fault nothing: O_DIRECT reads of the 128-expert real-dimension slice's
+        pack cost 0.25-0.27 s of system time a GB into fresh buffers, 0.03-0.04 into faulted ones
+        (`docs/real-model.md`). The process holds the tier's budget from the load on, as it would
+        once that many experts were read."""
+
+        def prefault() -> None:
+            with contextlib.suppress(AttributeError, OSError):  # Linux: the nice value of one thread
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            buffers.prefault(objects, self._prefault_stop)
+
+        self._prefaulter = threading.Thread(target=prefault, name="k3stream-prefault", daemon=True)
+        self._prefaulter.start()
 
     @property
     def max_experts_per_fetch(self) -> int:
@@ -380,6 +402,9 @@ class ExpertStore:
 
     def _release(self) -> None:
         """Shut down whatever the constructor opened (the prefetch threads first: they read the pack)."""
+        self._prefault_stop.set()
+        if self._prefaulter is not None:
+            self._prefaulter.join()
         for thread in (self._prefetcher, self._reader_ahead):
             if thread is not None:
                 thread.shutdown(wait=True, cancel_futures=True)

@@ -50,15 +50,17 @@ def split_ranges(nbytes: int, splits: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1] - bounds[i]) for i in range(splits) if bounds[i + 1] > bounds[i]]
 
 
-def _aligned_empty(nbytes: int) -> np.ndarray:
-    """A new page-aligned uint8 array on small pages: a mapping of its own, advised against
-    transparent huge pages. NumPy advises its large arrays for huge pages, and in a memory cgroup a
-    fresh huge page's fault (zeroing 2 MiB, charging it) cost the cold prefill of the 128-expert
-    real-dimension slice 1.4-1.5 s of system time for 730 MiB of fresh read buffers, against 0.2-0.3 s
-    on small pages (`docs/real-model.md`); a read overwrites every byte anyway."""
+def _aligned_empty(nbytes: int, huge_pages: bool = False) -> np.ndarray:
+    """A new page-aligned uint8 array, a mapping of its own: on small pages (advised against
+    transparent huge pages) unless `huge_pages`. NumPy advises its large arrays for huge pages, and
+    in a memory cgroup a fresh huge page's fault (zeroing 2 MiB, charging it) in a read cost the cold
+    prefill of the 128-expert real-dimension slice 1.4-1.5 s of system time for 730 MiB of fresh read
+    buffers, against 0.2-0.3 s on small pages (`docs/real-model.md`); a read overwrites every byte
+    anyway."""
     mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
-        mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    advice = "MADV_HUGEPAGE" if huge_pages else "MADV_NOHUGEPAGE"
+    if hasattr(mmap, advice):
+        mapping.madvise(getattr(mmap, advice))
     return np.frombuffer(mapping, dtype=np.uint8)[:nbytes]  # the array holds the mapping
 
 
@@ -71,6 +73,17 @@ def host_buffer(nbytes: int, direct_io: bool) -> np.ndarray:
     up to whole 4 KiB blocks, so the reads land in it without a bounce copy (slice the object's
     `nbytes` off it)."""
     return _aligned_empty(_round_up(nbytes) if direct_io else nbytes)
+
+
+def prefaulted_buffer(nbytes: int) -> np.ndarray:
+    """`host_buffer(nbytes, direct_io=True)` made ahead of the reads, every page faulted in (one write
+    a page, in NumPy's loop, which runs without the GIL): a read landing in it faults nothing. On
+    transparent huge pages where the kernel allows them: off the reads' path a huge page's fault cost
+    less CPU a byte than small pages' (0.25-0.34 against 0.62-0.74 s of system time for 2 GiB, in and
+    out of a memory cgroup, on this VM)."""
+    buffer = _aligned_empty(_round_up(nbytes), huge_pages=True)
+    buffer[:: mmap.PAGESIZE] = 0
+    return buffer
 
 
 class PriorityPool:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from k3stream.store.liveness import LiveBuffers
-from k3stream.store.pack_io import PackFile, ReadRequest, host_buffer
+from k3stream.store.pack_io import PackFile, ReadRequest, host_buffer, prefaulted_buffer
 
 Key = tuple[int, int]
 
@@ -34,14 +34,20 @@ class RecycledBuffers:
     object dies when a read's slot evicts it, just before that read takes a buffer, so the buffers
     waiting are the ones about to be reused, and resident expert bytes never exceed what fresh
     buffers would have reached. Every buffer holds `slot_bytes` (the largest object), aligned and
-    rounded up to whole 4 KiB blocks, so any object fits it with and without O_DIRECT."""
+    rounded up to whole 4 KiB blocks, so any object fits it with and without O_DIRECT.
+
+    `prefault` makes buffers before any read needs them, their pages faulted in (the store does it
+    in a background thread at the lowest priority while the model loads): a read taking one faults
+    nothing. Counts: `buffers_made` by a read (faulted in by that read), `buffers_prefaulted` ahead
+    of the reads, `buffers_reused` taken from the pool (recycled or made ahead)."""
 
     def __init__(self, slot_bytes: int, keep: int) -> None:
         self.slot_bytes = slot_bytes
         self.keep = keep
         self._free: deque[np.ndarray] = deque()  # append and pop are atomic: no lock to re-enter
         self._watch: dict[int, weakref.ref] = {}
-        self.counts = Counter(buffers_made=0, buffers_reused=0)
+        self._made = threading.Lock()  # guards the two counts of buffers made
+        self.counts = Counter(buffers_made=0, buffers_reused=0, buffers_prefaulted=0)
 
     def take(self, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
         """`(buffer, view of its first nbytes)` for an object to be read into; the buffer comes back
@@ -50,8 +56,9 @@ class RecycledBuffers:
             base = self._free.pop()
             self.counts["buffers_reused"] += 1
         except IndexError:
+            with self._made:
+                self.counts["buffers_made"] += 1
             base = host_buffer(self.slot_bytes, direct_io=True)
-            self.counts["buffers_made"] += 1
         view = base[:nbytes]
         ident = id(view)
         self._watch[ident] = weakref.ref(view, lambda _ref: self._give_back(ident, base))
@@ -61,6 +68,16 @@ class RecycledBuffers:
         self._watch.pop(ident, None)
         if len(self._free) < self.keep:
             self._free.append(base)
+
+    def prefault(self, total: int, stop: threading.Event) -> None:
+        """Make buffers, every page faulted in, into the pool until `total` buffers (at most `keep`)
+        exist, made here or by reads, or `stop` is set."""
+        while not stop.is_set():
+            with self._made:
+                if self.counts["buffers_made"] + self.counts["buffers_prefaulted"] >= min(total, self.keep):
+                    return
+                self.counts["buffers_prefaulted"] += 1
+            self._free.appendleft(prefaulted_buffer(self.slot_bytes))
 
     def clear(self) -> None:
         self._free.clear()
