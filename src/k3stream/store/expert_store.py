@@ -177,20 +177,29 @@ class ExpertStore:
 
     def _start_prefault(self, buffers: RecycledBuffers, objects: int) -> None:
         """Make the RAM tier's read buffers (one a slot, no more than the pack has objects), their
-        pages faulted in, in a thread at the lowest priority: it runs on the CPU time the load and
-        the compute leave, mostly while the model's weights load from disk, so the first reads into
-        them (a cold prefill) fault nothing: O_DIRECT reads of the 128-expert real-dimension slice's
-        pack cost 0.25-0.27 s of system time a GB into fresh buffers, 0.03-0.04 into faulted ones
-        (`docs/real-model.md`). The process holds the tier's budget from the load on, as it would
-        once that many experts were read."""
+        pages faulted in, in a background thread: while the model's weights load from disk, whose
+        reads leave the CPU idle, then, once the store serves, at the lowest priority (nice 19), on
+        the CPU time the compute and the reads leave. The first reads into them (a cold prefill)
+        fault nothing: O_DIRECT reads of the 128-expert real-dimension slice's pack cost 0.25-0.27 s
+        of system time a GB into fresh buffers, 0.03-0.04 into faulted ones (`docs/real-model.md`).
+        The process holds the tier's budget from the load on, as it would once that many experts
+        were read."""
 
         def prefault() -> None:
-            with contextlib.suppress(AttributeError, OSError):  # Linux: the nice value of one thread
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            buffers.prefault(objects, self._prefault_stop)
+            lowered = False
+            while not self._prefault_stop.is_set() and buffers.prefault_one(objects):
+                if not lowered and self._serving():
+                    lowered = True
+                    with contextlib.suppress(AttributeError, OSError):  # Linux: one thread's nice
+                        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
         self._prefaulter = threading.Thread(target=prefault, name="k3stream-prefault", daemon=True)
         self._prefaulter.start()
+
+    def _serving(self) -> bool:
+        """Whether the store was asked for experts yet (a fetch, a hint or a read-ahead)."""
+        counts = self._counts
+        return bool(counts["fetches"] or counts["prefetch_requests"] or counts["read_ahead"])
 
     @property
     def max_experts_per_fetch(self) -> int:

@@ -36,10 +36,10 @@ class RecycledBuffers:
     buffers would have reached. Every buffer holds `slot_bytes` (the largest object), aligned and
     rounded up to whole 4 KiB blocks, so any object fits it with and without O_DIRECT.
 
-    `prefault` makes buffers before any read needs them, their pages faulted in (the store does it
-    in a background thread at the lowest priority while the model loads): a read taking one faults
-    nothing. Counts: `buffers_made` by a read (faulted in by that read), `buffers_prefaulted` ahead
-    of the reads, `buffers_reused` taken from the pool (recycled or made ahead)."""
+    `prefault_one` makes a buffer before any read needs it, its pages faulted in (the store does it
+    in a background thread while the model loads): a read taking one faults nothing. Counts:
+    `buffers_made` by a read (faulted in by that read), `buffers_prefaulted` ahead of the reads,
+    `buffers_reused` taken from the pool (recycled or made ahead)."""
 
     def __init__(self, slot_bytes: int, keep: int) -> None:
         self.slot_bytes = slot_bytes
@@ -69,15 +69,15 @@ class RecycledBuffers:
         if len(self._free) < self.keep:
             self._free.append(base)
 
-    def prefault(self, total: int, stop: threading.Event) -> None:
-        """Make buffers, every page faulted in, into the pool until `total` buffers (at most `keep`)
-        exist, made here or by reads, or `stop` is set."""
-        while not stop.is_set():
-            with self._made:
-                if self.counts["buffers_made"] + self.counts["buffers_prefaulted"] >= min(total, self.keep):
-                    return
-                self.counts["buffers_prefaulted"] += 1
-            self._free.appendleft(prefaulted_buffer(self.slot_bytes))
+    def prefault_one(self, total: int) -> bool:
+        """Make one buffer, every page faulted in, into the pool, unless `total` buffers (at most
+        `keep`) exist, made here or by reads: whether it made one."""
+        with self._made:
+            if self.counts["buffers_made"] + self.counts["buffers_prefaulted"] >= min(total, self.keep):
+                return False
+            self.counts["buffers_prefaulted"] += 1
+        self._free.appendleft(prefaulted_buffer(self.slot_bytes))
+        return True
 
     def clear(self) -> None:
         self._free.clear()
