@@ -88,7 +88,7 @@ def test_the_prefill_bound_is_the_resident_prefill_or_the_reads(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from bench_real import prefill_table
 
-    cpu = {"user": 1.5, "system": 0.25}
+    cpu = {"user": 1.5, "system": 0.25, "minor_faults": 4096}
     resident = {"name": "resident", "prompt": 16, "k3_prefill": 20.0, "cold_ms": 1000.0, "cold_cpu": cpu}
     resident.update(cold_read=1e9, prefill_read=0)  # 800 ms of compute
     streamed = {"name": "10%", "prompt": 16, "k3_prefill": 10.0, "cold_ms": 2500.0, "cold_cpu": cpu}
@@ -97,6 +97,7 @@ def test_the_prefill_bound_is_the_resident_prefill_or_the_reads(monkeypatch):
     assert lines[-2].split(" | ")[1:] == [
         "1000",
         "1.50 / 0.25",
+        "4096",
         "1000",
         "1000",
         "1.00",
@@ -108,6 +109,7 @@ def test_the_prefill_bound_is_the_resident_prefill_or_the_reads(monkeypatch):
     assert lines[-1].split(" | ")[1:] == [
         "2500",
         "1.50 / 0.25",
+        "4096",
         "2000",
         "2000",
         "0.80",
@@ -116,7 +118,7 @@ def test_the_prefill_bound_is_the_resident_prefill_or_the_reads(monkeypatch):
         "800",
         "0.50 |",
     ]
-    assert prefill_table([streamed], 1e9)[-1].split(" | ")[4:6] == ["n/a", "n/a"]  # no resident: no bound
+    assert prefill_table([streamed], 1e9)[-1].split(" | ")[5:7] == ["n/a", "n/a"]  # no resident: no bound
 
 
 def _disk_read_bytes() -> int:
