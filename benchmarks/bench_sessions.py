@@ -595,8 +595,8 @@ def stalls(args) -> None:
         ] * args.stall_runs
         for label, chunk in settings:
             runs.append((label, stream_beside(path, long_prompt, chunk, args.threads)))
-            alone.append(_least_wall(3, lambda: model.prefill_last(model.new_state(), first_chunk)))
-        one = min(alone)
+            alone.append(_least(3, lambda: model.prefill_last(model.new_state(), first_chunk)))
+        one, one_cpu = min(wall for wall, _ in alone), min(cpu for _, cpu in alone)
         for label, stall in runs:
             longest = ", ".join(f"{1e3 * gap:.0f}" for gap in sorted(stall.gaps)[::-1][:3])
             typical = sorted(stall.passes)[len(stall.passes) // 2]
@@ -609,21 +609,28 @@ def stalls(args) -> None:
                 f"{max(stall.sent_gaps) / typical:.2f}x and {max(stall.steps) / typical:.2f}x the median "
                 f"pass; the long prompt's TTFT {stall.prefill_s:.2f} s"
             )
-            print(f"  {'':>28}  {_longest_pass(stall)}")
-        print(f"  one {args.prefill_chunk}-token chunk alone: {1e3 * one:.1f} ms (least of {3 * len(alone)})")
+            print(f"  {'':>28}  {_longest_pass(stall, one_cpu)}")
+        print(
+            f"  one {args.prefill_chunk}-token chunk alone: {1e3 * one:.1f} ms, {1e3 * one_cpu:.1f} ms the "
+            f"calling thread's CPU (least of {3 * len(alone)})"
+        )
         chunk_times(model, long_prompt, args.prefill_chunk)
         row_exact.close()
 
 
-def _longest_pass(stall: Stall) -> str:
-    """The run's longest pass (its chunks, wall and CPU time) and the collections the server ran."""
+def _longest_pass(stall: Stall, one_cpu: float) -> str:
+    """The run's longest pass (its chunks, wall and CPU time), the scheduler thread's most CPU time
+    between two decode steps (what other processes on the machine hardly change) against one chunk's
+    alone, and the collections the server ran."""
     wall, cpu, *spans = stall.longest
     chunks = ", ".join(f"{int(a)}..{int(b)}" for a, b in zip(spans[::2], spans[1::2], strict=True))
     full = [took for took, generation in stall.collections if generation == 2]
     return (
         f"longest pass: positions {chunks or '-'}, {1e3 * wall:.1f} ms ({1e3 * cpu:.1f} ms the "
-        f"scheduler thread's CPU); the server's collections meanwhile {len(stall.collections)}, "
-        f"the longest {1e3 * max((t for t, _ in stall.collections), default=0):.1f} ms, {len(full)} full"
+        f"scheduler thread's CPU); its CPU between decode steps at most {1e3 * max(stall.step_cpu):.1f} "
+        f"ms, {max(stall.step_cpu) / one_cpu:.2f}x one chunk's alone; the server's collections "
+        f"meanwhile {len(stall.collections)}, the longest "
+        f"{1e3 * max((t for t, _ in stall.collections), default=0):.1f} ms, {len(full)} full"
     )
 
 
@@ -833,14 +840,15 @@ def shared_reads(args) -> None:
     )
 
 
-def _least_wall(n: int, function) -> float:
-    """The least wall time of n runs."""
-    times = []
+def _least(n: int, function) -> tuple[float, float]:
+    """The least wall time of n runs, and the least CPU time of the calling thread."""
+    walls, cpus = [], []
     for _ in range(n):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         function()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        walls.append(time.perf_counter() - start)
+        cpus.append(time.thread_time() - cpu)
+    return min(walls), min(cpus)
 
 
 def _best_of(n: int, function) -> float:
