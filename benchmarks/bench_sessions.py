@@ -29,6 +29,7 @@ during each prefill (`/proc/self/io`), and the cgroup's peak memory.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import random
@@ -566,9 +567,10 @@ def stalls(args) -> None:
     process (prompt cache on, its default), the prompt prefilled whole, then `--stall-runs` times in
     `--prefill-chunk` chunks: the stream's longest gaps at the client, between the server's sends and
     in the scheduler, against one chunk's prefill (the prompt's first `--prefill-chunk` tokens, timed
-    between the runs) and the run's median pass. Then each chunk's time along the prompt, cut every
-    `--prefill-chunk` tokens and by equal work (`PrefillChunks`). A tiny model with a long enough
-    context (the shipped one's is 1,024)."""
+    between the runs) and the run's median pass; the run's longest pass (its chunk, wall and CPU
+    time) and the server's garbage collections during the prompt. Then each chunk's time along the
+    prompt, cut every `--prefill-chunk` tokens and by equal work (`PrefillChunks`). A tiny model with a
+    long enough context (the shipped one's is 1,024)."""
     from k3stream.engine.loading import load_runtime
     from k3stream.testing.tiny import TinySpec, make_tiny
 
@@ -593,8 +595,8 @@ def stalls(args) -> None:
         ] * args.stall_runs
         for label, chunk in settings:
             runs.append((label, stream_beside(path, long_prompt, chunk, args.threads)))
-            alone.append(_least_wall(3, lambda: model.prefill_last(model.new_state(), first_chunk)))
-        one = min(alone)
+            alone.append(_least(3, lambda: model.prefill_last(model.new_state(), first_chunk)))
+        one, one_cpu = min(wall for wall, _ in alone), min(cpu for _, cpu in alone)
         for label, stall in runs:
             longest = ", ".join(f"{1e3 * gap:.0f}" for gap in sorted(stall.gaps)[::-1][:3])
             typical = sorted(stall.passes)[len(stall.passes) // 2]
@@ -607,9 +609,29 @@ def stalls(args) -> None:
                 f"{max(stall.sent_gaps) / typical:.2f}x and {max(stall.steps) / typical:.2f}x the median "
                 f"pass; the long prompt's TTFT {stall.prefill_s:.2f} s"
             )
-        print(f"  one {args.prefill_chunk}-token chunk alone: {1e3 * one:.1f} ms (least of {3 * len(alone)})")
+            print(f"  {'':>28}  {_longest_pass(stall, one_cpu)}")
+        print(
+            f"  one {args.prefill_chunk}-token chunk alone: {1e3 * one:.1f} ms, {1e3 * one_cpu:.1f} ms the "
+            f"calling thread's CPU (least of {3 * len(alone)})"
+        )
         chunk_times(model, long_prompt, args.prefill_chunk)
         row_exact.close()
+
+
+def _longest_pass(stall: Stall, one_cpu: float) -> str:
+    """The run's longest pass (its chunks, wall and CPU time), the scheduler thread's most CPU time
+    between two decode steps (what other processes on the machine hardly change) against one chunk's
+    alone, and the collections the server ran."""
+    wall, cpu, *spans = stall.longest
+    chunks = ", ".join(f"{int(a)}..{int(b)}" for a, b in zip(spans[::2], spans[1::2], strict=True))
+    full = [took for took, generation in stall.collections if generation == 2]
+    return (
+        f"longest pass: positions {chunks or '-'}, {1e3 * wall:.1f} ms ({1e3 * cpu:.1f} ms the "
+        f"scheduler thread's CPU); its CPU between decode steps at most {1e3 * max(stall.step_cpu):.1f} "
+        f"ms, {max(stall.step_cpu) / one_cpu:.2f}x one chunk's alone; the server's collections "
+        f"meanwhile {len(stall.collections)}, the longest "
+        f"{1e3 * max((t for t, _ in stall.collections), default=0):.1f} ms, {len(full)} full"
+    )
 
 
 def chunk_times(model, prompt: list[int], tokens: int) -> None:
@@ -679,10 +701,12 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) 
         _gaps(arrivals, begin, end) or [0.0],
         _gaps([at for (at,) in found["sent"]], begin, end) or [0.0],
         prefill_s,
-        [took for at, took, _ in passes if begin <= at <= end],
-        [cpu for at, _, cpu in passes if begin <= at <= end],
+        [took for at, took, *_ in passes if begin <= at <= end],
+        [cpu for at, _, cpu, *_ in passes if begin <= at <= end],
         [b[0] - a[0] for a, b in zip(during, during[1:], strict=False)] or [0.0],
         [b[1] - a[1] for a, b in zip(during, during[1:], strict=False)] or [0.0],
+        max((p for p in passes if begin <= p[0] <= end), key=lambda p: p[1], default=(0.0,) * 3)[1:],
+        [(took, int(kind)) for at, took, kind in found["gc"] if begin <= at <= end + 0.5],
     )
 
 
@@ -701,6 +725,8 @@ class Stall:
     pass_cpu: list[float]  # the CPU time of each
     steps: list[float]  # wall time between the scheduler's decode steps (the stream's tokens)
     step_cpu: list[float]  # the scheduler thread's CPU time between them
+    longest: tuple[float, ...]  # the longest pass: wall, CPU, and each prompt's chunk (start, end)
+    collections: list[tuple[float, int]]  # the server's garbage collections then: time, generation
 
 
 def _gaps(times: list[float], begin: float, end: float) -> list[float]:
@@ -708,8 +734,9 @@ def _gaps(times: list[float], begin: float, end: float) -> list[float]:
 
 
 def timed_serve(trace: str, serve_argv: list[str]) -> int:
-    """`k3stream serve` with its scheduler's prefill passes (`pass START WALL CPU`), decode steps
-    (`step END CPU`) and the streamed chunks its responses send (`sent AT`) written to `trace` as they
+    """`k3stream serve` with its scheduler's prefill passes (`pass START WALL CPU` and each prompt's
+    chunk `FROM TO`), decode steps (`step END CPU`), the streamed chunks its responses send (`sent AT`)
+    and the process's garbage collections (`gc START WALL GENERATION`) written to `trace` as they
     happen: perf_counter (the system's monotonic clock, the
     same in every process) and the scheduler thread's CPU clock (on one torch thread, the time of the
     one thread that runs the model, other processes' time not counted)."""
@@ -721,8 +748,20 @@ def timed_serve(trace: str, serve_argv: list[str]) -> int:
 
     def timed_pass(prefills, chunks) -> None:
         start, cpu = time.perf_counter(), time.thread_time()
+        spans = [(prefill.position, prefill.next_end(chunks)) for prefill in prefills]
         real_pass(prefills, chunks)
-        out.write(f"pass {start} {time.perf_counter() - start} {time.thread_time() - cpu}\n")
+        out.write(f"pass {start} {time.perf_counter() - start} {time.thread_time() - cpu}")
+        out.write("".join(f" {a} {b}" for a, b in spans) + "\n")
+
+    def timed_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            collecting[:] = [time.perf_counter()]
+        elif collecting:
+            at = collecting.pop()
+            out.write(f"gc {at} {time.perf_counter() - at} {info['generation']}\n")
+
+    collecting: list[float] = []
+    gc.callbacks.append(timed_gc)
 
     def timed_step(self) -> None:
         real_step(self)
@@ -738,8 +777,8 @@ def timed_serve(trace: str, serve_argv: list[str]) -> int:
 
 
 def _read_trace(trace: Path) -> dict[str, list[tuple[float, ...]]]:
-    """The trace's lines by kind: `pass`, `step`, `sent`."""
-    found: dict[str, list[tuple[float, ...]]] = {"pass": [], "step": [], "sent": []}
+    """The trace's lines by kind: `pass`, `step`, `sent`, `gc`."""
+    found: dict[str, list[tuple[float, ...]]] = {"pass": [], "step": [], "sent": [], "gc": []}
     for line in trace.read_text().splitlines():
         kind, *values = line.split()
         found[kind].append(tuple(float(v) for v in values))
@@ -801,14 +840,15 @@ def shared_reads(args) -> None:
     )
 
 
-def _least_wall(n: int, function) -> float:
-    """The least wall time of n runs."""
-    times = []
+def _least(n: int, function) -> tuple[float, float]:
+    """The least wall time of n runs, and the least CPU time of the calling thread."""
+    walls, cpus = [], []
     for _ in range(n):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         function()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        walls.append(time.perf_counter() - start)
+        cpus.append(time.thread_time() - cpu)
+    return min(walls), min(cpus)
 
 
 def _best_of(n: int, function) -> float:

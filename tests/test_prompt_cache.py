@@ -162,10 +162,10 @@ def test_a_ram_budget_smaller_than_a_snapshot_still_fills_the_disk_tier(model, f
     assert got.reused == 30 and torch.equal(got.logits, cold(model, tokens + [3]))
 
 
-def conversation(model, cache: PromptCache, turns: int) -> list[list[int]]:
+def conversation(model, cache: PromptCache, turns: int, seed: int = 0) -> list[list[int]]:
     """`turns` turns of a conversation (a prompt, a 4-token answer, the next prompt extends both): the
     prompts."""
-    prompts, context = [], ids(model, 30)
+    prompts, context = [], ids(model, 30, seed)
     for turn in range(turns):
         got = cache.prefill(context)
         answer = [int(got.logits.argmax())]
@@ -201,7 +201,9 @@ def test_snapshot_files_of_a_conversation_share_its_latent_rows(model, fingerpri
     conversation(model, whole, 3)
     from k3stream.engine.prompt_cache import encode
 
-    alone = {e.length: len(encode(fingerprint, e.tokens, e.snapshot)) for e in whole._tree.entries()}
+    alone = {
+        e.length: sum(map(len, encode(fingerprint, e.tokens, e.snapshot))) for e in whole._tree.entries()
+    }
     row_bytes = sum(4 * layer[1][1] for layer in found[lengths[0]]["layers"] if layer[0] == "mla")
     shared = sum(row_bytes * found[length]["parent"][0] for length in lengths[1:])  # rows not repeated
     assert abs(sum(alone[length] for length in lengths) - shared - cache.disk_used) < 64 * len(lengths)
@@ -343,6 +345,82 @@ def test_a_conversation_longer_than_the_disk_budget_keeps_its_newest_state(model
             (directory / file_name(tuple(header["tokens"]))).unlink()
     PromptCache(model, fingerprint, 64 * MIB, tmp_path / "tight", budget).close()
     assert not any(header.get("rows_only") for header in headers(directory).values())
+
+
+def test_a_snapshot_file_is_written_from_its_tensors_own_memory(model, fingerprint, tmp_path):
+    """The writer thread copies no tensor while it holds the GIL (a copy of a real model's ~400 MB of
+    KDA state would stop the scheduler for all of it): a file's parts are views of the snapshot's own
+    tensors, the checksum taken over them, and the file reads back whole."""
+    import numpy as np
+
+    from k3stream.engine.prompt_cache import decode, encode
+    from k3stream.model.kda import KDAState
+
+    cache = PromptCache(model, fingerprint, 64 * MIB)
+    tokens = ids(model, 40)
+    cache.prefill(tokens)
+    snapshot = cache._tree.deepest(tokens, len(tokens)).snapshot
+    parts = encode(fingerprint, tuple(tokens), snapshot)
+    views = [part for part in parts if isinstance(part, memoryview)]
+    addresses = {np.frombuffer(view, dtype=np.uint8).ctypes.data for view in views}
+    kda = [layer for layer in snapshot.layers if isinstance(layer, KDAState)]
+    tensors = [t for layer in kda for t in (layer.conv, layer.recurrent)]
+    tensors += [layer.rows() for layer in snapshot.latents()] + [snapshot.logits]
+    assert {tensor.data_ptr() for tensor in tensors} == addresses and len(views) == len(tensors)
+    back, _, _ = decode(b"".join(parts), fingerprint, tuple(tokens), model)
+    assert torch.equal(back.logits, snapshot.logits)
+    cache.close()
+
+
+def test_disk_eviction_removes_and_rewrites_files_outside_the_lock(model, fingerprint, tmp_path, monkeypatch):
+    """The writer thread deletes evicted files and rewrites trimmed ones with the cache's lock free:
+    the scheduler's snapshots and restores (which take it) never wait on the disk. Another thread
+    takes the lock at each deletion and each rewrite of a snapshot file."""
+    from k3stream.engine import prompt_cache
+
+    probe = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "probe", 1 << 30)
+    conversation(model, probe, 2)
+    probe.close()
+    cache = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "tight", probe.disk_used, every=1 << 20)
+    free = {"unlink": [], "rewrite": []}
+
+    def take_and_release(got: list[bool]) -> None:
+        got.append(cache._lock.acquire(timeout=2))  # held by the deleting or rewriting thread: False
+        if got[-1]:
+            cache._lock.release()
+
+    def lock_is_free() -> bool:
+        got: list[bool] = []
+        other = threading.Thread(target=take_and_release, args=(got,))
+        other.start()
+        other.join()
+        return got[0]
+
+    real_unlink, real_write = Path.unlink, prompt_cache.write_bytes_atomic
+
+    def unlink(path, missing_ok=False):
+        if path.suffix == prompt_cache.SUFFIX:
+            free["unlink"].append(lock_is_free())
+        real_unlink(path, missing_ok=missing_ok)
+
+    def write(path, payload):
+        if path.exists():  # a trim rewrites a file in place; a new snapshot's file is new
+            free["rewrite"].append(lock_is_free())
+        real_write(path, payload)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    monkeypatch.setattr(prompt_cache, "write_bytes_atomic", write)
+    conversation(model, cache, 8)
+    conversation(model, cache, 4, seed=1)  # another conversation: files of the first go
+    cache.close()
+    assert free["unlink"] and free["rewrite"] and all(free["unlink"] + free["rewrite"]), free
+    assert cache.disk_used <= probe.disk_used
+    kept = [h["tokens"] for h in headers(tmp_path / "tight" / fingerprint).values() if "rows_only" not in h]
+    restarted = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "tight", probe.disk_used)
+    prompt = max(kept, key=len) + [3]
+    got = restarted.prefill(prompt)
+    assert got.reused == len(prompt) - 1 and torch.equal(got.logits, cold(model, prompt))
+    restarted.close()
 
 
 def test_a_next_turn_appends_to_its_conversations_rows_in_place_and_a_branch_copies(model, fingerprint):

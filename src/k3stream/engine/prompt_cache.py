@@ -588,20 +588,33 @@ class PromptCache:
         return snapshot.fixed_bytes + sum(nbytes for references, nbytes in shared if references == 1)
 
     def _evict_disk(self) -> None:
-        """Evict the file of the fewest tokens of recompute saved per byte its eviction frees (and
-        recency): a file its children need keeps its latent rows and frees the rest (`_trim`); a file
-        without children goes, with the rows-only parents only it needed."""
-        while self.disk_used > self.disk_budget:
-            held = [e for e in self._tree.entries() if e.disk_path is not None and not e.rows_only]
-            if not held:
+        """While the files outgrow the budget, evict the one of the fewest tokens of recompute saved per
+        byte its eviction frees (and recency): a file its children need keeps its latent rows and frees
+        the rest (`_trim`); a file without children goes, with the rows-only parents only it needed.
+        The choice is made under the lock, the files are removed and rewritten outside it (on the
+        writer's thread): the scheduler's snapshots and restores never wait on the disk."""
+        while True:
+            doomed: list[Path] = []
+            with self._lock:
+                victim = self._disk_victim()
+                if victim is None:
+                    return
+                path, trim = victim.disk_path, bool(victim.disk_children)
+                victim.rows_only = trim
+                if not trim:
+                    self._drop_file(victim, doomed)
+                    self._forget_if_gone(victim)
+                self.stats.evictions_disk += 1
+            _remove(doomed)
+            if trim and not self._trim(victim, path):
                 return
-            victim = min(held, key=lambda e: self._disk_score(e))
-            if victim.disk_children and not self._trim(victim):
-                return
-            if not victim.disk_children:
-                self._drop_file(victim)
-                self._forget_if_gone(victim)
-            self.stats.evictions_disk += 1
+
+    def _disk_victim(self) -> Entry | None:
+        """The file to evict next (under the lock), None while the files fit the budget."""
+        if self.disk_used <= self.disk_budget:
+            return None
+        held = [e for e in self._tree.entries() if e.disk_path is not None and not e.rows_only]
+        return min(held, key=lambda e: self._disk_score(e), default=None)
 
     def _disk_score(self, entry: Entry) -> float:
         """`_score` per byte evicting `entry`'s file frees: the file less the rows its children need,
@@ -613,46 +626,57 @@ class PromptCache:
             freed, parent = freed + parent.disk_bytes, parent.disk_parent
         return self._score(entry, freed)
 
-    def _trim(self, entry: Entry) -> bool:
-        """Rewrite `entry`'s file with its latent rows only (its identity and parent kept: its children
-        still chain through it); False where it cannot be read or written (a warning)."""
-        path = entry.disk_path
+    def _trim(self, entry: Entry, path: Path) -> bool:
+        """Rewrite `entry`'s file (marked rows-only: no restore reads it) with its latent rows only, its
+        identity and parent kept (its children still chain through it), outside the lock; False where it
+        cannot be read or written (a warning; the file stays whole and restorable)."""
         try:
-            own, parent, identity = decode(path.read_bytes(), self.fingerprint, entry.tokens, self.model)
+            own, parent, identity = decode(read_file(path), self.fingerprint, entry.tokens, self.model)
             rows = Snapshot(own.length, tuple(layer if _is_rows(layer) else None for layer in own.layers))
             reference = parent if parent[0] else None
-            write_bytes_atomic(path, encode(self.fingerprint, entry.tokens, rows, reference, 0, identity))
+            parts = encode(self.fingerprint, entry.tokens, rows, reference, 0, identity)
+            write_bytes_atomic(path, parts)
         except (OSError, ValueError) as error:
             log.warning("prompt cache: cannot trim %s: %s", path, error)
-            self.stats.disk_errors += 1
+            with self._lock:
+                self.stats.disk_errors += 1
+                if entry.disk_path == path:  # whole and restorable again
+                    entry.rows_only = False
             return False
-        entry.disk_bytes, entry.rows_only = path.stat().st_size, True
+        with self._lock:
+            if entry.disk_path == path:
+                entry.disk_bytes = _size(parts)
+                return True
+        path.unlink(missing_ok=True)  # dropped while it was rewritten: the rewrite goes too
         return True
 
     def _discard(self, entry: Entry) -> None:
         """Take `entry` out of both tiers."""
+        doomed: list[Path] = []
         with self._lock:
             if entry.snapshot is not None:
                 self._account(entry.snapshot, -1)
                 entry.snapshot = None
-            self._drop_file(entry)
+            self._drop_file(entry, doomed)
             self._forget_if_gone(entry)
+        _remove(doomed)
 
     def _forget_if_gone(self, entry: Entry) -> None:
         if entry.snapshot is None and entry.disk_path is None:
             self._tree.remove(entry.tokens)
 
-    def _drop_file(self, entry: Entry) -> None:
-        """Delete `entry`'s file, and its parent's where that one kept only rows for its children."""
+    def _drop_file(self, entry: Entry, doomed: list[Path]) -> None:
+        """Take `entry`'s file out of the tier, and its parent's where that one kept only rows for its
+        children (under the lock): their paths go into `doomed`, deleted once the lock is released."""
         if entry.disk_path is not None:
-            entry.disk_path.unlink(missing_ok=True)
+            doomed.append(entry.disk_path)
         parent = entry.disk_parent
         entry.disk_path, entry.disk_bytes, entry.disk_checksum, entry.disk_parent = None, 0, None, None
         entry.disk_rows_bytes, entry.rows_only = 0, False
         if parent is not None:
             parent.disk_children -= 1
             if parent.rows_only and parent.disk_children == 0:
-                self._drop_file(parent)
+                self._drop_file(parent, doomed)
                 self._forget_if_gone(parent)
 
     # ---- disk --------------------------------------------------------------------------------------
@@ -665,10 +689,10 @@ class PromptCache:
             if parent is not None:
                 parent.disk_children += 1  # kept while this file is written and refers to it
         reference = None if parent is None else (parent.length, parent.disk_checksum)
-        payload = encode(self.fingerprint, entry.tokens, snapshot, reference)
+        parts = encode(self.fingerprint, entry.tokens, snapshot, reference)
         path = self.disk_dir / file_name(entry.tokens)
         try:
-            write_bytes_atomic(path, payload)
+            write_bytes_atomic(path, parts)
         except OSError as error:
             log.warning("prompt cache: cannot write %s: %s", path, error)
             with self._lock:
@@ -680,11 +704,11 @@ class PromptCache:
             kept = self._tree.insert(entry)  # back in the tree if RAM evicted it meanwhile
             if kept.disk_parent is not None:  # a file of these tokens written before, replaced
                 kept.disk_parent.disk_children -= 1
-            kept.disk_path, kept.disk_bytes = path, len(payload)
-            kept.disk_checksum, kept.disk_parent = _checksum(payload), parent
+            kept.disk_path, kept.disk_bytes = path, _size(parts)
+            kept.disk_checksum, kept.disk_parent = _checksum(parts[-1]), parent
             kept.disk_rows_bytes, kept.rows_only = _rows_bytes(snapshot, reference), False
             kept.has_logits = kept.has_logits or snapshot.logits is not None
-            self._evict_disk()
+        self._evict_disk()
 
     def _scan_disk(self) -> None:
         """Enter every whole snapshot file of this fingerprint into the tree (disk tier only), each
@@ -713,9 +737,11 @@ class PromptCache:
             if parent is not None and parent.disk_path is not None:
                 entry.disk_parent = parent
                 parent.disk_children += 1
+        doomed: list[Path] = []
         for entry in [e for e in self._tree.entries() if e.rows_only and not e.disk_children]:
-            self._drop_file(entry)  # rows no file needs any more (a process stopped between the two)
+            self._drop_file(entry, doomed)  # rows no file needs any more (a process stopped between)
             self._forget_if_gone(entry)
+        _remove(doomed)
         for stale in self.disk_dir.glob(f"*{SUFFIX}.tmp*"):
             stale.unlink(missing_ok=True)
 
@@ -731,11 +757,15 @@ class PromptCache:
         try:
             snapshot = self._read_chain(entry.tokens, path)
         except (OSError, ValueError) as error:
-            log.warning("prompt cache: %s: %s; treated as a miss", path, error)
+            doomed: list[Path] = []
             with self._lock:
+                if entry.rows_only or entry.disk_path != path:  # trimmed or dropped since it was matched
+                    return None
+                log.warning("prompt cache: %s: %s; treated as a miss", path, error)
                 self.stats.disk_errors += 1
-                self._drop_file(entry)
+                self._drop_file(entry, doomed)
                 self._forget_if_gone(entry)
+            _remove(doomed)
             return None
         with self._lock:
             self.stats.restore_s += time.perf_counter() - started
@@ -747,7 +777,7 @@ class PromptCache:
 
     def _read_chain(self, tokens: tuple[int, ...], path: Path) -> Snapshot:
         """The whole snapshot of `tokens` from its file and its parents' (or a parent held in RAM)."""
-        own, (length, checksum), _ = decode(path.read_bytes(), self.fingerprint, tokens, self.model)
+        own, (length, checksum), _ = decode(read_file(path), self.fingerprint, tokens, self.model)
         if any(layer is None for layer in own.layers):
             raise ValueError("it keeps only latent rows")
         pieces = [own]
@@ -767,7 +797,7 @@ class PromptCache:
     def _read_parent(self, tokens: tuple[int, ...], checksum: int) -> tuple[Snapshot, tuple[int, int]]:
         """A parent's file read and checked: the one its child names (by tokens and checksum)."""
         try:
-            data = (self.disk_dir / file_name(tokens)).read_bytes()
+            data = read_file(self.disk_dir / file_name(tokens))
             piece, parent, identity = decode(data, self.fingerprint, tokens, self.model)
             if identity != checksum:
                 raise ValueError("changed since its child was written")
@@ -775,6 +805,30 @@ class PromptCache:
         except (OSError, ValueError) as error:
             reason = "gone" if isinstance(error, OSError) else str(error)
             raise ValueError(f"its parent snapshot of {len(tokens)} tokens: {reason}") from None
+
+
+def _remove(paths: list[Path]) -> None:
+    """Delete the files of evicted or bad snapshots (outside the cache's lock)."""
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+def _size(parts: list[bytes | memoryview]) -> int:
+    return sum(len(part) for part in parts)
+
+
+def read_file(path: Path) -> bytearray:
+    """A snapshot file's bytes, read into one buffer (the GIL released while the disk reads it; the
+    tensors decoded from it share it, nothing is copied again)."""
+    with open(path, "rb", buffering=0) as stream:
+        data = bytearray(os.fstat(stream.fileno()).st_size)
+        view, done = memoryview(data), 0
+        while done < len(data):
+            got = stream.readinto(view[done:])
+            if not got:
+                raise ValueError("truncated while it was read")
+            done += got
+    return data
 
 
 def _on_disk(entry: Entry) -> bool:
@@ -796,7 +850,7 @@ def file_name(tokens: tuple[int, ...]) -> str:
     return xxhash.xxh3_128_hexdigest(struct.pack(f"<{len(tokens)}q", *tokens)) + SUFFIX
 
 
-def _checksum(data: bytes) -> int:
+def _checksum(data: bytes | memoryview) -> int:
     return struct.unpack("<Q", data[-8:])[0]
 
 
@@ -840,10 +894,12 @@ def encode(
     parent: tuple[int, int] | None = None,
     start: int | None = None,
     identity: int | None = None,
-) -> bytes:
-    """A snapshot file's bytes; with a `parent` (the length and identity of a file of a prefix of
-    `tokens`), only the latent rows past it (from `start` of the snapshot's rows: default the parent's
-    length). A snapshot whose KDA layers are None is a rows-only file of `identity`."""
+) -> list[bytes | memoryview]:
+    """A snapshot file's bytes, in parts: the header's, a view of each tensor's own memory (nothing
+    copied while the GIL is held: a writer thread then never stops the scheduler) and the checksum's;
+    with a `parent` (the length and identity of a file of a prefix of `tokens`), only the latent rows
+    past it (from `start` of the snapshot's rows: default the parent's length). A snapshot whose KDA
+    layers are None is a rows-only file of `identity`."""
     start = (0 if parent is None else parent[0]) if start is None else start
     tensors = list(_tensors(snapshot, start))
     layers = [
@@ -866,10 +922,12 @@ def encode(
         MAGIC,
         struct.pack("<Q", len(header)),
         header,
-        *(t.contiguous().numpy().tobytes() for t in tensors),
+        *(memoryview(t.contiguous().numpy()).cast("B") for t in tensors),
     ]
-    body = b"".join(parts)
-    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+    digest = xxhash.xxh3_64()
+    for part in parts:
+        digest.update(part)  # the GIL released over a large part
+    return [*parts, struct.pack("<Q", digest.intdigest())]
 
 
 def _tensors(snapshot: Snapshot, start: int) -> Iterator[torch.Tensor]:
@@ -919,7 +977,7 @@ def _parent_of(header: dict[str, Any], length: int) -> tuple[int, int]:
 
 
 def decode(
-    data: bytes, fingerprint: str, tokens: tuple[int, ...], model: K3Model
+    data: bytes | bytearray, fingerprint: str, tokens: tuple[int, ...], model: K3Model
 ) -> tuple[Snapshot, tuple[int, int], int]:
     """A snapshot from a file's bytes, checked (checksum, fingerprint, token ids, layer shapes), its
     parent's length and identity ((0, 0): none) and its own identity; with a parent, its MLA layers hold
@@ -931,16 +989,17 @@ def decode(
 
 
 def _decode(
-    data: bytes, fingerprint: str, tokens: tuple[int, ...], model: K3Model
+    data: bytes | bytearray, fingerprint: str, tokens: tuple[int, ...], model: K3Model
 ) -> tuple[Snapshot, tuple[int, int], int]:
     if len(data) < len(MAGIC) + 16 or data[: len(MAGIC)] != MAGIC:
         raise ValueError("not a k3stream snapshot")
-    body, (checksum,) = data[:-8], struct.unpack("<Q", data[-8:])
+    data = data if isinstance(data, bytearray) else bytearray(data)  # the tensors share its memory
+    body, (checksum,) = memoryview(data)[:-8], struct.unpack("<Q", data[-8:])
     if xxhash.xxh3_64_intdigest(body) != checksum:
         raise ValueError("checksum mismatch (truncated or corrupt)")
     (length,) = struct.unpack("<Q", body[len(MAGIC) : len(MAGIC) + 8])
     start = len(MAGIC) + 8
-    header = _parse_header(body[start : start + length], length)
+    header = _parse_header(bytes(body[start : start + length]), length)
     if header.get("fingerprint") != fingerprint or tuple(header["tokens"]) != tokens:
         raise ValueError("a snapshot of another model or prompt")
     parent = _parent_of(header, len(tokens))
@@ -952,7 +1011,7 @@ def _decode(
             chunk = body[offset : offset + 4 * count]
             if len(chunk) != 4 * count:
                 raise ValueError("tensor data shorter than its header says")
-            tensors.append(torch.frombuffer(bytearray(chunk), dtype=torch.float32).view(shape))
+            tensors.append(torch.frombuffer(chunk, dtype=torch.float32).view(shape))
             offset += 4 * count
         if kind == "logits":
             logits = tensors[0]

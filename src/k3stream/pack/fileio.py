@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +61,17 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def write_bytes_atomic(path: Path, payload: bytes) -> None:
-    """Temp file (`<name>.tmp<pid>.<thread>`: concurrent writers never share one), fsync, rename, fsync
-    the directory: readers see the old file or the new one, and a failure (full disk, Ctrl-C) leaves
-    no temp file behind."""
+def write_bytes_atomic(path: Path, payload: bytes | Sequence[bytes | memoryview]) -> None:
+    """`payload` (bytes, or parts written one after another: no joined copy) to a temp file
+    (`<name>.tmp<pid>.<thread>`: concurrent writers never share one), fsync, rename, fsync the
+    directory: readers see the old file or the new one, and a failure (full disk, Ctrl-C) leaves no
+    temp file behind."""
     temporary = path.with_name(f"{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
+    parts = [payload] if isinstance(payload, bytes) else payload
     try:
-        with temporary.open("wb") as stream:
-            stream.write(payload)
+        with temporary.open("wb", buffering=0) as stream:
+            for part in parts:
+                _write_all(stream, part)
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, path)
@@ -75,6 +79,14 @@ def write_bytes_atomic(path: Path, payload: bytes) -> None:
         temporary.unlink(missing_ok=True)
         raise
     fsync_directory(path.parent)
+
+
+def _write_all(stream: Any, data: bytes | memoryview) -> None:
+    """All of `data` to an unbuffered file (a raw write may take part of it; the GIL is released
+    while the disk takes it)."""
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += stream.write(view[done:])
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
