@@ -110,6 +110,25 @@ def test_many_rows_give_llama_cpps_vec_dot_bit_for_bit(qt, isa, count, monkeypat
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
 
 
+@needs_llama
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_q8_0_many_rows_give_llama_cpps_mul_mat_bit_for_bit(isa, monkeypatch):
+    """Against llama.cpp's own mul_mat as its CPU backend runs a model's Q8_0 matrix (one graph, 2
+    threads: llamafile's sgemm at prefill shapes), at 1 to 16 input rows. (Its Q6_K product at 16 rows
+    is a few ulp from its own vec_dot, which the Q6_K kernels keep.)"""
+    take_kernel_isa(isa, monkeypatch)
+    cols = 1024
+    w, x = matrix(T.Q8_0, 37, cols, seed=3), inputs(16, cols, seed=4)
+    for count in (1, 2, 5, 16):
+        graph = ggml_oracle.MulMat(int(T.Q8_0), [w], cols, count, 2)
+        try:
+            expected = graph(x[:count])[0]
+        finally:
+            graph.close()
+        got = grouped(T.Q8_0, [w], x[:count], [count], np.arange(count))
+        assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), count
+
+
 @pytest.mark.parametrize("qt", TILED, ids=lambda t: t.name)
 @ISAS
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qt, isa, monkeypatch):
