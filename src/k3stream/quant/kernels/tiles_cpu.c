@@ -459,8 +459,10 @@ RowKernel q8_tile_kernel(int ggml_type, int avx2) {
  * faster for two rows, Q8_0's up to four (Q8_0's AVX-512 multi-row kernel, two weight rows a vector, is
  * the faster from two rows: 1.45x the one-row kernel at two rows of 12288 x 7168 on Intel Xeon); Q2_K's,
  * Q3_K's and Q4_K's own kernels share decoded codes between 4 input rows in registers (Q2_K, Q3_K: as
- * fast as the tiles at 10 rows, faster below, 1.1-1.2x slower at 16, 1.4x at 128; Q4_K: as fast at 16
- * rows, 1.1x slower at 24, 1.2x at 64); the i-quants' kernels share each decoded run between RUN_ROWS =
+ * fast as the tiles at 10 rows, faster below, 1.1-1.2x slower at 16, 1.4x at 128; their AVX-512 ones,
+ * on Intel Xeon, 3072 x 3584: faster than these AVX2 tiles at 10-32 rows (Q2_K 1.3-1.4x at 10-16, 1.2x
+ * at 32; Q3_K 1.2x at 10-16, as fast at 32), 0.94-0.97x at 64; Q4_K: as fast at 16 rows, 1.1x slower
+ * at 24, 1.2x at 64); the i-quants' kernels share each decoded run between RUN_ROWS =
  * 4 input rows, faster than the tiles at exactly 4 rows (none left over to run one at a time), as fast
  * or slower elsewhere */
 int q8_tiles_take(int ggml_type, int64_t rows) {
@@ -469,7 +471,7 @@ int q8_tiles_take(int ggml_type, int64_t rows) {
         case 8: return rows >= (q8_tile_kernel_avx512(8) != NULL ? 2 : 5);
         case 12: return rows >= 24;
         case 10:
-        case 11: return rows >= 10;
+        case 11: return rows >= (q8_kernel_avx512(ggml_type) != NULL ? 48 : 10);
         default: return rows >= 2 && rows != 4;
     }
 }
