@@ -293,9 +293,9 @@ AVX512_TARGET static void q6_k_avx512(const Product *pr, int64_t b, int64_t firs
  * TILE_PAIRS pairs of weight rows' CHUNK_BLOCKS blocks are held once as the one-row kernel uses them
  * (codes with the top bit flipped, d), a pair in one 64-byte vector (row 2i's block in the low half, row
  * 2i + 1's in the high half: each half's eight int32 and float lanes are that row's lanes, each FMA that
- * row's FMA in block order); every input row of the matrix then runs past them, INPUTS_AT_ONCE at a time (each
- * activation block's vpdpbusd start serving the four pairs). Partial sums wait in memory between
- * chunks (no rounding). One vpdpbusd, conversion, scale product and FMA serve two weight rows: on Intel
+ * row's FMA in block order); every input row of the matrix then runs past them, INPUTS_AT_ONCE at a
+ * time (each activation block's vpdpbusd start serving the four pairs). Partial sums wait in memory
+ * between chunks (no rounding). One vpdpbusd, conversion, scale product and FMA serve two weight rows: on Intel
  * Xeon (Emerald Rapids) 1.5x the same blocking on 32-byte vectors at 16 input rows, 1.9x at 33. */
 #define TILE_PAIRS 4
 #define CHUNK_BLOCKS 16
