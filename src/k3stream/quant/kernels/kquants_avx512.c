@@ -227,21 +227,26 @@ AVX512_INLINE __m512i q6_k_pair(const uint8_t *restrict b, int j) {
     return _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
 }
 
-/* acc += one Q6_K block times one Q8_K block, as ggml_cpu.c's q8_q6_k (and ggml's AVX2 vec_dot): codes
- * less 32 by the Q8_K sums */
-AVX512_INLINE __m256 q6_k_block(const uint8_t *restrict b, const BlockQ8K *restrict y, __m256 acc) {
+/* acc[r] += one Q6_K block times input row r's Q8_K block, as ggml_cpu.c's q8_q6_k (and ggml's AVX2
+ * vec_dot): codes less 32 by the Q8_K sums */
+AVX512_INLINE void q6_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc,
+                              const int n) {
     const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
     const __m512i scales = _mm512_castsi256_si512(wide);
-    const BlockQ8K *rows[1] = {y};
-    __m512i sums = _mm512_setzero_si512();
-    for (int j = 0; j < 4; j++) run_pair_dot(q6_k_pair(b, j), run_pair_scales(scales, j), rows, 0, j, &sums, 1);
-    const __m256i offsets = _mm256_mullo_epi32(_mm256_madd_epi16(wide, _mm256_loadu_si256((const __m256i *)y->bsums)),
-                                               _mm256_set1_epi32(-32));
-    const __m256i total = _mm256_add_epi32(offsets, fold(sums));
-    return _mm256_fmadd_ps(_mm256_set1_ps(f16_scale(b + 208) * y->d), _mm256_cvtepi32_ps(total), acc);
+    __m512i sums[4];
+    for (int r = 0; r < n; r++) sums[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++) run_pair_dot(q6_k_pair(b, j), run_pair_scales(scales, j), y, at, j, sums, n);
+    const float step = f16_scale(b + 208);
+    for (int r = 0; r < n; r++) {
+        const __m256i offsets = _mm256_mullo_epi32(
+            _mm256_madd_epi16(wide, _mm256_loadu_si256((const __m256i *)y[r][at].bsums)), _mm256_set1_epi32(-32));
+        const __m256i total = _mm256_add_epi32(offsets, fold(sums[r]));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(step * y[r][at].d), _mm256_cvtepi32_ps(total), acc[r]);
+    }
 }
 
-/* Up to Q8_ROWS input rows share each Q2_K, Q3_K or Q4_K weight row's decoded codes (as the AVX2 kernels) */
+/* Up to Q8_ROWS input rows share each Q2_K, Q3_K, Q4_K or Q6_K weight row's decoded codes (as the AVX2
+ * kernels of the first three) */
 #define Q8_ROWS 4
 
 /* One weight row m against n input rows from p: blocks in order into each row's eight lanes */
@@ -273,21 +278,7 @@ SHARED_ROWS(q2_k_avx512, q2_k_block, 84)
 SHARED_ROWS(q3_k_avx512, q3_k_block, 110)
 SHARED_ROWS(q4_k_avx512, q4_k_block, 144)
 
-AVX512_TARGET static void q6_k_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) {
-    const int64_t blocks = pr->in_features / 256;
-    for (int64_t m = first; m < last; m++) {
-        const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
-        for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {
-            const BlockQ8K *y = pr->q8 + pr->rows[p] * blocks;
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t block = 0; block < blocks; block++) {
-                prefetch_ahead(row + 210 * block, 210);
-                acc = q6_k_block(row + 210 * block, y + block, acc);
-            }
-            pr->out[p * pr->out_stride + m] = hsum8(acc);
-        }
-    }
-}
+SHARED_ROWS(q6_k_avx512, q6_k_block, 210)
 
 /* ---- Q8_0 with several input rows (prefill): tiles_cpu.c's blocking, the one-row kernel's bits ------
  * TILE_PAIRS pairs of weight rows' CHUNK_BLOCKS blocks are held once as the one-row kernel uses them
