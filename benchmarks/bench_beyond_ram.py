@@ -11,7 +11,9 @@ cgroup, limit --limit) after dropping the model files' page cache:
 - llama.cpp (llama-cpp-python, mmap, CPU) as users run it;
 - k3stream with experts streaming from the pack, sized by `--memory-limit` (the same limit).
 
-Both warm up with the prompt, then prefill it and greedily decode --decode-tokens tokens. Per contender:
+Both warm up with the prompt, then prefill it and greedily decode --decode-tokens tokens; each prefill
+computes the last prompt token's logits alone (llama.cpp's `eval`; k3stream's `prefill_last`, as its
+`generate` does: past the last attention only that row runs on). Per contender:
 prefill and decode tok/s, bytes read from disk (`/proc/PID/io` read_bytes of the child, load and run),
 peak cgroup memory, times the limit was hit, OOM kills; for k3stream also the decode hit rate, fetch
 time (the model waiting on `fetch`) and pack read time per decode token; then the ratios. Skips with one
@@ -161,6 +163,7 @@ from k3stream.cli import calm_openmp
 calm_openmp()  # as the k3stream command does, before torch loads the OpenMP runtime
 import torch
 from k3stream.engine import bench
+from k3stream.engine.generate import prefill_last
 from k3stream.commands.flags import add_model_arguments, runtime_from_args
 parser = argparse.ArgumentParser()
 add_model_arguments(parser)
@@ -191,7 +194,7 @@ def measured(name, tokens, work):
     io[name] = read_io()
 warm, first = model.new_state(), []
 def cold():  # the first prefill after the load: every expert it uses is read
-    first.append(int(model.prefill(warm, prompt)[-1].argmax()))
+    first.append(int(prefill_last(model, warm, prompt).argmax()))
     store.end_token(len(prompt))
 measured("cold", len(prompt), cold)
 for _ in range(job["decode_tokens"] if job["warm_decode"] else 1):  # the measured run's own tokens
@@ -201,7 +204,7 @@ io["warmup"] = read_io()
 state = model.new_state()
 decoded = []
 def prefill():
-    decoded.append(int(model.prefill(state, prompt)[-1].argmax()))
+    decoded.append(int(prefill_last(model, state, prompt).argmax()))
     store.end_token(len(prompt))
 def decode():
     for _ in range(job["decode_tokens"]):

@@ -23,7 +23,10 @@ takes its multi-row kernels, each weight block decoded once for all the rows, ll
 every row and input row); "Gw/s" counts weights times input rows a second. `--clock cpu` (with
 `--threads 1`) times the calling thread's CPU seconds, which other processes on a shared machine do
 not take. `--avx2` (on an AVX-512 machine) also times ours under K3STREAM_NO_AVX512=1 (the AVX2
-kernels) in the same alternation: "avx2 GB/s", its ratio to the read and ours to it.
+kernels) in the same alternation: "avx2 GB/s", its ratio to the read and ours to it. `--shape 12288x7168`
+sets the matrices' rows and columns (a Kimi-K3 trunk projection). `--llama-graph` runs llama.cpp's side
+as its CPU backend runs a model's product: a `ggml_mul_mat` graph (`testing.ggml_oracle.MulMat`; for a
+prefill-shaped Q8_0 product llamafile's sgemm), the weights copied into ggml's buffer.
 """
 
 from __future__ import annotations
@@ -109,6 +112,15 @@ def main() -> None:
         help="--iquants, one thread: the thread's CPU seconds",
     )
     parser.add_argument("--avx2", action="store_true", help="--iquants: also ours under K3STREAM_NO_AVX512=1")
+    parser.add_argument(
+        "--shape", default=f"{ROWS}x{COLS}", help="--iquants: ROWSxCOLS of each matrix (default %(default)s)"
+    )
+    parser.add_argument(
+        "--llama-graph",
+        action="store_true",
+        help="--iquants: llama.cpp's side is its ggml_mul_mat graph on its CPU backend (llamafile's sgemm "
+        "where it takes the shape) in place of the vec_dot loop",
+    )
     args = parser.parse_args()
     if args.iquants:
         return iquants_against_llama_cpp(args)
@@ -182,28 +194,34 @@ def ggml_rows_library() -> ctypes.CDLL:
 
 @dataclass
 class IquantCase:
-    """One type's matrices for the --iquants table, and the buffers both sides write."""
+    """One type's matrices (`shape`: rows, cols) for the --iquants table, and the buffers both sides
+    write; `graph`: llama.cpp's mul_mat graph over them (--llama-graph), else None."""
 
     qtype: GGMLQuantizationType
+    shape: tuple[int, int]
     datas: list[torch.Tensor]
     row_bytes: int
     q8: np.ndarray
     out: torch.Tensor
+    graph: ggml_oracle.MulMat | None = None
 
     @classmethod
-    def make(cls, name: str, experts: int, inputs: int) -> IquantCase:
+    def make(cls, name: str, experts: int, inputs: int, shape: tuple[int, int]) -> IquantCase:
         qtype = GGMLQuantizationType[name]
         elems, nbytes = GGML_QUANT_SIZES[qtype]
-        blocks = ggml_oracle.random_blocks(int(qtype), ROWS * COLS // elems, np.random.default_rng(0))
+        rows, cols = shape
+        blocks = ggml_oracle.random_blocks(int(qtype), rows * cols // elems, np.random.default_rng(0))
         datas = [torch.from_numpy(blocks.reshape(-1)).clone() for _ in range(experts)]
-        q8 = np.zeros((inputs, COLS * 2), dtype=np.uint8)  # Q8_K or Q8_0 bytes of each row (under 2 a value)
-        return cls(qtype, datas, COLS // elems * nbytes, q8, torch.empty(inputs, experts, ROWS))
+        q8 = np.zeros((inputs, cols * 2), dtype=np.uint8)  # Q8_K or Q8_0 bytes of each row (under 2 a value)
+        return cls(qtype, shape, datas, cols // elems * nbytes, q8, torch.empty(inputs, experts, rows))
 
     def ours(self, x: torch.Tensor) -> torch.Tensor:
         """Every row of x times every matrix, one call (a step's experts)."""
         count, inputs = len(self.datas), len(x)
         starts, rows = torch.arange(count + 1) * inputs, torch.arange(inputs).repeat(count)
-        return cpu.grouped_product(x, self.datas, int(self.qtype), ROWS, self.row_bytes, starts, rows, True)
+        return cpu.grouped_product(
+            x, self.datas, int(self.qtype), self.shape[0], self.row_bytes, starts, rows, True
+        )
 
     def ours_avx2(self, x: torch.Tensor) -> torch.Tensor:
         """`ours` with the AVX2 kernels (the AVX-512 ones turned off for the call)."""
@@ -218,15 +236,18 @@ class IquantCase:
                 os.environ["K3STREAM_NO_AVX512"] = before
 
     def theirs(self, x: torch.Tensor, library: ctypes.CDLL, threads: int) -> None:
+        if self.graph is not None:
+            self.graph(x.numpy())
+            return
         weights = ggml_oracle._traits(int(self.qtype))
         activations = ggml_oracle._traits(ggml_oracle.activation_type(int(self.qtype)))
         addresses = (ctypes.c_int64 * len(self.datas))(*[d.data_ptr() for d in self.datas])
         library.ggml_rows(
             ctypes.c_void_p(weights.vec_dot), ctypes.c_void_p(activations.from_float),
-            ctypes.c_void_p(x.data_ptr()), COLS, len(x), ctypes.c_void_p(self.q8.ctypes.data),
+            ctypes.c_void_p(x.data_ptr()), self.shape[1], len(x), ctypes.c_void_p(self.q8.ctypes.data),
             ctypes.c_int64(self.q8.shape[1]), addresses,
-            len(self.datas), ROWS, ctypes.c_int64(self.row_bytes), ctypes.c_void_p(self.out.data_ptr()),
-            threads,
+            len(self.datas), self.shape[0], ctypes.c_int64(self.row_bytes),
+            ctypes.c_void_p(self.out.data_ptr()), threads,
         )  # fmt: skip
 
     def seconds(
@@ -254,20 +275,25 @@ def iquants_against_llama_cpp(args: argparse.Namespace) -> None:
     """The --iquants table: `--rows` input rows through `--experts` matrices of each type."""
     if ggml_oracle.library() is None:
         raise SystemExit("--iquants needs llama-cpp-python's libggml-cpu")
-    library, x = ggml_rows_library(), torch.randn(args.rows, COLS)
+    rows, cols = (int(part) for part in args.shape.split("x"))
+    library, x = ggml_rows_library(), torch.randn(args.rows, cols)
     llama_avx512 = "with" if ggml_oracle.library().ggml_cpu_has_avx512() else "without"
+    theirs = "its mul_mat graph" if args.llama_graph else "its vec_dot loop"
     print(
-        f"{args.experts} matrices of {ROWS} x {COLS} (random valid blocks), {args.rows} input row(s) each; "
-        f"best of {args.repeat}, ours, llama.cpp's, the read (--avx2: ours on AVX2) alternating; "
+        f"{args.experts} matrices of {rows} x {cols} (random valid blocks), {args.rows} input row(s) each; "
+        f"best of {args.repeat}, ours, llama.cpp's ({theirs}), the read (--avx2: ours on AVX2) alternating; "
         f"k3stream's kernels: {cpu.isa()}, llama.cpp's libggml-cpu {llama_avx512} AVX-512"
     )
     print(f"{'type':8s} {'threads':>7s} {'k3 GB/s':>8s} {'read GB/s':>9s} {'k3/read':>7s} "
           f"{'llama GB/s':>10s} {'k3/llama':>8s} {'k3 Gw/s':>8s} {'llama Gw/s':>10s}"
           + f" {'avx2 GB/s':>9s} {'avx2/read':>9s} {'k3/avx2':>7s}" * args.avx2)  # fmt: skip
     for name in args.iquants.split(","):
-        case = IquantCase.make(name, args.experts, args.rows)
-        total, products = sum(d.numel() for d in case.datas), ROWS * COLS * args.experts * args.rows
+        case = IquantCase.make(name, args.experts, args.rows, (rows, cols))
+        total, products = sum(d.numel() for d in case.datas), rows * cols * args.experts * args.rows
         for threads in (int(t) for t in args.threads.split(",")):
+            if args.llama_graph:
+                matrices = [d.numpy().reshape(rows, -1) for d in case.datas]
+                case.graph = ggml_oracle.MulMat(int(case.qtype), matrices, cols, args.rows, threads)
             clock = time.thread_time if args.clock == "cpu" else time.perf_counter
             kernel, llama, read, *avx2 = case.seconds(x, library, threads, args.repeat, clock, args.avx2)
             print(
@@ -276,6 +302,8 @@ def iquants_against_llama_cpp(args: argparse.Namespace) -> None:
                 f"{products / kernel / 1e9:8.2f} {products / llama / 1e9:10.2f}"
                 + "".join(f" {total / t / 1e9:9.2f} {read / t:9.2f} {t / kernel:7.2f}" for t in avx2)
             )
+            if case.graph is not None:
+                case.graph.close()
 
 
 if __name__ == "__main__":

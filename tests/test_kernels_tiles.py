@@ -36,9 +36,9 @@ LLAMA_EXACT_ISAS = [(t, isa) for t in LLAMA_EXACT for isa in ("avx512", "avx2")
 SAME_BITS_AVX512_TYPES = [T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K, *AVX2_BITS_AVX512_TYPES]
 # input rows: one (the one-row kernel), the tile's groups and tails, past the 64 parked rows
 COUNTS = [1, 2, 3, 5, 8, 17, 24, 64, 70]
-# (weight rows, width): weight-row groups of 4 with tails of 1-3, tasks of 32 rows; chunks of 4
-# blocks with a tail, one block, many
-MATRICES = [(1, 256), (6, 512), (7, 1280), (37, 2304), (33, 1024)]
+# (weight rows, width): weight-row groups of 4 with tails of 1-3 (Q8_0's AVX-512 kernel: 8, tails of
+# 1-7), tasks of 32 rows; chunks of 4 blocks (Q8_0: 16 or 32) with a tail, one block, many
+MATRICES = [(1, 256), (6, 512), (7, 1280), (37, 2304), (33, 1024), (12, 768)]
 
 
 def matrix(qt: T, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -79,11 +79,13 @@ def test_many_rows_give_the_one_row_kernels_bits(qt, out_rows, cols, isa, monkey
 
 
 @pytest.mark.parametrize("cols", [32, 96, 1056])
+@pytest.mark.parametrize("out_rows", [2, 3, 4, 9, 15])
 @ISAS
-def test_q8_0_rows_of_any_whole_blocks(cols, isa, monkeypatch):
-    """Q8_0 rows of 1, 3 and 33 blocks (its tiles take 32 blocks at a time): the one-row kernel's bits."""
+def test_q8_0_rows_of_any_whole_blocks(cols, out_rows, isa, monkeypatch):
+    """Q8_0 rows of 1, 3 and 33 blocks (its tiles take 16 or 32 blocks at a time), 2 to 15 of them (the
+    AVX-512 tiles pair weight rows, 8 a group): the one-row kernel's bits."""
     take_kernel_isa(isa, monkeypatch)
-    w, x = matrix(T.Q8_0, 9, cols, seed=cols), inputs(11, cols, seed=cols + 1)
+    w, x = matrix(T.Q8_0, out_rows, cols, seed=cols), inputs(11, cols, seed=cols + 1)
     together = grouped(T.Q8_0, [w], x, [len(x)], np.arange(len(x)))
     assert np.array_equal(together.view(np.uint32), one_row_at_a_time(T.Q8_0, w, x).view(np.uint32))
 
@@ -106,6 +108,25 @@ def test_many_rows_give_llama_cpps_vec_dot_bit_for_bit(qt, isa, count, monkeypat
     )
     got = grouped(qt, [w], x, [count], np.arange(count))
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+@needs_llama
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_q8_0_many_rows_give_llama_cpps_mul_mat_bit_for_bit(isa, monkeypatch):
+    """Against llama.cpp's own mul_mat as its CPU backend runs a model's Q8_0 matrix (one graph, 2
+    threads: llamafile's sgemm at prefill shapes), at 1 to 16 input rows. (Its Q6_K product at 16 rows
+    is a few ulp from its own vec_dot, which the Q6_K kernels keep.)"""
+    take_kernel_isa(isa, monkeypatch)
+    cols = 1024
+    w, x = matrix(T.Q8_0, 37, cols, seed=3), inputs(16, cols, seed=4)
+    for count in (1, 2, 5, 16):
+        graph = ggml_oracle.MulMat(int(T.Q8_0), [w], cols, count, 2)
+        try:
+            expected = graph(x[:count])[0]
+        finally:
+            graph.close()
+        got = grouped(T.Q8_0, [w], x[:count], [count], np.arange(count))
+        assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), count
 
 
 @pytest.mark.parametrize("qt", TILED, ids=lambda t: t.name)

@@ -104,3 +104,83 @@ def random_blocks(ggml_type: int, count: int, rng: np.random.Generator) -> np.nd
         for k, at in enumerate(F16_AT.get(ggml_type, (0,))):
             data[:, at : at + 2] = np.roll(scales, k).view(np.uint8).reshape(count, 2)
     return data
+
+
+# ---- llama.cpp's own mul_mat, as its CPU backend runs a model's products --------------------------
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+@functools.lru_cache(maxsize=1)
+def _ggml_base() -> ctypes.CDLL:
+    """libggml-base.so beside libggml-cpu.so, its graph functions typed."""
+    base = ctypes.CDLL(str(Path(library()._name).with_name("libggml-base.so")))
+    pointer = ctypes.c_void_p
+    signatures = {
+        "ggml_init": (pointer, [_InitParams]),
+        "ggml_new_tensor_2d": (pointer, [pointer, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]),
+        "ggml_mul_mat": (pointer, [pointer, pointer, pointer]),
+        "ggml_new_graph": (pointer, [pointer]),
+        "ggml_build_forward_expand": (None, [pointer, pointer]),
+        "ggml_backend_cpu_buffer_type": (pointer, []),
+        "ggml_backend_alloc_ctx_tensors_from_buft": (pointer, [pointer, pointer]),
+        "ggml_backend_tensor_set": (None, [pointer, pointer, ctypes.c_size_t, ctypes.c_size_t]),
+        "ggml_backend_tensor_get": (None, [pointer, pointer, ctypes.c_size_t, ctypes.c_size_t]),
+        "ggml_backend_graph_compute": (ctypes.c_int, [pointer, pointer]),
+        "ggml_backend_buffer_free": (None, [pointer]),
+        "ggml_backend_free": (None, [pointer]),
+        "ggml_free": (None, [pointer]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        getattr(base, name).restype, getattr(base, name).argtypes = restype, argtypes
+    cpu = library()
+    cpu.ggml_backend_cpu_init.restype = pointer
+    cpu.ggml_backend_cpu_set_n_threads.argtypes = [pointer, ctypes.c_int]
+    return base
+
+
+class MulMat:
+    """llama.cpp's `ggml_mul_mat` of each of several weight matrices (GGUF bytes [rows, row bytes] of
+    `ggml_type`, `cols` values a row) with the same `inputs` float32 rows, one graph on its CPU backend
+    with `threads` threads: what llama.cpp runs for a model's matrices that it does not repack (its
+    llamafile sgemm where that takes the shape, else vec_dot). The weights are copied into ggml's
+    buffer; `close` frees it."""
+
+    def __init__(self, ggml_type: int, matrices: list[np.ndarray], cols: int, inputs: int, threads: int):
+        base, cpu = _ggml_base(), library()
+        self.backend = cpu.ggml_backend_cpu_init()
+        cpu.ggml_backend_cpu_set_n_threads(self.backend, threads)
+        self.context = base.ggml_init(_InitParams(1 << 20, None, True))
+        rows = matrices[0].shape[0]
+        weights = [base.ggml_new_tensor_2d(self.context, ggml_type, cols, rows) for _ in matrices]
+        self.x = base.ggml_new_tensor_2d(self.context, 0, cols, inputs)  # GGML_TYPE_F32
+        self.outs = [base.ggml_mul_mat(self.context, w, self.x) for w in weights]
+        self.graph = base.ggml_new_graph(self.context)
+        for out in self.outs:
+            base.ggml_build_forward_expand(self.graph, out)
+        cpu_buffer = base.ggml_backend_cpu_buffer_type()
+        self.buffer = base.ggml_backend_alloc_ctx_tensors_from_buft(self.context, cpu_buffer)
+        for tensor, data in zip(weights, matrices, strict=True):
+            block = np.ascontiguousarray(data)
+            base.ggml_backend_tensor_set(tensor, block.ctypes.data, 0, block.nbytes)
+        self.shape = (len(matrices), inputs, rows)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """[matrices, inputs, rows] float32: x [inputs, cols] times each matrix."""
+        base = _ggml_base()
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        base.ggml_backend_tensor_set(self.x, x.ctypes.data, 0, x.nbytes)
+        if base.ggml_backend_graph_compute(self.backend, self.graph) != 0:
+            raise RuntimeError("ggml_backend_graph_compute failed")
+        out = np.empty(self.shape, dtype=np.float32)
+        for i, tensor in enumerate(self.outs):
+            base.ggml_backend_tensor_get(tensor, out[i].ctypes.data, 0, out[i].nbytes)
+        return out
+
+    def close(self) -> None:
+        base = _ggml_base()
+        base.ggml_backend_buffer_free(self.buffer)
+        base.ggml_free(self.context)
+        base.ggml_backend_free(self.backend)

@@ -456,18 +456,23 @@ RowKernel q8_tile_kernel(int ggml_type, int avx2) {
 }
 
 /* Measured (1024 x 1024, one thread, AVX2), against the kernels they replace: Q6_K's one-row kernel is
- * faster for two rows, Q8_0's up to four; Q2_K's, Q3_K's and Q4_K's own kernels share decoded codes
- * between 4 input rows in registers (Q2_K, Q3_K: as fast as the tiles at 10 rows, faster below, 1.1-1.2x
- * slower at 16, 1.4x at 128; Q4_K: as fast at 16 rows, 1.1x slower at 24, 1.2x at 64); the i-quants' kernels
- * share each decoded run between RUN_ROWS = 4 input rows, faster than the tiles at exactly 4 rows
- * (none left over to run one at a time), as fast or slower elsewhere */
+ * faster for two rows (its AVX-512 one, codes shared by four input rows, at every count: 1.7-2.1x these
+ * tiles at 3-8 rows, 1.03-1.14x at 16-64, 3072 x 3584 on Intel Xeon), Q8_0's up to four (Q8_0's AVX-512 multi-row kernel, two weight rows a vector, is
+ * the faster from two rows: 1.45x the one-row kernel at two rows of 12288 x 7168 on Intel Xeon); Q2_K's,
+ * Q3_K's and Q4_K's own kernels share decoded codes between 4 input rows in registers (Q2_K, Q3_K: as
+ * fast as the tiles at 10 rows, faster below, 1.1-1.2x slower at 16, 1.4x at 128; their AVX-512 ones,
+ * on Intel Xeon, 3072 x 3584: faster than these AVX2 tiles at 10-32 rows (Q2_K 1.3-1.4x at 10-16, 1.2x
+ * at 32; Q3_K 1.2x at 10-16, as fast at 32), 0.94-0.97x at 64; Q4_K: as fast at 16 rows, 1.1x slower
+ * at 24, 1.2x at 64); the i-quants' kernels share each decoded run between RUN_ROWS =
+ * 4 input rows, faster than the tiles at exactly 4 rows (none left over to run one at a time), as fast
+ * or slower elsewhere */
 int q8_tiles_take(int ggml_type, int64_t rows) {
     switch (ggml_type) {
-        case 14: return rows >= 3;
-        case 8: return rows >= 5;
+        case 14: return q8_kernel_avx512(ggml_type) == NULL && rows >= 3;
+        case 8: return rows >= (q8_tile_kernel_avx512(8) != NULL ? 2 : 5);
         case 12: return rows >= 24;
         case 10:
-        case 11: return rows >= 10;
+        case 11: return rows >= (q8_kernel_avx512(ggml_type) != NULL ? 48 : 10);
         default: return rows >= 2 && rows != 4;
     }
 }
