@@ -1485,6 +1485,12 @@ static int64_t rows_used(const int64_t *starts, const int64_t *rows, int64_t mat
  * runs alike); more runs than threads leave a thread slowed by a busy core less to finish alone. */
 #define RUNS_PER_THREAD 4
 
+/* Rows wider than this keep the AVX-512 kernels' plain stream: a whole 7168-wide Q8_0 row (7,616 bytes)
+ * asked for at its start, the AVX2 kernel's way, left that stream waiting on the idle machine
+ * (`bench_q8_shapes.py`: 0.68-0.70 of its 3584-wide rate); under other processes' load rows_ahead on
+ * those rows ran 1.1-1.3x faster on one thread (CPU seconds), on two threads idle not measured yet. */
+#define AHEAD_MAX_ROW_BYTES PREFETCH_BYTES
+
 /* A product ready to run: its Product, kernels and tasks (ROWS_PER_TASK output rows of one matrix each),
  * and the buffers it allocated (x's sub-block sums or its 8-bit blocks) */
 typedef struct {
@@ -1560,7 +1566,7 @@ static int plan_product(Plan *plan, const float *x, int64_t in_features, const i
         return -1;
     }
     plan->kernel = kernel;
-    plan->ahead = kernel == q8_kernel_avx512(ggml_type) && row_bytes <= PREFETCH_BYTES;
+    plan->ahead = kernel == q8_kernel_avx512(ggml_type) && row_bytes <= AHEAD_MAX_ROW_BYTES;
     plan->q8_tile = q8_activations ? q8_tile_kernel(ggml_type, HAVE_AVX2()) : NULL;
     plan->ggml_type = ggml_type;
     plan->wide = q8_activations ? NULL : wide_kernel(ggml_type);
@@ -1598,13 +1604,12 @@ static void split_tasks(const Plan *plans, int64_t tasks, double macs, int runs,
 }
 
 /* Rows first..last - 1 of matrix b by a row kernel that asks for no weight lines ahead itself (the
- * AVX-512 one-row kernels of q8_kernel_avx512), for rows of at most PREFETCH_BYTES: a row at a time,
- * the lines PREFETCH_BYTES past the row asked for (within the matrix) before the kernel runs it; the
- * range's first PREFETCH_BYTES at its start. The same kernel on the same rows: the same results. Their
+ * AVX-512 one-row kernels of q8_kernel_avx512), for rows of at most AHEAD_MAX_ROW_BYTES: a row at a
+ * time, the lines PREFETCH_BYTES past the row asked for (within the matrix) before the kernel runs it;
+ * the range's first PREFETCH_BYTES at its start. The same kernel on the same rows: the same results. Their
  * integer work leaves a sequential stream waiting on RAM: one thread (CPU seconds, shared VM), 16
  * matrices of 3072 x 3584 from RAM, Q2_K and Q3_K read at 6.1-6.7 GB/s alone and 10.2-10.6 GB/s so,
- * their rate on a matrix in the cache. Wider rows keep the plain stream: a whole 7168-wide Q8_0 row
- * asked for at its start (the AVX2 kernel's way) left that stream waiting (`bench_q8_shapes.py`). */
+ * their rate on a matrix in the cache. */
 static void rows_ahead(RowKernel kernel, const Product *pr, int64_t b, int64_t first, int64_t last) {
     const uint8_t *matrix = (const uint8_t *)(uintptr_t)pr->addresses[b];
     const uint8_t *end = matrix + pr->out_rows * pr->row_bytes, *start = matrix + first * pr->row_bytes;
