@@ -214,9 +214,12 @@ measured("prefill", len(prompt), prefill)
 measured("decode", job["decode_tokens"], decode)
 profile = {}
 if job.get("profile_tokens"):  # per layer kind, on the eager path (engine.layer_profile)
-    from k3stream.engine.layer_profile import profile_decode
+    from k3stream.engine.layer_profile import profile_decode, ram_read_rates
     profile_ids = prompt[: job["profile_tokens"]]
+    # the RAM's read rate right before and after, in this process (where the memory allows a buffer)
+    rates = ram_read_rates(job["threads"]) if job.get("ram_rates") else []
     measured("profile", len(profile_ids), lambda: profile.update(profile_decode(model, state, profile_ids)))
+    profile["ram_rates"] = rates + (ram_read_rates(job["threads"]) if rates else [])
 budget = store.stats()["tiers"]["ram"]["budget_bytes"]
 status = read_status()
 runtime.close()
@@ -277,6 +280,7 @@ def run_k3stream(
         "decode_tokens": args.decode_tokens,
         "warm_decode": getattr(args, "warm_decode", False),
         "profile_tokens": getattr(args, "profile_tokens", 0),
+        "ram_rates": getattr(args, "ram_rates", False),
     }
     return run_child("k3stream", K3_CHILD, job, args.limit_bytes, files)
 

@@ -143,3 +143,25 @@ def test_the_store_read_rate_reads_whole_objects_from_the_disk(tiny_model, tmp_p
     assert rate > 0
     blocks = -(-object_bytes // 4096) * 4096  # O_DIRECT reads whole blocks
     assert requests * object_bytes <= read <= requests * blocks + (1 << 20)  # + the pack's index pages
+
+
+def test_the_ram_rate_is_each_pass_of_a_buffer_read_and_leaves_the_threads_as_they_were():
+    import torch
+
+    from k3stream.engine.layer_profile import ram_read_rates
+
+    threads = torch.get_num_threads()
+    rates = ram_read_rates(1, size=64 << 20, passes=3)
+    assert len(rates) == 3
+    assert all(1e8 < rate < 1e13 for rate in rates)  # between 0.1 GB/s and 10 TB/s: a read of RAM
+    assert torch.get_num_threads() == threads
+
+
+def test_the_per_kind_bound_takes_the_resident_runs_fastest_ram_pass(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_real import kind_ram_rate
+
+    rows = [{"name": "10% of experts"}, {"name": "resident", "ram_rates": [30e9, 62e9, 35e9]}]
+    assert kind_ram_rate(rows, [20e9], 2) == 62e9
+    assert "fastest 62.0, median 35.0, slowest 30.0 GB/s" in capsys.readouterr().out
+    assert kind_ram_rate(rows[:1], [20e9, 25e9], 2) == 25e9  # no resident profile: the start's passes

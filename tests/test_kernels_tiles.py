@@ -200,6 +200,26 @@ def test_activations_round_as_ggml_quantizes_them(isa, monkeypatch):
         assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), qt.name
 
 
+@pytest.mark.parametrize("qt", [T.Q2_K, T.Q3_K, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("cols", [3584, 7168])  # the routed experts' and the trunk's row widths
+def test_avx512_kernels_on_two_threads_keep_the_one_thread_avx2_bits(qt, cols, monkeypatch):
+    """The AVX-512 one-row kernels (their lines asked for ahead), the matrices cut between two threads'
+    runs: each output the AVX2 kernel's on one thread."""
+    take_kernel_isa("avx512", monkeypatch)
+    weights = [matrix(qt, 301, cols, seed=seed) for seed in (1, 2)]  # > PARALLEL_MIN_MACS together
+    x = inputs(2, cols, seed=cols)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        avx512 = grouped(qt, weights, x, [1, 1], np.arange(2))
+        monkeypatch.setenv("K3STREAM_NO_AVX512", "1")
+        torch.set_num_threads(1)
+        avx2 = grouped(qt, weights, x, [1, 1], np.arange(2))
+    finally:
+        torch.set_num_threads(threads)
+    assert np.array_equal(avx512.view(np.uint32), avx2.view(np.uint32))
+
+
 @pytest.mark.parametrize("qt", SAME_BITS_AVX512_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("out_rows,cols", [(5, 256), (7, 1280), (3, 7168)])
 def test_the_avx512_kernels_give_the_avx2_kernels_bits(qt, out_rows, cols, monkeypatch):

@@ -60,3 +60,23 @@ def test_experts_are_computed_as_they_arrive_and_results_do_not_change(tiny_mode
         assert all(len(experts) <= (slots or len(read)) for call, experts in calls if call == "fetch")
         if spread > 1:
             assert fetched != sorted(fetched)  # computed in the order they arrived, not pack order
+
+
+@pytest.mark.parametrize("spread", [1, 3])
+def test_a_decode_token_whose_experts_all_arrived_is_one_fetch_and_results_do_not_change(tiny_model, spread):
+    path = tiny_model(n_layers=4, n_experts=32, top_k=4, seed=8)
+    plain = k3stream.load(path)
+    source = ArrivingSource(GGUFExpertSource(plain.expert_source.checkpoint), spread, None)
+    model = k3stream.load(path, LoadOptions(expert_source=source, prefetch=False))
+    states = [plain.new_state(), model.new_state()]
+    for each, state in zip((plain, model), states, strict=True):
+        each.prefill(state, [3, 4, 5])
+    source.calls.clear()
+    logits = [each.decode(state, 6) for each, state in zip((plain, model), states, strict=True)]
+    assert torch.equal(*logits)
+    fetches = [(layer, experts) for call, layer, experts in source.calls if call == "fetch"]
+    layers = {layer for _, layer, _ in source.calls}
+    if spread == 1:  # every expert read ahead is ready: one fetch a layer, in pack order
+        assert len(fetches) == len(layers) and all(experts == sorted(experts) for _, experts in fetches)
+    else:  # they arrive a few at a time: fetched as they do
+        assert len(fetches) > len(layers)

@@ -27,6 +27,10 @@ from k3stream.quant.kernels import cpu
 KINDS = ("KDA attention", "MLA attention", "dense FFN", "MoE routed", "MoE shared", "other")
 # the C library's mat-vec entry points (`quant.kernels.cpu` looks them up at each call)
 MAT_VECS = ("products", "grouped_product", "expert_mlp", "chosen_experts")
+# the RAM read rate's buffer: larger than any layer kind's weight bytes per token at Kimi-K3's shapes
+# (KDA attention's 472 MB), far larger than the last-level cache; passes a measurement
+RAM_PASS_BYTES = 512 << 20
+RAM_PASSES = 9
 
 
 class _Clock:
@@ -94,6 +98,29 @@ def _clocked() -> Iterator[_Clock]:
     finally:
         for owner, name, original in originals:
             setattr(owner, name, original)
+
+
+def ram_read_rates(threads: int, size: int = RAM_PASS_BYTES, passes: int = RAM_PASSES) -> list[float]:
+    """Bytes per second of each of `passes` reads of one `size`-byte buffer (a float32 sum on `threads`
+    threads, torch's, in the kernels' OpenMP runtime). The buffer is a NumPy array, on transparent huge
+    pages as the model's weights are (NumPy advises its large arrays for them; on this VM a read of 4
+    KiB pages ran at half the rate), allocated and touched once before the passes."""
+    import numpy as np
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    buffer = torch.from_numpy(np.ones(size // 4, dtype=np.float32))
+    rates = []
+    try:
+        buffer.sum()  # warm: the pages mapped, the threads up
+        for _ in range(passes):
+            started = time.perf_counter()
+            buffer.sum()
+            rates.append(size / (time.perf_counter() - started))
+    finally:
+        torch.set_num_threads(previous)
+    return rates
 
 
 def profile_decode(model: Any, state: Any, tokens: list[int]) -> dict[str, Any]:
