@@ -216,6 +216,17 @@ profile = {}
 if job.get("profile_tokens"):  # per layer kind, on the eager path (engine.layer_profile)
     from k3stream.engine.layer_profile import profile_decode, ram_read_rates
     profile_ids = prompt[: job["profile_tokens"]]
+    if job["warm_decode"]:  # resident: the profiled steps' experts read before, as the measured decode's
+        def at_prompt_end():  # a fresh sequence after the prompt: the same steps route alike from it
+            fresh = model.new_state()
+            prefill_last(model, fresh, prompt)
+            store.end_token(len(prompt))
+            return fresh
+        warm = at_prompt_end()
+        for token in profile_ids:
+            model.decode(warm, token)
+            store.end_token(1)
+        state = at_prompt_end()
     # the RAM's read rate right before and after, in this process (where the memory allows a buffer)
     rates = ram_read_rates(job["threads"]) if job.get("ram_rates") else []
     measured("profile", len(profile_ids), lambda: profile.update(profile_decode(model, state, profile_ids)))
