@@ -184,12 +184,13 @@ void ggml_rows(void *dot, void *from_float, const float *x, int n, int inputs, u
 
 def ggml_rows_library() -> ctypes.CDLL:
     """GGML_ROWS compiled here (gcc, OpenMP) into a temporary shared library."""
-    folder = Path(tempfile.mkdtemp(prefix="k3-bench-"))
-    (folder / "rows.c").write_text(GGML_ROWS)
-    library = folder / "rows.so"
-    command = ["gcc", "-O2", "-fopenmp", "-shared", "-fPIC", str(folder / "rows.c"), "-o", str(library)]
-    subprocess.run(command, check=True)
-    return ctypes.CDLL(str(library))
+    with tempfile.TemporaryDirectory(prefix="k3-bench-") as name:  # the loaded library outlives its file
+        folder = Path(name)
+        (folder / "rows.c").write_text(GGML_ROWS)
+        library = folder / "rows.so"
+        command = ["gcc", "-O2", "-fopenmp", "-shared", "-fPIC", str(folder / "rows.c"), "-o", str(library)]
+        subprocess.run(command, check=True)
+        return ctypes.CDLL(str(library))
 
 
 @dataclass

@@ -62,6 +62,20 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         clear_test_cache()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def children_temp_folder(tmp_path_factory):
+    """Child processes (torchrun's log folders, servers, workers) make their temporary files under
+    pytest's own temporary folder, which a passing run removes, instead of the system's."""
+    folder = tmp_path_factory.mktemp("children-tmp")
+    previous = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = previous
+
+
 @pytest.fixture(scope="session")
 def missing_oracle():
     """Fails every llama.cpp-oracle test under K3STREAM_REQUIRE_ORACLE=1 when the oracle is missing."""
