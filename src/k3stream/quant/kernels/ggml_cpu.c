@@ -1145,11 +1145,6 @@ ALWAYS __m256i pair_scales(__m256i half, int f) {
     return _mm256_shuffle_epi8(half, _mm256_set_m128i(_mm_set1_epi16(second), _mm_set1_epi16(first)));
 }
 
-/* Up to Q8_ROWS input rows share each Q2_K, Q3_K or Q4_K weight row's decoded codes and scales
- * (prefill, batched decode): each row keeps its own sums and sees exactly the operations it would see
- * alone. Eight 1024 x 1024 matrices, 8 rows each, one thread: 1.4-1.6x the one-row-at-a-time kernels. */
-#define Q8_ROWS 4
-
 /* acc[r] += per-lane float sums of one Q2_K block times input row r's Q8_K block y[r] + at: d_y (d
  * sum_s sc_s q.y_s - dmin sum_s m_s bsum_s), with exact integer sums */
 ALWAYS void q8_q2_k(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n) {
@@ -1310,20 +1305,10 @@ ALWAYS __m256 q8_q4_0(const uint8_t *restrict b, const BlockQ8_0 *restrict y, __
 }
 
 
-/* One weight row against `n` (<= Q8_ROWS) input rows' Q8_K blocks from p: blocks in order into each
- * row's eight lanes (DOT), summed at the end, as Q8_ROW sums one row's */
+/* One weight row against `n` (<= Q8_ROWS) input rows' Q8_K blocks (Q8K_SHARED_ROWS), as Q8_ROW sums
+ * one row's */
 #define Q8_SHARED_ROW(NAME, DOT, BLOCK_BYTES)                                                          \
-    ALWAYS void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
-        const int64_t blocks = pr->in_features / 256;                                                  \
-        const BlockQ8K *y[Q8_ROWS];                                                                    \
-        __m256 acc[Q8_ROWS];                                                                           \
-        for (int r = 0; r < n; r++) y[r] = pr->q8 + pr->rows[p + r] * blocks, acc[r] = _mm256_setzero_ps(); \
-        for (int64_t block = 0; block < blocks; block++) {                                            \
-            prefetch_ahead(row + block * (BLOCK_BYTES), BLOCK_BYTES);                                  \
-            DOT(row + block * (BLOCK_BYTES), y, block, acc, n);                                        \
-        }                                                                                              \
-        for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = hsum8(acc[r]);            \
-    }                                                                                                  \
+    Q8K_SHARED_ROWS(ALWAYS, NAME, DOT, BLOCK_BYTES)                                                    \
     ROW_RANGE(NAME, Q8_ROWS)
 
 Q8_SHARED_ROW(q8_row_q2_k_avx2, q8_q2_k, 84)

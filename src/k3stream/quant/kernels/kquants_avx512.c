@@ -245,23 +245,9 @@ AVX512_INLINE void q6_k_block(const uint8_t *restrict b, const BlockQ8K *const *
     }
 }
 
-/* Up to Q8_ROWS input rows share each Q2_K, Q3_K, Q4_K or Q6_K weight row's decoded codes (as the AVX2
- * kernels of the first three) */
-#define Q8_ROWS 4
-
 /* One weight row m against n input rows from p: blocks in order into each row's eight lanes */
 #define SHARED_ROWS(NAME, BLOCK, BLOCK_BYTES)                                                           \
-    AVX512_INLINE void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
-        const int64_t blocks = pr->in_features / 256;                                                   \
-        const BlockQ8K *y[Q8_ROWS];                                                                     \
-        __m256 acc[Q8_ROWS];                                                                            \
-        for (int r = 0; r < n; r++) y[r] = pr->q8 + pr->rows[p + r] * blocks, acc[r] = _mm256_setzero_ps(); \
-        for (int64_t block = 0; block < blocks; block++) {                                              \
-            prefetch_ahead(row + block * (BLOCK_BYTES), BLOCK_BYTES);                                   \
-            BLOCK(row + block * (BLOCK_BYTES), y, block, acc, n);                                       \
-        }                                                                                               \
-        for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = hsum8(acc[r]);             \
-    }                                                                                                   \
+    Q8K_SHARED_ROWS(AVX512_INLINE, NAME, BLOCK, BLOCK_BYTES)                                            \
     AVX512_TARGET static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) {         \
         for (int64_t m = first; m < last; m++) {                                                        \
             const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;       \
