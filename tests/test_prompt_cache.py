@@ -423,17 +423,24 @@ def test_disk_eviction_removes_and_rewrites_files_outside_the_lock(model, finger
     restarted.close()
 
 
+def _answered(cache: PromptCache, model, prompt: list[int], steps: int = 3):
+    """`prompt` prefilled through `cache`, `steps` greedy tokens decoded after it and the response's end
+    saved: the prefill's result (its state now at the response's end) and the answer's tokens."""
+    got = cache.prefill(prompt)
+    answer = [int(got.logits.argmax())]
+    for _ in range(steps):
+        answer.append(int(model.decode(got.state, answer[-1]).argmax()))
+    cache.save(prompt + answer[:-1], got.state)
+    return got, answer
+
+
 def test_a_next_turn_appends_to_its_conversations_rows_in_place_and_a_branch_copies(model, fingerprint):
     """The next turn restored from the response's end shares that snapshot's latent buffer (no copy of
     the history's rows); a branch from the prompt's end, whose rows the response wrote past, copies
     them: each goes on with the cold bits, and neither writes into the other's rows."""
     cache = PromptCache(model, fingerprint, 64 * MIB)
     prompt = ids(model, 40)
-    first = cache.prefill(prompt)
-    answer = [int(first.logits.argmax())]
-    for _ in range(3):
-        answer.append(int(model.decode(first.state, answer[-1]).argmax()))
-    cache.save(prompt + answer[:-1], first.state)
+    first, answer = _answered(cache, model, prompt)
     buffers = [layer.buffer for layer in first.state.layers if hasattr(layer, "buffer")]
     assert buffers
     following = prompt + answer + ids(model, 9, seed=5)
@@ -459,11 +466,7 @@ def test_ram_eviction_weighs_what_a_snapshot_frees_not_the_rows_it_shares(model,
     own, rather than one of the pair that frees next to nothing."""
     cache = PromptCache(model, fingerprint, 64 * MIB)
     prompt = ids(model, 20)
-    got = cache.prefill(prompt)
-    answer = [int(got.logits.argmax())]
-    for _ in range(3):
-        answer.append(int(model.decode(got.state, answer[-1]).argmax()))
-    cache.save(prompt + answer[:-1], got.state)
+    got, answer = _answered(cache, model, prompt)
     pair = [entry.snapshot for entry in cache._tree.entries()]
     assert len({snapshot.latents()[0].storage_key() for snapshot in pair}) == 1
     alone = ids(model, 25, seed=9)
