@@ -1,6 +1,7 @@
 """GB/s of GGUF weight bytes the CPU kernels consume in a decode-style product, against a plain read.
 
     python benchmarks/bench_kernels.py [--threads 1,2] [--types Q2_K,Q3_K,...] [--experts 16] [--repeat 5]
+        [--in-cache]
 
 One step of a real-size Kimi-K3 MoE layer: `--experts` matrices of one expert role (3072 x 3584, the
 shape of up and gate), each multiplied by one input row (decode: top-16 experts, one token), through
@@ -8,7 +9,10 @@ shape of up and gate), each multiplied by one input row (decode: top-16 experts,
 run). The same bytes are read by a plain sequential pass (`torch.sum` over them as int64, the same
 thread count), the physical limit of reading them from RAM, alternating with the product run for run
 (the best of each), so both meet the machine in the same phases.
-The matrices together exceed the last-level cache, so both sides read from memory. Printed per type and
+Every side reads from RAM: the matrices are held in enough copies that all of them together are at least
+twice the last-level cache (its size is read from sysfs and printed), and each run, of any side, takes
+the next copy in turn, so no run finds in the cache what an earlier one read. `--in-cache` keeps one copy
+(with `--experts 2` the matrices fit the L2 or L3: the kernels' compute rate). Printed per type and
 thread count: both rates and the ratio; types with integer kernels (`cpu.Q8_TYPES`) also with `match_ggml`
 ("q8": activations quantized to Q8_K or Q8_0 as llama.cpp does). Also prints the reference path (dequantize,
 then matmul) once. The i-quants and ternary types (which k3stream does not encode) take random valid blocks.
@@ -26,7 +30,8 @@ not take. `--avx2` (on an AVX-512 machine) also times ours under K3STREAM_NO_AVX
 kernels) in the same alternation: "avx2 GB/s", its ratio to the read and ours to it. `--shape 12288x7168`
 sets the matrices' rows and columns (a Kimi-K3 trunk projection). `--llama-graph` runs llama.cpp's side
 as its CPU backend runs a model's product: a `ggml_mul_mat` graph (`testing.ggml_oracle.MulMat`; for a
-prefill-shaped Q8_0 product llamafile's sgemm), the weights copied into ggml's buffer.
+prefill-shaped Q8_0 product llamafile's sgemm), the weights copied into ggml's buffer (one graph per
+copy of the matrices). The memory held is about twice the last-level cache or one copy, whichever is larger.
 """
 
 from __future__ import annotations
@@ -51,14 +56,61 @@ from k3stream.testing import ggml_oracle
 ROWS, COLS = 3072, 3584  # one Kimi-K3 expert's up (or gate) projection: expert_ff x latent
 
 
-def matrices(qtype: GGMLQuantizationType, count: int) -> list[QWeight]:
+def last_level_cache_bytes() -> int:
+    """The size of the CPU's last-level cache (sysfs, else sysconf; 0 where neither says)."""
+    for index in (3, 2):
+        size = Path(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size")
+        if size.exists():
+            text = size.read_text().strip()
+            return int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+    return max(os.sysconf(name) for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"))
+
+
+def copies_for_ram(set_bytes: int, in_cache: bool) -> int:
+    """How many copies of `set_bytes` of matrices make a working set of at least twice the last-level
+    cache (1 with `in_cache`)."""
+    return 1 if in_cache else max(1, -(-2 * last_level_cache_bytes() // set_bytes))
+
+
+class Rotation:
+    """Copies of one set of matrices, handed out in turn: consecutive runs read different memory."""
+
+    def __init__(self, copies: list):
+        self.copies, self.taken = copies, 0
+
+    def take(self):
+        self.taken += 1
+        return self.copies[(self.taken - 1) % len(self.copies)]
+
+
+def memory_line(in_cache: bool) -> str:
+    """The header line that says where the runs read the matrices from."""
+    llc = last_level_cache_bytes() / 2**20
+    if in_cache:
+        return f"last-level cache {llc:.0f} MiB; --in-cache: one copy of the matrices, read again every run"
+    return (
+        f"last-level cache {llc:.0f} MiB; each type's matrices in enough copies to make {2 * llc:.0f} MiB "
+        "or more, every run (of any side) taking the next: all read from RAM"
+    )
+
+
+def matrices(qtype: GGMLQuantizationType, count: int, in_cache: bool) -> Rotation:
+    """`count` matrices of `qtype` in copies_for_ram copies, each a list of QWeights."""
     rng = np.random.default_rng(0)
     if qtype in cpu.IQ_TYPES:  # types k3stream does not encode: random valid blocks
         blocks = ggml_oracle.random_blocks(int(qtype), ROWS * COLS // GGML_QUANT_SIZES[qtype][0], rng)
     else:
         blocks = quantize(rng.standard_normal((ROWS, COLS)).astype(np.float32), qtype)
     data = torch.from_numpy(np.ascontiguousarray(blocks).reshape(-1))
-    return [QWeight(data.clone(), int(qtype), (ROWS, COLS)) for _ in range(count)]
+    copies = copies_for_ram(data.numel() * count, in_cache)
+    return Rotation(
+        [[QWeight(data.clone(), int(qtype), (ROWS, COLS)) for _ in range(count)] for _ in range(copies)]
+    )
+
+
+def plain_read(datas: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A sequential pass over the bytes: their sum as int64 words."""
+    return [d.view(torch.int64).sum() for d in datas]
 
 
 def best_seconds(run, repeat: int) -> float:
@@ -100,6 +152,9 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument(
+        "--in-cache", action="store_true", help="one copy of the matrices (no rotation through RAM)"
+    )
+    parser.add_argument(
         "--iquants", nargs="?", const=IQUANTS, default="", help=f"these types against llama.cpp ({IQUANTS})"
     )
     parser.add_argument(
@@ -130,18 +185,19 @@ def main() -> None:
     rows = torch.arange(args.experts)
     each = f"best of {args.repeat}, kernel and read alternating"
     print(f"{args.experts} matrices of {ROWS} x {COLS}, one input row each; {each}")
+    print(memory_line(args.in_cache))
     print(f"{'type':9s} {'threads':>7s} {'kernel GB/s':>11s} {'read GB/s':>9s} {'ratio':>6s} {'Gw/s':>6s}")
     for name in args.types.split(","):
-        weights = matrices(GGMLQuantizationType[name], args.experts)
-        total = sum(w.data.numel() for w in weights)
-        words = [w.data.view(torch.int64) for w in weights]
+        rotation = matrices(GGMLQuantizationType[name], args.experts, args.in_cache)
+        total = sum(w.data.numel() for w in rotation.copies[0])
 
-        def plain_read(words=words):
-            return [w.sum() for w in words]
+        def read(rotation=rotation):
+            return plain_read([w.data for w in rotation.take()])
 
         for match_ggml in (False, True) if GGMLQuantizationType[name] in cpu.Q8_TYPES else (False,):
 
-            def product(weights=weights, match_ggml=match_ggml):
+            def product(rotation=rotation, match_ggml=match_ggml):
+                weights = rotation.take()
                 if weights[0].ggml_type == F32:  # a model's F32 mat-vecs: one matrix at a time
                     return [qmatmul(x[i : i + 1], w) for i, w in enumerate(weights)]
                 return grouped_qmatmul(x, weights, starts, rows, match_ggml=match_ggml)
@@ -149,15 +205,15 @@ def main() -> None:
             label = name + " q8" * match_ggml
             for threads in (int(t) for t in args.threads.split(",")):
                 torch.set_num_threads(threads)
-                kernel, read = best_of_both(product, plain_read, args.repeat)
+                kernel, plain = best_of_both(product, read, args.repeat)
                 print(
-                    f"{label:9s} {threads:7d} {total / kernel / 1e9:11.2f} {total / read / 1e9:9.2f} "
-                    f"{read / kernel:6.2f} {ROWS * COLS * args.experts / kernel / 1e9:6.2f}"
+                    f"{label:9s} {threads:7d} {total / kernel / 1e9:11.2f} {total / plain / 1e9:9.2f} "
+                    f"{plain / kernel:6.2f} {ROWS * COLS * args.experts / kernel / 1e9:6.2f}"
                 )
     torch.set_num_threads(1)
-    weights = matrices(GGMLQuantizationType.Q2_K, args.experts)
-    reference = best_seconds(lambda: grouped_qmatmul(x, weights, starts, rows, "reference"), 2)
-    total = sum(w.data.numel() for w in weights)
+    rotation = matrices(GGMLQuantizationType.Q2_K, args.experts, args.in_cache)
+    reference = best_seconds(lambda: grouped_qmatmul(x, rotation.take(), starts, rows, "reference"), 2)
+    total = sum(w.data.numel() for w in rotation.copies[0])
     print(f"reference path (dequantize, then matmul), Q2_K, 1 thread: {total / reference / 1e9:.2f} GB/s")
 
 
@@ -195,33 +251,43 @@ def ggml_rows_library() -> ctypes.CDLL:
 
 @dataclass
 class IquantCase:
-    """One type's matrices (`shape`: rows, cols) for the --iquants table, and the buffers both sides
-    write; `graph`: llama.cpp's mul_mat graph over them (--llama-graph), else None."""
+    """One type's matrices (`shape`: rows, cols) for the --iquants table, in copies taken in turn
+    (`rotation`: each a list of GGUF byte tensors), and the buffers both sides write; `graphs`: llama.cpp's
+    mul_mat graph over each copy (--llama-graph), else empty."""
 
     qtype: GGMLQuantizationType
     shape: tuple[int, int]
-    datas: list[torch.Tensor]
+    rotation: Rotation
     row_bytes: int
     q8: np.ndarray
     out: torch.Tensor
-    graph: ggml_oracle.MulMat | None = None
+    graphs: Rotation | None = None
 
     @classmethod
-    def make(cls, name: str, experts: int, inputs: int, shape: tuple[int, int]) -> IquantCase:
+    def make(cls, name: str, experts: int, inputs: int, shape: tuple[int, int], in_cache: bool) -> IquantCase:
         qtype = GGMLQuantizationType[name]
         elems, nbytes = GGML_QUANT_SIZES[qtype]
         rows, cols = shape
-        blocks = ggml_oracle.random_blocks(int(qtype), rows * cols // elems, np.random.default_rng(0))
-        datas = [torch.from_numpy(blocks.reshape(-1)).clone() for _ in range(experts)]
+        blocks = torch.from_numpy(
+            ggml_oracle.random_blocks(int(qtype), rows * cols // elems, np.random.default_rng(0)).reshape(-1)
+        )
+        copies = copies_for_ram(blocks.numel() * experts, in_cache)
+        rotation = Rotation([[blocks.clone() for _ in range(experts)] for _ in range(copies)])
         q8 = np.zeros((inputs, cols * 2), dtype=np.uint8)  # Q8_K or Q8_0 bytes of each row (under 2 a value)
-        return cls(qtype, shape, datas, cols // elems * nbytes, q8, torch.empty(inputs, experts, rows))
+        return cls(qtype, shape, rotation, cols // elems * nbytes, q8, torch.empty(inputs, experts, rows))
+
+    @property
+    def bytes(self) -> int:
+        """The bytes of one copy of the matrices (what one run reads)."""
+        return sum(d.numel() for d in self.rotation.copies[0])
 
     def ours(self, x: torch.Tensor) -> torch.Tensor:
-        """Every row of x times every matrix, one call (a step's experts)."""
-        count, inputs = len(self.datas), len(x)
+        """Every row of x times every matrix of the next copy, one call (a step's experts)."""
+        datas = self.rotation.take()
+        count, inputs = len(datas), len(x)
         starts, rows = torch.arange(count + 1) * inputs, torch.arange(inputs).repeat(count)
         return cpu.grouped_product(
-            x, self.datas, int(self.qtype), self.shape[0], self.row_bytes, starts, rows, True
+            x, datas, int(self.qtype), self.shape[0], self.row_bytes, starts, rows, True
         )
 
     def ours_avx2(self, x: torch.Tensor) -> torch.Tensor:
@@ -237,19 +303,37 @@ class IquantCase:
                 os.environ["K3STREAM_NO_AVX512"] = before
 
     def theirs(self, x: torch.Tensor, library: ctypes.CDLL, threads: int) -> None:
-        if self.graph is not None:
-            self.graph(x.numpy())
+        if self.graphs is not None:
+            self.graphs.take()(x.numpy())
             return
+        datas = self.rotation.take()
         weights = ggml_oracle._traits(int(self.qtype))
         activations = ggml_oracle._traits(ggml_oracle.activation_type(int(self.qtype)))
-        addresses = (ctypes.c_int64 * len(self.datas))(*[d.data_ptr() for d in self.datas])
+        addresses = (ctypes.c_int64 * len(datas))(*[d.data_ptr() for d in datas])
         library.ggml_rows(
             ctypes.c_void_p(weights.vec_dot), ctypes.c_void_p(activations.from_float),
             ctypes.c_void_p(x.data_ptr()), self.shape[1], len(x), ctypes.c_void_p(self.q8.ctypes.data),
             ctypes.c_int64(self.q8.shape[1]), addresses,
-            len(self.datas), self.shape[0], ctypes.c_int64(self.row_bytes),
+            len(datas), self.shape[0], ctypes.c_int64(self.row_bytes),
             ctypes.c_void_p(self.out.data_ptr()), threads,
         )  # fmt: skip
+
+    def open_graphs(self, inputs: int, threads: int) -> None:
+        """llama.cpp's mul_mat graph over each copy (--llama-graph)."""
+        rows, cols = self.shape
+        self.graphs = Rotation(
+            [
+                ggml_oracle.MulMat(
+                    int(self.qtype), [d.numpy().reshape(rows, -1) for d in datas], cols, inputs, threads
+                )
+                for datas in self.rotation.copies
+            ]
+        )
+
+    def close_graphs(self) -> None:
+        for graph in self.graphs.copies if self.graphs is not None else ():
+            graph.close()
+        self.graphs = None
 
     def seconds(
         self,
@@ -261,13 +345,12 @@ class IquantCase:
         avx2: bool = False,
     ) -> tuple[float, ...]:
         """The best times of ours and llama.cpp's (alternating), of a plain read of the bytes, and (`avx2`)
-        of ours on the AVX2 kernels."""
+        of ours on the AVX2 kernels; every run takes the next copy of the matrices."""
         torch.set_num_threads(threads)
-        words = [d.view(torch.int64) for d in self.datas]
         runs = (
             lambda: self.ours(x),
             lambda: self.theirs(x, library, threads),
-            lambda: [w.sum() for w in words],
+            lambda: plain_read(self.rotation.take()),
         )
         return best_of_each(runs + ((lambda: self.ours_avx2(x)),) * avx2, repeat, clock)
 
@@ -285,16 +368,16 @@ def iquants_against_llama_cpp(args: argparse.Namespace) -> None:
         f"best of {args.repeat}, ours, llama.cpp's ({theirs}), the read (--avx2: ours on AVX2) alternating; "
         f"k3stream's kernels: {cpu.isa()}, llama.cpp's libggml-cpu {llama_avx512} AVX-512"
     )
+    print(memory_line(args.in_cache))
     print(f"{'type':8s} {'threads':>7s} {'k3 GB/s':>8s} {'read GB/s':>9s} {'k3/read':>7s} "
           f"{'llama GB/s':>10s} {'k3/llama':>8s} {'k3 Gw/s':>8s} {'llama Gw/s':>10s}"
           + f" {'avx2 GB/s':>9s} {'avx2/read':>9s} {'k3/avx2':>7s}" * args.avx2)  # fmt: skip
     for name in args.iquants.split(","):
-        case = IquantCase.make(name, args.experts, args.rows, (rows, cols))
-        total, products = sum(d.numel() for d in case.datas), rows * cols * args.experts * args.rows
+        case = IquantCase.make(name, args.experts, args.rows, (rows, cols), args.in_cache)
+        total, products = case.bytes, rows * cols * args.experts * args.rows
         for threads in (int(t) for t in args.threads.split(",")):
             if args.llama_graph:
-                matrices = [d.numpy().reshape(rows, -1) for d in case.datas]
-                case.graph = ggml_oracle.MulMat(int(case.qtype), matrices, cols, args.rows, threads)
+                case.open_graphs(args.rows, threads)
             clock = time.thread_time if args.clock == "cpu" else time.perf_counter
             kernel, llama, read, *avx2 = case.seconds(x, library, threads, args.repeat, clock, args.avx2)
             print(
@@ -303,8 +386,7 @@ def iquants_against_llama_cpp(args: argparse.Namespace) -> None:
                 f"{products / kernel / 1e9:8.2f} {products / llama / 1e9:10.2f}"
                 + "".join(f" {total / t / 1e9:9.2f} {read / t:9.2f} {t / kernel:7.2f}" for t in avx2)
             )
-            if case.graph is not None:
-                case.graph.close()
+            case.close_graphs()
 
 
 if __name__ == "__main__":
