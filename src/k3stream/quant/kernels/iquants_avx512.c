@@ -8,7 +8,10 @@
  * plane turns codes into levels. The activations are put in plane order once per kernel call (x is
  * shared by every weight row): `x_planes`. The signs go to the activations (a masked negate), the
  * unsigned levels times them by VPDPBUSD; a 32-bit lane then sums 4 adjacent entries of a plane, one
- * 32-value sub-block, so the 8 planes' products give each sub-block's exact sum in its own lane.
+ * 32-value sub-block, so the 8 planes' products give each sub-block's exact sum in its own lane. IQ2_XS
+ * and IQ2_S, a scale each 16 values (two entries): VPMADDUBSW sums a plane's two entries in a 16-bit
+ * lane, two planes' lanes are added (below 2^15: levels of at most 63) and VPDPWSSD multiplies them by
+ * their scales into the sub-block's 32-bit lane, the same integer.
  *
  * The float step (every input-row count, one or many, gives a row the same bits):
  * lane t (0..15) of a pair of blocks: sub-block t's scaled integer sum (exact in float32), times
@@ -87,10 +90,17 @@ static int grid_codes(const uint8_t *grid, int entries, int width, uint8_t *code
     return fit;
 }
 
+/* whether a grid's levels are at most 63: the 16-bit sums of two planes (HALVES) stay below 2^15 */
+static int small_levels(const uint8_t (*levels)[64]) {
+    int most = 0;
+    for (int i = 0; i < 64; i++) most = levels[0][i] > most ? levels[0][i] : most;
+    return most <= 63;
+}
+
 void iq_avx512_set_grids(const IqGrids *grids) {
     iq2xxs_fit = grid_codes(grids->iq2xxs, 256, 8, &iq2xxs_codes[0][0], iq2xxs_levels);
-    iq2xs_fit = grid_codes(grids->iq2xs, 512, 8, &iq2xs_codes[0][0], iq2xs_levels);
-    iq2s_fit = grid_codes(grids->iq2s, 1024, 8, &iq2s_codes[0][0], iq2s_levels);
+    iq2xs_fit = grid_codes(grids->iq2xs, 512, 8, &iq2xs_codes[0][0], iq2xs_levels) && small_levels(iq2xs_levels);
+    iq2s_fit = grid_codes(grids->iq2s, 1024, 8, &iq2s_codes[0][0], iq2s_levels) && small_levels(iq2s_levels);
     iq3xxs_fit = grid_codes(grids->iq3xxs, 256, 4, &iq3xxs_codes[0][0], iq3xxs_levels);
     iq3s_fit = grid_codes(grids->iq3s, 512, 4, &iq3s_codes[0][0], iq3s_levels);
     uint8_t *plus_one = malloc(2048 * 8); /* IQ1_S's -1, 0, 1 as the unsigned 0, 1, 2 */
@@ -116,8 +126,7 @@ void iq_avx512_set_grids(const IqGrids *grids) {
  * the 16 sub-blocks' scales as int32 lanes, each block's d (the second's 0 where there is none) */
 typedef struct {
     __m512i codes[4], signs, scales;
-    __m512i scales_high; /* IQ2_XS, IQ2_S: entries 4t + 2, 4t + 3's scales (`scales`: 4t, 4t + 1's less these);
-                            IQ1_S: each sub-block's delta sign less 8 */
+    __m512i scales_high; /* IQ1_S: each sub-block's delta sign less 8 */
     float d[2];
 } Pair;
 
@@ -231,11 +240,13 @@ AVX512 Pair iq1_s_pair(const uint8_t *x, int two) {
 AVX512 __m512i iq1_s_plane(const Pair *pair, int j) { return iq2_plane(pair, j, iq1s_levels); }
 
 /* IQ2_XS and IQ2_S scales: a byte a sub-block, the low nibble for its first 16 values, the high one for
- * the rest; `first` the first block's 8 bytes, `second` the second's */
-AVX512 void half_scales(uint64_t first, uint64_t second, Pair *pair) {
+ * the rest; `first` the first block's 8 bytes, `second` the second's: as 16-bit lanes, lane w the odd
+ * scale of values 16w..16w + 15 (entries 2w, 2w + 1) of the pair */
+AVX512 __m512i half_scales(uint64_t first, uint64_t second) {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_set_epi64x((long long)second, (long long)first));
-    pair->scales_high = odd_scales(_mm512_srli_epi32(bytes, 4));
-    pair->scales = _mm512_sub_epi32(odd_scales(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), pair->scales_high);
+    const __m512i nibbles = _mm512_ternarylogic_epi32(_mm512_slli_epi32(bytes, 12), bytes, _mm512_set1_epi32(0x000F000F),
+                                                      0xA8); /* (high << 16 | low) & 0xF000F */
+    return _mm512_or_si512(_mm512_slli_epi32(nibbles, 1), _mm512_set1_epi16(1));
 }
 
 /* IQ2_XS: a 16-bit word an entry: a 9-bit grid index, a 7-bit sign index; 8 scale bytes */
@@ -249,7 +260,7 @@ AVX512 Pair iq2_xs_pair(const uint8_t *x, int two) {
                  _mm512_setzero_si512(),
                  _mm512_setzero_si512(),
                  {f16_at(x), two ? f16_at(x + 74) : 0.0f}};
-    half_scales(u64_at(x + 66), two ? u64_at(x + 140) : 0, &pair);
+    pair.scales = half_scales(u64_at(x + 66), two ? u64_at(x + 140) : 0);
     return pair;
 }
 
@@ -269,7 +280,7 @@ AVX512 Pair iq2_s_pair(const uint8_t *x, int two) {
                  _mm512_setzero_si512(),
                  _mm512_setzero_si512(),
                  {f16_at(x), two ? f16_at(x + 82) : 0.0f}};
-    half_scales(u64_at(x + 74), two ? u64_at(x + 156) : 0, &pair);
+    pair.scales = half_scales(u64_at(x + 74), two ? u64_at(x + 156) : 0);
     return pair;
 }
 
@@ -353,7 +364,6 @@ AVX512 void x_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
     }
 }
 
-#define FIRST_HALVES 0x3333333333333333ULL /* entries 4t, 4t + 1 of the 64 */
 /* how a type's lanes are summed: one scale a sub-block; one a half (HALVES); IQ1_S's deltas, no signs */
 #define WHOLE 0
 #define HALVES 1
@@ -366,11 +376,9 @@ AVX512 __m512i sub_block_sums(const BlockQ8K *y, int two) {
 }
 
 /* DELTAS: 8 (sum of (value + 1) x) + (delta - 8) (sum of x) = 8 (sum of value x) + delta (sum of x), times
- * the scale (the type's factor 0.125 restores it); HALVES: the first halves' sum (`first`) times their
- * scale less the second's, the whole's (`second`) times the second's */
+ * the scale (the type's factor 0.125 restores it); HALVES: scaled in the planes' loop (`second`) */
 AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, const BlockQ8K *y, int two, const int kind) {
-    if (kind == HALVES)
-        return _mm512_add_epi32(_mm512_mullo_epi32(first, pair->scales), _mm512_mullo_epi32(second, pair->scales_high));
+    if (kind == HALVES) return second;
     const __m512i sum = _mm512_add_epi32(first, second);
     if (kind == WHOLE) return _mm512_mullo_epi32(sum, pair->scales);
     const __m512i total = _mm512_add_epi32(_mm512_slli_epi32(sum, 3), _mm512_mullo_epi32(pair->scales_high, sub_block_sums(y, two)));
@@ -383,21 +391,21 @@ AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, con
     AVX512 void NAME##_pair_dot(const uint8_t *row, int64_t g, const int two, const int8_t *const *xs,   \
                                 const BlockQ8K *const *y, __m512 *acc, const int n) {                        \
         const Pair pair = NAME##_pair(row + 2 * g * (BYTES), two);                                       \
-        __m512i sumi[2][RUN_ROWS]; /* HALVES: first halves, wholes; else even and odd planes */          \
+        __m512i sumi[2][RUN_ROWS]; /* HALVES: an even plane's 16-bit sums, scaled sums; else even and odd planes */ \
         for (int r = 0; r < n; r++) sumi[0][r] = sumi[1][r] = _mm512_setzero_si512();                    \
         _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                            \
             const __m512i w = NAME##_plane(&pair, j);                                                    \
-            const __m512i w0 = (KIND) == HALVES ? _mm512_maskz_mov_epi8(FIRST_HALVES, w) : w;            \
             const __mmask64 negative = _mm512_test_epi8_mask(pair.signs, _mm512_set1_epi8((char)(1 << j))); \
             for (int r = 0; r < n; r++) {                                                                \
                 const __m512i codes = _mm512_load_si512(xs[r] + 512 * g + 64 * j);                       \
                 const __m512i signed_codes =                                                             \
                     (KIND) == DELTAS ? codes : _mm512_mask_sub_epi8(codes, negative, _mm512_setzero_si512(), codes); \
-                if ((KIND) == HALVES) {                                                                  \
-                    sumi[0][r] = _mm512_dpbusd_epi32(sumi[0][r], w0, signed_codes);                      \
-                    sumi[1][r] = _mm512_dpbusd_epi32(sumi[1][r], w, signed_codes);                       \
+                if ((KIND) == HALVES) { /* 16-bit lane w: values 16w.. (two entries) of two planes */  \
+                    const __m512i sums = _mm512_maddubs_epi16(w, signed_codes);                          \
+                    sumi[j & 1][r] = j & 1 ? _mm512_dpwssd_epi32(sumi[1][r], _mm512_add_epi16(sumi[0][r], sums), pair.scales) \
+                                           : sums;                                                       \
                 } else                                                                                   \
-                    sumi[j & 1][r] = _mm512_dpbusd_epi32(sumi[j & 1][r], w0, signed_codes);              \
+                    sumi[j & 1][r] = _mm512_dpbusd_epi32(sumi[j & 1][r], w, signed_codes);               \
             }                                                                                            \
         }                                                                                                \
         for (int r = 0; r < n; r++) {                                                                    \
