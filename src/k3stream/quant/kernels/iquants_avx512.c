@@ -123,11 +123,10 @@ void iq_avx512_set_grids(const IqGrids *grids) {
 
 /* A pair of blocks decoded: 64 bytes k = 0..63 for the values 8k..8k + 7 (k < 32: the first block):
  * the code bytes of their grid entries (per type), their sign bytes (bit j: value 8k + j negative),
- * the 16 sub-blocks' scales as int32 lanes, each block's d (the second's 0 where there is none) */
+ * the 16 sub-blocks' scales as int32 lanes (IQ2_XS, IQ2_S: 16-bit ones); the d are read by pair_d */
 typedef struct {
     __m512i codes[4], signs, scales;
     __m512i scales_high; /* IQ1_S: each sub-block's delta sign less 8 */
-    float d[2];
 } Pair;
 
 /* the bytes 8q + l (l = 0..3) of two 8-sub-block vectors a (entries 0..31) and b (32..63), entry order */
@@ -171,8 +170,6 @@ AVX512 uint32_t u32_at(const uint8_t *p) {
     return v;
 }
 
-AVX512 float f16_at(const uint8_t *p) { return _cvtsh_ss((uint16_t)(p[0] | p[1] << 8)); }
-
 /* IQ2_XXS: each sub-block's 8 bytes: 4 grid indices, four 7-bit sign fields (bits 32 + 7l), the scale
  * (bits 60..63); an entry is 8 values, codes[h] its bytes 4h..4h + 3 */
 AVX512 Pair iq2_xxs_pair(const uint8_t *x, int two) {
@@ -185,8 +182,7 @@ AVX512 Pair iq2_xxs_pair(const uint8_t *x, int two) {
     return (Pair){{lookup256(iq2xxs_codes[0], index), lookup256(iq2xxs_codes[1], index)},
                   ksigns(sevens),
                   odd_scales(ls),
-                  odd_scales(ls),
-                  {f16_at(x), two ? f16_at(x + 66) : 0.0f}};
+                  odd_scales(ls)};
 }
 
 /* IQ2 plane j's values: code position j % 4 of codes[j / 4] (the last from the byte's top bits) */
@@ -233,8 +229,7 @@ AVX512 Pair iq1_s_pair(const uint8_t *x, int two) {
     return (Pair){{lookup2048(iq1s_codes[0], low, high), lookup2048(iq1s_codes[1], low, high)},
                   _mm512_setzero_si512(),
                   odd_scales(_mm512_and_si512(_mm512_srli_epi32(qh, 12), _mm512_set1_epi32(7))),
-                  _mm512_sub_epi32(_mm512_set1_epi32(-7), _mm512_slli_epi32(negative, 1)),
-                  {f16_at(x), two ? f16_at(x + 50) : 0.0f}};
+                  _mm512_sub_epi32(_mm512_set1_epi32(-7), _mm512_slli_epi32(negative, 1))};
 }
 
 AVX512 __m512i iq1_s_plane(const Pair *pair, int j) { return iq2_plane(pair, j, iq1s_levels); }
@@ -258,8 +253,7 @@ AVX512 Pair iq2_xs_pair(const uint8_t *x, int two) {
     Pair pair = {{lookup512(iq2xs_codes[0], low, bit8), lookup512(iq2xs_codes[1], low, bit8)},
                  ksigns(_mm512_srli_epi16(high, 1)), /* bits 1..7 of each byte (ksigns reads 7 bits) */
                  _mm512_setzero_si512(),
-                 _mm512_setzero_si512(),
-                 {f16_at(x), two ? f16_at(x + 74) : 0.0f}};
+                 _mm512_setzero_si512()};
     pair.scales = half_scales(u64_at(x + 66), two ? u64_at(x + 140) : 0);
     return pair;
 }
@@ -278,8 +272,7 @@ AVX512 Pair iq2_s_pair(const uint8_t *x, int two) {
     Pair pair = {{lookup1024(iq2s_codes[0], low, bit8, bit9), lookup1024(iq2s_codes[1], low, bit8, bit9)},
                  signs,
                  _mm512_setzero_si512(),
-                 _mm512_setzero_si512(),
-                 {f16_at(x), two ? f16_at(x + 82) : 0.0f}};
+                 _mm512_setzero_si512()};
     pair.scales = half_scales(u64_at(x + 74), two ? u64_at(x + 156) : 0);
     return pair;
 }
@@ -298,8 +291,7 @@ AVX512 Pair iq3_xxs_pair(const uint8_t *x, int two) {
                    lookup256(iq3xxs_codes[1], odd)},
                   ksigns(_mm512_multishift_epi64_epi8(fields, words)),
                   odd_scales(_mm512_srli_epi32(words, 28)),
-                  odd_scales(_mm512_srli_epi32(words, 28)),
-                  {f16_at(x), two ? f16_at(x + 98) : 0.0f}};
+                  odd_scales(_mm512_srli_epi32(words, 28))};
 }
 
 /* IQ3 plane j's values: byte j % 4 of entry 2k + j / 4: code position j % 2 of codes[2 (j / 4) + j % 4 / 2] */
@@ -329,8 +321,7 @@ AVX512 Pair iq3_s_pair(const uint8_t *x, int two) {
                    lookup512(iq3s_codes[0], odd, high_odd), lookup512(iq3s_codes[1], odd, high_odd)},
                   signs,
                   odd_scales(ls),
-                  odd_scales(ls),
-                  {f16_at(x), two ? f16_at(x + 110) : 0.0f}};
+                  odd_scales(ls)};
 }
 
 AVX512 __m512i iq3_s_plane(const Pair *pair, int j) { return iq3_plane(pair, j, iq3s_levels); }
@@ -385,6 +376,12 @@ AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, con
     return _mm512_mullo_epi32(total, pair->scales);
 }
 
+/* the d of blocks x and (where there is one) second, their F16s converted together: lanes 0, 1 */
+AVX512 __m128 pair_d(const uint8_t *x, const uint8_t *second) {
+    const uint32_t halves = (uint32_t)x[0] | (uint32_t)x[1] << 8 | (second ? (uint32_t)second[0] << 16 | (uint32_t)second[1] << 24 : 0);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)halves));
+}
+
 /* pair g of weight row `row` against n input rows (planes xs[r], blocks y[r]; `two`: the pair's second
  * block is there) into their float lanes acc[r]; NAME##_pairs: every pair of the row */
 #define PAIR_DOT(NAME, BYTES, KIND)                                                                    \
@@ -408,10 +405,12 @@ AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, con
                     sumi[j & 1][r] = _mm512_dpbusd_epi32(sumi[j & 1][r], w, signed_codes);               \
             }                                                                                            \
         }                                                                                                \
+        const __m128 dw = pair_d(row + 2 * g * (BYTES), two ? row + (2 * g + 1) * (BYTES) : NULL);        \
         for (int r = 0; r < n; r++) {                                                                    \
             const __m512i scaled = scaled_lanes(&pair, sumi[0][r], sumi[1][r], y[r] + 2 * g, two, KIND); \
-            const float d1 = two ? pair.d[1] * y[r][2 * g + 1].d : 0.0f;                                 \
-            const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(pair.d[0] * y[r][2 * g].d), _mm512_set1_ps(d1)); \
+            const __m128 dy = _mm_setr_ps(y[r][2 * g].d, two ? y[r][2 * g + 1].d : 0.0f, 0.0f, 0.0f);      \
+            const __m512 d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), \
+                                                   _mm512_castps128_ps512(_mm_mul_ps(dw, dy)));           \
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), d, acc[r]);                             \
         }                                                                                                \
     }                                                                                                    \
