@@ -46,6 +46,7 @@ static uint8_t ksigns_table[128] __attribute__((aligned(64)));
 static uint8_t entry_order[64] __attribute__((aligned(64))); /* entry k: byte 8q + l of sub-block vectors */
 static uint8_t even_bytes[2][64] __attribute__((aligned(64))); /* bytes 2k (+ 1) of two vectors */
 static uint8_t plane_order[64] __attribute__((aligned(64))); /* byte 8j + e <- byte 8e + j */
+static int64_t half_fields[8] __attribute__((aligned(64))); /* half_scales' bit offsets */
 static int64_t transpose_low[3][8] __attribute__((aligned(64))), transpose_high[3][8] __attribute__((aligned(64)));
 
 /* a grid's distinct values, ascending, into levels (at most `most` kept): whether there are at most `most` */
@@ -114,6 +115,9 @@ void iq_avx512_set_grids(const IqGrids *grids) {
         even_bytes[1][k] = (uint8_t)(even_bytes[0][k] + 1);
         plane_order[k] = (uint8_t)(8 * (k % 8) + k / 8);
     }
+    for (int q = 0; q < 8; q++) /* bytes 0, 2 of lane 2q: byte 2q % 8's nibbles; bytes 4, 6: 2q + 1's */
+        half_fields[q] = ((16 * q - 1) & 63) | (int64_t)(16 * q % 64 + 3) << 16 | (int64_t)(16 * q % 64 + 7) << 32 |
+                         (int64_t)(16 * q % 64 + 11) << 48;
     for (int stage = 0, s = 1; s < 8; stage++, s *= 2) /* 2 x 2 blocks of s qwords swapped */
         for (int p = 0; p < 8; p++) {
             transpose_low[stage][p] = p & s ? 8 + p - s : p;
@@ -238,10 +242,11 @@ AVX512 __m512i iq1_s_plane(const Pair *pair, int j) { return iq2_plane(pair, j, 
  * the rest; `first` the first block's 8 bytes, `second` the second's: as 16-bit lanes, lane w the odd
  * scale of values 16w..16w + 15 (entries 2w, 2w + 1) of the pair */
 AVX512 __m512i half_scales(uint64_t first, uint64_t second) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_set_epi64x((long long)second, (long long)first));
-    const __m512i nibbles = _mm512_ternarylogic_epi32(_mm512_slli_epi32(bytes, 12), bytes, _mm512_set1_epi32(0x000F000F),
-                                                      0xA8); /* (high << 16 | low) & 0xF000F */
-    return _mm512_or_si512(_mm512_slli_epi32(nibbles, 1), _mm512_set1_epi16(1));
+    /* qwords 0-3: the first block's 8 bytes, 4-7 the second's; 32-bit lane b (byte b % 8 of its block):
+     * bits 8 (b % 8) - 1.. to its low 16 bits, 8 (b % 8) + 3.. to its high ones (the nibbles doubled) */
+    const __m512i bytes = _mm512_mask_set1_epi64(_mm512_set1_epi64((long long)first), 0xF0, (long long)second);
+    return _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(_mm512_load_si512(half_fields), bytes), _mm512_set1_epi32(0x001E001E),
+                                     _mm512_set1_epi32(0x00010001), 0xEA); /* & 0x1E001E | 0x10001 */
 }
 
 /* IQ2_XS: a 16-bit word an entry: a 9-bit grid index, a 7-bit sign index; 8 scale bytes */
@@ -261,11 +266,9 @@ AVX512 Pair iq2_xs_pair(const uint8_t *x, int two) {
 /* IQ2_S: 32 low index bytes, 32 sign bytes (one an entry), 8 bytes of index bits 8-9 (bits 2e, 2e + 1 of
  * the pair's entry order), 8 scale bytes */
 AVX512 Pair iq2_s_pair(const uint8_t *x, int two) {
-    const __mmask32 second = two ? ~0U : 0;
-    const __m512i low = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 2))),
-                                           _mm256_maskz_loadu_epi8(second, x + 84), 1);
-    const __m512i signs = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 34))),
-                                             _mm256_maskz_loadu_epi8(second, x + 116), 1);
+    const __mmask64 second = two ? ~0ULL << 32 : 0; /* bytes 32..63: the second block's */
+    const __m512i low = _mm512_mask_loadu_epi8(_mm512_loadu_si512(x + 2), second, x + 52);
+    const __m512i signs = _mm512_mask_loadu_epi8(_mm512_maskz_loadu_epi8(~0ULL >> 32, x + 34), second, x + 84);
     const uint64_t high0 = u64_at(x + 66), high1 = two ? u64_at(x + 148) : 0, evens = 0x5555555555555555ULL;
     const __mmask64 bit8 = _pext_u64(high0, evens) | _pext_u64(high1, evens) << 32;
     const __mmask64 bit9 = _pext_u64(high0, evens << 1) | _pext_u64(high1, evens << 1) << 32;
