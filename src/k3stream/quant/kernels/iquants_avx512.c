@@ -32,13 +32,13 @@
  * byte 4h + j at bits 2j), two of an IQ3 one (byte 2h + j at bits 3j); a 64-byte level table (VPERMB:
  * the index's low 6 bits) gives the level of one code position. Filled by iq_avx512_set_grids. */
 static uint8_t iq2xxs_codes[2][256] __attribute__((aligned(64))), iq2xs_codes[2][512] __attribute__((aligned(64)));
-static uint8_t iq2s_codes[2][1024] __attribute__((aligned(64))), iq1s_codes[2][2048] __attribute__((aligned(64)));
+static uint8_t iq2s_codes[2][1024] __attribute__((aligned(64)));
 static uint8_t iq3xxs_codes[2][256] __attribute__((aligned(64))), iq3s_codes[2][512] __attribute__((aligned(64)));
 static uint8_t iq2xxs_levels[3][64] __attribute__((aligned(64))), iq2xs_levels[3][64] __attribute__((aligned(64)));
-static uint8_t iq2s_levels[3][64] __attribute__((aligned(64))), iq1s_levels[3][64] __attribute__((aligned(64)));
+static uint8_t iq2s_levels[3][64] __attribute__((aligned(64)));
 static uint8_t iq3xxs_levels[2][64] __attribute__((aligned(64))), iq3s_levels[2][64] __attribute__((aligned(64)));
 /* at most 3 (IQ2; IQ1_S's values + 1), 8 (IQ3) distinct values */
-static int iq2xxs_fit, iq2xs_fit, iq2s_fit, iq3xxs_fit, iq3s_fit, iq1s_fit;
+static int iq2xxs_fit, iq2xs_fit, iq2s_fit, iq3xxs_fit, iq3s_fit;
 static uint8_t ksigns_table[128] __attribute__((aligned(64)));
 static uint8_t entry_order[64] __attribute__((aligned(64))); /* entry k: byte 8q + l of sub-block vectors */
 static uint8_t even_bytes[2][64] __attribute__((aligned(64))); /* bytes 2k (+ 1) of two vectors */
@@ -87,16 +87,15 @@ static int grid_codes(const uint8_t *grid, int entries, int width, uint8_t *code
     return fit;
 }
 
+static void iq1_set_grid(const int8_t *grid);
+
 void iq_avx512_set_grids(const IqGrids *grids) {
     iq2xxs_fit = grid_codes(grids->iq2xxs, 256, 8, &iq2xxs_codes[0][0], iq2xxs_levels);
     iq2xs_fit = grid_codes(grids->iq2xs, 512, 8, &iq2xs_codes[0][0], iq2xs_levels);
     iq2s_fit = grid_codes(grids->iq2s, 1024, 8, &iq2s_codes[0][0], iq2s_levels);
     iq3xxs_fit = grid_codes(grids->iq3xxs, 256, 4, &iq3xxs_codes[0][0], iq3xxs_levels);
     iq3s_fit = grid_codes(grids->iq3s, 512, 4, &iq3s_codes[0][0], iq3s_levels);
-    uint8_t *plus_one = malloc(2048 * 8); /* IQ1_S's -1, 0, 1 as the unsigned 0, 1, 2 */
-    for (int i = 0; plus_one != NULL && i < 2048 * 8; i++) plus_one[i] = (uint8_t)(grids->iq1s[i] + 1);
-    iq1s_fit = plus_one != NULL && grid_codes(plus_one, 2048, 8, &iq1s_codes[0][0], iq1s_levels);
-    free(plus_one);
+    iq1_set_grid(grids->iq1s);
     memcpy(ksigns_table, grids->ksigns, 128);
     for (int k = 0; k < 64; k++) {
         entry_order[k] = (uint8_t)((k >= 32 ? 64 : 0) + 8 * ((k % 32) / 4) + k % 4);
@@ -116,8 +115,7 @@ void iq_avx512_set_grids(const IqGrids *grids) {
  * the 16 sub-blocks' scales as int32 lanes, each block's d (the second's 0 where there is none) */
 typedef struct {
     __m512i codes[4], signs, scales;
-    __m512i scales_high; /* IQ2_XS, IQ2_S: entries 4t + 2, 4t + 3's scales (`scales`: 4t, 4t + 1's less these);
-                            IQ1_S: each sub-block's delta sign less 8 */
+    __m512i scales_high; /* IQ2_XS, IQ2_S: entries 4t + 2, 4t + 3's scales (`scales`: 4t, 4t + 1's less these) */
     float d[2];
 } Pair;
 
@@ -195,40 +193,6 @@ AVX512 __m512i iq2_s_plane(const Pair *pair, int j) { return iq2_plane(pair, j, 
 AVX512 __m512i lookup1024(const uint8_t *table, __m512i low, __mmask64 bit8, __mmask64 bit9) {
     return _mm512_mask_blend_epi8(bit9, lookup512(table, low, bit8), lookup512(table + 512, low, bit8));
 }
-
-/* ... of a 2048-entry table at the 11-bit indices of low 8 bits `low` and bits 8, 9, 10 `high` */
-AVX512 __m512i lookup2048(const uint8_t *table, __m512i low, const __mmask64 *high) {
-    __m512i quarter[4];
-    for (int q = 0; q < 4; q++) quarter[q] = lookup512(table + 512 * q, low, high[0]);
-    return _mm512_mask_blend_epi8(high[2], _mm512_mask_blend_epi8(high[1], quarter[0], quarter[1]),
-                                  _mm512_mask_blend_epi8(high[1], quarter[2], quarter[3]));
-}
-
-/* IQ1_S: 32 low index bytes, a 16-bit word a sub-block: its entries' index bits 8-10 (3 each, at 3l),
- * its scale (bits 12-14) and delta sign (bit 15); the grid's values plus one (0, 1, 2) in the codes, the
- * activations' sums taking the one back */
-AVX512 Pair iq1_s_pair(const uint8_t *x, int two) {
-    const __m512i low = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 2))),
-                                           _mm256_maskz_loadu_epi8(two ? ~0U : 0, x + 52), 1);
-    const uint64_t words[4] = {u64_at(x + 34), u64_at(x + 42), two ? u64_at(x + 84) : 0, two ? u64_at(x + 92) : 0};
-    __mmask64 high[3];
-    for (int b = 0; b < 3; b++) {
-        const uint64_t fields = 0x0249024902490249ULL << b; /* bit b of each 3-bit field */
-        high[b] = _pext_u64(words[0], fields) | _pext_u64(words[1], fields) << 16 | _pext_u64(words[2], fields) << 32 |
-                  _pext_u64(words[3], fields) << 48;
-    }
-    const __m256i packed = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(x + 34))),
-                                                   _mm_maskz_loadu_epi8(two ? 0xFFFF : 0, x + 84), 1);
-    const __m512i qh = _mm512_cvtepu16_epi32(packed);
-    const __m512i negative = _mm512_srli_epi32(qh, 15);
-    return (Pair){{lookup2048(iq1s_codes[0], low, high), lookup2048(iq1s_codes[1], low, high)},
-                  _mm512_setzero_si512(),
-                  odd_scales(_mm512_and_si512(_mm512_srli_epi32(qh, 12), _mm512_set1_epi32(7))),
-                  _mm512_sub_epi32(_mm512_set1_epi32(-7), _mm512_slli_epi32(negative, 1)),
-                  {f16_at(x), two ? f16_at(x + 50) : 0.0f}};
-}
-
-AVX512 __m512i iq1_s_plane(const Pair *pair, int j) { return iq2_plane(pair, j, iq1s_levels); }
 
 /* IQ2_XS and IQ2_S scales: a byte a sub-block, the low nibble for its first 16 values, the high one for
  * the rest; `first` the first block's 8 bytes, `second` the second's */
@@ -354,27 +318,16 @@ AVX512 void x_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
 }
 
 #define FIRST_HALVES 0x3333333333333333ULL /* entries 4t, 4t + 1 of the 64 */
-/* how a type's lanes are summed: one scale a sub-block; one a half (HALVES); IQ1_S's deltas, no signs */
+/* how a type's lanes are summed: one scale a sub-block; one a half (HALVES) */
 #define WHOLE 0
 #define HALVES 1
-#define DELTAS 2
-/* x's sub-block sums (DELTAS) of the pair of blocks y[0], y[1] (`two`) in lanes */
-AVX512 __m512i sub_block_sums(const BlockQ8K *y, int two) {
-    const __m256i second = two ? _mm256_loadu_si256((const __m256i *)y[1].bsums) : _mm256_setzero_si256();
-    const __m512i sums16 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y[0].bsums)), second, 1);
-    return _mm512_madd_epi16(sums16, _mm512_set1_epi16(1));
-}
 
-/* DELTAS: 8 (sum of (value + 1) x) + (delta - 8) (sum of x) = 8 (sum of value x) + delta (sum of x), times
- * the scale (the type's factor 0.125 restores it); HALVES: the first halves' sum (`first`) times their
- * scale less the second's, the whole's (`second`) times the second's */
-AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, const BlockQ8K *y, int two, const int kind) {
+/* HALVES: the first halves' sum (`first`) times their scale less the second's, the whole's (`second`)
+ * times the second's */
+AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, const int kind) {
     if (kind == HALVES)
         return _mm512_add_epi32(_mm512_mullo_epi32(first, pair->scales), _mm512_mullo_epi32(second, pair->scales_high));
-    const __m512i sum = _mm512_add_epi32(first, second);
-    if (kind == WHOLE) return _mm512_mullo_epi32(sum, pair->scales);
-    const __m512i total = _mm512_add_epi32(_mm512_slli_epi32(sum, 3), _mm512_mullo_epi32(pair->scales_high, sub_block_sums(y, two)));
-    return _mm512_mullo_epi32(total, pair->scales);
+    return _mm512_mullo_epi32(_mm512_add_epi32(first, second), pair->scales);
 }
 
 /* pair g of weight row `row` against n input rows (planes xs[r], blocks y[r]; `two`: the pair's second
@@ -391,8 +344,7 @@ AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, con
             const __mmask64 negative = _mm512_test_epi8_mask(pair.signs, _mm512_set1_epi8((char)(1 << j))); \
             for (int r = 0; r < n; r++) {                                                                \
                 const __m512i codes = _mm512_load_si512(xs[r] + 512 * g + 64 * j);                       \
-                const __m512i signed_codes =                                                             \
-                    (KIND) == DELTAS ? codes : _mm512_mask_sub_epi8(codes, negative, _mm512_setzero_si512(), codes); \
+                const __m512i signed_codes = _mm512_mask_sub_epi8(codes, negative, _mm512_setzero_si512(), codes); \
                 if ((KIND) == HALVES) {                                                                  \
                     sumi[0][r] = _mm512_dpbusd_epi32(sumi[0][r], w0, signed_codes);                      \
                     sumi[1][r] = _mm512_dpbusd_epi32(sumi[1][r], w, signed_codes);                       \
@@ -401,7 +353,7 @@ AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, con
             }                                                                                            \
         }                                                                                                \
         for (int r = 0; r < n; r++) {                                                                    \
-            const __m512i scaled = scaled_lanes(&pair, sumi[0][r], sumi[1][r], y[r] + 2 * g, two, KIND); \
+            const __m512i scaled = scaled_lanes(&pair, sumi[0][r], sumi[1][r], KIND); \
             const float d1 = two ? pair.d[1] * y[r][2 * g + 1].d : 0.0f;                                 \
             const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(pair.d[0] * y[r][2 * g].d), _mm512_set1_ps(d1)); \
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), d, acc[r]);                             \
@@ -418,15 +370,17 @@ PAIR_DOT(iq2_xs, 74, HALVES)
 PAIR_DOT(iq2_s, 82, HALVES)
 PAIR_DOT(iq3_xxs, 98, WHOLE)
 PAIR_DOT(iq3_s, 110, WHOLE)
-PAIR_DOT(iq1_s, 50, DELTAS)
 
-/* A row kernel: the input rows of matrix b RUN_ROWS at a time, each batch's activations put in planes
- * once, then every weight row first..last - 1 against them */
-#define PLANES_ROWS(ID, NAME, FACTOR)                                                                        \
+AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2); }
+
+/* A row kernel: the input rows of matrix b RUN_ROWS at a time, each batch's activations put in the
+ * kernel's order once (PREPARE: X_BYTES(blocks) bytes a row), then every weight row first..last - 1
+ * against them */
+#define PREPARED_ROWS(ID, NAME, FACTOR, PREPARE, X_BYTES)                                                    \
     AVX512_TARGET static void NAME##_rows_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) { \
-        const int64_t blocks = pr->in_features / 256, pair_bytes = 512 * ((blocks + 1) / 2);             \
+        const int64_t blocks = pr->in_features / 256, pair_bytes = X_BYTES(blocks);                      \
         int8_t *buffer = aligned_alloc(64, (size_t)(RUN_ROWS * pair_bytes));                             \
-        if (buffer == NULL) { /* no memory for the planes: ggml's AVX2 kernel (a few ulp apart) */       \
+        if (buffer == NULL) { /* no memory for the activations: ggml's AVX2 kernel (a few ulp apart) */  \
             iq_q8_kernel_avx2(ID)(pr, b, first, last);                                                   \
             return;                                                                                      \
         }                                                                                                \
@@ -436,7 +390,7 @@ PAIR_DOT(iq1_s, 50, DELTAS)
             const BlockQ8K *y[RUN_ROWS];                                                                 \
             for (int r = 0; r < n; r++) {                                                                \
                 y[r] = pr->q8 + pr->rows[p + r] * blocks;                                                \
-                x_planes(y[r], blocks, buffer + r * pair_bytes);                                         \
+                PREPARE(y[r], blocks, buffer + r * pair_bytes);                                          \
                 xs[r] = buffer + r * pair_bytes;                                                         \
             }                                                                                            \
             for (int64_t m = first; m < last; m++) {                                                     \
@@ -453,13 +407,201 @@ PAIR_DOT(iq1_s, 50, DELTAS)
         }                                                                                                \
         free(buffer);                                                                                    \
     }
+#define PLANES_ROWS(ID, NAME, FACTOR) PREPARED_ROWS(ID, NAME, FACTOR, x_planes, plane_bytes)
 
 PLANES_ROWS(16, iq2_xxs, 0.125f)
 PLANES_ROWS(17, iq2_xs, 0.125f)
 PLANES_ROWS(22, iq2_s, 0.125f)
-PLANES_ROWS(19, iq1_s, 0.125f)
 PLANES_ROWS(18, iq3_xxs, 0.25f)
 PLANES_ROWS(21, iq3_s, 1.0f)
+
+/* IQ1_S and IQ1_M: the grid gathered. Each grid entry (8 values -1, 0, 1) is a dword of 4-bit codes, value
+ * + 1 (0, 1, 2): byte i holds value i in its low nibble, value i + 4 in its high one; a 2048-entry copy
+ * follows with 4 added to each code (IQ1_M's second 16 values of a sub-block take it). One VPGATHERDD
+ * fetches 16 entries (128 values, half a block) from that 16 KiB in L1; a byte shuffle of the low
+ * nibbles and one of the high ones look up each code's weight, 8 s code (s the odd scale of its sub-block
+ * (IQ1_S) or 16 values (IQ1_M): one table a 128-bit lane, as each lane is 4 entries), at most 240, and
+ * VPDPBUSD multiplies them with the activations, put in the same order once per call (`iq1_x`). The delta
+ * (+-1/8 of s) and the code's offset of 1 leave the sum s (8 - delta sign) times x's sums of 32 (IQ1_S)
+ * or 8 (IQ1_M) values, taken by VPDPWSSD: a block's 16 int32 lanes hold 8 times its exact sum, then the
+ * float step of the plane kernels (factor 0.125). */
+static uint32_t iq1_nibbles[2 * 2048] __attribute__((aligned(64)));
+static int iq1_fit;
+/* per type (0: IQ1_S, 1: IQ1_M) and gather h (0, 1: entries 16h..16h + 15 of a block): the block bytes
+ * each index dword takes (byte 0: its 8 low bits, 2-3 or 1: those holding its high 3), the bit offsets
+ * that put them in bits 0-7 and 8-10 (VPMULTISHIFTQB), bit 11 (the copy) of each; the bit offsets of
+ * the scale fields, whose 3 bits k go to bits 4-6 (code 1: 16 k + 8) and 5-7 (code 2: 32 k + 16) */
+static uint8_t iq1_pick[2][2][64] __attribute__((aligned(64))), iq1_index_shifts[2][2][64] __attribute__((aligned(64)));
+static uint32_t iq1_copy[2][2][16] __attribute__((aligned(64)));
+static uint8_t iq1_scale_shifts[2][2][64] __attribute__((aligned(64)));
+static uint8_t iq1_scale_mask[64] __attribute__((aligned(64))), iq1_scale_or[64] __attribute__((aligned(64)));
+/* IQ1_S: s (8 - delta sign) by the 4 bits k | sign << 3; IQ1_M: the bit offsets of half-sub-block
+ * j % 16's scale field, less 1, at word j */
+static uint8_t iq1s_delta_factor[16] __attribute__((aligned(16)));
+static uint8_t iq1m_scale_words[64] __attribute__((aligned(64)));
+
+static void iq1_set_grid(const int8_t *grid) {
+    iq1_fit = 1;
+    for (int e = 0; e < 2048; e++) {
+        uint32_t word = 0;
+        for (int j = 0; j < 8; j++) {
+            const int code = grid[8 * e + j] + 1;
+            iq1_fit &= code >= 0 && code <= 2;
+            word |= (uint32_t)(code & 3) << (8 * (j % 4) + 4 * (j / 4));
+        }
+        iq1_nibbles[e] = word;
+        iq1_nibbles[2048 + e] = word | 0x44444444u;
+    }
+    for (int h = 0; h < 2; h++)
+        for (int d = 0; d < 16; d++) {
+            const int e = 16 * h + d, at = 32 * (d % 2); /* entry e of the block, its dword's bit in the qword */
+            const uint8_t s_pick[4] = {(uint8_t)(2 + e), 0, (uint8_t)(34 + 2 * (e / 4)), (uint8_t)(35 + 2 * (e / 4))};
+            const uint8_t m_pick[4] = {(uint8_t)e, (uint8_t)(32 + e / 2), 0, 0};
+            const uint8_t s_shifts[4] = {(uint8_t)at, (uint8_t)(at + 16 + 3 * (e % 4)), 0, 0};
+            const uint8_t m_shifts[4] = {(uint8_t)at, (uint8_t)(at + 8 + 4 * (e % 2)), 0, 0};
+            memcpy(&iq1_pick[0][h][4 * d], s_pick, 4);
+            memcpy(&iq1_pick[1][h][4 * d], m_pick, 4);
+            memcpy(&iq1_index_shifts[0][h][4 * d], s_shifts, 4);
+            memcpy(&iq1_index_shifts[1][h][4 * d], m_shifts, 4);
+            iq1_copy[0][h][d] = 0;
+            iq1_copy[1][h][d] = d % 4 >= 2 ? 0x800 : 0;
+        }
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 64; i++) {
+            const int lane = i / 16, c = i % 16, half = 8 * h + 2 * lane + c / 4;
+            const int s_at = 16 * lane + 12, m_at = 16 * (half / 4) + 3 * (half % 4); /* k's bit 0 */
+            const int down = c % 4 == 1 ? 4 : 5;
+            iq1_scale_shifts[0][h][i] = (uint8_t)((s_at - down) & 63);
+            iq1_scale_shifts[1][h][i] = (uint8_t)((m_at - down) & 63);
+        }
+    for (int i = 0; i < 64; i++) {
+        const int c = i % 4;
+        iq1_scale_mask[i] = c == 1 ? 0x70 : c == 2 ? 0xE0 : 0;
+        iq1_scale_or[i] = c == 1 ? 8 : c == 2 ? 16 : 0;
+        const int half = (i / 2) % 16;
+        iq1m_scale_words[i] = (uint8_t)((16 * (half / 4) + 3 * (half % 4) - 1) & 63);
+    }
+    for (int i = 0; i < 16; i++) iq1s_delta_factor[i] = (uint8_t)((2 * (i & 7) + 1) * (7 + 2 * (i >> 3)));
+}
+
+/* a Q8_K block's codes in the gathers' order, and its sums the deltas take */
+typedef struct {
+    int8_t low[2][64], high[2][64]; /* gather h: values 8e + i (low), 8e + 4 + i (high) at byte 4 (e - 16h) + i */
+    int16_t sums[2][32]; /* IQ1_S: -(sum of sub-block t) at sums[0][t]; IQ1_M: -7, -9 times the sum of entry
+                            e = 2j (j < 16), 2 (j - 16) + 1 at sums[0][j], sums[1][j] */
+} __attribute__((aligned(64))) Iq1X;
+
+AVX512 int64_t iq1_x_bytes(int64_t blocks) { return blocks * (int64_t)sizeof(Iq1X); }
+
+AVX512 void iq1_codes(const BlockQ8K *y, Iq1X *out) {
+    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+    for (int h = 0; h < 2; h++) {
+        const __m512i a = _mm512_loadu_si512(y->qs + 128 * h), b = _mm512_loadu_si512(y->qs + 128 * h + 64);
+        _mm512_store_si512(out->low[h], _mm512_permutex2var_epi32(a, evens, b));
+        _mm512_store_si512(out->high[h], _mm512_permutex2var_epi32(a, odds, b));
+    }
+}
+
+AVX512 void iq1_s_x(const BlockQ8K *y, int64_t blocks, int8_t *buffer) {
+    Iq1X *out = (Iq1X *)(void *)buffer;
+    for (int64_t i = 0; i < blocks; i++) {
+        iq1_codes(y + i, out + i);
+        memset(out[i].sums, 0, sizeof out[i].sums);
+        for (int t = 0; t < 8; t++) out[i].sums[0][t] = (int16_t)(-(y[i].bsums[2 * t] + y[i].bsums[2 * t + 1]));
+    }
+}
+
+AVX512 void iq1_m_x(const BlockQ8K *y, int64_t blocks, int8_t *buffer) {
+    Iq1X *out = (Iq1X *)(void *)buffer;
+    for (int64_t i = 0; i < blocks; i++) {
+        iq1_codes(y + i, out + i);
+        for (int j = 0; j < 32; j++) {
+            const int e = j < 16 ? 2 * j : 2 * (j - 16) + 1;
+            int sum = 0;
+            for (int v = 0; v < 8; v++) sum += y[i].qs[8 * e + v];
+            out[i].sums[0][j] = (int16_t)(-7 * sum);
+            out[i].sums[1][j] = (int16_t)(-9 * sum);
+        }
+    }
+}
+
+/* gather h of an IQ1_S (TYPE 0) or IQ1_M (1) block of BYTES bytes at x: its weights 8 s code (low: values
+ * 8e + i, high: 8e + 4 + i at byte 4 (e - 16h) + i) */
+AVX512 void iq1_weights(const uint8_t *x, const int type, const int bytes, const int h, __m512i *low, __m512i *high) {
+    const __m512i raw = _mm512_maskz_loadu_epi8((1ULL << bytes) - 1, x);
+    const __m512i bits = _mm512_permutexvar_epi8(_mm512_load_si512(iq1_pick[type][h]), raw);
+    const __m512i fields = _mm512_multishift_epi64_epi8(_mm512_load_si512(iq1_index_shifts[type][h]), bits);
+    const __m512i index = _mm512_ternarylogic_epi32(fields, _mm512_set1_epi32(0x7FF), _mm512_load_si512(iq1_copy[type][h]), 0xEA);
+    const __m512i nibbles = _mm512_i32gather_epi32(index, (const void *)iq1_nibbles, 4);
+    const __m512i scales = _mm512_set1_epi64((long long)u64_at(x + (type ? 48 : 34 + 8 * h)));
+    const __m512i table = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(_mm512_load_si512(iq1_scale_shifts[type][h]), scales),
+                                                    _mm512_load_si512(iq1_scale_mask), _mm512_load_si512(iq1_scale_or), 0xEA);
+    *low = _mm512_shuffle_epi8(table, nibbles);
+    *high = _mm512_shuffle_epi8(table, _mm512_srli_epi16(nibbles, 4));
+}
+
+/* the deltas' terms of block i into each row's lanes: IQ1_S's factors s (8 - delta sign) of its 8
+ * sub-blocks (words 0..7) by x's negated sums of 32 */
+AVX512 void iq1_s_deltas(const uint8_t *x, const int8_t *const *xs, int64_t i, __m512i *sumi, const int n) {
+    const __m128i fields = _mm_multishift_epi64_epi8(_mm_set1_epi64x(0x003C002C001C000CLL), _mm_loadu_si128((const __m128i *)(x + 34)));
+    const __m128i factors = _mm_maskz_permutexvar_epi8(0x5555, fields, _mm_load_si128((const __m128i *)iq1s_delta_factor));
+    for (int r = 0; r < n; r++) {
+        const __m128i sums = _mm_load_si128((const __m128i *)((const Iq1X *)(const void *)xs[r])[i].sums[0]);
+        sumi[r] = _mm512_dpwssd_epi32(sumi[r], _mm512_zextsi128_si512(factors), _mm512_zextsi128_si512(sums));
+    }
+}
+
+/* ... IQ1_M's: each entry's s by x's sums of 8 times -7, or -9 where its delta is negative (bit 3 of its
+ * nibble of qh), entries 0, 2, .., 30, then 1, 3, .., 31 */
+AVX512 void iq1_m_deltas(const uint8_t *x, const int8_t *const *xs, int64_t i, __m512i *sumi, const int n) {
+    const __m512i fields = _mm512_multishift_epi64_epi8(_mm512_load_si512(iq1m_scale_words), _mm512_set1_epi64((long long)u64_at(x + 48)));
+    const __m512i scales = _mm512_ternarylogic_epi32(fields, _mm512_set1_epi16(0x000E), _mm512_set1_epi16(1), 0xEA);
+    const __m256i sign_bits = _mm256_set_m128i(_mm_set1_epi8((char)0x80), _mm_set1_epi8(0x08));
+    const __mmask32 nine = _mm256_test_epi8_mask(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x + 32))), sign_bits);
+    for (int r = 0; r < n; r++) {
+        const Iq1X *X = (const Iq1X *)(const void *)xs[r] + i;
+        const __m512i sums = _mm512_mask_blend_epi16(nine, _mm512_load_si512(X->sums[0]), _mm512_load_si512(X->sums[1]));
+        sumi[r] = _mm512_dpwssd_epi32(sumi[r], scales, sums);
+    }
+}
+
+/* every block of an IQ1_S (TYPE 0) or IQ1_M (1) weight row against n input rows into their float lanes */
+AVX512 void iq1_dot(const uint8_t *row, int64_t blocks, const int type, const int bytes, const int8_t *const *xs,
+                    const BlockQ8K *const *y, __m512 *acc, const int n) {
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *x = row + i * bytes;
+        __m512i sumi[RUN_ROWS];
+        for (int r = 0; r < n; r++) sumi[r] = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            __m512i low, high;
+            iq1_weights(x, type, bytes, h, &low, &high);
+            for (int r = 0; r < n; r++) {
+                const Iq1X *X = (const Iq1X *)(const void *)xs[r] + i;
+                sumi[r] = _mm512_dpbusd_epi32(sumi[r], low, _mm512_load_si512(X->low[h]));
+                sumi[r] = _mm512_dpbusd_epi32(sumi[r], high, _mm512_load_si512(X->high[h]));
+            }
+        }
+        if (type == 0) iq1_s_deltas(x, xs, i, sumi, n);
+        else iq1_m_deltas(x, xs, i, sumi, n);
+        /* IQ1_M's d: the top nibbles of its 4 scale words */
+        const float d = type == 0 ? f16_at(x) : _cvtsh_ss((unsigned short)_pext_u64(u64_at(x + 48), 0xF000F000F000F000ULL));
+        for (int r = 0; r < n; r++) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_set1_ps(d * y[r][i].d), acc[r]);
+    }
+}
+
+AVX512 void iq1_s_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, __m512 *acc,
+                        const int n) {
+    iq1_dot(row, blocks, 0, 50, xs, y, acc, n);
+}
+
+AVX512 void iq1_m_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, __m512 *acc,
+                        const int n) {
+    iq1_dot(row, blocks, 1, 56, xs, y, acc, n);
+}
+
+PREPARED_ROWS(19, iq1_s, 0.125f, iq1_s_x, iq1_x_bytes)
+PREPARED_ROWS(29, iq1_m, 0.125f, iq1_m_x, iq1_x_bytes)
 
 RowKernel iq_avx512_kernel(int ggml_type) {
     if (!HAVE_AVX512()) return NULL;
@@ -469,7 +611,8 @@ RowKernel iq_avx512_kernel(int ggml_type) {
         case 22: return iq2s_fit ? iq2_s_rows_avx512 : NULL;
         case 18: return iq3xxs_fit ? iq3_xxs_rows_avx512 : NULL;
         case 21: return iq3s_fit ? iq3_s_rows_avx512 : NULL;
-        case 19: return iq1s_fit ? iq1_s_rows_avx512 : NULL;
+        case 19: return iq1_fit ? iq1_s_rows_avx512 : NULL;
+        case 29: return iq1_fit ? iq1_m_rows_avx512 : NULL;
         default: return NULL;
     }
 }
