@@ -427,18 +427,29 @@ PLANES_ROWS(21, iq3_s, 1.0f)
  * float step of the plane kernels (factor 0.125). */
 static uint32_t iq1_nibbles[2 * 2048] __attribute__((aligned(64)));
 static int iq1_fit;
-/* per type (0: IQ1_S, 1: IQ1_M) and gather h (0, 1: entries 16h..16h + 15 of a block): the block bytes
- * each index dword takes (byte 0: its 8 low bits, 2-3 or 1: those holding its high 3), the bit offsets
- * that put them in bits 0-7 and 8-10 (VPMULTISHIFTQB), bit 11 (the copy) of each; the bit offsets of
- * the scale fields, whose 3 bits k go to bits 4-6 (code 1: 16 k + 8) and 5-7 (code 2: 32 k + 16) */
-static uint8_t iq1_pick[2][2][64] __attribute__((aligned(64))), iq1_index_shifts[2][2][64] __attribute__((aligned(64)));
-static uint32_t iq1_copy[2][2][16] __attribute__((aligned(64)));
-static uint8_t iq1_scale_shifts[2][2][64] __attribute__((aligned(64)));
+/* Both gathers' indices of a block at once, per type (0: IQ1_S, 1: IQ1_M): a byte permute of the block
+ * puts in qword q the low index bytes of entries 2q, 16 + 2q, 2q + 1, 17 + 2q and the bytes of their
+ * high 3 bits (IQ1_S: the qh words of sub-blocks q / 2, 4 + q / 2; IQ1_M: qh bytes q, 8 + q); a
+ * multishift takes each entry's 8 + 3 bits to a 16-bit word, so int32 lane k holds entry k's index (low
+ * word, the first gather) and entry 16 + k's (high word, the second); bit 11 of a word picks the grid's
+ * copy (IQ1_S: entries 16..31; IQ1_M: the second half of a sub-block, entries 4t + 2, 4t + 3). */
+static uint8_t iq1_pick[2][64] __attribute__((aligned(64))), iq1_index_shifts[2][64] __attribute__((aligned(64)));
+static uint16_t iq1_copy[2][32] __attribute__((aligned(64)));
+/* the bit offsets of the scale fields a byte shuffle's table takes (code 1: 16 k + 8, k's 3 bits to bits
+ * 4-6; code 2: 32 k + 16, to bits 5-7; codes 5, 6 the same of the copy's): IQ1_S's one table of a block,
+ * lane l: sub-blocks l, 4 + l, from the permuted qword 2l; IQ1_M's table of gather h, lane l: the halves
+ * (16 values) 8h + 2l, 8h + 2l + 1, from the 4 scale words */
+static uint8_t iq1s_scale_shifts[64] __attribute__((aligned(64))), iq1m_scale_shifts[2][64] __attribute__((aligned(64)));
 static uint8_t iq1_scale_mask[64] __attribute__((aligned(64))), iq1_scale_or[64] __attribute__((aligned(64)));
 /* IQ1_S: s (8 - delta sign) by the 4 bits k | sign << 3; IQ1_M: the bit offsets of half-sub-block
  * j % 16's scale field, less 1, at word j */
 static uint8_t iq1s_delta_factor[16] __attribute__((aligned(16)));
 static uint8_t iq1m_scale_words[64] __attribute__((aligned(64)));
+
+/* the high index bits' offset of entry e in its permuted qword */
+static int iq1_high_at(int type, int e) {
+    return type == 0 ? (e < 16 ? 32 : 48) + 3 * (e % 4) : (e < 16 ? 32 : 40) + 4 * (e % 2);
+}
 
 static void iq1_set_grid(const int8_t *grid) {
     iq1_fit = 1;
@@ -452,32 +463,30 @@ static void iq1_set_grid(const int8_t *grid) {
         iq1_nibbles[e] = word;
         iq1_nibbles[2048 + e] = word | 0x44444444u;
     }
-    for (int h = 0; h < 2; h++)
-        for (int d = 0; d < 16; d++) {
-            const int e = 16 * h + d, at = 32 * (d % 2); /* entry e of the block, its dword's bit in the qword */
-            const uint8_t s_pick[4] = {(uint8_t)(2 + e), 0, (uint8_t)(34 + 2 * (e / 4)), (uint8_t)(35 + 2 * (e / 4))};
-            const uint8_t m_pick[4] = {(uint8_t)e, (uint8_t)(32 + e / 2), 0, 0};
-            const uint8_t s_shifts[4] = {(uint8_t)at, (uint8_t)(at + 16 + 3 * (e % 4)), 0, 0};
-            const uint8_t m_shifts[4] = {(uint8_t)at, (uint8_t)(at + 8 + 4 * (e % 2)), 0, 0};
-            memcpy(&iq1_pick[0][h][4 * d], s_pick, 4);
-            memcpy(&iq1_pick[1][h][4 * d], m_pick, 4);
-            memcpy(&iq1_index_shifts[0][h][4 * d], s_shifts, 4);
-            memcpy(&iq1_index_shifts[1][h][4 * d], m_shifts, 4);
-            iq1_copy[0][h][d] = 0;
-            iq1_copy[1][h][d] = d % 4 >= 2 ? 0x800 : 0;
+    for (int q = 0; q < 8; q++) {
+        const int d = 2 * q, entries[4] = {d, 16 + d, d + 1, 17 + d};
+        const uint8_t picks[2][8] = {{(uint8_t)(2 + d), (uint8_t)(18 + d), (uint8_t)(3 + d), (uint8_t)(19 + d), (uint8_t)(34 + 2 * (q / 2)),
+                                      (uint8_t)(35 + 2 * (q / 2)), (uint8_t)(42 + 2 * (q / 2)), (uint8_t)(43 + 2 * (q / 2))},
+                                     {(uint8_t)d, (uint8_t)(16 + d), (uint8_t)(d + 1), (uint8_t)(17 + d), (uint8_t)(32 + q),
+                                      (uint8_t)(40 + q), 0, 0}};
+        for (int type = 0; type < 2; type++) {
+            memcpy(&iq1_pick[type][8 * q], picks[type], 8);
+            for (int w = 0; w < 4; w++) {
+                iq1_index_shifts[type][8 * q + 2 * w] = (uint8_t)(8 * w);
+                iq1_index_shifts[type][8 * q + 2 * w + 1] = (uint8_t)iq1_high_at(type, entries[w]);
+                iq1_copy[type][4 * q + w] = (type == 0 ? entries[w] >= 16 : entries[w] % 4 >= 2) ? 0x800 : 0;
+            }
         }
-    for (int h = 0; h < 2; h++)
-        for (int i = 0; i < 64; i++) {
-            const int lane = i / 16, c = i % 16, half = 8 * h + 2 * lane + c / 4;
-            const int s_at = 16 * lane + 12, m_at = 16 * (half / 4) + 3 * (half % 4); /* k's bit 0 */
-            const int down = c % 4 == 1 ? 4 : 5;
-            iq1_scale_shifts[0][h][i] = (uint8_t)((s_at - down) & 63);
-            iq1_scale_shifts[1][h][i] = (uint8_t)((m_at - down) & 63);
-        }
+    }
     for (int i = 0; i < 64; i++) {
-        const int c = i % 4;
-        iq1_scale_mask[i] = c == 1 ? 0x70 : c == 2 ? 0xE0 : 0;
-        iq1_scale_or[i] = c == 1 ? 8 : c == 2 ? 16 : 0;
+        const int lane = i / 16, c = i % 16, down = c % 4 == 1 ? 4 : 5;
+        iq1s_scale_shifts[i] = (uint8_t)(((c / 4 % 2 ? 60 : 44) - down) & 63);
+        for (int h = 0; h < 2; h++) {
+            const int half = 8 * h + 2 * lane + c / 4 % 2;
+            iq1m_scale_shifts[h][i] = (uint8_t)((16 * (half / 4) + 3 * (half % 4) - down) & 63);
+        }
+        iq1_scale_mask[i] = c % 4 == 1 ? 0x70 : c % 4 == 2 ? 0xE0 : 0;
+        iq1_scale_or[i] = c % 4 == 1 ? 8 : c % 4 == 2 ? 16 : 0;
         const int half = (i / 2) % 16;
         iq1m_scale_words[i] = (uint8_t)((16 * (half / 4) + 3 * (half % 4) - 1) & 63);
     }
@@ -526,19 +535,24 @@ AVX512 void iq1_m_x(const BlockQ8K *y, int64_t blocks, int8_t *buffer) {
     }
 }
 
-/* gather h of an IQ1_S (TYPE 0) or IQ1_M (1) block of BYTES bytes at x: its weights 8 s code (low: values
- * 8e + i, high: 8e + 4 + i at byte 4 (e - 16h) + i) */
-AVX512 void iq1_weights(const uint8_t *x, const int type, const int bytes, const int h, __m512i *low, __m512i *high) {
+/* the weights 8 s code of an IQ1_S (TYPE 0) or IQ1_M (1) block of BYTES bytes at x: gather h's (entries
+ * 16h..16h + 15) values 8e + i (w[2h]) and 8e + 4 + i (w[2h + 1]) at byte 4 (e - 16h) + i */
+AVX512 void iq1_weights(const uint8_t *x, const int type, const int bytes, __m512i w[4]) {
     const __m512i raw = _mm512_maskz_loadu_epi8((1ULL << bytes) - 1, x);
-    const __m512i bits = _mm512_permutexvar_epi8(_mm512_load_si512(iq1_pick[type][h]), raw);
-    const __m512i fields = _mm512_multishift_epi64_epi8(_mm512_load_si512(iq1_index_shifts[type][h]), bits);
-    const __m512i index = _mm512_ternarylogic_epi32(fields, _mm512_set1_epi32(0x7FF), _mm512_load_si512(iq1_copy[type][h]), 0xEA);
-    const __m512i nibbles = _mm512_i32gather_epi32(index, (const void *)iq1_nibbles, 4);
-    const __m512i scales = _mm512_set1_epi64((long long)u64_at(x + (type ? 48 : 34 + 8 * h)));
-    const __m512i table = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(_mm512_load_si512(iq1_scale_shifts[type][h]), scales),
-                                                    _mm512_load_si512(iq1_scale_mask), _mm512_load_si512(iq1_scale_or), 0xEA);
-    *low = _mm512_shuffle_epi8(table, nibbles);
-    *high = _mm512_shuffle_epi8(table, _mm512_srli_epi16(nibbles, 4));
+    const __m512i picked = _mm512_permutexvar_epi8(_mm512_load_si512(iq1_pick[type]), raw);
+    const __m512i fields = _mm512_multishift_epi64_epi8(_mm512_load_si512(iq1_index_shifts[type]), picked);
+    const __m512i words = _mm512_ternarylogic_epi32(fields, _mm512_set1_epi16(0x7FF), _mm512_load_si512(iq1_copy[type]), 0xEA);
+    const __m512i index[2] = {_mm512_and_si512(words, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(words, 16)};
+    const __m512i mask = _mm512_load_si512(iq1_scale_mask), or = _mm512_load_si512(iq1_scale_or);
+    const __m512i scales = _mm512_set1_epi64((long long)u64_at(x + 48)); /* IQ1_M's scale words */
+    for (int h = 0; h < 2; h++) {
+        const __m512i nibbles = _mm512_i32gather_epi32(index[h], (const void *)iq1_nibbles, 4);
+        const __m512i fields = type == 0 ? _mm512_multishift_epi64_epi8(_mm512_load_si512(iq1s_scale_shifts), picked)
+                                         : _mm512_multishift_epi64_epi8(_mm512_load_si512(iq1m_scale_shifts[h]), scales);
+        const __m512i table = _mm512_ternarylogic_epi32(fields, mask, or, 0xEA);
+        w[2 * h] = _mm512_shuffle_epi8(table, nibbles);
+        w[2 * h + 1] = _mm512_shuffle_epi8(table, _mm512_srli_epi16(nibbles, 4));
+    }
 }
 
 /* the deltas' terms of block i into each row's lanes: IQ1_S's factors s (8 - delta sign) of its 8
@@ -573,13 +587,13 @@ AVX512 void iq1_dot(const uint8_t *row, int64_t blocks, const int type, const in
         const uint8_t *x = row + i * bytes;
         __m512i sumi[RUN_ROWS];
         for (int r = 0; r < n; r++) sumi[r] = _mm512_setzero_si512();
-        for (int h = 0; h < 2; h++) {
-            __m512i low, high;
-            iq1_weights(x, type, bytes, h, &low, &high);
-            for (int r = 0; r < n; r++) {
-                const Iq1X *X = (const Iq1X *)(const void *)xs[r] + i;
-                sumi[r] = _mm512_dpbusd_epi32(sumi[r], low, _mm512_load_si512(X->low[h]));
-                sumi[r] = _mm512_dpbusd_epi32(sumi[r], high, _mm512_load_si512(X->high[h]));
+        __m512i w[4];
+        iq1_weights(x, type, bytes, w);
+        for (int r = 0; r < n; r++) {
+            const Iq1X *X = (const Iq1X *)(const void *)xs[r] + i;
+            for (int h = 0; h < 2; h++) {
+                sumi[r] = _mm512_dpbusd_epi32(sumi[r], w[2 * h], _mm512_load_si512(X->low[h]));
+                sumi[r] = _mm512_dpbusd_epi32(sumi[r], w[2 * h + 1], _mm512_load_si512(X->high[h]));
             }
         }
         if (type == 0) iq1_s_deltas(x, xs, i, sumi, n);
