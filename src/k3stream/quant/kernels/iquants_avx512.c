@@ -582,26 +582,28 @@ AVX512 void iq1_m_deltas(const uint8_t *x, const int8_t *const *xs, int64_t i, _
 
 /* every block of an IQ1_S (TYPE 0) or IQ1_M (1) weight row against n input rows into their float lanes */
 AVX512 void iq1_dot(const uint8_t *row, int64_t blocks, const int type, const int bytes, const int8_t *const *xs,
-                    const BlockQ8K *const *y, __m512 *acc, const int n) {
+                    const BlockQ8K *const *y, __m512 *out, const int n) {
+    __m512 acc[RUN_ROWS]; /* in registers: no store in the loop, so its constants' loads leave it */
+    for (int r = 0; r < n; r++) acc[r] = out[r];
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *x = row + i * bytes;
-        __m512i sumi[RUN_ROWS];
+        __m512i sumi[RUN_ROWS], w[4];
         for (int r = 0; r < n; r++) sumi[r] = _mm512_setzero_si512();
-        __m512i w[4];
-        iq1_weights(x, type, bytes, w);
-        for (int r = 0; r < n; r++) {
-            const Iq1X *X = (const Iq1X *)(const void *)xs[r] + i;
-            for (int h = 0; h < 2; h++) {
-                sumi[r] = _mm512_dpbusd_epi32(sumi[r], w[2 * h], _mm512_load_si512(X->low[h]));
-                sumi[r] = _mm512_dpbusd_epi32(sumi[r], w[2 * h + 1], _mm512_load_si512(X->high[h]));
-            }
-        }
         if (type == 0) iq1_s_deltas(x, xs, i, sumi, n);
         else iq1_m_deltas(x, xs, i, sumi, n);
+        iq1_weights(x, type, bytes, w);
+        for (int r = 0; r < n; r++) { /* two chains of products, the deltas' and the first gather's */
+            const Iq1X *X = (const Iq1X *)(const void *)xs[r] + i;
+            const __m512i first = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_load_si512(X->low[0])),
+                                                      w[1], _mm512_load_si512(X->high[0]));
+            sumi[r] = _mm512_dpbusd_epi32(sumi[r], w[2], _mm512_load_si512(X->low[1]));
+            sumi[r] = _mm512_add_epi32(_mm512_dpbusd_epi32(sumi[r], w[3], _mm512_load_si512(X->high[1])), first);
+        }
         /* IQ1_M's d: the top nibbles of its 4 scale words */
         const float d = type == 0 ? f16_at(x) : _cvtsh_ss((unsigned short)_pext_u64(u64_at(x + 48), 0xF000F000F000F000ULL));
         for (int r = 0; r < n; r++) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_set1_ps(d * y[r][i].d), acc[r]);
     }
+    for (int r = 0; r < n; r++) out[r] = acc[r];
 }
 
 AVX512 void iq1_s_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, __m512 *acc,
