@@ -535,21 +535,41 @@ AVX512 void iq1_m_x(const BlockQ8K *y, int64_t blocks, int8_t *buffer) {
     }
 }
 
-/* the weights 8 s code of an IQ1_S (TYPE 0) or IQ1_M (1) block of BYTES bytes at x: gather h's (entries
- * 16h..16h + 15) values 8e + i (w[2h]) and 8e + 4 + i (w[2h + 1]) at byte 4 (e - 16h) + i */
-AVX512 void iq1_weights(const uint8_t *x, const int type, const int bytes, __m512i w[4]) {
-    const __m512i raw = _mm512_maskz_loadu_epi8((1ULL << bytes) - 1, x);
-    const __m512i picked = _mm512_permutexvar_epi8(_mm512_load_si512(iq1_pick[type]), raw);
-    const __m512i fields = _mm512_multishift_epi64_epi8(_mm512_load_si512(iq1_index_shifts[type]), picked);
-    const __m512i words = _mm512_ternarylogic_epi32(fields, _mm512_set1_epi16(0x7FF), _mm512_load_si512(iq1_copy[type]), 0xEA);
+/* a type's constants for a row: loaded once into registers (an empty asm hides where they came from, or
+ * gcc takes each from memory again every block, and loads bound this kernel beside the gathers' 32) */
+typedef struct {
+    __m512i pick, index_shifts, copy, low_bits, scale_shifts[2], mask, or, words;
+    __m128i factors, factor_shifts;
+} Iq1Constants;
+
+AVX512 Iq1Constants iq1_constants(const int type) {
+    Iq1Constants c = {_mm512_load_si512(iq1_pick[type]),
+                      _mm512_load_si512(iq1_index_shifts[type]),
+                      _mm512_load_si512(iq1_copy[type]),
+                      _mm512_set1_epi16(0x7FF),
+                      {_mm512_load_si512(type ? iq1m_scale_shifts[0] : iq1s_scale_shifts), _mm512_load_si512(iq1m_scale_shifts[1])},
+                      _mm512_load_si512(iq1_scale_mask),
+                      _mm512_load_si512(iq1_scale_or),
+                      _mm512_load_si512(iq1m_scale_words),
+                      _mm_load_si128((const __m128i *)iq1s_delta_factor),
+                      _mm_set1_epi64x(0x003C002C001C000CLL)};
+    __asm__("" : "+v"(c.pick), "+v"(c.index_shifts), "+v"(c.copy), "+v"(c.low_bits), "+v"(c.scale_shifts[0]),
+            "+v"(c.scale_shifts[1]), "+v"(c.mask), "+v"(c.or), "+v"(c.words), "+v"(c.factors), "+v"(c.factor_shifts));
+    return c;
+}
+
+/* the weights 8 s code of an IQ1_S (TYPE 0) or IQ1_M (1) block at x (its bytes in `raw`): gather h's
+ * (entries 16h..16h + 15) values 8e + i (w[2h]) and 8e + 4 + i (w[2h + 1]) at byte 4 (e - 16h) + i */
+AVX512 void iq1_weights(const uint8_t *x, __m512i raw, const int type, const Iq1Constants *c, __m512i w[4]) {
+    const __m512i picked = _mm512_permutexvar_epi8(c->pick, raw);
+    const __m512i fields = _mm512_multishift_epi64_epi8(c->index_shifts, picked);
+    const __m512i words = _mm512_ternarylogic_epi32(fields, c->low_bits, c->copy, 0xEA);
     const __m512i index[2] = {_mm512_and_si512(words, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(words, 16)};
-    const __m512i mask = _mm512_load_si512(iq1_scale_mask), or = _mm512_load_si512(iq1_scale_or);
     const __m512i scales = _mm512_set1_epi64((long long)u64_at(x + 48)); /* IQ1_M's scale words */
     for (int h = 0; h < 2; h++) {
         const __m512i nibbles = _mm512_i32gather_epi32(index[h], (const void *)iq1_nibbles, 4);
-        const __m512i fields = type == 0 ? _mm512_multishift_epi64_epi8(_mm512_load_si512(iq1s_scale_shifts), picked)
-                                         : _mm512_multishift_epi64_epi8(_mm512_load_si512(iq1m_scale_shifts[h]), scales);
-        const __m512i table = _mm512_ternarylogic_epi32(fields, mask, or, 0xEA);
+        const __m512i table = _mm512_ternarylogic_epi32(
+            _mm512_multishift_epi64_epi8(c->scale_shifts[type ? h : 0], type ? scales : picked), c->mask, c->or, 0xEA);
         w[2 * h] = _mm512_shuffle_epi8(table, nibbles);
         w[2 * h + 1] = _mm512_shuffle_epi8(table, _mm512_srli_epi16(nibbles, 4));
     }
@@ -557,9 +577,10 @@ AVX512 void iq1_weights(const uint8_t *x, const int type, const int bytes, __m51
 
 /* the deltas' terms of block i into each row's lanes: IQ1_S's factors s (8 - delta sign) of its 8
  * sub-blocks (words 0..7) by x's negated sums of 32 */
-AVX512 void iq1_s_deltas(const uint8_t *x, const int8_t *const *xs, int64_t i, __m512i *sumi, const int n) {
-    const __m128i fields = _mm_multishift_epi64_epi8(_mm_set1_epi64x(0x003C002C001C000CLL), _mm_loadu_si128((const __m128i *)(x + 34)));
-    const __m128i factors = _mm_maskz_permutexvar_epi8(0x5555, fields, _mm_load_si128((const __m128i *)iq1s_delta_factor));
+AVX512 void iq1_s_deltas(const uint8_t *x, const Iq1Constants *c, const int8_t *const *xs, int64_t i, __m512i *sumi,
+                         const int n) {
+    const __m128i fields = _mm_multishift_epi64_epi8(c->factor_shifts, _mm_loadu_si128((const __m128i *)(x + 34)));
+    const __m128i factors = _mm_maskz_permutexvar_epi8(0x5555, fields, c->factors);
     for (int r = 0; r < n; r++) {
         const __m128i sums = _mm_load_si128((const __m128i *)((const Iq1X *)(const void *)xs[r])[i].sums[0]);
         sumi[r] = _mm512_dpwssd_epi32(sumi[r], _mm512_zextsi128_si512(factors), _mm512_zextsi128_si512(sums));
@@ -568,8 +589,9 @@ AVX512 void iq1_s_deltas(const uint8_t *x, const int8_t *const *xs, int64_t i, _
 
 /* ... IQ1_M's: each entry's s by x's sums of 8 times -7, or -9 where its delta is negative (bit 3 of its
  * nibble of qh), entries 0, 2, .., 30, then 1, 3, .., 31 */
-AVX512 void iq1_m_deltas(const uint8_t *x, const int8_t *const *xs, int64_t i, __m512i *sumi, const int n) {
-    const __m512i fields = _mm512_multishift_epi64_epi8(_mm512_load_si512(iq1m_scale_words), _mm512_set1_epi64((long long)u64_at(x + 48)));
+AVX512 void iq1_m_deltas(const uint8_t *x, const Iq1Constants *c, const int8_t *const *xs, int64_t i, __m512i *sumi,
+                         const int n) {
+    const __m512i fields = _mm512_multishift_epi64_epi8(c->words, _mm512_set1_epi64((long long)u64_at(x + 48)));
     const __m512i scales = _mm512_ternarylogic_epi32(fields, _mm512_set1_epi16(0x000E), _mm512_set1_epi16(1), 0xEA);
     const __m256i sign_bits = _mm256_set_m128i(_mm_set1_epi8((char)0x80), _mm_set1_epi8(0x08));
     const __mmask32 nine = _mm256_test_epi8_mask(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x + 32))), sign_bits);
@@ -583,15 +605,17 @@ AVX512 void iq1_m_deltas(const uint8_t *x, const int8_t *const *xs, int64_t i, _
 /* every block of an IQ1_S (TYPE 0) or IQ1_M (1) weight row against n input rows into their float lanes */
 AVX512 void iq1_dot(const uint8_t *row, int64_t blocks, const int type, const int bytes, const int8_t *const *xs,
                     const BlockQ8K *const *y, __m512 *out, const int n) {
-    __m512 acc[RUN_ROWS]; /* in registers: no store in the loop, so its constants' loads leave it */
+    const Iq1Constants c = iq1_constants(type);
+    __m512 acc[RUN_ROWS]; /* in registers: no store in the loop */
     for (int r = 0; r < n; r++) acc[r] = out[r];
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *x = row + i * bytes;
+        const __m512i raw = _mm512_maskz_loadu_epi8((1ULL << bytes) - 1, x);
         __m512i sumi[RUN_ROWS], w[4];
         for (int r = 0; r < n; r++) sumi[r] = _mm512_setzero_si512();
-        if (type == 0) iq1_s_deltas(x, xs, i, sumi, n);
-        else iq1_m_deltas(x, xs, i, sumi, n);
-        iq1_weights(x, type, bytes, w);
+        if (type == 0) iq1_s_deltas(x, &c, xs, i, sumi, n);
+        else iq1_m_deltas(x, &c, xs, i, sumi, n);
+        iq1_weights(x, raw, type, &c, w);
         for (int r = 0; r < n; r++) { /* two chains of products, the deltas' and the first gather's */
             const Iq1X *X = (const Iq1X *)(const void *)xs[r] + i;
             const __m512i first = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_load_si512(X->low[0])),
@@ -599,8 +623,9 @@ AVX512 void iq1_dot(const uint8_t *row, int64_t blocks, const int type, const in
             sumi[r] = _mm512_dpbusd_epi32(sumi[r], w[2], _mm512_load_si512(X->low[1]));
             sumi[r] = _mm512_add_epi32(_mm512_dpbusd_epi32(sumi[r], w[3], _mm512_load_si512(X->high[1])), first);
         }
-        /* IQ1_M's d: the top nibbles of its 4 scale words */
-        const float d = type == 0 ? f16_at(x) : _cvtsh_ss((unsigned short)_pext_u64(u64_at(x + 48), 0xF000F000F000F000ULL));
+        /* d: IQ1_S's first 2 bytes, IQ1_M's the top nibbles of its 4 scale words */
+        const float d = type == 0 ? _mm_cvtss_f32(_mm_cvtph_ps(_mm512_castsi512_si128(raw)))
+                                  : _cvtsh_ss((unsigned short)_pext_u64(u64_at(x + 48), 0xF000F000F000F000ULL));
         for (int r = 0; r < n; r++) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_set1_ps(d * y[r][i].d), acc[r]);
     }
     for (int r = 0; r < n; r++) out[r] = acc[r];
