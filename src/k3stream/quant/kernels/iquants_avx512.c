@@ -1,8 +1,9 @@
 /* AVX-512 (VBMI, VNNI) integer kernels of the 1-3-bit grid i-quants on Q8_K activations, where the CPU
- * has them (HAVE_AVX512; K3STREAM_NO_AVX512=1 keeps ggml's AVX2 kernels of `iquants_cpu.c`).
+ * has them (HAVE_AVX512; K3STREAM_NO_AVX512=1 keeps ggml's AVX2 kernels of `iquants_cpu.c`). IQ1_S and
+ * IQ1_M gather their grid entries (below, "the grid gathered"); the others work in byte planes.
  *
- * Byte planes: two blocks (512 values) are 64 "entries" k of 8 values 8k..8k + 7 (an IQ2 or IQ1_S grid
- * entry; two IQ3 ones), and plane j (0..7) is value 8k + j of every k, 64 bytes. The grids' entries are
+ * Byte planes: two blocks (512 values) are 64 "entries" k of 8 values 8k..8k + 7 (an IQ2 grid entry;
+ * two IQ3 ones), and plane j (0..7) is value 8k + j of every k, 64 bytes. The grids' entries are
  * held as codes of their few levels (code tables, below); 64 grid indices look up 64 code bytes in
  * two-table byte permutes (128 entries each) blended on the index's high bits, and one byte permute a
  * plane turns codes into levels. The activations are put in plane order once per kernel call (x is
@@ -10,7 +11,8 @@
  * unsigned levels times them by VPDPBUSD; a 32-bit lane then sums 4 adjacent entries of a plane, one
  * 32-value sub-block, so the 8 planes' products give each sub-block's exact sum in its own lane.
  *
- * The float step (every input-row count, one or many, gives a row the same bits):
+ * The float step (every input-row count, one or many, gives a row the same bits; IQ1_S and IQ1_M
+ * take it a block at a time, their 16 lanes any exact split of the block's sum):
  * lane t (0..15) of a pair of blocks: sub-block t's scaled integer sum (exact in float32), times
  * d_w * d_y of its block (a float product), added by FMA into lane t of 16 float lanes, block pair after
  * pair; at the end the 16 lanes summed (hsum16) and multiplied by the type's factor. This is not ggml's
@@ -417,14 +419,16 @@ PLANES_ROWS(21, iq3_s, 1.0f)
 
 /* IQ1_S and IQ1_M: the grid gathered. Each grid entry (8 values -1, 0, 1) is a dword of 4-bit codes, value
  * + 1 (0, 1, 2): byte i holds value i in its low nibble, value i + 4 in its high one; a 2048-entry copy
- * follows with 4 added to each code (IQ1_M's second 16 values of a sub-block take it). One VPGATHERDD
- * fetches 16 entries (128 values, half a block) from that 16 KiB in L1; a byte shuffle of the low
- * nibbles and one of the high ones look up each code's weight, 8 s code (s the odd scale of its sub-block
- * (IQ1_S) or 16 values (IQ1_M): one table a 128-bit lane, as each lane is 4 entries), at most 240, and
- * VPDPBUSD multiplies them with the activations, put in the same order once per call (`iq1_x`). The delta
- * (+-1/8 of s) and the code's offset of 1 leave the sum s (8 - delta sign) times x's sums of 32 (IQ1_S)
- * or 8 (IQ1_M) values, taken by VPDPWSSD: a block's 16 int32 lanes hold 8 times its exact sum, then the
- * float step of the plane kernels (factor 0.125). */
+ * follows with 4 added to each code (IQ1_S: a block's entries 16..31 take it; IQ1_M: the second 16 values
+ * of each sub-block). One VPGATHERDD fetches 16 entries (128 values, half a block) from that 16 KiB in
+ * L1, two a block; a byte shuffle of the low nibbles and one of the high ones look up each code's weight
+ * 8 s code, at most 240 (s the odd scale of its sub-block (IQ1_S) or 16 values (IQ1_M); a table a 128-bit
+ * lane of 4 entries, codes 0-2 and 4-6 of two scales), and VPDPBUSD multiplies them with the activations,
+ * put in the same order once per call (`iq1_x`). The delta (+-1/8 of s) and the codes' offset of 1 leave
+ * s (8 - delta sign) times x's negated sums of 32 (IQ1_S) or 8 (IQ1_M) values, by VPDPWSSD: a block's 16
+ * int32 lanes hold 8 times its exact sum; d_w * d_y times them added by FMA into 16 float lanes, block
+ * after block; at the end hsum16 times 0.125. Loads bound it (a gather's 16 and the activations' 4 a
+ * block: about two loads a cycle on Intel Xeon), then the shuffle port. */
 static uint32_t iq1_nibbles[2 * 2048] __attribute__((aligned(64)));
 static int iq1_fit;
 /* Both gathers' indices of a block at once, per type (0: IQ1_S, 1: IQ1_M): a byte permute of the block
