@@ -445,10 +445,10 @@ static uint16_t iq1_copy[2][32] __attribute__((aligned(64)));
  * (16 values) 8h + 2l, 8h + 2l + 1, from the 4 scale words */
 static uint8_t iq1s_scale_shifts[64] __attribute__((aligned(64))), iq1m_scale_shifts[2][64] __attribute__((aligned(64)));
 static uint8_t iq1_scale_mask[64] __attribute__((aligned(64))), iq1_scale_or[64] __attribute__((aligned(64)));
-/* IQ1_S: s (8 - delta sign) by the 4 bits k | sign << 3 (bits 4, 5 ignored), and the bit offsets of those
- * bits of sub-blocks q / 2, 4 + q / 2 in the permuted qword q (even q) at its bytes 4, 6; IQ1_M: the bit
- * offsets of half-sub-block j % 16's scale field, less 1, at word j */
-static uint8_t iq1s_delta_factor[64] __attribute__((aligned(64))), iq1s_delta_shifts[64] __attribute__((aligned(64)));
+/* IQ1_S: s (8 - delta sign) by the 4 bits k | sign << 3 (bits 4, 5 ignored; its table vector holds those
+ * of sub-blocks l, 4 + l at bytes 8, 10 of lane l, beside the codes' bytes); IQ1_M: the bit offsets of
+ * half-sub-block j % 16's scale field, less 1, at word j */
+static uint8_t iq1s_delta_factor[64] __attribute__((aligned(64)));
 static uint8_t iq1m_scale_words[64] __attribute__((aligned(64)));
 
 /* the high index bits' offset of entry e in its permuted qword */
@@ -485,27 +485,24 @@ static void iq1_set_grid(const int8_t *grid) {
     }
     for (int i = 0; i < 64; i++) {
         const int lane = i / 16, c = i % 16, down = c % 4 == 1 ? 4 : 5;
-        iq1s_scale_shifts[i] = (uint8_t)(((c / 4 % 2 ? 60 : 44) - down) & 63);
+        iq1s_scale_shifts[i] = (uint8_t)(c == 8 ? 44 : c == 10 ? 60 : ((c / 4 % 2 ? 60 : 44) - down) & 63);
         for (int h = 0; h < 2; h++) {
             const int half = 8 * h + 2 * lane + c / 4 % 2;
             iq1m_scale_shifts[h][i] = (uint8_t)((16 * (half / 4) + 3 * (half % 4) - down) & 63);
         }
-        iq1_scale_mask[i] = c % 4 == 1 ? 0x70 : c % 4 == 2 ? 0xE0 : 0;
+        iq1_scale_mask[i] = c == 8 || c == 10 ? 0xFF : c % 4 == 1 ? 0x70 : c % 4 == 2 ? 0xE0 : 0;
         iq1_scale_or[i] = c % 4 == 1 ? 8 : c % 4 == 2 ? 16 : 0;
         const int half = (i / 2) % 16;
         iq1m_scale_words[i] = (uint8_t)((16 * (half / 4) + 3 * (half % 4) - 1) & 63);
     }
-    for (int i = 0; i < 64; i++) {
-        iq1s_delta_factor[i] = (uint8_t)((2 * (i & 7) + 1) * (7 + 2 * ((i >> 3) & 1)));
-        iq1s_delta_shifts[i] = i % 8 == 4 ? 44 : i % 8 == 6 ? 60 : 0;
-    }
+    for (int i = 0; i < 64; i++) iq1s_delta_factor[i] = (uint8_t)((2 * (i & 7) + 1) * (7 + 2 * ((i >> 3) & 1)));
 }
 
 /* a Q8_K block's codes in the gathers' order, and its sums the deltas take */
 typedef struct {
     int8_t low[2][64], high[2][64]; /* gather h: values 8e + i (low), 8e + 4 + i (high) at byte 4 (e - 16h) + i */
-    int16_t sums[2][32]; /* IQ1_S: -(sum of sub-block t) at sums[0][j], j = 8 (t % 4) + 2 + t / 4 (the
-                            permuted qwords' order); IQ1_M: -7, -9 times the sum of entry
+    int16_t sums[2][32]; /* IQ1_S: -(sum of sub-block t) at sums[0][j], j = 8 (t % 4) + 4 + t / 4 (its
+                            table vector's order), d at words 0, 1; IQ1_M: -7, -9 times the sum of entry
                             e = 2j (j < 16), 2 (j - 16) + 1 at sums[0][j], sums[1][j] */
 } __attribute__((aligned(64))) Iq1X;
 
@@ -527,7 +524,8 @@ AVX512 void iq1_s_x(const BlockQ8K *y, int64_t blocks, int8_t *buffer) {
         iq1_codes(y + i, out + i);
         memset(out[i].sums, 0, sizeof out[i].sums);
         for (int t = 0; t < 8; t++)
-            out[i].sums[0][8 * (t % 4) + 2 + t / 4] = (int16_t)(-(y[i].bsums[2 * t] + y[i].bsums[2 * t + 1]));
+            out[i].sums[0][8 * (t % 4) + 4 + t / 4] = (int16_t)(-(y[i].bsums[2 * t] + y[i].bsums[2 * t + 1]));
+        memcpy(out[i].sums[0], &y[i].d, sizeof y[i].d);
     }
 }
 
@@ -549,7 +547,7 @@ AVX512 void iq1_m_x(const BlockQ8K *y, int64_t blocks, int8_t *buffer) {
  * gcc takes each from memory again every block, and loads bound this kernel beside the gathers' 32) */
 typedef struct {
     __m512i pick, index_shifts, copy, low_bits, scale_shifts[2], mask, or, words;
-    __m512i factors, factor_shifts;
+    __m512i factors;
 } Iq1Constants;
 
 AVX512 Iq1Constants iq1_constants(const int type) {
@@ -561,43 +559,51 @@ AVX512 Iq1Constants iq1_constants(const int type) {
                       _mm512_load_si512(iq1_scale_mask),
                       _mm512_load_si512(iq1_scale_or),
                       _mm512_load_si512(iq1m_scale_words),
-                      _mm512_load_si512(iq1s_delta_factor),
-                      _mm512_load_si512(iq1s_delta_shifts)};
+                      _mm512_load_si512(iq1s_delta_factor)};
     __asm__("" : "+v"(c.pick), "+v"(c.index_shifts), "+v"(c.copy), "+v"(c.low_bits), "+v"(c.scale_shifts[0]),
-            "+v"(c.scale_shifts[1]), "+v"(c.mask), "+v"(c.or), "+v"(c.words), "+v"(c.factors), "+v"(c.factor_shifts));
+            "+v"(c.scale_shifts[1]), "+v"(c.mask), "+v"(c.or), "+v"(c.words), "+v"(c.factors));
     return c;
 }
 
-/* the weights 8 s code of an IQ1_S (TYPE 0) or IQ1_M (1) block at x (`picked`: its bytes permuted): gather h's
- * (entries 16h..16h + 15) values 8e + i (w[2h]) and 8e + 4 + i (w[2h + 1]) at byte 4 (e - 16h) + i */
-AVX512 void iq1_weights(const uint8_t *x, __m512i picked, const int type, const Iq1Constants *c, __m512i w[4]) {
+/* the byte-shuffle tables of an IQ1_S (TYPE 0) or IQ1_M (1) block at x (`picked`: its bytes permuted) for
+ * gather h: 8 s code at code c of each lane (IQ1_S: one for both) */
+AVX512 void iq1_tables(const uint8_t *x, __m512i picked, const int type, const Iq1Constants *c, __m512i tables[2]) {
+    const __m512i scales = _mm512_set1_epi64((long long)u64_at(x + 48)); /* IQ1_M's scale words */
+    for (int h = 0; h < 2; h++)
+        tables[h] = type == 0 && h == 1 ? tables[0]
+                                        : _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(c->scale_shifts[h], type ? scales : picked),
+                                                                    c->mask, c->or, 0xEA);
+}
+
+/* its weights 8 s code: gather h's (entries 16h..16h + 15) values 8e + i (w[2h]) and 8e + 4 + i (w[2h + 1])
+ * at byte 4 (e - 16h) + i */
+AVX512 void iq1_weights(__m512i picked, const __m512i tables[2], const Iq1Constants *c, __m512i w[4]) {
     const __m512i fields = _mm512_multishift_epi64_epi8(c->index_shifts, picked);
     const __m512i words = _mm512_ternarylogic_epi32(fields, c->low_bits, c->copy, 0xEA);
     const __m512i index[2] = {_mm512_and_si512(words, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(words, 16)};
-    const __m512i scales = _mm512_set1_epi64((long long)u64_at(x + 48)); /* IQ1_M's scale words */
     for (int h = 0; h < 2; h++) {
         const __m512i nibbles = _mm512_i32gather_epi32(index[h], (const void *)iq1_nibbles, 4);
-        const __m512i table = _mm512_ternarylogic_epi32(
-            _mm512_multishift_epi64_epi8(c->scale_shifts[type ? h : 0], type ? scales : picked), c->mask, c->or, 0xEA);
-        w[2 * h] = _mm512_shuffle_epi8(table, nibbles);
-        w[2 * h + 1] = _mm512_shuffle_epi8(table, _mm512_srli_epi16(nibbles, 4));
+        w[2 * h] = _mm512_shuffle_epi8(tables[h], nibbles);
+        w[2 * h + 1] = _mm512_shuffle_epi8(tables[h], _mm512_srli_epi16(nibbles, 4));
     }
 }
 
-/* the deltas' terms of block i (its permuted bytes `picked`) into each row's lanes: IQ1_S's factors
- * s (8 - delta sign) of its 8 sub-blocks (words 8 (t % 4) + 2 + t / 4) by x's negated sums of 32 */
-AVX512 void iq1_s_deltas(__m512i picked, const Iq1Constants *c, const int8_t *const *xs, int64_t i, __m512i *sumi,
-                         const int n) {
-    const __m512i fields = _mm512_multishift_epi64_epi8(c->factor_shifts, picked);
-    const __m512i factors = _mm512_maskz_permutexvar_epi8(0x0050005000500050ULL, fields, c->factors);
-    for (int r = 0; r < n; r++)
-        sumi[r] = _mm512_dpwssd_epi32(sumi[r], factors, _mm512_load_si512(((const Iq1X *)(const void *)xs[r])[i].sums[0]));
+/* the deltas' terms of block i into each row's lanes, and x's d of each row: IQ1_S's factors s (8 - delta
+ * sign) of its 8 sub-blocks (words 8 (t % 4) + 4 + t / 4), from its table vector, by x's negated sums of 32 */
+AVX512 void iq1_s_deltas(__m512i table, const Iq1Constants *c, const int8_t *const *xs, int64_t i, __m512i *sumi,
+                         float *dy, const int n) {
+    const __m512i factors = _mm512_maskz_permutexvar_epi8(0x0500050005000500ULL, table, c->factors);
+    for (int r = 0; r < n; r++) {
+        const __m512i sums = _mm512_load_si512(((const Iq1X *)(const void *)xs[r])[i].sums[0]);
+        sumi[r] = _mm512_dpwssd_epi32(sumi[r], factors, sums);
+        dy[r] = _mm_cvtss_f32(_mm_castsi128_ps(_mm512_castsi512_si128(sums)));
+    }
 }
 
 /* ... IQ1_M's: each entry's s by x's sums of 8 times -7, or -9 where its delta is negative (bit 3 of its
  * nibble of qh), entries 0, 2, .., 30, then 1, 3, .., 31 */
-AVX512 void iq1_m_deltas(const uint8_t *x, const Iq1Constants *c, const int8_t *const *xs, int64_t i, __m512i *sumi,
-                         const int n) {
+AVX512 void iq1_m_deltas(const uint8_t *x, const Iq1Constants *c, const int8_t *const *xs, const BlockQ8K *const *y,
+                         int64_t i, __m512i *sumi, float *dy, const int n) {
     const __m512i fields = _mm512_multishift_epi64_epi8(c->words, _mm512_set1_epi64((long long)u64_at(x + 48)));
     const __m512i scales = _mm512_ternarylogic_epi32(fields, _mm512_set1_epi16(0x000E), _mm512_set1_epi16(1), 0xEA);
     const __m256i sign_bits = _mm256_set_m128i(_mm_set1_epi8((char)0x80), _mm_set1_epi8(0x08));
@@ -606,6 +612,7 @@ AVX512 void iq1_m_deltas(const uint8_t *x, const Iq1Constants *c, const int8_t *
         const Iq1X *X = (const Iq1X *)(const void *)xs[r] + i;
         const __m512i sums = _mm512_mask_blend_epi16(nine, _mm512_load_si512(X->sums[0]), _mm512_load_si512(X->sums[1]));
         sumi[r] = _mm512_dpwssd_epi32(sumi[r], scales, sums);
+        dy[r] = y[r][i].d;
     }
 }
 
@@ -619,11 +626,13 @@ AVX512 void iq1_dot(const uint8_t *row, int64_t blocks, const int type, const in
         const uint8_t *x = row + i * bytes;
         const __m512i raw = _mm512_maskz_loadu_epi8((1ULL << bytes) - 1, x);
         const __m512i picked = _mm512_permutexvar_epi8(c.pick, raw);
-        __m512i sumi[RUN_ROWS], w[4];
+        __m512i sumi[RUN_ROWS], tables[2], w[4];
+        float dy[RUN_ROWS];
         for (int r = 0; r < n; r++) sumi[r] = _mm512_setzero_si512();
-        if (type == 0) iq1_s_deltas(picked, &c, xs, i, sumi, n);
-        else iq1_m_deltas(x, &c, xs, i, sumi, n);
-        iq1_weights(x, picked, type, &c, w);
+        iq1_tables(x, picked, type, &c, tables);
+        if (type == 0) iq1_s_deltas(tables[0], &c, xs, i, sumi, dy, n);
+        else iq1_m_deltas(x, &c, xs, y, i, sumi, dy, n);
+        iq1_weights(picked, tables, &c, w);
         for (int r = 0; r < n; r++) { /* two chains of products, the deltas' and the first gather's */
             const Iq1X *X = (const Iq1X *)(const void *)xs[r] + i;
             const __m512i first = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_load_si512(X->low[0])),
@@ -634,7 +643,7 @@ AVX512 void iq1_dot(const uint8_t *row, int64_t blocks, const int type, const in
         /* d: IQ1_S's first 2 bytes, IQ1_M's the top nibbles of its 4 scale words */
         const float d = type == 0 ? _mm_cvtss_f32(_mm_cvtph_ps(_mm512_castsi512_si128(raw)))
                                   : _cvtsh_ss((unsigned short)_pext_u64(u64_at(x + 48), 0xF000F000F000F000ULL));
-        for (int r = 0; r < n; r++) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_set1_ps(d * y[r][i].d), acc[r]);
+        for (int r = 0; r < n; r++) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_set1_ps(d * dy[r]), acc[r]);
     }
     for (int r = 0; r < n; r++) out[r] = acc[r];
 }
