@@ -27,7 +27,8 @@ needs_llama = pytest.mark.skipif(
 TYPES = [T.IQ2_XXS, T.IQ1_S, T.IQ4_XS, T.IQ2_XS, T.IQ3_XXS, T.IQ3_S, T.IQ2_S, T.IQ1_M, T.IQ4_NL, T.TQ1_0,
          T.TQ2_0, T.MXFP4]  # fmt: skip
 SHAPES = [(5, 256, 1), (37, 512, 3), (19, 2048, 5)]  # 5 rows: four sharing decoded runs, one alone
-AVX512_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S]  # the types with AVX-512 kernels
+# the types with AVX-512 grid kernels
+AVX512_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M]
 # the types whose AVX-512 kernels give their AVX2 kernels' (llama.cpp's) bits
 AVX2_BITS_AVX512_TYPES = [T.IQ4_NL, T.MXFP4, T.IQ4_XS, T.TQ2_0, T.TQ1_0]
 

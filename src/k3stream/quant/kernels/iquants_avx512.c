@@ -1,8 +1,9 @@
 /* AVX-512 (VBMI, VNNI) integer kernels of the 1-3-bit grid i-quants on Q8_K activations, where the CPU
- * has them (HAVE_AVX512; K3STREAM_NO_AVX512=1 keeps ggml's AVX2 kernels of `iquants_cpu.c`).
+ * has them (HAVE_AVX512; K3STREAM_NO_AVX512=1 keeps ggml's AVX2 kernels of `iquants_cpu.c`). IQ1_S and
+ * IQ1_M gather their grid entries (below, "the grid gathered"); the others work in byte planes.
  *
- * Byte planes: two blocks (512 values) are 64 "entries" k of 8 values 8k..8k + 7 (an IQ2 or IQ1_S grid
- * entry; two IQ3 ones), and plane j (0..7) is value 8k + j of every k, 64 bytes. The grids' entries are
+ * Byte planes: two blocks (512 values) are 64 "entries" k of 8 values 8k..8k + 7 (an IQ2 grid entry;
+ * two IQ3 ones), and plane j (0..7) is value 8k + j of every k, 64 bytes. The grids' entries are
  * held as codes of their few levels (code tables, below); 64 grid indices look up 64 code bytes in
  * two-table byte permutes (128 entries each) blended on the index's high bits, and one byte permute a
  * plane turns codes into levels. The activations are put in plane order once per kernel call (x is
@@ -13,7 +14,8 @@
  * lane, two planes' lanes are added (below 2^15: levels of at most 63) and VPDPWSSD multiplies them by
  * their scales into the sub-block's 32-bit lane, the same integer.
  *
- * The float step (every input-row count, one or many, gives a row the same bits):
+ * The float step (every input-row count, one or many, gives a row the same bits; IQ1_S and IQ1_M
+ * take it a block at a time, their 16 lanes any exact split of the block's sum):
  * lane t (0..15) of a pair of blocks: sub-block t's scaled integer sum (exact in float32), times
  * d_w * d_y of its block (a float product), added by FMA into lane t of 16 float lanes, block pair after
  * pair; at the end the 16 lanes summed (hsum16) and multiplied by the type's factor. This is not ggml's
@@ -35,13 +37,13 @@
  * byte 4h + j at bits 2j), two of an IQ3 one (byte 2h + j at bits 3j); a 64-byte level table (VPERMB:
  * the index's low 6 bits) gives the level of one code position. Filled by iq_avx512_set_grids. */
 static uint8_t iq2xxs_codes[2][256] __attribute__((aligned(64))), iq2xs_codes[2][512] __attribute__((aligned(64)));
-static uint8_t iq2s_codes[2][1024] __attribute__((aligned(64))), iq1s_codes[2][2048] __attribute__((aligned(64)));
+static uint8_t iq2s_codes[2][1024] __attribute__((aligned(64)));
 static uint8_t iq3xxs_codes[2][256] __attribute__((aligned(64))), iq3s_codes[2][512] __attribute__((aligned(64)));
 static uint8_t iq2xxs_levels[3][64] __attribute__((aligned(64))), iq2xs_levels[3][64] __attribute__((aligned(64)));
-static uint8_t iq2s_levels[3][64] __attribute__((aligned(64))), iq1s_levels[3][64] __attribute__((aligned(64)));
+static uint8_t iq2s_levels[3][64] __attribute__((aligned(64)));
 static uint8_t iq3xxs_levels[2][64] __attribute__((aligned(64))), iq3s_levels[2][64] __attribute__((aligned(64)));
 /* at most 3 (IQ2; IQ1_S's values + 1), 8 (IQ3) distinct values */
-static int iq2xxs_fit, iq2xs_fit, iq2s_fit, iq3xxs_fit, iq3s_fit, iq1s_fit;
+static int iq2xxs_fit, iq2xs_fit, iq2s_fit, iq3xxs_fit, iq3s_fit;
 static uint8_t ksigns_table[128] __attribute__((aligned(64)));
 static uint8_t entry_order[64] __attribute__((aligned(64))); /* entry k: byte 8q + l of sub-block vectors */
 static uint8_t even_bytes[2][64] __attribute__((aligned(64))); /* bytes 2k (+ 1) of two vectors */
@@ -97,6 +99,7 @@ static int small_levels(const uint8_t (*levels)[64]) {
     for (int i = 0; i < 64; i++) most = levels[0][i] > most ? levels[0][i] : most;
     return most <= 63;
 }
+static void iq1_set_grid(const int8_t *grid);
 
 void iq_avx512_set_grids(const IqGrids *grids) {
     iq2xxs_fit = grid_codes(grids->iq2xxs, 256, 8, &iq2xxs_codes[0][0], iq2xxs_levels);
@@ -104,10 +107,7 @@ void iq_avx512_set_grids(const IqGrids *grids) {
     iq2s_fit = grid_codes(grids->iq2s, 1024, 8, &iq2s_codes[0][0], iq2s_levels) && small_levels(iq2s_levels);
     iq3xxs_fit = grid_codes(grids->iq3xxs, 256, 4, &iq3xxs_codes[0][0], iq3xxs_levels);
     iq3s_fit = grid_codes(grids->iq3s, 512, 4, &iq3s_codes[0][0], iq3s_levels);
-    uint8_t *plus_one = malloc(2048 * 8); /* IQ1_S's -1, 0, 1 as the unsigned 0, 1, 2 */
-    for (int i = 0; plus_one != NULL && i < 2048 * 8; i++) plus_one[i] = (uint8_t)(grids->iq1s[i] + 1);
-    iq1s_fit = plus_one != NULL && grid_codes(plus_one, 2048, 8, &iq1s_codes[0][0], iq1s_levels);
-    free(plus_one);
+    iq1_set_grid(grids->iq1s);
     memcpy(ksigns_table, grids->ksigns, 128);
     for (int k = 0; k < 64; k++) {
         entry_order[k] = (uint8_t)((k >= 32 ? 64 : 0) + 8 * ((k % 32) / 4) + k % 4);
@@ -130,7 +130,6 @@ void iq_avx512_set_grids(const IqGrids *grids) {
  * the 16 sub-blocks' scales as int32 lanes (IQ2_XS, IQ2_S: 16-bit ones); the d are read by pair_d */
 typedef struct {
     __m512i codes[4], signs, scales;
-    __m512i scales_high; /* IQ1_S: each sub-block's delta sign less 8 */
 } Pair;
 
 /* the bytes 8q + l (l = 0..3) of two 8-sub-block vectors a (entries 0..31) and b (32..63), entry order */
@@ -185,7 +184,6 @@ AVX512 Pair iq2_xxs_pair(const uint8_t *x, int two) {
     const __m512i index = entry_bytes(a, b);
     return (Pair){{lookup256(iq2xxs_codes[0], index), lookup256(iq2xxs_codes[1], index)},
                   ksigns(sevens),
-                  odd_scales(ls),
                   odd_scales(ls)};
 }
 
@@ -204,39 +202,6 @@ AVX512 __m512i iq2_s_plane(const Pair *pair, int j) { return iq2_plane(pair, j, 
 AVX512 __m512i lookup1024(const uint8_t *table, __m512i low, __mmask64 bit8, __mmask64 bit9) {
     return _mm512_mask_blend_epi8(bit9, lookup512(table, low, bit8), lookup512(table + 512, low, bit8));
 }
-
-/* ... of a 2048-entry table at the 11-bit indices of low 8 bits `low` and bits 8, 9, 10 `high` */
-AVX512 __m512i lookup2048(const uint8_t *table, __m512i low, const __mmask64 *high) {
-    __m512i quarter[4];
-    for (int q = 0; q < 4; q++) quarter[q] = lookup512(table + 512 * q, low, high[0]);
-    return _mm512_mask_blend_epi8(high[2], _mm512_mask_blend_epi8(high[1], quarter[0], quarter[1]),
-                                  _mm512_mask_blend_epi8(high[1], quarter[2], quarter[3]));
-}
-
-/* IQ1_S: 32 low index bytes, a 16-bit word a sub-block: its entries' index bits 8-10 (3 each, at 3l),
- * its scale (bits 12-14) and delta sign (bit 15); the grid's values plus one (0, 1, 2) in the codes, the
- * activations' sums taking the one back */
-AVX512 Pair iq1_s_pair(const uint8_t *x, int two) {
-    const __m512i low = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 2))),
-                                           _mm256_maskz_loadu_epi8(two ? ~0U : 0, x + 52), 1);
-    const uint64_t words[4] = {u64_at(x + 34), u64_at(x + 42), two ? u64_at(x + 84) : 0, two ? u64_at(x + 92) : 0};
-    __mmask64 high[3];
-    for (int b = 0; b < 3; b++) {
-        const uint64_t fields = 0x0249024902490249ULL << b; /* bit b of each 3-bit field */
-        high[b] = _pext_u64(words[0], fields) | _pext_u64(words[1], fields) << 16 | _pext_u64(words[2], fields) << 32 |
-                  _pext_u64(words[3], fields) << 48;
-    }
-    const __m256i packed = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(x + 34))),
-                                                   _mm_maskz_loadu_epi8(two ? 0xFFFF : 0, x + 84), 1);
-    const __m512i qh = _mm512_cvtepu16_epi32(packed);
-    const __m512i negative = _mm512_srli_epi32(qh, 15);
-    return (Pair){{lookup2048(iq1s_codes[0], low, high), lookup2048(iq1s_codes[1], low, high)},
-                  _mm512_setzero_si512(),
-                  odd_scales(_mm512_and_si512(_mm512_srli_epi32(qh, 12), _mm512_set1_epi32(7))),
-                  _mm512_sub_epi32(_mm512_set1_epi32(-7), _mm512_slli_epi32(negative, 1))};
-}
-
-AVX512 __m512i iq1_s_plane(const Pair *pair, int j) { return iq2_plane(pair, j, iq1s_levels); }
 
 /* IQ2_XS and IQ2_S scales: a byte a sub-block, the low nibble for its first 16 values, the high one for
  * the rest; `first` the first block's 8 bytes, `second` the second's: as 16-bit lanes, lane w the odd
@@ -257,7 +222,6 @@ AVX512 Pair iq2_xs_pair(const uint8_t *x, int two) {
     const __mmask64 bit8 = _mm512_test_epi8_mask(high, _mm512_set1_epi8(1));
     Pair pair = {{lookup512(iq2xs_codes[0], low, bit8), lookup512(iq2xs_codes[1], low, bit8)},
                  ksigns(_mm512_srli_epi16(high, 1)), /* bits 1..7 of each byte (ksigns reads 7 bits) */
-                 _mm512_setzero_si512(),
                  _mm512_setzero_si512()};
     pair.scales = half_scales(u64_at(x + 66), two ? u64_at(x + 140) : 0);
     return pair;
@@ -274,7 +238,6 @@ AVX512 Pair iq2_s_pair(const uint8_t *x, int two) {
     const __mmask64 bit9 = _pext_u64(high0, evens << 1) | _pext_u64(high1, evens << 1) << 32;
     Pair pair = {{lookup1024(iq2s_codes[0], low, bit8, bit9), lookup1024(iq2s_codes[1], low, bit8, bit9)},
                  signs,
-                 _mm512_setzero_si512(),
                  _mm512_setzero_si512()};
     pair.scales = half_scales(u64_at(x + 74), two ? u64_at(x + 156) : 0);
     return pair;
@@ -293,7 +256,6 @@ AVX512 Pair iq3_xxs_pair(const uint8_t *x, int two) {
     return (Pair){{lookup256(iq3xxs_codes[0], even), lookup256(iq3xxs_codes[1], even), lookup256(iq3xxs_codes[0], odd),
                    lookup256(iq3xxs_codes[1], odd)},
                   ksigns(_mm512_multishift_epi64_epi8(fields, words)),
-                  odd_scales(_mm512_srli_epi32(words, 28)),
                   odd_scales(_mm512_srli_epi32(words, 28))};
 }
 
@@ -323,7 +285,6 @@ AVX512 Pair iq3_s_pair(const uint8_t *x, int two) {
     return (Pair){{lookup512(iq3s_codes[0], even, high_even), lookup512(iq3s_codes[1], even, high_even),
                    lookup512(iq3s_codes[0], odd, high_odd), lookup512(iq3s_codes[1], odd, high_odd)},
                   signs,
-                  odd_scales(ls),
                   odd_scales(ls)};
 }
 
@@ -358,25 +319,14 @@ AVX512 void x_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
     }
 }
 
-/* how a type's lanes are summed: one scale a sub-block; one a half (HALVES); IQ1_S's deltas, no signs */
+/* how a type's lanes are summed: one scale a sub-block; one a half (HALVES) */
 #define WHOLE 0
 #define HALVES 1
-#define DELTAS 2
-/* x's sub-block sums (DELTAS) of the pair of blocks y[0], y[1] (`two`) in lanes */
-AVX512 __m512i sub_block_sums(const BlockQ8K *y, int two) {
-    const __m256i second = two ? _mm256_loadu_si256((const __m256i *)y[1].bsums) : _mm256_setzero_si256();
-    const __m512i sums16 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y[0].bsums)), second, 1);
-    return _mm512_madd_epi16(sums16, _mm512_set1_epi16(1));
-}
 
-/* DELTAS: 8 (sum of (value + 1) x) + (delta - 8) (sum of x) = 8 (sum of value x) + delta (sum of x), times
- * the scale (the type's factor 0.125 restores it); HALVES: scaled in the planes' loop (`second`) */
-AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, const BlockQ8K *y, int two, const int kind) {
+/* HALVES: scaled in the planes' loop (`second`) */
+AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, const int kind) {
     if (kind == HALVES) return second;
-    const __m512i sum = _mm512_add_epi32(first, second);
-    if (kind == WHOLE) return _mm512_mullo_epi32(sum, pair->scales);
-    const __m512i total = _mm512_add_epi32(_mm512_slli_epi32(sum, 3), _mm512_mullo_epi32(pair->scales_high, sub_block_sums(y, two)));
-    return _mm512_mullo_epi32(total, pair->scales);
+    return _mm512_mullo_epi32(_mm512_add_epi32(first, second), pair->scales);
 }
 
 /* the d of blocks x and (where there is one) second, their F16s converted together: lanes 0, 1 */
@@ -399,7 +349,7 @@ AVX512 __m128 pair_d(const uint8_t *x, const uint8_t *second) {
             for (int r = 0; r < n; r++) {                                                                \
                 const __m512i codes = _mm512_load_si512(xs[r] + 512 * g + 64 * j);                       \
                 const __m512i signed_codes =                                                             \
-                    (KIND) == DELTAS ? codes : _mm512_mask_sub_epi8(codes, negative, _mm512_setzero_si512(), codes); \
+                    _mm512_mask_sub_epi8(codes, negative, _mm512_setzero_si512(), codes); \
                 if ((KIND) == HALVES) { /* 16-bit lane w: values 16w.. (two entries) of two planes */  \
                     const __m512i sums = _mm512_maddubs_epi16(w, signed_codes);                          \
                     sumi[j & 1][r] = j & 1 ? _mm512_dpwssd_epi32(sumi[1][r], _mm512_add_epi16(sumi[0][r], sums), pair.scales) \
@@ -410,7 +360,7 @@ AVX512 __m128 pair_d(const uint8_t *x, const uint8_t *second) {
         }                                                                                                \
         const __m128 dw = pair_d(row + 2 * g * (BYTES), two ? row + (2 * g + 1) * (BYTES) : NULL);        \
         for (int r = 0; r < n; r++) {                                                                    \
-            const __m512i scaled = scaled_lanes(&pair, sumi[0][r], sumi[1][r], y[r] + 2 * g, two, KIND); \
+            const __m512i scaled = scaled_lanes(&pair, sumi[0][r], sumi[1][r], KIND); \
             const __m128 dy = _mm_setr_ps(y[r][2 * g].d, two ? y[r][2 * g + 1].d : 0.0f, 0.0f, 0.0f);      \
             const __m512 d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), \
                                                    _mm512_castps128_ps512(_mm_mul_ps(dw, dy)));           \
@@ -428,15 +378,17 @@ PAIR_DOT(iq2_xs, 74, HALVES)
 PAIR_DOT(iq2_s, 82, HALVES)
 PAIR_DOT(iq3_xxs, 98, WHOLE)
 PAIR_DOT(iq3_s, 110, WHOLE)
-PAIR_DOT(iq1_s, 50, DELTAS)
 
-/* A row kernel: the input rows of matrix b RUN_ROWS at a time, each batch's activations put in planes
- * once, then every weight row first..last - 1 against them */
-#define PLANES_ROWS(ID, NAME, FACTOR)                                                                        \
+AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2); }
+
+/* A row kernel: the input rows of matrix b RUN_ROWS at a time, each batch's activations put in the
+ * kernel's order once (PREPARE: X_BYTES(blocks) bytes a row), then every weight row first..last - 1
+ * against them */
+#define PREPARED_ROWS(ID, NAME, FACTOR, PREPARE, X_BYTES)                                                    \
     AVX512_TARGET static void NAME##_rows_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) { \
-        const int64_t blocks = pr->in_features / 256, pair_bytes = 512 * ((blocks + 1) / 2);             \
+        const int64_t blocks = pr->in_features / 256, pair_bytes = X_BYTES(blocks);                      \
         int8_t *buffer = aligned_alloc(64, (size_t)(RUN_ROWS * pair_bytes));                             \
-        if (buffer == NULL) { /* no memory for the planes: ggml's AVX2 kernel (a few ulp apart) */       \
+        if (buffer == NULL) { /* no memory for the activations: ggml's AVX2 kernel (a few ulp apart) */  \
             iq_q8_kernel_avx2(ID)(pr, b, first, last);                                                   \
             return;                                                                                      \
         }                                                                                                \
@@ -446,7 +398,7 @@ PAIR_DOT(iq1_s, 50, DELTAS)
             const BlockQ8K *y[RUN_ROWS];                                                                 \
             for (int r = 0; r < n; r++) {                                                                \
                 y[r] = pr->q8 + pr->rows[p + r] * blocks;                                                \
-                x_planes(y[r], blocks, buffer + r * pair_bytes);                                         \
+                PREPARE(y[r], blocks, buffer + r * pair_bytes);                                          \
                 xs[r] = buffer + r * pair_bytes;                                                         \
             }                                                                                            \
             for (int64_t m = first; m < last; m++) {                                                     \
@@ -463,13 +415,257 @@ PAIR_DOT(iq1_s, 50, DELTAS)
         }                                                                                                \
         free(buffer);                                                                                    \
     }
+#define PLANES_ROWS(ID, NAME, FACTOR) PREPARED_ROWS(ID, NAME, FACTOR, x_planes, plane_bytes)
 
 PLANES_ROWS(16, iq2_xxs, 0.125f)
 PLANES_ROWS(17, iq2_xs, 0.125f)
 PLANES_ROWS(22, iq2_s, 0.125f)
-PLANES_ROWS(19, iq1_s, 0.125f)
 PLANES_ROWS(18, iq3_xxs, 0.25f)
 PLANES_ROWS(21, iq3_s, 1.0f)
+
+/* IQ1_S and IQ1_M: the grid gathered. Each grid entry (8 values -1, 0, 1) is a dword of 4-bit codes, value
+ * + 1 (0, 1, 2): byte i holds value i in its low nibble, value i + 4 in its high one; a 2048-entry copy
+ * follows with 4 added to each code (IQ1_S: a block's entries 16..31 take it; IQ1_M: the second 16 values
+ * of each sub-block). One VPGATHERDD fetches 16 entries (128 values, half a block) from that 16 KiB in
+ * L1, two a block; a byte shuffle of the low nibbles and one of the high ones look up each code's weight
+ * 8 s code, at most 240 (s the odd scale of its sub-block (IQ1_S) or 16 values (IQ1_M); a table a 128-bit
+ * lane of 4 entries, codes 0-2 and 4-6 of two scales), and VPDPBUSD multiplies them with the activations,
+ * put in the same order once per call (`iq1_x`). The delta (+-1/8 of s) and the codes' offset of 1 leave
+ * s (8 - delta sign) times x's negated sums of 32 (IQ1_S) or 8 (IQ1_M) values, by VPDPWSSD: a block's 16
+ * int32 lanes hold 8 times its exact sum; d_w * d_y times them added by FMA into 16 float lanes, block
+ * after block; at the end hsum16 times 0.125. Loads bound it (a gather's 16 and the activations' 4 a
+ * block: about two loads a cycle on Intel Xeon), then the shuffle port. */
+static uint32_t iq1_nibbles[2 * 2048] __attribute__((aligned(64)));
+static int iq1_fit;
+/* Both gathers' indices of a block at once, per type (0: IQ1_S, 1: IQ1_M): a byte permute of the block
+ * puts in qword q the low index bytes of entries 2q, 16 + 2q, 2q + 1, 17 + 2q and the bytes of their
+ * high 3 bits (IQ1_S: the qh words of sub-blocks q / 2, 4 + q / 2; IQ1_M: qh bytes q, 8 + q); a
+ * multishift takes each entry's 8 + 3 bits to a 16-bit word, so int32 lane k holds entry k's index (low
+ * word, the first gather) and entry 16 + k's (high word, the second); bit 11 of a word picks the grid's
+ * copy (IQ1_S: entries 16..31; IQ1_M: the second half of a sub-block, entries 4t + 2, 4t + 3). */
+static uint8_t iq1_pick[2][64] __attribute__((aligned(64))), iq1_index_shifts[2][64] __attribute__((aligned(64)));
+static uint16_t iq1_copy[2][32] __attribute__((aligned(64)));
+/* the bit offsets of the scale fields a byte shuffle's table takes (code 1: 16 k + 8, k's 3 bits to bits
+ * 4-6; code 2: 32 k + 16, to bits 5-7; codes 5, 6 the same of the copy's): IQ1_S's one table of a block,
+ * lane l: sub-blocks l, 4 + l, from the permuted qword 2l; IQ1_M's table of gather h, lane l: the halves
+ * (16 values) 8h + 2l, 8h + 2l + 1, from the 4 scale words */
+static uint8_t iq1s_scale_shifts[64] __attribute__((aligned(64))), iq1m_scale_shifts[2][64] __attribute__((aligned(64)));
+static uint8_t iq1_scale_mask[64] __attribute__((aligned(64))), iq1_scale_or[64] __attribute__((aligned(64)));
+/* IQ1_S: s (8 - delta sign) by the 4 bits k | sign << 3 (bits 4, 5 ignored; its table vector holds those
+ * of sub-blocks l, 4 + l at bytes 8, 10 of lane l, beside the codes' bytes); IQ1_M: the bit offsets of
+ * half-sub-block j % 16's scale field, less 1, at word j */
+static uint8_t iq1s_delta_factor[64] __attribute__((aligned(64)));
+static uint8_t iq1m_scale_words[64] __attribute__((aligned(64)));
+
+/* the high index bits' offset of entry e in its permuted qword */
+static int iq1_high_at(int type, int e) {
+    return type == 0 ? (e < 16 ? 32 : 48) + 3 * (e % 4) : (e < 16 ? 32 : 40) + 4 * (e % 2);
+}
+
+static void iq1_set_grid(const int8_t *grid) {
+    iq1_fit = 1;
+    for (int e = 0; e < 2048; e++) {
+        uint32_t word = 0;
+        for (int j = 0; j < 8; j++) {
+            const int code = grid[8 * e + j] + 1;
+            iq1_fit &= code >= 0 && code <= 2;
+            word |= (uint32_t)(code & 3) << (8 * (j % 4) + 4 * (j / 4));
+        }
+        iq1_nibbles[e] = word;
+        iq1_nibbles[2048 + e] = word | 0x44444444u;
+    }
+    for (int q = 0; q < 8; q++) {
+        const int d = 2 * q, entries[4] = {d, 16 + d, d + 1, 17 + d};
+        const uint8_t picks[2][8] = {{(uint8_t)(2 + d), (uint8_t)(18 + d), (uint8_t)(3 + d), (uint8_t)(19 + d), (uint8_t)(34 + 2 * (q / 2)),
+                                      (uint8_t)(35 + 2 * (q / 2)), (uint8_t)(42 + 2 * (q / 2)), (uint8_t)(43 + 2 * (q / 2))},
+                                     {(uint8_t)d, (uint8_t)(16 + d), (uint8_t)(d + 1), (uint8_t)(17 + d), (uint8_t)(32 + q),
+                                      (uint8_t)(40 + q), 0, 0}};
+        for (int type = 0; type < 2; type++) {
+            memcpy(&iq1_pick[type][8 * q], picks[type], 8);
+            for (int w = 0; w < 4; w++) {
+                iq1_index_shifts[type][8 * q + 2 * w] = (uint8_t)(8 * w);
+                iq1_index_shifts[type][8 * q + 2 * w + 1] = (uint8_t)iq1_high_at(type, entries[w]);
+                iq1_copy[type][4 * q + w] = (type == 0 ? entries[w] >= 16 : entries[w] % 4 >= 2) ? 0x800 : 0;
+            }
+        }
+    }
+    for (int i = 0; i < 64; i++) {
+        const int lane = i / 16, c = i % 16, down = c % 4 == 1 ? 4 : 5;
+        iq1s_scale_shifts[i] = (uint8_t)(c == 8 ? 44 : c == 10 ? 60 : ((c / 4 % 2 ? 60 : 44) - down) & 63);
+        for (int h = 0; h < 2; h++) {
+            const int half = 8 * h + 2 * lane + c / 4 % 2;
+            iq1m_scale_shifts[h][i] = (uint8_t)((16 * (half / 4) + 3 * (half % 4) - down) & 63);
+        }
+        iq1_scale_mask[i] = c == 8 || c == 10 ? 0xFF : c % 4 == 1 ? 0x70 : c % 4 == 2 ? 0xE0 : 0;
+        iq1_scale_or[i] = c % 4 == 1 ? 8 : c % 4 == 2 ? 16 : 0;
+        const int half = (i / 2) % 16;
+        iq1m_scale_words[i] = (uint8_t)((16 * (half / 4) + 3 * (half % 4) - 1) & 63);
+    }
+    for (int i = 0; i < 64; i++) iq1s_delta_factor[i] = (uint8_t)((2 * (i & 7) + 1) * (7 + 2 * ((i >> 3) & 1)));
+}
+
+/* a Q8_K block's codes in the gathers' order, and its sums the deltas take */
+typedef struct {
+    int8_t low[2][64], high[2][64]; /* gather h: values 8e + i (low), 8e + 4 + i (high) at byte 4 (e - 16h) + i */
+    int16_t sums[2][32]; /* IQ1_S: -(sum of sub-block t) at sums[0][j], j = 8 (t % 4) + 4 + t / 4 (its
+                            table vector's order), d at words 0, 1; IQ1_M: -7, -9 times the sum of entry
+                            e = 2j (j < 16), 2 (j - 16) + 1 at sums[0][j], sums[1][j] */
+} __attribute__((aligned(64))) Iq1X;
+
+AVX512 int64_t iq1_x_bytes(int64_t blocks) { return blocks * (int64_t)sizeof(Iq1X); }
+
+AVX512 void iq1_codes(const BlockQ8K *y, Iq1X *out) {
+    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+    for (int h = 0; h < 2; h++) {
+        const __m512i a = _mm512_loadu_si512(y->qs + 128 * h), b = _mm512_loadu_si512(y->qs + 128 * h + 64);
+        _mm512_store_si512(out->low[h], _mm512_permutex2var_epi32(a, evens, b));
+        _mm512_store_si512(out->high[h], _mm512_permutex2var_epi32(a, odds, b));
+    }
+}
+
+AVX512 void iq1_s_x(const BlockQ8K *y, int64_t blocks, int8_t *buffer) {
+    Iq1X *out = (Iq1X *)(void *)buffer;
+    for (int64_t i = 0; i < blocks; i++) {
+        iq1_codes(y + i, out + i);
+        memset(out[i].sums, 0, sizeof out[i].sums);
+        for (int t = 0; t < 8; t++)
+            out[i].sums[0][8 * (t % 4) + 4 + t / 4] = (int16_t)(-(y[i].bsums[2 * t] + y[i].bsums[2 * t + 1]));
+        memcpy(out[i].sums[0], &y[i].d, sizeof y[i].d);
+    }
+}
+
+AVX512 void iq1_m_x(const BlockQ8K *y, int64_t blocks, int8_t *buffer) {
+    Iq1X *out = (Iq1X *)(void *)buffer;
+    for (int64_t i = 0; i < blocks; i++) {
+        iq1_codes(y + i, out + i);
+        for (int j = 0; j < 32; j++) {
+            const int e = j < 16 ? 2 * j : 2 * (j - 16) + 1;
+            int sum = 0;
+            for (int v = 0; v < 8; v++) sum += y[i].qs[8 * e + v];
+            out[i].sums[0][j] = (int16_t)(-7 * sum);
+            out[i].sums[1][j] = (int16_t)(-9 * sum);
+        }
+    }
+}
+
+/* a type's constants for a row: loaded once into registers (an empty asm hides where they came from, or
+ * gcc takes each from memory again every block, and loads bound this kernel beside the gathers' 32) */
+typedef struct {
+    __m512i pick, index_shifts, copy, low_bits, scale_shifts[2], mask, or, words;
+    __m512i factors;
+} Iq1Constants;
+
+AVX512 Iq1Constants iq1_constants(const int type) {
+    Iq1Constants c = {_mm512_load_si512(iq1_pick[type]),
+                      _mm512_load_si512(iq1_index_shifts[type]),
+                      _mm512_load_si512(iq1_copy[type]),
+                      _mm512_set1_epi16(0x7FF),
+                      {_mm512_load_si512(type ? iq1m_scale_shifts[0] : iq1s_scale_shifts), _mm512_load_si512(iq1m_scale_shifts[1])},
+                      _mm512_load_si512(iq1_scale_mask),
+                      _mm512_load_si512(iq1_scale_or),
+                      _mm512_load_si512(iq1m_scale_words),
+                      _mm512_load_si512(iq1s_delta_factor)};
+    __asm__("" : "+v"(c.pick), "+v"(c.index_shifts), "+v"(c.copy), "+v"(c.low_bits), "+v"(c.scale_shifts[0]),
+            "+v"(c.scale_shifts[1]), "+v"(c.mask), "+v"(c.or), "+v"(c.words), "+v"(c.factors));
+    return c;
+}
+
+/* the byte-shuffle tables of an IQ1_S (TYPE 0) or IQ1_M (1) block at x (`picked`: its bytes permuted) for
+ * gather h: 8 s code at code c of each lane (IQ1_S: one for both) */
+AVX512 void iq1_tables(const uint8_t *x, __m512i picked, const int type, const Iq1Constants *c, __m512i tables[2]) {
+    const __m512i scales = _mm512_set1_epi64((long long)u64_at(x + 48)); /* IQ1_M's scale words */
+    for (int h = 0; h < 2; h++)
+        tables[h] = type == 0 && h == 1 ? tables[0]
+                                        : _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(c->scale_shifts[h], type ? scales : picked),
+                                                                    c->mask, c->or, 0xEA);
+}
+
+/* its weights 8 s code: gather h's (entries 16h..16h + 15) values 8e + i (w[2h]) and 8e + 4 + i (w[2h + 1])
+ * at byte 4 (e - 16h) + i */
+AVX512 void iq1_weights(__m512i picked, const __m512i tables[2], const Iq1Constants *c, __m512i w[4]) {
+    const __m512i fields = _mm512_multishift_epi64_epi8(c->index_shifts, picked);
+    const __m512i words = _mm512_ternarylogic_epi32(fields, c->low_bits, c->copy, 0xEA);
+    const __m512i index[2] = {_mm512_and_si512(words, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(words, 16)};
+    for (int h = 0; h < 2; h++) {
+        const __m512i nibbles = _mm512_i32gather_epi32(index[h], (const void *)iq1_nibbles, 4);
+        w[2 * h] = _mm512_shuffle_epi8(tables[h], nibbles);
+        w[2 * h + 1] = _mm512_shuffle_epi8(tables[h], _mm512_srli_epi16(nibbles, 4));
+    }
+}
+
+/* the deltas' terms of block i into each row's lanes, and x's d of each row: IQ1_S's factors s (8 - delta
+ * sign) of its 8 sub-blocks (words 8 (t % 4) + 4 + t / 4), from its table vector, by x's negated sums of 32 */
+AVX512 void iq1_s_deltas(__m512i table, const Iq1Constants *c, const int8_t *const *xs, int64_t i, __m512i *sumi,
+                         float *dy, const int n) {
+    const __m512i factors = _mm512_maskz_permutexvar_epi8(0x0500050005000500ULL, table, c->factors);
+    for (int r = 0; r < n; r++) {
+        const __m512i sums = _mm512_load_si512(((const Iq1X *)(const void *)xs[r])[i].sums[0]);
+        sumi[r] = _mm512_dpwssd_epi32(sumi[r], factors, sums);
+        dy[r] = _mm_cvtss_f32(_mm_castsi128_ps(_mm512_castsi512_si128(sums)));
+    }
+}
+
+/* ... IQ1_M's: each entry's s by x's sums of 8 times -7, or -9 where its delta is negative (bit 3 of its
+ * nibble of qh), entries 0, 2, .., 30, then 1, 3, .., 31 */
+AVX512 void iq1_m_deltas(const uint8_t *x, const Iq1Constants *c, const int8_t *const *xs, const BlockQ8K *const *y,
+                         int64_t i, __m512i *sumi, float *dy, const int n) {
+    const __m512i fields = _mm512_multishift_epi64_epi8(c->words, _mm512_set1_epi64((long long)u64_at(x + 48)));
+    const __m512i scales = _mm512_ternarylogic_epi32(fields, _mm512_set1_epi16(0x000E), _mm512_set1_epi16(1), 0xEA);
+    const __m256i sign_bits = _mm256_set_m128i(_mm_set1_epi8((char)0x80), _mm_set1_epi8(0x08));
+    const __mmask32 nine = _mm256_test_epi8_mask(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x + 32))), sign_bits);
+    for (int r = 0; r < n; r++) {
+        const Iq1X *X = (const Iq1X *)(const void *)xs[r] + i;
+        const __m512i sums = _mm512_mask_blend_epi16(nine, _mm512_load_si512(X->sums[0]), _mm512_load_si512(X->sums[1]));
+        sumi[r] = _mm512_dpwssd_epi32(sumi[r], scales, sums);
+        dy[r] = y[r][i].d;
+    }
+}
+
+/* every block of an IQ1_S (TYPE 0) or IQ1_M (1) weight row against n input rows into their float lanes */
+AVX512 void iq1_dot(const uint8_t *row, int64_t blocks, const int type, const int bytes, const int8_t *const *xs,
+                    const BlockQ8K *const *y, __m512 *out, const int n) {
+    const Iq1Constants c = iq1_constants(type);
+    __m512 acc[RUN_ROWS]; /* in registers: no store in the loop */
+    for (int r = 0; r < n; r++) acc[r] = out[r];
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *x = row + i * bytes;
+        const __m512i raw = _mm512_maskz_loadu_epi8((1ULL << bytes) - 1, x);
+        const __m512i picked = _mm512_permutexvar_epi8(c.pick, raw);
+        __m512i sumi[RUN_ROWS], tables[2], w[4];
+        float dy[RUN_ROWS];
+        for (int r = 0; r < n; r++) sumi[r] = _mm512_setzero_si512();
+        iq1_tables(x, picked, type, &c, tables);
+        if (type == 0) iq1_s_deltas(tables[0], &c, xs, i, sumi, dy, n);
+        else iq1_m_deltas(x, &c, xs, y, i, sumi, dy, n);
+        iq1_weights(picked, tables, &c, w);
+        for (int r = 0; r < n; r++) { /* two chains of products, the deltas' and the first gather's */
+            const Iq1X *X = (const Iq1X *)(const void *)xs[r] + i;
+            const __m512i first = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_load_si512(X->low[0])),
+                                                      w[1], _mm512_load_si512(X->high[0]));
+            sumi[r] = _mm512_dpbusd_epi32(sumi[r], w[2], _mm512_load_si512(X->low[1]));
+            sumi[r] = _mm512_add_epi32(_mm512_dpbusd_epi32(sumi[r], w[3], _mm512_load_si512(X->high[1])), first);
+        }
+        /* d: IQ1_S's first 2 bytes, IQ1_M's the top nibbles of its 4 scale words */
+        const float d = type == 0 ? _mm_cvtss_f32(_mm_cvtph_ps(_mm512_castsi512_si128(raw)))
+                                  : _cvtsh_ss((unsigned short)_pext_u64(u64_at(x + 48), 0xF000F000F000F000ULL));
+        for (int r = 0; r < n; r++) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_set1_ps(d * dy[r]), acc[r]);
+    }
+    for (int r = 0; r < n; r++) out[r] = acc[r];
+}
+
+AVX512 void iq1_s_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, __m512 *acc,
+                        const int n) {
+    iq1_dot(row, blocks, 0, 50, xs, y, acc, n);
+}
+
+AVX512 void iq1_m_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, __m512 *acc,
+                        const int n) {
+    iq1_dot(row, blocks, 1, 56, xs, y, acc, n);
+}
+
+PREPARED_ROWS(19, iq1_s, 0.125f, iq1_s_x, iq1_x_bytes)
+PREPARED_ROWS(29, iq1_m, 0.125f, iq1_m_x, iq1_x_bytes)
 
 RowKernel iq_avx512_kernel(int ggml_type) {
     if (!HAVE_AVX512()) return NULL;
@@ -479,7 +675,8 @@ RowKernel iq_avx512_kernel(int ggml_type) {
         case 22: return iq2s_fit ? iq2_s_rows_avx512 : NULL;
         case 18: return iq3xxs_fit ? iq3_xxs_rows_avx512 : NULL;
         case 21: return iq3s_fit ? iq3_s_rows_avx512 : NULL;
-        case 19: return iq1s_fit ? iq1_s_rows_avx512 : NULL;
+        case 19: return iq1_fit ? iq1_s_rows_avx512 : NULL;
+        case 29: return iq1_fit ? iq1_m_rows_avx512 : NULL;
         default: return NULL;
     }
 }
