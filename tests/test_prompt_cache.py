@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from pathlib import Path
@@ -477,3 +478,30 @@ def test_ram_eviction_weighs_what_a_snapshot_frees_not_the_rows_it_shares(model,
     left = {entry.tokens for entry in cache._tree.entries() if entry.snapshot is not None}
     assert left == {tuple(prompt), tuple(prompt + answer[:-1])} and cache.ram_bytes <= cache.ram_budget
     cache.close()
+
+
+def test_a_chunk_that_ends_at_a_snapshot_position_is_snapshotted_there(model, fingerprint):
+    """Chunks cut where `--cache-every` falls (every 512 tokens against every 1024, say) keep those
+    snapshots: a prefill's marks are inside a pass, a chunk's end is not."""
+    cache = PromptCache(model, fingerprint, ram_bytes=64 * MIB, every=40)
+    tokens = ids(model, 130, seed=5)
+    prefill = ChunkedPrefill(model, tokens, cache)
+    while not prefill.step(PrefillChunks(40)):
+        pass
+    branch = tokens[:125] + ids(model, 5, seed=6)
+    restored = cache.prefill(branch)
+    assert restored.reused == 120
+    assert torch.equal(restored.logits, cold(model, branch))
+    cache.close()
+
+
+def test_chunks_of_a_model_whose_only_mla_layer_is_the_last_keep_their_tokens(tiny_model):
+    """A prefill pass sends only its last row through the last layer's attention: where that is the
+    only MLA layer (the shipped model's shape) a deep chunk costs what the first does, and chunks keep
+    `--prefill-chunk` tokens however deep the prompt (not a tenth of them)."""
+    last_only = k3stream.load(tiny_model(mla_layers=(5,))).config
+    assert attention_rows_per_token(last_only) == math.inf
+    chunks = PrefillChunks(64, attention_rows_per_token(last_only))
+    assert chunks.next_end(3000, 4096) == 3008
+    both = k3stream.load(tiny_model(mla_layers=(3, 5))).config
+    assert math.isfinite(attention_rows_per_token(both))

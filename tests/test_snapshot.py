@@ -80,6 +80,32 @@ def test_a_snapshot_after_decode_steps_restores_the_cold_prefill(models, name):
     assert torch.equal(model.prefill_last(restore(model, snapshot), more), cold)
 
 
+def test_a_final_snapshot_takes_the_states_tensors_and_restores_the_cold_prefill(models):
+    """A state that goes no further (a finished response) is snapshotted without copying its KDA
+    tensors; a tensor that is a view of more memory (a batched step's stack) is copied, so the snapshot
+    holds its own bytes only."""
+    from k3stream.model.kda import KDAState
+
+    model = models["f32"]
+    tokens, state = prompt(model, 20), model.new_state()
+    logits = model.prefill_last(state, tokens)
+    for _ in range(3):
+        tokens.append(int(logits.argmax()))
+        logits = model.decode(state, tokens[-1])
+    kda = [layer for layer in state.layers if isinstance(layer, KDAState)]
+    stacked = torch.stack([kda[0].recurrent, kda[0].recurrent])  # as several sequences' step leaves it
+    kda[0].recurrent = stacked[1]
+    more = prompt(model, 9, seed=1)
+    cold = model.prefill_last(model.new_state(), tokens + more)
+    snapshot = take_snapshot(state, copy=False)
+    taken = [layer for layer in snapshot.layers if isinstance(layer, KDAState)]
+    assert taken[0].recurrent.data_ptr() != stacked.data_ptr()
+    assert taken[0].recurrent.untyped_storage().nbytes() == taken[0].recurrent.nbytes
+    assert [t.conv.data_ptr() for t in taken] == [s.conv.data_ptr() for s in kda]
+    assert [t.recurrent.data_ptr() for t in taken[1:]] == [s.recurrent.data_ptr() for s in kda[1:]]
+    assert torch.equal(model.prefill_last(restore(model, snapshot), more), cold)
+
+
 def test_snapshots_of_one_sequence_share_its_latent_rows(models):
     model = models["f32"]
     tokens, state = prompt(model), model.new_state()

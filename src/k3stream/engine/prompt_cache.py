@@ -60,6 +60,11 @@ log = logging.getLogger(__name__)
 MIB, GIB = 1 << 20, 1 << 30
 HALF_LIFE = 64  # cache operations after which a snapshot's score halves
 DEFAULT_EVERY = 1024  # tokens between snapshots inside a prefill (docs/prompt-cache.md: why)
+# what a multiply-add of the MLA attention (a prompt's queries one at a time, as a decode step's) costs
+# in the products' multiply-adds, for `attention_rows_per_token`: chunks of equal work by it took level
+# CPU time along a 4,096-token prompt on bench_sessions' stall model (17-22 ms; deep chunks 1.25x the
+# first with 1)
+ATTENTION_COST = 2.0
 MAGIC = b"K3SNAP02"
 SUFFIX = ".k3snap"
 
@@ -224,18 +229,20 @@ class _RowExactUsers:
 def attention_rows_per_token(config: K3Config) -> float:
     """How many latent rows one token's MLA attention must cover to cost as much as all of its other
     work (multiply-adds: every matrix of every layer, the routed experts' by top_k / experts, and the
-    KDA recurrence's ~4 D^2 a head), by the config's shapes. A prompt token at position i attends over
-    i + 1 rows, so deep in a long prompt the attention outweighs the rest."""
+    KDA recurrence's ~4 D^2 a head; an attention multiply-add counts ATTENTION_COST), by the config's
+    shapes. A prompt token at position i attends over i + 1 rows in each MLA layer but the last, so
+    deep in a long prompt the attention outweighs the rest; a prefill pass sends only its last row
+    (each sequence's) through the last layer's attention, so that layer's rows cost no attention."""
     per_token, per_row = 0.0, 0.0
     for layer in range(config.n_layers):
         for name, shape in layer_shapes(config, layer).items():
             if len(shape) >= 2:
                 share = config.top_k / config.n_experts if is_routed_expert(name) else 1.0
                 per_token += math.prod(shape) * share
-        if config.is_mla(layer):  # the scores over kv_lora + rope, the context over kv_lora
-            per_row += config.n_heads * (2 * config.kv_lora + config.qk_rope)
-        else:
+        if not config.is_mla(layer):
             per_token += 4 * config.n_heads * config.kda_head_dim**2
+        elif layer < config.n_layers - 1:  # the scores over kv_lora + rope, the context over kv_lora
+            per_row += ATTENTION_COST * config.n_heads * (2 * config.kv_lora + config.qk_rope)
     return per_token / per_row if per_row else math.inf
 
 
@@ -287,11 +294,13 @@ class PrefillChunks:
 class ChunkedPrefill:
     """A prompt's prefill in steps: restored from `cache` (if any) as far as it holds the prompt, then
     `step(chunks)` runs the tokens up to the next of `chunks`' cuts (absolute positions: a prompt is cut
-    the same way whatever runs beside it). The last step gives the logits and saves the prompt's end."""
+    the same way whatever runs beside it). The last step gives the logits; `keep_end()` snapshots the
+    prompt's end, which a server calls once the first token is sent (before the state goes on)."""
 
     def __init__(self, model: Any, tokens: list[int], cache: PromptCache | None = None) -> None:
         self.model, self.tokens, self.cache = model, list(tokens), cache
         self.logits: torch.Tensor | None = None
+        self._end_unsaved = False  # the prompt's end was computed and is not in the cache yet
         if cache is not None and cache.enabled:
             self.state, self.reused, self.logits = cache.restore_longest(self.tokens)
         else:
@@ -317,15 +326,23 @@ class ChunkedPrefill:
         start, self.position = self.position, end
         cache = self.cache if self.cache is not None and self.cache.enabled else None
         if cache is not None:
-            cache.note_prefilled(self.tokens, start, end, inside)
+            cache.note_prefilled(self.tokens, start, end, inside, self.state)
         if end == len(self.tokens):
-            self.logits = logits
-            if cache is not None:
-                cache.save(self.tokens, self.state, logits)
+            self.logits, self._end_unsaved = logits, cache is not None
 
-    def run(self) -> Prefilled:
-        """The whole prefill in one pass."""
+    def keep_end(self) -> None:
+        """Snapshot the prompt's end with its last logits (once; nothing where the cache held it whole):
+        call it before the state goes on, after the first token is out where a client waits for it."""
+        if self._end_unsaved:
+            self._end_unsaved = False
+            self.cache.save(self.tokens, self.state, self.logits)
+
+    def run(self, keep_end: bool = True) -> Prefilled:
+        """The whole prefill in one pass (and the snapshot of its end, unless `keep_end` is False: the
+        caller then calls `keep_end()`)."""
         self.step(PrefillChunks(max(len(self.tokens), 1)))
+        if keep_end:
+            self.keep_end()
         return Prefilled(self.logits, self.state, self.reused)
 
 
@@ -427,12 +444,30 @@ class PromptCache:
         """The prompt's last logits and live state: restored from the deepest snapshot of a prefix of
         `tokens`, the rest prefilled in one pass that snapshots every `every` tokens and at its end. A
         prompt seen whole before comes back with the logits its prefill kept."""
-        return ChunkedPrefill(self.model, tokens, self).run()
+        return self.chunked(tokens).run()
 
-    def note_prefilled(self, tokens: list[int], start: int, end: int, inside: list[Snapshot]) -> None:
-        """Tokens start..end of `tokens` went through the model, with snapshots `inside`."""
+    def chunked(self, tokens: list[int]) -> ChunkedPrefill:
+        """The prompt's prefill, restored as far as the cache holds it, to run in steps."""
+        return ChunkedPrefill(self.model, tokens, self)
+
+    def note_prefilled(
+        self,
+        tokens: list[int],
+        start: int,
+        end: int,
+        inside: list[Snapshot],
+        state: SequenceState | None = None,
+    ) -> None:
+        """Tokens start..end of `tokens` went through the model into `state`, with snapshots `inside`
+        (`marks`); a chunk that ends at a snapshot position short of the prompt's end (whose snapshot
+        `save` takes, with its logits) is snapshotted there from `state` (a follower rank's: when rank 0
+        tells it, `Peers.save_snapshot`)."""
         for snapshot in inside:
             self._store(tokens[: snapshot.length], snapshot, durable=False)
+        if state is not None and self.enabled and end < len(tokens) and end % self.every == 0:
+            if self.peers is not None:
+                self.peers.save_snapshot(state)
+            self._store(tokens[:end], take_snapshot(state), durable=False)
         with self._lock:
             self.stats.tokens_computed += end - start
 
@@ -499,9 +534,16 @@ class PromptCache:
             self.stats.hits += 1
             self.stats.tokens_reused += entry.length
 
-    def save(self, tokens: list[int], state: SequenceState, logits: torch.Tensor | None = None) -> None:
+    def save(
+        self,
+        tokens: list[int],
+        state: SequenceState,
+        logits: torch.Tensor | None = None,
+        final: bool = False,
+    ) -> None:
         """Snapshot `state`, the state after exactly `tokens` (the end of a prompt, with its last
-        `logits`, or of a response)."""
+        `logits`, or of a response). `final`: the state goes no further (a finished response), so the
+        snapshot takes its KDA tensors instead of copying them; the caller must not use it again."""
         if not self.enabled:
             return
         if state.length != len(tokens):
@@ -509,7 +551,7 @@ class PromptCache:
         if self.peers is not None:
             self.peers.save_snapshot(state)
         started = time.perf_counter()
-        snapshot = take_snapshot(state)
+        snapshot = take_snapshot(state, copy=not final)
         if logits is not None:
             snapshot = snapshot.with_logits(logits)
         with self._lock:

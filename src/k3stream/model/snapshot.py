@@ -89,18 +89,27 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def take_snapshot(state: SequenceState) -> Snapshot:
+def take_snapshot(state: SequenceState, copy: bool = True) -> Snapshot:
     """The state as it is now; the live sequence may go on (its latent appends land past the snapshot's
-    rows, its KDA steps change its own tensors)."""
+    rows, its KDA steps change its own tensors). Without `copy` the snapshot takes the KDA tensors
+    themselves: for a state that goes no further (nothing may step it again)."""
     layers: list[KDAState | LatentRows] = []
     for layer in state.layers:
         if isinstance(layer, KDAState):
-            layers.append(KDAState(layer.conv.detach().clone(), layer.recurrent.detach().clone()))
+            conv, recurrent = (_own(tensor, copy) for tensor in (layer.conv, layer.recurrent))
+            layers.append(KDAState(conv, recurrent))
         elif isinstance(layer, MLAState):
             layers.append(LatentRows(layer.buffer, layer.length, layer.written))
         else:
             raise TypeError(f"cannot snapshot a layer state of type {type(layer).__name__}")
     return Snapshot(state.length, tuple(layers))
+
+
+def _own(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
+    """`tensor` for a snapshot: a copy, or itself where it may be taken and is the whole of its memory
+    (a view, of a batched step's stack or a prefill's window, is copied: it would hold all of it)."""
+    whole = tensor.is_contiguous() and tensor.untyped_storage().nbytes() == _tensor_bytes(tensor)
+    return tensor.detach() if whole and not copy else tensor.detach().clone()
 
 
 def restore(model: K3Model, snapshot: Snapshot, room: int = 0) -> SequenceState:

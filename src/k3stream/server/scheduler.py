@@ -343,11 +343,16 @@ class Scheduler:
         return batch
 
     def _end_prefill(self, job: Job) -> None:
-        """The prompt is in `job`'s state: its choices start from its last logits."""
-        logits, job.prefill = job.prefill.logits, None
+        """The prompt is in `job`'s state: its choices start from its last logits. The prompt's end goes
+        into the prompt cache once their first tokens are sent (before the state takes a decode step)."""
+        prefill, job.prefill = job.prefill, None
         self._progress(job, len(job.prompt_tokens))
-        for choice, choice_logits in self._share_prefill(job, logits):
+        for choice, choice_logits in self._share_prefill(job, prefill.logits):
             self._emit_token(choice, choice_logits)
+        try:
+            prefill.keep_end()
+        except Exception:  # a cache that cannot keep a state costs the next turn time, nothing else
+            log.exception("prompt cache: saving a prompt's state failed")
 
     def _progress(self, job: Job, processed: int) -> None:
         """Record and send how many prompt tokens of `job` are prefilled."""
@@ -421,7 +426,6 @@ class Scheduler:
         if job.logic.finish_reason is not None:
             self.completed_jobs += 1
             self.consecutive_failures = 0
-            self._save_response(job)
             finish = FinishEvent(
                 job.logic.finish_reason,
                 len(job.prompt_tokens),
@@ -429,14 +433,17 @@ class Scheduler:
                 job.cached_tokens,
             )
             job.sink.put(finish)
+            self._save_response(job)
 
     def _save_response(self, job: Job) -> None:
-        """The finished job's state into the prompt cache: its prompt and every generated token but the
-        last (never fed to the model)."""
-        if self.cache is None:
+        """The finished job's state into the prompt cache, after its last event is sent: its prompt and
+        every generated token but the last (never fed to the model; after one token that is the prompt's
+        end, which `_end_prefill` keeps with its logits). The state goes no further, so the snapshot takes
+        its tensors (no copy)."""
+        if self.cache is None or len(job.generated) < 2:
             return
         try:
-            self.cache.save(job.prompt_tokens + job.generated[:-1], job.state)
+            self.cache.save(job.prompt_tokens + job.generated[:-1], job.state, final=True)
         except Exception:  # a cache that cannot keep a state costs the next turn time, nothing else
             log.exception("prompt cache: saving a response's state failed")
 
