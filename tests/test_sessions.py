@@ -268,3 +268,53 @@ def test_the_first_token_and_the_finish_are_sent_before_their_snapshots(model, t
         assert got.reused == len(tokens) - 1
         assert torch.equal(got.logits, model.prefill_last(model.new_state(), tokens))
     cache.close()
+
+
+def test_the_running_streams_step_while_a_snapshot_is_read_from_disk(model, tokenizer, tmp_path):
+    """A request whose prompt's snapshot only a file holds has it read on the cache reader's thread:
+    the running stream takes decode steps meanwhile (here the read waits until this test writes to
+    the file, a FIFO, so the order holds whatever the disk's speed)."""
+    import asyncio
+    import os
+    import time
+
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import EventSink, Job, Scheduler
+
+    prompt = tokenizer.encode("A conversation resumed from its file " * 3)
+    writer = PromptCache(model, "reading", 64 * MIB, tmp_path, 1 << 30)
+    writer.prefill(prompt)
+    writer.close()
+    cache = PromptCache(model, "reading", 64 * MIB, tmp_path, 1 << 30)  # a restart: the file alone
+    [path] = (tmp_path / "reading").glob("*.k3snap")
+    path.unlink()
+    os.mkfifo(path)  # opening it to read waits for a writer: this test, below
+    loop = asyncio.new_event_loop()
+    running = Job(tokenizer.encode("a stream"), _Greedy(1 << 20), EventSink(loop))
+    resumed = Job(prompt + tokenizer.encode(" and on"), _Greedy(2), EventSink(loop))
+    scheduler = Scheduler(model, ServerMetrics(), max_batch=2, max_queue=2, cache=cache)
+
+    def until(condition) -> None:
+        for _ in range(3000):  # a bound, not a timing assertion
+            if condition():
+                return
+            time.sleep(0.01)
+
+    scheduler.submit(running)
+    scheduler.start()
+    try:
+        until(lambda: running.generated)
+        scheduler.submit(resumed)
+        until(lambda: resumed.prefill_started_at > 0)
+        before = len(running.generated)
+        until(lambda: len(running.generated) >= before + 20)
+        stepped = len(running.generated) - before
+        os.close(os.open(path, os.O_WRONLY))  # the read goes on: an empty file, a miss
+        until(lambda: resumed.logic.finish_reason is not None)
+    finally:
+        running.cancel()
+        scheduler.stop()
+        loop.close()
+        cache.close()
+    assert stepped >= 20
+    assert resumed.logic.finish_reason == "length" and resumed.cached_tokens == 0

@@ -479,10 +479,7 @@ class PromptCache:
         """A state restored from the deepest snapshot of a prefix of `tokens` (a new state and 0 where
         none is), that snapshot's length, and the last token's logits where it is the whole prompt (a
         snapshot of all of `tokens` without logits is passed over: the last logits must be computed)."""
-
-        def usable(entry: Entry) -> bool:
-            return entry.length < len(tokens) or entry.has_logits
-
+        usable = _usable_for(tokens)
         while self.enabled:
             found = self._use_deepest(tokens, usable)
             if found is None:
@@ -502,6 +499,22 @@ class PromptCache:
         with self._lock:
             self.stats.misses += self.enabled
         return self.model.new_state(), 0, None
+
+    def needs_read(self, tokens: list[int]) -> bool:
+        """Whether `restore_longest(tokens)` would read its snapshot from disk (only a file holds it)."""
+        if not self.enabled:
+            return False
+        with self._lock:
+            usable = _usable_for(tokens)
+            entry = self._tree.deepest(tokens, len(tokens), lambda e: e.restorable and usable(e))
+            return entry is not None and entry.snapshot is None
+
+    def read_ahead(self, tokens: list[int]) -> None:
+        """Read the snapshot `restore_longest(tokens)` would restore into the RAM tier where only its
+        file holds it (a bad file is dropped, as there): a server calls it off its scheduler's thread,
+        so the streams it runs go on while the disk reads; the restore then copies from RAM."""
+        if self.enabled:
+            self._use_deepest(tokens, _usable_for(tokens))
 
     def restore_exact(self, tokens: list[int]) -> SequenceState | None:
         """A state restored from the snapshot of exactly `tokens`, or None (a rank told by rank 0)."""
@@ -847,6 +860,11 @@ class PromptCache:
         except (OSError, ValueError) as error:
             reason = "gone" if isinstance(error, OSError) else str(error)
             raise ValueError(f"its parent snapshot of {len(tokens)} tokens: {reason}") from None
+
+
+def _usable_for(tokens: list[int]) -> Callable[[Entry], bool]:
+    """Which entries may serve a prompt of `tokens`: all of it only with its last logits."""
+    return lambda entry: entry.length < len(tokens) or entry.has_logits
 
 
 def _remove(paths: list[Path]) -> None:

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -120,6 +121,7 @@ class Job:
     cached_tokens: int = 0
     generated: list[int] = field(default_factory=list)
     prefill: ChunkedPrefill | None = None  # the prompt's prefill while it runs
+    reading: Future[None] | None = None  # its prompt's snapshot read from disk, before its prefill
 
     @property
     def width(self) -> int:
@@ -140,6 +142,11 @@ class Job:
         if self.active:
             self.failed = True
             self.sink.put(ErrorEvent(message))
+
+
+def _reading(job: Job) -> bool:
+    """Whether `job` waits for its snapshot's file (nothing for the scheduler to do for it)."""
+    return job.reading is not None and not job.reading.done()
 
 
 class Scheduler:
@@ -176,6 +183,8 @@ class Scheduler:
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="k3stream-scheduler", daemon=True)
+        # reads prompts' snapshots from disk (`PromptCache.read_ahead`) while the running ones step
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="k3stream-cache-reader")
         # what the scheduler saw, for /health: decode steps, those with more than one sequence, jobs
         # dropped because their client left, and the most requests ever waiting at once
         self.steps = 0
@@ -200,6 +209,7 @@ class Scheduler:
             self._wake.notify_all()
         if self._thread.is_alive():
             self._thread.join()
+        self._reader.shutdown(wait=False, cancel_futures=True)
 
     def submit(self, job: Job) -> None:
         """Queue `job`; it may wait only while the queue is within `max_queue` plus the free batch slots."""
@@ -263,7 +273,7 @@ class Scheduler:
 
     def _wait_for_work(self) -> bool:
         with self._wake:
-            while not self._stopping and not self._waiting and not self._running:
+            while not self._stopping and not self._waiting and all(map(_reading, self._running)):
                 self._wake.wait()
             return not self._stopping
 
@@ -292,18 +302,38 @@ class Scheduler:
 
     def _admit_waiting(self) -> None:
         """Start the prefills of waiting requests while the batch has room (their states restored from
-        the prompt cache as far as it holds them)."""
+        the prompt cache as far as it holds them); a snapshot only a file holds is read first on the
+        reader's thread (the running sequences step meanwhile), and its request starts once it is in."""
+        for job in [job for job in self._running if job.reading is not None and job.reading.done()]:
+            job.reading = None
+            self._start_prefill(job)
         while (job := self._next_waiting()) is not None:
-            try:
-                self._progress(job, 0)
-                job.prefill = ChunkedPrefill(self.model, job.prompt_tokens, self.cache)
-            except Exception as exc:  # one bad request must not stop the server
-                log.exception("prefill failed")
-                self._fail_request(job, f"prefill failed: {exc}")
-                continue
-            job.state, job.cached_tokens = job.prefill.state, job.prefill.reused
-            if job.prefill.done:  # the whole prompt was cached
-                self._end_prefill(job)
+            self._progress(job, 0)
+            if self.cache is not None and self.cache.needs_read(job.prompt_tokens):
+                job.reading = self._reader.submit(self._read_ahead, job.prompt_tokens)
+                job.reading.add_done_callback(lambda _: self.wake())
+            else:
+                self._start_prefill(job)
+
+    def _read_ahead(self, tokens: list[int]) -> None:
+        try:
+            self.cache.read_ahead(tokens)
+        except Exception:  # the restore reads it again, or computes the prompt
+            log.exception("prompt cache: reading a snapshot failed")
+
+    def _start_prefill(self, job: Job) -> None:
+        """`job`'s prefill, restored from the prompt cache as far as it holds the prompt."""
+        if not job.active:
+            return
+        try:
+            job.prefill = ChunkedPrefill(self.model, job.prompt_tokens, self.cache)
+        except Exception as exc:  # one bad request must not stop the server
+            log.exception("prefill failed")
+            self._fail_request(job, f"prefill failed: {exc}")
+            return
+        job.state, job.cached_tokens = job.prefill.state, job.prefill.reused
+        if job.prefill.done:  # the whole prompt was cached
+            self._end_prefill(job)
 
     def _prefill_step(self) -> None:
         """The next chunk of the oldest running prefill, with those of the next ones that fit in one
