@@ -556,7 +556,8 @@ class PromptCache:
     ) -> None:
         """Snapshot `state`, the state after exactly `tokens` (the end of a prompt, with its last
         `logits`, or of a response). `final`: the state goes no further (a finished response), so the
-        snapshot takes its KDA tensors instead of copying them; the caller must not use it again."""
+        snapshot takes its KDA tensors instead of copying them, and its latent rows get room for the
+        next turn (`snapshot.take_snapshot`); the caller must not use the state again."""
         if not self.enabled:
             return
         if state.length != len(tokens):
@@ -564,7 +565,7 @@ class PromptCache:
         if self.peers is not None:
             self.peers.save_snapshot(state)
         started = time.perf_counter()
-        snapshot = take_snapshot(state, copy=not final)
+        snapshot = take_snapshot(state, final)
         if logits is not None:
             snapshot = snapshot.with_logits(logits)
         with self._lock:
