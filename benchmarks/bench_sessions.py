@@ -51,12 +51,14 @@ from k3stream.engine.prompt_cache import (
     ChunkedPrefill,
     PrefillChunks,
     PromptCache,
+    attention_rows_per_token,
     model_fingerprint,
 )
 from k3stream.engine.tokenizer import Tokenizer
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.memlimit import format_size, parse_size
 from k3stream.quant.kernels import set_row_exact
+from k3stream.server.scheduler import DEFAULT_PREFILL_CHUNK
 from k3stream.testing.cgroups import ChildCgroup, drop_page_cache, read_process_io
 
 SHIPPED = Path(k3stream.__file__).parent / "data" / "k3-stdlib-audited.gguf"
@@ -443,15 +445,17 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
     restores: list[float] = []
     ends: list[float] = []
 
-    def restored(count: int, exact: bool = True) -> float:
-        """The turn as the session runs it: from a snapshot of the history whose rows end its buffer."""
+    def restored(count: int, exact: bool = True, chunks: PrefillChunks | None = None) -> float:
+        """The turn as the session runs it: from a snapshot of the history whose rows end its buffer (in
+        one pass, or in `chunks`)."""
         one = PromptCache(model, fingerprint, 1 << 30)
         one.save(context[:history], cache.restore_longest(context[:history])[0])
         set_row_exact(exact)
         start = time.process_time()
         prefill = ChunkedPrefill(model, context[: history + count], one)
         restores.append(time.process_time() - start)
-        prefill.run(keep_end=False)
+        while not prefill.step(chunks or PrefillChunks(len(context))):
+            pass
         took = time.process_time() - start
         set_row_exact(True)
         start = time.process_time()
@@ -460,16 +464,21 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
         one.close()
         return took
 
-    def cold(length: int) -> float:
+    def cold(length: int, chunks: PrefillChunks | None = None) -> float:
         set_row_exact(False)
         start = time.process_time()
-        model.prefill_last(model.new_state(), context[:length])
+        prefill = ChunkedPrefill(model, context[:length])
+        while not prefill.step(chunks or PrefillChunks(length)):
+            pass
         took = time.process_time() - start
         set_row_exact(True)
         return took
 
     runs = [(("on", n), restored) for n in counts] + [(("off", n), cold) for n in lengths]
     runs.append((("inexact", new), lambda n: restored(n, exact=False)))
+    served = PrefillChunks(DEFAULT_PREFILL_CHUNK, attention_rows_per_token(model.config))
+    runs.append((("served on", new), lambda n: restored(n, chunks=served)))
+    runs.append((("served off", len(context)), lambda n: cold(n, served)))
     times: dict[tuple[str, int], float] = {}
     for _ in range(args.repeats + 2):
         for key, run in runs:
@@ -498,6 +507,21 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
         f"{1e3 * (whole_on - inexact):.1f} ms "
         f"({whole_on / inexact - 1:+.0%})"
     )
+    passes_on = _passes(served, history, len(context))
+    on_served, off_served = times[("served on", new)], times[("served off", len(context))]
+    print(
+        f"  in `serve`'s chunks (--prefill-chunk {DEFAULT_PREFILL_CHUNK}, cut by equal work): reuse on "
+        f"{passes_on} passes, {1e3 * on_served:.1f} ms; off {_passes(served, 0, len(context))} passes, "
+        f"{1e3 * off_served:.1f} ms ({on_served / off_served:.3f}x)"
+    )
+
+
+def _passes(chunks: PrefillChunks, start: int, end: int) -> int:
+    """How many of `chunks`' passes a prefill of positions start..end takes."""
+    count = 0
+    while start < end:
+        start, count = chunks.next_end(start, end), count + 1
+    return count
 
 
 def chat_prompt_times(args) -> None:
@@ -656,7 +680,6 @@ def _longest_pass(stall: Stall, one_cpu: float) -> str:
 
 def chunk_times(model, prompt: list[int], tokens: int) -> None:
     """Each chunk's CPU time along `prompt` (cache on), cut every `tokens` tokens and by equal work."""
-    from k3stream.engine.prompt_cache import ChunkedPrefill, PrefillChunks, attention_rows_per_token
 
     rows = attention_rows_per_token(model.config)
     for label, chunks in (("every", PrefillChunks(tokens)), ("equal work", PrefillChunks(tokens, rows))):
