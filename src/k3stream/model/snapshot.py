@@ -115,11 +115,12 @@ def _own(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
 
 
 def _with_room(rows: LatentRows) -> LatentRows:
-    """A finished state's latent rows in a buffer with room for half as many again: their own, or a
-    copy in one twice their length. A restore continues a buffer in place only where the next turn's
+    """A finished state's latent rows in a buffer with room for a quarter as many again: their own, or
+    a copy in one twice their length. A restore continues a buffer in place only where the next turn's
     tokens fit, else copies the rows on that turn's first token's path; copied here, they are copied
-    after the response's end is sent."""
-    if 2 * rows.buffer.shape[0] >= 3 * rows.length:
+    after the response's end is sent (about as often: each copy leaves the old buffer to the older
+    snapshots that hold it)."""
+    if 4 * rows.buffer.shape[0] >= 5 * rows.length:
         return rows
     buffer = rows.buffer.new_empty(2 * rows.length, rows.buffer.shape[1])
     buffer[: rows.length] = rows.rows()
