@@ -144,9 +144,15 @@ class Job:
             self.sink.put(ErrorEvent(message))
 
 
-def _reading(job: Job) -> bool:
-    """Whether `job` waits for its snapshot's file (nothing for the scheduler to do for it)."""
-    return job.reading is not None and not job.reading.done()
+def _has_work(job: Job) -> bool:
+    """Whether the loop has something to do for a running `job`: drop it, step its prefill or decode,
+    or start its prefill once its snapshot is read (not while the read goes on, nor for a choice whose
+    request's prefill has not ended)."""
+    if not job.active:
+        return True
+    if job.reading is not None:
+        return job.reading.done()
+    return job.prefill is not None or job.last_token >= 0
 
 
 class Scheduler:
@@ -273,7 +279,7 @@ class Scheduler:
 
     def _wait_for_work(self) -> bool:
         with self._wake:
-            while not self._stopping and not self._waiting and all(map(_reading, self._running)):
+            while not self._stopping and not self._waiting and not any(map(_has_work, self._running)):
                 self._wake.wait()
             return not self._stopping
 
