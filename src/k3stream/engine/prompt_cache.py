@@ -20,7 +20,6 @@ last use.
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
 import math
@@ -247,12 +246,14 @@ def attention_rows_per_token(config: K3Config) -> float:
 
 
 class PrefillChunks:
-    """Where a chunked prefill cuts its prompts: at absolute positions (a prompt is computed the same way
-    whatever runs beside it), each chunk about the work of a prompt's first `tokens` tokens, so a stream
-    running beside waits about one such chunk however deep the prompt is. With `rows_per_token`
+    """Where a chunked prefill cuts its prompts: from where its computation starts (after what the cache
+    restored; never by what runs beside it), each chunk about the work of a prompt's first `tokens`
+    tokens, so a stream running beside waits about one such chunk however deep the prompt is, and a
+    turn of n new tokens takes the fewest chunks that hold them. With `rows_per_token`
     (`attention_rows_per_token`) a token's work grows with the rows it attends over, and chunks deep in
     a long prompt take fewer tokens; without, every chunk takes `tokens` (where experts stream from a
-    pack: a pass then costs its expert reads, nearly whatever its tokens)."""
+    pack: a pass then costs its expert reads, nearly whatever its tokens, and n new tokens take
+    ceil(n / tokens) passes)."""
 
     def __init__(self, tokens: int, rows_per_token: float | None = None) -> None:
         if tokens < 1:
@@ -261,7 +262,6 @@ class PrefillChunks:
         finite = rows_per_token is not None and math.isfinite(rows_per_token)
         self.rows_per_token = rows_per_token if finite else None
         self.budget = self.cost(0, tokens)
-        self._ends = [0]  # the chunks' ends from the prompt's start, as far as they were needed
 
     def cost(self, start: int, end: int) -> float:
         """The work of positions start..end - 1, in tokens without attention."""
@@ -271,12 +271,10 @@ class PrefillChunks:
         return end - start + rows / self.rows_per_token
 
     def next_end(self, position: int, length: int) -> int:
-        """Where the chunk that holds `position` ends, in a prompt of `length` tokens."""
+        """Where the chunk that starts at `position` ends, in a prompt of `length` tokens."""
         if self.rows_per_token is None:
-            return min(length, (position // self.tokens + 1) * self.tokens)
-        while self._ends[-1] <= position:
-            self._ends.append(self._end_after(self._ends[-1]))
-        return min(length, self._ends[bisect.bisect_right(self._ends, position)])
+            return min(length, position + self.tokens)
+        return min(length, self._end_after(position))
 
     def _end_after(self, start: int) -> int:
         """The most positions from `start` whose cost fits the budget (at least one): the root of
@@ -293,8 +291,8 @@ class PrefillChunks:
 
 class ChunkedPrefill:
     """A prompt's prefill in steps: restored from `cache` (if any) as far as it holds the prompt, then
-    `step(chunks)` runs the tokens up to the next of `chunks`' cuts (absolute positions: a prompt is cut
-    the same way whatever runs beside it). The last step gives the logits; `keep_end()` snapshots the
+    `step(chunks)` runs the next of `chunks`' chunks (cut from where the computation starts, whatever
+    runs beside it). The last step gives the logits; `keep_end()` snapshots the
     prompt's end, which a server calls once the first token is sent (before the state goes on)."""
 
     def __init__(self, model: Any, tokens: list[int], cache: PromptCache | None = None) -> None:

@@ -2,13 +2,13 @@
 running sequence.
 
 Requests join and leave between steps. A new request's prompt is restored from the prompt cache as far
-as it holds it, then prefilled a chunk per loop (`PrefillChunks`: cut at absolute positions, so a
-prompt's chunks do not depend on what runs beside it; each about the work of `prefill_chunk` tokens at
-the start of a prompt, fewer tokens deep in a long one, whose attention covers more rows): a running
-stream waits at most about one chunk, whatever another prompt's length. Each decode step is one
-`model.decode_batch` call, so in every MoE layer the union of the batch's experts is fetched once and
-shared by all the tokens that routed to it. Results flow back to the HTTP layer as events through a
-thread-safe `EventSink`.
+as it holds it, then prefilled a chunk per loop (`PrefillChunks`: cut from where its computation
+starts, so a prompt's chunks do not depend on what runs beside it; each about the work of
+`prefill_chunk` tokens at the start of a prompt, fewer tokens deep in a long one, whose attention
+covers more rows): a running stream waits at most about one chunk, whatever another prompt's length.
+Each decode step is one `model.decode_batch` call, so in every MoE layer the union of the batch's
+experts is fetched once and shared by all the tokens that routed to it. Results flow back to the HTTP
+layer as events through a thread-safe `EventSink`.
 """
 
 from __future__ import annotations
