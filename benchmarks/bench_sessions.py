@@ -51,12 +51,14 @@ from k3stream.engine.prompt_cache import (
     ChunkedPrefill,
     PrefillChunks,
     PromptCache,
+    attention_rows_per_token,
     model_fingerprint,
 )
 from k3stream.engine.tokenizer import Tokenizer
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.memlimit import format_size, parse_size
 from k3stream.quant.kernels import set_row_exact
+from k3stream.server.scheduler import DEFAULT_PREFILL_CHUNK
 from k3stream.testing.cgroups import ChildCgroup, drop_page_cache, read_process_io
 
 SHIPPED = Path(k3stream.__file__).parent / "data" / "k3-stdlib-audited.gguf"
@@ -189,10 +191,11 @@ def one_turn(model, context: list[int], cache: PromptCache | None, args) -> Turn
     ttft, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     read = read_process_io()["read_bytes"] - read_before
     answer = [int(logits.argmax())]
+    prefill.keep_end()  # the prompt's end, once the first token is out (as `serve` does)
     while len(answer) < args.answer_tokens:
         answer.append(int(model.decode(state, answer[-1]).argmax()))
     if cache is not None:
-        cache.save(context + answer[:-1], state)
+        cache.save(context + answer[:-1], state, final=True)
         cache.flush()  # the files of this turn written, for the disk figures
     after = _stats(cache)
     turn = Turn(len(context), computed, ttft, cpu, answer, read_bytes=read)
@@ -425,7 +428,9 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
     """What the last turn's TTFT with reuse is made of, in CPU time (least of --repeats + 2, the sides
     alternating): its restore; prefills over the restored history of a few new tokens to all of the
     turn's, and cold prefills of a few lengths up to the whole prompt (reuse off's products): a line
-    through each gives its fixed cost and its cost per token."""
+    through each gives its fixed cost and its cost per token. Then the turn's new tokens over the
+    restored history with reuse off's products (not row-exact: their time only), the prompt-end
+    snapshot (taken after the first token) and one new token (a pass's own cost)."""
     context = list(workload.system)
     for turn in range(args.turns - 1):
         context += workload.tools[turn] + workload.assistant_open + on[turn].answer + workload.close
@@ -435,49 +440,88 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
     cache = PromptCache(model, fingerprint, 1 << 30)
     model.prefill_last(model.new_state(), context[:history])  # warm
     cache.prefill(context[:history])
-    counts = sorted({min(25, new), new // 4, new // 2, new})
+    counts = sorted({1, min(25, new), new // 4, new // 2, new})
     lengths = sorted({min(25, len(context)), len(context) // 4, len(context) // 2, len(context)})
     restores: list[float] = []
+    ends: list[float] = []
 
-    def restored(count: int) -> float:
-        """The turn as the session runs it: from a snapshot of the history whose rows end its buffer."""
+    def restored(count: int, exact: bool = True, chunks: PrefillChunks | None = None) -> float:
+        """The turn as the session runs it: from a snapshot of the history whose rows end its buffer (in
+        one pass, or in `chunks`)."""
         one = PromptCache(model, fingerprint, 1 << 30)
         one.save(context[:history], cache.restore_longest(context[:history])[0])
+        set_row_exact(exact)
         start = time.process_time()
         prefill = ChunkedPrefill(model, context[: history + count], one)
         restores.append(time.process_time() - start)
-        prefill.run()
+        while not prefill.step(chunks or PrefillChunks(len(context))):
+            pass
         took = time.process_time() - start
+        set_row_exact(True)
+        start = time.process_time()
+        prefill.keep_end()
+        ends.append(time.process_time() - start)
         one.close()
         return took
 
-    def cold(length: int) -> float:
+    def cold(length: int, chunks: PrefillChunks | None = None) -> float:
         set_row_exact(False)
         start = time.process_time()
-        model.prefill_last(model.new_state(), context[:length])
+        prefill = ChunkedPrefill(model, context[:length])
+        while not prefill.step(chunks or PrefillChunks(length)):
+            pass
         took = time.process_time() - start
         set_row_exact(True)
         return took
 
+    runs = [(("on", n), restored) for n in counts] + [(("off", n), cold) for n in lengths]
+    runs.append((("inexact", new), lambda n: restored(n, exact=False)))
+    served = PrefillChunks(DEFAULT_PREFILL_CHUNK, attention_rows_per_token(model.config))
+    runs.append((("served on", new), lambda n: restored(n, chunks=served)))
+    runs.append((("served off", len(context)), lambda n: cold(n, served)))
     times: dict[tuple[str, int], float] = {}
     for _ in range(args.repeats + 2):
-        for key, run in [(("on", n), restored) for n in counts] + [(("off", n), cold) for n in lengths]:
+        for key, run in runs:
             times[key] = min(times.get(key, math.inf), run(key[1]))
     cache.close()
-    on_fixed, on_token = _line([(n, times[("on", n)]) for n in counts])
+    on_fixed, on_token = _line([(n, times[("on", n)]) for n in counts if n > 1])
     off_fixed, off_token = _line([(n, times[("off", n)]) for n in lengths])
-    whole_on, whole_off = times[("on", new)], times[("off", len(context))]
+    whole_on, whole_off, inexact = times[("on", new)], times[("off", len(context))], times[("inexact", new)]
     print(
         f"\nturn {args.turns} with reuse, in CPU time (least of {args.repeats + 2}): {1e3 * whole_on:.1f} ms "
         f"for {new} new tokens over {history} restored, against {1e3 * whole_off:.1f} ms for all "
         f"{len(context)} with reuse off ({whole_on / whole_off:.3f}x; tokens {new / len(context):.3f}x); "
-        f"the restore alone {1e3 * min(restores):.2f} ms"
+        f"the restore alone {1e3 * min(restores):.2f} ms, the prompt-end snapshot (after the first "
+        f"token) {1e3 * min(ends):.2f} ms"
     )
     print(
         f"  on: {1e3 * on_fixed:.2f} ms fixed + {1e6 * on_token:.1f} us a token (prefills of "
-        f"{', '.join(map(str, counts))} new tokens); off: {1e3 * off_fixed:.2f} ms fixed + "
-        f"{1e6 * off_token:.1f} us a token (prefills of {', '.join(map(str, lengths))})"
+        f"{', '.join(map(str, counts[1:]))} new tokens); off: {1e3 * off_fixed:.2f} ms fixed + "
+        f"{1e6 * off_token:.1f} us a token (prefills of {', '.join(map(str, lengths))}); one new token "
+        f"over the history {1e3 * times[('on', 1)]:.2f} ms"
     )
+    print(
+        f"  the same {new} tokens over the restored history with reuse off's products (torch's GEMM for "
+        f"F32 matrices, batched MLA queries; not row-exact): {1e3 * inexact:.1f} ms "
+        f"({inexact / whole_off:.3f}x of reuse off): the row-exact products cost "
+        f"{1e3 * (whole_on - inexact):.1f} ms "
+        f"({whole_on / inexact - 1:+.0%})"
+    )
+    passes_on = _passes(served, history, len(context))
+    on_served, off_served = times[("served on", new)], times[("served off", len(context))]
+    print(
+        f"  in `serve`'s chunks (--prefill-chunk {DEFAULT_PREFILL_CHUNK}, cut by equal work): reuse on "
+        f"{passes_on} passes, {1e3 * on_served:.1f} ms; off {_passes(served, 0, len(context))} passes, "
+        f"{1e3 * off_served:.1f} ms ({on_served / off_served:.3f}x)"
+    )
+
+
+def _passes(chunks: PrefillChunks, start: int, end: int) -> int:
+    """How many of `chunks`' passes a prefill of positions start..end takes."""
+    count = 0
+    while start < end:
+        start, count = chunks.next_end(start, end), count + 1
+    return count
 
 
 def chat_prompt_times(args) -> None:
@@ -636,7 +680,6 @@ def _longest_pass(stall: Stall, one_cpu: float) -> str:
 
 def chunk_times(model, prompt: list[int], tokens: int) -> None:
     """Each chunk's CPU time along `prompt` (cache on), cut every `tokens` tokens and by equal work."""
-    from k3stream.engine.prompt_cache import ChunkedPrefill, PrefillChunks, attention_rows_per_token
 
     rows = attention_rows_per_token(model.config)
     for label, chunks in (("every", PrefillChunks(tokens)), ("equal work", PrefillChunks(tokens, rows))):

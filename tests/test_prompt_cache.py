@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from pathlib import Path
@@ -288,10 +289,9 @@ def test_disk_eviction_never_orphans_a_file(model, fingerprint, tmp_path):
     assert got.reused == len(prompts[-1]) and torch.equal(got.logits, cold(model, prompt))
 
 
-def test_chunks_cut_at_fixed_positions_each_about_the_work_of_the_first(model):
+def test_chunks_each_take_about_the_work_of_the_first(model):
     """Deep in a long prompt a token attends over more rows: its chunks take fewer tokens, each as much
-    work as the prompt's first chunk (within one token), cut where they are whatever position a
-    restored prefill starts from."""
+    work as the prompt's first chunk (within one token), from wherever a chunk starts."""
     chunks, length = PrefillChunks(64, attention_rows_per_token(model.config)), 4096
     ends = [chunks.next_end(0, length)]
     while ends[-1] < length:
@@ -300,9 +300,26 @@ def test_chunks_cut_at_fixed_positions_each_about_the_work_of_the_first(model):
     assert ends[0] == 64
     for start, end in zip(starts[:-1], ends[:-1], strict=True):  # the last is cut by the prompt's end
         assert chunks.cost(start, end) <= chunks.budget < chunks.cost(start, end + 1)
-        assert chunks.next_end((start + end) // 2, length) == end
     assert ends[-2] - starts[-2] < 32  # at ~4K positions the attention outweighs the rest
-    assert PrefillChunks(64).next_end(100, length) == 128  # without attention rows: every 64 tokens
+    middle = chunks.next_end(1000, length)  # a chunk of a prefill restored at 1,000
+    assert chunks.cost(1000, middle) <= chunks.budget < chunks.cost(1000, middle + 1)
+    assert PrefillChunks(64).next_end(100, length) == 164  # without attention rows: 64 tokens each
+
+
+def test_a_restored_turn_takes_the_fewest_chunks_that_hold_its_new_tokens(model, fingerprint):
+    """Chunks are cut from where a prefill's computation starts: a turn of 60 new tokens after a
+    restored history of 100 takes one chunk of 64 (cut at multiples of 64, it would take two: each
+    chunk is a pass, and where experts stream from a pack a pass reads the pack)."""
+    cache = PromptCache(model, fingerprint, ram_bytes=64 * MIB)
+    history = ids(model, 100, seed=8)
+    cache.prefill(history)
+    turn = history + ids(model, 60, seed=9)
+    prefill, steps = ChunkedPrefill(model, turn, cache), 1
+    while not prefill.step(PrefillChunks(64)):
+        steps += 1
+    assert (prefill.reused, steps) == (100, 1)
+    assert torch.equal(prefill.logits, cold(model, turn))
+    cache.close()
 
 
 def test_a_prefill_in_chunks_of_equal_work_has_the_whole_prefills_bits(model, fingerprint):
@@ -477,3 +494,30 @@ def test_ram_eviction_weighs_what_a_snapshot_frees_not_the_rows_it_shares(model,
     left = {entry.tokens for entry in cache._tree.entries() if entry.snapshot is not None}
     assert left == {tuple(prompt), tuple(prompt + answer[:-1])} and cache.ram_bytes <= cache.ram_budget
     cache.close()
+
+
+def test_a_chunk_that_ends_at_a_snapshot_position_is_snapshotted_there(model, fingerprint):
+    """Chunks cut where `--cache-every` falls (every 512 tokens against every 1024, say) keep those
+    snapshots: a prefill's marks are inside a pass, a chunk's end is not."""
+    cache = PromptCache(model, fingerprint, ram_bytes=64 * MIB, every=40)
+    tokens = ids(model, 130, seed=5)
+    prefill = ChunkedPrefill(model, tokens, cache)
+    while not prefill.step(PrefillChunks(40)):
+        pass
+    branch = tokens[:125] + ids(model, 5, seed=6)
+    restored = cache.prefill(branch)
+    assert restored.reused == 120
+    assert torch.equal(restored.logits, cold(model, branch))
+    cache.close()
+
+
+def test_chunks_of_a_model_whose_only_mla_layer_is_the_last_keep_their_tokens(tiny_model):
+    """A prefill pass sends only its last row through the last layer's attention: where that is the
+    only MLA layer (the shipped model's shape) a deep chunk costs what the first does, and chunks keep
+    `--prefill-chunk` tokens however deep the prompt (not a tenth of them)."""
+    last_only = k3stream.load(tiny_model(mla_layers=(5,))).config
+    assert attention_rows_per_token(last_only) == math.inf
+    chunks = PrefillChunks(64, attention_rows_per_token(last_only))
+    assert chunks.next_end(3000, 4096) == 3064
+    both = k3stream.load(tiny_model(mla_layers=(3, 5))).config
+    assert math.isfinite(attention_rows_per_token(both))

@@ -207,3 +207,114 @@ def test_waiting_prefills_share_one_pass_and_answer_as_each_alone(model, model_p
     assert scheduler.snapshot()["batched_prefills"] >= 1
     for job, ids in zip(jobs, prompts, strict=True):
         assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
+
+
+class _Greedy:
+    """A request's logic: greedy, `count` tokens, each sent as text (so each step puts one event)."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.completion_tokens, self.finish_reason = count, 0, None
+
+    def choose(self, logits) -> int:
+        return int(logits.argmax())
+
+    def accept(self, token: int) -> str:
+        self.completion_tokens += 1
+        if self.completion_tokens == self.count:
+            self.finish_reason = "length"
+        return f"<{token}>"
+
+
+def test_the_first_token_and_the_finish_are_sent_before_their_snapshots(model, tokenizer):
+    """The scheduler sends a request's first token before it snapshots the prompt's end, and its finish
+    before it snapshots the response's end: neither snapshot is on the client's path. Both still restore
+    the cold state: the logits after each equal a cold prefill's, bit for bit."""
+    import asyncio
+    import time
+
+    import torch
+
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import EventSink, FinishEvent, Job, PieceEvent, Scheduler
+
+    cache = PromptCache(model, "order", 64 * MIB, every=1 << 20)  # snapshots at the ends only
+    seen: list[tuple[str, int]] = []
+
+    class Recording(EventSink):
+        def put(self, event) -> None:
+            seen.append((type(event).__name__, cache.stats.snapshots_created))
+            super().put(event)
+
+    loop = asyncio.new_event_loop()
+    prompt = tokenizer.encode("A prompt whose end and answer go into the cache " * 3)
+    job = Job(prompt, _Greedy(4), Recording(loop))
+    scheduler = Scheduler(model, ServerMetrics(), max_batch=2, max_queue=2, cache=cache)
+    scheduler.submit(job)
+    scheduler.start()
+    try:
+        for _ in range(3000):  # a bound, not a timing assertion
+            if job.logic.finish_reason is not None and cache.stats.snapshots_created == 2:
+                break
+            time.sleep(0.01)
+    finally:
+        scheduler.stop()
+        loop.close()
+    pieces = [created for kind, created in seen if kind == PieceEvent.__name__]
+    assert pieces[0] == 0 and [created for kind, created in seen if kind == FinishEvent.__name__] == [1]
+    assert cache.stats.snapshots_created == 2
+    answered = prompt + job.generated[:-1]
+    for tokens in (prompt + [7], answered + [7]):
+        got = cache.prefill(tokens)
+        assert got.reused == len(tokens) - 1
+        assert torch.equal(got.logits, model.prefill_last(model.new_state(), tokens))
+    cache.close()
+
+
+def test_the_running_streams_step_while_a_snapshot_is_read_from_disk(model, tokenizer, tmp_path):
+    """A request whose prompt's snapshot only a file holds has it read on the cache reader's thread:
+    the running stream takes decode steps meanwhile (here the read waits until this test writes to
+    the file, a FIFO, so the order holds whatever the disk's speed)."""
+    import asyncio
+    import os
+    import time
+
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import EventSink, Job, Scheduler
+
+    prompt = tokenizer.encode("A conversation resumed from its file " * 3)
+    writer = PromptCache(model, "reading", 64 * MIB, tmp_path, 1 << 30)
+    writer.prefill(prompt)
+    writer.close()
+    cache = PromptCache(model, "reading", 64 * MIB, tmp_path, 1 << 30)  # a restart: the file alone
+    [path] = (tmp_path / "reading").glob("*.k3snap")
+    path.unlink()
+    os.mkfifo(path)  # opening it to read waits for a writer: this test, below
+    loop = asyncio.new_event_loop()
+    running = Job(tokenizer.encode("a stream"), _Greedy(1 << 20), EventSink(loop))
+    resumed = Job(prompt + tokenizer.encode(" and on"), _Greedy(2), EventSink(loop))
+    scheduler = Scheduler(model, ServerMetrics(), max_batch=2, max_queue=2, cache=cache)
+
+    def until(condition) -> None:
+        for _ in range(3000):  # a bound, not a timing assertion
+            if condition():
+                return
+            time.sleep(0.01)
+
+    scheduler.submit(running)
+    scheduler.start()
+    try:
+        until(lambda: running.generated)
+        scheduler.submit(resumed)
+        until(lambda: resumed.prefill_started_at > 0)
+        before = len(running.generated)
+        until(lambda: len(running.generated) >= before + 20)
+        stepped = len(running.generated) - before
+        os.close(os.open(path, os.O_WRONLY))  # the read goes on: an empty file, a miss
+        until(lambda: resumed.logic.finish_reason is not None)
+    finally:
+        running.cancel()
+        scheduler.stop()
+        loop.close()
+        cache.close()
+    assert stepped >= 20
+    assert resumed.logic.finish_reason == "length" and resumed.cached_tokens == 0

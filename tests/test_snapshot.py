@@ -80,6 +80,39 @@ def test_a_snapshot_after_decode_steps_restores_the_cold_prefill(models, name):
     assert torch.equal(model.prefill_last(restore(model, snapshot), more), cold)
 
 
+def test_a_final_snapshot_takes_the_states_tensors_and_restores_the_cold_prefill(models):
+    """A state that goes no further (a finished response) is snapshotted without copying its KDA
+    tensors (a tensor that is a view of more memory, as a batched step's stack, is copied: the snapshot
+    holds its own bytes only), and its latent rows get room for a next turn, which then continues them
+    in place, where a full buffer would have been copied at that turn's restore."""
+    from k3stream.model.kda import KDAState
+    from k3stream.model.mla import MLAState
+
+    model = models["f32"]
+    tokens, state = prompt(model, 28), model.new_state()
+    logits = model.prefill_last(state, tokens)
+    for _ in range(3):
+        tokens.append(int(logits.argmax()))
+        logits = model.decode(state, tokens[-1])
+    kda = [layer for layer in state.layers if isinstance(layer, KDAState)]
+    stacked = torch.stack([kda[0].recurrent, kda[0].recurrent])  # as several sequences' step leaves it
+    kda[0].recurrent = stacked[1]
+    more = prompt(model, 12, seed=1)
+    cold = model.prefill_last(model.new_state(), tokens + more)
+    full = [layer.buffer.shape[0] for layer in state.layers if isinstance(layer, MLAState)]
+    snapshot = take_snapshot(state, final=True)
+    taken = [layer for layer in snapshot.layers if isinstance(layer, KDAState)]
+    assert taken[0].recurrent.data_ptr() != stacked.data_ptr()
+    assert taken[0].recurrent.untyped_storage().nbytes() == taken[0].recurrent.nbytes
+    assert [t.conv.data_ptr() for t in taken] == [s.conv.data_ptr() for s in kda]
+    assert [t.recurrent.data_ptr() for t in taken[1:]] == [s.recurrent.data_ptr() for s in kda[1:]]
+    assert full and all(len(tokens) + len(more) > rows for rows in full)  # no room in the live ones
+    restored = restore(model, snapshot, room=len(more))
+    latents = [layer for layer in restored.layers if isinstance(layer, MLAState)]
+    assert [layer.buffer.data_ptr() for layer in latents] == [r.buffer.data_ptr() for r in snapshot.latents()]
+    assert torch.equal(model.prefill_last(restored, more), cold)
+
+
 def test_snapshots_of_one_sequence_share_its_latent_rows(models):
     model = models["f32"]
     tokens, state = prompt(model), model.new_state()

@@ -218,18 +218,22 @@ def generate(
     sequence = Sequence(tokenizer, prompt_ids, _within_context(model, len(prompt_ids), params), on_text)
     start = time.perf_counter()
     if cache is not None:
-        prefilled = cache.prefill(sequence.prompt_ids)
+        prefill = cache.chunked(sequence.prompt_ids)
+        prefilled = prefill.run(keep_end=False)
         state, logits, cached = prefilled.state, prefilled.logits, prefilled.reused
     else:
         state, cached = model.new_state(), 0
         logits = prefill_last(model, state, sequence.prompt_ids)
     token, done = sequence.feed(logits)
     first_token_at = time.perf_counter()
+    if cache is not None:  # the prompt's end, once the first token's text is out
+        prefill.keep_end()
     while not done:
         token, done = sequence.feed(model.decode(state, token))
     end = time.perf_counter()
-    if cache is not None:  # every token but the last one sampled went through the model
-        cache.save(sequence.prompt_ids + sequence.token_ids[:-1], state)
+    if cache is not None and len(sequence.token_ids) > 1:  # every token but the last one sampled went
+        # through the model (one token: the prompt's end, kept above); the state goes no further
+        cache.save(sequence.prompt_ids + sequence.token_ids[:-1], state, final=True)
     return GenerationResult(
         text=sequence.text,
         token_ids=list(sequence.token_ids),

@@ -20,7 +20,6 @@ last use.
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
 import math
@@ -60,6 +59,11 @@ log = logging.getLogger(__name__)
 MIB, GIB = 1 << 20, 1 << 30
 HALF_LIFE = 64  # cache operations after which a snapshot's score halves
 DEFAULT_EVERY = 1024  # tokens between snapshots inside a prefill (docs/prompt-cache.md: why)
+# what a multiply-add of the MLA attention (a prompt's queries one at a time, as a decode step's) costs
+# in the products' multiply-adds, for `attention_rows_per_token`: chunks of equal work by it took level
+# CPU time along a 4,096-token prompt on bench_sessions' stall model (17-22 ms; deep chunks 1.25x the
+# first with 1)
+ATTENTION_COST = 2.0
 MAGIC = b"K3SNAP02"
 SUFFIX = ".k3snap"
 
@@ -224,28 +228,32 @@ class _RowExactUsers:
 def attention_rows_per_token(config: K3Config) -> float:
     """How many latent rows one token's MLA attention must cover to cost as much as all of its other
     work (multiply-adds: every matrix of every layer, the routed experts' by top_k / experts, and the
-    KDA recurrence's ~4 D^2 a head), by the config's shapes. A prompt token at position i attends over
-    i + 1 rows, so deep in a long prompt the attention outweighs the rest."""
+    KDA recurrence's ~4 D^2 a head; an attention multiply-add counts ATTENTION_COST), by the config's
+    shapes. A prompt token at position i attends over i + 1 rows in each MLA layer but the last, so
+    deep in a long prompt the attention outweighs the rest; a prefill pass sends only its last row
+    (each sequence's) through the last layer's attention, so that layer's rows cost no attention."""
     per_token, per_row = 0.0, 0.0
     for layer in range(config.n_layers):
         for name, shape in layer_shapes(config, layer).items():
             if len(shape) >= 2:
                 share = config.top_k / config.n_experts if is_routed_expert(name) else 1.0
                 per_token += math.prod(shape) * share
-        if config.is_mla(layer):  # the scores over kv_lora + rope, the context over kv_lora
-            per_row += config.n_heads * (2 * config.kv_lora + config.qk_rope)
-        else:
+        if not config.is_mla(layer):
             per_token += 4 * config.n_heads * config.kda_head_dim**2
+        elif layer < config.n_layers - 1:  # the scores over kv_lora + rope, the context over kv_lora
+            per_row += ATTENTION_COST * config.n_heads * (2 * config.kv_lora + config.qk_rope)
     return per_token / per_row if per_row else math.inf
 
 
 class PrefillChunks:
-    """Where a chunked prefill cuts its prompts: at absolute positions (a prompt is computed the same way
-    whatever runs beside it), each chunk about the work of a prompt's first `tokens` tokens, so a stream
-    running beside waits about one such chunk however deep the prompt is. With `rows_per_token`
+    """Where a chunked prefill cuts its prompts: from where its computation starts (after what the cache
+    restored; never by what runs beside it), each chunk about the work of a prompt's first `tokens`
+    tokens, so a stream running beside waits about one such chunk however deep the prompt is, and a
+    turn of n new tokens takes the fewest chunks that hold them. With `rows_per_token`
     (`attention_rows_per_token`) a token's work grows with the rows it attends over, and chunks deep in
     a long prompt take fewer tokens; without, every chunk takes `tokens` (where experts stream from a
-    pack: a pass then costs its expert reads, nearly whatever its tokens)."""
+    pack: a pass then costs its expert reads, nearly whatever its tokens, and n new tokens take
+    ceil(n / tokens) passes)."""
 
     def __init__(self, tokens: int, rows_per_token: float | None = None) -> None:
         if tokens < 1:
@@ -254,7 +262,6 @@ class PrefillChunks:
         finite = rows_per_token is not None and math.isfinite(rows_per_token)
         self.rows_per_token = rows_per_token if finite else None
         self.budget = self.cost(0, tokens)
-        self._ends = [0]  # the chunks' ends from the prompt's start, as far as they were needed
 
     def cost(self, start: int, end: int) -> float:
         """The work of positions start..end - 1, in tokens without attention."""
@@ -264,12 +271,10 @@ class PrefillChunks:
         return end - start + rows / self.rows_per_token
 
     def next_end(self, position: int, length: int) -> int:
-        """Where the chunk that holds `position` ends, in a prompt of `length` tokens."""
+        """Where the chunk that starts at `position` ends, in a prompt of `length` tokens."""
         if self.rows_per_token is None:
-            return min(length, (position // self.tokens + 1) * self.tokens)
-        while self._ends[-1] <= position:
-            self._ends.append(self._end_after(self._ends[-1]))
-        return min(length, self._ends[bisect.bisect_right(self._ends, position)])
+            return min(length, position + self.tokens)
+        return min(length, self._end_after(position))
 
     def _end_after(self, start: int) -> int:
         """The most positions from `start` whose cost fits the budget (at least one): the root of
@@ -286,12 +291,14 @@ class PrefillChunks:
 
 class ChunkedPrefill:
     """A prompt's prefill in steps: restored from `cache` (if any) as far as it holds the prompt, then
-    `step(chunks)` runs the tokens up to the next of `chunks`' cuts (absolute positions: a prompt is cut
-    the same way whatever runs beside it). The last step gives the logits and saves the prompt's end."""
+    `step(chunks)` runs the next of `chunks`' chunks (cut from where the computation starts, whatever
+    runs beside it). The last step gives the logits; `keep_end()` snapshots the
+    prompt's end, which a server calls once the first token is sent (before the state goes on)."""
 
     def __init__(self, model: Any, tokens: list[int], cache: PromptCache | None = None) -> None:
         self.model, self.tokens, self.cache = model, list(tokens), cache
         self.logits: torch.Tensor | None = None
+        self._end_unsaved = False  # the prompt's end was computed and is not in the cache yet
         if cache is not None and cache.enabled:
             self.state, self.reused, self.logits = cache.restore_longest(self.tokens)
         else:
@@ -317,15 +324,23 @@ class ChunkedPrefill:
         start, self.position = self.position, end
         cache = self.cache if self.cache is not None and self.cache.enabled else None
         if cache is not None:
-            cache.note_prefilled(self.tokens, start, end, inside)
+            cache.note_prefilled(self.tokens, start, end, inside, self.state)
         if end == len(self.tokens):
-            self.logits = logits
-            if cache is not None:
-                cache.save(self.tokens, self.state, logits)
+            self.logits, self._end_unsaved = logits, cache is not None
 
-    def run(self) -> Prefilled:
-        """The whole prefill in one pass."""
+    def keep_end(self) -> None:
+        """Snapshot the prompt's end with its last logits (once; nothing where the cache held it whole):
+        call it before the state goes on, after the first token is out where a client waits for it."""
+        if self._end_unsaved:
+            self._end_unsaved = False
+            self.cache.save(self.tokens, self.state, self.logits)
+
+    def run(self, keep_end: bool = True) -> Prefilled:
+        """The whole prefill in one pass (and the snapshot of its end, unless `keep_end` is False: the
+        caller then calls `keep_end()`)."""
         self.step(PrefillChunks(max(len(self.tokens), 1)))
+        if keep_end:
+            self.keep_end()
         return Prefilled(self.logits, self.state, self.reused)
 
 
@@ -427,12 +442,30 @@ class PromptCache:
         """The prompt's last logits and live state: restored from the deepest snapshot of a prefix of
         `tokens`, the rest prefilled in one pass that snapshots every `every` tokens and at its end. A
         prompt seen whole before comes back with the logits its prefill kept."""
-        return ChunkedPrefill(self.model, tokens, self).run()
+        return self.chunked(tokens).run()
 
-    def note_prefilled(self, tokens: list[int], start: int, end: int, inside: list[Snapshot]) -> None:
-        """Tokens start..end of `tokens` went through the model, with snapshots `inside`."""
+    def chunked(self, tokens: list[int]) -> ChunkedPrefill:
+        """The prompt's prefill, restored as far as the cache holds it, to run in steps."""
+        return ChunkedPrefill(self.model, tokens, self)
+
+    def note_prefilled(
+        self,
+        tokens: list[int],
+        start: int,
+        end: int,
+        inside: list[Snapshot],
+        state: SequenceState | None = None,
+    ) -> None:
+        """Tokens start..end of `tokens` went through the model into `state`, with snapshots `inside`
+        (`marks`); a chunk that ends at a snapshot position short of the prompt's end (whose snapshot
+        `save` takes, with its logits) is snapshotted there from `state` (a follower rank's: when rank 0
+        tells it, `Peers.save_snapshot`)."""
         for snapshot in inside:
             self._store(tokens[: snapshot.length], snapshot, durable=False)
+        if state is not None and self.enabled and end < len(tokens) and end % self.every == 0:
+            if self.peers is not None:
+                self.peers.save_snapshot(state)
+            self._store(tokens[:end], take_snapshot(state), durable=False)
         with self._lock:
             self.stats.tokens_computed += end - start
 
@@ -444,10 +477,7 @@ class PromptCache:
         """A state restored from the deepest snapshot of a prefix of `tokens` (a new state and 0 where
         none is), that snapshot's length, and the last token's logits where it is the whole prompt (a
         snapshot of all of `tokens` without logits is passed over: the last logits must be computed)."""
-
-        def usable(entry: Entry) -> bool:
-            return entry.length < len(tokens) or entry.has_logits
-
+        usable = _usable_for(tokens)
         while self.enabled:
             found = self._use_deepest(tokens, usable)
             if found is None:
@@ -467,6 +497,22 @@ class PromptCache:
         with self._lock:
             self.stats.misses += self.enabled
         return self.model.new_state(), 0, None
+
+    def needs_read(self, tokens: list[int]) -> bool:
+        """Whether `restore_longest(tokens)` would read its snapshot from disk (only a file holds it)."""
+        if not self.enabled:
+            return False
+        with self._lock:
+            usable = _usable_for(tokens)
+            entry = self._tree.deepest(tokens, len(tokens), lambda e: e.restorable and usable(e))
+            return entry is not None and entry.snapshot is None
+
+    def read_ahead(self, tokens: list[int]) -> None:
+        """Read the snapshot `restore_longest(tokens)` would restore into the RAM tier where only its
+        file holds it (a bad file is dropped, as there): a server calls it off its scheduler's thread,
+        so the streams it runs go on while the disk reads; the restore then copies from RAM."""
+        if self.enabled:
+            self._use_deepest(tokens, _usable_for(tokens))
 
     def restore_exact(self, tokens: list[int]) -> SequenceState | None:
         """A state restored from the snapshot of exactly `tokens`, or None (a rank told by rank 0)."""
@@ -499,9 +545,17 @@ class PromptCache:
             self.stats.hits += 1
             self.stats.tokens_reused += entry.length
 
-    def save(self, tokens: list[int], state: SequenceState, logits: torch.Tensor | None = None) -> None:
+    def save(
+        self,
+        tokens: list[int],
+        state: SequenceState,
+        logits: torch.Tensor | None = None,
+        final: bool = False,
+    ) -> None:
         """Snapshot `state`, the state after exactly `tokens` (the end of a prompt, with its last
-        `logits`, or of a response)."""
+        `logits`, or of a response). `final`: the state goes no further (a finished response), so the
+        snapshot takes its KDA tensors instead of copying them, and its latent rows get room for the
+        next turn (`snapshot.take_snapshot`); the caller must not use the state again."""
         if not self.enabled:
             return
         if state.length != len(tokens):
@@ -509,7 +563,7 @@ class PromptCache:
         if self.peers is not None:
             self.peers.save_snapshot(state)
         started = time.perf_counter()
-        snapshot = take_snapshot(state)
+        snapshot = take_snapshot(state, final)
         if logits is not None:
             snapshot = snapshot.with_logits(logits)
         with self._lock:
@@ -805,6 +859,11 @@ class PromptCache:
         except (OSError, ValueError) as error:
             reason = "gone" if isinstance(error, OSError) else str(error)
             raise ValueError(f"its parent snapshot of {len(tokens)} tokens: {reason}") from None
+
+
+def _usable_for(tokens: list[int]) -> Callable[[Entry], bool]:
+    """Which entries may serve a prompt of `tokens`: all of it only with its last logits."""
+    return lambda entry: entry.length < len(tokens) or entry.has_logits
 
 
 def _remove(paths: list[Path]) -> None:

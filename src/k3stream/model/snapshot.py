@@ -89,18 +89,42 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def take_snapshot(state: SequenceState) -> Snapshot:
+def take_snapshot(state: SequenceState, final: bool = False) -> Snapshot:
     """The state as it is now; the live sequence may go on (its latent appends land past the snapshot's
-    rows, its KDA steps change its own tensors)."""
+    rows, its KDA steps change its own tensors). `final`: the state goes no further (a finished
+    response; nothing may step it again), so the snapshot takes its KDA tensors instead of copying
+    them, and its latent rows get room for a next turn (`_with_room`)."""
     layers: list[KDAState | LatentRows] = []
     for layer in state.layers:
         if isinstance(layer, KDAState):
-            layers.append(KDAState(layer.conv.detach().clone(), layer.recurrent.detach().clone()))
+            conv, recurrent = (_own(tensor, copy=not final) for tensor in (layer.conv, layer.recurrent))
+            layers.append(KDAState(conv, recurrent))
         elif isinstance(layer, MLAState):
-            layers.append(LatentRows(layer.buffer, layer.length, layer.written))
+            rows = LatentRows(layer.buffer, layer.length, layer.written)
+            layers.append(_with_room(rows) if final else rows)
         else:
             raise TypeError(f"cannot snapshot a layer state of type {type(layer).__name__}")
     return Snapshot(state.length, tuple(layers))
+
+
+def _own(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
+    """`tensor` for a snapshot: a copy, or itself where it may be taken and is the whole of its memory
+    (a view, of a batched step's stack or a prefill's window, is copied: it would hold all of it)."""
+    whole = tensor.is_contiguous() and tensor.untyped_storage().nbytes() == _tensor_bytes(tensor)
+    return tensor.detach() if whole and not copy else tensor.detach().clone()
+
+
+def _with_room(rows: LatentRows) -> LatentRows:
+    """A finished state's latent rows in a buffer with room for a quarter as many again: their own, or
+    a copy in one twice their length. A restore continues a buffer in place only where the next turn's
+    tokens fit, else copies the rows on that turn's first token's path; copied here, they are copied
+    after the response's end is sent (about as often: each copy leaves the old buffer to the older
+    snapshots that hold it)."""
+    if 4 * rows.buffer.shape[0] >= 5 * rows.length:
+        return rows
+    buffer = rows.buffer.new_empty(2 * rows.length, rows.buffer.shape[1])
+    buffer[: rows.length] = rows.rows()
+    return LatentRows(buffer, rows.length, [rows.length])
 
 
 def restore(model: K3Model, snapshot: Snapshot, room: int = 0) -> SequenceState:

@@ -2,13 +2,13 @@
 running sequence.
 
 Requests join and leave between steps. A new request's prompt is restored from the prompt cache as far
-as it holds it, then prefilled a chunk per loop (`PrefillChunks`: cut at absolute positions, so a
-prompt's chunks do not depend on what runs beside it; each about the work of `prefill_chunk` tokens at
-the start of a prompt, fewer tokens deep in a long one, whose attention covers more rows): a running
-stream waits at most about one chunk, whatever another prompt's length. Each decode step is one
-`model.decode_batch` call, so in every MoE layer the union of the batch's experts is fetched once and
-shared by all the tokens that routed to it. Results flow back to the HTTP layer as events through a
-thread-safe `EventSink`.
+as it holds it, then prefilled a chunk per loop (`PrefillChunks`: cut from where its computation
+starts, so a prompt's chunks do not depend on what runs beside it; each about the work of
+`prefill_chunk` tokens at the start of a prompt, fewer tokens deep in a long one, whose attention
+covers more rows): a running stream waits at most about one chunk, whatever another prompt's length.
+Each decode step is one `model.decode_batch` call, so in every MoE layer the union of the batch's
+experts is fetched once and shared by all the tokens that routed to it. Results flow back to the HTTP
+layer as events through a thread-safe `EventSink`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import contextlib
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -120,6 +121,7 @@ class Job:
     cached_tokens: int = 0
     generated: list[int] = field(default_factory=list)
     prefill: ChunkedPrefill | None = None  # the prompt's prefill while it runs
+    reading: Future[None] | None = None  # its prompt's snapshot read from disk, before its prefill
 
     @property
     def width(self) -> int:
@@ -140,6 +142,17 @@ class Job:
         if self.active:
             self.failed = True
             self.sink.put(ErrorEvent(message))
+
+
+def _has_work(job: Job) -> bool:
+    """Whether the loop has something to do for a running `job`: drop it, step its prefill or decode,
+    or start its prefill once its snapshot is read (not while the read goes on, nor for a choice whose
+    request's prefill has not ended)."""
+    if not job.active:
+        return True
+    if job.reading is not None:
+        return job.reading.done()
+    return job.prefill is not None or job.last_token >= 0
 
 
 class Scheduler:
@@ -176,6 +189,8 @@ class Scheduler:
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="k3stream-scheduler", daemon=True)
+        # reads prompts' snapshots from disk (`PromptCache.read_ahead`) while the running ones step
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="k3stream-cache-reader")
         # what the scheduler saw, for /health: decode steps, those with more than one sequence, jobs
         # dropped because their client left, and the most requests ever waiting at once
         self.steps = 0
@@ -200,6 +215,7 @@ class Scheduler:
             self._wake.notify_all()
         if self._thread.is_alive():
             self._thread.join()
+        self._reader.shutdown(wait=False, cancel_futures=True)
 
     def submit(self, job: Job) -> None:
         """Queue `job`; it may wait only while the queue is within `max_queue` plus the free batch slots."""
@@ -263,7 +279,7 @@ class Scheduler:
 
     def _wait_for_work(self) -> bool:
         with self._wake:
-            while not self._stopping and not self._waiting and not self._running:
+            while not self._stopping and not self._waiting and not any(map(_has_work, self._running)):
                 self._wake.wait()
             return not self._stopping
 
@@ -292,18 +308,38 @@ class Scheduler:
 
     def _admit_waiting(self) -> None:
         """Start the prefills of waiting requests while the batch has room (their states restored from
-        the prompt cache as far as it holds them)."""
+        the prompt cache as far as it holds them); a snapshot only a file holds is read first on the
+        reader's thread (the running sequences step meanwhile), and its request starts once it is in."""
+        for job in [job for job in self._running if job.reading is not None and job.reading.done()]:
+            job.reading = None
+            self._start_prefill(job)
         while (job := self._next_waiting()) is not None:
-            try:
-                self._progress(job, 0)
-                job.prefill = ChunkedPrefill(self.model, job.prompt_tokens, self.cache)
-            except Exception as exc:  # one bad request must not stop the server
-                log.exception("prefill failed")
-                self._fail_request(job, f"prefill failed: {exc}")
-                continue
-            job.state, job.cached_tokens = job.prefill.state, job.prefill.reused
-            if job.prefill.done:  # the whole prompt was cached
-                self._end_prefill(job)
+            self._progress(job, 0)
+            if self.cache is not None and self.cache.needs_read(job.prompt_tokens):
+                job.reading = self._reader.submit(self._read_ahead, job.prompt_tokens)
+                job.reading.add_done_callback(lambda _: self.wake())
+            else:
+                self._start_prefill(job)
+
+    def _read_ahead(self, tokens: list[int]) -> None:
+        try:
+            self.cache.read_ahead(tokens)
+        except Exception:  # the restore reads it again, or computes the prompt
+            log.exception("prompt cache: reading a snapshot failed")
+
+    def _start_prefill(self, job: Job) -> None:
+        """`job`'s prefill, restored from the prompt cache as far as it holds the prompt."""
+        if not job.active:
+            return
+        try:
+            job.prefill = ChunkedPrefill(self.model, job.prompt_tokens, self.cache)
+        except Exception as exc:  # one bad request must not stop the server
+            log.exception("prefill failed")
+            self._fail_request(job, f"prefill failed: {exc}")
+            return
+        job.state, job.cached_tokens = job.prefill.state, job.prefill.reused
+        if job.prefill.done:  # the whole prompt was cached
+            self._end_prefill(job)
 
     def _prefill_step(self) -> None:
         """The next chunk of the oldest running prefill, with those of the next ones that fit in one
@@ -343,11 +379,16 @@ class Scheduler:
         return batch
 
     def _end_prefill(self, job: Job) -> None:
-        """The prompt is in `job`'s state: its choices start from its last logits."""
-        logits, job.prefill = job.prefill.logits, None
+        """The prompt is in `job`'s state: its choices start from its last logits. The prompt's end goes
+        into the prompt cache once their first tokens are sent (before the state takes a decode step)."""
+        prefill, job.prefill = job.prefill, None
         self._progress(job, len(job.prompt_tokens))
-        for choice, choice_logits in self._share_prefill(job, logits):
+        for choice, choice_logits in self._share_prefill(job, prefill.logits):
             self._emit_token(choice, choice_logits)
+        try:
+            prefill.keep_end()
+        except Exception:  # a cache that cannot keep a state costs the next turn time, nothing else
+            log.exception("prompt cache: saving a prompt's state failed")
 
     def _progress(self, job: Job, processed: int) -> None:
         """Record and send how many prompt tokens of `job` are prefilled."""
@@ -421,7 +462,6 @@ class Scheduler:
         if job.logic.finish_reason is not None:
             self.completed_jobs += 1
             self.consecutive_failures = 0
-            self._save_response(job)
             finish = FinishEvent(
                 job.logic.finish_reason,
                 len(job.prompt_tokens),
@@ -429,14 +469,17 @@ class Scheduler:
                 job.cached_tokens,
             )
             job.sink.put(finish)
+            self._save_response(job)
 
     def _save_response(self, job: Job) -> None:
-        """The finished job's state into the prompt cache: its prompt and every generated token but the
-        last (never fed to the model)."""
-        if self.cache is None:
+        """The finished job's state into the prompt cache, after its last event is sent: its prompt and
+        every generated token but the last (never fed to the model; after one token that is the prompt's
+        end, which `_end_prefill` keeps with its logits). The state goes no further, so the snapshot takes
+        its tensors (no copy)."""
+        if self.cache is None or len(job.generated) < 2:
             return
         try:
-            self.cache.save(job.prompt_tokens + job.generated[:-1], job.state)
+            self.cache.save(job.prompt_tokens + job.generated[:-1], job.state, final=True)
         except Exception:  # a cache that cannot keep a state costs the next turn time, nothing else
             log.exception("prompt cache: saving a response's state failed")
 
