@@ -30,32 +30,122 @@ AVX512_INLINE float f16_scale(const uint8_t *p) {
     return _cvtsh_ss(bits);
 }
 
+/* 32 bytes at p in both halves */
+AVX512_INLINE __m512i both_halves(const uint8_t *p) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* the two 32-byte halves of a vector */
+AVX512_INLINE __m512i join_halves(__m256i low, __m256i high) { return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); }
+
+AVX512_INLINE __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+/* ---- each block's float scale, from a table made once a chunk of CHUNK_BLOCKS_K blocks ------------ */
+#define CHUNK_BLOCKS_K 16
+
+/* The dwords at `at` + block_bytes k for the `count` (<= 16) blocks k of a chunk (each block's f16
+ * scales), by one gather: a chunk's scales as floats by two or three vector operations, in place of a
+ * scalar conversion, product and broadcast a block (the FMAs broadcast them from memory) */
+AVX512_INLINE __m512i chunk_dwords(const uint8_t *at, int block_bytes, int count) {
+    const __m512i k = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (__mmask16)((1u << count) - 1),
+                                       _mm512_mullo_epi32(k, _mm512_set1_epi32(block_bytes)), at, 1);
+}
+
+/* the f16 in each dword's low (shift 0) or high (shift 16) half, as floats */
+AVX512_INLINE __m512 f16_halves(__m512i dwords, int shift) {
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dwords, shift)));
+}
+
+/* the floats at d + stride k bytes for the `count` blocks k of a chunk (the activation blocks' d) */
+AVX512_INLINE __m512 chunk_floats(const float *d, int stride, int count) {
+    const __m512i k = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), (__mmask16)((1u << count) - 1),
+                                    _mm512_mullo_epi32(k, _mm512_set1_epi32(stride)), d, 1);
+}
+
+/* Q2_K and Q3_K: per input row r and block k of the chunk from block c, the block's d (the f16 at
+ * `at` + block_bytes k, half `shift` of its dword) times row r's Q8_K d into steps[r][k]; where `mins`,
+ * the dword's other half times -(row r's d) into mins[r][k] (Q2_K's dmin) */
+AVX512_INLINE void q8k_steps(const uint8_t *at, int block_bytes, int shift, const BlockQ8K *const *y, int64_t c,
+                             int count, float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], const int n) {
+    const __m512i dwords = chunk_dwords(at, block_bytes, count);
+    const __m512 step = f16_halves(dwords, shift), neg = _mm512_set1_ps(-0.0f);
+    for (int r = 0; r < n; r++) {
+        const __m512 d = chunk_floats(&y[r][c].d, (int)sizeof(BlockQ8K), count);
+        _mm512_storeu_ps(steps[r], _mm512_mul_ps(d, step));
+        if (mins) _mm512_storeu_ps(mins[r], _mm512_mul_ps(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(d), _mm512_castps_si512(neg))), f16_halves(dwords, 16 - shift)));
+    }
+}
+
 /* ---- Q8_0: signed codes times signed codes -------------------------------------------------------
  * w . y = (w + 128) . y - 128 sum(y): the first by vpdpbusd on w's bytes with the top bit flipped
  * (unsigned w + 128), started from -128 times each lane's four activations: the int32 lanes of ggml's
- * maddubs(|w|, sign(y, w)) pairs. One weight row at a time, one sequential stream (four rows against
- * each activation block, four streams, ran 0.6-0.9x as fast from RAM on AMD EPYC, Zen 4), its lines
- * PREFETCH_BYTES ahead asked for in software as the AVX2 kernels do (every one-row kernel here): on
- * Intel Xeon (Emerald Rapids) the one-row kernels ran 1.5-2x as fast from RAM with it (Q8_0 1.7-2x, Q6_K
- * 1.6x, Q2_K 1.5-1.7x, Q4_K 1.8x; one thread, 4 KiB and 2 MiB pages alike); on Zen 4 it gained nothing. */
+ * maddubs(|w|, sign(y, w)) pairs. Those starts depend on the input row alone: made once for all the
+ * weight rows (up to Q8_0_STARTS blocks; a longer row's further blocks make theirs as they go), so a
+ * block takes an xor, a vpdpbusd, a conversion and an FMA. One weight row at a time, one sequential
+ * stream (four rows against each activation block, four streams, ran 0.6-0.9x as fast from RAM on AMD
+ * EPYC, Zen 4), its lines PREFETCH_BYTES ahead asked for in software as the AVX2 kernels do (every
+ * one-row kernel here): on Intel Xeon (Emerald Rapids) the one-row kernels ran 1.5-2x as fast from RAM
+ * with it (one thread, 4 KiB and 2 MiB pages alike); on Zen 4 it gained nothing. */
+#define Q8_0_STARTS 768
+
+/* an input row's first Q8_0_STARTS blocks: each one's vpdpbusd start and d */
+typedef struct {
+    __m256i starts[Q8_0_STARTS];
+    float d[Q8_0_STARTS];
+} Q80Starts;
+
+/* the vpdpbusd start of activation block y: -128 times each lane's four activations */
+AVX512_INLINE __m256i q8_0_start(const BlockQ8_0 *y) {
+    const __m256i zero = _mm256_setzero_si256();
+    return _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, _mm256_set1_epi8((char)0x80), _mm256_loadu_si256((const __m256i *)y->qs)));
+}
+
+/* weight rows a and b (b may be a: its result is then dropped) against input row y (table: its first
+ * Q8_0_STARTS blocks' starts and d), row a's block in the low half of each vector and row b's in the high
+ * half (each half's eight int32 and float lanes that row's, its FMAs that row's in block order): one
+ * vpdpbusd, conversion and FMA for the two, and two FMA chains in flight, not one */
+AVX512_INLINE void q8_0_pair(const uint8_t *a, const uint8_t *b, const BlockQ8_0 *y, const Q80Starts *table,
+                             int64_t blocks, float *out_a, float *out_b) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < blocks; c += CHUNK_BLOCKS_K) {
+        const int count = blocks - c < CHUNK_BLOCKS_K ? (int)(blocks - c) : CHUNK_BLOCKS_K;
+        const __m512 yd = c < Q8_0_STARTS ? _mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1), table->d + c)
+                                          : chunk_floats(&y[c].d, (int)sizeof(BlockQ8_0), count);
+        const __m512 steps_a = _mm512_mul_ps(yd, f16_halves(chunk_dwords(a + 34 * c, 34, count), 0));
+        const __m512 steps_b = _mm512_mul_ps(yd, f16_halves(chunk_dwords(b + 34 * c, 34, count), 0));
+        for (int i = 0; i < count; i++) {
+            const int64_t k = c + i;
+            prefetch_ahead(a + 34 * k, 34);
+            prefetch_ahead(b + 34 * k, 34);
+            const __m256i start = k < Q8_0_STARTS ? _mm256_load_si256(table->starts + k) : q8_0_start(y + k);
+            const __m512i codes = _mm512_xor_si512(join_halves(_mm256_loadu_si256((const __m256i *)(a + 34 * k + 2)),
+                                                               _mm256_loadu_si256((const __m256i *)(b + 34 * k + 2))),
+                                                   flip);
+            const __m512i sums = _mm512_dpbusd_epi32(_mm512_broadcast_i64x4(start), codes, both_halves((const uint8_t *)y[k].qs));
+            const __m512i at = _mm512_inserti64x4(_mm512_set1_epi32(i), _mm256_set1_epi32(CHUNK_BLOCKS_K + i), 1);
+            acc = _mm512_fmadd_ps(_mm512_permutex2var_ps(steps_a, at, steps_b), _mm512_cvtepi32_ps(sums), acc);
+        }
+    }
+    *out_a = hsum8(_mm512_castps512_ps256(acc));
+    *out_b = hsum8(high_half(acc));
+}
+
+/* Rows first..last - 1 in pairs (m, m + half): two sequential streams, each asked for ahead */
 AVX512_TARGET static void q8_0_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) {
-    const int64_t blocks = pr->in_features / 32;
-    const __m256i flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
-    for (int64_t m = first; m < last; m++) {
-        const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
-        for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {
-            const BlockQ8_0 *y = pr->q8_0 + pr->rows[p] * blocks;
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t k = 0; k < blocks; k++) {
-                const uint8_t *block = row + 34 * k;
-                prefetch_ahead(block, 34);
-                const __m256i q8 = _mm256_loadu_si256((const __m256i *)y[k].qs);
-                const __m256i start = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, flip, q8));
-                const __m256i codes = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(block + 2)), flip);
-                const __m256i sums = _mm256_dpbusd_epi32(start, codes, q8);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_scale(block) * y[k].d), _mm256_cvtepi32_ps(sums), acc);
-            }
-            pr->out[p * pr->out_stride + m] = hsum8(acc);
+    const int64_t blocks = pr->in_features / 32, half = (last - first + 1) / 2;
+    Q80Starts table;
+    for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {
+        const BlockQ8_0 *y = pr->q8_0 + pr->rows[p] * blocks;
+        float *out = pr->out + p * pr->out_stride, dropped;
+        for (int64_t k = 0; k < blocks && k < Q8_0_STARTS; k++) table.starts[k] = q8_0_start(y + k), table.d[k] = y[k].d;
+        for (int64_t m = first; m < first + half; m++) {
+            const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
+            const int paired = m + half < last;
+            q8_0_pair(row, paired ? row + half * pr->row_bytes : row, y, &table, blocks, out + m,
+                      paired ? out + m + half : &dropped);
         }
     }
 }
@@ -70,11 +160,6 @@ AVX512_INLINE __m512i run_pair_scales(__m512i scales, int j) {
                          7, 6, 5, 4, 3, 2, 1, 0),
         3);
     return _mm512_permutexvar_epi16(_mm512_add_epi16(lane, _mm512_set1_epi16((short)(4 * j))), scales);
-}
-
-/* 32 bytes at p in both halves */
-AVX512_INLINE __m512i both_halves(const uint8_t *p) {
-    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
 }
 
 /* each 16-bit lane of the low half shifted right by `low`, of the high half by `high` */
@@ -102,11 +187,9 @@ AVX512_INLINE void run_pair_dot(__m512i codes, __m512i scales, const BlockQ8K *c
  * plus a constant: one instruction moves code f of every byte to bits 0-1 with nothing above, the shift
  * and mask of the AVX2 kernels. The low half of a vector takes one matrix, the high half another, so a
  * 32-byte load in both halves gives two runs. Both kernels also take each block's float scales from a
- * table made once a chunk of CHUNK_BLOCKS blocks (q8k_steps), broadcast from memory by the FMAs. */
+ * table made once a chunk of CHUNK_BLOCKS_K blocks (q8k_steps), broadcast from memory by the FMAs. */
 #define KQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c,bmi2")))
 #define KQ_INLINE KQ_TARGET static inline __attribute__((always_inline))
-#define CHUNK_BLOCKS_K 16
-
 /* the matrix qword moving input bits `from`, `from` + 1 to output bits 0, 1 (other output bits 0) */
 #define TAKE_CODE(from) ((1ULL << (from)) << 56 | (1ULL << ((from) + 1)) << 48)
 /* ... moving input bit `from` to output bit 2 */
@@ -124,25 +207,6 @@ KQ_INLINE __m512i take_plus(__m512i v, __m512i take, int j) {
         case 1: return _mm512_gf2p8affine_epi64_epi8(v, take, 4);
         case 2: return _mm512_gf2p8affine_epi64_epi8(v, take, 8);
         default: return _mm512_gf2p8affine_epi64_epi8(v, take, 12);
-    }
-}
-
-/* Per input row r and block k of the chunk from block c (count blocks): the block's d (f16, the low half
- * of the dword at `at` + block_bytes k when `shift` is 0, else its high half) times row r's Q8_K d into
- * steps[r][k]; where `mins`: the dword's other half times -d into mins[r][k] (Q2_K's d and dmin) */
-KQ_INLINE void q8k_steps(const uint8_t *at, int block_bytes, int shift, const BlockQ8K *const *y, int64_t c,
-                         int count, float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], const int n) {
-    const __m512i k = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __mmask16 take = (__mmask16)((1u << count) - 1);
-    const __m512i zero = _mm512_setzero_si512(), neg = _mm512_set1_epi32((int)0x80000000u);
-    const __m512i halves = _mm512_mask_i32gather_epi32(zero, take, _mm512_mullo_epi32(k, _mm512_set1_epi32(block_bytes)), at, 1);
-    const __m512 step = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(halves, shift)));
-    const __m512 other = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(halves, 16 - shift)));
-    const __m512i q8k = _mm512_mullo_epi32(k, _mm512_set1_epi32((int)sizeof(BlockQ8K)));
-    for (int r = 0; r < n; r++) {
-        const __m512 d = _mm512_mask_i32gather_ps(_mm512_castsi512_ps(zero), take, q8k, &y[r][c].d, 1);
-        _mm512_storeu_ps(steps[r], _mm512_mul_ps(d, step));
-        if (mins) _mm512_storeu_ps(mins[r], _mm512_mul_ps(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(d), neg)), other));
     }
 }
 
@@ -365,11 +429,6 @@ typedef struct {
     __m512i codes[TILE_PAIRS][CHUNK_BLOCKS];
     __m512 d[TILE_PAIRS][CHUNK_BLOCKS]; /* each half that row's d */
 } Q80Tile;
-
-/* the two 32-byte halves of a vector */
-AVX512_INLINE __m512i join_halves(__m256i low, __m256i high) { return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); }
-
-AVX512_INLINE __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
 /* parked[r][i] gains input row r's `count` blocks y[r] against the tile's `pairs` pairs of weight rows */
 AVX512_INLINE void q8_0_tile_dot(const Q80Tile *tile, const BlockQ8_0 *const *y, int count, __m512 (*parked)[TILE_PAIRS],
