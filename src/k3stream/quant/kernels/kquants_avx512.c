@@ -11,8 +11,9 @@
  * What AVX-512 changes: VNNI's vpdpbusd (unsigned x signed bytes into int32 lanes) and vpdpwssd (int16
  * pairs into them) fuse the AVX2 kernels' maddubs/madd/add chains; the K-quants take two 32-value runs
  * in one 64-byte vector (their lanes folded onto eight at the block's end), their scales spread by one
- * vpermw (Q2_K: each code looks up its code-times-scale byte, one vpdpbusd a pair of runs); Q8_0's
- * multi-row kernel holds two weight rows in one 64-byte vector, each half that row's eight lanes.
+ * vpermw (Q2_K: each code looks up its code-times-scale byte, one vpdpbusd a pair of runs; Q2_K's and
+ * Q3_K's codes come by GFNI's gf2p8affine); Q8_0's kernels hold two weight rows in one 64-byte vector,
+ * each half that row's eight lanes.
  */
 #include <stdint.h>
 #include <stdlib.h>
