@@ -212,6 +212,11 @@ class MLA:
         ]
         return self._output(torch.stack(contexts), g_logits)
 
+    def unbind(self) -> None:
+        """Drops the bound decode steps (every thread's): the next one-sequence decode binds them again,
+        to the C library's functions as they are then (a profile wraps them)."""
+        self._bound = threading.local()
+
     def _decode_bound(self, h: torch.Tensor, state: MLAState) -> torch.Tensor:
         """`decode` of one sequence by its decode steps, bound once per thread (again for another thread
         count) to buffers of their own and to whichever state runs them."""
