@@ -117,7 +117,9 @@ AVX512_INLINE void q8_0_pair(const uint8_t *a, const uint8_t *b, const BlockQ8_0
                                           : chunk_floats(&y[c].d, (int)sizeof(BlockQ8_0), count);
         const __m512 steps_a = _mm512_mul_ps(yd, f16_halves(chunk_dwords(a + 34 * c, 34, count), 0));
         const __m512 steps_b = _mm512_mul_ps(yd, f16_halves(chunk_dwords(b + 34 * c, 34, count), 0));
-        for (int i = 0; i < count; i++) {
+        /* block i's step of row a in the low half, of row b in the high half */
+        __m512i at = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(CHUNK_BLOCKS_K), 1);
+        for (int i = 0; i < count; i++, at = _mm512_add_epi32(at, _mm512_set1_epi32(1))) {
             const int64_t k = c + i;
             prefetch_ahead(a + 34 * k, 34);
             prefetch_ahead(b + 34 * k, 34);
@@ -126,7 +128,6 @@ AVX512_INLINE void q8_0_pair(const uint8_t *a, const uint8_t *b, const BlockQ8_0
                                                                _mm256_loadu_si256((const __m256i *)(b + 34 * k + 2))),
                                                    flip);
             const __m512i sums = _mm512_dpbusd_epi32(_mm512_broadcast_i64x4(start), codes, both_halves((const uint8_t *)y[k].qs));
-            const __m512i at = _mm512_inserti64x4(_mm512_set1_epi32(i), _mm256_set1_epi32(CHUNK_BLOCKS_K + i), 1);
             acc = _mm512_fmadd_ps(_mm512_permutex2var_ps(steps_a, at, steps_b), _mm512_cvtepi32_ps(sums), acc);
         }
     }
