@@ -221,7 +221,7 @@ def test_avx512_kernels_on_two_threads_keep_the_one_thread_avx2_bits(qt, cols, m
 
 
 @pytest.mark.parametrize("qt", SAME_BITS_AVX512_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("out_rows,cols", [(5, 256), (7, 1280), (3, 7168)])
+@pytest.mark.parametrize("out_rows,cols", [(5, 256), (7, 1280), (3, 7168), (4, 25600)])
 def test_the_avx512_kernels_give_the_avx2_kernels_bits(qt, out_rows, cols, monkeypatch):
     """The AVX-512 one-row kernels (one to five input rows a matrix: below the tiles) form the AVX2
     kernels' integer lanes and float operations: the same bits, on weights whose codes reach both ends."""

@@ -158,3 +158,26 @@ def test_a_bad_token_is_refused_before_the_program_runs(tiny_model, tokens):
     model.prefill(state, [1, 2, 3])
     with pytest.raises(ValueError, match="token id outside"):
         model.decode_batch([state], tokens)
+
+
+def test_the_eager_mla_step_of_one_sequence_follows_whichever_sequence_runs_it(tiny_model):
+    """Off the program, an MLA layer decodes one sequence by its C calls bound once a thread: two
+    sequences decoded in turn, each alone, give what they give decoded together (MLA's torch steps),
+    bit for bit, and the bound step keeps no sequence once it has run."""
+    from k3stream.model.mla import MLA
+
+    model = k3stream.load(tiny_model(**SPECS[0], seed=5))
+    model.use_program = False
+    vocab = model.config.vocab_size
+    prompts = [tokens_for(6, vocab, 9), tokens_for(7, vocab, 4)]
+    alone, together = [], []
+    for states in (alone, together):
+        for prompt in prompts:
+            states.append(model.new_state())
+            model.prefill(states[-1], prompt)
+    for step in range(3):
+        tokens = [11 + step, 200 + step]
+        each = torch.stack([model.decode(state, token) for state, token in zip(alone, tokens, strict=True)])
+        assert torch.equal(each, model.decode_batch(together, tokens))
+    layers = [layer.attn for layer in model.layers if isinstance(layer.attn, MLA)]
+    assert layers and all(layer._bound.state is None and layer._bound.steps for layer in layers)

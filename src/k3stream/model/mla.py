@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,14 @@ class HeadProjection:
         starts, order = _rows_by_head(1, self.heads)
         call = self.per_head.bind(x, starts, order, out, threads) if self.per_head is not None else None
         return call or cpu.python_step(lambda: out.copy_(self(x[None])[0]))
+
+
+def run_calls(steps: list[cpu.Call]) -> None:
+    """Runs bound calls in order; a C call's nonzero status (no memory) raises MemoryError."""
+    for function, args, _ in steps:
+        status = function(*args)
+        if status:
+            raise MemoryError(f"decode step {function.__name__}: status {status} (no memory)")
 
 
 def _bind_output_gate(values: torch.Tensor, g_logits: torch.Tensor, out: torch.Tensor) -> cpu.Call:
@@ -174,6 +183,7 @@ class MLA:
         self.projections = JointLinear(
             [w.q_b_proj if w.q_a_proj is None else w.q_a_proj, w.kv_a_proj, w.g_proj]
         )
+        self._bound = threading.local()  # each thread's bound decode step (`_decode_bound`)
 
     def new_state(self, device: torch.device | str = "cpu") -> MLAState:
         return MLAState(self.kv_lora + self.rope, device)
@@ -191,12 +201,37 @@ class MLA:
         return self._output(context, g_logits)
 
     def decode(self, h: torch.Tensor, states: list[MLAState]) -> torch.Tensor:
-        """h [B, E], one token of each of B sequences -> [B, E]."""
+        """h [B, E], one token of each of B sequences -> [B, E]. One sequence on the C kernels takes its
+        bound step (`decode_steps`, the same values): at Kimi-K3's shapes (2 threads) the layer's time
+        beside its kernel calls is 0.4-0.6 ms a token so, 0.8-1.4 ms by the torch steps."""
+        if len(states) == 1 and h.shape[0] == 1 and cpu.takes((h,)):
+            return self._decode_bound(h, states[0])
         queries, rows, g_logits = self._project(h)
         contexts = [
             self._attend_one(queries[i], state.append(rows[i : i + 1])) for i, state in enumerate(states)
         ]
         return self._output(torch.stack(contexts), g_logits)
+
+    def unbind(self) -> None:
+        """Drops the bound decode steps (every thread's): the next one-sequence decode binds them again,
+        to the C library's functions as they are then (a profile wraps them)."""
+        self._bound = threading.local()
+
+    def _decode_bound(self, h: torch.Tensor, state: MLAState) -> torch.Tensor:
+        """`decode` of one sequence by its decode steps, bound once per thread (again for another thread
+        count) to buffers of their own and to whichever state runs them."""
+        threads, bound = torch.get_num_threads(), self._bound
+        if getattr(bound, "threads", None) != threads:
+            bound.h, bound.out, bound.state = torch.empty_like(h), torch.empty_like(h), None
+            bound.steps = self._steps(bound.h, bound.out, lambda: bound.state, threads)
+            bound.threads = threads
+        bound.h.copy_(h)
+        bound.state = state
+        try:
+            run_calls(bound.steps)
+        finally:
+            bound.state = None
+        return bound.out.clone()
 
     def decode_steps(
         self, h: torch.Tensor, out: torch.Tensor, state: MLAState, threads: int
@@ -204,6 +239,12 @@ class MLA:
         """`decode` of one sequence (h [1, E] into out [1, E]) as C calls bound to buffers of their own,
         the copies between them C calls too, and one Python step: the attention over the growing cache
         (`_attend_step`)."""
+        return self._steps(h, out, lambda: state, threads)
+
+    def _steps(
+        self, h: torch.Tensor, out: torch.Tensor, state_of: Callable[[], MLAState], threads: int
+    ) -> list[cpu.Call]:
+        """`decode_steps` with the state the attention step takes found at each run (`state_of`)."""
         w, heads, width = self.w, self.heads, self.nope + self.rope
         joint = h.new_empty(1, sum(self.projections.widths))
         first, compressed, g_logits = joint.split(self.projections.widths, dim=1)
@@ -227,23 +268,29 @@ class MLA:
             cpu.bind_copy(q_absorbed, query[:, : self.kv_lora]),
             cpu.bind_copy(q[:, self.nope :], query[:, self.kv_lora :]),
             cpu.bind_copy(compressed[:, self.kv_lora :], row[:, self.kv_lora :]),
-            self._attend_step(query, row, state, context, threads),
+            self._attend_step(query, row, state_of, context, threads),
             w.v_b.bind(context, values.view(heads, -1), threads),
             _bind_output_gate(values, g_logits, gated),
             bind_linear(w.o_proj, gated, out, threads),
         ]
 
     def _attend_step(
-        self, query: torch.Tensor, row: torch.Tensor, state: MLAState, context: torch.Tensor, threads: int
+        self,
+        query: torch.Tensor,
+        row: torch.Tensor,
+        state_of: Callable[[], MLAState],
+        context: torch.Tensor,
+        threads: int,
     ) -> cpu.Call:
-        """The decode step's new cache row appended and its query's attention over the cache into
-        `context`: the C copy and attention on addresses where `_attend_one` would run in C, else its
-        torch form."""
+        """The decode step's new cache row appended to the state `state_of()` and its query's attention
+        over the cache into `context`: the C copy and attention on addresses where `_attend_one` would
+        run in C, else its torch form."""
         heads, width = query.shape
         c_rows = C_ATTENTION_MAX_MACS // (heads * width)  # cache rows up to which the attention is C's
-        by_c = cpu.takes((query, row, context, state.buffer)) and width == state.buffer.shape[1]
 
         def attend() -> None:
+            state = state_of()
+            by_c = cpu.takes((query, row, context, state.buffer)) and width == state.buffer.shape[1]
             if not by_c or state.length >= c_rows:
                 context.copy_(self._attend_one(query, state.append(row)))
                 return

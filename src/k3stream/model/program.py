@@ -26,6 +26,7 @@ from k3stream.model.attn_res import bind_residual_mix
 from k3stream.model.hints import sent_kind
 from k3stream.model.kda import KDAState
 from k3stream.model.layers import bind_linear, bind_rms_norm
+from k3stream.model.mla import run_calls
 from k3stream.model.moe import LatentMoE
 from k3stream.quant.kernels import cpu
 
@@ -71,10 +72,7 @@ class DecodeProgram:
     def run(self, token: int) -> torch.Tensor:
         """The logits [1, V] of `token` (a checked id); advances the bound state as `_forward` does."""
         self._token = token
-        for function, args, _ in self.steps:
-            status = function(*args)
-            if status:
-                raise MemoryError(f"decode step {function.__name__}: status {status} (no memory)")
+        run_calls(self.steps)
         return self._logits.clone()
 
     def _build(self, state: SequenceState) -> list[cpu.Call]:

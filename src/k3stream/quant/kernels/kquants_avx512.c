@@ -11,8 +11,9 @@
  * What AVX-512 changes: VNNI's vpdpbusd (unsigned x signed bytes into int32 lanes) and vpdpwssd (int16
  * pairs into them) fuse the AVX2 kernels' maddubs/madd/add chains; the K-quants take two 32-value runs
  * in one 64-byte vector (their lanes folded onto eight at the block's end), their scales spread by one
- * vpermw (Q2_K: each code looks up its code-times-scale byte, one vpdpbusd a pair of runs); Q8_0's
- * multi-row kernel holds two weight rows in one 64-byte vector, each half that row's eight lanes.
+ * vpermw (Q2_K: each code looks up its code-times-scale byte, one vpdpbusd a pair of runs; Q2_K's and
+ * Q3_K's codes come by GFNI's gf2p8affine); Q8_0's kernels hold two weight rows in one 64-byte vector,
+ * each half that row's eight lanes.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,32 +31,123 @@ AVX512_INLINE float f16_scale(const uint8_t *p) {
     return _cvtsh_ss(bits);
 }
 
+/* 32 bytes at p in both halves */
+AVX512_INLINE __m512i both_halves(const uint8_t *p) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* the two 32-byte halves of a vector */
+AVX512_INLINE __m512i join_halves(__m256i low, __m256i high) { return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); }
+
+AVX512_INLINE __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+/* ---- each block's float scale, from a table made once a chunk of CHUNK_BLOCKS_K blocks ------------ */
+#define CHUNK_BLOCKS_K 16
+
+/* The dwords at `at` + block_bytes k for the `count` (<= 16) blocks k of a chunk (each block's f16
+ * scales), by one gather: a chunk's scales as floats by two or three vector operations, in place of a
+ * scalar conversion, product and broadcast a block (the FMAs broadcast them from memory) */
+AVX512_INLINE __m512i chunk_dwords(const uint8_t *at, int block_bytes, int count) {
+    const __m512i k = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (__mmask16)((1u << count) - 1),
+                                       _mm512_mullo_epi32(k, _mm512_set1_epi32(block_bytes)), at, 1);
+}
+
+/* the f16 in each dword's low (shift 0) or high (shift 16) half, as floats */
+AVX512_INLINE __m512 f16_halves(__m512i dwords, int shift) {
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dwords, shift)));
+}
+
+/* the floats at d + stride k bytes for the `count` blocks k of a chunk (the activation blocks' d) */
+AVX512_INLINE __m512 chunk_floats(const float *d, int stride, int count) {
+    const __m512i k = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), (__mmask16)((1u << count) - 1),
+                                    _mm512_mullo_epi32(k, _mm512_set1_epi32(stride)), d, 1);
+}
+
+/* Q2_K and Q3_K: per input row r and block k of the chunk from block c, the block's d (the f16 at
+ * `at` + block_bytes k, half `shift` of its dword) times row r's Q8_K d into steps[r][k]; where `mins`,
+ * the dword's other half times -(row r's d) into mins[r][k] (Q2_K's dmin) */
+AVX512_INLINE void q8k_steps(const uint8_t *at, int block_bytes, int shift, const BlockQ8K *const *y, int64_t c,
+                             int count, float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], const int n) {
+    const __m512i dwords = chunk_dwords(at, block_bytes, count);
+    const __m512 step = f16_halves(dwords, shift), neg = _mm512_set1_ps(-0.0f);
+    for (int r = 0; r < n; r++) {
+        const __m512 d = chunk_floats(&y[r][c].d, (int)sizeof(BlockQ8K), count);
+        _mm512_storeu_ps(steps[r], _mm512_mul_ps(d, step));
+        if (mins) _mm512_storeu_ps(mins[r], _mm512_mul_ps(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(d), _mm512_castps_si512(neg))), f16_halves(dwords, 16 - shift)));
+    }
+}
+
 /* ---- Q8_0: signed codes times signed codes -------------------------------------------------------
  * w . y = (w + 128) . y - 128 sum(y): the first by vpdpbusd on w's bytes with the top bit flipped
  * (unsigned w + 128), started from -128 times each lane's four activations: the int32 lanes of ggml's
- * maddubs(|w|, sign(y, w)) pairs. One weight row at a time, one sequential stream (four rows against
- * each activation block, four streams, ran 0.6-0.9x as fast from RAM on AMD EPYC, Zen 4), its lines
- * PREFETCH_BYTES ahead asked for in software as the AVX2 kernels do (every one-row kernel here): on
- * Intel Xeon (Emerald Rapids) the one-row kernels ran 1.5-2x as fast from RAM with it (Q8_0 1.7-2x, Q6_K
- * 1.6x, Q2_K 1.5-1.7x, Q4_K 1.8x; one thread, 4 KiB and 2 MiB pages alike); on Zen 4 it gained nothing. */
+ * maddubs(|w|, sign(y, w)) pairs. Those starts depend on the input row alone: made once for all the
+ * weight rows (up to Q8_0_STARTS blocks; a longer row's further blocks make theirs as they go), so a
+ * block takes an xor, a vpdpbusd, a conversion and an FMA. One weight row at a time, one sequential
+ * stream (four rows against each activation block, four streams, ran 0.6-0.9x as fast from RAM on AMD
+ * EPYC, Zen 4), its lines PREFETCH_BYTES ahead asked for in software as the AVX2 kernels do (every
+ * one-row kernel here): on Intel Xeon (Emerald Rapids) the one-row kernels ran 1.5-2x as fast from RAM
+ * with it (one thread, 4 KiB and 2 MiB pages alike); on Zen 4 it gained nothing. */
+#define Q8_0_STARTS 768
+
+/* an input row's first Q8_0_STARTS blocks: each one's vpdpbusd start and d */
+typedef struct {
+    __m256i starts[Q8_0_STARTS];
+    float d[Q8_0_STARTS];
+} Q80Starts;
+
+/* the vpdpbusd start of activation block y: -128 times each lane's four activations */
+AVX512_INLINE __m256i q8_0_start(const BlockQ8_0 *y) {
+    const __m256i zero = _mm256_setzero_si256();
+    return _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, _mm256_set1_epi8((char)0x80), _mm256_loadu_si256((const __m256i *)y->qs)));
+}
+
+/* weight rows a and b (b may be a: its result is then dropped) against input row y (table: its first
+ * Q8_0_STARTS blocks' starts and d), row a's block in the low half of each vector and row b's in the high
+ * half (each half's eight int32 and float lanes that row's, its FMAs that row's in block order): one
+ * vpdpbusd, conversion and FMA for the two, and two FMA chains in flight, not one */
+AVX512_INLINE void q8_0_pair(const uint8_t *a, const uint8_t *b, const BlockQ8_0 *y, const Q80Starts *table,
+                             int64_t blocks, float *out_a, float *out_b) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < blocks; c += CHUNK_BLOCKS_K) {
+        const int count = blocks - c < CHUNK_BLOCKS_K ? (int)(blocks - c) : CHUNK_BLOCKS_K;
+        const __m512 yd = c < Q8_0_STARTS ? _mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1), table->d + c)
+                                          : chunk_floats(&y[c].d, (int)sizeof(BlockQ8_0), count);
+        const __m512 steps_a = _mm512_mul_ps(yd, f16_halves(chunk_dwords(a + 34 * c, 34, count), 0));
+        const __m512 steps_b = _mm512_mul_ps(yd, f16_halves(chunk_dwords(b + 34 * c, 34, count), 0));
+        /* block i's step of row a in the low half, of row b in the high half */
+        __m512i at = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(CHUNK_BLOCKS_K), 1);
+        for (int i = 0; i < count; i++, at = _mm512_add_epi32(at, _mm512_set1_epi32(1))) {
+            const int64_t k = c + i;
+            prefetch_ahead(a + 34 * k, 34);
+            prefetch_ahead(b + 34 * k, 34);
+            const __m256i start = k < Q8_0_STARTS ? _mm256_load_si256(table->starts + k) : q8_0_start(y + k);
+            const __m512i codes = _mm512_xor_si512(join_halves(_mm256_loadu_si256((const __m256i *)(a + 34 * k + 2)),
+                                                               _mm256_loadu_si256((const __m256i *)(b + 34 * k + 2))),
+                                                   flip);
+            const __m512i sums = _mm512_dpbusd_epi32(_mm512_broadcast_i64x4(start), codes, both_halves((const uint8_t *)y[k].qs));
+            acc = _mm512_fmadd_ps(_mm512_permutex2var_ps(steps_a, at, steps_b), _mm512_cvtepi32_ps(sums), acc);
+        }
+    }
+    *out_a = hsum8(_mm512_castps512_ps256(acc));
+    *out_b = hsum8(high_half(acc));
+}
+
+/* Rows first..last - 1 in pairs (m, m + half): two sequential streams, each asked for ahead */
 AVX512_TARGET static void q8_0_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) {
-    const int64_t blocks = pr->in_features / 32;
-    const __m256i flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
-    for (int64_t m = first; m < last; m++) {
-        const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
-        for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {
-            const BlockQ8_0 *y = pr->q8_0 + pr->rows[p] * blocks;
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t k = 0; k < blocks; k++) {
-                const uint8_t *block = row + 34 * k;
-                prefetch_ahead(block, 34);
-                const __m256i q8 = _mm256_loadu_si256((const __m256i *)y[k].qs);
-                const __m256i start = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, flip, q8));
-                const __m256i codes = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(block + 2)), flip);
-                const __m256i sums = _mm256_dpbusd_epi32(start, codes, q8);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_scale(block) * y[k].d), _mm256_cvtepi32_ps(sums), acc);
-            }
-            pr->out[p * pr->out_stride + m] = hsum8(acc);
+    const int64_t blocks = pr->in_features / 32, half = (last - first + 1) / 2;
+    Q80Starts table;
+    for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {
+        const BlockQ8_0 *y = pr->q8_0 + pr->rows[p] * blocks;
+        float *out = pr->out + p * pr->out_stride, dropped;
+        for (int64_t k = 0; k < blocks && k < Q8_0_STARTS; k++) table.starts[k] = q8_0_start(y + k), table.d[k] = y[k].d;
+        for (int64_t m = first; m < first + half; m++) {
+            const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
+            const int paired = m + half < last;
+            q8_0_pair(row, paired ? row + half * pr->row_bytes : row, y, &table, blocks, out + m,
+                      paired ? out + m + half : &dropped);
         }
     }
 }
@@ -70,11 +162,6 @@ AVX512_INLINE __m512i run_pair_scales(__m512i scales, int j) {
                          7, 6, 5, 4, 3, 2, 1, 0),
         3);
     return _mm512_permutexvar_epi16(_mm512_add_epi16(lane, _mm512_set1_epi16((short)(4 * j))), scales);
-}
-
-/* 32 bytes at p in both halves */
-AVX512_INLINE __m512i both_halves(const uint8_t *p) {
-    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
 }
 
 /* each 16-bit lane of the low half shifted right by `low`, of the high half by `high` */
@@ -97,80 +184,117 @@ AVX512_INLINE void run_pair_dot(__m512i codes, __m512i scales, const BlockQ8K *c
     }
 }
 
-/* every byte of 128-bit lane i set to base + 4i (the table's bytes of sub-block base / 4 + i start there) */
-AVX512_INLINE __m512i lane_bytes(int base) {
-    const int at = base * 0x01010101, step = 4 * 0x01010101;
-    return _mm512_set_epi32(at + 3 * step, at + 3 * step, at + 3 * step, at + 3 * step, at + 2 * step, at + 2 * step,
-                            at + 2 * step, at + 2 * step, at + step, at + step, at + step, at + step, at, at, at, at);
+/* ---- Q2_K and Q3_K: a pair of runs' codes by one gf2p8affine (GFNI) -----------------------------------
+ * gf2p8affine maps each byte through an 8 x 8 bit matrix (one a qword: row 7 - i gives output bit i),
+ * plus a constant: one instruction moves code f of every byte to bits 0-1 with nothing above, the shift
+ * and mask of the AVX2 kernels. The low half of a vector takes one matrix, the high half another, so a
+ * 32-byte load in both halves gives two runs. Both kernels also take each block's float scales from a
+ * table made once a chunk of CHUNK_BLOCKS_K blocks (q8k_steps), broadcast from memory by the FMAs. */
+#define KQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c,bmi2")))
+#define KQ_INLINE KQ_TARGET static inline __attribute__((always_inline))
+/* the matrix qword moving input bits `from`, `from` + 1 to output bits 0, 1 (other output bits 0) */
+#define TAKE_CODE(from) ((1ULL << (from)) << 56 | (1ULL << ((from) + 1)) << 48)
+/* ... moving input bit `from` to output bit 2 */
+#define TAKE_HIGH(from) ((1ULL << (from)) << 40)
+
+/* `low` in the four qwords of the low half, `high` in the high half's */
+AVX512_INLINE __m512i halves64(uint64_t low, uint64_t high) {
+    return _mm512_inserti64x4(_mm512_set1_epi64((long long)low), _mm256_set1_epi64x((long long)high), 1);
 }
 
-/* Q2_K's scaled codes: byte 4i + c holds c times sub-block i's scale (at most 45: an unsigned byte) */
-AVX512_INLINE __m512i q2_k_scaled_codes(__m128i scales) {
-    const __m512i quarter = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(0x01010101));
-    const __m512i scale = _mm512_permutexvar_epi8(quarter, _mm512_castsi128_si512(scales));
-    const __m512i odd = _mm512_set1_epi32((int)0xFF00FF00), high = _mm512_set1_epi32((int)0xFFFF0000);
-    return _mm512_add_epi8(_mm512_and_si512(scale, odd), _mm512_and_si512(_mm512_add_epi8(scale, scale), high));
+/* each byte of v through matrix `take`, plus 4j (its immediate a constant for each j) */
+KQ_INLINE __m512i take_plus(__m512i v, __m512i take, int j) {
+    switch (j) {
+        case 0: return _mm512_gf2p8affine_epi64_epi8(v, take, 0);
+        case 1: return _mm512_gf2p8affine_epi64_epi8(v, take, 4);
+        case 2: return _mm512_gf2p8affine_epi64_epi8(v, take, 8);
+        default: return _mm512_gf2p8affine_epi64_epi8(v, take, 12);
+    }
 }
 
-/* Q2_K's runs 2j, 2j + 1 (codes at bits 2f of bytes 16 + 32g.. for run 4g + f), each code times its
- * sub-block's scale, looked up in `table` (q2_k_scaled_codes): sub-block 4j + i on 128-bit lane i */
-AVX512_INLINE __m512i q2_k_pair(const uint8_t *restrict b, __m512i table, int j) {
-    const int f = 2 * (j & 1);
-    const __m512i codes = shift_halves(both_halves(b + 16 + 32 * (j >> 1)), 2 * f, 2 * f + 2);
-    /* (codes & 3) | 4 (sub-block): the table's byte */
-    const __m512i at = _mm512_ternarylogic_epi32(codes, _mm512_set1_epi8(3), lane_bytes(16 * j), 0xEA);
-    return _mm512_permutexvar_epi8(at, table);
+/* Q2_K's codes times scales, looked up by vpshufb: 128-bit lane i, byte 4j + c holds c times sub-block
+ * 4j + i's scale (at most 45), so pair j's lookup index is code + 4j. Each dword (lane i, slot j) is
+ * the scale times 0x03020100: the scale in both int16 halves (vpermb), times 0x0100 and 0x0302. */
+KQ_INLINE __m512i q2_k_table(__m128i scales) {
+    static const uint8_t spread[64] = {
+        0, 0, 0, 0, 4, 0, 4, 0, 8, 0, 8, 0, 12, 0, 12, 0, 1, 0, 1, 0, 5, 0, 5, 0, 9, 0, 9, 0, 13, 0, 13, 0,
+        2, 0, 2, 0, 6, 0, 6, 0, 10, 0, 10, 0, 14, 0, 14, 0, 3, 0, 3, 0, 7, 0, 7, 0, 11, 0, 11, 0, 15, 0, 15, 0};
+    const __m512i each = _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, _mm512_loadu_si512((const void *)spread),
+                                                       _mm512_castsi128_si512(scales));
+    return _mm512_mullo_epi16(each, _mm512_set1_epi32(0x03020100));
 }
 
-/* acc[r] += one Q2_K block times input row r's Q8_K block, as ggml_cpu.c's q8_q2_k: the scaled codes'
- * sums by one vpdpbusd a pair of runs */
-AVX512_INLINE void q2_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc,
-                              const int n) {
-    const __m128i packed = _mm_loadu_si128((const __m128i *)b), nibble = _mm_set1_epi8(15);
-    const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
-    const __m512i table = q2_k_scaled_codes(_mm_and_si128(packed, nibble));
-    __m512i sums[4];
+/* acc[r] += one Q2_K block (block k of the chunk) times input row r's Q8_K block, as ggml_cpu.c's
+ * q8_q2_k: runs 2j, 2j + 1 (codes at bits 2f of bytes 16 + 32g.. for run 4g + f) each code times its
+ * sub-block's scale (q2_k_table), one vpdpbusd a pair of runs */
+KQ_INLINE void q2_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n,
+                          float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], int k) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)b);
+    const __m256i low_mins = _mm256_srli_epi16(_mm256_cvtepu8_epi16(packed), 4);
+    const __m512i table = q2_k_table(_mm_and_si128(packed, _mm_set1_epi8(15)));
+    __m512i sums[Q8_ROWS];
     for (int r = 0; r < n; r++) sums[r] = _mm512_setzero_si512();
     for (int j = 0; j < 4; j++) {
-        const __m512i scaled = q2_k_pair(b, table, j);
+        const int f = 2 * (j & 1);
+        const __m512i at_code = take_plus(both_halves(b + 16 + 32 * (j >> 1)), halves64(TAKE_CODE(2 * f), TAKE_CODE(2 * f + 2)), j);
+        const __m512i scaled = _mm512_shuffle_epi8(table, at_code);
         for (int r = 0; r < n; r++)
             sums[r] = _mm512_dpbusd_epi32(sums[r], scaled, _mm512_loadu_si512((const void *)(y[r][at].qs + 64 * j)));
     }
-    const float step = f16_scale(b + 80), min_step = f16_scale(b + 82);
     for (int r = 0; r < n; r++) {
-        const __m256i offsets = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)y[r][at].bsums));
-        const float d = y[r][at].d * step, dmin = -y[r][at].d * min_step;
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(fold(sums[r])), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(offsets), acc[r]);
+        const __m256i offsets = _mm256_madd_epi16(low_mins, _mm256_loadu_si256((const __m256i *)y[r][at].bsums));
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&steps[r][k]), _mm256_cvtepi32_ps(fold(sums[r])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&mins[r][k]), _mm256_cvtepi32_ps(offsets), acc[r]);
     }
 }
 
-/* Q3_K's codes + 4 of runs 2j, 2j + 1 (q8_q3_k's): the low two bits, plus 4 where bit 4g + f of hmask is
- * set (found by a mask test) */
-AVX512_INLINE __m512i q3_k_pair(const uint8_t *restrict b, int j) {
-    const int g = j >> 1, f = 2 * (j & 1), bit = 4 * g + f;
-    const __m512i low = _mm512_and_si512(shift_halves(both_halves(b + 32 + 32 * g), 2 * f, 2 * f + 2), _mm512_set1_epi8(3));
-    const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << bit)), _mm256_set1_epi8((char)(2 << bit)), 1);
-    const __mmask64 high = _mm512_test_epi8_mask(both_halves(b), bits);
-    return _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(4));
+KQ_INLINE void q2_k_steps(const uint8_t *row, const BlockQ8K *const *y, int64_t c, int count,
+                          float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], const int n) {
+    q8k_steps(row + 84 * c + 80, 84, 0, y, c, count, steps, mins, n);
 }
 
-/* acc[r] += one Q3_K block times input row r's Q8_K block, as ggml_cpu.c's q8_q3_k (the 4 taken back
- * from the Q8_K sums) */
-AVX512_INLINE void q3_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc,
-                              const int n) {
-    const __m256i wide = _mm256_cvtepi8_epi16(q3_k_scales8(b));
-    const __m512i scales = _mm512_castsi256_si512(wide);
-    __m512i sums[4];
+/* Q3_K's 16 scales less 32 (int16), from its 12 scale bytes (loaded from b + 94: byte 96 + i at 2 + i).
+ * Qword q (scales 4q..4q + 3) gathers the four bytes of their low four bits and the four of their high
+ * two (vpermb); vpmultishiftqb takes each field to its byte (low bits 4(q / 2) of byte t, high bits
+ * 2q of byte 4 + t); maddubs joins them (low + 16 high). */
+KQ_INLINE __m256i q3_k_scales16(const uint8_t *restrict b) {
+    const __m256i gather = _mm256_setr_epi8(2, 3, 4, 5, 10, 11, 12, 13, 6, 7, 8, 9, 10, 11, 12, 13, 2, 3, 4, 5, 10, 11,
+                                            12, 13, 6, 7, 8, 9, 10, 11, 12, 13);
+    const __m256i fields = _mm256_setr_epi8(0, 32, 8, 40, 16, 48, 24, 56, 0, 34, 8, 42, 16, 50, 24, 58, 4, 36, 12, 44,
+                                            20, 52, 28, 60, 4, 38, 12, 46, 20, 54, 28, 62);
+    const __m256i bytes = _mm256_permutexvar_epi8(gather, _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 94))));
+    const __m256i parts = _mm256_and_si256(_mm256_multishift_epi64_epi8(fields, bytes), _mm256_set1_epi16(0x030F));
+    return _mm256_sub_epi16(_mm256_maddubs_epi16(parts, _mm256_set1_epi16(0x1001)), _mm256_set1_epi16(32));
+}
+
+/* acc[r] += one Q3_K block (block k of the chunk) times input row r's Q8_K block, as ggml_cpu.c's
+ * q8_q3_k: codes + 4 (the low two bits of bytes 32 + 32g.. at 2f, plus 4 where bit 4g + f of hmask is
+ * set, for run 4g + f), the 4 taken back from the Q8_K sums */
+KQ_INLINE void q3_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n,
+                          float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], int k) {
+    (void)mins;
+    const __m256i wide = q3_k_scales16(b);
+    const __m512i scales = _mm512_castsi256_si512(wide), hmask = both_halves(b);
+    __m512i sums[Q8_ROWS];
     for (int r = 0; r < n; r++) sums[r] = _mm512_setzero_si512();
-    for (int j = 0; j < 4; j++) run_pair_dot(q3_k_pair(b, j), run_pair_scales(scales, j), y, at, j, sums, n);
-    const float step = f16_scale(b + 108);
+    for (int j = 0; j < 4; j++) {
+        const int f = 2 * (j & 1), bit = 4 * (j >> 1) + f;
+        const __m512i low = _mm512_gf2p8affine_epi64_epi8(both_halves(b + 32 + 32 * (j >> 1)),
+                                                          halves64(TAKE_CODE(2 * f), TAKE_CODE(2 * f + 2)), 0);
+        const __m512i high = _mm512_gf2p8affine_epi64_epi8(hmask, halves64(TAKE_HIGH(bit), TAKE_HIGH(bit + 1)), 0);
+        run_pair_dot(_mm512_or_si512(low, high), run_pair_scales(scales, j), y, at, j, sums, n);
+    }
     for (int r = 0; r < n; r++) {
         const __m256i fours = _mm256_madd_epi16(wide, _mm256_loadu_si256((const __m256i *)y[r][at].bsums));
         const __m256i total = _mm256_sub_epi32(fold(sums[r]), _mm256_slli_epi32(fours, 2));
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(step * y[r][at].d), _mm256_cvtepi32_ps(total), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&steps[r][k]), _mm256_cvtepi32_ps(total), acc[r]);
     }
+}
+
+KQ_INLINE void q3_k_steps(const uint8_t *row, const BlockQ8K *const *y, int64_t c, int count,
+                          float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], const int n) {
+    (void)mins;
+    q8k_steps(row + 110 * c + 106, 110, 16, y, c, count, steps, NULL, n);
 }
 
 /* Q4_K's 8 sub-block scales (int16 lanes 0..7) and mins (lanes 8..15), as ggml unpacks its 12 bytes */
@@ -245,10 +369,9 @@ AVX512_INLINE void q6_k_block(const uint8_t *restrict b, const BlockQ8K *const *
     }
 }
 
-/* One weight row m against n input rows from p: blocks in order into each row's eight lanes */
-#define SHARED_ROWS(NAME, BLOCK, BLOCK_BYTES)                                                           \
-    Q8K_SHARED_ROWS(AVX512_INLINE, NAME, BLOCK, BLOCK_BYTES)                                            \
-    AVX512_TARGET static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) {         \
+/* NAME: rows first..last - 1 of matrix b, each against its input rows Q8_ROWS at a time (NAME##_rows) */
+#define ROW_GROUPS(TARGET, NAME)                                                                        \
+    TARGET static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) {               \
         for (int64_t m = first; m < last; m++) {                                                        \
             const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;       \
             int64_t p = pr->starts[b];                                                                  \
@@ -260,10 +383,35 @@ AVX512_INLINE void q6_k_block(const uint8_t *restrict b, const BlockQ8K *const *
         }                                                                                               \
     }
 
-SHARED_ROWS(q2_k_avx512, q2_k_block, 84)
-SHARED_ROWS(q3_k_avx512, q3_k_block, 110)
-SHARED_ROWS(q4_k_avx512, q4_k_block, 144)
+/* One weight row m against n input rows from p: blocks in order into each row's eight lanes */
+#define SHARED_ROWS(NAME, BLOCK, BLOCK_BYTES)                \
+    Q8K_SHARED_ROWS(AVX512_INLINE, NAME, BLOCK, BLOCK_BYTES) \
+    ROW_GROUPS(AVX512_TARGET, NAME)
 
+/* ... the same with each block's float scales from a table made once a chunk (STEPS) */
+#define STEPPED_ROWS(NAME, BLOCK, STEPS, BLOCK_BYTES)                                                    \
+    KQ_INLINE void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
+        const int64_t blocks = pr->in_features / 256;                                                    \
+        const BlockQ8K *y[Q8_ROWS];                                                                      \
+        __m256 acc[Q8_ROWS];                                                                             \
+        float steps[Q8_ROWS][CHUNK_BLOCKS_K], mins[Q8_ROWS][CHUNK_BLOCKS_K];                             \
+        for (int r = 0; r < n; r++) y[r] = pr->q8 + pr->rows[p + r] * blocks, acc[r] = _mm256_setzero_ps(); \
+        for (int64_t c = 0; c < blocks; c += CHUNK_BLOCKS_K) {                                           \
+            const int count = blocks - c < CHUNK_BLOCKS_K ? (int)(blocks - c) : CHUNK_BLOCKS_K;          \
+            STEPS(row, y, c, count, steps, mins, n);                                                     \
+            for (int k = 0; k < count; k++) {                                                            \
+                const uint8_t *block = row + (c + k) * (BLOCK_BYTES);                                    \
+                prefetch_ahead(block, BLOCK_BYTES);                                                      \
+                BLOCK(block, y, c + k, acc, n, steps, mins, k);                                          \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = hsum8(acc[r]);             \
+    }                                                                                                    \
+    ROW_GROUPS(KQ_TARGET, NAME)
+
+STEPPED_ROWS(q2_k_avx512, q2_k_block, q2_k_steps, 84)
+STEPPED_ROWS(q3_k_avx512, q3_k_block, q3_k_steps, 110)
+SHARED_ROWS(q4_k_avx512, q4_k_block, 144)
 SHARED_ROWS(q6_k_avx512, q6_k_block, 210)
 
 /* ---- Q8_0 with several input rows (prefill): tiles_cpu.c's blocking, the one-row kernel's bits ------
@@ -283,11 +431,6 @@ typedef struct {
     __m512i codes[TILE_PAIRS][CHUNK_BLOCKS];
     __m512 d[TILE_PAIRS][CHUNK_BLOCKS]; /* each half that row's d */
 } Q80Tile;
-
-/* the two 32-byte halves of a vector */
-AVX512_INLINE __m512i join_halves(__m256i low, __m256i high) { return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); }
-
-AVX512_INLINE __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
 /* parked[r][i] gains input row r's `count` blocks y[r] against the tile's `pairs` pairs of weight rows */
 AVX512_INLINE void q8_0_tile_dot(const Q80Tile *tile, const BlockQ8_0 *const *y, int count, __m512 (*parked)[TILE_PAIRS],
@@ -384,8 +527,8 @@ RowKernel q8_kernel_avx512(int ggml_type) {
     RowKernel kernel = NULL;
     switch (ggml_type) {
         case 8: kernel = q8_0_avx512; break;
-        case 10: kernel = q2_k_avx512; break;
-        case 11: kernel = q3_k_avx512; break;
+        case 10: kernel = __builtin_cpu_supports("gfni") ? q2_k_avx512 : NULL; break;
+        case 11: kernel = __builtin_cpu_supports("gfni") ? q3_k_avx512 : NULL; break;
         case 12: kernel = q4_k_avx512; break;
         case 14: kernel = q6_k_avx512; break;
         default: return NULL;
