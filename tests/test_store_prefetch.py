@@ -236,12 +236,15 @@ def test_a_prefetch_waits_for_its_layer_before_it_goes_first(pack):
         assert store.stats()["prefetch_unused_evictions"] == 1
 
 
-def test_a_hint_larger_than_the_share_of_hints_is_not_read(pack):
-    """A tier that cannot hold a hint beside the step in progress would only evict what it read."""
+def test_a_hint_larger_than_the_share_of_hints_reads_its_first_experts_up_to_the_share(pack):
+    """A tier that cannot hold a whole hint beside the step in progress reads the hint's first experts
+    (the likeliest: a prediction lists them first) up to the hints' share, and drops the rest."""
     layer = pack.moe_layers[0]
+    hint = list(range(pack.top_k, -1, -1))  # top_k + 1 experts, the likeliest first
     with ExpertStore(pack, ram_mib=2 * pack.top_k * pack.object_bytes / MIB) as store:
-        store.prefetch(layer, list(range(pack.top_k + 1)))  # the share is max(top_k, half the slots)
+        store.prefetch(layer, hint)  # the share is max(top_k, half the slots)
         drain(store)
         stats = store.stats()
-    assert stats["prefetch_loads"] == stats["pack_reads"] == 0
-    assert stats["prefetch_too_large"] == pack.top_k + 1
+        assert store.ready(layer, hint) == hint[: pack.top_k]
+    assert stats["prefetch_loads"] == stats["pack_reads"] == pack.top_k
+    assert stats["prefetch_too_large"] == 1

@@ -26,11 +26,19 @@ AUTO_LAYER_AHEAD_ROWS = 8
 TOKEN_HINT_LEAD = 1
 
 
-def sent_kind(choice: str, rows: int) -> str:
-    """The prediction sent to the expert source in a step of `rows` rows under `choice`."""
+def sent_kinds(choice: str, rows: int) -> tuple[str, ...]:
+    """The predictions sent to the expert source in a step of `rows` rows under `choice`, the earliest
+    first: with "auto", a step of many rows sends its layer-ahead hint and then, the layer's own router
+    on its input, the pre-attention hint, which reads what the first left out of the layer's likeliest
+    experts (each hint held to the store's allowance and share)."""
     if choice != "auto":
-        return choice
-    return "layer-ahead" if rows >= AUTO_LAYER_AHEAD_ROWS else "token"
+        return (choice,)
+    return ("layer-ahead", "pre-attention") if rows >= AUTO_LAYER_AHEAD_ROWS else ("token",)
+
+
+def sent_kind(choice: str, rows: int) -> str:
+    """The first prediction sent in a step of `rows` rows under `choice` (`sent_kinds`)."""
+    return sent_kinds(choice, rows)[0]
 
 
 class HintLog:

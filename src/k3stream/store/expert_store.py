@@ -253,12 +253,13 @@ class ExpertStore:
             loaded = self._hints.hinted(layer, len(keys), absent)
             if absent and not loaded:
                 return
-            dropped = set(absent[len(loaded) :])  # beyond what the layer's hints have earned
+            share = self._loader.speculative_share(self._compute)
+            # beyond the hints' share of the tier the step in progress would evict what it read: the
+            # likeliest `share` experts are read (a prefill's hint of most of a layer starts its reads
+            # before the router runs), the rest are dropped
+            self._counts["prefetch_too_large"] += max(0, len(loaded) - share)
+            dropped = set(absent[min(len(loaded), share) :])
             keys = sorted(key for key in keys if key[1] not in dropped)  # read in pack order
-            if len(loaded) > self._loader.speculative_share(self._compute):
-                # the tier cannot hold it beside the step in progress: what it read would go unused
-                self._counts["prefetch_too_large"] += len(keys)
-                return
             self._prefetcher.submit(self._prefetch_job, keys, self._hints.serial(layer))
 
     def read_ahead(self, layer: int, expert_ids: Iterable[int]) -> None:
