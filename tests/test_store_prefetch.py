@@ -248,3 +248,22 @@ def test_a_hint_larger_than_the_share_of_hints_reads_its_first_experts_up_to_the
         assert store.ready(layer, hint) == hint[: pack.top_k]
     assert stats["prefetch_loads"] == stats["pack_reads"] == pack.top_k
     assert stats["prefetch_too_large"] == 1
+
+
+def test_a_hint_larger_than_the_share_evicts_nothing_a_hint_within_it_may(pack):
+    """The step a hint that large predicts sweeps the tier: what the tier holds for it is the step's own
+    reads to keep or evict, so such a hint reads into free slots only; a smaller hint evicts as ever."""
+    layer, k = pack.moe_layers[0], pack.top_k
+    assert pack.num_experts >= 4 * k
+    with ExpertStore(pack, ram_mib=2 * k * pack.object_bytes / MIB) as store:
+        for start in (0, k):  # the tier full of experts no step holds
+            store.fetch(layer, list(range(start, start + k)))
+        store.release()
+        large = list(range(2 * k, 3 * k + 1))
+        store.prefetch(layer, large)
+        drain(store)
+        assert store.ready(layer, large) == [] and store.ready(layer, range(2 * k)) == list(range(2 * k))
+        small = list(range(3 * k + 1, 4 * k))
+        store.prefetch(layer, small)
+        drain(store)
+        assert store.ready(layer, small) == small

@@ -238,8 +238,8 @@ class ExpertStore:
         """Start loading these experts in the background; never blocks, never evicts pinned experts.
         Adaptive: only while the layer's hints have been precise enough, and no more of the experts
         it would read than its hints earned (`HintScores.allowance`, the first in `expert_ids`' order);
-        not when those exceed the hints' share of the tier (`prefetch_too_large`). Ignored after
-        `close()`."""
+        beyond the hints' share of the tier, not those (`prefetch_too_large`), and a hint that large
+        reads into free slots only. Ignored after `close()`."""
         if self._prefetcher is None:
             return
         keys = self._keys(layer, expert_ids)
@@ -255,12 +255,15 @@ class ExpertStore:
                 return
             share = self._loader.speculative_share(self._compute)
             # beyond the hints' share of the tier the step in progress would evict what it read: the
-            # likeliest `share` experts are read (a prefill's hint of most of a layer starts its reads
-            # before the router runs), the rest are dropped
-            self._counts["prefetch_too_large"] += max(0, len(loaded) - share)
-            dropped = set(absent[min(len(loaded), share) :])
+            # likeliest `share` experts are read, into free slots only (a prefill's hint of most of a
+            # layer: its reads start before the router runs in a cold tier, and evict nothing a warm
+            # one holds for the step), the rest are dropped
+            too_large = max(0, len(loaded) - share)
+            self._counts["prefetch_too_large"] += too_large
+            dropped = set(absent[len(loaded) - too_large :])
             keys = sorted(key for key in keys if key[1] not in dropped)  # read in pack order
-            self._prefetcher.submit(self._prefetch_job, keys, self._hints.serial(layer))
+            load = Load.FILL if too_large else Load.HINT
+            self._prefetcher.submit(self._prefetch_job, keys, self._hints.serial(layer), load)
 
     def read_ahead(self, layer: int, expert_ids: Iterable[int]) -> None:
         """Start loading experts the caller is sure to fetch next (the step it is computing), each
@@ -311,12 +314,12 @@ class ExpertStore:
             raise ValueError(f"expert ids {bad} out of range 0..{self.num_experts - 1} for layer {layer}")
         return [(layer, expert) for expert in experts]
 
-    def _prefetch_job(self, keys: list[Key], serial: int) -> None:
+    def _prefetch_job(self, keys: list[Key], serial: int, load: Load) -> None:
         with self._lock:
             if self._hints.stale(keys[0][0], serial, len(keys)):  # its layer was fetched while it queued
                 return
         with contextlib.suppress(OSError):  # a hint only: the demand fetch reads again and reports it
-            self._loader.ensure(self._compute, keys, Load.HINT, keep=False)
+            self._loader.ensure(self._compute, keys, load, keep=False)
 
     def _read_ahead_job(self, keys: list[Key]) -> None:
         with self._lock:  # a fetch that came first has read (and maybe already dropped) the others
