@@ -254,7 +254,6 @@ def test_a_hint_larger_than_the_share_evicts_nothing_a_hint_within_it_may(pack):
     """The step a hint that large predicts sweeps the tier: what the tier holds for it is the step's own
     reads to keep or evict, so such a hint reads into free slots only; a smaller hint evicts as ever."""
     layer, k = pack.moe_layers[0], pack.top_k
-    assert pack.num_experts >= 4 * k
     with ExpertStore(pack, ram_mib=2 * k * pack.object_bytes / MIB) as store:
         for start in (0, k):  # the tier full of experts no step holds
             store.fetch(layer, list(range(start, start + k)))
@@ -263,7 +262,30 @@ def test_a_hint_larger_than_the_share_evicts_nothing_a_hint_within_it_may(pack):
         store.prefetch(layer, large)
         drain(store)
         assert store.ready(layer, large) == [] and store.ready(layer, range(2 * k)) == list(range(2 * k))
-        small = list(range(3 * k + 1, 4 * k))
-        store.prefetch(layer, small)
+        other = pack.moe_layers[1]  # (a hint following the large one for its layer's step evicts
+        small = list(range(k))  # nothing either)
+        store.prefetch(other, small)
         drain(store)
-        assert store.ready(layer, small) == small
+        assert store.ready(other, small) == small
+
+
+def test_a_hint_that_follows_another_for_the_same_step_evicts_nothing(pack):
+    """A prefill sends a layer two hints before its step (layer-ahead, then pre-attention): the second
+    reads into free slots only, so a warm tier keeps what it holds; once the layer's step has fetched,
+    its next hint evicts as ever."""
+    layer, k = pack.moe_layers[0], pack.top_k
+    with ExpertStore(pack, ram_mib=2 * k * pack.object_bytes / MIB) as store:
+        for start in (0, k):  # the tier full of experts no step holds
+            store.fetch(layer, list(range(start, start + k)))
+        store.release()
+        first, second = [2 * k], [2 * k + 1]
+        store.prefetch(layer, first)
+        drain(store)
+        store.prefetch(layer, second)
+        drain(store)
+        assert store.ready(layer, first + second) == first
+        store.fetch(layer, first)
+        store.release()
+        store.prefetch(layer, second)
+        drain(store)
+        assert store.ready(layer, second) == second

@@ -250,6 +250,7 @@ class ExpertStore:
                 return
             self._counts["prefetch_requests"] += len(keys)
             absent = [expert for _, expert in self._compute.missing(keys)]
+            follows = self._hints.follows(layer)
             loaded = self._hints.hinted(layer, len(keys), absent)
             if absent and not loaded:
                 return
@@ -257,12 +258,13 @@ class ExpertStore:
             # beyond the hints' share of the tier the step in progress would evict what it read: the
             # likeliest `share` experts are read, into free slots only (a prefill's hint of most of a
             # layer: its reads start before the router runs in a cold tier, and evict nothing a warm
-            # one holds for the step), the rest are dropped
+            # one holds for the step), the rest are dropped; a hint that follows another for the same
+            # step (a prefill's pre-attention hint after its layer-ahead one) fills free slots only too
             too_large = max(0, len(loaded) - share)
             self._counts["prefetch_too_large"] += too_large
             dropped = set(absent[len(loaded) - too_large :])
             keys = sorted(key for key in keys if key[1] not in dropped)  # read in pack order
-            load = Load.FILL if too_large else Load.HINT
+            load = Load.FILL if too_large or follows else Load.HINT
             self._prefetcher.submit(self._prefetch_job, keys, self._hints.serial(layer), load)
 
     def read_ahead(self, layer: int, expert_ids: Iterable[int]) -> None:
