@@ -238,8 +238,9 @@ class ExpertStore:
         """Start loading these experts in the background; never blocks, never evicts pinned experts.
         Adaptive: only while the layer's hints have been precise enough, and no more of the experts
         it would read than its hints earned (`HintScores.allowance`, the first in `expert_ids`' order);
-        beyond the hints' share of the tier, not those (`prefetch_too_large`), and a hint that large
-        reads into free slots only. Ignored after `close()`."""
+        beyond the hints' share of the tier, not those (`prefetch_too_large`); a hint that large, or
+        one following another hint of its layer for the same step, reads into free slots only.
+        Ignored after `close()`."""
         if self._prefetcher is None:
             return
         keys = self._keys(layer, expert_ids)
