@@ -90,11 +90,19 @@ def test_the_hint_not_sent_costs_nothing_unless_asked_for(model_path):
     assert all(model.token_routes.predict(layer, [1, 2, 3, 4]) == [] for layer in moe_layers(model))
 
 
-def test_auto_sends_layer_ahead_hints_in_prefill_and_token_hints_in_decode(model_path):
+def test_auto_sends_layer_ahead_then_pre_attention_hints_in_prefill_and_token_hints_in_decode(model_path):
     model, source = load_recording(model_path, "auto")
     state = model.new_state()
     model.prefill(state, list(range(1, 1 + AUTO_LAYER_AHEAD_ROWS)))
-    assert_sent_at_its_moment(source.calls, moe_layers(model), "layer-ahead")
+    layers = moe_layers(model)
+    at = {}  # each (call, layer)'s positions in the calls
+    for position, (call, layer, _) in enumerate(source.calls):
+        at.setdefault((call, layer), []).append(position)
+    for previous, layer in zip([None, *layers], layers, strict=False):
+        hints = at[("prefetch", layer)]  # two a layer: layer-ahead, then the layer's own router's
+        assert len(hints) == 2, (layer, source.calls)
+        if previous is not None:  # around the previous MoE layer's fetch
+            assert hints[0] < at[("fetch", previous)][0] < hints[1], (layer, source.calls)
     source.calls.clear()
     model.decode(state, 3)  # seen in the prefill: each layer's experts for it then are the hint
     prefetched = {layer: experts for call, layer, experts in source.calls if call == "prefetch"}

@@ -80,3 +80,45 @@ def test_a_decode_token_whose_experts_all_arrived_is_one_fetch_and_results_do_no
         assert len(fetches) == len(layers) and all(experts == sorted(experts) for _, experts in fetches)
     else:  # they arrive a few at a time: fetched as they do
         assert len(fetches) > len(layers)
+
+
+class HoldingSource(ArrivingSource):
+    """Reads ahead, everything read is ready at once, and the experts `holds` are in RAM from the start."""
+
+    def __init__(self, inner: GGUFExpertSource, slots: int, holds: set[int]) -> None:
+        super().__init__(inner, 1, slots)
+        self.holds = holds
+
+    def ready(self, layer: int, expert_ids: list[int]) -> list[int]:
+        return [e for e in expert_ids if e in self.holds or (layer, e) in self.read]
+
+
+def test_a_step_starting_on_experts_in_ram_computes_them_in_small_groups_while_its_reads_go_on(tiny_model):
+    """A step larger than half the cache whose first experts are in RAM: while some of it is not yet
+    asked for, each fetch is a small group (one large group of everything in RAM would leave the reads
+    idle behind it), the reads slide on after each, and what is asked for and not yet computed always
+    fits the cache beside the group computing. Results do not change."""
+    path = tiny_model(n_layers=4, n_experts=32, top_k=4, seed=8)
+    plain = k3stream.load(path)
+    slots = 16
+    source = HoldingSource(GGUFExpertSource(plain.expert_source.checkpoint), slots, set(range(12)))
+    model = k3stream.load(path, LoadOptions(expert_source=source, prefetch=False))
+    tokens = list(range(3, 40))
+    assert torch.equal(model.logits(tokens), plain.logits(tokens))
+    for layer in sorted({layer for _, layer, _ in source.calls}):
+        calls = [(call, experts) for call, at, experts in source.calls if at == layer]
+        step = {expert for _, experts in calls for expert in experts}
+        least = -(-len(step) // GROUPS_PER_STEP)
+        asked: list[int] = []
+        done = 0
+        groups_while_reading = 0
+        for call, experts in calls:
+            if call == "read_ahead":
+                asked += experts
+                continue
+            assert len(asked) - done <= slots, (layer, calls)  # asked, not yet computed: in the cache
+            if len(asked) < len(step):
+                assert len(experts) <= least, (layer, calls)
+                groups_while_reading += 1
+            done += len(experts)
+        assert groups_while_reading >= 2, (layer, calls)  # read on after the first group

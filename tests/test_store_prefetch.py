@@ -236,12 +236,56 @@ def test_a_prefetch_waits_for_its_layer_before_it_goes_first(pack):
         assert store.stats()["prefetch_unused_evictions"] == 1
 
 
-def test_a_hint_larger_than_the_share_of_hints_is_not_read(pack):
-    """A tier that cannot hold a hint beside the step in progress would only evict what it read."""
+def test_a_hint_larger_than_the_share_of_hints_reads_its_first_experts_up_to_the_share(pack):
+    """A tier that cannot hold a whole hint beside the step in progress reads the hint's first experts
+    (the likeliest: a prediction lists them first) up to the hints' share, and drops the rest."""
     layer = pack.moe_layers[0]
+    hint = list(range(pack.top_k, -1, -1))  # top_k + 1 experts, the likeliest first
     with ExpertStore(pack, ram_mib=2 * pack.top_k * pack.object_bytes / MIB) as store:
-        store.prefetch(layer, list(range(pack.top_k + 1)))  # the share is max(top_k, half the slots)
+        store.prefetch(layer, hint)  # the share is max(top_k, half the slots)
         drain(store)
         stats = store.stats()
-    assert stats["prefetch_loads"] == stats["pack_reads"] == 0
-    assert stats["prefetch_too_large"] == pack.top_k + 1
+        assert store.ready(layer, hint) == hint[: pack.top_k]
+    assert stats["prefetch_loads"] == stats["pack_reads"] == pack.top_k
+    assert stats["prefetch_too_large"] == 1
+
+
+def test_a_hint_larger_than_the_share_evicts_nothing_a_hint_within_it_may(pack):
+    """The step a hint that large predicts sweeps the tier: what the tier holds for it is the step's own
+    reads to keep or evict, so such a hint reads into free slots only; a smaller hint evicts as ever."""
+    layer, k = pack.moe_layers[0], pack.top_k
+    with ExpertStore(pack, ram_mib=2 * k * pack.object_bytes / MIB) as store:
+        for start in (0, k):  # the tier full of experts no step holds
+            store.fetch(layer, list(range(start, start + k)))
+        store.release()
+        large = list(range(2 * k, 3 * k + 1))
+        store.prefetch(layer, large)
+        drain(store)
+        assert store.ready(layer, large) == [] and store.ready(layer, range(2 * k)) == list(range(2 * k))
+        other = pack.moe_layers[1]  # (a hint following the large one for its layer's step evicts
+        small = list(range(k))  # nothing either)
+        store.prefetch(other, small)
+        drain(store)
+        assert store.ready(other, small) == small
+
+
+def test_a_hint_that_follows_another_for_the_same_step_evicts_nothing(pack):
+    """A prefill sends a layer two hints before its step (layer-ahead, then pre-attention): the second
+    reads into free slots only, so a warm tier keeps what it holds; once the layer's step has fetched,
+    its next hint evicts as ever."""
+    layer, k = pack.moe_layers[0], pack.top_k
+    with ExpertStore(pack, ram_mib=2 * k * pack.object_bytes / MIB) as store:
+        for start in (0, k):  # the tier full of experts no step holds
+            store.fetch(layer, list(range(start, start + k)))
+        store.release()
+        first, second = [2 * k], [2 * k + 1]
+        store.prefetch(layer, first)
+        drain(store)
+        store.prefetch(layer, second)
+        drain(store)
+        assert store.ready(layer, first + second) == first
+        store.fetch(layer, first)
+        store.release()
+        store.prefetch(layer, second)
+        drain(store)
+        assert store.ready(layer, second) == second

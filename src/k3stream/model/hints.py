@@ -10,9 +10,11 @@ The forward predicts a MoE layer's experts three ways, from what exists at three
 - "pre-attention": the layer's own router on its input stream, before its attention runs.
 The one named by `K3Model.prefetch_hint` is predicted, counted and sent to the expert source (with
 `K3Model.score_all_hints` the others are predicted and counted too, on the same run), or with "auto"
-(the default) layer-ahead for steps of many rows (prefill: their union is predicted almost exactly,
-and reads start a MoE block earlier) and token for the others (decode: on the shipped trained model's
-held-out text it is right 92-96% of the time, the pre-attention hint 12-30%).
+(the default) layer-ahead and then pre-attention for steps of many rows (prefill: their union is
+predicted almost exactly, reads start a MoE block earlier, and the layer's own router refines the
+first hint; the expert store reads that second hint into free slots only) and token for the others
+(decode: on the shipped trained model's held-out text it is right 92-96% of the time, the
+pre-attention hint 12-30%).
 """
 
 from __future__ import annotations
@@ -26,11 +28,19 @@ AUTO_LAYER_AHEAD_ROWS = 8
 TOKEN_HINT_LEAD = 1
 
 
-def sent_kind(choice: str, rows: int) -> str:
-    """The prediction sent to the expert source in a step of `rows` rows under `choice`."""
+def sent_kinds(choice: str, rows: int) -> tuple[str, ...]:
+    """The predictions sent to the expert source in a step of `rows` rows under `choice`, the earliest
+    first: with "auto", a step of many rows sends its layer-ahead hint and then, the layer's own router
+    on its input, the pre-attention hint, which reads what the first left out of the layer's likeliest
+    experts (each hint held to the store's allowance and share)."""
     if choice != "auto":
-        return choice
-    return "layer-ahead" if rows >= AUTO_LAYER_AHEAD_ROWS else "token"
+        return (choice,)
+    return ("layer-ahead", "pre-attention") if rows >= AUTO_LAYER_AHEAD_ROWS else ("token",)
+
+
+def sent_kind(choice: str, rows: int) -> str:
+    """The first prediction sent in a step of `rows` rows under `choice` (`sent_kinds`)."""
+    return sent_kinds(choice, rows)[0]
 
 
 class HintLog:

@@ -28,7 +28,7 @@ from k3stream.gguf.layout import check_residual_score, check_ssm_a, is_routed_ex
 from k3stream.gguf.weights import nonexpert_tensors
 from k3stream.model.attn_res import residual_mix
 from k3stream.model.experts import GGUFExpertSource
-from k3stream.model.hints import HINT_CHOICES, TOKEN_HINT_LEAD, HintLog, sent_kind
+from k3stream.model.hints import HINT_CHOICES, TOKEN_HINT_LEAD, HintLog, sent_kinds
 from k3stream.model.kda import KDA, KDAWeights, shard_kda_weights
 from k3stream.model.layers import GGUFTensor, Linear, rms_norm
 from k3stream.model.mla import MLA, HeadProjection, MLAWeights
@@ -268,14 +268,14 @@ class K3Model:
     def _predict(self, kind: str, layer: Layer, stream: torch.Tensor) -> None:
         """The experts `layer`'s router picks on `stream` (normed as its MoE input is), when `kind` is
         the hint sent to the expert source (or `score_all_hints`): logged, and sent if it is."""
-        sent = kind == sent_kind(self.prefetch_hint, stream.shape[0])
+        sent = kind in sent_kinds(self.prefetch_hint, stream.shape[0])
         if sent or self.score_all_hints:
             predicted = layer.ffn.predict(rms_norm(stream, layer.post_attention_norm, self.eps))
             self._hint(kind, layer, predicted, sent)
 
     def _predict_from_tokens(self, layer: Layer, token_ids: list[int]) -> None:
         """The token hint for `layer` (as `_predict`)."""
-        sent = sent_kind(self.prefetch_hint, len(token_ids)) == "token"
+        sent = "token" in sent_kinds(self.prefetch_hint, len(token_ids))
         if sent or self.score_all_hints:
             self._hint("token", layer, self.token_routes.predict(layer.index, token_ids), sent)
 

@@ -272,20 +272,24 @@ class LatentMoE:
         order, leading = self._step_order(ids, read_before)
         rank = {expert: i for i, expert in enumerate(order)}
         window = self._read_window(len(ids))
+        least = -(-len(ids) // GROUPS_PER_STEP)
         read = len(ids)  # how many of `order` were asked for
         if self.source.reads_ahead:  # those __call__ asked for, the others resident now, and at least
             # a window: __call__'s window covers the whole step, which an expert-parallel rank's share
             # of it may lie beyond (then nothing of this rank's was asked for)
             read = self._slide_window(order, len(read_before), max(leading, window))
+        ahead = self._read_ahead_count(leading, window, least)
         pending = order
         outputs: list[torch.Tensor] = []  # each group's pair outputs
         done: list[np.ndarray] = []  # the pairs computed so far, in the order of `outputs`
         while pending:
             asked = [expert for expert in pending if rank[expert] < read]
-            group = self._next_group(pending, asked, -(-len(ids) // GROUPS_PER_STEP))
+            # while some of the step is not yet asked for, small groups: each one computed lets the
+            # reads slide on (one large group of what arrived would leave the disk idle behind it)
+            group = self._next_group(pending, asked, least, most=least if read < len(order) else None)
             experts = self.source.fetch(self.layer, group)
             pending = [expert for expert in pending if expert not in experts]
-            read = self._slide_window(order, read, len(ids) - len(pending) + window)
+            read = self._slide_window(order, read, len(ids) - len(pending) + ahead)
             pairs, computed = self._compute_group(latent, experts, group, pairs_of, chosen.shape[1])
             outputs.append(computed)
             done.append(pairs)
@@ -343,6 +347,13 @@ class LatentMoE:
             return count
         return max(1, min(slots // 2, -(-count // GROUPS_PER_STEP)))
 
+    def _read_ahead_count(self, leading: int, window: int, least: int) -> int:
+        """How many of a step's experts are asked for beyond those computed: a window, or as many as
+        led the step (read ahead or resident when it started) while they fit beside a group computing,
+        so a step that starts on experts already in RAM reads on while it computes them."""
+        slots = self.source.max_experts_per_fetch
+        return max(window, leading if slots is None else min(leading, slots - least))
+
     def _slide_window(self, order: list[int], read: int, end: int) -> int:
         """Read ahead the step's experts `order[read:end]` (`read`: how many were asked for so far);
         returns the new count."""
@@ -352,11 +363,13 @@ class LatentMoE:
         self.source.read_ahead(self.layer, order[read:end])
         return end
 
-    def _next_group(self, pending: list[int], asked: list[int], least: int) -> list[int]:
-        """The next fetch, at most a cache's worth of `pending`: in order from a source that reads
-        nothing ahead; else what has arrived of those read ahead (`asked`), topped up in order to
-        `least` (the wait for those is the only stall)."""
-        slots = self.source.max_experts_per_fetch or len(pending)
+    def _next_group(
+        self, pending: list[int], asked: list[int], least: int, most: int | None = None
+    ) -> list[int]:
+        """The next fetch, at most a cache's worth of `pending` (and at most `most`): in order from a
+        source that reads nothing ahead; else what has arrived of those read ahead (`asked`), topped up
+        in order to `least` (the wait for those is the only stall)."""
+        slots = min(self.source.max_experts_per_fetch or len(pending), most or len(pending))
         if not self.source.reads_ahead:
             return pending[:slots]
         group = self.source.ready(self.layer, asked)[:slots]

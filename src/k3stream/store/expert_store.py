@@ -238,8 +238,9 @@ class ExpertStore:
         """Start loading these experts in the background; never blocks, never evicts pinned experts.
         Adaptive: only while the layer's hints have been precise enough, and no more of the experts
         it would read than its hints earned (`HintScores.allowance`, the first in `expert_ids`' order);
-        not when those exceed the hints' share of the tier (`prefetch_too_large`). Ignored after
-        `close()`."""
+        beyond the hints' share of the tier, not those (`prefetch_too_large`); a hint that large, or
+        one following another hint of its layer for the same step, reads into free slots only.
+        Ignored after `close()`."""
         if self._prefetcher is None:
             return
         keys = self._keys(layer, expert_ids)
@@ -250,16 +251,22 @@ class ExpertStore:
                 return
             self._counts["prefetch_requests"] += len(keys)
             absent = [expert for _, expert in self._compute.missing(keys)]
+            follows = self._hints.follows(layer)
             loaded = self._hints.hinted(layer, len(keys), absent)
             if absent and not loaded:
                 return
-            dropped = set(absent[len(loaded) :])  # beyond what the layer's hints have earned
+            share = self._loader.speculative_share(self._compute)
+            # beyond the hints' share of the tier the step in progress would evict what it read: the
+            # likeliest `share` experts are read, into free slots only (a prefill's hint of most of a
+            # layer: its reads start before the router runs in a cold tier, and evict nothing a warm
+            # one holds for the step), the rest are dropped; a hint that follows another for the same
+            # step (a prefill's pre-attention hint after its layer-ahead one) fills free slots only too
+            too_large = max(0, len(loaded) - share)
+            self._counts["prefetch_too_large"] += too_large
+            dropped = set(absent[len(loaded) - too_large :])
             keys = sorted(key for key in keys if key[1] not in dropped)  # read in pack order
-            if len(loaded) > self._loader.speculative_share(self._compute):
-                # the tier cannot hold it beside the step in progress: what it read would go unused
-                self._counts["prefetch_too_large"] += len(keys)
-                return
-            self._prefetcher.submit(self._prefetch_job, keys, self._hints.serial(layer))
+            load = Load.FILL if too_large or follows else Load.HINT
+            self._prefetcher.submit(self._prefetch_job, keys, self._hints.serial(layer), load)
 
     def read_ahead(self, layer: int, expert_ids: Iterable[int]) -> None:
         """Start loading experts the caller is sure to fetch next (the step it is computing), each
@@ -310,12 +317,12 @@ class ExpertStore:
             raise ValueError(f"expert ids {bad} out of range 0..{self.num_experts - 1} for layer {layer}")
         return [(layer, expert) for expert in experts]
 
-    def _prefetch_job(self, keys: list[Key], serial: int) -> None:
+    def _prefetch_job(self, keys: list[Key], serial: int, load: Load) -> None:
         with self._lock:
             if self._hints.stale(keys[0][0], serial, len(keys)):  # its layer was fetched while it queued
                 return
         with contextlib.suppress(OSError):  # a hint only: the demand fetch reads again and reports it
-            self._loader.ensure(self._compute, keys, Load.HINT, keep=False)
+            self._loader.ensure(self._compute, keys, load, keep=False)
 
     def _read_ahead_job(self, keys: list[Key]) -> None:
         with self._lock:  # a fetch that came first has read (and maybe already dropped) the others

@@ -57,6 +57,11 @@ class HintScores:
         if layer in self._pending:
             self._asked.setdefault(layer, set()).update(experts)
 
+    def follows(self, layer: int) -> bool:
+        """Whether a hint of `layer` would follow another one for the same step (a hint its layer's
+        fetches have not yet scored)."""
+        return bool(self._pending.get(layer)) and layer not in self._asked
+
     def hinted(self, layer: int, requested: int, absent: list[int]) -> list[int]:
         """A hint of `requested` experts, `absent` of them not in the compute tier (in the hint's order):
         those of `absent` to load, remembered for scoring (all of them when the layer's hints are

@@ -5,9 +5,10 @@ tier's budget. A demand load reserves the slots of all its misses at once or non
 (holding none) only while some load is running, so two fetches can never wait for each other; when
 nothing is loading and its misses still do not fit, it raises WorkingSetTooLarge. It may evict
 anything but the pinned steps. A prefetch reserves what fits (a hint within SPECULATIVE_SHARE of the
-tier), keeps its own keys and never waits. The reader threads serve demand loads first, then read-
-ahead, then hints. A key already loading is waited for, not read again; a demand that waited for a
-prefetch which failed loads that key itself.
+tier; the part of a hint beyond that share is not read, and a hint that large fills only free
+slots), keeps its own keys and never waits. The reader threads serve demand loads first, then
+read-ahead, then hints (those filling free slots last). A key already loading is waited for, not
+read again; a demand that waited for a prefetch which failed loads that key itself.
 
 A miss in a tier loads from the tier below it, and a miss in the last tier reads the pack; what a
 prefetch could not fit in the tier below is read from the pack straight through.
@@ -38,6 +39,8 @@ class Load(IntEnum):
     DEMAND = 0  # a fetch: counted as lookups, reserves all its misses or waits for room
     READ_AHEAD = 1  # what a fetch will ask for next: a prefetch, not held to the speculative share
     HINT = 2  # a prediction: a prefetch within the speculative share
+    FILL = 3  # a prediction larger than that share (a prefill's step sweeps the tier): a hint read
+    # only into free slots, evicting nothing (what the step keeps is its own reads' to decide)
 
 
 class Loader:
@@ -94,8 +97,9 @@ class Loader:
                 tier.reserve(key, self.pins)
         else:
             waits = {}
-            pinned = set(self.pins) | set(keys)
-            missing = self._reserve_what_fits(tier, tier.missing(keys), pinned, load is Load.HINT)
+            pinned = set(self.pins) | set(keys) | (set(tier.buffers) if load is Load.FILL else set())
+            speculative = load in (Load.HINT, Load.FILL)
+            missing = self._reserve_what_fits(tier, tier.missing(keys), pinned, speculative)
         resident = {key: tier.buffers[key] for key in keys if key in tier.buffers} if keep else {}
         return resident, waits, missing
 
