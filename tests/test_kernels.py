@@ -153,6 +153,27 @@ def test_grouped_rows_equal_separate_products_bit_for_bit(qt):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("outs,cols", [(200, 64), (70, 40), (13, 512), (5, 33)])
+def test_input_major_f32_products_have_one_rows_bits_on_every_isa(outs, cols, monkeypatch):
+    """The input-major F32 kernels (AVX-512: six rows by 64 outputs a block, the rows left over one at a
+    time; AVX2: four rows by 16; portable: one output at a time) give every row, at any row count and
+    any output width (masked ends), the bits of the AVX2 kernel's one-row product (a decode step's)."""
+    generator = torch.Generator().manual_seed(outs + cols)
+    matrix = torch.randn(outs, cols, generator=generator)
+    products = Products([QWeight(matrix.view(torch.uint8).reshape(-1), T.F32, (outs, cols))])
+    x = torch.randn(47, cols, generator=generator)
+    take_kernel_isa("avx2", monkeypatch)
+    alone = torch.cat([products(row[None]) for row in x])
+    for isa in KERNEL_ISAS:
+        try:
+            take_kernel_isa(isa, monkeypatch)
+        except pytest.skip.Exception:  # this CPU does not run it
+            continue
+        for count in (1, 5, 6, 7, 13, 47):
+            assert torch.equal(products(x[:count]), alone[:count]), (isa, count)
+    assert relative_error(alone, x @ matrix.T) <= 1e-6
+
+
 @pytest.mark.parametrize("qt", Q8_QUANTIZED, ids=lambda t: T(t).name)
 @pytest.mark.parametrize("rows,cols,inputs", [(37, 256, 1), (5, 512, 3), (64, 768, 40), (37, 2048, 2)])
 @pytest.mark.parametrize("isa", KERNEL_ISAS)
