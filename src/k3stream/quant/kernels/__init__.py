@@ -6,8 +6,6 @@ from . import cpu
 from .seam import (
     BACKENDS,
     F32,
-    F32_EXPERT_MAX_TOKENS,
-    F32_KERNEL_MAX_ROWS,
     MLP,
     ExpertMatrices,
     GroupedProduct,
@@ -21,8 +19,6 @@ from .seam import (
     kernel_for,
     note_fallbacks,
     qmatmul,
-    row_exact,
-    set_row_exact,
     situ,
     warm_up,
 )
@@ -30,8 +26,6 @@ from .seam import (
 __all__ = [
     "BACKENDS",
     "F32",
-    "F32_EXPERT_MAX_TOKENS",
-    "F32_KERNEL_MAX_ROWS",
     "MLP",
     "ExpertMatrices",
     "GroupedProduct",
@@ -46,8 +40,6 @@ __all__ = [
     "kernel_for",
     "note_fallbacks",
     "qmatmul",
-    "row_exact",
-    "set_row_exact",
     "situ",
     "warm_up",
 ]

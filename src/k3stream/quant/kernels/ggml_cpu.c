@@ -1395,6 +1395,14 @@ AVX2 __attribute__((noinline)) static void input_major_row(const Product *pr, co
     for (int j = 0; j < 8; j++) _mm256_storeu_ps(pr->out + p * pr->out_stride + m + 8 * j, acc[j]);
 }
 
+/* Outputs first..last - 1 of input-major F32 matrix w for input row p alone: 64 at a time, the last
+ * ones sixteen at a time */
+AVX2 static void input_major_alone(const Product *pr, const float *w, int64_t p, int64_t first, int64_t last) {
+    int64_t m = first;
+    for (; m + 64 <= last; m += 64) input_major_row(pr, w, m, p);
+    for (; m < last; m += 16) input_major_one(pr, w, m, p, last);
+}
+
 /* Outputs first..last - 1 of input-major F32 matrix b: sixteen at a time (the last ones masked) for
  * INPUT_MAJOR_ROWS input rows at a time, 64 at a time for a row left alone (the same operations) */
 AVX2 static void input_major_avx2(const Product *pr, int64_t b, int64_t first, int64_t last) {
@@ -1403,17 +1411,87 @@ AVX2 static void input_major_avx2(const Product *pr, int64_t b, int64_t first, i
     const int64_t grouped = start + (end - start) / INPUT_MAJOR_ROWS * INPUT_MAJOR_ROWS;
     for (int64_t m = first; m < last; m += 16)
         for (int64_t p = start; p < grouped; p += INPUT_MAJOR_ROWS) input_major_rows(pr, w, m, p, last);
-    for (int64_t p = grouped; p < end; p++) {
-        int64_t m = first;
-        for (; m + 64 <= last; m += 64) input_major_row(pr, w, m, p);
-        for (; m < last; m += 16) input_major_one(pr, w, m, p, last);
+    for (int64_t p = grouped; p < end; p++) input_major_alone(pr, w, p, first, last);
+}
+
+/* The AVX-512 input-major F32 product: outputs m..m + 63 (four vectors of 16, the last ones masked) for
+ * INPUT_MAJOR_ROWS_512 input rows at a time, 24 FMA chains on ten loads a step; rows left over take the
+ * AVX2 kernel's one-row path. Each output is the
+ * same one chain acc = fma(x_k, w_k, acc) over k in order from zero as in the AVX2 and portable
+ * kernels, so every ISA gives it the same bits. */
+#define INPUT_MAJOR_ROWS_512 6
+#define INPUT_MAJOR_VECS_512 4
+#define INPUT_MAJOR_WIDTH_512 (16 * INPUT_MAJOR_VECS_512)
+
+/* Row r's four accumulators (named, not an array: GCC keeps an array of 24 vectors in memory, storing
+ * it every step), its step over input k, and its store */
+#define IM512_DECLARE(r)                                                                                     \
+    __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0, a##r##3 = a##r##0;            \
+    const float *x##r = pr->x + pr->rows[p + r] * in;
+#define IM512_STEP(r)                                                                                        \
+    {                                                                                                        \
+        const __m512 xk = _mm512_set1_ps(x##r[k]);                                                           \
+        a##r##0 = _mm512_fmadd_ps(xk, w0, a##r##0), a##r##1 = _mm512_fmadd_ps(xk, w1, a##r##1);             \
+        a##r##2 = _mm512_fmadd_ps(xk, w2, a##r##2), a##r##3 = _mm512_fmadd_ps(xk, w3, a##r##3);             \
     }
+#define IM512_STORE(r)                                                                                       \
+    {                                                                                                        \
+        float *out = pr->out + (p + r) * pr->out_stride;                                                     \
+        _mm512_mask_storeu_ps(out, masks[0], a##r##0), _mm512_mask_storeu_ps(out + 16, masks[1], a##r##1);   \
+        _mm512_mask_storeu_ps(out + 32, masks[2], a##r##2), _mm512_mask_storeu_ps(out + 48, masks[3], a##r##3); \
+    }
+
+/* Outputs 0..63 of the block at w (rows `width` apart; `masks`: the outputs kept of each vector) for
+ * input rows p..p + 5 */
+AVX512_TARGET __attribute__((noinline)) static void input_major_block_512(const Product *pr, const float *w,
+                                                                         int64_t width, int64_t p,
+                                                                         const __mmask16 *masks) {
+    const int64_t in = pr->in_features;
+    IM512_DECLARE(0) IM512_DECLARE(1) IM512_DECLARE(2) IM512_DECLARE(3) IM512_DECLARE(4) IM512_DECLARE(5)
+    for (int64_t k = 0; k < in; k++) {
+        const float *row = w + k * width;
+        const __m512 w0 = _mm512_maskz_loadu_ps(masks[0], row), w1 = _mm512_maskz_loadu_ps(masks[1], row + 16);
+        const __m512 w2 = _mm512_maskz_loadu_ps(masks[2], row + 32), w3 = _mm512_maskz_loadu_ps(masks[3], row + 48);
+        IM512_STEP(0) IM512_STEP(1) IM512_STEP(2) IM512_STEP(3) IM512_STEP(4) IM512_STEP(5)
+    }
+    IM512_STORE(0) IM512_STORE(1) IM512_STORE(2) IM512_STORE(3) IM512_STORE(4) IM512_STORE(5)
+}
+
+/* Outputs first..last - 1 of input-major F32 matrix b, 64 at a time for six input rows at a time, the
+ * rows left over (fewer than six) one at a time. With more than one group of rows the 64 outputs' columns are first copied into one
+ * contiguous strip [in, 64] (the same values; the matrix's rows may lie a power of two apart, whose
+ * columns would share a few cache sets), read by every group. */
+AVX512_TARGET static void input_major_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) {
+    const float *w = (const float *)(uintptr_t)pr->addresses[b];
+    const int64_t start = pr->starts[b], end = pr->starts[b + 1], in = pr->in_features;
+    const int64_t width = INPUT_MAJOR_WIDTH_512;
+    const int64_t grouped = start + (end - start) / INPUT_MAJOR_ROWS_512 * INPUT_MAJOR_ROWS_512;
+    float *strip = grouped - start > INPUT_MAJOR_ROWS_512 ? malloc(sizeof(float) * width * (size_t)in) : NULL;
+    Product at = *pr;
+    for (int64_t m = first; m < last; m += width) {
+        __mmask16 masks[INPUT_MAJOR_VECS_512];
+        for (int v = 0; v < INPUT_MAJOR_VECS_512; v++) {
+            const int64_t left = last - m - 16 * v;
+            masks[v] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+        }
+        if (strip != NULL)
+            for (int64_t k = 0; k < in; k++)
+                for (int v = 0; v < INPUT_MAJOR_VECS_512; v++)
+                    _mm512_storeu_ps(strip + width * k + 16 * v,
+                                     _mm512_maskz_loadu_ps(masks[v], w + k * pr->out_rows + m + 16 * v));
+        at.out = pr->out + m; /* output m of the matrix is output 0 of the block */
+        for (int64_t p = start; p < grouped; p += INPUT_MAJOR_ROWS_512)
+            input_major_block_512(&at, strip != NULL ? strip : w + m, strip != NULL ? width : pr->out_rows, p, masks);
+    }
+    free(strip);
+    for (int64_t p = grouped; p < end; p++) input_major_alone(pr, w, p, first, last); /* the AVX2 kernel's */
 }
 #else
 static RowKernel fused_kernel(int ggml_type) { (void)ggml_type; return NULL; }
 static TileKernel tile_kernel(int ggml_type) { (void)ggml_type; return NULL; }
 #define HAVE_AVX2() 0
 #define input_major_avx2 input_major_generic
+#define input_major_avx512 input_major_generic
 #define q8_row_q2_k_avx2 q8_row_q2_k_generic
 #define q8_row_q3_k_avx2 q8_row_q3_k_generic
 #define q8_row_q4_k_avx2 q8_row_q4_k_generic
@@ -1505,7 +1583,7 @@ static int plan_product(Plan *plan, const float *x, int64_t in_features, const i
     RowKernel kernel = q8_activations ? q8_kernel(ggml_type) : fused_kernel(ggml_type);
     if (ggml_type == INPUT_MAJOR_F32) {
         if (q8_activations) return -1;
-        kernel = HAVE_AVX2() ? input_major_avx2 : input_major_generic;
+        kernel = HAVE_AVX512() ? input_major_avx512 : HAVE_AVX2() ? input_major_avx2 : input_major_generic;
     } else if (q8_activations) {
         const int k_quant = ggml_type != 2 && ggml_type != 8 && !iq_q8_0_activations(ggml_type), elems = k_quant ? 256 : 32;
         if (kernel == NULL || in_features % elems != 0) return -1;
