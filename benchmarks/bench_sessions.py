@@ -57,6 +57,7 @@ from k3stream.engine.prompt_cache import (
 from k3stream.engine.tokenizer import Tokenizer
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.memlimit import format_size, parse_size
+from k3stream.quant.kernels import set_row_exact
 from k3stream.server.scheduler import DEFAULT_PREFILL_CHUNK
 from k3stream.testing.cgroups import ChildCgroup, drop_page_cache, read_process_io
 
@@ -179,6 +180,7 @@ def run_sessions(model, workload: Workload, args, cache: PromptCache):
 def one_turn(model, context: list[int], cache: PromptCache | None, args) -> Turn:
     """One turn's prefill (whole, or in `serve`'s chunks of --prefill-chunk where experts stream from a
     pack) and greedy answer of --answer-tokens."""
+    set_row_exact(cache is not None)  # what a cache turns on (`model.snapshot`)
     before, read_before = _stats(cache), read_process_io()["read_bytes"]
     start, cpu_start = time.perf_counter(), time.process_time()
     prefill = ChunkedPrefill(model, context, cache)
@@ -425,9 +427,10 @@ def restart(model, workload: Workload, args, fingerprint: str, cache_dir: str, o
 def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: list[Turn]) -> None:
     """What the last turn's TTFT with reuse is made of, in CPU time (least of --repeats + 2, the sides
     alternating): its restore; prefills over the restored history of a few new tokens to all of the
-    turn's, and cold prefills of a few lengths up to the whole prompt: a line
-    through each gives its fixed cost and its cost per token. Then the prompt-end snapshot (taken
-    after the first token) and one new token (a pass's own cost)."""
+    turn's, and cold prefills of a few lengths up to the whole prompt (reuse off's products): a line
+    through each gives its fixed cost and its cost per token. Then the turn's new tokens over the
+    restored history with reuse off's products (not row-exact: their time only), the prompt-end
+    snapshot (taken after the first token) and one new token (a pass's own cost)."""
     context = list(workload.system)
     for turn in range(args.turns - 1):
         context += workload.tools[turn] + workload.assistant_open + on[turn].answer + workload.close
@@ -442,17 +445,19 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
     restores: list[float] = []
     ends: list[float] = []
 
-    def restored(count: int, chunks: PrefillChunks | None = None) -> float:
+    def restored(count: int, exact: bool = True, chunks: PrefillChunks | None = None) -> float:
         """The turn as the session runs it: from a snapshot of the history whose rows end its buffer (in
         one pass, or in `chunks`)."""
         one = PromptCache(model, fingerprint, 1 << 30)
         one.save(context[:history], cache.restore_longest(context[:history])[0])
+        set_row_exact(exact)
         start = time.process_time()
         prefill = ChunkedPrefill(model, context[: history + count], one)
         restores.append(time.process_time() - start)
         while not prefill.step(chunks or PrefillChunks(len(context))):
             pass
         took = time.process_time() - start
+        set_row_exact(True)
         start = time.process_time()
         prefill.keep_end()
         ends.append(time.process_time() - start)
@@ -460,13 +465,17 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
         return took
 
     def cold(length: int, chunks: PrefillChunks | None = None) -> float:
+        set_row_exact(False)
         start = time.process_time()
         prefill = ChunkedPrefill(model, context[:length])
         while not prefill.step(chunks or PrefillChunks(length)):
             pass
-        return time.process_time() - start
+        took = time.process_time() - start
+        set_row_exact(True)
+        return took
 
     runs = [(("on", n), restored) for n in counts] + [(("off", n), cold) for n in lengths]
+    runs.append((("inexact", new), lambda n: restored(n, exact=False)))
     served = PrefillChunks(DEFAULT_PREFILL_CHUNK, attention_rows_per_token(model.config))
     runs.append((("served on", new), lambda n: restored(n, chunks=served)))
     runs.append((("served off", len(context)), lambda n: cold(n, served)))
@@ -477,7 +486,7 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
     cache.close()
     on_fixed, on_token = _line([(n, times[("on", n)]) for n in counts if n > 1])
     off_fixed, off_token = _line([(n, times[("off", n)]) for n in lengths])
-    whole_on, whole_off = times[("on", new)], times[("off", len(context))]
+    whole_on, whole_off, inexact = times[("on", new)], times[("off", len(context))], times[("inexact", new)]
     print(
         f"\nturn {args.turns} with reuse, in CPU time (least of {args.repeats + 2}): {1e3 * whole_on:.1f} ms "
         f"for {new} new tokens over {history} restored, against {1e3 * whole_off:.1f} ms for all "
@@ -490,6 +499,13 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
         f"{', '.join(map(str, counts[1:]))} new tokens); off: {1e3 * off_fixed:.2f} ms fixed + "
         f"{1e6 * off_token:.1f} us a token (prefills of {', '.join(map(str, lengths))}); one new token "
         f"over the history {1e3 * times[('on', 1)]:.2f} ms"
+    )
+    print(
+        f"  the same {new} tokens over the restored history with reuse off's products (torch's GEMM for "
+        f"F32 matrices, batched MLA queries; not row-exact): {1e3 * inexact:.1f} ms "
+        f"({inexact / whole_off:.3f}x of reuse off): the row-exact products cost "
+        f"{1e3 * (whole_on - inexact):.1f} ms "
+        f"({whole_on / inexact - 1:+.0%})"
     )
     passes_on = _passes(served, history, len(context))
     on_served, off_served = times[("served on", new)], times[("served off", len(context))]
@@ -568,6 +584,7 @@ def sweep(model, workload: Workload, args, fingerprint: str) -> None:
     context = list(workload.system)
     for tool in workload.tools[: args.turns]:
         context += tool
+    set_row_exact(True)
     base = _best_of(3, lambda: model.prefill_last(model.new_state(), context))
     print(
         f"\n--cache-every sweep: one prefill of {len(context)} tokens, {1e3 * base:.1f} CPU ms, no snapshots"
@@ -609,6 +626,7 @@ def stalls(args) -> None:
         generator = torch.Generator().manual_seed(args.seed)
         long_prompt = torch.randint(10, 500, (args.stall_tokens,), generator=generator).tolist()
         model = load_runtime(path, stream_experts=False).model
+        row_exact = PromptCache(model, "row-exact", MIB)  # open: the products as a served cache has them
         first_chunk = long_prompt[: args.prefill_chunk]
         model.prefill_last(model.new_state(), first_chunk)  # warm
         print(
@@ -641,6 +659,7 @@ def stalls(args) -> None:
             f"calling thread's CPU (least of {3 * len(alone)})"
         )
         chunk_times(model, long_prompt, args.prefill_chunk)
+        row_exact.close()
 
 
 def _longest_pass(stall: Stall, one_cpu: float) -> str:

@@ -15,6 +15,7 @@ from conftest import KERNEL_ISAS, NO_C_KERNELS, take_kernel_isa
 from k3stream.model.layers import rms_norm
 from k3stream.quant import dequantize, quantize
 from k3stream.quant.kernels import (
+    F32_EXPERT_MAX_TOKENS,
     MLP,
     GroupedProduct,
     Products,
@@ -120,15 +121,21 @@ def test_many_rows_of_one_matrix_equal_single_row_products_bit_for_bit(qt, cols)
 def test_f32_products_are_row_exact_in_one_call_at_any_width(cols):
     """F32 matrices (of any width: a KDA decay's 16-wide second projection) take the C products from
     an input-major copy, one chain an output (beyond INPUT_MAJOR_MAX_BYTES from their own bytes, the
-    row-major kernel) at any row count: each row its one-row result (a decode step's), the products
-    x @ W^T."""
+    row-major kernel), under row-exact products at any row count: each row its one-row result (a decode
+    step's), the products x @ W^T."""
+    from k3stream.quant.kernels import set_row_exact
+
     matrices = [torch.randn(24, cols), torch.randn(3, cols)]
     products = Products([QWeight(m.view(torch.uint8).reshape(-1), T.F32, tuple(m.shape)) for m in matrices])
     x = torch.randn(70, cols)
-    one_by_one = torch.cat([products(x[i : i + 1]) for i in range(len(x))])
-    for count in (2, 3, 17, 49, 70):
-        assert torch.equal(products(x[:count]), one_by_one[:count])
-        assert torch.equal(torch.cat(products.parts(x[:count]), dim=1), one_by_one[:count])
+    set_row_exact(True)
+    try:
+        one_by_one = torch.cat([products(x[i : i + 1]) for i in range(len(x))])
+        for count in (2, 3, 17, 49, 70):
+            assert torch.equal(products(x[:count]), one_by_one[:count])
+            assert torch.equal(torch.cat(products.parts(x[:count]), dim=1), one_by_one[:count])
+    finally:
+        set_row_exact(False)
     assert relative_error(one_by_one, torch.cat([x @ m.T for m in matrices], dim=1)) <= 1e-6
 
 
@@ -272,9 +279,10 @@ def test_the_one_call_expert_mlp_is_its_three_products_and_activation_bit_for_bi
     assert one_call == ([] if match_ggml and T.Q5_0 in types else [len(x)])
 
 
-def test_f32_experts_of_a_prefill_take_the_c_call_at_any_token_count(monkeypatch):
-    """F32 experts of a step of any token count are one C call whose every row is bit for bit that
-    row's decode step and its result in any grouping of the experts (a streamed step's fetch groups)."""
+def test_f32_experts_of_a_prefill_take_the_c_call_up_to_a_bound_on_its_tokens(monkeypatch):
+    """F32 experts of a step of at most F32_EXPERT_MAX_TOKENS tokens are one C call whose every row is bit
+    for bit that row's decode step and its result in any grouping of the experts (a streamed step's
+    fetch groups); a longer step takes torch's GEMM per product."""
     experts = [Expert(s, T.F32, T.F32, T.F32) for s in range(3)]
     activation = Situ(2.0, 3.0)
     one_call = []
@@ -293,9 +301,9 @@ def test_f32_experts_of_a_prefill_take_the_c_call_at_any_token_count(monkeypatch
     slow = expert_mlp(x, experts, STEP_STARTS, STEP_ROWS, activation, backend="reference")
     assert relative_error(prefill, slow) <= 1e-6
     assert one_call == [6, 5, 1, 1, 1, 1, 1, 1, 1]
-    long = torch.cat([torch.randn(600, 512), x])  # a long prefill's step: STEP_ROWS read its end
-    assert torch.equal(expert_mlp(long, experts, STEP_STARTS, STEP_ROWS + 600, activation), prefill)
-    assert one_call[9:] == [6]
+    tokens = F32_EXPERT_MAX_TOKENS + 1
+    expert_mlp(torch.randn(tokens, 512), experts, STEP_STARTS, STEP_ROWS, activation)
+    assert len(one_call) == 9
 
 
 @pytest.mark.parametrize("shape", [(1, 1024), (3, 7, 100), (2, 16)])
@@ -512,8 +520,9 @@ def test_prepared_products_are_qmatmul_bit_for_bit(types, match_ggml, monkeypatc
             close = w.ggml_type == T.F32 and relative_error(part, expected) < 1e-6
             assert torch.equal(part, expected) or close
     # under match_ggml a type without integer kernels (F16, Q5_0) has its inputs rounded in torch first;
+    # F32 products of more than F32_KERNEL_MAX_ROWS rows take torch's
     rounded_in_torch = match_ggml and any(qt in (T.F16, T.Q5_0) for qt in types)
-    most_direct = 0 if rounded_in_torch else len(inputs[1])
+    most_direct = 0 if rounded_in_torch else 16 if T.F32 in types else len(inputs[1])
     expected_calls = [len(x) for x in inputs[:2] if len(x) > most_direct] + [2, 4]
     assert through_qmatmul == [rows for rows in expected_calls for _ in weights]
     with pytest.raises(ValueError, match="input has 256 features, the weight expects 512"):
@@ -526,8 +535,8 @@ def test_prepared_products_are_qmatmul_bit_for_bit(types, match_ggml, monkeypatc
 @pytest.mark.parametrize("types", [(T.F32, T.F32, T.F32), (T.Q2_K, T.Q2_K, T.Q3_K), (T.F16, T.Q4_0, T.F32)])
 def test_an_mlp_in_one_call_is_its_three_products_bit_for_bit(types, match_ggml, monkeypatch):
     """`MLP` (the dense and shared-expert MLPs) is one C call for inputs its products take straight to
-    the C kernels (any row count; under match_ggml, types whose kernels quantize their own activations,
-    or F32 alone) and the three products otherwise: the same values either way."""
+    the C kernels (F32: at most 16 rows; under match_ggml, types whose kernels quantize their own
+    activations, or F32 alone) and the three products otherwise: the same values either way."""
     gate, up, down = (
         weight(qt, rows, 256, seed=i) for i, (qt, rows) in enumerate(zip(types, (256, 256, 64), strict=True))
     )
@@ -542,7 +551,7 @@ def test_an_mlp_in_one_call_is_its_three_products_bit_for_bit(types, match_ggml,
         expected = mlp.down(activation(mlp.gate(x), mlp.up(x)))
         assert torch.equal(mlp(x), expected)
     rounded_in_torch = match_ggml and T.F16 in types
-    assert one_call == ([] if rounded_in_torch else [1, 5, 40])
+    assert one_call == ([] if rounded_in_torch else [1, 5] if T.F32 in types else [1, 5, 40])
 
 
 @pytest.mark.parametrize("qt", [T.Q4_0, T.Q2_K, T.F16, T.F32], ids=lambda t: t.name)
@@ -709,39 +718,46 @@ def test_the_portable_kernels_match_the_reference_too():
     assert float(done.stdout.strip().splitlines()[-1]) <= 1e-5
 
 
-def test_f32_products_take_the_c_kernel_and_rows_do_not_depend_on_their_company(monkeypatch):
-    """F32 GGUF bytes go through the C kernel at any row count (a decode step, a batch, a prefill), on
-    every thread; each row's result is the same alone, in a batch, in a prefill and on one thread."""
+def test_f32_mat_vecs_take_the_c_kernel_and_rows_do_not_depend_on_their_company(monkeypatch):
+    """F32 GGUF bytes with at most F32_KERNEL_MAX_ROWS input rows (decode, small batches) go through the
+    C kernel, on every thread; each row's result is the same alone, in a batch and on one thread."""
+    from k3stream.quant.kernels import F32_KERNEL_MAX_ROWS
+
     w = weight(T.F32, 300, 1024, seed=6)
-    x = torch.randn(40, 1024)
+    x = torch.randn(F32_KERNEL_MAX_ROWS + 1, 1024)
     calls = []
     product = cpu.grouped_product
     monkeypatch.setattr(cpu, "grouped_product", lambda *args: calls.append(len(args[0])) or product(*args))
-    alone = torch.stack([qmatmul(row[None], w)[0] for row in x])
-    assert calls == [1] * len(x)
-    assert torch.equal(qmatmul(x, w), alone) and torch.equal(qmatmul(x[:17], w), alone[:17])
+    alone = torch.stack([qmatmul(row[None], w)[0] for row in x[:F32_KERNEL_MAX_ROWS]])
+    assert calls == [1] * F32_KERNEL_MAX_ROWS
+    assert torch.equal(qmatmul(x[:F32_KERNEL_MAX_ROWS], w), alone)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         assert torch.equal(qmatmul(x[:5], w), alone[:5])
     finally:
         torch.set_num_threads(threads)
-    assert relative_error(alone, reference(x, w)) <= 1e-6
-    assert calls[len(x) :] == [40, 17, 5]
+    assert relative_error(alone, reference(x[:F32_KERNEL_MAX_ROWS], w)) <= 1e-6
+    calls.clear()
+    assert relative_error(qmatmul(x, w), reference(x, w)) <= 1e-6 and calls == []  # torch's GEMM
 
 
-def test_grouped_f32_products_give_each_row_its_bits_alone():
-    """F32 matrices in one grouped product (MLA's heads in an F32 file): each row gets its C mat-vec
-    result, the bits qmatmul gives it alone, in any company and at any row count."""
+def test_grouped_f32_products_take_qmatmuls_choice_for_each_matrix():
+    """F32 matrices in one grouped product (MLA's heads in an F32 file): a matrix with at most
+    F32_KERNEL_MAX_ROWS rows gives each row its C mat-vec result, the bits qmatmul gives it alone, in
+    any company; a matrix with more takes torch's GEMM, as qmatmul does."""
+    from k3stream.quant.kernels import F32_KERNEL_MAX_ROWS
+
     weights = [weight(T.F32, 40, 512, seed=s) for s in range(3)]
     x = torch.randn(30, 512)
-    for counts in ([1, 3, 2], [16, 0, 5], [20, 2, 7]):
+    for counts in ([1, 3, 2], [F32_KERNEL_MAX_ROWS, 0, 5], [F32_KERNEL_MAX_ROWS + 4, 2, 7]):
         starts = torch.tensor([0, *np.cumsum(counts)])
         rows = torch.from_numpy(np.random.default_rng(sum(counts)).integers(0, len(x), sum(counts)))
         got = grouped_qmatmul(x, weights, starts, rows)
         for b, w in enumerate(weights):
             mine = slice(int(starts[b]), int(starts[b + 1]))
             assert torch.equal(got[mine], qmatmul(x[rows[mine]], w))
-            alone = [qmatmul(x[rows[p]][None], w)[0] for p in range(mine.start, mine.stop)]
-            assert counts[b] == 0 or torch.equal(got[mine], torch.stack(alone))
+            if 0 < counts[b] <= F32_KERNEL_MAX_ROWS:
+                alone = [qmatmul(x[rows[p]][None], w)[0] for p in range(mine.start, mine.stop)]
+                assert torch.equal(got[mine], torch.stack(alone))
             assert counts[b] == 0 or relative_error(got[mine], reference(x[rows[mine]], w)) <= 1e-6

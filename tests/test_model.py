@@ -367,11 +367,12 @@ def test_long_prompts_attend_in_query_blocks(small_model, monkeypatch):
     assert relative_error(small_model.logits(tokens), whole) < 1e-5
 
 
-def test_prefill_attention_gives_each_query_its_decode_steps_bits(small_model, monkeypatch):
-    """On the CPU a prefill's MLA queries attend as decode steps at their positions do:
+def test_row_exact_prefill_attention_gives_each_query_its_decode_steps_bits(small_model, monkeypatch):
+    """Under row-exact products a prefill's MLA queries attend as decode steps at their positions do:
     in one C call up to `C_ATTENTION_MAX_MACS` a query, one at a time in torch beyond (made small here,
     so a prefill crosses it): each query's context equals `_attend_one`'s bit for bit."""
     from k3stream.model import mla
+    from k3stream.quant.kernels import set_row_exact
 
     layer = next(layer.attn for layer in small_model.layers if isinstance(layer.attn, mla.MLA))
     width = layer.kv_lora + layer.rope
@@ -379,10 +380,14 @@ def test_prefill_attention_gives_each_query_its_decode_steps_bits(small_model, m
     queries = torch.randn(40, layer.heads, width, generator=generator)
     cache = torch.randn(70, width, generator=generator)
     monkeypatch.setattr(mla, "C_ATTENTION_MAX_MACS", layer.heads * width * 45)
-    for offset in (0, 20, 30):
-        got = layer._attend(queries, cache[: offset + 40], offset)
-        for i in range(40):
-            assert torch.equal(got[i], layer._attend_one(queries[i], cache[: offset + i + 1]))
+    set_row_exact(True)
+    try:
+        for offset in (0, 20, 30):
+            got = layer._attend(queries, cache[: offset + 40], offset)
+            for i in range(40):
+                assert torch.equal(got[i], layer._attend_one(queries[i], cache[: offset + i + 1]))
+    finally:
+        set_row_exact(False)
 
 
 def test_a_cache_grown_row_by_row_in_c_holds_what_torch_appends():

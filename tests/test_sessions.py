@@ -14,6 +14,7 @@ from k3stream.engine.generate import generate
 from k3stream.engine.prompt_cache import MIB, PromptCache, model_fingerprint
 from k3stream.engine.sampling import SamplingParams
 from k3stream.gguf.reader import K3Checkpoint
+from k3stream.quant.kernels import set_row_exact
 from k3stream.server.live import ServerProcess
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -22,7 +23,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model(model_path):
-    return k3stream.load(model_path)
+    yield k3stream.load(model_path)
+    set_row_exact(False)
 
 
 def test_generate_with_a_cache_reuses_the_last_turn_and_answers_the_same(model, model_path, tokenizer):
@@ -59,6 +61,7 @@ def test_chat_keeps_its_conversation_state_between_turns(model_path):
     assert session.cache.stats.tokens_reused >= first_tokens  # at least the first turn's whole prompt
     off_answers, off_session = conversation("--cache-ram", "0")
     assert off_session.cache is None and answers == off_answers
+    set_row_exact(False)
 
 
 def _chat(client: openai.OpenAI, messages: list[dict]) -> openai.types.chat.ChatCompletion:

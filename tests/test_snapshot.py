@@ -8,13 +8,21 @@ import torch
 import k3stream
 from k3stream import LoadOptions
 from k3stream.model.snapshot import exact_positions, prefill_marked, restore, take_snapshot
+from k3stream.quant.kernels import set_row_exact
 
 AUDITED = dict(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32, kda_head_dim=32)
 PROMPT = 40
 
 
 @pytest.fixture(scope="module")
-def models(tiny_model, tmp_path_factory, one_torch_thread):
+def exact_rows():
+    set_row_exact(True)
+    yield
+    set_row_exact(False)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model, tmp_path_factory, one_torch_thread, exact_rows):
     """name -> model: the tiny F32 file, the audited recipe (its quantized products in floats, and with
     llama.cpp's integer arithmetic: `match_ggml`), and the audited one streamed from its pack."""
     from k3stream.engine.loading import load_resolved

@@ -27,6 +27,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from k3stream.model.snapshot import (
     take_snapshot,
 )
 from k3stream.pack.fileio import write_bytes_atomic
+from k3stream.quant.kernels import set_row_exact
 
 if TYPE_CHECKING:
     from k3stream.gguf.config import K3Config
@@ -202,6 +204,25 @@ class CacheStats:
     disk_errors: int = 0
     create_s: float = 0.0
     restore_s: float = 0.0
+
+
+class _RowExactUsers:
+    """The open caches: the products are row-exact while there is one (`kernels.set_row_exact`)."""
+
+    count = 0
+    lock = threading.Lock()
+
+    @classmethod
+    def enter(cls) -> None:
+        with cls.lock:
+            cls.count += 1
+            set_row_exact(True)
+
+    @classmethod
+    def leave(cls) -> None:
+        with cls.lock:
+            cls.count -= 1
+            set_row_exact(cls.count > 0)
 
 
 def attention_rows_per_token(config: K3Config) -> float:
@@ -395,6 +416,9 @@ class PromptCache:
         if self.disk_dir is not None and self.disk_budget:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
             self._scan_disk()
+        if self.enabled:  # a restored state continues with the cold bits (`model.snapshot`)
+            self._row_exact = weakref.finalize(self, _RowExactUsers.leave)
+            _RowExactUsers.enter()
 
     @property
     def enabled(self) -> bool:
@@ -409,6 +433,8 @@ class PromptCache:
         with self._lock:
             self._closed = True  # later snapshots stay in RAM
         self._writes.shutdown(wait=True)
+        if self.enabled:
+            self._row_exact()  # runs once, here or when the cache is collected
 
     # ---- the driver --------------------------------------------------------------------------------
 

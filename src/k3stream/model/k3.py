@@ -130,8 +130,8 @@ class K3Model:
     @torch.inference_mode()
     def prefill_batch(self, states: list[SequenceState], token_lists: list[list[int]]) -> torch.Tensor:
         """`prefill_last` of several sequences in one pass (in each MoE layer the experts any of them
-        routes to are fetched once); the last token's logits of each [B, vocab]. Each row
-        equals that sequence's prefill alone, bit for bit (row-exact products)."""
+        routes to are fetched once); the last token's logits of each [B, vocab]. Under
+        `kernels.set_row_exact` each row equals that sequence's prefill alone, bit for bit."""
         if len(states) != len(token_lists):
             raise ValueError(f"prefill_batch: {len(states)} states but {len(token_lists)} token lists")
         lists = [self._token_list(tokens) for tokens in token_lists]

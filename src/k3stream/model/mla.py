@@ -18,7 +18,7 @@ from k3stream.model.layers import (
     rms_norm,
 )
 from k3stream.model.options import LoadOptions
-from k3stream.quant.kernels import GroupedProduct, checked_weight, cpu
+from k3stream.quant.kernels import GroupedProduct, checked_weight, cpu, row_exact
 from k3stream.quant.rounding import round_like_ggml
 
 QUERY_BLOCK = 512
@@ -317,11 +317,10 @@ class MLA:
     def _attend(self, queries: torch.Tensor, cache: torch.Tensor, offset: int) -> torch.Tensor:
         """Causal attention of queries (positions offset..) over the cache -> latent context [T, H, kv].
 
-        On the CPU each query attends as a decode step's does (`_attend_exact`), as the CPU products
-        are row-exact; elsewhere long prompts go QUERY_BLOCK queries at a time, so the score matrix
-        stays bounded.
+        Long prompts go QUERY_BLOCK queries at a time, so the score matrix stays bounded. Under
+        `kernels.row_exact()` each query attends as a decode step's does (`_attend_exact`).
         """
-        if queries.device.type == "cpu":
+        if row_exact():
             return self._attend_exact(queries, cache, offset)
         blocks = range(0, queries.shape[0], QUERY_BLOCK)
         parts = [

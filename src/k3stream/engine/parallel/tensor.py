@@ -24,15 +24,14 @@ from k3stream.model.mla import MLA, HeadProjection
 from k3stream.model.moe import LatentMoE, SituMLP
 from k3stream.model.shard import input_columns, output_rows, part
 from k3stream.model.state import Layer
-from k3stream.quant.kernels import GroupedProduct
+from k3stream.quant.kernels import GroupedProduct, row_exact
 
 
 class AllReduced:
-    """A row-parallel layer: this rank's partial product, summed over the ranks. With more than two
-    ranks the partials are gathered and summed in rank order: an all-reduce sums an element in an order
-    that depends on the tensor's size (its rows), so a row's bits would depend on the rows computed
-    with it, and a restored prefix continued would not give the cold prefill's bits (two ranks add
-    once: a + b = b + a)."""
+    """A row-parallel layer: this rank's partial product, summed over the ranks. With row-exact products
+    (a prompt cache) and more than two ranks the partials are gathered and summed in rank order: such an
+    all-reduce sums an element in an order that depends on the tensor's size (its rows), so a restored
+    prefix continued would not give the cold prefill's bits (two ranks add once: a + b = b + a)."""
 
     def __init__(self, linear: Linear) -> None:
         self.linear = linear
@@ -40,7 +39,7 @@ class AllReduced:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x).contiguous()
-        if dist.get_world_size() <= 2:
+        if not row_exact() or dist.get_world_size() <= 2:
             collective("an all-reduce", dist.all_reduce, y)
             return y
         parts = [torch.empty_like(y) for _ in range(dist.get_world_size())]

@@ -6,6 +6,8 @@ from . import cpu
 from .seam import (
     BACKENDS,
     F32,
+    F32_EXPERT_MAX_TOKENS,
+    F32_KERNEL_MAX_ROWS,
     MLP,
     ExpertMatrices,
     GroupedProduct,
@@ -19,6 +21,8 @@ from .seam import (
     kernel_for,
     note_fallbacks,
     qmatmul,
+    row_exact,
+    set_row_exact,
     situ,
     warm_up,
 )
@@ -26,6 +30,8 @@ from .seam import (
 __all__ = [
     "BACKENDS",
     "F32",
+    "F32_EXPERT_MAX_TOKENS",
+    "F32_KERNEL_MAX_ROWS",
     "MLP",
     "ExpertMatrices",
     "GroupedProduct",
@@ -40,6 +46,8 @@ __all__ = [
     "kernel_for",
     "note_fallbacks",
     "qmatmul",
+    "row_exact",
+    "set_row_exact",
     "situ",
     "warm_up",
 ]

@@ -34,12 +34,41 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "reference")
 F32 = 0
 FLOAT_WIDTH_TYPES = frozenset({1, 30})  # F16, BF16: one value per "block"
+# F32 products of at most this many rows take the C kernel (`_f32_by_kernel`), more take torch's
+F32_KERNEL_MAX_ROWS = 16
+# F32 routed experts take the C call in steps of at most this many tokens (beyond, torch's GEMM is
+# as fast). Tokens, not rows an expert: a step's fetch groups all see the same count, so streamed and
+# resident runs agree.
+F32_EXPERT_MAX_TOKENS = 512
+ANY_ROWS = 1 << 62
 # F32 matrices of at most this many bytes go to `Products`' C call as an input-major copy (small
 # models' short rows, whose products are compute-bound); larger ones (a real model's 7168-wide rows,
 # read at the memory's speed in a decode step) keep their GGUF bytes and the row-major kernel, and no
 # second copy of them is made. 256 KiB: a decode step of the `mid` test shape (1024 x 256 F32
 # matrices, 1 MiB) ran 1.2x faster with those on the row-major kernel (bench_forward, one thread)
 INPUT_MAJOR_MAX_BYTES = 1 << 18
+
+
+class _RowExact:
+    """Process-wide: whether F32 products take the C kernel at any row count (`set_row_exact`)."""
+
+    on = False
+
+
+def set_row_exact(on: bool) -> None:
+    """Make every F32 product on the CPU take the C kernel whatever its row count, so that a row's bits
+    never depend on the rows computed with it (a prefill's row then has a decode step's bits, and a
+    prefill resumed at any position the bits of one from the start: what a restored sequence snapshot
+    needs). Off, prefills of more than F32_KERNEL_MAX_ROWS rows take torch's faster GEMM."""
+    _RowExact.on = on
+
+
+def row_exact() -> bool:
+    return _RowExact.on
+
+
+def _f32_rows_fit(rows: int, limit: int) -> bool:
+    return rows <= limit or _RowExact.on
 
 
 @dataclass(frozen=True)
@@ -133,7 +162,7 @@ def qmatmul(
     flat = x.reshape(-1, x.shape[-1]).float()
     if weight.ggml_type != F32:
         out = grouped_qmatmul(flat, [weight], *_all_rows(flat.shape[0]), backend, match_ggml)
-    elif _f32_by_kernel(flat.device, [weight]):
+    elif _f32_by_kernel(len(flat), flat.device, [weight]):
         out_features, in_features = weight.shape
         out = cpu.grouped_product(
             flat, [weight.data], F32, out_features, 4 * in_features, *_all_rows(len(flat))
@@ -150,10 +179,10 @@ class Products:
     """`qmatmul(x, w, backend, match_ggml)` for each of `weights` (one input width), side by side:
     [N, sum of their output rows]. A linear layer holds one weight, a layer's projections of one input
     several; the model calls them many times (a decode token ~100 calls of a few microseconds of work).
-    A 2-D float32 CPU input that every weight's C kernel takes (any row count: each row's bits its own)
-    is one C call with everything that does not depend on x worked out here; anything else goes through
-    qmatmul per weight (which also says what is wrong) and a cat.
-    The C call takes F32 matrices of at most INPUT_MAJOR_MAX_BYTES from an input-major copy made
+    A 2-D float32 CPU input that every weight's C kernel takes (at most F32_KERNEL_MAX_ROWS rows where
+    one is F32, any under `set_row_exact`) is one C call with everything that does not depend on x
+    worked out here; anything else goes through qmatmul per weight (which also says what is wrong) and
+    a cat. The C call takes F32 matrices of at most INPUT_MAJOR_MAX_BYTES from an input-major copy made
     here (`INPUT_MAJOR_F32`: each output's sum one chain over its inputs, so a decode row and a
     prefill's rows get the same bits, whatever the width, without a row-major kernel's horizontal
     sums); the same results as qmatmul's but for those, within 1e-6."""
@@ -166,10 +195,11 @@ class Products:
         self.in_features = widths.pop()
         self.out_features = sum(weight.shape[0] for weight in self.weights)
         self.backend, self.match_ggml = backend, match_ggml
-        self.by_c = all(map(self._c_takes, self.weights))
+        self._max_rows = min(self._direct_rows(weight) for weight in self.weights)
         self.widths = [weight.shape[0] for weight in self.weights]
         # the matrices as the C call reads them (kept alive here) and their kernels' type ids
-        self._matrices = [_as_c_reads(w) if self.by_c else (w.data, w.ggml_type) for w in self.weights]
+        direct = self._max_rows > 0
+        self._matrices = [_as_c_reads(w) if direct else (w.data, w.ggml_type) for w in self.weights]
         self._arguments = (
             [matrix.data_ptr() for matrix, _ in self._matrices],
             [kind for _, kind in self._matrices],
@@ -178,16 +208,18 @@ class Products:
             [int(match_ggml and weight.ggml_type in cpu.Q8_TYPES) for weight in self.weights],
         )
 
-    def _c_takes(self, weight: QWeight) -> bool:
-        """Whether products with `weight` go straight to the C kernel."""
+    def _direct_rows(self, weight: QWeight) -> int:
+        """The most input rows whose product with `weight` goes straight to the C kernel (0: none do)."""
         ggml_type = weight.ggml_type
         if self.backend != "auto":
-            return False
+            return 0
         if ggml_type == F32 and weight.data.numel() <= INPUT_MAJOR_MAX_BYTES:
-            return _input_major_takes(weight)
+            return F32_KERNEL_MAX_ROWS if _input_major_takes(weight) else 0
         if not _bytes_for_c(weight):
-            return False
-        return ggml_type == F32 or _c_kernel_takes(ggml_type, self.in_features, self.match_ggml)
+            return 0
+        if ggml_type == F32:
+            return F32_KERNEL_MAX_ROWS
+        return ANY_ROWS if _c_kernel_takes(ggml_type, self.in_features, self.match_ggml) else 0
 
     def role(self) -> cpu.Role:
         """The first matrix as `cpu.expert_mlp` takes it (an F32 one input-major)."""
@@ -216,7 +248,9 @@ class Products:
         return cpu.bind_products(x, self._arguments, out, threads) if self._direct(x) else None
 
     def _direct(self, x: torch.Tensor) -> bool:
-        return self.by_c and x.shape[1:] == (self.in_features,) and cpu.takes((x,))
+        count, *features = x.shape
+        fits = count <= self._max_rows or (_RowExact.on and self._max_rows > 0)
+        return fits and features == [self.in_features] and cpu.takes((x,))
 
 
 def _input_major_takes(weight: QWeight) -> bool:
@@ -250,13 +284,14 @@ class GroupedProduct:
                 _bytes_for_c(w) and (w.ggml_type, w.shape) == (ggml_type, first.shape) for w in self.weights
             )
         )
+        self._most_rows = F32_KERNEL_MAX_ROWS if ggml_type == F32 else ANY_ROWS  # as grouped_qmatmul
         self._datas = [w.data for w in self.weights]
         self._layout = (ggml_type, out_features, row_bytes(ggml_type, in_features))
         self._q8 = match_ggml and ggml_type in cpu.Q8_TYPES
         self.in_features = in_features
 
     def __call__(self, x: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        if self._takes(x):
+        if self._takes(x, starts):
             return cpu.grouped_product(x, self._datas, *self._layout, starts, rows, self._q8)
         return grouped_qmatmul(x, self.weights, starts, rows, self.backend, self.match_ggml)
 
@@ -264,12 +299,13 @@ class GroupedProduct:
         self, x: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, threads: int
     ) -> cpu.Call | None:
         """The product into `out` as a bound C call, or None where x would not go straight to C."""
-        if not self._takes(x):
+        if not self._takes(x, starts):
             return None
         return cpu.bind_grouped_product(x, self._datas, self._layout, starts, rows, out, threads, self._q8)
 
-    def _takes(self, x: torch.Tensor) -> bool:
-        return self._direct and x.ndim == 2 and x.shape[1] == self.in_features and cpu.takes((x,))
+    def _takes(self, x: torch.Tensor, starts: torch.Tensor) -> bool:
+        direct = self._direct and x.ndim == 2 and x.shape[1] == self.in_features and cpu.takes((x,))
+        return direct and (self._most_rows == ANY_ROWS or _f32_rows_fit(_most_rows(starts), self._most_rows))
 
 
 class MLP:
@@ -285,7 +321,7 @@ class MLP:
         types = [weight.ggml_type for part in parts for weight in part.weights]
         q8 = _q8_flag(types, match_ggml.pop()) if len(match_ggml) == 1 else None
         self._q8 = bool(q8)
-        self._by_c = single and q8 is not None and all(part.by_c for part in parts)
+        self._max_rows = min(part._max_rows for part in parts) if single and q8 is not None else 0
         self._roles = tuple(part.role() for part in parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -304,14 +340,22 @@ class MLP:
         return cpu.bind_expert_mlp(x, self._roles, *_all_rows(x.shape[0]), betas, out, threads, self._q8)
 
     def _direct(self, x: torch.Tensor) -> bool:
-        return self._by_c and x.shape[1:] == (self.gate.in_features,) and cpu.takes((x,))
+        count, *features = x.shape
+        fits = count <= self._max_rows or (_RowExact.on and self._max_rows > 0)
+        return fits and features == [self.gate.in_features] and cpu.takes((x,))
 
 
-def _f32_by_kernel(device: torch.device, weights: Sequence[QWeight]) -> bool:
-    """Whether an F32 product takes the C kernel (GGUF bytes on the CPU), at any row count: each row's
-    bits are then those of the row alone, whatever the rows computed with it (torch's GEMM rounds as
-    its row count has it). One arithmetic for a decode step, a prefill, a chunk of one and a batch."""
-    return device.type == "cpu" and all(map(_bytes_for_c, weights))
+def _f32_by_kernel(most_rows: int, device: torch.device, weights: Sequence[QWeight]) -> bool:
+    """Whether an F32 product takes the C kernel: GGUF bytes on the CPU, at most F32_KERNEL_MAX_ROWS
+    rows a matrix (a mat-vec reads the weight at the memory's speed, on every thread; torch's is one
+    thread wide and slow at 2-16 rows; with more rows torch's GEMM computes faster)."""
+    fits = _f32_rows_fit(most_rows, F32_KERNEL_MAX_ROWS)
+    return fits and device.type == "cpu" and all(map(_bytes_for_c, weights))
+
+
+def _most_rows(starts: torch.Tensor) -> int:
+    """The most input rows any matrix of a grouped product takes."""
+    return int(starts.diff().max()) if len(starts) > 1 else 0
 
 
 def _bytes_for_c(weight: QWeight) -> bool:
@@ -364,7 +408,7 @@ def grouped_qmatmul(
         if backend == "reference"
         else kernel_for(first.ggml_type, x.device, first.shape[1], match_ggml)
     )
-    if kernel == "torch" and _f32_by_kernel(x.device, weights):
+    if kernel == "torch" and _f32_by_kernel(_most_rows(starts), x.device, weights):
         kernel = "c"  # as qmatmul: few rows a matrix take the C mat-vec, alone or in company
     q8_activations = match_ggml and kernel == "c" and first.ggml_type in cpu.Q8_TYPES
     if match_ggml and not q8_activations:
@@ -387,9 +431,10 @@ def grouped_qmatmul(
 
 
 def _row_at_a_time(x: torch.Tensor, product) -> torch.Tensor:
-    """product(x), a row at a time on the CPU: for products the C kernels do not take, so that a row's
-    bits do not depend on its company (torch's products round as their row count has them)."""
-    if x.device.type == "cpu":
+    """product(x), a row at a time for at most F32_KERNEL_MAX_ROWS rows on the CPU: for products the C
+    kernels do not take, so that a row's bits do not depend on its company (torch's products round as
+    their row count has them)."""
+    if _f32_rows_fit(len(x), F32_KERNEL_MAX_ROWS) and x.device.type == "cpu":
         return torch.cat([product(row) for row in x.split(1)])
     return product(x)
 
@@ -480,7 +525,7 @@ def bind_chosen_experts(
     experts' matrices), or None where `expert_mlp` would not take them straight to C. `roles` (gate,
     up, down): each role's matrices of all the layer's experts in RAM, as (bytes, bytes per expert,
     GGML type, shape (out, in)), expert e's at e times the bytes per expert."""
-    layouts = [_fused_layout(ggml_type, shape, match_ggml) for _, _, ggml_type, shape in roles]
+    layouts = [_fused_layout(ggml_type, shape, match_ggml, few_rows=True) for _, _, ggml_type, shape in roles]
     q8 = _q8_flag([ggml_type for _, _, ggml_type, _ in roles], match_ggml)
     if backend != "auto" or x.shape[0] != 1 or None in (*layouts, q8) or not cpu.takes((x,)):
         return None
@@ -497,14 +542,15 @@ def _fused_roles(
     x: torch.Tensor, experts: Sequence[ExpertMatrices], match_ggml: bool
 ) -> tuple[cpu.Role, cpu.Role, cpu.Role] | None:
     """The gate, up and down roles for `cpu.expert_mlp`, or None where the step takes the per-product
-    path: off the CPU, under autograd, a role without a C kernel, or with `match_ggml` a role whose
-    kernel does not quantize activations itself (its inputs are rounded in torch first) or F32 roles
-    beside quantized ones."""
+    path: off the CPU, under autograd, a role without a C kernel, F32 experts of a step of more than
+    F32_EXPERT_MAX_TOKENS tokens (x's rows), or with `match_ggml` a role whose kernel does not quantize
+    activations itself (its inputs are rounded in torch first) or F32 roles beside quantized ones."""
     if not cpu.takes((x,)):
         return None
     first = experts[0]
     kinds = [(matrix.ggml_type, matrix.shape) for matrix in (first.gate, first.up, first.down)]
-    layouts = [_fused_layout(ggml_type, shape, match_ggml) for ggml_type, shape in kinds]
+    few_rows = _f32_rows_fit(x.shape[0], F32_EXPERT_MAX_TOKENS)  # a decode step's one row among them
+    layouts = [_fused_layout(ggml_type, shape, match_ggml, few_rows) for ggml_type, shape in kinds]
     if None in (*layouts, _q8_flag([ggml_type for ggml_type, _ in kinds], match_ggml)):
         return None
     signature = [kind for kind in kinds for kind in kind]
@@ -522,12 +568,15 @@ def _fused_roles(
 
 
 @functools.lru_cache(maxsize=64)
-def _fused_layout(ggml_type: int, shape: tuple[int, int], match_ggml: bool) -> tuple[int, int] | None:
+def _fused_layout(
+    ggml_type: int, shape: tuple[int, int], match_ggml: bool, few_rows: bool = False
+) -> tuple[int, int] | None:
     """A role's output rows and bytes per row for `cpu.expert_mlp`, or None where it does not take it
-    (see `_fused_roles`). F32 matrices take it at any token count, as `qmatmul` sends F32 products to
-    the C kernel (each row's bits its own)."""
+    (see `_fused_roles`). F32 matrices take it for `few_rows` (a decode step's chosen experts, a step of
+    at most F32_EXPERT_MAX_TOKENS tokens), as `qmatmul` sends a few rows of F32 to the C kernel; torch's
+    GEMM is faster for many."""
     out_features, in_features = shape
-    f32_rows = ggml_type == F32 and in_features % 32 == 0 and cpu.available()
+    f32_rows = few_rows and ggml_type == F32 and in_features % 32 == 0 and cpu.available()
     if not (f32_rows or _c_kernel_takes(ggml_type, in_features, match_ggml)):
         return None
     return out_features, row_bytes(ggml_type, in_features)
