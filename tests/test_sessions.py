@@ -11,7 +11,7 @@ import pytest
 
 import k3stream
 from k3stream.engine.generate import generate
-from k3stream.engine.prompt_cache import MIB, PromptCache, model_fingerprint
+from k3stream.engine.prompt_cache import MIB, PromptCache, _RowExactUsers, model_fingerprint
 from k3stream.engine.sampling import SamplingParams
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.quant.kernels import set_row_exact
@@ -61,13 +61,18 @@ def test_chat_keeps_its_conversation_state_between_turns(model_path):
     assert session.cache.stats.tokens_reused >= first_tokens  # at least the first turn's whole prompt
     off_answers, off_session = conversation("--cache-ram", "0")
     assert off_session.cache is None and answers == off_answers
+    _RowExactUsers.leave()  # the reuse-off chat's `keep_row_exact`
     set_row_exact(False)
 
 
 def _chat(client: openai.OpenAI, messages: list[dict]) -> openai.types.chat.ChatCompletion:
     return client.chat.completions.create(
-        model="tiny-kimi-k3", messages=messages, max_tokens=6, temperature=0
+        model="tiny-kimi-k3", messages=messages, max_tokens=6, temperature=0, logprobs=True
     )
+
+
+def _logprobs(response: openai.types.chat.ChatCompletion) -> list[float]:
+    return [token.logprob for token in response.choices[0].logprobs.content]
 
 
 def _two_turns(client: openai.OpenAI) -> tuple[list, list]:
@@ -110,6 +115,8 @@ def test_the_server_reuses_a_conversation_and_resumes_it_after_a_restart(model_p
     assert [r.choices[0].message.content for r in (first, second)] == [
         r.choices[0].message.content for r in (off_first, off_second)
     ]
+    # reuse off computes as reuse on does (row-exact products), the same bits with or without a restore
+    assert [_logprobs(r) for r in (first, second)] == [_logprobs(r) for r in (off_first, off_second)]
     with ServerProcess(
         model_path, "--threads", "1", "--cache-dir", cache_dir, log_path=tmp_path / "c.log"
     ) as again:

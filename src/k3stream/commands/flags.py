@@ -280,17 +280,19 @@ def add_cache_arguments(parser: argparse.ArgumentParser, ram_mib: float = 1024.0
 
 
 def cache_from_args(args: argparse.Namespace, model: Any, layout: str = "") -> PromptCache | None:
-    """The prompt cache the flags ask for on `model` (None: --cache-ram 0). Under torchrun every rank
+    """The prompt cache the flags ask for on `model` (None: --cache-ram 0, the products row-exact all the
+    same: `keep_row_exact`). Under torchrun every rank
     has one (`layout`: this rank's place, keyed into the fingerprint: a rank's snapshots hold its shard);
     rank 0's model is a `DriverModel`, whose followers snapshot and restore with it."""
     from k3stream.engine.loading import resolve_model
     from k3stream.engine.parallel.runner import DriverModel
-    from k3stream.engine.prompt_cache import PromptCache, model_fingerprint
+    from k3stream.engine.prompt_cache import PromptCache, keep_row_exact, model_fingerprint
     from k3stream.gguf.shards import discover_shards
 
     if args.cache_ram < 0 or args.cache_disk < 0 or args.cache_every < 1:
         raise ValueError("--cache-ram and --cache-disk must be >= 0, --cache-every >= 1")
     if args.cache_ram == 0:
+        keep_row_exact()  # reuse off answers as reuse on does
         return None
     driver = isinstance(model, DriverModel)
     gguf_path, _ = resolve_model(args.model, False)

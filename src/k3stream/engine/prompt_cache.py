@@ -225,6 +225,12 @@ class _RowExactUsers:
             set_row_exact(cls.count > 0)
 
 
+def keep_row_exact() -> None:
+    """Row-exact products for the rest of the process, with a prompt cache or without: a server's or a
+    chat's answers then never depend on its cache settings, on batching or on chunking."""
+    _RowExactUsers.enter()
+
+
 def attention_rows_per_token(config: K3Config) -> float:
     """How many latent rows one token's MLA attention must cover to cost as much as all of its other
     work (multiply-adds: every matrix of every layer, the routed experts' by top_k / experts, and the
