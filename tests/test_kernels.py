@@ -164,7 +164,11 @@ def test_grouped_rows_equal_separate_products_bit_for_bit(qt):
 def test_input_major_f32_products_have_one_rows_bits_on_every_isa(outs, cols, monkeypatch):
     """The input-major F32 kernels (AVX-512: six rows by 64 outputs a block, the rows left over one at a
     time; AVX2: four rows by 16; portable: one output at a time) give every row, at any row count and
-    any output width (masked ends), the bits of the AVX2 kernel's one-row product (a decode step's)."""
+    any output width (masked ends), the bits of the AVX2 kernel's one-row product (a decode step's);
+    row-exact products take them at any row count."""
+    from k3stream.quant.kernels import seam
+
+    monkeypatch.setattr(seam._RowExact, "on", True)
     generator = torch.Generator().manual_seed(outs + cols)
     matrix = torch.randn(outs, cols, generator=generator)
     products = Products([QWeight(matrix.view(torch.uint8).reshape(-1), T.F32, (outs, cols))])

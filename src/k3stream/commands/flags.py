@@ -279,9 +279,13 @@ def add_cache_arguments(parser: argparse.ArgumentParser, ram_mib: float = 1024.0
     )
 
 
+# commands whose answers must not depend on their cache flags: row-exact products with --cache-ram 0 too
+ANSWERING_COMMANDS = ("serve", "chat")
+
+
 def cache_from_args(args: argparse.Namespace, model: Any, layout: str = "") -> PromptCache | None:
-    """The prompt cache the flags ask for on `model` (None: --cache-ram 0, the products row-exact all the
-    same: `keep_row_exact`). Under torchrun every rank
+    """The prompt cache the flags ask for on `model` (None: --cache-ram 0; for `serve` and `chat` the
+    products row-exact all the same: `keep_row_exact`). Under torchrun every rank
     has one (`layout`: this rank's place, keyed into the fingerprint: a rank's snapshots hold its shard);
     rank 0's model is a `DriverModel`, whose followers snapshot and restore with it."""
     from k3stream.engine.loading import resolve_model
@@ -292,7 +296,8 @@ def cache_from_args(args: argparse.Namespace, model: Any, layout: str = "") -> P
     if args.cache_ram < 0 or args.cache_disk < 0 or args.cache_every < 1:
         raise ValueError("--cache-ram and --cache-disk must be >= 0, --cache-every >= 1")
     if args.cache_ram == 0:
-        keep_row_exact()  # reuse off answers as reuse on does
+        if getattr(args, "command", None) in ANSWERING_COMMANDS:
+            keep_row_exact()  # reuse off answers as reuse on does
         return None
     driver = isinstance(model, DriverModel)
     gguf_path, _ = resolve_model(args.model, False)
