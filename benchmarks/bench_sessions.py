@@ -167,7 +167,7 @@ WORDS = (
 
 def run_sessions(model, workload: Workload, args, cache: PromptCache):
     """The session with reuse on and off, a turn of each in turn (so a busy machine slows both alike);
-    off is the engine without a cache (F32 products of many rows on torch's GEMM)."""
+    off is the engine without a cache, computing as `serve --cache-ram 0` does (row-exact products)."""
     context, on, off = list(workload.system), [], []
     for turn in range(args.turns):
         context += workload.tools[turn] + workload.assistant_open
@@ -180,7 +180,7 @@ def run_sessions(model, workload: Workload, args, cache: PromptCache):
 def one_turn(model, context: list[int], cache: PromptCache | None, args) -> Turn:
     """One turn's prefill (whole, or in `serve`'s chunks of --prefill-chunk where experts stream from a
     pack) and greedy answer of --answer-tokens."""
-    set_row_exact(cache is not None)  # what a cache turns on (`model.snapshot`)
+    set_row_exact(True)  # a cache's products, and `serve`'s without one (`keep_row_exact`)
     before, read_before = _stats(cache), read_process_io()["read_bytes"]
     start, cpu_start = time.perf_counter(), time.process_time()
     prefill = ChunkedPrefill(model, context, cache)
@@ -429,7 +429,7 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
     alternating): its restore; prefills over the restored history of a few new tokens to all of the
     turn's, and cold prefills of a few lengths up to the whole prompt (reuse off's products): a line
     through each gives its fixed cost and its cost per token. Then the turn's new tokens over the
-    restored history with reuse off's products (not row-exact: their time only), the prompt-end
+    restored history with torch's GEMM products (not row-exact: their time only), the prompt-end
     snapshot (taken after the first token) and one new token (a pass's own cost)."""
     context = list(workload.system)
     for turn in range(args.turns - 1):
@@ -465,14 +465,12 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
         return took
 
     def cold(length: int, chunks: PrefillChunks | None = None) -> float:
-        set_row_exact(False)
+        """Reuse off as `serve --cache-ram 0` computes it (row-exact products, set above)."""
         start = time.process_time()
         prefill = ChunkedPrefill(model, context[:length])
         while not prefill.step(chunks or PrefillChunks(length)):
             pass
-        took = time.process_time() - start
-        set_row_exact(True)
-        return took
+        return time.process_time() - start
 
     runs = [(("on", n), restored) for n in counts] + [(("off", n), cold) for n in lengths]
     runs.append((("inexact", new), lambda n: restored(n, exact=False)))
@@ -501,7 +499,7 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
         f"over the history {1e3 * times[('on', 1)]:.2f} ms"
     )
     print(
-        f"  the same {new} tokens over the restored history with reuse off's products (torch's GEMM for "
+        f"  the same {new} tokens over the restored history with torch's GEMM products (for "
         f"F32 matrices, batched MLA queries; not row-exact): {1e3 * inexact:.1f} ms "
         f"({inexact / whole_off:.3f}x of reuse off): the row-exact products cost "
         f"{1e3 * (whole_on - inexact):.1f} ms "
