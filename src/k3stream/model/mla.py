@@ -74,14 +74,6 @@ class HeadProjection:
         return call or cpu.python_step(lambda: out.copy_(self(x[None])[0]))
 
 
-def run_calls(steps: list[cpu.Call]) -> None:
-    """Runs bound calls in order; a C call's nonzero status (no memory) raises MemoryError."""
-    for function, args, _ in steps:
-        status = function(*args)
-        if status:
-            raise MemoryError(f"decode step {function.__name__}: status {status} (no memory)")
-
-
 def _bind_output_gate(values: torch.Tensor, g_logits: torch.Tensor, out: torch.Tensor) -> cpu.Call:
     """`_output`'s gate (values * sigmoid(g_logits)) into `out` as a bound call: C's where `_output`
     takes it, else torch's."""
@@ -228,7 +220,7 @@ class MLA:
         bound.h.copy_(h)
         bound.state = state
         try:
-            run_calls(bound.steps)
+            cpu.run_calls(bound.steps)
         finally:
             bound.state = None
         return bound.out.clone()

@@ -26,7 +26,6 @@ from k3stream.model.attn_res import bind_residual_mix
 from k3stream.model.hints import sent_kind
 from k3stream.model.kda import KDAState
 from k3stream.model.layers import bind_linear, bind_rms_norm
-from k3stream.model.mla import run_calls
 from k3stream.model.moe import LatentMoE
 from k3stream.quant.kernels import cpu
 
@@ -72,7 +71,7 @@ class DecodeProgram:
     def run(self, token: int) -> torch.Tensor:
         """The logits [1, V] of `token` (a checked id); advances the bound state as `_forward` does."""
         self._token = token
-        run_calls(self.steps)
+        cpu.run_calls(self.steps)
         return self._logits.clone()
 
     def _build(self, state: SequenceState) -> list[cpu.Call]:

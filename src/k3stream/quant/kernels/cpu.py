@@ -160,6 +160,14 @@ def bind_products(x: torch.Tensor, arguments: tuple, out: torch.Tensor, threads:
     return _ggml_cpu().products, args, (x, out)
 
 
+def run_calls(steps: list[Call]) -> None:
+    """Runs bound calls in order; a C call's nonzero status (no memory) raises MemoryError."""
+    for function, args, _ in steps:
+        status = function(*args)
+        if status:
+            raise MemoryError(f"decode step {function.__name__}: status {status} (no memory)")
+
+
 def python_step(function: Callable[[], object]) -> Call:
     """A Python step among bound calls (what it returns is dropped)."""
     return _dropping_result, (function,), ()
