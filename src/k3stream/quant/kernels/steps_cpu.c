@@ -28,8 +28,12 @@
 #define INLINE static inline __attribute__((always_inline))
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+/* the MLA attention's clones: AVX-512 registers take its Floats16 whole (the same lane-wise operations,
+ * so the same bits as the other clones) */
+#define CLONES_WIDE __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define CLONES
+#define CLONES_WIDE
 #endif
 
 /* exp, tanh and sigmoid from arithmetic alone (Cephes' single-precision polynomials, within 2 ulp of
@@ -451,41 +455,114 @@ CLONES void k3_combine(const float *pairs, const float *weights, int64_t n, int6
     }
 }
 
+/* Cache rows an attention pass takes at a time: every head's work on a block is done while it sits in
+ * the core's L2 (a long cache is read once from memory per pass, not once per head) */
+#define ATTEND_BLOCK 64
+
+/* Sixteen floats as one value: dot's two partial-sum vectors (low, high) side by side, so dot's bits */
+typedef float Floats16 __attribute__((vector_size(64)));
+INLINE Floats16 load16(const float *p) {
+    Floats16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+INLINE void store16(float *p, Floats16 v) { memcpy(p, &v, sizeof v); }
+
+/* `dot(query, rows[r], n)` for four rows at once, each with its own partial sums in dot's order (so dot's
+ * bits): the query's loads serve four rows */
+INLINE void dot_rows4(const float *query, const float *rows, int64_t stride, int64_t n, float *out) {
+    Floats16 sums[4] = {{0}};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const Floats16 q = load16(query + i);
+        for (int r = 0; r < 4; r++) sums[r] += q * load16(rows + r * stride + i);
+    }
+    for (int r = 0; r < 4; r++) {
+        const Floats8 low = __builtin_shufflevector(sums[r], sums[r], 0, 1, 2, 3, 4, 5, 6, 7);
+        const Floats8 high = __builtin_shufflevector(sums[r], sums[r], 8, 9, 10, 11, 12, 13, 14, 15);
+        float sum = tree_sum(low + high);
+        for (int64_t j = i; j < n; j++) sum += query[j] * rows[r * stride + j];
+        out[r] = sum;
+    }
+}
+
+/* Scores of heads first..last - 1 over cache rows t0..t1 - 1: probs[h * length + t] = (q_h . row_t) * scale */
+INLINE void score_block(const float *query, const float *cache, int64_t length, int64_t t0, int64_t t1,
+                        int64_t first, int64_t last, int64_t width, float scale, float *probs) {
+    for (int64_t h = first; h < last; h++) {
+        const float *q = query + h * width;
+        float *p = probs + h * length;
+        int64_t t = t0;
+        for (; t + 4 <= t1; t += 4) {
+            dot_rows4(q, cache + t * width, width, width, p + t);
+            for (int r = 0; r < 4; r++) p[t + r] *= scale;
+        }
+        for (; t < t1; t++) p[t] = dot(q, cache + t * width, width) * scale;
+    }
+}
+
+/* out[h, e] += sum over rows t0..t1 - 1 of weights[h * length + t] * row_t[e] for heads first..last - 1, e
+ * < kv: each (h, e) summed in t order (one product rounded, then added), two heads and 32 values of e at
+ * a time in registers */
+INLINE void weigh_block(const float *weights, const float *cache, int64_t length, int64_t t0, int64_t t1,
+                        int64_t first, int64_t last, int64_t width, int64_t kv, float *out) {
+    for (int64_t h = first; h < last; h += 2) {
+        const int pair = h + 1 < last;
+        const float *w0 = weights + h * length, *w1 = weights + (h + pair) * length;
+        float *y0 = out + h * kv, *y1 = out + (h + pair) * kv;
+        int64_t e = 0;
+        for (; e + 2 * LANES <= kv; e += 2 * LANES) {
+            Floats16 a[2], b[2];
+            for (int k = 0; k < 2; k++) a[k] = load16(y0 + e + LANES * k), b[k] = load16(y1 + e + LANES * k);
+            for (int64_t t = t0; t < t1; t++) {
+                const float *row = cache + t * width + e;
+                for (int k = 0; k < 2; k++) {
+                    const Floats16 value = load16(row + LANES * k);
+                    a[k] += w0[t] * value;
+                    b[k] += w1[t] * value;
+                }
+            }
+            for (int k = 0; k < 2; k++) {
+                store16(y0 + e + LANES * k, a[k]);
+                if (pair) store16(y1 + e + LANES * k, b[k]);
+            }
+        }
+        for (; e < kv; e++)
+            for (int64_t t = t0; t < t1; t++) {
+                y0[e] += w0[t] * cache[t * width + e];
+                if (pair) y1[e] += w1[t] * cache[t * width + e];
+            }
+    }
+}
+
 /* Heads first..last - 1 of one query [heads, width] over the first `length` rows of a latent cache
  * [width each]: for each head's q, scores s_t = (q . cache[t]) * scale, p = softmax(s), and
- * out[h] = sum_t p_t cache[t, :kv] (the first kv values of each row, summed in t order); each cache row
- * read once for all of these heads in each of the two passes. `probs`: scratch of heads x length floats.
+ * out[h] = sum_t p_t cache[t, :kv] (the first kv values of each row, summed in t order). Each pass takes
+ * the cache ATTEND_BLOCK rows at a time for all these heads. `probs`: scratch of heads x length floats.
  * A head's sums are its own: the same whatever heads or queries are computed beside it. */
 INLINE void attend_heads(const float *query, const float *cache, int64_t length, int64_t first, int64_t last,
                          int64_t width, int64_t kv, float scale, float *probs, float *out) {
-    for (int64_t t = 0; t < length; t++) {
-        const float *row = cache + t * width;
-        for (int64_t h = first; h < last; h++) probs[h * length + t] = dot(query + h * width, row, width) * scale;
-    }
-    float totals[last - first + 1];
+    for (int64_t t = 0; t < length; t += ATTEND_BLOCK)
+        score_block(query, cache, length, t, t + ATTEND_BLOCK < length ? t + ATTEND_BLOCK : length, first, last,
+                    width, scale, probs);
     for (int64_t h = first; h < last; h++) {
         float *p = probs + h * length, largest = -INFINITY, total = 0.0f;
         for (int64_t t = 0; t < length; t++) largest = p[t] > largest ? p[t] : largest;
         for (int64_t t = 0; t < length; t++) p[t] = exp_poly(p[t] - largest);
         for (int64_t t = 0; t < length; t++) total += p[t];
-        totals[h - first] = total;
+        for (int64_t t = 0; t < length; t++) p[t] /= total;
         for (int64_t e = 0; e < kv; e++) out[h * kv + e] = 0.0f;
     }
-    for (int64_t t = 0; t < length; t++) {
-        const float *row = cache + t * width;
-        for (int64_t h = first; h < last; h++) {
-            float *y = out + h * kv;
-            const float w = probs[h * length + t] / totals[h - first];
-            for (int64_t e = 0; e < kv; e++) y[e] += w * row[e];
-        }
-    }
+    for (int64_t t = 0; t < length; t += ATTEND_BLOCK)
+        weigh_block(probs, cache, length, t, t + ATTEND_BLOCK < length ? t + ATTEND_BLOCK : length, first, last,
+                    width, kv, out);
 }
 
 /* One query per head over a latent cache (MLA's absorbed decode attention,
  * k3stream.model.mla.MLA._attend_one): `attend_heads` for all `heads`, a run of heads a thread on up to
  * `threads` threads when the work is large (each head's sums the same on any).
  * `probs`: scratch of heads x length floats. */
-CLONES void k3_mla_attend(const float *query, const float *cache, int64_t length, int64_t heads, int64_t width,
+CLONES_WIDE void k3_mla_attend(const float *query, const float *cache, int64_t length, int64_t heads, int64_t width,
                           int64_t kv, float scale, float *probs, float *out, int threads) {
     const double work = (double)heads * (double)length * (double)(width + kv);
     const int teams = threads > 1 && work >= (1 << 20) ? (threads < heads ? threads : (int)heads) : 1;
@@ -499,7 +576,7 @@ CLONES void k3_mla_attend(const float *query, const float *cache, int64_t length
  * to its own (offset + i + 1 rows): out [n, heads, kv], each query's heads as k3_mla_attend computes
  * them for a decode step at that position, bit for bit (the same `attend_heads`), whatever queries come
  * with it. Queries on up to `threads` threads; `probs`: scratch of threads x heads x (offset + n) floats. */
-CLONES void k3_mla_attend_rows(const float *queries, const float *cache, int64_t offset, int64_t n, int64_t heads,
+CLONES_WIDE void k3_mla_attend_rows(const float *queries, const float *cache, int64_t offset, int64_t n, int64_t heads,
                                int64_t width, int64_t kv, float scale, float *probs, float *out, int threads) {
     const double work = (double)n * (double)heads * (double)(offset + n) * (double)(width + kv);
     const int teams = threads > 1 && work >= (1 << 20) ? threads : 1;
