@@ -468,71 +468,89 @@ INLINE Floats16 load16(const float *p) {
 }
 INLINE void store16(float *p, Floats16 v) { memcpy(p, &v, sizeof v); }
 
-/* `dot(query, rows[r], n)` for four rows at once, each with its own partial sums in dot's order (so dot's
- * bits): the query's loads serve four rows */
-INLINE void dot_rows4(const float *query, const float *rows, int64_t stride, int64_t n, float *out) {
-    Floats16 sums[4] = {{0}};
+/* `dot(queries[j], rows[r], n)` for HEADS_AT_ONCE queries (`query_stride` apart) and four rows (`stride`
+ * apart) at once, each pair with its own partial sums in dot's order (so dot's bits): a load of a query
+ * serves four rows and a load of a row serves the queries. out[j * out_stride + r]. */
+#define HEADS_AT_ONCE 4
+INLINE void dot_tile(const float *queries, int64_t query_stride, int heads, const float *rows, int64_t stride,
+                     int64_t n, float *out, int64_t out_stride) {
+    Floats16 sums[HEADS_AT_ONCE][4] = {{{0}}};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES) {
-        const Floats16 q = load16(query + i);
-        for (int r = 0; r < 4; r++) sums[r] += q * load16(rows + r * stride + i);
+        Floats16 row[4];
+        for (int r = 0; r < 4; r++) row[r] = load16(rows + r * stride + i);
+        for (int j = 0; j < heads; j++) {
+            const Floats16 q = load16(queries + j * query_stride + i);
+            for (int r = 0; r < 4; r++) sums[j][r] += q * row[r];
+        }
     }
-    for (int r = 0; r < 4; r++) {
-        const Floats8 low = __builtin_shufflevector(sums[r], sums[r], 0, 1, 2, 3, 4, 5, 6, 7);
-        const Floats8 high = __builtin_shufflevector(sums[r], sums[r], 8, 9, 10, 11, 12, 13, 14, 15);
-        float sum = tree_sum(low + high);
-        for (int64_t j = i; j < n; j++) sum += query[j] * rows[r * stride + j];
-        out[r] = sum;
-    }
+    for (int j = 0; j < heads; j++)
+        for (int r = 0; r < 4; r++) {
+            const Floats16 v = sums[j][r];
+            const Floats8 low = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+            const Floats8 high = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+            float sum = tree_sum(low + high);
+            for (int64_t k = i; k < n; k++) sum += queries[j * query_stride + k] * rows[r * stride + k];
+            out[j * out_stride + r] = sum;
+        }
 }
 
-/* Scores of heads first..last - 1 over cache rows t0..t1 - 1: probs[h * length + t] = (q_h . row_t) * scale */
+/* Scores of `heads` heads (a constant where inlined) over cache rows t0..t1 - 1: p[j * length + t] =
+ * (q_j . row_t) * scale, four rows a tile (`dot` for the last rows) */
+INLINE void score_heads(const float *q, const float *cache, int64_t length, int64_t t0, int64_t t1, int heads,
+                        int64_t width, float scale, float *p) {
+    int64_t t = t0;
+    for (; t + 4 <= t1; t += 4) {
+        dot_tile(q, width, heads, cache + t * width, width, width, p + t, length);
+        for (int j = 0; j < heads; j++)
+            for (int r = 0; r < 4; r++) p[j * length + t + r] *= scale;
+    }
+    for (; t < t1; t++)
+        for (int j = 0; j < heads; j++) p[j * length + t] = dot(q + j * width, cache + t * width, width) * scale;
+}
+
+/* Scores of heads first..last - 1 over cache rows t0..t1 - 1 (`score_heads`: HEADS_AT_ONCE heads at a
+ * time, then one at a time) into probs[h * length + t] */
 INLINE void score_block(const float *query, const float *cache, int64_t length, int64_t t0, int64_t t1,
                         int64_t first, int64_t last, int64_t width, float scale, float *probs) {
-    for (int64_t h = first; h < last; h++) {
-        const float *q = query + h * width;
-        float *p = probs + h * length;
-        int64_t t = t0;
-        for (; t + 4 <= t1; t += 4) {
-            dot_rows4(q, cache + t * width, width, width, p + t);
-            for (int r = 0; r < 4; r++) p[t + r] *= scale;
-        }
-        for (; t < t1; t++) p[t] = dot(q, cache + t * width, width) * scale;
-    }
+    int64_t h = first;
+    for (; h + HEADS_AT_ONCE <= last; h += HEADS_AT_ONCE)
+        score_heads(query + h * width, cache, length, t0, t1, HEADS_AT_ONCE, width, scale, probs + h * length);
+    for (; h < last; h++) score_heads(query + h * width, cache, length, t0, t1, 1, width, scale, probs + h * length);
 }
 
-/* out[h, e] += sum over rows t0..t1 - 1 of weights[h * length + t] * row_t[e] for heads first..last - 1, e
- * < kv: each (h, e) summed in t order (one product rounded, then added), two heads and 32 values of e at
- * a time in registers */
-INLINE void weigh_block(const float *weights, const float *cache, int64_t length, int64_t t0, int64_t t1,
-                        int64_t first, int64_t last, int64_t width, int64_t kv, float *out) {
-    for (int64_t h = first; h < last; h += 2) {
-        const int pair = h + 1 < last;
-        const float *w0 = weights + h * length, *w1 = weights + (h + pair) * length;
-        float *y0 = out + h * kv, *y1 = out + (h + pair) * kv;
-        int64_t e = 0;
-        for (; e + 2 * LANES <= kv; e += 2 * LANES) {
-            Floats16 a[2], b[2];
-            for (int k = 0; k < 2; k++) a[k] = load16(y0 + e + LANES * k), b[k] = load16(y1 + e + LANES * k);
-            for (int64_t t = t0; t < t1; t++) {
-                const float *row = cache + t * width + e;
-                for (int k = 0; k < 2; k++) {
-                    const Floats16 value = load16(row + LANES * k);
-                    a[k] += w0[t] * value;
-                    b[k] += w1[t] * value;
-                }
-            }
-            for (int k = 0; k < 2; k++) {
-                store16(y0 + e + LANES * k, a[k]);
-                if (pair) store16(y1 + e + LANES * k, b[k]);
+/* out[h, e] += sum over rows t0..t1 - 1 of weights[h * length + t] * row_t[e] for `heads` heads (a
+ * constant where it is inlined, so the sums stay in registers), e < kv: each (h, e) summed in t order
+ * (one product rounded, then added), 2 LANES values of e at a time */
+INLINE void weigh_heads(const float *w, const float *cache, int64_t length, int64_t t0, int64_t t1, int heads,
+                        int64_t width, int64_t kv, float *y) {
+    int64_t e = 0;
+    for (; e + 2 * LANES <= kv; e += 2 * LANES) {
+        Floats16 sums[HEADS_AT_ONCE][2];
+        for (int j = 0; j < heads; j++)
+            for (int k = 0; k < 2; k++) sums[j][k] = load16(y + j * kv + e + LANES * k);
+        for (int64_t t = t0; t < t1; t++) {
+            const Floats16 low = load16(cache + t * width + e), high = load16(cache + t * width + e + LANES);
+            for (int j = 0; j < heads; j++) {
+                sums[j][0] += w[j * length + t] * low;
+                sums[j][1] += w[j * length + t] * high;
             }
         }
-        for (; e < kv; e++)
-            for (int64_t t = t0; t < t1; t++) {
-                y0[e] += w0[t] * cache[t * width + e];
-                if (pair) y1[e] += w1[t] * cache[t * width + e];
-            }
+        for (int j = 0; j < heads; j++)
+            for (int k = 0; k < 2; k++) store16(y + j * kv + e + LANES * k, sums[j][k]);
     }
+    for (; e < kv; e++)
+        for (int j = 0; j < heads; j++)
+            for (int64_t t = t0; t < t1; t++) y[j * kv + e] += w[j * length + t] * cache[t * width + e];
+}
+
+/* `weigh_heads` for heads first..last - 1: HEADS_AT_ONCE at a time, then one at a time */
+INLINE void weigh_block(const float *weights, const float *cache, int64_t length, int64_t t0, int64_t t1,
+                        int64_t first, int64_t last, int64_t width, int64_t kv, float *out) {
+    int64_t h = first;
+    for (; h + HEADS_AT_ONCE <= last; h += HEADS_AT_ONCE)
+        weigh_heads(weights + h * length, cache, length, t0, t1, HEADS_AT_ONCE, width, kv, out + h * kv);
+    for (; h < last; h++) weigh_heads(weights + h * length, cache, length, t0, t1, 1, width, kv, out + h * kv);
 }
 
 /* Heads first..last - 1 of one query [heads, width] over the first `length` rows of a latent cache
