@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prompt",
+        "-p",
         default=None,
         help=f"text to continue (default {DEFAULT_PROMPT!r}; with --random a chat message)",
     )
@@ -68,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads",
+        "-t",
         type=int,
         default=1,
         help="torch CPU threads (default 1: the tiny model's matrices are too small to share out)",

@@ -39,7 +39,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-mib", type=float, default=None, help="GPU budget of the expert store (MiB)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", "-t", type=int, default=None, help="torch CPU threads")
     add_arithmetic_arguments(parser)
     parser.add_argument(
         "--no-stream-experts",
@@ -72,6 +72,8 @@ def add_context_argument(parser: argparse.ArgumentParser) -> None:
     activations for (a command serving sequences adds its own)."""
     parser.add_argument(
         "--ctx",
+        "--ctx-size",
+        "-c",
         type=int,
         default=None,
         help="tokens a sequence may reach, prompt plus output: the memory plan reserves KV/state and "
@@ -118,13 +120,17 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
-    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="default %(default)s")
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default %(default)s)")
+    parser.add_argument(
+        "--max-tokens", "--n-predict", "-n", type=int, default=max_tokens, help="default %(default)s"
+    )
+    parser.add_argument(
+        "--temperature", "--temp", type=float, default=0.8, help="0 is greedy (default %(default)s)"
+    )
     parser.add_argument("--top-k", type=int, default=40, help="0 disables (default %(default)s)")
     parser.add_argument("--top-p", type=float, default=0.95, help="1 disables (default %(default)s)")
     parser.add_argument("--min-p", type=float, default=0.05, help="0 disables (default %(default)s)")
     parser.add_argument("--repeat-penalty", type=float, default=1.0, help="1 disables (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    parser.add_argument("--seed", "-s", type=int, default=None, help="makes sampling reproducible")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_context_argument(parser)
     add_parallel_arguments(parser)
-    parser.add_argument("--prompt", required=True, help="the prompt ('-' reads it from stdin)")
+    parser.add_argument("--prompt", "-p", required=True, help="the prompt ('-' reads it from stdin)")
     parser.add_argument(
         "--chat", action="store_true", help="send the prompt as a user message through the chat template"
     )

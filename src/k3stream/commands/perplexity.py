@@ -22,7 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--file", "-f", default=None, help="text to evaluate (UTF-8)")
     parser.add_argument(
-        "--ctx", "-c", type=int, default=None, help=f"tokens per chunk (default {DEFAULT_CTX}, or the base's)"
+        "--ctx",
+        "--ctx-size",
+        "-c",
+        type=int,
+        default=None,
+        help=f"tokens per chunk (default {DEFAULT_CTX}, or the base's)",
     )
     parser.add_argument("--chunks", type=int, default=None, help="evaluate at most this many chunks")
     parser.add_argument(

@@ -25,11 +25,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ctx",
+        "--ctx-size",
+        "-c",
         type=int,
         default=None,
         help="context per sequence, prompt plus output (default: the model's, at most 4096)",
     )
-    parser.add_argument("--max-batch", type=int, default=16, help="sequences decoded together per step")
+    parser.add_argument(
+        "--max-batch", "--parallel", "-np", type=int, default=16, help="sequences decoded together per step"
+    )
     parser.add_argument(
         "--prefill-chunk",
         type=int,

@@ -1,0 +1,38 @@
+"""llama.cpp's short flags (llama-cli, llama-server, llama-perplexity) name the same settings in the
+commands that have them, so a script written for llama.cpp runs with its flags as they are."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3stream.cli import build_parser
+
+# (command, llama.cpp's spelling, k3stream's long spelling): each pair parses to the same settings
+SPELLINGS = [
+    ("generate", ["-p", "hi", "-n", "7", "-t", "2", "-c", "300", "-s", "5", "--temp", "0.3"],
+     ["--prompt", "hi", "--max-tokens", "7", "--threads", "2", "--ctx", "300", "--seed", "5",
+      "--temperature", "0.3"]),
+    ("generate", ["--prompt", "hi", "--n-predict", "9", "--ctx-size", "64"],
+     ["--prompt", "hi", "--max-tokens", "9", "--ctx", "64"]),
+    ("chat", ["-n", "3", "-t", "1", "-c", "128", "-s", "1", "--temp", "0"],
+     ["--max-tokens", "3", "--threads", "1", "--ctx", "128", "--seed", "1", "--temperature", "0"]),
+    ("serve", ["-c", "2048", "-np", "4", "-t", "2"], ["--ctx", "2048", "--max-batch", "4", "--threads", "2"]),
+    ("serve", ["--parallel", "3", "--ctx-size", "512"], ["--max-batch", "3", "--ctx", "512"]),
+    ("perplexity", ["-f", "text.txt", "-c", "256", "-t", "2"],
+     ["--file", "text.txt", "--ctx", "256", "--threads", "2"]),
+    ("bench", ["-c", "100", "-t", "1"], ["--ctx", "100", "--threads", "1"]),
+    ("demo", ["-p", "hello", "-n", "4", "-t", "2", "-s", "3"],
+     ["--prompt", "hello", "--max-tokens", "4", "--threads", "2", "--seed", "3"]),
+]  # fmt: skip
+
+
+def _parsed(command: str, flags: list[str]) -> dict:
+    argv = [command, "model.gguf", *flags] if command != "demo" else [command, *flags]
+    return vars(build_parser(argv).parse_args(argv))
+
+
+@pytest.mark.parametrize("command, short, long", SPELLINGS)
+def test_llama_cpp_flags_parse_as_the_long_ones(command, short, long):
+    short_settings, long_settings = _parsed(command, short), _parsed(command, long)
+    assert short_settings == long_settings
+    assert short_settings != _parsed(command, long[:2])  # the flags set something: not all defaults
