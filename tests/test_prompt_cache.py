@@ -121,7 +121,7 @@ def test_a_restarted_cache_resumes_from_disk_and_a_bad_file_is_a_miss(model, fin
     assert got.reused == 40 and torch.equal(got.logits, cold(model, longer))
     other_model = PromptCache(model, "0" * 16, 64 * MIB, tmp_path, 1 << 30)
     assert other_model.prefill(longer).reused == 0
-    for number, path in enumerate(sorted((tmp_path / fingerprint).iterdir())):
+    for number, path in enumerate(sorted(restarted.disk_dir.iterdir())):
         data = path.read_bytes()  # one file a bit flipped, the other cut short
         path.write_bytes(data[:-100] + bytes([data[-100] ^ 1]) + data[-99:] if number == 0 else data[:-9])
     corrupt = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30)
@@ -130,6 +130,30 @@ def test_a_restarted_cache_resumes_from_disk_and_a_bad_file_is_a_miss(model, fin
         got = corrupt.prefill(longest)
     assert caplog.text.count("checksum mismatch") == 2 and corrupt.stats.disk_errors == 2
     assert got.reused == 0 and torch.equal(got.logits, cold(model, longest))
+
+
+def test_a_cache_folder_serves_only_the_arithmetic_that_wrote_it(tiny_model, tmp_path):
+    """Snapshots are keyed to how the model computes too: a server restarted on the same folder with
+    other arithmetic flags (here float32 activations on a quantized file) reuses none of them and answers
+    with its own cold bits; the same flags reuse them."""
+    from k3stream.model.options import LoadOptions
+
+    quantized = tiny_model(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32)
+    loaded = {ggml: k3stream.load(quantized, LoadOptions(match_ggml=ggml)) for ggml in (True, False)}
+    key = model_fingerprint(K3Checkpoint.open(quantized).shards)
+    tokens = ids(loaded[True], 40)
+    writer = PromptCache(loaded[True], key, 64 * MIB, tmp_path / "cache", 1 << 30)
+    writer.prefill(tokens)
+    writer.close()
+    longer = tokens + ids(loaded[True], 5, seed=2)
+    other = PromptCache(loaded[False], key, 64 * MIB, tmp_path / "cache", 1 << 30)
+    got = other.prefill(longer)
+    assert got.reused == 0 and torch.equal(got.logits, cold(loaded[False], longer))
+    assert not torch.equal(got.logits, cold(loaded[True], longer))  # the two arithmetics' bits differ
+    same = PromptCache(loaded[True], key, 64 * MIB, tmp_path / "cache", 1 << 30)
+    assert same.prefill(longer).reused == 40
+    for cache in (other, same):
+        cache.close()
 
 
 def test_concurrent_requests_share_a_prefix_while_one_extends_it(model, fingerprint):
@@ -191,7 +215,7 @@ def test_snapshot_files_of_a_conversation_share_its_latent_rows(model, fingerpri
     tokens): three turns' six files hold each latent row once, not once per file."""
     cache = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30)
     conversation(model, cache, 3)
-    found = headers(tmp_path / fingerprint)
+    found = headers(cache.disk_dir)
     lengths = sorted(found)
     assert len(lengths) == 6 and "parent" not in found[lengths[0]]
     for shorter, longer in zip(lengths, lengths[1:], strict=False):
@@ -223,7 +247,7 @@ def test_a_damaged_parent_makes_its_children_misses(model, fingerprint, tmp_path
     cache = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30)
     prompts = conversation(model, cache, 3)
     cache.close()
-    directory = tmp_path / fingerprint
+    directory = cache.disk_dir
     files = {len(h["tokens"]): directory / file_name(tuple(h["tokens"])) for h in headers(directory).values()}
     middle = files[len(prompts[1])]  # the second prompt's end: the files after it chain through it
     data = middle.read_bytes()
@@ -279,7 +303,7 @@ def test_disk_eviction_never_orphans_a_file(model, fingerprint, tmp_path):
         cache.prefill(ids(model, 25, seed=40 + seed))
         prompts = conversation(model, cache, 3)
     assert cache.stats.evictions_disk > 0 and cache.disk_used <= budget
-    found = headers(tmp_path / "tight" / fingerprint)
+    found = headers(cache.disk_dir)
     chained = [header["parent"][0] for header in found.values() if "parent" in header]
     assert chained and all(length in found for length in chained)
     cache.close()
@@ -348,7 +372,7 @@ def test_a_conversation_longer_than_the_disk_budget_keeps_its_newest_state(model
     prompts = conversation(model, cache, 8)
     assert cache.stats.evictions_disk > 0 and cache.disk_used <= budget
     cache.close()
-    found = headers(tmp_path / "tight" / fingerprint)
+    found = headers(cache.disk_dir)
     assert any(header.get("rows_only") for header in found.values())  # older turns: their rows only
     assert all(header["parent"][0] in found for header in found.values() if "parent" in header)
     restarted = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "tight", budget)
@@ -356,7 +380,7 @@ def test_a_conversation_longer_than_the_disk_budget_keeps_its_newest_state(model
     got = restarted.prefill(prompt)
     assert got.reused == len(prompts[-1]) and torch.equal(got.logits, cold(model, prompt))
     restarted.close()
-    directory = tmp_path / "tight" / fingerprint
+    directory = cache.disk_dir
     for length, header in found.items():  # the files that chain through a rows-only one, gone
         if length > min(n for n, h in found.items() if h.get("rows_only")):
             (directory / file_name(tuple(header["tokens"]))).unlink()
@@ -432,7 +456,7 @@ def test_disk_eviction_removes_and_rewrites_files_outside_the_lock(model, finger
     cache.close()
     assert free["unlink"] and free["rewrite"] and all(free["unlink"] + free["rewrite"]), free
     assert cache.disk_used <= probe.disk_used
-    kept = [h["tokens"] for h in headers(tmp_path / "tight" / fingerprint).values() if "rows_only" not in h]
+    kept = [h["tokens"] for h in headers(cache.disk_dir).values() if "rows_only" not in h]
     restarted = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "tight", probe.disk_used)
     prompt = max(kept, key=len) + [3]
     got = restarted.prefill(prompt)

@@ -293,7 +293,7 @@ def test_the_running_streams_step_while_a_snapshot_is_read_from_disk(model, toke
     writer.prefill(prompt)
     writer.close()
     cache = PromptCache(model, "reading", 64 * MIB, tmp_path, 1 << 30)  # a restart: the file alone
-    [path] = (tmp_path / "reading").glob("*.k3snap")
+    [path] = cache.disk_dir.glob("*.k3snap")
     path.unlink()
     os.mkfifo(path)  # opening it to read waits for a writer: this test, below
     loop = asyncio.new_event_loop()

@@ -4,8 +4,9 @@ A request's prompt ids are matched against a radix tree of the token ids whose s
 (`model.snapshot`); the longest prefix with a snapshot is restored and only the rest is prefilled.
 Snapshots come from passes that run anyway: the end of each prompt's prefill, every `every` tokens
 inside it (the same pass: `snapshot.prefill_marked`), and the end of each response. A snapshot is
-keyed to the token ids and to the model file's fingerprint, so another model, template or system prompt
-never reuses a wrong state.
+keyed to the token ids, to the model file's fingerprint and to how the model computes (`computation_key`:
+k3stream's code and the load options that decide the bits), so another model, template, system prompt,
+arithmetic flag or k3stream build never reuses a state the cold prefill would not reach.
 
 Tiers: RAM (a byte budget; snapshots of one sequence share their MLA rows, counted once per buffer) and
 disk (one file a snapshot: a header with the fingerprint and token ids, the tensors, an xxh3_64 of all
@@ -20,6 +21,7 @@ last use.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -66,6 +68,27 @@ DEFAULT_EVERY = 1024  # tokens between snapshots inside a prefill (docs/prompt-c
 ATTENTION_COST = 2.0
 MAGIC = b"K3SNAP02"
 SUFFIX = ".k3snap"
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """xxh3_64 (hex) of k3stream's own code: every Python file and compiled kernel library of the
+    package (another build computes other bits, or may)."""
+    package = Path(__file__).resolve().parents[1]
+    digest = xxhash.xxh3_64()
+    for path in sorted(p for p in package.rglob("*") if p.suffix in (".py", ".so") and p.is_file()):
+        digest.update(f"{path.relative_to(package)}:".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def computation_key(model: K3Model) -> str:
+    """How `model` computes, beside its file: k3stream's code, the load options' arithmetic and the
+    integer kernels' instruction set (xxh3_64 hex)."""
+    from k3stream.quant.kernels import cpu
+
+    isa = cpu.isa() if cpu.available() else "none"
+    return xxhash.xxh3_64(f"{code_fingerprint()}|{model.arithmetic}|{isa}".encode()).hexdigest()
 
 
 def model_fingerprint(shards: list[Path]) -> str:
@@ -405,7 +428,7 @@ class PromptCache:
         if ram_bytes < 0 or disk_bytes < 0 or every < 1:
             raise ValueError("prompt cache: budgets must be >= 0 and --cache-every >= 1")
         self.model = model
-        self.fingerprint = fingerprint
+        self.fingerprint = f"{computation_key(model)}-{fingerprint}"  # its disk folder's name too
         self.ram_budget = ram_bytes
         self.disk_budget = disk_bytes if disk_dir is not None else 0
         self.every = every
@@ -416,7 +439,7 @@ class PromptCache:
         self._clock = 0
         self._storages: dict[int, list[int]] = {}  # latent storage -> [references, bytes]
         self._fixed_ram = 0
-        self.disk_dir = Path(disk_dir) / fingerprint if disk_dir is not None else None
+        self.disk_dir = Path(disk_dir) / self.fingerprint if disk_dir is not None else None
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="k3stream-cache-writer")
         self._closed = False
         if self.disk_dir is not None and self.disk_budget:

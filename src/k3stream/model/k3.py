@@ -87,6 +87,7 @@ class K3Model:
         # one-sequence decode steps run as a built program (`program.DecodeProgram`) where they can
         self.use_program = True
         self._program: DecodeProgram | None = None  # the last one built
+        self.arithmetic = LoadOptions().arithmetic  # `LoadOptions.arithmetic` of the options it was built by
 
     def set_token_hint_lead(self, lead: int) -> None:
         """Send each MoE layer's token hint as the MoE layer `lead` before it starts (the first `lead`
@@ -500,4 +501,5 @@ def build(
     )
     w.check_all_used()
     model.use_program = options.kernels == "auto"  # the reference path stays the eager forward
+    model.arithmetic = options.arithmetic
     return model

@@ -92,6 +92,15 @@ class LoadOptions:
         return self.match_ggml and self.device == "cpu" and self.dtype == "float32"
 
     @property
+    def arithmetic(self) -> str:
+        """What decides a model's computed bits beside its file: the product path, the arithmetic, the
+        weights' dtype and the device (a prompt cache's snapshots are keyed to it)."""
+        return (
+            f"kernels={self.kernels} ggml={self.ggml_arithmetic} dtype={self.dtype} "
+            f"keep_quantized={self.keep_quantized} device={str(self.device).split(':')[0]}"
+        )
+
+    @property
     def in_gguf_types(self) -> bool:
         """Whether matrices stay as GGUF bytes (rather than dense float tensors)."""
         return self.kernels == "auto" or self.keep_quantized
