@@ -181,3 +181,49 @@ def test_the_eager_mla_step_of_one_sequence_follows_whichever_sequence_runs_it(t
         assert torch.equal(each, model.decode_batch(together, tokens))
     layers = [layer.attn for layer in model.layers if isinstance(layer.attn, MLA)]
     assert layers and all(layer._bound.state is None and layer._bound.steps for layer in layers)
+
+
+@pytest.mark.parametrize("where", ["gguf", "store"])
+def test_the_eager_moe_step_of_one_row_takes_its_bound_calls_and_equals_the_batched_step(
+    tiny_model, tmp_path, where
+):
+    """Off the program, a MoE layer computes one row by its decode steps bound once a thread (experts
+    all in RAM: one `chosen_experts` call from their addresses; from a store: the MoE's own fetch), the
+    shared experts called between; two sequences decoded in turn, each alone, give what they give
+    decoded together (the multi-row steps), bit for bit, and `chosen` is each step's routing."""
+    from k3stream.model.moe import LatentMoE
+    from k3stream.pack.reader import ExpertPack
+    from k3stream.store.expert_store import ExpertStore
+
+    store = None
+    if where == "gguf":
+        model = k3stream.load(tiny_model(**SPECS[0], seed=8))
+    else:
+        path, manifest = packed_tiny(tmp_path, n_experts=16, top_k=4, seed=9)
+        store = ExpertStore(ExpertPack(manifest), ram_mib=pack_expert_bytes(manifest) / 3 / MIB)
+        model = k3stream.load(path, LoadOptions(expert_source=store))
+    try:
+        model.use_program = False
+        vocab = model.config.vocab_size
+        alone, together = [], []
+        for states in (alone, together):
+            for prompt in (tokens_for(10, vocab, 9), tokens_for(11, vocab, 4)):
+                states.append(model.new_state())
+                model.prefill(states[-1], prompt)
+        moes = [layer.ffn for layer in model.layers if isinstance(layer.ffn, LatentMoE)]
+        for step in range(3):
+            tokens = [21 + step, 300 + step]
+            each, chosen = [], []
+            for state, token in zip(alone, tokens, strict=True):
+                each.append(model.decode(state, token))
+                chosen.append(torch.cat([moe.chosen for moe in moes]))
+            assert torch.equal(torch.stack(each), model.decode_batch(together, tokens))
+            batched = [moe.chosen for moe in moes]  # [2, k] a layer: row i is sequence i's
+            for i in range(2):
+                assert torch.equal(chosen[i], torch.cat([rows[i : i + 1] for rows in batched]))
+        names = [[function.__name__ for function, *_ in moe._bound.routed_steps] for moe in moes]
+        in_c = "chosen_experts" if where == "gguf" else "_dropping_result"
+        assert moes and all(in_c in layer for layer in names)
+    finally:
+        if store is not None:
+            store.close()

@@ -128,19 +128,25 @@ def profile_decode(model: Any, state: Any, tokens: list[int]) -> dict[str, Any]:
     its C mat-vec calls (`kernel_ms_per_token`), and the total."""
     use_program = model.use_program
     model.use_program = False
-    bound = [layer.attn for layer in model.layers if isinstance(layer.attn, MLA)]  # C calls bound
+    # the layers whose one-row steps are C calls bound once
+    bound = [
+        part
+        for layer in model.layers
+        for part in (layer.attn, layer.ffn)
+        if isinstance(part, MLA | LatentMoE)
+    ]
     try:
         with _clocked() as clock:
-            for attention in bound:  # to the wrapped mat-vecs
-                attention.unbind()
+            for part in bound:  # to the wrapped mat-vecs
+                part.unbind()
             started = time.perf_counter()
             for token in tokens:
                 model.decode(state, token)
             total = time.perf_counter() - started
     finally:
         model.use_program = use_program
-        for attention in bound:
-            attention.unbind()
+        for part in bound:
+            part.unbind()
     seconds = dict(clock.seconds)
     seconds["MoE routed"] = seconds.pop("MoE block", 0.0) - seconds.get("MoE shared", 0.0)
     seconds["other"] = total - sum(seconds.values())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,6 +120,7 @@ class LatentMoE:
         self._asked: list[int] = []  # the experts __call__ read ahead for the step `routed_pairs` runs
         # the router and the routed down projection both take the layer input: one kernel call
         self.projections = JointLinear([weights.router, weights.routed_down])
+        self._bound = threading.local()  # each thread's bound one-row step (`_decode_bound`)
 
     def predict(self, h: torch.Tensor) -> list[int]:
         """The experts this layer would pick for rows h (the prefetch hint), those most rows pick first
@@ -130,7 +132,10 @@ class LatentMoE:
         return picked[order].tolist()
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        """h [N, E] -> [N, E]; the union of the experts all rows chose, fetched once each."""
+        """h [N, E] -> [N, E]; the union of the experts all rows chose, fetched once each. One row on the
+        C kernels takes the bound decode steps (`_decode_bound`, the same values)."""
+        if h.shape[0] == 1 and self.backend == "auto" and cpu.takes((h,)) and self._routes_in_c():
+            return self._decode_bound(h)
         logits, latent = (part.float().contiguous() for part in self.projections.parts(h))
         chosen, weights = self.routing.choose(logits, self.w.correction_bias)
         self._start_step(chosen)
@@ -141,43 +146,76 @@ class LatentMoE:
         out = self.w.routed_up(routed).float()
         return out if shared is None else out + shared
 
+    def unbind(self) -> None:
+        """Drops the bound decode steps (every thread's): the next one-row call binds them again, to the
+        C library's functions as they are then (a profile wraps them)."""
+        self._bound = threading.local()
+
+    def _decode_bound(self, h: torch.Tensor) -> torch.Tensor:
+        """`__call__` of one row by the decode steps bound once per thread (again for another thread
+        count) to buffers of their own, the shared experts called between the routing and the routed
+        experts as `__call__` calls them (a source reading ahead reads while they compute)."""
+        threads, bound = torch.get_num_threads(), self._bound
+        if getattr(bound, "threads", None) != threads:
+            bound.h, bound.routed = torch.empty_like(h), torch.empty_like(h)
+            bound.routing, bound.routed_steps, bound.chosen = self._step_parts(bound.h, bound.routed, threads)
+            bound.threads = threads
+        bound.h.copy_(h)
+        cpu.run_calls(bound.routing)
+        shared = self.w.shared(h).float() if self.w.shared is not None else None
+        cpu.run_calls(bound.routed_steps)
+        self.chosen = bound.chosen.clone()
+        return bound.routed.clone() if shared is None else bound.routed + shared
+
+    def _routes_in_c(self) -> bool:
+        """Whether the router of a one-row step runs in C (`cpu.bind_route`)."""
+        bias = self.w.correction_bias
+        return (
+            type(self.routing) is Routing
+            and (self.projections.widths[0],) == tuple(bias.shape)
+            and cpu.takes((bias,))
+        )
+
     def decode_steps(self, h: torch.Tensor, out: torch.Tensor, threads: int) -> list[cpu.Call]:
         """`__call__` of one row (h [1, E] into out [1, E]) as C calls bound to buffers of their own, and
         Python steps only where the work is Python's: a reading-ahead source's start (`_start_step`),
         routed experts not all in RAM (fetched and summed by `_routed_sum`), or the whole layer where its
         router would not run in C."""
+        if not self._routes_in_c():
+            return [cpu.python_step(lambda: out.copy_(self(h)))]
+        shared = None if self.w.shared is None else torch.empty_like(out)
+        up = out if shared is None else torch.empty_like(out)
+        routing, routed, _ = self._step_parts(h, up, threads)
+        if shared is None:
+            return routing + routed
+        return [*routing, self.w.shared.bind(h, shared, threads), *routed, cpu.bind_add(up, shared, out)]
+
+    def _step_parts(
+        self, h: torch.Tensor, out: torch.Tensor, threads: int
+    ) -> tuple[list[cpu.Call], list[cpu.Call], torch.Tensor]:
+        """A one-row step's routing (the joint projection, the router, a reading-ahead source's start)
+        and its routed part (the routed experts, their norm and up projection into `out` [1, E]) as bound
+        steps, and the buffer the routing writes the chosen experts [1, k] to."""
         w, routing = self.w, self.routing
         joint = h.new_empty(1, sum(self.projections.widths))
         logits, latent = joint.split(self.projections.widths, dim=1)
-        if (
-            type(routing) is not Routing
-            or logits.shape[1:] != w.correction_bias.shape
-            or not cpu.takes((w.correction_bias,))
-        ):
-            return [cpu.python_step(lambda: out.copy_(self(h)))]
         chosen, weights = torch.empty(1, routing.top_k, dtype=torch.int64), h.new_empty(1, routing.top_k)
-        routed = h.new_empty(latent.shape)
-        shared = None if w.shared is None else torch.empty_like(out)
-        up = out if shared is None else torch.empty_like(out)
         how = (routing.top_k, routing.normalize, MIN_WEIGHT_SUM, routing.scale)
-        steps = [
+        head = [
             bind_linear(self.projections, h, joint, threads),
             cpu.bind_route(logits, w.correction_bias, how, chosen, weights),
         ]
         if self.source.reads_ahead or self.source.prefetches:  # reads start while the shared expert
             # computes; `chosen` is kept for the hints' scoring
-            steps.append(cpu.python_step(lambda: self._start_step(chosen)))
-        if shared is not None:
-            steps.append(w.shared.bind(h, shared, threads))
-        steps += self._routed_steps(latent, chosen, weights, routed, threads)
+            head.append(cpu.python_step(lambda: self._start_step(chosen)))
+        routed = h.new_empty(latent.shape)
+        tail = self._routed_steps(latent, chosen, weights, routed, threads)
         normed = routed
         if w.routed_norm is not None:
             normed = torch.empty_like(routed)
-            steps.append(bind_rms_norm(routed, w.routed_norm, self.eps, normed))
-        steps.append(bind_linear(w.routed_up, normed, up, threads))
-        if shared is not None:
-            steps.append(cpu.bind_add(up, shared, out))
-        return steps
+            tail.append(bind_rms_norm(routed, w.routed_norm, self.eps, normed))
+        tail.append(bind_linear(w.routed_up, normed, out, threads))
+        return head, tail, chosen
 
     def _routed_steps(
         self,
