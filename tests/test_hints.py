@@ -4,13 +4,15 @@ layer-ahead and token: before the previous MoE layer's fetch)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import k3stream
 from k3stream import LoadOptions
 from k3stream.model.experts import GGUFExpertSource
-from k3stream.model.hints import AUTO_LAYER_AHEAD_ROWS, HINT_KINDS
+from k3stream.model.hints import AUTO_LAYER_AHEAD_ROWS, GAP_HINT_RANKS, HINT_KINDS
 from k3stream.model.moe import LatentMoE
 from k3stream.model.token_routes import TokenRoutes
 from source_helpers import RecordingSource
@@ -104,13 +106,38 @@ def test_auto_sends_layer_ahead_then_pre_attention_hints_in_prefill_and_token_hi
         if previous is not None:  # around the previous MoE layer's fetch
             assert hints[0] < at[("fetch", previous)][0] < hints[1], (layer, source.calls)
     source.calls.clear()
-    model.decode(state, 3)  # seen in the prefill: each layer's experts for it then are the hint
-    prefetched = {layer: experts for call, layer, experts in source.calls if call == "prefetch"}
-    assert sorted(prefetched) == moe_layers(model)
-    assert_sent_at_its_moment(source.calls, moe_layers(model), "token")
+    model.decode(state, 3)  # seen in the prefill: each layer's experts for it then are the whole hint
+    prefetched = [(layer, experts) for call, layer, experts in source.calls if call == "prefetch"]
+    assert sorted(layer for layer, _ in prefetched) == layers  # one a layer: it fills the layer's top-k
+    assert all(len(experts) == model.layers[layer].ffn.routing.top_k for layer, experts in prefetched)
+    assert_sent_at_its_moment(source.calls, layers, "token")
+
+
+def test_auto_decode_sends_the_pre_attention_hint_where_the_token_hint_has_nothing(model_path):
+    """A token id never seen: the top of the layer's own router's picks on its input is the hint, at
+    its moment, while the layer's recent pre-attention hints were right; a layer whose were not still
+    predicts and scores it, and sends nothing."""
+    model, source = load_recording(model_path, "auto")
+    state = model.new_state()
+    model.prefill(state, [1, 2, 3])
+    layers = moe_layers(model)
+    distrusted = layers[0]
+    for _ in range(4):  # hints of this layer that were all wrong
+        model.hints.predicted("pre-attention", distrusted, [0])
+        model.hints.used(distrusted, [1])
+    assert not model.hints.trusted("pre-attention", distrusted)
     source.calls.clear()
-    model.decode(state, 99)  # never seen: no hint
-    assert not [call for call in source.calls if call[0] == "prefetch"]
+    before = model.hints.summary()
+    model.decode(state, 99)
+    prefetched = {layer: experts for call, layer, experts in source.calls if call == "prefetch"}
+    assert sorted(prefetched) == layers[1:]
+    assert_sent_at_its_moment(source.calls, layers, "pre-attention")
+    top_k = model.layers[layers[1]].ffn.routing.top_k
+    confident = math.ceil(GAP_HINT_RANKS * top_k)  # the top of the router's picks by score
+    assert 0 < confident < top_k and all(len(experts) == confident for experts in prefetched.values())
+    after = model.hints.summary()
+    for kind, count in (("pre-attention", top_k * len(layers)), ("sent", confident * (len(layers) - 1))):
+        assert after[kind]["predicted"] - before[kind]["predicted"] == count, kind
 
 
 def test_token_routes_remember_each_layers_latest_experts_per_token():
