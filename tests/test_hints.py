@@ -12,7 +12,7 @@ import torch
 import k3stream
 from k3stream import LoadOptions
 from k3stream.model.experts import GGUFExpertSource
-from k3stream.model.hints import AUTO_LAYER_AHEAD_ROWS, GAP_HINT_RANKS, HINT_KINDS
+from k3stream.model.hints import AUTO_LAYER_AHEAD_ROWS, GAP_HINT_RANKS, HINT_KINDS, HintLog
 from k3stream.model.moe import LatentMoE
 from k3stream.model.token_routes import TokenRoutes
 from source_helpers import RecordingSource
@@ -127,7 +127,7 @@ def test_auto_decode_sends_the_pre_attention_hint_where_the_token_hint_has_nothi
         model.hints.used(distrusted, [1])
     assert not model.hints.trusted("pre-attention", distrusted)
     source.calls.clear()
-    before = model.hints.summary()
+    before, before_layer = model.hints.summary(), model.hints.by_layer()["sent"][distrusted]
     model.decode(state, 99)
     prefetched = {layer: experts for call, layer, experts in source.calls if call == "prefetch"}
     assert sorted(prefetched) == layers[1:]
@@ -138,6 +138,10 @@ def test_auto_decode_sends_the_pre_attention_hint_where_the_token_hint_has_nothi
     after = model.hints.summary()
     for kind, count in (("pre-attention", top_k * len(layers)), ("sent", confident * (len(layers) - 1))):
         assert after[kind]["predicted"] - before[kind]["predicted"] == count, kind
+    # the distrusted layer sent nothing: what it used counts against the recall of what was sent
+    after_layer = model.hints.by_layer()["sent"][distrusted]
+    assert after_layer["predicted"] == before_layer["predicted"]
+    assert after_layer["used"] - before_layer["used"] == top_k
 
 
 def test_token_routes_remember_each_layers_latest_experts_per_token():
@@ -175,3 +179,18 @@ def test_token_hints_go_out_their_lead_of_moe_layers_early(model_path):
     for bad in (0, len(layers) + 1):
         with pytest.raises(ValueError, match="token hint lead must be 1.."):
             model.set_token_hint_lead(bad)
+
+
+def test_a_kinds_trust_at_a_layer_follows_its_recent_precision():
+    """Trusted before any hint; one hint right less than half the time stops it; right ones (scored
+    while it is not sent: the probe) bring it back; other layers and kinds keep their own."""
+    log = HintLog()
+    assert log.trusted("pre-attention", 1)
+    log.predicted("pre-attention", 1, [0, 1, 2, 3, 4])
+    log.used(1, [0, 1, 9])  # 2 of 5 right
+    assert not log.trusted("pre-attention", 1)
+    assert log.trusted("pre-attention", 2) and log.trusted("layer-ahead", 1)
+    log.predicted("pre-attention", 1, [5, 6])
+    log.used(1, [5, 6])
+    assert log.trusted("pre-attention", 1)
+    assert log.summary()["pre-attention"]["precision"] == 4 / 7

@@ -69,13 +69,15 @@ class HintLog:
         self._pending[(kind, layer)] = set(experts)
 
     def sent(self, layer: int, experts: list[int]) -> None:
-        """`experts` of `layer` went out to the expert source (added to what its other hints sent)."""
+        """`experts` of `layer` went out to the expert source (added to what its other hints sent this
+        step; none: a step whose used experts count in the recall of what was sent)."""
         self._pending.setdefault((SENT, layer), set()).update(experts)
 
     def trusted(self, kind: str, layer: int) -> bool:
         """Whether `kind`'s recent hints at `layer` were right at least SECOND_HINT_MIN_PRECISION of
-        the time (each hint's precision, decayed by HINT_TRUST_DECAY a hint; trusted before any)."""
-        return self._recent.get((kind, layer), 1.0) >= SECOND_HINT_MIN_PRECISION
+        the time (each hint's precision, decayed by HINT_TRUST_DECAY a hint, after a prior of exactly
+        that precision: trusted before any, and a first hint right less often than that stops them)."""
+        return self._recent.get((kind, layer), SECOND_HINT_MIN_PRECISION) >= SECOND_HINT_MIN_PRECISION
 
     def used(self, layer: int, experts: list[int]) -> None:
         """The experts layer `layer` used this step: score the predictions made for it."""
@@ -92,7 +94,7 @@ class HintLog:
         counts[1] += right
         counts[2] += len(actual)
         if guess:
-            recent = HINT_TRUST_DECAY * self._recent.get(key, 1.0)
+            recent = HINT_TRUST_DECAY * self._recent.get(key, SECOND_HINT_MIN_PRECISION)
             self._recent[key] = recent + (1 - HINT_TRUST_DECAY) * right / len(guess)
 
     def summary(self) -> dict[str, dict[str, float]]:

@@ -277,7 +277,7 @@ class K3Model:
         if sent or self.score_all_hints:
             ranked = layer.ffn.ranked(rms_norm(stream, layer.post_attention_norm, self.eps))
             predicted = by_votes(ranked)
-            send = predicted if sent else []
+            send = predicted if sent else None
             if sent and room is not None:  # the gap: each row's likeliest, those the token hint lacks
                 confident = by_votes(ranked[:, : math.ceil(GAP_HINT_RANKS * ranked.shape[1])])
                 send = [expert for expert in confident if expert not in first][:room]
@@ -300,14 +300,15 @@ class K3Model:
             predicted = self.token_routes.predict(layer.index, token_ids)
             if sent:
                 self._token_sent[layer.index] = predicted
-            self._hint("token", layer, predicted, predicted if sent else [])
+            self._hint("token", layer, predicted, predicted if sent else None)
 
-    def _hint(self, kind: str, layer: Layer, predicted: list[int], send: list[int]) -> None:
-        """Log a prediction and send `send` of it (a token id never seen at the layer predicts nothing:
-        nothing is sent)."""
+    def _hint(self, kind: str, layer: Layer, predicted: list[int], send: list[int] | None) -> None:
+        """Log a prediction and send `send` of it (None: `kind` is not sent; a token id never seen at
+        the layer predicts nothing: nothing is sent, and that counts in what the hints sent)."""
         self.hints.predicted(kind, layer.index, predicted)
-        if send:
+        if send is not None:
             self.hints.sent(layer.index, send)
+        if send:
             self.expert_source.prefetch(layer.index, send)
 
 
