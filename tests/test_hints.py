@@ -122,10 +122,11 @@ def test_auto_decode_sends_the_pre_attention_hint_where_the_token_hint_has_nothi
     model.prefill(state, [1, 2, 3])
     layers = moe_layers(model)
     distrusted = layers[0]
-    for _ in range(4):  # hints of this layer that were all wrong
-        model.hints.predicted("pre-attention", distrusted, [0])
-        model.hints.used(distrusted, [1])
-    assert not model.hints.trusted("pre-attention", distrusted)
+    for _ in range(8):  # gap hints all right, of this layer all wrong
+        for layer in layers:
+            model.hints.gap(layer, [0])
+            model.hints.used(layer, [1 if layer == distrusted else 0])
+    assert not model.hints.trusted(distrusted) and all(model.hints.trusted(layer) for layer in layers[1:])
     source.calls.clear()
     before, before_layer = model.hints.summary(), model.hints.by_layer()["sent"][distrusted]
     model.decode(state, 99)
@@ -181,16 +182,20 @@ def test_token_hints_go_out_their_lead_of_moe_layers_early(model_path):
             model.set_token_hint_lead(bad)
 
 
-def test_a_kinds_trust_at_a_layer_follows_its_recent_precision():
-    """Trusted before any hint; one hint right less than half the time stops it; right ones (scored
-    while it is not sent: the probe) bring it back; other layers and kinds keep their own."""
+def test_a_layers_gap_hints_are_trusted_while_recently_right_half_the_time():
+    """Not before any gap hint was scored; the first one's precision, then each next one weighed in;
+    a hint not sent is scored too (the probe); other layers keep their own; the kinds' counts are
+    not the gap's."""
     log = HintLog()
-    assert log.trusted("pre-attention", 1)
-    log.predicted("pre-attention", 1, [0, 1, 2, 3, 4])
-    log.used(1, [0, 1, 9])  # 2 of 5 right
-    assert not log.trusted("pre-attention", 1)
-    assert log.trusted("pre-attention", 2) and log.trusted("layer-ahead", 1)
-    log.predicted("pre-attention", 1, [5, 6])
-    log.used(1, [5, 6])
-    assert log.trusted("pre-attention", 1)
-    assert log.summary()["pre-attention"]["precision"] == 4 / 7
+    assert not log.trusted(1)
+    log.gap(1, [0, 1])
+    log.used(1, [0, 1, 9])
+    assert log.trusted(1) and not log.trusted(2)
+    for trusted in (True, False):  # two wrong hints: recent precision 1 -> 0.5 -> 0.25
+        log.gap(1, [5, 6])
+        log.used(1, [9])
+        assert log.trusted(1) == trusted
+    log.gap(1, [5, 6])
+    log.used(1, [5, 6])  # 0.25 -> 0.625
+    assert log.trusted(1)
+    assert log.summary()["pre-attention"]["predicted"] == 0

@@ -20,9 +20,9 @@ The one named by `K3Model.prefetch_hint` is predicted, counted and sent to the e
   decode row's top-k, the pre-attention hint 12-30%; on the random-weight real-dimension slice a
   token id is seldom seen twice (the token hint predicts 12% of the experts used) and the
   pre-attention hint is right 74% of the time, its top half by router score ~89%
-  (GAP_HINT_RANKS: only that half goes out). The pre-attention hint goes out only while its
-  recent hints at the layer were right at least SECOND_HINT_MIN_PRECISION of the time
-  (`HintLog.trusted`); it is predicted and scored where it would go out either way (the probe).
+  (GAP_HINT_RANKS: only that half goes out). That half goes out only once such hints at the layer
+  were recently right at least SECOND_HINT_MIN_PRECISION of the time (`HintLog.trusted`); it is
+  predicted and scored where it would go out either way (the probe).
 "sent" counts what went out of all kinds, per layer and step.
 """
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 HINT_KINDS = ("pre-attention", "layer-ahead", "token")
 HINT_CHOICES = ("auto", *HINT_KINDS)
 SENT = "sent"  # the summaries' entry for what went out, all kinds together
+GAP = "gap"  # the pending predictions' key for what would fill a token hint's gap
 # "auto" sends layer-ahead hints for steps of at least this many rows
 AUTO_LAYER_AHEAD_ROWS = 8
 # a token hint is sent this many MoE layers before its layer: a whole layer of lead, and the cache holds
@@ -43,7 +44,7 @@ SECOND_HINT_MIN_PRECISION = 0.5
 # real-dimension slice's decode the pre-attention router's ranks 1-8 of 16 were used 83-96% of the
 # time, ranks 9-16 40-75% (a wrong read lengthens a read-bound token)
 GAP_HINT_RANKS = 0.5
-HINT_TRUST_DECAY = 0.5  # the weight of a kind's past hints at a layer in its recent precision
+HINT_TRUST_DECAY = 0.5  # the weight of a layer's past gap hints in their recent precision
 
 
 def sent_kinds(choice: str, rows: int) -> tuple[str, ...]:
@@ -58,12 +59,12 @@ def sent_kinds(choice: str, rows: int) -> tuple[str, ...]:
 
 class HintLog:
     """Predictions waiting for their layer's routing, and per kind (and SENT): predicted, correct, used
-    counts; per kind and layer, the recent precision (`trusted`)."""
+    counts; per layer, the recent precision of the hints that fill the token hints' gaps (`trusted`)."""
 
     def __init__(self) -> None:
         self._pending: dict[tuple[str, int], set[int]] = {}
         self._counts: dict[tuple[str, int], list[int]] = {}  # (kind, layer) -> predicted, correct, used
-        self._recent: dict[tuple[str, int], float] = {}  # (kind, layer) -> decayed precision per hint
+        self._gap_precision: dict[int, float] = {}  # layer -> decayed precision per gap hint
 
     def predicted(self, kind: str, layer: int, experts: list[int]) -> None:
         self._pending[(kind, layer)] = set(experts)
@@ -73,11 +74,15 @@ class HintLog:
         step; none: a step whose used experts count in the recall of what was sent)."""
         self._pending.setdefault((SENT, layer), set()).update(experts)
 
-    def trusted(self, kind: str, layer: int) -> bool:
-        """Whether `kind`'s recent hints at `layer` were right at least SECOND_HINT_MIN_PRECISION of
-        the time (each hint's precision, decayed by HINT_TRUST_DECAY a hint, after a prior of exactly
-        that precision: trusted before any, and a first hint right less often than that stops them)."""
-        return self._recent.get((kind, layer), SECOND_HINT_MIN_PRECISION) >= SECOND_HINT_MIN_PRECISION
+    def gap(self, layer: int, experts: list[int]) -> None:
+        """`experts` of `layer` fill the step's token hint's gap, sent or not: scored for `trusted`."""
+        self._pending[(GAP, layer)] = set(experts)
+
+    def trusted(self, layer: int) -> bool:
+        """Whether the hints filling the token hints' gaps at `layer` were recently right at least
+        SECOND_HINT_MIN_PRECISION of the time: the first scored one's precision, then each next one's
+        weighed in at 1 - HINT_TRUST_DECAY (not before any was scored: a wrong one wastes reads)."""
+        return self._gap_precision.get(layer, 0.0) >= SECOND_HINT_MIN_PRECISION
 
     def used(self, layer: int, experts: list[int]) -> None:
         """The experts layer `layer` used this step: score the predictions made for it."""
@@ -85,17 +90,15 @@ class HintLog:
         for kind in (*HINT_KINDS, SENT):
             guess = self._pending.pop((kind, layer), None)
             if guess is not None:
-                self._score((kind, layer), guess, actual)
-
-    def _score(self, key: tuple[str, int], guess: set[int], actual: set[int]) -> None:
-        counts = self._counts.setdefault(key, [0, 0, 0])
-        right = len(guess & actual)
-        counts[0] += len(guess)
-        counts[1] += right
-        counts[2] += len(actual)
+                counts = self._counts.setdefault((kind, layer), [0, 0, 0])
+                counts[0] += len(guess)
+                counts[1] += len(guess & actual)
+                counts[2] += len(actual)
+        guess = self._pending.pop((GAP, layer), None)
         if guess:
-            recent = HINT_TRUST_DECAY * self._recent.get(key, SECOND_HINT_MIN_PRECISION)
-            self._recent[key] = recent + (1 - HINT_TRUST_DECAY) * right / len(guess)
+            precision = len(guess & actual) / len(guess)
+            recent = self._gap_precision.get(layer, precision)
+            self._gap_precision[layer] = HINT_TRUST_DECAY * recent + (1 - HINT_TRUST_DECAY) * precision
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per kind and SENT, over all layers: precision (correct / predicted), recall (correct / used),

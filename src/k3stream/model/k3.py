@@ -281,7 +281,9 @@ class K3Model:
             if sent and room is not None:  # the gap: each row's likeliest, those the token hint lacks
                 confident = by_votes(ranked[:, : math.ceil(GAP_HINT_RANKS * ranked.shape[1])])
                 send = [expert for expert in confident if expert not in first][:room]
-                send = send if self.hints.trusted(kind, layer.index) else []
+                trusted = self.hints.trusted(layer.index)
+                self.hints.gap(layer.index, send)
+                send = send if trusted else []
             self._hint(kind, layer, predicted, send)
 
     def _gap(self, kind: str, kinds: tuple[str, ...], layer: Layer, rows: int) -> tuple[int | None, set[int]]:
