@@ -12,7 +12,14 @@ import torch
 import k3stream
 from k3stream import LoadOptions
 from k3stream.model.experts import GGUFExpertSource
-from k3stream.model.hints import AUTO_LAYER_AHEAD_ROWS, GAP_HINT_RANKS, HINT_KINDS, HintLog
+from k3stream.model.hints import (
+    AUTO_LAYER_AHEAD_ROWS,
+    GAP_HINT_RANKS,
+    HINT_KINDS,
+    HINT_TRUST_DECAY,
+    SECOND_HINT_MIN_PRECISION,
+    HintLog,
+)
 from k3stream.model.moe import LatentMoE
 from k3stream.model.token_routes import TokenRoutes
 from source_helpers import RecordingSource
@@ -182,20 +189,20 @@ def test_token_hints_go_out_their_lead_of_moe_layers_early(model_path):
             model.set_token_hint_lead(bad)
 
 
-def test_a_layers_gap_hints_are_trusted_while_recently_right_half_the_time():
-    """Not before any gap hint was scored; the first one's precision, then each next one weighed in;
-    a hint not sent is scored too (the probe); other layers keep their own; the kinds' counts are
-    not the gap's."""
+def test_a_layers_gap_hints_are_trusted_while_recently_right_often_enough():
+    """Not before any gap hint was scored; the first one's precision, then each next one weighed in at
+    1 - HINT_TRUST_DECAY; a hint not sent is scored too (the probe); other layers keep their own; the
+    kinds' counts are not the gap's."""
     log = HintLog()
     assert not log.trusted(1)
     log.gap(1, [0, 1])
     log.used(1, [0, 1, 9])
     assert log.trusted(1) and not log.trusted(2)
-    for trusted in (True, False):  # two wrong hints: recent precision 1 -> 0.5 -> 0.25
+    recent = 1.0
+    for right in (0, 1, 2, 2, 2):  # of 2: a wrong hint stops them, right ones bring them back
         log.gap(1, [5, 6])
-        log.used(1, [9])
-        assert log.trusted(1) == trusted
-    log.gap(1, [5, 6])
-    log.used(1, [5, 6])  # 0.25 -> 0.625
-    assert log.trusted(1)
+        log.used(1, [5, 6][:right] + [9])
+        recent = HINT_TRUST_DECAY * recent + (1 - HINT_TRUST_DECAY) * right / 2
+        assert log.trusted(1) == (recent >= SECOND_HINT_MIN_PRECISION), (right, recent)
+    assert log.trusted(1) and recent < 1.0
     assert log.summary()["pre-attention"]["predicted"] == 0

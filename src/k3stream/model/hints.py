@@ -38,8 +38,10 @@ AUTO_LAYER_AHEAD_ROWS = 8
 # the predictions of at most this many layers beyond the current one
 TOKEN_HINT_LEAD = 1
 # a hint that fills the token hint's gap goes out while its recent hints at the layer were right this
-# often: it then reads at least as many experts the layer uses as experts it does not
-SECOND_HINT_MIN_PRECISION = 0.5
+# often (the expert store's PREFETCH_MIN_PRECISION: when reads bound the step, a hint of precision p
+# spends 1 - p of its reads on experts nobody uses); on the shipped trained model (top-2) the top
+# pre-attention pick is right less often, and at 0.5 its gap hints read 1-2% more a token
+SECOND_HINT_MIN_PRECISION = 0.75
 # of each row's top-k by router score, the share a hint filling the token hint's gap sends: on the
 # real-dimension slice's decode the pre-attention router's ranks 1-8 of 16 were used 83-96% of the
 # time, ranks 9-16 40-75% (a wrong read lengthens a read-bound token)
