@@ -4,13 +4,22 @@ layer-ahead and token: before the previous MoE layer's fetch)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import k3stream
 from k3stream import LoadOptions
 from k3stream.model.experts import GGUFExpertSource
-from k3stream.model.hints import AUTO_LAYER_AHEAD_ROWS, HINT_KINDS
+from k3stream.model.hints import (
+    AUTO_LAYER_AHEAD_ROWS,
+    GAP_HINT_RANKS,
+    HINT_KINDS,
+    HINT_TRUST_DECAY,
+    SECOND_HINT_MIN_PRECISION,
+    HintLog,
+)
 from k3stream.model.moe import LatentMoE
 from k3stream.model.token_routes import TokenRoutes
 from source_helpers import RecordingSource
@@ -104,13 +113,43 @@ def test_auto_sends_layer_ahead_then_pre_attention_hints_in_prefill_and_token_hi
         if previous is not None:  # around the previous MoE layer's fetch
             assert hints[0] < at[("fetch", previous)][0] < hints[1], (layer, source.calls)
     source.calls.clear()
-    model.decode(state, 3)  # seen in the prefill: each layer's experts for it then are the hint
-    prefetched = {layer: experts for call, layer, experts in source.calls if call == "prefetch"}
-    assert sorted(prefetched) == moe_layers(model)
-    assert_sent_at_its_moment(source.calls, moe_layers(model), "token")
+    model.decode(state, 3)  # seen in the prefill: each layer's experts for it then are the whole hint
+    prefetched = [(layer, experts) for call, layer, experts in source.calls if call == "prefetch"]
+    assert sorted(layer for layer, _ in prefetched) == layers  # one a layer: it fills the layer's top-k
+    assert all(len(experts) == model.layers[layer].ffn.routing.top_k for layer, experts in prefetched)
+    assert_sent_at_its_moment(source.calls, layers, "token")
+
+
+def test_auto_decode_sends_the_pre_attention_hint_where_the_token_hint_has_nothing(model_path):
+    """A token id never seen: the top of the layer's own router's picks on its input is the hint, at
+    its moment, while the layer's recent pre-attention hints were right; a layer whose were not still
+    predicts and scores it, and sends nothing."""
+    model, source = load_recording(model_path, "auto")
+    state = model.new_state()
+    model.prefill(state, [1, 2, 3])
+    layers = moe_layers(model)
+    distrusted = layers[0]
+    for _ in range(8):  # gap hints all right, of this layer all wrong
+        for layer in layers:
+            model.hints.gap(layer, [0])
+            model.hints.used(layer, [1 if layer == distrusted else 0])
+    assert not model.hints.trusted(distrusted) and all(model.hints.trusted(layer) for layer in layers[1:])
     source.calls.clear()
-    model.decode(state, 99)  # never seen: no hint
-    assert not [call for call in source.calls if call[0] == "prefetch"]
+    before, before_layer = model.hints.summary(), model.hints.by_layer()["sent"][distrusted]
+    model.decode(state, 99)
+    prefetched = {layer: experts for call, layer, experts in source.calls if call == "prefetch"}
+    assert sorted(prefetched) == layers[1:]
+    assert_sent_at_its_moment(source.calls, layers, "pre-attention")
+    top_k = model.layers[layers[1]].ffn.routing.top_k
+    confident = math.ceil(GAP_HINT_RANKS * top_k)  # the top of the router's picks by score
+    assert 0 < confident < top_k and all(len(experts) == confident for experts in prefetched.values())
+    after = model.hints.summary()
+    for kind, count in (("pre-attention", top_k * len(layers)), ("sent", confident * (len(layers) - 1))):
+        assert after[kind]["predicted"] - before[kind]["predicted"] == count, kind
+    # the distrusted layer sent nothing: what it used counts against the recall of what was sent
+    after_layer = model.hints.by_layer()["sent"][distrusted]
+    assert after_layer["predicted"] == before_layer["predicted"]
+    assert after_layer["used"] - before_layer["used"] == top_k
 
 
 def test_token_routes_remember_each_layers_latest_experts_per_token():
@@ -148,3 +187,22 @@ def test_token_hints_go_out_their_lead_of_moe_layers_early(model_path):
     for bad in (0, len(layers) + 1):
         with pytest.raises(ValueError, match="token hint lead must be 1.."):
             model.set_token_hint_lead(bad)
+
+
+def test_a_layers_gap_hints_are_trusted_while_recently_right_often_enough():
+    """Not before any gap hint was scored; the first one's precision, then each next one weighed in at
+    1 - HINT_TRUST_DECAY; a hint not sent is scored too (the probe); other layers keep their own; the
+    kinds' counts are not the gap's."""
+    log = HintLog()
+    assert not log.trusted(1)
+    log.gap(1, [0, 1])
+    log.used(1, [0, 1, 9])
+    assert log.trusted(1) and not log.trusted(2)
+    recent = 1.0
+    for right in (0, 1, 2, 2, 2):  # of 2: a wrong hint stops them, right ones bring them back
+        log.gap(1, [5, 6])
+        log.used(1, [5, 6][:right] + [9])
+        recent = HINT_TRUST_DECAY * recent + (1 - HINT_TRUST_DECAY) * right / 2
+        assert log.trusted(1) == (recent >= SECOND_HINT_MIN_PRECISION), (right, recent)
+    assert log.trusted(1) and recent < 1.0
+    assert log.summary()["pre-attention"]["predicted"] == 0

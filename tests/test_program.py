@@ -128,8 +128,9 @@ def test_the_reference_path_and_a_model_sending_stream_hints_decode_eagerly(tiny
 
 @pytest.mark.parametrize("lead", [1, 2])
 def test_a_model_sending_token_hints_decodes_by_program_with_the_eager_hints(tiny_model, lead):
-    """Token hints (a decode step's default): the program sends the same hints, in the same order among
-    the fetches, learns the same routes, and decodes the same bits as the eager forward."""
+    """Token hints and the pre-attention hints that fill their gaps (a decode step's default): the
+    program sends the same hints, in the same order among the fetches, learns the same routes, and
+    decodes the same bits as the eager forward."""
     from k3stream.gguf.reader import K3Checkpoint
     from k3stream.model.experts import GGUFExpertSource
     from source_helpers import RecordingSource
@@ -149,6 +150,8 @@ def test_a_model_sending_token_hints_decodes_by_program_with_the_eager_hints(tin
     assert program_calls == eager_calls
     assert sum(kind == "prefetch" for kind, *_ in program_calls) > 0
     assert program.hints.summary() == runs[1][2].hints.summary()
+    # tokens the prompt had not shown: pre-attention hints filled the token hints' gaps
+    assert program.hints.summary()["pre-attention"]["predicted"] > 0
 
 
 @pytest.mark.parametrize("tokens", [[-1], [10**9]])

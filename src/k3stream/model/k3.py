@@ -16,6 +16,7 @@ through the same layer loop; only the attention layers see the per-sequence stat
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
@@ -28,11 +29,11 @@ from k3stream.gguf.layout import check_residual_score, check_ssm_a, is_routed_ex
 from k3stream.gguf.weights import nonexpert_tensors
 from k3stream.model.attn_res import residual_mix
 from k3stream.model.experts import GGUFExpertSource
-from k3stream.model.hints import HINT_CHOICES, TOKEN_HINT_LEAD, HintLog, sent_kinds
+from k3stream.model.hints import GAP_HINT_RANKS, HINT_CHOICES, TOKEN_HINT_LEAD, HintLog, sent_kinds
 from k3stream.model.kda import KDA, KDAWeights, shard_kda_weights
 from k3stream.model.layers import GGUFTensor, Linear, rms_norm
 from k3stream.model.mla import MLA, HeadProjection, MLAWeights
-from k3stream.model.moe import LatentMoE, MoEWeights, Routing, SituMLP
+from k3stream.model.moe import LatentMoE, MoEWeights, Routing, SituMLP, by_votes
 from k3stream.model.options import LoadOptions
 from k3stream.model.program import DecodeProgram
 from k3stream.model.state import Embedding, Layer, SequenceState
@@ -75,6 +76,7 @@ class K3Model:
         self.prefetch_hint = prefetch_hint
         self.hints = HintLog()
         self.token_routes = TokenRoutes()
+        self._token_sent: dict[int, list[int]] = {}  # per MoE layer: the step's token hint, sent
         # predict (and score) the kind not sent too: a benchmark's choice, since it costs a router product
         self.score_all_hints = False
         self.eps = config.rms_eps
@@ -268,24 +270,49 @@ class K3Model:
 
     def _predict(self, kind: str, layer: Layer, stream: torch.Tensor) -> None:
         """The experts `layer`'s router picks on `stream` (normed as its MoE input is), when `kind` is
-        the hint sent to the expert source (or `score_all_hints`): logged, and sent if it is."""
-        sent = kind in sent_kinds(self.prefetch_hint, stream.shape[0])
+        sent to the expert source (or `score_all_hints`): logged, and sent if it is (after a token
+        hint, what that left out: `_gap`)."""
+        kinds = sent_kinds(self.prefetch_hint, stream.shape[0])
+        room, first = self._gap(kind, kinds, layer, stream.shape[0])
+        sent = kind in kinds and room != 0
         if sent or self.score_all_hints:
-            predicted = layer.ffn.predict(rms_norm(stream, layer.post_attention_norm, self.eps))
-            self._hint(kind, layer, predicted, sent)
+            ranked = layer.ffn.ranked(rms_norm(stream, layer.post_attention_norm, self.eps))
+            predicted = by_votes(ranked)
+            send = predicted if sent else None
+            if sent and room is not None:  # the gap: each row's likeliest, those the token hint lacks
+                confident = by_votes(ranked[:, : math.ceil(GAP_HINT_RANKS * ranked.shape[1])])
+                send = [expert for expert in confident if expert not in first][:room]
+                trusted = self.hints.trusted(layer.index)
+                self.hints.gap(layer.index, send)
+                send = send if trusted else []
+            self._hint(kind, layer, predicted, send)
+
+    def _gap(self, kind: str, kinds: tuple[str, ...], layer: Layer, rows: int) -> tuple[int | None, set[int]]:
+        """How many experts `kind` may send after the step's token hint for `layer`, and that hint's
+        experts: the layer's picks for `rows` rows (top-k a row) less the token hint's experts (None:
+        `kind` does not follow a token hint)."""
+        if kinds[0] != "token" or kind == "token" or kind not in kinds:
+            return None, set()
+        first = set(self._token_sent.pop(layer.index, ()))
+        return max(0, layer.ffn.routing.top_k * rows - len(first)), first
 
     def _predict_from_tokens(self, layer: Layer, token_ids: list[int]) -> None:
         """The token hint for `layer` (as `_predict`)."""
         sent = "token" in sent_kinds(self.prefetch_hint, len(token_ids))
         if sent or self.score_all_hints:
-            self._hint("token", layer, self.token_routes.predict(layer.index, token_ids), sent)
+            predicted = self.token_routes.predict(layer.index, token_ids)
+            if sent:
+                self._token_sent[layer.index] = predicted
+            self._hint("token", layer, predicted, predicted if sent else None)
 
-    def _hint(self, kind: str, layer: Layer, predicted: list[int], sent: bool) -> None:
-        """Log a prediction and send it if it is the hint sent (a token id never seen at the layer
-        predicts nothing: nothing is sent)."""
+    def _hint(self, kind: str, layer: Layer, predicted: list[int], send: list[int] | None) -> None:
+        """Log a prediction and send `send` of it (None: `kind` is not sent; a token id never seen at
+        the layer predicts nothing: nothing is sent, and that counts in what the hints sent)."""
         self.hints.predicted(kind, layer.index, predicted)
-        if sent and predicted:
-            self.expert_source.prefetch(layer.index, predicted)
+        if send is not None:
+            self.hints.sent(layer.index, send)
+        if send:
+            self.expert_source.prefetch(layer.index, send)
 
 
 def _rows_at(rows: Rows, kept: list[int]) -> Rows:

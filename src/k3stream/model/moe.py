@@ -90,6 +90,14 @@ class Routing:
         return chosen, weights * self.scale
 
 
+def by_votes(chosen: torch.Tensor) -> list[int]:
+    """The experts in `chosen` [N, k], those most rows chose first (ties in id order)."""
+    votes = torch.bincount(chosen.flatten().cpu())
+    picked = votes.nonzero().flatten()
+    order = torch.sort(-votes[picked], stable=True).indices
+    return picked[order].tolist()
+
+
 class LatentMoE:
     """Route in full width, run the routed experts in the latent space, add the shared experts."""
 
@@ -125,11 +133,12 @@ class LatentMoE:
     def predict(self, h: torch.Tensor) -> list[int]:
         """The experts this layer would pick for rows h (the prefetch hint), those most rows pick first
         (ties in id order): a source that reads only part of a hint reads the likeliest."""
+        return by_votes(self.ranked(h))
+
+    def ranked(self, h: torch.Tensor) -> torch.Tensor:
+        """The experts this layer would pick for rows h [N, k], each row's by descending router score."""
         chosen, _ = self.routing.choose(self.w.router(h).float(), self.w.correction_bias)
-        votes = torch.bincount(chosen.flatten().cpu())
-        picked = votes.nonzero().flatten()
-        order = torch.sort(-votes[picked], stable=True).indices
-        return picked[order].tolist()
+        return chosen
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h [N, E] -> [N, E]; the union of the experts all rows chose, fetched once each. One row on the

@@ -10,10 +10,10 @@ them; all in RAM, one C call from their addresses) and MLA's attention over its 
 append and a C attention). Those steps call C directly, not torch: in a token whose weight reads have
 evicted torch's code and data from the caches, one small torch operation costs 30-120 us. It computes
 what `_forward` computes with the same C functions on the same values, so its logits are equal bit for
-bit (tested). A model sending token hints (a one-row step's default) gets them as Python steps where
-`_forward` sends them, and each MoE layer's routing learned after it; a model with a step that has no
-C form here (another device, the reference path, a wrapped layer, hints predicted from the stream)
-keeps the eager forward.
+bit (tested). A model sending token hints (a one-row step's default) gets them, and the pre-attention
+hints that follow them, as Python steps where `_forward` sends them, and each MoE layer's routing
+learned after it; a model with a step that has no C form here (another device, the reference path, a
+wrapped layer, layer-ahead or pre-attention hints alone) keeps the eager forward.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from k3stream.model.attn_res import bind_residual_mix
-from k3stream.model.hints import sent_kind
+from k3stream.model.hints import sent_kinds
 from k3stream.model.kda import KDAState
 from k3stream.model.layers import bind_linear, bind_rms_norm
 from k3stream.model.moe import LatentMoE
@@ -83,8 +83,8 @@ class DecodeProgram:
             steps += [self._token_hint(first) for first in model._first_token_hints]
         bank: list[torch.Tensor] = []
         for layer in model.layers:
-            if model.prefetch and layer.index in model._token_hint_from:
-                steps.append(self._token_hint(model._token_hint_from[layer.index]))
+            if model.prefetch:
+                steps += self._hints_at(layer, x)
             h = x if not bank else self._mix(steps, bank, x, layer.attn_score)
             banked = layer.index % model.config.block_size == 0
             if banked:
@@ -107,6 +107,17 @@ class DecodeProgram:
         mixed = self._mix(steps, bank, x, model.output_score)
         steps.append(bind_rms_norm(mixed, model.norm, model.eps, self.final))
         steps.append(bind_linear(model.lm_head, self.final, self._logits, self.threads))
+        return steps
+
+    def _hints_at(self, layer: Layer, x: torch.Tensor) -> list[cpu.Call]:
+        """The hint steps at the start of `layer` (input `x`), as `_forward` sends them: the token hint
+        of the MoE layer the lead ahead, then the layer's own pre-attention hint where it follows."""
+        model = self.model
+        steps = []
+        if layer.index in model._token_hint_from:
+            steps.append(self._token_hint(model._token_hint_from[layer.index]))
+        if isinstance(layer.ffn, LatentMoE) and "pre-attention" in sent_kinds(model.prefetch_hint, 1):
+            steps.append(cpu.python_step(lambda: model._predict("pre-attention", layer, x)))
         return steps
 
     def _token_hint(self, layer: Layer) -> cpu.Call:
@@ -146,10 +157,11 @@ class DecodeProgram:
 
 def _hints_in_program(model: DecodedModel) -> bool:
     """Whether the program sends what `_forward` would send of `model`'s hints in a one-row step: none,
-    or the token hints alone (the kinds predicted from the stream between layers stay eager)."""
+    or the token hints and then any pre-attention hints that follow them (a layer-ahead hint, predicted
+    from the stream inside a layer, stays eager)."""
     if not model.prefetch:
         return True
-    return sent_kind(model.prefetch_hint, 1) == "token" and not model.score_all_hints
+    return sent_kinds(model.prefetch_hint, 1)[0] == "token" and not model.score_all_hints
 
 
 def _hinting(model: DecodedModel) -> tuple[bool, str, bool]:
