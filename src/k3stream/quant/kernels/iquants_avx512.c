@@ -609,7 +609,8 @@ AVX512 void iq1_s_deltas(__m512i table, const Iq1Constants *c, const int8_t *con
                          float *dy, const int n) {
     const __m512i factors = _mm512_maskz_permutexvar_epi8(0x0500050005000500ULL, table, c->factors);
     for (int r = 0; r < n; r++) {
-        const __m512i sums = _mm512_load_si512(((const Iq1X *)(const void *)xs[r])[i].sums[0]);
+        __m512i sums = _mm512_load_si512(((const Iq1X *)(const void *)xs[r])[i].sums[0]);
+        __asm__("" : "+v"(sums)); /* one load for both uses (gcc would load it twice) */
         sumi[r] = _mm512_dpwssd_epi32(sumi[r], factors, sums);
         dy[r] = _mm_cvtss_f32(_mm_castsi128_ps(_mm512_castsi512_si128(sums)));
     }
