@@ -435,7 +435,7 @@ PLANES_ROWS(21, iq3_s, 1.0f)
  * int32 lanes hold 8 times its exact sum; d_w * d_y times them added by FMA into 16 float lanes, block
  * after block; at the end hsum16 times 0.125. The gathers bound it: 32 elements a block at about 0.6
  * cycle each on Intel Xeon (Emerald Rapids), some 19 of the 22 (IQ1_S) to 24 (IQ1_M) cycles a block
- * takes from L1 with one input row, beside 6 (IQ1_S) to 9 (IQ1_M) other loads and about 25 uops on
+ * takes from L1 with one input row, beside 6 (IQ1_S) to 10 (IQ1_M) other loads and about 25 uops on
  * ports 0 and 5; so a block's indices are made during the preceding block, and its gathers never wait
  * on them. The other ways of reading 32 grid entries cost as much or more there: qword gathers of 8-byte
  * entries (the same per element), broadcast loads blended into vectors (a load and a blend an entry),
