@@ -433,8 +433,13 @@ PLANES_ROWS(21, iq3_s, 1.0f)
  * put in the same order once per call (`iq1_x`). The delta (+-1/8 of s) and the codes' offset of 1 leave
  * s (8 - delta sign) times x's negated sums of 32 (IQ1_S) or 8 (IQ1_M) values, by VPDPWSSD: a block's 16
  * int32 lanes hold 8 times its exact sum; d_w * d_y times them added by FMA into 16 float lanes, block
- * after block; at the end hsum16 times 0.125. Loads bound it (a gather's 16 and the activations' 4 a
- * block: about two loads a cycle on Intel Xeon), then the shuffle port. */
+ * after block; at the end hsum16 times 0.125. The gathers bound it: 32 elements a block at about 0.6
+ * cycle each on Intel Xeon (Emerald Rapids), some 19 of the 22 (IQ1_S) to 24 (IQ1_M) cycles a block
+ * takes from L1 with one input row, beside 6 (IQ1_S) to 10 (IQ1_M) other loads and about 25 uops on
+ * ports 0 and 5; so a block's indices are made during the preceding block, and its gathers never wait
+ * on them. The other ways of reading 32 grid entries cost as much or more there: qword gathers of 8-byte
+ * entries (the same per element), broadcast loads blended into vectors (a load and a blend an entry),
+ * entries copied through memory by scalar loads (store forwarding stalls). */
 static uint32_t iq1_nibbles[2 * 2048] __attribute__((aligned(64)));
 static int iq1_fit;
 /* Both gathers' indices of a block at once, per type (0: IQ1_S, 1: IQ1_M): a byte permute of the block
@@ -581,11 +586,15 @@ AVX512 void iq1_tables(const uint8_t *x, __m512i picked, const int type, const I
                                                                     c->mask, c->or, 0xEA);
 }
 
+/* a block's 32 grid indices from its permuted bytes: 16-bit words, entry k (low) and 16 + k (high) in
+ * int32 lane k, bit 11 the copy */
+AVX512 __m512i iq1_words(__m512i picked, const Iq1Constants *c) {
+    return _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(c->index_shifts, picked), c->low_bits, c->copy, 0xEA);
+}
+
 /* its weights 8 s code: gather h's (entries 16h..16h + 15) values 8e + i (w[2h]) and 8e + 4 + i (w[2h + 1])
  * at byte 4 (e - 16h) + i */
-AVX512 void iq1_weights(__m512i picked, const __m512i tables[2], const Iq1Constants *c, __m512i w[4]) {
-    const __m512i fields = _mm512_multishift_epi64_epi8(c->index_shifts, picked);
-    const __m512i words = _mm512_ternarylogic_epi32(fields, c->low_bits, c->copy, 0xEA);
+AVX512 void iq1_weights(__m512i words, const __m512i tables[2], __m512i w[4]) {
     const __m512i index[2] = {_mm512_and_si512(words, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(words, 16)};
     for (int h = 0; h < 2; h++) {
         const __m512i nibbles = _mm512_i32gather_epi32(index[h], (const void *)iq1_nibbles, 4);
@@ -600,7 +609,8 @@ AVX512 void iq1_s_deltas(__m512i table, const Iq1Constants *c, const int8_t *con
                          float *dy, const int n) {
     const __m512i factors = _mm512_maskz_permutexvar_epi8(0x0500050005000500ULL, table, c->factors);
     for (int r = 0; r < n; r++) {
-        const __m512i sums = _mm512_load_si512(((const Iq1X *)(const void *)xs[r])[i].sums[0]);
+        __m512i sums = _mm512_load_si512(((const Iq1X *)(const void *)xs[r])[i].sums[0]);
+        __asm__("" : "+v"(sums)); /* one load for both uses (gcc would load it twice) */
         sumi[r] = _mm512_dpwssd_epi32(sumi[r], factors, sums);
         dy[r] = _mm_cvtss_f32(_mm_castsi128_ps(_mm512_castsi512_si128(sums)));
     }
@@ -625,20 +635,29 @@ AVX512 void iq1_m_deltas(const uint8_t *x, const Iq1Constants *c, const int8_t *
 /* every block of an IQ1_S (TYPE 0) or IQ1_M (1) weight row against n input rows into their float lanes */
 AVX512 void iq1_dot(const uint8_t *row, int64_t blocks, const int type, const int bytes, const int8_t *const *xs,
                     const BlockQ8K *const *y, __m512 *out, const int n) {
+    if (blocks < 1) return;
     const Iq1Constants c = iq1_constants(type);
     __m512 acc[RUN_ROWS]; /* in registers: no store in the loop */
     for (int r = 0; r < n; r++) acc[r] = out[r];
+    /* block i + 1's bytes and indices made during block i: its gathers never wait on them */
+    const __mmask64 block_bytes = (1ULL << bytes) - 1;
+    __m512i next_raw = _mm512_maskz_loadu_epi8(block_bytes, row), next_picked = _mm512_permutexvar_epi8(c.pick, next_raw);
+    __m512i next_words = iq1_words(next_picked, &c);
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *x = row + i * bytes;
-        const __m512i raw = _mm512_maskz_loadu_epi8((1ULL << bytes) - 1, x);
-        const __m512i picked = _mm512_permutexvar_epi8(c.pick, raw);
+        const __m512i raw = next_raw, picked = next_picked, words = next_words;
+        if (i + 1 < blocks) {
+            next_raw = _mm512_maskz_loadu_epi8(block_bytes, x + bytes);
+            next_picked = _mm512_permutexvar_epi8(c.pick, next_raw);
+            next_words = iq1_words(next_picked, &c);
+        }
         __m512i sumi[RUN_ROWS], tables[2], w[4];
         float dy[RUN_ROWS];
         for (int r = 0; r < n; r++) sumi[r] = _mm512_setzero_si512();
         iq1_tables(x, picked, type, &c, tables);
         if (type == 0) iq1_s_deltas(tables[0], &c, xs, i, sumi, dy, n);
         else iq1_m_deltas(x, &c, xs, y, i, sumi, dy, n);
-        iq1_weights(picked, tables, &c, w);
+        iq1_weights(words, tables, w);
         for (int r = 0; r < n; r++) { /* two chains of products, the deltas' and the first gather's */
             const Iq1X *X = (const Iq1X *)(const void *)xs[r] + i;
             const __m512i first = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_load_si512(X->low[0])),
