@@ -1177,6 +1177,7 @@ TQ1_ALWAYS __m512i tq1_sums(const __m512i codes[5], const Tq1X *X) {
 TQ1_ALWAYS void tq1_pair(const uint8_t *row, int64_t i, const int two, const __m512i packed[4], const __m512i last[4],
                          const Tq1X *const *xs, __m256 *acc, const int n) {
     __m512i codes[2][5];
+    prefetch_ahead(row + 54 * i, 108); /* a line or two a pair: a row's lines asked for at once stalled it */
     for (int h = 0; h < 1 + two; h++) tq1_codes(row + 54 * (i + h), packed, last, codes[h]);
     const float dw[2] = {f16c(row + 54 * i + 52), two ? f16c(row + 54 * (i + 1) + 52) : 0.0f};
     for (int r = 0; r < n; r++) {
@@ -1221,7 +1222,6 @@ TQ1_TARGET static void tq1_0_rows_avx512(const Product *pr, int64_t b, int64_t f
         for (int64_t m = first; m < last; m++) {
             const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
             float out[TQ1_RUN_ROWS];
-            if (p == pr->starts[b]) prefetch_ahead(row, pr->row_bytes);
             switch (n) { /* each count compiled apart */
                 case 4: tq1_row(row, blocks, xs, out, 4); break;
                 case 3: tq1_row(row, blocks, xs, out, 3); break;
