@@ -559,13 +559,14 @@ DECODER void dec_tq2_0(const uint8_t *restrict b, float *restrict y) { /* bits 2
 }
 
 /* A row kernel from a row dot DOT(row, y, blocks): each weight row m against each of its input rows'
- * blocks (Y: the Product's q8 or q8_0, ELEMS values a block) */
-#define IQ_ROWS(NAME, ATTR, DOT, Y, ELEMS)                                                               \
+ * blocks (Y: the Product's q8 or q8_0, ELEMS values a block); AHEAD: the row's lines asked for ahead at
+ * its start (else DOT asks as it goes) */
+#define IQ_ROWS(NAME, ATTR, DOT, Y, ELEMS, AHEAD)                                                        \
     ATTR static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) {                 \
         const int64_t blocks = pr->in_features / (ELEMS);                                             \
         for (int64_t m = first; m < last; m++) {                                                       \
             const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;      \
-            prefetch_ahead(row, pr->row_bytes);                                                        \
+            if (AHEAD) prefetch_ahead(row, pr->row_bytes);                                             \
             for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++)                                \
                 pr->out[p * pr->out_stride + m] = DOT(row, pr->Y + pr->rows[p] * blocks, blocks);      \
         }                                                                                              \
@@ -581,7 +582,7 @@ DECODER void dec_tq2_0(const uint8_t *restrict b, float *restrict y) { /* bits 2
     X(35, tq2_0, q8, 256) X(39, mxfp4, q8_0, 32)
 #define IQ_TYPES(X) RUN_TYPES(X) ROW_TYPES(X)
 
-#define GENERIC_ROWS(ID, NAME, Y, ELEMS) IQ_ROWS(NAME##_rows_generic, , NAME##_generic, Y, ELEMS)
+#define GENERIC_ROWS(ID, NAME, Y, ELEMS) IQ_ROWS(NAME##_rows_generic, , NAME##_generic, Y, ELEMS, 1)
 IQ_TYPES(GENERIC_ROWS)
 
 /* ---- ggml's AVX2 kernels ------------------------------------------------------------------------- */
@@ -975,9 +976,9 @@ PAIRED_DOT(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
  * maddubs(|w|, sign(y, w)) summed in pairs: the exact products of values 4l..4l + 3. */
 #define AVX512_ALWAYS AVX512_TARGET static inline __attribute__((always_inline))
 
-/* the nibbles of blocks x, x + bytes as bytes: 16 low ones of the first, its 16 high ones, the second's */
-AVX512_ALWAYS __m512i nibble_pair(const uint8_t *x, int bytes, int codes_at) {
-    const __m512i raw = _mm512_maskz_loadu_epi8(((__mmask64)1 << (2 * bytes)) - 1, x); /* no read past the row */
+/* the nibbles of two blocks of `bytes` (raw: their bytes) as bytes: 16 low ones of the first, its 16
+ * high ones, the second's */
+AVX512_ALWAYS __m512i nibble_pair(__m512i raw, int bytes, int codes_at) {
     const __m512i at = _mm512_add_epi8(_mm512_set4_epi32(0x0F0E0D0C, 0x0B0A0908, 0x07060504, 0x03020100),
                                        _mm512_set1_epi8((char)codes_at));
     const __m512i second = _mm512_maskz_set1_epi8(0xFFFFFFFF00000000ULL, (char)bytes); /* 128-bit lanes 2, 3 */
@@ -992,8 +993,23 @@ AVX512_ALWAYS __m512i q8_0_pair(const BlockQ8_0 *y) {
                               _mm256_loadu_si256((const __m256i *)y[1].qs), 1);
 }
 
-#define PAIRED_DOT_AVX512(NAME, BYTES, VALUES, SCALE, CODES)                                               \
-    AVX512_ALWAYS float NAME##_d(const uint8_t *x, const BlockQ8_0 *y) { return y->d * (SCALE); }          \
+/* IQ4_NL's d of blocks y, y + 1 times those of its blocks x, x + 18 (F16s), in the low and high half */
+AVX512_ALWAYS __m512 iq4_nl_pair_d(const uint8_t *x, __m512i raw, const BlockQ8_0 *y) {
+    (void)raw;
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(y[0].d * f16c(x)), _mm512_set1_ps(y[1].d * f16c(x + 18)));
+}
+
+/* ... MXFP4's: the d times the E8M0 scale halved, 2^(e - 128) (bytes 0 and 17 of raw): one VSCALEFPS,
+ * d * 2^(e - 128) rounded once, as the product with e8m0_half's exact power of 2 */
+AVX512_ALWAYS __m512 mxfp4_pair_d(const uint8_t *x, __m512i raw, const BlockQ8_0 *y) {
+    (void)x;
+    const __m512 d = _mm512_mask_broadcastss_ps(_mm512_set1_ps(y[0].d), 0xFF00, _mm_load_ss(&y[1].d));
+    const __m512i at = _mm512_mask_set1_epi32(_mm512_setzero_si512(), 0xFF00, 17); /* byte 0 or 17 a dword */
+    const __m512i e = _mm512_maskz_permutexvar_epi8(0x1111111111111111ULL, at, raw);
+    return _mm512_scalef_ps(d, _mm512_add_ps(_mm512_cvtepi32_ps(e), _mm512_set1_ps(-128.0f)));
+}
+
+#define PAIRED_DOT_AVX512(NAME, BYTES, VALUES, CODES)                                                      \
     AVX512_ALWAYS float NAME##_avx512(const uint8_t *row, const BlockQ8_0 *y, int64_t blocks) {             \
         const __m512i flip = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();                  \
         const __m512i values = _mm512_xor_si512(                                                            \
@@ -1002,21 +1018,22 @@ AVX512_ALWAYS __m512i q8_0_pair(const BlockQ8_0 *y) {
         int64_t i = 0;                                                                                      \
         for (; i + 1 < blocks; i += 2) {                                                                    \
             const uint8_t *x = row + i * (BYTES);                                                           \
+            prefetch_ahead(x, 2 * (BYTES)); /* a line a pair or two: a row's at once stalled the kernel */   \
             const __m512i q8 = q8_0_pair(y + i);                                                            \
             const __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, q8));             \
-            const __m512i w = _mm512_shuffle_epi8(values, nibble_pair(x, BYTES, CODES));                    \
-            const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(NAME##_d(x, y + i)),              \
-                                                  _mm512_set1_ps(NAME##_d(x + (BYTES), y + i + 1)));        \
+            const __m512i raw = _mm512_maskz_loadu_epi8(((__mmask64)1 << (2 * (BYTES))) - 1, x); /* in the row */ \
+            const __m512i w = _mm512_shuffle_epi8(values, nibble_pair(raw, BYTES, CODES));                  \
+            const __m512 d = NAME##_pair_d(x, raw, y + i);                                                  \
             acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w, q8)), acc);          \
         }                                                                                                   \
         const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));             \
         const float sumf = hsum_lanes(_mm256_add_ps(_mm512_castps512_ps256(acc), high));                   \
         return i < blocks ? sumf + NAME##_generic(row + i * (BYTES), y + i, 1) : sumf;                     \
     }                                                                                                       \
-    IQ_ROWS(NAME##_rows_avx512, AVX512_TARGET, NAME##_avx512, q8_0, 32)
+    IQ_ROWS(NAME##_rows_avx512, AVX512_TARGET, NAME##_avx512, q8_0, 32, 0)
 
-PAIRED_DOT_AVX512(iq4_nl, 18, iq4nl_values, f16c(x), 2)
-PAIRED_DOT_AVX512(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
+PAIRED_DOT_AVX512(iq4_nl, 18, iq4nl_values, 2)
+PAIRED_DOT_AVX512(mxfp4, 17, mxfp4_values, 1)
 
 /* IQ4_XS with AVX-512: runs 2j, 2j + 1 of a block in one vector (low, high half), their lanes
  * madd(maddubs(|w|, y negated where w is), scales) as iq4_xs_run's, folded onto eight at the block's end
@@ -1057,7 +1074,7 @@ AVX512_ALWAYS float iq4_xs_avx512(const uint8_t *x, const BlockQ8K *y, int64_t b
     }
     return hsum_lanes(acc);
 }
-IQ_ROWS(iq4_xs_rows_avx512, AVX512_TARGET, iq4_xs_avx512, q8, 256)
+IQ_ROWS(iq4_xs_rows_avx512, AVX512_TARGET, iq4_xs_avx512, q8, 256, 1)
 
 /* The ternary types with AVX-512: VPDPBUSD (256-bit) of each run's codes 0..2 with its activations gives
  * ggml's lanes (lane l: values 4l..4l + 3 of every run), less the Q8_K sums of 32 as ternary_total takes
@@ -1085,7 +1102,7 @@ AVX512_ALWAYS __m256i tq2_0_sums(const uint8_t *x, const BlockQ8K *y) {
         }                                                                                                   \
         return hsum_lanes(acc);                                                                             \
     }                                                                                                       \
-    IQ_ROWS(NAME##_rows_avx512, AVX512_TARGET, NAME##_avx512, q8, 256)
+    IQ_ROWS(NAME##_rows_avx512, AVX512_TARGET, NAME##_avx512, q8, 256, 1)
 
 TERNARY_DOT_AVX512(tq2_0, 66, 64)
 
@@ -1276,7 +1293,7 @@ IqRunType iq_run_type(int ggml_type, int avx2) {
 }
 
 #define AVX2_ROWS(ID, NAME, Y, ELEMS) \
-    IQ_ROWS(NAME##_rows_avx2, __attribute__((target("avx2,fma,f16c,bmi2"))), NAME##_avx2, Y, ELEMS)
+    IQ_ROWS(NAME##_rows_avx2, __attribute__((target("avx2,fma,f16c,bmi2"))), NAME##_avx2, Y, ELEMS, 1)
 ROW_TYPES(AVX2_ROWS)
 #define AVX2_ROWS_OF(NAME) NAME##_rows_avx2
 #else
