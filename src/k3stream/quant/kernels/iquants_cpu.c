@@ -57,6 +57,12 @@ typedef struct {
     Py_ssize_t size;
 } GridSlot;
 
+#if defined(__x86_64__) && defined(__GNUC__)
+static void tq1_tables(void); /* the AVX-512 TQ1_0 kernel's code tables */
+#else
+static void tq1_tables(void) {}
+#endif
+
 /* set_iq_grids(iq2xxs, iq2xs, iq2s, iq3xxs, iq3s, iq1s, iq4nl, mxfp4): each a bytes object of the grid's
  * values, one byte each, row after row (the IQ1_S grid's and the value tables' as int8) */
 PyObject *py_set_iq_grids(PyObject *self, PyObject *args) {
@@ -88,6 +94,7 @@ PyObject *py_set_iq_grids(PyObject *self, PyObject *args) {
     const IqGrids grids = {&iq2xxs_grid[0][0], &iq2xs_grid[0][0], &iq2s_grid[0][0], &iq3xxs_grid[0][0],
                            &iq3s_grid[0][0],   ksigns,            &iq1s_grid[0][0]};
     iq_avx512_set_grids(&grids);
+    tq1_tables();
     grids_set = 1;
     Py_RETURN_NONE;
 }
@@ -552,13 +559,14 @@ DECODER void dec_tq2_0(const uint8_t *restrict b, float *restrict y) { /* bits 2
 }
 
 /* A row kernel from a row dot DOT(row, y, blocks): each weight row m against each of its input rows'
- * blocks (Y: the Product's q8 or q8_0, ELEMS values a block) */
-#define IQ_ROWS(NAME, ATTR, DOT, Y, ELEMS)                                                               \
+ * blocks (Y: the Product's q8 or q8_0, ELEMS values a block); AHEAD: the row's lines asked for ahead at
+ * its start (else DOT asks as it goes) */
+#define IQ_ROWS(NAME, ATTR, DOT, Y, ELEMS, AHEAD)                                                        \
     ATTR static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) {                 \
         const int64_t blocks = pr->in_features / (ELEMS);                                             \
         for (int64_t m = first; m < last; m++) {                                                       \
             const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;      \
-            prefetch_ahead(row, pr->row_bytes);                                                        \
+            if (AHEAD) prefetch_ahead(row, pr->row_bytes);                                             \
             for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++)                                \
                 pr->out[p * pr->out_stride + m] = DOT(row, pr->Y + pr->rows[p] * blocks, blocks);      \
         }                                                                                              \
@@ -574,7 +582,7 @@ DECODER void dec_tq2_0(const uint8_t *restrict b, float *restrict y) { /* bits 2
     X(35, tq2_0, q8, 256) X(39, mxfp4, q8_0, 32)
 #define IQ_TYPES(X) RUN_TYPES(X) ROW_TYPES(X)
 
-#define GENERIC_ROWS(ID, NAME, Y, ELEMS) IQ_ROWS(NAME##_rows_generic, , NAME##_generic, Y, ELEMS)
+#define GENERIC_ROWS(ID, NAME, Y, ELEMS) IQ_ROWS(NAME##_rows_generic, , NAME##_generic, Y, ELEMS, 1)
 IQ_TYPES(GENERIC_ROWS)
 
 /* ---- ggml's AVX2 kernels ------------------------------------------------------------------------- */
@@ -968,9 +976,9 @@ PAIRED_DOT(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
  * maddubs(|w|, sign(y, w)) summed in pairs: the exact products of values 4l..4l + 3. */
 #define AVX512_ALWAYS AVX512_TARGET static inline __attribute__((always_inline))
 
-/* the nibbles of blocks x, x + bytes as bytes: 16 low ones of the first, its 16 high ones, the second's */
-AVX512_ALWAYS __m512i nibble_pair(const uint8_t *x, int bytes, int codes_at) {
-    const __m512i raw = _mm512_maskz_loadu_epi8(((__mmask64)1 << (2 * bytes)) - 1, x); /* no read past the row */
+/* the nibbles of two blocks of `bytes` (raw: their bytes) as bytes: 16 low ones of the first, its 16
+ * high ones, the second's */
+AVX512_ALWAYS __m512i nibble_pair(__m512i raw, int bytes, int codes_at) {
     const __m512i at = _mm512_add_epi8(_mm512_set4_epi32(0x0F0E0D0C, 0x0B0A0908, 0x07060504, 0x03020100),
                                        _mm512_set1_epi8((char)codes_at));
     const __m512i second = _mm512_maskz_set1_epi8(0xFFFFFFFF00000000ULL, (char)bytes); /* 128-bit lanes 2, 3 */
@@ -985,8 +993,23 @@ AVX512_ALWAYS __m512i q8_0_pair(const BlockQ8_0 *y) {
                               _mm256_loadu_si256((const __m256i *)y[1].qs), 1);
 }
 
-#define PAIRED_DOT_AVX512(NAME, BYTES, VALUES, SCALE, CODES)                                               \
-    AVX512_ALWAYS float NAME##_d(const uint8_t *x, const BlockQ8_0 *y) { return y->d * (SCALE); }          \
+/* IQ4_NL's d of blocks y, y + 1 times those of its blocks x, x + 18 (F16s), in the low and high half */
+AVX512_ALWAYS __m512 iq4_nl_pair_d(const uint8_t *x, __m512i raw, const BlockQ8_0 *y) {
+    (void)raw;
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(y[0].d * f16c(x)), _mm512_set1_ps(y[1].d * f16c(x + 18)));
+}
+
+/* ... MXFP4's: the d times the E8M0 scale halved, 2^(e - 128) (bytes 0 and 17 of raw): one VSCALEFPS,
+ * d * 2^(e - 128) rounded once, as the product with e8m0_half's exact power of 2 */
+AVX512_ALWAYS __m512 mxfp4_pair_d(const uint8_t *x, __m512i raw, const BlockQ8_0 *y) {
+    (void)x;
+    const __m512 d = _mm512_mask_broadcastss_ps(_mm512_set1_ps(y[0].d), 0xFF00, _mm_load_ss(&y[1].d));
+    const __m512i at = _mm512_mask_set1_epi32(_mm512_setzero_si512(), 0xFF00, 17); /* byte 0 or 17 a dword */
+    const __m512i e = _mm512_maskz_permutexvar_epi8(0x1111111111111111ULL, at, raw);
+    return _mm512_scalef_ps(d, _mm512_add_ps(_mm512_cvtepi32_ps(e), _mm512_set1_ps(-128.0f)));
+}
+
+#define PAIRED_DOT_AVX512(NAME, BYTES, VALUES, CODES)                                                      \
     AVX512_ALWAYS float NAME##_avx512(const uint8_t *row, const BlockQ8_0 *y, int64_t blocks) {             \
         const __m512i flip = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();                  \
         const __m512i values = _mm512_xor_si512(                                                            \
@@ -995,21 +1018,22 @@ AVX512_ALWAYS __m512i q8_0_pair(const BlockQ8_0 *y) {
         int64_t i = 0;                                                                                      \
         for (; i + 1 < blocks; i += 2) {                                                                    \
             const uint8_t *x = row + i * (BYTES);                                                           \
+            prefetch_ahead(x, 2 * (BYTES)); /* a line a pair or two: a row's at once stalled the kernel */   \
             const __m512i q8 = q8_0_pair(y + i);                                                            \
             const __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, q8));             \
-            const __m512i w = _mm512_shuffle_epi8(values, nibble_pair(x, BYTES, CODES));                    \
-            const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(NAME##_d(x, y + i)),              \
-                                                  _mm512_set1_ps(NAME##_d(x + (BYTES), y + i + 1)));        \
+            const __m512i raw = _mm512_maskz_loadu_epi8(((__mmask64)1 << (2 * (BYTES))) - 1, x); /* in the row */ \
+            const __m512i w = _mm512_shuffle_epi8(values, nibble_pair(raw, BYTES, CODES));                  \
+            const __m512 d = NAME##_pair_d(x, raw, y + i);                                                  \
             acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w, q8)), acc);          \
         }                                                                                                   \
         const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));             \
         const float sumf = hsum_lanes(_mm256_add_ps(_mm512_castps512_ps256(acc), high));                   \
         return i < blocks ? sumf + NAME##_generic(row + i * (BYTES), y + i, 1) : sumf;                     \
     }                                                                                                       \
-    IQ_ROWS(NAME##_rows_avx512, AVX512_TARGET, NAME##_avx512, q8_0, 32)
+    IQ_ROWS(NAME##_rows_avx512, AVX512_TARGET, NAME##_avx512, q8_0, 32, 0)
 
-PAIRED_DOT_AVX512(iq4_nl, 18, iq4nl_values, f16c(x), 2)
-PAIRED_DOT_AVX512(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
+PAIRED_DOT_AVX512(iq4_nl, 18, iq4nl_values, 2)
+PAIRED_DOT_AVX512(mxfp4, 17, mxfp4_values, 1)
 
 /* IQ4_XS with AVX-512: runs 2j, 2j + 1 of a block in one vector (low, high half), their lanes
  * madd(maddubs(|w|, y negated where w is), scales) as iq4_xs_run's, folded onto eight at the block's end
@@ -1050,7 +1074,7 @@ AVX512_ALWAYS float iq4_xs_avx512(const uint8_t *x, const BlockQ8K *y, int64_t b
     }
     return hsum_lanes(acc);
 }
-IQ_ROWS(iq4_xs_rows_avx512, AVX512_TARGET, iq4_xs_avx512, q8, 256)
+IQ_ROWS(iq4_xs_rows_avx512, AVX512_TARGET, iq4_xs_avx512, q8, 256, 1)
 
 /* The ternary types with AVX-512: VPDPBUSD (256-bit) of each run's codes 0..2 with its activations gives
  * ggml's lanes (lane l: values 4l..4l + 3 of every run), less the Q8_K sums of 32 as ternary_total takes
@@ -1066,13 +1090,6 @@ AVX512_ALWAYS __m256i tq2_0_sums(const uint8_t *x, const BlockQ8K *y) {
     return _mm256_add_epi32(sums[0], sums[1]);
 }
 
-AVX512_ALWAYS __m256i tq1_0_sums(const uint8_t *x, const BlockQ8K *y) { /* codes 64 times the trits: no shift */
-    __m256i codes[8], sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    tq1_0_codes(x, codes, 1);
-    for (int run = 0; run < 8; run++) sums[run & 1] = _mm256_dpbusd_epi32(sums[run & 1], codes[run], q8_run(y, run));
-    return _mm256_srai_epi32(_mm256_add_epi32(sums[0], sums[1]), 6); /* exact: every product a multiple of 64 */
-}
-
 #define TERNARY_DOT_AVX512(NAME, BYTES, D_AT)                                                              \
     AVX512_ALWAYS float NAME##_avx512(const uint8_t *x, const BlockQ8K *y, int64_t blocks) {                \
         __m256 acc = _mm256_setzero_ps();                                                                   \
@@ -1085,10 +1102,154 @@ AVX512_ALWAYS __m256i tq1_0_sums(const uint8_t *x, const BlockQ8K *y) { /* codes
         }                                                                                                   \
         return hsum_lanes(acc);                                                                             \
     }                                                                                                       \
-    IQ_ROWS(NAME##_rows_avx512, AVX512_TARGET, NAME##_avx512, q8, 256)
+    IQ_ROWS(NAME##_rows_avx512, AVX512_TARGET, NAME##_avx512, q8, 256, 1)
 
 TERNARY_DOT_AVX512(tq2_0, 66, 64)
-TERNARY_DOT_AVX512(tq1_0, 54, 52)
+
+/* TQ1_0 with AVX-512 (VBMI, VNNI, GFNI): a block's 52 code bytes in one vector, each byte's five trits
+ * looked up at once, not computed a position at a time. `tq1_packed` (byte q: its trits 0..3 as codes
+ * 0..2 at bits 2k) and `tq1_last` (trit 4's code at bits 6-7) hold each byte's codes, made from `trit`
+ * when the grids are set; a 256-entry lookup is two masked VPERMI2B on the byte's top bit. One
+ * GF2P8AFFINEQB a position moves its code to bits 6-7 (64 times the trit, as the AVX2 kernel's codes).
+ * The vector holds bytes 0..47, then the last 4 bytes in each of dwords 12..15; a dword's products sum in
+ * its own int32 lane, and lanes d and d + 8 fold onto ggml's lane d % 8 (lane l: values 4l..4l + 3 of every
+ * run). Trit k of bytes 0..31 is value 32k + m, lane m / 4; of bytes 32..47, value 160 + 16k + m - 32:
+ * lanes 0..3 for even k (dwords 8..11), 4..7 for odd k, whose codes take 128-bit blocks 2 and 3 swapped;
+ * the last bytes' trit k (value 240 + 4k + j, lane 4 + k) is dword 12 + k's, trits 1 and 3 merged into
+ * trit 4's codes (whose dwords 12..15 are free). The activations are put in that order once per call
+ * (`Tq1X`: the five positions' 64 bytes, zero where no value is), and each block's sums start from -64
+ * times its Q8_K sums of 32 (the codes' offset of 1): the fold divided by 64 is ggml's lanes exactly, and
+ * they enter the AVX2 kernel's float operations: its bits. */
+#define TQ1_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c,bmi2")))
+#define TQ1_ALWAYS TQ1_TARGET static inline __attribute__((always_inline))
+#define TQ1_RUN_ROWS 4 /* input rows sharing each decoded block */
+
+static uint8_t tq1_packed[256] __attribute__((aligned(64))), tq1_last[256] __attribute__((aligned(64)));
+static uint8_t tq1_order[64] __attribute__((aligned(64))); /* bytes 0..47, then 48..51 four times */
+
+static void tq1_tables(void) {
+    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+    for (int q = 0; q < 256; q++) {
+        tq1_packed[q] = 0;
+        for (int k = 0; k < 4; k++) tq1_packed[q] |= (uint8_t)((trit((uint8_t)q, pow3[k]) + 1) << 2 * k);
+        tq1_last[q] = (uint8_t)((trit((uint8_t)q, pow3[4]) + 1) << 6);
+    }
+    for (int i = 0; i < 64; i++) tq1_order[i] = (uint8_t)(i < 48 ? i : 48 + i % 4);
+}
+
+/* an input row's Q8_K block in the kernel's order: the activations of trit position k's vector, the
+ * int32 lanes' start and d */
+typedef struct {
+    int8_t codes[5][64];
+    int32_t start[8];
+    float d;
+} __attribute__((aligned(64))) Tq1X;
+
+/* where each position's values lie in its vector: (byte, first value, count) runs */
+static void tq1_x(const BlockQ8K *y, int64_t blocks, Tq1X *out) {
+    static const int16_t runs[5][4][3] = {{{0, 0, 32}, {32, 160, 16}, {48, 240, 4}, {0, 0, 0}},
+                                          {{0, 32, 32}, {48, 176, 16}, {0, 0, 0}, {0, 0, 0}},
+                                          {{0, 64, 32}, {32, 192, 16}, {56, 248, 4}, {0, 0, 0}},
+                                          {{0, 96, 32}, {48, 208, 16}, {0, 0, 0}, {0, 0, 0}},
+                                          {{0, 128, 32}, {32, 224, 16}, {52, 244, 4}, {60, 252, 4}}};
+    for (int64_t i = 0; i < blocks; i++) {
+        memset(&out[i], 0, sizeof out[i]);
+        for (int k = 0; k < 5; k++)
+            for (int r = 0; r < 4; r++) memcpy(out[i].codes[k] + runs[k][r][0], y[i].qs + runs[k][r][1], (size_t)runs[k][r][2]);
+        for (int l = 0; l < 8; l++) out[i].start[l] = -64 * (y[i].bsums[2 * l] + y[i].bsums[2 * l + 1]);
+        out[i].d = y[i].d;
+    }
+}
+
+/* the GF2P8AFFINEQB matrix (qword) moving bits `from`, `from` + 1 of each byte to bits 6, 7, others 0 */
+#define TQ1_TOP(from) ((1ULL << (from)) << 8 | (1ULL << ((from) + 1)))
+
+/* 64 bytes of a 256-entry table (four vectors) at `index`, `top` its bytes' top bits */
+TQ1_ALWAYS __m512i tq1_lookup(const __m512i table[4], __m512i index, __mmask64 top) {
+    const __m512i high = _mm512_mask2_permutex2var_epi8(table[2], index, top, table[3]); /* else the index */
+    return _mm512_mask2_permutex2var_epi8(table[0], high, _knot_mask64(top), table[1]);
+}
+
+/* the five positions' codes (64 times the trits) of the block at x, in Tq1X's order */
+TQ1_ALWAYS void tq1_codes(const uint8_t *x, const __m512i packed[4], const __m512i last[4], __m512i codes[5]) {
+    const __m512i q = _mm512_permutexvar_epi8(_mm512_load_si512(tq1_order), _mm512_maskz_loadu_epi8(~0ULL >> 12, x));
+    const __mmask64 top = _mm512_movepi8_mask(q);
+    const __m512i a = tq1_lookup(packed, q, top), swapped = _mm512_shuffle_i64x2(a, a, 0xB4); /* blocks 0, 1, 3, 2 */
+    codes[0] = _mm512_gf2p8affine_epi64_epi8(a, _mm512_set1_epi64((long long)TQ1_TOP(0)), 0);
+    codes[1] = _mm512_gf2p8affine_epi64_epi8(swapped, _mm512_set1_epi64((long long)TQ1_TOP(2)), 0);
+    codes[2] = _mm512_gf2p8affine_epi64_epi8(a, _mm512_set1_epi64((long long)TQ1_TOP(4)), 0);
+    codes[3] = _mm512_gf2p8affine_epi64_epi8(swapped, _mm512_set1_epi64((long long)TQ1_TOP(6)), 0);
+    const __m512i tail = _mm512_set_epi64((long long)TQ1_TOP(6), (long long)TQ1_TOP(2), 0, 0, 0, 0, 0, 0);
+    codes[4] = _mm512_mask_gf2p8affine_epi64_epi8(tq1_lookup(last, q, top), 0xF0F0ULL << 48, a, tail, 0);
+}
+
+/* a block's 16 int32 lanes, 64 times (ggml's lanes, each twice folded): row X's */
+TQ1_ALWAYS __m512i tq1_sums(const __m512i codes[5], const Tq1X *X) {
+    __m512i sums = _mm512_zextsi256_si512(_mm256_load_si256((const __m256i *)X->start));
+    for (int k = 0; k < 5; k++) sums = _mm512_dpbusd_epi32(sums, codes[k], _mm512_load_si512(X->codes[k]));
+    return sums;
+}
+
+/* blocks i and i + 1 of weight row `row` against n input rows (TWO: the second is there) */
+TQ1_ALWAYS void tq1_pair(const uint8_t *row, int64_t i, const int two, const __m512i packed[4], const __m512i last[4],
+                         const Tq1X *const *xs, __m256 *acc, const int n) {
+    __m512i codes[2][5];
+    prefetch_ahead(row + 54 * i, 108); /* a line or two a pair: a row's lines asked for at once stalled it */
+    for (int h = 0; h < 1 + two; h++) tq1_codes(row + 54 * (i + h), packed, last, codes[h]);
+    const float dw[2] = {f16c(row + 54 * i + 52), two ? f16c(row + 54 * (i + 1) + 52) : 0.0f};
+    for (int r = 0; r < n; r++) {
+        const __m512i first = tq1_sums(codes[0], xs[r] + i);
+        const __m512i second = two ? tq1_sums(codes[1], xs[r] + i + 1) : _mm512_setzero_si512();
+        const __m512i low = _mm512_shuffle_i64x2(first, second, 0x44), high = _mm512_shuffle_i64x2(first, second, 0xEE);
+        const __m512 lanes = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_add_epi32(low, high), 6));
+        acc[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(lanes), _mm256_set1_ps(xs[r][i].d * dw[0]), acc[r]);
+        if (two)
+            acc[r] = _mm256_fmadd_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1)),
+                                     _mm256_set1_ps(xs[r][i + 1].d * dw[1]), acc[r]);
+    }
+}
+
+/* weight row `row` against n input rows: each one's hsum_lanes of its eight float lanes into out[r] */
+TQ1_ALWAYS void tq1_row(const uint8_t *row, int64_t blocks, const Tq1X *const *xs, float *out, const int n) {
+    __m512i packed[4], last[4];
+    for (int t = 0; t < 4; t++) packed[t] = _mm512_load_si512(tq1_packed + 64 * t), last[t] = _mm512_load_si512(tq1_last + 64 * t);
+    __m256 acc[TQ1_RUN_ROWS];
+    for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 1 < blocks; i += 2) tq1_pair(row, i, 1, packed, last, xs, acc, n);
+    if (i < blocks) tq1_pair(row, i, 0, packed, last, xs, acc, n);
+    for (int r = 0; r < n; r++) out[r] = hsum_lanes(acc[r]);
+}
+
+/* rows first..last - 1 of matrix b against its input rows, TQ1_RUN_ROWS at a time put in Tq1X order */
+TQ1_TARGET static void tq1_0_rows_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) {
+    const int64_t blocks = pr->in_features / 256;
+    Tq1X *buffer = aligned_alloc(64, (size_t)(TQ1_RUN_ROWS * blocks) * sizeof(Tq1X));
+    if (buffer == NULL) { /* no memory for the activations: the AVX2 kernel (the same bits) */
+        iq_q8_kernel_avx2(34)(pr, b, first, last);
+        return;
+    }
+    for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p += TQ1_RUN_ROWS) {
+        const int n = pr->starts[b + 1] - p < TQ1_RUN_ROWS ? (int)(pr->starts[b + 1] - p) : TQ1_RUN_ROWS;
+        const Tq1X *xs[TQ1_RUN_ROWS];
+        for (int r = 0; r < n; r++) {
+            tq1_x(pr->q8 + pr->rows[p + r] * blocks, blocks, buffer + r * blocks);
+            xs[r] = buffer + r * blocks;
+        }
+        for (int64_t m = first; m < last; m++) {
+            const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
+            float out[TQ1_RUN_ROWS];
+            switch (n) { /* each count compiled apart */
+                case 4: tq1_row(row, blocks, xs, out, 4); break;
+                case 3: tq1_row(row, blocks, xs, out, 3); break;
+                case 2: tq1_row(row, blocks, xs, out, 2); break;
+                default: tq1_row(row, blocks, xs, out, 1); break;
+            }
+            for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = out[r];
+        }
+    }
+    free(buffer);
+}
 
 /* the AVX-512 kernel of IQ4_NL, MXFP4, IQ4_XS, TQ2_0 or TQ1_0 where HAVE_AVX512(), else NULL */
 static RowKernel nibble_kernel_avx512(int ggml_type) {
@@ -1098,7 +1259,7 @@ static RowKernel nibble_kernel_avx512(int ggml_type) {
         case 39: return mxfp4_rows_avx512;
         case 23: return iq4_xs_rows_avx512;
         case 35: return tq2_0_rows_avx512;
-        case 34: return tq1_0_rows_avx512;
+        case 34: return __builtin_cpu_supports("gfni") ? tq1_0_rows_avx512 : NULL;
         default: return NULL;
     }
 }
@@ -1132,7 +1293,7 @@ IqRunType iq_run_type(int ggml_type, int avx2) {
 }
 
 #define AVX2_ROWS(ID, NAME, Y, ELEMS) \
-    IQ_ROWS(NAME##_rows_avx2, __attribute__((target("avx2,fma,f16c,bmi2"))), NAME##_avx2, Y, ELEMS)
+    IQ_ROWS(NAME##_rows_avx2, __attribute__((target("avx2,fma,f16c,bmi2"))), NAME##_avx2, Y, ELEMS, 1)
 ROW_TYPES(AVX2_ROWS)
 #define AVX2_ROWS_OF(NAME) NAME##_rows_avx2
 #else
