@@ -66,7 +66,7 @@ def test_the_weight_bytes_per_kind_cover_every_layer_matrix(tiny_model, monkeypa
 
 def test_the_bound_is_the_larger_of_resident_compute_and_reads(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    from bench_real import run_table, sent_hint
+    from bench_real import run_table
 
     row = {
         "name": "10%",
@@ -84,7 +84,6 @@ def test_the_bound_is_the_larger_of_resident_compute_and_reads(monkeypatch):
     compute_bound = run_table([row], 400.0, 1e9)[-1].split(" | ")
     assert compute_bound[-5:] == ["300.0", "400", "0.80", "625", "1.25 |"]
     assert run_table([row], None, 1e9)[-1].split(" | ")[-4:] == ["n/a", "n/a", "n/a", "n/a |"]
-    assert sent_hint([]) == "token" and sent_hint(["--prefetch-hint", "pre-attention"]) == "pre-attention"
 
 
 def test_the_prefill_bound_is_the_resident_prefill_or_the_reads(monkeypatch):
