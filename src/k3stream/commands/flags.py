@@ -104,8 +104,9 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="which prediction is prefetched: a MoE layer's router on its input (pre-attention), on the "
         "previous layer's stream after attention (layer-ahead, a MoE block earlier), the experts the layer "
-        "last picked for each token id (token, a MoE layer earlier), or auto: layer-ahead in steps of 8 or "
-        "more rows (prefill), token otherwise (default)",
+        "last picked for each token id (token, a MoE layer earlier), or auto: layer-ahead then pre-attention "
+        "in steps of 8 or more rows (prefill); token, then the likeliest pre-attention picks it lacks where "
+        "those have been right, otherwise (default)",
     )
     parser.add_argument(
         "--io-threads", type=int, default=defaults.io_threads, help="pack read threads (default %(default)s)"
