@@ -509,16 +509,6 @@ INLINE void score_heads(const float *q, const float *cache, int64_t length, int6
         for (int j = 0; j < heads; j++) p[j * length + t] = dot(q + j * width, cache + t * width, width) * scale;
 }
 
-/* Scores of heads first..last - 1 over cache rows t0..t1 - 1 (`score_heads`: HEADS_AT_ONCE heads at a
- * time, then one at a time) into probs[h * length + t] */
-INLINE void score_block(const float *query, const float *cache, int64_t length, int64_t t0, int64_t t1,
-                        int64_t first, int64_t last, int64_t width, float scale, float *probs) {
-    int64_t h = first;
-    for (; h + HEADS_AT_ONCE <= last; h += HEADS_AT_ONCE)
-        score_heads(query + h * width, cache, length, t0, t1, HEADS_AT_ONCE, width, scale, probs + h * length);
-    for (; h < last; h++) score_heads(query + h * width, cache, length, t0, t1, 1, width, scale, probs + h * length);
-}
-
 /* out[h, e] += sum over rows t0..t1 - 1 of weights[h * length + t] * row_t[e] for `heads` heads (a
  * constant where it is inlined, so the sums stay in registers), e < kv: each (h, e) summed in t order
  * (one product rounded, then added), 2 LANES values of e at a time */
@@ -544,13 +534,23 @@ INLINE void weigh_heads(const float *w, const float *cache, int64_t length, int6
             for (int64_t t = t0; t < t1; t++) y[j * kv + e] += w[j * length + t] * cache[t * width + e];
 }
 
-/* `weigh_heads` for heads first..last - 1: HEADS_AT_ONCE at a time, then one at a time */
-INLINE void weigh_block(const float *weights, const float *cache, int64_t length, int64_t t0, int64_t t1,
-                        int64_t first, int64_t last, int64_t width, int64_t kv, float *out) {
+/* One pass over cache rows t0..t1 - 1 for heads first..last - 1: their scores into probs (`score_heads`)
+ * or, with `weigh`, the rows weighted by probs into out (`weigh_heads`); HEADS_AT_ONCE heads at a time
+ * (a constant there, so a tile's sums stay in registers), then one at a time */
+INLINE void heads_pass(int weigh, const float *query, const float *cache, int64_t length, int64_t t0, int64_t t1,
+                       int64_t h, int heads, int64_t width, int64_t kv, float scale, float *probs, float *out) {
+    if (weigh)
+        weigh_heads(probs + h * length, cache, length, t0, t1, heads, width, kv, out + h * kv);
+    else
+        score_heads(query + h * width, cache, length, t0, t1, heads, width, scale, probs + h * length);
+}
+
+INLINE void block_pass(int weigh, const float *query, const float *cache, int64_t length, int64_t t0, int64_t t1,
+                       int64_t first, int64_t last, int64_t width, int64_t kv, float scale, float *probs, float *out) {
     int64_t h = first;
     for (; h + HEADS_AT_ONCE <= last; h += HEADS_AT_ONCE)
-        weigh_heads(weights + h * length, cache, length, t0, t1, HEADS_AT_ONCE, width, kv, out + h * kv);
-    for (; h < last; h++) weigh_heads(weights + h * length, cache, length, t0, t1, 1, width, kv, out + h * kv);
+        heads_pass(weigh, query, cache, length, t0, t1, h, HEADS_AT_ONCE, width, kv, scale, probs, out);
+    for (; h < last; h++) heads_pass(weigh, query, cache, length, t0, t1, h, 1, width, kv, scale, probs, out);
 }
 
 /* Heads first..last - 1 of one query [heads, width] over the first `length` rows of a latent cache
@@ -561,8 +561,8 @@ INLINE void weigh_block(const float *weights, const float *cache, int64_t length
 INLINE void attend_heads(const float *query, const float *cache, int64_t length, int64_t first, int64_t last,
                          int64_t width, int64_t kv, float scale, float *probs, float *out) {
     for (int64_t t = 0; t < length; t += ATTEND_BLOCK)
-        score_block(query, cache, length, t, t + ATTEND_BLOCK < length ? t + ATTEND_BLOCK : length, first, last,
-                    width, scale, probs);
+        block_pass(0, query, cache, length, t, t + ATTEND_BLOCK < length ? t + ATTEND_BLOCK : length, first, last,
+                   width, kv, scale, probs, out);
     for (int64_t h = first; h < last; h++) {
         float *p = probs + h * length, largest = -INFINITY, total = 0.0f;
         for (int64_t t = 0; t < length; t++) largest = p[t] > largest ? p[t] : largest;
@@ -572,8 +572,8 @@ INLINE void attend_heads(const float *query, const float *cache, int64_t length,
         for (int64_t e = 0; e < kv; e++) out[h * kv + e] = 0.0f;
     }
     for (int64_t t = 0; t < length; t += ATTEND_BLOCK)
-        weigh_block(probs, cache, length, t, t + ATTEND_BLOCK < length ? t + ATTEND_BLOCK : length, first, last,
-                    width, kv, out);
+        block_pass(1, query, cache, length, t, t + ATTEND_BLOCK < length ? t + ATTEND_BLOCK : length, first, last,
+                   width, kv, scale, probs, out);
 }
 
 /* One query per head over a latent cache (MLA's absorbed decode attention,
