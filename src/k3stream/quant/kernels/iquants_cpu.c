@@ -875,11 +875,10 @@ AVX2_ALWAYS __m256i tq2_0_pairs(const uint8_t *x, const BlockQ8K *y) {
 
 /* each byte's top trit after scaling, (q * 3) >> 8 as ggml's generic code computes it, in 8-bit lanes:
  * with a = max(q - 1, 0), (a + (a + 1) / 2 + 1) / 2 (two rounding averages) has that value in its top
- * two bits, for every byte (checked over all 256); TIMES64: 64 times it (those bits alone) */
-AVX2_ALWAYS __m256i top_trits(__m256i q, const int times64) {
+ * two bits, for every byte (checked over all 256) */
+AVX2_ALWAYS __m256i top_trits(__m256i q) {
     const __m256i a = _mm256_subs_epu8(q, _mm256_set1_epi8(1));
     const __m256i scaled = _mm256_avg_epu8(a, _mm256_avg_epu8(a, _mm256_setzero_si256()));
-    if (times64) return _mm256_and_si256(scaled, _mm256_set1_epi8((char)0xC0));
     return _mm256_and_si256(_mm256_srli_epi16(scaled, 6), _mm256_set1_epi8(3));
 }
 
@@ -887,9 +886,9 @@ AVX2_ALWAYS __m256i times3(__m256i q) { return _mm256_add_epi8(q, _mm256_add_epi
 
 /* TQ1_0's codes in value order, 32 a vector: trit k of byte m is value 32k + m (bytes 0..31), 160 +
  * 16k + m (32..47), 240 + 4k + j (48..51) */
-AVX2_ALWAYS void tq1_0_codes(const uint8_t *x, __m256i codes[8], const int times64) {
+AVX2_ALWAYS void tq1_0_codes(const uint8_t *x, __m256i codes[8]) {
     __m256i scaled = _mm256_loadu_si256((const __m256i *)x);
-    for (int k = 0; k < 5; k++, scaled = times3(scaled)) codes[k] = top_trits(scaled, times64);
+    for (int k = 0; k < 5; k++, scaled = times3(scaled)) codes[k] = top_trits(scaled);
     const __m128i rest = _mm_loadu_si128((const __m128i *)(x + 32));
     const __m256i pair = _mm256_set_m128i(_mm_add_epi8(rest, _mm_add_epi8(rest, rest)), rest); /* trits 0, 1 */
     const __m256i pair9 = times3(times3(pair));                                                  /* trits 2, 3 */
@@ -898,14 +897,14 @@ AVX2_ALWAYS void tq1_0_codes(const uint8_t *x, __m256i codes[8], const int times
     const __m256i powers = _mm256_set_epi16(27, 27, 27, 27, 9, 9, 9, 9, 3, 3, 3, 3, 1, 1, 1, 1);
     const __m256i products = _mm256_and_si256(_mm256_mullo_epi16(wide, powers), _mm256_set1_epi16(0xFF));
     const __m128i tail = _mm_packus_epi16(_mm256_castsi256_si128(products), _mm256_extracti128_si256(products, 1));
-    codes[5] = top_trits(pair, times64);
-    codes[6] = top_trits(pair9, times64);
-    codes[7] = top_trits(_mm256_inserti128_si256(times3(times3(pair9)), tail, 1), times64);
+    codes[5] = top_trits(pair);
+    codes[6] = top_trits(pair9);
+    codes[7] = top_trits(_mm256_inserti128_si256(times3(times3(pair9)), tail, 1));
 }
 
 AVX2_ALWAYS __m256i tq1_0_pairs(const uint8_t *x, const BlockQ8K *y) {
     __m256i codes[8], sum = _mm256_setzero_si256();
-    tq1_0_codes(x, codes, 0);
+    tq1_0_codes(x, codes);
     for (int run = 0; run < 8; run++) sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(codes[run], q8_run(y, run)));
     return sum;
 }
@@ -923,7 +922,7 @@ AVX2_ALWAYS void put_ternary32(float *restrict y, __m256i codes, __m256 d) {
 
 AVX2_DECODER tq1_0_values_avx2(const uint8_t *restrict b, float *restrict y) {
     __m256i codes[8];
-    tq1_0_codes(b, codes, 0);
+    tq1_0_codes(b, codes);
     const __m256 d = _mm256_set1_ps(f16(b + 52));
     for (int run = 0; run < 8; run++) put_ternary32(y + 32 * run, codes[run], d);
 }

@@ -534,9 +534,8 @@ INLINE void weigh_heads(const float *w, const float *cache, int64_t length, int6
             for (int64_t t = t0; t < t1; t++) y[j * kv + e] += w[j * length + t] * cache[t * width + e];
 }
 
-/* One pass over cache rows t0..t1 - 1 for heads first..last - 1: their scores into probs (`score_heads`)
- * or, with `weigh`, the rows weighted by probs into out (`weigh_heads`); HEADS_AT_ONCE heads at a time
- * (a constant there, so a tile's sums stay in registers), then one at a time */
+/* `score_heads` (scores into probs) or, with `weigh`, `weigh_heads` (rows weighted by probs into out) for
+ * the `heads` heads from h */
 INLINE void heads_pass(int weigh, const float *query, const float *cache, int64_t length, int64_t t0, int64_t t1,
                        int64_t h, int heads, int64_t width, int64_t kv, float scale, float *probs, float *out) {
     if (weigh)
@@ -545,6 +544,8 @@ INLINE void heads_pass(int weigh, const float *query, const float *cache, int64_
         score_heads(query + h * width, cache, length, t0, t1, heads, width, scale, probs + h * length);
 }
 
+/* One pass (`heads_pass`) over cache rows t0..t1 - 1 for heads first..last - 1: HEADS_AT_ONCE heads at a
+ * time (a constant there, so a tile's sums stay in registers), then one at a time */
 INLINE void block_pass(int weigh, const float *query, const float *cache, int64_t length, int64_t t0, int64_t t1,
                        int64_t first, int64_t last, int64_t width, int64_t kv, float scale, float *probs, float *out) {
     int64_t h = first;
