@@ -15,6 +15,7 @@ from k3stream.model.experts import GGUFExpertSource
 from k3stream.model.hints import (
     AUTO_LAYER_AHEAD_ROWS,
     GAP_HINT_RANKS,
+    GAP_PROBE_EVERY,
     HINT_KINDS,
     HINT_TRUST_DECAY,
     SECOND_HINT_MIN_PRECISION,
@@ -122,8 +123,8 @@ def test_auto_sends_layer_ahead_then_pre_attention_hints_in_prefill_and_token_hi
 
 def test_auto_decode_sends_the_pre_attention_hint_where_the_token_hint_has_nothing(model_path):
     """A token id never seen: the top of the layer's own router's picks on its input is the hint, at
-    its moment, while the layer's recent pre-attention hints were right; a layer whose were not still
-    predicts and scores it, and sends nothing."""
+    its moment, while the layer's recent pre-attention hints were right; a layer whose were not sends
+    nothing (and predicts it only at its probes)."""
     model, source = load_recording(model_path, "auto")
     state = model.new_state()
     model.prefill(state, [1, 2, 3])
@@ -144,8 +145,9 @@ def test_auto_decode_sends_the_pre_attention_hint_where_the_token_hint_has_nothi
     confident = math.ceil(GAP_HINT_RANKS * top_k)  # the top of the router's picks by score
     assert 0 < confident < top_k and all(len(experts) == confident for experts in prefetched.values())
     after = model.hints.summary()
-    for kind, count in (("pre-attention", top_k * len(layers)), ("sent", confident * (len(layers) - 1))):
-        assert after[kind]["predicted"] - before[kind]["predicted"] == count, kind
+    # the distrusted layer's probe ran in the prefill, a step ago: it predicts nothing this step
+    for kind, count in (("pre-attention", top_k), ("sent", confident)):
+        assert after[kind]["predicted"] - before[kind]["predicted"] == count * (len(layers) - 1), kind
     # the distrusted layer sent nothing: what it used counts against the recall of what was sent
     after_layer = model.hints.by_layer()["sent"][distrusted]
     assert after_layer["predicted"] == before_layer["predicted"]
@@ -206,3 +208,37 @@ def test_a_layers_gap_hints_are_trusted_while_recently_right_often_enough():
         assert log.trusted(1) == (recent >= SECOND_HINT_MIN_PRECISION), (right, recent)
     assert log.trusted(1) and recent < 1.0
     assert log.summary()["pre-attention"]["predicted"] == 0
+
+
+def test_an_untrusted_layers_gap_hint_is_predicted_one_step_in_gap_probe_every(model_path):
+    """The router of a layer whose gap hints are not trusted runs one decode step in GAP_PROBE_EVERY
+    (the first at once), a trusted layer's every step; logits are those of a model without hints."""
+    model, _ = load_recording(model_path, "auto")
+    plain = k3stream.load(model_path, LoadOptions(prefetch=False))
+    state, plain_state = model.new_state(), plain.new_state()
+    layers = moe_layers(model)
+    distrusted = layers[0]
+    steps = 2 * GAP_PROBE_EVERY
+    for token in range(100, 100 + steps):  # ids never seen: each step's token hint has nothing
+        for _ in range(8):  # gap hints all right, of one layer all wrong
+            for layer in layers:
+                model.hints.gap(layer, [0])
+                model.hints.used(layer, [1 if layer == distrusted else 0])
+        assert torch.equal(model.decode(state, token), plain.decode(plain_state, token))
+    predicted = {
+        layer: scores["predicted"] for layer, scores in model.hints.by_layer()["pre-attention"].items()
+    }
+    top_k = model.layers[distrusted].ffn.routing.top_k
+    assert predicted[distrusted] == steps // GAP_PROBE_EVERY * top_k
+    assert all(predicted[layer] == steps * top_k for layer in layers[1:]), predicted
+
+
+def test_gap_hints_are_due_every_step_while_trusted_else_one_step_in_gap_probe_every():
+    log = HintLog()
+    assert [log.gap_due(1) for _ in range(2 * GAP_PROBE_EVERY)] == (
+        [True] + [False] * (GAP_PROBE_EVERY - 1)
+    ) * 2
+    log.gap(1, [0])
+    log.used(1, [0])
+    assert log.trusted(1) and all(log.gap_due(1) for _ in range(GAP_PROBE_EVERY + 1))
+    assert log.gap_due(2)  # another layer's own count

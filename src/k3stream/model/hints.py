@@ -21,8 +21,10 @@ The one named by `K3Model.prefetch_hint` is predicted, counted and sent to the e
   token id is seldom seen twice (the token hint predicts 12% of the experts used) and the
   pre-attention hint is right 74% of the time, its top half by router score ~89%
   (GAP_HINT_RANKS: only that half goes out). That half goes out only once such hints at the layer
-  were recently right at least SECOND_HINT_MIN_PRECISION of the time (`HintLog.trusted`); it is
-  predicted and scored where it would go out either way (the probe).
+  were recently right at least SECOND_HINT_MIN_PRECISION of the time (`HintLog.trusted`); where it
+  is not, it is still predicted and scored one step in GAP_PROBE_EVERY (the probe that can trust the
+  layer again), not every step: its cost is the layer's router on its input (at Kimi-K3's size a
+  7168 x 896 F32 product, ~26 MB a MoE layer), and nothing reads what it predicts.
 "sent" counts what went out of all kinds, per layer and step.
 """
 
@@ -47,6 +49,9 @@ SECOND_HINT_MIN_PRECISION = 0.75
 # time, ranks 9-16 40-75% (a wrong read lengthens a read-bound token)
 GAP_HINT_RANKS = 0.5
 HINT_TRUST_DECAY = 0.5  # the weight of a layer's past gap hints in their recent precision
+# a layer whose gap hints are not trusted predicts and scores them one step in this many (the probe): on
+# the shipped trained model none is trusted, and a router product every decode step is ~3% of its compute
+GAP_PROBE_EVERY = 8
 
 
 def sent_kinds(choice: str, rows: int) -> tuple[str, ...]:
@@ -67,6 +72,7 @@ class HintLog:
         self._pending: dict[tuple[str, int], set[int]] = {}
         self._counts: dict[tuple[str, int], list[int]] = {}  # (kind, layer) -> predicted, correct, used
         self._gap_precision: dict[int, float] = {}  # layer -> decayed precision per gap hint
+        self._since_gap: dict[int, int] = {}  # layer -> steps since its gap hint was last predicted
 
     def predicted(self, kind: str, layer: int, experts: list[int]) -> None:
         self._pending[(kind, layer)] = set(experts)
@@ -85,6 +91,15 @@ class HintLog:
         SECOND_HINT_MIN_PRECISION of the time: the first scored one's precision, then each next one's
         weighed in at 1 - HINT_TRUST_DECAY (not before any was scored: a wrong one wastes reads)."""
         return self._gap_precision.get(layer, 0.0) >= SECOND_HINT_MIN_PRECISION
+
+    def gap_due(self, layer: int) -> bool:
+        """Whether the hint filling the token hint's gap at `layer` is predicted this step (a step
+        asks once): every step while `trusted` (it goes out), else one step in GAP_PROBE_EVERY, the
+        first one at once."""
+        since = self._since_gap.get(layer, GAP_PROBE_EVERY)
+        due = self.trusted(layer) or since >= GAP_PROBE_EVERY
+        self._since_gap[layer] = 1 if due else since + 1
+        return due
 
     def used(self, layer: int, experts: list[int]) -> None:
         """The experts layer `layer` used this step: score the predictions made for it."""

@@ -274,6 +274,8 @@ class K3Model:
         hint, what that left out: `_gap`)."""
         kinds = sent_kinds(self.prefetch_hint, stream.shape[0])
         room, first = self._gap(kind, kinds, layer, stream.shape[0])
+        if room and not self.score_all_hints and not self.hints.gap_due(layer.index):
+            return  # an untrusted gap hint, between its probes
         sent = kind in kinds and room != 0
         if sent or self.score_all_hints:
             ranked = layer.ffn.ranked(rms_norm(stream, layer.post_attention_norm, self.eps))
