@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import k3stream
-from k3stream.engine.cache_folders import TEMPORARY_GRACE
+from k3stream.engine.cache_folders import TEMPORARY_GRACE, FolderLock, _unheld
 from k3stream.engine.prompt_cache import (
     MIB,
     ChunkedPrefill,
@@ -410,6 +410,28 @@ def test_a_folder_another_process_holds_and_a_young_temporary_are_left_alone(mod
     assert not snapshot.exists() and cache.stats.removed.snapshots == 1
     assert writing.exists() and folder.exists()  # the young temporary keeps its folder
     cache.close()
+
+
+def test_a_folder_opened_while_another_process_trims_it_away_is_made_again(tmp_path):
+    """A cache that opens its folder while a trim holds it (to empty and remove it) waits for the trim,
+    and then holds the folder made again, not the one removed: no trim can take it after."""
+    folder = tmp_path / f"{'0' * 16}-{'1' * 16}"
+    folder.mkdir()
+    trimming = _unheld(folder)
+    assert trimming is not None
+    opened: list[FolderLock] = []
+    opening = threading.Thread(target=lambda: opened.append(FolderLock(folder)))
+    opening.start()
+    opening.join(0.3)
+    assert not opened  # waiting for the trim's lock
+    folder.rmdir()  # what a trim does to a folder it emptied, then it lets go
+    os.close(trimming)
+    opening.join(30)
+    assert opened and folder.is_dir() and _unheld(folder) is None
+    opened[0].release()
+    free = _unheld(folder)
+    assert free is not None
+    os.close(free)
 
 
 def test_disk_eviction_never_orphans_a_file(model, fingerprint, tmp_path):

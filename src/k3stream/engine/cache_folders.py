@@ -163,7 +163,7 @@ def trim(root: Path, own: str, own_bytes: int, budget: int, removed: Removed) ->
     """Remove the temporaries left by dead writers in every folder of `root`; then, while `own_bytes` (the
     snapshots of folder `own`) and the foreign folders' bytes exceed `budget`, the foreign folders'
     snapshots that no process holds, oldest first (a folder left without files of ours goes too).
-    Adds to `removed`; the foreign folders left. Call it from one thread at a time."""
+    Adds to `removed` (without a lock: one thread at a time per `removed`); the foreign folders left."""
     folders = scan(root)
     now = time.time()
     for folder in folders:
