@@ -362,8 +362,10 @@ def test_the_disk_budget_covers_other_keys_folders_and_takes_their_oldest_first(
     assert newest.parent.exists()  # its README is not ours: the folder stays with it
     assert all(path.exists() for path in ours_not)
     tight.close()
-    got = PromptCache(model, fingerprint, 64 * MIB, directory, budget).prefill(prompt + [1])
+    restarted = PromptCache(model, fingerprint, 64 * MIB, directory, budget)  # open: row-exact products
+    got = restarted.prefill(prompt + [1])
     assert got.reused == len(prompt) and torch.equal(got.logits, cold(model, prompt + [1]))
+    restarted.close()
 
 
 HOLD = """import sys
