@@ -159,7 +159,7 @@ def _entries(path: Path) -> list[os.DirEntry]:
         return []
 
 
-def trim(root: Path, own: str, own_bytes: int, budget: int, removed: Removed) -> Foreign:
+def trim_directory(root: Path, own: str, own_bytes: int, budget: int, removed: Removed) -> Foreign:
     """Remove the temporaries left by dead writers in every folder of `root`; then, while `own_bytes` (the
     snapshots of folder `own`) and the foreign folders' bytes exceed `budget`, the foreign folders'
     snapshots that no process holds, oldest first (a folder left without files of ours goes too).

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import xxhash
 
-from k3stream.engine.cache_folders import FolderLock, Foreign, Removed, trim
+from k3stream.engine.cache_folders import FolderLock, Foreign, Removed, trim_directory
 from k3stream.engine.generate import prefill_last
 from k3stream.gguf.layout import is_routed_expert, layer_shapes
 from k3stream.memlimit import format_size
@@ -705,9 +705,9 @@ class PromptCache:
         byte its eviction frees (and recency): a file its children need keeps its latent rows and frees
         the rest (`_trim`); a file without children goes, with the rows-only parents only it needed.
         The budget covers the whole directory: the foreign folders' files no process holds go first
-        (`cache_folders.trim`), this folder's files then fit what the others leave. The choice is made
-        under the lock, the files are removed and rewritten outside it (on the writer's thread): the
-        scheduler's snapshots and restores never wait on the disk."""
+        (`cache_folders.trim_directory`), this folder's files then fit what the others leave. The choice
+        is made under the lock, the files are removed and rewritten outside it (on the writer's thread):
+        the scheduler's snapshots and restores never wait on the disk."""
         self._trim_directory()
         while True:
             doomed: list[Path] = []
@@ -728,8 +728,8 @@ class PromptCache:
     def _trim_directory(self) -> None:
         """The other folders of the directory trimmed to the budget this folder's files leave (outside
         the lock: on the writer's thread, or at the start)."""
-        own = self.disk_used
-        foreign = trim(self.disk_dir.parent, self.disk_dir.name, own, self.disk_budget, self.stats.removed)
+        directory, own = self.disk_dir, self.disk_used
+        foreign = trim_directory(directory.parent, directory.name, own, self.disk_budget, self.stats.removed)
         with self._lock:
             self.stats.foreign = foreign
 
