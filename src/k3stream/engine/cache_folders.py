@@ -36,7 +36,7 @@ TEMPORARY_GRACE = 600.0  # seconds since a temporary file was last written befor
 
 class FolderLock:
     """A shared lock on a cache folder (made if need be) until `release`: while a process holds it, no
-    other process removes the folder's files as foreign."""
+    other process removes the folder's snapshots as foreign."""
 
     def __init__(self, folder: Path) -> None:
         self.fd = _hold(folder)
@@ -44,6 +44,8 @@ class FolderLock:
 
 
 def _hold(folder: Path) -> int:
+    """A descriptor of `folder` (made if need be) with a shared lock on it, the folder that is there now
+    (a trim may have removed the one this process opened while it waited)."""
     while True:
         folder.mkdir(parents=True, exist_ok=True)
         try:
