@@ -5,13 +5,17 @@ from __future__ import annotations
 import logging
 import math
 import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import k3stream
+from k3stream.engine.cache_folders import TEMPORARY_GRACE, FolderLock, _unheld
 from k3stream.engine.prompt_cache import (
     MIB,
     ChunkedPrefill,
@@ -268,11 +272,12 @@ def test_a_damaged_parent_makes_its_children_misses(model, fingerprint, tmp_path
     assert restarted.stats.disk_errors >= 1
 
 
-def test_a_snapshot_file_cut_before_its_rename_is_removed_at_the_next_start(
+def test_a_temporary_file_is_removed_once_left_unwritten_for_the_grace(
     model, fingerprint, tmp_path, monkeypatch
 ):
     """A process killed between writing a snapshot and renaming it leaves the temp file under the name
-    the writer gave it: the next start on the directory removes it."""
+    the writer gave it: a start on the directory removes it once nothing wrote it for TEMPORARY_GRACE
+    seconds, and leaves a younger one (another process with this key may be writing it)."""
     temporaries: list[Path] = []
     rename = os.replace
 
@@ -287,9 +292,148 @@ def test_a_snapshot_file_cut_before_its_rename_is_removed_at_the_next_start(
     monkeypatch.undo()
     assert temporaries and not any(path.exists() for path in temporaries)
     left = temporaries[0]
-    left.write_bytes(b"half a snapshot")  # what a killed writer leaves
-    PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30).close()
-    assert not left.exists()
+    left.write_bytes(b"half a snapshot")  # what a writer leaves, in flight or killed
+    young = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30)
+    young.close()
+    assert left.exists() and young.stats.removed.temporaries == 0
+    age(left, TEMPORARY_GRACE + 1)
+    stale = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30)
+    stale.close()
+    assert not left.exists() and stale.stats.removed.temporaries == 1
+    assert stale.stats.removed.temporary_bytes == len(b"half a snapshot")
+
+
+def age(path: Path, seconds: float) -> None:
+    """Set `path`'s times `seconds` in the past."""
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def foreign_files(model, directory: Path, fingerprint: str, seeds: list[int]) -> list[Path]:
+    """One snapshot file per seed in `directory`'s folder of `fingerprint` (another model file's: a
+    foreign folder to a cache of the test model), the first the oldest."""
+    writer = PromptCache(model, fingerprint, 64 * MIB, directory, 1 << 30, every=1 << 20)
+    prompts = [ids(model, 30, seed=seed) for seed in seeds]
+    for prompt in prompts:
+        writer.prefill(prompt)
+    writer.close()
+    files = [writer.disk_dir / file_name(tuple(prompt)) for prompt in prompts]
+    for number, path in enumerate(files):
+        age(path, 1000 - number)
+    return files
+
+
+def test_the_disk_budget_covers_other_keys_folders_and_takes_their_oldest_first(model, fingerprint, tmp_path):
+    """`--cache-disk` bounds every snapshot folder of the directory: within it another key's folder stays
+    whole; over it its snapshots go first, oldest first, before any of this key's own, and a folder
+    emptied goes too. What is not ours (other names) stays and is not counted. A start over the budget
+    trims the directory before it serves."""
+    probe = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "probe", 1 << 30, every=1 << 20)
+    probe.prefill(ids(model, 40, seed=70))
+    probe.close()
+    directory = tmp_path / "states"
+    oldest = foreign_files(model, directory, "1" * 16, [60])  # a folder of its own, the oldest file
+    older, newest = foreign_files(model, directory, "0" * 16, [61, 62])
+    foreign = [*oldest, older, newest]
+    ours_not = [directory / "notes.txt", newest.parent / "README", directory / "elsewhere" / oldest[0].name]
+    for path in ours_not:  # one named as a snapshot, outside a folder of our naming
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"not k3stream's" * 1000)
+    sizes = [path.stat().st_size for path in foreign]
+    roomy = PromptCache(model, fingerprint, 64 * MIB, directory, probe.disk_used + sum(sizes), every=1 << 20)
+    roomy.prefill(ids(model, 40, seed=70))
+    roomy.close()
+    assert roomy.disk_used == probe.disk_used and all(path.exists() for path in foreign)
+    assert roomy.stats.foreign.nbytes == sum(sizes) and roomy.stats.foreign.folders == 2
+    assert roomy.stats.removed.snapshots == roomy.stats.evictions_disk == 0
+    budget = probe.disk_used + sizes[-1]  # room for this key's file and the newest foreign one
+    tight = PromptCache(model, fingerprint, 64 * MIB, directory, budget, every=1 << 20)
+    assert [path.exists() for path in foreign] == [False, False, True]  # at its start, oldest first
+    assert not oldest[0].parent.exists()  # emptied: removed
+    assert tight.stats.removed.snapshots == 2 and tight.stats.removed.snapshot_bytes == sum(sizes[:2])
+    assert tight.stats.removed.folders == 1 and tight.stats.evictions_disk == 0
+    assert tight.disk_used == probe.disk_used and tight.stats.foreign.nbytes == sizes[-1]
+    assert "removed 2 snapshots of other folders" in tight.disk_line()
+    prompt = ids(model, 40, seed=71)
+    tight.prefill(prompt)  # a second file of its own: the last foreign one goes first
+    tight.flush()
+    assert not newest.exists() and tight.stats.foreign.nbytes == 0
+    assert tight.disk_used + tight.stats.foreign.nbytes <= budget
+    assert newest.parent.exists()  # its README is not ours: the folder stays with it
+    assert all(path.exists() for path in ours_not)
+    tight.close()
+    restarted = PromptCache(model, fingerprint, 64 * MIB, directory, budget)  # open: row-exact products
+    got = restarted.prefill(prompt + [1])
+    assert got.reused == len(prompt) and torch.equal(got.logits, cold(model, prompt + [1]))
+    restarted.close()
+
+
+HOLD = """import sys
+from pathlib import Path
+from k3stream.engine.cache_folders import FolderLock
+lock = FolderLock(Path(sys.argv[1]))
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_folder_another_process_holds_and_a_young_temporary_are_left_alone(model, fingerprint, tmp_path):
+    """Two processes on one directory with different keys: while the other one lives (it holds its
+    folder), its snapshots stay whatever the budget, and so does a temporary file it may be writing;
+    a temporary left unwritten for the grace goes. Once that process is gone (killed: the kernel drops
+    its lock), its snapshots go first."""
+    directory = tmp_path / "states"
+    (snapshot,) = foreign_files(model, directory, "0" * 16, [80])
+    folder = snapshot.parent
+    writing, left = (folder / f"{file_name((number,))}.tmp4242.1" for number in (1, 2))
+    for path in (writing, left):
+        path.write_bytes(b"part of a snapshot")
+    age(left, TEMPORARY_GRACE + 1)
+    environment = {**os.environ, "PYTHONPATH": str(Path(k3stream.__file__).parents[1])}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(folder)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=environment,
+    )
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        cache = PromptCache(model, fingerprint, 64 * MIB, directory, 1, every=1 << 20)
+        cache.prefill(ids(model, 30, seed=81))
+        cache.flush()
+        assert snapshot.exists() and writing.exists() and not left.exists()
+        assert cache.stats.removed.temporaries == 1 and cache.stats.removed.snapshots == 0
+        assert cache.stats.evictions_disk == 1 and cache.disk_used == 0  # its own file went instead
+    finally:
+        holder.kill()
+        holder.wait()
+    cache.prefill(ids(model, 30, seed=82))
+    cache.flush()
+    assert not snapshot.exists() and cache.stats.removed.snapshots == 1
+    assert writing.exists() and folder.exists()  # the young temporary keeps its folder
+    cache.close()
+
+
+def test_a_folder_opened_while_another_process_trims_it_away_is_made_again(tmp_path):
+    """A cache that opens its folder while a trim holds it (to empty and remove it) waits for the trim,
+    and then holds the folder made again, not the one removed: no trim can take it after."""
+    folder = tmp_path / f"{'0' * 16}-{'1' * 16}"
+    folder.mkdir()
+    trimming = _unheld(folder)
+    assert trimming is not None
+    opened: list[FolderLock] = []
+    opening = threading.Thread(target=lambda: opened.append(FolderLock(folder)))
+    opening.start()
+    opening.join(0.3)
+    assert not opened  # waiting for the trim's lock
+    folder.rmdir()  # what a trim does to a folder it emptied, then it lets go
+    os.close(trimming)
+    opening.join(30)
+    assert opened and folder.is_dir() and _unheld(folder) is None
+    opened[0].release()
+    free = _unheld(folder)
+    assert free is not None
+    os.close(free)
 
 
 def test_disk_eviction_never_orphans_a_file(model, fingerprint, tmp_path):

@@ -126,6 +126,34 @@ def test_the_server_reuses_a_conversation_and_resumes_it_after_a_restart(model_p
         assert resumed.choices[0].message.content == second.choices[0].message.content
 
 
+@pytest.mark.slow
+def test_a_server_started_over_its_disk_budget_trims_other_keys_folders_first(model, model_path, tmp_path):
+    """`serve --cache-disk` bounds the whole --cache-dir: started over it, the server removes the
+    snapshots of another key's folder that no process holds before it serves, and says so on its
+    startup line and on /metrics; what is not k3stream's stays."""
+    directory = tmp_path / "states"
+    other = PromptCache(model, "0" * 16, 64 * MIB, directory, 1 << 30)  # another model file's folder
+    other.prefill(list(range(40)))
+    other.close()
+    (foreign,) = other.disk_dir.glob("*.k3snap")
+    size = foreign.stat().st_size
+    kept = directory / "notes.txt"
+    kept.write_text("not k3stream's")
+    log = tmp_path / "serve.log"
+    budget = f"{size / 2 / (1 << 30)!r}"  # GiB: half the foreign file
+    with ServerProcess(
+        model_path, "--threads", "1", "--cache-dir", str(directory), "--cache-disk", budget, log_path=log
+    ) as server:
+        metrics = _metrics(server.url)
+    assert "removed 1 snapshots of other folders" in log.read_text()
+    assert "1 emptied folders" in log.read_text()
+    assert _sample(metrics, 'k3stream_prompt_cache_dir_removed_total{kind="foreign_snapshot"}') == 1
+    assert _sample(metrics, 'k3stream_prompt_cache_dir_removed_bytes_total{kind="foreign_snapshot"}') == size
+    assert _sample(metrics, 'k3stream_prompt_cache_dir_removed_total{kind="foreign_folder"}') == 1
+    assert _sample(metrics, 'k3stream_prompt_cache_dir_bytes{folder="foreign"}') == 0
+    assert not other.disk_dir.exists() and kept.exists()
+
+
 def _metrics(url: str) -> str:
     import httpx
 

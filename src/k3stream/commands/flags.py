@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -282,7 +283,12 @@ def add_cache_arguments(parser: argparse.ArgumentParser, ram_mib: float = 1024.0
     )
     parser.add_argument("--cache-dir", default=None, help="keep prompt states on disk here, across restarts")
     parser.add_argument(
-        "--cache-disk", type=float, default=16.0, metavar="GIB", help="disk budget of --cache-dir (GiB)"
+        "--cache-disk",
+        type=float,
+        default=16.0,
+        metavar="GIB",
+        help="disk budget over all of --cache-dir's snapshot folders; those of other builds, flags or "
+        "models that no running process holds go first (GiB, default %(default)s)",
     )
 
 
@@ -308,7 +314,7 @@ def cache_from_args(args: argparse.Namespace, model: Any, layout: str = "") -> P
         return None
     driver = isinstance(model, DriverModel)
     gguf_path, _ = resolve_model(args.model, False)
-    return PromptCache(
+    cache = PromptCache(
         model,
         model_fingerprint(discover_shards(gguf_path)) + (model.layout if driver else layout),
         ram_bytes=int(args.cache_ram * (1 << 20)),
@@ -317,3 +323,7 @@ def cache_from_args(args: argparse.Namespace, model: Any, layout: str = "") -> P
         every=args.cache_every,
         peers=model if driver else None,
     )
+    line = cache.disk_line()  # what the directory holds, and what the start trimmed
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
+    return cache

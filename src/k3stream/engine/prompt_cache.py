@@ -16,7 +16,8 @@ their MLA rows: a file holds only the rows past its parent, the deepest snapshot
 tokens, named in its header by length and checksum; a restore reads the chain. A parent is kept while a
 file refers to it; a missing or changed parent makes its children misses. Both tiers evict by what a
 snapshot saves (tokens of recompute) per byte, halved for every `HALF_LIFE` cache operations since its
-last use.
+last use. One budget covers every snapshot folder of the disk tier's directory, other keys' first
+(`cache_folders`).
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import xxhash
 
+from k3stream.engine.cache_folders import FolderLock, Foreign, Removed, trim_directory
 from k3stream.engine.generate import prefill_last
 from k3stream.gguf.layout import is_routed_expert, layer_shapes
+from k3stream.memlimit import format_size
 from k3stream.model.kda import KDAState
 from k3stream.model.snapshot import (
     LatentRows,
@@ -227,6 +230,8 @@ class CacheStats:
     disk_errors: int = 0
     create_s: float = 0.0
     restore_s: float = 0.0
+    foreign: Foreign = field(default_factory=Foreign)  # the other folders under the disk tier's directory
+    removed: Removed = field(default_factory=Removed)  # what trimming that directory removed
 
 
 class _RowExactUsers:
@@ -442,9 +447,11 @@ class PromptCache:
         self.disk_dir = Path(disk_dir) / self.fingerprint if disk_dir is not None else None
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="k3stream-cache-writer")
         self._closed = False
+        self._folder_lock: FolderLock | None = None
         if self.disk_dir is not None and self.disk_budget:
-            self.disk_dir.mkdir(parents=True, exist_ok=True)
+            self._folder_lock = FolderLock(self.disk_dir)  # other processes leave its files alone
             self._scan_disk()
+            self._evict_disk()  # the whole directory within the budget from the start
         if self.enabled:  # a restored state continues with the cold bits (`model.snapshot`)
             self._row_exact = weakref.finalize(self, _RowExactUsers.leave)
             _RowExactUsers.enter()
@@ -462,6 +469,8 @@ class PromptCache:
         with self._lock:
             self._closed = True  # later snapshots stay in RAM
         self._writes.shutdown(wait=True)
+        if self._folder_lock is not None:
+            self._folder_lock.release()
         if self.enabled:
             self._row_exact()  # runs once, here or when the cache is collected
 
@@ -649,6 +658,27 @@ class PromptCache:
                 ),
             }
 
+    @property
+    def has_disk(self) -> bool:
+        return self._folder_lock is not None
+
+    def disk_line(self) -> str | None:
+        """The disk tier's directory in one line (None without one): the bytes of this folder's snapshots
+        and of the other folders', and what was removed so far."""
+        if not self.has_disk:
+            return None
+        with self._lock:
+            removed, foreign, size = self.stats.removed, self.stats.foreign, format_size
+            return (
+                f"prompt cache: {self.disk_dir.parent} holds {size(self.disk_used + foreign.nbytes)} of "
+                f"its {size(self.disk_budget)}: {size(self.disk_used)} in {self.counts()['disk_snapshots']} "
+                f"snapshots of this key ({self.disk_dir.name}), {size(foreign.nbytes)} in {foreign.folders} "
+                f"other folders; removed {removed.snapshots} snapshots of other folders "
+                f"({size(removed.snapshot_bytes)}), {removed.folders} emptied folders, {removed.temporaries} "
+                f"stale temporary files ({size(removed.temporary_bytes)}); evicted "
+                f"{self.stats.evictions_disk} of its own"
+            )
+
     def _score(self, entry: Entry, nbytes: int) -> float:
         """Tokens of recompute saved per byte, halved every HALF_LIFE operations since the last use."""
         return entry.length / max(nbytes, 1) * 0.5 ** ((self._clock - entry.last_used) / HALF_LIFE)
@@ -674,8 +704,11 @@ class PromptCache:
         """While the files outgrow the budget, evict the one of the fewest tokens of recompute saved per
         byte its eviction frees (and recency): a file its children need keeps its latent rows and frees
         the rest (`_trim`); a file without children goes, with the rows-only parents only it needed.
-        The choice is made under the lock, the files are removed and rewritten outside it (on the
-        writer's thread): the scheduler's snapshots and restores never wait on the disk."""
+        The budget covers the whole directory: the foreign folders' files no process holds go first
+        (`cache_folders.trim_directory`), this folder's files then fit what the others leave. The choice
+        is made under the lock, the files are removed and rewritten outside it (on the writer's thread):
+        the scheduler's snapshots and restores never wait on the disk."""
+        self._trim_directory()
         while True:
             doomed: list[Path] = []
             with self._lock:
@@ -692,9 +725,17 @@ class PromptCache:
             if trim and not self._trim(victim, path):
                 return
 
+    def _trim_directory(self) -> None:
+        """The other folders of the directory trimmed to the budget this folder's files leave (outside
+        the lock: on the writer's thread, or at the start)."""
+        directory, own = self.disk_dir, self.disk_used
+        foreign = trim_directory(directory.parent, directory.name, own, self.disk_budget, self.stats.removed)
+        with self._lock:
+            self.stats.foreign = foreign
+
     def _disk_victim(self) -> Entry | None:
         """The file to evict next (under the lock), None while the files fit the budget."""
-        if self.disk_used <= self.disk_budget:
+        if self.disk_used + self.stats.foreign.nbytes <= self.disk_budget:
             return None
         held = [e for e in self._tree.entries() if e.disk_path is not None and not e.rows_only]
         return min(held, key=lambda e: self._disk_score(e), default=None)
@@ -825,8 +866,6 @@ class PromptCache:
             self._drop_file(entry, doomed)  # rows no file needs any more (a process stopped between)
             self._forget_if_gone(entry)
         _remove(doomed)
-        for stale in self.disk_dir.glob(f"*{SUFFIX}.tmp*"):
-            stale.unlink(missing_ok=True)
 
     def _load(self, entry: Entry) -> Snapshot | None:
         """The entry's snapshot read from disk (its file and its parents') into the RAM tier, or None (a

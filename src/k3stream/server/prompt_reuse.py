@@ -60,3 +60,37 @@ class PromptCacheCollector(Collector):
             held.add_metric([tier], float(nbytes))
         yield snapshots
         yield held
+        if cache.has_disk:
+            yield from _directory_metrics(cache)
+
+
+def _directory_metrics(cache: PromptCache) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The disk tier's directory: bytes of this folder and of the others, and what its trims removed."""
+    on_disk = GaugeMetricFamily(
+        "k3stream_prompt_cache_dir_bytes",
+        "bytes of snapshot files under --cache-dir: this process's folder (own) and the folders of other "
+        "builds, arithmetic flags, model files or ranks (foreign)",
+        labels=["folder"],
+    )
+    on_disk.add_metric(["own"], float(cache.disk_used))
+    on_disk.add_metric(["foreign"], float(cache.stats.foreign.nbytes))
+    yield on_disk
+    removed = cache.stats.removed
+    entries = CounterMetricFamily(
+        "k3stream_prompt_cache_dir_removed",
+        "what trimming --cache-dir removed besides this folder's evictions: foreign folders' snapshots, "
+        "temporary files of writers that died, emptied foreign folders",
+        labels=["kind"],
+    )
+    freed = CounterMetricFamily(
+        "k3stream_prompt_cache_dir_removed_bytes", "bytes trimming --cache-dir removed", labels=["kind"]
+    )
+    for kind, count, nbytes in (
+        ("foreign_snapshot", removed.snapshots, removed.snapshot_bytes),
+        ("stale_temporary", removed.temporaries, removed.temporary_bytes),
+        ("foreign_folder", removed.folders, 0),
+    ):
+        entries.add_metric([kind], float(count))
+        freed.add_metric([kind], float(nbytes))
+    yield entries
+    yield freed
