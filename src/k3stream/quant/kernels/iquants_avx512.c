@@ -251,8 +251,9 @@ AVX512 Pair iq2_xs_pair(const uint8_t *x, int two) {
 /* IQ2_S: 32 low index bytes, 32 sign bytes (one an entry), 8 bytes of index bits 8-9 (bits 2e, 2e + 1 of
  * the pair's entry order), 8 scale bytes */
 AVX512 Pair iq2_s_pair(const uint8_t *x, int two) {
-    const __mmask64 second = two ? ~0ULL << 32 : 0; /* bytes 32..63: the second block's */
-    const __m512i signs = _mm512_mask_loadu_epi8(_mm512_maskz_loadu_epi8(~0ULL >> 32, x + 34), second, x + 84);
+    const __m256i first = _mm256_loadu_si256((const __m256i *)(x + 34)); /* bytes 32..63: the second block's */
+    const __m512i signs = two ? _mm512_inserti64x4(_mm512_castsi256_si512(first), _mm256_loadu_si256((const __m256i *)(x + 116)), 1)
+                              : _mm512_zextsi256_si512(first);
     __m512i index[4];
     for (int q = 0; q < 4; q++) { /* entries 16 q..: the low bytes | bits 8 and 9 of their indices << 8 */
         const uint8_t *block = x + (q < 2 ? 0 : 82);
