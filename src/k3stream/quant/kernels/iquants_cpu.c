@@ -1106,16 +1106,18 @@ AVX512_ALWAYS __m256i tq2_0_sums(const uint8_t *x, const BlockQ8K *y) {
 TERNARY_DOT_AVX512(tq2_0, 66, 64)
 
 /* TQ1_0 with AVX-512 (VBMI, VNNI, GFNI): a block's 52 code bytes in one vector, each byte's five trits
- * looked up at once, not computed a position at a time. `tq1_packed` (byte q: its trits 0..3 as codes
- * 0..2 at bits 2k) and `tq1_last` (trit 4's code at bits 6-7) hold each byte's codes, made from `trit`
- * when the grids are set; a 256-entry lookup is two masked VPERMI2B on the byte's top bit. One
- * GF2P8AFFINEQB a position moves its code to bits 6-7 (64 times the trit, as the AVX2 kernel's codes).
- * The vector holds bytes 0..47, then the last 4 bytes in each of dwords 12..15; a dword's products sum in
- * its own int32 lane, and lanes d and d + 8 fold onto ggml's lane d % 8 (lane l: values 4l..4l + 3 of every
- * run). Trit k of bytes 0..31 is value 32k + m, lane m / 4; of bytes 32..47, value 160 + 16k + m - 32:
- * lanes 0..3 for even k (dwords 8..11), 4..7 for odd k, whose codes take 128-bit blocks 2 and 3 swapped;
- * the last bytes' trit k (value 240 + 4k + j, lane 4 + k) is dword 12 + k's, trits 1 and 3 merged into
- * trit 4's codes (whose dwords 12..15 are free). The activations are put in that order once per call
+ * made at once, not a position at a time. Trit 0 (the top one) is top_trits' two rounding averages,
+ * its two bits kept in place (64 times the trit, as the AVX2 kernel's codes). `tq1_packed` (byte q: its
+ * trits 1..4 as codes 0..2 at bits 2 (k - 1)), made from `trit` when the grids are set, gives the others:
+ * one 256-entry lookup, two masked VPERMI2B on the byte's top bit (the kernel's busiest port runs each
+ * for two cycles), then one GF2P8AFFINEQB a position moves its code to bits 6-7.
+ * The vector holds bytes 0..47, then the last 4 bytes in each of dwords 12..15 (a masked broadcast
+ * load); a dword's products sum in its own int32 lane, and lanes d and d + 8 fold onto ggml's lane d % 8
+ * (lane l: values 4l..4l + 3 of every run). Trit k of bytes 0..31 is value 32k + m, lane m / 4; of bytes
+ * 32..47, value 160 + 16k + m - 32: lanes 0..3 for even k (dwords 8..11), 4..7 for odd k, whose codes
+ * take 128-bit blocks 2 and 3 swapped; the last bytes' trit k (value 240 + 4k + j, lane 4 + k) is dword
+ * 12 + k's, trits 1 and 3 taken into trit 4's codes (whose dwords 12..15 are free) by that
+ * GF2P8AFFINEQB's own matrices of qwords 6 and 7. The activations are put in that order once per call
  * (`Tq1X`: the five positions' 64 bytes, zero where no value is), and each block's sums start from -64
  * times its Q8_K sums of 32 (the codes' offset of 1): the fold divided by 64 is ggml's lanes exactly, and
  * they enter the AVX2 kernel's float operations: its bits. */
