@@ -397,7 +397,10 @@ AVX512 __m128 pair_d(const uint8_t *x, const uint8_t *second) {
     }                                                                                                    \
     AVX512 void NAME##_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, \
                              __m512 *acc, const int n) {                                                 \
-        for (int64_t g = 0; g < blocks / 2; g++) NAME##_pair_dot(row, g, 1, xs, y, acc, n);              \
+        for (int64_t g = 0; g < blocks / 2; g++) {                                                       \
+            prefetch_ahead(row + 2 * g * (BYTES), 2 * (BYTES)); /* a pair's lines, not a row's at once */  \
+            NAME##_pair_dot(row, g, 1, xs, y, acc, n);                                                   \
+        }                                                                                                \
         if (blocks % 2) NAME##_pair_dot(row, blocks / 2, 0, xs, y, acc, n);                              \
     }
 
@@ -412,7 +415,7 @@ AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2); }
 /* A row kernel: the input rows of matrix b RUN_ROWS at a time, each batch's activations put in the
  * kernel's order once (PREPARE: X_BYTES(blocks) bytes a row), then every weight row first..last - 1
  * against them */
-#define PREPARED_ROWS(ID, NAME, FACTOR, PREPARE, X_BYTES)                                                    \
+#define PREPARED_ROWS(ID, NAME, FACTOR, PREPARE, X_BYTES, AHEAD)                                             \
     AVX512_TARGET static void NAME##_rows_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) { \
         const int64_t blocks = pr->in_features / 256, pair_bytes = X_BYTES(blocks);                      \
         int8_t *buffer = aligned_alloc(64, (size_t)(RUN_ROWS * pair_bytes));                             \
@@ -431,7 +434,7 @@ AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2); }
             }                                                                                            \
             for (int64_t m = first; m < last; m++) {                                                     \
                 const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;   \
-                if (p == pr->starts[b]) prefetch_ahead(row, pr->row_bytes);                              \
+                if ((AHEAD) && p == pr->starts[b]) prefetch_ahead(row, pr->row_bytes);                   \
                 __m512 acc[RUN_ROWS];                                                                    \
                 for (int r = 0; r < RUN_ROWS; r++) acc[r] = _mm512_setzero_ps();                         \
                 if (n == RUN_ROWS)                                                                       \
@@ -443,7 +446,7 @@ AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2); }
         }                                                                                                \
         free(buffer);                                                                                    \
     }
-#define PLANES_ROWS(ID, NAME, FACTOR) PREPARED_ROWS(ID, NAME, FACTOR, x_planes, plane_bytes)
+#define PLANES_ROWS(ID, NAME, FACTOR) PREPARED_ROWS(ID, NAME, FACTOR, x_planes, plane_bytes, 0)
 
 PLANES_ROWS(16, iq2_xxs, 0.125f)
 PLANES_ROWS(17, iq2_xs, 0.125f)
@@ -711,8 +714,8 @@ AVX512 void iq1_m_pairs(const uint8_t *row, int64_t blocks, const int8_t *const 
     iq1_dot(row, blocks, 1, 56, xs, y, acc, n);
 }
 
-PREPARED_ROWS(19, iq1_s, 0.125f, iq1_s_x, iq1_x_bytes)
-PREPARED_ROWS(29, iq1_m, 0.125f, iq1_m_x, iq1_x_bytes)
+PREPARED_ROWS(19, iq1_s, 0.125f, iq1_s_x, iq1_x_bytes, 1)
+PREPARED_ROWS(29, iq1_m, 0.125f, iq1_m_x, iq1_x_bytes, 1)
 
 RowKernel iq_avx512_kernel(int ggml_type) {
     if (!HAVE_AVX512()) return NULL;
