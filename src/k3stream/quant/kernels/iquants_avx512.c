@@ -415,7 +415,7 @@ AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2); }
 /* A row kernel: the input rows of matrix b RUN_ROWS at a time, each batch's activations put in the
  * kernel's order once (PREPARE: X_BYTES(blocks) bytes a row), then every weight row first..last - 1
  * against them */
-#define PREPARED_ROWS(ID, NAME, FACTOR, PREPARE, X_BYTES, AHEAD)                                             \
+#define PREPARED_ROWS(ID, NAME, FACTOR, PREPARE, X_BYTES)                                                    \
     AVX512_TARGET static void NAME##_rows_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) { \
         const int64_t blocks = pr->in_features / 256, pair_bytes = X_BYTES(blocks);                      \
         int8_t *buffer = aligned_alloc(64, (size_t)(RUN_ROWS * pair_bytes));                             \
@@ -434,7 +434,6 @@ AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2); }
             }                                                                                            \
             for (int64_t m = first; m < last; m++) {                                                     \
                 const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;   \
-                if ((AHEAD) && p == pr->starts[b]) prefetch_ahead(row, pr->row_bytes);                   \
                 __m512 acc[RUN_ROWS];                                                                    \
                 for (int r = 0; r < RUN_ROWS; r++) acc[r] = _mm512_setzero_ps();                         \
                 if (n == RUN_ROWS)                                                                       \
@@ -446,7 +445,7 @@ AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2); }
         }                                                                                                \
         free(buffer);                                                                                    \
     }
-#define PLANES_ROWS(ID, NAME, FACTOR) PREPARED_ROWS(ID, NAME, FACTOR, x_planes, plane_bytes, 0)
+#define PLANES_ROWS(ID, NAME, FACTOR) PREPARED_ROWS(ID, NAME, FACTOR, x_planes, plane_bytes)
 
 PLANES_ROWS(16, iq2_xxs, 0.125f)
 PLANES_ROWS(17, iq2_xs, 0.125f)
@@ -678,6 +677,7 @@ AVX512 void iq1_dot(const uint8_t *row, int64_t blocks, const int type, const in
         const uint8_t *x = row + i * bytes;
         const __m512i raw = next_raw, picked = next_picked, words = next_words;
         if (i + 1 < blocks) {
+            prefetch_ahead(x + bytes, 64); /* a block's line, not a row's lines at once */
             next_raw = _mm512_maskz_loadu_epi8(block_bytes, x + bytes);
             next_picked = _mm512_permutexvar_epi8(c.pick, next_raw);
             next_words = iq1_words(next_picked, &c);
@@ -714,8 +714,8 @@ AVX512 void iq1_m_pairs(const uint8_t *row, int64_t blocks, const int8_t *const 
     iq1_dot(row, blocks, 1, 56, xs, y, acc, n);
 }
 
-PREPARED_ROWS(19, iq1_s, 0.125f, iq1_s_x, iq1_x_bytes, 1)
-PREPARED_ROWS(29, iq1_m, 0.125f, iq1_m_x, iq1_x_bytes, 1)
+PREPARED_ROWS(19, iq1_s, 0.125f, iq1_s_x, iq1_x_bytes)
+PREPARED_ROWS(29, iq1_m, 0.125f, iq1_m_x, iq1_x_bytes)
 
 RowKernel iq_avx512_kernel(int ggml_type) {
     if (!HAVE_AVX512()) return NULL;
