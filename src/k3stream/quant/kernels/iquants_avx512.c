@@ -42,6 +42,9 @@ static uint8_t iq2s_codes[2][1024] __attribute__((aligned(64)));
  * putting byte h of dword i of two vectors (i < 16: the first's) at byte 32 h + i */
 static uint32_t iq2s_words[1024] __attribute__((aligned(64)));
 static uint8_t word_pack[64] __attribute__((aligned(64)));
+/* IQ2_S: the multishift taking bits 8-9 of entry 16 h + i's index (bits 32 h + 2 i of its block's 8 bytes)
+ * to byte 1 of int32 lane i, for h = 0, 1 */
+static uint8_t iq2s_high_shifts[2][64] __attribute__((aligned(64)));
 static uint8_t iq3xxs_codes[2][256] __attribute__((aligned(64))), iq3s_codes[2][512] __attribute__((aligned(64)));
 static uint8_t iq2xxs_levels[3][64] __attribute__((aligned(64))), iq2xs_levels[3][64] __attribute__((aligned(64)));
 static uint8_t iq2s_levels[3][64] __attribute__((aligned(64)));
@@ -110,7 +113,10 @@ void iq_avx512_set_grids(const IqGrids *grids) {
     iq2xs_fit = grid_codes(grids->iq2xs, 512, 8, &iq2xs_codes[0][0], iq2xs_levels) && small_levels(iq2xs_levels);
     iq2s_fit = grid_codes(grids->iq2s, 1024, 8, &iq2s_codes[0][0], iq2s_levels) && small_levels(iq2s_levels);
     for (int e = 0; e < 1024; e++) iq2s_words[e] = iq2s_codes[0][e] | (uint32_t)iq2s_codes[1][e] << 8;
-    for (int k = 0; k < 64; k++) word_pack[k] = (uint8_t)(4 * (k % 32) + k / 32);
+    for (int k = 0; k < 64; k++) {
+        word_pack[k] = (uint8_t)(4 * (k % 32) + k / 32);
+        for (int h = 0; h < 2; h++) iq2s_high_shifts[h][k] = (uint8_t)(k % 4 == 1 ? 32 * h + 2 * (k / 4) : 0);
+    }
     iq3xxs_fit = grid_codes(grids->iq3xxs, 256, 4, &iq3xxs_codes[0][0], iq3xxs_levels);
     iq3s_fit = grid_codes(grids->iq3s, 512, 4, &iq3s_codes[0][0], iq3s_levels);
     iq1_set_grid(grids->iq1s);
@@ -245,17 +251,19 @@ AVX512 Pair iq2_xs_pair(const uint8_t *x, int two) {
 /* IQ2_S: 32 low index bytes, 32 sign bytes (one an entry), 8 bytes of index bits 8-9 (bits 2e, 2e + 1 of
  * the pair's entry order), 8 scale bytes */
 AVX512 Pair iq2_s_pair(const uint8_t *x, int two) {
-    const __mmask64 second = two ? ~0ULL << 32 : 0; /* bytes 32..63: the second block's */
-    const __m512i signs = _mm512_mask_loadu_epi8(_mm512_maskz_loadu_epi8(~0ULL >> 32, x + 34), second, x + 84);
-    const uint64_t high0 = u64_at(x + 66), high1 = two ? u64_at(x + 148) : 0, evens = 0x5555555555555555ULL;
-    const __mmask64 bit8 = _pext_u64(high0, evens) | _pext_u64(high1, evens) << 32;
-    const __mmask64 bit9 = _pext_u64(high0, evens << 1) | _pext_u64(high1, evens << 1) << 32;
+    const __m256i first = _mm256_loadu_si256((const __m256i *)(x + 34)); /* bytes 32..63: the second block's */
+    const __m512i signs = two ? _mm512_inserti64x4(_mm512_castsi256_si512(first), _mm256_loadu_si256((const __m256i *)(x + 116)), 1)
+                              : _mm512_zextsi256_si512(first);
     __m512i index[4];
-    for (int q = 0; q < 4; q++) { /* entries 16 q..: the low bytes, bits 8 and 9 of their indices */
-        const uint8_t *at = x + (q < 2 ? 2 : 84) + 16 * (q % 2);
-        index[q] = q < 2 || two ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at)) : _mm512_setzero_si512();
-        index[q] = _mm512_mask_or_epi32(index[q], (__mmask16)(bit8 >> 16 * q), index[q], _mm512_set1_epi32(256));
-        index[q] = _mm512_mask_or_epi32(index[q], (__mmask16)(bit9 >> 16 * q), index[q], _mm512_set1_epi32(512));
+    for (int q = 0; q < 4; q++) { /* entries 16 q..: the low bytes | bits 8 and 9 of their indices << 8 */
+        const uint8_t *block = x + (q < 2 ? 0 : 82);
+        index[q] = _mm512_setzero_si512();
+        if (q < 2 || two) {
+            const __m512i low = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 2 + 16 * (q % 2))));
+            const __m512i high = _mm512_multishift_epi64_epi8(_mm512_load_si512(iq2s_high_shifts[q % 2]),
+                                                              _mm512_set1_epi64((long long)u64_at(block + 66)));
+            index[q] = _mm512_ternarylogic_epi32(low, high, _mm512_set1_epi32(0x300), 0xF8); /* a | (b & c) */
+        }
     }
     Pair pair = {{_mm512_setzero_si512(), _mm512_setzero_si512()}, signs, _mm512_setzero_si512()};
     gathered_codes(iq2s_words, index, pair.codes);
@@ -389,7 +397,10 @@ AVX512 __m128 pair_d(const uint8_t *x, const uint8_t *second) {
     }                                                                                                    \
     AVX512 void NAME##_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, \
                              __m512 *acc, const int n) {                                                 \
-        for (int64_t g = 0; g < blocks / 2; g++) NAME##_pair_dot(row, g, 1, xs, y, acc, n);              \
+        for (int64_t g = 0; g < blocks / 2; g++) {                                                       \
+            prefetch_ahead(row + 2 * g * (BYTES), 2 * (BYTES)); /* a pair's lines, not a row's at once */  \
+            NAME##_pair_dot(row, g, 1, xs, y, acc, n);                                                   \
+        }                                                                                                \
         if (blocks % 2) NAME##_pair_dot(row, blocks / 2, 0, xs, y, acc, n);                              \
     }
 
@@ -423,7 +434,6 @@ AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2); }
             }                                                                                            \
             for (int64_t m = first; m < last; m++) {                                                     \
                 const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;   \
-                if (p == pr->starts[b]) prefetch_ahead(row, pr->row_bytes);                              \
                 __m512 acc[RUN_ROWS];                                                                    \
                 for (int r = 0; r < RUN_ROWS; r++) acc[r] = _mm512_setzero_ps();                         \
                 if (n == RUN_ROWS)                                                                       \
@@ -667,6 +677,7 @@ AVX512 void iq1_dot(const uint8_t *row, int64_t blocks, const int type, const in
         const uint8_t *x = row + i * bytes;
         const __m512i raw = next_raw, picked = next_picked, words = next_words;
         if (i + 1 < blocks) {
+            prefetch_ahead(x + bytes, 64); /* a block's line, not a row's lines at once */
             next_raw = _mm512_maskz_loadu_epi8(block_bytes, x + bytes);
             next_picked = _mm512_permutexvar_epi8(c.pick, next_raw);
             next_words = iq1_words(next_picked, &c);

@@ -1106,16 +1106,18 @@ AVX512_ALWAYS __m256i tq2_0_sums(const uint8_t *x, const BlockQ8K *y) {
 TERNARY_DOT_AVX512(tq2_0, 66, 64)
 
 /* TQ1_0 with AVX-512 (VBMI, VNNI, GFNI): a block's 52 code bytes in one vector, each byte's five trits
- * looked up at once, not computed a position at a time. `tq1_packed` (byte q: its trits 0..3 as codes
- * 0..2 at bits 2k) and `tq1_last` (trit 4's code at bits 6-7) hold each byte's codes, made from `trit`
- * when the grids are set; a 256-entry lookup is two masked VPERMI2B on the byte's top bit. One
- * GF2P8AFFINEQB a position moves its code to bits 6-7 (64 times the trit, as the AVX2 kernel's codes).
- * The vector holds bytes 0..47, then the last 4 bytes in each of dwords 12..15; a dword's products sum in
- * its own int32 lane, and lanes d and d + 8 fold onto ggml's lane d % 8 (lane l: values 4l..4l + 3 of every
- * run). Trit k of bytes 0..31 is value 32k + m, lane m / 4; of bytes 32..47, value 160 + 16k + m - 32:
- * lanes 0..3 for even k (dwords 8..11), 4..7 for odd k, whose codes take 128-bit blocks 2 and 3 swapped;
- * the last bytes' trit k (value 240 + 4k + j, lane 4 + k) is dword 12 + k's, trits 1 and 3 merged into
- * trit 4's codes (whose dwords 12..15 are free). The activations are put in that order once per call
+ * made at once, not a position at a time. Trit 0 (the top one) is top_trits' two rounding averages,
+ * its two bits kept in place (64 times the trit, as the AVX2 kernel's codes). `tq1_packed` (byte q: its
+ * trits 1..4 as codes 0..2 at bits 2 (k - 1)), made from `trit` when the grids are set, gives the others:
+ * one 256-entry lookup, two masked VPERMI2B on the byte's top bit (the kernel's busiest port runs each
+ * for two cycles), then one GF2P8AFFINEQB a position moves its code to bits 6-7.
+ * The vector holds bytes 0..47, then the last 4 bytes in each of dwords 12..15 (a masked broadcast
+ * load); a dword's products sum in its own int32 lane, and lanes d and d + 8 fold onto ggml's lane d % 8
+ * (lane l: values 4l..4l + 3 of every run). Trit k of bytes 0..31 is value 32k + m, lane m / 4; of bytes
+ * 32..47, value 160 + 16k + m - 32: lanes 0..3 for even k (dwords 8..11), 4..7 for odd k, whose codes
+ * take 128-bit blocks 2 and 3 swapped; the last bytes' trit k (value 240 + 4k + j, lane 4 + k) is dword
+ * 12 + k's, trits 1 and 3 taken into trit 4's codes (whose dwords 12..15 are free) by that
+ * GF2P8AFFINEQB's own matrices of qwords 6 and 7. The activations are put in that order once per call
  * (`Tq1X`: the five positions' 64 bytes, zero where no value is), and each block's sums start from -64
  * times its Q8_K sums of 32 (the codes' offset of 1): the fold divided by 64 is ggml's lanes exactly, and
  * they enter the AVX2 kernel's float operations: its bits. */
@@ -1123,17 +1125,14 @@ TERNARY_DOT_AVX512(tq2_0, 66, 64)
 #define TQ1_ALWAYS TQ1_TARGET static inline __attribute__((always_inline))
 #define TQ1_RUN_ROWS 4 /* input rows sharing each decoded block */
 
-static uint8_t tq1_packed[256] __attribute__((aligned(64))), tq1_last[256] __attribute__((aligned(64)));
-static uint8_t tq1_order[64] __attribute__((aligned(64))); /* bytes 0..47, then 48..51 four times */
+static uint8_t tq1_packed[256] __attribute__((aligned(64)));
 
 static void tq1_tables(void) {
     static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
     for (int q = 0; q < 256; q++) {
         tq1_packed[q] = 0;
-        for (int k = 0; k < 4; k++) tq1_packed[q] |= (uint8_t)((trit((uint8_t)q, pow3[k]) + 1) << 2 * k);
-        tq1_last[q] = (uint8_t)((trit((uint8_t)q, pow3[4]) + 1) << 6);
+        for (int k = 1; k < 5; k++) tq1_packed[q] |= (uint8_t)((trit((uint8_t)q, pow3[k]) + 1) << 2 * (k - 1));
     }
-    for (int i = 0; i < 64; i++) tq1_order[i] = (uint8_t)(i < 48 ? i : 48 + i % 4);
 }
 
 /* an input row's Q8_K block in the kernel's order: the activations of trit position k's vector, the
@@ -1141,7 +1140,7 @@ static void tq1_tables(void) {
 typedef struct {
     int8_t codes[5][64];
     int32_t start[8];
-    float d;
+    float d[2]; /* this block's d and the next one's (0 after the last) */
 } __attribute__((aligned(64))) Tq1X;
 
 /* where each position's values lie in its vector: (byte, first value, count) runs */
@@ -1156,7 +1155,8 @@ static void tq1_x(const BlockQ8K *y, int64_t blocks, Tq1X *out) {
         for (int k = 0; k < 5; k++)
             for (int r = 0; r < 4; r++) memcpy(out[i].codes[k] + runs[k][r][0], y[i].qs + runs[k][r][1], (size_t)runs[k][r][2]);
         for (int l = 0; l < 8; l++) out[i].start[l] = -64 * (y[i].bsums[2 * l] + y[i].bsums[2 * l + 1]);
-        out[i].d = y[i].d;
+        out[i].d[0] = y[i].d;
+        out[i].d[1] = i + 1 < blocks ? y[i + 1].d : 0.0f;
     }
 }
 
@@ -1169,17 +1169,19 @@ TQ1_ALWAYS __m512i tq1_lookup(const __m512i table[4], __m512i index, __mmask64 t
     return _mm512_mask2_permutex2var_epi8(table[0], high, _knot_mask64(top), table[1]);
 }
 
-/* the five positions' codes (64 times the trits) of the block at x, in Tq1X's order */
-TQ1_ALWAYS void tq1_codes(const uint8_t *x, const __m512i packed[4], const __m512i last[4], __m512i codes[5]) {
-    const __m512i q = _mm512_permutexvar_epi8(_mm512_load_si512(tq1_order), _mm512_maskz_loadu_epi8(~0ULL >> 12, x));
-    const __mmask64 top = _mm512_movepi8_mask(q);
-    const __m512i a = tq1_lookup(packed, q, top), swapped = _mm512_shuffle_i64x2(a, a, 0xB4); /* blocks 0, 1, 3, 2 */
-    codes[0] = _mm512_gf2p8affine_epi64_epi8(a, _mm512_set1_epi64((long long)TQ1_TOP(0)), 0);
-    codes[1] = _mm512_gf2p8affine_epi64_epi8(swapped, _mm512_set1_epi64((long long)TQ1_TOP(2)), 0);
-    codes[2] = _mm512_gf2p8affine_epi64_epi8(a, _mm512_set1_epi64((long long)TQ1_TOP(4)), 0);
-    codes[3] = _mm512_gf2p8affine_epi64_epi8(swapped, _mm512_set1_epi64((long long)TQ1_TOP(6)), 0);
-    const __m512i tail = _mm512_set_epi64((long long)TQ1_TOP(6), (long long)TQ1_TOP(2), 0, 0, 0, 0, 0, 0);
-    codes[4] = _mm512_mask_gf2p8affine_epi64_epi8(tq1_lookup(last, q, top), 0xF0F0ULL << 48, a, tail, 0);
+/* the five positions' codes (64 times the trits) of the block at x, in Tq1X's order: trit 0 computed
+ * (top_trits' rounding averages, its two bits kept in place), trits 1..4 looked up */
+TQ1_ALWAYS void tq1_codes(const uint8_t *x, const __m512i packed[4], __m512i codes[5]) {
+    const __m512i q = _mm512_mask_broadcastd_epi32(_mm512_maskz_loadu_epi8(~0ULL >> 16, x), 0xF000, _mm_loadu_si32(x + 48));
+    const __m512i a = tq1_lookup(packed, q, _mm512_movepi8_mask(q)), swapped = _mm512_shuffle_i64x2(a, a, 0xB4); /* blocks 0, 1, 3, 2 */
+    const __m512i less = _mm512_subs_epu8(q, _mm512_set1_epi8(1));
+    const __m512i scaled = _mm512_avg_epu8(less, _mm512_avg_epu8(less, _mm512_setzero_si512()));
+    codes[0] = _mm512_and_si512(scaled, _mm512_set1_epi8((char)0xC0));
+    codes[1] = _mm512_gf2p8affine_epi64_epi8(swapped, _mm512_set1_epi64((long long)TQ1_TOP(0)), 0);
+    codes[2] = _mm512_gf2p8affine_epi64_epi8(a, _mm512_set1_epi64((long long)TQ1_TOP(2)), 0);
+    codes[3] = _mm512_gf2p8affine_epi64_epi8(swapped, _mm512_set1_epi64((long long)TQ1_TOP(4)), 0);
+    const long long top = (long long)TQ1_TOP(6); /* trit 4; the last bytes' trits 1, 3 at dwords 12..15 */
+    codes[4] = _mm512_gf2p8affine_epi64_epi8(a, _mm512_set_epi64((long long)TQ1_TOP(4), (long long)TQ1_TOP(0), top, top, top, top, top, top), 0);
 }
 
 /* a block's 16 int32 lanes, 64 times (ggml's lanes, each twice folded): row X's */
@@ -1190,33 +1192,35 @@ TQ1_ALWAYS __m512i tq1_sums(const __m512i codes[5], const Tq1X *X) {
 }
 
 /* blocks i and i + 1 of weight row `row` against n input rows (TWO: the second is there) */
-TQ1_ALWAYS void tq1_pair(const uint8_t *row, int64_t i, const int two, const __m512i packed[4], const __m512i last[4],
+TQ1_ALWAYS void tq1_pair(const uint8_t *row, int64_t i, const int two, const __m512i packed[4],
                          const Tq1X *const *xs, __m256 *acc, const int n) {
     __m512i codes[2][5];
     prefetch_ahead(row + 54 * i, 108); /* a line or two a pair: a row's lines asked for at once stalled it */
-    for (int h = 0; h < 1 + two; h++) tq1_codes(row + 54 * (i + h), packed, last, codes[h]);
-    const float dw[2] = {f16c(row + 54 * i + 52), two ? f16c(row + 54 * (i + 1) + 52) : 0.0f};
+    for (int h = 0; h < 1 + two; h++) tq1_codes(row + 54 * (i + h), packed, codes[h]);
+    const uint32_t halves = (uint32_t)u16_at(row + 54 * i + 52) | (two ? (uint32_t)u16_at(row + 54 * (i + 1) + 52) << 16 : 0);
+    const __m128 dw = _mm_cvtph_ps(_mm_cvtsi32_si128((int)halves)); /* the pair's d in lanes 0, 1 */
     for (int r = 0; r < n; r++) {
+        const __m128 d = _mm_mul_ps(dw, _mm_castpd_ps(_mm_load_sd((const double *)(const void *)xs[r][i].d)));
         const __m512i first = tq1_sums(codes[0], xs[r] + i);
         const __m512i second = two ? tq1_sums(codes[1], xs[r] + i + 1) : _mm512_setzero_si512();
         const __m512i low = _mm512_shuffle_i64x2(first, second, 0x44), high = _mm512_shuffle_i64x2(first, second, 0xEE);
         const __m512 lanes = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_add_epi32(low, high), 6));
-        acc[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(lanes), _mm256_set1_ps(xs[r][i].d * dw[0]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(lanes), _mm256_broadcastss_ps(d), acc[r]);
         if (two)
             acc[r] = _mm256_fmadd_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1)),
-                                     _mm256_set1_ps(xs[r][i + 1].d * dw[1]), acc[r]);
+                                     _mm256_broadcastss_ps(_mm_movehdup_ps(d)), acc[r]);
     }
 }
 
 /* weight row `row` against n input rows: each one's hsum_lanes of its eight float lanes into out[r] */
 TQ1_ALWAYS void tq1_row(const uint8_t *row, int64_t blocks, const Tq1X *const *xs, float *out, const int n) {
-    __m512i packed[4], last[4];
-    for (int t = 0; t < 4; t++) packed[t] = _mm512_load_si512(tq1_packed + 64 * t), last[t] = _mm512_load_si512(tq1_last + 64 * t);
+    __m512i packed[4];
+    for (int t = 0; t < 4; t++) packed[t] = _mm512_load_si512(tq1_packed + 64 * t);
     __m256 acc[TQ1_RUN_ROWS];
     for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
     int64_t i = 0;
-    for (; i + 1 < blocks; i += 2) tq1_pair(row, i, 1, packed, last, xs, acc, n);
-    if (i < blocks) tq1_pair(row, i, 0, packed, last, xs, acc, n);
+    for (; i + 1 < blocks; i += 2) tq1_pair(row, i, 1, packed, xs, acc, n);
+    if (i < blocks) tq1_pair(row, i, 0, packed, xs, acc, n);
     for (int r = 0; r < n; r++) out[r] = hsum_lanes(acc[r]);
 }
 
