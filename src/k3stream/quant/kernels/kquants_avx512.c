@@ -406,7 +406,7 @@ AVX512_INLINE void q6_k_block(const uint8_t *restrict b, const BlockQ8K *const *
  * row (decode), weight rows m and m + half of the range together (NAME##_pair): two sequential streams,
  * as Q8_0's one-row kernel reads, their blocks alternating in one loop, each row's FMAs its own chain in
  * block order (the one-row bits). From RAM on Intel Xeon (Emerald Rapids), 4 KiB and 2 MiB pages, one
- * and two threads, Q2_K and Q3_K ran 1.10-1.13x as fast as one row at a time. */
+ * and two threads, Q2_K and Q3_K ran 1.06-1.31x as fast as one row at a time (in cache 0.99-1.01x). */
 #define STEPPED_ROWS(NAME, BLOCK, STEPS, BLOCK_BYTES)                                                    \
     KQ_INLINE void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
         const int64_t blocks = pr->in_features / 256;                                                    \
