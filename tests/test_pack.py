@@ -218,7 +218,7 @@ def test_force_never_replaces_the_source_gguf_and_the_pack_is_not_its_manifest(t
     before = snapshot(tmp_path)
     force = BuildOptions(force=True, progress=False)
     for out, manifest in ((gguf, None), (None, gguf), (tmp_path / "x.pack", tmp_path / "link.gguf")):
-        with pytest.raises(ValueError, match="is the source GGUF .*; choose another path$"):
+        with pytest.raises(ValueError, match="is the source file .*; choose another path$"):
             build_pack(gguf, out, manifest, options=force)
     with pytest.raises(ValueError, match="the pack and its manifest would be one file"):
         build_pack(gguf, tmp_path / "x.pack", tmp_path / "x.pack", options=force)

@@ -118,13 +118,14 @@ def open_shards(path: str | Path) -> list[tuple[Path, GGUFReader]]:
     return list(zip(paths, readers, strict=True))
 
 
-def refuse_source_output(output: Path, shards: list[Path], what: str) -> None:
-    """Raise ValueError (one line) when the output file `output` is one of the GGUF's `shards` (by any
-    name or link): writing it would destroy the source it is made from, whatever `--force` allows."""
+def refuse_source_output(output: Path, sources: list[Path], what: str) -> None:
+    """Raise ValueError (one line) when the output file `output` is one of the files a run reads
+    (`sources`: the GGUF's shards, a manifest, a text) by any name or link: writing it would destroy
+    what it is made from, whatever `--force` allows."""
     if output.exists():
-        for shard in shards:
-            if output.samefile(shard):
-                raise ValueError(f"{what} {output} is the source GGUF {shard}; choose another path")
+        for source in sources:
+            if output.samefile(source):
+                raise ValueError(f"{what} {output} is the source file {source}; choose another path")
 
 
 def discover_shards(path: str | Path) -> list[Path]:
