@@ -190,6 +190,8 @@ def runtime_from_args(
 ) -> Runtime:
     """The runtime the model flags ask for; `opened`: what `open_model(args.model, ...)` returned, when
     the command read the GGUF already (its tokenizer first)."""
+    if args.threads is not None and args.threads < 1:  # torch's own message names no flag
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
     checkpoint, manifest = opened or open_model(args.model, not args.no_stream_experts)  # before torch
     from k3stream.memlimit import memory_limited
 
