@@ -114,3 +114,10 @@ def test_bench_rejects_bad_token_counts(model):
     assert err.strip() == (
         "k3stream bench: error: --prompt-tokens must be >= 1 and --decode-tokens >= 0, got 0 and 32"
     )
+    status, _out, err = run_cli("bench", str(gguf_path), "--seq-read-mib", "0")  # a ZeroDivisionError
+    assert (status, err.strip()) == (1, "k3stream bench: error: --seq-read-mib must be above 0, got 0.0")
+    status, _out, err = run_cli("bench", str(gguf_path), "--ctx", "32", *TOKENS[:2], "--decode-tokens", "30")
+    assert status == 1 and err.strip() == (
+        "k3stream bench: error: --prompt-tokens 12 and --decode-tokens 30 pass the context of 32 tokens "
+        "(--ctx)"
+    )

@@ -109,6 +109,26 @@ def test_templates_run_sandboxed():
         template.render([{"role": "user", "content": "x"}])
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{{ 1 / 0 }}",
+        "{{ 1 + 'a' }}",
+        "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+        "{% for i in range(10**9) %}{% endfor %}",
+        "{{ 'x' * 10**12 }}",
+        "{% for i in range(3000) %}{% for j in range(3000) %}12345678{% endfor %}{% endfor %}",
+    ],
+    ids=["division", "types", "recursion", "range", "repetition", "endless output"],
+)
+def test_a_template_failing_in_any_way_is_a_one_line_error_naming_the_file(text):
+    """A file's template may divide by zero, recurse, ask for a range or a string of any size, or write
+    tens of MB: each is a ValueError naming the file (no traceback, no memory taken first)."""
+    with pytest.raises(ValueError, match="^m.gguf: cannot render: ") as caught:
+        ChatTemplate(text, source="m.gguf").render([{"role": "user", "content": "x"}])
+    assert "\n" not in str(caught.value)
+
+
 def test_template_errors_name_the_source():
     with pytest.raises(ValueError, match="^m.gguf: cannot compile the chat template"):
         ChatTemplate("{% for %}", source="m.gguf")

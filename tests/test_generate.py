@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import requires_llama
-from k3stream.engine.generate import Sequence, generate
+from k3stream.engine.generate import ContextFull, Sequence, generate
 from k3stream.engine.sampling import SamplingParams
 from k3stream.engine.tokenizer import Tokenizer
 
@@ -361,6 +361,11 @@ def test_command_errors_are_one_line(tmp_path, model_path):
         1,
         ["k3stream chat: error: top_p must be in (0, 1], got 0.0"],
     )
+    threads = _cli("generate", str(model_path), "--prompt", "x", "--threads", "-2")  # torch's words, no flag
+    assert (threads.returncode, threads.stderr.splitlines()) == (
+        1,
+        ["k3stream generate: error: --threads must be at least 1, got -2"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -490,8 +495,44 @@ def test_generation_ends_when_the_context_is_full(tiny_model, tokenizer):
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     result = generate(short, tokenizer, prompt, params)
     assert (result.finish_reason, result.prompt_tokens + result.completion_tokens) == ("length", 12)
-    with pytest.raises(ValueError, match="the prompt has 12 tokens; the model's context is 12"):
+    with pytest.raises(ContextFull, match="the prompt has 12 tokens; the context is 12"):
         generate(short, tokenizer, prompt + result.token_ids[:-1] + [1], params)
+    within, longer = (generate(short, tokenizer, prompt[:4], params, context=c) for c in (6, None))
+    assert (within.finish_reason, within.token_ids) == ("length", longer.token_ids[:2])  # a --ctx below 12
+    assert len(longer.token_ids) == 8
+
+
+def test_ctx_bounds_what_the_generate_and_chat_commands_reach(model, tokenizer, model_path):
+    """--ctx is the context the memory plan holds: no sequence goes past it. A prompt that fills it is a
+    one-line error; a chat turn that cannot fit is refused in one line and the conversation goes on."""
+    from k3stream.engine.chat import ChatTemplate
+
+    prompt = "The capital of France is"
+    ids = tokenizer.encode(prompt)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    expected = generate(model, tokenizer, ids, params, context=len(ids) + 3)
+    assert expected.completion_tokens == 3 < generate(model, tokenizer, ids, params).completion_tokens
+    flags = ["--temperature", "0", "--max-tokens", "8", "--device", "cpu", "--threads", "1"]
+    done = _cli("generate", str(model_path), "--prompt", prompt, "--ctx", str(len(ids) + 3), *flags)
+    assert done.returncode == 0 and done.stdout == expected.text + "\n", done.stderr
+    full = _cli("generate", str(model_path), "--prompt", prompt, "--ctx", str(len(ids)), *flags)
+    assert (full.returncode, full.stderr.splitlines()) == (
+        1,
+        [f"k3stream generate: error: the prompt has {len(ids)} tokens; the context is {len(ids)}"],
+    )
+    turn = tokenizer.encode(
+        ChatTemplate.for_tokenizer(tokenizer).render([{"role": "user", "content": "Hello"}]),
+        allow_special=True,
+    )
+    answer = generate(model, tokenizer, turn, SamplingParams(temperature=0, max_tokens=5)).text
+    ctx = str(len(turn) + 6)  # the first turn and its answer fit, the second turn does not
+    chat = _cli(
+        "chat", str(model_path), "--temperature", "0", "--max-tokens", "5", "--device", "cpu", "--quiet",
+        "--ctx", ctx, stdin="Hello\nAnd then?\n/reset\nHello\n",
+    )  # fmt: skip
+    assert chat.returncode == 0 and chat.stdout == f"{answer}\n{answer}\n", chat.stderr
+    refused = [line for line in chat.stderr.splitlines() if line.startswith("k3stream chat:")]
+    assert len(refused) == 1 and refused[0].endswith(f"the context is {ctx} (--ctx); /reset starts over")
 
 
 def test_the_command_line_lets_idle_openmp_threads_sleep_unless_told_otherwise(monkeypatch):

@@ -403,6 +403,18 @@ def test_cli_dequantize_refuses_to_overwrite(tiny_model, tmp_path):
     assert K3Checkpoint.open(out).tensors.keys() == K3Checkpoint.open(tiny_model()).tensors.keys()
 
 
+def test_cli_dequantize_never_replaces_its_source_even_with_force(tiny_model, tmp_path, capsys):
+    from pack_helpers import copy_model, snapshot
+
+    source = copy_model(tiny_model(shards=2), tmp_path)
+    (tmp_path / "link.gguf").symlink_to(sorted(tmp_path.glob("*.gguf"))[1])
+    before = snapshot(tmp_path)
+    for out in (source, tmp_path / "link.gguf"):  # the named shard, a link to the other one
+        assert cli.main(["dequantize", str(source), str(out), "--force"]) == 1
+        assert "is the source file" in capsys.readouterr().err
+    assert snapshot(tmp_path) == before
+
+
 @pytest.mark.parametrize(
     "in_c,threads", [(True, 1), (True, 2), (False, 1)], ids=["extension", "extension-2-threads", "python"]
 )

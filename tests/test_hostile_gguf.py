@@ -93,6 +93,28 @@ def test_real_tiny_ggufs_pass_the_header_check(tiny_model, spec):
         check_header(path)
 
 
+@pytest.mark.parametrize("new_type", ["Q8_0", "IQ1_S"])  # larger: overlaps the next tensor; smaller: a gap
+def test_a_tensor_whose_type_was_changed_is_refused_naming_the_next_tensor(tiny_model, tmp_path, new_type):
+    """A GGUF with one tensor's type edited reads that tensor's and its neighbour's bytes as something
+    else: llama.cpp refuses it (offsets must follow each other), and so must k3stream, before any work."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    source = tiny_model(recipe="iq2_xxs", latent=256, expert_ff=256)
+    tensors = GGUFReader(source).tensors
+    index = next(i for i, t in enumerate(tensors) if t.name == "blk.1.ffn_gate_exps.weight")
+    data = bytearray(source.read_bytes())
+    name = tensors[index].name.encode()
+    type_at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name) + 4 + 8 * 3
+    data[type_at : type_at + 4] = GGMLQuantizationType[new_type].value.to_bytes(4, "little")
+    edited = tmp_path / "edited.gguf"
+    edited.write_bytes(data)
+    with pytest.raises(GGUFHeaderError) as caught:
+        K3Checkpoint.open(edited)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(str(edited))
+    assert f"tensor {tensors[index + 1].name} data is at offset" in message
+
+
 @pytest.fixture(scope="module")
 def manifest(tiny_model, tmp_path_factory) -> Path:
     from pack_helpers import copy_model

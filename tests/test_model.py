@@ -25,6 +25,7 @@ AUDITED = dict(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope
 SHAPES = {
     "small": dict(),  # 6 layers (KDA + MLA), top-4 of 16, bank every 2 layers
     "wide": dict(n_layers=7, n_experts=32, top_k=16, block_size=2, hidden=96, dense_ff=64),  # 4 bank rows
+    "narrow": dict(hidden=48, expert_ff=48, latent=48),  # rows not a multiple of 32 values
 }
 # what llama.cpp computes on an F32 rewrite: products with float32 activations
 FLOAT = LoadOptions(match_ggml=False)

@@ -210,6 +210,21 @@ def test_refuses_to_overwrite_without_force(tiny_model, tmp_path):
     assert verify_pack(second.manifest)["ok"]
 
 
+def test_force_never_replaces_the_source_gguf_and_the_pack_is_not_its_manifest(tiny_model, tmp_path):
+    """--force replaces outputs, never the GGUF they are made from (a shard by its name or a link), and
+    the pack and its manifest are two files: each refused in one line before anything is written."""
+    gguf = copy_model(tiny_model(**SPLIT), tmp_path)
+    (tmp_path / "link.gguf").symlink_to(sorted(tmp_path.glob("*.gguf"))[1])
+    before = snapshot(tmp_path)
+    force = BuildOptions(force=True, progress=False)
+    for out, manifest in ((gguf, None), (None, gguf), (tmp_path / "x.pack", tmp_path / "link.gguf")):
+        with pytest.raises(ValueError, match="is the source file .*; choose another path$"):
+            build_pack(gguf, out, manifest, options=force)
+    with pytest.raises(ValueError, match="the pack and its manifest would be one file"):
+        build_pack(gguf, tmp_path / "x.pack", tmp_path / "x.pack", options=force)
+    assert snapshot(tmp_path) == before
+
+
 def test_second_builder_cannot_take_the_lock(tiny_model, tmp_path):
     gguf = copy_model(tiny_model(**SPLIT), tmp_path)
     lock = build_lock(tmp_path / "tiny-kimi-k3.expert-major.pack")

@@ -328,10 +328,12 @@ def rename_tensor(directory: Path) -> None:
 
 
 def change_type(directory: Path) -> None:
+    """F32 -> I32, a type of the same size (one of another size breaks the data layout, which the header
+    check refuses first)."""
     patch(
         directory / SHARD2,
         tensor_type_offset(directory / SHARD2, "blk.5.ffn_norm.weight"),
-        struct.pack("<I", 1),
+        struct.pack("<I", 26),
     )
 
 

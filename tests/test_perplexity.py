@@ -185,6 +185,24 @@ def test_audited_recipe_against_f32(tiny_model, tmp_path, capsys):
     assert abs(_value("Mean    KLD", same_numbers)) < 1e-4
 
 
+def test_the_base_is_never_written_over_the_model_or_the_text(model_path, capsys, tmp_path):
+    """--kl-divergence-base FILE names what this run writes: FILE being the model's GGUF (by its name or
+    a link) or the evaluated text is refused in one line, and both stay as they were."""
+    import shutil
+
+    model, text = tmp_path / "model.gguf", tmp_path / "text.txt"
+    shutil.copy(model_path, model)
+    (tmp_path / "link.gguf").symlink_to(model)
+    text.write_text(TEXT.read_text())
+    before = (model.read_bytes(), text.read_bytes())
+    for target in (model, tmp_path / "link.gguf", text):
+        code, _, err = _run(
+            capsys, model, "--file", text, "--ctx", CTX, "--chunks", 2, "--kl-divergence-base", target
+        )
+        assert code == 1 and len(err.strip().splitlines()) == 1 and "is the source file" in err
+    assert (model.read_bytes(), text.read_bytes()) == before
+
+
 def test_mismatched_base_is_one_line_error(model_path, capsys, tmp_path):
     base = tmp_path / "base.npz"
     assert (

@@ -8,6 +8,8 @@ from __future__ import annotations
 import gc
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -194,6 +196,25 @@ def test_foreign_host_header_is_refused_and_no_cors(server):
     plain = httpx.get(server.url + "/v1/models", headers={"Origin": "http://evil.example"})
     for response in (preflight, plain):
         assert not any(name.startswith("access-control-") for name in response.headers)
+
+
+def test_serve_refuses_an_address_it_cannot_bind_before_loading(model_path):
+    """A port out of range (a traceback from uvicorn, after the load), a host that does not resolve, a
+    port in use or timeouts that close every connection: one line, before the model loads."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cases = {
+            ("--port", "99999"): "--port must be in 0..65535, got 99999",
+            ("--host", "no-such-host.invalid"): "--host no-such-host.invalid: ",
+            ("--port", str(taken.getsockname()[1])): "cannot bind --host 127.0.0.1 --port ",
+            ("--header-timeout", "0"): "--header-timeout must be above 0 seconds",
+        }
+        for flags, message in cases.items():
+            argv = [sys.executable, "-m", "k3stream", "serve", str(model_path), "--no-webui", *flags]
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
+            assert done.stderr.startswith("k3stream serve: error: ") and message in done.stderr
 
 
 def test_allowed_hosts_from_the_command_line():

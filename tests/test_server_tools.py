@@ -258,6 +258,32 @@ def test_json_object_output_is_an_object(client):
         assert isinstance(json.loads(choice.message.content), dict)
 
 
+# schemas llguidance compiles but cannot follow: a recursion without end, and one its parser gives up on
+UNFOLLOWABLE = {
+    "endless": {"$ref": "#"},
+    "too complex": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+}
+
+
+@pytest.mark.parametrize("schema", UNFOLLOWABLE.values(), ids=list(UNFOLLOWABLE))
+def test_a_schema_the_grammar_cannot_follow_is_a_one_line_400_and_health_stays_ok(serve, schema):
+    """Never an empty answer passed off as a complete one, never a 500 carrying the parser's state dump,
+    and a client's schemas cannot turn /health unhealthy."""
+    from k3stream.server.app import UNHEALTHY_AFTER
+
+    format_ = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    body = {"messages": ASK, "max_tokens": 20, "response_format": format_}
+    for _ in range(UNHEALTHY_AFTER):
+        response = httpx.post(serve.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "response_format" and "\n" not in error["message"]
+    streamed = httpx.post(serve.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60)
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["error"]["param"] == "response_format" and "\n" not in events[-1]["error"]["message"]
+    assert httpx.get(serve.url + "/health", timeout=60).json()["status"] == "ok"
+
+
 def test_reasoning_goes_to_reasoning_content(client):
     """The template opens `<think>`: the answer is reasoning until `</think>`; with the split off, the
     same greedy text is content."""

@@ -130,6 +130,8 @@ def test_vocab_padding(tiny_model):
         ({"mla_layers": (9,)}, "outside 0..5"),
         ({"recipe": "q8"}, "TinySpec.recipe"),
         ({"vocab": 10}, "smaller than the built-in tokenizer"),
+        ({"n_layers": 0}, r"TinySpec.n_layers: 0 must be >= 2"),
+        ({"seed": -1}, r"TinySpec.seed: -1 must be >= 0"),
     ],
 )
 def test_bad_specs_fail_with_one_line(tmp_path, fields, message):

@@ -161,6 +161,29 @@ def test_unknown_special_token_and_bad_id_are_refused(tokenizer):
         tokenizer.decode([tokenizer.vocab_size])
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("tokenizer.ggml.bos_token_id", 99999),
+        ("tokenizer.ggml.eos_token_id", -1),
+        ("tokenizer.ggml.bos_token_id", "1"),
+    ],
+)
+def test_special_token_ids_outside_the_vocabulary_are_refused_naming_the_key(model_path, key, value):
+    """An out-of-range BOS failed the first prompt with 'token id outside 0..V-1', an EOS made every
+    grammar-constrained request fail: the file is refused when its tokenizer loads."""
+    from k3stream.engine.tokenizer import _read_fields
+    from k3stream.gguf.reader import K3Checkpoint
+
+    checkpoint = K3Checkpoint.open(model_path)
+
+    def metadata(name: str, default: object) -> object:
+        return value if name == key else checkpoint.metadata(name, default)
+
+    with pytest.raises(ValueError, match=f"^m.gguf: {key} is {value!r}, not a token id of the"):
+        Tokenizer(_read_fields(metadata, "m.gguf"))
+
+
 def _fields(tokenizer_fields: VocabFields, **changes) -> VocabFields:
     return VocabFields(**{**tokenizer_fields.__dict__, **changes})
 

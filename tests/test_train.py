@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -164,6 +165,27 @@ def test_a_shape_the_audited_recipe_cannot_quantize_fails_before_training(tmp_pa
     args = parser.parse_args([str(tmp_path / "out"), "--latent", "64", "--recipes", "f32,audited"])
     with pytest.raises(ValueError, match=r"recipe audited: blk\.1\.ffn_gate_exps\.weight rows of 64 values"):
         train_command.run(args)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--batch", "0"], "--batch must be at least 1, got 0"),  # a ZeroDivisionError traceback
+        (["--seq-len", "0"], "--seq-len must be at least 1, got 0"),
+        (["--threads", "0"], "--threads must be at least 1, got 0"),
+        (["--lr", "nan"], "--warmup must be >= 0, --lr and --minutes above 0, got 10, nan and"),
+    ],
+)
+def test_training_flags_are_refused_by_name_before_anything_runs(tmp_path, flags, message):
+    import argparse
+
+    from k3stream.commands import train as train_command
+
+    parser = argparse.ArgumentParser()
+    train_command.add_arguments(parser)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        train_command.run(parser.parse_args([str(tmp_path / "out"), *flags]))
     assert not (tmp_path / "out").exists()
 
 

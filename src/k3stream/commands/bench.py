@@ -43,6 +43,20 @@ def _check_counts(args: argparse.Namespace) -> None:
             f"--prompt-tokens must be >= 1 and --decode-tokens >= 0, got {args.prompt_tokens} and "
             f"{args.decode_tokens}"
         )
+    if not args.seq_read_mib > 0:
+        raise ValueError(f"--seq-read-mib must be above 0, got {args.seq_read_mib}")
+
+
+def _check_context(args: argparse.Namespace, config: Any) -> None:
+    """The measured sequence stays within the context the memory plan holds (--ctx, else its default)."""
+    from k3stream.memlimit import served_tokens
+
+    context = served_tokens(config, args.ctx)
+    if args.prompt_tokens + args.decode_tokens > context:
+        raise ValueError(
+            f"--prompt-tokens {args.prompt_tokens} and --decode-tokens {args.decode_tokens} pass the "
+            f"context of {context} tokens (--ctx)"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     gguf, _manifest = resolve_model(args.model, stream_experts=False)
     runtime = runtime_from_args(args)
     try:
+        _check_context(args, runtime.model.config)
         prompt = bench.bench_prompt(runtime.tokenizer, args.prompt_tokens)
         results: dict[str, Any] = {
             "model": str(Path(args.model).resolve()),

@@ -52,7 +52,10 @@ class ChatSession:
     def __init__(self, runtime: Runtime, args: argparse.Namespace, params: Any):
         from dataclasses import replace
 
+        from k3stream.memlimit import served_tokens
+
         self.runtime = runtime
+        self.context = served_tokens(runtime.model.config, args.ctx)  # what the memory plan holds
         self.args = args
         self.template = ChatTemplate.for_tokenizer(runtime.tokenizer)
         self.params = replace(params, stop_token_ids=chat_stop_token_ids(runtime.tokenizer, args.thinking))
@@ -79,7 +82,13 @@ class ChatSession:
 
         start = store_snapshot(self.runtime.store)
         result = generate(
-            self.runtime.model, self.runtime.tokenizer, ids, self.params, on_text=write, cache=self.cache
+            self.runtime.model,
+            self.runtime.tokenizer,
+            ids,
+            self.params,
+            on_text=write,
+            cache=self.cache,
+            context=self.context,
         )
         out.write("\n")
         out.flush()
@@ -92,6 +101,10 @@ class ChatSession:
 
 
 def converse(session: ChatSession) -> None:
+    """Answer each line; a turn the context cannot hold is refused in one line and the conversation
+    goes on (`/reset` makes room)."""
+    from k3stream.engine.generate import ContextFull
+
     for line in _lines(sys.stdin):
         command = line.strip()
         if command == "/exit":
@@ -99,7 +112,10 @@ def converse(session: ChatSession) -> None:
         if command == "/reset":
             session.reset()
         elif command:
-            session.answer(line, sys.stdout)
+            try:
+                session.answer(line, sys.stdout)
+            except ContextFull as full:
+                print(f"k3stream chat: {full} (--ctx); /reset starts over", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -181,7 +181,13 @@ def _write(text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from k3stream.commands.flags import load_options, prompt_ids, sampling_params, store_options
+    from k3stream.commands.flags import (
+        check_threads,
+        load_options,
+        prompt_ids,
+        sampling_params,
+        store_options,
+    )
     from k3stream.commands.report import statistics_lines, store_snapshot
     from k3stream.engine.chat import chat_stop_token_ids
     from k3stream.engine.generate import generate
@@ -189,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
     from k3stream.pack.reader import ExpertPack
 
     params = sampling_params(args)  # bad flags fail before anything is made
+    check_threads(args.threads)
     torch.set_num_threads(args.threads)
     demo = prepare_demo_model(args.cache_dir or default_cache_dir(), trained=not args.random)
     args.chat = not demo.trained  # the trained model continues code; the random one gets a chat prompt

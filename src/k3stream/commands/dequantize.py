@@ -80,9 +80,11 @@ def dequantize_gguf(source: str | Path, output: str | Path, floats_to_f32: bool 
     from k3stream.gguf.config import ARCH
     from k3stream.gguf.layout import FLOAT_TYPE_IDS
     from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.gguf.shards import refuse_source_output
 
     checkpoint = K3Checkpoint.open(source)
     output = Path(output)
+    refuse_source_output(output, checkpoint.shards, "the output")
     temp = output.with_name(output.name + ".tmp")
     kept = (ALL_F32,) if floats_to_f32 else FLOAT_TYPE_IDS
     out_types = [_out_type(info.ggml_type, kept) for info in checkpoint.tensors.values()]

@@ -186,11 +186,18 @@ def _served(args: argparse.Namespace) -> tuple[int | None, int]:
     return getattr(args, "ctx", None), getattr(args, "max_batch", 1)
 
 
+def check_threads(threads: int | None) -> None:
+    """`--threads`: None (torch's default) or at least 1 (torch's own message names no flag)."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {threads}")
+
+
 def runtime_from_args(
     args: argparse.Namespace, opened: tuple[K3Checkpoint, Path | None] | None = None
 ) -> Runtime:
     """The runtime the model flags ask for; `opened`: what `open_model(args.model, ...)` returned, when
     the command read the GGUF already (its tokenizer first)."""
+    check_threads(args.threads)
     checkpoint, manifest = opened or open_model(args.model, not args.no_stream_experts)  # before torch
     from k3stream.memlimit import memory_limited
 

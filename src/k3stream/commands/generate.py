@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
                 replace(params, stop_token_ids=stops),
                 on_text=_write,
                 cache=cache,
+                context=args.ctx,
             )
         finally:
             if cache is not None:

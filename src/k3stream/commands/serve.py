@@ -6,6 +6,7 @@ import argparse
 import gc
 import os
 import signal
+import socket
 
 from k3stream.server.guard import API_KEY_ENV, GuardConfig, allowed_hosts_for, api_key_from
 
@@ -111,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
     )
     config.check()
+    check_address(args.host, args.port)
     # under torchrun rank 0 serves and the others follow; a failed rank stops the server (as Ctrl-C)
     with parallel_runtime(args, on_failure=lambda: os.kill(os.getpid(), signal.SIGINT)) as runtime:
         if runtime is None:
@@ -141,6 +143,23 @@ def run(args: argparse.Namespace) -> int:
             # the app's lifespan stops it too; this covers a uvicorn that never ran its shutdown
             app.state.scheduler.stop()
     return 0
+
+
+def check_address(host: str, port: int) -> None:
+    """Raise (one line) unless a server can bind `host`:`port`: checked before the model loads (minutes
+    for a real one), where uvicorn would fail only after it, with a traceback for a port out of range."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host}: {exc.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot bind --host {host} --port {port}: {exc.strerror}") from None
 
 
 def settle_heap() -> None:

@@ -86,11 +86,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def check_training_flags(args: argparse.Namespace) -> None:
+    """One line naming the flag, before the corpus is read (torch's and numpy's words name none: a
+    batch of 0 was a ZeroDivisionError traceback, a sequence of 0 'expected a non-empty list')."""
+    counts = {
+        "--steps": args.steps,
+        "--seq-len": args.seq_len,
+        "--batch": args.batch,
+        "--threads": args.threads,
+    }
+    for flag, value in counts.items():
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if args.warmup < 0 or not args.lr > 0 or not args.minutes > 0:
+        raise ValueError(
+            "--warmup must be >= 0, --lr and --minutes above 0, "
+            f"got {args.warmup}, {args.lr} and {args.minutes}"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from k3stream.gguf.writer import RECIPES, check_spec
 
+    check_training_flags(args)
     recipes = [r for r in args.recipes.split(",") if r]
     bad = [r for r in recipes if r not in RECIPES]
     if bad or not recipes:

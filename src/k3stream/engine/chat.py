@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from k3stream.engine.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
+# a rendered prompt past this many characters is refused (a full 256K-token context is a few MB of text):
+# a file's template may repeat a string or loop without end, and must not take the memory with it
+MAX_RENDERED_CHARS = 1 << 24
 
 BUILTIN_KIMI_K3_TEMPLATE = (
     '{%- macro open(tag, role=none) -%}<|open|>{{ tag }}{% if role %} role="{{ role }}"{% endif %}'
@@ -71,13 +74,30 @@ def _tojson(
     )
 
 
+def _repeated_length(left: Any, right: Any) -> int:
+    """The length `left * right` would have where it repeats a string or a list, else 0."""
+    for sequence, count in ((left, right), (right, left)):
+        if isinstance(sequence, str | list | tuple) and isinstance(count, int):
+            return len(sequence) * count
+    return 0
+
+
 @cache
 def _environment():
+    from jinja2.exceptions import SecurityError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        """The sandbox, with `*` unable to repeat a string or list past MAX_RENDERED_CHARS."""
+
+        intercepted_binops = frozenset({"*"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "*" and _repeated_length(left, right) > MAX_RENDERED_CHARS:
+                raise SecurityError(f"a repetition longer than {MAX_RENDERED_CHARS} items")
+            return super().call_binop(context, operator, left, right)
+
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -131,17 +151,28 @@ class ChatTemplate:
     def render(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **variables: Any
     ) -> str:
-        """The prompt text for `messages` (dicts with `role` and `content`)."""
+        """The prompt text for `messages` (dicts with `role` and `content`). Whatever the template does
+        wrong (an error of any kind, a text past MAX_RENDERED_CHARS) is a one-line ValueError."""
+        from io import StringIO
+
         from jinja2 import TemplateError
 
+        text, size = StringIO(), 0
         try:
-            return self._template.render(
+            for piece in self._template.generate(
                 messages=_check_messages(messages),
                 add_generation_prompt=add_generation_prompt,
                 **{**self._specials, **variables},
-            )
+            ):
+                size += len(piece)
+                if size > MAX_RENDERED_CHARS:
+                    raise ValueError(f"{self.source}: cannot render: the prompt passes {size} characters")
+                text.write(piece)
         except TemplateError as exc:
             raise ValueError(f"{self.source}: cannot render: {exc}") from None
+        except (ArithmeticError, LookupError, TypeError, RecursionError, MemoryError) as exc:
+            raise ValueError(f"{self.source}: cannot render: {type(exc).__name__}: {exc}") from None
+        return text.getvalue()
 
 
 def chat_stop_token_ids(tokenizer: Tokenizer, thinking: bool) -> tuple[int, ...]:

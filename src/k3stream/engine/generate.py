@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 
 
+class ContextFull(ValueError):
+    """A prompt that leaves no room in the context for a token: refused before any work."""
+
+
 @dataclass
 class GenerationResult:
     text: str
@@ -207,15 +211,18 @@ def generate(
     params: SamplingParams,
     on_text: Callable[[str], Any] | None = None,
     cache: PromptCache | None = None,
+    context: int | None = None,
 ) -> GenerationResult:
     """Run `prompt_ids` through `model` and sample until a stop condition; stream text to `on_text`.
 
-    Generation also ends ("length") when the model's context is full. With a prompt `cache`
+    Generation also ends ("length") when the context is full: `context` tokens (the one the memory plan
+    holds, `--ctx`), else the model's; a prompt that fills it raises ContextFull. With a prompt `cache`
     (`prompt_cache.PromptCache` of this model) the longest cached prefix of the prompt is restored
     instead of computed (`cached_tokens` in the result) and the states at the prompt's and the
     response's ends are kept for the next turn.
     """
-    sequence = Sequence(tokenizer, prompt_ids, _within_context(model, len(prompt_ids), params), on_text)
+    params = _within_context(model, len(prompt_ids), params, context)
+    sequence = Sequence(tokenizer, prompt_ids, params, on_text)
     start = time.perf_counter()
     if cache is not None:
         prefill = cache.chunked(sequence.prompt_ids)
@@ -245,12 +252,15 @@ def generate(
     )
 
 
-def _within_context(model: Any, prompt_tokens: int, params: SamplingParams) -> SamplingParams:
-    context = getattr(getattr(model, "config", None), "context_length", None)
+def _within_context(
+    model: Any, prompt_tokens: int, params: SamplingParams, context: int | None
+) -> SamplingParams:
+    if context is None:
+        context = getattr(getattr(model, "config", None), "context_length", None)
     if context is None:
         return params
     if prompt_tokens >= context:
-        raise ValueError(f"the prompt has {prompt_tokens} tokens; the model's context is {context}")
+        raise ContextFull(f"the prompt has {prompt_tokens} tokens; the context is {context}")
     return replace(params, max_tokens=min(params.max_tokens, context - prompt_tokens))
 
 

@@ -71,6 +71,16 @@ class VocabFields:
     source: str = "tokenizer"
 
 
+def _token_id(metadata: Callable[[str, Any], Any], key: str, vocab: int, source: str) -> int | None:
+    """The token id at `key` (None when absent); one outside the vocabulary is refused naming the key."""
+    value = metadata(key, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
+        raise ValueError(f"{source}: {key} is {value!r}, not a token id of the {vocab}-token vocabulary")
+    return value
+
+
 def _read_fields(metadata: Callable[[str, Any], Any], source: str) -> VocabFields:
     tokens = metadata("tokenizer.ggml.tokens", None)
     if not tokens:
@@ -81,14 +91,16 @@ def _read_fields(metadata: Callable[[str, Any], Any], source: str) -> VocabField
         raise ValueError(
             f"{source}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
         )
-    bos, eos = metadata("tokenizer.ggml.bos_token_id", None), metadata("tokenizer.ggml.eos_token_id", None)
+    bos, eos = (
+        _token_id(metadata, f"tokenizer.ggml.{name}_token_id", len(tokens), source) for name in ("bos", "eos")
+    )
     return VocabFields(
         tokens=[str(t) for t in tokens],
         token_types=token_types,
         model=str(metadata("tokenizer.ggml.model", "")),
         pre=str(metadata("tokenizer.ggml.pre", "")),
-        bos_id=None if bos is None else int(bos),
-        eos_id=None if eos is None else int(eos),
+        bos_id=bos,
+        eos_id=eos,
         add_bos=bool(metadata("tokenizer.ggml.add_bos_token", False)),
         chat_template=metadata("tokenizer.chat_template", None),
         source=source,

@@ -4,7 +4,8 @@ GGUFReader trusts every count and length it reads: an array header claiming 2^40
 zero-length strings or a tensor count in the billions make it allocate without bound. `check_header`
 walks the same structure with `struct` over a memory map, allocating nothing in proportion to what the
 file claims, and refuses (one line naming the file and the field) any count, length or offset that the
-file's size cannot hold, plus a few limits no real GGUF comes near (LIMITS). It reads the header only.
+file's size cannot hold, or tensor data that does not follow the tensor before it (as llama.cpp refuses it:
+a changed type or shape), plus a few limits no real GGUF comes near (LIMITS). It reads the header only.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def _tensor_infos(cursor: _Cursor, tensor_count: int) -> list[tuple[str, int, in
 def _check_tensor_data(cursor: _Cursor, infos: list, data_start: int, alignment: int) -> None:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    room = len(cursor.data) - data_start
+    room, expected = len(cursor.data) - data_start, 0
     for name, ggml_type, elements, offset, first_dim in infos:
         try:
             block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
@@ -175,6 +176,12 @@ def _check_tensor_data(cursor: _Cursor, infos: list, data_start: int, alignment:
                 f"tensor {name} data ({nbytes} bytes at offset {offset}) lies outside the file's "
                 f"{room}-byte data section or off its {alignment}-byte alignment"
             )
+        if offset != expected:  # as llama.cpp: each tensor's data follows the one before, in order
+            raise cursor.fail(
+                f"tensor {name} data is at offset {offset}, but the tensors before it end at {expected} "
+                "(a type, shape or offset was changed)"
+            )
+        expected = offset + -(-nbytes // alignment) * alignment
 
 
 def check_header(path: str | os.PathLike[str]) -> None:

@@ -118,6 +118,16 @@ def open_shards(path: str | Path) -> list[tuple[Path, GGUFReader]]:
     return list(zip(paths, readers, strict=True))
 
 
+def refuse_source_output(output: Path, sources: list[Path], what: str) -> None:
+    """Raise ValueError (one line) when the output file `output` is one of the files a run reads
+    (`sources`: the GGUF's shards, a manifest, a text) by any name or link: writing it would destroy
+    what it is made from, whatever `--force` allows."""
+    if output.exists():
+        for source in sources:
+            if output.samefile(source):
+                raise ValueError(f"{what} {output} is the source file {source}; choose another path")
+
+
 def discover_shards(path: str | Path) -> list[Path]:
     """Every shard of the model at `path` (file, any shard, or directory), checked, in order."""
     return [shard for shard, _reader in open_shards(path)]

@@ -73,6 +73,10 @@ class TinySpec:
 def _check_spec(spec: TinySpec) -> None:
     if spec.recipe not in RECIPES:
         raise ValueError(f"TinySpec.recipe: {spec.recipe!r} is not one of {', '.join(RECIPES)}")
+    if spec.n_layers < 2:
+        raise ValueError(f"TinySpec.n_layers: {spec.n_layers} must be >= 2 (a KDA and an MLA layer)")
+    if spec.seed < 0:  # numpy's words name no field
+        raise ValueError(f"TinySpec.seed: {spec.seed} must be >= 0")
     mla = spec.mla_layer_ids()
     if any(not 0 <= i < spec.n_layers for i in mla):
         raise ValueError(f"TinySpec.mla_layers: {mla} outside 0..{spec.n_layers - 1}")

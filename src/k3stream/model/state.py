@@ -64,7 +64,12 @@ class Embedding:
             table, ggml_type = self.dense, F32 if self.dense.dtype == torch.float32 else None
         else:
             table, ggml_type = self.table.value, self.table.type_id
-        in_c = table.is_cpu and table.is_contiguous() and cpu.takes((out,)) and ggml_type in cpu.CPU_TYPES
+        in_c = (
+            table.is_cpu
+            and table.is_contiguous()
+            and cpu.takes((out,))
+            and cpu.decodes_row(ggml_type, self.hidden)
+        )
         if not in_c:
             return lambda token: out.copy_(self(torch.tensor([token], device=out.device)))
         base, row_bytes, hidden = (

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from k3stream.gguf.layout import ROUTED_EXPERT_RE, routed_expert_name
+from k3stream.gguf.shards import refuse_source_output
 from k3stream.pack import format as fmt
 from k3stream.pack.fileio import COPY_CHUNK, fsync_directory, pread_exact, same_bytes, write_json_atomic
 from k3stream.pack.integrity import ObjectHasher, sha256_file
@@ -297,6 +298,10 @@ def build_pack(
     default_pack, _ = default_outputs(plan.checkpoint.shards)
     pack = Path(out).resolve() if out is not None else default_pack
     manifest_path = Path(manifest).resolve() if manifest is not None else manifest_path_for(pack)
+    if pack == manifest_path:
+        raise ValueError(f"the pack and its manifest would be one file: {pack}")
+    for path, what in ((pack, "the pack"), (manifest_path, "the manifest")):
+        refuse_source_output(path, plan.checkpoint.shards, what)
     pack.parent.mkdir(parents=True, exist_ok=True)
     manifest_path.parent.mkdir(parents=True, exist_ok=True)
     with build_lock(pack):

@@ -31,6 +31,7 @@ from k3stream.server.routes import LLAMA_ENDPOINTS
 from k3stream.server.runtime import ChatPrompt, ServedModel
 from k3stream.server.scheduler import (
     DEFAULT_PREFILL_CHUNK,
+    ErrorEvent,
     Event,
     EventSink,
     FinishEvent,
@@ -366,7 +367,7 @@ class Stream:
                     yield _sse_data(self.chunks[choice].last(event.reason))
                     finished.append(event)
                 else:
-                    yield _sse_data(APIError(500, event.message, type="server_error").body())
+                    yield _sse_data(_event_error(event).body())
                     break
             else:
                 if include_usage:
@@ -390,7 +391,7 @@ class Stream:
                 elif isinstance(event, FinishEvent):
                     finished[choice] = event
                 else:
-                    return APIError(500, event.message, type="server_error").response()
+                    return _event_error(event).response()
             choices = [
                 c.whole_choice(t, finished[c.index].reason) for c, t in zip(self.chunks, totals, strict=True)
             ]
@@ -443,6 +444,13 @@ def _usage(events: list[FinishEvent]) -> dict[str, Any]:
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": events[0].cached_tokens},
     }
+
+
+def _event_error(event: ErrorEvent) -> APIError:
+    """A failed choice's error: a 400 naming the field where the request was at fault, else a 500."""
+    if event.param is not None:
+        return invalid_request(event.message, param=event.param)
+    return APIError(500, event.message, type="server_error")
 
 
 def _sse_data(payload: dict[str, Any]) -> str:

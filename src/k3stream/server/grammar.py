@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from k3stream.server.errors import invalid_request
+from k3stream.server.scheduler import RequestError
 
 JSON_DEFAULTS = {"whitespace_flexible": False}
 MAX_PARALLEL_CALLS = 8  # calls one forced section may hold
@@ -81,15 +82,18 @@ class GrammarCompiler:
         if matcher.is_error():
             message = matcher.get_error().splitlines()[0]
             raise invalid_request(f"{param}: cannot be compiled to a grammar: {message}", param=param)
-        return Constraint(matcher, self.tokenizer.vocab_size, self.stop_ids)
+        return Constraint(matcher, self.tokenizer.vocab_size, self.stop_ids, param)
 
 
 class Constraint:
-    """One request's grammar state: `allowed()` before a token, `advance(token)` after it."""
+    """One request's grammar state: `allowed()` before a token, `advance(token)` after it. A grammar
+    llguidance compiled but cannot follow (a schema too complex for its parser, a recursion without end)
+    fails the request (`RequestError` naming `param`), never answers as if it were complete."""
 
-    def __init__(self, matcher: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, stop_ids: Sequence[int], param: str) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.param = param
         self._words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
         self._stops = torch.zeros(vocab_size, dtype=torch.bool)
         self._stops[list(stop_ids)] = True
@@ -100,13 +104,19 @@ class Constraint:
             return self._stops
         words = self._words
         self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+        if self.matcher.is_error():
+            raise self._error("has no next token")
         return ((words.unsqueeze(1) >> BITS) & 1).flatten()[: self.vocab_size].bool()
 
     def advance(self, token: int) -> None:
         if self.matcher.is_stopped():
             return
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+            raise self._error(f"refused token {token}")
+
+    def _error(self, what: str) -> RequestError:
+        reason = self.matcher.get_error().splitlines()[0]
+        return RequestError(f"{self.param}: the grammar {what}: {reason}", self.param)
 
 
 class BannedTokens:

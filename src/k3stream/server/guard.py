@@ -46,6 +46,11 @@ class GuardConfig:
             raise ValueError(f"--max-body-mib must allow at least 1 KiB, got {self.max_body_bytes} bytes")
         if self.max_connections < 1:
             raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
+        if not self.header_timeout_s > 0 or not self.keep_alive_s >= 0:
+            raise ValueError(
+                "--header-timeout must be above 0 seconds and --timeout-keep-alive at least 0, "
+                f"got {self.header_timeout_s} and {self.keep_alive_s}"
+            )
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty")
 

@@ -48,6 +48,7 @@ class FinishEvent:
 @dataclass(frozen=True)
 class ErrorEvent:
     message: str
+    param: str | None = None  # set: the request's own fault (a 400 naming it), else the server's (a 500)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,15 @@ Event = PieceEvent | FinishEvent | ErrorEvent | ProgressEvent
 
 class QueueFull(Exception):
     """The waiting queue is at its bound; the request is refused rather than queued."""
+
+
+class RequestError(ValueError):
+    """Raised by `SequenceLogic`: the request cannot go on through its own fault (a grammar its parser
+    cannot follow). It fails as a 400 naming `param` and does not count against the server's health."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class SequenceLogic(Protocol):
@@ -138,10 +148,10 @@ class Job:
             self.abandoned = True
         self.cancelled = True
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, param: str | None = None) -> None:
         if self.active:
             self.failed = True
-            self.sink.put(ErrorEvent(message))
+            self.sink.put(ErrorEvent(message, param))
 
 
 def _has_work(job: Job) -> bool:
@@ -445,6 +455,9 @@ class Scheduler:
         try:
             token = job.logic.choose(logits)
             piece = job.logic.accept(token)
+        except RequestError as exc:
+            job.fail(str(exc), exc.param)
+            return
         except Exception as exc:
             log.exception("sampling failed")
             self._fail_request(job, f"sampling failed: {exc}")

@@ -86,6 +86,14 @@ def tensor_larger_than_file(path: Path) -> Path:
     return _write(path, data + bytes(-len(data) % 32) + bytes(256))
 
 
+def overlapping_tensors(path: Path) -> Path:
+    """Two F32 tensors, the second's data inside the first's (as when a tensor's type is changed to a
+    larger one): a reader would serve one's bytes as the other's."""
+    infos = _tensor_info(b"a", [64], 0, 0) + _tensor_info(b"b", [32], 0, 128)
+    data = _header(2, 1) + _arch() + infos
+    return _write(path, data + bytes(-len(data) % 32) + bytes(512))
+
+
 def too_many_dims(path: Path) -> Path:
     data = _header(1, 1) + _arch() + _string(b"x") + struct.pack("<I", 1 << 31) + bytes(64)
     return _write(path, data)
@@ -139,11 +147,11 @@ def big_number_array(path: Path) -> Path:
 
 
 def many_tensors(path: Path) -> Path:
-    """The most tensor infos a file may hold (2^13 - 1), each a 32-element F32 tensor at offset 0."""
+    """The most tensor infos a file may hold (2^13 - 1), each a 32-element F32 tensor after the one before."""
     count = (1 << 13) - 1
-    infos = b"".join(_tensor_info(b"t%d" % index, [32], 0, 0) for index in range(count))
+    infos = b"".join(_tensor_info(b"t%d" % index, [32], 0, 128 * index) for index in range(count))
     data = _header(count, 1) + _arch() + infos
-    return _write(path, data + bytes(-len(data) % 32) + bytes(128))
+    return _write(path, data + bytes(-len(data) % 32) + bytes(128 * count))
 
 
 # within the header limits, so GGUFReader parses them: they must still cost little (not a model either)
@@ -162,6 +170,7 @@ GGUF_CASES: dict[str, Callable[[Path], Path]] = {
     "2^64-1-byte string value": huge_string_value,
     "tensor offset beyond EOF": offset_beyond_eof,
     "tensor larger than the file": tensor_larger_than_file,
+    "tensor data overlapping another's": overlapping_tensors,
     "2^31 dimensions": too_many_dims,
     "unknown tensor type": unknown_tensor_type,
     "nested array of 2^30": nested_array,

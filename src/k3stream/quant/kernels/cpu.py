@@ -334,6 +334,12 @@ def bind_copy(src: torch.Tensor, dst: torch.Tensor) -> Call:
     return _ggml_cpu().copy, args, (src, dst)
 
 
+def decodes_row(ggml_type: int, values: int) -> bool:
+    """Whether `decode_row` takes a row of `values` values of `ggml_type`: a type of CPU_TYPES, in runs
+    of 32 values (its float types' blocks; a quantized row is whole blocks of 32 or 256)."""
+    return ggml_type in CPU_TYPES and values % 32 == 0
+
+
 def decode_row(ggml_type: int, address: int, values: int, out: torch.Tensor) -> None:
     """The first `values` values (whole blocks; `ggml_type` one of CPU_TYPES) of the GGUF bytes at
     `address` into float32 `out` (contiguous, CPU): the reference dequantizer's values, with no torch
