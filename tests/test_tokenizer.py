@@ -161,17 +161,8 @@ def test_unknown_special_token_and_bad_id_are_refused(tokenizer):
         tokenizer.decode([tokenizer.vocab_size])
 
 
-@pytest.mark.parametrize(
-    ("key", "value"),
-    [
-        ("tokenizer.ggml.bos_token_id", 99999),
-        ("tokenizer.ggml.eos_token_id", -1),
-        ("tokenizer.ggml.bos_token_id", "1"),
-    ],
-)
-def test_special_token_ids_outside_the_vocabulary_are_refused_naming_the_key(model_path, key, value):
-    """An out-of-range BOS failed the first prompt with 'token id outside 0..V-1', an EOS made every
-    grammar-constrained request fail: the file is refused when its tokenizer loads."""
+def _with(model_path, key: str, value: object):
+    """`_read_fields` of the model's GGUF with metadata `key` set to `value`, as file "m.gguf"."""
     from k3stream.engine.tokenizer import _read_fields
     from k3stream.gguf.reader import K3Checkpoint
 
@@ -180,8 +171,28 @@ def test_special_token_ids_outside_the_vocabulary_are_refused_naming_the_key(mod
     def metadata(name: str, default: object) -> object:
         return value if name == key else checkpoint.metadata(name, default)
 
-    with pytest.raises(ValueError, match=f"^m.gguf: {key} is {value!r}, not a token id of the"):
-        Tokenizer(_read_fields(metadata, "m.gguf"))
+    return _read_fields(metadata, "m.gguf")
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("tokenizer.ggml.bos_token_id", 99999), ("tokenizer.ggml.eos_token_id", -1)]
+)
+def test_special_token_ids_outside_the_vocabulary_are_dropped_with_a_warning_naming_the_key(
+    model_path, key, value, caplog
+):
+    """As llama.cpp ("bad special token"): the file runs without that id; an out-of-range BOS failed
+    the first prompt with 'token id outside 0..V-1', an EOS made every grammar-constrained request fail."""
+    with caplog.at_level("WARNING"):
+        fields = _with(model_path, key, value)
+    assert (fields.bos_id if "bos" in key else fields.eos_id) is None
+    assert f"m.gguf: {key} is {value}, not a token id of the" in caplog.text
+    tokenizer = Tokenizer(fields)
+    assert tokenizer.decode(tokenizer.encode("hello")) == "hello"
+
+
+def test_a_special_token_id_that_is_not_an_integer_is_refused_naming_the_key(model_path):
+    with pytest.raises(ValueError, match="^m.gguf: tokenizer.ggml.bos_token_id is '1', not a token id$"):
+        Tokenizer(_with(model_path, "tokenizer.ggml.bos_token_id", "1"))
 
 
 def _fields(tokenizer_fields: VocabFields, **changes) -> VocabFields:

@@ -9,11 +9,14 @@ strings back into bytes and hand them to `tiktoken` with ranks = token ids.
 from __future__ import annotations
 
 import codecs
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # Pre-tokenizer of tokenization_kimi.py (llama.cpp `kimi-k2`): Han runs, words (Han excluded) with
 # English contractions, digits in groups of up to three, punctuation runs, newlines, other whitespace.
@@ -72,12 +75,19 @@ class VocabFields:
 
 
 def _token_id(metadata: Callable[[str, Any], Any], key: str, vocab: int, source: str) -> int | None:
-    """The token id at `key` (None when absent); one outside the vocabulary is refused naming the key."""
+    """The token id at `key` (None when absent). A value that is not an integer is refused naming the
+    key; an integer outside the vocabulary is dropped with a warning naming it, as llama.cpp does ("bad
+    special token"), so a file llama.cpp runs runs here."""
     value = metadata(key, None)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
-        raise ValueError(f"{source}: {key} is {value!r}, not a token id of the {vocab}-token vocabulary")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{source}: {key} is {value!r}, not a token id")
+    if not 0 <= value < vocab:
+        log.warning(
+            "%s: %s is %d, not a token id of the %d-token vocabulary: ignored", source, key, value, vocab
+        )
+        return None
     return value
 
 
