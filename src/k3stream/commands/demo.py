@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-t",
         type=int,
         default=1,
-        help="torch CPU threads (default 1: the tiny model's matrices are too small to share out)",
+        help="torch CPU threads (default 1: the tiny model's matrices are too small to share out; "
+        "0 or less: every core)",
     )
     add_store_arguments(parser)
     add_sampling_arguments(parser, max_tokens=48)
@@ -182,11 +183,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from k3stream.commands.flags import (
-        check_threads,
         load_options,
         prompt_ids,
         sampling_params,
         store_options,
+        thread_count,
     )
     from k3stream.commands.report import statistics_lines, store_snapshot
     from k3stream.engine.chat import chat_stop_token_ids
@@ -195,8 +196,9 @@ def run(args: argparse.Namespace) -> int:
     from k3stream.pack.reader import ExpertPack
 
     params = sampling_params(args)  # bad flags fail before anything is made
-    check_threads(args.threads)
-    torch.set_num_threads(args.threads)
+    threads = thread_count(args.threads)
+    if threads:
+        torch.set_num_threads(threads)
     demo = prepare_demo_model(args.cache_dir or default_cache_dir(), trained=not args.random)
     args.chat = not demo.trained  # the trained model continues code; the random one gets a chat prompt
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT if demo.trained else RANDOM_PROMPT

@@ -40,7 +40,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-mib", type=float, default=None, help="GPU budget of the expert store (MiB)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--threads", "-t", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--threads",
+        "-t",
+        type=int,
+        default=None,
+        help="torch CPU threads (0 or less: every core, as llama.cpp's -t)",
+    )
     add_arithmetic_arguments(parser)
     parser.add_argument(
         "--no-stream-experts",
@@ -186,10 +192,10 @@ def _served(args: argparse.Namespace) -> tuple[int | None, int]:
     return getattr(args, "ctx", None), getattr(args, "max_batch", 1)
 
 
-def check_threads(threads: int | None) -> None:
-    """`--threads`: None (torch's default) or at least 1 (torch's own message names no flag)."""
-    if threads is not None and threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {threads}")
+def thread_count(threads: int | None) -> int | None:
+    """`--threads` as torch takes it: None (torch's default, every core) for None, 0 or a negative
+    count, as llama.cpp's `-t` takes them (its default is -1)."""
+    return threads if threads is not None and threads > 0 else None
 
 
 def runtime_from_args(
@@ -197,7 +203,7 @@ def runtime_from_args(
 ) -> Runtime:
     """The runtime the model flags ask for; `opened`: what `open_model(args.model, ...)` returned, when
     the command read the GGUF already (its tokenizer first)."""
-    check_threads(args.threads)
+    args.threads = thread_count(args.threads)
     checkpoint, manifest = opened or open_model(args.model, not args.no_stream_experts)  # before torch
     from k3stream.memlimit import memory_limited
 
