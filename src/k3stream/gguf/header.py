@@ -162,10 +162,11 @@ def _tensor_infos(cursor: _Cursor, tensor_count: int) -> list[tuple[str, int, in
 def _check_tensor_data(cursor: _Cursor, infos: list, data_start: int, alignment: int) -> None:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    room, expected = len(cursor.data) - data_start, 0
+    room, expected, before = len(cursor.data) - data_start, 0, "nothing"
     for name, ggml_type, elements, offset, first_dim in infos:
         try:
-            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+            kind = GGMLQuantizationType(ggml_type)
+            block, block_bytes = GGML_QUANT_SIZES[kind]
         except (ValueError, KeyError):
             raise cursor.fail(f"tensor {name} has unknown GGML type {ggml_type}") from None
         if first_dim % block:
@@ -178,10 +179,11 @@ def _check_tensor_data(cursor: _Cursor, infos: list, data_start: int, alignment:
             )
         if offset != expected:  # as llama.cpp: each tensor's data follows the one before, in order
             raise cursor.fail(
-                f"tensor {name} data is at offset {offset}, but the tensors before it end at {expected} "
-                "(a type, shape or offset was changed)"
+                f"tensor {name} data is at offset {offset}, but {before} comes before it, ending at "
+                f"{expected} (a type, shape or offset was changed)"
             )
         expected = offset + -(-nbytes // alignment) * alignment
+        before = f"tensor {name} (GGML type {kind.name} ({ggml_type}), {elements} values)"
 
 
 def check_header(path: str | os.PathLike[str]) -> None:
