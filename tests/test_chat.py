@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import requires_llama
-from k3stream.engine.chat import ChatTemplate
+from k3stream.engine.chat import MAX_LOOP_STEPS, ChatTemplate
 from k3stream.engine.tokenizer import Tokenizer
 
 
@@ -118,15 +118,39 @@ def test_templates_run_sandboxed():
         "{% for i in range(10**9) %}{% endfor %}",
         "{{ 'x' * 10**12 }}",
         "{% for i in range(3000) %}{% for j in range(3000) %}12345678{% endfor %}{% endfor %}",
+        "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+        "{% for m in messages %}{% for a in m.content %}{% for b in m.content %}{% endfor %}{% endfor %}"
+        "{% endfor %}",
     ],
-    ids=["division", "types", "recursion", "range", "repetition", "endless output"],
+    ids=[
+        "division",
+        "types",
+        "recursion",
+        "range",
+        "repetition",
+        "endless output",
+        "silent loops",
+        "text loops",
+    ],
 )
 def test_a_template_failing_in_any_way_is_a_one_line_error_naming_the_file(text):
     """A file's template may divide by zero, recurse, ask for a range or a string of any size, or write
     tens of MB: each is a ValueError naming the file (no traceback, no memory taken first)."""
     with pytest.raises(ValueError, match="^m.gguf: cannot render: ") as caught:
-        ChatTemplate(text, source="m.gguf").render([{"role": "user", "content": "x"}])
+        ChatTemplate(text, source="m.gguf").render([{"role": "user", "content": "x" * 2000}])
     assert "\n" not in str(caught.value)
+
+
+def test_a_templates_loops_are_held_to_max_loop_steps_a_render():
+    """Loops writing nothing, nested over ranges or the request's text, stop at MAX_LOOP_STEPS steps in
+    all (each render its own count); loop.length and loop.last still see the whole sequence."""
+    count = "{% for m in messages %}{% for c in m.content %}{% if loop.last %}{{ loop.length }}{% endif %}"
+    template = ChatTemplate(count + "{% endfor %}{% endfor %}", source="m.gguf")
+    within = MAX_LOOP_STEPS - 1  # the message is one step
+    for _ in range(2):
+        assert template.render([{"role": "user", "content": "x" * within}]) == str(within)
+    with pytest.raises(ValueError, match=f"^m.gguf: cannot render: its loops pass {MAX_LOOP_STEPS} steps$"):
+        template.render([{"role": "user", "content": "x" * (within + 1)}])
 
 
 def test_template_errors_name_the_source():

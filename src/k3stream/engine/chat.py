@@ -23,6 +23,11 @@ ROLES = ("system", "user", "assistant", "tool")
 # a rendered prompt past this many characters is refused (a full 256K-token context is a few MB of text):
 # a file's template may repeat a string or loop without end, and must not take the memory with it
 MAX_RENDERED_CHARS = 1 << 24
+# a render stops after this many steps of its loops, all together (about a second): a file's template may
+# nest loops over ranges or over the request's text without end; a chat template steps a few times a
+# message, tool and content part
+MAX_LOOP_STEPS = 1 << 20
+LOOP_STEPS = "__k3stream_loop_steps"  # the render's variable every `for` loop's iterable goes through
 
 BUILTIN_KIMI_K3_TEMPLATE = (
     '{%- macro open(tag, role=none) -%}<|open|>{{ tag }}{% if role %} role="{{ role }}"{% endif %}'
@@ -82,13 +87,30 @@ def _repeated_length(left: Any, right: Any) -> int:
     return 0
 
 
+class _LoopSteps:
+    """One render's budget of loop steps: each `for` loop's iterable, counted as it is stepped."""
+
+    def __init__(self) -> None:
+        self.left = MAX_LOOP_STEPS
+
+    def __call__(self, iterable: Any) -> Any:
+        from jinja2.exceptions import SecurityError
+
+        for item in iterable:
+            self.left -= 1
+            if self.left < 0:
+                raise SecurityError(f"its loops pass {MAX_LOOP_STEPS} steps")
+            yield item
+
+
 @cache
 def _environment():
     from jinja2.exceptions import SecurityError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class BoundedEnvironment(ImmutableSandboxedEnvironment):
-        """The sandbox, with `*` unable to repeat a string or list past MAX_RENDERED_CHARS."""
+        """The sandbox, with `*` unable to repeat a string or list past MAX_RENDERED_CHARS and loops
+        held to MAX_LOOP_STEPS a render."""
 
         intercepted_binops = frozenset({"*"})
 
@@ -96,6 +118,16 @@ def _environment():
             if operator == "*" and _repeated_length(left, right) > MAX_RENDERED_CHARS:
                 raise SecurityError(f"a repetition longer than {MAX_RENDERED_CHARS} items")
             return super().call_binop(context, operator, left, right)
+
+        def _parse(self, source: str, name: str | None, filename: str | None) -> Any:
+            """The template's syntax tree with every `for` loop's iterable passed through LOOP_STEPS."""
+            from jinja2 import nodes
+
+            tree = super()._parse(source, name, filename)
+            for loop in list(tree.find_all(nodes.For)):
+                steps = nodes.Name(LOOP_STEPS, "load", lineno=loop.lineno)
+                loop.iter = nodes.Call(steps, [loop.iter], [], None, None, lineno=loop.lineno)
+            return tree
 
     env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
@@ -152,7 +184,8 @@ class ChatTemplate:
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **variables: Any
     ) -> str:
         """The prompt text for `messages` (dicts with `role` and `content`). Whatever the template does
-        wrong (an error of any kind, a text past MAX_RENDERED_CHARS) is a one-line ValueError."""
+        wrong (an error of any kind, a text past MAX_RENDERED_CHARS, loops past MAX_LOOP_STEPS) is a
+        one-line ValueError."""
         from io import StringIO
 
         from jinja2 import TemplateError
@@ -162,7 +195,7 @@ class ChatTemplate:
             for piece in self._template.generate(
                 messages=_check_messages(messages),
                 add_generation_prompt=add_generation_prompt,
-                **{**self._specials, **variables},
+                **{**self._specials, **variables, LOOP_STEPS: _LoopSteps()},
             ):
                 size += len(piece)
                 if size > MAX_RENDERED_CHARS:
