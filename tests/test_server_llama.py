@@ -25,6 +25,7 @@ KEY = "sk-test-llama"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 KEEPALIVE_S = 0.05
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello <b>there</b>"}]
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
 TEXTS = ["Hello world", "café naïve 中文 🙂", "<|im_end|>[BOS]x", "  two  spaces\n"]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -87,6 +88,39 @@ def test_apply_template_is_the_chat_prompt(server, served):
     ids = post(server, "/tokenize", {"content": prompt, "add_special": False}).json()["tokens"]
     answer = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}).json()
     assert answer["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_a_last_assistant_message_is_continued_as_llama_server_prefills(server, client):
+    """A conversation ending with the assistant's message: the answer continues that text (llama-server's
+    assistant prefill); /apply-template renders the same prompt, open at the end."""
+    prefilled = [*MESSAGES, {"role": "assistant", "content": "Sure, here"}]
+    prompt = post(server, "/apply-template", {"messages": prefilled}).json()["prompt"]
+    opened = post(server, "/apply-template", {"messages": MESSAGES}).json()["prompt"]
+    assert prompt == opened + "Sure, here"
+    ids = post(server, "/tokenize", {"content": prompt}).json()["tokens"]
+    answer = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=prefilled, max_tokens=6, temperature=0
+    )
+    continued = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 6, "temperature": 0}).json()
+    assert answer.usage.prompt_tokens == len(ids)
+    assert answer.choices[0].message.content == continued["choices"][0]["text"]
+
+
+def test_openai_model_retrieval_and_unknown_routes(server, client, served):
+    card = client.models.retrieve(served.name)
+    assert card.id == served.name and card == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-4")
+    assert caught.value.body["param"] == "model" and "gpt-4" in caught.value.body["message"]
+    for method, path, status, words in (
+        ("POST", "/completion", 404, "POST /completion: no such endpoint"),
+        ("POST", "/v1/embeddings", 404, "POST /v1/embeddings: no such endpoint"),
+        ("GET", "/v1/chat/completions", 405, "takes POST"),
+    ):
+        response = httpx.request(method, server.url + path, json={}, headers=AUTH, timeout=30)
+        error = response.json()["error"]
+        assert response.status_code == status and words in error["message"] and "\n" not in error["message"]
+    assert httpx.get(server.url + "/v1/completions", headers=AUTH).headers["allow"] == "POST"
 
 
 def test_props_describe_the_model(server, served, model_path):
@@ -226,6 +260,21 @@ def test_llama_endpoints_need_the_api_key(server, path):
             {"messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": False}},
             "chat_template_kwargs.add_generation_prompt",
         ),
+        (
+            "/apply-template",
+            {"messages": [{"role": "user", "content": [IMAGE]}]},
+            "messages.0.content.0.type",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [IMAGE]}]},
+            "messages.0.content.0.type",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages.0.content.0.text",
+        ),
     ],
 )
 def test_bad_bodies_are_one_line_400s_naming_the_field(server, path, body, param):
@@ -233,6 +282,8 @@ def test_bad_bodies_are_one_line_400s_naming_the_field(server, path, body, param
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and "\n" not in error["message"]
+    if param.endswith(".type"):
+        assert "'image_url' parts are not supported" in error["message"]
 
 
 def test_answers_carry_llama_server_timings(server):

@@ -131,6 +131,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     _add_error_handlers(app)
     api = Endpoints(served, scheduler, metrics, tokenizers, config.sse_keepalive_s)
     app.get("/v1/models")(api.models)
+    app.get("/v1/models/{model_id:path}")(api.model)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics_text)
     app.post("/v1/completions")(api.completions)
@@ -161,14 +162,21 @@ class Endpoints:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizers, function, *args)
 
     async def models(self) -> dict[str, Any]:
-        card = {
+        return {"object": "list", "data": [self._card()]}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        """OpenAI's model retrieval (`client.models.retrieve`): the served model's card, else a 404."""
+        self._check_model(model_id)
+        return self._card()
+
+    def _card(self) -> dict[str, Any]:
+        return {
             "id": self.served.name,
             "object": "model",
             "created": self.served.created,
             "owned_by": "k3stream",
             "max_model_len": self.served.ctx,
         }
-        return {"object": "list", "data": [card]}
 
     async def health(self) -> Response:
         """200 `ok`, or 503 `unhealthy` with the problems: model files changed since load, or the last
@@ -206,9 +214,9 @@ class Endpoints:
             tokens = await self._off_loop(self.served.encode_prompt, prompt)
         else:
             tokens = self._check_ids(prompt)
-        explicit = "max_tokens" in body.model_fields_set
+        limit, limit_param = body.token_limit()
         jobs = self._submit(
-            body, tokens, body.max_tokens, explicit_limit=explicit, prompt_param="prompt", top=body.logprobs
+            body, tokens, limit, limit_param=limit_param, prompt_param="prompt", top=body.logprobs
         )
         stream = self._stream(jobs, body, _CompletionChunks)
         return await stream.respond(request, body.stream, body.include_usage())
@@ -217,13 +225,13 @@ class Endpoints:
         body = await parse_body(request, ChatCompletionRequest)
         self._check_request(body)
         prompt = await self._off_loop(self.served.prepare_chat, body)
-        limit = body.token_limit()
+        limit, limit_param = body.token_limit()
         top = (body.top_logprobs or 0) if body.logprobs else None
         jobs = self._submit(
             body,
             prompt.tokens,
             limit,
-            explicit_limit=limit is not None,
+            limit_param=limit_param,
             prompt_param="messages",
             top=top,
             chat=prompt,
@@ -243,10 +251,14 @@ class Endpoints:
                 f"n: at most {self.scheduler.max_batch} choices per request on this server (its batch size)",
                 param="n",
             )
-        if body.model not in (None, self.served.name):
+        if body.model is not None:
+            self._check_model(body.model)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.served.name:
             raise APIError(
                 404,
-                f"The model `{body.model}` does not exist; this server serves `{self.served.name}`",
+                f"The model `{model}` does not exist; this server serves `{self.served.name}`",
                 param="model",
                 code="model_not_found",
             )
@@ -266,14 +278,15 @@ class Endpoints:
         tokens: list[int],
         limit: int | None,
         *,
-        explicit_limit: bool,
+        limit_param: str | None,
         prompt_param: str,
         top: int | None,
         chat: ChatPrompt | None = None,
     ) -> list[Job]:
         """Queue the request, one job per choice (the first one's prefill shared by all); `top` is the
-        number of top logprobs per token (None: no logprobs)."""
-        max_tokens = self._token_budget(len(tokens), limit, explicit_limit, prompt_param)
+        number of top logprobs per token (None: no logprobs); `limit_param` the field that named `limit`
+        (None: a default)."""
+        max_tokens = self._token_budget(len(tokens), limit, limit_param, prompt_param)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         jobs = [
             Job(
@@ -292,7 +305,9 @@ class Endpoints:
             raise APIError(429, str(exc), type="server_overloaded", code="queue_full") from None
         return jobs
 
-    def _token_budget(self, prompt_len: int, limit: int | None, explicit: bool, prompt_param: str) -> int:
+    def _token_budget(
+        self, prompt_len: int, limit: int | None, limit_param: str | None, prompt_param: str
+    ) -> int:
         """Tokens this request may generate; a request that cannot fit the context is refused."""
         ctx = self.served.ctx
         if prompt_len >= ctx:
@@ -305,11 +320,11 @@ class Endpoints:
         room = ctx - prompt_len
         if limit is None:
             return room
-        if explicit and limit > room:
+        if limit_param is not None and limit > room:
             raise invalid_request(
                 f"This model's maximum context length is {ctx} tokens; the prompt has "
-                f"{prompt_len} tokens, so max_tokens can be at most {room}, not {limit}",
-                param="max_tokens",
+                f"{prompt_len} tokens, so {limit_param} can be at most {room}, not {limit}",
+                param=limit_param,
                 code="context_length_exceeded",
             )
         return min(limit, room)
@@ -609,9 +624,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def api_error(_request: Request, exc: APIError) -> Response:
         return exc.response()
 
-    async def http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        error = APIError(exc.status_code, _http_detail(exc), type=kind)
+        error.message = f"{request.method} {request.url.path}: {error.message}"  # the client's own path
+        response = error.response()
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
         return invalid_request(f"invalid request: {exc.errors()[0].get('msg', 'bad input')}").response()
@@ -623,6 +642,16 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, unexpected)
+
+
+def _http_detail(exc: StarletteHTTPException) -> str:
+    """The routing error in words: what this server has instead of a missing endpoint or method."""
+    if exc.status_code == 404:
+        return "no such endpoint on this server (docs/server-endpoints.md lists its endpoints)"
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        return f"method not allowed here; this endpoint takes {allowed}" if allowed else str(exc.detail)
+    return str(exc.detail)
 
 
 class RequestCounter:
