@@ -296,3 +296,16 @@ def test_neutral_llama_server_sampler_values_are_accepted(client):
         complete(client, temperature=0, extra_body=neutral).choices[0].text
         == complete(client, temperature=0).choices[0].text
     )
+
+
+def test_stop_lists_longer_than_openais_four_are_served(client):
+    """llama-server and vLLM scripts send more than OpenAI's 4 stop strings: each one ends the answer."""
+    eos = {"ignore_eos": True}
+    text = complete(client, temperature=0, max_tokens=16, extra_body=eos).choices[0].text
+    stops = [f"never{i}" for i in range(15)]
+    last = text[3:6]
+    cut = complete(client, temperature=0, max_tokens=16, stop=[*stops, last], extra_body=eos).choices[0]
+    assert cut.text == text[: text.index(last)] and cut.finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(client, stop=[*stops, "a", "b"])
+    assert caught.value.body["param"] == "stop" and "16" in caught.value.body["message"]

@@ -38,6 +38,8 @@ RANDOM_SEEDS = (-1, 0xFFFFFFFF)
 # choices per request: each is one more sequence in the batch, sharing the prompt's prefill
 MAX_CHOICES = 16
 Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES)]
+# stop strings per request: OpenAI allows 4, llama-server and vLLM any number (each is matched apart)
+MAX_STOPS = 16
 
 
 def _empty(value: Any) -> bool:
@@ -122,8 +124,8 @@ class SamplingFields(BaseModel):
                 raise invalid_request(
                     f"{name} is not supported by this server", param=name, code="unsupported_parameter"
                 )
-        if isinstance(self.stop, list) and len(self.stop) > 4:
-            raise invalid_request("stop: at most 4 sequences", param="stop")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOPS:
+            raise invalid_request(f"stop: at most {MAX_STOPS} sequences", param="stop")
         if any(s == "" for s in self.stop_list()):
             raise invalid_request("stop: sequences must not be empty", param="stop")
         if self.n_predict == 0:
