@@ -106,7 +106,23 @@ def test_a_last_assistant_message_is_continued_as_llama_server_prefills(server, 
     assert answer.choices[0].message.content == continued["choices"][0]["text"]
 
 
+def test_openai_paths_without_v1_answer_as_in_llama_server(server, client):
+    """A client whose base URL lacks /v1 (llama-server answers both) gets the same answers."""
+    bare = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+    assert bare.models.list().data == client.models.list().data
+    ask = {"model": bare.models.list().data[0].id, "max_tokens": 4, "temperature": 0}
+    assert bare.completions.create(prompt="Hello", **ask).choices[0].text == (
+        client.completions.create(prompt="Hello", **ask).choices[0].text
+    )
+    answer = bare.chat.completions.create(messages=MESSAGES, **ask)
+    assert (
+        answer.choices[0].message
+        == client.chat.completions.create(messages=MESSAGES, **ask).choices[0].message
+    )
+
+
 def test_openai_model_retrieval_and_unknown_routes(server, client, served):
+    assert httpx.get(f"{server.url}/v1/models/{served.name}", timeout=10).status_code == 401
     card = client.models.retrieve(served.name)
     assert card.id == served.name and card == client.models.list().data[0]
     with pytest.raises(openai.NotFoundError) as caught:
@@ -232,6 +248,8 @@ def test_llama_endpoints_need_the_api_key(server, path):
         "/tokenize": {"content": "hi"},
         "/detokenize": {"tokens": [1]},
         "/apply-template": {"messages": MESSAGES},
+        "/completions": {"prompt": "hi", "max_tokens": 1},
+        "/chat/completions": {"messages": MESSAGES, "max_tokens": 1},
     }
     method = "POST" if path in bodies else "GET"
 

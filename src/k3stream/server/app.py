@@ -130,12 +130,13 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     app.add_middleware(RequestCounter, metrics=metrics)  # outermost: refusals are counted too
     _add_error_handlers(app)
     api = Endpoints(served, scheduler, metrics, tokenizers, config.sse_keepalive_s)
-    app.get("/v1/models")(api.models)
+    for prefix in ("/v1", ""):  # llama-server answers OpenAI's paths without /v1 too
+        app.get(f"{prefix}/models")(api.models)
+        app.post(f"{prefix}/completions")(api.completions)
+        app.post(f"{prefix}/chat/completions")(api.chat_completions)
     app.get("/v1/models/{model_id:path}")(api.model)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics_text)
-    app.post("/v1/completions")(api.completions)
-    app.post("/v1/chat/completions")(api.chat_completions)
     app.include_router(llama_router(served, scheduler, tokenizers))
     if config.webui:
         app.include_router(webui_router())
