@@ -290,6 +290,14 @@ def test_llama_endpoints_need_the_api_key(server, path):
         ),
         (
             "/v1/chat/completions",
+            {
+                "messages": [*MESSAGES, {"role": "assistant", "content": "{"}],
+                "response_format": {"type": "json_object"},
+            },
+            "messages.2",
+        ),
+        (
+            "/v1/chat/completions",
             {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
             "messages.0.content.0.text",
         ),

@@ -347,6 +347,14 @@ class ChatCompletionRequest(SamplingFields):
                 f"chat_template_kwargs: {reserved!r} is set by the server",
                 param=f"chat_template_kwargs.{reserved}",
             )
+        if assistant_prefill(self.messages) and self.forced_output():
+            where = f"messages.{len(self.messages) - 1}"
+            raise invalid_request(
+                f"{where}: an assistant message to continue cannot be combined with constrained output "
+                "(tool_choice, response_format), whose grammar starts the answer afresh",
+                param=where,
+                code="unsupported_value",
+            )
         if self.ignore_eos and self.forced_output():
             raise invalid_request(
                 "ignore_eos cannot be combined with constrained output (tool_choice, response_format)",
