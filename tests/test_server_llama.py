@@ -90,6 +90,17 @@ def test_apply_template_is_the_chat_prompt(server, served):
     assert answer["usage"]["prompt_tokens"] == len(ids)
 
 
+def test_a_rendered_chat_prompt_completes_as_the_chat_request(server, client):
+    """The llama-server workflow: render with /apply-template, send the text to /v1/completions. Its
+    special-token text is tokenized as those tokens, so the answer is the chat request's."""
+    prompt = post(server, "/apply-template", {"messages": MESSAGES}).json()["prompt"]
+    ask = {"model": client.models.list().data[0].id, "max_tokens": 6, "temperature": 0}
+    completed = client.completions.create(prompt=prompt, **ask)
+    chat = client.chat.completions.create(messages=MESSAGES, **ask)
+    assert completed.usage.prompt_tokens == chat.usage.prompt_tokens
+    assert completed.choices[0].text == chat.choices[0].message.content
+
+
 def test_a_last_assistant_message_is_continued_as_llama_server_prefills(server, client):
     """A conversation ending with the assistant's message: the answer continues that text (llama-server's
     assistant prefill); /apply-template renders the same prompt, open at the end."""

@@ -62,7 +62,9 @@ class ServedModel(Runtime):
         return self.tokenizer.vocab_size
 
     def encode_prompt(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+        """A completion prompt's ids: special-token text becomes those tokens, as llama-server and vLLM
+        tokenize a prompt (the client writes the whole prompt, turn delimiters included)."""
+        return self.tokenizer.encode(text, allow_special=True)
 
     def encode_chat(
         self,
