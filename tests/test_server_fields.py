@@ -309,3 +309,20 @@ def test_stop_lists_longer_than_openais_four_are_served(client):
     with pytest.raises(openai.BadRequestError) as caught:
         complete(client, stop=[*stops, "a", "b"])
     assert caught.value.body["param"] == "stop" and "16" in caught.value.body["message"]
+
+
+def test_stop_token_ids_end_the_answer_before_the_token(client, engine):
+    """vLLM's `stop_token_ids`: the answer ends where that token would come, without its text."""
+    ids = engine.encode_prompt(PROMPT)
+    greedy = generate(engine.model, engine.tokenizer, ids, SamplingParams(temperature=0, max_tokens=8))
+    stop = greedy.token_ids[3]
+    before = greedy.token_ids[: greedy.token_ids.index(stop)]
+    answer = complete(client, temperature=0, extra_body={"stop_token_ids": [stop]}).choices[0]
+    assert answer.text == engine.tokenizer.decode(before) and answer.finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(client, extra_body={"stop_token_ids": [1, 600]})
+    assert caught.value.body["param"] == "stop_token_ids.1"
+    for field, value in (("include_stop_str_in_output", True), ("bad_words", ["a"]), ("dynatemp_range", 0.5)):
+        with pytest.raises(openai.BadRequestError) as caught:
+            complete(client, extra_body={field: value})
+        assert caught.value.body["param"] == field

@@ -247,6 +247,7 @@ class Endpoints:
     def _check_request(self, body: SamplingFields) -> None:
         body.check_supported()
         body.logit_bias_ids(self.served.vocab_size)
+        body.stop_ids(self.served.vocab_size)
         if body.n > self.scheduler.max_batch:
             raise invalid_request(
                 f"n: at most {self.scheduler.max_batch} choices per request on this server (its batch size)",

@@ -215,7 +215,10 @@ class ServedModel(Runtime):
             max_tokens=max_tokens,
             stop=tuple(body.stop_list()),
             ignore_eos=body.ignore_eos,
-            stop_token_ids=self.chat_stop_ids if chat is not None else (),
+            stop_token_ids=(
+                *(self.chat_stop_ids if chat is not None else ()),
+                *body.stop_ids(self.vocab_size),
+            ),
         )
         if chat is None:
             sequence = Sequence(self.tokenizer, prompt_tokens, params)

@@ -71,6 +71,14 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "n_probs": lambda value: value in (None, 0),
     "grammar": _empty,
     "json_schema": _empty,
+    "dynatemp_range": lambda value: value in (None, 0, 0.0),
+    # vLLM's
+    "bad_words": _empty,
+    "allowed_token_ids": _empty,
+    "include_stop_str_in_output": lambda value: value in (None, False),
+    "skip_special_tokens": lambda value: value in (None, True),
+    "add_generation_prompt": lambda value: value in (None, True),
+    "prompt_logprobs": lambda value: value in (None, 0),
 }
 
 
@@ -111,6 +119,7 @@ class SamplingFields(BaseModel):
     # token id (as a string, OpenAI's JSON) -> value added to its logit; or llama-server's [[id, value]]
     logit_bias: dict[str, BiasValue] | list[tuple[int, BiasValue]] | None = None
     n_predict: NPredict | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's: tokens that end the answer (not sent)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -146,6 +155,17 @@ class SamplingFields(BaseModel):
                 )
             pairs.append((token, -math.inf if value is False else value))
         return tuple(pairs)
+
+    def stop_ids(self, vocab_size: int) -> tuple[int, ...]:
+        """`stop_token_ids`; a 400 naming the first that is no token id of the vocabulary."""
+        ids = tuple(self.stop_token_ids or ())
+        bad = next((index for index, token in enumerate(ids) if not 0 <= token < vocab_size), None)
+        if bad is not None:
+            raise invalid_request(
+                f"stop_token_ids.{bad}: {ids[bad]} is not a token id of the vocabulary of {vocab_size}",
+                param=f"stop_token_ids.{bad}",
+            )
+        return ids
 
     def draw_seed(self) -> int | None:
         """The seed to draw with: None (a fresh one) when absent or llama-server's -1."""
