@@ -328,7 +328,8 @@ def test_answers_carry_llama_server_timings(server):
     whole = post(server, "/v1/completions", body).json()
     timings, usage = whole["timings"], whole["usage"]
     assert (
-        timings["prompt_n"] == usage["prompt_tokens"] and timings["predicted_n"] == usage["completion_tokens"]
+        timings["prompt_n"] + timings["cache_n"] == usage["prompt_tokens"]
+        and timings["predicted_n"] == usage["completion_tokens"]
     )
     assert timings["prompt_ms"] > 0 and timings["predicted_ms"] > 0
     assert timings["predicted_per_second"] == pytest.approx(5 / timings["predicted_ms"] * 1000)

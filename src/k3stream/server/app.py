@@ -436,15 +436,18 @@ async def _watch_disconnect(request: Request) -> None:
 
 def _timings(jobs: list[Job]) -> dict[str, float]:
     """llama-server's `timings` of a finished request, measured by the scheduler: the prompt's prefill
-    (shared by the choices) and the decoding after it, to the last token of any choice."""
+    (shared by the choices; `prompt_n` the tokens computed, `cache_n` those restored from the prompt
+    cache) and the decoding after it, to the last token of any choice."""
     first = jobs[0]
     prompt_ms = (first.prefill_done_at - first.prefill_started_at) * 1000
+    prompt_n = len(first.prompt_tokens) - first.cached_tokens
     predicted_n = sum(job.logic.completion_tokens for job in jobs)
     predicted_ms = (max(job.last_token_at for job in jobs) - first.prefill_done_at) * 1000
     return {
-        "prompt_n": len(first.prompt_tokens),
+        "cache_n": first.cached_tokens,
+        "prompt_n": prompt_n,
         "prompt_ms": prompt_ms,
-        "prompt_per_second": len(first.prompt_tokens) / prompt_ms * 1000 if prompt_ms > 0 else 0.0,
+        "prompt_per_second": prompt_n / prompt_ms * 1000 if prompt_ms > 0 else 0.0,
         "predicted_n": predicted_n,
         "predicted_ms": predicted_ms,
         "predicted_per_second": predicted_n / predicted_ms * 1000 if predicted_ms > 0 else 0.0,
