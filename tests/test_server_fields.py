@@ -208,3 +208,121 @@ def test_out_of_range_fields_are_one_line_400s(client, fields, param):
     error = caught.value.body
     assert error["param"] == param and param.split(".")[0] in error["message"]
     assert "\n" not in error["message"]
+
+
+def test_seed_minus_one_draws_a_fresh_seed_as_in_llama_server(client):
+    """llama-server's `seed: -1` (its default, shown by /props) asks for a random draw, not seed -1."""
+    fixed = {complete(client, temperature=1.0, seed=7).choices[0].text for _ in range(2)}
+    assert len(fixed) == 1
+    fresh = {complete(client, temperature=1.0, seed=-1).choices[0].text for _ in range(4)}
+    assert len(fresh) > 1
+
+
+def test_n_predict_is_llama_servers_max_tokens(client):
+    for fields, produced in (({"n_predict": 5}, 5), ({"n_predict": 5, "max_tokens": 3}, 3)):
+        answer = complete(
+            client, extra_body={"ignore_eos": True, **fields}, max_tokens=fields.get("max_tokens")
+        )
+        assert answer.usage.completion_tokens == produced
+    chat = client.chat.completions.create(
+        model="kimi-fields", messages=ASK, extra_body={"n_predict": 3, "ignore_eos": True}
+    )
+    assert chat.usage.completion_tokens == 3
+    whole = complete(client, max_tokens=None, extra_body={"n_predict": -1, "ignore_eos": True})
+    assert whole.usage.prompt_tokens + whole.usage.completion_tokens == 512  # up to the context
+    for n_predict, code in ((0, None), (600, "context_length_exceeded")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            complete(client, max_tokens=None, extra_body={"n_predict": n_predict})
+        assert caught.value.body["code"] == code and "n_predict" in caught.value.body["message"] + str(code)
+
+
+def test_min_p_and_repetition_penalty_follow_the_engine_loop(client, engine):
+    ids = engine.encode_prompt(PROMPT)
+    greedy = generate(engine.model, engine.tokenizer, ids, SamplingParams(temperature=0, max_tokens=8))
+    # min_p 1 keeps only the likeliest token: a seeded draw at temperature 1 is the greedy answer
+    assert complete(client, temperature=1.0, seed=3, extra_body={"min_p": 1.0}).choices[0].text == greedy.text
+    params = SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.8)
+    expected = generate(engine.model, engine.tokenizer, ids, params)
+    plain = generate(engine.model, engine.tokenizer, ids, SamplingParams(temperature=0, max_tokens=16))
+    answer = complete(client, temperature=0, max_tokens=16, extra_body={"repetition_penalty": 1.8})
+    assert answer.choices[0].text == expected.text
+    assert expected.token_ids != plain.token_ids, "the penalty changed nothing on this prompt"
+
+
+def _first_token(client, engine, **fields) -> int:
+    """The id of a greedy chat answer's first token (from its logprob's bytes)."""
+    answer = client.chat.completions.create(
+        model="kimi-fields", messages=ASK, max_tokens=1, temperature=0, logprobs=True, **fields
+    )
+    by_bytes = {bytes(engine.tokenizer.piece(t)): t for t in range(engine.vocab_size)}
+    return by_bytes[bytes(answer.choices[0].logprobs.content[0].bytes)]
+
+
+def test_llama_server_list_logit_bias_forces_and_bans(client, engine):
+    """llama-server's `[[id, value]]` form equals OpenAI's `{"id": value}`; `[[id, false]]` bans the token."""
+    greedy = _first_token(client, engine)
+    assert _first_token(client, engine, extra_body={"logit_bias": [[greedy, False]]}) != greedy
+    forced_id = next(t for t in range(300, 600) if t != greedy and engine.tokenizer.piece(t).isalpha())
+    as_list = _first_token(client, engine, extra_body={"logit_bias": [[forced_id, 100]]})
+    assert as_list == _first_token(client, engine, logit_bias={str(forced_id): 100}) == forced_id
+    assert _first_token(client, engine, logit_bias={str(greedy): False}) != greedy
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"logit_bias": [[5, True]]}, "logit_bias.0.1"),
+        ({"logit_bias": [["hello", 1]]}, "logit_bias.0.0"),
+        ({"logit_bias": [[600, 1]]}, "logit_bias.0"),
+        ({"mirostat": 2}, "mirostat"),
+        ({"repeat_penalty": 1.1}, "repeat_penalty"),
+        ({"typical_p": 0.5}, "typical_p"),
+        ({"grammar": 'root ::= "a"'}, "grammar"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+    ],
+)
+def test_llama_server_fields_not_served_are_refused_by_name(client, fields, param):
+    """A sampler this server does not run is a 400 naming it, never silently left out of the answer."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(client, extra_body=fields)
+    error = caught.value.body
+    assert error["param"] == param and param.split(".")[0] in error["message"]
+
+
+def test_neutral_llama_server_sampler_values_are_accepted(client):
+    neutral = {"mirostat": 0, "typical_p": 1.0, "repeat_penalty": 1.0, "n_probs": 0, "cache_prompt": True}
+    assert (
+        complete(client, temperature=0, extra_body=neutral).choices[0].text
+        == complete(client, temperature=0).choices[0].text
+    )
+
+
+def test_stop_lists_longer_than_openais_four_are_served(client):
+    """llama-server and vLLM scripts send more than OpenAI's 4 stop strings: each one ends the answer."""
+    eos = {"ignore_eos": True}
+    text = complete(client, temperature=0, max_tokens=16, extra_body=eos).choices[0].text
+    stops = [f"never{i}" for i in range(15)]
+    last = text[3:6]
+    cut = complete(client, temperature=0, max_tokens=16, stop=[*stops, last], extra_body=eos).choices[0]
+    assert cut.text == text[: text.index(last)] and cut.finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(client, stop=[*stops, "a", "b"])
+    assert caught.value.body["param"] == "stop" and "16" in caught.value.body["message"]
+
+
+def test_stop_token_ids_end_the_answer_before_the_token(client, engine):
+    """vLLM's `stop_token_ids`: the answer ends where that token would come, without its text."""
+    ids = engine.encode_prompt(PROMPT)
+    greedy = generate(engine.model, engine.tokenizer, ids, SamplingParams(temperature=0, max_tokens=8))
+    stop = greedy.token_ids[3]
+    before = greedy.token_ids[: greedy.token_ids.index(stop)]
+    answer = complete(client, temperature=0, extra_body={"stop_token_ids": [stop]}).choices[0]
+    assert answer.text == engine.tokenizer.decode(before) and answer.finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(client, extra_body={"stop_token_ids": [1, 600]})
+    assert caught.value.body["param"] == "stop_token_ids.1"
+    for field, value in (("include_stop_str_in_output", True), ("bad_words", ["a"]), ("dynatemp_range", 0.5)):
+        with pytest.raises(openai.BadRequestError) as caught:
+            complete(client, extra_body={field: value})
+        assert caught.value.body["param"] == field

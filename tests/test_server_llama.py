@@ -25,6 +25,7 @@ KEY = "sk-test-llama"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 KEEPALIVE_S = 0.05
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello <b>there</b>"}]
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
 TEXTS = ["Hello world", "café naïve 中文 🙂", "<|im_end|>[BOS]x", "  two  spaces\n"]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -87,6 +88,66 @@ def test_apply_template_is_the_chat_prompt(server, served):
     ids = post(server, "/tokenize", {"content": prompt, "add_special": False}).json()["tokens"]
     answer = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}).json()
     assert answer["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_a_rendered_chat_prompt_completes_as_the_chat_request(server, client):
+    """The llama-server workflow: render with /apply-template, send the text to /v1/completions. Its
+    special-token text is tokenized as those tokens, so the answer is the chat request's."""
+    prompt = post(server, "/apply-template", {"messages": MESSAGES}).json()["prompt"]
+    ask = {"model": client.models.list().data[0].id, "max_tokens": 6, "temperature": 0}
+    completed = client.completions.create(prompt=prompt, **ask)
+    chat = client.chat.completions.create(messages=MESSAGES, **ask)
+    assert completed.usage.prompt_tokens == chat.usage.prompt_tokens
+    assert completed.choices[0].text == chat.choices[0].message.content
+
+
+def test_a_last_assistant_message_is_continued_as_llama_server_prefills(server, client):
+    """A conversation ending with the assistant's message: the answer continues that text (llama-server's
+    assistant prefill); /apply-template renders the same prompt, open at the end."""
+    prefilled = [*MESSAGES, {"role": "assistant", "content": "Sure, here"}]
+    prompt = post(server, "/apply-template", {"messages": prefilled}).json()["prompt"]
+    opened = post(server, "/apply-template", {"messages": MESSAGES}).json()["prompt"]
+    assert prompt == opened + "Sure, here"
+    ids = post(server, "/tokenize", {"content": prompt}).json()["tokens"]
+    answer = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=prefilled, max_tokens=6, temperature=0
+    )
+    continued = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 6, "temperature": 0}).json()
+    assert answer.usage.prompt_tokens == len(ids)
+    assert answer.choices[0].message.content == continued["choices"][0]["text"]
+
+
+def test_openai_paths_without_v1_answer_as_in_llama_server(server, client):
+    """A client whose base URL lacks /v1 (llama-server answers both) gets the same answers."""
+    bare = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+    assert bare.models.list().data == client.models.list().data
+    ask = {"model": bare.models.list().data[0].id, "max_tokens": 4, "temperature": 0}
+    assert bare.completions.create(prompt="Hello", **ask).choices[0].text == (
+        client.completions.create(prompt="Hello", **ask).choices[0].text
+    )
+    answer = bare.chat.completions.create(messages=MESSAGES, **ask)
+    assert (
+        answer.choices[0].message
+        == client.chat.completions.create(messages=MESSAGES, **ask).choices[0].message
+    )
+
+
+def test_openai_model_retrieval_and_unknown_routes(server, client, served):
+    assert httpx.get(f"{server.url}/v1/models/{served.name}", timeout=10).status_code == 401
+    card = client.models.retrieve(served.name)
+    assert card.id == served.name and card == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-4")
+    assert caught.value.body["param"] == "model" and "gpt-4" in caught.value.body["message"]
+    for method, path, status, words in (
+        ("POST", "/completion", 404, "POST /completion: no such endpoint"),
+        ("POST", "/v1/embeddings", 404, "POST /v1/embeddings: no such endpoint"),
+        ("GET", "/v1/chat/completions", 405, "takes POST"),
+    ):
+        response = httpx.request(method, server.url + path, json={}, headers=AUTH, timeout=30)
+        error = response.json()["error"]
+        assert response.status_code == status and words in error["message"] and "\n" not in error["message"]
+    assert httpx.get(server.url + "/v1/completions", headers=AUTH).headers["allow"] == "POST"
 
 
 def test_props_describe_the_model(server, served, model_path):
@@ -198,6 +259,8 @@ def test_llama_endpoints_need_the_api_key(server, path):
         "/tokenize": {"content": "hi"},
         "/detokenize": {"tokens": [1]},
         "/apply-template": {"messages": MESSAGES},
+        "/completions": {"prompt": "hi", "max_tokens": 1},
+        "/chat/completions": {"messages": MESSAGES, "max_tokens": 1},
     }
     method = "POST" if path in bodies else "GET"
 
@@ -226,6 +289,29 @@ def test_llama_endpoints_need_the_api_key(server, path):
             {"messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": False}},
             "chat_template_kwargs.add_generation_prompt",
         ),
+        (
+            "/apply-template",
+            {"messages": [{"role": "user", "content": [IMAGE]}]},
+            "messages.0.content.0.type",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [IMAGE]}]},
+            "messages.0.content.0.type",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [*MESSAGES, {"role": "assistant", "content": "{"}],
+                "response_format": {"type": "json_object"},
+            },
+            "messages.2",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages.0.content.0.text",
+        ),
     ],
 )
 def test_bad_bodies_are_one_line_400s_naming_the_field(server, path, body, param):
@@ -233,6 +319,8 @@ def test_bad_bodies_are_one_line_400s_naming_the_field(server, path, body, param
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and "\n" not in error["message"]
+    if param.endswith(".type"):
+        assert "'image_url' parts are not supported" in error["message"]
 
 
 def test_answers_carry_llama_server_timings(server):
@@ -240,7 +328,8 @@ def test_answers_carry_llama_server_timings(server):
     whole = post(server, "/v1/completions", body).json()
     timings, usage = whole["timings"], whole["usage"]
     assert (
-        timings["prompt_n"] == usage["prompt_tokens"] and timings["predicted_n"] == usage["completion_tokens"]
+        timings["prompt_n"] + timings["cache_n"] == usage["prompt_tokens"]
+        and timings["predicted_n"] == usage["completion_tokens"]
     )
     assert timings["prompt_ms"] > 0 and timings["predicted_ms"] > 0
     assert timings["predicted_per_second"] == pytest.approx(5 / timings["predicted_ms"] * 1000)

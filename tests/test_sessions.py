@@ -199,6 +199,31 @@ def test_chunked_prefills_beside_a_running_stream_answer_as_each_request_alone(m
     assert answers == expected
 
 
+def test_timings_count_computed_and_cached_prompt_tokens_as_llama_server(model_path):
+    """llama-server's `timings.prompt_n` is the prompt tokens computed, `cache_n` those reused: a repeated
+    prompt's rate is over the tokens it prefilled, not the whole prompt."""
+    from k3stream.engine.loading import load_runtime
+    from k3stream.server.app import ServerConfig, create_app
+    from k3stream.server.live import ServerThread
+    from k3stream.server.runtime import served_from_runtime
+
+    served = served_from_runtime(load_runtime(model_path, stream_experts=False), ctx=512)
+    served.prompt_cache = PromptCache(served.model, "timings", 64 * MIB, every=16)
+    with ServerThread(create_app(served, ServerConfig(max_batch=1))) as thread:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        prompt = " ".join(["river", "stone", "cloud"] * 15)
+        answers = [
+            client.completions.create(model=served.name, prompt=prompt, max_tokens=2) for _ in range(2)
+        ]
+    served.prompt_cache.close()
+    served.close()
+    for answer in answers:
+        cached, timings = answer.usage.prompt_tokens_details.cached_tokens, answer.model_extra["timings"]
+        assert timings["cache_n"] == cached and timings["prompt_n"] == answer.usage.prompt_tokens - cached
+    assert answers[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert answers[1].usage.prompt_tokens_details.cached_tokens > 0
+
+
 def test_the_server_cuts_prompts_by_equal_work_where_the_experts_are_in_ram(model_path):
     """`serve` with resident experts cuts a long prompt into chunks of equal work: a chunk deep in it,
     whose tokens attend over more rows, takes fewer tokens than `--prefill-chunk`."""

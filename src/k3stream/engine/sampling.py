@@ -11,6 +11,7 @@ raises NonFiniteLogits.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -58,8 +59,8 @@ class SamplingParams:
                 f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
             ),
             (
-                all(-100 <= bias <= 100 for _, bias in self.logit_bias),
-                "logit_bias values must be in [-100, 100]",
+                all(-100 <= bias <= 100 or bias == -math.inf for _, bias in self.logit_bias),
+                "logit_bias values must be in [-100, 100] or minus infinity (the token is never chosen)",
             ),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (all(self.stop), "stop strings must not be empty"),

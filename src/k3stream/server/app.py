@@ -130,11 +130,13 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     app.add_middleware(RequestCounter, metrics=metrics)  # outermost: refusals are counted too
     _add_error_handlers(app)
     api = Endpoints(served, scheduler, metrics, tokenizers, config.sse_keepalive_s)
-    app.get("/v1/models")(api.models)
+    for prefix in ("/v1", ""):  # llama-server answers OpenAI's paths without /v1 too
+        app.get(f"{prefix}/models")(api.models)
+        app.post(f"{prefix}/completions")(api.completions)
+        app.post(f"{prefix}/chat/completions")(api.chat_completions)
+    app.get("/v1/models/{model_id:path}")(api.model)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics_text)
-    app.post("/v1/completions")(api.completions)
-    app.post("/v1/chat/completions")(api.chat_completions)
     app.include_router(llama_router(served, scheduler, tokenizers))
     if config.webui:
         app.include_router(webui_router())
@@ -161,14 +163,21 @@ class Endpoints:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizers, function, *args)
 
     async def models(self) -> dict[str, Any]:
-        card = {
+        return {"object": "list", "data": [self._card()]}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        """OpenAI's model retrieval (`client.models.retrieve`): the served model's card, else a 404."""
+        self._check_model(model_id)
+        return self._card()
+
+    def _card(self) -> dict[str, Any]:
+        return {
             "id": self.served.name,
             "object": "model",
             "created": self.served.created,
             "owned_by": "k3stream",
             "max_model_len": self.served.ctx,
         }
-        return {"object": "list", "data": [card]}
 
     async def health(self) -> Response:
         """200 `ok`, or 503 `unhealthy` with the problems: model files changed since load, or the last
@@ -206,9 +215,9 @@ class Endpoints:
             tokens = await self._off_loop(self.served.encode_prompt, prompt)
         else:
             tokens = self._check_ids(prompt)
-        explicit = "max_tokens" in body.model_fields_set
+        limit, limit_param = body.token_limit()
         jobs = self._submit(
-            body, tokens, body.max_tokens, explicit_limit=explicit, prompt_param="prompt", top=body.logprobs
+            body, tokens, limit, limit_param=limit_param, prompt_param="prompt", top=body.logprobs
         )
         stream = self._stream(jobs, body, _CompletionChunks)
         return await stream.respond(request, body.stream, body.include_usage())
@@ -217,13 +226,13 @@ class Endpoints:
         body = await parse_body(request, ChatCompletionRequest)
         self._check_request(body)
         prompt = await self._off_loop(self.served.prepare_chat, body)
-        limit = body.token_limit()
+        limit, limit_param = body.token_limit()
         top = (body.top_logprobs or 0) if body.logprobs else None
         jobs = self._submit(
             body,
             prompt.tokens,
             limit,
-            explicit_limit=limit is not None,
+            limit_param=limit_param,
             prompt_param="messages",
             top=top,
             chat=prompt,
@@ -238,15 +247,20 @@ class Endpoints:
     def _check_request(self, body: SamplingFields) -> None:
         body.check_supported()
         body.logit_bias_ids(self.served.vocab_size)
+        body.stop_ids(self.served.vocab_size)
         if body.n > self.scheduler.max_batch:
             raise invalid_request(
                 f"n: at most {self.scheduler.max_batch} choices per request on this server (its batch size)",
                 param="n",
             )
-        if body.model not in (None, self.served.name):
+        if body.model is not None:
+            self._check_model(body.model)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.served.name:
             raise APIError(
                 404,
-                f"The model `{body.model}` does not exist; this server serves `{self.served.name}`",
+                f"The model `{model}` does not exist; this server serves `{self.served.name}`",
                 param="model",
                 code="model_not_found",
             )
@@ -266,14 +280,15 @@ class Endpoints:
         tokens: list[int],
         limit: int | None,
         *,
-        explicit_limit: bool,
+        limit_param: str | None,
         prompt_param: str,
         top: int | None,
         chat: ChatPrompt | None = None,
     ) -> list[Job]:
         """Queue the request, one job per choice (the first one's prefill shared by all); `top` is the
-        number of top logprobs per token (None: no logprobs)."""
-        max_tokens = self._token_budget(len(tokens), limit, explicit_limit, prompt_param)
+        number of top logprobs per token (None: no logprobs); `limit_param` the field that named `limit`
+        (None: a default)."""
+        max_tokens = self._token_budget(len(tokens), limit, limit_param, prompt_param)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         jobs = [
             Job(
@@ -292,7 +307,9 @@ class Endpoints:
             raise APIError(429, str(exc), type="server_overloaded", code="queue_full") from None
         return jobs
 
-    def _token_budget(self, prompt_len: int, limit: int | None, explicit: bool, prompt_param: str) -> int:
+    def _token_budget(
+        self, prompt_len: int, limit: int | None, limit_param: str | None, prompt_param: str
+    ) -> int:
         """Tokens this request may generate; a request that cannot fit the context is refused."""
         ctx = self.served.ctx
         if prompt_len >= ctx:
@@ -305,11 +322,11 @@ class Endpoints:
         room = ctx - prompt_len
         if limit is None:
             return room
-        if explicit and limit > room:
+        if limit_param is not None and limit > room:
             raise invalid_request(
                 f"This model's maximum context length is {ctx} tokens; the prompt has "
-                f"{prompt_len} tokens, so max_tokens can be at most {room}, not {limit}",
-                param="max_tokens",
+                f"{prompt_len} tokens, so {limit_param} can be at most {room}, not {limit}",
+                param=limit_param,
                 code="context_length_exceeded",
             )
         return min(limit, room)
@@ -419,15 +436,18 @@ async def _watch_disconnect(request: Request) -> None:
 
 def _timings(jobs: list[Job]) -> dict[str, float]:
     """llama-server's `timings` of a finished request, measured by the scheduler: the prompt's prefill
-    (shared by the choices) and the decoding after it, to the last token of any choice."""
+    (shared by the choices; `prompt_n` the tokens computed, `cache_n` those restored from the prompt
+    cache) and the decoding after it, to the last token of any choice."""
     first = jobs[0]
     prompt_ms = (first.prefill_done_at - first.prefill_started_at) * 1000
+    prompt_n = len(first.prompt_tokens) - first.cached_tokens
     predicted_n = sum(job.logic.completion_tokens for job in jobs)
     predicted_ms = (max(job.last_token_at for job in jobs) - first.prefill_done_at) * 1000
     return {
-        "prompt_n": len(first.prompt_tokens),
+        "cache_n": first.cached_tokens,
+        "prompt_n": prompt_n,
         "prompt_ms": prompt_ms,
-        "prompt_per_second": len(first.prompt_tokens) / prompt_ms * 1000 if prompt_ms > 0 else 0.0,
+        "prompt_per_second": prompt_n / prompt_ms * 1000 if prompt_ms > 0 else 0.0,
         "predicted_n": predicted_n,
         "predicted_ms": predicted_ms,
         "predicted_per_second": predicted_n / predicted_ms * 1000 if predicted_ms > 0 else 0.0,
@@ -609,9 +629,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def api_error(_request: Request, exc: APIError) -> Response:
         return exc.response()
 
-    async def http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        error = APIError(exc.status_code, _http_detail(exc), type=kind)
+        error.message = f"{request.method} {request.url.path}: {error.message}"  # the client's own path
+        response = error.response()
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
         return invalid_request(f"invalid request: {exc.errors()[0].get('msg', 'bad input')}").response()
@@ -623,6 +647,16 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, unexpected)
+
+
+def _http_detail(exc: StarletteHTTPException) -> str:
+    """The routing error in words: what this server has instead of a missing endpoint or method."""
+    if exc.status_code == 404:
+        return "no such endpoint on this server (docs/server-endpoints.md lists its endpoints)"
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        return f"method not allowed here; this endpoint takes {allowed}" if allowed else str(exc.detail)
+    return str(exc.detail)
 
 
 class RequestCounter:

@@ -19,7 +19,13 @@ from k3stream.server.bodies import parse_body
 from k3stream.server.errors import invalid_request
 from k3stream.server.runtime import ServedModel
 from k3stream.server.scheduler import Job, Scheduler
-from k3stream.server.schemas import RESERVED_TEMPLATE_NAMES, ChatMessage, TemplateValue, Tool
+from k3stream.server.schemas import (
+    RESERVED_TEMPLATE_NAMES,
+    ChatMessage,
+    TemplateValue,
+    Tool,
+    assistant_prefill,
+)
 
 # text a /tokenize request may hold (the body limit bounds it too); tokenizing is linear in it
 MAX_TOKENIZE_CHARS = 1 << 20
@@ -79,10 +85,15 @@ class LlamaEndpoints:
         if reserved is not None:
             param = f"chat_template_kwargs.{reserved}"
             raise invalid_request(f"{param}: set by the server", param=param)
+        for index, message in enumerate(body.messages):
+            message.check_parts(index)
         messages = [{**m.template_fields(), "content": m.text()} for m in body.messages]
+        prefill = assistant_prefill(body.messages)
+        if prefill is not None:
+            messages.pop()
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
         extras = {**(body.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
-        return {"prompt": await self._off_loop(self._render, messages, extras)}
+        return {"prompt": await self._off_loop(self._render, messages, extras) + (prefill or "")}
 
     def _render(self, messages: list[dict[str, Any]], extras: dict[str, Any]) -> str:
         try:

@@ -42,8 +42,10 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
 
 
 def from_validation_error(exc: ValidationError) -> APIError:
-    """The first problem pydantic found, named by its dotted field path."""
-    first = exc.errors(include_url=False)[0]
+    """The first problem pydantic found, named by its dotted field path: of a field that may take several
+    shapes, the deepest one (a bad item of a list says more than "not an object")."""
+    errors = exc.errors(include_url=False)
+    first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
     if first["type"] == "json_invalid":
         detail = first.get("ctx", {}).get("error", first["msg"])
         return invalid_request(f"request body is not valid JSON: {detail}", code="invalid_json")
@@ -56,13 +58,16 @@ def from_validation_error(exc: ValidationError) -> APIError:
 
 
 def _field_path(loc: tuple) -> str:
-    """`messages.0.content`, dropping the union-branch names pydantic adds (`str`, `list[int]`)."""
+    """`messages.0.content`, dropping the union-branch names pydantic adds (`str`, `list[int]`, a model's
+    class name)."""
     parts = [str(p) for p in loc if isinstance(p, int) or not _is_type_tag(str(p))]
     return ".".join(parts)
 
 
 def _is_type_tag(part: str) -> bool:
-    return part in ("str", "int", "float", "bool") or part.startswith(("list[", "function-", "literal["))
+    tags = ("list[", "dict[", "tuple[", "function-", "literal[", "constrained-")
+    model_name = part[:1].isupper() and part.isalnum() and not part.isupper()  # `NamedToolChoice`
+    return part in ("str", "int", "float", "bool") or part.startswith(tags) or model_name
 
 
 PATH_RE = re.compile(r"(?<![\w.~:/-])(?:/[^\s/:;,'\"()<>\[\]{}]+)+/([^\s/:;,'\"()<>\[\]{}]+)")

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-# llama-server's own endpoints (`endpoints_llama`)
-LLAMA_ENDPOINTS = frozenset({"/tokenize", "/detokenize", "/apply-template", "/props", "/slots"})
+# OpenAI's endpoints without `/v1`, as llama-server also answers them (a client whose base URL lacks it)
+OPENAI_ALIASES = ("/models", "/completions", "/chat/completions")
+# llama-server's own endpoints (`endpoints_llama`) and those aliases
+LLAMA_ENDPOINTS = frozenset(
+    {"/tokenize", "/detokenize", "/apply-template", "/props", "/slots", *OPENAI_ALIASES}
+)
 
 
 def needs_api_key(path: str) -> bool:

@@ -28,7 +28,7 @@ from k3stream.server.grammar import (
 )
 from k3stream.server.kimi_output import KimiFormat, OutputParser
 from k3stream.server.request_logic import RequestLogic, TokenConstraint
-from k3stream.server.schemas import ChatCompletionRequest, SamplingFields
+from k3stream.server.schemas import ChatCompletionRequest, SamplingFields, assistant_prefill
 
 
 @dataclass(kw_only=True)
@@ -62,7 +62,9 @@ class ServedModel(Runtime):
         return self.tokenizer.vocab_size
 
     def encode_prompt(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+        """A completion prompt's ids: special-token text becomes those tokens, as llama-server and vLLM
+        tokenize a prompt (the client writes the whole prompt, turn delimiters included)."""
+        return self.tokenizer.encode(text, allow_special=True)
 
     def encode_chat(
         self,
@@ -129,13 +131,20 @@ class ServedModel(Runtime):
         if tools and self.kimi.tools is None:
             raise invalid_request("tools: this model's vocabulary has no tool-call tokens", param="tools")
         messages = [{**m.template_fields(), "content": m.text()} for m in body.messages]
+        prefill = assistant_prefill(body.messages)
+        if prefill is not None:
+            messages.pop()
         tokens = self.encode_chat(messages, tools or None, body.chat_template_kwargs)
+        in_reasoning = self._opens_thinking(tokens)
+        if prefill:
+            tokens += self.pieces.get(("plain", prefill), self.tokenizer.encode_plain)
+            in_reasoning = in_reasoning and self.kimi.spell(self.kimi.think[1]) not in prefill
         return ChatPrompt(
             tokens=tokens,
             tool_names=tuple(tool.function.name for tool in body.tools or []),
             constraints=tuple(self._constraint(body) for _ in range(body.n)),
             reasoning=body.separate_reasoning,
-            in_reasoning=self._opens_thinking(tokens),
+            in_reasoning=in_reasoning,
         )
 
     def _opens_thinking(self, tokens: list[int]) -> bool:
@@ -192,18 +201,24 @@ class ServedModel(Runtime):
         """The per-sequence logic (sampling, stops, detokenisation, grammar, output parsing, logprobs) of
         one choice of a request; a chat answer also stops where the template closes the assistant's
         response. Choice `i` of a seeded request draws with seed + i, so the choices differ."""
+        seed = body.draw_seed()
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=max(body.top_k or 0, 0),
-            seed=None if body.seed is None else _choice_seed(body.seed, choice),
+            seed=None if seed is None else _choice_seed(seed, choice),
+            min_p=body.min_p or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             frequency_penalty=body.frequency_penalty or 0.0,
             presence_penalty=body.presence_penalty or 0.0,
             logit_bias=body.logit_bias_ids(self.vocab_size),
             max_tokens=max_tokens,
             stop=tuple(body.stop_list()),
             ignore_eos=body.ignore_eos,
-            stop_token_ids=self.chat_stop_ids if chat is not None else (),
+            stop_token_ids=(
+                *(self.chat_stop_ids if chat is not None else ()),
+                *body.stop_ids(self.vocab_size),
+            ),
         )
         if chat is None:
             sequence = Sequence(self.tokenizer, prompt_tokens, params)

@@ -9,6 +9,7 @@ honoured. Tool definitions and JSON schemas must be valid JSON Schema (draft 202
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -26,9 +27,19 @@ MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=100.0)]
+# a logit bias: a number, or false (llama-server's: the token is never chosen)
+BiasValue = Annotated[float, Field(ge=-100.0, le=100.0)] | Literal[False]
+# llama-server's max_tokens: -1 generates up to the context
+NPredict = Annotated[int, Field(ge=-1, le=MAX_TOKENS_LIMIT)]
+# seeds meaning "draw a fresh seed" (llama-server's default, LLAMA_DEFAULT_SEED as JSON sends it)
+RANDOM_SEEDS = (-1, 0xFFFFFFFF)
 # choices per request: each is one more sequence in the batch, sharing the prompt's prefill
 MAX_CHOICES = 16
 Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES)]
+# stop strings per request: OpenAI allows 4, llama-server and vLLM any number (each is matched apart)
+MAX_STOPS = 16
 
 
 def _empty(value: Any) -> bool:
@@ -48,6 +59,26 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "guided_regex": _empty,
     "guided_choice": _empty,
     "guided_grammar": _empty,
+    "use_beam_search": lambda value: value in (None, False),
+    "min_tokens": lambda value: value in (None, 0),
+    # llama-server's samplers and fields beyond the ones served (repetition_penalty and min_p are)
+    "repeat_penalty": lambda value: value in (None, 1, 1.0),
+    "typical_p": lambda value: value in (None, 1, 1.0),
+    "mirostat": lambda value: value in (None, 0),
+    "dry_multiplier": lambda value: value in (None, 0, 0.0),
+    "xtc_probability": lambda value: value in (None, 0, 0.0),
+    "top_n_sigma": lambda value: value is None or (isinstance(value, int | float) and value <= 0),
+    "n_probs": lambda value: value in (None, 0),
+    "grammar": _empty,
+    "json_schema": _empty,
+    "dynatemp_range": lambda value: value in (None, 0, 0.0),
+    # vLLM's
+    "bad_words": _empty,
+    "allowed_token_ids": _empty,
+    "include_stop_str_in_output": lambda value: value in (None, False),
+    "skip_special_tokens": lambda value: value in (None, True),
+    "add_generation_prompt": lambda value: value in (None, True),
+    "prompt_logprobs": lambda value: value in (None, 0),
 }
 
 
@@ -83,8 +114,12 @@ class SamplingFields(BaseModel):
     n: Choices = 1
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
-    # token id (as a string, OpenAI's JSON) -> value added to its logit
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    repetition_penalty: RepetitionPenalty | None = None  # vLLM's, over the prompt and the output
+    min_p: MinP | None = None
+    # token id (as a string, OpenAI's JSON) -> value added to its logit; or llama-server's [[id, value]]
+    logit_bias: dict[str, BiasValue] | list[tuple[int, BiasValue]] | None = None
+    n_predict: NPredict | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's: tokens that end the answer (not sent)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -98,23 +133,52 @@ class SamplingFields(BaseModel):
                 raise invalid_request(
                     f"{name} is not supported by this server", param=name, code="unsupported_parameter"
                 )
-        if isinstance(self.stop, list) and len(self.stop) > 4:
-            raise invalid_request("stop: at most 4 sequences", param="stop")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOPS:
+            raise invalid_request(f"stop: at most {MAX_STOPS} sequences", param="stop")
         if any(s == "" for s in self.stop_list()):
             raise invalid_request("stop: sequences must not be empty", param="stop")
+        if self.n_predict == 0:
+            message = "n_predict: must be -1 (up to the context) or at least 1"
+            raise invalid_request(message, param="n_predict")
 
     def logit_bias_ids(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
-        """`logit_bias` as (token id, value) pairs; a 400 naming the first key that is no token id."""
+        """`logit_bias` as (token id, value) pairs, `false` as minus infinity; a 400 naming the first
+        entry that is no token id."""
+        entries = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or []
         pairs = []
-        for key, value in (self.logit_bias or {}).items():
-            token = int(key) if key.isascii() and key.isdigit() and len(key) <= 12 else None
+        for index, (key, value) in enumerate(entries):
+            token = _token_id(key)
             if token is None or not 0 <= token < vocab_size:
                 raise invalid_request(
                     f"logit_bias: {key!r} is not a token id of this model's vocabulary of {vocab_size}",
-                    param="logit_bias",
+                    param="logit_bias" if isinstance(key, str) else f"logit_bias.{index}",
                 )
-            pairs.append((token, value))
+            pairs.append((token, -math.inf if value is False else value))
         return tuple(pairs)
+
+    def stop_ids(self, vocab_size: int) -> tuple[int, ...]:
+        """`stop_token_ids`; a 400 naming the first that is no token id of the vocabulary."""
+        ids = tuple(self.stop_token_ids or ())
+        bad = next((index for index, token in enumerate(ids) if not 0 <= token < vocab_size), None)
+        if bad is not None:
+            raise invalid_request(
+                f"stop_token_ids.{bad}: {ids[bad]} is not a token id of the vocabulary of {vocab_size}",
+                param=f"stop_token_ids.{bad}",
+            )
+        return ids
+
+    def draw_seed(self) -> int | None:
+        """The seed to draw with: None (a fresh one) when absent or llama-server's -1."""
+        return None if self.seed in (None, *RANDOM_SEEDS) else self.seed
+
+    def token_limit(self) -> tuple[int | None, str | None]:
+        """(most tokens to generate, None for up to the context; the field that named it, None where none
+        did, so that a named limit past the context is refused by name): `max_tokens`, else
+        llama-server's `n_predict`."""
+        named = "max_tokens" in self.model_fields_set and self.max_tokens is not None
+        if self.n_predict is not None and not named:
+            return (None, None) if self.n_predict == -1 else (self.n_predict, "n_predict")
+        return self.max_tokens, "max_tokens" if "max_tokens" in self.model_fields_set else None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -157,10 +221,12 @@ class CompletionRequest(SamplingFields):
         return prompt
 
 
-class TextPart(BaseModel):
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are served (`ChatMessage.check_parts`)."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
 
 
 class CalledFunction(BaseModel):
@@ -179,7 +245,7 @@ class AssistantToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
@@ -189,7 +255,17 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text or "" for part in self.content)
+
+    def check_parts(self, index: int) -> None:
+        """A 400 naming the first content part that is not text (this server takes text only)."""
+        for number, part in enumerate(self.content if isinstance(self.content, list) else []):
+            where = f"messages.{index}.content.{number}"
+            if part.type != "text":
+                message = f"{where}.type: {part.type!r} parts are not supported; this model takes text only"
+                raise invalid_request(message, param=f"{where}.type", code="unsupported_value")
+            if part.text is None:
+                raise invalid_request(f"{where}.text: a text part needs its text", param=f"{where}.text")
 
     def template_fields(self) -> dict[str, Any]:
         """The message as the chat template sees it, except `content` (tokenized apart)."""
@@ -202,6 +278,13 @@ class ChatMessage(BaseModel):
         if self.name is not None:
             fields["name"] = self.name
         return fields
+
+
+def assistant_prefill(messages: list[ChatMessage]) -> str | None:
+    """The text the answer continues (llama-server's assistant prefill): the content of a last message
+    from the assistant without tool calls, which then is no turn of its own; else None."""
+    last = messages[-1]
+    return last.text() if last.role == "assistant" and not last.tool_calls else None
 
 
 class FunctionDefinition(BaseModel):
@@ -266,6 +349,8 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        for index, message in enumerate(self.messages):
+            message.check_parts(index)
         if self.top_logprobs and not self.logprobs:
             raise invalid_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
         for index, tool in enumerate(self.tools or []):
@@ -281,6 +366,14 @@ class ChatCompletionRequest(SamplingFields):
             raise invalid_request(
                 f"chat_template_kwargs: {reserved!r} is set by the server",
                 param=f"chat_template_kwargs.{reserved}",
+            )
+        if assistant_prefill(self.messages) and self.forced_output():
+            where = f"messages.{len(self.messages) - 1}"
+            raise invalid_request(
+                f"{where}: an assistant message to continue cannot be combined with constrained output "
+                "(tool_choice, response_format), whose grammar starts the answer afresh",
+                param=where,
+                code="unsupported_value",
             )
         if self.ignore_eos and self.forced_output():
             raise invalid_request(
@@ -322,8 +415,18 @@ class ChatCompletionRequest(SamplingFields):
         json_output = self.response_format is not None and self.response_format.type != "text"
         return bool(self.forced_tools()) or json_output
 
-    def token_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    def token_limit(self) -> tuple[int | None, str | None]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        limit, named_by = super().token_limit()
+        return limit, named_by if limit is not None else None
+
+
+def _token_id(key: str | int) -> int | None:
+    """A logit_bias key as a token id: an int, or the digits of one."""
+    if isinstance(key, int):
+        return key
+    return int(key) if key.isascii() and key.isdigit() and len(key) <= 12 else None
 
 
 def check_json_schema(schema: dict[str, Any], param: str) -> None:
