@@ -28,16 +28,17 @@ def manifest_next_to(gguf_path: Path) -> Path | None:
     _pack, manifest = default_outputs(shards)
     if not manifest.is_file():
         return None
-    check_built_from(manifest, shards)
+    named = [resolve_path(shard["path"], manifest) for shard in sorted_shards(read_json(manifest))]
+    check_built_from(manifest, named, shards)
     return manifest
 
 
-def check_built_from(manifest_path: Path, shards: list[Path]) -> None:
-    """ValueError naming both files unless the manifest's source shards resolve to `shards`: a manifest
-    beside a GGUF that names other files (copied from another model's folder, or a copied folder whose
-    absolute paths still reach the original) would run that other model in place of the one asked for."""
-    named = [resolve_path(shard["path"], manifest_path) for shard in sorted_shards(read_json(manifest_path))]
-    given = [shard.resolve() for shard in shards]
+def check_built_from(manifest_path: Path, named: list[Path], shards: list[Path]) -> None:
+    """ValueError naming both files unless a manifest's source shards (`named`, resolved) are `shards`: a
+    pack beside a GGUF whose manifest names other files (copied from another model's folder, or a copied
+    folder whose absolute paths still reach the original), or a store over another model's pack, would
+    run that other model's experts in place of the ones asked for."""
+    given = [Path(shard).resolve() for shard in shards]
     if named != given:
         built = named[0] if named else "no shards"
         raise ValueError(
