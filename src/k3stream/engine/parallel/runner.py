@@ -149,12 +149,9 @@ class DriverModel:
 
     def _checked(self, tokens: Iterable[int]) -> list[int]:
         """Refuse bad ids here, before the followers are told: a bad request must not end them."""
-        tokens, vocab = [int(t) for t in tokens], self.model.config.vocab_size
-        if not tokens:
-            raise ValueError("expected a non-empty list of token ids")
-        if min(tokens) < 0 or max(tokens) >= vocab:
-            raise ValueError(f"token id outside 0..{vocab - 1}")
-        return tokens
+        from k3stream.model.k3 import token_ids
+
+        return token_ids(tokens, self.model.config.vocab_size)
 
     def _guarded(self, call: Callable[..., Any], *args: Any) -> Any:
         if self.failure is not None:  # the group is gone: fail at once, never wait
