@@ -42,6 +42,8 @@ def load(source: Any, options: LoadOptions | None = None) -> K3Model:
     (`pack.source.check_built_from`)."""
     from k3stream.model.k3 import load as _impl
 
+    if not isinstance(options, LoadOptions | None):
+        raise TypeError(f"k3stream.load: options must be a LoadOptions, got {type(options).__name__}")
     checkpoint = _checkpoint(source)
     options = options or LoadOptions()
     pack = getattr(options.expert_source, "pack", None)  # an ExpertStore's
