@@ -103,6 +103,15 @@ def _layer_line(layers: list[dict[str, Any]]) -> str:
     return " ".join(f"{row['layer']}:{row['attention']}/{row['ffn']}" for row in layers)
 
 
+def _object_text(report: dict[str, Any]) -> str:
+    """One expert object's bytes; the range when a mixed recipe gives the layers other sizes (the JSON's
+    `expert_object` is then their mean)."""
+    sizes = sorted({row["object_bytes"] for row in report["recipe"]["moe_layers"]})
+    if len(sizes) > 1:
+        return f"expert objects {sizes[0]:,} to {sizes[-1]:,} B by layer"
+    return f"one expert object {report['bytes']['expert_object']:,} B"
+
+
 def format_text(report: dict[str, Any]) -> str:
     from k3stream.gguf.recipe import recipe_lines
 
@@ -114,7 +123,7 @@ def format_text(report: dict[str, Any]) -> str:
         "config: " + ", ".join(f"{k}={v}" for k, v in config.items() if k not in ("source", "head_count_kv")),
         f"layers: {_layer_line(report['layers'])}",
         f"bytes: non-expert {_mib(sizes['non_expert'])}, routed experts {_mib(sizes['routed_experts'])}, "
-        f"total {_mib(sizes['total'])}, one expert object {sizes['expert_object']:,} B",
+        f"total {_mib(sizes['total'])}, {_object_text(report)}",
         "types: " + ", ".join(f"{t} {v['tensors']} tensors {_mib(v['bytes'])}" for t, v in types.items()),
         *recipe_lines(report["recipe"]),
         "shards:",
