@@ -98,3 +98,13 @@ def test_a_pack_copied_beside_another_model_is_refused_by_every_command(packed, 
     unpacked = run_cli("generate", str(gguf_b), "--prompt", "a", "--max-tokens", "1", "--no-stream-experts")
     assert unpacked[0] == 0, unpacked[2]
     assert verify(str(manifest))[0] == 0  # the manifest itself still names A's model
+
+
+def test_inspect_takes_a_manifest_as_the_other_commands_do(packed, capsys):
+    from k3stream.cli import main
+
+    gguf_path, manifest = packed
+    assert main(["inspect", str(gguf_path), "--json"]) == 0
+    expected = capsys.readouterr().out
+    assert main(["inspect", str(manifest), "--json"]) == 0
+    assert capsys.readouterr().out == expected

@@ -1,4 +1,5 @@
-"""`k3stream inspect PATH [--json] [--profile generic|audited]`: describe a Kimi-K3 GGUF.
+"""`k3stream inspect PATH [--json] [--profile generic|audited]`: describe a Kimi-K3 GGUF (PATH: the GGUF, any
+shard, its directory, or a pack's manifest, which names its GGUF).
 
 Config, layer map (KDA/MLA, dense/MoE), bytes by tensor class, GGML type histogram, the recipe per MoE
 layer and role with its bits per weight and bytes per token uncached, shards, the profile in force and
@@ -11,13 +12,18 @@ import argparse
 import dataclasses
 import json
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from k3stream.gguf.profile import PROFILES
 
-    parser.add_argument("path", metavar="PATH", help="a GGUF, any shard of a split set, or a directory")
+    parser.add_argument(
+        "path",
+        metavar="PATH",
+        help="a GGUF, any shard of a split set, a directory, or a pack's manifest (its GGUF)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--profile", default="generic", choices=tuple(PROFILES), help="checkpoint profile to enforce"
@@ -135,7 +141,11 @@ def format_text(report: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.pack.source import is_manifest, manifest_gguf
 
-    report = describe(K3Checkpoint.open(args.path, profile=args.profile))
+    path = Path(args.path)
+    report = describe(
+        K3Checkpoint.open(manifest_gguf(path) if is_manifest(path) else path, profile=args.profile)
+    )
     print(json.dumps(report, indent=2) if args.json else format_text(report))
     return 0
