@@ -163,8 +163,7 @@ class K3Model:
     @torch.inference_mode()
     def decode_batch(self, states: list[SequenceState], tokens: list[int]) -> torch.Tensor:
         """One token for each of several sequences (experts fetched once per layer); logits [B, vocab]."""
-        if len(states) != len(tokens):
-            raise ValueError(f"decode_batch: {len(states)} states but {len(tokens)} tokens")
+        check_batch(states, tokens)
         ids = self._token_list(tokens)
         program = self._program_for(states)
         if program is not None:
@@ -455,6 +454,15 @@ def _layer(
         attn_score=w.score(f"{p}attn_res_score.weight"),
         ffn_score=w.score(f"{p}ffn_res_score.weight"),
     )
+
+
+def check_batch(states: list[SequenceState], tokens: list[int]) -> None:
+    """A decode step's states and tokens: one token per state, each state once (a sequence takes one
+    token a step; a state given twice would take both tokens' updates at one position)."""
+    if len(states) != len(tokens):
+        raise ValueError(f"decode_batch: {len(states)} states but {len(tokens)} tokens")
+    if len({id(state) for state in states}) != len(states):
+        raise ValueError("decode_batch: a state is given more than once (a sequence takes one token a step)")
 
 
 INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)

@@ -107,8 +107,9 @@ class DriverModel:
         return self.decode_batch([state], [token])[0]
 
     def decode_batch(self, states: list[Any], tokens: list[int]) -> torch.Tensor:
-        if len(states) != len(tokens):
-            raise ValueError(f"decode_batch: {len(states)} states but {len(tokens)} tokens")
+        from k3stream.model.k3 import check_batch
+
+        check_batch(states, tokens)
         tokens = self._checked(tokens)
         with self._lock:
             self._send(DECODE, [s.parallel_id for s in states], tokens)
