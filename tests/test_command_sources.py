@@ -78,3 +78,33 @@ def test_verify_of_an_unpacked_gguf_says_what_it_needs(tmp_path):
     assert (status, out) == (1, "")
     assert len(err.splitlines()) == 1 and "JSON" not in err
     assert "no expert pack beside it" in err and f"run `k3stream pack {gguf_path}` first" in err
+
+
+def test_a_pack_copied_beside_another_model_is_refused_by_every_command(packed, tmp_path):
+    """Model A's pack and manifest copied into model B's folder (same shapes, other weights): the manifest
+    names A's GGUF, so reading it would run A in place of the B asked for."""
+    import shutil
+
+    from bench_helpers import run_cli
+    from k3stream.testing.tiny import TinySpec, make_tiny
+
+    gguf_a, manifest = packed
+    gguf_b = make_tiny(tmp_path, TinySpec(n_layers=3, n_experts=8, top_k=2, seed=6))
+    for path in (manifest, manifest.with_suffix("").with_suffix("")):
+        shutil.copy(path, tmp_path / path.name)
+    for status, _out, err in (verify(str(gguf_b)), run_cli("generate", str(gguf_b), "--prompt", "a")):
+        assert status == 1 and len(err.strip().splitlines()) == 1, err
+        assert f"built from {gguf_a.resolve()}, not {gguf_b.resolve()}" in err
+    unpacked = run_cli("generate", str(gguf_b), "--prompt", "a", "--max-tokens", "1", "--no-stream-experts")
+    assert unpacked[0] == 0, unpacked[2]
+    assert verify(str(manifest))[0] == 0  # the manifest itself still names A's model
+
+
+def test_inspect_takes_a_manifest_as_the_other_commands_do(packed, capsys):
+    from k3stream.cli import main
+
+    gguf_path, manifest = packed
+    assert main(["inspect", str(gguf_path), "--json"]) == 0
+    expected = capsys.readouterr().out
+    assert main(["inspect", str(manifest), "--json"]) == 0
+    assert capsys.readouterr().out == expected

@@ -312,6 +312,28 @@ def test_token_ids_are_checked(small_model):
         small_model.decode_batch([small_model.new_state(), small_model.new_state()], [1])
 
 
+def test_a_state_given_twice_in_one_decode_step_is_refused_and_left_as_it_was(small_model):
+    state = small_model.new_state()
+    small_model.prefill(state, [1, 2])
+    with pytest.raises(ValueError, match="decode_batch: a state is given more than once"):
+        small_model.decode_batch([state, state], [3, 4])
+    fresh = small_model.new_state()
+    small_model.prefill(fresh, [1, 2])
+    assert state.length == 2 and torch.equal(small_model.decode(state, 3), small_model.decode(fresh, 3))
+
+
+@pytest.mark.parametrize("tokens", ["hello", [1.7, 2.0], [True, False], [[1, 2]], np.array([0.5])])
+def test_token_ids_that_are_not_integers_are_refused_not_truncated(small_model, tokens):
+    with pytest.raises(ValueError, match="expected a non-empty list of integer token ids"):
+        small_model.logits(tokens)
+
+
+def test_numpy_and_torch_integer_ids_give_the_int_ids_logits(small_model):
+    expected = small_model.logits([1, 2, 3])
+    assert torch.equal(small_model.logits(np.array([1, 2, 3], dtype=np.int32)), expected)
+    assert torch.equal(small_model.logits(torch.tensor([1, 2, 3])), expected)
+
+
 def test_quantized_embedding_rows_are_dequantized_on_demand():
     from gguf import GGMLQuantizationType, quants
 

@@ -32,11 +32,20 @@ from llama_logits import relative_error
         ({"tp_size": 0}, r"^LoadOptions\.tp_size must be >= 1, got 0$"),
         ({"tp_rank": 2, "tp_size": 2}, r"^LoadOptions\.tp_rank must be in \[0, 2\), got 2$"),
         ({"tp_rank": -1}, r"^LoadOptions\.tp_rank must be in \[0, 1\), got -1$"),
+        ({"expert_ram_mib": "512"}, r"^LoadOptions\.expert_ram_mib must be >= 0 or None, got '512'$"),
+        ({"prefetch": "no"}, r"^LoadOptions\.prefetch must be True or False, got 'no'$"),
+        ({"match_ggml": "false"}, r"^LoadOptions\.match_ggml must be True or False, got 'false'$"),
+        ({"keep_quantized": 1}, r"^LoadOptions\.keep_quantized must be True or False, got 1$"),
     ],
 )
 def test_a_bad_field_is_refused_naming_it(fields, message):
     with pytest.raises(ValueError, match=message):
         LoadOptions(**fields)
+
+
+def test_load_takes_its_options_as_load_options(tiny_model):
+    with pytest.raises(TypeError, match=r"^k3stream\.load: options must be a LoadOptions, got dict$"):
+        k3stream.load(tiny_model(n_layers=2, n_experts=4, top_k=2), {"device": "cpu"})
 
 
 def test_options_are_frozen_and_varied_with_replace():

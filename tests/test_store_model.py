@@ -121,3 +121,13 @@ def test_a_step_larger_than_the_cache_reads_only_what_was_not_resident(streamed_
             assert torch.equal(moe(rows), first)
         assert len(step) > slots and len(resident) >= slots // 2
         assert store.stats()["pack_reads"] - reads == len(step) - len(resident)
+
+
+def test_a_store_over_another_models_pack_is_refused_naming_both(streamed_model, tiny_model):
+    """Same shapes, other weights: the pack's experts would run beside the other model's trunk."""
+    gguf_path, pack, _, _ = streamed_model
+    other = tiny_model(n_layers=5, n_experts=16, top_k=4, seed=11)
+    with ExpertStore(pack, ram_mib=pack.top_k * pack.object_bytes / MIB) as store:
+        with pytest.raises(ValueError, match=f"built from {gguf_path.resolve()}, not {other.resolve()}"):
+            k3stream.load(other, LoadOptions(expert_source=store))
+        assert k3stream.load(gguf_path, LoadOptions(expert_source=store)).logits(TOKENS[:2]).shape[0] == 2

@@ -139,4 +139,5 @@ def test_inspect_shows_the_recipe_per_layer_and_role_and_what_it_implies(tiny_mo
     assert main(["inspect", str(path)]) == 0
     text = capsys.readouterr().out
     assert "  layer 4: IQ1_S 1.56 / IQ1_M 1.75 / IQ2_S 2.56" in text
+    assert f"expert objects {min(objects):,} to {max(objects):,} B by layer" in text
     assert f"bytes per token uncached: {top_k * sum(objects) + non_expert:,}" in text

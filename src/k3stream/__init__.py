@@ -38,11 +38,19 @@ def load(source: Any, options: LoadOptions | None = None) -> K3Model:
     `K3Checkpoint`, as `options` say (`LoadOptions`; default: `LoadOptions()`). With neither an
     `expert_source` nor an `expert_ram_mib`, the routed experts are read from the GGUF into RAM at load
     when all of them fit the expert budget the memory plan leaves (`k3stream.memlimit`: the cgroup's
-    limit or the available RAM)."""
+    limit or the available RAM). An `ExpertStore` over the pack of another GGUF is refused
+    (`pack.source.check_built_from`)."""
     from k3stream.model.k3 import load as _impl
 
+    if not isinstance(options, LoadOptions | None):
+        raise TypeError(f"k3stream.load: options must be a LoadOptions, got {type(options).__name__}")
     checkpoint = _checkpoint(source)
     options = options or LoadOptions()
+    pack = getattr(options.expert_source, "pack", None)  # an ExpertStore's
+    if pack is not None:
+        from k3stream.pack.source import check_built_from
+
+        check_built_from(pack.manifest_path, pack.gguf_paths, checkpoint.shards)
     if options.expert_source is None and options.expert_ram_mib is None:
         from k3stream.memlimit import default_expert_ram_mib
 

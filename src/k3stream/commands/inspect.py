@@ -1,4 +1,5 @@
-"""`k3stream inspect PATH [--json] [--profile generic|audited]`: describe a Kimi-K3 GGUF.
+"""`k3stream inspect PATH [--json] [--profile generic|audited]`: describe a Kimi-K3 GGUF (PATH: the GGUF, any
+shard, its directory, or a pack's manifest, which names its GGUF).
 
 Config, layer map (KDA/MLA, dense/MoE), bytes by tensor class, GGML type histogram, the recipe per MoE
 layer and role with its bits per weight and bytes per token uncached, shards, the profile in force and
@@ -11,13 +12,18 @@ import argparse
 import dataclasses
 import json
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from k3stream.gguf.profile import PROFILES
 
-    parser.add_argument("path", metavar="PATH", help="a GGUF, any shard of a split set, or a directory")
+    parser.add_argument(
+        "path",
+        metavar="PATH",
+        help="a GGUF, any shard of a split set, a directory, or a pack's manifest (its GGUF)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--profile", default="generic", choices=tuple(PROFILES), help="checkpoint profile to enforce"
@@ -103,6 +109,15 @@ def _layer_line(layers: list[dict[str, Any]]) -> str:
     return " ".join(f"{row['layer']}:{row['attention']}/{row['ffn']}" for row in layers)
 
 
+def _object_text(report: dict[str, Any]) -> str:
+    """One expert object's bytes; the range when a mixed recipe gives the layers other sizes (the JSON's
+    `expert_object` is then their mean)."""
+    sizes = sorted({row["object_bytes"] for row in report["recipe"]["moe_layers"]})
+    if len(sizes) > 1:
+        return f"expert objects {sizes[0]:,} to {sizes[-1]:,} B by layer"
+    return f"one expert object {report['bytes']['expert_object']:,} B"
+
+
 def format_text(report: dict[str, Any]) -> str:
     from k3stream.gguf.recipe import recipe_lines
 
@@ -114,7 +129,7 @@ def format_text(report: dict[str, Any]) -> str:
         "config: " + ", ".join(f"{k}={v}" for k, v in config.items() if k not in ("source", "head_count_kv")),
         f"layers: {_layer_line(report['layers'])}",
         f"bytes: non-expert {_mib(sizes['non_expert'])}, routed experts {_mib(sizes['routed_experts'])}, "
-        f"total {_mib(sizes['total'])}, one expert object {sizes['expert_object']:,} B",
+        f"total {_mib(sizes['total'])}, {_object_text(report)}",
         "types: " + ", ".join(f"{t} {v['tensors']} tensors {_mib(v['bytes'])}" for t, v in types.items()),
         *recipe_lines(report["recipe"]),
         "shards:",
@@ -126,7 +141,11 @@ def format_text(report: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.pack.source import is_manifest, manifest_gguf
 
-    report = describe(K3Checkpoint.open(args.path, profile=args.profile))
+    path = Path(args.path)
+    report = describe(
+        K3Checkpoint.open(manifest_gguf(path) if is_manifest(path) else path, profile=args.profile)
+    )
     print(json.dumps(report, indent=2) if args.json else format_text(report))
     return 0

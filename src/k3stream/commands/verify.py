@@ -61,14 +61,15 @@ def manifest_of(source: Path) -> Path:
     """The manifest itself, or the one `k3stream pack` writes beside a GGUF by default."""
     from k3stream.gguf.shards import discover_shards
     from k3stream.pack.paths import default_outputs
-    from k3stream.pack.source import is_manifest
+    from k3stream.pack.source import is_manifest, manifest_next_to
 
     if is_manifest(source):
         return source
-    _pack, manifest = default_outputs(discover_shards(source))
-    if not manifest.is_file():
+    manifest = manifest_next_to(source)
+    if manifest is None:
+        looked = default_outputs(discover_shards(source))[1].name
         raise FileNotFoundError(
-            f"{source}: no expert pack beside it (looked for {manifest.name}); run `k3stream pack {source}` "
+            f"{source}: no expert pack beside it (looked for {looked}); run `k3stream pack {source}` "
             "first, or give the pack's manifest"
         )
     return manifest

@@ -163,8 +163,7 @@ class K3Model:
     @torch.inference_mode()
     def decode_batch(self, states: list[SequenceState], tokens: list[int]) -> torch.Tensor:
         """One token for each of several sequences (experts fetched once per layer); logits [B, vocab]."""
-        if len(states) != len(tokens):
-            raise ValueError(f"decode_batch: {len(states)} states but {len(tokens)} tokens")
+        check_batch(states, tokens)
         ids = self._token_list(tokens)
         program = self._program_for(states)
         if program is not None:
@@ -197,20 +196,7 @@ class K3Model:
         return torch.tensor(self._token_list(tokens), dtype=torch.long, device=self.device)
 
     def _token_list(self, tokens: Iterable[int]) -> list[int]:
-        """The ids as Python ints, checked: a non-empty flat list, each in the vocabulary (checked in
-        Python where they are ints already: a decode token then costs no torch operation here)."""
-        ids = list(tokens)
-        if not all(type(token) is int for token in ids):
-            as_tensor = torch.as_tensor(ids, dtype=torch.long)
-            if as_tensor.ndim != 1:
-                raise ValueError("expected a non-empty list of token ids")
-            ids = as_tensor.tolist()
-        if not ids:
-            raise ValueError("expected a non-empty list of token ids")
-        vocab = self.config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"token id outside 0..{vocab - 1}")
-        return ids
+        return token_ids(tokens, self.config.vocab_size)
 
     def _forward(
         self,
@@ -468,6 +454,41 @@ def _layer(
         attn_score=w.score(f"{p}attn_res_score.weight"),
         ffn_score=w.score(f"{p}ffn_res_score.weight"),
     )
+
+
+def check_batch(states: list[SequenceState], tokens: list[int]) -> None:
+    """A decode step's states and tokens: one token per state, each state once (a sequence takes one
+    token a step; a state given twice would take both tokens' updates at one position)."""
+    if len(states) != len(tokens):
+        raise ValueError(f"decode_batch: {len(states)} states but {len(tokens)} tokens")
+    if len({id(state) for state in states}) != len(states):
+        raise ValueError("decode_batch: a state is given more than once (a sequence takes one token a step)")
+
+
+INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def token_ids(tokens: Iterable[int], vocab: int) -> list[int]:
+    """The ids as Python ints, checked: a non-empty flat sequence of integers (ints, numpy or torch
+    integers), each in 0..vocab-1; floats, bools and text are refused, never truncated. Checked in
+    Python where they are ints already: a decode token then costs no torch operation here."""
+    ids = list(tokens)
+    if not all(type(token) is int for token in ids):
+        try:
+            as_tensor = torch.as_tensor(ids)
+        except (TypeError, ValueError, RuntimeError):
+            as_tensor = torch.empty(0)
+        integral = not (
+            as_tensor.is_floating_point() or as_tensor.is_complex() or as_tensor.dtype == torch.bool
+        )
+        if as_tensor.ndim != 1 or not integral:
+            raise ValueError(f"expected a non-empty list of integer token ids, got {ids[:4]!r}")
+        ids = as_tensor.tolist()
+    if not ids:
+        raise ValueError("expected a non-empty list of token ids")
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise ValueError(f"token id outside 0..{vocab - 1}")
+    return ids
 
 
 def load(checkpoint: K3Checkpoint, options: LoadOptions | None = None) -> K3Model:

@@ -6,6 +6,7 @@ No torch import here: the commands build one from their flags before torch is im
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Real
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -69,7 +70,11 @@ class LoadOptions:
         _choice("prefetch_hint", self.prefetch_hint, HINT_CHOICES)
         if self.kernels == "auto" and self.dtype != "float32":
             raise ValueError(f"LoadOptions.dtype {self.dtype} re-types weights: needs kernels='reference'")
-        if self.expert_ram_mib is not None and not self.expert_ram_mib >= 0:
+        for name in ("match_ggml", "keep_quantized", "prefetch"):  # a truthy "no" must not turn one on
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LoadOptions.{name} must be True or False, got {getattr(self, name)!r}")
+        ram = self.expert_ram_mib
+        if ram is not None and not (isinstance(ram, Real) and not isinstance(ram, bool) and ram >= 0):
             raise ValueError(f"LoadOptions.expert_ram_mib must be >= 0 or None, got {self.expert_ram_mib!r}")
         if self.tp_size < 1:
             raise ValueError(f"LoadOptions.tp_size must be >= 1, got {self.tp_size}")

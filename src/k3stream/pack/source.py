@@ -22,9 +22,29 @@ def is_manifest(path: Path) -> bool:
 
 
 def manifest_next_to(gguf_path: Path) -> Path | None:
-    """The manifest `k3stream pack` writes beside a GGUF by default, if it is there."""
-    _pack, manifest = default_outputs(discover_shards(gguf_path))
-    return manifest if manifest.is_file() else None
+    """The manifest `k3stream pack` writes beside a GGUF by default, if it is there and was built from
+    that GGUF (`check_built_from`)."""
+    shards = discover_shards(gguf_path)
+    _pack, manifest = default_outputs(shards)
+    if not manifest.is_file():
+        return None
+    named = [resolve_path(shard["path"], manifest) for shard in sorted_shards(read_json(manifest))]
+    check_built_from(manifest, named, shards)
+    return manifest
+
+
+def check_built_from(manifest_path: Path, named: list[Path], shards: list[Path]) -> None:
+    """ValueError naming both files unless a manifest's source shards (`named`, resolved) are `shards`: a
+    pack beside a GGUF whose manifest names other files (copied from another model's folder, or a copied
+    folder whose absolute paths still reach the original), or a store over another model's pack, would
+    run that other model's experts in place of the ones asked for."""
+    given = [Path(shard).resolve() for shard in shards]
+    if named != given:
+        built = named[0] if named else "no shards"
+        raise ValueError(
+            f"{manifest_path}: built from {built}, not {given[0]}; pack this GGUF "
+            f"(`k3stream pack {given[0]} --force`) or give the manifest to run the model it names"
+        )
 
 
 def manifest_gguf(manifest_path: Path) -> Path:

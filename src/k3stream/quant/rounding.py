@@ -2,9 +2,11 @@
 
 ggml converts the activations to the weight's "vec_dot" type first: F16/BF16 weights round them to
 F16/BF16; K-quant, i-quant and ternary weights quantize them to Q8_K (256-value blocks, float scale);
-Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/MXFP4/IQ4_NL weights to Q8_0 (32-value blocks, F16 scale). The dot products
-are then exact up to float summation order, so rounding the inputs the same way reproduces llama.cpp's
-numbers.
+Q4_0/Q5_0/Q8_0/MXFP4/IQ4_NL weights to Q8_0 (32-value blocks, F16 scale). The dot products are then
+exact up to float summation order, so rounding the inputs the same way reproduces llama.cpp's numbers.
+Q4_1/Q5_1 weights take Q8_1 in ggml: Q8_0's codes and scale plus a per-block F16 sum of the codes times
+the unrounded scale, which multiplies the weight's offset; here they take Q8_0, so their offset terms
+differ from llama.cpp's by that sum's F16 rounding (docs/accuracy.md).
 """
 
 from __future__ import annotations

@@ -107,8 +107,9 @@ class DriverModel:
         return self.decode_batch([state], [token])[0]
 
     def decode_batch(self, states: list[Any], tokens: list[int]) -> torch.Tensor:
-        if len(states) != len(tokens):
-            raise ValueError(f"decode_batch: {len(states)} states but {len(tokens)} tokens")
+        from k3stream.model.k3 import check_batch
+
+        check_batch(states, tokens)
         tokens = self._checked(tokens)
         with self._lock:
             self._send(DECODE, [s.parallel_id for s in states], tokens)
@@ -149,12 +150,9 @@ class DriverModel:
 
     def _checked(self, tokens: Iterable[int]) -> list[int]:
         """Refuse bad ids here, before the followers are told: a bad request must not end them."""
-        tokens, vocab = [int(t) for t in tokens], self.model.config.vocab_size
-        if not tokens:
-            raise ValueError("expected a non-empty list of token ids")
-        if min(tokens) < 0 or max(tokens) >= vocab:
-            raise ValueError(f"token id outside 0..{vocab - 1}")
-        return tokens
+        from k3stream.model.k3 import token_ids
+
+        return token_ids(tokens, self.model.config.vocab_size)
 
     def _guarded(self, call: Callable[..., Any], *args: Any) -> Any:
         if self.failure is not None:  # the group is gone: fail at once, never wait
