@@ -39,7 +39,7 @@ def check_built_from(manifest_path: Path, named: list[Path], shards: list[Path])
     folder whose absolute paths still reach the original), or a store over another model's pack, would
     run that other model's experts in place of the ones asked for."""
     given = [Path(shard).resolve() for shard in shards]
-    if named != given:
+    if [Path(path).resolve() for path in named] != given:  # links followed on both sides (a hub cache's)
         built = named[0] if named else "no shards"
         raise ValueError(
             f"{manifest_path}: built from {built}, not {given[0]}; pack this GGUF "
