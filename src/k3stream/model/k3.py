@@ -465,9 +465,6 @@ def check_batch(states: list[SequenceState], tokens: list[int]) -> None:
         raise ValueError("decode_batch: a state is given more than once (a sequence takes one token a step)")
 
 
-INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-
-
 def token_ids(tokens: Iterable[int], vocab: int) -> list[int]:
     """The ids as Python ints, checked: a non-empty flat sequence of integers (ints, numpy or torch
     integers), each in 0..vocab-1; floats, bools and text are refused, never truncated. Checked in
