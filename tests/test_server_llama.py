@@ -118,13 +118,14 @@ def test_a_last_assistant_message_is_continued_as_llama_server_prefills(server, 
 
 
 def test_openai_paths_without_v1_answer_as_in_llama_server(server, client):
-    """A client whose base URL lacks /v1 (llama-server answers both) gets the same answers."""
+    """A client whose base URL lacks /v1 (llama-server answers both) gets the same answers; `/completions`
+    is llama-server's native completion there, as in llama-server."""
     bare = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
     assert bare.models.list().data == client.models.list().data
     ask = {"model": bare.models.list().data[0].id, "max_tokens": 4, "temperature": 0}
-    assert bare.completions.create(prompt="Hello", **ask).choices[0].text == (
-        client.completions.create(prompt="Hello", **ask).choices[0].text
-    )
+    native = post(server, "/completions", {"prompt": "Hello", **ask}).json()
+    assert native["content"] == client.completions.create(prompt="Hello", **ask).choices[0].text
+    assert "choices" not in native and native["tokens_predicted"] == 4
     answer = bare.chat.completions.create(messages=MESSAGES, **ask)
     assert (
         answer.choices[0].message
@@ -140,8 +141,8 @@ def test_openai_model_retrieval_and_unknown_routes(server, client, served):
         client.models.retrieve("gpt-4")
     assert caught.value.body["param"] == "model" and "gpt-4" in caught.value.body["message"]
     for method, path, status, words in (
-        ("POST", "/completion", 404, "POST /completion: no such endpoint"),
-        ("POST", "/v1/embeddings", 404, "POST /v1/embeddings: no such endpoint"),
+        ("POST", "/v1/completion", 404, "POST /v1/completion: no such endpoint"),
+        ("POST", "/v1/audio/speech", 404, "POST /v1/audio/speech: no such endpoint"),
         ("GET", "/v1/chat/completions", 405, "takes POST"),
     ):
         response = httpx.request(method, server.url + path, json={}, headers=AUTH, timeout=30)
@@ -259,17 +260,19 @@ def test_llama_endpoints_need_the_api_key(server, path):
         "/tokenize": {"content": "hi"},
         "/detokenize": {"tokens": [1]},
         "/apply-template": {"messages": MESSAGES},
-        "/completions": {"prompt": "hi", "max_tokens": 1},
+        "/completion": {"prompt": "hi", "n_predict": 1},
+        "/completions": {"prompt": "hi", "n_predict": 1},
         "/chat/completions": {"messages": MESSAGES, "max_tokens": 1},
     }
-    method = "POST" if path in bodies else "GET"
+    unserved = ("/infill", "/embedding", "/embeddings", "/rerank", "/reranking")  # llama-server's 501
+    method = "POST" if path in bodies or path in unserved else "GET"
 
     def call(headers):
         return httpx.request(method, server.url + path, json=bodies.get(path), headers=headers, timeout=10)
 
     assert call({}).status_code == 401
     assert call({"Authorization": "Bearer wrong"}).status_code == 401
-    assert call(AUTH).status_code == 200
+    assert call(AUTH).status_code == (501 if path in unserved else 200)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 

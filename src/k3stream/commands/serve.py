@@ -7,6 +7,7 @@ import gc
 import os
 import signal
 import socket
+from pathlib import Path
 
 from k3stream.server.guard import API_KEY_ENV, GuardConfig, allowed_hosts_for, api_key_from
 
@@ -90,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-webui", action="store_true", help="do not serve the chat page at /")
     parser.add_argument(
+        "--slot-save-path",
+        type=Path,
+        default=None,
+        help="directory for POST /slots/{id}?action=save|restore files (default: slot actions off, 501)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
 
@@ -110,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         sse_keepalive_s=args.sse_keepalive,
         webui=not args.no_webui,
         prefill_chunk=args.prefill_chunk,
+        slot_save_path=args.slot_save_path,
     )
     config.check()
     check_address(args.host, args.port)

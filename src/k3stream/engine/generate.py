@@ -124,6 +124,7 @@ class Sequence:
         self.prompt_ids = list(prompt_ids)
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
+        self.stop_word = ""  # the stop string that ended the output ("" for none)
         self._on_text = on_text
         self._sampler = Sampler(params)
         self._decoder = tokenizer.stream_decoder(skip_special=params.skip_special_tokens)
@@ -154,9 +155,11 @@ class Sequence:
         return self._sampler.sample(logits, self._context_ids(), allowed, self.token_ids)
 
     def _context_ids(self) -> list[int]:
-        if self.params.repetition_penalty == 1.0:
+        last_n = self.params.repetition_last_n
+        if self.params.repetition_penalty == 1.0 or last_n == 0:
             return []
-        return self.prompt_ids + self.token_ids
+        context = self.prompt_ids + self.token_ids
+        return context if last_n < 0 else context[-last_n:]
 
     def accept(self, token: int) -> str:
         """Record `token`; return the newly released text (also given to `on_text`)."""
@@ -192,6 +195,7 @@ class Sequence:
         start = self._stops.feed(self._text[self._matched :])
         self._matched = len(self._text)
         if start is not None:
+            self.stop_word = next(s for s in self.params.stop if self._text.startswith(s, start))
             self._text = self._text[:start]
             self.finish_reason = FINISH_STOP
 

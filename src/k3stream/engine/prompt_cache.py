@@ -329,11 +329,13 @@ class ChunkedPrefill:
     runs beside it). The last step gives the logits; `keep_end()` snapshots the
     prompt's end, which a server calls once the first token is sent (before the state goes on)."""
 
-    def __init__(self, model: Any, tokens: list[int], cache: PromptCache | None = None) -> None:
+    def __init__(
+        self, model: Any, tokens: list[int], cache: PromptCache | None = None, reuse: bool = True
+    ) -> None:
         self.model, self.tokens, self.cache = model, list(tokens), cache
         self.logits: torch.Tensor | None = None
         self._end_unsaved = False  # the prompt's end was computed and is not in the cache yet
-        if cache is not None and cache.enabled:
+        if cache is not None and cache.enabled and reuse:  # `reuse` False: computed whole, still kept
             self.state, self.reused, self.logits = cache.restore_longest(self.tokens)
         else:
             self.state, self.reused = model.new_state(), 0
@@ -607,6 +609,33 @@ class PromptCache:
         with self._lock:
             self.stats.create_s += time.perf_counter() - started
         self._store(tokens, snapshot, durable=True)
+
+    def export(self, tokens: list[int], path: Path) -> tuple[int, int]:
+        """Write the deepest snapshot of a prefix of `tokens` to `path` as a file of its own (every latent
+        row in it, no parent; written to a temporary name, synced and renamed), for `import_file`:
+        (its tokens, bytes written); (0, 0) where the cache holds no prefix of `tokens`."""
+        found = self._use_deepest(tokens, lambda entry: True) if self.enabled else None
+        if found is None or found[1] is None:
+            return 0, 0
+        entry, snapshot = found
+        parts = encode(self.fingerprint, entry.tokens, snapshot)
+        write_bytes_atomic(path, parts)
+        return entry.length, _size(parts)
+
+    def import_file(self, path: Path) -> tuple[list[int], int]:
+        """A file `export` wrote, checked (checksum, this model file and computation, shapes) and stored
+        in the cache, where the next prompt that starts with its tokens restores it: (its tokens, bytes
+        read). Raises ValueError (OSError for a file that cannot be read) naming what is wrong."""
+        if not self.enabled:
+            raise ValueError("the prompt cache is off (--cache-ram 0)")
+        tokens = tuple(read_header(path, self.fingerprint)["tokens"])
+        data = read_file(path)
+        snapshot, parent, _ = decode(data, self.fingerprint, tokens, self.model)
+        if parent != (0, 0) or any(layer is None for layer in snapshot.layers):
+            raise ValueError("a prompt-cache file that depends on others, not a saved slot")
+        check_fits(self.model.new_state(), snapshot)
+        self._store(list(tokens), snapshot, durable=True)
+        return list(tokens), len(data)
 
     # ---- the tiers ---------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    repetition_last_n: int = -1  # the penalty counts the last n tokens of prompt and output (-1: all)
     frequency_penalty: float = 0.0  # subtracted once per earlier occurrence in the output
     presence_penalty: float = 0.0  # subtracted once from every token the output holds
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit)

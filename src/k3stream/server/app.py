@@ -8,9 +8,10 @@ import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,8 +26,9 @@ from k3stream.server.errors import APIError, invalid_request, redact_paths
 from k3stream.server.guard import Guard, GuardConfig
 from k3stream.server.kimi_output import Piece
 from k3stream.server.metrics import ServerMetrics
+from k3stream.server.native import native_router
 from k3stream.server.prompt_reuse import register_cache_metrics
-from k3stream.server.request_logic import TokenLogprob
+from k3stream.server.request_logic import TokenConstraint, TokenLogprob
 from k3stream.server.routes import LLAMA_ENDPOINTS
 from k3stream.server.runtime import ChatPrompt, ServedModel
 from k3stream.server.scheduler import (
@@ -40,8 +42,10 @@ from k3stream.server.scheduler import (
     ProgressEvent,
     QueueFull,
     Scheduler,
+    request_timings,
 )
 from k3stream.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from k3stream.server.slots import SlotTable, slots_router
 from k3stream.server.webui import webui_router
 
 KNOWN_ENDPOINTS = frozenset(
@@ -65,6 +69,7 @@ class ServerConfig:
     sse_keepalive_s: float = 15.0
     webui: bool = True  # the chat page at `/`
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    slot_save_path: Path | None = None  # where `/slots/{id}?action=save` writes (None: slot actions off)
 
     def check(self) -> None:
         if self.max_batch < 1:
@@ -75,6 +80,8 @@ class ServerConfig:
             raise ValueError(f"--sse-keepalive must be above 0 seconds, got {self.sse_keepalive_s}")
         if self.prefill_chunk < 1:
             raise ValueError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
+        if self.slot_save_path is not None and not self.slot_save_path.is_dir():
+            raise ValueError(f"--slot-save-path {self.slot_save_path}: not a directory")
         self.guard.check()
 
     def prefill_pass(self, served: ServedModel) -> int:
@@ -129,15 +136,18 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     app.add_middleware(Guard, config=config.guard)
     app.add_middleware(RequestCounter, metrics=metrics)  # outermost: refusals are counted too
     _add_error_handlers(app)
-    api = Endpoints(served, scheduler, metrics, tokenizers, config.sse_keepalive_s)
+    slots = SlotTable(scheduler.max_batch)
+    api = Endpoints(served, scheduler, metrics, tokenizers, config.sse_keepalive_s, slots)
     for prefix in ("/v1", ""):  # llama-server answers OpenAI's paths without /v1 too
         app.get(f"{prefix}/models")(api.models)
-        app.post(f"{prefix}/completions")(api.completions)
         app.post(f"{prefix}/chat/completions")(api.chat_completions)
+    app.post("/v1/completions")(api.completions)  # `/completions` is llama-server's native one
     app.get("/v1/models/{model_id:path}")(api.model)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics_text)
     app.include_router(llama_router(served, scheduler, tokenizers))
+    app.include_router(native_router(api))
+    app.include_router(slots_router(slots, served.prompt_cache, config.slot_save_path))
     if config.webui:
         app.include_router(webui_router())
     return app
@@ -151,14 +161,16 @@ class Endpoints:
         metrics: ServerMetrics,
         tokenizers: ThreadPoolExecutor,
         keepalive_s: float,
+        slots: SlotTable,
     ) -> None:
         self.served = served
         self.scheduler = scheduler
         self.metrics = metrics
         self.tokenizers = tokenizers
         self.keepalive_s = keepalive_s
+        self.slots = slots
 
-    async def _off_loop(self, function: Callable, *args: Any) -> Any:
+    async def off_loop(self, function: Callable, *args: Any) -> Any:
         """Run tokenizing / template rendering on the tokenizer threads, not the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizers, function, *args)
 
@@ -209,26 +221,24 @@ class Endpoints:
 
     async def completions(self, request: Request) -> Response:
         body = await parse_body(request, CompletionRequest)
-        self._check_request(body)
+        self.check_request(body)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
-            tokens = await self._off_loop(self.served.encode_prompt, prompt)
+            tokens = await self.off_loop(self.served.encode_prompt, prompt)
         else:
-            tokens = self._check_ids(prompt)
+            tokens = self.check_ids(prompt)
         limit, limit_param = body.token_limit()
-        jobs = self._submit(
-            body, tokens, limit, limit_param=limit_param, prompt_param="prompt", top=body.logprobs
-        )
+        jobs = self.submit(body, tokens, limit, limit_param=limit_param, top=body.logprobs)
         stream = self._stream(jobs, body, _CompletionChunks)
         return await stream.respond(request, body.stream, body.include_usage())
 
     async def chat_completions(self, request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
-        self._check_request(body)
-        prompt = await self._off_loop(self.served.prepare_chat, body)
+        self.check_request(body)
+        prompt = await self.off_loop(self.served.prepare_chat, body)
         limit, limit_param = body.token_limit()
         top = (body.top_logprobs or 0) if body.logprobs else None
-        jobs = self._submit(
+        jobs = self.submit(
             body,
             prompt.tokens,
             limit,
@@ -242,9 +252,14 @@ class Endpoints:
 
     def _stream(self, jobs: list[Job], body: SamplingFields, chunks: type[_Chunks]) -> Stream:
         makers = chunks.for_choices(self.served.name, body.n)
-        return Stream(jobs, self.scheduler, makers, self.keepalive_s, body.return_progress)
+        return self.stream(jobs, makers, body.return_progress)
 
-    def _check_request(self, body: SamplingFields) -> None:
+    def stream(self, jobs: list[Job], makers: Sequence[Any], progress: bool) -> Stream:
+        """The response of `jobs`, shaped by `makers` (one per job); each finished job's tokens go
+        under its slot."""
+        return Stream(jobs, self.scheduler, makers, self.keepalive_s, progress, self.slots.finished)
+
+    def check_request(self, body: SamplingFields) -> None:
         body.check_supported()
         body.logit_bias_ids(self.served.vocab_size)
         body.stop_ids(self.served.vocab_size)
@@ -252,6 +267,11 @@ class Endpoints:
             raise invalid_request(
                 f"n: at most {self.scheduler.max_batch} choices per request on this server (its batch size)",
                 param="n",
+            )
+        if body.id_slot >= self.slots.count:
+            raise invalid_request(
+                f"id_slot: this server has {self.slots.count} slots (0 to {self.slots.count - 1})",
+                param="id_slot",
             )
         if body.model is not None:
             self._check_model(body.model)
@@ -265,7 +285,7 @@ class Endpoints:
                 code="model_not_found",
             )
 
-    def _check_ids(self, ids: list[int]) -> list[int]:
+    def check_ids(self, ids: list[int]) -> list[int]:
         vocab = self.served.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -274,29 +294,41 @@ class Endpoints:
             )
         return ids
 
-    def _submit(
+    def submit(
         self,
         body: SamplingFields,
         tokens: list[int],
         limit: int | None,
         *,
         limit_param: str | None,
-        prompt_param: str,
         top: int | None,
+        prompt_param: str = "prompt",
         chat: ChatPrompt | None = None,
+        constraint: TokenConstraint | None = None,
+        queue: asyncio.Queue | None = None,
+        index: int = 0,
     ) -> list[Job]:
         """Queue the request, one job per choice (the first one's prefill shared by all); `top` is the
         number of top logprobs per token (None: no logprobs); `limit_param` the field that named `limit`
-        (None: a default)."""
+        (None: a default); `constraint` a completion's grammar (one choice); `queue` and `index` where
+        its events go (several prompts of one request share a queue, each its own index)."""
         max_tokens = self._token_budget(len(tokens), limit, limit_param, prompt_param)
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        loop, queue = asyncio.get_running_loop(), queue if queue is not None else asyncio.Queue()
         jobs = [
             Job(
                 prompt_tokens=tokens,
                 logic=self.served.new_sequence(
-                    body, tokens, max_tokens, chat=chat, top_logprobs=top, choice=choice
+                    body,
+                    tokens,
+                    max_tokens,
+                    chat=chat,
+                    top_logprobs=top,
+                    choice=choice,
+                    constraint=constraint,
                 ),
-                sink=EventSink(loop, queue, choice),
+                sink=EventSink(loop, queue, index + choice),
+                reuse_prompt=body.cache_prompt,
+                slot=self.slots.assign(body.id_slot if choice == 0 else -1, tokens),
             )
             for choice in range(body.n)
         ]
@@ -339,16 +371,18 @@ class Stream:
         self,
         jobs: list[Job],
         scheduler: Scheduler,
-        chunks: list[_Chunks],
+        chunks: Sequence[Any],
         keepalive_s: float = 15.0,
         progress: bool = False,
+        on_finish: Callable[[Job], None] | None = None,
     ) -> None:
         self.jobs = jobs
         self.queue = jobs[0].sink.queue  # the choices share it
         self.scheduler = scheduler
-        self.chunks = chunks
+        self.chunks = chunks  # the response's shapes, one per job (`_Chunks`, `native.NativeResult`)
         self.keepalive_s = keepalive_s
         self.progress = progress  # send the prefill's progress events (llama-server's return_progress)
+        self.on_finish = on_finish
 
     def cancel(self) -> None:
         for job in self.jobs:
@@ -367,7 +401,8 @@ class Stream:
     async def _sse(self, include_usage: bool) -> AsyncIterator[str]:
         try:
             for chunks in self.chunks:
-                yield _sse_data(chunks.first())
+                if (first := chunks.first()) is not None:
+                    yield _sse_data(first)
             finished: list[FinishEvent] = []
             while len(finished) < len(self.jobs):
                 try:
@@ -381,16 +416,17 @@ class Stream:
                 elif isinstance(event, PieceEvent):
                     yield _sse_data(self.chunks[choice].piece(event.piece))
                 elif isinstance(event, FinishEvent):
+                    self._finished(choice)
                     yield _sse_data(self.chunks[choice].last(event.reason))
                     finished.append(event)
                 else:
-                    yield _sse_data(_event_error(event).body())
+                    yield _sse_data(self.chunks[0].error(_event_error(event)).body())
                     break
             else:
                 if include_usage:
                     usage_chunk = self.chunks[0].usage_only(_usage(finished))
-                    yield _sse_data({**usage_chunk, "timings": _timings(self.jobs)})
-            yield "data: [DONE]\n\n"
+                    yield _sse_data({**usage_chunk, "timings": request_timings(self.jobs)})
+            yield self.chunks[0].done_line
         finally:
             self.cancel()  # a no-op for a finished job; frees the sequences of a client that left
 
@@ -406,17 +442,22 @@ class Stream:
                 if isinstance(event, PieceEvent):
                     totals[choice].extend(event.piece)
                 elif isinstance(event, FinishEvent):
+                    self._finished(choice)
                     finished[choice] = event
                 else:
-                    return _event_error(event).response()
+                    return self.chunks[0].error(_event_error(event)).response()
             choices = [
                 c.whole_choice(t, finished[c.index].reason) for c, t in zip(self.chunks, totals, strict=True)
             ]
-            body = self.chunks[0].whole(choices, _usage(list(finished.values())))
-            return JSONResponse({**body, "timings": _timings(self.jobs)})
+            usage = _usage([finished[index] for index in sorted(finished)])
+            return JSONResponse(self.chunks[0].whole(choices, usage, request_timings(self.jobs)))
         finally:
             watcher.cancel()
             self.cancel()
+
+    def _finished(self, choice: int) -> None:
+        if self.on_finish is not None:
+            self.on_finish(self.jobs[choice])
 
     async def _next_event(self, watcher: asyncio.Task) -> tuple[int, Event]:
         """The next `(choice, event)`; raises CancelledError once `watcher` saw the client go."""
@@ -432,26 +473,6 @@ async def _watch_disconnect(request: Request) -> None:
     """Returns when the client of a request whose body was read has disconnected."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _timings(jobs: list[Job]) -> dict[str, float]:
-    """llama-server's `timings` of a finished request, measured by the scheduler: the prompt's prefill
-    (shared by the choices; `prompt_n` the tokens computed, `cache_n` those restored from the prompt
-    cache) and the decoding after it, to the last token of any choice."""
-    first = jobs[0]
-    prompt_ms = (first.prefill_done_at - first.prefill_started_at) * 1000
-    prompt_n = len(first.prompt_tokens) - first.cached_tokens
-    predicted_n = sum(job.logic.completion_tokens for job in jobs)
-    predicted_ms = (max(job.last_token_at for job in jobs) - first.prefill_done_at) * 1000
-    return {
-        "cache_n": first.cached_tokens,
-        "prompt_n": prompt_n,
-        "prompt_ms": prompt_ms,
-        "prompt_per_second": prompt_n / prompt_ms * 1000 if prompt_ms > 0 else 0.0,
-        "predicted_n": predicted_n,
-        "predicted_ms": predicted_ms,
-        "predicted_per_second": predicted_n / predicted_ms * 1000 if predicted_ms > 0 else 0.0,
-    }
 
 
 def _usage(events: list[FinishEvent]) -> dict[str, Any]:
@@ -483,6 +504,7 @@ class _Chunks:
     object_whole: str
     object_chunk: str
     id_prefix: str
+    done_line = "data: [DONE]\n\n"  # the stream's last line
 
     def __init__(self, model: str, index: int = 0, ident: str = "", created: int = 0) -> None:
         self.model = model
@@ -518,8 +540,13 @@ class _Chunks:
     def usage_only(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope(self.object_chunk, []), "usage": usage}
 
-    def whole(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
-        return {**self._envelope(self.object_whole, choices), "usage": usage}
+    def whole(
+        self, choices: list[dict[str, Any]], usage: dict[str, Any], timings: dict[str, float]
+    ) -> dict[str, Any]:
+        return {**self._envelope(self.object_whole, choices), "usage": usage, "timings": timings}
+
+    def error(self, error: APIError) -> APIError:
+        return error
 
     def whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
         return {"index": self.index, **self._whole_choice(total, reason)}

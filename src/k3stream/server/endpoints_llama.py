@@ -106,7 +106,7 @@ class LlamaEndpoints:
         return {
             "default_generation_settings": {
                 "n_ctx": served.ctx,
-                "params": _params(SamplingParams(max_tokens=served.ctx)),
+                "params": llama_params(SamplingParams(max_tokens=served.ctx)),
             },
             "total_slots": self.scheduler.max_batch,
             "model_path": Path(str(served.tokenizer.source)).name,  # the name alone: no paths leave
@@ -138,7 +138,7 @@ class LlamaEndpoints:
                 "processed": job.prompt_done,
                 "time_ms": elapsed_ms,
             },
-            "params": _params(params),
+            "params": llama_params(params),
             "next_token": {
                 "has_next_token": job.active,
                 "n_remain": params.max_tokens - decoded,
@@ -156,7 +156,7 @@ def _phase(job: Job) -> str:
     return "prefill" if job.prompt_done < len(job.prompt_tokens) else "decode"
 
 
-def _params(params: SamplingParams) -> dict[str, Any]:
+def llama_params(params: SamplingParams) -> dict[str, Any]:
     """Sampling settings under llama-server's names."""
     return {
         "temperature": params.temperature,

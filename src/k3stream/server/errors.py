@@ -1,4 +1,5 @@
-"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}`."""
+"""Error bodies: OpenAI's `{"error": {"message", "type", "param", "code"}}`, and llama-server's
+`{"error": {"code": STATUS, "message", "type"}}` on its native endpoints (`LlamaError`)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,39 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+# llama-server's error types by status (its `format_error_response`)
+LLAMA_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    500: "server_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
+
+
+class LlamaError(APIError):
+    """An error in llama-server's shape: the HTTP status as `code`, no `param` (the message names it)."""
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"code": self.status, "message": self.message, "type": self.type}}
+
+    @classmethod
+    def of(cls, error: APIError) -> LlamaError:
+        """`error` in llama-server's shape: its type by status; a context overflow is its
+        `exceed_context_size_error`."""
+        kind = LLAMA_ERROR_TYPES.get(error.status, error.type)
+        if error.code == "context_length_exceeded":
+            kind = "exceed_context_size_error"
+        return cls(error.status, error.message, type=kind, param=error.param, code=error.code)
+
+
+def not_supported(message: str) -> LlamaError:
+    """llama-server's 501 for a feature this server does not have."""
+    return LlamaError(501, message, type=LLAMA_ERROR_TYPES[501])
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

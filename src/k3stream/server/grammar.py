@@ -31,6 +31,19 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_DEFAULTS)
 
 
+def gbnf_grammar(text: str, param: str) -> str:
+    """llama.cpp's GBNF grammar `text` in llguidance's dialect; a grammar it cannot read is a 400 naming
+    `param`."""
+    from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+
+    try:
+        return gbnf_to_lark(text)
+    except (GbnfToLarkError, ValueError) as exc:
+        raise invalid_request(
+            f"{param}: not a GBNF grammar: {str(exc).splitlines()[0]}", param=param
+        ) from None
+
+
 def tool_calls_grammar(
     tools: Sequence[tuple[str, dict[str, Any]]], *, parallel: bool, first_index: int = 0
 ) -> str:

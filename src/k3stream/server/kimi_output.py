@@ -56,6 +56,7 @@ class Piece:
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the token ids accepted since the last piece sent
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls or self.logprobs)
@@ -65,6 +66,7 @@ class Piece:
         self.reasoning += other.reasoning
         self.tool_calls += other.tool_calls
         self.logprobs += other.logprobs
+        self.tokens += other.tokens
 
 
 @dataclass(frozen=True)

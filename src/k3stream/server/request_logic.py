@@ -33,6 +33,15 @@ class TokenLogprob:
     logprob: float
     bytes: list[int]
     top: list[TokenLogprob] = field(default_factory=list)
+    id: int = -1  # the token id
+
+    def llama(self) -> dict[str, Any]:
+        """llama-server's `completion_probabilities` entry (its `top_logprobs` without lists of their own)."""
+        entry = self.llama_top()
+        return {**entry, "top_logprobs": [t.llama_top() for t in self.top]}
+
+    def llama_top(self) -> dict[str, Any]:
+        return {"id": self.id, "token": self.token, "bytes": self.bytes, "logprob": self.logprob}
 
     def openai(self) -> dict[str, Any]:
         """The chat API's entry (`top_logprobs` entries have no list of their own)."""
@@ -61,6 +70,7 @@ class RequestLogic:
         self.constraint = constraint
         self.top_logprobs = top_logprobs
         self._logprobs: list[TokenLogprob] = []
+        self._tokens: list[int] = []
 
     @property
     def finish_reason(self) -> str | None:
@@ -88,11 +98,13 @@ class RequestLogic:
         if self.constraint is not None:
             self.constraint.advance(token)
         text = self.sequence.accept(token)
+        self._tokens.append(token)
         piece = Piece(content=text) if self.parser is None else self.parser.feed(text)
         if self.parser is not None and self.sequence.done:
             piece.extend(self.parser.finish())
         if piece.content or piece.reasoning or piece.tool_calls or self.sequence.done:
             piece.logprobs, self._logprobs = self._logprobs, []
+            piece.tokens, self._tokens = self._tokens, []
         return piece
 
     def _logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:
@@ -100,9 +112,10 @@ class RequestLogic:
         top = torch.topk(logprobs, self.top_logprobs) if self.top_logprobs else None
         listed = [] if top is None else zip(top.indices.tolist(), top.values.tolist(), strict=True)
         entry = self._entry(token, float(logprobs[token]))
-        return TokenLogprob(entry.token, entry.logprob, entry.bytes, [self._entry(i, v) for i, v in listed])
+        top = [self._entry(i, v) for i, v in listed]
+        return TokenLogprob(entry.token, entry.logprob, entry.bytes, top, token)
 
     def _entry(self, token: int, logprob: float) -> TokenLogprob:
         """The token as the tokenizer decodes it (special tokens as their text)."""
         piece = self.tokenizer.piece(token)
-        return TokenLogprob(piece.decode("utf-8", errors="replace"), logprob, list(piece))
+        return TokenLogprob(piece.decode("utf-8", errors="replace"), logprob, list(piece), id=token)

@@ -8,7 +8,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,17 @@ class ServedModel(Runtime):
         """A completion prompt's ids: special-token text becomes those tokens, as llama-server and vLLM
         tokenize a prompt (the client writes the whole prompt, turn delimiters included)."""
         return self.tokenizer.encode(text, allow_special=True)
+
+    def encode_pieces(self, pieces: list[int | str]) -> list[int]:
+        """llama-server's mixed prompt: token ids as they are, each text as `encode_prompt` tokenizes it
+        (the BOS token only before a first piece that is text, where the file adds one)."""
+        ids: list[int] = []
+        for index, piece in enumerate(pieces):
+            if isinstance(piece, int):
+                ids.append(piece)
+            else:
+                ids += self.tokenizer.encode(piece, allow_special=True, add_bos=None if index == 0 else False)
+        return ids
 
     def encode_chat(
         self,
@@ -197,10 +208,12 @@ class ServedModel(Runtime):
         chat: ChatPrompt | None,
         top_logprobs: int | None = None,
         choice: int = 0,
+        constraint: TokenConstraint | None = None,
     ) -> RequestLogic:
         """The per-sequence logic (sampling, stops, detokenisation, grammar, output parsing, logprobs) of
         one choice of a request; a chat answer also stops where the template closes the assistant's
-        response. Choice `i` of a seeded request draws with seed + i, so the choices differ."""
+        response (its grammar is the chat's; `constraint` that of a completion). Choice `i` of a seeded
+        request draws with seed + i, so the choices differ."""
         seed = body.draw_seed()
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -220,9 +233,10 @@ class ServedModel(Runtime):
                 *body.stop_ids(self.vocab_size),
             ),
         )
+        params = replace(params, **body.sampling_overrides())
         if chat is None:
             sequence = Sequence(self.tokenizer, prompt_tokens, params)
-            return RequestLogic(sequence, self.tokenizer, top_logprobs=top_logprobs)
+            return RequestLogic(sequence, self.tokenizer, constraint=constraint, top_logprobs=top_logprobs)
         sequence = Sequence(self.tokenizer, prompt_tokens, params, marks=self.kimi.marks)
         parser = OutputParser(
             self.kimi, chat.tool_names, reasoning=chat.reasoning, in_reasoning=chat.in_reasoning

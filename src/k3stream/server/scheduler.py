@@ -132,6 +132,8 @@ class Job:
     generated: list[int] = field(default_factory=list)
     prefill: ChunkedPrefill | None = None  # the prompt's prefill while it runs
     reading: Future[None] | None = None  # its prompt's snapshot read from disk, before its prefill
+    reuse_prompt: bool = True  # restore the prompt from the cache (llama-server's cache_prompt)
+    slot: int = -1  # the slot the request reports under (`slots.SlotTable`)
 
     @property
     def width(self) -> int:
@@ -163,6 +165,26 @@ def _has_work(job: Job) -> bool:
     if job.reading is not None:
         return job.reading.done()
     return job.prefill is not None or job.last_token >= 0
+
+
+def request_timings(jobs: list[Job]) -> dict[str, float]:
+    """llama-server's `timings` of a finished request, measured by the scheduler: the prompt's prefill
+    (shared by the choices; `prompt_n` the tokens computed, `cache_n` those restored from the prompt
+    cache) and the decoding after it, to the last token of any choice."""
+    first = jobs[0]
+    prompt_ms = (first.prefill_done_at - first.prefill_started_at) * 1000
+    prompt_n = len(first.prompt_tokens) - first.cached_tokens
+    predicted_n = sum(job.logic.completion_tokens for job in jobs)
+    predicted_ms = (max(job.last_token_at for job in jobs) - first.prefill_done_at) * 1000
+    return {
+        "cache_n": first.cached_tokens,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_second": prompt_n / prompt_ms * 1000 if prompt_ms > 0 else 0.0,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_second": predicted_n / predicted_ms * 1000 if predicted_ms > 0 else 0.0,
+    }
 
 
 class Scheduler:
@@ -325,7 +347,7 @@ class Scheduler:
             self._start_prefill(job)
         while (job := self._next_waiting()) is not None:
             self._progress(job, 0)
-            if self.cache is not None and self.cache.needs_read(job.prompt_tokens):
+            if self.cache is not None and job.reuse_prompt and self.cache.needs_read(job.prompt_tokens):
                 job.reading = self._reader.submit(self._read_ahead, job.prompt_tokens)
                 job.reading.add_done_callback(lambda _: self.wake())
             else:
@@ -342,7 +364,7 @@ class Scheduler:
         if not job.active:
             return
         try:
-            job.prefill = ChunkedPrefill(self.model, job.prompt_tokens, self.cache)
+            job.prefill = ChunkedPrefill(self.model, job.prompt_tokens, self.cache, job.reuse_prompt)
         except Exception as exc:  # one bad request must not stop the server
             log.exception("prefill failed")
             self._fail_request(job, f"prefill failed: {exc}")

@@ -125,6 +125,8 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence
     return_progress: bool = False  # llama-server's: stream `prompt_progress` chunks during the prefill
+    cache_prompt: bool = True  # llama-server's: restore the prompt's longest cached prefix
+    id_slot: Annotated[int, Field(ge=-1)] = -1  # llama-server's: the slot the request runs under (-1: any)
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -140,6 +142,10 @@ class SamplingFields(BaseModel):
         if self.n_predict == 0:
             message = "n_predict: must be -1 (up to the context) or at least 1"
             raise invalid_request(message, param="n_predict")
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        """`SamplingParams` fields an endpoint's own request fields set beyond the shared ones."""
+        return {}
 
     def logit_bias_ids(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, value) pairs, `false` as minus infinity; a 400 naming the first

@@ -1,0 +1,327 @@
+"""llama-server's native completion API: `POST /completion` (and `/completions`, as llama-server routes
+it), its request fields and response shapes, on the scheduler and request logic the OpenAI endpoints
+use; and llama-server's answers for what k3stream does not serve: `/infill` (Kimi-K3's vocabulary has
+no fill-in-the-middle tokens), embeddings and reranking. Errors here are llama-server's error object
+(`errors.LlamaError`). docs/server-endpoints.md describes each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import APIRouter, Request, Response
+from pydantic import Field
+
+from k3stream.server.bodies import parse_body
+from k3stream.server.endpoints_llama import llama_params
+from k3stream.server.errors import APIError, LlamaError, invalid_request, not_supported
+from k3stream.server.grammar import gbnf_grammar, json_schema_grammar
+from k3stream.server.kimi_output import Piece
+from k3stream.server.request_logic import TokenConstraint
+from k3stream.server.scheduler import Job, ProgressEvent, request_timings
+from k3stream.server.schemas import RepetitionPenalty, SamplingFields, check_json_schema
+
+if TYPE_CHECKING:
+    from k3stream.server.app import Endpoints
+
+MAX_N_PROBS = 100
+MAX_PROMPTS = 16  # prompts of one request (each one more sequence, as llama-server runs them)
+# llama-server's sampler names and letters; the ones this server runs are in NEUTRAL
+SAMPLER_LETTERS = {
+    "penalties": "e",
+    "dry": "d",
+    "top_n_sigma": "s",
+    "top_k": "k",
+    "typ_p": "y",
+    "typical_p": "y",
+    "typical": "y",
+    "top_p": "p",
+    "min_p": "m",
+    "xtc": "x",
+    "temperature": "t",
+    "temp": "t",
+    "infill": "i",
+    "adaptive_p": "a",
+}
+# what leaving a sampler out of `samplers` sets: the sampler does nothing
+NEUTRAL = {
+    "e": {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0},
+    "k": {"top_k": 0},
+    "p": {"top_p": 1.0},
+    "m": {"min_p": 0.0},
+    "t": {"temperature": 1.0},
+}
+INFILL_MESSAGE = (
+    "Infill is not supported by this model: prefix token is missing. suffix token is missing. "
+    "middle token is missing. "
+)
+EMBEDDINGS_MESSAGE = "This server does not support embeddings. k3stream has no embedding mode"
+RERANK_MESSAGE = "This server does not support reranking. k3stream has no reranking mode"
+
+PromptPieces = list[int | str]
+
+
+class NativeCompletionRequest(SamplingFields):
+    """`/completion`'s body: llama-server's fields beside the shared ones (`n_predict`, `max_tokens`,
+    `temperature`, `seed`, `stop`, `logit_bias`, `cache_prompt`, `id_slot`, ...)."""
+
+    prompt: str | list[int | str | list[int | str]]
+    n_probs: Annotated[int, Field(ge=0, le=MAX_N_PROBS)] = 0
+    post_sampling_probs: bool = False
+    return_tokens: bool = False
+    repeat_penalty: RepetitionPenalty = 1.0
+    repeat_last_n: Annotated[int, Field(ge=-1)] = 64
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    special: bool = False  # special tokens' text in `content`
+    samplers: list[str] | str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.n != 1:
+            raise invalid_request("n: /completion answers one result per prompt", param="n")
+        if self.post_sampling_probs:
+            message = "post_sampling_probs is not supported: n_probs gives the model's own log-probabilities"
+            raise invalid_request(message, param="post_sampling_probs", code="unsupported_parameter")
+        if self.grammar and self.json_schema:
+            raise invalid_request("grammar: give a grammar or a json_schema, not both", param="grammar")
+        if self.json_schema:
+            check_json_schema(self.json_schema, "json_schema")
+        if self.ignore_eos and (self.grammar or self.json_schema):
+            message = (
+                "ignore_eos cannot be combined with a grammar or json_schema (the grammar ends the answer)"
+            )
+            raise invalid_request(message, param="ignore_eos", code="unsupported_value")
+        if self.repeat_penalty != 1.0 and self.repetition_penalty not in (None, 1.0):
+            message = "repeat_penalty: give repeat_penalty (llama-server's) or repetition_penalty, not both"
+            raise invalid_request(message, param="repeat_penalty")
+        self._sampler_letters()
+
+    def prompts(self) -> list[PromptPieces]:
+        """Each prompt as its pieces (token ids and texts), as llama-server reads `prompt`: a string, token
+        ids, ids and strings mixed (one prompt), or a list of such prompts."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or _one_prompt(prompt):
+            found = [[prompt] if isinstance(prompt, str) else list(prompt)]
+        elif any(isinstance(item, int) for item in prompt):
+            raise invalid_request(
+                "prompt: a list of prompts cannot hold token ids beside them", param="prompt"
+            )
+        else:
+            found = [[item] if isinstance(item, str) else list(item) for item in prompt]
+        if len(found) > MAX_PROMPTS:
+            raise invalid_request(f"prompt: at most {MAX_PROMPTS} prompts per request", param="prompt")
+        empty = next((index for index, pieces in enumerate(found) if not any(pieces)), None)
+        if empty is not None:
+            param = "prompt" if isinstance(prompt, str) or len(found) == 1 else f"prompt.{empty}"
+            raise invalid_request(f"{param}: a prompt must not be empty", param=param)
+        return found
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        overrides: dict[str, Any] = {"skip_special_tokens": not self.special}
+        if self.repeat_penalty != 1.0:  # llama-server's: over the last repeat_last_n tokens
+            overrides |= {"repetition_penalty": self.repeat_penalty, "repetition_last_n": self.repeat_last_n}
+        letters = self._sampler_letters()
+        for letter, neutral in NEUTRAL.items():
+            if letters is not None and letter not in letters:
+                overrides |= neutral
+        return overrides
+
+    def _sampler_letters(self) -> set[str] | None:
+        """The samplers `samplers` names, as llama-server's letters (None: all); a 400 naming an unknown
+        one."""
+        if self.samplers is None:
+            return None
+        if isinstance(self.samplers, str):
+            letters = set(self.samplers)
+            unknown = next(
+                (letter for letter in self.samplers if letter not in SAMPLER_LETTERS.values()), None
+            )
+            if unknown is not None:
+                raise invalid_request(f"samplers: unknown sampler letter {unknown!r}", param="samplers")
+            return letters
+        for index, name in enumerate(self.samplers):
+            if name not in SAMPLER_LETTERS:
+                raise invalid_request(
+                    f"samplers.{index}: unknown sampler {name!r}", param=f"samplers.{index}"
+                )
+        return {SAMPLER_LETTERS[name] for name in self.samplers}
+
+
+def _one_prompt(items: list[Any]) -> bool:
+    """Token ids, or token ids and texts mixed: one prompt."""
+    return any(isinstance(item, int) for item in items) and all(isinstance(item, int | str) for item in items)
+
+
+class NativeResult:
+    """The response shapes of one prompt of a `/completion` request (`app.Stream` sends them)."""
+
+    done_line = ""  # llama-server ends a native stream without `[DONE]`
+
+    def __init__(self, job: Job, index: int, model: str, body: NativeCompletionRequest, prompt: str) -> None:
+        self.job = job
+        self.index = index
+        self.model = model
+        self.body = body
+        self.prompt = prompt
+        self._content = ""  # what the stream sent so far
+        self._predicted = 0
+
+    def first(self) -> None:
+        return None  # a native stream starts with the first piece
+
+    def _partial(self, content: str, tokens: list[int]) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "content": content,
+            "tokens": tokens if self.body.return_tokens else [],
+            "stop": False,
+            "id_slot": self.job.slot,
+            "tokens_predicted": self._predicted,
+            "tokens_evaluated": len(self.job.prompt_tokens),
+        }
+
+    def progress(self, event: ProgressEvent) -> dict[str, Any]:
+        progress = {
+            "total": event.total,
+            "cache": event.cached,
+            "processed": event.processed,
+            "time_ms": event.time_ms,
+        }
+        return {**self._partial("", []), "prompt_progress": progress}
+
+    def piece(self, piece: Piece) -> dict[str, Any]:
+        self._content += piece.content
+        self._predicted += len(piece.tokens)
+        return {**self._partial(piece.content, piece.tokens), **_probabilities(piece)}
+
+    def last(self, reason: str) -> dict[str, Any]:
+        del reason  # the job's own finish says more (its stop type and word)
+        return self._summary(Piece(content=""), self._content)
+
+    def whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
+        del reason
+        return {**self._summary(total, total.content), **_probabilities(total)}
+
+    def whole(
+        self, choices: list[dict[str, Any]], usage: dict[str, Any], timings: dict[str, float]
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        del usage, timings  # each result carries its own
+        return choices[0] if len(choices) == 1 else choices
+
+    def error(self, error: APIError) -> LlamaError:
+        return LlamaError.of(error)
+
+    def _summary(self, total: Piece, content: str) -> dict[str, Any]:
+        """llama-server's final result: `total`'s text and tokens (none in a stream's last chunk, whose
+        pieces carried them), then the request's figures."""
+        job, logic = self.job, self.job.logic
+        return {
+            **self._partial(total.content, total.tokens),
+            "stop": True,
+            "model": self.model,
+            "tokens_predicted": logic.completion_tokens,
+            "generation_settings": {**llama_params(logic.params), "n_probs": self.body.n_probs},
+            "prompt": self.prompt,
+            "has_new_line": "\n" in content,
+            "truncated": False,
+            "stop_type": _stop_type(logic.finish_reason, logic.sequence.stop_word),
+            "stopping_word": logic.sequence.stop_word,
+            "tokens_cached": len(job.prompt_tokens) + max(len(job.generated) - 1, 0),
+            "timings": request_timings([job]),
+        }
+
+
+def _stop_type(reason: str | None, word: str) -> str:
+    if reason == "length":
+        return "limit"
+    if reason == "stop":
+        return "word" if word else "eos"
+    return "none"
+
+
+def _probabilities(piece: Piece) -> dict[str, Any]:
+    """llama-server's `completion_probabilities` of the piece's tokens (nothing without `n_probs`)."""
+    return {"completion_probabilities": [entry.llama() for entry in piece.logprobs]} if piece.logprobs else {}
+
+
+class NativeEndpoints:
+    def __init__(self, api: Endpoints) -> None:
+        self.api = api
+        self.served = api.served
+
+    async def completion(self, request: Request) -> Response:
+        try:
+            return await self._completion(request)
+        except APIError as error:
+            raise LlamaError.of(error) from None
+
+    async def _completion(self, request: Request) -> Response:
+        body = await parse_body(request, NativeCompletionRequest)
+        self.api.check_request(body)
+        prepared = [await self.api.off_loop(self._prepare, pieces, body) for pieces in body.prompts()]
+        limit, limit_param = body.token_limit()
+        queue: asyncio.Queue = asyncio.Queue()
+        jobs: list[Job] = []
+        try:
+            for index, (tokens, _, constraint) in enumerate(prepared):
+                top = body.n_probs or None
+                jobs += self.api.submit(
+                    body,
+                    tokens,
+                    limit,
+                    limit_param=limit_param,
+                    top=top,
+                    constraint=constraint,
+                    queue=queue,
+                    index=index,
+                )
+        except APIError:  # the prompts queued before this one go too
+            for job in jobs:
+                job.cancel()
+            self.api.scheduler.wake()
+            raise
+        results = [
+            NativeResult(job, index, self.served.name, body, text)
+            for index, (job, (_, text, _)) in enumerate(zip(jobs, prepared, strict=True))
+        ]
+        return await self.api.stream(jobs, results, body.return_progress).respond(request, body.stream, False)
+
+    def _prepare(
+        self, pieces: PromptPieces, body: NativeCompletionRequest
+    ) -> tuple[list[int], str, TokenConstraint | None]:
+        """A prompt's token ids, its text (llama-server's `prompt`: the ids decoded) and its grammar."""
+        tokens = self.api.check_ids(self.served.encode_pieces(pieces))
+        return tokens, self.served.tokenizer.decode(tokens), self._constraint(body)
+
+    def _constraint(self, body: NativeCompletionRequest) -> TokenConstraint | None:
+        if body.json_schema:
+            grammar, param = json_schema_grammar(body.json_schema), "json_schema"
+        elif body.grammar:
+            grammar, param = gbnf_grammar(body.grammar, "grammar"), "grammar"
+        else:
+            return None
+        return self.served.grammars.constraint(grammar, param)
+
+    async def infill(self) -> Response:
+        raise not_supported(INFILL_MESSAGE)
+
+    async def embeddings(self) -> Response:
+        raise not_supported(EMBEDDINGS_MESSAGE)
+
+    async def rerank(self) -> Response:
+        raise not_supported(RERANK_MESSAGE)
+
+
+def native_router(api: Endpoints) -> APIRouter:
+    native = NativeEndpoints(api)
+    router = APIRouter()
+    for path in ("/completion", "/completions"):
+        router.post(path)(native.completion)
+    router.post("/infill")(native.infill)
+    for path in ("/embedding", "/embeddings", "/v1/embeddings"):
+        router.post(path)(native.embeddings)
+    for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
+        router.post(path)(native.rerank)
+    return router

@@ -1,0 +1,186 @@
+"""llama-server's slots as k3stream keeps them: a slot is a conversation record, not a place in the batch.
+
+The scheduler batches any sequences; what a slot holds is the token ids of the last request that ran
+under it (its prompt and every generated token but the last: the state the prompt cache snapshots at
+a response's end). `POST /slots/{id}?action=save` writes the deepest prompt-cache snapshot of those
+tokens to a file under `--slot-save-path`, `restore` puts a file's state back into the prompt cache
+(where the next request whose prompt starts with its tokens reuses it) and makes it the slot's,
+`erase` forgets the slot's tokens (the prompt cache keeps its snapshots: other conversations may share
+them). Errors are llama-server's (`errors.LlamaError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict
+
+from k3stream.engine.prompt_cache import PromptCache
+from k3stream.server.bodies import parse_body
+from k3stream.server.errors import APIError, LlamaError, not_supported
+from k3stream.server.scheduler import Job
+
+# characters llama.cpp's fs_validate_filename refuses besides control characters
+FORBIDDEN = re.compile(r'[/\\:*?"<>|\x00-\x1f\x7f]')
+MAX_FILENAME_BYTES = 255
+
+
+class SlotTable:
+    """`count` slots, each the token ids of the last request that finished under it (thread-safe)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._tokens: list[list[int]] = [[] for _ in range(count)]
+        self._used = [0.0] * count
+        self._lock = threading.Lock()
+
+    def assign(self, requested: int, prompt: list[int]) -> int:
+        """The slot a request runs under: `requested` (-1: the slot whose tokens share the longest
+        prefix with `prompt`, else the least recently used one, as llama-server picks)."""
+        with self._lock:
+            best = requested if requested >= 0 else self._best(prompt)
+            self._used[best] = time.monotonic()
+            return best
+
+    def _best(self, prompt: list[int]) -> int:
+        shared = [_common_prefix(tokens, prompt) for tokens in self._tokens]
+        best = max(range(self.count), key=lambda slot: (shared[slot], -self._used[slot]))
+        return best if shared[best] else min(range(self.count), key=lambda slot: self._used[slot])
+
+    def finished(self, job: Job) -> None:
+        """Record a finished request's tokens under its slot."""
+        if 0 <= job.slot < self.count:
+            with self._lock:
+                self._tokens[job.slot] = job.prompt_tokens + job.generated[:-1]
+                self._used[job.slot] = time.monotonic()
+
+    def tokens(self, slot: int) -> list[int]:
+        with self._lock:
+            return list(self._tokens[slot])
+
+    def put(self, slot: int, tokens: list[int]) -> int:
+        """Make `tokens` the slot's; the number of tokens it held before."""
+        with self._lock:
+            before, self._tokens[slot] = len(self._tokens[slot]), list(tokens)
+            self._used[slot] = time.monotonic()
+            return before
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix: a binary search over slice comparisons (C loops, so a
+    long conversation's ids take well under a millisecond on the event loop)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def check_filename(name: str) -> None:
+    """llama-server's 400 `Invalid filename` for a name that is no plain file name: empty, too long, with
+    a path separator, a reserved or control character, `.` or `..`, or leading or trailing spaces."""
+    bad = (
+        not name
+        or len(name.encode()) > MAX_FILENAME_BYTES
+        or FORBIDDEN.search(name) is not None
+        or name in (".", "..")
+        or name != name.strip()
+        or name.endswith(".")
+    )
+    if bad:
+        raise LlamaError(400, "Invalid filename")
+
+
+class SlotFile(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    filename: str = ""
+
+
+class SlotActions:
+    def __init__(self, table: SlotTable, cache: PromptCache | None, directory: Path | None) -> None:
+        self.table = table
+        self.cache = cache
+        self.directory = directory
+
+    async def act(self, request: Request, id_slot: str) -> dict[str, Any]:
+        try:
+            return await self._act(request, id_slot)
+        except LlamaError:
+            raise
+        except APIError as error:
+            raise LlamaError.of(error) from None
+
+    async def _act(self, request: Request, id_slot: str) -> dict[str, Any]:
+        if self.directory is None:
+            raise not_supported("This server does not support slots action. Start it with `--slot-save-path`")
+        slot = int(id_slot) if id_slot.isascii() and id_slot.isdigit() else -1
+        if not 0 <= slot < self.table.count:
+            raise LlamaError(400, "Invalid slot ID")
+        action = request.query_params.get("action", "")
+        if action == "erase":
+            return {"id_slot": slot, "n_erased": self.table.put(slot, [])}
+        if action not in ("save", "restore"):
+            raise LlamaError(400, "Invalid action")
+        if self.cache is None or not self.cache.enabled:
+            raise not_supported("This server keeps no slot states: the prompt cache is off (--cache-ram 0)")
+        body = await parse_body(request, SlotFile)
+        check_filename(body.filename)
+        path = self.directory / body.filename
+        if action == "save":
+            return await asyncio.to_thread(self._save, slot, body.filename, path)
+        return await asyncio.to_thread(self._restore, slot, body.filename, path)
+
+    def _save(self, slot: int, filename: str, path: Path) -> dict[str, Any]:
+        started = time.perf_counter()
+        tokens = self.table.tokens(slot)
+        try:
+            saved, written = self.cache.export(tokens, path) if tokens else (0, 0)
+        except OSError as error:
+            raise LlamaError(500, f"cannot write {filename}: {error.strerror}", type="server_error") from None
+        if not saved:
+            raise LlamaError(
+                400, f"slot {slot} holds no state to save: it ran no request whose state is kept"
+            )
+        timings = {"save_ms": (time.perf_counter() - started) * 1000}
+        return {
+            "id_slot": slot,
+            "filename": filename,
+            "n_saved": saved,
+            "n_written": written,
+            "timings": timings,
+        }
+
+    def _restore(self, slot: int, filename: str, path: Path) -> dict[str, Any]:
+        started = time.perf_counter()
+        try:
+            tokens, read = self.cache.import_file(path)
+        except (OSError, ValueError) as error:
+            reason = "no such file" if isinstance(error, FileNotFoundError) else str(error)
+            message = (
+                f"Unable to restore slot: No available space in KV cache or invalid slot save file ({reason})"
+            )
+            raise LlamaError(400, message) from None
+        self.table.put(slot, tokens)
+        timings = {"restore_ms": (time.perf_counter() - started) * 1000}
+        return {
+            "id_slot": slot,
+            "filename": filename,
+            "n_restored": len(tokens),
+            "n_read": read,
+            "timings": timings,
+        }
+
+
+def slots_router(table: SlotTable, cache: PromptCache | None, directory: Path | None) -> APIRouter:
+    router = APIRouter()
+    router.post("/slots/{id_slot}")(SlotActions(table, cache, directory).act)
+    return router

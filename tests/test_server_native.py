@@ -1,0 +1,283 @@
+"""llama-server's native API (`/completion`, `/completions`, slot save/restore/erase, and its answers for
+infill, embeddings and reranking), against a live server on 127.0.0.1 on a tiny Kimi-K3 GGUF with the
+prompt cache on. The OpenAI endpoints of the same server are the oracle for what the native fields mean.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from k3stream.engine.loading import load_runtime
+from k3stream.engine.prompt_cache import MIB, PromptCache
+from k3stream.server.app import ServerConfig, create_app
+from k3stream.server.guard import GuardConfig
+from k3stream.server.live import ServerThread
+from k3stream.server.runtime import served_from_runtime
+
+KEY = "sk-test-native"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = "Once upon a time"
+GREEDY = {"temperature": 0, "n_predict": 12, "ignore_eos": True}
+TIMINGS = {"cache_n", "prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms"}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _served(model_path):
+    """A server's model with a prompt cache of its own (the fingerprint a model file's: one for all)."""
+    served = served_from_runtime(load_runtime(model_path, stream_experts=False), ctx=256)
+    served.prompt_cache = PromptCache(served.model, "tiny-native", 64 * MIB, every=16)
+    return served
+
+
+@pytest.fixture(scope="module")
+def slot_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("slots")
+
+
+@pytest.fixture(scope="module")
+def served(model_path):
+    served = _served(model_path)
+    yield served
+    served.prompt_cache.close()
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def server(served, slot_dir):
+    config = ServerConfig(max_batch=2, guard=GuardConfig(api_key=KEY), slot_save_path=slot_dir)
+    with ServerThread(create_app(served, config)) as thread:
+        yield thread
+
+
+def post(server, path, body, headers=AUTH):
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=120)
+
+
+def complete(server, **body):
+    reply = post(server, "/completion", body)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def tokenize(server, text: str) -> list[int]:
+    return post(server, "/tokenize", {"content": text, "add_special": True}).json()["tokens"]
+
+
+def llama_error(reply, status: int) -> str:
+    """The message of a llama-server error body of `status`."""
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"code", "message", "type"} and error["code"] == status
+    return error["message"]
+
+
+def test_completion_answers_as_v1_completions_in_llama_servers_fields(server, served):
+    native = complete(server, prompt=PROMPT, **GREEDY)
+    openai = post(
+        server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    )
+    assert native["content"] == openai.json()["choices"][0]["text"]
+    prompt_ids = tokenize(server, PROMPT)
+    assert native["stop"] is True and native["stop_type"] == "limit" and native["stopping_word"] == ""
+    assert native["tokens_predicted"] == 12 and native["tokens_evaluated"] == len(prompt_ids)
+    assert native["tokens_cached"] == len(prompt_ids) + 11
+    assert native["model"] == served.name and native["truncated"] is False
+    assert native["has_new_line"] == ("\n" in native["content"])
+    assert native["prompt"] == post(server, "/detokenize", {"tokens": prompt_ids}).json()["content"]
+    assert native["tokens"] == [] and 0 <= native["id_slot"] < 2 and native["index"] == 0
+    assert native["generation_settings"]["temperature"] == 0 and native["generation_settings"]["n_probs"] == 0
+    assert set(native["timings"]) >= TIMINGS and native["timings"]["predicted_n"] == 12
+    assert post(server, "/completions", {"prompt": PROMPT, **GREEDY}).json()["content"] == native["content"]
+
+
+def test_prompts_as_token_ids_mixed_and_several(server):
+    text = complete(server, prompt=PROMPT, **GREEDY)
+    ids = tokenize(server, PROMPT)
+    assert complete(server, prompt=ids, **GREEDY)["content"] == text["content"]
+    tail = post(server, "/tokenize", {"content": " and then"}).json()["tokens"]
+    mixed = complete(server, prompt=[*ids, " and then"], **GREEDY)
+    assert mixed["tokens_evaluated"] == len(ids) + len(tail)
+    assert mixed["content"] == complete(server, prompt=ids + tail, **GREEDY)["content"]
+    several = post(server, "/completion", {"prompt": [PROMPT, ids + tail], **GREEDY}).json()
+    assert isinstance(several, list) and [r["index"] for r in several] == [0, 1]
+    assert [r["content"] for r in several] == [text["content"], mixed["content"]]
+
+
+def test_return_tokens_and_stream_chunks(server):
+    whole = complete(server, prompt=PROMPT, return_tokens=True, **GREEDY)
+    assert len(whole["tokens"]) == 12
+    assert post(server, "/detokenize", {"tokens": whole["tokens"]}).json()["content"] == whole["content"]
+    body = {"prompt": PROMPT, "return_tokens": True, "stream": True, **GREEDY}
+    with httpx.stream("POST", server.url + "/completion", json=body, headers=AUTH, timeout=120) as reply:
+        lines = [line for line in reply.iter_lines() if line]
+    assert all(line.startswith("data: {") for line in lines)  # no `[DONE]`: llama-server's native stream
+    chunks = [json.loads(line[len("data: ") :]) for line in lines]
+    *pieces, last = chunks
+    assert not any(c["stop"] for c in pieces) and last["stop"] is True
+    assert "".join(c["content"] for c in pieces) == whole["content"] and last["content"] == ""
+    assert [t for c in pieces for t in c["tokens"]] == whole["tokens"]
+    assert [c["tokens_predicted"] for c in pieces][-1] == 12
+    assert last["stop_type"] == "limit" and last["tokens_predicted"] == 12 and set(last["timings"]) >= TIMINGS
+
+
+def test_stop_types_word_eos_and_limit_to_the_context(server, served):
+    text = complete(server, prompt=PROMPT, n_predict=24, temperature=0, ignore_eos=True)["content"]
+    word = text[len(text) // 2 : len(text) // 2 + 3]
+    stopped = complete(
+        server, prompt=PROMPT, n_predict=24, temperature=0, ignore_eos=True, stop=[word, "\x00"]
+    )
+    assert stopped["stop_type"] == "word" and stopped["stopping_word"] == word
+    assert stopped["content"] == text[: text.index(word)]
+    eos = complete(server, prompt=PROMPT, n_predict=8, logit_bias=[[served.tokenizer.eos_id, 100]])
+    assert eos["stop_type"] == "eos" and eos["tokens_predicted"] == 1 and eos["content"] == ""
+    to_context = complete(server, prompt=PROMPT, n_predict=-1, ignore_eos=True, temperature=0)
+    assert to_context["stop_type"] == "limit"
+    assert to_context["tokens_predicted"] == served.ctx - len(tokenize(server, PROMPT))
+
+
+def test_n_probs_are_the_models_logprobs_in_llama_servers_format(server):
+    native = complete(server, prompt=PROMPT, n_probs=3, **GREEDY)
+    openai = post(
+        server,
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 3},
+    ).json()["choices"][0]["logprobs"]
+    probs = native["completion_probabilities"]
+    assert len(probs) == 12
+    assert [p["logprob"] for p in probs] == openai["token_logprobs"]
+    for entry in probs:
+        assert set(entry) == {"id", "token", "bytes", "logprob", "top_logprobs"}
+        assert len(entry["top_logprobs"]) == 3 and entry["top_logprobs"][0]["id"] == entry["id"]  # greedy
+        assert set(entry["top_logprobs"][0]) == {"id", "token", "bytes", "logprob"}
+    assert "".join(bytes(p["bytes"]).decode("utf-8", "replace") for p in probs).startswith(
+        native["content"][:1]
+    )
+
+
+def test_samplers_left_out_do_nothing_and_unknown_ones_are_refused(server):
+    greedy = complete(server, prompt=PROMPT, **GREEDY)["content"]
+    hot = {**GREEDY, "temperature": 1.5, "seed": 7, "top_k": 1}
+    assert complete(server, prompt=PROMPT, samplers=["top_k", "temperature"], **hot)["content"] == greedy
+    no_top_k = complete(server, prompt=PROMPT, samplers="t", **hot)["content"]
+    assert no_top_k == complete(server, prompt=PROMPT, **{**hot, "top_k": 0})["content"]
+    message = llama_error(post(server, "/completion", {"prompt": PROMPT, "samplers": ["top_k", "beam"]}), 400)
+    assert message.startswith("samplers.1: unknown sampler 'beam'")
+
+
+def test_repeat_penalty_over_the_last_tokens(server):
+    body = {"temperature": 0, "ignore_eos": True}
+    vllm = post(
+        server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 16, "repetition_penalty": 1.8, **body}
+    )
+    whole = complete(server, prompt=PROMPT, n_predict=16, repeat_penalty=1.8, repeat_last_n=-1, **body)
+    assert whole["content"] == vllm.json()["choices"][0]["text"]
+    off = complete(server, prompt=PROMPT, n_predict=16, repeat_penalty=1.8, repeat_last_n=0, **body)
+    assert off["content"] == complete(server, prompt=PROMPT, n_predict=16, **body)["content"]
+    assert whole["generation_settings"]["repeat_penalty"] == 1.8
+
+
+def test_json_schema_and_gbnf_grammar_constrain_the_answer(server):
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    answer = complete(server, prompt=PROMPT, json_schema=schema, n_predict=40, seed=3)
+    assert set(json.loads(answer["content"])) == {"a"} and answer["stop_type"] == "eos"
+    for seed in range(3):
+        picked = complete(server, prompt=PROMPT, grammar='root ::= "yes" | "no"', n_predict=8, seed=seed)
+        assert picked["content"] in ("yes", "no") and picked["stop_type"] == "eos"
+    assert "grammar: not a GBNF grammar" in llama_error(
+        post(server, "/completion", {"prompt": "x", "grammar": "root ::= ("}), 400
+    )
+
+
+def test_cache_prompt_reuses_the_prompt_and_false_computes_it_whole(server):
+    prompt = PROMPT + " there was a cache"
+    first = complete(server, prompt=prompt, **GREEDY)
+    again = complete(server, prompt=prompt, **GREEDY)
+    assert again["timings"]["cache_n"] > 0 and again["content"] == first["content"]
+    cold = complete(server, prompt=prompt, cache_prompt=False, **GREEDY)
+    assert cold["timings"]["cache_n"] == 0 and cold["timings"]["prompt_n"] == cold["tokens_evaluated"]
+    assert cold["content"] == first["content"]
+
+
+def test_id_slot_and_errors_in_llama_servers_shape(server):
+    assert complete(server, prompt=PROMPT + " in slot one", id_slot=1, n_predict=2)["id_slot"] == 1
+    follow_up = complete(server, prompt=PROMPT + " in slot one, again", n_predict=2)
+    assert follow_up["id_slot"] == 1  # the slot whose conversation shares the longest prefix
+    assert "id_slot" in llama_error(post(server, "/completion", {"prompt": PROMPT, "id_slot": 2}), 400)
+    too_long = post(server, "/completion", {"prompt": list(range(1, 300))})
+    assert too_long.json()["error"]["type"] == "exceed_context_size_error"
+    assert llama_error(post(server, "/completion", {"prompt": ""}), 400).startswith("prompt")
+    assert post(server, "/completion", {"prompt": PROMPT}, headers={}).status_code == 401
+
+
+@pytest.mark.parametrize(
+    "path, start",
+    [
+        ("/infill", "Infill is not supported by this model: prefix token is missing."),
+        ("/embedding", "This server does not support embeddings."),
+        ("/embeddings", "This server does not support embeddings."),
+        ("/v1/embeddings", "This server does not support embeddings."),
+        ("/rerank", "This server does not support reranking."),
+        ("/v1/rerank", "This server does not support reranking."),
+    ],
+)
+def test_unserved_llama_endpoints_answer_501_as_llama_server(server, path, start):
+    reply = post(server, path, {"input": "x", "input_prefix": "a", "input_suffix": "b", "query": "q"})
+    assert llama_error(reply, 501).startswith(start)
+    assert reply.json()["error"]["type"] == "not_supported_error"
+
+
+def test_a_saved_slot_restores_into_another_server_and_its_prefix_is_reused(server, slot_dir, model_path):
+    turn = complete(server, prompt=PROMPT + " a slot", id_slot=0, return_tokens=True, **GREEDY)
+    saved = post(server, "/slots/0?action=save", {"filename": "conv.k3slot"}).json()
+    assert saved["id_slot"] == 0 and saved["filename"] == "conv.k3slot"
+    assert saved["n_saved"] == turn["tokens_cached"] and "save_ms" in saved["timings"]
+    assert sorted(p.name for p in slot_dir.iterdir()) == ["conv.k3slot"]  # no temporary file left
+    assert saved["n_written"] == (slot_dir / "conv.k3slot").stat().st_size
+    assert post(server, "/slots/0?action=erase", {}).json() == {"id_slot": 0, "n_erased": saved["n_saved"]}
+    history = tokenize(server, PROMPT + " a slot") + turn["tokens"]
+    cold = complete(server, prompt=history, cache_prompt=False, **GREEDY)
+    fresh = _served(model_path)
+    config = ServerConfig(max_batch=1, slot_save_path=slot_dir)
+    try:
+        with ServerThread(create_app(fresh, config)) as other:
+            restored = post(other, "/slots/0?action=restore", {"filename": "conv.k3slot"}, headers={}).json()
+            assert restored["n_restored"] == saved["n_saved"] and restored["n_read"] == saved["n_written"]
+            warm = complete(other, prompt=history, **GREEDY)
+    finally:
+        fresh.prompt_cache.close()
+        fresh.close()
+    assert warm["timings"]["cache_n"] == saved["n_saved"] and warm["content"] == cold["content"]
+
+
+@pytest.mark.parametrize("name", ["../escape.k3slot", "a/b", "", ".", "..", " x", "x.", "a\\b", "nul\x00"])
+def test_slot_filenames_that_are_no_plain_names_are_refused(server, name):
+    reply = post(server, "/slots/0?action=save", {"filename": name})
+    assert llama_error(reply, 400) == "Invalid filename"
+
+
+def test_slot_action_errors(server, slot_dir, model_path):
+    assert llama_error(post(server, "/slots/0?action=fly", {"filename": "x"}), 400) == "Invalid action"
+    assert llama_error(post(server, "/slots/abc?action=save", {"filename": "x"}), 400) == "Invalid slot ID"
+    assert llama_error(post(server, "/slots/2?action=save", {"filename": "x"}), 400) == "Invalid slot ID"
+    missing = post(server, "/slots/0?action=restore", {"filename": "missing.k3slot"})
+    assert llama_error(missing, 400).startswith("Unable to restore slot")
+    (slot_dir / "bad.k3slot").write_bytes(b"K3SNAP02" + bytes(40))
+    assert llama_error(post(server, "/slots/1?action=restore", {"filename": "bad.k3slot"}), 400).startswith(
+        "Unable to restore slot"
+    )
+    (slot_dir / "bad.k3slot").unlink()
+    assert post(server, "/slots/0?action=save", {"filename": "x"}, headers={}).status_code == 401
+    plain = served_from_runtime(load_runtime(model_path, stream_experts=False), ctx=256)  # no prompt cache
+    with ServerThread(create_app(plain, ServerConfig(max_batch=1))) as off:
+        message = llama_error(post(off, "/slots/0?action=save", {"filename": "x"}), 501)
+    plain.close()
+    assert message == "This server does not support slots action. Start it with `--slot-save-path`"
