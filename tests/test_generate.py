@@ -111,6 +111,30 @@ def test_held_back_text_is_released_when_generation_ends(tokenizer):
     assert pieces[-1] == "worl"
 
 
+def test_the_stop_word_that_ended_the_output_is_recorded(tokenizer):
+    sequence = Sequence(tokenizer, [tokenizer.bos_id], SamplingParams(temperature=0, stop=("near", " end")))
+    for token in tokenizer.encode("Hello world. The end is near."):
+        sequence.accept(token)
+        if sequence.done:
+            break
+    assert sequence.stop_word == " end" and sequence.text == "Hello world. The"
+
+
+def test_repetition_penalty_counts_only_the_last_n_tokens(tokenizer):
+    """llama-server's repeat_last_n: a token seen before the window is not penalised, one inside it is."""
+    early, other = 5, 10
+    logits = torch.zeros(tokenizer.vocab_size)
+    logits[early], logits[other] = 2.0, 1.1  # penalised by 2, `early` falls below `other`
+    prompt = [early, 7, 8, 9, 6]
+
+    def choice(last_n: int) -> int:
+        params = SamplingParams(temperature=0, repetition_penalty=2.0, repetition_last_n=last_n)
+        return Sequence(tokenizer, prompt, params).choose(logits)
+
+    assert choice(-1) == other and choice(5) == other  # `early` in the window
+    assert choice(4) == early and choice(0) == early  # outside it; 0: no penalty
+
+
 def _first_stop(tokenizer: Tokenizer, ids: list[int], stops: tuple[str, ...]) -> str | None:
     """Reference: the text up to the first stop string, checked after each token as it arrives."""
     for t in range(1, len(ids) + 1):
