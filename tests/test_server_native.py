@@ -134,9 +134,10 @@ def test_stop_types_word_eos_and_limit_to_the_context(server, served):
     assert stopped["content"] == text[: text.index(word)]
     eos = complete(server, prompt=PROMPT, n_predict=8, logit_bias=[[served.tokenizer.eos_id, 100]])
     assert eos["stop_type"] == "eos" and eos["tokens_predicted"] == 1 and eos["content"] == ""
-    to_context = complete(server, prompt=PROMPT, n_predict=-1, ignore_eos=True, temperature=0)
-    assert to_context["stop_type"] == "limit"
-    assert to_context["tokens_predicted"] == served.ctx - len(tokenize(server, PROMPT))
+    room = served.ctx - len(tokenize(server, PROMPT))
+    for n_predict in (-1, served.ctx + 100):  # past the context: cut there, as llama-server does
+        to_context = complete(server, prompt=PROMPT, n_predict=n_predict, ignore_eos=True, temperature=0)
+        assert to_context["stop_type"] == "limit" and to_context["tokens_predicted"] == room
 
 
 def test_n_probs_are_the_models_logprobs_in_llama_servers_format(server):
@@ -212,8 +213,9 @@ def test_id_slot_and_errors_in_llama_servers_shape(server):
     follow_up = complete(server, prompt=PROMPT + " in slot one, again", n_predict=2)
     assert follow_up["id_slot"] == 1  # the slot whose conversation shares the longest prefix
     assert "id_slot" in llama_error(post(server, "/completion", {"prompt": PROMPT, "id_slot": 2}), 400)
-    too_long = post(server, "/completion", {"prompt": list(range(1, 300))})
-    assert too_long.json()["error"]["type"] == "exceed_context_size_error"
+    too_long = post(server, "/completion", {"prompt": list(range(1, 300))}).json()["error"]
+    assert too_long["code"] == 400 and too_long["type"] == "exceed_context_size_error"
+    assert too_long["n_prompt_tokens"] == 299 and too_long["n_ctx"] == 256
     assert llama_error(post(server, "/completion", {"prompt": ""}), 400).startswith("prompt")
     assert post(server, "/completion", {"prompt": PROMPT}, headers={}).status_code == 401
 

@@ -350,6 +350,7 @@ class Endpoints:
                 f"{prompt_len} tokens",
                 param=prompt_param,
                 code="context_length_exceeded",
+                figures={"n_prompt_tokens": prompt_len, "n_ctx": ctx},
             )
         room = ctx - prompt_len
         if limit is None:
@@ -360,6 +361,7 @@ class Endpoints:
                 f"{prompt_len} tokens, so {limit_param} can be at most {room}, not {limit}",
                 param=limit_param,
                 code="context_length_exceeded",
+                figures={"n_prompt_tokens": prompt_len, "n_ctx": ctx},
             )
         return min(limit, room)
 

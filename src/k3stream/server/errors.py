@@ -21,6 +21,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        figures: dict[str, int] | None = None,
     ) -> None:
         message = redact_paths(message)  # error bodies never reveal the server's file layout
         super().__init__(message)
@@ -29,6 +30,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.figures = figures or {}  # numbers llama-server's body adds (`n_prompt_tokens`, `n_ctx`)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -54,16 +56,19 @@ class LlamaError(APIError):
     """An error in llama-server's shape: the HTTP status as `code`, no `param` (the message names it)."""
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"code": self.status, "message": self.message, "type": self.type}}
+        return {"error": {"code": self.status, "message": self.message, "type": self.type, **self.figures}}
 
     @classmethod
     def of(cls, error: APIError) -> LlamaError:
         """`error` in llama-server's shape: its type by status; a context overflow is its
-        `exceed_context_size_error`."""
+        `exceed_context_size_error`, with the prompt's tokens and the context (`n_prompt_tokens`,
+        `n_ctx`)."""
         kind = LLAMA_ERROR_TYPES.get(error.status, error.type)
         if error.code == "context_length_exceeded":
             kind = "exceed_context_size_error"
-        return cls(error.status, error.message, type=kind, param=error.param, code=error.code)
+        return cls(
+            error.status, error.message, type=kind, param=error.param, code=error.code, figures=error.figures
+        )
 
 
 def not_supported(message: str) -> LlamaError:
@@ -71,8 +76,10 @@ def not_supported(message: str) -> LlamaError:
     return LlamaError(501, message, type=LLAMA_ERROR_TYPES[501])
 
 
-def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
+def invalid_request(
+    message: str, param: str | None = None, code: str | None = None, figures: dict[str, int] | None = None
+) -> APIError:
+    return APIError(400, message, param=param, code=code, figures=figures)
 
 
 def from_validation_error(exc: ValidationError) -> APIError:

@@ -98,6 +98,11 @@ class NativeCompletionRequest(SamplingFields):
             raise invalid_request(message, param="repeat_penalty")
         self._sampler_letters()
 
+    def token_limit(self) -> tuple[int | None, str | None]:
+        """`n_predict` (or `max_tokens`), cut to the room the context leaves, as llama-server stops there
+        (`stop_type` limit) rather than refusing the request."""
+        return super().token_limit()[0], None
+
     def prompts(self) -> list[PromptPieces]:
         """Each prompt as its pieces (token ids and texts), as llama-server reads `prompt`: a string, token
         ids, ids and strings mixed (one prompt), or a list of such prompts."""
