@@ -217,6 +217,8 @@ def test_id_slot_and_errors_in_llama_servers_shape(server):
     assert too_long["code"] == 400 and too_long["type"] == "exceed_context_size_error"
     assert too_long["n_prompt_tokens"] == 299 and too_long["n_ctx"] == 256
     assert llama_error(post(server, "/completion", {"prompt": ""}), 400).startswith("prompt")
+    refused = post(server, "/completion", {"prompt": PROMPT, "n_cmpl": 2})
+    assert llama_error(refused, 400) == "n_cmpl is not supported by this server"
     assert post(server, "/completion", {"prompt": PROMPT}, headers={}).status_code == 401
 
 
@@ -260,7 +262,9 @@ def test_a_saved_slot_restores_into_another_server_and_its_prefix_is_reused(serv
     assert warm["timings"]["cache_n"] == saved["n_saved"] and warm["content"] == cold["content"]
 
 
-@pytest.mark.parametrize("name", ["../escape.k3slot", "a/b", "", ".", "..", " x", "x.", "a\\b", "nul\x00"])
+@pytest.mark.parametrize(
+    "name", ["../escape.k3slot", "a/b", "", ".", "..", " x", "x.", "a\\b", "nul\x00", "x" * 256]
+)
 def test_slot_filenames_that_are_no_plain_names_are_refused(server, name):
     reply = post(server, "/slots/0?action=save", {"filename": name})
     assert llama_error(reply, 400) == "Invalid filename"

@@ -72,6 +72,10 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "grammar": _empty,
     "json_schema": _empty,
     "dynatemp_range": lambda value: value in (None, 0, 0.0),
+    "n_cmpl": lambda value: value in (None, 1),
+    "n_indent": lambda value: value in (None, 0),
+    "t_max_predict_ms": lambda value: value in (None, 0),
+    "lora": _empty,
     # vLLM's
     "bad_words": _empty,
     "allowed_token_ids": _empty,
