@@ -89,7 +89,9 @@ def served(tool_gguf):
 
 
 def chat(client, **fields):
-    return client.chat.completions.create(model="kimi-tools", messages=ASK, **{"max_tokens": 120, **fields})
+    return client.chat.completions.create(
+        model="kimi-tools", **{"messages": ASK, "max_tokens": 120, **fields}
+    )
 
 
 def stream_chat(client, **fields):
@@ -300,6 +302,32 @@ def test_reasoning_goes_to_reasoning_content(client):
     assert streamed == reasoning
     plain = chat(client, temperature=0, max_tokens=16).choices[0].message
     assert "reasoning_content" not in (plain.model_extra or {})
+
+
+def test_reasoning_content_of_an_earlier_turn_reaches_the_template(client, serve):
+    """An agent sends its tool-calling turns back with their `reasoning_content` (Moonshot's API requires
+    it of a thinking model's tool loop); Kimi-K2-Thinking's template writes it into the turn, so the
+    prompt holds the tokens the model generated, as vLLM's and llama-server's prompts do."""
+    arguments = json.dumps({"zone": "UTC"})
+    call = {
+        "id": "functions.get_time:0",
+        "type": "function",
+        "function": {"name": "get_time", "arguments": arguments},
+    }
+    thought = "The user asks for the time first."
+
+    def loop(**reasoning):
+        answer = {"role": "assistant", "content": "", "tool_calls": [call], **reasoning}
+        return [*ASK, answer, {"role": "tool", "tool_call_id": call["id"], "content": "12:00"}]
+
+    rendered = httpx.post(serve.url + "/apply-template", json={"messages": loop(reasoning_content=thought)})
+    assert f"<think>{thought}</think><|tool_calls_section_begin|>" in rendered.json()["prompt"]
+    without = chat(client, messages=loop(), tools=TOOLS, max_tokens=1).usage.prompt_tokens
+    kept = chat(
+        client, messages=loop(reasoning_content=thought), tools=TOOLS, max_tokens=1
+    ).usage.prompt_tokens
+    thought_tokens = httpx.post(serve.url + "/tokenize", json={"content": thought}).json()["tokens"]
+    assert kept == without + 2 + len(thought_tokens)  # <think>, </think> and the thought
 
 
 def test_chat_logprobs(client):

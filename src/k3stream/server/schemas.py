@@ -257,6 +257,9 @@ class ChatMessage(BaseModel):
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    # an assistant turn's reasoning as this server answered it, sent back by agents (Kimi-K2-Thinking's
+    # template writes it into the turn's think block)
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -285,6 +288,8 @@ class ChatMessage(BaseModel):
             fields["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             fields["name"] = self.name
+        if self.reasoning_content is not None:
+            fields["reasoning_content"] = self.reasoning_content
         return fields
 
 
