@@ -330,6 +330,26 @@ def test_reasoning_content_of_an_earlier_turn_reaches_the_template(client, serve
     assert kept == without + 2 + len(thought_tokens)  # <think>, </think> and the thought
 
 
+@pytest.mark.parametrize("forced", ["tool_choice", "response_format"])
+def test_forced_output_follows_the_think_block_the_prompt_opened(client, served, forced):
+    """A thinking prompt ends inside `<think>`: the grammar of a forced call or format applies once the
+    block closes (as vLLM's structured output with a reasoning parser), so the call comes back as a
+    tool call and the JSON as content, not both as reasoning. A bias makes the model close the block at
+    once."""
+    close = served.tokenizer.token_id("</think>")
+    fields = {"chat_template_kwargs": {"thinking": True}, "logit_bias": {str(close): 100}}
+    if forced == "tool_choice":
+        answer = chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0, extra_body=fields).choices[0]
+        assert answer.finish_reason == "tool_calls" and len(answer.message.tool_calls) == 1
+        check_call(answer.message.tool_calls[0])
+    else:
+        format_ = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+        answer = chat(client, response_format=format_, temperature=0, extra_body=fields).choices[0]
+        assert answer.finish_reason == "stop"
+        jsonschema.validate(json.loads(answer.message.content), WEATHER)
+    assert not answer.message.model_extra.get("reasoning_content")
+
+
 def test_chat_logprobs(client):
     answer = chat(client, temperature=0, max_tokens=10, logprobs=True, top_logprobs=5)
     entries = answer.choices[0].logprobs.content

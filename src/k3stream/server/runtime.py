@@ -20,7 +20,9 @@ from k3stream.engine.sampling import SamplingParams
 from k3stream.gguf.shards import set_name
 from k3stream.server.errors import invalid_request
 from k3stream.server.grammar import (
+    AfterThinking,
     BannedTokens,
+    Constraint,
     GrammarCompiler,
     SingleToolCall,
     json_schema_grammar,
@@ -142,7 +144,7 @@ class ServedModel(Runtime):
         return ChatPrompt(
             tokens=tokens,
             tool_names=tuple(tool.function.name for tool in body.tools or []),
-            constraints=tuple(self._constraint(body) for _ in range(body.n)),
+            constraints=tuple(self._constraint(body, in_reasoning) for _ in range(body.n)),
             reasoning=body.separate_reasoning,
             in_reasoning=in_reasoning,
         )
@@ -155,7 +157,29 @@ class ServedModel(Runtime):
         tail = tokens[-len(opening.encode()) :]  # every token holds at least one byte
         return self.tokenizer.decode(tail).endswith(opening)
 
-    def _constraint(self, body: ChatCompletionRequest) -> TokenConstraint | None:
+    def _constraint(self, body: ChatCompletionRequest, in_reasoning: bool) -> TokenConstraint | None:
+        """One choice's constraint; a forced output's grammar follows the think block the prompt opened
+        (`in_reasoning`) where its closing is one token."""
+        forced = self._forced_output(body)
+        if forced is not None:
+            close = self._think_close() if in_reasoning else None
+            return (
+                forced
+                if close is None
+                else AfterThinking(forced, close, self.grammars.stop_ids, self.vocab_size)
+            )
+        if body.tool_choice == "none" and self.kimi.tools is not None:
+            section = self.tokenizer.token_id("<|tool_calls_section_begin|>")
+            return BannedTokens([section], self.vocab_size)
+        if body.parallel_tool_calls is False and body.tools and self.kimi.tools is not None:
+            begins = [
+                self.tokenizer.token_id(t) for t in ("<|tool_call_begin|>", "<|tool_calls_section_begin|>")
+            ]
+            return SingleToolCall(self.tokenizer.token_id("<|tool_call_end|>"), begins, self.vocab_size)
+        return None
+
+    def _forced_output(self, body: ChatCompletionRequest) -> Constraint | None:
+        """The grammar of a forced tool call (`tool_choice` required or named) or `response_format`."""
         forced = body.forced_tools()
         if forced:
             self._check_tool_schemas(body)
@@ -170,15 +194,16 @@ class ServedModel(Runtime):
             if response_format.json_schema is not None and response_format.json_schema.json_schema:
                 schema = response_format.json_schema.json_schema
             return self.grammars.constraint(json_schema_grammar(schema), "response_format")
-        if body.tool_choice == "none" and self.kimi.tools is not None:
-            section = self.tokenizer.token_id("<|tool_calls_section_begin|>")
-            return BannedTokens([section], self.vocab_size)
-        if body.parallel_tool_calls is False and body.tools and self.kimi.tools is not None:
-            begins = [
-                self.tokenizer.token_id(t) for t in ("<|tool_call_begin|>", "<|tool_calls_section_begin|>")
-            ]
-            return SingleToolCall(self.tokenizer.token_id("<|tool_call_end|>"), begins, self.vocab_size)
         return None
+
+    def _think_close(self) -> int | None:
+        """The token that closes a think block: its special token, or the one ordinary token spelling
+        it; None where the closing takes several tokens."""
+        spelled = self.kimi.spell(self.kimi.think[1])
+        if spelled in self.tokenizer.special_tokens:
+            return self.tokenizer.special_tokens[spelled]
+        ids = self.tokenizer.encode_plain(spelled)
+        return ids[0] if len(ids) == 1 else None
 
     def _check_tool_schemas(self, body: ChatCompletionRequest) -> None:
         """A 400 naming the first forced tool whose parameters the grammar library cannot compile."""
