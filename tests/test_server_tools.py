@@ -334,10 +334,10 @@ def test_reasoning_content_of_an_earlier_turn_reaches_the_template(client, serve
 def test_forced_output_follows_the_think_block_the_prompt_opened(client, served, forced):
     """A thinking prompt ends inside `<think>`: the grammar of a forced call or format applies once the
     block closes (as vLLM's structured output with a reasoning parser), so the call comes back as a
-    tool call and the JSON as content, not both as reasoning. A bias makes the model close the block at
-    once."""
-    close = served.tokenizer.token_id("</think>")
-    fields = {"chat_template_kwargs": {"thinking": True}, "logit_bias": {str(close): 100}}
+    tool call and the JSON as content, not both as reasoning. Biases make the model close the block at
+    once, and would end the answer there were the end of the turn not refused inside the block."""
+    close, end = (served.tokenizer.token_id(token) for token in ("</think>", "<|im_end|>"))
+    fields = {"chat_template_kwargs": {"thinking": True}, "logit_bias": {str(close): 50, str(end): 100}}
     if forced == "tool_choice":
         answer = chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0, extra_body=fields).choices[0]
         assert answer.finish_reason == "tool_calls" and len(answer.message.tool_calls) == 1
