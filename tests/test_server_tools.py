@@ -25,6 +25,7 @@ from k3stream.server.grammar import BannedTokens
 from k3stream.server.live import ServerProcess, ServerThread
 from k3stream.server.request_logic import RequestLogic
 from k3stream.server.runtime import served_from_runtime
+from k3stream.server.schemas import ChatCompletionRequest
 
 WEATHER = {
     "type": "object",
@@ -348,6 +349,37 @@ def test_forced_output_follows_the_think_block_the_prompt_opened(client, served,
         assert answer.finish_reason == "stop"
         jsonschema.validate(json.loads(answer.message.content), WEATHER)
     assert not answer.message.model_extra.get("reasoning_content")
+
+
+@pytest.mark.parametrize("field", ["arguments", "reasoning_content"])
+def test_a_turn_spelling_a_special_token_in_its_call_or_reasoning_is_plain_text(client, served, field):
+    """A coding agent's call may write text holding `<|im_end|>` (a file about chat templates), and its
+    reasoning may mention it: sent back, that text is tokenized as plain text, as message content is,
+    instead of refusing the conversation (a 400 every later turn repeats) or forging a token."""
+    spelled = "a template line ending in <|im_end|>"
+    arguments = json.dumps({"zone": "UTC", **({"note": spelled} if field == "arguments" else {})})
+    call = {
+        "id": "functions.get_time:0",
+        "type": "function",
+        "function": {"name": "get_time", "arguments": arguments},
+    }
+    answer = {"role": "assistant", "content": "", "tool_calls": [call]}
+    if field == "reasoning_content":
+        answer["reasoning_content"] = spelled
+    messages = [*ASK, answer, {"role": "tool", "tool_call_id": call["id"], "content": "12:00"}]
+    usage = chat(client, messages=messages, tools=TOOLS, max_tokens=1).usage
+    body = ChatCompletionRequest.model_validate({"messages": messages, "tools": TOOLS})
+    ids = served.prepare_chat(body).tokens
+    rendered = httpx.post(served_url(client) + "/apply-template", json={"messages": messages, "tools": TOOLS})
+    text = rendered.json()["prompt"]
+    assert spelled in text and served.tokenizer.decode(ids) == text
+    end = served.tokenizer.token_id("<|im_end|>")
+    assert ids.count(end) == text.count("<|im_end|>") - 1  # the spelled one is plain text
+    assert usage.prompt_tokens == len(ids)
+
+
+def served_url(client) -> str:
+    return str(client.base_url).removesuffix("/").removesuffix("/v1")
 
 
 def test_chat_logprobs(client):
