@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 # Kimi-K2's chat template with tools, tool calls and tool results, in the shape Moonshot ships it, plus
-# `thinking` to open a think block as Kimi-K2-Thinking's generation prompt does.
+# `thinking` to open a think block as Kimi-K2-Thinking's generation prompt does, and an assistant turn's
+# `reasoning_content` in its think block, as Kimi-K2-Thinking's template writes it back.
 KIMI_TOOL_TEMPLATE = (
     "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}"
     "<|im_end|>{%- endif -%}"
@@ -20,6 +21,7 @@ KIMI_TOOL_TEMPLATE = (
     "{%- elif message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
     "{%- elif message['role'] == 'tool' -%}<|im_system|>tool<|im_middle|>"
     "{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+    "{%- if message['reasoning_content'] -%}<think>{{ message['reasoning_content'] }}</think>{%- endif -%}"
     "{%- if message['role'] == 'tool' -%}## Return of {{ message['tool_call_id'] }}\n{{ message['content'] }}"
     "{%- elif message['role'] == 'assistant' and message['tool_calls'] -%}"
     "{%- if message['content'] -%}{{ message['content'] }}{%- endif -%}<|tool_calls_section_begin|>"

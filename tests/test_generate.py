@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -461,6 +462,68 @@ def test_store_flags_reach_the_store_and_quiet_chat_counts_tokens(packed):
         assert runtime.store.stats()["tokens"] >= len(prompt) > 0  # counted although --quiet prints nothing
     finally:
         runtime.close()
+
+
+def test_ctrl_c_stops_a_chat_answer_and_the_conversation_goes_on(model_path, monkeypatch):
+    """Ctrl-C while an answer streams ends that answer (between model steps) and keeps the conversation,
+    its partial answer included, as llama-cli does; the next line is answered."""
+    import io
+
+    from k3stream.cli import build_parser
+    from k3stream.commands.chat import ChatSession, converse
+    from k3stream.commands.flags import runtime_from_args, sampling_params
+
+    argv = ["chat", str(model_path), "--device", "cpu", "--temperature", "0", "--max-tokens", "24", "--quiet"]
+    args = build_parser(argv).parse_args(argv)
+    runtime = runtime_from_args(args)
+
+    class CtrlCOnFirstText(io.StringIO):
+        def write(self, text: str) -> int:
+            if not self.getvalue():
+                os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C as the answer starts
+            return super().write(text)
+
+    try:
+        whole = ChatSession(runtime, args, sampling_params(args))
+        answers = [whole.answer(line, io.StringIO()) for line in ("Hello", "And then?")]
+        assert len(runtime.tokenizer.encode(answers[0])) > 4  # several pieces of text to stop between
+        session = ChatSession(runtime, args, sampling_params(args))
+        monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\nAnd then?\n"))
+        monkeypatch.setattr(sys, "stdout", CtrlCOnFirstText())
+        converse(session)
+        roles = [message["role"] for message in session.messages]
+        assert roles == ["user", "assistant", "user", "assistant"]
+        stopped, second = session.messages[1]["content"], session.messages[3]["content"]
+        assert answers[0].startswith(stopped) and len(stopped) < len(answers[0])
+        assert sys.stdout.getvalue() == f"{stopped}\n{second}\n"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        runtime.close()
+
+
+def test_ctrl_c_at_the_chat_prompt_ends_it_without_a_traceback(model_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = [
+        sys.executable,
+        "-m",
+        "k3stream.cli",
+        "chat",
+        str(model_path),
+        "--device",
+        "cpu",
+        "-n",
+        "2",
+        "--quiet",
+    ]
+    with subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    ) as chat:
+        chat.stdin.write("Hello\n")
+        chat.stdin.flush()
+        chat.stdout.readline()  # the answer: the chat waits for the next line
+        chat.send_signal(signal.SIGINT)
+        _, stderr = chat.communicate(timeout=60)
+    assert chat.returncode == 130 and stderr.splitlines() == ["k3stream chat: interrupted"], stderr
 
 
 def test_bad_store_flags_are_one_line_errors(packed):

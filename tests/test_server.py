@@ -350,15 +350,31 @@ def test_disconnect_mid_stream_frees_the_sequence(slow_server):
 
 
 def test_disconnect_while_waiting_for_a_whole_answer_frees_the_sequence(slow_server):
+    """A client that gives up (its read timeout) frees its sequence; the request counts as nginx's 499
+    (client closed request), not as a 500 with a traceback in the log."""
     slow_server.wait_idle()
     cancelled_before = slow_server.health()["cancelled_jobs"]
     generated_before = slow_server.metric("k3stream_generation_tokens_total")
+    closed_before, failed_before = (_completions_answered(slow_server, status) for status in (499, 500))
     body = long_story(slow_server)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(slow_server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
     slow_server.wait_idle(timeout=20)
     assert slow_server.health()["cancelled_jobs"] == cancelled_before + 1
     assert slow_server.metric("k3stream_generation_tokens_total") - generated_before < 200
+    deadline = time.monotonic() + 10
+    while _completions_answered(slow_server, 499) == closed_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _completions_answered(slow_server, 499) == closed_before + 1
+    assert _completions_answered(slow_server, 500) == failed_before
+
+
+def _completions_answered(server: LiveServer, status: int) -> float:
+    """/metrics' count of /v1/completions requests answered with `status`."""
+    try:
+        return server.metric(f'k3stream_requests_total{{endpoint="/v1/completions",status="{status}"}}')
+    except KeyError:
+        return 0.0
 
 
 def test_full_queue_refuses_with_429(slow_server):

@@ -123,6 +123,43 @@ def test_absent_and_neutral_fields_leave_answers_unchanged(client, engine):
         assert complete(client, **sampling, **neutral).choices[0].text == expected
 
 
+@pytest.mark.parametrize(
+    "endpoint, nulls",
+    [
+        ("completions", {"n": None, "stream": None, "echo": None, "logprobs": None, "ignore_eos": None}),
+        ("chat", {"n": None, "stream": None, "logprobs": None, "separate_reasoning": None}),
+    ],
+)
+def test_null_is_the_default_of_openais_nullable_fields(client, endpoint, nulls):
+    """OpenAI's API takes null for `n`, `stream`, `logprobs`, `echo` (clients serializing unset fields
+    send it): the answer is the one without them, not a 400."""
+    ask = complete if endpoint == "completions" else chat
+    expected = ask(client, temperature=0)
+    answer = ask(client, temperature=0, extra_body=nulls)
+    assert _texts(answer) == _texts(expected) and len(answer.choices) == 1
+    streamed = ask(client, temperature=0, stream=True, stream_options={"include_usage": None})
+    assert "".join(_texts(chunk)[0] for chunk in streamed if chunk.choices) == _texts(expected)[0]
+
+
+def chat(client, **fields):
+    messages = [{"role": "user", "content": PROMPT}]
+    return client.chat.completions.create(
+        model="kimi-fields", messages=messages, **{"max_tokens": 8, **fields}
+    )
+
+
+def _texts(response) -> list[str]:
+    """Each choice's text: a completion's, or a chat message's or delta's content."""
+    return [_text(choice) for choice in response.choices]
+
+
+def _text(choice) -> str:
+    if hasattr(choice, "text"):
+        return choice.text
+    message = choice.delta if hasattr(choice, "delta") else choice.message
+    return message.content or ""
+
+
 def test_penalties_follow_the_engine_loop(client, engine):
     ids = engine.encode_prompt(PROMPT)
     fields = {"frequency_penalty": 1.5, "presence_penalty": -0.5}

@@ -25,6 +25,7 @@ from k3stream.server.grammar import BannedTokens
 from k3stream.server.live import ServerProcess, ServerThread
 from k3stream.server.request_logic import RequestLogic
 from k3stream.server.runtime import served_from_runtime
+from k3stream.server.schemas import ChatCompletionRequest
 
 WEATHER = {
     "type": "object",
@@ -89,7 +90,9 @@ def served(tool_gguf):
 
 
 def chat(client, **fields):
-    return client.chat.completions.create(model="kimi-tools", messages=ASK, **{"max_tokens": 120, **fields})
+    return client.chat.completions.create(
+        model="kimi-tools", **{"messages": ASK, "max_tokens": 120, **fields}
+    )
 
 
 def stream_chat(client, **fields):
@@ -300,6 +303,83 @@ def test_reasoning_goes_to_reasoning_content(client):
     assert streamed == reasoning
     plain = chat(client, temperature=0, max_tokens=16).choices[0].message
     assert "reasoning_content" not in (plain.model_extra or {})
+
+
+def test_reasoning_content_of_an_earlier_turn_reaches_the_template(client, serve):
+    """An agent sends its tool-calling turns back with their `reasoning_content` (Moonshot's API requires
+    it of a thinking model's tool loop); Kimi-K2-Thinking's template writes it into the turn, so the
+    prompt holds the tokens the model generated, as vLLM's and llama-server's prompts do."""
+    arguments = json.dumps({"zone": "UTC"})
+    call = {
+        "id": "functions.get_time:0",
+        "type": "function",
+        "function": {"name": "get_time", "arguments": arguments},
+    }
+    thought = "The user asks for the time first."
+
+    def loop(**reasoning):
+        answer = {"role": "assistant", "content": "", "tool_calls": [call], **reasoning}
+        return [*ASK, answer, {"role": "tool", "tool_call_id": call["id"], "content": "12:00"}]
+
+    rendered = httpx.post(serve.url + "/apply-template", json={"messages": loop(reasoning_content=thought)})
+    assert f"<think>{thought}</think><|tool_calls_section_begin|>" in rendered.json()["prompt"]
+    without = chat(client, messages=loop(), tools=TOOLS, max_tokens=1).usage.prompt_tokens
+    kept = chat(
+        client, messages=loop(reasoning_content=thought), tools=TOOLS, max_tokens=1
+    ).usage.prompt_tokens
+    thought_tokens = httpx.post(serve.url + "/tokenize", json={"content": thought}).json()["tokens"]
+    assert kept == without + 2 + len(thought_tokens)  # <think>, </think> and the thought
+
+
+@pytest.mark.parametrize("forced", ["tool_choice", "response_format"])
+def test_forced_output_follows_the_think_block_the_prompt_opened(client, served, forced):
+    """A thinking prompt ends inside `<think>`: the grammar of a forced call or format applies once the
+    block closes (as vLLM's structured output with a reasoning parser), so the call comes back as a
+    tool call and the JSON as content, not both as reasoning. Biases make the model close the block at
+    once, and would end the answer there were the end of the turn not refused inside the block."""
+    close, end = (served.tokenizer.token_id(token) for token in ("</think>", "<|im_end|>"))
+    fields = {"chat_template_kwargs": {"thinking": True}, "logit_bias": {str(close): 50, str(end): 100}}
+    if forced == "tool_choice":
+        answer = chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0, extra_body=fields).choices[0]
+        assert answer.finish_reason == "tool_calls" and len(answer.message.tool_calls) == 1
+        check_call(answer.message.tool_calls[0])
+    else:
+        format_ = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+        answer = chat(client, response_format=format_, temperature=0, extra_body=fields).choices[0]
+        assert answer.finish_reason == "stop"
+        jsonschema.validate(json.loads(answer.message.content), WEATHER)
+    assert not answer.message.model_extra.get("reasoning_content")
+
+
+@pytest.mark.parametrize("field", ["arguments", "reasoning_content"])
+def test_a_turn_spelling_a_special_token_in_its_call_or_reasoning_is_plain_text(client, served, field):
+    """A coding agent's call may write text holding `<|im_end|>` (a file about chat templates), and its
+    reasoning may mention it: sent back, that text is tokenized as plain text, as message content is,
+    instead of refusing the conversation (a 400 every later turn repeats) or forging a token."""
+    spelled = "a template line ending in <|im_end|>"
+    arguments = json.dumps({"zone": "UTC", **({"note": spelled} if field == "arguments" else {})})
+    call = {
+        "id": "functions.get_time:0",
+        "type": "function",
+        "function": {"name": "get_time", "arguments": arguments},
+    }
+    answer = {"role": "assistant", "content": "", "tool_calls": [call]}
+    if field == "reasoning_content":
+        answer["reasoning_content"] = spelled
+    messages = [*ASK, answer, {"role": "tool", "tool_call_id": call["id"], "content": "12:00"}]
+    usage = chat(client, messages=messages, tools=TOOLS, max_tokens=1).usage
+    body = ChatCompletionRequest.model_validate({"messages": messages, "tools": TOOLS})
+    ids = served.prepare_chat(body).tokens
+    rendered = httpx.post(served_url(client) + "/apply-template", json={"messages": messages, "tools": TOOLS})
+    text = rendered.json()["prompt"]
+    assert spelled in text and served.tokenizer.decode(ids) == text
+    end = served.tokenizer.token_id("<|im_end|>")
+    assert ids.count(end) == text.count("<|im_end|>") - 1  # the spelled one is plain text
+    assert usage.prompt_tokens == len(ids)
+
+
+def served_url(client) -> str:
+    return str(client.base_url).removesuffix("/").removesuffix("/v1")
 
 
 def test_chat_logprobs(client):

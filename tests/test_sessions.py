@@ -10,6 +10,7 @@ import openai
 import pytest
 
 import k3stream
+from k3stream.commands.report import statistics_lines
 from k3stream.engine.generate import generate
 from k3stream.engine.prompt_cache import MIB, PromptCache, _RowExactUsers, model_fingerprint
 from k3stream.engine.sampling import SamplingParams
@@ -35,6 +36,10 @@ def test_generate_with_a_cache_reuses_the_last_turn_and_answers_the_same(model, 
     second = generate(model, tokenizer, second_prompt, GREEDY, cache=cache)
     assert first.cached_tokens == 0
     assert second.cached_tokens == len(first_prompt) + len(first.token_ids) - 1  # the response's end
+    computed = len(second_prompt) - second.cached_tokens  # the prefill's rate counts these alone
+    rate = second.timings["prefill_tokens_per_s"] * second.timings["prefill_s"]
+    assert rate == pytest.approx(computed)
+    assert statistics_lines(second, None, None, 0)[0].startswith(f"speed   prefill {computed} tokens at ")
     cold = generate(model, tokenizer, second_prompt, GREEDY)
     assert (second.token_ids, second.text) == (cold.token_ids, cold.text)
 

@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as exc:  # OSError: missing files, permissions, a full disk
         print(f"k3stream {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status, not a traceback
+        print(f"k3stream {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""`k3stream chat MODEL`: an interactive conversation on stdin/stdout (`/exit` ends, `/reset` forgets)."""
+"""`k3stream chat MODEL`: an interactive conversation on stdin/stdout (`/exit` ends, `/reset` forgets,
+Ctrl-C stops an answer)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
@@ -46,6 +49,32 @@ def _lines(stream: TextIO) -> Iterator[str]:
         yield from (line.rstrip("\n") for line in stream)
 
 
+class AnswerStopped(Exception):
+    """Raised out of the generation loop where an answer's text goes out, once Ctrl-C was pressed."""
+
+
+class CtrlC:
+    """While active, Ctrl-C asks the answer to stop at its next text (between model steps, so the model,
+    the expert store and the prompt cache stay whole); a second Ctrl-C interrupts at once."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._previous: Any = None
+
+    def __enter__(self) -> CtrlC:
+        self.pressed = False
+        self._previous = signal.signal(signal.SIGINT, self._press)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+    def _press(self, *_: object) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+
 class ChatSession:
     """The conversation so far and what one turn needs to answer it."""
 
@@ -68,36 +97,50 @@ class ChatSession:
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.args.system}] if self.args.system else []
 
-    def answer(self, text: str, out: TextIO) -> str:
-        """Generate the assistant's reply to `text`, streaming it to `out`; both join the conversation."""
+    def answer(self, text: str, out: TextIO, ctrl_c: CtrlC | None = None) -> str:
+        """Generate the assistant's reply to `text`, streaming it to `out`; both join the conversation.
+        With `ctrl_c`, a Ctrl-C ends the reply where it is (the text so far joins the conversation)."""
         from k3stream.engine.generate import generate
 
         messages = [*self.messages, {"role": "user", "content": text}]
         rendered = self.template.render(messages, thinking=self.args.thinking)
         ids = self.runtime.tokenizer.encode(rendered, allow_special=True)
+        sent: list[str] = []
 
         def write(piece: str) -> None:
             out.write(piece)
             out.flush()
+            sent.append(piece)
+            if ctrl_c is not None and ctrl_c.pressed:
+                raise AnswerStopped
 
         start = store_snapshot(self.runtime.store)
-        result = generate(
-            self.runtime.model,
-            self.runtime.tokenizer,
-            ids,
-            self.params,
-            on_text=write,
-            cache=self.cache,
-            context=self.context,
-        )
+        try:
+            with ctrl_c or contextlib.nullcontext():
+                result = generate(
+                    self.runtime.model,
+                    self.runtime.tokenizer,
+                    ids,
+                    self.params,
+                    on_text=write,
+                    cache=self.cache,
+                    context=self.context,
+                )
+        except AnswerStopped:
+            result = None
         out.write("\n")
         out.flush()
+        if result is not None:
+            self._report(result, start)
+        reply = "".join(sent) if result is None else result.text
+        self.messages = [*messages, {"role": "assistant", "content": reply}]
+        return reply
+
+    def _report(self, result: Any, start: dict[str, Any] | None) -> None:
         tokens = self.runtime.end_generation(result)
         if not self.args.quiet:
             reused = [f"cache   {result.cached_tokens} of {result.prompt_tokens} prompt tokens reused"]
             report(statistics_lines(result, self.runtime.store, start, tokens) + reused * bool(self.cache))
-        self.messages = [*messages, {"role": "assistant", "content": result.text}]
-        return result.text
 
 
 def converse(session: ChatSession) -> None:
@@ -113,7 +156,7 @@ def converse(session: ChatSession) -> None:
             session.reset()
         elif command:
             try:
-                session.answer(line, sys.stdout)
+                session.answer(line, sys.stdout, CtrlC())
             except ContextFull as full:
                 print(f"k3stream chat: {full} (--ctx); /reset starts over", file=sys.stderr)
 

@@ -19,7 +19,8 @@ def statistics_lines(result: Any, store: Any, start: dict[str, Any] | None, toke
     """Speed, cache hits per tier and pack reads of one generation of `tokens` forwarded tokens."""
     t = result.timings
     lines = [
-        f"speed   prefill {result.prompt_tokens} tokens at {t['prefill_tokens_per_s']:.1f} tok/s, "
+        f"speed   prefill {result.prompt_tokens - result.cached_tokens} tokens at "
+        f"{t['prefill_tokens_per_s']:.1f} tok/s, "
         f"decode {result.completion_tokens} tokens at {t['decode_tokens_per_s']:.1f} tok/s "
         f"(finish: {result.finish_reason})"
     ]

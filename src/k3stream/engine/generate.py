@@ -251,7 +251,9 @@ def generate(
         finish_reason=sequence.finish_reason or FINISH_LENGTH,
         prompt_tokens=len(sequence.prompt_ids),
         completion_tokens=sequence.completion_tokens,
-        timings=_timings(len(sequence.prompt_ids), sequence.completion_tokens, start, first_token_at, end),
+        timings=_timings(
+            len(sequence.prompt_ids) - cached, sequence.completion_tokens, start, first_token_at, end
+        ),
         cached_tokens=cached,
     )
 
@@ -269,14 +271,16 @@ def _within_context(
 
 
 def _timings(
-    prompt_tokens: int, completion_tokens: int, start: float, first: float, end: float
+    computed_tokens: int, completion_tokens: int, start: float, first: float, end: float
 ) -> dict[str, float]:
+    """Seconds and rates of one generation: the prefill's rate counts the prompt tokens computed, not
+    those restored from a prompt cache."""
     decode_steps = completion_tokens - 1
     prefill_s, decode_s = first - start, end - first
     return {
         "prefill_s": prefill_s,
         "decode_s": decode_s,
         "time_to_first_token_s": prefill_s,
-        "prefill_tokens_per_s": prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
+        "prefill_tokens_per_s": computed_tokens / prefill_s if prefill_s > 0 else 0.0,
         "decode_tokens_per_s": decode_steps / decode_s if decode_steps and decode_s > 0 else 0.0,
     }

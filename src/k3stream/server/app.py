@@ -57,6 +57,9 @@ KNOWN_ENDPOINTS = frozenset(
 UNHEALTHY_AFTER = 3
 # threads that tokenize prompts and render chat templates, off the event loop
 TOKENIZER_THREADS = 2
+# the status of a request whose client left before its answer (nginx's "client closed request"): never
+# sent, but counted by /metrics apart from the server's failures
+CLIENT_CLOSED_REQUEST = 499
 
 
 @dataclass
@@ -438,7 +441,10 @@ class Stream:
         watcher = asyncio.create_task(_watch_disconnect(request))
         try:
             while len(finished) < len(self.jobs):
-                choice, event = await self._next_event(watcher)
+                got = await self._next_event(watcher)
+                if got is None:  # the client left
+                    return Response(status_code=CLIENT_CLOSED_REQUEST)
+                choice, event = got
                 if isinstance(event, ProgressEvent):
                     continue
                 if isinstance(event, PieceEvent):
@@ -457,18 +463,23 @@ class Stream:
             watcher.cancel()
             self.cancel()
 
+<<<<<<< HEAD
     def _finished(self, choice: int) -> None:
         if self.on_finish is not None:
             self.on_finish(self.jobs[choice])
 
     async def _next_event(self, watcher: asyncio.Task) -> tuple[int, Event]:
         """The next `(choice, event)`; raises CancelledError once `watcher` saw the client go."""
+=======
+    async def _next_event(self, watcher: asyncio.Task) -> tuple[int, Event] | None:
+        """The next `(choice, event)`; None once `watcher` saw the client go."""
+>>>>>>> rserver
         getter = asyncio.ensure_future(self.queue.get())
         await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if getter.done():
             return getter.result()
         getter.cancel()
-        raise asyncio.CancelledError("client disconnected")
+        return None
 
 
 async def _watch_disconnect(request: Request) -> None:

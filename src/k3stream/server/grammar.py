@@ -160,3 +160,23 @@ class SingleToolCall:
 
     def advance(self, token: int) -> None:
         self._ended = self._ended or token == self._call_end
+
+
+class AfterThinking:
+    """A forced output's constraint for a prompt that opened a think block: the reasoning is free until
+    the block's closing token, then `inner` (the grammar) applies, as vLLM's structured output with a
+    reasoning parser does; the answer cannot end inside the block (`stop_ids` are refused there)."""
+
+    def __init__(self, inner: Constraint, close: int, stop_ids: Sequence[int], vocab_size: int) -> None:
+        self._inner = inner
+        self._close = close
+        self._thinking = BannedTokens(stop_ids, vocab_size)
+        self._closed = False
+
+    def allowed(self) -> torch.Tensor:
+        return self._inner.allowed() if self._closed else self._thinking.allowed()
+
+    def advance(self, token: int) -> None:
+        if self._closed:
+            self._inner.advance(token)
+        self._closed = self._closed or token == self._close

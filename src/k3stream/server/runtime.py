@@ -3,7 +3,9 @@ name and context size."""
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -20,7 +22,9 @@ from k3stream.engine.sampling import SamplingParams
 from k3stream.gguf.shards import set_name
 from k3stream.server.errors import invalid_request
 from k3stream.server.grammar import (
+    AfterThinking,
     BannedTokens,
+    Constraint,
     GrammarCompiler,
     SingleToolCall,
     json_schema_grammar,
@@ -84,27 +88,33 @@ class ServedModel(Runtime):
         variables: dict[str, Any] | None = None,
     ) -> list[int]:
         """Render messages (dicts with `role`, `content` text and any of `tool_calls`, `tool_call_id`,
-        `name`) and `tools` with the chat template and tokenize them. Special tokens come only from the
-        template: each message's content is tokenized as plain text, so content holding
-        `<|im_end|><|im_system|>` cannot forge a turn, and tool definitions, calls and template variables
-        holding special-token text are refused."""
+        `name`, `reasoning_content`) and `tools` with the chat template and tokenize them. Special tokens
+        come only from the template: each message's content is tokenized as plain text, so content
+        holding `<|im_end|><|im_system|>` cannot forge a turn, and so are a call's arguments and a
+        reasoning that spell special-token text (what the model wrote, sent back) where the template
+        writes them as they are; tool definitions, call ids, names and template variables holding
+        special-token text are refused."""
         extras = {"tools": tools, **(variables or {})} if tools else dict(variables or {})
-        self._refuse_special_text(_template_strings(messages, {}))
+        strings = list(_template_strings(messages, {}))
+        written = [
+            (path, text) for path, text in strings if PLAIN_FIELD.fullmatch(path) and self._spells(text)
+        ]
+        self._refuse_special_text(item for item in strings if item not in written)
         self._refuse_special_extras(extras)
-        marks = [f"{MARK_OPEN}{index}{MARK_CLOSE}" for index in range(len(messages))]
-        skeleton = self._render(
-            [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)], extras
-        )
-        pieces = _split_at_marks(skeleton, marks)
-        if pieces is None:  # the template transforms content: render it, but refuse special-token text
-            self._refuse_special_text(
-                (f"messages.{index}.content", m["content"]) for index, m in enumerate(messages)
-            )
+        slots = [m["content"] for m in messages] + [text for _, text in written]
+        skeleton = self._render(_marked(messages, [path for path, _ in written]), extras)
+        split = _split_at_marks(skeleton, len(messages), len(slots))
+        if split is not None and written and _filled(*split, slots) != self._render(messages, extras):
+            split = None  # the template transforms the written fields
+        if split is None:  # the template transforms them: render it, but refuse special-token text
+            contents = [(f"messages.{index}.content", m["content"]) for index, m in enumerate(messages)]
+            self._refuse_special_text(contents + written)
             return self.tokenizer.encode(self._render(messages, extras), allow_special=True)
+        pieces, order = split
         encode, plain = self.tokenizer.encode, self.tokenizer.encode_plain
         ids = list(self.pieces.get(("first", pieces[0]), lambda text: encode(text, allow_special=True)))
-        for message, template_text in zip(messages, pieces[1:], strict=True):
-            ids += self.pieces.get(("plain", message["content"]), plain)
+        for slot, template_text in zip(order, pieces[1:], strict=True):
+            ids += self.pieces.get(("plain", slots[slot]), plain)
             ids += self.pieces.get(
                 ("template", template_text), lambda text: encode(text, allow_special=True, add_bos=False)
             )
@@ -131,9 +141,13 @@ class ServedModel(Runtime):
     def _refuse_special_text(self, strings: Iterable[tuple[str, str]]) -> None:
         """A 400 naming the field of the first `(field, text)` whose text spells a special token."""
         for param, text in strings:
-            special = next((s for s in self.tokenizer.special_tokens if s in text), None)
+            special = self._spells(text)
             if special is not None:
                 raise invalid_request(f"{param} contains the special token text {special!r}", param=param)
+
+    def _spells(self, text: str) -> str | None:
+        """The first special token whose text `text` holds, else None."""
+        return next((s for s in self.tokenizer.special_tokens if s in text), None)
 
     def prepare_chat(self, body: ChatCompletionRequest) -> ChatPrompt:
         """Tokens, grammar and parser settings of one chat request (template rendering, schema
@@ -153,7 +167,7 @@ class ServedModel(Runtime):
         return ChatPrompt(
             tokens=tokens,
             tool_names=tuple(tool.function.name for tool in body.tools or []),
-            constraints=tuple(self._constraint(body) for _ in range(body.n)),
+            constraints=tuple(self._constraint(body, in_reasoning) for _ in range(body.n)),
             reasoning=body.separate_reasoning,
             in_reasoning=in_reasoning,
         )
@@ -166,7 +180,29 @@ class ServedModel(Runtime):
         tail = tokens[-len(opening.encode()) :]  # every token holds at least one byte
         return self.tokenizer.decode(tail).endswith(opening)
 
-    def _constraint(self, body: ChatCompletionRequest) -> TokenConstraint | None:
+    def _constraint(self, body: ChatCompletionRequest, in_reasoning: bool) -> TokenConstraint | None:
+        """One choice's constraint; a forced output's grammar follows the think block the prompt opened
+        (`in_reasoning`) where its closing is one token."""
+        forced = self._forced_output(body)
+        if forced is not None:
+            close = self._think_close() if in_reasoning else None
+            return (
+                forced
+                if close is None
+                else AfterThinking(forced, close, self.grammars.stop_ids, self.vocab_size)
+            )
+        if body.tool_choice == "none" and self.kimi.tools is not None:
+            section = self.tokenizer.token_id("<|tool_calls_section_begin|>")
+            return BannedTokens([section], self.vocab_size)
+        if body.parallel_tool_calls is False and body.tools and self.kimi.tools is not None:
+            begins = [
+                self.tokenizer.token_id(t) for t in ("<|tool_call_begin|>", "<|tool_calls_section_begin|>")
+            ]
+            return SingleToolCall(self.tokenizer.token_id("<|tool_call_end|>"), begins, self.vocab_size)
+        return None
+
+    def _forced_output(self, body: ChatCompletionRequest) -> Constraint | None:
+        """The grammar of a forced tool call (`tool_choice` required or named) or `response_format`."""
         forced = body.forced_tools()
         if forced:
             self._check_tool_schemas(body)
@@ -181,15 +217,16 @@ class ServedModel(Runtime):
             if response_format.json_schema is not None and response_format.json_schema.json_schema:
                 schema = response_format.json_schema.json_schema
             return self.grammars.constraint(json_schema_grammar(schema), "response_format")
-        if body.tool_choice == "none" and self.kimi.tools is not None:
-            section = self.tokenizer.token_id("<|tool_calls_section_begin|>")
-            return BannedTokens([section], self.vocab_size)
-        if body.parallel_tool_calls is False and body.tools and self.kimi.tools is not None:
-            begins = [
-                self.tokenizer.token_id(t) for t in ("<|tool_call_begin|>", "<|tool_calls_section_begin|>")
-            ]
-            return SingleToolCall(self.tokenizer.token_id("<|tool_call_end|>"), begins, self.vocab_size)
         return None
+
+    def _think_close(self) -> int | None:
+        """The token that closes a think block: its special token, or the one ordinary token spelling
+        it; None where the closing takes several tokens."""
+        spelled = self.kimi.spell(self.kimi.think[1])
+        if spelled in self.tokenizer.special_tokens:
+            return self.tokenizer.special_tokens[spelled]
+        ids = self.tokenizer.encode_plain(spelled)
+        return ids[0] if len(ids) == 1 else None
 
     def _check_tool_schemas(self, body: ChatCompletionRequest) -> None:
         """A 400 naming the first forced tool whose parameters the grammar library cannot compile."""
@@ -265,8 +302,13 @@ def _choice_seed(seed: int, choice: int) -> int:
     return (seed + choice + (1 << 63)) % (1 << 64) - (1 << 63) if choice else seed
 
 
-# private-use characters around a message index stand for its content while the template renders
+# private-use characters around a slot's index stand for its text while the template renders: a
+# message's content, or a field of `PLAIN_FIELD` that spells special-token text
 MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"
+MARK_RE = re.compile(f"{MARK_OPEN}(\\d+){MARK_CLOSE}")
+# the fields of a message that the model wrote: tokenized as plain text, as content is, when they spell
+# special-token text
+PLAIN_FIELD = re.compile(r"messages\.\d+\.(?:tool_calls\.\d+\.function\.arguments|reasoning_content)")
 
 
 @dataclass(frozen=True)
@@ -335,18 +377,38 @@ def _strings(value: Any, path: str) -> Iterable[tuple[str, str]]:
             yield from _strings(item, f"{path}.{index}")
 
 
-def _split_at_marks(text: str, marks: list[str]) -> list[str] | None:
-    """`text` split at each mark, in order, each exactly once; None when the template moved, dropped,
-    repeated or changed a message's content."""
-    if any(text.count(mark) != 1 for mark in marks):
+def _mark(slot: int) -> str:
+    return f"{MARK_OPEN}{slot}{MARK_CLOSE}"
+
+
+def _marked(messages: list[dict[str, Any]], paths: list[str]) -> list[dict[str, Any]]:
+    """`messages` with their contents (slots 0...), then the fields at `paths` (the next slots), replaced
+    by their marks."""
+    marked = [{**m, "content": _mark(index)} for index, m in enumerate(messages)]
+    for slot, path in enumerate(paths, start=len(messages)):
+        _, index, *keys = path.split(".")
+        node = marked[int(index)] = copy.deepcopy(marked[int(index)])
+        for key in keys[:-1]:
+            node = node[int(key) if key.isdigit() else key]
+        node[keys[-1]] = _mark(slot)
+    return marked
+
+
+def _split_at_marks(text: str, contents: int, slots: int) -> tuple[list[str], list[int]] | None:
+    """`text` cut at its marks: the texts around them and the slots they stand for, in the order they
+    come; None when a mark comes twice, or a content's (slots below `contents`) never: the template
+    repeated, dropped or changed a message's content."""
+    parts = MARK_RE.split(text)
+    pieces, order = parts[0::2], [int(slot) for slot in parts[1::2]]
+    found = set(order)
+    if len(found) != len(order) or not set(range(contents)) <= found or not found <= set(range(slots)):
         return None
-    pieces, rest = [], text
-    for mark in marks:
-        before, found, rest = rest.partition(mark)
-        if not found:
-            return None
-        pieces.append(before)
-    return [*pieces, rest]
+    return pieces, order
+
+
+def _filled(pieces: list[str], order: list[int], slots: list[str]) -> str:
+    """The text `_split_at_marks` cut, with each mark's slot text in its place."""
+    return pieces[0] + "".join(slots[slot] + piece for slot, piece in zip(order, pieces[1:], strict=True))
 
 
 DEFAULT_MAX_CTX = 4096

@@ -1,10 +1,11 @@
 """Request bodies of the OpenAI API subset k3stream serves, validated strictly (no type coercion).
 
-Unknown fields are ignored (clients send many optional ones); known fields of the wrong type or out of
-range are refused with a 400 naming the field. OpenAI fields this server does not implement (legacy
-functions, best_of, audio...) are refused with a 400 naming the field unless they hold their
-neutral value (absent, null, empty, zero), so no request is silently answered as if they had been
-honoured. Tool definitions and JSON schemas must be valid JSON Schema (draft 2020-12).
+Unknown fields are ignored (clients send many optional ones); null is the default of `n` and of the
+switches (`stream`, `logprobs`, `echo`, `stream_options.include_usage`, ...), as in OpenAI's API; known
+fields of the wrong type or out of range are refused with a 400 naming the field. OpenAI fields this
+server does not implement (legacy functions, best_of, audio...) are refused with a 400 naming the field
+unless they hold their neutral value (absent, null, empty, zero), so no request is silently answered
+as if they had been honoured. Tool definitions and JSON schemas must be valid JSON Schema (draft 2020-12).
 """
 
 from __future__ import annotations
@@ -13,9 +14,15 @@ import math
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from k3stream.server.errors import invalid_request
+
+
+def null_is(default: Any) -> BeforeValidator:
+    """A field's validator taking null for `default` (clients that serialize unset fields send null)."""
+    return BeforeValidator(lambda value: default if value is None else value)
+
 
 # Larger values are refused by the context check anyway; this bound keeps absurd numbers out early.
 MAX_TOKENS_LIMIT = 1 << 20
@@ -37,7 +44,8 @@ NPredict = Annotated[int, Field(ge=-1, le=MAX_TOKENS_LIMIT)]
 RANDOM_SEEDS = (-1, 0xFFFFFFFF)
 # choices per request: each is one more sequence in the batch, sharing the prompt's prefill
 MAX_CHOICES = 16
-Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES)]
+Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES), null_is(1)]
+Switch = Annotated[bool, null_is(False)]  # a boolean that is off unless true
 # stop strings per request: OpenAI allows 4, llama-server and vLLM any number (each is matched apart)
 MAX_STOPS = 16
 
@@ -100,7 +108,7 @@ CHAT_ONLY_FIELDS = (
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    include_usage: bool = False
+    include_usage: Switch = False
 
 
 class SamplingFields(BaseModel):
@@ -125,11 +133,13 @@ class SamplingFields(BaseModel):
     n_predict: NPredict | None = None
     stop_token_ids: list[int] | None = None  # vLLM's: tokens that end the answer (not sent)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: Switch = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence
-    return_progress: bool = False  # llama-server's: stream `prompt_progress` chunks during the prefill
-    cache_prompt: bool = True  # llama-server's: restore the prompt's longest cached prefix
+    ignore_eos: Switch = False  # vLLM's extension: generate max_tokens even past end-of-sequence
+    return_progress: Switch = False  # llama-server's: stream `prompt_progress` chunks during the prefill
+    cache_prompt: Annotated[bool, null_is(True)] = (
+        True  # llama-server's: restore the prompt's longest cached prefix
+    )
     id_slot: Annotated[int, Field(ge=-1)] = -1  # llama-server's: the slot the request runs under (-1: any)
 
     def check_supported(self) -> None:
@@ -202,7 +212,7 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: MaxTokens | None = 16
-    echo: bool = False
+    echo: Switch = False
     logprobs: TopLogprobs | None = None  # the number of most likely tokens listed with each token
 
     def check_supported(self) -> None:
@@ -259,6 +269,9 @@ class ChatMessage(BaseModel):
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    # an assistant turn's reasoning as this server answered it, sent back by agents (Kimi-K2-Thinking's
+    # template writes it into the turn's think block)
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -287,6 +300,8 @@ class ChatMessage(BaseModel):
             fields["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             fields["name"] = self.name
+        if self.reasoning_content is not None:
+            fields["reasoning_content"] = self.reasoning_content
         return fields
 
 
@@ -348,13 +363,14 @@ RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
-    logprobs: bool = False
+    logprobs: Switch = False
     top_logprobs: TopLogprobs | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
-    separate_reasoning: bool = True  # sglang's switch: False keeps thinking text in `content`
+    # sglang's switch: False keeps thinking text in `content`
+    separate_reasoning: Annotated[bool, null_is(True)] = True
     chat_template_kwargs: dict[str, TemplateValue] | None = None
 
     def check_supported(self) -> None:
