@@ -356,7 +356,7 @@ INLINE float q8_q6_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict
     return acc + f16(b + 208) * y->d * (float)isum;
 }
 
-/* One weight row m against each of its input rows' 8-bit blocks (Y: Q8_K or Q8_0, ELEMS values each),
+/* One weight row m against each of its input rows' 8-bit blocks (Y: Q8_K, Q8_0 or Q8_1, ELEMS values each),
  * blocks summed in order into ACC (from ZERO; a float, or eight lanes summed at the end by TOTAL) */
 #define Q8_ROW(NAME, ATTR, DOT, BLOCK_BYTES, Y, ELEMS, ACC, ZERO, TOTAL)                               \
     ATTR static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) {                 \
