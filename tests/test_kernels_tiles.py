@@ -93,6 +93,25 @@ def test_q8_0_rows_of_any_whole_blocks(cols, out_rows, isa, monkeypatch):
 
 
 @needs_llama
+@pytest.mark.parametrize("qt", [T.Q8_0, T.Q5_0, T.Q4_1, T.Q5_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("cols", [32, 96, 1056])
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_32_value_rows_of_any_whole_blocks_give_llama_cpps_bits(qt, cols, isa, monkeypatch):
+    """Rows of 1, 3 and 33 blocks (the AVX-512 kernels take 16 at a time), 1 to 3 weight rows a call's
+    range (they pair rows m and m + half), two input rows: llama.cpp's vec_dot bit for bit."""
+    take_kernel_isa(isa, monkeypatch)
+    x = inputs(2, cols, seed=cols)
+    activations = [ggml_oracle.quantize_activations(row, int(qt)) for row in x]
+    for out_rows in (1, 2, 3):
+        w = matrix(qt, out_rows, cols, seed=out_rows)
+        expected = np.array(
+            [[ggml_oracle.vec_dot(int(qt), cols, r, a) for r in w] for a in activations], dtype=np.float32
+        )
+        got = grouped(qt, [w], x, [len(x)], np.arange(len(x)))
+        assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), out_rows
+
+
+@needs_llama
 @pytest.mark.parametrize("qt,isa", LLAMA_EXACT_ISAS, ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("count", [1, 2, 5, 17])
 def test_many_rows_give_llama_cpps_vec_dot_bit_for_bit(qt, isa, count, monkeypatch):
