@@ -131,7 +131,7 @@ IqRunType iq_run_type(int ggml_type, int avx2);
 /* The AVX-512 one-row kernels on 8-bit activations (`kquants_avx512.c`): a type's (Q8_0, Q2_K, Q3_K, Q4_K,
  * Q5_K, Q6_K) where HAVE_AVX512(), else NULL; each output bit for bit its AVX2 kernel's */
 RowKernel q8_kernel_avx512(int ggml_type);
-/* ... and the multi-row kernels' (Q8_0), each output bit for bit the one-row kernel's */
+/* ... and the multi-row kernels' (Q8_0, Q5_0, Q4_1, Q5_1), each output bit for bit the one-row kernel's */
 RowKernel q8_tile_kernel_avx512(int ggml_type);
 
 /* Kernels that decode a weight block once for several input rows (`tiles_cpu.c`): a type's kernel

@@ -1,19 +1,21 @@
-/* The integer one-row kernels of Q8_0, Q5_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K on 8-bit activations, and Q8_0's
- * multi-row kernel, with AVX-512 (F, BW, VL, VNNI, VBMI), where the CPU has them (HAVE_AVX512();
- * K3STREAM_NO_AVX512=1 keeps the AVX2 ones of ggml_cpu.c and tiles_cpu.c).
+/* The integer one-row kernels of Q8_0, Q5_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K on 8-bit
+ * activations, and the 32-value types' (Q8_0, Q5_0, Q4_1, Q5_1) multi-row kernel, with AVX-512 (F, BW,
+ * VL, VNNI, VBMI), where the CPU has them (HAVE_AVX512(); K3STREAM_NO_AVX512=1 keeps the AVX2 ones of
+ * ggml_cpu.c and tiles_cpu.c).
  *
  * The contract: every output is bit for bit the AVX2 kernel's. Each block's integer sums land in the
  * same eight int32 lanes (lane l: the products of bytes 4l..4l + 3 of each 32-byte run, times their
  * sub-block scale), exact however they are formed, and enter the same float lanes by the same FMAs in
- * block order, summed at the end by hsum8. So Q8_0 and Q6_K stay llama.cpp's AVX2 vec_dot bit for bit,
- * and the multi-row tiles (tiles_cpu.c, AVX2) stay each row's one-row result.
+ * block order, summed at the end by hsum8 (Q4_1's, Q5_1's and Q5_K's offset products into one float
+ * beside them, in block order). So Q8_0, Q5_0, Q4_1, Q5_1, Q5_K and Q6_K stay llama.cpp's AVX2 vec_dot
+ * bit for bit, and the multi-row tiles (tiles_cpu.c, AVX2) stay each row's one-row result.
  *
  * What AVX-512 changes: VNNI's vpdpbusd (unsigned x signed bytes into int32 lanes) and vpdpwssd (int16
  * pairs into them) fuse the AVX2 kernels' maddubs/madd/add chains; the K-quants take two 32-value runs
  * in one 64-byte vector (their lanes folded onto eight at the block's end), their scales spread by one
  * vpshufb (Q2_K: each code looks up its code-times-scale byte, one vpdpbusd a pair of runs; Q2_K's and
- * Q3_K's codes come by GFNI's gf2p8affine); Q8_0's kernels hold two weight rows in one 64-byte vector,
- * each half that row's eight lanes.
+ * Q3_K's codes come by GFNI's gf2p8affine); the 32-value types' kernels hold two weight rows in one
+ * 64-byte vector, each half that row's eight lanes.
  */
 #include <math.h>
 #include <stdint.h>
@@ -547,14 +549,15 @@ SHARED_ROWS(q4_k_avx512, q4_k_block, 144, __m256, _mm256_setzero_ps(), hsum8)
 SHARED_ROWS(q5_k_avx512, q5_k_block, 176, Lanes, LANES_ZERO, lanes_total)
 SHARED_ROWS(q6_k_avx512, q6_k_block, 210, __m256, _mm256_setzero_ps(), hsum8)
 
-/* ---- Q8_0 with several input rows (prefill): tiles_cpu.c's blocking, the one-row kernel's bits ------
+/* ---- the 32-value types with several input rows (prefill): tiles_cpu.c's blocking, the one-row kernel's bits
  * TILE_PAIRS pairs of weight rows' CHUNK_BLOCKS blocks are held once as the one-row kernel uses them
- * (codes with the top bit flipped, d), a pair in one 64-byte vector (row 2i's block in the low half, row
- * 2i + 1's in the high half: each half's eight int32 and float lanes are that row's lanes, each FMA that
- * row's FMA in block order); every input row of the matrix then runs past them, INPUTS_AT_ONCE at a
- * time (each activation block's vpdpbusd start serving the four pairs). Partial sums wait in memory
- * between chunks (no rounding). One vpdpbusd, conversion, scale product and FMA serve two weight rows: on Intel
- * Xeon (Emerald Rapids) 1.5x the same blocking on 32-byte vectors at 16 input rows, 1.9x at 33. */
+ * (codes plus bias, d, and Q4_1's and Q5_1's offsets m), a pair in one 64-byte vector (row 2i's block in
+ * the low half, row 2i + 1's in the high half: each half's eight int32 and float lanes are that row's
+ * lanes, each FMA that row's FMA in block order); every input row of the matrix then runs past them,
+ * INPUTS_AT_ONCE at a time (each activation block's vpdpbusd start serving the four pairs). Partial
+ * sums (and the offsets' scalar sums) wait in memory between chunks (no rounding). One vpdpbusd,
+ * conversion, scale product and FMA serve two weight rows: on Intel Xeon (Emerald Rapids) Q8_0's 1.5x
+ * the same blocking on 32-byte vectors at 16 input rows, 1.9x at 33. */
 #define TILE_PAIRS 4
 #define CHUNK_BLOCKS 16
 #define PARK_ROWS 64
@@ -563,98 +566,139 @@ SHARED_ROWS(q6_k_avx512, q6_k_block, 210, __m256, _mm256_setzero_ps(), hsum8)
 typedef struct {
     __m512i codes[TILE_PAIRS][CHUNK_BLOCKS];
     __m512 d[TILE_PAIRS][CHUNK_BLOCKS]; /* each half that row's d */
-} Q80Tile;
+    float m[2 * TILE_PAIRS][CHUNK_BLOCKS];
+} Q32Tile;
 
-/* parked[r][i] gains input row r's `count` blocks y[r] against the tile's `pairs` pairs of weight rows */
-AVX512_INLINE void q8_0_tile_dot(const Q80Tile *tile, const BlockQ8_0 *const *y, int count, __m512 (*parked)[TILE_PAIRS],
-                                 const int pairs, const int inputs) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+/* an input row's parked lane sums (one vector a pair) and offsets' sums (one a weight row) */
+typedef struct {
+    __m512 lanes[TILE_PAIRS];
+    float sums[2 * TILE_PAIRS];
+} Q32Parked;
+
+/* input row r's block j: Q8_0 or Q8_1 (type's), its codes, d and (Q8_1) s */
+AVX512_INLINE const int8_t *q32_y_qs(const void *y, int64_t j, const int type) {
+    return q32_affine(type) ? ((const BlockQ8_1 *)y)[j].qs : ((const BlockQ8_0 *)y)[j].qs;
+}
+AVX512_INLINE float q32_y_d(const void *y, int64_t j, const int type) {
+    return q32_affine(type) ? ((const BlockQ8_1 *)y)[j].d : ((const BlockQ8_0 *)y)[j].d;
+}
+
+/* parked[r] gains input row r's `count` blocks y[r] against the tile's `pairs` pairs of weight rows */
+AVX512_INLINE void q32_tile_dot(const Q32Tile *tile, const void *const *y, int count, Q32Parked *parked, const int pairs,
+                                const int inputs, const int type) {
+    const int bias = q32_bias(type), affine = q32_affine(type);
+    const __m512i zero = _mm512_setzero_si512();
     __m512 acc[INPUTS_AT_ONCE][TILE_PAIRS];
+    float sums[INPUTS_AT_ONCE][2 * TILE_PAIRS];
     for (int r = 0; r < inputs; r++)
-        for (int i = 0; i < pairs; i++) acc[r][i] = parked[r][i];
+        for (int i = 0; i < pairs; i++) acc[r][i] = parked[r].lanes[i], sums[r][2 * i] = parked[r].sums[2 * i], sums[r][2 * i + 1] = parked[r].sums[2 * i + 1];
     for (int j = 0; j < count; j++)
         for (int r = 0; r < inputs; r++) {
-            const __m512i q8 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)y[r][j].qs));
-            const __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, q8));
-            const __m512 dy = _mm512_set1_ps(y[r][j].d);
+            const __m512i q8 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)q32_y_qs(y[r], j, type)));
+            const __m512i start = bias == 0 ? zero : _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8((char)bias), q8));
+            const __m512 dy = _mm512_set1_ps(q32_y_d(y[r], j, type));
             for (int i = 0; i < pairs; i++) {
-                const __m512i sums = _mm512_dpbusd_epi32(start, tile->codes[i][j], q8);
-                acc[r][i] = _mm512_fmadd_ps(_mm512_mul_ps(tile->d[i][j], dy), _mm512_cvtepi32_ps(sums), acc[r][i]);
+                const __m512i lanes = _mm512_dpbusd_epi32(start, tile->codes[i][j], q8);
+                acc[r][i] = _mm512_fmadd_ps(_mm512_mul_ps(tile->d[i][j], dy), _mm512_cvtepi32_ps(lanes), acc[r][i]);
+            }
+            if (affine) {
+                const float s = ((const BlockQ8_1 *)y[r])[j].s;
+                for (int w = 0; w < 2 * pairs; w++) sums[r][w] += tile->m[w][j] * s;
             }
         }
     for (int r = 0; r < inputs; r++)
-        for (int i = 0; i < pairs; i++) parked[r][i] = acc[r][i];
+        for (int i = 0; i < pairs; i++) parked[r].lanes[i] = acc[r][i], parked[r].sums[2 * i] = sums[r][2 * i], parked[r].sums[2 * i + 1] = sums[r][2 * i + 1];
 }
 
 /* blocks c..c + count - 1 of weight rows m..m + n - 1 into the tile (an odd row's pair takes it twice) */
-AVX512_INLINE void q8_0_tile_fill(Q80Tile *tile, const uint8_t *rows, int64_t row_bytes, int64_t c, int count, const int n) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
+AVX512_INLINE void q32_tile_fill(Q32Tile *tile, const uint8_t *rows, int64_t row_bytes, int64_t c, int count, const int n,
+                                 const int type) {
+    const int bytes = q32_bytes(type);
     for (int i = 0; i < (n + 1) / 2; i++) {
-        const uint8_t *low = rows + 2 * i * row_bytes + c * 34;
+        const uint8_t *low = rows + 2 * i * row_bytes + c * bytes;
         const uint8_t *high = 2 * i + 1 < n ? low + row_bytes : low;
         for (int j = 0; j < count; j++) {
-            prefetch_ahead(low + 34 * j, 34);
-            if (high != low) prefetch_ahead(high + 34 * j, 34);
-            tile->codes[i][j] = _mm512_xor_si512(join_halves(_mm256_loadu_si256((const __m256i *)(low + 34 * j + 2)),
-                                                             _mm256_loadu_si256((const __m256i *)(high + 34 * j + 2))),
-                                                 _mm512_broadcast_i64x4(flip));
-            tile->d[i][j] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(f16_scale(low + 34 * j))),
-                                                                _mm256_castps_pd(_mm256_set1_ps(f16_scale(high + 34 * j))), 1));
+            prefetch_ahead(low + bytes * j, bytes);
+            if (high != low) prefetch_ahead(high + bytes * j, bytes);
+            tile->codes[i][j] = q32_codes(low + bytes * j, high + bytes * j, type);
+            tile->d[i][j] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(f16_scale(low + bytes * j))),
+                                                                _mm256_castps_pd(_mm256_set1_ps(f16_scale(high + bytes * j))), 1));
+            if (q32_affine(type)) tile->m[2 * i][j] = f16_scale(low + bytes * j + 2), tile->m[2 * i + 1][j] = f16_scale(high + bytes * j + 2);
         }
     }
 }
 
 /* weight rows m..m + n - 1 (n <= 2 TILE_PAIRS) of matrix b against all its input rows */
-AVX512_INLINE void q8_0_tile_group(const Product *pr, int64_t b, int64_t m, const int n) {
+AVX512_INLINE void q32_tile_group(const Product *pr, int64_t b, int64_t m, const int n, const int type) {
     const int64_t blocks = pr->in_features / 32, end = pr->starts[b + 1];
     const uint8_t *rows = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
     const int pairs = (n + 1) / 2;
-    Q80Tile tile;
-    __m512 parked[PARK_ROWS][TILE_PAIRS];
+    Q32Tile tile;
+    Q32Parked parked[PARK_ROWS];
     for (int64_t p0 = pr->starts[b]; p0 < end; p0 += PARK_ROWS) {
         const int64_t inputs = end - p0 < PARK_ROWS ? end - p0 : PARK_ROWS;
         for (int64_t c = 0; c < blocks; c += CHUNK_BLOCKS) {
             const int count = blocks - c < CHUNK_BLOCKS ? (int)(blocks - c) : CHUNK_BLOCKS;
-            q8_0_tile_fill(&tile, rows, pr->row_bytes, c, count, n);
-            for (int64_t p = 0; c == 0 && p < inputs; p++)
-                for (int i = 0; i < pairs; i++) parked[p][i] = _mm512_setzero_ps();
+            q32_tile_fill(&tile, rows, pr->row_bytes, c, count, n, type);
+            for (int64_t p = 0; c == 0 && p < inputs; p++) memset(&parked[p], 0, sizeof(Q32Parked));
             for (int64_t p = 0; p < inputs; p += INPUTS_AT_ONCE) {
-                const BlockQ8_0 *y[INPUTS_AT_ONCE];
+                const void *y[INPUTS_AT_ONCE];
                 const int at_once = inputs - p < INPUTS_AT_ONCE ? (int)(inputs - p) : INPUTS_AT_ONCE;
-                for (int r = 0; r < at_once; r++) y[r] = pr->q8_0 + pr->rows[p0 + p + r] * blocks + c;
+                for (int r = 0; r < at_once; r++) {
+                    const int64_t at = pr->rows[p0 + p + r] * blocks + c;
+                    y[r] = q32_affine(type) ? (const void *)(pr->q8_1 + at) : (const void *)(pr->q8_0 + at);
+                }
                 switch (at_once) { /* each count compiled apart */
-                    case 4: q8_0_tile_dot(&tile, y, count, parked + p, pairs, 4); break;
-                    case 3: q8_0_tile_dot(&tile, y, count, parked + p, pairs, 3); break;
-                    case 2: q8_0_tile_dot(&tile, y, count, parked + p, pairs, 2); break;
-                    default: q8_0_tile_dot(&tile, y, count, parked + p, pairs, 1); break;
+                    case 4: q32_tile_dot(&tile, y, count, parked + p, pairs, 4, type); break;
+                    case 3: q32_tile_dot(&tile, y, count, parked + p, pairs, 3, type); break;
+                    case 2: q32_tile_dot(&tile, y, count, parked + p, pairs, 2, type); break;
+                    default: q32_tile_dot(&tile, y, count, parked + p, pairs, 1, type); break;
                 }
             }
         }
         for (int64_t p = 0; p < inputs; p++)
             for (int w = 0; w < n; w++) {
-                const __m512 sums = parked[p][w / 2];
-                pr->out[(p0 + p) * pr->out_stride + m + w] = hsum8(w % 2 ? high_half(sums) : _mm512_castps512_ps256(sums));
+                const __m512 lanes = parked[p].lanes[w / 2];
+                const float total = hsum8(w % 2 ? high_half(lanes) : _mm512_castps512_ps256(lanes));
+                pr->out[(p0 + p) * pr->out_stride + m + w] = q32_affine(type) ? total + parked[p].sums[w] : total;
             }
     }
 }
 
-AVX512_TARGET static void q8_0_tiles_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) {
+AVX512_INLINE void q32_tiles(const Product *pr, int64_t b, int64_t first, int64_t last, const int type) {
     const int rows = 2 * TILE_PAIRS;
     int64_t m = first;
-    for (; m + rows <= last; m += rows) q8_0_tile_group(pr, b, m, rows);
+    for (; m + rows <= last; m += rows) q32_tile_group(pr, b, m, rows, type);
     switch (last - m) { /* each count compiled apart */
-        case 7: q8_0_tile_group(pr, b, m, 7); break;
-        case 6: q8_0_tile_group(pr, b, m, 6); break;
-        case 5: q8_0_tile_group(pr, b, m, 5); break;
-        case 4: q8_0_tile_group(pr, b, m, 4); break;
-        case 3: q8_0_tile_group(pr, b, m, 3); break;
-        case 2: q8_0_tile_group(pr, b, m, 2); break;
-        case 1: q8_0_tile_group(pr, b, m, 1); break;
+        case 7: q32_tile_group(pr, b, m, 7, type); break;
+        case 6: q32_tile_group(pr, b, m, 6, type); break;
+        case 5: q32_tile_group(pr, b, m, 5, type); break;
+        case 4: q32_tile_group(pr, b, m, 4, type); break;
+        case 3: q32_tile_group(pr, b, m, 3, type); break;
+        case 2: q32_tile_group(pr, b, m, 2, type); break;
+        case 1: q32_tile_group(pr, b, m, 1, type); break;
         default: break;
     }
 }
 
-RowKernel q8_tile_kernel_avx512(int ggml_type) { return ggml_type == 8 && HAVE_AVX512() ? q8_0_tiles_avx512 : NULL; }
+#define Q32_TILES(NAME, TYPE) \
+    AVX512_TARGET static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) { q32_tiles(pr, b, first, last, TYPE); }
+Q32_TILES(q8_0_tiles_avx512, 8)
+Q32_TILES(q5_0_tiles_avx512, 6)
+Q32_TILES(q4_1_tiles_avx512, 3)
+Q32_TILES(q5_1_tiles_avx512, 7)
+
+RowKernel q8_tile_kernel_avx512(int ggml_type) {
+    RowKernel kernel = NULL;
+    switch (ggml_type) {
+        case 8: kernel = q8_0_tiles_avx512; break;
+        case 6: kernel = q5_0_tiles_avx512; break;
+        case 3: kernel = q4_1_tiles_avx512; break;
+        case 7: kernel = q5_1_tiles_avx512; break;
+        default: return NULL;
+    }
+    return HAVE_AVX512() ? kernel : NULL;
+}
 
 RowKernel q8_kernel_avx512(int ggml_type) {
     RowKernel kernel = NULL;
