@@ -23,6 +23,7 @@ from k3stream.gguf.profile import check_recipe
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.gguf.shards import discover_shards
 from k3stream.gguf.writer import TinySpec, hparams
+from llama_logits import llama_logits, relative_error
 from llama_oracle import llama_runs
 from pack_helpers import file_size_limit, open_file_paths
 
@@ -161,6 +162,47 @@ def test_config_missing_and_ill_typed_keys(tiny_model, tmp_path):
     ill = rewrite(tiny_model(), tmp_path / "ill.gguf", set_keys=typed)
     with pytest.raises(ValueError, match=r"ill\.gguf: metadata key kimi-k3.expert_count must be an integer"):
         K3Checkpoint.open(ill)
+
+
+# keys llama.cpp reads as optional (it loads a file without them), and what it takes in their place
+LLAMA_OPTIONAL_KEYS = (
+    "kimi-k3.vocab_size",  # the tokenizer's token count
+    "kimi-k3.expert_weights_scale",  # 1.0
+    "kimi-k3.expert_weights_norm",  # false
+    "kimi-k3.attention.value_length",  # kv_lora_rank (the MLA latent is the value)
+)
+
+
+def test_keys_llama_cpp_does_without_take_its_defaults(tiny_model, tmp_path):
+    source = tiny_model()
+    checkpoint = K3Checkpoint.open(rewrite(source, tmp_path / "sparse.gguf", drop_keys=LLAMA_OPTIONAL_KEYS))
+    tokens = GGUFReader(source).fields["tokenizer.ggml.tokens"]
+    assert checkpoint.config.vocab_size == len(tokens.data) == 593
+    assert (checkpoint.config.weights_scale, checkpoint.config.weights_norm) == (1.0, False)
+    no_vocab = LLAMA_OPTIONAL_KEYS + ("tokenizer.ggml.tokens",)
+    bare = rewrite(source, tmp_path / "bare.gguf", drop_keys=no_vocab)
+    with pytest.raises(ValueError, match=r"bare\.gguf: missing metadata key kimi-k3.vocab_size"):
+        K3Checkpoint.open(bare)
+
+
+@requires_llama
+def test_default_and_zero_routing_scale_and_norm_match_llama_cpp(tiny_model, tmp_path):
+    """llama.cpp weights the routed experts by 1.0 where expert_weights_scale is absent or 0, and does
+    not renormalise them without expert_weights_norm: a large rms eps keeps the scale visible after the
+    routed output's RMS norm."""
+    import k3stream
+
+    eps = {"kimi-k3.attention.layer_norm_rms_epsilon": (0.3, GGUFValueType.FLOAT32)}
+    base = rewrite(tiny_model(seed=5), tmp_path / "eps.gguf", set_keys=eps)
+    zero = {"kimi-k3.expert_weights_scale": (0.0, GGUFValueType.FLOAT32)}
+    paths = [
+        rewrite(base, tmp_path / "sparse.gguf", drop_keys=LLAMA_OPTIONAL_KEYS),
+        rewrite(base, tmp_path / "zero.gguf", set_keys=zero),
+    ]
+    tokens = [5, 70, 300, 9, 11, 592]
+    references = llama_logits([(path, tokens) for path in paths], tmp_path, n_batch=1)
+    for path, reference in zip(paths, references, strict=True):
+        assert relative_error(k3stream.load(path).logits(tokens).numpy(), reference) < 1e-4, path.name
 
 
 @pytest.mark.parametrize(

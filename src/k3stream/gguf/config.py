@@ -49,11 +49,25 @@ class _Keys:
             raise self.bad(key, "a number", value)
         return float(value)
 
-    def flag(self, key: str) -> bool:
-        value = self._raw(key, True)
+    def flag(self, key: str, default: bool | None = None) -> bool:
+        """A bool; `default` (when given) stands in for an absent key."""
+        value = self._raw(key, default is None)
+        if value is None:
+            return bool(default)
         if not isinstance(value, bool):
             raise self.bad(key, "a bool", value)
         return value
+
+    def vocab_size(self) -> int:
+        """`vocab_size`, else the tokenizer's token count, as llama.cpp takes it."""
+        value = self.integer("vocab_size", required=False)
+        if value is not None:
+            return value
+        tokens = self.fields.get("tokenizer.ggml.tokens")
+        count = 0 if tokens is None else len(getattr(tokens, "data", tokens))  # ReaderField: index a token
+        if not count:
+            raise ValueError(f"{self.source}: missing metadata key {ARCH}.vocab_size (and no tokenizer)")
+        return count
 
     def layer_flags(self, key: str, n_layers: int) -> tuple[int, ...]:
         value = self._raw(key, True)
@@ -109,7 +123,7 @@ class K3Config:
             source=source,
             n_layers=n_layers,
             hidden=keys.integer("embedding_length"),
-            vocab_size=keys.integer("vocab_size"),
+            vocab_size=keys.vocab_size(),
             context_length=keys.integer("context_length"),
             dense_ff=keys.integer("feed_forward_length"),
             n_heads=keys.integer("attention.head_count"),
@@ -129,8 +143,9 @@ class K3Config:
             n_shared=keys.integer("expert_shared_count", minimum=0),
             n_dense=keys.integer("leading_dense_block_count", minimum=0),
             latent=keys.integer("expert_latent_length"),
-            weights_scale=keys.number("expert_weights_scale"),
-            weights_norm=keys.flag("expert_weights_norm"),
+            # absent or 0: 1.0, and no renormalisation when absent, as llama.cpp reads them
+            weights_scale=keys.number("expert_weights_scale", required=False) or 1.0,
+            weights_norm=keys.flag("expert_weights_norm", default=False),
             gating_func=keys.integer("expert_gating_func"),
             situ_beta=keys.number("activation.situ_beta"),
             situ_linear_beta=keys.number("activation.situ_linear_beta"),
@@ -144,9 +159,10 @@ class K3Config:
             "attention.key_length": self.kv_lora + self.qk_rope,
             "attention.value_length": self.kv_lora,
         }
-        for key, expected in derived.items():
-            if keys.integer(key) != expected:
-                raise keys.bad(key, f"{expected} (kv_lora_rank + rope, kv_lora_rank)", keys.integer(key))
+        for key, expected in derived.items():  # llama.cpp reads no value_length
+            value = keys.integer(key, required=key != "attention.value_length")
+            if value not in (expected, None):
+                raise keys.bad(key, f"{expected} (kv_lora_rank + rope, kv_lora_rank)", value)
         if self.top_k > self.n_experts:
             raise keys.bad("expert_used_count", f"<= expert_count ({self.n_experts})", self.top_k)
         if self.n_dense > self.n_layers:
