@@ -436,6 +436,18 @@ def test_failed_dequantize_leaves_no_temp_file_or_open_writer(tiny_model, tmp_pa
     assert not [path for path in open_file_paths() if str(out) in path]
 
 
+def test_dequantize_larger_than_the_free_space_is_refused_before_writing(tiny_model, tmp_path, monkeypatch):
+    """An F32 rewrite is up to 16x its quantized source: one that cannot fit fails before the first byte
+    (it wrote until the disk was full)."""
+    source = tiny_model(**AUDITED)
+    needed = sum(int(np.prod(info.shape)) * 4 for info in K3Checkpoint.open(source).tensors.values())
+    free = needed - 1
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(free, 0, free))
+    with pytest.raises(OSError, match=f"not enough free space in {tmp_path} .*{free} bytes free") as failure:
+        dequantize_gguf(source, tmp_path / "f32.gguf")
+    assert failure.value.errno == errno.ENOSPC and list(tmp_path.iterdir()) == []
+
+
 def test_cli_dequantize_refuses_to_overwrite(tiny_model, tmp_path):
     out = tmp_path / "out.gguf"
     out.write_bytes(b"keep")

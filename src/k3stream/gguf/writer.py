@@ -440,7 +440,7 @@ def check_spec(spec: TinySpec, vocab_size: int) -> list[_Tensor]:
     return plan
 
 
-def _check_free_space(out: Path, needed: int) -> None:
+def check_free_space(out: Path, needed: int) -> None:
     """Refuse (one line) tensor data larger than the free space of `out` or its nearest existing folder."""
     existing = next(folder for folder in (out, *out.parents) if folder.exists())
     free = shutil.disk_usage(existing).free
@@ -463,7 +463,7 @@ def write_model(
     values_of = initial_values if weights is None else _given(weights)
     plan = check_spec(spec, len(vocab.tokens))
     out = Path(out_dir)
-    _check_free_space(out, sum(_tensor_nbytes(tensor, spec) for tensor in plan))
+    check_free_space(out, sum(_tensor_nbytes(tensor, spec) for tensor in plan))
     out.mkdir(parents=True, exist_ok=True)
     paths = shard_paths(out, spec.shards)
     groups = np.array_split(np.arange(len(plan)), spec.shards)
