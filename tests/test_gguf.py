@@ -205,9 +205,33 @@ def test_default_and_zero_routing_scale_and_norm_match_llama_cpp(tiny_model, tmp
         assert relative_error(k3stream.load(path).logits(tokens).numpy(), reference) < 1e-4, path.name
 
 
+@requires_llama
+def test_per_layer_arrays_of_head_count_and_feed_forward_length_read_as_llama_cpp(tiny_model, tmp_path):
+    """llama.cpp reads attention.head_count and feed_forward_length as one value or an array of one per
+    layer (MoE layers' entries unused): such a file gives llama.cpp's logits."""
+    import k3stream
+
+    arrays = {
+        "kimi-k3.attention.head_count": ([4] * 6, GGUFValueType.ARRAY),
+        "kimi-k3.feed_forward_length": ([96, 0, 0, 0, 0, 0], GGUFValueType.ARRAY),
+    }
+    path = rewrite(tiny_model(seed=6), tmp_path / "arrays.gguf", set_keys=arrays)
+    config = K3Checkpoint.open(path).config
+    assert (config.n_heads, config.dense_ff) == (4, 96)
+    tokens = [5, 70, 300, 9]
+    (reference,) = llama_logits([(path, tokens)], tmp_path, n_batch=1)
+    assert relative_error(k3stream.load(path).logits(tokens).numpy(), reference) < 1e-4
+
+
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
+        ("kimi-k3.attention.head_count", [4, 4, 4, 4, 4, 8], r"head_count must be one value >= 1 for layers"),
+        (
+            "kimi-k3.feed_forward_length",
+            [96, 0],
+            r"feed_forward_length must be an integer >= 1 or an array of 6",
+        ),
         ("kimi-k3.attention.head_count_kv", [0, 1], "head_count_kv must be an array of 6 values"),
         ("kimi-k3.expert_weights_norm", 1, "expert_weights_norm must be a bool"),
         ("kimi-k3.attention.key_length", 7, "key_length must be 40"),

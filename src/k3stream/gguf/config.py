@@ -41,6 +41,21 @@ class _Keys:
             raise self.bad(key, f"an integer >= {minimum}", value)
         return value
 
+    def per_layer(self, key: str, n_layers: int, layers: range) -> int:
+        """An integer >= 1, or llama.cpp's per-layer array of `n_layers`: the one value `layers` share
+        (k3stream holds one; the other layers' entries are unused, as llama.cpp leaves them)."""
+        value = self._raw(key, True)
+        if not isinstance(value, list):
+            return self.integer(key)
+        expected = f"an integer >= 1 or an array of {n_layers} integers"
+        if len(value) != n_layers or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise self.bad(key, expected, value)
+        layers = layers or range(n_layers)  # no layer reads it: the entries must still agree
+        used = {value[i] for i in layers}
+        if len(used) != 1 or min(used) < 1:
+            raise self.bad(key, f"one value >= 1 for layers {layers.start}..{layers.stop - 1}", value)
+        return used.pop()
+
     def number(self, key: str, required: bool = True) -> float | None:
         value = self._raw(key, required)
         if value is None:
@@ -113,6 +128,7 @@ class K3Config:
         """Build from GGUF metadata (`GGUFReader.fields` or a plain `{key: value}` mapping)."""
         keys = _Keys(fields, source)
         n_layers = keys.integer("block_count")
+        n_dense = keys.integer("leading_dense_block_count", minimum=0)
         key_length_mla = keys.integer("attention.key_length_mla")
         qk_rope = keys.integer("rope.dimension_count", minimum=0)
         if key_length_mla <= qk_rope:
@@ -125,8 +141,8 @@ class K3Config:
             hidden=keys.integer("embedding_length"),
             vocab_size=keys.vocab_size(),
             context_length=keys.integer("context_length"),
-            dense_ff=keys.integer("feed_forward_length"),
-            n_heads=keys.integer("attention.head_count"),
+            dense_ff=keys.per_layer("feed_forward_length", n_layers, range(min(n_dense, n_layers))),
+            n_heads=keys.per_layer("attention.head_count", n_layers, range(n_layers)),
             head_count_kv=keys.layer_flags("attention.head_count_kv", n_layers),
             rms_eps=keys.number("attention.layer_norm_rms_epsilon"),
             q_lora=keys.integer("attention.q_lora_rank", required=False),
@@ -141,7 +157,7 @@ class K3Config:
             top_k=keys.integer("expert_used_count"),
             expert_ff=keys.integer("expert_feed_forward_length"),
             n_shared=keys.integer("expert_shared_count", minimum=0),
-            n_dense=keys.integer("leading_dense_block_count", minimum=0),
+            n_dense=n_dense,
             latent=keys.integer("expert_latent_length"),
             # absent or 0: 1.0, and no renormalisation when absent, as llama.cpp reads them
             weights_scale=keys.number("expert_weights_scale", required=False) or 1.0,
