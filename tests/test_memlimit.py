@@ -305,3 +305,29 @@ def test_a_streamed_generate_stays_inside_the_cgroup_limit_its_plan_splits(tiny_
     assert "hit rate" in done.stderr
     assert usage["oom_kills"] in (0, None) and usage["limit_hits"] == 0, (usage, plan)
     assert usage["peak_bytes"] <= limit
+
+
+# expert rows of whole 256-value blocks (the audited and dynamic recipes' K-quants)
+WIDE = dict(latent=256, expert_ff=256, kv_lora=256, qk_nope=32)
+
+
+@pytest.mark.parametrize("recipe", ["audited", "dynamic"])
+def test_a_limit_with_room_for_every_expert_gives_the_store_a_slot_for_each(tiny_model, tmp_path, recipe):
+    """The store holds each expert in a slot of the pack's largest object, its roles on 4 KiB
+    boundaries: the audited recipe's 71,168 GGUF bytes an expert span 77,312 in the pack, and the
+    dynamic recipe's layers differ (53,760 to 94,208). A limit with room for the whole pack must give
+    every expert a slot (a budget of their GGUF bytes held 8-23% fewer, and generate re-read experts
+    all along under a plan that said 100% of the routed experts)."""
+    from k3stream.cli import build_parser
+    from k3stream.commands.flags import runtime_from_args
+    from k3stream.pack.builder import build_pack
+    from pack_helpers import copy_model
+
+    manifest = build_pack(copy_model(tiny_model(recipe=recipe, **WIDE), tmp_path)).manifest
+    command = ["generate", str(manifest), "--memory-limit", "4GiB", "--ctx", "64", "--prompt", "hi"]
+    runtime = runtime_from_args(build_parser(command).parse_args(command))
+    try:
+        objects = len(runtime.store.moe_layers) * runtime.store.num_experts
+        assert runtime.store.max_experts_per_fetch == objects
+    finally:
+        runtime.close()

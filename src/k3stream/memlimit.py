@@ -156,9 +156,9 @@ class ModelNeeds:
     nonexpert_bytes: int
     state_bytes: int
     working_bytes: int
-    object_bytes: int
+    object_bytes: int  # one expert's slot: the pack's largest object, else the GGUF's mean expert
     top_k: int
-    expert_bytes: int  # all routed experts (the pack's payload)
+    expert_bytes: int  # every routed expert held at once: a slot each, else their GGUF bytes
     tokens: int  # the served context: KV/state and a prefill's activations are sized for it
     sequences: int = 1  # KV/state is held for this many sequences at once
 
@@ -236,35 +236,44 @@ def served_tokens(config: Any, ctx: int | None) -> int:
 
 
 def config_needs(
-    config: Any, expert_bytes: int, nonexpert_bytes: int, ctx: int | None = None, sequences: int = 1
+    config: Any,
+    expert_bytes: int,
+    nonexpert_bytes: int,
+    ctx: int | None = None,
+    sequences: int = 1,
+    slot_bytes: int | None = None,
 ) -> ModelNeeds:
     """What a model of `config` needs besides the expert cache, from its config and byte counts alone
     (nothing is allocated): `sequences` sequences of the served context (a server's batch), and a
     prefill of as many rows (of DEFAULT_PREFILL_ROWS when no context was given: a longer prompt needs
-    `--ctx`)."""
+    `--ctx`). `slot_bytes`: the expert store's slot when experts stream from a pack (its largest
+    object, roles on 4 KiB boundaries), which every expert it holds takes; None: the GGUF's bytes."""
     tokens = served_tokens(config, ctx)
     rows = tokens if ctx is not None else min(tokens, DEFAULT_PREFILL_ROWS)
     objects = len(config.moe_layers) * config.n_experts
+    mean = math.ceil(expert_bytes / objects) if objects else 0
     return ModelNeeds(
         nonexpert_bytes=nonexpert_bytes,
         state_bytes=state_bytes(config, tokens, sequences),
         working_bytes=working_bytes(config, rows),
-        object_bytes=math.ceil(expert_bytes / objects) if objects else 0,
+        object_bytes=slot_bytes or mean,
         top_k=config.top_k,
-        expert_bytes=expert_bytes,
+        expert_bytes=objects * slot_bytes if slot_bytes else expert_bytes,
         tokens=tokens,
         sequences=sequences,
     )
 
 
-def model_needs(checkpoint: Any, ctx: int | None = None, sequences: int = 1) -> ModelNeeds:
+def model_needs(
+    checkpoint: Any, ctx: int | None = None, sequences: int = 1, slot_bytes: int | None = None
+) -> ModelNeeds:
     """What `checkpoint` (a `K3Checkpoint`) needs besides the expert cache, serving `sequences`
-    sequences of `ctx` tokens."""
+    sequences of `ctx` tokens (`slot_bytes`: `config_needs`')."""
     from k3stream.gguf.layout import is_routed_expert
 
     routed = sum(t.nbytes for t in checkpoint.tensors.values() if is_routed_expert(t.name))
     total = sum(t.nbytes for t in checkpoint.tensors.values())
-    return config_needs(checkpoint.config, routed, total - routed, ctx, sequences)
+    return config_needs(checkpoint.config, routed, total - routed, ctx, sequences, slot_bytes)
 
 
 # ---- the allocator ---------------------------------------------------------------------------------
@@ -365,22 +374,29 @@ def plan_for_model(
     ctx: int | None = None,
     sequences: int = 1,
     cache_bytes: int = 0,
+    slot_bytes: int | None = None,
 ) -> MemoryPlan:
     """The plan for an open checkpoint under `--memory-limit limit_text` (None: the cgroup's limit or
     available RAM), serving `sequences` sequences of `ctx` tokens (None: DEFAULT_CTX or the model's
-    context, if shorter), `cache_bytes` of it the prompt cache's RAM tier."""
+    context, if shorter), `cache_bytes` of it the prompt cache's RAM tier, in the expert store's
+    `slot_bytes` when experts stream from a pack (`config_needs`)."""
     if limit_text is None:
         limit, source = default_memory_limit()
     else:
         limit, source = parse_size(limit_text), "--memory-limit"
-    needs = model_needs(checkpoint, ctx, sequences)
+    needs = model_needs(checkpoint, ctx, sequences, slot_bytes)
     return plan_memory(limit, needs, resident_bytes(), source, cache_bytes)
 
 
-def default_expert_ram_mib(checkpoint: K3Checkpoint, ctx: int | None = None, sequences: int = 1) -> float:
-    """The expert budget (MiB) of the default plan for `checkpoint`: 0 when that plan cannot hold one
-    top-k working set."""
+def default_expert_ram_mib(
+    checkpoint: K3Checkpoint,
+    ctx: int | None = None,
+    sequences: int = 1,
+    slot_bytes: int | None = None,
+) -> float:
+    """The expert budget (MiB) of the default plan for `checkpoint` (`plan_for_model`'s terms): 0 when
+    that plan cannot hold one top-k working set."""
     try:
-        return plan_for_model(checkpoint, None, ctx, sequences).expert_budget / MIB
+        return plan_for_model(checkpoint, None, ctx, sequences, 0, slot_bytes).expert_budget / MIB
     except MemoryLimitError:
         return 0.0

@@ -169,6 +169,7 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
         pin_malloc_mmap_threshold,
         plan_for_model,
     )
+    from k3stream.pack.builder import plan_pack
 
     if manifest is None and args.memory_limit is None:  # the GGUF's experts, kept in RAM when all fit
         if args.ram_mib is not None:
@@ -178,7 +179,8 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
     if args.ram_mib is not None and args.memory_limit is None:
         return args.ram_mib
     cache_bytes = int(getattr(args, "cache_ram", 0) * MIB)  # the prompt cache of serve and chat
-    plan = plan_for_model(checkpoint, args.memory_limit, *_served(args), cache_bytes)
+    slot = None if manifest is None else plan_pack(checkpoint).layout.object_bytes  # the store's slot
+    plan = plan_for_model(checkpoint, args.memory_limit, *_served(args), cache_bytes, slot)
     if args.ram_mib is not None:
         print(f"{plan.summary()}; --ram-mib {args.ram_mib:g} MiB in use instead", file=sys.stderr)
         return args.ram_mib

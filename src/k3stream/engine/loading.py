@@ -137,12 +137,13 @@ def load_resolved(
         from k3stream.pack.reader import ExpertPack
         from k3stream.store.expert_store import ExpertStore
 
+        pack = ExpertPack(manifest, config=checkpoint.config)
         ram_mib = options.expert_ram_mib
-        ram_mib = default_expert_ram_mib(checkpoint) if ram_mib is None else ram_mib
+        if ram_mib is None:
+            ram_mib = default_expert_ram_mib(checkpoint, slot_bytes=pack.object_bytes)
         if store_options.direct_io is None and checkpoint.uncached_reads:
             # the pack's page cache would be charged to the limit beside the expert budget
             store_options = replace(store_options, direct_io=True)
-        pack = ExpertPack(manifest, config=checkpoint.config)
         store = ExpertStore(
             pack,
             ram_mib=ram_mib,
