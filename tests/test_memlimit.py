@@ -331,3 +331,25 @@ def test_a_limit_with_room_for_every_expert_gives_the_store_a_slot_for_each(tiny
         assert runtime.store.max_experts_per_fetch == objects
     finally:
         runtime.close()
+
+
+@pytest.mark.parametrize("cache_mib", [0, 256])
+def test_the_prompt_cache_is_in_the_default_plan_without_a_pack(tiny_model, monkeypatch, cache_mib):
+    """Without a pack the GGUF's routed experts stay in RAM when the default plan (the cgroup's limit,
+    else the available RAM) has room for them: room left after the prompt cache's `--cache-ram`, as
+    with a pack or `--memory-limit`. The machine's limit here leaves 64 MiB beside the routed experts;
+    a 256 MiB prompt cache must send them back to the GGUF (they were kept, 192 MiB over the limit)."""
+    import k3stream.memlimit as memlimit
+    from k3stream.cli import build_parser
+    from k3stream.commands.flags import runtime_from_args
+    from k3stream.gguf.reader import K3Checkpoint
+
+    model = tiny_model()
+    checkpoint = K3Checkpoint.open(model)
+    plan = memlimit.plan_for_model(checkpoint, "4GiB", 64)
+    limit = plan.fixed_bytes - plan.headroom + plan.needs.expert_bytes + 64 * MIB
+    monkeypatch.setattr(memlimit, "default_memory_limit", lambda: (limit, "the test's limit"))
+    command = ["generate", str(model), "--ctx", "64", "--cache-ram", str(cache_mib), "--prompt", "hi"]
+    runtime = runtime_from_args(build_parser(command).parse_args(command))
+    kept = runtime.model.expert_source.kept_bytes()
+    assert kept == (plan.needs.expert_bytes if cache_mib == 0 else 0)

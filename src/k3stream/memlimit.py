@@ -392,11 +392,12 @@ def default_expert_ram_mib(
     checkpoint: K3Checkpoint,
     ctx: int | None = None,
     sequences: int = 1,
+    cache_bytes: int = 0,
     slot_bytes: int | None = None,
 ) -> float:
     """The expert budget (MiB) of the default plan for `checkpoint` (`plan_for_model`'s terms): 0 when
     that plan cannot hold one top-k working set."""
     try:
-        return plan_for_model(checkpoint, None, ctx, sequences, 0, slot_bytes).expert_budget / MIB
+        return plan_for_model(checkpoint, None, ctx, sequences, cache_bytes, slot_bytes).expert_budget / MIB
     except MemoryLimitError:
         return 0.0

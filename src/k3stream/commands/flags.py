@@ -171,14 +171,14 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
     )
     from k3stream.pack.builder import plan_pack
 
+    cache_bytes = int(getattr(args, "cache_ram", 0) * MIB)  # the prompt cache of serve and chat
     if manifest is None and args.memory_limit is None:  # the GGUF's experts, kept in RAM when all fit
         if args.ram_mib is not None:
             return args.ram_mib
-        return default_expert_ram_mib(checkpoint, *_served(args))
+        return default_expert_ram_mib(checkpoint, *_served(args), cache_bytes)
     pin_malloc_mmap_threshold()  # expert buffers churn: keep freed ones from bloating the heap
     if args.ram_mib is not None and args.memory_limit is None:
         return args.ram_mib
-    cache_bytes = int(getattr(args, "cache_ram", 0) * MIB)  # the prompt cache of serve and chat
     slot = None if manifest is None else plan_pack(checkpoint).layout.object_bytes  # the store's slot
     plan = plan_for_model(checkpoint, args.memory_limit, *_served(args), cache_bytes, slot)
     if args.ram_mib is not None:
