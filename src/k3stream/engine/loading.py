@@ -45,13 +45,6 @@ class Runtime:
         """The store's `stats()`; `{}` without a store."""
         return self.store.stats() if self.store is not None else {}
 
-    def batch_limit(self) -> int | None:
-        """The most sequences one decode step may hold so that the union of their experts in a layer
-        always fits the store's compute tier (each sequence picks top_k experts per layer)."""
-        if self.store is None:
-            return None
-        return max(1, self.store.max_experts_per_fetch // self.store.top_k)
-
     def model_files(self) -> list[Path]:
         """The files behind the model: every GGUF shard and the pack when experts stream from one, else
         the GGUF the tokenizer came from."""

@@ -81,16 +81,12 @@ class ServerConfig:
         """Prompt tokens one prefill pass takes from waiting requests: a chunk of each batch slot's when
         experts stream from a pack (a pass then costs its expert reads, nearly whatever its tokens),
         else one chunk's."""
-        return self.prefill_chunk * (self.batch_for(served) if served.store is not None else 1)
+        return self.prefill_chunk * (self.max_batch if served.store is not None else 1)
 
     def attention_rows(self, served: ServedModel) -> float | None:
         """`PrefillChunks`' rows_per_token: chunks of equal work where the experts are in RAM, of
         `prefill_chunk` tokens where they stream from a pack (a pass costs its reads)."""
         return None if served.store is not None else attention_rows_per_token(served.model.config)
-
-    def batch_for(self, served: ServedModel) -> int:
-        """`max_batch`, capped where the expert store could not hold one step's experts."""
-        return min(self.max_batch, served.batch_limit() or self.max_batch)
 
 
 def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
@@ -101,7 +97,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     scheduler = Scheduler(
         served.model,
         metrics,
-        max_batch=config.batch_for(served),
+        max_batch=config.max_batch,
         max_queue=config.max_queue,
         on_tokens=served.end_tokens,
         cache=served.prompt_cache,
