@@ -207,6 +207,8 @@ def runtime_from_args(
     the command read the GGUF already (its tokenizer first)."""
     args.threads = thread_count(args.threads)
     checkpoint, manifest = opened or open_model(args.model, not args.no_stream_experts)  # before torch
+    if manifest is None:
+        _refuse_store_flags(args)
     from k3stream.memlimit import memory_limited
 
     checkpoint.uncached_reads = memory_limited(args.memory_limit)  # page cache would count against it
@@ -220,6 +222,23 @@ def runtime_from_args(
     options = load_options(args, _expert_ram_mib(args, checkpoint, manifest), device)
     store = store_options(args)
     return load_resolved(checkpoint, manifest, options, gpu_mib=args.gpu_mib, store_options=store)
+
+
+def _refuse_store_flags(args: argparse.Namespace) -> None:
+    """The expert store's flags that would do nothing where experts come from the GGUF: refused."""
+    direct_io = "--direct-io" if args.direct_io else "--no-direct-io"
+    given = [
+        flag
+        for flag, value in (("--gpu-mib", args.gpu_mib), (direct_io, args.direct_io))
+        if value is not None
+    ]
+    if given:
+        why = (
+            "--no-stream-experts reads them from the GGUF"
+            if args.no_stream_experts
+            else f"{args.model} has no expert pack beside it (`k3stream pack` makes one)"
+        )
+        raise ValueError(f"{given[0]} applies to routed experts streamed from an expert pack; {why}")
 
 
 def load_options(args: argparse.Namespace, expert_ram_mib: float, device: str = "cpu") -> LoadOptions:
