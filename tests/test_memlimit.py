@@ -142,6 +142,20 @@ def test_no_cgroup_mounted_falls_back_to_available_ram(tmp_path):
     assert default_memory_limit(proc, sys_cgroup) == (20000000 * 1024, "available RAM")
 
 
+@pytest.mark.parametrize("limited", [True, False])
+def test_ranks_on_one_machine_each_plan_for_their_share_of_it(tmp_path, monkeypatch, limited):
+    """torchrun's LOCAL_WORLD_SIZE ranks share their machine's cgroup limit (or available RAM): each
+    plans for its share (each planned for all of it, and two ranks held up to twice the limit)."""
+    proc, sys_cgroup = _fake_tree(tmp_path, "0::/job\n")
+    job = sys_cgroup / "job"
+    job.mkdir()
+    (job / "cgroup.controllers").write_text("memory\n")
+    (job / "memory.max").write_text(f"{3000 * MIB}\n" if limited else "max\n")
+    whole, source = default_memory_limit(proc, sys_cgroup)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert default_memory_limit(proc, sys_cgroup) == (whole // 2, f"{source}, shared by 2 ranks")
+
+
 def test_pinning_the_malloc_mmap_threshold_reports_whether_it_could():
     from k3stream.memlimit import pin_malloc_mmap_threshold
 

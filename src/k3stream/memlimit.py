@@ -17,6 +17,7 @@ the command refuses with one line. The budget is never larger than the pack's ro
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,12 +123,16 @@ def available_memory(proc: Path = Path("/proc")) -> int:
 def default_memory_limit(
     proc: Path = Path("/proc"), sys_cgroup: Path = Path("/sys/fs/cgroup")
 ) -> tuple[int, str]:
-    """`(bytes, where from)`: the memory cgroup's limit, else the available RAM."""
+    """`(bytes, where from)`: the memory cgroup's limit, else the available RAM; under torchrun each of
+    the LOCAL_WORLD_SIZE ranks on this machine gets its share (they run in one cgroup, on one RAM)."""
     directory = own_memory_cgroup(proc, sys_cgroup)
     limit = None if directory is None else cgroup_limit(directory, sys_cgroup)
     if limit is not None:
-        return limit, f"cgroup {directory}"
-    return available_memory(proc), "available RAM"
+        whole, source = limit, f"cgroup {directory}"
+    else:
+        whole, source = available_memory(proc), "available RAM"
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return (whole // ranks, f"{source}, shared by {ranks} ranks") if ranks > 1 else (whole, source)
 
 
 def memory_limited(limit_text: str | None) -> bool:
