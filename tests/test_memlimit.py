@@ -367,3 +367,24 @@ def test_the_prompt_cache_is_in_the_default_plan_without_a_pack(tiny_model, monk
     runtime = runtime_from_args(build_parser(command).parse_args(command))
     kept = runtime.model.expert_source.kept_bytes()
     assert kept == (plan.needs.expert_bytes if cache_mib == 0 else 0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "rows"),
+    [((), 512 * 16), (("--max-batch", "2", "--prefill-chunk", "64"), 128), (("--no-stream-experts",), 512)],
+)
+def test_serves_plan_holds_its_largest_prefill_pass(tiny_model, tmp_path, capsys, flags, rows):
+    """`serve` prefills in passes of a `--prefill-chunk` chunk of each of `--max-batch` requests when
+    experts stream from a pack (one chunk from the GGUF), in one forward: its plan holds the
+    activations of that many rows, attending up to the served context (it held a prefill of 256
+    rows: 269 MiB of a real-dimension slice's buffers for passes of up to 8,192 rows, 7.9 GiB)."""
+    from k3stream.cli import build_parser
+    from k3stream.commands.flags import runtime_from_args
+    from k3stream.pack.builder import build_pack
+    from pack_helpers import copy_model
+
+    manifest = build_pack(copy_model(tiny_model(), tmp_path)).manifest
+    command = ["serve", str(manifest), "--memory-limit", "4GiB", "--cache-ram", "0", *flags]
+    runtime_from_args(build_parser(command).parse_args(command)).close()
+    plan = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("memory limit"))
+    assert f"(a prefill of {rows} rows)" in plan, plan

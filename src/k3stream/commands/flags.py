@@ -172,15 +172,16 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
     from k3stream.pack.builder import plan_pack
 
     cache_bytes = int(getattr(args, "cache_ram", 0) * MIB)  # the prompt cache of serve and chat
+    rows = _prefill_rows(args, manifest is not None)
     if manifest is None and args.memory_limit is None:  # the GGUF's experts, kept in RAM when all fit
         if args.ram_mib is not None:
             return args.ram_mib
-        return default_expert_ram_mib(checkpoint, *_served(args), cache_bytes)
+        return default_expert_ram_mib(checkpoint, *_served(args), cache_bytes, None, rows)
     pin_malloc_mmap_threshold()  # expert buffers churn: keep freed ones from bloating the heap
     if args.ram_mib is not None and args.memory_limit is None:
         return args.ram_mib
     slot = None if manifest is None else plan_pack(checkpoint).layout.object_bytes  # the store's slot
-    plan = plan_for_model(checkpoint, args.memory_limit, *_served(args), cache_bytes, slot)
+    plan = plan_for_model(checkpoint, args.memory_limit, *_served(args), cache_bytes, slot, rows)
     if args.ram_mib is not None:
         print(f"{plan.summary()}; --ram-mib {args.ram_mib:g} MiB in use instead", file=sys.stderr)
         return args.ram_mib
@@ -192,6 +193,16 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
 def _served(args: argparse.Namespace) -> tuple[int | None, int]:
     """The context and the sequences at once the command serves (`--ctx`, a server's `--max-batch`)."""
     return getattr(args, "ctx", None), getattr(args, "max_batch", 1)
+
+
+def _prefill_rows(args: argparse.Namespace, streamed: bool) -> int | None:
+    """The prompt rows of the largest forward of a command that prefills in chunks (`serve`'s prefill
+    passes); None where a prompt is prefilled whole."""
+    if not hasattr(args, "prefill_chunk"):
+        return None
+    from k3stream.server.app import prefill_pass_tokens
+
+    return prefill_pass_tokens(args.prefill_chunk, args.max_batch, streamed)
 
 
 def thread_count(threads: int | None) -> int | None:
