@@ -376,8 +376,8 @@ def plan_memory(
             f"memory limit {format_size(limit)} ({source}) cannot hold the runtime "
             f"({format_size(runtime_bytes)}), non-expert weights ({format_size(needs.nonexpert_bytes)}), "
             f"KV/state ({format_size(needs.state_bytes)}), working buffers "
-            f"({format_size(needs.working_bytes)}), headroom ({format_size(plan.headroom)}) and prompt "
-            f"cache ({format_size(cache_bytes)}) plus one "
+            f"({format_size(needs.working_bytes)} for a prefill of {needs.prefill_rows} rows), headroom "
+            f"({format_size(plan.headroom)}) and prompt cache ({format_size(cache_bytes)}) plus one "
             f"top-k working set ({needs.top_k} x {needs.object_bytes} bytes); it needs at least "
             f"{format_size(plan.fixed_bytes + needs.working_set)}"
         )
