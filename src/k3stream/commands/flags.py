@@ -190,6 +190,13 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
     return plan.expert_budget / MIB
 
 
+def size_context(args: argparse.Namespace, config: Any, tokens: int) -> None:
+    """Without `--ctx`, the context the memory plan holds is the `tokens` the run reaches (at most the
+    model's): its KV/state, and its prompt prefilled in one forward."""
+    if args.ctx is None:
+        args.ctx = min(max(tokens, 2), config.context_length)
+
+
 def _served(args: argparse.Namespace) -> tuple[int | None, int]:
     """The context and the sequences at once the command serves (`--ctx`, a server's `--max-batch`)."""
     return getattr(args, "ctx", None), getattr(args, "max_batch", 1)
