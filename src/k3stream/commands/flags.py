@@ -237,6 +237,8 @@ def runtime_from_args(
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available to torch on this machine")
     options = load_options(args, _expert_ram_mib(args, checkpoint, manifest), device)
     store = store_options(args)
     return load_resolved(checkpoint, manifest, options, gpu_mib=args.gpu_mib, store_options=store)
