@@ -371,7 +371,12 @@ def test_the_prompt_cache_is_in_the_default_plan_without_a_pack(tiny_model, monk
 
 @pytest.mark.parametrize(
     ("flags", "rows"),
-    [((), 512 * 16), (("--max-batch", "2", "--prefill-chunk", "64"), 128), (("--no-stream-experts",), 512)],
+    [
+        ((), 512 * 16),
+        (("--max-batch", "2", "--prefill-chunk", "64"), 128),
+        (("--no-stream-experts",), 512),
+        (("--ctx", "48"), 48 * 16),  # no prompt is longer than the context
+    ],
 )
 def test_serves_plan_holds_its_largest_prefill_pass(tiny_model, tmp_path, capsys, flags, rows):
     """`serve` prefills in passes of a `--prefill-chunk` chunk of each of `--max-batch` requests when

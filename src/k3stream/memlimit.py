@@ -260,7 +260,10 @@ def config_needs(
     `slot_bytes`: the expert store's slot when experts stream from a pack (its largest object, roles
     on 4 KiB boundaries), which every expert it holds takes; None: the GGUF's bytes."""
     tokens = served_tokens(config, ctx)
-    rows = prefill_rows or (tokens if ctx is not None else min(tokens, DEFAULT_PREFILL_ROWS))
+    if prefill_rows:  # the chunks of at most `sequences` prompts, each within the served context
+        rows = min(prefill_rows, sequences * tokens)
+    else:
+        rows = tokens if ctx is not None else min(tokens, DEFAULT_PREFILL_ROWS)
     objects = len(config.moe_layers) * config.n_experts
     mean = math.ceil(expert_bytes / objects) if objects else 0
     return ModelNeeds(
