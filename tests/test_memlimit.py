@@ -393,3 +393,28 @@ def test_serves_plan_holds_its_largest_prefill_pass(tiny_model, tmp_path, capsys
     runtime_from_args(build_parser(command).parse_args(command)).close()
     plan = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("memory limit"))
     assert f"(a prefill of {rows} rows)" in plan, plan
+
+
+def test_a_memory_limit_above_the_cgroups_is_refused_naming_both(tiny_model, tmp_path):
+    """`--memory-limit` larger than the memory cgroup the process runs in would plan memory the kernel
+    never grants (an OOM kill mid-run): one line naming both limits."""
+    import os
+    import subprocess
+    import sys
+
+    from k3stream.pack.builder import build_pack
+    from k3stream.testing.cgroups import ChildCgroup
+    from pack_helpers import copy_model
+
+    manifest = build_pack(copy_model(tiny_model(), tmp_path)).manifest
+    cgroup = ChildCgroup.create(f"test-memlimit-above-{os.getpid()}", 1 << 30)
+    if isinstance(cgroup, str):
+        pytest.skip(cgroup)
+    command = [sys.executable, "-m", "k3stream", "generate", str(manifest), "--memory-limit", "2GiB"]
+    command += ["--prompt", "hi", "--max-tokens", "1"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, preexec_fn=cgroup.join)
+    finally:
+        cgroup.remove()
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr[-2000:]
+    assert "--memory-limit 2.00 GiB is above the 1.00 GiB limit of cgroup" in done.stderr

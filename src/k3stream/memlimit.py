@@ -405,8 +405,20 @@ def plan_for_model(
         limit, source = default_memory_limit()
     else:
         limit, source = parse_size(limit_text), "--memory-limit"
+        _refuse_above_cgroup(limit)
     needs = model_needs(checkpoint, ctx, sequences, slot_bytes, prefill_rows)
     return plan_memory(limit, needs, resident_bytes(), source, cache_bytes)
+
+
+def _refuse_above_cgroup(limit: int) -> None:
+    """`--memory-limit` above this process's memory cgroup limit plans memory the kernel never grants."""
+    directory = own_memory_cgroup()
+    granted = None if directory is None else cgroup_limit(directory)
+    if granted is not None and limit > granted:
+        raise MemoryLimitError(
+            f"--memory-limit {format_size(limit)} is above the {format_size(granted)} limit of cgroup "
+            f"{directory}; give at most that"
+        )
 
 
 def default_expert_ram_mib(
