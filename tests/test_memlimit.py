@@ -395,9 +395,14 @@ def test_serves_plan_holds_its_largest_prefill_pass(tiny_model, tmp_path, capsys
     assert f"(a prefill of {rows} rows)" in plan, plan
 
 
-def test_a_memory_limit_above_the_cgroups_is_refused_naming_both(tiny_model, tmp_path):
-    """`--memory-limit` larger than the memory cgroup the process runs in would plan memory the kernel
-    never grants (an OOM kill mid-run): one line naming both limits."""
+@pytest.mark.parametrize(
+    ("limit", "ranks", "expected"), [("2GiB", 1, ""), ("600MiB", 2, " for each of 2 ranks")]
+)
+def test_a_memory_limit_above_the_cgroups_is_refused_naming_both(
+    tiny_model, tmp_path, limit, ranks, expected
+):
+    """`--memory-limit` (each rank's, under torchrun) larger than the memory cgroup the process runs in
+    would plan memory the kernel never grants (an OOM kill mid-run): one line naming both limits."""
     import os
     import subprocess
     import sys
@@ -410,11 +415,17 @@ def test_a_memory_limit_above_the_cgroups_is_refused_naming_both(tiny_model, tmp
     cgroup = ChildCgroup.create(f"test-memlimit-above-{os.getpid()}", 1 << 30)
     if isinstance(cgroup, str):
         pytest.skip(cgroup)
-    command = [sys.executable, "-m", "k3stream", "generate", str(manifest), "--memory-limit", "2GiB"]
+    command = [sys.executable, "-m", "k3stream", "generate", str(manifest), "--memory-limit", limit]
     command += ["--prompt", "hi", "--max-tokens", "1"]
+    env = {**os.environ, "LOCAL_WORLD_SIZE": str(ranks)}  # what torchrun tells each of its ranks
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120, preexec_fn=cgroup.join)
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=120, preexec_fn=cgroup.join, env=env
+        )
     finally:
         cgroup.remove()
     assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr[-2000:]
-    assert "--memory-limit 2.00 GiB is above the 1.00 GiB limit of cgroup" in done.stderr
+    assert (
+        f"--memory-limit {format_size(parse_size(limit))}{expected} is above the 1.00 GiB limit"
+        in done.stderr
+    )

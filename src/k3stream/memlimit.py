@@ -132,8 +132,13 @@ def default_memory_limit(
         whole, source = limit, f"cgroup {directory}"
     else:
         whole, source = available_memory(proc), "available RAM"
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ranks = local_ranks()
     return (whole // ranks, f"{source}, shared by {ranks} ranks") if ranks > 1 else (whole, source)
+
+
+def local_ranks() -> int:
+    """The processes torchrun started on this machine (LOCAL_WORLD_SIZE), 1 outside torchrun."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def memory_limited(limit_text: str | None) -> bool:
@@ -411,13 +416,16 @@ def plan_for_model(
 
 
 def _refuse_above_cgroup(limit: int) -> None:
-    """`--memory-limit` above this process's memory cgroup limit plans memory the kernel never grants."""
+    """`--memory-limit` (each rank's, under torchrun) above this process's memory cgroup limit plans
+    memory the kernel never grants."""
     directory = own_memory_cgroup()
     granted = None if directory is None else cgroup_limit(directory)
-    if granted is not None and limit > granted:
+    ranks = local_ranks()
+    if granted is not None and limit * ranks > granted:
+        each = f" for each of {ranks} ranks" if ranks > 1 else ""
         raise MemoryLimitError(
-            f"--memory-limit {format_size(limit)} is above the {format_size(granted)} limit of cgroup "
-            f"{directory}; give at most that"
+            f"--memory-limit {format_size(limit)}{each} is above the {format_size(granted)} limit of "
+            f"cgroup {directory}; give at most {format_size(granted // ranks)}"
         )
 
 
