@@ -121,3 +121,16 @@ def test_bench_rejects_bad_token_counts(model):
         "k3stream bench: error: --prompt-tokens 12 and --decode-tokens 30 pass the context of 32 tokens "
         "(--ctx)"
     )
+
+
+def test_bench_plans_memory_for_the_sequence_it_measures(model):
+    """Without `--ctx` the memory plan holds the measured sequence, its prompt prefilled in one forward
+    (it held a 256-row prefill whatever `--prompt-tokens` asked, and state for 4,096 tokens)."""
+    gguf_path, manifest = model
+    counts = ("--prompt-tokens", "300", "--decode-tokens", "4")
+    status, _out, err = run_cli(
+        "bench", str(manifest), "--memory-limit", "4GiB", *counts, "--seq-read-mib", "1"
+    )
+    assert status == 0, err
+    plan = next(line for line in err.splitlines() if line.startswith("memory limit"))
+    assert "KV/state for 304 tokens" in plan and "(a prefill of 304 rows)" in plan, plan

@@ -108,3 +108,41 @@ def test_inspect_takes_a_manifest_as_the_other_commands_do(packed, capsys):
     expected = capsys.readouterr().out
     assert main(["inspect", str(manifest), "--json"]) == 0
     assert capsys.readouterr().out == expected
+
+
+@pytest.mark.parametrize("flag", [("--gpu-mib", "64"), ("--direct-io",), ("--no-direct-io",)])
+@pytest.mark.parametrize("source", ["--no-stream-experts", "no pack"])
+def test_expert_store_flags_without_a_store_are_refused_in_one_line(packed, tmp_path, flag, source):
+    """`--gpu-mib` and `--[no-]direct-io` set the expert store, which serves experts from a pack: where
+    experts come from the GGUF (`--no-stream-experts`, or no pack beside it) they would do nothing, and
+    the run says so instead of going on without them."""
+    import shutil
+
+    from bench_helpers import run_cli
+
+    gguf_path, _ = packed
+    if source == "no pack":
+        gguf_path = Path(shutil.copy(gguf_path, tmp_path))
+    extra = ["--no-stream-experts"] if source == "--no-stream-experts" else []
+    status, _out, err = run_cli(
+        "generate", str(gguf_path), "--prompt", "a", "--max-tokens", "1", *extra, *flag
+    )
+    assert status == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"{flag[0]} applies to routed experts streamed from an expert pack" in err
+
+
+@pytest.mark.parametrize("source", ["pack", "--no-stream-experts"])
+def test_a_cuda_device_on_a_machine_without_cuda_is_refused_in_one_line(packed, source):
+    """`--device cuda` where torch has no CUDA: one line naming the flag, with experts streamed or not
+    (from the GGUF it ended in torch's AssertionError traceback)."""
+    import torch
+
+    from bench_helpers import run_cli
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    gguf_path, _ = packed
+    extra = ["--no-stream-experts"] if source == "--no-stream-experts" else []
+    status, _out, err = run_cli("generate", str(gguf_path), "--prompt", "a", "--device", "cuda", *extra)
+    assert status == 1 and len(err.strip().splitlines()) == 1, err
+    assert "--device cuda: CUDA is not available" in err

@@ -142,6 +142,20 @@ def test_no_cgroup_mounted_falls_back_to_available_ram(tmp_path):
     assert default_memory_limit(proc, sys_cgroup) == (20000000 * 1024, "available RAM")
 
 
+@pytest.mark.parametrize("limited", [True, False])
+def test_ranks_on_one_machine_each_plan_for_their_share_of_it(tmp_path, monkeypatch, limited):
+    """torchrun's LOCAL_WORLD_SIZE ranks share their machine's cgroup limit (or available RAM): each
+    plans for its share (each planned for all of it, and two ranks held up to twice the limit)."""
+    proc, sys_cgroup = _fake_tree(tmp_path, "0::/job\n")
+    job = sys_cgroup / "job"
+    job.mkdir()
+    (job / "cgroup.controllers").write_text("memory\n")
+    (job / "memory.max").write_text(f"{3000 * MIB}\n" if limited else "max\n")
+    whole, source = default_memory_limit(proc, sys_cgroup)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert default_memory_limit(proc, sys_cgroup) == (whole // 2, f"{source}, shared by 2 ranks")
+
+
 def test_pinning_the_malloc_mmap_threshold_reports_whether_it_could():
     from k3stream.memlimit import pin_malloc_mmap_threshold
 
@@ -305,3 +319,113 @@ def test_a_streamed_generate_stays_inside_the_cgroup_limit_its_plan_splits(tiny_
     assert "hit rate" in done.stderr
     assert usage["oom_kills"] in (0, None) and usage["limit_hits"] == 0, (usage, plan)
     assert usage["peak_bytes"] <= limit
+
+
+# expert rows of whole 256-value blocks (the audited and dynamic recipes' K-quants)
+WIDE = dict(latent=256, expert_ff=256, kv_lora=256, qk_nope=32)
+
+
+@pytest.mark.parametrize("recipe", ["audited", "dynamic"])
+def test_a_limit_with_room_for_every_expert_gives_the_store_a_slot_for_each(tiny_model, tmp_path, recipe):
+    """The store holds each expert in a slot of the pack's largest object, its roles on 4 KiB
+    boundaries: the audited recipe's 71,168 GGUF bytes an expert span 77,312 in the pack, and the
+    dynamic recipe's layers differ (53,760 to 94,208). A limit with room for the whole pack must give
+    every expert a slot (a budget of their GGUF bytes held 8-23% fewer, and generate re-read experts
+    all along under a plan that said 100% of the routed experts)."""
+    from k3stream.cli import build_parser
+    from k3stream.commands.flags import runtime_from_args
+    from k3stream.pack.builder import build_pack
+    from pack_helpers import copy_model
+
+    manifest = build_pack(copy_model(tiny_model(recipe=recipe, **WIDE), tmp_path)).manifest
+    command = ["generate", str(manifest), "--memory-limit", "4GiB", "--ctx", "64", "--prompt", "hi"]
+    runtime = runtime_from_args(build_parser(command).parse_args(command))
+    try:
+        objects = len(runtime.store.moe_layers) * runtime.store.num_experts
+        assert runtime.store.max_experts_per_fetch == objects
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("cache_mib", [0, 256])
+def test_the_prompt_cache_is_in_the_default_plan_without_a_pack(tiny_model, monkeypatch, cache_mib):
+    """Without a pack the GGUF's routed experts stay in RAM when the default plan (the cgroup's limit,
+    else the available RAM) has room for them: room left after the prompt cache's `--cache-ram`, as
+    with a pack or `--memory-limit`. The machine's limit here leaves 64 MiB beside the routed experts;
+    a 256 MiB prompt cache must send them back to the GGUF (they were kept, 192 MiB over the limit)."""
+    import k3stream.memlimit as memlimit
+    from k3stream.cli import build_parser
+    from k3stream.commands.flags import runtime_from_args
+    from k3stream.gguf.reader import K3Checkpoint
+
+    model = tiny_model()
+    checkpoint = K3Checkpoint.open(model)
+    plan = memlimit.plan_for_model(checkpoint, "4GiB", 64)
+    limit = plan.fixed_bytes - plan.headroom + plan.needs.expert_bytes + 64 * MIB
+    monkeypatch.setattr(memlimit, "default_memory_limit", lambda: (limit, "the test's limit"))
+    command = ["generate", str(model), "--ctx", "64", "--cache-ram", str(cache_mib), "--prompt", "hi"]
+    runtime = runtime_from_args(build_parser(command).parse_args(command))
+    kept = runtime.model.expert_source.kept_bytes()
+    assert kept == (plan.needs.expert_bytes if cache_mib == 0 else 0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "rows"),
+    [
+        ((), 512 * 16),
+        (("--max-batch", "2", "--prefill-chunk", "64"), 128),
+        (("--no-stream-experts",), 512),
+        (("--ctx", "48"), 48 * 16),  # no prompt is longer than the context
+    ],
+)
+def test_serves_plan_holds_its_largest_prefill_pass(tiny_model, tmp_path, capsys, flags, rows):
+    """`serve` prefills in passes of a `--prefill-chunk` chunk of each of `--max-batch` requests when
+    experts stream from a pack (one chunk from the GGUF), in one forward: its plan holds the
+    activations of that many rows, attending up to the served context (it held a prefill of 256
+    rows: 269 MiB of a real-dimension slice's buffers for passes of up to 8,192 rows, 7.9 GiB)."""
+    from k3stream.cli import build_parser
+    from k3stream.commands.flags import runtime_from_args
+    from k3stream.pack.builder import build_pack
+    from pack_helpers import copy_model
+
+    manifest = build_pack(copy_model(tiny_model(), tmp_path)).manifest
+    command = ["serve", str(manifest), "--memory-limit", "4GiB", "--cache-ram", "0", *flags]
+    runtime_from_args(build_parser(command).parse_args(command)).close()
+    plan = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("memory limit"))
+    assert f"(a prefill of {rows} rows)" in plan, plan
+
+
+@pytest.mark.parametrize(
+    ("limit", "ranks", "expected"), [("2GiB", 1, ""), ("600MiB", 2, " for each of 2 ranks")]
+)
+def test_a_memory_limit_above_the_cgroups_is_refused_naming_both(
+    tiny_model, tmp_path, limit, ranks, expected
+):
+    """`--memory-limit` (each rank's, under torchrun) larger than the memory cgroup the process runs in
+    would plan memory the kernel never grants (an OOM kill mid-run): one line naming both limits."""
+    import os
+    import subprocess
+    import sys
+
+    from k3stream.pack.builder import build_pack
+    from k3stream.testing.cgroups import ChildCgroup
+    from pack_helpers import copy_model
+
+    manifest = build_pack(copy_model(tiny_model(), tmp_path)).manifest
+    cgroup = ChildCgroup.create(f"test-memlimit-above-{os.getpid()}", 1 << 30)
+    if isinstance(cgroup, str):
+        pytest.skip(cgroup)
+    command = [sys.executable, "-m", "k3stream", "generate", str(manifest), "--memory-limit", limit]
+    command += ["--prompt", "hi", "--max-tokens", "1"]
+    env = {**os.environ, "LOCAL_WORLD_SIZE": str(ranks)}  # what torchrun tells each of its ranks
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=120, preexec_fn=cgroup.join, env=env
+        )
+    finally:
+        cgroup.remove()
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr[-2000:]
+    assert (
+        f"--memory-limit {format_size(parse_size(limit))}{expected} is above the 1.00 GiB limit"
+        in done.stderr
+    )

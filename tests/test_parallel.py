@@ -265,6 +265,39 @@ def test_serve_under_torchrun_answers_as_one_process_and_outlives_idle_time(pack
 
 
 @pytest.mark.slow
+def test_a_server_whose_rank_0_fails_its_step_ends_naming_it(tiny_model, tmp_path_factory):
+    """Rank 0's experts of one layer are damaged: the request fails with the checksum error and the
+    run ends at once, non-zero, naming rank 0's error. The followers are inside a step rank 0 left, so
+    the group cannot serve on (rank 0 answered the next request with "another rank failed" while the
+    followers waited out --dist-timeout in the expert exchange)."""
+    import httpx
+
+    from k3stream.pack.reader import ExpertPack
+    from k3stream.server.live import free_port
+
+    manifest = packed_copy(tiny_model, tmp_path_factory)
+    with ExpertPack(manifest) as pack, open(pack.path, "r+b") as raw:
+        for expert in range(8):  # rank 0's half of layer 1
+            offset, nbytes = pack.object_range(1, expert)
+            raw.seek(offset)
+            raw.write(bytes(nbytes))
+    port = free_port()
+    command = torchrun(2, "-m", "k3stream", "serve", str(manifest), "--ep", "2", "--port", str(port))
+    command += ["--dist-timeout", "60", "--log-level", "warning", "--cache-ram", "0"]
+    body = {"model": "tiny-kimi-k3", "prompt": "hello world, how are you", "max_tokens": 4}
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=_env()) as launcher:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, launcher)
+        failed = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        asked = time.monotonic()
+        _out, err = launcher.communicate(timeout=120)
+    assert failed.status_code == 500 and "checksum mismatch: layer 1 expert" in failed.text, failed.text
+    assert time.monotonic() - asked < 30  # not the followers' --dist-timeout
+    assert launcher.returncode != 0
+    assert "k3stream serve: error: rank 0: expert-pack checksum mismatch: layer 1 expert" in err, err[-3000:]
+
+
+@pytest.mark.slow
 def test_two_torchrun_agents_as_two_machines(packed):
     """`--nnodes 2` with a c10d rendezvous endpoint: two launchers (two machines, here on loopback),
     one rank each; the one holding rank 0 prints the single process's greedy text."""

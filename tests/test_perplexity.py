@@ -300,3 +300,12 @@ def test_recipe_perplexity_and_kld_equal_llama_cpp(tiny_model, tokenizer, tmp_pa
     reference_kld = _reference_kld(dequantized, base_logits, plan)
     assert reference_kld > 0.01
     assert kld == pytest.approx(reference_kld, rel=0.005)
+
+
+def test_the_memory_plan_holds_a_chunk_of_the_default_context(model_path, capsys):
+    """Without `--ctx` perplexity evaluates chunks of 512 tokens, each in one forward: its memory plan
+    holds the state and activations of one such chunk (it planned a 256-row prefill)."""
+    code, _out, err = _run(capsys, model_path, "--file", TEXT, "--chunks", 1, "--memory-limit", "4GiB")
+    assert code == 0
+    plan = next(line for line in err.splitlines() if line.startswith("memory limit"))
+    assert "KV/state for 512 tokens" in plan and "(a prefill of 512 rows)" in plan, plan

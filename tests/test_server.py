@@ -271,6 +271,35 @@ def test_batched_outputs_equal_solo_outputs(server, slow_server):
     assert slow_server.health()["batched_steps"] > before, "the requests were never decoded together"
 
 
+def test_a_budget_of_one_working_set_still_decodes_requests_together(server, served_pack):
+    """A store that holds one top-k working set serves a batch whose experts outgrow it (the MoE
+    fetches a step's experts in groups the cache holds, each read once): concurrent requests share
+    decode steps and answer as they do alone (the batch was capped at one sequence, the requests
+    queued one after another and each read its experts on its own)."""
+    from k3stream.pack.reader import ExpertPack
+
+    with ExpertPack(served_pack) as pack:
+        one_working_set = pack.top_k * pack.object_bytes / (1 << 20)
+    small = LiveServer(
+        served_pack,
+        one_working_set,
+        StoreOptions(simulated_read_latency_us=SLOW_READ_US),
+        max_batch=MAX_BATCH,
+        max_queue=MAX_QUEUE,
+    )
+    try:
+        prompts = ["alpha beta", "The rain in Spain", "1 2 3 4"]
+        body = dict(model=server.name, max_tokens=12, temperature=0, ignore_eos=True)
+        solo = [_completion(server.url, dict(body, prompt=p)).json()["choices"][0]["text"] for p in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = pool.map(lambda p: _completion(small.url, dict(body, prompt=p)).json(), prompts)
+            together = [answer["choices"][0]["text"] for answer in answers]
+        assert together == solo
+        assert small.health()["batched_steps"] > 0, "the requests were never decoded together"
+    finally:
+        small.close()
+
+
 BAD_BODIES = [
     ("malformed json", b'{"model": "x", "prompt": ', "invalid_json"),
     ("not an object", b"[1, 2, 3]", None),

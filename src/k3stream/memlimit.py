@@ -8,7 +8,8 @@
 
 KV/state and working buffers are computed from the config for the context served (`--ctx`, default
 DEFAULT_CTX): the MLA caches and KDA states of a sequence that long, and the activations of a prefill
-of that many rows (the engine prefills a prompt in one forward).
+of that many rows (the engine prefills a prompt in one forward), or of the largest forward a command
+that prefills in chunks runs (`serve`'s prefill passes).
 
 and the expert budget must hold at least one top-k working set (top_k x one expert object); below that
 the command refuses with one line. The budget is never larger than the pack's routed experts.
@@ -17,6 +18,7 @@ the command refuses with one line. The budget is never larger than the pack's ro
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,12 +124,21 @@ def available_memory(proc: Path = Path("/proc")) -> int:
 def default_memory_limit(
     proc: Path = Path("/proc"), sys_cgroup: Path = Path("/sys/fs/cgroup")
 ) -> tuple[int, str]:
-    """`(bytes, where from)`: the memory cgroup's limit, else the available RAM."""
+    """`(bytes, where from)`: the memory cgroup's limit, else the available RAM; under torchrun each of
+    the LOCAL_WORLD_SIZE ranks on this machine gets its share (they run in one cgroup, on one RAM)."""
     directory = own_memory_cgroup(proc, sys_cgroup)
     limit = None if directory is None else cgroup_limit(directory, sys_cgroup)
     if limit is not None:
-        return limit, f"cgroup {directory}"
-    return available_memory(proc), "available RAM"
+        whole, source = limit, f"cgroup {directory}"
+    else:
+        whole, source = available_memory(proc), "available RAM"
+    ranks = local_ranks()
+    return (whole // ranks, f"{source}, shared by {ranks} ranks") if ranks > 1 else (whole, source)
+
+
+def local_ranks() -> int:
+    """The processes torchrun started on this machine (LOCAL_WORLD_SIZE), 1 outside torchrun."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def memory_limited(limit_text: str | None) -> bool:
@@ -156,11 +167,12 @@ class ModelNeeds:
     nonexpert_bytes: int
     state_bytes: int
     working_bytes: int
-    object_bytes: int
+    object_bytes: int  # one expert's slot: the pack's largest object, else the GGUF's mean expert
     top_k: int
-    expert_bytes: int  # all routed experts (the pack's payload)
+    expert_bytes: int  # every routed expert held at once: a slot each, else their GGUF bytes
     tokens: int  # the served context: KV/state and a prefill's activations are sized for it
     sequences: int = 1  # KV/state is held for this many sequences at once
+    prefill_rows: int = DEFAULT_PREFILL_ROWS  # prompt rows of the largest forward
 
     @property
     def working_set(self) -> int:
@@ -208,22 +220,24 @@ def ffn_floats(config: Any) -> int:
     return max(dense, routed + shared if config.moe_layers else 0)
 
 
-def activation_bytes(config: Any, rows: int) -> int:
-    """Float32 activations of a forward of `rows` prompt rows (one prefill holds its whole prompt): the
-    residual stream with the attention-residual bank (and the stacked copy a mix makes), the wider of
-    a layer's attention and feed-forward, and the MLA score blocks."""
+def activation_bytes(config: Any, rows: int, keys: int | None = None) -> int:
+    """Float32 activations of a forward of `rows` prompt rows attending `keys` positions (default
+    `rows`: one prefill holds its whole prompt): the residual stream with the attention-residual bank
+    (and the stacked copy a mix makes), the wider of a layer's attention and feed-forward, and the MLA
+    score blocks."""
     banks = -(-config.n_layers // max(config.block_size, 1))
     stream = (STREAM_COPIES + 2 * (banks + 1)) * config.hidden
     per_row = stream + max(attention_floats(config), ffn_floats(config))
-    scores = 2 * config.n_heads * min(rows, QUERY_BLOCK) * rows if config.mla_layers else 0
+    scores = 2 * config.n_heads * min(rows, QUERY_BLOCK) * (keys or rows) if config.mla_layers else 0
     return 4 * (rows * per_row + scores)
 
 
-def working_bytes(config: Any, rows: int) -> int:
-    """A prefill of `rows` prompt rows, one row's logits and a dequantisation slab. Reads in flight
-    are not here: a load reserves its slot in the expert budget before it reads."""
+def working_bytes(config: Any, rows: int, keys: int | None = None) -> int:
+    """A prefill of `rows` prompt rows (attending `keys`: `activation_bytes`), one row's logits and a
+    dequantisation slab. Reads in flight are not here: a load reserves its slot in the expert budget
+    before it reads."""
     logits = 2 * config.vocab_size * 4
-    return activation_bytes(config, rows) + logits + SLAB_BYTES
+    return activation_bytes(config, rows, keys) + logits + SLAB_BYTES
 
 
 def served_tokens(config: Any, ctx: int | None) -> int:
@@ -236,35 +250,54 @@ def served_tokens(config: Any, ctx: int | None) -> int:
 
 
 def config_needs(
-    config: Any, expert_bytes: int, nonexpert_bytes: int, ctx: int | None = None, sequences: int = 1
+    config: Any,
+    expert_bytes: int,
+    nonexpert_bytes: int,
+    ctx: int | None = None,
+    sequences: int = 1,
+    slot_bytes: int | None = None,
+    prefill_rows: int | None = None,
 ) -> ModelNeeds:
     """What a model of `config` needs besides the expert cache, from its config and byte counts alone
     (nothing is allocated): `sequences` sequences of the served context (a server's batch), and a
     prefill of as many rows (of DEFAULT_PREFILL_ROWS when no context was given: a longer prompt needs
-    `--ctx`)."""
+    `--ctx`), or of `prefill_rows` attending the served context (a command that prefills in chunks).
+    `slot_bytes`: the expert store's slot when experts stream from a pack (its largest object, roles
+    on 4 KiB boundaries), which every expert it holds takes; None: the GGUF's bytes."""
     tokens = served_tokens(config, ctx)
-    rows = tokens if ctx is not None else min(tokens, DEFAULT_PREFILL_ROWS)
+    if prefill_rows:  # the chunks of at most `sequences` prompts, each within the served context
+        rows = min(prefill_rows, sequences * tokens)
+    else:
+        rows = tokens if ctx is not None else min(tokens, DEFAULT_PREFILL_ROWS)
     objects = len(config.moe_layers) * config.n_experts
+    mean = math.ceil(expert_bytes / objects) if objects else 0
     return ModelNeeds(
         nonexpert_bytes=nonexpert_bytes,
         state_bytes=state_bytes(config, tokens, sequences),
-        working_bytes=working_bytes(config, rows),
-        object_bytes=math.ceil(expert_bytes / objects) if objects else 0,
+        working_bytes=working_bytes(config, rows, tokens if prefill_rows else rows),
+        object_bytes=slot_bytes or mean,
         top_k=config.top_k,
-        expert_bytes=expert_bytes,
+        expert_bytes=objects * slot_bytes if slot_bytes else expert_bytes,
         tokens=tokens,
         sequences=sequences,
+        prefill_rows=rows,
     )
 
 
-def model_needs(checkpoint: Any, ctx: int | None = None, sequences: int = 1) -> ModelNeeds:
+def model_needs(
+    checkpoint: Any,
+    ctx: int | None = None,
+    sequences: int = 1,
+    slot_bytes: int | None = None,
+    prefill_rows: int | None = None,
+) -> ModelNeeds:
     """What `checkpoint` (a `K3Checkpoint`) needs besides the expert cache, serving `sequences`
-    sequences of `ctx` tokens."""
+    sequences of `ctx` tokens (`slot_bytes`, `prefill_rows`: `config_needs`')."""
     from k3stream.gguf.layout import is_routed_expert
 
     routed = sum(t.nbytes for t in checkpoint.tensors.values() if is_routed_expert(t.name))
     total = sum(t.nbytes for t in checkpoint.tensors.values())
-    return config_needs(checkpoint.config, routed, total - routed, ctx, sequences)
+    return config_needs(checkpoint.config, routed, total - routed, ctx, sequences, slot_bytes, prefill_rows)
 
 
 # ---- the allocator ---------------------------------------------------------------------------------
@@ -331,7 +364,8 @@ class MemoryPlan:
             f"memory limit {format_size(self.limit)} ({self.source}): runtime "
             f"{format_size(self.runtime_bytes)}, non-expert weights {format_size(n.nonexpert_bytes)}, "
             f"KV/state for {n.tokens} tokens{f' x {n.sequences} sequences' if n.sequences > 1 else ''} "
-            f"{format_size(n.state_bytes)}, working buffers {format_size(n.working_bytes)}, headroom "
+            f"{format_size(n.state_bytes)}, working buffers {format_size(n.working_bytes)} "
+            f"(a prefill of {n.prefill_rows} rows), headroom "
             f"{format_size(self.headroom)}, prompt cache {format_size(self.cache_bytes)} -> expert RAM "
             f"budget {format_size(self.expert_budget)} "
             f"({self.expert_budget // max(n.object_bytes, 1)} experts of {n.object_bytes / MIB:.2f} MiB, "
@@ -350,8 +384,8 @@ def plan_memory(
             f"memory limit {format_size(limit)} ({source}) cannot hold the runtime "
             f"({format_size(runtime_bytes)}), non-expert weights ({format_size(needs.nonexpert_bytes)}), "
             f"KV/state ({format_size(needs.state_bytes)}), working buffers "
-            f"({format_size(needs.working_bytes)}), headroom ({format_size(plan.headroom)}) and prompt "
-            f"cache ({format_size(cache_bytes)}) plus one "
+            f"({format_size(needs.working_bytes)} for a prefill of {needs.prefill_rows} rows), headroom "
+            f"({format_size(plan.headroom)}) and prompt cache ({format_size(cache_bytes)}) plus one "
             f"top-k working set ({needs.top_k} x {needs.object_bytes} bytes); it needs at least "
             f"{format_size(plan.fixed_bytes + needs.working_set)}"
         )
@@ -365,22 +399,48 @@ def plan_for_model(
     ctx: int | None = None,
     sequences: int = 1,
     cache_bytes: int = 0,
+    slot_bytes: int | None = None,
+    prefill_rows: int | None = None,
 ) -> MemoryPlan:
     """The plan for an open checkpoint under `--memory-limit limit_text` (None: the cgroup's limit or
     available RAM), serving `sequences` sequences of `ctx` tokens (None: DEFAULT_CTX or the model's
-    context, if shorter), `cache_bytes` of it the prompt cache's RAM tier."""
+    context, if shorter), `cache_bytes` of it the prompt cache's RAM tier, in the expert store's
+    `slot_bytes` when experts stream from a pack, its largest forward `prefill_rows` (`config_needs`)."""
     if limit_text is None:
         limit, source = default_memory_limit()
     else:
         limit, source = parse_size(limit_text), "--memory-limit"
-    needs = model_needs(checkpoint, ctx, sequences)
+        _refuse_above_cgroup(limit)
+    needs = model_needs(checkpoint, ctx, sequences, slot_bytes, prefill_rows)
     return plan_memory(limit, needs, resident_bytes(), source, cache_bytes)
 
 
-def default_expert_ram_mib(checkpoint: K3Checkpoint, ctx: int | None = None, sequences: int = 1) -> float:
-    """The expert budget (MiB) of the default plan for `checkpoint`: 0 when that plan cannot hold one
-    top-k working set."""
+def _refuse_above_cgroup(limit: int) -> None:
+    """`--memory-limit` (each rank's, under torchrun) above this process's memory cgroup limit plans
+    memory the kernel never grants."""
+    directory = own_memory_cgroup()
+    granted = None if directory is None else cgroup_limit(directory)
+    ranks = local_ranks()
+    if granted is not None and limit * ranks > granted:
+        each = f" for each of {ranks} ranks" if ranks > 1 else ""
+        raise MemoryLimitError(
+            f"--memory-limit {format_size(limit)}{each} is above the {format_size(granted)} limit of "
+            f"cgroup {directory}; give at most {format_size(granted // ranks)}"
+        )
+
+
+def default_expert_ram_mib(
+    checkpoint: K3Checkpoint,
+    ctx: int | None = None,
+    sequences: int = 1,
+    cache_bytes: int = 0,
+    slot_bytes: int | None = None,
+    prefill_rows: int | None = None,
+) -> float:
+    """The expert budget (MiB) of the default plan for `checkpoint` (`plan_for_model`'s terms): 0 when
+    that plan cannot hold one top-k working set."""
     try:
-        return plan_for_model(checkpoint, None, ctx, sequences).expert_budget / MIB
+        plan = plan_for_model(checkpoint, None, ctx, sequences, cache_bytes, slot_bytes, prefill_rows)
+        return plan.expert_budget / MIB
     except MemoryLimitError:
         return 0.0

@@ -9,9 +9,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from k3stream.commands.flags import add_context_argument, add_model_arguments, finite, runtime_from_args
+from k3stream.commands.flags import (
+    add_context_argument,
+    add_model_arguments,
+    finite,
+    runtime_from_args,
+    size_context,
+)
 from k3stream.commands.report import format_mib
-from k3stream.engine.loading import resolve_model
+from k3stream.engine.loading import open_model, resolve_model
 
 MIB = 1 << 20
 LLAMA_MISSING = (
@@ -66,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
 
     _check_counts(args)
     gguf, _manifest = resolve_model(args.model, stream_experts=False)
-    runtime = runtime_from_args(args)
+    opened = open_model(args.model, not args.no_stream_experts)
+    size_context(args, opened[0].config, args.prompt_tokens + args.decode_tokens)
+    runtime = runtime_from_args(args, opened)
     try:
         _check_context(args, runtime.model.config)
         prompt = bench.bench_prompt(runtime.tokenizer, args.prompt_tokens)

@@ -178,16 +178,19 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
         pin_malloc_mmap_threshold,
         plan_for_model,
     )
+    from k3stream.pack.builder import plan_pack
 
+    cache_bytes = int(getattr(args, "cache_ram", 0) * MIB)  # the prompt cache of serve and chat
+    rows = _prefill_rows(args, manifest is not None)
     if manifest is None and args.memory_limit is None:  # the GGUF's experts, kept in RAM when all fit
         if args.ram_mib is not None:
             return args.ram_mib
-        return default_expert_ram_mib(checkpoint, *_served(args))
+        return default_expert_ram_mib(checkpoint, *_served(args), cache_bytes, None, rows)
     pin_malloc_mmap_threshold()  # expert buffers churn: keep freed ones from bloating the heap
     if args.ram_mib is not None and args.memory_limit is None:
         return args.ram_mib
-    cache_bytes = int(getattr(args, "cache_ram", 0) * MIB)  # the prompt cache of serve and chat
-    plan = plan_for_model(checkpoint, args.memory_limit, *_served(args), cache_bytes)
+    slot = None if manifest is None else plan_pack(checkpoint).layout.object_bytes  # the store's slot
+    plan = plan_for_model(checkpoint, args.memory_limit, *_served(args), cache_bytes, slot, rows)
     if args.ram_mib is not None:
         print(f"{plan.summary()}; --ram-mib {args.ram_mib:g} MiB in use instead", file=sys.stderr)
         return args.ram_mib
@@ -196,9 +199,26 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
     return plan.expert_budget / MIB
 
 
+def size_context(args: argparse.Namespace, config: Any, tokens: int) -> None:
+    """Without `--ctx`, the context the memory plan holds is the `tokens` the run reaches (at most the
+    model's): its KV/state, and its prompt prefilled in one forward."""
+    if args.ctx is None:
+        args.ctx = min(max(tokens, 2), config.context_length)
+
+
 def _served(args: argparse.Namespace) -> tuple[int | None, int]:
     """The context and the sequences at once the command serves (`--ctx`, a server's `--max-batch`)."""
     return getattr(args, "ctx", None), getattr(args, "max_batch", 1)
+
+
+def _prefill_rows(args: argparse.Namespace, streamed: bool) -> int | None:
+    """The prompt rows of the largest forward of a command that prefills in chunks (`serve`'s prefill
+    passes); None where a prompt is prefilled whole."""
+    if not hasattr(args, "prefill_chunk"):
+        return None
+    from k3stream.server.app import prefill_pass_tokens
+
+    return prefill_pass_tokens(args.prefill_chunk, args.max_batch, streamed)
 
 
 def thread_count(threads: int | None) -> int | None:
@@ -214,6 +234,8 @@ def runtime_from_args(
     the command read the GGUF already (its tokenizer first)."""
     args.threads = thread_count(args.threads)
     checkpoint, manifest = opened or open_model(args.model, not args.no_stream_experts)  # before torch
+    if manifest is None:
+        _refuse_store_flags(args)
     from k3stream.memlimit import memory_limited
 
     checkpoint.uncached_reads = memory_limited(args.memory_limit)  # page cache would count against it
@@ -224,9 +246,28 @@ def runtime_from_args(
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available to torch on this machine")
     options = load_options(args, _expert_ram_mib(args, checkpoint, manifest), device)
     store = store_options(args)
     return load_resolved(checkpoint, manifest, options, gpu_mib=args.gpu_mib, store_options=store)
+
+
+def _refuse_store_flags(args: argparse.Namespace) -> None:
+    """The expert store's flags that would do nothing where experts come from the GGUF: refused."""
+    direct_io = "--direct-io" if args.direct_io else "--no-direct-io"
+    given = [
+        flag
+        for flag, value in (("--gpu-mib", args.gpu_mib), (direct_io, args.direct_io))
+        if value is not None
+    ]
+    if given:
+        why = (
+            "--no-stream-experts reads them from the GGUF"
+            if args.no_stream_experts
+            else f"{args.model} has no expert pack beside it (`k3stream pack` makes one)"
+        )
+        raise ValueError(f"{given[0]} applies to routed experts streamed from an expert pack; {why}")
 
 
 def load_options(args: argparse.Namespace, expert_ram_mib: float, device: str = "cpu") -> LoadOptions:

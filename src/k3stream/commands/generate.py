@@ -13,6 +13,7 @@ from k3stream.commands.flags import (
     add_sampling_arguments,
     prompt_ids,
     sampling_params,
+    size_context,
 )
 from k3stream.commands.report import report, statistics_lines, store_snapshot
 from k3stream.engine.chat import chat_stop_token_ids
@@ -50,8 +51,7 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # bad flags fail before the model loads
     opened = open_model(args.model, not args.no_stream_experts)
     prompt = prompt_ids(Tokenizer.from_gguf(opened[0]), args, text)
-    if args.ctx is None:  # the memory plan holds the context this run reaches, no more
-        args.ctx = min(max(len(prompt) + args.max_tokens, 2), opened[0].config.context_length)
+    size_context(args, opened[0].config, len(prompt) + args.max_tokens)
     with parallel_runtime(args, opened=opened) as runtime:  # under torchrun: rank 0 generates
         if runtime is None:
             return 0

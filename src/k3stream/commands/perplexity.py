@@ -265,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
             inputs = [*opened[0].shards, *[Path(p) for p in (opened[1], args.file) if p is not None]]
             refuse_source_output(Path(args.kl_divergence_base), inputs, "--kl-divergence-base")
         plan = _plan(args, Tokenizer.from_gguf(opened[0]), base)
+        args.ctx = plan.ctx  # the memory plan holds one chunk, the largest forward
         if base is not None:
             check_base_matches(base, plan, None, args.file or str(base.path))
         runtime = runtime_from_args(args, opened)

@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         experts = f"streamed from {runtime.manifest}" if runtime.store else "from the GGUF"
         print(
             f"k3stream serve: {served.name} on http://{args.host}:{args.port}/v1 (ctx {served.ctx}, "
-            f"max batch {config.batch_for(served)}, queue {config.max_queue}, experts {experts})",
+            f"max batch {config.max_batch}, queue {config.max_queue}, experts {experts})",
             flush=True,
         )
         print(access_note(config.guard), flush=True)

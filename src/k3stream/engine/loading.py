@@ -45,13 +45,6 @@ class Runtime:
         """The store's `stats()`; `{}` without a store."""
         return self.store.stats() if self.store is not None else {}
 
-    def batch_limit(self) -> int | None:
-        """The most sequences one decode step may hold so that the union of their experts in a layer
-        always fits the store's compute tier (each sequence picks top_k experts per layer)."""
-        if self.store is None:
-            return None
-        return max(1, self.store.max_experts_per_fetch // self.store.top_k)
-
     def model_files(self) -> list[Path]:
         """The files behind the model: every GGUF shard and the pack when experts stream from one, else
         the GGUF the tokenizer came from."""
@@ -137,12 +130,13 @@ def load_resolved(
         from k3stream.pack.reader import ExpertPack
         from k3stream.store.expert_store import ExpertStore
 
+        pack = ExpertPack(manifest, config=checkpoint.config)
         ram_mib = options.expert_ram_mib
-        ram_mib = default_expert_ram_mib(checkpoint) if ram_mib is None else ram_mib
+        if ram_mib is None:
+            ram_mib = default_expert_ram_mib(checkpoint, slot_bytes=pack.object_bytes)
         if store_options.direct_io is None and checkpoint.uncached_reads:
             # the pack's page cache would be charged to the limit beside the expert budget
             store_options = replace(store_options, direct_io=True)
-        pack = ExpertPack(manifest, config=checkpoint.config)
         store = ExpertStore(
             pack,
             ram_mib=ram_mib,

@@ -88,19 +88,20 @@ class ServerConfig:
         self.guard.check()
 
     def prefill_pass(self, served: ServedModel) -> int:
-        """Prompt tokens one prefill pass takes from waiting requests: a chunk of each batch slot's when
-        experts stream from a pack (a pass then costs its expert reads, nearly whatever its tokens),
-        else one chunk's."""
-        return self.prefill_chunk * (self.batch_for(served) if served.store is not None else 1)
+        """`prefill_pass_tokens` for `served`."""
+        return prefill_pass_tokens(self.prefill_chunk, self.max_batch, served.store is not None)
 
     def attention_rows(self, served: ServedModel) -> float | None:
         """`PrefillChunks`' rows_per_token: chunks of equal work where the experts are in RAM, of
         `prefill_chunk` tokens where they stream from a pack (a pass costs its reads)."""
         return None if served.store is not None else attention_rows_per_token(served.model.config)
 
-    def batch_for(self, served: ServedModel) -> int:
-        """`max_batch`, capped where the expert store could not hold one step's experts."""
-        return min(self.max_batch, served.batch_limit() or self.max_batch)
+
+def prefill_pass_tokens(prefill_chunk: int, max_batch: int, streamed: bool) -> int:
+    """Prompt tokens one prefill pass takes from waiting requests, in one forward: a chunk of each batch
+    slot's when experts stream from a pack (a pass then costs its expert reads, nearly whatever its
+    tokens), else one chunk's."""
+    return prefill_chunk * (max_batch if streamed else 1)
 
 
 def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
@@ -111,7 +112,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     scheduler = Scheduler(
         served.model,
         metrics,
-        max_batch=config.batch_for(served),
+        max_batch=config.max_batch,
         max_queue=config.max_queue,
         on_tokens=served.end_tokens,
         cache=served.prompt_cache,

@@ -163,6 +163,12 @@ class DriverModel:
             self.failure = exc
             self.on_failure()
             raise
+        except Exception as exc:  # this rank's own step (its pack, its reads): the followers are in
+            # the step it left, waiting in a collective, so the group cannot go on; this call raises
+            # the cause, the run ends naming it
+            self.failure = PeerFailed(f"rank 0: {exc}")
+            self.on_failure()
+            raise
 
     def _send(self, op: int, ids: list[int], tokens: list[int], extra: list[int] = ()) -> None:
         dropped, self._dropped = self._dropped, []
