@@ -18,6 +18,7 @@ from k3stream.memlimit import (
     parse_size,
     plan_memory,
 )
+from k3stream.server.app import PREFILL_PASS_PROMPTS
 
 NEEDS = ModelNeeds(
     nonexpert_bytes=100 * MIB,
@@ -372,17 +373,17 @@ def test_the_prompt_cache_is_in_the_default_plan_without_a_pack(tiny_model, monk
 @pytest.mark.parametrize(
     ("flags", "rows"),
     [
-        ((), 512 * 16),
+        ((), 512 * PREFILL_PASS_PROMPTS),
         (("--max-batch", "2", "--prefill-chunk", "64"), 128),
+        (("--max-batch", "9", "--prefill-chunk", "100"), 100 * PREFILL_PASS_PROMPTS),
         (("--no-stream-experts",), 512),
         (("--ctx", "48"), 48 * 16),  # no prompt is longer than the context
     ],
 )
 def test_serves_plan_holds_its_largest_prefill_pass(tiny_model, tmp_path, capsys, flags, rows):
-    """`serve` prefills in passes of a `--prefill-chunk` chunk of each of `--max-batch` requests when
-    experts stream from a pack (one chunk from the GGUF), in one forward: its plan holds the
-    activations of that many rows, attending up to the served context (it held a prefill of 256
-    rows: 269 MiB of a real-dimension slice's buffers for passes of up to 8,192 rows, 7.9 GiB)."""
+    """`serve` prefills in passes of a `--prefill-chunk` chunk of each of up to PREFILL_PASS_PROMPTS
+    (at most `--max-batch`) requests when experts stream from a pack (one chunk from the GGUF), in one
+    forward: its plan holds the activations of that many rows, attending up to the served context."""
     from k3stream.cli import build_parser
     from k3stream.commands.flags import runtime_from_args
     from k3stream.pack.builder import build_pack
