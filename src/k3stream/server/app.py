@@ -463,17 +463,12 @@ class Stream:
             watcher.cancel()
             self.cancel()
 
-<<<<<<< HEAD
     def _finished(self, choice: int) -> None:
         if self.on_finish is not None:
             self.on_finish(self.jobs[choice])
 
-    async def _next_event(self, watcher: asyncio.Task) -> tuple[int, Event]:
-        """The next `(choice, event)`; raises CancelledError once `watcher` saw the client go."""
-=======
     async def _next_event(self, watcher: asyncio.Task) -> tuple[int, Event] | None:
         """The next `(choice, event)`; None once `watcher` saw the client go."""
->>>>>>> rserver
         getter = asyncio.ensure_future(self.queue.get())
         await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if getter.done():
