@@ -7,7 +7,6 @@ no fill-in-the-middle tokens), embeddings and reranking. Errors here are llama-s
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Request, Response
@@ -20,13 +19,12 @@ from k3stream.server.grammar import gbnf_grammar, json_schema_grammar
 from k3stream.server.kimi_output import Piece
 from k3stream.server.request_logic import TokenConstraint
 from k3stream.server.scheduler import Job, ProgressEvent, request_timings
-from k3stream.server.schemas import RepetitionPenalty, SamplingFields, check_json_schema
+from k3stream.server.schemas import MAX_PROMPTS, RepetitionPenalty, SamplingFields, check_json_schema
 
 if TYPE_CHECKING:
     from k3stream.server.app import Endpoints
 
 MAX_N_PROBS = 100
-MAX_PROMPTS = 16  # prompts of one request (each one more sequence, as llama-server runs them)
 # llama-server's sampler names and letters; the ones this server runs are in NEUTRAL
 SAMPLER_LETTERS = {
     "penalties": "e",
@@ -267,26 +265,13 @@ class NativeEndpoints:
         self.api.check_request(body)
         prepared = [await self.api.off_loop(self._prepare, pieces, body) for pieces in body.prompts()]
         limit, limit_param = body.token_limit()
-        queue: asyncio.Queue = asyncio.Queue()
-        jobs: list[Job] = []
-        try:
-            for index, (tokens, _, constraint) in enumerate(prepared):
-                top = body.n_probs or None
-                jobs += self.api.submit(
-                    body,
-                    tokens,
-                    limit,
-                    limit_param=limit_param,
-                    top=top,
-                    constraint=constraint,
-                    queue=queue,
-                    index=index,
-                )
-        except APIError:  # the prompts queued before this one go too
-            for job in jobs:
-                job.cancel()
-            self.api.scheduler.wake()
-            raise
+        jobs = self.api.submit_prompts(
+            body,
+            [(tokens, constraint) for tokens, _, constraint in prepared],
+            limit,
+            limit_param=limit_param,
+            top=body.n_probs or None,
+        )
         results = [
             NativeResult(job, index, self.served.name, body, text)
             for index, (job, (_, text, _)) in enumerate(zip(jobs, prepared, strict=True))
