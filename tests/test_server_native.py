@@ -208,6 +208,21 @@ def test_cache_prompt_reuses_the_prompt_and_false_computes_it_whole(server):
     assert cold["content"] == first["content"]
 
 
+def test_n_predict_zero_evaluates_the_prompt_and_keeps_its_state_for_the_next_request(server):
+    """llama-server's prompt warm-up: `n_predict: 0` answers empty content after the prefill; the
+    prompt's state is snapshotted, so a request extending the prompt restores all of it."""
+    ids = tokenize(server, PROMPT + " warmed up ahead of time")
+    warm = complete(server, prompt=ids, n_predict=0)
+    assert (warm["content"], warm["tokens_predicted"], warm["stop_type"]) == ("", 0, "limit")
+    assert warm["timings"]["cache_n"] + warm["timings"]["prompt_n"] == len(ids)
+    assert warm["tokens_cached"] == len(ids)
+    tail = post(server, "/tokenize", {"content": " and then", "add_special": False}).json()["tokens"]
+    longer = [*ids, *tail]
+    reused = complete(server, prompt=longer, **GREEDY)
+    assert reused["timings"]["cache_n"] == len(ids)
+    assert reused["content"] == complete(server, prompt=longer, cache_prompt=False, **GREEDY)["content"]
+
+
 def test_id_slot_and_errors_in_llama_servers_shape(server):
     assert complete(server, prompt=PROMPT + " in slot one", id_slot=1, n_predict=2)["id_slot"] == 1
     follow_up = complete(server, prompt=PROMPT + " in slot one, again", n_predict=2)

@@ -326,7 +326,7 @@ class Endpoints:
                 logic=self.served.new_sequence(
                     body,
                     tokens,
-                    max_tokens,
+                    max(max_tokens, 1),  # 0: a prompt-only job, whose logic samples nothing
                     chat=chat,
                     top_logprobs=top,
                     choice=choice,
@@ -334,6 +334,7 @@ class Endpoints:
                 ),
                 sink=EventSink(loop, queue, index + choice),
                 reuse_prompt=body.cache_prompt,
+                prompt_only=max_tokens == 0,
                 slot=self.slots.assign(body.id_slot if choice == 0 else -1, tokens),
             )
             for choice in range(body.n)

@@ -64,6 +64,8 @@ class NativeCompletionRequest(SamplingFields):
     """`/completion`'s body: llama-server's fields beside the shared ones (`n_predict`, `max_tokens`,
     `temperature`, `seed`, `stop`, `logit_bias`, `cache_prompt`, `id_slot`, ...)."""
 
+    PROMPT_ONLY = True
+
     prompt: str | list[int | str | list[int | str]]
     n_probs: Annotated[int, Field(ge=0, le=MAX_N_PROBS)] = 0
     post_sampling_probs: bool = False

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -117,6 +117,9 @@ class SamplingFields(BaseModel):
     """Fields both endpoints share."""
 
     model_config = ConfigDict(strict=True, extra="allow")
+    # whether `n_predict: 0` is served: the prompt evaluated (and cached), no output (llama-server's
+    # /completion); elsewhere it is a 400
+    PROMPT_ONLY: ClassVar[bool] = False
 
     # optional as in vLLM and llama.cpp's server: absent means the served model
     model: str | None = None
@@ -155,7 +158,7 @@ class SamplingFields(BaseModel):
             raise invalid_request(f"stop: at most {MAX_STOPS} sequences", param="stop")
         if any(s == "" for s in self.stop_list()):
             raise invalid_request("stop: sequences must not be empty", param="stop")
-        if self.n_predict == 0:
+        if self.n_predict == 0 and not self.PROMPT_ONLY:
             message = "n_predict: must be -1 (up to the context) or at least 1"
             raise invalid_request(message, param="n_predict")
 
