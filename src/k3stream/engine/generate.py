@@ -28,6 +28,12 @@ class ContextFull(ValueError):
     """A prompt that leaves no room in the context for a token: refused before any work."""
 
 
+class StopGeneration(Exception):
+    """Raised by an `on_text` callback (the `chat` command's Ctrl-C) to end the answer after that text:
+    `generate` returns what it has (`finish_reason` stop) and keeps the state at its end in the prompt
+    cache, as for an answer that ended by itself."""
+
+
 @dataclass
 class GenerationResult:
     text: str
@@ -235,12 +241,12 @@ def generate(
     else:
         state, cached = model.new_state(), 0
         logits = prefill_last(model, state, sequence.prompt_ids)
-    token, done = sequence.feed(logits)
+    done = _feed(sequence, logits)
     first_token_at = time.perf_counter()
     if cache is not None:  # the prompt's end, once the first token's text is out
         prefill.keep_end()
     while not done:
-        token, done = sequence.feed(model.decode(state, token))
+        done = _feed(sequence, model.decode(state, sequence.token_ids[-1]))
     end = time.perf_counter()
     if cache is not None and len(sequence.token_ids) > 1:  # every token but the last one sampled went
         # through the model (one token: the prompt's end, kept above); the state goes no further
@@ -256,6 +262,16 @@ def generate(
         ),
         cached_tokens=cached,
     )
+
+
+def _feed(sequence: Sequence, logits: Any) -> bool:
+    """`sequence.feed(logits)`: whether the answer is finished, by itself or by its `on_text` raising
+    StopGeneration (after the token was accepted, so the state is the tokens before it, as at any end)."""
+    try:
+        return sequence.feed(logits)[1]
+    except StopGeneration:
+        sequence.finish_reason = sequence.finish_reason or FINISH_STOP
+        return True
 
 
 def _within_context(
