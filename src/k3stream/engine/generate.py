@@ -158,14 +158,23 @@ class Sequence:
 
     def choose(self, logits: Any, allowed: Any = None) -> int:
         """Sample the next token from a `[V]` logits row (among the `allowed` tokens, bool [V], if given)."""
-        return self._sampler.sample(logits, self._context_ids(), allowed, self.token_ids)
+        return self._sampler.sample(logits, self._context_ids(), allowed, self._counted_ids())
 
     def _context_ids(self) -> list[int]:
-        last_n = self.params.repetition_last_n
-        if self.params.repetition_penalty == 1.0 or last_n == 0:
+        """The tokens the repetition penalty sees."""
+        return self._last(self.params.repetition_last_n) if self.params.repetition_penalty != 1.0 else []
+
+    def _counted_ids(self) -> list[int]:
+        """The tokens the frequency and presence penalties count: the output, or `penalty_last_n`'s."""
+        last_n = self.params.penalty_last_n
+        return self.token_ids if last_n is None else self._last(last_n)
+
+    def _last(self, n: int) -> list[int]:
+        """The last `n` tokens of prompt and output (-1: all of them)."""
+        if n == 0:
             return []
         context = self.prompt_ids + self.token_ids
-        return context if last_n < 0 else context[-last_n:]
+        return context if n < 0 else context[-n:]
 
     def accept(self, token: int) -> str:
         """Record `token`; return the newly released text (also given to `on_text`)."""

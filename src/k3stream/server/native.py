@@ -124,7 +124,11 @@ class NativeCompletionRequest(SamplingFields):
         return found
 
     def sampling_overrides(self) -> dict[str, Any]:
-        overrides: dict[str, Any] = {"skip_special_tokens": not self.special}
+        # llama-server's penalties sampler counts the last repeat_last_n tokens of prompt and output
+        overrides: dict[str, Any] = {
+            "skip_special_tokens": not self.special,
+            "penalty_last_n": self.repeat_last_n,
+        }
         if self.repeat_penalty != 1.0:  # llama-server's: over the last repeat_last_n tokens
             overrides |= {"repetition_penalty": self.repeat_penalty, "repetition_last_n": self.repeat_last_n}
         letters = self._sampler_letters()
