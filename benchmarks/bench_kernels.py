@@ -14,8 +14,9 @@ twice the last-level cache (its size is read from sysfs and printed), and each r
 the next copy in turn, so no run finds in the cache what an earlier one read. `--in-cache` keeps one copy
 (with `--experts 2` the matrices fit the L2 or L3: the kernels' compute rate). Printed per type and
 thread count: both rates and the ratio; types with integer kernels (`cpu.Q8_TYPES`) also with `match_ggml`
-("q8": activations quantized to Q8_K or Q8_0 as llama.cpp does). Also prints the reference path (dequantize,
-then matmul) once. The i-quants and ternary types (which k3stream does not encode) take random valid blocks.
+("q8": activations quantized to Q8_K, Q8_0 or Q8_1 as llama.cpp does). Also prints the reference path
+(dequantize, then matmul) once. The i-quants and ternary types (which k3stream does not encode) take
+random valid blocks.
 
 `--iquants` (the i-quants, TQ1_0, TQ2_0 and MXFP4 on random valid blocks): the integer mat-vec GB/s
 (activations quantized to 8 bits in the call, as ggml does), the plain read's and llama.cpp's own: its
@@ -273,7 +274,7 @@ class IquantCase:
         )
         copies = copies_for_ram(blocks.numel() * experts, in_cache)
         rotation = Rotation([[blocks.clone() for _ in range(experts)] for _ in range(copies)])
-        q8 = np.zeros((inputs, cols * 2), dtype=np.uint8)  # Q8_K or Q8_0 bytes of each row (under 2 a value)
+        q8 = np.zeros((inputs, cols * 2), dtype=np.uint8)  # each row's 8-bit blocks (under 2 bytes a value)
         return cls(qtype, shape, rotation, cols // elems * nbytes, q8, torch.empty(inputs, experts, rows))
 
     @property

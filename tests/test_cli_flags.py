@@ -38,6 +38,32 @@ def test_llama_cpp_flags_parse_as_the_long_ones(command, short, long):
     assert short_settings != _parsed(command, long[:2])  # the flags set something: not all defaults
 
 
+# sizes and times: inf or nan would reach an int() (a traceback) or a budget no check can compare
+NUMBER_FLAGS = [
+    ("generate", "--ram-mib"),
+    ("generate", "--gpu-mib"),
+    ("generate", "--dist-timeout"),
+    ("chat", "--cache-ram"),
+    ("chat", "--cache-disk"),
+    ("pack", "--safety-margin-gib"),
+    ("pack", "--sync-mib"),
+    ("bench", "--seq-read-mib"),
+    ("demo", "--ram-mib"),
+]
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+@pytest.mark.parametrize("command, flag", NUMBER_FLAGS)
+def test_sizes_and_times_must_be_finite_numbers(command, flag, value, capsys):
+    from k3stream.cli import main
+
+    with pytest.raises(SystemExit) as exit_status:
+        main([command, *(["model.gguf"] if command != "demo" else []), f"{flag}={value}"])
+    assert exit_status.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == f"k3stream {command}: error: argument {flag}: {value!r} is not a finite number"
+
+
 @pytest.mark.parametrize("command", ["serve", "chat", "generate"])
 @pytest.mark.parametrize(
     ("flags", "named"),

@@ -23,6 +23,7 @@ from k3stream.gguf.profile import check_recipe
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.gguf.shards import discover_shards
 from k3stream.gguf.writer import TinySpec, hparams
+from llama_logits import llama_logits, relative_error
 from llama_oracle import llama_runs
 from pack_helpers import file_size_limit, open_file_paths
 
@@ -163,9 +164,118 @@ def test_config_missing_and_ill_typed_keys(tiny_model, tmp_path):
         K3Checkpoint.open(ill)
 
 
+# keys llama.cpp reads as optional (it loads a file without them), and what it takes in their place
+LLAMA_OPTIONAL_KEYS = (
+    "kimi-k3.vocab_size",  # the tokenizer's token count
+    "kimi-k3.expert_weights_scale",  # 1.0
+    "kimi-k3.expert_weights_norm",  # false
+    "kimi-k3.attention.value_length",  # kv_lora_rank (the MLA latent is the value)
+)
+
+
+def test_keys_llama_cpp_does_without_take_its_defaults(tiny_model, tmp_path):
+    source = tiny_model()
+    checkpoint = K3Checkpoint.open(rewrite(source, tmp_path / "sparse.gguf", drop_keys=LLAMA_OPTIONAL_KEYS))
+    tokens = GGUFReader(source).fields["tokenizer.ggml.tokens"]
+    assert checkpoint.config.vocab_size == len(tokens.data) == 593
+    assert (checkpoint.config.weights_scale, checkpoint.config.weights_norm) == (1.0, False)
+    no_vocab = LLAMA_OPTIONAL_KEYS + ("tokenizer.ggml.tokens",)
+    bare = rewrite(source, tmp_path / "bare.gguf", drop_keys=no_vocab)
+    with pytest.raises(ValueError, match=r"bare\.gguf: missing metadata key kimi-k3.vocab_size"):
+        K3Checkpoint.open(bare)
+
+
+@requires_llama
+def test_default_and_zero_routing_scale_and_norm_match_llama_cpp(tiny_model, tmp_path):
+    """llama.cpp weights the routed experts by 1.0 where expert_weights_scale is absent or 0, and does
+    not renormalise them without expert_weights_norm: a large rms eps keeps the scale visible after the
+    routed output's RMS norm."""
+    import k3stream
+
+    eps = {"kimi-k3.attention.layer_norm_rms_epsilon": (0.3, GGUFValueType.FLOAT32)}
+    base = rewrite(tiny_model(seed=5), tmp_path / "eps.gguf", set_keys=eps)
+    zero = {"kimi-k3.expert_weights_scale": (0.0, GGUFValueType.FLOAT32)}
+    paths = [
+        rewrite(base, tmp_path / "sparse.gguf", drop_keys=LLAMA_OPTIONAL_KEYS),
+        rewrite(base, tmp_path / "zero.gguf", set_keys=zero),
+    ]
+    tokens = [5, 70, 300, 9, 11, 592]
+    references = llama_logits([(path, tokens) for path in paths], tmp_path, n_batch=1)
+    for path, reference in zip(paths, references, strict=True):
+        assert relative_error(k3stream.load(path).logits(tokens).numpy(), reference) < 1e-4, path.name
+
+
+@requires_llama
+def test_per_layer_arrays_of_head_count_and_feed_forward_length_read_as_llama_cpp(tiny_model, tmp_path):
+    """llama.cpp reads attention.head_count and feed_forward_length as one value or an array of one per
+    layer (MoE layers' entries unused): such a file gives llama.cpp's logits."""
+    import k3stream
+
+    arrays = {
+        "kimi-k3.attention.head_count": ([4] * 6, GGUFValueType.ARRAY),
+        "kimi-k3.feed_forward_length": ([96, 0, 0, 0, 0, 0], GGUFValueType.ARRAY),
+    }
+    path = rewrite(tiny_model(seed=6), tmp_path / "arrays.gguf", set_keys=arrays)
+    config = K3Checkpoint.open(path).config
+    assert (config.n_heads, config.dense_ff) == (4, 96)
+    tokens = [5, 70, 300, 9]
+    (reference,) = llama_logits([(path, tokens)], tmp_path, n_batch=1)
+    assert relative_error(k3stream.load(path).logits(tokens).numpy(), reference) < 1e-4
+
+
+def _with_unit_dimensions(source: Path, dst: Path, names: dict[str, tuple[int, ...]]) -> Path:
+    """`source` rewritten (gguf's writer) with the tensors `names` gives in the numpy shapes given."""
+    reader = GGUFReader(source)
+    writer = GGUFWriter(dst, "kimi-k3")
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            sub_type = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        data = np.asarray(tensor.data)
+        writer.add_tensor(
+            tensor.name, data.reshape(names.get(tensor.name, data.shape)), raw_dtype=tensor.tensor_type
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@requires_llama
+def test_tensors_with_trailing_unit_dimensions_load_as_llama_cpp_loads_them(tiny_model, tmp_path):
+    """GGML ignores trailing dimensions of 1 (numpy's leading ones): llama.cpp runs a norm or a bias
+    stored as [64, 1] or [16, 1, 1], and k3stream gives its logits; a residual score stays refused with
+    sglang's message (its loader takes vectors only)."""
+    import k3stream
+
+    shapes = {
+        "output_norm.weight": (1, 64),
+        "blk.1.exp_probs_b.bias": (1, 1, 16),
+        "blk.2.ffn_norm.weight": (1, 64),
+        "blk.0.ssm_a": (1, 4),
+        "blk.3.attn_kv_a_norm.weight": (1, 1, 1, 32),
+    }
+    path = _with_unit_dimensions(tiny_model(seed=2), tmp_path / "units.gguf", shapes)
+    tokens = [5, 70, 300, 9]
+    (reference,) = llama_logits([(path, tokens)], tmp_path, n_batch=1)
+    assert relative_error(k3stream.load(path).logits(tokens).numpy(), reference) < 1e-4
+    score = {"blk.1.attn_res_score.weight": (1, 64)}
+    scored = _with_unit_dimensions(tiny_model(seed=2), tmp_path / "score.gguf", score)
+    with pytest.raises(ValueError, match=r"attention-residual score must be a vector, got \(1, 64\)"):
+        K3Checkpoint.open(scored)
+
+
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
+        ("kimi-k3.attention.head_count", [4, 4, 4, 4, 4, 8], r"head_count must be one value >= 1 for layers"),
+        (
+            "kimi-k3.feed_forward_length",
+            [96, 0],
+            r"feed_forward_length must be an integer >= 1 or an array of 6",
+        ),
         ("kimi-k3.attention.head_count_kv", [0, 1], "head_count_kv must be an array of 6 values"),
         ("kimi-k3.expert_weights_norm", 1, "expert_weights_norm must be a bool"),
         ("kimi-k3.attention.key_length", 7, "key_length must be 40"),
@@ -392,6 +502,18 @@ def test_failed_dequantize_leaves_no_temp_file_or_open_writer(tiny_model, tmp_pa
     assert failure.value.errno == errno.EFBIG
     assert list(tmp_path.iterdir()) == []
     assert not [path for path in open_file_paths() if str(out) in path]
+
+
+def test_dequantize_larger_than_the_free_space_is_refused_before_writing(tiny_model, tmp_path, monkeypatch):
+    """An F32 rewrite is up to 16x its quantized source: one that cannot fit fails before the first byte
+    (it wrote until the disk was full)."""
+    source = tiny_model(**AUDITED)
+    needed = sum(int(np.prod(info.shape)) * 4 for info in K3Checkpoint.open(source).tensors.values())
+    free = needed - 1
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(free, 0, free))
+    with pytest.raises(OSError, match=f"not enough free space in {tmp_path} .*{free} bytes free") as failure:
+        dequantize_gguf(source, tmp_path / "f32.gguf")
+    assert failure.value.errno == errno.ENOSPC and list(tmp_path.iterdir()) == []
 
 
 def test_cli_dequantize_refuses_to_overwrite(tiny_model, tmp_path):

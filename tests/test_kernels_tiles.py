@@ -24,16 +24,18 @@ needs_llama = pytest.mark.skipif(
 
 TILED = [T.Q2_K, T.Q3_K, T.Q6_K, T.Q4_K, T.Q8_0, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S,
          T.IQ4_XS]  # fmt: skip
+# the types whose one-row kernels take every input row (Q5_K's sharing each decoded block between four)
+ONE_ROW = [T.Q5_K, T.Q5_0, T.Q4_1, T.Q5_1]
 # the one-row Q2_K, Q3_K and Q4_K kernels order their float operations apart from this llama.cpp's AVX2
 # vec_dot (results a few ulp off): their tiles are held to the one-row kernels alone
-LLAMA_EXACT = [t for t in TILED if t not in (T.Q2_K, T.Q3_K, T.Q4_K)]
+LLAMA_EXACT = [t for t in TILED if t not in (T.Q2_K, T.Q3_K, T.Q4_K)] + ONE_ROW
 ISAS = pytest.mark.parametrize("isa", KERNEL_ISAS)
 # the kernels that are llama.cpp's AVX2 vec_dot bit for bit: every AVX2 one, and the AVX-512 ones but the
 # grid i-quants' (their own lanes: held within a few ulp in test_kernels_iquants)
 LLAMA_EXACT_ISAS = [(t, isa) for t in LLAMA_EXACT for isa in ("avx512", "avx2")
                     if not (isa == "avx512" and t in GRID_AVX512_TYPES)]  # fmt: skip
 # the types whose AVX-512 one-row kernels keep the AVX2 ones' bits (`kquants_avx512.c`, `iquants_cpu.c`)
-SAME_BITS_AVX512_TYPES = [T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K, *AVX2_BITS_AVX512_TYPES]
+SAME_BITS_AVX512_TYPES = [T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K, *ONE_ROW, *AVX2_BITS_AVX512_TYPES]
 # input rows: one (the one-row kernel), the tile's groups and tails, past the 64 parked rows
 COUNTS = [1, 2, 3, 5, 8, 17, 24, 64, 70]
 # (weight rows, width): weight-row groups of 4 with tails of 1-3 (Q8_0's AVX-512 kernel: 8, tails of
@@ -65,7 +67,7 @@ def one_row_at_a_time(qt: T, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.stack(alone) if alone else np.zeros((0, w.shape[0]), dtype=np.float32)
 
 
-@pytest.mark.parametrize("qt", TILED, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", TILED + ONE_ROW, ids=lambda t: t.name)
 @pytest.mark.parametrize("out_rows,cols", MATRICES)
 @ISAS
 def test_many_rows_give_the_one_row_kernels_bits(qt, out_rows, cols, isa, monkeypatch):
@@ -88,6 +90,25 @@ def test_q8_0_rows_of_any_whole_blocks(cols, out_rows, isa, monkeypatch):
     w, x = matrix(T.Q8_0, out_rows, cols, seed=cols), inputs(11, cols, seed=cols + 1)
     together = grouped(T.Q8_0, [w], x, [len(x)], np.arange(len(x)))
     assert np.array_equal(together.view(np.uint32), one_row_at_a_time(T.Q8_0, w, x).view(np.uint32))
+
+
+@needs_llama
+@pytest.mark.parametrize("qt", [T.Q8_0, T.Q5_0, T.Q4_1, T.Q5_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("cols", [32, 96, 1056])
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_32_value_rows_of_any_whole_blocks_give_llama_cpps_bits(qt, cols, isa, monkeypatch):
+    """Rows of 1, 3 and 33 blocks (the AVX-512 kernels take 16 at a time), 1 to 3 weight rows a call's
+    range (they pair rows m and m + half), two input rows: llama.cpp's vec_dot bit for bit."""
+    take_kernel_isa(isa, monkeypatch)
+    x = inputs(2, cols, seed=cols)
+    activations = [ggml_oracle.quantize_activations(row, int(qt)) for row in x]
+    for out_rows in (1, 2, 3):
+        w = matrix(qt, out_rows, cols, seed=out_rows)
+        expected = np.array(
+            [[ggml_oracle.vec_dot(int(qt), cols, r, a) for r in w] for a in activations], dtype=np.float32
+        )
+        got = grouped(qt, [w], x, [len(x)], np.arange(len(x)))
+        assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), out_rows
 
 
 @needs_llama
@@ -129,7 +150,7 @@ def test_q8_0_many_rows_give_llama_cpps_mul_mat_bit_for_bit(isa, monkeypatch):
         assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), count
 
 
-@pytest.mark.parametrize("qt", TILED, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", TILED + ONE_ROW, ids=lambda t: t.name)
 @ISAS
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qt, isa, monkeypatch):
     """Several matrices in one call, input rows repeated and in any order, on 1 and 2 threads: each
@@ -156,10 +177,11 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qt, isa, monkeypatc
 
 @ISAS
 def test_products_on_one_input_equal_each_product_alone(isa, monkeypatch):
-    """`cpu.products` quantizes x once for its matrices of one activation type (Q8_K, Q8_0) and
+    """`cpu.products` quantizes x once for its matrices of one activation type (Q8_K, Q8_0, Q8_1) and
     each matrix's outputs are its `grouped_product` alone, float-activation matrices among them."""
     take_kernel_isa(isa, monkeypatch)
-    kinds = [(T.Q6_K, 1), (T.Q8_0, 1), (T.IQ2_XXS, 1), (T.Q4_K, 0), (T.Q6_K, 1), (T.Q8_0, 1)]
+    kinds = [(T.Q6_K, 1), (T.Q8_0, 1), (T.Q4_1, 1), (T.IQ2_XXS, 1), (T.Q4_K, 0), (T.Q5_1, 1), (T.Q6_K, 1),
+             (T.Q5_0, 1), (T.Q8_0, 1)]  # fmt: skip
     weights = [matrix(qt, 5 + i, 512, seed=i) for i, (qt, _) in enumerate(kinds)]
     x = inputs(9, 512, seed=2)
     got = cpu.products(
@@ -181,7 +203,8 @@ def test_products_on_one_input_equal_each_product_alone(isa, monkeypatch):
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
 def test_activations_round_as_ggml_quantizes_them(isa, monkeypatch):
     """Inputs whose 8-bit codes are exact halves (ties to even) and blocks whose largest magnitude comes
-    twice with both signs: the products (Q6_K, Q8_K activations; Q8_0) are llama.cpp's bit for bit."""
+    twice with both signs: the products (Q6_K and Q5_K, Q8_K activations; Q8_0; Q4_1, Q8_1 with its sums of
+    the codes) are llama.cpp's bit for bit."""
     take_kernel_isa(isa, monkeypatch)
     avx2 = bool(ggml_oracle.library().ggml_cpu_has_avx2())
     rng = np.random.default_rng(9)
@@ -189,7 +212,7 @@ def test_activations_round_as_ggml_quantizes_them(isa, monkeypatch):
     x[:, 0], x[:, 100], x[:, 300], x[:, 400] = -127.0, 127.0, 127.0, -127.0  # the first one sets the sign
     x[1, 256:] = 0.0
     x[2, 5] = 127.0
-    for qt in (T.Q6_K, T.Q8_0):
+    for qt in (T.Q6_K, T.Q5_K, T.Q8_0, T.Q4_1):
         w = matrix(qt, 5, 512, seed=int(qt))
         activations = [ggml_oracle.quantize_activations(row, int(qt)) for row in x]
         expected = np.array(

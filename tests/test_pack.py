@@ -343,3 +343,41 @@ def test_json_write_on_a_full_disk_keeps_the_old_file_and_no_temp(tmp_path):
         write_json_atomic(path, {"a": list(range(100_000))})
     assert failure.value.errno == errno.EFBIG
     assert_only_the_old_json(path)
+
+
+def _split_without_tensors_first(source: Path, directory: Path) -> Path:
+    """`source` rewritten (by gguf's own writer) as 2 shards, the metadata alone in shard 1 and every
+    tensor in shard 2, as `gguf-split --no-tensor-first-split` writes a set."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFWriter
+
+    reader = GGUFReader(source)
+    directory.mkdir()
+    paths = [directory / f"split-{k:05d}-of-00002.gguf" for k in (1, 2)]
+    for index, path in enumerate(paths):
+        writer = GGUFWriter(path, "kimi-k3")
+        for key, field in reader.fields.items() if index == 0 else ():
+            if not key.startswith("GGUF.") and key != "general.architecture":
+                sub_type = field.types[-1] if len(field.types) > 1 else None
+                writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+        writer.add_uint16("split.no", index)
+        writer.add_uint16("split.count", 2)
+        writer.add_int32("split.tensors.count", len(reader.tensors))
+        for tensor in reader.tensors if index == 1 else ():
+            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return paths[0]
+
+
+def test_a_split_set_whose_first_shard_holds_only_metadata_packs_and_verifies(tiny_model, tmp_path):
+    import k3stream
+
+    first = _split_without_tensors_first(tiny_model(), tmp_path / "model")
+    result = build_pack(first, options=QUIET)
+    assert verify_pack(result.manifest, full=True)["ok"]
+    tokens = [5, 70, 300]
+    expected = k3stream.load(tiny_model()).logits(tokens)
+    assert (k3stream.load(result.manifest).logits(tokens) == expected).all()

@@ -92,6 +92,16 @@ def test_cli_prints_llama_perplexity_output(model_path, tokenizer, capsys):
     assert float(final.group(2)) > 0
 
 
+def test_negative_chunks_mean_every_chunk_as_in_llama_perplexity(model_path, capsys, tmp_path):
+    """llama-perplexity's `--chunks` defaults to -1: every chunk, as giving no `--chunks`."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT.read_text()[:4000])
+    runs = [_run(capsys, model_path, "--file", text, "--ctx", CTX, *more) for more in ((), ("--chunks=-1",))]
+    assert [code for code, _, _ in runs] == [0, 0]
+    finals = [re.search(r"Final estimate: PPL = .*", out).group(0) for _, out, _ in runs]
+    assert finals[0] == finals[1]
+
+
 def test_streamed_experts_give_the_same_perplexity(model_path, capsys, tmp_path):
     """The model loads through the engine's runtime: experts stream from a pack under --ram-mib."""
     from k3stream.pack.builder import BuildOptions, build_pack

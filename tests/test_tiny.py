@@ -132,6 +132,8 @@ def test_vocab_padding(tiny_model):
         ({"vocab": 10}, "smaller than the built-in tokenizer"),
         ({"n_layers": 0}, r"TinySpec.n_layers: 0 must be >= 2"),
         ({"seed": -1}, r"TinySpec.seed: -1 must be >= 0"),
+        ({"context_length": 1 << 32}, r"kimi-k3.context_length: 4294967296 does not fit the GGUF's uint32"),
+        ({"n_experts": 1 << 32}, r"kimi-k3.expert_count: 4294967296 does not fit the GGUF's uint32"),
     ],
 )
 def test_bad_specs_fail_with_one_line(tmp_path, fields, message):
@@ -139,6 +141,21 @@ def test_bad_specs_fail_with_one_line(tmp_path, fields, message):
         make_tiny(tmp_path, TinySpec(**fields))
     assert "\n" not in str(failure.value)
     assert not list(tmp_path.glob("*.gguf*"))
+
+
+def test_a_model_larger_than_the_free_space_is_refused_before_writing(tmp_path, monkeypatch, capsys):
+    """The sizes are known before the first byte: a model the disk cannot hold fails at once in one line
+    (it wrote until the disk was full, then removed it), and no folder is left behind."""
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(free, 0, 1 << 20))
+    out = tmp_path / "out"
+    assert cli.main(["make-tiny", str(out)]) == 1
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and f"not enough free space in {tmp_path}" in error
+    assert "1048576 bytes free" in error
+    assert not out.exists()
 
 
 def test_cli_make_tiny(tmp_path, capsys):

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from k3stream.commands.flags import add_context_argument, add_model_arguments, runtime_from_args
+from k3stream.commands.flags import add_context_argument, add_model_arguments, finite, runtime_from_args
 from k3stream.commands.report import format_mib
 from k3stream.engine.loading import resolve_model
 
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=32, help="default %(default)s")
     parser.add_argument("--llama", action="store_true", help="also run the GGUF with llama.cpp (mmap)")
     parser.add_argument(
-        "--seq-read-mib", type=float, default=4096, help="read at most this much of the pack sequentially"
+        "--seq-read-mib", type=finite, default=4096, help="read at most this much of the pack sequentially"
     )
     parser.add_argument(
         "--drop-cache",

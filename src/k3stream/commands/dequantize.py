@@ -2,7 +2,8 @@
 
 Metadata and tokenizer are kept (split keys dropped: the output is one file); F32/F16/BF16 tensors are
 copied as they are, unless `--all-f32` widens F16/BF16 to F32 as well (exact: every F16/BF16 value is
-an F32 value). Tensors are streamed a slab of rows at a time, so memory stays bounded.
+an F32 value). Tensors are streamed a slab of rows at a time, so memory stays bounded; an output larger
+than the free disk space is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def dequantize_gguf(source: str | Path, output: str | Path, floats_to_f32: bool 
     from k3stream.gguf.layout import FLOAT_TYPE_IDS
     from k3stream.gguf.reader import K3Checkpoint
     from k3stream.gguf.shards import refuse_source_output
+    from k3stream.gguf.writer import check_free_space
 
     checkpoint = K3Checkpoint.open(source)
     output = Path(output)
@@ -88,11 +90,15 @@ def dequantize_gguf(source: str | Path, output: str | Path, floats_to_f32: bool 
     temp = output.with_name(output.name + ".tmp")
     kept = (ALL_F32,) if floats_to_f32 else FLOAT_TYPE_IDS
     out_types = [_out_type(info.ggml_type, kept) for info in checkpoint.tensors.values()]
+    sizes = [
+        int(np.prod(info.shape)) * GGML_QUANT_SIZES[GGMLQuantizationType(out_type)][1]
+        for info, out_type in zip(checkpoint.tensors.values(), out_types, strict=True)
+    ]
+    check_free_space(output.parent, sum(sizes))
     writer = GGUFWriter(temp, ARCH)
     try:
         _copy_metadata(writer, checkpoint, out_types)
-        for info, out_type in zip(checkpoint.tensors.values(), out_types, strict=True):
-            n_bytes = int(np.prod(info.shape)) * GGML_QUANT_SIZES[GGMLQuantizationType(out_type)][1]
+        for info, out_type, n_bytes in zip(checkpoint.tensors.values(), out_types, sizes, strict=True):
             # the numpy dtype only matters when it is uint8 (byte shapes); the GGML type is explicit
             writer.add_tensor_info(
                 info.name, info.shape, np.dtype(np.float32), n_bytes, raw_dtype=GGMLQuantizationType(out_type)

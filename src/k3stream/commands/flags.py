@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,14 @@ if TYPE_CHECKING:
 DEFAULT_DISK_GIB = 16.0  # --cache-disk where --cache-dir is given alone
 
 
+def finite(text: str) -> float:
+    """argparse type of sizes and times: a finite number (inf or nan would reach an int() or a budget)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
@@ -27,7 +36,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ram-mib",
-        type=float,
+        type=finite,
         default=None,
         help="RAM budget of the expert store (MiB); without a pack, the GGUF's routed experts stay in RAM "
         "when all of them fit it; default: what --memory-limit leaves for experts",
@@ -39,7 +48,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory k3stream may use (e.g. 1.5GiB, 1536M); sizes the expert RAM budget after non-expert "
         "weights, KV/state and working buffers (default: the memory cgroup's limit, else available RAM)",
     )
-    parser.add_argument("--gpu-mib", type=float, default=None, help="GPU budget of the expert store (MiB)")
+    parser.add_argument("--gpu-mib", type=finite, default=None, help="GPU budget of the expert store (MiB)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
@@ -253,7 +262,7 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks: 1 or all (under torchrun)")
     parser.add_argument(
         "--dist-timeout",
-        type=float,
+        type=finite,
         default=DEFAULT_TIMEOUT_S,
         help="seconds a rank waits for the others in one step before failing (default %(default)s)",
     )
@@ -283,7 +292,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser, ram_mib: float = 1024.0
 
     parser.add_argument(
         "--cache-ram",
-        type=float,
+        type=finite,
         default=ram_mib,
         metavar="MIB",
         help="RAM for reused prompt states, part of --memory-limit's plan; 0 turns reuse off "
@@ -299,7 +308,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser, ram_mib: float = 1024.0
     parser.add_argument("--cache-dir", default=None, help="keep prompt states on disk here, across restarts")
     parser.add_argument(
         "--cache-disk",
-        type=float,
+        type=finite,
         default=None,
         metavar="GIB",
         help="disk budget over all of --cache-dir's snapshot folders; those of other builds, flags or "

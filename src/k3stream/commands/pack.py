@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from k3stream.commands.flags import finite
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("gguf", type=Path, help="a .gguf file, any shard of a split set, or a directory")
@@ -34,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--profile", choices=tuple(PROFILES), default="generic")
     parser.add_argument(
-        "--safety-margin-gib", type=float, default=2.0, help="free space to keep beyond the pack (GiB)"
+        "--safety-margin-gib", type=finite, default=2.0, help="free space to keep beyond the pack (GiB)"
     )
     parser.add_argument(
         "--payload-samples", type=int, default=6, help="entries compared with the GGUF after writing"
@@ -42,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full-hash", action="store_true", help="store the pack's SHA-256 in the manifest")
     parser.add_argument(
         "--sync-mib",
-        type=float,
+        type=finite,
         default=256.0,
         help="make progress durable (fsync + journal) every this many MiB",
     )

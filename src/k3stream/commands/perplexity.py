@@ -29,7 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"tokens per chunk (default {DEFAULT_CTX}, or the base's)",
     )
-    parser.add_argument("--chunks", type=int, default=None, help="evaluate at most this many chunks")
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        default=None,
+        help="evaluate at most this many chunks (negative: all)",
+    )
     parser.add_argument(
         "--batch", "-b", type=int, default=None, help="tokens per forward call (default: the whole chunk)"
     )
@@ -62,6 +67,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError("--file TEXT is required (with --kl-divergence the base file's tokens are used)")
     if args.file and not Path(args.file).is_file():
         raise FileNotFoundError(f"--file: no such file: {args.file}")
+    if args.chunks is not None and args.chunks < 0:  # llama-perplexity's default, -1: every chunk
+        args.chunks = None
 
 
 def _plan(args: argparse.Namespace, tokenizer: Any, base: Any) -> Any:

@@ -41,6 +41,21 @@ class _Keys:
             raise self.bad(key, f"an integer >= {minimum}", value)
         return value
 
+    def per_layer(self, key: str, n_layers: int, layers: range) -> int:
+        """An integer >= 1, or llama.cpp's per-layer array of `n_layers`: the one value `layers` share
+        (k3stream holds one; the other layers' entries are unused, as llama.cpp leaves them)."""
+        value = self._raw(key, True)
+        if not isinstance(value, list):
+            return self.integer(key)
+        expected = f"an integer >= 1 or an array of {n_layers} integers"
+        if len(value) != n_layers or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise self.bad(key, expected, value)
+        layers = layers or range(n_layers)  # no layer reads it: the entries must still agree
+        used = {value[i] for i in layers}
+        if len(used) != 1 or min(used) < 1:
+            raise self.bad(key, f"one value >= 1 for layers {layers.start}..{layers.stop - 1}", value)
+        return used.pop()
+
     def number(self, key: str, required: bool = True) -> float | None:
         value = self._raw(key, required)
         if value is None:
@@ -49,11 +64,25 @@ class _Keys:
             raise self.bad(key, "a number", value)
         return float(value)
 
-    def flag(self, key: str) -> bool:
-        value = self._raw(key, True)
+    def flag(self, key: str, default: bool | None = None) -> bool:
+        """A bool; `default` (when given) stands in for an absent key."""
+        value = self._raw(key, default is None)
+        if value is None:
+            return bool(default)
         if not isinstance(value, bool):
             raise self.bad(key, "a bool", value)
         return value
+
+    def vocab_size(self) -> int:
+        """`vocab_size`, else the tokenizer's token count, as llama.cpp takes it."""
+        value = self.integer("vocab_size", required=False)
+        if value is not None:
+            return value
+        tokens = self.fields.get("tokenizer.ggml.tokens")
+        count = 0 if tokens is None else len(getattr(tokens, "data", tokens))  # ReaderField: index a token
+        if not count:
+            raise ValueError(f"{self.source}: missing metadata key {ARCH}.vocab_size (and no tokenizer)")
+        return count
 
     def layer_flags(self, key: str, n_layers: int) -> tuple[int, ...]:
         value = self._raw(key, True)
@@ -99,6 +128,7 @@ class K3Config:
         """Build from GGUF metadata (`GGUFReader.fields` or a plain `{key: value}` mapping)."""
         keys = _Keys(fields, source)
         n_layers = keys.integer("block_count")
+        n_dense = keys.integer("leading_dense_block_count", minimum=0)
         key_length_mla = keys.integer("attention.key_length_mla")
         qk_rope = keys.integer("rope.dimension_count", minimum=0)
         if key_length_mla <= qk_rope:
@@ -109,10 +139,10 @@ class K3Config:
             source=source,
             n_layers=n_layers,
             hidden=keys.integer("embedding_length"),
-            vocab_size=keys.integer("vocab_size"),
+            vocab_size=keys.vocab_size(),
             context_length=keys.integer("context_length"),
-            dense_ff=keys.integer("feed_forward_length"),
-            n_heads=keys.integer("attention.head_count"),
+            dense_ff=keys.per_layer("feed_forward_length", n_layers, range(min(n_dense, n_layers))),
+            n_heads=keys.per_layer("attention.head_count", n_layers, range(n_layers)),
             head_count_kv=keys.layer_flags("attention.head_count_kv", n_layers),
             rms_eps=keys.number("attention.layer_norm_rms_epsilon"),
             q_lora=keys.integer("attention.q_lora_rank", required=False),
@@ -127,10 +157,11 @@ class K3Config:
             top_k=keys.integer("expert_used_count"),
             expert_ff=keys.integer("expert_feed_forward_length"),
             n_shared=keys.integer("expert_shared_count", minimum=0),
-            n_dense=keys.integer("leading_dense_block_count", minimum=0),
+            n_dense=n_dense,
             latent=keys.integer("expert_latent_length"),
-            weights_scale=keys.number("expert_weights_scale"),
-            weights_norm=keys.flag("expert_weights_norm"),
+            # absent or 0: 1.0, and no renormalisation when absent, as llama.cpp reads them
+            weights_scale=keys.number("expert_weights_scale", required=False) or 1.0,
+            weights_norm=keys.flag("expert_weights_norm", default=False),
             gating_func=keys.integer("expert_gating_func"),
             situ_beta=keys.number("activation.situ_beta"),
             situ_linear_beta=keys.number("activation.situ_linear_beta"),
@@ -144,9 +175,10 @@ class K3Config:
             "attention.key_length": self.kv_lora + self.qk_rope,
             "attention.value_length": self.kv_lora,
         }
-        for key, expected in derived.items():
-            if keys.integer(key) != expected:
-                raise keys.bad(key, f"{expected} (kv_lora_rank + rope, kv_lora_rank)", keys.integer(key))
+        for key, expected in derived.items():  # llama.cpp reads no value_length
+            value = keys.integer(key, required=key != "attention.value_length")
+            if value not in (expected, None):
+                raise keys.bad(key, f"{expected} (kv_lora_rank + rope, kv_lora_rank)", value)
         if self.top_k > self.n_experts:
             raise keys.bad("expert_used_count", f"<= expert_count ({self.n_experts})", self.top_k)
         if self.n_dense > self.n_layers:

@@ -4,8 +4,9 @@ GGUFReader trusts every count and length it reads: an array header claiming 2^40
 zero-length strings or a tensor count in the billions make it allocate without bound. `check_header`
 walks the same structure with `struct` over a memory map, allocating nothing in proportion to what the
 file claims, and refuses (one line naming the file and the field) any count, length or offset that the
-file's size cannot hold, or tensor data that does not follow the tensor before it (as llama.cpp refuses it:
-a changed type or shape), plus a few limits no real GGUF comes near (LIMITS). It reads the header only.
+file's size cannot hold, a big-endian file, or tensor data that does not follow the tensor before it (as
+llama.cpp refuses them: a changed type or shape), plus a few limits no real GGUF comes near (LIMITS). It
+reads the header only.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ class _Cursor:
 
     def __init__(self, data: memoryview, path: Path) -> None:
         self.data, self.path, self.offset = data, path, 0
-        self.order = "<"
         self.strings = 0
 
     def fail(self, what: str) -> GGUFHeaderError:
@@ -57,7 +57,7 @@ class _Cursor:
         size = struct.calcsize(fmt)
         if self.offset + size > len(self.data):
             raise self.fail(f"{what} at byte {self.offset} runs past the end of the file")
-        (value,) = struct.unpack_from(self.order + fmt, self.data, self.offset)
+        (value,) = struct.unpack_from("<" + fmt, self.data, self.offset)
         self.offset += size
         return value
 
@@ -116,7 +116,7 @@ def _array(cursor: _Cursor, key: str) -> None:
 
 def _skip_strings(cursor: _Cursor, count: int, key: str) -> None:
     """Step over `count` length-prefixed strings (the tight loop of a 163,840-token vocabulary)."""
-    unpack, data, end = struct.Struct(cursor.order + "Q").unpack_from, cursor.data, len(cursor.data)
+    unpack, data, end = struct.Struct("<Q").unpack_from, cursor.data, len(cursor.data)
     position = cursor.offset
     for _ in range(count):
         if position + 8 > end:
@@ -203,9 +203,8 @@ def _walk(cursor: _Cursor) -> None:
         raise cursor.fail("the magic is not GGUF")
     cursor.offset = 4
     version = cursor.take("I", "version")
-    if version & 0xFFFF == 0:  # written on a machine of the other byte order, as GGUFReader reads it
-        cursor.order = ">"
-        version = struct.unpack(">I", struct.pack("<I", version))[0]
+    if version & 0xFFFF == 0:  # as llama.cpp: its tensor data would be read byte-swapped
+        raise cursor.fail("the file is big-endian (k3stream reads little-endian GGUFs)")
     if version not in SUPPORTED_VERSIONS:
         raise cursor.fail(f"version {version} is not supported ({', '.join(map(str, SUPPORTED_VERSIONS))})")
     tensor_count = cursor.take("Q", "tensor count")

@@ -14,6 +14,7 @@ from k3stream.gguf.config import K3Config
 from k3stream.quant.types import FLOAT_TYPE_IDS  # noqa: F401 (re-exported: the float types' ids)
 
 Shape = tuple[int, ...]
+MAX_DIMS = 4  # GGML's
 
 # routed expert tensors, one per role and layer (the pack's order of the roles: `pack.format.ROLES`)
 ROUTED_EXPERT_RE = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<role>up|gate|down)_exps\.weight$")
@@ -160,9 +161,13 @@ def expected_shapes(cfg: K3Config, present: Container[str] = ()) -> dict[str, Sh
 
 
 def accepted_shapes(name: str, shape: Shape) -> tuple[Shape, ...]:
-    """The shapes llama.cpp accepts for a tensor whose canonical shape is `shape`."""
+    """The shapes llama.cpp accepts for a tensor whose canonical shape is `shape`. GGML ignores trailing
+    dimensions of 1 (numpy's leading ones): k3stream takes a vector with them too, up to 4 dimensions
+    (its matrices keep their canonical shape)."""
     if "ssm_conv1d_" in name:
         return (shape, shape[1:])  # quantizers drop the trailing ggml dimension of 1
+    if len(shape) == 1:
+        return tuple((1,) * extra + shape for extra in range(MAX_DIMS))
     return (shape,)
 
 

@@ -9,7 +9,9 @@ values) with scales that keep activations O(1) through the depth; the trainer st
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import zlib
 from collections.abc import Callable, Iterable
 from contextlib import suppress
@@ -28,6 +30,7 @@ RECIPES = ("f32", "f16", "audited", *WRITABLE_RECIPES)
 # GGML type ids (gguf.GGMLQuantizationType), spelled here to keep the import light.
 F32, F16 = 0, 1
 
+UINT32_MAX = 0xFFFFFFFF  # the GGUF type of every integer key written
 FILE_TYPES = {"f32": 0, "f16": 1, "audited": 10}  # general.file_type: ALL_F32, MOSTLY_F16, MOSTLY_Q2_K
 
 
@@ -379,16 +382,21 @@ def _add_tensor_info(writer, tensor: _Tensor, spec: TinySpec) -> None:
     from gguf import GGMLQuantizationType
 
     ggml_type = tensor_type(tensor, spec)
+    nbytes = _tensor_nbytes(tensor, spec)
     if ggml_type in (F32, F16):
         dtype = np.dtype(np.float32 if ggml_type == F32 else np.float16)
-        nbytes = int(np.prod(tensor.shape)) * dtype.itemsize
         writer.add_tensor_info(tensor.name, tensor.shape, dtype, nbytes)
         return
-    row_bytes = _row_bytes(tensor.shape[-1], ggml_type)
-    byte_shape = (*tensor.shape[:-1], row_bytes)
-    nbytes = int(np.prod(byte_shape))
+    byte_shape = (*tensor.shape[:-1], _row_bytes(tensor.shape[-1], ggml_type))
     quant_type = GGMLQuantizationType(ggml_type)
     writer.add_tensor_info(tensor.name, byte_shape, np.dtype(np.uint8), nbytes, quant_type)
+
+
+def _tensor_nbytes(tensor: _Tensor, spec: TinySpec) -> int:
+    ggml_type = tensor_type(tensor, spec)
+    if ggml_type in (F32, F16):
+        return int(np.prod(tensor.shape)) * (4 if ggml_type == F32 else 2)
+    return int(np.prod(tensor.shape[:-1])) * _row_bytes(tensor.shape[-1], ggml_type)
 
 
 def _row_bytes(row_values: int, ggml_type: int) -> int:
@@ -420,6 +428,9 @@ def check_spec(spec: TinySpec, vocab_size: int) -> list[_Tensor]:
     """Raise one line for a spec `write_model` cannot write (shapes its recipe cannot quantize too);
     returns the tensor plan."""
     _check_spec(spec)
+    for key, value in hparams(spec, vocab_size).items():
+        if isinstance(value, int) and value > UINT32_MAX:
+            raise ValueError(f"TinySpec: {key}: {value} does not fit the GGUF's uint32")
     plan = tensor_plan(spec, vocab_size)
     if spec.shards > len(plan):
         raise ValueError(f"TinySpec.shards: {spec.shards} shards for only {len(plan)} tensors")
@@ -427,6 +438,15 @@ def check_spec(spec: TinySpec, vocab_size: int) -> list[_Tensor]:
         for tensor in plan:
             _check_quantizable(tensor, tensor_type(tensor, spec), spec.recipe)
     return plan
+
+
+def check_free_space(out: Path, needed: int) -> None:
+    """Refuse (one line) tensor data larger than the free space of `out` or its nearest existing folder."""
+    existing = next(folder for folder in (out, *out.parents) if folder.exists())
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        message = f"not enough free space in {existing} for the model: {free} bytes free, {needed} needed"
+        raise OSError(errno.ENOSPC, message)
 
 
 def write_model(
@@ -443,6 +463,7 @@ def write_model(
     values_of = initial_values if weights is None else _given(weights)
     plan = check_spec(spec, len(vocab.tokens))
     out = Path(out_dir)
+    check_free_space(out, sum(_tensor_nbytes(tensor, spec) for tensor in plan))
     out.mkdir(parents=True, exist_ok=True)
     paths = shard_paths(out, spec.shards)
     groups = np.array_split(np.arange(len(plan)), spec.shards)

@@ -26,7 +26,7 @@ class LoadOptions:
     the path the kernels are tested against: matrices dequantized to `dtype` at load (a `dtype` other
     than float32 needs it), or with `keep_quantized` kept in blocks and dequantized a slab at a time.
     `match_ggml` (default): CPU products compute as llama.cpp's CPU backend does: inputs of
-    block-quantized matrices quantized to 8 bits a row (Q8_K or Q8_0) and ggml's integer dot products,
+    block-quantized matrices quantized to 8 bits a row (Q8_K, Q8_0 or Q8_1) and ggml's integer dot products,
     inputs of F16/BF16 matrices rounded to their type. It is the faster arithmetic on the CPU and the
     closer one to llama.cpp on a quantized file. `match_ggml=False`: float32 activations, dequantized
     weight tiles times unrounded inputs (the path the reference dequantizer is tested against; training

@@ -307,8 +307,9 @@ def shard_records(
     records = []
     for index, path in enumerate(checkpoint.shards):
         tensors = [info for info in checkpoint.tensors.values() if info.shard_index == index]
-        # GGUF tensor offsets start at 0 in the data section, so the first tensor marks its start
-        metadata_nbytes = min(info.data_offset for info in tensors)
+        # GGUF tensor offsets start at 0 in the data section, so the first tensor marks its start; a
+        # shard of metadata alone (gguf-split --no-tensor-first-split) is all metadata
+        metadata_nbytes = min((info.data_offset for info in tensors), default=path.stat().st_size)
         record = {
             "index": index,
             "path": stored_path(path, manifest_path, relative),

@@ -5,8 +5,10 @@ F16/BF16; K-quant, i-quant and ternary weights quantize them to Q8_K (256-value 
 Q4_0/Q5_0/Q8_0/MXFP4/IQ4_NL weights to Q8_0 (32-value blocks, F16 scale). The dot products are then
 exact up to float summation order, so rounding the inputs the same way reproduces llama.cpp's numbers.
 Q4_1/Q5_1 weights take Q8_1 in ggml: Q8_0's codes and scale plus a per-block F16 sum of the codes times
-the unrounded scale, which multiplies the weight's offset; here they take Q8_0, so their offset terms
-differ from llama.cpp's by that sum's F16 rounding (docs/accuracy.md).
+the unrounded scale, which multiplies the weight's offset. The C integer kernels (`kernels.cpu`) compute
+that; rounding the inputs cannot, so for these two types `round_like_ggml` gives Q8_0's values and a
+product on them differs from llama.cpp's offset terms by that sum's F16 rounding (the reference path's
+`match_ggml` only).
 """
 
 from __future__ import annotations

@@ -14,12 +14,15 @@ from pathlib import Path
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-Q8_0, Q8_K = 8, 15
-Q2_K, Q3_K, Q4_K, Q6_K, IQ1_M, MXFP4, TQ1_0, TQ2_0 = 10, 11, 12, 14, 29, 39, 34, 35
-# where a block's F16 scales are (d, and the K-quants' dmin; 0 for the others but IQ1_M's)
-F16_AT = {Q2_K: (80, 82), Q3_K: (108,), Q4_K: (0, 2), Q6_K: (208,), TQ1_0: (52,), TQ2_0: (64,)}
-# bytes of one Q8_0 and one Q8_K block as ggml lays them out (F16 d + 32 codes; F32 d + 256 codes + 16 sums)
-ACTIVATION_BLOCK = {Q8_0: (32, 34), Q8_K: (256, 292)}
+Q8_0, Q8_1, Q8_K = 8, 9, 15
+Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 3, 7, 10, 11, 12, 13, 14
+IQ1_M, MXFP4, TQ1_0, TQ2_0 = 29, 39, 34, 35
+# where a block's F16 scales are (d, and the K-quants' dmin or Q4_1/Q5_1's m; 0 for the others but IQ1_M's)
+F16_AT = {Q4_1: (0, 2), Q5_1: (0, 2), Q2_K: (80, 82), Q3_K: (108,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,),
+          TQ1_0: (52,), TQ2_0: (64,)}  # fmt: skip
+# bytes of one Q8_0, Q8_1 and Q8_K block as ggml lays them out (F16 d + 32 codes; F16 d and s + 32 codes;
+# F32 d + 256 codes + 16 sums)
+ACTIVATION_BLOCK = {Q8_0: (32, 34), Q8_1: (32, 36), Q8_K: (256, 292)}
 VecDot = ctypes.CFUNCTYPE(
     None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
     ctypes.c_size_t, ctypes.c_int,

@@ -122,6 +122,12 @@ def truncated_header(path: Path) -> Path:
     return _write(path, (_header(0, 2) + _arch() + _string(b"general.name") + struct.pack("<I", STRING))[:-2])
 
 
+def big_endian(path: Path) -> Path:
+    """A header written on a big-endian machine: its tensor data would be read byte-swapped."""
+    arch = struct.pack(">Q", 20) + b"general.architecture" + struct.pack(">IQ", STRING, 7) + b"kimi-k3"
+    return _write(path, MAGIC + struct.pack(">IQQ", 3, 0, 1) + arch + bytes(32))
+
+
 def not_gguf(path: Path) -> Path:
     return _write(path, b"PK\x03\x04" + bytes(200))
 
@@ -178,6 +184,7 @@ GGUF_CASES: dict[str, Callable[[Path], Path]] = {
     "unknown value type": unknown_value_type,
     "header cut short": truncated_header,
     "not a GGUF": not_gguf,
+    "big-endian file": big_endian,
 }
 
 

@@ -35,9 +35,9 @@ IQ_TYPES = frozenset({16, 17, 18, 19, 20, 21, 22, 23, 29, 34, 35})
 # `expert_mlp` sum each output in one chain over its inputs, the same bits at any row count
 INPUT_MAJOR_F32 = 1000
 CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39}) | IQ_TYPES
-# ... and with integer kernels on 8-bit activations, as ggml's: Q8_K for Q2_K, Q3_K, Q4_K, Q6_K, the
-# i-quants but IQ4_NL and the ternary types, Q8_0 for Q4_0, Q8_0, IQ4_NL and MXFP4
-Q8_TYPES = frozenset({10, 11, 12, 14, 2, 8, 39}) | IQ_TYPES
+# ... and with integer kernels on 8-bit activations, as ggml's: Q8_K for the K-quants, the i-quants but
+# IQ4_NL and the ternary types, Q8_0 for Q4_0, Q5_0, Q8_0, IQ4_NL and MXFP4, Q8_1 for Q4_1 and Q5_1
+Q8_TYPES = frozenset({10, 11, 12, 13, 14, 2, 3, 6, 7, 8, 39}) | IQ_TYPES
 
 
 @functools.lru_cache(maxsize=1)
@@ -98,8 +98,8 @@ def grouped_product(
     """[P, out_features] float32: rows `starts[b]..starts[b+1]` of the result are `x[rows[p]]` times
     matrix b (contiguous uint8 GGUF bytes, `out_features` rows of `row_bytes`). x: float32 [R, K] on
     the CPU; starts/rows: int64. The matrices must stay alive for the call (they do: the caller holds
-    them). `q8_activations` (types in Q8_TYPES): x is quantized to Q8_K or Q8_0 as ggml does and the
-    products are integer dot products per block, as ggml's."""
+    them). `q8_activations` (types in Q8_TYPES): x is quantized to Q8_K, Q8_0 or Q8_1 as ggml does and
+    the products are integer dot products per block, as ggml's."""
     out = torch.empty(rows.numel(), out_features, dtype=torch.float32)
     layout = (ggml_type, out_features, row_bytes)
     function, args, _ = bind_grouped_product(

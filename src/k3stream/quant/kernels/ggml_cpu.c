@@ -206,16 +206,35 @@ static uint16_t f16_bits(float value) {
     return sign | (uint16_t)((rebased + 0xFFFu + ((rebased >> 13) & 1u)) >> 13);
 }
 
-/* quantize_row_q8_0 (ggml's AVX2 one): id = 127 / amax (correctly rounded), codes round half to even */
+/* value rounded to the nearest F16 (ties to even), as a float */
+static float f16_rounded(float value) {
+    const uint16_t bits = f16_bits(value);
+    const uint8_t half[2] = {(uint8_t)(bits & 255), (uint8_t)(bits >> 8)};
+    return f16(half);
+}
+
+/* One block of quantize_row_q8_0 (ggml's AVX2 one): id = 127 / amax (correctly rounded), codes round half
+ * to even, *d the F16 amax / 127; returns amax / 127 unrounded (Q8_1's sum takes it) */
+static float q8_block(const float *restrict x, int8_t *restrict qs, float *restrict d) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+    const float step = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    *d = f16_rounded(step);
+    for (int j = 0; j < 32; j++) qs[j] = (int8_t)nearbyintf(x[j] * id);
+    return step;
+}
+
 static void quantize_q8_0(const float *restrict x, int64_t blocks, BlockQ8_0 *restrict y) {
+    for (int64_t i = 0; i < blocks; i++, x += 32) q8_block(x, y[i].qs, &y[i].d);
+}
+
+/* quantize_row_q8_1 (ggml's AVX2 one): Q8_0's codes and d, and s = F16(d * sum(codes)), d unrounded */
+static void quantize_q8_1(const float *restrict x, int64_t blocks, BlockQ8_1 *restrict y) {
     for (int64_t i = 0; i < blocks; i++, x += 32) {
-        float amax = 0.0f;
-        for (int j = 0; j < 32; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
-        const uint16_t d = f16_bits(amax / 127.0f);
-        const uint8_t half[2] = {(uint8_t)(d & 255), (uint8_t)(d >> 8)};
-        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-        y[i].d = f16(half);
-        for (int j = 0; j < 32; j++) y[i].qs[j] = (int8_t)nearbyintf(x[j] * id);
+        const float step = q8_block(x, y[i].qs, &y[i].d);
+        int sum = 0;
+        for (int j = 0; j < 32; j++) sum += y[i].qs[j];
+        y[i].s = f16_rounded(step * (float)sum);
     }
 }
 
@@ -231,6 +250,33 @@ INLINE float q8_q4_0_generic(const uint8_t *restrict b, const BlockQ8_0 *restric
     return acc + f16(b) * y->d * (float)isum;
 }
 
+/* Q5_0 and Q5_1's code of element i (0..31): its nibble (low of byte i, high of byte i - 16) and bit i of qh */
+INLINE int q5_code(const uint8_t *restrict qs, uint32_t qh, int i) {
+    return ((i < 16 ? qs[i] & 15 : qs[i - 16] >> 4) | ((qh >> i) & 1) << 4);
+}
+
+INLINE float q8_q5_0_generic(const uint8_t *restrict b, const BlockQ8_0 *restrict y, float acc) {
+    int isum = 0;
+    for (int i = 0; i < 32; i++) isum += (q5_code(b + 6, word_at(b + 2), i) - 16) * y->qs[i];
+    return acc + f16(b) * y->d * (float)isum;
+}
+
+/* Q4_1 and Q5_1 (codes from `qs`, fifth bits from qh: 0 for Q4_1) against Q8_1: d d_y sum(code q) plus
+ * the block's offset m times the activations' s */
+INLINE float q8_affine_generic(const uint8_t *restrict b, const uint8_t *restrict qs, uint32_t qh,
+                               const BlockQ8_1 *restrict y, float acc) {
+    int isum = 0;
+    for (int i = 0; i < 32; i++) isum += q5_code(qs, qh, i) * y->qs[i];
+    return acc + f16(b) * y->d * (float)isum + f16(b + 2) * y->s;
+}
+
+INLINE float q8_q4_1_generic(const uint8_t *restrict b, const BlockQ8_1 *restrict y, float acc) {
+    return q8_affine_generic(b, b + 4, 0, y, acc);
+}
+
+INLINE float q8_q5_1_generic(const uint8_t *restrict b, const BlockQ8_1 *restrict y, float acc) {
+    return q8_affine_generic(b, b + 8, word_at(b + 4), y, acc);
+}
 
 /* quantize_row_q8_K_ref: the scale is -127 over the signed value of largest magnitude (its first
  * occurrence), codes round half to even (ggml's nearest_int) and are clamped to 127 */
@@ -274,16 +320,29 @@ INLINE float q8_q3_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict
     return acc + f16(b + 108) * y->d * (float)isum;
 }
 
-INLINE float q8_q4_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y, float acc) {
+/* Q4_K and Q5_K (fifth_bit: codes from byte 48, bit s of byte 16 + i the fifth of sub-block s's element i) */
+INLINE float q8_q45_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y, float acc, int fifth_bit) {
+    const uint8_t *low = b + (fifth_bit ? 48 : 16);
     int isum = 0, summs = 0;
     for (int s = 0; s < 8; s++) { /* sub-block s: nibbles (s odd: high) of bytes 32(s / 2) .. + 31 */
         int scale, min, dot = 0;
         k_scale_min(b + 4, s, &scale, &min);
-        for (int i = 0; i < 32; i++) dot += ((b[16 + 32 * (s / 2) + i] >> (4 * (s & 1))) & 15) * y->qs[32 * s + i];
+        for (int i = 0; i < 32; i++) {
+            const int code = ((low[32 * (s / 2) + i] >> (4 * (s & 1))) & 15) | (fifth_bit ? ((b[16 + i] >> s) & 1) << 4 : 0);
+            dot += code * y->qs[32 * s + i];
+        }
         isum += scale * dot;
         summs += min * (y->bsums[2 * s] + y->bsums[2 * s + 1]);
     }
     return acc + (y->d * f16(b) * (float)isum - y->d * f16(b + 2) * (float)summs);
+}
+
+INLINE float q8_q4_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y, float acc) {
+    return q8_q45_k_generic(b, y, acc, 0);
+}
+
+INLINE float q8_q5_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y, float acc) {
+    return q8_q45_k_generic(b, y, acc, 1);
 }
 
 INLINE float q8_q6_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict y, float acc) {
@@ -297,7 +356,7 @@ INLINE float q8_q6_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict
     return acc + f16(b + 208) * y->d * (float)isum;
 }
 
-/* One weight row m against each of its input rows' 8-bit blocks (Y: Q8_K or Q8_0, ELEMS values each),
+/* One weight row m against each of its input rows' 8-bit blocks (Y: Q8_K, Q8_0 or Q8_1, ELEMS values each),
  * blocks summed in order into ACC (from ZERO; a float, or eight lanes summed at the end by TOTAL) */
 #define Q8_ROW(NAME, ATTR, DOT, BLOCK_BYTES, Y, ELEMS, ACC, ZERO, TOTAL)                               \
     ATTR static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) {                 \
@@ -1304,19 +1363,70 @@ ALWAYS __m256 q8_q4_0(const uint8_t *restrict b, const BlockQ8_0 *restrict y, __
     return q8_signed_dot(w, _mm256_loadu_si256((const __m256i *)y->qs), f16c(b) * y->d, acc);
 }
 
+/* Q5_0: codes less 16 (block_q5_0), as Q4_0's */
+ALWAYS __m256 q8_q5_0(const uint8_t *restrict b, const BlockQ8_0 *restrict y, __m256 acc) {
+    const Block32 block = block_q5_0(b);
+    return q8_signed_dot(block.codes, _mm256_loadu_si256((const __m256i *)y->qs), block.d * y->d, acc);
+}
+
+/* Q4_1 and Q5_1 against Q8_1, as ggml's AVX2 vec_dot: unsigned codes times y by maddubs into the lanes
+ * (times d d_y), the offset m times y's s into the sum beside them */
+ALWAYS Lanes q8_affine(Block32 block, const BlockQ8_1 *restrict y, Lanes acc) {
+    const __m256i pairs = _mm256_maddubs_epi16(block.codes, _mm256_loadu_si256((const __m256i *)y->qs));
+    const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    return (Lanes){_mm256_fmadd_ps(_mm256_set1_ps(block.d * y->d), sums, acc.lanes), acc.sum + block.m * y->s};
+}
+
+ALWAYS Lanes q8_q4_1(const uint8_t *restrict b, const BlockQ8_1 *restrict y, Lanes acc) {
+    return q8_affine(block_q4_1(b), y, acc);
+}
+
+ALWAYS Lanes q8_q5_1(const uint8_t *restrict b, const BlockQ8_1 *restrict y, Lanes acc) {
+    return q8_affine(block_q5_1(b), y, acc);
+}
+
+/* Q5_K: sub-block s's codes (q5_k_codes) times its scale into the lanes, as Q4_K's; dmin times the mins'
+ * integer sum against the Q8_K sums into the sum beside them by one fused multiply-add (the compiler
+ * contracts ggml's AVX2 vec_dot so): its bits */
+ALWAYS void q8_q5_k(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, Lanes *acc, const int n) {
+    __m256i sumi[Q8_ROWS];
+    int scales[8], mins[8], summs[Q8_ROWS];
+    for (int s = 0; s < 8; s++) k_scale_min(b + 4, s, &scales[s], &mins[s]);
+    for (int r = 0; r < n; r++) {
+        sumi[r] = _mm256_setzero_si256(), summs[r] = 0;
+        for (int s = 0; s < 8; s++) summs[r] += mins[s] * (y[r][at].bsums[2 * s] + y[r][at].bsums[2 * s + 1]);
+    }
+    for (int s = 0; s < 8; s++) {
+        const __m256i codes = q5_k_codes(b, s), scale = _mm256_set1_epi16((short)scales[s]);
+        for (int r = 0; r < n; r++) {
+            const __m256i q8 = _mm256_loadu_si256((const __m256i *)(y[r][at].qs + 32 * s));
+            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q8), scale));
+        }
+    }
+    const float step = f16c(b), min_step = f16c(b + 2);
+    for (int r = 0; r < n; r++) {
+        acc[r].lanes = _mm256_fmadd_ps(_mm256_set1_ps(y[r][at].d * step), _mm256_cvtepi32_ps(sumi[r]), acc[r].lanes);
+        acc[r].sum = fmaf(-y[r][at].d * min_step, (float)summs[r], acc[r].sum); /* ggml's, contracted */
+    }
+}
+
 
 /* One weight row against `n` (<= Q8_ROWS) input rows' Q8_K blocks (Q8K_SHARED_ROWS), as Q8_ROW sums
  * one row's */
-#define Q8_SHARED_ROW(NAME, DOT, BLOCK_BYTES)                                                          \
-    Q8K_SHARED_ROWS(ALWAYS, NAME, DOT, BLOCK_BYTES)                                                    \
+#define Q8_SHARED_ROW(NAME, DOT, BLOCK_BYTES, ACC, ZERO, TOTAL)                                        \
+    Q8K_SHARED_ROWS(ALWAYS, NAME, DOT, BLOCK_BYTES, ACC, ZERO, TOTAL)                                  \
     ROW_RANGE(NAME, Q8_ROWS)
 
-Q8_SHARED_ROW(q8_row_q2_k_avx2, q8_q2_k, 84)
-Q8_SHARED_ROW(q8_row_q3_k_avx2, q8_q3_k, 110)
-Q8_SHARED_ROW(q8_row_q4_k_avx2, q8_q4_k, 144)
+Q8_SHARED_ROW(q8_row_q2_k_avx2, q8_q2_k, 84, __m256, _mm256_setzero_ps(), hsum8)
+Q8_SHARED_ROW(q8_row_q3_k_avx2, q8_q3_k, 110, __m256, _mm256_setzero_ps(), hsum8)
+Q8_SHARED_ROW(q8_row_q4_k_avx2, q8_q4_k, 144, __m256, _mm256_setzero_ps(), hsum8)
+Q8_SHARED_ROW(q8_row_q5_k_avx2, q8_q5_k, 176, Lanes, LANES_ZERO, lanes_total)
 Q8_ROW(q8_row_q6_k_avx2, AVX2, q8_q6_k, 210, q8, 256, __m256, _mm256_setzero_ps(), hsum8)
 Q8_ROW(q8_row_q8_0_avx2, AVX2, q8_q8_0, 34, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
 Q8_ROW(q8_row_q4_0_avx2, AVX2, q8_q4_0, 18, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
+Q8_ROW(q8_row_q5_0_avx2, AVX2, q8_q5_0, 22, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
+Q8_ROW(q8_row_q4_1_avx2, AVX2, q8_q4_1, 20, q8_1, 32, Lanes, LANES_ZERO, lanes_total)
+Q8_ROW(q8_row_q5_1_avx2, AVX2, q8_q5_1, 24, q8_1, 32, Lanes, LANES_ZERO, lanes_total)
 
 /* Outputs m..m + 15 of an input-major F32 matrix w [in, out] for input rows p..p + n - 1: per output
  * acc = fma(x_k, w_k, acc) over k in order from zero, eight outputs a vector; `masked`: the last ones of
@@ -1498,6 +1608,10 @@ static TileKernel tile_kernel(int ggml_type) { (void)ggml_type; return NULL; }
 #define q8_row_q6_k_avx2 q8_row_q6_k_generic
 #define q8_row_q8_0_avx2 q8_row_q8_0_generic
 #define q8_row_q4_0_avx2 q8_row_q4_0_generic
+#define q8_row_q5_k_avx2 q8_row_q5_k_generic
+#define q8_row_q5_0_avx2 q8_row_q5_0_generic
+#define q8_row_q4_1_avx2 q8_row_q4_1_generic
+#define q8_row_q5_1_avx2 q8_row_q5_1_generic
 #endif
 
 Q8_ROW(q8_row_q2_k_generic, , q8_q2_k_generic, 84, q8, 256, float, 0.0f, FLOAT_TOTAL)
@@ -1506,6 +1620,10 @@ Q8_ROW(q8_row_q4_k_generic, , q8_q4_k_generic, 144, q8, 256, float, 0.0f, FLOAT_
 Q8_ROW(q8_row_q6_k_generic, , q8_q6_k_generic, 210, q8, 256, float, 0.0f, FLOAT_TOTAL)
 Q8_ROW(q8_row_q8_0_generic, , q8_q8_0_generic, 34, q8_0, 32, float, 0.0f, FLOAT_TOTAL)
 Q8_ROW(q8_row_q4_0_generic, , q8_q4_0_generic, 18, q8_0, 32, float, 0.0f, FLOAT_TOTAL)
+Q8_ROW(q8_row_q5_k_generic, , q8_q5_k_generic, 176, q8, 256, float, 0.0f, FLOAT_TOTAL)
+Q8_ROW(q8_row_q5_0_generic, , q8_q5_0_generic, 22, q8_0, 32, float, 0.0f, FLOAT_TOTAL)
+Q8_ROW(q8_row_q4_1_generic, , q8_q4_1_generic, 20, q8_1, 32, float, 0.0f, FLOAT_TOTAL)
+Q8_ROW(q8_row_q5_1_generic, , q8_q5_1_generic, 24, q8_1, 32, float, 0.0f, FLOAT_TOTAL)
 
 static RowKernel q8_kernel(int ggml_type) {
     const RowKernel avx512 = q8_kernel_avx512(ggml_type);
@@ -1518,6 +1636,10 @@ static RowKernel q8_kernel(int ggml_type) {
         case 14: return avx2 ? q8_row_q6_k_avx2 : q8_row_q6_k_generic;
         case 8: return avx2 ? q8_row_q8_0_avx2 : q8_row_q8_0_generic;
         case 2: return avx2 ? q8_row_q4_0_avx2 : q8_row_q4_0_generic;
+        case 13: return avx2 ? q8_row_q5_k_avx2 : q8_row_q5_k_generic;
+        case 6: return avx2 ? q8_row_q5_0_avx2 : q8_row_q5_0_generic;
+        case 3: return avx2 ? q8_row_q4_1_avx2 : q8_row_q4_1_generic;
+        case 7: return avx2 ? q8_row_q5_1_avx2 : q8_row_q5_1_generic;
         default: return iq_q8_kernel(ggml_type, avx2);
     }
 }
@@ -1561,13 +1683,45 @@ typedef struct {
     void *owned;
 } Plan;
 
-/* The 8-bit blocks of x (Q8_K or else Q8_0) that one of `count` earlier plans on the same x rows holds, or NULL */
-static void *blocks_planned(const Plan *earlier, int64_t count, int k_quant) {
+/* The 8-bit blocks a type's activations take (ggml's vec_dot_type): Q8_1 for Q4_1 and Q5_1, Q8_0 for
+ * Q4_0, Q5_0, Q8_0, IQ4_NL and MXFP4, Q8_K for the others */
+enum { Q8_K_BLOCKS, Q8_0_BLOCKS, Q8_1_BLOCKS };
+static int activation_blocks(int ggml_type) {
+    if (ggml_type == 3 || ggml_type == 7) return Q8_1_BLOCKS;
+    if (ggml_type == 2 || ggml_type == 6 || ggml_type == 8 || iq_q8_0_activations(ggml_type)) return Q8_0_BLOCKS;
+    return Q8_K_BLOCKS;
+}
+
+/* A product's blocks of x of that kind (NULL: none) */
+static void *blocks_of(const Product *pr, int kind) {
+    return kind == Q8_K_BLOCKS ? (void *)pr->q8 : kind == Q8_0_BLOCKS ? (void *)pr->q8_0 : (void *)pr->q8_1;
+}
+
+/* The 8-bit blocks of x of that kind that one of `count` earlier plans on the same x rows holds, or NULL */
+static void *blocks_planned(const Plan *earlier, int64_t count, int kind) {
     for (int64_t i = 0; i < count; i++) {
-        void *blocks = k_quant ? (void *)earlier[i].pr.q8 : (void *)earlier[i].pr.q8_0;
+        void *blocks = blocks_of(&earlier[i].pr, kind);
         if (blocks != NULL) return blocks;
     }
     return NULL;
+}
+
+/* `blocks` blocks of x of that kind into q8 (NULL: no memory), as ggml quantizes them */
+static void *quantized(int kind, const float *x, int64_t blocks) {
+    static const size_t sizes[] = {sizeof(BlockQ8K), sizeof(BlockQ8_0), sizeof(BlockQ8_1)};
+    void *q8 = malloc(sizes[kind] * (size_t)(blocks + 1));
+    if (q8 == NULL) return NULL;
+    if (kind == Q8_0_BLOCKS)
+        quantize_q8_0(x, blocks, q8);
+    else if (kind == Q8_1_BLOCKS)
+        quantize_q8_1(x, blocks, q8);
+#if defined(__x86_64__) && defined(__GNUC__)
+    else if (HAVE_AVX2())
+        quantize_q8_k_avx2(x, blocks, q8);
+#endif
+    else
+        quantize_q8_k(x, blocks, q8);
+    return q8;
 }
 
 /* Plans one product (arguments as k3_grouped_product's, with the output's row stride): 0, -1 for a GGML type
@@ -1577,7 +1731,7 @@ static int plan_product(Plan *plan, const float *x, int64_t in_features, const i
                         int64_t out_rows, int64_t row_bytes, int ggml_type, const int64_t *starts, const int64_t *rows,
                         float *out, int64_t out_stride, int q8_activations, const Plan *earlier, int64_t planned) {
     const Product pr = {x, in_features, out_rows, row_bytes, addresses, starts, rows, matrices, out, out_stride,
-                        NULL, NULL, NULL};
+                        NULL, NULL, NULL, NULL};
     plan->pr = pr;
     plan->owned = NULL;
     RowKernel kernel = q8_activations ? q8_kernel(ggml_type) : fused_kernel(ggml_type);
@@ -1585,26 +1739,17 @@ static int plan_product(Plan *plan, const float *x, int64_t in_features, const i
         if (q8_activations) return -1;
         kernel = HAVE_AVX512() ? input_major_avx512 : HAVE_AVX2() ? input_major_avx2 : input_major_generic;
     } else if (q8_activations) {
-        const int k_quant = ggml_type != 2 && ggml_type != 8 && !iq_q8_0_activations(ggml_type), elems = k_quant ? 256 : 32;
+        const int kind = activation_blocks(ggml_type), elems = kind == Q8_K_BLOCKS ? 256 : 32;
         if (kernel == NULL || in_features % elems != 0) return -1;
         const int64_t blocks = rows_used(starts, rows, matrices) * (in_features / elems);
-        void *q8 = blocks_planned(earlier, planned, k_quant);
-        if (q8 == NULL) {
-            q8 = plan->owned = malloc((k_quant ? sizeof(BlockQ8K) : sizeof(BlockQ8_0)) * (size_t)(blocks + 1));
-            if (q8 == NULL) return -2;
-            if (!k_quant)
-                quantize_q8_0(x, blocks, q8);
-#if defined(__x86_64__) && defined(__GNUC__)
-            else if (HAVE_AVX2())
-                quantize_q8_k_avx2(x, blocks, q8);
-#endif
-            else
-                quantize_q8_k(x, blocks, q8);
-        }
-        if (k_quant)
+        void *q8 = blocks_planned(earlier, planned, kind);
+        if (q8 == NULL && (q8 = plan->owned = quantized(kind, x, blocks)) == NULL) return -2;
+        if (kind == Q8_K_BLOCKS)
             plan->pr.q8 = q8;
-        else
+        else if (kind == Q8_0_BLOCKS)
             plan->pr.q8_0 = q8;
+        else
+            plan->pr.q8_1 = q8;
     } else if (kernel != NULL) { /* x's sub-block sums, once per call: [x rows, in / 16], 16 values in order */
         const int64_t x_rows = rows_used(starts, rows, matrices);
         float *sums16 = plan->owned = malloc(sizeof(float) * (size_t)(x_rows * (in_features / 16) + 1));

@@ -32,6 +32,7 @@ typedef struct {
     const float *sums16; /* fused kernels: sum of each 16 consecutive values of each x row */
     const struct BlockQ8K *q8;    /* Q8_K kernels: each x row quantized as ggml does, in / 256 blocks */
     const struct BlockQ8_0 *q8_0; /* Q8_0 kernels: the same in Q8_0 blocks, in / 32 of them */
+    const struct BlockQ8_1 *q8_1; /* Q8_1 kernels (Q4_1, Q5_1): the same in Q8_1 blocks */
 } Product;
 
 /* Q4_K's and Q5_K's 6-bit scale and min of sub-block s (0..7) from the 12 bytes at p */
@@ -55,6 +56,13 @@ typedef struct BlockQ8_0 {
     float d;
     int8_t qs[32];
 } BlockQ8_0;
+
+/* ggml's block_q8_1: block_q8_0's codes and d, and s = d * sum(codes) with d unrounded, rounded to F16
+ * (held as float): what multiplies a Q4_1 or Q5_1 block's offset */
+typedef struct BlockQ8_1 {
+    float d, s;
+    int8_t qs[32];
+} BlockQ8_1;
 
 /* ggml's block_q8_K: x * (1 / d) rounded to int8, and the sums of each 16 codes */
 typedef struct BlockQ8K {
@@ -121,9 +129,9 @@ typedef struct {
 IqRunType iq_run_type(int ggml_type, int avx2);
 
 /* The AVX-512 one-row kernels on 8-bit activations (`kquants_avx512.c`): a type's (Q8_0, Q2_K, Q3_K, Q4_K,
- * Q6_K) where HAVE_AVX512(), else NULL; each output bit for bit its AVX2 kernel's */
+ * Q5_K, Q6_K) where HAVE_AVX512(), else NULL; each output bit for bit its AVX2 kernel's */
 RowKernel q8_kernel_avx512(int ggml_type);
-/* ... and the multi-row kernels' (Q8_0), each output bit for bit the one-row kernel's */
+/* ... and the multi-row kernels' (Q8_0, Q5_0, Q4_1, Q5_1), each output bit for bit the one-row kernel's */
 RowKernel q8_tile_kernel_avx512(int ggml_type);
 
 /* Kernels that decode a weight block once for several input rows (`tiles_cpu.c`): a type's kernel
@@ -179,26 +187,37 @@ AVX2_INLINE __m256i q6_k_codes(const uint8_t *restrict b, int run) {
     return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
 }
 
-/* Up to Q8_ROWS input rows share each Q2_K, Q3_K, Q4_K (and, on AVX-512, Q6_K) weight row's decoded
+/* Up to Q8_ROWS input rows share each Q2_K, Q3_K, Q4_K, Q5_K (and, on AVX-512, Q6_K) weight row's decoded
  * codes and scales (prefill, batched decode): each row keeps its own sums and sees exactly the
  * operations it would see alone. Eight 1024 x 1024 matrices, 8 rows each, one thread: 1.4-1.6x the
  * one-row-at-a-time kernels. */
 #define Q8_ROWS 4
 
+/* Eight float lanes and a float summed apart beside them: ggml's AVX2 vec_dot of Q4_1, Q5_1 and Q5_K adds
+ * each block's offset product (m times the Q8_1 block's s; dmin times the mins' integer sum) to one
+ * scalar in block order, and that scalar to the lanes' hsum8 at the end (lanes_total) */
+typedef struct {
+    __m256 lanes;
+    float sum;
+} Lanes;
+#define LANES_ZERO ((Lanes){_mm256_setzero_ps(), 0.0f})
+AVX2_INLINE float lanes_total(Lanes acc) { return hsum8(acc.lanes) + acc.sum; }
+
 /* NAME##_rows: one weight row m against n (<= Q8_ROWS) input rows' Q8_K blocks from p, blocks in order
- * into each row's eight lanes (BLOCK), summed at the end by hsum8; ATTR: its inline and target
- * attributes (the AVX2 and AVX-512 kernels share it) */
-#define Q8K_SHARED_ROWS(ATTR, NAME, BLOCK, BLOCK_BYTES)                                                 \
+ * into each row's accumulator (ACC from ZERO: eight lanes, or Lanes) by BLOCK, summed at the end by
+ * TOTAL (hsum8, lanes_total); ATTR: its inline and target attributes (the AVX2 and AVX-512 kernels
+ * share it) */
+#define Q8K_SHARED_ROWS(ATTR, NAME, BLOCK, BLOCK_BYTES, ACC, ZERO, TOTAL)                               \
     ATTR void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) {   \
         const int64_t blocks = pr->in_features / 256;                                                   \
         const BlockQ8K *y[Q8_ROWS];                                                                     \
-        __m256 acc[Q8_ROWS];                                                                            \
-        for (int r = 0; r < n; r++) y[r] = pr->q8 + pr->rows[p + r] * blocks, acc[r] = _mm256_setzero_ps(); \
+        ACC acc[Q8_ROWS];                                                                               \
+        for (int r = 0; r < n; r++) y[r] = pr->q8 + pr->rows[p + r] * blocks, acc[r] = ZERO;            \
         for (int64_t block = 0; block < blocks; block++) {                                              \
             prefetch_ahead(row + block * (BLOCK_BYTES), BLOCK_BYTES);                                   \
             BLOCK(row + block * (BLOCK_BYTES), y, block, acc, n);                                       \
         }                                                                                               \
-        for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = hsum8(acc[r]);             \
+        for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = TOTAL(acc[r]);             \
     }
 
 #endif

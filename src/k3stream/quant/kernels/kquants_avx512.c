@@ -1,20 +1,23 @@
-/* The integer one-row kernels of Q8_0, Q2_K, Q3_K, Q4_K and Q6_K on 8-bit activations, and Q8_0's
- * multi-row kernel, with AVX-512 (F, BW, VL, VNNI, VBMI), where the CPU has them (HAVE_AVX512();
- * K3STREAM_NO_AVX512=1 keeps the AVX2 ones of ggml_cpu.c and tiles_cpu.c).
+/* The integer one-row kernels of Q8_0, Q5_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K on 8-bit
+ * activations, and the 32-value types' (Q8_0, Q5_0, Q4_1, Q5_1) multi-row kernel, with AVX-512 (F, BW,
+ * VL, VNNI, VBMI), where the CPU has them (HAVE_AVX512(); K3STREAM_NO_AVX512=1 keeps the AVX2 ones of
+ * ggml_cpu.c and tiles_cpu.c).
  *
  * The contract: every output is bit for bit the AVX2 kernel's. Each block's integer sums land in the
  * same eight int32 lanes (lane l: the products of bytes 4l..4l + 3 of each 32-byte run, times their
  * sub-block scale), exact however they are formed, and enter the same float lanes by the same FMAs in
- * block order, summed at the end by hsum8. So Q8_0 and Q6_K stay llama.cpp's AVX2 vec_dot bit for bit,
- * and the multi-row tiles (tiles_cpu.c, AVX2) stay each row's one-row result.
+ * block order, summed at the end by hsum8 (Q4_1's, Q5_1's and Q5_K's offset products into one float
+ * beside them, in block order). So Q8_0, Q5_0, Q4_1, Q5_1, Q5_K and Q6_K stay llama.cpp's AVX2 vec_dot
+ * bit for bit, and the multi-row tiles (tiles_cpu.c, AVX2) stay each row's one-row result.
  *
  * What AVX-512 changes: VNNI's vpdpbusd (unsigned x signed bytes into int32 lanes) and vpdpwssd (int16
  * pairs into them) fuse the AVX2 kernels' maddubs/madd/add chains; the K-quants take two 32-value runs
  * in one 64-byte vector (their lanes folded onto eight at the block's end), their scales spread by one
  * vpshufb (Q2_K: each code looks up its code-times-scale byte, one vpdpbusd a pair of runs; Q2_K's and
- * Q3_K's codes come by GFNI's gf2p8affine); Q8_0's kernels hold two weight rows in one 64-byte vector,
- * each half that row's eight lanes.
+ * Q3_K's codes come by GFNI's gf2p8affine); the 32-value types' kernels hold two weight rows in one
+ * 64-byte vector, each half that row's eight lanes.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -79,78 +82,135 @@ AVX512_INLINE void q8k_steps(const uint8_t *at, int block_bytes, int shift, cons
     }
 }
 
-/* ---- Q8_0: signed codes times signed codes -------------------------------------------------------
- * w . y = (w + 128) . y - 128 sum(y): the first by vpdpbusd on w's bytes with the top bit flipped
- * (unsigned w + 128), started from -128 times each lane's four activations: the int32 lanes of ggml's
- * maddubs(|w|, sign(y, w)) pairs. Those starts depend on the input row alone: made once for all the
- * weight rows (up to Q8_0_STARTS blocks; a longer row's further blocks make theirs as they go), so a
- * block takes an xor, a vpdpbusd, a conversion and an FMA. One weight row at a time, one sequential
- * stream (four rows against each activation block, four streams, ran 0.6-0.9x as fast from RAM on AMD
- * EPYC, Zen 4), its lines PREFETCH_BYTES ahead asked for in software as the AVX2 kernels do (every
- * one-row kernel here): on Intel Xeon (Emerald Rapids) the one-row kernels ran 1.5-2x as fast from RAM
- * with it (one thread, 4 KiB and 2 MiB pages alike); on Zen 4 it gained nothing. */
-#define Q8_0_STARTS 768
+/* ---- the 32-value types Q8_0, Q5_0, Q4_1 and Q5_1 ---------------------------------------------------
+ * Codes enter vpdpbusd unsigned, as w + bias: Q8_0's signed codes with the top bit flipped (bias 128),
+ * Q5_0's five bits as stored (w + 16), Q4_1's and Q5_1's as they are (bias 0). w . y = (w + bias) . y -
+ * bias sum(y): each lane started from -bias times its four activations gives the int32 lanes of ggml's
+ * maddubs pairs. Those starts depend on the input row alone: made once for all the weight rows (up to
+ * Q32_STARTS blocks; a longer row's further blocks make theirs as they go), so a block takes its codes, a
+ * vpdpbusd, a conversion and an FMA; Q4_1 and Q5_1 add their offset m times the Q8_1 block's s to a
+ * scalar sum per row in block order, as their AVX2 kernels (ggml's). One weight row at a time, one
+ * sequential stream (four rows against each activation block, four streams, ran 0.6-0.9x as fast from
+ * RAM on AMD EPYC, Zen 4), its lines PREFETCH_BYTES ahead asked for in software as the AVX2 kernels do
+ * (every one-row kernel here): on Intel Xeon (Emerald Rapids) the one-row kernels ran 1.5-2x as fast
+ * from RAM with it (one thread, 4 KiB and 2 MiB pages alike); on Zen 4 it gained nothing. */
+#define Q32_STARTS 768
 
-/* an input row's first Q8_0_STARTS blocks: each one's vpdpbusd start and d */
+/* an input row's first Q32_STARTS blocks: each one's vpdpbusd start and d */
 typedef struct {
-    __m256i starts[Q8_0_STARTS];
-    float d[Q8_0_STARTS];
-} Q80Starts;
+    __m256i starts[Q32_STARTS];
+    float d[Q32_STARTS];
+} Q32Starts;
 
-/* the vpdpbusd start of activation block y: -128 times each lane's four activations */
-AVX512_INLINE __m256i q8_0_start(const BlockQ8_0 *y) {
+/* a 32-value type's bytes a block, bias and whether its activations are Q8_1 (its offsets added apart) */
+AVX512_INLINE int q32_bytes(const int type) { return type == 8 ? 34 : type == 6 ? 22 : type == 3 ? 20 : 24; }
+AVX512_INLINE int q32_bias(const int type) { return type == 8 ? 128 : type == 6 ? 16 : 0; }
+AVX512_INLINE int q32_affine(const int type) { return type == 3 || type == 7; }
+
+/* the vpdpbusd start of 32 activations: -bias times each lane's four */
+AVX512_INLINE __m256i q32_start(const int8_t *qs, int bias) {
     const __m256i zero = _mm256_setzero_si256();
-    return _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, _mm256_set1_epi8((char)0x80), _mm256_loadu_si256((const __m256i *)y->qs)));
+    return _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, _mm256_set1_epi8((char)bias), _mm256_loadu_si256((const __m256i *)qs)));
 }
 
-/* weight rows a and b (b may be a: its result is then dropped) against input row y (table: its first
- * Q8_0_STARTS blocks' starts and d), row a's block in the low half of each vector and row b's in the high
- * half (each half's eight int32 and float lanes that row's, its FMAs that row's in block order): one
- * vpdpbusd, conversion and FMA for the two, and two FMA chains in flight, not one */
-AVX512_INLINE void q8_0_pair(const uint8_t *a, const uint8_t *b, const BlockQ8_0 *y, const Q80Starts *table,
-                             int64_t blocks, float *out_a, float *out_b) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
+/* the nibbles of the 16 bytes at a (low half) and at b (high half): element i < 16 the low nibble of
+ * byte i, element 16 + i its high nibble (ggml_cpu.c's nibble_codes) */
+AVX512_INLINE __m512i q32_nibbles(const uint8_t *a, const uint8_t *b) {
+    const __m512i bytes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)a))),
+                                             _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b)), 1);
+    const __m512i counts = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0, 0, 0x0004000400040004LL,
+                                            0x0004000400040004LL, 0, 0);
+    return _mm512_and_si512(_mm512_srlv_epi16(bytes, counts), _mm512_set1_epi8(15));
+}
+
+/* Q5_0's and Q5_1's fifth bits of the 32-bit qh at a (low half) and at b (high half): 16 where set */
+AVX512_INLINE __m512i q32_fifths(const uint8_t *a, const uint8_t *b) {
+    uint32_t low, high;
+    memcpy(&low, a, 4);
+    memcpy(&high, b, 4);
+    return _mm512_maskz_mov_epi8((__mmask64)((uint64_t)high << 32 | low), _mm512_set1_epi8(16));
+}
+
+/* the unsigned codes (w + bias) of blocks a (low half) and b (high half) */
+AVX512_INLINE __m512i q32_codes(const uint8_t *a, const uint8_t *b, const int type) {
+    switch (type) {
+        case 8:
+            return _mm512_xor_si512(join_halves(_mm256_loadu_si256((const __m256i *)(a + 2)), _mm256_loadu_si256((const __m256i *)(b + 2))),
+                                    _mm512_set1_epi8((char)0x80));
+        case 6: return _mm512_or_si512(q32_nibbles(a + 6, b + 6), q32_fifths(a + 2, b + 2));
+        case 3: return q32_nibbles(a + 4, b + 4);
+        default: return _mm512_or_si512(q32_nibbles(a + 8, b + 8), q32_fifths(a + 4, b + 4));
+    }
+}
+
+/* weight rows a and b (b may be a: its result is then dropped) of a 32-value type against input row y
+ * (Q8_0 or Q8_1 blocks; table: its first Q32_STARTS blocks' starts and d), row a's block in the low half of
+ * each vector and row b's in the high half (each half's eight int32 and float lanes that row's, its FMAs
+ * that row's in block order): one vpdpbusd, conversion and FMA for the two, and two FMA chains in flight */
+AVX512_INLINE void q32_pair(const uint8_t *a, const uint8_t *b, const void *y, const Q32Starts *table, int64_t blocks,
+                            float *out_a, float *out_b, const int type) {
+    const int bytes = q32_bytes(type), bias = q32_bias(type), affine = q32_affine(type);
+    const int y_bytes = affine ? (int)sizeof(BlockQ8_1) : (int)sizeof(BlockQ8_0);
+    const uint8_t *blocks_y = y;
     __m512 acc = _mm512_setzero_ps();
+    float sum_a = 0.0f, sum_b = 0.0f, m_a[CHUNK_BLOCKS_K], m_b[CHUNK_BLOCKS_K], s[CHUNK_BLOCKS_K];
     for (int64_t c = 0; c < blocks; c += CHUNK_BLOCKS_K) {
         const int count = blocks - c < CHUNK_BLOCKS_K ? (int)(blocks - c) : CHUNK_BLOCKS_K;
-        const __m512 yd = c < Q8_0_STARTS ? _mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1), table->d + c)
-                                          : chunk_floats(&y[c].d, (int)sizeof(BlockQ8_0), count);
-        const __m512 steps_a = _mm512_mul_ps(yd, f16_halves(chunk_dwords(a + 34 * c, 34, count), 0));
-        const __m512 steps_b = _mm512_mul_ps(yd, f16_halves(chunk_dwords(b + 34 * c, 34, count), 0));
+        const __m512 yd = c < Q32_STARTS ? _mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1), table->d + c)
+                                         : chunk_floats((const float *)(blocks_y + y_bytes * c), y_bytes, count);
+        const __m512i dwords_a = chunk_dwords(a + bytes * c, bytes, count), dwords_b = chunk_dwords(b + bytes * c, bytes, count);
+        const __m512 steps_a = _mm512_mul_ps(yd, f16_halves(dwords_a, 0)), steps_b = _mm512_mul_ps(yd, f16_halves(dwords_b, 0));
+        if (affine) {
+            _mm512_storeu_ps(m_a, f16_halves(dwords_a, 16));
+            _mm512_storeu_ps(m_b, f16_halves(dwords_b, 16));
+            _mm512_storeu_ps(s, chunk_floats(&((const BlockQ8_1 *)y)[c].s, y_bytes, count));
+        }
         /* block i's step of row a in the low half, of row b in the high half */
         __m512i at = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(CHUNK_BLOCKS_K), 1);
         for (int i = 0; i < count; i++, at = _mm512_add_epi32(at, _mm512_set1_epi32(1))) {
             const int64_t k = c + i;
-            prefetch_ahead(a + 34 * k, 34);
-            prefetch_ahead(b + 34 * k, 34);
-            const __m256i start = k < Q8_0_STARTS ? _mm256_load_si256(table->starts + k) : q8_0_start(y + k);
-            const __m512i codes = _mm512_xor_si512(join_halves(_mm256_loadu_si256((const __m256i *)(a + 34 * k + 2)),
-                                                               _mm256_loadu_si256((const __m256i *)(b + 34 * k + 2))),
-                                                   flip);
-            const __m512i sums = _mm512_dpbusd_epi32(_mm512_broadcast_i64x4(start), codes, both_halves((const uint8_t *)y[k].qs));
+            prefetch_ahead(a + bytes * k, bytes);
+            prefetch_ahead(b + bytes * k, bytes);
+            const int8_t *qs = affine ? ((const BlockQ8_1 *)y)[k].qs : ((const BlockQ8_0 *)y)[k].qs;
+            const __m256i start = bias == 0 ? _mm256_setzero_si256() : k < Q32_STARTS ? _mm256_load_si256(table->starts + k) : q32_start(qs, bias);
+            const __m512i codes = q32_codes(a + bytes * k, b + bytes * k, type);
+            const __m512i sums = _mm512_dpbusd_epi32(_mm512_broadcast_i64x4(start), codes, both_halves((const uint8_t *)qs));
             acc = _mm512_fmadd_ps(_mm512_permutex2var_ps(steps_a, at, steps_b), _mm512_cvtepi32_ps(sums), acc);
+            if (affine) sum_a += m_a[i] * s[i], sum_b += m_b[i] * s[i];
         }
     }
-    *out_a = hsum8(_mm512_castps512_ps256(acc));
-    *out_b = hsum8(high_half(acc));
+    *out_a = affine ? hsum8(_mm512_castps512_ps256(acc)) + sum_a : hsum8(_mm512_castps512_ps256(acc));
+    *out_b = affine ? hsum8(high_half(acc)) + sum_b : hsum8(high_half(acc));
 }
 
-/* Rows first..last - 1 in pairs (m, m + half): two sequential streams, each asked for ahead */
-AVX512_TARGET static void q8_0_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) {
+/* Rows first..last - 1 of a 32-value type in pairs (m, m + half): two sequential streams, each asked for ahead */
+AVX512_INLINE void q32_rows(const Product *pr, int64_t b, int64_t first, int64_t last, const int type) {
     const int64_t blocks = pr->in_features / 32, half = (last - first + 1) / 2;
-    Q80Starts table;
+    const int bias = q32_bias(type);
+    Q32Starts table;
     for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {
-        const BlockQ8_0 *y = pr->q8_0 + pr->rows[p] * blocks;
+        const void *y = q32_affine(type) ? (const void *)(pr->q8_1 + pr->rows[p] * blocks) : (const void *)(pr->q8_0 + pr->rows[p] * blocks);
         float *out = pr->out + p * pr->out_stride, dropped;
-        for (int64_t k = 0; k < blocks && k < Q8_0_STARTS; k++) table.starts[k] = q8_0_start(y + k), table.d[k] = y[k].d;
+        for (int64_t k = 0; k < blocks && k < Q32_STARTS; k++) {
+            const int8_t *qs = q32_affine(type) ? ((const BlockQ8_1 *)y)[k].qs : ((const BlockQ8_0 *)y)[k].qs;
+            table.d[k] = q32_affine(type) ? ((const BlockQ8_1 *)y)[k].d : ((const BlockQ8_0 *)y)[k].d;
+            if (bias != 0) table.starts[k] = q32_start(qs, bias);
+        }
         for (int64_t m = first; m < first + half; m++) {
             const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
             const int paired = m + half < last;
-            q8_0_pair(row, paired ? row + half * pr->row_bytes : row, y, &table, blocks, out + m,
-                      paired ? out + m + half : &dropped);
+            q32_pair(row, paired ? row + half * pr->row_bytes : row, y, &table, blocks, out + m,
+                     paired ? out + m + half : &dropped, type);
         }
     }
 }
+
+#define Q32_KERNEL(NAME, TYPE) \
+    AVX512_TARGET static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) { q32_rows(pr, b, first, last, TYPE); }
+Q32_KERNEL(q8_0_avx512, 8)
+Q32_KERNEL(q5_0_avx512, 6)
+Q32_KERNEL(q4_1_avx512, 3)
+Q32_KERNEL(q5_1_avx512, 7)
 
 /* ---- K-quants: runs 2j and 2j + 1 of a block (its 64 values from 64j) in one vector --------------- */
 
@@ -324,10 +384,11 @@ AVX512_INLINE __m256i q4_k_scales_mins(const uint8_t *restrict b) {
     return _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
 }
 
-/* acc[r] += one Q4_K block times input row r's Q8_K block, as ggml_cpu.c's q8_q4_k: sub-blocks 2j
- * (low nibbles) and 2j + 1 (high) of bytes 16 + 32j.. in one vector; the mins' integer sum into lane 0 */
-AVX512_INLINE void q4_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc,
-                              const int n) {
+/* Input row r's eight int32 lanes of one Q4_K or Q5_K block (fifth: Q5_K's, codes from byte 48 and the
+ * fifth bits 2j, 2j + 1 of bytes 16..47 for runs 2j, 2j + 1) into lanes[r], and the mins' integer sum
+ * against its Q8_K sums into summs[r]: sub-blocks 2j (low nibbles) and 2j + 1 (high) in one vector */
+AVX512_INLINE void q45_k_sums(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, const int n,
+                              const int fifth, __m256i *lanes, int *summs) {
     const __m256i scales_mins = q4_k_scales_mins(b);
     const __m512i scales = _mm512_castsi256_si512(scales_mins);
     const __m512i lane = _mm512_srli_epi16(
@@ -336,22 +397,49 @@ AVX512_INLINE void q4_k_block(const uint8_t *restrict b, const BlockQ8K *const *
         4);
     __m512i sums[4];
     for (int r = 0; r < n; r++) sums[r] = _mm512_setzero_si512();
+    const __m512i high = both_halves(b + 16);
     for (int j = 0; j < 4; j++) {
-        const __m512i codes = _mm512_and_si512(shift_halves(both_halves(b + 16 + 32 * j), 0, 4), _mm512_set1_epi8(15));
+        __m512i codes = _mm512_and_si512(shift_halves(both_halves(b + (fifth ? 48 : 16) + 32 * j), 0, 4), _mm512_set1_epi8(15));
+        if (fifth)
+            codes = _mm512_or_si512(codes, _mm512_slli_epi16(_mm512_and_si512(shift_halves(high, 2 * j, 2 * j + 1), _mm512_set1_epi8(1)), 4));
         const __m512i pair = _mm512_permutexvar_epi16(_mm512_add_epi16(lane, _mm512_set1_epi16((short)(2 * j))), scales);
         run_pair_dot(codes, pair, y, at, j, sums, n);
     }
     /* the mins beside the Q8_K sums of 32 (pairs of sums of 16) */
     const __m128i mins = _mm256_extracti128_si256(scales_mins, 1);
-    const float step = f16_scale(b), min_step = f16_scale(b + 2);
     for (int r = 0; r < n; r++) {
         const __m256i bsums = _mm256_loadu_si256((const __m256i *)y[r][at].bsums);
         const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
         __m128i s = _mm_madd_epi16(mins, pairs);
         s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-        const int summs = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r][at].d * step), _mm256_cvtepi32_ps(fold(sums[r])), acc[r]);
-        acc[r] = _mm256_add_ps(acc[r], _mm256_setr_ps(-y[r][at].d * min_step * (float)summs, 0, 0, 0, 0, 0, 0, 0));
+        summs[r] = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+        lanes[r] = fold(sums[r]);
+    }
+}
+
+/* acc[r] += one Q4_K block times input row r's Q8_K block, as ggml_cpu.c's q8_q4_k: the mins' sum into lane 0 */
+AVX512_INLINE void q4_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc,
+                              const int n) {
+    __m256i lanes[Q8_ROWS];
+    int summs[Q8_ROWS];
+    q45_k_sums(b, y, at, n, 0, lanes, summs);
+    const float step = f16_scale(b), min_step = f16_scale(b + 2);
+    for (int r = 0; r < n; r++) {
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r][at].d * step), _mm256_cvtepi32_ps(lanes[r]), acc[r]);
+        acc[r] = _mm256_add_ps(acc[r], _mm256_setr_ps(-y[r][at].d * min_step * (float)summs[r], 0, 0, 0, 0, 0, 0, 0));
+    }
+}
+
+/* ... one Q5_K block, as ggml_cpu.c's q8_q5_k: the mins' sum beside the lanes by one fused multiply-add */
+AVX512_INLINE void q5_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, Lanes *acc,
+                              const int n) {
+    __m256i lanes[Q8_ROWS];
+    int summs[Q8_ROWS];
+    q45_k_sums(b, y, at, n, 1, lanes, summs);
+    const float step = f16_scale(b), min_step = f16_scale(b + 2);
+    for (int r = 0; r < n; r++) {
+        acc[r].lanes = _mm256_fmadd_ps(_mm256_set1_ps(y[r][at].d * step), _mm256_cvtepi32_ps(lanes[r]), acc[r].lanes);
+        acc[r].sum = fmaf(-y[r][at].d * min_step, (float)summs[r], acc[r].sum);
     }
 }
 
@@ -398,8 +486,8 @@ AVX512_INLINE void q6_k_block(const uint8_t *restrict b, const BlockQ8K *const *
     }
 
 /* One weight row m against n input rows from p: blocks in order into each row's eight lanes */
-#define SHARED_ROWS(NAME, BLOCK, BLOCK_BYTES)                \
-    Q8K_SHARED_ROWS(AVX512_INLINE, NAME, BLOCK, BLOCK_BYTES) \
+#define SHARED_ROWS(NAME, BLOCK, BLOCK_BYTES, ACC, ZERO, TOTAL)                \
+    Q8K_SHARED_ROWS(AVX512_INLINE, NAME, BLOCK, BLOCK_BYTES, ACC, ZERO, TOTAL) \
     ROW_GROUPS(AVX512_TARGET, NAME, NAME##_rows)
 
 /* ... the same with each block's float scales from a table made once a chunk (STEPS); with one input
@@ -457,17 +545,19 @@ AVX512_INLINE void q6_k_block(const uint8_t *restrict b, const BlockQ8K *const *
 
 STEPPED_ROWS(q2_k_avx512, q2_k_block, q2_k_steps, 84)
 STEPPED_ROWS(q3_k_avx512, q3_k_block, q3_k_steps, 110)
-SHARED_ROWS(q4_k_avx512, q4_k_block, 144)
-SHARED_ROWS(q6_k_avx512, q6_k_block, 210)
+SHARED_ROWS(q4_k_avx512, q4_k_block, 144, __m256, _mm256_setzero_ps(), hsum8)
+SHARED_ROWS(q5_k_avx512, q5_k_block, 176, Lanes, LANES_ZERO, lanes_total)
+SHARED_ROWS(q6_k_avx512, q6_k_block, 210, __m256, _mm256_setzero_ps(), hsum8)
 
-/* ---- Q8_0 with several input rows (prefill): tiles_cpu.c's blocking, the one-row kernel's bits ------
+/* ---- the 32-value types with several input rows (prefill): tiles_cpu.c's blocking, the one-row kernel's bits
  * TILE_PAIRS pairs of weight rows' CHUNK_BLOCKS blocks are held once as the one-row kernel uses them
- * (codes with the top bit flipped, d), a pair in one 64-byte vector (row 2i's block in the low half, row
- * 2i + 1's in the high half: each half's eight int32 and float lanes are that row's lanes, each FMA that
- * row's FMA in block order); every input row of the matrix then runs past them, INPUTS_AT_ONCE at a
- * time (each activation block's vpdpbusd start serving the four pairs). Partial sums wait in memory
- * between chunks (no rounding). One vpdpbusd, conversion, scale product and FMA serve two weight rows: on Intel
- * Xeon (Emerald Rapids) 1.5x the same blocking on 32-byte vectors at 16 input rows, 1.9x at 33. */
+ * (codes plus bias, d, and Q4_1's and Q5_1's offsets m), a pair in one 64-byte vector (row 2i's block in
+ * the low half, row 2i + 1's in the high half: each half's eight int32 and float lanes are that row's
+ * lanes, each FMA that row's FMA in block order); every input row of the matrix then runs past them,
+ * INPUTS_AT_ONCE at a time (each activation block's vpdpbusd start serving the four pairs). Partial
+ * sums (and the offsets' scalar sums) wait in memory between chunks (no rounding). One vpdpbusd,
+ * conversion, scale product and FMA serve two weight rows: on Intel Xeon (Emerald Rapids) Q8_0's 1.5x
+ * the same blocking on 32-byte vectors at 16 input rows, 1.9x at 33. */
 #define TILE_PAIRS 4
 #define CHUNK_BLOCKS 16
 #define PARK_ROWS 64
@@ -476,106 +566,151 @@ SHARED_ROWS(q6_k_avx512, q6_k_block, 210)
 typedef struct {
     __m512i codes[TILE_PAIRS][CHUNK_BLOCKS];
     __m512 d[TILE_PAIRS][CHUNK_BLOCKS]; /* each half that row's d */
-} Q80Tile;
+    float m[2 * TILE_PAIRS][CHUNK_BLOCKS];
+} Q32Tile;
 
-/* parked[r][i] gains input row r's `count` blocks y[r] against the tile's `pairs` pairs of weight rows */
-AVX512_INLINE void q8_0_tile_dot(const Q80Tile *tile, const BlockQ8_0 *const *y, int count, __m512 (*parked)[TILE_PAIRS],
-                                 const int pairs, const int inputs) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+/* an input row's parked lane sums (one vector a pair) and offsets' sums (one a weight row) */
+typedef struct {
+    __m512 lanes[TILE_PAIRS];
+    float sums[2 * TILE_PAIRS];
+} Q32Parked;
+
+/* input row r's block j: Q8_0 or Q8_1 (type's), its codes, d and (Q8_1) s */
+AVX512_INLINE const int8_t *q32_y_qs(const void *y, int64_t j, const int type) {
+    return q32_affine(type) ? ((const BlockQ8_1 *)y)[j].qs : ((const BlockQ8_0 *)y)[j].qs;
+}
+AVX512_INLINE float q32_y_d(const void *y, int64_t j, const int type) {
+    return q32_affine(type) ? ((const BlockQ8_1 *)y)[j].d : ((const BlockQ8_0 *)y)[j].d;
+}
+
+/* parked[r] gains input row r's `count` blocks y[r] against the tile's `pairs` pairs of weight rows */
+AVX512_INLINE void q32_tile_dot(const Q32Tile *tile, const void *const *y, int count, Q32Parked *parked, const int pairs,
+                                const int inputs, const int type) {
+    const int bias = q32_bias(type), affine = q32_affine(type);
+    const __m512i zero = _mm512_setzero_si512();
     __m512 acc[INPUTS_AT_ONCE][TILE_PAIRS];
+    float sums[INPUTS_AT_ONCE][2 * TILE_PAIRS];
     for (int r = 0; r < inputs; r++)
-        for (int i = 0; i < pairs; i++) acc[r][i] = parked[r][i];
+        for (int i = 0; i < pairs; i++) acc[r][i] = parked[r].lanes[i], sums[r][2 * i] = parked[r].sums[2 * i], sums[r][2 * i + 1] = parked[r].sums[2 * i + 1];
     for (int j = 0; j < count; j++)
         for (int r = 0; r < inputs; r++) {
-            const __m512i q8 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)y[r][j].qs));
-            const __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, q8));
-            const __m512 dy = _mm512_set1_ps(y[r][j].d);
+            const __m512i q8 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)q32_y_qs(y[r], j, type)));
+            const __m512i start = bias == 0 ? zero : _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8((char)bias), q8));
+            const __m512 dy = _mm512_set1_ps(q32_y_d(y[r], j, type));
             for (int i = 0; i < pairs; i++) {
-                const __m512i sums = _mm512_dpbusd_epi32(start, tile->codes[i][j], q8);
-                acc[r][i] = _mm512_fmadd_ps(_mm512_mul_ps(tile->d[i][j], dy), _mm512_cvtepi32_ps(sums), acc[r][i]);
+                const __m512i lanes = _mm512_dpbusd_epi32(start, tile->codes[i][j], q8);
+                acc[r][i] = _mm512_fmadd_ps(_mm512_mul_ps(tile->d[i][j], dy), _mm512_cvtepi32_ps(lanes), acc[r][i]);
+            }
+            if (affine) {
+                const float s = ((const BlockQ8_1 *)y[r])[j].s;
+                for (int w = 0; w < 2 * pairs; w++) sums[r][w] += tile->m[w][j] * s;
             }
         }
     for (int r = 0; r < inputs; r++)
-        for (int i = 0; i < pairs; i++) parked[r][i] = acc[r][i];
+        for (int i = 0; i < pairs; i++) parked[r].lanes[i] = acc[r][i], parked[r].sums[2 * i] = sums[r][2 * i], parked[r].sums[2 * i + 1] = sums[r][2 * i + 1];
 }
 
 /* blocks c..c + count - 1 of weight rows m..m + n - 1 into the tile (an odd row's pair takes it twice) */
-AVX512_INLINE void q8_0_tile_fill(Q80Tile *tile, const uint8_t *rows, int64_t row_bytes, int64_t c, int count, const int n) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
+AVX512_INLINE void q32_tile_fill(Q32Tile *tile, const uint8_t *rows, int64_t row_bytes, int64_t c, int count, const int n,
+                                 const int type) {
+    const int bytes = q32_bytes(type);
     for (int i = 0; i < (n + 1) / 2; i++) {
-        const uint8_t *low = rows + 2 * i * row_bytes + c * 34;
+        const uint8_t *low = rows + 2 * i * row_bytes + c * bytes;
         const uint8_t *high = 2 * i + 1 < n ? low + row_bytes : low;
         for (int j = 0; j < count; j++) {
-            prefetch_ahead(low + 34 * j, 34);
-            if (high != low) prefetch_ahead(high + 34 * j, 34);
-            tile->codes[i][j] = _mm512_xor_si512(join_halves(_mm256_loadu_si256((const __m256i *)(low + 34 * j + 2)),
-                                                             _mm256_loadu_si256((const __m256i *)(high + 34 * j + 2))),
-                                                 _mm512_broadcast_i64x4(flip));
-            tile->d[i][j] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(f16_scale(low + 34 * j))),
-                                                                _mm256_castps_pd(_mm256_set1_ps(f16_scale(high + 34 * j))), 1));
+            prefetch_ahead(low + bytes * j, bytes);
+            if (high != low) prefetch_ahead(high + bytes * j, bytes);
+            tile->codes[i][j] = q32_codes(low + bytes * j, high + bytes * j, type);
+            tile->d[i][j] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(f16_scale(low + bytes * j))),
+                                                                _mm256_castps_pd(_mm256_set1_ps(f16_scale(high + bytes * j))), 1));
+            if (q32_affine(type)) tile->m[2 * i][j] = f16_scale(low + bytes * j + 2), tile->m[2 * i + 1][j] = f16_scale(high + bytes * j + 2);
         }
     }
 }
 
 /* weight rows m..m + n - 1 (n <= 2 TILE_PAIRS) of matrix b against all its input rows */
-AVX512_INLINE void q8_0_tile_group(const Product *pr, int64_t b, int64_t m, const int n) {
+AVX512_INLINE void q32_tile_group(const Product *pr, int64_t b, int64_t m, const int n, const int type) {
     const int64_t blocks = pr->in_features / 32, end = pr->starts[b + 1];
     const uint8_t *rows = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
     const int pairs = (n + 1) / 2;
-    Q80Tile tile;
-    __m512 parked[PARK_ROWS][TILE_PAIRS];
+    Q32Tile tile;
+    Q32Parked parked[PARK_ROWS];
     for (int64_t p0 = pr->starts[b]; p0 < end; p0 += PARK_ROWS) {
         const int64_t inputs = end - p0 < PARK_ROWS ? end - p0 : PARK_ROWS;
         for (int64_t c = 0; c < blocks; c += CHUNK_BLOCKS) {
             const int count = blocks - c < CHUNK_BLOCKS ? (int)(blocks - c) : CHUNK_BLOCKS;
-            q8_0_tile_fill(&tile, rows, pr->row_bytes, c, count, n);
-            for (int64_t p = 0; c == 0 && p < inputs; p++)
-                for (int i = 0; i < pairs; i++) parked[p][i] = _mm512_setzero_ps();
+            q32_tile_fill(&tile, rows, pr->row_bytes, c, count, n, type);
+            for (int64_t p = 0; c == 0 && p < inputs; p++) memset(&parked[p], 0, sizeof(Q32Parked));
             for (int64_t p = 0; p < inputs; p += INPUTS_AT_ONCE) {
-                const BlockQ8_0 *y[INPUTS_AT_ONCE];
+                const void *y[INPUTS_AT_ONCE];
                 const int at_once = inputs - p < INPUTS_AT_ONCE ? (int)(inputs - p) : INPUTS_AT_ONCE;
-                for (int r = 0; r < at_once; r++) y[r] = pr->q8_0 + pr->rows[p0 + p + r] * blocks + c;
+                for (int r = 0; r < at_once; r++) {
+                    const int64_t at = pr->rows[p0 + p + r] * blocks + c;
+                    y[r] = q32_affine(type) ? (const void *)(pr->q8_1 + at) : (const void *)(pr->q8_0 + at);
+                }
                 switch (at_once) { /* each count compiled apart */
-                    case 4: q8_0_tile_dot(&tile, y, count, parked + p, pairs, 4); break;
-                    case 3: q8_0_tile_dot(&tile, y, count, parked + p, pairs, 3); break;
-                    case 2: q8_0_tile_dot(&tile, y, count, parked + p, pairs, 2); break;
-                    default: q8_0_tile_dot(&tile, y, count, parked + p, pairs, 1); break;
+                    case 4: q32_tile_dot(&tile, y, count, parked + p, pairs, 4, type); break;
+                    case 3: q32_tile_dot(&tile, y, count, parked + p, pairs, 3, type); break;
+                    case 2: q32_tile_dot(&tile, y, count, parked + p, pairs, 2, type); break;
+                    default: q32_tile_dot(&tile, y, count, parked + p, pairs, 1, type); break;
                 }
             }
         }
         for (int64_t p = 0; p < inputs; p++)
             for (int w = 0; w < n; w++) {
-                const __m512 sums = parked[p][w / 2];
-                pr->out[(p0 + p) * pr->out_stride + m + w] = hsum8(w % 2 ? high_half(sums) : _mm512_castps512_ps256(sums));
+                const __m512 lanes = parked[p].lanes[w / 2];
+                const float total = hsum8(w % 2 ? high_half(lanes) : _mm512_castps512_ps256(lanes));
+                pr->out[(p0 + p) * pr->out_stride + m + w] = q32_affine(type) ? total + parked[p].sums[w] : total;
             }
     }
 }
 
-AVX512_TARGET static void q8_0_tiles_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) {
+AVX512_INLINE void q32_tiles(const Product *pr, int64_t b, int64_t first, int64_t last, const int type) {
     const int rows = 2 * TILE_PAIRS;
     int64_t m = first;
-    for (; m + rows <= last; m += rows) q8_0_tile_group(pr, b, m, rows);
+    for (; m + rows <= last; m += rows) q32_tile_group(pr, b, m, rows, type);
     switch (last - m) { /* each count compiled apart */
-        case 7: q8_0_tile_group(pr, b, m, 7); break;
-        case 6: q8_0_tile_group(pr, b, m, 6); break;
-        case 5: q8_0_tile_group(pr, b, m, 5); break;
-        case 4: q8_0_tile_group(pr, b, m, 4); break;
-        case 3: q8_0_tile_group(pr, b, m, 3); break;
-        case 2: q8_0_tile_group(pr, b, m, 2); break;
-        case 1: q8_0_tile_group(pr, b, m, 1); break;
+        case 7: q32_tile_group(pr, b, m, 7, type); break;
+        case 6: q32_tile_group(pr, b, m, 6, type); break;
+        case 5: q32_tile_group(pr, b, m, 5, type); break;
+        case 4: q32_tile_group(pr, b, m, 4, type); break;
+        case 3: q32_tile_group(pr, b, m, 3, type); break;
+        case 2: q32_tile_group(pr, b, m, 2, type); break;
+        case 1: q32_tile_group(pr, b, m, 1, type); break;
         default: break;
     }
 }
 
-RowKernel q8_tile_kernel_avx512(int ggml_type) { return ggml_type == 8 && HAVE_AVX512() ? q8_0_tiles_avx512 : NULL; }
+#define Q32_TILES(NAME, TYPE) \
+    AVX512_TARGET static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) { q32_tiles(pr, b, first, last, TYPE); }
+Q32_TILES(q8_0_tiles_avx512, 8)
+Q32_TILES(q5_0_tiles_avx512, 6)
+Q32_TILES(q4_1_tiles_avx512, 3)
+Q32_TILES(q5_1_tiles_avx512, 7)
+
+RowKernel q8_tile_kernel_avx512(int ggml_type) {
+    RowKernel kernel = NULL;
+    switch (ggml_type) {
+        case 8: kernel = q8_0_tiles_avx512; break;
+        case 6: kernel = q5_0_tiles_avx512; break;
+        case 3: kernel = q4_1_tiles_avx512; break;
+        case 7: kernel = q5_1_tiles_avx512; break;
+        default: return NULL;
+    }
+    return HAVE_AVX512() ? kernel : NULL;
+}
 
 RowKernel q8_kernel_avx512(int ggml_type) {
     RowKernel kernel = NULL;
     switch (ggml_type) {
         case 8: kernel = q8_0_avx512; break;
+        case 6: kernel = q5_0_avx512; break;
+        case 3: kernel = q4_1_avx512; break;
+        case 7: kernel = q5_1_avx512; break;
         case 10: kernel = __builtin_cpu_supports("gfni") ? q2_k_avx512 : NULL; break;
         case 11: kernel = __builtin_cpu_supports("gfni") ? q3_k_avx512 : NULL; break;
         case 12: kernel = q4_k_avx512; break;
+        case 13: kernel = q5_k_avx512; break;
         case 14: kernel = q6_k_avx512; break;
         default: return NULL;
     }

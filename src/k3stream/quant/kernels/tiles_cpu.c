@@ -470,6 +470,9 @@ int q8_tiles_take(int ggml_type, int64_t rows) {
     switch (ggml_type) {
         case 14: return q8_kernel_avx512(ggml_type) == NULL && rows >= 3;
         case 8: return rows >= (q8_tile_kernel_avx512(8) != NULL ? 2 : 5);
+        case 3:
+        case 6:
+        case 7: return rows >= 2; /* their multi-row kernels: AVX-512 alone */
         case 12: return rows >= 24;
         case 10:
         case 11: return rows >= (q8_kernel_avx512(ggml_type) != NULL ? 48 : 10);
