@@ -62,3 +62,26 @@ def test_sizes_and_times_must_be_finite_numbers(command, flag, value, capsys):
     assert exit_status.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error == f"k3stream {command}: error: argument {flag}: {value!r} is not a finite number"
+
+
+@pytest.mark.parametrize("command", ["serve", "chat", "generate"])
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--cache-disk", "2"], "--cache-disk needs --cache-dir"),
+        (["--cache-dir", "DIR", "--cache-ram", "0"], "--cache-dir needs --cache-ram above 0"),
+    ],
+)
+def test_cache_flags_that_would_do_nothing_are_a_one_line_error(
+    model_path, tmp_path, capsys, command, flags, named
+):
+    """A disk budget without a directory, or a directory with reuse off, is refused at the start (before
+    the model loads), naming the flags, rather than served as if the cache were on."""
+    from k3stream.cli import main
+
+    flags = [str(tmp_path) if flag == "DIR" else flag for flag in flags]
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    assert main([command, str(model_path), *prompt, *flags]) == 1
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"k3stream {command}: error: {named}") and "\n" not in error
+    assert list(tmp_path.iterdir()) == []

@@ -91,7 +91,6 @@ def test_reasoning_split_can_be_turned_off(think_tokenizer):
 @pytest.mark.parametrize(
     "call",
     [
-        'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Par',  # bad JSON
         'functions.rm_rf:0<|tool_call_argument_begin|>{"path": "/"}',  # unknown function
         "functions.get_weather:0<|tool_call_argument_begin|>[1, 2]",  # arguments not an object
         'functions.get_weather:0{"city": "Paris"}',  # no argument delimiter
@@ -106,11 +105,58 @@ def test_malformed_call_comes_back_as_text(think_tokenizer, call):
     assert result.tool_calls == [] and result.content == "Hi." + section
 
 
-def test_section_cut_off_comes_back_as_text(think_tokenizer):
+def test_section_cut_off_before_the_arguments_comes_back_as_text(think_tokenizer):
     fmt = KimiFormat.for_tokenizer(think_tokenizer)
-    output = SECTION[: SECTION.index('"city"') + 3]
+    output = SECTION[: SECTION.index("<|tool_call_argument_begin|>")]
     result = every_split(fmt, released(think_tokenizer, fmt, output))
     assert result.tool_calls == [] and result.content == output
+
+
+@pytest.mark.parametrize(
+    ("after", "arguments"),
+    [
+        ('{"city": "Par<|tool_call_end|><|tool_calls_section_end|>', '{"city": "Par'),  # bad JSON
+        ('{"city": "Par', '{"city": "Par'),  # cut off (max_tokens)
+        ('  {"city": "Paris"}  <|tool_calls_section_end|>', '{"city": "Paris"}'),  # no call end
+    ],
+)
+def test_an_opened_call_keeps_its_arguments_as_they_came(think_tokenizer, after, arguments):
+    """Once its header names a tool and its arguments begin with `{`, a call is streamed: what follows
+    is its arguments (stripped), JSON or not, as OpenAI's arguments may not be JSON."""
+    fmt = KimiFormat.for_tokenizer(think_tokenizer)
+    output = (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+    )
+    result = every_split(fmt, released(think_tokenizer, fmt, output + after))
+    assert result.tool_calls == [ToolCall(0, "functions.get_weather:0", "get_weather", arguments)]
+    assert result.content == ""
+
+
+def test_call_arguments_stream_in_pieces_that_join_to_the_whole(think_tokenizer):
+    """Fed token by token, a call comes as OpenAI streams it: its id and name (with the argument text
+    its token released), then the argument text in several pieces with the index alone; joined they
+    are the whole answer's call."""
+    fmt = KimiFormat.for_tokenizer(think_tokenizer)
+    long_call = SECTION.replace('"Paris"', '"Paris, the capital of France, on the Seine"')
+    pieces = released(think_tokenizer, fmt, long_call)
+    parser = OutputParser(fmt, TOOLS)
+    calls = [call for text in pieces for call in parser.feed(text).tool_calls]
+    calls += parser.finish().tool_calls
+    first = [call.openai() for call in calls if call.index == 0]
+    assert {key: first[0][key] for key in ("index", "id", "type")} == {
+        "index": 0,
+        "id": "functions.get_weather:0",
+        "type": "function",
+    }
+    assert first[0]["function"]["name"] == "get_weather"
+    assert len(first) > 5 and all(set(delta) == {"index", "function"} for delta in first[1:])
+    whole = parse(fmt, ["".join(pieces)]).tool_calls
+    assert "".join(delta["function"]["arguments"] for delta in first) == whole[0].arguments
+    assert whole[0].arguments == '{"city": "Paris, the capital of France, on the Seine"}'
+    joined = Piece()
+    for call in calls:
+        joined.add_call(call)
+    assert joined.tool_calls == whole
 
 
 def test_valid_call_kept_when_a_later_one_is_cut_off(think_tokenizer):

@@ -166,4 +166,4 @@ def test_penalties_see_the_output_only():
     logits[2] = 1.0
     sampler = Sampler(SamplingParams(temperature=0, presence_penalty=2.0))
     assert sampler.sample(logits, previous_ids=[2, 2, 2]) == 2
-    assert sampler.sample(logits, previous_ids=[2], output_ids=[2]) != 2
+    assert sampler.sample(logits, previous_ids=[2], counted_ids=[2]) != 2

@@ -163,6 +163,34 @@ def test_completion_greedy_matches_the_engine_loop(client, server, reference):
     assert as_ids.choices[0].text == expected.text
 
 
+def test_several_prompts_are_answered_prompt_major_with_usage_over_all(client, server, reference):
+    """OpenAI's batch of prompts (LangChain's `OpenAI` sends one): choice `i * n + j` is prompt i's
+    choice j; usage counts every prompt; texts and token-id lists alike; streamed as whole."""
+    prompts = ["The quick brown fox", "Once upon a time there"]
+    ids = [server.served.encode_prompt(prompt) for prompt in prompts]
+    expected = [reference(prompt_ids, 6).text for prompt_ids in ids]
+    for prompt in (prompts, ids):
+        result = client.completions.create(model=server.name, prompt=prompt, max_tokens=6, temperature=0, n=2)
+        assert [choice.index for choice in result.choices] == [0, 1, 2, 3]
+        assert [choice.text for choice in result.choices] == [text for text in expected for _ in range(2)]
+        assert result.usage.prompt_tokens == sum(map(len, ids))
+        assert result.usage.completion_tokens == sum(reference(p, 6).completion_tokens for p in ids) * 2
+    chunks = client.completions.create(
+        model=server.name,
+        prompt=prompts,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts = ["", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == expected
+    assert chunk.usage.prompt_tokens == sum(map(len, ids))
+
+
 def test_streamed_chat_equals_the_whole_answer(client, server):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     whole = client.chat.completions.create(model=server.name, messages=messages, max_tokens=10, temperature=0)
@@ -315,7 +343,7 @@ BAD_BODIES = [
     ("missing prompt", {"max_tokens": 3}, None),
     ("n above the batch", {"prompt": "hi", "n": MAX_BATCH + 1}, None),
     ("n zero", {"prompt": "hi", "n": 0}, None),
-    ("two prompts", {"prompt": ["a", "b"]}, "unsupported_value"),
+    ("an empty prompt of two", {"prompt": ["a", ""]}, None),
     ("stop of wrong type", {"prompt": "hi", "stop": 5}, None),
     ("stream not a bool", {"prompt": "hi", "stream": "yes"}, None),
 ]

@@ -181,6 +181,34 @@ def test_repeat_penalty_over_the_last_tokens(server):
     assert whole["generation_settings"]["repeat_penalty"] == 1.8
 
 
+def test_presence_and_frequency_penalties_count_the_last_repeat_last_n_tokens_of_the_prompt(server, served):
+    """As llama-server's penalties sampler (fed the prompt's tokens, then the output's): the first token
+    is the argmax of the logits less `frequency_penalty` times each token's count in the last
+    `repeat_last_n` prompt tokens, less `presence_penalty` once for each token there. A prompt is found
+    where that differs from OpenAI's count (the output alone: nothing before the first token)."""
+    import torch
+
+    from k3stream.engine.generate import prefill_last
+
+    penalties = {"presence_penalty": 2.0, "frequency_penalty": 1.0}
+    ids = tokenize(server, PROMPT)
+    for _ in range(40):  # the prompt grows by its greedy continuation until a penalty turns the argmax
+        logits = prefill_last(served.model, served.model.new_state(), ids).float()
+        counts = torch.bincount(torch.tensor(ids[-8:]), minlength=logits.numel()).float()
+        penalized = (
+            logits - counts * penalties["frequency_penalty"] - (counts > 0) * penalties["presence_penalty"]
+        )
+        if int(penalized.argmax()) != int(logits.argmax()):
+            break
+        ids = [*ids, int(logits.argmax())]
+    else:
+        pytest.fail("no prompt whose penalties change the first token")
+    body = {"prompt": ids, "n_predict": 1, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+    windowed = complete(server, repeat_last_n=8, **penalties, **body)["tokens"]
+    assert windowed == [int(penalized.argmax())]
+    assert complete(server, repeat_last_n=0, **penalties, **body)["tokens"] == [int(logits.argmax())]
+
+
 def test_json_schema_and_gbnf_grammar_constrain_the_answer(server):
     schema = {
         "type": "object",
@@ -206,6 +234,21 @@ def test_cache_prompt_reuses_the_prompt_and_false_computes_it_whole(server):
     cold = complete(server, prompt=prompt, cache_prompt=False, **GREEDY)
     assert cold["timings"]["cache_n"] == 0 and cold["timings"]["prompt_n"] == cold["tokens_evaluated"]
     assert cold["content"] == first["content"]
+
+
+def test_n_predict_zero_evaluates_the_prompt_and_keeps_its_state_for_the_next_request(server):
+    """llama-server's prompt warm-up: `n_predict: 0` answers empty content after the prefill; the
+    prompt's state is snapshotted, so a request extending the prompt restores all of it."""
+    ids = tokenize(server, PROMPT + " warmed up ahead of time")
+    warm = complete(server, prompt=ids, n_predict=0)
+    assert (warm["content"], warm["tokens_predicted"], warm["stop_type"]) == ("", 0, "limit")
+    assert warm["timings"]["cache_n"] + warm["timings"]["prompt_n"] == len(ids)
+    assert warm["tokens_cached"] == len(ids)
+    tail = post(server, "/tokenize", {"content": " and then", "add_special": False}).json()["tokens"]
+    longer = [*ids, *tail]
+    reused = complete(server, prompt=longer, **GREEDY)
+    assert reused["timings"]["cache_n"] == len(ids)
+    assert reused["content"] == complete(server, prompt=longer, cache_prompt=False, **GREEDY)["content"]
 
 
 def test_id_slot_and_errors_in_llama_servers_shape(server):

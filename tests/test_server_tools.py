@@ -120,6 +120,7 @@ def test_streamed_tool_call_equals_the_whole_one(client):
     chunks = stream_chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0)
     deltas = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
     assert {d.index for d in deltas} == {0}
+    assert len([d for d in deltas if d.function.arguments]) > 1, "the arguments came whole, not as they grew"
     assert "".join(d.function.arguments or "" for d in deltas) == whole.function.arguments
     assert [d.id for d in deltas if d.id] == [whole.id]
     assert [d.function.name for d in deltas if d.function.name] == ["get_weather"]

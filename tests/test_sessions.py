@@ -8,6 +8,7 @@ import io
 
 import openai
 import pytest
+import torch
 
 import k3stream
 from k3stream.commands.report import statistics_lines
@@ -42,6 +43,37 @@ def test_generate_with_a_cache_reuses_the_last_turn_and_answers_the_same(model, 
     assert statistics_lines(second, None, None, 0)[0].startswith(f"speed   prefill {computed} tokens at ")
     cold = generate(model, tokenizer, second_prompt, GREEDY)
     assert (second.token_ids, second.text) == (cold.token_ids, cold.text)
+
+
+def test_an_answer_stopped_by_its_text_callback_keeps_its_exact_state(model, model_path, tokenizer):
+    """`chat`'s Ctrl-C: `on_text` raises StopGeneration at the third piece. The state at the partial
+    answer's end is snapshotted: a restore of it gives the cold prefill's logits bit for bit, and the
+    next turn restores it and answers as a cold run does."""
+    from k3stream.engine.generate import StopGeneration, prefill_last
+
+    cache = PromptCache(model, model_fingerprint(K3Checkpoint.open(model_path).shards), 64 * MIB, every=32)
+    prompt = tokenizer.encode("A turn whose answer the user stops early")
+    pieces: list[str] = []
+
+    def stop_at_the_third(text: str) -> None:
+        pieces.append(text)
+        if len(pieces) == 3:
+            raise StopGeneration
+
+    stopped = generate(model, tokenizer, prompt, GREEDY, on_text=stop_at_the_third, cache=cache)
+    assert stopped.finish_reason == "stop" and 3 <= len(stopped.token_ids) < GREEDY.max_tokens
+    assert stopped.text.startswith("".join(pieces))
+    fed = prompt + stopped.token_ids[:-1]  # the last token sampled never went through the model
+    restored = cache.restore_exact(fed)
+    assert restored is not None
+    cold = model.new_state()
+    assert torch.equal(
+        model.decode(restored, stopped.token_ids[-1]), prefill_last(model, cold, fed + stopped.token_ids[-1:])
+    )
+    after = fed + stopped.token_ids[-1:] + tokenizer.encode(" and the next turn")
+    warm = generate(model, tokenizer, after, GREEDY, cache=cache)
+    assert warm.cached_tokens == len(fed)
+    assert warm.token_ids == generate(model, tokenizer, after, GREEDY).token_ids
 
 
 def test_chat_keeps_its_conversation_state_between_turns(model_path):

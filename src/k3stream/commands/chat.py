@@ -49,10 +49,6 @@ def _lines(stream: TextIO) -> Iterator[str]:
         yield from (line.rstrip("\n") for line in stream)
 
 
-class AnswerStopped(Exception):
-    """Raised out of the generation loop where an answer's text goes out, once Ctrl-C was pressed."""
-
-
 class CtrlC:
     """While active, Ctrl-C asks the answer to stop at its next text (between model steps, so the model,
     the expert store and the prompt cache stay whole); a second Ctrl-C interrupts at once."""
@@ -99,8 +95,9 @@ class ChatSession:
 
     def answer(self, text: str, out: TextIO, ctrl_c: CtrlC | None = None) -> str:
         """Generate the assistant's reply to `text`, streaming it to `out`; both join the conversation.
-        With `ctrl_c`, a Ctrl-C ends the reply where it is (the text so far joins the conversation)."""
-        from k3stream.engine.generate import generate
+        With `ctrl_c`, a Ctrl-C ends the reply where it is (the text so far joins the conversation, and
+        the state at its end the prompt cache)."""
+        from k3stream.engine.generate import StopGeneration, generate
 
         messages = [*self.messages, {"role": "user", "content": text}]
         rendered = self.template.render(messages, thinking=self.args.thinking)
@@ -112,27 +109,23 @@ class ChatSession:
             out.flush()
             sent.append(piece)
             if ctrl_c is not None and ctrl_c.pressed:
-                raise AnswerStopped
+                raise StopGeneration
 
         start = store_snapshot(self.runtime.store)
-        try:
-            with ctrl_c or contextlib.nullcontext():
-                result = generate(
-                    self.runtime.model,
-                    self.runtime.tokenizer,
-                    ids,
-                    self.params,
-                    on_text=write,
-                    cache=self.cache,
-                    context=self.context,
-                )
-        except AnswerStopped:
-            result = None
+        with ctrl_c or contextlib.nullcontext():
+            result = generate(
+                self.runtime.model,
+                self.runtime.tokenizer,
+                ids,
+                self.params,
+                on_text=write,
+                cache=self.cache,
+                context=self.context,
+            )
         out.write("\n")
         out.flush()
-        if result is not None:
-            self._report(result, start)
-        reply = "".join(sent) if result is None else result.text
+        self._report(result, start)
+        reply = "".join(sent) if ctrl_c is not None and ctrl_c.pressed else result.text
         self.messages = [*messages, {"role": "assistant", "content": reply}]
         return reply
 

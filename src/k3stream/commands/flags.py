@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from k3stream.gguf.reader import K3Checkpoint
     from k3stream.model.options import LoadOptions
 
+DEFAULT_DISK_GIB = 16.0  # --cache-disk where --cache-dir is given alone
+
 
 def finite(text: str) -> float:
     """argparse type of sizes and times: a finite number (inf or nan would reach an int() or a budget)."""
@@ -348,11 +350,25 @@ def add_cache_arguments(parser: argparse.ArgumentParser, ram_mib: float = 1024.0
     parser.add_argument(
         "--cache-disk",
         type=finite,
-        default=16.0,
+        default=None,
         metavar="GIB",
         help="disk budget over all of --cache-dir's snapshot folders; those of other builds, flags or "
-        "models that no running process holds go first (GiB, default %(default)s)",
+        f"models that no running process holds go first (GiB, default {DEFAULT_DISK_GIB})",
     )
+
+
+def check_cache_flags(args: argparse.Namespace) -> None:
+    """A one-line ValueError for cache flags that could not take effect (checked before the model
+    loads): a disk budget without a directory, a directory with reuse off (`--cache-ram 0`: the RAM
+    tier is where a snapshot is made and restored, so there is no disk-only cache)."""
+    if args.cache_ram < 0 or (args.cache_disk or 0) < 0 or args.cache_every < 1:
+        raise ValueError("--cache-ram and --cache-disk must be >= 0, --cache-every >= 1")
+    if args.cache_disk is not None and args.cache_dir is None:
+        raise ValueError("--cache-disk needs --cache-dir (the directory it budgets)")
+    if args.cache_dir is not None and args.cache_ram == 0:
+        raise ValueError(
+            "--cache-dir needs --cache-ram above 0 (--cache-ram 0 turns prompt reuse off, on disk too)"
+        )
 
 
 # commands whose answers must not depend on their cache flags: row-exact products with --cache-ram 0 too
@@ -369,8 +385,7 @@ def cache_from_args(args: argparse.Namespace, model: Any, layout: str = "") -> P
     from k3stream.engine.prompt_cache import PromptCache, keep_row_exact, model_fingerprint
     from k3stream.gguf.shards import discover_shards
 
-    if args.cache_ram < 0 or args.cache_disk < 0 or args.cache_every < 1:
-        raise ValueError("--cache-ram and --cache-disk must be >= 0, --cache-every >= 1")
+    check_cache_flags(args)
     if args.cache_ram == 0:
         if getattr(args, "command", None) in ANSWERING_COMMANDS:
             keep_row_exact()  # reuse off answers as reuse on does
@@ -382,7 +397,7 @@ def cache_from_args(args: argparse.Namespace, model: Any, layout: str = "") -> P
         model_fingerprint(discover_shards(gguf_path)) + (model.layout if driver else layout),
         ram_bytes=int(args.cache_ram * (1 << 20)),
         disk_dir=args.cache_dir,
-        disk_bytes=int(args.cache_disk * (1 << 30)),
+        disk_bytes=int((args.cache_disk if args.cache_disk is not None else DEFAULT_DISK_GIB) * (1 << 30)),
         every=args.cache_every,
         peers=model if driver else None,
     )

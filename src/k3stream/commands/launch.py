@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from k3stream.commands.flags import cache_from_args, runtime_from_args
+from k3stream.commands.flags import cache_from_args, check_cache_flags, runtime_from_args
 from k3stream.engine.loading import Runtime
 from k3stream.engine.parallel import groups
 from k3stream.engine.parallel.experts import ExpertExchange, apply_expert_parallel
@@ -30,6 +30,8 @@ def parallel_runtime(
 
     When a peer fails, rank 0's model calls `on_failure()` (a server stops itself) and the failure is
     raised on leaving, also if the caller swallowed it."""
+    if hasattr(args, "cache_ram"):
+        check_cache_flags(args)  # before the model loads
     parallel = groups.start(args.tp, args.ep, _device_kind(args.device), args.dist_timeout)
     try:
         runtime = runtime_from_args(args, opened)

@@ -28,6 +28,12 @@ class ContextFull(ValueError):
     """A prompt that leaves no room in the context for a token: refused before any work."""
 
 
+class StopGeneration(Exception):
+    """Raised by an `on_text` callback (the `chat` command's Ctrl-C) to end the answer after that text:
+    `generate` returns what it has (`finish_reason` stop) and keeps the state at its end in the prompt
+    cache, as for an answer that ended by itself."""
+
+
 @dataclass
 class GenerationResult:
     text: str
@@ -152,14 +158,23 @@ class Sequence:
 
     def choose(self, logits: Any, allowed: Any = None) -> int:
         """Sample the next token from a `[V]` logits row (among the `allowed` tokens, bool [V], if given)."""
-        return self._sampler.sample(logits, self._context_ids(), allowed, self.token_ids)
+        return self._sampler.sample(logits, self._context_ids(), allowed, self._counted_ids())
 
     def _context_ids(self) -> list[int]:
-        last_n = self.params.repetition_last_n
-        if self.params.repetition_penalty == 1.0 or last_n == 0:
+        """The tokens the repetition penalty sees."""
+        return self._last(self.params.repetition_last_n) if self.params.repetition_penalty != 1.0 else []
+
+    def _counted_ids(self) -> list[int]:
+        """The tokens the frequency and presence penalties count: the output, or `penalty_last_n`'s."""
+        last_n = self.params.penalty_last_n
+        return self.token_ids if last_n is None else self._last(last_n)
+
+    def _last(self, n: int) -> list[int]:
+        """The last `n` tokens of prompt and output (-1: all of them)."""
+        if n == 0:
             return []
         context = self.prompt_ids + self.token_ids
-        return context if last_n < 0 else context[-last_n:]
+        return context if n < 0 else context[-n:]
 
     def accept(self, token: int) -> str:
         """Record `token`; return the newly released text (also given to `on_text`)."""
@@ -235,12 +250,12 @@ def generate(
     else:
         state, cached = model.new_state(), 0
         logits = prefill_last(model, state, sequence.prompt_ids)
-    token, done = sequence.feed(logits)
+    done = _feed(sequence, logits)
     first_token_at = time.perf_counter()
     if cache is not None:  # the prompt's end, once the first token's text is out
         prefill.keep_end()
     while not done:
-        token, done = sequence.feed(model.decode(state, token))
+        done = _feed(sequence, model.decode(state, sequence.token_ids[-1]))
     end = time.perf_counter()
     if cache is not None and len(sequence.token_ids) > 1:  # every token but the last one sampled went
         # through the model (one token: the prompt's end, kept above); the state goes no further
@@ -256,6 +271,16 @@ def generate(
         ),
         cached_tokens=cached,
     )
+
+
+def _feed(sequence: Sequence, logits: Any) -> bool:
+    """`sequence.feed(logits)`: whether the answer is finished, by itself or by its `on_text` raising
+    StopGeneration (after the token was accepted, so the state is the tokens before it, as at any end)."""
+    try:
+        return sequence.feed(logits)[1]
+    except StopGeneration:
+        sequence.finish_reason = sequence.finish_reason or FINISH_STOP
+        return True
 
 
 def _within_context(

@@ -36,6 +36,9 @@ class SamplingParams:
     repetition_last_n: int = -1  # the penalty counts the last n tokens of prompt and output (-1: all)
     frequency_penalty: float = 0.0  # subtracted once per earlier occurrence in the output
     presence_penalty: float = 0.0  # subtracted once from every token the output holds
+    # what those two count: None the output (OpenAI's); n the last n tokens of prompt and output
+    # (llama.cpp's penalties sampler, fed the prompt too; -1 all of them)
+    penalty_last_n: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit)
     seed: int | None = None
     max_tokens: int = 256
@@ -104,13 +107,14 @@ def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) 
 
 
 def apply_output_penalties(
-    logits: torch.Tensor, output_ids: Iterable[int], frequency: float, presence: float
+    logits: torch.Tensor, counted_ids: Iterable[int], frequency: float, presence: float
 ) -> torch.Tensor:
-    """OpenAI's penalties: each token's logit less `frequency` times its count in the output so far, less
-    `presence` once if it occurs there at all."""
+    """OpenAI's penalties: each token's logit less `frequency` times its count in `counted_ids` (the
+    output so far, or llama.cpp's window: `SamplingParams.penalty_last_n`), less `presence` once if it
+    occurs there at all."""
     if frequency == 0.0 and presence == 0.0:
         return logits
-    ids = torch.tensor(list(output_ids), dtype=torch.long, device=logits.device)
+    ids = torch.tensor(list(counted_ids), dtype=torch.long, device=logits.device)
     if ids.numel() == 0:
         return logits
     counts = torch.bincount(ids, minlength=logits.numel())[: logits.numel()].to(logits.dtype)
@@ -186,17 +190,19 @@ class Sampler:
         logits: torch.Tensor,
         previous_ids: Iterable[int] = (),
         allowed: torch.Tensor | None = None,
-        output_ids: Iterable[int] = (),
+        counted_ids: Iterable[int] = (),
     ) -> int:
         """Next token from `logits` [V]; `previous_ids` (prompt and output) feed the repetition penalty,
-        `output_ids` (the output alone) the frequency and presence penalties; `allowed` (bool [V],
+        `counted_ids` (`penalty_last_n`'s tokens) the frequency and presence penalties; `allowed` (bool [V],
         constrained decoding) keeps only those tokens. Raises NonFiniteLogits when any logit is NaN or
         infinite."""
         check_finite(logits)
         params = self.params
         logits = apply_logit_bias(logits.reshape(-1), params.logit_bias)
         logits = apply_repetition_penalty(logits, previous_ids, params.repetition_penalty)
-        logits = apply_output_penalties(logits, output_ids, params.frequency_penalty, params.presence_penalty)
+        logits = apply_output_penalties(
+            logits, counted_ids, params.frequency_penalty, params.presence_penalty
+        )
         if allowed is not None:
             logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
         if self.params.greedy:

@@ -233,15 +233,18 @@ class Endpoints:
     async def completions(self, request: Request) -> Response:
         body = await parse_body(request, CompletionRequest)
         self.check_request(body)
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            tokens = await self.off_loop(self.served.encode_prompt, prompt)
-        else:
-            tokens = self.check_ids(prompt)
+        prompts = [await self._prompt_ids(prompt) for prompt in body.prompts()]
         limit, limit_param = body.token_limit()
-        jobs = self.submit(body, tokens, limit, limit_param=limit_param, top=body.logprobs)
+        jobs = self.submit_prompts(
+            body, [(tokens, None) for tokens in prompts], limit, limit_param=limit_param, top=body.logprobs
+        )
         stream = self._stream(jobs, body, _CompletionChunks)
         return await stream.respond(request, body.stream, body.include_usage())
+
+    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return await self.off_loop(self.served.encode_prompt, prompt)
+        return self.check_ids(prompt)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
@@ -262,7 +265,7 @@ class Endpoints:
         return await stream.respond(request, body.stream, body.include_usage())
 
     def _stream(self, jobs: list[Job], body: SamplingFields, chunks: type[_Chunks]) -> Stream:
-        makers = chunks.for_choices(self.served.name, body.n)
+        makers = chunks.for_choices(self.served.name, len(jobs))
         return self.stream(jobs, makers, body.return_progress)
 
     def stream(self, jobs: list[Job], makers: Sequence[Any], progress: bool) -> Stream:
@@ -331,7 +334,7 @@ class Endpoints:
                 logic=self.served.new_sequence(
                     body,
                     tokens,
-                    max_tokens,
+                    max(max_tokens, 1),  # 0: a prompt-only job, whose logic samples nothing
                     chat=chat,
                     top_logprobs=top,
                     choice=choice,
@@ -339,6 +342,7 @@ class Endpoints:
                 ),
                 sink=EventSink(loop, queue, index + choice),
                 reuse_prompt=body.cache_prompt,
+                prompt_only=max_tokens == 0,
                 slot=self.slots.assign(body.id_slot if choice == 0 else -1, tokens),
             )
             for choice in range(body.n)
@@ -348,6 +352,39 @@ class Endpoints:
             self.scheduler.submit(jobs[0])
         except QueueFull as exc:
             raise APIError(429, str(exc), type="server_overloaded", code="queue_full") from None
+        return jobs
+
+    def submit_prompts(
+        self,
+        body: SamplingFields,
+        prompts: list[tuple[list[int], TokenConstraint | None]],
+        limit: int | None,
+        *,
+        limit_param: str | None,
+        top: int | None,
+    ) -> list[Job]:
+        """Queue each prompt (its token ids and grammar) of a request as `submit` does, their events on
+        one queue: choice j of prompt i under index i * n + j (OpenAI's order). If one cannot be
+        queued, those queued before it are cancelled."""
+        queue: asyncio.Queue = asyncio.Queue()
+        jobs: list[Job] = []
+        try:
+            for index, (tokens, constraint) in enumerate(prompts):
+                jobs += self.submit(
+                    body,
+                    tokens,
+                    limit,
+                    limit_param=limit_param,
+                    top=top,
+                    constraint=constraint,
+                    queue=queue,
+                    index=index * body.n,
+                )
+        except APIError:
+            for job in jobs:
+                job.cancel()
+            self.scheduler.wake()
+            raise
         return jobs
 
     def _token_budget(
@@ -416,7 +453,7 @@ class Stream:
             for chunks in self.chunks:
                 if (first := chunks.first()) is not None:
                     yield _sse_data(first)
-            finished: list[FinishEvent] = []
+            finished: dict[int, FinishEvent] = {}
             while len(finished) < len(self.jobs):
                 try:
                     choice, event = await asyncio.wait_for(self.queue.get(), self.keepalive_s)
@@ -431,13 +468,13 @@ class Stream:
                 elif isinstance(event, FinishEvent):
                     self._finished(choice)
                     yield _sse_data(self.chunks[choice].last(event.reason))
-                    finished.append(event)
+                    finished[choice] = event
                 else:
                     yield _sse_data(self.chunks[0].error(_event_error(event)).body())
                     break
             else:
                 if include_usage:
-                    usage_chunk = self.chunks[0].usage_only(_usage(finished))
+                    usage_chunk = self.chunks[0].usage_only(_usage(self.jobs, finished))
                     yield _sse_data({**usage_chunk, "timings": request_timings(self.jobs)})
             yield self.chunks[0].done_line
         finally:
@@ -465,7 +502,7 @@ class Stream:
             choices = [
                 c.whole_choice(t, finished[c.index].reason) for c, t in zip(self.chunks, totals, strict=True)
             ]
-            usage = _usage([finished[index] for index in sorted(finished)])
+            usage = _usage(self.jobs, finished)
             return JSONResponse(self.chunks[0].whole(choices, usage, request_timings(self.jobs)))
         finally:
             watcher.cancel()
@@ -491,15 +528,18 @@ async def _watch_disconnect(request: Request) -> None:
         pass
 
 
-def _usage(events: list[FinishEvent]) -> dict[str, Any]:
-    """A request's usage from its choices' finish events: the prompt counted once."""
-    prompt_tokens = events[0].prompt_tokens
-    completion_tokens = sum(event.completion_tokens for event in events)
+def _usage(jobs: list[Job], finished: dict[int, FinishEvent]) -> dict[str, Any]:
+    """A request's usage from its choices' finish events (by choice): each prompt counted once, by
+    its first choice (the others are that one's forks)."""
+    forks = {fork for job in jobs for fork in job.forks}
+    firsts = [finished[index] for index, job in enumerate(jobs) if job not in forks]
+    prompt_tokens = sum(event.prompt_tokens for event in firsts)
+    completion_tokens = sum(event.completion_tokens for event in finished.values())
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": events[0].cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(event.cached_tokens for event in firsts)},
     }
 
 

@@ -9,19 +9,22 @@ delimiter that is a special token reaches the parser as a one-character private-
 `Sequence` decodes those token ids to their marks), so ordinary text that merely spells
 `<|tool_call_begin|>` is never taken for one; a delimiter that is plain text in the vocabulary or the
 template (`◁think▷`) is matched as text. `OutputParser.feed(text)` returns what the text releases:
-reasoning, content and complete tool calls; a suffix that could begin a delimiter is held back until the
-next piece, so the result does not depend on how the text was split. A call is returned once its
-`<|tool_call_end|>` arrives and its name is one of the request's tools and its arguments are a JSON
-object; anything else inside a section (bad JSON, an unknown function, a section cut off) comes back
-as content, delimiters spelled as their token text.
+reasoning, content and tool calls; a suffix that could begin a delimiter is held back until the next
+piece, so the result does not depend on how the text was split. A call opens once its header names one
+of the request's tools and its arguments begin with `{` (a JSON object): a `ToolCall` with its id and
+name and no arguments, then the argument text as it comes, each piece a `ToolCall` with the index alone
+(OpenAI's streamed deltas; `Piece.extend` joins them into the whole call), to `<|tool_call_end|>`; the
+arguments are the text between, stripped, JSON or not (as OpenAI's may not be: a forced call's grammar
+makes them its schema's JSON). Anything else inside a section (an unknown function, arguments that are
+not an object, a call cut off before its arguments) comes back as content, delimiters spelled as their
+token text.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 THINK_PAIRS = (("<think>", "</think>"), ("◁think▷", "◁/think▷"))
@@ -38,12 +41,16 @@ HEADER_RE = re.compile(r"\s*(?:functions\.)?([A-Za-z0-9_\-.]+?)(?::(\d+))?\s*")
 
 @dataclass(frozen=True)
 class ToolCall:
+    """A tool call, or a piece of one: its opening (id and name) or more of its arguments (no id)."""
+
     index: int
     id: str
     name: str
     arguments: str
 
     def openai(self) -> dict[str, Any]:
+        if not self.id:  # more argument text of the call at `index`
+            return {"index": self.index, "function": {"arguments": self.arguments}}
         function = {"name": self.name, "arguments": self.arguments}
         return {"index": self.index, "id": self.id, "type": "function", "function": function}
 
@@ -64,9 +71,18 @@ class Piece:
     def extend(self, other: Piece) -> None:
         self.content += other.content
         self.reasoning += other.reasoning
-        self.tool_calls += other.tool_calls
+        for call in other.tool_calls:
+            self.add_call(call)
         self.logprobs += other.logprobs
         self.tokens += other.tokens
+
+    def add_call(self, call: ToolCall) -> None:
+        """`call`, or more arguments of the last call (the same index)."""
+        last = self.tool_calls[-1] if self.tool_calls else None
+        if last is not None and last.index == call.index:
+            self.tool_calls[-1] = replace(last, arguments=last.arguments + call.arguments)
+        else:
+            self.tool_calls.append(call)
 
 
 @dataclass(frozen=True)
@@ -131,6 +147,8 @@ class OutputParser:
         self._pending = ""
         self._calls = 0
         self._section_calls = 0
+        self._open: ToolCall | None = None  # the call whose arguments stream
+        self._space = ""  # whitespace after its arguments so far: sent only if more text follows
 
     @property
     def made_calls(self) -> bool:
@@ -196,45 +214,78 @@ class OutputParser:
         return found
 
     def _section(self, piece: Piece) -> bool:
-        """Inside a section: one call or the section's end at a time."""
-        end, call_end = self.tools["<|tool_calls_section_end|>"], self.tools["<|tool_call_end|>"]
+        """Inside a section: one call's opening, its arguments, or the section's end at a time."""
+        if self._open is not None:
+            return self._arguments(piece)
+        end = self.tools["<|tool_calls_section_end|>"]
         stripped = self._pending.lstrip()
         if stripped.startswith(end):
             self._pending = stripped[len(end) :]
             self._mode = "content"
             return True
+        if self._opens_call(piece):
+            return True
+        taken = self._take_to_end()
+        if taken is None:
+            return False
+        piece.content += self._unparsed("".join(taken))  # malformed: this call and the rest are text
+        self._mode = "content"
+        return True
+
+    def _take_to_end(self) -> tuple[str, str] | None:
+        """The pending text before the first `<|tool_call_end|>` or section end and that delimiter,
+        consumed; None while neither has come."""
+        end, call_end = self.tools["<|tool_calls_section_end|>"], self.tools["<|tool_call_end|>"]
         stop = min((i for i in (self._pending.find(call_end), self._pending.find(end)) if i >= 0), default=-1)
         if stop < 0:
-            return False
+            return None
         delimiter = call_end if self._pending.startswith(call_end, stop) else end
         raw, self._pending = self._pending[:stop], self._pending[stop + len(delimiter) :]
-        call = self._parse_call(raw) if delimiter == call_end else None
-        if call is None:  # malformed: this call and the rest of the section are text
-            piece.content += self._unparsed(raw + delimiter)
+        return raw, delimiter
+
+    def _opens_call(self, piece: Piece) -> bool:
+        """Open the call the pending text begins with, once its header names a request tool and its
+        arguments' first character is `{`; False while that is not (yet) so."""
+        begin, argument = self.tools["<|tool_call_begin|>"], self.tools["<|tool_call_argument_begin|>"]
+        stripped = self._pending.lstrip()
+        if not stripped.startswith(begin):
+            return False
+        header, found, arguments = stripped[len(begin) :].partition(argument)
+        match = HEADER_RE.fullmatch(header)
+        if not found or match is None or match.group(1) not in self.tool_names:
+            return False
+        if not arguments.lstrip().startswith("{"):
+            return False
+        name, index = match.group(1), match.group(2) or str(self._calls)
+        self._open = ToolCall(self._calls, f"functions.{name}:{index}", name, "")
+        piece.add_call(self._open)
+        self._calls += 1
+        self._section_calls += 1
+        self._pending = arguments.lstrip()
+        return True
+
+    def _arguments(self, piece: Piece) -> bool:
+        """The open call's argument text up to `<|tool_call_end|>` (or the section's end, which closes
+        the section too), whitespace at its end held back until more text follows."""
+        taken = self._take_to_end()
+        if taken is None:
+            taken, self._pending = (self._pending, ""), ""
+        text = self._space + taken[0]
+        sent = text.rstrip()
+        if sent:
+            piece.add_call(ToolCall(self._open.index, "", "", sent))
+        if not taken[1]:
+            self._space = text[len(sent) :]
+            return False
+        self._space, self._open = "", None
+        if taken[1] == self.tools["<|tool_calls_section_end|>"]:
             self._mode = "content"
-        else:
-            piece.tool_calls.append(call)
-            self._section_calls += 1
         return True
 
     def _unparsed(self, text: str) -> str:
         """Section text given back as content: with the section's opening unless a call was returned."""
         opening = self.tools["<|tool_calls_section_begin|>"] if self._section_calls == 0 else ""
         return opening + text
-
-    def _parse_call(self, raw: str) -> ToolCall | None:
-        begin, argument = self.tools["<|tool_call_begin|>"], self.tools["<|tool_call_argument_begin|>"]
-        stripped = raw.strip()
-        if not stripped.startswith(begin) or argument not in stripped:
-            return None
-        header, _, arguments = stripped[len(begin) :].partition(argument)
-        match = HEADER_RE.fullmatch(header)
-        if match is None or match.group(1) not in self.tool_names or not _json_object(arguments):
-            return None
-        name, index = match.group(1), match.group(2) or str(self._calls)
-        call = ToolCall(self._calls, f"functions.{name}:{index}", name, arguments.strip())
-        self._calls += 1
-        return call
 
     def _until(self, delimiter: str) -> tuple[str, bool]:
         """Text of the pending buffer before `delimiter` (consumed with it) and whether it was found; when
@@ -255,10 +306,3 @@ def _prefix_overlap(text: str, delimiter: str) -> int:
         if delimiter.startswith(text[-size:]):
             return size
     return 0
-
-
-def _json_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False

@@ -7,7 +7,6 @@ no fill-in-the-middle tokens), embeddings and reranking. Errors here are llama-s
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Request, Response
@@ -20,13 +19,12 @@ from k3stream.server.grammar import gbnf_grammar, json_schema_grammar
 from k3stream.server.kimi_output import Piece
 from k3stream.server.request_logic import TokenConstraint
 from k3stream.server.scheduler import Job, ProgressEvent, request_timings
-from k3stream.server.schemas import RepetitionPenalty, SamplingFields, check_json_schema
+from k3stream.server.schemas import MAX_PROMPTS, RepetitionPenalty, SamplingFields, check_json_schema
 
 if TYPE_CHECKING:
     from k3stream.server.app import Endpoints
 
 MAX_N_PROBS = 100
-MAX_PROMPTS = 16  # prompts of one request (each one more sequence, as llama-server runs them)
 # llama-server's sampler names and letters; the ones this server runs are in NEUTRAL
 SAMPLER_LETTERS = {
     "penalties": "e",
@@ -65,6 +63,8 @@ PromptPieces = list[int | str]
 class NativeCompletionRequest(SamplingFields):
     """`/completion`'s body: llama-server's fields beside the shared ones (`n_predict`, `max_tokens`,
     `temperature`, `seed`, `stop`, `logit_bias`, `cache_prompt`, `id_slot`, ...)."""
+
+    PROMPT_ONLY = True
 
     prompt: str | list[int | str | list[int | str]]
     n_probs: Annotated[int, Field(ge=0, le=MAX_N_PROBS)] = 0
@@ -124,7 +124,11 @@ class NativeCompletionRequest(SamplingFields):
         return found
 
     def sampling_overrides(self) -> dict[str, Any]:
-        overrides: dict[str, Any] = {"skip_special_tokens": not self.special}
+        # llama-server's penalties sampler counts the last repeat_last_n tokens of prompt and output
+        overrides: dict[str, Any] = {
+            "skip_special_tokens": not self.special,
+            "penalty_last_n": self.repeat_last_n,
+        }
         if self.repeat_penalty != 1.0:  # llama-server's: over the last repeat_last_n tokens
             overrides |= {"repetition_penalty": self.repeat_penalty, "repetition_last_n": self.repeat_last_n}
         letters = self._sampler_letters()
@@ -267,26 +271,13 @@ class NativeEndpoints:
         self.api.check_request(body)
         prepared = [await self.api.off_loop(self._prepare, pieces, body) for pieces in body.prompts()]
         limit, limit_param = body.token_limit()
-        queue: asyncio.Queue = asyncio.Queue()
-        jobs: list[Job] = []
-        try:
-            for index, (tokens, _, constraint) in enumerate(prepared):
-                top = body.n_probs or None
-                jobs += self.api.submit(
-                    body,
-                    tokens,
-                    limit,
-                    limit_param=limit_param,
-                    top=top,
-                    constraint=constraint,
-                    queue=queue,
-                    index=index,
-                )
-        except APIError:  # the prompts queued before this one go too
-            for job in jobs:
-                job.cancel()
-            self.api.scheduler.wake()
-            raise
+        jobs = self.api.submit_prompts(
+            body,
+            [(tokens, constraint) for tokens, _, constraint in prepared],
+            limit,
+            limit_param=limit_param,
+            top=body.n_probs or None,
+        )
         results = [
             NativeResult(job, index, self.served.name, body, text)
             for index, (job, (_, text, _)) in enumerate(zip(jobs, prepared, strict=True))

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from k3stream.engine.generate import FINISH_STOP, Sequence
+from k3stream.engine.generate import FINISH_LENGTH, FINISH_STOP, Sequence
 from k3stream.engine.sampling import SamplingParams
 from k3stream.server.kimi_output import OutputParser, Piece
 
@@ -106,6 +106,9 @@ class RequestLogic:
             piece.logprobs, self._logprobs = self._logprobs, []
             piece.tokens, self._tokens = self._tokens, []
         return piece
+
+    def end(self) -> None:
+        self.sequence.finish_reason = FINISH_LENGTH
 
     def _logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:
         logprobs = torch.log_softmax(logits.reshape(-1).float(), dim=-1)

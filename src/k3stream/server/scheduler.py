@@ -89,6 +89,9 @@ class SequenceLogic(Protocol):
     def accept(self, token: int) -> Any:
         """Record a generated token; return what it releases (falsy: nothing)."""
 
+    def end(self) -> None:
+        """Finish with the tokens so far (`length`): a prompt-only request, which generates none."""
+
 
 class EventSink:
     """Delivers events from the scheduler thread to one request's asyncio queue as `(choice, event)`:
@@ -133,6 +136,7 @@ class Job:
     prefill: ChunkedPrefill | None = None  # the prompt's prefill while it runs
     reading: Future[None] | None = None  # its prompt's snapshot read from disk, before its prefill
     reuse_prompt: bool = True  # restore the prompt from the cache (llama-server's cache_prompt)
+    prompt_only: bool = False  # finish after the prefill with no token (llama-server's n_predict 0)
     slot: int = -1  # the slot the request reports under (`slots.SlotTable`)
 
     @property
@@ -416,7 +420,12 @@ class Scheduler:
         prefill, job.prefill = job.prefill, None
         self._progress(job, len(job.prompt_tokens))
         for choice, choice_logits in self._share_prefill(job, prefill.logits):
-            self._emit_token(choice, choice_logits)
+            if choice.prompt_only:
+                choice.logic.end()
+                choice.last_token_at = time.perf_counter()
+                self._finish(choice)
+            else:
+                self._emit_token(choice, choice_logits)
         try:
             prefill.keep_end()
         except Exception:  # a cache that cannot keep a state costs the next turn time, nothing else
@@ -495,16 +504,20 @@ class Scheduler:
         if piece:
             job.sink.put(PieceEvent(piece))
         if job.logic.finish_reason is not None:
-            self.completed_jobs += 1
-            self.consecutive_failures = 0
-            finish = FinishEvent(
-                job.logic.finish_reason,
-                len(job.prompt_tokens),
-                job.logic.completion_tokens,
-                job.cached_tokens,
-            )
-            job.sink.put(finish)
-            self._save_response(job)
+            self._finish(job)
+
+    def _finish(self, job: Job) -> None:
+        """Send the finished `job`'s last event and keep its state in the prompt cache."""
+        self.completed_jobs += 1
+        self.consecutive_failures = 0
+        finish = FinishEvent(
+            job.logic.finish_reason,
+            len(job.prompt_tokens),
+            job.logic.completion_tokens,
+            job.cached_tokens,
+        )
+        job.sink.put(finish)
+        self._save_response(job)
 
     def _save_response(self, job: Job) -> None:
         """The finished job's state into the prompt cache, after its last event is sent: its prompt and

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -44,6 +44,8 @@ NPredict = Annotated[int, Field(ge=-1, le=MAX_TOKENS_LIMIT)]
 RANDOM_SEEDS = (-1, 0xFFFFFFFF)
 # choices per request: each is one more sequence in the batch, sharing the prompt's prefill
 MAX_CHOICES = 16
+# prompts per completion request (OpenAI's and llama-server's batches): each is one more request queued
+MAX_PROMPTS = 16
 Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES), null_is(1)]
 Switch = Annotated[bool, null_is(False)]  # a boolean that is off unless true
 # stop strings per request: OpenAI allows 4, llama-server and vLLM any number (each is matched apart)
@@ -115,6 +117,9 @@ class SamplingFields(BaseModel):
     """Fields both endpoints share."""
 
     model_config = ConfigDict(strict=True, extra="allow")
+    # whether `n_predict: 0` is served: the prompt evaluated (and cached), no output (llama-server's
+    # /completion); elsewhere it is a 400
+    PROMPT_ONLY: ClassVar[bool] = False
 
     # optional as in vLLM and llama.cpp's server: absent means the served model
     model: str | None = None
@@ -153,7 +158,7 @@ class SamplingFields(BaseModel):
             raise invalid_request(f"stop: at most {MAX_STOPS} sequences", param="stop")
         if any(s == "" for s in self.stop_list()):
             raise invalid_request("stop: sequences must not be empty", param="stop")
-        if self.n_predict == 0:
+        if self.n_predict == 0 and not self.PROMPT_ONLY:
             message = "n_predict: must be -1 (up to the context) or at least 1"
             raise invalid_request(message, param="n_predict")
 
@@ -227,18 +232,18 @@ class CompletionRequest(SamplingFields):
                 code="unsupported_parameter",
             )
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request; a batch of several is refused like n>1."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one text or token-id list, or a list of them (OpenAI's batch)."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise invalid_request(
-                    "only one prompt per request is supported", param="prompt", code="unsupported_value"
-                )
-            prompt = prompt[0]
-        if len(prompt) == 0:
-            raise invalid_request("prompt must not be empty", param="prompt")
-        return prompt
+        several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+        found = list(prompt) if several else [prompt]
+        if len(found) > MAX_PROMPTS:
+            raise invalid_request(f"prompt: at most {MAX_PROMPTS} prompts per request", param="prompt")
+        empty = next((index for index, one in enumerate(found) if len(one) == 0), None)
+        if empty is not None:
+            param = f"prompt.{empty}" if several else "prompt"
+            raise invalid_request(f"{param}: a prompt must not be empty", param=param)
+        return found
 
 
 class ContentPart(BaseModel):
