@@ -6,6 +6,7 @@ stop case is exact; the loop itself and the CLI run on real tiny Kimi-K3 models.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -520,8 +521,14 @@ def test_ctrl_c_at_the_chat_prompt_ends_it_without_a_traceback(model_path):
     ) as chat:
         chat.stdin.write("Hello\n")
         chat.stdin.flush()
-        chat.stdout.readline()  # the answer: the chat waits for the next line
-        chat.send_signal(signal.SIGINT)
+        chat.stdout.readline()  # the answer's first line
+        # a Ctrl-C that lands while the answer is still printed stops the answer and the chat goes on
+        # to its prompt, so the signal is sent until the chat ends (stdin stays open: no end of input)
+        for _ in range(60):
+            chat.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                chat.wait(timeout=1)
+                break
         _, stderr = chat.communicate(timeout=60)
     assert chat.returncode == 130 and stderr.splitlines() == ["k3stream chat: interrupted"], stderr
 
