@@ -26,9 +26,7 @@ TILED = [T.Q2_K, T.Q3_K, T.Q6_K, T.Q4_K, T.Q8_0, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T
          T.IQ4_XS]  # fmt: skip
 # the types whose one-row kernels take every input row (Q5_K's sharing each decoded block between four)
 ONE_ROW = [T.Q5_K, T.Q5_0, T.Q4_1, T.Q5_1]
-# the one-row Q2_K, Q3_K and Q4_K kernels order their float operations apart from this llama.cpp's AVX2
-# vec_dot (results a few ulp off): their tiles are held to the one-row kernels alone
-LLAMA_EXACT = [t for t in TILED if t not in (T.Q2_K, T.Q3_K, T.Q4_K)] + ONE_ROW
+LLAMA_EXACT = TILED + ONE_ROW
 ISAS = pytest.mark.parametrize("isa", KERNEL_ISAS)
 # the kernels that are llama.cpp's AVX2 vec_dot bit for bit: every AVX2 one, and the AVX-512 ones but the
 # grid i-quants' (their own lanes: held within a few ulp in test_kernels_iquants)
@@ -60,6 +58,23 @@ def grouped(
         torch.from_numpy(rows), True,
     )  # fmt: skip
     return out.numpy()
+
+
+def wide_matrix(qt: T, rows: int, blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """random_blocks whose F16 scales (d, dmin, m; not IQ1_M's and MXFP4's, of their own layouts) span
+    2^-12..2^3 of either sign, apart in every block: products whose terms cancel, so any other order of
+    their float operations shows in the last bits."""
+    data = ggml_oracle.random_blocks(int(qt), rows * blocks, rng)
+    for at in () if qt in (T.IQ1_M, T.MXFP4) else ggml_oracle.F16_AT.get(int(qt), (0,)):
+        scales = rng.standard_normal(len(data)) * np.exp2(rng.uniform(-12, 3, len(data)))
+        data[:, at : at + 2] = scales.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return data.reshape(rows, -1)
+
+
+def wide_inputs(count: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Normal inputs, each 32 of them times 10^-3..10^3."""
+    spread = np.repeat(10.0 ** rng.uniform(-3, 3, (count, cols // 32)), 32, axis=1)
+    return (rng.standard_normal((count, cols)) * spread).astype(np.float32)
 
 
 def one_row_at_a_time(qt: T, w: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -129,6 +144,34 @@ def test_many_rows_give_llama_cpps_vec_dot_bit_for_bit(qt, isa, count, monkeypat
     )
     got = grouped(qt, [w], x, [count], np.arange(count))
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+# every type with integer kernels on 8-bit activations, on the ISAs whose kernels are llama.cpp's AVX2
+# vec_dot bit for bit
+WIDE_ISAS = [(T(t), isa) for t in sorted(cpu.Q8_TYPES) for isa in ("avx512", "avx2")
+             if not (isa == "avx512" and t in GRID_AVX512_TYPES)]  # fmt: skip
+
+
+@needs_llama
+@pytest.mark.parametrize("qt,isa", WIDE_ISAS, ids=lambda v: getattr(v, "name", v))
+def test_wide_ranges_give_llama_cpps_vec_dot_bit_for_bit(qt, isa, monkeypatch):
+    """Scales and inputs over many orders of magnitude (terms that cancel), rows of 1 to 40 blocks, one
+    input row (the one-row kernels) and 5 and 18 (the multi-row ones), 6 weight rows (a group of four
+    and a tail): every output llama.cpp's vec_dot bit for bit. (Tame scales hid a block's offset sum
+    taken in another order than ggml's: a few ulp, 1e-2 on a model's logits.)"""
+    take_kernel_isa(isa, monkeypatch)
+    rng = np.random.default_rng(int(qt))
+    elems = GGML_QUANT_SIZES[qt][0]
+    for blocks in (1, 3, 17, 40):
+        cols = blocks * elems
+        w = wide_matrix(qt, 6, blocks, rng)
+        for count in (1, 5, 18):
+            x = wide_inputs(count, cols, rng)
+            activations = [ggml_oracle.quantize_activations(row, int(qt)) for row in x]
+            expected = np.array([[ggml_oracle.vec_dot(int(qt), cols, r, a) for r in w] for a in activations])
+            got = grouped(qt, [w], x, [count], np.arange(count))
+            differ = got.view(np.uint32) != expected.astype(np.float32).view(np.uint32)
+            assert not differ.any(), f"{blocks} blocks, {count} rows: {differ.sum()} of {differ.size} differ"
 
 
 @needs_llama

@@ -1205,7 +1205,7 @@ ALWAYS __m256i pair_scales(__m256i half, int f) {
 }
 
 /* acc[r] += per-lane float sums of one Q2_K block times input row r's Q8_K block y[r] + at: d_y (d
- * sum_s sc_s q.y_s - dmin sum_s m_s bsum_s), with exact integer sums */
+ * sum_s sc_s q.y_s - dmin sum_s m_s bsum_s), with exact integer sums, the mins' FMA first (ggml's order) */
 ALWAYS void q8_q2_k(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n) {
     const __m128i packed = _mm_loadu_si128((const __m128i *)b), nibble = _mm_set1_epi8(15);
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
@@ -1227,23 +1227,19 @@ ALWAYS void q8_q2_k(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t
     for (int r = 0; r < n; r++) {
         const __m256i offsets = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)y[r][at].bsums));
         const float d = y[r][at].d * step, dmin = -y[r][at].d * min_step;
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
         acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(offsets), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
     }
 }
 
 /* Q3_K: code + 4 = low + 4 h (0..7, unsigned for maddubs; h: bit 4g + f of hmask[i] set), the 4 taken
- * back once a block from the Q8_K sums (4 sum_s sc_s bsum_s): the same integer sum as subtracting 4
- * where the bit is clear, in fewer operations a run */
+ * back from each pair's product before its scale (maddubs of 4 and y): each int32 lane ggml's AVX2
+ * vec_dot forms, so the lanes' float sums are its bits */
 ALWAYS void q8_q3_k(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n) {
     const __m128i scales8 = q3_k_scales8(b);
     __m256i halves[2], sumi[Q8_ROWS];
     scale_halves(scales8, halves);
-    const __m256i wide_scales = _mm256_cvtepi8_epi16(scales8);
-    for (int r = 0; r < n; r++) {
-        const __m256i fours = _mm256_madd_epi16(wide_scales, _mm256_loadu_si256((const __m256i *)y[r][at].bsums));
-        sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(fours, 2));
-    }
+    for (int r = 0; r < n; r++) sumi[r] = _mm256_setzero_si256();
     const __m256i hmask = _mm256_loadu_si256((const __m256i *)b), three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
     for (int g = 0; g < 2; g++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * g));
@@ -1255,7 +1251,8 @@ ALWAYS void q8_q3_k(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t
             const __m256i scales = pair_scales(halves[g], f);
             for (int r = 0; r < n; r++) {
                 const __m256i q8 = _mm256_loadu_si256((const __m256i *)(y[r][at].qs + 128 * g + 32 * f));
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q8), scales));
+                const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(codes, q8), _mm256_maddubs_epi16(four, q8));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(pairs, scales));
             }
         }
     }
@@ -1264,32 +1261,34 @@ ALWAYS void q8_q3_k(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t
         acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(step * y[r][at].d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
 }
 
-/* Q4_K: sub-blocks 2j (low nibbles) and 2j + 1 (high) of bytes 32j..; mins against the Q8_K sums */
-ALWAYS void q8_q4_k(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n) {
+/* Q4_K: sub-blocks 2j (low nibbles) and 2j + 1 (high) of bytes 32j..; the mins against the Q8_K sums
+ * into four lanes apart (MinLanes), as ggml's AVX2 vec_dot */
+ALWAYS void q8_q4_k(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, MinLanes *acc, const int n) {
     const __m256i nibble = _mm256_set1_epi8(15);
     __m256i sumi[Q8_ROWS];
-    int summs[Q8_ROWS];
-    for (int r = 0; r < n; r++) sumi[r] = _mm256_setzero_si256(), summs[r] = 0;
+    int16_t mins[8];
+    for (int r = 0; r < n; r++) sumi[r] = _mm256_setzero_si256();
     for (int j = 0; j < 4; j++) {
         int scale_lo, min_lo, scale_hi, min_hi;
         k_scale_min(b + 4, 2 * j, &scale_lo, &min_lo);
         k_scale_min(b + 4, 2 * j + 1, &scale_hi, &min_hi);
+        mins[2 * j] = (int16_t)min_lo, mins[2 * j + 1] = (int16_t)min_hi;
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * j));
         const __m256i lo = _mm256_and_si256(q, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble);
         const __m256i scales_lo = _mm256_set1_epi16((short)scale_lo), scales_hi = _mm256_set1_epi16((short)scale_hi);
         for (int r = 0; r < n; r++) {
-            const int16_t *bsums = y[r][at].bsums + 4 * j;
-            summs[r] += min_lo * (bsums[0] + bsums[1]) + min_hi * (bsums[2] + bsums[3]);
             const __m256i y_lo = _mm256_loadu_si256((const __m256i *)(y[r][at].qs + 64 * j));
             const __m256i y_hi = _mm256_loadu_si256((const __m256i *)(y[r][at].qs + 64 * j + 32));
             sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, y_lo), scales_lo));
             sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y_hi), scales_hi));
         }
     }
+    const __m128i min_codes = _mm_loadu_si128((const __m128i *)mins);
     const float step = f16c(b), min_step = f16c(b + 2);
     for (int r = 0; r < n; r++) {
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r][at].d * step), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-        acc[r] = _mm256_add_ps(acc[r], _mm256_setr_ps(-y[r][at].d * min_step * (float)summs[r], 0, 0, 0, 0, 0, 0, 0));
+        const __m128 offsets = _mm_cvtepi32_ps(q4_k_min_lanes(min_codes, y[r][at].bsums));
+        acc[r].mins = _mm_fmadd_ps(_mm_set1_ps(-y[r][at].d * min_step), offsets, acc[r].mins);
+        acc[r].lanes = _mm256_fmadd_ps(_mm256_set1_ps(y[r][at].d * step), _mm256_cvtepi32_ps(sumi[r]), acc[r].lanes);
     }
 }
 
@@ -1419,7 +1418,7 @@ ALWAYS void q8_q5_k(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t
 
 Q8_SHARED_ROW(q8_row_q2_k_avx2, q8_q2_k, 84, __m256, _mm256_setzero_ps(), hsum8)
 Q8_SHARED_ROW(q8_row_q3_k_avx2, q8_q3_k, 110, __m256, _mm256_setzero_ps(), hsum8)
-Q8_SHARED_ROW(q8_row_q4_k_avx2, q8_q4_k, 144, __m256, _mm256_setzero_ps(), hsum8)
+Q8_SHARED_ROW(q8_row_q4_k_avx2, q8_q4_k, 144, MinLanes, MIN_LANES_ZERO, min_lanes_total)
 Q8_SHARED_ROW(q8_row_q5_k_avx2, q8_q5_k, 176, Lanes, LANES_ZERO, lanes_total)
 Q8_ROW(q8_row_q6_k_avx2, AVX2, q8_q6_k, 210, q8, 256, __m256, _mm256_setzero_ps(), hsum8)
 Q8_ROW(q8_row_q8_0_avx2, AVX2, q8_q8_0, 34, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)

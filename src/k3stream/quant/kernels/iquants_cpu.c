@@ -335,17 +335,25 @@ INLINE float tq2_0_generic(const uint8_t *x, const BlockQ8K *y, int64_t blocks) 
     return sumf;
 }
 
+/* sumf plus one IQ4_NL or MXFP4 block's product by one fused multiply-add (ggml's generic C, and the
+ * odd last block of its AVX2 vec_dot, as the compiler contracts it) */
+INLINE float iq4_nl_step(const uint8_t *x, const BlockQ8_0 *y, float sumf) {
+    return fmaf(y->d * f16(x), (float)nibble_dot32(x + 2, y->qs, iq4nl_values), sumf);
+}
+
+INLINE float mxfp4_step(const uint8_t *x, const BlockQ8_0 *y, float sumf) {
+    return fmaf(y->d * e8m0_half(x[0]), (float)nibble_dot32(x + 1, y->qs, mxfp4_values), sumf);
+}
+
 INLINE float iq4_nl_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks) {
     float sumf = 0.0f;
-    for (int64_t i = 0; i < blocks; i++, x += 18)
-        sumf = fmaf(y[i].d * f16(x), (float)nibble_dot32(x + 2, y[i].qs, iq4nl_values), sumf);
+    for (int64_t i = 0; i < blocks; i++) sumf = iq4_nl_step(x + 18 * i, y + i, sumf);
     return sumf;
 }
 
 INLINE float mxfp4_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks) {
     float sumf = 0.0f;
-    for (int64_t i = 0; i < blocks; i++, x += 17)
-        sumf = fmaf(y[i].d * e8m0_half(x[0]), (float)nibble_dot32(x + 1, y[i].qs, mxfp4_values), sumf);
+    for (int64_t i = 0; i < blocks; i++) sumf = mxfp4_step(x + 17 * i, y + i, sumf);
     return sumf;
 }
 
@@ -944,7 +952,7 @@ TERNARY_DOT(tq2_0, 66, 64)
 TERNARY_DOT(tq1_0, 54, 52)
 
 /* IQ4_NL and MXFP4: blocks in pairs, the first's lanes into one accumulator and the second's into
- * another; an odd last block as the generic kernel adds it, after the lanes' sum */
+ * another; an odd last block into the lanes' sum by one FMA (NAME##_step), as ggml's compiled code */
 #define PAIRED_DOT(NAME, BYTES, VALUES, SCALE, CODES)                                                      \
     AVX2_ALWAYS __m256 NAME##_lanes(const uint8_t *x, const BlockQ8_0 *y, __m256 acc) {                   \
         const __m128i q = _mm_loadu_si128((const __m128i *)(x + (CODES))), nibble = _mm_set1_epi8(15);      \
@@ -962,7 +970,7 @@ TERNARY_DOT(tq1_0, 54, 52)
             acc2 = NAME##_lanes(x + (i + 1) * (BYTES), y + i + 1, acc2);                                  \
         }                                                                                                 \
         const float sumf = hsum_lanes(_mm256_add_ps(acc1, acc2));                                         \
-        return i < blocks ? sumf + NAME##_generic(x + i * (BYTES), y + i, 1) : sumf;                      \
+        return i < blocks ? NAME##_step(x + i * (BYTES), y + i, sumf) : sumf;                             \
     }
 
 PAIRED_DOT(iq4_nl, 18, iq4nl_values, f16c(x), 2)
@@ -1027,7 +1035,7 @@ AVX512_ALWAYS __m512 mxfp4_pair_d(const uint8_t *x, __m512i raw, const BlockQ8_0
         }                                                                                                   \
         const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));             \
         const float sumf = hsum_lanes(_mm256_add_ps(_mm512_castps512_ps256(acc), high));                   \
-        return i < blocks ? sumf + NAME##_generic(row + i * (BYTES), y + i, 1) : sumf;                     \
+        return i < blocks ? NAME##_step(row + i * (BYTES), y + i, sumf) : sumf;                            \
     }                                                                                                       \
     IQ_ROWS(NAME##_rows_avx512, AVX512_TARGET, NAME##_avx512, q8_0, 32, 0)
 

@@ -203,6 +203,25 @@ typedef struct {
 #define LANES_ZERO ((Lanes){_mm256_setzero_ps(), 0.0f})
 AVX2_INLINE float lanes_total(Lanes acc) { return hsum8(acc.lanes) + acc.sum; }
 
+/* Eight float lanes and four beside them: ggml's AVX2 vec_dot of Q4_K takes each block's mins against
+ * the Q8_K sums of 32 as four int32 lanes (lane k: mins 2k and 2k + 1), into four float lanes by one FMA
+ * with -d_y dmin, and adds their sum ((0 + 2) + (1 + 3)) to the lanes' hsum8 at the end */
+typedef struct {
+    __m256 lanes;
+    __m128 mins;
+} MinLanes;
+#define MIN_LANES_ZERO ((MinLanes){_mm256_setzero_ps(), _mm_setzero_ps()})
+AVX2_INLINE float min_lanes_total(MinLanes acc) {
+    const __m128 pairs = _mm_add_ps(acc.mins, _mm_movehl_ps(acc.mins, acc.mins));
+    return hsum8(acc.lanes) + _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+
+/* Q4_K's four int32 min lanes of one input row: `mins` (int16 lanes 0..7) times its Q8_K sums of 32 */
+AVX2_INLINE __m128i q4_k_min_lanes(__m128i mins, const int16_t *bsums) {
+    const __m256i sums = _mm256_loadu_si256((const __m256i *)bsums);
+    return _mm_madd_epi16(mins, _mm_hadd_epi16(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1)));
+}
+
 /* NAME##_rows: one weight row m against n (<= Q8_ROWS) input rows' Q8_K blocks from p, blocks in order
  * into each row's accumulator (ACC from ZERO: eight lanes, or Lanes) by BLOCK, summed at the end by
  * TOTAL (hsum8, lanes_total); ATTR: its inline and target attributes (the AVX2 and AVX-512 kernels

@@ -316,8 +316,8 @@ KQ_INLINE void q2_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, i
     }
     for (int r = 0; r < n; r++) {
         const __m256i offsets = _mm256_madd_epi16(low_mins, _mm256_loadu_si256((const __m256i *)y[r][at].bsums));
-        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&steps[r][k]), _mm256_cvtepi32_ps(fold(sums[r])), acc[r]);
         acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&mins[r][k]), _mm256_cvtepi32_ps(offsets), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&steps[r][k]), _mm256_cvtepi32_ps(fold(sums[r])), acc[r]);
     }
 }
 
@@ -342,7 +342,8 @@ KQ_INLINE __m256i q3_k_scales16(const uint8_t *restrict b) {
 
 /* acc[r] += one Q3_K block (block k of the chunk) times input row r's Q8_K block, as ggml_cpu.c's
  * q8_q3_k: codes + 4 (the low two bits of bytes 32 + 32g.. at 2f, plus 4 where bit 4g + f of hmask is
- * set, for run 4g + f: a vptestmb's byte mask and a masked add), the 4 taken back from the Q8_K sums */
+ * set, for run 4g + f: a vptestmb's byte mask and a masked add), the 4 taken back from each pair's
+ * product before its scale (ggml's int32 lanes) */
 KQ_INLINE void q3_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n,
                           float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], int k) {
     (void)mins;
@@ -356,13 +357,15 @@ KQ_INLINE void q3_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, i
         const __m512i low = _mm512_gf2p8affine_epi64_epi8(both_halves(b + 32 + 32 * (j >> 1)),
                                                           halves64(TAKE_CODE(2 * f), TAKE_CODE(2 * f + 2)), 0);
         const __mmask64 high = _mm512_test_epi8_mask(hmask, halves64(0x0101010101010101ULL << bit, 0x0101010101010101ULL << (bit + 1)));
-        run_pair_dot(_mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(4)), run_pair_scales(scales, j), y, at, j, sums, n);
+        const __m512i codes = _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(4)), pair = run_pair_scales(scales, j);
+        for (int r = 0; r < n; r++) {
+            const __m512i q8 = _mm512_loadu_si512((const void *)(y[r][at].qs + 64 * j));
+            const __m512i pairs = _mm512_sub_epi16(_mm512_maddubs_epi16(codes, q8), _mm512_maddubs_epi16(_mm512_set1_epi8(4), q8));
+            sums[r] = _mm512_dpwssd_epi32(sums[r], pairs, pair);
+        }
     }
-    for (int r = 0; r < n; r++) {
-        const __m256i fours = _mm256_madd_epi16(wide, _mm256_loadu_si256((const __m256i *)y[r][at].bsums));
-        const __m256i total = _mm256_sub_epi32(fold(sums[r]), _mm256_slli_epi32(fours, 2));
-        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&steps[r][k]), _mm256_cvtepi32_ps(total), acc[r]);
-    }
+    for (int r = 0; r < n; r++)
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&steps[r][k]), _mm256_cvtepi32_ps(fold(sums[r])), acc[r]);
 }
 
 KQ_INLINE void q3_k_steps(const uint8_t *row, const BlockQ8K *const *y, int64_t c, int count,
@@ -385,10 +388,11 @@ AVX512_INLINE __m256i q4_k_scales_mins(const uint8_t *restrict b) {
 }
 
 /* Input row r's eight int32 lanes of one Q4_K or Q5_K block (fifth: Q5_K's, codes from byte 48 and the
- * fifth bits 2j, 2j + 1 of bytes 16..47 for runs 2j, 2j + 1) into lanes[r], and the mins' integer sum
- * against its Q8_K sums into summs[r]: sub-blocks 2j (low nibbles) and 2j + 1 (high) in one vector */
+ * fifth bits 2j, 2j + 1 of bytes 16..47 for runs 2j, 2j + 1) into lanes[r], and the mins against its
+ * Q8_K sums into the four int32 lanes summs[r] (q4_k_min_lanes): sub-blocks 2j (low nibbles) and 2j + 1
+ * (high) in one vector */
 AVX512_INLINE void q45_k_sums(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, const int n,
-                              const int fifth, __m256i *lanes, int *summs) {
+                              const int fifth, __m256i *lanes, __m128i *summs) {
     const __m256i scales_mins = q4_k_scales_mins(b);
     const __m512i scales = _mm512_castsi256_si512(scales_mins);
     const __m512i lane = _mm512_srli_epi16(
@@ -407,26 +411,19 @@ AVX512_INLINE void q45_k_sums(const uint8_t *restrict b, const BlockQ8K *const *
     }
     /* the mins beside the Q8_K sums of 32 (pairs of sums of 16) */
     const __m128i mins = _mm256_extracti128_si256(scales_mins, 1);
-    for (int r = 0; r < n; r++) {
-        const __m256i bsums = _mm256_loadu_si256((const __m256i *)y[r][at].bsums);
-        const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
-        __m128i s = _mm_madd_epi16(mins, pairs);
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-        summs[r] = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
-        lanes[r] = fold(sums[r]);
-    }
+    for (int r = 0; r < n; r++) summs[r] = q4_k_min_lanes(mins, y[r][at].bsums), lanes[r] = fold(sums[r]);
 }
 
-/* acc[r] += one Q4_K block times input row r's Q8_K block, as ggml_cpu.c's q8_q4_k: the mins' sum into lane 0 */
-AVX512_INLINE void q4_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc,
+/* acc[r] += one Q4_K block times input row r's Q8_K block, as ggml_cpu.c's q8_q4_k: the mins' four lanes apart */
+AVX512_INLINE void q4_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, MinLanes *acc,
                               const int n) {
     __m256i lanes[Q8_ROWS];
-    int summs[Q8_ROWS];
+    __m128i summs[Q8_ROWS];
     q45_k_sums(b, y, at, n, 0, lanes, summs);
     const float step = f16_scale(b), min_step = f16_scale(b + 2);
     for (int r = 0; r < n; r++) {
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r][at].d * step), _mm256_cvtepi32_ps(lanes[r]), acc[r]);
-        acc[r] = _mm256_add_ps(acc[r], _mm256_setr_ps(-y[r][at].d * min_step * (float)summs[r], 0, 0, 0, 0, 0, 0, 0));
+        acc[r].mins = _mm_fmadd_ps(_mm_set1_ps(-y[r][at].d * min_step), _mm_cvtepi32_ps(summs[r]), acc[r].mins);
+        acc[r].lanes = _mm256_fmadd_ps(_mm256_set1_ps(y[r][at].d * step), _mm256_cvtepi32_ps(lanes[r]), acc[r].lanes);
     }
 }
 
@@ -434,12 +431,14 @@ AVX512_INLINE void q4_k_block(const uint8_t *restrict b, const BlockQ8K *const *
 AVX512_INLINE void q5_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, Lanes *acc,
                               const int n) {
     __m256i lanes[Q8_ROWS];
-    int summs[Q8_ROWS];
+    __m128i summs[Q8_ROWS];
     q45_k_sums(b, y, at, n, 1, lanes, summs);
     const float step = f16_scale(b), min_step = f16_scale(b + 2);
     for (int r = 0; r < n; r++) {
+        __m128i s = _mm_add_epi32(summs[r], _mm_shuffle_epi32(summs[r], 0x4E));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
         acc[r].lanes = _mm256_fmadd_ps(_mm256_set1_ps(y[r][at].d * step), _mm256_cvtepi32_ps(lanes[r]), acc[r].lanes);
-        acc[r].sum = fmaf(-y[r][at].d * min_step, (float)summs[r], acc[r].sum);
+        acc[r].sum = fmaf(-y[r][at].d * min_step, (float)_mm_cvtsi128_si32(s), acc[r].sum);
     }
 }
 
@@ -545,7 +544,7 @@ AVX512_INLINE void q6_k_block(const uint8_t *restrict b, const BlockQ8K *const *
 
 STEPPED_ROWS(q2_k_avx512, q2_k_block, q2_k_steps, 84)
 STEPPED_ROWS(q3_k_avx512, q3_k_block, q3_k_steps, 110)
-SHARED_ROWS(q4_k_avx512, q4_k_block, 144, __m256, _mm256_setzero_ps(), hsum8)
+SHARED_ROWS(q4_k_avx512, q4_k_block, 144, MinLanes, MIN_LANES_ZERO, min_lanes_total)
 SHARED_ROWS(q5_k_avx512, q5_k_block, 176, Lanes, LANES_ZERO, lanes_total)
 SHARED_ROWS(q6_k_avx512, q6_k_block, 210, __m256, _mm256_setzero_ps(), hsum8)
 

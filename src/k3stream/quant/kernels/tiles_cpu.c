@@ -69,6 +69,10 @@ static void q6_k_tiles_generic(const Product *pr, int64_t b, int64_t first, int6
 #if defined(__x86_64__) && defined(__GNUC__)
 #define AVX2_TILE __attribute__((target("avx2,fma,f16c")))
 
+/* What a weight-row group's kernel is: Q2_K, Q3_K, Q6_K, Q4_K, Q8_0, or an i-quant of `type` (IQ1_S with
+ * deltas) */
+typedef enum { Q2_K_TILES, Q3_K_TILES, Q6_K_TILES, Q4_K_TILES, Q8_0_TILES, IQ_TILES, IQ_DELTA_TILES } TileKind;
+
 /* TILE_ROWS weight rows' CHUNK_BLOCKS Q2_K, Q3_K or Q6_K blocks as their one-row kernels use them: each
  * run's 32 unsigned codes, its two sub-blocks' int16 scales (low, high 16 values), int16 factors of
  * the Q8_K sums of 16 (Q2_K: the mins; Q3_K: the scales times -4, Q6_K: times -32, the codes' offsets),
@@ -113,7 +117,7 @@ AVX2_INLINE void q2_k_decode(const uint8_t *restrict b, KTile *tile, int w, int 
     tile->d[w][j] = f16(b + 80), tile->dmin[w][j] = f16(b + 82);
 }
 
-/* as q8_q3_k: code + 4 = low + 4 h (h: bit 4g + f of hmask), the 4 taken back from the Q8_K sums */
+/* as q8_q3_k: code + 4 = low + 4 h (h: bit 4g + f of hmask), the 4 taken back from each pair's product */
 AVX2_INLINE void q3_k_decode(const uint8_t *restrict b, KTile *tile, int w, int j) {
     int scales[16];
     const __m256i hmask = _mm256_loadu_si256((const __m256i *)b);
@@ -127,61 +131,67 @@ AVX2_INLINE void q3_k_decode(const uint8_t *restrict b, KTile *tile, int w, int 
             _mm256_store_si256((__m256i *)(tile->codes[w][j] + 32 * bit), codes);
         }
     }
-    int16_t times4[16];
-    for (int s = 0; s < 16; s++) scales[s] = q3_k_int_scale(b, s), times4[s] = (int16_t)(-4 * scales[s]);
+    for (int s = 0; s < 16; s++) scales[s] = q3_k_int_scale(b, s);
     k_run_scales(scales, tile, w, j);
-    tile->offsets[w][j] = _mm256_loadu_si256((const __m256i *)times4);
     tile->d[w][j] = f16(b + 108);
 }
 
 /* acc[r][w] (n weight rows, `inputs` input rows: 1 or 2, each 32-byte load of the tile then serving
- * both) gains input row r's `count` blocks y[r]; `mins` (Q2_K): the offsets' sums enter by a second
- * FMA with -d_y dmin, else they start the integer sums */
+ * both) gains input row r's `count` blocks y[r]; Q2_K's offsets' sums enter by an FMA with -d_y dmin
+ * before the codes' (ggml's order), Q6_K's start the integer sums, Q3_K's 4s leave each pair's product
+ * (maddubs of 4 and y, once an input row for all the weight rows) */
 AVX2_INLINE void k_tile_dot(const KTile *tile, const BlockQ8K *const *y, int count, __m256 (*acc)[TILE_ROWS],
-                            const int n, const int inputs, const int mins) {
+                            const int n, const int inputs, const TileKind kind) {
+    const int mins = kind == Q2_K_TILES, fours = kind == Q3_K_TILES;
     for (int j = 0; j < count; j++) {
         __m256i sumi[2][TILE_ROWS];
         for (int r = 0; r < inputs; r++) {
             const __m256i bsums = _mm256_loadu_si256((const __m256i *)y[r][j].bsums);
             for (int w = 0; w < n; w++)
-                sumi[r][w] = mins ? _mm256_setzero_si256() : _mm256_madd_epi16(tile->offsets[w][j], bsums);
+                sumi[r][w] = mins || fours ? _mm256_setzero_si256() : _mm256_madd_epi16(tile->offsets[w][j], bsums);
         }
         for (int run = 0; run < 8; run++) {
-            __m256i q8[2];
-            for (int r = 0; r < inputs; r++) q8[r] = _mm256_loadu_si256((const __m256i *)(y[r][j].qs + 32 * run));
+            __m256i q8[2], taken[2];
+            for (int r = 0; r < inputs; r++) {
+                q8[r] = _mm256_loadu_si256((const __m256i *)(y[r][j].qs + 32 * run));
+                taken[r] = fours ? _mm256_maddubs_epi16(_mm256_set1_epi8(4), q8[r]) : _mm256_setzero_si256();
+            }
             for (int w = 0; w < n; w++) {
                 const __m256i codes = _mm256_load_si256((const __m256i *)(tile->codes[w][j] + 32 * run));
                 const __m256i scales = tile->scales[w][j][run];
-                for (int r = 0; r < inputs; r++)
-                    sumi[r][w] = _mm256_add_epi32(sumi[r][w], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q8[r]), scales));
+                for (int r = 0; r < inputs; r++) {
+                    __m256i pairs = _mm256_maddubs_epi16(codes, q8[r]);
+                    if (fours) pairs = _mm256_sub_epi16(pairs, taken[r]);
+                    sumi[r][w] = _mm256_add_epi32(sumi[r][w], _mm256_madd_epi16(pairs, scales));
+                }
             }
         }
         for (int r = 0; r < inputs; r++)
             for (int w = 0; w < n; w++) {
-                acc[r][w] = _mm256_fmadd_ps(_mm256_set1_ps(tile->d[w][j] * y[r][j].d), _mm256_cvtepi32_ps(sumi[r][w]),
-                                            acc[r][w]);
                 if (mins) {
                     const __m256i bsums = _mm256_loadu_si256((const __m256i *)y[r][j].bsums);
                     const __m256i offsets = _mm256_madd_epi16(tile->offsets[w][j], bsums);
                     acc[r][w] = _mm256_fmadd_ps(_mm256_set1_ps(-y[r][j].d * tile->dmin[w][j]), _mm256_cvtepi32_ps(offsets),
                                                 acc[r][w]);
                 }
+                acc[r][w] = _mm256_fmadd_ps(_mm256_set1_ps(tile->d[w][j] * y[r][j].d), _mm256_cvtepi32_ps(sumi[r][w]),
+                                            acc[r][w]);
             }
     }
 }
 
 /* ... Q4_K blocks as q8_q4_k uses them: each sub-block's 32 codes (0..15) and int16 scale, the mins
- * beside the Q8_K sums of 16 (min s in int16 lanes 2s and 2s + 1), d and dmin */
+ * (int16 lanes 0..7, q4_k_min_lanes), d and dmin */
 typedef struct {
     uint8_t codes[TILE_ROWS][CHUNK_BLOCKS][256] __attribute__((aligned(32)));
     int16_t scales[TILE_ROWS][CHUNK_BLOCKS][8];
-    __m256i mins[TILE_ROWS][CHUNK_BLOCKS];
+    __m128i mins[TILE_ROWS][CHUNK_BLOCKS];
     float d[TILE_ROWS][CHUNK_BLOCKS], dmin[TILE_ROWS][CHUNK_BLOCKS];
 } Q4Tile;
 
 AVX2_INLINE void q4_k_decode(const uint8_t *restrict b, Q4Tile *tile, int w, int j) {
     const __m256i nibble = _mm256_set1_epi8(15);
-    int16_t mins[16];
+    int16_t mins[8];
     for (int pair = 0; pair < 4; pair++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * pair));
         _mm256_store_si256((__m256i *)(tile->codes[w][j] + 64 * pair), _mm256_and_si256(q, nibble));
@@ -191,23 +201,16 @@ AVX2_INLINE void q4_k_decode(const uint8_t *restrict b, Q4Tile *tile, int w, int
         int scale, min;
         k_scale_min(b + 4, s, &scale, &min);
         tile->scales[w][j][s] = (int16_t)scale;
-        mins[2 * s] = mins[2 * s + 1] = (int16_t)min;
+        mins[s] = (int16_t)min;
     }
-    tile->mins[w][j] = _mm256_loadu_si256((const __m256i *)mins);
+    tile->mins[w][j] = _mm_loadu_si128((const __m128i *)mins);
     tile->d[w][j] = f16(b), tile->dmin[w][j] = f16(b + 2);
 }
 
-/* the sum of eight int32 lanes (exact) */
-AVX2_INLINE int hsum_int8(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
-}
-
-/* as q8_q4_k: scaled code sums in lanes, the mins' integer sum added to lane 0 times -d_y dmin */
-AVX2_INLINE void q4_k_tile_dot(const Q4Tile *tile, const BlockQ8K *y, int count, __m256 *acc, const int n) {
+/* as q8_q4_k: scaled code sums in the lanes acc, the mins' four lanes in mins times -d_y dmin */
+AVX2_INLINE void q4_k_tile_dot(const Q4Tile *tile, const BlockQ8K *y, int count, __m256 *acc, __m128 *mins,
+                               const int n) {
     for (int j = 0; j < count; j++) {
-        const __m256i bsums = _mm256_loadu_si256((const __m256i *)y[j].bsums);
         __m256i sumi[TILE_ROWS];
         for (int w = 0; w < n; w++) sumi[w] = _mm256_setzero_si256();
         for (int s = 0; s < 8; s++) {
@@ -219,10 +222,9 @@ AVX2_INLINE void q4_k_tile_dot(const Q4Tile *tile, const BlockQ8K *y, int count,
             }
         }
         for (int w = 0; w < n; w++) {
-            const int summs = hsum_int8(_mm256_madd_epi16(tile->mins[w][j], bsums));
+            const __m128 offsets = _mm_cvtepi32_ps(q4_k_min_lanes(tile->mins[w][j], y[j].bsums));
+            mins[w] = _mm_fmadd_ps(_mm_set1_ps(-y[j].d * tile->dmin[w][j]), offsets, mins[w]);
             acc[w] = _mm256_fmadd_ps(_mm256_set1_ps(y[j].d * tile->d[w][j]), _mm256_cvtepi32_ps(sumi[w]), acc[w]);
-            const float offset = -y[j].d * tile->dmin[w][j] * (float)summs;
-            acc[w] = _mm256_add_ps(acc[w], _mm256_setr_ps(offset, 0, 0, 0, 0, 0, 0, 0));
         }
     }
 }
@@ -297,10 +299,6 @@ AVX2_INLINE void iq_tile_dot(const IqTile *tile, const BlockQ8K *const *y, int c
     }
 }
 
-/* What a weight-row group's kernel is: Q2_K, Q3_K, Q6_K, Q4_K, Q8_0, or an i-quant of `type` (IQ1_S with
- * deltas) */
-typedef enum { Q2_K_TILES, Q3_K_TILES, Q6_K_TILES, Q4_K_TILES, Q8_0_TILES, IQ_TILES, IQ_DELTA_TILES } TileKind;
-
 typedef union {
     KTile k;
     Q4Tile q4;
@@ -325,19 +323,19 @@ AVX2_INLINE void tile_decode(const uint8_t *block, Tile *tile, int w, int j, con
 
 /* input rows rows[0..inputs - 1]'s blocks from `first` on against the tile (count blocks) */
 AVX2_INLINE void tile_dot(const Product *pr, const Tile *tile, const int64_t *rows, int64_t first, int count,
-                          __m256 (*acc)[TILE_ROWS], float (*deltas)[TILE_ROWS], const int n, const int inputs,
-                          const TileKind kind) {
+                          __m256 (*acc)[TILE_ROWS], float (*deltas)[TILE_ROWS], __m128 (*mins)[TILE_ROWS],
+                          const int n, const int inputs, const TileKind kind) {
     const int64_t blocks = pr->in_features / (kind == Q8_0_TILES ? 32 : 256);
     const BlockQ8K *y[2];
     for (int r = 0; r < inputs; r++) y[r] = pr->q8 + rows[r] * blocks + first;
     if (kind == Q2_K_TILES || kind == Q3_K_TILES || kind == Q6_K_TILES)
-        k_tile_dot(&tile->k, y, count, acc, n, inputs, kind == Q2_K_TILES);
+        k_tile_dot(&tile->k, y, count, acc, n, inputs, kind);
     else if (kind == IQ_TILES || kind == IQ_DELTA_TILES)
         iq_tile_dot(&tile->iq, y, count, acc, deltas, n, inputs, kind == IQ_DELTA_TILES);
     else
         for (int r = 0; r < inputs; r++) {
             if (kind == Q4_K_TILES)
-                q4_k_tile_dot(&tile->q4, y[r], count, acc[r], n);
+                q4_k_tile_dot(&tile->q4, y[r], count, acc[r], mins[r], n);
             else
                 q8_0_tile_dot(&tile->q80, pr->q8_0 + rows[r] * blocks + first, count, acc[r], n);
         }
@@ -359,6 +357,7 @@ AVX2_INLINE void tile_group(const Product *pr, int64_t b, int64_t m, const int n
     Tile tile;
     __m256 parked[PARK_ROWS][TILE_ROWS];
     float parked_deltas[PARK_ROWS][TILE_ROWS];
+    __m128 parked_mins[PARK_ROWS][TILE_ROWS];
     for (int64_t p0 = pr->starts[b]; p0 < end; p0 += PARK_ROWS) {
         const int64_t inputs = end - p0 < PARK_ROWS ? end - p0 : PARK_ROWS;
         for (int64_t c = 0; c < blocks; c += chunk) {
@@ -371,17 +370,21 @@ AVX2_INLINE void tile_group(const Product *pr, int64_t b, int64_t m, const int n
                 }
             if (c == 0)
                 for (int64_t p = 0; p < inputs; p++)
-                    for (int w = 0; w < n; w++) parked[p][w] = _mm256_setzero_ps(), parked_deltas[p][w] = 0.0f;
+                    for (int w = 0; w < n; w++)
+                        parked[p][w] = _mm256_setzero_ps(), parked_deltas[p][w] = 0.0f, parked_mins[p][w] = _mm_setzero_ps();
             int64_t p = 0;
             for (; p + 2 <= inputs; p += 2)
-                tile_dot(pr, &tile, pr->rows + p0 + p, c, count, parked + p, parked_deltas + p, n, 2, kind);
-            if (p < inputs) tile_dot(pr, &tile, pr->rows + p0 + p, c, count, parked + p, parked_deltas + p, n, 1, kind);
+                tile_dot(pr, &tile, pr->rows + p0 + p, c, count, parked + p, parked_deltas + p, parked_mins + p, n, 2, kind);
+            if (p < inputs)
+                tile_dot(pr, &tile, pr->rows + p0 + p, c, count, parked + p, parked_deltas + p, parked_mins + p, n, 1, kind);
             if (c + count < blocks) continue;
             for (p = 0; p < inputs; p++)
                 for (int w = 0; w < n; w++) {
                     float *out = pr->out + (p0 + p) * pr->out_stride + m + w;
                     if (kind == IQ_DELTA_TILES)
                         *out = hsum8(parked[p][w]) + 0.125f * parked_deltas[p][w];
+                    else if (kind == Q4_K_TILES)
+                        *out = min_lanes_total((MinLanes){parked[p][w], parked_mins[p][w]});
                     else
                         *out = (kind == IQ_TILES ? type->factor : 1.0f) * hsum8(parked[p][w]);
                 }
