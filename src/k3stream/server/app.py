@@ -585,13 +585,7 @@ class _Chunks:
 
     def progress(self, event: ProgressEvent) -> dict[str, Any]:
         """A chunk with no choices and llama-server's `prompt_progress`."""
-        progress = {
-            "total": event.total,
-            "cache": event.cached,
-            "processed": event.processed,
-            "time_ms": event.time_ms,
-        }
-        return {**self._envelope(self.object_chunk, []), "prompt_progress": progress}
+        return {**self._envelope(self.object_chunk, []), "prompt_progress": event.as_json()}
 
     def usage_only(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope(self.object_chunk, []), "usage": usage}

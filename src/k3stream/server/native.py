@@ -192,13 +192,7 @@ class NativeResult:
         }
 
     def progress(self, event: ProgressEvent) -> dict[str, Any]:
-        progress = {
-            "total": event.total,
-            "cache": event.cached,
-            "processed": event.processed,
-            "time_ms": event.time_ms,
-        }
-        return {**self._partial("", []), "prompt_progress": progress}
+        return {**self._partial("", []), "prompt_progress": event.as_json()}
 
     def piece(self, piece: Piece) -> dict[str, Any]:
         self._content += piece.content

@@ -60,6 +60,11 @@ class ProgressEvent:
     time_ms: float
     cached: int = 0  # of `processed`, the tokens restored from the prompt cache
 
+    def as_json(self) -> dict[str, Any]:
+        """llama-server's `prompt_progress` object."""
+        progress = {"total": self.total, "cache": self.cached, "processed": self.processed}
+        return {**progress, "time_ms": self.time_ms}
+
 
 Event = PieceEvent | FinishEvent | ErrorEvent | ProgressEvent
 
