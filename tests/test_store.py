@@ -20,6 +20,7 @@ from k3stream.pack.reader import ExpertPack
 from k3stream.store import ExpertStore, pack_io
 from k3stream.store.pack_io import PackFile, ReadRequest
 from k3stream.store.simulate import simulate_policy
+from k3stream.store.tiers import tier_budgets
 from k3stream.store.traces import read_trace
 
 MIB = 1 << 20
@@ -79,6 +80,28 @@ def test_budget_below_one_working_set_is_refused(packed):
     message = str(error.value)
     assert "ram budget" in message and f"{too_small:g} MiB" in message
     assert f"{pack.top_k} x {pack.object_bytes} bytes" in message and "\n" not in message
+
+
+def test_a_gpu_budget_of_0_is_no_gpu_tier_off_cuda_and_refused_on_cuda(packed):
+    """`gpu_mib=0` is a budget, not "the default": off CUDA it is no GPU tier; on CUDA the GPU tier is
+    where experts compute, so 0 is refused as any budget below one top-k working set (it meant the 18 GiB
+    default). `tier_budgets` touches no device, so a CUDA device description runs here."""
+    _, pack = packed
+    slot, top_k = pack.object_bytes, pack.top_k
+    ram = budget(pack, top_k)
+    cuda = torch.device("cuda:0")
+    assert tier_budgets(torch.device("cpu"), ram, 0, slot, top_k) == {"ram": ram}
+    assert tier_budgets(cuda, ram, budget(pack, top_k + 1), slot, top_k) == {
+        "gpu": budget(pack, top_k + 1),
+        "ram": ram,
+    }
+    assert tier_budgets(cuda, 0, budget(pack, top_k), slot, top_k) == {"gpu": budget(pack, top_k)}
+    with pytest.raises(
+        ValueError, match=rf"gpu budget 0 MiB is below one top-k working set .*{top_k} x {slot}"
+    ):
+        tier_budgets(cuda, ram, 0, slot, top_k)
+    with pytest.raises(ValueError, match="needs a CUDA device, got cpu"):
+        tier_budgets(torch.device("cpu"), ram, budget(pack, top_k), slot, top_k)
 
 
 @pytest.mark.parametrize("policy", ["lfu-lru", "lru", "arc", "cycle"])

@@ -48,7 +48,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory k3stream may use (e.g. 1.5GiB, 1536M); sizes the expert RAM budget after non-expert "
         "weights, KV/state and working buffers (default: the memory cgroup's limit, else available RAM)",
     )
-    parser.add_argument("--gpu-mib", type=finite, default=None, help="GPU budget of the expert store (MiB)")
+    parser.add_argument(
+        "--gpu-mib",
+        type=finite,
+        default=None,
+        help="GPU budget of the expert store (MiB); on CUDA, where experts compute, at least one top-k "
+        "working set (default: up to 18 GiB of the free device memory, leaving 3 GiB)",
+    )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
