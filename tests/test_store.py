@@ -194,6 +194,23 @@ def test_a_budget_holding_the_pack_reads_into_buffers_faulted_in_ahead(packed):
     assert made_ahead == objects  # one a slot, never more than the pack's objects
 
 
+def test_an_expert_parallel_rank_sizes_its_buffers_and_o_direct_by_its_share(packed):
+    """Under `--ep 2` a rank serves half of each layer's experts: a budget of that half holds all it
+    serves, so it reads through the page cache as one process does when its budget holds the whole
+    pack, and its buffers made ahead stop at its share under a larger budget (the whole pack's size
+    made a rank read with O_DIRECT and fault in buffers for experts it never serves)."""
+    _, pack = packed
+    share = len(pack.moe_layers) * pack.num_experts // 2
+    fits = "off (auto): this rank's share of the pack (1/2) fits the RAM budget"
+    with ExpertStore(pack, ram_mib=budget(pack, share), prefetch=False, expert_ranks=2) as rank:
+        assert rank.stats()["direct_io_note"] == fits
+    with ExpertStore(pack, ram_mib=budget(pack, share), prefetch=False) as whole:
+        assert whole.stats()["direct_io"] is True or "buffered" in whole.stats()["direct_io_note"]
+    with ExpertStore(pack, ram_mib=budget(pack, 4 * share), prefetch=False, expert_ranks=2) as rank:
+        rank._prefaulter.join(timeout=20)  # it stops after the last buffer it makes
+        assert rank.stats()["buffers_prefaulted"] == share
+
+
 def test_buffers_made_ahead_stay_within_the_tier_slots(packed):
     """A budget of a few working sets: the buffers made ahead fill its slots, no more, and reads then
     recycle them (the process holds the tier's budget, as it would once that many experts were read)."""

@@ -141,8 +141,8 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
         "--direct-io",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="read the pack with O_DIRECT, bypassing the page cache (default: when the pack does not fit "
-        "the RAM budget)",
+        help="read the pack with O_DIRECT, bypassing the page cache (default: when the pack, or an --ep "
+        "rank's share of it, does not fit the RAM budget)",
     )
 
 
@@ -200,7 +200,8 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
     if args.ram_mib is not None and args.memory_limit is None:
         return args.ram_mib
     slot = None if manifest is None else plan_pack(checkpoint).layout.object_bytes  # the store's slot
-    plan = plan_for_model(checkpoint, args.memory_limit, *_served(args), cache_bytes, slot, rows)
+    ranks = 1 if manifest is None else getattr(args, "ep", 1)  # a pack's experts split over --ep ranks
+    plan = plan_for_model(checkpoint, args.memory_limit, *_served(args), cache_bytes, slot, rows, ranks)
     if args.ram_mib is not None:
         print(f"{plan.summary()}; --ram-mib {args.ram_mib:g} MiB in use instead", file=sys.stderr)
         return args.ram_mib
@@ -324,7 +325,12 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
 
 def store_options(args: argparse.Namespace) -> StoreOptions:
     """`StoreOptions` from the store flags (the defaults' where a flag is not given)."""
-    given = {"policy": args.policy, "io_threads": args.io_threads, "direct_io": args.direct_io}
+    given = {
+        "policy": args.policy,
+        "io_threads": args.io_threads,
+        "direct_io": args.direct_io,
+        "expert_ranks": getattr(args, "ep", None),
+    }
     return StoreOptions(**{name: value for name, value in given.items() if value is not None})
 
 
