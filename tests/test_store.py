@@ -340,6 +340,48 @@ def test_direct_reads_land_in_aligned_buffers_and_bounce_into_the_others(packed,
         file.close()
 
 
+# Linux's largest single read (INT_MAX rounded down to a page): a longer preadv returns this many bytes
+MAX_READ_BYTES = 0x7FFFF000
+
+
+def test_a_short_direct_read_reads_the_rest_and_stops_at_the_end_of_the_file(packed, tmp_path):
+    """An O_DIRECT read longer than Linux's largest single read comes back short at a block boundary:
+    the rest is read from there, as buffered reads do (it was reported as a failed read). A read
+    across the end of a truncated copy still fails, counting the bytes the file has."""
+    _, pack = packed
+    with open("/proc/meminfo") as meminfo:
+        available_kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable"))
+    if available_kib < 6 << 20:
+        pytest.skip("needs 2 GiB for the read's destination, with room to spare")
+    big = tmp_path / "big.pack"
+    tail = np.random.default_rng(0).integers(0, 256, 2 * pack_io.ALIGNMENT, dtype=np.uint8).tobytes()
+    with open(big, "wb") as out:  # sparse: the holes read as zeros
+        out.truncate(MAX_READ_BYTES)
+        out.seek(MAX_READ_BYTES)
+        out.write(tail)
+    file = PackFile(big, read_splits=1, direct_io=True)
+    try:
+        if not file.direct_io:
+            pytest.skip(f"no O_DIRECT here: {file.direct_io_note}")
+        dest = pack_io.host_buffer(MAX_READ_BYTES + len(tail), True)
+        file.read([ReadRequest("big", 0, dest.size, dest)])
+        assert dest[MAX_READ_BYTES:].tobytes() == tail
+        del dest
+    finally:
+        file.close()
+    offset, nbytes = pack.object_range(pack.moe_layers[0], 5)
+    cut = tmp_path / pack.path.name
+    shutil.copyfile(pack.path, cut)
+    assert nbytes > pack_io.ALIGNMENT
+    os.truncate(cut, offset + pack_io.ALIGNMENT)  # the object's first block, then the end of the file
+    file = PackFile(cut, read_splits=1, direct_io=True)
+    try:
+        with pytest.raises(OSError, match=f"short read: {pack_io.ALIGNMENT} of {nbytes} bytes"):
+            file.read([ReadRequest("cut", offset, nbytes, pack_io.host_buffer(nbytes, True))])
+    finally:
+        file.close()
+
+
 def _huge_page_kib(array: np.ndarray) -> int:
     """AnonHugePages of the mapping holding `array` (/proc/self/smaps)."""
     address, found = array.ctypes.data, False
