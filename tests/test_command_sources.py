@@ -110,12 +110,25 @@ def test_inspect_takes_a_manifest_as_the_other_commands_do(packed, capsys):
     assert capsys.readouterr().out == expected
 
 
-@pytest.mark.parametrize("flag", [("--gpu-mib", "64"), ("--direct-io",), ("--no-direct-io",)])
+STORE_FLAGS = [
+    ("--gpu-mib", "64"),
+    ("--direct-io",),
+    ("--no-direct-io",),
+    ("--policy", "lru"),
+    ("--policy", "cycle"),  # a default given explicitly is refused too
+    ("--io-threads", "4"),
+    ("--prefetch-hint", "auto"),
+    ("--no-prefetch",),
+]
+
+
+@pytest.mark.parametrize("flag", STORE_FLAGS)
 @pytest.mark.parametrize("source", ["--no-stream-experts", "no pack"])
 def test_expert_store_flags_without_a_store_are_refused_in_one_line(packed, tmp_path, flag, source):
-    """`--gpu-mib` and `--[no-]direct-io` set the expert store, which serves experts from a pack: where
-    experts come from the GGUF (`--no-stream-experts`, or no pack beside it) they would do nothing, and
-    the run says so instead of going on without them."""
+    """The store's flags (`--gpu-mib`, `--[no-]direct-io`, `--policy`, `--io-threads`, `--prefetch-hint`,
+    `--no-prefetch`) set the expert store, which serves experts from a pack: where experts come from the
+    GGUF (`--no-stream-experts`, or no pack beside it) they would do nothing, and the run says so instead
+    of going on without them."""
     import shutil
 
     from bench_helpers import run_cli

@@ -348,6 +348,35 @@ def test_a_limit_with_room_for_every_expert_gives_the_store_a_slot_for_each(tiny
         runtime.close()
 
 
+def test_an_expert_parallel_ranks_plan_caps_its_budget_at_its_share(tiny_model, tmp_path):
+    """Under `--ep 2` a rank's store serves half of each layer's experts: a limit with room for the
+    whole pack gives it a slot for each of those, not for the whole pack (memory it would never use)."""
+    from k3stream.cli import build_parser
+    from k3stream.commands.flags import runtime_from_args
+    from k3stream.pack.builder import build_pack
+    from pack_helpers import copy_model
+
+    manifest = build_pack(copy_model(tiny_model(**WIDE), tmp_path)).manifest
+    command = [
+        "generate",
+        str(manifest),
+        "--memory-limit",
+        "4GiB",
+        "--ctx",
+        "64",
+        "--ep",
+        "2",
+        "--prompt",
+        "hi",
+    ]
+    runtime = runtime_from_args(build_parser(command).parse_args(command))
+    try:
+        share = len(runtime.store.moe_layers) * runtime.store.num_experts // 2
+        assert runtime.store.max_experts_per_fetch == share
+    finally:
+        runtime.close()
+
+
 @pytest.mark.parametrize("cache_mib", [0, 256])
 def test_the_prompt_cache_is_in_the_default_plan_without_a_pack(tiny_model, monkeypatch, cache_mib):
     """Without a pack the GGUF's routed experts stay in RAM when the default plan (the cgroup's limit,

@@ -20,6 +20,7 @@ from k3stream.pack.reader import ExpertPack
 from k3stream.store import ExpertStore, pack_io
 from k3stream.store.pack_io import PackFile, ReadRequest
 from k3stream.store.simulate import simulate_policy
+from k3stream.store.tiers import tier_budgets
 from k3stream.store.traces import read_trace
 
 MIB = 1 << 20
@@ -79,6 +80,28 @@ def test_budget_below_one_working_set_is_refused(packed):
     message = str(error.value)
     assert "ram budget" in message and f"{too_small:g} MiB" in message
     assert f"{pack.top_k} x {pack.object_bytes} bytes" in message and "\n" not in message
+
+
+def test_a_gpu_budget_of_0_is_no_gpu_tier_off_cuda_and_refused_on_cuda(packed):
+    """`gpu_mib=0` is a budget, not "the default": off CUDA it is no GPU tier; on CUDA the GPU tier is
+    where experts compute, so 0 is refused as any budget below one top-k working set (it meant the 18 GiB
+    default). `tier_budgets` touches no device, so a CUDA device description runs here."""
+    _, pack = packed
+    slot, top_k = pack.object_bytes, pack.top_k
+    ram = budget(pack, top_k)
+    cuda = torch.device("cuda:0")
+    assert tier_budgets(torch.device("cpu"), ram, 0, slot, top_k) == {"ram": ram}
+    assert tier_budgets(cuda, ram, budget(pack, top_k + 1), slot, top_k) == {
+        "gpu": budget(pack, top_k + 1),
+        "ram": ram,
+    }
+    assert tier_budgets(cuda, 0, budget(pack, top_k), slot, top_k) == {"gpu": budget(pack, top_k)}
+    with pytest.raises(
+        ValueError, match=rf"gpu budget 0 MiB is below one top-k working set .*{top_k} x {slot}"
+    ):
+        tier_budgets(cuda, ram, 0, slot, top_k)
+    with pytest.raises(ValueError, match="needs a CUDA device, got cpu"):
+        tier_budgets(torch.device("cpu"), ram, budget(pack, top_k), slot, top_k)
 
 
 @pytest.mark.parametrize("policy", ["lfu-lru", "lru", "arc", "cycle"])
@@ -169,6 +192,23 @@ def test_a_budget_holding_the_pack_reads_into_buffers_faulted_in_ahead(packed):
     assert faults < pages // 4, (faults, pages)
     assert stats["pack_reads"] == stats["buffers_reused"] == objects and stats["buffers_made"] == 0
     assert made_ahead == objects  # one a slot, never more than the pack's objects
+
+
+def test_an_expert_parallel_rank_sizes_its_buffers_and_o_direct_by_its_share(packed):
+    """Under `--ep 2` a rank serves half of each layer's experts: a budget of that half holds all it
+    serves, so it reads through the page cache as one process does when its budget holds the whole
+    pack, and its buffers made ahead stop at its share under a larger budget (the whole pack's size
+    made a rank read with O_DIRECT and fault in buffers for experts it never serves)."""
+    _, pack = packed
+    share = len(pack.moe_layers) * pack.num_experts // 2
+    fits = "off (auto): this rank's share of the pack (1/2) fits the RAM budget"
+    with ExpertStore(pack, ram_mib=budget(pack, share), prefetch=False, expert_ranks=2) as rank:
+        assert rank.stats()["direct_io_note"] == fits
+    with ExpertStore(pack, ram_mib=budget(pack, share), prefetch=False) as whole:
+        assert whole.stats()["direct_io"] is True or "buffered" in whole.stats()["direct_io_note"]
+    with ExpertStore(pack, ram_mib=budget(pack, 4 * share), prefetch=False, expert_ranks=2) as rank:
+        rank._prefaulter.join(timeout=20)  # it stops after the last buffer it makes
+        assert rank.stats()["buffers_prefaulted"] == share
 
 
 def test_buffers_made_ahead_stay_within_the_tier_slots(packed):
@@ -296,6 +336,48 @@ def test_direct_reads_land_in_aligned_buffers_and_bounce_into_the_others(packed,
         file.read([ReadRequest("unaligned", offset, nbytes, unaligned)])
         assert unaligned.tobytes() == expected
         assert len(bounces) == (splits if file.direct_io else 0)
+    finally:
+        file.close()
+
+
+# Linux's largest single read (INT_MAX rounded down to a page): a longer preadv returns this many bytes
+MAX_READ_BYTES = 0x7FFFF000
+
+
+def test_a_short_direct_read_reads_the_rest_and_stops_at_the_end_of_the_file(packed, tmp_path):
+    """An O_DIRECT read longer than Linux's largest single read comes back short at a block boundary:
+    the rest is read from there, as buffered reads do (it was reported as a failed read). A read
+    across the end of a truncated copy still fails, counting the bytes the file has."""
+    _, pack = packed
+    with open("/proc/meminfo") as meminfo:
+        available_kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable"))
+    if available_kib < 6 << 20:
+        pytest.skip("needs 2 GiB for the read's destination, with room to spare")
+    big = tmp_path / "big.pack"
+    tail = np.random.default_rng(0).integers(0, 256, 2 * pack_io.ALIGNMENT, dtype=np.uint8).tobytes()
+    with open(big, "wb") as out:  # sparse: the holes read as zeros
+        out.truncate(MAX_READ_BYTES)
+        out.seek(MAX_READ_BYTES)
+        out.write(tail)
+    file = PackFile(big, read_splits=1, direct_io=True)
+    try:
+        if not file.direct_io:
+            pytest.skip(f"no O_DIRECT here: {file.direct_io_note}")
+        dest = pack_io.host_buffer(MAX_READ_BYTES + len(tail), True)
+        file.read([ReadRequest("big", 0, dest.size, dest)])
+        assert dest[MAX_READ_BYTES:].tobytes() == tail
+        del dest
+    finally:
+        file.close()
+    offset, nbytes = pack.object_range(pack.moe_layers[0], 5)
+    cut = tmp_path / pack.path.name
+    shutil.copyfile(pack.path, cut)
+    assert nbytes > pack_io.ALIGNMENT
+    os.truncate(cut, offset + pack_io.ALIGNMENT)  # the object's first block, then the end of the file
+    file = PackFile(cut, read_splits=1, direct_io=True)
+    try:
+        with pytest.raises(OSError, match=f"short read: {pack_io.ALIGNMENT} of {nbytes} bytes"):
+            file.read([ReadRequest("cut", offset, nbytes, pack_io.host_buffer(nbytes, True))])
     finally:
         file.close()
 

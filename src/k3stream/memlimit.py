@@ -169,7 +169,7 @@ class ModelNeeds:
     working_bytes: int
     object_bytes: int  # one expert's slot: the pack's largest object, else the GGUF's mean expert
     top_k: int
-    expert_bytes: int  # every routed expert held at once: a slot each, else their GGUF bytes
+    expert_bytes: int  # every routed expert it holds at once (a rank's share): a slot each, else GGUF bytes
     tokens: int  # the served context: KV/state and a prefill's activations are sized for it
     sequences: int = 1  # KV/state is held for this many sequences at once
     prefill_rows: int = DEFAULT_PREFILL_ROWS  # prompt rows of the largest forward
@@ -257,13 +257,15 @@ def config_needs(
     sequences: int = 1,
     slot_bytes: int | None = None,
     prefill_rows: int | None = None,
+    expert_ranks: int = 1,
 ) -> ModelNeeds:
     """What a model of `config` needs besides the expert cache, from its config and byte counts alone
     (nothing is allocated): `sequences` sequences of the served context (a server's batch), and a
     prefill of as many rows (of DEFAULT_PREFILL_ROWS when no context was given: a longer prompt needs
     `--ctx`), or of `prefill_rows` attending the served context (a command that prefills in chunks).
     `slot_bytes`: the expert store's slot when experts stream from a pack (its largest object, roles
-    on 4 KiB boundaries), which every expert it holds takes; None: the GGUF's bytes."""
+    on 4 KiB boundaries), which every expert it holds takes; None: the GGUF's bytes. `expert_ranks`:
+    the expert-parallel ranks a pack's experts are split over (`--ep`): a rank holds at most its share."""
     tokens = served_tokens(config, ctx)
     if prefill_rows:  # the chunks of at most `sequences` prompts, each within the served context
         rows = min(prefill_rows, sequences * tokens)
@@ -277,7 +279,7 @@ def config_needs(
         working_bytes=working_bytes(config, rows, tokens if prefill_rows else rows),
         object_bytes=slot_bytes or mean,
         top_k=config.top_k,
-        expert_bytes=objects * slot_bytes if slot_bytes else expert_bytes,
+        expert_bytes=(objects * slot_bytes if slot_bytes else expert_bytes) // expert_ranks,
         tokens=tokens,
         sequences=sequences,
         prefill_rows=rows,
@@ -290,14 +292,17 @@ def model_needs(
     sequences: int = 1,
     slot_bytes: int | None = None,
     prefill_rows: int | None = None,
+    expert_ranks: int = 1,
 ) -> ModelNeeds:
     """What `checkpoint` (a `K3Checkpoint`) needs besides the expert cache, serving `sequences`
-    sequences of `ctx` tokens (`slot_bytes`, `prefill_rows`: `config_needs`')."""
+    sequences of `ctx` tokens (`slot_bytes`, `prefill_rows`, `expert_ranks`: `config_needs`')."""
     from k3stream.gguf.layout import is_routed_expert
 
     routed = sum(t.nbytes for t in checkpoint.tensors.values() if is_routed_expert(t.name))
     total = sum(t.nbytes for t in checkpoint.tensors.values())
-    return config_needs(checkpoint.config, routed, total - routed, ctx, sequences, slot_bytes, prefill_rows)
+    return config_needs(
+        checkpoint.config, routed, total - routed, ctx, sequences, slot_bytes, prefill_rows, expert_ranks
+    )
 
 
 # ---- the allocator ---------------------------------------------------------------------------------
@@ -401,17 +406,19 @@ def plan_for_model(
     cache_bytes: int = 0,
     slot_bytes: int | None = None,
     prefill_rows: int | None = None,
+    expert_ranks: int = 1,
 ) -> MemoryPlan:
     """The plan for an open checkpoint under `--memory-limit limit_text` (None: the cgroup's limit or
     available RAM), serving `sequences` sequences of `ctx` tokens (None: DEFAULT_CTX or the model's
     context, if shorter), `cache_bytes` of it the prompt cache's RAM tier, in the expert store's
-    `slot_bytes` when experts stream from a pack, its largest forward `prefill_rows` (`config_needs`)."""
+    `slot_bytes` when experts stream from a pack, its largest forward `prefill_rows`, a rank's share of
+    the experts under `expert_ranks` (`config_needs`)."""
     if limit_text is None:
         limit, source = default_memory_limit()
     else:
         limit, source = parse_size(limit_text), "--memory-limit"
         _refuse_above_cgroup(limit)
-    needs = model_needs(checkpoint, ctx, sequences, slot_bytes, prefill_rows)
+    needs = model_needs(checkpoint, ctx, sequences, slot_bytes, prefill_rows, expert_ranks)
     return plan_memory(limit, needs, resident_bytes(), source, cache_bytes)
 
 
@@ -436,11 +443,14 @@ def default_expert_ram_mib(
     cache_bytes: int = 0,
     slot_bytes: int | None = None,
     prefill_rows: int | None = None,
+    expert_ranks: int = 1,
 ) -> float:
     """The expert budget (MiB) of the default plan for `checkpoint` (`plan_for_model`'s terms): 0 when
     that plan cannot hold one top-k working set."""
     try:
-        plan = plan_for_model(checkpoint, None, ctx, sequences, cache_bytes, slot_bytes, prefill_rows)
+        plan = plan_for_model(
+            checkpoint, None, ctx, sequences, cache_bytes, slot_bytes, prefill_rows, expert_ranks
+        )
         return plan.expert_budget / MIB
     except MemoryLimitError:
         return 0.0

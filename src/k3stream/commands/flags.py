@@ -48,7 +48,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory k3stream may use (e.g. 1.5GiB, 1536M); sizes the expert RAM budget after non-expert "
         "weights, KV/state and working buffers (default: the memory cgroup's limit, else available RAM)",
     )
-    parser.add_argument("--gpu-mib", type=finite, default=None, help="GPU budget of the expert store (MiB)")
+    parser.add_argument(
+        "--gpu-mib",
+        type=finite,
+        default=None,
+        help="GPU budget of the expert store (MiB); on CUDA, where experts compute, at least one top-k "
+        "working set (default: up to 18 GiB of the free device memory, leaving 3 GiB)",
+    )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
@@ -100,7 +106,9 @@ def add_context_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_store_arguments(parser: argparse.ArgumentParser) -> None:
-    """The expert store's flags (they apply when experts stream from a pack)."""
+    """The expert store's flags (they apply when experts stream from a pack): None where not given, so
+    a flag given where experts come from the GGUF is refused; `store_options` and `load_options` resolve
+    the defaults the help names."""
     from k3stream.model.hints import HINT_CHOICES
     from k3stream.store.policies import POLICIES
 
@@ -108,8 +116,8 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         choices=list(POLICIES),
-        default=defaults.policy,
-        help="expert eviction policy (default %(default)s)",
+        default=None,
+        help=f"expert eviction policy (default {defaults.policy})",
     )
     parser.add_argument(
         "--no-prefetch",
@@ -119,7 +127,7 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefetch-hint",
         choices=list(HINT_CHOICES),
-        default="auto",
+        default=None,
         help="which prediction is prefetched: a MoE layer's router on its input (pre-attention), on the "
         "previous layer's stream after attention (layer-ahead, a MoE block earlier), the experts the layer "
         "last picked for each token id (token, a MoE layer earlier), or auto: layer-ahead then pre-attention "
@@ -127,14 +135,14 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
         "those have been right, otherwise (default)",
     )
     parser.add_argument(
-        "--io-threads", type=int, default=defaults.io_threads, help="pack read threads (default %(default)s)"
+        "--io-threads", type=int, default=None, help=f"pack read threads (default {defaults.io_threads})"
     )
     parser.add_argument(
         "--direct-io",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="read the pack with O_DIRECT, bypassing the page cache (default: when the pack does not fit "
-        "the RAM budget)",
+        help="read the pack with O_DIRECT, bypassing the page cache (default: when the pack, or an --ep "
+        "rank's share of it, does not fit the RAM budget)",
     )
 
 
@@ -192,7 +200,8 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
     if args.ram_mib is not None and args.memory_limit is None:
         return args.ram_mib
     slot = None if manifest is None else plan_pack(checkpoint).layout.object_bytes  # the store's slot
-    plan = plan_for_model(checkpoint, args.memory_limit, *_served(args), cache_bytes, slot, rows)
+    ranks = 1 if manifest is None else getattr(args, "ep", 1)  # a pack's experts split over --ep ranks
+    plan = plan_for_model(checkpoint, args.memory_limit, *_served(args), cache_bytes, slot, rows, ranks)
     if args.ram_mib is not None:
         print(f"{plan.summary()}; --ram-mib {args.ram_mib:g} MiB in use instead", file=sys.stderr)
         return args.ram_mib
@@ -256,13 +265,18 @@ def runtime_from_args(
 
 
 def _refuse_store_flags(args: argparse.Namespace) -> None:
-    """The expert store's flags that would do nothing where experts come from the GGUF: refused."""
+    """The expert store's flags that would do nothing where experts come from the GGUF: refused (the
+    store's flags default to None, or False for `--no-prefetch`: not given)."""
     direct_io = "--direct-io" if args.direct_io else "--no-direct-io"
-    given = [
-        flag
-        for flag, value in (("--gpu-mib", args.gpu_mib), (direct_io, args.direct_io))
-        if value is not None
-    ]
+    flags = (
+        ("--gpu-mib", args.gpu_mib),
+        (direct_io, args.direct_io),
+        ("--policy", args.policy),
+        ("--io-threads", args.io_threads),
+        ("--prefetch-hint", args.prefetch_hint),
+        ("--no-prefetch", args.no_prefetch or None),
+    )
+    given = [flag for flag, value in flags if value is not None]
     if given:
         why = (
             "--no-stream-experts reads them from the GGUF"
@@ -286,7 +300,7 @@ def load_options(args: argparse.Namespace, expert_ram_mib: float, device: str = 
         match_ggml=not getattr(args, "float_activations", False),
         expert_ram_mib=expert_ram_mib,
         prefetch=not args.no_prefetch,
-        prefetch_hint=args.prefetch_hint,
+        prefetch_hint=args.prefetch_hint or LoadOptions.prefetch_hint,
     )
     if getattr(args, "match_ggml", False) and not options.ggml_arithmetic:
         where = f"products on {device}" if options.device != "cpu" else f"weights re-typed to {dtype}"
@@ -310,12 +324,14 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def store_options(args: argparse.Namespace) -> StoreOptions:
-    """`StoreOptions` from the store flags."""
-    return StoreOptions(
-        policy=args.policy,
-        io_threads=args.io_threads,
-        direct_io=args.direct_io,
-    )
+    """`StoreOptions` from the store flags (the defaults' where a flag is not given)."""
+    given = {
+        "policy": args.policy,
+        "io_threads": args.io_threads,
+        "direct_io": args.direct_io,
+        "expert_ranks": getattr(args, "ep", None),
+    }
+    return StoreOptions(**{name: value for name, value in given.items() if value is not None})
 
 
 def prompt_ids(tokenizer: Any, args: argparse.Namespace, text: str) -> list[int]:

@@ -65,9 +65,10 @@ class StoreOptions:
 
     policy: str = "cycle"
     io_threads: int = 4
-    # None: O_DIRECT under a memory limit (the checkpoint's `uncached_reads`) or when the pack does not
-    # fit the RAM budget
+    # None: O_DIRECT under a memory limit (the checkpoint's `uncached_reads`) or when the experts the
+    # store serves do not fit the RAM budget
     direct_io: bool | None = None
+    expert_ranks: int = 1  # expert-parallel ranks (`--ep`): the store serves its rank's share
     simulated_read_latency_us: float = 0.0  # sleeps before each pack read: tests and experiments
 
 
@@ -133,7 +134,8 @@ def load_resolved(
         pack = ExpertPack(manifest, config=checkpoint.config)
         ram_mib = options.expert_ram_mib
         if ram_mib is None:
-            ram_mib = default_expert_ram_mib(checkpoint, slot_bytes=pack.object_bytes)
+            ranks = store_options.expert_ranks
+            ram_mib = default_expert_ram_mib(checkpoint, slot_bytes=pack.object_bytes, expert_ranks=ranks)
         if store_options.direct_io is None and checkpoint.uncached_reads:
             # the pack's page cache would be charged to the limit beside the expert budget
             store_options = replace(store_options, direct_io=True)

@@ -65,15 +65,17 @@ COUNTERS = (
 )
 
 
-def _direct_io(requested: bool | None, ram_mib: float, pack_bytes: int) -> tuple[bool, str]:
-    """Whether to read the pack with O_DIRECT, and the note when not. None (auto): when the pack does
-    not fit the RAM budget, so its pages would only crowd the page cache and the memory limit
-    (measured under a memory cgroup: the limit hit 50x less often, prefill and decode faster)."""
+def _direct_io(requested: bool | None, ram_mib: float, served_bytes: int, ranks: int) -> tuple[bool, str]:
+    """Whether to read the pack with O_DIRECT, and the note when not. None (auto): when the experts
+    the store serves (`served_bytes`: the pack, or an expert-parallel rank's share of it) do not fit
+    the RAM budget, so their pages would only crowd the page cache and the memory limit (measured
+    under a memory cgroup: the limit hit 50x less often, prefill and decode faster)."""
     if requested is not None:
         return requested, "not requested"
-    if pack_bytes > ram_mib * MIB:
+    if served_bytes > ram_mib * MIB:
         return True, ""
-    return False, "off (auto): the whole pack fits the RAM budget"
+    served = "the whole pack" if ranks == 1 else f"this rank's share of the pack (1/{ranks})"
+    return False, f"off (auto): {served} fits the RAM budget"
 
 
 def _open_pack(pack: Any) -> Any:
@@ -101,6 +103,7 @@ class ExpertStore:
         record_trace: str | os.PathLike[str] | None = None,
         read_splits: int = 4,
         simulated_read_latency_us: float = 0.0,
+        expert_ranks: int = 1,
     ) -> None:
         self.pack = _open_pack(pack)
         self._parts_by_layer: dict[int, list[tuple[str, int, int, int, tuple[int, int]]]] = {}
@@ -108,6 +111,7 @@ class ExpertStore:
         self.top_k = int(self.pack.top_k)
         self.num_experts = int(self.pack.num_experts)
         self.moe_layers = frozenset(int(layer) for layer in self.pack.moe_layers)
+        served = len(self.moe_layers) * self.num_experts // expert_ranks  # objects of this rank's share
         self.prefetches = self.reads_ahead = prefetch  # hints and read-ahead load only with a prefetch thread
         self.slot_bytes = max(self.pack.object_range(layer, 0)[1] for layer in self.moe_layers)
         layers = sorted(self.moe_layers)
@@ -129,14 +133,14 @@ class ExpertStore:
         self._prefaulter: threading.Thread | None = None
         self._prefault_stop = threading.Event()
         try:
-            direct = _direct_io(direct_io, ram_mib, len(self.moe_layers) * self.num_experts * self.slot_bytes)
+            direct = _direct_io(direct_io, ram_mib, served * self.slot_bytes, expert_ranks)
             self._open(io_threads, read_splits, direct, simulated_read_latency_us, prefetch, record_trace)
         except BaseException:
             self._release()
             raise
         buffers = RecycledBuffers(self.slot_bytes, keep=self._compute.cache.capacity)
         if self._compute.name == "ram":
-            self._start_prefault(buffers, len(self.moe_layers) * self.num_experts)
+            self._start_prefault(buffers, served)
         self._reader = ObjectReader(self.pack, self._file, self._live, self._lock, buffers)
         self.integrity_checked = self._reader.integrity_checked
         self._loader = Loader(self._reader, self._pins, self._lock, self._slot_freed, self.top_k)

@@ -4,8 +4,10 @@ An object is split into `read_splits` ranges whose starts are 4 KiB aligned (pac
 4 KiB boundaries), and the ranges of every object of one request are read at once by a thread pool.
 With O_DIRECT each range is read, rounded up to whole 4 KiB blocks, straight into its destination
 when that is aligned and has room for the rounding (`host_buffer` makes such buffers), else into an
-aligned per-thread bounce buffer and copied out; when the filesystem refuses O_DIRECT (tmpfs, some
-overlay filesystems) the file is reopened buffered and `direct_io_note` says why.
+aligned per-thread bounce buffer and copied out; a short read (Linux returns at most 2 GiB less a page
+at once) goes on from the block it stopped at, as buffered reads go on from the byte, until the end of
+the file. When the filesystem refuses O_DIRECT (tmpfs, some overlay filesystems) the file is reopened
+buffered and `direct_io_note` says why.
 """
 
 from __future__ import annotations
@@ -287,11 +289,26 @@ class PackFile:
         span = _round_up(head + target.size)
         straight = not head and not target.ctypes.data % ALIGNMENT and room.size >= span
         buffer = room if straight else self._bounce(span)
-        got = os.preadv(self._fd, [memoryview(buffer[:span])], offset - head)
+        got = self._read_blocks(self._fd, offset - head, buffer[:span], head + target.size)
         if got < head + target.size:
             raise OSError(errno.EIO, f"short read: {max(got - head, 0)} of {target.size} bytes at {offset}")
         if not straight:
             target[:] = buffer[head : head + target.size]
+
+    @staticmethod
+    def _read_blocks(fd: int, offset: int, buffer: np.ndarray, needed: int) -> int:
+        """O_DIRECT reads into `buffer` from `offset` (both aligned) until `needed` bytes are in, each
+        short read's remainder read again from the block it stopped at; the bytes read, fewer at the
+        end of the file (a read returning nothing, or stopping inside a block, which only the end of
+        the file does)."""
+        view = memoryview(buffer)
+        done = 0
+        while done < needed:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            done += got
+            if not got or done % ALIGNMENT:
+                break
+        return done
 
     def _bounce(self, nbytes: int) -> np.ndarray:
         """This reader thread's aligned bounce buffer, at least `nbytes`."""

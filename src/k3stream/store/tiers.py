@@ -232,15 +232,14 @@ def make_tiers(
     policy: str,
     layers: list[int],
 ) -> list[Tier]:
-    """The chain for `device`, front first: GPU, then RAM when `ram_mib`, on CUDA; else RAM alone.
-    A budget below one top-k working set is refused (ValueError)."""
-    budgets = _budgets(device, ram_mib, gpu_mib)
-    for name, mib in budgets.items():
-        if int(mib * MIB) // slot_bytes < top_k:
-            raise ValueError(
-                f"expert store {name} budget {int(mib * MIB) / MIB:g} MiB is below one top-k "
-                f"working set of {top_k * slot_bytes / MIB:g} MiB ({top_k} x {slot_bytes} bytes)"
-            )
+    """The chain for `device`, front first: GPU, then RAM when `ram_mib`, on CUDA; else RAM alone
+    (`tier_budgets`; `gpu_mib` None on CUDA: `_default_gpu_mib`)."""
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise ValueError(f"expert store device {device} requested but CUDA is not available")
+    if cuda and gpu_mib is None:
+        gpu_mib = _default_gpu_mib(device)
+    budgets = tier_budgets(device, ram_mib, gpu_mib, slot_bytes, top_k)
     if "gpu" not in budgets:
         return [FrontTier("ram", ram_mib, slot_bytes, policy, layers)]
     host = Tier("ram", ram_mib, slot_bytes, policy, layers) if "ram" in budgets else None
@@ -249,16 +248,25 @@ def make_tiers(
     return [front] if host is None else [front, host]
 
 
-def _budgets(device: torch.device, ram_mib: float, gpu_mib: float | None) -> dict[str, float]:
-    if device.type != "cuda":
-        if gpu_mib:
-            raise ValueError(f"expert store GPU tier (gpu_mib={gpu_mib}) needs a CUDA device, got {device}")
-        return {"ram": ram_mib}
-    if not torch.cuda.is_available():
-        raise ValueError(f"expert store device {device} requested but CUDA is not available")
-    budgets = {"gpu": gpu_mib or _default_gpu_mib(device)}
-    if ram_mib:
+def tier_budgets(
+    device: torch.device, ram_mib: float, gpu_mib: float | None, slot_bytes: int, top_k: int
+) -> dict[str, float]:
+    """The MiB of each tier, front first (no device is touched). On CUDA the GPU tier computes, so it is
+    always there, `gpu_mib` MiB (a number: 0 is refused as any budget below one top-k working set is),
+    then a RAM tier when `ram_mib`; elsewhere RAM alone, and a `gpu_mib` other than None or 0 (no GPU
+    tier) is refused (ValueError)."""
+    cuda = device.type == "cuda"
+    if not cuda and gpu_mib:
+        raise ValueError(f"expert store GPU tier (gpu_mib={gpu_mib}) needs a CUDA device, got {device}")
+    budgets = {"gpu": float(gpu_mib)} if cuda else {"ram": ram_mib}
+    if cuda and ram_mib:
         budgets["ram"] = ram_mib
+    for name, mib in budgets.items():
+        if int(mib * MIB) // slot_bytes < top_k:
+            raise ValueError(
+                f"expert store {name} budget {int(mib * MIB) / MIB:g} MiB is below one top-k "
+                f"working set of {top_k * slot_bytes / MIB:g} MiB ({top_k} x {slot_bytes} bytes)"
+            )
     return budgets
 
 
