@@ -13,7 +13,8 @@ import pytest
 from gguf import GGUFReader
 
 from bench_helpers import MIB
-from k3stream.commands.demo import DEFAULT_PROMPT
+from k3stream.commands.demo import DEFAULT_PROMPT, model_folder
+from k3stream.gguf import vocab
 
 AUDITED_TYPES = {
     "ffn_up_exps.weight": "Q2_K",
@@ -138,3 +139,10 @@ def test_help_needs_no_model(command):
     )
     assert done.returncode == 0, done.stderr
     assert "--ram-mib" in done.stdout and "--no-prefetch" in done.stdout and "--policy" in done.stdout
+
+
+def test_a_changed_chat_template_makes_a_new_random_model_folder(tmp_path, monkeypatch):
+    """The random demo's file carries `CHAT_TEMPLATE`: a cached file with another template is not reused."""
+    before = model_folder(tmp_path, trained=False)
+    monkeypatch.setattr(vocab, "CHAT_TEMPLATE", vocab.CHAT_TEMPLATE + "{# another #}")
+    assert model_folder(tmp_path, trained=False) != before

@@ -193,3 +193,19 @@ def test_formats_of_the_vocabulary():
     assert len(plain.marks) == 5 and all(len(mark) == 1 for mark in plain.marks.values())
     arrows = KimiFormat.for_tokenizer(make_tokenizer(("◁think▷", "◁/think▷")))
     assert arrows.think is not None and arrows.spell("".join(arrows.think)) == "◁think▷◁/think▷"
+
+
+@pytest.mark.parametrize("specials", [(), ("<|open|>", "<|sep|>", "<|close|>")])
+def test_the_builtin_kimi_k3_templates_think_channel(specials):
+    """The built-in template's think channel (`<|open|>think<|sep|>`, closed by `<|close|>think<|sep|>`
+    and the response channel's opening) is found from the template's rendering of a turn's reasoning,
+    whether the XTML markers are special tokens or text; a call after it is a tool call."""
+    from k3stream.engine.chat import BUILTIN_KIMI_K3_TEMPLATE
+
+    tokenizer = make_tokenizer(specials)
+    fmt = KimiFormat.for_tokenizer(tokenizer, BUILTIN_KIMI_K3_TEMPLATE)
+    assert fmt.spell(fmt.think[0]) == "<|open|>think<|sep|>"
+    assert fmt.spell(fmt.think[1]) == "<|close|>think<|sep|><|open|>response<|sep|>"
+    output = f"Plan: ask.<|close|>think<|sep|><|open|>response<|sep|>Sure.{SECTION}"
+    result = every_split(fmt, released(tokenizer, fmt, output), in_reasoning=True)
+    assert (result.reasoning, result.content, result.tool_calls) == ("Plan: ask.", "Sure.", CALLS)

@@ -118,3 +118,40 @@ def test_langchain_openai_runs_a_tool_loop(server):
     assert [m.content for m in messages if isinstance(m, ToolMessage)] == [
         FORECASTS[m.tool_calls[0]["args"]["city"]] for m in messages if getattr(m, "tool_calls", None)
     ]
+
+
+def test_the_demo_template_shows_the_model_its_tools_calls_and_results(server):
+    """The demo's own template (Kimi-K2's) declares the tools, writes a call back as the tool-call
+    section the parser read it from, token for token, and a result as a `tool` turn; plain chat renders
+    as it did for the shipped model (a default system message, one turn a message)."""
+    import httpx
+
+    thread, name = server
+    headers = {"Authorization": f"Bearer {KEY}"}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    fields = {"model": name, "messages": ask, "tools": tools, "tool_choice": "required", "max_tokens": 48}
+    answer = httpx.post(
+        thread.url + "/v1/chat/completions", json={**fields, "temperature": 0}, headers=headers
+    )
+    call = answer.json()["choices"][0]["message"]["tool_calls"][0]
+    result = {"role": "tool", "tool_call_id": call["id"], "content": FORECASTS["Paris"]}
+    loop = [*ask, {"role": "assistant", "content": "", "tool_calls": [call]}, result]
+    prompt = httpx.post(
+        thread.url + "/apply-template", json={"messages": loop, "tools": tools}, headers=headers
+    ).json()["prompt"]
+    system = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+    written = (
+        f"<|tool_calls_section_begin|><|tool_call_begin|>{call['id']}<|tool_call_argument_begin|>"
+        f"{call['function']['arguments']}<|tool_call_end|><|tool_calls_section_end|>"
+    )
+    assert prompt == (
+        '<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":{"name":"get_weather",'
+        f'"parameters":{{"type":"object"}}}}}}]<|im_end|>{system}<|im_user|>user<|im_middle|>{ask[0]["content"]}'
+        f"<|im_end|><|im_assistant|>assistant<|im_middle|>{written}<|im_end|><|im_system|>tool<|im_middle|>"
+        f"## Return of {call['id']}\n{FORECASTS['Paris']}<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    )
+    plain = httpx.post(thread.url + "/apply-template", json={"messages": ask}, headers=headers).json()
+    assert plain["prompt"] == f"{system}<|im_user|>user<|im_middle|>{ask[0]['content']}<|im_end|>" + (
+        "<|im_assistant|>assistant<|im_middle|>"
+    )

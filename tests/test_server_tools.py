@@ -224,6 +224,39 @@ def test_builtin_template_renders_tools_and_calls(builtin_gguf):
         served.close()
 
 
+def test_builtin_templates_think_channel_is_reasoning_and_a_forced_call_follows_it(builtin_gguf):
+    """The built-in template opens `<|open|>think<|sep|>`: the answer is reasoning until the channel
+    closes (`<|close|>think<|sep|><|open|>response<|sep|>`), and a forced call's grammar applies from
+    there; the template writes an earlier turn's reasoning in that channel."""
+    served = served_from_runtime(load_runtime(builtin_gguf))
+    thinking = {"chat_template_kwargs": {"thinking": True}}
+    try:
+        turn = {"role": "assistant", "content": "Noon.", "reasoning_content": "Look it up."}
+        rendered = served.chat_template.render([*ASK, turn], add_generation_prompt=False)
+        close = "<|close|>think<|sep|><|open|>response<|sep|>"
+        assert f"<|open|>think<|sep|>Look it up.{close}Noon." in rendered
+        body = ChatCompletionRequest(
+            model=served.name, messages=ASK, tools=TOOLS, tool_choice=NAMED, **thinking
+        )
+        prompt = served.prepare_chat(body)
+        assert prompt.in_reasoning
+        constraint = prompt.constraints[0]
+        for token in served.tokenizer.encode("Plan." + close, allow_special=True):
+            assert constraint.allowed()[token]
+            constraint.advance(token)
+        section = served.tokenizer.token_id("<|tool_calls_section_begin|>")
+        assert constraint.allowed().nonzero().flatten().tolist() == [section]
+        with ServerThread(create_app(served, ServerConfig(max_batch=2))) as thread:
+            api = openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0, timeout=120)
+            answer = api.chat.completions.create(
+                model=served.name, messages=ASK, max_tokens=12, temperature=0, extra_body=thinking
+            )
+        message = answer.choices[0].message
+        assert message.model_extra["reasoning_content"] and not message.content
+    finally:
+        served.close()
+
+
 def test_call_cut_off_by_max_tokens_comes_back_as_text(client):
     choice = chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=6).choices[0]
     assert choice.finish_reason == "length" and not choice.message.tool_calls

@@ -100,11 +100,13 @@ def demo_spec() -> Any:
 
 
 def model_folder(cache_dir: Path, trained: bool = True) -> Path:
-    """One folder per demo model (the shipped file's bytes, or the random spec), so a changed model never
-    reuses an old pack."""
+    """One folder per demo model (the shipped file's bytes, or the random spec and the chat template its
+    file is written with), so a changed model never reuses an old pack or file."""
+    from k3stream.gguf.vocab import CHAT_TEMPLATE
+
     if trained:
         return cache_dir / f"trained-{_file_digest(TRAINED_GGUF)}"
-    digest = hashlib.sha256(repr(demo_spec()).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(repr((demo_spec(), CHAT_TEMPLATE)).encode()).hexdigest()[:12]
     return cache_dir / f"tiny-audited-{digest}"
 
 

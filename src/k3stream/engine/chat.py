@@ -2,7 +2,9 @@
 
 When a file carries no template we use a built-in one in Kimi-K3's XTML style
 (`<|open|>message role="user"<|sep|>...<|close|>message<|sep|><|end_of_msg|>`), answering in the
-response channel; pass `thinking=True` to open the think channel instead. With `tools=[...]` it declares
+response channel; pass `thinking=True` to open the think channel instead (an assistant message's
+`reasoning_content` goes in its think channel, `<|open|>think<|sep|>...<|close|>think<|sep|>`, before its
+response). With `tools=[...]` it declares
 them in a system message (`<|open|>tools<|sep|>JSON<|close|>tools<|sep|>`), writes an assistant's
 `tool_calls` as Kimi's tool-call section inside its response, and a `tool` message as
 `## Return of ID` then its content (Kimi-K2's shape; a file's own template always wins).
@@ -45,6 +47,9 @@ BUILTIN_KIMI_K3_TEMPLATE = (
     "{%- for message in messages -%}"
     "{{ open('message', message.role) }}"
     "{%- if message.role == 'assistant' -%}"
+    "{%- if message.reasoning_content -%}"
+    "{{ open('think') }}{{ message.reasoning_content }}{{ close('think') }}"
+    "{%- endif -%}"
     "{{ open('response') }}{{ text(message.content) }}"
     "{%- if message.tool_calls -%}<|tool_calls_section_begin|>"
     "{%- for call in message.tool_calls -%}<|tool_call_begin|>{{ call.id }}<|tool_call_argument_begin|>"

@@ -34,16 +34,26 @@ SPECIAL_TOKENS = (
 )
 BOS, EOS, PAD = "[BOS]", "<|im_end|>", "[PAD]"
 
+# Kimi-K2's chat template: tools declared in a `tool_declare` system message, an assistant's `tool_calls`
+# as its tool-call section, a `tool` message as a `tool` system turn `## Return of ID` then its content.
 CHAT_TEMPLATE = (
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}"
+    "<|im_end|>{%- endif -%}"
     "{%- if messages|length == 0 or messages[0]['role'] != 'system' -%}"
     "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
     "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
     "{%- elif message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
-    "{%- else -%}<|im_assistant|>assistant<|im_middle|>"
-    "{%- endif -%}"
-    "{{ message['content'] }}<|im_end|>"
+    "{%- elif message['role'] == 'tool' -%}<|im_system|>tool<|im_middle|>"
+    "{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+    "{%- if message['role'] == 'tool' -%}## Return of {{ message['tool_call_id'] }}\n{{ message['content'] }}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] -%}"
+    "{%- if message['content'] -%}{{ message['content'] }}{%- endif -%}<|tool_calls_section_begin|>"
+    "{%- for call in message['tool_calls'] -%}<|tool_call_begin|>{{ call['id'] }}"
+    "<|tool_call_argument_begin|>{{ call['function']['arguments'] }}<|tool_call_end|>{%- endfor -%}"
+    "<|tool_calls_section_end|>"
+    "{%- else -%}{{ message['content'] }}{%- endif -%}<|im_end|>"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
 )

@@ -164,14 +164,18 @@ class SingleToolCall:
 
 class AfterThinking:
     """A forced output's constraint for a prompt that opened a think block: the reasoning is free until
-    the block's closing token, then `inner` (the grammar) applies, as vLLM's structured output with a
-    reasoning parser does; the answer cannot end inside the block (`stop_ids` are refused there)."""
+    the block's closing tokens (`close`, in order), then `inner` (the grammar) applies, as vLLM's
+    structured output with a reasoning parser does; the answer cannot end inside the block (`stop_ids`
+    are refused there)."""
 
-    def __init__(self, inner: Constraint, close: int, stop_ids: Sequence[int], vocab_size: int) -> None:
+    def __init__(
+        self, inner: Constraint, close: Sequence[int], stop_ids: Sequence[int], vocab_size: int
+    ) -> None:
         self._inner = inner
-        self._close = close
+        self._close = list(close)
         self._thinking = BannedTokens(stop_ids, vocab_size)
         self._closed = False
+        self._tail: list[int] = []  # the last tokens of the block, as many as `close` holds
 
     def allowed(self) -> torch.Tensor:
         return self._inner.allowed() if self._closed else self._thinking.allowed()
@@ -179,4 +183,6 @@ class AfterThinking:
     def advance(self, token: int) -> None:
         if self._closed:
             self._inner.advance(token)
-        self._closed = self._closed or token == self._close
+            return
+        self._tail = [*self._tail, token][-len(self._close) :]
+        self._closed = self._tail == self._close

@@ -4,8 +4,9 @@
     <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|> ...
     <|tool_calls_section_end|>
 
-`KimiFormat.for_tokenizer` finds the delimiters in the model's own vocabulary and chat template. A
-delimiter that is a special token reaches the parser as a one-character private-use *mark* (the engine's
+`KimiFormat.for_tokenizer` finds the delimiters in the model's own vocabulary and chat template (the think
+pair is the one the template writes around an assistant turn's reasoning where it writes one). A
+special token in a delimiter reaches the parser as a one-character private-use *mark* (the engine's
 `Sequence` decodes those token ids to their marks), so ordinary text that merely spells
 `<|tool_call_begin|>` is never taken for one; a delimiter that is plain text in the vocabulary or the
 template (`◁think▷`) is matched as text. `OutputParser.feed(text)` returns what the text releases:
@@ -27,7 +28,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-THINK_PAIRS = (("<think>", "</think>"), ("◁think▷", "◁/think▷"))
+# think blocks as Kimi's templates write them: K2's tokens, K1.5's arrows, Kimi-K3's XTML think channel
+# (its closing reopens the response channel, where the answer and its tool calls go)
+THINK_PAIRS = (
+    ("<think>", "</think>"),
+    ("◁think▷", "◁/think▷"),
+    ("<|open|>think<|sep|>", "<|close|>think<|sep|><|open|>response<|sep|>"),
+)
+# an assistant turn written to find which pair the template puts around a message's reasoning
+PROBE_REASONING, PROBE_CONTENT = "k3stream-probe-reasoning", "k3stream-probe-content"
 TOOL_TOKENS = (
     "<|tool_calls_section_begin|>",
     "<|tool_calls_section_end|>",
@@ -99,15 +108,14 @@ class KimiFormat:
         specials = tokenizer.special_tokens
         marks: dict[int, str] = {}
 
-        def as_text(token: str) -> str:
-            if token not in specials:
-                return token
-            return marks.setdefault(specials[token], chr(FIRST_MARK + len(marks)))
+        def as_text(delimiter: str) -> str:
+            """The delimiter's text with each special token in it written as its mark."""
+            return "".join(
+                marks.setdefault(specials[p], chr(FIRST_MARK + len(marks))) if p in specials else p
+                for p in _special_split(delimiter, specials)
+            )
 
-        think = next((pair for pair in THINK_PAIRS if all(t in specials for t in pair)), None)
-        think = think or next(
-            (pair for pair in THINK_PAIRS if _known_text(tokenizer, template_text, pair)), None
-        )
+        think = _think_pair(tokenizer, template_text)
         tools = None
         if all(t in specials for t in TOOL_TOKENS):
             tools = {t: as_text(t) for t in TOOL_TOKENS}
@@ -120,6 +128,38 @@ class KimiFormat:
         for mark, token in self.spelled.items():
             text = text.replace(mark, token)
         return text
+
+
+def _think_pair(tokenizer: Any, template_text: str) -> tuple[str, str] | None:
+    """The pair the template writes around an assistant turn's reasoning, else one the vocabulary holds
+    as special tokens, else one of single vocabulary tokens or template text."""
+    rendered = _probe_rendering(template_text)
+    found = (
+        lambda pair: f"{pair[0]}{PROBE_REASONING}{pair[1]}" in rendered,
+        lambda pair: all(token in tokenizer.special_tokens for token in pair),
+        lambda pair: _known_text(tokenizer, template_text, pair),
+    )
+    return next((pair for test in found for pair in THINK_PAIRS if test(pair)), None)
+
+
+def _special_split(text: str, specials: Iterable[str]) -> list[str]:
+    """`text` cut into the special tokens it holds and the text between them."""
+    held = sorted((token for token in specials if token in text), key=len, reverse=True)
+    if not held:
+        return [text]
+    return [part for part in re.split("(" + "|".join(map(re.escape, held)) + ")", text) if part]
+
+
+def _probe_rendering(template_text: str) -> str:
+    """The template's rendering of an assistant turn with reasoning (empty where it cannot render one)."""
+    from k3stream.engine.chat import ChatTemplate
+
+    answer = {"role": "assistant", "content": PROBE_CONTENT, "reasoning_content": PROBE_REASONING}
+    try:
+        template = ChatTemplate(template_text)
+        return template.render([{"role": "user", "content": "?"}, answer], add_generation_prompt=False)
+    except ValueError:
+        return ""
 
 
 def _known_text(tokenizer: Any, template_text: str, pair: tuple[str, str]) -> bool:

@@ -182,15 +182,12 @@ class ServedModel(Runtime):
 
     def _constraint(self, body: ChatCompletionRequest, in_reasoning: bool) -> TokenConstraint | None:
         """One choice's constraint; a forced output's grammar follows the think block the prompt opened
-        (`in_reasoning`) where its closing is one token."""
+        (`in_reasoning`)."""
         forced = self._forced_output(body)
+        if forced is not None and in_reasoning:
+            return AfterThinking(forced, self._think_close(), self.grammars.stop_ids, self.vocab_size)
         if forced is not None:
-            close = self._think_close() if in_reasoning else None
-            return (
-                forced
-                if close is None
-                else AfterThinking(forced, close, self.grammars.stop_ids, self.vocab_size)
-            )
+            return forced
         if body.tool_choice == "none" and self.kimi.tools is not None:
             section = self.tokenizer.token_id("<|tool_calls_section_begin|>")
             return BannedTokens([section], self.vocab_size)
@@ -219,14 +216,9 @@ class ServedModel(Runtime):
             return self.grammars.constraint(json_schema_grammar(schema), "response_format")
         return None
 
-    def _think_close(self) -> int | None:
-        """The token that closes a think block: its special token, or the one ordinary token spelling
-        it; None where the closing takes several tokens."""
-        spelled = self.kimi.spell(self.kimi.think[1])
-        if spelled in self.tokenizer.special_tokens:
-            return self.tokenizer.special_tokens[spelled]
-        ids = self.tokenizer.encode_plain(spelled)
-        return ids[0] if len(ids) == 1 else None
+    def _think_close(self) -> list[int]:
+        """The tokens that close a think block (its special tokens and its text's tokens)."""
+        return self.tokenizer.encode(self.kimi.spell(self.kimi.think[1]), allow_special=True)
 
     def _check_tool_schemas(self, body: ChatCompletionRequest) -> None:
         """A 400 naming the first forced tool whose parameters the grammar library cannot compile."""
