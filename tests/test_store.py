@@ -347,7 +347,7 @@ MAX_READ_BYTES = 0x7FFFF000
 @pytest.mark.slow  # a 2 GiB read
 def test_a_short_direct_read_reads_the_rest_and_stops_at_the_end_of_the_file(packed, tmp_path):
     """An O_DIRECT read longer than Linux's largest single read comes back short at a block boundary:
-    the rest is read from there, as buffered reads do (it was reported as a failed read). A read
+    the rest is read from there, as buffered reads do. A read
     across the end of a truncated copy still fails, counting the bytes the file has."""
     _, pack = packed
     with open("/proc/meminfo") as meminfo:
