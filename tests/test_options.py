@@ -87,8 +87,8 @@ def test_ggml_arithmetic_is_the_default_and_float_activations_a_flag(tiny_model)
     assert LoadOptions().ggml_arithmetic
     with pytest.raises(SystemExit):
         options("generate", "--match-ggml", "--float-activations")
-    tokens = list(range(1, 9))  # few: 8-bit codes are discontinuous, so over a long sequence two paths
-    # equal up to summation order can round one code apart and pick another expert
+    tokens = [1, 2]  # few: 8-bit codes are discontinuous, so two paths equal up to summation order can
+    # round one code apart and pick another expert within a few tokens (this model's third token does)
     default = k3stream.load(path).logits(tokens)
     floats = k3stream.load(path, options("generate", "--float-activations")).logits(tokens)
     rounded = k3stream.load(path, LoadOptions(kernels="reference")).logits(tokens)
