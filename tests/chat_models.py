@@ -7,31 +7,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# Kimi-K2's chat template with tools, tool calls and tool results, in the shape Moonshot ships it, plus
-# `thinking` to open a think block as Kimi-K2-Thinking's generation prompt does, and an assistant turn's
-# `reasoning_content` in its think block, as Kimi-K2-Thinking's template writes it back.
-KIMI_TOOL_TEMPLATE = (
-    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}"
-    "<|im_end|>{%- endif -%}"
-    "{%- if messages|length == 0 or messages[0]['role'] != 'system' -%}"
-    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
-    "{%- elif message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
-    "{%- elif message['role'] == 'tool' -%}<|im_system|>tool<|im_middle|>"
-    "{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
-    "{%- if message['reasoning_content'] -%}<think>{{ message['reasoning_content'] }}</think>{%- endif -%}"
-    "{%- if message['role'] == 'tool' -%}## Return of {{ message['tool_call_id'] }}\n{{ message['content'] }}"
-    "{%- elif message['role'] == 'assistant' and message['tool_calls'] -%}"
-    "{%- if message['content'] -%}{{ message['content'] }}{%- endif -%}<|tool_calls_section_begin|>"
-    "{%- for call in message['tool_calls'] -%}<|tool_call_begin|>{{ call['id'] }}"
-    "<|tool_call_argument_begin|>{{ call['function']['arguments'] }}<|tool_call_end|>{%- endfor -%}"
-    "<|tool_calls_section_end|>"
-    "{%- else -%}{{ message['content'] }}{%- endif -%}<|im_end|>"
-    "{%- endfor -%}"
+from k3stream.gguf.vocab import CHAT_TEMPLATE
+
+# The tiny models' Kimi-K2 chat template (tools, tool calls and tool results, `gguf.vocab.CHAT_TEMPLATE`)
+# plus `thinking` to open a think block as Kimi-K2-Thinking's generation prompt does, and an assistant
+# turn's `reasoning_content` in its think block, as Kimi-K2-Thinking's template writes it back.
+_ASSISTANT_OPENED = "{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+_GENERATION_PROMPT = "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+KIMI_TOOL_TEMPLATE = CHAT_TEMPLATE.replace(
+    _GENERATION_PROMPT,
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
-    "{%- if thinking -%}<think>{%- endif -%}{%- endif -%}"
+    "{%- if thinking -%}<think>{%- endif -%}{%- endif -%}",
+).replace(
+    _ASSISTANT_OPENED,
+    _ASSISTANT_OPENED
+    + "{%- if message['reasoning_content'] -%}<think>{{ message['reasoning_content'] }}</think>{%- endif -%}",
 )
 
 

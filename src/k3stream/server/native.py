@@ -19,7 +19,12 @@ from k3stream.server.grammar import gbnf_grammar, json_schema_grammar
 from k3stream.server.kimi_output import Piece
 from k3stream.server.request_logic import TokenConstraint
 from k3stream.server.scheduler import Job, ProgressEvent, request_timings
-from k3stream.server.schemas import MAX_PROMPTS, RepetitionPenalty, SamplingFields, check_json_schema
+from k3stream.server.schemas import (
+    RepetitionPenalty,
+    SamplingFields,
+    check_json_schema,
+    checked_prompts,
+)
 
 if TYPE_CHECKING:
     from k3stream.server.app import Endpoints
@@ -115,13 +120,7 @@ class NativeCompletionRequest(SamplingFields):
             )
         else:
             found = [[item] if isinstance(item, str) else list(item) for item in prompt]
-        if len(found) > MAX_PROMPTS:
-            raise invalid_request(f"prompt: at most {MAX_PROMPTS} prompts per request", param="prompt")
-        empty = next((index for index, pieces in enumerate(found) if not any(pieces)), None)
-        if empty is not None:
-            param = "prompt" if isinstance(prompt, str) or len(found) == 1 else f"prompt.{empty}"
-            raise invalid_request(f"{param}: a prompt must not be empty", param=param)
-        return found
+        return checked_prompts(found, len(found) > 1, lambda pieces: not any(pieces))
 
     def sampling_overrides(self) -> dict[str, Any]:
         # llama-server's penalties sampler counts the last repeat_last_n tokens of prompt and output

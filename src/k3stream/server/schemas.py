@@ -236,14 +236,19 @@ class CompletionRequest(SamplingFields):
         """The request's prompts: one text or token-id list, or a list of them (OpenAI's batch)."""
         prompt = self.prompt
         several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
-        found = list(prompt) if several else [prompt]
-        if len(found) > MAX_PROMPTS:
-            raise invalid_request(f"prompt: at most {MAX_PROMPTS} prompts per request", param="prompt")
-        empty = next((index for index, one in enumerate(found) if len(one) == 0), None)
-        if empty is not None:
-            param = f"prompt.{empty}" if several else "prompt"
-            raise invalid_request(f"{param}: a prompt must not be empty", param=param)
-        return found
+        return checked_prompts(list(prompt) if several else [prompt], several, lambda one: len(one) == 0)
+
+
+def checked_prompts(prompts: list[Any], several: bool, empty: Callable[[Any], bool]) -> list[Any]:
+    """`prompts`, refused (a 400 naming the field) beyond MAX_PROMPTS or where one is `empty`; `several`:
+    the request gave a list of prompts (a failing one is named `prompt.N`)."""
+    if len(prompts) > MAX_PROMPTS:
+        raise invalid_request(f"prompt: at most {MAX_PROMPTS} prompts per request", param="prompt")
+    index = next((index for index, one in enumerate(prompts) if empty(one)), None)
+    if index is not None:
+        param = f"prompt.{index}" if several else "prompt"
+        raise invalid_request(f"{param}: a prompt must not be empty", param=param)
+    return prompts
 
 
 class ContentPart(BaseModel):
