@@ -171,13 +171,17 @@ def test_connections_beyond_the_cap_get_503(server):
 
 
 def test_api_key_is_required_on_v1(keyed):
-    assert httpx.get(keyed.url + "/v1/models").status_code == 401
-    wrong = httpx.get(keyed.url + "/v1/models", headers={"Authorization": "Bearer sk-wrong"})
+    """Every path but llama-server's public ones (health, the model list, the chat page) needs the key."""
+    path = f"/v1/models/{keyed.served.name}"
+    assert httpx.get(keyed.url + path).status_code == 401
+    wrong = httpx.get(keyed.url + path, headers={"Authorization": "Bearer sk-wrong"})
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
     assert wrong.headers["www-authenticate"] == "Bearer"
-    good = httpx.get(keyed.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    good = httpx.get(keyed.url + path, headers={"Authorization": f"Bearer {KEY}"})
     assert good.status_code == 200
-    assert httpx.get(keyed.url + "/health").status_code == 200
+    assert httpx.get(keyed.url + "/metrics").status_code == 401
+    for public in ("/health", "/v1/health", "/v1/models", "/models"):
+        assert httpx.get(keyed.url + public).status_code == 200
 
 
 def test_api_key_from_the_environment(monkeypatch):

@@ -18,7 +18,7 @@ from k3stream.engine.loading import load_runtime
 from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.guard import GuardConfig
 from k3stream.server.live import ServerThread
-from k3stream.server.routes import LLAMA_ENDPOINTS
+from k3stream.server.routes import LLAMA_ENDPOINTS, PUBLIC_PATHS
 from k3stream.server.runtime import served_from_runtime
 
 KEY = "sk-test-llama"
@@ -170,7 +170,9 @@ def _stream_lines(server, body, lines, started=None):
             lines.append((time.monotonic(), line))
 
 
-def test_slots_show_running_and_waiting_sequences(server, served):
+def test_slots_list_the_one_slot_with_the_running_sequence_and_then_the_last_one(server, served):
+    """With --max-batch 1 there is one slot: the running sequence is under it while a second request waits
+    in the queue (in no slot, as llama-server queues tasks); once both finish, the slot shows the last."""
     long = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
     lines: list = []
     started = threading.Event()
@@ -181,16 +183,19 @@ def test_slots_show_running_and_waiting_sequences(server, served):
         target=lambda: post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}), daemon=True
     )
     waiting.start()
-    slots = _poll_slots(server, lambda s: len(s) == 2 and s[0]["n_decoded"] > 0)
-    running, queued = slots
-    assert running["state"] == "decode" and running["is_processing"]
-    assert running["n_prompt_tokens"] == len(served.encode_prompt("Once upon a time"))
-    assert running["prompt_progress"]["processed"] == running["n_prompt_tokens"]
-    assert running["next_token"]["n_remain"] == 400 - running["n_decoded"]
-    assert queued["state"] == "waiting" and queued["n_decoded"] == 0 and not queued["is_processing"]
+    (slot,) = _poll_slots(server, lambda s: s[0]["is_processing"] and s[0]["next_token"][0]["n_decoded"] > 0)
+    assert slot["id"] == 0 and slot["n_ctx"] == served.ctx and slot["speculative"] is False
+    assert slot["n_prompt_tokens"] == len(served.encode_prompt("Once upon a time"))
+    assert slot["n_prompt_tokens_processed"] + slot["n_prompt_tokens_cache"] == slot["n_prompt_tokens"]
+    step = slot["next_token"][0]
+    assert step["has_next_token"] and step["n_remain"] == 400 - step["n_decoded"]
+    assert slot["params"]["max_tokens"] == 400
     runner.join(120)
     waiting.join(60)
-    assert _poll_slots(server, lambda s: s == []) == []
+    (last,) = _poll_slots(server, lambda s: not s[0]["is_processing"])
+    assert last["id_task"] > slot["id_task"] and last["params"]["max_tokens"] == 2
+    assert last["n_prompt_tokens"] == len(served.encode_prompt("Hi"))
+    assert last["next_token"][0]["has_next_token"] is False
 
 
 def _poll_slots(server, condition):
@@ -254,7 +259,7 @@ def test_return_progress_streams_prompt_progress(server, served):
     assert not any("prompt_progress" in line for _, line in plain)
 
 
-@pytest.mark.parametrize("path", sorted(LLAMA_ENDPOINTS))
+@pytest.mark.parametrize("path", sorted(LLAMA_ENDPOINTS - PUBLIC_PATHS))
 def test_llama_endpoints_need_the_api_key(server, path):
     bodies = {
         "/tokenize": {"content": "hi"},

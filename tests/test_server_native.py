@@ -6,6 +6,9 @@ prompt cache on. The OpenAI endpoints of the same server are the oracle for what
 from __future__ import annotations
 
 import json
+import math
+import threading
+import time
 
 import httpx
 import pytest
@@ -260,9 +263,8 @@ def test_id_slot_and_errors_in_llama_servers_shape(server):
     assert too_long["code"] == 400 and too_long["type"] == "exceed_context_size_error"
     assert too_long["n_prompt_tokens"] == 299 and too_long["n_ctx"] == 256
     assert llama_error(post(server, "/completion", {"prompt": ""}), 400).startswith("prompt")
-    refused = post(server, "/completion", {"prompt": PROMPT, "n_cmpl": 2})
-    assert llama_error(refused, 400) == "n_cmpl is not supported by this server"
-    assert post(server, "/completion", {"prompt": PROMPT}, headers={}).status_code == 401
+    refused = post(server, "/completion", {"prompt": PROMPT, "n_cmpl": 3})  # the server has 2 slots
+    assert llama_error(refused, 400).startswith("n_cmpl cannot be greater than the number of slots")
 
 
 @pytest.mark.parametrize(
@@ -330,3 +332,149 @@ def test_slot_action_errors(server, slot_dir, model_path):
         message = llama_error(post(off, "/slots/0?action=save", {"filename": "x"}), 501)
     plain.close()
     assert message == "This server does not support slots action. Start it with `--slot-save-path`"
+
+
+def test_n_cmpl_gives_each_prompt_that_many_completions_in_llama_servers_order(server):
+    """llama-server's `n_cmpl` (alias `n`): completion j of prompt i is result i * n + j; a seeded
+    request's completion j draws with seed + j, as the same request with n 1 and that seed does."""
+    ids = tokenize(server, PROMPT + " far away")
+    sampled = {"temperature": 1.0, "n_predict": 6, "ignore_eos": True}
+    results = post(server, "/completion", {"prompt": [PROMPT, ids], "n_cmpl": 2, "seed": 5, **sampled}).json()
+    assert isinstance(results, list) and [r["index"] for r in results] == [0, 1, 2, 3]
+    for index, result in enumerate(results):
+        prompt, choice = [PROMPT, ids][index // 2], index % 2
+        alone = complete(server, prompt=prompt, seed=5 + choice, **sampled)
+        assert (
+            result["content"] == alone["content"] and result["tokens_evaluated"] == alone["tokens_evaluated"]
+        )
+        assert result["timings"]["predicted_n"] == result["tokens_predicted"] == 6
+        assert result["timings"]["cache_n"] + result["timings"]["prompt_n"] == result["tokens_evaluated"]
+    assert [r["id_slot"] for r in results[:2]] in ([0, 1], [1, 0])  # the choices run in slots of their own
+    with_n = post(server, "/completion", {"prompt": PROMPT, "n": 2, "seed": 5, **sampled}).json()
+    assert [r["content"] for r in with_n] == [r["content"] for r in results[:2]]
+
+
+def test_post_sampling_probs_are_the_distribution_after_the_sampler_chain(server):
+    """Top-k 3 at temperature 0.7: the post-sampling probabilities of a position are the softmax of the
+    three likeliest log-probabilities (the same request without post_sampling_probs) over 0.7."""
+    sampled = {
+        "prompt": PROMPT,
+        "n_predict": 8,
+        "ignore_eos": True,
+        "temperature": 0.7,
+        "top_k": 3,
+        "seed": 11,
+    }
+    own = complete(server, n_probs=5, **sampled)["completion_probabilities"]
+    post_chain = complete(server, n_probs=5, post_sampling_probs=True, **sampled)["completion_probabilities"]
+    assert [p["id"] for p in post_chain] == [p["id"] for p in own]
+    for mine, model in zip(post_chain, own, strict=True):
+        assert set(mine) == {"id", "token", "bytes", "prob", "top_probs"}
+        kept = model["top_logprobs"][:3]
+        weights = [math.exp(entry["logprob"] / 0.7) for entry in kept]
+        expected = {entry["id"]: w / sum(weights) for entry, w in zip(kept, weights, strict=True)}
+        assert [t["id"] for t in mine["top_probs"]] == list(expected)  # zero-probability tokens left out
+        for entry in mine["top_probs"]:
+            assert set(entry) == {"id", "token", "bytes", "prob"}
+            assert entry["prob"] == pytest.approx(expected[entry["id"]], rel=1e-4)
+        assert mine["prob"] == pytest.approx(expected[mine["id"]], rel=1e-4)
+    greedy = complete(server, prompt=PROMPT, n_probs=3, post_sampling_probs=True, **GREEDY)
+    for entry in greedy["completion_probabilities"]:  # a greedy draw keeps its one token
+        assert entry["prob"] == 1.0 and [(t["id"], t["prob"]) for t in entry["top_probs"]] == [
+            (entry["id"], 1.0)
+        ]
+
+
+def test_response_fields_keep_only_the_listed_fields_and_unnest_paths(server):
+    fields = ["content", "generation_settings/n_predict", "timings/predicted_n", "no_such_field", "content/x"]
+    whole = complete(server, prompt=PROMPT, response_fields=fields, **GREEDY)
+    text = complete(server, prompt=PROMPT, **GREEDY)["content"]
+    assert whole == {"content": text, "generation_settings/n_predict": 12, "timings/predicted_n": 12}
+    body = {"prompt": PROMPT, "stream": True, "response_fields": ["stop", "tokens_predicted"], **GREEDY}
+    with httpx.stream("POST", server.url + "/completion", json=body, headers=AUTH, timeout=120) as reply:
+        chunks = [json.loads(line[len("data: ") :]) for line in reply.iter_lines() if line]
+    *pieces, last = chunks
+    assert last == {"stop": True, "tokens_predicted": 12}  # the final result only, as llama-server
+    assert "".join(c["content"] for c in pieces) == text
+
+
+def test_v1_completions_list_gives_each_prompt_its_own_timings_and_adds_them_up(server):
+    prompts = [PROMPT, PROMPT + " and a longer second prompt of the request"]
+    body = {
+        "prompt": prompts,
+        "max_tokens": 5,
+        "n": 2,
+        "temperature": 0,
+        "ignore_eos": True,
+        "cache_prompt": False,
+    }
+    answer = post(server, "/v1/completions", body).json()
+    lengths = [len(tokenize(server, prompt)) for prompt in prompts]
+    for choice in answer["choices"]:
+        timings, length = choice["timings"], lengths[choice["index"] // 2]
+        assert (timings["prompt_n"], timings["cache_n"], timings["predicted_n"]) == (length, 0, 5)
+    total = answer["timings"]
+    assert (total["prompt_n"], total["cache_n"], total["predicted_n"]) == (sum(lengths), 0, 20)
+    firsts = [answer["choices"][0]["timings"], answer["choices"][2]["timings"]]
+    assert total["prompt_ms"] == pytest.approx(sum(t["prompt_ms"] for t in firsts))
+    usage = answer["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (sum(lengths), 20)
+    assert usage["total_tokens"] == sum(lengths) + 20
+
+
+def test_api_key_errors_are_llama_servers_on_its_paths_and_openais_under_v1(server):
+    native = post(server, "/completion", {"prompt": PROMPT}, headers={})
+    assert llama_error(native, 401) == "Invalid API Key"
+    assert native.json()["error"]["type"] == "authentication_error"
+    for path in ("/slots", "/props", "/metrics"):
+        assert llama_error(httpx.get(server.url + path, timeout=10), 401) == "Invalid API Key"
+    openai = post(server, "/v1/completions", {"prompt": PROMPT}, headers={"Authorization": "Bearer wrong"})
+    assert openai.status_code == 401
+    error = openai.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == "invalid_api_key"
+    for path in ("/", "/health", "/v1/health", "/models", "/v1/models"):  # llama-server's public paths
+        assert httpx.get(server.url + path, timeout=10).status_code == 200, path
+
+
+def test_slots_list_every_slot_with_the_running_request_under_its_id_slot(server):
+    """GET /slots numbers its entries by slot, the `id_slot` of /completion and of slot actions."""
+    body = {
+        "prompt": PROMPT + " in slot one",
+        "id_slot": 1,
+        "n_predict": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    answer: list = []
+    runner = threading.Thread(target=lambda: answer.append(_stream_last(server, body)), daemon=True)
+    runner.start()
+    slots = _poll(server, lambda s: s[1]["is_processing"] and s[1]["next_token"][0]["n_decoded"] > 0)
+    assert [s["id"] for s in slots] == [0, 1] and not slots[0]["is_processing"]
+    running = slots[1]
+    assert running["n_ctx"] == 256 and running["params"]["n_predict"] == 200
+    step = running["next_token"][0]
+    assert step["has_next_token"] and step["n_remain"] == 200 - step["n_decoded"]
+    assert running["n_prompt_tokens"] == len(tokenize(server, PROMPT + " in slot one"))
+    runner.join(120)
+    done = _poll(server, lambda s: not s[1]["is_processing"])[1]
+    assert done["id_task"] == running["id_task"] and done["next_token"][0]["has_next_token"] is False
+    assert done["next_token"][0]["n_decoded"] == answer[0]["tokens_predicted"] == 200
+    saved = post(server, "/slots/1?action=save", {"filename": "slot-one.k3slot"}).json()
+    assert saved["n_saved"] == answer[0]["tokens_cached"]
+    complete(server, prompt=PROMPT, id_slot=1, n_predict=1)
+    assert _poll(server, lambda s: not s[1]["is_processing"])[1]["id_task"] > running["id_task"]
+
+
+def _stream_last(server, body):
+    with httpx.stream("POST", server.url + "/completion", json=body, headers=AUTH, timeout=120) as reply:
+        lines = [line for line in reply.iter_lines() if line]
+    return json.loads(lines[-1][len("data: ") :])
+
+
+def _poll(server, condition):
+    for _ in range(3000):  # a bound, not a timing assertion
+        slots = httpx.get(server.url + "/slots", headers=AUTH, timeout=10).json()
+        if condition(slots):
+            return slots
+        time.sleep(0.005)
+    raise AssertionError(f"/slots never showed the expected state: {slots}")

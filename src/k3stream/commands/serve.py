@@ -58,7 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=None,
-        help=f"require `Authorization: Bearer KEY` on /v1 (default: ${API_KEY_ENV} if set)",
+        help=(
+            "require `Authorization: Bearer KEY` on every path but /health, /v1/health, /models, "
+            f"/v1/models and the chat page (default: ${API_KEY_ENV} if set)"
+        ),
     )
     parser.add_argument(
         "--allowed-hosts",
@@ -194,7 +197,11 @@ def guard_config(args: argparse.Namespace) -> GuardConfig:
 
 def access_note(guard: GuardConfig) -> str:
     """One line on who may call: the API key, the Host names served, the body limit."""
-    key = "Bearer API key required on /v1" if guard.api_key else "no API key (--api-key to require one)"
+    key = (
+        "Bearer API key required (health, models and the chat page open)"
+        if guard.api_key
+        else "no API key (--api-key to require one)"
+    )
     hosts = "any Host" if "*" in guard.allowed_hosts else "Host " + ", ".join(guard.allowed_hosts)
     return (
         f"k3stream serve: {key}; {hosts} (--allowed-hosts to add names); "

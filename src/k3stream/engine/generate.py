@@ -156,6 +156,10 @@ class Sequence:
         """The output so far, excluding held-back text."""
         return self._text[: self._released]
 
+    @property
+    def sampler(self) -> Sampler:
+        return self._sampler
+
     def choose(self, logits: Any, allowed: Any = None) -> int:
         """Sample the next token from a `[V]` logits row (among the `allowed` tokens, bool [V], if given)."""
         return self._sampler.sample(logits, self._context_ids(), allowed, self._counted_ids())

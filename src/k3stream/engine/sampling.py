@@ -178,6 +178,10 @@ class Sampler:
         self.params = params
         self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self._generator: torch.Generator | None = None
+        # set: each draw keeps the probabilities [V] it drew from in `distribution` (llama-server's
+        # post-sampling probabilities; a greedy draw's are 1 for the chosen token, 0 elsewhere)
+        self.keep_distribution = False
+        self.distribution: torch.Tensor | None = None
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
@@ -206,6 +210,11 @@ class Sampler:
         if allowed is not None:
             logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
         if self.params.greedy:
-            return int(torch.argmax(logits))
+            token = int(torch.argmax(logits))
+            if self.keep_distribution:
+                self.distribution = torch.zeros(logits.numel()).index_fill_(0, torch.tensor([token]), 1.0)
+            return token
         probs = sampling_distribution(logits, self.params)
+        if self.keep_distribution:
+            self.distribution = probs
         return int(torch.multinomial(probs, 1, generator=self._generator_for(probs.device)))

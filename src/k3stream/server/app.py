@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import time
@@ -49,7 +50,16 @@ from k3stream.server.slots import SlotTable, slots_router
 from k3stream.server.webui import webui_router
 
 KNOWN_ENDPOINTS = frozenset(
-    {"/", "/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", *LLAMA_ENDPOINTS}
+    {
+        "/",
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/health",
+        "/v1/health",
+        "/metrics",
+        *LLAMA_ENDPOINTS,
+    }
 )
 
 
@@ -155,10 +165,11 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     app.post("/v1/completions")(api.completions)  # `/completions` is llama-server's native one
     app.get("/v1/models/{model_id:path}")(api.model)
     app.get("/health")(api.health)
+    app.get("/v1/health")(api.health)  # llama-server's alias
     app.get("/metrics")(api.metrics_text)
     app.include_router(llama_router(served, scheduler, tokenizers))
     app.include_router(native_router(api))
-    app.include_router(slots_router(slots, served.prompt_cache, config.slot_save_path))
+    app.include_router(slots_router(slots, scheduler, served.ctx, served.prompt_cache, config.slot_save_path))
     if config.webui:
         app.include_router(webui_router())
     return app
@@ -180,6 +191,7 @@ class Endpoints:
         self.tokenizers = tokenizers
         self.keepalive_s = keepalive_s
         self.slots = slots
+        self._task_ids = itertools.count()  # llama-server's `id_task` of each sequence
 
     async def off_loop(self, function: Callable, *args: Any) -> Any:
         """Run tokenizing / template rendering on the tokenizer threads, not the event loop."""
@@ -265,7 +277,7 @@ class Endpoints:
         return await stream.respond(request, body.stream, body.include_usage())
 
     def _stream(self, jobs: list[Job], body: SamplingFields, chunks: type[_Chunks]) -> Stream:
-        makers = chunks.for_choices(self.served.name, len(jobs))
+        makers = chunks.for_choices(self.served.name, jobs)
         return self.stream(jobs, makers, body.return_progress)
 
     def stream(self, jobs: list[Job], makers: Sequence[Any], progress: bool) -> Stream:
@@ -328,25 +340,31 @@ class Endpoints:
         its events go (several prompts of one request share a queue, each its own index)."""
         max_tokens = self._token_budget(len(tokens), limit, limit_param, prompt_param)
         loop, queue = asyncio.get_running_loop(), queue if queue is not None else asyncio.Queue()
-        jobs = [
-            Job(
-                prompt_tokens=tokens,
-                logic=self.served.new_sequence(
-                    body,
-                    tokens,
-                    max(max_tokens, 1),  # 0: a prompt-only job, whose logic samples nothing
-                    chat=chat,
-                    top_logprobs=top,
-                    choice=choice,
-                    constraint=constraint,
-                ),
-                sink=EventSink(loop, queue, index + choice),
-                reuse_prompt=body.cache_prompt,
-                prompt_only=max_tokens == 0,
-                slot=self.slots.assign(body.id_slot if choice == 0 else -1, tokens),
+        taken = {job.slot for running in self.scheduler.active_jobs() for job in (running, *running.forks)}
+        jobs = []
+        for choice in range(body.n):
+            logic = self.served.new_sequence(
+                body,
+                tokens,
+                max(max_tokens, 1),  # 0: a prompt-only job, whose logic samples nothing
+                chat=chat,
+                top_logprobs=top,
+                choice=choice,
+                constraint=constraint,
             )
-            for choice in range(body.n)
-        ]
+            slot = self.slots.assign(body.id_slot if choice == 0 else -1, tokens, taken)
+            taken.add(slot)
+            jobs.append(
+                Job(
+                    prompt_tokens=tokens,
+                    logic=logic,
+                    sink=EventSink(loop, queue, index + choice),
+                    reuse_prompt=body.cache_prompt,
+                    prompt_only=max_tokens == 0,
+                    slot=slot,
+                    task_id=next(self._task_ids),
+                )
+            )
         jobs[0].forks = jobs[1:]
         try:
             self.scheduler.submit(jobs[0])
@@ -562,17 +580,21 @@ class _Chunks:
     id_prefix: str
     done_line = "data: [DONE]\n\n"  # the stream's last line
 
-    def __init__(self, model: str, index: int = 0, ident: str = "", created: int = 0) -> None:
+    def __init__(self, model: str, job: Job, index: int = 0, ident: str = "", created: int = 0) -> None:
         self.model = model
+        self.job = job  # the choice's
         self.index = index  # the choice
         self.id = ident or f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = created or int(time.time())
 
     @classmethod
-    def for_choices(cls, model: str, n: int) -> list[_Chunks]:
-        """One maker per choice, all with the request's id and timestamp."""
-        first = cls(model)
-        return [first, *(cls(model, index, first.id, first.created) for index in range(1, n))]
+    def for_choices(cls, model: str, jobs: list[Job]) -> list[_Chunks]:
+        """One maker per choice (job), all with the request's id and timestamp."""
+        first = cls(model, jobs[0])
+        return [
+            first,
+            *(cls(model, job, index, first.id, first.created) for index, job in enumerate(jobs) if index),
+        ]
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -627,8 +649,8 @@ class _CompletionChunks(_Chunks):
     object_whole = object_chunk = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, model: str, index: int = 0, ident: str = "", created: int = 0) -> None:
-        super().__init__(model, index, ident, created)
+    def __init__(self, model: str, job: Job, index: int = 0, ident: str = "", created: int = 0) -> None:
+        super().__init__(model, job, index, ident, created)
         self._offset = 0  # characters of token text before the next token, for `text_offset`
 
     def _opening(self) -> dict[str, Any]:
@@ -639,7 +661,17 @@ class _CompletionChunks(_Chunks):
 
     def _whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
         logprobs = self._logprobs(total.logprobs)
-        return {"text": total.content, "logprobs": logprobs, "finish_reason": reason}
+        return {"text": total.content, "logprobs": logprobs, "finish_reason": reason, **self._timings()}
+
+    def last(self, reason: str) -> dict[str, Any]:
+        chunk = super().last(reason)
+        chunk["choices"][0].update(self._timings())
+        return chunk
+
+    def _timings(self) -> dict[str, Any]:
+        """The choice's own `timings` (its prompt's prefill, its decoding), as llama-server gives each
+        prompt of a list its own result with them; the response's `timings` add up every prompt's."""
+        return {"timings": request_timings([self.job])}
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
         """The completions API's logprobs object (None without logprobs)."""

@@ -1,11 +1,10 @@
-"""llama-server's own endpoints, in its shapes: `/tokenize`, `/detokenize`, `/apply-template`, `/props`
-and `/slots` (see docs/server-endpoints.md; `routes.LLAMA_ENDPOINTS` lists them for the API-key check).
+"""llama-server's own endpoints, in its shapes: `/tokenize`, `/detokenize`, `/apply-template` and `/props`
+(see docs/server-endpoints.md; `GET /slots` is in `slots`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,7 +17,7 @@ from k3stream.engine.sampling import SamplingParams
 from k3stream.server.bodies import parse_body
 from k3stream.server.errors import invalid_request
 from k3stream.server.runtime import ServedModel
-from k3stream.server.scheduler import Job, Scheduler
+from k3stream.server.scheduler import Scheduler
 from k3stream.server.schemas import (
     RESERVED_TEMPLATE_NAMES,
     ChatMessage,
@@ -117,43 +116,8 @@ class LlamaEndpoints:
             "is_sleeping": False,
         }
 
-    async def slots(self) -> list[dict[str, Any]]:
-        return [self._slot(index, job) for index, job in enumerate(self.scheduler.active_jobs())]
-
-    def _slot(self, index: int, job: Job) -> dict[str, Any]:
-        params = job.logic.params
-        decoded = job.logic.completion_tokens
-        prompt = len(job.prompt_tokens)
-        elapsed_ms = (time.perf_counter() - job.prefill_started_at) * 1000 if job.prefill_started_at else 0.0
-        return {
-            "id": index,
-            "n_ctx": self.served.ctx,
-            "is_processing": job.state is not None,
-            "state": _phase(job),
-            "n_prompt_tokens": prompt,
-            "n_decoded": decoded,
-            "prompt_progress": {
-                "total": prompt,
-                "cache": 0,
-                "processed": job.prompt_done,
-                "time_ms": elapsed_ms,
-            },
-            "params": llama_params(params),
-            "next_token": {
-                "has_next_token": job.active,
-                "n_remain": params.max_tokens - decoded,
-                "n_decoded": decoded,
-            },
-        }
-
     async def _off_loop(self, function: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizers, function, *args)
-
-
-def _phase(job: Job) -> str:
-    if job.state is None:
-        return "waiting"
-    return "prefill" if job.prompt_done < len(job.prompt_tokens) else "decode"
 
 
 def llama_params(params: SamplingParams) -> dict[str, Any]:
@@ -167,6 +131,7 @@ def llama_params(params: SamplingParams) -> dict[str, Any]:
         "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty,
         "seed": params.seed if params.seed is not None else -1,
+        "n_predict": params.max_tokens,
         "max_tokens": params.max_tokens,
         "ignore_eos": params.ignore_eos,
         "stop": list(params.stop),
@@ -188,5 +153,4 @@ def llama_router(served: ServedModel, scheduler: Scheduler, tokenizers: ThreadPo
     router.post("/detokenize")(api.detokenize)
     router.post("/apply-template")(api.apply_template)
     router.get("/props")(api.props)
-    router.get("/slots")(api.slots)
     return router

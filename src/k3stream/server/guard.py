@@ -1,8 +1,9 @@
 """What keeps the server from being stalled or used by strangers, ahead of the endpoints.
 
-- `Guard`, an ASGI middleware: foreign `Host` headers are refused (400; DNS rebinding), `/v1/*` and
-  llama-server's endpoints (`routes.needs_api_key`) need `Authorization: Bearer KEY` when an API key
-  is set (401, constant-time compare), a request body is read in full before the app sees it, at most
+- `Guard`, an ASGI middleware: foreign `Host` headers are refused (400; DNS rebinding), every path but
+  llama-server's public ones (`routes.needs_api_key`) needs `Authorization: Bearer KEY` when an API key
+  is set (401 in OpenAI's error shape on OpenAI's paths, llama-server's elsewhere; constant-time
+  compare), a request body is read in full before the app sees it, at most
   `max_body_bytes` (413) and within `body_timeout_s` (408). No CORS headers are ever sent, so browsers
   refuse cross-origin calls.
 - `guarded_h11(header_timeout_s)`: uvicorn's h11 protocol with a deadline for a request's headers,
@@ -23,8 +24,8 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from k3stream.server.errors import APIError, redact_paths  # noqa: F401 (re-exported)
-from k3stream.server.routes import needs_api_key
+from k3stream.server.errors import LLAMA_ERROR_TYPES, APIError, LlamaError, redact_paths  # noqa: F401
+from k3stream.server.routes import needs_api_key, openai_path
 
 API_KEY_ENV = "K3STREAM_API_KEY"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -115,11 +116,7 @@ class Guard:
             given = headers.get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
-                return APIError(
-                    401,
-                    "Invalid or missing API key: send `Authorization: Bearer KEY`",
-                    code="invalid_api_key",
-                )
+                return _unauthorized(scope["path"])
         return None
 
     async def _read_body(self, scope: dict, receive: Callable) -> tuple[APIError | None, Callable]:
@@ -175,6 +172,15 @@ def _replay(body: bytes, receive: Callable) -> Callable:
 
 async def _disconnected() -> dict:
     return {"type": "http.disconnect"}
+
+
+def _unauthorized(path: str) -> APIError:
+    """The 401 of a request without the right key: OpenAI's error on its paths, llama-server's own
+    (`Invalid API Key`, `authentication_error`) on the others."""
+    if openai_path(path):
+        message = "Invalid or missing API key: send `Authorization: Bearer KEY`"
+        return APIError(401, message, code="invalid_api_key")
+    return LlamaError(401, "Invalid API Key", type=LLAMA_ERROR_TYPES[401])
 
 
 def _too_large(limit: int) -> APIError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Request, Response
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from k3stream.server.bodies import parse_body
 from k3stream.server.endpoints_llama import llama_params
@@ -20,6 +20,7 @@ from k3stream.server.kimi_output import Piece
 from k3stream.server.request_logic import TokenConstraint
 from k3stream.server.scheduler import Job, ProgressEvent, request_timings
 from k3stream.server.schemas import (
+    Choices,
     RepetitionPenalty,
     SamplingFields,
     check_json_schema,
@@ -72,8 +73,10 @@ class NativeCompletionRequest(SamplingFields):
     PROMPT_ONLY = True
 
     prompt: str | list[int | str | list[int | str]]
+    n_cmpl: Choices | None = None  # llama-server's completions per prompt (`n` is its alias)
     n_probs: Annotated[int, Field(ge=0, le=MAX_N_PROBS)] = 0
     post_sampling_probs: bool = False
+    response_fields: list[str] | None = None
     return_tokens: bool = False
     repeat_penalty: RepetitionPenalty = 1.0
     repeat_last_n: Annotated[int, Field(ge=-1)] = 64
@@ -82,13 +85,15 @@ class NativeCompletionRequest(SamplingFields):
     special: bool = False  # special tokens' text in `content`
     samplers: list[str] | str | None = None
 
+    @model_validator(mode="after")
+    def _n_cmpl_first(self) -> NativeCompletionRequest:
+        """`n_cmpl` where given, else its alias `n` (llama-server reads them in that order)."""
+        if self.n_cmpl is not None:
+            self.n = self.n_cmpl
+        return self
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.n != 1:
-            raise invalid_request("n: /completion answers one result per prompt", param="n")
-        if self.post_sampling_probs:
-            message = "post_sampling_probs is not supported: n_probs gives the model's own log-probabilities"
-            raise invalid_request(message, param="post_sampling_probs", code="unsupported_parameter")
         if self.grammar and self.json_schema:
             raise invalid_request("grammar: give a grammar or a json_schema, not both", param="grammar")
         if self.json_schema:
@@ -121,6 +126,9 @@ class NativeCompletionRequest(SamplingFields):
         else:
             found = [[item] if isinstance(item, str) else list(item) for item in prompt]
         return checked_prompts(found, len(found) > 1, lambda pieces: not any(pieces))
+
+    def post_sampling(self) -> bool:
+        return self.post_sampling_probs
 
     def sampling_overrides(self) -> dict[str, Any]:
         # llama-server's penalties sampler counts the last repeat_last_n tokens of prompt and output
@@ -200,11 +208,20 @@ class NativeResult:
 
     def last(self, reason: str) -> dict[str, Any]:
         del reason  # the job's own finish says more (its stop type and word)
-        return self._summary(Piece(content=""), self._content)
+        return self._final(self._summary(Piece(content=""), self._content))
 
     def whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
         del reason
-        return {**self._summary(total, total.content), **_probabilities(total)}
+        return self._final({**self._summary(total, total.content), **_probabilities(total)})
+
+    def _final(self, result: dict[str, Any]) -> dict[str, Any]:
+        """The final result, or with `response_fields` only those fields, as llama-server picks them: a
+        path `a/b` is `result["a"]["b"]` under the key `a/b`; a path the result lacks is left out."""
+        if self.body.response_fields is None:
+            return result
+        return {
+            path: value for path in self.body.response_fields if (value := _at(result, path)) is not _MISSING
+        }
 
     def whole(
         self, choices: list[dict[str, Any]], usage: dict[str, Any], timings: dict[str, float]
@@ -235,6 +252,19 @@ class NativeResult:
         }
 
 
+_MISSING = object()
+
+
+def _at(result: dict[str, Any], path: str) -> Any:
+    """The value at a `/`-separated path of nested objects, or `_MISSING`."""
+    value: Any = result
+    for key in path.split("/"):
+        if not isinstance(value, dict) or key not in value:
+            return _MISSING
+        value = value[key]
+    return value
+
+
 def _stop_type(reason: str | None, word: str) -> str:
     if reason == "length":
         return "limit"
@@ -261,6 +291,13 @@ class NativeEndpoints:
 
     async def _completion(self, request: Request) -> Response:
         body = await parse_body(request, NativeCompletionRequest)
+        slots = self.api.scheduler.max_batch
+        if body.n > slots:
+            message = (
+                f"n_cmpl cannot be greater than the number of slots ({slots}); start the server with a "
+                "larger --max-batch"
+            )
+            raise invalid_request(message, param="n_cmpl")
         self.api.check_request(body)
         prepared = [await self.api.off_loop(self._prepare, pieces, body) for pieces in body.prompts()]
         limit, limit_param = body.token_limit()
@@ -271,9 +308,10 @@ class NativeEndpoints:
             limit_param=limit_param,
             top=body.n_probs or None,
         )
+        # completion j of prompt i is result i * n + j, as llama-server orders them
         results = [
-            NativeResult(job, index, self.served.name, body, text)
-            for index, (job, (_, text, _)) in enumerate(zip(jobs, prepared, strict=True))
+            NativeResult(job, index, self.served.name, body, prepared[index // body.n][1])
+            for index, job in enumerate(jobs)
         ]
         return await self.api.stream(jobs, results, body.return_progress).respond(request, body.stream, False)
 

@@ -3,13 +3,15 @@ detokenisation) plus what the API adds: a grammar that limits the next token, th
 (reasoning, tool calls) and logprobs.
 
 Logprobs are the model's own: log-softmax of the raw logits, before temperature, penalties and the
-grammar (what vLLM returns by default). Each piece carries the logprobs of the tokens accepted since
-the last piece that carried text, so the pieces of a stream together hold every token once.
+grammar (what vLLM returns by default); with `post_sampling` they are llama-server's post-sampling
+probabilities instead: the distribution the token was drawn from, after the whole sampler chain. Each
+piece carries the logprobs of the tokens accepted since the last piece that carried text, so the pieces
+of a stream together hold every token once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -34,14 +36,18 @@ class TokenLogprob:
     bytes: list[int]
     top: list[TokenLogprob] = field(default_factory=list)
     id: int = -1  # the token id
+    prob: float | None = None  # set: a post-sampling probability, which llama-server sends instead
 
     def llama(self) -> dict[str, Any]:
-        """llama-server's `completion_probabilities` entry (its `top_logprobs` without lists of their own)."""
+        """llama-server's `completion_probabilities` entry (its `top_logprobs`, or `top_probs` after the
+        sampler chain, without lists of their own)."""
         entry = self.llama_top()
-        return {**entry, "top_logprobs": [t.llama_top() for t in self.top]}
+        key = "top_logprobs" if self.prob is None else "top_probs"
+        return {**entry, key: [t.llama_top() for t in self.top]}
 
     def llama_top(self) -> dict[str, Any]:
-        return {"id": self.id, "token": self.token, "bytes": self.bytes, "logprob": self.logprob}
+        value = {"logprob": self.logprob} if self.prob is None else {"prob": self.prob}
+        return {"id": self.id, "token": self.token, "bytes": self.bytes, **value}
 
     def openai(self) -> dict[str, Any]:
         """The chat API's entry (`top_logprobs` entries have no list of their own)."""
@@ -63,12 +69,15 @@ class RequestLogic:
         parser: OutputParser | None = None,
         constraint: TokenConstraint | None = None,
         top_logprobs: int | None = None,
+        post_sampling: bool = False,
     ) -> None:
         self.sequence = sequence
         self.tokenizer = tokenizer
         self.parser = parser
         self.constraint = constraint
         self.top_logprobs = top_logprobs
+        self.post_sampling = post_sampling and top_logprobs is not None
+        sequence.sampler.keep_distribution = self.post_sampling
         self._logprobs: list[TokenLogprob] = []
         self._tokens: list[int] = []
 
@@ -90,7 +99,9 @@ class RequestLogic:
     def choose(self, logits: torch.Tensor) -> int:
         allowed = self.constraint.allowed() if self.constraint is not None else None
         token = self.sequence.choose(logits, allowed)
-        if self.top_logprobs is not None:
+        if self.post_sampling:
+            self._logprobs.append(self._probability(self.sequence.sampler.distribution, token))
+        elif self.top_logprobs is not None:
             self._logprobs.append(self._logprob(logits, token))
         return token
 
@@ -118,7 +129,17 @@ class RequestLogic:
         top = [self._entry(i, v) for i, v in listed]
         return TokenLogprob(entry.token, entry.logprob, entry.bytes, top, token)
 
-    def _entry(self, token: int, logprob: float) -> TokenLogprob:
+    def _probability(self, probs: torch.Tensor, token: int) -> TokenLogprob:
+        """llama-server's post-sampling entry: the token's probability in the distribution it was drawn
+        from and the `top_logprobs` likeliest tokens of it, those of probability 0 left out."""
+        top = torch.topk(probs, min(self.top_logprobs, probs.numel()))
+        listed = [(i, p) for i, p in zip(top.indices.tolist(), top.values.tolist(), strict=True) if p > 0]
+        entry = self._entry(token, 0.0, float(probs[token]))
+        return replace(entry, top=[self._entry(i, 0.0, p) for i, p in listed])
+
+    def _entry(self, token: int, logprob: float, prob: float | None = None) -> TokenLogprob:
         """The token as the tokenizer decodes it (special tokens as their text)."""
         piece = self.tokenizer.piece(token)
-        return TokenLogprob(piece.decode("utf-8", errors="replace"), logprob, list(piece), id=token)
+        return TokenLogprob(
+            piece.decode("utf-8", errors="replace"), logprob, list(piece), id=token, prob=prob
+        )

@@ -21,7 +21,17 @@ LLAMA_ENDPOINTS = frozenset(
 )
 
 
+# what llama-server leaves open when it has an API key: health, the model list and the chat page
+PUBLIC_PATHS = frozenset({"/", "/health", "/v1/health", "/models", "/v1/models"})
+
+
 def needs_api_key(path: str) -> bool:
-    """Whether `path` is refused without the API key when one is set: /v1 and llama-server's endpoints,
-    slot actions included (the chat page, /health and /metrics stay open)."""
-    return path.startswith(("/v1", "/slots/")) or path in LLAMA_ENDPOINTS
+    """Whether `path` is refused without the API key when one is set: every path but `PUBLIC_PATHS`,
+    as llama-server does (`/metrics`, `/slots`, a path the server does not have)."""
+    return path not in PUBLIC_PATHS
+
+
+def openai_path(path: str) -> bool:
+    """Whether `path` is one of OpenAI's (under /v1, or an alias without it), whose errors are OpenAI's
+    error object; the others answer llama-server's."""
+    return path.startswith("/v1/") or path in OPENAI_ALIASES

@@ -265,7 +265,13 @@ class ServedModel(Runtime):
         params = replace(params, **body.sampling_overrides())
         if chat is None:
             sequence = Sequence(self.tokenizer, prompt_tokens, params)
-            return RequestLogic(sequence, self.tokenizer, constraint=constraint, top_logprobs=top_logprobs)
+            return RequestLogic(
+                sequence,
+                self.tokenizer,
+                constraint=constraint,
+                top_logprobs=top_logprobs,
+                post_sampling=body.post_sampling(),
+            )
         sequence = Sequence(self.tokenizer, prompt_tokens, params, marks=self.kimi.marks)
         parser = OutputParser(
             self.kimi, chat.tool_names, reasoning=chat.reasoning, in_reasoning=chat.in_reasoning

@@ -143,6 +143,7 @@ class Job:
     reuse_prompt: bool = True  # restore the prompt from the cache (llama-server's cache_prompt)
     prompt_only: bool = False  # finish after the prefill with no token (llama-server's n_predict 0)
     slot: int = -1  # the slot the request reports under (`slots.SlotTable`)
+    task_id: int = -1  # llama-server's `id_task`: numbers the server's sequences in order of arrival
 
     @property
     def width(self) -> int:
@@ -177,16 +178,20 @@ def _has_work(job: Job) -> bool:
 
 
 def request_timings(jobs: list[Job]) -> dict[str, float]:
-    """llama-server's `timings` of a finished request, measured by the scheduler: the prompt's prefill
-    (shared by the choices; `prompt_n` the tokens computed, `cache_n` those restored from the prompt
-    cache) and the decoding after it, to the last token of any choice."""
-    first = jobs[0]
-    prompt_ms = (first.prefill_done_at - first.prefill_started_at) * 1000
-    prompt_n = len(first.prompt_tokens) - first.cached_tokens
+    """llama-server's `timings` of finished jobs, measured by the scheduler: each prompt's prefill
+    counted once (a choice that is another's fork shares its prefill; `prompt_n` the tokens computed,
+    `cache_n` those restored from the prompt cache, `prompt_ms` the prefills' times added up) and the
+    decoding after them, from the end of the first prefill to the last token of any choice."""
+    forks = {fork for job in jobs for fork in job.forks}
+    prompts = [job for job in jobs if job not in forks]
+    prompt_ms = sum(job.prefill_done_at - job.prefill_started_at for job in prompts) * 1000
+    cache_n = sum(job.cached_tokens for job in prompts)
+    prompt_n = sum(len(job.prompt_tokens) for job in prompts) - cache_n
     predicted_n = sum(job.logic.completion_tokens for job in jobs)
-    predicted_ms = (max(job.last_token_at for job in jobs) - first.prefill_done_at) * 1000
+    decoded_from = min(job.prefill_done_at for job in prompts)
+    predicted_ms = max(max(job.last_token_at for job in jobs) - decoded_from, 0.0) * 1000
     return {
-        "cache_n": first.cached_tokens,
+        "cache_n": cache_n,
         "prompt_n": prompt_n,
         "prompt_ms": prompt_ms,
         "prompt_per_second": prompt_n / prompt_ms * 1000 if prompt_ms > 0 else 0.0,
@@ -453,7 +458,9 @@ class Scheduler:
         fork_state = getattr(type(self.model), "fork_state", None)
         shared = [(job, logits)]
         for fork in job.forks:
-            fork.cached_tokens = job.cached_tokens
+            fork.cached_tokens = job.cached_tokens  # the prefill's figures are the fork's too
+            fork.prefill_started_at, fork.prefill_done_at = job.prefill_started_at, job.prefill_done_at
+            fork.prompt_done = job.prompt_done
             try:
                 if fork_state is not None:
                     fork.state = fork_state(self.model, job.state)

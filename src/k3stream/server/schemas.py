@@ -166,6 +166,11 @@ class SamplingFields(BaseModel):
         """`SamplingParams` fields an endpoint's own request fields set beyond the shared ones."""
         return {}
 
+    def post_sampling(self) -> bool:
+        """Whether token probabilities are the ones after the sampler chain (llama-server's
+        `post_sampling_probs`) instead of the model's own log-probabilities."""
+        return False
+
     def logit_bias_ids(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, value) pairs, `false` as minus infinity; a 400 naming the first
         entry that is no token id."""

@@ -6,7 +6,9 @@ a response's end). `POST /slots/{id}?action=save` writes the deepest prompt-cach
 tokens to a file under `--slot-save-path`, `restore` puts a file's state back into the prompt cache
 (where the next request whose prompt starts with its tokens reuses it) and makes it the slot's,
 `erase` forgets the slot's tokens (the prompt cache keeps its snapshots: other conversations may share
-them). Errors are llama-server's (`errors.LlamaError`).
+them). `GET /slots` lists every slot by that id: the running sequence under it (a request takes a slot
+no other running or queued sequence holds, where there is one), else the figures of the last request
+that finished under it. Errors are llama-server's (`errors.LlamaError`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from pydantic import BaseModel, ConfigDict
 
 from k3stream.engine.prompt_cache import PromptCache
 from k3stream.server.bodies import parse_body
+from k3stream.server.endpoints_llama import llama_params
 from k3stream.server.errors import APIError, LlamaError, not_supported
-from k3stream.server.scheduler import Job
+from k3stream.server.scheduler import Job, Scheduler
 
 # characters llama.cpp's fs_validate_filename refuses besides control characters
 FORBIDDEN = re.compile(r'[/\\:*?"<>|\x00-\x1f\x7f]')
@@ -32,37 +35,48 @@ MAX_FILENAME_BYTES = 255
 
 
 class SlotTable:
-    """`count` slots, each the token ids of the last request that finished under it (thread-safe)."""
+    """`count` slots, each the token ids of the last request that finished under it and llama-server's
+    figures of that request (thread-safe)."""
 
     def __init__(self, count: int) -> None:
         self.count = count
         self._tokens: list[list[int]] = [[] for _ in range(count)]
+        self._tasks: list[dict[str, Any] | None] = [None] * count
         self._used = [0.0] * count
         self._lock = threading.Lock()
 
-    def assign(self, requested: int, prompt: list[int]) -> int:
-        """The slot a request runs under: `requested` (-1: the slot whose tokens share the longest
-        prefix with `prompt`, else the least recently used one, as llama-server picks)."""
+    def assign(self, requested: int, prompt: list[int], taken: set[int]) -> int:
+        """The slot a request runs under: `requested`; for -1 a slot no sequence in `taken` holds (while
+        there is one), the one whose tokens share the longest prefix with `prompt`, else the least
+        recently used one, as llama-server picks."""
         with self._lock:
-            best = requested if requested >= 0 else self._best(prompt)
+            best = requested if requested >= 0 else self._best(prompt, taken)
             self._used[best] = time.monotonic()
             return best
 
-    def _best(self, prompt: list[int]) -> int:
-        shared = [_common_prefix(tokens, prompt) for tokens in self._tokens]
-        best = max(range(self.count), key=lambda slot: (shared[slot], -self._used[slot]))
-        return best if shared[best] else min(range(self.count), key=lambda slot: self._used[slot])
+    def _best(self, prompt: list[int], taken: set[int]) -> int:
+        free = [slot for slot in range(self.count) if slot not in taken] or list(range(self.count))
+        shared = {slot: _common_prefix(self._tokens[slot], prompt) for slot in free}
+        best = max(free, key=lambda slot: (shared[slot], -self._used[slot]))
+        return best if shared[best] else min(free, key=lambda slot: self._used[slot])
 
     def finished(self, job: Job) -> None:
-        """Record a finished request's tokens under its slot."""
+        """Record a finished request's tokens and figures under its slot."""
         if 0 <= job.slot < self.count:
+            task = task_fields(job)
             with self._lock:
                 self._tokens[job.slot] = job.prompt_tokens + job.generated[:-1]
+                self._tasks[job.slot] = task
                 self._used[job.slot] = time.monotonic()
 
     def tokens(self, slot: int) -> list[int]:
         with self._lock:
             return list(self._tokens[slot])
+
+    def last_task(self, slot: int) -> dict[str, Any] | None:
+        """llama-server's figures of the last request that finished under `slot` (None: none did)."""
+        with self._lock:
+            return self._tasks[slot]
 
     def put(self, slot: int, tokens: list[int]) -> int:
         """Make `tokens` the slot's; the number of tokens it held before."""
@@ -70,6 +84,48 @@ class SlotTable:
             before, self._tokens[slot] = len(self._tokens[slot]), list(tokens)
             self._used[slot] = time.monotonic()
             return before
+
+
+def task_fields(job: Job) -> dict[str, Any]:
+    """llama-server's `/slots` figures of the request `job` runs (or ran): its task id, prompt, sampling
+    settings and `next_token`."""
+    params, decoded = job.logic.params, job.logic.completion_tokens
+    next_token = {
+        "has_next_token": job.active,
+        "has_new_line": "\n" in job.logic.sequence.text,
+        "n_remain": params.max_tokens - decoded,
+        "n_decoded": decoded,
+    }
+    return {
+        "id_task": job.task_id,
+        "n_prompt_tokens": len(job.prompt_tokens),
+        "n_prompt_tokens_processed": max(job.prompt_done - job.cached_tokens, 0),
+        "n_prompt_tokens_cache": job.cached_tokens,
+        "params": llama_params(params),
+        "next_token": [next_token],
+    }
+
+
+class SlotList:
+    """`GET /slots`: every slot, as llama-server lists its slots: `is_processing` while a running
+    sequence is under it (its figures), else the figures of the last request that ran under it."""
+
+    def __init__(self, table: SlotTable, scheduler: Scheduler, n_ctx: int) -> None:
+        self.table = table
+        self.scheduler = scheduler
+        self.n_ctx = n_ctx
+
+    async def list(self) -> list[dict[str, Any]]:
+        running: dict[int, Job] = {}
+        for job in self.scheduler.active_jobs():
+            if job.state is not None:  # admitted: queued requests hold no slot yet
+                running.setdefault(job.slot, job)
+        return [self._slot(slot, running.get(slot)) for slot in range(self.table.count)]
+
+    def _slot(self, slot: int, job: Job | None) -> dict[str, Any]:
+        base = {"id": slot, "n_ctx": self.n_ctx, "speculative": False, "is_processing": job is not None}
+        task = task_fields(job) if job is not None else self.table.last_task(slot)
+        return {**base, **(task or {})}
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -180,7 +236,10 @@ class SlotActions:
         }
 
 
-def slots_router(table: SlotTable, cache: PromptCache | None, directory: Path | None) -> APIRouter:
+def slots_router(
+    table: SlotTable, scheduler: Scheduler, n_ctx: int, cache: PromptCache | None, directory: Path | None
+) -> APIRouter:
     router = APIRouter()
+    router.get("/slots")(SlotList(table, scheduler, n_ctx).list)
     router.post("/slots/{id_slot}")(SlotActions(table, cache, directory).act)
     return router
