@@ -263,6 +263,30 @@ def test_call_cut_off_by_max_tokens_comes_back_as_text(client):
     assert choice.message.content.startswith("<|tool_calls_section_begin|><|tool_call_begin|>func")
 
 
+def test_call_cut_off_inside_its_arguments_keeps_them_with_finish_reason_length(client):
+    """As OpenAI and llama-server answer a call that max_tokens cuts: `finish_reason` `length` (not
+    `tool_calls`: the call is unfinished and must not be run) and the arguments that came, a prefix of the
+    whole call's; streamed deltas add up to the same."""
+    whole = chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0)
+    call = whole.choices[0].message.tool_calls[0]
+    cut_inside = 0
+    for max_tokens in range(7, whole.usage.completion_tokens):
+        choice = chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=max_tokens).choices[0]
+        assert choice.finish_reason == "length"
+        if not choice.message.tool_calls:
+            continue  # cut before the arguments began: the text of the section comes back as content
+        (cut,) = choice.message.tool_calls
+        assert (cut.id, cut.function.name, choice.message.content) == (call.id, call.function.name, None)
+        assert call.function.arguments.startswith(cut.function.arguments)
+        cut_inside += bool(cut.function.arguments) and cut.function.arguments != call.function.arguments
+        if cut_inside == 1 and cut.function.arguments != call.function.arguments:
+            chunks = stream_chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=max_tokens)
+            deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+            assert "".join(d.function.arguments or "" for d in deltas) == cut.function.arguments
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert cut_inside > 1, "no max_tokens cut the call inside its arguments"
+
+
 def test_tool_choice_none_never_opens_a_section(served):
     """The section token is the most likely one, yet never chosen."""
     tokenizer = served.tokenizer
