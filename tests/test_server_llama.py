@@ -190,6 +190,8 @@ def test_slots_list_the_one_slot_with_the_running_sequence_and_then_the_last_one
     step = slot["next_token"][0]
     assert step["has_next_token"] and step["n_remain"] == 400 - step["n_decoded"]
     assert slot["params"]["max_tokens"] == 400
+    busy = httpx.get(server.url + "/slots?fail_on_no_slot=1", headers=AUTH, timeout=10)
+    assert busy.status_code == 503 and busy.json()["error"]["message"] == "no slot available"
     runner.join(120)
     waiting.join(60)
     (last,) = _poll_slots(server, lambda s: not s[0]["is_processing"])

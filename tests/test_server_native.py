@@ -455,6 +455,8 @@ def test_slots_list_every_slot_with_the_running_request_under_its_id_slot(server
     step = running["next_token"][0]
     assert step["has_next_token"] and step["n_remain"] == 200 - step["n_decoded"]
     assert running["n_prompt_tokens"] == len(tokenize(server, PROMPT + " in slot one"))
+    has_room = httpx.get(server.url + "/slots?fail_on_no_slot=1", headers=AUTH, timeout=10)
+    assert has_room.status_code == 200  # slot 0 is idle
     runner.join(120)
     done = _poll(server, lambda s: not s[1]["is_processing"])[1]
     assert done["id_task"] == running["id_task"] and done["next_token"][0]["has_next_token"] is False

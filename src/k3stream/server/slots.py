@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 from k3stream.engine.prompt_cache import PromptCache
 from k3stream.server.bodies import parse_body
 from k3stream.server.endpoints_llama import llama_params
-from k3stream.server.errors import APIError, LlamaError, not_supported
+from k3stream.server.errors import LLAMA_ERROR_TYPES, APIError, LlamaError, not_supported
 from k3stream.server.scheduler import Job, Scheduler
 
 # characters llama.cpp's fs_validate_filename refuses besides control characters
@@ -115,11 +115,14 @@ class SlotList:
         self.scheduler = scheduler
         self.n_ctx = n_ctx
 
-    async def list(self) -> list[dict[str, Any]]:
+    async def list(self, request: Request) -> list[dict[str, Any]]:
+        """The slots; with `?fail_on_no_slot` (any value), llama-server's 503 while every slot runs."""
         running: dict[int, Job] = {}
         for job in self.scheduler.active_jobs():
             if job.state is not None:  # admitted: queued requests hold no slot yet
                 running.setdefault(job.slot, job)
+        if request.query_params.get("fail_on_no_slot") and len(running) == self.table.count:
+            raise LlamaError(503, "no slot available", type=LLAMA_ERROR_TYPES[503])
         return [self._slot(slot, running.get(slot)) for slot in range(self.table.count)]
 
     def _slot(self, slot: int, job: Job | None) -> dict[str, Any]:
