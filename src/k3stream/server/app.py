@@ -591,10 +591,8 @@ class _Chunks:
     def for_choices(cls, model: str, jobs: list[Job]) -> list[_Chunks]:
         """One maker per choice (job), all with the request's id and timestamp."""
         first = cls(model, jobs[0])
-        return [
-            first,
-            *(cls(model, job, index, first.id, first.created) for index, job in enumerate(jobs) if index),
-        ]
+        rest = enumerate(jobs[1:], start=1)
+        return [first, *(cls(model, job, index, first.id, first.created) for index, job in rest)]
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {

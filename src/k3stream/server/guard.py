@@ -24,7 +24,12 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from k3stream.server.errors import LLAMA_ERROR_TYPES, APIError, LlamaError, redact_paths  # noqa: F401
+from k3stream.server.errors import (
+    LLAMA_ERROR_TYPES,
+    APIError,
+    LlamaError,
+    redact_paths,  # noqa: F401 (re-exported)
+)
 from k3stream.server.routes import needs_api_key, openai_path
 
 API_KEY_ENV = "K3STREAM_API_KEY"
