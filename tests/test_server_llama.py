@@ -183,6 +183,8 @@ def test_slots_list_the_one_slot_with_the_running_sequence_and_then_the_last_one
         target=lambda: post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}), daemon=True
     )
     waiting.start()
+    busy = _poll_slots(server, lambda s: isinstance(s, dict), "?fail_on_no_slot=1")  # the one slot runs
+    assert busy["error"] == {"code": 503, "message": "no slot available", "type": "unavailable_error"}
     (slot,) = _poll_slots(server, lambda s: s[0]["is_processing"] and s[0]["next_token"][0]["n_decoded"] > 0)
     assert slot["id"] == 0 and slot["n_ctx"] == served.ctx and slot["speculative"] is False
     assert slot["n_prompt_tokens"] == len(served.encode_prompt("Once upon a time"))
@@ -190,8 +192,6 @@ def test_slots_list_the_one_slot_with_the_running_sequence_and_then_the_last_one
     step = slot["next_token"][0]
     assert step["has_next_token"] and step["n_remain"] == 400 - step["n_decoded"]
     assert slot["params"]["max_tokens"] == 400
-    busy = httpx.get(server.url + "/slots?fail_on_no_slot=1", headers=AUTH, timeout=10)
-    assert busy.status_code == 503 and busy.json()["error"]["message"] == "no slot available"
     runner.join(120)
     waiting.join(60)
     (last,) = _poll_slots(server, lambda s: not s[0]["is_processing"])
@@ -200,9 +200,9 @@ def test_slots_list_the_one_slot_with_the_running_sequence_and_then_the_last_one
     assert last["next_token"][0]["has_next_token"] is False
 
 
-def _poll_slots(server, condition):
+def _poll_slots(server, condition, query=""):
     for _ in range(3000):  # a bound, not a timing assertion
-        slots = httpx.get(server.url + "/slots", headers=AUTH, timeout=10).json()
+        slots = httpx.get(server.url + "/slots" + query, headers=AUTH, timeout=10).json()
         if condition(slots):
             return slots
         time.sleep(0.005)
