@@ -252,9 +252,9 @@ def _request_cases(url: str) -> dict:
         ),
         "token id outside the vocabulary": (post(completions, {"prompt": [1 << 40]}), {400}),
         "unknown model": (post(completions, {"prompt": "hi", "model": "gpt-9"}), {404}),
-        "no API key": (lambda: httpx.get(url + "/props", timeout=10), {401}),
+        "no API key": (lambda: httpx.get(url + "/metrics", timeout=10), {401}),
         "wrong API key": (
-            lambda: httpx.get(url + "/props", headers={"Authorization": "Bearer x"}, timeout=10),
+            lambda: httpx.get(url + "/metrics", headers={"Authorization": "Bearer x"}, timeout=10),
             {401},
         ),
         "foreign Host header": (
