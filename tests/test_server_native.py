@@ -420,6 +420,17 @@ def test_v1_completions_list_gives_each_prompt_its_own_timings_and_adds_them_up(
     usage = answer["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (sum(lengths), 20)
     assert usage["total_tokens"] == sum(lengths) + 20
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=streamed, headers=AUTH, timeout=120
+    ) as reply:
+        lines = [line[len("data: ") :] for line in reply.iter_lines() if line.startswith("data: {")]
+    chunks = [json.loads(line) for line in lines]
+    ends = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert sorted((e["index"], e["timings"]["prompt_n"]) for e in ends) == [
+        (i, lengths[i // 2]) for i in range(4)
+    ]
+    assert chunks[-1]["usage"] == usage and chunks[-1]["timings"]["prompt_n"] == sum(lengths)
 
 
 def test_api_key_errors_are_llama_servers_on_its_paths_and_openais_under_v1(server):
