@@ -126,10 +126,14 @@ def test_inspect_shows_the_recipe_per_layer_and_role_and_what_it_implies(tiny_mo
     recipe = json.loads(capsys.readouterr().out)["recipe"]
     for row, layer_types in zip(recipe["moe_layers"], MIXED_RECIPES["dynamic"].expert_layers, strict=True):
         assert tuple(role["type"] for role in row["roles"].values()) == layer_types
-    non_expert = sum(int(t.n_bytes) for t in others)
+    # a token reads one row of token_embd (its own), every other non-expert weight whole
+    embd = tensors["token_embd.weight"]
+    embd_row = int(embd.n_bytes) // int(embd.shape[1])
+    non_expert = sum(int(t.n_bytes) for t in others) - int(embd.n_bytes) + embd_row
     assert recipe["bytes_per_token_uncached"] == {
         "experts": top_k * sum(objects),
         "non_expert": non_expert,
+        "token_embd_row": embd_row,
         "total": top_k * sum(objects) + non_expert,
         "top_k": top_k,
     }
@@ -142,6 +146,7 @@ def test_inspect_shows_the_recipe_per_layer_and_role_and_what_it_implies(tiny_mo
     assert "  layer 4: IQ1_S 1.56 / IQ1_M 1.75 / IQ2_S 2.56" in text
     assert f"expert objects {min(objects):,} to {max(objects):,} B by layer" in text
     assert f"bytes per token uncached: {top_k * sum(objects) + non_expert:,}" in text
+    assert f"token_embd: one row of {embd_row:,} B" in text
 
 
 @requires_llama
