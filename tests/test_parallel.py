@@ -99,6 +99,21 @@ def test_two_ranks_tensor_and_expert_parallel_match_one_process(packed, single, 
     assert all(report["exchange_bytes"] > 0 for report in both["reports"])
 
 
+def test_matrices_with_trailing_unit_dimensions_split_as_their_canonical_shapes(
+    tiny_model, packed, single, tmp_path
+):
+    """The default model with its matrices stored as [in, out, 1] (an expert tensor as [in, out, n, 1]):
+    `--tp 2 --ep 2` slices them on their canonical (out, in) and gives the one process's logits."""
+    from k3stream.pack.builder import build_pack
+    from pack_helpers import UNIT_MATRICES, with_leading_ones, with_unit_dimensions
+
+    source = tiny_model()
+    shapes = with_leading_ones(source, UNIT_MATRICES)
+    model = with_unit_dimensions(source, tmp_path / "units.gguf", shapes)
+    both = run_worker(tmp_path, Path(build_pack(model).manifest), 2, "--tp", "2", "--ep", "2")
+    assert rel(both["logits"], single["logits"]) <= 1e-5
+
+
 @pytest.mark.slow
 def test_two_ranks_on_the_audited_recipe(audited, audited_single, tmp_path):
     both = run_worker(tmp_path, audited, 2, "--tp", "2", "--ep", "2")

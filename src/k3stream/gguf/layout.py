@@ -161,14 +161,18 @@ def expected_shapes(cfg: K3Config, present: Container[str] = ()) -> dict[str, Sh
 
 
 def accepted_shapes(name: str, shape: Shape) -> tuple[Shape, ...]:
-    """The shapes llama.cpp accepts for a tensor whose canonical shape is `shape`. GGML ignores trailing
-    dimensions of 1 (numpy's leading ones): k3stream takes a vector with them too, up to 4 dimensions
-    (its matrices keep their canonical shape)."""
+    """The shapes llama.cpp accepts for a tensor whose canonical shape is `shape`: GGML ignores trailing
+    dimensions of 1 (numpy's leading ones), up to its 4 dimensions, on vectors and matrices alike."""
+    ones = tuple((1,) * extra + shape for extra in range(MAX_DIMS - len(shape) + 1))
     if "ssm_conv1d_" in name:
-        return (shape, shape[1:])  # quantizers drop the trailing ggml dimension of 1
-    if len(shape) == 1:
-        return tuple((1,) * extra + shape for extra in range(MAX_DIMS))
-    return (shape,)
+        return (*ones, shape[1:])  # quantizers drop the trailing ggml dimension of 1
+    return ones
+
+
+def canonical_shape(stored: Shape, shape: Shape) -> Shape:
+    """`shape` for a tensor stored with GGML's trailing dimensions of 1 beyond it, else `stored`."""
+    extra = len(stored) - len(shape)
+    return shape if extra > 0 and stored == (1,) * extra + shape else stored
 
 
 def is_optional(name: str) -> bool:
