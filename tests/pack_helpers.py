@@ -156,8 +156,12 @@ def clear_test_cache(cache: Path = TEST_CACHE) -> None:
         cache.rmdir()
 
 
-def with_unit_dimensions(source: Path, dst: Path, names: dict[str, tuple[int, ...]]) -> Path:
-    """`source` rewritten (gguf's writer) with the tensors `names` gives in the numpy shapes given."""
+def rewritten(
+    source: Path, dst: Path, shapes: dict[str, tuple[int, ...]] | None = None, drop: set[str] | None = None
+) -> Path:
+    """`source` rewritten (gguf's writer) with the tensors `shapes` names in the numpy shapes given and
+    without the tensors `drop` names."""
+    shapes, drop = shapes or {}, drop or set()
     reader = GGUFReader(source)
     writer = GGUFWriter(dst, "kimi-k3")
     for key, field in reader.fields.items():
@@ -165,10 +169,10 @@ def with_unit_dimensions(source: Path, dst: Path, names: dict[str, tuple[int, ..
             sub_type = field.types[-1] if len(field.types) > 1 else None
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
     for tensor in reader.tensors:
-        data = np.asarray(tensor.data)
-        writer.add_tensor(
-            tensor.name, data.reshape(names.get(tensor.name, data.shape)), raw_dtype=tensor.tensor_type
-        )
+        if tensor.name not in drop:
+            data = np.asarray(tensor.data)
+            shape = shapes.get(tensor.name, data.shape)
+            writer.add_tensor(tensor.name, data.reshape(shape), raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -29,8 +29,8 @@ from pack_helpers import (
     UNIT_MATRICES,
     file_size_limit,
     open_file_paths,
+    rewritten,
     with_leading_ones,
-    with_unit_dimensions,
 )
 
 AUDITED = dict(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32)
@@ -246,13 +246,13 @@ def test_tensors_with_trailing_unit_dimensions_load_as_llama_cpp_loads_them(tiny
     }
     source = tiny_model(seed=2)
     shapes |= with_leading_ones(source, UNIT_MATRICES)
-    path = with_unit_dimensions(source, tmp_path / "units.gguf", shapes)
+    path = rewritten(source, tmp_path / "units.gguf", shapes)
     assert K3Checkpoint.open(path).info("blk.0.ffn_down.weight").shape == (64, 96)
     tokens = [5, 70, 300, 9]
     (reference,) = llama_logits([(path, tokens)], tmp_path, n_batch=1)
     assert relative_error(k3stream.load(path).logits(tokens).numpy(), reference) < 1e-4
     score = {"blk.1.attn_res_score.weight": (1, 64)}
-    scored = with_unit_dimensions(tiny_model(seed=2), tmp_path / "score.gguf", score)
+    scored = rewritten(tiny_model(seed=2), tmp_path / "score.gguf", score)
     with pytest.raises(ValueError, match=r"attention-residual score must be a vector, got \(1, 64\)"):
         K3Checkpoint.open(scored)
 

@@ -105,12 +105,23 @@ def test_matrices_with_trailing_unit_dimensions_split_as_their_canonical_shapes(
     """The default model with its matrices stored as [in, out, 1] (an expert tensor as [in, out, n, 1]):
     `--tp 2 --ep 2` slices them on their canonical (out, in) and gives the one process's logits."""
     from k3stream.pack.builder import build_pack
-    from pack_helpers import UNIT_MATRICES, with_leading_ones, with_unit_dimensions
+    from pack_helpers import UNIT_MATRICES, rewritten, with_leading_ones
 
     source = tiny_model()
     shapes = with_leading_ones(source, UNIT_MATRICES)
-    model = with_unit_dimensions(source, tmp_path / "units.gguf", shapes)
+    model = rewritten(source, tmp_path / "units.gguf", shapes)
     both = run_worker(tmp_path, Path(build_pack(model).manifest), 2, "--tp", "2", "--ep", "2")
+    assert rel(both["logits"], single["logits"]) <= 1e-5
+
+
+def test_layers_without_their_optional_gate_and_shared_experts_split_over_two_ranks(
+    tiny_model, tmp_path_factory, tmp_path
+):
+    """MLA layers without `attn_gate` and MoE layers without shared experts (llama.cpp's optional
+    tensors): `--tp 2 --ep 2` slices what is there and gives the one process's logits."""
+    manifest = packed_copy(tiny_model, tmp_path_factory, without=("attn_gate", "shexp"))
+    single = run_worker(tmp_path, manifest, 1)
+    both = run_worker(tmp_path, manifest, 2, "--tp", "2", "--ep", "2")
     assert rel(both["logits"], single["logits"]) <= 1e-5
 
 

@@ -48,6 +48,8 @@ def check_tensors(config: K3Config, tensors: dict[str, TensorInfo]) -> dict[str,
     GGML's trailing dimensions of 1 dropped (every later reader, `--tp` slicing included, then sees the
     canonical `(out, in)`)."""
     expected = layout.expected_shapes(config, present=tensors)
+    for layer in config.moe_layers if config.n_shared else ():
+        layout.check_shared_experts(layer, tensors, config.source)
     for name, shape in expected.items():
         info = tensors.get(name)
         if info is None:
