@@ -15,7 +15,7 @@ from k3stream import LoadOptions
 from k3stream.gguf import mixed_recipes, writer
 from k3stream.gguf.mixed_recipes import MIXED_RECIPES, MixedRecipe
 from k3stream.gguf.writer import tensor_plan
-from k3stream.quant import IQUANT_TYPES, dequantize
+from k3stream.quant import DECODE_ONLY_TYPES, dequantize
 from llama_logits import llama_logits, relative_error
 from test_model import f32_rewrite, tokens_for
 
@@ -32,7 +32,7 @@ def test_recipes_give_valid_blocks_of_their_types(tiny_model, recipe):
     path = tiny_model(recipe=recipe, **DIMS)
     reader = GGUFReader(path)
     quantized = [t for t in reader.tensors if t.tensor_type.name not in ("F32", "F16")]
-    assert any(t.tensor_type in IQUANT_TYPES for t in quantized)
+    assert any(t.tensor_type in DECODE_ONLY_TYPES for t in quantized)
     for tensor in quantized:
         values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
         rms = float(values.square().mean().sqrt())

@@ -414,14 +414,14 @@ def _row_bytes(row_values: int, ggml_type: int) -> int:
 
 def _tensor_slabs(tensor: _Tensor, spec: TinySpec, values_of: ValuesOf, slabs_of: SlabsOf | None):
     """The tensor's bytes: what `slabs_of` gives, else its values encoded whole."""
-    from k3stream.quant import IQUANT_TYPES
+    from k3stream.quant import DECODE_ONLY_TYPES
 
     ggml_type = tensor_type(tensor, spec)
     slabs = slabs_of(tensor, spec, ggml_type) if slabs_of is not None else None
     if slabs is not None:
         yield from slabs
         return
-    if ggml_type in IQUANT_TYPES:
+    if ggml_type in DECODE_ONLY_TYPES:
         from gguf import GGMLQuantizationType
 
         type_name = GGMLQuantizationType(ggml_type).name

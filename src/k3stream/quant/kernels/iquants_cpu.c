@@ -357,6 +357,24 @@ INLINE float mxfp4_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks)
     return sumf;
 }
 
+/* NVFP4 (ggml's generic C, its sum contracted as the compiler does): a block of 64 values against two
+ * Q8_0 blocks, one UE4M3 scale a run of 16; `blocks` counts the Q8_0 blocks */
+INLINE float nvfp4_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks / 2; i++, x += 36)
+        for (int s = 0; s < 4; s++) {
+            const BlockQ8_0 *q = y + 2 * i + s / 2;
+            const int8_t *q8 = q->qs + 16 * (s % 2);
+            int32_t sumi_lo = 0, sumi_hi = 0;
+            for (int j = 0; j < 8; j++) {
+                sumi_lo += q8[j] * mxfp4_values[x[4 + 8 * s + j] & 15];
+                sumi_hi += q8[j + 8] * mxfp4_values[x[4 + 8 * s + j] >> 4];
+            }
+            sumf = fmaf(q->d * ue4m3_half(x[s]), (float)(sumi_lo + sumi_hi), sumf);
+        }
+    return sumf;
+}
+
 /* ---- float decoders: one block's values as gguf's dequantize (and k3stream.quant's) computes them,
  * for the float tile path (ggml_cpu.c's ROW_KERNEL) and decode_row ------------------------------- */
 
@@ -587,7 +605,7 @@ DECODER void dec_tq2_0(const uint8_t *restrict b, float *restrict y) { /* bits 2
     X(22, iq2_s, q8, 256) X(23, iq4_xs, q8, 256) X(19, iq1_s, q8, 256) X(29, iq1_m, q8, 256)
 #define ROW_TYPES(X)                                                                                     \
     X(20, iq4_nl, q8_0, 32) X(34, tq1_0, q8, 256)                                                      \
-    X(35, tq2_0, q8, 256) X(39, mxfp4, q8_0, 32)
+    X(35, tq2_0, q8, 256) X(39, mxfp4, q8_0, 32) X(40, nvfp4, q8_0, 32) /* NVFP4: a block is two Q8_0's */
 #define IQ_TYPES(X) RUN_TYPES(X) ROW_TYPES(X)
 
 #define GENERIC_ROWS(ID, NAME, Y, ELEMS) IQ_ROWS(NAME##_rows_generic, , NAME##_generic, Y, ELEMS, 1)
@@ -975,6 +993,26 @@ TERNARY_DOT(tq1_0, 54, 52)
 
 PAIRED_DOT(iq4_nl, 18, iq4nl_values, f16c(x), 2)
 PAIRED_DOT(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
+/* NVFP4 as ggml's AVX2 vec_dot orders it: eight float lanes, lane k of a Q8_0 block's half taking
+ * values 4k..4k+3 (lanes 0-3 the block's first run of 16, 4-7 its second) by one FMA with the run's
+ * scale times the activations' d, then ggml's horizontal sum. Scalar, the lanes' bits exactly. */
+AVX2_ALWAYS float nvfp4_avx2(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks) {
+    float acc[8] = {0};
+    for (int64_t i = 0; i < blocks / 2; i++, x += 36)
+        for (int half = 0; half < 2; half++) {
+            const BlockQ8_0 *q = y + 2 * i + half;
+            for (int k = 0; k < 8; k++) {
+                const int run = 2 * half + k / 4, at = 4 + 8 * run;
+                int32_t sumi = 0;
+                for (int e = 4 * (k % 4); e < 4 * (k % 4) + 4; e++) {
+                    const uint8_t code = e < 8 ? x[at + e] & 15 : x[at + e - 8] >> 4;
+                    sumi += q->qs[16 * (k / 4) + e] * mxfp4_values[code];
+                }
+                acc[k] = fmaf(ue4m3_half(x[run]) * q->d, (float)sumi, acc[k]);
+            }
+        }
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
 
 /* ... with AVX-512 (VBMI, VNNI): a pair of blocks in one vector, the first's 32 values in its low half
  * and the second's in its high half, so the float lanes are the AVX2 kernel's acc1 (low) and acc2
@@ -1336,4 +1374,4 @@ RowKernel iq_q8_kernel(int ggml_type, int avx2) {
 
 RowKernel iq_q8_kernel_avx2(int ggml_type) { return ggml_kernel(ggml_type, 1); }
 
-int iq_q8_0_activations(int ggml_type) { return ggml_type == 20 || ggml_type == 39; }
+int iq_q8_0_activations(int ggml_type) { return ggml_type == 20 || ggml_type == 39 || ggml_type == 40; }
