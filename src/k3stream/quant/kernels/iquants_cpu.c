@@ -27,6 +27,7 @@
 static uint8_t iq2xxs_grid[256][8], iq2xs_grid[512][8], iq2s_grid[1024][8];
 static uint8_t iq3xxs_grid[256][4], iq3s_grid[512][4];
 static int8_t iq1s_grid[2048][8], iq4nl_values[16], mxfp4_values[16];
+static float ue4m3_halves[256]; /* NVFP4's scales by byte (`ue4m3_half`), set with the grids */
 static uint8_t ksigns[128];     /* 7 sign bits, the eighth their parity (ggml's ksigns_iq2xs) */
 static uint64_t sign_bytes[256]; /* bit j of the index set: byte j is -1, else +1 (for _mm256_sign_epi8) */
 static uint64_t even_signs[128]; /* sign_bytes of ksigns */
@@ -85,6 +86,7 @@ PyObject *py_set_iq_grids(PyObject *self, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "set_iq_grids: grid %d has %zd bytes, expected %zd", wrong,
                             views[wrong].len, slots[wrong].size);
     for (int i = 0; i < 128; i++) ksigns[i] = (uint8_t)(i | (__builtin_popcount(i) & 1) << 7);
+    for (int i = 0; i < 256; i++) ue4m3_halves[i] = ue4m3_half((uint8_t)i);
     for (int i = 0; i < 256; i++) {
         sign_bytes[i] = 0;
         for (int j = 0; j < 8; j++) sign_bytes[i] |= (uint64_t)((i >> j) & 1 ? 0xFF : 0x01) << (8 * j);
@@ -370,7 +372,7 @@ INLINE float nvfp4_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks)
                 sumi_lo += q8[j] * mxfp4_values[x[4 + 8 * s + j] & 15];
                 sumi_hi += q8[j + 8] * mxfp4_values[x[4 + 8 * s + j] >> 4];
             }
-            sumf = fmaf(q->d * ue4m3_half(x[s]), (float)(sumi_lo + sumi_hi), sumf);
+            sumf = fmaf(q->d * ue4m3_halves[x[s]], (float)(sumi_lo + sumi_hi), sumf);
         }
     return sumf;
 }
@@ -993,25 +995,26 @@ TERNARY_DOT(tq1_0, 54, 52)
 
 PAIRED_DOT(iq4_nl, 18, iq4nl_values, f16c(x), 2)
 PAIRED_DOT(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
-/* NVFP4 as ggml's AVX2 vec_dot orders it: eight float lanes, lane k of a Q8_0 block's half taking
- * values 4k..4k+3 (lanes 0-3 the block's first run of 16, 4-7 its second) by one FMA with the run's
- * scale times the activations' d, then ggml's horizontal sum. Scalar, the lanes' bits exactly. */
+/* NVFP4 as ggml's AVX2 vec_dot computes it: per Q8_0 block of activations (half a block), the 32 codes'
+ * values as bytes (a run's low nibbles, then its high ones), 8 lanes of 4 products each (lanes 0-3 the
+ * first run, 4-7 the second), one FMA with the run's scale times the activations' d, then ggml's
+ * horizontal sum */
 AVX2_ALWAYS float nvfp4_avx2(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks) {
-    float acc[8] = {0};
+    const __m128i values = _mm_loadu_si128((const __m128i *)mxfp4_values), low4 = _mm_set1_epi8(0x0F);
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < blocks / 2; i++, x += 36)
         for (int half = 0; half < 2; half++) {
             const BlockQ8_0 *q = y + 2 * i + half;
-            for (int k = 0; k < 8; k++) {
-                const int run = 2 * half + k / 4, at = 4 + 8 * run;
-                int32_t sumi = 0;
-                for (int e = 4 * (k % 4); e < 4 * (k % 4) + 4; e++) {
-                    const uint8_t code = e < 8 ? x[at + e] & 15 : x[at + e - 8] >> 4;
-                    sumi += q->qs[16 * (k / 4) + e] * mxfp4_values[code];
-                }
-                acc[k] = fmaf(ue4m3_half(x[run]) * q->d, (float)sumi, acc[k]);
-            }
+            const __m128i bits = _mm_loadu_si128((const __m128i *)(x + 4 + 16 * half));
+            const __m128i lo = _mm_shuffle_epi8(values, _mm_and_si128(bits, low4));
+            const __m128i hi = _mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(bits, 4), low4));
+            const __m256i w = _mm256_set_m128i(_mm_unpackhi_epi64(lo, hi), _mm_unpacklo_epi64(lo, hi));
+            const __m256i sums = signed_pairs(w, _mm256_loadu_si256((const __m256i *)q->qs), _mm256_set1_epi16(1));
+            const __m256 scales = _mm256_set_m128(_mm_set1_ps(ue4m3_halves[x[2 * half + 1]] * q->d),
+                                                  _mm_set1_ps(ue4m3_halves[x[2 * half]] * q->d));
+            acc = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(sums), acc);
         }
-    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    return hsum_lanes(acc);
 }
 
 /* ... with AVX-512 (VBMI, VNNI): a pair of blocks in one vector, the first's 32 values in its low half
