@@ -218,7 +218,7 @@ def main() -> None:
     print(f"reference path (dequantize, then matmul), Q2_K, 1 thread: {total / reference / 1e9:.2f} GB/s")
 
 
-IQUANTS = "IQ2_XXS,IQ1_S,IQ4_XS,IQ2_XS,IQ3_XXS,IQ3_S,IQ2_S,IQ1_M,IQ4_NL,TQ1_0,TQ2_0,MXFP4"
+IQUANTS = "IQ2_XXS,IQ1_S,IQ4_XS,IQ2_XS,IQ3_XXS,IQ3_S,IQ2_S,IQ1_M,IQ4_NL,TQ1_0,TQ2_0,MXFP4,NVFP4"
 # llama.cpp's mat-vec as its CPU backend runs one (x quantized once, then vec_dot row by row, rows split
 # over the threads), on libggml-cpu's function pointers
 GGML_ROWS = r"""

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFWriter
 
 from k3stream.gguf.shards import SHARD_NAME
 
@@ -154,3 +154,54 @@ def clear_test_cache(cache: Path = TEST_CACHE) -> None:
             shutil.rmtree(entry, ignore_errors=True)
     if not any(cache.iterdir()):
         cache.rmdir()
+
+
+def rewritten(
+    source: Path, dst: Path, shapes: dict[str, tuple[int, ...]] | None = None, drop: set[str] | None = None
+) -> Path:
+    """`source` rewritten (gguf's writer) with the tensors `shapes` names in the numpy shapes given and
+    without the tensors `drop` names."""
+    shapes, drop = shapes or {}, drop or set()
+    reader = GGUFReader(source)
+    writer = GGUFWriter(dst, "kimi-k3")
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            sub_type = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        if tensor.name not in drop:
+            data = np.asarray(tensor.data)
+            shape = shapes.get(tensor.name, data.shape)
+            writer.add_tensor(tensor.name, data.reshape(shape), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+# matrices of the default tiny model and how many GGML dimensions of 1 to append to each: KDA and MLA
+# projections, the dense MLP, the shared experts, the head, the embedding, an expert tensor (4-D)
+UNIT_MATRICES = {
+    "token_embd.weight": 1,
+    "output.weight": 1,
+    "blk.0.attn_q.weight": 2,
+    "blk.0.ffn_down.weight": 1,
+    "blk.0.ffn_gate.weight": 1,
+    "blk.0.attn_output.weight": 1,
+    "blk.3.attn_output.weight": 1,
+    "blk.3.attn_gate.weight": 1,
+    "blk.3.attn_k_b.weight": 1,
+    "blk.1.ffn_down_shexp.weight": 1,
+    "blk.1.ffn_up_shexp.weight": 1,
+    "blk.1.ffn_gate_exps.weight": 1,
+}
+
+
+def with_leading_ones(source: Path, extra: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """The numpy shapes of `source`'s tensors `extra` names with that many leading dimensions of 1."""
+    tensors = {t.name: t for t in GGUFReader(source).tensors}
+    return {
+        name: (1,) * ones + tuple(int(n) for n in reversed(tensors[name].shape))
+        for name, ones in extra.items()
+    }

@@ -25,7 +25,13 @@ from k3stream.gguf.shards import discover_shards
 from k3stream.gguf.writer import TinySpec, hparams
 from llama_logits import llama_logits, relative_error
 from llama_oracle import llama_runs
-from pack_helpers import file_size_limit, open_file_paths
+from pack_helpers import (
+    UNIT_MATRICES,
+    file_size_limit,
+    open_file_paths,
+    rewritten,
+    with_leading_ones,
+)
 
 AUDITED = dict(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32)
 SHARD = "tiny-kimi-k3-{:05d}-of-00003.gguf"
@@ -223,31 +229,12 @@ def test_per_layer_arrays_of_head_count_and_feed_forward_length_read_as_llama_cp
     assert relative_error(k3stream.load(path).logits(tokens).numpy(), reference) < 1e-4
 
 
-def _with_unit_dimensions(source: Path, dst: Path, names: dict[str, tuple[int, ...]]) -> Path:
-    """`source` rewritten (gguf's writer) with the tensors `names` gives in the numpy shapes given."""
-    reader = GGUFReader(source)
-    writer = GGUFWriter(dst, "kimi-k3")
-    for key, field in reader.fields.items():
-        if not key.startswith("GGUF.") and key != "general.architecture":
-            sub_type = field.types[-1] if len(field.types) > 1 else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
-    for tensor in reader.tensors:
-        data = np.asarray(tensor.data)
-        writer.add_tensor(
-            tensor.name, data.reshape(names.get(tensor.name, data.shape)), raw_dtype=tensor.tensor_type
-        )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
-
-
 @requires_llama
 def test_tensors_with_trailing_unit_dimensions_load_as_llama_cpp_loads_them(tiny_model, tmp_path):
     """GGML ignores trailing dimensions of 1 (numpy's leading ones): llama.cpp runs a norm or a bias
-    stored as [64, 1] or [16, 1, 1], and k3stream gives its logits; a residual score stays refused with
-    sglang's message (its loader takes vectors only)."""
+    stored as [64, 1] or [16, 1, 1], a matrix as [64, 96, 1] and an expert tensor as [in, out, n, 1],
+    and k3stream gives its logits; a residual score stays refused with sglang's message (its loader
+    takes vectors only)."""
     import k3stream
 
     shapes = {
@@ -257,12 +244,15 @@ def test_tensors_with_trailing_unit_dimensions_load_as_llama_cpp_loads_them(tiny
         "blk.0.ssm_a": (1, 4),
         "blk.3.attn_kv_a_norm.weight": (1, 1, 1, 32),
     }
-    path = _with_unit_dimensions(tiny_model(seed=2), tmp_path / "units.gguf", shapes)
+    source = tiny_model(seed=2)
+    shapes |= with_leading_ones(source, UNIT_MATRICES)
+    path = rewritten(source, tmp_path / "units.gguf", shapes)
+    assert K3Checkpoint.open(path).info("blk.0.ffn_down.weight").shape == (64, 96)
     tokens = [5, 70, 300, 9]
     (reference,) = llama_logits([(path, tokens)], tmp_path, n_batch=1)
     assert relative_error(k3stream.load(path).logits(tokens).numpy(), reference) < 1e-4
     score = {"blk.1.attn_res_score.weight": (1, 64)}
-    scored = _with_unit_dimensions(tiny_model(seed=2), tmp_path / "score.gguf", score)
+    scored = rewritten(tiny_model(seed=2), tmp_path / "score.gguf", score)
     with pytest.raises(ValueError, match=r"attention-residual score must be a vector, got \(1, 64\)"):
         K3Checkpoint.open(scored)
 

@@ -233,3 +233,89 @@ def test_a_stale_partial_pack_counts_as_free_space(built, tmp_path, monkeypatch)
     monkeypatch.setattr(shutil_module, "disk_usage", lambda _path: usage._replace(free=size // 2))
     result = build_pack(next(folder.glob("*.gguf")), options=BuildOptions(progress=False, margin_bytes=0))
     assert result.size == size and verify_pack(result.manifest)["ok"]
+
+
+def _without_checksums(manifest: Path) -> bytes:
+    """The manifest rewritten without its `integrity` section, as sglang writes them; its new bytes."""
+    value = json.loads(manifest.read_text())
+    del value["integrity"]
+    write_json_atomic(manifest, value)
+    return manifest.read_bytes()
+
+
+def test_a_pack_without_checksums_anywhere_warns_once_at_load(work, caplog):
+    _without_checksums(work)
+    with caplog.at_level("WARNING"), ExpertPack(work):
+        pass
+    lines = [r.getMessage() for r in caplog.records if "checksum" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert str(work) in lines[0] and "k3stream verify" in lines[0] and "--record-checksums" in lines[0]
+
+
+def test_verify_records_checksums_beside_a_checksumless_manifest_which_the_store_then_checks(
+    work, built, caplog, capsys
+):
+    """`verify --record-checksums` on a pack whose manifest has none (sglang's): a full verify, then the
+    digests in a sidecar file beside the manifest; the manifest and pack bytes stay what sglang reads.
+    A pack modified in place afterwards fails its fetch, and the loader checks the shards' samples."""
+    from k3stream.cli import main
+
+    manifest_bytes = _without_checksums(work)
+    pack_bytes = _pack_of(work).read_bytes()
+    assert main(["verify", str(work), "--record-checksums"]) == 0
+    out = capsys.readouterr().out
+    sidecar = work.with_name(work.name.removesuffix(".json") + ".checksums.json")
+    assert sidecar.is_file() and str(sidecar) in out
+    assert work.read_bytes() == manifest_bytes and _pack_of(work).read_bytes() == pack_bytes
+    recorded = json.loads(built[0].read_text())["integrity"]["object_digests"]
+    with caplog.at_level("WARNING"), ExpertPack(work) as pack:
+        assert pack.checksums is not None
+        assert "".join(f"{int(d):016x}" for d in pack.checksums) == recorded
+        layer = pack.moe_layers[1]
+        offset, nbytes = pack.object_range(layer, 3)
+    assert not [r for r in caplog.records if "checksum" in r.getMessage()]
+    summary = verify_pack(work)
+    assert summary["checksums"] == "xxh3_64" and summary["checksums_file"] == str(sidecar)
+    _flip_bit(_pack_of(work), offset + nbytes // 3)
+    with _store(work) as store, pytest.raises(ChecksumMismatch, match=f"layer {layer} expert 3 of"):
+        store.fetch(layer, [3])
+
+
+def test_the_loader_checks_a_recorded_sidecars_shard_samples(work, built):
+    from k3stream.cli import main
+    from k3stream.pack.source import open_checkpoint
+
+    _without_checksums(work)
+    assert main(["verify", str(work), "--record-checksums"]) == 0
+    gguf = next(work.parent.glob("*.gguf"))
+    info = K3Checkpoint.open(gguf).info("output.weight")
+    _flip_bit(gguf, info.data_offset + info.nbytes // 2)
+    with pytest.raises(FileNotFoundError, match="Kimi-K3 GGUF shard is missing or changed"):
+        open_checkpoint(work)
+
+
+def test_a_sidecar_of_another_manifest_and_a_second_record_are_one_line_errors(work, capsys):
+    from k3stream.cli import main
+
+    assert main(["verify", str(work), "--record-checksums"]) == 1  # the manifest records its own
+    assert "already records checksums" in capsys.readouterr().err
+    _without_checksums(work)
+    assert main(["verify", str(work), "--record-checksums"]) == 0
+    value = json.loads(work.read_text())
+    value["expert_pack"]["note"] = "rewritten"
+    write_json_atomic(work, value)
+    with pytest.raises(ValueError, match=r"checksums\.json records checksums of another manifest") as caught:
+        ExpertPack(work)
+    assert "\n" not in str(caught.value)
+
+
+def test_recording_checksums_of_a_pack_that_fails_verify_writes_nothing(work, capsys):
+    from k3stream.cli import main
+
+    _without_checksums(work)
+    with ExpertPack(work) as pack:
+        offset, _ = pack.object_range(pack.moe_layers[0], 0)
+    _flip_bit(_pack_of(work), offset + 7)
+    assert main(["verify", str(work), "--record-checksums"]) == 1
+    assert "does not match GGUF source" in capsys.readouterr().err
+    assert not list(work.parent.glob("*.checksums.json"))

@@ -18,7 +18,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from conftest import NO_CUDA
-from k3stream.quant import dequantize, quantize, type_size
+from k3stream.quant import DECODE_ONLY_TYPES, dequantize, quantize, type_size
 
 triton = pytest.importorskip("triton", reason="triton is not installed (the project's `gpu` extra)")
 
@@ -34,7 +34,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and not INTERPRET
 interp = pytest.mark.interp  # collected only under TRITON_INTERPRET=1 (tests/conftest.py)
 cuda = pytest.mark.skipif(not CUDA, reason=NO_CUDA)
-TYPES = sorted(SUPPORTED_GPU_TYPES - gpu.IQUANT_GPU_TYPES)  # the i-quants': test_kernels_gpu_iquants.py
+TYPES = sorted(SUPPORTED_GPU_TYPES - DECODE_ONLY_TYPES)  # the others: test_kernels_gpu_iquants.py
 # (rows of x, out features, in features); K = 288 is 256 plus one 32-block: a partial K tile
 SHAPES = [(1, 64, 512), (3, 5, 512), (17, 64, 256), (8, 5, 256)]
 LEGACY_SHAPES = [(2, 5, 288), (17, 3, 288)]

@@ -1,6 +1,7 @@
-"""The Triton kernels of the i-quants and ternary types (`gpu._dq_iquant`) against `gguf.quants.dequantize`,
-run by Triton's interpreter on the CPU (TRITON_INTERPRET=1 in a fresh process, as test_kernels_gpu.py
-does) on tiny shapes of random valid blocks: the decode path (few rows) and the `tl.dot` path."""
+"""The Triton kernels of the i-quants, the ternary types (`gpu._dq_iquant`) and NVFP4 (`gpu._dq_nvfp4`)
+against `gguf.quants.dequantize`, run by Triton's interpreter on the CPU (TRITON_INTERPRET=1 in a fresh
+process, as test_kernels_gpu.py does) on tiny shapes of random valid blocks: the decode path (few rows)
+and the `tl.dot` path."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from k3stream.quant.kernels import gpu  # noqa: E402  (after the skip above)
 from k3stream.testing import ggml_oracle  # noqa: E402
 
 interp = pytest.mark.interp  # collected only under TRITON_INTERPRET=1 (test_the_interpreter_runs_them)
-TYPES = sorted(gpu.IQUANT_GPU_TYPES)
+TYPES = sorted(gpu.IQUANT_GPU_TYPES | {T.NVFP4})
 
 
 def product(qt: T, rows: int, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +44,14 @@ def product(qt: T, rows: int, out_features: int, in_features: int) -> tuple[torc
 @pytest.mark.parametrize("rows", [2, 9], ids=["decode", "dot"])
 def test_the_kernels_match_gguf_dequantize(qt, rows):
     got, expected = product(qt, rows, 4, 512)
+    assert float((got.double() - expected).norm() / expected.norm()) <= 1e-5
+
+
+@interp
+@pytest.mark.parametrize("rows", [2, 9], ids=["decode", "dot"])
+def test_nvfp4_rows_of_whole_blocks_that_end_inside_a_tile(rows):
+    """NVFP4's 64-value blocks: rows of 320 values end one block into the second 256-value K tile."""
+    got, expected = product(T.NVFP4, rows, 4, 320)
     assert float((got.double() - expected).norm() / expected.norm()) <= 1e-5
 
 

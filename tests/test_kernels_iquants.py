@@ -1,4 +1,4 @@
-"""The integer kernels of the i-quants, the ternary types and MXFP4 (`iquants_cpu.c`) on random valid
+"""The integer kernels of the i-quants, the ternary types, MXFP4 and NVFP4 (`iquants_cpu.c`) on random valid
 blocks: bit for bit llama.cpp's own dot products (its libggml-cpu: the AVX2 kernel it runs here, and
 ggml's generic C for the portable build), and within float rounding of `gguf.quants.dequantize` times
 the 8-bit activations in float64. The grid types' AVX-512 kernels (`iquants_avx512.c`, on a CPU with
@@ -25,12 +25,12 @@ needs_llama = pytest.mark.skipif(
 
 # most used first
 TYPES = [T.IQ2_XXS, T.IQ1_S, T.IQ4_XS, T.IQ2_XS, T.IQ3_XXS, T.IQ3_S, T.IQ2_S, T.IQ1_M, T.IQ4_NL, T.TQ1_0,
-         T.TQ2_0, T.MXFP4]  # fmt: skip
+         T.TQ2_0, T.MXFP4, T.NVFP4]  # fmt: skip
 SHAPES = [(5, 256, 1), (37, 512, 3), (19, 2048, 5)]  # 5 rows: four sharing decoded runs, one alone
 # the types with AVX-512 grid kernels
 AVX512_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M]
 # the types whose AVX-512 kernels give their AVX2 kernels' (llama.cpp's) bits
-AVX2_BITS_AVX512_TYPES = [T.IQ4_NL, T.MXFP4, T.IQ4_XS, T.TQ2_0, T.TQ1_0]
+AVX2_BITS_AVX512_TYPES = [T.IQ4_NL, T.MXFP4, T.IQ4_XS, T.TQ2_0, T.TQ1_0, T.NVFP4]
 
 
 def matrix(qt: T, rows: int, cols: int, seed: int) -> np.ndarray:

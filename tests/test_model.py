@@ -8,12 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf import GGUFReader
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import k3stream
 from conftest import NO_C_KERNELS, requires_llama
 from k3stream import LoadOptions
+from k3stream.gguf.layout import OMITTABLE
 from k3stream.model.experts import GGUFExpertSource
 from llama_logits import llama_logits, relative_error
 from source_helpers import RecordingSource
@@ -164,6 +166,35 @@ def test_audited_recipe_matches_llama_on_its_f32_rewrite(tiny_model, tmp_path_fa
     assert relative_error(prefill_then_decode(model, tokens), reference[PREFIX:]) <= 1e-3
     dense = k3stream.load(path, LoadOptions(kernels="reference", match_ggml=False, profile="audited"))
     assert relative_error(dense.logits(tokens).numpy(), reference) <= 1e-3
+
+
+@requires_llama
+@pytest.mark.parametrize("without", [("attn_gate",), ("shexp",), ("attn_gate", "shexp")], ids="+".join)
+def test_optional_gate_and_shared_experts_left_out_match_llama(tiny_model, tmp_path, without):
+    """llama.cpp's kimi-k3 loader takes an MLA layer's `attn_gate` and a MoE layer's shared experts as
+    optional: an MLA layer without its gate applies no gate, a MoE layer without shared experts sums its
+    routed experts alone. k3stream loads such files (and their packs) and gives llama.cpp's logits,
+    prefill and decode."""
+    from k3stream.pack.builder import build_pack
+    from pack_helpers import copy_model
+
+    path = copy_model(tiny_model(without=without, seed=3), tmp_path)
+    left_out = tuple(suffix for group in without for suffix in OMITTABLE[group])
+    assert not any(t.name.endswith(left_out) for t in GGUFReader(path).tensors)
+    tokens = tokens_for(3, 593)
+    (reference,) = llama_logits([(path, tokens)], tmp_path)
+    for source in (path, build_pack(path).manifest):
+        model = k3stream.load(source)
+        assert relative_error(model.logits(tokens).numpy(), reference) <= 1e-3
+        assert relative_error(prefill_then_decode(model, tokens), reference[PREFIX:]) <= 1e-3
+
+
+def test_a_layer_with_part_of_its_shared_experts_is_refused_naming_the_missing_one(tiny_model, tmp_path):
+    from pack_helpers import rewritten
+
+    path = rewritten(tiny_model(), tmp_path / "partial.gguf", drop={"blk.2.ffn_up_shexp.weight"})
+    with pytest.raises(ValueError, match=r"missing tensor blk\.2\.ffn_up_shexp\.weight \(a layer's shared"):
+        k3stream.load(path)
 
 
 @requires_llama

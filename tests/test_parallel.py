@@ -99,6 +99,32 @@ def test_two_ranks_tensor_and_expert_parallel_match_one_process(packed, single, 
     assert all(report["exchange_bytes"] > 0 for report in both["reports"])
 
 
+def test_matrices_with_trailing_unit_dimensions_split_as_their_canonical_shapes(
+    tiny_model, packed, single, tmp_path
+):
+    """The default model with its matrices stored as [in, out, 1] (an expert tensor as [in, out, n, 1]):
+    `--tp 2 --ep 2` slices them on their canonical (out, in) and gives the one process's logits."""
+    from k3stream.pack.builder import build_pack
+    from pack_helpers import UNIT_MATRICES, rewritten, with_leading_ones
+
+    source = tiny_model()
+    shapes = with_leading_ones(source, UNIT_MATRICES)
+    model = rewritten(source, tmp_path / "units.gguf", shapes)
+    both = run_worker(tmp_path, Path(build_pack(model).manifest), 2, "--tp", "2", "--ep", "2")
+    assert rel(both["logits"], single["logits"]) <= 1e-5
+
+
+def test_layers_without_their_optional_gate_and_shared_experts_split_over_two_ranks(
+    tiny_model, tmp_path_factory, tmp_path
+):
+    """MLA layers without `attn_gate` and MoE layers without shared experts (llama.cpp's optional
+    tensors): `--tp 2 --ep 2` slices what is there and gives the one process's logits."""
+    manifest = packed_copy(tiny_model, tmp_path_factory, without=("attn_gate", "shexp"))
+    single = run_worker(tmp_path, manifest, 1)
+    both = run_worker(tmp_path, manifest, 2, "--tp", "2", "--ep", "2")
+    assert rel(both["logits"], single["logits"]) <= 1e-5
+
+
 @pytest.mark.slow
 def test_two_ranks_on_the_audited_recipe(audited, audited_single, tmp_path):
     both = run_worker(tmp_path, audited, 2, "--tp", "2", "--ep", "2")
@@ -109,20 +135,25 @@ def test_two_ranks_on_the_audited_recipe(audited, audited_single, tmp_path):
 # every row-parallel matrix of the recipes splits over 2 ranks on whole blocks: the dense MLP's 64 of
 # 128 columns (Q8_0), the shared experts' 256 of 512 (Q6_K, IQ4_XS)
 SPLITTABLE = dict(WIDE, dense_ff=128, n_shared=2)
+# NVFP4 (64-value blocks) on every matrix: the KDA and MLA output projections' 128 input channels split
+SPLITTABLE_BY = {"nvfp4": dict(kda_head_dim=32, v_head_dim=32)}
 # prefetch hints read a few mispredicted experts, as many as timing lets through: two ranks together
 # can read some more than one process (78 against 74 on the iq4_xs recipe; with --no-prefetch 73 both)
 SPLIT_READS_SLACK = 0.1
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["iq2_xxs", "ternary", "iq4_xs", "dynamic"])
+@pytest.mark.parametrize("recipe", ["iq2_xxs", "ternary", "iq4_xs", "nvfp4", "dynamic"])
 def test_two_ranks_on_the_iquant_and_ternary_recipes(tiny_model, tmp_path_factory, tmp_path, recipe):
-    """i-quant and ternary experts split over the ranks whole (`--ep`), the quantized attention and MLP
-    matrices (IQ4_XS/IQ4_NL, Q6_K/Q8_0) sliced on their blocks (`--tp`): the single process's logits.
+    """i-quant, ternary and NVFP4 experts split over the ranks whole (`--ep`), the quantized attention
+    and MLP matrices (IQ4_XS/IQ4_NL, NVFP4, Q6_K/Q8_0) sliced on their blocks (`--tp`): the single
+    process's logits.
     Float arithmetic: with ggml's, a row-parallel sum's last bit can round the next layer's 8-bit
     activations to another code and, rarely, route a token to another expert (as any change of
     summation order does; the single process reacts alike to a 3e-7 change of its embeddings)."""
-    manifest = packed_copy(tiny_model, tmp_path_factory, recipe=recipe, **SPLITTABLE)
+    manifest = packed_copy(
+        tiny_model, tmp_path_factory, recipe=recipe, **SPLITTABLE, **SPLITTABLE_BY.get(recipe, {})
+    )
     single = run_worker(tmp_path, manifest, 1, arithmetic="float")
     both = run_worker(tmp_path, manifest, 2, "--tp", "2", "--ep", "2", arithmetic="float")
     assert rel(both["logits"], single["logits"]) <= 1e-5
@@ -136,7 +167,9 @@ def test_expert_parallel_recipes_with_ggml_arithmetic_are_bit_identical(
 ):
     """`--ep` sums nothing in another order: ggml's integer kernels on each rank's own i-quant and
     ternary experts give the single process's bits."""
-    manifest = packed_copy(tiny_model, tmp_path_factory, recipe=recipe, **SPLITTABLE)
+    manifest = packed_copy(
+        tiny_model, tmp_path_factory, recipe=recipe, **SPLITTABLE, **SPLITTABLE_BY.get(recipe, {})
+    )
     single = run_worker(tmp_path, manifest, 1, arithmetic="ggml")
     experts = run_worker(tmp_path, manifest, 2, "--ep", "2", arithmetic="ggml")
     assert torch.equal(experts["logits"], single["logits"])

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from conftest import NO_CUDA
 from k3stream.quant import (
+    DECODE_ONLY_TYPES,
     IQUANT_TYPES,
     SUPPORTED_TYPES,
     default_slab_rows,
@@ -27,8 +28,8 @@ from k3stream.quant import (
 T = GGMLQuantizationType
 ALL_TYPES = sorted(SUPPORTED_TYPES)
 QUANT_TYPES = [t for t in ALL_TYPES if t not in (T.F32, T.F16, T.BF16)]
-ENCODED_TYPES = [t for t in ALL_TYPES if t not in IQUANT_TYPES]  # the types k3stream can encode
-ENCODED_QUANT_TYPES = [t for t in QUANT_TYPES if t not in IQUANT_TYPES]
+ENCODED_TYPES = [t for t in ALL_TYPES if t not in DECODE_ONLY_TYPES]  # the types k3stream can encode
+ENCODED_QUANT_TYPES = [t for t in QUANT_TYPES if t not in DECODE_ONLY_TYPES]
 # byte offsets of the fp16 scale fields in each block (ggml-common.h); random bytes there could be NaN/inf
 FP16_SCALE_OFFSETS = {
     T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
@@ -138,8 +139,8 @@ def test_empty_rows_decode_to_empty():
 
 
 def test_unsupported_type_is_named():
-    with pytest.raises(ValueError, match="NVFP4"):
-        dequantize(np.zeros((1, 36), dtype=np.uint8), T.NVFP4)
+    with pytest.raises(ValueError, match="Q1_0"):
+        dequantize(np.zeros((1, 18), dtype=np.uint8), T.Q1_0)
     with pytest.raises(ValueError, match="999"):
         dequantize(np.zeros((1, 84), dtype=np.uint8), 999)
 
@@ -357,3 +358,5 @@ def test_iquant_every_finite_scale_decodes_as_gguf(qt):
 def test_quantize_refuses_types_it_only_decodes():
     with pytest.raises(ValueError, match="IQ2_XXS: k3stream decodes IQ2_XXS but has no encoder"):
         quantize(np.zeros((1, 256), dtype=np.float32), T.IQ2_XXS)
+    with pytest.raises(ValueError, match="NVFP4: k3stream decodes NVFP4 but has no encoder"):
+        quantize(np.zeros((1, 64), dtype=np.float32), T.NVFP4)

@@ -41,11 +41,11 @@ COMMANDS = {
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-@pytest.mark.parametrize(("type_id", "named"), [(77, "unknown GGML type 77"), (40, "NVFP4 (40)")])
+@pytest.mark.parametrize(("type_id", "named"), [(77, "unknown GGML type 77"), (41, "Q1_0 (41)")])
 def test_a_type_k3stream_does_not_know_stops_at_load_in_one_line(
     tiny_model, tmp_path, capsys, command, type_id, named
 ):
-    """A future enum value (77) and one gguf knows but k3stream cannot decode (NVFP4): one line naming
+    """A future enum value (77) and one gguf knows but k3stream cannot decode (Q1_0): one line naming
     the file, tensor and type, and nothing written."""
     path = with_type_id(
         tiny_model(recipe="iq2_xxs", **AUDITED_DIMS), tmp_path / "patched.gguf", TENSOR, type_id

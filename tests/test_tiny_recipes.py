@@ -15,7 +15,7 @@ from k3stream import LoadOptions
 from k3stream.gguf import mixed_recipes, writer
 from k3stream.gguf.mixed_recipes import MIXED_RECIPES, MixedRecipe
 from k3stream.gguf.writer import tensor_plan
-from k3stream.quant import IQUANT_TYPES, dequantize
+from k3stream.quant import DECODE_ONLY_TYPES, dequantize
 from llama_logits import llama_logits, relative_error
 from test_model import f32_rewrite, tokens_for
 
@@ -32,7 +32,7 @@ def test_recipes_give_valid_blocks_of_their_types(tiny_model, recipe):
     path = tiny_model(recipe=recipe, **DIMS)
     reader = GGUFReader(path)
     quantized = [t for t in reader.tensors if t.tensor_type.name not in ("F32", "F16")]
-    assert any(t.tensor_type in IQUANT_TYPES for t in quantized)
+    assert any(t.tensor_type in DECODE_ONLY_TYPES for t in quantized)
     for tensor in quantized:
         values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
         rms = float(values.square().mean().sqrt())
@@ -126,10 +126,14 @@ def test_inspect_shows_the_recipe_per_layer_and_role_and_what_it_implies(tiny_mo
     recipe = json.loads(capsys.readouterr().out)["recipe"]
     for row, layer_types in zip(recipe["moe_layers"], MIXED_RECIPES["dynamic"].expert_layers, strict=True):
         assert tuple(role["type"] for role in row["roles"].values()) == layer_types
-    non_expert = sum(int(t.n_bytes) for t in others)
+    # a token reads one row of token_embd (its own), every other non-expert weight whole
+    embd = tensors["token_embd.weight"]
+    embd_row = int(embd.n_bytes) // int(embd.shape[1])
+    non_expert = sum(int(t.n_bytes) for t in others) - int(embd.n_bytes) + embd_row
     assert recipe["bytes_per_token_uncached"] == {
         "experts": top_k * sum(objects),
         "non_expert": non_expert,
+        "token_embd_row": embd_row,
         "total": top_k * sum(objects) + non_expert,
         "top_k": top_k,
     }
@@ -142,6 +146,7 @@ def test_inspect_shows_the_recipe_per_layer_and_role_and_what_it_implies(tiny_mo
     assert "  layer 4: IQ1_S 1.56 / IQ1_M 1.75 / IQ2_S 2.56" in text
     assert f"expert objects {min(objects):,} to {max(objects):,} B by layer" in text
     assert f"bytes per token uncached: {top_k * sum(objects) + non_expert:,}" in text
+    assert f"token_embd: one row of {embd_row:,} B" in text
 
 
 @requires_llama

@@ -29,11 +29,17 @@ def _int_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part.strip())
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 def field_parser(field: dataclasses.Field):
     if field.name == "mla_layers":
         return _optional(_int_tuple)
     if field.name == "recipe":
         return str
+    if field.name == "without":
+        return _names
     parse = float if isinstance(field.default, float) or field.name == "gate_lower_bound" else int
     return _optional(parse) if field.default is None or "None" in str(field.type) else parse
 
@@ -55,13 +61,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(TinySpec):
         flag = FLAG_ALIASES.get(field.name, "--" + field.name.replace("_", "-"))
         extra = {"choices": RECIPES} if field.name == "recipe" else {}
+        if field.name == "without":
+            extra = {
+                "metavar": "GROUPS",
+                "help": "optional tensors to leave out: attn_gate, shexp (comma-separated)",
+            }
         parser.add_argument(
             flag,
             dest=field.name,
             type=field_parser(field),
             default=argparse.SUPPRESS,  # `run` tells given flags from defaults
-            help=f"default {field.default}" + (" ('none' to omit)" if "None" in str(field.type) else ""),
-            **extra,
+            **(
+                {
+                    "help": f"default {field.default}"
+                    + (" ('none' to omit)" if "None" in str(field.type) else "")
+                }
+                | extra
+            ),
         )
 
 

@@ -1,6 +1,6 @@
 """`k3stream verify SOURCE`: check an expert pack against its manifest and its GGUF. SOURCE is what the
 other commands take: the manifest, or a GGUF (a file, any shard, a directory) packed with the default
-outputs."""
+outputs. `--record-checksums` gives a manifest without checksums (sglang's) a checksums file beside it."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--full", action="store_true", help="also hash the whole pack and compare every payload with the GGUF"
     )
+    parser.add_argument(
+        "--record-checksums",
+        action="store_true",
+        help="for a manifest without checksums (sglang's): verify in full, then record every object's "
+        "checksum beside the manifest (NAME.checksums.json), which every later read checks",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     real = f"{REAL.n_layers} layers, {REAL.n_experts} experts, top-{REAL.top_k}, Q2_K/Q2_K/Q3_K"
     parser.add_argument(
@@ -39,7 +45,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         args.manifest = manifest_of(args.source)
-        summary = verify_pack(args.manifest, full=args.full, profile=args.profile, pack_path=args.pack)
+        summary = verify_pack(
+            args.manifest,
+            full=args.full,
+            profile=args.profile,
+            pack_path=args.pack,
+            record=args.record_checksums,
+        )
     except (OSError, ValueError) as exc:
         message = str(exc)
         if args.json:
@@ -78,11 +90,14 @@ def manifest_of(source: Path) -> Path:
 def checked_text(summary: dict) -> str:
     """What was checked, in words; says so when the manifest records no checksums."""
     parts = ["header, index, shards"]
+    recorded_in = f" (from {summary['checksums_file']})" if summary.get("checksums_file") else ""
     if summary.get("checksums"):
         hashed, algorithm = summary["objects_hashed"], summary["checksums"]
-        parts.append(f"shard data samples, {hashed} object {algorithm} checksums")
+        parts.append(f"shard data samples, {hashed} object {algorithm} checksums{recorded_in}")
+    elif summary.get("checksums_recorded"):
+        parts.append(f"checksums recorded in {summary['checksums_recorded']}")
     else:
-        parts.append("no checksums (the manifest records none: sglang-written or older; not checked)")
+        parts.append("no checksums (the manifest records none: record them with --record-checksums)")
     if summary.get("full"):
         parts.append("SHA-256 and every payload")
     else:

@@ -18,8 +18,13 @@ MAX_DIMS = 4  # GGML's
 
 # routed expert tensors, one per role and layer (the pack's order of the roles: `pack.format.ROLES`)
 ROUTED_EXPERT_RE = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<role>up|gate|down)_exps\.weight$")
-# Tensors llama.cpp treats as optional: the reader accepts them missing.
-OPTIONAL_SUFFIXES = ("ffn_routed_norm.weight",)
+# Tensors llama.cpp's kimi-k3 loader treats as optional (TENSOR_NOT_REQUIRED): the reader accepts them
+# missing, and the graph then skips them: the routed experts' norm, the MLA output gate (no gating), the
+# shared experts (a MoE layer of routed experts alone; all three or none)
+OPTIONAL_SUFFIXES = ("ffn_routed_norm.weight", "attn_gate.weight")
+SHARED_EXPERT_SUFFIXES = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+# what `TinySpec.without` may leave out of a test model: the name of each optional group, its suffixes
+OMITTABLE = {"attn_gate": ("attn_gate.weight",), "shexp": SHARED_EXPERT_SUFFIXES}
 # attention-residual scores (attn_res_score, ffn_res_score, output_res_score): fused norm*proj vectors
 RESIDUAL_SCORE_SUFFIX = "_res_score.weight"
 
@@ -161,15 +166,28 @@ def expected_shapes(cfg: K3Config, present: Container[str] = ()) -> dict[str, Sh
 
 
 def accepted_shapes(name: str, shape: Shape) -> tuple[Shape, ...]:
-    """The shapes llama.cpp accepts for a tensor whose canonical shape is `shape`. GGML ignores trailing
-    dimensions of 1 (numpy's leading ones): k3stream takes a vector with them too, up to 4 dimensions
-    (its matrices keep their canonical shape)."""
+    """The shapes llama.cpp accepts for a tensor whose canonical shape is `shape`: GGML ignores trailing
+    dimensions of 1 (numpy's leading ones), up to its 4 dimensions, on vectors and matrices alike."""
+    ones = tuple((1,) * extra + shape for extra in range(MAX_DIMS - len(shape) + 1))
     if "ssm_conv1d_" in name:
-        return (shape, shape[1:])  # quantizers drop the trailing ggml dimension of 1
-    if len(shape) == 1:
-        return tuple((1,) * extra + shape for extra in range(MAX_DIMS))
-    return (shape,)
+        return (*ones, shape[1:])  # quantizers drop the trailing ggml dimension of 1
+    return ones
+
+
+def canonical_shape(stored: Shape, shape: Shape) -> Shape:
+    """`shape` for a tensor stored with GGML's trailing dimensions of 1 beyond it, else `stored`."""
+    extra = len(stored) - len(shape)
+    return shape if extra > 0 and stored == (1,) * extra + shape else stored
 
 
 def is_optional(name: str) -> bool:
-    return name.endswith(OPTIONAL_SUFFIXES)
+    return name.endswith(OPTIONAL_SUFFIXES + SHARED_EXPERT_SUFFIXES)
+
+
+def check_shared_experts(layer: int, present: Container[str], source: str) -> None:
+    """A MoE layer holds its shared experts' gate, up and down, or none of them (llama.cpp's graph
+    takes the gate's presence for all three)."""
+    names = [f"blk.{layer}.{suffix}" for suffix in SHARED_EXPERT_SUFFIXES]
+    missing = [name for name in names if name not in present]
+    if missing and len(missing) < len(names):
+        raise ValueError(f"{source}: missing tensor {missing[0]} (a layer's shared experts need all three)")

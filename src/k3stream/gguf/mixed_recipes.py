@@ -5,9 +5,10 @@ A recipe gives each tensor a GGML type from its name and shape. Routed experts t
 per role (gate, up, down), a "dynamic" recipe other types in each MoE layer (as unsloth's UD-Q2_K_XL
 and UD-IQ2_XXS do). Vectors, the convolution kernels, the router and the token embedding stay F32. A
 matrix takes a type only where its rows are whole blocks of it (256 values for the K- and i-quants, 32
-for IQ4_NL and Q8_0), else the recipe's next type for narrower rows, else F32, as llama.cpp's quantizer
-falls back for rows that do not fit. k3stream encodes none of the i-quant or ternary types: their
-tensors come from the caller (`testing.iquant_blocks` writes random valid ones).
+for IQ4_NL and Q8_0, 64 for NVFP4), else the recipe's next type for narrower rows, else F32, as
+llama.cpp's quantizer falls back for rows that do not fit. k3stream encodes none of the i-quant,
+ternary or NVFP4 types: their tensors come from the caller (`testing.iquant_blocks` writes random
+valid ones).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ MIXED_RECIPES: dict[str, MixedRecipe] = {
     "iq1_s": MixedRecipe((("IQ1_S", "IQ1_S", "IQ1_M"),), file_type="MOSTLY_IQ1_S"),
     "ternary": MixedRecipe((("TQ1_0", "TQ1_0", "TQ2_0"),), file_type="MOSTLY_TQ1_0"),
     "iq4_xs": MixedRecipe((("IQ4_XS", "IQ4_XS", "IQ4_XS"),), ("IQ4_XS", "IQ4_NL"), "MOSTLY_IQ4_XS"),
+    "nvfp4": MixedRecipe((("NVFP4", "NVFP4", "NVFP4"),), ("NVFP4", "Q8_0"), "MOSTLY_NVFP4"),
     "dynamic": MixedRecipe(
         (
             ("IQ3_S", "IQ3_S", "Q4_K"),

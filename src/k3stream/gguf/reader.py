@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,13 @@ def _inventory(shards: list[tuple[Path, GGUFReader]]) -> dict[str, TensorInfo]:
     return tensors
 
 
-def check_tensors(config: K3Config, tensors: dict[str, TensorInfo]) -> None:
-    """Every tensor the config implies is present with its shape, and nothing else is."""
+def check_tensors(config: K3Config, tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """Every tensor the config implies is present with its shape, and nothing else is: `tensors` with
+    GGML's trailing dimensions of 1 dropped (every later reader, `--tp` slicing included, then sees the
+    canonical `(out, in)`)."""
     expected = layout.expected_shapes(config, present=tensors)
+    for layer in config.moe_layers if config.n_shared else ():
+        layout.check_shared_experts(layer, tensors, config.source)
     for name, shape in expected.items():
         info = tensors.get(name)
         if info is None:
@@ -59,6 +64,10 @@ def check_tensors(config: K3Config, tensors: dict[str, TensorInfo]) -> None:
     if unexpected:
         info = tensors[unexpected[0]]
         raise ValueError(f"{info.path}: unexpected tensor {info.name} for this Kimi-K3 config")
+    return {
+        name: replace(info, shape=layout.canonical_shape(info.shape, expected[name]))
+        for name, info in tensors.items()
+    }
 
 
 class K3Checkpoint:
@@ -68,13 +77,12 @@ class K3Checkpoint:
         self._readers = [reader for _path, reader in shards]
         self.shards = [path for path, _reader in shards]
         self.config = K3Config.from_metadata(self._readers[0].fields, source=str(self.shards[0]))
-        self.tensors = _inventory(shards)
+        self.tensors = check_tensors(self.config, _inventory(shards))
         self.profile = profile
         self._descriptors: dict[int, int] = {}
         # `read` drops what it read from the page cache (a load under a memory limit, which that cache
         # would be charged to); expert reads (`read_parts`) keep theirs
         self.uncached_reads = False
-        check_tensors(self.config, self.tensors)
 
     @classmethod
     def open(cls, path: str | Path, profile: str = "generic") -> K3Checkpoint:

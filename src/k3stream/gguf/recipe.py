@@ -1,8 +1,8 @@
 """A checkpoint's quantization recipe per MoE layer and role, and what it implies for streaming.
 
-A decode token reads, uncached, its top-k experts' objects in every MoE layer and the non-expert
-weights: those bytes are the disk-bound decode rate, and the bits per weight say how much of the model
-fits in the same RAM.
+A decode token reads, uncached, its top-k experts' objects in every MoE layer, its own row of
+`token_embd` and every other non-expert weight whole: those bytes are the disk-bound decode rate, and
+the bits per weight say how much of the model fits in the same RAM.
 """
 
 from __future__ import annotations
@@ -45,12 +45,16 @@ def expert_layers(checkpoint: Any) -> list[dict[str, Any]]:
 
 def recipe_report(checkpoint: Any) -> dict[str, Any]:
     """The recipe per MoE layer and role, bits per weight (experts, the rest, all) and the bytes a
-    decode token reads uncached: top-k expert objects of every MoE layer plus the non-expert weights."""
+    decode token reads uncached: top-k expert objects of every MoE layer plus the non-expert weights,
+    of which `token_embd` counts one row."""
     tensors = checkpoint.tensors.values()
     routed = [info for info in tensors if is_routed_expert(info.name)]
     others = [info for info in tensors if not is_routed_expert(info.name)]
     layers = expert_layers(checkpoint)
     non_expert_bytes = sum(info.nbytes for info in others)
+    embd = checkpoint.tensors["token_embd.weight"]
+    embd_row = embd.nbytes // embd.shape[0]  # a token looks up one row of [vocab, hidden]
+    read_non_expert = non_expert_bytes - embd.nbytes + embd_row
     top_k = checkpoint.config.top_k
     expert_bytes_per_token = top_k * sum(row["object_bytes"] for row in layers)
     return {
@@ -62,8 +66,9 @@ def recipe_report(checkpoint: Any) -> dict[str, Any]:
         },
         "bytes_per_token_uncached": {
             "experts": expert_bytes_per_token,
-            "non_expert": non_expert_bytes,
-            "total": expert_bytes_per_token + non_expert_bytes,
+            "non_expert": read_non_expert,
+            "token_embd_row": embd_row,
+            "total": expert_bytes_per_token + read_non_expert,
             "top_k": top_k,
         },
     }
@@ -83,7 +88,8 @@ def recipe_lines(report: dict[str, Any]) -> list[str]:
     )
     lines.append(
         f"bytes per token uncached: {per_token['total']:,} (top-{per_token['top_k']} experts "
-        f"{per_token['experts']:,} + non-expert {per_token['non_expert']:,})"
+        f"{per_token['experts']:,} + non-expert {per_token['non_expert']:,}; token_embd: one row of "
+        f"{per_token['token_embd_row']:,} B)"
     )
     return lines
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from k3stream.gguf.layout import OMITTABLE, expected_shapes
 from k3stream.gguf.mixed_recipes import WRITABLE_RECIPES, file_type, mixed_type
 from k3stream.gguf.vocab import CHAT_TEMPLATE, Vocab
 
@@ -65,6 +66,8 @@ class TinySpec:
     shards: int = 1
     seed: int = 0
     vocab: int | None = None
+    # optional tensor groups left out (`gguf.layout.OMITTABLE`: "attn_gate", "shexp"), as llama.cpp runs them
+    without: tuple[str, ...] = ()
 
     def mla_layer_ids(self) -> tuple[int, ...]:
         """MLA layers: as given, else every 4th layer counted from 1 plus the last."""
@@ -98,6 +101,9 @@ def _check_spec(spec: TinySpec) -> None:
         raise ValueError(f"TinySpec.block_size: {spec.block_size} must be >= 1")
     if spec.shards < 1:
         raise ValueError(f"TinySpec.shards: {spec.shards} must be >= 1")
+    unknown = [group for group in spec.without if group not in OMITTABLE]
+    if unknown:
+        raise ValueError(f"TinySpec.without: {unknown[0]!r} is not one of {', '.join(OMITTABLE)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,9 +203,9 @@ class _Tensor:
 
 
 def tensor_plan(spec: TinySpec, vocab_size: int) -> list[_Tensor]:
-    from k3stream.gguf.layout import expected_shapes
-
-    return [_Tensor(name, shape) for name, shape in expected_shapes(tiny_config(spec, vocab_size)).items()]
+    omitted = tuple(suffix for group in spec.without for suffix in OMITTABLE[group])
+    shapes = expected_shapes(tiny_config(spec, vocab_size)).items()
+    return [_Tensor(name, shape) for name, shape in shapes if not (omitted and name.endswith(omitted))]
 
 
 # name suffix -> initialisation; anything else is a matrix, normal / sqrt(fan_in)
@@ -408,14 +414,14 @@ def _row_bytes(row_values: int, ggml_type: int) -> int:
 
 def _tensor_slabs(tensor: _Tensor, spec: TinySpec, values_of: ValuesOf, slabs_of: SlabsOf | None):
     """The tensor's bytes: what `slabs_of` gives, else its values encoded whole."""
-    from k3stream.quant import IQUANT_TYPES
+    from k3stream.quant import DECODE_ONLY_TYPES
 
     ggml_type = tensor_type(tensor, spec)
     slabs = slabs_of(tensor, spec, ggml_type) if slabs_of is not None else None
     if slabs is not None:
         yield from slabs
         return
-    if ggml_type in IQUANT_TYPES:
+    if ggml_type in DECODE_ONLY_TYPES:
         from gguf import GGMLQuantizationType
 
         type_name = GGMLQuantizationType(ggml_type).name

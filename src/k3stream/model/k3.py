@@ -392,7 +392,9 @@ def _mla(w: _Weights, p: str, cfg: K3Config) -> MLA:
         kv_a_norm=w.vector(f"{p}attn_kv_a_norm.weight"),
         k_b=HeadProjection(w.tensor(f"{p}attn_k_b.weight"), heads, cfg.kv_lora, cfg.qk_nope, w.options),
         v_b=HeadProjection(w.tensor(f"{p}attn_v_b.weight"), heads, cfg.v_head_dim, cfg.kv_lora, w.options),
-        g_proj=w.linear(f"{p}attn_gate.weight", heads * cfg.v_head_dim, e),
+        g_proj=w.linear(f"{p}attn_gate.weight", heads * cfg.v_head_dim, e)
+        if w.has(f"{p}attn_gate.weight")
+        else None,
         o_proj=w.linear(f"{p}attn_output.weight", e, heads * cfg.v_head_dim),
     )
     return MLA(weights, heads, cfg.qk_nope, cfg.qk_rope, cfg.kv_lora, cfg.rms_eps)

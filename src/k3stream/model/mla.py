@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +82,11 @@ def _bind_output_gate(values: torch.Tensor, g_logits: torch.Tensor, out: torch.T
     return cpu.python_step(lambda: torch.mul(values, torch.sigmoid(g_logits), out=out))
 
 
+def _gate_last(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The joint projection's parts: query (or q_a), kv_a, and the output gate's (None without one)."""
+    return parts[0], parts[1], parts[2] if len(parts) > 2 else None
+
+
 @functools.lru_cache(maxsize=64)
 def _rows_by_head(rows: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`starts`/`rows` of a grouped product whose matrix h takes rows h, h + H, ... of [N * H, in]."""
@@ -98,7 +103,7 @@ class MLAWeights:
     kv_a_norm: torch.Tensor
     k_b: HeadProjection  # q_nope -> latent
     v_b: HeadProjection  # latent -> value
-    g_proj: Linear
+    g_proj: Linear | None  # None: no output gate (llama.cpp's graph then applies none)
     o_proj: Linear
 
 
@@ -172,9 +177,8 @@ class MLA:
         self.scale = (nope + rope) ** -0.5
         w = weights
         # the query's first projection, kv_a and the output gate all project the layer input: one call
-        self.projections = JointLinear(
-            [w.q_b_proj if w.q_a_proj is None else w.q_a_proj, w.kv_a_proj, w.g_proj]
-        )
+        first = w.q_b_proj if w.q_a_proj is None else w.q_a_proj
+        self.projections = JointLinear([first, w.kv_a_proj] + ([] if w.g_proj is None else [w.g_proj]))
         self._bound = threading.local()  # each thread's bound decode step (`_decode_bound`)
 
     def new_state(self, device: torch.device | str = "cpu") -> MLAState:
@@ -239,7 +243,7 @@ class MLA:
         """`decode_steps` with the state the attention step takes found at each run (`state_of`)."""
         w, heads, width = self.w, self.heads, self.nope + self.rope
         joint = h.new_empty(1, sum(self.projections.widths))
-        first, compressed, g_logits = joint.split(self.projections.widths, dim=1)
+        first, compressed, g_logits = _gate_last(joint.split(self.projections.widths, dim=1))
         steps = [bind_linear(self.projections, h, joint, threads)]
         if w.q_a_proj is not None:  # q-lora: `first` is q_a's output, normed before q_b
             q_a, q_flat = torch.empty_like(first), h.new_empty(1, heads * width)
@@ -251,8 +255,9 @@ class MLA:
         q = first.view(heads, width)
         q_nope, query = h.new_empty(heads, self.nope), h.new_empty(heads, self.kv_lora + self.rope)
         q_absorbed, row = h.new_empty(heads, self.kv_lora), h.new_empty(1, self.kv_lora + self.rope)
-        context, values = torch.empty_like(q_absorbed), h.new_empty(1, g_logits.shape[1])
-        gated = torch.empty_like(g_logits)
+        context, values = torch.empty_like(q_absorbed), h.new_empty(1, w.o_proj.in_features)
+        gated = values if g_logits is None else torch.empty_like(g_logits)
+        gate = [] if g_logits is None else [_bind_output_gate(values, g_logits, gated)]
         return steps + [
             cpu.bind_copy(q[:, : self.nope], q_nope),
             w.k_b.bind(q_nope, q_absorbed, threads),
@@ -262,7 +267,7 @@ class MLA:
             cpu.bind_copy(compressed[:, self.kv_lora :], row[:, self.kv_lora :]),
             self._attend_step(query, row, state_of, context, threads),
             w.v_b.bind(context, values.view(heads, -1), threads),
-            _bind_output_gate(values, g_logits, gated),
+            *gate,
             bind_linear(w.o_proj, gated, out, threads),
         ]
 
@@ -291,10 +296,10 @@ class MLA:
 
         return cpu.python_step(attend)
 
-    def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Absorbed queries [T, H, kv_lora + rope], new cache rows [T, kv_lora + rope] and the output
-        gate's logits [T, H v]."""
-        first, compressed, g_logits = (part.float() for part in self.projections.parts(h))
+        gate's logits [T, H v] (None without a gate)."""
+        first, compressed, g_logits = _gate_last([part.float() for part in self.projections.parts(h)])
         if self.w.q_a_proj is not None:  # q-lora: `first` is q_a's output, normed before q_b
             first = self.w.q_b_proj(rms_norm(first.contiguous(), self.w.q_a_norm, self.eps)).float()
         q = first.view(-1, self.heads, self.nope + self.rope)
@@ -350,8 +355,10 @@ class MLA:
         probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
         return torch.einsum("hts,sc->thc", probs, cache[:, : self.kv_lora])
 
-    def _output(self, context: torch.Tensor, g_logits: torch.Tensor) -> torch.Tensor:
+    def _output(self, context: torch.Tensor, g_logits: torch.Tensor | None) -> torch.Tensor:
         values = self.w.v_b(context).flatten(1)
+        if g_logits is None:
+            return self.w.o_proj(values)
         g_logits = g_logits.contiguous()  # several rows' are a strided slice of the projections
         if cpu.takes((values, g_logits)):  # as the decode program's gate (`_bind_output_gate`)
             return self.w.o_proj(cpu.sigmoid_gate(values, g_logits))

@@ -6,8 +6,12 @@ readers look keys up by name and ignore the rest). An expert object's digest cov
 the store reads for it (`object_bytes` from its up offset: up, gate, down and the padding between them),
 so the store can check an object as it enters its cache. A shard's fingerprint is xxh3_64 over
 `SHARD_SAMPLE_WINDOWS` windows of `SHARD_SAMPLE_BYTES` spread evenly over its tensor data, so a GGUF of
-the same shape and metadata but other weights is caught without reading it whole. Manifests without the
-section (older ones, sglang's) are read as before: nothing is checked, and `verify` says so.
+the same shape and metadata but other weights is caught without reading it whole.
+
+A manifest without the section (sglang's) stays as sglang wrote it: `k3stream verify --record-checksums`
+verifies its pack in full and records the same section in a sidecar file beside it (`sidecar_path`),
+bound to the manifest's bytes, which every reader then takes as the manifest's own. Without either,
+nothing is checked: opening the pack warns in one line, and `verify` says so.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import numpy as np
 import xxhash
 
 from k3stream.pack import format as fmt
-from k3stream.pack.fileio import COPY_CHUNK, pread_exact
+from k3stream.pack.fileio import COPY_CHUNK, pread_exact, read_bounded, write_json_atomic
 
 ALGORITHM = "xxh3_64"
 SHARD_SAMPLE_WINDOWS = 64
 SHARD_SAMPLE_BYTES = 64 << 10
 DIGEST_HEX = 16
+SIDECAR_FORMAT = "k3stream-checksums/1"
+MAX_SIDECAR_BYTES = 64 << 20  # the real model's digests: 16 hex digits for each of 83,328 objects
 
 
 def canonical_sha256(value: Any) -> str:
@@ -180,3 +186,45 @@ def mismatch_message(layer: int, expert: int, pack: Path, got: int, want: int) -
         f"expert-pack checksum mismatch: layer {layer} expert {expert} of {pack.name} "
         f"({ALGORITHM} {got:016x}, manifest {want:016x}); the pack is damaged or not the one packed"
     )
+
+
+def sidecar_path(manifest_path: Path) -> Path:
+    """Where a checksum-less manifest's checksums are recorded: `NAME.checksums.json` beside `NAME.json`."""
+    return manifest_path.with_name(manifest_path.name.removesuffix(".json") + ".checksums.json")
+
+
+def with_sidecar(manifest: dict[str, Any], manifest_path: Path) -> dict[str, Any]:
+    """`manifest` with the `integrity` section its sidecar records (the section's `recorded_in` names the
+    file), when it records none itself; one-line errors for a sidecar that is malformed or belongs to
+    other manifest bytes."""
+    path = sidecar_path(manifest_path)
+    if "integrity" in manifest or not path.is_file():
+        return manifest
+    try:
+        recorded = json.loads(read_bounded(path, MAX_SIDECAR_BYTES).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        recorded = None
+    if not isinstance(recorded, dict) or recorded.get("format") != SIDECAR_FORMAT:
+        raise ValueError(f"{path}: not a k3stream checksums file ({SIDECAR_FORMAT})")
+    if recorded.get("manifest_sha256") != sha256_file(manifest_path):
+        raise ValueError(
+            f"{path} records checksums of another manifest than {manifest_path.name} (rewritten since); "
+            f"record them again (`k3stream verify {manifest_path} --record-checksums`) or delete the file"
+        )
+    section = recorded.get("integrity")
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: field integrity must be an object")
+    return {**manifest, "integrity": {**section, "recorded_in": str(path)}}
+
+
+def write_sidecar(manifest_path: Path, section: dict[str, Any]) -> Path:
+    """`section` recorded beside `manifest_path` (atomically), bound to the manifest's bytes."""
+    path = sidecar_path(manifest_path)
+    record = {
+        "format": SIDECAR_FORMAT,
+        "manifest": manifest_path.name,
+        "manifest_sha256": sha256_file(manifest_path),
+        "integrity": section,
+    }
+    write_json_atomic(path, record)
+    return path

@@ -151,11 +151,12 @@ def _wrong_type(where: str, wanted: str, value: Any) -> ValueError:
     return ValueError(f"Kimi manifest field {where} must be {wanted}, got {shown}")
 
 
-def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A manifest file as a dict, its size bounded and the types of the fields k3stream reads checked."""
+def read_manifest(path: str | os.PathLike[str], sidecar: bool = True) -> dict[str, Any]:
+    """A manifest file as a dict, its size bounded and the types of the fields k3stream reads checked;
+    with `sidecar`, the checksums recorded beside a manifest without its own (`integrity.with_sidecar`)."""
     manifest = read_json(path)
     check_types(manifest)
-    return manifest
+    return integrity.with_sidecar(manifest, Path(path)) if sidecar else manifest
 
 
 def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from k3stream.pack import format as fmt
@@ -14,6 +16,19 @@ from k3stream.pack.integrity import ChecksumMismatch, mismatch_message, object_c
 from k3stream.pack.paths import resolve_path
 from k3stream.pack.source import sorted_shards
 from k3stream.pack.verify import check_structure
+
+log = logging.getLogger(__name__)
+_WARNED: set[Path] = set()  # manifests warned about in this process
+
+
+def _warn_unchecked(manifest: Path) -> None:
+    """One line, once per manifest and process: its objects are read unchecked."""
+    if manifest not in _WARNED:
+        _WARNED.add(manifest)
+        log.warning(
+            f"k3stream: {manifest} records no checksums: a pack changed in place would be served unchecked; "
+            f"`k3stream verify {manifest} --record-checksums` records them beside it"
+        )
 
 
 @dataclass(frozen=True)
@@ -57,8 +72,11 @@ class ExpertPack:
             for layer in (layers or [None] * len(self.layout.moe_layers))
         ]
         self._role_shapes = {role: tuple(reversed(roles[role]["logical_shape"])) for role in fmt.ROLES}
-        # xxh3_64 of every object (layer-major) when the manifest records them (ours do; sglang's do not)
+        # xxh3_64 of every object (layer-major) when the manifest or its sidecar records them (ours do;
+        # sglang's manifests do not)
         self.checksums = object_checksums(self.manifest, self.layout)
+        if self.checksums is None:
+            _warn_unchecked(self.manifest_path)
         shards = sorted_shards(self.manifest)
         self.gguf_paths = [resolve_path(shard["path"], self.manifest_path) for shard in shards]
         # one descriptor for every thread (pread has no shared file offset); close() waits for reads in

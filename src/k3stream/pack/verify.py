@@ -27,7 +27,7 @@ from k3stream.pack import integrity
 from k3stream.pack.fileio import pread_exact, same_bytes
 from k3stream.pack.manifest import FORMAT, field, hard_constraints, inventory_sha256, read_manifest
 from k3stream.pack.paths import resolve_path
-from k3stream.pack.source import checked_shards, first_shard_path
+from k3stream.pack.source import checked_shards, first_shard_path, present_shards
 
 
 def _audited_role_type(role: str) -> tuple[str, int]:
@@ -449,10 +449,12 @@ def check_structure(
     config: Any = None,
     pack_path: str | os.PathLike[str] | None = None,
     shards: bool = True,
+    sidecar: bool = True,
 ) -> CheckedPack:
-    """Everything except payload bytes, in sglang's reader's order; `shards` adds the source checks."""
+    """Everything except payload bytes, in sglang's reader's order; `shards` adds the source checks,
+    `sidecar` the checksums recorded beside a manifest without its own."""
     manifest_path = Path(manifest_path)
-    manifest = read_manifest(manifest_path)
+    manifest = read_manifest(manifest_path, sidecar)
     check_format(manifest)
     if inventory_sha256(field(manifest, "source")) != manifest["source"].get("inventory_sha256"):
         raise ValueError("Kimi manifest source inventory SHA-256 does not match its records")
@@ -581,11 +583,16 @@ def verify_pack(
     profile: str = "generic",
     pack_path: str | os.PathLike[str] | None = None,
     object_samples: int = DEFAULT_OBJECT_SAMPLES,
+    record: bool = False,
 ) -> dict[str, Any]:
-    """Raise on the first failure (one-line message); return a summary when the pack is sound."""
-    checked = check_structure(manifest_path, profile=profile, pack_path=pack_path)
+    """Raise on the first failure (one-line message); return a summary when the pack is sound. `record`
+    (a manifest without checksums): verify in full, then record the checksums beside the manifest."""
+    full = full or record
+    checked = check_structure(manifest_path, profile=profile, pack_path=pack_path, sidecar=not record)
     pack = checked.manifest["expert_pack"]
     digests = integrity.object_checksums(checked.manifest, checked.layout)
+    if record and digests is not None:
+        raise ValueError(f"{manifest_path}: the manifest already records checksums; nothing to record")
     objects = len(checked.layout.moe_layers) * checked.layout.num_experts
     # quick: a sample, hashed and compared with the GGUF; full: every payload compared with the GGUF,
     # then every object hashed
@@ -605,6 +612,7 @@ def verify_pack(
         "num_experts": checked.layout.num_experts,
         "object_bytes": checked.layout.object_bytes,
         "checksums": integrity.ALGORITHM if digests is not None else None,
+        "checksums_file": checked.manifest.get("integrity", {}).get("recorded_in"),
         "objects_sampled": 0 if full else len(ordinals),
         "objects_hashed": len(ordinals) if digests is not None else 0,
         "shards_fingerprinted": 0 if digests is None else len(checked.manifest["source"]["shards"]),
@@ -619,4 +627,22 @@ def verify_pack(
             payloads_verified=checked.layout.index_count,
             sha256_in_manifest=pack.get("sha256") is not None,
         )
+    if record:
+        summary["checksums_recorded"] = str(record_checksums(checked))
     return summary
+
+
+def record_checksums(checked: CheckedPack) -> Path:
+    """The `integrity` section of a verified pack (every object's xxh3_64, each shard's fingerprint),
+    written beside its manifest (`integrity.write_sidecar`)."""
+    hasher = integrity.ObjectHasher(checked.layout)
+    fd = os.open(checked.pack_path, os.O_RDONLY)
+    try:
+        hasher.hash_objects(fd, range(hasher.digests.size))
+    finally:
+        os.close(fd)
+    shards = present_shards(checked.manifest, checked.manifest_path)
+    section = integrity.integrity_section(
+        hasher.complete(), [record for record, _ in shards], [path for _, path in shards]
+    )
+    return integrity.write_sidecar(checked.manifest_path, section)

@@ -7,7 +7,7 @@ reader, the packer) start without importing torch.
 from importlib import import_module
 from typing import Any
 
-from .types import IQUANT_TYPES, SUPPORTED_TYPES, row_bytes, type_name, type_size
+from .types import DECODE_ONLY_TYPES, IQUANT_TYPES, SUPPORTED_TYPES, row_bytes, type_name, type_size
 
 _LAZY = {
     "dequantize": ".dequant",
@@ -17,7 +17,15 @@ _LAZY = {
     "slab_ranges": ".matmul",
 }
 
-__all__ = ["IQUANT_TYPES", "SUPPORTED_TYPES", "row_bytes", "type_name", "type_size", *_LAZY]
+__all__ = [
+    "DECODE_ONLY_TYPES",
+    "IQUANT_TYPES",
+    "SUPPORTED_TYPES",
+    "row_bytes",
+    "type_name",
+    "type_size",
+    *_LAZY,
+]
 
 
 def __getattr__(name: str) -> Any:

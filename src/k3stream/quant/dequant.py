@@ -122,6 +122,23 @@ def _decode_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     return _mxfp4_table(blocks.device)[q.to(torch.int32)].mul_(scale_bits.view(torch.float32))
 
 
+@functools.lru_cache(maxsize=16)
+def _ue4m3_table(device: torch.device) -> torch.Tensor:
+    """NVFP4's 256 UE4M3 scales, halved (its E2M1 values are held doubled), from gguf's own decoder."""
+    from gguf.quants import NVFP4
+
+    codes = np.arange(256, dtype=np.uint8)
+    return torch.from_numpy(NVFP4.ue4m3_to_fp32(codes).astype(np.float32)).to(device)
+
+
+def _decode_nvfp4(blocks: torch.Tensor) -> torch.Tensor:
+    """Four runs of 16 values a block: a UE4M3 scale each (bytes 0..3), then 8 bytes of E2M1 codes (low
+    nibbles the run's first 8 values, high nibbles its last 8)."""
+    scales = _ue4m3_table(blocks.device)[blocks[:, :4].to(torch.int32)].unsqueeze(-1)
+    q = unpack(blocks[:, 4:], bits=4, groups=4).reshape(-1, 4, 16)
+    return _mxfp4_table(blocks.device)[q.to(torch.int32)].mul_(scales).reshape(-1, 64)
+
+
 # ---- K-quants (256-element super-blocks) ----------------------------------------------------
 
 
@@ -191,6 +208,7 @@ _DECODERS: dict[GGMLQuantizationType, BlockDecoder] = {
     T.Q5_1: _decode_q5_1,
     T.Q8_0: _decode_q8_0,
     T.MXFP4: _decode_mxfp4,
+    T.NVFP4: _decode_nvfp4,
     T.Q2_K: _decode_q2_k,
     T.Q3_K: _decode_q3_k,
     T.Q4_K: _decode_q4_k,

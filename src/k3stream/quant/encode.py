@@ -12,7 +12,7 @@ import gguf.quants
 import numpy as np
 from gguf.constants import GGMLQuantizationType
 
-from .types import IQUANT_TYPES, QType, as_qtype, type_size
+from .types import DECODE_ONLY_TYPES, QType, as_qtype, type_size
 
 T = GGMLQuantizationType
 ELEMENTS_PER_CHUNK = 1 << 19  # 2 MB of float32: the temporaries stay in cache
@@ -22,7 +22,7 @@ BlockEncoder = Callable[[np.ndarray], np.ndarray]
 def quantize(values: np.ndarray, qtype: QType) -> np.ndarray:
     """Encode float `values` (any leading dims, last dim whole blocks) as uint8 rows of `qtype` blocks."""
     qt = as_qtype(qtype)
-    if qt in IQUANT_TYPES:
+    if qt in DECODE_ONLY_TYPES:
         raise ValueError(f"quantize to {qt.name}: k3stream decodes {qt.name} but has no encoder for it")
     block_elems, block_bytes = type_size(qt)
     values = np.asarray(values)

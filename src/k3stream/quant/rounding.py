@@ -2,7 +2,7 @@
 
 ggml converts the activations to the weight's "vec_dot" type first: F16/BF16 weights round them to
 F16/BF16; K-quant, i-quant and ternary weights quantize them to Q8_K (256-value blocks, float scale);
-Q4_0/Q5_0/Q8_0/MXFP4/IQ4_NL weights to Q8_0 (32-value blocks, F16 scale). The dot products are then
+Q4_0/Q5_0/Q8_0/MXFP4/NVFP4/IQ4_NL weights to Q8_0 (32-value blocks, F16 scale). The dot products are then
 exact up to float summation order, so rounding the inputs the same way reproduces llama.cpp's numbers.
 Q4_1/Q5_1 weights take Q8_1 in ggml: Q8_0's codes and scale plus a per-block F16 sum of the codes times
 the unrounded scale, which multiplies the weight's offset. The C integer kernels (`kernels.cpu`) compute
@@ -18,7 +18,7 @@ import torch
 from k3stream.quant.types import IQUANT_TYPES, T
 
 Q8_K_WEIGHTS = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}) | (IQUANT_TYPES - {T.IQ4_NL})
-Q8_0_WEIGHTS = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4, T.IQ4_NL})
+Q8_0_WEIGHTS = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4, T.NVFP4, T.IQ4_NL})
 
 
 def round_like_ggml(x: torch.Tensor, weight_type: int | None) -> torch.Tensor:

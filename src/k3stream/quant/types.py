@@ -14,9 +14,13 @@ FLOAT_TYPES: frozenset[GGMLQuantizationType] = frozenset(FLOAT_TYPE_IDS)
 IQUANT_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     {T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS, T.TQ1_0, T.TQ2_0}
 )
+# the types k3stream decodes but does not encode (nor does gguf): test models get random valid blocks
+DECODE_ONLY_TYPES: frozenset[GGMLQuantizationType] = IQUANT_TYPES | frozenset({T.NVFP4})
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = (
     FLOAT_TYPES
-    | frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4})
+    | frozenset(
+        {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4, T.NVFP4}
+    )
     | IQUANT_TYPES
 )
 

@@ -1,5 +1,5 @@
 """Random valid blocks of the types k3stream decodes but cannot encode (the i-quants, the ternary
-types), for the mixed recipes of `make-tiny --recipe` (`gguf.mixed_recipes`): random codes (every grid
+types, NVFP4), for the mixed recipes of `make-tiny --recipe` (`gguf.mixed_recipes`): random codes (every grid
 index and sign pattern of the i-quants is valid, the ternary codes are drawn from -1, 0, 1) under one
 fp16 scale that gives the decoded values the standard deviation `gguf.writer` gives its float weights.
 """
@@ -35,6 +35,11 @@ def _tq2_0_codes(rng: np.random.Generator, n_blocks: int) -> np.ndarray:
 
 def _set_scale(blocks: np.ndarray, type_name: str, d: float) -> None:
     """Write fp16 `d` as every block's super-scale."""
+    if type_name == "NVFP4":  # four UE4M3 run scales, each decoded halved
+        from gguf.quants import NVFP4
+
+        blocks[:, :4] = NVFP4.fp32_to_ue4m3(np.float32(2 * d))
+        return
     bits = int(np.float16(d).view(np.uint16))
     if type_name == "IQ1_M":  # the four nibbles top the last four 16-bit words
         words = blocks[:, 48:56].copy().view(np.uint16)

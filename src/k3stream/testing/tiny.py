@@ -18,7 +18,7 @@ import numpy as np
 
 from k3stream.gguf.vocab import Vocab, padded
 from k3stream.gguf.writer import F32, TinySpec, write_model
-from k3stream.quant import IQUANT_TYPES
+from k3stream.quant import DECODE_ONLY_TYPES
 from k3stream.testing.iquant_blocks import random_blocks
 from k3stream.testing.tinyblocks import FAST_TYPES, random_block_slabs
 from k3stream.testing.tinyvocab import tiny_vocab
@@ -49,12 +49,12 @@ def make_tiny(
 
 def _random_blocks(tensor, spec: TinySpec, ggml_type: int) -> Iterator[np.ndarray] | None:
     """Random values in slabs for a large tensor, random valid blocks for a type k3stream cannot encode
-    (the i-quants, the ternary types); None for any other (its values are encoded whole)."""
+    (the i-quants, the ternary types, NVFP4); None for any other (its values are encoded whole)."""
     seed = [spec.seed, zlib.crc32(tensor.name.encode()), 1]
     large = int(np.prod(tensor.shape)) >= (
         FAST_EXPERT_VALUES if "_exps." in tensor.name else FAST_MATRIX_VALUES
     )
-    if ggml_type in IQUANT_TYPES:
+    if ggml_type in DECODE_ONLY_TYPES:
         return _iquant_slabs(tensor.shape, ggml_type, seed, SLAB_VALUES if large else None)
     if not large or len(tensor.shape) < 2:
         return None

@@ -1,8 +1,8 @@
 """Tensor parallelism applied to a loaded K3Model from outside (as gpt-fast does): every rank keeps its
 share of the attention heads and MLP width, in GGUF types, and the row-parallel outputs are all-reduced.
 
-- KDA: heads (`model.kda.shard_kda_weights`); MLA: heads (q_b, k_b, v_b, gate rows; o_proj columns);
-  the latent cache and kv_a stay whole on every rank (MLA's one shared latent head).
+- KDA: heads (`model.kda.shard_kda_weights`); MLA: heads (q_b, k_b, v_b, the gate's rows where it has
+  one; o_proj columns); the latent cache and kv_a stay whole on every rank (MLA's one shared latent head).
 - dense and shared-expert MLPs: gate/up column-parallel, down row-parallel.
 - lm_head: vocabulary-parallel (a share of the rows), all-gathered into the full logits.
 Embedding, norms, residual scores, router and the MoE's routed down/up projections stay replicated.
@@ -91,13 +91,13 @@ def _attention(layer: Layer, name: str, rank: int, world: int) -> KDA | MLA:
         return KDA(w, attn.heads // world, attn.head_dim, attn.lower_bound, attn.eps)
     heads = part(attn.heads, rank, world, f"{name}: {attn.heads} MLA heads")
     w = attn.w
-    q_width, v_width = attn.nope + attn.rope, w.g_proj.out_features // attn.heads
+    q_width, v_width = attn.nope + attn.rope, w.o_proj.in_features // attn.heads
     sharded = replace(
         w,
         q_b_proj=output_rows(w.q_b_proj, _scaled(heads, q_width)),
         k_b=_heads(w.k_b, heads),
         v_b=_heads(w.v_b, heads),
-        g_proj=output_rows(w.g_proj, _scaled(heads, v_width)),
+        g_proj=None if w.g_proj is None else output_rows(w.g_proj, _scaled(heads, v_width)),
         o_proj=AllReduced(input_columns(w.o_proj, _scaled(heads, v_width), f"{name}.o_proj", world)),
     )
     return MLA(sharded, heads.stop - heads.start, attn.nope, attn.rope, attn.kv_lora, attn.eps)

@@ -34,10 +34,10 @@ IQ_TYPES = frozenset({16, 17, 18, 19, 20, 21, 22, 23, 29, 34, 35})
 # the type id of an F32 matrix stored input-major ([in, out], float32; no GGML type): `products` and
 # `expert_mlp` sum each output in one chain over its inputs, the same bits at any row count
 INPUT_MAJOR_F32 = 1000
-CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39}) | IQ_TYPES
+CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39, 40}) | IQ_TYPES
 # ... and with integer kernels on 8-bit activations, as ggml's: Q8_K for the K-quants, the i-quants but
-# IQ4_NL and the ternary types, Q8_0 for Q4_0, Q5_0, Q8_0, IQ4_NL and MXFP4, Q8_1 for Q4_1 and Q5_1
-Q8_TYPES = frozenset({10, 11, 12, 13, 14, 2, 3, 6, 7, 8, 39}) | IQ_TYPES
+# IQ4_NL and the ternary types, Q8_0 for Q4_0, Q5_0, Q8_0, IQ4_NL, MXFP4 and NVFP4, Q8_1 for Q4_1 and Q5_1
+Q8_TYPES = frozenset({10, 11, 12, 13, 14, 2, 3, 6, 7, 8, 39, 40}) | IQ_TYPES
 
 
 @functools.lru_cache(maxsize=1)

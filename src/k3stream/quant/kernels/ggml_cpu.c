@@ -98,6 +98,18 @@ INLINE void dec_mxfp4(const uint8_t *restrict b, float *restrict y) {
     }
 }
 
+/* NVFP4: four runs of 16 values, each a UE4M3 scale (bytes 0..3) and 8 bytes of E2M1 codes (low nibbles
+ * the run's first 8 values, high nibbles its last 8) */
+INLINE void dec_nvfp4(const uint8_t *restrict b, float *restrict y) {
+    for (int s = 0; s < 4; s++) {
+        const float scale = ue4m3_half(b[s]);
+        for (int i = 0; i < 8; i++) {
+            y[16 * s + i] = scale * MXFP4_VALUES[b[4 + 8 * s + i] & 15];
+            y[16 * s + 8 + i] = scale * MXFP4_VALUES[b[4 + 8 * s + i] >> 4];
+        }
+    }
+}
+
 /* Q2_K/Q3_K codes: byte 32g + 16h + i of the 64 holds, at bits 2f, the code of element
  * 128g + 32f + 16h + i, which is in sub-block 8g + 2f + h. Each pass takes 16 bytes (g, h) and
  * writes their four codes, so the innermost loop reads contiguous bytes and vectorizes. */
@@ -409,7 +421,7 @@ INLINE float q8_q6_k_generic(const uint8_t *restrict b, const BlockQ8K *restrict
     X(11, q3_k, 256, 110) X(12, q4_k, 256, 144) X(13, q5_k, 256, 176) X(14, q6_k, 256, 210)            \
     X(16, iq2_xxs, 256, 66) X(17, iq2_xs, 256, 74) X(18, iq3_xxs, 256, 98) X(19, iq1_s, 256, 50)        \
     X(20, iq4_nl, 32, 18) X(21, iq3_s, 256, 110) X(22, iq2_s, 256, 82) X(23, iq4_xs, 256, 136)          \
-    X(29, iq1_m, 256, 56) X(34, tq1_0, 256, 54) X(35, tq2_0, 256, 66)
+    X(29, iq1_m, 256, 56) X(34, tq1_0, 256, 54) X(35, tq2_0, 256, 66) X(40, nvfp4, 64, 36)
 
 #define DEFINE_ROW_KERNEL(ID, NAME, ELEMS, BYTES) ROW_KERNEL(row_##NAME, dec_##NAME, ELEMS, BYTES)
 DECODED_TYPES(DEFINE_ROW_KERNEL)

@@ -36,7 +36,7 @@ IQUANT_GPU_TYPES = frozenset(
     {T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M, T.IQ4_NL, T.IQ4_XS, T.TQ1_0, T.TQ2_0}
 )
 SUPPORTED_GPU_TYPES: frozenset[GGMLQuantizationType] = frozenset(
-    {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4}
+    {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4, T.NVFP4}
     | {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
     | IQUANT_GPU_TYPES
 )
@@ -209,6 +209,25 @@ def _dq_legacy(w_rows, k0, K, row_ok, QTYPE: tl.constexpr, bb: tl.constexpr):
 
 
 @_jit
+def _dq_nvfp4(w_rows, k0, K, row_ok):
+    """NVFP4: the tile's four 64-value blocks of 36 bytes (values past K read as 0). Element e is value
+    e % 16 of run e % 64 // 16 of its block: the run's UE4M3 scale, halved as `dequant`'s table holds it
+    (0 and 0x7F are 0; bit 7 ignored), times its code's doubled E2M1 value (low nibbles of the run's 8
+    bytes its first 8 values, high nibbles its last 8)."""
+    e = tl.arange(0, 256)[None, :]
+    blk = w_rows + (k0 // 64 + e // 64) * 36
+    ok = row_ok & (k0 + e < K)
+    run, j = e % 64 // 16, e % 16
+    code = (_load(blk + 4 + 8 * run + j % 8, ok) >> (j // 8 * 4)) & 15
+    s = _load(blk + run, ok)
+    exponent, mantissa = (s >> 3) & 15, (s & 7).to(tl.float32)
+    power = ((exponent + 120) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 7)
+    raw = tl.where(exponent == 0, mantissa * 0.001953125, (1.0 + mantissa / 8.0) * power)
+    scale = tl.where((s == 0) | (s == 0x7F), 0.0, raw * 0.5)
+    return scale * _e2m1_doubled(code).to(tl.float32)
+
+
+@_jit
 def _dq_float(w_rows, k0, K, row_ok, QTYPE: tl.constexpr):
     k = k0 + tl.arange(0, 256)
     w = tl.load(w_rows + k[None, :], mask=row_ok & (k < K)[None, :], other=0)
@@ -377,6 +396,8 @@ def _dequant(w_rows, k0, K, row_ok, lut, QTYPE: tl.constexpr):
         w = _dq_legacy(w_rows, k0, K, row_ok, QTYPE, 34)
     elif QTYPE == 39:
         w = _dq_legacy(w_rows, k0, K, row_ok, QTYPE, 17)
+    elif QTYPE == 40:
+        w = _dq_nvfp4(w_rows, k0, K, row_ok)
     elif QTYPE == 0 or QTYPE == 1 or QTYPE == 30:
         w = _dq_float(w_rows, k0, K, row_ok, QTYPE)
     else:

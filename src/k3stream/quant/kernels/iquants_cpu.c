@@ -27,6 +27,7 @@
 static uint8_t iq2xxs_grid[256][8], iq2xs_grid[512][8], iq2s_grid[1024][8];
 static uint8_t iq3xxs_grid[256][4], iq3s_grid[512][4];
 static int8_t iq1s_grid[2048][8], iq4nl_values[16], mxfp4_values[16];
+static float ue4m3_halves[256]; /* NVFP4's scales by byte (`ue4m3_half`), set with the grids */
 static uint8_t ksigns[128];     /* 7 sign bits, the eighth their parity (ggml's ksigns_iq2xs) */
 static uint64_t sign_bytes[256]; /* bit j of the index set: byte j is -1, else +1 (for _mm256_sign_epi8) */
 static uint64_t even_signs[128]; /* sign_bytes of ksigns */
@@ -85,6 +86,7 @@ PyObject *py_set_iq_grids(PyObject *self, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "set_iq_grids: grid %d has %zd bytes, expected %zd", wrong,
                             views[wrong].len, slots[wrong].size);
     for (int i = 0; i < 128; i++) ksigns[i] = (uint8_t)(i | (__builtin_popcount(i) & 1) << 7);
+    for (int i = 0; i < 256; i++) ue4m3_halves[i] = ue4m3_half((uint8_t)i);
     for (int i = 0; i < 256; i++) {
         sign_bytes[i] = 0;
         for (int j = 0; j < 8; j++) sign_bytes[i] |= (uint64_t)((i >> j) & 1 ? 0xFF : 0x01) << (8 * j);
@@ -357,6 +359,24 @@ INLINE float mxfp4_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks)
     return sumf;
 }
 
+/* NVFP4 (ggml's generic C, its sum contracted as the compiler does): a block of 64 values against two
+ * Q8_0 blocks, one UE4M3 scale a run of 16; `blocks` counts the Q8_0 blocks */
+INLINE float nvfp4_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks) {
+    float sumf = 0.0f;
+    for (int64_t i = 0; i < blocks / 2; i++, x += 36)
+        for (int s = 0; s < 4; s++) {
+            const BlockQ8_0 *q = y + 2 * i + s / 2;
+            const int8_t *q8 = q->qs + 16 * (s % 2);
+            int32_t sumi_lo = 0, sumi_hi = 0;
+            for (int j = 0; j < 8; j++) {
+                sumi_lo += q8[j] * mxfp4_values[x[4 + 8 * s + j] & 15];
+                sumi_hi += q8[j + 8] * mxfp4_values[x[4 + 8 * s + j] >> 4];
+            }
+            sumf = fmaf(q->d * ue4m3_halves[x[s]], (float)(sumi_lo + sumi_hi), sumf);
+        }
+    return sumf;
+}
+
 /* ---- float decoders: one block's values as gguf's dequantize (and k3stream.quant's) computes them,
  * for the float tile path (ggml_cpu.c's ROW_KERNEL) and decode_row ------------------------------- */
 
@@ -587,7 +607,7 @@ DECODER void dec_tq2_0(const uint8_t *restrict b, float *restrict y) { /* bits 2
     X(22, iq2_s, q8, 256) X(23, iq4_xs, q8, 256) X(19, iq1_s, q8, 256) X(29, iq1_m, q8, 256)
 #define ROW_TYPES(X)                                                                                     \
     X(20, iq4_nl, q8_0, 32) X(34, tq1_0, q8, 256)                                                      \
-    X(35, tq2_0, q8, 256) X(39, mxfp4, q8_0, 32)
+    X(35, tq2_0, q8, 256) X(39, mxfp4, q8_0, 32) X(40, nvfp4, q8_0, 32) /* NVFP4: a block is two Q8_0's */
 #define IQ_TYPES(X) RUN_TYPES(X) ROW_TYPES(X)
 
 #define GENERIC_ROWS(ID, NAME, Y, ELEMS) IQ_ROWS(NAME##_rows_generic, , NAME##_generic, Y, ELEMS, 1)
@@ -975,6 +995,27 @@ TERNARY_DOT(tq1_0, 54, 52)
 
 PAIRED_DOT(iq4_nl, 18, iq4nl_values, f16c(x), 2)
 PAIRED_DOT(mxfp4, 17, mxfp4_values, e8m0_half(x[0]), 1)
+/* NVFP4 as ggml's AVX2 vec_dot computes it: per Q8_0 block of activations (half a block), the 32 codes'
+ * values as bytes (a run's low nibbles, then its high ones), 8 lanes of 4 products each (lanes 0-3 the
+ * first run, 4-7 the second), one FMA with the run's scale times the activations' d, then ggml's
+ * horizontal sum */
+AVX2_ALWAYS float nvfp4_avx2(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks) {
+    const __m128i values = _mm_loadu_si128((const __m128i *)mxfp4_values), low4 = _mm_set1_epi8(0x0F);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < blocks / 2; i++, x += 36)
+        for (int half = 0; half < 2; half++) {
+            const BlockQ8_0 *q = y + 2 * i + half;
+            const __m128i bits = _mm_loadu_si128((const __m128i *)(x + 4 + 16 * half));
+            const __m128i lo = _mm_shuffle_epi8(values, _mm_and_si128(bits, low4));
+            const __m128i hi = _mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(bits, 4), low4));
+            const __m256i w = _mm256_set_m128i(_mm_unpackhi_epi64(lo, hi), _mm_unpacklo_epi64(lo, hi));
+            const __m256i sums = signed_pairs(w, _mm256_loadu_si256((const __m256i *)q->qs), _mm256_set1_epi16(1));
+            const __m256 scales = _mm256_set_m128(_mm_set1_ps(ue4m3_halves[x[2 * half + 1]] * q->d),
+                                                  _mm_set1_ps(ue4m3_halves[x[2 * half]] * q->d));
+            acc = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(sums), acc);
+        }
+    return hsum_lanes(acc);
+}
 
 /* ... with AVX-512 (VBMI, VNNI): a pair of blocks in one vector, the first's 32 values in its low half
  * and the second's in its high half, so the float lanes are the AVX2 kernel's acc1 (low) and acc2
@@ -1336,4 +1377,4 @@ RowKernel iq_q8_kernel(int ggml_type, int avx2) {
 
 RowKernel iq_q8_kernel_avx2(int ggml_type) { return ggml_kernel(ggml_type, 1); }
 
-int iq_q8_0_activations(int ggml_type) { return ggml_type == 20 || ggml_type == 39; }
+int iq_q8_0_activations(int ggml_type) { return ggml_type == 20 || ggml_type == 39 || ggml_type == 40; }

@@ -22,6 +22,14 @@ INLINE float f16(const uint8_t *p) { /* exact, NaN payloads kept, as numpy conve
     return sign ? -magnitude : magnitude;
 }
 
+/* NVFP4's UE4M3 scale halved (its E2M1 values are held doubled, as MXFP4's), as ggml_ue4m3_to_fp32:
+ * 0 and 0x7F are 0, bit 7 is ignored; every value is exact in float */
+INLINE float ue4m3_half(uint8_t x) {
+    if (x == 0 || x == 0x7F) return 0.0f;
+    const int e = (x >> 3) & 15, m = x & 7;
+    return (e == 0 ? (float)m * 0x1p-9f : (1.0f + (float)m / 8.0f) * bits_f32((uint32_t)(e + 120) << 23)) * 0.5f;
+}
+
 typedef struct {
     const float *x;
     int64_t in_features, out_rows, row_bytes;
