@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k3stream {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status, not a traceback
+        # a second Ctrl-C while the interpreter shuts down would kill it by the signal (status -2)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         print(f"k3stream {args.command}: interrupted", file=sys.stderr)
         return 130
 
