@@ -152,6 +152,8 @@ def load_resolved(
     try:
         model = k3stream.load(checkpoint, options)
         tokenizer = Tokenizer.from_gguf(checkpoint)
+        if store is not None:  # its read buffers, made while the weights loaded, all made before a read
+            store.wait_for_buffers()
     except BaseException:
         if store is not None:
             store.close()
