@@ -180,16 +180,22 @@ phases = {}
 def cpu_seconds():  # and the minor page faults (pages first touched), all threads
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {"user": usage.ru_utime, "system": usage.ru_stime, "minor_faults": usage.ru_minflt}
+BUFFERS = ("buffers_made", "buffers_prefaulted")  # read buffers made by reads (faulted by them), ahead
+def buffers():
+    stats = store.stats()
+    return {key: stats[key] for key in BUFFERS}
 def measured(name, tokens, work):
     before = bench.store_counters(store)
     hints_before = model.hints.summary()
-    cpu_before = cpu_seconds()
+    cpu_before, buffers_before = cpu_seconds(), buffers()
     started = time.perf_counter()
     work()
     seconds = time.perf_counter() - started
     delta = bench.store_delta(before, bench.store_counters(store), tokens)
     delta["hints"] = bench.hint_delta(hints_before, model.hints.summary())
     delta["cpu_s"] = {key: value - cpu_before[key] for key, value in cpu_seconds().items()}
+    delta["buffers"] = {key: value - buffers_before[key] for key, value in buffers().items()}
+    delta["buffers_ahead"] = buffers_before["buffers_prefaulted"]
     phases[name] = {"seconds": seconds, "tokens": tokens, **delta}
     io[name] = read_io()
 warm, first = model.new_state(), []

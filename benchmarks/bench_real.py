@@ -175,6 +175,8 @@ def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
         row["prefill_read"] = io["prefill"] - io["warmup"]
         row["cold_ms"] = 1e3 * phases["cold"]["seconds"]
         row["cold_cpu"] = phases["cold"]["cpu_s"]
+        row["cold_buffers"] = phases["cold"].get("buffers"), phases["cold"].get("buffers_ahead")
+        row["cold_wait_ms"] = phases["cold"]["fetch_wait_ms_per_token"] * phases["cold"]["tokens"]
         row["cold_read"] = io["cold"] - io["load"]
         row["profile"] = result["k3"].get("profile", {}).get("ms_per_token")
         row["kernels"] = result["k3"].get("profile", {}).get("kernel_ms_per_token")
@@ -246,14 +248,16 @@ def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> 
 def prefill_table(rows: list[dict], disk_rate: float) -> list[str]:
     """k3stream's prefill of the prompt, cold (the first after the load) and again (a fresh sequence
     after one decode step), against max(the resident prefill's ms, its reads / the store's read rate);
-    the cold one's CPU seconds and minor page faults."""
+    the cold one's CPU seconds, minor page faults, read buffers (made ahead when it started, and made
+    during it: by its reads, or ahead by the store's prefault thread) and the time its fetches waited."""
     resident = next((row for row in rows if row["name"] == "resident" and row.get("k3_prefill")), None)
     compute_ms = 1e3 * resident["prompt"] / resident["k3_prefill"] if resident else None
     lines = [
-        "| run | cold prefill ms | cold CPU s, user / system | cold minor faults | cold read MB | cold bound "
+        "| run | cold prefill ms | cold CPU s, user / system | cold minor faults | read buffers made ahead "
+        "at its start / during it, ahead / by its reads | cold fetch wait ms | cold read MB | cold bound "
         "ms | cold bound / measured | prefill ms | prefill read MB | prefill bound ms | prefill bound / "
         "measured |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if not row.get("k3_prefill"):
@@ -264,8 +268,11 @@ def prefill_table(rows: list[dict], disk_rate: float) -> list[str]:
         for ms, read in ((row["cold_ms"], row["cold_read"]), (again_ms, row["prefill_read"])):
             bound = max(compute_ms, 1e3 * read / disk_rate) if compute_ms else None
             cells += [_f(ms, ".0f"), _mb(read), _f(bound, ".0f"), _f(bound and bound / ms, ".2f")]
-        # beside the cold prefill's ms: its CPU, and the pages it touched first (fresh read buffers)
+        # beside the cold prefill's ms: its CPU, the pages it touched first, the read buffers made
         cells[2:2] = [f"{cpu['user']:.2f} / {cpu['system']:.2f}", _f(cpu.get("minor_faults"), "d")]
+        made, ahead = row["cold_buffers"]
+        cells.insert(4, f"{ahead} / {made['buffers_prefaulted']}, {made['buffers_made']}" if made else "n/a")
+        cells.insert(5, _f(row["cold_wait_ms"], ".0f"))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

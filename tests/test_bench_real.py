@@ -93,13 +93,17 @@ def test_the_prefill_bound_is_the_resident_prefill_or_the_reads(monkeypatch):
     cpu = {"user": 1.5, "system": 0.25, "minor_faults": 4096}
     resident = {"name": "resident", "prompt": 16, "k3_prefill": 20.0, "cold_ms": 1000.0, "cold_cpu": cpu}
     resident.update(cold_read=1e9, prefill_read=0)  # 800 ms of compute
+    resident.update(cold_buffers=({"buffers_made": 0, "buffers_prefaulted": 1}, 255), cold_wait_ms=300.0)
     streamed = {"name": "10%", "prompt": 16, "k3_prefill": 10.0, "cold_ms": 2500.0, "cold_cpu": cpu}
     streamed.update(cold_read=2e9, prefill_read=5e8)
+    streamed.update(cold_buffers=({"buffers_made": 2, "buffers_prefaulted": 0}, 25), cold_wait_ms=1500.0)
     lines = prefill_table([resident, streamed], 1e9)  # reads: 1000 ms resident, 2000 / 500 ms at 10%
     assert lines[-2].split(" | ")[1:] == [
         "1000",
         "1.50 / 0.25",
         "4096",
+        "255 / 1, 0",
+        "300",
         "1000",
         "1000",
         "1.00",
@@ -112,6 +116,8 @@ def test_the_prefill_bound_is_the_resident_prefill_or_the_reads(monkeypatch):
         "2500",
         "1.50 / 0.25",
         "4096",
+        "25 / 0, 2",
+        "1500",
         "2000",
         "2000",
         "0.80",
@@ -120,7 +126,7 @@ def test_the_prefill_bound_is_the_resident_prefill_or_the_reads(monkeypatch):
         "800",
         "0.50 |",
     ]
-    assert prefill_table([streamed], 1e9)[-1].split(" | ")[5:7] == ["n/a", "n/a"]  # no resident: no bound
+    assert prefill_table([streamed], 1e9)[-1].split(" | ")[7:9] == ["n/a", "n/a"]  # no resident: no bound
 
 
 def _disk_read_bytes() -> int:

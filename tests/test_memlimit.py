@@ -9,6 +9,7 @@ import pytest
 from k3stream.memlimit import (
     MIB,
     MemoryLimitError,
+    MemoryPlan,
     ModelNeeds,
     cgroup_limit,
     default_memory_limit,
@@ -207,9 +208,10 @@ def real_slice_config():
 
 
 def slice_plan(ctx, limit=SLICE_NONEXPERT + (3 << 30), sequences=1):
-    from k3stream.memlimit import config_needs
+    from k3stream.memlimit import ServedShape, config_needs
 
-    needs = config_needs(real_slice_config(), SLICE_EXPERTS, SLICE_NONEXPERT, ctx, sequences)
+    shape = ServedShape(ctx=ctx, sequences=sequences)
+    needs = config_needs(real_slice_config(), SLICE_EXPERTS, SLICE_NONEXPERT, shape)
     return plan_memory(limit, needs, SLICE_RUNTIME)
 
 
@@ -390,7 +392,7 @@ def test_the_prompt_cache_is_in_the_default_plan_without_a_pack(tiny_model, monk
 
     model = tiny_model()
     checkpoint = K3Checkpoint.open(model)
-    plan = memlimit.plan_for_model(checkpoint, "4GiB", 64)
+    plan = memlimit.plan_for_model(checkpoint, "4GiB", memlimit.ServedShape(ctx=64))
     limit = plan.fixed_bytes - plan.headroom + plan.needs.expert_bytes + 64 * MIB
     monkeypatch.setattr(memlimit, "default_memory_limit", lambda: (limit, "the test's limit"))
     command = ["generate", str(model), "--ctx", "64", "--cache-ram", str(cache_mib), "--prompt", "hi"]
@@ -423,6 +425,117 @@ def test_serves_plan_holds_its_largest_prefill_pass(tiny_model, tmp_path, capsys
     runtime_from_args(build_parser(command).parse_args(command)).close()
     plan = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("memory limit"))
     assert f"(a prefill of {rows} rows)" in plan, plan
+
+
+def test_serves_prefill_passes_run_from_four_prompts_chunks_down_to_one_prompts_smallest():
+    from k3stream.server.app import MIN_PREFILL_CHUNK, prefill_passes
+
+    auto = prefill_passes(None, 16, streamed=True)
+    assert [(p.prompts, p.chunk) for p in auto[:5]] == [(4, 512), (3, 512), (2, 512), (1, 512), (1, 256)]
+    assert (auto[-1].prompts, auto[-1].chunk) == (1, MIN_PREFILL_CHUNK)
+    tokens = [p.tokens for p in auto]
+    assert tokens == sorted(tokens, reverse=True) and len(set(tokens)) == len(tokens)
+    assert [(p.prompts, p.chunk) for p in prefill_passes(100, 2, streamed=True)] == [(2, 100), (1, 100)]
+    assert prefill_passes(None, 16, streamed=False)[0].prompts == 1  # experts in RAM: one chunk a pass
+
+
+def _serve_needs(checkpoint, manifest, prefill_pass):
+    """What `serve MANIFEST` (16 sequences of the default context) needs with `prefill_pass`."""
+    from k3stream.memlimit import ServedShape, model_needs
+    from k3stream.pack.reader import ExpertPack
+
+    slot = ExpertPack(manifest).object_bytes
+    return model_needs(
+        checkpoint, ServedShape(sequences=16, slot_bytes=slot, prefill_rows=prefill_pass.tokens)
+    )
+
+
+def _limit_holding(needs, runtime):
+    """The smallest limit whose plan holds `needs` beside one top-k working set."""
+    limit = runtime + needs.nonexpert_bytes + needs.state_bytes + needs.working_bytes + needs.working_set
+    while (short := MemoryPlan(limit, "", runtime, needs, 0).fixed_bytes + needs.working_set - limit) > 0:
+        limit += short
+    return limit
+
+
+@pytest.mark.parametrize("chosen", [1, 2, 5, -1])  # 3 x 512, 2 x 512, 1 x 128, the smallest
+def test_serve_sizes_its_prefill_pass_to_what_the_limit_leaves(
+    tiny_model, tmp_path, capsys, monkeypatch, chosen
+):
+    """Without `--prefill-chunk`, `serve` takes the largest prefill pass whose plan holds one top-k
+    working set: at the smallest limit holding pass `chosen`, that pass (the one above it does not
+    fit), printed in the plan, and handed to the server (`args.prefill_pass`)."""
+    import k3stream.memlimit as memlimit
+    from k3stream.cli import build_parser
+    from k3stream.commands.flags import runtime_from_args
+    from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.pack.builder import build_pack
+    from k3stream.server.app import prefill_passes
+    from pack_helpers import copy_model
+
+    model = copy_model(tiny_model(), tmp_path)
+    manifest = build_pack(model).manifest
+    checkpoint = K3Checkpoint.open(model)
+    passes = prefill_passes(None, 16, streamed=True)
+    monkeypatch.setattr(memlimit, "resident_bytes", lambda: RUNTIME)  # the plan's runtime term, fixed
+    limit = _limit_holding(_serve_needs(checkpoint, manifest, passes[chosen]), RUNTIME)
+    with pytest.raises(MemoryLimitError):  # the next larger pass does not fit this limit
+        plan_memory(limit, _serve_needs(checkpoint, manifest, passes[chosen - 1]), RUNTIME)
+    command = ["serve", str(manifest), "--memory-limit", str(limit), "--cache-ram", "0"]
+    args = build_parser(command).parse_args(command)
+    runtime_from_args(args).close()
+    assert args.prefill_pass == passes[chosen]
+    plan = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("memory limit"))
+    assert f"(a prefill of {passes[chosen].tokens} rows)" in plan, plan
+
+
+def test_the_server_runs_the_prefill_pass_its_config_names(tiny_model, tmp_path):
+    """`ServerConfig.pass_prompts` (what `serve` sets from its plan) and `prefill_chunk` make the
+    scheduler's pass, and the startup line names it."""
+    from k3stream.cli import build_parser
+    from k3stream.commands.flags import runtime_from_args
+    from k3stream.commands.serve import pass_note
+    from k3stream.pack.builder import build_pack
+    from k3stream.server.app import ServerConfig, create_app
+    from k3stream.server.runtime import served_from_runtime
+    from pack_helpers import copy_model
+
+    manifest = build_pack(copy_model(tiny_model(), tmp_path)).manifest
+    command = ["serve", str(manifest), "--ram-mib", "64"]
+    served = served_from_runtime(runtime_from_args(build_parser(command).parse_args(command)), ctx=256)
+    try:
+        budgets = {}
+        for prompts in (1, 3):
+            config = ServerConfig(prefill_chunk=64, pass_prompts=prompts)
+            budgets[prompts] = create_app(served, config).state.scheduler.pass_budget
+            assert pass_note(config, served) == f"{prompts} x 64 tokens"
+        assert budgets[3] == 3 * budgets[1]
+    finally:
+        served.close()
+
+
+@pytest.mark.parametrize(("flags", "smallest"), [((), 32), (("--prefill-chunk", "100"), 100)])
+def test_serve_refuses_only_when_one_prompts_smallest_chunk_does_not_fit(
+    tiny_model, tmp_path, monkeypatch, flags, smallest
+):
+    """One byte below the limit holding one prompt's smallest chunk (`MIN_PREFILL_CHUNK` tokens, or the
+    given `--prefill-chunk`), `serve` refuses in one line naming that pass's rows."""
+    import k3stream.memlimit as memlimit
+    from k3stream.cli import build_parser
+    from k3stream.commands.flags import runtime_from_args
+    from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.pack.builder import build_pack
+    from k3stream.server.app import PrefillPass
+    from pack_helpers import copy_model
+
+    model = copy_model(tiny_model(), tmp_path)
+    manifest = build_pack(model).manifest
+    monkeypatch.setattr(memlimit, "resident_bytes", lambda: RUNTIME)
+    needs = _serve_needs(K3Checkpoint.open(model), manifest, PrefillPass(1, smallest))
+    command = ["serve", str(manifest), "--memory-limit", str(_limit_holding(needs, RUNTIME) - 1)]
+    command += ["--cache-ram", "0", *flags]
+    with pytest.raises(MemoryLimitError, match=rf"for a prefill of {smallest} rows\)"):
+        runtime_from_args(build_parser(command).parse_args(command))
 
 
 @pytest.mark.parametrize(

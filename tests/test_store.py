@@ -8,7 +8,6 @@ import os
 import resource
 import shutil
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -159,15 +158,6 @@ def _minor_faults(who: int = resource.RUSAGE_SELF) -> int:
     return resource.getrusage(who).ru_minflt
 
 
-def _prefaulted(store: ExpertStore, buffers: int, seconds: float = 20.0) -> dict:
-    """The store's stats once its background thread made `buffers` read buffers ahead of the reads
-    (or `seconds` passed)."""
-    deadline = time.monotonic() + seconds
-    while store.stats().get("buffers_prefaulted") != buffers and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return store.stats()
-
-
 def test_a_budget_holding_the_pack_reads_into_buffers_faulted_in_ahead(packed):
     """A cold read of every object into a RAM tier that holds them all (a resident budget's cold
     prefill): the buffers were made, their pages faulted in, while nothing read (the model's load),
@@ -176,7 +166,8 @@ def test_a_budget_holding_the_pack_reads_into_buffers_faulted_in_ahead(packed):
     objects = len(pack.moe_layers) * pack.num_experts
     pages = objects * pack.object_bytes // mmap.PAGESIZE
     with ExpertStore(pack, ram_mib=budget(pack, 2 * objects), prefetch=False, direct_io=True) as store:
-        made_ahead = _prefaulted(store, objects).get("buffers_prefaulted")
+        store.wait_for_buffers()
+        made_ahead = store.stats()["buffers_prefaulted"]
         before = _minor_faults()
         steps = [
             (layer, range(first, min(first + pack.top_k, pack.num_experts)))
@@ -207,8 +198,31 @@ def test_an_expert_parallel_rank_sizes_its_buffers_and_o_direct_by_its_share(pac
     with ExpertStore(pack, ram_mib=budget(pack, share), prefetch=False) as whole:
         assert whole.stats()["direct_io"] is True or "buffered" in whole.stats()["direct_io_note"]
     with ExpertStore(pack, ram_mib=budget(pack, 4 * share), prefetch=False, expert_ranks=2) as rank:
-        rank._prefaulter.join(timeout=20)  # it stops after the last buffer it makes
+        rank.wait_for_buffers()
         assert rank.stats()["buffers_prefaulted"] == share
+
+
+@pytest.mark.parametrize("objects", [2, None])  # two working sets, the whole pack
+def test_a_loaded_runtime_made_its_read_buffers_before_it_returns(packed, objects):
+    """`load_runtime` returns once the store's read buffers are made (one a slot, no more than the
+    pack's objects), whatever the budget: a cold prefill's reads make none, and none is made beside
+    them."""
+    from k3stream.engine.generate import prefill_last
+    from k3stream.engine.loading import load_runtime
+    from k3stream.model.options import LoadOptions
+
+    _, pack = packed
+    slots = len(pack.moe_layers) * pack.num_experts if objects is None else objects * pack.top_k
+    ram_mib = budget(pack, 2 * slots if objects is None else slots)
+    runtime = load_runtime(pack.manifest_path, LoadOptions(expert_ram_mib=ram_mib))
+    try:
+        assert not runtime.store._prefaulter.is_alive()
+        assert runtime.store.stats()["buffers_prefaulted"] == slots
+        prefill_last(runtime.model, runtime.model.new_state(), list(range(1, 17)))
+        stats = runtime.store.stats()
+    finally:
+        runtime.close()
+    assert stats["pack_reads"] > 0 and stats["buffers_made"] == 0 and stats["buffers_prefaulted"] == slots
 
 
 def test_buffers_made_ahead_stay_within_the_tier_slots(packed):
@@ -219,7 +233,8 @@ def test_buffers_made_ahead_stay_within_the_tier_slots(packed):
     slots = 2 * pack.top_k
     layer = pack.moe_layers[0]
     with ExpertStore(pack, ram_mib=budget(pack, slots), prefetch=False) as store:
-        assert _prefaulted(store, slots).get("buffers_prefaulted") == slots
+        store.wait_for_buffers()
+        assert store.stats()["buffers_prefaulted"] == slots
         for _ in range(20):
             weights = store.fetch(layer, random_route(rng, pack))
             del weights

@@ -249,60 +249,60 @@ def served_tokens(config: Any, ctx: int | None) -> int:
     return min(ctx or DEFAULT_CTX, config.context_length)
 
 
+@dataclass(frozen=True)
+class ServedShape:
+    """What a command serves, as the memory plan sizes it (nothing here is allocated).
+
+    `ctx`: the context served (None: DEFAULT_CTX, or the model's if shorter). `sequences`: sequences
+    whose KV/state is held at once (a server's batch). `slot_bytes`: the expert store's slot when
+    experts stream from a pack (its largest object, roles on 4 KiB boundaries), which every expert it
+    holds takes; None: the GGUF's bytes. `prefill_rows`: the prompt rows of the largest forward of a
+    command that prefills in chunks (`serve`'s prefill passes), attending the served context; None: a
+    prompt is prefilled whole (of DEFAULT_PREFILL_ROWS rows when no context was given: a longer prompt
+    needs `--ctx`). `expert_ranks`: the expert-parallel ranks a pack's experts are split over (`--ep`):
+    a rank holds at most its share."""
+
+    ctx: int | None = None
+    sequences: int = 1
+    slot_bytes: int | None = None
+    prefill_rows: int | None = None
+    expert_ranks: int = 1
+
+
 def config_needs(
-    config: Any,
-    expert_bytes: int,
-    nonexpert_bytes: int,
-    ctx: int | None = None,
-    sequences: int = 1,
-    slot_bytes: int | None = None,
-    prefill_rows: int | None = None,
-    expert_ranks: int = 1,
+    config: Any, expert_bytes: int, nonexpert_bytes: int, shape: ServedShape = ServedShape()
 ) -> ModelNeeds:
-    """What a model of `config` needs besides the expert cache, from its config and byte counts alone
-    (nothing is allocated): `sequences` sequences of the served context (a server's batch), and a
-    prefill of as many rows (of DEFAULT_PREFILL_ROWS when no context was given: a longer prompt needs
-    `--ctx`), or of `prefill_rows` attending the served context (a command that prefills in chunks).
-    `slot_bytes`: the expert store's slot when experts stream from a pack (its largest object, roles
-    on 4 KiB boundaries), which every expert it holds takes; None: the GGUF's bytes. `expert_ranks`:
-    the expert-parallel ranks a pack's experts are split over (`--ep`): a rank holds at most its share."""
-    tokens = served_tokens(config, ctx)
-    if prefill_rows:  # the chunks of at most `sequences` prompts, each within the served context
-        rows = min(prefill_rows, sequences * tokens)
+    """What a model of `config` needs besides the expert cache, from its config and byte counts alone,
+    serving `shape`: `shape.sequences` sequences of the served context, and a prefill of as many rows,
+    or of `shape.prefill_rows` (the chunks of at most that many prompts, each within the context)."""
+    tokens = served_tokens(config, shape.ctx)
+    if shape.prefill_rows:
+        rows = min(shape.prefill_rows, shape.sequences * tokens)
     else:
-        rows = tokens if ctx is not None else min(tokens, DEFAULT_PREFILL_ROWS)
+        rows = tokens if shape.ctx is not None else min(tokens, DEFAULT_PREFILL_ROWS)
     objects = len(config.moe_layers) * config.n_experts
     mean = math.ceil(expert_bytes / objects) if objects else 0
+    slot = shape.slot_bytes
     return ModelNeeds(
         nonexpert_bytes=nonexpert_bytes,
-        state_bytes=state_bytes(config, tokens, sequences),
-        working_bytes=working_bytes(config, rows, tokens if prefill_rows else rows),
-        object_bytes=slot_bytes or mean,
+        state_bytes=state_bytes(config, tokens, shape.sequences),
+        working_bytes=working_bytes(config, rows, tokens if shape.prefill_rows else rows),
+        object_bytes=slot or mean,
         top_k=config.top_k,
-        expert_bytes=(objects * slot_bytes if slot_bytes else expert_bytes) // expert_ranks,
+        expert_bytes=(objects * slot if slot else expert_bytes) // shape.expert_ranks,
         tokens=tokens,
-        sequences=sequences,
+        sequences=shape.sequences,
         prefill_rows=rows,
     )
 
 
-def model_needs(
-    checkpoint: Any,
-    ctx: int | None = None,
-    sequences: int = 1,
-    slot_bytes: int | None = None,
-    prefill_rows: int | None = None,
-    expert_ranks: int = 1,
-) -> ModelNeeds:
-    """What `checkpoint` (a `K3Checkpoint`) needs besides the expert cache, serving `sequences`
-    sequences of `ctx` tokens (`slot_bytes`, `prefill_rows`, `expert_ranks`: `config_needs`')."""
+def model_needs(checkpoint: Any, shape: ServedShape = ServedShape()) -> ModelNeeds:
+    """What `checkpoint` (a `K3Checkpoint`) needs besides the expert cache, serving `shape`."""
     from k3stream.gguf.layout import is_routed_expert
 
     routed = sum(t.nbytes for t in checkpoint.tensors.values() if is_routed_expert(t.name))
     total = sum(t.nbytes for t in checkpoint.tensors.values())
-    return config_needs(
-        checkpoint.config, routed, total - routed, ctx, sequences, slot_bytes, prefill_rows, expert_ranks
-    )
+    return config_needs(checkpoint.config, routed, total - routed, shape)
 
 
 # ---- the allocator ---------------------------------------------------------------------------------
@@ -399,27 +399,16 @@ def plan_memory(
 
 
 def plan_for_model(
-    checkpoint: K3Checkpoint,
-    limit_text: str | None,
-    ctx: int | None = None,
-    sequences: int = 1,
-    cache_bytes: int = 0,
-    slot_bytes: int | None = None,
-    prefill_rows: int | None = None,
-    expert_ranks: int = 1,
+    checkpoint: K3Checkpoint, limit_text: str | None, shape: ServedShape = ServedShape(), cache_bytes: int = 0
 ) -> MemoryPlan:
     """The plan for an open checkpoint under `--memory-limit limit_text` (None: the cgroup's limit or
-    available RAM), serving `sequences` sequences of `ctx` tokens (None: DEFAULT_CTX or the model's
-    context, if shorter), `cache_bytes` of it the prompt cache's RAM tier, in the expert store's
-    `slot_bytes` when experts stream from a pack, its largest forward `prefill_rows`, a rank's share of
-    the experts under `expert_ranks` (`config_needs`)."""
+    available RAM), serving `shape`, `cache_bytes` of the limit the prompt cache's RAM tier."""
     if limit_text is None:
         limit, source = default_memory_limit()
     else:
         limit, source = parse_size(limit_text), "--memory-limit"
         _refuse_above_cgroup(limit)
-    needs = model_needs(checkpoint, ctx, sequences, slot_bytes, prefill_rows, expert_ranks)
-    return plan_memory(limit, needs, resident_bytes(), source, cache_bytes)
+    return plan_memory(limit, model_needs(checkpoint, shape), resident_bytes(), source, cache_bytes)
 
 
 def _refuse_above_cgroup(limit: int) -> None:
@@ -437,20 +426,11 @@ def _refuse_above_cgroup(limit: int) -> None:
 
 
 def default_expert_ram_mib(
-    checkpoint: K3Checkpoint,
-    ctx: int | None = None,
-    sequences: int = 1,
-    cache_bytes: int = 0,
-    slot_bytes: int | None = None,
-    prefill_rows: int | None = None,
-    expert_ranks: int = 1,
+    checkpoint: K3Checkpoint, shape: ServedShape = ServedShape(), cache_bytes: int = 0
 ) -> float:
     """The expert budget (MiB) of the default plan for `checkpoint` (`plan_for_model`'s terms): 0 when
     that plan cannot hold one top-k working set."""
     try:
-        plan = plan_for_model(
-            checkpoint, None, ctx, sequences, cache_bytes, slot_bytes, prefill_rows, expert_ranks
-        )
-        return plan.expert_budget / MIB
+        return plan_for_model(checkpoint, None, shape, cache_bytes).expert_budget / MIB
     except MemoryLimitError:
         return 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,9 @@ from k3stream.engine.parallel import DEFAULT_TIMEOUT_S
 if TYPE_CHECKING:
     from k3stream.engine.prompt_cache import PromptCache
     from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.memlimit import MemoryPlan, ServedShape
     from k3stream.model.options import LoadOptions
+    from k3stream.server.app import PrefillPass
 
 DEFAULT_DISK_GIB = 16.0  # --cache-disk where --cache-dir is given alone
 
@@ -180,28 +183,23 @@ def sampling_params(args: argparse.Namespace) -> Any:
 def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest: Path | None) -> float:
     """`--ram-mib`, else the budget `--memory-limit` leaves (printed on stderr when a limit was given or
     binds); refuses a limit too small."""
-    import sys
-
-    from k3stream.memlimit import (
-        MIB,
-        default_expert_ram_mib,
-        pin_malloc_mmap_threshold,
-        plan_for_model,
-    )
-    from k3stream.pack.builder import plan_pack
+    from k3stream.memlimit import MIB, default_expert_ram_mib, pin_malloc_mmap_threshold
 
     cache_bytes = int(getattr(args, "cache_ram", 0) * MIB)  # the prompt cache of serve and chat
-    rows = _prefill_rows(args, manifest is not None)
+    shape = served_shape(args, manifest is not None)
     if manifest is None and args.memory_limit is None:  # the GGUF's experts, kept in RAM when all fit
         if args.ram_mib is not None:
             return args.ram_mib
-        return default_expert_ram_mib(checkpoint, *_served(args), cache_bytes, None, rows)
+        return default_expert_ram_mib(checkpoint, shape, cache_bytes)
     pin_malloc_mmap_threshold()  # expert buffers churn: keep freed ones from bloating the heap
     if args.ram_mib is not None and args.memory_limit is None:
         return args.ram_mib
-    slot = None if manifest is None else plan_pack(checkpoint).layout.object_bytes  # the store's slot
-    ranks = 1 if manifest is None else getattr(args, "ep", 1)  # a pack's experts split over --ep ranks
-    plan = plan_for_model(checkpoint, args.memory_limit, *_served(args), cache_bytes, slot, rows, ranks)
+    if manifest is not None:  # the store's slot; a rank's share of the pack's experts under --ep
+        from k3stream.pack.builder import plan_pack
+
+        slot = plan_pack(checkpoint).layout.object_bytes
+        shape = replace(shape, slot_bytes=slot, expert_ranks=getattr(args, "ep", 1))
+    plan = _fitted_plan(args, checkpoint, shape, cache_bytes, manifest is not None)
     if args.ram_mib is not None:
         print(f"{plan.summary()}; --ram-mib {args.ram_mib:g} MiB in use instead", file=sys.stderr)
         return args.ram_mib
@@ -210,26 +208,61 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
     return plan.expert_budget / MIB
 
 
+def served_shape(args: argparse.Namespace, streamed: bool) -> ServedShape:
+    """What the command serves, for its memory plan: the context (`--ctx`), the sequences at once (a
+    server's `--max-batch`) and, for a command that prefills in passes (`serve`), its largest pass
+    (`args.prefill_pass`; `_fitted_plan` lowers it to what the limit holds)."""
+    from k3stream.memlimit import ServedShape
+
+    passes = _prefill_passes(args, streamed)
+    if passes:
+        args.prefill_pass = passes[0]
+    return ServedShape(
+        ctx=getattr(args, "ctx", None),
+        sequences=getattr(args, "max_batch", 1),
+        prefill_rows=passes[0].tokens if passes else None,
+    )
+
+
+def _prefill_passes(args: argparse.Namespace, streamed: bool) -> list[PrefillPass]:
+    """The prefill passes of a command that prefills in chunks (`serve`), largest first; none where a
+    prompt is prefilled whole."""
+    if not hasattr(args, "prefill_chunk"):
+        return []
+    from k3stream.server.app import prefill_passes
+
+    return prefill_passes(args.prefill_chunk, args.max_batch, streamed)
+
+
+def _fitted_plan(
+    args: argparse.Namespace, checkpoint: K3Checkpoint, shape: ServedShape, cache_bytes: int, streamed: bool
+) -> MemoryPlan:
+    """The plan for `shape` under `--memory-limit`; for a command that prefills in passes, with the
+    largest pass the limit holds beside one top-k working set (`args.prefill_pass`): the one-line
+    refusal only when one prompt's smallest chunk does not fit."""
+    from k3stream.memlimit import MemoryLimitError, plan_for_model
+
+    passes = _prefill_passes(args, streamed)
+    for prefill_pass in passes[:-1]:
+        try:
+            plan = plan_for_model(
+                checkpoint, args.memory_limit, replace(shape, prefill_rows=prefill_pass.tokens), cache_bytes
+            )
+        except MemoryLimitError:
+            continue
+        args.prefill_pass = prefill_pass
+        return plan
+    if passes:
+        args.prefill_pass = passes[-1]
+        shape = replace(shape, prefill_rows=passes[-1].tokens)
+    return plan_for_model(checkpoint, args.memory_limit, shape, cache_bytes)
+
+
 def size_context(args: argparse.Namespace, config: Any, tokens: int) -> None:
     """Without `--ctx`, the context the memory plan holds is the `tokens` the run reaches (at most the
     model's): its KV/state, and its prompt prefilled in one forward."""
     if args.ctx is None:
         args.ctx = min(max(tokens, 2), config.context_length)
-
-
-def _served(args: argparse.Namespace) -> tuple[int | None, int]:
-    """The context and the sequences at once the command serves (`--ctx`, a server's `--max-batch`)."""
-    return getattr(args, "ctx", None), getattr(args, "max_batch", 1)
-
-
-def _prefill_rows(args: argparse.Namespace, streamed: bool) -> int | None:
-    """The prompt rows of the largest forward of a command that prefills in chunks (`serve`'s prefill
-    passes); None where a prompt is prefilled whole."""
-    if not hasattr(args, "prefill_chunk"):
-        return None
-    from k3stream.server.app import prefill_pass_tokens
-
-    return prefill_pass_tokens(args.prefill_chunk, args.max_batch, streamed)
 
 
 def thread_count(threads: int | None) -> int | None:

@@ -7,9 +7,15 @@ import gc
 import os
 import signal
 import socket
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from k3stream.server.guard import API_KEY_ENV, GuardConfig, allowed_hosts_for, api_key_from
+
+if TYPE_CHECKING:
+    from k3stream.server.app import ServerConfig
+    from k3stream.server.runtime import ServedModel
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,9 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-chunk",
         type=int,
-        default=512,
+        default=None,
         help="prompt tokens prefilled between two decode steps of the running streams, at a prompt's start "
-        "(deeper chunks take fewer tokens, of equal work; default %(default)s)",
+        "(deeper chunks take fewer tokens, of equal work; default 512, or less where the memory plan "
+        "holds a smaller prefill pass)",
     )
     parser.add_argument(
         "--max-queue",
@@ -112,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from k3stream.server.app import ServerConfig, create_app
     from k3stream.server.guard import uvicorn_options
     from k3stream.server.runtime import served_from_runtime
+    from k3stream.server.scheduler import DEFAULT_PREFILL_CHUNK
 
     config = ServerConfig(
         max_batch=args.max_batch,
@@ -119,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         guard=guard_config(args),
         sse_keepalive_s=args.sse_keepalive,
         webui=not args.no_webui,
-        prefill_chunk=args.prefill_chunk,
+        prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk,
         slot_save_path=args.slot_save_path,
     )
     config.check()
@@ -128,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
     with parallel_runtime(args, on_failure=lambda: os.kill(os.getpid(), signal.SIGINT)) as runtime:
         if runtime is None:
             return 0
+        chosen = args.prefill_pass  # the largest pass the memory plan holds (`flags.served_shape`)
+        config = replace(config, prefill_chunk=chosen.chunk, pass_prompts=chosen.prompts)
         served = served_from_runtime(runtime, name=args.served_model_name, ctx=args.ctx)
         served.prompt_cache = cache_from_args(args, runtime.model)
         app = create_app(served, config)
@@ -135,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
         experts = f"streamed from {runtime.manifest}" if runtime.store else "from the GGUF"
         print(
             f"k3stream serve: {served.name} on http://{args.host}:{args.port}/v1 (ctx {served.ctx}, "
-            f"max batch {config.max_batch}, queue {config.max_queue}, experts {experts})",
+            f"max batch {config.max_batch}, queue {config.max_queue}, prefill passes of "
+            f"{pass_note(config, served)}, experts {experts})",
             flush=True,
         )
         print(access_note(config.guard), flush=True)
@@ -193,6 +204,12 @@ def guard_config(args: argparse.Namespace) -> GuardConfig:
         keep_alive_s=args.timeout_keep_alive,
         max_connections=args.max_connections,
     )
+
+
+def pass_note(config: ServerConfig, served: ServedModel) -> str:
+    """The prefill pass the server runs: `4 x 512 tokens` (a chunk of each of up to 4 prompts)."""
+    tokens = config.prefill_pass(served)
+    return f"{tokens // config.prefill_chunk} x {config.prefill_chunk} tokens"
 
 
 def access_note(guard: GuardConfig) -> str:

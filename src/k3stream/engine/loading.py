@@ -127,7 +127,7 @@ def load_resolved(
 
     store = None
     if manifest is not None:
-        from k3stream.memlimit import default_expert_ram_mib
+        from k3stream.memlimit import ServedShape, default_expert_ram_mib
         from k3stream.pack.reader import ExpertPack
         from k3stream.store.expert_store import ExpertStore
 
@@ -135,7 +135,8 @@ def load_resolved(
         ram_mib = options.expert_ram_mib
         if ram_mib is None:
             ranks = store_options.expert_ranks
-            ram_mib = default_expert_ram_mib(checkpoint, slot_bytes=pack.object_bytes, expert_ranks=ranks)
+            shape = ServedShape(slot_bytes=pack.object_bytes, expert_ranks=ranks)
+            ram_mib = default_expert_ram_mib(checkpoint, shape)
         if store_options.direct_io is None and checkpoint.uncached_reads:
             # the pack's page cache would be charged to the limit beside the expert budget
             store_options = replace(store_options, direct_io=True)
@@ -151,6 +152,8 @@ def load_resolved(
     try:
         model = k3stream.load(checkpoint, options)
         tokenizer = Tokenizer.from_gguf(checkpoint)
+        if store is not None:  # its read buffers, made while the weights loaded, all made before a read
+            store.wait_for_buffers()
     except BaseException:
         if store is not None:
             store.close()

@@ -72,6 +72,15 @@ TOKENIZER_THREADS = 2
 CLIENT_CLOSED_REQUEST = 499
 
 
+# Prompts whose chunks one prefill pass takes when experts stream from a pack: four waiting prompts share
+# each expert read (a token's pack bytes fall to about a quarter), while the pass's activation buffers,
+# which the memory plan takes from the expert budget, stay four chunks' (3.1 GiB at Kimi-K3's shapes with
+# 512-token chunks attending 4,096 positions, against 7.9 GiB for a chunk of each of 16 batch slots).
+PREFILL_PASS_PROMPTS = 4
+# the smallest chunk `serve` sizes a prefill pass down to when `--prefill-chunk` is not given
+MIN_PREFILL_CHUNK = 32
+
+
 @dataclass
 class ServerConfig:
     max_batch: int = 16
@@ -82,6 +91,9 @@ class ServerConfig:
     sse_keepalive_s: float = 15.0
     webui: bool = True  # the chat page at `/`
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    # waiting prompts whose chunks one prefill pass takes when experts stream from a pack (at most
+    # max_batch): `serve` lowers it, and the chunk, to the pass its memory plan holds (`prefill_passes`)
+    pass_prompts: int = PREFILL_PASS_PROMPTS
     slot_save_path: Path | None = None  # where `/slots/{id}?action=save` writes (None: slot actions off)
 
     def check(self) -> None:
@@ -93,13 +105,18 @@ class ServerConfig:
             raise ValueError(f"--sse-keepalive must be above 0 seconds, got {self.sse_keepalive_s}")
         if self.prefill_chunk < 1:
             raise ValueError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
+        if self.pass_prompts < 1:
+            raise ValueError(f"a prefill pass takes at least 1 prompt, got {self.pass_prompts}")
         if self.slot_save_path is not None and not self.slot_save_path.is_dir():
             raise ValueError(f"--slot-save-path {self.slot_save_path}: not a directory")
         self.guard.check()
 
     def prefill_pass(self, served: ServedModel) -> int:
-        """`prefill_pass_tokens` for `served`."""
-        return prefill_pass_tokens(self.prefill_chunk, self.max_batch, served.store is not None)
+        """Prompt tokens one prefill pass takes from waiting requests, in one forward: a chunk of each
+        of up to `pass_prompts` of them (at most `max_batch`) when experts stream from a pack (a pass
+        then costs its expert reads, nearly whatever its tokens), else one chunk's."""
+        prompts = min(self.max_batch, self.pass_prompts) if served.store is not None else 1
+        return self.prefill_chunk * prompts
 
     def attention_rows(self, served: ServedModel) -> float | None:
         """`PrefillChunks`' rows_per_token: chunks of equal work where the experts are in RAM, of
@@ -107,18 +124,29 @@ class ServerConfig:
         return None if served.store is not None else attention_rows_per_token(served.model.config)
 
 
-# Prompts whose chunks one prefill pass takes when experts stream from a pack: four waiting prompts share
-# each expert read (a token's pack bytes fall to about a quarter), while the pass's activation buffers,
-# which the memory plan takes from the expert budget, stay four chunks' (3.1 GiB at Kimi-K3's shapes with
-# 512-token chunks attending 4,096 positions, against 7.9 GiB for a chunk of each of 16 batch slots).
-PREFILL_PASS_PROMPTS = 4
+@dataclass(frozen=True)
+class PrefillPass:
+    """One prefill pass: a `chunk`-token chunk of each of `prompts` waiting prompts, in one forward."""
+
+    prompts: int
+    chunk: int
+
+    @property
+    def tokens(self) -> int:
+        return self.prompts * self.chunk
 
 
-def prefill_pass_tokens(prefill_chunk: int, max_batch: int, streamed: bool) -> int:
-    """Prompt tokens one prefill pass takes from waiting requests, in one forward: a chunk of each of up
-    to `PREFILL_PASS_PROMPTS` of them when experts stream from a pack (a pass then costs its expert
-    reads, nearly whatever its tokens), else one chunk's."""
-    return prefill_chunk * (min(max_batch, PREFILL_PASS_PROMPTS) if streamed else 1)
+def prefill_passes(chunk: int | None, max_batch: int, streamed: bool) -> list[PrefillPass]:
+    """The prefill passes `serve` can run, largest first: chunks of PREFILL_PASS_PROMPTS prompts down to
+    one (at most `max_batch`; one where the experts are in RAM), then, where `chunk` (`--prefill-chunk`)
+    was not given, one prompt's chunk halved from DEFAULT_PREFILL_CHUNK down to MIN_PREFILL_CHUNK."""
+    most = min(max_batch, PREFILL_PASS_PROMPTS) if streamed else 1
+    passes = [PrefillPass(prompts, chunk or DEFAULT_PREFILL_CHUNK) for prompts in range(most, 0, -1)]
+    size = DEFAULT_PREFILL_CHUNK // 2
+    while chunk is None and size >= MIN_PREFILL_CHUNK:
+        passes.append(PrefillPass(1, size))
+        size //= 2
+    return passes
 
 
 def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:

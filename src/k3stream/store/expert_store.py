@@ -181,11 +181,13 @@ class ExpertStore:
 
     def _start_prefault(self, buffers: RecycledBuffers, objects: int) -> None:
         """Make the RAM tier's read buffers (one a slot, no more than the pack has objects), their
-        pages faulted in, in a background thread: while the model's weights load from disk, whose
-        reads leave the CPU idle, then, once the store serves, at the lowest priority (nice 19), on
-        the CPU time the compute and the reads leave. The first reads into them (a cold prefill)
-        fault nothing: O_DIRECT reads of the 128-expert real-dimension slice's pack cost 0.25-0.27 s
-        of system time a GB into fresh buffers, 0.03-0.04 into faulted ones (`docs/real-model.md`).
+        pages faulted in, in a background thread while the model's weights load from disk, whose
+        reads leave the CPU idle; the loader then waits for the rest (`wait_for_buffers`). A store
+        that serves before they are all made (one used without the loader) goes on making them at the
+        lowest priority (nice 19), on the CPU time the compute and the reads leave. The first reads
+        into them (a cold prefill) fault nothing: O_DIRECT reads of the 128-expert real-dimension
+        slice's pack cost 0.25-0.27 s of system time a GB into fresh buffers, 0.03-0.04 into faulted
+        ones (`docs/real-model.md`).
         The process holds the tier's budget from the load on, as it would once that many experts
         were read."""
 
@@ -199,6 +201,15 @@ class ExpertStore:
 
         self._prefaulter = threading.Thread(target=prefault, name="k3stream-prefault", daemon=True)
         self._prefaulter.start()
+
+    def wait_for_buffers(self) -> None:
+        """Return once the RAM tier's read buffers are made (`_start_prefault`; at once without that
+        tier). The loader calls it after the model's weights: no read buffer is then made beside the
+        first reads (a cold prefill), whatever the budget; a tier holding the whole pack had 8 of its
+        256 still to make when the 128-expert real-dimension slice's resident cold prefill began
+        (19k minor faults against 14k at 10% and 25%, `docs/real-model.md`)."""
+        if self._prefaulter is not None:
+            self._prefaulter.join()
 
     def _serving(self) -> bool:
         """Whether the store was asked for experts yet (a fetch, a hint or a read-ahead)."""
