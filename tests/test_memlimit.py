@@ -458,13 +458,22 @@ def _limit_holding(needs, runtime):
     return limit
 
 
-@pytest.mark.parametrize("chosen", [1, 2, 5, -1])  # 3 x 512, 2 x 512, 1 x 128, the smallest
+def _expert_budget(checkpoint, manifest, prefill_pass, limit):
+    """The expert budget `serve`'s plan leaves beside `prefill_pass` under `limit`; None where it does
+    not fit."""
+    try:
+        return plan_memory(limit, _serve_needs(checkpoint, manifest, prefill_pass), RUNTIME).expert_budget
+    except MemoryLimitError:
+        return None
+
+
+@pytest.mark.parametrize("held", [0, 1, 2, 5, -1, None])  # the limit that just holds this pass; None: ample
 def test_serve_sizes_its_prefill_pass_to_what_the_limit_leaves(
-    tiny_model, tmp_path, capsys, monkeypatch, chosen
+    tiny_model, tmp_path, capsys, monkeypatch, held
 ):
-    """Without `--prefill-chunk`, `serve` takes the largest prefill pass whose plan holds one top-k
-    working set: at the smallest limit holding pass `chosen`, that pass (the one above it does not
-    fit), printed in the plan, and handed to the server (`args.prefill_pass`)."""
+    """Without `--prefill-chunk`, `serve` takes the largest prefill pass that leaves the experts at
+    least half the budget the smallest pass leaves: every larger pass does not fit or leaves less. The
+    pass is printed in the plan and handed to the server (`args.prefill_pass`)."""
     import k3stream.memlimit as memlimit
     from k3stream.cli import build_parser
     from k3stream.commands.flags import runtime_from_args
@@ -478,13 +487,19 @@ def test_serve_sizes_its_prefill_pass_to_what_the_limit_leaves(
     checkpoint = K3Checkpoint.open(model)
     passes = prefill_passes(None, 16, streamed=True)
     monkeypatch.setattr(memlimit, "resident_bytes", lambda: RUNTIME)  # the plan's runtime term, fixed
-    limit = _limit_holding(_serve_needs(checkpoint, manifest, passes[chosen]), RUNTIME)
-    with pytest.raises(MemoryLimitError):  # the next larger pass does not fit this limit
-        plan_memory(limit, _serve_needs(checkpoint, manifest, passes[chosen - 1]), RUNTIME)
+    needs = _serve_needs(checkpoint, manifest, passes[0 if held is None else held])
+    limit = _limit_holding(needs, RUNTIME) + (4 * needs.expert_bytes if held is None else 0)
     command = ["serve", str(manifest), "--memory-limit", str(limit), "--cache-ram", "0"]
     args = build_parser(command).parse_args(command)
     runtime_from_args(args).close()
-    assert args.prefill_pass == passes[chosen]
+    chosen = passes.index(args.prefill_pass)
+    budgets = [_expert_budget(checkpoint, manifest, p, limit) for p in passes]
+    assert 2 * budgets[chosen] >= budgets[-1]
+    assert all(b is None or 2 * b < budgets[-1] for b in budgets[:chosen])
+    if held is None:  # ample room: the largest pass
+        assert chosen == 0
+    if held == -1:  # room for the smallest pass only
+        assert chosen == len(passes) - 1
     plan = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("memory limit"))
     assert f"(a prefill of {passes[chosen].tokens} rows)" in plan, plan
 

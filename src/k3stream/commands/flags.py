@@ -238,11 +238,18 @@ def _fitted_plan(
     args: argparse.Namespace, checkpoint: K3Checkpoint, shape: ServedShape, cache_bytes: int, streamed: bool
 ) -> MemoryPlan:
     """The plan for `shape` under `--memory-limit`; for a command that prefills in passes, with the
-    largest pass the limit holds beside one top-k working set (`args.prefill_pass`): the one-line
-    refusal only when one prompt's smallest chunk does not fit."""
+    largest pass (`args.prefill_pass`) that leaves the experts at least half the budget the smallest
+    pass leaves: a larger pass reads each expert once for more prompts, but decode lives on the expert
+    cache. The one-line refusal only when one prompt's smallest chunk does not fit."""
     from k3stream.memlimit import MemoryLimitError, plan_for_model
 
     passes = _prefill_passes(args, streamed)
+    if not passes:
+        return plan_for_model(checkpoint, args.memory_limit, shape, cache_bytes)
+    args.prefill_pass = passes[-1]
+    smallest = plan_for_model(
+        checkpoint, args.memory_limit, replace(shape, prefill_rows=passes[-1].tokens), cache_bytes
+    )
     for prefill_pass in passes[:-1]:
         try:
             plan = plan_for_model(
@@ -250,12 +257,10 @@ def _fitted_plan(
             )
         except MemoryLimitError:
             continue
-        args.prefill_pass = prefill_pass
-        return plan
-    if passes:
-        args.prefill_pass = passes[-1]
-        shape = replace(shape, prefill_rows=passes[-1].tokens)
-    return plan_for_model(checkpoint, args.memory_limit, shape, cache_bytes)
+        if 2 * plan.expert_budget >= smallest.expert_budget:
+            args.prefill_pass = prefill_pass
+            return plan
+    return smallest
 
 
 def size_context(args: argparse.Namespace, config: Any, tokens: int) -> None:

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     with parallel_runtime(args, on_failure=lambda: os.kill(os.getpid(), signal.SIGINT)) as runtime:
         if runtime is None:
             return 0
-        chosen = args.prefill_pass  # the largest pass the memory plan holds (`flags.served_shape`)
+        chosen = args.prefill_pass  # the pass the memory plan chose (`flags._fitted_plan`)
         config = replace(config, prefill_chunk=chosen.chunk, pass_prompts=chosen.prompts)
         served = served_from_runtime(runtime, name=args.served_model_name, ctx=args.ctx)
         served.prompt_cache = cache_from_args(args, runtime.model)
