@@ -212,8 +212,8 @@ def test_integer_kernels_equal_the_product_with_inputs_rounded_as_ggml(
 @pytest.mark.parametrize("qt", Q8_QUANTIZED, ids=lambda t: T(t).name)
 @pytest.mark.parametrize("isa", KERNEL_ISAS)
 def test_integer_kernel_rows_do_not_depend_on_grouping_or_threads(qt, isa, monkeypatch):
-    """A matrix's input rows in groups of four sharing each weight row's decoded codes (Q2_K, Q3_K,
-    Q4_K), the rest three, two or one at a time: each row is its single-row result."""
+    """A matrix's input rows in groups of four sharing each weight row's decoded codes (Q2_K-Q5_K; on
+    AVX2 Q5_0, Q4_1, Q5_1 too), the rest three, two or one at a time: each row is its single-row result."""
     take_kernel_isa(isa, monkeypatch)
     counts = [2, 0, 3, 9, 7]  # 9: 4 + 4 + 1, 7: 4 + 3
     weights = [weight(T(qt), 24, 512, seed=s) for s in range(len(counts))]

@@ -1374,9 +1374,8 @@ ALWAYS __m256 q8_q4_0(const uint8_t *restrict b, const BlockQ8_0 *restrict y, __
     return q8_signed_dot(w, _mm256_loadu_si256((const __m256i *)y->qs), f16c(b) * y->d, acc);
 }
 
-/* Q5_0: codes less 16 (block_q5_0), as Q4_0's */
-ALWAYS __m256 q8_q5_0(const uint8_t *restrict b, const BlockQ8_0 *restrict y, __m256 acc) {
-    const Block32 block = block_q5_0(b);
+/* a signed-code block (Q5_0: codes less 16, block_q5_0) against a Q8_0 block, as Q4_0's */
+ALWAYS __m256 q8_signed_block(Block32 block, const BlockQ8_0 *restrict y, __m256 acc) {
     return q8_signed_dot(block.codes, _mm256_loadu_si256((const __m256i *)y->qs), block.d * y->d, acc);
 }
 
@@ -1388,13 +1387,16 @@ ALWAYS Lanes q8_affine(Block32 block, const BlockQ8_1 *restrict y, Lanes acc) {
     return (Lanes){_mm256_fmadd_ps(_mm256_set1_ps(block.d * y->d), sums, acc.lanes), acc.sum + block.m * y->s};
 }
 
-ALWAYS Lanes q8_q4_1(const uint8_t *restrict b, const BlockQ8_1 *restrict y, Lanes acc) {
-    return q8_affine(block_q4_1(b), y, acc);
-}
-
-ALWAYS Lanes q8_q5_1(const uint8_t *restrict b, const BlockQ8_1 *restrict y, Lanes acc) {
-    return q8_affine(block_q5_1(b), y, acc);
-}
+/* a 32-value block decoded once for `n` (<= Q8_ROWS) input rows' blocks y[r] + at, each row's sum its
+ * one-row sum (ROW_DOT) */
+#define BLOCK32_SHARED(TYPE, Y, ACC, ROW_DOT)                                                              \
+    ALWAYS void q8_##TYPE(const uint8_t *restrict b, const Y *const *y, int64_t at, ACC *acc, const int n) { \
+        const Block32 block = block_##TYPE(b);                                                           \
+        for (int r = 0; r < n; r++) acc[r] = ROW_DOT(block, y[r] + at, acc[r]);                          \
+    }
+BLOCK32_SHARED(q5_0, BlockQ8_0, __m256, q8_signed_block)
+BLOCK32_SHARED(q4_1, BlockQ8_1, Lanes, q8_affine)
+BLOCK32_SHARED(q5_1, BlockQ8_1, Lanes, q8_affine)
 
 /* Q5_K: sub-block s's codes (q5_k_codes) times its scale into the lanes, as Q4_K's; dmin times the mins'
  * integer sum against the Q8_K sums into the sum beside them by one fused multiply-add (the compiler
@@ -1422,22 +1424,22 @@ ALWAYS void q8_q5_k(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t
 }
 
 
-/* One weight row against `n` (<= Q8_ROWS) input rows' Q8_K blocks (Q8K_SHARED_ROWS), as Q8_ROW sums
+/* One weight row against `n` (<= Q8_ROWS) input rows' 8-bit blocks (Q8_SHARED_ROWS), as Q8_ROW sums
  * one row's */
-#define Q8_SHARED_ROW(NAME, DOT, BLOCK_BYTES, ACC, ZERO, TOTAL)                                        \
-    Q8K_SHARED_ROWS(ALWAYS, NAME, DOT, BLOCK_BYTES, ACC, ZERO, TOTAL)                                  \
+#define Q8_SHARED_ROW(NAME, DOT, BLOCK_BYTES, Y, ELEMS, ACC, ZERO, TOTAL)                              \
+    Q8_SHARED_ROWS(ALWAYS, NAME, DOT, BLOCK_BYTES, Y, ELEMS, ACC, ZERO, TOTAL)                         \
     ROW_RANGE(NAME, Q8_ROWS)
 
-Q8_SHARED_ROW(q8_row_q2_k_avx2, q8_q2_k, 84, __m256, _mm256_setzero_ps(), hsum8)
-Q8_SHARED_ROW(q8_row_q3_k_avx2, q8_q3_k, 110, __m256, _mm256_setzero_ps(), hsum8)
-Q8_SHARED_ROW(q8_row_q4_k_avx2, q8_q4_k, 144, MinLanes, MIN_LANES_ZERO, min_lanes_total)
-Q8_SHARED_ROW(q8_row_q5_k_avx2, q8_q5_k, 176, Lanes, LANES_ZERO, lanes_total)
+Q8_SHARED_ROW(q8_row_q2_k_avx2, q8_q2_k, 84, q8, 256, __m256, _mm256_setzero_ps(), hsum8)
+Q8_SHARED_ROW(q8_row_q3_k_avx2, q8_q3_k, 110, q8, 256, __m256, _mm256_setzero_ps(), hsum8)
+Q8_SHARED_ROW(q8_row_q4_k_avx2, q8_q4_k, 144, q8, 256, MinLanes, MIN_LANES_ZERO, min_lanes_total)
+Q8_SHARED_ROW(q8_row_q5_k_avx2, q8_q5_k, 176, q8, 256, Lanes, LANES_ZERO, lanes_total)
 Q8_ROW(q8_row_q6_k_avx2, AVX2, q8_q6_k, 210, q8, 256, __m256, _mm256_setzero_ps(), hsum8)
 Q8_ROW(q8_row_q8_0_avx2, AVX2, q8_q8_0, 34, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
 Q8_ROW(q8_row_q4_0_avx2, AVX2, q8_q4_0, 18, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
-Q8_ROW(q8_row_q5_0_avx2, AVX2, q8_q5_0, 22, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
-Q8_ROW(q8_row_q4_1_avx2, AVX2, q8_q4_1, 20, q8_1, 32, Lanes, LANES_ZERO, lanes_total)
-Q8_ROW(q8_row_q5_1_avx2, AVX2, q8_q5_1, 24, q8_1, 32, Lanes, LANES_ZERO, lanes_total)
+Q8_SHARED_ROW(q8_row_q5_0_avx2, q8_q5_0, 22, q8_0, 32, __m256, _mm256_setzero_ps(), hsum8)
+Q8_SHARED_ROW(q8_row_q4_1_avx2, q8_q4_1, 20, q8_1, 32, Lanes, LANES_ZERO, lanes_total)
+Q8_SHARED_ROW(q8_row_q5_1_avx2, q8_q5_1, 24, q8_1, 32, Lanes, LANES_ZERO, lanes_total)
 
 /* Outputs m..m + 15 of an input-major F32 matrix w [in, out] for input rows p..p + n - 1: per output
  * acc = fma(x_k, w_k, acc) over k in order from zero, eight outputs a vector; `masked`: the last ones of

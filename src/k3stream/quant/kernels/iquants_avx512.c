@@ -689,12 +689,10 @@ AVX512 void iq1_dot(const uint8_t *row, int64_t blocks, const int type, const in
         if (type == 0) iq1_s_deltas(tables[0], &c, xs, i, sumi, dy, n);
         else iq1_m_deltas(x, &c, xs, y, i, sumi, dy, n);
         iq1_weights(words, tables, w);
-        for (int r = 0; r < n; r++) { /* two chains of products, the deltas' and the first gather's */
+        for (int r = 0; r < n; r++) { /* one chain a block (blocks overlap: each starts from zero) */
             const Iq1X *X = (const Iq1X *)(const void *)xs[r] + i;
-            const __m512i first = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_load_si512(X->low[0])),
-                                                      w[1], _mm512_load_si512(X->high[0]));
-            sumi[r] = _mm512_dpbusd_epi32(sumi[r], w[2], _mm512_load_si512(X->low[1]));
-            sumi[r] = _mm512_add_epi32(_mm512_dpbusd_epi32(sumi[r], w[3], _mm512_load_si512(X->high[1])), first);
+            for (int h = 0; h < 4; h++)
+                sumi[r] = _mm512_dpbusd_epi32(sumi[r], w[h], _mm512_load_si512(h % 2 ? X->high[h / 2] : X->low[h / 2]));
         }
         /* d: IQ1_S's first 2 bytes, IQ1_M's the top nibbles of its 4 scale words */
         const float d = type == 0 ? _mm_cvtss_f32(_mm_cvtph_ps(_mm512_castsi512_si128(raw)))

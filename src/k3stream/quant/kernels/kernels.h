@@ -195,8 +195,8 @@ AVX2_INLINE __m256i q6_k_codes(const uint8_t *restrict b, int run) {
     return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
 }
 
-/* Up to Q8_ROWS input rows share each Q2_K, Q3_K, Q4_K, Q5_K (and, on AVX-512, Q6_K) weight row's decoded
- * codes and scales (prefill, batched decode): each row keeps its own sums and sees exactly the
+/* Up to Q8_ROWS input rows share each Q2_K, Q3_K, Q4_K, Q5_K (on AVX-512 Q6_K too, on AVX2 Q5_0, Q4_1 and
+ * Q5_1) weight row's decoded codes and scales (prefill, batched decode): each row keeps its own sums and sees exactly the
  * operations it would see alone. Eight 1024 x 1024 matrices, 8 rows each, one thread: 1.4-1.6x the
  * one-row-at-a-time kernels. */
 #define Q8_ROWS 4
@@ -230,22 +230,24 @@ AVX2_INLINE __m128i q4_k_min_lanes(__m128i mins, const int16_t *bsums) {
     return _mm_madd_epi16(mins, _mm_hadd_epi16(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1)));
 }
 
-/* NAME##_rows: one weight row m against n (<= Q8_ROWS) input rows' Q8_K blocks from p, blocks in order
- * into each row's accumulator (ACC from ZERO: eight lanes, or Lanes) by BLOCK, summed at the end by
- * TOTAL (hsum8, lanes_total); ATTR: its inline and target attributes (the AVX2 and AVX-512 kernels
- * share it) */
-#define Q8K_SHARED_ROWS(ATTR, NAME, BLOCK, BLOCK_BYTES, ACC, ZERO, TOTAL)                               \
+/* NAME##_rows: one weight row m against n (<= Q8_ROWS) input rows' 8-bit blocks from p (Y: Q8_K, Q8_0 or
+ * Q8_1, ELEMS values each), blocks in order into each row's accumulator (ACC from ZERO: eight lanes, or
+ * Lanes) by BLOCK, summed at the end by TOTAL (hsum8, lanes_total); ATTR: its inline and target
+ * attributes (the AVX2 and AVX-512 kernels share it) */
+#define Q8_SHARED_ROWS(ATTR, NAME, BLOCK, BLOCK_BYTES, Y, ELEMS, ACC, ZERO, TOTAL)                       \
     ATTR void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) {   \
-        const int64_t blocks = pr->in_features / 256;                                                   \
-        const BlockQ8K *y[Q8_ROWS];                                                                     \
+        const int64_t blocks = pr->in_features / (ELEMS);                                               \
+        const __typeof__(*pr->Y) *y[Q8_ROWS];                                                           \
         ACC acc[Q8_ROWS];                                                                               \
-        for (int r = 0; r < n; r++) y[r] = pr->q8 + pr->rows[p + r] * blocks, acc[r] = ZERO;            \
+        for (int r = 0; r < n; r++) y[r] = pr->Y + pr->rows[p + r] * blocks, acc[r] = ZERO;            \
         for (int64_t block = 0; block < blocks; block++) {                                              \
             prefetch_ahead(row + block * (BLOCK_BYTES), BLOCK_BYTES);                                   \
             BLOCK(row + block * (BLOCK_BYTES), y, block, acc, n);                                       \
         }                                                                                               \
         for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = TOTAL(acc[r]);             \
     }
+#define Q8K_SHARED_ROWS(ATTR, NAME, BLOCK, BLOCK_BYTES, ACC, ZERO, TOTAL) \
+    Q8_SHARED_ROWS(ATTR, NAME, BLOCK, BLOCK_BYTES, q8, 256, ACC, ZERO, TOTAL)
 
 #endif
 

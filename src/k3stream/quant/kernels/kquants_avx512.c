@@ -340,32 +340,55 @@ KQ_INLINE __m256i q3_k_scales16(const uint8_t *restrict b) {
     return _mm256_sub_epi16(_mm256_maddubs_epi16(parts, _mm256_set1_epi16(0x1001)), _mm256_set1_epi16(32));
 }
 
-/* acc[r] += one Q3_K block (block k of the chunk) times input row r's Q8_K block, as ggml_cpu.c's
- * q8_q3_k: codes + 4 (the low two bits of bytes 32 + 32g.. at 2f, plus 4 where bit 4g + f of hmask is
- * set, for run 4g + f: a vptestmb's byte mask and a masked add), the 4 taken back from each pair's
- * product before its scale (ggml's int32 lanes) */
+/* Q3_K's codes times scales, looked up by vpshufb (as Q2_K's): run pair j's 128-bit lane i (sub-block
+ * t = 4j + i) holds at byte 8 (j % 2) + c the weight (c - 4) s_t + 127 of code c = low + 4 h (0..7), s_t
+ * its scale less 32: at most 4 * 32 + 127 = 255, at least 127 - 4 * 31 = 3, so an unsigned byte. Table
+ * j / 2, 16-bit lane w: s of its sub-block (vpermb of the int16 scales' two bytes) times (c - 4) + 256
+ * (c - 3) (c = 2 (w % 4)), plus 127 in both bytes: each byte its weight, no carry between them. */
+KQ_INLINE void q3_k_tables(const uint8_t *restrict b, __m512i tables[2]) {
+    uint8_t pick[2][64] __attribute__((aligned(64)));
+    int16_t times[32] __attribute__((aligned(64)));
+    for (int w = 0; w < 32; w++) {
+        const int lane = w / 8, k = w % 8, c = 2 * (k % 4);
+        times[w] = (int16_t)((c - 4) + 256 * (c - 3));
+        for (int g = 0; g < 2; g++)
+            for (int e = 0; e < 2; e++) pick[g][2 * w + e] = (uint8_t)(2 * (8 * g + lane + 4 * (k / 4)) + e);
+    }
+    const __m512i scales = _mm512_castsi256_si512(q3_k_scales16(b)), factors = _mm512_load_si512(times);
+    for (int g = 0; g < 2; g++)
+        tables[g] = _mm512_add_epi16(_mm512_mullo_epi16(_mm512_permutexvar_epi8(_mm512_load_si512(pick[g]), scales), factors),
+                                     _mm512_set1_epi16(0x7F7F));
+}
+
+/* acc[r] += one Q3_K block (block k of the chunk) times input row r's Q8_K block, in the int32 lanes of
+ * ggml_cpu.c's q8_q3_k (ggml's: s_t times the pairs of products (c - 4) y): each byte's weight (c - 4) s_t
+ * + 127 (q3_k_tables; the index c + 8 (j % 2): the low two bits of bytes 32 + 32g.. at 2f by gf2p8affine
+ * plus its constant, 4 added where bit 4g + f of hmask is set, for run 4g + f) times y by one vpdpbusd a
+ * run pair, and 127 times y by another, taken away at the end: the same exact lanes, two vpdpbusd a run
+ * pair and row where maddubs, maddubs, a subtraction and a vpdpwssd were. */
 KQ_INLINE void q3_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n,
                           float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], int k) {
     (void)mins;
-    const __m256i wide = q3_k_scales16(b);
-    const ScaleLanes scales = scale_lanes(wide);
-    const __m512i hmask = both_halves(b);
-    __m512i sums[Q8_ROWS];
-    for (int r = 0; r < n; r++) sums[r] = _mm512_setzero_si512();
+    __m512i tables[2];
+    q3_k_tables(b, tables);
+    const __m512i hmask = both_halves(b), offset = _mm512_set1_epi8(127);
+    __m512i sums[Q8_ROWS], offsets[Q8_ROWS];
+    for (int r = 0; r < n; r++) sums[r] = offsets[r] = _mm512_setzero_si512();
     for (int j = 0; j < 4; j++) {
         const int f = 2 * (j & 1), bit = 4 * (j >> 1) + f;
-        const __m512i low = _mm512_gf2p8affine_epi64_epi8(both_halves(b + 32 + 32 * (j >> 1)),
-                                                          halves64(TAKE_CODE(2 * f), TAKE_CODE(2 * f + 2)), 0);
+        const __m512i bits = both_halves(b + 32 + 32 * (j >> 1)), take = halves64(TAKE_CODE(2 * f), TAKE_CODE(2 * f + 2));
+        const __m512i low = j & 1 ? _mm512_gf2p8affine_epi64_epi8(bits, take, 8) : _mm512_gf2p8affine_epi64_epi8(bits, take, 0);
         const __mmask64 high = _mm512_test_epi8_mask(hmask, halves64(0x0101010101010101ULL << bit, 0x0101010101010101ULL << (bit + 1)));
-        const __m512i codes = _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(4)), pair = run_pair_scales(scales, j);
+        const __m512i weights = _mm512_shuffle_epi8(tables[j >> 1], _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(4)));
         for (int r = 0; r < n; r++) {
             const __m512i q8 = _mm512_loadu_si512((const void *)(y[r][at].qs + 64 * j));
-            const __m512i pairs = _mm512_sub_epi16(_mm512_maddubs_epi16(codes, q8), _mm512_maddubs_epi16(_mm512_set1_epi8(4), q8));
-            sums[r] = _mm512_dpwssd_epi32(sums[r], pairs, pair);
+            sums[r] = _mm512_dpbusd_epi32(sums[r], weights, q8);
+            offsets[r] = _mm512_dpbusd_epi32(offsets[r], offset, q8);
         }
     }
     for (int r = 0; r < n; r++)
-        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&steps[r][k]), _mm256_cvtepi32_ps(fold(sums[r])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&steps[r][k]), _mm256_cvtepi32_ps(fold(_mm512_sub_epi32(sums[r], offsets[r]))),
+                                 acc[r]);
 }
 
 KQ_INLINE void q3_k_steps(const uint8_t *row, const BlockQ8K *const *y, int64_t c, int count,

@@ -475,7 +475,7 @@ int q8_tiles_take(int ggml_type, int64_t rows) {
         case 8: return rows >= (q8_tile_kernel_avx512(8) != NULL ? 2 : 5);
         case 3:
         case 6:
-        case 7: return rows >= 2; /* their multi-row kernels: AVX-512 alone */
+        case 7: return rows >= 2; /* AVX-512's tiles (on AVX2 their row kernels share each block between Q8_ROWS rows) */
         case 12: return rows >= 24;
         case 10:
         case 11: return rows >= (q8_kernel_avx512(ggml_type) != NULL ? 48 : 10);
