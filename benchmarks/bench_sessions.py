@@ -21,8 +21,9 @@ budget holds.
 
 `--beyond-ram LIMIT` runs the session instead on bench_beyond_ram.py's model (512 experts top-8, its
 audited experts >= --ratio x LIMIT, written once into its cache), its experts streaming from the pack,
-in a child memory cgroup of LIMIT (the model files' page cache dropped first) with `--memory-limit
-LIMIT`, whose plan holds `--cache-ram` beside the experts: the same table, with the bytes read from disk
+in a child memory cgroup of LIMIT (the model files' page cache dropped first), planned as `k3stream serve
+PACK --memory-limit LIMIT --cache-ram MIB --prefill-chunk N --max-batch 1` plans (`--cache-ram` and the
+prefill passes' rows beside the experts): the same table, with the bytes read from disk
 during each prefill (`/proc/self/io`), and the cgroup's peak memory.
 """
 
@@ -392,16 +393,16 @@ def beyond_ram(args) -> None:
 
 
 def streamed(args):
-    """The runtime `k3stream serve PACK --memory-limit LIMIT --cache-ram MIB` would load."""
-    from k3stream.commands.flags import add_model_arguments, runtime_from_args
+    """The runtime `k3stream serve PACK --memory-limit LIMIT --cache-ram MIB --prefill-chunk N --max-batch 1`
+    would load: serve's flags and memory plan (its prefill passes' rows among them)."""
+    from k3stream.commands import serve
+    from k3stream.commands.flags import runtime_from_args
 
     parser = argparse.ArgumentParser()
-    add_model_arguments(parser)
-    model_args = parser.parse_args(
-        [args.pack, "--memory-limit", args.beyond_ram, "--threads", str(args.threads), "--device", "cpu"]
-    )
-    model_args.cache_ram = args.cache_ram
-    return runtime_from_args(model_args)
+    serve.add_arguments(parser)
+    served = [args.pack, "--memory-limit", args.beyond_ram, "--threads", str(args.threads), "--device", "cpu"]
+    served += ["--cache-ram", f"{args.cache_ram:g}", "--prefill-chunk", str(args.prefill_chunk)]
+    return runtime_from_args(parser.parse_args([*served, "--max-batch", "1"]))
 
 
 def restart(model, workload: Workload, args, fingerprint: str, cache_dir: str, on: list[Turn]) -> None:

@@ -424,7 +424,8 @@ def test_long_prompts_attend_in_query_blocks(small_model, monkeypatch):
 def test_row_exact_prefill_attention_gives_each_query_its_decode_steps_bits(small_model, monkeypatch):
     """Under row-exact products a prefill's MLA queries attend as decode steps at their positions do:
     in one C call up to `C_ATTENTION_MAX_MACS` a query, one at a time in torch beyond (made small here,
-    so a prefill crosses it): each query's context equals `_attend_one`'s bit for bit."""
+    and the heads past `C_ATTENTION_HEADS`, so a prefill crosses it): each query's context equals
+    `_attend_one`'s bit for bit."""
     from k3stream.model import mla
     from k3stream.quant.kernels import set_row_exact
 
@@ -434,6 +435,7 @@ def test_row_exact_prefill_attention_gives_each_query_its_decode_steps_bits(smal
     queries = torch.randn(40, layer.heads, width, generator=generator)
     cache = torch.randn(70, width, generator=generator)
     monkeypatch.setattr(mla, "C_ATTENTION_MAX_MACS", layer.heads * width * 45)
+    monkeypatch.setattr(mla, "C_ATTENTION_HEADS", 0)
     set_row_exact(True)
     try:
         for offset in (0, 20, 30):
@@ -462,8 +464,9 @@ def test_a_cache_grown_row_by_row_in_c_holds_what_torch_appends():
 
 
 def test_decode_attention_beyond_the_c_size_takes_torch_and_agrees(small_model, monkeypatch):
-    """A decode query's MLA attention larger than `C_ATTENTION_MAX_MACS` takes torch's two products
-    (Kimi-K3's 64 heads): the same logits as the C attention within 1e-5."""
+    """A decode query's MLA attention larger than `C_ATTENTION_MAX_MACS`, of more heads than
+    `C_ATTENTION_HEADS`, takes torch's two products (Kimi-K3's 64 heads): the same logits as the C
+    attention within 1e-5."""
     from k3stream.model import mla
     from k3stream.quant.kernels import cpu
 
@@ -476,6 +479,7 @@ def test_decode_attention_beyond_the_c_size_takes_torch_and_agrees(small_model, 
     assert calls  # the small model's decode attention is in C
     calls.clear()
     monkeypatch.setattr(mla, "C_ATTENTION_MAX_MACS", 0)
+    monkeypatch.setattr(mla, "C_ATTENTION_HEADS", 0)
     beyond = prefill_then_decode(small_model, tokens)
     assert not calls and relative_error(beyond, in_c) < 1e-5
 

@@ -2305,8 +2305,9 @@ static PyObject *py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
+int64_t k3_mla_scratch(int64_t length, int64_t heads, int64_t kv, int threads);
 void k3_mla_attend(const float *query, const float *cache, int64_t length, int64_t heads, int64_t width, int64_t kv,
-                   float scale, float *probs, float *out, int threads);
+                   float scale, float *scratch, float *out, int threads);
 
 /* mla_attend(query, cache, length, heads, width, kv, scale, out, threads): k3_mla_attend on float32
  * buffers (pointers as ints), without the GIL; -2 without memory. */
@@ -2316,18 +2317,18 @@ static PyObject *py_mla_attend(PyObject *self, PyObject *const *args, Py_ssize_t
     double scale;
     if (parse_args("mla_attend", args, nargs, "iiiiiifii", v, &scale, NULL) != 0) return NULL;
     const int threads = v[7] < 1 ? 1 : (int)v[7];
-    float *probs = malloc(sizeof(float) * (size_t)(v[3] * v[2] + 1));
-    if (probs == NULL) return PyLong_FromLong(-2);
+    float *scratch = malloc(sizeof(float) * (size_t)k3_mla_scratch(v[2], v[3], v[5], threads));
+    if (scratch == NULL) return PyLong_FromLong(-2);
     Py_BEGIN_ALLOW_THREADS
     k3_mla_attend((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], v[3], v[4], v[5],
-                  (float)scale, probs, (float *)(uintptr_t)v[6], threads);
+                  (float)scale, scratch, (float *)(uintptr_t)v[6], threads);
     Py_END_ALLOW_THREADS
-    free(probs);
+    free(scratch);
     return PyLong_FromLong(0);
 }
 
 void k3_mla_attend_rows(const float *queries, const float *cache, int64_t offset, int64_t n, int64_t heads,
-                        int64_t width, int64_t kv, float scale, float *probs, float *out, int threads);
+                        int64_t width, int64_t kv, float scale, float *scratch, float *out, int threads);
 
 /* mla_attend_rows(queries, cache, offset, n, heads, width, kv, scale, out, threads): k3_mla_attend_rows on
  * float32 buffers (pointers as ints), without the GIL; -2 without memory. */
@@ -2337,13 +2338,13 @@ static PyObject *py_mla_attend_rows(PyObject *self, PyObject *const *args, Py_ss
     double scale;
     if (parse_args("mla_attend_rows", args, nargs, "iiiiiiifii", v, &scale, NULL) != 0) return NULL;
     const int threads = v[8] < 1 ? 1 : (int)v[8];
-    float *probs = malloc(sizeof(float) * (size_t)(threads * v[4] * (v[2] + v[3]) + 1));
-    if (probs == NULL) return PyLong_FromLong(-2);
+    float *scratch = malloc(sizeof(float) * (size_t)k3_mla_scratch(v[2] + v[3], v[4], v[6], threads));
+    if (scratch == NULL) return PyLong_FromLong(-2);
     Py_BEGIN_ALLOW_THREADS
     k3_mla_attend_rows((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], v[3], v[4], v[5], v[6],
-                       (float)scale, probs, (float *)(uintptr_t)v[7], threads);
+                       (float)scale, scratch, (float *)(uintptr_t)v[7], threads);
     Py_END_ALLOW_THREADS
-    free(probs);
+    free(scratch);
     return PyLong_FromLong(0);
 }
 

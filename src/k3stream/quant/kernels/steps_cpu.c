@@ -554,55 +554,134 @@ INLINE void block_pass(int weigh, const float *query, const float *cache, int64_
     for (; h < last; h++) heads_pass(weigh, query, cache, length, t0, t1, h, 1, width, kv, scale, probs, out);
 }
 
-/* Heads first..last - 1 of one query [heads, width] over the first `length` rows of a latent cache
- * [width each]: for each head's q, scores s_t = (q . cache[t]) * scale, p = softmax(s), and
- * out[h] = sum_t p_t cache[t, :kv] (the first kv values of each row, summed in t order). Each pass takes
- * the cache ATTEND_BLOCK rows at a time for all these heads. `probs`: scratch of heads x length floats.
- * A head's sums are its own: the same whatever heads or queries are computed beside it. */
-INLINE void attend_heads(const float *query, const float *cache, int64_t length, int64_t first, int64_t last,
-                         int64_t width, int64_t kv, float scale, float *probs, float *out) {
-    for (int64_t t = 0; t < length; t += ATTEND_BLOCK)
-        block_pass(0, query, cache, length, t, t + ATTEND_BLOCK < length ? t + ATTEND_BLOCK : length, first, last,
-                   width, kv, scale, probs, out);
+/* Rows of the latent cache one attention part takes: its scores, then its weighted rows, while the part
+ * sits in the core's L2, so a long cache is read once from memory. Each part's softmax is its own (its
+ * largest score, its sum, its weighted rows), merged in part order (`merge_parts`): a query's bits do not
+ * depend on how many threads take its parts. */
+#define ATTEND_PART 256
+
+/* A softmax weight exp(d) of a score d below the largest: 0 where d < -64 (exp(d) < 1.6e-28, nothing at
+ * float precision beside the largest's 1), not exp_poly's smallest normal, whose products with the rows
+ * are subnormal floats that cost a hundred cycles each (a trained model's scores span hundreds) */
+INLINE float softmax_weight(float d) { return d < -64.0f ? 0.0f : exp_poly(d); }
+
+/* Floats of the scratch one attention of `heads` heads over `length` rows takes on one thread: the
+ * scores of a part, and each part's weighted rows, largest score and sum per head */
+INLINE int64_t part_scratch(int64_t length, int64_t heads, int64_t kv) {
+    return heads * ATTEND_PART + (length + ATTEND_PART - 1) / ATTEND_PART * heads * (kv + 2);
+}
+
+/* Heads first..last - 1 of one query [heads, width] over cache rows t0..t1 - 1 (at most ATTEND_PART): for
+ * each head's q the scores s_t = (q . cache[t]) * scale, ATTEND_BLOCK rows at a time for all these heads,
+ * then m = max s, e_t = exp(s_t - m), sum = sum_t e_t (in t order) and y = sum_t e_t cache[t, :kv] (the
+ * first kv values of each row, in t order). `probs`: heads x ATTEND_PART floats; `part`: this part's
+ * [heads x kv] weighted rows, then [heads] largest scores, then [heads] sums. A head's sums are its own:
+ * the same whatever heads, parts or queries are computed beside it. */
+INLINE void attend_part(const float *query, const float *cache, int64_t t0, int64_t t1, int64_t first, int64_t last,
+                        int64_t heads, int64_t width, int64_t kv, float scale, float *probs, float *part) {
+    const float *rows = cache + t0 * width;
+    const int64_t n = t1 - t0;
+    float *largest = part + heads * kv, *sums = largest + heads;
+    for (int64_t t = 0; t < n; t += ATTEND_BLOCK)
+        block_pass(0, query, rows, ATTEND_PART, t, t + ATTEND_BLOCK < n ? t + ATTEND_BLOCK : n, first, last, width, kv,
+                   scale, probs, part);
     for (int64_t h = first; h < last; h++) {
-        float *p = probs + h * length, largest = -INFINITY, total = 0.0f;
-        for (int64_t t = 0; t < length; t++) largest = p[t] > largest ? p[t] : largest;
-        for (int64_t t = 0; t < length; t++) p[t] = exp_poly(p[t] - largest);
-        for (int64_t t = 0; t < length; t++) total += p[t];
-        for (int64_t t = 0; t < length; t++) p[t] /= total;
-        for (int64_t e = 0; e < kv; e++) out[h * kv + e] = 0.0f;
+        float *p = probs + h * ATTEND_PART, most = -INFINITY, total = 0.0f;
+        for (int64_t t = 0; t < n; t++) most = p[t] > most ? p[t] : most;
+        for (int64_t t = 0; t < n; t++) p[t] = softmax_weight(p[t] - most);
+        for (int64_t t = 0; t < n; t++) total += p[t];
+        largest[h] = most;
+        sums[h] = total;
+        for (int64_t e = 0; e < kv; e++) part[h * kv + e] = 0.0f;
     }
-    for (int64_t t = 0; t < length; t += ATTEND_BLOCK)
-        block_pass(1, query, cache, length, t, t + ATTEND_BLOCK < length ? t + ATTEND_BLOCK : length, first, last,
-                   width, kv, scale, probs, out);
+    for (int64_t t = 0; t < n; t += ATTEND_BLOCK)
+        block_pass(1, query, rows, ATTEND_PART, t, t + ATTEND_BLOCK < n ? t + ATTEND_BLOCK : n, first, last, width, kv,
+                   scale, probs, part);
+}
+
+/* The softmax of `count` parts (`attend_part`'s, heads x (kv + 2) floats each) merged for heads first..last
+ * - 1, in part order: with m the largest of the parts' largest scores and w_p = exp(m_p - m),
+ * out[h] = (sum_p w_p y_p) / (sum_p w_p sum_p) */
+INLINE void merge_parts(const float *parts, int64_t count, int64_t first, int64_t last, int64_t heads, int64_t kv,
+                        float *out) {
+    const int64_t size = heads * (kv + 2);
+    for (int64_t h = first; h < last; h++) {
+        float most = -INFINITY, total = 0.0f;
+        for (int64_t p = 0; p < count; p++) {
+            const float m = parts[p * size + heads * kv + h];
+            most = m > most ? m : most;
+        }
+        float *y = out + h * kv;
+        for (int64_t e = 0; e < kv; e++) y[e] = 0.0f;
+        for (int64_t p = 0; p < count; p++) {
+            const float *part = parts + p * size;
+            const float w = softmax_weight(part[heads * kv + h] - most);
+            total += w * part[heads * kv + heads + h];
+            for (int64_t e = 0; e < kv; e++) y[e] += w * part[h * kv + e];
+        }
+        for (int64_t e = 0; e < kv; e++) y[e] /= total;
+    }
+}
+
+/* One query [heads, width] over the first `length` rows of a latent cache [width each] on one thread:
+ * out[h] = softmax((q_h . cache^T) * scale) @ cache[:, :kv], part by part (`attend_part`, `merge_parts`).
+ * `scratch`: part_scratch(length, heads, kv) floats. */
+INLINE void attend_query(const float *query, const float *cache, int64_t length, int64_t heads, int64_t width,
+                         int64_t kv, float scale, float *scratch, float *out) {
+    float *parts = scratch + heads * ATTEND_PART;
+    const int64_t count = (length + ATTEND_PART - 1) / ATTEND_PART;
+    for (int64_t p = 0; p < count; p++) {
+        const int64_t t1 = (p + 1) * ATTEND_PART < length ? (p + 1) * ATTEND_PART : length;
+        attend_part(query, cache, p * ATTEND_PART, t1, 0, heads, heads, width, kv, scale, scratch,
+                    parts + p * heads * (kv + 2));
+    }
+    merge_parts(parts, count, 0, heads, heads, kv, out);
+}
+
+/* Floats of scratch `k3_mla_attend` (threads: its thread count) or `k3_mla_attend_rows` (length: offset +
+ * n) takes */
+int64_t k3_mla_scratch(int64_t length, int64_t heads, int64_t kv, int threads) {
+    return (threads < 1 ? 1 : threads) * part_scratch(length, heads, kv);
 }
 
 /* One query per head over a latent cache (MLA's absorbed decode attention,
- * k3stream.model.mla.MLA._attend_one): `attend_heads` for all `heads`, a run of heads a thread on up to
- * `threads` threads when the work is large (each head's sums the same on any).
- * `probs`: scratch of heads x length floats. */
+ * k3stream.model.mla.MLA._attend_one), `attend_query`'s bits: when the work is large, its parts (and,
+ * with fewer parts than threads, runs of heads) on up to `threads` threads, then their merge.
+ * `scratch`: k3_mla_scratch(length, heads, kv, threads) floats. */
 CLONES_WIDE void k3_mla_attend(const float *query, const float *cache, int64_t length, int64_t heads, int64_t width,
-                          int64_t kv, float scale, float *probs, float *out, int threads) {
+                          int64_t kv, float scale, float *scratch, float *out, int threads) {
     const double work = (double)heads * (double)length * (double)(width + kv);
-    const int teams = threads > 1 && work >= (1 << 20) ? (threads < heads ? threads : (int)heads) : 1;
-#pragma omp parallel for schedule(static, 1) num_threads(teams) if (teams > 1)
-    for (int team = 0; team < teams; team++)
-        attend_heads(query, cache, length, heads * team / teams, heads * (team + 1) / teams, width, kv, scale, probs,
-                     out);
+    const int teams = threads > 1 && work >= (1 << 20) ? threads : 1;
+    if (teams == 1) {
+        attend_query(query, cache, length, heads, width, kv, scale, scratch, out);
+        return;
+    }
+    const int64_t count = (length + ATTEND_PART - 1) / ATTEND_PART;
+    const int64_t runs = count >= teams ? 1 : (teams < heads ? teams : heads);
+    float *parts = scratch + (int64_t)teams * heads * ATTEND_PART;
+#pragma omp parallel for schedule(static) num_threads(teams)
+    for (int64_t task = 0; task < count * runs; task++) {
+        const int64_t p = task / runs, run = task % runs;
+        const int64_t t1 = (p + 1) * ATTEND_PART < length ? (p + 1) * ATTEND_PART : length;
+        attend_part(query, cache, p * ATTEND_PART, t1, heads * run / runs, heads * (run + 1) / runs, heads, width,
+                    kv, scale, scratch + (int64_t)omp_get_thread_num() * heads * ATTEND_PART,
+                    parts + p * heads * (kv + 2));
+    }
+    merge_parts(parts, count, 0, heads, heads, kv, out);
 }
 
 /* A prefill's queries [n, heads, width] at positions offset..offset + n - 1, each over the cache rows up
  * to its own (offset + i + 1 rows): out [n, heads, kv], each query's heads as k3_mla_attend computes
- * them for a decode step at that position, bit for bit (the same `attend_heads`), whatever queries come
- * with it. Queries on up to `threads` threads; `probs`: scratch of threads x heads x (offset + n) floats. */
+ * them for a decode step at that position, bit for bit (`attend_query`), whatever queries come with it.
+ * Queries on up to `threads` threads; `scratch`: k3_mla_scratch(offset + n, heads, kv, threads) floats. */
 CLONES_WIDE void k3_mla_attend_rows(const float *queries, const float *cache, int64_t offset, int64_t n, int64_t heads,
-                               int64_t width, int64_t kv, float scale, float *probs, float *out, int threads) {
+                               int64_t width, int64_t kv, float scale, float *scratch, float *out, int threads) {
     const double work = (double)n * (double)heads * (double)(offset + n) * (double)(width + kv);
     const int teams = threads > 1 && work >= (1 << 20) ? threads : 1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(teams) if (teams > 1)
     for (int64_t i = n - 1; i >= 0; i--) { /* the longest first: dynamic scheduling evens the rest */
-        float *scratch = probs + (int64_t)omp_get_thread_num() * heads * (offset + n);
-        attend_heads(queries + i * heads * width, cache, offset + i + 1, 0, heads, width, kv, scale, scratch,
+        float *own = scratch + (int64_t)omp_get_thread_num() * part_scratch(offset + n, heads, kv);
+        attend_query(queries + i * heads * width, cache, offset + i + 1, heads, width, kv, scale, own,
                      out + i * heads * kv);
     }
 }
