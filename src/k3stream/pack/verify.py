@@ -462,8 +462,12 @@ def check_structure(
     check_model(manifest, expected)
     path = pack_path_of(manifest, manifest_path, pack_path)
     pack = field(manifest, "expert_pack")
-    if int(field(pack, "size")) != path.stat().st_size:
-        raise ValueError("Kimi expert-pack size does not match its manifest")
+    recorded, size = int(field(pack, "size")), path.stat().st_size
+    if recorded != size:
+        raise ValueError(
+            f"Kimi expert-pack size does not match its manifest: {path} is {size} bytes, "
+            f"the manifest records {recorded}"
+        )
     layout = check_roles(manifest, expected)
     check_header_fields(pack, layout)
     index = check_index(path, layout, int(pack["data_start"]))
