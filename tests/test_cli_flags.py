@@ -64,6 +64,36 @@ def test_sizes_and_times_must_be_finite_numbers(command, flag, value, capsys):
     assert error == f"k3stream {command}: error: argument {flag}: {value!r} is not a finite number"
 
 
+@pytest.mark.parametrize(
+    ("command", "flag", "value", "why"),
+    [
+        ("generate", "--ram-mib", "-1", "is below 0"),
+        ("serve", "--gpu-mib", "-2", "is below 0"),
+        ("demo", "--ram-mib", "-0.5", "is below 0"),
+        ("chat", "--io-threads", "0", "is not a count of 1 or more"),
+        ("perplexity", "--io-threads", "-3", "is not a count of 1 or more"),
+    ],
+)
+def test_budgets_and_counts_below_their_range_name_the_flag(command, flag, value, why, capsys):
+    """A negative budget or no read thread is the flag's error (it was an error naming the Python API's
+    field, `LoadOptions.expert_ram_mib` or `io_threads and read_splits`, after the model loaded)."""
+    from k3stream.cli import main
+
+    with pytest.raises(SystemExit) as exit_status:
+        main([command, *(["model.gguf"] if command != "demo" else []), f"{flag}={value}"])
+    assert exit_status.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == f"k3stream {command}: error: argument {flag}: {value!r} {why}"
+
+
+def test_a_device_torch_does_not_name_is_the_flags_error(model_path, capsys):
+    from k3stream.cli import main
+
+    assert main(["generate", str(model_path), "--prompt", "hi", "--device", "tpu"]) == 1
+    error = capsys.readouterr().err
+    assert error == "k3stream generate: error: --device tpu: must be cpu, cuda, cuda:N or auto\n"
+
+
 @pytest.mark.parametrize("command", ["serve", "chat", "generate"])
 @pytest.mark.parametrize(
     ("flags", "named"),

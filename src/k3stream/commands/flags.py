@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,22 @@ def finite(text: str) -> float:
     return value
 
 
+def non_negative(text: str) -> float:
+    """argparse type of budgets: a finite number, 0 or more."""
+    value = finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is below 0")
+    return value
+
+
+def count(text: str) -> int:
+    """argparse type of thread counts: an integer, 1 or more."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count of 1 or more")
+    return value
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
@@ -36,7 +53,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ram-mib",
-        type=finite,
+        type=non_negative,
         default=None,
         help="RAM budget of the expert store (MiB); without a pack, the GGUF's routed experts stay in RAM "
         "when all of them fit it; default: what --memory-limit leaves for experts",
@@ -50,7 +67,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--gpu-mib",
-        type=finite,
+        type=non_negative,
         default=None,
         help="GPU budget of the expert store (MiB); on CUDA, where experts compute, at least one top-k "
         "working set (default: up to 18 GiB of the free device memory, leaving 3 GiB)",
@@ -135,7 +152,7 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
         "those have been right, otherwise (default)",
     )
     parser.add_argument(
-        "--io-threads", type=int, default=None, help=f"pack read threads (default {defaults.io_threads})"
+        "--io-threads", type=count, default=None, help=f"pack read threads (default {defaults.io_threads})"
     )
     parser.add_argument(
         "--direct-io",
@@ -255,6 +272,8 @@ def runtime_from_args(
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise ValueError(f"--device {device}: must be cpu, cuda, cuda:N or auto")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device.startswith("cuda") and not torch.cuda.is_available():
