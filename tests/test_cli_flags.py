@@ -115,3 +115,20 @@ def test_cache_flags_that_would_do_nothing_are_a_one_line_error(
     error = capsys.readouterr().err.strip()
     assert error.startswith(f"k3stream {command}: error: {named}") and "\n" not in error
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["serve", "chat", "generate"])
+def test_a_cache_dir_that_cannot_be_a_folder_is_the_flags_error(model_path, tmp_path, capsys, command):
+    """--cache-dir naming a file (or a path under one) is refused before the model loads, naming the
+    flag (it failed after the load, naming a snapshot folder inside it: `Not a directory: FILE/a858...`)."""
+    from k3stream.cli import main
+
+    taken = tmp_path / "file"
+    taken.write_text("x")
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    for folder in (taken, taken / "below"):
+        assert main([command, str(model_path), *prompt, "--cache-ram", "8", "--cache-dir", str(folder)]) == 1
+        error = capsys.readouterr().err
+        assert error.startswith(f"k3stream {command}: error: --cache-dir {folder}: ")
+        assert error.count("\n") == 1
+    assert list(tmp_path.iterdir()) == [taken]

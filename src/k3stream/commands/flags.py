@@ -395,7 +395,8 @@ def add_cache_arguments(parser: argparse.ArgumentParser, ram_mib: float = 1024.0
 def check_cache_flags(args: argparse.Namespace) -> None:
     """A one-line ValueError for cache flags that could not take effect (checked before the model
     loads): a disk budget without a directory, a directory with reuse off (`--cache-ram 0`: the RAM
-    tier is where a snapshot is made and restored, so there is no disk-only cache)."""
+    tier is where a snapshot is made and restored, so there is no disk-only cache), a directory that
+    cannot be made (it is made here)."""
     if args.cache_ram < 0 or (args.cache_disk or 0) < 0 or args.cache_every < 1:
         raise ValueError("--cache-ram and --cache-disk must be >= 0, --cache-every >= 1")
     if args.cache_disk is not None and args.cache_dir is None:
@@ -404,6 +405,11 @@ def check_cache_flags(args: argparse.Namespace) -> None:
         raise ValueError(
             "--cache-dir needs --cache-ram above 0 (--cache-ram 0 turns prompt reuse off, on disk too)"
         )
+    if args.cache_dir is not None:
+        try:
+            Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"--cache-dir {args.cache_dir}: {exc.strerror or exc}") from None
 
 
 # commands whose answers must not depend on their cache flags: row-exact products with --cache-ram 0 too
