@@ -38,6 +38,9 @@ SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?"
 STRING, ARRAY = 8, 9
 
 
+MAX_FILE = 1 << 50  # a file claiming more (1 PiB) is crafted, not cut short
+
+
 class GGUFHeaderError(ValueError):
     """A GGUF header whose counts, lengths or offsets its file cannot hold."""
 
@@ -52,6 +55,13 @@ class _Cursor:
     def fail(self, what: str) -> GGUFHeaderError:
         size = len(self.data)
         return GGUFHeaderError(f"{self.path}: not a valid GGUF header: {what} (file is {size} bytes)")
+
+    def cut_short(self, name: str, end: int) -> GGUFHeaderError:
+        """A whole header whose data stops inside tensor `name` (ending at byte `end`): a partial file."""
+        return GGUFHeaderError(
+            f"{self.path}: cut short: tensor {name} ends at byte {end}, the file has {len(self.data)} bytes "
+            "(an incomplete download or copy)"
+        )
 
     def take(self, fmt: str, what: str) -> int | float:
         size = struct.calcsize(fmt)
@@ -172,6 +182,9 @@ def _check_tensor_data(cursor: _Cursor, infos: list, data_start: int, alignment:
         if first_dim % block:
             raise cursor.fail(f"tensor {name}: first dimension {first_dim} is not a multiple of {block}")
         nbytes = elements // block * block_bytes
+        end = data_start + offset + nbytes
+        if offset == expected and offset % alignment == 0 and room - offset < nbytes and end <= MAX_FILE:
+            raise cursor.cut_short(name, end)
         if offset % alignment or offset > room or nbytes > room - offset:
             raise cursor.fail(
                 f"tensor {name} data ({nbytes} bytes at offset {offset}) lies outside the file's "
