@@ -86,6 +86,22 @@ def test_cli_inspect_of_a_crafted_gguf_prints_one_line(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "array length of tokenizer.ggml.token_type" in err
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify", "pack", "generate"])
+def test_the_pack_file_given_as_the_model_points_at_its_manifest(tiny_model, tmp_path, command, capsys):
+    """The `.pack` beside the GGUF is not a model path: the line says what the file is and names the
+    manifest to give instead (it said "not a valid GGUF header: the magic is not GGUF")."""
+    from k3stream.cli import main
+    from pack_helpers import copy_model
+
+    gguf = copy_model(tiny_model(), tmp_path)
+    manifest = build_pack(gguf, options=BuildOptions(progress=False, margin_bytes=0)).manifest
+    pack = manifest.with_name(manifest.name.removesuffix(".manifest.json"))
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    assert main([command, str(pack), *prompt]) == 1
+    wanted = f"{pack}: an expert pack, not a GGUF; give its manifest {manifest} or the GGUF"
+    assert capsys.readouterr().err == f"k3stream {command}: error: {wanted}\n"
+
+
 @pytest.mark.parametrize("kept", [0.5, 0.99])
 def test_a_gguf_cut_short_says_so_naming_the_first_tensor_it_lacks(tiny_model, tmp_path, kept, capsys):
     """A partial download: whole header, data cut off. The line says the file is cut short, where the

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 GGUF_MAGIC = b"GGUF"
+PACK_MAGIC = b"GGMLMOEPACKv1\0\0\0"  # k3stream's expert pack (pack.format), often given in the GGUF's place
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
@@ -208,6 +209,10 @@ def check_header(path: str | os.PathLike[str]) -> None:
         if size < 24:
             raise GGUFHeaderError(f"{path}: not a valid GGUF header: the file is only {size} bytes")
         with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as data:
+            if bytes(data[: len(PACK_MAGIC)]) == PACK_MAGIC:
+                raise GGUFHeaderError(
+                    f"{path}: an expert pack, not a GGUF; give its manifest {path}.manifest.json or the GGUF"
+                )
             _walk(_Cursor(data, path))
 
 
