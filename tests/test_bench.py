@@ -94,6 +94,17 @@ def test_bench_text_report_with_llama_cpp(model):
     assert all(float(value) > 0 for value in speeds.groups())
 
 
+@requires_llama
+def test_bench_llama_takes_the_model_as_every_command_does(tmp_path):
+    """llama.cpp gets the first shard whatever the model names: the folder, a later shard."""
+    gguf_path, _manifest = packed_tiny(tmp_path, **SPEC, shards=2)
+    later = next(path for path in tmp_path.glob("*.gguf") if path != gguf_path)
+    for model in (tmp_path, later):
+        status, out, err = run_cli("bench", str(model), "--no-stream-experts", "--llama", *TOKENS)
+        assert status == 0, err
+        assert any(line.startswith("llama.cpp (mmap, 1 threads)") for line in out.splitlines())
+
+
 def test_bench_llama_without_llama_cpp_keeps_its_own_figures(model, monkeypatch):
     gguf_path, _manifest = model
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not installed, as on a fresh machine

@@ -64,6 +64,36 @@ def test_sizes_and_times_must_be_finite_numbers(command, flag, value, capsys):
     assert error == f"k3stream {command}: error: argument {flag}: {value!r} is not a finite number"
 
 
+@pytest.mark.parametrize(
+    ("command", "flag", "value", "why"),
+    [
+        ("generate", "--ram-mib", "-1", "is below 0"),
+        ("serve", "--gpu-mib", "-2", "is below 0"),
+        ("demo", "--ram-mib", "-0.5", "is below 0"),
+        ("chat", "--io-threads", "0", "is not a count of 1 or more"),
+        ("perplexity", "--io-threads", "-3", "is not a count of 1 or more"),
+    ],
+)
+def test_budgets_and_counts_below_their_range_name_the_flag(command, flag, value, why, capsys):
+    """A negative budget or no read thread is the flag's error (it was an error naming the Python API's
+    field, `LoadOptions.expert_ram_mib` or `io_threads and read_splits`, after the model loaded)."""
+    from k3stream.cli import main
+
+    with pytest.raises(SystemExit) as exit_status:
+        main([command, *(["model.gguf"] if command != "demo" else []), f"{flag}={value}"])
+    assert exit_status.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == f"k3stream {command}: error: argument {flag}: {value!r} {why}"
+
+
+def test_a_device_torch_does_not_name_is_the_flags_error(model_path, capsys):
+    from k3stream.cli import main
+
+    assert main(["generate", str(model_path), "--prompt", "hi", "--device", "tpu"]) == 1
+    error = capsys.readouterr().err
+    assert error == "k3stream generate: error: --device tpu: must be cpu, cuda, cuda:N or auto\n"
+
+
 @pytest.mark.parametrize("command", ["serve", "chat", "generate"])
 @pytest.mark.parametrize(
     ("flags", "named"),
@@ -85,3 +115,20 @@ def test_cache_flags_that_would_do_nothing_are_a_one_line_error(
     error = capsys.readouterr().err.strip()
     assert error.startswith(f"k3stream {command}: error: {named}") and "\n" not in error
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["serve", "chat", "generate"])
+def test_a_cache_dir_that_cannot_be_a_folder_is_the_flags_error(model_path, tmp_path, capsys, command):
+    """--cache-dir naming a file (or a path under one) is refused before the model loads, naming the
+    flag (it failed after the load, naming a snapshot folder inside it: `Not a directory: FILE/a858...`)."""
+    from k3stream.cli import main
+
+    taken = tmp_path / "file"
+    taken.write_text("x")
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    for folder in (taken, taken / "below"):
+        assert main([command, str(model_path), *prompt, "--cache-ram", "8", "--cache-dir", str(folder)]) == 1
+        error = capsys.readouterr().err
+        assert error.startswith(f"k3stream {command}: error: --cache-dir {folder}: ")
+        assert error.count("\n") == 1
+    assert list(tmp_path.iterdir()) == [taken]

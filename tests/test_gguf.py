@@ -515,6 +515,21 @@ def test_cli_dequantize_refuses_to_overwrite(tiny_model, tmp_path):
     assert K3Checkpoint.open(out).tensors.keys() == K3Checkpoint.open(tiny_model()).tensors.keys()
 
 
+def test_cli_dequantize_into_a_new_folder_or_onto_a_folder(tiny_model, tmp_path, capsys):
+    """OUT in a folder that does not exist yet is written there (as `pack --out`); OUT naming a folder
+    is refused in one line before any work, with or without --force."""
+    out = tmp_path / "new" / "f32.gguf"
+    assert cli.main(["dequantize", str(tiny_model()), str(out)]) == 0
+    assert K3Checkpoint.open(out).tensors.keys() == K3Checkpoint.open(tiny_model()).tensors.keys()
+    capsys.readouterr()
+    for force in ((), ("--force",)):
+        assert cli.main(["dequantize", str(tiny_model()), str(tmp_path / "new"), *force]) == 1
+        wanted = f"k3stream dequantize: error: {tmp_path / 'new'}: is a folder; OUT names the file to write\n"
+        assert capsys.readouterr().err == wanted
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["new"]
+    assert [path.name for path in (tmp_path / "new").iterdir()] == ["f32.gguf"]
+
+
 def test_cli_dequantize_never_replaces_its_source_even_with_force(tiny_model, tmp_path, capsys):
     from pack_helpers import copy_model, snapshot
 

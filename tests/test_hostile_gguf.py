@@ -86,6 +86,48 @@ def test_cli_inspect_of_a_crafted_gguf_prints_one_line(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "array length of tokenizer.ggml.token_type" in err
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify", "pack", "generate"])
+def test_the_pack_file_given_as_the_model_points_at_its_manifest(tiny_model, tmp_path, command, capsys):
+    """The `.pack` beside the GGUF is not a model path: the line says what the file is and names the
+    manifest to give instead (it said "not a valid GGUF header: the magic is not GGUF")."""
+    from k3stream.cli import main
+    from pack_helpers import copy_model
+
+    gguf = copy_model(tiny_model(), tmp_path)
+    manifest = build_pack(gguf, options=BuildOptions(progress=False, margin_bytes=0)).manifest
+    pack = manifest.with_name(manifest.name.removesuffix(".manifest.json"))
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    assert main([command, str(pack), *prompt]) == 1
+    wanted = f"{pack}: an expert pack, not a GGUF; give its manifest {manifest} or the GGUF"
+    assert capsys.readouterr().err == f"k3stream {command}: error: {wanted}\n"
+
+
+@pytest.mark.parametrize("kept", [0.5, 0.99])
+def test_a_gguf_cut_short_says_so_naming_the_first_tensor_it_lacks(tiny_model, tmp_path, kept, capsys):
+    """A partial download: whole header, data cut off. The line says the file is cut short, where the
+    first tensor it lacks ends and how many bytes the file has (it said "not a valid GGUF header")."""
+    import shutil
+
+    from gguf import GGUFReader
+
+    from k3stream.cli import main
+
+    source = tiny_model(recipe="iq4_xs", hidden=256, expert_ff=256, latent=256, dense_ff=256)
+    path = tmp_path / "partial.gguf"
+    shutil.copy(source, path)
+    size = int(path.stat().st_size * kept)
+    with path.open("r+b") as stream:
+        stream.truncate(size)
+    lacking = next(t for t in GGUFReader(source).tensors if t.data_offset + t.n_bytes > size)
+    end = lacking.data_offset + lacking.n_bytes
+    assert main(["inspect", str(path)]) == 1
+    wanted = (
+        f"k3stream inspect: error: {path}: cut short: tensor {lacking.name} ends at byte {end}, the file "
+        f"has {size} bytes (an incomplete download or copy)\n"
+    )
+    assert capsys.readouterr().err == wanted
+
+
 @pytest.mark.parametrize("spec", [{}, {"shards": 3}, {"recipe": "f16"}])
 def test_real_tiny_ggufs_pass_the_header_check(tiny_model, spec):
     first = tiny_model(**spec)

@@ -275,6 +275,23 @@ def test_cli_prints_one_line_and_fails(work, capsys):
     assert report["ok"] is False and report["error"] == "Kimi expert-pack identity mismatch at index 3"
 
 
+def test_a_pack_cut_short_names_its_file_and_both_sizes(work, capsys):
+    """A pack copied in part (an interrupted rsync, a full disk): the one line says which file and by how
+    much, after sglang's words."""
+    size = (work / PACK).stat().st_size
+    with (work / PACK).open("r+b") as stream:
+        stream.truncate(size // 2)
+    wanted = (
+        f"Kimi expert-pack size does not match its manifest: {work / PACK} is {size // 2} bytes, "
+        f"the manifest records {size}"
+    )
+    assert cli(["verify", str(work / MANIFEST)]) == 1
+    assert capsys.readouterr().err == f"k3stream verify: error: {wanted}\n"
+    with pytest.raises(ValueError) as caught:
+        ExpertPack(work / MANIFEST)
+    assert str(caught.value) == wanted
+
+
 def test_manifest_naming_another_pack(work, tmp_path):
     (work / PACK).rename(work / "moved.pack")
     check_fails(work, "Kimi expert-pack or manifest is missing")

@@ -109,6 +109,23 @@ def test_recorded_types_that_disagree_with_the_gguf_are_refused(dynamic_pack, tm
         verify_pack(tampered)
 
 
+@pytest.mark.parametrize("recorded", [-5, 4096])
+def test_a_layer_object_size_that_disagrees_with_its_roles_is_refused(dynamic_pack, tmp_path, recorded):
+    """A layer's `object_bytes` is what its roles add up to (aligned); another value was accepted (verify
+    said OK)."""
+    _, manifest_path = dynamic_pack
+    manifest = json.loads(manifest_path.read_text())
+    record = next(r for r in manifest["expert_pack"]["layers"] if r["layer"] == 2)
+    actual, record["object_bytes"] = record["object_bytes"], recorded
+    tampered = tmp_path / "tampered.manifest.json"
+    tampered.write_text(json.dumps(manifest))
+    message = f"Kimi expert-pack layer 2 is recorded as {recorded} bytes per object, its roles make {actual}"
+    for check in (ExpertPack, verify_pack):
+        with pytest.raises(ValueError) as caught:
+            check(tampered)
+        assert str(caught.value) == message
+
+
 def test_one_recipe_for_every_layer_records_no_layers(tiny_model, tmp_path):
     gguf = copy_model(
         tiny_model(recipe="iq2_xxs", latent=256, expert_ff=256, kv_lora=256, qk_nope=32), tmp_path

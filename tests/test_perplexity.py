@@ -213,6 +213,19 @@ def test_the_base_is_never_written_over_the_model_or_the_text(model_path, capsys
     assert (model.read_bytes(), text.read_bytes()) == before
 
 
+@pytest.mark.parametrize("batch", [0, -1])
+def test_a_batch_below_one_is_refused_before_the_model_loads(model_path, capsys, monkeypatch, batch):
+    """--batch 0 ran as the whole chunk while -1 was refused (after the model had loaded)."""
+    from k3stream.commands import flags
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(flags, "load_resolved", no_load)
+    code, out, err = _run(capsys, model_path, "--file", TEXT, "--ctx", CTX, "--batch", batch)
+    assert (code, out, err) == (1, "", f"k3stream perplexity: error: --batch {batch}: must be at least 1\n")
+
+
 def test_mismatched_base_is_one_line_error(model_path, capsys, tmp_path):
     base = tmp_path / "base.npz"
     assert (

@@ -158,6 +158,36 @@ def test_a_model_larger_than_the_free_space_is_refused_before_writing(tmp_path, 
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--vocab", str(1 << 32)], "kimi-k3.vocab_size: 4294967296 does not fit the GGUF's uint32"),
+        (["--vocab", str(10**8), "--hidden", "4096"], "not enough free space in"),
+    ],
+    ids=["past-uint32", "past-the-disk"],
+)
+def test_a_huge_vocab_is_refused_at_once(tmp_path, flags, message):
+    """The sizes are checked before the vocabulary is padded (it built every `[PADi]` token first: a
+    huge --vocab ran for minutes, out of memory, before any check)."""
+    import resource
+    import subprocess
+    import sys
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "k3stream", "make-tiny", str(tmp_path / "out"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limited,
+    )
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr[-2000:]
+    assert done.stderr.startswith("k3stream make-tiny: error: ") and message in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_make_tiny(tmp_path, capsys):
     out = tmp_path / "cli"
     assert cli.main(["make-tiny", str(out), "--layers", "4", "--mla-layers", "1,3", "--q-lora", "none"]) == 0

@@ -17,7 +17,7 @@ from k3stream.commands.flags import (
     size_context,
 )
 from k3stream.commands.report import format_mib
-from k3stream.engine.loading import open_model, resolve_model
+from k3stream.engine.loading import open_model
 
 MIB = 1 << 20
 LLAMA_MISSING = (
@@ -71,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
     from k3stream.engine import bench
 
     _check_counts(args)
-    gguf, _manifest = resolve_model(args.model, stream_experts=False)
     opened = open_model(args.model, not args.no_stream_experts)
+    shards = opened[0].shards  # llama.cpp opens a split set by its first shard
     size_context(args, opened[0].config, args.prompt_tokens + args.decode_tokens)
     runtime = runtime_from_args(args, opened)
     try:
@@ -100,9 +100,10 @@ def run(args: argparse.Namespace) -> int:
         results["llama_cpp_missing"] = LLAMA_MISSING
     elif args.llama:
         if args.drop_cache:
-            bench.drop_page_cache(gguf)
+            for shard in shards:
+                bench.drop_page_cache(shard)
         decoded = results["k3stream"]["decoded_ids"]
-        results["llama_cpp"] = bench.run_llama(gguf, prompt, decoded, results["threads"])
+        results["llama_cpp"] = bench.run_llama(shards[0], prompt, decoded, results["threads"])
     results["k3stream"].pop("decoded_ids")
     print(json.dumps(results, indent=2) if args.json else "\n".join(report_lines(results)))
     return 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from k3stream.commands.flags import add_sampling_arguments, add_store_arguments, finite
+from k3stream.commands.flags import add_sampling_arguments, add_store_arguments, non_negative
 from k3stream.commands.report import format_mib
 
 MIB = 1 << 20
@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ram-mib",
-        type=finite,
+        type=non_negative,
         default=None,
         help=f"expert RAM budget (default {BUDGET_FRACTION:.0%}% of the pack)",
     )

@@ -85,7 +85,7 @@ def dequantize_gguf(source: str | Path, output: str | Path, floats_to_f32: bool 
     from k3stream.gguf.writer import check_free_space
 
     checkpoint = K3Checkpoint.open(source)
-    output = Path(output)
+    output = _file_output(Path(output))
     refuse_source_output(output, checkpoint.shards, "the output")
     temp = output.with_name(output.name + ".tmp")
     kept = (ALL_F32,) if floats_to_f32 else FLOAT_TYPE_IDS
@@ -95,6 +95,7 @@ def dequantize_gguf(source: str | Path, output: str | Path, floats_to_f32: bool 
         for info, out_type in zip(checkpoint.tensors.values(), out_types, strict=True)
     ]
     check_free_space(output.parent, sum(sizes))
+    output.parent.mkdir(parents=True, exist_ok=True)
     writer = GGUFWriter(temp, ARCH)
     try:
         _copy_metadata(writer, checkpoint, out_types)
@@ -120,8 +121,15 @@ def dequantize_gguf(source: str | Path, output: str | Path, floats_to_f32: bool 
     return output
 
 
+def _file_output(output: Path) -> Path:
+    """OUT names the file to write; a folder there is refused before any work."""
+    if output.is_dir():
+        raise IsADirectoryError(f"{output}: is a folder; OUT names the file to write")
+    return output
+
+
 def run(args: argparse.Namespace) -> int:
-    output = Path(args.output)
+    output = _file_output(Path(args.output))
     if output.exists() and not args.force:
         raise FileExistsError(f"{output}: already exists (use --force to overwrite)")
     dequantize_gguf(args.input, output, floats_to_f32=args.all_f32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +33,22 @@ def finite(text: str) -> float:
     return value
 
 
+def non_negative(text: str) -> float:
+    """argparse type of budgets: a finite number, 0 or more."""
+    value = finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is below 0")
+    return value
+
+
+def count(text: str) -> int:
+    """argparse type of thread counts: an integer, 1 or more."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count of 1 or more")
+    return value
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
@@ -39,7 +56,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ram-mib",
-        type=finite,
+        type=non_negative,
         default=None,
         help="RAM budget of the expert store (MiB); without a pack, the GGUF's routed experts stay in RAM "
         "when all of them fit it; default: what --memory-limit leaves for experts",
@@ -53,7 +70,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--gpu-mib",
-        type=finite,
+        type=non_negative,
         default=None,
         help="GPU budget of the expert store (MiB); on CUDA, where experts compute, at least one top-k "
         "working set (default: up to 18 GiB of the free device memory, leaving 3 GiB)",
@@ -138,7 +155,7 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
         "those have been right, otherwise (default)",
     )
     parser.add_argument(
-        "--io-threads", type=int, default=None, help=f"pack read threads (default {defaults.io_threads})"
+        "--io-threads", type=count, default=None, help=f"pack read threads (default {defaults.io_threads})"
     )
     parser.add_argument(
         "--direct-io",
@@ -293,6 +310,8 @@ def runtime_from_args(
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise ValueError(f"--device {device}: must be cpu, cuda, cuda:N or auto")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device.startswith("cuda") and not torch.cuda.is_available():
@@ -414,7 +433,8 @@ def add_cache_arguments(parser: argparse.ArgumentParser, ram_mib: float = 1024.0
 def check_cache_flags(args: argparse.Namespace) -> None:
     """A one-line ValueError for cache flags that could not take effect (checked before the model
     loads): a disk budget without a directory, a directory with reuse off (`--cache-ram 0`: the RAM
-    tier is where a snapshot is made and restored, so there is no disk-only cache)."""
+    tier is where a snapshot is made and restored, so there is no disk-only cache), a directory that
+    cannot be made (it is made here)."""
     if args.cache_ram < 0 or (args.cache_disk or 0) < 0 or args.cache_every < 1:
         raise ValueError("--cache-ram and --cache-disk must be >= 0, --cache-every >= 1")
     if args.cache_disk is not None and args.cache_dir is None:
@@ -423,6 +443,11 @@ def check_cache_flags(args: argparse.Namespace) -> None:
         raise ValueError(
             "--cache-dir needs --cache-ram above 0 (--cache-ram 0 turns prompt reuse off, on disk too)"
         )
+    if args.cache_dir is not None:
+        try:
+            Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"--cache-dir {args.cache_dir}: {exc.strerror or exc}") from None
 
 
 # commands whose answers must not depend on their cache flags: row-exact products with --cache-ram 0 too

@@ -67,6 +67,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError("--file TEXT is required (with --kl-divergence the base file's tokens are used)")
     if args.file and not Path(args.file).is_file():
         raise FileNotFoundError(f"--file: no such file: {args.file}")
+    if args.batch is not None and args.batch < 1:
+        raise ValueError(f"--batch {args.batch}: must be at least 1")
     if args.chunks is not None and args.chunks < 0:  # llama-perplexity's default, -1: every chunk
         args.chunks = None
 
@@ -93,7 +95,7 @@ class _Chunks:
     """Runs the plan's chunks through the model, with llama-perplexity's timing line after the first."""
 
     def __init__(self, runtime: Runtime, plan: Any, batch: int | None) -> None:
-        self.runtime, self.plan, self.batch = runtime, plan, batch or plan.ctx
+        self.runtime, self.plan, self.batch = runtime, plan, plan.ctx if batch is None else batch
 
     def __iter__(self):
         from k3stream.engine.perplexity import chunk_logits

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 GGUF_MAGIC = b"GGUF"
+PACK_MAGIC = b"GGMLMOEPACKv1\0\0\0"  # k3stream's expert pack (pack.format), often given in the GGUF's place
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
@@ -38,6 +39,9 @@ SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?"
 STRING, ARRAY = 8, 9
 
 
+MAX_FILE = 1 << 50  # a file claiming more (1 PiB) is crafted, not cut short
+
+
 class GGUFHeaderError(ValueError):
     """A GGUF header whose counts, lengths or offsets its file cannot hold."""
 
@@ -52,6 +56,13 @@ class _Cursor:
     def fail(self, what: str) -> GGUFHeaderError:
         size = len(self.data)
         return GGUFHeaderError(f"{self.path}: not a valid GGUF header: {what} (file is {size} bytes)")
+
+    def cut_short(self, name: str, end: int) -> GGUFHeaderError:
+        """A whole header whose data stops inside tensor `name` (ending at byte `end`): a partial file."""
+        return GGUFHeaderError(
+            f"{self.path}: cut short: tensor {name} ends at byte {end}, the file has {len(self.data)} bytes "
+            "(an incomplete download or copy)"
+        )
 
     def take(self, fmt: str, what: str) -> int | float:
         size = struct.calcsize(fmt)
@@ -172,6 +183,9 @@ def _check_tensor_data(cursor: _Cursor, infos: list, data_start: int, alignment:
         if first_dim % block:
             raise cursor.fail(f"tensor {name}: first dimension {first_dim} is not a multiple of {block}")
         nbytes = elements // block * block_bytes
+        end = data_start + offset + nbytes
+        if offset == expected and offset % alignment == 0 and room - offset < nbytes and end <= MAX_FILE:
+            raise cursor.cut_short(name, end)
         if offset % alignment or offset > room or nbytes > room - offset:
             raise cursor.fail(
                 f"tensor {name} data ({nbytes} bytes at offset {offset}) lies outside the file's "
@@ -195,6 +209,10 @@ def check_header(path: str | os.PathLike[str]) -> None:
         if size < 24:
             raise GGUFHeaderError(f"{path}: not a valid GGUF header: the file is only {size} bytes")
         with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as data:
+            if bytes(data[: len(PACK_MAGIC)]) == PACK_MAGIC:
+                raise GGUFHeaderError(
+                    f"{path}: an expert pack, not a GGUF; give its manifest {path}.manifest.json or the GGUF"
+                )
             _walk(_Cursor(data, path))
 
 

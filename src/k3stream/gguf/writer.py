@@ -455,6 +455,14 @@ def check_free_space(out: Path, needed: int) -> None:
         raise OSError(errno.ENOSPC, message)
 
 
+def checked_plan(out_dir: str | os.PathLike[str], spec: TinySpec, vocab_size: int) -> list[_Tensor]:
+    """The tensors `spec` makes with `vocab_size` tokens, after the spec's checks and the free space of
+    `out_dir` (one-line errors, before anything is built or written)."""
+    plan = check_spec(spec, vocab_size)
+    check_free_space(Path(out_dir), sum(_tensor_nbytes(tensor, spec) for tensor in plan))
+    return plan
+
+
 def write_model(
     out_dir: str | os.PathLike[str],
     spec: TinySpec,
@@ -467,9 +475,8 @@ def write_model(
     `weights`: float32 values of every tensor by GGUF name, in its numpy shape (a trained model);
     without them, `initial_values`. `slabs_of` may give a tensor's bytes instead (random test blocks)."""
     values_of = initial_values if weights is None else _given(weights)
-    plan = check_spec(spec, len(vocab.tokens))
+    plan = checked_plan(out_dir, spec, len(vocab.tokens))
     out = Path(out_dir)
-    check_free_space(out, sum(_tensor_nbytes(tensor, spec) for tensor in plan))
     out.mkdir(parents=True, exist_ok=True)
     paths = shard_paths(out, spec.shards)
     groups = np.array_split(np.arange(len(plan)), spec.shards)

@@ -13,9 +13,9 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from k3stream.gguf.header import PACK_MAGIC as MAGIC
 from k3stream.gguf.layout import routed_expert_name
 
-MAGIC = b"GGMLMOEPACKv1\0\0\0"
 VERSION = 1
 HEADER = struct.Struct("<16sIIQQ")  # magic, version, header_size, index_count, data_start
 ENTRY = struct.Struct("<128siIQQ")  # tensor name, expert, reserved, absolute offset, nbytes

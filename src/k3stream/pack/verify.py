@@ -275,6 +275,8 @@ def check_roles(manifest: dict[str, Any], expected: ModelExpectation) -> fmt.Pac
     layout = fmt.PackLayout.of_layers(
         expected.moe_layers, expected.num_experts, layer_sizes or (role_bytes,) * len(expected.moe_layers)
     )
+    if layer_sizes is not None:
+        _check_layer_objects(pack["layers"], layout)
     # the audited runtime (sglang's store) reads an object as up+gate+down with no padding between
     padding_allowed = expected.role_types is None
     if int(field(pack, "object_bytes")) != layout.object_bytes or (
@@ -282,6 +284,17 @@ def check_roles(manifest: dict[str, Any], expected: ModelExpectation) -> fmt.Pac
     ):
         raise ValueError("Kimi expert-pack role sizes do not match object bytes")
     return layout
+
+
+def _check_layer_objects(layers: list[dict[str, Any]], layout: fmt.PackLayout) -> None:
+    """Each layer record's `object_bytes` is what its roles make (aligned), as the layout holds."""
+    for position, record in enumerate(layers):
+        actual = layout.object_bytes_at(position)
+        if record.get("object_bytes") != actual:
+            raise ValueError(
+                f"Kimi expert-pack layer {record['layer']} is recorded as {record.get('object_bytes')} bytes "
+                f"per object, its roles make {actual}"
+            )
 
 
 def check_header_fields(pack: dict[str, Any], layout: fmt.PackLayout) -> None:
@@ -464,8 +477,12 @@ def check_structure(
     check_model(manifest, expected)
     path = pack_path_of(manifest, manifest_path, pack_path)
     pack = field(manifest, "expert_pack")
-    if int(field(pack, "size")) != path.stat().st_size:
-        raise ValueError("Kimi expert-pack size does not match its manifest")
+    recorded, size = int(field(pack, "size")), path.stat().st_size
+    if recorded != size:
+        raise ValueError(
+            f"Kimi expert-pack size does not match its manifest: {path} is {size} bytes, "
+            f"the manifest records {recorded}"
+        )
     layout = check_roles(manifest, expected)
     check_header_fields(pack, layout)
     index = check_index(path, layout, int(pack["data_start"]))

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from k3stream.gguf.vocab import Vocab, padded
-from k3stream.gguf.writer import F32, TinySpec, write_model
+from k3stream.gguf.writer import F32, TinySpec, checked_plan, write_model
 from k3stream.quant import DECODE_ONLY_TYPES
 from k3stream.testing.iquant_blocks import random_blocks
 from k3stream.testing.tinyblocks import FAST_TYPES, random_block_slabs
@@ -42,8 +42,11 @@ def make_tiny(
 
     Random weights and the built-in vocabulary unless given: `vocab` and `weights` (float32 values of
     every tensor by GGUF name, in its numpy shape: a trained model)."""
+    if vocab is None and spec.vocab is not None:
+        checked_plan(out_dir, spec, spec.vocab)  # sizes first: padding builds a token per row
+        vocab = padded(tiny_vocab(), spec.vocab)
     if vocab is None:
-        vocab = tiny_vocab() if spec.vocab is None else padded(tiny_vocab(), spec.vocab)
+        vocab = tiny_vocab()
     return write_model(out_dir, spec, vocab, weights, _random_blocks if weights is None else None)
 
 
