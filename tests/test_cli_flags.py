@@ -72,18 +72,24 @@ def test_sizes_and_times_must_be_finite_numbers(command, flag, value, capsys):
         ("demo", "--ram-mib", "-0.5", "is below 0"),
         ("chat", "--io-threads", "0", "is not a count of 1 or more"),
         ("perplexity", "--io-threads", "-3", "is not a count of 1 or more"),
+        ("generate", "--threads", "99999", "is above 512 threads (llama.cpp's cap)"),
+        ("serve", "-t", "513", "is above 512 threads (llama.cpp's cap)"),
+        ("demo", "--threads", "100000", "is above 512 threads (llama.cpp's cap)"),
+        ("chat", "--io-threads", "100000", "is above 512 threads (llama.cpp's cap)"),
+        ("train-tiny", "--threads", "99999", "is above 512 threads (llama.cpp's cap)"),
     ],
 )
 def test_budgets_and_counts_below_their_range_name_the_flag(command, flag, value, why, capsys):
-    """A negative budget or no read thread is the flag's error (it was an error naming the Python API's
-    field, `LoadOptions.expert_ram_mib` or `io_threads and read_splits`, after the model loaded)."""
+    """A negative budget, no read thread or more threads than llama.cpp takes is the flag's error, before
+    the model loads (not an error naming the Python API's field, or the thread library's failure)."""
     from k3stream.cli import main
 
     with pytest.raises(SystemExit) as exit_status:
-        main([command, *(["model.gguf"] if command != "demo" else []), f"{flag}={value}"])
+        main([command, *(["model.gguf"] if command not in ("demo", "train-tiny") else []), f"{flag}={value}"])
     assert exit_status.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert error == f"k3stream {command}: error: argument {flag}: {value!r} {why}"
+    named, said = error.removeprefix(f"k3stream {command}: error: argument ").split(": ", 1)
+    assert flag in named.split("/") and said == f"{value!r} {why}"
 
 
 def test_a_device_torch_does_not_name_is_the_flags_error(model_path, capsys):

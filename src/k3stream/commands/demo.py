@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from k3stream.commands.flags import add_sampling_arguments, add_store_arguments, non_negative
+from k3stream.commands.flags import add_sampling_arguments, add_store_arguments, non_negative, threads
 from k3stream.commands.report import format_mib
 
 MIB = 1 << 20
@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads",
         "-t",
-        type=int,
+        type=threads,
         default=1,
         help="torch CPU threads (default 1: the tiny model's matrices are too small to share out; "
         "0 or less: every core)",

@@ -41,9 +41,22 @@ def non_negative(text: str) -> float:
     return value
 
 
-def count(text: str) -> int:
-    """argparse type of thread counts: an integer, 1 or more."""
+# the most threads a thread flag takes: llama.cpp's own cap (GGML_MAX_N_THREADS), far above any core
+# count a CPU host has; a count in the thousands fails in the thread library (then segfaults in torch)
+MAX_THREADS = 512
+
+
+def threads(text: str) -> int:
+    """argparse type of `--threads`: an integer up to `MAX_THREADS` (0 or less: every core)."""
     value = int(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"{text!r} is above {MAX_THREADS} threads (llama.cpp's cap)")
+    return value
+
+
+def count(text: str) -> int:
+    """argparse type of thread counts: an integer, 1 to `MAX_THREADS`."""
+    value = threads(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a count of 1 or more")
     return value
@@ -80,9 +93,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads",
         "-t",
-        type=int,
+        type=threads,
         default=None,
-        help="torch CPU threads (0 or less: every core, as llama.cpp's -t)",
+        help=f"torch CPU threads, at most {MAX_THREADS} (llama.cpp's cap); 0 or less: every core, as "
+        "llama.cpp's -t",
     )
     add_arithmetic_arguments(parser)
     parser.add_argument(
@@ -155,7 +169,10 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
         "those have been right, otherwise (default)",
     )
     parser.add_argument(
-        "--io-threads", type=count, default=None, help=f"pack read threads (default {defaults.io_threads})"
+        "--io-threads",
+        type=count,
+        default=None,
+        help=f"pack read threads, 1 to {MAX_THREADS} (default {defaults.io_threads})",
     )
     parser.add_argument(
         "--direct-io",

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from k3stream.commands.flags import threads
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -72,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=2048, help="tokens: 256 bytes, merges, specials")
     parser.add_argument("--text-mib", type=float, default=None, help="read at most this much training text")
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch CPU threads (on shared cores one is the fastest)"
+        "--threads", type=threads, default=1, help="torch CPU threads (on shared cores one is the fastest)"
     )
     parser.add_argument("--recipes", default="f32,audited", help="GGUFs to write (f32, f16, audited)")
     for spec_field in dataclasses.fields(TinySpec):
