@@ -209,3 +209,34 @@ def test_chat_template_renders_kimi_turns(tiny_model):
         "<|im_assistant|>assistant<|im_middle|>Hello<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|>"
     )
+
+
+# shapes whose write takes a second or more: long enough to be stopped midway
+LARGE = ["--hidden", "1024", "--experts", "128", "--expert-ff", "512", "--latent", "256", "--layers", "8"]
+
+
+@pytest.mark.parametrize("command", ["make-tiny", "dequantize"])
+def test_sigterm_midway_removes_the_temporary_file(tiny_model, tmp_path, command):
+    """`kill` (SIGTERM) cleans up as Ctrl-C does: no `.tmp` left, one line, status 128 + 15."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    if command == "make-tiny":
+        argv, temp = [str(out), *LARGE], out / "tiny-kimi-k3.gguf.tmp"
+    else:
+        fields = dict(n_experts=128, expert_ff=512, latent=256, n_layers=8, hidden=1024, recipe="q8_0")
+        argv, temp = [str(tiny_model(**fields)), str(out / "f32.gguf")], out / "f32.gguf.tmp"
+    child = subprocess.Popen(
+        [sys.executable, "-m", "k3stream", command, *argv], stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 60
+    while not temp.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert temp.exists(), "the write ended before it could be stopped"
+    child.send_signal(signal.SIGTERM)
+    error = child.communicate(timeout=60)[1]
+    assert child.returncode == 143 and error == f"k3stream {command}: terminated\n", error[-2000:]
+    assert list(out.iterdir()) == []

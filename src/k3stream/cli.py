@@ -77,6 +77,15 @@ def calm_openmp() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the main thread runs: the `except BaseException` cleanups (temporary files)
+    run as they do on Ctrl-C, and no `except Exception` takes it for a command's error."""
+
+
+def _terminate(_signum: int, _frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     calm_openmp()
     argv = sys.argv[1:] if argv is None else argv
@@ -85,6 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command's status, its error or interruption as one line and the shell's status."""
     try:
         resolve_demo_source(args)
         return int(_command_module(args.command).run(args) or 0)
@@ -96,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         print(f"k3stream {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:  # kill's SIGTERM: 128 + 15, as a shell reports a process the signal ended
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print(f"k3stream {args.command}: terminated", file=sys.stderr)
+        return 143
 
 
 if __name__ == "__main__":
