@@ -240,3 +240,22 @@ def test_sigterm_midway_removes_the_temporary_file(tiny_model, tmp_path, command
     error = child.communicate(timeout=60)[1]
     assert child.returncode == 143 and error == f"k3stream {command}: terminated\n", error[-2000:]
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("nan", "is not a finite number"),
+        ("inf", "is not a finite number"),
+        ("-1", "is not above 0"),
+        ("0", "is not above 0"),
+    ],
+)
+def test_an_rms_eps_no_norm_can_take_is_the_flags_error(tmp_path, capsys, value, why):
+    """--rms-eps nan or below 0 would write a model whose every norm gives NaN or divides by 0."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_status:
+        cli.main(["make-tiny", str(out), f"--rms-eps={value}"])
+    assert exit_status.value.code == 2 and not out.exists()
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == f"k3stream make-tiny: error: argument --rms-eps: {value!r} {why}"

@@ -54,6 +54,14 @@ def threads(text: str) -> int:
     return value
 
 
+def positive(text: str) -> float:
+    """argparse type of scales such as an epsilon: a finite number above 0."""
+    value = finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not above 0")
+    return value
+
+
 def count(text: str) -> int:
     """argparse type of thread counts: an integer, 1 to `MAX_THREADS`."""
     value = threads(text)
