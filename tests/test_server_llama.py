@@ -322,6 +322,18 @@ def test_llama_endpoints_need_the_api_key(server, path):
             {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
             "messages.0.content.0.text",
         ),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "system", "content": None}, *MESSAGES]},
+            "messages.0.content",
+        ),
+        (
+            "/apply-template",
+            {"messages": [*MESSAGES, {"role": "tool", "tool_call_id": "c"}]},
+            "messages.2.content",
+        ),
+        ("/v1/chat/completions", {"messages": [*MESSAGES, {"role": "assistant"}]}, "messages.2.content"),
     ],
 )
 def test_bad_bodies_are_one_line_400s_naming_the_field(server, path, body, param):

@@ -85,7 +85,7 @@ class LlamaEndpoints:
             param = f"chat_template_kwargs.{reserved}"
             raise invalid_request(f"{param}: set by the server", param=param)
         for index, message in enumerate(body.messages):
-            message.check_parts(index)
+            message.check_content(index)
         messages = [{**m.template_fields(), "content": m.text()} for m in body.messages]
         prefill = assistant_prefill(body.messages)
         if prefill is not None:

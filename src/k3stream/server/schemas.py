@@ -257,7 +257,7 @@ def checked_prompts(prompts: list[Any], several: bool, empty: Callable[[Any], bo
 
 
 class ContentPart(BaseModel):
-    """One part of a message's content; only text parts are served (`ChatMessage.check_parts`)."""
+    """One part of a message's content; only text parts are served (`ChatMessage.check_content`)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
     type: str
@@ -295,8 +295,14 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(part.text or "" for part in self.content)
 
-    def check_parts(self, index: int) -> None:
-        """A 400 naming the first content part that is not text (this server takes text only)."""
+    def check_content(self, index: int) -> None:
+        """A 400 naming a missing content (required of every role but an assistant's turn calling tools,
+        as OpenAI and llama-server require it) or the first content part that is not text (this server
+        takes text only)."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            where = f"messages.{index}.content"
+            needs = "its content or tool_calls" if self.role == "assistant" else "its content"
+            raise invalid_request(f"{where}: a {self.role} message needs {needs}", param=where)
         for number, part in enumerate(self.content if isinstance(self.content, list) else []):
             where = f"messages.{index}.content.{number}"
             if part.type != "text":
@@ -391,7 +397,7 @@ class ChatCompletionRequest(SamplingFields):
     def check_supported(self) -> None:
         super().check_supported()
         for index, message in enumerate(self.messages):
-            message.check_parts(index)
+            message.check_content(index)
         if self.top_logprobs and not self.logprobs:
             raise invalid_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
         for index, tool in enumerate(self.tools or []):
