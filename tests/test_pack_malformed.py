@@ -185,11 +185,11 @@ MANIFEST_CASES = {
     ),
     "dimensions": (
         _set("model", "num_experts", 17),
-        "Kimi expert-pack dimensions (6, 17, 4) != (6, 16, 4); Top-K is immutable at 16",
+        "Kimi expert-pack dimensions (6, 17, 4) != (6, 16, 4); Top-K is immutable at 4",
     ),
     "layer count": (
         _set("model", "num_hidden_layers", 93),
-        "Kimi expert-pack dimensions (93, 16, 4) != (6, 16, 4); Top-K is immutable at 16",
+        "Kimi expert-pack dimensions (93, 16, 4) != (6, 16, 4); Top-K is immutable at 4",
     ),
     "active layers": (
         _set("model", "active_moe_layer_ids", [1, 2, 3, 4]),
@@ -306,8 +306,10 @@ def test_audited_profile_messages(work):
     with pytest.raises(ValueError, match="^Kimi manifest hard constraints do not match runtime policy$"):
         verify_pack(work / MANIFEST, profile="audited")
     edit_manifest(work, _set("hard_constraints", "top_k", 16))
+    # the audited profile's words are sglang's, verbatim
     with pytest.raises(
-        ValueError, match=r"^Kimi expert-pack dimensions \(6, 16, 4\) != \(93, 896, 16\); Top-K"
+        ValueError,
+        match=r"^Kimi expert-pack dimensions \(6, 16, 4\) != \(93, 896, 16\); Top-K is immutable at 16$",
     ):
         verify_pack(work / MANIFEST, profile="audited")
     edit_manifest(

@@ -130,7 +130,10 @@ def check_model(manifest: dict[str, Any], expected: ModelExpectation) -> None:
     )
     wanted = (expected.num_hidden_layers, expected.num_experts, expected.top_k)
     if dimensions != wanted:
-        raise ValueError(f"Kimi expert-pack dimensions {dimensions} != {wanted}; Top-K is immutable at 16")
+        # the audited profile's (top-k 16) words are sglang's, verbatim; a generic model names its own
+        raise ValueError(
+            f"Kimi expert-pack dimensions {dimensions} != {wanted}; Top-K is immutable at {expected.top_k}"
+        )
     active = tuple(int(layer) for layer in field(model, "active_moe_layer_ids"))
     if active != expected.moe_layers:
         raise ValueError(f"Kimi active routed MoE layers must be exactly {_layer_range(expected.moe_layers)}")
