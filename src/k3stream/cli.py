@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if signal.getsignal(signal.SIGTERM) is _terminate:  # left ignored after a SIGTERM, as Ctrl-C's
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _run(args: argparse.Namespace) -> int:
