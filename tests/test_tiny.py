@@ -259,3 +259,16 @@ def test_an_rms_eps_no_norm_can_take_is_the_flags_error(tmp_path, capsys, value,
     assert exit_status.value.code == 2 and not out.exists()
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error == f"k3stream make-tiny: error: argument --rms-eps: {value!r} {why}"
+
+
+@pytest.mark.parametrize("flag", ["--gate-lower-bound", "--situ-beta", "--situ-linear-beta"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_float_field_that_is_not_finite_is_the_flags_error(tmp_path, capsys, flag, value):
+    """make-tiny's float fields would write nan or inf into the GGUF's metadata, which llama.cpp and
+    k3stream then compute with."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_status:
+        cli.main(["make-tiny", str(out), f"{flag}={value}"])
+    assert exit_status.value.code == 2 and not out.exists()
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == f"k3stream make-tiny: error: argument {flag}: {value!r} is not a finite number"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from k3stream.commands.flags import positive
+from k3stream.commands.flags import finite, positive
 from k3stream.gguf.writer import RECIPES, TinySpec
 from k3stream.testing.slices import LIKE, REAL_VOCAB, like
 from k3stream.testing.tiny import make_tiny
@@ -43,7 +43,8 @@ def field_parser(field: dataclasses.Field):
         return _names
     if field.name == "rms_eps":  # nan, inf or 0 and below would give every norm NaN or a division by 0
         return positive
-    parse = float if isinstance(field.default, float) or field.name == "gate_lower_bound" else int
+    # a float field is written into the GGUF's metadata, which both engines compute with: finite only
+    parse = finite if isinstance(field.default, float) or field.name == "gate_lower_bound" else int
     return _optional(parse) if field.default is None or "None" in str(field.type) else parse
 
 
