@@ -205,8 +205,9 @@ def test_an_expert_parallel_rank_sizes_its_buffers_and_o_direct_by_its_share(pac
 @pytest.mark.parametrize("objects", [2, None])  # two working sets, the whole pack
 def test_a_loaded_runtime_made_its_read_buffers_before_it_returns(packed, objects):
     """`load_runtime` returns once the store's read buffers are made (one a slot, no more than the
-    pack's objects), whatever the budget: a cold prefill's reads make none, and none is made beside
-    them."""
+    pack's objects), whatever the budget: a cold prefill's reads take them. Where the budget holds the
+    whole pack they make none; a smaller budget's reads may make one while an evicted object's view is
+    still being computed with (its buffer comes back when that view dies)."""
     from k3stream.engine.generate import prefill_last
     from k3stream.engine.loading import load_runtime
     from k3stream.model.options import LoadOptions
@@ -222,7 +223,10 @@ def test_a_loaded_runtime_made_its_read_buffers_before_it_returns(packed, object
         stats = runtime.store.stats()
     finally:
         runtime.close()
-    assert stats["pack_reads"] > 0 and stats["buffers_made"] == 0 and stats["buffers_prefaulted"] == slots
+    assert stats["pack_reads"] > 0 and stats["buffers_prefaulted"] == slots
+    assert stats["buffers_reused"] >= min(slots, stats["pack_reads"])
+    if objects is None:
+        assert stats["buffers_made"] == 0
 
 
 def test_buffers_made_ahead_stay_within_the_tier_slots(packed):

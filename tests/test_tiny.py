@@ -242,33 +242,30 @@ def test_sigterm_midway_removes_the_temporary_file(tiny_model, tmp_path, command
     assert list(out.iterdir()) == []
 
 
+FLOAT_FLAGS = ("--gate-lower-bound", "--situ-beta", "--situ-linear-beta")
+
+
 @pytest.mark.parametrize(
-    ("value", "why"),
+    ("flag", "value", "why"),
     [
-        ("nan", "is not a finite number"),
-        ("inf", "is not a finite number"),
-        ("-1", "is not above 0"),
-        ("0", "is not above 0"),
+        ("--rms-eps", "nan", "is not a finite number"),
+        ("--rms-eps", "inf", "is not a finite number"),
+        ("--rms-eps", "-1", "is not above 0"),
+        ("--rms-eps", "0", "is not above 0"),
+        *(
+            (flag, value, "is not a finite number")
+            for flag in FLOAT_FLAGS
+            for value in ("nan", "inf", "-inf")
+        ),
     ],
 )
-def test_an_rms_eps_no_norm_can_take_is_the_flags_error(tmp_path, capsys, value, why):
-    """--rms-eps nan or below 0 would write a model whose every norm gives NaN or divides by 0."""
-    out = tmp_path / "out"
-    with pytest.raises(SystemExit) as exit_status:
-        cli.main(["make-tiny", str(out), f"--rms-eps={value}"])
-    assert exit_status.value.code == 2 and not out.exists()
-    error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert error == f"k3stream make-tiny: error: argument --rms-eps: {value!r} {why}"
-
-
-@pytest.mark.parametrize("flag", ["--gate-lower-bound", "--situ-beta", "--situ-linear-beta"])
-@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
-def test_a_float_field_that_is_not_finite_is_the_flags_error(tmp_path, capsys, flag, value):
-    """make-tiny's float fields would write nan or inf into the GGUF's metadata, which llama.cpp and
-    k3stream then compute with."""
+def test_a_float_field_no_model_can_take_is_the_flags_error(tmp_path, capsys, flag, value, why):
+    """make-tiny's float fields go into the GGUF's metadata, which both engines compute with: nan or inf
+    in any of them, and an --rms-eps of 0 or below (every norm NaN or a division by 0), are refused
+    before anything is written."""
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_status:
         cli.main(["make-tiny", str(out), f"{flag}={value}"])
     assert exit_status.value.code == 2 and not out.exists()
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert error == f"k3stream make-tiny: error: argument {flag}: {value!r} is not a finite number"
+    assert error == f"k3stream make-tiny: error: argument {flag}: {value!r} {why}"

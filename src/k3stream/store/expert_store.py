@@ -205,9 +205,8 @@ class ExpertStore:
     def wait_for_buffers(self) -> None:
         """Return once the RAM tier's read buffers are made (`_start_prefault`; at once without that
         tier). The loader calls it after the model's weights: no read buffer is then made beside the
-        first reads (a cold prefill), whatever the budget; a tier holding the whole pack had 8 of its
-        256 still to make when the 128-expert real-dimension slice's resident cold prefill began
-        (19k minor faults against 14k at 10% and 25%, `docs/real-model.md`)."""
+        first reads (a cold prefill), whatever the budget, so a larger budget's cold prefill does not
+        fault more pages than a smaller one's (`docs/real-model.md`)."""
         if self._prefaulter is not None:
             self._prefaulter.join()
 
