@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -219,6 +220,28 @@ def test_serve_refuses_an_address_it_cannot_bind_before_loading(model_path):
             done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
             assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
             assert done.stderr.startswith("k3stream serve: error: ") and message in done.stderr
+
+
+def test_serve_on_port_0_names_the_port_it_listens_on(model_path):
+    """`--port 0` takes a free port, as llama-server's does: the startup lines name that port (not 0),
+    and the server answers there."""
+    argv = [sys.executable, "-m", "k3stream", "serve", str(model_path), "--port", "0"]
+    server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = [server.stdout.readline() for _ in range(3)]
+        urls = [line.split("http://127.0.0.1:")[1].split("/")[0] for line in lines if "http://" in line]
+        assert len(urls) == 2 and len(set(urls)) == 1 and urls[0] != "0", lines
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{urls[0]}/health", timeout=5).status_code == 200
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and server.poll() is None, lines
+                time.sleep(0.1)
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.communicate(timeout=30)
 
 
 def test_allowed_hosts_from_the_command_line():

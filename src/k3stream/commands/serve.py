@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from k3stream.server.guard import API_KEY_ENV, GuardConfig, allowed_hosts_for, api_key_from
 
 if TYPE_CHECKING:
+    from k3stream.engine.loading import Runtime
     from k3stream.server.app import ServerConfig
     from k3stream.server.runtime import ServedModel
 
@@ -142,46 +143,59 @@ def run(args: argparse.Namespace) -> int:
         served.prompt_cache = cache_from_args(args, runtime.model)
         app = create_app(served, config)
         settle_heap()
-        experts = f"streamed from {runtime.manifest}" if runtime.store else "from the GGUF"
-        print(
-            f"k3stream serve: {served.name} on http://{args.host}:{args.port}/v1 (ctx {served.ctx}, "
-            f"max batch {config.max_batch}, queue {config.max_queue}, prefill passes of "
-            f"{pass_note(config, served)}, experts {experts})",
-            flush=True,
+        listener = bind_address(args.host, args.port)
+        announce(runtime, served, config, f"http://{args.host}:{listener.getsockname()[1]}")
+        options = uvicorn_options(config.guard)
+        server = uvicorn.Server(
+            uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, **options)
         )
-        print(access_note(config.guard), flush=True)
-        if config.webui:
-            print(f"k3stream serve: chat page at http://{args.host}:{args.port}/ (--no-webui to turn it off)")
         try:
-            uvicorn.run(
-                app,
-                host=args.host,
-                port=args.port,
-                log_level=args.log_level,
-                timeout_graceful_shutdown=5,
-                **uvicorn_options(config.guard),
-            )
+            server.run(sockets=[listener])
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on (uvicorn.run drops it)
+            pass
         finally:
             # the app's lifespan stops it too; this covers a uvicorn that never ran its shutdown
             app.state.scheduler.stop()
+            listener.close()
     return 0
+
+
+def announce(runtime: Runtime, served: ServedModel, config: ServerConfig, url: str) -> None:
+    """The startup lines: the model, where it listens (the port bound, the free one for --port 0), the
+    plan and the access rules."""
+    experts = f"streamed from {runtime.manifest}" if runtime.store else "from the GGUF"
+    print(
+        f"k3stream serve: {served.name} on {url}/v1 (ctx {served.ctx}, max batch {config.max_batch}, "
+        f"queue {config.max_queue}, prefill passes of {pass_note(config, served)}, experts {experts})",
+        flush=True,
+    )
+    print(access_note(config.guard), flush=True)
+    if config.webui:
+        print(f"k3stream serve: chat page at {url}/ (--no-webui to turn it off)", flush=True)
 
 
 def check_address(host: str, port: int) -> None:
     """Raise (one line) unless a server can bind `host`:`port`: checked before the model loads (minutes
     for a real one), where uvicorn would fail only after it, with a traceback for a port out of range."""
+    bind_address(host, port).close()
+
+
+def bind_address(host: str, port: int) -> socket.socket:
+    """A socket bound to `host`:`port` (a free port for 0), or a one-line error naming the flags."""
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {port}")
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
         raise ValueError(f"--host {host}: {exc.strerror}") from None
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot bind --host {host} --port {port}: {exc.strerror}") from None
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        listener.bind(address)
+    except OSError as exc:
+        listener.close()
+        raise OSError(exc.errno, f"cannot bind --host {host} --port {port}: {exc.strerror}") from None
+    return listener
 
 
 def settle_heap() -> None:
