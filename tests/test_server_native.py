@@ -224,9 +224,15 @@ def test_json_schema_and_gbnf_grammar_constrain_the_answer(server):
     for seed in range(3):
         picked = complete(server, prompt=PROMPT, grammar='root ::= "yes" | "no"', n_predict=8, seed=seed)
         assert picked["content"] in ("yes", "no") and picked["stop_type"] == "eos"
-    assert "grammar: not a GBNF grammar" in llama_error(
-        post(server, "/completion", {"prompt": "x", "grammar": "root ::= ("}), 400
-    )
+    # a syntax error, and grammars that parse but name a rule nobody defines or have no root:
+    # llama-server's 400 for each (not a 500 "internal error: Exception: ...")
+    for grammar, reason in [
+        ("root ::= (", "Expected ')'"),
+        ("root ::= foo", "Rule 'foo' not found"),
+        ('start ::= "a"', "No 'root' rule found"),
+    ]:
+        message = llama_error(post(server, "/completion", {"prompt": "x", "grammar": grammar}), 400)
+        assert message.startswith("grammar: not a GBNF grammar: ") and reason in message, message
 
 
 def test_cache_prompt_reuses_the_prompt_and_false_computes_it_whole(server):

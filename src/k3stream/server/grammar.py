@@ -34,11 +34,13 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
 def gbnf_grammar(text: str, param: str) -> str:
     """llama.cpp's GBNF grammar `text` in llguidance's dialect; a grammar it cannot read is a 400 naming
     `param`."""
-    from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+    from llguidance.gbnf_to_lark import gbnf_to_lark
 
     try:
         return gbnf_to_lark(text)
-    except (GbnfToLarkError, ValueError) as exc:
+    # GbnfToLarkError for the syntax; a rule used but not defined, or no root: a bare
+    # Exception (the converter is pure text work, so anything it raises is the grammar's fault)
+    except Exception as exc:
         raise invalid_request(
             f"{param}: not a GBNF grammar: {str(exc).splitlines()[0]}", param=param
         ) from None
