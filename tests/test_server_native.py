@@ -224,6 +224,15 @@ def test_json_schema_and_gbnf_grammar_constrain_the_answer(server):
     for seed in range(3):
         picked = complete(server, prompt=PROMPT, grammar='root ::= "yes" | "no"', n_predict=8, seed=seed)
         assert picked["content"] in ("yes", "no") and picked["stop_type"] == "eos"
+    # json_schema {} is any JSON object (llama.cpp's json_schema_to_grammar of an empty schema), and
+    # with a grammar beside it llama-server's 400, as for any schema
+    for seed in range(3):  # an object's first character, whole where the answer ended by itself
+        anything = complete(server, prompt=PROMPT, json_schema={}, n_predict=40, seed=seed)
+        assert anything["content"].startswith("{"), anything["content"]
+        if anything["stop_type"] == "eos":
+            assert isinstance(json.loads(anything["content"]), dict)
+    both = post(server, "/completion", {"prompt": "x", "json_schema": {}, "grammar": 'root ::= "a"'})
+    assert "not both" in llama_error(both, 400)
     # a syntax error, and grammars that parse but name a rule nobody defines or have no root:
     # llama-server's 400 for each (not a 500 "internal error: Exception: ...")
     for grammar, reason in [

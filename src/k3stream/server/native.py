@@ -94,11 +94,12 @@ class NativeCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.grammar and self.json_schema:
+        # given, not empty: llama-server's json_schema {} is any JSON object
+        if self.grammar is not None and self.json_schema is not None:
             raise invalid_request("grammar: give a grammar or a json_schema, not both", param="grammar")
-        if self.json_schema:
+        if self.json_schema is not None:
             check_json_schema(self.json_schema, "json_schema")
-        if self.ignore_eos and (self.grammar or self.json_schema):
+        if self.ignore_eos and (self.grammar or self.json_schema is not None):
             message = (
                 "ignore_eos cannot be combined with a grammar or json_schema (the grammar ends the answer)"
             )
@@ -323,8 +324,8 @@ class NativeEndpoints:
         return tokens, self.served.tokenizer.decode(tokens), self._constraint(body)
 
     def _constraint(self, body: NativeCompletionRequest) -> TokenConstraint | None:
-        if body.json_schema:
-            grammar, param = json_schema_grammar(body.json_schema), "json_schema"
+        if body.json_schema is not None:  # {}: an object, as llama.cpp's json_schema_to_grammar makes it
+            grammar, param = json_schema_grammar(body.json_schema or {"type": "object"}), "json_schema"
         elif body.grammar:
             grammar, param = gbnf_grammar(body.grammar, "grammar"), "grammar"
         else:
