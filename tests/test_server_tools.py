@@ -479,6 +479,31 @@ def test_completion_logprobs(client):
         assert logprob == pytest.approx(max(top.values()))
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(client):
+    """OpenAI's completions: 'the API will always return the logprob of the sampled token, so there may
+    be up to logprobs+1 elements' in each `top_logprobs` dict (vLLM's too): a sampled token outside the
+    top N is listed beside them, and `logprobs: 0` lists the sampled token alone."""
+    beside = 0
+    for seed in range(4):
+        for n in (0, 1):
+            answer = client.completions.create(
+                model="kimi-tools",
+                prompt="The quick brown fox",
+                max_tokens=12,
+                temperature=1.5,
+                seed=seed,
+                logprobs=n,
+            )
+            logprobs = answer.choices[0].logprobs
+            for token, logprob, top in zip(
+                logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+            ):
+                assert token in top and len(top) <= n + 1
+                assert top[token] >= logprob - 1e-6  # a token of the same text may be likelier
+                beside += len(top) == n + 1 and logprob < max(top.values())
+    assert beside > 0, "no sampled token fell outside the top N"
+
+
 @pytest.mark.parametrize(
     "fields, param",
     [

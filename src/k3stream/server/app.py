@@ -710,7 +710,7 @@ class _CompletionChunks(_Chunks):
         return {
             "tokens": [entry.token for entry in entries],
             "token_logprobs": [entry.logprob for entry in entries],
-            "top_logprobs": [_top_dict(entry.top) for entry in entries],
+            "top_logprobs": [_top_dict(entry) for entry in entries],
             "text_offset": offsets,
         }
 
@@ -744,10 +744,11 @@ class _ChatChunks(_Chunks):
         return {"message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
-def _top_dict(top: list[TokenLogprob]) -> dict[str, float]:
-    """OpenAI's `{token text: logprob}`; of tokens with the same text, the most likely one."""
+def _top_dict(sampled: TokenLogprob) -> dict[str, float]:
+    """OpenAI's `{token text: logprob}` of the likeliest tokens and the sampled one (up to N+1, as
+    OpenAI's and vLLM's); of tokens with the same text, the most likely one."""
     listed: dict[str, float] = {}
-    for entry in top:
+    for entry in [*sampled.top, sampled]:
         listed.setdefault(entry.token, entry.logprob)
     return listed
 
