@@ -192,6 +192,16 @@ def test_api_key_from_the_environment(monkeypatch):
     assert api_key_from(None) == "from-env" and api_key_from("flag") == "flag"
 
 
+def test_head_answers_as_get_without_a_body(server):
+    """HEAD is GET without the body (llama-server's cpp-httplib routes it so): `wget --spider` and
+    `curl -I` health checks of /health pass; a POST-only path still answers 405."""
+    for path in ("/health", "/v1/health", "/v1/models", "/metrics", "/props"):
+        head, get = httpx.head(server.url + path, timeout=10), httpx.get(server.url + path, timeout=10)
+        assert head.status_code == get.status_code == 200, (path, head.status_code, head.text)
+        assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
+    assert httpx.head(server.url + "/v1/completions", timeout=10).status_code == 405
+
+
 def test_foreign_host_header_is_refused_and_no_cors(server):
     evil = httpx.get(server.url + "/v1/models", headers={"Host": "evil.example:8000"})
     assert evil.status_code == 400 and evil.json()["error"]["code"] == "invalid_host"

@@ -24,7 +24,7 @@ from k3stream.engine.prompt_cache import attention_rows_per_token
 from k3stream.server.bodies import parse_body
 from k3stream.server.endpoints_llama import llama_router
 from k3stream.server.errors import APIError, invalid_request, redact_paths
-from k3stream.server.guard import Guard, GuardConfig
+from k3stream.server.guard import Guard, GuardConfig, HeadAsGet
 from k3stream.server.kimi_output import Piece
 from k3stream.server.metrics import ServerMetrics
 from k3stream.server.native import native_router
@@ -182,6 +182,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="k3stream", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler = scheduler
     app.state.guard = config.guard
+    app.add_middleware(HeadAsGet)
     app.add_middleware(Guard, config=config.guard)
     app.add_middleware(RequestCounter, metrics=metrics)  # outermost: refusals are counted too
     _add_error_handlers(app)

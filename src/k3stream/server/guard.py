@@ -249,6 +249,19 @@ def guarded_h11(header_timeout_s: float) -> type[H11Protocol]:
     return GuardedH11Protocol
 
 
+class HeadAsGet:
+    """ASGI middleware serving HEAD as GET, as llama-server's cpp-httplib routes it (`wget --spider`
+    and `curl -I` health checks): uvicorn, which saw the HEAD, sends the headers without the body."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            scope = {**scope, "method": "GET"}
+        await self.app(scope, receive, send)
+
+
 def uvicorn_options(config: GuardConfig) -> dict[str, Any]:
     """uvicorn.Config / uvicorn.run keyword arguments that enforce `config`'s connection limits."""
     return {
