@@ -524,14 +524,15 @@ def test_cli_dequantize_into_a_new_folder_or_onto_a_folder(tiny_model, tmp_path,
     capsys.readouterr()
     for force in ((), ("--force",)):
         assert cli.main(["dequantize", str(tiny_model()), str(tmp_path / "new"), *force]) == 1
-        wanted = f"k3stream dequantize: error: {tmp_path / 'new'}: is a folder; OUT names the file to write\n"
+        wanted = f"k3stream dequantize: error: OUT {tmp_path / 'new'}: names a folder; give the file to write"
+        wanted += "\n"
         assert capsys.readouterr().err == wanted
     # a folder that does not exist yet, spelled as one (`later/`): refused too, not written as a file
     later = f"{tmp_path / 'later'}/"
     assert cli.main(["dequantize", str(tiny_model()), later]) == 1
     assert (
         capsys.readouterr().err
-        == f"k3stream dequantize: error: {later}: names a folder; OUT names the file to write\n"
+        == f"k3stream dequantize: error: OUT {later}: names a folder; give the file to write\n"
     )
     assert sorted(path.name for path in tmp_path.iterdir()) == ["new"]
     assert [path.name for path in (tmp_path / "new").iterdir()] == ["f32.gguf"]

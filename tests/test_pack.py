@@ -225,6 +225,25 @@ def test_force_never_replaces_the_source_gguf_and_the_pack_is_not_its_manifest(t
     assert snapshot(tmp_path) == before
 
 
+def test_pack_and_manifest_outputs_that_name_a_folder_are_refused(tiny_model, tmp_path, capsys):
+    """`--out`/`--manifest` naming a folder (one there, or one spelled `dir/` that does not exist yet,
+    which was written as the file `dir`) are refused in one line before anything is written, with or
+    without --force (an existing folder was 'refusing to overwrite ... use --force', then Errno 21)."""
+    gguf = copy_model(tiny_model(**SPLIT), tmp_path)
+    (tmp_path / "folder").mkdir()
+    before = snapshot(tmp_path)
+    for flag, path in [
+        ("--out", f"{tmp_path}/folder"),
+        ("--out", f"{tmp_path}/later/"),
+        ("--manifest", f"{tmp_path}/later/"),
+    ]:
+        for force in ((), ("--force",)):
+            assert cli(["pack", str(gguf), flag, path, *force]) == 1
+            err = capsys.readouterr().err
+            assert err.endswith(": names a folder; give the file to write\n") and flag in err, err
+            assert len(err.splitlines()) == 1 and snapshot(tmp_path) == before
+
+
 def test_second_builder_cannot_take_the_lock(tiny_model, tmp_path):
     gguf = copy_model(tiny_model(**SPLIT), tmp_path)
     lock = build_lock(tmp_path / "tiny-kimi-k3.expert-major.pack")

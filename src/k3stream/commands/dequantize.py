@@ -81,11 +81,11 @@ def dequantize_gguf(source: str | Path, output: str | Path, floats_to_f32: bool 
     from k3stream.gguf.config import ARCH
     from k3stream.gguf.layout import FLOAT_TYPE_IDS
     from k3stream.gguf.reader import K3Checkpoint
-    from k3stream.gguf.shards import refuse_source_output
+    from k3stream.gguf.shards import file_output, refuse_source_output
     from k3stream.gguf.writer import check_free_space
 
     checkpoint = K3Checkpoint.open(source)
-    output = _file_output(output)
+    output = file_output(output, "OUT")
     refuse_source_output(output, checkpoint.shards, "the output")
     temp = output.with_name(output.name + ".tmp")
     kept = (ALL_F32,) if floats_to_f32 else FLOAT_TYPE_IDS
@@ -121,18 +121,10 @@ def dequantize_gguf(source: str | Path, output: str | Path, floats_to_f32: bool 
     return output
 
 
-def _file_output(output: str | Path) -> Path:
-    """OUT names the file to write; a folder there, or a path spelled as a folder (`dir/`, which `Path`
-    would read as the file `dir`), is refused before any work."""
-    if Path(output).is_dir():
-        raise IsADirectoryError(f"{output}: is a folder; OUT names the file to write")
-    if str(output).endswith(("/", os.sep)):
-        raise IsADirectoryError(f"{output}: names a folder; OUT names the file to write")
-    return Path(output)
-
-
 def run(args: argparse.Namespace) -> int:
-    output = _file_output(args.output)
+    from k3stream.gguf.shards import file_output
+
+    output = file_output(args.output, "OUT")
     if output.exists() and not args.force:
         raise FileExistsError(f"{output}: already exists (use --force to overwrite)")
     dequantize_gguf(args.input, output, floats_to_f32=args.all_f32)

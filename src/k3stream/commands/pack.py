@@ -14,8 +14,8 @@ from k3stream.commands.flags import finite
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("gguf", type=Path, help="a .gguf file, any shard of a split set, or a directory")
-    parser.add_argument("--out", type=Path, help="pack path (default: NAME.expert-major.pack by the shards)")
-    parser.add_argument("--manifest", type=Path, help="manifest path (default: PACK.manifest.json)")
+    parser.add_argument("--out", help="pack path (default: NAME.expert-major.pack by the shards)")
+    parser.add_argument("--manifest", help="manifest path (default: PACK.manifest.json)")
     parser.add_argument("--force", action="store_true", help="replace an existing pack and manifest")
     paths = parser.add_mutually_exclusive_group()
     paths.add_argument(

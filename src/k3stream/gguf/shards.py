@@ -7,6 +7,7 @@ Split metadata follows llama.cpp's gguf-split: `split.no` (0-based), `split.coun
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -116,6 +117,15 @@ def open_shards(path: str | Path) -> list[tuple[Path, GGUFReader]]:
     _check_unique_tensors(paths, readers)
     _check_split_keys(paths, readers)
     return list(zip(paths, readers, strict=True))
+
+
+def file_output(output: str | os.PathLike[str], what: str) -> Path:
+    """`output` as the file a run writes; a folder there, or a path spelled as one (`dir/`, which `Path`
+    reads as the file `dir`), is refused in one line naming `what` (the flag) before any work."""
+    text = os.fspath(output)
+    if Path(text).is_dir() or text.endswith(("/", os.sep)):
+        raise IsADirectoryError(f"{what} {text}: names a folder; give the file to write")
+    return Path(text)
 
 
 def refuse_source_output(output: Path, sources: list[Path], what: str) -> None:

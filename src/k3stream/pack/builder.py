@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from k3stream.gguf.layout import ROUTED_EXPERT_RE, routed_expert_name
-from k3stream.gguf.shards import refuse_source_output
+from k3stream.gguf.shards import file_output, refuse_source_output
 from k3stream.pack import format as fmt
 from k3stream.pack.fileio import COPY_CHUNK, fsync_directory, pread_exact, same_bytes, write_json_atomic
 from k3stream.pack.integrity import ObjectHasher, sha256_file
@@ -296,8 +296,10 @@ def build_pack(
     options = options or BuildOptions()
     plan = plan_pack(K3Checkpoint.open(gguf_path, profile=profile))
     default_pack, _ = default_outputs(plan.checkpoint.shards)
-    pack = Path(out).resolve() if out is not None else default_pack
-    manifest_path = Path(manifest).resolve() if manifest is not None else manifest_path_for(pack)
+    pack = file_output(out, "--out").resolve() if out is not None else default_pack
+    manifest_path = (
+        file_output(manifest, "--manifest").resolve() if manifest is not None else manifest_path_for(pack)
+    )
     if pack == manifest_path:
         raise ValueError(f"the pack and its manifest would be one file: {pack}")
     for path, what in ((pack, "the pack"), (manifest_path, "the manifest")):
