@@ -213,6 +213,20 @@ def test_the_base_is_never_written_over_the_model_or_the_text(model_path, capsys
     assert (model.read_bytes(), text.read_bytes()) == before
 
 
+def test_a_base_that_names_a_folder_is_refused_before_the_run(model_path, capsys, tmp_path):
+    """--kl-divergence-base naming a folder (one there, which failed at the rename after the whole run,
+    or `dir/` that does not exist yet, which was written as the file `dir`): one line, no chunk computed,
+    nothing written."""
+    (tmp_path / "folder").mkdir()
+    for target in (tmp_path / "folder", f"{tmp_path}/later/"):
+        code, out, err = _run(
+            capsys, model_path, "--file", TEXT, "--ctx", CTX, "--chunks", 2, "--kl-divergence-base", target
+        )
+        assert code == 1 and len(err.strip().splitlines()) == 1, err
+        assert err.strip().endswith("names a folder; give the file to write") and "[1]" not in out
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["folder"]
+
+
 @pytest.mark.parametrize("batch", [0, -1])
 def test_a_batch_below_one_is_refused_before_the_model_loads(model_path, capsys, monkeypatch, batch):
     """--batch 0 ran as the whole chunk while -1 was refused (after the model had loaded)."""

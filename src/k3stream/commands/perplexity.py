@@ -254,7 +254,7 @@ def _p_diff_block(kld: Any) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from k3stream.engine.perplexity import BaseFile, check_base_matches
     from k3stream.engine.tokenizer import Tokenizer
-    from k3stream.gguf.shards import refuse_source_output
+    from k3stream.gguf.shards import file_output, refuse_source_output
 
     _check_flags(args)
     base = BaseFile.open(args.kl_divergence_base) if args.kl_divergence else None
@@ -265,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
         opened = open_model(args.model, not args.no_stream_experts)
         if args.kl_divergence_base and base is None:  # this run writes the base: never over its inputs
             inputs = [*opened[0].shards, *[Path(p) for p in (opened[1], args.file) if p is not None]]
-            refuse_source_output(Path(args.kl_divergence_base), inputs, "--kl-divergence-base")
+            target = file_output(args.kl_divergence_base, "--kl-divergence-base")
+            refuse_source_output(target, inputs, "--kl-divergence-base")
         plan = _plan(args, Tokenizer.from_gguf(opened[0]), base)
         args.ctx = plan.ctx  # the memory plan holds one chunk, the largest forward
         if base is not None:
