@@ -189,6 +189,25 @@ def test_training_flags_are_refused_by_name_before_anything_runs(tmp_path, flags
     assert not (tmp_path / "out").exists()
 
 
+def test_an_out_dir_that_is_a_file_is_refused_before_training(tmp_path):
+    """OUT_DIR naming a file: one line before the corpus is read (it trained for the whole --minutes,
+    then failed at mkdir with '[Errno 17] File exists'), and the file is left as it was."""
+    import argparse
+
+    from k3stream.commands import train as train_command
+
+    parser = argparse.ArgumentParser()
+    train_command.add_arguments(parser)
+    taken = tmp_path / "taken"
+    taken.write_text("keep")
+    args = parser.parse_args([str(taken), "--steps", "1", "--text-mib", "0.05", "--recipes", "f32"])
+    with pytest.raises(
+        NotADirectoryError, match=f"^OUT_DIR {re.escape(str(taken))}: is a file, not a folder$"
+    ):
+        train_command.run(args)
+    assert taken.read_text() == "keep"
+
+
 def test_shape_flags_reach_the_spec():
     import argparse
 

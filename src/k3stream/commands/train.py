@@ -113,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     from k3stream.gguf.writer import RECIPES, check_spec
 
     check_training_flags(args)
+    if args.out_dir.exists() and not args.out_dir.is_dir():  # before the training, not after it
+        raise NotADirectoryError(f"OUT_DIR {args.out_dir}: is a file, not a folder")
     recipes = [r for r in args.recipes.split(",") if r]
     bad = [r for r in recipes if r not in RECIPES]
     if bad or not recipes:
