@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import textwrap
 from pathlib import Path
@@ -90,6 +91,31 @@ def test_cli_prints_llama_perplexity_output(model_path, tokenizer, capsys):
     assert float(final.group(1)) == pytest.approx(expected, rel=1e-4)
     assert float(running[-1][1]) == pytest.approx(expected, rel=1e-4)
     assert float(final.group(2)) > 0
+
+
+def test_the_text_may_come_through_a_pipe(model_path, capsys, tmp_path):
+    """`--file <(...)` and `--file /dev/stdin` are pipes, which llama-perplexity reads as files: the same
+    output as the file itself (they were 'no such file'); a folder or a missing file is one line."""
+    import threading
+
+    read_end, write_end = os.pipe()
+
+    def feed() -> None:
+        with os.fdopen(write_end, "wb") as pipe:
+            pipe.write(TEXT.read_bytes())
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    try:
+        piped = _run(capsys, model_path, "--file", f"/dev/fd/{read_end}", "--ctx", CTX, "--chunks", CHUNKS)
+    finally:
+        feeder.join()
+        os.close(read_end)
+    whole = _run(capsys, model_path, "--file", TEXT, "--ctx", CTX, "--chunks", CHUNKS)
+    assert piped[0] == whole[0] == 0 and piped[1] == whole[1]
+    for path, message in ((tmp_path, "is a folder"), (tmp_path / "none.txt", "no such file")):
+        code, _, err = _run(capsys, model_path, "--file", path, "--ctx", CTX)
+        assert code == 1 and err == f"k3stream perplexity: error: --file: {message}: {path}\n"
 
 
 def test_negative_chunks_mean_every_chunk_as_in_llama_perplexity(model_path, capsys, tmp_path):
