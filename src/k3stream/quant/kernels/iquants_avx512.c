@@ -730,7 +730,7 @@ AVX512 void iq1_dot(const uint8_t *row, int64_t stride, const int wide, int64_t 
             const Iq1Ahead now = next[w];
             const uint8_t *x = row + w * stride + i * bytes;
             if (i + 1 < blocks) {
-                prefetch_ahead(x + bytes, 64); /* a block's line, not a row's lines at once */
+                prefetch_ahead(x + bytes, 128); /* two lines a block: more reads in flight from RAM */
                 next[w] = iq1_ahead(x + bytes, bytes, (blocks - i - 1) * bytes >= 64, &c);
             }
             iq1_block(&now, type, &c, wide > 1 ? in : NULL, xs, y, i, acc + w * n, n);
