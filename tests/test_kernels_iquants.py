@@ -95,8 +95,8 @@ def test_the_kernels_are_llama_cpps_dot_products_bit_for_bit(qt, rows, cols, cou
     ids=str,
 )
 def test_the_avx512_kernels_of_the_nibble_types_are_llama_cpps_bits(qt, rows, cols, count, monkeypatch):
-    """IQ4_NL's, MXFP4's, IQ4_XS's and the ternary types' AVX-512 kernels keep the AVX2 kernels' integer
-    lanes and float operations: llama.cpp's AVX2 vec_dot bit for bit."""
+    """IQ4_NL's, MXFP4's, NVFP4's, IQ4_XS's and the ternary types' AVX-512 kernels keep the AVX2 kernels'
+    integer lanes and float operations: llama.cpp's AVX2 vec_dot bit for bit."""
     take_kernel_isa("avx512", monkeypatch)
     w, x = matrix(qt, rows, cols, seed=rows), inputs(count, cols, seed=cols)
     assert np.array_equal(product(qt, w, x), ggml_product(qt, w, x, generic=False))
