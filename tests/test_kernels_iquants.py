@@ -95,8 +95,8 @@ def test_the_kernels_are_llama_cpps_dot_products_bit_for_bit(qt, rows, cols, cou
     ids=str,
 )
 def test_the_avx512_kernels_of_the_nibble_types_are_llama_cpps_bits(qt, rows, cols, count, monkeypatch):
-    """IQ4_NL's, MXFP4's, IQ4_XS's and the ternary types' AVX-512 kernels keep the AVX2 kernels' integer
-    lanes and float operations: llama.cpp's AVX2 vec_dot bit for bit."""
+    """IQ4_NL's, MXFP4's, NVFP4's, IQ4_XS's and the ternary types' AVX-512 kernels keep the AVX2 kernels'
+    integer lanes and float operations: llama.cpp's AVX2 vec_dot bit for bit."""
     take_kernel_isa("avx512", monkeypatch)
     w, x = matrix(qt, rows, cols, seed=rows), inputs(count, cols, seed=cols)
     assert np.array_equal(product(qt, w, x), ggml_product(qt, w, x, generic=False))
@@ -175,6 +175,21 @@ def test_rows_do_not_depend_on_grouping_or_threads(qt, isa, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(alone, together)
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+def test_a_weight_row_does_not_depend_on_the_rows_beside_it(qt, isa, monkeypatch):
+    """Each output is the same bits whether its weight row comes alone, in a slice at any offset or in the
+    whole matrix (the AVX-512 IQ1_S and IQ1_M kernels take two weight rows at once against one input
+    row, the last of an odd count alone), for 1 to 4 input rows."""
+    take_kernel_isa(isa, monkeypatch)
+    w = matrix(qt, 7, 512, seed=11)
+    for count in (1, 2, 3, 4):
+        x = inputs(count, 512, seed=count)
+        whole = product(qt, w, x)
+        for first, last in [(r, r + 1) for r in range(7)] + [(1, 6), (2, 5), (0, 4)]:
+            assert np.array_equal(product(qt, w[first:last], x), whole[:, first:last]), (count, first, last)
 
 
 @pytest.mark.parametrize("qt", [int(t) for t in TYPES if t != T.MXFP4], ids=lambda t: T(t).name)

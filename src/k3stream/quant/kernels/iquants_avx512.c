@@ -395,13 +395,15 @@ AVX512 __m128 pair_d(const uint8_t *x, const uint8_t *second) {
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), d, acc[r]);                             \
         }                                                                                                \
     }                                                                                                    \
-    AVX512 void NAME##_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, \
-                             __m512 *acc, const int n) {                                                 \
-        for (int64_t g = 0; g < blocks / 2; g++) {                                                       \
-            prefetch_ahead(row + 2 * g * (BYTES), 2 * (BYTES)); /* a pair's lines, not a row's at once */  \
-            NAME##_pair_dot(row, g, 1, xs, y, acc, n);                                                   \
+    AVX512 void NAME##_pairs(const uint8_t *row, int64_t stride, const int wide, int64_t blocks, const int8_t *const *xs, \
+                             const BlockQ8K *const *y, __m512 *acc, const int n) {                        \
+        for (int w = 0; w < wide; w++, row += stride, acc += n) { /* the rows one after another */       \
+            for (int64_t g = 0; g < blocks / 2; g++) {                                                   \
+                prefetch_ahead(row + 2 * g * (BYTES), 2 * (BYTES)); /* a pair's lines, not a row's at once */ \
+                NAME##_pair_dot(row, g, 1, xs, y, acc, n);                                               \
+            }                                                                                            \
+            if (blocks % 2) NAME##_pair_dot(row, blocks / 2, 0, xs, y, acc, n);                          \
         }                                                                                                \
-        if (blocks % 2) NAME##_pair_dot(row, blocks / 2, 0, xs, y, acc, n);                              \
     }
 
 PAIR_DOT(iq2_xxs, 66, WHOLE)
@@ -414,10 +416,11 @@ AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2); }
 
 /* A row kernel: the input rows of matrix b RUN_ROWS at a time, each batch's activations put in the
  * kernel's order once (PREPARE: X_BYTES(blocks) bytes a row), then every weight row first..last - 1
- * against them */
-#define PREPARED_ROWS(ID, NAME, FACTOR, PREPARE, X_BYTES)                                                    \
+ * against them; fewer than RUN_ROWS input rows take them one at a time, against WIDE weight rows at once
+ * (NAME##_pairs: `wide` rows `stride` bytes apart, into acc[w n + r]) */
+#define PREPARED_ROWS(ID, NAME, FACTOR, PREPARE, X_BYTES, WIDE)                                              \
     AVX512_TARGET static void NAME##_rows_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) { \
-        const int64_t blocks = pr->in_features / 256, pair_bytes = X_BYTES(blocks);                      \
+        const int64_t blocks = pr->in_features / 256, pair_bytes = X_BYTES(blocks), stride = pr->row_bytes; \
         int8_t *buffer = aligned_alloc(64, (size_t)(RUN_ROWS * pair_bytes));                             \
         if (buffer == NULL) { /* no memory for the activations: ggml's AVX2 kernel (a few ulp apart) */  \
             iq_q8_kernel_avx2(ID)(pr, b, first, last);                                                   \
@@ -432,20 +435,27 @@ AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2); }
                 PREPARE(y[r], blocks, buffer + r * pair_bytes);                                          \
                 xs[r] = buffer + r * pair_bytes;                                                         \
             }                                                                                            \
-            for (int64_t m = first; m < last; m++) {                                                     \
-                const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;   \
+            for (int64_t m = first, wide; m < last; m += wide) {                                         \
+                wide = n < RUN_ROWS && last - m >= (WIDE) ? (WIDE) : 1;                                  \
+                const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * stride;          \
                 __m512 acc[RUN_ROWS];                                                                    \
-                for (int r = 0; r < RUN_ROWS; r++) acc[r] = _mm512_setzero_ps();                         \
-                if (n == RUN_ROWS)                                                                       \
-                    NAME##_pairs(row, blocks, xs, y, acc, RUN_ROWS);                                     \
-                else                                                                                     \
-                    for (int r = 0; r < n; r++) NAME##_pairs(row, blocks, xs + r, y + r, acc + r, 1);    \
-                for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = (FACTOR) * hsum16(acc[r]); \
+                for (int r = 0; r < n; r++) {                                                            \
+                    for (int a = 0; a < RUN_ROWS; a++) acc[a] = _mm512_setzero_ps();                     \
+                    if (n == RUN_ROWS)                                                                   \
+                        NAME##_pairs(row, stride, 1, blocks, xs, y, acc, RUN_ROWS);                      \
+                    else if (wide == (WIDE))                                                             \
+                        NAME##_pairs(row, stride, (WIDE), blocks, xs + r, y + r, acc, 1);                \
+                    else                                                                                 \
+                        NAME##_pairs(row, stride, 1, blocks, xs + r, y + r, acc, 1);                     \
+                    for (int a = 0; a < (n == RUN_ROWS ? RUN_ROWS : (int)wide); a++)                     \
+                        pr->out[(p + (n == RUN_ROWS ? a : r)) * pr->out_stride + m + (n == RUN_ROWS ? 0 : a)] = (FACTOR) * hsum16(acc[a]); \
+                    if (n == RUN_ROWS) break;                                                            \
+                }                                                                                        \
             }                                                                                            \
         }                                                                                                \
         free(buffer);                                                                                    \
     }
-#define PLANES_ROWS(ID, NAME, FACTOR) PREPARED_ROWS(ID, NAME, FACTOR, x_planes, plane_bytes)
+#define PLANES_ROWS(ID, NAME, FACTOR) PREPARED_ROWS(ID, NAME, FACTOR, x_planes, plane_bytes, 1)
 
 PLANES_ROWS(16, iq2_xxs, 0.125f)
 PLANES_ROWS(17, iq2_xs, 0.125f)
@@ -463,13 +473,16 @@ PLANES_ROWS(21, iq3_s, 1.0f)
  * put in the same order once per call (`iq1_x`). The delta (+-1/8 of s) and the codes' offset of 1 leave
  * s (8 - delta sign) times x's negated sums of 32 (IQ1_S) or 8 (IQ1_M) values, by VPDPWSSD: a block's 16
  * int32 lanes hold 8 times its exact sum; d_w * d_y times them added by FMA into 16 float lanes, block
- * after block; at the end hsum16 times 0.125. The gathers bound it: 32 elements a block at about 0.6
- * cycle each on Intel Xeon (Emerald Rapids), some 19 of the 22 (IQ1_S) to 24 (IQ1_M) cycles a block
- * takes from L1 with one input row, beside 6 (IQ1_S) to 10 (IQ1_M) other loads and about 25 uops on
- * ports 0 and 5; so a block's indices are made during the preceding block, and its gathers never wait
- * on them. The other ways of reading 32 grid entries cost as much or more there: qword gathers of 8-byte
- * entries (the same per element), broadcast loads blended into vectors (a load and a blend an entry),
- * entries copied through memory by scalar loads (store forwarding stalls). */
+ * after block; at the end hsum16 times 0.125. Loads bound it, the gathers' 32 elements a block among
+ * them: on Intel Xeon (Emerald Rapids) the two gathers alone take about 11.6 TSC ticks (2.1 GHz) a
+ * block from L1, each further 64-byte load beside them 0.3-0.7 tick, 16 more ALU uops beside them about
+ * 1. So a block's indices are made during the preceding block (its gathers never wait on them), fewer
+ * than RUN_ROWS input rows take two weight rows at once (`wide`: an input row's block, 4 code vectors and
+ * its sums, loaded once for both), and IQ1_M's scale words and delta signs come by broadcast loads, its
+ * factors 7 or 9 times s by a VPMULLW (one sums vector). The other ways of reading 32 grid entries cost
+ * as much or more there: qword gathers of 8-byte entries (the same per element), partial gathers beside
+ * broadcast loads blended into vectors (a load and a blend an entry), entries copied through memory by
+ * scalar loads (store forwarding stalls). */
 static uint32_t iq1_nibbles[2 * 2048] __attribute__((aligned(64)));
 static int iq1_fit;
 /* Both gathers' indices of a block at once, per type (0: IQ1_S, 1: IQ1_M): a byte permute of the block
@@ -542,9 +555,9 @@ static void iq1_set_grid(const int8_t *grid) {
 /* a Q8_K block's codes in the gathers' order, and its sums the deltas take */
 typedef struct {
     int8_t low[2][64], high[2][64]; /* gather h: values 8e + i (low), 8e + 4 + i (high) at byte 4 (e - 16h) + i */
-    int16_t sums[2][32]; /* IQ1_S: -(sum of sub-block t) at sums[0][j], j = 8 (t % 4) + 4 + t / 4 (its
-                            table vector's order), d at words 0, 1; IQ1_M: -7, -9 times the sum of entry
-                            e = 2j (j < 16), 2 (j - 16) + 1 at sums[0][j], sums[1][j] */
+    int16_t sums[32]; /* IQ1_S: -(sum of sub-block t) at sums[j], j = 8 (t % 4) + 4 + t / 4 (its table
+                         vector's order), d at words 0, 1; IQ1_M: -(sum of entry e), e = 2j (j < 16),
+                         2 (j - 16) + 1 */
 } __attribute__((aligned(64))) Iq1X;
 
 AVX512 int64_t iq1_x_bytes(int64_t blocks) { return blocks * (int64_t)sizeof(Iq1X); }
@@ -565,8 +578,8 @@ AVX512 void iq1_s_x(const BlockQ8K *y, int64_t blocks, int8_t *buffer) {
         iq1_codes(y + i, out + i);
         memset(out[i].sums, 0, sizeof out[i].sums);
         for (int t = 0; t < 8; t++)
-            out[i].sums[0][8 * (t % 4) + 4 + t / 4] = (int16_t)(-(y[i].bsums[2 * t] + y[i].bsums[2 * t + 1]));
-        memcpy(out[i].sums[0], &y[i].d, sizeof y[i].d);
+            out[i].sums[8 * (t % 4) + 4 + t / 4] = (int16_t)(-(y[i].bsums[2 * t] + y[i].bsums[2 * t + 1]));
+        memcpy(out[i].sums, &y[i].d, sizeof y[i].d);
     }
 }
 
@@ -578,8 +591,7 @@ AVX512 void iq1_m_x(const BlockQ8K *y, int64_t blocks, int8_t *buffer) {
             const int e = j < 16 ? 2 * j : 2 * (j - 16) + 1;
             int sum = 0;
             for (int v = 0; v < 8; v++) sum += y[i].qs[8 * e + v];
-            out[i].sums[0][j] = (int16_t)(-7 * sum);
-            out[i].sums[1][j] = (int16_t)(-9 * sum);
+            out[i].sums[j] = (int16_t)-sum;
         }
     }
 }
@@ -606,20 +618,39 @@ AVX512 Iq1Constants iq1_constants(const int type) {
     return c;
 }
 
-/* the byte-shuffle tables of an IQ1_S (TYPE 0) or IQ1_M (1) block at x (`picked`: its bytes permuted) for
- * gather h: 8 s code at code c of each lane (IQ1_S: one for both) */
-AVX512 void iq1_tables(const uint8_t *x, __m512i picked, const int type, const Iq1Constants *c, __m512i tables[2]) {
-    const __m512i scales = _mm512_set1_epi64((long long)u64_at(x + 48)); /* IQ1_M's scale words */
-    for (int h = 0; h < 2; h++)
-        tables[h] = type == 0 && h == 1 ? tables[0]
-                                        : _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(c->scale_shifts[h], type ? scales : picked),
-                                                                    c->mask, c->or, 0xEA);
-}
+/* a block's address, its bytes (zero past them where a 64-byte load would leave its row: `whole` says it
+ * stays in it), permuted, and its grid indices: made a block ahead, so its gathers never wait on them */
+typedef struct {
+    const uint8_t *x;
+    __m512i raw, picked, words;
+} Iq1Ahead;
 
-/* a block's 32 grid indices from its permuted bytes: 16-bit words, entry k (low) and 16 + k (high) in
- * int32 lane k, bit 11 the copy */
+/* its 32 grid indices from its permuted bytes: 16-bit words, entry k (low) and 16 + k (high) in int32 lane
+ * k, bit 11 the copy */
 AVX512 __m512i iq1_words(__m512i picked, const Iq1Constants *c) {
     return _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(c->index_shifts, picked), c->low_bits, c->copy, 0xEA);
+}
+
+AVX512 Iq1Ahead iq1_ahead(const uint8_t *x, const int bytes, const int whole, const Iq1Constants *c) {
+    Iq1Ahead a;
+    a.x = x;
+    a.raw = whole ? _mm512_loadu_si512(x) : _mm512_maskz_loadu_epi8((1ULL << bytes) - 1, x);
+    a.picked = _mm512_permutexvar_epi8(c->pick, a.raw);
+    a.words = iq1_words(a.picked, c);
+    return a;
+}
+
+/* IQ1_M's 4 scale words (bytes 48..55) in every qword (loads broadcast: cheaper here than permutes of raw) */
+AVX512 __m512i iq1m_scale_qwords(const uint8_t *x) { return _mm512_set1_epi64((long long)u64_at(x + 48)); }
+
+/* the byte-shuffle tables of an IQ1_S (TYPE 0) or IQ1_M (1) block for gather h: 8 s code at code c of each
+ * lane (IQ1_S: one for both) */
+AVX512 void iq1_tables(const Iq1Ahead *a, const int type, const Iq1Constants *c, __m512i tables[2]) {
+    const __m512i source = type ? iq1m_scale_qwords(a->x) : a->picked;
+    for (int h = 0; h < 2; h++)
+        tables[h] = type == 0 && h == 1 ? tables[0]
+                                        : _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(c->scale_shifts[h], source),
+                                                                    c->mask, c->or, 0xEA);
 }
 
 /* its weights 8 s code: gather h's (entries 16h..16h + 15) values 8e + i (w[2h]) and 8e + 4 + i (w[2h + 1])
@@ -633,87 +664,93 @@ AVX512 void iq1_weights(__m512i words, const __m512i tables[2], __m512i w[4]) {
     }
 }
 
-/* the deltas' terms of block i into each row's lanes, and x's d of each row: IQ1_S's factors s (8 - delta
- * sign) of its 8 sub-blocks (words 8 (t % 4) + 4 + t / 4), from its table vector, by x's negated sums of 32 */
-AVX512 void iq1_s_deltas(__m512i table, const Iq1Constants *c, const int8_t *const *xs, int64_t i, __m512i *sumi,
-                         float *dy, const int n) {
-    const __m512i factors = _mm512_maskz_permutexvar_epi8(0x0500050005000500ULL, table, c->factors);
-    for (int r = 0; r < n; r++) {
-        __m512i sums = _mm512_load_si512(((const Iq1X *)(const void *)xs[r])[i].sums[0]);
-        __asm__("" : "+v"(sums)); /* one load for both uses (gcc would load it twice) */
-        sumi[r] = _mm512_dpwssd_epi32(sumi[r], factors, sums);
-        dy[r] = _mm_cvtss_f32(_mm_castsi128_ps(_mm512_castsi512_si128(sums)));
-    }
+/* an input row's block i: its codes in the gathers' order, its sums the deltas take, its d */
+typedef struct {
+    __m512i codes[4], sums;
+    float dy;
+} Iq1Input;
+
+AVX512 Iq1Input iq1_input(const int8_t *xs, const BlockQ8K *y, int64_t i, const int type) {
+    const Iq1X *X = (const Iq1X *)(const void *)xs + i;
+    Iq1Input in;
+    for (int h = 0; h < 4; h++) in.codes[h] = _mm512_load_si512(h % 2 ? X->high[h / 2] : X->low[h / 2]);
+    in.sums = _mm512_load_si512(X->sums);
+    in.dy = type ? y[i].d : _mm_cvtss_f32(_mm_castsi128_ps(_mm512_castsi512_si128(in.sums)));
+    return in;
 }
 
-/* ... IQ1_M's: each entry's s by x's sums of 8 times -7, or -9 where its delta is negative (bit 3 of its
- * nibble of qh), entries 0, 2, .., 30, then 1, 3, .., 31 */
-AVX512 void iq1_m_deltas(const uint8_t *x, const Iq1Constants *c, const int8_t *const *xs, const BlockQ8K *const *y,
-                         int64_t i, __m512i *sumi, float *dy, const int n) {
-    const __m512i fields = _mm512_multishift_epi64_epi8(c->words, _mm512_set1_epi64((long long)u64_at(x + 48)));
+/* the deltas' factors of a block, by x's negated sums: IQ1_S's s (8 - delta sign) of its 8 sub-blocks (words
+ * 8 (t % 4) + 4 + t / 4), from its table vector; IQ1_M's s (8 - delta sign) of each entry, 0, 2, .., 30,
+ * then 1, 3, .., 31 (the sign bit 3 of its nibble of qh, bytes 32..47) */
+AVX512 __m512i iq1_delta_factors(const Iq1Ahead *a, const __m512i table, const int type, const Iq1Constants *c) {
+    if (type == 0) return _mm512_maskz_permutexvar_epi8(0x0500050005000500ULL, table, c->factors);
+    const __m512i fields = _mm512_multishift_epi64_epi8(c->words, iq1m_scale_qwords(a->x));
     const __m512i scales = _mm512_ternarylogic_epi32(fields, _mm512_set1_epi16(0x000E), _mm512_set1_epi16(1), 0xEA);
     const __m256i sign_bits = _mm256_set_m128i(_mm_set1_epi8((char)0x80), _mm_set1_epi8(0x08));
-    const __mmask32 nine = _mm256_test_epi8_mask(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x + 32))), sign_bits);
+    const __mmask32 nine = _mm256_test_epi8_mask(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(a->x + 32))), sign_bits);
+    return _mm512_mullo_epi16(scales, _mm512_mask_blend_epi16(nine, _mm512_set1_epi16(7), _mm512_set1_epi16(9)));
+}
+
+/* one block i of a weight row against n input rows into their float lanes (`in`: their blocks, loaded for
+ * several weight rows; NULL: loaded here from xs, y): a block's 16 int32 lanes hold 8 times its exact sum
+ * (each block's from zero), times d_w * d_y added by FMA */
+AVX512 void iq1_block(const Iq1Ahead *a, const int type, const Iq1Constants *c, const Iq1Input *in, const int8_t *const *xs,
+                      const BlockQ8K *const *y, int64_t i, __m512 *acc, const int n) {
+    __m512i tables[2], w[4];
+    iq1_tables(a, type, c, tables);
+    const __m512i factors = iq1_delta_factors(a, tables[0], type, c);
+    iq1_weights(a->words, tables, w);
+    /* d: IQ1_S's first 2 bytes, IQ1_M's the top nibbles of its 4 scale words */
+    const float d = type == 0 ? _mm_cvtss_f32(_mm_cvtph_ps(_mm512_castsi512_si128(a->raw)))
+                              : _cvtsh_ss((unsigned short)_pext_u64(u64_at(a->x + 48),
+                                                                    0xF000F000F000F000ULL));
     for (int r = 0; r < n; r++) {
-        const Iq1X *X = (const Iq1X *)(const void *)xs[r] + i;
-        const __m512i sums = _mm512_mask_blend_epi16(nine, _mm512_load_si512(X->sums[0]), _mm512_load_si512(X->sums[1]));
-        sumi[r] = _mm512_dpwssd_epi32(sumi[r], scales, sums);
-        dy[r] = y[r][i].d;
+        const Iq1Input x = in ? in[r] : iq1_input(xs[r], y[r], i, type);
+        __m512i sumi = _mm512_dpwssd_epi32(_mm512_setzero_si512(), factors, x.sums);
+        for (int h = 0; h < 4; h++) sumi = _mm512_dpbusd_epi32(sumi, w[h], x.codes[h]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(d * x.dy), acc[r]);
     }
 }
 
-/* every block of an IQ1_S (TYPE 0) or IQ1_M (1) weight row against n input rows into their float lanes */
-AVX512 void iq1_dot(const uint8_t *row, int64_t blocks, const int type, const int bytes, const int8_t *const *xs,
-                    const BlockQ8K *const *y, __m512 *out, const int n) {
+/* every block of `wide` IQ1_S (TYPE 0) or IQ1_M (1) weight rows (`stride` bytes apart) against n input rows
+ * into their float lanes (out[w n + r]; wide n at most RUN_ROWS): block i of each row in turn, each input
+ * row's block loaded once for them (the loads bound this kernel beside the gathers' 32 a block) */
+AVX512 void iq1_dot(const uint8_t *row, int64_t stride, const int wide, int64_t blocks, const int type, const int bytes,
+                    const int8_t *const *xs, const BlockQ8K *const *y, __m512 *out, const int n) {
     if (blocks < 1) return;
     const Iq1Constants c = iq1_constants(type);
     __m512 acc[RUN_ROWS]; /* in registers: no store in the loop */
-    for (int r = 0; r < n; r++) acc[r] = out[r];
-    /* block i + 1's bytes and indices made during block i: its gathers never wait on them */
-    const __mmask64 block_bytes = (1ULL << bytes) - 1;
-    __m512i next_raw = _mm512_maskz_loadu_epi8(block_bytes, row), next_picked = _mm512_permutexvar_epi8(c.pick, next_raw);
-    __m512i next_words = iq1_words(next_picked, &c);
+    for (int a = 0; a < wide * n; a++) acc[a] = out[a];
+    Iq1Ahead next[RUN_ROWS];
+    for (int w = 0; w < wide; w++) next[w] = iq1_ahead(row + w * stride, bytes, blocks * bytes >= 64, &c);
     for (int64_t i = 0; i < blocks; i++) {
-        const uint8_t *x = row + i * bytes;
-        const __m512i raw = next_raw, picked = next_picked, words = next_words;
-        if (i + 1 < blocks) {
-            prefetch_ahead(x + bytes, 64); /* a block's line, not a row's lines at once */
-            next_raw = _mm512_maskz_loadu_epi8(block_bytes, x + bytes);
-            next_picked = _mm512_permutexvar_epi8(c.pick, next_raw);
-            next_words = iq1_words(next_picked, &c);
+        Iq1Input in[RUN_ROWS];
+        for (int r = 0; r < n && wide > 1; r++) in[r] = iq1_input(xs[r], y[r], i, type);
+        for (int w = 0; w < wide; w++) {
+            const Iq1Ahead now = next[w];
+            const uint8_t *x = row + w * stride + i * bytes;
+            if (i + 1 < blocks) {
+                prefetch_ahead(x + bytes, 128); /* two lines a block: more reads in flight from RAM */
+                next[w] = iq1_ahead(x + bytes, bytes, (blocks - i - 1) * bytes >= 64, &c);
+            }
+            iq1_block(&now, type, &c, wide > 1 ? in : NULL, xs, y, i, acc + w * n, n);
         }
-        __m512i sumi[RUN_ROWS], tables[2], w[4];
-        float dy[RUN_ROWS];
-        for (int r = 0; r < n; r++) sumi[r] = _mm512_setzero_si512();
-        iq1_tables(x, picked, type, &c, tables);
-        if (type == 0) iq1_s_deltas(tables[0], &c, xs, i, sumi, dy, n);
-        else iq1_m_deltas(x, &c, xs, y, i, sumi, dy, n);
-        iq1_weights(words, tables, w);
-        for (int r = 0; r < n; r++) { /* one chain a block (blocks overlap: each starts from zero) */
-            const Iq1X *X = (const Iq1X *)(const void *)xs[r] + i;
-            for (int h = 0; h < 4; h++)
-                sumi[r] = _mm512_dpbusd_epi32(sumi[r], w[h], _mm512_load_si512(h % 2 ? X->high[h / 2] : X->low[h / 2]));
-        }
-        /* d: IQ1_S's first 2 bytes, IQ1_M's the top nibbles of its 4 scale words */
-        const float d = type == 0 ? _mm_cvtss_f32(_mm_cvtph_ps(_mm512_castsi512_si128(raw)))
-                                  : _cvtsh_ss((unsigned short)_pext_u64(u64_at(x + 48), 0xF000F000F000F000ULL));
-        for (int r = 0; r < n; r++) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_set1_ps(d * dy[r]), acc[r]);
     }
-    for (int r = 0; r < n; r++) out[r] = acc[r];
+    for (int a = 0; a < wide * n; a++) out[a] = acc[a];
 }
 
-AVX512 void iq1_s_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, __m512 *acc,
-                        const int n) {
-    iq1_dot(row, blocks, 0, 50, xs, y, acc, n);
+AVX512 void iq1_s_pairs(const uint8_t *row, int64_t stride, const int wide, int64_t blocks, const int8_t *const *xs,
+                        const BlockQ8K *const *y, __m512 *acc, const int n) {
+    iq1_dot(row, stride, wide, blocks, 0, 50, xs, y, acc, n);
 }
 
-AVX512 void iq1_m_pairs(const uint8_t *row, int64_t blocks, const int8_t *const *xs, const BlockQ8K *const *y, __m512 *acc,
-                        const int n) {
-    iq1_dot(row, blocks, 1, 56, xs, y, acc, n);
+AVX512 void iq1_m_pairs(const uint8_t *row, int64_t stride, const int wide, int64_t blocks, const int8_t *const *xs,
+                        const BlockQ8K *const *y, __m512 *acc, const int n) {
+    iq1_dot(row, stride, wide, blocks, 1, 56, xs, y, acc, n);
 }
 
-PREPARED_ROWS(19, iq1_s, 0.125f, iq1_s_x, iq1_x_bytes)
-PREPARED_ROWS(29, iq1_m, 0.125f, iq1_m_x, iq1_x_bytes)
+PREPARED_ROWS(19, iq1_s, 0.125f, iq1_s_x, iq1_x_bytes, 2)
+PREPARED_ROWS(29, iq1_m, 0.125f, iq1_m_x, iq1_x_bytes, 2)
 
 RowKernel iq_avx512_kernel(int ggml_type) {
     if (!HAVE_AVX512()) return NULL;
