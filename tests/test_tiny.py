@@ -188,6 +188,22 @@ def test_a_huge_vocab_is_refused_at_once(tmp_path, flags, message):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--layers", "1"], "--layers: 1 must be >= 2 (a KDA and an MLA layer)"),
+        (["--experts", "4", "--top-k", "5"], "--top-k: 5 must be in 1..n_experts (4)"),
+        (["--shards", "0"], "--shards: 0 must be >= 1"),
+    ],
+)
+def test_a_spec_error_names_the_flag(tmp_path, capsys, flags, message):
+    """make-tiny's users give flags: its refusals name the flag, not the `TinySpec` field behind it."""
+    assert cli.main(["make-tiny", str(tmp_path / "out"), *flags]) == 1
+    error = capsys.readouterr().err.strip()
+    assert error == f"k3stream make-tiny: error: {message}"
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_make_tiny(tmp_path, capsys):
     out = tmp_path / "cli"
     assert cli.main(["make-tiny", str(out), "--layers", "4", "--mla-layers", "1,3", "--q-lora", "none"]) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 from k3stream.commands.flags import finite, positive
 from k3stream.gguf.writer import RECIPES, TinySpec
@@ -63,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --like: the model's vocabulary size (tokenizer padded)",
     )
     for field in dataclasses.fields(TinySpec):
-        flag = FLAG_ALIASES.get(field.name, "--" + field.name.replace("_", "-"))
+        flag = flag_of(field.name)
         extra = {"choices": RECIPES} if field.name == "recipe" else {}
         if field.name == "without":
             extra = {
@@ -85,6 +86,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def flag_of(field_name: str) -> str:
+    return FLAG_ALIASES.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+def in_flag_words(error: ValueError) -> ValueError:
+    """`TinySpec`'s messages name its fields; a make-tiny user knows them as flags."""
+    text = str(error)
+    for field in dataclasses.fields(TinySpec):
+        text = re.sub(rf"\bTinySpec\.{field.name}\b", flag_of(field.name), text)
+    return ValueError(text.replace("TinySpec: ", ""))
+
+
 def spec_from_args(args: argparse.Namespace) -> TinySpec:
     given = {
         field.name: getattr(args, field.name) for field in dataclasses.fields(TinySpec) if field.name in args
@@ -102,6 +115,9 @@ def spec_from_args(args: argparse.Namespace) -> TinySpec:
 
 
 def run(args: argparse.Namespace) -> int:
-    path = make_tiny(args.out_dir, spec_from_args(args))
+    try:
+        path = make_tiny(args.out_dir, spec_from_args(args))
+    except ValueError as error:
+        raise in_flag_words(error) from None
     print(path)
     return 0
