@@ -45,6 +45,14 @@ def test_generate_with_a_cache_reuses_the_last_turn_and_answers_the_same(model, 
     assert (second.token_ids, second.text) == (cold.token_ids, cold.text)
 
 
+def test_one_generated_token_reports_no_decode_rate(model, tokenizer):
+    """With one token, the prefill made it: the report says so instead of 'decode 1 tokens at 0.0 tok/s'."""
+    one = generate(model, tokenizer, tokenizer.encode("A river"), SamplingParams(temperature=0.0, max_tokens=1))
+    line = statistics_lines(one, None, None, 0)[0]
+    assert one.completion_tokens == 1 and "1 token from the prefill, no decode step" in line
+    assert "tok/s (finish" not in line
+
+
 def test_an_answer_stopped_by_its_text_callback_keeps_its_exact_state(model, model_path, tokenizer):
     """`chat`'s Ctrl-C: `on_text` raises StopGeneration at the third piece. The state at the partial
     answer's end is snapshotted: a restore of it gives the cold prefill's logits bit for bit, and the

@@ -18,11 +18,15 @@ def store_snapshot(store: Any) -> dict[str, Any] | None:
 def statistics_lines(result: Any, store: Any, start: dict[str, Any] | None, tokens: int) -> list[str]:
     """Speed, cache hits per tier and pack reads of one generation of `tokens` forwarded tokens."""
     t = result.timings
+    # the first token comes from the prefill: with one token there was no decode step to rate
+    decode = (
+        f"decode {result.completion_tokens} tokens at {t['decode_tokens_per_s']:.1f} tok/s"
+        if result.completion_tokens > 1
+        else f"{result.completion_tokens} token from the prefill, no decode step"
+    )
     lines = [
         f"speed   prefill {result.prompt_tokens - result.cached_tokens} tokens at "
-        f"{t['prefill_tokens_per_s']:.1f} tok/s, "
-        f"decode {result.completion_tokens} tokens at {t['decode_tokens_per_s']:.1f} tok/s "
-        f"(finish: {result.finish_reason})"
+        f"{t['prefill_tokens_per_s']:.1f} tok/s, {decode} (finish: {result.finish_reason})"
     ]
     if store is None or start is None:
         return lines
