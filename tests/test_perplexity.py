@@ -26,6 +26,7 @@ from k3stream.engine.perplexity import (
     text_tokens,
     token_nll,
 )
+from k3stream.gguf.reader import K3Checkpoint
 from llama_logits import llama_logits
 from test_model import f32_rewrite
 
@@ -160,6 +161,17 @@ def test_chunking_follows_llama_perplexity():
     assert plan_chunks(list(range(1000)), 100, chunks=3).n_chunk == 3
     with pytest.raises(ValueError, match="only 150 tokens; a context of 100 needs at least 200"):
         plan_chunks(list(range(150)), 100)
+
+
+@pytest.mark.parametrize("ctx", [3, 100_000])
+def test_a_context_out_of_range_names_perplexitys_own_bounds(model_path, capsys, ctx):
+    """A chunk needs 4 tokens and fits the model's context: the refusal says both (it said 'between 2
+    and ...', the serving floor, at a context too long)."""
+    code, _, err = _run(capsys, model_path, "--file", TEXT, "--ctx", ctx)
+    context = K3Checkpoint.open(model_path).config.context_length
+    assert code == 1
+    bounds = f"between 4 and the model's context length {context}"
+    assert err == f"k3stream perplexity: error: --ctx {ctx} must be {bounds}\n"
 
 
 def test_base_log_probs_round_trip():

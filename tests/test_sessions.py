@@ -47,7 +47,8 @@ def test_generate_with_a_cache_reuses_the_last_turn_and_answers_the_same(model, 
 
 def test_one_generated_token_reports_no_decode_rate(model, tokenizer):
     """With one token, the prefill made it: the report says so instead of 'decode 1 tokens at 0.0 tok/s'."""
-    one = generate(model, tokenizer, tokenizer.encode("A river"), SamplingParams(temperature=0.0, max_tokens=1))
+    one_token = SamplingParams(temperature=0.0, max_tokens=1)
+    one = generate(model, tokenizer, tokenizer.encode("A river"), one_token)
     line = statistics_lines(one, None, None, 0)[0]
     assert one.completion_tokens == 1 and "1 token from the prefill, no decode step" in line
     assert "tok/s (finish" not in line

@@ -75,7 +75,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         args.chunks = None
 
 
-def _plan(args: argparse.Namespace, tokenizer: Any, base: Any) -> Any:
+def _plan(args: argparse.Namespace, tokenizer: Any, base: Any, context_length: int) -> Any:
     from k3stream.engine.perplexity import plan_chunks, text_tokens
 
     ctx = args.ctx or (base.ctx if base is not None else DEFAULT_CTX)
@@ -85,7 +85,7 @@ def _plan(args: argparse.Namespace, tokenizer: Any, base: Any) -> Any:
         tokens, source = text_tokens(tokenizer, text), args.file
     else:
         tokens, source = base.tokens, str(base.path)
-    plan = plan_chunks(tokens, ctx, args.chunks, bos_id=bos, source=source)
+    plan = plan_chunks(tokens, ctx, args.chunks, bos_id=bos, source=source, context_length=context_length)
     _info(
         f"{source}: {len(tokens)} tokens; {plan.n_chunk} chunks of n_ctx={plan.ctx}, "
         f"scoring the last {plan.scored} positions of each"
@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
             inputs = [*opened[0].shards, *[Path(p) for p in (opened[1], args.file) if p is not None]]
             target = file_output(args.kl_divergence_base, "--kl-divergence-base")
             refuse_source_output(target, inputs, "--kl-divergence-base")
-        plan = _plan(args, Tokenizer.from_gguf(opened[0]), base)
+        plan = _plan(args, Tokenizer.from_gguf(opened[0]), base, opened[0].config.context_length)
         args.ctx = plan.ctx  # the memory plan holds one chunk, the largest forward
         if base is not None:
             check_base_matches(base, plan, None, args.file or str(base.path))

@@ -73,10 +73,13 @@ def plan_chunks(
     chunks: int | None = None,
     bos_id: int | None = None,
     source: str = "text",
+    context_length: int | None = None,
 ) -> ChunkPlan:
-    """llama-perplexity's chunking; refuses text shorter than two contexts, as it does."""
-    if ctx < 4:
-        raise ValueError(f"--ctx {ctx}: a context needs at least 4 tokens")
+    """llama-perplexity's chunking; refuses text shorter than two contexts, as it does, and a chunk
+    longer than the model's `context_length` (when given)."""
+    if ctx < 4 or (context_length is not None and ctx > context_length):
+        bound = f"and the model's context length {context_length}" if context_length else "tokens or more"
+        raise ValueError(f"--ctx {ctx} must be between 4 {bound}")
     if chunks is not None and chunks < 1:
         raise ValueError(f"--chunks {chunks}: must be at least 1")
     tokens = np.asarray(tokens, dtype=np.int32)
