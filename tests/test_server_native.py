@@ -262,6 +262,7 @@ def test_n_predict_zero_evaluates_the_prompt_and_keeps_its_state_for_the_next_re
     assert (warm["content"], warm["tokens_predicted"], warm["stop_type"]) == ("", 0, "limit")
     assert warm["timings"]["cache_n"] + warm["timings"]["prompt_n"] == len(ids)
     assert warm["tokens_cached"] == len(ids)
+    assert warm["generation_settings"]["n_predict"] == 0  # the asked 0, not the 1 it samples with
     tail = post(server, "/tokenize", {"content": " and then", "add_special": False}).json()["tokens"]
     longer = [*ids, *tail]
     reused = complete(server, prompt=longer, **GREEDY)

@@ -233,6 +233,14 @@ class NativeResult:
     def error(self, error: APIError) -> LlamaError:
         return LlamaError.of(error)
 
+    def _settings(self) -> dict[str, Any]:
+        """The sampling settings as served; a prompt-only job (`n_predict: 0`) samples with 1 but
+        echoes the 0 it was asked."""
+        settings = {**llama_params(self.job.logic.params), "n_probs": self.body.n_probs}
+        if self.job.prompt_only:
+            settings["n_predict"] = settings["max_tokens"] = 0
+        return settings
+
     def _summary(self, total: Piece, content: str) -> dict[str, Any]:
         """llama-server's final result: `total`'s text and tokens (none in a stream's last chunk, whose
         pieces carried them), then the request's figures."""
@@ -242,7 +250,7 @@ class NativeResult:
             "stop": True,
             "model": self.model,
             "tokens_predicted": logic.completion_tokens,
-            "generation_settings": {**llama_params(logic.params), "n_probs": self.body.n_probs},
+            "generation_settings": self._settings(),
             "prompt": self.prompt,
             "has_new_line": "\n" in content,
             "truncated": False,
