@@ -379,15 +379,17 @@ def test_the_c_kda_step_gives_the_same_bits_on_one_and_two_threads():
     assert not torch.equal(results[0][2], state)  # the state moved
 
 
-@pytest.mark.parametrize("heads, dim, taps", [(8, 128, 4), (3, 24, 2), (2, 16, 1)])
-def test_the_c_kda_recurrence_over_a_sequence_is_its_steps_one_by_one(heads, dim, taps):
+@pytest.mark.parametrize(
+    "heads, dim, taps, length", [(8, 128, 4, 37), (3, 24, 2, 37), (2, 16, 1, 37), (4, 16, 4, 301)]
+)
+def test_the_c_kda_recurrence_over_a_sequence_is_its_steps_one_by_one(heads, dim, taps, length):
     """A prefill's call (one sequence of T rows, heads on two threads) gives the same bits as T decode
     calls of one row: outputs, the state and the conv history (head sizes with and without the eight-row
-    blocks of the delta rule)."""
+    blocks of the delta rule; small heads over enough rows take the threads too)."""
     from k3stream.quant.kernels import cpu
 
     generator = torch.Generator().manual_seed(heads * dim)
-    inner, length = heads * dim, 37
+    inner = heads * dim
     inputs = [torch.randn(length, width, generator=generator) for width in (3 * inner, inner, heads, inner)]
     weights = (
         0.5 * torch.randn(taps, 3 * inner, generator=generator),
@@ -411,7 +413,9 @@ def test_the_c_kda_recurrence_over_a_sequence_is_its_steps_one_by_one(heads, dim
         assert torch.equal(together, one_by_one)
     assert runs[0][2].abs().sum() > 0
     out = torch.empty(length, inner)
-    with pytest.raises(ValueError, match="37 rows, 2 histories and 2 states do not make whole sequences"):
+    with pytest.raises(
+        ValueError, match=f"{length} rows, 2 histories and 2 states do not make whole sequences"
+    ):
         cpu.bind_kda_recurrent(inputs, [history] * 2, [state] * 2, weights, numbers, out, 1)
 
 
@@ -432,11 +436,12 @@ def test_the_c_combine_is_the_torch_weighted_sum(rows, top_k, width):
     assert cpu.combine(pairs, weights, out) is out and torch.equal(out, cpu.combine(pairs, weights))
 
 
-@pytest.mark.parametrize("offset", [0, 1, 37])
+@pytest.mark.parametrize("offset", [0, 1, 37, 4099])
 def test_a_prefills_mla_queries_attend_in_one_call_with_each_decode_steps_bits(offset):
     """The row-exact prefill attention: queries at positions offset.., each over the latent cache up to
     its own, in one call of any count on one thread or two, give each query what a decode step's
-    attention at its position gives, bit for bit."""
+    attention at its position gives, bit for bit (one query over a long cache: its parts on the
+    threads)."""
     generator = torch.Generator().manual_seed(offset)
     queries = torch.randn(50, 4, 40, generator=generator)
     cache = 3 * torch.randn(offset + 50, 40, generator=generator)

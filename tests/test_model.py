@@ -484,6 +484,26 @@ def test_decode_attention_beyond_the_c_size_takes_torch_and_agrees(small_model, 
     assert not calls and relative_error(beyond, in_c) < 1e-5
 
 
+def test_torch_attention_takes_far_weights_as_zero_as_the_c_attention_does():
+    """Scores spanning hundreds (a trained model's): torch's form of the long-cache attention gives a
+    weight 64 or more below the largest score exactly 0 (not a subnormal float) and the others as
+    `torch.softmax` does; its context agrees with the C attention's (whose rule it is) within 1e-6."""
+    from k3stream.model import mla
+    from k3stream.quant.kernels import cpu
+
+    scores = torch.tensor([[0.0, -10.0, -63.9, -64.1, -300.0, float("-inf")], [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
+    weights = mla.softmax_weights(scores)
+    assert torch.equal(weights[0, 3:], torch.zeros(3)) and bool((weights[0, :3] > 0).all())
+    assert relative_error(weights[:, :3], torch.softmax(scores, dim=-1)[:, :3]) < 1e-6
+    assert relative_error(weights[1], torch.softmax(scores[1], dim=-1)) < 1e-6
+    if not cpu.available():
+        pytest.skip(NO_C_KERNELS)
+    generator = torch.Generator().manual_seed(3)
+    query, cache = 3.0 * torch.randn(8, 72, generator=generator), torch.randn(500, 72, generator=generator)
+    by_torch, by_c = mla.torch_attend_one(query, cache, 64, 1.0), cpu.mla_attend(query, cache, 64, 1.0)
+    assert relative_error(by_torch, by_c) < 1e-6
+
+
 def test_kernels_agree_with_the_reference_path(tiny_model):
     """Every product on GGUF blocks (kernels) against the dequantize-first reference, prefill and decode,
     on the audited recipe (Q2_K/Q3_K experts, Q4_0/Q2_K MLA heads) and on F16 weights, with float32

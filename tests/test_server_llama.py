@@ -6,6 +6,7 @@ Tokens are checked against llama.cpp's tokenizer (llama-cpp-python) on the same 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -185,8 +186,10 @@ def test_slots_list_the_one_slot_with_the_running_sequence_and_then_the_last_one
     waiting.start()
     busy = _poll_slots(server, lambda s: isinstance(s, dict), "?fail_on_no_slot=1")  # the one slot runs
     assert busy["error"] == {"code": 503, "message": "no slot available", "type": "unavailable_error"}
+    _poll_metrics(server, {"llamacpp:requests_processing": 1.0, "llamacpp:requests_deferred": 1.0})
     (slot,) = _poll_slots(server, lambda s: s[0]["is_processing"] and s[0]["next_token"][0]["n_decoded"] > 0)
     assert slot["id"] == 0 and slot["n_ctx"] == served.ctx and slot["speculative"] is False
+    assert "prompt" not in slot and "generated" not in slot  # llama-server's texts are off by default
     assert slot["n_prompt_tokens"] == len(served.encode_prompt("Once upon a time"))
     assert slot["n_prompt_tokens_processed"] + slot["n_prompt_tokens_cache"] == slot["n_prompt_tokens"]
     step = slot["next_token"][0]
@@ -198,6 +201,49 @@ def test_slots_list_the_one_slot_with_the_running_sequence_and_then_the_last_one
     assert last["id_task"] > slot["id_task"] and last["params"]["max_tokens"] == 2
     assert last["n_prompt_tokens"] == len(served.encode_prompt("Hi"))
     assert last["next_token"][0]["has_next_token"] is False
+
+
+def test_slots_show_the_prompt_and_generated_text_under_llama_servers_debug_switch(served, monkeypatch):
+    """With `LLAMA_SERVER_SLOTS_DEBUG=1`, as llama-server, each slot also shows its request's prompt (the
+    ids as text, special tokens written out) and the text generated so far; once the request ends, the
+    slot keeps both, the generated text the whole response."""
+    monkeypatch.setenv("LLAMA_SERVER_SLOTS_DEBUG", "1")
+    config = ServerConfig(max_batch=1, guard=GuardConfig(api_key=KEY))
+    debug = ServerThread(create_app(served, config)).start()
+    try:
+        body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+        replies: list = []
+        runner = threading.Thread(target=lambda: replies.append(post(debug, "/v1/completions", body)))
+        runner.start()
+        (slot,) = _poll_slots(debug, lambda s: s[0]["is_processing"] and s[0].get("generated"))
+        runner.join(120)
+        text = replies[0].json()["choices"][0]["text"]
+        (last,) = _poll_slots(debug, lambda s: not s[0]["is_processing"] and "generated" in s[0])
+    finally:
+        debug.stop()
+    prompt = served.tokenizer.decode(served.encode_prompt("Once upon a time"))
+    assert slot["prompt"] == last["prompt"] == prompt and prompt.endswith("Once upon a time")
+    assert slot["generated"] and text.startswith(slot["generated"]) and len(slot["generated"]) < len(text)
+    assert last["generated"] == text and last["next_token"][0]["n_decoded"] == 200
+
+
+@pytest.mark.parametrize("value, shown", [("0", False), ("abc", False), ("2", True), (" 1x", True)])
+def test_the_slots_debug_switch_is_read_as_llama_server_reads_it(monkeypatch, value, shown):
+    """llama-server reads `LLAMA_SERVER_SLOTS_DEBUG` with atoi: leading digits, else 0."""
+    from k3stream.server.slots import slots_debug
+
+    monkeypatch.setenv("LLAMA_SERVER_SLOTS_DEBUG", value)
+    assert slots_debug() is shown
+
+
+def _poll_metrics(server, wanted):
+    for _ in range(3000):  # a bound, not a timing assertion
+        text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text
+        values = {name: float(value) for name, value in re.findall(r"^([\w:]+) (\S+)$", text, re.M)}
+        if all(values.get(name) == value for name, value in wanted.items()):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"/metrics never showed {wanted}: {[values.get(name) for name in wanted]}")
 
 
 def _poll_slots(server, condition, query=""):

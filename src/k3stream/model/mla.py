@@ -31,9 +31,28 @@ C_ATTENTION_MAX_MACS = 1 << 22
 C_ATTENTION_HEADS = 4
 
 
+# a softmax weight exp(d) of a score d below the largest is 0 where d < FAR_SCORE, in C and in torch
+FAR_SCORE = -64.0
+
+
 def c_attention_rows(heads: int, width: int) -> int | float:
     """Cache rows below which one query's attention (heads x width) runs in C (`_attend_one`)."""
     return math.inf if heads <= C_ATTENTION_HEADS else C_ATTENTION_MAX_MACS // (heads * width) + 1
+
+
+def softmax_weights(scores: torch.Tensor) -> torch.Tensor:
+    """The softmax of `scores` over the last dimension with a weight below exp(FAR_SCORE) of the largest
+    as 0, as the C attention takes it (-inf scores included): a trained model's scores span hundreds,
+    and the subnormal floats exp gives far below the largest made the weighted sum's products 5-10x
+    slower (`benchmarks/bench_attention.py`)."""
+    far = (scores - scores.amax(dim=-1, keepdim=True)).clamp(min=FAR_SCORE - 1.0)  # no in-place: autograd
+    weights = torch.exp(far).masked_fill(far < FAR_SCORE, 0.0)
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def torch_attend_one(query: torch.Tensor, cache: torch.Tensor, kv: int, scale: float) -> torch.Tensor:
+    """One query [H, width] over the cache [T, width] by torch's two products -> [H, kv]."""
+    return torch.mm(softmax_weights(torch.mm(query, cache.T) * scale), cache[:, :kv])
 
 
 class HeadProjection:
@@ -354,14 +373,13 @@ class MLA:
         small = cache.shape[0] < c_attention_rows(*query.shape)
         if small and cpu.takes((query, cache)) and cache.shape[1] == query.shape[1]:
             return cpu.mla_attend(query, cache, self.kv_lora, self.scale)
-        probs = torch.softmax(torch.mm(query, cache.T) * self.scale, dim=-1)
-        return torch.mm(probs, cache[:, : self.kv_lora])
+        return torch_attend_one(query, cache, self.kv_lora, self.scale)
 
     def _attend_block(self, queries: torch.Tensor, cache: torch.Tensor, offset: int) -> torch.Tensor:
         scores = torch.einsum("thd,sd->hts", queries, cache) * self.scale
         positions = torch.arange(queries.shape[0], device=cache.device)[:, None] + offset
         future = torch.arange(cache.shape[0], device=cache.device)[None, :] > positions
-        probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        probs = softmax_weights(scores.masked_fill(future, float("-inf")))
         return torch.einsum("hts,sc->thc", probs, cache[:, : self.kv_lora])
 
     def _output(self, context: torch.Tensor, g_logits: torch.Tensor | None) -> torch.Tensor:

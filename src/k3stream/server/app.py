@@ -198,7 +198,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     app.get("/metrics")(api.metrics_text)
     app.include_router(llama_router(served, scheduler, tokenizers))
     app.include_router(native_router(api))
-    app.include_router(slots_router(slots, scheduler, served.ctx, served.prompt_cache, config.slot_save_path))
+    app.include_router(slots_router(slots, scheduler, served, config.slot_save_path))
     if config.webui:
         app.include_router(webui_router())
     return app

@@ -41,11 +41,26 @@ class ServerMetrics:
         )
         self.queue_length = Gauge("k3stream_queue_length", "requests waiting for a batch slot", registry=r)
         self.running = Gauge("k3stream_running_sequences", "sequences in the decode batch", registry=r)
+        # the same two figures under llama-server's names, which scripts written for it read
+        self.llama_deferred = Gauge("llamacpp:requests_deferred", "Number of requests deferred", registry=r)
+        self.llama_processing = Gauge(
+            "llamacpp:requests_processing", "Number of requests processing", registry=r
+        )
         self.batch_size = Histogram(
             "k3stream_decode_batch_size", "sequences per decode step", buckets=BATCH_BUCKETS, registry=r
         )
         if store_stats is not None:
             r.register(ExpertStoreCollector(store_stats))
+
+    def set_waiting(self, waiting: int) -> None:
+        """Requests in the queue (no batch slot yet)."""
+        self.queue_length.set(waiting)
+        self.llama_deferred.set(waiting)
+
+    def set_running(self, running: int) -> None:
+        """Sequences in the batch (prefilling or decoding)."""
+        self.running.set(running)
+        self.llama_processing.set(running)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -272,7 +272,7 @@ class Scheduler:
                 raise QueueFull(f"the request queue is full ({len(self._waiting)} waiting); retry later")
             self._waiting.append(job)
             self.peak_waiting = max(self.peak_waiting, len(self._waiting))
-            self.metrics.queue_length.set(len(self._waiting))
+            self.metrics.set_waiting(len(self._waiting))
             self._wake.notify()
 
     def _waiting_room(self) -> int:
@@ -564,5 +564,5 @@ class Scheduler:
         self._drop_finished()
 
     def _update_gauges(self) -> None:
-        self.metrics.queue_length.set(len(self._waiting))
-        self.metrics.running.set(len(self._running))
+        self.metrics.set_waiting(len(self._waiting))
+        self.metrics.set_running(len(self._running))

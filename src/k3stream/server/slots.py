@@ -8,12 +8,15 @@ tokens to a file under `--slot-save-path`, `restore` puts a file's state back in
 `erase` forgets the slot's tokens (the prompt cache keeps its snapshots: other conversations may share
 them). `GET /slots` lists every slot by that id: the running sequence under it (a request takes a slot
 no other running or queued sequence holds, where there is one), else the figures of the last request
-that finished under it. Errors are llama-server's (`errors.LlamaError`).
+that finished under it; with llama-server's `LLAMA_SERVER_SLOTS_DEBUG` set to a non-zero number in the
+server's environment, also that request's prompt and generated text. Errors are llama-server's
+(`errors.LlamaError`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import threading
 import time
@@ -27,6 +30,7 @@ from k3stream.engine.prompt_cache import PromptCache
 from k3stream.server.bodies import parse_body
 from k3stream.server.endpoints_llama import llama_params
 from k3stream.server.errors import LLAMA_ERROR_TYPES, APIError, LlamaError, not_supported
+from k3stream.server.runtime import ServedModel
 from k3stream.server.scheduler import Job, Scheduler
 
 # characters llama.cpp's fs_validate_filename refuses besides control characters
@@ -42,6 +46,7 @@ class SlotTable:
         self.count = count
         self._tokens: list[list[int]] = [[] for _ in range(count)]
         self._tasks: list[dict[str, Any] | None] = [None] * count
+        self._texts: list[tuple[list[int], str] | None] = [None] * count  # its prompt ids, generated text
         self._used = [0.0] * count
         self._lock = threading.Lock()
 
@@ -67,6 +72,7 @@ class SlotTable:
             with self._lock:
                 self._tokens[job.slot] = job.prompt_tokens + job.generated[:-1]
                 self._tasks[job.slot] = task
+                self._texts[job.slot] = (job.prompt_tokens, job.logic.sequence.text)
                 self._used[job.slot] = time.monotonic()
 
     def tokens(self, slot: int) -> list[int]:
@@ -77,6 +83,11 @@ class SlotTable:
         """llama-server's figures of the last request that finished under `slot` (None: none did)."""
         with self._lock:
             return self._tasks[slot]
+
+    def last_texts(self, slot: int) -> tuple[list[int], str] | None:
+        """The prompt ids and generated text of the last request that finished under `slot`."""
+        with self._lock:
+            return self._texts[slot]
 
     def put(self, slot: int, tokens: list[int]) -> int:
         """Make `tokens` the slot's; the number of tokens it held before."""
@@ -106,14 +117,27 @@ def task_fields(job: Job) -> dict[str, Any]:
     }
 
 
+def slots_debug() -> bool:
+    """llama-server's switch for the slots' texts: `LLAMA_SERVER_SLOTS_DEBUG` read as C's atoi reads it
+    (leading digits, else 0), on where it is not 0."""
+    number = re.match(r"\s*[+-]?\d+", os.environ.get("LLAMA_SERVER_SLOTS_DEBUG", ""))
+    return number is not None and int(number.group()) != 0
+
+
 class SlotList:
     """`GET /slots`: every slot, as llama-server lists its slots: `is_processing` while a running
-    sequence is under it (its figures), else the figures of the last request that ran under it."""
+    sequence is under it (its figures), else the figures of the last request that ran under it; with
+    `texts` (`slots_debug`), that request's `prompt` (its ids as text, special tokens written out) and
+    `generated` text too."""
 
-    def __init__(self, table: SlotTable, scheduler: Scheduler, n_ctx: int) -> None:
+    def __init__(
+        self, table: SlotTable, scheduler: Scheduler, n_ctx: int, tokenizer: Any, texts: bool
+    ) -> None:
         self.table = table
         self.scheduler = scheduler
         self.n_ctx = n_ctx
+        self.tokenizer = tokenizer
+        self.texts = texts
 
     async def list(self, request: Request) -> list[dict[str, Any]]:
         """The slots; with `?fail_on_no_slot` (any value), llama-server's 503 while every slot runs."""
@@ -123,7 +147,19 @@ class SlotList:
                 running.setdefault(job.slot, job)
         if request.query_params.get("fail_on_no_slot") and len(running) == self.table.count:
             raise LlamaError(503, "no slot available", type=LLAMA_ERROR_TYPES[503])
-        return [self._slot(slot, running.get(slot)) for slot in range(self.table.count)]
+        slots = [self._slot(slot, running.get(slot)) for slot in range(self.table.count)]
+        if self.texts:  # a long prompt's text is made off the event loop
+            await asyncio.to_thread(self._add_texts, slots, running)
+        return slots
+
+    def _add_texts(self, slots: list[dict[str, Any]], running: dict[int, Job]) -> None:
+        for entry in slots:
+            job = running.get(entry["id"])
+            texts = (
+                (job.prompt_tokens, job.logic.sequence.text) if job else self.table.last_texts(entry["id"])
+            )
+            if texts is not None:
+                entry["prompt"], entry["generated"] = self.tokenizer.decode(texts[0]), texts[1]
 
     def _slot(self, slot: int, job: Job | None) -> dict[str, Any]:
         base = {"id": slot, "n_ctx": self.n_ctx, "speculative": False, "is_processing": job is not None}
@@ -240,9 +276,9 @@ class SlotActions:
 
 
 def slots_router(
-    table: SlotTable, scheduler: Scheduler, n_ctx: int, cache: PromptCache | None, directory: Path | None
+    table: SlotTable, scheduler: Scheduler, served: ServedModel, directory: Path | None
 ) -> APIRouter:
     router = APIRouter()
-    router.get("/slots")(SlotList(table, scheduler, n_ctx).list)
-    router.post("/slots/{id_slot}")(SlotActions(table, cache, directory).act)
+    router.get("/slots")(SlotList(table, scheduler, served.ctx, served.tokenizer, slots_debug()).list)
+    router.post("/slots/{id_slot}")(SlotActions(table, served.prompt_cache, directory).act)
     return router

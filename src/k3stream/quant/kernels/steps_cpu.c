@@ -262,6 +262,9 @@ INLINE void kda_head_steps(float *mixed, const float *f, const float *dt_bias, c
  * step of 8 heads of 128 on this machine's two vCPUs ran slower on two (0.9 against 0.7 ms a mid
  * token): its compute-bound work barely gains from the second one. */
 #define KDA_PARALLEL_MIN (1 << 20)
+/* A prefill's call (tokens > 1) keeps each head's state in its thread's cache for all its tokens: it
+ * takes the threads from this much (a 644-token prefill of 4 heads of 16 took 0.9 ms a layer on one) */
+#define KDA_PREFILL_PARALLEL_MIN (1 << 16)
 #define CONV_CHUNK 512 /* channels a thread takes of a prefill's conv */
 
 /* The KDA recurrence after the projections, token by token, for B sequences of `tokens` rows each
@@ -276,9 +279,8 @@ CLONES int k3_kda_recurrent(const float *proj, float *const *histories, const fl
                             int64_t batch, int64_t tokens, int64_t heads, int64_t dim, float eps, float scale,
                             float *out, int threads) {
     const int64_t inner = heads * dim, width = 3 * inner;
-    const int teams = threads > 1 && tokens * heads * dim * dim >= KDA_PARALLEL_MIN
-                          ? (threads < heads ? threads : (int)heads)
-                          : 1;
+    const int64_t least = tokens > 1 ? KDA_PREFILL_PARALLEL_MIN : KDA_PARALLEL_MIN;
+    const int teams = threads > 1 && tokens * heads * dim * dim >= least ? (threads < heads ? threads : (int)heads) : 1;
     float *mixed = malloc(sizeof(float) * (size_t)(tokens * width + 2 * dim * teams));
     if (mixed == NULL) return -2;
     float *scratch = mixed + tokens * width;
@@ -342,12 +344,13 @@ INLINE void mix_position(const float *const *rows, int64_t count, int64_t r, int
     }
 }
 
-/* Mixes of at least this many values (a prefill's) take the threads, positions split between them */
-#define MIX_PARALLEL_MIN (1 << 18)
+/* Mixes of two positions or more and at least this many values (a prefill's) take the threads,
+ * positions split between them */
+#define MIX_PARALLEL_MIN (1 << 15)
 
 CLONES int k3_residual_mix(const float *const *rows, int64_t count, int64_t n, int64_t width, const float *score,
                            float eps, float *out, int threads) {
-    const int teams = threads > 1 && count * n * width >= MIX_PARALLEL_MIN ? threads : 1;
+    const int teams = threads > 1 && n > 1 && count * n * width >= MIX_PARALLEL_MIN ? threads : 1;
     double *weights = malloc(sizeof(double) * (size_t)(count * teams));
     if (weights == NULL) return -2;
     if (teams == 1) {
@@ -673,9 +676,14 @@ CLONES_WIDE void k3_mla_attend(const float *query, const float *cache, int64_t l
 /* A prefill's queries [n, heads, width] at positions offset..offset + n - 1, each over the cache rows up
  * to its own (offset + i + 1 rows): out [n, heads, kv], each query's heads as k3_mla_attend computes
  * them for a decode step at that position, bit for bit (`attend_query`), whatever queries come with it.
- * Queries on up to `threads` threads; `scratch`: k3_mla_scratch(offset + n, heads, kv, threads) floats. */
+ * Queries on up to `threads` threads (one query alone: its parts, as k3_mla_attend splits them); `scratch`:
+ * k3_mla_scratch(offset + n, heads, kv, threads) floats. */
 CLONES_WIDE void k3_mla_attend_rows(const float *queries, const float *cache, int64_t offset, int64_t n, int64_t heads,
                                int64_t width, int64_t kv, float scale, float *scratch, float *out, int threads) {
+    if (n == 1) { /* a last-only prefill's query: its parts on the threads, as its decode step's */
+        k3_mla_attend(queries, cache, offset + 1, heads, width, kv, scale, scratch, out, threads);
+        return;
+    }
     const double work = (double)n * (double)heads * (double)(offset + n) * (double)(width + kv);
     const int teams = threads > 1 && work >= (1 << 20) ? threads : 1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(teams) if (teams > 1)
