@@ -76,17 +76,41 @@ def test_a_rows_bits_do_not_depend_on_how_many_rows_go_in_at_once(qt, isa, match
     each_row_alone(grouped, x)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+def test_f32_rows_are_their_decode_steps_at_any_row_count(isa, threads, monkeypatch):
+    """Row-major F32 products of many rows (`f32_gemm.c`: tiles of two input rows by six weight rows,
+    1,024 values of the weight rows at a time, the input rows about 1 MiB at a time): rows of 2,080
+    values (two whole value blocks and part of one), 1,031 outputs (off the tile's six), more input rows
+    than one input block, and a grouped product's rows out of order: every row bit for bit its one-row
+    (decode) result, on one thread and two."""
+    take_kernel_isa(isa, monkeypatch)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(130, 2080)
+        large = weight(T.F32, 1031, 2080, 7)
+        alone = torch.cat([qmatmul(row, large) for row in x.split(1)])
+        for n in (2, 3, 7, 64, 127, 130):
+            assert torch.equal(qmatmul(x[:n], large), alone[:n]), f"{n} rows"
+        others = weight(T.F32, 1031, 2080, 8)
+        order = torch.randperm(130)
+        starts = torch.tensor([0, 61, 130])
+        grouped = grouped_qmatmul(x, [large, others], starts, order)
+        assert torch.equal(grouped[:61], alone[order[:61]])
+        assert torch.equal(grouped[61:], torch.cat([qmatmul(x[i], others)[None] for i in order[61:]]))
+    finally:
+        torch.set_num_threads(threads_before)
+
+
 @pytest.mark.parametrize("recipe", ["ternary", "iq2_xxs", "f32"])
-def test_a_prefills_logits_do_not_depend_on_how_many_tokens_go_in_at_once(tiny_model, recipe, monkeypatch):
-    """Perplexity's `--batch`: a prompt prefilled in pieces of 1 to 64 tokens gives every row the same
-    logits bit for bit through the default products. MLA attends each query as a decode step does (as
-    under `set_row_exact`; its batched attention is torch's matrix products, which round as their
-    query count has them), so that what is held here is the products'."""
+def test_a_prefills_logits_do_not_depend_on_how_many_tokens_go_in_at_once(tiny_model, recipe):
+    """Perplexity's `--batch`: a prompt prefilled in pieces of 1 to 64 tokens (one: its decode steps)
+    gives every row the same logits bit for bit, by default (no `set_row_exact`): every product
+    row-exact, and MLA's queries (four heads) attending in C as their decode steps do."""
     from k3stream.engine.loading import load_runtime
     from k3stream.engine.perplexity import chunk_logits
-    from k3stream.model import mla
 
-    monkeypatch.setattr(mla, "row_exact", lambda: True)
     model = load_runtime(tiny_model(recipe=recipe, hidden=256, latent=256, expert_ff=256)).model
     ids = list(range(5, 5 + max(COUNTS)))
     whole = chunk_logits(model, ids, 0, max(COUNTS))
