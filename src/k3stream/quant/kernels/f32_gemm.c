@@ -5,18 +5,20 @@
  *
  * That kernel's sum of one output: 32 lanes, lane l summing w[k] x[k] over k = l mod 32 in order by FMA
  * from zero (four chains of eight), then hsum8((lanes 0-7 + 8-15) + (16-23 + 24-31)). Here a tile of
- * GEMM_X input rows by GEMM_W weight rows shares each load: every load of x serves GEMM_W outputs, every
- * load of w GEMM_X, and each output still sees its own lanes' operations in the same order (FMAs of one
- * lane in k order, stored and reloaded between passes without rounding; the tile and the pass order
- * only interleave different lanes' chains). A tile's rows past the matrix's repeat its first and are not
- * stored.
+ * GEMM_X (2) input rows by GEMM_W (6) weight rows shares each load: every load of x serves six outputs,
+ * every load of w two, and each output still sees its own lanes' operations in the same order (one
+ * lane's FMAs in k order, parked in memory between K_BLOCKs and reloaded without rounding; the tile and
+ * the pass order only interleave different lanes' chains), then the same final sums. A tile's rows
+ * past the matrix's repeat its first and are not stored.
  *
- * AVX-512: the 32 lanes of one output are two vectors, a tile 3 x 4 outputs (24 accumulators, 14 loads
- * a 32-value step). AVX2 (sixteen registers): one pass per group of eight lanes, a tile 3 x 4 outputs
- * of one group (12 accumulators), the four groups' chains parked in memory between K_BLOCK-value blocks
- * (their data stays in L1 for the four passes). The input rows go in blocks of about X_BLOCK_BYTES
- * (kept in L2 while every weight row of the task passes them). Without AVX2 the portable row kernel
- * (one tile of weights dotted with each row in turn) is row-exact as it is.
+ * AVX-512: an output's 32 lanes are two vectors, a tile's twelve outputs 24 accumulators (16 loads for
+ * 24 FMAs a 32-value step), summed eight outputs at a time in registers (`z_sums`). AVX2 (sixteen
+ * registers): one pass per group of eight lanes (12 accumulators), the groups' lanes parked between
+ * passes, the tile's data in L1 for the four. The six weight rows are packed K_BLOCK values at a time
+ * into one stream (rows 4 KiB apart would share L1 sets), the next ones prefetched a part after each
+ * tile; the input rows go in blocks of about X_BLOCK_BYTES (kept in L2 while every weight row of the
+ * task passes them). Without AVX2 the portable row kernel (a tile of weights dotted with each row in
+ * turn) is row-exact as it is.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -120,22 +122,23 @@ static void pass_rows(const Pass *pass, TileFn tile, int64_t first, int64_t last
     }
 }
 
-/* Output rows first..last - 1 of matrix b against its input rows in blocks of about X_BLOCK_BYTES,
- * packed (kept in L2 while the weight rows pass) */
-static void tiled(const Product *pr, int64_t b, int64_t first, int64_t last, TileFn tile) {
+/* Output rows first..last - 1 of matrix b against its input rows in blocks of about X_BLOCK_BYTES (kept
+ * in L2 while the weight rows pass): 0, or -2 without memory (nothing computed) */
+static int tiled(const Product *pr, int64_t b, int64_t first, int64_t last, TileFn tile) {
     const int64_t start = pr->starts[b], end = pr->starts[b + 1], in = pr->in_features;
     int64_t block = X_BLOCK_BYTES / (4 * in) / GEMM_X * GEMM_X;
     block = block < GEMM_X ? GEMM_X : block;
     const int64_t held = end - start < block ? (end - start + GEMM_X - 1) / GEMM_X * GEMM_X : block;
     const int64_t w_floats = GEMM_W * (in < K_BLOCK ? in : K_BLOCK);
     float *w = aligned_alloc(64, sizeof(float) * (size_t)(w_floats + held / GEMM_X * LANES));
-    if (w == NULL) abort();
+    if (w == NULL) return -2;
     Pass pass = {pr, (const float *)(uintptr_t)pr->addresses[b], w, w + w_floats, 0, 0};
     for (pass.p0 = start; pass.p0 < end; pass.p0 = pass.p1) {
         pass.p1 = end - pass.p0 < block ? end : pass.p0 + block;
         pass_rows(&pass, tile, first, last);
     }
     free(w);
+    return 0;
 }
 
 /* ---- AVX-512: accumulators a<r><c><h>, lanes 16h..16h + 15 of input row r and weight row c ---- */
@@ -210,8 +213,8 @@ AVX512_TARGET __attribute__((noinline)) static void tile_512(const Tile *t) {
     }
 }
 
-static void f32_rows_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) {
-    tiled(pr, b, first, last, tile_512);
+static int f32_rows_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) {
+    return tiled(pr, b, first, last, tile_512);
 }
 
 /* ---- AVX2: one group g of eight lanes at a time, accumulators a<r><c> ---- */
@@ -250,15 +253,15 @@ __attribute__((target("avx2,fma,f16c"), noinline)) static void tile_avx2(const T
     }
 }
 
-static void f32_rows_avx2(const Product *pr, int64_t b, int64_t first, int64_t last) {
-    tiled(pr, b, first, last, tile_avx2);
+static int f32_rows_avx2(const Product *pr, int64_t b, int64_t first, int64_t last) {
+    return tiled(pr, b, first, last, tile_avx2);
 }
 
-RowKernel f32_rows_kernel(int avx512, int avx2) {
+F32RowsKernel f32_rows_kernel(int avx512, int avx2) {
     return avx512 ? f32_rows_avx512 : avx2 ? f32_rows_avx2 : NULL;
 }
 #else
-RowKernel f32_rows_kernel(int avx512, int avx2) {
+F32RowsKernel f32_rows_kernel(int avx512, int avx2) {
     (void)avx512, (void)avx2;
     return NULL;
 }

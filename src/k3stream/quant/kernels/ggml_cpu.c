@@ -1677,7 +1677,7 @@ typedef struct {
     Product pr;
     RowKernel kernel;
     RowKernel q8_tile; /* on 8-bit activations, for a matrix with several input rows (NULL: none) */
-    RowKernel f32_rows; /* row-major F32, for a matrix with several input rows (NULL: none) */
+    F32RowsKernel f32_rows; /* row-major F32, for a matrix with several input rows (NULL: none) */
     int ggml_type;
     WideKernel wide;
     TileKernel tile;
@@ -1813,8 +1813,8 @@ static void run_rows(const Plan *plan, int64_t b, int64_t first, int64_t last) {
     if (pr->starts[b + 1] == pr->starts[b]) return;
     if (plan->q8_tile != NULL && q8_tiles_take(plan->ggml_type, pr->starts[b + 1] - pr->starts[b])) {
         plan->q8_tile(pr, b, first, last);
-    } else if (plan->f32_rows != NULL && pr->starts[b + 1] - pr->starts[b] >= 2) {
-        plan->f32_rows(pr, b, first, last);
+    } else if (plan->f32_rows != NULL && pr->starts[b + 1] - pr->starts[b] >= 2 && plan->f32_rows(pr, b, first, last) == 0) {
+        /* done (without memory for its packed rows, the rows below) */
     } else if (plan->tile != NULL && pr->starts[b + 1] - pr->starts[b] >= TILE_MIN) {
         for (int64_t m = first; m < last; m += TILE_W) plan->tile(pr, b, m, last - m < TILE_W ? (int)(last - m) : TILE_W);
     } else if (plan->wide != NULL) {

@@ -143,8 +143,10 @@ RowKernel q8_kernel_avx512(int ggml_type);
 RowKernel q8_tile_kernel_avx512(int ggml_type);
 
 /* The row-major F32 kernel for several input rows (`f32_gemm.c`): each output bit for bit the one-row
- * kernel's (wide_f32), NULL without AVX2 (the portable row kernel is row-exact as it is) */
-RowKernel f32_rows_kernel(int avx512, int avx2);
+ * kernel's (wide_f32), NULL without AVX2 (the portable row kernel is row-exact as it is); it returns 0,
+ * or -2 without memory for its packed rows (nothing computed) */
+typedef int (*F32RowsKernel)(const Product *, int64_t b, int64_t first, int64_t last);
+F32RowsKernel f32_rows_kernel(int avx512, int avx2);
 
 /* Kernels that decode a weight block once for several input rows (`tiles_cpu.c`): a type's kernel
  * for a matrix with more than one input row (NULL: none; the one-row kernel then takes every row),
