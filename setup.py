@@ -16,6 +16,7 @@ setup(
                 "src/k3stream/quant/kernels/iquants_avx512.c",
                 "src/k3stream/quant/kernels/tiles_cpu.c",
                 "src/k3stream/quant/kernels/kquants_avx512.c",
+                "src/k3stream/quant/kernels/f32_gemm.c",
             ],
             depends=["src/k3stream/quant/kernels/kernels.h"],
             # -fno-trapping-math: a loop computing both sides of a select (the activation's polynomials)

@@ -430,7 +430,7 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
     alternating): its restore; prefills over the restored history of a few new tokens to all of the
     turn's, and cold prefills of a few lengths up to the whole prompt (reuse off's products): a line
     through each gives its fixed cost and its cost per token. Then the turn's new tokens over the
-    restored history with torch's GEMM products (not row-exact: their time only), the prompt-end
+    restored history with MLA's batched attention (not row-exact: its time only), the prompt-end
     snapshot (taken after the first token) and one new token (a pass's own cost)."""
     context = list(workload.system)
     for turn in range(args.turns - 1):
@@ -500,9 +500,9 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
         f"over the history {1e3 * times[('on', 1)]:.2f} ms"
     )
     print(
-        f"  the same {new} tokens over the restored history with torch's GEMM products (for "
-        f"F32 matrices, batched MLA queries; not row-exact): {1e3 * inexact:.1f} ms "
-        f"({inexact / whole_off:.3f}x of reuse off): the row-exact products cost "
+        f"  the same {new} tokens over the restored history with batched MLA queries (torch's "
+        f"products; not row-exact): {1e3 * inexact:.1f} ms "
+        f"({inexact / whole_off:.3f}x of reuse off): row-exact attention costs "
         f"{1e3 * (whole_on - inexact):.1f} ms "
         f"({whole_on / inexact - 1:+.0%})"
     )

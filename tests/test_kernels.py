@@ -15,7 +15,6 @@ from conftest import KERNEL_ISAS, NO_C_KERNELS, take_kernel_isa
 from k3stream.model.layers import rms_norm
 from k3stream.quant import DECODE_ONLY_TYPES, dequantize, quantize
 from k3stream.quant.kernels import (
-    F32_EXPERT_MAX_TOKENS,
     MLP,
     GroupedProduct,
     Products,
@@ -288,10 +287,9 @@ def test_the_one_call_expert_mlp_is_its_three_products_and_activation_bit_for_bi
     assert one_call == ([] if match_ggml and T.Q5_0 in types else [len(x)])
 
 
-def test_f32_experts_of_a_prefill_take_the_c_call_up_to_a_bound_on_its_tokens(monkeypatch):
-    """F32 experts of a step of at most F32_EXPERT_MAX_TOKENS tokens are one C call whose every row is bit
-    for bit that row's decode step and its result in any grouping of the experts (a streamed step's
-    fetch groups); a longer step takes torch's GEMM per product."""
+def test_f32_experts_of_a_prefill_take_one_c_call(monkeypatch):
+    """F32 experts of a step of any length are one C call whose every row is bit for bit that row's
+    decode step and its result in any grouping of the experts (a streamed step's fetch groups)."""
     experts = [Expert(s, T.F32, T.F32, T.F32) for s in range(3)]
     activation = Situ(2.0, 3.0)
     one_call = []
@@ -310,9 +308,6 @@ def test_f32_experts_of_a_prefill_take_the_c_call_up_to_a_bound_on_its_tokens(mo
     slow = expert_mlp(x, experts, STEP_STARTS, STEP_ROWS, activation, backend="reference")
     assert relative_error(prefill, slow) <= 1e-6
     assert one_call == [6, 5, 1, 1, 1, 1, 1, 1, 1]
-    tokens = F32_EXPERT_MAX_TOKENS + 1
-    expert_mlp(torch.randn(tokens, 512), experts, STEP_STARTS, STEP_ROWS, activation)
-    assert len(one_call) == 9
 
 
 @pytest.mark.parametrize("shape", [(1, 1024), (3, 7, 100), (2, 16)])
@@ -565,11 +560,9 @@ def test_prepared_products_are_qmatmul_bit_for_bit(types, match_ggml, monkeypatc
             expected = qmatmul(x, w, match_ggml=match_ggml)
             close = w.ggml_type == T.F32 and relative_error(part, expected) < 1e-6
             assert torch.equal(part, expected) or close
-    # under match_ggml a type without integer kernels (F16) has its inputs rounded in torch first;
-    # F32 products of more than F32_KERNEL_MAX_ROWS rows take torch's
+    # under match_ggml a type without integer kernels (F16) has its inputs rounded in torch first
     rounded_in_torch = match_ggml and T.F16 in types
-    most_direct = 0 if rounded_in_torch else 16 if T.F32 in types else len(inputs[1])
-    expected_calls = [len(x) for x in inputs[:2] if len(x) > most_direct] + [2, 4]
+    expected_calls = [len(x) for x in inputs[:2] if rounded_in_torch] + [2, 4]
     assert through_qmatmul == [rows for rows in expected_calls for _ in weights]
     with pytest.raises(ValueError, match="input has 256 features, the weight expects 512"):
         products(torch.randn(1, 256))
@@ -581,7 +574,7 @@ def test_prepared_products_are_qmatmul_bit_for_bit(types, match_ggml, monkeypatc
 @pytest.mark.parametrize("types", [(T.F32, T.F32, T.F32), (T.Q2_K, T.Q2_K, T.Q3_K), (T.F16, T.Q4_0, T.F32)])
 def test_an_mlp_in_one_call_is_its_three_products_bit_for_bit(types, match_ggml, monkeypatch):
     """`MLP` (the dense and shared-expert MLPs) is one C call for inputs its products take straight to
-    the C kernels (F32: at most 16 rows; under match_ggml, types whose kernels quantize their own
+    the C kernels (any row count; under match_ggml, types whose kernels quantize their own
     activations, or F32 alone) and the three products otherwise: the same values either way."""
     gate, up, down = (
         weight(qt, rows, 256, seed=i) for i, (qt, rows) in enumerate(zip(types, (256, 256, 64), strict=True))
@@ -597,7 +590,7 @@ def test_an_mlp_in_one_call_is_its_three_products_bit_for_bit(types, match_ggml,
         expected = mlp.down(activation(mlp.gate(x), mlp.up(x)))
         assert torch.equal(mlp(x), expected)
     rounded_in_torch = match_ggml and T.F16 in types
-    assert one_call == ([] if rounded_in_torch else [1, 5] if T.F32 in types else [1, 5, 40])
+    assert one_call == ([] if rounded_in_torch else [1, 5, 40])
 
 
 @pytest.mark.parametrize("qt", [T.Q4_0, T.Q2_K, T.F16, T.F32], ids=lambda t: t.name)
@@ -765,46 +758,39 @@ def test_the_portable_kernels_match_the_reference_too():
     assert float(done.stdout.strip().splitlines()[-1]) <= 1e-5
 
 
-def test_f32_mat_vecs_take_the_c_kernel_and_rows_do_not_depend_on_their_company(monkeypatch):
-    """F32 GGUF bytes with at most F32_KERNEL_MAX_ROWS input rows (decode, small batches) go through the
-    C kernel, on every thread; each row's result is the same alone, in a batch and on one thread."""
-    from k3stream.quant.kernels import F32_KERNEL_MAX_ROWS
-
+def test_f32_products_take_the_c_kernel_and_rows_do_not_depend_on_their_company(monkeypatch):
+    """F32 GGUF bytes go through the C kernel at any row count, on every thread; each row's result is
+    the same alone, in a batch and on one thread."""
     w = weight(T.F32, 300, 1024, seed=6)
-    x = torch.randn(F32_KERNEL_MAX_ROWS + 1, 1024)
+    x = torch.randn(40, 1024)
     calls = []
     product = cpu.grouped_product
     monkeypatch.setattr(cpu, "grouped_product", lambda *args: calls.append(len(args[0])) or product(*args))
-    alone = torch.stack([qmatmul(row[None], w)[0] for row in x[:F32_KERNEL_MAX_ROWS]])
-    assert calls == [1] * F32_KERNEL_MAX_ROWS
-    assert torch.equal(qmatmul(x[:F32_KERNEL_MAX_ROWS], w), alone)
+    alone = torch.stack([qmatmul(row[None], w)[0] for row in x])
+    assert calls == [1] * len(x)
+    assert torch.equal(qmatmul(x, w), alone)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         assert torch.equal(qmatmul(x[:5], w), alone[:5])
     finally:
         torch.set_num_threads(threads)
-    assert relative_error(alone, reference(x[:F32_KERNEL_MAX_ROWS], w)) <= 1e-6
-    calls.clear()
-    assert relative_error(qmatmul(x, w), reference(x, w)) <= 1e-6 and calls == []  # torch's GEMM
+    assert relative_error(alone, reference(x, w)) <= 1e-6
 
 
-def test_grouped_f32_products_take_qmatmuls_choice_for_each_matrix():
-    """F32 matrices in one grouped product (MLA's heads in an F32 file): a matrix with at most
-    F32_KERNEL_MAX_ROWS rows gives each row its C mat-vec result, the bits qmatmul gives it alone, in
-    any company; a matrix with more takes torch's GEMM, as qmatmul does."""
-    from k3stream.quant.kernels import F32_KERNEL_MAX_ROWS
-
+def test_grouped_f32_products_give_each_row_its_bits_alone():
+    """F32 matrices in one grouped product (MLA's heads in an F32 file): each row its C mat-vec result,
+    the bits qmatmul gives it alone, in any company and at any row count."""
     weights = [weight(T.F32, 40, 512, seed=s) for s in range(3)]
     x = torch.randn(30, 512)
-    for counts in ([1, 3, 2], [F32_KERNEL_MAX_ROWS, 0, 5], [F32_KERNEL_MAX_ROWS + 4, 2, 7]):
+    for counts in ([1, 3, 2], [16, 0, 5], [20, 2, 7]):
         starts = torch.tensor([0, *np.cumsum(counts)])
         rows = torch.from_numpy(np.random.default_rng(sum(counts)).integers(0, len(x), sum(counts)))
         got = grouped_qmatmul(x, weights, starts, rows)
         for b, w in enumerate(weights):
             mine = slice(int(starts[b]), int(starts[b + 1]))
             assert torch.equal(got[mine], qmatmul(x[rows[mine]], w))
-            if 0 < counts[b] <= F32_KERNEL_MAX_ROWS:
+            if counts[b]:
                 alone = [qmatmul(x[rows[p]][None], w)[0] for p in range(mine.start, mine.stop)]
                 assert torch.equal(got[mine], torch.stack(alone))
             assert counts[b] == 0 or relative_error(got[mine], reference(x[rows[mine]], w)) <= 1e-6

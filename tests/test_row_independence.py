@@ -1,9 +1,7 @@
 """Every supported type, both arithmetics, every kernel ISA: a row's product through the kernel seam
 (`qmatmul`, `Products`, `MLP`, `grouped_qmatmul`, `expert_mlp`) has the bits it has alone, whatever the
-number of rows computed with it (1 to 64: both sides of every row-count threshold the seam has), so a
-prefill's logits do not depend on how many tokens go in at once. F32 matrices hold it up to
-F32_KERNEL_MAX_ROWS rows (a decode batch), and at any count under `set_row_exact` (what snapshots
-need); above it their prefill takes torch's faster GEMM, which rounds as its row count has it."""
+number of rows computed with it (1 to 64: both sides of every row-count threshold the seam has had),
+so a prefill's logits do not depend on how many tokens go in at once."""
 
 from __future__ import annotations
 
@@ -17,17 +15,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from conftest import KERNEL_ISAS, NO_C_KERNELS, take_kernel_isa
 from k3stream.quant import DECODE_ONLY_TYPES, SUPPORTED_TYPES, quantize
-from k3stream.quant.kernels import (
-    MLP,
-    Products,
-    QWeight,
-    Situ,
-    cpu,
-    expert_mlp,
-    grouped_qmatmul,
-    qmatmul,
-    seam,
-)
+from k3stream.quant.kernels import MLP, Products, QWeight, Situ, cpu, expert_mlp, grouped_qmatmul, qmatmul
 from k3stream.testing import ggml_oracle
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=NO_C_KERNELS or "the C kernels are not built")
@@ -53,10 +41,10 @@ class Expert:
     down: QWeight
 
 
-def each_row_alone(product, x: torch.Tensor, counts: tuple[int, ...]) -> None:
-    """product(x[:n]) for every n in counts: row by row the bits of product(that row)."""
+def each_row_alone(product, x: torch.Tensor) -> None:
+    """product(x[:n]) for every n in COUNTS: row by row the bits of product(that row)."""
     alone = torch.cat([product(row) for row in x.split(1)])
-    for n in counts:
+    for n in COUNTS:
         together = product(x[:n])
         assert torch.equal(together, alone[:n]), f"{n} rows: rows differ from their one-row results"
 
@@ -65,25 +53,16 @@ def each_row_alone(product, x: torch.Tensor, counts: tuple[int, ...]) -> None:
 @pytest.mark.parametrize("qt", sorted(SUPPORTED_TYPES), ids=lambda t: T(t).name)
 @pytest.mark.parametrize("isa", KERNEL_ISAS)
 def test_a_rows_bits_do_not_depend_on_how_many_rows_go_in_at_once(qt, isa, match_ggml, monkeypatch):
-    """Each supported type's rows as alone at 1 to 64 rows; F32's up to a decode batch's rows, and at
-    any count under `set_row_exact`."""
-    take_kernel_isa(isa, monkeypatch)
-    if qt == T.F32:
-        each_product_row_alone(qt, match_ggml, tuple(n for n in COUNTS if n <= seam.F32_KERNEL_MAX_ROWS))
-        monkeypatch.setattr(seam._RowExact, "on", True)
-    each_product_row_alone(qt, match_ggml, COUNTS)
-
-
-def each_product_row_alone(qt: T, match_ggml: bool, counts: tuple[int, ...]) -> None:
     """Small matrices (an F32 one input-major in `Products`) and larger ones (row-major), one product,
-    several fused, the one-call MLP, grouped experts: each row as alone at every count."""
+    several fused, the one-call MLP, grouped experts: each row as alone at 1 to 64 rows."""
+    take_kernel_isa(isa, monkeypatch)
     x = torch.randn(max(COUNTS), 512)
     small, large = weight(qt, 64, 512, 1), weight(qt, 288, 512, 2)
-    each_row_alone(lambda rows: qmatmul(rows, large, match_ggml=match_ggml), x, counts)
-    each_row_alone(Products([small], match_ggml=match_ggml), x, counts)
-    each_row_alone(Products([large, small], match_ggml=match_ggml), x, counts)
+    each_row_alone(lambda rows: qmatmul(rows, large, match_ggml=match_ggml), x)
+    each_row_alone(Products([small], match_ggml=match_ggml), x)
+    each_row_alone(Products([large, small], match_ggml=match_ggml), x)
     gate, up, down = (Products([weight(qt, 512, 512, s)], match_ggml=match_ggml) for s in (3, 4, 5))
-    each_row_alone(MLP(gate, up, down, ACTIVATION), x, counts)
+    each_row_alone(MLP(gate, up, down, ACTIVATION), x)
     experts = [Expert(*(weight(qt, 512, 512, 10 * e + s) for s in range(3))) for e in range(2)]
 
     def grouped(rows: torch.Tensor) -> torch.Tensor:
@@ -94,4 +73,46 @@ def each_product_row_alone(qt: T, match_ggml: bool, counts: tuple[int, ...]) -> 
         first = grouped_qmatmul(rows, [e.up for e in experts], starts, order, match_ggml=match_ggml)
         return torch.cat([out, first], dim=1).view(2, n, -1).transpose(0, 1).reshape(n, -1)
 
-    each_row_alone(grouped, x, counts)
+    each_row_alone(grouped, x)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+def test_f32_rows_are_their_decode_steps_at_any_row_count(isa, threads, monkeypatch):
+    """Row-major F32 products of many rows (`f32_gemm.c`: tiles of two input rows by six weight rows,
+    1,024 values of the weight rows at a time, the input rows about 1 MiB at a time): rows of 2,080
+    values (two whole value blocks and part of one), 1,031 outputs (off the tile's six), more input rows
+    than one input block, and a grouped product's rows out of order: every row bit for bit its one-row
+    (decode) result, on one thread and two."""
+    take_kernel_isa(isa, monkeypatch)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(130, 2080)
+        large = weight(T.F32, 1031, 2080, 7)
+        alone = torch.cat([qmatmul(row, large) for row in x.split(1)])
+        for n in (2, 3, 7, 64, 127, 130):
+            assert torch.equal(qmatmul(x[:n], large), alone[:n]), f"{n} rows"
+        others = weight(T.F32, 1031, 2080, 8)
+        order = torch.randperm(130)
+        starts = torch.tensor([0, 61, 130])
+        grouped = grouped_qmatmul(x, [large, others], starts, order)
+        assert torch.equal(grouped[:61], alone[order[:61]])
+        assert torch.equal(grouped[61:], torch.cat([qmatmul(x[i], others)[None] for i in order[61:]]))
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+@pytest.mark.parametrize("recipe", ["ternary", "iq2_xxs", "f32"])
+def test_a_prefills_logits_do_not_depend_on_how_many_tokens_go_in_at_once(tiny_model, recipe):
+    """Perplexity's `--batch`: a prompt prefilled in pieces of 1 to 64 tokens (one: its decode steps)
+    gives every row the same logits bit for bit, by default (no `set_row_exact`): every product
+    row-exact, and MLA's queries (four heads) attending in C as their decode steps do."""
+    from k3stream.engine.loading import load_runtime
+    from k3stream.engine.perplexity import chunk_logits
+
+    model = load_runtime(tiny_model(recipe=recipe, hidden=256, latent=256, expert_ff=256)).model
+    ids = list(range(5, 5 + max(COUNTS)))
+    whole = chunk_logits(model, ids, 0, max(COUNTS))
+    for pieces in COUNTS[:-1]:
+        assert torch.equal(chunk_logits(model, ids, 0, pieces), whole), f"pieces of {pieces} tokens"

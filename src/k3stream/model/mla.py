@@ -342,25 +342,32 @@ class MLA:
     def _attend(self, queries: torch.Tensor, cache: torch.Tensor, offset: int) -> torch.Tensor:
         """Causal attention of queries (positions offset..) over the cache -> latent context [T, H, kv].
 
-        Long prompts go QUERY_BLOCK queries at a time, so the score matrix stays bounded. Under
-        `kernels.row_exact()` each query attends as a decode step's does (`_attend_exact`).
+        The queries whose decode step attends in C (`_attend_one`) get its bits, in one C call, so their
+        rows do not depend on how many tokens go in at once; the rest go QUERY_BLOCK queries at a time
+        through torch's products (which round as their query count has them), so the score matrix stays
+        bounded. Under `kernels.row_exact()` each query attends as a decode step's does (`_attend_exact`).
         """
         if row_exact():
             return self._attend_exact(queries, cache, offset)
-        blocks = range(0, queries.shape[0], QUERY_BLOCK)
-        parts = [
+        in_c = self._c_queries(queries, cache, offset)
+        parts = [cpu.mla_attend_rows(queries[:in_c], cache, offset, self.kv_lora, self.scale)] if in_c else []
+        parts += [
             self._attend_block(queries[i : i + QUERY_BLOCK], cache[: offset + i + QUERY_BLOCK], offset + i)
-            for i in blocks
+            for i in range(in_c, queries.shape[0], QUERY_BLOCK)
         ]
         return torch.cat(parts)
+
+    def _c_queries(self, queries: torch.Tensor, cache: torch.Tensor, offset: int) -> int:
+        """How many of the first queries (positions offset..) attend in C as their decode steps do."""
+        heads, width = queries.shape[1:]
+        by_c = cpu.takes((queries, cache)) and cache.shape[1] == width
+        return min(max(c_attention_rows(heads, width) - 1 - offset, 0), len(queries)) if by_c else 0
 
     def _attend_exact(self, queries: torch.Tensor, cache: torch.Tensor, offset: int) -> torch.Tensor:
         """Each query over the cache up to its own position with a decode step's bits (which then do not
         depend on where the prefill started): those `_attend_one` runs in C in one C call, the rest one
         at a time."""
-        heads, width = queries.shape[1:]
-        by_c = cpu.takes((queries, cache)) and cache.shape[1] == width
-        in_c = min(max(c_attention_rows(heads, width) - 1 - offset, 0), len(queries)) if by_c else 0
+        in_c = self._c_queries(queries, cache, offset)
         parts = [cpu.mla_attend_rows(queries[:in_c], cache, offset, self.kv_lora, self.scale)] if in_c else []
         rest = enumerate(queries[in_c:], in_c)
         parts += [self._attend_one(query, cache[: offset + i + 1])[None] for i, query in rest]

@@ -6,8 +6,6 @@ from . import cpu
 from .seam import (
     BACKENDS,
     F32,
-    F32_EXPERT_MAX_TOKENS,
-    F32_KERNEL_MAX_ROWS,
     MLP,
     ExpertMatrices,
     GroupedProduct,
@@ -30,8 +28,6 @@ from .seam import (
 __all__ = [
     "BACKENDS",
     "F32",
-    "F32_EXPERT_MAX_TOKENS",
-    "F32_KERNEL_MAX_ROWS",
     "MLP",
     "ExpertMatrices",
     "GroupedProduct",

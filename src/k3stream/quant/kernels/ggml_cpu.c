@@ -972,18 +972,6 @@ ALWAYS void tile_rows(const Product *pr, const float *w, const float *mins, int6
     if (mins != NULL) tile_offsets(mins, span, sums, parts, at == 0, nx);
 }
 
-/* [hsum8(v0), hsum8(v1), hsum8(v2), hsum8(v3)]: each the same additions in the same order as hsum8
- * (halves, then lanes i and i + 2, then the two left), four at a time */
-ALWAYS __m128 hsum8_x4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
-    const __m256 halves01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
-    const __m256 halves23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
-    const __m256 pairs = _mm256_add_ps(_mm256_shuffle_ps(halves01, halves23, _MM_SHUFFLE(1, 0, 1, 0)),
-                                       _mm256_shuffle_ps(halves01, halves23, _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(pairs, pairs, _MM_SHUFFLE(2, 0, 2, 0)),
-                                      _mm256_shuffle_ps(pairs, pairs, _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm_unpacklo_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1)); /* 0, 1, 2, 3 */
-}
-
 /* A pair's chains summed as hsum_all sums them, before its hsum8 */
 ALWAYS __m256 parked_chains(const float *parked) {
     const __m256 low = _mm256_add_ps(_mm256_loadu_ps(parked), _mm256_loadu_ps(parked + 8));
@@ -1689,6 +1677,7 @@ typedef struct {
     Product pr;
     RowKernel kernel;
     RowKernel q8_tile; /* on 8-bit activations, for a matrix with several input rows (NULL: none) */
+    F32RowsKernel f32_rows; /* row-major F32, for a matrix with several input rows (NULL: none) */
     int ggml_type;
     WideKernel wide;
     TileKernel tile;
@@ -1781,6 +1770,7 @@ static int plan_product(Plan *plan, const float *x, int64_t in_features, const i
     }
     plan->kernel = kernel;
     plan->q8_tile = q8_activations ? q8_tile_kernel(ggml_type, HAVE_AVX2()) : NULL;
+    plan->f32_rows = ggml_type == 0 ? f32_rows_kernel(HAVE_AVX512(), HAVE_AVX2()) : NULL;
     plan->ggml_type = ggml_type;
     plan->wide = q8_activations ? NULL : wide_kernel(ggml_type);
     /* the tiles expand 256 values at a time (the K-quants' block; F16 and BF16 rows of whole 256s) */
@@ -1823,6 +1813,8 @@ static void run_rows(const Plan *plan, int64_t b, int64_t first, int64_t last) {
     if (pr->starts[b + 1] == pr->starts[b]) return;
     if (plan->q8_tile != NULL && q8_tiles_take(plan->ggml_type, pr->starts[b + 1] - pr->starts[b])) {
         plan->q8_tile(pr, b, first, last);
+    } else if (plan->f32_rows != NULL && pr->starts[b + 1] - pr->starts[b] >= 2 && plan->f32_rows(pr, b, first, last) == 0) {
+        /* done (without memory for its packed rows, the rows below) */
     } else if (plan->tile != NULL && pr->starts[b + 1] - pr->starts[b] >= TILE_MIN) {
         for (int64_t m = first; m < last; m += TILE_W) plan->tile(pr, b, m, last - m < TILE_W ? (int)(last - m) : TILE_W);
     } else if (plan->wide != NULL) {

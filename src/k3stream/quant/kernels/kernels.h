@@ -142,6 +142,12 @@ RowKernel q8_kernel_avx512(int ggml_type);
 /* ... and the multi-row kernels' (Q8_0, Q5_0, Q4_1, Q5_1), each output bit for bit the one-row kernel's */
 RowKernel q8_tile_kernel_avx512(int ggml_type);
 
+/* The row-major F32 kernel for several input rows (`f32_gemm.c`): each output bit for bit the one-row
+ * kernel's (wide_f32), NULL without AVX2 (the portable row kernel is row-exact as it is); it returns 0,
+ * or -2 without memory for its packed rows (nothing computed) */
+typedef int (*F32RowsKernel)(const Product *, int64_t b, int64_t first, int64_t last);
+F32RowsKernel f32_rows_kernel(int avx512, int avx2);
+
 /* Kernels that decode a weight block once for several input rows (`tiles_cpu.c`): a type's kernel
  * for a matrix with more than one input row (NULL: none; the one-row kernel then takes every row),
  * each output bit for bit what the type's one-row kernel on 8-bit activations gives */
@@ -168,6 +174,18 @@ AVX2_INLINE float hsum8(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
+}
+
+/* [hsum8(v0), hsum8(v1), hsum8(v2), hsum8(v3)]: each the same additions in the same order as hsum8
+ * (halves, then lanes i and i + 2, then the two left), four at a time */
+AVX2_INLINE __m128 hsum8_x4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+    const __m256 halves01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
+    const __m256 halves23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
+    const __m256 pairs = _mm256_add_ps(_mm256_shuffle_ps(halves01, halves23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm256_shuffle_ps(halves01, halves23, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(pairs, pairs, _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm256_shuffle_ps(pairs, pairs, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm_unpacklo_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1)); /* 0, 1, 2, 3 */
 }
 
 /* Q3_K's 16 six-bit scales minus 32, from its 12 scale bytes at b + 96, as int8 (q3_k_scale): scale j's

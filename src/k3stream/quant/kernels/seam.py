@@ -34,12 +34,10 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "reference")
 F32 = 0
 FLOAT_WIDTH_TYPES = frozenset({1, 30})  # F16, BF16: one value per "block"
-# F32 products of at most this many rows take the C kernel (`_f32_by_kernel`), more take torch's
-F32_KERNEL_MAX_ROWS = 16
-# F32 routed experts take the C call in steps of at most this many tokens (beyond, torch's GEMM is
-# as fast). Tokens, not rows an expert: a step's fetch groups all see the same count, so streamed and
-# resident runs agree.
-F32_EXPERT_MAX_TOKENS = 512
+# products the C kernels do not take go a row at a time (`_row_at_a_time`): F32 rows off whole 32s
+# (small models' narrow matrices) at any row count, the reference dequantize path up to this many
+# rows; every product the C kernels take is row-exact at any row count
+ROW_AT_A_TIME_MAX_ROWS = 16
 ANY_ROWS = 1 << 62
 # F32 matrices of at most this many bytes go to `Products`' C call as an input-major copy (small
 # models' short rows, whose products are compute-bound); larger ones (a real model's 7168-wide rows,
@@ -50,25 +48,21 @@ INPUT_MAJOR_MAX_BYTES = 1 << 18
 
 
 class _RowExact:
-    """Process-wide: whether F32 products take the C kernel at any row count (`set_row_exact`)."""
+    """Process-wide: whether prefills compute as decode steps do (`set_row_exact`)."""
 
     on = False
 
 
 def set_row_exact(on: bool) -> None:
-    """Make every F32 product on the CPU take the C kernel whatever its row count, so that a row's bits
-    never depend on the rows computed with it (a prefill's row then has a decode step's bits, and a
-    prefill resumed at any position the bits of one from the start: what a restored sequence snapshot
-    needs). Off, prefills of more than F32_KERNEL_MAX_ROWS rows take torch's faster GEMM."""
+    """Make a prefill's row get a decode step's bits (and a prefill resumed at any position the bits of
+    one from the start: what a restored sequence snapshot needs): MLA attends each query as a decode
+    step does, and products off the C kernels go a row at a time at any row count. The C kernels'
+    products are row-exact either way. Off, prefills take the faster batched attention."""
     _RowExact.on = on
 
 
 def row_exact() -> bool:
     return _RowExact.on
-
-
-def _f32_rows_fit(rows: int, limit: int) -> bool:
-    return rows <= limit or _RowExact.on
 
 
 @dataclass(frozen=True)
@@ -162,14 +156,14 @@ def qmatmul(
     flat = x.reshape(-1, x.shape[-1]).float()
     if weight.ggml_type != F32:
         out = grouped_qmatmul(flat, [weight], *_all_rows(flat.shape[0]), backend, match_ggml)
-    elif _f32_by_kernel(len(flat), flat.device, [weight]):
+    elif _f32_by_kernel(flat.device, [weight]):
         out_features, in_features = weight.shape
         out = cpu.grouped_product(
             flat, [weight.data], F32, out_features, 4 * in_features, *_all_rows(len(flat))
         )
     elif weight.data.dtype == torch.uint8:  # GGUF rows the C kernel does not take (widths off its 32s)
         matrix = _f32_matrix(weight, x.device)
-        out = _row_at_a_time(flat, lambda rows: torch.nn.functional.linear(rows, matrix))
+        out = _row_at_a_time(flat, lambda rows: torch.nn.functional.linear(rows, matrix), ANY_ROWS)
     else:  # float parameters (the trainer's): one product autograd follows
         return torch.nn.functional.linear(x.float(), _f32_matrix(weight, x.device))
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -179,13 +173,12 @@ class Products:
     """`qmatmul(x, w, backend, match_ggml)` for each of `weights` (one input width), side by side:
     [N, sum of their output rows]. A linear layer holds one weight, a layer's projections of one input
     several; the model calls them many times (a decode token ~100 calls of a few microseconds of work).
-    A 2-D float32 CPU input that every weight's C kernel takes (at most F32_KERNEL_MAX_ROWS rows where
-    one is F32, any under `set_row_exact`) is one C call with everything that does not depend on x
-    worked out here; anything else goes through qmatmul per weight (which also says what is wrong) and
-    a cat. The C call takes F32 matrices of at most INPUT_MAJOR_MAX_BYTES from an input-major copy made
-    here (`INPUT_MAJOR_F32`: each output's sum one chain over its inputs, so a decode row and a
-    prefill's rows get the same bits, whatever the width, without a row-major kernel's horizontal
-    sums); the same results as qmatmul's but for those, within 1e-6."""
+    A 2-D float32 CPU input that every weight's C kernel takes is one C call with everything that does
+    not depend on x worked out here; anything else goes through qmatmul per weight (which also says
+    what is wrong) and a cat. The C call takes F32 matrices of at most INPUT_MAJOR_MAX_BYTES from an
+    input-major copy made here (`INPUT_MAJOR_F32`: each output's sum one chain over its inputs, so a
+    decode row and a prefill's rows get the same bits, whatever the width, without a row-major
+    kernel's horizontal sums); the same results as qmatmul's but for those, within 1e-6."""
 
     def __init__(self, weights: Sequence[QWeight], backend: str = "auto", match_ggml: bool = False) -> None:
         self.weights = list(weights)
@@ -195,10 +188,10 @@ class Products:
         self.in_features = widths.pop()
         self.out_features = sum(weight.shape[0] for weight in self.weights)
         self.backend, self.match_ggml = backend, match_ggml
-        self._max_rows = min(self._direct_rows(weight) for weight in self.weights)
+        self._c_takes = all(self._c_takes_weight(weight) for weight in self.weights)
         self.widths = [weight.shape[0] for weight in self.weights]
         # the matrices as the C call reads them (kept alive here) and their kernels' type ids
-        direct = self._max_rows > 0
+        direct = self._c_takes
         self._matrices = [_as_c_reads(w) if direct else (w.data, w.ggml_type) for w in self.weights]
         self._arguments = (
             [matrix.data_ptr() for matrix, _ in self._matrices],
@@ -208,18 +201,16 @@ class Products:
             [int(match_ggml and weight.ggml_type in cpu.Q8_TYPES) for weight in self.weights],
         )
 
-    def _direct_rows(self, weight: QWeight) -> int:
-        """The most input rows whose product with `weight` goes straight to the C kernel (0: none do)."""
+    def _c_takes_weight(self, weight: QWeight) -> bool:
+        """Whether products with `weight` go straight to the C kernel (at any row count)."""
         ggml_type = weight.ggml_type
         if self.backend != "auto":
-            return 0
+            return False
         if ggml_type == F32 and weight.data.numel() <= INPUT_MAJOR_MAX_BYTES:
-            return F32_KERNEL_MAX_ROWS if _input_major_takes(weight) else 0
+            return _input_major_takes(weight)
         if not _bytes_for_c(weight):
-            return 0
-        if ggml_type == F32:
-            return F32_KERNEL_MAX_ROWS
-        return ANY_ROWS if _c_kernel_takes(ggml_type, self.in_features, self.match_ggml) else 0
+            return False
+        return ggml_type == F32 or _c_kernel_takes(ggml_type, self.in_features, self.match_ggml)
 
     def role(self) -> cpu.Role:
         """The first matrix as `cpu.expert_mlp` takes it (an F32 one input-major)."""
@@ -248,9 +239,7 @@ class Products:
         return cpu.bind_products(x, self._arguments, out, threads) if self._direct(x) else None
 
     def _direct(self, x: torch.Tensor) -> bool:
-        count, *features = x.shape
-        fits = count <= self._max_rows or (_RowExact.on and self._max_rows > 0)
-        return fits and features == [self.in_features] and cpu.takes((x,))
+        return self._c_takes and list(x.shape[1:]) == [self.in_features] and cpu.takes((x,))
 
 
 def _input_major_takes(weight: QWeight) -> bool:
@@ -284,7 +273,6 @@ class GroupedProduct:
                 _bytes_for_c(w) and (w.ggml_type, w.shape) == (ggml_type, first.shape) for w in self.weights
             )
         )
-        self._most_rows = F32_KERNEL_MAX_ROWS if ggml_type == F32 else ANY_ROWS  # as grouped_qmatmul
         self._datas = [w.data for w in self.weights]
         self._layout = (ggml_type, out_features, row_bytes(ggml_type, in_features))
         self._q8 = match_ggml and ggml_type in cpu.Q8_TYPES
@@ -304,8 +292,7 @@ class GroupedProduct:
         return cpu.bind_grouped_product(x, self._datas, self._layout, starts, rows, out, threads, self._q8)
 
     def _takes(self, x: torch.Tensor, starts: torch.Tensor) -> bool:
-        direct = self._direct and x.ndim == 2 and x.shape[1] == self.in_features and cpu.takes((x,))
-        return direct and (self._most_rows == ANY_ROWS or _f32_rows_fit(_most_rows(starts), self._most_rows))
+        return self._direct and x.ndim == 2 and x.shape[1] == self.in_features and cpu.takes((x,))
 
 
 class MLP:
@@ -321,7 +308,7 @@ class MLP:
         types = [weight.ggml_type for part in parts for weight in part.weights]
         q8 = _q8_flag(types, match_ggml.pop()) if len(match_ggml) == 1 else None
         self._q8 = bool(q8)
-        self._max_rows = min(part._max_rows for part in parts) if single and q8 is not None else 0
+        self._c_takes = single and q8 is not None and all(part._c_takes for part in parts)
         self._roles = tuple(part.role() for part in parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -340,22 +327,14 @@ class MLP:
         return cpu.bind_expert_mlp(x, self._roles, *_all_rows(x.shape[0]), betas, out, threads, self._q8)
 
     def _direct(self, x: torch.Tensor) -> bool:
-        count, *features = x.shape
-        fits = count <= self._max_rows or (_RowExact.on and self._max_rows > 0)
-        return fits and features == [self.gate.in_features] and cpu.takes((x,))
+        return self._c_takes and list(x.shape[1:]) == [self.gate.in_features] and cpu.takes((x,))
 
 
-def _f32_by_kernel(most_rows: int, device: torch.device, weights: Sequence[QWeight]) -> bool:
-    """Whether an F32 product takes the C kernel: GGUF bytes on the CPU, at most F32_KERNEL_MAX_ROWS
-    rows a matrix (a mat-vec reads the weight at the memory's speed, on every thread; torch's is one
-    thread wide and slow at 2-16 rows; with more rows torch's GEMM computes faster)."""
-    fits = _f32_rows_fit(most_rows, F32_KERNEL_MAX_ROWS)
-    return fits and device.type == "cpu" and all(map(_bytes_for_c, weights))
-
-
-def _most_rows(starts: torch.Tensor) -> int:
-    """The most input rows any matrix of a grouped product takes."""
-    return int(starts.diff().max()) if len(starts) > 1 else 0
+def _f32_by_kernel(device: torch.device, weights: Sequence[QWeight]) -> bool:
+    """Whether an F32 product takes the C kernel: GGUF bytes on the CPU, at any row count (each row's
+    sum in one order, so a row's bits do not depend on its company; torch's GEMM rounds as its row
+    count has it)."""
+    return device.type == "cpu" and all(map(_bytes_for_c, weights))
 
 
 def _bytes_for_c(weight: QWeight) -> bool:
@@ -408,8 +387,8 @@ def grouped_qmatmul(
         if backend == "reference"
         else kernel_for(first.ggml_type, x.device, first.shape[1], match_ggml)
     )
-    if kernel == "torch" and _f32_by_kernel(_most_rows(starts), x.device, weights):
-        kernel = "c"  # as qmatmul: few rows a matrix take the C mat-vec, alone or in company
+    if kernel == "torch" and _f32_by_kernel(x.device, weights):
+        kernel = "c"  # as qmatmul
     q8_activations = match_ggml and kernel == "c" and first.ggml_type in cpu.Q8_TYPES
     if match_ggml and not q8_activations:
         x = round_like_ggml(x, first.ggml_type)
@@ -430,11 +409,11 @@ def grouped_qmatmul(
     return _per_matrix(x, weights, starts, rows, kernel)
 
 
-def _row_at_a_time(x: torch.Tensor, product) -> torch.Tensor:
-    """product(x), a row at a time for at most F32_KERNEL_MAX_ROWS rows on the CPU: for products the C
-    kernels do not take, so that a row's bits do not depend on its company (torch's products round as
-    their row count has them)."""
-    if _f32_rows_fit(len(x), F32_KERNEL_MAX_ROWS) and x.device.type == "cpu":
+def _row_at_a_time(x: torch.Tensor, product, most_rows: int = ROW_AT_A_TIME_MAX_ROWS) -> torch.Tensor:
+    """product(x), a row at a time for at most `most_rows` rows on the CPU (any under `set_row_exact`):
+    for products the C kernels do not take, so that a row's bits do not depend on its company (torch's
+    products round as their row count has them)."""
+    if (len(x) <= most_rows or _RowExact.on) and x.device.type == "cpu":
         return torch.cat([product(row) for row in x.split(1)])
     return product(x)
 
@@ -450,7 +429,7 @@ def _per_matrix(x, weights, starts, rows, kernel: str) -> torch.Tensor:
         if bounds[b + 1] == bounds[b]:
             continue
         inputs = x[rows[bounds[b] : bounds[b + 1]].to(x.device)]
-        if kernel == "torch":  # qmatmul's F32 choice per matrix (C for a few rows, else torch's GEMM)
+        if kernel == "torch":  # qmatmul's F32 choice per matrix
             out[bounds[b] : bounds[b + 1]] = qmatmul(inputs, weight)
         else:
             out[bounds[b] : bounds[b + 1]] = _row_at_a_time(
@@ -525,7 +504,7 @@ def bind_chosen_experts(
     experts' matrices), or None where `expert_mlp` would not take them straight to C. `roles` (gate,
     up, down): each role's matrices of all the layer's experts in RAM, as (bytes, bytes per expert,
     GGML type, shape (out, in)), expert e's at e times the bytes per expert."""
-    layouts = [_fused_layout(ggml_type, shape, match_ggml, few_rows=True) for _, _, ggml_type, shape in roles]
+    layouts = [_fused_layout(ggml_type, shape, match_ggml) for _, _, ggml_type, shape in roles]
     q8 = _q8_flag([ggml_type for _, _, ggml_type, _ in roles], match_ggml)
     if backend != "auto" or x.shape[0] != 1 or None in (*layouts, q8) or not cpu.takes((x,)):
         return None
@@ -542,15 +521,14 @@ def _fused_roles(
     x: torch.Tensor, experts: Sequence[ExpertMatrices], match_ggml: bool
 ) -> tuple[cpu.Role, cpu.Role, cpu.Role] | None:
     """The gate, up and down roles for `cpu.expert_mlp`, or None where the step takes the per-product
-    path: off the CPU, under autograd, a role without a C kernel, F32 experts of a step of more than
-    F32_EXPERT_MAX_TOKENS tokens (x's rows), or with `match_ggml` a role whose kernel does not quantize
+    path: off the CPU, under autograd, a role without a C kernel, or with `match_ggml` a role whose
+    kernel does not quantize
     activations itself (its inputs are rounded in torch first) or F32 roles beside quantized ones."""
     if not cpu.takes((x,)):
         return None
     first = experts[0]
     kinds = [(matrix.ggml_type, matrix.shape) for matrix in (first.gate, first.up, first.down)]
-    few_rows = _f32_rows_fit(x.shape[0], F32_EXPERT_MAX_TOKENS)  # a decode step's one row among them
-    layouts = [_fused_layout(ggml_type, shape, match_ggml, few_rows) for ggml_type, shape in kinds]
+    layouts = [_fused_layout(ggml_type, shape, match_ggml) for ggml_type, shape in kinds]
     if None in (*layouts, _q8_flag([ggml_type for ggml_type, _ in kinds], match_ggml)):
         return None
     signature = [kind for kind in kinds for kind in kind]
@@ -568,15 +546,11 @@ def _fused_roles(
 
 
 @functools.lru_cache(maxsize=64)
-def _fused_layout(
-    ggml_type: int, shape: tuple[int, int], match_ggml: bool, few_rows: bool = False
-) -> tuple[int, int] | None:
+def _fused_layout(ggml_type: int, shape: tuple[int, int], match_ggml: bool) -> tuple[int, int] | None:
     """A role's output rows and bytes per row for `cpu.expert_mlp`, or None where it does not take it
-    (see `_fused_roles`). F32 matrices take it for `few_rows` (a decode step's chosen experts, a step of
-    at most F32_EXPERT_MAX_TOKENS tokens), as `qmatmul` sends a few rows of F32 to the C kernel; torch's
-    GEMM is faster for many."""
+    (see `_fused_roles`); F32 matrices of whole 32s take it at any row count, as `qmatmul` does."""
     out_features, in_features = shape
-    f32_rows = few_rows and ggml_type == F32 and in_features % 32 == 0 and cpu.available()
+    f32_rows = ggml_type == F32 and in_features % 32 == 0 and cpu.available()
     if not (f32_rows or _c_kernel_takes(ggml_type, in_features, match_ggml)):
         return None
     return out_features, row_bytes(ggml_type, in_features)
