@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,3 +50,40 @@ def llama_logits(
 def relative_error(ours, reference) -> float:
     ours, reference = np.asarray(ours, dtype=np.float64), np.asarray(reference, dtype=np.float64)
     return float(np.linalg.norm(ours - reference) / np.linalg.norm(reference))
+
+
+# router scores closer than this between the k-th and the next expert: two correct float orders of the
+# same sums (llama.cpp's and ours differ by ~1e-6) may pick either expert, and the logits then part
+ROUTING_TIE = 1e-5
+
+
+@contextmanager
+def _routing_margins(margins: list[float]) -> Iterator[None]:
+    """Records each routing's smallest gap between the chosen k-th score and the next; the choice itself
+    is the model's own (`Routing.choose`, called unchanged)."""
+    import torch
+
+    from k3stream.model import moe
+
+    choose = moe.Routing.choose
+
+    def recording(self: Any, logits: Any, bias: Any) -> Any:
+        if self.top_k < logits.shape[-1]:
+            ranked = torch.topk(torch.sigmoid(logits.float()) + bias, self.top_k + 1, dim=-1).values
+            margins.append(float((ranked[..., -2] - ranked[..., -1]).min()))
+        return choose(self, logits, bias)
+
+    moe.Routing.choose = recording
+    try:
+        yield
+    finally:
+        moe.Routing.choose = choose
+
+
+def routes_near_a_tie(model: Any, tokens: list[int]) -> bool:
+    """Whether the prefill of `tokens` routes some row where two experts' scores are within ROUTING_TIE
+    (a drawn model hypothesis then replaces: no float order decides such a choice)."""
+    margins: list[float] = []
+    with _routing_margins(margins):
+        model.logits(tokens)
+    return min(margins, default=1.0) < ROUTING_TIE

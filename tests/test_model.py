@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import k3stream
@@ -17,7 +17,7 @@ from conftest import NO_C_KERNELS, requires_llama
 from k3stream import LoadOptions
 from k3stream.gguf.layout import OMITTABLE
 from k3stream.model.experts import GGUFExpertSource
-from llama_logits import llama_logits, relative_error
+from llama_logits import llama_logits, relative_error, routes_near_a_tie
 from source_helpers import RecordingSource
 
 TOKENS = 40
@@ -71,6 +71,7 @@ def test_f32_prefill_and_decode_match_llama(tiny_model, tmp_path_factory, shape,
     path = tiny_model(recipe="f32", **SHAPES[shape], **options)
     model = k3stream.load(path)
     tokens = tokens_for(options["seed"], model.config.vocab_size)
+    assume(not routes_near_a_tie(model, tokens))
     (reference,) = llama_logits([(path, tokens)], tmp_path_factory.mktemp("llama"))
     assert relative_error(model.logits(tokens).numpy(), reference) <= 1e-3
     assert relative_error(prefill_then_decode(model, tokens), reference[PREFIX:]) <= 1e-3
@@ -112,6 +113,7 @@ def test_any_shape_matches_llama(tiny_model, tmp_path_factory, spec):
     path = tiny_model(**spec)
     model = k3stream.load(path, FLOAT)
     tokens = tokens_for(spec["seed"], model.config.vocab_size, PREFIX + 6)
+    assume(not routes_near_a_tie(model, tokens))
     out_dir = tmp_path_factory.mktemp("anyshape")
     oracle = path if spec["recipe"] == "f32" else f32_rewrite(path, out_dir)
     (reference,) = llama_logits([(oracle, tokens)], out_dir)
@@ -126,6 +128,7 @@ def test_f16_matches_llama_on_its_f32_rewrite(tiny_model, tmp_path_factory, seed
     path = tiny_model(recipe="f16", **SHAPES[shape], seed=seed)
     model = k3stream.load(path, FLOAT)
     tokens = tokens_for(seed, model.config.vocab_size)
+    assume(not routes_near_a_tie(model, tokens))
     out_dir = tmp_path_factory.mktemp("f16")
     (reference,) = llama_logits([(f32_rewrite(path, out_dir), tokens)], out_dir)
     assert relative_error(model.logits(tokens).numpy(), reference) <= 1e-3
@@ -160,6 +163,7 @@ def test_audited_recipe_matches_llama_on_its_f32_rewrite(tiny_model, tmp_path_fa
     path = tiny_model(**AUDITED, n_experts=8, top_k=4, block_size=block_size, seed=seed)
     model = k3stream.load(path, LoadOptions(match_ggml=False, profile="audited"))
     tokens = tokens_for(seed, model.config.vocab_size)
+    assume(not routes_near_a_tie(model, tokens))
     out_dir = tmp_path_factory.mktemp("audited")
     (reference,) = llama_logits([(f32_rewrite(path, out_dir), tokens)], out_dir)
     assert relative_error(model.logits(tokens).numpy(), reference) <= 1e-3
