@@ -93,6 +93,7 @@ class Loader:
         if load is Load.DEMAND:
             missing = self._wait_for_room(tier, keys)
             waits = {key: tier.join(key) for key in keys if key in tier.loading}
+            self.reader.hurry(list(waits), int(load))  # a prefetch's reads still queued: now demand
             for key in missing:
                 tier.reserve(key, self.pins)
         else:
@@ -166,7 +167,8 @@ class Loader:
         return installed
 
     def _from_below(self, tier: Tier, keys: list[Key], load: Load) -> Iterator[tuple[Key, torch.Tensor]]:
-        """`keys`' host buffers from the tier below `tier` (or the pack), in the order of `keys`."""
+        """`keys`' host buffers from the tier below `tier`, in the order of `keys`, or from the pack, as
+        `PackFile.read_each` yields them (a prefetch's in the order they land)."""
         if tier.below is None:
             yield from self.reader.read_each(keys, priority=int(load))
             return
