@@ -8,7 +8,8 @@ anything but the pinned steps. A prefetch reserves what fits (a hint within SPEC
 tier; the part of a hint beyond that share is not read, and a hint that large fills only free
 slots), keeps its own keys and never waits. The reader threads serve demand loads first, then
 read-ahead, then hints (those filling free slots last). A key already loading is waited for, not
-read again; a demand that waited for a prefetch which failed loads that key itself.
+read again, its reads still queued raised to the waiting load's priority (`ObjectReader.hurry`); a
+demand that waited for a prefetch which failed loads that key itself.
 
 A miss in a tier loads from the tier below it, and a miss in the last tier reads the pack; what a
 prefetch could not fit in the tier below is read from the pack straight through.
