@@ -387,8 +387,8 @@ class LatentMoE:
         """Experts read ahead of the computing: the whole step when the source has no cache, the
         step fits in half its slots (so what is computed and what is read both fit) or it is one
         row's (a decode token: at most top-k experts, all needed now, read back to back from the
-        router on, where a window of a group left the disk idle while the shared expert and the
-        first groups computed); a larger step streams through the cache and reads one group ahead of
+        router on: a window of one group would leave the disk idle while the shared experts and the
+        first groups compute); a larger step streams through the cache and reads one group ahead of
         the one computing, so the slots it does not need keep experts for the next steps (else such
         steps evict every layer's experts at every step)."""
         slots = self.source.max_experts_per_fetch
