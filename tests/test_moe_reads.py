@@ -82,27 +82,6 @@ def test_a_decode_token_whose_experts_all_arrived_is_one_fetch_and_results_do_no
         assert len(fetches) > len(layers)
 
 
-@pytest.mark.parametrize("slots", [4, 6, 7])
-def test_a_decode_token_reads_all_its_experts_ahead_at_once_in_a_cache_under_two_steps(tiny_model, slots):
-    """One row's step (at most top-k experts, all needed now) asks for every expert it lacks at the
-    router, whatever share of the cache that takes, so the reads go on back to back while the shared
-    experts and the first arrivals compute; results do not change."""
-    path = tiny_model(n_layers=4, n_experts=32, top_k=4, seed=8)
-    plain = k3stream.load(path)
-    source = ArrivingSource(GGUFExpertSource(plain.expert_source.checkpoint), 2, slots)
-    model = k3stream.load(path, LoadOptions(expert_source=source, prefetch=False))
-    states = [plain.new_state(), model.new_state()]
-    for each, state in zip((plain, model), states, strict=True):
-        each.prefill(state, [3, 4, 5])
-    source.calls.clear()
-    logits = [each.decode(state, 6) for each, state in zip((plain, model), states, strict=True)]
-    assert torch.equal(*logits)
-    for layer in sorted({layer for _, layer, _ in source.calls}):
-        calls = [(call, experts) for call, at, experts in source.calls if at == layer]
-        assert calls[0][0] == "read_ahead" and len(calls[0][1]) == 4, calls
-        assert all(call == "fetch" for call, _ in calls[1:]), calls
-
-
 class HoldingSource(ArrivingSource):
     """Reads ahead, everything read is ready at once, and the experts `holds` are in RAM from the start."""
 

@@ -384,15 +384,13 @@ class LatentMoE:
         return order, len(asked) + len(resident)
 
     def _read_window(self, count: int) -> int:
-        """Experts read ahead of the computing: the whole step when the source has no cache, the
-        step fits in half its slots (so what is computed and what is read both fit) or it is one
-        row's (a decode token: at most top-k experts, all needed now, read back to back from the
-        router on: a window of one group would leave the disk idle while the shared experts and the
-        first groups compute); a larger step streams through the cache and reads one group ahead of
-        the one computing, so the slots it does not need keep experts for the next steps (else such
-        steps evict every layer's experts at every step)."""
+        """Experts read ahead of the computing: the whole step when the source has no cache or the
+        step fits in half its slots (so what is computed and what is read both fit); a larger step
+        streams through the cache and reads one group ahead of the one computing, so the slots it
+        does not need keep experts for the next steps (else such steps evict every layer's experts
+        at every step)."""
         slots = self.source.max_experts_per_fetch
-        if slots is None or count <= max(slots // 2, min(slots, self.routing.top_k)):
+        if slots is None or count <= slots // 2:
             return count
         return max(1, min(slots // 2, -(-count // GROUPS_PER_STEP)))
 
