@@ -229,3 +229,79 @@ def test_a_failed_constructor_leaves_no_thread_or_file_open(packed, tmp_path):  
             ExpertStore(pack, ram_mib=budget(pack, pack.top_k), record_trace=tmp_path / "missing" / "t.jsonl")
     assert set(threading.enumerate()) <= threads
     assert set(os.listdir("/proc/self/fd")) <= fds
+
+
+def test_a_queued_call_raised_by_hurry_runs_before_those_it_overtakes_and_runs_once():
+    pool = pack_io.PriorityPool(1, "k3stream-test-pool")
+    gate, ran = threading.Event(), []
+    try:
+        pool.submit(0, gate.wait)  # holds the only worker
+        jobs = [pool.submit(2, ran.append, name, tag=name) for name in ("a", "b", "c")]
+        assert pool.hurry("c", 1) == 1
+        assert pool.hurry("c", 1) == 0 and pool.hurry("a", 3) == 0  # already there; never lowered
+        gate.set()
+        for job in jobs:
+            job.result(timeout=DEADLINE_S)
+    finally:
+        gate.set()
+        pool.shutdown()
+    assert ran == ["c", "a", "b"]
+
+
+@pytest.mark.parametrize(("priority", "landed_first"), [(2, True), (0, False)])
+def test_prefetch_reads_are_handed_over_as_they_land_and_demand_reads_in_order(
+    packed,  # noqa: F811
+    priority,
+    landed_first,
+):
+    """A read that `hurry` raised past the one queued before it: a prefetch's (priority > 0) is handed
+    over first, as it landed; a demand read (priority 0) keeps its order (what its fetch admits)."""
+    _, pack = packed
+    layer = pack.moe_layers[0]
+    requests = []
+    for expert in (0, 1):
+        offset, nbytes = pack.object_range(layer, expert)
+        requests.append(ReadRequest(f"expert {expert}", offset, nbytes, np.empty(nbytes, dtype=np.uint8)))
+    file = PackFile(pack.path, io_threads=1, read_splits=1)
+    gate = threading.Event()
+    try:
+        file._pool.submit(-1, gate.wait)  # holds the only reader until both reads are queued
+        handed = Background(lambda: [request.label for request in file.read_each(requests, priority)])
+        wait_until(lambda: len(file._pool._tagged) == 2, "both reads queued")
+        assert file.hurry([requests[1].offset], priority - 1) == 1
+        gate.set()
+        order = handed.result()
+    finally:
+        gate.set()
+        file.close()
+    assert order == (["expert 1", "expert 0"] if landed_first else ["expert 0", "expert 1"])
+    for request in requests:
+        assert request.dest.tobytes() == pack.read_object(layer, int(request.label.split()[1])).tobytes()
+
+
+def test_a_hinted_expert_whose_read_is_still_queued_is_raised_when_a_step_asks_for_it(packed):  # noqa: F811
+    """The step reading ahead (then fetching) an expert a hint queued raises that read to its own
+    priority (read-ahead, then demand), ahead of the reads queued before it; the others keep theirs."""
+    from k3stream.store.loading import Load
+
+    _, pack = packed
+    layer = pack.moe_layers[0]
+    store = ExpertStore(pack, ram_mib=budget(pack, 4 * pack.top_k), io_threads=1, read_splits=1)
+    tagged, gate = store._file._pool._tagged, threading.Event()
+    offsets = [pack.object_range(layer, expert)[0] for expert in (0, 1, 2)]
+    try:
+        store._file._pool.submit(-1, gate.wait)  # holds the only reader
+        store.prefetch(layer, [0, 1, 2])
+        wait_until(lambda: set(offsets) <= set(tagged), "the hint's reads queued")
+        store.read_ahead(layer, [1])
+        fetched = Background(lambda: store.fetch(layer, [2]))
+        wait_until(lambda: [was for was, _ in tagged.get(offsets[2], [])] == [Load.DEMAND], "the fetch")
+        assert [[was for was, _ in tagged[offset]] for offset in offsets[:2]] == [
+            [Load.HINT],
+            [Load.READ_AHEAD],
+        ]
+        gate.set()
+        assert list(fetched.result()) == [2]
+    finally:
+        gate.set()
+        store.close()

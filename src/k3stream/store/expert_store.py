@@ -297,6 +297,8 @@ class ExpertStore:
             self._compute.read_ahead(keys)
             self._pins.pin_ahead(keys)
             missing = self._compute.missing(keys)
+            # a hint's reads of these still queued behind other reads: raised to read-ahead's
+            self._reader.hurry([key for key in keys if key in self._compute.loading], int(Load.READ_AHEAD))
             if missing:
                 self._reader_ahead.submit(self._read_ahead_job, missing)
 

@@ -8,7 +8,8 @@ anything but the pinned steps. A prefetch reserves what fits (a hint within SPEC
 tier; the part of a hint beyond that share is not read, and a hint that large fills only free
 slots), keeps its own keys and never waits. The reader threads serve demand loads first, then
 read-ahead, then hints (those filling free slots last). A key already loading is waited for, not
-read again; a demand that waited for a prefetch which failed loads that key itself.
+read again, its reads still queued raised to the waiting load's priority (`ObjectReader.hurry`); a
+demand that waited for a prefetch which failed loads that key itself.
 
 A miss in a tier loads from the tier below it, and a miss in the last tier reads the pack; what a
 prefetch could not fit in the tier below is read from the pack straight through.
@@ -93,6 +94,7 @@ class Loader:
         if load is Load.DEMAND:
             missing = self._wait_for_room(tier, keys)
             waits = {key: tier.join(key) for key in keys if key in tier.loading}
+            self.reader.hurry(list(waits), int(load))  # a prefetch's reads still queued: now demand
             for key in missing:
                 tier.reserve(key, self.pins)
         else:
@@ -166,7 +168,8 @@ class Loader:
         return installed
 
     def _from_below(self, tier: Tier, keys: list[Key], load: Load) -> Iterator[tuple[Key, torch.Tensor]]:
-        """`keys`' host buffers from the tier below `tier` (or the pack), in the order of `keys`."""
+        """`keys`' host buffers from the tier below `tier`, in the order of `keys`, or from the pack, as
+        `PackFile.read_each` yields them (a prefetch's in the order they land)."""
         if tier.below is None:
             yield from self.reader.read_each(keys, priority=int(load))
             return

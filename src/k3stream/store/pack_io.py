@@ -88,12 +88,27 @@ def prefaulted_buffer(nbytes: int) -> np.ndarray:
     return buffer
 
 
+class _Task:
+    """One queued call: it may sit in the queue twice (`PriorityPool.hurry` queues it again at a
+    better priority), and runs once, from whichever entry a worker takes first."""
+
+    __slots__ = ("future", "function", "args", "tag", "taken")
+
+    def __init__(self, function: Callable | None, args: tuple, tag: object = None) -> None:
+        self.future: Future = Future()
+        self.function, self.args, self.tag = function, args, tag
+        self.taken = False
+
+
 class PriorityPool:
-    """Worker threads that take the lowest priority number first (demand reads overtake prefetches)."""
+    """Worker threads that take the lowest priority number first (demand reads overtake prefetches);
+    a queued call's priority can be raised (`hurry`) while no worker has taken it."""
 
     def __init__(self, workers: int, name: str) -> None:
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
+        self._lock = threading.Lock()  # guards each task's `taken` and `_tagged`
+        self._tagged: dict[object, list[tuple[int, _Task]]] = {}  # queued tasks by tag, with priority
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)
         ]
@@ -103,37 +118,91 @@ class PriorityPool:
     @staticmethod
     def run_here(function: Callable, *args: object) -> Future:
         """Run `function` in the calling thread, its outcome in a finished Future."""
-        future: Future = Future()
-        PriorityPool._run_one((0, 0, future, function, args))
-        return future
+        task = _Task(function, args)
+        PriorityPool._run(task)
+        return task.future
 
-    def submit(self, priority: int, function: Callable, *args: object) -> Future:
-        future: Future = Future()
-        self._queue.put((priority, next(self._order), future, function, args))
-        return future
+    def submit(self, priority: int, function: Callable, *args: object, tag: object = None) -> Future:
+        """Queue `function(*args)`; `tag` names it for `hurry`."""
+        task = _Task(function, args, tag)
+        with self._lock:
+            if tag is not None:
+                self._tagged.setdefault(tag, []).append((priority, task))
+            self._queue.put((priority, next(self._order), task))
+        return task.future
+
+    def hurry(self, tag: object, priority: int) -> int:
+        """Queue again at `priority` the calls tagged `tag` that wait at a worse one and that no worker
+        has taken (each runs once, at the better priority); returns how many."""
+        with self._lock:
+            waiting = self._tagged.get(tag, [])
+            raised = [(priority, task) for was, task in waiting if was > priority and not task.taken]
+            if raised:
+                self._tagged[tag] = [entry for entry in waiting if entry[0] <= priority] + raised
+            for _, task in raised:
+                self._queue.put((priority, next(self._order), task))
+        return len(raised)
 
     def _work(self) -> None:
-        while self._run_one(self._queue.get()):
-            pass
+        while True:
+            task = self._queue.get()[2]
+            if task.function is None:
+                return
+            if self._take(task):
+                self._run(task)
+
+    def _take(self, task: _Task) -> bool:
+        """Claim a queued task for this worker: False when another entry of it was taken first."""
+        with self._lock:
+            if task.taken:
+                return False
+            task.taken = True
+            if task.tag is not None:
+                left = [entry for entry in self._tagged.get(task.tag, []) if entry[1] is not task]
+                if left:
+                    self._tagged[task.tag] = left
+                else:
+                    self._tagged.pop(task.tag, None)
+            return True
 
     @staticmethod
-    def _run_one(item: tuple) -> bool:
-        """Run one queued call; its arguments (read buffers) are released when this frame ends."""
-        _, _, future, function, args = item
-        if function is None:
-            return False
+    def _run(task: _Task) -> None:
+        """Run one task; its arguments (read buffers) are released when the task is dropped."""
         try:
-            future.set_result(function(*args))
+            task.future.set_result(task.function(*task.args))
         except BaseException as exc:  # handed to the waiting reader
-            future.set_exception(exc)
-        return True
+            task.future.set_exception(exc)
+        finally:
+            task.args = ()
 
     def shutdown(self) -> None:
         """Finish the queued reads, then stop the workers."""
         for _ in self._threads:
-            self._queue.put((float("inf"), next(self._order), None, None, ()))
+            self._queue.put((float("inf"), next(self._order), _Task(None, ())))
         for thread in self._threads:
             thread.join()
+
+
+def _as_landed(requests: list[ReadRequest], jobs: dict[int, list[Future]]) -> Iterator[ReadRequest]:
+    """The requests, each once all its ranges' futures (`jobs[id(request)]`) are done, in that order."""
+    landed: queue.SimpleQueue[ReadRequest] = queue.SimpleQueue()
+    lock = threading.Lock()
+    left = {id(request): len(jobs[id(request)]) for request in requests}
+
+    def one_done(request: ReadRequest) -> None:
+        with lock:
+            left[id(request)] -= 1
+            last = not left[id(request)]
+        if last:
+            landed.put(request)
+
+    for request in requests:
+        if not jobs[id(request)]:  # nothing to read (an empty object)
+            landed.put(request)
+        for job in jobs[id(request)]:
+            job.add_done_callback(lambda _job, request=request: one_done(request))
+    for _ in requests:
+        yield landed.get()
 
 
 def _buffered(path: Path) -> int:
@@ -202,9 +271,11 @@ class PackFile:
             pass
 
     def read_each(self, requests: list[ReadRequest], priority: int = 0) -> Iterator[ReadRequest]:
-        """`read`, yielding each request, in the given order, as soon as its bytes are in. The ranges
-        are queued in pack order, so the disk sees one forward sweep; when this ends (consumed, failed
-        or closed early) no read of its requests is still running."""
+        """`read`, yielding each request as soon as its bytes are in: a demand read (priority 0) in
+        the given order (its caller needs every request, and what it admits stays in its order), any
+        other in the order they land (a read raised by `hurry` is not held behind the requests before
+        it). The ranges are queued in pack order, so the disk sees one forward sweep; when this ends
+        (consumed, failed or closed early) no read of its requests is still running."""
         with self._readers:
             if self._closed:
                 raise RuntimeError(f"expert-pack file {self.path} is closed")
@@ -221,7 +292,7 @@ class PackFile:
         jobs = self._submit(requests, priority)
         failure = None
         try:
-            for request in requests:
+            for request in _as_landed(requests, jobs) if priority > 0 else requests:
                 failure = self._failure(request, jobs[id(request)])
                 if failure is not None:
                     break
@@ -244,9 +315,14 @@ class PackFile:
             if len(parts) == 1:  # one small object: read it here, no hand-off
                 job = self._pool.run_here(self._read_range, *part)
             else:
-                job = self._pool.submit(priority, self._read_range, *part)
+                job = self._pool.submit(priority, self._read_range, *part, tag=part[0].offset)
             jobs[id(part[0])].append(job)
         return jobs
+
+    def hurry(self, offsets: list[int], priority: int) -> int:
+        """Raise to `priority` the queued ranges of the requests at these pack offsets (a read a
+        prefetch queued that a step now waits for); returns how many ranges moved."""
+        return sum(self._pool.hurry(offset, priority) for offset in offsets)
 
     def _failure(self, request: ReadRequest, jobs: list[Future]) -> OSError | None:
         """Wait for `request`'s ranges: None, or the error naming the pack and object."""

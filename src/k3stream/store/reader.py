@@ -101,10 +101,11 @@ class ObjectReader:
         return dict(self.read_each(keys, priority))
 
     def read_each(self, keys: list[Key], priority: int) -> Iterator[tuple[Key, torch.Tensor]]:
-        """`read`, yielding each (key, buffer) in the order of `keys` as soon as it is read and checked.
+        """`read`, yielding each (key, buffer) as soon as it is read and checked, in the order
+        `PackFile.read_each` yields them (the order the tiers admit them, which the policies see).
 
-        The reads are queued in pack order, so the disk sees a step's reads as one forward sweep; the
-        buffers come in the requested order (the order the tiers admit them, which the policies see)."""
+        The reads are queued in pack order, so the disk sees a step's reads as one forward sweep; a
+        read raised by `hurry` is handed over when it lands, not after the keys before it."""
         buffers, requests = {}, {}
         for key in keys:
             offset, nbytes = self.pack.object_range(*key)
@@ -118,6 +119,11 @@ class ObjectReader:
                 key = keys_of[id(request)]
                 self._check({key: buffers[key]})
                 yield key, buffers.pop(key)
+
+    def hurry(self, keys: list[Key], priority: int) -> None:
+        """Raise the queued reads of these objects to `priority` (`PackFile.hurry`)."""
+        if keys:
+            self.file.hurry([self.pack.object_range(*key)[0] for key in keys], priority)
 
     def _check(self, buffers: dict[Key, torch.Tensor]) -> None:
         if not self.integrity_checked:
