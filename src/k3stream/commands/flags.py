@@ -459,8 +459,7 @@ def check_cache_flags(args: argparse.Namespace) -> None:
     """A one-line ValueError for cache flags that could not take effect (checked before the model
     loads): a disk budget without a directory, a directory with a budget of 0 (nothing is written), a
     directory with reuse off (`--cache-ram 0`: the RAM tier is where a snapshot is made and restored,
-    so there is no disk-only cache), a directory that
-    cannot be made (it is made here)."""
+    so there is no disk-only cache), a directory that cannot be made (it is made here)."""
     if args.cache_ram < 0 or (args.cache_disk or 0) < 0 or args.cache_every < 1:
         raise ValueError("--cache-ram and --cache-disk must be >= 0, --cache-every >= 1")
     if args.cache_disk is not None and args.cache_dir is None:

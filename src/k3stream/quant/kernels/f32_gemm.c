@@ -197,7 +197,7 @@ Z_INLINE __m256 z_sums(__m512 p0, __m512 p1, __m512 p2, __m512 p3) {
     return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, v));
 }
 
-AVX512_TARGET static inline __attribute__((always_inline)) __m512 z_lanes(const Tile *t, const float *at) {
+Z_INLINE __m512 z_lanes(const Tile *t, const float *at) {
     return t->first ? _mm512_setzero_ps() : _mm512_loadu_ps(at);
 }
 

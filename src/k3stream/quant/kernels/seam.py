@@ -191,8 +191,7 @@ class Products:
         self._c_takes = all(self._c_takes_weight(weight) for weight in self.weights)
         self.widths = [weight.shape[0] for weight in self.weights]
         # the matrices as the C call reads them (kept alive here) and their kernels' type ids
-        direct = self._c_takes
-        self._matrices = [_as_c_reads(w) if direct else (w.data, w.ggml_type) for w in self.weights]
+        self._matrices = [_as_c_reads(w) if self._c_takes else (w.data, w.ggml_type) for w in self.weights]
         self._arguments = (
             [matrix.data_ptr() for matrix, _ in self._matrices],
             [kind for _, kind in self._matrices],
@@ -522,8 +521,8 @@ def _fused_roles(
 ) -> tuple[cpu.Role, cpu.Role, cpu.Role] | None:
     """The gate, up and down roles for `cpu.expert_mlp`, or None where the step takes the per-product
     path: off the CPU, under autograd, a role without a C kernel, or with `match_ggml` a role whose
-    kernel does not quantize
-    activations itself (its inputs are rounded in torch first) or F32 roles beside quantized ones."""
+    kernel does not quantize activations itself (its inputs are rounded in torch first) or F32 roles
+    beside quantized ones."""
     if not cpu.takes((x,)):
         return None
     first = experts[0]
