@@ -5,6 +5,8 @@ snapshot create/restore ms and bytes per tier; then a restart from the same --ca
         [--tool-tokens 300,1000] [--answer-tokens 16] [--cache-every 1024] [--threads 2]
         [--every-sweep 256,1024,4096] [--stall-tokens 4096] [--prefill-chunk 256] [--stall-runs 3]
         [--stalls-only] [--beyond-ram LIMIT [--ratio 2.5]]
+        [--shared-clients 4 [--shared-tokens 768] [--suffix-tokens 64,192] [--cache-share N] [--rounds 3]
+         [--share-sweep 16,32,64,128,256]]
 
 The workload is an agent harness that keeps its token ids: a system prompt with tool schemas of
 `--system-tokens` tokens; each turn appends a tool output of 300-1000 tokens (seeded) and the chat
@@ -19,6 +21,16 @@ process (`--stalls-only`: that alone). The last lines give, by arithmetic from t
 rate, the bytes and ms of one snapshot of Kimi-K3 at its real dimensions and how many sessions a RAM
 budget holds.
 
+`--shared-clients N` runs only this: N clients at once send prompts that share a `--shared-tokens`
+prefix no snapshot holds (a new one each round) and differ in a suffix of `--suffix-tokens` tokens, to
+`k3stream serve` on the shipped model in its own process (`--prefill-chunk` 512, serve's default, and
+`--max-batch N`), with in-batch prefix sharing on (`--cache-share`, default serve's) and off
+(`--cache-share 0`), the prompt cache on in both, a round of each in turn: per client its TTFT, the time
+to all first tokens, the prompt tokens the server computed (/metrics) and whether every answer (text and
+logprobs) is the same with sharing on and off. `--share-sweep` times instead the scheduler alone (in
+this process, no HTTP: the requests queued together, so every one finds the first one's prefill
+running) for each prefix length given, sharing on (`--cache-share 1`) and off: the threshold's measure.
+
 `--beyond-ram LIMIT` runs the session instead on bench_beyond_ram.py's model (512 experts top-8, its
 audited experts >= --ratio x LIMIT, written once into its cache), its experts streaming from the pack,
 in a child memory cgroup of LIMIT (the model files' page cache dropped first), planned as `k3stream serve
@@ -31,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
 import random
@@ -314,11 +327,20 @@ def main() -> None:
     )
     parser.add_argument("--ratio", type=float, default=2.5, help="--beyond-ram: model bytes / limit")
     parser.add_argument("--pack", default=None, help=argparse.SUPPRESS)  # the cgroup's child: its pack
+    parser.add_argument("--shared-clients", type=int, default=0, help="clients sharing a prefix (0: skip)")
+    parser.add_argument("--shared-tokens", type=int, default=768, help="--shared-clients: the prefix")
+    parser.add_argument("--suffix-tokens", default="64,192", help="--shared-clients: each one's own part")
+    parser.add_argument("--cache-share", type=int, default=None, help="--shared-clients: serve's, on")
+    parser.add_argument("--rounds", type=int, default=3, help="--shared-clients: rounds of on and off")
+    parser.add_argument("--share-sweep", default="", help="--shared-clients: prefix lengths, scheduler only")
     args = parser.parse_args()
     if args.beyond_ram and args.pack is None:
         beyond_ram(args)
         return
     torch.set_num_threads(args.threads)
+    if args.shared_clients:
+        share_sweep(args) if args.share_sweep else shared_prefixes(args)
+        return
     if args.stalls_only:
         stalls(args)
         return
@@ -880,6 +902,183 @@ def shared_reads(args) -> None:
         f"four at once {per_token[1] / 1024:.1f} KiB ({per_token[1] / per_token[0]:.2f}x; "
         f"{passes} shared passes)"
     )
+
+
+@dataclass
+class SharedRound:
+    ttfts: list[float]  # each client's, from its request
+    served: list[float]  # each client's first token from the server's first (empty) chunk: its intake
+    all_first_s: float  # from the round's start to the last client's first token
+    computed: int  # prompt tokens the server computed (/metrics)
+    answers: list[tuple[str, list[float]]]  # each client's text and logprobs
+
+
+def shared_prefixes(args) -> None:
+    """`--shared-clients` clients at once, their prompts sharing a prefix no snapshot holds, against
+    `k3stream serve` with in-batch prefix sharing on and off (two servers, a round of each in turn)."""
+    from k3stream.server.live import ServerProcess
+
+    tokenizer = Tokenizer.from_gguf(args.model)
+    low, high = (int(x) for x in args.suffix_tokens.split(","))
+    serve_args = ["--threads", str(args.threads), "--max-batch", str(args.shared_clients)]
+    serve_args += ["--cache-ram", f"{args.cache_ram:g}"]
+    share = [] if args.cache_share is None else ["--cache-share", str(args.cache_share)]
+    results: dict[str, list[SharedRound]] = {"on": [], "off": []}
+    with tempfile.TemporaryDirectory() as directory:
+        on = ServerProcess(args.model, *serve_args, *share, log_path=Path(directory) / "on.log")
+        off = ServerProcess(
+            args.model, *serve_args, "--cache-share", "0", log_path=Path(directory) / "off.log"
+        )
+        with on, off:
+            for round_ in range(args.rounds):
+                prompts = _shared_prompts(tokenizer, args, random.Random(args.seed + round_), low, high)
+                order = [("on", on), ("off", off)][:: 1 if round_ % 2 == 0 else -1]
+                for mode, server in order:
+                    results[mode].append(_shared_round(server.url, prompts, args.answer_tokens))
+    lengths = [len(p) for p in _shared_prompts(tokenizer, args, random.Random(args.seed), low, high)]
+    print(
+        f"{args.shared_clients} clients at once sharing a {args.shared_tokens}-token prefix (their prompts "
+        f"{lengths} tokens in round 1), `k3stream serve {args.model} {' '.join(serve_args)}`; sharing "
+        f"on ({' '.join(share) or 'its default'}) and off (--cache-share 0), a round of each in turn, a "
+        f"new prefix each round:"
+    )
+    for mode in ("on", "off"):
+        for index, got in enumerate(results[mode]):
+            ttfts = ", ".join(f"{1e3 * t:.0f}" for t in got.ttfts)
+            served = ", ".join(f"{1e3 * t:.0f}" for t in got.served)
+            print(
+                f"  {mode:>3} round {index + 1}: computed {got.computed:5d} prompt tokens; TTFT per client "
+                f"{ttfts} ms ({served} from the server's first chunk); all first tokens "
+                f"{1e3 * got.all_first_s:.0f} ms"
+            )
+    best = {mode: min(r.all_first_s for r in rounds) for mode, rounds in results.items()}
+    last = {mode: min(max(r.served) for r in rounds) for mode, rounds in results.items()}
+    computed = {mode: sum(r.computed for r in rounds) for mode, rounds in results.items()}
+    same = all(a.answers == b.answers for a, b in zip(results["on"], results["off"], strict=True))
+    print(
+        f"  all first tokens (least of {args.rounds}): on {1e3 * best['on']:.0f} ms, off "
+        f"{1e3 * best['off']:.0f} ms ({best['on'] / best['off']:.2f}x), the last from the server's first "
+        f"chunk on {1e3 * last['on']:.0f} ms, off {1e3 * last['off']:.0f} ms "
+        f"({last['on'] / last['off']:.2f}x); prompt tokens computed on/off "
+        f"{computed['on'] / computed['off']:.2f}x; answers (text and logprobs) equal on and off: {same}"
+    )
+
+
+def share_sweep(args) -> None:
+    """For each `--share-sweep` prefix length, --shared-clients requests queued together on a scheduler
+    over the shipped model (no HTTP), sharing on and off in turn, --rounds each: the least wall time to
+    the last first token and the least CPU time (all threads) of a round."""
+    import asyncio
+
+    from k3stream.engine.generate import Sequence
+    from k3stream.engine.sampling import SamplingParams
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import EventSink, Job, Scheduler
+
+    model, tokenizer = k3stream.load(args.model), Tokenizer.from_gguf(args.model)
+    low, high = (int(x) for x in args.suffix_tokens.split(","))
+    cache = PromptCache(model, "sweep", int(args.cache_ram * MIB))
+    loop, greedy = asyncio.new_event_loop(), SamplingParams(temperature=0.0, max_tokens=1)
+
+    def run(prompts: list[list[int]], share: int) -> tuple[float, float]:
+        scheduler = Scheduler(model, ServerMetrics(), max_batch=len(prompts), max_queue=0, cache=cache,
+                              share_tokens=share)  # fmt: skip
+        jobs = [Job(ids, Sequence(tokenizer, ids, greedy), EventSink(loop)) for ids in prompts]
+        start, cpu = time.perf_counter(), time.process_time()
+        for job in jobs:
+            scheduler.submit(job)
+        scheduler.start()
+        while not all(job.logic.finish_reason for job in jobs):
+            time.sleep(0.0005)
+        took = (max(job.last_token_at for job in jobs) - start, time.process_time() - cpu)
+        scheduler.stop()
+        return took
+
+    print(
+        f"{args.shared_clients} requests queued together on the scheduler (no HTTP; {args.threads} "
+        f"threads, chunks of {DEFAULT_PREFILL_CHUNK}), suffixes {args.suffix_tokens} tokens; least of "
+        f"{args.rounds} rounds, a new prefix each, sharing on (--cache-share 1) and off in turn:"
+    )
+    for length in (int(x) for x in args.share_sweep.split(",")):
+        sized = argparse.Namespace(**{**vars(args), "shared_tokens": length})
+        times: dict[int, list[tuple[float, float]]] = {1: [], 0: []}
+        for round_ in range(args.rounds):
+            for share in (1, 0) if round_ % 2 == 0 else (0, 1):  # a new prefix for each: no snapshot
+                rng = random.Random(args.seed + 1000 * length + 2 * round_ + share)
+                times[share].append(run(_shared_prompts(tokenizer, sized, rng, low, high), share))
+        (on_wall, on_cpu), (off_wall, off_cpu) = (
+            (min(w for w, _ in times[s]), min(c for _, c in times[s])) for s in (1, 0)
+        )
+        print(
+            f"  prefix {length:5d}: all first tokens on {1e3 * on_wall:6.1f} ms, off {1e3 * off_wall:6.1f} "
+            f"ms ({on_wall / off_wall:.2f}x); CPU on {1e3 * on_cpu:6.1f} ms, off {1e3 * off_cpu:6.1f} ms "
+            f"({on_cpu / off_cpu:.2f}x)"
+        )
+    cache.close()
+    loop.close()
+
+
+def _shared_prompts(tokenizer: Tokenizer, args, rng: random.Random, low: int, high: int) -> list[list[int]]:
+    """A prefix of --shared-tokens and, per client, a suffix of low..high tokens (from `rng`)."""
+
+    def words(count: int) -> list[int]:
+        ids: list[int] = []
+        while len(ids) < count:
+            ids += tokenizer.encode(" " + " ".join(rng.choices(WORDS, k=count)))
+        return ids[:count]
+
+    prefix = words(args.shared_tokens)
+    return [prefix + words(rng.randint(low, high)) for _ in range(args.shared_clients)]
+
+
+def _shared_round(url: str, prompts: list[list[int]], answer_tokens: int) -> SharedRound:
+    """The prompts sent at once (streamed, greedy, logprobs): each client's TTFT, the time to the last
+    first token, the server's computed prompt tokens and the answers."""
+    import threading
+
+    import httpx
+
+    def computed() -> float:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        return sum(
+            float(line.split()[1])
+            for line in text.splitlines()
+            if line.startswith("k3stream_prompt_tokens_total ")
+        )
+
+    before, ready = computed(), threading.Barrier(len(prompts) + 1)
+    firsts: list[float] = [0.0] * len(prompts)
+    ttfts: list[float] = [0.0] * len(prompts)
+    served: list[float] = [0.0] * len(prompts)
+    answers: list[tuple[str, list[float]]] = [("", [])] * len(prompts)
+
+    def client(index: int) -> None:
+        body = {"prompt": prompts[index], "max_tokens": answer_tokens, "temperature": 0, "logprobs": 1}
+        body |= {"ignore_eos": True, "stream": True}
+        text, logprobs, accepted = "", [], 0.0
+        ready.wait()
+        sent = time.perf_counter()
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as reply:
+            for line in reply.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                accepted = accepted or time.perf_counter()  # the server's first chunk holds no token
+                for choice in json.loads(line[len("data: ") :])["choices"]:
+                    tokens = (choice.get("logprobs") or {}).get("token_logprobs") or []
+                    if tokens and not firsts[index]:
+                        firsts[index] = time.perf_counter()
+                        ttfts[index], served[index] = firsts[index] - sent, firsts[index] - accepted
+                    text, logprobs = text + (choice.get("text") or ""), logprobs + tokens
+        answers[index] = (text, logprobs)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    start = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    return SharedRound(ttfts, served, max(firsts) - start, int(computed() - before), answers)
 
 
 def _least(n: int, function) -> tuple[float, float]:

@@ -69,14 +69,14 @@ def test_the_radix_tree_finds_the_deepest_stored_prefix_and_splits_branches():
 def test_the_common_prefix_length_of_token_ids_is_where_they_first_differ():
     import random
 
-    from k3stream.engine.prompt_cache import _common_length
+    from k3stream.engine.prompt_cache import common_length
 
     rng = random.Random(0)
     for _ in range(3000):
         a = tuple(rng.randint(0, 2) for _ in range(rng.randint(0, 40)))
         b = tuple(rng.randint(0, 2) for _ in range(rng.randint(0, 40)))
         first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        assert _common_length(a, b) == first
+        assert common_length(a, b) == first
 
 
 def test_a_second_turn_computes_only_its_new_tokens_with_the_cold_bits(model, fingerprint):

@@ -5,6 +5,7 @@ greedy answers equal reuse off token for token, and a restarted server resumes f
 from __future__ import annotations
 
 import io
+import json
 
 import openai
 import pytest
@@ -424,3 +425,224 @@ def test_the_running_streams_step_while_a_snapshot_is_read_from_disk(model, toke
         cache.close()
     assert stepped >= 20
     assert resumed.logic.finish_reason == "length" and resumed.cached_tokens == 0
+
+
+class _GatedPasses:
+    """The served model with its prefill passes held at a gate: the test lets them through one by one
+    (`release`) or all (`open`), so requests arrive at known points of another's prefill."""
+
+    def __init__(self, model) -> None:
+        import threading
+
+        self.model, self.entered, self.allowed, self.opened = model, 0, 0, False
+        self.changed = threading.Condition()
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def prefill_last(self, state, tokens):
+        self._through()
+        return self.model.prefill_last(state, tokens)
+
+    def prefill_batch(self, states, token_lists):
+        self._through()
+        return self.model.prefill_batch(states, token_lists)
+
+    def _through(self) -> None:
+        with self.changed:
+            self.entered += 1
+            number = self.entered
+            self.changed.notify_all()
+            assert self.changed.wait_for(lambda: self.opened or number <= self.allowed, 60), "gate shut"
+
+    def release(self) -> None:
+        """Let the next pass through."""
+        with self.changed:
+            self.allowed += 1
+            self.changed.notify_all()
+
+    def wait_entered(self, count: int) -> None:
+        """Wait until `count` passes came to the gate."""
+        with self.changed:
+            assert self.changed.wait_for(lambda: self.entered >= count, 60), "no pass came"
+
+    def open(self) -> None:
+        with self.changed:
+            self.opened = True
+            self.changed.notify_all()
+
+
+def _until(condition, what: str) -> None:
+    import time
+
+    for _ in range(6000):  # a bound, not a timing assertion
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting until {what}")
+
+
+def _shared_prompts(count: int, shared: int) -> list[list[int]]:
+    """`count` prompts of token ids that share their first `shared` and part at the next one."""
+    generator = torch.Generator().manual_seed(36)
+    prefix = torch.randint(10, 500, (shared,), generator=generator).tolist()
+    return [prefix + [500 + i] + torch.randint(10, 500, (20 + 9 * i,), generator=generator).tolist()
+            for i in range(count)]  # fmt: skip
+
+
+def _shared_server(model_path):
+    """An in-process server on 127.0.0.1 over the tiny model with a prompt cache that snapshots only
+    prompts' and answers' ends, its prefill passes at a gate (`_GatedPasses`), 16-token chunks."""
+    from k3stream.engine.loading import load_runtime
+    from k3stream.server.app import ServerConfig, create_app
+    from k3stream.server.runtime import served_from_runtime
+
+    served = served_from_runtime(load_runtime(model_path, stream_experts=False), ctx=512)
+    served.prompt_cache = PromptCache(served.model, "shared", 64 * MIB, every=1 << 20)
+    gate = served.model = _GatedPasses(served.model)
+    return served, gate, create_app(served, ServerConfig(max_batch=4, prefill_chunk=16))
+
+
+def _complete(url: str, prompt: list[int], **extra) -> dict:
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 1, "ignore_eos": True}
+    reply = httpx.post(url + "/v1/completions", json={**body, **extra}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def _answer(reply: dict) -> tuple[str, list[float]]:
+    choice = reply["choices"][0]
+    return choice["text"], choice["logprobs"]["token_logprobs"]
+
+
+def test_concurrent_prompts_sharing_a_prefix_compute_it_once_and_answer_as_each_alone(model_path):
+    """Four requests sharing a 200-token prefix no snapshot holds, the others arriving while the first
+    one's prefill runs: the first computes the prefix once and snapshots its end, the others wait for
+    that snapshot, restore it (cached_tokens, /metrics) and compute their own suffixes only; every
+    answer's tokens and logprobs equal the request's alone, computed cold on the same server."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from k3stream.server.live import ServerThread
+
+    shared = 200
+    prompts = _shared_prompts(4, shared)
+    served, gate, app = _shared_server(model_path)
+    scheduler = app.state.scheduler
+    try:
+        with ServerThread(app) as server, ThreadPoolExecutor(4) as pool:
+            first = pool.submit(_complete, server.url, prompts[0])
+            gate.release()  # the first request's first chunk
+            gate.wait_entered(2)  # its second waits at the gate
+            others = [pool.submit(_complete, server.url, prompt) for prompt in prompts[1:]]
+            _until(lambda: scheduler.snapshot()["waiting"] == 3, "the others queue")
+            gate.open()
+            replies = [first.result()] + [other.result() for other in others]
+            metrics = _metrics(server.url)
+            alone = [_complete(server.url, prompt, cache_prompt=False) for prompt in prompts]
+    finally:
+        served.prompt_cache.close()
+        served.close()
+    cached = [reply["usage"]["prompt_tokens_details"]["cached_tokens"] for reply in replies]
+    assert cached == [0, shared, shared, shared]
+    assert scheduler.snapshot()["shared_prefills"] == 3
+    assert _sample(metrics, "k3stream_shared_prefills_total") == 3
+    computed = len(prompts[0]) + sum(len(prompt) - shared for prompt in prompts[1:])
+    assert _sample(metrics, "k3stream_prompt_tokens_total") == computed  # the prefix once
+    assert _sample(metrics, "k3stream_prompt_tokens_reused_total") == 3 * shared
+    assert [_answer(reply) for reply in replies] == [_answer(reply) for reply in alone]
+
+
+def test_requests_waiting_for_a_cancelled_prefill_compute_their_prompts_alone(model_path):
+    """The request whose prefill others wait for leaves mid-prefill (its client disconnects): they go
+    on without it, each computing its whole prompt, and answer as each alone."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    from k3stream.server.live import ServerThread
+
+    prompts = _shared_prompts(3, 200)
+    served, gate, app = _shared_server(model_path)
+    scheduler = app.state.scheduler
+    try:
+        with ServerThread(app) as server, ThreadPoolExecutor(2) as pool:
+            leader = socket.create_connection((server.host, server.port))
+            body = json.dumps({"prompt": prompts[0], "max_tokens": 4}).encode()
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: {server.host}\r\nContent-Type: application/json"
+            leader.sendall(f"{head}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            gate.release()  # the leader's first chunk
+            gate.wait_entered(2)  # its second waits at the gate
+            others = [pool.submit(_complete, server.url, prompt) for prompt in prompts[1:]]
+            _until(lambda: scheduler.snapshot()["waiting"] == 2, "the others queue")
+            gate.release()  # the leader's second chunk; the others, admitted, wait for its prefix
+            _until(lambda: scheduler.snapshot()["shared_prefills"] == 2, "the others wait for the leader")
+            leader.close()  # during its third chunk
+            _until(lambda: not _leader_active(scheduler), "the server sees the leader go")
+            gate.open()
+            replies = [other.result() for other in others]
+            alone = [_complete(server.url, prompt, cache_prompt=False) for prompt in prompts[1:]]
+    finally:
+        served.prompt_cache.close()
+        served.close()
+    assert [reply["usage"]["prompt_tokens_details"]["cached_tokens"] for reply in replies] == [0, 0]
+    assert [_answer(reply) for reply in replies] == [_answer(reply) for reply in alone]
+
+
+def _leader_active(scheduler) -> bool:
+    """Whether a request whose prefill runs is active (not cancelled)."""
+    return any(job.prefill is not None for job in scheduler.active_jobs())
+
+
+def test_a_queued_request_restores_the_prefix_a_running_prefill_shared_with_it(model, tokenizer):
+    """Requests beyond the batch's slots that share a prefix with a running prefill have it snapshotted
+    there: once a slot frees, each restores it and computes its own suffix, answering as alone."""
+    import asyncio
+
+    from k3stream.engine.generate import Sequence
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import EventSink, Job, Scheduler
+
+    shared = 200
+    prompts = _shared_prompts(3, shared)
+    cache = PromptCache(model, "queued", 64 * MIB, every=1 << 20)  # snapshots at prompts' ends only
+    loop = asyncio.new_event_loop()
+    jobs = [Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in prompts]
+    scheduler = Scheduler(model, ServerMetrics(), max_batch=1, max_queue=4, cache=cache, prefill_chunk=64)
+    for job in jobs:
+        scheduler.submit(job)
+    scheduler.start()
+    try:
+        _until(lambda: all(job.logic.finish_reason is not None for job in jobs), "all finish")
+    finally:
+        scheduler.stop()
+        loop.close()
+        cache.close()
+    assert [job.cached_tokens for job in jobs] == [0, shared, shared]
+    assert cache.stats.tokens_computed == len(prompts[0]) + sum(len(ids) - shared for ids in prompts[1:])
+    for job, ids in zip(jobs, prompts, strict=True):
+        assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
+
+
+def test_without_a_prompt_cache_no_request_waits_for_another(model_path):
+    """With `--cache-ram 0` (no cache) concurrent requests sharing a prefix each compute it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from k3stream.engine.loading import load_runtime
+    from k3stream.server.app import ServerConfig, create_app
+    from k3stream.server.live import ServerThread
+    from k3stream.server.runtime import served_from_runtime
+
+    prompts = _shared_prompts(3, 200)
+    served = served_from_runtime(load_runtime(model_path, stream_experts=False), ctx=512)
+    app = create_app(served, ServerConfig(max_batch=4, prefill_chunk=16))
+    try:
+        with ServerThread(app) as server, ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(lambda prompt: _complete(server.url, prompt), prompts))
+            metrics = _metrics(server.url)
+    finally:
+        served.close()
+    assert app.state.scheduler.share_tokens == 0
+    assert app.state.scheduler.snapshot()["shared_prefills"] == 0
+    assert _sample(metrics, "k3stream_prompt_tokens_total") == sum(map(len, prompts))
+    assert all(reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for reply in replies)

@@ -52,6 +52,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "holds a smaller prefill pass)",
     )
     parser.add_argument(
+        "--cache-share",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="a request whose prompt shares at least TOKENS tokens no snapshot holds with another "
+        "request's running prefill waits for that prefill's snapshot of them instead of computing them "
+        "(default 128; 0: never)",
+    )
+    parser.add_argument(
         "--max-queue",
         type=int,
         default=64,
@@ -120,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     from k3stream.server.app import ServerConfig, create_app
     from k3stream.server.guard import uvicorn_options
     from k3stream.server.runtime import served_from_runtime
-    from k3stream.server.scheduler import DEFAULT_PREFILL_CHUNK
+    from k3stream.server.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_SHARE_TOKENS
 
     config = ServerConfig(
         max_batch=args.max_batch,
@@ -129,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         sse_keepalive_s=args.sse_keepalive,
         webui=not args.no_webui,
         prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk,
+        share_tokens=DEFAULT_SHARE_TOKENS if args.cache_share is None else args.cache_share,
         slot_save_path=args.slot_save_path,
     )
     config.check()

@@ -49,6 +49,7 @@ from k3stream.model.snapshot import (
     LatentRows,
     Snapshot,
     check_fits,
+    exact_positions,
     prefill_marked_batch,
     restore,
     take_snapshot,
@@ -152,7 +153,7 @@ class RadixTree:
                 child = node.children[tokens[0]] = _Node(tokens)
                 node, tokens = child, ()
                 break
-            common = _common_length(child.edge, tokens)
+            common = common_length(child.edge, tokens)
             if common < len(child.edge):  # split the edge where the two part
                 middle = _Node(child.edge[:common], {child.edge[common]: child})
                 child.edge = child.edge[common:]
@@ -203,7 +204,7 @@ class RadixTree:
             stack.extend(node.children.values())
 
 
-def _common_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+def common_length(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
     """The length of the common prefix: by slice comparisons (C loops), halving the range where they
     part, not a Python loop over a conversation's thousands of ids."""
     low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; they part before high (or are equal to it)
@@ -335,6 +336,7 @@ class ChunkedPrefill:
         self.model, self.tokens, self.cache = model, list(tokens), cache
         self.logits: torch.Tensor | None = None
         self._end_unsaved = False  # the prompt's end was computed and is not in the cache yet
+        self.wanted: set[int] = set()  # positions other requests wait to restore (`want_snapshot`)
         if cache is not None and cache.enabled and reuse:  # `reuse` False: computed whole, still kept
             self.state, self.reused, self.logits = cache.restore_longest(self.tokens)
         else:
@@ -349,6 +351,17 @@ class ChunkedPrefill:
         """Where the next of `chunks` ends."""
         return chunks.next_end(self.position, len(self.tokens))
 
+    def want_snapshot(self, position: int) -> None:
+        """Snapshot the state at `position` (ahead of this prefill, short of its end: the end is kept
+        anyway) in the pass that reaches it, as the cache's own marks are: another request that shares
+        the prompt's first `position` tokens restores it instead of computing them again."""
+        self.wanted.add(position)
+
+    def marks(self, end: int) -> list[int]:
+        """The positions inside the chunk that ends at `end` at which its pass snapshots."""
+        wanted = [mark for mark in self.wanted if self.position < mark < end]
+        return sorted({*self.cache.marks(self.position, end), *wanted})
+
     def step(self, chunks: PrefillChunks) -> bool:
         """Prefill the next chunk; whether the prompt is done."""
         if not self.done:
@@ -360,7 +373,7 @@ class ChunkedPrefill:
         start, self.position = self.position, end
         cache = self.cache if self.cache is not None and self.cache.enabled else None
         if cache is not None:
-            cache.note_prefilled(self.tokens, start, end, inside, self.state)
+            cache.note_prefilled(self.tokens, start, end, inside, self.state, end in self.wanted)
         if end == len(self.tokens):
             self.logits, self._end_unsaved = logits, cache is not None
 
@@ -389,7 +402,7 @@ def step_together(prefills: list[ChunkedPrefill], chunks: PrefillChunks) -> None
     states = [prefill.state for prefill in prefills]
     cache = first.cache if first.cache is not None and first.cache.enabled else None
     if cache is not None:
-        marks = [cache.marks(prefill.position, end) for prefill, end in zip(prefills, ends, strict=True)]
+        marks = [prefill.marks(end) for prefill, end in zip(prefills, ends, strict=True)]
         logits, snapshots = prefill_marked_batch(first.model, states, parts, marks)
     elif len(prefills) == 1:
         logits, snapshots = prefill_last(first.model, states[0], parts[0])[None], [[]]
@@ -495,14 +508,17 @@ class PromptCache:
         end: int,
         inside: list[Snapshot],
         state: SequenceState | None = None,
+        wanted: bool = False,
     ) -> None:
         """Tokens start..end of `tokens` went through the model into `state`, with snapshots `inside`
-        (`marks`); a chunk that ends at a snapshot position short of the prompt's end (whose snapshot
-        `save` takes, with its logits) is snapshotted there from `state` (a follower rank's: when rank 0
-        tells it, `Peers.save_snapshot`)."""
+        (`marks`); a chunk that ends at a snapshot position (a multiple of `every`, or `wanted`: another
+        request waits for it) short of the prompt's end (whose snapshot `save` takes, with its logits)
+        is snapshotted there from `state` (a follower rank's: when rank 0 tells it,
+        `Peers.save_snapshot`)."""
         for snapshot in inside:
             self._store(tokens[: snapshot.length], snapshot, durable=False)
-        if state is not None and self.enabled and end < len(tokens) and end % self.every == 0:
+        at_mark = wanted or end % self.every == 0
+        if state is not None and self.enabled and end < len(tokens) and at_mark:
             if self.peers is not None:
                 self.peers.save_snapshot(state)
             self._store(tokens[:end], take_snapshot(state), durable=False)
@@ -537,6 +553,22 @@ class PromptCache:
         with self._lock:
             self.stats.misses += self.enabled
         return self.model.new_state(), 0, None
+
+    def cached_length(self, tokens: list[int]) -> int:
+        """How many tokens of `tokens` `restore_longest` would restore (0: none, or the cache is off),
+        without using the snapshot."""
+        if not self.enabled:
+            return 0
+        with self._lock:
+            usable = _usable_for(tokens)
+            entry = self._tree.deepest(tokens, len(tokens), lambda e: e.restorable and usable(e))
+            return 0 if entry is None else entry.length
+
+    @functools.cached_property
+    def snapshots_anywhere(self) -> bool:
+        """Whether a prefill's state restores exactly at every position (the per-token KDA recurrence;
+        `snapshot.exact_positions`), so another request may wait for a snapshot at any position."""
+        return exact_positions(self.model) == 1
 
     def needs_read(self, tokens: list[int]) -> bool:
         """Whether `restore_longest(tokens)` would read its snapshot from disk (only a file holds it)."""

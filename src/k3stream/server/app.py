@@ -34,6 +34,7 @@ from k3stream.server.routes import LLAMA_ENDPOINTS
 from k3stream.server.runtime import ChatPrompt, ServedModel
 from k3stream.server.scheduler import (
     DEFAULT_PREFILL_CHUNK,
+    DEFAULT_SHARE_TOKENS,
     ErrorEvent,
     Event,
     EventSink,
@@ -95,6 +96,7 @@ class ServerConfig:
     # max_batch): `serve` lowers it, and the chunk, to the pass its memory plan holds (`prefill_passes`)
     pass_prompts: int = PREFILL_PASS_PROMPTS
     slot_save_path: Path | None = None  # where `/slots/{id}?action=save` writes (None: slot actions off)
+    share_tokens: int = DEFAULT_SHARE_TOKENS  # `Scheduler`'s: shared uncached prompt tokens worth a wait
 
     def check(self) -> None:
         if self.max_batch < 1:
@@ -105,6 +107,8 @@ class ServerConfig:
             raise ValueError(f"--sse-keepalive must be above 0 seconds, got {self.sse_keepalive_s}")
         if self.prefill_chunk < 1:
             raise ValueError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
+        if self.share_tokens < 0:
+            raise ValueError(f"--cache-share must be at least 0, got {self.share_tokens}")
         if self.pass_prompts < 1:
             raise ValueError(f"a prefill pass takes at least 1 prompt, got {self.pass_prompts}")
         if self.slot_save_path is not None and not self.slot_save_path.is_dir():
@@ -164,6 +168,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
         prefill_chunk=config.prefill_chunk,
         prefill_pass=config.prefill_pass(served),
         attention_rows=config.attention_rows(served),
+        share_tokens=config.share_tokens,
     )
 
     tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="k3stream-tokenize")

@@ -27,6 +27,11 @@ class ServerMetrics:
         )
         self.prompt_tokens = Counter("k3stream_prompt_tokens", "prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter("k3stream_generation_tokens", "tokens generated", registry=r)
+        self.shared_prefills = Counter(
+            "k3stream_shared_prefills",
+            "requests that waited for another request's prefill of their shared prompt prefix",
+            registry=r,
+        )
         self.time_to_first_token = Histogram(
             "k3stream_time_to_first_token_seconds",
             "from request arrival to its first generated token",

@@ -6,6 +6,8 @@ as it holds it, then prefilled a chunk per loop (`PrefillChunks`: cut from where
 starts, so a prompt's chunks do not depend on what runs beside it; each about the work of
 `prefill_chunk` tokens at the start of a prompt, fewer tokens deep in a long one, whose attention
 covers more rows): a running stream waits at most about one chunk, whatever another prompt's length.
+Requests that share a prompt prefix no snapshot holds compute it once: the first one's prefill
+snapshots where the shared part ends, and the others wait for that snapshot and restore it.
 Each decode step is one `model.decode_batch` call, so in every MoE layer the union of the batch's
 experts is fetched once and shared by all the tokens that routed to it. Results flow back to the HTTP
 layer as events through a thread-safe `EventSink`.
@@ -24,12 +26,21 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from k3stream.engine.generate import prefill_last
-from k3stream.engine.prompt_cache import ChunkedPrefill, PrefillChunks, PromptCache, step_together
+from k3stream.engine.prompt_cache import (
+    ChunkedPrefill,
+    PrefillChunks,
+    PromptCache,
+    common_length,
+    step_together,
+)
 from k3stream.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 # prompt tokens prefilled between two decode steps of the running sequences
 DEFAULT_PREFILL_CHUNK = 512
+# the fewest prompt tokens, shared with a running prefill and beyond the deepest snapshot, for which a
+# request waits for that prefill's snapshot instead of computing them (docs/prompt-cache.md: why)
+DEFAULT_SHARE_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -140,6 +151,9 @@ class Job:
     generated: list[int] = field(default_factory=list)
     prefill: ChunkedPrefill | None = None  # the prompt's prefill while it runs
     reading: Future[None] | None = None  # its prompt's snapshot read from disk, before its prefill
+    leader: Job | None = None  # the request whose prefill computes this one's shared prefix
+    shared_until: int = 0  # the prefix's end: this job's prefill starts once the leader passes it
+    share_checked: bool = False  # looked for a leader while it waited in the queue
     reuse_prompt: bool = True  # restore the prompt from the cache (llama-server's cache_prompt)
     prompt_only: bool = False  # finish after the prefill with no token (llama-server's n_predict 0)
     slot: int = -1  # the slot the request reports under (`slots.SlotTable`)
@@ -174,7 +188,24 @@ def _has_work(job: Job) -> bool:
         return True
     if job.reading is not None:
         return job.reading.done()
+    if job.leader is not None:
+        return _leader_passed(job)
     return job.prefill is not None or job.last_token >= 0
+
+
+def _leader_passed(job: Job) -> bool:
+    """Whether the prefill `job` waits for has passed its shared prefix (its snapshot is in the
+    cache), ended, or will not go on (its request failed, finished or was cancelled)."""
+    leader = job.leader
+    return not leader.active or leader.prefill is None or leader.prefill.position >= job.shared_until
+
+
+def _shared_end(tokens: list[int], leader_tokens: list[int]) -> int:
+    """Where a snapshot of the leader's prompt that a prompt of `tokens` can restore ends: their common
+    prefix, short of all of `tokens` unless the leader's prompt ends there too (a snapshot inside a
+    prefill holds no logits, which a prompt restored whole needs)."""
+    end = common_length(tokens, leader_tokens)
+    return end - 1 if end == len(tokens) < len(leader_tokens) else end
 
 
 def request_timings(jobs: list[Job]) -> dict[str, float]:
@@ -216,9 +247,14 @@ class Scheduler:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         prefill_pass: int | None = None,
         attention_rows: float | None = None,
+        share_tokens: int = DEFAULT_SHARE_TOKENS,
     ) -> None:
         self.model = model
         self.cache = cache  # reused prompt states (`engine.prompt_cache`), or None
+        # a waiting request whose prompt shares at least this many tokens past its deepest snapshot
+        # with a running prefill waits for that prefill's snapshot (0: never; so without a cache)
+        sharing = cache is not None and cache.enabled and cache.snapshots_anywhere
+        self.share_tokens = share_tokens if sharing else 0
         # where prompts are cut (`attention_rows`: `prompt_cache.attention_rows_per_token`, or None for
         # chunks of `prefill_chunk` tokens)
         self.chunks = PrefillChunks(prefill_chunk, attention_rows)
@@ -242,6 +278,7 @@ class Scheduler:
         self.steps = 0
         self.batched_steps = 0
         self.batched_prefills = 0  # prefill passes over the chunks of several requests
+        self.shared_prefills = 0  # requests that waited for another's prefill of their shared prefix
         self.cancelled_jobs = 0
         self.peak_waiting = 0
         # request outcomes, for /health: a run of UNHEALTHY_AFTER failures with no success between
@@ -300,6 +337,7 @@ class Scheduler:
             "steps": self.steps,
             "batched_steps": self.batched_steps,
             "batched_prefills": self.batched_prefills,
+            "shared_prefills": self.shared_prefills,
             "cancelled_jobs": self.cancelled_jobs,
             "peak_waiting": self.peak_waiting,
             "completed_jobs": self.completed_jobs,
@@ -359,13 +397,58 @@ class Scheduler:
         for job in [job for job in self._running if job.reading is not None and job.reading.done()]:
             job.reading = None
             self._start_prefill(job)
+        for job in [job for job in self._running if job.leader is not None and _leader_passed(job)]:
+            job.leader = None  # it waits once: a leader that fails or leaves lets it compute alone
+            self._start_prefill(job)
         while (job := self._next_waiting()) is not None:
             self._progress(job, 0)
             if self.cache is not None and job.reuse_prompt and self.cache.needs_read(job.prompt_tokens):
                 job.reading = self._reader.submit(self._read_ahead, job.prompt_tokens)
                 job.reading.add_done_callback(lambda _: self.wake())
-            else:
+            elif not self._wait_for_leader(job):
                 self._start_prefill(job)
+        self._mark_for_queued()
+
+    def _wait_for_leader(self, job: Job) -> bool:
+        """Make `job` wait for the running prefill that computes most of its prompt's uncached prefix,
+        where that is at least `share_tokens`: the leader snapshots where the shared part ends. Whether
+        `job` waits."""
+        found = self._leader_for(job)
+        if found is None:
+            return False
+        job.leader, job.shared_until = found
+        self.shared_prefills += 1
+        self.metrics.shared_prefills.inc()
+        return True
+
+    def _mark_for_queued(self) -> None:
+        """The queued requests' shared prefixes marked once in the running prefills that compute them, so
+        their snapshots exist when those requests get a batch slot."""
+        with self._wake:
+            unchecked = [job for job in self._waiting if not job.share_checked]
+        for job in unchecked:
+            job.share_checked = True
+            self._leader_for(job)
+
+    def _leader_for(self, job: Job) -> tuple[Job, int] | None:
+        """The running prefill sharing the longest prefix with `job`'s prompt that it has not passed,
+        and where that prefix ends, marked to be snapshotted there; None where no prefill shares
+        `share_tokens` beyond what the cache holds of `job`'s prompt."""
+        if not self.share_tokens or not job.reuse_prompt:
+            return None
+        tokens = job.prompt_tokens
+        best, best_end = None, self.cache.cached_length(tokens) + self.share_tokens - 1
+        for other in self._running:
+            if other is job or not other.active or other.prefill is None:
+                continue
+            end = _shared_end(tokens, other.prompt_tokens)
+            if end > best_end and other.prefill.position < end:
+                best, best_end = other, end
+        if best is None:
+            return None
+        if best_end < len(best.prompt_tokens):  # the prompt's end is snapshotted anyway
+            best.prefill.want_snapshot(best_end)
+        return best, best_end
 
     def _read_ahead(self, tokens: list[int]) -> None:
         try:
