@@ -595,8 +595,9 @@ def _leader_active(scheduler) -> bool:
 
 
 def test_a_queued_request_restores_the_prefix_a_running_prefill_shared_with_it(model, tokenizer):
-    """Requests beyond the batch's slots that share a prefix with a running prefill have it snapshotted
-    there: once a slot frees, each restores it and computes its own suffix, answering as alone."""
+    """Requests beyond the batch's one slot that share a prefix with the prefill that starts once the
+    slot frees (another request decodes in it meanwhile) have it snapshotted there: each restores it
+    when its turn comes and computes its own suffix, answering as alone."""
     import asyncio
 
     from k3stream.engine.generate import Sequence
@@ -604,7 +605,7 @@ def test_a_queued_request_restores_the_prefix_a_running_prefill_shared_with_it(m
     from k3stream.server.scheduler import EventSink, Job, Scheduler
 
     shared = 200
-    prompts = _shared_prompts(3, shared)
+    prompts = [tokenizer.encode("a request in the slot first")] + _shared_prompts(3, shared)
     cache = PromptCache(model, "queued", 64 * MIB, every=1 << 20)  # snapshots at prompts' ends only
     loop = asyncio.new_event_loop()
     jobs = [Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in prompts]
@@ -618,8 +619,9 @@ def test_a_queued_request_restores_the_prefix_a_running_prefill_shared_with_it(m
         scheduler.stop()
         loop.close()
         cache.close()
-    assert [job.cached_tokens for job in jobs] == [0, shared, shared]
-    assert cache.stats.tokens_computed == len(prompts[0]) + sum(len(ids) - shared for ids in prompts[1:])
+    assert [job.cached_tokens for job in jobs] == [0, 0, shared, shared]
+    computed = sum(map(len, prompts[:2])) + sum(len(ids) - shared for ids in prompts[2:])
+    assert cache.stats.tokens_computed == computed
     for job, ids in zip(jobs, prompts, strict=True):
         assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
 

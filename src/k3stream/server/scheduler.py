@@ -153,7 +153,7 @@ class Job:
     reading: Future[None] | None = None  # its prompt's snapshot read from disk, before its prefill
     leader: Job | None = None  # the request whose prefill computes this one's shared prefix
     shared_until: int = 0  # the prefix's end: this job's prefill starts once the leader passes it
-    share_checked: bool = False  # looked for a leader while it waited in the queue
+    share_checked: bool = False  # looked for a leader among the running prefills while it was queued
     reuse_prompt: bool = True  # restore the prompt from the cache (llama-server's cache_prompt)
     prompt_only: bool = False  # finish after the prefill with no token (llama-server's n_predict 0)
     slot: int = -1  # the slot the request reports under (`slots.SlotTable`)
@@ -421,24 +421,26 @@ class Scheduler:
         self.metrics.shared_prefills.inc()
         return True
 
-    def _mark_for_queued(self) -> None:
-        """The queued requests' shared prefixes marked once in the running prefills that compute them, so
-        their snapshots exist when those requests get a batch slot."""
+    def _mark_for_queued(self, leader: Job | None = None) -> None:
+        """The queued requests' shared prefixes marked in the running prefills that compute them, so
+        their snapshots exist when those requests get a batch slot: a request that arrived since the
+        last look against every running prefill, or every queued one against `leader`, a prefill that
+        starts (each pair once)."""
         with self._wake:
-            unchecked = [job for job in self._waiting if not job.share_checked]
-        for job in unchecked:
+            queued = [job for job in self._waiting if job.share_checked == (leader is not None)]
+        for job in queued:
             job.share_checked = True
-            self._leader_for(job)
+            self._leader_for(job, None if leader is None else [leader])
 
-    def _leader_for(self, job: Job) -> tuple[Job, int] | None:
-        """The running prefill sharing the longest prefix with `job`'s prompt that it has not passed,
-        and where that prefix ends, marked to be snapshotted there; None where no prefill shares
-        `share_tokens` beyond what the cache holds of `job`'s prompt."""
+    def _leader_for(self, job: Job, candidates: list[Job] | None = None) -> tuple[Job, int] | None:
+        """The running prefill (of `candidates`, default all) sharing the longest prefix with `job`'s
+        prompt that it has not passed, and where that prefix ends, marked to be snapshotted there; None
+        where no prefill shares `share_tokens` beyond what the cache holds of `job`'s prompt."""
         if not self.share_tokens or not job.reuse_prompt:
             return None
         tokens = job.prompt_tokens
         best, best_end = None, self.cache.cached_length(tokens) + self.share_tokens - 1
-        for other in self._running:
+        for other in self._running if candidates is None else candidates:
             if other is job or not other.active or other.prefill is None:
                 continue
             end = _shared_end(tokens, other.prompt_tokens)
@@ -469,6 +471,8 @@ class Scheduler:
         job.state, job.cached_tokens = job.prefill.state, job.prefill.reused
         if job.prefill.done:  # the whole prompt was cached
             self._end_prefill(job)
+        elif self.share_tokens:
+            self._mark_for_queued(job)
 
     def _prefill_step(self) -> None:
         """The next chunk of the oldest running prefill, with those of the next ones that fit in one
