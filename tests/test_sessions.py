@@ -626,6 +626,37 @@ def test_a_queued_request_restores_the_prefix_a_running_prefill_shared_with_it(m
         assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
 
 
+def test_a_request_waits_only_for_a_prefix_that_pays_beyond_the_cache(model, tokenizer):
+    """No request waits where the shared part beyond the deepest snapshot is short of `share_tokens`:
+    a short common prefix, or a long one a snapshot already holds but for a few tokens."""
+    import asyncio
+
+    from k3stream.engine.generate import Sequence
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import DEFAULT_SHARE_TOKENS, EventSink, Job, Scheduler
+
+    loop = asyncio.new_event_loop()
+    short = _shared_prompts(2, DEFAULT_SHARE_TOKENS - 8)
+    held = _shared_prompts(2, 300)
+    for prompts, snapshot in ((short, 0), (held, 300 - DEFAULT_SHARE_TOKENS + 8)):
+        cache = PromptCache(model, "threshold", 64 * MIB, every=1 << 20)
+        if snapshot:
+            cache.prefill(prompts[0][:snapshot])
+        jobs = [Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in prompts]
+        scheduler = Scheduler(model, ServerMetrics(), max_batch=2, max_queue=2, cache=cache, prefill_chunk=16)
+        for job in jobs:
+            scheduler.submit(job)
+        scheduler.start()
+        try:
+            _until(lambda jobs=jobs: all(job.logic.finish_reason is not None for job in jobs), "all finish")
+        finally:
+            scheduler.stop()
+            cache.close()
+        assert scheduler.snapshot()["shared_prefills"] == 0
+        assert [job.cached_tokens for job in jobs] == [snapshot, snapshot]
+    loop.close()
+
+
 def test_without_a_prompt_cache_no_request_waits_for_another(model_path):
     """With `--cache-ram 0` (no cache) concurrent requests sharing a prefix each compute it."""
     from concurrent.futures import ThreadPoolExecutor

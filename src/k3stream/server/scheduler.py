@@ -438,15 +438,15 @@ class Scheduler:
         where no prefill shares `share_tokens` beyond what the cache holds of `job`'s prompt."""
         if not self.share_tokens or not job.reuse_prompt:
             return None
-        tokens = job.prompt_tokens
-        best, best_end = None, self.cache.cached_length(tokens) + self.share_tokens - 1
+        tokens, best, best_end = job.prompt_tokens, None, self.share_tokens - 1
         for other in self._running if candidates is None else candidates:
             if other is job or not other.active or other.prefill is None:
                 continue
             end = _shared_end(tokens, other.prompt_tokens)
             if end > best_end and other.prefill.position < end:
                 best, best_end = other, end
-        if best is None:
+        # the cache's lookup only where a prefill shares enough: it walks the prompt's ids
+        if best is None or best_end - self.cache.cached_length(tokens) < self.share_tokens:
             return None
         if best_end < len(best.prompt_tokens):  # the prompt's end is snapshotted anyway
             best.prefill.want_snapshot(best_end)
