@@ -626,6 +626,37 @@ def test_a_queued_request_restores_the_prefix_a_running_prefill_shared_with_it(m
         assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
 
 
+def test_a_prompt_that_branches_off_a_cached_one_is_snapshotted_where_it_branches(model, tokenizer):
+    """One request after another sharing a prefix: the second, whose prompt branches off the first's
+    (cached at its end only) 200 tokens in, is snapshotted there, and the third restores that."""
+    import asyncio
+
+    from k3stream.engine.generate import Sequence
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import EventSink, Job, Scheduler
+
+    shared = 200
+    prompts = _shared_prompts(3, shared)
+    cache = PromptCache(model, "branch", 64 * MIB, every=1 << 20)  # snapshots at prompts' ends only
+    loop = asyncio.new_event_loop()
+    scheduler = Scheduler(model, ServerMetrics(), max_batch=1, max_queue=1, cache=cache, prefill_chunk=64)
+    scheduler.start()
+    jobs = []
+    try:
+        for ids in prompts:
+            jobs.append(Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)))
+            scheduler.submit(jobs[-1])
+            _until(lambda: jobs[-1].logic.finish_reason is not None, "the request finishes")
+    finally:
+        scheduler.stop()
+        loop.close()
+        cache.close()
+    assert [job.cached_tokens for job in jobs] == [0, 0, shared]
+    assert cache.stats.tokens_computed == sum(map(len, prompts)) - shared
+    for job, ids in zip(jobs, prompts, strict=True):
+        assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
+
+
 def test_a_request_waits_only_for_a_prefix_that_pays_beyond_the_cache(model, tokenizer):
     """No request waits where the shared part beyond the deepest snapshot is short of `share_tokens`:
     a short common prefix, or a long one a snapshot already holds but for a few tokens."""

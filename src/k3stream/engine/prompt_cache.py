@@ -31,7 +31,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,6 +180,17 @@ class RadixTree:
                 best = node.entry
         return best
 
+    def shared_length(self, tokens: tuple[int, ...] | list[int]) -> int:
+        """How many of `tokens` lead some stored entry's tokens: where `tokens` branch off the tree."""
+        node, depth = self.root, 0
+        while depth < len(tokens) and (child := node.children.get(tokens[depth])) is not None:
+            common = common_length(child.edge, tuple(tokens[depth : depth + len(child.edge)]))
+            depth += common
+            if common < len(child.edge):
+                break
+            node = child
+        return depth
+
     def remove(self, tokens: tuple[int, ...]) -> None:
         """Take the entry at `tokens` out (nothing when there is none), and the nodes left empty."""
         path, node, rest = [self.root], self.root, tokens
@@ -204,9 +215,10 @@ class RadixTree:
             stack.extend(node.children.values())
 
 
-def common_length(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
-    """The length of the common prefix: by slice comparisons (C loops), halving the range where they
-    part, not a Python loop over a conversation's thousands of ids."""
+def common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the common prefix of two tuples or two lists (a tuple's slice never equals a
+    list's): by slice comparisons (C loops), halving the range where they part, not a Python loop over
+    a conversation's thousands of ids."""
     low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; they part before high (or are equal to it)
     if a[:high] == b[:high]:
         return high
@@ -563,6 +575,14 @@ class PromptCache:
             usable = _usable_for(tokens)
             entry = self._tree.deepest(tokens, len(tokens), lambda e: e.restorable and usable(e))
             return 0 if entry is None else entry.length
+
+    def branch_length(self, tokens: list[int]) -> int:
+        """How many of `tokens` lead the tokens of a snapshot the cache holds: where the prompt branches
+        off what the cache has seen (0 with the cache off)."""
+        if not self.enabled:
+            return 0
+        with self._lock:
+            return self._tree.shared_length(tokens)
 
     @functools.cached_property
     def snapshots_anywhere(self) -> bool:

@@ -472,7 +472,17 @@ class Scheduler:
         if job.prefill.done:  # the whole prompt was cached
             self._end_prefill(job)
         elif self.share_tokens:
+            self._mark_branch(job)
             self._mark_for_queued(job)
+
+    def _mark_branch(self, job: Job) -> None:
+        """Snapshot `job`'s prefill where its prompt branches off a prompt the cache has seen, where the
+        shared part beyond what it restored is at least `share_tokens`: the next request that shares it
+        (a system prompt sent before, then by two clients) restores it."""
+        prefill = job.prefill
+        branch = self.cache.branch_length(job.prompt_tokens)
+        if prefill.position + self.share_tokens <= branch < len(job.prompt_tokens):
+            prefill.want_snapshot(branch)
 
     def _prefill_step(self) -> None:
         """The next chunk of the oldest running prefill, with those of the next ones that fit in one
