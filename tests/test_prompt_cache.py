@@ -79,6 +79,22 @@ def test_the_common_prefix_length_of_token_ids_is_where_they_first_differ():
         assert common_length(a, b) == first
 
 
+def test_where_token_ids_branch_off_the_tree_is_their_longest_common_prefix_with_an_entry():
+    import random
+
+    from k3stream.engine.prompt_cache import Entry, RadixTree, common_length
+
+    rng = random.Random(1)
+    for _ in range(300):
+        tree, stored = RadixTree(), []
+        for _ in range(rng.randint(0, 6)):
+            stored.append(tuple(rng.randint(0, 2) for _ in range(rng.randint(1, 12))))
+            tree.insert(Entry(stored[-1]))
+        probe = [rng.randint(0, 2) for _ in range(rng.randint(0, 14))]
+        expected = max((common_length(tokens, tuple(probe)) for tokens in stored), default=0)
+        assert tree.shared_length(probe) == expected
+
+
 def test_a_second_turn_computes_only_its_new_tokens_with_the_cold_bits(model, fingerprint):
     cache = PromptCache(model, fingerprint, ram_bytes=64 * MIB, every=16)
     first = ids(model, 50)
