@@ -57,8 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="TOKENS",
         help="a request whose prompt shares at least TOKENS tokens no snapshot holds with another "
-        "request's running prefill waits for that prefill's snapshot of them instead of computing them "
-        "(default 128; 0: never)",
+        "request's running prefill waits for that prefill's snapshot of them instead of computing them, "
+        "and a prefill whose prompt branches off a cached one TOKENS or more past what it restored is "
+        "snapshotted there (default 128; 0: neither)",
     )
     parser.add_argument(
         "--max-queue",

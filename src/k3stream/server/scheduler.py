@@ -7,7 +7,8 @@ starts, so a prompt's chunks do not depend on what runs beside it; each about th
 `prefill_chunk` tokens at the start of a prompt, fewer tokens deep in a long one, whose attention
 covers more rows): a running stream waits at most about one chunk, whatever another prompt's length.
 Requests that share a prompt prefix no snapshot holds compute it once: the first one's prefill
-snapshots where the shared part ends, and the others wait for that snapshot and restore it.
+snapshots where the shared part ends, and the others wait for that snapshot and restore it; a prefill
+whose prompt branches off a cached one is snapshotted where it branches, for the requests after it.
 Each decode step is one `model.decode_batch` call, so in every MoE layer the union of the batch's
 experts is fetched once and shared by all the tokens that routed to it. Results flow back to the HTTP
 layer as events through a thread-safe `EventSink`.
@@ -39,7 +40,8 @@ log = logging.getLogger(__name__)
 # prompt tokens prefilled between two decode steps of the running sequences
 DEFAULT_PREFILL_CHUNK = 512
 # the fewest prompt tokens, shared with a running prefill and beyond the deepest snapshot, for which a
-# request waits for that prefill's snapshot instead of computing them (docs/prompt-cache.md: why)
+# request waits for that prefill's snapshot instead of computing them, and a prefill is snapshotted
+# where its prompt branches off a cached one (docs/prompt-cache.md: why)
 DEFAULT_SHARE_TOKENS = 128
 
 
@@ -252,7 +254,9 @@ class Scheduler:
         self.model = model
         self.cache = cache  # reused prompt states (`engine.prompt_cache`), or None
         # a waiting request whose prompt shares at least this many tokens past its deepest snapshot
-        # with a running prefill waits for that prefill's snapshot (0: never; so without a cache)
+        # with a running prefill waits for that prefill's snapshot, and a prefill is snapshotted where
+        # its prompt branches off a cached one this many tokens past its start (0: neither; so without
+        # a cache)
         sharing = cache is not None and cache.enabled and cache.snapshots_anywhere
         self.share_tokens = share_tokens if sharing else 0
         # where prompts are cut (`attention_rows`: `prompt_cache.attention_rows_per_token`, or None for
