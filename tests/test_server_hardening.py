@@ -185,6 +185,19 @@ def test_api_key_is_required_on_v1(keyed):
         assert httpx.get(keyed.url + public).status_code == 200
 
 
+def test_the_api_key_is_read_as_llama_server_reads_it(keyed):
+    """llama-server takes `Authorization` with or without `Bearer `, else Anthropic's `X-Api-Key` (its
+    clients' header); a wrong `Authorization` is not rescued by a right `X-Api-Key`."""
+    path = "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    for headers in ({"X-Api-Key": KEY}, {"x-api-key": f"Bearer {KEY}"}, {"Authorization": KEY}):
+        answer = httpx.post(keyed.url + path, json=body, headers=headers, timeout=30)
+        assert answer.status_code == 200, (headers, answer.text)
+    assert httpx.get(keyed.url + "/slots", headers={"X-Api-Key": KEY}).status_code == 200
+    for headers in ({"X-Api-Key": "sk-wrong"}, {"Authorization": "Bearer sk-wrong", "X-Api-Key": KEY}):
+        assert httpx.post(keyed.url + path, json=body, headers=headers).status_code == 401, headers
+
+
 def test_api_key_from_the_environment(monkeypatch):
     from k3stream.server.guard import api_key_from
 

@@ -67,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help=(
-            "require `Authorization: Bearer KEY` on every path but /health, /v1/health, /models, "
-            f"/v1/models and the chat page (default: ${API_KEY_ENV} if set)"
+            "require `Authorization: Bearer KEY` (or `X-Api-Key: KEY`) on every path but /health, "
+            f"/v1/health, /models, /v1/models and the chat page (default: ${API_KEY_ENV} if set)"
         ),
     )
     parser.add_argument(
