@@ -125,9 +125,9 @@ class Guard:
                     f"Host header {host!r} is not allowed; start the server with --allowed-hosts to serve it",
                     code="invalid_host",
                 )
-        if self._key is not None and needs_api_key(scope["path"]):
-            if not hmac.compare_digest(given_key(headers), self._key):
-                return _unauthorized(scope["path"])
+        refused = self._key is not None and needs_api_key(scope["path"])
+        if refused and not hmac.compare_digest(given_key(headers), self._key):
+            return _unauthorized(scope["path"])
         return None
 
     async def _read_body(self, scope: dict, receive: Callable) -> tuple[APIError | None, Callable]:
