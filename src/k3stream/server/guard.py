@@ -125,8 +125,8 @@ class Guard:
                     f"Host header {host!r} is not allowed; start the server with --allowed-hosts to serve it",
                     code="invalid_host",
                 )
-        refused = self._key is not None and needs_api_key(scope["path"])
-        if refused and not hmac.compare_digest(given_key(headers), self._key):
+        locked = self._key is not None and needs_api_key(scope["path"])
+        if locked and not hmac.compare_digest(given_key(headers), self._key):
             return _unauthorized(scope["path"])
         return None
 
