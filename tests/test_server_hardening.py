@@ -330,11 +330,19 @@ def test_long_stop_string_hold_back_is_linear(tokenizer):
 
 
 def test_tiny_temperature_and_top_p_answer(server):
+    """OpenAI's top_p runs from 0 to 1 (clients send 0 for a deterministic answer): 0, as llama.cpp's
+    top-p sampler with its min_keep of 1, keeps the likeliest token alone, so any seed draws the
+    greedy answer."""
     assert _complete(server.url, temperature=1e-45).status_code == 200
     assert _complete(server.url, temperature=0.7, top_p=1e-300).status_code == 200
+    greedy = _complete(server.url, max_tokens=6).json()["choices"][0]["text"]
+    for seed in (1, 2):
+        zero = _complete(server.url, max_tokens=6, temperature=1.5, top_p=0, seed=seed)
+        assert zero.status_code == 200 and zero.json()["choices"][0]["text"] == greedy, zero.text
     logits = torch.tensor([1.0, 3.0, 2.0])
     assert Sampler(SamplingParams(temperature=1e-45)).sample(logits) == 1
-    assert Sampler(SamplingParams(temperature=1.0, top_p=1e-300, seed=1)).sample(logits) == 1
+    for p in (1e-300, 0.0):
+        assert Sampler(SamplingParams(temperature=1.0, top_p=p, seed=1)).sample(logits) == 1
 
 
 def test_non_finite_logits_are_never_sampled():

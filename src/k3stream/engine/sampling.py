@@ -51,7 +51,7 @@ class SamplingParams:
         checks = [
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.top_p <= 1, f"top_p must be in [0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (

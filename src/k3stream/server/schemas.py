@@ -28,7 +28,7 @@ def null_is(default: Any) -> BeforeValidator:
 MAX_TOKENS_LIMIT = 1 << 20
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
-TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+TopP = Annotated[float, Field(ge=0.0, le=1.0)]  # OpenAI's range; 0 keeps the likeliest token
 TopK = Annotated[int, Field(ge=-1)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)]
