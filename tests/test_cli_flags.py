@@ -38,6 +38,22 @@ def test_llama_cpp_flags_parse_as_the_long_ones(command, short, long):
     assert short_settings != _parsed(command, long[:2])  # the flags set something: not all defaults
 
 
+def test_n_minus_one_is_until_the_context_is_full():
+    """llama-cli's `-n -1` (and `-2`): no count, the context bounds the answer; without `-c` the run
+    reaches the default context (or the prompt and a token where longer)."""
+    from k3stream.commands.flags import reached_tokens, sampling_params
+    from k3stream.memlimit import DEFAULT_CTX
+
+    for flag in ("-1", "-2"):
+        args = build_parser(["chat", "m.gguf", "-n", flag]).parse_args(["chat", "m.gguf", "-n", flag])
+        assert args.max_tokens is None and sampling_params(args).max_tokens > 1 << 40
+        assert (
+            reached_tokens(args, 10) == DEFAULT_CTX and reached_tokens(args, DEFAULT_CTX) == DEFAULT_CTX + 1
+        )
+    args = build_parser(["chat", "m.gguf", "-n", "7"]).parse_args(["chat", "m.gguf", "-n", "7"])
+    assert reached_tokens(args, 10) == 17
+
+
 # sizes and times: inf or nan would reach an int() (a traceback) or a budget no check can compare
 NUMBER_FLAGS = [
     ("generate", "--ram-mib"),

@@ -382,10 +382,10 @@ def test_command_errors_are_one_line(tmp_path, model_path):
     not_a_file = _cli("generate", str(folder), "--prompt", "x")  # an OSError (IsADirectoryError)
     assert not_a_file.returncode == 1 and len(not_a_file.stderr.splitlines()) == 1, not_a_file.stderr
     assert not_a_file.stderr.startswith("k3stream generate: error: ") and "folder.json" in not_a_file.stderr
-    bad_flag = _cli("chat", str(model_path), "--top-p", "0", stdin="")
+    bad_flag = _cli("chat", str(model_path), "--top-p", "1.5", stdin="")
     assert (bad_flag.returncode, bad_flag.stderr.splitlines()) == (
         1,
-        ["k3stream chat: error: top_p must be in (0, 1], got 0.0"],
+        ["k3stream chat: error: top_p must be in [0, 1], got 1.5"],
     )
     for threads in ("-1", "0"):  # llama.cpp's -t: every core (torch's set_num_threads refuses them)
         every_core = _cli("generate", str(model_path), "--prompt", "x", "-n", "2", "--threads", threads)
@@ -625,6 +625,27 @@ def test_ctx_bounds_what_the_generate_and_chat_commands_reach(model, tokenizer, 
     assert chat.returncode == 0 and chat.stdout == f"{answer}\n{answer}\n", chat.stderr
     refused = [line for line in chat.stderr.splitlines() if line.startswith("k3stream chat:")]
     assert len(refused) == 1 and refused[0].endswith(f"the context is {ctx} (--ctx); /reset starts over")
+
+
+def test_generate_takes_llama_clis_prompt_file_and_n_minus_one(model, tokenizer, model_path, tmp_path):
+    """llama-cli's `-f FILE` reads the prompt from a file and `-n -1` generates until the context is
+    full; a missing file is a one-line error naming --file, and -n below 1 (but -1, -2) names -n."""
+    prompt = "The capital of France is"
+    ids = tokenizer.encode(prompt)
+    ctx = len(ids) + 5
+    expected = generate(model, tokenizer, ids, SamplingParams(temperature=0, max_tokens=ctx), context=ctx)
+    (tmp_path / "prompt.txt").write_text(prompt, encoding="utf-8")
+    flags = ["--temperature", "0", "--device", "cpu", "--threads", "1", "-c", str(ctx)]
+    done = _cli("generate", str(model_path), "-f", str(tmp_path / "prompt.txt"), "-n", "-1", *flags)
+    assert done.returncode == 0 and done.stdout == expected.text + "\n", done.stderr
+    assert f"decode {expected.completion_tokens} tokens" in done.stderr
+    missing = _cli("generate", str(model_path), "-f", str(tmp_path / "none.txt"), *flags)
+    assert (missing.returncode, missing.stderr.splitlines()) == (
+        1,
+        [f"k3stream generate: error: --file: no such file: {tmp_path / 'none.txt'}"],
+    )
+    below = _cli("generate", str(model_path), "-p", prompt, "-n", "0", *flags)
+    assert below.returncode == 2 and "-n: '0' is below 1 (-1: until the context is full)" in below.stderr
 
 
 def test_the_command_line_lets_idle_openmp_threads_sleep_unless_told_otherwise(monkeypatch):
