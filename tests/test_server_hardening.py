@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -31,6 +32,8 @@ from k3stream.server.runtime import served_from_runtime
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 KEY = "sk-test-0123456789"
 BODY_LIMIT = 256 << 10
+# llama-server's answer to every request while the model loads
+LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
 
 
 class Live:
@@ -247,12 +250,20 @@ def test_serve_refuses_an_address_it_cannot_bind_before_loading(model_path):
 
 def test_serve_on_port_0_names_the_port_it_listens_on(model_path):
     """`--port 0` takes a free port, as llama-server's does: the startup lines name that port (not 0),
-    and the server answers there."""
+    and the server answers there. The port is bound before the model loads and answers llama-server's
+    503 `Loading model` until the app takes it (the model's line comes once it serves)."""
     argv = [sys.executable, "-m", "k3stream", "serve", str(model_path), "--port", "0"]
     server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        lines = [server.stdout.readline() for _ in range(3)]
-        urls = [line.split("http://127.0.0.1:")[1].split("/")[0] for line in lines if "http://" in line]
+        lines = [server.stdout.readline()]
+        assert "answers 503 until ready" in lines[0], lines
+        early = httpx.get(lines[0].split(" ")[3] + "/health", timeout=5)  # never a refused connection
+        if early.status_code == 503:
+            assert early.json() == LOADING
+        else:  # loaded already: the model's line was printed before the app took the port
+            assert early.status_code == 200 and early.json()["status"] == "ok", early.text
+        lines += [server.stdout.readline() for _ in range(2)]
+        urls = [port for line in lines for port in re.findall(r"http://127\.0\.0\.1:(\d+)", line)]
         assert len(urls) == 2 and len(set(urls)) == 1 and urls[0] != "0", lines
         deadline = time.monotonic() + 60
         while True:
@@ -265,6 +276,30 @@ def test_serve_on_port_0_names_the_port_it_listens_on(model_path):
     finally:
         server.send_signal(signal.SIGINT)
         server.communicate(timeout=30)
+
+
+def test_while_loading_every_request_is_answered_503_and_a_silent_client_holds_no_one_up():
+    from k3stream.server.while_loading import HEAD_TIMEOUT_S, LoadingReplies
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        with LoadingReplies(listener):
+            silent = socket.create_connection(listener.getsockname())  # sends nothing
+            began = time.monotonic()
+            for method, path in (("GET", "/health"), ("POST", "/v1/chat/completions"), ("HEAD", "/")):
+                reply = httpx.request(method, url + path, json=None, timeout=10)
+                assert reply.status_code == 503 and reply.headers["connection"] == "close"
+                assert reply.content == (
+                    b""
+                    if method == "HEAD"
+                    else b'{"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}'
+                )
+            assert time.monotonic() - began < HEAD_TIMEOUT_S + 5
+            assert silent.recv(100) == b""  # closed after its time
+            silent.close()
+        waiting = socket.create_connection(listener.getsockname())  # in the backlog, for the next server
+        waiting.close()
 
 
 def test_allowed_hosts_from_the_command_line():
