@@ -54,6 +54,20 @@ def test_n_minus_one_is_until_the_context_is_full():
     assert reached_tokens(args, 10) == 17
 
 
+def test_seed_minus_one_draws_a_fresh_seed_as_llama_cli_does():
+    """llama-cli's `--seed -1` (its default, LLAMA_DEFAULT_SEED, also as 4294967295) is a fresh seed
+    each run, not the fixed seed -1: two runs sample differently; any other seed is kept."""
+    from k3stream.commands.flags import sampling_params
+    from k3stream.engine.sampling import Sampler
+
+    for flag in ("-1", "4294967295"):
+        args = build_parser(["chat", "m.gguf", "-s", flag]).parse_args(["chat", "m.gguf", "-s", flag])
+        assert sampling_params(args).seed is None
+        assert Sampler(sampling_params(args)).seed != Sampler(sampling_params(args)).seed
+    args = build_parser(["chat", "m.gguf", "-s", "7"]).parse_args(["chat", "m.gguf", "-s", "7"])
+    assert sampling_params(args).seed == Sampler(sampling_params(args)).seed == 7
+
+
 # sizes and times: inf or nan would reach an int() (a traceback) or a budget no check can compare
 NUMBER_FLAGS = [
     ("generate", "--ram-mib"),

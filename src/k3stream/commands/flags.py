@@ -227,13 +227,17 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) 
     parser.add_argument("--top-p", type=float, default=0.95, help="1 disables (default %(default)s)")
     parser.add_argument("--min-p", type=float, default=0.05, help="0 disables (default %(default)s)")
     parser.add_argument("--repeat-penalty", type=float, default=1.0, help="1 disables (default %(default)s)")
-    parser.add_argument("--seed", "-s", type=int, default=None, help="makes sampling reproducible")
+    parser.add_argument(
+        "--seed", "-s", type=int, default=None, help="makes sampling reproducible (-1: a fresh seed)"
+    )
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 def sampling_params(args: argparse.Namespace) -> Any:
-    """`SamplingParams` from the sampling flags."""
+    """`SamplingParams` from the sampling flags; llama-cli's `--seed -1` (its default, as
+    4294967295 is) draws a fresh seed, as no seed does."""
     from k3stream.engine.sampling import SamplingParams
+    from k3stream.server.schemas import RANDOM_SEEDS
 
     return SamplingParams(
         temperature=args.temperature,
@@ -241,7 +245,7 @@ def sampling_params(args: argparse.Namespace) -> Any:
         top_p=args.top_p,
         min_p=args.min_p,
         repetition_penalty=args.repeat_penalty,
-        seed=args.seed,
+        seed=None if args.seed in RANDOM_SEEDS else args.seed,
         max_tokens=sys.maxsize if args.max_tokens is None else args.max_tokens,  # the context bounds it
         stop=tuple(args.stop),
     )
