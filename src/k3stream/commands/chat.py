@@ -1,5 +1,5 @@
 """`k3stream chat MODEL`: an interactive conversation on stdin/stdout (`/exit` ends, `/reset` forgets,
-Ctrl-C stops an answer)."""
+Ctrl-C stops an answer, a line ending in a backslash goes on in the next)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import contextlib
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
 from k3stream.commands.flags import (
@@ -47,6 +47,20 @@ def _lines(stream: TextIO) -> Iterator[str]:
                 return
     else:
         yield from (line.rstrip("\n") for line in stream)
+
+
+def _turns(lines: Iterable[str]) -> Iterator[str]:
+    """User turns: a line ending in a backslash goes on in the next one (the backslash dropped, the
+    line break kept), as llama-cli reads its input, so a pasted paragraph can be one turn."""
+    held: list[str] = []
+    for line in lines:
+        if line.endswith("\\"):
+            held.append(line[:-1])
+            continue
+        yield "\n".join([*held, line])
+        held = []
+    if held:
+        yield "\n".join(held)
 
 
 class CtrlC:
@@ -141,7 +155,7 @@ def converse(session: ChatSession) -> None:
     goes on (`/reset` makes room)."""
     from k3stream.engine.generate import ContextFull
 
-    for line in _lines(sys.stdin):
+    for line in _turns(_lines(sys.stdin)):
         command = line.strip()
         if command == "/exit":
             break
