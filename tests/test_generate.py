@@ -661,6 +661,34 @@ def test_generate_takes_llama_clis_prompt_file_and_n_minus_one(model, tokenizer,
     assert below.returncode == 2 and "-n: '0' is below 1 (-1: until the context is full)" in below.stderr
 
 
+def test_the_repeat_penalty_counts_the_last_repeat_last_n_tokens_as_llama_clis(model, tokenizer, model_path):
+    """llama-cli's `--repeat-penalty` counts the last `--repeat-last-n` tokens of prompt and output
+    (default 64; -1 all of them), so a script's flags sample here as there."""
+    prompt = " ".join(["the cat sat on the mat"] * 15)
+    ids = tokenizer.encode(prompt)
+    assert len(ids) > 64
+    base = {"temperature": 0, "max_tokens": 10, "repetition_penalty": 3.0}
+    window = {
+        n: generate(model, tokenizer, ids, SamplingParams(**base, repetition_last_n=n)).text for n in (64, -1)
+    }
+    assert window[64] != window[-1]  # the window decides the answer on this prompt
+    flags = [
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "10",
+        "--repeat-penalty",
+        "3",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+    ]
+    for last_n, more in ((64, []), (-1, ["--repeat-last-n", "-1"])):
+        done = _cli("generate", str(model_path), "--prompt", prompt, *flags, *more)
+        assert done.returncode == 0 and done.stdout == window[last_n] + "\n", (last_n, done.stderr)
+
+
 def test_the_command_line_lets_idle_openmp_threads_sleep_unless_told_otherwise(monkeypatch):
     import os
 

@@ -228,6 +228,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) 
     parser.add_argument("--min-p", type=float, default=0.05, help="0 disables (default %(default)s)")
     parser.add_argument("--repeat-penalty", type=float, default=1.0, help="1 disables (default %(default)s)")
     parser.add_argument(
+        "--repeat-last-n",
+        type=int,
+        default=64,
+        help="last tokens of prompt and output the repeat penalty counts, as llama-cli's; -1 all, 0 none "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
         "--seed", "-s", type=int, default=None, help="makes sampling reproducible (-1: a fresh seed)"
     )
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -245,6 +252,7 @@ def sampling_params(args: argparse.Namespace) -> Any:
         top_p=args.top_p,
         min_p=args.min_p,
         repetition_penalty=args.repeat_penalty,
+        repetition_last_n=args.repeat_last_n,
         seed=None if args.seed in RANDOM_SEEDS else args.seed,
         max_tokens=sys.maxsize if args.max_tokens is None else args.max_tokens,  # the context bounds it
         stop=tuple(args.stop),
