@@ -689,6 +689,23 @@ def test_the_repeat_penalty_counts_the_last_repeat_last_n_tokens_as_llama_clis(m
         assert done.returncode == 0 and done.stdout == window[last_n] + "\n", (last_n, done.stderr)
 
 
+def test_generate_into_a_reader_that_leaves_ends_quietly_as_head_expects(model, tokenizer, model_path):
+    """`k3stream generate ... | head -c 5`: once the reader has left, the command ends with the status
+    of a process SIGPIPE ended (141, as `yes | head`), with no error line or traceback."""
+    answer = generate(
+        model, tokenizer, tokenizer.encode("The"), SamplingParams(temperature=0, max_tokens=400)
+    )
+    assert answer.completion_tokens > 100  # text goes on long after the reader left
+    argv = [sys.executable, "-m", "k3stream.cli", "generate", str(model_path), "--prompt", "The", "-n", "400"]
+    flags = ["--temperature", "0", "--device", "cpu", "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with subprocess.Popen([*argv, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as run:
+        assert len(run.stdout.read(5)) == 5
+        run.stdout.close()
+        assert run.wait(timeout=120) == 141
+        assert run.stderr.read() == b""
+
+
 def test_the_command_line_lets_idle_openmp_threads_sleep_unless_told_otherwise(monkeypatch):
     import os
 
