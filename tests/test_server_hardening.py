@@ -6,6 +6,7 @@ turns unhealthy, error bodies without server paths, and non-finite logits that f
 from __future__ import annotations
 
 import gc
+import json
 import random
 import re
 import signal
@@ -107,6 +108,26 @@ def test_body_over_the_limit_gets_413_and_the_server_goes_on(server):
     response = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=30)
     assert response.status_code == 413
     assert _complete(server.url).status_code == 200
+
+
+def test_a_body_that_begins_with_a_utf8_byte_order_mark_is_read(server):
+    """A JSON file saved by Notepad or PowerShell begins with the UTF-8 BOM; llama-server's parser skips
+    it, so `curl --data-binary @body.json` gets the same answer with or without it."""
+    bodies = {
+        "/tokenize": {"content": "Hello world"},
+        "/v1/completions": {"prompt": "Hello", "max_tokens": 3, "temperature": 0},
+        "/completion": {"prompt": "Hello", "n_predict": 3, "temperature": 0},
+    }
+    for path, body in bodies.items():
+        plain = json.dumps(body).encode()
+        replies = [
+            httpx.post(server.url + path, content=text, timeout=30)
+            for text in (plain, b"\xef\xbb\xbf" + plain)
+        ]
+        assert [r.status_code for r in replies] == [200, 200], (path, replies[1].text)
+        assert replies[0].json().get("tokens") == replies[1].json().get("tokens"), path
+    late = httpx.post(server.url + "/tokenize", content=b' \xef\xbb\xbf{"content": "a"}', timeout=30)
+    assert late.status_code == 400  # only a leading mark is skipped
 
 
 def test_tokenizing_runs_off_the_event_loop(server, monkeypatch):
