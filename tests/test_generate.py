@@ -342,6 +342,21 @@ def test_generate_command_prints_the_library_result(model, tokenizer, model_path
     assert "decode" in done.stderr and "tok/s" in done.stderr
 
 
+def test_a_system_message_sends_the_prompt_through_the_chat_template(model, tokenizer, model_path):
+    """`--system` (as llama-cli's `-sys`) is a chat's: it implies `--chat` instead of being dropped
+    from a plain prompt."""
+    from k3stream.engine.chat import ChatTemplate
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    ids = tokenizer.encode(ChatTemplate.for_tokenizer(tokenizer).render(messages), allow_special=True)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    expected = generate(model, tokenizer, ids, params).text
+    assert expected != generate(model, tokenizer, tokenizer.encode("Hello"), params).text
+    flags = ["--temperature", "0", "--max-tokens", "6", "--device", "cpu", "--threads", "1"]
+    done = _cli("generate", str(model_path), "--prompt", "Hello", "--system", "Be brief.", *flags)
+    assert done.returncode == 0 and done.stdout == expected + "\n", done.stderr
+
+
 def test_chat_command_keeps_the_conversation(model, tokenizer, model_path):
     from k3stream.engine.chat import ChatTemplate
 

@@ -28,7 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_context_argument(parser)
     add_parallel_arguments(parser)
-    parser.add_argument("--system", default=None, help="system message at the start of the conversation")
+    parser.add_argument(
+        "--system",
+        "--system-prompt",
+        "-sys",
+        default=None,
+        help="system message at the start of the conversation",
+    )
     parser.add_argument("--thinking", action="store_true", help="open the think channel (Kimi-K3 templates)")
     parser.add_argument("--quiet", action="store_true", help="no statistics after each answer")
     add_cache_arguments(parser)

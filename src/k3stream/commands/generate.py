@@ -32,8 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chat", action="store_true", help="send the prompt as a user message through the chat template"
     )
-    parser.add_argument("--system", default=None, help="system message (with --chat)")
-    parser.add_argument("--thinking", action="store_true", help="open the think channel (Kimi-K3 templates)")
+    parser.add_argument(
+        "--system", "--system-prompt", "-sys", default=None, help="system message (implies --chat)"
+    )
+    parser.add_argument(
+        "--thinking", action="store_true", help="open the think channel (Kimi-K3 templates; implies --chat)"
+    )
     add_sampling_arguments(parser, max_tokens=128)
     add_cache_arguments(parser, ram_mib=0.0)  # off unless asked: a prompt reused across runs (--cache-dir)
 
@@ -64,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from k3stream.engine.tokenizer import Tokenizer
 
     text = prompt_text(args)
+    args.chat = args.chat or args.system is not None or args.thinking  # they mean the chat template
     params = sampling_params(args)  # bad flags fail before the model loads
     opened = open_model(args.model, not args.no_stream_experts)
     prompt = prompt_ids(Tokenizer.from_gguf(opened[0]), args, text)
