@@ -611,15 +611,17 @@ def test_generation_ends_when_the_context_is_full(tiny_model, tokenizer):
 
 def test_a_chat_line_ending_in_a_backslash_goes_on_in_the_next(model, tokenizer, model_path):
     """As llama-cli reads its input: lines ending in `\\` are one turn, their line breaks kept (a pasted
-    paragraph is one question, not one turn a line)."""
+    paragraph is one question, not one turn a line); CR LF line ends are line ends."""
     from k3stream.engine.chat import ChatTemplate
 
     turn = [{"role": "user", "content": "Hello\nthere\nfriend"}]
     ids = tokenizer.encode(ChatTemplate.for_tokenizer(tokenizer).render(turn), allow_special=True)
     answer = generate(model, tokenizer, ids, SamplingParams(temperature=0, max_tokens=5)).text
     flags = ["--temperature", "0", "--max-tokens", "5", "--device", "cpu", "--quiet"]
-    done = _cli("chat", str(model_path), *flags, stdin="Hello\\\nthere\\\nfriend\n")
-    assert done.returncode == 0 and done.stdout == f"{answer}\n", done.stderr
+    for end in ("\n", "\r\n"):  # a file written on Windows ends its lines in CR LF
+        lines = f"Hello\\{end}there\\{end}friend{end}"
+        done = _cli("chat", str(model_path), *flags, stdin=lines)
+        assert done.returncode == 0 and done.stdout == f"{answer}\n", (end, done.stderr)
 
 
 def test_ctx_bounds_what_the_generate_and_chat_commands_reach(model, tokenizer, model_path):

@@ -52,7 +52,7 @@ def _lines(stream: TextIO) -> Iterator[str]:
             except EOFError:
                 return
     else:
-        yield from (line.rstrip("\n") for line in stream)
+        yield from (line.rstrip("\r\n") for line in stream)  # a Windows file's lines end in CR LF
 
 
 def _turns(lines: Iterable[str]) -> Iterator[str]:
