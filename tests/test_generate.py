@@ -658,13 +658,14 @@ def test_ctx_bounds_what_the_generate_and_chat_commands_reach(model, tokenizer, 
 
 
 def test_generate_takes_llama_clis_prompt_file_and_n_minus_one(model, tokenizer, model_path, tmp_path):
-    """llama-cli's `-f FILE` reads the prompt from a file and `-n -1` generates until the context is
-    full; a missing file is a one-line error naming --file, and -n below 1 (but -1, -2) names -n."""
+    """llama-cli's `-f FILE` reads the prompt from a file (less its last line break) and `-n -1`
+    generates until the context is full; a missing file is a one-line error naming --file, and -n below
+    1 (but -1, -2) names -n."""
     prompt = "The capital of France is"
     ids = tokenizer.encode(prompt)
     ctx = len(ids) + 5
     expected = generate(model, tokenizer, ids, SamplingParams(temperature=0, max_tokens=ctx), context=ctx)
-    (tmp_path / "prompt.txt").write_text(prompt, encoding="utf-8")
+    (tmp_path / "prompt.txt").write_text(prompt + "\n", encoding="utf-8")  # as an editor saves it
     flags = ["--temperature", "0", "--device", "cpu", "--threads", "1", "-c", str(ctx)]
     done = _cli("generate", str(model_path), "-f", str(tmp_path / "prompt.txt"), "-n", "-1", *flags)
     assert done.returncode == 0 and done.stdout == expected.text + "\n", done.stderr
