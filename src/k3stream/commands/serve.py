@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     config.check()
     # bound before the model loads (minutes for a real one): a bad --host or --port fails at once, and
     # the port answers llama-server's 503 `Loading model` until the app takes it (rank 0 alone serves)
-    listener = bind_address(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
+    follower = os.environ.get("WORLD_SIZE", "1") != "1" and os.environ.get("RANK", "0") != "0"
+    listener = None if follower else bind_address(args.host, args.port)
     loading = None
     if listener is not None:
         loading = LoadingReplies(listener).start()
