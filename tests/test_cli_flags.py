@@ -12,10 +12,13 @@ SPELLINGS = [
     ("generate", ["-p", "hi", "-n", "7", "-t", "2", "-c", "300", "-s", "5", "--temp", "0.3"],
      ["--prompt", "hi", "--max-tokens", "7", "--threads", "2", "--ctx", "300", "--seed", "5",
       "--temperature", "0.3"]),
-    ("generate", ["--prompt", "hi", "--n-predict", "9", "--ctx-size", "64"],
-     ["--prompt", "hi", "--max-tokens", "9", "--ctx", "64"]),
-    ("chat", ["-n", "3", "-t", "1", "-c", "128", "-s", "1", "--temp", "0"],
-     ["--max-tokens", "3", "--threads", "1", "--ctx", "128", "--seed", "1", "--temperature", "0"]),
+    ("generate", ["--prompt", "hi", "--n-predict", "9", "--ctx-size", "64", "-sys", "Be brief."],
+     ["--prompt", "hi", "--max-tokens", "9", "--ctx", "64", "--system", "Be brief."]),
+    ("generate", ["-f", "prompt.txt", "--system-prompt", "Be brief.", "--repeat-last-n", "-1"],
+     ["--file", "prompt.txt", "--system", "Be brief.", "--repeat-last-n", "-1"]),
+    ("chat", ["-n", "3", "-t", "1", "-c", "128", "-s", "1", "--temp", "0", "-sys", "Hi"],
+     ["--max-tokens", "3", "--threads", "1", "--ctx", "128", "--seed", "1", "--temperature", "0",
+      "--system", "Hi"]),
     ("serve", ["-c", "2048", "-np", "4", "-t", "2"], ["--ctx", "2048", "--max-batch", "4", "--threads", "2"]),
     ("serve", ["--parallel", "3", "--ctx-size", "512"], ["--max-batch", "3", "--ctx", "512"]),
     ("perplexity", ["-f", "text.txt", "-c", "256", "-t", "2"],
@@ -36,6 +39,36 @@ def test_llama_cpp_flags_parse_as_the_long_ones(command, short, long):
     short_settings, long_settings = _parsed(command, short), _parsed(command, long)
     assert short_settings == long_settings
     assert short_settings != _parsed(command, long[:2])  # the flags set something: not all defaults
+
+
+def test_n_minus_one_is_until_the_context_is_full():
+    """llama-cli's `-n -1` (and `-2`): no count, the context bounds the answer; without `-c` the run
+    reaches the default context (or the prompt and a token where longer)."""
+    from k3stream.commands.flags import reached_tokens, sampling_params
+    from k3stream.memlimit import DEFAULT_CTX
+
+    for flag in ("-1", "-2"):
+        args = build_parser(["chat", "m.gguf", "-n", flag]).parse_args(["chat", "m.gguf", "-n", flag])
+        assert args.max_tokens is None and sampling_params(args).max_tokens > 1 << 40
+        assert (
+            reached_tokens(args, 10) == DEFAULT_CTX and reached_tokens(args, DEFAULT_CTX) == DEFAULT_CTX + 1
+        )
+    args = build_parser(["chat", "m.gguf", "-n", "7"]).parse_args(["chat", "m.gguf", "-n", "7"])
+    assert reached_tokens(args, 10) == 17
+
+
+def test_seed_minus_one_draws_a_fresh_seed_as_llama_cli_does():
+    """llama-cli's `--seed -1` (its default, LLAMA_DEFAULT_SEED, also as 4294967295) is a fresh seed
+    each run, not the fixed seed -1: two runs sample differently; any other seed is kept."""
+    from k3stream.commands.flags import sampling_params
+    from k3stream.engine.sampling import Sampler
+
+    for flag in ("-1", "4294967295"):
+        args = build_parser(["chat", "m.gguf", "-s", flag]).parse_args(["chat", "m.gguf", "-s", flag])
+        assert sampling_params(args).seed is None
+        assert Sampler(sampling_params(args)).seed != Sampler(sampling_params(args)).seed
+    args = build_parser(["chat", "m.gguf", "-s", "7"]).parse_args(["chat", "m.gguf", "-s", "7"])
+    assert sampling_params(args).seed == Sampler(sampling_params(args)).seed == 7
 
 
 # sizes and times: inf or nan would reach an int() (a traceback) or a budget no check can compare

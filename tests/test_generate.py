@@ -342,6 +342,21 @@ def test_generate_command_prints_the_library_result(model, tokenizer, model_path
     assert "decode" in done.stderr and "tok/s" in done.stderr
 
 
+def test_a_system_message_sends_the_prompt_through_the_chat_template(model, tokenizer, model_path):
+    """`--system` (as llama-cli's `-sys`) is a chat's: it implies `--chat` instead of being dropped
+    from a plain prompt."""
+    from k3stream.engine.chat import ChatTemplate
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    ids = tokenizer.encode(ChatTemplate.for_tokenizer(tokenizer).render(messages), allow_special=True)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    expected = generate(model, tokenizer, ids, params).text
+    assert expected != generate(model, tokenizer, tokenizer.encode("Hello"), params).text
+    flags = ["--temperature", "0", "--max-tokens", "6", "--device", "cpu", "--threads", "1"]
+    done = _cli("generate", str(model_path), "--prompt", "Hello", "--system", "Be brief.", *flags)
+    assert done.returncode == 0 and done.stdout == expected + "\n", done.stderr
+
+
 def test_chat_command_keeps_the_conversation(model, tokenizer, model_path):
     from k3stream.engine.chat import ChatTemplate
 
@@ -382,10 +397,10 @@ def test_command_errors_are_one_line(tmp_path, model_path):
     not_a_file = _cli("generate", str(folder), "--prompt", "x")  # an OSError (IsADirectoryError)
     assert not_a_file.returncode == 1 and len(not_a_file.stderr.splitlines()) == 1, not_a_file.stderr
     assert not_a_file.stderr.startswith("k3stream generate: error: ") and "folder.json" in not_a_file.stderr
-    bad_flag = _cli("chat", str(model_path), "--top-p", "0", stdin="")
+    bad_flag = _cli("chat", str(model_path), "--top-p", "1.5", stdin="")
     assert (bad_flag.returncode, bad_flag.stderr.splitlines()) == (
         1,
-        ["k3stream chat: error: top_p must be in (0, 1], got 0.0"],
+        ["k3stream chat: error: top_p must be in [0, 1], got 1.5"],
     )
     for threads in ("-1", "0"):  # llama.cpp's -t: every core (torch's set_num_threads refuses them)
         every_core = _cli("generate", str(model_path), "--prompt", "x", "-n", "2", "--threads", threads)
@@ -594,6 +609,21 @@ def test_generation_ends_when_the_context_is_full(tiny_model, tokenizer):
     assert len(longer.token_ids) == 8
 
 
+def test_a_chat_line_ending_in_a_backslash_goes_on_in_the_next(model, tokenizer, model_path):
+    """As llama-cli reads its input: lines ending in `\\` are one turn, their line breaks kept (a pasted
+    paragraph is one question, not one turn a line); CR LF line ends are line ends."""
+    from k3stream.engine.chat import ChatTemplate
+
+    turn = [{"role": "user", "content": "Hello\nthere\nfriend"}]
+    ids = tokenizer.encode(ChatTemplate.for_tokenizer(tokenizer).render(turn), allow_special=True)
+    answer = generate(model, tokenizer, ids, SamplingParams(temperature=0, max_tokens=5)).text
+    flags = ["--temperature", "0", "--max-tokens", "5", "--device", "cpu", "--quiet"]
+    for end in ("\n", "\r\n"):  # a file written on Windows ends its lines in CR LF
+        lines = f"Hello\\{end}there\\{end}friend{end}"
+        done = _cli("chat", str(model_path), *flags, stdin=lines)
+        assert done.returncode == 0 and done.stdout == f"{answer}\n", (end, done.stderr)
+
+
 def test_ctx_bounds_what_the_generate_and_chat_commands_reach(model, tokenizer, model_path):
     """--ctx is the context the memory plan holds: no sequence goes past it. A prompt that fills it is a
     one-line error; a chat turn that cannot fit is refused in one line and the conversation goes on."""
@@ -625,6 +655,73 @@ def test_ctx_bounds_what_the_generate_and_chat_commands_reach(model, tokenizer, 
     assert chat.returncode == 0 and chat.stdout == f"{answer}\n{answer}\n", chat.stderr
     refused = [line for line in chat.stderr.splitlines() if line.startswith("k3stream chat:")]
     assert len(refused) == 1 and refused[0].endswith(f"the context is {ctx} (--ctx); /reset starts over")
+
+
+def test_generate_takes_llama_clis_prompt_file_and_n_minus_one(model, tokenizer, model_path, tmp_path):
+    """llama-cli's `-f FILE` reads the prompt from a file (less its last line break) and `-n -1`
+    generates until the context is full; a missing file is a one-line error naming --file, and -n below
+    1 (but -1, -2) names -n."""
+    prompt = "The capital of France is"
+    ids = tokenizer.encode(prompt)
+    ctx = len(ids) + 5
+    expected = generate(model, tokenizer, ids, SamplingParams(temperature=0, max_tokens=ctx), context=ctx)
+    (tmp_path / "prompt.txt").write_text(prompt + "\n", encoding="utf-8")  # as an editor saves it
+    flags = ["--temperature", "0", "--device", "cpu", "--threads", "1", "-c", str(ctx)]
+    done = _cli("generate", str(model_path), "-f", str(tmp_path / "prompt.txt"), "-n", "-1", *flags)
+    assert done.returncode == 0 and done.stdout == expected.text + "\n", done.stderr
+    assert f"decode {expected.completion_tokens} tokens" in done.stderr
+    missing = _cli("generate", str(model_path), "-f", str(tmp_path / "none.txt"), *flags)
+    assert (missing.returncode, missing.stderr.splitlines()) == (
+        1,
+        [f"k3stream generate: error: --file: no such file: {tmp_path / 'none.txt'}"],
+    )
+    below = _cli("generate", str(model_path), "-p", prompt, "-n", "0", *flags)
+    assert below.returncode == 2 and "-n: '0' is below 1 (-1: until the context is full)" in below.stderr
+
+
+def test_the_repeat_penalty_counts_the_last_repeat_last_n_tokens_as_llama_clis(model, tokenizer, model_path):
+    """llama-cli's `--repeat-penalty` counts the last `--repeat-last-n` tokens of prompt and output
+    (default 64; -1 all of them), so a script's flags sample here as there."""
+    prompt = " ".join(["the cat sat on the mat"] * 15)
+    ids = tokenizer.encode(prompt)
+    assert len(ids) > 64
+    base = {"temperature": 0, "max_tokens": 10, "repetition_penalty": 3.0}
+    window = {
+        n: generate(model, tokenizer, ids, SamplingParams(**base, repetition_last_n=n)).text for n in (64, -1)
+    }
+    assert window[64] != window[-1]  # the window decides the answer on this prompt
+    flags = [
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "10",
+        "--repeat-penalty",
+        "3",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+    ]
+    for last_n, more in ((64, []), (-1, ["--repeat-last-n", "-1"])):
+        done = _cli("generate", str(model_path), "--prompt", prompt, *flags, *more)
+        assert done.returncode == 0 and done.stdout == window[last_n] + "\n", (last_n, done.stderr)
+
+
+def test_generate_into_a_reader_that_leaves_ends_quietly_as_head_expects(model, tokenizer, model_path):
+    """`k3stream generate ... | head -c 5`: once the reader has left, the command ends with the status
+    of a process SIGPIPE ended (141, as `yes | head`), with no error line or traceback."""
+    answer = generate(
+        model, tokenizer, tokenizer.encode("The"), SamplingParams(temperature=0, max_tokens=400)
+    )
+    assert answer.completion_tokens > 100  # text goes on long after the reader left
+    argv = [sys.executable, "-m", "k3stream.cli", "generate", str(model_path), "--prompt", "The", "-n", "400"]
+    flags = ["--temperature", "0", "--device", "cpu", "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with subprocess.Popen([*argv, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as run:
+        assert len(run.stdout.read(5)) == 5
+        run.stdout.close()
+        assert run.wait(timeout=120) == 141
+        assert run.stderr.read() == b""
 
 
 def test_the_command_line_lets_idle_openmp_threads_sleep_unless_told_otherwise(monkeypatch):

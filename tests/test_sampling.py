@@ -126,9 +126,10 @@ def test_seed_makes_draws_reproducible():
     [
         ({"temperature": -1}, "temperature must be >= 0"),
         ({"top_k": -1}, "top_k must be >= 0"),
-        ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \[0, 1\]"),
         ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
         ({"repetition_penalty": 0}, "repetition_penalty must be > 0"),
+        ({"repetition_last_n": -2}, "repeat_last_n must be >= -1"),
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
         ({"stop": ("",)}, "stop strings must not be empty"),
     ],

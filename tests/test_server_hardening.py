@@ -6,7 +6,9 @@ turns unhealthy, error bodies without server paths, and non-finite logits that f
 from __future__ import annotations
 
 import gc
+import json
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -31,6 +33,8 @@ from k3stream.server.runtime import served_from_runtime
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 KEY = "sk-test-0123456789"
 BODY_LIMIT = 256 << 10
+# llama-server's answer to every request while the model loads
+LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
 
 
 class Live:
@@ -104,6 +108,26 @@ def test_body_over_the_limit_gets_413_and_the_server_goes_on(server):
     response = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=30)
     assert response.status_code == 413
     assert _complete(server.url).status_code == 200
+
+
+def test_a_body_that_begins_with_a_utf8_byte_order_mark_is_read(server):
+    """A JSON file saved by Notepad or PowerShell begins with the UTF-8 BOM; llama-server's parser skips
+    it, so `curl --data-binary @body.json` gets the same answer with or without it."""
+    bodies = {
+        "/tokenize": {"content": "Hello world"},
+        "/v1/completions": {"prompt": "Hello", "max_tokens": 3, "temperature": 0},
+        "/completion": {"prompt": "Hello", "n_predict": 3, "temperature": 0},
+    }
+    for path, body in bodies.items():
+        plain = json.dumps(body).encode()
+        replies = [
+            httpx.post(server.url + path, content=text, timeout=30)
+            for text in (plain, b"\xef\xbb\xbf" + plain)
+        ]
+        assert [r.status_code for r in replies] == [200, 200], (path, replies[1].text)
+        assert replies[0].json().get("tokens") == replies[1].json().get("tokens"), path
+    late = httpx.post(server.url + "/tokenize", content=b' \xef\xbb\xbf{"content": "a"}', timeout=30)
+    assert late.status_code == 400  # only a leading mark is skipped
 
 
 def test_tokenizing_runs_off_the_event_loop(server, monkeypatch):
@@ -185,6 +209,19 @@ def test_api_key_is_required_on_v1(keyed):
         assert httpx.get(keyed.url + public).status_code == 200
 
 
+def test_the_api_key_is_read_as_llama_server_reads_it(keyed):
+    """llama-server takes `Authorization` with or without `Bearer `, else Anthropic's `X-Api-Key` (its
+    clients' header); a wrong `Authorization` is not rescued by a right `X-Api-Key`."""
+    path = "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    for headers in ({"X-Api-Key": KEY}, {"x-api-key": f"Bearer {KEY}"}, {"Authorization": KEY}):
+        answer = httpx.post(keyed.url + path, json=body, headers=headers, timeout=30)
+        assert answer.status_code == 200, (headers, answer.text)
+    assert httpx.get(keyed.url + "/slots", headers={"X-Api-Key": KEY}).status_code == 200
+    for headers in ({"X-Api-Key": "sk-wrong"}, {"Authorization": "Bearer sk-wrong", "X-Api-Key": KEY}):
+        assert httpx.post(keyed.url + path, json=body, headers=headers).status_code == 401, headers
+
+
 def test_api_key_from_the_environment(monkeypatch):
     from k3stream.server.guard import api_key_from
 
@@ -234,12 +271,20 @@ def test_serve_refuses_an_address_it_cannot_bind_before_loading(model_path):
 
 def test_serve_on_port_0_names_the_port_it_listens_on(model_path):
     """`--port 0` takes a free port, as llama-server's does: the startup lines name that port (not 0),
-    and the server answers there."""
+    and the server answers there. The port is bound before the model loads and answers llama-server's
+    503 `Loading model` until the app takes it (the model's line comes once it serves)."""
     argv = [sys.executable, "-m", "k3stream", "serve", str(model_path), "--port", "0"]
     server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        lines = [server.stdout.readline() for _ in range(3)]
-        urls = [line.split("http://127.0.0.1:")[1].split("/")[0] for line in lines if "http://" in line]
+        lines = [server.stdout.readline()]
+        assert "answers 503 until ready" in lines[0], lines
+        early = httpx.get(lines[0].split(" ")[3] + "/health", timeout=5)  # never a refused connection
+        if early.status_code == 503:
+            assert early.json() == LOADING
+        else:  # loaded already: the model's line was printed before the app took the port
+            assert early.status_code == 200 and early.json()["status"] == "ok", early.text
+        lines += [server.stdout.readline() for _ in range(2)]
+        urls = [port for line in lines for port in re.findall(r"http://127\.0\.0\.1:(\d+)", line)]
         assert len(urls) == 2 and len(set(urls)) == 1 and urls[0] != "0", lines
         deadline = time.monotonic() + 60
         while True:
@@ -252,6 +297,30 @@ def test_serve_on_port_0_names_the_port_it_listens_on(model_path):
     finally:
         server.send_signal(signal.SIGINT)
         server.communicate(timeout=30)
+
+
+def test_while_loading_every_request_is_answered_503_and_a_silent_client_holds_no_one_up():
+    from k3stream.server.while_loading import HEAD_TIMEOUT_S, LoadingReplies
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        with LoadingReplies(listener):
+            silent = socket.create_connection(listener.getsockname())  # sends nothing
+            began = time.monotonic()
+            for method, path in (("GET", "/health"), ("POST", "/v1/chat/completions"), ("HEAD", "/")):
+                reply = httpx.request(method, url + path, json=None, timeout=10)
+                assert reply.status_code == 503 and reply.headers["connection"] == "close"
+                assert reply.content == (
+                    b""
+                    if method == "HEAD"
+                    else b'{"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}'
+                )
+            assert time.monotonic() - began < HEAD_TIMEOUT_S + 5
+            assert silent.recv(100) == b""  # closed after its time
+            silent.close()
+        waiting = socket.create_connection(listener.getsockname())  # in the backlog, for the next server
+        waiting.close()
 
 
 def test_allowed_hosts_from_the_command_line():
@@ -317,11 +386,19 @@ def test_long_stop_string_hold_back_is_linear(tokenizer):
 
 
 def test_tiny_temperature_and_top_p_answer(server):
+    """OpenAI's top_p runs from 0 to 1 (clients send 0 for a deterministic answer): 0, as llama.cpp's
+    top-p sampler with its min_keep of 1, keeps the likeliest token alone, so any seed draws the
+    greedy answer."""
     assert _complete(server.url, temperature=1e-45).status_code == 200
     assert _complete(server.url, temperature=0.7, top_p=1e-300).status_code == 200
+    greedy = _complete(server.url, max_tokens=6).json()["choices"][0]["text"]
+    for seed in (1, 2):
+        zero = _complete(server.url, max_tokens=6, temperature=1.5, top_p=0, seed=seed)
+        assert zero.status_code == 200 and zero.json()["choices"][0]["text"] == greedy, zero.text
     logits = torch.tensor([1.0, 3.0, 2.0])
     assert Sampler(SamplingParams(temperature=1e-45)).sample(logits) == 1
-    assert Sampler(SamplingParams(temperature=1.0, top_p=1e-300, seed=1)).sample(logits) == 1
+    for p in (1e-300, 0.0):
+        assert Sampler(SamplingParams(temperature=1.0, top_p=p, seed=1)).sample(logits) == 1
 
 
 def test_non_finite_logits_are_never_sampled():

@@ -236,6 +236,30 @@ def test_the_slots_debug_switch_is_read_as_llama_server_reads_it(monkeypatch, va
     assert slots_debug() is shown
 
 
+def test_metrics_count_tokens_under_llama_servers_names_too(server):
+    """llama-server's dashboards read `llamacpp:prompt_tokens_total` (prompt tokens computed) and
+    `llamacpp:tokens_predicted_total`: the same counts as k3stream's own counters, moved by a request."""
+
+    def counts() -> dict[str, float]:
+        text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text
+        return {name: float(value) for name, value in re.findall(r"^([\w:]+) (\S+)$", text, re.M)}
+
+    before = counts()
+    body = {
+        "prompt": "A prompt nobody sent before",
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "cache_prompt": False,
+    }
+    reply = post(server, "/v1/completions", body).json()
+    after = counts()
+    for llama, own, added in (
+        ("llamacpp:prompt_tokens_total", "k3stream_prompt_tokens_total", reply["usage"]["prompt_tokens"]),
+        ("llamacpp:tokens_predicted_total", "k3stream_generation_tokens_total", 5),
+    ):
+        assert after[llama] - before[llama] == after[own] - before[own] == added, (llama, before, after)
+
+
 def _poll_metrics(server, wanted):
     for _ in range(3000):  # a bound, not a timing assertion
         text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text

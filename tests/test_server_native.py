@@ -110,6 +110,15 @@ def test_prompts_as_token_ids_mixed_and_several(server):
     assert [r["content"] for r in several] == [text["content"], mixed["content"]]
 
 
+def test_an_empty_prompt_list_is_a_400_naming_the_prompt(server):
+    """`"prompt": []` holds no prompt at all: a 400 naming `prompt`, as an empty string is, on both
+    completion endpoints (never a 500)."""
+    for prompt in ([], "", [[]]):
+        assert "prompt" in llama_error(post(server, "/completion", {"prompt": prompt, "n_predict": 2}), 400)
+        reply = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        assert reply.status_code == 400 and reply.json()["error"]["param"].startswith("prompt"), reply.text
+
+
 def test_return_tokens_and_stream_chunks(server):
     whole = complete(server, prompt=PROMPT, return_tokens=True, **GREEDY)
     assert len(whole["tokens"]) == 12

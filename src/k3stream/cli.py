@@ -107,6 +107,10 @@ def _run(args: argparse.Namespace) -> int:
     try:
         resolve_demo_source(args)
         return int(_command_module(args.command).run(args) or 0)
+    except BrokenPipeError:  # `k3stream generate ... | head`: the reader has what it wanted
+        # nothing more reaches stdout, not even the interpreter's flush of it on the way out
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE  # the shell's status of a process SIGPIPE ended, as `yes | head`
     except (ValueError, OSError, RuntimeError) as exc:  # OSError: missing files, permissions, a full disk
         print(f"k3stream {args.command}: error: {exc}", file=sys.stderr)
         return 1

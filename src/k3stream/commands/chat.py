@@ -1,5 +1,5 @@
 """`k3stream chat MODEL`: an interactive conversation on stdin/stdout (`/exit` ends, `/reset` forgets,
-Ctrl-C stops an answer)."""
+Ctrl-C stops an answer, a line ending in a backslash goes on in the next)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import contextlib
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
 from k3stream.commands.flags import (
@@ -28,7 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_context_argument(parser)
     add_parallel_arguments(parser)
-    parser.add_argument("--system", default=None, help="system message at the start of the conversation")
+    parser.add_argument(
+        "--system",
+        "--system-prompt",
+        "-sys",
+        default=None,
+        help="system message at the start of the conversation",
+    )
     parser.add_argument("--thinking", action="store_true", help="open the think channel (Kimi-K3 templates)")
     parser.add_argument("--quiet", action="store_true", help="no statistics after each answer")
     add_cache_arguments(parser)
@@ -46,7 +52,21 @@ def _lines(stream: TextIO) -> Iterator[str]:
             except EOFError:
                 return
     else:
-        yield from (line.rstrip("\n") for line in stream)
+        yield from (line.rstrip("\r\n") for line in stream)  # a Windows file's lines end in CR LF
+
+
+def _turns(lines: Iterable[str]) -> Iterator[str]:
+    """User turns: a line ending in a backslash goes on in the next one (the backslash dropped, the
+    line break kept), as llama-cli reads its input, so a pasted paragraph can be one turn."""
+    held: list[str] = []
+    for line in lines:
+        if line.endswith("\\"):
+            held.append(line[:-1])
+            continue
+        yield "\n".join([*held, line])
+        held = []
+    if held:
+        yield "\n".join(held)
 
 
 class CtrlC:
@@ -141,7 +161,7 @@ def converse(session: ChatSession) -> None:
     goes on (`/reset` makes room)."""
     from k3stream.engine.generate import ContextFull
 
-    for line in _lines(sys.stdin):
+    for line in _turns(_lines(sys.stdin)):
         command = line.strip()
         if command == "/exit":
             break

@@ -191,9 +191,34 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_input_file(path: str | Path, flag: str) -> None:
+    """Raise (one line naming `flag`) unless `path` can be read as a file: a folder or a missing path
+    is refused; a pipe (`<(...)`, /dev/stdin) is read as a file."""
+    if Path(path).is_dir():
+        raise IsADirectoryError(f"{flag}: is a folder: {path}")
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{flag}: no such file: {path}")
+
+
+def predict_count(text: str) -> int | None:
+    """argparse type of `--max-tokens`: 1 or more, or llama-cli's -1 (and -2): None, until the context
+    is full."""
+    value = int(text)
+    if value in (-1, -2):
+        return None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is below 1 (-1: until the context is full)")
+    return value
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
     parser.add_argument(
-        "--max-tokens", "--n-predict", "-n", type=int, default=max_tokens, help="default %(default)s"
+        "--max-tokens",
+        "--n-predict",
+        "-n",
+        type=predict_count,
+        default=max_tokens,
+        help="tokens to generate; -1: until the context is full (default %(default)s)",
     )
     parser.add_argument(
         "--temperature", "--temp", type=float, default=0.8, help="0 is greedy (default %(default)s)"
@@ -202,13 +227,24 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) 
     parser.add_argument("--top-p", type=float, default=0.95, help="1 disables (default %(default)s)")
     parser.add_argument("--min-p", type=float, default=0.05, help="0 disables (default %(default)s)")
     parser.add_argument("--repeat-penalty", type=float, default=1.0, help="1 disables (default %(default)s)")
-    parser.add_argument("--seed", "-s", type=int, default=None, help="makes sampling reproducible")
+    parser.add_argument(
+        "--repeat-last-n",
+        type=int,
+        default=64,
+        help="last tokens of prompt and output the repeat penalty counts, as llama-cli's; -1 all, 0 none "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", "-s", type=int, default=None, help="makes sampling reproducible (-1: a fresh seed)"
+    )
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 def sampling_params(args: argparse.Namespace) -> Any:
-    """`SamplingParams` from the sampling flags."""
+    """`SamplingParams` from the sampling flags; llama-cli's `--seed -1` (its default, as
+    4294967295 is) draws a fresh seed, as no seed does."""
     from k3stream.engine.sampling import SamplingParams
+    from k3stream.server.schemas import RANDOM_SEEDS
 
     return SamplingParams(
         temperature=args.temperature,
@@ -216,8 +252,9 @@ def sampling_params(args: argparse.Namespace) -> Any:
         top_p=args.top_p,
         min_p=args.min_p,
         repetition_penalty=args.repeat_penalty,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
+        repetition_last_n=args.repeat_last_n,
+        seed=None if args.seed in RANDOM_SEEDS else args.seed,
+        max_tokens=sys.maxsize if args.max_tokens is None else args.max_tokens,  # the context bounds it
         stop=tuple(args.stop),
     )
 
@@ -310,6 +347,16 @@ def size_context(args: argparse.Namespace, config: Any, tokens: int) -> None:
     model's): its KV/state, and its prompt prefilled in one forward."""
     if args.ctx is None:
         args.ctx = min(max(tokens, 2), config.context_length)
+
+
+def reached_tokens(args: argparse.Namespace, prompt_tokens: int) -> int:
+    """The tokens a run of `prompt_tokens` reaches: the prompt and `--max-tokens`; with `-n -1` (until
+    the context is full) the default context, or the prompt and one token where that is longer."""
+    from k3stream.memlimit import DEFAULT_CTX
+
+    if args.max_tokens is None:
+        return max(DEFAULT_CTX, prompt_tokens + 1)
+    return prompt_tokens + args.max_tokens
 
 
 def thread_count(threads: int | None) -> int | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from k3stream.commands.flags import (
     add_cache_arguments,
@@ -11,7 +12,9 @@ from k3stream.commands.flags import (
     add_model_arguments,
     add_parallel_arguments,
     add_sampling_arguments,
+    check_input_file,
     prompt_ids,
+    reached_tokens,
     sampling_params,
     size_context,
 )
@@ -23,14 +26,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_context_argument(parser)
     add_parallel_arguments(parser)
-    parser.add_argument("--prompt", "-p", required=True, help="the prompt ('-' reads it from stdin)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", "-p", help="the prompt ('-' reads it from stdin)")
+    source.add_argument("--file", "-f", type=Path, help="a file holding the prompt (UTF-8), as llama-cli's")
     parser.add_argument(
         "--chat", action="store_true", help="send the prompt as a user message through the chat template"
     )
-    parser.add_argument("--system", default=None, help="system message (with --chat)")
-    parser.add_argument("--thinking", action="store_true", help="open the think channel (Kimi-K3 templates)")
+    parser.add_argument(
+        "--system", "--system-prompt", "-sys", default=None, help="system message (implies --chat)"
+    )
+    parser.add_argument(
+        "--thinking", action="store_true", help="open the think channel (Kimi-K3 templates; implies --chat)"
+    )
     add_sampling_arguments(parser, max_tokens=128)
     add_cache_arguments(parser, ram_mib=0.0)  # off unless asked: a prompt reused across runs (--cache-dir)
+
+
+def prompt_text(args: argparse.Namespace) -> str:
+    """The prompt: `--prompt`, stdin for `--prompt -`, or the text of `--file` less the line break an
+    editor ends it with (one, as llama-cli drops it)."""
+    if args.file is None:
+        return sys.stdin.read() if args.prompt == "-" else args.prompt
+    check_input_file(args.file, "--file")
+    try:
+        return args.file.read_text(encoding="utf-8").removesuffix("\n")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--file {args.file}: not UTF-8 text (byte {exc.start})") from None
 
 
 def _write(text: str) -> None:
@@ -47,11 +68,12 @@ def run(args: argparse.Namespace) -> int:
     from k3stream.engine.loading import open_model
     from k3stream.engine.tokenizer import Tokenizer
 
-    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    text = prompt_text(args)
+    args.chat = args.chat or args.system is not None or args.thinking  # they mean the chat template
     params = sampling_params(args)  # bad flags fail before the model loads
     opened = open_model(args.model, not args.no_stream_experts)
     prompt = prompt_ids(Tokenizer.from_gguf(opened[0]), args, text)
-    size_context(args, opened[0].config, len(prompt) + args.max_tokens)
+    size_context(args, opened[0].config, reached_tokens(args, len(prompt)))
     with parallel_runtime(args, opened=opened) as runtime:  # under torchrun: rank 0 generates
         if runtime is None:
             return 0

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from k3stream.commands.flags import add_model_arguments, runtime_from_args
+from k3stream.commands.flags import add_model_arguments, check_input_file, runtime_from_args
 from k3stream.engine.loading import Runtime, open_model
 
 DEFAULT_CTX = 512
@@ -65,10 +65,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError("--kl-divergence needs --kl-divergence-base FILE (the saved reference run)")
     if not args.file and not args.kl_divergence:
         raise ValueError("--file TEXT is required (with --kl-divergence the base file's tokens are used)")
-    if args.file and Path(args.file).is_dir():
-        raise IsADirectoryError(f"--file: is a folder: {args.file}")
-    if args.file and not Path(args.file).exists():  # a pipe (`<(...)`, /dev/stdin) is read as a file
-        raise FileNotFoundError(f"--file: no such file: {args.file}")
+    if args.file:
+        check_input_file(args.file, "--file")
     if args.batch is not None and args.batch < 1:
         raise ValueError(f"--batch {args.batch}: must be at least 1")
     if args.chunks is not None and args.chunks < 0:  # llama-perplexity's default, -1: every chunk

@@ -9,7 +9,7 @@ import signal
 import socket
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from k3stream.server.guard import API_KEY_ENV, GuardConfig, allowed_hosts_for, api_key_from
 
@@ -77,8 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help=(
-            "require `Authorization: Bearer KEY` on every path but /health, /v1/health, /models, "
-            f"/v1/models and the chat page (default: ${API_KEY_ENV} if set)"
+            "require `Authorization: Bearer KEY` (or `X-Api-Key: KEY`) on every path but /health, "
+            f"/v1/health, /models, /v1/models and the chat page (default: ${API_KEY_ENV} if set)"
         ),
     )
     parser.add_argument(
@@ -123,14 +123,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from k3stream.commands.flags import cache_from_args
     from k3stream.commands.launch import parallel_runtime
     from k3stream.server.app import ServerConfig, create_app
-    from k3stream.server.guard import uvicorn_options
     from k3stream.server.runtime import served_from_runtime
     from k3stream.server.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_SHARE_TOKENS
+    from k3stream.server.while_loading import LoadingReplies
 
     config = ServerConfig(
         max_batch=args.max_batch,
@@ -143,32 +141,54 @@ def run(args: argparse.Namespace) -> int:
         slot_save_path=args.slot_save_path,
     )
     config.check()
-    check_address(args.host, args.port)
-    # under torchrun rank 0 serves and the others follow; a failed rank stops the server (as Ctrl-C)
-    with parallel_runtime(args, on_failure=lambda: os.kill(os.getpid(), signal.SIGINT)) as runtime:
-        if runtime is None:
-            return 0
-        chosen = args.prefill_pass  # the pass the memory plan chose (`flags._fitted_plan`)
-        config = replace(config, prefill_chunk=chosen.chunk, pass_prompts=chosen.prompts)
-        served = served_from_runtime(runtime, name=args.served_model_name, ctx=args.ctx)
-        served.prompt_cache = cache_from_args(args, runtime.model)
-        app = create_app(served, config)
-        settle_heap()
-        listener = bind_address(args.host, args.port)
-        announce(runtime, served, config, f"http://{args.host}:{listener.getsockname()[1]}")
-        options = uvicorn_options(config.guard)
-        server = uvicorn.Server(
-            uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, **options)
-        )
-        try:
-            server.run(sockets=[listener])
-        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on (uvicorn.run drops it)
-            pass
-        finally:
-            # the app's lifespan stops it too; this covers a uvicorn that never ran its shutdown
-            app.state.scheduler.stop()
+    # bound before the model loads (minutes for a real one): a bad --host or --port fails at once, and
+    # the port answers llama-server's 503 `Loading model` until the app takes it (rank 0 alone serves)
+    follower = os.environ.get("WORLD_SIZE", "1") != "1" and os.environ.get("RANK", "0") != "0"
+    listener = None if follower else bind_address(args.host, args.port)
+    loading = None
+    if listener is not None:
+        loading = LoadingReplies(listener).start()
+        print(f"k3stream serve: loading; {_url(args.host, listener)} answers 503 until ready", flush=True)
+    try:
+        # under torchrun rank 0 serves and the others follow; a failed rank stops the server (as Ctrl-C)
+        with parallel_runtime(args, on_failure=lambda: os.kill(os.getpid(), signal.SIGINT)) as runtime:
+            if runtime is None:
+                return 0
+            chosen = args.prefill_pass  # the pass the memory plan chose (`flags._fitted_plan`)
+            config = replace(config, prefill_chunk=chosen.chunk, pass_prompts=chosen.prompts)
+            served = served_from_runtime(runtime, name=args.served_model_name, ctx=args.ctx)
+            served.prompt_cache = cache_from_args(args, runtime.model)
+            app = create_app(served, config)
+            settle_heap()
+            loading.stop()
+            announce(runtime, served, config, _url(args.host, listener))
+            serve_on(app, listener, args.log_level, config)
+    finally:
+        if loading is not None:
+            loading.stop()
             listener.close()
     return 0
+
+
+def serve_on(app: Any, listener: socket.socket, log_level: str, config: ServerConfig) -> None:
+    """uvicorn serving `app` on `listener` until Ctrl-C."""
+    import uvicorn
+
+    from k3stream.server.guard import uvicorn_options
+
+    options = uvicorn_options(config.guard)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, **options))
+    try:
+        server.run(sockets=[listener])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on (uvicorn.run drops it)
+        pass
+    finally:
+        # the app's lifespan stops it too; this covers a uvicorn that never ran its shutdown
+        app.state.scheduler.stop()
+
+
+def _url(host: str, listener: socket.socket) -> str:
+    return f"http://{host}:{listener.getsockname()[1]}"  # the port bound: the free one for --port 0
 
 
 def announce(runtime: Runtime, served: ServedModel, config: ServerConfig, url: str) -> None:
@@ -183,12 +203,6 @@ def announce(runtime: Runtime, served: ServedModel, config: ServerConfig, url: s
     print(access_note(config.guard), flush=True)
     if config.webui:
         print(f"k3stream serve: chat page at {url}/ (--no-webui to turn it off)", flush=True)
-
-
-def check_address(host: str, port: int) -> None:
-    """Raise (one line) unless a server can bind `host`:`port`: checked before the model loads (minutes
-    for a real one), where uvicorn would fail only after it, with a traceback for a port out of range."""
-    bind_address(host, port).close()
 
 
 def bind_address(host: str, port: int) -> socket.socket:

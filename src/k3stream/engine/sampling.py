@@ -51,9 +51,10 @@ class SamplingParams:
         checks = [
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.top_p <= 1, f"top_p must be in [0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.repetition_last_n >= -1, f"repeat_last_n must be >= -1, got {self.repetition_last_n}"),
             (
                 -2 <= self.frequency_penalty <= 2,
                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",

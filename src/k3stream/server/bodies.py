@@ -16,9 +16,14 @@ RequestModel = TypeVar("RequestModel", bound=BaseModel)
 OFF_LOOP_BYTES = 64 * 1024
 
 
+# what Windows tools (Notepad, PowerShell's UTF-8) put first in a file; llama-server's JSON parser skips
+# it, so a body sent from such a file (`curl --data-binary @body.json`) is read there and here alike
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 async def parse_body(request: Request, model: type[RequestModel]) -> RequestModel:
     try:
-        body = await request.body()
+        body = (await request.body()).removeprefix(UTF8_BOM)
         if len(body) > OFF_LOOP_BYTES:
             return await asyncio.to_thread(model.model_validate_json, body)
         return model.model_validate_json(body)

@@ -1,11 +1,11 @@
 """What keeps the server from being stalled or used by strangers, ahead of the endpoints.
 
 - `Guard`, an ASGI middleware: foreign `Host` headers are refused (400; DNS rebinding), every path but
-  llama-server's public ones (`routes.needs_api_key`) needs `Authorization: Bearer KEY` when an API key
-  is set (401 in OpenAI's error shape on OpenAI's paths, llama-server's elsewhere; constant-time
-  compare), a request body is read in full before the app sees it, at most
-  `max_body_bytes` (413) and within `body_timeout_s` (408). No CORS headers are ever sent, so browsers
-  refuse cross-origin calls.
+  llama-server's public ones (`routes.needs_api_key`) needs the API key when one is set
+  (`Authorization: Bearer KEY` or `X-Api-Key: KEY`, as llama-server reads them: `given_key`; 401 in
+  OpenAI's error shape on OpenAI's paths, llama-server's elsewhere; constant-time compare), a request
+  body is read in full before the app sees it, at most `max_body_bytes` (413) and within
+  `body_timeout_s` (408). No CORS headers are ever sent, so browsers refuse cross-origin calls.
 - `guarded_h11(header_timeout_s)`: uvicorn's h11 protocol with a deadline for a request's headers,
   from the moment the connection opens or the previous response ends: a connection that sends nothing
   or trickles its headers is closed.
@@ -83,12 +83,20 @@ def host_name(header: bytes) -> str:
     return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
 
 
+def given_key(headers: dict[bytes, bytes]) -> bytes:
+    """The key a request sends, read as llama-server reads it: `Authorization`, else Anthropic's
+    `X-Api-Key` (which Anthropic's clients send), either with or without a `Bearer ` scheme."""
+    given = (headers.get(b"authorization") or headers.get(b"x-api-key") or b"").strip()
+    scheme, _, token = given.partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else given
+
+
 class BodyTooLarge(Exception):
     pass
 
 
 class Guard:
-    """ASGI middleware: Host check, Bearer auth on /v1, bounded body read (see module doc)."""
+    """ASGI middleware: Host check, API key, bounded body read (see module doc)."""
 
     def __init__(self, app: Callable, config: GuardConfig) -> None:
         self.app = app
@@ -117,11 +125,9 @@ class Guard:
                     f"Host header {host!r} is not allowed; start the server with --allowed-hosts to serve it",
                     code="invalid_host",
                 )
-        if self._key is not None and needs_api_key(scope["path"]):
-            given = headers.get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
-                return _unauthorized(scope["path"])
+        locked = self._key is not None and needs_api_key(scope["path"])
+        if locked and not hmac.compare_digest(given_key(headers), self._key):
+            return _unauthorized(scope["path"])
         return None
 
     async def _read_body(self, scope: dict, receive: Callable) -> tuple[APIError | None, Callable]:
@@ -183,7 +189,7 @@ def _unauthorized(path: str) -> APIError:
     """The 401 of a request without the right key: OpenAI's error on its paths, llama-server's own
     (`Invalid API Key`, `authentication_error`) on the others."""
     if openai_path(path):
-        message = "Invalid or missing API key: send `Authorization: Bearer KEY`"
+        message = "Invalid or missing API key: send `Authorization: Bearer KEY` or `X-Api-Key: KEY`"
         return APIError(401, message, code="invalid_api_key")
     return LlamaError(401, "Invalid API Key", type=LLAMA_ERROR_TYPES[401])
 

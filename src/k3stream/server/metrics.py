@@ -32,6 +32,13 @@ class ServerMetrics:
             "requests that waited for another request's prefill of their shared prompt prefix",
             registry=r,
         )
+        # the same two counts under llama-server's names, which its dashboards read
+        self.llama_prompt_tokens = Counter(
+            "llamacpp:prompt_tokens", "Number of prompt tokens processed.", registry=r
+        )
+        self.llama_predicted = Counter(
+            "llamacpp:tokens_predicted", "Number of generation tokens processed.", registry=r
+        )
         self.time_to_first_token = Histogram(
             "k3stream_time_to_first_token_seconds",
             "from request arrival to its first generated token",
@@ -56,6 +63,15 @@ class ServerMetrics:
         )
         if store_stats is not None:
             r.register(ExpertStoreCollector(store_stats))
+
+    def add_prompt_tokens(self, computed: int) -> None:
+        """Prompt tokens prefilled (those restored from the prompt cache are not)."""
+        self.prompt_tokens.inc(computed)
+        self.llama_prompt_tokens.inc(computed)
+
+    def add_generated_token(self) -> None:
+        self.generation_tokens.inc()
+        self.llama_predicted.inc()
 
     def set_waiting(self, waiting: int) -> None:
         """Requests in the queue (no batch slot yet)."""

@@ -504,7 +504,7 @@ class Scheduler:
         self.batched_prefills += len(jobs) > 1
         computed = sum(job.prefill.position - start for job, start in zip(jobs, before, strict=True))
         self._count_tokens(computed)
-        self.metrics.prompt_tokens.inc(computed)
+        self.metrics.add_prompt_tokens(computed)
         for job in jobs:
             if job.prefill.done:
                 self._end_prefill(job)
@@ -613,7 +613,7 @@ class Scheduler:
             self.metrics.time_per_output_token.observe(now - job.last_token_at)
         job.last_token, job.last_token_at = token, now
         job.generated.append(token)
-        self.metrics.generation_tokens.inc()
+        self.metrics.add_generated_token()
         if piece:
             job.sink.put(PieceEvent(piece))
         if job.logic.finish_reason is not None:

@@ -28,7 +28,7 @@ def null_is(default: Any) -> BeforeValidator:
 MAX_TOKENS_LIMIT = 1 << 20
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
-TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+TopP = Annotated[float, Field(ge=0.0, le=1.0)]  # OpenAI's range; 0 keeps the likeliest token
 TopK = Annotated[int, Field(ge=-1)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)]
@@ -247,6 +247,8 @@ class CompletionRequest(SamplingFields):
 def checked_prompts(prompts: list[Any], several: bool, empty: Callable[[Any], bool]) -> list[Any]:
     """`prompts`, refused (a 400 naming the field) beyond MAX_PROMPTS or where one is `empty`; `several`:
     the request gave a list of prompts (a failing one is named `prompt.N`)."""
+    if not prompts:  # `"prompt": []`, a list of no prompts
+        raise invalid_request("prompt: a prompt must not be empty", param="prompt")
     if len(prompts) > MAX_PROMPTS:
         raise invalid_request(f"prompt: at most {MAX_PROMPTS} prompts per request", param="prompt")
     index = next((index for index, one in enumerate(prompts) if empty(one)), None)
