@@ -118,6 +118,38 @@ def test_wrong_architecture(tiny_model, tmp_path):
         discover_shards(bad)
 
 
+def with_non_utf8_string(source: Path, path: Path, key: str) -> Path:
+    """A copy of `source` whose metadata string `key` (the first string of an array) starts with 0xFF,
+    a byte UTF-8 never holds."""
+    shutil.copyfile(source, path)
+    field = GGUFReader(source).fields[key]
+    value_at = field.offset + 8 + len(key) + 4 + (12 if field.types[0] == GGUFValueType.ARRAY else 0) + 8
+    with path.open("r+b") as stream:
+        stream.seek(value_at)
+        stream.write(b"\xff")
+    return path
+
+
+@pytest.mark.parametrize("key", ["general.name", "tokenizer.ggml.tokens", "tokenizer.chat_template"])
+def test_a_string_that_is_not_utf8_is_named_in_one_line(tiny_model, tmp_path, capsys, key):
+    """Each command that reads the string refuses the file in one line naming it and the key (not
+    Python's bare "'utf-8' codec can't decode"), and writes nothing."""
+    path = with_non_utf8_string(tiny_model(), tmp_path / "model.gguf", key)
+    commands = {
+        "general.name": [["inspect", str(path)]],
+        "tokenizer.ggml.tokens": [["generate", str(path), "--prompt", "hi", "--max-tokens", "1"]],
+        "tokenizer.chat_template": [["pack", str(path), "--no-progress"]],
+    }[key] + [["dequantize", str(path), str(tmp_path / "f32.gguf")]]
+    for argv in commands:
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [
+            f"k3stream {argv[0]}: error: {path}: metadata key {key} holds a string that is not UTF-8 "
+            "(byte 0xff at 0: invalid start byte)"
+        ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
 def test_duplicate_tensor_across_shards(sharded, tmp_path):
     second = sharded / SHARD.format(2)
     extra = {"token_embd.weight": np.zeros((4, 4), dtype=np.float32)}
