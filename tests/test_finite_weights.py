@@ -109,3 +109,21 @@ def test_a_gguf_with_a_non_finite_weight_is_refused_in_one_line(
         assert captured.out == ""
         error = captured.err.strip().splitlines()[-1]
         assert error.startswith(f"k3stream {argv[0]}: error: {expected}") and where in error, error
+
+
+def test_verify_full_names_an_expert_with_a_non_finite_scale(tiny_model, tmp_path, capsys):
+    """Routed experts load when routed, unchecked; `verify --full`, which reads every payload, finds a NaN
+    scale (an IQ2_XXS expert of the dynamic recipe, 66-byte blocks, d first) and names pack, tensor,
+    expert and block."""
+    source = tiny_model(recipe="dynamic", **DIMS)
+    tensor = "blk.2.ffn_up_exps.weight"
+    expert_bytes = 256 * 256 // 256 * 66
+    path = damaged_copy(source, tmp_path, tensor, 5 * expert_bytes + 3 * 66, np.float16(np.nan).tobytes())
+    assert main(["pack", str(path), "--no-progress"]) == 0
+    pack = path.with_name("tiny-kimi-k3.expert-major.pack")
+    assert main(["verify", str(path), "--full"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error == [
+        f"k3stream verify: error: {pack}: {tensor} expert 5: the scale of block 3 is NaN or infinite; "
+        "its GGUF is damaged"
+    ]
