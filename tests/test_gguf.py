@@ -538,6 +538,32 @@ def test_dequantize_larger_than_the_free_space_is_refused_before_writing(tiny_mo
     assert failure.value.errno == errno.ENOSPC and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("alignment", [64, 4096])
+def test_dequantize_of_a_file_with_another_alignment_writes_a_valid_gguf(tiny_model, tmp_path, alignment):
+    """general.alignment is the layout of the file that declares it: the F32 copy, laid out by gguf's writer
+    at its own 32 bytes, declared the source's and was refused by llama.cpp, k3stream and gguf alike."""
+    source, aligned = tiny_model(), tmp_path / "aligned.gguf"
+    reader, writer = GGUFReader(source), GGUFWriter(aligned, "kimi-k3")
+    writer.data_alignment = alignment
+    writer.add_custom_alignment(alignment)
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            sub_type = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert {int(t.data_offset) % alignment for t in GGUFReader(aligned).tensors} == {0}
+    out = dequantize_gguf(aligned, tmp_path / "f32.gguf")
+    copied = {t.name: np.asarray(t.data) for t in GGUFReader(out).tensors}
+    for tensor in reader.tensors:
+        assert np.array_equal(copied[tensor.name], np.asarray(tensor.data)), tensor.name
+    K3Checkpoint.open(out)
+
+
 def test_cli_dequantize_refuses_to_overwrite(tiny_model, tmp_path):
     out = tmp_path / "out.gguf"
     out.write_bytes(b"keep")

@@ -19,7 +19,8 @@ import numpy as np
 from k3stream.gguf.config import field_value
 
 SLAB_ELEMENTS = 1 << 22  # rows are dequantized ~16 MiB of F32 at a time
-_NOT_COPIED = ("GGUF.", "general.architecture", "split.")
+# the writer's own (general.alignment: the copy lays its data out at the writer's 32 bytes)
+_NOT_COPIED = ("GGUF.", "general.architecture", "general.alignment", "split.")
 ALL_F32, MOSTLY_F16 = 0, 1  # general.file_type
 
 
