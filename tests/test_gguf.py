@@ -118,6 +118,38 @@ def test_wrong_architecture(tiny_model, tmp_path):
         discover_shards(bad)
 
 
+def with_non_utf8_string(source: Path, path: Path, key: str) -> Path:
+    """A copy of `source` whose metadata string `key` (the first string of an array) starts with 0xFF,
+    a byte UTF-8 never holds."""
+    shutil.copyfile(source, path)
+    field = GGUFReader(source).fields[key]
+    value_at = field.offset + 8 + len(key) + 4 + (12 if field.types[0] == GGUFValueType.ARRAY else 0) + 8
+    with path.open("r+b") as stream:
+        stream.seek(value_at)
+        stream.write(b"\xff")
+    return path
+
+
+@pytest.mark.parametrize("key", ["general.name", "tokenizer.ggml.tokens", "tokenizer.chat_template"])
+def test_a_string_that_is_not_utf8_is_named_in_one_line(tiny_model, tmp_path, capsys, key):
+    """Each command that reads the string refuses the file in one line naming it and the key (not
+    Python's bare "'utf-8' codec can't decode"), and writes nothing."""
+    path = with_non_utf8_string(tiny_model(), tmp_path / "model.gguf", key)
+    commands = {
+        "general.name": [["inspect", str(path)]],
+        "tokenizer.ggml.tokens": [["generate", str(path), "--prompt", "hi", "--max-tokens", "1"]],
+        "tokenizer.chat_template": [["pack", str(path), "--no-progress"]],
+    }[key] + [["dequantize", str(path), str(tmp_path / "f32.gguf")]]
+    for argv in commands:
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [
+            f"k3stream {argv[0]}: error: {path}: metadata key {key} holds a string that is not UTF-8 "
+            "(byte 0xff at 0: invalid start byte)"
+        ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
 def test_duplicate_tensor_across_shards(sharded, tmp_path):
     second = sharded / SHARD.format(2)
     extra = {"token_embd.weight": np.zeros((4, 4), dtype=np.float32)}
@@ -504,6 +536,32 @@ def test_dequantize_larger_than_the_free_space_is_refused_before_writing(tiny_mo
     with pytest.raises(OSError, match=f"not enough free space in {tmp_path} .*{free} bytes free") as failure:
         dequantize_gguf(source, tmp_path / "f32.gguf")
     assert failure.value.errno == errno.ENOSPC and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("alignment", [64, 4096])
+def test_dequantize_of_a_file_with_another_alignment_writes_a_valid_gguf(tiny_model, tmp_path, alignment):
+    """general.alignment is the layout of the file that declares it: the F32 copy, laid out by gguf's writer
+    at its own 32 bytes, declared the source's and was refused by llama.cpp, k3stream and gguf alike."""
+    source, aligned = tiny_model(), tmp_path / "aligned.gguf"
+    reader, writer = GGUFReader(source), GGUFWriter(aligned, "kimi-k3")
+    writer.data_alignment = alignment
+    writer.add_custom_alignment(alignment)
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            sub_type = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert {int(t.data_offset) % alignment for t in GGUFReader(aligned).tensors} == {0}
+    out = dequantize_gguf(aligned, tmp_path / "f32.gguf")
+    copied = {t.name: np.asarray(t.data) for t in GGUFReader(out).tensors}
+    for tensor in reader.tensors:
+        assert np.array_equal(copied[tensor.name], np.asarray(tensor.data)), tensor.name
+    K3Checkpoint.open(out)
 
 
 def test_cli_dequantize_refuses_to_overwrite(tiny_model, tmp_path):

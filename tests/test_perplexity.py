@@ -303,6 +303,44 @@ def test_mismatched_base_is_one_line_error(model_path, capsys, tmp_path):
         assert code == 1 and message in err.strip().splitlines()[-1]
 
 
+def _llama_base_file(path: Path, plan, chunk_logits_list: list[np.ndarray]) -> Path:
+    """`path` written as llama-perplexity writes its KL-divergence base (tools/perplexity: `_logits_`,
+    uint32 n_ctx, int32 n_vocab and n_chunk, the int32 tokens, then per scored row float32 scale and
+    min_log_prob and a uint16 code per vocabulary entry, padded to an even count), from full-chunk logits."""
+    n_vocab = chunk_logits_list[0].shape[1]
+    rows = np.concatenate([logits[plan.first : plan.ctx - 1] for logits in chunk_logits_list]).astype(
+        np.float32
+    )
+    top, low = rows.max(axis=1), np.maximum(rows.min(axis=1), rows.max(axis=1) - 16)
+    log_sum = np.log(np.exp((rows - top[:, None]).astype(np.float64)).sum(axis=1)).astype(np.float32)
+    scale = ((top - low) / np.float32(65535)).astype(np.float32)
+    codes = np.where(rows > low[:, None], np.rint((rows - low[:, None]) * (1 / scale)[:, None]), 0)
+    table = np.zeros((len(rows), 2 * ((n_vocab + 1) // 2) + 4), dtype="<u2")
+    table[:, :4] = np.stack([scale, low - top - log_sum], axis=1).astype("<f4").view("<u2")
+    table[:, 4 : 4 + n_vocab] = codes
+    header = b"_logits_" + np.array([plan.ctx, n_vocab, plan.n_chunk], dtype="<i4").tobytes()
+    path.write_bytes(header + plan.tokens.astype("<i4").tobytes() + table.tobytes())
+    return path
+
+
+@requires_llama
+def test_a_base_file_llama_perplexity_wrote_is_read(model_path, tokenizer, tmp_path, capsys):
+    """A llama.cpp user's base (llama-perplexity --kl-divergence-base, here from llama.cpp's own logits of
+    the F32 tiny model, whose odd vocabulary pads each row): its tokens, ctx and rows are read, and the same
+    model against it scores llama.cpp's PPL as the base's and a KLD of about 0."""
+    plan = _plan(tokenizer)
+    base_logits = llama_logits([(model_path, plan.chunk(i)) for i in range(plan.n_chunk)], tmp_path)
+    assert base_logits[0].shape[1] % 2  # a padded row
+    base = _llama_base_file(tmp_path / "llama.kld", plan, base_logits)
+    out = _kld_run(capsys, model_path, base, "--float-activations")  # no --file: the base's tokens
+    assert _value("Mean PPL(base)", out) == pytest.approx(_reference_ppl(base_logits, plan), rel=1e-3)
+    assert abs(_value("Mean    KLD", out)) < 1e-3
+    assert _value("Same top p", out) == 100.0
+    base.write_bytes(base.read_bytes()[:-2])
+    code, _, err = _run(capsys, model_path, "--kl-divergence", "--kl-divergence-base", base)
+    assert code == 1 and f"{base}: llama-perplexity base file of" in err.strip().splitlines()[-1]
+
+
 def _reference_kld(logits: list[np.ndarray], base_logits: list[np.ndarray], plan) -> float:
     """llama-perplexity's mean KL(base || model) written out on full-chunk logits, in float64."""
     rows = slice(plan.first, plan.ctx - 1)

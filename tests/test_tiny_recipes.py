@@ -4,6 +4,7 @@ llama.cpp loading and running each one, k3stream within 1e-3 of it on the F32 re
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -60,9 +61,16 @@ def test_the_iq4_xs_recipe_quantizes_the_non_expert_matrices(tiny_model):
 def test_a_recipe_refuses_shapes_its_types_cannot_hold(tmp_path):
     from k3stream.testing.tiny import TinySpec, make_tiny
 
-    with pytest.raises(ValueError, match="recipe iq1_s: blk.1.ffn_gate_exps.weight rows of 32 values"):
+    with pytest.raises(
+        ValueError, match="recipe iq1_s: blk.1.ffn_gate_exps.weight rows of 32 values"
+    ) as error:
         make_tiny(tmp_path, TinySpec(recipe="iq1_s"))
     assert not any(tmp_path.iterdir())
+    # the message names shapes that fit: the recipe writes with them
+    hint = re.search(r"\(((?:\w+=\d+, )*\w+=\d+) fit every one\)$", str(error.value))
+    assert hint, str(error.value)
+    fitting = {name: int(value) for name, value in (pair.split("=") for pair in hint.group(1).split(", "))}
+    assert make_tiny(tmp_path, TinySpec(recipe="iq1_s", n_layers=2, mla_layers=(1,), **fitting)).is_file()
 
 
 def test_recipes_keep_the_plan(tiny_model):

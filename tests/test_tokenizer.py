@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from gguf import GGUFValueType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import requires_llama
+from k3stream.cli import main
 from k3stream.engine.tokenizer import Tokenizer, VocabFields
+from test_gguf import rewrite
 
 VARIED = [
     "Hello world",
@@ -226,3 +229,26 @@ def test_missing_byte_tokens_are_refused():
     )
     with pytest.raises(ValueError, match="^x.gguf: vocabulary lacks 254 single-byte tokens"):
         Tokenizer(fields)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        # llama.cpp refuses a flag of another type; read as bool() the string "false" would add BOS
+        ("tokenizer.ggml.add_bos_token", ("false", GGUFValueType.STRING), "must be a bool, got 'false'"),
+        ("tokenizer.ggml.add_bos_token", (0, GGUFValueType.UINT8), "must be a bool, got 0"),
+        # a template that is no string made `chat` end in a jinja traceback
+        ("tokenizer.chat_template", (7, GGUFValueType.UINT32), "must be a string, got 7"),
+        ("tokenizer.ggml.pre", (3, GGUFValueType.UINT32), "must be a string, got 3"),
+    ],
+)
+def test_tokenizer_keys_of_another_type_are_refused_in_one_line(
+    model_path, tmp_path, capsys, key, value, message
+):
+    path = rewrite(model_path, tmp_path / "model.gguf", set_keys={key: value})
+    with pytest.raises(ValueError, match=f"^{path}: metadata key {key} {message}$"):
+        Tokenizer.from_gguf(path)
+    assert main(["chat", str(path), "--max-tokens", "1"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"k3stream chat: error: {path}: metadata key {key} {message}"
+    ]

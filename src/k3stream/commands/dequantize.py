@@ -16,8 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
+from k3stream.gguf.config import field_value
+
 SLAB_ELEMENTS = 1 << 22  # rows are dequantized ~16 MiB of F32 at a time
-_NOT_COPIED = ("GGUF.", "general.architecture", "split.")
+# the writer's own (general.alignment: the copy lays its data out at the writer's 32 bytes)
+_NOT_COPIED = ("GGUF.", "general.architecture", "general.alignment", "split.")
 ALL_F32, MOSTLY_F16 = 0, 1  # general.file_type
 
 
@@ -37,7 +40,8 @@ def _copy_metadata(writer, checkpoint, out_types: list[int]) -> None:
             writer.add_uint32(key, ALL_F32 if set(out_types) == {0} else MOSTLY_F16)
             continue
         sub_type = field.types[-1] if len(field.types) > 1 else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+        value = field_value(field, str(checkpoint.shards[0]))
+        writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
 
 
 def _out_type(ggml_type: int, kept: tuple[int, ...]) -> int:

@@ -10,6 +10,9 @@ A KL-divergence base file keeps, for every scored position, the reference model'
 llama.cpp stores them: per row `scale`, `min_log_prob` and one uint16 per vocabulary entry, covering the
 16 nats below the row's top logit (entries below read as `min_log_prob` and do not enter the KLD sum).
 It is an `.npz` (numpy zip) whose large member is streamed chunk by chunk on write and on read.
+llama-perplexity's own base files (`--kl-divergence-base` written by llama.cpp: `_logits_`, n_ctx, n_vocab,
+n_chunk, the tokens, then per scored row `scale`, `min_log_prob` and the codes padded to an even count)
+are read as well, through a memory map.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 
 BASE_FORMAT = "k3stream-kld-base-v1"
+LLAMA_BASE_MAGIC = b"_logits_"  # llama-perplexity's base files begin so
 LOG_PROB_RANGE = 16.0  # nats below the top logit that a base row resolves (llama.cpp's choice)
 LEVELS = 65535.0
 
@@ -250,12 +254,16 @@ class BaseFile:
     min_log_prob: np.ndarray
     model: str = ""
     _zip: zipfile.ZipFile | None = field(default=None, repr=False)
+    _llama_codes: np.ndarray | None = field(default=None, repr=False)  # [rows, n_vocab] of a llama.cpp file
 
     @classmethod
     def open(cls, path: str | Path) -> BaseFile:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such KL-divergence base file")
+        with path.open("rb") as stream:
+            if stream.read(len(LLAMA_BASE_MAGIC)) == LLAMA_BASE_MAGIC:
+                return cls._open_llama(path)
         archive = zipfile.ZipFile(path) if zipfile.is_zipfile(path) else None
         try:
             if archive is None:
@@ -289,8 +297,46 @@ class BaseFile:
             _zip=archive,
         )
 
+    @classmethod
+    def _open_llama(cls, path: Path) -> BaseFile:
+        """A llama-perplexity base file, its rows mapped (each row: scale and min_log_prob as two float32,
+        then the codes, padded to an even count)."""
+        head = np.fromfile(path, dtype="<i4", count=5)  # the magic's two words, n_ctx, n_vocab, n_chunk
+        ctx, n_vocab, n_chunk = (int(v) for v in head[2:5]) if len(head) == 5 else (0, 0, 0)
+        if ctx < 4 or n_vocab < 1 or n_chunk < 1:
+            raise ValueError(
+                f"{path}: llama-perplexity base file with n_ctx {ctx}, n_vocab {n_vocab}, n_chunk {n_chunk}"
+            )
+        row_words = 2 * ((n_vocab + 1) // 2) + 4
+        rows = n_chunk * (ctx - 1 - ctx // 2)
+        tokens_at = len(LLAMA_BASE_MAGIC) + 12
+        expected = tokens_at + 4 * ctx * n_chunk + 2 * row_words * rows
+        if path.stat().st_size != expected:
+            raise ValueError(
+                f"{path}: llama-perplexity base file of {path.stat().st_size} bytes; n_ctx {ctx}, n_vocab "
+                f"{n_vocab} and n_chunk {n_chunk} make {expected}"
+            )
+        tokens = np.fromfile(path, dtype="<i4", count=ctx * n_chunk, offset=tokens_at)
+        body = np.memmap(
+            path, dtype="<u2", mode="r", offset=tokens_at + 4 * ctx * n_chunk, shape=(rows, row_words)
+        )
+        floats = np.ascontiguousarray(body[:, :4]).view("<f4")
+        return cls(
+            path=path,
+            ctx=ctx,
+            n_vocab=n_vocab,
+            tokens=tokens,
+            scale=floats[:, 0].copy(),
+            min_log_prob=floats[:, 1].copy(),
+            _llama_codes=body[:, 4 : 4 + n_vocab],
+        )
+
     def rows(self, per_chunk: int, n_chunk: int) -> Iterator[np.ndarray]:
         """uint16 [per_chunk, n_vocab] log-probability codes of each of the first `n_chunk` chunks."""
+        if self._llama_codes is not None:
+            for index in range(n_chunk):
+                yield np.asarray(self._llama_codes[index * per_chunk : (index + 1) * per_chunk])
+            return
         assert self._zip is not None
         with self._zip.open("log_probs.npy") as member:
             shape, dtype = _npy_header(member)

@@ -91,10 +91,22 @@ def _token_id(metadata: Callable[[str, Any], Any], key: str, vocab: int, source:
     return value
 
 
+def _typed(metadata: Callable[[str, Any], Any], key: str, kind: type, source: str) -> Any:
+    """The value at `key` (None when absent); a value of another GGUF type is refused naming the key,
+    as llama.cpp refuses it ("wrong type"): a string "false" must not read as a true flag."""
+    value = metadata(key, None)
+    if value is not None and not isinstance(value, kind):
+        what = {str: "string", bool: "bool"}.get(kind, kind.__name__)
+        raise ValueError(f"{source}: metadata key {key} must be a {what}, got {value!r}")
+    return value
+
+
 def _read_fields(metadata: Callable[[str, Any], Any], source: str) -> VocabFields:
     tokens = metadata("tokenizer.ggml.tokens", None)
     if not tokens:
         raise ValueError(f"{source}: metadata tokenizer.ggml.tokens is missing")
+    if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
+        raise ValueError(f"{source}: metadata key tokenizer.ggml.tokens must be an array of strings")
     types = metadata("tokenizer.ggml.token_type", None)
     token_types = [int(t) for t in types] if types is not None else [TOKEN_NORMAL] * len(tokens)
     if len(token_types) != len(tokens):
@@ -107,12 +119,12 @@ def _read_fields(metadata: Callable[[str, Any], Any], source: str) -> VocabField
     return VocabFields(
         tokens=[str(t) for t in tokens],
         token_types=token_types,
-        model=str(metadata("tokenizer.ggml.model", "")),
-        pre=str(metadata("tokenizer.ggml.pre", "")),
+        model=_typed(metadata, "tokenizer.ggml.model", str, source) or "",
+        pre=_typed(metadata, "tokenizer.ggml.pre", str, source) or "",
         bos_id=bos,
         eos_id=eos,
-        add_bos=bool(metadata("tokenizer.ggml.add_bos_token", False)),
-        chat_template=metadata("tokenizer.chat_template", None),
+        add_bos=bool(_typed(metadata, "tokenizer.ggml.add_bos_token", bool, source)),
+        chat_template=_typed(metadata, "tokenizer.chat_template", str, source),
         source=source,
     )
 

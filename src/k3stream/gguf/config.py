@@ -9,10 +9,19 @@ from typing import Any
 ARCH = "kimi-k3"
 
 
-def field_value(field: Any) -> Any:
-    """A metadata value as plain Python: a `gguf.ReaderField` is decoded, anything else kept."""
+def field_value(field: Any, source: str) -> Any:
+    """A metadata value as plain Python: a `gguf.ReaderField` is decoded, anything else kept. A string
+    that is not UTF-8 is refused in one line naming `source` (the file) and the key."""
     contents = getattr(field, "contents", None)
-    return contents() if callable(contents) else field
+    if not callable(contents):
+        return field
+    try:
+        return contents()
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{source}: metadata key {field.name} holds a string that is not UTF-8 "
+            f"(byte 0x{exc.object[exc.start]:02x} at {exc.start}: {exc.reason})"
+        ) from None
 
 
 class _Keys:
@@ -28,7 +37,7 @@ class _Keys:
             if required:
                 raise ValueError(f"{self.source}: missing metadata key {full}")
             return None
-        return field_value(self.fields[full])
+        return field_value(self.fields[full], self.source)
 
     def bad(self, key: str, expected: str, value: Any) -> ValueError:
         return ValueError(f"{self.source}: metadata key {ARCH}.{key} must be {expected}, got {value!r}")

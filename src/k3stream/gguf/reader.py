@@ -93,7 +93,7 @@ class K3Checkpoint:
 
     def metadata(self, key: str, default: Any = None) -> Any:
         field = self._readers[0].fields.get(key)
-        return default if field is None else field_value(field)
+        return default if field is None else field_value(field, str(self.shards[0]))
 
     @property
     def fields(self) -> dict[str, Any]:

@@ -55,7 +55,7 @@ def _split_value(reader: GGUFReader, path: Path, key: str) -> int | None:
     field = reader.fields.get(key)
     if field is None:
         return None
-    value = field_value(field)
+    value = field_value(field, str(path))
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{path}: metadata key {key} must be an integer, got {value!r}")
     return value
@@ -81,7 +81,7 @@ def _check_architecture(paths: list[Path], readers: list[GGUFReader]) -> None:
             if index == 0:
                 raise ValueError(f"{path}: missing metadata key general.architecture")
             continue  # gguf-split keeps the metadata in shard 1 only
-        arch = field_value(field)
+        arch = field_value(field, str(path))
         if arch != ARCH:
             raise ValueError(f"{path}: metadata key general.architecture is {arch!r}, expected {ARCH!r}")
 

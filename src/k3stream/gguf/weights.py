@@ -14,13 +14,16 @@ import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from k3stream.gguf.layout import FLOAT_TYPE_IDS, check_residual_score, check_ssm_a, is_routed_expert
+from k3stream.quant.finite import first_non_finite
 from k3stream.quant.types import T
 
 if TYPE_CHECKING:
     from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.gguf.tensors import TensorInfo
 
 _LAYER_RE = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<suffix>.+)$")
 
@@ -164,11 +167,23 @@ def nonexpert_weights(checkpoint: K3Checkpoint, copy: bool = True) -> Iterator[t
         yield from tensor_weights(name, raw, ggml_type, emitted)
 
 
+def check_finite(info: TensorInfo, raw: np.ndarray) -> None:
+    """Refuse (one line naming the file, the tensor and the place) a tensor whose GGUF bytes `raw` hold a
+    NaN or infinite value or scale, where llama.cpp's `--check-tensors` finds one."""
+    index = first_non_finite(raw, info.ggml_type)
+    if index is not None:
+        where = f"value {index}" if info.ggml_type in FLOAT_TYPE_IDS else f"the scale of block {index}"
+        damage = f"{where} is NaN or infinite; the file is damaged"
+        raise ValueError(f"{info.path}: tensor {info.name} ({info.type_name}): {damage}")
+
+
 def tensor_value(checkpoint: K3Checkpoint, name: str, copy: bool = True) -> torch.Tensor:
     """One tensor: float values in numpy shape, or GGUF bytes as uint8 rows of blocks; a copy read
     from the file into anonymous memory, or with `copy=False` a read-only view of the map."""
     info = checkpoint.info(name)
     raw = checkpoint.read(name) if copy else checkpoint.raw(name)
+    if not name.endswith(".ssm_a"):  # ssm_a has sglang's loader's check (`check_ssm_a`)
+        check_finite(info, raw)
     if info.ggml_type in FLOAT_TYPE_IDS:
         array = raw.view(checkpoint.array(name).dtype).reshape(info.shape)
     else:

@@ -293,6 +293,10 @@ def _file_type(recipe: str) -> int:
     return FILE_TYPES[recipe]
 
 
+# the shapes every recipe's types hold: expert and MLA rows of whole 256-value blocks
+FITTING_SHAPES = "latent=256, expert_ff=256, kv_lora=256, qk_nope=32"
+
+
 def _check_quantizable(tensor: _Tensor, ggml_type: int, recipe: str) -> None:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -300,7 +304,8 @@ def _check_quantizable(tensor: _Tensor, ggml_type: int, recipe: str) -> None:
     if tensor.shape[-1] % block:
         raise ValueError(
             f"recipe {recipe}: {tensor.name} rows of {tensor.shape[-1]} values are not a multiple of "
-            f"{block} ({GGMLQuantizationType(ggml_type).name}); choose shapes that fit the recipe"
+            f"{block} ({GGMLQuantizationType(ggml_type).name}); choose shapes that fit the recipe "
+            f"({FITTING_SHAPES} fit every one)"
         )
 
 

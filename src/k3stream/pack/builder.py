@@ -30,7 +30,13 @@ from k3stream.gguf.shards import file_output, refuse_source_output
 from k3stream.pack import format as fmt
 from k3stream.pack.fileio import COPY_CHUNK, fsync_directory, pread_exact, same_bytes, write_json_atomic
 from k3stream.pack.integrity import ObjectHasher, sha256_file
-from k3stream.pack.manifest import ManifestOptions, build_manifest, expert_pack_section, read_json
+from k3stream.pack.manifest import (
+    ManifestOptions,
+    build_manifest,
+    expert_pack_section,
+    read_json,
+    tokenizer_values,
+)
 from k3stream.pack.paths import default_outputs, manifest_path_for
 from k3stream.pack.verify import check_index
 
@@ -42,11 +48,13 @@ DEFAULT_MARGIN_BYTES = 2 * 1024**3
 
 @dataclass(frozen=True)
 class PackPlan:
-    """What to copy: the checkpoint's routed expert tensors and the pack layout they imply."""
+    """What to copy: the checkpoint's routed expert tensors and the pack layout they imply, and the
+    tokenizer metadata the manifest records (read before any copy: a key that cannot be read fails first)."""
 
     checkpoint: Any
     layout: fmt.PackLayout
     role_tensors: dict[tuple[int, str], Any]  # (layer, role) -> TensorInfo
+    tokenizer: dict[str, Any]  # every tokenizer.* metadata value by key
 
     def source(self, index: int) -> tuple[Path, int, str]:
         """(shard path, absolute offset, tensor name) of index entry `index`."""
@@ -82,7 +90,7 @@ def plan_pack(checkpoint: Any) -> PackPlan:
     if strays:
         raise ValueError(f"{checkpoint.shards[0]}: routed expert tensor {strays[0]} in a layer without MoE")
     layout = fmt.PackLayout.of_layers(moe_layers, experts, sizes)
-    return PackPlan(checkpoint, layout, role_tensors)
+    return PackPlan(checkpoint, layout, role_tensors, tokenizer_values(checkpoint))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -335,7 +343,7 @@ def _locked_build(plan: PackPlan, pack: Path, manifest_path: Path, options: Buil
             os.replace(partial, pack)
             fsync_directory(pack.parent)
         manifest_value = build_manifest(
-            plan.checkpoint, pack, manifest_path, pack_section, options, hasher.complete()
+            plan.checkpoint, plan.tokenizer, pack, manifest_path, pack_section, options, hasher.complete()
         )
         write_json_atomic(manifest_path, manifest_value)
     finally:

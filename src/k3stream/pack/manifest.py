@@ -356,27 +356,33 @@ def model_section(config: Any, config_path: str, config_sha256: str) -> dict[str
     }
 
 
-def tokenizer_section(checkpoint: Any, first_shard: str) -> dict[str, Any]:
+def tokenizer_values(checkpoint: Any) -> dict[str, Any]:
+    """Every tokenizer.* metadata value by key, decoded (a string that is not UTF-8 fails naming it)."""
     keys = sorted(key for key in checkpoint.fields if key.startswith("tokenizer."))
-    values = {key: checkpoint.metadata(key) for key in keys}
+    return {key: checkpoint.metadata(key) for key in keys}
+
+
+def tokenizer_section(values: dict[str, Any], first_shard: str) -> dict[str, Any]:
     return {
         "path": first_shard,
         "source": "gguf-metadata",
         "files": [],
-        "keys": keys,
+        "keys": list(values),
         "inventory_sha256": canonical_sha256(values),
     }
 
 
 def build_manifest(
     checkpoint: Any,
+    tokenizer: dict[str, Any],
     pack: Path,
     manifest_path: Path,
     pack_section: dict[str, Any],
     options: ManifestOptions,
     object_digests: Any,
 ) -> dict[str, Any]:
-    """The whole manifest of a built pack (`pack_section` from `expert_pack_section`), `complete`."""
+    """The whole manifest of a built pack (`pack_section` from `expert_pack_section`, `tokenizer` from
+    `tokenizer_values`), `complete`."""
     from k3stream import __version__
 
     shards = shard_records(checkpoint, manifest_path, options.relative_paths, options.full_source_hashes)
@@ -391,7 +397,7 @@ def build_manifest(
         "model": model_section(checkpoint.config, first["path"], first["metadata_sha256"]),
         "source": source_section(shards, tensors, options.full_source_hashes),
         "expert_pack": {**pack_section, "path": stored_path(pack, manifest_path, options.relative_paths)},
-        "tokenizer": tokenizer_section(checkpoint, first["path"]),
+        "tokenizer": tokenizer_section(tokenizer, first["path"]),
         "integrity": integrity.integrity_section(object_digests, shards, list(checkpoint.shards)),
         "verification": {
             "structure": "complete",

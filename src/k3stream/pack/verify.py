@@ -28,6 +28,8 @@ from k3stream.pack.fileio import pread_exact, same_bytes
 from k3stream.pack.manifest import FORMAT, field, hard_constraints, inventory_sha256, read_manifest
 from k3stream.pack.paths import resolve_path
 from k3stream.pack.source import checked_shards, first_shard_path, present_shards
+from k3stream.quant.finite import first_non_finite
+from k3stream.quant.types import FLOAT_TYPE_IDS
 
 
 def _audited_role_type(role: str) -> tuple[str, int]:
@@ -561,8 +563,14 @@ def entry_source(
 
 
 def verify_payloads(checked: CheckedPack) -> str:
-    """One sequential pass: SHA-256 of the whole pack, and every payload compared with the GGUF."""
+    """One sequential pass: SHA-256 of the whole pack, and every payload compared with the GGUF and
+    checked for NaN or infinite scales (`check_finite_payload`)."""
     layout, sources = checked.layout, payload_sources(checked)
+    types = {
+        record["name"]: int(record["dtype_id"])
+        for record in checked.manifest["source"]["tensors"]
+        if ROUTED_EXPERT_RE.match(record["name"])
+    }
     digest = hashlib.sha256()
     offsets = checked.index.object_offsets
     shard_fds: dict[Path, int] = {}
@@ -578,14 +586,25 @@ def verify_payloads(checked: CheckedPack) -> str:
             path, source_offset = entry_source(layout, sources, index)
             if path not in shard_fds:
                 shard_fds[path] = os.open(path, os.O_RDONLY)
+            name = routed_expert_name(layer, fmt.ROLES[role])
             if not same_bytes(pack_fd, offset, shard_fds[path], source_offset, nbytes, digest):
-                name = routed_expert_name(layer, fmt.ROLES[role])
                 raise ValueError(f"expert-pack payload does not match GGUF source for {name} expert {expert}")
+            what = f"{checked.pack_path}: {name} expert {expert}"
+            check_finite_payload(pread_exact(pack_fd, nbytes, offset), types[name], what)
             position = offset + nbytes
     finally:
         for fd in (pack_fd, *shard_fds.values()):
             os.close(fd)
     return digest.hexdigest()
+
+
+def check_finite_payload(payload: bytes, ggml_type: int, what: str) -> None:
+    """A routed expert's bytes hold no NaN or infinite value or scale: what the load checks in every other
+    tensor (`gguf.weights.check_finite`), read here where every payload is read anyway."""
+    index = first_non_finite(np.frombuffer(payload, dtype=np.uint8), ggml_type)
+    if index is not None:
+        where = f"value {index}" if ggml_type in FLOAT_TYPE_IDS else f"the scale of block {index}"
+        raise ValueError(f"{what}: {where} is NaN or infinite; its GGUF is damaged")
 
 
 def _hash_span(fd: int, start: int, end: int, digest: Any) -> int:
