@@ -1,14 +1,17 @@
-"""Time to first token of short streamed chat requests against `k3stream serve`, next to the model's own
-prefill of the same prompts in process: what is left is the server's overhead.
+"""Time to first token of short streamed chat requests against `k3stream serve`, next to the server's own
+prefill of each and the model's prefill of the same prompts in process: what is left is overhead.
 
-    python benchmarks/bench_first_token.py [--model demo] [--rounds 8] [--clients 4] [--threads 2]
+    python benchmarks/bench_first_token.py [--model demo] [--fresh 3] [--rounds 8] [--clients 4] [--threads 2]
 
 Serves MODEL (default the shipped model) on 127.0.0.1 in a child process and sends streamed chat requests
-of a short user message (about 10 prompt tokens, a different one each request, `max_tokens` 1), first one
-at a time, then `--clients` at once in each round. Per request, measured at the client from the moment
-the request is sent: the response's first byte (its status line), its first event (the role chunk) and
-the first content. In process (same threads): the model's prefill of each prompt, as the server's
-`prepare_chat` renders it, from a fresh state. Prints medians; overhead = first content - prefill.
+of a short user message (a different one each request), `max_tokens` 1. Per request, measured at the
+client from the moment the request is sent: the response's first byte (its status line), its first event
+(the role chunk) and its first content; and the server's prefill of that prompt (`timings.prompt_ms` of
+the usage chunk: from the scheduler's admission of the request to its prompt's end). Overhead = first
+content less that prefill. Rows: the first request of each of `--fresh` fresh servers, the first
+`--clients` requests sent at once to `--fresh` others (first-use costs), then on one warm server
+`--rounds` requests one at a time and `--rounds` rounds of `--clients` at once. In process (same threads):
+a freshly loaded model's first prefill, then the median of the alone requests' prompts.
 """
 
 from __future__ import annotations
