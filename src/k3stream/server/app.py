@@ -178,8 +178,8 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         scheduler.start()
-        await load_first_use(tokenizers)
         try:
+            await load_first_use(tokenizers)
             yield
         finally:
             scheduler.stop()
