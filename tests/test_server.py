@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -650,3 +653,15 @@ def test_cli_serve_answers(served_pack, ram_mib, tmp_path):
         assert store["tiers"]["ram"]["policy"] == "lru"
         assert (store["prefetch"], store["prefetch_loads"]) == (False, 0)
     assert process.returncode == 0, (tmp_path / "serve.log").read_text()  # Ctrl-C shuts down cleanly
+
+
+def test_a_fresh_servers_first_streamed_requests_import_no_module_and_start_no_thread(served_pack):
+    """What a server would load on first use (anyio's asyncio backend for streamed responses, numpy's
+    masked arrays behind np.unique in the token hint, the tokenizer and expert-store threads) is there
+    before it serves, not inside the first requests' time to first token."""
+    worker = Path(__file__).with_name("first_request_worker.py")
+    done = subprocess.run(
+        [sys.executable, str(worker), str(served_pack)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"imported": [], "threads": []}

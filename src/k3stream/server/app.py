@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -177,6 +179,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         scheduler.start()
         try:
+            await load_first_use(tokenizers)
             yield
         finally:
             scheduler.stop()
@@ -207,6 +210,17 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     if config.webui:
         app.include_router(webui_router())
     return app
+
+
+async def load_first_use(tokenizers: ThreadPoolExecutor) -> None:
+    """Load before serving what the first requests would otherwise wait for: anyio's asyncio backend
+    (Starlette streams a response in an anyio task group, and the backend's import on first use takes
+    tens of milliseconds of the event loop) and the tokenizer threads (each started on the first call
+    that finds no idle one; all of them wait at one barrier here, so each is started)."""
+    async with anyio.create_task_group():
+        pass
+    loop, started = asyncio.get_running_loop(), threading.Barrier(TOKENIZER_THREADS)
+    await asyncio.gather(*(loop.run_in_executor(tokenizers, started.wait) for _ in range(started.parties)))
 
 
 class Endpoints:

@@ -167,6 +167,8 @@ class ExpertStore:
         if prefetch:
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="k3stream-prefetch")
             self._reader_ahead = ThreadPoolExecutor(1, thread_name_prefix="k3stream-read-ahead")
+            for pool in (self._prefetcher, self._reader_ahead):
+                pool.submit(int)  # its thread starts here, not inside the first request's step
         if record_trace is not None:
             self._trace = TraceWriter(
                 record_trace,

@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from k3stream.quant.matmul import qlinear
 from k3stream.quant.rounding import round_like_ggml
 from k3stream.quant.types import as_qtype, row_bytes, type_name
 
@@ -420,8 +421,6 @@ def _row_at_a_time(x: torch.Tensor, product, most_rows: int = ROW_AT_A_TIME_MAX_
 def _per_matrix(x, weights, starts, rows, kernel: str) -> torch.Tensor:
     """One matmul per matrix: qmatmul's on F32 bytes, else the reference dequantize path (through
     `_row_at_a_time`)."""
-    from k3stream.quant.matmul import qlinear
-
     out = x.new_empty(int(rows.numel()), weights[0].shape[0])
     bounds = starts.tolist()
     for b, weight in enumerate(weights):
