@@ -29,6 +29,12 @@ def torchrun(ranks: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), *args]
 
 
+def launch(ranks: int, *args: str) -> list[str]:
+    """`torchrun` for several ranks; one rank as a plain process, which is what it is under torchrun
+    (WORLD_SIZE 1 runs the plain runtime, no process group) without the launcher's own start-up."""
+    return torchrun(ranks, *args) if ranks > 1 else [sys.executable, *args]
+
+
 def run_worker(
     tmp: Path, manifest: Path, ranks: int, *flags: str, ram_mib: float = 64, arithmetic: str | None = None
 ) -> dict:
@@ -36,7 +42,7 @@ def run_worker(
     most once per rank); `arithmetic` ("float", "ggml") overrides the flags' default."""
     out = tmp / f"out-{ranks}-{'-'.join(flags) or 'single'}-{ram_mib:g}-{arithmetic}.pt"
     chosen = [arithmetic] if arithmetic else []
-    command = torchrun(ranks, str(WORKER), str(out), PROMPT, STEPS, *chosen, "--", str(manifest), *flags)
+    command = launch(ranks, str(WORKER), str(out), PROMPT, STEPS, *chosen, "--", str(manifest), *flags)
     command += ["--ram-mib", repr(ram_mib)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=_env())
     assert done.returncode == 0, done.stderr[-3000:]
