@@ -26,7 +26,12 @@ PROMPT, STEPS = "5,6,7,8,9,10,11,12", "13,14,15,16"
 
 
 def torchrun(ranks: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), *args]
+    """A one-machine launch on a free port of its own (torchrun's default, 29500, is one for every run on
+    the machine: two at once, from parallel test workers or sessions, would meet there)."""
+    from k3stream.server.live import free_port
+
+    port = ["--master-port", str(free_port())]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), *port, *args]
 
 
 def launch(ranks: int, *args: str) -> list[str]:
