@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 
+# OpenMP threads (torch's, the C kernels') that wait sleep instead of spinning: with two test workers
+# on two cores (or other work on the machine) spinning threads take the cores the others need (a
+# worker's products ran 2x slower beside another's). Set before torch or the kernels load OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None
 # CI sets it: the llama.cpp-oracle tests fail instead of skipping when the oracle is missing
 REQUIRE_ORACLE = os.environ.get("K3STREAM_REQUIRE_ORACLE") == "1"
@@ -56,7 +60,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    if session.config.getoption("--clear-test-cache"):
+    worker = hasattr(session.config, "workerinput")  # pytest-xdist's: the others may still use the cache
+    if session.config.getoption("--clear-test-cache") and not worker:
         from pack_helpers import clear_test_cache
 
         clear_test_cache()

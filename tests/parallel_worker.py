@@ -1,8 +1,9 @@
-"""Run under torchrun by tests/test_parallel.py and benchmarks/bench_parallel.py: the `generate`
-command's own runtime (same flags, same `parallel_runtime`), a fixed prefill and fixed decode steps,
-then a second sequence batched with the first, and on rank 0 the logits and every rank's report saved
-to OUT (torch.save). ARITHMETIC, if given, sets the arithmetic whatever the flags' default: `float`
-(float32 activations) or `ggml` (`--match-ggml`'s).
+"""Run under torchrun by tests/test_parallel.py and benchmarks/bench_parallel.py (one rank: by python
+itself, as torchrun's one rank is a plain process too): the `generate` command's own runtime (same
+flags, same `parallel_runtime`), a fixed prefill and fixed decode steps, then a second sequence
+batched with the first, and on rank 0 the logits and every rank's report saved to OUT (torch.save).
+ARITHMETIC, if given, sets the arithmetic whatever the flags' default: `float` (float32 activations)
+or `ggml` (`--match-ggml`'s).
 
     torchrun --nproc-per-node N tests/parallel_worker.py OUT PROMPT_IDS DECODE_IDS [ARITHMETIC] -- FLAGS...
 """

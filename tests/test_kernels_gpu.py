@@ -239,7 +239,7 @@ def test_imports_without_triton() -> None:
 def test_interpreter_subprocess() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     select = "interp and not subprocess"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", select]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", __file__, "-k", select]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).parents[1])
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]

@@ -66,6 +66,8 @@ def test_the_interpreter_runs_them():
         "-x",
         "-p",
         "no:cacheprovider",
+        "-n",
+        "0",
         str(Path(__file__)),
         "-k",
         "match",

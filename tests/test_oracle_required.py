@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 
 TESTS = Path(__file__).parent
-# pytest on one llama.cpp-oracle test, in a Python where `llama_cpp` cannot be found
+# pytest on one llama.cpp-oracle test, in a Python where `llama_cpp` cannot be found (in this process,
+# `-n 0`: the workers of `-n 2` would not have the patch)
 WITHOUT_ORACLE = """
 import importlib.util, sys
 import pytest
 find_spec = importlib.util.find_spec
 importlib.util.find_spec = lambda name, *args: None if name == "llama_cpp" else find_spec(name, *args)
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[1]]))
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-n", "0", sys.argv[1]]))
 """
 
 

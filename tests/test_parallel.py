@@ -26,7 +26,18 @@ PROMPT, STEPS = "5,6,7,8,9,10,11,12", "13,14,15,16"
 
 
 def torchrun(ranks: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), *args]
+    """A one-machine launch on a free port of its own (torchrun's default, 29500, is one for every run on
+    the machine: two at once, from parallel test workers or sessions, would meet there)."""
+    from k3stream.server.live import free_port
+
+    port = ["--master-port", str(free_port())]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), *port, *args]
+
+
+def launch(ranks: int, *args: str) -> list[str]:
+    """`torchrun` for several ranks; one rank as a plain process, which is what it is under torchrun
+    (WORLD_SIZE 1 runs the plain runtime, no process group) without the launcher's own start-up."""
+    return torchrun(ranks, *args) if ranks > 1 else [sys.executable, *args]
 
 
 def run_worker(
@@ -36,7 +47,7 @@ def run_worker(
     most once per rank); `arithmetic` ("float", "ggml") overrides the flags' default."""
     out = tmp / f"out-{ranks}-{'-'.join(flags) or 'single'}-{ram_mib:g}-{arithmetic}.pt"
     chosen = [arithmetic] if arithmetic else []
-    command = torchrun(ranks, str(WORKER), str(out), PROMPT, STEPS, *chosen, "--", str(manifest), *flags)
+    command = launch(ranks, str(WORKER), str(out), PROMPT, STEPS, *chosen, "--", str(manifest), *flags)
     command += ["--ram-mib", repr(ram_mib)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=_env())
     assert done.returncode == 0, done.stderr[-3000:]

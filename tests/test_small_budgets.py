@@ -4,9 +4,9 @@ The tiny model's routing is diverse (its prompt and decode steps use every route
 layer: the whole-pack run reads each object once, asserted below), so a budget below the pack makes
 each path evict, re-read and stream experts through a cache smaller than a step. Each run is
 `tests/parallel_worker.py` (prefill, decode, a batched `decode_batch` of two sequences, `prefill_last`)
-under `torchrun`; its logits are held against one process with every expert in RAM: bit for bit
-where nothing is summed in another order (one process, expert parallelism), to 1e-5 with tensor
-parallelism.
+under `torchrun` (one rank: a plain process); its logits are held against one process with every
+expert in RAM: bit for bit where nothing is summed in another order (one process, expert
+parallelism), to 1e-5 with tensor parallelism.
 """
 
 from __future__ import annotations
