@@ -26,6 +26,7 @@ from k3stream.engine.loading import StoreOptions, load_runtime
 from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.live import ServerProcess, ServerThread
 from k3stream.server.runtime import served_from_runtime
+from waiting import wait_until
 
 MAX_BATCH = 4
 MAX_QUEUE = 4
@@ -468,14 +469,6 @@ def _scheduler_job(tokenizer, loop, max_tokens: int, prompt: str = "Hello"):
     return Job(ids, Sequence(tokenizer, ids, params), EventSink(loop))
 
 
-def _wait_until(condition, what: str) -> None:
-    for _ in range(2000):  # a bound, not a timing assertion
-        if condition():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting until {what}")
-
-
 def test_scheduler_without_a_queue_fills_its_free_batch_slots(gguf_model):
     """`max_queue=0` still takes as many requests as there are free batch slots; then it refuses."""
     import asyncio
@@ -497,7 +490,7 @@ def test_scheduler_without_a_queue_fills_its_free_batch_slots(gguf_model):
         scheduler.submit(job(2))
     scheduler.start()
     try:
-        _wait_until(
+        wait_until(
             lambda: short.logic.finish_reason is not None and scheduler.snapshot()["running"] == 1,
             "the short job finished",
         )
@@ -552,7 +545,7 @@ def test_a_request_in_prefill_is_active_and_its_cancellation_counted(gguf_model)
         job.cancel()
         scheduler.wake()
         gated.gate.set()
-        _wait_until(lambda: scheduler.snapshot()["active_sequences"] == 0, "the cancelled job was freed")
+        wait_until(lambda: scheduler.snapshot()["active_sequences"] == 0, "the cancelled job was freed")
         assert scheduler.snapshot()["cancelled_jobs"] == 1
         assert job.logic.completion_tokens <= 1
     finally:

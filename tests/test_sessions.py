@@ -19,6 +19,7 @@ from k3stream.engine.sampling import SamplingParams
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.quant.kernels import set_row_exact
 from k3stream.server.live import ServerProcess
+from waiting import wait_until
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -472,16 +473,6 @@ class _GatedPasses:
             self.changed.notify_all()
 
 
-def _until(condition, what: str) -> None:
-    import time
-
-    for _ in range(6000):  # a bound, not a timing assertion
-        if condition():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting until {what}")
-
-
 def _shared_prompts(count: int, shared: int) -> list[list[int]]:
     """`count` prompts of token ids that share their first `shared` and part at the next one."""
     generator = torch.Generator().manual_seed(36)
@@ -536,7 +527,7 @@ def test_concurrent_prompts_sharing_a_prefix_compute_it_once_and_answer_as_each_
             gate.release()  # the first request's first chunk
             gate.wait_entered(2)  # its second waits at the gate
             others = [pool.submit(_complete, server.url, prompt) for prompt in prompts[1:]]
-            _until(lambda: scheduler.snapshot()["waiting"] == 3, "the others queue")
+            wait_until(lambda: scheduler.snapshot()["waiting"] == 3, "the others queue")
             gate.open()
             replies = [first.result()] + [other.result() for other in others]
             metrics = _metrics(server.url)
@@ -574,11 +565,11 @@ def test_requests_waiting_for_a_cancelled_prefill_compute_their_prompts_alone(mo
             gate.release()  # the leader's first chunk
             gate.wait_entered(2)  # its second waits at the gate
             others = [pool.submit(_complete, server.url, prompt) for prompt in prompts[1:]]
-            _until(lambda: scheduler.snapshot()["waiting"] == 2, "the others queue")
+            wait_until(lambda: scheduler.snapshot()["waiting"] == 2, "the others queue")
             gate.release()  # the leader's second chunk; the others, admitted, wait for its prefix
-            _until(lambda: scheduler.snapshot()["shared_prefills"] == 2, "the others wait for the leader")
+            wait_until(lambda: scheduler.snapshot()["shared_prefills"] == 2, "the others wait for the leader")
             leader.close()  # during its third chunk
-            _until(lambda: not _leader_active(scheduler), "the server sees the leader go")
+            wait_until(lambda: not _leader_active(scheduler), "the server sees the leader go")
             gate.open()
             replies = [other.result() for other in others]
             alone = [_complete(server.url, prompt, cache_prompt=False) for prompt in prompts[1:]]
@@ -614,7 +605,7 @@ def test_a_queued_request_restores_the_prefix_a_running_prefill_shared_with_it(m
         scheduler.submit(job)
     scheduler.start()
     try:
-        _until(lambda: all(job.logic.finish_reason is not None for job in jobs), "all finish")
+        wait_until(lambda: all(job.logic.finish_reason is not None for job in jobs), "all finish")
     finally:
         scheduler.stop()
         loop.close()
@@ -646,7 +637,7 @@ def test_a_prompt_that_branches_off_a_cached_one_is_snapshotted_where_it_branche
         for ids in prompts:
             jobs.append(Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)))
             scheduler.submit(jobs[-1])
-            _until(lambda: jobs[-1].logic.finish_reason is not None, "the request finishes")
+            wait_until(lambda: jobs[-1].logic.finish_reason is not None, "the request finishes")
     finally:
         scheduler.stop()
         loop.close()
@@ -679,7 +670,9 @@ def test_a_request_waits_only_for_a_prefix_that_pays_beyond_the_cache(model, tok
             scheduler.submit(job)
         scheduler.start()
         try:
-            _until(lambda jobs=jobs: all(job.logic.finish_reason is not None for job in jobs), "all finish")
+            wait_until(
+                lambda jobs=jobs: all(job.logic.finish_reason is not None for job in jobs), "all finish"
+            )
         finally:
             scheduler.stop()
             cache.close()
