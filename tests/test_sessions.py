@@ -288,30 +288,35 @@ def test_the_server_cuts_prompts_by_equal_work_where_the_experts_are_in_ram(mode
     assert chunks.next_end(0, 4096) == 64 and chunks.next_end(deep, 4096) - deep < 32
 
 
-def test_waiting_prefills_share_one_pass_and_answer_as_each_alone(model, model_path, tokenizer):
+def _run_together(model, tokenizer, cache, prompts, **sizes):
+    """A greedy job per prompt, all queued before a `Scheduler` over `cache` (`sizes`: its max_batch,
+    max_queue, prefill_chunk) starts, run until every one finishes: (the scheduler, the jobs)."""
     import asyncio
-    import time
 
     from k3stream.engine.generate import Sequence
     from k3stream.server.metrics import ServerMetrics
     from k3stream.server.scheduler import EventSink, Job, Scheduler
 
-    cache = PromptCache(model, "batched", 64 * MIB, every=16)
     loop = asyncio.new_event_loop()
-    prompts = [tokenizer.encode(" ".join(["sun", "moon", "star"][i % 3 :] * (5 + 7 * i))) for i in range(4)]
     jobs = [Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in prompts]
-    scheduler = Scheduler(model, ServerMetrics(), max_batch=4, max_queue=4, cache=cache, prefill_chunk=512)
+    scheduler = Scheduler(model, ServerMetrics(), cache=cache, **sizes)
     for job in jobs:
-        scheduler.submit(job)  # all waiting before the loop starts: one pass prefills them
+        scheduler.submit(job)
     scheduler.start()
     try:
-        for _ in range(3000):  # a bound, not a timing assertion
-            if all(job.logic.finish_reason is not None for job in jobs):
-                break
-            time.sleep(0.01)
+        wait_until(lambda: all(job.logic.finish_reason is not None for job in jobs), "all finish")
     finally:
         scheduler.stop()
         loop.close()
+    return scheduler, jobs
+
+
+def test_waiting_prefills_share_one_pass_and_answer_as_each_alone(model, model_path, tokenizer):
+    cache = PromptCache(model, "batched", 64 * MIB, every=16)
+    prompts = [tokenizer.encode(" ".join(["sun", "moon", "star"][i % 3 :] * (5 + 7 * i))) for i in range(4)]
+    # all waiting before the loop starts: one pass prefills them
+    sizes = {"max_batch": 4, "max_queue": 4, "prefill_chunk": 512}
+    scheduler, jobs = _run_together(model, tokenizer, cache, prompts, **sizes)
     assert scheduler.snapshot()["batched_prefills"] >= 1
     for job, ids in zip(jobs, prompts, strict=True):
         assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
@@ -589,26 +594,12 @@ def test_a_queued_request_restores_the_prefix_a_running_prefill_shared_with_it(m
     """Requests beyond the batch's one slot that share a prefix with the prefill that starts once the
     slot frees (another request decodes in it meanwhile) have it snapshotted there: each restores it
     when its turn comes and computes its own suffix, answering as alone."""
-    import asyncio
-
-    from k3stream.engine.generate import Sequence
-    from k3stream.server.metrics import ServerMetrics
-    from k3stream.server.scheduler import EventSink, Job, Scheduler
-
     shared = 200
     prompts = [tokenizer.encode("a request in the slot first")] + _shared_prompts(3, shared)
     cache = PromptCache(model, "queued", 64 * MIB, every=1 << 20)  # snapshots at prompts' ends only
-    loop = asyncio.new_event_loop()
-    jobs = [Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in prompts]
-    scheduler = Scheduler(model, ServerMetrics(), max_batch=1, max_queue=4, cache=cache, prefill_chunk=64)
-    for job in jobs:
-        scheduler.submit(job)
-    scheduler.start()
     try:
-        wait_until(lambda: all(job.logic.finish_reason is not None for job in jobs), "all finish")
+        _, jobs = _run_together(model, tokenizer, cache, prompts, max_batch=1, max_queue=4, prefill_chunk=64)
     finally:
-        scheduler.stop()
-        loop.close()
         cache.close()
     assert [job.cached_tokens for job in jobs] == [0, 0, shared, shared]
     computed = sum(map(len, prompts[:2])) + sum(len(ids) - shared for ids in prompts[2:])
@@ -651,34 +642,22 @@ def test_a_prompt_that_branches_off_a_cached_one_is_snapshotted_where_it_branche
 def test_a_request_waits_only_for_a_prefix_that_pays_beyond_the_cache(model, tokenizer):
     """No request waits where the shared part beyond the deepest snapshot is short of `share_tokens`:
     a short common prefix, or a long one a snapshot already holds but for a few tokens."""
-    import asyncio
+    from k3stream.server.scheduler import DEFAULT_SHARE_TOKENS
 
-    from k3stream.engine.generate import Sequence
-    from k3stream.server.metrics import ServerMetrics
-    from k3stream.server.scheduler import DEFAULT_SHARE_TOKENS, EventSink, Job, Scheduler
-
-    loop = asyncio.new_event_loop()
     short = _shared_prompts(2, DEFAULT_SHARE_TOKENS - 8)
     held = _shared_prompts(2, 300)
     for prompts, snapshot in ((short, 0), (held, 300 - DEFAULT_SHARE_TOKENS + 8)):
         cache = PromptCache(model, "threshold", 64 * MIB, every=1 << 20)
         if snapshot:
             cache.prefill(prompts[0][:snapshot])
-        jobs = [Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in prompts]
-        scheduler = Scheduler(model, ServerMetrics(), max_batch=2, max_queue=2, cache=cache, prefill_chunk=16)
-        for job in jobs:
-            scheduler.submit(job)
-        scheduler.start()
         try:
-            wait_until(
-                lambda jobs=jobs: all(job.logic.finish_reason is not None for job in jobs), "all finish"
+            scheduler, jobs = _run_together(
+                model, tokenizer, cache, prompts, max_batch=2, max_queue=2, prefill_chunk=16
             )
         finally:
-            scheduler.stop()
             cache.close()
         assert scheduler.snapshot()["shared_prefills"] == 0
         assert [job.cached_tokens for job in jobs] == [snapshot, snapshot]
-    loop.close()
 
 
 def test_without_a_prompt_cache_no_request_waits_for_another(model_path):

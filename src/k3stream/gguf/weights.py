@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from k3stream.gguf.layout import FLOAT_TYPE_IDS, check_residual_score, check_ssm_a, is_routed_expert
-from k3stream.quant.finite import first_non_finite
+from k3stream.quant.finite import non_finite_problem
 from k3stream.quant.types import T
 
 if TYPE_CHECKING:
@@ -170,11 +170,10 @@ def nonexpert_weights(checkpoint: K3Checkpoint, copy: bool = True) -> Iterator[t
 def check_finite(info: TensorInfo, raw: np.ndarray) -> None:
     """Refuse (one line naming the file, the tensor and the place) a tensor whose GGUF bytes `raw` hold a
     NaN or infinite value or scale, where llama.cpp's `--check-tensors` finds one."""
-    index = first_non_finite(raw, info.ggml_type)
-    if index is not None:
-        where = f"value {index}" if info.ggml_type in FLOAT_TYPE_IDS else f"the scale of block {index}"
-        damage = f"{where} is NaN or infinite; the file is damaged"
-        raise ValueError(f"{info.path}: tensor {info.name} ({info.type_name}): {damage}")
+    problem = non_finite_problem(raw, info.ggml_type)
+    if problem is not None:
+        where = f"{info.path}: tensor {info.name} ({info.type_name})"
+        raise ValueError(f"{where}: {problem}; the file is damaged")
 
 
 def tensor_value(checkpoint: K3Checkpoint, name: str, copy: bool = True) -> torch.Tensor:

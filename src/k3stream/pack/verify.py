@@ -28,8 +28,7 @@ from k3stream.pack.fileio import pread_exact, same_bytes
 from k3stream.pack.manifest import FORMAT, field, hard_constraints, inventory_sha256, read_manifest
 from k3stream.pack.paths import resolve_path
 from k3stream.pack.source import checked_shards, first_shard_path, present_shards
-from k3stream.quant.finite import first_non_finite
-from k3stream.quant.types import FLOAT_TYPE_IDS
+from k3stream.quant.finite import non_finite_problem
 
 
 def _audited_role_type(role: str) -> tuple[str, int]:
@@ -601,10 +600,9 @@ def verify_payloads(checked: CheckedPack) -> str:
 def check_finite_payload(payload: bytes, ggml_type: int, what: str) -> None:
     """A routed expert's bytes hold no NaN or infinite value or scale: what the load checks in every other
     tensor (`gguf.weights.check_finite`), read here where every payload is read anyway."""
-    index = first_non_finite(np.frombuffer(payload, dtype=np.uint8), ggml_type)
-    if index is not None:
-        where = f"value {index}" if ggml_type in FLOAT_TYPE_IDS else f"the scale of block {index}"
-        raise ValueError(f"{what}: {where} is NaN or infinite; its GGUF is damaged")
+    problem = non_finite_problem(np.frombuffer(payload, dtype=np.uint8), ggml_type)
+    if problem is not None:
+        raise ValueError(f"{what}: {problem}; its GGUF is damaged")
 
 
 def _hash_span(fd: int, start: int, end: int, digest: Any) -> int:

@@ -87,6 +87,16 @@ def first_non_finite(data: np.ndarray, qtype: QType) -> int | None:
     return _first(blocks, lambda chunk: _bad_blocks(chunk, member))
 
 
+def non_finite_problem(data: np.ndarray, qtype: QType) -> str | None:
+    """What `first_non_finite` finds in `data`, said for an error line ("value 7 is NaN or infinite",
+    "the scale of block 3 is NaN or infinite"); None when there is nothing."""
+    index = first_non_finite(data, qtype)
+    if index is None:
+        return None
+    where = f"value {index}" if as_qtype(qtype) in _FLOAT_EXPONENTS else f"the scale of block {index}"
+    return f"{where} is NaN or infinite"
+
+
 def _first(items: np.ndarray, is_bad: Callable[[np.ndarray], np.ndarray]) -> int | None:
     for start in range(0, len(items), CHUNK_BLOCKS):
         hits = np.flatnonzero(is_bad(items[start : start + CHUNK_BLOCKS]))
