@@ -735,3 +735,82 @@ def test_the_command_line_lets_idle_openmp_threads_sleep_unless_told_otherwise(m
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     calm_openmp()
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_ignore_eos_generates_max_tokens_as_llama_clis(model, tokenizer, model_path):
+    """llama-cli's `--ignore-eos`: the end-of-sequence token is never drawn, so a draw that would have
+    ended early runs to --max-tokens (the library's answer with that token banned)."""
+    ids = tokenizer.encode("Once upon a time")
+    sampling = {"temperature": 2.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "max_tokens": 48}
+    seed, ended = next(
+        (seed, answer)
+        for seed in range(200)
+        if (answer := generate(model, tokenizer, ids, SamplingParams(**sampling, seed=seed))).finish_reason
+        == "stop"
+    )
+    banned = SamplingParams(
+        **sampling, seed=seed, ignore_eos=True, logit_bias=((tokenizer.eos_id, -float("inf")),)
+    )
+    expected = generate(model, tokenizer, ids, banned)
+    assert expected.completion_tokens == 48 > ended.completion_tokens
+    assert tokenizer.eos_id not in expected.token_ids
+    flags = [
+        "--temperature",
+        "2",
+        "--top-k",
+        "0",
+        "--top-p",
+        "1",
+        "--min-p",
+        "0",
+        "-n",
+        "48",
+        "--seed",
+        str(seed),
+    ]
+    flags += ["--device", "cpu", "--threads", "1"]
+    plain = _cli("generate", str(model_path), "-p", "Once upon a time", *flags)
+    assert plain.returncode == 0 and plain.stdout == ended.text + "\n", plain.stderr
+    ignoring = _cli("generate", str(model_path), "-p", "Once upon a time", *flags, "--ignore-eos")
+    assert ignoring.returncode == 0 and ignoring.stdout == expected.text + "\n", ignoring.stderr
+    assert "decode 48 tokens" in ignoring.stderr
+
+
+def test_prompt_escapes_are_replaced_as_llama_cli_does_unless_no_escape(
+    model, tokenizer, model_path, tmp_path
+):
+    """llama-cli replaces `\\n`, `\\t`, ... in `-p` and `-f` prompts by default (`-e`); `--no-escape` takes
+    the prompt as written."""
+    written = r"Hello\n\tworld \x41"
+    params = SamplingParams(temperature=0, max_tokens=6)
+    escaped = generate(model, tokenizer, tokenizer.encode("Hello\n\tworld A"), params).text
+    literal = generate(model, tokenizer, tokenizer.encode(written), params).text
+    assert escaped != literal
+    flags = ["--temperature", "0", "-n", "6", "--device", "cpu", "--threads", "1"]
+    (tmp_path / "prompt.txt").write_text(written, encoding="utf-8")
+    for source in (["-p", written], ["-f", str(tmp_path / "prompt.txt")], ["-p", written, "-e"]):
+        done = _cli("generate", str(model_path), *source, *flags)
+        assert done.returncode == 0 and done.stdout == escaped + "\n", (source, done.stderr)
+    kept = _cli("generate", str(model_path), "-p", written, "--no-escape", *flags)
+    assert kept.returncode == 0 and kept.stdout == literal + "\n", kept.stderr
+    broken = _cli("generate", str(model_path), "-p", r"caf\xff", *flags)
+    assert broken.returncode == 1 and len(broken.stderr.splitlines()) == 1 and "--prompt" in broken.stderr
+
+
+@pytest.mark.parametrize(
+    ("written", "meant"),
+    [
+        (r"a\nb\rc\td", "a\nb\rc\td"),
+        (r"\'\"\\", "'\"\\"),
+        (r"\\n", "\\n"),  # an escaped backslash, then the letter
+        (r"\x41\x4g\x4", "A\\x4g\\x4"),  # two hex digits make a byte; fewer stay as written
+        (r"\xe4\xbd\xa0", "你"),  # bytes of UTF-8 text
+        (r"\q\ ", "\\q\\ "),  # a backslash before anything else stays
+        ("end\\", "end\\"),
+        ("ü\\ü", "ü\\ü"),
+    ],
+)
+def test_process_escapes_follows_llama_clis_rules(written, meant):
+    from k3stream.commands.flags import process_escapes
+
+    assert process_escapes(written, "--prompt") == meant

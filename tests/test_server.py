@@ -368,10 +368,39 @@ def test_bad_completion_requests_get_openai_errors(server, case, body, code):
         assert error["code"] == code
 
 
-def test_bad_chat_requests_and_unknown_model(client, server):
-    with pytest.raises(openai.NotFoundError) as not_found:
-        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+def test_any_model_name_is_served_by_the_served_model_as_in_llama_server(client, server):
+    """llama-server answers every request with its one model, whatever `model` names (clients send
+    `gpt-4o`, `claude-...`); the response's `model` names the model that answered."""
+    asked = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    served = client.chat.completions.create(model=server.name, **asked)
+    other = client.chat.completions.create(model="gpt-4o", **asked)
+    assert other.model == served.model == server.name
+    assert other.choices[0].message.content == served.choices[0].message.content
+    completion = client.completions.create(model="no-such-model", prompt="hi", max_tokens=2, temperature=0)
+    assert completion.model == server.name and completion.usage.completion_tokens >= 1
+    with pytest.raises(openai.NotFoundError) as not_found:  # asking for a model card by name still checks it
+        client.models.retrieve("no-such-model")
     assert not_found.value.body["code"] == "model_not_found"
+
+
+def test_integral_floats_are_taken_for_integer_fields_as_llama_server_takes_them(server):
+    """`"max_tokens": 2.0` (JavaScript and float variables write it) is 2, as llama-server and vLLM read
+    it; `2.5` is a 400 naming the field (llama-server would cut it to 2 without a word)."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True}
+    for fields, tokens in (({"max_tokens": 2.0}, 2), ({"n_predict": 5.0, "seed": 7.0, "n": 1.0}, 5)):
+        response = httpx.post(server.url + "/v1/chat/completions", json={**chat, **fields}, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == tokens
+    native = httpx.post(
+        server.url + "/completion", json={"prompt": "hi", "n_predict": 3.0, "ignore_eos": True}, timeout=60
+    )
+    assert native.status_code == 200 and native.json()["tokens_predicted"] == 3, native.text
+    for name in ("max_tokens", "n_predict", "top_k"):
+        refused = httpx.post(server.url + "/v1/chat/completions", json={**chat, name: 2.5}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == name, refused.text
+
+
+def test_bad_chat_requests(client, server):
     for messages in ([], [{"role": "wizard", "content": "hi"}], [{"role": "user", "content": 42}]):
         with pytest.raises(openai.BadRequestError) as bad:
             client.chat.completions.create(model=server.name, messages=messages)

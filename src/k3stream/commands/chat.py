@@ -18,6 +18,7 @@ from k3stream.commands.flags import (
     add_sampling_arguments,
     cache_from_args,
     sampling_params,
+    with_ends,
 )
 from k3stream.commands.report import report, statistics_lines, store_snapshot
 from k3stream.engine.chat import ChatTemplate, chat_stop_token_ids
@@ -95,15 +96,15 @@ class ChatSession:
     """The conversation so far and what one turn needs to answer it."""
 
     def __init__(self, runtime: Runtime, args: argparse.Namespace, params: Any):
-        from dataclasses import replace
-
         from k3stream.memlimit import served_tokens
 
         self.runtime = runtime
         self.context = served_tokens(runtime.model.config, args.ctx)  # what the memory plan holds
         self.args = args
         self.template = ChatTemplate.for_tokenizer(runtime.tokenizer)
-        self.params = replace(params, stop_token_ids=chat_stop_token_ids(runtime.tokenizer, args.thinking))
+        self.params = with_ends(
+            params, runtime.tokenizer, chat_stop_token_ids(runtime.tokenizer, args.thinking)
+        )
         self.messages: list[dict[str, str]] = []
         # the conversation's states between turns: each turn restores the last one's instead of
         # prefilling the whole history again

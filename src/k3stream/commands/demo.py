@@ -13,11 +13,17 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3stream.commands.flags import add_sampling_arguments, add_store_arguments, non_negative, threads
+from k3stream.commands.flags import (
+    add_sampling_arguments,
+    add_store_arguments,
+    non_negative,
+    threads,
+    with_ends,
+)
 from k3stream.commands.report import format_mib
 
 MIB = 1 << 20
@@ -217,9 +223,10 @@ def run(args: argparse.Namespace) -> int:
         ids = prompt_ids(tokenizer, args, prompt)
         template = " with the chat template" if args.chat else ""
         print(f"prompt  {prompt!r} ({len(ids)} tokens{template})\n")
-        if args.chat:
-            params = replace(params, stop_token_ids=chat_stop_token_ids(tokenizer, args.thinking))
-        else:
+        params = with_ends(
+            params, tokenizer, chat_stop_token_ids(tokenizer, args.thinking) if args.chat else ()
+        )
+        if not args.chat:
             _write(prompt)
         start = store_snapshot(runtime.store)
         result = generate(runtime.model, tokenizer, ids, params, on_text=_write)

@@ -238,6 +238,11 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) 
         "--seed", "-s", type=int, default=None, help="makes sampling reproducible (-1: a fresh seed)"
     )
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="never draw the end-of-sequence or end-of-turn tokens: generate --max-tokens, as llama-cli's",
+    )
 
 
 def sampling_params(args: argparse.Namespace) -> Any:
@@ -256,7 +261,42 @@ def sampling_params(args: argparse.Namespace) -> Any:
         seed=None if args.seed in RANDOM_SEEDS else args.seed,
         max_tokens=sys.maxsize if args.max_tokens is None else args.max_tokens,  # the context bounds it
         stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
     )
+
+
+def with_ends(params: Any, tokenizer: Any, stop_ids: tuple[int, ...]) -> Any:
+    """`params` ending at `stop_ids` (a chat's end-of-turn tokens) and the end-of-sequence token; with
+    `ignore_eos` (`--ignore-eos`) those tokens are never drawn instead, as llama-cli bans them, so the
+    answer runs to --max-tokens."""
+    if not params.ignore_eos:
+        return replace(params, stop_token_ids=stop_ids)
+    ends = sorted({*stop_ids, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])})
+    return replace(params, logit_bias=(*params.logit_bias, *((token, -math.inf) for token in ends)))
+
+
+# llama-cli's escapes (`-e`, its default): a backslash and one of these characters, or `x` and two hex
+# digits (one byte); a backslash before anything else stays as written
+ESCAPES = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"'": b"'", b'"': b'"', b"\\": b"\\"}
+ESCAPE_RE = re.compile(rb"\\(x[0-9A-Fa-f]{2}|.)", re.DOTALL)
+
+
+def process_escapes(text: str, flag: str) -> str:
+    """`text` with llama-cli's escape sequences replaced (`\\n` a line break, `\\x41` the byte 0x41);
+    a one-line error naming `flag` where the bytes they make are not UTF-8 text."""
+
+    def replaced(match: re.Match[bytes]) -> bytes:
+        code = match.group(1)
+        return bytes([int(code[1:], 16)]) if len(code) == 3 else ESCAPES.get(code, match.group(0))
+
+    escaped = ESCAPE_RE.sub(replaced, text.encode("utf-8", errors="surrogateescape"))
+    try:
+        return escaped.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{flag}: its escapes make bytes that are not UTF-8 text (byte {exc.start}); --no-escape takes "
+            "them as written"
+        ) from None
 
 
 def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest: Path | None) -> float:

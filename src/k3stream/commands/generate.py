@@ -13,10 +13,12 @@ from k3stream.commands.flags import (
     add_parallel_arguments,
     add_sampling_arguments,
     check_input_file,
+    process_escapes,
     prompt_ids,
     reached_tokens,
     sampling_params,
     size_context,
+    with_ends,
 )
 from k3stream.commands.report import report, statistics_lines, store_snapshot
 from k3stream.engine.chat import chat_stop_token_ids
@@ -37,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--thinking", action="store_true", help="open the think channel (Kimi-K3 templates; implies --chat)"
+    )
+    parser.add_argument(
+        "--escape",
+        "-e",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replace escapes (\\n, \\r, \\t, \\', \\\", \\\\, \\xHH) in the prompt and --stop strings, as "
+        "llama-cli does (default; --no-escape takes them as written)",
     )
     add_sampling_arguments(parser, max_tokens=128)
     add_cache_arguments(parser, ram_mib=0.0)  # off unless asked: a prompt reused across runs (--cache-dir)
@@ -60,8 +70,6 @@ def _write(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     from k3stream.commands.flags import cache_from_args
     from k3stream.commands.launch import parallel_runtime, report_ranks
     from k3stream.engine.generate import generate
@@ -69,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
     from k3stream.engine.tokenizer import Tokenizer
 
     text = prompt_text(args)
+    if args.escape:  # llama-cli's default, for the prompt however given and the stop strings
+        text = process_escapes(text, "--prompt" if args.file is None else "--file")
+        args.stop = [process_escapes(stop, "--stop") for stop in args.stop]
     args.chat = args.chat or args.system is not None or args.thinking  # they mean the chat template
     params = sampling_params(args)  # bad flags fail before the model loads
     opened = open_model(args.model, not args.no_stream_experts)
@@ -79,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         tokenizer = runtime.tokenizer
         stops = chat_stop_token_ids(tokenizer, args.thinking) if args.chat else ()
+        params = with_ends(params, tokenizer, stops)
         cache = cache_from_args(args, runtime.model)
         start = store_snapshot(runtime.store)
         try:
@@ -86,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                 runtime.model,
                 tokenizer,
                 prompt,
-                replace(params, stop_token_ids=stops),
+                params,
                 on_text=_write,
                 cache=cache,
                 context=args.ctx,

@@ -25,14 +25,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from k3stream.engine.prompt_cache import attention_rows_per_token
 from k3stream.server.bodies import parse_body
 from k3stream.server.endpoints_llama import llama_router
-from k3stream.server.errors import APIError, invalid_request, redact_paths
+from k3stream.server.errors import APIError, invalid_request, redact_paths, shaped_for
 from k3stream.server.guard import Guard, GuardConfig, HeadAsGet
 from k3stream.server.kimi_output import Piece
+from k3stream.server.messages import messages_router
 from k3stream.server.metrics import ServerMetrics
 from k3stream.server.native import native_router
 from k3stream.server.prompt_reuse import register_cache_metrics
 from k3stream.server.request_logic import TokenConstraint, TokenLogprob
-from k3stream.server.routes import LLAMA_ENDPOINTS
+from k3stream.server.routes import ANTHROPIC_ENDPOINTS, LLAMA_ENDPOINTS
 from k3stream.server.runtime import ChatPrompt, ServedModel
 from k3stream.server.scheduler import (
     DEFAULT_PREFILL_CHUNK,
@@ -62,6 +63,7 @@ KNOWN_ENDPOINTS = frozenset(
         "/v1/health",
         "/metrics",
         *LLAMA_ENDPOINTS,
+        *ANTHROPIC_ENDPOINTS,
     }
 )
 
@@ -206,6 +208,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     app.get("/metrics")(api.metrics_text)
     app.include_router(llama_router(served, scheduler, tokenizers))
     app.include_router(native_router(api))
+    app.include_router(messages_router(api))
     app.include_router(slots_router(slots, scheduler, served, config.slot_save_path))
     if config.webui:
         app.include_router(webui_router())
@@ -298,7 +301,9 @@ class Endpoints:
         jobs = self.submit_prompts(
             body, [(tokens, None) for tokens in prompts], limit, limit_param=limit_param, top=body.logprobs
         )
-        stream = self._stream(jobs, body, _CompletionChunks)
+        stream = self.stream(
+            jobs, _CompletionChunks.for_choices(self.served.name, jobs), body.return_progress
+        )
         return await stream.respond(request, body.stream, body.include_usage())
 
     async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -308,6 +313,15 @@ class Endpoints:
 
     async def chat_completions(self, request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
+        return await self.answer_chat(
+            request, body, lambda jobs: _ChatChunks.for_choices(self.served.name, jobs)
+        )
+
+    async def answer_chat(
+        self, request: Request, body: ChatCompletionRequest, shapes: Callable[[list[Job]], Sequence[Any]]
+    ) -> Response:
+        """Answer a chat request, shaped by the makers `shapes` gives for its jobs (one per choice):
+        OpenAI's chunks, or another API's converted into this request (`messages`)."""
         self.check_request(body)
         prompt = await self.off_loop(self.served.prepare_chat, body)
         limit, limit_param = body.token_limit()
@@ -321,12 +335,8 @@ class Endpoints:
             top=top,
             chat=prompt,
         )
-        stream = self._stream(jobs, body, _ChatChunks)
+        stream = self.stream(jobs, shapes(jobs), body.return_progress)
         return await stream.respond(request, body.stream, body.include_usage())
-
-    def _stream(self, jobs: list[Job], body: SamplingFields, chunks: type[_Chunks]) -> Stream:
-        makers = chunks.for_choices(self.served.name, jobs)
-        return self.stream(jobs, makers, body.return_progress)
 
     def stream(self, jobs: list[Job], makers: Sequence[Any], progress: bool) -> Stream:
         """The response of `jobs`, shaped by `makers` (one per job); each finished job's tokens go
@@ -347,8 +357,6 @@ class Endpoints:
                 f"id_slot: this server has {self.slots.count} slots (0 to {self.slots.count - 1})",
                 param="id_slot",
             )
-        if body.model is not None:
-            self._check_model(body.model)
 
     def _check_model(self, model: str) -> None:
         if model != self.served.name:
@@ -518,7 +526,7 @@ class Stream:
         try:
             for chunks in self.chunks:
                 if (first := chunks.first()) is not None:
-                    yield _sse_data(first)
+                    yield _framed(first)
             finished: dict[int, FinishEvent] = {}
             while len(finished) < len(self.jobs):
                 try:
@@ -528,15 +536,15 @@ class Stream:
                     continue
                 if isinstance(event, ProgressEvent):
                     if self.progress:
-                        yield _sse_data(self.chunks[choice].progress(event))
+                        yield _framed(self.chunks[choice].progress(event))
                 elif isinstance(event, PieceEvent):
-                    yield _sse_data(self.chunks[choice].piece(event.piece))
+                    yield _framed(self.chunks[choice].piece(event.piece))
                 elif isinstance(event, FinishEvent):
                     self._finished(choice)
-                    yield _sse_data(self.chunks[choice].last(event.reason))
+                    yield _framed(self.chunks[choice].last(event.reason))
                     finished[choice] = event
                 else:
-                    yield _sse_data(self.chunks[0].error(_event_error(event)).body())
+                    yield self.chunks[0].error(_event_error(event)).sse()
                     break
             else:
                 if include_usage:
@@ -618,6 +626,12 @@ def _event_error(event: ErrorEvent) -> APIError:
 
 def _sse_data(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _framed(payload: dict[str, Any] | str) -> str:
+    """A maker's payload as stream text: a JSON chunk as one `data:` line; text (events a maker
+    frames itself, `messages.MessageShapes`) as it is."""
+    return payload if isinstance(payload, str) else _sse_data(payload)
 
 
 class _Chunks:
@@ -789,15 +803,17 @@ def _add_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         error = APIError(exc.status_code, _http_detail(exc), type=kind)
         error.message = f"{request.method} {request.url.path}: {error.message}"  # the client's own path
-        response = error.response()
+        response = shaped_for(request.url.path, error).response()
         response.headers.update(exc.headers or {})  # a 405's Allow
         return response
 
-    async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
-        return invalid_request(f"invalid request: {exc.errors()[0].get('msg', 'bad input')}").response()
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        error = invalid_request(f"invalid request: {exc.errors()[0].get('msg', 'bad input')}")
+        return shaped_for(request.url.path, error).response()
 
-    async def unexpected(_request: Request, exc: Exception) -> Response:
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        return shaped_for(request.url.path, error).response()
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)

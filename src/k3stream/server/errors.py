@@ -1,13 +1,17 @@
-"""Error bodies: OpenAI's `{"error": {"message", "type", "param", "code"}}`, and llama-server's
-`{"error": {"code": STATUS, "message", "type"}}` on its native endpoints (`LlamaError`)."""
+"""Error bodies: OpenAI's `{"error": {"message", "type", "param", "code"}}`, llama-server's
+`{"error": {"code": STATUS, "message", "type"}}` on its native endpoints (`LlamaError`), and Anthropic's
+`{"type": "error", "error": {"type", "message"}}` on its Messages API (`AnthropicError`)."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+
+from k3stream.server.routes import anthropic_path
 
 
 class APIError(Exception):
@@ -39,6 +43,10 @@ class APIError(Exception):
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
+    def sse(self) -> str:
+        """The error as the last event of a stream that already started."""
+        return f"data: {json.dumps(self.body(), ensure_ascii=False)}\n\n"
+
 
 # llama-server's error types by status (its `format_error_response`)
 LLAMA_ERROR_TYPES = {
@@ -69,6 +77,43 @@ class LlamaError(APIError):
         return cls(
             error.status, error.message, type=kind, param=error.param, code=error.code, figures=error.figures
         )
+
+
+# Anthropic's error types by status
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+class AnthropicError(APIError):
+    """An error in the shape of Anthropic's Messages API: its type by status, the message naming the
+    field; in a stream, an `error` event."""
+
+    def body(self) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": self.type, "message": self.message}}
+
+    def sse(self) -> str:
+        return f"event: error\ndata: {json.dumps(self.body(), ensure_ascii=False)}\n\n"
+
+    @classmethod
+    def of(cls, error: APIError) -> AnthropicError:
+        kind = ANTHROPIC_ERROR_TYPES.get(
+            error.status, "invalid_request_error" if error.status < 500 else "api_error"
+        )
+        return cls(error.status, error.message, type=kind, param=error.param, code=error.code)
+
+
+def shaped_for(path: str, error: APIError) -> APIError:
+    """`error` in the shape of the API that `path` belongs to: Anthropic's under `/v1/messages`, else as
+    it is."""
+    return AnthropicError.of(error) if anthropic_path(path) else error
 
 
 def not_supported(message: str) -> LlamaError:

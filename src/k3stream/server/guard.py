@@ -29,6 +29,7 @@ from k3stream.server.errors import (
     APIError,
     LlamaError,
     redact_paths,  # noqa: F401 (re-exported)
+    shaped_for,
 )
 from k3stream.server.routes import needs_api_key, openai_path
 
@@ -111,7 +112,7 @@ class Guard:
         if refusal is None:
             refusal, receive = await self._read_body(scope, receive)
         if refusal is not None:
-            await _send_error(send, refusal)
+            await _send_error(send, shaped_for(scope["path"], refusal))
             return
         await self.app(scope, receive, send)
 

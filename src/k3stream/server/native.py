@@ -21,6 +21,7 @@ from k3stream.server.request_logic import TokenConstraint
 from k3stream.server.scheduler import Job, ProgressEvent, request_timings
 from k3stream.server.schemas import (
     Choices,
+    Integral,
     RepetitionPenalty,
     SamplingFields,
     check_json_schema,
@@ -74,12 +75,12 @@ class NativeCompletionRequest(SamplingFields):
 
     prompt: str | list[int | str | list[int | str]]
     n_cmpl: Choices | None = None  # llama-server's completions per prompt (`n` is its alias)
-    n_probs: Annotated[int, Field(ge=0, le=MAX_N_PROBS)] = 0
+    n_probs: Annotated[int, Field(ge=0, le=MAX_N_PROBS), Integral] = 0
     post_sampling_probs: bool = False
     response_fields: list[str] | None = None
     return_tokens: bool = False
     repeat_penalty: RepetitionPenalty = 1.0
-    repeat_last_n: Annotated[int, Field(ge=-1)] = 64
+    repeat_last_n: Annotated[int, Field(ge=-1), Integral] = 64
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
     special: bool = False  # special tokens' text in `content`

@@ -21,6 +21,10 @@ LLAMA_ENDPOINTS = frozenset(
 )
 
 
+# Anthropic's Messages API, as llama-server serves it (`messages`)
+ANTHROPIC_ENDPOINTS = ("/v1/messages", "/v1/messages/count_tokens")
+
+
 # what llama-server leaves open when it has an API key: health, the model list and the chat page
 PUBLIC_PATHS = frozenset({"/", "/health", "/v1/health", "/models", "/v1/models"})
 
@@ -35,3 +39,8 @@ def openai_path(path: str) -> bool:
     """Whether `path` is one of OpenAI's (under /v1, or an alias without it), whose errors are OpenAI's
     error object; the others answer llama-server's."""
     return path.startswith("/v1/") or path in OPENAI_ALIASES
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether `path` is Anthropic's Messages API, whose errors are Anthropic's error object."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")

@@ -24,29 +24,39 @@ def null_is(default: Any) -> BeforeValidator:
     return BeforeValidator(lambda value: default if value is None else value)
 
 
+def _integral(value: Any) -> Any:
+    """A float without a fraction as the integer it is (`"max_tokens": 2.0`, as JavaScript and float
+    variables write it; llama-server and vLLM take it); any other value as it is, for the strict check
+    (`2.5` stays a 400)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# an integer field's validator that takes integral floats
+Integral = BeforeValidator(_integral)
+
 # Larger values are refused by the context check anyway; this bound keeps absurd numbers out early.
 MAX_TOKENS_LIMIT = 1 << 20
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(ge=0.0, le=1.0)]  # OpenAI's range; 0 keeps the likeliest token
-TopK = Annotated[int, Field(ge=-1)]
-MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
-Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)]
-TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+TopK = Annotated[int, Field(ge=-1), Integral]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT), Integral]
+Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64), Integral]
+TopLogprobs = Annotated[int, Field(ge=0, le=20), Integral]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=100.0)]
 # a logit bias: a number, or false (llama-server's: the token is never chosen)
 BiasValue = Annotated[float, Field(ge=-100.0, le=100.0)] | Literal[False]
 # llama-server's max_tokens: -1 generates up to the context
-NPredict = Annotated[int, Field(ge=-1, le=MAX_TOKENS_LIMIT)]
+NPredict = Annotated[int, Field(ge=-1, le=MAX_TOKENS_LIMIT), Integral]
 # seeds meaning "draw a fresh seed" (llama-server's default, LLAMA_DEFAULT_SEED as JSON sends it)
 RANDOM_SEEDS = (-1, 0xFFFFFFFF)
 # choices per request: each is one more sequence in the batch, sharing the prompt's prefill
 MAX_CHOICES = 16
 # prompts per completion request (OpenAI's and llama-server's batches): each is one more request queued
 MAX_PROMPTS = 16
-Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES), null_is(1)]
+Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES), Integral, null_is(1)]
 Switch = Annotated[bool, null_is(False)]  # a boolean that is off unless true
 # stop strings per request: OpenAI allows 4, llama-server and vLLM any number (each is matched apart)
 MAX_STOPS = 16
@@ -145,7 +155,9 @@ class SamplingFields(BaseModel):
     cache_prompt: Annotated[bool, null_is(True)] = (
         True  # llama-server's: restore the prompt's longest cached prefix
     )
-    id_slot: Annotated[int, Field(ge=-1)] = -1  # llama-server's: the slot the request runs under (-1: any)
+    id_slot: Annotated[
+        int, Field(ge=-1), Integral
+    ] = -1  # llama-server's: the slot the request runs under (-1: any)
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():

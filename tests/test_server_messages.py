@@ -1,0 +1,321 @@
+"""Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`), driven by the real `anthropic`
+client against the server on 127.0.0.1, answered as the same conversation sent to `/v1/chat/completions`
+(the real `openai` client) is: a tiny random Kimi-K3 GGUF carrying Kimi-K2's tool template and `<think>`
+tokens, with a prompt cache. Random weights never choose to call a tool, so calls are forced with
+`tool_choice` (constrained decoding)."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from chat_models import KIMI_TOOL_TEMPLATE, retokenized
+from k3stream.engine.loading import load_runtime
+from k3stream.engine.prompt_cache import MIB, PromptCache
+from k3stream.server.app import ServerConfig, create_app
+from k3stream.server.guard import GuardConfig
+from k3stream.server.live import ServerThread
+from k3stream.server.runtime import served_from_runtime
+
+KEY = "sk-messages"
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOL = {"name": "get_weather", "description": "Forecast", "input_schema": WEATHER}
+OPENAI_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER},
+}
+FORCED = {"type": "tool", "name": "get_weather"}
+SYSTEM = "You answer briefly."
+ASK = "What is the weather in Paris?"
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tool_gguf(tiny_model, tmp_path_factory):
+    source = tiny_model(vocab=600, context_length=2048)
+    out = tmp_path_factory.mktemp("messages") / "kimi-messages.gguf"
+    return retokenized(source, out, chat_template=KIMI_TOOL_TEMPLATE, special_tokens=("<think>", "</think>"))
+
+
+@pytest.fixture(scope="module")
+def served(tool_gguf):
+    served = served_from_runtime(load_runtime(tool_gguf), ctx=1024)
+    served.prompt_cache = PromptCache(served.model, "tiny-messages", 64 * MIB, every=16)
+    yield served
+    served.prompt_cache.close()
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    config = ServerConfig(max_batch=2, guard=GuardConfig(api_key=KEY))
+    thread = ServerThread(create_app(served, config)).start()
+    yield thread
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def openai_client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def ask(claude, sampling=None, **fields):
+    """A message to `claude`; `sampling` (greedy unless given): temperature, top_p, top_k, which this
+    version of the client no longer names, in the body as older clients and agents send them."""
+    request = {"model": "claude-any", "max_tokens": 12, "system": SYSTEM}
+    messages = [{"role": "user", "content": ASK}]
+    body = sampling or {"temperature": 0}
+    return claude.messages.create(**{**request, "messages": messages, **fields}, extra_body=body)
+
+
+def chat(openai_client, **fields):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK}]
+    request = {"model": "any-name", "max_tokens": 12, "temperature": 0, "messages": messages}
+    return openai_client.chat.completions.create(**{**request, **fields})
+
+
+def post(server, path, body, key=KEY):
+    return httpx.post(server.url + path, json=body, headers={"x-api-key": key}, timeout=120)
+
+
+def test_a_message_is_answered_as_the_chat_completion_of_the_same_conversation(claude, openai_client, served):
+    message = ask(claude)
+    answer = chat(openai_client)
+    choice = answer.choices[0]
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert message.model == served.name  # whatever name was asked, the served model answers
+    assert [block.type for block in message.content] == ["text"]
+    assert message.content[0].text == choice.message.content != ""
+    assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[choice.finish_reason]
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == answer.usage.prompt_tokens
+    assert usage.output_tokens == answer.usage.completion_tokens
+
+
+def test_the_prompt_cache_shows_as_cache_read_input_tokens(claude):
+    question = [{"role": "user", "content": "Tell me about the sea and the mountains of Peru."}]
+    first = ask(claude, messages=question)
+    again = ask(claude, messages=question)
+    prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert again.usage.cache_read_input_tokens > 0
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == prompt
+    assert again.content == first.content  # the restored state answers as the computed one
+
+
+def test_a_stream_is_anthropics_event_sequence_and_adds_up_to_the_whole_message(claude, server):
+    whole = ask(claude, max_tokens=10)
+    events = list(ask(claude, max_tokens=10, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert kinds[1:-2] == [
+        "content_block_start",
+        *["content_block_delta"] * (len(kinds) - 5),
+        "content_block_stop",
+    ]
+    assert events[0].message.usage.input_tokens + events[0].message.usage.cache_read_input_tokens > 0
+    text = "".join(event.delta.text for event in events if event.type == "content_block_delta")
+    assert len(kinds) > 6 and text == whole.content[0].text  # streamed as it grew
+    assert events[-2].delta.stop_reason == whole.stop_reason == "max_tokens"
+    assert events[-2].usage.output_tokens == 10
+    messages = [{"role": "user", "content": ASK}]
+    request = {"model": "x", "max_tokens": 10, "system": SYSTEM, "messages": messages}
+    with claude.messages.stream(**request, extra_body={"temperature": 0}) as stream:
+        final = stream.get_final_message()
+    assert [b.text for b in final.content] == [b.text for b in whole.content]
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 10
+    raw = httpx.post(
+        server.url + "/v1/messages",
+        json={"max_tokens": 3, "messages": [{"role": "user", "content": ASK}], "stream": True},
+        headers={"x-api-key": KEY},
+        timeout=120,
+    )
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    frames = [frame for frame in raw.text.split("\n\n") if frame]
+    assert all(frame.startswith("event: ") and "\ndata: {" in frame for frame in frames), frames
+    assert "[DONE]" not in raw.text
+
+
+def test_a_forced_tool_use_is_a_tool_use_block_and_streams_as_input_json_deltas(claude):
+    message = ask(claude, max_tokens=120, tools=[TOOL], tool_choice=FORCED)
+    assert message.stop_reason == "tool_use"
+    (block,) = message.content
+    assert block.type == "tool_use" and block.name == "get_weather" and block.id
+    jsonschema.validate(block.input, WEATHER)
+    events = list(ask(claude, max_tokens=120, tools=[TOOL], tool_choice=FORCED, stream=True))
+    starts = [event.content_block for event in events if event.type == "content_block_start"]
+    assert [(b.type, b.id, b.name) for b in starts] == [("tool_use", block.id, "get_weather")]
+    partial = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    assert len(partial) > 1 and json.loads("".join(partial)) == block.input
+    assert events[-2].delta.stop_reason == "tool_use"
+
+
+def test_a_tool_result_turn_is_the_chat_conversation_with_the_tool_message(
+    claude, openai_client, server, served
+):
+    call = ask(claude, max_tokens=120, tools=[TOOL], tool_choice=FORCED).content[0]
+    result = '{"forecast": "sunny", "high": 21}'
+    messages = [
+        {"role": "user", "content": ASK},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": call.id, "name": call.name, "input": call.input}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": call.id, "content": [{"type": "text", "text": result}]}
+            ],
+        },
+    ]
+    message = ask(claude, messages=messages, tools=[TOOL], max_tokens=8)
+    arguments = json.dumps(call.input, separators=(",", ":"))
+    openai_messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": ASK},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": result},
+    ]
+    answer = chat(openai_client, messages=openai_messages, tools=[OPENAI_TOOL], max_tokens=8)
+    assert message.content[0].text == answer.choices[0].message.content
+    prompt = message.usage.input_tokens + message.usage.cache_read_input_tokens
+    assert prompt == answer.usage.prompt_tokens
+    counted = claude.messages.count_tokens(model="any", system=SYSTEM, messages=messages, tools=[TOOL])
+    assert counted.input_tokens == prompt
+    rendered = served.chat_template.render(
+        [{**m, "content": m["content"] or ""} for m in openai_messages], tools=[OPENAI_TOOL]
+    )
+    assert f"## Return of {call.id}\n{result}" in rendered
+
+
+def test_a_stop_sequence_ends_the_answer_before_it(claude):
+    text = ask(claude, max_tokens=16).content[0].text
+    start = next(i for i in range(1, len(text) - 3) if text.index(text[i : i + 3]) == i)
+    word = text[start : start + 3]  # three characters the answer holds first there
+    message = ask(claude, max_tokens=16, stop_sequences=[word])
+    assert message.content[0].text == text[:start]
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", word)
+
+
+def test_top_k_one_draws_the_greedy_answer(claude):
+    greedy = ask(claude, max_tokens=8)
+    drawn = ask(claude, {"temperature": 1.0, "top_k": 1, "top_p": 1.0}, max_tokens=8)
+    assert drawn.content == greedy.content
+
+
+def test_thinking_opens_the_think_block_and_the_reasoning_is_a_thinking_block(claude, openai_client):
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    plain = claude.messages.count_tokens(model="x", messages=[{"role": "user", "content": ASK}])
+    opened = claude.messages.count_tokens(
+        model="x", messages=[{"role": "user", "content": ASK}], thinking=thinking
+    )
+    assert opened.input_tokens == plain.input_tokens + 1  # the template's `<think>`
+    message = ask(claude, max_tokens=6, thinking=thinking)
+    reasoning = chat(openai_client, max_tokens=6, extra_body={"chat_template_kwargs": {"thinking": True}})
+    assert message.content[0].type == "thinking"
+    assert message.content[0].thinking == reasoning.choices[0].message.reasoning_content
+    events = list(ask(claude, max_tokens=6, thinking=thinking, stream=True))
+    deltas = [event.delta for event in events if event.type == "content_block_delta"]
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == message.content[0].thinking
+    assert [d.type for d in deltas][-1] == "signature_delta"  # a thinking block ends with its signature
+    assert [
+        (e.type, e.index)
+        for e in events
+        if e.type.startswith("content_block_") and e.type != "content_block_delta"
+    ] == [
+        ("content_block_start", 0),
+        ("content_block_stop", 0),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "kind", "named"),
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error", "max_tokens"),
+        (
+            {"max_tokens": 2.5, "messages": [{"role": "user", "content": "hi"}]},
+            400,
+            "invalid_request_error",
+            "max_tokens",
+        ),
+        (
+            {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            400,
+            "invalid_request_error",
+            "messages.0.content.0.type",
+        ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [
+                    {"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "b", "input": {}}]}
+                ],
+            },
+            400,
+            "invalid_request_error",
+            "messages.0.content.0.type",
+        ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"name": "f", "input_schema": {"type": 5}}],
+            },
+            400,
+            "invalid_request_error",
+            "tools.0.input_schema",
+        ),
+        (
+            {"max_tokens": 4, "messages": [{"role": "user", "content": "hi " * 1100}]},
+            400,
+            "invalid_request_error",
+            "context",
+        ),
+    ],
+)
+def test_bad_requests_are_anthropic_errors_naming_the_field(server, body, status, kind, named):
+    response = post(server, "/v1/messages", body)
+    assert response.status_code == status
+    error = response.json()
+    assert error["type"] == "error" and set(error["error"]) == {"type", "message"}
+    assert error["error"]["type"] == kind and named in error["error"]["message"], error
+
+
+def test_a_missing_key_and_a_wrong_method_are_anthropic_errors(server, claude):
+    refused = post(
+        server,
+        "/v1/messages",
+        {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+        key="wrong",
+    )
+    assert refused.status_code == 401
+    assert refused.json()["error"]["type"] == "authentication_error" and refused.json()["type"] == "error"
+    get = httpx.get(server.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=10)
+    assert get.status_code == 405 and get.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        claude.messages.create(model="x", max_tokens=0, messages=[{"role": "user", "content": "hi"}])
+    assert bad.value.body["error"]["type"] == "invalid_request_error"
