@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -737,23 +738,35 @@ def test_the_command_line_lets_idle_openmp_threads_sleep_unless_told_otherwise(m
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
-def test_ignore_eos_generates_max_tokens_as_llama_clis(model, tokenizer, model_path):
-    """llama-cli's `--ignore-eos`: the end-of-sequence token is never drawn, so a draw that would have
-    ended early runs to --max-tokens (the library's answer with that token banned)."""
-    ids = tokenizer.encode("Once upon a time")
-    sampling = {"temperature": 2.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "max_tokens": 48}
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_ignore_eos_generates_max_tokens_as_llama_clis(model, tokenizer, model_path, command):
+    """llama-cli's `--ignore-eos`: the end-of-sequence and end-of-turn tokens are never drawn, so a draw
+    that would have ended early runs to --max-tokens (the library's answer with those tokens banned)."""
+    from k3stream.commands.flags import with_ends
+    from k3stream.engine.chat import ChatTemplate, chat_stop_token_ids
+
+    text = "Once upon a time"
+    if command == "chat":
+        rendered = ChatTemplate.for_tokenizer(tokenizer).render(
+            [{"role": "user", "content": text}], thinking=False
+        )
+        ids, stops = tokenizer.encode(rendered, allow_special=True), chat_stop_token_ids(tokenizer, False)
+    else:
+        ids, stops = tokenizer.encode(text), ()
+    sampling = SamplingParams(temperature=2.0, top_k=0, top_p=1.0, min_p=0.0, max_tokens=48)
     seed, ended = next(
         (seed, answer)
         for seed in range(200)
-        if (answer := generate(model, tokenizer, ids, SamplingParams(**sampling, seed=seed))).finish_reason
+        if (
+            answer := generate(model, tokenizer, ids, replace(sampling, seed=seed, stop_token_ids=stops))
+        ).finish_reason
         == "stop"
     )
-    banned = SamplingParams(
-        **sampling, seed=seed, ignore_eos=True, logit_bias=((tokenizer.eos_id, -float("inf")),)
+    expected = generate(
+        model, tokenizer, ids, with_ends(replace(sampling, seed=seed, ignore_eos=True), tokenizer, stops)
     )
-    expected = generate(model, tokenizer, ids, banned)
     assert expected.completion_tokens == 48 > ended.completion_tokens
-    assert tokenizer.eos_id not in expected.token_ids
+    assert not {tokenizer.eos_id, *stops} & set(expected.token_ids)
     flags = [
         "--temperature",
         "2",
@@ -769,9 +782,13 @@ def test_ignore_eos_generates_max_tokens_as_llama_clis(model, tokenizer, model_p
         str(seed),
     ]
     flags += ["--device", "cpu", "--threads", "1"]
-    plain = _cli("generate", str(model_path), "-p", "Once upon a time", *flags)
+    if command == "chat":
+        plain = _cli("chat", str(model_path), *flags, "--quiet", stdin=f"{text}\n")
+        ignoring = _cli("chat", str(model_path), *flags, "--ignore-eos", stdin=f"{text}\n")
+    else:
+        plain = _cli("generate", str(model_path), "-p", text, *flags)
+        ignoring = _cli("generate", str(model_path), "-p", text, *flags, "--ignore-eos")
     assert plain.returncode == 0 and plain.stdout == ended.text + "\n", plain.stderr
-    ignoring = _cli("generate", str(model_path), "-p", "Once upon a time", *flags, "--ignore-eos")
     assert ignoring.returncode == 0 and ignoring.stdout == expected.text + "\n", ignoring.stderr
     assert "decode 48 tokens" in ignoring.stderr
 

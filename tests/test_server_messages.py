@@ -305,7 +305,7 @@ def test_bad_requests_are_anthropic_errors_naming_the_field(server, body, status
     assert error["error"]["type"] == kind and named in error["error"]["message"], error
 
 
-def test_a_missing_key_and_a_wrong_method_are_anthropic_errors(server, claude):
+def test_a_wrong_key_a_body_too_large_and_a_wrong_method_are_anthropic_errors(server, claude):
     refused = post(
         server,
         "/v1/messages",
@@ -314,6 +314,10 @@ def test_a_missing_key_and_a_wrong_method_are_anthropic_errors(server, claude):
     )
     assert refused.status_code == 401
     assert refused.json()["error"]["type"] == "authentication_error" and refused.json()["type"] == "error"
+    huge = post(
+        server, "/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "x" * (5 << 20)}]}
+    )
+    assert huge.status_code == 413 and huge.json()["error"]["type"] == "request_too_large"
     get = httpx.get(server.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=10)
     assert get.status_code == 405 and get.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.BadRequestError) as bad:

@@ -47,6 +47,13 @@ if TYPE_CHECKING:
 # the start of the system block Claude Code sends, whose `cch=` stamp changes with every request
 BILLING_HEADER = "x-anthropic-billing-header:"
 STAMP_LENGTH = 5
+# the fields each content block needs
+BLOCK_FIELDS = {
+    "text": ("text",),
+    "tool_use": ("id", "name", "input"),
+    "tool_result": ("tool_use_id",),
+    "thinking": ("thinking",),
+}
 
 
 class ContentBlock(BaseModel):
@@ -68,9 +75,7 @@ class ContentBlock(BaseModel):
             kind = "text only" if self.type in ("image", "document") else f"{', '.join(allowed)} blocks here"
             message = f"{where}.type: {self.type!r} blocks are not supported; this server takes {kind}"
             raise invalid_request(message, param=f"{where}.type", code="unsupported_value")
-        needed = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}
-        needed["thinking"] = ("thinking",)
-        missing = next((name for name in needed[self.type] if getattr(self, name) is None), None)
+        missing = next((name for name in BLOCK_FIELDS[self.type] if getattr(self, name) is None), None)
         if missing is not None:
             raise invalid_request(
                 f"{where}.{missing}: a {self.type} block needs it", param=f"{where}.{missing}"
