@@ -19,8 +19,11 @@ from k3stream.engine.loading import load_runtime
 from k3stream.engine.prompt_cache import MIB, PromptCache
 from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.guard import GuardConfig
+from k3stream.server.kimi_output import Piece
 from k3stream.server.live import ServerThread
+from k3stream.server.messages import MessageShapes, MessagesRequest
 from k3stream.server.runtime import served_from_runtime
+from k3stream.server.scheduler import Job
 
 KEY = "sk-messages"
 WEATHER = {
@@ -323,3 +326,54 @@ def test_a_wrong_key_a_body_too_large_and_a_wrong_method_are_anthropic_errors(se
     with pytest.raises(anthropic.BadRequestError) as bad:
         claude.messages.create(model="x", max_tokens=0, messages=[{"role": "user", "content": "hi"}])
     assert bad.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_reasoning_text_and_a_call_the_model_writes_are_three_blocks_in_order(served):
+    """An answer as Kimi writes it (the think block the prompt opened, text, a tool call), taken token by
+    token by the request's own logic as the scheduler feeds it: three blocks, each stopped before the next
+    starts, whose deltas add up to the whole message's blocks."""
+    body = {"max_tokens": 100, "tools": [TOOL], "thinking": {"type": "enabled"}}
+    chat = MessagesRequest.model_validate(
+        {**body, "messages": [{"role": "user", "content": ASK}]}
+    ).chat_request()
+    prompt = served.prepare_chat(chat)
+    logic = served.new_sequence(chat, prompt.tokens, 100, chat=prompt)
+    shapes = MessageShapes(Job(prompt_tokens=prompt.tokens, logic=logic, sink=None), served.name)
+    written = (
+        "Paris, so the forecast.</think>Let me check."
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+        '{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|>'
+    )
+    tokens = [*served.tokenizer.encode(written, allow_special=True, add_bos=False), served.tokenizer.eos_id]
+    total, stream = Piece(), ""
+    for token in tokens:
+        if piece := logic.accept(token):
+            total.extend(piece)
+            stream += shapes.piece(piece)
+    stream += shapes.last(logic.finish_reason)
+    events = [
+        json.loads(line.removeprefix("data: ")) for line in stream.splitlines() if line.startswith("data: ")
+    ]
+    assert stream.count("event: ") == len(events)
+    blocks = [
+        (e["type"], e["index"]) for e in events if e["type"] in ("content_block_start", "content_block_stop")
+    ]
+    assert blocks == [
+        (kind, index) for index in range(3) for kind in ("content_block_start", "content_block_stop")
+    ]
+    whole = shapes.whole_choice(total, logic.finish_reason)
+    assert [block["type"] for block in whole["content"]] == ["thinking", "text", "tool_use"]
+    assert whole["stop_reason"] == "tool_use" == events[-2]["delta"]["stop_reason"]
+    for index, (block, field) in enumerate(
+        zip(whole["content"], ("thinking", "text", "partial_json"), strict=True)
+    ):
+        deltas = [e["delta"] for e in events if e["type"] == "content_block_delta" and e["index"] == index]
+        streamed = "".join(delta.get(field, "") for delta in deltas)
+        assert (json.loads(streamed) if field == "partial_json" else streamed) == block.get(
+            field, block.get("input")
+        )
+    assert whole["content"][2]["input"] == {"city": "Paris", "days": 2}
+    assert (
+        whole["content"][0]["thinking"] == "Paris, so the forecast."
+        and whole["content"][1]["text"] == "Let me check."
+    )
