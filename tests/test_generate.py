@@ -814,6 +814,28 @@ def test_prompt_escapes_are_replaced_as_llama_cli_does_unless_no_escape(
     assert broken.returncode == 1 and len(broken.stderr.splitlines()) == 1 and "--prompt" in broken.stderr
 
 
+def test_chat_messages_take_llama_clis_escapes_unless_no_escape(model, tokenizer, model_path):
+    """llama-cli replaces escapes in each line typed in a conversation too; a line whose escapes make no
+    UTF-8 text is refused in one line and the conversation goes on."""
+    from k3stream.engine.chat import ChatTemplate
+
+    template = ChatTemplate.for_tokenizer(tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=5)
+
+    def answer(text: str) -> str:
+        ids = tokenizer.encode(template.render([{"role": "user", "content": text}]), allow_special=True)
+        return generate(model, tokenizer, ids, params).text
+
+    escaped, literal = answer("Hi\tyou"), answer(r"Hi\tyou")
+    assert escaped != literal
+    flags = ["--temperature", "0", "--max-tokens", "5", "--device", "cpu", "--threads", "1", "--quiet"]
+    done = _cli("chat", str(model_path), *flags, stdin="caf\\xff\nHi\\tyou\n")
+    assert done.returncode == 0 and done.stdout == f"{escaped}\n", done.stderr
+    assert done.stderr.startswith("k3stream chat: this message: its escapes make bytes that are not UTF-8")
+    kept = _cli("chat", str(model_path), *flags, "--no-escape", stdin="Hi\\tyou\n")
+    assert kept.returncode == 0 and kept.stdout == f"{literal}\n", kept.stderr
+
+
 @pytest.mark.parametrize(
     ("written", "meant"),
     [

@@ -112,6 +112,14 @@ def test_a_message_is_answered_as_the_chat_completion_of_the_same_conversation(c
     usage = message.usage
     assert usage.input_tokens + usage.cache_read_input_tokens == answer.usage.prompt_tokens
     assert usage.output_tokens == answer.usage.completion_tokens
+    beta = claude.beta.messages.create(  # `POST /v1/messages?beta=true`, as Claude Code sends it
+        model="claude-any",
+        max_tokens=12,
+        system=SYSTEM,
+        messages=[{"role": "user", "content": ASK}],
+        extra_body={"temperature": 0},
+    )
+    assert beta.content[0].text == message.content[0].text
 
 
 def test_the_prompt_cache_shows_as_cache_read_input_tokens(claude):

@@ -1,5 +1,6 @@
 """`k3stream chat MODEL`: an interactive conversation on stdin/stdout (`/exit` ends, `/reset` forgets,
-Ctrl-C stops an answer, a line ending in a backslash goes on in the next)."""
+Ctrl-C stops an answer, a line ending in a backslash goes on in the next; escapes such as `\\n` in a
+message are replaced, as llama-cli replaces them, unless `--no-escape`)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from typing import Any, TextIO
 from k3stream.commands.flags import (
     add_cache_arguments,
     add_context_argument,
+    add_escape_argument,
     add_model_arguments,
     add_parallel_arguments,
     add_sampling_arguments,
     cache_from_args,
+    process_escapes,
     sampling_params,
     with_ends,
 )
@@ -38,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--thinking", action="store_true", help="open the think channel (Kimi-K3 templates)")
     parser.add_argument("--quiet", action="store_true", help="no statistics after each answer")
+    add_escape_argument(parser, "each message and --stop strings")
     add_cache_arguments(parser)
     add_sampling_arguments(parser, max_tokens=512)
 
@@ -170,7 +174,12 @@ def converse(session: ChatSession) -> None:
             session.reset()
         elif command:
             try:
-                session.answer(line, sys.stdout, CtrlC())
+                text = process_escapes(line, "this message") if session.args.escape else line
+            except ValueError as bad:  # escapes that make no UTF-8 text: the conversation goes on
+                print(f"k3stream chat: {bad}", file=sys.stderr)
+                continue
+            try:
+                session.answer(text, sys.stdout, CtrlC())
             except ContextFull as full:
                 print(f"k3stream chat: {full} (--ctx); /reset starts over", file=sys.stderr)
 
@@ -178,6 +187,8 @@ def converse(session: ChatSession) -> None:
 def run(args: argparse.Namespace) -> int:
     from k3stream.commands.launch import parallel_runtime
 
+    if args.escape:  # llama-cli's default
+        args.stop = [process_escapes(stop, "--stop") for stop in args.stop]
     params = sampling_params(args)  # bad flags fail before the model loads
     with parallel_runtime(args) as runtime:  # under torchrun: rank 0 converses, the others follow it
         if runtime is None:

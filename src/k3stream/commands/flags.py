@@ -245,6 +245,18 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) 
     )
 
 
+def add_escape_argument(parser: argparse.ArgumentParser, where: str) -> None:
+    """llama-cli's `-e`/`--escape` (its default) and `--no-escape`, over the texts `where` names."""
+    parser.add_argument(
+        "--escape",
+        "-e",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"replace escapes (\\n, \\r, \\t, \\', \\\", \\\\, \\xHH) in {where}, as llama-cli does "
+        "(default; --no-escape takes them as written)",
+    )
+
+
 def sampling_params(args: argparse.Namespace) -> Any:
     """`SamplingParams` from the sampling flags; llama-cli's `--seed -1` (its default, as
     4294967295 is) draws a fresh seed, as no seed does."""

@@ -9,6 +9,7 @@ from pathlib import Path
 from k3stream.commands.flags import (
     add_cache_arguments,
     add_context_argument,
+    add_escape_argument,
     add_model_arguments,
     add_parallel_arguments,
     add_sampling_arguments,
@@ -40,14 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--thinking", action="store_true", help="open the think channel (Kimi-K3 templates; implies --chat)"
     )
-    parser.add_argument(
-        "--escape",
-        "-e",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="replace escapes (\\n, \\r, \\t, \\', \\\", \\\\, \\xHH) in the prompt and --stop strings, as "
-        "llama-cli does (default; --no-escape takes them as written)",
-    )
+    add_escape_argument(parser, "the prompt and --stop strings")
     add_sampling_arguments(parser, max_tokens=128)
     add_cache_arguments(parser, ram_mib=0.0)  # off unless asked: a prompt reused across runs (--cache-dir)
 
