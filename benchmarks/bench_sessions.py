@@ -72,6 +72,7 @@ from k3stream.engine.tokenizer import Tokenizer
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.memlimit import format_size, parse_size
 from k3stream.quant.kernels import set_row_exact
+from k3stream.server.app import PREFILL_PASS_PROMPTS
 from k3stream.server.scheduler import DEFAULT_PREFILL_CHUNK
 from k3stream.testing.cgroups import ChildCgroup, drop_page_cache, read_process_io
 
@@ -192,13 +193,13 @@ def run_sessions(model, workload: Workload, args, cache: PromptCache):
 
 
 def one_turn(model, context: list[int], cache: PromptCache | None, args) -> Turn:
-    """One turn's prefill (whole, or in `serve`'s chunks of --prefill-chunk where experts stream from a
-    pack) and greedy answer of --answer-tokens."""
+    """One turn's prefill (whole, or in `serve`'s passes of a prompt alone where experts stream from a
+    pack: the rows its memory plan holds for a pass) and greedy answer of --answer-tokens."""
     set_row_exact(True)  # a cache's products, and `serve`'s without one (`keep_row_exact`)
     before, read_before = _stats(cache), read_process_io()["read_bytes"]
     start, cpu_start = time.perf_counter(), time.process_time()
     prefill = ChunkedPrefill(model, context, cache)
-    chunks = PrefillChunks(args.prefill_chunk if args.pack else max(len(context), 1))
+    chunks = PrefillChunks(args.pass_rows if args.pack else max(len(context), 1))
     while not prefill.step(chunks):
         pass
     state, logits, computed = prefill.state, prefill.logits, len(context) - prefill.reused
@@ -424,7 +425,10 @@ def streamed(args):
     serve.add_arguments(parser)
     served = [args.pack, "--memory-limit", args.beyond_ram, "--threads", str(args.threads), "--device", "cpu"]
     served += ["--cache-ram", f"{args.cache_ram:g}", "--prefill-chunk", str(args.prefill_chunk)]
-    return runtime_from_args(parser.parse_args([*served, "--max-batch", "1"]))
+    serve_args = parser.parse_args([*served, "--max-batch", "1"])
+    runtime = runtime_from_args(serve_args)
+    args.pass_rows = serve_args.prefill_pass.tokens  # the pass its plan holds: a prompt alone takes it
+    return runtime
 
 
 def restart(model, workload: Workload, args, fingerprint: str, cache_dir: str, on: list[Turn]) -> None:
@@ -497,9 +501,13 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
 
     runs = [(("on", n), restored) for n in counts] + [(("off", n), cold) for n in lengths]
     runs.append((("inexact", new), lambda n: restored(n, exact=False)))
-    served = PrefillChunks(DEFAULT_PREFILL_CHUNK, attention_rows_per_token(model.config))
+    rows = attention_rows_per_token(model.config)
+    served = PrefillChunks(DEFAULT_PREFILL_CHUNK, rows)  # beside a running stream
+    alone = PrefillChunks(DEFAULT_PREFILL_CHUNK * PREFILL_PASS_PROMPTS, rows)  # no stream decoding
     runs.append((("served on", new), lambda n: restored(n, chunks=served)))
     runs.append((("served off", len(context)), lambda n: cold(n, served)))
+    runs.append((("alone on", new), lambda n: restored(n, chunks=alone)))
+    runs.append((("alone off", len(context)), lambda n: cold(n, alone)))
     times: dict[tuple[str, int], float] = {}
     for _ in range(args.repeats + 2):
         for key, run in runs:
@@ -528,13 +536,17 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
         f"{1e3 * (whole_on - inexact):.1f} ms "
         f"({whole_on / inexact - 1:+.0%})"
     )
-    passes_on = _passes(served, history, len(context))
-    on_served, off_served = times[("served on", new)], times[("served off", len(context))]
-    print(
-        f"  in `serve`'s chunks (--prefill-chunk {DEFAULT_PREFILL_CHUNK}, cut by equal work): reuse on "
-        f"{passes_on} passes, {1e3 * on_served:.1f} ms; off {_passes(served, 0, len(context))} passes, "
-        f"{1e3 * off_served:.1f} ms ({on_served / off_served:.3f}x)"
-    )
+    for label, chunks, key in (
+        (f"alone (no stream decoding: passes of {alone.tokens} rows)", alone, "alone"),
+        (f"beside a running stream (chunks of {served.tokens})", served, "served"),
+    ):
+        on_served, off_served = times[(f"{key} on", new)], times[(f"{key} off", len(context))]
+        print(
+            f"  in `serve`'s passes (--prefill-chunk {DEFAULT_PREFILL_CHUNK}, cut by equal work), {label}: "
+            f"reuse on {_passes(chunks, history, len(context))} passes, {1e3 * on_served:.1f} ms; off "
+            f"{_passes(chunks, 0, len(context))} passes, {1e3 * off_served:.1f} ms "
+            f"({on_served / off_served:.3f}x)"
+        )
 
 
 def _passes(chunks: PrefillChunks, start: int, end: int) -> int:

@@ -288,6 +288,62 @@ def test_the_server_cuts_prompts_by_equal_work_where_the_experts_are_in_ram(mode
     assert chunks.next_end(0, 4096) == 64 and chunks.next_end(deep, 4096) - deep < 32
 
 
+def test_a_prompt_alone_takes_one_pass_of_its_plans_rows_and_beside_a_stream_its_chunks(
+    model_path, tokenizer
+):
+    """`serve`'s scheduler (512-token chunks; passes of four chunks' rows, what its memory plan holds)
+    prefills a turn of 644 new tokens over a cached history in one pass when no other sequence decodes
+    (more passes would each cost a pass's fixed part again and spare no stream), and in its chunks
+    beside a running stream, which then waits about one chunk at a time; both turns answer as their
+    prompts alone, whole."""
+    import asyncio
+
+    from k3stream.engine.generate import Sequence
+    from k3stream.engine.loading import load_runtime
+    from k3stream.server.app import PREFILL_PASS_PROMPTS, ServerConfig, create_app
+    from k3stream.server.runtime import served_from_runtime
+    from k3stream.server.scheduler import EventSink, Job
+
+    served = served_from_runtime(load_runtime(model_path, stream_experts=False), ctx=512)
+    served.prompt_cache = PromptCache(served.model, "alone", 64 * MIB, every=1 << 20)
+    generator = torch.Generator().manual_seed(644)
+    history = torch.randint(10, 500, (600,), generator=generator).tolist()
+    turns = [history + torch.randint(10, 500, (644,), generator=generator).tolist() for _ in range(2)]
+    served.prompt_cache.prefill(history)
+    expected = [generate(served.model, tokenizer, ids, GREEDY, context=4096).token_ids for ids in turns]
+    gate = served.model = _GatedPasses(served.model)
+    gate.open()  # counts the passes
+    scheduler = create_app(served, ServerConfig(max_batch=2, prefill_chunk=512)).state.scheduler
+    loop = asyncio.new_event_loop()
+    alone, beside = (Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in turns)
+    stream = Job(tokenizer.encode("a stream"), _Greedy(1 << 20), EventSink(loop))
+    scheduler.start()
+    try:
+        scheduler.submit(alone)
+        wait_until(lambda: alone.logic.finish_reason is not None, "the turn alone finishes")
+        alone_passes = gate.entered
+        scheduler.submit(stream)
+        wait_until(lambda: stream.generated, "the stream decodes")
+        before = gate.entered
+        scheduler.submit(beside)
+        wait_until(lambda: beside.logic.finish_reason is not None, "the turn beside the stream finishes")
+        beside_passes = gate.entered - before
+    finally:
+        stream.cancel()
+        scheduler.stop()
+        loop.close()
+        served.prompt_cache.close()
+        served.close()
+    chunks, position, cuts = scheduler.chunks, len(history), 0
+    while position < len(turns[1]):
+        position, cuts = chunks.next_end(position, len(turns[1])), cuts + 1
+    assert alone_passes == 1 and beside_passes == cuts >= 2
+    assert alone.cached_tokens == beside.cached_tokens == len(history)
+    assert [alone.logic.token_ids, beside.logic.token_ids] == expected
+    # a prompt alone never takes more rows than the plan holds for a pass
+    assert scheduler.alone.next_end(0, 10_000) == 512 * PREFILL_PASS_PROMPTS
+
+
 def _run_together(model, tokenizer, cache, prompts, **sizes):
     """A greedy job per prompt, all queued before a `Scheduler` over `cache` (`sizes`: its max_batch,
     max_queue, prefill_chunk) starts, run until every one finishes: (the scheduler, the jobs)."""
@@ -630,6 +686,53 @@ def test_a_prompt_that_branches_off_a_cached_one_is_snapshotted_where_it_branche
             scheduler.submit(jobs[-1])
             wait_until(lambda: jobs[-1].logic.finish_reason is not None, "the request finishes")
     finally:
+        scheduler.stop()
+        loop.close()
+        cache.close()
+    assert [job.cached_tokens for job in jobs] == [0, 0, shared]
+    assert cache.stats.tokens_computed == sum(map(len, prompts)) - shared
+    for job, ids in zip(jobs, prompts, strict=True):
+        assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
+
+
+def test_a_request_too_late_to_wait_for_a_running_prefill_is_snapshotted_where_it_branches(model, tokenizer):
+    """A request that arrives after a running prefill has passed the prefix they share computes it
+    itself (the state there is gone), and is snapshotted where its prompt branches off the running
+    one: a third request restores the prefix instead of computing it again."""
+    import asyncio
+
+    from k3stream.engine.generate import Sequence
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import EventSink, Job, Scheduler
+
+    shared = 200
+    generator = torch.Generator().manual_seed(37)
+    prefix = torch.randint(10, 500, (shared,), generator=generator).tolist()
+    tails = [200, 30, 30]  # the first's prefill runs on well past the prefix
+    prompts = [
+        prefix + [500 + i] + torch.randint(10, 500, (tail,), generator=generator).tolist()
+        for i, tail in enumerate(tails)
+    ]
+    cache = PromptCache(model, "late", 64 * MIB, every=1 << 20)  # snapshots at prompts' ends only
+    gate = _GatedPasses(model)
+    loop = asyncio.new_event_loop()
+    jobs = [Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in prompts]
+    scheduler = Scheduler(gate, ServerMetrics(), max_batch=2, max_queue=2, cache=cache, prefill_chunk=64)
+    scheduler.submit(jobs[0])
+    scheduler.start()
+    try:
+        gate.wait_entered(1)
+        while jobs[0].prompt_done <= shared:  # the first's passes, one at a time, past the prefix
+            gate.release()
+            gate.wait_entered(gate.entered + 1)
+        assert jobs[0].prompt_done < len(prompts[0])  # its prefill runs, its end not cached
+        scheduler.submit(jobs[1])
+        gate.open()
+        wait_until(lambda: all(job.logic.finish_reason is not None for job in jobs[:2]), "both finish")
+        scheduler.submit(jobs[2])
+        wait_until(lambda: jobs[2].logic.finish_reason is not None, "the third finishes")
+    finally:
+        gate.open()
         scheduler.stop()
         loop.close()
         cache.close()

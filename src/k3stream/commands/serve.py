@@ -246,9 +246,11 @@ def guard_config(args: argparse.Namespace) -> GuardConfig:
 
 
 def pass_note(config: ServerConfig, served: ServedModel) -> str:
-    """The prefill pass the server runs: `4 x 512 tokens` (a chunk of each of up to 4 prompts)."""
+    """The prefill passes the server runs: `4 x 512 tokens (2048 for a prompt alone)` (a chunk of each
+    of up to 4 prompts; the rows of a prompt whose prefill is the only work)."""
     tokens = config.prefill_pass(served)
-    return f"{tokens // config.prefill_chunk} x {config.prefill_chunk} tokens"
+    chunks = f"{tokens // config.prefill_chunk} x {config.prefill_chunk} tokens"
+    return f"{chunks} ({config.pass_rows()} for a prompt alone)"
 
 
 def access_note(guard: GuardConfig) -> str:

@@ -3,9 +3,12 @@ running sequence.
 
 Requests join and leave between steps. A new request's prompt is restored from the prompt cache as far
 as it holds it, then prefilled a chunk per loop (`PrefillChunks`: cut from where its computation
-starts, so a prompt's chunks do not depend on what runs beside it; each about the work of
-`prefill_chunk` tokens at the start of a prompt, fewer tokens deep in a long one, whose attention
-covers more rows): a running stream waits at most about one chunk, whatever another prompt's length.
+starts; each about the work of `prefill_chunk` tokens at the start of a prompt, fewer tokens deep in a
+long one, whose attention covers more rows): a running stream waits at most about one chunk, whatever
+another prompt's length. A prompt whose prefill is the only work (no sequence decodes, no other prompt
+prefills) takes passes of `pass_rows` rows instead, the memory plan's for one pass: no stream waits on
+them, and every pass costs a part that does not grow with its tokens (its kernels' fixed cost; where
+experts stream from a pack, its expert reads), which smaller chunks would pay again.
 Requests that share a prompt prefix no snapshot holds compute it once: the first one's prefill
 snapshots where the shared part ends, and the others wait for that snapshot and restore it; a prefill
 whose prompt branches off a cached one is snapshotted where it branches, for the requests after it.
@@ -195,6 +198,12 @@ def _has_work(job: Job) -> bool:
     return job.prefill is not None or job.last_token >= 0
 
 
+def _decoding(job: Job) -> bool:
+    """Whether `job` takes decode steps: a choice decodes once it has its first token, after its
+    prompt's prefill (a fork: its request's)."""
+    return job.active and job.prefill is None and job.last_token >= 0
+
+
 def _leader_passed(job: Job) -> bool:
     """Whether the prefill `job` waits for has passed its shared prefix (its snapshot is in the
     cache), ended, or will not go on (its request failed, finished or was cancelled)."""
@@ -250,6 +259,7 @@ class Scheduler:
         prefill_pass: int | None = None,
         attention_rows: float | None = None,
         share_tokens: int = DEFAULT_SHARE_TOKENS,
+        pass_rows: int | None = None,
     ) -> None:
         self.model = model
         self.cache = cache  # reused prompt states (`engine.prompt_cache`), or None
@@ -264,8 +274,11 @@ class Scheduler:
         self.chunks = PrefillChunks(prefill_chunk, attention_rows)
         # the work one prefill pass may take from several requests' chunks, as `prefill_pass` tokens at a
         # prompt's start (default: one chunk's)
-        passes = max(prefill_pass or prefill_chunk, prefill_chunk) / prefill_chunk
-        self.pass_budget = self.chunks.budget * passes
+        pass_tokens = max(prefill_pass or prefill_chunk, prefill_chunk)
+        self.pass_budget = self.chunks.budget * pass_tokens / prefill_chunk
+        # where a prompt alone is cut: passes of `pass_rows` rows (the memory plan's for a pass; default
+        # the pass's tokens), of equal work as `chunks`' are
+        self.alone = PrefillChunks(max(pass_rows or pass_tokens, prefill_chunk), attention_rows)
         self.metrics = metrics
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -480,23 +493,27 @@ class Scheduler:
             self._mark_for_queued(job)
 
     def _mark_branch(self, job: Job) -> None:
-        """Snapshot `job`'s prefill where its prompt branches off a prompt the cache has seen, where the
-        shared part beyond what it restored is at least `share_tokens`: the next request that shares it
-        (a system prompt sent before, then by two clients) restores it."""
-        prefill = job.prefill
-        branch = self.cache.branch_length(job.prompt_tokens)
-        if prefill.position + self.share_tokens <= branch < len(job.prompt_tokens):
+        """Snapshot `job`'s prefill where its prompt branches off a prompt the cache has seen or one whose
+        prefill runs (and has passed that point: `job` came too late to wait for it, and the state there
+        is gone), where the shared part beyond what it restored is at least `share_tokens`: the next
+        request that shares it (a system prompt sent before, then by two clients) restores it."""
+        prefill, tokens = job.prefill, job.prompt_tokens
+        others = [other for other in self._running if other is not job and other.prefill is not None]
+        shared = [common_length(tokens, other.prompt_tokens) for other in others if other.active]
+        branch = max([self.cache.branch_length(tokens), *shared])
+        if prefill.position + self.share_tokens <= branch < len(tokens):
             prefill.want_snapshot(branch)
 
     def _prefill_step(self) -> None:
         """The next chunk of the oldest running prefill, with those of the next ones that fit in one
-        chunk's tokens beside it, in one pass."""
+        pass beside it, in one pass; a prompt whose prefill is the only work takes a pass alone."""
         jobs = self._prefill_batch()
         if not jobs:
             return
+        chunks = self.alone if self._alone() else self.chunks
         before = [job.prefill.position for job in jobs]
         try:
-            step_together([job.prefill for job in jobs], self.chunks)
+            step_together([job.prefill for job in jobs], chunks)
         except Exception as exc:  # the requests of a pass that failed fail; the server goes on
             log.exception("prefill failed")
             self._fail(jobs, f"prefill failed: {exc}")
@@ -524,6 +541,12 @@ class Scheduler:
             batch.append(job)
             work += cost
         return batch
+
+    def _alone(self) -> bool:
+        """Whether the next pass is all the work there is: one prompt's prefill, no other, and no
+        sequence decoding (requests that wait for its snapshot or for a disk read wait either way)."""
+        prefilling = [job for job in self._running if job.active and job.prefill is not None]
+        return len(prefilling) == 1 and not any(map(_decoding, self._running))
 
     def _end_prefill(self, job: Job) -> None:
         """The prompt is in `job`'s state: its choices start from its last logits. The prompt's end goes
@@ -576,8 +599,7 @@ class Scheduler:
         return shared
 
     def _decode_step(self) -> None:
-        # a choice decodes once it has its first token: after its prompt's prefill (a fork: its request's)
-        batch = [job for job in self._running if job.active and job.prefill is None and job.last_token >= 0]
+        batch = [job for job in self._running if _decoding(job)]
         if not batch:
             return
         self.metrics.batch_size.observe(len(batch))
