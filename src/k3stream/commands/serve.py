@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="prompt tokens prefilled between two decode steps of the running streams, at a prompt's start "
         "(deeper chunks take fewer tokens, of equal work; default 512, or less where the memory plan "
-        "holds a smaller prefill pass)",
+        "holds a smaller prefill pass); with no stream decoding a prompt takes a whole pass's rows (four "
+        "chunks, or what the plan holds)",
     )
     parser.add_argument(
         "--cache-share",
@@ -58,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="a request whose prompt shares at least TOKENS tokens no snapshot holds with another "
         "request's running prefill waits for that prefill's snapshot of them instead of computing them, "
-        "and a prefill whose prompt branches off a cached one TOKENS or more past what it restored is "
-        "snapshotted there (default 128; 0: neither)",
+        "and a prefill whose prompt branches off a cached or running one TOKENS or more past what it "
+        "restored is snapshotted there (default 128; 0: neither)",
     )
     parser.add_argument(
         "--max-queue",
