@@ -51,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -862,18 +862,15 @@ def _read_trace(trace: Path) -> dict[str, list[tuple[float, ...]]]:
 
 
 def shared_reads(args) -> None:
-    """Pack bytes read per prefilled token: one `--stall-tokens`/4-token prompt alone, then four at
-    once (their chunks share passes), on a tiny model served from its pack with an expert RAM budget of
-    one MoE layer's experts (every pass reads most of the pack)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import openai
-
+    """Pack bytes read per prefilled token: one `--stall-tokens`/4-token prompt alone (a pass of four
+    chunks' rows at a time), then four at once (their chunks share passes), and one in
+    `--prefill-chunk` chunks (its cut beside a running stream; a server whose pass holds one chunk), on
+    a tiny model served from its pack with an expert RAM budget of one MoE layer's experts (every pass
+    reads most of the pack)."""
     from k3stream.engine.loading import load_runtime
     from k3stream.pack.builder import BuildOptions, build_pack
     from k3stream.pack.reader import ExpertPack
-    from k3stream.server.app import ServerConfig, create_app
-    from k3stream.server.live import ServerThread
+    from k3stream.server.app import ServerConfig
     from k3stream.server.runtime import served_from_runtime
     from k3stream.testing.tiny import TinySpec, make_tiny
 
@@ -890,30 +887,45 @@ def shared_reads(args) -> None:
         served = served_from_runtime(
             load_runtime(manifest, k3stream.LoadOptions(expert_ram_mib=layer_mib)), ctx=8192
         )
-        app = create_app(served, ServerConfig(max_batch=4, prefill_chunk=args.prefill_chunk))
         generator = torch.Generator().manual_seed(args.seed)
-        prompts = [torch.randint(10, 500, (length,), generator=generator).tolist() for _ in range(5)]
-        with ServerThread(app) as server:
-            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
-
-            def prefill(prompt: list[int]) -> None:
-                client.completions.create(model=served.name, prompt=prompt, max_tokens=1, temperature=0)
-
-            per_token = []
-            for batch in ([prompts[0]], prompts[1:]):
-                before = served.store_stats()["pack_read_bytes"]
-                with ThreadPoolExecutor(len(batch)) as pool:
-                    list(pool.map(prefill, batch))
-                read = served.store_stats()["pack_read_bytes"] - before
-                per_token.append(read / (len(batch) * length))
-            passes = app.state.scheduler.snapshot()["batched_prefills"]
+        prompts = [torch.randint(10, 500, (length,), generator=generator).tolist() for _ in range(6)]
+        config = ServerConfig(max_batch=4, prefill_chunk=args.prefill_chunk)
+        (alone, together), passes = _reads_per_token(served, config, [[prompts[0]], prompts[1:5]])
+        (chunked,), _ = _reads_per_token(served, replace(config, pass_prompts=1), [[prompts[5]]])
         served.close()
     print(
         f"\npack bytes read per prefilled token ({length}-token prompts, --prefill-chunk "
-        f"{args.prefill_chunk}, expert RAM one layer's): one alone {per_token[0] / 1024:.1f} KiB, "
-        f"four at once {per_token[1] / 1024:.1f} KiB ({per_token[1] / per_token[0]:.2f}x; "
-        f"{passes} shared passes)"
+        f"{args.prefill_chunk}, expert RAM one layer's): one alone {alone / 1024:.1f} KiB, four at once "
+        f"{together / 1024:.1f} KiB ({together / alone:.2f}x; {passes} shared passes), one in "
+        f"{args.prefill_chunk}-token chunks {chunked / 1024:.1f} KiB (four at once {together / chunked:.2f}x)"
     )
+
+
+def _reads_per_token(served, config, batches: list[list[list[int]]]) -> tuple[list[float], int]:
+    """Pack bytes read per prompt token of each batch of prompts sent at once to a server of `config`,
+    and its passes that took several prompts."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from k3stream.server.app import create_app
+    from k3stream.server.live import ServerThread
+
+    app = create_app(served, config)
+    per_token = []
+    with ServerThread(app) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+        def prefill(prompt: list[int]) -> None:
+            client.completions.create(model=served.name, prompt=prompt, max_tokens=1, temperature=0)
+
+        for batch in batches:
+            before = served.store_stats()["pack_read_bytes"]
+            with ThreadPoolExecutor(len(batch)) as pool:
+                list(pool.map(prefill, batch))
+            read = served.store_stats()["pack_read_bytes"] - before
+            per_token.append(read / sum(map(len, batch)))
+    return per_token, app.state.scheduler.snapshot()["batched_prefills"]
 
 
 @dataclass
