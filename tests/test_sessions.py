@@ -344,6 +344,29 @@ def test_a_prompt_alone_takes_one_pass_of_its_plans_rows_and_beside_a_stream_its
     assert scheduler.alone.next_end(0, 10_000) == 512 * PREFILL_PASS_PROMPTS
 
 
+def test_prompts_that_arrive_together_at_an_idle_server_take_passes_within_the_plans_rows(model, tokenizer):
+    """Eight prompts queued at once, no sequence decoding: the first pass takes whole prompts, oldest
+    first, while their rows fit the memory plan's for a pass (1,024: five of 200 tokens, where their
+    work would fit all eight), and no pass holds more; every answer is the prompt's alone."""
+    from k3stream.engine.prompt_cache import attention_rows_per_token
+
+    generator = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(10, 500, (200,), generator=generator).tolist() for _ in range(8)]
+    gate = _GatedPasses(model)
+    gate.open()  # records the passes' rows
+    cache = PromptCache(model, "rows", 64 * MIB, every=1 << 20)
+    sizes = {"max_batch": 8, "max_queue": 8, "prefill_chunk": 32, "pass_rows": 1024}
+    sizes["attention_rows"] = attention_rows_per_token(model.config)  # as `serve` from the GGUF
+    try:
+        scheduler, jobs = _run_together(gate, tokenizer, cache, prompts, **sizes)
+    finally:
+        cache.close()
+    assert 8 * scheduler.alone.cost(0, 200) <= scheduler.alone.budget  # the work alone would take all
+    assert gate.rows[0] == 5 * 200 and max(gate.rows) <= 1024
+    for job, ids in zip(jobs, prompts, strict=True):
+        assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
+
+
 def _run_together(model, tokenizer, cache, prompts, **sizes):
     """A greedy job per prompt, all queued before a `Scheduler` over `cache` (`sizes`: its max_batch,
     max_queue, prefill_chunk) starts, run until every one finishes: (the scheduler, the jobs)."""
@@ -491,27 +514,30 @@ def test_the_running_streams_step_while_a_snapshot_is_read_from_disk(model, toke
 
 class _GatedPasses:
     """The served model with its prefill passes held at a gate: the test lets them through one by one
-    (`release`) or all (`open`), so requests arrive at known points of another's prefill."""
+    (`release`) or all (`open`), so requests arrive at known points of another's prefill. `rows`: each
+    pass's prompt rows."""
 
     def __init__(self, model) -> None:
         import threading
 
         self.model, self.entered, self.allowed, self.opened = model, 0, 0, False
+        self.rows: list[int] = []
         self.changed = threading.Condition()
 
     def __getattr__(self, name):
         return getattr(self.model, name)
 
     def prefill_last(self, state, tokens):
-        self._through()
+        self._through(len(tokens))
         return self.model.prefill_last(state, tokens)
 
     def prefill_batch(self, states, token_lists):
-        self._through()
+        self._through(sum(map(len, token_lists)))
         return self.model.prefill_batch(states, token_lists)
 
-    def _through(self) -> None:
+    def _through(self, rows: int) -> None:
         with self.changed:
+            self.rows.append(rows)
             self.entered += 1
             number = self.entered
             self.changed.notify_all()

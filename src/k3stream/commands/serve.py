@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="prompt tokens prefilled between two decode steps of the running streams, at a prompt's start "
         "(deeper chunks take fewer tokens, of equal work; default 512, or less where the memory plan "
-        "holds a smaller prefill pass); with no stream decoding a prompt takes a whole pass's rows (four "
+        "holds a smaller prefill pass); while no stream decodes, prompts take whole passes' rows (four "
         "chunks, or what the plan holds)",
     )
     parser.add_argument(
@@ -247,11 +247,11 @@ def guard_config(args: argparse.Namespace) -> GuardConfig:
 
 
 def pass_note(config: ServerConfig, served: ServedModel) -> str:
-    """The prefill passes the server runs: `4 x 512 tokens (2048 for a prompt alone)` (a chunk of each
-    of up to 4 prompts; the rows of a prompt whose prefill is the only work)."""
+    """The prefill passes the server runs: `4 x 512 tokens (2048 rows while no stream decodes)` (a chunk
+    of each of up to 4 prompts beside running streams)."""
     tokens = config.prefill_pass(served)
     chunks = f"{tokens // config.prefill_chunk} x {config.prefill_chunk} tokens"
-    return f"{chunks} ({config.pass_rows()} for a prompt alone)"
+    return f"{chunks} ({config.pass_rows()} rows while no stream decodes)"
 
 
 def access_note(guard: GuardConfig) -> str:

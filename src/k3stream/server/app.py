@@ -77,8 +77,8 @@ CLIENT_CLOSED_REQUEST = 499
 
 # Chunks one prefill pass holds, the rows the memory plan sizes its buffers for: where experts stream from
 # a pack a chunk of each of up to four waiting prompts (four share each expert read: a token's pack bytes
-# fall to about a quarter), and a prompt whose prefill is the only work (no stream decodes) all four
-# chunks' rows, streamed or not. The buffers, which the memory plan takes from the expert budget, stay
+# fall to about a quarter), and while no stream decodes all four chunks' rows, oldest prompt first,
+# streamed or not. The buffers, which the memory plan takes from the expert budget, stay
 # four chunks' (3.1 GiB at Kimi-K3's shapes with 512-token chunks attending 4,096 positions, against 7.9
 # GiB for a chunk of each of 16 batch slots).
 PREFILL_PASS_PROMPTS = 4
@@ -97,8 +97,8 @@ class ServerConfig:
     webui: bool = True  # the chat page at `/`
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     # chunks one prefill pass holds: of as many waiting prompts when experts stream from a pack (at most
-    # max_batch), or of one prompt alone; `serve` lowers it, and the chunk, to the pass its memory plan
-    # holds (`prefill_passes`)
+    # max_batch), or their rows while no stream decodes; `serve` lowers it, and the chunk, to the pass
+    # its memory plan holds (`prefill_passes`)
     pass_prompts: int = PREFILL_PASS_PROMPTS
     slot_save_path: Path | None = None  # where `/slots/{id}?action=save` writes (None: slot actions off)
     share_tokens: int = DEFAULT_SHARE_TOKENS  # `Scheduler`'s: shared uncached prompt tokens worth a wait
@@ -128,8 +128,8 @@ class ServerConfig:
         return self.prefill_chunk * prompts
 
     def pass_rows(self) -> int:
-        """Prompt rows one prefill pass may hold, those the memory plan sized its buffers for: a prompt
-        whose prefill is the only work takes passes of that many."""
+        """Prompt rows one prefill pass may hold, those the memory plan sized its buffers for: while no
+        sequence decodes, prompts are prefilled in passes of that many, oldest first."""
         return self.prefill_chunk * self.pass_prompts
 
     def attention_rows(self, served: ServedModel) -> float | None:
@@ -141,7 +141,7 @@ class ServerConfig:
 @dataclass(frozen=True)
 class PrefillPass:
     """One prefill pass: `prompts` chunks of `chunk` tokens in one forward (of as many waiting prompts, or
-    of one prompt alone)."""
+    their rows while no stream decodes)."""
 
     prompts: int
     chunk: int

@@ -5,10 +5,10 @@ Requests join and leave between steps. A new request's prompt is restored from t
 as it holds it, then prefilled a chunk per loop (`PrefillChunks`: cut from where its computation
 starts; each about the work of `prefill_chunk` tokens at the start of a prompt, fewer tokens deep in a
 long one, whose attention covers more rows): a running stream waits at most about one chunk, whatever
-another prompt's length. A prompt whose prefill is the only work (no sequence decodes, no other prompt
-prefills) takes passes of `pass_rows` rows instead, the memory plan's for one pass: no stream waits on
-them, and every pass costs a part that does not grow with its tokens (its kernels' fixed cost; where
-experts stream from a pack, its expert reads), which smaller chunks would pay again.
+another prompt's length. While no sequence decodes, prompts are cut into passes of `pass_rows` rows
+instead, the memory plan's for one pass, oldest first: no stream waits on them, and every pass costs a
+part that does not grow with its tokens (its kernels' fixed cost; where experts stream from a pack, its
+expert reads), which smaller chunks would pay again. No pass holds more rows than `pass_rows`.
 Requests that share a prompt prefix no snapshot holds compute it once: the first one's prefill
 snapshots where the shared part ends, and the others wait for that snapshot and restore it; a prefill
 whose prompt branches off a cached one is snapshotted where it branches, for the requests after it.
@@ -276,8 +276,8 @@ class Scheduler:
         # prompt's start (default: one chunk's)
         pass_tokens = max(prefill_pass or prefill_chunk, prefill_chunk)
         self.pass_budget = self.chunks.budget * pass_tokens / prefill_chunk
-        # where a prompt alone is cut: passes of `pass_rows` rows (the memory plan's for a pass; default
-        # the pass's tokens), of equal work as `chunks`' are
+        # where prompts are cut while no sequence decodes: passes of `pass_rows` rows (the memory plan's
+        # for a pass, which no pass exceeds; default the pass's tokens), of equal work as `chunks`' are
         self.alone = PrefillChunks(max(pass_rows or pass_tokens, prefill_chunk), attention_rows)
         self.metrics = metrics
         self.max_batch = max_batch
@@ -505,12 +505,10 @@ class Scheduler:
             prefill.want_snapshot(branch)
 
     def _prefill_step(self) -> None:
-        """The next chunk of the oldest running prefill, with those of the next ones that fit in one
-        pass beside it, in one pass; a prompt whose prefill is the only work takes a pass alone."""
-        jobs = self._prefill_batch()
+        """The next chunks of the running prefills, oldest first, in one pass (`_prefill_batch`)."""
+        jobs, chunks = self._prefill_batch()
         if not jobs:
             return
-        chunks = self.alone if self._alone() else self.chunks
         before = [job.prefill.position for job in jobs]
         try:
             step_together([job.prefill for job in jobs], chunks)
@@ -528,25 +526,26 @@ class Scheduler:
             else:
                 self._progress(job, job.prefill.position)
 
-    def _prefill_batch(self) -> list[Job]:
-        """The prefilling jobs of the next pass: the oldest, then the next ones while their chunks'
-        work together stays within `pass_budget` (one only for a model with no batched prefill)."""
+    def _prefill_batch(self) -> tuple[list[Job], PrefillChunks]:
+        """The prefilling jobs of the next pass and where it cuts their prompts: the oldest, then the
+        next ones while their chunks' work together stays within the pass's budget and their rows
+        within the memory plan's (one only for a model with no batched prefill). Beside a decoding
+        sequence, `chunks` within `pass_budget`: the stream waits about one chunk. With none decoding no
+        one waits on the pass, and it takes `alone`'s (requests that wait for a snapshot or a disk read
+        start after it either way)."""
         waiting = [job for job in self._running if job.active and job.prefill is not None]
-        batch, work = [], 0.0
+        decoding = any(map(_decoding, self._running))
+        chunks, budget = (self.chunks, self.pass_budget) if decoding else (self.alone, self.alone.budget)
+        batch, work, rows = [], 0.0, 0
         for job in waiting:
-            start = job.prefill.position
-            cost = self.chunks.cost(start, job.prefill.next_end(self.chunks))
-            if batch and (work + cost > self.pass_budget or not hasattr(self.model, "prefill_batch")):
+            start, end = job.prefill.position, job.prefill.next_end(chunks)
+            cost = chunks.cost(start, end)
+            over = work + cost > budget or rows + end - start > self.alone.tokens
+            if batch and (over or not hasattr(self.model, "prefill_batch")):
                 break
             batch.append(job)
-            work += cost
-        return batch
-
-    def _alone(self) -> bool:
-        """Whether the next pass is all the work there is: one prompt's prefill, no other, and no
-        sequence decoding (requests that wait for its snapshot or for a disk read wait either way)."""
-        prefilling = [job for job in self._running if job.active and job.prefill is not None]
-        return len(prefilling) == 1 and not any(map(_decoding, self._running))
+            work, rows = work + cost, rows + end - start
+        return batch, chunks
 
     def _end_prefill(self, job: Job) -> None:
         """The prompt is in `job`'s state: its choices start from its last logits. The prompt's end goes
