@@ -294,8 +294,9 @@ def test_a_prompt_alone_takes_one_pass_of_its_plans_rows_and_beside_a_stream_its
     """`serve`'s scheduler (512-token chunks; passes of four chunks' rows, what its memory plan holds)
     prefills a turn of 644 new tokens over a cached history in one pass when no other sequence decodes
     (more passes would each cost a pass's fixed part again and spare no stream), and in its chunks
-    beside a running stream, which then waits about one chunk at a time; both turns answer as their
-    prompts alone, whole."""
+    beside a running stream, which then waits about one chunk at a time. A new prompt (nothing
+    restored) takes one chunk first, during which requests sharing its prefix can arrive and wait for
+    it, then the rest in one pass. Every answer is its prompt's alone, whole."""
     import asyncio
 
     from k3stream.engine.generate import Sequence
@@ -309,38 +310,44 @@ def test_a_prompt_alone_takes_one_pass_of_its_plans_rows_and_beside_a_stream_its
     generator = torch.Generator().manual_seed(644)
     history = torch.randint(10, 500, (600,), generator=generator).tolist()
     turns = [history + torch.randint(10, 500, (644,), generator=generator).tolist() for _ in range(2)]
+    turns.append([7] + torch.randint(10, 500, (1243,), generator=generator).tolist())  # a new prompt
     served.prompt_cache.prefill(history)
     expected = [generate(served.model, tokenizer, ids, GREEDY, context=4096).token_ids for ids in turns]
     gate = served.model = _GatedPasses(served.model)
-    gate.open()  # counts the passes
+    gate.open()  # records the passes' rows
     scheduler = create_app(served, ServerConfig(max_batch=2, prefill_chunk=512)).state.scheduler
     loop = asyncio.new_event_loop()
-    alone, beside = (Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in turns)
+    alone, beside, new = (Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in turns)
     stream = Job(tokenizer.encode("a stream"), _Greedy(1 << 20), EventSink(loop))
+    passes = {}
     scheduler.start()
     try:
-        scheduler.submit(alone)
-        wait_until(lambda: alone.logic.finish_reason is not None, "the turn alone finishes")
-        alone_passes = gate.entered
+        for job, name in ((alone, "alone"), (new, "new")):
+            before = gate.entered
+            scheduler.submit(job)
+            wait_until(lambda job=job: job.logic.finish_reason is not None, f"the {name} prompt finishes")
+            passes[name] = gate.rows[before:]
         scheduler.submit(stream)
         wait_until(lambda: stream.generated, "the stream decodes")
         before = gate.entered
         scheduler.submit(beside)
         wait_until(lambda: beside.logic.finish_reason is not None, "the turn beside the stream finishes")
-        beside_passes = gate.entered - before
+        passes["beside"] = gate.rows[before:]
     finally:
         stream.cancel()
         scheduler.stop()
         loop.close()
         served.prompt_cache.close()
         served.close()
-    chunks, position, cuts = scheduler.chunks, len(history), 0
+    chunks, position, cuts = scheduler.chunks, len(history), []
     while position < len(turns[1]):
-        position, cuts = chunks.next_end(position, len(turns[1])), cuts + 1
-    assert alone_passes == 1 and beside_passes == cuts >= 2
-    assert alone.cached_tokens == beside.cached_tokens == len(history)
-    assert [alone.logic.token_ids, beside.logic.token_ids] == expected
-    # a prompt alone never takes more rows than the plan holds for a pass
+        end = chunks.next_end(position, len(turns[1]))
+        position, cuts = end, [*cuts, end - position]
+    assert passes["alone"] == [644] and passes["beside"] == cuts and len(cuts) >= 2
+    assert passes["new"] == [512, 1244 - 512]
+    assert alone.cached_tokens == beside.cached_tokens == len(history) and new.cached_tokens == 0
+    assert [job.logic.token_ids for job in (alone, beside, new)] == expected
+    # no pass takes more rows than the plan holds for one
     assert scheduler.alone.next_end(0, 10_000) == 512 * PREFILL_PASS_PROMPTS
 
 
@@ -355,7 +362,8 @@ def test_prompts_that_arrive_together_at_an_idle_server_take_passes_within_the_p
     gate = _GatedPasses(model)
     gate.open()  # records the passes' rows
     cache = PromptCache(model, "rows", 64 * MIB, every=1 << 20)
-    sizes = {"max_batch": 8, "max_queue": 8, "prefill_chunk": 32, "pass_rows": 1024}
+    # `share_tokens` 0: no request waits for another's prefix, so new prompts' first passes are not chunks
+    sizes = {"max_batch": 8, "max_queue": 8, "prefill_chunk": 32, "pass_rows": 1024, "share_tokens": 0}
     sizes["attention_rows"] = attention_rows_per_token(model.config)  # as `serve` from the GGUF
     try:
         scheduler, jobs = _run_together(gate, tokenizer, cache, prompts, **sizes)

@@ -8,7 +8,9 @@ long one, whose attention covers more rows): a running stream waits at most abou
 another prompt's length. While no sequence decodes, prompts are cut into passes of `pass_rows` rows
 instead, the memory plan's for one pass, oldest first: no stream waits on them, and every pass costs a
 part that does not grow with its tokens (its kernels' fixed cost; where experts stream from a pack, its
-expert reads), which smaller chunks would pay again. No pass holds more rows than `pass_rows`.
+expert reads), which smaller chunks would pay again; but a new prompt's first pass is a chunk where
+requests may share its prefix, so those that arrive just after it find its prefill short of the shared
+part. No pass holds more rows than `pass_rows`.
 Requests that share a prompt prefix no snapshot holds compute it once: the first one's prefill
 snapshots where the shared part ends, and the others wait for that snapshot and restore it; a prefill
 whose prompt branches off a cached one is snapshotted where it branches, for the requests after it.
@@ -532,10 +534,15 @@ class Scheduler:
         within the memory plan's (one only for a model with no batched prefill). Beside a decoding
         sequence, `chunks` within `pass_budget`: the stream waits about one chunk. With none decoding no
         one waits on the pass, and it takes `alone`'s (requests that wait for a snapshot or a disk read
-        start after it either way)."""
+        start after it either way), but for a new prompt's first pass where requests may share its
+        prefix (`_in_chunks`)."""
         waiting = [job for job in self._running if job.active and job.prefill is not None]
-        decoding = any(map(_decoding, self._running))
-        chunks, budget = (self.chunks, self.pass_budget) if decoding else (self.alone, self.alone.budget)
+        if not waiting:
+            return [], self.chunks
+        if self._in_chunks(waiting[0]):
+            chunks, budget = self.chunks, self.pass_budget
+        else:
+            chunks, budget = self.alone, self.alone.budget
         batch, work, rows = [], 0.0, 0
         for job in waiting:
             start, end = job.prefill.position, job.prefill.next_end(chunks)
@@ -546,6 +553,15 @@ class Scheduler:
             batch.append(job)
             work, rows = work + cost, rows + end - start
         return batch, chunks
+
+    def _in_chunks(self, oldest: Job) -> bool:
+        """Whether the next pass is cut in chunks: a sequence decodes beside it, or the oldest prefill
+        starts a prompt no snapshot held (nothing restored) where requests may share its prefix:
+        clients that send one system prompt together arrive during that first chunk, find the prefill
+        short of the shared part and wait for its snapshot, where one pass over the whole prompt would
+        have passed it before they came."""
+        fresh = self.share_tokens > 0 and oldest.prefill.position == 0
+        return fresh or any(map(_decoding, self._running))
 
     def _end_prefill(self, job: Job) -> None:
         """The prompt is in `job`'s state: its choices start from its last logits. The prompt's end goes
