@@ -524,7 +524,7 @@ def test_the_server_runs_the_prefill_pass_its_config_names(tiny_model, tmp_path)
             config = ServerConfig(prefill_chunk=64, pass_prompts=prompts)
             scheduler = create_app(served, config).state.scheduler
             budgets[prompts] = scheduler.pass_budget
-            assert scheduler.alone.tokens == prompts * 64  # no stream decoding: the pass's rows
+            assert scheduler.idle_chunks.tokens == prompts * 64  # no stream decoding: the pass's rows
             rows = f"{prompts * 64} rows while no stream decodes"
             assert pass_note(config, served) == f"{prompts} x 64 tokens ({rows})"
         assert budgets[3] == 3 * budgets[1]

@@ -348,7 +348,7 @@ def test_a_prompt_alone_takes_one_pass_of_its_plans_rows_and_beside_a_stream_its
     assert alone.cached_tokens == beside.cached_tokens == len(history) and new.cached_tokens == 0
     assert [job.logic.token_ids for job in (alone, beside, new)] == expected
     # no pass takes more rows than the plan holds for one
-    assert scheduler.alone.next_end(0, 10_000) == 512 * PREFILL_PASS_PROMPTS
+    assert scheduler.idle_chunks.next_end(0, 10_000) == 512 * PREFILL_PASS_PROMPTS
 
 
 def test_prompts_that_arrive_together_at_an_idle_server_take_passes_within_the_plans_rows(model, tokenizer):
@@ -369,7 +369,8 @@ def test_prompts_that_arrive_together_at_an_idle_server_take_passes_within_the_p
         scheduler, jobs = _run_together(gate, tokenizer, cache, prompts, **sizes)
     finally:
         cache.close()
-    assert 8 * scheduler.alone.cost(0, 200) <= scheduler.alone.budget  # the work alone would take all
+    idle = scheduler.idle_chunks
+    assert 8 * idle.cost(0, 200) <= idle.budget  # the work alone would take all eight
     assert gate.rows[0] == 5 * 200 and max(gate.rows) <= 1024
     for job, ids in zip(jobs, prompts, strict=True):
         assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids

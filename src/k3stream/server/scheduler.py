@@ -280,7 +280,7 @@ class Scheduler:
         self.pass_budget = self.chunks.budget * pass_tokens / prefill_chunk
         # where prompts are cut while no sequence decodes: passes of `pass_rows` rows (the memory plan's
         # for a pass, which no pass exceeds; default the pass's tokens), of equal work as `chunks`' are
-        self.alone = PrefillChunks(max(pass_rows or pass_tokens, prefill_chunk), attention_rows)
+        self.idle_chunks = PrefillChunks(max(pass_rows or pass_tokens, prefill_chunk), attention_rows)
         self.metrics = metrics
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -533,7 +533,7 @@ class Scheduler:
         next ones while their chunks' work together stays within the pass's budget and their rows
         within the memory plan's (one only for a model with no batched prefill). Beside a decoding
         sequence, `chunks` within `pass_budget`: the stream waits about one chunk. With none decoding no
-        one waits on the pass, and it takes `alone`'s (requests that wait for a snapshot or a disk read
+        one waits on the pass, and it takes `idle_chunks` (requests that wait for a snapshot or a disk read
         start after it either way), but for a new prompt's first pass where requests may share its
         prefix (`_in_chunks`)."""
         waiting = [job for job in self._running if job.active and job.prefill is not None]
@@ -542,12 +542,12 @@ class Scheduler:
         if self._in_chunks(waiting[0]):
             chunks, budget = self.chunks, self.pass_budget
         else:
-            chunks, budget = self.alone, self.alone.budget
+            chunks, budget = self.idle_chunks, self.idle_chunks.budget
         batch, work, rows = [], 0.0, 0
         for job in waiting:
             start, end = job.prefill.position, job.prefill.next_end(chunks)
             cost = chunks.cost(start, end)
-            over = work + cost > budget or rows + end - start > self.alone.tokens
+            over = work + cost > budget or rows + end - start > self.idle_chunks.tokens
             if batch and (over or not hasattr(self.model, "prefill_batch")):
                 break
             batch.append(job)
