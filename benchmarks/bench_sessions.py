@@ -51,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -72,6 +72,7 @@ from k3stream.engine.tokenizer import Tokenizer
 from k3stream.gguf.reader import K3Checkpoint
 from k3stream.memlimit import format_size, parse_size
 from k3stream.quant.kernels import set_row_exact
+from k3stream.server.app import PREFILL_PASS_PROMPTS
 from k3stream.server.scheduler import DEFAULT_PREFILL_CHUNK
 from k3stream.testing.cgroups import ChildCgroup, drop_page_cache, read_process_io
 
@@ -192,13 +193,13 @@ def run_sessions(model, workload: Workload, args, cache: PromptCache):
 
 
 def one_turn(model, context: list[int], cache: PromptCache | None, args) -> Turn:
-    """One turn's prefill (whole, or in `serve`'s chunks of --prefill-chunk where experts stream from a
-    pack) and greedy answer of --answer-tokens."""
+    """One turn's prefill (whole, or in `serve`'s passes of a prompt alone where experts stream from a
+    pack: the rows its memory plan holds for a pass) and greedy answer of --answer-tokens."""
     set_row_exact(True)  # a cache's products, and `serve`'s without one (`keep_row_exact`)
     before, read_before = _stats(cache), read_process_io()["read_bytes"]
     start, cpu_start = time.perf_counter(), time.process_time()
     prefill = ChunkedPrefill(model, context, cache)
-    chunks = PrefillChunks(args.prefill_chunk if args.pack else max(len(context), 1))
+    chunks = PrefillChunks(args.pass_rows if args.pack else max(len(context), 1))
     while not prefill.step(chunks):
         pass
     state, logits, computed = prefill.state, prefill.logits, len(context) - prefill.reused
@@ -424,7 +425,10 @@ def streamed(args):
     serve.add_arguments(parser)
     served = [args.pack, "--memory-limit", args.beyond_ram, "--threads", str(args.threads), "--device", "cpu"]
     served += ["--cache-ram", f"{args.cache_ram:g}", "--prefill-chunk", str(args.prefill_chunk)]
-    return runtime_from_args(parser.parse_args([*served, "--max-batch", "1"]))
+    serve_args = parser.parse_args([*served, "--max-batch", "1"])
+    runtime = runtime_from_args(serve_args)
+    args.pass_rows = serve_args.prefill_pass.tokens  # the pass its plan holds: a prompt alone takes it
+    return runtime
 
 
 def restart(model, workload: Workload, args, fingerprint: str, cache_dir: str, on: list[Turn]) -> None:
@@ -497,9 +501,13 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
 
     runs = [(("on", n), restored) for n in counts] + [(("off", n), cold) for n in lengths]
     runs.append((("inexact", new), lambda n: restored(n, exact=False)))
-    served = PrefillChunks(DEFAULT_PREFILL_CHUNK, attention_rows_per_token(model.config))
+    rows = attention_rows_per_token(model.config)
+    served = PrefillChunks(DEFAULT_PREFILL_CHUNK, rows)  # beside a running stream
+    alone = PrefillChunks(DEFAULT_PREFILL_CHUNK * PREFILL_PASS_PROMPTS, rows)  # no stream decoding
     runs.append((("served on", new), lambda n: restored(n, chunks=served)))
     runs.append((("served off", len(context)), lambda n: cold(n, served)))
+    runs.append((("alone on", new), lambda n: restored(n, chunks=alone)))
+    runs.append((("alone off", len(context)), lambda n: cold(n, alone)))
     times: dict[tuple[str, int], float] = {}
     for _ in range(args.repeats + 2):
         for key, run in runs:
@@ -528,13 +536,17 @@ def last_turn_profile(model, workload: Workload, args, fingerprint: str, on: lis
         f"{1e3 * (whole_on - inexact):.1f} ms "
         f"({whole_on / inexact - 1:+.0%})"
     )
-    passes_on = _passes(served, history, len(context))
-    on_served, off_served = times[("served on", new)], times[("served off", len(context))]
-    print(
-        f"  in `serve`'s chunks (--prefill-chunk {DEFAULT_PREFILL_CHUNK}, cut by equal work): reuse on "
-        f"{passes_on} passes, {1e3 * on_served:.1f} ms; off {_passes(served, 0, len(context))} passes, "
-        f"{1e3 * off_served:.1f} ms ({on_served / off_served:.3f}x)"
-    )
+    for label, chunks, key in (
+        (f"alone (no stream decoding: passes of {alone.tokens} rows)", alone, "alone"),
+        (f"beside a running stream (chunks of {served.tokens})", served, "served"),
+    ):
+        on_served, off_served = times[(f"{key} on", new)], times[(f"{key} off", len(context))]
+        print(
+            f"  in `serve`'s passes (--prefill-chunk {DEFAULT_PREFILL_CHUNK}, cut by equal work), {label}: "
+            f"reuse on {_passes(chunks, history, len(context))} passes, {1e3 * on_served:.1f} ms; off "
+            f"{_passes(chunks, 0, len(context))} passes, {1e3 * off_served:.1f} ms "
+            f"({on_served / off_served:.3f}x)"
+        )
 
 
 def _passes(chunks: PrefillChunks, start: int, end: int) -> int:
@@ -850,18 +862,15 @@ def _read_trace(trace: Path) -> dict[str, list[tuple[float, ...]]]:
 
 
 def shared_reads(args) -> None:
-    """Pack bytes read per prefilled token: one `--stall-tokens`/4-token prompt alone, then four at
-    once (their chunks share passes), on a tiny model served from its pack with an expert RAM budget of
-    one MoE layer's experts (every pass reads most of the pack)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import openai
-
+    """Pack bytes read per prefilled token: one `--stall-tokens`/4-token prompt alone (a pass of four
+    chunks' rows at a time), then four at once (their chunks share passes), and one in
+    `--prefill-chunk` chunks (its cut beside a running stream; a server whose pass holds one chunk), on
+    a tiny model served from its pack with an expert RAM budget of one MoE layer's experts (every pass
+    reads most of the pack)."""
     from k3stream.engine.loading import load_runtime
     from k3stream.pack.builder import BuildOptions, build_pack
     from k3stream.pack.reader import ExpertPack
-    from k3stream.server.app import ServerConfig, create_app
-    from k3stream.server.live import ServerThread
+    from k3stream.server.app import ServerConfig
     from k3stream.server.runtime import served_from_runtime
     from k3stream.testing.tiny import TinySpec, make_tiny
 
@@ -878,30 +887,45 @@ def shared_reads(args) -> None:
         served = served_from_runtime(
             load_runtime(manifest, k3stream.LoadOptions(expert_ram_mib=layer_mib)), ctx=8192
         )
-        app = create_app(served, ServerConfig(max_batch=4, prefill_chunk=args.prefill_chunk))
         generator = torch.Generator().manual_seed(args.seed)
-        prompts = [torch.randint(10, 500, (length,), generator=generator).tolist() for _ in range(5)]
-        with ServerThread(app) as server:
-            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
-
-            def prefill(prompt: list[int]) -> None:
-                client.completions.create(model=served.name, prompt=prompt, max_tokens=1, temperature=0)
-
-            per_token = []
-            for batch in ([prompts[0]], prompts[1:]):
-                before = served.store_stats()["pack_read_bytes"]
-                with ThreadPoolExecutor(len(batch)) as pool:
-                    list(pool.map(prefill, batch))
-                read = served.store_stats()["pack_read_bytes"] - before
-                per_token.append(read / (len(batch) * length))
-            passes = app.state.scheduler.snapshot()["batched_prefills"]
+        prompts = [torch.randint(10, 500, (length,), generator=generator).tolist() for _ in range(6)]
+        config = ServerConfig(max_batch=4, prefill_chunk=args.prefill_chunk)
+        (alone, together), passes = _reads_per_token(served, config, [[prompts[0]], prompts[1:5]])
+        (chunked,), _ = _reads_per_token(served, replace(config, pass_prompts=1), [[prompts[5]]])
         served.close()
     print(
         f"\npack bytes read per prefilled token ({length}-token prompts, --prefill-chunk "
-        f"{args.prefill_chunk}, expert RAM one layer's): one alone {per_token[0] / 1024:.1f} KiB, "
-        f"four at once {per_token[1] / 1024:.1f} KiB ({per_token[1] / per_token[0]:.2f}x; "
-        f"{passes} shared passes)"
+        f"{args.prefill_chunk}, expert RAM one layer's): one alone {alone / 1024:.1f} KiB, four at once "
+        f"{together / 1024:.1f} KiB ({together / alone:.2f}x; {passes} shared passes), one in "
+        f"{args.prefill_chunk}-token chunks {chunked / 1024:.1f} KiB (four at once {together / chunked:.2f}x)"
     )
+
+
+def _reads_per_token(served, config, batches: list[list[list[int]]]) -> tuple[list[float], int]:
+    """Pack bytes read per prompt token of each batch of prompts sent at once to a server of `config`,
+    and its passes that took several prompts."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from k3stream.server.app import create_app
+    from k3stream.server.live import ServerThread
+
+    app = create_app(served, config)
+    per_token = []
+    with ServerThread(app) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+        def prefill(prompt: list[int]) -> None:
+            client.completions.create(model=served.name, prompt=prompt, max_tokens=1, temperature=0)
+
+        for batch in batches:
+            before = served.store_stats()["pack_read_bytes"]
+            with ThreadPoolExecutor(len(batch)) as pool:
+                list(pool.map(prefill, batch))
+            read = served.store_stats()["pack_read_bytes"] - before
+            per_token.append(read / sum(map(len, batch)))
+    return per_token, app.state.scheduler.snapshot()["batched_prefills"]
 
 
 @dataclass

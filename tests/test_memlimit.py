@@ -405,16 +405,17 @@ def test_the_prompt_cache_is_in_the_default_plan_without_a_pack(tiny_model, monk
     ("flags", "rows"),
     [
         ((), 512 * PREFILL_PASS_PROMPTS),
-        (("--max-batch", "2", "--prefill-chunk", "64"), 128),
+        (("--max-batch", "2", "--prefill-chunk", "64"), 64 * PREFILL_PASS_PROMPTS),
         (("--max-batch", "9", "--prefill-chunk", "100"), 100 * PREFILL_PASS_PROMPTS),
-        (("--no-stream-experts",), 512),
+        (("--no-stream-experts",), 512 * PREFILL_PASS_PROMPTS),
         (("--ctx", "48"), 48 * 16),  # no prompt is longer than the context
     ],
 )
 def test_serves_plan_holds_its_largest_prefill_pass(tiny_model, tmp_path, capsys, flags, rows):
-    """`serve` prefills in passes of a `--prefill-chunk` chunk of each of up to PREFILL_PASS_PROMPTS
-    (at most `--max-batch`) requests when experts stream from a pack (one chunk from the GGUF), in one
-    forward: its plan holds the activations of that many rows, attending up to the served context."""
+    """`serve` prefills in passes of PREFILL_PASS_PROMPTS `--prefill-chunk` chunks in one forward (a
+    chunk of each of several requests where experts stream from a pack, or all of one prompt whose
+    prefill is the only work, whatever `--max-batch`, streamed or from the GGUF): its plan holds the
+    activations of that many rows, attending up to the served context."""
     from k3stream.cli import build_parser
     from k3stream.commands.flags import runtime_from_args
     from k3stream.pack.builder import build_pack
@@ -430,13 +431,12 @@ def test_serves_plan_holds_its_largest_prefill_pass(tiny_model, tmp_path, capsys
 def test_serves_prefill_passes_run_from_four_prompts_chunks_down_to_one_prompts_smallest():
     from k3stream.server.app import MIN_PREFILL_CHUNK, prefill_passes
 
-    auto = prefill_passes(None, 16, streamed=True)
+    auto = prefill_passes(None)
     assert [(p.prompts, p.chunk) for p in auto[:5]] == [(4, 512), (3, 512), (2, 512), (1, 512), (1, 256)]
     assert (auto[-1].prompts, auto[-1].chunk) == (1, MIN_PREFILL_CHUNK)
     tokens = [p.tokens for p in auto]
     assert tokens == sorted(tokens, reverse=True) and len(set(tokens)) == len(tokens)
-    assert [(p.prompts, p.chunk) for p in prefill_passes(100, 2, streamed=True)] == [(2, 100), (1, 100)]
-    assert prefill_passes(None, 16, streamed=False)[0].prompts == 1  # experts in RAM: one chunk a pass
+    assert [(p.prompts, p.chunk) for p in prefill_passes(100)] == [(4, 100), (3, 100), (2, 100), (1, 100)]
 
 
 def _serve_needs(checkpoint, manifest, prefill_pass):
@@ -485,7 +485,7 @@ def test_serve_sizes_its_prefill_pass_to_what_the_limit_leaves(
     model = copy_model(tiny_model(), tmp_path)
     manifest = build_pack(model).manifest
     checkpoint = K3Checkpoint.open(model)
-    passes = prefill_passes(None, 16, streamed=True)
+    passes = prefill_passes(None)
     monkeypatch.setattr(memlimit, "resident_bytes", lambda: RUNTIME)  # the plan's runtime term, fixed
     needs = _serve_needs(checkpoint, manifest, passes[0 if held is None else held])
     limit = _limit_holding(needs, RUNTIME) + (4 * needs.expert_bytes if held is None else 0)
@@ -506,7 +506,7 @@ def test_serve_sizes_its_prefill_pass_to_what_the_limit_leaves(
 
 def test_the_server_runs_the_prefill_pass_its_config_names(tiny_model, tmp_path):
     """`ServerConfig.pass_prompts` (what `serve` sets from its plan) and `prefill_chunk` make the
-    scheduler's pass, and the startup line names it."""
+    scheduler's pass, and a prompt alone's, and the startup line names them."""
     from k3stream.cli import build_parser
     from k3stream.commands.flags import runtime_from_args
     from k3stream.commands.serve import pass_note
@@ -522,8 +522,11 @@ def test_the_server_runs_the_prefill_pass_its_config_names(tiny_model, tmp_path)
         budgets = {}
         for prompts in (1, 3):
             config = ServerConfig(prefill_chunk=64, pass_prompts=prompts)
-            budgets[prompts] = create_app(served, config).state.scheduler.pass_budget
-            assert pass_note(config, served) == f"{prompts} x 64 tokens"
+            scheduler = create_app(served, config).state.scheduler
+            budgets[prompts] = scheduler.pass_budget
+            assert scheduler.idle_chunks.tokens == prompts * 64  # no stream decoding: the pass's rows
+            rows = f"{prompts * 64} rows while no stream decodes"
+            assert pass_note(config, served) == f"{prompts} x 64 tokens ({rows})"
         assert budgets[3] == 3 * budgets[1]
     finally:
         served.close()

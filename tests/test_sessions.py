@@ -288,6 +288,94 @@ def test_the_server_cuts_prompts_by_equal_work_where_the_experts_are_in_ram(mode
     assert chunks.next_end(0, 4096) == 64 and chunks.next_end(deep, 4096) - deep < 32
 
 
+def test_a_prompt_alone_takes_one_pass_of_its_plans_rows_and_beside_a_stream_its_chunks(
+    model_path, tokenizer
+):
+    """`serve`'s scheduler (512-token chunks; passes of four chunks' rows, what its memory plan holds)
+    prefills a turn of 644 new tokens over a cached history in one pass when no other sequence decodes
+    (more passes would each cost a pass's fixed part again and spare no stream), and in its chunks
+    beside a running stream, which then waits about one chunk at a time. A new prompt (nothing
+    restored) takes one chunk first, during which requests sharing its prefix can arrive and wait for
+    it, then the rest in one pass. Every answer is its prompt's alone, whole."""
+    import asyncio
+
+    from k3stream.engine.generate import Sequence
+    from k3stream.engine.loading import load_runtime
+    from k3stream.server.app import PREFILL_PASS_PROMPTS, ServerConfig, create_app
+    from k3stream.server.runtime import served_from_runtime
+    from k3stream.server.scheduler import EventSink, Job
+
+    served = served_from_runtime(load_runtime(model_path, stream_experts=False), ctx=512)
+    served.prompt_cache = PromptCache(served.model, "alone", 64 * MIB, every=1 << 20)
+    generator = torch.Generator().manual_seed(644)
+    history = torch.randint(10, 500, (600,), generator=generator).tolist()
+    turns = [history + torch.randint(10, 500, (644,), generator=generator).tolist() for _ in range(2)]
+    turns.append([7] + torch.randint(10, 500, (1243,), generator=generator).tolist())  # a new prompt
+    served.prompt_cache.prefill(history)
+    expected = [generate(served.model, tokenizer, ids, GREEDY, context=4096).token_ids for ids in turns]
+    gate = served.model = _GatedPasses(served.model)
+    gate.open()  # records the passes' rows
+    scheduler = create_app(served, ServerConfig(max_batch=2, prefill_chunk=512)).state.scheduler
+    loop = asyncio.new_event_loop()
+    alone, beside, new = (Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in turns)
+    stream = Job(tokenizer.encode("a stream"), _Greedy(1 << 20), EventSink(loop))
+    passes = {}
+    scheduler.start()
+    try:
+        for job, name in ((alone, "alone"), (new, "new")):
+            before = gate.entered
+            scheduler.submit(job)
+            wait_until(lambda job=job: job.logic.finish_reason is not None, f"the {name} prompt finishes")
+            passes[name] = gate.rows[before:]
+        scheduler.submit(stream)
+        wait_until(lambda: stream.generated, "the stream decodes")
+        before = gate.entered
+        scheduler.submit(beside)
+        wait_until(lambda: beside.logic.finish_reason is not None, "the turn beside the stream finishes")
+        passes["beside"] = gate.rows[before:]
+    finally:
+        stream.cancel()
+        scheduler.stop()
+        loop.close()
+        served.prompt_cache.close()
+        served.close()
+    chunks, position, cuts = scheduler.chunks, len(history), []
+    while position < len(turns[1]):
+        end = chunks.next_end(position, len(turns[1]))
+        position, cuts = end, [*cuts, end - position]
+    assert passes["alone"] == [644] and passes["beside"] == cuts and len(cuts) >= 2
+    assert passes["new"] == [512, 1244 - 512]
+    assert alone.cached_tokens == beside.cached_tokens == len(history) and new.cached_tokens == 0
+    assert [job.logic.token_ids for job in (alone, beside, new)] == expected
+    # no pass takes more rows than the plan holds for one
+    assert scheduler.idle_chunks.next_end(0, 10_000) == 512 * PREFILL_PASS_PROMPTS
+
+
+def test_prompts_that_arrive_together_at_an_idle_server_take_passes_within_the_plans_rows(model, tokenizer):
+    """Eight prompts queued at once, no sequence decoding: the first pass takes whole prompts, oldest
+    first, while their rows fit the memory plan's for a pass (1,024: five of 200 tokens, where their
+    work would fit all eight), and no pass holds more; every answer is the prompt's alone."""
+    from k3stream.engine.prompt_cache import attention_rows_per_token
+
+    generator = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(10, 500, (200,), generator=generator).tolist() for _ in range(8)]
+    gate = _GatedPasses(model)
+    gate.open()  # records the passes' rows
+    cache = PromptCache(model, "rows", 64 * MIB, every=1 << 20)
+    # `share_tokens` 0: no request waits for another's prefix, so new prompts' first passes are not chunks
+    sizes = {"max_batch": 8, "max_queue": 8, "prefill_chunk": 32, "pass_rows": 1024, "share_tokens": 0}
+    sizes["attention_rows"] = attention_rows_per_token(model.config)  # as `serve` from the GGUF
+    try:
+        scheduler, jobs = _run_together(gate, tokenizer, cache, prompts, **sizes)
+    finally:
+        cache.close()
+    idle = scheduler.idle_chunks
+    assert 8 * idle.cost(0, 200) <= idle.budget  # the work alone would take all eight
+    assert gate.rows[0] == 5 * 200 and max(gate.rows) <= 1024
+    for job, ids in zip(jobs, prompts, strict=True):
+        assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
+
+
 def _run_together(model, tokenizer, cache, prompts, **sizes):
     """A greedy job per prompt, all queued before a `Scheduler` over `cache` (`sizes`: its max_batch,
     max_queue, prefill_chunk) starts, run until every one finishes: (the scheduler, the jobs)."""
@@ -435,27 +523,30 @@ def test_the_running_streams_step_while_a_snapshot_is_read_from_disk(model, toke
 
 class _GatedPasses:
     """The served model with its prefill passes held at a gate: the test lets them through one by one
-    (`release`) or all (`open`), so requests arrive at known points of another's prefill."""
+    (`release`) or all (`open`), so requests arrive at known points of another's prefill. `rows`: each
+    pass's prompt rows."""
 
     def __init__(self, model) -> None:
         import threading
 
         self.model, self.entered, self.allowed, self.opened = model, 0, 0, False
+        self.rows: list[int] = []
         self.changed = threading.Condition()
 
     def __getattr__(self, name):
         return getattr(self.model, name)
 
     def prefill_last(self, state, tokens):
-        self._through()
+        self._through(len(tokens))
         return self.model.prefill_last(state, tokens)
 
     def prefill_batch(self, states, token_lists):
-        self._through()
+        self._through(sum(map(len, token_lists)))
         return self.model.prefill_batch(states, token_lists)
 
-    def _through(self) -> None:
+    def _through(self, rows: int) -> None:
         with self.changed:
+            self.rows.append(rows)
             self.entered += 1
             number = self.entered
             self.changed.notify_all()
@@ -630,6 +721,53 @@ def test_a_prompt_that_branches_off_a_cached_one_is_snapshotted_where_it_branche
             scheduler.submit(jobs[-1])
             wait_until(lambda: jobs[-1].logic.finish_reason is not None, "the request finishes")
     finally:
+        scheduler.stop()
+        loop.close()
+        cache.close()
+    assert [job.cached_tokens for job in jobs] == [0, 0, shared]
+    assert cache.stats.tokens_computed == sum(map(len, prompts)) - shared
+    for job, ids in zip(jobs, prompts, strict=True):
+        assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
+
+
+def test_a_request_too_late_to_wait_for_a_running_prefill_is_snapshotted_where_it_branches(model, tokenizer):
+    """A request that arrives after a running prefill has passed the prefix they share computes it
+    itself (the state there is gone), and is snapshotted where its prompt branches off the running
+    one: a third request restores the prefix instead of computing it again."""
+    import asyncio
+
+    from k3stream.engine.generate import Sequence
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import EventSink, Job, Scheduler
+
+    shared = 200
+    generator = torch.Generator().manual_seed(37)
+    prefix = torch.randint(10, 500, (shared,), generator=generator).tolist()
+    tails = [200, 30, 30]  # the first's prefill runs on well past the prefix
+    prompts = [
+        prefix + [500 + i] + torch.randint(10, 500, (tail,), generator=generator).tolist()
+        for i, tail in enumerate(tails)
+    ]
+    cache = PromptCache(model, "late", 64 * MIB, every=1 << 20)  # snapshots at prompts' ends only
+    gate = _GatedPasses(model)
+    loop = asyncio.new_event_loop()
+    jobs = [Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in prompts]
+    scheduler = Scheduler(gate, ServerMetrics(), max_batch=2, max_queue=2, cache=cache, prefill_chunk=64)
+    scheduler.submit(jobs[0])
+    scheduler.start()
+    try:
+        gate.wait_entered(1)
+        while jobs[0].prompt_done <= shared:  # the first's passes, one at a time, past the prefix
+            gate.release()
+            gate.wait_entered(gate.entered + 1)
+        assert jobs[0].prompt_done < len(prompts[0])  # its prefill runs, its end not cached
+        scheduler.submit(jobs[1])
+        gate.open()
+        wait_until(lambda: all(job.logic.finish_reason is not None for job in jobs[:2]), "both finish")
+        scheduler.submit(jobs[2])
+        wait_until(lambda: jobs[2].logic.finish_reason is not None, "the third finishes")
+    finally:
+        gate.open()
         scheduler.stop()
         loop.close()
         cache.close()

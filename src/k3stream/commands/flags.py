@@ -317,7 +317,7 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
     from k3stream.memlimit import MIB, default_expert_ram_mib, pin_malloc_mmap_threshold
 
     cache_bytes = int(getattr(args, "cache_ram", 0) * MIB)  # the prompt cache of serve and chat
-    shape = served_shape(args, manifest is not None)
+    shape = served_shape(args)
     if manifest is None and args.memory_limit is None:  # the GGUF's experts, kept in RAM when all fit
         if args.ram_mib is not None:
             return args.ram_mib
@@ -330,7 +330,7 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
 
         slot = plan_pack(checkpoint).layout.object_bytes
         shape = replace(shape, slot_bytes=slot, expert_ranks=getattr(args, "ep", 1))
-    plan = _fitted_plan(args, checkpoint, shape, cache_bytes, manifest is not None)
+    plan = _fitted_plan(args, checkpoint, shape, cache_bytes)
     if args.ram_mib is not None:
         print(f"{plan.summary()}; --ram-mib {args.ram_mib:g} MiB in use instead", file=sys.stderr)
         return args.ram_mib
@@ -339,13 +339,13 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
     return plan.expert_budget / MIB
 
 
-def served_shape(args: argparse.Namespace, streamed: bool) -> ServedShape:
+def served_shape(args: argparse.Namespace) -> ServedShape:
     """What the command serves, for its memory plan: the context (`--ctx`), the sequences at once (a
     server's `--max-batch`) and, for a command that prefills in passes (`serve`), its largest pass
     (`args.prefill_pass`; `_fitted_plan` lowers it to what the limit holds)."""
     from k3stream.memlimit import ServedShape
 
-    passes = _prefill_passes(args, streamed)
+    passes = _prefill_passes(args)
     if passes:
         args.prefill_pass = passes[0]
     return ServedShape(
@@ -355,26 +355,27 @@ def served_shape(args: argparse.Namespace, streamed: bool) -> ServedShape:
     )
 
 
-def _prefill_passes(args: argparse.Namespace, streamed: bool) -> list[PrefillPass]:
+def _prefill_passes(args: argparse.Namespace) -> list[PrefillPass]:
     """The prefill passes of a command that prefills in chunks (`serve`), largest first; none where a
     prompt is prefilled whole."""
     if not hasattr(args, "prefill_chunk"):
         return []
     from k3stream.server.app import prefill_passes
 
-    return prefill_passes(args.prefill_chunk, args.max_batch, streamed)
+    return prefill_passes(args.prefill_chunk)
 
 
 def _fitted_plan(
-    args: argparse.Namespace, checkpoint: K3Checkpoint, shape: ServedShape, cache_bytes: int, streamed: bool
+    args: argparse.Namespace, checkpoint: K3Checkpoint, shape: ServedShape, cache_bytes: int
 ) -> MemoryPlan:
     """The plan for `shape` under `--memory-limit`; for a command that prefills in passes, with the
     largest pass (`args.prefill_pass`) that leaves the experts at least half the budget the smallest
-    pass leaves: a larger pass reads each expert once for more prompts, but decode lives on the expert
-    cache. The one-line refusal only when one prompt's smallest chunk does not fit."""
+    pass leaves: a larger pass reads each expert once for more prompts (or more of one prompt's
+    tokens), but decode lives on the expert cache. The one-line refusal only when one prompt's smallest
+    chunk does not fit."""
     from k3stream.memlimit import MemoryLimitError, plan_for_model
 
-    passes = _prefill_passes(args, streamed)
+    passes = _prefill_passes(args)
     if not passes:
         return plan_for_model(checkpoint, args.memory_limit, shape, cache_bytes)
     args.prefill_pass = passes[-1]

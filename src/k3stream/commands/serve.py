@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="prompt tokens prefilled between two decode steps of the running streams, at a prompt's start "
         "(deeper chunks take fewer tokens, of equal work; default 512, or less where the memory plan "
-        "holds a smaller prefill pass)",
+        "holds a smaller prefill pass); while no stream decodes, prompts take whole passes' rows (four "
+        "chunks, or what the plan holds)",
     )
     parser.add_argument(
         "--cache-share",
@@ -58,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="a request whose prompt shares at least TOKENS tokens no snapshot holds with another "
         "request's running prefill waits for that prefill's snapshot of them instead of computing them, "
-        "and a prefill whose prompt branches off a cached one TOKENS or more past what it restored is "
-        "snapshotted there (default 128; 0: neither)",
+        "and a prefill whose prompt branches off a cached or running one TOKENS or more past what it "
+        "restored is snapshotted there (default 128; 0: neither)",
     )
     parser.add_argument(
         "--max-queue",
@@ -246,9 +247,11 @@ def guard_config(args: argparse.Namespace) -> GuardConfig:
 
 
 def pass_note(config: ServerConfig, served: ServedModel) -> str:
-    """The prefill pass the server runs: `4 x 512 tokens` (a chunk of each of up to 4 prompts)."""
+    """The prefill passes the server runs: `4 x 512 tokens (2048 rows while no stream decodes)` (a chunk
+    of each of up to 4 prompts beside running streams)."""
     tokens = config.prefill_pass(served)
-    return f"{tokens // config.prefill_chunk} x {config.prefill_chunk} tokens"
+    chunks = f"{tokens // config.prefill_chunk} x {config.prefill_chunk} tokens"
+    return f"{chunks} ({config.pass_rows()} rows while no stream decodes)"
 
 
 def access_note(guard: GuardConfig) -> str:

@@ -77,10 +77,12 @@ TOKENIZER_THREADS = 2
 CLIENT_CLOSED_REQUEST = 499
 
 
-# Prompts whose chunks one prefill pass takes when experts stream from a pack: four waiting prompts share
-# each expert read (a token's pack bytes fall to about a quarter), while the pass's activation buffers,
-# which the memory plan takes from the expert budget, stay four chunks' (3.1 GiB at Kimi-K3's shapes with
-# 512-token chunks attending 4,096 positions, against 7.9 GiB for a chunk of each of 16 batch slots).
+# Chunks one prefill pass holds, the rows the memory plan sizes its buffers for: where experts stream from
+# a pack a chunk of each of up to four waiting prompts (four share each expert read: a token's pack bytes
+# fall to about a quarter), and while no stream decodes all four chunks' rows, oldest prompt first,
+# streamed or not. The buffers, which the memory plan takes from the expert budget, stay four chunks'
+# (3.1 GiB at Kimi-K3's shapes with 512-token chunks attending 4,096 positions, against 7.9 GiB for a
+# chunk of each of 16 batch slots).
 PREFILL_PASS_PROMPTS = 4
 # the smallest chunk `serve` sizes a prefill pass down to when `--prefill-chunk` is not given
 MIN_PREFILL_CHUNK = 32
@@ -96,8 +98,9 @@ class ServerConfig:
     sse_keepalive_s: float = 15.0
     webui: bool = True  # the chat page at `/`
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
-    # waiting prompts whose chunks one prefill pass takes when experts stream from a pack (at most
-    # max_batch): `serve` lowers it, and the chunk, to the pass its memory plan holds (`prefill_passes`)
+    # chunks one prefill pass holds: of as many waiting prompts when experts stream from a pack (at most
+    # max_batch), or their rows while no stream decodes; `serve` lowers it, and the chunk, to the pass
+    # its memory plan holds (`prefill_passes`)
     pass_prompts: int = PREFILL_PASS_PROMPTS
     slot_save_path: Path | None = None  # where `/slots/{id}?action=save` writes (None: slot actions off)
     share_tokens: int = DEFAULT_SHARE_TOKENS  # `Scheduler`'s: shared uncached prompt tokens worth a wait
@@ -126,6 +129,11 @@ class ServerConfig:
         prompts = min(self.max_batch, self.pass_prompts) if served.store is not None else 1
         return self.prefill_chunk * prompts
 
+    def pass_rows(self) -> int:
+        """Prompt rows one prefill pass may hold, those the memory plan sized its buffers for: while no
+        sequence decodes, prompts are prefilled in passes of that many, oldest first."""
+        return self.prefill_chunk * self.pass_prompts
+
     def attention_rows(self, served: ServedModel) -> float | None:
         """`PrefillChunks`' rows_per_token: chunks of equal work where the experts are in RAM, of
         `prefill_chunk` tokens where they stream from a pack (a pass costs its reads)."""
@@ -134,7 +142,8 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class PrefillPass:
-    """One prefill pass: a `chunk`-token chunk of each of `prompts` waiting prompts, in one forward."""
+    """One prefill pass: `prompts` chunks of `chunk` tokens in one forward (of as many waiting prompts, or
+    their rows while no stream decodes)."""
 
     prompts: int
     chunk: int
@@ -144,12 +153,12 @@ class PrefillPass:
         return self.prompts * self.chunk
 
 
-def prefill_passes(chunk: int | None, max_batch: int, streamed: bool) -> list[PrefillPass]:
-    """The prefill passes `serve` can run, largest first: chunks of PREFILL_PASS_PROMPTS prompts down to
-    one (at most `max_batch`; one where the experts are in RAM), then, where `chunk` (`--prefill-chunk`)
-    was not given, one prompt's chunk halved from DEFAULT_PREFILL_CHUNK down to MIN_PREFILL_CHUNK."""
-    most = min(max_batch, PREFILL_PASS_PROMPTS) if streamed else 1
-    passes = [PrefillPass(prompts, chunk or DEFAULT_PREFILL_CHUNK) for prompts in range(most, 0, -1)]
+def prefill_passes(chunk: int | None) -> list[PrefillPass]:
+    """The prefill passes `serve` can run, largest first: PREFILL_PASS_PROMPTS chunks down to one, then,
+    where `chunk` (`--prefill-chunk`) was not given, one chunk halved from DEFAULT_PREFILL_CHUNK down to
+    MIN_PREFILL_CHUNK."""
+    given = chunk or DEFAULT_PREFILL_CHUNK
+    passes = [PrefillPass(prompts, given) for prompts in range(PREFILL_PASS_PROMPTS, 0, -1)]
     size = DEFAULT_PREFILL_CHUNK // 2
     while chunk is None and size >= MIN_PREFILL_CHUNK:
         passes.append(PrefillPass(1, size))
@@ -171,6 +180,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
         cache=served.prompt_cache,
         prefill_chunk=config.prefill_chunk,
         prefill_pass=config.prefill_pass(served),
+        pass_rows=config.pass_rows(),
         attention_rows=config.attention_rows(served),
         share_tokens=config.share_tokens,
     )

@@ -3,9 +3,14 @@ running sequence.
 
 Requests join and leave between steps. A new request's prompt is restored from the prompt cache as far
 as it holds it, then prefilled a chunk per loop (`PrefillChunks`: cut from where its computation
-starts, so a prompt's chunks do not depend on what runs beside it; each about the work of
-`prefill_chunk` tokens at the start of a prompt, fewer tokens deep in a long one, whose attention
-covers more rows): a running stream waits at most about one chunk, whatever another prompt's length.
+starts; each about the work of `prefill_chunk` tokens at the start of a prompt, fewer tokens deep in a
+long one, whose attention covers more rows): a running stream waits at most about one chunk, whatever
+another prompt's length. While no sequence decodes, prompts are cut into passes of `pass_rows` rows
+instead, the memory plan's for one pass, oldest first: no stream waits on them, and every pass costs a
+part that does not grow with its tokens (its kernels' fixed cost; where experts stream from a pack, its
+expert reads), which smaller chunks would pay again; but a new prompt's first pass is a chunk where
+requests may share its prefix, so those that arrive just after it find its prefill short of the shared
+part. No pass holds more rows than `pass_rows`.
 Requests that share a prompt prefix no snapshot holds compute it once: the first one's prefill
 snapshots where the shared part ends, and the others wait for that snapshot and restore it; a prefill
 whose prompt branches off a cached one is snapshotted where it branches, for the requests after it.
@@ -195,6 +200,12 @@ def _has_work(job: Job) -> bool:
     return job.prefill is not None or job.last_token >= 0
 
 
+def _decoding(job: Job) -> bool:
+    """Whether `job` takes decode steps: a choice decodes once it has its first token, after its
+    prompt's prefill (a fork: its request's)."""
+    return job.active and job.prefill is None and job.last_token >= 0
+
+
 def _leader_passed(job: Job) -> bool:
     """Whether the prefill `job` waits for has passed its shared prefix (its snapshot is in the
     cache), ended, or will not go on (its request failed, finished or was cancelled)."""
@@ -250,6 +261,7 @@ class Scheduler:
         prefill_pass: int | None = None,
         attention_rows: float | None = None,
         share_tokens: int = DEFAULT_SHARE_TOKENS,
+        pass_rows: int | None = None,
     ) -> None:
         self.model = model
         self.cache = cache  # reused prompt states (`engine.prompt_cache`), or None
@@ -264,8 +276,11 @@ class Scheduler:
         self.chunks = PrefillChunks(prefill_chunk, attention_rows)
         # the work one prefill pass may take from several requests' chunks, as `prefill_pass` tokens at a
         # prompt's start (default: one chunk's)
-        passes = max(prefill_pass or prefill_chunk, prefill_chunk) / prefill_chunk
-        self.pass_budget = self.chunks.budget * passes
+        pass_tokens = max(prefill_pass or prefill_chunk, prefill_chunk)
+        self.pass_budget = self.chunks.budget * pass_tokens / prefill_chunk
+        # where prompts are cut while no sequence decodes: passes of `pass_rows` rows (the memory plan's
+        # for a pass, which no pass exceeds; default the pass's tokens), of equal work as `chunks`' are
+        self.idle_chunks = PrefillChunks(max(pass_rows or pass_tokens, prefill_chunk), attention_rows)
         self.metrics = metrics
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -480,23 +495,25 @@ class Scheduler:
             self._mark_for_queued(job)
 
     def _mark_branch(self, job: Job) -> None:
-        """Snapshot `job`'s prefill where its prompt branches off a prompt the cache has seen, where the
-        shared part beyond what it restored is at least `share_tokens`: the next request that shares it
-        (a system prompt sent before, then by two clients) restores it."""
-        prefill = job.prefill
-        branch = self.cache.branch_length(job.prompt_tokens)
-        if prefill.position + self.share_tokens <= branch < len(job.prompt_tokens):
+        """Snapshot `job`'s prefill where its prompt branches off a prompt the cache has seen or one whose
+        prefill runs (and has passed that point: `job` came too late to wait for it, and the state there
+        is gone), where the shared part beyond what it restored is at least `share_tokens`: the next
+        request that shares it (a system prompt sent before, then by two clients) restores it."""
+        prefill, tokens = job.prefill, job.prompt_tokens
+        others = [other for other in self._running if other is not job and other.prefill is not None]
+        shared = [common_length(tokens, other.prompt_tokens) for other in others if other.active]
+        branch = max([self.cache.branch_length(tokens), *shared])
+        if prefill.position + self.share_tokens <= branch < len(tokens):
             prefill.want_snapshot(branch)
 
     def _prefill_step(self) -> None:
-        """The next chunk of the oldest running prefill, with those of the next ones that fit in one
-        chunk's tokens beside it, in one pass."""
-        jobs = self._prefill_batch()
+        """The next chunks of the running prefills, oldest first, in one pass (`_prefill_batch`)."""
+        jobs, chunks = self._prefill_batch()
         if not jobs:
             return
         before = [job.prefill.position for job in jobs]
         try:
-            step_together([job.prefill for job in jobs], self.chunks)
+            step_together([job.prefill for job in jobs], chunks)
         except Exception as exc:  # the requests of a pass that failed fail; the server goes on
             log.exception("prefill failed")
             self._fail(jobs, f"prefill failed: {exc}")
@@ -511,19 +528,40 @@ class Scheduler:
             else:
                 self._progress(job, job.prefill.position)
 
-    def _prefill_batch(self) -> list[Job]:
-        """The prefilling jobs of the next pass: the oldest, then the next ones while their chunks'
-        work together stays within `pass_budget` (one only for a model with no batched prefill)."""
+    def _prefill_batch(self) -> tuple[list[Job], PrefillChunks]:
+        """The prefilling jobs of the next pass and where it cuts their prompts: the oldest, then the
+        next ones while their chunks' work together stays within the pass's budget and their rows
+        within the memory plan's (one only for a model with no batched prefill). Beside a decoding
+        sequence, `chunks` within `pass_budget`: the stream waits about one chunk. With none decoding no
+        one waits on the pass, and it takes `idle_chunks` (requests that wait for a snapshot or a disk read
+        start after it either way), but for a new prompt's first pass where requests may share its
+        prefix (`_in_chunks`)."""
         waiting = [job for job in self._running if job.active and job.prefill is not None]
-        batch, work = [], 0.0
+        if not waiting:
+            return [], self.chunks
+        if self._in_chunks(waiting[0]):
+            chunks, budget = self.chunks, self.pass_budget
+        else:
+            chunks, budget = self.idle_chunks, self.idle_chunks.budget
+        batch, work, rows = [], 0.0, 0
         for job in waiting:
-            start = job.prefill.position
-            cost = self.chunks.cost(start, job.prefill.next_end(self.chunks))
-            if batch and (work + cost > self.pass_budget or not hasattr(self.model, "prefill_batch")):
+            start, end = job.prefill.position, job.prefill.next_end(chunks)
+            cost = chunks.cost(start, end)
+            over = work + cost > budget or rows + end - start > self.idle_chunks.tokens
+            if batch and (over or not hasattr(self.model, "prefill_batch")):
                 break
             batch.append(job)
-            work += cost
-        return batch
+            work, rows = work + cost, rows + end - start
+        return batch, chunks
+
+    def _in_chunks(self, oldest: Job) -> bool:
+        """Whether the next pass is cut in chunks: a sequence decodes beside it, or the oldest prefill
+        starts a prompt no snapshot held (nothing restored) where requests may share its prefix:
+        clients that send one system prompt together arrive during that first chunk, find the prefill
+        short of the shared part and wait for its snapshot, where one pass over the whole prompt would
+        have passed it before they came."""
+        fresh = self.share_tokens > 0 and oldest.prefill.position == 0
+        return fresh or any(map(_decoding, self._running))
 
     def _end_prefill(self, job: Job) -> None:
         """The prompt is in `job`'s state: its choices start from its last logits. The prompt's end goes
@@ -576,8 +614,7 @@ class Scheduler:
         return shared
 
     def _decode_step(self) -> None:
-        # a choice decodes once it has its first token: after its prompt's prefill (a fork: its request's)
-        batch = [job for job in self._running if job.active and job.prefill is None and job.last_token >= 0]
+        batch = [job for job in self._running if _decoding(job)]
         if not batch:
             return
         self.metrics.batch_size.observe(len(batch))
