@@ -154,13 +154,13 @@ AVX512 __m512i entry_bytes(__m512i a, __m512i b) {
 AVX512 __m512i lookup_grid(const uint8_t *table, __m512i low, const __mmask64 *high, const int high_bits) {
     const __mmask64 bit7 = _mm512_movepi8_mask(low);
     __m512i part[4];
-    for (int q = 0; q < 1 << high_bits; q++) {
+    _Pragma("GCC unroll 4") for (int q = 0; q < 1 << high_bits; q++) {
         const uint8_t *t = table + 256 * q;
         part[q] = _mm512_mask_blend_epi8(bit7, _mm512_permutex2var_epi8(_mm512_load_si512(t), low, _mm512_load_si512(t + 64)),
                                          _mm512_permutex2var_epi8(_mm512_load_si512(t + 128), low, _mm512_load_si512(t + 192)));
     }
-    for (int b = 0, stride = 1; b < high_bits; b++, stride *= 2)
-        for (int q = 0; q < 1 << high_bits; q += 2 * stride) part[q] = _mm512_mask_blend_epi8(high[b], part[q], part[q + stride]);
+    _Pragma("GCC unroll 2") for (int b = 0; b < high_bits; b++) /* unrolled: part[] stays in registers */
+        _Pragma("GCC unroll 2") for (int q = 0; q < 1 << high_bits; q += 2 << b) part[q] = _mm512_mask_blend_epi8(high[b], part[q], part[q + (1 << b)]);
     return part[0];
 }
 
