@@ -123,7 +123,9 @@ def test_the_avx512_kernels_are_within_a_few_ulp_of_llama_cpps(qt, rows, cols, c
 
 @pytest.mark.parametrize("qt", TWO_LOOKUP_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,cols,count", [(7, 1280, 1), (9, 1792, 3), (5, 256, 5), (3, 512, 4)])
-def test_the_grid_lookups_by_gathers_and_by_byte_permutes_give_the_same_bits(qt, rows, cols, count, monkeypatch):
+def test_the_grid_lookups_by_gathers_and_by_byte_permutes_give_the_same_bits(
+    qt, rows, cols, count, monkeypatch
+):
     """Either way of reading the grid (the CPU picks one: gathers on Intel, byte permutes on AMD) gives
     each output the same bits, odd weight-row and block counts and one to five input rows included; both
     stay within a few ulp of llama.cpp (the test above holds the way this CPU takes)."""

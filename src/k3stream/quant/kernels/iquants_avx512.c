@@ -225,9 +225,10 @@ AVX512 __m512i half_scales(uint64_t first, uint64_t second) {
 }
 
 /* the two code vectors of a pair's 64 entries (16 a vector of 32-bit grid indices) by four 16-entry
- * gathers of their code words, the words' two bytes packed by two VPERMI2B: IQ2_S's, in place of two
- * 1024-entry permute lookups (16 two-table permutes and 14 blends a pair), which bounded its kernel
- * (IQ2_XS's 512 entries: its two lookups ran 1.08x as fast as the gathers, Intel Xeon, in cache) */
+ * gathers of their code words, the words' two bytes packed by two VPERMI2B: IQ2_S's on Intel, in place of
+ * two 1024-entry permute lookups (16 two-table permutes and 14 blends a pair), which bounded its kernel
+ * there (IQ2_XS's 512 entries: its two lookups ran 1.08x as fast as the gathers, Intel Xeon, in cache);
+ * on AMD Zen 4 the lookups ran 1.6-1.8x as fast as the gathers (grid_gathers) */
 AVX512 void gathered_codes(const uint32_t *words, const __m512i index[4], __m512i codes[2]) {
     __m512i got[4];
     for (int q = 0; q < 4; q++) got[q] = _mm512_i32gather_epi32(index[q], (const void *)words, 4);
@@ -501,7 +502,9 @@ PLANES_ROWS(21, iq3_s, 1.0f)
  * factors 7 or 9 times s by a VPMULLW (one sums vector). The other ways of reading 32 grid entries cost
  * as much or more there: qword gathers of 8-byte entries (the same per element), partial gathers beside
  * broadcast loads blended into vectors (a load and a blend an entry), entries copied through memory by
- * scalar loads (store forwarding stalls). */
+ * scalar loads (store forwarding stalls). On AMD Zen 4 the gathers take two thirds of its time (about a
+ * cycle an element); scalar loads and 2048-entry byte-permute lookups measured no more than 8% faster
+ * there (docs/kernels-iquants.md). */
 static uint32_t iq1_nibbles[2 * 2048] __attribute__((aligned(64)));
 static int iq1_fit;
 /* Both gathers' indices of a block at once, per type (0: IQ1_S, 1: IQ1_M): a byte permute of the block
