@@ -29,6 +29,8 @@ TYPES = [T.IQ2_XXS, T.IQ1_S, T.IQ4_XS, T.IQ2_XS, T.IQ3_XXS, T.IQ3_S, T.IQ2_S, T.
 SHAPES = [(5, 256, 1), (37, 512, 3), (19, 2048, 5)]  # 5 rows: four sharing decoded runs, one alone
 # the types with AVX-512 grid kernels
 AVX512_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M]
+# the types whose AVX-512 kernels read their grid by gathers or by byte permutes (K3STREAM_GRID_LOOKUP)
+TWO_LOOKUP_TYPES = [T.IQ2_S]
 # the types whose AVX-512 kernels give their AVX2 kernels' (llama.cpp's) bits
 AVX2_BITS_AVX512_TYPES = [T.IQ4_NL, T.MXFP4, T.IQ4_XS, T.TQ2_0, T.TQ1_0, T.NVFP4]
 
@@ -117,6 +119,26 @@ def test_the_avx512_kernels_are_within_a_few_ulp_of_llama_cpps(qt, rows, cols, c
     assert np.all(np.abs(got.astype(np.float64) - expected) <= 1e-6 * magnitude)
     if rows * count > 20:
         assert not np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("qt", TWO_LOOKUP_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,cols,count", [(7, 1280, 1), (9, 1792, 3), (5, 256, 5), (3, 512, 4)])
+def test_the_grid_lookups_by_gathers_and_by_byte_permutes_give_the_same_bits(
+    qt, rows, cols, count, monkeypatch
+):
+    """Either way of reading the grid (the CPU picks one: gathers on Intel, byte permutes on AMD) gives
+    each output the same bits, odd weight-row and block counts and one to five input rows included; both
+    stay within a few ulp of llama.cpp (the test above holds the way this CPU takes)."""
+    take_kernel_isa("avx512", monkeypatch)
+    w, x = matrix(qt, rows, cols, seed=rows + cols), inputs(count, cols, seed=count)
+    by_way = {}
+    for way in ("gather", "permute"):
+        monkeypatch.setenv("K3STREAM_GRID_LOOKUP", way)
+        by_way[way] = product(qt, w, x)
+    assert np.array_equal(by_way["gather"].view(np.uint32), by_way["permute"].view(np.uint32))
+    dense = gguf_dequantize(w, qt).astype(np.float64).reshape(rows, cols)
+    expected = np.stack([dense @ activations_f64(row, qt) for row in x])
+    assert np.linalg.norm(by_way["permute"] - expected) <= 2e-6 * np.linalg.norm(expected)
 
 
 def activations_f64(x_row: np.ndarray, qt: T) -> np.ndarray:

@@ -149,22 +149,24 @@ AVX512 __m512i entry_bytes(__m512i a, __m512i b) {
     return _mm512_permutex2var_epi8(a, _mm512_load_si512(entry_order), b);
 }
 
-/* 64 bytes of a 256-entry table at `index` */
-AVX512 __m512i lookup256(const uint8_t *table, __m512i index) {
-    const __m512i low = _mm512_permutex2var_epi8(_mm512_load_si512(table), index, _mm512_load_si512(table + 64));
-    const __m512i high = _mm512_permutex2var_epi8(_mm512_load_si512(table + 128), index, _mm512_load_si512(table + 192));
-    return _mm512_mask_blend_epi8(_mm512_movepi8_mask(index), low, high);
+/* 64 bytes of a table of 256 << `high_bits` entries at the indices whose low 8 bits are `low` and whose
+ * bit 8 + b is high[b]: a two-table byte permute each 128 entries, blended on bit 7, then on each high bit */
+AVX512 __m512i lookup_grid(const uint8_t *table, __m512i low, const __mmask64 *high, const int high_bits) {
+    const __mmask64 bit7 = _mm512_movepi8_mask(low);
+    __m512i part[4];
+    _Pragma("GCC unroll 4") for (int q = 0; q < 1 << high_bits; q++) {
+        const uint8_t *t = table + 256 * q;
+        part[q] = _mm512_mask_blend_epi8(bit7, _mm512_permutex2var_epi8(_mm512_load_si512(t), low, _mm512_load_si512(t + 64)),
+                                         _mm512_permutex2var_epi8(_mm512_load_si512(t + 128), low, _mm512_load_si512(t + 192)));
+    }
+    _Pragma("GCC unroll 2") for (int b = 0; b < high_bits; b++) /* unrolled: part[] stays in registers */
+        _Pragma("GCC unroll 2") for (int q = 0; q < 1 << high_bits; q += 2 << b) part[q] = _mm512_mask_blend_epi8(high[b], part[q], part[q + (1 << b)]);
+    return part[0];
 }
 
-/* ... of a 512-entry table at the 9-bit indices whose low 8 bits are `low` and whose bit 8 is `high` */
-AVX512 __m512i lookup512(const uint8_t *table, __m512i low, __mmask64 high) {
-    const __mmask64 bit7 = _mm512_movepi8_mask(low);
-    __m512i quarter[4];
-    for (int q = 0; q < 4; q++)
-        quarter[q] = _mm512_permutex2var_epi8(_mm512_load_si512(table + 128 * q), low, _mm512_load_si512(table + 128 * q + 64));
-    return _mm512_mask_blend_epi8(high, _mm512_mask_blend_epi8(bit7, quarter[0], quarter[1]),
-                                  _mm512_mask_blend_epi8(bit7, quarter[2], quarter[3]));
-}
+AVX512 __m512i lookup256(const uint8_t *table, __m512i index) { return lookup_grid(table, index, NULL, 0); }
+
+AVX512 __m512i lookup512(const uint8_t *table, __m512i low, __mmask64 high) { return lookup_grid(table, low, &high, 1); }
 
 /* 7-bit sign indices (bit 7 ignored) as ggml's ksigns_iq2xs bytes: 7 sign bits, their parity on top */
 AVX512 __m512i ksigns(__m512i sevens) {
@@ -209,6 +211,7 @@ AVX512 __m512i iq2_plane(const Pair *pair, int j, const uint8_t (*levels)[64]) {
 AVX512 __m512i iq2_xxs_plane(const Pair *pair, int j) { return iq2_plane(pair, j, iq2xxs_levels); }
 AVX512 __m512i iq2_xs_plane(const Pair *pair, int j) { return iq2_plane(pair, j, iq2xs_levels); }
 AVX512 __m512i iq2_s_plane(const Pair *pair, int j) { return iq2_plane(pair, j, iq2s_levels); }
+AVX512 __m512i iq2_s_permuted_plane(const Pair *pair, int j) { return iq2_s_plane(pair, j); }
 
 /* IQ2_XS and IQ2_S scales: a byte a sub-block, the low nibble for its first 16 values, the high one for
  * the rest; `first` the first block's 8 bytes, `second` the second's: as 16-bit lanes, lane w the odd
@@ -222,9 +225,10 @@ AVX512 __m512i half_scales(uint64_t first, uint64_t second) {
 }
 
 /* the two code vectors of a pair's 64 entries (16 a vector of 32-bit grid indices) by four 16-entry
- * gathers of their code words, the words' two bytes packed by two VPERMI2B: IQ2_S's, in place of two
- * 1024-entry permute lookups (16 two-table permutes and 14 blends a pair), which bounded its kernel
- * (IQ2_XS's 512 entries: its two lookups ran 1.08x as fast as the gathers, Intel Xeon, in cache) */
+ * gathers of their code words, the words' two bytes packed by two VPERMI2B: IQ2_S's on Intel, in place of
+ * two 1024-entry permute lookups (16 two-table permutes and 14 blends a pair), which bounded its kernel
+ * there (IQ2_XS's 512 entries: its two lookups ran 1.08x as fast as the gathers, Intel Xeon, in cache);
+ * on AMD Zen 4 the lookups ran 1.6-1.8x as fast as the gathers (grid_gathers) */
 AVX512 void gathered_codes(const uint32_t *words, const __m512i index[4], __m512i codes[2]) {
     __m512i got[4];
     for (int q = 0; q < 4; q++) got[q] = _mm512_i32gather_epi32(index[q], (const void *)words, 4);
@@ -249,12 +253,17 @@ AVX512 Pair iq2_xs_pair(const uint8_t *x, int two) {
 }
 
 /* IQ2_S: 32 low index bytes, 32 sign bytes (one an entry), 8 bytes of index bits 8-9 (bits 2e, 2e + 1 of
- * the pair's entry order), 8 scale bytes */
-AVX512 Pair iq2_s_pair(const uint8_t *x, int two) {
+ * the pair's entry order), 8 scale bytes; its pair from its two code vectors */
+AVX512 Pair iq2_s_pair_of(const uint8_t *x, int two, const __m512i codes[2]) {
     const __m256i first = _mm256_loadu_si256((const __m256i *)(x + 34)); /* bytes 32..63: the second block's */
     const __m512i signs = two ? _mm512_inserti64x4(_mm512_castsi256_si512(first), _mm256_loadu_si256((const __m256i *)(x + 116)), 1)
                               : _mm512_zextsi256_si512(first);
-    __m512i index[4];
+    return (Pair){{codes[0], codes[1]}, signs, half_scales(u64_at(x + 74), two ? u64_at(x + 156) : 0)};
+}
+
+/* ... its codes gathered (the grid lookups where gathers are fast: Intel) */
+AVX512 Pair iq2_s_pair(const uint8_t *x, int two) {
+    __m512i index[4], codes[2];
     for (int q = 0; q < 4; q++) { /* entries 16 q..: the low bytes | bits 8 and 9 of their indices << 8 */
         const uint8_t *block = x + (q < 2 ? 0 : 82);
         index[q] = _mm512_setzero_si512();
@@ -265,10 +274,19 @@ AVX512 Pair iq2_s_pair(const uint8_t *x, int two) {
             index[q] = _mm512_ternarylogic_epi32(low, high, _mm512_set1_epi32(0x300), 0xF8); /* a | (b & c) */
         }
     }
-    Pair pair = {{_mm512_setzero_si512(), _mm512_setzero_si512()}, signs, _mm512_setzero_si512()};
-    gathered_codes(iq2s_words, index, pair.codes);
-    pair.scales = half_scales(u64_at(x + 74), two ? u64_at(x + 156) : 0);
-    return pair;
+    gathered_codes(iq2s_words, index, codes);
+    return iq2_s_pair_of(x, two, codes);
+}
+
+/* ... its codes by byte permutes (where gathers are slow: AMD Zen 4 takes about a cycle an element) */
+AVX512 Pair iq2_s_permuted_pair(const uint8_t *x, int two) {
+    const __m256i second = two ? _mm256_loadu_si256((const __m256i *)(x + 84)) : _mm256_setzero_si256();
+    const __m512i low = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 2))), second, 1);
+    const uint64_t high0 = u64_at(x + 66), high1 = two ? u64_at(x + 148) : 0, evens = 0x5555555555555555ULL;
+    const __mmask64 high[2] = {_pext_u64(high0, evens) | _pext_u64(high1, evens) << 32,
+                               _pext_u64(high0, evens << 1) | _pext_u64(high1, evens << 1) << 32};
+    const __m512i codes[2] = {lookup_grid(iq2s_codes[0], low, high, 2), lookup_grid(iq2s_codes[1], low, high, 2)};
+    return iq2_s_pair_of(x, two, codes);
 }
 
 /* IQ3_XXS: 64 grid indices (an entry: 4 values), then each sub-block's 32-bit word of four 7-bit sign
@@ -409,6 +427,7 @@ AVX512 __m128 pair_d(const uint8_t *x, const uint8_t *second) {
 PAIR_DOT(iq2_xxs, 66, WHOLE)
 PAIR_DOT(iq2_xs, 74, HALVES)
 PAIR_DOT(iq2_s, 82, HALVES)
+PAIR_DOT(iq2_s_permuted, 82, HALVES)
 PAIR_DOT(iq3_xxs, 98, WHOLE)
 PAIR_DOT(iq3_s, 110, WHOLE)
 
@@ -460,6 +479,7 @@ AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2); }
 PLANES_ROWS(16, iq2_xxs, 0.125f)
 PLANES_ROWS(17, iq2_xs, 0.125f)
 PLANES_ROWS(22, iq2_s, 0.125f)
+PLANES_ROWS(22, iq2_s_permuted, 0.125f)
 PLANES_ROWS(18, iq3_xxs, 0.25f)
 PLANES_ROWS(21, iq3_s, 1.0f)
 
@@ -482,7 +502,9 @@ PLANES_ROWS(21, iq3_s, 1.0f)
  * factors 7 or 9 times s by a VPMULLW (one sums vector). The other ways of reading 32 grid entries cost
  * as much or more there: qword gathers of 8-byte entries (the same per element), partial gathers beside
  * broadcast loads blended into vectors (a load and a blend an entry), entries copied through memory by
- * scalar loads (store forwarding stalls). */
+ * scalar loads (store forwarding stalls). On AMD Zen 4 the gathers take two thirds of its time (about a
+ * cycle an element); scalar loads and 2048-entry byte-permute lookups measured no more than 8% faster
+ * there (docs/kernels-iquants.md). */
 static uint32_t iq1_nibbles[2 * 2048] __attribute__((aligned(64)));
 static int iq1_fit;
 /* Both gathers' indices of a block at once, per type (0: IQ1_S, 1: IQ1_M): a byte permute of the block
@@ -752,12 +774,22 @@ AVX512 void iq1_m_pairs(const uint8_t *row, int64_t stride, const int wide, int6
 PREPARED_ROWS(19, iq1_s, 0.125f, iq1_s_x, iq1_x_bytes, 2)
 PREPARED_ROWS(29, iq1_m, 0.125f, iq1_m_x, iq1_x_bytes, 2)
 
+/* whether the grid lookups gather (VPGATHERDD): on Intel, where a gather beat the byte permutes; AMD Zen 4
+ * takes about a cycle a gathered element and one two-table byte permute a cycle. K3STREAM_GRID_LOOKUP=gather
+ * or =permute takes either way on any AVX-512 machine (the tests reach both) */
+static int grid_gathers(void) {
+    const char *way = getenv("K3STREAM_GRID_LOOKUP");
+    if (way != NULL && (strcmp(way, "gather") == 0 || strcmp(way, "permute") == 0)) return strcmp(way, "gather") == 0;
+    return !__builtin_cpu_is("amd");
+}
+
 RowKernel iq_avx512_kernel(int ggml_type) {
     if (!HAVE_AVX512()) return NULL;
+    const int gathers = grid_gathers();
     switch (ggml_type) {
         case 16: return iq2xxs_fit ? iq2_xxs_rows_avx512 : NULL;
         case 17: return iq2xs_fit ? iq2_xs_rows_avx512 : NULL;
-        case 22: return iq2s_fit ? iq2_s_rows_avx512 : NULL;
+        case 22: return !iq2s_fit ? NULL : gathers ? iq2_s_rows_avx512 : iq2_s_permuted_rows_avx512;
         case 18: return iq3xxs_fit ? iq3_xxs_rows_avx512 : NULL;
         case 21: return iq3s_fit ? iq3_s_rows_avx512 : NULL;
         case 19: return iq1_fit ? iq1_s_rows_avx512 : NULL;
