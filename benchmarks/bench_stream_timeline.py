@@ -197,12 +197,11 @@ def report(name: str, result: dict[str, Any], tokens: int, rate: float) -> list[
     read_mb = result["read_bytes"] / tokens / 1e6
     lines = [
         f"{name}: {ms:.0f} ms/token, fetch wait {result['fetch_ms'] / tokens:.1f}, read "
-        f"{result['read_bytes'] / tokens / 1e6:.0f} MB/token = {read_ms:.0f} ms at {rate / 1e9:.2f} GB/s; "
+        f"{read_mb:.0f} MB/token = {read_ms:.0f} ms at {rate / 1e9:.2f} GB/s; "
         f"max(compute, reads) / measured {max(compute, read_ms) / ms:.2f}; reads in flight "
         f"{statistics.mean(e[4] for e in events if e[0] == 'range'):.1f}; CPU user / system "
         f"{1e3 * result['cpu'][0] / tokens:.0f} / {1e3 * result['cpu'][1] / tokens:.0f} ms/token",
-        f"  disk busy {busy:.0f} ms a token, idle {idle:.0f} ms; {read_mb:.0f} MB/token at "
-        f"{read_mb / busy:.2f} GB/s while busy",
+        f"  disk busy {busy:.0f} ms a token, idle {idle:.0f} ms; {read_mb / busy:.2f} GB/s while busy",
         "  | phase | ms | disk idle ms |",
         "  |---|---|---|",
     ]

@@ -94,7 +94,7 @@ class HintScores:
         return math.ceil(self._sums[layer][0] / PREFETCH_MIN_PRECISION)
 
     def step_over(self) -> None:
-        """A step ended: score every hint whose layer was fetched."""
+        """A step ended: score every hint whose layer was fetched; no hinted step sweeps the tier now."""
         self._sweeping.clear()
         for layer in list(self._asked):
             self._score(layer)
