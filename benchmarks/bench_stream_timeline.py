@@ -14,7 +14,8 @@ routed experts (fetched and computed). Per token, averaged over the tokens after
 - per MoE layer at its router: the step's experts resident, being read (a hint's), missing; the time
   from the router to the last read landing and the share of it the disk was busy; how long the step's
   first read waited to start;
-- the fetch wait, the bytes read, the reads in flight on average, the CPU time (user / system).
+- the fetch wait, the bytes read, the reads in flight on average, the CPU time (user / system);
+- the time the disk was busy (at least one read running) and idle, and its read rate while busy.
 
 The store's read rate (`bench_real.store_read_rate`) is measured first, and each fraction prints its
 reads at that rate and the ratio of its decode to max(that, the decode's own compute: ms less fetch wait).
@@ -175,6 +176,16 @@ def step_rows(events: list, begin: float, end: float, ranges: list) -> list[tupl
     return rows
 
 
+Spans = list[tuple[float, float]]
+
+
+def disk_per_token(ranges: Spans, spans: Spans) -> tuple[float, float]:
+    """The mean ms a token the disk was busy (at least one read running) and idle, over the token
+    `spans` ((start, end) ms)."""
+    busy = statistics.mean(busy_ms(ranges, start, stop) for start, stop in spans)
+    return busy, statistics.mean(stop - start for start, stop in spans) - busy
+
+
 def report(name: str, result: dict[str, Any], tokens: int, rate: float) -> list[str]:
     events = [tuple(event) for event in result["events"]]
     ranges = sorted((e[2], e[3]) for e in events if e[0] == "range")
@@ -182,12 +193,15 @@ def report(name: str, result: dict[str, Any], tokens: int, rate: float) -> list[
     ms = statistics.mean(stop - start for start, stop in spans)
     read_ms = 1e3 * result["read_bytes"] / tokens / rate
     compute = ms - result["fetch_ms"] / tokens
+    busy, idle = disk_per_token(ranges, spans)
+    read_mb = result["read_bytes"] / tokens / 1e6
     lines = [
         f"{name}: {ms:.0f} ms/token, fetch wait {result['fetch_ms'] / tokens:.1f}, read "
-        f"{result['read_bytes'] / tokens / 1e6:.0f} MB/token = {read_ms:.0f} ms at {rate / 1e9:.2f} GB/s; "
+        f"{read_mb:.0f} MB/token = {read_ms:.0f} ms at {rate / 1e9:.2f} GB/s; "
         f"max(compute, reads) / measured {max(compute, read_ms) / ms:.2f}; reads in flight "
         f"{statistics.mean(e[4] for e in events if e[0] == 'range'):.1f}; CPU user / system "
         f"{1e3 * result['cpu'][0] / tokens:.0f} / {1e3 * result['cpu'][1] / tokens:.0f} ms/token",
+        f"  disk busy {busy:.0f} ms a token, idle {idle:.0f} ms; {read_mb / busy:.2f} GB/s while busy",
         "  | phase | ms | disk idle ms |",
         "  |---|---|---|",
     ]

@@ -1,5 +1,6 @@
-"""bench_stream_timeline's arithmetic: the disk's busy time is the union of the read ranges, and each
-token phase's idle time and each router's counts come from the events."""
+"""bench_stream_timeline's arithmetic: the disk's busy time is the union of the read ranges, each
+token phase's idle time and each router's counts come from the events, and a token's busy and idle
+time add up to it."""
 
 from __future__ import annotations
 
@@ -45,3 +46,9 @@ def test_each_phase_of_a_token_has_its_time_and_the_disk_idle_in_it(timeline):
     [(layer, row)] = timeline.step_rows(events, 0.0, 100.0, ranges)
     # the reads started after the router: expert 9's, 3 ms after it; the last lands 28 ms after it
     assert layer == 1 and row == (6, 2, 8, 28.0, 1.0, 3.0)
+
+
+def test_the_disk_busy_and_idle_time_of_a_token_add_up_to_the_token(timeline):
+    ranges = [(5.0, 15.0), (10.0, 20.0), (110.0, 150.0)]
+    busy, idle = timeline.disk_per_token(ranges, [(0.0, 100.0), (100.0, 160.0)])
+    assert (busy, idle) == (27.5, 52.5)  # tokens of 100 and 60 ms: busy 15 and 40, idle 85 and 20

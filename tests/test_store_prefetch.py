@@ -250,10 +250,14 @@ def test_a_hint_larger_than_the_share_of_hints_reads_its_first_experts_up_to_the
     assert stats["prefetch_too_large"] == 1
 
 
-def test_a_hint_larger_than_the_share_evicts_nothing_a_hint_within_it_may(pack):
+def test_a_hint_larger_than_the_share_and_hints_behind_it_evict_nothing(pack):
     """The step a hint that large predicts sweeps the tier: what the tier holds for it is the step's own
-    reads to keep or evict, so such a hint reads into free slots only; a smaller hint evicts as ever."""
-    layer, k = pack.moe_layers[0], pack.top_k
+    reads to keep or evict, so such a hint reads into free slots only, and so does a hint for a layer
+    whose step comes after that one (the sweep would evict what it read before its layer came: a
+    prefill's token hint for its last MoE layer); once the sweeping layer was fetched, a hint within
+    the share evicts as ever."""
+    layer, later, third = pack.moe_layers[:3]
+    k = pack.top_k
     with ExpertStore(pack, ram_mib=2 * k * pack.object_bytes / MIB) as store:
         for start in (0, k):  # the tier full of experts no step holds
             store.fetch(layer, list(range(start, start + k)))
@@ -262,11 +266,16 @@ def test_a_hint_larger_than_the_share_evicts_nothing_a_hint_within_it_may(pack):
         store.prefetch(layer, large)
         drain(store)
         assert store.ready(layer, large) == [] and store.ready(layer, range(2 * k)) == list(range(2 * k))
-        other = pack.moe_layers[1]  # (a hint following the large one for its layer's step evicts
-        small = list(range(k))  # nothing either)
-        store.prefetch(other, small)
+        small = list(range(k))
+        store.prefetch(later, small)
         drain(store)
-        assert store.ready(other, small) == small
+        assert store.ready(later, small) == [] and store.ready(layer, range(2 * k)) == list(range(2 * k))
+        assert store.stats()["pack_reads"] == 2 * k
+        store.fetch(layer, [0])  # the sweeping step
+        store.release()
+        store.prefetch(third, small)
+        drain(store)
+        assert store.ready(third, small) == small
 
 
 def test_a_hint_that_follows_another_for_the_same_step_evicts_nothing(pack):

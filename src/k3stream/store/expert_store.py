@@ -254,9 +254,9 @@ class ExpertStore:
         """Start loading these experts in the background; never blocks, never evicts pinned experts.
         Adaptive: only while the layer's hints have been precise enough, and no more of the experts
         it would read than its hints earned (`HintScores.allowance`, the first in `expert_ids`' order);
-        beyond the hints' share of the tier, not those (`prefetch_too_large`); a hint that large, or
-        one following another hint of its layer for the same step, reads into free slots only.
-        Ignored after `close()`."""
+        beyond the hints' share of the tier, not those (`prefetch_too_large`); a hint that large, one
+        following another hint of its layer for the same step, or one for a layer whose step comes
+        after such a large one's, reads into free slots only. Ignored after `close()`."""
         if self._prefetcher is None:
             return
         keys = self._keys(layer, expert_ids)
@@ -276,12 +276,16 @@ class ExpertStore:
             # likeliest `share` experts are read, into free slots only (a prefill's hint of most of a
             # layer: its reads start before the router runs in a cold tier, and evict nothing a warm
             # one holds for the step), the rest are dropped; a hint that follows another for the same
-            # step (a prefill's pre-attention hint after its layer-ahead one) fills free slots only too
+            # step (a prefill's pre-attention hint after its layer-ahead one) fills free slots only too,
+            # and so does a hint for a layer whose step comes after a step that large (a prefill's token
+            # hint for its last layer): that step would evict what it read before its layer came
             too_large = max(0, len(loaded) - share)
             self._counts["prefetch_too_large"] += too_large
+            if too_large:
+                self._hints.sweeps(layer)
             dropped = set(absent[len(loaded) - too_large :])
             keys = sorted(key for key in keys if key[1] not in dropped)  # read in pack order
-            load = Load.FILL if too_large or follows else Load.HINT
+            load = Load.FILL if too_large or follows or self._hints.behind_sweep(layer) else Load.HINT
             self._prefetcher.submit(self._prefetch_job, keys, self._hints.serial(layer), load)
 
     def read_ahead(self, layer: int, expert_ids: Iterable[int]) -> None:

@@ -45,6 +45,7 @@ class HintScores:
         self._pending: dict[int, set[int]] = {}  # each layer's hinted experts, not yet scored
         self._asked: dict[int, set[int]] = {}  # what its fetches asked for since
         self._fetches: Counter[int] = Counter()
+        self._sweeping: set[int] = set()  # layers hinted larger than the hints' share, not yet fetched
         self.counts = Counter(prefetch_stale=0, prefetch_suppressed=0)
 
     def active(self, layer: int) -> bool:
@@ -54,6 +55,7 @@ class HintScores:
     def fetched(self, layer: int, experts: list[int]) -> None:
         """A fetch of `layer` asked for `experts`: kept for scoring the layer's pending hint; numbered."""
         self._fetches[layer] += 1
+        self._sweeping.discard(layer)
         if layer in self._pending:
             self._asked.setdefault(layer, set()).update(experts)
 
@@ -61,6 +63,15 @@ class HintScores:
         """Whether a hint of `layer` would follow another one for the same step (a hint its layer's
         fetches have not yet scored)."""
         return bool(self._pending.get(layer)) and layer not in self._asked
+
+    def sweeps(self, layer: int) -> None:
+        """`layer` was hinted larger than the hints' share of the tier: its step sweeps the tier."""
+        self._sweeping.add(layer)
+
+    def behind_sweep(self, layer: int) -> bool:
+        """Whether another layer hinted to sweep the tier (`sweeps`) has not been fetched since: its step
+        comes before `layer`'s."""
+        return bool(self._sweeping - {layer})
 
     def hinted(self, layer: int, requested: int, absent: list[int]) -> list[int]:
         """A hint of `requested` experts, `absent` of them not in the compute tier (in the hint's order):
@@ -83,7 +94,8 @@ class HintScores:
         return math.ceil(self._sums[layer][0] / PREFETCH_MIN_PRECISION)
 
     def step_over(self) -> None:
-        """A step ended: score every hint whose layer was fetched."""
+        """A step ended: score every hint whose layer was fetched; no hinted step sweeps the tier now."""
+        self._sweeping.clear()
         for layer in list(self._asked):
             self._score(layer)
 
