@@ -44,6 +44,8 @@ KIMI_K2_PATTERN = "|".join(
 # V1: the `&&` of the character classes is set intersection, as in tiktoken's (Rust) regex
 _PRETOKENIZER = regex.compile(KIMI_K2_PATTERN, flags=regex.V1)
 
+TOOL_USE_TEMPLATE_KEY = "tokenizer.chat_template.tool_use"  # the named template `tool_use`
+
 # gguf.TokenType values
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 _SPECIAL_TYPES = (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN)
@@ -79,6 +81,7 @@ class VocabFields:
     add_bos: bool = False
     chat_template: str | None = None
     source: str = "tokenizer"
+    chat_template_tool_use: str | None = None  # tokenizer.chat_template.tool_use: for requests with tools
     merges: list[str] | None = None  # tokenizer.ggml.merges (None: the file has none)
 
 
@@ -138,6 +141,7 @@ def _read_fields(metadata: Callable[[str, Any], Any], source: str) -> VocabField
         eos_id=eos,
         add_bos=bool(_typed(metadata, "tokenizer.ggml.add_bos_token", bool, source)),
         chat_template=_typed(metadata, "tokenizer.chat_template", str, source),
+        chat_template_tool_use=_typed(metadata, TOOL_USE_TEMPLATE_KEY, str, source),
         source=source,
         merges=merges,
     )
@@ -160,7 +164,7 @@ class Tokenizer:
             raise ValueError(f"{fields.source}: tokenizer.ggml.pre is {fields.pre!r}, expected 'kimi-k2'")
         self.source = fields.source
         self.bos_id, self.eos_id, self.add_bos = fields.bos_id, fields.eos_id, fields.add_bos
-        self.chat_template = fields.chat_template
+        self.chat_template, self.chat_template_tool_use = fields.chat_template, fields.chat_template_tool_use
         self.vocab_size = len(fields.tokens)
         self._ranks, special, user_defined = self._split_vocab(fields)
         if fields.merges is None and len(self._ranks) > 256:
