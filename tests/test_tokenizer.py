@@ -340,3 +340,33 @@ def test_a_vocabulary_without_merges_is_refused_where_llama_cpp_would_split_ever
     line = f"{path}: metadata tokenizer.ggml.merges is missing; a gpt2 vocabulary of more than its 256 bytes"
     with pytest.raises(ValueError, match=f"^{re.escape(line)} needs its merges$"):
         Tokenizer.from_gguf(path)
+
+
+@requires_llama
+def test_user_defined_tokens_are_parsed_even_where_control_ones_are_not(tiny_model, tmp_path):
+    """As llama.cpp: USER_DEFINED text becomes its token with or without special parsing, CONTROL text
+    only with it."""
+    import llama_cpp
+
+    from k3stream.gguf.reader import K3Checkpoint
+
+    source = tiny_model(vocab=600)
+    checkpoint = K3Checkpoint.open(source)
+    tokens = list(checkpoint.metadata("tokenizer.ggml.tokens"))
+    types = [int(t) for t in checkpoint.metadata("tokenizer.ggml.token_type")]
+    pad = types.index(5)  # the first UNUSED padding token becomes a user-defined one
+    tokens[pad], types[pad] = "<|user|>", 4
+    arrays = {
+        "tokenizer.ggml.tokens": (tokens, GGUFValueType.ARRAY),
+        "tokenizer.ggml.token_type": (types, GGUFValueType.ARRAY),
+    }
+    path = rewrite(source, tmp_path / "user-defined.gguf", set_keys=arrays)
+    tokenizer = Tokenizer.from_gguf(path)
+    llama = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    text = "say <|user|> then <|im_end|> and<|user|><|user|>x"
+    for special in (True, False):
+        ids = tokenizer.encode(text, allow_special=special, add_bos=False)
+        assert ids == _llama_ids(llama, text, special)
+        assert ids.count(pad) == 3
+        assert (tokenizer.token_id("<|im_end|>") in ids) == special
+    llama.close()

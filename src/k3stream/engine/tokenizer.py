@@ -5,8 +5,8 @@ byte-to-unicode alphabet, a token type per id (the special tokens CONTROL) and `
 which the converter derives from the tiktoken ranks (a token's last pair, in token order). As llama.cpp,
 we cut text at special tokens, then with the `kimi-k2` pre-tokenizer regex, and merge each piece's bytes
 by the merge list (`gguf.bpe.MergeBPE`): a file whose merges are in another order than its tokens
-tokenizes as llama.cpp tokenizes it, and a `gpt2` vocabulary without merges is refused, as llama.cpp
-refuses it.
+tokenizes as llama.cpp tokenizes it. A `gpt2` vocabulary without merges is refused (llama.cpp 0.3.36
+loads one and tokenizes every byte alone), and so is a merge naming a text that is no token.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class Tokenizer:
             fields.source,
         )
         self.special_tokens: dict[str, int] = special
-        self._special_cut = {
+        self._special_cuts = {
             allow_special: _special_cut(special if allow_special else user_defined)
             for allow_special in (True, False)
         }
@@ -243,7 +243,7 @@ class Tokenizer:
         """
         adds_bos = self.add_bos if add_bos is None else add_bos
         ids = [self.bos_id] if adds_bos and self.bos_id is not None else []
-        cut = self._special_cut[allow_special]
+        cut = self._special_cuts[allow_special]
         # the split's odd pieces are the special tokens it cut at
         for index, fragment in enumerate(cut.split(text) if cut is not None else (text,)):
             if index % 2:
