@@ -130,7 +130,8 @@ NAN = np.float16(np.nan).tobytes()
 def test_pack_refuses_an_expert_with_a_non_finite_scale_and_leaves_no_pack(tiny_model, tmp_path, capsys):
     """`pack` reads every object back for its checksum and checks it there: a NaN scale in expert 5's
     block 3 is refused in one line naming the GGUF, tensor, expert and block; no pack or manifest is
-    left under its name, and a second run, resuming, refuses it again."""
+    left under its name, and a second run refuses it again
+    (test_pack_resume: a resumed build checks the objects it keeps)."""
     source = tiny_model(recipe="dynamic", **DIMS)
     path = damaged_copy(source, tmp_path, DAMAGED_EXPERT, 5 * EXPERT_BYTES + 3 * 66, NAN)
     line = f"{path}: {DAMAGED_EXPERT} expert 5: the scale of block 3 is NaN or infinite; its GGUF is damaged"
