@@ -327,9 +327,9 @@ class ReleaseHook:
 
 def test_a_load_holds_no_buffer_it_installed_once_it_releases_the_lock(packed):  # noqa: F811
     """Another thread may evict an expert as soon as the load that installed it releases the store's
-    lock, and read a new one into a fresh buffer; a load still holding the evicted buffer kept its bytes
-    alive beside the new ones, one object over the budget (`live_host_bytes`, seen under load in
-    test_store's prefetch test). Here each prefetched expert is evicted at that moment, as a competing
+    lock, and read a new one into a fresh buffer; a load that still held the evicted buffer would keep its
+    bytes alive beside the new ones, one object over the budget (`live_host_bytes`, as test_store's
+    prefetch test saw under load). Here each prefetched expert is evicted at that moment, as a competing
     load evicts it, and its buffer must die with the eviction."""
     _, pack = packed
     layer = pack.moe_layers[0]

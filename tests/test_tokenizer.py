@@ -264,7 +264,7 @@ def _merges(model_path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reordered_path(model_path, tmp_path_factory):
-    """The tiny model with its merges reversed: the merge order is no longer the token order."""
+    """The tiny model with its merges reversed: the merge order is not the token order."""
     merges = (_merges(model_path)[::-1], GGUFValueType.ARRAY)
     out = tmp_path_factory.mktemp("merges") / "reordered.gguf"
     return rewrite(model_path, out, set_keys={"tokenizer.ggml.merges": merges})
