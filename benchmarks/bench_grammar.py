@@ -54,7 +54,7 @@ def llguidance_walker(tok: Tokenizer) -> Callable[[list[int]], None]:
     import llguidance
     from llguidance.tiktoken import lltokenizer_from_encoding
 
-    lltok = lltokenizer_from_encoding(tok._encoding, n_vocab=tok.vocab_size, eos_token=tok.eos_id)
+    lltok = lltokenizer_from_encoding(tok.encoding, n_vocab=tok.vocab_size, eos_token=tok.eos_id)
     grammar = llguidance.LLMatcher.grammar_from_json_schema(
         json.dumps(SCHEMA), defaults={"whitespace_flexible": False}
     )

@@ -26,10 +26,16 @@ KIMI_TOOL_TEMPLATE = CHAT_TEMPLATE.replace(
 
 
 def retokenized(
-    source: Path, out: Path, *, chat_template: str | None, special_tokens: tuple[str, ...] = ()
+    source: Path,
+    out: Path,
+    *,
+    chat_template: str | None,
+    special_tokens: tuple[str, ...] = (),
+    tool_use_template: str | None = None,
 ) -> Path:
     """`out`: `source` (a one-file tiny GGUF made with a padded `vocab`) with `tokenizer.chat_template`
-    replaced (None: removed) and its first padding tokens renamed to `special_tokens` (CONTROL)."""
+    replaced (None: removed), `tokenizer.chat_template.tool_use` written when given, and its first
+    padding tokens renamed to `special_tokens` (CONTROL)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     from k3stream.gguf.config import ARCH
@@ -47,12 +53,14 @@ def retokenized(
     replaced = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types}
     writer = GGUFWriter(out, ARCH)
     for key, field in checkpoint.fields.items():
-        if key.startswith(("GGUF.", "general.architecture")) or key == "tokenizer.chat_template":
+        if key.startswith(("GGUF.", "general.architecture", "tokenizer.chat_template")):
             continue
         sub_type = field.types[-1] if len(field.types) > 1 else None
         writer.add_key_value(key, replaced.get(key, field.contents()), field.types[0], sub_type=sub_type)
     if chat_template is not None:
         writer.add_string("tokenizer.chat_template", chat_template)
+    if tool_use_template is not None:
+        writer.add_string("tokenizer.chat_template.tool_use", tool_use_template)
     for name, info in checkpoint.tensors.items():
         if info.ggml_type not in FLOAT_TYPE_IDS:
             raise ValueError(f"{source}: {name} is quantized; make the source with the f32 or f16 recipe")

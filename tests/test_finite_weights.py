@@ -6,6 +6,7 @@ nonsense)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -15,6 +16,10 @@ from gguf.quants import dequantize as gguf_dequantize
 
 import k3stream
 from k3stream.cli import main
+from k3stream.gguf.reader import K3Checkpoint
+from k3stream.pack import format as fmt
+from k3stream.pack.builder import plan_pack
+from k3stream.pack.paths import default_outputs
 from k3stream.quant import DECODE_ONLY_TYPES, SUPPORTED_TYPES, quantize, type_size
 from k3stream.quant.finite import first_non_finite
 from k3stream.quant.types import FLOAT_TYPES, T
@@ -64,14 +69,19 @@ def test_a_float_value_is_found_by_its_index(qtype, bad):
     assert first_non_finite(np.zeros(128, np.uint8), qtype) is None
 
 
-def damaged_copy(source, tmp_path, tensor_name: str, byte: int, data: bytes):
-    """A copy of the GGUF `source` with `data` written at byte `byte` of tensor `tensor_name`'s data."""
-    path = tmp_path / source.name
-    shutil.copyfile(source, path)
+def damage(path, tensor_name: str, byte: int, data: bytes) -> None:
+    """`data` written over the GGUF at `path`, at byte `byte` of tensor `tensor_name`'s data."""
     tensor = next(t for t in GGUFReader(str(path)).tensors if t.name == tensor_name)
     with path.open("r+b") as stream:
         stream.seek(int(tensor.data_offset) + byte)
         stream.write(data)
+
+
+def damaged_copy(source, tmp_path, tensor_name: str, byte: int, data: bytes):
+    """A copy of the GGUF `source` with `data` written at byte `byte` of tensor `tensor_name`'s data."""
+    path = tmp_path / source.name
+    shutil.copyfile(source, path)
+    damage(path, tensor_name, byte, data)
     return path
 
 
@@ -111,19 +121,47 @@ def test_a_gguf_with_a_non_finite_weight_is_refused_in_one_line(
         assert error.startswith(f"k3stream {argv[0]}: error: {expected}") and where in error, error
 
 
+# an IQ2_XXS expert of the dynamic recipe: 66-byte blocks, d first
+DAMAGED_EXPERT = "blk.2.ffn_up_exps.weight"
+EXPERT_BYTES = 256 * 256 // 256 * 66
+NAN = np.float16(np.nan).tobytes()
+
+
+def test_pack_refuses_an_expert_with_a_non_finite_scale_and_leaves_no_pack(tiny_model, tmp_path, capsys):
+    """`pack` reads every object back for its checksum and checks it there: a NaN scale in expert 5's
+    block 3 is refused in one line naming the GGUF, tensor, expert and block; no pack or manifest is
+    left under its name, and a second run refuses it again
+    (test_pack_resume: a resumed build checks the objects it keeps)."""
+    source = tiny_model(recipe="dynamic", **DIMS)
+    path = damaged_copy(source, tmp_path, DAMAGED_EXPERT, 5 * EXPERT_BYTES + 3 * 66, NAN)
+    line = f"{path}: {DAMAGED_EXPERT} expert 5: the scale of block 3 is NaN or infinite; its GGUF is damaged"
+    pack, manifest = default_outputs([path])
+    for _ in range(2):
+        assert main(["pack", str(path), "--no-progress"]) == 1
+        assert capsys.readouterr().err.strip().splitlines() == [f"k3stream pack: error: {line}"]
+        assert not pack.exists() and not manifest.exists()
+
+
 def test_verify_full_names_an_expert_with_a_non_finite_scale(tiny_model, tmp_path, capsys):
     """Routed experts load when routed, unchecked; `verify --full`, which reads every payload, finds a NaN
-    scale (an IQ2_XXS expert of the dynamic recipe, 66-byte blocks, d first) and names pack, tensor,
-    expert and block."""
+    scale that GGUF and pack both hold (a pack sglang's packer wrote: its manifest records no checksums,
+    and it does not check) and names pack, tensor, expert and block."""
     source = tiny_model(recipe="dynamic", **DIMS)
-    tensor = "blk.2.ffn_up_exps.weight"
-    expert_bytes = 256 * 256 // 256 * 66
-    path = damaged_copy(source, tmp_path, tensor, 5 * expert_bytes + 3 * 66, np.float16(np.nan).tobytes())
+    path = tmp_path / source.name
+    shutil.copyfile(source, path)
     assert main(["pack", str(path), "--no-progress"]) == 0
-    pack = path.with_name("tiny-kimi-k3.expert-major.pack")
+    pack, manifest = default_outputs([path])
+    recorded = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({key: value for key, value in recorded.items() if key != "integrity"}))
+    layout = plan_pack(K3Checkpoint.open(path)).layout
+    role_offset = layout.offsets_at(layout.layer_position(2))[fmt.ROLES.index("up")]
+    with pack.open("r+b") as stream:
+        stream.seek(layout.object_offset(2, 5) + role_offset + 3 * 66)
+        stream.write(NAN)
+    damage(path, DAMAGED_EXPERT, 5 * EXPERT_BYTES + 3 * 66, NAN)
     assert main(["verify", str(path), "--full"]) == 1
     error = capsys.readouterr().err.strip().splitlines()
     assert error == [
-        f"k3stream verify: error: {pack}: {tensor} expert 5: the scale of block 3 is NaN or infinite; "
-        "its GGUF is damaged"
+        f"k3stream verify: error: {pack}: {DAMAGED_EXPERT} expert 5: the scale of block 3 is NaN or "
+        "infinite; its GGUF is damaged"
     ]

@@ -573,6 +573,7 @@ def test_kimi_k3_chat_stops_at_the_response_close():
         pre="kimi-k2",
         bos_id=vocab.bos_id,
         eos_id=vocab.eos_id,
+        merges=list(vocab.merges),
     )
     k3_style = Tokenizer(fields)
     assert chat_stop_token_ids(k3_style, thinking=False) == (len(vocab.tokens),)

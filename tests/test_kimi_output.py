@@ -31,7 +31,8 @@ def make_tokenizer(specials: tuple[str, ...] = ()) -> Tokenizer:
     for offset, text in enumerate(specials):
         tokens[len(tiny_vocab().tokens) + offset] = text
         types[len(tiny_vocab().tokens) + offset] = 3
-    fields = VocabFields(tokens, types, "gpt2", "kimi-k2", vocab.bos_id, vocab.eos_id)
+    merges = list(vocab.merges)
+    fields = VocabFields(tokens, types, "gpt2", "kimi-k2", vocab.bos_id, vocab.eos_id, merges=merges)
     return Tokenizer(fields)
 
 

@@ -4,14 +4,17 @@ resumes from the last intact entry (checked against the GGUF) instead of startin
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from k3stream.pack.builder import BuildOptions, BuildResult, build_pack
+from k3stream.gguf.reader import K3Checkpoint
+from k3stream.pack.builder import BuildOptions, BuildResult, build_pack, plan_pack
 from k3stream.pack.verify import verify_pack
 from pack_helpers import copy_model, read_index
 
@@ -85,6 +88,34 @@ def test_resume_checks_the_entries_it_keeps(model, clean_pack):
         stream.write(b"\xff")
     assert rerun(model).resumed_bytes == 40 * ENTRY_BYTES
     assert (model.parent / PACK).read_bytes() == clean_pack
+
+
+def test_resume_checks_the_objects_it_keeps_for_non_finite_values(model):
+    """A partial pack a build wrote without the check (here: a kept entry and its GGUF bytes both given a
+    NaN after the kill, the GGUF's time restored so the journal still trusts it) is refused when resumed,
+    before anything more is copied, naming the GGUF, tensor, expert and value."""
+    assert run_pack(model, kill_at="entry:100").returncode == -9
+    plan = plan_pack(K3Checkpoint.open(model))
+    path, source_offset, tensor = plan.source(40)  # entry 40: within the journalled range
+    _, expert, _ = plan.layout.identity(40)
+    nan = np.float32(np.nan).tobytes()
+    times = path.stat()
+    for file, offset in (
+        (path, source_offset),
+        (model.parent / f"{PACK}.partial", plan.layout.entry(40).offset),
+    ):
+        with file.open("r+b") as stream:
+            stream.seek(offset + 7 * 4)
+            stream.write(nan)
+    os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
+    with pytest.raises(ValueError) as refused:
+        rerun(model)
+    assert (
+        str(refused.value)
+        == f"{path}: {tensor} expert {expert}: value 7 is NaN or infinite; its GGUF is damaged"
+    )
+    assert_nothing_complete(model.parent)
+    assert journal_entries(model.parent) == 96  # nothing copied past the kept entries
 
 
 def test_killed_before_the_first_checkpoint_starts_over(model, clean_pack):

@@ -224,6 +224,59 @@ def test_builtin_template_renders_tools_and_calls(builtin_gguf):
         served.close()
 
 
+# The default template of a model that keeps its tool template apart: it never declares tools.
+PLAIN_TEMPLATE = KIMI_TOOL_TEMPLATE.split("{%- endif -%}", 1)[1]
+
+
+@pytest.fixture(scope="module")
+def two_templates_gguf(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tool-use") / "kimi-tool-use.gguf"
+    source = tiny_model(vocab=600, context_length=2048)
+    return retokenized(source, out, chat_template=PLAIN_TEMPLATE, tool_use_template=KIMI_TOOL_TEMPLATE)
+
+
+def test_a_request_with_tools_takes_the_files_tool_use_template(two_templates_gguf):
+    """llama-server's choice: `tokenizer.chat_template.tool_use` renders a request whose tools are a
+    non-empty list, `tokenizer.chat_template` every other one; /props names both."""
+    assert "tool_declare" not in PLAIN_TEMPLATE
+    with_tools = ChatTemplate(KIMI_TOOL_TEMPLATE).render(ASK, tools=TOOLS)
+    without = ChatTemplate(PLAIN_TEMPLATE).render(ASK)
+    served = served_from_runtime(load_runtime(two_templates_gguf))
+    try:
+        with ServerThread(create_app(served, ServerConfig(max_batch=2))) as thread:
+            rendered = [
+                httpx.post(thread.url + "/apply-template", json={"messages": ASK, **tools}, timeout=60)
+                .json()
+                .get("prompt")
+                for tools in ({"tools": TOOLS}, {}, {"tools": []})
+            ]
+            props = httpx.get(thread.url + "/props", timeout=60).json()
+            api = openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0, timeout=120)
+            answer = api.chat.completions.create(
+                model=served.name, messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=120, temperature=0
+            )
+        assert rendered == [with_tools, without, without]
+        assert props["chat_template"] == PLAIN_TEMPLATE
+        assert props["chat_template_tool_use"] == KIMI_TOOL_TEMPLATE
+        assert answer.usage.prompt_tokens == len(served.tokenizer.encode(with_tools, allow_special=True))
+        check_call(answer.choices[0].message.tool_calls[0])
+    finally:
+        served.close()
+
+
+def test_a_file_whose_only_template_is_tool_use_renders_every_request_with_it(tiny_model, tmp_path):
+    """As llama.cpp: with no `tokenizer.chat_template`, the `tool_use` one is the default too."""
+    from k3stream.engine.tokenizer import Tokenizer
+
+    source = tiny_model(vocab=600, context_length=2048)
+    out = tmp_path / "only-tool-use.gguf"
+    path = retokenized(source, out, chat_template=None, tool_use_template=PLAIN_TEMPLATE)
+    template = ChatTemplate.for_tokenizer(Tokenizer.from_gguf(path))
+    assert not template.is_builtin
+    assert template.render(ASK) == ChatTemplate(PLAIN_TEMPLATE).render(ASK)
+    assert template.render(ASK, tools=TOOLS) == ChatTemplate(PLAIN_TEMPLATE).render(ASK, tools=TOOLS)
+
+
 def test_builtin_templates_think_channel_is_reasoning_and_a_forced_call_follows_it(builtin_gguf):
     """The built-in template opens `<|open|>think<|sep|>`: the answer is reasoning until the channel
     closes (`<|close|>think<|sep|><|open|>response<|sep|>`), and a forced call's grammar applies from

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ import pytest
 import k3stream.store.pack_io as pack_io
 from k3stream.store import ExpertStore
 from k3stream.store.cache import WorkingSetTooLarge
+from k3stream.store.loading import Load
 from k3stream.store.pack_io import PackFile, ReadRequest
 from test_store import budget, gguf_expert_bytes, packed  # noqa: F401 (packed: a fixture)
 
@@ -305,3 +307,47 @@ def test_a_hinted_expert_whose_read_is_still_queued_is_raised_when_a_step_asks_f
     finally:
         gate.set()
         store.close()
+
+
+class ReleaseHook:
+    """The store's lock as the loader takes it, running `after_release()` in the releasing thread each
+    time a `with` block leaves it: the moment another thread may take the lock."""
+
+    def __init__(self, lock: Any, after_release: Callable[[], None]) -> None:
+        self._lock, self._after_release = lock, after_release
+
+    def __enter__(self) -> ReleaseHook:
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        self._after_release()
+
+
+def test_a_load_holds_no_buffer_it_installed_once_it_releases_the_lock(packed):  # noqa: F811
+    """Another thread may evict an expert as soon as the load that installed it releases the store's
+    lock, and read a new one into a fresh buffer; a load that still held the evicted buffer would keep its
+    bytes alive beside the new ones, one object over the budget (`live_host_bytes`, as test_store's
+    prefetch test saw under load). Here each prefetched expert is evicted at that moment, as a competing
+    load evicts it, and its buffer must die with the eviction."""
+    _, pack = packed
+    layer = pack.moe_layers[0]
+    with ExpertStore(pack, ram_mib=budget(pack, 2 * pack.top_k), prefetch=False) as store:
+        tier = store._compute
+        evicted, alive = [], []
+
+        def evict_what_a_prefetch_installed() -> None:
+            with store._lock:
+                keys = sorted(tier.unused)  # resident prefetches no fetch has asked for
+                refs = [weakref.ref(tier.buffers[key]) for key in keys]
+                for key in keys:
+                    tier.cache.remove(key)
+                    tier.evict([key])
+            evicted.extend(keys)
+            alive.extend(key for key, ref in zip(keys, refs, strict=True) if ref() is not None)
+
+        store._loader.lock = ReleaseHook(store._lock, evict_what_a_prefetch_installed)
+        store._loader.ensure(tier, [(layer, expert) for expert in range(pack.top_k)], Load.HINT, keep=False)
+    assert len(evicted) == pack.top_k
+    assert not alive, f"evicted experts {alive} still alive, held by the load that installed them"

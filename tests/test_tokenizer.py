@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from gguf import GGUFValueType
 from hypothesis import HealthCheck, given, settings
@@ -252,3 +254,119 @@ def test_tokenizer_keys_of_another_type_are_refused_in_one_line(
     assert capsys.readouterr().err.strip().splitlines() == [
         f"k3stream chat: error: {path}: metadata key {key} {message}"
     ]
+
+
+def _merges(model_path) -> list[str]:
+    from k3stream.gguf.reader import K3Checkpoint
+
+    return list(K3Checkpoint.open(model_path).metadata("tokenizer.ggml.merges"))
+
+
+@pytest.fixture(scope="module")
+def reordered_path(model_path, tmp_path_factory):
+    """The tiny model with its merges reversed: the merge order is not the token order."""
+    merges = (_merges(model_path)[::-1], GGUFValueType.ARRAY)
+    out = tmp_path_factory.mktemp("merges") / "reordered.gguf"
+    return rewrite(model_path, out, set_keys={"tokenizer.ggml.merges": merges})
+
+
+@pytest.fixture(scope="module")
+def reordered_llama(reordered_path):
+    import llama_cpp
+
+    llama = llama_cpp.Llama(str(reordered_path), vocab_only=True, verbose=False)
+    yield llama
+    llama.close()
+
+
+@requires_llama
+def test_merge_order_decides_as_in_llama_cpp(reordered_path, reordered_llama, llama_vocab):
+    """The ranks are the merges' order, not the token ids: the reversed merges tokenize other text
+    than the tiny model's merges do in llama.cpp, and k3stream tokenizes it the same way."""
+    tokenizer = Tokenizer.from_gguf(reordered_path)
+    changed = 0
+    for text in VARIED:
+        for special in (True, False):
+            want = _llama_ids(reordered_llama, text, special)
+            assert tokenizer.encode(text, allow_special=special, add_bos=False) == want, text
+            changed += want != _llama_ids(llama_vocab, text, special)
+    assert changed >= len(VARIED) // 2  # the order matters on many of these texts
+
+
+@requires_llama
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=_TEXT, special=st.booleans())
+def test_random_text_under_reordered_merges_matches_llama_cpp(reordered_path, reordered_llama, text, special):
+    tokenizer = Tokenizer.from_gguf(reordered_path)
+    assert tokenizer.encode(text, allow_special=special) == _llama_ids(reordered_llama, text, special)
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("q Ġz", "names 'Ġz', which is no token of the vocabulary"),
+        ("q z", "names 'qz', which is no token of the vocabulary"),
+        ("qz", "is not two tokens and a space"),
+    ],
+)
+def test_a_merge_naming_no_token_of_the_vocabulary_is_refused_in_one_line(
+    model_path, tmp_path, capsys, entry, message
+):
+    """llama.cpp loads such a file, then turns the words that reach the merge into byte tokens, or drops
+    their bytes: the file is broken, so it is refused before any text is tokenized."""
+    merges = _merges(model_path)
+    merges[3] = entry
+    path = rewrite(
+        model_path, tmp_path / "bad.gguf", set_keys={"tokenizer.ggml.merges": (merges, GGUFValueType.ARRAY)}
+    )
+    line = f"{path}: tokenizer.ggml.merges entry 3 {entry!r} {message}"
+    with pytest.raises(ValueError, match=f"^{re.escape(line)}$"):
+        Tokenizer.from_gguf(path)
+    assert main(["chat", str(path), "--max-tokens", "1"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"k3stream chat: error: {line}"]
+
+
+@requires_llama
+def test_a_vocabulary_without_merges_is_refused_where_llama_cpp_would_split_every_byte(model_path, tmp_path):
+    """llama.cpp loads a gpt2 vocabulary without `tokenizer.ggml.merges` and tokenizes each byte alone:
+    what the model was never trained on. k3stream refuses the file, naming the key."""
+    import llama_cpp
+
+    path = rewrite(model_path, tmp_path / "no-merges.gguf", drop_keys=("tokenizer.ggml.merges",))
+    text = "the quick brown fox"
+    llama = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    assert _llama_ids(llama, text, False) == list(text.encode())  # a byte's token id is its value here
+    llama.close()
+    line = f"{path}: metadata tokenizer.ggml.merges is missing; a gpt2 vocabulary of more than its 256 bytes"
+    with pytest.raises(ValueError, match=f"^{re.escape(line)} needs its merges$"):
+        Tokenizer.from_gguf(path)
+
+
+@requires_llama
+def test_user_defined_tokens_are_parsed_even_where_control_ones_are_not(tiny_model, tmp_path):
+    """As llama.cpp: USER_DEFINED text becomes its token with or without special parsing, CONTROL text
+    only with it."""
+    import llama_cpp
+
+    from k3stream.gguf.reader import K3Checkpoint
+
+    source = tiny_model(vocab=600)
+    checkpoint = K3Checkpoint.open(source)
+    tokens = list(checkpoint.metadata("tokenizer.ggml.tokens"))
+    types = [int(t) for t in checkpoint.metadata("tokenizer.ggml.token_type")]
+    pad = types.index(5)  # the first UNUSED padding token becomes a user-defined one
+    tokens[pad], types[pad] = "<|user|>", 4
+    arrays = {
+        "tokenizer.ggml.tokens": (tokens, GGUFValueType.ARRAY),
+        "tokenizer.ggml.token_type": (types, GGUFValueType.ARRAY),
+    }
+    path = rewrite(source, tmp_path / "user-defined.gguf", set_keys=arrays)
+    tokenizer = Tokenizer.from_gguf(path)
+    llama = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    text = "say <|user|> then <|im_end|> and<|user|><|user|>x"
+    for special in (True, False):
+        ids = tokenizer.encode(text, allow_special=special, add_bos=False)
+        assert ids == _llama_ids(llama, text, special)
+        assert ids.count(pad) == 3
+        assert (tokenizer.token_id("<|im_end|>") in ids) == special
+    llama.close()

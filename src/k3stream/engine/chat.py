@@ -7,7 +7,9 @@ response channel; pass `thinking=True` to open the think channel instead (an ass
 response). With `tools=[...]` it declares
 them in a system message (`<|open|>tools<|sep|>JSON<|close|>tools<|sep|>`), writes an assistant's
 `tool_calls` as Kimi's tool-call section inside its response, and a `tool` message as
-`## Return of ID` then its content (Kimi-K2's shape; a file's own template always wins).
+`## Return of ID` then its content (Kimi-K2's shape; a file's own template always wins). A file with a
+named template `tool_use` (`tokenizer.chat_template.tool_use`) renders requests with tools with it, as
+llama-server does.
 """
 
 from __future__ import annotations
@@ -152,15 +154,23 @@ def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
 
 
 class ChatTemplate:
-    """A compiled chat template; `source` names where it came from in error messages."""
+    """A compiled chat template; `source` names where it came from in error messages. `tool_use`: the
+    template a render with tools uses instead (the file's named template `tool_use`)."""
 
     def __init__(
-        self, template: str, *, source: str = "chat template", bos_token: str = "", eos_token: str = ""
+        self,
+        template: str,
+        *,
+        source: str = "chat template",
+        bos_token: str = "",
+        eos_token: str = "",
+        tool_use: ChatTemplate | None = None,
     ):
         from jinja2 import TemplateError
 
         self.template_text = template
         self.source = source
+        self.tool_use = tool_use
         self._specials = {"bos_token": bos_token, "eos_token": eos_token}
         try:
             self._template = _environment().from_string(template)
@@ -169,17 +179,25 @@ class ChatTemplate:
 
     @classmethod
     def for_tokenizer(cls, tokenizer) -> ChatTemplate:
-        """The file's template, or the built-in Kimi-K3 one when it has none."""
-        text = tokenizer.chat_template
-        source = f"{tokenizer.source}: tokenizer.chat_template"
-        if not text:
-            text, source = BUILTIN_KIMI_K3_TEMPLATE, "built-in Kimi-K3 chat template"
-        return cls(
-            text,
-            source=source,
-            bos_token=_token_text(tokenizer, tokenizer.bos_id),
-            eos_token=_token_text(tokenizer, tokenizer.eos_id),
-        )
+        """The file's templates as llama-server chooses them: `tokenizer.chat_template`, with
+        `tokenizer.chat_template.tool_use` for requests with tools (for every request when the file has
+        no default one); the built-in Kimi-K3 template when the file has neither."""
+        from k3stream.engine.tokenizer import TOOL_USE_TEMPLATE_KEY
+
+        specials = {
+            "bos_token": _token_text(tokenizer, tokenizer.bos_id),
+            "eos_token": _token_text(tokenizer, tokenizer.eos_id),
+        }
+        tool_use = None
+        if tokenizer.chat_template_tool_use:
+            tool_source = f"{tokenizer.source}: {TOOL_USE_TEMPLATE_KEY}"
+            tool_use = cls(tokenizer.chat_template_tool_use, source=tool_source, **specials)
+        if tokenizer.chat_template:
+            source = f"{tokenizer.source}: tokenizer.chat_template"
+            return cls(tokenizer.chat_template, source=source, tool_use=tool_use, **specials)
+        if tool_use is not None:
+            return tool_use
+        return cls(BUILTIN_KIMI_K3_TEMPLATE, source="built-in Kimi-K3 chat template", **specials)
 
     @property
     def is_builtin(self) -> bool:
@@ -190,7 +208,10 @@ class ChatTemplate:
     ) -> str:
         """The prompt text for `messages` (dicts with `role` and `content`). Whatever the template does
         wrong (an error of any kind, a text past MAX_RENDERED_CHARS, loops past MAX_LOOP_STEPS) is a
-        one-line ValueError."""
+        one-line ValueError. Where `tools` is a non-empty list and there is a `tool_use` template, that
+        one renders them, as llama-server chooses."""
+        if self.tool_use is not None and variables.get("tools"):
+            return self.tool_use.render(messages, add_generation_prompt=add_generation_prompt, **variables)
         from io import StringIO
 
         from jinja2 import TemplateError

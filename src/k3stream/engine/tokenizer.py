@@ -1,9 +1,12 @@
-"""Kimi tokenizer rebuilt from GGUF metadata.
+"""Kimi tokenizer rebuilt from GGUF metadata, tokenizing as llama.cpp does.
 
-Kimi ships a tiktoken vocabulary: byte-level BPE where the merge priority of a token is its id (rank),
-with the `kimi-k2` pre-tokenizer regex. The GGUF keeps it as a `gpt2` vocabulary: tokens written in
-GPT-2's byte-to-unicode alphabet, a token type per id and the special tokens marked CONTROL. We turn the
-strings back into bytes and hand them to `tiktoken` with ranks = token ids.
+Kimi ships a tiktoken vocabulary; its GGUF keeps it as a `gpt2` vocabulary: tokens written in GPT-2's
+byte-to-unicode alphabet, a token type per id (the special tokens CONTROL) and `tokenizer.ggml.merges`,
+which the converter derives from the tiktoken ranks (a token's last pair, in token order). As llama.cpp,
+we cut text at special tokens, then with the `kimi-k2` pre-tokenizer regex, and merge each piece's bytes
+by the merge list (`gguf.bpe.MergeBPE`): a file whose merges are in another order than its tokens
+tokenizes as llama.cpp tokenizes it. A `gpt2` vocabulary without merges is refused (llama.cpp 0.3.36
+loads one and tokenizes every byte alone), and so is a merge naming a text that is no token.
 """
 
 from __future__ import annotations
@@ -12,9 +15,13 @@ import codecs
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
+
+import regex
+
+from k3stream.gguf.bpe import MergeBPE, byte_to_unicode
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +41,10 @@ KIMI_K2_PATTERN = "|".join(
         r"\s+",
     ]
 )
+# V1: the `&&` of the character classes is set intersection, as in tiktoken's (Rust) regex
+_PRETOKENIZER = regex.compile(KIMI_K2_PATTERN, flags=regex.V1)
+
+TOOL_USE_TEMPLATE_KEY = "tokenizer.chat_template.tool_use"  # the named template `tool_use`
 
 # gguf.TokenType values
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -43,8 +54,6 @@ _SPECIAL_TYPES = (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN)
 @cache
 def _unicode_to_byte() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode (the alphabet GGUF BPE tokens are written in)."""
-    from k3stream.gguf.bpe import byte_to_unicode
-
     return {char: byte for byte, char in byte_to_unicode().items()}
 
 
@@ -72,6 +81,8 @@ class VocabFields:
     add_bos: bool = False
     chat_template: str | None = None
     source: str = "tokenizer"
+    chat_template_tool_use: str | None = None  # tokenizer.chat_template.tool_use: for requests with tools
+    merges: list[str] | None = None  # tokenizer.ggml.merges (None: the file has none)
 
 
 def _token_id(metadata: Callable[[str, Any], Any], key: str, vocab: int, source: str) -> int | None:
@@ -113,6 +124,11 @@ def _read_fields(metadata: Callable[[str, Any], Any], source: str) -> VocabField
         raise ValueError(
             f"{source}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
         )
+    merges = metadata("tokenizer.ggml.merges", None)
+    if merges is not None and (
+        not isinstance(merges, list) or not all(isinstance(merge, str) for merge in merges)
+    ):
+        raise ValueError(f"{source}: metadata key tokenizer.ggml.merges must be an array of strings")
     bos, eos = (
         _token_id(metadata, f"tokenizer.ggml.{name}_token_id", len(tokens), source) for name in ("bos", "eos")
     )
@@ -125,43 +141,64 @@ def _read_fields(metadata: Callable[[str, Any], Any], source: str) -> VocabField
         eos_id=eos,
         add_bos=bool(_typed(metadata, "tokenizer.ggml.add_bos_token", bool, source)),
         chat_template=_typed(metadata, "tokenizer.chat_template", str, source),
+        chat_template_tool_use=_typed(metadata, TOOL_USE_TEMPLATE_KEY, str, source),
         source=source,
+        merges=merges,
     )
+
+
+def _special_cut(specials: Iterable[str]) -> Any:
+    """A regex whose `split` keeps each special token's text as a piece of its own (the longest of those
+    starting at one place); None when there are none."""
+    texts = sorted((text for text in specials if text), key=len, reverse=True)
+    return regex.compile("(" + "|".join(regex.escape(text) for text in texts) + ")") if texts else None
 
 
 class Tokenizer:
     """Encode/decode with a Kimi vocabulary; ids are the GGUF token ids."""
 
     def __init__(self, fields: VocabFields):
-        import tiktoken
-
         if fields.model != "gpt2":
             raise ValueError(f"{fields.source}: tokenizer.ggml.model is {fields.model!r}, expected 'gpt2'")
         if fields.pre != "kimi-k2":
             raise ValueError(f"{fields.source}: tokenizer.ggml.pre is {fields.pre!r}, expected 'kimi-k2'")
         self.source = fields.source
         self.bos_id, self.eos_id, self.add_bos = fields.bos_id, fields.eos_id, fields.add_bos
-        self.chat_template = fields.chat_template
+        self.chat_template, self.chat_template_tool_use = fields.chat_template, fields.chat_template_tool_use
         self.vocab_size = len(fields.tokens)
-        ranks, special, user_defined = self._split_vocab(fields)
+        self._ranks, special, user_defined = self._split_vocab(fields)
+        if fields.merges is None and len(self._ranks) > 256:
+            raise ValueError(
+                f"{fields.source}: metadata tokenizer.ggml.merges is missing; a gpt2 vocabulary of more "
+                "than its 256 bytes needs its merges"
+            )
+        self._bpe = MergeBPE(
+            fields.merges or [],
+            {text: token_id for token_id, text in enumerate(fields.tokens)},
+            fields.source,
+        )
         self.special_tokens: dict[str, int] = special
-        self._always_special = frozenset(user_defined)
+        self._special_cuts = {
+            allow_special: _special_cut(special if allow_special else user_defined)
+            for allow_special in (True, False)
+        }
         self._pieces = [b""] * self.vocab_size
-        for piece, token_id in ranks.items():
+        for piece, token_id in self._ranks.items():
             self._pieces[token_id] = piece
         self._special_pieces = {token_id: text.encode() for text, token_id in special.items()}
-        self._encoding = tiktoken.Encoding(
+
+    @cached_property
+    def encoding(self) -> Any:
+        """A tiktoken Encoding of the vocabulary (ranks = token ids, special tokens): the vocabulary as
+        byte strings, for grammar libraries (`encode` tokenizes by the merges, not through it)."""
+        import tiktoken
+
+        return tiktoken.Encoding(
             name=f"kimi-k2:{self.source}",
             pat_str=KIMI_K2_PATTERN,
-            mergeable_ranks=ranks,
-            special_tokens=special,
+            mergeable_ranks=self._ranks,
+            special_tokens=self.special_tokens,
         )
-
-    @property
-    def encoding(self) -> Any:
-        """The tiktoken Encoding (ranks = token ids, special tokens): the vocabulary as byte strings, for
-        grammar libraries."""
-        return self._encoding
 
     @staticmethod
     def _split_vocab(fields: VocabFields) -> tuple[dict[bytes, int], dict[str, int], list[str]]:
@@ -199,20 +236,27 @@ class Tokenizer:
         return cls(_read_fields(checkpoint.metadata, str(checkpoint.shards[0])))
 
     def encode(self, text: str, *, allow_special: bool = False, add_bos: bool | None = None) -> list[int]:
-        """Token ids of `text`; special-token text becomes those tokens only when `allow_special`.
+        """Token ids of `text`; special-token text becomes those tokens only when `allow_special` (the
+        USER_DEFINED ones always, as llama.cpp parses them).
 
         `add_bos=None` follows the file's tokenizer.ggml.add_bos_token.
         """
-        allowed = set(self.special_tokens) if allow_special else self._always_special
-        ids = self._encoding.encode(text, allowed_special=allowed, disallowed_special=())
-        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
-            ids.insert(0, self.bos_id)
+        adds_bos = self.add_bos if add_bos is None else add_bos
+        ids = [self.bos_id] if adds_bos and self.bos_id is not None else []
+        cut = self._special_cuts[allow_special]
+        # the split's odd pieces are the special tokens it cut at
+        for index, fragment in enumerate(cut.split(text) if cut is not None else (text,)):
+            if index % 2:
+                ids.append(self.special_tokens[fragment])
+            else:
+                ids += self.encode_plain(fragment)
         return ids
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of `text` as plain text: no special token is ever produced (not even the
         user-defined ones `encode` always parses), no BOS. For untrusted text such as chat content."""
-        return self._encoding.encode(text, allowed_special=set(), disallowed_special=())
+        word_ids = self._bpe.word_ids
+        return [token for word in _PRETOKENIZER.findall(text) for token in word_ids(word)]
 
     def piece(self, token_id: int, *, skip_special: bool = False) -> bytes:
         """Bytes of one token (special tokens as their text unless skipped; unused ids are empty)."""

@@ -1,9 +1,17 @@
-"""The alphabet GGUF BPE vocabularies are written in: GPT-2's reversible map from bytes to printable
-unicode characters (the tokenizer reads tokens back to bytes with it, the tiny vocabularies spell them)."""
+"""GGUF byte-level BPE: the alphabet its vocabularies are written in (GPT-2's reversible map from bytes to
+printable unicode characters) and llama.cpp's merge loop over `tokenizer.ggml.merges`.
+
+A word is cut into its bytes (one alphabet character each); the adjacent pair whose merge comes first in
+the merge list (the leftmost of equal ones) is joined, until no adjacent pair is a merge. Each symbol left
+is the token of that text. The order of the merges decides, not the order of the tokens.
+"""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping, Sequence
+
+WORD_CACHE = 1 << 16  # words whose merged ids are kept: text repeats its words
 
 
 @functools.lru_cache(maxsize=1)
@@ -18,3 +26,52 @@ def byte_to_unicode() -> dict[int, str]:
             mapping[b] = chr(256 + extra)
             extra += 1
     return mapping
+
+
+def split_merge(merge: str) -> tuple[str, str] | None:
+    """The two token texts of one merge entry, split where llama.cpp splits it (the first space after the
+    first character); None when it has no such space."""
+    space = merge.find(" ", 1)
+    return None if space < 0 else (merge[:space], merge[space + 1 :])
+
+
+class MergeBPE:
+    """llama.cpp's BPE over `merges` (`left right` entries, a pair's rank being its first entry's index);
+    `token_ids` maps each token text to its id (a text held twice: its last id, as llama.cpp keeps it).
+
+    Every merge must name tokens of the vocabulary, each part and the pair joined: one that does not is
+    refused naming `source` and the entry."""
+
+    def __init__(self, merges: Sequence[str], token_ids: Mapping[str, int], source: str) -> None:
+        self._ranks: dict[str, int] = {}
+        for index, merge in enumerate(merges):
+            pair = split_merge(merge)
+            if pair is None:
+                raise ValueError(
+                    f"{source}: tokenizer.ggml.merges entry {index} {merge!r} is not two tokens and a space"
+                )
+            unknown = next((text for text in (*pair, "".join(pair)) if text not in token_ids), None)
+            if unknown is not None:
+                raise ValueError(
+                    f"{source}: tokenizer.ggml.merges entry {index} {merge!r} names {unknown!r}, "
+                    "which is no token of the vocabulary"
+                )
+            self._ranks.setdefault(merge, index)
+        self._token_ids = token_ids
+        self._byte_text = byte_to_unicode()
+        self.word_ids = functools.lru_cache(maxsize=WORD_CACHE)(self._merge_word)
+
+    def _merge_word(self, word: str) -> tuple[int, ...]:
+        """The ids of one pre-tokenized piece of text."""
+        symbols = [self._byte_text[b] for b in word.encode("utf-8")]
+        ranks = self._ranks
+        while len(symbols) > 1:
+            best, best_rank = -1, len(ranks)
+            for i in range(len(symbols) - 1):
+                rank = ranks.get(f"{symbols[i]} {symbols[i + 1]}", best_rank)
+                if rank < best_rank:
+                    best, best_rank = i, rank
+            if best < 0:
+                break
+            symbols[best : best + 2] = [symbols[best] + symbols[best + 1]]
+        return tuple(self._token_ids[symbol] for symbol in symbols)

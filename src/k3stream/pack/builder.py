@@ -5,8 +5,10 @@ pread/pwrite) into `PACK.partial`. Progress is recorded durably in a journal sid
 (`PACK.partial.journal`): the pack data is fsynced before the journal says how many entries are done,
 so a build killed at any point resumes from the last journalled entry after checking, byte for byte
 against the GGUF, every entry it resumes past (a build stopped after the rename, before the manifest,
-checks every entry of the renamed pack). The partial file is renamed to the pack only after it is
-complete, fsynced and sample-verified; the manifest comes last. A lock file keeps two builders apart.
+checks every entry of the renamed pack). Every object is read back for its checksum and checked there
+for NaN or infinite values and scales (`PackPlan.check_finite`): the first bad one stops the build. The
+partial file is renamed to the pack only after it is complete, fsynced and sample-verified; the manifest
+comes last. A lock file keeps two builders apart.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from k3stream.gguf.layout import ROUTED_EXPERT_RE, routed_expert_name
 from k3stream.gguf.shards import file_output, refuse_source_output
 from k3stream.pack import format as fmt
 from k3stream.pack.fileio import COPY_CHUNK, fsync_directory, pread_exact, same_bytes, write_json_atomic
-from k3stream.pack.integrity import ObjectHasher, sha256_file
+from k3stream.pack.integrity import ObjectHasher, object_identity, sha256_file
 from k3stream.pack.manifest import (
     ManifestOptions,
     build_manifest,
@@ -38,7 +40,7 @@ from k3stream.pack.manifest import (
     tokenizer_values,
 )
 from k3stream.pack.paths import default_outputs, manifest_path_for
-from k3stream.pack.verify import check_index
+from k3stream.pack.verify import check_finite_payload, check_index
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,17 @@ class PackPlan:
         layer, expert, role = self.layout.identity(index)
         info = self.role_tensors[(layer, fmt.ROLES[role])]
         return info.path, info.data_offset + expert * info.nbytes // self.layout.num_experts, info.name
+
+    def check_finite(self, ordinal: int, data: bytes) -> None:
+        """Refuse object `ordinal` (its pack bytes `data`: up, gate, down and the padding between) where a
+        role's payload holds a NaN or infinite value or scale, naming the GGUF, tensor, expert and block."""
+        layer, expert = object_identity(self.layout, ordinal)
+        position = self.layout.layer_position(layer)
+        offsets, sizes = self.layout.offsets_at(position), self.layout.sizes_at(position)
+        for role, offset, nbytes in zip(fmt.ROLES, offsets, sizes, strict=True):
+            info = self.role_tensors[(layer, role)]
+            payload = memoryview(data)[offset : offset + nbytes]
+            check_finite_payload(payload, info.ggml_type, f"{info.path}: {info.name} expert {expert}")
 
 
 def plan_pack(checkpoint: Any) -> PackPlan:
@@ -332,7 +345,7 @@ def _locked_build(plan: PackPlan, pack: Path, manifest_path: Path, options: Buil
             finishing = _finished_copy_intact(plan, pack, partial, manifest_path, sources)
         if finishing:
             stats = CopyStats(resumed_bytes=plan.layout.payload_bytes)
-            _hash_all(hasher, pack)
+            _hash_all(plan, hasher, pack)
         else:
             _refuse_to_overwrite(pack, manifest_path, options.force)
             stats = _copy_into_partial(plan, partial, journal, identity, done, sources, options, hasher)
@@ -362,12 +375,19 @@ def _locked_build(plan: PackPlan, pack: Path, manifest_path: Path, options: Buil
     )
 
 
-def _hash_all(hasher: ObjectHasher, pack: Path) -> None:
+def _hash_all(plan: PackPlan, hasher: ObjectHasher, pack: Path) -> None:
     fd = os.open(pack, os.O_RDONLY)
     try:
-        hasher.hash_objects(fd, range(hasher.digests.size))
+        _hash_and_check(plan, hasher, fd, range(hasher.digests.size))
     finally:
         os.close(fd)
+
+
+def _hash_and_check(plan: PackPlan, hasher: ObjectHasher, fd: int, ordinals: range) -> None:
+    """Each object of `ordinals` hashed and checked for non-finite values as `fd` holds it: the bytes the
+    digest reads anyway."""
+    for ordinal in ordinals:
+        plan.check_finite(ordinal, hasher.hash_object(fd, ordinal))
 
 
 def _refuse_to_overwrite(pack: Path, manifest_path: Path, force: bool) -> None:
@@ -452,7 +472,8 @@ def _copy_into_partial(
     hasher: ObjectHasher,
 ) -> CopyStats:
     """Copy every entry not yet intact in `partial` and fsync it; `hasher` gets every object's digest
-    (the kept ones read back first, each copied one read back right after its last role)."""
+    (the kept ones read back first, each copied one read back right after its last role), and each
+    object read back is checked for non-finite values."""
     layout = plan.layout
     start = _resume_point(plan, partial, journal_done, sources)
     keep = layout.entry(start).offset if start < layout.index_count else layout.total_size
@@ -476,7 +497,7 @@ def _copy_into_partial(
         if not start:
             os.pwrite(fd, layout.header_and_index(), 0)
         write_journal(journal, identity, start)
-        hasher.hash_objects(fd, range(start // len(fmt.ROLES)))
+        _hash_and_check(plan, hasher, fd, range(start // len(fmt.ROLES)))
         copier = Copier()
         checkpointer = Checkpointer(fd, journal, identity)
         copy_started = time.perf_counter()
@@ -581,7 +602,8 @@ def _copy_entries(
             copied += entry.nbytes
             bar.update(entry.nbytes)
             if index % len(fmt.ROLES) == len(fmt.ROLES) - 1:
-                hasher.hash_object(fd, index // len(fmt.ROLES))
+                ordinal = index // len(fmt.ROLES)
+                _hash_and_check(plan, hasher, fd, range(ordinal, ordinal + 1))
             end = entry.offset + entry.nbytes
             if end - batch_start >= options.sync_bytes:
                 checkpointer.request(index + 1)

@@ -102,7 +102,8 @@ class ObjectHasher:
         self.digests = np.zeros(len(layout.moe_layers) * layout.num_experts, dtype=np.uint64)
         self.done = np.zeros(self.digests.size, dtype=bool)
 
-    def hash_object(self, fd: int, ordinal: int) -> None:
+    def hash_object(self, fd: int, ordinal: int) -> bytes:
+        """Hash object `ordinal` as `fd` holds it; its bytes are returned for whatever else reads them."""
         layer, expert = object_identity(self.layout, ordinal)
         offset = self.layout.object_offset(layer, expert)
         nbytes = self.layout.object_bytes_at(self.layout.layer_position(layer))
@@ -111,6 +112,7 @@ class ObjectHasher:
             raise ValueError(f"expert pack ends inside expert {expert} of layer {layer}")
         self.digests[ordinal] = object_digest(data)
         self.done[ordinal] = True
+        return data
 
     def hash_objects(self, fd: int, ordinals: range) -> None:
         for ordinal in ordinals:

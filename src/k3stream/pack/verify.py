@@ -597,7 +597,7 @@ def verify_payloads(checked: CheckedPack) -> str:
     return digest.hexdigest()
 
 
-def check_finite_payload(payload: bytes, ggml_type: int, what: str) -> None:
+def check_finite_payload(payload: bytes | memoryview, ggml_type: int, what: str) -> None:
     """A routed expert's bytes hold no NaN or infinite value or scale: what the load checks in every other
     tensor (`gguf.weights.check_finite`), read here where every payload is read anyway."""
     problem = non_finite_problem(np.frombuffer(payload, dtype=np.uint8), ggml_type)

@@ -102,6 +102,7 @@ class LlamaEndpoints:
 
     async def props(self) -> dict[str, Any]:
         served = self.served
+        tool_use = served.chat_template.tool_use
         return {
             "default_generation_settings": {
                 "n_ctx": served.ctx,
@@ -111,6 +112,7 @@ class LlamaEndpoints:
             "model_path": Path(str(served.tokenizer.source)).name,  # the name alone: no paths leave
             "model_alias": served.name,
             "chat_template": served.chat_template.template_text,
+            **({"chat_template_tool_use": tool_use.template_text} if tool_use is not None else {}),
             "modalities": {"vision": False, "audio": False},
             "build_info": f"k3stream {k3stream.__version__}",
             "is_sleeping": False,

@@ -156,9 +156,10 @@ class Loader:
                             installed[key] = buffer
                         pending.remove(key)
                         self.slot_freed.notify_all()
-                    # a prefetch keeps no reference once the lock is released, so an eviction right
-                    # after frees the buffer at once and live expert bytes stay within the budget
-                    del buffer
+                        # dropped before the lock is: another thread may evict the key the moment it
+                        # takes the lock, and the buffer must die then, or its bytes and those of the
+                        # read that evicted it are alive together, one object over the budget
+                        del buffer
         except BaseException as exc:
             with self.lock:
                 for key in pending:

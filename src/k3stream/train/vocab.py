@@ -48,5 +48,6 @@ def vocab_tokenizer(vocab: Vocab) -> Tokenizer:
         bos_id=vocab.bos_id,
         eos_id=vocab.eos_id,
         source="trained vocabulary",
+        merges=list(vocab.merges),
     )
     return Tokenizer(fields)
