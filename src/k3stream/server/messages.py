@@ -184,7 +184,7 @@ class CountTokensRequest(BaseModel):
         """The chat completion request this one asks for (with the `sampling` fields of a message)."""
         tools = [self._tool(index, tool) for index, tool in enumerate(self.tools or [])]
         choice = self.tool_choice
-        return ChatCompletionRequest(
+        return MessageChatRequest(
             messages=self._system()
             + [m for i, msg in enumerate(self.messages) for m in msg.chat_messages(i)],
             tools=tools or None,
@@ -219,6 +219,14 @@ class CountTokensRequest(BaseModel):
         return {"thinking": self.thinking.type != "disabled", **(self.chat_template_kwargs or {})}
 
 
+class MessageChatRequest(ChatCompletionRequest):
+    """The chat request of a message: a `max_tokens` past the context is cut where the context ends, as
+    llama-server cuts it (Claude Code asks for 32000 tokens whatever the prompt), not refused."""
+
+    def token_limit(self) -> tuple[int | None, str | None]:
+        return super().token_limit()[0], None
+
+
 class MessagesRequest(CountTokensRequest):
     """`/v1/messages`' body: the prompt, `max_tokens` (required, as in Anthropic's API) and sampling."""
 
@@ -249,10 +257,11 @@ def steady_billing_header(text: str) -> str:
     return text[:start] + "f" * STAMP_LENGTH + text[end:]
 
 
-def stop_reason(reason: str, stop_word: str) -> str:
-    """Anthropic's stop reason of a chat finish reason (`stop_word`: the stop sequence that ended it)."""
+def stop_reason(reason: str, stop_word: str, context_full: bool) -> str:
+    """Anthropic's stop reason of a chat finish reason (`stop_word`: the stop sequence that ended it;
+    `context_full`: the context ended it before `max_tokens` did)."""
     if reason == "length":
-        return "max_tokens"
+        return "model_context_window_exceeded" if context_full else "max_tokens"
     if reason == "tool_calls":
         return "tool_use"
     return "stop_sequence" if stop_word else "end_turn"
@@ -265,9 +274,10 @@ class MessageShapes:
     done_line = ""  # the stream ends with `message_stop`
     index = 0  # the one choice (`n` is 1)
 
-    def __init__(self, job: Job, model: str) -> None:
+    def __init__(self, job: Job, model: str, max_tokens: int) -> None:
         self.job = job
         self.model = model
+        self.max_tokens = max_tokens  # as asked; the context may cut the answer before it
         self.id = f"msg_{uuid.uuid4().hex}"
         self._started = False
         self._open: str | None = None  # the open block: "thinking", "text" or "tool_use:N"
@@ -295,7 +305,7 @@ class MessageShapes:
     def last(self, reason: str) -> str:
         events = [*self._start(), *self._close()]
         delta = {
-            "stop_reason": stop_reason(reason, self._stop_word()),
+            "stop_reason": self._stop_reason(reason),
             "stop_sequence": self._stop_word() or None,
         }
         usage = {**self._prompt_usage(), "output_tokens": self.job.logic.completion_tokens}
@@ -311,7 +321,7 @@ class MessageShapes:
             blocks.append({"type": "text", "text": total.content})
         blocks += [_call_block(call) for call in total.tool_calls]
         word = self._stop_word()
-        return {"content": blocks, "stop_reason": stop_reason(reason, word), "stop_sequence": word or None}
+        return {"content": blocks, "stop_reason": self._stop_reason(reason), "stop_sequence": word or None}
 
     def whole(
         self, choices: list[dict[str, Any]], usage: dict[str, Any], timings: dict[str, float]
@@ -334,6 +344,10 @@ class MessageShapes:
 
     def _stop_word(self) -> str:
         return self.job.logic.sequence.stop_word
+
+    def _stop_reason(self, reason: str) -> str:
+        context_full = self.job.logic.completion_tokens < self.max_tokens
+        return stop_reason(reason, self._stop_word(), context_full)
 
     def _start(self) -> list[str]:
         if self._started:
@@ -391,7 +405,11 @@ class MessagesEndpoints:
             body = await parse_body(request, MessagesRequest)
             model = self.api.served.name
             chat = body.chat_request()
-            return await self.api.answer_chat(request, chat, lambda jobs: [MessageShapes(jobs[0], model)])
+
+            def shapes(jobs: list[Job]) -> list[MessageShapes]:
+                return [MessageShapes(jobs[0], model, body.max_tokens)]
+
+            return await self.api.answer_chat(request, chat, shapes)
         except APIError as error:
             raise AnthropicError.of(error) from None
 
