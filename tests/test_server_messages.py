@@ -232,7 +232,6 @@ def test_a_stop_sequence_ends_the_answer_before_it(claude):
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", word)
 
 
-
 def filling_question(claude):
     """A user message whose prompt leaves at most 8 tokens of the context (1024), and the room it leaves."""
     words = 1
@@ -257,6 +256,7 @@ def test_max_tokens_past_the_context_stops_where_the_context_is_full(claude):
     asked_exactly = ask(claude, max_tokens=room, messages=messages)
     assert asked_exactly.stop_reason == "max_tokens"
     assert asked_exactly.content == message.content
+
 
 def test_top_k_one_draws_the_greedy_answer(claude):
     greedy = ask(claude, max_tokens=8)
