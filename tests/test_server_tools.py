@@ -319,6 +319,21 @@ def test_json_object_output_is_an_object(client):
         assert isinstance(json.loads(choice.message.content), dict)
 
 
+def test_json_object_with_llama_servers_schema_follows_the_schema(client, serve):
+    """llama-server's `{"type": "json_object", "schema": ...}`: the answer follows the schema, as there;
+    a schema that is not one is a 400 naming it."""
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+        format_ = {"type": "json_object", "schema": WEATHER}
+        choice = chat(client, response_format=format_, **sampling).choices[0]
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), WEATHER)
+    format_ = {"type": "json_object", "schema": {"type": "no-such-type"}}
+    body = {"messages": ASK, "max_tokens": 4, "response_format": format_}
+    response = httpx.post(serve.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "response_format.schema"
+
+
 # schemas llguidance compiles but cannot follow: a recursion without end, and one its parser gives up on
 UNFOLLOWABLE = {
     "endless": {"$ref": "#"},

@@ -210,9 +210,7 @@ class ServedModel(Runtime):
             return self.grammars.constraint(grammar, "tool_choice")
         response_format = body.response_format
         if response_format is not None and response_format.type != "text":
-            schema = {"type": "object"}
-            if response_format.json_schema is not None and response_format.json_schema.json_schema:
-                schema = response_format.json_schema.json_schema
+            schema = response_format.followed_schema()
             return self.grammars.constraint(json_schema_grammar(schema), "response_format")
         return None
 

@@ -385,9 +385,20 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    # llama-server's `{"type": "json_object", "schema": {...}}`
+    object_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+
+    def followed_schema(self) -> dict[str, Any]:
+        """The JSON Schema the answer follows: `json_schema`'s, llama-server's `schema` beside
+        `json_object`, else any JSON object."""
+        if self.type == "json_schema" and self.json_schema is not None and self.json_schema.json_schema:
+            return self.json_schema.json_schema
+        if self.type == "json_object" and self.object_schema is not None:
+            return self.object_schema
+        return {"type": "object"}
 
 
 TemplateValue = str | bool | int | float | None
@@ -454,7 +465,11 @@ class ChatCompletionRequest(SamplingFields):
 
     def _check_response_format(self) -> None:
         response_format = self.response_format
-        if response_format is None or response_format.type != "json_schema":
+        if response_format is None:
+            return
+        if response_format.type == "json_object" and response_format.object_schema is not None:
+            check_json_schema(response_format.object_schema, "response_format.schema")
+        if response_format.type != "json_schema":
             return
         if response_format.json_schema is None or response_format.json_schema.json_schema is None:
             raise invalid_request(
