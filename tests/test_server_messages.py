@@ -327,6 +327,33 @@ def test_thinking_opens_the_think_block_and_the_reasoning_is_a_thinking_block(cl
             "tools.0.input_schema",
         ),
         (
+            {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stop_sequences": [""]},
+            400,
+            "invalid_request_error",
+            "stop_sequences",
+        ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tool_choice": {"type": "any"},
+            },
+            400,
+            "invalid_request_error",
+            'tool_choice: {"type": "any"} needs at least one tool',
+        ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"name": "f", "input_schema": {"type": "string"}}],
+                "tool_choice": {"type": "any"},
+            },
+            400,
+            "invalid_request_error",
+            "tools.0.input_schema",
+        ),
+        (
             {"max_tokens": 4, "messages": [{"role": "user", "content": "hi " * 1100}]},
             400,
             "invalid_request_error",

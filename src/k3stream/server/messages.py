@@ -39,6 +39,7 @@ from k3stream.server.schemas import (
     TopK,
     TopP,
     check_json_schema,
+    check_stops,
 )
 
 if TYPE_CHECKING:
@@ -152,8 +153,11 @@ class ToolChoice(BaseModel):
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
-    def openai(self) -> str | NamedToolChoice:
+    def openai(self, tools: list[Tool]) -> str | NamedToolChoice:
         """The chat request's `tool_choice`: `any` is `required`, `tool` names its function."""
+        if self.type in ("any", "tool") and not tools:
+            message = f'tool_choice: {{"type": "{self.type}"}} needs at least one tool'
+            raise invalid_request(message, param="tool_choice")
         if self.type == "tool":
             if self.name is None:
                 raise invalid_request(
@@ -188,7 +192,7 @@ class CountTokensRequest(BaseModel):
             messages=self._system()
             + [m for i, msg in enumerate(self.messages) for m in msg.chat_messages(i)],
             tools=tools or None,
-            tool_choice=None if choice is None else choice.openai(),
+            tool_choice=None if choice is None else choice.openai(tools),
             parallel_tool_calls=False if choice is not None and choice.disable_parallel_tool_use else None,
             chat_template_kwargs=self._template_variables(),
             **sampling,
@@ -207,7 +211,11 @@ class CountTokensRequest(BaseModel):
     @staticmethod
     def _tool(index: int, tool: AnthropicTool) -> Tool:
         schema = tool.input_schema if tool.input_schema is not None else {"type": "object", "properties": {}}
-        check_json_schema(schema, f"tools.{index}.input_schema")
+        param = f"tools.{index}.input_schema"
+        check_json_schema(schema, param)
+        if schema.get("type", "object") != "object":
+            message = f"{param}: a tool's input_schema must be of type 'object', not {schema['type']!r}"
+            raise invalid_request(message, param=param)
         function = FunctionDefinition(name=tool.name, description=tool.description, parameters=schema)
         return Tool(type="function", function=function)
 
@@ -239,6 +247,7 @@ class MessagesRequest(CountTokensRequest):
 
     def chat_request(self, **sampling: Any) -> ChatCompletionRequest:
         fields = ("max_tokens", "temperature", "top_p", "top_k", "stream")
+        check_stops(self.stop_sequences or [], "stop_sequences")
         return super().chat_request(
             stop=self.stop_sequences, **{name: getattr(self, name) for name in fields}, **sampling
         )

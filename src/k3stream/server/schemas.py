@@ -166,10 +166,7 @@ class SamplingFields(BaseModel):
                 raise invalid_request(
                     f"{name} is not supported by this server", param=name, code="unsupported_parameter"
                 )
-        if isinstance(self.stop, list) and len(self.stop) > MAX_STOPS:
-            raise invalid_request(f"stop: at most {MAX_STOPS} sequences", param="stop")
-        if any(s == "" for s in self.stop_list()):
-            raise invalid_request("stop: sequences must not be empty", param="stop")
+        check_stops(self.stop_list(), "stop")
         if self.n_predict == 0 and not self.PROMPT_ONLY:
             message = "n_predict: must be -1 (up to the context) or at least 1"
             raise invalid_request(message, param="n_predict")
@@ -503,6 +500,14 @@ def _token_id(key: str | int) -> int | None:
     if isinstance(key, int):
         return key
     return int(key) if key.isascii() and key.isdigit() and len(key) <= 12 else None
+
+
+def check_stops(stops: list[str], param: str) -> None:
+    """A 400 naming `param` unless `stops` are at most MAX_STOPS sequences, none empty."""
+    if len(stops) > MAX_STOPS:
+        raise invalid_request(f"{param}: at most {MAX_STOPS} sequences", param=param)
+    if any(stop == "" for stop in stops):
+        raise invalid_request(f"{param}: sequences must not be empty", param=param)
 
 
 def check_json_schema(schema: dict[str, Any], param: str) -> None:
