@@ -260,6 +260,38 @@ def test_metrics_count_tokens_under_llama_servers_names_too(server):
         assert after[llama] - before[llama] == after[own] - before[own] == added, (llama, before, after)
 
 
+def test_metrics_have_llama_servers_times_and_throughputs(server):
+    """Dashboards written for llama-server divide `llamacpp:tokens_predicted_total` by
+    `llamacpp:tokens_predicted_seconds_total` (and the prompt's likewise) and read its throughput
+    gauges and decode count: each moves with a request, and the gauges are those quotients."""
+
+    def counts() -> dict[str, float]:
+        text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text
+        return {name: float(value) for name, value in re.findall(r"^([\w:]+) (\S+)$", text, re.M)}
+
+    before = counts()
+    body = {
+        "prompt": "Yet another prompt nobody sent",
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "cache_prompt": False,
+    }
+    post(server, "/v1/completions", body)
+    metrics = counts()
+    for name in ("llamacpp:prompt_seconds_total", "llamacpp:tokens_predicted_seconds_total"):
+        assert metrics[name] > before.get(name, 0.0), name
+    assert metrics["llamacpp:n_decode_total"] - before.get("llamacpp:n_decode_total", 0.0) >= 5
+    for gauge, tokens, seconds in (
+        ("llamacpp:prompt_tokens_seconds", "llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total"),
+        (
+            "llamacpp:predicted_tokens_seconds",
+            "llamacpp:tokens_predicted_total",
+            "llamacpp:tokens_predicted_seconds_total",
+        ),
+    ):
+        assert metrics[gauge] == pytest.approx(metrics[tokens] / metrics[seconds], rel=1e-6), gauge
+
+
 def _poll_metrics(server, wanted):
     for _ in range(3000):  # a bound, not a timing assertion
         text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text

@@ -232,6 +232,32 @@ def test_a_stop_sequence_ends_the_answer_before_it(claude):
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", word)
 
 
+def filling_question(claude):
+    """A user message whose prompt leaves at most 8 tokens of the context (1024), and the room it leaves."""
+    words = 1
+    while True:
+        messages = [{"role": "user", "content": "sea " * words}]
+        counted = claude.messages.count_tokens(model="x", system=SYSTEM, messages=messages).input_tokens
+        if counted >= 1024 - 8:
+            assert counted < 1024, "the padding overshot the context: choose another word"
+            return messages, 1024 - counted
+        words += max((1024 - 8 - counted) // 4, 1)
+
+
+def test_max_tokens_past_the_context_stops_where_the_context_is_full(claude):
+    """Claude Code asks for 32000 tokens whatever the prompt: as llama-server does, the answer runs to
+    the context's end, where Anthropic's API says `model_context_window_exceeded`."""
+    messages, room = filling_question(claude)
+    message = ask(claude, max_tokens=32000, messages=messages)
+    assert (message.stop_reason, message.usage.output_tokens) == ("model_context_window_exceeded", room)
+    events = list(ask(claude, max_tokens=32000, messages=messages, stream=True))
+    assert events[-2].delta.stop_reason == "model_context_window_exceeded"
+    assert events[-2].usage.output_tokens == room
+    asked_exactly = ask(claude, max_tokens=room, messages=messages)
+    assert asked_exactly.stop_reason == "max_tokens"
+    assert asked_exactly.content == message.content
+
+
 def test_top_k_one_draws_the_greedy_answer(claude):
     greedy = ask(claude, max_tokens=8)
     drawn = ask(claude, {"temperature": 1.0, "top_k": 1, "top_p": 1.0}, max_tokens=8)
@@ -301,6 +327,33 @@ def test_thinking_opens_the_think_block_and_the_reasoning_is_a_thinking_block(cl
             "tools.0.input_schema",
         ),
         (
+            {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stop_sequences": [""]},
+            400,
+            "invalid_request_error",
+            "stop_sequences",
+        ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tool_choice": {"type": "any"},
+            },
+            400,
+            "invalid_request_error",
+            'tool_choice: {"type": "any"} needs at least one tool',
+        ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"name": "f", "input_schema": {"type": "string"}}],
+                "tool_choice": {"type": "any"},
+            },
+            400,
+            "invalid_request_error",
+            "tools.0.input_schema",
+        ),
+        (
             {"max_tokens": 4, "messages": [{"role": "user", "content": "hi " * 1100}]},
             400,
             "invalid_request_error",
@@ -346,7 +399,7 @@ def test_reasoning_text_and_a_call_the_model_writes_are_three_blocks_in_order(se
     ).chat_request()
     prompt = served.prepare_chat(chat)
     logic = served.new_sequence(chat, prompt.tokens, 100, chat=prompt)
-    shapes = MessageShapes(Job(prompt_tokens=prompt.tokens, logic=logic, sink=None), served.name)
+    shapes = MessageShapes(Job(prompt_tokens=prompt.tokens, logic=logic, sink=None), served.name, 100)
     written = (
         "Paris, so the forecast.</think>Let me check."
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"

@@ -372,6 +372,61 @@ def test_json_object_output_is_an_object(client):
         assert isinstance(json.loads(choice.message.content), dict)
 
 
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {},
+        {
+            "properties": {"city": {"enum": ["Paris", "Lima"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    ],
+    ids=["empty", "untyped"],
+)
+def test_a_forced_call_of_a_schema_without_a_type_is_a_call_with_an_object(client, parameters):
+    """A schema naming no type admits any JSON value, but a call's arguments are a JSON object (the
+    only arguments a call can be parsed from): a forced call is always a call, never raw section text."""
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": parameters}}
+    for seed in range(4):
+        sampling = {"temperature": 1.0, "seed": seed, "parallel_tool_calls": False, "max_tokens": 200}
+        choice = chat(client, tools=[tool], tool_choice="required", **sampling).choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        for call in choice.message.tool_calls:
+            arguments = json.loads(call.function.arguments)
+            assert isinstance(arguments, dict)
+            jsonschema.validate(arguments, parameters)
+
+
+def test_a_forced_call_of_a_schema_of_another_type_than_object_is_a_400(serve):
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "string"}}}
+    body = {"messages": ASK, "max_tokens": 4, "tools": [tool], "tool_choice": "required"}
+    response = httpx.post(serve.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "tools.0.function.parameters"
+
+
+def test_json_object_with_llama_servers_schema_follows_the_schema(client, serve):
+    """llama-server's `{"type": "json_object", "schema": ...}`: the answer follows the schema, as there;
+    a schema that is not one is a 400 naming it."""
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+        format_ = {"type": "json_object", "schema": WEATHER}
+        choice = chat(client, response_format=format_, **sampling).choices[0]
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), WEATHER)
+    format_ = {"type": "json_object", "schema": {"type": "no-such-type"}}
+    body = {"messages": ASK, "max_tokens": 4, "response_format": format_}
+    response = httpx.post(serve.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "response_format.schema"
+
+
+# a string pattern llguidance cannot compile (a lookbehind)
+LOOKBEHIND = {
+    "type": "object",
+    "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}},
+    "required": ["a"],
+}
 # schemas llguidance compiles but cannot follow: a recursion without end, and one its parser gives up on
 UNFOLLOWABLE = {
     "endless": {"$ref": "#"},
@@ -597,9 +652,7 @@ def test_completion_top_logprobs_hold_the_sampled_token(client):
         ),
         (
             {
-                "tools": [
-                    {"type": "function", "function": {"name": "f", "parameters": {"pattern": "(?<=a)b"}}}
-                ],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": LOOKBEHIND}}],
                 "tool_choice": "required",
             },
             "tools.0.function.parameters",

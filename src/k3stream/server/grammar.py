@@ -31,6 +31,21 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_DEFAULTS)
 
 
+def call_arguments_schema(parameters: dict[str, Any], param: str) -> dict[str, Any]:
+    """The schema a forced call's arguments follow: `parameters` as a JSON object (Kimi's parser reads a
+    call's arguments from an object alone), typed `object` where it names no type; a schema of another
+    type is a 400 naming `param`."""
+    kind = parameters.get("type")
+    if kind is None:
+        return {**parameters, "type": "object"}
+    if kind != "object":
+        raise invalid_request(
+            f"{param}: a function's parameters must be a JSON Schema of type 'object', not {kind!r}",
+            param=param,
+        )
+    return parameters
+
+
 def gbnf_grammar(text: str, param: str) -> str:
     """llama.cpp's GBNF grammar `text` in llguidance's dialect; a grammar it cannot read is a 400 naming
     `param`."""

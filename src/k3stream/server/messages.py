@@ -39,6 +39,7 @@ from k3stream.server.schemas import (
     TopK,
     TopP,
     check_json_schema,
+    check_stops,
 )
 
 if TYPE_CHECKING:
@@ -152,8 +153,11 @@ class ToolChoice(BaseModel):
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
-    def openai(self) -> str | NamedToolChoice:
+    def openai(self, tools: list[Tool]) -> str | NamedToolChoice:
         """The chat request's `tool_choice`: `any` is `required`, `tool` names its function."""
+        if self.type in ("any", "tool") and not tools:
+            message = f'tool_choice: {{"type": "{self.type}"}} needs at least one tool'
+            raise invalid_request(message, param="tool_choice")
         if self.type == "tool":
             if self.name is None:
                 raise invalid_request(
@@ -184,11 +188,11 @@ class CountTokensRequest(BaseModel):
         """The chat completion request this one asks for (with the `sampling` fields of a message)."""
         tools = [self._tool(index, tool) for index, tool in enumerate(self.tools or [])]
         choice = self.tool_choice
-        return ChatCompletionRequest(
+        return MessageChatRequest(
             messages=self._system()
             + [m for i, msg in enumerate(self.messages) for m in msg.chat_messages(i)],
             tools=tools or None,
-            tool_choice=None if choice is None else choice.openai(),
+            tool_choice=None if choice is None else choice.openai(tools),
             parallel_tool_calls=False if choice is not None and choice.disable_parallel_tool_use else None,
             chat_template_kwargs=self._template_variables(),
             **sampling,
@@ -207,7 +211,11 @@ class CountTokensRequest(BaseModel):
     @staticmethod
     def _tool(index: int, tool: AnthropicTool) -> Tool:
         schema = tool.input_schema if tool.input_schema is not None else {"type": "object", "properties": {}}
-        check_json_schema(schema, f"tools.{index}.input_schema")
+        param = f"tools.{index}.input_schema"
+        check_json_schema(schema, param)
+        if schema.get("type", "object") != "object":
+            message = f"{param}: a tool's input_schema must be of type 'object', not {schema['type']!r}"
+            raise invalid_request(message, param=param)
         function = FunctionDefinition(name=tool.name, description=tool.description, parameters=schema)
         return Tool(type="function", function=function)
 
@@ -217,6 +225,14 @@ class CountTokensRequest(BaseModel):
         if self.thinking is None:
             return self.chat_template_kwargs
         return {"thinking": self.thinking.type != "disabled", **(self.chat_template_kwargs or {})}
+
+
+class MessageChatRequest(ChatCompletionRequest):
+    """The chat request of a message: a `max_tokens` past the context is cut where the context ends, as
+    llama-server cuts it (Claude Code asks for 32000 tokens whatever the prompt), not refused."""
+
+    def token_limit(self) -> tuple[int | None, str | None]:
+        return super().token_limit()[0], None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -231,6 +247,7 @@ class MessagesRequest(CountTokensRequest):
 
     def chat_request(self, **sampling: Any) -> ChatCompletionRequest:
         fields = ("max_tokens", "temperature", "top_p", "top_k", "stream")
+        check_stops(self.stop_sequences or [], "stop_sequences")
         return super().chat_request(
             stop=self.stop_sequences, **{name: getattr(self, name) for name in fields}, **sampling
         )
@@ -249,10 +266,11 @@ def steady_billing_header(text: str) -> str:
     return text[:start] + "f" * STAMP_LENGTH + text[end:]
 
 
-def stop_reason(reason: str, stop_word: str) -> str:
-    """Anthropic's stop reason of a chat finish reason (`stop_word`: the stop sequence that ended it)."""
+def stop_reason(reason: str, stop_word: str, context_full: bool) -> str:
+    """Anthropic's stop reason of a chat finish reason (`stop_word`: the stop sequence that ended it;
+    `context_full`: the context ended it before `max_tokens` did)."""
     if reason == "length":
-        return "max_tokens"
+        return "model_context_window_exceeded" if context_full else "max_tokens"
     if reason == "tool_calls":
         return "tool_use"
     return "stop_sequence" if stop_word else "end_turn"
@@ -265,9 +283,10 @@ class MessageShapes:
     done_line = ""  # the stream ends with `message_stop`
     index = 0  # the one choice (`n` is 1)
 
-    def __init__(self, job: Job, model: str) -> None:
+    def __init__(self, job: Job, model: str, max_tokens: int) -> None:
         self.job = job
         self.model = model
+        self.max_tokens = max_tokens  # as asked; the context may cut the answer before it
         self.id = f"msg_{uuid.uuid4().hex}"
         self._started = False
         self._open: str | None = None  # the open block: "thinking", "text" or "tool_use:N"
@@ -295,7 +314,7 @@ class MessageShapes:
     def last(self, reason: str) -> str:
         events = [*self._start(), *self._close()]
         delta = {
-            "stop_reason": stop_reason(reason, self._stop_word()),
+            "stop_reason": self._stop_reason(reason),
             "stop_sequence": self._stop_word() or None,
         }
         usage = {**self._prompt_usage(), "output_tokens": self.job.logic.completion_tokens}
@@ -311,7 +330,7 @@ class MessageShapes:
             blocks.append({"type": "text", "text": total.content})
         blocks += [_call_block(call) for call in total.tool_calls]
         word = self._stop_word()
-        return {"content": blocks, "stop_reason": stop_reason(reason, word), "stop_sequence": word or None}
+        return {"content": blocks, "stop_reason": self._stop_reason(reason), "stop_sequence": word or None}
 
     def whole(
         self, choices: list[dict[str, Any]], usage: dict[str, Any], timings: dict[str, float]
@@ -334,6 +353,10 @@ class MessageShapes:
 
     def _stop_word(self) -> str:
         return self.job.logic.sequence.stop_word
+
+    def _stop_reason(self, reason: str) -> str:
+        context_full = self.job.logic.completion_tokens < self.max_tokens
+        return stop_reason(reason, self._stop_word(), context_full)
 
     def _start(self) -> list[str]:
         if self._started:
@@ -391,7 +414,11 @@ class MessagesEndpoints:
             body = await parse_body(request, MessagesRequest)
             model = self.api.served.name
             chat = body.chat_request()
-            return await self.api.answer_chat(request, chat, lambda jobs: [MessageShapes(jobs[0], model)])
+
+            def shapes(jobs: list[Job]) -> list[MessageShapes]:
+                return [MessageShapes(jobs[0], model, body.max_tokens)]
+
+            return await self.api.answer_chat(request, chat, shapes)
         except APIError as error:
             raise AnthropicError.of(error) from None
 

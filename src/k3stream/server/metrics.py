@@ -39,6 +39,20 @@ class ServerMetrics:
         self.llama_predicted = Counter(
             "llamacpp:tokens_predicted", "Number of generation tokens processed.", registry=r
         )
+        # llama-server's times (summed over sequences, as it sums its slots'), decode count and throughputs
+        self.llama_prompt_seconds = Counter("llamacpp:prompt_seconds", "Prompt process time", registry=r)
+        self.llama_predicted_seconds = Counter(
+            "llamacpp:tokens_predicted_seconds", "Predict process time", registry=r
+        )
+        self.llama_decodes = Counter("llamacpp:n_decode", "Total number of llama_decode() calls", registry=r)
+        self.llama_prompt_rate = Gauge(
+            "llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s.", registry=r
+        )
+        self.llama_predicted_rate = Gauge(
+            "llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s.", registry=r
+        )
+        self._prompt_totals = [0, 0.0]  # prompt tokens computed, seconds
+        self._predicted_totals = [0, 0.0]  # tokens generated, sequence-seconds of decoding
         self.time_to_first_token = Histogram(
             "k3stream_time_to_first_token_seconds",
             "from request arrival to its first generated token",
@@ -64,14 +78,23 @@ class ServerMetrics:
         if store_stats is not None:
             r.register(ExpertStoreCollector(store_stats))
 
-    def add_prompt_tokens(self, computed: int) -> None:
-        """Prompt tokens prefilled (those restored from the prompt cache are not)."""
+    def add_prompt_tokens(self, computed: int, seconds: float) -> None:
+        """Prompt tokens prefilled in `seconds` (those restored from the prompt cache are not)."""
         self.prompt_tokens.inc(computed)
         self.llama_prompt_tokens.inc(computed)
+        self.llama_prompt_seconds.inc(seconds)
+        _add(self._prompt_totals, computed, seconds, self.llama_prompt_rate)
 
     def add_generated_token(self) -> None:
         self.generation_tokens.inc()
         self.llama_predicted.inc()
+        _add(self._predicted_totals, 1, 0.0, self.llama_predicted_rate)
+
+    def add_decode_step(self, sequences: int, seconds: float) -> None:
+        """A decode step of `sequences` that took `seconds`: each sequence's decoding time grows by it."""
+        self.llama_decodes.inc()
+        self.llama_predicted_seconds.inc(seconds * sequences)
+        _add(self._predicted_totals, 0, seconds * sequences, self.llama_predicted_rate)
 
     def set_waiting(self, waiting: int) -> None:
         """Requests in the queue (no batch slot yet)."""
@@ -85,6 +108,13 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _add(totals: list[float], tokens: int, seconds: float, rate: Gauge) -> None:
+    """Add to `totals` (tokens, seconds) and set `rate` to their quotient."""
+    totals[0] += tokens
+    totals[1] += seconds
+    rate.set(totals[0] / totals[1] if totals[1] > 0 else 0.0)
 
 
 class ExpertStoreCollector(Collector):

@@ -27,6 +27,7 @@ from k3stream.server.grammar import (
     Constraint,
     GrammarCompiler,
     SingleToolCall,
+    call_arguments_schema,
     json_schema_grammar,
     tool_calls_grammar,
 )
@@ -202,17 +203,15 @@ class ServedModel(Runtime):
         """The grammar of a forced tool call (`tool_choice` required or named) or `response_format`."""
         forced = body.forced_tools()
         if forced:
-            self._check_tool_schemas(body)
-            tools = [(tool.function.name, tool.function.schema_or_empty()) for tool in forced]
+            schemas = self._forced_call_schemas(body)
+            tools = [(tool.function.name, schemas[tool.function.name]) for tool in forced]
             parallel = body.parallel_tool_calls is not False and body.tool_choice == "required"
             earlier = sum(len(m.tool_calls or []) for m in body.messages)
             grammar = tool_calls_grammar(tools, parallel=parallel, first_index=earlier)
             return self.grammars.constraint(grammar, "tool_choice")
         response_format = body.response_format
         if response_format is not None and response_format.type != "text":
-            schema = {"type": "object"}
-            if response_format.json_schema is not None and response_format.json_schema.json_schema:
-                schema = response_format.json_schema.json_schema
+            schema = response_format.followed_schema()
             return self.grammars.constraint(json_schema_grammar(schema), "response_format")
         return None
 
@@ -220,13 +219,18 @@ class ServedModel(Runtime):
         """The tokens that close a think block (its special tokens and its text's tokens)."""
         return self.tokenizer.encode(self.kimi.spell(self.kimi.think[1]), allow_special=True)
 
-    def _check_tool_schemas(self, body: ChatCompletionRequest) -> None:
-        """A 400 naming the first forced tool whose parameters the grammar library cannot compile."""
+    def _forced_call_schemas(self, body: ChatCompletionRequest) -> dict[str, dict[str, Any]]:
+        """Each forced tool's arguments schema by name; a 400 naming the first forced tool whose
+        parameters are not an object's or that the grammar library cannot compile."""
         forced = {tool.function.name for tool in body.forced_tools()}
+        schemas = {}
         for index, tool in enumerate(body.tools or []):
             if tool.function.name in forced:
-                grammar = json_schema_grammar(tool.function.schema_or_empty())
-                self.grammars.constraint(grammar, f"tools.{index}.function.parameters")
+                param = f"tools.{index}.function.parameters"
+                schema = call_arguments_schema(tool.function.schema_or_empty(), param)
+                self.grammars.constraint(json_schema_grammar(schema), param)
+                schemas[tool.function.name] = schema
+        return schemas
 
     def new_sequence(
         self,

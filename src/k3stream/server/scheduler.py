@@ -512,6 +512,7 @@ class Scheduler:
         if not jobs:
             return
         before = [job.prefill.position for job in jobs]
+        started = time.perf_counter()
         try:
             step_together([job.prefill for job in jobs], chunks)
         except Exception as exc:  # the requests of a pass that failed fail; the server goes on
@@ -521,7 +522,7 @@ class Scheduler:
         self.batched_prefills += len(jobs) > 1
         computed = sum(job.prefill.position - start for job, start in zip(jobs, before, strict=True))
         self._count_tokens(computed)
-        self.metrics.add_prompt_tokens(computed)
+        self.metrics.add_prompt_tokens(computed, time.perf_counter() - started)
         for job in jobs:
             if job.prefill.done:
                 self._end_prefill(job)
@@ -618,6 +619,7 @@ class Scheduler:
         if not batch:
             return
         self.metrics.batch_size.observe(len(batch))
+        started = time.perf_counter()
         try:
             logits = self.model.decode_batch([job.state for job in batch], [job.last_token for job in batch])
         except Exception as exc:  # fail this batch's requests, keep serving
@@ -625,6 +627,7 @@ class Scheduler:
             self._fail(batch, f"decode failed: {exc}")
             return
         self._count_tokens(len(batch))
+        self.metrics.add_decode_step(len(batch), time.perf_counter() - started)
         self.steps += 1
         self.batched_steps += len(batch) > 1
         for row, job in enumerate(batch):

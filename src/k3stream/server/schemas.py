@@ -166,10 +166,7 @@ class SamplingFields(BaseModel):
                 raise invalid_request(
                     f"{name} is not supported by this server", param=name, code="unsupported_parameter"
                 )
-        if isinstance(self.stop, list) and len(self.stop) > MAX_STOPS:
-            raise invalid_request(f"stop: at most {MAX_STOPS} sequences", param="stop")
-        if any(s == "" for s in self.stop_list()):
-            raise invalid_request("stop: sequences must not be empty", param="stop")
+        check_stops(self.stop_list(), "stop")
         if self.n_predict == 0 and not self.PROMPT_ONLY:
             message = "n_predict: must be -1 (up to the context) or at least 1"
             raise invalid_request(message, param="n_predict")
@@ -385,9 +382,20 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    # llama-server's `{"type": "json_object", "schema": {...}}`
+    object_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+
+    def followed_schema(self) -> dict[str, Any]:
+        """The JSON Schema the answer follows: `json_schema`'s, llama-server's `schema` beside
+        `json_object`, else any JSON object."""
+        if self.type == "json_schema" and self.json_schema is not None and self.json_schema.json_schema:
+            return self.json_schema.json_schema
+        if self.type == "json_object" and self.object_schema is not None:
+            return self.object_schema
+        return {"type": "object"}
 
 
 TemplateValue = str | bool | int | float | None
@@ -454,7 +462,11 @@ class ChatCompletionRequest(SamplingFields):
 
     def _check_response_format(self) -> None:
         response_format = self.response_format
-        if response_format is None or response_format.type != "json_schema":
+        if response_format is None:
+            return
+        if response_format.type == "json_object" and response_format.object_schema is not None:
+            check_json_schema(response_format.object_schema, "response_format.schema")
+        if response_format.type != "json_schema":
             return
         if response_format.json_schema is None or response_format.json_schema.json_schema is None:
             raise invalid_request(
@@ -488,6 +500,14 @@ def _token_id(key: str | int) -> int | None:
     if isinstance(key, int):
         return key
     return int(key) if key.isascii() and key.isdigit() and len(key) <= 12 else None
+
+
+def check_stops(stops: list[str], param: str) -> None:
+    """A 400 naming `param` unless `stops` are at most MAX_STOPS sequences, none empty."""
+    if len(stops) > MAX_STOPS:
+        raise invalid_request(f"{param}: at most {MAX_STOPS} sequences", param=param)
+    if any(stop == "" for stop in stops):
+        raise invalid_request(f"{param}: sequences must not be empty", param=param)
 
 
 def check_json_schema(schema: dict[str, Any], param: str) -> None:
