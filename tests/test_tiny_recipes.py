@@ -8,11 +8,11 @@ import re
 
 import numpy as np
 import pytest
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 
 import k3stream
 from conftest import requires_llama
-from k3stream import LoadOptions
+from k3stream import LoadOptions, cli
 from k3stream.gguf import mixed_recipes, writer
 from k3stream.gguf.mixed_recipes import MIXED_RECIPES, MixedRecipe
 from k3stream.gguf.writer import tensor_plan
@@ -71,6 +71,21 @@ def test_a_recipe_refuses_shapes_its_types_cannot_hold(tmp_path):
     assert hint, str(error.value)
     fitting = {name: int(value) for name, value in (pair.split("=") for pair in hint.group(1).split(", "))}
     assert make_tiny(tmp_path, TinySpec(recipe="iq1_s", n_layers=2, mla_layers=(1,), **fitting)).is_file()
+
+
+@pytest.mark.parametrize("recipe", ["audited", "iq1_s", "nvfp4"])
+def test_make_tiny_with_a_quantized_recipe_alone_takes_shapes_that_fit_it(tmp_path, capsys, recipe):
+    """`make-tiny DIR --recipe R` writes R without shape flags; a shape flag given still decides."""
+    assert cli.main(["make-tiny", str(tmp_path / "fit"), "--recipe", recipe]) == 0
+    tensors = {t.name: t for t in GGUFReader(capsys.readouterr().out.strip()).tensors}
+    assert tensors["blk.1.ffn_gate_exps.weight"].tensor_type not in (
+        GGMLQuantizationType.F32,
+        GGMLQuantizationType.F16,
+    )
+    assert int(tensors["blk.1.ffn_gate_exps.weight"].shape[0]) == writer.FITTING_SHAPES["latent"]
+    assert cli.main(["make-tiny", str(tmp_path / "wide"), "--recipe", recipe, "--latent", "512"]) == 0
+    tensors = {t.name: t for t in GGUFReader(capsys.readouterr().out.strip()).tensors}
+    assert int(tensors["blk.1.ffn_gate_exps.weight"].shape[0]) == 512
 
 
 def test_recipes_keep_the_plan(tiny_model):

@@ -8,7 +8,7 @@ import dataclasses
 import re
 
 from k3stream.commands.flags import finite, positive
-from k3stream.gguf.writer import RECIPES, TinySpec
+from k3stream.gguf.writer import FITTING_SHAPES, FLOAT_RECIPES, RECIPES, TinySpec
 from k3stream.testing.slices import LIKE, REAL_VOCAB, like
 from k3stream.testing.tiny import make_tiny
 
@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(TinySpec):
         flag = flag_of(field.name)
         extra = {"choices": RECIPES} if field.name == "recipe" else {}
+        if field.name in FITTING_SHAPES:
+            extra = {
+                "help": f"default {field.default} ({FITTING_SHAPES[field.name]} with a quantized recipe)"
+            }
         if field.name == "without":
             extra = {
                 "metavar": "GROUPS",
@@ -105,6 +109,8 @@ def spec_from_args(args: argparse.Namespace) -> TinySpec:
     if args.like is None:
         if args.real_vocab:
             raise SystemExit("make-tiny: --real-vocab needs --like")
+        if given.get("recipe", TinySpec.recipe) not in FLOAT_RECIPES:
+            given = FITTING_SHAPES | given
         return TinySpec(**given)
     if args.real_vocab:
         given.setdefault("vocab", REAL_VOCAB[args.like])

@@ -26,7 +26,8 @@ from k3stream.gguf.vocab import CHAT_TEMPLATE, Vocab
 
 ARCH = "kimi-k3"
 NAME = "tiny-kimi-k3"
-RECIPES = ("f32", "f16", "audited", *WRITABLE_RECIPES)
+FLOAT_RECIPES = ("f32", "f16")
+RECIPES = (*FLOAT_RECIPES, "audited", *WRITABLE_RECIPES)
 
 # GGML type ids (gguf.GGMLQuantizationType), spelled here to keep the import light.
 F32, F16 = 0, 1
@@ -293,8 +294,9 @@ def _file_type(recipe: str) -> int:
     return FILE_TYPES[recipe]
 
 
-# the shapes every recipe's types hold: expert and MLA rows of whole 256-value blocks
-FITTING_SHAPES = "latent=256, expert_ff=256, kv_lora=256, qk_nope=32"
+# shapes every recipe's types hold (expert and MLA rows of whole 256-value blocks): `make-tiny` takes them for
+# the shapes a quantized recipe's user leaves out
+FITTING_SHAPES = {"latent": 256, "expert_ff": 256, "kv_lora": 256, "qk_nope": 32}
 
 
 def _check_quantizable(tensor: _Tensor, ggml_type: int, recipe: str) -> None:
@@ -305,7 +307,7 @@ def _check_quantizable(tensor: _Tensor, ggml_type: int, recipe: str) -> None:
         raise ValueError(
             f"recipe {recipe}: {tensor.name} rows of {tensor.shape[-1]} values are not a multiple of "
             f"{block} ({GGMLQuantizationType(ggml_type).name}); choose shapes that fit the recipe "
-            f"({FITTING_SHAPES} fit every one)"
+            f"({', '.join(f'{name}={size}' for name, size in FITTING_SHAPES.items())} fit every one)"
         )
 
 
@@ -445,7 +447,7 @@ def check_spec(spec: TinySpec, vocab_size: int) -> list[_Tensor]:
     plan = tensor_plan(spec, vocab_size)
     if spec.shards > len(plan):
         raise ValueError(f"TinySpec.shards: {spec.shards} shards for only {len(plan)} tensors")
-    if spec.recipe not in ("f32", "f16"):
+    if spec.recipe not in FLOAT_RECIPES:
         for tensor in plan:
             _check_quantizable(tensor, tensor_type(tensor, spec), spec.recipe)
     return plan
