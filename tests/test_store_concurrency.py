@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ import k3stream.store.pack_io as pack_io
 from k3stream.store import ExpertStore
 from k3stream.store.cache import WorkingSetTooLarge
 from k3stream.store.loading import Load
-from k3stream.store.pack_io import PackFile, ReadRequest
+from k3stream.store.pack_io import PackFile, ReadRequest, Reads
 from test_store import budget, gguf_expert_bytes, packed  # noqa: F401 (packed: a fixture)
 
 DEADLINE_S = 10.0
@@ -65,19 +65,19 @@ class PrefetchGate:
     def __init__(self, store: ExpertStore, fail: bool = False) -> None:
         self.reached = threading.Event()
         self._open = threading.Event()
-        read_each = store._file.read_each
+        start = store._file.start
         end = os.path.getsize(store._file.path)
 
-        def gated_read_each(requests: list[ReadRequest], priority: int = 0) -> Iterator[ReadRequest]:
+        def gated_start(requests: list[ReadRequest], priority: int = 0, read_here: bool = False) -> Reads:
             if priority:
                 self.reached.set()
                 if not self._open.wait(DEADLINE_S):
                     raise TimeoutError("the test never opened the prefetch gate")
                 if fail:  # fails on the first request, before yielding any
                     requests = [dataclasses.replace(request, offset=end) for request in requests]
-            yield from read_each(requests, priority)
+            return start(requests, priority, read_here)
 
-        store._file.read_each = gated_read_each
+        store._file.start = gated_start
 
     def open(self) -> None:
         self._open.set()
@@ -351,3 +351,42 @@ def test_a_load_holds_no_buffer_it_installed_once_it_releases_the_lock(packed): 
         store._loader.ensure(tier, [(layer, expert) for expert in range(pack.top_k)], Load.HINT, keep=False)
     assert len(evicted) == pack.top_k
     assert not alive, f"evicted experts {alive} still alive, held by the load that installed them"
+
+
+def test_read_ahead_queues_its_pack_reads_before_it_returns_while_its_thread_is_busy(packed):  # noqa: F811
+    """A step's read-ahead reserves its slots and queues its pack reads in the calling thread: the disk
+    starts on them with the read-ahead thread still busy (it only installs what lands)."""
+    _, pack = packed
+    layer = pack.moe_layers[0]
+    store = ExpertStore(pack, ram_mib=budget(pack, 4 * pack.top_k))
+    busy = threading.Event()
+    try:
+        store._reader_ahead.submit(busy.wait, DEADLINE_S)  # the read-ahead thread, taken
+        store.read_ahead(layer, [1, 2])
+        assert store._file._active_reads == 1 and keys(layer, [1, 2]) <= set(store._compute.loading)
+        wait_until(lambda: not store._file._pool._tagged, "the readers to take every range")
+        busy.set()
+        wait_until(lambda: store.ready(layer, [1, 2]) == [1, 2], "the read-ahead's installs")
+        assert set(store.fetch(layer, [1, 2])) == {1, 2}
+        assert store.stats()["pack_reads"] == 2
+    finally:
+        busy.set()
+        store.close()
+
+
+def test_close_gives_back_the_slots_of_a_read_ahead_its_thread_never_installed(packed):  # noqa: F811
+    """A read-ahead whose installs are still queued when the store closes: close waits for its reads,
+    gives its slots back and returns (nothing is left loading, no read left running)."""
+    _, pack = packed
+    layer = pack.moe_layers[0]
+    store = ExpertStore(pack, ram_mib=budget(pack, 4 * pack.top_k))
+    busy = threading.Event()
+    store._reader_ahead.submit(busy.wait, DEADLINE_S)
+    store.read_ahead(layer, [1, 2, 3])
+    closing = Background(store.close)
+    wait_until(lambda: store._reader_ahead._shutdown, "close to stop the read-ahead thread")
+    with store._reader_ahead._shutdown_lock:  # its queued installs are cancelled by now
+        busy.set()
+    closing.result()
+    assert not store._compute.loading and store._file._active_reads == 0
+    assert store._compute.cache.used() == 0

@@ -81,13 +81,13 @@ def test_a_prefill_reads_each_expert_once_per_layer_in_pack_order(streamed_model
     with ExpertStore(pack, ram_mib=slots * pack.object_bytes / MIB, policy=policy) as store:
         model = k3stream.load(gguf_path, LoadOptions(expert_source=store, prefetch=hints))
         reads: list[list[tuple[int, int]]] = []
-        read_each = store._reader.read_each
+        start = store._reader.start
 
-        def recorded(keys, priority):
+        def recorded(keys, priority, read_here=False):
             reads.append(list(keys))
-            return read_each(keys, priority)
+            return start(keys, priority, read_here)
 
-        store._reader.read_each = recorded
+        store._reader.start = recorded
         logits = model.logits(TOKENS)
         stats = store.stats()
     assert torch.equal(logits, reference)

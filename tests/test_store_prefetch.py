@@ -193,13 +193,13 @@ def test_read_ahead_is_not_queued_behind_hints_and_reads_before_them(pack):
     layer, other = pack.moe_layers[0], pack.moe_layers[1]
     with ExpertStore(pack, ram_mib=4 * pack.top_k * pack.object_bytes / MIB, policy="lru") as store:
         priorities: list[tuple[int, list[tuple[int, int]]]] = []
-        read_each = store._reader.read_each
+        start = store._reader.start
 
-        def recorded(keys, priority):
+        def recorded(keys, priority, read_here=False):
             priorities.append((priority, list(keys)))
-            return read_each(keys, priority)
+            return start(keys, priority, read_here)
 
-        store._reader.read_each = recorded
+        store._reader.start = recorded
         held = threading.Event()
         store._prefetcher.submit(held.wait, 10)  # a hint load that has not finished
         store.prefetch(other, [0])

@@ -396,10 +396,12 @@ class LatentMoE:
 
     def _read_ahead_count(self, leading: int, window: int, least: int) -> int:
         """How many of a step's experts are asked for beyond those computed: a window, or as many as
-        led the step (read ahead or resident when it started) while they fit beside a group computing,
-        so a step that starts on experts already in RAM reads on while it computes them."""
+        led the step (read ahead or resident when it started), at most half the slots and what fits
+        beside a group computing, so a step that starts on experts already in RAM reads on while it
+        computes them, and the slots it leaves keep other layers' experts (a warm prefill's first
+        step starting on 40 of 63 slots would otherwise evict the last layer's, `docs/store.md`)."""
         slots = self.source.max_experts_per_fetch
-        return max(window, leading if slots is None else min(leading, slots - least))
+        return max(window, leading if slots is None else min(leading, slots // 2, slots - least))
 
     def _slide_window(self, order: list[int], read: int, end: int) -> int:
         """Read ahead the step's experts `order[read:end]` (`read`: how many were asked for so far);

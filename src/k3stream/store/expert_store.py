@@ -37,7 +37,7 @@ from k3stream.store.liveness import LiveBuffers
 from k3stream.store.loading import Load, Loader
 from k3stream.store.pack_io import PackFile
 from k3stream.store.pins import StepPins
-from k3stream.store.reader import ObjectReader, RecycledBuffers
+from k3stream.store.reader import ObjectReader, ObjectReads, RecycledBuffers
 from k3stream.store.tiers import MIB, Key, make_tiers
 from k3stream.store.traces import TraceWriter
 
@@ -290,9 +290,11 @@ class ExpertStore:
 
     def read_ahead(self, layer: int, expert_ids: Iterable[int]) -> None:
         """Start loading experts the caller is sure to fetch next (the step it is computing), each
-        ready as soon as it is read (in this order): like `prefetch`, but never
-        scored, suppressed, dropped as stale or held to the speculative share (it is no prediction).
-        They stay pinned for the calling thread until it fetches them or a layer other than theirs."""
+        ready as soon as it is read: like `prefetch`, but never scored, suppressed, dropped as stale
+        or held to the speculative share (it is no prediction). Their slots are reserved and their
+        pack reads queued (in pack order) in the calling thread, so the disk starts on them without
+        waiting for another thread to wake; the read-ahead thread installs each as it lands. They
+        stay pinned for the calling thread until it fetches them or a layer other than theirs."""
         if self._reader_ahead is None:
             return
         keys = self._keys(layer, expert_ids)
@@ -305,8 +307,23 @@ class ExpertStore:
             missing = self._compute.missing(keys)
             # a hint's reads of these still queued behind other reads: raised to read-ahead's
             self._reader.hurry([key for key in keys if key in self._compute.loading], int(Load.READ_AHEAD))
-            if missing:
+            if not missing:
+                return
+            if self._compute.below is not None:  # the reads come through the tier below
                 self._reader_ahead.submit(self._read_ahead_job, missing)
+                return
+            started = self._loader.start(self._compute, missing, Load.READ_AHEAD)
+            if started is not None:
+                self._install_when_read(*started)
+
+    def _install_when_read(self, keys: list[Key], objects: ObjectReads) -> None:
+        """Under the lock: the read-ahead thread installs `keys` as their reads (queued by the caller's
+        thread: the disk does not wait for that thread to wake) land, or gives their slots back if
+        `close()` drops the job before it runs."""
+        job = self._reader_ahead.submit(self._loader.install, self._compute, keys, objects)
+        job.add_done_callback(
+            lambda done: done.cancelled() and self._loader.abandon(self._compute, keys, objects)
+        )
 
     def ready(self, layer: int, expert_ids: Iterable[int]) -> list[int]:
         """Those of `expert_ids` resident in the compute tier (a fetch of them waits for no read)."""

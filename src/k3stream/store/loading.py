@@ -21,14 +21,14 @@ import contextlib
 import threading
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from enum import IntEnum
 
 import torch
 
 from k3stream.store.cache import WorkingSetTooLarge
 from k3stream.store.pins import StepPins
-from k3stream.store.reader import ObjectReader
+from k3stream.store.reader import ObjectReader, ObjectReads
 from k3stream.store.tiers import Key, Tier
 
 SPECULATIVE_SHARE = 0.5
@@ -140,13 +140,53 @@ class Loader:
         """The slots of `tier` that hints may fill."""
         return max(self.top_k, int(tier.cache.capacity * SPECULATIVE_SHARE))
 
-    def _load(self, tier: Tier, keys: list[Key], load: Load, keep: bool) -> dict[Key, torch.Tensor]:
-        """Fill the reserved slots of `keys` (outside the lock), each as soon as it arrives, so a fetch
-        waiting for one need not wait for the others; on failure give the slots not filled back."""
+    def start(self, tier: Tier, keys: list[Key], load: Load) -> tuple[list[Key], ObjectReads] | None:
+        """Under the lock, a prefetch into the last tier (its misses read the pack) begun in the
+        calling thread: reserve the slots of the `keys` that fit and queue their pack reads at once,
+        so the disk starts without waiting for another thread to wake; (the keys reserved, their
+        reads), which `install` or `abandon` takes over, or None when none is to be read."""
+        mine = self._plan(tier, keys, load, keep=False)[2]
+        if not mine:
+            return None
+        try:
+            return mine, self.reader.start(mine, int(load))
+        except BaseException as exc:
+            self._give_back(tier, mine, exc)
+            raise
+
+    def install(self, tier: Tier, keys: list[Key], objects: ObjectReads) -> None:
+        """Outside the lock: fill the slots `start` reserved for `keys` as their reads land."""
+        self._load(tier, keys, Load.READ_AHEAD, keep=False, arrivals=objects)
+
+    def abandon(self, tier: Tier, keys: list[Key], objects: ObjectReads) -> None:
+        """Outside the lock: give back the slots `start` reserved, once their reads have ended."""
+        objects.close()
+        with self.lock:
+            self._give_back(tier, keys, CancelledError(f"{tier.name} tier load abandoned"))
+
+    def _give_back(self, tier: Tier, keys: list[Key], error: BaseException) -> None:
+        """Under the lock: the loads of `keys` failed; their slots are free and their waiters told."""
+        for key in keys:
+            tier.cancel(key, error)
+        self.slot_freed.notify_all()
+
+    def _load(
+        self,
+        tier: Tier,
+        keys: list[Key],
+        load: Load,
+        keep: bool,
+        arrivals: ObjectReads | None = None,
+    ) -> dict[Key, torch.Tensor]:
+        """Fill the reserved slots of `keys` (outside the lock), each as soon as it arrives (from
+        `arrivals`, the reads already started, else read here), so a fetch waiting for one need not
+        wait for the others; on failure give the slots not filled back."""
         installed: dict[Key, torch.Tensor] = {}
         pending = list(keys)
+        if arrivals is None:
+            arrivals = self._from_below(tier, keys, load)
         try:
-            with contextlib.closing(self._from_below(tier, keys, load)) as arrivals:
+            with contextlib.closing(arrivals):
                 for key, host in arrivals:
                     buffer, ready = tier.place(host)
                     del host
@@ -162,9 +202,7 @@ class Loader:
                         del buffer
         except BaseException as exc:
             with self.lock:
-                for key in pending:
-                    tier.cancel(key, exc)
-                self.slot_freed.notify_all()
+                self._give_back(tier, pending, exc)
             raise
         return installed
 

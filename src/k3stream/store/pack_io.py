@@ -12,6 +12,7 @@ buffered and `direct_io_note` says why.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import mmap
@@ -214,6 +215,42 @@ def _buffered(path: Path) -> int:
     return fd
 
 
+class Reads:
+    """The reads `PackFile.start` queued: iterating yields each request once its bytes are in (see
+    `PackFile.read_each`) and raises the first failure; `close()`, also run when the iteration ends,
+    waits for the reads still running and counts them (a holder that stops early, or never iterates,
+    closes them)."""
+
+    def __init__(
+        self, file: PackFile, requests: list[ReadRequest], priority: int, jobs: dict[int, list[Future]]
+    ) -> None:
+        self._file, self._requests, self._priority, self._jobs = file, requests, priority, jobs
+        self._started = time.perf_counter_ns()
+        self._failure: OSError | None = None
+        self._open = True
+
+    def __iter__(self) -> Iterator[ReadRequest]:
+        jobs = self._jobs
+        try:
+            for request in _as_landed(self._requests, jobs) if self._priority > 0 else self._requests:
+                self._failure = self._file._failure(request, jobs[id(request)])
+                if self._failure is not None:
+                    break
+                yield request
+        finally:
+            self.close()
+        if self._failure is not None:
+            raise self._failure
+
+    def close(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        futures.wait([job for pieces in self._jobs.values() for job in pieces])
+        self._file._count(self._requests, self._failure, time.perf_counter_ns() - self._started)
+        self._file._reads_done()
+
+
 class PackFile:
     """The pack opened for reading, with a pool of reader threads and read statistics."""
 
@@ -275,35 +312,32 @@ class PackFile:
         the given order (its caller needs every request, and what it admits stays in its order), any
         other in the order they land (a read raised by `hurry` is not held behind the requests before
         it). The ranges are queued in pack order, so the disk sees one forward sweep; when this ends
-        (consumed, failed or closed early) no read of its requests is still running."""
+        (consumed, failed or closed early) no read of its requests is still running. A request of one
+        range is read in the calling thread (its caller waits for it anyway)."""
+        reads = self.start(requests, priority, read_here=True)
+        with contextlib.closing(reads):
+            yield from reads
+
+    def start(self, requests: list[ReadRequest], priority: int = 0, read_here: bool = False) -> Reads:
+        """Queue every range of `requests` now and return them as `Reads` (iterated as `read_each`
+        yields; whoever holds them must iterate or close them). With `read_here`, a request of one
+        range is read in the calling thread before this returns."""
         with self._readers:
             if self._closed:
                 raise RuntimeError(f"expert-pack file {self.path} is closed")
             self._active_reads += 1
         try:
-            yield from self._read_each(requests, priority)
-        finally:
-            with self._readers:
-                self._active_reads -= 1
-                self._readers.notify_all()
+            return Reads(self, requests, priority, self._submit(requests, priority, read_here))
+        except BaseException:
+            self._reads_done()
+            raise
 
-    def _read_each(self, requests: list[ReadRequest], priority: int) -> Iterator[ReadRequest]:
-        started = time.perf_counter_ns()
-        jobs = self._submit(requests, priority)
-        failure = None
-        try:
-            for request in _as_landed(requests, jobs) if priority > 0 else requests:
-                failure = self._failure(request, jobs[id(request)])
-                if failure is not None:
-                    break
-                yield request
-        finally:
-            futures.wait([job for pieces in jobs.values() for job in pieces])
-            self._count(requests, failure, time.perf_counter_ns() - started)
-        if failure is not None:
-            raise failure
+    def _reads_done(self) -> None:
+        with self._readers:
+            self._active_reads -= 1
+            self._readers.notify_all()
 
-    def _submit(self, requests: list[ReadRequest], priority: int) -> dict[int, list[Future]]:
+    def _submit(self, requests: list[ReadRequest], priority: int, read_here: bool) -> dict[int, list[Future]]:
         """Queue every range of `requests` in pack order: {id(request): its ranges' futures}."""
         parts = [
             (request, start, length)
@@ -312,7 +346,7 @@ class PackFile:
         ]
         jobs: dict[int, list[Future]] = {id(request): [] for request in requests}
         for part in parts:
-            if len(parts) == 1:  # one small object: read it here, no hand-off
+            if len(parts) == 1 and read_here:  # one small object: read it here, no hand-off
                 job = self._pool.run_here(self._read_range, *part)
             else:
                 job = self._pool.submit(priority, self._read_range, *part, tag=part[0].offset)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from k3stream.store.liveness import LiveBuffers
-from k3stream.store.pack_io import PackFile, ReadRequest, host_buffer, prefaulted_buffer
+from k3stream.store.pack_io import PackFile, ReadRequest, Reads, host_buffer, prefaulted_buffer
 
 Key = tuple[int, int]
 
@@ -83,6 +83,27 @@ class RecycledBuffers:
         self._free.clear()
 
 
+class ObjectReads:
+    """Objects whose reads `ObjectReader.start` queued: iterating yields each (key, buffer) once read
+    and checked (as `ObjectReader.read_each`); `close()` waits for the reads still running."""
+
+    def __init__(
+        self, reader: ObjectReader, reads: Reads, keys_of: dict[int, Key], buffers: dict[Key, torch.Tensor]
+    ) -> None:
+        self._reader, self._reads, self._keys_of, self._buffers = reader, reads, keys_of, buffers
+
+    def __iter__(self) -> Iterator[tuple[Key, torch.Tensor]]:
+        with contextlib.closing(self._reads):
+            for request in self._reads:
+                key = self._keys_of[id(request)]
+                self._reader._check({key: self._buffers[key]})
+                yield key, self._buffers.pop(key)
+
+    def close(self) -> None:
+        self._reads.close()
+        self._buffers.clear()
+
+
 class ObjectReader:
     def __init__(
         self, pack: Any, file: PackFile, live: LiveBuffers, lock: threading.RLock, buffers: RecycledBuffers
@@ -106,6 +127,12 @@ class ObjectReader:
 
         The reads are queued in pack order, so the disk sees a step's reads as one forward sweep; a
         read raised by `hurry` is handed over when it lands, not after the keys before it."""
+        objects = self.start(keys, priority, read_here=True)
+        with contextlib.closing(objects):
+            yield from objects
+
+    def start(self, keys: list[Key], priority: int, read_here: bool = False) -> ObjectReads:
+        """Queue the reads of `keys` now (`PackFile.start`); iterate or close what it returns."""
         buffers, requests = {}, {}
         for key in keys:
             offset, nbytes = self.pack.object_range(*key)
@@ -113,12 +140,8 @@ class ObjectReader:
             self._live.track(array)
             buffers[key] = torch.from_numpy(array)
             requests[key] = ReadRequest(f"layer {key[0]} expert {key[1]}", offset, nbytes, destination)
-        keys_of = {id(request): key for key, request in requests.items()}
-        with contextlib.closing(self.file.read_each(list(requests.values()), priority)) as reads:
-            for request in reads:
-                key = keys_of[id(request)]
-                self._check({key: buffers[key]})
-                yield key, buffers.pop(key)
+        reads = self.file.start(list(requests.values()), priority, read_here)
+        return ObjectReads(self, reads, {id(request): key for key, request in requests.items()}, buffers)
 
     def hurry(self, keys: list[Key], priority: int) -> None:
         """Raise the queued reads of these objects to `priority` (`PackFile.hurry`)."""
