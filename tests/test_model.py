@@ -583,6 +583,21 @@ def test_gguf_experts_stay_in_ram_when_all_of_them_fit_the_budget(tiny_model, tm
         kept.expert_source.fetch(checkpoint.config.moe_layers[0], [0, 99])
 
 
+def test_kept_experts_have_their_views_made_at_load(tiny_model):
+    """A source holding the routed experts in RAM makes every expert's views at load, and its fetches
+    hand those out: a pass that first routes to an expert makes none (beside a running stream, whose
+    decode steps route to few experts, a prompt's first chunk would wait on them)."""
+    from k3stream.gguf.reader import K3Checkpoint
+
+    checkpoint = K3Checkpoint.open(tiny_model())
+    source, experts = GGUFExpertSource(checkpoint, keep=True), checkpoint.config.n_experts
+    made = {layer: dict(source._views[layer]) for layer in checkpoint.config.moe_layers}
+    assert all(sorted(views) == list(range(experts)) for views in made.values())
+    for layer, views in made.items():
+        fetched = source.fetch(layer, list(range(experts)))
+        assert all(fetched[expert] is views[expert] for expert in range(experts))
+
+
 def test_every_checkpoint_tensor_is_used_and_an_unsplit_kv_b_is_refused(tiny_model):
     """The model takes each tensor by its GGUF name: one it would ignore, or an MLA layer with llama.cpp's
     older unsplit attn_kv_b instead of attn_k_b/attn_v_b, fails the build in one line naming it."""

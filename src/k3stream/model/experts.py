@@ -24,7 +24,9 @@ class GGUFExpertSource(ExpertSource):
     GGUF that shrinks while the model runs fails the step with a clear error instead of killing the
     process (a mapped read past the end is a SIGBUS). With `keep` every routed tensor is read into RAM
     once, here (one read per MoE layer; for when all of them fit the memory: `k3stream.load`'s
-    `expert_ram_mib`), and fetches hand out views of it; else each fetch reads its experts.
+    `expert_ram_mib`) with each expert's views of it, which fetches hand out (made here: made in the
+    first pass that routes to an expert, they would lengthen the first chunk of a prompt prefilled
+    beside a stream whose decode steps routed to few experts); else each fetch reads its experts.
     """
 
     def __init__(self, checkpoint: K3Checkpoint, keep: bool = False) -> None:
@@ -34,16 +36,17 @@ class GGUFExpertSource(ExpertSource):
         self._resident = (
             {layer: self._read_layer(layer) for layer in checkpoint.config.moe_layers} if keep else {}
         )
-        self._views: dict[int, dict[int, ExpertWeights]] = {layer: {} for layer in self._resident}
+        experts = range(checkpoint.config.n_experts)
+        self._views: dict[int, dict[int, ExpertWeights]] = {
+            layer: {expert: self._view(layer, expert) for expert in experts} for layer in self._resident
+        }
 
     def fetch(self, layer: int, expert_ids: list[int]) -> dict[int, ExpertWeights]:
         views = self._views.get(layer)
         if views is None:
             return self._read(layer, expert_ids)
-        missing = [expert for expert in expert_ids if expert not in views]
-        if missing:
-            self._check_ids(layer, missing)
-            views.update((expert, self._view(layer, expert)) for expert in missing)
+        if any(expert not in views for expert in expert_ids):
+            self._check_ids(layer, expert_ids)
         return {expert: views[expert] for expert in expert_ids}
 
     def resident(self, layer: int) -> dict[str, ResidentRole] | None:
