@@ -14,7 +14,6 @@ import jsonschema
 import openai
 import pytest
 
-from chat_models import KIMI_TOOL_TEMPLATE, retokenized
 from k3stream.engine.loading import load_runtime
 from k3stream.engine.prompt_cache import MIB, PromptCache
 from k3stream.server.app import ServerConfig, create_app
@@ -24,6 +23,7 @@ from k3stream.server.live import ServerThread
 from k3stream.server.messages import MessageShapes, MessagesRequest
 from k3stream.server.runtime import served_from_runtime
 from k3stream.server.scheduler import Job
+from test_server_tools import tool_gguf  # noqa: F401 (a fixture: the tool-calling chat model)
 
 KEY = "sk-messages"
 WEATHER = {
@@ -48,14 +48,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def tool_gguf(tiny_model, tmp_path_factory):
-    source = tiny_model(vocab=600, context_length=2048)
-    out = tmp_path_factory.mktemp("messages") / "kimi-messages.gguf"
-    return retokenized(source, out, chat_template=KIMI_TOOL_TEMPLATE, special_tokens=("<think>", "</think>"))
-
-
-@pytest.fixture(scope="module")
-def served(tool_gguf):
+def served(tool_gguf):  # noqa: F811
     served = served_from_runtime(load_runtime(tool_gguf), ctx=1024)
     served.prompt_cache = PromptCache(served.model, "tiny-messages", 64 * MIB, every=16)
     yield served

@@ -372,6 +372,11 @@ def test_prompts_that_arrive_together_at_an_idle_server_take_passes_within_the_p
     idle = scheduler.idle_chunks
     assert 8 * idle.cost(0, 200) <= idle.budget  # the work alone would take all eight
     assert gate.rows[0] == 5 * 200 and max(gate.rows) <= 1024
+    _assert_each_answers_as_alone(jobs, prompts, model, tokenizer)
+
+
+def _assert_each_answers_as_alone(jobs, prompts, model, tokenizer) -> None:
+    """Each job's greedy answer equals its prompt's generated alone."""
     for job, ids in zip(jobs, prompts, strict=True):
         assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
 
@@ -406,8 +411,7 @@ def test_waiting_prefills_share_one_pass_and_answer_as_each_alone(model, model_p
     sizes = {"max_batch": 4, "max_queue": 4, "prefill_chunk": 512}
     scheduler, jobs = _run_together(model, tokenizer, cache, prompts, **sizes)
     assert scheduler.snapshot()["batched_prefills"] >= 1
-    for job, ids in zip(jobs, prompts, strict=True):
-        assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
+    _assert_each_answers_as_alone(jobs, prompts, model, tokenizer)
 
 
 class _Greedy:
@@ -695,8 +699,7 @@ def test_a_queued_request_restores_the_prefix_a_running_prefill_shared_with_it(m
     assert [job.cached_tokens for job in jobs] == [0, 0, shared, shared]
     computed = sum(map(len, prompts[:2])) + sum(len(ids) - shared for ids in prompts[2:])
     assert cache.stats.tokens_computed == computed
-    for job, ids in zip(jobs, prompts, strict=True):
-        assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
+    _assert_each_answers_as_alone(jobs, prompts, model, tokenizer)
 
 
 def test_a_prompt_that_branches_off_a_cached_one_is_snapshotted_where_it_branches(model, tokenizer):
@@ -726,8 +729,7 @@ def test_a_prompt_that_branches_off_a_cached_one_is_snapshotted_where_it_branche
         cache.close()
     assert [job.cached_tokens for job in jobs] == [0, 0, shared]
     assert cache.stats.tokens_computed == sum(map(len, prompts)) - shared
-    for job, ids in zip(jobs, prompts, strict=True):
-        assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
+    _assert_each_answers_as_alone(jobs, prompts, model, tokenizer)
 
 
 def test_a_request_too_late_to_wait_for_a_running_prefill_is_snapshotted_where_it_branches(model, tokenizer):
@@ -773,8 +775,7 @@ def test_a_request_too_late_to_wait_for_a_running_prefill_is_snapshotted_where_i
         cache.close()
     assert [job.cached_tokens for job in jobs] == [0, 0, shared]
     assert cache.stats.tokens_computed == sum(map(len, prompts)) - shared
-    for job, ids in zip(jobs, prompts, strict=True):
-        assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
+    _assert_each_answers_as_alone(jobs, prompts, model, tokenizer)
 
 
 def test_a_request_waits_only_for_a_prefix_that_pays_beyond_the_cache(model, tokenizer):
