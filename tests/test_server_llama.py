@@ -240,11 +240,7 @@ def test_metrics_count_tokens_under_llama_servers_names_too(server):
     """llama-server's dashboards read `llamacpp:prompt_tokens_total` (prompt tokens computed) and
     `llamacpp:tokens_predicted_total`: the same counts as k3stream's own counters, moved by a request."""
 
-    def counts() -> dict[str, float]:
-        text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text
-        return {name: float(value) for name, value in re.findall(r"^([\w:]+) (\S+)$", text, re.M)}
-
-    before = counts()
+    before = metric_values(server)
     body = {
         "prompt": "A prompt nobody sent before",
         "max_tokens": 5,
@@ -252,7 +248,7 @@ def test_metrics_count_tokens_under_llama_servers_names_too(server):
         "cache_prompt": False,
     }
     reply = post(server, "/v1/completions", body).json()
-    after = counts()
+    after = metric_values(server)
     for llama, own, added in (
         ("llamacpp:prompt_tokens_total", "k3stream_prompt_tokens_total", reply["usage"]["prompt_tokens"]),
         ("llamacpp:tokens_predicted_total", "k3stream_generation_tokens_total", 5),
@@ -265,11 +261,7 @@ def test_metrics_have_llama_servers_times_and_throughputs(server):
     `llamacpp:tokens_predicted_seconds_total` (and the prompt's likewise) and read its throughput
     gauges and decode count: each moves with a request, and the gauges are those quotients."""
 
-    def counts() -> dict[str, float]:
-        text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text
-        return {name: float(value) for name, value in re.findall(r"^([\w:]+) (\S+)$", text, re.M)}
-
-    before = counts()
+    before = metric_values(server)
     body = {
         "prompt": "Yet another prompt nobody sent",
         "max_tokens": 6,
@@ -277,7 +269,7 @@ def test_metrics_have_llama_servers_times_and_throughputs(server):
         "cache_prompt": False,
     }
     post(server, "/v1/completions", body)
-    metrics = counts()
+    metrics = metric_values(server)
     for name in ("llamacpp:prompt_seconds_total", "llamacpp:tokens_predicted_seconds_total"):
         assert metrics[name] > before.get(name, 0.0), name
     assert metrics["llamacpp:n_decode_total"] - before.get("llamacpp:n_decode_total", 0.0) >= 5
@@ -292,10 +284,15 @@ def test_metrics_have_llama_servers_times_and_throughputs(server):
         assert metrics[gauge] == pytest.approx(metrics[tokens] / metrics[seconds], rel=1e-6), gauge
 
 
+def metric_values(server) -> dict[str, float]:
+    """Every sample `/metrics` shows, by name."""
+    text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text
+    return {name: float(value) for name, value in re.findall(r"^([\w:]+) (\S+)$", text, re.M)}
+
+
 def _poll_metrics(server, wanted):
     for _ in range(3000):  # a bound, not a timing assertion
-        text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text
-        values = {name: float(value) for name, value in re.findall(r"^([\w:]+) (\S+)$", text, re.M)}
+        values = metric_values(server)
         if all(values.get(name) == value for name, value in wanted.items()):
             return
         time.sleep(0.005)

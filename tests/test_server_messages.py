@@ -23,18 +23,9 @@ from k3stream.server.live import ServerThread
 from k3stream.server.messages import MessageShapes, MessagesRequest
 from k3stream.server.runtime import served_from_runtime
 from k3stream.server.scheduler import Job
-from test_server_tools import tool_gguf  # noqa: F401 (a fixture: the tool-calling chat model)
+from test_server_tools import WEATHER, tool_gguf  # noqa: F401 (tool_gguf: a fixture, the tool-calling chat model)
 
 KEY = "sk-messages"
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 9},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TOOL = {"name": "get_weather", "description": "Forecast", "input_schema": WEATHER}
 OPENAI_TOOL = {
     "type": "function",

@@ -381,6 +381,14 @@ def _assert_each_answers_as_alone(jobs, prompts, model, tokenizer) -> None:
         assert job.logic.token_ids == generate(model, tokenizer, ids, GREEDY).token_ids
 
 
+def _assert_third_restored_the_prefix(jobs, prompts, cache, shared, model, tokenizer) -> None:
+    """Of three requests only the third restored the `shared` prefix, so the prompts' tokens less it
+    once were computed, and each answer equals its prompt's alone."""
+    assert [job.cached_tokens for job in jobs] == [0, 0, shared]
+    assert cache.stats.tokens_computed == sum(map(len, prompts)) - shared
+    _assert_each_answers_as_alone(jobs, prompts, model, tokenizer)
+
+
 def _run_together(model, tokenizer, cache, prompts, **sizes):
     """A greedy job per prompt, all queued before a `Scheduler` over `cache` (`sizes`: its max_batch,
     max_queue, prefill_chunk) starts, run until every one finishes: (the scheduler, the jobs)."""
@@ -727,9 +735,7 @@ def test_a_prompt_that_branches_off_a_cached_one_is_snapshotted_where_it_branche
         scheduler.stop()
         loop.close()
         cache.close()
-    assert [job.cached_tokens for job in jobs] == [0, 0, shared]
-    assert cache.stats.tokens_computed == sum(map(len, prompts)) - shared
-    _assert_each_answers_as_alone(jobs, prompts, model, tokenizer)
+    _assert_third_restored_the_prefix(jobs, prompts, cache, shared, model, tokenizer)
 
 
 def test_a_request_too_late_to_wait_for_a_running_prefill_is_snapshotted_where_it_branches(model, tokenizer):
@@ -773,9 +779,7 @@ def test_a_request_too_late_to_wait_for_a_running_prefill_is_snapshotted_where_i
         scheduler.stop()
         loop.close()
         cache.close()
-    assert [job.cached_tokens for job in jobs] == [0, 0, shared]
-    assert cache.stats.tokens_computed == sum(map(len, prompts)) - shared
-    _assert_each_answers_as_alone(jobs, prompts, model, tokenizer)
+    _assert_third_restored_the_prefix(jobs, prompts, cache, shared, model, tokenizer)
 
 
 def test_a_request_waits_only_for_a_prefix_that_pays_beyond_the_cache(model, tokenizer):

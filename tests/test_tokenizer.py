@@ -301,6 +301,25 @@ def test_random_text_under_reordered_merges_matches_llama_cpp(reordered_path, re
     assert tokenizer.encode(text, allow_special=special) == _llama_ids(reordered_llama, text, special)
 
 
+# single words far longer than `bpe.CACHED_WORD_CHARS`, so they take the merge loop uncached
+LONG_WORDS = ["the" * 700, "HelloWorld" * 90, "中文文本测试" * 150, "quick" * 600 + "s", "é" * 900]
+
+
+@requires_llama
+def test_long_words_match_llama_cpp_under_either_merge_order(
+    model_path, llama_vocab, reordered_path, reordered_llama
+):
+    from k3stream.gguf.bpe import CACHED_WORD_CHARS
+
+    assert all(len(word) > CACHED_WORD_CHARS for word in LONG_WORDS)
+    for path, llama in ((model_path, llama_vocab), (reordered_path, reordered_llama)):
+        tokenizer = Tokenizer.from_gguf(path)
+        for word in LONG_WORDS:
+            want = _llama_ids(llama, word, False)
+            assert tokenizer.encode(word, add_bos=False) == want, (path.name, word[:20])
+            assert len(want) < len(word.encode())  # the word merged: the loop ran
+
+
 @pytest.mark.parametrize(
     ("entry", "message"),
     [

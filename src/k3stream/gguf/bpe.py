@@ -3,15 +3,21 @@ printable unicode characters) and llama.cpp's merge loop over `tokenizer.ggml.me
 
 A word is cut into its bytes (one alphabet character each); the adjacent pair whose merge comes first in
 the merge list (the leftmost of equal ones) is joined, until no adjacent pair is a merge. Each symbol left
-is the token of that text. The order of the merges decides, not the order of the tokens.
+is the token of that text. The order of the merges decides, not the order of the tokens. The pairs wait
+in a heap, as in llama.cpp, so a word of n bytes takes O(n log n) steps, not n^2: a request's text may
+hold one word of a million letters.
 """
 
 from __future__ import annotations
 
 import functools
+import heapq
 from collections.abc import Mapping, Sequence
 
 WORD_CACHE = 1 << 16  # words whose merged ids are kept: text repeats its words
+CACHED_WORD_CHARS = 64  # longer words are merged each time, so the cache holds at most 64 K short words
+# a pair waiting to merge: its rank, its left symbol's place, the two texts it joins
+Pair = tuple[int, int, str, str]
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,19 +65,37 @@ class MergeBPE:
             self._ranks.setdefault(merge, index)
         self._token_ids = token_ids
         self._byte_text = byte_to_unicode()
-        self.word_ids = functools.lru_cache(maxsize=WORD_CACHE)(self._merge_word)
+        self._cached_word_ids = functools.lru_cache(maxsize=WORD_CACHE)(self._merge_word)
+
+    def word_ids(self, word: str) -> tuple[int, ...]:
+        """The ids of one pre-tokenized piece of text."""
+        if len(word) <= CACHED_WORD_CHARS:
+            return self._cached_word_ids(word)
+        return self._merge_word(word)
 
     def _merge_word(self, word: str) -> tuple[int, ...]:
-        """The ids of one pre-tokenized piece of text."""
         symbols = [self._byte_text[b] for b in word.encode("utf-8")]
-        ranks = self._ranks
-        while len(symbols) > 1:
-            best, best_rank = -1, len(ranks)
-            for i in range(len(symbols) - 1):
-                rank = ranks.get(f"{symbols[i]} {symbols[i + 1]}", best_rank)
-                if rank < best_rank:
-                    best, best_rank = i, rank
-            if best < 0:
-                break
-            symbols[best : best + 2] = [symbols[best] + symbols[best + 1]]
-        return tuple(self._token_ids[symbol] for symbol in symbols)
+        after = list(range(1, len(symbols))) + [-1]  # the next live symbol of each (-1: none)
+        before = list(range(-1, len(symbols) - 1))
+        heap: list[Pair] = []
+        for left in range(len(symbols) - 1):
+            self._push(heap, left, symbols[left], symbols[left + 1])
+        while heap:
+            _, left, left_text, right_text = heapq.heappop(heap)
+            right = after[left]
+            if right < 0 or symbols[left] != left_text or symbols[right] != right_text:
+                continue  # a pair one of whose symbols has merged since it was pushed
+            symbols[left], symbols[right] = left_text + right_text, ""
+            after[left] = after[right]
+            if after[left] >= 0:
+                before[after[left]] = left
+                self._push(heap, left, symbols[left], symbols[after[left]])
+            if before[left] >= 0:
+                self._push(heap, before[left], symbols[before[left]], symbols[left])
+        return tuple(self._token_ids[symbol] for symbol in symbols if symbol)
+
+    def _push(self, heap: list[Pair], left: int, left_text: str, right_text: str) -> None:
+        """Queue the pair at `left` where it is a merge: the first rank, then the leftmost, pops first."""
+        rank = self._ranks.get(f"{left_text} {right_text}")
+        if rank is not None:
+            heapq.heappush(heap, (rank, left, left_text, right_text))
