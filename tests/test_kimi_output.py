@@ -160,6 +160,24 @@ def test_call_arguments_stream_in_pieces_that_join_to_the_whole(think_tokenizer)
     assert joined.tool_calls == whole
 
 
+def test_each_ended_call_is_heard_with_its_arguments_as_the_model_wrote_them(think_tokenizer):
+    """`on_call` hears each call once it ends, its arguments with the whitespace around them that the
+    answer's call leaves out (the prompt cache holds what the model wrote), whatever the split; a call
+    cut off is not heard."""
+    fmt = KimiFormat.for_tokenizer(think_tokenizer)
+    spaced = SECTION.replace('{"city": "Paris"}', ' {"city": "Paris"}\n')
+    cut = (
+        '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:2<|tool_call_argument_begin|>{"tz'
+    )
+    pieces = released(think_tokenizer, fmt, spaced + cut)
+    for split in range(len(pieces) + 1):
+        heard: list[tuple[str, str]] = []
+        halves = ["".join(pieces[:split]), "".join(pieces[split:])]
+        result = parse(fmt, halves, on_call=lambda *call, heard=heard: heard.append(call))
+        assert result.tool_calls[:2] == CALLS
+        assert heard == [(CALLS[0].id, ' {"city": "Paris"}\n'), (CALLS[1].id, CALLS[1].arguments)]
+
+
 def test_valid_call_kept_when_a_later_one_is_cut_off(think_tokenizer):
     fmt = KimiFormat.for_tokenizer(think_tokenizer)
     first = SECTION[: SECTION.index("<|tool_call_begin|>functions.get_time")]

@@ -13,6 +13,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 
 from k3stream.engine.loading import load_runtime
 from k3stream.engine.prompt_cache import MIB, PromptCache
@@ -205,6 +206,78 @@ def test_a_tool_result_turn_is_the_chat_conversation_with_the_tool_message(
         [{**m, "content": m["content"] or ""} for m in openai_messages], tools=[OPENAI_TOOL]
     )
     assert f"## Return of {call.id}\n{result}" in rendered
+
+
+class Scripted:
+    """A constraint that lets the model write `tokens`, then only stop: an answer as Kimi writes it (random
+    weights never call a tool of their own accord), taken through the server's whole path."""
+
+    def __init__(self, tokens: list[int], stops: list[int], vocab_size: int) -> None:
+        self.tokens = tokens
+        self.stops = stops
+        self.vocab_size = vocab_size
+        self.written = 0
+
+    def allowed(self) -> torch.Tensor:
+        allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
+        allowed[self.tokens[self.written : self.written + 1] or self.stops] = True
+        return allowed
+
+    def advance(self, token: int) -> None:
+        self.written += 1
+
+
+def written_answer(claude, served, monkeypatch, text: str, **fields):
+    """The message answering `fields` (`ask`'s) whose answer the model writes as `text`."""
+    tokens = served.tokenizer.encode(text, allow_special=True, add_bos=False)
+
+    def scripted(body, in_reasoning) -> Scripted:
+        return Scripted(tokens, served.grammars.stop_ids, served.vocab_size)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(served, "_constraint", scripted)
+        return ask(claude, **fields)
+
+
+def test_a_tool_use_sent_back_restores_the_answer_past_the_call(claude, served, monkeypatch):
+    """A `tool_use` block's `input` is an object, which the conversion writes as compact JSON, where Kimi
+    writes `{"city": "Paris", "days": 2}`: the server writes the arguments the model wrote (the same JSON
+    value), so the turn after the call restores the answer's cached state and computes only the tool
+    result and what follows it."""
+    arguments = '{"city": "Paris", "days": 2}'
+    call = (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+        f"{arguments}<|tool_call_end|><|tool_calls_section_end|>"
+    )
+    question = [{"role": "user", "content": "Which weather will Paris have?"}]
+    first = written_answer(claude, served, monkeypatch, call, messages=question, tools=[TOOL], max_tokens=60)
+    (block,) = first.content
+    assert (block.type, block.input, first.stop_reason) == ("tool_use", json.loads(arguments), "tool_use")
+    history = [
+        *question,
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": block.id, "name": block.name, "input": block.input}],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "sunny"}]},
+    ]
+    second = ask(claude, messages=history, tools=[TOOL], max_tokens=4)
+    usage = first.usage
+    # the answer's state, all but its last token (never fed to the model)
+    answered = usage.input_tokens + usage.cache_read_input_tokens + usage.output_tokens - 1
+    assert second.usage.cache_read_input_tokens == answered
+    written = {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}}
+    rendered = served.chat_template.render(
+        [
+            {"role": "system", "content": SYSTEM},
+            *question,
+            {"role": "assistant", "content": "", "tool_calls": [written]},
+            {"role": "tool", "tool_call_id": block.id, "content": "sunny"},
+        ],
+        tools=[OPENAI_TOOL],
+    )
+    prompt = second.usage.input_tokens + second.usage.cache_read_input_tokens
+    assert prompt == len(served.tokenizer.encode(rendered, allow_special=True))
 
 
 def test_a_stop_sequence_ends_the_answer_before_it(claude):

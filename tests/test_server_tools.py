@@ -162,6 +162,42 @@ def test_multi_turn_with_a_tool_result(client, served):
     assert answer.usage.prompt_tokens == len(served.tokenizer.encode(rendered, allow_special=True))
 
 
+def test_a_call_sent_back_re_serialised_is_written_as_the_model_wrote_it(client):
+    """LangChain and others parse a call's arguments and dump them again (`json.dumps`: spaces, here the
+    keys reversed too): the server writes the arguments the model wrote, the same JSON value, so the next
+    turn restores the cached answer past the call and computes only its new tokens; arguments of another
+    value are written as sent, and the cache match ends inside them."""
+    question = {"messages": [{"role": "user", "content": "The weather in Lima, please?"}]}
+    first = chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0, **question)
+    call = first.choices[0].message.tool_calls[0]
+    value = json.loads(call.function.arguments)
+    dumped = json.dumps(dict(reversed(value.items())))
+    assert dumped != call.function.arguments and json.loads(dumped) == value
+
+    def next_turn(arguments: str):
+        function = {"name": call.function.name, "arguments": arguments}
+        history = [
+            *question["messages"],
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": call.id, "type": "function", "function": function}],
+            },
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+        ]
+        return chat(client, messages=history, tools=TOOLS, temperature=0, max_tokens=4)
+
+    answered = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # the last token: not fed
+    redumped = next_turn(dumped)
+    assert redumped.usage.prompt_tokens_details.cached_tokens == answered
+    echoed = next_turn(call.function.arguments)
+    assert echoed.usage.prompt_tokens == redumped.usage.prompt_tokens
+    assert echoed.choices[0].message.content == redumped.choices[0].message.content
+    other = {**value, "days": value["days"] % 9 + 1}
+    changed = next_turn(json.dumps(other, separators=(",", ":")))
+    assert changed.usage.prompt_tokens_details.cached_tokens < answered
+
+
 # a user question, the assistant's call of get_time and the tool's result
 TIME_CALL = {
     "id": "functions.get_time:0",

@@ -16,15 +16,16 @@ of the request's tools and its arguments begin with `{` (a JSON object): a `Tool
 name and no arguments, then the argument text as it comes, each piece a `ToolCall` with the index alone
 (OpenAI's streamed deltas; `Piece.extend` joins them into the whole call), to `<|tool_call_end|>`; the
 arguments are the text between, stripped, JSON or not (as OpenAI's may not be: a forced call's grammar
-makes them its schema's JSON). Anything else inside a section (an unknown function, arguments that are
-not an object, a call cut off before its arguments) comes back as content, delimiters spelled as their
-token text.
+makes them its schema's JSON); `on_call` hears each call's id and its arguments as the model wrote them,
+whitespace around them included, once the call ends. Anything else inside a section (an unknown
+function, arguments that are not an object, a call cut off before its arguments) comes back as content,
+delimiters spelled as their token text.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -178,6 +179,7 @@ class OutputParser:
         *,
         reasoning: bool = True,
         in_reasoning: bool = False,
+        on_call: Callable[[str, str], None] | None = None,
     ) -> None:
         self.fmt = fmt
         self.tool_names = frozenset(tool_names)
@@ -189,6 +191,8 @@ class OutputParser:
         self._section_calls = 0
         self._open: ToolCall | None = None  # the call whose arguments stream
         self._space = ""  # whitespace after its arguments so far: sent only if more text follows
+        self._written = ""  # its arguments as the model wrote them so far
+        self._on_call = on_call
 
     @property
     def made_calls(self) -> bool:
@@ -302,6 +306,7 @@ class OutputParser:
         self._calls += 1
         self._section_calls += 1
         self._pending = arguments.lstrip()
+        self._written = arguments[: len(arguments) - len(self._pending)]
         return True
 
     def _arguments(self, piece: Piece) -> bool:
@@ -311,12 +316,15 @@ class OutputParser:
         if taken is None:
             taken, self._pending = (self._pending, ""), ""
         text = self._space + taken[0]
+        self._written += taken[0]
         sent = text.rstrip()
         if sent:
             piece.add_call(ToolCall(self._open.index, "", "", sent))
         if not taken[1]:
             self._space = text[len(sent) :]
             return False
+        if self._on_call is not None:
+            self._on_call(self._open.id, self._written)
         self._space, self._open = "", None
         if taken[1] == self.tools["<|tool_calls_section_end|>"]:
             self._mode = "content"

@@ -21,6 +21,7 @@ from k3stream.engine.prompt_cache import PromptCache
 from k3stream.engine.sampling import SamplingParams
 from k3stream.gguf.shards import set_name
 from k3stream.server.errors import invalid_request
+from k3stream.server.generated_calls import GeneratedCalls
 from k3stream.server.grammar import (
     AfterThinking,
     BannedTokens,
@@ -53,6 +54,9 @@ class ServedModel(Runtime):
     # the ids of each message's content and template text as tokenized before, and the tool lists found
     # free of special-token text: an agent's turn repeats its whole history (`encode_chat`)
     pieces: TextMemo = field(default_factory=lambda: TextMemo(PIECE_MEMO_CHARS))
+    # the arguments of the tool calls it generated as the model wrote them: a history that sends a call
+    # back re-serialised is written with them, so its prompt cache match goes on past the call
+    generated_calls: GeneratedCalls = field(default_factory=GeneratedCalls)
 
     def __post_init__(self) -> None:
         if self.grammars is None:
@@ -156,7 +160,7 @@ class ServedModel(Runtime):
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
         if tools and self.kimi.tools is None:
             raise invalid_request("tools: this model's vocabulary has no tool-call tokens", param="tools")
-        messages = [{**m.template_fields(), "content": m.text()} for m in body.messages]
+        messages = [self._as_generated({**m.template_fields(), "content": m.text()}) for m in body.messages]
         prefill = assistant_prefill(body.messages)
         if prefill is not None:
             messages.pop()
@@ -172,6 +176,17 @@ class ServedModel(Runtime):
             reasoning=body.separate_reasoning,
             in_reasoning=in_reasoning,
         )
+
+    def _as_generated(self, message: dict[str, Any]) -> dict[str, Any]:
+        """`message` with the arguments of each tool call this server generated as the model wrote them
+        (the same JSON value; `generated_calls`)."""
+        if not message.get("tool_calls"):
+            return message
+        calls = []
+        for call in message["tool_calls"]:
+            arguments = self.generated_calls.written(call["id"], call["function"]["arguments"])
+            calls.append({**call, "function": {**call["function"], "arguments": arguments}})
+        return {**message, "tool_calls": calls}
 
     def _opens_thinking(self, tokens: list[int]) -> bool:
         """Whether the prompt ends with the think opening (the template opened the block)."""
@@ -278,7 +293,11 @@ class ServedModel(Runtime):
             )
         sequence = Sequence(self.tokenizer, prompt_tokens, params, marks=self.kimi.marks)
         parser = OutputParser(
-            self.kimi, chat.tool_names, reasoning=chat.reasoning, in_reasoning=chat.in_reasoning
+            self.kimi,
+            chat.tool_names,
+            reasoning=chat.reasoning,
+            in_reasoning=chat.in_reasoning,
+            on_call=self.generated_calls.remember,
         )
         constraint = chat.constraints[choice]
         return RequestLogic(
