@@ -341,7 +341,6 @@ BAD_BODIES = [
     ("negative max_tokens", {"prompt": "hi", "max_tokens": -5}, None),
     ("zero max_tokens", {"prompt": "hi", "max_tokens": 0}, None),
     ("huge max_tokens", {"prompt": "hi", "max_tokens": 10**12}, None),
-    ("max_tokens beyond the context", {"prompt": "hi", "max_tokens": 100000}, None),
     ("prompt longer than the context", {"prompt": "word " * 600}, "context_length_exceeded"),
     ("token ids outside the vocabulary", {"prompt": [1, 2, 10**9]}, None),
     ("missing prompt", {"max_tokens": 3}, None),
@@ -411,6 +410,27 @@ def test_bad_chat_requests(client, server):
         model=server.name, messages=[{"role": "user", "content": "hi"}], max_tokens=2
     )
     assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_max_tokens_past_the_context_is_cut_where_the_context_ends(client, server):
+    """Agents (Cline, OpenCode) ask for 32000 tokens whatever the prompt and `--ctx`: as llama-server
+    cuts it (vLLM and OpenAI answer a 400), chat and completions answer up to the context's end with
+    finish_reason `length`, the answer max_tokens of the room left gives, streamed or whole."""
+    asked = {"model": server.name, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    messages = [{"role": "user", "content": "Tell me about rivers."}]
+    whole = client.chat.completions.create(messages=messages, max_tokens=32000, **asked)
+    room = CTX - whole.usage.prompt_tokens
+    assert (whole.choices[0].finish_reason, whole.usage.completion_tokens) == ("length", room)
+    exact = client.chat.completions.create(messages=messages, max_tokens=room, **asked)
+    assert exact.choices[0].message.content == whole.choices[0].message.content
+    newer = client.chat.completions.create(messages=messages, max_completion_tokens=32000, **asked)
+    assert newer.choices[0].message.content == whole.choices[0].message.content
+    chunks = list(client.chat.completions.create(messages=messages, max_tokens=32000, stream=True, **asked))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    completion = client.completions.create(prompt="Rivers run", max_tokens=32000, **asked)
+    assert completion.usage.prompt_tokens + completion.usage.completion_tokens == CTX
+    assert completion.choices[0].finish_reason == "length"
 
 
 def test_unknown_route_answers_an_openai_error(server):

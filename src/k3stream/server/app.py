@@ -307,9 +307,8 @@ class Endpoints:
         body = await parse_body(request, CompletionRequest)
         self.check_request(body)
         prompts = [await self._prompt_ids(prompt) for prompt in body.prompts()]
-        limit, limit_param = body.token_limit()
         jobs = self.submit_prompts(
-            body, [(tokens, None) for tokens in prompts], limit, limit_param=limit_param, top=body.logprobs
+            body, [(tokens, None) for tokens in prompts], body.token_limit(), top=body.logprobs
         )
         stream = self.stream(
             jobs, _CompletionChunks.for_choices(self.served.name, jobs), body.return_progress
@@ -334,16 +333,9 @@ class Endpoints:
         OpenAI's chunks, or another API's converted into this request (`messages`)."""
         self.check_request(body)
         prompt = await self.off_loop(self.served.prepare_chat, body)
-        limit, limit_param = body.token_limit()
         top = (body.top_logprobs or 0) if body.logprobs else None
         jobs = self.submit(
-            body,
-            prompt.tokens,
-            limit,
-            limit_param=limit_param,
-            prompt_param="messages",
-            top=top,
-            chat=prompt,
+            body, prompt.tokens, body.token_limit(), prompt_param="messages", top=top, chat=prompt
         )
         stream = self.stream(jobs, shapes(jobs), body.return_progress)
         return await stream.respond(request, body.stream, body.include_usage())
@@ -392,7 +384,6 @@ class Endpoints:
         tokens: list[int],
         limit: int | None,
         *,
-        limit_param: str | None,
         top: int | None,
         prompt_param: str = "prompt",
         chat: ChatPrompt | None = None,
@@ -400,11 +391,11 @@ class Endpoints:
         queue: asyncio.Queue | None = None,
         index: int = 0,
     ) -> list[Job]:
-        """Queue the request, one job per choice (the first one's prefill shared by all); `top` is the
-        number of top logprobs per token (None: no logprobs); `limit_param` the field that named `limit`
-        (None: a default); `constraint` a completion's grammar (one choice); `queue` and `index` where
+        """Queue the request, one job per choice (the first one's prefill shared by all); `limit` the
+        tokens it asks for (None: up to the context); `top` is the number of top logprobs per token
+        (None: no logprobs); `constraint` a completion's grammar (one choice); `queue` and `index` where
         its events go (several prompts of one request share a queue, each its own index)."""
-        max_tokens = self._token_budget(len(tokens), limit, limit_param, prompt_param)
+        max_tokens = self._token_budget(len(tokens), limit, prompt_param)
         loop, queue = asyncio.get_running_loop(), queue if queue is not None else asyncio.Queue()
         taken = {job.slot for running in self.scheduler.active_jobs() for job in (running, *running.forks)}
         jobs = []
@@ -444,7 +435,6 @@ class Endpoints:
         prompts: list[tuple[list[int], TokenConstraint | None]],
         limit: int | None,
         *,
-        limit_param: str | None,
         top: int | None,
     ) -> list[Job]:
         """Queue each prompt (its token ids and grammar) of a request as `submit` does, their events on
@@ -458,7 +448,6 @@ class Endpoints:
                     body,
                     tokens,
                     limit,
-                    limit_param=limit_param,
                     top=top,
                     constraint=constraint,
                     queue=queue,
@@ -471,10 +460,10 @@ class Endpoints:
             raise
         return jobs
 
-    def _token_budget(
-        self, prompt_len: int, limit: int | None, limit_param: str | None, prompt_param: str
-    ) -> int:
-        """Tokens this request may generate; a request that cannot fit the context is refused."""
+    def _token_budget(self, prompt_len: int, limit: int | None, prompt_param: str) -> int:
+        """Tokens this request may generate: `limit`, cut to the room the context leaves as llama-server
+        cuts it (agents ask for 32000 tokens whatever the prompt and the context; the answer then ends
+        where the context does, `finish_reason` `length`); a prompt that does not fit is refused."""
         ctx = self.served.ctx
         if prompt_len >= ctx:
             raise invalid_request(
@@ -485,17 +474,7 @@ class Endpoints:
                 figures={"n_prompt_tokens": prompt_len, "n_ctx": ctx},
             )
         room = ctx - prompt_len
-        if limit is None:
-            return room
-        if limit_param is not None and limit > room:
-            raise invalid_request(
-                f"This model's maximum context length is {ctx} tokens; the prompt has "
-                f"{prompt_len} tokens, so {limit_param} can be at most {room}, not {limit}",
-                param=limit_param,
-                code="context_length_exceeded",
-                figures={"n_prompt_tokens": prompt_len, "n_ctx": ctx},
-            )
-        return min(limit, room)
+        return room if limit is None else min(limit, room)
 
 
 class Stream:

@@ -188,7 +188,7 @@ class CountTokensRequest(BaseModel):
         """The chat completion request this one asks for (with the `sampling` fields of a message)."""
         tools = [self._tool(index, tool) for index, tool in enumerate(self.tools or [])]
         choice = self.tool_choice
-        return MessageChatRequest(
+        return ChatCompletionRequest(
             messages=self._system()
             + [m for i, msg in enumerate(self.messages) for m in msg.chat_messages(i)],
             tools=tools or None,
@@ -225,14 +225,6 @@ class CountTokensRequest(BaseModel):
         if self.thinking is None:
             return self.chat_template_kwargs
         return {"thinking": self.thinking.type != "disabled", **(self.chat_template_kwargs or {})}
-
-
-class MessageChatRequest(ChatCompletionRequest):
-    """The chat request of a message: a `max_tokens` past the context is cut where the context ends, as
-    llama-server cuts it (Claude Code asks for 32000 tokens whatever the prompt), not refused."""
-
-    def token_limit(self) -> tuple[int | None, str | None]:
-        return super().token_limit()[0], None
 
 
 class MessagesRequest(CountTokensRequest):

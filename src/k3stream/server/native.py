@@ -110,11 +110,6 @@ class NativeCompletionRequest(SamplingFields):
             raise invalid_request(message, param="repeat_penalty")
         self._sampler_letters()
 
-    def token_limit(self) -> tuple[int | None, str | None]:
-        """`n_predict` (or `max_tokens`), cut to the room the context leaves, as llama-server stops there
-        (`stop_type` limit) rather than refusing the request."""
-        return super().token_limit()[0], None
-
     def prompts(self) -> list[PromptPieces]:
         """Each prompt as its pieces (token ids and texts), as llama-server reads `prompt`: a string, token
         ids, ids and strings mixed (one prompt), or a list of such prompts."""
@@ -310,12 +305,10 @@ class NativeEndpoints:
             raise invalid_request(message, param="n_cmpl")
         self.api.check_request(body)
         prepared = [await self.api.off_loop(self._prepare, pieces, body) for pieces in body.prompts()]
-        limit, limit_param = body.token_limit()
         jobs = self.api.submit_prompts(
             body,
             [(tokens, constraint) for tokens, _, constraint in prepared],
-            limit,
-            limit_param=limit_param,
+            body.token_limit(),
             top=body.n_probs or None,
         )
         # completion j of prompt i is result i * n + j, as llama-server orders them

@@ -34,7 +34,7 @@ def _integral(value: Any) -> Any:
 # an integer field's validator that takes integral floats
 Integral = BeforeValidator(_integral)
 
-# Larger values are refused by the context check anyway; this bound keeps absurd numbers out early.
+# Larger values would be cut to the context anyway; this bound keeps absurd numbers out early.
 MAX_TOKENS_LIMIT = 1 << 20
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
@@ -210,14 +210,13 @@ class SamplingFields(BaseModel):
         """The seed to draw with: None (a fresh one) when absent or llama-server's -1."""
         return None if self.seed in (None, *RANDOM_SEEDS) else self.seed
 
-    def token_limit(self) -> tuple[int | None, str | None]:
-        """(most tokens to generate, None for up to the context; the field that named it, None where none
-        did, so that a named limit past the context is refused by name): `max_tokens`, else
-        llama-server's `n_predict`."""
+    def token_limit(self) -> int | None:
+        """The most tokens to generate (None: up to the context): `max_tokens`, else llama-server's
+        `n_predict`."""
         named = "max_tokens" in self.model_fields_set and self.max_tokens is not None
         if self.n_predict is not None and not named:
-            return (None, None) if self.n_predict == -1 else (self.n_predict, "n_predict")
-        return self.max_tokens, "max_tokens" if "max_tokens" in self.model_fields_set else None
+            return None if self.n_predict == -1 else self.n_predict
+        return self.max_tokens
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -488,11 +487,10 @@ class ChatCompletionRequest(SamplingFields):
         json_output = self.response_format is not None and self.response_format.type != "text"
         return bool(self.forced_tools()) or json_output
 
-    def token_limit(self) -> tuple[int | None, str | None]:
+    def token_limit(self) -> int | None:
         if self.max_completion_tokens is not None:
-            return self.max_completion_tokens, "max_completion_tokens"
-        limit, named_by = super().token_limit()
-        return limit, named_by if limit is not None else None
+            return self.max_completion_tokens
+        return super().token_limit()
 
 
 def _token_id(key: str | int) -> int | None:
