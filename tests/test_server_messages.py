@@ -164,6 +164,37 @@ def test_a_forced_tool_use_is_a_tool_use_block_and_streams_as_input_json_deltas(
     assert events[-2].delta.stop_reason == "tool_use"
 
 
+def _block(block) -> dict:
+    if block.type == "text":
+        return {"type": "text", "text": block.text}
+    return {"type": block.type, "id": block.id, "name": block.name, "input": block.input}
+
+
+def test_a_call_cut_off_by_max_tokens_is_the_same_block_streamed_and_whole(claude):
+    """A forced call that `max_tokens` cuts inside its arguments is, as Anthropic's API answers it, a
+    `tool_use` block whose `input` holds the members written whole, streamed (as the `anthropic` client
+    reads the deltas) and whole alike, `stop_reason` `max_tokens`; cut before its arguments began, the
+    section's text, in either form."""
+    request = {"tools": [TOOL], "tool_choice": FORCED}
+    full = ask(claude, max_tokens=120, **request)
+    (call,) = full.content
+    inputs = []
+    for max_tokens in range(2, full.usage.output_tokens, 2):
+        whole = ask(claude, max_tokens=max_tokens, **request)
+        asked = {"model": "x", "system": SYSTEM, "messages": [{"role": "user", "content": ASK}]}
+        with claude.messages.stream(
+            max_tokens=max_tokens, extra_body={"temperature": 0}, **asked, **request
+        ) as stream:
+            streamed = stream.get_final_message()
+        assert whole.stop_reason == streamed.stop_reason == "max_tokens"
+        assert [_block(b) for b in whole.content] == [_block(b) for b in streamed.content]
+        if whole.content[0].type == "tool_use":
+            assert (whole.content[0].id, whole.content[0].name) == (call.id, call.name)
+            assert whole.content[0].input.items() <= call.input.items()
+            inputs.append(whole.content[0].input)
+    assert {} in inputs and any(0 < len(cut) < len(call.input) for cut in inputs), inputs
+
+
 def test_a_tool_result_turn_is_the_chat_conversation_with_the_tool_message(
     claude, openai_client, server, served
 ):

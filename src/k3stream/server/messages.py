@@ -382,15 +382,41 @@ class MessageShapes:
 
 
 def _call_block(call: ToolCall) -> dict[str, Any]:
-    """A tool call as a `tool_use` block; arguments that are not a JSON object (a call cut off by
-    `max_tokens`) as a text block of what the model wrote."""
-    try:
-        arguments = json.loads(call.arguments)
-    except ValueError:
-        arguments = None
-    if not isinstance(arguments, dict):
-        return {"type": "text", "text": call.arguments}
-    return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments}
+    """A tool call as the `tool_use` block its stream is: a call cut off by `max_tokens` too, with the
+    members its arguments hold whole (`object_so_far`), as Anthropic's API answers one."""
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": object_so_far(call.arguments)}
+
+
+def object_so_far(text: str) -> dict[str, Any]:
+    """The JSON object `text` begins, cut off where it ends: its members and items written whole, the one
+    cut off left out (`{"city": "Paris", "da` is `{"city": "Paris"}`), as the `anthropic` client reads a
+    streamed `tool_use` block's deltas (jiter's partial mode); {} where `text` begins no JSON object."""
+    closers: list[str] = []  # the brackets open at the end, innermost last
+    last_end = (0, "")  # where a value or a bracket last ended outside a string, and the closers there
+    in_string = escaped = False
+    for index, char in enumerate(text):
+        if in_string:
+            in_string = escaped or char != '"'
+            escaped = not escaped and char == "\\"
+            continue
+        if char == '"':
+            in_string = True
+            continue
+        if char in "{[":
+            closers.append("}" if char == "{" else "]")
+        elif char in "}]" and closers:
+            closers.pop()
+        elif char != ",":
+            continue
+        last_end = (index + (char != ","), "".join(reversed(closers)))
+    for end, closing in ((len(text), "".join(reversed(closers))), last_end):
+        try:
+            value = json.loads(text[:end] + closing)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(value, dict):
+            return value
+    return {}
 
 
 def _event(data: dict[str, Any]) -> str:
