@@ -270,42 +270,60 @@ def written_answer(claude, served, monkeypatch, text: str, **fields):
         return ask(claude, **fields)
 
 
-def test_a_tool_use_sent_back_restores_the_answer_past_the_call(claude, served, monkeypatch):
+# answers as the model writes them: (reasoning, text, the call's arguments with the whitespace around them)
+WRITTEN_ANSWERS = {
+    "a call": ("", "", '{"city": "Paris", "days": 2}'),
+    "reasoning, text and a call in spaces": (
+        "Paris, then.",
+        "Let me check.\n",
+        ' {"city": "Paris", "days": 2}\n',
+    ),
+}
+
+
+@pytest.mark.parametrize("answer", WRITTEN_ANSWERS.values(), ids=WRITTEN_ANSWERS.keys())
+def test_a_tool_use_sent_back_restores_the_answer_past_the_call(claude, served, monkeypatch, answer):
     """A `tool_use` block's `input` is an object, which the conversion writes as compact JSON, where Kimi
-    writes `{"city": "Paris", "days": 2}`: the server writes the arguments the model wrote (the same JSON
-    value), so the turn after the call restores the answer's cached state and computes only the tool
-    result and what follows it."""
-    arguments = '{"city": "Paris", "days": 2}'
+    writes `{"city": "Paris", "days": 2}` (here with the blocks of its reasoning and text before it, and
+    whitespace around the arguments, which the block leaves out): the server writes the arguments the
+    model wrote (the same JSON value), so the turn after the call restores the answer's cached state
+    and computes only the tool result and what follows it."""
+    reasoning, text, arguments = answer
     call = (
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
         f"{arguments}<|tool_call_end|><|tool_calls_section_end|>"
     )
+    thinking = {"thinking": {"type": "enabled"}} if reasoning else {}
+    asked = {"tools": [TOOL], **thinking}
     question = [{"role": "user", "content": "Which weather will Paris have?"}]
-    first = written_answer(claude, served, monkeypatch, call, messages=question, tools=[TOOL], max_tokens=60)
-    (block,) = first.content
+    written = f"{reasoning}</think>{text}{call}" if reasoning else text + call
+    first = written_answer(claude, served, monkeypatch, written, messages=question, max_tokens=80, **asked)
+    *before, block = first.content
     assert (block.type, block.input, first.stop_reason) == ("tool_use", json.loads(arguments), "tool_use")
+    assert [b.thinking if b.type == "thinking" else b.text for b in before] == [
+        t for t in (reasoning, text) if t
+    ]
     history = [
         *question,
-        {
-            "role": "assistant",
-            "content": [{"type": "tool_use", "id": block.id, "name": block.name, "input": block.input}],
-        },
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "sunny"}]},
     ]
-    second = ask(claude, messages=history, tools=[TOOL], max_tokens=4)
+    second = ask(claude, messages=history, max_tokens=4, **asked)
     usage = first.usage
     # the answer's state, all but its last token (never fed to the model)
     answered = usage.input_tokens + usage.cache_read_input_tokens + usage.output_tokens - 1
     assert second.usage.cache_read_input_tokens == answered
-    written = {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}}
+    sent = {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}}
+    assistant = {"role": "assistant", "content": text, "reasoning_content": reasoning, "tool_calls": [sent]}
     rendered = served.chat_template.render(
         [
             {"role": "system", "content": SYSTEM},
             *question,
-            {"role": "assistant", "content": "", "tool_calls": [written]},
+            assistant,
             {"role": "tool", "tool_call_id": block.id, "content": "sunny"},
         ],
         tools=[OPENAI_TOOL],
+        thinking=bool(reasoning),
     )
     prompt = second.usage.input_tokens + second.usage.cache_read_input_tokens
     assert prompt == len(served.tokenizer.encode(rendered, allow_special=True))
