@@ -162,30 +162,30 @@ def test_multi_turn_with_a_tool_result(client, served):
     assert answer.usage.prompt_tokens == len(served.tokenizer.encode(rendered, allow_special=True))
 
 
-def test_a_call_sent_back_re_serialised_is_written_as_the_model_wrote_it(client):
+def test_a_call_sent_back_re_serialised_is_written_as_the_model_wrote_it(client, serve):
     """LangChain and others parse a call's arguments and dump them again (`json.dumps`: spaces, here the
     keys reversed too): the server writes the arguments the model wrote, the same JSON value, so the next
-    turn restores the cached answer past the call and computes only its new tokens; arguments of another
-    value are written as sent, and the cache match ends inside them."""
-    question = {"messages": [{"role": "user", "content": "The weather in Lima, please?"}]}
-    first = chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0, **question)
+    turn restores the cached answer past the call and computes only its new tokens (and /apply-template
+    renders that prompt); arguments of another value are written as sent, and the cache match ends
+    inside them."""
+    question = [{"role": "user", "content": "The weather in Lima, please?"}]
+    first = chat(client, messages=question, tools=TOOLS, tool_choice=NAMED, temperature=0)
     call = first.choices[0].message.tool_calls[0]
     value = json.loads(call.function.arguments)
     dumped = json.dumps(dict(reversed(value.items())))
     assert dumped != call.function.arguments and json.loads(dumped) == value
 
-    def next_turn(arguments: str):
+    def history(arguments: str) -> list[dict]:
         function = {"name": call.function.name, "arguments": arguments}
-        history = [
-            *question["messages"],
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [{"id": call.id, "type": "function", "function": function}],
-            },
+        sent = {"id": call.id, "type": "function", "function": function}
+        return [
+            *question,
+            {"role": "assistant", "content": None, "tool_calls": [sent]},
             {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
         ]
-        return chat(client, messages=history, tools=TOOLS, temperature=0, max_tokens=4)
+
+    def next_turn(arguments: str):
+        return chat(client, messages=history(arguments), tools=TOOLS, temperature=0, max_tokens=4)
 
     answered = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # the last token: not fed
     redumped = next_turn(dumped)
@@ -193,6 +193,13 @@ def test_a_call_sent_back_re_serialised_is_written_as_the_model_wrote_it(client)
     echoed = next_turn(call.function.arguments)
     assert echoed.usage.prompt_tokens == redumped.usage.prompt_tokens
     assert echoed.choices[0].message.content == redumped.choices[0].message.content
+    rendered = [
+        httpx.post(
+            serve.url + "/apply-template", json={"messages": history(arguments), "tools": TOOLS}, timeout=60
+        ).json()["prompt"]
+        for arguments in (dumped, call.function.arguments)
+    ]
+    assert rendered[0] == rendered[1] and call.function.arguments in rendered[0]
     other = {**value, "days": value["days"] % 9 + 1}
     changed = next_turn(json.dumps(other, separators=(",", ":")))
     assert changed.usage.prompt_tokens_details.cached_tokens < answered

@@ -86,7 +86,7 @@ class LlamaEndpoints:
             raise invalid_request(f"{param}: set by the server", param=param)
         for index, message in enumerate(body.messages):
             message.check_content(index)
-        messages = [{**m.template_fields(), "content": m.text()} for m in body.messages]
+        messages = self.served.template_messages(body.messages)
         prefill = assistant_prefill(body.messages)
         if prefill is not None:
             messages.pop()

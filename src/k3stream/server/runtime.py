@@ -34,7 +34,7 @@ from k3stream.server.grammar import (
 )
 from k3stream.server.kimi_output import KimiFormat, OutputParser
 from k3stream.server.request_logic import RequestLogic, TokenConstraint
-from k3stream.server.schemas import ChatCompletionRequest, SamplingFields, assistant_prefill
+from k3stream.server.schemas import ChatCompletionRequest, ChatMessage, SamplingFields, assistant_prefill
 
 
 @dataclass(kw_only=True)
@@ -160,7 +160,7 @@ class ServedModel(Runtime):
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
         if tools and self.kimi.tools is None:
             raise invalid_request("tools: this model's vocabulary has no tool-call tokens", param="tools")
-        messages = [self._as_generated({**m.template_fields(), "content": m.text()}) for m in body.messages]
+        messages = self.template_messages(body.messages)
         prefill = assistant_prefill(body.messages)
         if prefill is not None:
             messages.pop()
@@ -177,9 +177,13 @@ class ServedModel(Runtime):
             in_reasoning=in_reasoning,
         )
 
+    def template_messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+        """`messages` as the chat template gets them, each tool call this server generated with its
+        arguments as the model wrote them (the same JSON value; `generated_calls`)."""
+        fields = [{**m.template_fields(), "content": m.text()} for m in messages]
+        return [self._as_generated(message) for message in fields]
+
     def _as_generated(self, message: dict[str, Any]) -> dict[str, Any]:
-        """`message` with the arguments of each tool call this server generated as the model wrote them
-        (the same JSON value; `generated_calls`)."""
         if not message.get("tool_calls"):
             return message
         calls = []
