@@ -4,7 +4,8 @@ skipped with the reason where missing).
 
 The demo model's text is noise, so its first turn is a forced call (`tool_choice="required"`); the
 frameworks then run the tool, send its result back and let the model answer freely, as they do with any
-OpenAI-compatible server. Both send `parallel_tool_calls: false`.
+OpenAI-compatible server. Both send `parallel_tool_calls: false`. The server keeps a prompt cache, as
+`serve` does.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 
 import k3stream
 from k3stream.engine.loading import load_runtime
+from k3stream.engine.prompt_cache import MIB, PromptCache
 from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.guard import GuardConfig
 from k3stream.server.live import ServerThread
@@ -32,9 +34,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def server():
     served = served_from_runtime(load_runtime(DEMO_GGUF))
+    served.prompt_cache = PromptCache(served.model, "demo-agents", 64 * MIB, every=64)
     thread = ServerThread(create_app(served, ServerConfig(guard=GuardConfig(api_key=KEY)))).start()
     yield thread, served.name
     thread.stop()
+    served.prompt_cache.close()
     served.close()
 
 
@@ -113,6 +117,12 @@ def test_langchain_openai_runs_a_tool_loop(server):
         assert isinstance(answer.content, str) and answer.response_metadata["finish_reason"] in (
             "stop",
             "length",
+        )
+        # LangChain sends the call back with its arguments dumped again (`json.dumps(args)`): the turn
+        # restores the call's answer whole, all but its last token (never fed to the model)
+        asked = call_message.usage_metadata
+        assert answer.usage_metadata["input_token_details"]["cache_read"] == (
+            asked["input_tokens"] + asked["output_tokens"] - 1
         )
         messages.append(answer)
     assert [m.content for m in messages if isinstance(m, ToolMessage)] == [
