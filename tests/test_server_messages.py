@@ -21,7 +21,7 @@ from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.guard import GuardConfig
 from k3stream.server.kimi_output import Piece
 from k3stream.server.live import ServerThread
-from k3stream.server.messages import MessageShapes, MessagesRequest
+from k3stream.server.messages import MessageShapes, MessagesRequest, _object_so_far
 from k3stream.server.runtime import served_from_runtime
 from k3stream.server.scheduler import Job
 from test_server_tools import WEATHER, tool_gguf  # noqa: F401 (tool_gguf: a fixture, the tool-calling chat model)
@@ -193,6 +193,21 @@ def test_a_call_cut_off_by_max_tokens_is_the_same_block_streamed_and_whole(claud
             assert whole.content[0].input.items() <= call.input.items()
             inputs.append(whole.content[0].input)
     assert {} in inputs and any(0 < len(cut) < len(call.input) for cut in inputs), inputs
+
+
+def test_a_cut_calls_input_is_what_the_anthropic_client_reads_from_the_deltas():
+    """The input of a call cut off after any character of its arguments is what the `anthropic` client
+    reads from the same text streamed (jiter's partial mode, its own dependency)."""
+    from jiter import from_json
+
+    arguments = (
+        '{"city": "Paris", "days": 12, "tags": ["a,b", {"c": null, "d": [1.5e3, true, -2]}], '
+        '"q": "say \\"}{\\" \\\\", "empty": {}, "nested": [[1], [2, [3]]]}'
+    )
+    assert json.loads(arguments)["q"] == 'say "}{" \\'
+    for end in range(1, len(arguments) + 1):
+        cut = arguments[:end]
+        assert _object_so_far(cut) == from_json(cut.encode(), partial_mode=True), cut
 
 
 def test_a_tool_result_turn_is_the_chat_conversation_with_the_tool_message(

@@ -320,7 +320,10 @@ class MessageShapes:
             blocks.append({"type": "thinking", "thinking": total.reasoning, "signature": ""})
         if total.content:
             blocks.append({"type": "text", "text": total.content})
-        blocks += [_call_block(call) for call in total.tool_calls]
+        last = len(total.tool_calls) - 1  # the one call `max_tokens` can cut
+        blocks += [
+            _call_block(call, reason == "length" and n == last) for n, call in enumerate(total.tool_calls)
+        ]
         word = self._stop_word()
         return {"content": blocks, "stop_reason": self._stop_reason(reason), "stop_sequence": word or None}
 
@@ -381,13 +384,21 @@ class MessageShapes:
         return [*events, _event({"type": "content_block_stop", "index": self._blocks - 1})]
 
 
-def _call_block(call: ToolCall) -> dict[str, Any]:
-    """A tool call as the `tool_use` block its stream is: a call cut off by `max_tokens` too, with the
-    members its arguments hold whole (`object_so_far`), as Anthropic's API answers one."""
-    return {"type": "tool_use", "id": call.id, "name": call.name, "input": object_so_far(call.arguments)}
+def _call_block(call: ToolCall, cut: bool) -> dict[str, Any]:
+    """A tool call as a `tool_use` block; one `max_tokens` cut (`cut`) too, as it streamed and as
+    Anthropic's API answers one, its `input` the members its arguments hold whole (`_object_so_far`);
+    arguments that ended but are no JSON object as a text block of what the model wrote (no call to
+    run)."""
+    try:
+        arguments = _object_so_far(call.arguments) if cut else json.loads(call.arguments)
+    except (ValueError, RecursionError):
+        arguments = None
+    if not isinstance(arguments, dict):
+        return {"type": "text", "text": call.arguments}
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments}
 
 
-def object_so_far(text: str) -> dict[str, Any]:
+def _object_so_far(text: str) -> dict[str, Any]:
     """The JSON object `text` begins, cut off where it ends: its members and items written whole, the one
     cut off left out (`{"city": "Paris", "da` is `{"city": "Paris"}`), as the `anthropic` client reads a
     streamed `tool_use` block's deltas (jiter's partial mode); {} where `text` begins no JSON object."""
