@@ -24,11 +24,11 @@ from k3stream.server.errors import AnthropicError, APIError, invalid_request
 from k3stream.server.kimi_output import Piece, ToolCall
 from k3stream.server.scheduler import Job
 from k3stream.server.schemas import (
+    AgentChatRequest,
     AssistantToolCall,
     CalledFunction,
     ChatCompletionRequest,
     ChatMessage,
-    FunctionDefinition,
     MaxTokens,
     NamedFunction,
     NamedToolChoice,
@@ -38,8 +38,8 @@ from k3stream.server.schemas import (
     Tool,
     TopK,
     TopP,
-    check_json_schema,
     check_stops,
+    object_tool,
 )
 
 if TYPE_CHECKING:
@@ -186,9 +186,12 @@ class CountTokensRequest(BaseModel):
 
     def chat_request(self, **sampling: Any) -> ChatCompletionRequest:
         """The chat completion request this one asks for (with the `sampling` fields of a message)."""
-        tools = [self._tool(index, tool) for index, tool in enumerate(self.tools or [])]
+        tools = [
+            object_tool(tool.name, tool.description, tool.input_schema, f"tools.{index}.input_schema")
+            for index, tool in enumerate(self.tools or [])
+        ]
         choice = self.tool_choice
-        return MessageChatRequest(
+        return AgentChatRequest(
             messages=self._system()
             + [m for i, msg in enumerate(self.messages) for m in msg.chat_messages(i)],
             tools=tools or None,
@@ -208,31 +211,12 @@ class CountTokensRequest(BaseModel):
         text = "".join(steady_billing_header(block.text) for block in self.system)
         return [ChatMessage(role="system", content=text)]
 
-    @staticmethod
-    def _tool(index: int, tool: AnthropicTool) -> Tool:
-        schema = tool.input_schema if tool.input_schema is not None else {"type": "object", "properties": {}}
-        param = f"tools.{index}.input_schema"
-        check_json_schema(schema, param)
-        if schema.get("type", "object") != "object":
-            message = f"{param}: a tool's input_schema must be of type 'object', not {schema['type']!r}"
-            raise invalid_request(message, param=param)
-        function = FunctionDefinition(name=tool.name, description=tool.description, parameters=schema)
-        return Tool(type="function", function=function)
-
     def _template_variables(self) -> dict[str, TemplateValue] | None:
         """`chat_template_kwargs`, with `thinking` (Kimi's templates open the think channel with it) from
         Anthropic's `thinking` unless given there."""
         if self.thinking is None:
             return self.chat_template_kwargs
         return {"thinking": self.thinking.type != "disabled", **(self.chat_template_kwargs or {})}
-
-
-class MessageChatRequest(ChatCompletionRequest):
-    """The chat request of a message: a `max_tokens` past the context is cut where the context ends, as
-    llama-server cuts it (Claude Code asks for 32000 tokens whatever the prompt), not refused."""
-
-    def token_limit(self) -> tuple[int | None, str | None]:
-        return super().token_limit()[0], None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -318,8 +302,8 @@ class MessageShapes:
             "stop_sequence": self._stop_word() or None,
         }
         usage = {**self._prompt_usage(), "output_tokens": self.job.logic.completion_tokens}
-        events.append(_event({"type": "message_delta", "delta": delta, "usage": usage}))
-        events.append(_event({"type": "message_stop"}))
+        events.append(named_event({"type": "message_delta", "delta": delta, "usage": usage}))
+        events.append(named_event({"type": "message_stop"}))
         return "".join(events)
 
     def whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
@@ -364,7 +348,7 @@ class MessageShapes:
         self._started = True
         message = {**self._message(), "content": [], "stop_reason": None, "stop_sequence": None}
         message["usage"] = {**self._prompt_usage(), "output_tokens": 0}
-        return [_event({"type": "message_start", "message": message})]
+        return [named_event({"type": "message_start", "message": message})]
 
     def _into(self, kind: str, block: dict[str, Any]) -> list[str]:
         """Events that make `kind` the open block: the open one's stop and the new one's start."""
@@ -372,12 +356,13 @@ class MessageShapes:
             return []
         events = self._close()
         self._open = kind
-        events.append(_event({"type": "content_block_start", "index": self._blocks, "content_block": block}))
+        start = {"type": "content_block_start", "index": self._blocks, "content_block": block}
+        events.append(named_event(start))
         self._blocks += 1
         return events
 
     def _delta(self, delta: dict[str, Any]) -> list[str]:
-        return [_event({"type": "content_block_delta", "index": self._blocks - 1, "delta": delta})]
+        return [named_event({"type": "content_block_delta", "index": self._blocks - 1, "delta": delta})]
 
     def _close(self) -> list[str]:
         if self._open is None:
@@ -386,7 +371,7 @@ class MessageShapes:
         if self._open == "thinking":  # a thinking block ends with its signature (none here)
             events += self._delta({"type": "signature_delta", "signature": ""})
         self._open = None
-        return [*events, _event({"type": "content_block_stop", "index": self._blocks - 1})]
+        return [*events, named_event({"type": "content_block_stop", "index": self._blocks - 1})]
 
 
 def _call_block(call: ToolCall) -> dict[str, Any]:
@@ -401,7 +386,7 @@ def _call_block(call: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments}
 
 
-def _event(data: dict[str, Any]) -> str:
+def named_event(data: dict[str, Any]) -> str:
     return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 

@@ -495,6 +495,27 @@ class ChatCompletionRequest(SamplingFields):
         return limit, named_by if limit is not None else None
 
 
+class AgentChatRequest(ChatCompletionRequest):
+    """The chat request another API's request converts into (`messages`, `responses`): a token limit past
+    the context is cut where the context ends, as llama-server cuts it (agents ask for more than the
+    context leaves: Claude Code 32000 tokens whatever the prompt), not refused."""
+
+    def token_limit(self) -> tuple[int | None, str | None]:
+        return super().token_limit()[0], None
+
+
+def object_tool(name: str, description: str | None, schema: dict[str, Any] | None, param: str) -> Tool:
+    """A function tool of another API's flat definition: `schema` (at `param`) a valid JSON Schema of
+    type object or naming no type (None: an empty object), else a 400 naming `param`."""
+    schema = schema if schema is not None else {"type": "object", "properties": {}}
+    check_json_schema(schema, param)
+    if schema.get("type", "object") != "object":
+        message = f"{param}: a tool's schema must be of type 'object', not {schema['type']!r}"
+        raise invalid_request(message, param=param)
+    function = FunctionDefinition(name=name, description=description, parameters=schema)
+    return Tool(type="function", function=function)
+
+
 def _token_id(key: str | int) -> int | None:
     """A logit_bias key as a token id: an int, or the digits of one."""
     if isinstance(key, int):
