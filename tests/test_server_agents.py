@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+from pydantic import BaseModel
 
 import k3stream
 from k3stream.engine.loading import load_runtime
@@ -38,7 +39,17 @@ def server():
     served.close()
 
 
-def test_openai_agents_sdk_runs_a_tool_loop(server):
+class City(BaseModel):
+    city: Literal["Paris", "Lima"]
+
+
+@pytest.mark.parametrize(
+    ("model_class", "output_type"), [("OpenAIChatCompletionsModel", str), ("OpenAIResponsesModel", City)]
+)
+def test_openai_agents_sdk_runs_a_tool_loop(server, model_class, output_type):
+    """The SDK's chat model on /v1/chat/completions, its Responses model on /v1/responses. The Responses
+    model takes an incomplete response for a failure, and the demo model's free text runs to max_tokens:
+    there the answer is a structured output (`text.format`), which its grammar ends."""
     agents = pytest.importorskip(
         "agents", reason="openai-agents is not installed (pip install openai-agents)"
     )
@@ -59,7 +70,8 @@ def test_openai_agents_sdk_runs_a_tool_loop(server):
         name="forecaster",
         instructions="Answer with the forecast.",
         tools=[get_weather],
-        model=agents.OpenAIChatCompletionsModel(model=name, openai_client=client),
+        output_type=output_type,
+        model=getattr(agents, model_class)(model=name, openai_client=client),
         model_settings=agents.ModelSettings(
             tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=48
         ),
@@ -75,7 +87,7 @@ def test_openai_agents_sdk_runs_a_tool_loop(server):
     for result in (first, second):
         kinds = [type(item).__name__ for item in result.new_items]
         assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"] and kinds[-1] == "MessageOutputItem"
-        assert isinstance(result.final_output, str)
+        assert isinstance(result.final_output, output_type)
     outputs = [item for item in second.to_input_list() if item.get("type") == "function_call_output"]
     assert [item["output"] for item in outputs] == [FORECASTS[city] for city in calls]
 

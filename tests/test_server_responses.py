@@ -16,9 +16,13 @@ import pytest
 from k3stream.engine.loading import load_runtime
 from k3stream.engine.prompt_cache import MIB, PromptCache
 from k3stream.server.app import ServerConfig, create_app
+from k3stream.server.errors import APIError
 from k3stream.server.guard import GuardConfig
+from k3stream.server.kimi_output import Piece
 from k3stream.server.live import ServerThread
+from k3stream.server.responses import ResponseShapes, ResponsesRequest
 from k3stream.server.runtime import served_from_runtime
+from k3stream.server.scheduler import Job
 from test_server_tools import WEATHER, tool_gguf  # noqa: F401 (tool_gguf: a fixture, the tool-calling chat model)
 
 KEY = "sk-responses"
@@ -159,7 +163,7 @@ def test_a_tool_round_trip_is_the_chat_conversation_and_reuses_the_first_turns_p
     call = first.output[0]
     turn = [
         {"role": "user", "content": ASK},
-        call.model_dump(exclude_none=True),  # the output item as it came, as agents send it back
+        call,  # the output item as it came (the client sends its fields), as agents send it back
         {"type": "function_call_output", "call_id": call.call_id, "output": RESULT},
     ]
     second = respond(client, instructions=None, input=turn, tools=[TOOL], max_output_tokens=8)
@@ -247,7 +251,7 @@ def test_previous_response_id_is_refused_naming_the_field(client):
         ({"background": True}, "background"),
         ({"truncation": "auto"}, "truncation"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
-        ({"input": "hi " * 1100}, "messages"),  # past the context
+        ({"input": "hi " * 1100}, "input"),  # past the context
     ],
 )
 def test_bad_requests_are_one_openai_error_naming_the_field(server, fields, param):
@@ -264,3 +268,72 @@ def test_store_and_metadata_are_taken_and_repeated_and_nothing_is_stored(client)
     assert response.previous_response_id is None
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(response.id)
+
+
+def without_ids(items):
+    return [{key: value for key, value in item.items() if key != "id"} for item in items]
+
+
+def test_reasoning_text_and_a_call_the_model_writes_are_three_items_in_order(served):
+    """An answer as Kimi writes it (the think block the prompt opened, text, a tool call), taken token by
+    token by the request's own logic as the scheduler feeds it: three output items, each done before the
+    next is added, whose deltas add up to the whole response's items; an error after them is an `error`
+    event that goes on counting."""
+    body = ResponsesRequest.model_validate(
+        {"input": ASK, "tools": [TOOL], "chat_template_kwargs": {"thinking": True}}
+    )
+    chat_request = body.chat_request()
+    prompt = served.prepare_chat(chat_request)
+    logic = served.new_sequence(chat_request, prompt.tokens, 100, chat=prompt)
+    job = Job(prompt_tokens=prompt.tokens, logic=logic, sink=None)
+    streamed, whole = (ResponseShapes(job, body, served.name, len) for _ in range(2))
+    written = (
+        "Paris, so the forecast.</think>Let me check."
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+        '{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|>'
+    )
+    tokens = [*served.tokenizer.encode(written, allow_special=True, add_bos=False), served.tokenizer.eos_id]
+    total, stream = Piece(), streamed.first()
+    for token in tokens:
+        if piece := logic.accept(token):
+            total.extend(piece)
+            stream += streamed.piece(piece)
+    stream += streamed.last(logic.finish_reason)
+    stream += streamed.error(APIError(500, "the server is shutting down", type="server_error")).sse()
+    events = [
+        json.loads(line.removeprefix("data: ")) for line in stream.splitlines() if line.startswith("data: ")
+    ]
+    assert stream.count("event: ") == len(events)
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    items = [(e["type"], e["output_index"]) for e in events if e["type"].startswith("response.output_item.")]
+    assert items == [(f"response.output_item.{k}", i) for i in range(3) for k in ("added", "done")]
+    response = whole.whole_choice(total, logic.finish_reason)
+    assert events[-2]["type"] == "response.completed"
+    assert without_ids(events[-2]["response"]["output"]) == without_ids(response["output"])
+    ids = [item["id"] for item in events[-2]["response"]["output"]]
+    assert all(event["item_id"] == ids[event["output_index"]] for event in events if "item_id" in event)
+    assert [item["type"] for item in response["output"]] == ["reasoning", "message", "function_call"]
+    reasoning, message, call = response["output"]
+    assert reasoning["content"][0]["text"] == "Paris, so the forecast."
+    assert message["content"][0]["text"] == "Let me check."
+    assert (call["call_id"], call["name"], json.loads(call["arguments"])) == (
+        "functions.get_weather:0",
+        "get_weather",
+        {"city": "Paris", "days": 2},
+    )
+    for kind, index, text in (
+        ("reasoning_text", 0, reasoning["content"][0]["text"]),
+        ("output_text", 1, message["content"][0]["text"]),
+        ("function_call_arguments", 2, call["arguments"]),
+    ):
+        deltas = [
+            e["delta"] for e in events if e["type"] == f"response.{kind}.delta" and e["output_index"] == index
+        ]
+        assert "".join(deltas) == text
+    assert events[-1] == {
+        "type": "error",
+        "code": "server_error",
+        "message": "the server is shutting down",
+        "param": None,
+        "sequence_number": len(events) - 1,
+    }

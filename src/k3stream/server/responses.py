@@ -529,7 +529,12 @@ class ResponsesEndpoints:
         def shapes(jobs: list[Job]) -> list[ResponseShapes]:
             return [ResponseShapes(jobs[0], body, served.name, count)]
 
-        return await self.api.answer_chat(request, chat, shapes)
+        try:
+            return await self.api.answer_chat(request, chat, shapes)
+        except APIError as error:
+            if error.param == "messages":  # the chat request's whole prompt (past the context) is `input`
+                error.param = "input"
+            raise
 
 
 def responses_router(api: Endpoints) -> APIRouter:
