@@ -44,12 +44,18 @@ class City(BaseModel):
 
 
 @pytest.mark.parametrize(
-    ("model_class", "output_type"), [("OpenAIChatCompletionsModel", str), ("OpenAIResponsesModel", City)]
+    ("model_class", "output_type", "streamed"),
+    [
+        ("OpenAIChatCompletionsModel", str, False),
+        ("OpenAIResponsesModel", City, False),
+        ("OpenAIResponsesModel", City, True),
+    ],
 )
-def test_openai_agents_sdk_runs_a_tool_loop(server, model_class, output_type):
-    """The SDK's chat model on /v1/chat/completions, its Responses model on /v1/responses. The Responses
-    model takes an incomplete response for a failure, and the demo model's free text runs to max_tokens:
-    there the answer is a structured output (`text.format`), which its grammar ends."""
+def test_openai_agents_sdk_runs_a_tool_loop(server, model_class, output_type, streamed):
+    """The SDK's chat model on /v1/chat/completions, its Responses model on /v1/responses (whose events
+    the SDK reads when `streamed`). The Responses model takes an incomplete response for a failure, and
+    the demo model's free text runs to max_tokens: there the answer is a structured output
+    (`text.format`), which its grammar ends."""
     agents = pytest.importorskip(
         "agents", reason="openai-agents is not installed (pip install openai-agents)"
     )
@@ -77,10 +83,17 @@ def test_openai_agents_sdk_runs_a_tool_loop(server, model_class, output_type):
         ),
     )
 
+    async def run(question):
+        if not streamed:
+            return await agents.Runner.run(agent, question, max_turns=4)
+        result = agents.Runner.run_streamed(agent, question, max_turns=4)
+        async for _event in result.stream_events():
+            pass
+        return result
+
     async def two_turns():
-        first = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4)
-        follow_up = [*first.to_input_list(), {"role": "user", "content": "And in Lima?"}]
-        return first, await agents.Runner.run(agent, follow_up, max_turns=4)
+        first = await run("What is the weather in Paris?")
+        return first, await run([*first.to_input_list(), {"role": "user", "content": "And in Lima?"}])
 
     first, second = asyncio.run(two_turns())
     assert len(calls) == 2 and set(calls) <= set(FORECASTS)
