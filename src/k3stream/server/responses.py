@@ -17,7 +17,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,6 +26,7 @@ from k3stream.server.bodies import parse_body
 from k3stream.server.errors import APIError, invalid_request
 from k3stream.server.kimi_output import Piece, ToolCall
 from k3stream.server.messages import named_event
+from k3stream.server.responses_tools import NamedChoice, ToolDefinition, chat_tool_choice, chat_tools
 from k3stream.server.scheduler import Job
 from k3stream.server.schemas import (
     AgentChatRequest,
@@ -35,8 +36,6 @@ from k3stream.server.schemas import (
     ChatMessage,
     JsonSchemaFormat,
     MaxTokens,
-    NamedFunction,
-    NamedToolChoice,
     ResponseFormat,
     Switch,
     Temperature,
@@ -44,7 +43,6 @@ from k3stream.server.schemas import (
     TopK,
     TopP,
     check_json_schema,
-    object_tool,
 )
 
 if TYPE_CHECKING:
@@ -52,14 +50,17 @@ if TYPE_CHECKING:
 
 # the content part types each input item takes
 MESSAGE_PARTS = ("input_text", "output_text")
-REASONING_PARTS = ("reasoning_text",)
+REASONING_PARTS = ("reasoning_text", "text")
 # fields of each input item type, that it needs
 ITEM_FIELDS = {
     "message": ("role", "content"),
     "function_call": ("call_id", "name", "arguments"),
     "function_call_output": ("call_id", "output"),
+    "custom_tool_call": ("call_id", "name", "input"),
+    "custom_tool_call_output": ("call_id", "output"),
     "reasoning": (),
 }
+CALL_ITEMS = ("function_call", "custom_tool_call")  # the items an assistant turn's calls come as
 # fields asking for what a stateless server without hosted features does not have: (whether the value
 # asks for nothing, why it is refused)
 REFUSED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -80,6 +81,11 @@ REFUSED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "top_logprobs": (lambda value: not value, "logprobs are served by /v1/chat/completions only"),
 }
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# each call item's text field and the name of the events that stream it
+CALL_TEXT = {
+    "function_call": ("arguments", "function_call_arguments"),
+    "custom_tool_call": ("input", "custom_tool_call_input"),
+}
 
 
 class InputPart(BaseModel):
@@ -111,10 +117,11 @@ class InputItem(BaseModel):
     type: str = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[InputPart] | None = None  # message, reasoning
-    call_id: str | None = None  # function_call, function_call_output
-    name: str | None = None  # function_call
+    call_id: str | None = None  # the calls and their outputs
+    name: str | None = None  # function_call, custom_tool_call
     arguments: str | None = None  # function_call
-    output: str | list[InputPart] | None = None  # function_call_output
+    input: str | None = None  # custom_tool_call
+    output: str | list[InputPart] | None = None  # function_call_output, custom_tool_call_output
 
     def check(self, where: str) -> None:
         if self.type not in ITEM_FIELDS:
@@ -128,13 +135,14 @@ class InputItem(BaseModel):
             )
 
     def chat_message(self, where: str) -> ChatMessage:
-        """The item as a chat message (a reasoning item has none: `reasoning_text`)."""
-        if self.type == "function_call":
-            call = AssistantToolCall(
-                id=self.call_id, function=CalledFunction(name=self.name, arguments=self.arguments)
-            )
+        """The item as a chat message (a reasoning item has none: `reasoning_text`); a custom tool's call
+        is a call whose arguments are its input text."""
+        if self.type in CALL_ITEMS:
+            arguments = self.arguments if self.type == "function_call" else self.input
+            function = CalledFunction(name=self.name, arguments=arguments)
+            call = AssistantToolCall(id=self.call_id, function=function)
             return ChatMessage(role="assistant", tool_calls=[call])
-        if self.type == "function_call_output":
+        if self.type in ("function_call_output", "custom_tool_call_output"):
             text = parts_text(self.output, f"{where}.output")
             return ChatMessage(role="tool", content=text, tool_call_id=self.call_id)
         return ChatMessage(role=self.role, content=parts_text(self.content, f"{where}.content"))
@@ -144,7 +152,7 @@ class InputItem(BaseModel):
 
 
 def chat_messages(items: list[InputItem]) -> list[ChatMessage]:
-    """The chat messages of `items`, in their order: a function call joins the assistant message before
+    """The chat messages of `items`, in their order: a call joins the assistant message before
     it (the Responses API splits one assistant turn into a message and its calls); a reasoning item's text
     is the next assistant turn's `reasoning_content`."""
     messages: list[ChatMessage] = []
@@ -159,27 +167,12 @@ def chat_messages(items: list[InputItem]) -> list[ChatMessage]:
         if message.role == "assistant":
             message.reasoning_content, reasoning = reasoning or None, ""
         last = messages[-1] if messages else None
-        if item.type == "function_call" and last is not None and last.role == "assistant":
+        if item.type in CALL_ITEMS and last is not None and last.role == "assistant":
             last.tool_calls = [*(last.tool_calls or []), *message.tool_calls]
             last.reasoning_content = last.reasoning_content or message.reasoning_content
         else:
             messages.append(message)
     return messages
-
-
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    type: Literal["function"]
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class FunctionChoice(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    type: Literal["function"]
-    name: str
 
 
 class TextFormat(BaseModel):
@@ -222,8 +215,8 @@ class ResponsesRequest(BaseModel):
     model: str | None = None  # any name: the served model answers, as in llama-server
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["auto", "none", "required"] | FunctionChoice | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedChoice | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
@@ -247,15 +240,13 @@ class ResponsesRequest(BaseModel):
     def chat_request(self) -> ChatCompletionRequest:
         """The chat completion request this one asks for."""
         self._check_served()
-        tools = [
-            object_tool(tool.name, tool.description, tool.parameters, f"tools.{index}.parameters")
-            for index, tool in enumerate(self.tools or [])
-        ]
+        tools = chat_tools(self.tools or [])
         text_format = self.text.format if self.text is not None else None
         return AgentChatRequest(
             messages=self._messages(),
-            tools=tools or None,
-            tool_choice=self._tool_choice(),
+            tools=tools.tools or None,
+            freeform=tools.freeform,
+            tool_choice=chat_tool_choice(self.tool_choice, tools),
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=None if text_format is None else text_format.response_format(),
             max_tokens=self.max_output_tokens,
@@ -282,11 +273,8 @@ class ResponsesRequest(BaseModel):
             raise invalid_request("input: needs at least one item", param="input")
         return [*system, *chat_messages(self.input)]
 
-    def _tool_choice(self) -> str | NamedToolChoice | None:
-        choice = self.tool_choice
-        if isinstance(choice, FunctionChoice):
-            return NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
-        return choice
+    def custom_tool_names(self) -> frozenset[str]:
+        return frozenset(tool.name for tool in self.tools or [] if tool.type == "custom")
 
     def echoed(self) -> dict[str, Any]:
         """The request's settings as a response object repeats them."""
@@ -294,6 +282,8 @@ class ResponsesRequest(BaseModel):
             self.text.format if self.text is not None and self.text.format else TextFormat(type="text")
         )
         choice = self.tool_choice
+        if isinstance(choice, NamedChoice):
+            choice = choice.model_dump(exclude_none=True)
         return {
             "instructions": self.instructions,
             "max_output_tokens": self.max_output_tokens,
@@ -304,8 +294,8 @@ class ResponsesRequest(BaseModel):
             "store": False,  # nothing is stored
             "temperature": self.temperature,
             "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True)},
-            "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else choice or "auto",
-            "tools": [tool.model_dump(exclude_none=True) for tool in self.tools or []],
+            "tool_choice": choice or "auto",
+            "tools": [tool.echoed() for tool in self.tools or []],
             "top_p": self.top_p,
             "truncation": "disabled",
             "user": self.user,
@@ -351,9 +341,12 @@ def _part(kind: str, text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _call_item(call: ToolCall) -> dict[str, Any]:
-    fields = {"call_id": call.id, "name": call.name, "arguments": "", "status": "in_progress"}
-    return {"id": _new_id("fc"), "type": "function_call", **fields}
+def _call_item(call: ToolCall, custom: bool) -> dict[str, Any]:
+    """An open call item: a `function_call`, or a `custom_tool_call` whose `input` is the call's text."""
+    fields = {"call_id": call.id, "name": call.name, "status": "in_progress"}
+    if custom:
+        return {"id": _new_id("ctc"), "type": "custom_tool_call", **fields, "input": ""}
+    return {"id": _new_id("fc"), "type": "function_call", **fields, "arguments": ""}
 
 
 class ResponseShapes:
@@ -374,6 +367,7 @@ class ResponseShapes:
         self._sequence = itertools.count()
         self._items: list[dict[str, Any]] = []  # output items; the last one is open while `_open` names it
         self._open: str | None = None  # "reasoning", "message" or "call:N"
+        self._custom = request.custom_tool_names()  # the tools whose calls are `custom_tool_call` items
 
     def first(self) -> str:
         response = self._response("in_progress")
@@ -389,12 +383,12 @@ class ResponseShapes:
             events += self._text("message", piece.content)
         for call in piece.tool_calls:
             if call.id:
-                events += self._into(f"call:{call.index}", _call_item(call))
+                events += self._into(f"call:{call.index}", _call_item(call, call.name in self._custom))
             if call.arguments:
-                self._items[-1]["arguments"] += call.arguments
-                events.append(
-                    self._event("response.function_call_arguments.delta", **self._at(), delta=call.arguments)
-                )
+                item = self._items[-1]
+                text, delta = CALL_TEXT[item["type"]]
+                item[text] += call.arguments
+                events.append(self._event(f"response.{delta}.delta", **self._at(), delta=call.arguments))
         return "".join(events)
 
     def last(self, reason: str) -> str:
@@ -496,10 +490,9 @@ class ResponseShapes:
         if self._open is None:
             return []
         item, at, events = self._items[-1], self._at(), []
-        if item["type"] == "function_call":
-            events.append(
-                self._event("response.function_call_arguments.done", **at, arguments=item["arguments"])
-            )
+        if item["type"] in CALL_TEXT:
+            text, delta = CALL_TEXT[item["type"]]
+            events.append(self._event(f"response.{delta}.done", **at, **{text: item[text]}))
         else:
             part = item["content"][0]
             kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"

@@ -168,6 +168,7 @@ class ServedModel(Runtime):
         return ChatPrompt(
             tokens=tokens,
             tool_names=tuple(tool.function.name for tool in body.tools or []),
+            freeform=tuple(body.freeform_tools()),
             constraints=tuple(self._constraint(body, in_reasoning) for _ in range(body.n)),
             reasoning=body.separate_reasoning,
             in_reasoning=in_reasoning,
@@ -203,8 +204,8 @@ class ServedModel(Runtime):
         """The grammar of a forced tool call (`tool_choice` required or named) or `response_format`."""
         forced = body.forced_tools()
         if forced:
-            schemas = self._forced_call_schemas(body)
-            tools = [(tool.function.name, schemas[tool.function.name]) for tool in forced]
+            arguments = {**self._forced_call_schemas(body), **body.freeform_tools()}
+            tools = [(tool.function.name, arguments[tool.function.name]) for tool in forced]
             parallel = body.parallel_tool_calls is not False and body.tool_choice == "required"
             earlier = sum(len(m.tool_calls or []) for m in body.messages)
             grammar = tool_calls_grammar(tools, parallel=parallel, first_index=earlier)
@@ -220,9 +221,10 @@ class ServedModel(Runtime):
         return self.tokenizer.encode(self.kimi.spell(self.kimi.think[1]), allow_special=True)
 
     def _forced_call_schemas(self, body: ChatCompletionRequest) -> dict[str, dict[str, Any]]:
-        """Each forced tool's arguments schema by name; a 400 naming the first forced tool whose
-        parameters are not an object's or that the grammar library cannot compile."""
-        forced = {tool.function.name for tool in body.forced_tools()}
+        """Each forced function's arguments schema by name (a freeform tool has none); a 400 naming the
+        first forced function whose parameters are not an object's or that the grammar library cannot
+        compile."""
+        forced = {tool.function.name for tool in body.forced_tools()} - set(body.freeform_tools())
         schemas = {}
         for index, tool in enumerate(body.tools or []):
             if tool.function.name in forced:
@@ -278,7 +280,11 @@ class ServedModel(Runtime):
             )
         sequence = Sequence(self.tokenizer, prompt_tokens, params, marks=self.kimi.marks)
         parser = OutputParser(
-            self.kimi, chat.tool_names, reasoning=chat.reasoning, in_reasoning=chat.in_reasoning
+            self.kimi,
+            chat.tool_names,
+            freeform=chat.freeform,
+            reasoning=chat.reasoning,
+            in_reasoning=chat.in_reasoning,
         )
         constraint = chat.constraints[choice]
         return RequestLogic(
@@ -319,6 +325,7 @@ class ChatPrompt:
 
     tokens: list[int]
     tool_names: tuple[str, ...]
+    freeform: tuple[str, ...]  # the tools whose arguments are freeform text
     constraints: tuple[TokenConstraint | None, ...]  # one per choice: a constraint follows its tokens
     reasoning: bool
     in_reasoning: bool  # the prompt opened a think block

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -356,6 +357,14 @@ class FunctionDefinition(BaseModel):
         return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
 
 
+@dataclass(frozen=True)
+class FreeformInput:
+    """The input of a tool called with freeform text instead of a JSON object (the Responses API's custom
+    tools): sentences of `lark`, a grammar in llguidance's Lark dialect (None: any text)."""
+
+    lark: str | None = None
+
+
 class Tool(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["function"]
@@ -475,6 +484,11 @@ class ChatCompletionRequest(SamplingFields):
             )
         check_json_schema(response_format.json_schema.json_schema, "response_format.json_schema.schema")
 
+    def freeform_tools(self) -> dict[str, FreeformInput]:
+        """The tools called with freeform text instead of a JSON object, by name, and what that text
+        follows (none here: `AgentChatRequest` carries the Responses API's custom tools)."""
+        return {}
+
     def forced_tools(self) -> list[Tool]:
         """The tools one of which the answer must call (empty: no call is forced)."""
         choice = self.tool_choice
@@ -498,10 +512,16 @@ class ChatCompletionRequest(SamplingFields):
 class AgentChatRequest(ChatCompletionRequest):
     """The chat request another API's request converts into (`messages`, `responses`): a token limit past
     the context is cut where the context ends, as llama-server cuts it (agents ask for more than the
-    context leaves: Claude Code 32000 tokens whatever the prompt), not refused."""
+    context leaves: Claude Code 32000 tokens whatever the prompt), not refused. Built by the conversion,
+    never parsed from a body."""
+
+    freeform: dict[str, FreeformInput] = Field(default_factory=dict)  # the Responses API's custom tools
 
     def token_limit(self) -> tuple[int | None, str | None]:
         return super().token_limit()[0], None
+
+    def freeform_tools(self) -> dict[str, FreeformInput]:
+        return self.freeform
 
 
 def object_tool(name: str, description: str | None, schema: dict[str, Any] | None, param: str) -> Tool:
