@@ -41,7 +41,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def served(tool_gguf):  # noqa: F811
-    served = served_from_runtime(load_runtime(tool_gguf), ctx=1024)
+    served = served_from_runtime(load_runtime(tool_gguf), ctx=2048)
     served.prompt_cache = PromptCache(served.model, "tiny-responses", 64 * MIB, every=16)
     yield served
     served.prompt_cache.close()
@@ -251,7 +251,7 @@ def test_previous_response_id_is_refused_naming_the_field(client):
         ({"background": True}, "background"),
         ({"truncation": "auto"}, "truncation"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
-        ({"input": "hi " * 1100}, "input"),  # past the context
+        ({"input": "hi " * 2100}, "input"),  # past the context
     ],
 )
 def test_bad_requests_are_one_openai_error_naming_the_field(server, fields, param):
