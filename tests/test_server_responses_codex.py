@@ -12,7 +12,10 @@ import re
 
 import lark
 import pytest
+import torch
 
+from k3stream.server.kimi_output import Piece
+from k3stream.server.responses import ResponsesRequest
 from test_server_responses import KEY, client, post, served, server  # noqa: F401 (fixtures)
 from test_server_tools import tool_gguf  # noqa: F401 (a fixture, the tool-calling chat model)
 
@@ -237,6 +240,43 @@ def test_a_forced_custom_call_follows_its_grammar_streamed_and_whole(client, syn
     (done,) = [event for event in events if event.type == "response.custom_tool_call_input.done"]
     assert len(deltas) > 1 and "".join(deltas) == done.input == call.input
     assert events[-1].type == "response.completed" and events[-1].response.output[0].input == call.input
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_call_the_model_opens_to_a_custom_tool_follows_its_grammar(served, parallel):  # noqa: F811
+    """With no call forced (Codex's `tool_choice` auto), a call the model opens to a custom tool with a
+    grammar is held to it up to the call's end, whatever the model prefers: here random logits, greedily,
+    after the model wrote the call's opening. The text before the call is free, and so is the rest
+    after it (but a second call where parallel_tool_calls is false)."""
+    tools = [calc_tool("lark"), {"type": "function", "name": "noop", "parameters": {"type": "object"}}]
+    body = ResponsesRequest.model_validate(
+        {"input": "Add.", "tools": tools, "temperature": 0, "parallel_tool_calls": parallel}
+    )
+    chat_request = body.chat_request()
+    prompt = served.prepare_chat(chat_request)
+    logic = served.new_sequence(chat_request, prompt.tokens, 60, chat=prompt)
+    assert logic.constraint.allowed() is None  # free text
+    opening = (
+        "Let me add.<|tool_calls_section_begin|><|tool_call_begin|>functions.calc:0"
+        "<|tool_call_argument_begin|>"
+    )
+    total = Piece()
+    for token in served.tokenizer.encode(opening, allow_special=True, add_bos=False):
+        total.extend(logic.accept(token))
+    random_model = torch.Generator().manual_seed(7)
+    end = served.tokenizer.token_id("<|tool_call_end|>")
+    ended = None
+    while not logic.sequence.done:
+        logits = torch.randn(served.vocab_size, generator=random_model)
+        token = logic.choose(logits)
+        total.extend(logic.accept(token))
+        if token == end and ended is None:
+            ended = logic.constraint.allowed()
+    (call,) = total.tool_calls
+    assert call.name == "calc" and total.content.startswith("Let me add.")  # then random text
+    assert follows("lark", call.arguments), call.arguments
+    begin = served.tokenizer.token_id("<|tool_call_begin|>")
+    assert ended is None if parallel else not ended[begin]  # after the call: free, or no second call
 
 
 def test_a_custom_call_and_its_output_go_back_and_reuse_the_first_turns_prompt(client):  # noqa: F811

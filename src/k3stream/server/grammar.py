@@ -9,15 +9,17 @@ grammar ends on the chat's stop tokens. Once a grammar is complete only those st
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from k3stream.server.errors import invalid_request
+from k3stream.server.kimi_output import HEADER_RE
 from k3stream.server.scheduler import RequestError
 from k3stream.server.schemas import FreeformInput
 
@@ -111,6 +113,12 @@ def tool_calls_grammar(
         if isinstance(arguments, FreeformInput) and arguments.lark is not None:
             inputs.append({"name": f"input_{t}", "lark_grammar": arguments.lark})
     return json.dumps({"grammars": [{"lark_grammar": "\n".join(rules)}, *inputs]})
+
+
+def freeform_call_grammar(arguments: FreeformInput) -> str:
+    """The rest of a freeform tool's call once its arguments begin: its input, then `<|tool_call_end|>`."""
+    rules = {"lark_grammar": f"start: {_arguments_rule(arguments, 'input')} <|tool_call_end|>"}
+    return json.dumps({"grammars": [rules, {"name": "input", "lark_grammar": arguments.lark}]})
 
 
 def _arguments_rule(arguments: ToolArguments, input_name: str) -> str:
@@ -239,3 +247,56 @@ class AfterThinking:
             return
         self._tail = [*self._tail, token][-len(self._close) :]
         self._closed = self._tail == self._close
+
+
+class FreeformCalls:
+    """A constraint for an answer free to call tools (no call forced): the input of each call it opens to
+    a freeform tool with a grammar follows that grammar to `<|tool_call_end|>`. The call's header (the
+    tokens between `<|tool_call_begin|>` and `<|tool_call_argument_begin|>`, decoded) names the tool;
+    `compile(name)` gives a fresh constraint of its input and the call's end."""
+
+    def __init__(
+        self,
+        names: frozenset[str],
+        compile: Callable[[str], Constraint],
+        delimiters: tuple[int, int, int],
+        decode: Callable[[list[int]], str],
+    ) -> None:
+        self._names = names
+        self._compile = compile
+        self._begin, self._argument, self._end = delimiters  # the call's begin, argument, end tokens
+        self._decode = decode
+        self._header: list[int] | None = None  # the open call's header tokens so far
+        self._input: Constraint | None = None  # the open call's input grammar
+
+    def allowed(self) -> torch.Tensor | None:
+        return self._input.allowed() if self._input is not None else None
+
+    def advance(self, token: int) -> None:
+        if self._input is not None:
+            self._input.advance(token)
+            self._input = None if token == self._end else self._input
+        elif token == self._begin:
+            self._header = []
+        elif self._header is not None and token == self._argument:
+            match = HEADER_RE.fullmatch(self._decode(self._header))
+            name = match.group(1) if match is not None else None
+            self._input = self._compile(name) if name in self._names else None
+            self._header = None
+        elif self._header is not None:
+            self._header.append(token)
+
+
+class AllOf:
+    """Constraints that all apply: a token is allowed where each allows it."""
+
+    def __init__(self, constraints: Sequence[Any]) -> None:
+        self._constraints = list(constraints)
+
+    def allowed(self) -> torch.Tensor | None:
+        masks = [mask for c in self._constraints if (mask := c.allowed()) is not None]
+        return functools.reduce(torch.logical_and, masks) if masks else None
+
+    def advance(self, token: int) -> None:
+        for constraint in self._constraints:
+            constraint.advance(token)

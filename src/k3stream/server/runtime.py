@@ -23,11 +23,14 @@ from k3stream.gguf.shards import set_name
 from k3stream.server.errors import invalid_request
 from k3stream.server.grammar import (
     AfterThinking,
+    AllOf,
     BannedTokens,
     Constraint,
+    FreeformCalls,
     GrammarCompiler,
     SingleToolCall,
     call_arguments_schema,
+    freeform_call_grammar,
     json_schema_grammar,
     tool_calls_grammar,
 )
@@ -193,12 +196,37 @@ class ServedModel(Runtime):
         if body.tool_choice == "none" and self.kimi.tools is not None:
             section = self.tokenizer.token_id("<|tool_calls_section_begin|>")
             return BannedTokens([section], self.vocab_size)
-        if body.parallel_tool_calls is False and body.tools and self.kimi.tools is not None:
-            begins = [
-                self.tokenizer.token_id(t) for t in ("<|tool_call_begin|>", "<|tool_calls_section_begin|>")
-            ]
-            return SingleToolCall(self.tokenizer.token_id("<|tool_call_end|>"), begins, self.vocab_size)
-        return None
+        if not body.tools or self.kimi.tools is None:
+            return None
+        calls = [c for c in (self._single_call(body), self._freeform_calls(body)) if c is not None]
+        if len(calls) > 1:
+            return AllOf(calls)
+        return calls[0] if calls else None
+
+    def _single_call(self, body: ChatCompletionRequest) -> SingleToolCall | None:
+        """parallel_tool_calls false: one call at most."""
+        if body.parallel_tool_calls is not False:
+            return None
+        begins = [self.tokenizer.token_id(t) for t in ("<|tool_call_begin|>", "<|tool_calls_section_begin|>")]
+        return SingleToolCall(self.tokenizer.token_id("<|tool_call_end|>"), begins, self.vocab_size)
+
+    def _freeform_calls(self, body: ChatCompletionRequest) -> FreeformCalls | None:
+        """The grammars of the freeform tools that have one, over the calls the model opens to them."""
+        grammars = {
+            name: freeform_call_grammar(tool_input)
+            for name, tool_input in body.freeform_tools().items()
+            if tool_input.lark is not None
+        }
+        if not grammars:
+            return None
+        delimiters = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+        begin, argument, end = (self.tokenizer.token_id(t) for t in delimiters)
+        return FreeformCalls(
+            frozenset(grammars),
+            lambda name: self.grammars.constraint(grammars[name], "tools"),
+            (begin, argument, end),
+            self.tokenizer.decode,
+        )
 
     def _forced_output(self, body: ChatCompletionRequest) -> Constraint | None:
         """The grammar of a forced tool call (`tool_choice` required or named) or `response_format`."""
