@@ -16,9 +16,10 @@ of the request's tools and its arguments begin with `{` (a JSON object): a `Tool
 name and no arguments, then the argument text as it comes, each piece a `ToolCall` with the index alone
 (OpenAI's streamed deltas; `Piece.extend` joins them into the whole call), to `<|tool_call_end|>`; the
 arguments are the text between, stripped, JSON or not (as OpenAI's may not be: a forced call's grammar
-makes them its schema's JSON). Anything else inside a section (an unknown function, arguments that are
-not an object, a call cut off before its arguments) comes back as content, delimiters spelled as their
-token text.
+makes them its schema's JSON). A call of a `freeform` tool (the Responses API's custom tools) opens
+whatever its arguments begin with, and they are the text between exactly as written. Anything else
+inside a section (an unknown function, arguments that are not an object, a call cut off before its
+arguments) comes back as content, delimiters spelled as their token text.
 """
 
 from __future__ import annotations

@@ -4,11 +4,12 @@ SDK's `OpenAIResponsesModel`, the `openai` client's `client.responses`).
 A request is converted into the chat request of `/v1/chat/completions` (`ResponsesRequest.chat_request`)
 and answered on the same path (template, tools, grammar, scheduler, prompt cache); `ResponseShapes`
 writes the result as a response object, or as its event stream: `response.created` and
-`response.in_progress`, then per output item (`reasoning`, `message`, `function_call`)
+`response.in_progress`, then per output item (`reasoning`, `message`, `function_call`, `custom_tool_call`)
 `response.output_item.added`, its content part, its deltas and their `.done`, `response.output_item.done`,
-then `response.completed` or `response.incomplete`. The server is stateless: nothing is stored, and the
-fields that name stored state (`previous_response_id`, `conversation`, `prompt`) are refused.
-docs/server-endpoints.md describes the fields.
+then `response.completed` or `response.incomplete`. Tools are converted by `responses_tools` (custom
+tools: freeform text). The server is stateless: nothing is stored, and the fields that name stored state
+(`previous_response_id`, `conversation`, `prompt`) are refused. docs/server-endpoints.md describes the
+fields.
 """
 
 from __future__ import annotations
