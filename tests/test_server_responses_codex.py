@@ -242,6 +242,24 @@ def test_a_forced_custom_call_follows_its_grammar_streamed_and_whole(client, syn
     assert events[-1].type == "response.completed" and events[-1].response.output[0].input == call.input
 
 
+def test_a_forced_custom_call_without_a_grammar_takes_any_text(client):  # noqa: F811
+    """A text format holds the input to nothing: the random model writes on until the limit cuts the call,
+    whose input is the text it wrote."""
+    tool = {"type": "custom", "name": "note", "description": "Takes a note"}
+    request = {"model": "x", "input": "Note this.", "max_output_tokens": 40, "temperature": 0}
+    response = client.responses.create(
+        **request, tools=[tool], tool_choice={"type": "custom", "name": "note"}
+    )
+    (call,) = response.output
+    assert (call.type, call.name, call.status, response.status) == (
+        "custom_tool_call",
+        "note",
+        "incomplete",
+        "incomplete",
+    )
+    assert call.input != "" and not call.input.startswith("{")
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 def test_a_call_the_model_opens_to_a_custom_tool_follows_its_grammar(served, parallel):  # noqa: F811
     """With no call forced (Codex's `tool_choice` auto), a call the model opens to a custom tool with a

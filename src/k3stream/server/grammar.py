@@ -253,17 +253,17 @@ class FreeformCalls:
     """A constraint for an answer free to call tools (no call forced): the input of each call it opens to
     a freeform tool with a grammar follows that grammar to `<|tool_call_end|>`. The call's header (the
     tokens between `<|tool_call_begin|>` and `<|tool_call_argument_begin|>`, decoded) names the tool;
-    `compile(name)` gives a fresh constraint of its input and the call's end."""
+    `compile_input(name)` gives a fresh constraint of its input and the call's end."""
 
     def __init__(
         self,
         names: frozenset[str],
-        compile: Callable[[str], Constraint],
+        compile_input: Callable[[str], Constraint],
         delimiters: tuple[int, int, int],
         decode: Callable[[list[int]], str],
     ) -> None:
         self._names = names
-        self._compile = compile
+        self._compile = compile_input
         self._begin, self._argument, self._end = delimiters  # the call's begin, argument, end tokens
         self._decode = decode
         self._header: list[int] | None = None  # the open call's header tokens so far
