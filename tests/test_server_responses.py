@@ -205,6 +205,9 @@ def test_reasoning_is_a_reasoning_item_and_goes_back_to_the_template(client):
     assert item.type == "reasoning" and item.content[0].type == "reasoning_text"
     assert item.content[0].text == reasoning != ""
     assert 0 < response.usage.output_tokens_details.reasoning_tokens <= response.usage.output_tokens
+    by_effort = respond(client, max_output_tokens=6, reasoning={"effort": "high", "summary": "auto"})
+    assert by_effort.output[0].content[0].text == reasoning  # Codex's way to turn thinking on
+    assert [item.type for item in respond(client, reasoning={"effort": "none"}).output] == ["message"]
     events = list(respond(client, max_output_tokens=6, extra_body=thinking, stream=True))
     deltas = [event.delta for event in events if event.type == "response.reasoning_text.delta"]
     assert "".join(deltas) == reasoning

@@ -225,7 +225,7 @@ class ResponsesRequest(BaseModel):
     top_k: TopK | None = None  # llama-server's and vLLM's
     stream: Switch = False
     text: TextConfig | None = None
-    reasoning: ReasoningConfig | None = None  # taken, not acted on: Kimi's templates have no effort
+    reasoning: ReasoningConfig | None = None  # an effort turns thinking on or off; no levels
     metadata: dict[str, str] | None = None
     user: str | None = None
     store: bool | None = None  # taken; nothing is stored
@@ -255,7 +255,7 @@ class ResponsesRequest(BaseModel):
             top_p=self.top_p,
             top_k=self.top_k,
             stream=self.stream,
-            chat_template_kwargs=self.chat_template_kwargs,
+            chat_template_kwargs=self._template_variables(),
         )
 
     def _check_served(self) -> None:
@@ -273,6 +273,15 @@ class ResponsesRequest(BaseModel):
         if not self.input:
             raise invalid_request("input: needs at least one item", param="input")
         return [*system, *chat_messages(self.input)]
+
+    def _template_variables(self) -> dict[str, TemplateValue] | None:
+        """`chat_template_kwargs`, with `thinking` (Kimi's templates open the think block with it) from
+        `reasoning.effort` unless given there: on for any effort but `none` (Kimi's thinking has no
+        levels)."""
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        if effort is None:
+            return self.chat_template_kwargs
+        return {"thinking": effort != "none", **(self.chat_template_kwargs or {})}
 
     def custom_tool_names(self) -> frozenset[str]:
         return frozenset(tool.name for tool in self.tools or [] if tool.type == "custom")
