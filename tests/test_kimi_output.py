@@ -133,6 +133,27 @@ def test_an_opened_call_keeps_its_arguments_as_they_came(think_tokenizer, after,
     assert result.content == ""
 
 
+def test_a_freeform_tools_arguments_are_its_text_as_written(think_tokenizer):
+    """A freeform tool's call (the Responses API's custom tools) opens whatever its text begins with, and
+    its arguments are the text between the delimiters, whitespace and all; a function's call in the same
+    section is parsed as ever. Without `freeform` the same call is not one: its text is no JSON object."""
+    fmt = KimiFormat.for_tokenizer(think_tokenizer)
+    patch = " *** Begin Patch\n*** Add File: a.txt\n+hi there\n*** End Patch\n"
+    output = (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>"
+        f"{patch}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>"
+        '{"city": "Paris"} <|tool_call_end|><|tool_calls_section_end|>'
+    )
+    pieces = released(think_tokenizer, fmt, output)
+    result = every_split(fmt, pieces, freeform=("get_time",))
+    assert result.tool_calls == [
+        ToolCall(0, "functions.get_time:0", "get_time", patch),
+        ToolCall(1, "functions.get_weather:1", "get_weather", '{"city": "Paris"}'),
+    ]
+    assert result.content == ""
+    assert parse(fmt, pieces).tool_calls == []
+
+
 def test_call_arguments_stream_in_pieces_that_join_to_the_whole(think_tokenizer):
     """Fed token by token, a call comes as OpenAI streams it: its id and name (with the argument text
     its token released), then the argument text in several pieces with the index alone; joined they

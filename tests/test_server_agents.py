@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+from pydantic import BaseModel
 
 import k3stream
 from k3stream.engine.loading import load_runtime
@@ -42,7 +43,23 @@ def server():
     served.close()
 
 
-def test_openai_agents_sdk_runs_a_tool_loop(server):
+class City(BaseModel):
+    city: Literal["Paris", "Lima"]
+
+
+@pytest.mark.parametrize(
+    ("model_class", "output_type", "streamed"),
+    [
+        ("OpenAIChatCompletionsModel", str, False),
+        ("OpenAIResponsesModel", City, False),
+        ("OpenAIResponsesModel", City, True),
+    ],
+)
+def test_openai_agents_sdk_runs_a_tool_loop(server, model_class, output_type, streamed):
+    """The SDK's chat model on /v1/chat/completions, its Responses model on /v1/responses (whose events
+    the SDK reads when `streamed`). The Responses model takes an incomplete response for a failure, and
+    the demo model's free text runs to max_tokens: there the answer is a structured output
+    (`text.format`), which its grammar ends."""
     agents = pytest.importorskip(
         "agents", reason="openai-agents is not installed (pip install openai-agents)"
     )
@@ -63,23 +80,31 @@ def test_openai_agents_sdk_runs_a_tool_loop(server):
         name="forecaster",
         instructions="Answer with the forecast.",
         tools=[get_weather],
-        model=agents.OpenAIChatCompletionsModel(model=name, openai_client=client),
+        output_type=output_type,
+        model=getattr(agents, model_class)(model=name, openai_client=client),
         model_settings=agents.ModelSettings(
             tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=48
         ),
     )
 
+    async def run(question):
+        if not streamed:
+            return await agents.Runner.run(agent, question, max_turns=4)
+        result = agents.Runner.run_streamed(agent, question, max_turns=4)
+        async for _event in result.stream_events():
+            pass
+        return result
+
     async def two_turns():
-        first = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4)
-        follow_up = [*first.to_input_list(), {"role": "user", "content": "And in Lima?"}]
-        return first, await agents.Runner.run(agent, follow_up, max_turns=4)
+        first = await run("What is the weather in Paris?")
+        return first, await run([*first.to_input_list(), {"role": "user", "content": "And in Lima?"}])
 
     first, second = asyncio.run(two_turns())
     assert len(calls) == 2 and set(calls) <= set(FORECASTS)
     for result in (first, second):
         kinds = [type(item).__name__ for item in result.new_items]
         assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"] and kinds[-1] == "MessageOutputItem"
-        assert isinstance(result.final_output, str)
+        assert isinstance(result.final_output, output_type)
     outputs = [item for item in second.to_input_list() if item.get("type") == "function_call_output"]
     assert [item["output"] for item in outputs] == [FORECASTS[city] for city in calls]
 

@@ -33,6 +33,7 @@ from k3stream.server.metrics import ServerMetrics
 from k3stream.server.native import native_router
 from k3stream.server.prompt_reuse import register_cache_metrics
 from k3stream.server.request_logic import TokenConstraint, TokenLogprob
+from k3stream.server.responses import responses_router
 from k3stream.server.routes import ANTHROPIC_ENDPOINTS, LLAMA_ENDPOINTS
 from k3stream.server.runtime import ChatPrompt, ServedModel
 from k3stream.server.scheduler import (
@@ -59,6 +60,7 @@ KNOWN_ENDPOINTS = frozenset(
         "/v1/models",
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/responses",
         "/health",
         "/v1/health",
         "/metrics",
@@ -219,6 +221,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     app.include_router(llama_router(served, scheduler, tokenizers))
     app.include_router(native_router(api))
     app.include_router(messages_router(api))
+    app.include_router(responses_router(api))
     app.include_router(slots_router(slots, scheduler, served, config.slot_save_path))
     if config.webui:
         app.include_router(webui_router())

@@ -9,15 +9,19 @@ grammar ends on the chat's stop tokens. Once a grammar is complete only those st
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from k3stream.server.errors import invalid_request
+from k3stream.server.kimi_output import HEADER_RE
 from k3stream.server.scheduler import RequestError
+from k3stream.server.schemas import FreeformInput
 
 JSON_DEFAULTS = {"whitespace_flexible": False}
 MAX_PARALLEL_CALLS = 8  # calls one forced section may hold
@@ -61,14 +65,37 @@ def gbnf_grammar(text: str, param: str) -> str:
         ) from None
 
 
-def tool_calls_grammar(
-    tools: Sequence[tuple[str, dict[str, Any]]], *, parallel: bool, first_index: int = 0
-) -> str:
-    """A Kimi tool-call section calling `tools` (name, parameters schema): exactly one call, or up to
-    MAX_PARALLEL_CALLS when `parallel`. Calls are numbered as Kimi numbers them, from `first_index` (the
-    calls earlier in the conversation): `functions.NAME:IDX`."""
+# what a call's arguments follow: its parameters' JSON Schema, or a freeform tool's input
+ToolArguments = dict[str, Any] | FreeformInput
+ANY_TEXT = "/(?s:.*)/"
+
+
+def freeform_input(syntax: str, definition: str, param: str) -> FreeformInput:
+    """A custom tool's grammar format as a `FreeformInput`: a Lark grammar (llguidance's dialect) or a
+    regular expression (Rust's syntax, as OpenAI's), which must compile: else a 400 naming `param`."""
     import llguidance
 
+    lark = definition if syntax == "lark" else f"start: /{_slashes_escaped(definition)}/"
+    problem = llguidance.LLMatcher.validate_grammar(json.dumps({"grammars": [{"lark_grammar": lark}]}))
+    if problem:
+        message = f"{param}: not a {syntax} grammar llguidance can follow: {problem.strip().splitlines()[0]}"
+        raise invalid_request(message, param=param)
+    return FreeformInput(lark)
+
+
+def _slashes_escaped(regex: str) -> str:
+    """`regex` with each `/` it does not escape escaped, to stand between Lark's slashes."""
+    return re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", regex)
+
+
+def tool_calls_grammar(
+    tools: Sequence[tuple[str, ToolArguments]], *, parallel: bool, first_index: int = 0
+) -> str:
+    """A Kimi tool-call section calling `tools` (name, what its arguments follow): exactly one call, or
+    up to MAX_PARALLEL_CALLS when `parallel`. Calls are numbered as Kimi numbers them, from `first_index`
+    (the calls earlier in the conversation): `functions.NAME:IDX`. A freeform tool's input grammar is a
+    grammar of its own beside the section's (llguidance's grammar list), so its rules and names cannot
+    clash with the section's."""
     count = MAX_PARALLEL_CALLS if parallel else 1
     calls = "".join(f" (call_{k}" for k in range(1, count)) + ")?" * (count - 1)
     rules = [f"start: <|tool_calls_section_begin|> call_0{calls} <|tool_calls_section_end|>"]
@@ -80,9 +107,26 @@ def tool_calls_grammar(
                 f"tool_{t}_{k}: <|tool_call_begin|> {header} <|tool_call_argument_begin|> arguments_{t} "
                 "<|tool_call_end|>"
             )
-    for t, (_, schema) in enumerate(tools):
-        rules.append(f"arguments_{t}: %json {json.dumps({**schema, 'x-guidance': JSON_DEFAULTS})}")
-    return llguidance.LLMatcher.grammar_from_lark("\n".join(rules))
+    inputs = []
+    for t, (_, arguments) in enumerate(tools):
+        rules.append(f"arguments_{t}: {_arguments_rule(arguments, f'input_{t}')}")
+        if isinstance(arguments, FreeformInput) and arguments.lark is not None:
+            inputs.append({"name": f"input_{t}", "lark_grammar": arguments.lark})
+    return json.dumps({"grammars": [{"lark_grammar": "\n".join(rules)}, *inputs]})
+
+
+def freeform_call_grammar(arguments: FreeformInput) -> str:
+    """The rest of a freeform tool's call once its arguments begin: its input, then `<|tool_call_end|>`."""
+    rules = {"lark_grammar": f"start: {_arguments_rule(arguments, 'input')} <|tool_call_end|>"}
+    return json.dumps({"grammars": [rules, {"name": "input", "lark_grammar": arguments.lark}]})
+
+
+def _arguments_rule(arguments: ToolArguments, input_name: str) -> str:
+    """The right side of a call's arguments rule: compact JSON of its schema, its freeform input's
+    grammar (`input_name` in the grammar list), or any text."""
+    if not isinstance(arguments, FreeformInput):
+        return f"%json {json.dumps({**arguments, 'x-guidance': JSON_DEFAULTS})}"
+    return ANY_TEXT if arguments.lark is None else f"@{input_name}"
 
 
 class GrammarCompiler:
@@ -203,3 +247,56 @@ class AfterThinking:
             return
         self._tail = [*self._tail, token][-len(self._close) :]
         self._closed = self._tail == self._close
+
+
+class FreeformCalls:
+    """A constraint for an answer free to call tools (no call forced): the input of each call it opens to
+    a freeform tool with a grammar follows that grammar to `<|tool_call_end|>`. The call's header (the
+    tokens between `<|tool_call_begin|>` and `<|tool_call_argument_begin|>`, decoded) names the tool;
+    `compile_input(name)` gives a fresh constraint of its input and the call's end."""
+
+    def __init__(
+        self,
+        names: frozenset[str],
+        compile_input: Callable[[str], Constraint],
+        delimiters: tuple[int, int, int],
+        decode: Callable[[list[int]], str],
+    ) -> None:
+        self._names = names
+        self._compile = compile_input
+        self._begin, self._argument, self._end = delimiters  # the call's begin, argument, end tokens
+        self._decode = decode
+        self._header: list[int] | None = None  # the open call's header tokens so far
+        self._input: Constraint | None = None  # the open call's input grammar
+
+    def allowed(self) -> torch.Tensor | None:
+        return self._input.allowed() if self._input is not None else None
+
+    def advance(self, token: int) -> None:
+        if self._input is not None:
+            self._input.advance(token)
+            self._input = None if token == self._end else self._input
+        elif token == self._begin:
+            self._header = []
+        elif self._header is not None and token == self._argument:
+            match = HEADER_RE.fullmatch(self._decode(self._header))
+            name = match.group(1) if match is not None else None
+            self._input = self._compile(name) if name in self._names else None
+            self._header = None
+        elif self._header is not None:
+            self._header.append(token)
+
+
+class AllOf:
+    """Constraints that all apply: a token is allowed where each allows it."""
+
+    def __init__(self, constraints: Sequence[Any]) -> None:
+        self._constraints = list(constraints)
+
+    def allowed(self) -> torch.Tensor | None:
+        masks = [mask for c in self._constraints if (mask := c.allowed()) is not None]
+        return functools.reduce(torch.logical_and, masks) if masks else None
+
+    def advance(self, token: int) -> None:
+        for constraint in self._constraints:
+            constraint.advance(token)

@@ -16,10 +16,11 @@ of the request's tools and its arguments begin with `{` (a JSON object): a `Tool
 name and no arguments, then the argument text as it comes, each piece a `ToolCall` with the index alone
 (OpenAI's streamed deltas; `Piece.extend` joins them into the whole call), to `<|tool_call_end|>`; the
 arguments are the text between, stripped, JSON or not (as OpenAI's may not be: a forced call's grammar
-makes them its schema's JSON); `on_call` hears each call's id and its arguments as the model wrote them,
-whitespace around them included, once the call ends. Anything else inside a section (an unknown
-function, arguments that are not an object, a call cut off before its arguments) comes back as content,
-delimiters spelled as their token text.
+makes them its schema's JSON). A call of a `freeform` tool (the Responses API's custom tools) opens
+whatever its arguments begin with, and they are the text between exactly as written. `on_call` hears
+each call's id and its arguments as the model wrote them, whitespace around them included, once the
+call ends. Anything else inside a section (an unknown function, arguments that are not an object, a
+call cut off before its arguments) comes back as content, delimiters spelled as their token text.
 """
 
 from __future__ import annotations
@@ -177,12 +178,14 @@ class OutputParser:
         fmt: KimiFormat,
         tool_names: Iterable[str] = (),
         *,
+        freeform: Iterable[str] = (),
         reasoning: bool = True,
         in_reasoning: bool = False,
         on_call: Callable[[str, str], None] | None = None,
     ) -> None:
         self.fmt = fmt
         self.tool_names = frozenset(tool_names)
+        self.freeform = frozenset(freeform)  # the tools whose arguments are freeform text, not JSON
         self.think = fmt.think if reasoning else None
         self.tools = fmt.tools
         self._mode = "reasoning" if in_reasoning and self.think else "start"
@@ -289,7 +292,8 @@ class OutputParser:
 
     def _opens_call(self, piece: Piece) -> bool:
         """Open the call the pending text begins with, once its header names a request tool and its
-        arguments' first character is `{`; False while that is not (yet) so."""
+        arguments' first character is `{` (a freeform tool's: at once); False while that is not (yet)
+        so."""
         begin, argument = self.tools["<|tool_call_begin|>"], self.tools["<|tool_call_argument_begin|>"]
         stripped = self._pending.lstrip()
         if not stripped.startswith(begin):
@@ -298,26 +302,28 @@ class OutputParser:
         match = HEADER_RE.fullmatch(header)
         if not found or match is None or match.group(1) not in self.tool_names:
             return False
-        if not arguments.lstrip().startswith("{"):
-            return False
         name, index = match.group(1), match.group(2) or str(self._calls)
+        freeform = name in self.freeform
+        if not freeform and not arguments.lstrip().startswith("{"):
+            return False
         self._open = ToolCall(self._calls, f"functions.{name}:{index}", name, "")
         piece.add_call(self._open)
         self._calls += 1
         self._section_calls += 1
-        self._pending = arguments.lstrip()
+        self._pending = arguments if freeform else arguments.lstrip()
         self._written = arguments[: len(arguments) - len(self._pending)]
         return True
 
     def _arguments(self, piece: Piece) -> bool:
         """The open call's argument text up to `<|tool_call_end|>` (or the section's end, which closes
-        the section too), whitespace at its end held back until more text follows."""
+        the section too), whitespace at its end held back until more text follows (a freeform input's
+        is its own: sent as it comes)."""
         taken = self._take_to_end()
         if taken is None:
             taken, self._pending = (self._pending, ""), ""
         text = self._space + taken[0]
         self._written += taken[0]
-        sent = text.rstrip()
+        sent = text if self._open.name in self.freeform else text.rstrip()
         if sent:
             piece.add_call(ToolCall(self._open.index, "", "", sent))
         if not taken[1]:

@@ -28,7 +28,6 @@ from k3stream.server.schemas import (
     CalledFunction,
     ChatCompletionRequest,
     ChatMessage,
-    FunctionDefinition,
     MaxTokens,
     NamedFunction,
     NamedToolChoice,
@@ -38,8 +37,8 @@ from k3stream.server.schemas import (
     Tool,
     TopK,
     TopP,
-    check_json_schema,
     check_stops,
+    object_tool,
 )
 
 if TYPE_CHECKING:
@@ -186,7 +185,10 @@ class CountTokensRequest(BaseModel):
 
     def chat_request(self, **sampling: Any) -> ChatCompletionRequest:
         """The chat completion request this one asks for (with the `sampling` fields of a message)."""
-        tools = [self._tool(index, tool) for index, tool in enumerate(self.tools or [])]
+        tools = [
+            object_tool(tool.name, tool.description, tool.input_schema, f"tools.{index}.input_schema")
+            for index, tool in enumerate(self.tools or [])
+        ]
         choice = self.tool_choice
         return ChatCompletionRequest(
             messages=self._system()
@@ -207,17 +209,6 @@ class CountTokensRequest(BaseModel):
             block.check(f"system.{number}", ("text",))
         text = "".join(steady_billing_header(block.text) for block in self.system)
         return [ChatMessage(role="system", content=text)]
-
-    @staticmethod
-    def _tool(index: int, tool: AnthropicTool) -> Tool:
-        schema = tool.input_schema if tool.input_schema is not None else {"type": "object", "properties": {}}
-        param = f"tools.{index}.input_schema"
-        check_json_schema(schema, param)
-        if schema.get("type", "object") != "object":
-            message = f"{param}: a tool's input_schema must be of type 'object', not {schema['type']!r}"
-            raise invalid_request(message, param=param)
-        function = FunctionDefinition(name=tool.name, description=tool.description, parameters=schema)
-        return Tool(type="function", function=function)
 
     def _template_variables(self) -> dict[str, TemplateValue] | None:
         """`chat_template_kwargs`, with `thinking` (Kimi's templates open the think channel with it) from
@@ -310,8 +301,8 @@ class MessageShapes:
             "stop_sequence": self._stop_word() or None,
         }
         usage = {**self._prompt_usage(), "output_tokens": self.job.logic.completion_tokens}
-        events.append(_event({"type": "message_delta", "delta": delta, "usage": usage}))
-        events.append(_event({"type": "message_stop"}))
+        events.append(named_event({"type": "message_delta", "delta": delta, "usage": usage}))
+        events.append(named_event({"type": "message_stop"}))
         return "".join(events)
 
     def whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
@@ -359,7 +350,7 @@ class MessageShapes:
         self._started = True
         message = {**self._message(), "content": [], "stop_reason": None, "stop_sequence": None}
         message["usage"] = {**self._prompt_usage(), "output_tokens": 0}
-        return [_event({"type": "message_start", "message": message})]
+        return [named_event({"type": "message_start", "message": message})]
 
     def _into(self, kind: str, block: dict[str, Any]) -> list[str]:
         """Events that make `kind` the open block: the open one's stop and the new one's start."""
@@ -367,12 +358,13 @@ class MessageShapes:
             return []
         events = self._close()
         self._open = kind
-        events.append(_event({"type": "content_block_start", "index": self._blocks, "content_block": block}))
+        start = {"type": "content_block_start", "index": self._blocks, "content_block": block}
+        events.append(named_event(start))
         self._blocks += 1
         return events
 
     def _delta(self, delta: dict[str, Any]) -> list[str]:
-        return [_event({"type": "content_block_delta", "index": self._blocks - 1, "delta": delta})]
+        return [named_event({"type": "content_block_delta", "index": self._blocks - 1, "delta": delta})]
 
     def _close(self) -> list[str]:
         if self._open is None:
@@ -381,7 +373,7 @@ class MessageShapes:
         if self._open == "thinking":  # a thinking block ends with its signature (none here)
             events += self._delta({"type": "signature_delta", "signature": ""})
         self._open = None
-        return [*events, _event({"type": "content_block_stop", "index": self._blocks - 1})]
+        return [*events, named_event({"type": "content_block_stop", "index": self._blocks - 1})]
 
 
 def _call_block(call: ToolCall, cut: bool) -> dict[str, Any]:
@@ -430,7 +422,7 @@ def _object_so_far(text: str) -> dict[str, Any]:
     return {}
 
 
-def _event(data: dict[str, Any]) -> str:
+def named_event(data: dict[str, Any]) -> str:
     return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 

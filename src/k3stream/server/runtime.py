@@ -24,11 +24,14 @@ from k3stream.server.errors import invalid_request
 from k3stream.server.generated_calls import GeneratedCalls
 from k3stream.server.grammar import (
     AfterThinking,
+    AllOf,
     BannedTokens,
     Constraint,
+    FreeformCalls,
     GrammarCompiler,
     SingleToolCall,
     call_arguments_schema,
+    freeform_call_grammar,
     json_schema_grammar,
     tool_calls_grammar,
 )
@@ -172,6 +175,7 @@ class ServedModel(Runtime):
         return ChatPrompt(
             tokens=tokens,
             tool_names=tuple(tool.function.name for tool in body.tools or []),
+            freeform=tuple(body.freeform_tools()),
             constraints=tuple(self._constraint(body, in_reasoning) for _ in range(body.n)),
             reasoning=body.separate_reasoning,
             in_reasoning=in_reasoning,
@@ -211,19 +215,44 @@ class ServedModel(Runtime):
         if body.tool_choice == "none" and self.kimi.tools is not None:
             section = self.tokenizer.token_id("<|tool_calls_section_begin|>")
             return BannedTokens([section], self.vocab_size)
-        if body.parallel_tool_calls is False and body.tools and self.kimi.tools is not None:
-            begins = [
-                self.tokenizer.token_id(t) for t in ("<|tool_call_begin|>", "<|tool_calls_section_begin|>")
-            ]
-            return SingleToolCall(self.tokenizer.token_id("<|tool_call_end|>"), begins, self.vocab_size)
-        return None
+        if not body.tools or self.kimi.tools is None:
+            return None
+        calls = [c for c in (self._single_call(body), self._freeform_calls(body)) if c is not None]
+        if len(calls) > 1:
+            return AllOf(calls)
+        return calls[0] if calls else None
+
+    def _single_call(self, body: ChatCompletionRequest) -> SingleToolCall | None:
+        """parallel_tool_calls false: one call at most."""
+        if body.parallel_tool_calls is not False:
+            return None
+        begins = [self.tokenizer.token_id(t) for t in ("<|tool_call_begin|>", "<|tool_calls_section_begin|>")]
+        return SingleToolCall(self.tokenizer.token_id("<|tool_call_end|>"), begins, self.vocab_size)
+
+    def _freeform_calls(self, body: ChatCompletionRequest) -> FreeformCalls | None:
+        """The grammars of the freeform tools that have one, over the calls the model opens to them."""
+        grammars = {
+            name: freeform_call_grammar(tool_input)
+            for name, tool_input in body.freeform_tools().items()
+            if tool_input.lark is not None
+        }
+        if not grammars:
+            return None
+        delimiters = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+        begin, argument, end = (self.tokenizer.token_id(t) for t in delimiters)
+        return FreeformCalls(
+            frozenset(grammars),
+            lambda name: self.grammars.constraint(grammars[name], "tools"),
+            (begin, argument, end),
+            self.tokenizer.decode,
+        )
 
     def _forced_output(self, body: ChatCompletionRequest) -> Constraint | None:
         """The grammar of a forced tool call (`tool_choice` required or named) or `response_format`."""
         forced = body.forced_tools()
         if forced:
-            schemas = self._forced_call_schemas(body)
-            tools = [(tool.function.name, schemas[tool.function.name]) for tool in forced]
+            arguments = {**self._forced_call_schemas(body), **body.freeform_tools()}
+            tools = [(tool.function.name, arguments[tool.function.name]) for tool in forced]
             parallel = body.parallel_tool_calls is not False and body.tool_choice == "required"
             earlier = sum(len(m.tool_calls or []) for m in body.messages)
             grammar = tool_calls_grammar(tools, parallel=parallel, first_index=earlier)
@@ -239,9 +268,10 @@ class ServedModel(Runtime):
         return self.tokenizer.encode(self.kimi.spell(self.kimi.think[1]), allow_special=True)
 
     def _forced_call_schemas(self, body: ChatCompletionRequest) -> dict[str, dict[str, Any]]:
-        """Each forced tool's arguments schema by name; a 400 naming the first forced tool whose
-        parameters are not an object's or that the grammar library cannot compile."""
-        forced = {tool.function.name for tool in body.forced_tools()}
+        """Each forced function's arguments schema by name (a freeform tool has none); a 400 naming the
+        first forced function whose parameters are not an object's or that the grammar library cannot
+        compile."""
+        forced = {tool.function.name for tool in body.forced_tools()} - set(body.freeform_tools())
         schemas = {}
         for index, tool in enumerate(body.tools or []):
             if tool.function.name in forced:
@@ -299,6 +329,7 @@ class ServedModel(Runtime):
         parser = OutputParser(
             self.kimi,
             chat.tool_names,
+            freeform=chat.freeform,
             reasoning=chat.reasoning,
             in_reasoning=chat.in_reasoning,
             on_call=self.generated_calls.remember,
@@ -342,6 +373,7 @@ class ChatPrompt:
 
     tokens: list[int]
     tool_names: tuple[str, ...]
+    freeform: tuple[str, ...]  # the tools whose arguments are freeform text
     constraints: tuple[TokenConstraint | None, ...]  # one per choice: a constraint follows its tokens
     reasoning: bool
     in_reasoning: bool  # the prompt opened a think block

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -355,6 +356,14 @@ class FunctionDefinition(BaseModel):
         return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
 
 
+@dataclass(frozen=True)
+class FreeformInput:
+    """The input of a tool called with freeform text instead of a JSON object (the Responses API's custom
+    tools): sentences of `lark`, a grammar in llguidance's Lark dialect (None: any text)."""
+
+    lark: str | None = None
+
+
 class Tool(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["function"]
@@ -474,6 +483,11 @@ class ChatCompletionRequest(SamplingFields):
             )
         check_json_schema(response_format.json_schema.json_schema, "response_format.json_schema.schema")
 
+    def freeform_tools(self) -> dict[str, FreeformInput]:
+        """The tools called with freeform text instead of a JSON object, by name, and what that text
+        follows (none here: `AgentChatRequest` carries the Responses API's custom tools)."""
+        return {}
+
     def forced_tools(self) -> list[Tool]:
         """The tools one of which the answer must call (empty: no call is forced)."""
         choice = self.tool_choice
@@ -491,6 +505,28 @@ class ChatCompletionRequest(SamplingFields):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return super().token_limit()
+
+
+class AgentChatRequest(ChatCompletionRequest):
+    """The chat request the Responses API's request converts into: a chat request that also carries the
+    custom tools called with freeform text. Built by the conversion, never parsed from a body."""
+
+    freeform: dict[str, FreeformInput] = Field(default_factory=dict)  # the Responses API's custom tools
+
+    def freeform_tools(self) -> dict[str, FreeformInput]:
+        return self.freeform
+
+
+def object_tool(name: str, description: str | None, schema: dict[str, Any] | None, param: str) -> Tool:
+    """A function tool of another API's flat definition: `schema` (at `param`) a valid JSON Schema of
+    type object or naming no type (None: an empty object), else a 400 naming `param`."""
+    schema = schema if schema is not None else {"type": "object", "properties": {}}
+    check_json_schema(schema, param)
+    if schema.get("type", "object") != "object":
+        message = f"{param}: a tool's schema must be of type 'object', not {schema['type']!r}"
+        raise invalid_request(message, param=param)
+    function = FunctionDefinition(name=name, description=description, parameters=schema)
+    return Tool(type="function", function=function)
 
 
 def _token_id(key: str | int) -> int | None:

@@ -1,0 +1,546 @@
+"""OpenAI's Responses API: `POST /v1/responses`, for agents that speak it (Codex CLI, the `openai-agents`
+SDK's `OpenAIResponsesModel`, the `openai` client's `client.responses`).
+
+A request is converted into the chat request of `/v1/chat/completions` (`ResponsesRequest.chat_request`)
+and answered on the same path (template, tools, grammar, scheduler, prompt cache); `ResponseShapes`
+writes the result as a response object, or as its event stream: `response.created` and
+`response.in_progress`, then per output item (`reasoning`, `message`, `function_call`, `custom_tool_call`)
+`response.output_item.added`, its content part, its deltas and their `.done`, `response.output_item.done`,
+then `response.completed` or `response.incomplete`. Tools are converted by `responses_tools` (custom
+tools: freeform text). The server is stateless: nothing is stored, and the fields that name stored state
+(`previous_response_id`, `conversation`, `prompt`) are refused. docs/server-endpoints.md describes the
+fields.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from k3stream.server.bodies import parse_body
+from k3stream.server.errors import APIError, invalid_request
+from k3stream.server.kimi_output import Piece, ToolCall
+from k3stream.server.messages import named_event
+from k3stream.server.responses_tools import NamedChoice, ToolDefinition, chat_tool_choice, chat_tools
+from k3stream.server.scheduler import Job
+from k3stream.server.schemas import (
+    AgentChatRequest,
+    AssistantToolCall,
+    CalledFunction,
+    ChatCompletionRequest,
+    ChatMessage,
+    JsonSchemaFormat,
+    MaxTokens,
+    ResponseFormat,
+    Switch,
+    Temperature,
+    TemplateValue,
+    TopK,
+    TopP,
+    check_json_schema,
+)
+
+if TYPE_CHECKING:
+    from k3stream.server.app import Endpoints
+
+# the content part types each input item takes
+MESSAGE_PARTS = ("input_text", "output_text")
+REASONING_PARTS = ("reasoning_text", "text")
+# fields of each input item type, that it needs
+ITEM_FIELDS = {
+    "message": ("role", "content"),
+    "function_call": ("call_id", "name", "arguments"),
+    "function_call_output": ("call_id", "output"),
+    "custom_tool_call": ("call_id", "name", "input"),
+    "custom_tool_call_output": ("call_id", "output"),
+    "reasoning": (),
+}
+CALL_ITEMS = ("function_call", "custom_tool_call")  # the items an assistant turn's calls come as
+# fields asking for what a stateless server without hosted features does not have: (whether the value
+# asks for nothing, why it is refused)
+REFUSED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "previous_response_id": (
+        lambda value: value is None,
+        "this server stores no responses; send the whole conversation as `input`",
+    ),
+    "conversation": (
+        lambda value: value is None,
+        "this server stores no conversations; send the whole conversation as `input`",
+    ),
+    "prompt": (lambda value: value is None, "stored prompt templates are not served"),
+    "background": (lambda value: not value, "background responses are not served"),
+    "truncation": (
+        lambda value: value in (None, "disabled"),
+        "the input is never truncated (a prompt past the context is a 400)",
+    ),
+    "top_logprobs": (lambda value: not value, "logprobs are served by /v1/chat/completions only"),
+}
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# each call item's text field and the name of the events that stream it
+CALL_TEXT = {
+    "function_call": ("arguments", "function_call_arguments"),
+    "custom_tool_call": ("input", "custom_tool_call_input"),
+}
+
+
+class InputPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: str
+    text: str | None = None
+
+    def checked_text(self, where: str, allowed: tuple[str, ...]) -> str:
+        if self.type not in allowed:
+            taken = ", ".join(allowed)
+            message = f"{where}.type: {self.type!r} parts are not supported here; this server takes {taken}"
+            raise invalid_request(message, param=f"{where}.type", code="unsupported_value")
+        if self.text is None:
+            raise invalid_request(f"{where}.text: a {self.type} part needs its text", param=f"{where}.text")
+        return self.text
+
+
+def parts_text(content: str | list[InputPart], where: str, allowed: tuple[str, ...] = MESSAGE_PARTS) -> str:
+    """A content's text: a string, or its text parts joined (a 400 naming the first of another type)."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.checked_text(f"{where}.{number}", allowed) for number, part in enumerate(content))
+
+
+class InputItem(BaseModel):
+    """One item of `input`; an item without `type` is a message (OpenAI's easy input message)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: str = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[InputPart] | None = None  # message, reasoning
+    call_id: str | None = None  # the calls and their outputs
+    name: str | None = None  # function_call, custom_tool_call
+    arguments: str | None = None  # function_call
+    input: str | None = None  # custom_tool_call
+    output: str | list[InputPart] | None = None  # function_call_output, custom_tool_call_output
+
+    def check(self, where: str) -> None:
+        if self.type not in ITEM_FIELDS:
+            taken = ", ".join(ITEM_FIELDS)
+            message = f"{where}.type: {self.type!r} items are not supported; this server takes {taken}"
+            raise invalid_request(message, param=f"{where}.type", code="unsupported_value")
+        missing = next((name for name in ITEM_FIELDS[self.type] if getattr(self, name) is None), None)
+        if missing is not None:
+            raise invalid_request(
+                f"{where}.{missing}: a {self.type} item needs it", param=f"{where}.{missing}"
+            )
+
+    def chat_message(self, where: str) -> ChatMessage:
+        """The item as a chat message (a reasoning item has none: `reasoning_text`); a custom tool's call
+        is a call whose arguments are its input text."""
+        if self.type in CALL_ITEMS:
+            arguments = self.arguments if self.type == "function_call" else self.input
+            function = CalledFunction(name=self.name, arguments=arguments)
+            call = AssistantToolCall(id=self.call_id, function=function)
+            return ChatMessage(role="assistant", tool_calls=[call])
+        if self.type in ("function_call_output", "custom_tool_call_output"):
+            text = parts_text(self.output, f"{where}.output")
+            return ChatMessage(role="tool", content=text, tool_call_id=self.call_id)
+        return ChatMessage(role=self.role, content=parts_text(self.content, f"{where}.content"))
+
+    def reasoning_text(self, where: str) -> str:
+        return parts_text(self.content or [], f"{where}.content", REASONING_PARTS)
+
+
+def chat_messages(items: list[InputItem]) -> list[ChatMessage]:
+    """The chat messages of `items`, in their order: a call joins the assistant message before
+    it (the Responses API splits one assistant turn into a message and its calls); a reasoning item's text
+    is the next assistant turn's `reasoning_content`."""
+    messages: list[ChatMessage] = []
+    reasoning = ""
+    for index, item in enumerate(items):
+        where = f"input.{index}"
+        item.check(where)
+        if item.type == "reasoning":
+            reasoning += item.reasoning_text(where)
+            continue
+        message = item.chat_message(where)
+        if message.role == "assistant":
+            message.reasoning_content, reasoning = reasoning or None, ""
+        last = messages[-1] if messages else None
+        if item.type in CALL_ITEMS and last is not None and last.role == "assistant":
+            last.tool_calls = [*(last.tool_calls or []), *message.tool_calls]
+            last.reasoning_content = last.reasoning_content or message.reasoning_content
+        else:
+            messages.append(message)
+    return messages
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    def response_format(self) -> ResponseFormat:
+        """The chat request's `response_format`; a json_schema format needs a valid schema."""
+        if self.type != "json_schema":
+            return ResponseFormat(type=self.type)
+        if self.json_schema is None:
+            message = "text.format.schema: a json_schema format needs a schema"
+            raise invalid_request(message, param="text.format.schema")
+        check_json_schema(self.json_schema, "text.format.schema")
+        fields = {"name": self.name, "description": self.description, "strict": self.strict}
+        return ResponseFormat(
+            type="json_schema", json_schema=JsonSchemaFormat(**fields, schema=self.json_schema)
+        )
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    effort: str | None = None
+    summary: str | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """`/v1/responses`' body."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None  # any name: the served model answers, as in llama-server
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None  # llama-server's and vLLM's
+    stream: Switch = False
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None  # an effort turns thinking on or off; no levels
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: bool | None = None  # taken; nothing is stored
+    include: list[str] | None = None
+    chat_template_kwargs: dict[str, TemplateValue] | None = None  # llama-server's
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    background: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    top_logprobs: int | None = None
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The chat completion request this one asks for."""
+        self._check_served()
+        tools = chat_tools(self.tools or [])
+        text_format = self.text.format if self.text is not None else None
+        return AgentChatRequest(
+            messages=self._messages(),
+            tools=tools.tools or None,
+            freeform=tools.freeform,
+            tool_choice=chat_tool_choice(self.tool_choice, tools),
+            parallel_tool_calls=self.parallel_tool_calls,
+            response_format=None if text_format is None else text_format.response_format(),
+            max_tokens=self.max_output_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stream=self.stream,
+            chat_template_kwargs=self._template_variables(),
+        )
+
+    def _check_served(self) -> None:
+        for name, (neutral, why) in REFUSED_FIELDS.items():
+            if not neutral(getattr(self, name)):
+                raise invalid_request(f"{name}: {why}", param=name, code="unsupported_parameter")
+        if LOGPROBS_INCLUDE in (self.include or []):
+            message = f"include: {LOGPROBS_INCLUDE!r}: logprobs are served by /v1/chat/completions only"
+            raise invalid_request(message, param="include", code="unsupported_value")
+
+    def _messages(self) -> list[ChatMessage]:
+        system = [] if self.instructions is None else [ChatMessage(role="system", content=self.instructions)]
+        if isinstance(self.input, str):
+            return [*system, ChatMessage(role="user", content=self.input)]
+        if not self.input:
+            raise invalid_request("input: needs at least one item", param="input")
+        return [*system, *chat_messages(self.input)]
+
+    def _template_variables(self) -> dict[str, TemplateValue] | None:
+        """`chat_template_kwargs`, with `thinking` (Kimi's templates open the think block with it) from
+        `reasoning.effort` unless given there: on for any effort but `none` (Kimi's thinking has no
+        levels)."""
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        if effort is None:
+            return self.chat_template_kwargs
+        return {"thinking": effort != "none", **(self.chat_template_kwargs or {})}
+
+    def custom_tool_names(self) -> frozenset[str]:
+        return frozenset(tool.name for tool in self.tools or [] if tool.type == "custom")
+
+    def echoed(self) -> dict[str, Any]:
+        """The request's settings as a response object repeats them."""
+        text_format = (
+            self.text.format if self.text is not None and self.text.format else TextFormat(type="text")
+        )
+        choice = self.tool_choice
+        if isinstance(choice, NamedChoice):
+            choice = choice.model_dump(exclude_none=True)
+        return {
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "metadata": self.metadata or {},
+            "parallel_tool_calls": self.parallel_tool_calls is not False,
+            "previous_response_id": None,
+            "reasoning": None if self.reasoning is None else self.reasoning.model_dump(),
+            "store": False,  # nothing is stored
+            "temperature": self.temperature,
+            "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True)},
+            "tool_choice": choice or "auto",
+            "tools": [tool.echoed() for tool in self.tools or []],
+            "top_p": self.top_p,
+            "truncation": "disabled",
+            "user": self.user,
+        }
+
+
+class StreamedError(APIError):
+    """An error of a response: OpenAI's error object, or, in a stream that started, an `error` event."""
+
+    sequence_number = 0
+
+    def sse(self) -> str:
+        fields = {"code": self.code or self.type, "message": self.message, "param": self.param}
+        return named_event({"type": "error", **fields, "sequence_number": self.sequence_number})
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _text_item(kind: str) -> dict[str, Any]:
+    """An open output item holding text: `reasoning` or an assistant `message`."""
+    if kind == "reasoning":
+        return {
+            "id": _new_id("rs"),
+            "type": "reasoning",
+            "summary": [],
+            "content": [],
+            "status": "in_progress",
+        }
+    return {
+        "id": _new_id("msg"),
+        "type": "message",
+        "role": "assistant",
+        "content": [],
+        "status": "in_progress",
+    }
+
+
+def _part(kind: str, text: str) -> dict[str, Any]:
+    if kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _call_item(call: ToolCall, custom: bool) -> dict[str, Any]:
+    """An open call item: a `function_call`, or a `custom_tool_call` whose `input` is the call's text."""
+    fields = {"call_id": call.id, "name": call.name, "status": "in_progress"}
+    if custom:
+        return {"id": _new_id("ctc"), "type": "custom_tool_call", **fields, "input": ""}
+    return {"id": _new_id("fc"), "type": "function_call", **fields, "arguments": ""}
+
+
+class ResponseShapes:
+    """The Responses API shapes of one answer (`app.Stream` sends them): its events as it streams, framed
+    here (`event:` and `data:` lines), or the whole response object. Both build the output items the
+    same way (the whole answer is taken as one piece)."""
+
+    done_line = ""  # the stream ends with `response.completed` or `response.incomplete`
+    index = 0  # the one choice
+
+    def __init__(self, job: Job, request: ResponsesRequest, model: str, count: Callable[[str], int]) -> None:
+        self.job = job
+        self.request = request
+        self.model = model
+        self.count = count  # tokens of a text, for the reasoning tokens of `usage`
+        self.id = _new_id("resp")
+        self.created_at = int(time.time())
+        self._sequence = itertools.count()
+        self._items: list[dict[str, Any]] = []  # output items; the last one is open while `_open` names it
+        self._open: str | None = None  # "reasoning", "message" or "call:N"
+        self._custom = request.custom_tool_names()  # the tools whose calls are `custom_tool_call` items
+
+    def first(self) -> str:
+        response = self._response("in_progress")
+        return self._event("response.created", response=response) + self._event(
+            "response.in_progress", response=response
+        )
+
+    def piece(self, piece: Piece) -> str:
+        events = []
+        if piece.reasoning:
+            events += self._text("reasoning", piece.reasoning)
+        if piece.content:
+            events += self._text("message", piece.content)
+        for call in piece.tool_calls:
+            if call.id:
+                events += self._into(f"call:{call.index}", _call_item(call, call.name in self._custom))
+            if call.arguments:
+                item = self._items[-1]
+                text, delta = CALL_TEXT[item["type"]]
+                item[text] += call.arguments
+                events.append(self._event(f"response.{delta}.delta", **self._at(), delta=call.arguments))
+        return "".join(events)
+
+    def last(self, reason: str) -> str:
+        status = self._status(reason)
+        events = self._close(status)
+        return "".join(events) + self._event(f"response.{status}", response=self._response(status))
+
+    def whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
+        self.piece(total)  # builds the output items; its events are not sent
+        status = self._status(reason)
+        self._close(status)
+        return self._response(status)
+
+    def whole(
+        self, choices: list[dict[str, Any]], usage: dict[str, Any], timings: dict[str, float]
+    ) -> dict[str, Any]:
+        del usage, timings  # the response's usage is the job's (`_usage`); it has no timings
+        return choices[0]
+
+    def error(self, error: APIError) -> StreamedError:
+        streamed = StreamedError(
+            error.status, error.message, type=error.type, param=error.param, code=error.code
+        )
+        streamed.sequence_number = next(self._sequence)
+        return streamed
+
+    @staticmethod
+    def _status(reason: str) -> str:
+        return "incomplete" if reason == "length" else "completed"
+
+    def _response(self, status: str) -> dict[str, Any]:
+        finished = status != "in_progress"
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "model": self.model,
+            "output": self._items if finished else [],
+            **self.request.echoed(),
+            "usage": self._usage() if finished else None,
+        }
+
+    def _usage(self) -> dict[str, Any]:
+        """The prompt's tokens (of which `cached_tokens` were restored from the prompt cache) and the
+        answer's (of which `reasoning_tokens` are its reasoning text's, as the tokenizer encodes it)."""
+        prompt, output = len(self.job.prompt_tokens), self.job.logic.completion_tokens
+        reasoning = "".join(
+            part["text"] for item in self._items if item["type"] == "reasoning" for part in item["content"]
+        )
+        return {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": self.job.cached_tokens},
+            "output_tokens": output,
+            "output_tokens_details": {
+                "reasoning_tokens": min(self.count(reasoning), output) if reasoning else 0
+            },
+            "total_tokens": prompt + output,
+        }
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        return named_event({"type": kind, "sequence_number": next(self._sequence), **fields})
+
+    def _at(self) -> dict[str, Any]:
+        """Where the open item is: its id and index."""
+        return {"item_id": self._items[-1]["id"], "output_index": len(self._items) - 1}
+
+    def _text(self, kind: str, text: str) -> list[str]:
+        """Events adding `text` to the open `kind` item (opened here, with its content part, if need be)."""
+        events = []
+        if self._open != kind:
+            events += self._into(kind, _text_item(kind))
+            self._items[-1]["content"].append(_part(kind, ""))
+            events.append(
+                self._event(
+                    "response.content_part.added", **self._at(), content_index=0, part=_part(kind, "")
+                )
+            )
+        self._items[-1]["content"][0]["text"] += text
+        delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        logprobs = {} if kind == "reasoning" else {"logprobs": []}
+        events.append(self._event(delta, **self._at(), content_index=0, delta=text, **logprobs))
+        return events
+
+    def _into(self, kind: str, item: dict[str, Any]) -> list[str]:
+        """Events that make `item` (of `kind`) the open item: the open one's closing and the new one's
+        `output_item.added`."""
+        events = self._close("completed")
+        self._items.append(item)
+        self._open = kind
+        events.append(self._event("response.output_item.added", output_index=len(self._items) - 1, item=item))
+        return events
+
+    def _close(self, status: str) -> list[str]:
+        """Events that close the open item, which ends with `status`."""
+        if self._open is None:
+            return []
+        item, at, events = self._items[-1], self._at(), []
+        if item["type"] in CALL_TEXT:
+            text, delta = CALL_TEXT[item["type"]]
+            events.append(self._event(f"response.{delta}.done", **at, **{text: item[text]}))
+        else:
+            part = item["content"][0]
+            kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
+            logprobs = {} if item["type"] == "reasoning" else {"logprobs": []}
+            events.append(
+                self._event(f"response.{kind}.done", **at, content_index=0, text=part["text"], **logprobs)
+            )
+            events.append(self._event("response.content_part.done", **at, content_index=0, part=part))
+        item["status"] = status
+        self._open = None
+        events.append(self._event("response.output_item.done", output_index=at["output_index"], item=item))
+        return events
+
+
+class ResponsesEndpoints:
+    def __init__(self, api: Endpoints) -> None:
+        self.api = api
+
+    async def create(self, request: Request) -> Response:
+        body = await parse_body(request, ResponsesRequest)
+        chat = body.chat_request()
+        served = self.api.served
+
+        def count(text: str) -> int:
+            return len(served.tokenizer.encode_plain(text))
+
+        def shapes(jobs: list[Job]) -> list[ResponseShapes]:
+            return [ResponseShapes(jobs[0], body, served.name, count)]
+
+        try:
+            return await self.api.answer_chat(request, chat, shapes)
+        except APIError as error:
+            if error.param == "messages":  # the chat request's whole prompt (past the context) is `input`
+                error.param = "input"
+            raise
+
+
+def responses_router(api: Endpoints) -> APIRouter:
+    router = APIRouter()
+    router.post("/v1/responses")(ResponsesEndpoints(api).create)
+    return router

@@ -1,0 +1,342 @@
+"""OpenAI's Responses API (`/v1/responses`), driven by the real `openai` client's `client.responses`
+against the server on 127.0.0.1, answered as the same conversation sent to `/v1/chat/completions` is: a
+tiny random Kimi-K3 GGUF carrying Kimi-K2's tool template and `<think>` tokens, with a prompt cache.
+Random weights never choose to call a tool, so calls are forced with `tool_choice` (constrained
+decoding)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from k3stream.engine.loading import load_runtime
+from k3stream.engine.prompt_cache import MIB, PromptCache
+from k3stream.server.app import ServerConfig, create_app
+from k3stream.server.errors import APIError
+from k3stream.server.guard import GuardConfig
+from k3stream.server.kimi_output import Piece
+from k3stream.server.live import ServerThread
+from k3stream.server.responses import ResponseShapes, ResponsesRequest
+from k3stream.server.runtime import served_from_runtime
+from k3stream.server.scheduler import Job
+from test_server_tools import WEATHER, tool_gguf  # noqa: F401 (tool_gguf: a fixture, the tool-calling chat model)
+
+KEY = "sk-responses"
+TOOL = {"type": "function", "name": "get_weather", "description": "Forecast", "parameters": WEATHER}
+CHAT_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER},
+}
+FORCED = {"type": "function", "name": "get_weather"}
+SYSTEM = "You answer briefly."
+ASK = "What is the weather in Paris?"
+RESULT = '{"forecast": "sunny", "high": 21}'
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def served(tool_gguf):  # noqa: F811
+    served = served_from_runtime(load_runtime(tool_gguf), ctx=2048)
+    served.prompt_cache = PromptCache(served.model, "tiny-responses", 64 * MIB, every=16)
+    yield served
+    served.prompt_cache.close()
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    config = ServerConfig(max_batch=2, guard=GuardConfig(api_key=KEY))
+    thread = ServerThread(create_app(served, config)).start()
+    yield thread
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def respond(client, **fields):
+    """A greedy response to ASK under SYSTEM, with `fields` over those."""
+    request = {"model": "any-name", "instructions": SYSTEM, "input": ASK, "max_output_tokens": 12}
+    return client.responses.create(**{**request, "temperature": 0, **fields})
+
+
+def chat(client, messages=None, **fields):
+    messages = messages or [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK}]
+    request = {"model": "any-name", "max_tokens": 12, "temperature": 0, "messages": messages}
+    return client.chat.completions.create(**{**request, **fields})
+
+
+def post(server, body):
+    return httpx.post(
+        server.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120
+    )
+
+
+def test_a_response_is_answered_as_the_chat_completion_of_the_same_conversation(client, served):
+    response = respond(client)
+    answer = chat(client)
+    choice = answer.choices[0]
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.model == served.name  # whatever name was asked, the served model answers
+    (message,) = response.output
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert [part.type for part in message.content] == ["output_text"]
+    assert response.output_text == choice.message.content != ""
+    assert response.status == {"length": "incomplete", "stop": "completed"}[choice.finish_reason]
+    usage = response.usage
+    assert usage.input_tokens == answer.usage.prompt_tokens
+    assert usage.output_tokens == answer.usage.completion_tokens
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert usage.output_tokens_details.reasoning_tokens == 0
+    items = [
+        {"role": "developer", "content": [{"type": "input_text", "text": SYSTEM}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK}]},
+    ]
+    listed = respond(client, instructions=None, input=items)
+    assert listed.output_text == response.output_text and listed.usage.input_tokens == usage.input_tokens
+
+
+def test_a_stream_is_the_responses_event_sequence_and_adds_up_to_the_whole_response(client, server):
+    whole = respond(client, max_output_tokens=10)
+    events = list(respond(client, max_output_tokens=10, stream=True))
+    kinds = [event.type for event in events]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"} and len(kinds) > 10  # streamed as it grew
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == whole.output_text == chat(client, max_tokens=10).choices[0].message.content
+    assert events[-4].text == text and events[-2].item.content[0].text == text
+    final = events[-1].response
+    assert final.status == whole.status == "incomplete"
+    assert final.incomplete_details.reason == "max_output_tokens" and final.usage.output_tokens == 10
+    assert final.output_text == text and final.usage.input_tokens == whole.usage.input_tokens
+    raw = post(server, {"input": ASK, "max_output_tokens": 3, "stream": True})
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    frames = [frame for frame in raw.text.split("\n\n") if frame]
+    assert all(frame.startswith("event: response.") and "\ndata: {" in frame for frame in frames), frames
+    assert "[DONE]" not in raw.text
+
+
+def test_a_forced_call_is_a_function_call_item_and_streams_its_arguments(client):
+    response = respond(client, max_output_tokens=120, tools=[TOOL], tool_choice=FORCED)
+    assert response.status == "completed"
+    (call,) = response.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.id.startswith("fc_")
+    assert call.call_id == "functions.get_weather:0" and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    events = list(respond(client, max_output_tokens=120, tools=[TOOL], tool_choice=FORCED, stream=True))
+    added = [event.item for event in events if event.type == "response.output_item.added"]
+    assert [(item.type, item.call_id, item.name) for item in added] == [
+        ("function_call", call.call_id, call.name)
+    ]
+    deltas = [event.delta for event in events if event.type == "response.function_call_arguments.delta"]
+    done = next(event for event in events if event.type == "response.function_call_arguments.done")
+    assert len(deltas) > 1 and "".join(deltas) == done.arguments == call.arguments
+    assert (
+        events[-1].type == "response.completed" and events[-1].response.output[0].arguments == call.arguments
+    )
+    request = {"model": "x", "instructions": SYSTEM, "input": ASK, "max_output_tokens": 120, "temperature": 0}
+    with client.responses.stream(**request, tools=[TOOL], tool_choice=FORCED) as stream:  # the SDK's own
+        assert stream.get_final_response().output[0].arguments == call.arguments  # accumulation of events
+
+
+def test_a_tool_round_trip_is_the_chat_conversation_and_reuses_the_first_turns_prompt(client):
+    first = respond(client, max_output_tokens=120, tools=[TOOL], tool_choice=FORCED, instructions=None)
+    call = first.output[0]
+    turn = [
+        {"role": "user", "content": ASK},
+        call,  # the output item as it came (the client sends its fields), as agents send it back
+        {"type": "function_call_output", "call_id": call.call_id, "output": RESULT},
+    ]
+    second = respond(client, instructions=None, input=turn, tools=[TOOL], max_output_tokens=8)
+    chat_call = {
+        "id": call.call_id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    messages = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": None, "tool_calls": [chat_call]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": RESULT},
+    ]
+    answer = chat(client, messages=messages, tools=[CHAT_TOOL], max_tokens=8)
+    assert second.output_text == answer.choices[0].message.content
+    assert second.usage.input_tokens == answer.usage.prompt_tokens
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert (
+        first.usage.input_tokens <= cached < second.usage.input_tokens
+    )  # the first turn came from the cache
+
+
+def test_a_json_schema_format_is_followed(client):
+    schema_format = {"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True}
+    response = respond(client, max_output_tokens=60, text={"format": schema_format})
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), WEATHER)
+    assert response.text.format.type == "json_schema"
+    as_object = respond(client, max_output_tokens=60, text={"format": {"type": "json_object"}})
+    chat_object = chat(client, max_tokens=60, response_format={"type": "json_object"}).choices[0].message
+    assert as_object.output_text == chat_object.content and as_object.output_text.startswith("{")
+
+
+def test_reasoning_is_a_reasoning_item_and_goes_back_to_the_template(client):
+    thinking = {"chat_template_kwargs": {"thinking": True}}
+    response = respond(client, max_output_tokens=6, extra_body=thinking)
+    reasoning = chat(client, max_tokens=6, extra_body=thinking).choices[0].message.reasoning_content
+    (item,) = response.output
+    assert item.type == "reasoning" and item.content[0].type == "reasoning_text"
+    assert item.content[0].text == reasoning != ""
+    assert 0 < response.usage.output_tokens_details.reasoning_tokens <= response.usage.output_tokens
+    by_effort = respond(client, max_output_tokens=6, reasoning={"effort": "high", "summary": "auto"})
+    assert by_effort.output[0].content[0].text == reasoning  # Codex's way to turn thinking on
+    assert [item.type for item in respond(client, reasoning={"effort": "none"}).output] == ["message"]
+    events = list(respond(client, max_output_tokens=6, extra_body=thinking, stream=True))
+    deltas = [event.delta for event in events if event.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == reasoning
+    sent_back = [
+        {"role": "user", "content": ASK},
+        item.model_dump(exclude_none=True),
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    chat_turns = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": "Sunny.", "reasoning_content": reasoning},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    again = respond(client, instructions=None, input=sent_back, max_output_tokens=4)
+    assert again.usage.input_tokens == chat(client, messages=chat_turns, max_tokens=4).usage.prompt_tokens
+
+
+def test_previous_response_id_is_refused_naming_the_field(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        respond(client, previous_response_id="resp_earlier")
+    error = refused.value.body
+    assert error["param"] == "previous_response_id" and "send the whole conversation" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input.0.type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+            "input.0.content.0.type",
+        ),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),
+        ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input.0.output"),
+        ({"input": [{"role": "tool", "content": "hi"}]}, "input.0.role"),
+        ({"input": []}, "input"),
+        ({"tools": [{"type": "namespace"}]}, "tools.0.type"),
+        ({"tools": [{**TOOL, "parameters": {"type": "string"}}]}, "tools.0.parameters"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),
+        ({"text": {"format": {"type": "json_schema", "name": "w"}}}, "text.format.schema"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"background": True}, "background"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"input": "hi " * 2100}, "input"),  # past the context
+    ],
+)
+def test_bad_requests_are_one_openai_error_naming_the_field(server, fields, param):
+    response = post(server, {"input": ASK, **fields})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and "\n" not in error["message"], error
+
+
+def test_store_and_metadata_are_taken_and_repeated_and_nothing_is_stored(client):
+    response = respond(client, store=True, metadata={"task": "t1"}, user="u", max_output_tokens=2)
+    assert response.store is False and response.metadata == {"task": "t1"} and response.user == "u"
+    assert response.previous_response_id is None
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+
+
+def without_ids(items):
+    return [{key: value for key, value in item.items() if key != "id"} for item in items]
+
+
+def test_reasoning_text_and_a_call_the_model_writes_are_three_items_in_order(served):
+    """An answer as Kimi writes it (the think block the prompt opened, text, a tool call), taken token by
+    token by the request's own logic as the scheduler feeds it: three output items, each done before the
+    next is added, whose deltas add up to the whole response's items; an error after them is an `error`
+    event that goes on counting."""
+    body = ResponsesRequest.model_validate(
+        {"input": ASK, "tools": [TOOL], "chat_template_kwargs": {"thinking": True}}
+    )
+    chat_request = body.chat_request()
+    prompt = served.prepare_chat(chat_request)
+    logic = served.new_sequence(chat_request, prompt.tokens, 100, chat=prompt)
+    job = Job(prompt_tokens=prompt.tokens, logic=logic, sink=None)
+    streamed, whole = (ResponseShapes(job, body, served.name, len) for _ in range(2))
+    written = (
+        "Paris, so the forecast.</think>Let me check."
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+        '{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|>'
+    )
+    tokens = [*served.tokenizer.encode(written, allow_special=True, add_bos=False), served.tokenizer.eos_id]
+    total, stream = Piece(), streamed.first()
+    for token in tokens:
+        if piece := logic.accept(token):
+            total.extend(piece)
+            stream += streamed.piece(piece)
+    stream += streamed.last(logic.finish_reason)
+    stream += streamed.error(APIError(500, "the server is shutting down", type="server_error")).sse()
+    events = [
+        json.loads(line.removeprefix("data: ")) for line in stream.splitlines() if line.startswith("data: ")
+    ]
+    assert stream.count("event: ") == len(events)
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    items = [(e["type"], e["output_index"]) for e in events if e["type"].startswith("response.output_item.")]
+    assert items == [(f"response.output_item.{k}", i) for i in range(3) for k in ("added", "done")]
+    response = whole.whole_choice(total, logic.finish_reason)
+    assert events[-2]["type"] == "response.completed"
+    assert without_ids(events[-2]["response"]["output"]) == without_ids(response["output"])
+    ids = [item["id"] for item in events[-2]["response"]["output"]]
+    assert all(event["item_id"] == ids[event["output_index"]] for event in events if "item_id" in event)
+    assert [item["type"] for item in response["output"]] == ["reasoning", "message", "function_call"]
+    reasoning, message, call = response["output"]
+    assert reasoning["content"][0]["text"] == "Paris, so the forecast."
+    assert message["content"][0]["text"] == "Let me check."
+    assert (call["call_id"], call["name"], json.loads(call["arguments"])) == (
+        "functions.get_weather:0",
+        "get_weather",
+        {"city": "Paris", "days": 2},
+    )
+    for kind, index, text in (
+        ("reasoning_text", 0, reasoning["content"][0]["text"]),
+        ("output_text", 1, message["content"][0]["text"]),
+        ("function_call_arguments", 2, call["arguments"]),
+    ):
+        deltas = [
+            e["delta"] for e in events if e["type"] == f"response.{kind}.delta" and e["output_index"] == index
+        ]
+        assert "".join(deltas) == text
+    assert events[-1] == {
+        "type": "error",
+        "code": "server_error",
+        "message": "the server is shutting down",
+        "param": None,
+        "sequence_number": len(events) - 1,
+    }
