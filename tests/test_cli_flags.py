@@ -3,6 +3,8 @@ commands that have them, so a script written for llama.cpp runs with its flags a
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from k3stream.cli import build_parser
@@ -172,3 +174,36 @@ def test_a_cache_dir_that_cannot_be_a_folder_is_the_flags_error(model_path, tmp_
         assert error.startswith(f"k3stream {command}: error: --cache-dir {folder}: ")
         assert error.count("\n") == 1
     assert list(tmp_path.iterdir()) == [taken]
+
+
+def test_serve_takes_llama_servers_model_flag_and_request_defaults():
+    """`llama-server -m MODEL -a NAME --temp T -n N -s S` runs as `k3stream serve` with those flags;
+    `--jinja` and `--metrics` are taken (always so here)."""
+    flags = ["-a", "kimi", "--temp", "0.2", "-n", "5", "-s", "3", "--jinja", "--metrics"]
+    by_flag = _parsed_argv(["serve", "-m", "model.gguf", *flags])
+    assert by_flag == _parsed_argv(["serve", "model.gguf", *flags])
+    assert (by_flag["model"], by_flag["served_model_name"], by_flag["n_predict"]) == ("model.gguf", "kimi", 5)
+    assert _parsed_argv(["serve", "--port", "1"])["model"] is None
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [(["-n", "0"], "--n-predict must be -1"), (["--temp", "-1"], "temperature must be >= 0"),
+     (["--top-p", "2"], "top_p must be in [0, 1]")],
+)  # fmt: skip
+def test_serve_request_defaults_refuse_bad_values_in_one_line(flags, words):
+    from k3stream.commands.serve import request_defaults
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        request_defaults(build_parser(["serve"]).parse_args(["serve", "m.gguf", *flags]))
+
+
+def test_serve_without_a_model_says_how_to_name_it(capsys):
+    from k3stream.cli import main
+
+    assert main(["serve", "--port", "0"]) == 1
+    assert "no model: give it as `k3stream serve MODEL` or `-m MODEL`" in capsys.readouterr().err
+
+
+def _parsed_argv(argv: list[str]) -> dict:
+    return vars(build_parser(argv).parse_args(argv))

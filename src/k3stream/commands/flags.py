@@ -70,11 +70,19 @@ def count(text: str) -> int:
     return value
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model",
-        help="a Kimi-K3 GGUF (any shard), an expert-pack manifest (.json), or demo (the shipped model)",
-    )
+MODEL_HELP = "a Kimi-K3 GGUF (any shard), an expert-pack manifest (.json), or demo (the shipped model)"
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, model_flag: bool = False) -> None:
+    """The model and how it loads; `model_flag`: llama-server's `-m MODEL` names it too (the positional
+    may then be left out)."""
+    if model_flag:
+        parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, help=MODEL_HELP)
+        parser.add_argument(
+            "-m", "--model", dest="model", default=None, help="the model, as llama-server's -m"
+        )
+    else:
+        parser.add_argument("model", help=MODEL_HELP)
     parser.add_argument(
         "--ram-mib",
         type=non_negative,

@@ -22,15 +22,41 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from k3stream.commands.flags import add_cache_arguments, add_model_arguments, add_parallel_arguments
 
-    add_model_arguments(parser)
+    add_model_arguments(parser, model_flag=True)
     add_parallel_arguments(parser)
     add_cache_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
         "--served-model-name",
+        "--alias",
+        "-a",
         default=None,
         help="the `model` clients ask for (default: the GGUF's file name without shard suffix and extension)",
+    )
+    add_request_default_arguments(parser)
+    parser.add_argument(
+        "--chat-template-file",
+        type=Path,
+        default=None,
+        help="a Jinja chat template file rendering every chat request instead of the GGUF's",
+    )
+    parser.add_argument(
+        "--jinja", action="store_true", help="accepted as llama-server takes it: templates are always Jinja"
+    )
+    parser.add_argument(
+        "--metrics", action="store_true", help="accepted as llama-server takes it: /metrics is always served"
+    )
+    parser.add_argument(
+        "--slots",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve GET /slots (--no-slots: llama-server's 501 there; default on)",
+    )
+    parser.add_argument(
+        "--props",
+        action="store_true",
+        help="accept POST /props, as llama-server's --props (default: its 501)",
     )
     parser.add_argument(
         "--ctx",
@@ -78,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help=(
-            "require `Authorization: Bearer KEY` (or `X-Api-Key: KEY`) on every path but /health, "
+            "require `Authorization: Bearer KEY` (or `X-Api-Key: KEY`; several keys comma-separated, as "
+            "llama-server takes them) on every path but /health, "
             f"/v1/health, /models, /v1/models and the chat page (default: ${API_KEY_ENV} if set)"
         ),
     )
@@ -123,14 +150,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_request_default_arguments(parser: argparse.ArgumentParser) -> None:
+    """llama-server's sampling flags: what a request that does not name the field gets (without them,
+    OpenAI's defaults: temperature 1, no top-k, top-p or min-p, no limit but the context)."""
+    parser.add_argument(
+        "--n-predict",
+        "--predict",
+        "-n",
+        type=int,
+        default=None,
+        help="tokens a request that names no max_tokens or n_predict may generate (-1: up to the context)",
+    )
+    parser.add_argument("--temperature", "--temp", type=float, default=1.0, help="default %(default)s")
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables (default %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 disables (default %(default)s)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="0 disables (default %(default)s)")
+    parser.add_argument(
+        "--seed", "-s", type=int, default=None, help="the seed of a request without one (-1: a fresh one)"
+    )
+
+
+def request_defaults(args: argparse.Namespace) -> tuple[Any, int | None]:
+    """The `SamplingParams` a request's absent fields take and the tokens one naming no limit may
+    generate (None: up to the context), from the flags; a bad value is a one-line error naming its flag."""
+    from k3stream.engine.sampling import SamplingParams
+    from k3stream.server.schemas import RANDOM_SEEDS
+
+    if args.n_predict is not None and args.n_predict != -1 and args.n_predict < 1:
+        raise ValueError(f"--n-predict must be -1 (up to the context) or at least 1, got {args.n_predict}")
+    try:
+        defaults = SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            seed=None if args.seed in RANDOM_SEEDS else args.seed,
+        )
+    except ValueError as exc:
+        raise ValueError(f"serve's sampling flags: {exc}") from None
+    return defaults, None if args.n_predict in (None, -1) else args.n_predict
+
+
 def run(args: argparse.Namespace) -> int:
-    from k3stream.commands.flags import cache_from_args
+    from k3stream.commands.flags import cache_from_args, check_input_file
     from k3stream.commands.launch import parallel_runtime
     from k3stream.server.app import ServerConfig, create_app
     from k3stream.server.runtime import served_from_runtime
     from k3stream.server.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_SHARE_TOKENS
     from k3stream.server.while_loading import LoadingReplies
 
+    if args.model is None:
+        raise ValueError("no model: give it as `k3stream serve MODEL` or `-m MODEL`")
+    defaults, n_predict = request_defaults(args)
+    if args.chat_template_file is not None:  # before the model loads (minutes for a real one)
+        check_input_file(args.chat_template_file, "--chat-template-file")
     config = ServerConfig(
         max_batch=args.max_batch,
         max_queue=args.max_queue,
@@ -140,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
         prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk,
         share_tokens=DEFAULT_SHARE_TOKENS if args.cache_share is None else args.cache_share,
         slot_save_path=args.slot_save_path,
+        slots_endpoint=args.slots,
+        props_endpoint=args.props,
     )
     config.check()
     # bound before the model loads (minutes for a real one): a bad --host or --port fails at once, and
@@ -157,7 +232,10 @@ def run(args: argparse.Namespace) -> int:
                 return 0
             chosen = args.prefill_pass  # the pass the memory plan chose (`flags._fitted_plan`)
             config = replace(config, prefill_chunk=chosen.chunk, pass_prompts=chosen.prompts)
-            served = served_from_runtime(runtime, name=args.served_model_name, ctx=args.ctx)
+            served = served_from_runtime(
+                runtime, name=args.served_model_name, ctx=args.ctx, chat_template_file=args.chat_template_file
+            )
+            served.defaults, served.default_n_predict = defaults, n_predict
             served.prompt_cache = cache_from_args(args, runtime.model)
             app = create_app(served, config)
             settle_heap()

@@ -58,7 +58,7 @@ class GuardConfig:
                 "--header-timeout must be above 0 seconds and --timeout-keep-alive at least 0, "
                 f"got {self.header_timeout_s} and {self.keep_alive_s}"
             )
-        if self.api_key is not None and not self.api_key.strip():
+        if self.api_key is not None and not self.api_key.replace(",", "").strip():
             raise ValueError("--api-key must not be empty")
 
 
@@ -102,7 +102,8 @@ class Guard:
     def __init__(self, app: Callable, config: GuardConfig) -> None:
         self.app = app
         self.config = config
-        self._key = config.api_key.encode() if config.api_key else None
+        # llama-server's `--api-key k1,k2`: any of them opens the server
+        self._keys = tuple(key.strip().encode() for key in (config.api_key or "").split(",") if key.strip())
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -126,10 +127,12 @@ class Guard:
                     f"Host header {host!r} is not allowed; start the server with --allowed-hosts to serve it",
                     code="invalid_host",
                 )
-        locked = self._key is not None and needs_api_key(scope["path"])
-        if locked and not hmac.compare_digest(given_key(headers), self._key):
+        if self._keys and needs_api_key(scope["path"]) and not self._key_matches(given_key(headers)):
             return _unauthorized(scope["path"])
         return None
+
+    def _key_matches(self, given: bytes) -> bool:
+        return any([hmac.compare_digest(given, key) for key in self._keys])  # each compared, in constant time
 
     async def _read_body(self, scope: dict, receive: Callable) -> tuple[APIError | None, Callable]:
         """Read the whole body (bounded in size and time); hand the app a receive that replays it."""

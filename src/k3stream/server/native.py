@@ -193,7 +193,7 @@ class NativeResult:
         return {
             "index": self.index,
             "content": content,
-            "tokens": tokens if self.body.return_tokens else [],
+            "tokens": tokens,
             "stop": False,
             "id_slot": self.job.slot,
             "tokens_predicted": self._predicted,
@@ -204,9 +204,12 @@ class NativeResult:
         return {**self._partial("", []), "prompt_progress": event.as_json()}
 
     def piece(self, piece: Piece) -> dict[str, Any]:
+        """A streamed piece: its text and token ids (always, as llama-server streams them), with
+        `timings_per_token` the timings so far."""
         self._content += piece.content
         self._predicted += len(piece.tokens)
-        return {**self._partial(piece.content, piece.tokens), **_probabilities(piece)}
+        timings = {"timings": request_timings([self.job])} if self.body.timings_per_token else {}
+        return {**self._partial(piece.content, piece.tokens), **_probabilities(piece), **timings}
 
     def last(self, reason: str) -> dict[str, Any]:
         del reason  # the job's own finish says more (its stop type and word)
@@ -247,7 +250,7 @@ class NativeResult:
         pieces carried them), then the request's figures."""
         job, logic = self.job, self.job.logic
         return {
-            **self._partial(total.content, total.tokens),
+            **self._partial(total.content, total.tokens if self.body.return_tokens else []),
             "stop": True,
             "model": self.model,
             "tokens_predicted": logic.completion_tokens,

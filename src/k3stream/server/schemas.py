@@ -152,6 +152,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: Switch = False  # vLLM's extension: generate max_tokens even past end-of-sequence
     return_progress: Switch = False  # llama-server's: stream `prompt_progress` chunks during the prefill
+    timings_per_token: Switch = False  # llama-server's: each streamed piece carries `timings` so far
     cache_prompt: Annotated[bool, null_is(True)] = (
         True  # llama-server's: restore the prompt's longest cached prefix
     )
@@ -218,6 +219,12 @@ class SamplingFields(BaseModel):
         if self.n_predict is not None and not named:
             return (None, None) if self.n_predict == -1 else (self.n_predict, "n_predict")
         return self.max_tokens, "max_tokens" if "max_tokens" in self.model_fields_set else None
+
+    def names_limit(self) -> bool:
+        """Whether the request names how many tokens to generate (else the server's `-n` decides, where
+        it has one)."""
+        named = ("max_tokens", "max_completion_tokens", "n_predict")
+        return any(getattr(self, name, None) is not None for name in named if name in self.model_fields_set)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
