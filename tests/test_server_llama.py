@@ -425,6 +425,11 @@ def test_llama_endpoints_need_the_api_key(server, path):
             "messages.2.content",
         ),
         ("/v1/chat/completions", {"messages": [*MESSAGES, {"role": "assistant"}]}, "messages.2.content"),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "reasoning_format": "deepseek-legacy"},
+            "reasoning_format",
+        ),
     ],
 )
 def test_bad_bodies_are_one_line_400s_naming_the_field(server, path, body, param):

@@ -173,7 +173,7 @@ class ServedModel(Runtime):
             tokens=tokens,
             tool_names=tuple(tool.function.name for tool in body.tools or []),
             constraints=tuple(self._constraint(body, in_reasoning) for _ in range(body.n)),
-            reasoning=body.separate_reasoning,
+            reasoning=body.splits_reasoning(),
             in_reasoning=in_reasoning,
         )
 

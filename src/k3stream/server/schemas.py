@@ -421,6 +421,8 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     # sglang's switch: False keeps thinking text in `content`
     separate_reasoning: Annotated[bool, null_is(True)] = True
+    # llama-server's: `none` keeps thinking text in `content` too (`deepseek`, `auto`: split, the default)
+    reasoning_format: Literal["none", "deepseek", "auto"] | None = None
     chat_template_kwargs: dict[str, TemplateValue] | None = None
 
     def check_supported(self) -> None:
@@ -481,6 +483,11 @@ class ChatCompletionRequest(SamplingFields):
                 param="response_format.json_schema",
             )
         check_json_schema(response_format.json_schema.json_schema, "response_format.json_schema.schema")
+
+    def splits_reasoning(self) -> bool:
+        """Whether thinking text goes to `reasoning_content` (sglang's `separate_reasoning`, llama-server's
+        `reasoning_format`)."""
+        return self.separate_reasoning and self.reasoning_format != "none"
 
     def forced_tools(self) -> list[Tool]:
         """The tools one of which the answer must call (empty: no call is forced)."""
