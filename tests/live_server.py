@@ -10,7 +10,10 @@ from k3stream.server.live import ServerThread
 from k3stream.server.runtime import ServedModel
 
 
-def keyed_server(served: ServedModel, api_key: str, **config: Any) -> ServerThread:
-    """A server of `served` requiring `api_key`, with `config`'s `ServerConfig` fields; a `with` block
-    starts and stops it."""
-    return ServerThread(create_app(served, ServerConfig(guard=GuardConfig(api_key=api_key), **config)))
+def keyed_server(
+    served: ServedModel, api_key: str, *, cors_origins: tuple[str, ...] = (), **config: Any
+) -> ServerThread:
+    """A server of `served` requiring `api_key` (and answering `cors_origins`' pages), with `config`'s
+    `ServerConfig` fields; a `with` block starts and stops it."""
+    guard = GuardConfig(api_key=api_key, cors_origins=cors_origins)
+    return ServerThread(create_app(served, ServerConfig(guard=guard, **config)))

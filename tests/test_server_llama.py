@@ -574,3 +574,31 @@ def test_serve_flags_set_what_requests_leave_out_as_llama_servers_do(flagged, se
     assert slots.status_code == 501 and "Start it with `--slots`" in slots.json()["error"]["message"]
     assert post(flagged, "/props", {}, headers=keys[1]).json() == {"success": True}
     assert post(flagged, "/props", {}, headers={"Authorization": "Bearer k1,k2"}).status_code == 401
+
+
+def test_cors_headers_go_to_the_origins_named_and_nowhere_else(served, server):
+    """`--cors-origins` (llama-server's flag) lets the named origins' pages call: preflights are answered
+    without the key (browsers send none), answers and refusals carry the origin; another origin gets
+    no CORS header, and a server without the flag sends none."""
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    with keyed_server(served, KEY, max_batch=1, cors_origins=("http://app.example", "localhost")) as cors:
+        for origin in ("http://app.example", "http://localhost:5173", "http://127.0.0.1:3000"):
+            asked = httpx.options(cors.url + "/v1/chat/completions", headers={"Origin": origin, **preflight})
+            assert asked.status_code == 200 and asked.headers["access-control-allow-origin"] == origin
+            assert "authorization" in asked.headers["access-control-allow-headers"].lower()
+            answer = post(cors, "/tokenize", {"content": "hi"}, headers={**AUTH, "Origin": origin})
+            assert answer.headers["access-control-allow-origin"] == origin
+            assert answer.headers["access-control-allow-credentials"] == "true"
+            refused = post(cors, "/tokenize", {"content": "hi"}, headers={"Origin": origin})
+            assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == origin
+        foreign = {"Origin": "http://evil.example"}
+        asked = httpx.options(cors.url + "/v1/chat/completions", headers={**foreign, **preflight})
+        assert asked.status_code == 400 and "access-control-allow-origin" not in asked.headers
+        answer = post(cors, "/tokenize", {"content": "hi"}, headers={**AUTH, **foreign})
+        assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+    answer = post(server, "/tokenize", {"content": "hi"}, headers={**AUTH, "Origin": "http://app.example"})
+    assert answer.status_code == 200 and not any(h.startswith("access-control") for h in answer.headers)
+    asked = httpx.options(
+        server.url + "/v1/chat/completions", headers={"Origin": "http://app.example", **preflight}
+    )
+    assert asked.status_code == 401 and "access-control-allow-origin" not in asked.headers  # no key

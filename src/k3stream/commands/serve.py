@@ -110,6 +110,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ),
     )
     parser.add_argument(
+        "--cors-origins",
+        default="",
+        help="comma-separated origins whose web pages may call the server (llama-server's flag; localhost: "
+        "pages of this machine; *: any; default: none, no CORS headers)",
+    )
+    parser.add_argument(
         "--allowed-hosts",
         default="",
         help="comma-separated Host names served besides loopback and --host; * allows any",
@@ -321,6 +327,7 @@ def guard_config(args: argparse.Namespace) -> GuardConfig:
         header_timeout_s=args.header_timeout,
         keep_alive_s=args.timeout_keep_alive,
         max_connections=args.max_connections,
+        cors_origins=tuple(origin.strip() for origin in args.cors_origins.split(",") if origin.strip()),
     )
 
 

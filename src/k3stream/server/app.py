@@ -21,12 +21,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from k3stream.engine.prompt_cache import attention_rows_per_token
 from k3stream.server.bodies import parse_body
 from k3stream.server.endpoints_llama import llama_router
 from k3stream.server.errors import APIError, invalid_request, redact_paths, shaped_for
-from k3stream.server.guard import Guard, GuardConfig, HeadAsGet
+from k3stream.server.guard import Guard, GuardConfig, HeadAsGet, cors_options
 from k3stream.server.kimi_output import Piece
 from k3stream.server.messages import messages_router
 from k3stream.server.metrics import ServerMetrics
@@ -206,6 +207,9 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     app.state.guard = config.guard
     app.add_middleware(HeadAsGet)
     app.add_middleware(Guard, config=config.guard)
+    cors = cors_options(config.guard)
+    if cors is not None:  # outside the guard: a preflight carries no key, and refusals are readable
+        app.add_middleware(CORSMiddleware, **cors)
     app.add_middleware(RequestCounter, metrics=metrics)  # outermost: refusals are counted too
     _add_error_handlers(app)
     slots = SlotTable(scheduler.max_batch)

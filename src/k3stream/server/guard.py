@@ -5,7 +5,10 @@
   (`Authorization: Bearer KEY` or `X-Api-Key: KEY`, as llama-server reads them: `given_key`; 401 in
   OpenAI's error shape on OpenAI's paths, llama-server's elsewhere; constant-time compare), a request
   body is read in full before the app sees it, at most `max_body_bytes` (413) and within
-  `body_timeout_s` (408). No CORS headers are ever sent, so browsers refuse cross-origin calls.
+  `body_timeout_s` (408).
+- `cors_options(config)`: Starlette's CORS middleware settings for `--cors-origins` (llama-server's flag):
+  none by default, so browsers refuse cross-origin calls unless the origins are named (`localhost`: pages
+  of this machine, as llama-server reads it; `*`: any).
 - `guarded_h11(header_timeout_s)`: uvicorn's h11 protocol with a deadline for a request's headers,
   from the moment the connection opens or the previous response ends: a connection that sends nothing
   or trickles its headers is closed.
@@ -47,6 +50,7 @@ class GuardConfig:
     header_timeout_s: float = 10.0
     keep_alive_s: float = 5.0
     max_connections: int = 128
+    cors_origins: tuple[str, ...] = ()  # origins whose pages may call (none: no CORS headers at all)
 
     def check(self) -> None:
         if self.max_body_bytes < 1024:
@@ -70,6 +74,26 @@ def allowed_hosts_for(bind_host: str, extra: list[str] | None) -> tuple[str, ...
         hosts.append(bind_host)
     hosts += [host.strip().lower() for host in extra or [] if host.strip()]
     return tuple(dict.fromkeys(hosts))
+
+
+# llama-server's `--cors-origins localhost`: a page served from this machine, on any port
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+
+
+def cors_options(config: GuardConfig) -> dict[str, Any] | None:
+    """Starlette `CORSMiddleware`'s settings for `config.cors_origins`, None where there are none: the
+    origins' pages may send any method and header and their credentials, as llama-server allows them."""
+    if not config.cors_origins:
+        return None
+    named = [origin for origin in config.cors_origins if origin != "localhost"]
+    local = LOCAL_ORIGINS if "localhost" in config.cors_origins else None
+    return {
+        "allow_origins": named,
+        "allow_origin_regex": local,
+        "allow_methods": ["GET", "POST", "DELETE", "OPTIONS"],
+        "allow_headers": ["*"],
+        "allow_credentials": True,
+    }
 
 
 def api_key_from(argument: str | None) -> str | None:
