@@ -602,3 +602,20 @@ def test_cors_headers_go_to_the_origins_named_and_nowhere_else(served, server):
         server.url + "/v1/chat/completions", headers={"Origin": "http://app.example", **preflight}
     )
     assert asked.status_code == 401 and "access-control-allow-origin" not in asked.headers  # no key
+
+
+def test_lora_adapters_answer_as_llama_server_without_adapters(server):
+    """llama-server without `--lora` lists no adapters and takes an empty list; naming an adapter is an
+    invalid id (a request's own `lora` likewise, a 400 naming the field)."""
+    assert httpx.get(server.url + "/lora-adapters", headers=AUTH, timeout=10).json() == []
+    assert post(server, "/lora-adapters", []).json() == {"success": True}
+    for body, words in (([{"id": 0, "scale": 0.5}], "invalid adapter id"), ({"id": 0}, "must be an array")):
+        refused = post(server, "/lora-adapters", body)
+        assert refused.status_code == 400 and words in refused.json()["error"]["message"]
+        assert (
+            refused.json()["error"]["type"] == "invalid_request_error"
+            and "param" not in refused.json()["error"]
+        )
+    asked = post(server, "/completion", {"prompt": "hi", "n_predict": 1, "lora": [{"id": 0, "scale": 1}]})
+    assert asked.status_code == 400 and "lora" in asked.json()["error"]["message"]
+    assert post(server, "/completion", {"prompt": "hi", "n_predict": 1, "lora": []}).status_code == 200

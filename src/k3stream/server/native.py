@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Request, Response
-from pydantic import Field, model_validator
+from pydantic import Field, RootModel, model_validator
 
 from k3stream.server.bodies import parse_body
 from k3stream.server.endpoints_llama import llama_params
@@ -353,6 +353,23 @@ class NativeEndpoints:
     async def rerank(self) -> Response:
         raise not_supported(RERANK_MESSAGE)
 
+    async def lora_adapters(self) -> list[Any]:
+        """llama-server's list of loaded LoRA adapters: none here, as there without `--lora`."""
+        return []
+
+    async def set_lora_adapters(self, request: Request) -> dict[str, Any]:
+        """llama-server's `POST /lora-adapters` with no adapter loaded: an empty list is taken, an entry
+        names an adapter that does not exist (its `invalid adapter id`, a 400 here)."""
+        try:
+            scales = (await parse_body(request, RootModel[Any])).root
+        except APIError as error:
+            raise LlamaError.of(error) from None
+        if not isinstance(scales, list):
+            raise LlamaError.of(invalid_request("Request body must be an array"))
+        if scales:
+            raise LlamaError.of(invalid_request("0: invalid adapter id (this server has no LoRA adapters)"))
+        return {"success": True}
+
 
 def native_router(api: Endpoints) -> APIRouter:
     native = NativeEndpoints(api)
@@ -364,4 +381,6 @@ def native_router(api: Endpoints) -> APIRouter:
         router.post(path)(native.embeddings)
     for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
         router.post(path)(native.rerank)
+    router.get("/lora-adapters")(native.lora_adapters)
+    router.post("/lora-adapters")(native.set_lora_adapters)
     return router
