@@ -244,11 +244,15 @@ def test_metrics_count_tokens_under_llama_servers_names_too(server):
 def test_metrics_have_llama_servers_times_and_throughputs(server):
     """Dashboards written for llama-server divide `llamacpp:tokens_predicted_total` by
     `llamacpp:tokens_predicted_seconds_total` (and the prompt's likewise) and read its throughput
-    gauges and decode count: each moves with a request, and the gauges are those quotients."""
+    gauges, decode count, busy slots per decode and largest pass: each moves with a request, and the
+    throughputs are those quotients."""
     before, _, metrics = _metrics_around(server, "Yet another prompt nobody sent", 6)
     for name in ("llamacpp:prompt_seconds_total", "llamacpp:tokens_predicted_seconds_total"):
         assert metrics[name] > before.get(name, 0.0), name
     assert metrics["llamacpp:n_decode_total"] - before.get("llamacpp:n_decode_total", 0.0) >= 5
+    prompt_tokens = metrics["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"]
+    assert metrics["llamacpp:n_tokens_max"] >= prompt_tokens >= 1  # that prompt's prefill pass, at least
+    assert metrics["llamacpp:n_busy_slots_per_decode"] == 1.0  # one slot: every decode step holds one
     for gauge, tokens, seconds in (
         ("llamacpp:prompt_tokens_seconds", "llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total"),
         (
