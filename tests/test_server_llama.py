@@ -84,6 +84,9 @@ def test_tokenize_with_pieces_and_detokenize_round_trip(server):
 def test_apply_template_is_the_chat_prompt(server, served):
     prompt = post(server, "/apply-template", {"messages": MESSAGES}).json()["prompt"]
     assert prompt == served.chat_template.render(MESSAGES)
+    closed = post(server, "/apply-template", {"messages": MESSAGES, "add_generation_prompt": False})
+    assert closed.json()["prompt"] == served.chat_template.render(MESSAGES, add_generation_prompt=False)
+    assert prompt.startswith(closed.json()["prompt"]) and len(prompt) > len(closed.json()["prompt"])
     ids = post(server, "/tokenize", {"content": prompt, "add_special": False}).json()["tokens"]
     answer = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}).json()
     assert answer["usage"]["prompt_tokens"] == len(ids)

@@ -55,6 +55,9 @@ class ApplyTemplateRequest(BaseModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, TemplateValue] | None = None
+    # llama-server's: False renders the conversation without the assistant's opening (a continued last
+    # assistant message opens it whatever this says, as there)
+    add_generation_prompt: bool = True
 
 
 class LlamaEndpoints:
@@ -102,6 +105,7 @@ class LlamaEndpoints:
             messages.pop()
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
         extras = {**(body.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        extras["add_generation_prompt"] = body.add_generation_prompt or prefill is not None
         return {"prompt": await self._off_loop(self._render, messages, extras) + (prefill or "")}
 
     def _render(self, messages: list[dict[str, Any]], extras: dict[str, Any]) -> str:
