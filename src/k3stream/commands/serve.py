@@ -11,7 +11,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from k3stream.server.guard import API_KEY_ENV, GuardConfig, allowed_hosts_for, api_key_from
+from k3stream.server.guard import (
+    API_KEY_ENV,
+    LLAMA_API_KEY_ENV,
+    GuardConfig,
+    allowed_hosts_for,
+    api_key_from,
+)
 
 if TYPE_CHECKING:
     from k3stream.engine.loading import Runtime
@@ -106,8 +112,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=(
             "require `Authorization: Bearer KEY` (or `X-Api-Key: KEY`; several keys comma-separated, as "
             "llama-server takes them) on every path but /health, "
-            f"/v1/health, /models, /v1/models and the chat page (default: ${API_KEY_ENV} if set)"
+            f"/v1/health, /models, /v1/models and the chat page (default: ${API_KEY_ENV}, else "
+            f"llama-server's ${LLAMA_API_KEY_ENV}, if set)"
         ),
+    )
+    parser.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="a file of API keys, one a line (# comments), as llama-server's; taken with --api-key's",
     )
     parser.add_argument(
         "--cors-origins",
@@ -322,7 +335,7 @@ def guard_config(args: argparse.Namespace) -> GuardConfig:
     """Body limit, API key, allowed Host names and connection limits from the command line."""
     return GuardConfig(
         max_body_bytes=int(args.max_body_mib * (1 << 20)),
-        api_key=api_key_from(args.api_key),
+        api_key=api_key_from(args.api_key, args.api_key_file),
         allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts.split(",")),
         header_timeout_s=args.header_timeout,
         keep_alive_s=args.timeout_keep_alive,

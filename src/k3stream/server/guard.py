@@ -22,6 +22,7 @@ import hmac
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import h11
@@ -37,6 +38,7 @@ from k3stream.server.errors import (
 from k3stream.server.routes import needs_api_key, openai_path
 
 API_KEY_ENV = "K3STREAM_API_KEY"
+LLAMA_API_KEY_ENV = "LLAMA_API_KEY"  # llama-server's
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 MIB = 1 << 20
 
@@ -96,8 +98,23 @@ def cors_options(config: GuardConfig) -> dict[str, Any] | None:
     }
 
 
-def api_key_from(argument: str | None) -> str | None:
-    return argument if argument is not None else os.environ.get(API_KEY_ENV) or None
+def api_key_from(argument: str | None, key_file: Path | None = None) -> str | None:
+    """The keys the server requires, comma-separated: `--api-key`'s and `--api-key-file`'s (one a line,
+    `#` comment lines and blank lines skipped, as llama-server reads it), else `$K3STREAM_API_KEY`'s, else
+    llama-server's `$LLAMA_API_KEY`'s (a server moved from llama-server with its environment stays
+    locked). A key file that cannot be read, or holds a key with a comma, is a one-line error naming it."""
+    keys = [argument] if argument is not None else []
+    if key_file is not None:
+        lines = [line.strip() for line in key_file.read_text(encoding="utf-8").splitlines()]
+        found = [line for line in lines if line and not line.startswith("#")]
+        if any("," in key for key in found):
+            raise ValueError(f"--api-key-file {key_file}: a key holds a comma (keys are one a line)")
+        if not found:
+            raise ValueError(f"--api-key-file {key_file}: no key in it")
+        keys += found
+    if keys:
+        return ",".join(keys)
+    return os.environ.get(API_KEY_ENV) or os.environ.get(LLAMA_API_KEY_ENV) or None
 
 
 def host_name(header: bytes) -> str:
