@@ -207,3 +207,15 @@ def test_serve_without_a_model_says_how_to_name_it(capsys):
 
 def _parsed_argv(argv: list[str]) -> dict:
     return vars(build_parser(argv).parse_args(argv))
+
+
+@pytest.mark.parametrize("command, flags", [("serve", []), ("generate", ["-p", "hi"])])
+def test_ctx_zero_is_the_models_context_as_in_llama_cpp(command, flags, model_path, one_torch_thread):
+    """llama.cpp's `-c 0`: the context the model file gives, where `-c 0` was refused."""
+    from k3stream.commands.flags import runtime_from_args
+    from k3stream.gguf.reader import K3Checkpoint
+
+    argv = [command, str(model_path), "-c", "0", *flags]
+    args = build_parser(argv).parse_args(argv)
+    runtime_from_args(args).close()
+    assert args.ctx == K3Checkpoint.open(model_path).config.context_length > 0

@@ -151,7 +151,7 @@ def add_context_argument(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="tokens a sequence may reach, prompt plus output: the memory plan reserves KV/state and "
-        "prefill buffers for this many (default: the model's context, at most 4096)",
+        "prefill buffers for this many (default: the model's context, at most 4096; 0: the model's)",
     )
 
 
@@ -433,6 +433,8 @@ def runtime_from_args(
     the command read the GGUF already (its tokenizer first)."""
     args.threads = thread_count(args.threads)
     checkpoint, manifest = opened or open_model(args.model, not args.no_stream_experts)  # before torch
+    if getattr(args, "ctx", None) == 0:  # llama.cpp's `-c 0`: the model's own context
+        args.ctx = int(checkpoint.config.context_length)
     if manifest is None:
         _refuse_store_flags(args)
     from k3stream.memlimit import memory_limited

@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-c",
         type=int,
         default=None,
-        help="context per sequence, prompt plus output (default: the model's, at most 4096)",
+        help="context per sequence, prompt plus output (default: the model's, at most 4096; 0: the model's, "
+        "as llama-server's -c 0)",
     )
     parser.add_argument(
         "--max-batch", "--parallel", "-np", type=int, default=16, help="sequences decoded together per step"
