@@ -363,7 +363,7 @@ class Endpoints:
 
     def check_request(self, body: SamplingFields) -> None:
         body.check_supported()
-        body.logit_bias_ids(self.served.vocab_size)
+        body.logit_bias_ids(self.served.vocab_size, self.served.encode_text)
         body.stop_ids(self.served.vocab_size)
         if body.n > self.scheduler.max_batch:
             raise invalid_request(

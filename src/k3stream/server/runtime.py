@@ -75,6 +75,11 @@ class ServedModel(Runtime):
         tokenize a prompt (the client writes the whole prompt, turn delimiters included)."""
         return self.tokenizer.encode(text, allow_special=True)
 
+    def encode_text(self, text: str) -> list[int]:
+        """Plain text's ids, special-token text as text and no BOS, as llama-server tokenizes a logit_bias
+        text."""
+        return self.tokenizer.encode(text, allow_special=False, add_bos=False)
+
     def encode_pieces(self, pieces: list[int | str]) -> list[int]:
         """llama-server's mixed prompt: token ids as they are, each text as `encode_prompt` tokenizes it
         (the BOS token only before a first piece that is text, where the file adds one)."""
@@ -262,7 +267,7 @@ class ServedModel(Runtime):
             repetition_penalty=_given(body.repetition_penalty, defaults.repetition_penalty),
             frequency_penalty=_given(body.frequency_penalty, defaults.frequency_penalty),
             presence_penalty=_given(body.presence_penalty, defaults.presence_penalty),
-            logit_bias=body.logit_bias_ids(self.vocab_size),
+            logit_bias=body.logit_bias_ids(self.vocab_size, self.encode_text),
             max_tokens=max_tokens,
             stop=tuple(body.stop_list()),
             ignore_eos=body.ignore_eos,
