@@ -431,7 +431,7 @@ def test_non_finite_logits_are_never_sampled():
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"logit_bias": {"5": 101}}, "logit_bias.5"),
-        ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"logit_bias": {"five" * 1025: 1}}, "logit_bias"),  # text past 4,096 characters
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"presence_penalty": -3}, "presence_penalty"),
         ({"top_logprobs": 2}, "top_logprobs"),

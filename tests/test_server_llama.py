@@ -458,6 +458,8 @@ def test_answers_carry_llama_server_timings(server):
     )
     assert timings["prompt_ms"] > 0 and timings["predicted_ms"] > 0
     assert timings["predicted_per_second"] == pytest.approx(5 / timings["predicted_ms"] * 1000)
+    assert timings["predicted_per_token_ms"] == pytest.approx(timings["predicted_ms"] / 5)
+    assert timings["prompt_per_token_ms"] == pytest.approx(timings["prompt_ms"] / timings["prompt_n"])
     lines: list = []
     _stream_lines(server, {**body, "n": 1, "stream": True, "stream_options": {"include_usage": True}}, lines)
     last = json.loads([line for _, line in lines if line.startswith("data: {")][-1][6:])
