@@ -464,6 +464,11 @@ def test_answers_carry_llama_server_timings(server):
     _stream_lines(server, {**body, "n": 1, "stream": True, "stream_options": {"include_usage": True}}, lines)
     last = json.loads([line for _, line in lines if line.startswith("data: {")][-1][6:])
     assert last["usage"]["completion_tokens"] == 5 and last["timings"]["predicted_n"] == 5
+    chat = {"messages": MESSAGES, "max_tokens": 4, "ignore_eos": True, "stream": True}
+    chunks = [json.loads(line[6:]) for line in post(server, "/v1/chat/completions", chat).text.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    finish = chunks[-1]  # no usage chunk without include_usage: llama-server's timings are here
+    assert finish["choices"][0]["finish_reason"] == "length" and finish["timings"]["predicted_n"] == 4
 
 
 def test_props_say_which_endpoints_are_on_and_post_props_needs_the_flag(server, served):

@@ -192,7 +192,7 @@ def add_request_default_arguments(parser: argparse.ArgumentParser) -> None:
 
 def request_defaults(args: argparse.Namespace) -> tuple[Any, int | None]:
     """The `SamplingParams` a request's absent fields take and the tokens one naming no limit may
-    generate (None: up to the context), from the flags; a bad value is a one-line error naming its flag."""
+    generate (None: up to the context), from the flags; a bad value is a one-line error naming it."""
     from k3stream.engine.sampling import SamplingParams
     from k3stream.server.schemas import RANDOM_SEEDS
 

@@ -784,6 +784,11 @@ class _ChatChunks(_Chunks):
     def _opening(self) -> dict[str, Any]:
         return {"delta": {"role": "assistant", "content": ""}}
 
+    def last(self, reason: str) -> dict[str, Any]:
+        """The choice's finish chunk, with its `timings`, as llama-server's last chunk carries them (a
+        stream without `include_usage` has no usage chunk to carry them)."""
+        return {**super().last(reason), "timings": request_timings([self.job])}
+
     def _text(self, piece: Piece) -> dict[str, Any]:
         delta: dict[str, Any] = {}
         if piece.content:
