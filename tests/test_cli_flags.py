@@ -219,3 +219,15 @@ def test_ctx_zero_is_the_models_context_as_in_llama_cpp(command, flags, model_pa
     args = build_parser(argv).parse_args(argv)
     runtime_from_args(args).close()
     assert args.ctx == K3Checkpoint.open(model_path).config.context_length > 0
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [("{bad", "not JSON"), ("[1]", "must be a JSON object"), ('{"tools": 1}', "'tools' is set by the server"),
+     ('{"x": [1]}', "'x': a variable must be")],
+)  # fmt: skip
+def test_serve_chat_template_kwargs_must_be_plain_variables(value, words, capsys):
+    argv = ["serve", "m.gguf", "--chat-template-kwargs", value]
+    with pytest.raises(SystemExit):
+        build_parser(argv).parse_args(argv)
+    assert words in capsys.readouterr().err

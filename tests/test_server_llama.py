@@ -546,16 +546,21 @@ def test_streams_carry_token_ids_and_timings_per_token(server):
 @pytest.fixture(scope="module")
 def flagged(model_path, tmp_path_factory):
     """The server `k3stream serve --chat-template-file T --temp 0 -n 3 --seed 11 --no-slots --props
-    --api-key k1,k2` starts: the settings `serve.run` makes of those flags."""
+    --chat-template-kwargs '{"greeting": "Ahoy"}' --api-key k1,k2` starts: the settings `serve.run` makes
+    of those flags."""
     from k3stream.cli import build_parser
     from k3stream.commands.serve import request_defaults
 
     template = tmp_path_factory.mktemp("template") / "plain.jinja"
-    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    template.write_text(
+        "{{ greeting }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    )
     argv = ["serve", str(model_path), "--temp", "0", "-n", "3", "--seed", "11", "--no-slots", "--props"]
+    argv += ["--chat-template-kwargs", '{"greeting": "Ahoy"}']
     args = build_parser(argv).parse_args(argv)
     served = served_from_runtime(load_runtime(model_path), ctx=512, chat_template_file=template)
     served.defaults, served.default_n_predict = request_defaults(args)
+    served.template_kwargs = args.chat_template_kwargs
     settings = {"slots_endpoint": args.slots, "props_endpoint": args.props}
     with keyed_server(served, "k1, k2", max_batch=1, **settings) as thread:
         yield thread
@@ -563,9 +568,9 @@ def flagged(model_path, tmp_path_factory):
 
 
 def test_serve_flags_set_what_requests_leave_out_as_llama_servers_do(flagged, server):
-    """`--temp`, `-n` and `--seed` are what a request without those fields gets (shown in `/props`), a
-    request's own fields still win; `--chat-template-file` renders the chats; `--no-slots` and `--props`
-    switch those endpoints; `--api-key k1,k2` takes either key."""
+    """`--temp`, `-n`, `--seed` and `--chat-template-kwargs` are what a request without those fields gets
+    (shown in `/props`), a request's own fields still win; `--chat-template-file` renders the chats;
+    `--no-slots` and `--props` switch those endpoints; `--api-key k1,k2` takes either key."""
     keys = [{"Authorization": f"Bearer {key}"} for key in ("k1", "k2")]
     params = httpx.get(flagged.url + "/props", headers=keys[1], timeout=10).json()
     settings = params["default_generation_settings"]["params"]
@@ -583,7 +588,11 @@ def test_serve_flags_set_what_requests_leave_out_as_llama_servers_do(flagged, se
     chat = post(flagged, "/v1/chat/completions", {"messages": MESSAGES}, headers=keys[1]).json()
     assert chat["usage"]["completion_tokens"] <= 3
     prompt = post(flagged, "/apply-template", {"messages": MESSAGES}, headers=keys[0]).json()["prompt"]
-    assert prompt == "<system>Be brief.<user>Hello <b>there</b><assistant>"
+    assert prompt == "Ahoy<system>Be brief.<user>Hello <b>there</b><assistant>"
+    ids = post(flagged, "/tokenize", {"content": prompt}, headers=keys[0]).json()["tokens"]
+    assert chat["usage"]["prompt_tokens"] == len(ids)  # the chat request's prompt is that text
+    own = {"messages": MESSAGES, "chat_template_kwargs": {"greeting": "Hi"}}
+    assert post(flagged, "/apply-template", own, headers=keys[0]).json()["prompt"].startswith("Hi<system>")
     slots = httpx.get(flagged.url + "/slots", headers=keys[0], timeout=10)
     assert slots.status_code == 501 and "Start it with `--slots`" in slots.json()["error"]["message"]
     assert post(flagged, "/props", {}, headers=keys[1]).json() == {"success": True}

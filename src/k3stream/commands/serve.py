@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import signal
 import socket
@@ -46,6 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help="a Jinja chat template file rendering every chat request instead of the GGUF's",
+    )
+    parser.add_argument(
+        "--chat-template-kwargs",
+        type=template_kwargs,
+        default={},
+        metavar="JSON",
+        help="""template variables of every chat request, a JSON object (e.g. '{"thinking": true}'), as """
+        "llama-server's; a request's chat_template_kwargs win",
     )
     parser.add_argument(
         "--jinja", action="store_true", help="accepted as llama-server takes it: templates are always Jinja"
@@ -190,6 +199,27 @@ def add_request_default_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def template_kwargs(text: str) -> dict[str, Any]:
+    """argparse type of `--chat-template-kwargs`: a JSON object of plain values, none of the names the
+    server sets."""
+    from k3stream.server.schemas import RESERVED_TEMPLATE_NAMES
+
+    try:
+        variables = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(variables, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object of template variables")
+    for name, value in variables.items():
+        if name in RESERVED_TEMPLATE_NAMES:
+            raise argparse.ArgumentTypeError(f"{name!r} is set by the server")
+        if not isinstance(value, str | bool | int | float | None):
+            raise argparse.ArgumentTypeError(
+                f"{name!r}: a variable must be a string, number, boolean or null"
+            )
+    return variables
+
+
 def request_defaults(args: argparse.Namespace) -> tuple[Any, int | None]:
     """The `SamplingParams` a request's absent fields take and the tokens one naming no limit may
     generate (None: up to the context), from the flags; a bad value is a one-line error naming it."""
@@ -256,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
                 runtime, name=args.served_model_name, ctx=args.ctx, chat_template_file=args.chat_template_file
             )
             served.defaults, served.default_n_predict = defaults, n_predict
+            served.template_kwargs = args.chat_template_kwargs
             served.prompt_cache = cache_from_args(args, runtime.model)
             app = create_app(served, config)
             settle_heap()

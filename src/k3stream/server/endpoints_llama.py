@@ -104,7 +104,10 @@ class LlamaEndpoints:
         if prefill is not None:
             messages.pop()
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
-        extras = {**(body.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        extras = {
+            **self.served.template_variables(body.chat_template_kwargs),
+            **({"tools": tools} if tools else {}),
+        }
         extras["add_generation_prompt"] = body.add_generation_prompt or prefill is not None
         return {"prompt": await self._off_loop(self._render, messages, extras) + (prefill or "")}
 

@@ -57,6 +57,8 @@ class ServedModel(Runtime):
     # `serve`'s flags); `max_tokens` is unused: `default_n_predict` is llama-server's `-n`
     defaults: SamplingParams = field(default_factory=SamplingParams)
     default_n_predict: int | None = None  # tokens a request that names no limit may generate
+    # template variables of every chat (llama-server's `--chat-template-kwargs`); a request's own win
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.grammars is None:
@@ -169,7 +171,7 @@ class ServedModel(Runtime):
         prefill = assistant_prefill(body.messages)
         if prefill is not None:
             messages.pop()
-        tokens = self.encode_chat(messages, tools or None, body.chat_template_kwargs)
+        tokens = self.encode_chat(messages, tools or None, self.template_variables(body.chat_template_kwargs))
         in_reasoning = self._opens_thinking(tokens)
         if prefill:
             tokens += self.pieces.get(("plain", prefill), self.tokenizer.encode_plain)
@@ -181,6 +183,10 @@ class ServedModel(Runtime):
             reasoning=body.splits_reasoning(),
             in_reasoning=in_reasoning,
         )
+
+    def template_variables(self, asked: dict[str, Any] | None) -> dict[str, Any]:
+        """A request's template variables over the server's (`--chat-template-kwargs`)."""
+        return {**self.template_kwargs, **(asked or {})}
 
     def _opens_thinking(self, tokens: list[int]) -> bool:
         """Whether the prompt ends with the think opening (the template opened the block)."""
