@@ -23,6 +23,8 @@ SPELLINGS = [
       "--system", "Hi"]),
     ("serve", ["-c", "2048", "-np", "4", "-t", "2"], ["--ctx", "2048", "--max-batch", "4", "--threads", "2"]),
     ("serve", ["--parallel", "3", "--ctx-size", "512"], ["--max-batch", "3", "--ctx", "512"]),
+    ("serve", ["--alias", "k3", "--sse-ping-interval", "30", "--predict", "9"],
+     ["--served-model-name", "k3", "--sse-keepalive", "30", "--n-predict", "9"]),
     ("perplexity", ["-f", "text.txt", "-c", "256", "-t", "2"],
      ["--file", "text.txt", "--ctx", "256", "--threads", "2"]),
     ("bench", ["-c", "100", "-t", "1"], ["--ctx", "100", "--threads", "1"]),

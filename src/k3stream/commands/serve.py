@@ -163,6 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--sse-keepalive",
+        "--sse-ping-interval",
         type=float,
         default=15.0,
         help="seconds a stream may stay silent before a `: keep-alive` comment line (default %(default)s)",
