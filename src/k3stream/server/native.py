@@ -1,7 +1,8 @@
 """llama-server's native completion API: `POST /completion` (and `/completions`, as llama-server routes
 it), its request fields and response shapes, on the scheduler and request logic the OpenAI endpoints
 use; and llama-server's answers for what k3stream does not serve: `/infill` (Kimi-K3's vocabulary has
-no fill-in-the-middle tokens), embeddings and reranking. Errors here are llama-server's error object
+no fill-in-the-middle tokens), embeddings, reranking and LoRA adapters (`/lora-adapters`, as without
+`--lora`). Errors here are llama-server's error object
 (`errors.LlamaError`). docs/server-endpoints.md describes each.
 """
 
