@@ -3,6 +3,8 @@ commands that have them, so a script written for llama.cpp runs with its flags a
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from k3stream.cli import build_parser
@@ -21,6 +23,8 @@ SPELLINGS = [
       "--system", "Hi"]),
     ("serve", ["-c", "2048", "-np", "4", "-t", "2"], ["--ctx", "2048", "--max-batch", "4", "--threads", "2"]),
     ("serve", ["--parallel", "3", "--ctx-size", "512"], ["--max-batch", "3", "--ctx", "512"]),
+    ("serve", ["--alias", "k3", "--sse-ping-interval", "30", "--predict", "9"],
+     ["--served-model-name", "k3", "--sse-keepalive", "30", "--n-predict", "9"]),
     ("perplexity", ["-f", "text.txt", "-c", "256", "-t", "2"],
      ["--file", "text.txt", "--ctx", "256", "--threads", "2"]),
     ("bench", ["-c", "100", "-t", "1"], ["--ctx", "100", "--threads", "1"]),
@@ -172,3 +176,60 @@ def test_a_cache_dir_that_cannot_be_a_folder_is_the_flags_error(model_path, tmp_
         assert error.startswith(f"k3stream {command}: error: --cache-dir {folder}: ")
         assert error.count("\n") == 1
     assert list(tmp_path.iterdir()) == [taken]
+
+
+def test_serve_takes_llama_servers_model_flag_and_request_defaults():
+    """`llama-server -m MODEL -a NAME --temp T -n N -s S` runs as `k3stream serve` with those flags;
+    `--jinja` and `--metrics` are taken (always so here)."""
+    flags = ["-a", "kimi", "--temp", "0.2", "-n", "5", "-s", "3", "--jinja", "--metrics"]
+    by_flag = _parsed_argv(["serve", "-m", "model.gguf", *flags])
+    assert by_flag == _parsed_argv(["serve", "model.gguf", *flags])
+    assert (by_flag["model"], by_flag["served_model_name"], by_flag["n_predict"]) == ("model.gguf", "kimi", 5)
+    assert _parsed_argv(["serve", "--port", "1"])["model"] is None
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [(["-n", "0"], "--n-predict must be -1"), (["--temp", "-1"], "temperature must be >= 0"),
+     (["--top-p", "2"], "top_p must be in [0, 1]")],
+)  # fmt: skip
+def test_serve_request_defaults_refuse_bad_values_in_one_line(flags, words):
+    from k3stream.commands.serve import request_defaults
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        request_defaults(build_parser(["serve"]).parse_args(["serve", "m.gguf", *flags]))
+
+
+def test_serve_without_a_model_says_how_to_name_it(capsys):
+    from k3stream.cli import main
+
+    assert main(["serve", "--port", "0"]) == 1
+    assert "no model: give it as `k3stream serve MODEL` or `-m MODEL`" in capsys.readouterr().err
+
+
+def _parsed_argv(argv: list[str]) -> dict:
+    return vars(build_parser(argv).parse_args(argv))
+
+
+@pytest.mark.parametrize("command, flags", [("serve", []), ("generate", ["-p", "hi"])])
+def test_ctx_zero_is_the_models_context_as_in_llama_cpp(command, flags, model_path, one_torch_thread):
+    """llama.cpp's `-c 0`: the context the model file gives, where `-c 0` was refused."""
+    from k3stream.commands.flags import runtime_from_args
+    from k3stream.gguf.reader import K3Checkpoint
+
+    argv = [command, str(model_path), "-c", "0", *flags]
+    args = build_parser(argv).parse_args(argv)
+    runtime_from_args(args).close()
+    assert args.ctx == K3Checkpoint.open(model_path).config.context_length > 0
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [("{bad", "not JSON"), ("[1]", "must be a JSON object"), ('{"tools": 1}', "'tools' is set by the server"),
+     ('{"x": [1]}', "'x': a variable must be")],
+)  # fmt: skip
+def test_serve_chat_template_kwargs_must_be_plain_variables(value, words, capsys):
+    argv = ["serve", "m.gguf", "--chat-template-kwargs", value]
+    with pytest.raises(SystemExit):
+        build_parser(argv).parse_args(argv)
+    assert words in capsys.readouterr().err

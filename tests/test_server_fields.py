@@ -306,11 +306,23 @@ def test_llama_server_list_logit_bias_forces_and_bans(client, engine):
     assert _first_token(client, engine, logit_bias={str(greedy): False}) != greedy
 
 
+def test_logit_bias_text_biases_each_of_its_tokens_as_in_llama_server(client, engine):
+    """llama-server's text keys (`[["text", value]]`, `{"text": value}`): each token of the text's plain
+    tokenization takes the value, as if listed by id."""
+    greedy = _first_token(client, engine)
+    text = engine.tokenizer.decode([greedy])
+    ids = engine.tokenizer.encode(text, allow_special=False, add_bos=False)
+    by_ids = _first_token(client, engine, extra_body={"logit_bias": [[token, False] for token in ids]})
+    assert by_ids not in ids and greedy in ids
+    assert _first_token(client, engine, extra_body={"logit_bias": [[text, False]]}) == by_ids
+    assert _first_token(client, engine, logit_bias={text: -100}) == by_ids
+
+
 @pytest.mark.parametrize(
     "fields, param",
     [
         ({"logit_bias": [[5, True]]}, "logit_bias.0.1"),
-        ({"logit_bias": [["hello", 1]]}, "logit_bias.0.0"),
+        ({"logit_bias": [["x" * 4097, 1]]}, "logit_bias.0"),
         ({"logit_bias": [[600, 1]]}, "logit_bias.0"),
         ({"mirostat": 2}, "mirostat"),
         ({"repeat_penalty": 1.1}, "repeat_penalty"),

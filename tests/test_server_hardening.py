@@ -225,8 +225,26 @@ def test_the_api_key_is_read_as_llama_server_reads_it(keyed):
 def test_api_key_from_the_environment(monkeypatch):
     from k3stream.server.guard import api_key_from
 
+    monkeypatch.delenv("K3STREAM_API_KEY", raising=False)
+    monkeypatch.setenv("LLAMA_API_KEY", "from-llama-env")  # llama-server's, where k3stream's is not set
+    assert api_key_from(None) == "from-llama-env"
     monkeypatch.setenv("K3STREAM_API_KEY", "from-env")
     assert api_key_from(None) == "from-env" and api_key_from("flag") == "flag"
+
+
+def test_api_keys_from_a_key_file_as_llama_server_reads_it(tmp_path):
+    """`--api-key-file`: one key a line, `#` comments and blank lines skipped, taken with `--api-key`'s;
+    a file with no key, or a key with a comma, is a one-line error naming the file."""
+    from k3stream.server.guard import api_key_from
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# team keys\nsk-one\n\n  sk-two  \n")
+    assert api_key_from(None, keys) == "sk-one,sk-two" and api_key_from("sk-0", keys) == "sk-0,sk-one,sk-two"
+    for text, words in (("# none\n\n", "no key in it"), ("sk-a,sk-b\n", "holds a comma")):
+        keys.write_text(text)
+        with pytest.raises(ValueError, match=words) as caught:
+            api_key_from(None, keys)
+        assert str(keys) in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_head_answers_as_get_without_a_body(server):
@@ -413,7 +431,7 @@ def test_non_finite_logits_are_never_sampled():
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"logit_bias": {"5": 101}}, "logit_bias.5"),
-        ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"logit_bias": {"five" * 1025: 1}}, "logit_bias"),  # text past 4,096 characters
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"presence_penalty": -3}, "presence_penalty"),
         ({"top_logprobs": 2}, "top_logprobs"),

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,11 +18,9 @@ import pytest
 
 from conftest import requires_llama
 from k3stream.engine.loading import load_runtime
-from k3stream.server.app import ServerConfig, create_app
-from k3stream.server.guard import GuardConfig
-from k3stream.server.live import ServerThread
 from k3stream.server.routes import LLAMA_ENDPOINTS, PUBLIC_PATHS
 from k3stream.server.runtime import served_from_runtime
+from live_server import keyed_server
 
 KEY = "sk-test-llama"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -41,10 +41,8 @@ def served(model_path):
 
 @pytest.fixture(scope="module")
 def server(served):
-    config = ServerConfig(max_batch=1, guard=GuardConfig(api_key=KEY), sse_keepalive_s=KEEPALIVE_S)
-    thread = ServerThread(create_app(served, config)).start()
-    yield thread
-    thread.stop()
+    with keyed_server(served, KEY, max_batch=1, sse_keepalive_s=KEEPALIVE_S) as thread:
+        yield thread
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +84,9 @@ def test_tokenize_with_pieces_and_detokenize_round_trip(server):
 def test_apply_template_is_the_chat_prompt(server, served):
     prompt = post(server, "/apply-template", {"messages": MESSAGES}).json()["prompt"]
     assert prompt == served.chat_template.render(MESSAGES)
+    closed = post(server, "/apply-template", {"messages": MESSAGES, "add_generation_prompt": False})
+    assert closed.json()["prompt"] == served.chat_template.render(MESSAGES, add_generation_prompt=False)
+    assert prompt.startswith(closed.json()["prompt"]) and len(prompt) > len(closed.json()["prompt"])
     ids = post(server, "/tokenize", {"content": prompt, "add_special": False}).json()["tokens"]
     answer = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}).json()
     assert answer["usage"]["prompt_tokens"] == len(ids)
@@ -208,9 +209,7 @@ def test_slots_show_the_prompt_and_generated_text_under_llama_servers_debug_swit
     ids as text, special tokens written out) and the text generated so far; once the request ends, the
     slot keeps both, the generated text the whole response."""
     monkeypatch.setenv("LLAMA_SERVER_SLOTS_DEBUG", "1")
-    config = ServerConfig(max_batch=1, guard=GuardConfig(api_key=KEY))
-    debug = ServerThread(create_app(served, config)).start()
-    try:
+    with keyed_server(served, KEY, max_batch=1) as debug:
         body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
         replies: list = []
         runner = threading.Thread(target=lambda: replies.append(post(debug, "/v1/completions", body)))
@@ -219,8 +218,6 @@ def test_slots_show_the_prompt_and_generated_text_under_llama_servers_debug_swit
         runner.join(120)
         text = replies[0].json()["choices"][0]["text"]
         (last,) = _poll_slots(debug, lambda s: not s[0]["is_processing"] and "generated" in s[0])
-    finally:
-        debug.stop()
     prompt = served.tokenizer.decode(served.encode_prompt("Once upon a time"))
     assert slot["prompt"] == last["prompt"] == prompt and prompt.endswith("Once upon a time")
     assert slot["generated"] and text.startswith(slot["generated"]) and len(slot["generated"]) < len(text)
@@ -239,16 +236,7 @@ def test_the_slots_debug_switch_is_read_as_llama_server_reads_it(monkeypatch, va
 def test_metrics_count_tokens_under_llama_servers_names_too(server):
     """llama-server's dashboards read `llamacpp:prompt_tokens_total` (prompt tokens computed) and
     `llamacpp:tokens_predicted_total`: the same counts as k3stream's own counters, moved by a request."""
-
-    before = metric_values(server)
-    body = {
-        "prompt": "A prompt nobody sent before",
-        "max_tokens": 5,
-        "ignore_eos": True,
-        "cache_prompt": False,
-    }
-    reply = post(server, "/v1/completions", body).json()
-    after = metric_values(server)
+    before, reply, after = _metrics_around(server, "A prompt nobody sent before", 5)
     for llama, own, added in (
         ("llamacpp:prompt_tokens_total", "k3stream_prompt_tokens_total", reply["usage"]["prompt_tokens"]),
         ("llamacpp:tokens_predicted_total", "k3stream_generation_tokens_total", 5),
@@ -259,20 +247,15 @@ def test_metrics_count_tokens_under_llama_servers_names_too(server):
 def test_metrics_have_llama_servers_times_and_throughputs(server):
     """Dashboards written for llama-server divide `llamacpp:tokens_predicted_total` by
     `llamacpp:tokens_predicted_seconds_total` (and the prompt's likewise) and read its throughput
-    gauges and decode count: each moves with a request, and the gauges are those quotients."""
-
-    before = metric_values(server)
-    body = {
-        "prompt": "Yet another prompt nobody sent",
-        "max_tokens": 6,
-        "ignore_eos": True,
-        "cache_prompt": False,
-    }
-    post(server, "/v1/completions", body)
-    metrics = metric_values(server)
+    gauges, decode count, busy slots per decode and largest pass: each moves with a request, and the
+    throughputs are those quotients."""
+    before, _, metrics = _metrics_around(server, "Yet another prompt nobody sent", 6)
     for name in ("llamacpp:prompt_seconds_total", "llamacpp:tokens_predicted_seconds_total"):
         assert metrics[name] > before.get(name, 0.0), name
     assert metrics["llamacpp:n_decode_total"] - before.get("llamacpp:n_decode_total", 0.0) >= 5
+    prompt_tokens = metrics["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"]
+    assert metrics["llamacpp:n_tokens_max"] >= prompt_tokens >= 1  # that prompt's prefill pass, at least
+    assert metrics["llamacpp:n_busy_slots_per_decode"] == 1.0  # one slot: every decode step holds one
     for gauge, tokens, seconds in (
         ("llamacpp:prompt_tokens_seconds", "llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total"),
         (
@@ -284,6 +267,15 @@ def test_metrics_have_llama_servers_times_and_throughputs(server):
         assert metrics[gauge] == pytest.approx(metrics[tokens] / metrics[seconds], rel=1e-6), gauge
 
 
+def _metrics_around(server, prompt: str, tokens: int) -> tuple[dict[str, float], dict, dict[str, float]]:
+    """`/metrics` before and after a completion of `tokens` tokens of `prompt`, computed whole (not
+    restored from the prompt cache), and its answer."""
+    before = metric_values(server)
+    body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "cache_prompt": False}
+    reply = post(server, "/v1/completions", body).json()
+    return before, reply, metric_values(server)
+
+
 def metric_values(server) -> dict[str, float]:
     """Every sample `/metrics` shows, by name."""
     text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text
@@ -291,21 +283,28 @@ def metric_values(server) -> dict[str, float]:
 
 
 def _poll_metrics(server, wanted):
-    for _ in range(3000):  # a bound, not a timing assertion
-        values = metric_values(server)
-        if all(values.get(name) == value for name, value in wanted.items()):
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"/metrics never showed {wanted}: {[values.get(name) for name in wanted]}")
+    def shown(values):
+        return all(values.get(name) == value for name, value in wanted.items())
+
+    _poll(lambda: metric_values(server), shown, f"/metrics showing {wanted}")
 
 
 def _poll_slots(server, condition, query=""):
-    for _ in range(3000):  # a bound, not a timing assertion
-        slots = httpx.get(server.url + "/slots" + query, headers=AUTH, timeout=10).json()
-        if condition(slots):
-            return slots
+    return _poll(
+        lambda: httpx.get(server.url + "/slots" + query, headers=AUTH, timeout=10).json(),
+        condition,
+        "/slots showing the expected sequences",
+    )
+
+
+def _poll(read, done, what):
+    """`read()` until `done` holds of its value (3,000 reads at most: a bound, not a timing assertion)."""
+    for _ in range(3000):
+        value = read()
+        if done(value):
+            return value
         time.sleep(0.005)
-    raise AssertionError(f"/slots never showed the expected sequences: {slots}")
+    raise AssertionError(f"never saw {what}; the last read: {value}")
 
 
 def test_waiting_stream_gets_keep_alive_comments(server, client, served):
@@ -433,6 +432,11 @@ def test_llama_endpoints_need_the_api_key(server, path):
             "messages.2.content",
         ),
         ("/v1/chat/completions", {"messages": [*MESSAGES, {"role": "assistant"}]}, "messages.2.content"),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "reasoning_format": "deepseek-legacy"},
+            "reasoning_format",
+        ),
     ],
 )
 def test_bad_bodies_are_one_line_400s_naming_the_field(server, path, body, param):
@@ -454,7 +458,187 @@ def test_answers_carry_llama_server_timings(server):
     )
     assert timings["prompt_ms"] > 0 and timings["predicted_ms"] > 0
     assert timings["predicted_per_second"] == pytest.approx(5 / timings["predicted_ms"] * 1000)
+    assert timings["predicted_per_token_ms"] == pytest.approx(timings["predicted_ms"] / 5)
+    assert timings["prompt_per_token_ms"] == pytest.approx(timings["prompt_ms"] / timings["prompt_n"])
     lines: list = []
     _stream_lines(server, {**body, "n": 1, "stream": True, "stream_options": {"include_usage": True}}, lines)
     last = json.loads([line for _, line in lines if line.startswith("data: {")][-1][6:])
     assert last["usage"]["completion_tokens"] == 5 and last["timings"]["predicted_n"] == 5
+    chat = {"messages": MESSAGES, "max_tokens": 4, "ignore_eos": True, "stream": True}
+    chunks = [json.loads(line[6:]) for line in post(server, "/v1/chat/completions", chat).text.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    finish = chunks[-1]  # no usage chunk without include_usage: llama-server's timings are here
+    assert finish["choices"][0]["finish_reason"] == "length" and finish["timings"]["predicted_n"] == 4
+
+
+def test_props_say_which_endpoints_are_on_and_post_props_needs_the_flag(server, served):
+    """llama-server's `/props` tells a client which optional endpoints run and the special tokens; `POST
+    /props` is its 501 without `--props`."""
+    props = httpx.get(server.url + "/props", headers=AUTH, timeout=10).json()
+    assert (props["endpoint_slots"], props["endpoint_props"], props["endpoint_metrics"]) == (
+        True,
+        False,
+        True,
+    )
+    assert props["webui"] is True
+    tokenizer = served.tokenizer
+    assert props["bos_token"] == tokenizer.decode([tokenizer.bos_id]) and props["bos_token"]
+    assert props["eos_token"] == tokenizer.decode([tokenizer.eos_id]) and props["eos_token"]
+    refused = post(server, "/props", {})
+    assert refused.status_code == 501
+    assert refused.json() == {
+        "error": {
+            "code": 501,
+            "message": "This server does not support changing global properties. Start it with `--props`",
+            "type": "not_supported_error",
+        }
+    }
+
+
+# llama.cpp's figures of a model file, in a process of its own (as `llama_oracle`: llama.cpp and torch
+# in one process can crash)
+LLAMA_META = """
+import json, sys
+import llama_cpp
+llama = llama_cpp.Llama(sys.argv[1], n_ctx=64, verbose=False)
+model = llama._model
+print(json.dumps({"vocab_type": llama_cpp.LLAMA_VOCAB_TYPE_BPE, "n_vocab": llama.n_vocab(),
+    "n_ctx_train": model.n_ctx_train(), "n_embd": model.n_embd(), "n_params": model.n_params(),
+    "size": model.size()}))
+llama.close()
+"""
+
+
+@requires_llama
+def test_model_cards_carry_llama_servers_meta(server, client, served, model_path):
+    """Clients read the model's training context and size from `/v1/models`' `meta`, as llama-server
+    fills it: the figures llama.cpp reads from the same file."""
+    meta = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["meta"]
+    assert meta == client.models.retrieve(served.name).meta
+    figures = subprocess.run(
+        [sys.executable, "-c", LLAMA_META, str(model_path)], capture_output=True, text=True, check=True
+    )
+    assert meta == json.loads(figures.stdout.strip().splitlines()[-1])
+
+
+def test_streams_carry_token_ids_and_timings_per_token(server):
+    """llama-server streams each piece's token ids (without `return_tokens`), and with
+    `timings_per_token` the timings so far on every piece, on `/completion` and the chat endpoint."""
+    body = {"prompt": "Once upon", "n_predict": 6, "temperature": 0, "ignore_eos": True}
+    whole = post(server, "/completion", {**body, "return_tokens": True}).json()
+    lines: list = []
+    with httpx.stream("POST", server.url + "/completion", json={**body, "stream": True,
+                      "timings_per_token": True}, headers=AUTH, timeout=120) as reply:  # fmt: skip
+        lines = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: ")]
+    pieces = [chunk for chunk in lines if not chunk["stop"]]
+    assert [token for piece in pieces for token in piece["tokens"]] == whole["tokens"]
+    assert all(piece["timings"]["predicted_n"] >= piece["tokens_predicted"] for piece in pieces)
+    assert [piece["tokens_predicted"] for piece in pieces][-1] == 6 and lines[-1]["tokens"] == []
+    plain = post(server, "/completion", {**body, "stream": True}).text
+    assert '"timings"' not in plain.split("\n\n")[0] and '"tokens": []' not in plain.split("\n\n")[0]
+    chat = {"messages": MESSAGES, "max_tokens": 3, "stream": True, "timings_per_token": True}
+    chunks = [json.loads(line[6:]) for line in post(server, "/v1/chat/completions", chat).text.split("\n")
+              if line.startswith("data: {")]  # fmt: skip
+    texts = [chunk for chunk in chunks if chunk["choices"] and chunk["choices"][0]["delta"].get("content")]
+    assert texts and all(chunk["timings"]["prompt_n"] + chunk["timings"]["cache_n"] > 0 for chunk in texts)
+
+
+@pytest.fixture(scope="module")
+def flagged(model_path, tmp_path_factory):
+    """The server `k3stream serve --chat-template-file T --temp 0 -n 3 --seed 11 --no-slots --props
+    --chat-template-kwargs '{"greeting": "Ahoy"}' --api-key k1,k2` starts: the settings `serve.run` makes
+    of those flags."""
+    from k3stream.cli import build_parser
+    from k3stream.commands.serve import request_defaults
+
+    template = tmp_path_factory.mktemp("template") / "plain.jinja"
+    template.write_text(
+        "{{ greeting }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    )
+    argv = ["serve", str(model_path), "--temp", "0", "-n", "3", "--seed", "11", "--no-slots", "--props"]
+    argv += ["--chat-template-kwargs", '{"greeting": "Ahoy"}']
+    args = build_parser(argv).parse_args(argv)
+    served = served_from_runtime(load_runtime(model_path), ctx=512, chat_template_file=template)
+    served.defaults, served.default_n_predict = request_defaults(args)
+    served.template_kwargs = args.chat_template_kwargs
+    settings = {"slots_endpoint": args.slots, "props_endpoint": args.props}
+    with keyed_server(served, "k1, k2", max_batch=1, **settings) as thread:
+        yield thread
+    served.close()
+
+
+def test_serve_flags_set_what_requests_leave_out_as_llama_servers_do(flagged, server):
+    """`--temp`, `-n`, `--seed` and `--chat-template-kwargs` are what a request without those fields gets
+    (shown in `/props`), a request's own fields still win; `--chat-template-file` renders the chats;
+    `--no-slots` and `--props` switch those endpoints; `--api-key k1,k2` takes either key."""
+    keys = [{"Authorization": f"Bearer {key}"} for key in ("k1", "k2")]
+    params = httpx.get(flagged.url + "/props", headers=keys[1], timeout=10).json()
+    settings = params["default_generation_settings"]["params"]
+    assert (settings["temperature"], settings["n_predict"], settings["seed"]) == (0.0, 3, 11)
+    assert params["endpoint_slots"] is False and params["endpoint_props"] is True
+    plain = post(flagged, "/completion", {"prompt": "Once upon"}, headers=keys[0]).json()
+    greedy = {"prompt": "Once upon", "n_predict": 3, "temperature": 0}
+    assert (
+        plain["tokens_predicted"] == 3
+        and plain["content"] == post(server, "/completion", greedy).json()["content"]
+    )
+    assert plain["generation_settings"]["seed"] == 11
+    own = post(flagged, "/completion", {"prompt": "Once upon", "n_predict": 5}, headers=keys[0]).json()
+    assert own["tokens_predicted"] == 5
+    chat = post(flagged, "/v1/chat/completions", {"messages": MESSAGES}, headers=keys[1]).json()
+    assert chat["usage"]["completion_tokens"] <= 3
+    prompt = post(flagged, "/apply-template", {"messages": MESSAGES}, headers=keys[0]).json()["prompt"]
+    assert prompt == "Ahoy<system>Be brief.<user>Hello <b>there</b><assistant>"
+    ids = post(flagged, "/tokenize", {"content": prompt}, headers=keys[0]).json()["tokens"]
+    assert chat["usage"]["prompt_tokens"] == len(ids)  # the chat request's prompt is that text
+    own = {"messages": MESSAGES, "chat_template_kwargs": {"greeting": "Hi"}}
+    assert post(flagged, "/apply-template", own, headers=keys[0]).json()["prompt"].startswith("Hi<system>")
+    slots = httpx.get(flagged.url + "/slots", headers=keys[0], timeout=10)
+    assert slots.status_code == 501 and "Start it with `--slots`" in slots.json()["error"]["message"]
+    assert post(flagged, "/props", {}, headers=keys[1]).json() == {"success": True}
+    assert post(flagged, "/props", {}, headers={"Authorization": "Bearer k1,k2"}).status_code == 401
+
+
+def test_cors_headers_go_to_the_origins_named_and_nowhere_else(served, server):
+    """`--cors-origins` (llama-server's flag) lets the named origins' pages call: preflights are answered
+    without the key (browsers send none), answers and refusals carry the origin; another origin gets
+    no CORS header, and a server without the flag sends none."""
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    with keyed_server(served, KEY, max_batch=1, cors_origins=("http://app.example", "localhost")) as cors:
+        for origin in ("http://app.example", "http://localhost:5173", "http://127.0.0.1:3000"):
+            asked = httpx.options(cors.url + "/v1/chat/completions", headers={"Origin": origin, **preflight})
+            assert asked.status_code == 200 and asked.headers["access-control-allow-origin"] == origin
+            assert "authorization" in asked.headers["access-control-allow-headers"].lower()
+            answer = post(cors, "/tokenize", {"content": "hi"}, headers={**AUTH, "Origin": origin})
+            assert answer.headers["access-control-allow-origin"] == origin
+            assert answer.headers["access-control-allow-credentials"] == "true"
+            refused = post(cors, "/tokenize", {"content": "hi"}, headers={"Origin": origin})
+            assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == origin
+        foreign = {"Origin": "http://evil.example"}
+        asked = httpx.options(cors.url + "/v1/chat/completions", headers={**foreign, **preflight})
+        assert asked.status_code == 400 and "access-control-allow-origin" not in asked.headers
+        answer = post(cors, "/tokenize", {"content": "hi"}, headers={**AUTH, **foreign})
+        assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+    answer = post(server, "/tokenize", {"content": "hi"}, headers={**AUTH, "Origin": "http://app.example"})
+    assert answer.status_code == 200 and not any(h.startswith("access-control") for h in answer.headers)
+    asked = httpx.options(
+        server.url + "/v1/chat/completions", headers={"Origin": "http://app.example", **preflight}
+    )
+    assert asked.status_code == 401 and "access-control-allow-origin" not in asked.headers  # no key
+
+
+def test_lora_adapters_answer_as_llama_server_without_adapters(server):
+    """llama-server without `--lora` lists no adapters and takes an empty list; naming an adapter is an
+    invalid id (a request's own `lora` likewise, a 400 naming the field)."""
+    assert httpx.get(server.url + "/lora-adapters", headers=AUTH, timeout=10).json() == []
+    assert post(server, "/lora-adapters", []).json() == {"success": True}
+    for body, words in (([{"id": 0, "scale": 0.5}], "invalid adapter id"), ({"id": 0}, "must be an array")):
+        refused = post(server, "/lora-adapters", body)
+        assert refused.status_code == 400 and words in refused.json()["error"]["message"]
+        assert (
+            refused.json()["error"]["type"] == "invalid_request_error"
+            and "param" not in refused.json()["error"]
+        )
+    asked = post(server, "/completion", {"prompt": "hi", "n_predict": 1, "lora": [{"id": 0, "scale": 1}]})
+    assert asked.status_code == 400 and "lora" in asked.json()["error"]["message"]
+    assert post(server, "/completion", {"prompt": "hi", "n_predict": 1, "lora": []}).status_code == 200

@@ -505,6 +505,8 @@ def test_reasoning_goes_to_reasoning_content(client):
     reasoning = split.model_extra["reasoning_content"]
     assert reasoning and (split.content or "") == ""
     assert whole.choices[0].message.content.startswith(reasoning)
+    raw = chat(client, temperature=0, max_tokens=16, extra_body={**thinking, "reasoning_format": "none"})
+    assert raw.choices[0].message == whole.choices[0].message  # llama-server's switch does the same
     chunks = stream_chat(client, temperature=0, max_tokens=16, extra_body=thinking)
     streamed = "".join(
         c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices

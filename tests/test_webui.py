@@ -21,9 +21,9 @@ from chat_models import KIMI_TOOL_TEMPLATE, retokenized
 from k3stream import LoadOptions
 from k3stream.engine.loading import load_runtime
 from k3stream.server.app import ServerConfig, create_app
-from k3stream.server.guard import GuardConfig
 from k3stream.server.live import ServerThread
 from k3stream.server.runtime import served_from_runtime
+from live_server import keyed_server
 
 KEY = "sk-test-webui"
 WEATHER = {
@@ -88,10 +88,8 @@ def tool_pack(tool_gguf, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tool_pack):
     served = served_from_runtime(load_runtime(tool_pack, LoadOptions(expert_ram_mib=1)), ctx=2048)
-    config = ServerConfig(max_batch=2, guard=GuardConfig(api_key=KEY))
-    thread = ServerThread(create_app(served, config)).start()
-    yield thread
-    thread.stop()
+    with keyed_server(served, KEY, max_batch=2) as thread:
+        yield thread
     served.close()
 
 

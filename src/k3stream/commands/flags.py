@@ -70,11 +70,19 @@ def count(text: str) -> int:
     return value
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model",
-        help="a Kimi-K3 GGUF (any shard), an expert-pack manifest (.json), or demo (the shipped model)",
-    )
+MODEL_HELP = "a Kimi-K3 GGUF (any shard), an expert-pack manifest (.json), or demo (the shipped model)"
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, model_flag: bool = False) -> None:
+    """The model and how it loads; `model_flag`: llama-server's `-m MODEL` names it too (the positional
+    may then be left out)."""
+    if model_flag:
+        parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, help=MODEL_HELP)
+        parser.add_argument(
+            "-m", "--model", dest="model", default=None, help="the model, as llama-server's -m"
+        )
+    else:
+        parser.add_argument("model", help=MODEL_HELP)
     parser.add_argument(
         "--ram-mib",
         type=non_negative,
@@ -143,7 +151,7 @@ def add_context_argument(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="tokens a sequence may reach, prompt plus output: the memory plan reserves KV/state and "
-        "prefill buffers for this many (default: the model's context, at most 4096)",
+        "prefill buffers for this many (default: the model's context, at most 4096; 0: the model's)",
     )
 
 
@@ -425,6 +433,8 @@ def runtime_from_args(
     the command read the GGUF already (its tokenizer first)."""
     args.threads = thread_count(args.threads)
     checkpoint, manifest = opened or open_model(args.model, not args.no_stream_experts)  # before torch
+    if getattr(args, "ctx", None) == 0:  # llama.cpp's `-c 0`: the model's own context
+        args.ctx = int(checkpoint.config.context_length)
     if manifest is None:
         _refuse_store_flags(args)
     from k3stream.memlimit import memory_limited

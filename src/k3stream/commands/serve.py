@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import signal
 import socket
@@ -11,7 +12,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from k3stream.server.guard import API_KEY_ENV, GuardConfig, allowed_hosts_for, api_key_from
+from k3stream.server.guard import (
+    API_KEY_ENV,
+    LLAMA_API_KEY_ENV,
+    GuardConfig,
+    allowed_hosts_for,
+    api_key_from,
+)
 
 if TYPE_CHECKING:
     from k3stream.engine.loading import Runtime
@@ -22,15 +29,49 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from k3stream.commands.flags import add_cache_arguments, add_model_arguments, add_parallel_arguments
 
-    add_model_arguments(parser)
+    add_model_arguments(parser, model_flag=True)
     add_parallel_arguments(parser)
     add_cache_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
         "--served-model-name",
+        "--alias",
+        "-a",
         default=None,
         help="the `model` clients ask for (default: the GGUF's file name without shard suffix and extension)",
+    )
+    add_request_default_arguments(parser)
+    parser.add_argument(
+        "--chat-template-file",
+        type=Path,
+        default=None,
+        help="a Jinja chat template file rendering every chat request instead of the GGUF's",
+    )
+    parser.add_argument(
+        "--chat-template-kwargs",
+        type=template_kwargs,
+        default={},
+        metavar="JSON",
+        help="""template variables of every chat request, a JSON object (e.g. '{"thinking": true}'), as """
+        "llama-server's; a request's chat_template_kwargs win",
+    )
+    parser.add_argument(
+        "--jinja", action="store_true", help="accepted as llama-server takes it: templates are always Jinja"
+    )
+    parser.add_argument(
+        "--metrics", action="store_true", help="accepted as llama-server takes it: /metrics is always served"
+    )
+    parser.add_argument(
+        "--slots",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve GET /slots (--no-slots: llama-server's 501 there; default on)",
+    )
+    parser.add_argument(
+        "--props",
+        action="store_true",
+        help="accept POST /props, as llama-server's --props (default: its 501)",
     )
     parser.add_argument(
         "--ctx",
@@ -38,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-c",
         type=int,
         default=None,
-        help="context per sequence, prompt plus output (default: the model's, at most 4096)",
+        help="context per sequence, prompt plus output (default: the model's, at most 4096; 0: the model's, "
+        "as llama-server's -c 0)",
     )
     parser.add_argument(
         "--max-batch", "--parallel", "-np", type=int, default=16, help="sequences decoded together per step"
@@ -78,9 +120,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help=(
-            "require `Authorization: Bearer KEY` (or `X-Api-Key: KEY`) on every path but /health, "
-            f"/v1/health, /models, /v1/models and the chat page (default: ${API_KEY_ENV} if set)"
+            "require `Authorization: Bearer KEY` (or `X-Api-Key: KEY`; several keys comma-separated, as "
+            "llama-server takes them) on every path but /health, "
+            f"/v1/health, /models, /v1/models and the chat page (default: ${API_KEY_ENV}, else "
+            f"llama-server's ${LLAMA_API_KEY_ENV}, if set)"
         ),
+    )
+    parser.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="a file of API keys, one a line (# comments), as llama-server's; taken with --api-key's",
+    )
+    parser.add_argument(
+        "--cors-origins",
+        default="",
+        help="comma-separated origins whose web pages may call the server (llama-server's flag; localhost: "
+        "pages of this machine; *: any; default: none, no CORS headers)",
     )
     parser.add_argument(
         "--allowed-hosts",
@@ -107,6 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--sse-keepalive",
+        "--sse-ping-interval",
         type=float,
         default=15.0,
         help="seconds a stream may stay silent before a `: keep-alive` comment line (default %(default)s)",
@@ -123,14 +180,81 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_request_default_arguments(parser: argparse.ArgumentParser) -> None:
+    """llama-server's sampling flags: what a request that does not name the field gets (without them,
+    OpenAI's defaults: temperature 1, no top-k, top-p or min-p, no limit but the context)."""
+    parser.add_argument(
+        "--n-predict",
+        "--predict",
+        "-n",
+        type=int,
+        default=None,
+        help="tokens a request that names no max_tokens or n_predict may generate (-1: up to the context)",
+    )
+    parser.add_argument("--temperature", "--temp", type=float, default=1.0, help="default %(default)s")
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables (default %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 disables (default %(default)s)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="0 disables (default %(default)s)")
+    parser.add_argument(
+        "--seed", "-s", type=int, default=None, help="the seed of a request without one (-1: a fresh one)"
+    )
+
+
+def template_kwargs(text: str) -> dict[str, Any]:
+    """argparse type of `--chat-template-kwargs`: a JSON object of plain values, none of the names the
+    server sets."""
+    from k3stream.server.schemas import RESERVED_TEMPLATE_NAMES
+
+    try:
+        variables = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(variables, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object of template variables")
+    for name, value in variables.items():
+        if name in RESERVED_TEMPLATE_NAMES:
+            raise argparse.ArgumentTypeError(f"{name!r} is set by the server")
+        if not isinstance(value, str | bool | int | float | None):
+            raise argparse.ArgumentTypeError(
+                f"{name!r}: a variable must be a string, number, boolean or null"
+            )
+    return variables
+
+
+def request_defaults(args: argparse.Namespace) -> tuple[Any, int | None]:
+    """The `SamplingParams` a request's absent fields take and the tokens one naming no limit may
+    generate (None: up to the context), from the flags; a bad value is a one-line error naming it."""
+    from k3stream.engine.sampling import SamplingParams
+    from k3stream.server.schemas import RANDOM_SEEDS
+
+    if args.n_predict is not None and args.n_predict != -1 and args.n_predict < 1:
+        raise ValueError(f"--n-predict must be -1 (up to the context) or at least 1, got {args.n_predict}")
+    try:
+        defaults = SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            seed=None if args.seed in RANDOM_SEEDS else args.seed,
+        )
+    except ValueError as exc:
+        raise ValueError(f"serve's sampling flags: {exc}") from None
+    return defaults, None if args.n_predict in (None, -1) else args.n_predict
+
+
 def run(args: argparse.Namespace) -> int:
-    from k3stream.commands.flags import cache_from_args
+    from k3stream.commands.flags import cache_from_args, check_input_file
     from k3stream.commands.launch import parallel_runtime
     from k3stream.server.app import ServerConfig, create_app
     from k3stream.server.runtime import served_from_runtime
     from k3stream.server.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_SHARE_TOKENS
     from k3stream.server.while_loading import LoadingReplies
 
+    if args.model is None:
+        raise ValueError("no model: give it as `k3stream serve MODEL` or `-m MODEL`")
+    defaults, n_predict = request_defaults(args)
+    if args.chat_template_file is not None:  # before the model loads (minutes for a real one)
+        check_input_file(args.chat_template_file, "--chat-template-file")
     config = ServerConfig(
         max_batch=args.max_batch,
         max_queue=args.max_queue,
@@ -140,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
         prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk,
         share_tokens=DEFAULT_SHARE_TOKENS if args.cache_share is None else args.cache_share,
         slot_save_path=args.slot_save_path,
+        slots_endpoint=args.slots,
+        props_endpoint=args.props,
     )
     config.check()
     # bound before the model loads (minutes for a real one): a bad --host or --port fails at once, and
@@ -157,7 +283,11 @@ def run(args: argparse.Namespace) -> int:
                 return 0
             chosen = args.prefill_pass  # the pass the memory plan chose (`flags._fitted_plan`)
             config = replace(config, prefill_chunk=chosen.chunk, pass_prompts=chosen.prompts)
-            served = served_from_runtime(runtime, name=args.served_model_name, ctx=args.ctx)
+            served = served_from_runtime(
+                runtime, name=args.served_model_name, ctx=args.ctx, chat_template_file=args.chat_template_file
+            )
+            served.defaults, served.default_n_predict = defaults, n_predict
+            served.template_kwargs = args.chat_template_kwargs
             served.prompt_cache = cache_from_args(args, runtime.model)
             app = create_app(served, config)
             settle_heap()
@@ -238,11 +368,12 @@ def guard_config(args: argparse.Namespace) -> GuardConfig:
     """Body limit, API key, allowed Host names and connection limits from the command line."""
     return GuardConfig(
         max_body_bytes=int(args.max_body_mib * (1 << 20)),
-        api_key=api_key_from(args.api_key),
+        api_key=api_key_from(args.api_key, args.api_key_file),
         allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts.split(",")),
         header_timeout_s=args.header_timeout,
         keep_alive_s=args.timeout_keep_alive,
         max_connections=args.max_connections,
+        cors_origins=tuple(origin.strip() for origin in args.cors_origins.split(",") if origin.strip()),
     )
 
 

@@ -18,6 +18,7 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -178,16 +179,19 @@ class ChatTemplate:
             raise ValueError(f"{source}: cannot compile the chat template: {exc}") from None
 
     @classmethod
-    def for_tokenizer(cls, tokenizer) -> ChatTemplate:
+    def for_tokenizer(cls, tokenizer, override: Path | None = None) -> ChatTemplate:
         """The file's templates as llama-server chooses them: `tokenizer.chat_template`, with
         `tokenizer.chat_template.tool_use` for requests with tools (for every request when the file has
-        no default one); the built-in Kimi-K3 template when the file has neither."""
+        no default one); the built-in Kimi-K3 template when the file has neither. `override` (llama-server's
+        `--chat-template-file`): that file's template for every request instead."""
         from k3stream.engine.tokenizer import TOOL_USE_TEMPLATE_KEY
 
         specials = {
-            "bos_token": _token_text(tokenizer, tokenizer.bos_id),
-            "eos_token": _token_text(tokenizer, tokenizer.eos_id),
+            "bos_token": token_text(tokenizer, tokenizer.bos_id),
+            "eos_token": token_text(tokenizer, tokenizer.eos_id),
         }
+        if override is not None:
+            return cls(_template_file_text(override), source=str(override), **specials)
         tool_use = None
         if tokenizer.chat_template_tool_use:
             tool_source = f"{tokenizer.source}: {TOOL_USE_TEMPLATE_KEY}"
@@ -241,5 +245,24 @@ def chat_stop_token_ids(tokenizer: Tokenizer, thinking: bool) -> tuple[int, ...]
     return (tokenizer.token_id("<|close|>"),)
 
 
-def _token_text(tokenizer, token_id: int | None) -> str:
+def token_text(tokenizer, token_id: int | None) -> str:
+    """A special token's text (empty where the file has none), as templates and llama-server's `/props`
+    read `bos_token` and `eos_token`."""
     return "" if token_id is None else tokenizer.decode([token_id])
+
+
+# a chat template file larger than this is no template (the largest real ones are tens of KiB)
+MAX_TEMPLATE_FILE_BYTES = 1 << 20
+
+
+def _template_file_text(path: Path) -> str:
+    """The text of a chat template file, or a one-line error naming it."""
+    size = path.stat().st_size  # a missing file: OSError naming it
+    if size > MAX_TEMPLATE_FILE_BYTES:
+        raise ValueError(f"{path}: {size} bytes is too large for a chat template (at most 1 MiB)")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{path}: a chat template must be UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None

@@ -48,6 +48,9 @@ Rows = TypeVar("Rows", torch.Tensor, list[int])
 
 
 class K3Model:
+    # (parameters, bytes) of the GGUF's tensors, set by `load`: llama-server's `n_params` and `size`
+    file_weights: tuple[int, int] = (0, 0)
+
     def __init__(
         self,
         config: K3Config,
@@ -512,6 +515,8 @@ def load(checkpoint: K3Checkpoint, options: LoadOptions | None = None) -> K3Mode
         warm_up(matrix_types, torch.device(options.device))
     model = build(checkpoint.config, checkpoint_tensors(checkpoint), source, options)
     get_profile(options.profile).check(checkpoint)  # sglang's MLA recipe check, after loading
+    tensors = checkpoint.tensors.values()
+    model.file_weights = (sum(math.prod(t.shape) for t in tensors), sum(t.nbytes for t in tensors))
     return model
 
 

@@ -21,12 +21,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from k3stream.engine.prompt_cache import attention_rows_per_token
 from k3stream.server.bodies import parse_body
 from k3stream.server.endpoints_llama import llama_router
 from k3stream.server.errors import APIError, invalid_request, redact_paths, shaped_for
-from k3stream.server.guard import Guard, GuardConfig, HeadAsGet
+from k3stream.server.guard import Guard, GuardConfig, HeadAsGet, cors_options
 from k3stream.server.kimi_output import Piece
 from k3stream.server.messages import messages_router
 from k3stream.server.metrics import ServerMetrics
@@ -106,6 +107,8 @@ class ServerConfig:
     pass_prompts: int = PREFILL_PASS_PROMPTS
     slot_save_path: Path | None = None  # where `/slots/{id}?action=save` writes (None: slot actions off)
     share_tokens: int = DEFAULT_SHARE_TOKENS  # `Scheduler`'s: shared uncached prompt tokens worth a wait
+    slots_endpoint: bool = True  # `GET /slots` (llama-server's `--no-slots`: its 501)
+    props_endpoint: bool = False  # `POST /props` (llama-server's `--props`; without it, its 501)
 
     def check(self) -> None:
         if self.max_batch < 1:
@@ -206,6 +209,9 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     app.state.guard = config.guard
     app.add_middleware(HeadAsGet)
     app.add_middleware(Guard, config=config.guard)
+    cors = cors_options(config.guard)
+    if cors is not None:  # outside the guard: a preflight carries no key, and refusals are readable
+        app.add_middleware(CORSMiddleware, **cors)
     app.add_middleware(RequestCounter, metrics=metrics)  # outermost: refusals are counted too
     _add_error_handlers(app)
     slots = SlotTable(scheduler.max_batch)
@@ -218,11 +224,11 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     app.get("/health")(api.health)
     app.get("/v1/health")(api.health)  # llama-server's alias
     app.get("/metrics")(api.metrics_text)
-    app.include_router(llama_router(served, scheduler, tokenizers))
+    app.include_router(llama_router(served, scheduler, tokenizers, config))
     app.include_router(native_router(api))
     app.include_router(messages_router(api))
     app.include_router(responses_router(api))
-    app.include_router(slots_router(slots, scheduler, served, config.slot_save_path))
+    app.include_router(slots_router(slots, scheduler, served, config))
     if config.webui:
         app.include_router(webui_router())
     return app
@@ -276,6 +282,7 @@ class Endpoints:
             "created": self.served.created,
             "owned_by": "k3stream",
             "max_model_len": self.served.ctx,
+            "meta": self.served.meta(),
         }
 
     async def health(self) -> Response:
@@ -313,9 +320,8 @@ class Endpoints:
         jobs = self.submit_prompts(
             body, [(tokens, None) for tokens in prompts], body.token_limit(), top=body.logprobs
         )
-        stream = self.stream(
-            jobs, _CompletionChunks.for_choices(self.served.name, jobs), body.return_progress
-        )
+        makers = _CompletionChunks.for_choices(self.served.name, jobs, body.timings_per_token)
+        stream = self.stream(jobs, makers, body.return_progress)
         return await stream.respond(request, body.stream, body.include_usage())
 
     async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -326,7 +332,9 @@ class Endpoints:
     async def chat_completions(self, request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
         return await self.answer_chat(
-            request, body, lambda jobs: _ChatChunks.for_choices(self.served.name, jobs)
+            request,
+            body,
+            lambda jobs: _ChatChunks.for_choices(self.served.name, jobs, body.timings_per_token),
         )
 
     async def answer_chat(
@@ -350,7 +358,7 @@ class Endpoints:
 
     def check_request(self, body: SamplingFields) -> None:
         body.check_supported()
-        body.logit_bias_ids(self.served.vocab_size)
+        body.logit_bias_ids(self.served.vocab_size, self.served.encode_text)
         body.stop_ids(self.served.vocab_size)
         if body.n > self.scheduler.max_batch:
             raise invalid_request(
@@ -398,6 +406,8 @@ class Endpoints:
         tokens it asks for (None: up to the context); `top` is the number of top logprobs per token
         (None: no logprobs); `constraint` a completion's grammar (one choice); `queue` and `index` where
         its events go (several prompts of one request share a queue, each its own index)."""
+        if self.served.default_n_predict is not None and not body.names_limit():
+            limit = self.served.default_n_predict  # `serve -n`: cut to the context
         max_tokens = self._token_budget(len(tokens), limit, prompt_param)
         loop, queue = asyncio.get_running_loop(), queue if queue is not None else asyncio.Queue()
         taken = {job.slot for running in self.scheduler.active_jobs() for job in (running, *running.forks)}
@@ -640,13 +650,17 @@ class _Chunks:
         self.index = index  # the choice
         self.id = ident or f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = created or int(time.time())
+        self.timings_per_token = False  # llama-server's: each streamed piece carries `timings` so far
 
     @classmethod
-    def for_choices(cls, model: str, jobs: list[Job]) -> list[_Chunks]:
+    def for_choices(cls, model: str, jobs: list[Job], timings_per_token: bool = False) -> list[_Chunks]:
         """One maker per choice (job), all with the request's id and timestamp."""
         first = cls(model, jobs[0])
         rest = enumerate(jobs[1:], start=1)
-        return [first, *(cls(model, job, index, first.id, first.created) for index, job in rest)]
+        makers = [first, *(cls(model, job, index, first.id, first.created) for index, job in rest)]
+        for maker in makers:
+            maker.timings_per_token = timings_per_token
+        return makers
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -679,7 +693,10 @@ class _Chunks:
         return self._envelope(self.object_chunk, [self._delta_choice(self._opening(), None)])
 
     def piece(self, piece: Piece) -> dict[str, Any]:
-        return self._envelope(self.object_chunk, [self._delta_choice(self._text(piece), None)])
+        chunk = self._envelope(self.object_chunk, [self._delta_choice(self._text(piece), None)])
+        if self.timings_per_token:
+            chunk["timings"] = request_timings([self.job])
+        return chunk
 
     def last(self, reason: str) -> dict[str, Any]:
         return self._envelope(self.object_chunk, [self._delta_choice(self._text(Piece()), reason)])
@@ -748,6 +765,11 @@ class _ChatChunks(_Chunks):
 
     def _opening(self) -> dict[str, Any]:
         return {"delta": {"role": "assistant", "content": ""}}
+
+    def last(self, reason: str) -> dict[str, Any]:
+        """The choice's finish chunk, with its `timings`, as llama-server's last chunk carries them (a
+        stream without `include_usage` has no usage chunk to carry them)."""
+        return {**super().last(reason), "timings": request_timings([self.job])}
 
     def _text(self, piece: Piece) -> dict[str, Any]:
         delta: dict[str, Any] = {}

@@ -1,21 +1,24 @@
 """llama-server's own endpoints, in its shapes: `/tokenize`, `/detokenize`, `/apply-template` and `/props`
-(see docs/server-endpoints.md; `GET /slots` is in `slots`).
+(`GET`, and `POST` under llama-server's `--props`; see docs/server-endpoints.md; `GET /slots` is in
+`slots`).
 """
 
 from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 import k3stream
+from k3stream.engine.chat import token_text
 from k3stream.engine.sampling import SamplingParams
 from k3stream.server.bodies import parse_body
-from k3stream.server.errors import invalid_request
+from k3stream.server.errors import invalid_request, not_supported
 from k3stream.server.runtime import ServedModel
 from k3stream.server.scheduler import Scheduler
 from k3stream.server.schemas import (
@@ -26,6 +29,10 @@ from k3stream.server.schemas import (
     assistant_prefill,
 )
 
+if TYPE_CHECKING:
+    from k3stream.server.app import ServerConfig
+
+PROPS_OFF_MESSAGE = "This server does not support changing global properties. Start it with `--props`"
 # text a /tokenize request may hold (the body limit bounds it too); tokenizing is linear in it
 MAX_TOKENIZE_CHARS = 1 << 20
 
@@ -48,13 +55,19 @@ class ApplyTemplateRequest(BaseModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, TemplateValue] | None = None
+    # llama-server's: False renders the conversation without the assistant's opening (a continued last
+    # assistant message opens it whatever this says, as there)
+    add_generation_prompt: bool = True
 
 
 class LlamaEndpoints:
-    def __init__(self, served: ServedModel, scheduler: Scheduler, tokenizers: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, served: ServedModel, scheduler: Scheduler, tokenizers: ThreadPoolExecutor, config: ServerConfig
+    ) -> None:
         self.served = served
         self.scheduler = scheduler
         self.tokenizers = tokenizers
+        self.config = config
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
         body = await parse_body(request, TokenizeRequest)
@@ -91,7 +104,11 @@ class LlamaEndpoints:
         if prefill is not None:
             messages.pop()
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
-        extras = {**(body.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        extras = {
+            **self.served.template_variables(body.chat_template_kwargs),
+            **({"tools": tools} if tools else {}),
+        }
+        extras["add_generation_prompt"] = body.add_generation_prompt or prefill is not None
         return {"prompt": await self._off_loop(self._render, messages, extras) + (prefill or "")}
 
     def _render(self, messages: list[dict[str, Any]], extras: dict[str, Any]) -> str:
@@ -101,22 +118,36 @@ class LlamaEndpoints:
             raise invalid_request(f"messages: {exc}", param="messages") from None
 
     async def props(self) -> dict[str, Any]:
-        served = self.served
+        served, config, tokenizer = self.served, self.config, self.served.tokenizer
         tool_use = served.chat_template.tool_use
+        n_predict = served.default_n_predict or served.ctx
         return {
             "default_generation_settings": {
                 "n_ctx": served.ctx,
-                "params": llama_params(SamplingParams(max_tokens=served.ctx)),
+                "params": llama_params(replace(served.defaults, max_tokens=n_predict)),
             },
             "total_slots": self.scheduler.max_batch,
-            "model_path": Path(str(served.tokenizer.source)).name,  # the name alone: no paths leave
+            "model_path": Path(str(tokenizer.source)).name,  # the name alone: no paths leave
             "model_alias": served.name,
+            "modalities": {"vision": False, "audio": False},
+            "endpoint_slots": config.slots_endpoint,
+            "endpoint_props": config.props_endpoint,
+            "endpoint_metrics": True,
+            "webui": config.webui,
             "chat_template": served.chat_template.template_text,
             **({"chat_template_tool_use": tool_use.template_text} if tool_use is not None else {}),
-            "modalities": {"vision": False, "audio": False},
+            "bos_token": token_text(tokenizer, tokenizer.bos_id),
+            "eos_token": token_text(tokenizer, tokenizer.eos_id),
             "build_info": f"k3stream {k3stream.__version__}",
             "is_sleeping": False,
         }
+
+    async def change_props(self) -> dict[str, Any]:
+        """llama-server's `POST /props`: under `--props` it takes the request and changes nothing (no
+        property is writable there either), else its 501."""
+        if not self.config.props_endpoint:
+            raise not_supported(PROPS_OFF_MESSAGE)
+        return {"success": True}
 
     async def _off_loop(self, function: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizers, function, *args)
@@ -148,11 +179,14 @@ def _piece(raw: bytes) -> str | list[int]:
         return list(raw)
 
 
-def llama_router(served: ServedModel, scheduler: Scheduler, tokenizers: ThreadPoolExecutor) -> APIRouter:
-    api = LlamaEndpoints(served, scheduler, tokenizers)
+def llama_router(
+    served: ServedModel, scheduler: Scheduler, tokenizers: ThreadPoolExecutor, config: ServerConfig
+) -> APIRouter:
+    api = LlamaEndpoints(served, scheduler, tokenizers, config)
     router = APIRouter()
     router.post("/tokenize")(api.tokenize)
     router.post("/detokenize")(api.detokenize)
     router.post("/apply-template")(api.apply_template)
     router.get("/props")(api.props)
+    router.post("/props")(api.change_props)
     return router

@@ -5,7 +5,10 @@
   (`Authorization: Bearer KEY` or `X-Api-Key: KEY`, as llama-server reads them: `given_key`; 401 in
   OpenAI's error shape on OpenAI's paths, llama-server's elsewhere; constant-time compare), a request
   body is read in full before the app sees it, at most `max_body_bytes` (413) and within
-  `body_timeout_s` (408). No CORS headers are ever sent, so browsers refuse cross-origin calls.
+  `body_timeout_s` (408).
+- `cors_options(config)`: Starlette's CORS middleware settings for `--cors-origins` (llama-server's flag):
+  none by default, so browsers refuse cross-origin calls unless the origins are named (`localhost`: pages
+  of this machine, as llama-server reads it; `*`: any).
 - `guarded_h11(header_timeout_s)`: uvicorn's h11 protocol with a deadline for a request's headers,
   from the moment the connection opens or the previous response ends: a connection that sends nothing
   or trickles its headers is closed.
@@ -19,6 +22,7 @@ import hmac
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import h11
@@ -34,6 +38,7 @@ from k3stream.server.errors import (
 from k3stream.server.routes import needs_api_key, openai_path
 
 API_KEY_ENV = "K3STREAM_API_KEY"
+LLAMA_API_KEY_ENV = "LLAMA_API_KEY"  # llama-server's
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 MIB = 1 << 20
 
@@ -47,6 +52,7 @@ class GuardConfig:
     header_timeout_s: float = 10.0
     keep_alive_s: float = 5.0
     max_connections: int = 128
+    cors_origins: tuple[str, ...] = ()  # origins whose pages may call (none: no CORS headers at all)
 
     def check(self) -> None:
         if self.max_body_bytes < 1024:
@@ -58,7 +64,7 @@ class GuardConfig:
                 "--header-timeout must be above 0 seconds and --timeout-keep-alive at least 0, "
                 f"got {self.header_timeout_s} and {self.keep_alive_s}"
             )
-        if self.api_key is not None and not self.api_key.strip():
+        if self.api_key is not None and not self.api_key.replace(",", "").strip():
             raise ValueError("--api-key must not be empty")
 
 
@@ -72,8 +78,43 @@ def allowed_hosts_for(bind_host: str, extra: list[str] | None) -> tuple[str, ...
     return tuple(dict.fromkeys(hosts))
 
 
-def api_key_from(argument: str | None) -> str | None:
-    return argument if argument is not None else os.environ.get(API_KEY_ENV) or None
+# llama-server's `--cors-origins localhost`: a page served from this machine, on any port
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+
+
+def cors_options(config: GuardConfig) -> dict[str, Any] | None:
+    """Starlette `CORSMiddleware`'s settings for `config.cors_origins`, None where there are none: the
+    origins' pages may send any method and header and their credentials, as llama-server allows them."""
+    if not config.cors_origins:
+        return None
+    named = [origin for origin in config.cors_origins if origin != "localhost"]
+    local = LOCAL_ORIGINS if "localhost" in config.cors_origins else None
+    return {
+        "allow_origins": named,
+        "allow_origin_regex": local,
+        "allow_methods": ["GET", "POST", "DELETE", "OPTIONS"],
+        "allow_headers": ["*"],
+        "allow_credentials": True,
+    }
+
+
+def api_key_from(argument: str | None, key_file: Path | None = None) -> str | None:
+    """The keys the server requires, comma-separated: `--api-key`'s and `--api-key-file`'s (one a line,
+    `#` comment lines and blank lines skipped, as llama-server reads it), else `$K3STREAM_API_KEY`'s, else
+    llama-server's `$LLAMA_API_KEY`'s (a server moved from llama-server with its environment stays
+    locked). A key file that cannot be read, or holds a key with a comma, is a one-line error naming it."""
+    keys = [argument] if argument is not None else []
+    if key_file is not None:
+        lines = [line.strip() for line in key_file.read_text(encoding="utf-8").splitlines()]
+        found = [line for line in lines if line and not line.startswith("#")]
+        if any("," in key for key in found):
+            raise ValueError(f"--api-key-file {key_file}: a key holds a comma (keys are one a line)")
+        if not found:
+            raise ValueError(f"--api-key-file {key_file}: no key in it")
+        keys += found
+    if keys:
+        return ",".join(keys)
+    return os.environ.get(API_KEY_ENV) or os.environ.get(LLAMA_API_KEY_ENV) or None
 
 
 def host_name(header: bytes) -> str:
@@ -102,7 +143,8 @@ class Guard:
     def __init__(self, app: Callable, config: GuardConfig) -> None:
         self.app = app
         self.config = config
-        self._key = config.api_key.encode() if config.api_key else None
+        # llama-server's `--api-key k1,k2`: any of them opens the server
+        self._keys = tuple(key.strip().encode() for key in (config.api_key or "").split(",") if key.strip())
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -126,10 +168,12 @@ class Guard:
                     f"Host header {host!r} is not allowed; start the server with --allowed-hosts to serve it",
                     code="invalid_host",
                 )
-        locked = self._key is not None and needs_api_key(scope["path"])
-        if locked and not hmac.compare_digest(given_key(headers), self._key):
+        if self._keys and needs_api_key(scope["path"]) and not self._key_matches(given_key(headers)):
             return _unauthorized(scope["path"])
         return None
+
+    def _key_matches(self, given: bytes) -> bool:
+        return any([hmac.compare_digest(given, key) for key in self._keys])  # each compared, in constant time
 
     async def _read_body(self, scope: dict, receive: Callable) -> tuple[APIError | None, Callable]:
         """Read the whole body (bounded in size and time); hand the app a receive that replays it."""

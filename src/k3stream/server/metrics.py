@@ -51,6 +51,14 @@ class ServerMetrics:
         self.llama_predicted_rate = Gauge(
             "llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s.", registry=r
         )
+        self.llama_tokens_max = Gauge("llamacpp:n_tokens_max", "Largest observed n_tokens.", registry=r)
+        self.llama_busy_per_decode = Gauge(
+            "llamacpp:n_busy_slots_per_decode",
+            "Average number of busy slots per llama_decode() call",
+            registry=r,
+        )
+        self._tokens_max = 0  # the most tokens one model pass took (a prefill pass or a decode step)
+        self._busy_totals = [0, 0]  # sequences over all decode steps, decode steps
         self._prompt_totals = [0, 0.0]  # prompt tokens computed, seconds
         self._predicted_totals = [0, 0.0]  # tokens generated, sequence-seconds of decoding
         self.time_to_first_token = Histogram(
@@ -84,6 +92,7 @@ class ServerMetrics:
         self.llama_prompt_tokens.inc(computed)
         self.llama_prompt_seconds.inc(seconds)
         _add(self._prompt_totals, computed, seconds, self.llama_prompt_rate)
+        self._note_pass(computed)
 
     def add_generated_token(self) -> None:
         self.generation_tokens.inc()
@@ -95,6 +104,13 @@ class ServerMetrics:
         self.llama_decodes.inc()
         self.llama_predicted_seconds.inc(seconds * sequences)
         _add(self._predicted_totals, 0, seconds * sequences, self.llama_predicted_rate)
+        _add(self._busy_totals, sequences, 1, self.llama_busy_per_decode)
+        self._note_pass(sequences)
+
+    def _note_pass(self, tokens: int) -> None:
+        """A model pass over `tokens` tokens: llama-server's high-water mark of them."""
+        self._tokens_max = max(self._tokens_max, tokens)
+        self.llama_tokens_max.set(self._tokens_max)
 
     def set_waiting(self, waiting: int) -> None:
         """Requests in the queue (no batch slot yet)."""

@@ -1,7 +1,8 @@
 """llama-server's native completion API: `POST /completion` (and `/completions`, as llama-server routes
 it), its request fields and response shapes, on the scheduler and request logic the OpenAI endpoints
 use; and llama-server's answers for what k3stream does not serve: `/infill` (Kimi-K3's vocabulary has
-no fill-in-the-middle tokens), embeddings and reranking. Errors here are llama-server's error object
+no fill-in-the-middle tokens), embeddings, reranking and LoRA adapters (`/lora-adapters`, as without
+`--lora`). Errors here are llama-server's error object
 (`errors.LlamaError`). docs/server-endpoints.md describes each.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Request, Response
-from pydantic import Field, model_validator
+from pydantic import Field, RootModel, model_validator
 
 from k3stream.server.bodies import parse_body
 from k3stream.server.endpoints_llama import llama_params
@@ -188,7 +189,7 @@ class NativeResult:
         return {
             "index": self.index,
             "content": content,
-            "tokens": tokens if self.body.return_tokens else [],
+            "tokens": tokens,
             "stop": False,
             "id_slot": self.job.slot,
             "tokens_predicted": self._predicted,
@@ -199,9 +200,12 @@ class NativeResult:
         return {**self._partial("", []), "prompt_progress": event.as_json()}
 
     def piece(self, piece: Piece) -> dict[str, Any]:
+        """A streamed piece: its text and token ids (always, as llama-server streams them), with
+        `timings_per_token` the timings so far."""
         self._content += piece.content
         self._predicted += len(piece.tokens)
-        return {**self._partial(piece.content, piece.tokens), **_probabilities(piece)}
+        timings = {"timings": request_timings([self.job])} if self.body.timings_per_token else {}
+        return {**self._partial(piece.content, piece.tokens), **_probabilities(piece), **timings}
 
     def last(self, reason: str) -> dict[str, Any]:
         del reason  # the job's own finish says more (its stop type and word)
@@ -242,7 +246,7 @@ class NativeResult:
         pieces carried them), then the request's figures."""
         job, logic = self.job, self.job.logic
         return {
-            **self._partial(total.content, total.tokens),
+            **self._partial(total.content, total.tokens if self.body.return_tokens else []),
             "stop": True,
             "model": self.model,
             "tokens_predicted": logic.completion_tokens,
@@ -343,6 +347,23 @@ class NativeEndpoints:
     async def rerank(self) -> Response:
         raise not_supported(RERANK_MESSAGE)
 
+    async def lora_adapters(self) -> list[Any]:
+        """llama-server's list of loaded LoRA adapters: none here, as there without `--lora`."""
+        return []
+
+    async def set_lora_adapters(self, request: Request) -> dict[str, Any]:
+        """llama-server's `POST /lora-adapters` with no adapter loaded: an empty list is taken, an entry
+        names an adapter that does not exist (its `invalid adapter id`, a 400 here)."""
+        try:
+            scales = (await parse_body(request, RootModel[Any])).root
+        except APIError as error:
+            raise LlamaError.of(error) from None
+        if not isinstance(scales, list):
+            raise LlamaError.of(invalid_request("Request body must be an array"))
+        if scales:
+            raise LlamaError.of(invalid_request("0: invalid adapter id (this server has no LoRA adapters)"))
+        return {"success": True}
+
 
 def native_router(api: Endpoints) -> APIRouter:
     native = NativeEndpoints(api)
@@ -354,4 +375,6 @@ def native_router(api: Endpoints) -> APIRouter:
         router.post(path)(native.embeddings)
     for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
         router.post(path)(native.rerank)
+    router.get("/lora-adapters")(native.lora_adapters)
+    router.post("/lora-adapters")(native.set_lora_adapters)
     return router

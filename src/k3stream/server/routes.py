@@ -17,7 +17,16 @@ NATIVE_ENDPOINTS = (
 )
 # llama-server's own endpoints (`endpoints_llama`, `native`) and the aliases
 LLAMA_ENDPOINTS = frozenset(
-    {"/tokenize", "/detokenize", "/apply-template", "/props", "/slots", *NATIVE_ENDPOINTS, *OPENAI_ALIASES}
+    {
+        "/tokenize",
+        "/detokenize",
+        "/apply-template",
+        "/props",
+        "/slots",
+        "/lora-adapters",
+        *NATIVE_ENDPOINTS,
+        *OPENAI_ALIASES,
+    }
 )
 
 

@@ -60,6 +60,12 @@ class ServedModel(Runtime):
     # the arguments of the tool calls it generated as the model wrote them: a history that sends a call
     # back re-serialised is written with them, so its prompt cache match goes on past the call
     generated_calls: GeneratedCalls = field(default_factory=GeneratedCalls)
+    # what a request that names no sampling field gets (llama-server's `--temp`, `--top-k`, `--seed`, ...:
+    # `serve`'s flags); `max_tokens` is unused: `default_n_predict` is llama-server's `-n`
+    defaults: SamplingParams = field(default_factory=SamplingParams)
+    default_n_predict: int | None = None  # tokens a request that names no limit may generate
+    # template variables of every chat (llama-server's `--chat-template-kwargs`); a request's own win
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.grammars is None:
@@ -77,6 +83,11 @@ class ServedModel(Runtime):
         """A completion prompt's ids: special-token text becomes those tokens, as llama-server and vLLM
         tokenize a prompt (the client writes the whole prompt, turn delimiters included)."""
         return self.tokenizer.encode(text, allow_special=True)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Plain text's ids, special-token text as text and no BOS, as llama-server tokenizes a logit_bias
+        text."""
+        return self.tokenizer.encode(text, allow_special=False, add_bos=False)
 
     def encode_pieces(self, pieces: list[int | str]) -> list[int]:
         """llama-server's mixed prompt: token ids as they are, each text as `encode_prompt` tokenizes it
@@ -167,7 +178,7 @@ class ServedModel(Runtime):
         prefill = assistant_prefill(body.messages)
         if prefill is not None:
             messages.pop()
-        tokens = self.encode_chat(messages, tools or None, body.chat_template_kwargs)
+        tokens = self.encode_chat(messages, tools or None, self.template_variables(body.chat_template_kwargs))
         in_reasoning = self._opens_thinking(tokens)
         if prefill:
             tokens += self.pieces.get(("plain", prefill), self.tokenizer.encode_plain)
@@ -177,7 +188,7 @@ class ServedModel(Runtime):
             tool_names=tuple(tool.function.name for tool in body.tools or []),
             freeform=tuple(body.freeform_tools()),
             constraints=tuple(self._constraint(body, in_reasoning) for _ in range(body.n)),
-            reasoning=body.separate_reasoning,
+            reasoning=body.splits_reasoning(),
             in_reasoning=in_reasoning,
         )
 
@@ -195,6 +206,10 @@ class ServedModel(Runtime):
             arguments = self.generated_calls.written(call["id"], call["function"]["arguments"])
             calls.append({**call, "function": {**call["function"], "arguments": arguments}})
         return {**message, "tool_calls": calls}
+
+    def template_variables(self, asked: dict[str, Any] | None) -> dict[str, Any]:
+        """A request's template variables over the server's (`--chat-template-kwargs`)."""
+        return {**self.template_kwargs, **(asked or {})}
 
     def _opens_thinking(self, tokens: list[int]) -> bool:
         """Whether the prompt ends with the think opening (the template opened the block)."""
@@ -296,17 +311,18 @@ class ServedModel(Runtime):
         one choice of a request; a chat answer also stops where the template closes the assistant's
         response (its grammar is the chat's; `constraint` that of a completion). Choice `i` of a seeded
         request draws with seed + i, so the choices differ."""
-        seed = body.draw_seed()
+        defaults = self.defaults
+        seed = defaults.seed if body.seed is None else body.draw_seed()
         params = SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=max(body.top_k or 0, 0),
+            temperature=_given(body.temperature, defaults.temperature),
+            top_p=_given(body.top_p, defaults.top_p),
+            top_k=defaults.top_k if body.top_k is None else max(body.top_k, 0),
             seed=None if seed is None else _choice_seed(seed, choice),
-            min_p=body.min_p or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            frequency_penalty=body.frequency_penalty or 0.0,
-            presence_penalty=body.presence_penalty or 0.0,
-            logit_bias=body.logit_bias_ids(self.vocab_size),
+            min_p=_given(body.min_p, defaults.min_p),
+            repetition_penalty=_given(body.repetition_penalty, defaults.repetition_penalty),
+            frequency_penalty=_given(body.frequency_penalty, defaults.frequency_penalty),
+            presence_penalty=_given(body.presence_penalty, defaults.presence_penalty),
+            logit_bias=body.logit_bias_ids(self.vocab_size, self.encode_text),
             max_tokens=max_tokens,
             stop=tuple(body.stop_list()),
             ignore_eos=body.ignore_eos,
@@ -339,6 +355,20 @@ class ServedModel(Runtime):
             sequence, self.tokenizer, parser=parser, constraint=constraint, top_logprobs=top_logprobs
         )
 
+    def meta(self) -> dict[str, int]:
+        """llama-server's `meta` of a model card: its vocabulary (2: byte-level BPE, llama.cpp's
+        LLAMA_VOCAB_TYPE_BPE), training context, embedding width, parameters and tensor bytes."""
+        config = self.model.config
+        params, size = getattr(self.model, "file_weights", (0, 0))  # a parallel stand-in: unknown
+        return {
+            "vocab_type": 2,
+            "n_vocab": self.vocab_size,
+            "n_ctx_train": int(config.context_length),
+            "n_embd": int(config.hidden),
+            "n_params": params,
+            "size": size,
+        }
+
     def file_problems(self) -> list[str]:
         """One line per model file that is gone or changed size since load (names only, no paths)."""
         problems = []
@@ -351,6 +381,10 @@ class ServedModel(Runtime):
             if now != size:
                 problems.append(f"model file {path.name} changed size since load ({now} bytes, was {size})")
         return problems
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 def _choice_seed(seed: int, choice: int) -> int:
@@ -471,17 +505,24 @@ def _filled(pieces: list[str], order: list[int], slots: list[str]) -> str:
 DEFAULT_MAX_CTX = 4096
 
 
-def served_from_runtime(runtime: Runtime, *, name: str | None = None, ctx: int | None = None) -> ServedModel:
+def served_from_runtime(
+    runtime: Runtime,
+    *,
+    name: str | None = None,
+    ctx: int | None = None,
+    chat_template_file: Path | None = None,
+) -> ServedModel:
     """Wrap the engine's loaded runtime (model, tokenizer, optional expert store) for serving.
 
     The name defaults to the GGUF's file name without shard suffix and extension; the context to the
-    model's, at most DEFAULT_MAX_CTX.
+    model's, at most DEFAULT_MAX_CTX; the chat template to the file's (`chat_template_file` replaces it,
+    as llama-server's `--chat-template-file`).
     """
     model_ctx = int(runtime.model.config.context_length)
     if ctx is not None and not 1 < ctx <= model_ctx:
         raise ValueError(f"--ctx {ctx} must be between 2 and the model's context length {model_ctx}")
     tokenizer = runtime.tokenizer
-    template = ChatTemplate.for_tokenizer(tokenizer)
+    template = ChatTemplate.for_tokenizer(tokenizer, chat_template_file)
     return ServedModel(
         model=runtime.model,
         tokenizer=tokenizer,

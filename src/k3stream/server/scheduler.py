@@ -238,9 +238,11 @@ def request_timings(jobs: list[Job]) -> dict[str, float]:
         "cache_n": cache_n,
         "prompt_n": prompt_n,
         "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
         "prompt_per_second": prompt_n / prompt_ms * 1000 if prompt_ms > 0 else 0.0,
         "predicted_n": predicted_n,
         "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
         "predicted_per_second": predicted_n / predicted_ms * 1000 if predicted_ms > 0 else 0.0,
     }
 

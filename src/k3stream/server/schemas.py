@@ -11,6 +11,7 @@ as if they had been honoured. Tool definitions and JSON schemas must be valid JS
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
@@ -53,6 +54,8 @@ BiasValue = Annotated[float, Field(ge=-100.0, le=100.0)] | Literal[False]
 NPredict = Annotated[int, Field(ge=-1, le=MAX_TOKENS_LIMIT), Integral]
 # seeds meaning "draw a fresh seed" (llama-server's default, LLAMA_DEFAULT_SEED as JSON sends it)
 RANDOM_SEEDS = (-1, 0xFFFFFFFF)
+# characters a request's logit_bias texts may hold in all: each is tokenized on the event loop
+MAX_BIAS_TEXT = 4096
 # choices per request: each is one more sequence in the batch, sharing the prompt's prefill
 MAX_CHOICES = 16
 # prompts per completion request (OpenAI's and llama-server's batches): each is one more request queued
@@ -145,7 +148,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: RepetitionPenalty | None = None  # vLLM's, over the prompt and the output
     min_p: MinP | None = None
     # token id (as a string, OpenAI's JSON) -> value added to its logit; or llama-server's [[id, value]]
-    logit_bias: dict[str, BiasValue] | list[tuple[int, BiasValue]] | None = None
+    logit_bias: dict[str, BiasValue] | list[tuple[int | str, BiasValue]] | None = None
     n_predict: NPredict | None = None
     stop_token_ids: list[int] | None = None  # vLLM's: tokens that end the answer (not sent)
     stop: str | list[str] | None = None
@@ -153,6 +156,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: Switch = False  # vLLM's extension: generate max_tokens even past end-of-sequence
     return_progress: Switch = False  # llama-server's: stream `prompt_progress` chunks during the prefill
+    timings_per_token: Switch = False  # llama-server's: each streamed piece carries `timings` so far
     cache_prompt: Annotated[bool, null_is(True)] = (
         True  # llama-server's: restore the prompt's longest cached prefix
     )
@@ -181,19 +185,34 @@ class SamplingFields(BaseModel):
         `post_sampling_probs`) instead of the model's own log-probabilities."""
         return False
 
-    def logit_bias_ids(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
-        """`logit_bias` as (token id, value) pairs, `false` as minus infinity; a 400 naming the first
-        entry that is no token id."""
+    def logit_bias_ids(
+        self, vocab_size: int, encode: Callable[[str], list[int]]
+    ) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, value) pairs, `false` as minus infinity. A key that is text, not a
+        token id, biases each token `encode` makes of it, as llama-server's do (`[["Hello", -5]]`); a 400
+        naming the first entry that is a token id outside the vocabulary, or where the texts pass
+        MAX_BIAS_TEXT characters."""
         entries = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or []
-        pairs = []
+        pairs: list[tuple[int, float]] = []
+        text = 0
         for index, (key, value) in enumerate(entries):
+            bias, param = -math.inf if value is False else value, f"logit_bias.{index}"
+            if isinstance(self.logit_bias, dict):
+                param = "logit_bias"
             token = _token_id(key)
-            if token is None or not 0 <= token < vocab_size:
+            if token is None:
+                text += len(key)
+                if text > MAX_BIAS_TEXT:
+                    message = f"{param}: the texts of logit_bias hold more than {MAX_BIAS_TEXT} characters"
+                    raise invalid_request(message, param=param)
+                pairs += [(token, bias) for token in encode(key)]
+            elif 0 <= token < vocab_size:
+                pairs.append((token, bias))
+            else:
                 raise invalid_request(
                     f"logit_bias: {key!r} is not a token id of this model's vocabulary of {vocab_size}",
-                    param="logit_bias" if isinstance(key, str) else f"logit_bias.{index}",
+                    param=param,
                 )
-            pairs.append((token, -math.inf if value is False else value))
         return tuple(pairs)
 
     def stop_ids(self, vocab_size: int) -> tuple[int, ...]:
@@ -218,6 +237,12 @@ class SamplingFields(BaseModel):
         if self.n_predict is not None and not named:
             return None if self.n_predict == -1 else self.n_predict
         return self.max_tokens
+
+    def names_limit(self) -> bool:
+        """Whether the request names how many tokens to generate (else the server's `-n` decides, where
+        it has one)."""
+        named = ("max_tokens", "max_completion_tokens", "n_predict")
+        return any(getattr(self, name, None) is not None for name in named if name in self.model_fields_set)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -422,6 +447,8 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     # sglang's switch: False keeps thinking text in `content`
     separate_reasoning: Annotated[bool, null_is(True)] = True
+    # llama-server's: `none` keeps thinking text in `content` too (`deepseek`, `auto`: split, the default)
+    reasoning_format: Literal["none", "deepseek", "auto"] | None = None
     chat_template_kwargs: dict[str, TemplateValue] | None = None
 
     def check_supported(self) -> None:
@@ -488,6 +515,11 @@ class ChatCompletionRequest(SamplingFields):
         follows (none here: `AgentChatRequest` carries the Responses API's custom tools)."""
         return {}
 
+    def splits_reasoning(self) -> bool:
+        """Whether thinking text goes to `reasoning_content` (sglang's `separate_reasoning`, llama-server's
+        `reasoning_format`)."""
+        return self.separate_reasoning and self.reasoning_format != "none"
+
     def forced_tools(self) -> list[Tool]:
         """The tools one of which the answer must call (empty: no call is forced)."""
         choice = self.tool_choice
@@ -530,10 +562,11 @@ def object_tool(name: str, description: str | None, schema: dict[str, Any] | Non
 
 
 def _token_id(key: str | int) -> int | None:
-    """A logit_bias key as a token id: an int, or the digits of one."""
+    """A logit_bias key as a token id: an int, or the digits of one (with a minus sign, an id outside
+    any vocabulary); None for text."""
     if isinstance(key, int):
         return key
-    return int(key) if key.isascii() and key.isdigit() and len(key) <= 12 else None
+    return int(key) if re.fullmatch(r"-?[0-9]{1,12}", key) else None
 
 
 def check_stops(stops: list[str], param: str) -> None:

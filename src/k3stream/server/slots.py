@@ -21,7 +21,7 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
@@ -32,6 +32,9 @@ from k3stream.server.endpoints_llama import llama_params
 from k3stream.server.errors import LLAMA_ERROR_TYPES, APIError, LlamaError, not_supported
 from k3stream.server.runtime import ServedModel
 from k3stream.server.scheduler import Job, Scheduler
+
+if TYPE_CHECKING:
+    from k3stream.server.app import ServerConfig
 
 # characters llama.cpp's fs_validate_filename refuses besides control characters
 FORBIDDEN = re.compile(r'[/\\:*?"<>|\x00-\x1f\x7f]')
@@ -275,10 +278,21 @@ class SlotActions:
         }
 
 
+SLOTS_OFF_MESSAGE = "This server does not support slots endpoint. Start it with `--slots`"
+
+
 def slots_router(
-    table: SlotTable, scheduler: Scheduler, served: ServedModel, directory: Path | None
+    table: SlotTable, scheduler: Scheduler, served: ServedModel, config: ServerConfig
 ) -> APIRouter:
     router = APIRouter()
-    router.get("/slots")(SlotList(table, scheduler, served.ctx, served.tokenizer, slots_debug()).list)
-    router.post("/slots/{id_slot}")(SlotActions(table, served.prompt_cache, directory).act)
+    if config.slots_endpoint:
+        router.get("/slots")(SlotList(table, scheduler, served.ctx, served.tokenizer, slots_debug()).list)
+    else:
+        router.get("/slots")(_slots_off)
+    router.post("/slots/{id_slot}")(SlotActions(table, served.prompt_cache, config.slot_save_path).act)
     return router
+
+
+async def _slots_off() -> None:
+    """llama-server's answer under `--no-slots`."""
+    raise not_supported(SLOTS_OFF_MESSAGE)
