@@ -34,7 +34,7 @@ from k3stream.memlimit import MIB, parse_size
 from k3stream.testing.slices import like
 
 CHILD = """
-import argparse, json, os, sys, threading, time
+import argparse, json, os, sys, time
 job = json.loads(sys.argv[1])
 from k3stream.cli import calm_openmp
 calm_openmp()
@@ -42,8 +42,8 @@ import torch
 from k3stream.commands.flags import add_model_arguments, runtime_from_args
 from k3stream.engine.generate import prefill_last
 from k3stream.model.moe import LatentMoE
-from k3stream.store import expert_store, pack_io
-events, in_flight, counting = [], [0], threading.Lock()
+from k3stream.store import expert_store
+events = []
 start = time.perf_counter()
 def now():
     return (time.perf_counter() - start) * 1e3
@@ -66,19 +66,6 @@ def read_ahead(self, layer, experts):
     events.append(("route", layer, now(), now(), (len(experts), held, loading)))
     ask(self, layer, experts)
 expert_store.ExpertStore.read_ahead = read_ahead
-read_range = pack_io.PackFile._read_range
-def timed_range(self, request, begin, length):
-    with counting:
-        in_flight[0] += 1
-        depth = in_flight[0]
-    began = now()
-    try:
-        return read_range(self, request, begin, length)
-    finally:
-        with counting:
-            in_flight[0] -= 1
-        events.append(("range", request.label, began, now(), depth))
-pack_io.PackFile._read_range = timed_range
 parser = argparse.ArgumentParser()
 add_model_arguments(parser)
 args = parser.parse_args(job["argv"])
@@ -109,6 +96,7 @@ state = model.new_state()
 token = int(prefill_last(model, state, job["prompt"]).argmax())
 store.end_token(len(job["prompt"]))
 events.clear()
+store._file.range_times = []  # the decode's pack read ranges: (label, started, ended perf_counter_ns)
 before, cpu_before = store.stats(), os.times()
 for _ in range(job["decode_tokens"]):
     began = now()
@@ -117,7 +105,11 @@ for _ in range(job["decode_tokens"]):
     events.append(("token", None, began, now(), None))
 after, cpu_after = store.stats(), os.times()
 runtime.close()
-print(json.dumps({"events": events, "read_bytes": after["pack_read_bytes"] - before["pack_read_bytes"],
+origin = start * 1e9
+for label, began, ended in store._file.range_times:
+    events.append(("range", label, (began - origin) / 1e6, (ended - origin) / 1e6, None))
+print(json.dumps({"events": events, "native_reads": store._file.native_reads,
+                  "read_bytes": after["pack_read_bytes"] - before["pack_read_bytes"],
                   "fetch_ms": (after["fetch_ns"] - before["fetch_ns"]) / 1e6,
                   "cpu": [cpu_after.user - cpu_before.user, cpu_after.system - cpu_before.system]}))
 """
@@ -179,6 +171,14 @@ def step_rows(events: list, begin: float, end: float, ranges: list) -> list[tupl
 Spans = list[tuple[float, float]]
 
 
+def in_flight_at_starts(ranges: Spans) -> list[int]:
+    """For each read range (sorted by start), how many ranges were running as it started, itself included."""
+    return [
+        sum(start <= began < stop for start, stop in ranges[: index + 1])
+        for index, (began, _) in enumerate(ranges)
+    ]
+
+
 def disk_per_token(ranges: Spans, spans: Spans) -> tuple[float, float]:
     """The mean ms a token the disk was busy (at least one read running) and idle, over the token
     `spans` ((start, end) ms)."""
@@ -199,7 +199,7 @@ def report(name: str, result: dict[str, Any], tokens: int, rate: float) -> list[
         f"{name}: {ms:.0f} ms/token, fetch wait {result['fetch_ms'] / tokens:.1f}, read "
         f"{read_mb:.0f} MB/token = {read_ms:.0f} ms at {rate / 1e9:.2f} GB/s; "
         f"max(compute, reads) / measured {max(compute, read_ms) / ms:.2f}; reads in flight "
-        f"{statistics.mean(e[4] for e in events if e[0] == 'range'):.1f}; CPU user / system "
+        f"{statistics.mean(in_flight_at_starts(ranges)):.1f}; CPU user / system "
         f"{1e3 * result['cpu'][0] / tokens:.0f} / {1e3 * result['cpu'][1] / tokens:.0f} ms/token",
         f"  disk busy {busy:.0f} ms a token, idle {idle:.0f} ms; {read_mb / busy:.2f} GB/s while busy",
         "  | phase | ms | disk idle ms |",
@@ -237,12 +237,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", type=Path, default=real.DEFAULT_CACHE, help="default %(default)s")
     parser.add_argument("--threads", type=int, default=2, help="default %(default)s")
     parser.add_argument("--k3stream-args", default="", help="extra k3stream flags")
+    parser.add_argument(
+        "--readers",
+        type=real.reader_kinds,
+        default=["c"],
+        help="the pack's reader pools to run each fraction with, side by side: c, python (default c)",
+    )
     args = parser.parse_args(argv)
     spec = like("kimi-k3", args.layers, n_experts=args.experts)
     gguf, manifest = beyond.ensure_model(spec, args.cache_dir)
     files = beyond.model_files(gguf, manifest)
     _, _, expert_bytes = real.bytes_per_token(gguf, spec)
-    rate = real.store_read_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30))
+    rate = real.best_store_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30), args.readers)
     prompt = beyond.bench_prompt(gguf, 16)
     for fraction in (float(part) for part in args.fractions.split(",") if part.strip()):
         ram = int(fraction * expert_bytes)
@@ -262,12 +268,14 @@ def main(argv: list[str] | None = None) -> int:
             "prompt": prompt,
             "decode_tokens": args.decode_tokens,
         }
-        result = beyond.run_child("timeline", CHILD, job, limit, files)
-        name = f"{fraction:.0%} of experts"
-        if "error" in result:
-            print(f"{name}: {result['error']}")
-            continue
-        print("\n".join(report(name, result, args.decode_tokens, rate)), flush=True)
+        for kind in args.readers:
+            with real.readers(kind) as pool:
+                result = beyond.run_child("timeline", CHILD, job, limit, files)
+            name = f"{fraction:.0%} of experts, {pool}"
+            if "error" in result:
+                print(f"{name}: {result['error']}")
+                continue
+            print("\n".join(report(name, result, args.decode_tokens, rate)), flush=True)
     return 0
 
 

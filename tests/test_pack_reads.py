@@ -166,3 +166,23 @@ def test_the_c_readers_read_while_a_python_thread_holds_the_gil(packed, readers)
         reader.close()
     assert len(reader.range_times) == 4 * len(requests)
     assert all(queued <= ended < held_until for _, _, ended in reader.range_times)
+
+
+def test_a_batch_larger_than_the_queue_waits_for_room_and_lands_whole(packed, readers):  # noqa: F811
+    """More ranges in one call than the C readers' queue holds (4,096): the call waits for room while
+    the readers drain it, and every byte lands where it belongs."""
+    _, pack = packed
+    reader = PackFile(pack.path, io_threads=2, read_splits=1)
+    size = pack.path.stat().st_size // SPLIT_BYTES * SPLIT_BYTES
+    offsets = [(block * 7919 * SPLIT_BYTES) % size for block in range(5000)]
+    destination = np.empty((len(offsets), SPLIT_BYTES), dtype=np.uint8)
+    rows = zip(offsets, destination, strict=True)
+    requests = [ReadRequest(f"block {offset}", offset, SPLIT_BYTES, row) for offset, row in rows]
+    try:
+        landed = Background(lambda: sum(1 for _ in reader.read_each(requests, priority=2))).result()
+    finally:
+        reader.close()
+    assert landed == len(requests)
+    whole = np.fromfile(pack.path, dtype=np.uint8)
+    for offset, row in zip(offsets, destination, strict=True):
+        assert np.array_equal(row, whole[offset : offset + SPLIT_BYTES])

@@ -456,19 +456,10 @@ class PackFile:
         """Queue every range of `requests` in pack order on the C reader threads, in one call."""
         for request in requests:
             _check_destination(request)
-        ranges = [
-            (
-                index,
-                requests[index].offset + start,
-                length,
-                requests[index].dest.ctypes.data + start,
-                requests[index].dest.size - start,
-                requests[index].offset,
-            )
-            for index, start, length in self._ranges(requests)
-        ]
-        keep = [request.dest for request in requests]  # alive until every range is done
-        return _NativeBatch(self._pool.submit(ranges, len(requests), priority, keep, read_here))
+        offsets = [request.offset for request in requests]
+        destinations = [request.dest for request in requests]
+        batch = self._pool.submit(self._ranges(requests), offsets, destinations, priority, read_here)
+        return _NativeBatch(batch)
 
     def hurry(self, offsets: list[int], priority: int) -> int:
         """Raise to `priority` the queued ranges of the requests at these pack offsets (a read a

@@ -46,7 +46,8 @@ struct Batch {
     int *landed, landed_count, handed;
     int *error;                      /* a request's first errno (0: none) */
     int64_t *short_done, *short_size, *short_offset; /* its short read, when error is EIO from one */
-    PyObject *keep;                  /* what holds the destinations alive until every range is done */
+    Py_buffer *views;                /* each request's destination, held until every range is done */
+    int nviews;
 };
 
 typedef struct {
@@ -290,9 +291,10 @@ static void Batch_free_arrays(Batch *b) {
     PyMem_Free(b->short_done);
     PyMem_Free(b->short_size);
     PyMem_Free(b->short_offset);
+    PyMem_Free(b->views);
 }
 
-static Batch *new_batch(int nranges, int nrequests, PyObject *keep) {
+static Batch *new_batch(int nranges, int nrequests) {
     Batch *b = PyObject_New(Batch, &BatchType);
     if (b == NULL) return NULL;
     size_t n = (size_t)(nrequests > 0 ? nrequests : 1);
@@ -303,14 +305,15 @@ static Batch *new_batch(int nranges, int nrequests, PyObject *keep) {
     b->short_done = PyMem_Calloc(n, sizeof(int64_t));
     b->short_size = PyMem_Calloc(n, sizeof(int64_t));
     b->short_offset = PyMem_Calloc(n, sizeof(int64_t));
+    b->views = PyMem_Calloc(n, sizeof(Py_buffer));
+    b->nviews = 0;
     pthread_mutex_init(&b->lock, NULL);
     pthread_cond_init(&b->landed_cond, NULL);
     b->nranges = b->pending = 0;
     b->nrequests = nrequests;
     b->landed_count = b->handed = 0;
-    Py_INCREF(keep);
-    b->keep = keep;
-    if (!b->ranges || !b->left || !b->landed || !b->error || !b->short_done || !b->short_size || !b->short_offset) {
+    if (!b->ranges || !b->left || !b->landed || !b->error || !b->short_done || !b->short_size || !b->short_offset ||
+        !b->views) {
         Py_DECREF(b);
         PyErr_NoMemory();
         return NULL;
@@ -320,27 +323,39 @@ static Batch *new_batch(int nranges, int nrequests, PyObject *keep) {
 
 static int64_t item_int(PyObject *tuple, Py_ssize_t i) { return PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, i)); }
 
-/* the batch's ranges from [(request, offset, length, address, room, tag)], each request counted */
-static int fill_ranges(Batch *b, PyObject *ranges, int64_t priority) {
+/* each request's destination: a writable contiguous buffer, held by the batch */
+static int hold_destinations(Batch *b, PyObject *dests) {
+    for (int q = 0; q < b->nrequests; q++) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(dests, q), &b->views[q], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
+            return -1;
+        b->nviews = q + 1;
+    }
+    return 0;
+}
+
+/* the batch's ranges from [(request, start, length)] within each request's object at `offsets` */
+static int fill_ranges(Batch *b, PyObject *ranges, PyObject *offsets, int64_t priority) {
     Py_ssize_t n = PyList_GET_SIZE(ranges);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyList_GET_ITEM(ranges, i);
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 6) {
-            PyErr_SetString(PyExc_TypeError, "a range is (request, offset, length, address, room, tag)");
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+            PyErr_SetString(PyExc_TypeError, "a range is (request, start, length)");
             return -1;
         }
         Range *r = &b->ranges[i];
-        int64_t request = item_int(item, 0);
-        r->offset = item_int(item, 1);
+        int64_t request = item_int(item, 0), start = item_int(item, 1);
         r->length = item_int(item, 2);
-        r->dest = (uint8_t *)(uintptr_t)item_int(item, 3);
-        r->room = item_int(item, 4);
-        r->tag = item_int(item, 5);
         if (PyErr_Occurred()) return -1;
-        if (request < 0 || request >= b->nrequests || r->offset < 0 || r->length < 0 || r->room < r->length) {
-            PyErr_SetString(PyExc_ValueError, "a range's request, offset, length or room is out of bounds");
+        if (request < 0 || request >= b->nrequests || start < 0 || r->length < 0 ||
+            start + r->length > b->views[request].len) {
+            PyErr_SetString(PyExc_ValueError, "a range's request, start or length is out of bounds");
             return -1;
         }
+        r->tag = PyLong_AsLongLong(PyList_GET_ITEM(offsets, request));
+        if (r->tag == -1 && PyErr_Occurred()) return -1;
+        r->offset = r->tag + start;
+        r->dest = (uint8_t *)b->views[request].buf + start;
+        r->room = b->views[request].len - start;
         r->request = (int)request;
         r->priority = priority;
         r->batch = b;
@@ -352,10 +367,25 @@ static int fill_ranges(Batch *b, PyObject *ranges, int64_t priority) {
     return 0;
 }
 
-static void enqueue(Pool *pool, Batch *b) { /* GIL released */
+/* queue the batch's ranges; the GIL is released only while the queue is full (the readers never take
+ * the GIL, and they hold the pool's lock only to take a range: releasing it for a short hold would let
+ * another Python thread take it, and getting it back can cost a switch interval, 5 ms) */
+static void enqueue(Pool *pool, Batch *b) {
     pthread_mutex_lock(&pool->lock);
     for (int i = 0; i < b->nranges; i++) {
-        while (pool->queued == QUEUE_CAPACITY && !pool->stopping) pthread_cond_wait(&pool->room, &pool->lock);
+        if (pool->queued == QUEUE_CAPACITY && !pool->stopping) { /* the lock is not held taking the GIL */
+            pthread_mutex_unlock(&pool->lock);
+            Py_BEGIN_ALLOW_THREADS
+            pthread_mutex_lock(&pool->lock);
+            while (pool->queued == QUEUE_CAPACITY && !pool->stopping) pthread_cond_wait(&pool->room, &pool->lock);
+            pthread_mutex_unlock(&pool->lock);
+            Py_END_ALLOW_THREADS
+            pthread_mutex_lock(&pool->lock);
+            if (pool->queued == QUEUE_CAPACITY && !pool->stopping) { /* filled again meanwhile */
+                i--;
+                continue;
+            }
+        }
         if (pool->stopping) { /* closed meanwhile: no reader will take it */
             pthread_mutex_unlock(&pool->lock);
             complete(&b->ranges[i], failed(ECANCELED));
@@ -369,37 +399,42 @@ static void enqueue(Pool *pool, Batch *b) { /* GIL released */
     pthread_mutex_unlock(&pool->lock);
 }
 
-/* submit(ranges, requests, priority, keep, read_here) -> Batch: queue every range (or, with read_here
- * and a single range, read it in this thread), GIL released; `keep` is held until every range is done */
+/* submit(ranges, offsets, destinations, priority, read_here) -> Batch: queue every range (request,
+ * start, length) of the objects at pack `offsets` read into `destinations` (writable contiguous buffers,
+ * held until every range is done), or with read_here and a single range, read it in this thread
+ * (GIL released) */
 static PyObject *Pool_submit(Pool *self, PyObject *args) {
-    PyObject *ranges, *keep;
-    int nrequests, read_here;
+    PyObject *ranges, *offsets, *dests;
+    int read_here;
     long long priority;
-    if (!PyArg_ParseTuple(args, "O!iLOp", &PyList_Type, &ranges, &nrequests, &priority, &keep, &read_here)) return NULL;
+    if (!PyArg_ParseTuple(args, "O!O!O!Lp", &PyList_Type, &ranges, &PyList_Type, &offsets, &PyList_Type, &dests,
+                          &priority, &read_here))
+        return NULL;
     if (self->threads == NULL || self->closed) {
         PyErr_SetString(PyExc_RuntimeError, "the pack's reader pool is closed");
         return NULL;
     }
-    if (nrequests < 0 || PyList_GET_SIZE(ranges) > INT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "bad batch size");
+    if (PyList_GET_SIZE(offsets) != PyList_GET_SIZE(dests) || PyList_GET_SIZE(dests) > INT32_MAX ||
+        PyList_GET_SIZE(ranges) > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "submit: offsets and destinations differ in length");
         return NULL;
     }
-    Batch *b = new_batch((int)PyList_GET_SIZE(ranges), nrequests, keep);
+    Batch *b = new_batch((int)PyList_GET_SIZE(ranges), (int)PyList_GET_SIZE(dests));
     if (b == NULL) return NULL;
-    if (fill_ranges(b, ranges, priority) != 0) {
+    if (hold_destinations(b, dests) != 0 || fill_ranges(b, ranges, offsets, priority) != 0) {
         b->pending = 0;
         Py_DECREF(b);
         return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS
     if (read_here && b->nranges == 1) {
+        Py_BEGIN_ALLOW_THREADS
         Bounce bounce = {NULL, 0};
         run_range(self, &b->ranges[0], &bounce);
         free(bounce.data);
+        Py_END_ALLOW_THREADS
     } else {
         enqueue(self, b);
     }
-    Py_END_ALLOW_THREADS
     return (PyObject *)b;
 }
 
@@ -460,8 +495,8 @@ static PyObject *Pool_bounced(Pool *self, PyObject *unused) {
 
 static PyMethodDef Pool_methods[] = {
     {"submit", (PyCFunction)Pool_submit, METH_VARARGS,
-     "submit(ranges, requests, priority, keep, read_here) -> Batch; a range is (request, offset, length, "
-     "address, room, tag)"},
+     "submit(ranges, offsets, destinations, priority, read_here) -> Batch; a range is (request, start, length) "
+     "of the object at offsets[request], read into destinations[request] at start"},
     {"hurry", (PyCFunction)Pool_hurry, METH_VARARGS,
      "hurry(tag, priority) -> how many queued ranges of `tag` were raised to `priority`"},
     {"queued", (PyCFunction)Pool_queued, METH_VARARGS, "queued(tag) -> the priorities of its queued ranges"},
@@ -558,12 +593,12 @@ static PyObject *Batch_times(Batch *self, PyObject *unused) {
 }
 
 static void Batch_dealloc(Batch *self) {
-    if (self->pending > 0) { /* a range still queued or running writes into what `keep` holds */
+    if (self->pending > 0) { /* a range still queued or running writes into a held destination */
         Py_BEGIN_ALLOW_THREADS
         wait_for(self, all_done, 0);
         Py_END_ALLOW_THREADS
     }
-    Py_XDECREF(self->keep);
+    for (int q = 0; q < self->nviews; q++) PyBuffer_Release(&self->views[q]);
     Batch_free_arrays(self);
     pthread_cond_destroy(&self->landed_cond);
     pthread_mutex_destroy(&self->lock);
