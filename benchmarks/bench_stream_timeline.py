@@ -42,7 +42,7 @@ import torch
 from k3stream.commands.flags import add_model_arguments, runtime_from_args
 from k3stream.engine.generate import prefill_last
 from k3stream.model.moe import LatentMoE
-from k3stream.store import expert_store
+from k3stream.store import expert_store, loading
 events = []
 start = time.perf_counter()
 def now():
@@ -57,6 +57,7 @@ def timed(owner, name, kind, layer_of):
     setattr(owner, name, wrapper)
 timed(LatentMoE, "_routed_sum", "routed", lambda self, args: self.layer)
 timed(expert_store.ExpertStore, "fetch", "fetch", lambda self, args: args[0])
+timed(loading.Loader, "start", "queue", lambda self, args: None)  # a step's read-ahead queueing its reads
 ask = expert_store.ExpertStore.read_ahead
 def read_ahead(self, layer, experts):
     experts = list(experts)
@@ -152,7 +153,8 @@ def token_phases(events: list, begin: float, end: float, ranges: list) -> list[t
 
 def step_rows(events: list, begin: float, end: float, ranges: list) -> list[tuple[int, tuple]]:
     """Per MoE layer of one token: (layer, (resident, reading, missing) at its router, ms from the
-    router to the last read landing, the disk's busy share of that, ms its first read waited)."""
+    router to the last read landing, the disk's busy share of that, ms its first read waited, ms until
+    its read-ahead had queued its reads)."""
     inside = [event for event in events if begin <= event[3] <= end]
     rows = []
     for route in (e for e in inside if e[0] == "route"):
@@ -164,7 +166,21 @@ def step_rows(events: list, begin: float, end: float, ranges: list) -> list[tupl
         window = last - route[2]
         share = busy_ms(ranges, route[2], last) / window if window > 0 else 1.0
         first = min((start for start, _ in reads), default=route[2]) - route[2]
-        rows.append((layer, (held, loading, asked - held - loading, window, share, first)))
+        queued = [e[3] for e in inside if e[0] == "queue" and route[2] <= e[2] <= routed[3]]
+        rows.append(
+            (
+                layer,
+                (
+                    held,
+                    loading,
+                    asked - held - loading,
+                    window,
+                    share,
+                    first,
+                    min(queued, default=route[2]) - route[2],
+                ),
+            )
+        )
     return rows
 
 
@@ -218,7 +234,8 @@ def report(name: str, result: dict[str, Any], tokens: int, rate: float) -> list[
         lines.append(
             f"  L{layer} at its router: {_mean(rows, 0):.1f} resident, {_mean(rows, 1):.1f} being read, "
             f"{_mean(rows, 2):.1f} missing; last read lands {_mean(rows, 3):.1f} ms after it, the disk "
-            f"busy {_mean(rows, 4):.0%} of that; the first read starts {_mean(rows, 5):.1f} ms after it"
+            f"busy {_mean(rows, 4):.0%} of that; the first read starts {_mean(rows, 5):.1f} ms after it "
+            f"(its read-ahead has queued its reads {_mean(rows, 6):.1f} ms after it)"
         )
     return lines
 
