@@ -1,8 +1,6 @@
-"""Builds the optional C kernels (`k3stream.quant.kernels._ggml_cpu`) and the pack's C reader threads
-(`k3stream.store._pack_reads`); everything else is in pyproject.toml.
+"""Builds the optional C kernels (`k3stream.quant.kernels._ggml_cpu`); everything else is in pyproject.toml.
 
-Without a C compiler the install still succeeds: the kernels fall back to the torch reference path, the
-pack's reads to Python threads.
+Without a C compiler the install still succeeds and the kernels fall back to the torch reference path.
 """
 
 from setuptools import Extension, setup
@@ -26,13 +24,6 @@ setup(
             extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-std=gnu11"],
             extra_link_args=["-fopenmp"],
             optional=True,
-        ),
-        Extension(
-            "k3stream.store._pack_reads",
-            ["src/k3stream/store/pack_reads.c"],
-            extra_compile_args=["-O2", "-std=gnu11", "-pthread"],
-            extra_link_args=["-pthread"],
-            optional=True,
-        ),
+        )
     ]
 )

@@ -29,11 +29,9 @@ the real model's 93 layers as ARITHMETIC: measured per-layer costs times the rea
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,30 +46,6 @@ KINDS = ("KDA attention", "MLA attention", "dense FFN", "MoE routed", "MoE share
 HEAD_BYTES = 163840 * 7168 // 32 * 34  # the real output head in Q8_0
 REAL_LAYERS = {"KDA attention": 69, "MLA attention": 24, "dense FFN": 1, "MoE routed": 92, "MoE shared": 92}
 DEFAULT_CACHE = Path("/tmp/slice-bench")
-READERS = {"c": "C readers", "python": "Python readers"}  # the pack's reader pools (`PackFile`)
-
-
-@contextlib.contextmanager
-def readers(kind: str) -> Iterator[str]:
-    """The pack's reads on `kind`'s reader pool in this process and its children: its name."""
-    was = os.environ.pop("K3STREAM_PYTHON_READS", None)
-    if kind == "python":
-        os.environ["K3STREAM_PYTHON_READS"] = "1"
-    try:
-        yield READERS[kind]
-    finally:
-        os.environ.pop("K3STREAM_PYTHON_READS", None)
-        if was is not None:
-            os.environ["K3STREAM_PYTHON_READS"] = was
-
-
-def reader_kinds(text: str) -> list[str]:
-    kinds = [part.strip() for part in text.split(",") if part.strip()]
-    if not kinds or set(kinds) - set(READERS):
-        raise argparse.ArgumentTypeError(
-            f"--readers takes a comma list of {', '.join(READERS)}, got {text!r}"
-        )
-    return kinds
 
 
 # ---- what each layer kind reads --------------------------------------------------------------------
@@ -156,16 +130,6 @@ def store_read_rate(manifest: Path, batch: int, limit: int, seed: int = 0) -> fl
         finally:
             file.close()
     return nbytes / seconds
-
-
-def best_store_rate(manifest: Path, batch: int, limit: int, kinds: list[str], seed: int = 0) -> float:
-    """`store_read_rate` on each of the reader pools `kinds`, the best (each printed)."""
-    rates = []
-    for kind in kinds:
-        with readers(kind) as pool:
-            rates.append(store_read_rate(manifest, batch, limit, seed))
-            print(f"the store's read rate on its {pool}: {rates[-1] / 1e9:.2f} GB/s", flush=True)
-    return max(rates)
 
 
 # ---- the runs ---------------------------------------------------------------------------------------
@@ -434,12 +398,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-resident", action="store_true", help="skip the resident run")
     parser.add_argument("--k3stream-only", action="store_true", help="skip llama.cpp (to iterate)")
     parser.add_argument("--k3stream-args", default="", help="extra k3stream flags")
-    parser.add_argument(
-        "--readers",
-        type=reader_kinds,
-        default=["c"],
-        help="the pack's reader pools to run each fraction with, side by side: c, python (default c)",
-    )
     args = parser.parse_args(argv)
     args.k3stream_args = args.k3stream_args.split()
     args.fraction_list = [float(part) for part in args.fractions.split(",") if part.strip()]
@@ -463,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     per_token["routed experts"] = expert_bytes / counts["MoE routed"] / spec.n_experts * spec.top_k
     non_expert = gguf.stat().st_size - expert_bytes
     sequential_rate = disk_read_rate(files[1], min(files[1].stat().st_size, 4 << 30))
-    store_rate = [best_store_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30), args.readers)]
+    store_rate = [store_read_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30))]
     start_rates = ram_read_rates(args.threads)
     prompt = beyond.bench_prompt(gguf, args.prompt_tokens)
     print(
@@ -485,14 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     for fraction in args.fraction_list:
         ram = int(fraction * expert_bytes)
         limit = non_expert + ram + args.slack_bytes
-        for kind in args.readers:
-            with readers(kind) as pool:
-                name = f"{fraction:.0%} of experts" + (f", {pool}" if len(args.readers) > 1 else "")
-                results.append(run_pair(name, gguf, manifest, prompt, args, limit, ram, files))
+        results.append(
+            run_pair(f"{fraction:.0%} of experts", gguf, manifest, prompt, args, limit, ram, files)
+        )
     # the disk's best of the rates measured before and after the runs (a shared disk varies)
-    store_rate.append(
-        best_store_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30), args.readers, 1)
-    )
+    store_rate.append(store_read_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30), seed=1))
     disk_rate = max(store_rate)
     print(f"the store's read rate after the runs {store_rate[1] / 1e9:.2f} GB/s; the bound takes the best")
     rows = [summary(result, len(prompt), args.decode_tokens) for result in results]

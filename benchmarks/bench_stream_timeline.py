@@ -34,7 +34,7 @@ from k3stream.memlimit import MIB, parse_size
 from k3stream.testing.slices import like
 
 CHILD = """
-import argparse, json, os, sys, time
+import argparse, json, os, sys, threading, time
 job = json.loads(sys.argv[1])
 from k3stream.cli import calm_openmp
 calm_openmp()
@@ -42,8 +42,8 @@ import torch
 from k3stream.commands.flags import add_model_arguments, runtime_from_args
 from k3stream.engine.generate import prefill_last
 from k3stream.model.moe import LatentMoE
-from k3stream.store import expert_store, loading
-events = []
+from k3stream.store import expert_store, loading, pack_io
+events, in_flight, counting = [], [0], threading.Lock()
 start = time.perf_counter()
 def now():
     return (time.perf_counter() - start) * 1e3
@@ -67,6 +67,19 @@ def read_ahead(self, layer, experts):
     events.append(("route", layer, now(), now(), (len(experts), held, loading)))
     ask(self, layer, experts)
 expert_store.ExpertStore.read_ahead = read_ahead
+read_range = pack_io.PackFile._read_range
+def timed_range(self, request, begin, length):
+    with counting:
+        in_flight[0] += 1
+        depth = in_flight[0]
+    began = now()
+    try:
+        return read_range(self, request, begin, length)
+    finally:
+        with counting:
+            in_flight[0] -= 1
+        events.append(("range", request.label, began, now(), depth))
+pack_io.PackFile._read_range = timed_range
 parser = argparse.ArgumentParser()
 add_model_arguments(parser)
 args = parser.parse_args(job["argv"])
@@ -97,7 +110,6 @@ state = model.new_state()
 token = int(prefill_last(model, state, job["prompt"]).argmax())
 store.end_token(len(job["prompt"]))
 events.clear()
-store._file.range_times = []  # the decode's pack read ranges: (label, started, ended perf_counter_ns)
 before, cpu_before = store.stats(), os.times()
 for _ in range(job["decode_tokens"]):
     began = now()
@@ -106,11 +118,7 @@ for _ in range(job["decode_tokens"]):
     events.append(("token", None, began, now(), None))
 after, cpu_after = store.stats(), os.times()
 runtime.close()
-origin = start * 1e9
-for label, began, ended in store._file.range_times:
-    events.append(("range", label, (began - origin) / 1e6, (ended - origin) / 1e6, None))
-print(json.dumps({"events": events, "native_reads": store._file.native_reads,
-                  "read_bytes": after["pack_read_bytes"] - before["pack_read_bytes"],
+print(json.dumps({"events": events, "read_bytes": after["pack_read_bytes"] - before["pack_read_bytes"],
                   "fetch_ms": (after["fetch_ns"] - before["fetch_ns"]) / 1e6,
                   "cpu": [cpu_after.user - cpu_before.user, cpu_after.system - cpu_before.system]}))
 """
@@ -151,48 +159,33 @@ def token_phases(events: list, begin: float, end: float, ranges: list) -> list[t
     ]
 
 
-def step_rows(events: list, begin: float, end: float, ranges: list) -> list[tuple[int, tuple]]:
-    """Per MoE layer of one token: (layer, (resident, reading, missing) at its router, ms from the
-    router to the last read landing, the disk's busy share of that, ms its first read waited, ms until
-    its read-ahead had queued its reads)."""
+def step_rows(events: list, begin: float, end: float, ranges: list) -> list[tuple[int, bool, tuple]]:
+    """Per read-ahead call of one token's MoE layers: (layer, whether the call is the layer's router's
+    (else a slide of its step's window), ((resident, reading, missing) at it, ms from it to the last read
+    landing, the disk's busy share of that, ms its first read waited, ms until it had queued its reads))."""
     inside = [event for event in events if begin <= event[3] <= end]
-    rows = []
+    rows, routed_layers = [], set()
     for route in (e for e in inside if e[0] == "route"):
         asked, held, loading = route[4]
         layer = route[1]
+        router = layer not in routed_layers
+        routed_layers.add(layer)
         routed = next(e for e in inside if e[0] == "routed" and e[1] == layer and e[3] >= route[2])
         reads = [(e[2], e[3]) for e in inside if e[0] == "range" and route[2] <= e[2] <= routed[3]]
         last = max((stop for _, stop in reads), default=route[2])
         window = last - route[2]
         share = busy_ms(ranges, route[2], last) / window if window > 0 else 1.0
         first = min((start for start, _ in reads), default=route[2]) - route[2]
-        queued = [e[3] for e in inside if e[0] == "queue" and route[2] <= e[2] <= routed[3]]
+        queued = min(
+            (e[3] for e in inside if e[0] == "queue" and route[2] <= e[2] <= routed[3]), default=route[2]
+        )
         rows.append(
-            (
-                layer,
-                (
-                    held,
-                    loading,
-                    asked - held - loading,
-                    window,
-                    share,
-                    first,
-                    min(queued, default=route[2]) - route[2],
-                ),
-            )
+            (layer, router, (held, loading, asked - held - loading, window, share, first, queued - route[2]))
         )
     return rows
 
 
 Spans = list[tuple[float, float]]
-
-
-def in_flight_at_starts(ranges: Spans) -> list[int]:
-    """For each read range (sorted by start), how many ranges were running as it started, itself included."""
-    return [
-        sum(start <= began < stop for start, stop in ranges[: index + 1])
-        for index, (began, _) in enumerate(ranges)
-    ]
 
 
 def disk_per_token(ranges: Spans, spans: Spans) -> tuple[float, float]:
@@ -215,27 +208,28 @@ def report(name: str, result: dict[str, Any], tokens: int, rate: float) -> list[
         f"{name}: {ms:.0f} ms/token, fetch wait {result['fetch_ms'] / tokens:.1f}, read "
         f"{read_mb:.0f} MB/token = {read_ms:.0f} ms at {rate / 1e9:.2f} GB/s; "
         f"max(compute, reads) / measured {max(compute, read_ms) / ms:.2f}; reads in flight "
-        f"{statistics.mean(in_flight_at_starts(ranges)):.1f}; CPU user / system "
+        f"{statistics.mean(e[4] for e in events if e[0] == 'range'):.1f}; CPU user / system "
         f"{1e3 * result['cpu'][0] / tokens:.0f} / {1e3 * result['cpu'][1] / tokens:.0f} ms/token",
         f"  disk busy {busy:.0f} ms a token, idle {idle:.0f} ms; {read_mb / busy:.2f} GB/s while busy",
         "  | phase | ms | disk idle ms |",
         "  |---|---|---|",
     ]
     phases: dict[str, list[tuple[float, float]]] = {}
-    steps: dict[int, list[tuple]] = {}
+    steps: dict[tuple[int, bool], list[tuple]] = {}
     for start, stop in spans:
         for phase, length, idle in token_phases(events, start, stop, ranges):
             phases.setdefault(phase, []).append((length, idle))
-        for layer, row in step_rows(events, start, stop, ranges):
-            steps.setdefault(layer, []).append(row)
+        for layer, router, row in step_rows(events, start, stop, ranges):
+            steps.setdefault((layer, router), []).append(row)
     for phase, rows in phases.items():
         lines.append(f"  | {phase} | {_mean(rows, 0):.1f} | {_mean(rows, 1):.1f} |")
-    for layer, rows in sorted(steps.items()):
+    for (layer, router), rows in sorted(steps.items(), key=lambda item: (item[0][0], not item[0][1])):
+        where = "at its router" if router else "at its window's slides (mean of each)"
         lines.append(
-            f"  L{layer} at its router: {_mean(rows, 0):.1f} resident, {_mean(rows, 1):.1f} being read, "
+            f"  L{layer} {where}: {_mean(rows, 0):.1f} resident, {_mean(rows, 1):.1f} being read, "
             f"{_mean(rows, 2):.1f} missing; last read lands {_mean(rows, 3):.1f} ms after it, the disk "
             f"busy {_mean(rows, 4):.0%} of that; the first read starts {_mean(rows, 5):.1f} ms after it "
-            f"(its read-ahead has queued its reads {_mean(rows, 6):.1f} ms after it)"
+            f"(its reads queued {_mean(rows, 6):.1f} ms after it)"
         )
     return lines
 
@@ -254,18 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", type=Path, default=real.DEFAULT_CACHE, help="default %(default)s")
     parser.add_argument("--threads", type=int, default=2, help="default %(default)s")
     parser.add_argument("--k3stream-args", default="", help="extra k3stream flags")
-    parser.add_argument(
-        "--readers",
-        type=real.reader_kinds,
-        default=["c"],
-        help="the pack's reader pools to run each fraction with, side by side: c, python (default c)",
-    )
     args = parser.parse_args(argv)
     spec = like("kimi-k3", args.layers, n_experts=args.experts)
     gguf, manifest = beyond.ensure_model(spec, args.cache_dir)
     files = beyond.model_files(gguf, manifest)
     _, _, expert_bytes = real.bytes_per_token(gguf, spec)
-    rate = real.best_store_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30), args.readers)
+    rate = real.store_read_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30))
     prompt = beyond.bench_prompt(gguf, 16)
     for fraction in (float(part) for part in args.fractions.split(",") if part.strip()):
         ram = int(fraction * expert_bytes)
@@ -285,14 +273,12 @@ def main(argv: list[str] | None = None) -> int:
             "prompt": prompt,
             "decode_tokens": args.decode_tokens,
         }
-        for kind in args.readers:
-            with real.readers(kind) as pool:
-                result = beyond.run_child("timeline", CHILD, job, limit, files)
-            name = f"{fraction:.0%} of experts, {pool}"
-            if "error" in result:
-                print(f"{name}: {result['error']}")
-                continue
-            print("\n".join(report(name, result, args.decode_tokens, rate)), flush=True)
+        result = beyond.run_child("timeline", CHILD, job, limit, files)
+        name = f"{fraction:.0%} of experts"
+        if "error" in result:
+            print(f"{name}: {result['error']}")
+            continue
+        print("\n".join(report(name, result, args.decode_tokens, rate)), flush=True)
     return 0
 
 

@@ -8,14 +8,12 @@ way to make a fetch meet a prefetch still in flight without racing a timer. It w
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -83,31 +81,6 @@ class PrefetchGate:
 
     def open(self) -> None:
         self._open.set()
-
-
-@contextlib.contextmanager
-def readers_held(file: PackFile) -> Iterator[None]:
-    """No reader of `file` (one reader thread on the Python path) takes a queued range in the block."""
-    if file.native_reads:
-        file._pool.pause(True)
-        try:
-            yield
-        finally:
-            file._pool.pause(False)
-        return
-    gate = threading.Event()
-    file._pool.submit(-1, gate.wait)  # holds the only reader
-    try:
-        yield
-    finally:
-        gate.set()
-
-
-def queued(file: PackFile, offset: int) -> list[int]:
-    """The priorities of the queued ranges of the object at pack `offset`."""
-    if file.native_reads:
-        return file._pool.queued(offset)
-    return [was for was, _ in file._pool._tagged.get(offset, [])]
 
 
 def keys(layer: int, experts: list[int]) -> set[tuple[int, int]]:
@@ -273,7 +246,7 @@ def test_a_queued_call_raised_by_hurry_runs_before_those_it_overtakes_and_runs_o
             job.result(timeout=DEADLINE_S)
     finally:
         gate.set()
-        pool.close()
+        pool.shutdown()
     assert ran == ["c", "a", "b"]
 
 
@@ -292,13 +265,16 @@ def test_prefetch_reads_are_handed_over_as_they_land_and_demand_reads_in_order(
         offset, nbytes = pack.object_range(layer, expert)
         requests.append(ReadRequest(f"expert {expert}", offset, nbytes, np.empty(nbytes, dtype=np.uint8)))
     file = PackFile(pack.path, io_threads=1, read_splits=1)
+    gate = threading.Event()
     try:
-        with readers_held(file):  # until both reads are queued
-            handed = Background(lambda: [request.label for request in file.read_each(requests, priority)])
-            wait_until(lambda: all(queued(file, request.offset) for request in requests), "both reads queued")
-            assert file.hurry([requests[1].offset], priority - 1) == 1
+        file._pool.submit(-1, gate.wait)  # holds the only reader until both reads are queued
+        handed = Background(lambda: [request.label for request in file.read_each(requests, priority)])
+        wait_until(lambda: len(file._pool._tagged) == 2, "both reads queued")
+        assert file.hurry([requests[1].offset], priority - 1) == 1
+        gate.set()
         order = handed.result()
     finally:
+        gate.set()
         file.close()
     assert order == (["expert 1", "expert 0"] if landed_first else ["expert 0", "expert 1"])
     for request in requests:
@@ -313,18 +289,23 @@ def test_a_hinted_expert_whose_read_is_still_queued_is_raised_when_a_step_asks_f
     _, pack = packed
     layer = pack.moe_layers[0]
     store = ExpertStore(pack, ram_mib=budget(pack, 4 * pack.top_k), io_threads=1, read_splits=1)
-    file = store._file
+    tagged, gate = store._file._pool._tagged, threading.Event()
     offsets = [pack.object_range(layer, expert)[0] for expert in (0, 1, 2)]
     try:
-        with readers_held(file):
-            store.prefetch(layer, [0, 1, 2])
-            wait_until(lambda: all(queued(file, offset) for offset in offsets), "the hint's reads queued")
-            store.read_ahead(layer, [1])
-            fetched = Background(lambda: store.fetch(layer, [2]))
-            wait_until(lambda: queued(file, offsets[2]) == [Load.DEMAND], "the fetch")
-            assert [queued(file, offset) for offset in offsets[:2]] == [[Load.HINT], [Load.READ_AHEAD]]
+        store._file._pool.submit(-1, gate.wait)  # holds the only reader
+        store.prefetch(layer, [0, 1, 2])
+        wait_until(lambda: set(offsets) <= set(tagged), "the hint's reads queued")
+        store.read_ahead(layer, [1])
+        fetched = Background(lambda: store.fetch(layer, [2]))
+        wait_until(lambda: [was for was, _ in tagged.get(offsets[2], [])] == [Load.DEMAND], "the fetch")
+        assert [[was for was, _ in tagged[offset]] for offset in offsets[:2]] == [
+            [Load.HINT],
+            [Load.READ_AHEAD],
+        ]
+        gate.set()
         assert list(fetched.result()) == [2]
     finally:
+        gate.set()
         store.close()
 
 
@@ -383,9 +364,7 @@ def test_read_ahead_queues_its_pack_reads_before_it_returns_while_its_thread_is_
         store._reader_ahead.submit(busy.wait, DEADLINE_S)  # the read-ahead thread, taken
         store.read_ahead(layer, [1, 2])
         assert store._file._active_reads == 1 and keys(layer, [1, 2]) <= set(store._compute.loading)
-        offsets = [pack.object_range(layer, expert)[0] for expert in (1, 2)]
-        queued_at = functools.partial(queued, store._file)
-        wait_until(lambda: not any(map(queued_at, offsets)), "the readers to take every range")
+        wait_until(lambda: not store._file._pool._tagged, "the readers to take every range")
         busy.set()
         wait_until(lambda: store.ready(layer, [1, 2]) == [1, 2], "the read-ahead's installs")
         assert set(store.fetch(layer, [1, 2])) == {1, 2}

@@ -25,8 +25,6 @@ from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
 import numpy as np
 
@@ -178,7 +176,7 @@ class PriorityPool:
         finally:
             task.args = ()
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
         """Finish the queued reads, then stop the workers."""
         for _ in self._threads:
             self._queue.put((float("inf"), next(self._order), _Task(None, ())))
@@ -186,101 +184,26 @@ class PriorityPool:
             thread.join()
 
 
-class _ThreadBatch:
-    """The ranges of one `PackFile.start` on Python reader threads (`PriorityPool`): each request's
-    ranges' futures, whose results are each range's (started, ended) `perf_counter_ns`."""
+def _as_landed(requests: list[ReadRequest], jobs: dict[int, list[Future]]) -> Iterator[ReadRequest]:
+    """The requests, each once all its ranges' futures (`jobs[id(request)]`) are done, in that order."""
+    landed: queue.SimpleQueue[ReadRequest] = queue.SimpleQueue()
+    lock = threading.Lock()
+    left = {id(request): len(jobs[id(request)]) for request in requests}
 
-    def __init__(self, jobs: list[list[Future]]) -> None:
-        self._jobs = jobs
+    def one_done(request: ReadRequest) -> None:
+        with lock:
+            left[id(request)] -= 1
+            last = not left[id(request)]
+        if last:
+            landed.put(request)
 
-    def landed(self) -> Iterator[int]:
-        """The requests' indices, each once all its ranges are done, in that order."""
-        landed: queue.SimpleQueue[int] = queue.SimpleQueue()
-        lock = threading.Lock()
-        left = [len(jobs) for jobs in self._jobs]
-
-        def one_done(index: int) -> None:
-            with lock:
-                left[index] -= 1
-                last = not left[index]
-            if last:
-                landed.put(index)
-
-        for index, jobs in enumerate(self._jobs):
-            if not jobs:  # nothing to read (an empty object)
-                landed.put(index)
-            for job in jobs:
-                job.add_done_callback(lambda _job, index=index: one_done(index))
-        for _ in self._jobs:
-            yield landed.get()
-
-    def failure(self, index: int) -> OSError | None:
-        """Wait for request `index`'s ranges: None, or the first range's error."""
-        for job in self._jobs[index]:
-            try:
-                job.result()
-            except OSError as exc:
-                return exc
-        return None
-
-    def wait_all(self) -> None:
-        futures.wait([job for jobs in self._jobs for job in jobs])
-
-    def times(self) -> list[tuple[int, int, int]]:
-        return [
-            (index, *job.result())
-            for index, jobs in enumerate(self._jobs)
-            for job in jobs
-            if job.exception() is None
-        ]
-
-
-class _NativeBatch:
-    """The ranges of one `PackFile.start` on the C reader threads (`_pack_reads.Batch`): every wait
-    releases the GIL, and no reader thread ever takes it."""
-
-    def __init__(self, batch: Any) -> None:
-        self._batch = batch
-
-    def landed(self) -> Iterator[int]:
-        while (index := self._batch.next_landed()) >= 0:
-            yield index
-
-    def failure(self, index: int) -> OSError | None:
-        self._batch.wait(index)
-        error = self._batch.error(index)
-        if error is None:
-            return None
-        number, done, size, offset = error
-        message = f"short read: {done} of {size} bytes at {offset}" if done >= 0 else os.strerror(number)
-        return OSError(number, message)
-
-    def wait_all(self) -> None:
-        self._batch.wait_all()
-
-    def times(self) -> list[tuple[int, int, int]]:
-        return self._batch.times()
-
-
-def _check_destination(request: ReadRequest) -> None:
-    """Refuse a destination the C readers cannot write `request`'s bytes to by address."""
-    dest = request.dest
-    if dest.dtype != np.uint8 or not dest.flags.c_contiguous or not dest.flags.writeable:
-        raise ValueError(f"{request.label}: a read's destination must be a writable contiguous uint8 array")
-    if dest.size < request.nbytes:
-        raise ValueError(f"{request.label}: {request.nbytes} bytes do not fit in {dest.size} bytes")
-
-
-def _native_reads() -> ModuleType | None:
-    """The C reader pool (`pack_reads.c`), or None where it was not built or K3STREAM_PYTHON_READS=1
-    asks for the Python reader threads."""
-    if os.environ.get("K3STREAM_PYTHON_READS") == "1":
-        return None
-    try:
-        from k3stream.store import _pack_reads
-    except ImportError:
-        return None
-    return _pack_reads
+    for request in requests:
+        if not jobs[id(request)]:  # nothing to read (an empty object)
+            landed.put(request)
+        for job in jobs[id(request)]:
+            job.add_done_callback(lambda _job, request=request: one_done(request))
+    for _ in requests:
+        yield landed.get()
 
 
 def _buffered(path: Path) -> int:
@@ -299,21 +222,21 @@ class Reads:
     closes them)."""
 
     def __init__(
-        self, file: PackFile, requests: list[ReadRequest], priority: int, batch: _ThreadBatch | _NativeBatch
+        self, file: PackFile, requests: list[ReadRequest], priority: int, jobs: dict[int, list[Future]]
     ) -> None:
-        self._file, self._requests, self._priority, self._batch = file, requests, priority, batch
+        self._file, self._requests, self._priority, self._jobs = file, requests, priority, jobs
         self._started = time.perf_counter_ns()
         self._failure: OSError | None = None
         self._open = True
 
     def __iter__(self) -> Iterator[ReadRequest]:
+        jobs = self._jobs
         try:
-            for index in self._batch.landed() if self._priority > 0 else range(len(self._requests)):
-                failure = self._batch.failure(index)
-                if failure is not None:
-                    self._failure = self._file._named(self._requests[index], failure)
+            for request in _as_landed(self._requests, jobs) if self._priority > 0 else self._requests:
+                self._failure = self._file._failure(request, jobs[id(request)])
+                if self._failure is not None:
                     break
-                yield self._requests[index]
+                yield request
         finally:
             self.close()
         if self._failure is not None:
@@ -323,19 +246,13 @@ class Reads:
         if not self._open:
             return
         self._open = False
-        self._batch.wait_all()
-        if self._file.range_times is not None:
-            labels = [request.label for request in self._requests]
-            self._file.range_times.extend((labels[index], *span) for index, *span in self._batch.times())
+        futures.wait([job for pieces in self._jobs.values() for job in pieces])
         self._file._count(self._requests, self._failure, time.perf_counter_ns() - self._started)
         self._file._reads_done()
 
 
 class PackFile:
-    """The pack opened for reading, with a pool of reader threads and read statistics: the C readers
-    (`pack_reads.c`) where built, else Python threads (`PriorityPool`), K3STREAM_PYTHON_READS=1 forcing
-    those. Setting `range_times` to a list records each range read as (label, started, ended
-    `perf_counter_ns`) once its reads close."""
+    """The pack opened for reading, with a pool of reader threads and read statistics."""
 
     def __init__(
         self,
@@ -360,17 +277,7 @@ class PackFile:
         self._local = threading.local()
         self._fallback_lock = threading.Lock()
         self._retired_fds: list[int] = []
-        native = _native_reads()
-        self.native_reads = native is not None
-        self._pool: Any
-        if native is None:
-            self._pool = PriorityPool(io_threads, "k3stream-pack-read")
-        else:  # its fallback from O_DIRECT is a buffered descriptor opened now, closed with the file
-            fallback = _buffered(self.path) if self.direct_io else -1
-            self._retired_fds.append(fallback)
-            latency_ns = round(self.simulated_read_latency_us * 1e3)
-            self._pool = native.Pool(self._fd, fallback, io_threads, latency_ns)
-        self.range_times: list[tuple[str, int, int]] | None = None
+        self._pool = PriorityPool(io_threads, "k3stream-pack-read")
         self._readers = threading.Condition()  # guards _closed and _active_reads
         self._closed = False
         self._active_reads = 0
@@ -420,8 +327,7 @@ class PackFile:
                 raise RuntimeError(f"expert-pack file {self.path} is closed")
             self._active_reads += 1
         try:
-            submit = self._submit_native if self.native_reads else self._submit
-            return Reads(self, requests, priority, submit(requests, priority, read_here))
+            return Reads(self, requests, priority, self._submit(requests, priority, read_here))
         except BaseException:
             self._reads_done()
             raise
@@ -431,49 +337,40 @@ class PackFile:
             self._active_reads -= 1
             self._readers.notify_all()
 
-    def _ranges(self, requests: list[ReadRequest]) -> list[tuple[int, int, int]]:
-        """(index in `requests`, start, length) of every range, in pack order."""
-        return [
-            (index, start, length)
-            for index in sorted(range(len(requests)), key=lambda index: requests[index].offset)
-            for start, length in split_ranges(requests[index].nbytes, self.read_splits)
+    def _submit(self, requests: list[ReadRequest], priority: int, read_here: bool) -> dict[int, list[Future]]:
+        """Queue every range of `requests` in pack order: {id(request): its ranges' futures}."""
+        parts = [
+            (request, start, length)
+            for request in sorted(requests, key=lambda request: request.offset)
+            for start, length in split_ranges(request.nbytes, self.read_splits)
         ]
-
-    def _submit(self, requests: list[ReadRequest], priority: int, read_here: bool) -> _ThreadBatch:
-        """Queue every range of `requests` in pack order on the Python reader threads."""
-        ranges = self._ranges(requests)
-        jobs: list[list[Future]] = [[] for _ in requests]
-        for index, start, length in ranges:
-            part = (requests[index], start, length)
-            if len(ranges) == 1 and read_here:  # one small object: read it here, no hand-off
+        jobs: dict[int, list[Future]] = {id(request): [] for request in requests}
+        for part in parts:
+            if len(parts) == 1 and read_here:  # one small object: read it here, no hand-off
                 job = self._pool.run_here(self._read_range, *part)
             else:
                 job = self._pool.submit(priority, self._read_range, *part, tag=part[0].offset)
-            jobs[index].append(job)
-        return _ThreadBatch(jobs)
-
-    def _submit_native(self, requests: list[ReadRequest], priority: int, read_here: bool) -> _NativeBatch:
-        """Queue every range of `requests` in pack order on the C reader threads, in one call."""
-        for request in requests:
-            _check_destination(request)
-        offsets = [request.offset for request in requests]
-        destinations = [request.dest for request in requests]
-        batch = self._pool.submit(self._ranges(requests), offsets, destinations, priority, read_here)
-        return _NativeBatch(batch)
+            jobs[id(part[0])].append(job)
+        return jobs
 
     def hurry(self, offsets: list[int], priority: int) -> int:
         """Raise to `priority` the queued ranges of the requests at these pack offsets (a read a
         prefetch queued that a step now waits for); returns how many ranges moved."""
         return sum(self._pool.hurry(offset, priority) for offset in offsets)
 
-    def _named(self, request: ReadRequest, exc: OSError) -> OSError:
-        """A range's error as one line naming the pack and object."""
-        return OSError(
-            exc.errno, f"expert-pack read failed for {request.label} in {self.path}: {exc.strerror or exc}"
-        )
+    def _failure(self, request: ReadRequest, jobs: list[Future]) -> OSError | None:
+        """Wait for `request`'s ranges: None, or the error naming the pack and object."""
+        for job in jobs:
+            try:
+                job.result()
+            except OSError as exc:
+                return OSError(
+                    exc.errno,
+                    f"expert-pack read failed for {request.label} in {self.path}: {exc.strerror or exc}",
+                )
+        return None
 
     def _count(self, requests: list[ReadRequest], failure: OSError | None, elapsed: int) -> None:
-        self._note_native_refusal()
         with self._stats_lock:
             if failure is not None:
                 self.stats["io_errors"] += 1
@@ -482,22 +379,19 @@ class PackFile:
                 self.stats["pack_read_bytes"] += sum(request.nbytes for request in requests)
                 self.stats["pack_read_ns"] += elapsed
 
-    def _read_range(self, request: ReadRequest, start: int, length: int) -> tuple[int, int]:
-        """Read one range on a Python reader thread: its (started, ended) `perf_counter_ns`."""
-        started = time.perf_counter_ns()
+    def _read_range(self, request: ReadRequest, start: int, length: int) -> None:
         if self.simulated_read_latency_us:
             time.sleep(self.simulated_read_latency_us / 1e6)
         target = request.dest[start : start + length]
         if self.direct_io:
             try:
                 self._read_direct(request.offset + start, target, request.dest[start:])
-                return started, time.perf_counter_ns()
+                return
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self._fall_back_to_buffered(exc)
         self._read_exact(self._fd, request.offset + start, target)
-        return started, time.perf_counter_ns()
 
     def _read_direct(self, offset: int, target: np.ndarray, room: np.ndarray) -> None:
         """Read `target` (the start of `room`, which may be written past the target's end)."""
@@ -539,16 +433,8 @@ class PackFile:
                 # the O_DIRECT descriptor stays open until close(): other reader threads may hold it
                 self._retired_fds.append(self._fd)
                 self._fd = _buffered(self.path)
-                self._direct_refused(exc.strerror)
-
-    def _note_native_refusal(self) -> None:
-        """Where the C readers fell back from O_DIRECT (they switch on their own), say so."""
-        if self.native_reads and self.direct_io and (refused := self._pool.direct_refused()):
-            self._direct_refused(os.strerror(refused))
-
-    def _direct_refused(self, reason: str | None) -> None:
-        self.direct_io = False
-        self.direct_io_note = f"O_DIRECT reads refused ({reason}); using buffered reads"
+                self.direct_io = False
+                self.direct_io_note = f"O_DIRECT reads refused ({exc.strerror}); using buffered reads"
 
     @staticmethod
     def _read_exact(fd: int, offset: int, target: np.ndarray) -> None:
@@ -561,7 +447,6 @@ class PackFile:
             done += got
 
     def snapshot(self) -> dict:
-        self._note_native_refusal()
         with self._stats_lock:
             return {
                 **self.stats,
@@ -578,7 +463,7 @@ class PackFile:
                 return
             self._closed = True
             self._readers.wait_for(lambda: self._active_reads == 0)
-        self._pool.close()
+        self._pool.shutdown()
         for fd in [*self._retired_fds, self._fd]:
             if fd >= 0:
                 os.close(fd)
