@@ -42,7 +42,7 @@ import torch
 from k3stream.commands.flags import add_model_arguments, runtime_from_args
 from k3stream.engine.generate import prefill_last
 from k3stream.model.moe import LatentMoE
-from k3stream.store import expert_store, pack_io
+from k3stream.store import expert_store, loading, pack_io
 events, in_flight, counting = [], [0], threading.Lock()
 start = time.perf_counter()
 def now():
@@ -57,6 +57,7 @@ def timed(owner, name, kind, layer_of):
     setattr(owner, name, wrapper)
 timed(LatentMoE, "_routed_sum", "routed", lambda self, args: self.layer)
 timed(expert_store.ExpertStore, "fetch", "fetch", lambda self, args: args[0])
+timed(loading.Loader, "start", "queue", lambda self, args: None)  # a step's read-ahead queueing its reads
 ask = expert_store.ExpertStore.read_ahead
 def read_ahead(self, layer, experts):
     experts = list(experts)
@@ -158,21 +159,29 @@ def token_phases(events: list, begin: float, end: float, ranges: list) -> list[t
     ]
 
 
-def step_rows(events: list, begin: float, end: float, ranges: list) -> list[tuple[int, tuple]]:
-    """Per MoE layer of one token: (layer, (resident, reading, missing) at its router, ms from the
-    router to the last read landing, the disk's busy share of that, ms its first read waited)."""
+def step_rows(events: list, begin: float, end: float, ranges: list) -> list[tuple[int, bool, tuple]]:
+    """Per read-ahead call of one token's MoE layers: (layer, whether the call is the layer's router's
+    (else a slide of its step's window), ((resident, reading, missing) at it, ms from it to the last read
+    landing, the disk's busy share of that, ms its first read waited, ms until it had queued its reads))."""
     inside = [event for event in events if begin <= event[3] <= end]
-    rows = []
+    rows, routed_layers = [], set()
     for route in (e for e in inside if e[0] == "route"):
         asked, held, loading = route[4]
         layer = route[1]
+        router = layer not in routed_layers
+        routed_layers.add(layer)
         routed = next(e for e in inside if e[0] == "routed" and e[1] == layer and e[3] >= route[2])
         reads = [(e[2], e[3]) for e in inside if e[0] == "range" and route[2] <= e[2] <= routed[3]]
         last = max((stop for _, stop in reads), default=route[2])
         window = last - route[2]
         share = busy_ms(ranges, route[2], last) / window if window > 0 else 1.0
         first = min((start for start, _ in reads), default=route[2]) - route[2]
-        rows.append((layer, (held, loading, asked - held - loading, window, share, first)))
+        queued = min(
+            (e[3] for e in inside if e[0] == "queue" and route[2] <= e[2] <= routed[3]), default=route[2]
+        )
+        rows.append(
+            (layer, router, (held, loading, asked - held - loading, window, share, first, queued - route[2]))
+        )
     return rows
 
 
@@ -206,19 +215,21 @@ def report(name: str, result: dict[str, Any], tokens: int, rate: float) -> list[
         "  |---|---|---|",
     ]
     phases: dict[str, list[tuple[float, float]]] = {}
-    steps: dict[int, list[tuple]] = {}
+    steps: dict[tuple[int, bool], list[tuple]] = {}
     for start, stop in spans:
         for phase, length, idle in token_phases(events, start, stop, ranges):
             phases.setdefault(phase, []).append((length, idle))
-        for layer, row in step_rows(events, start, stop, ranges):
-            steps.setdefault(layer, []).append(row)
+        for layer, router, row in step_rows(events, start, stop, ranges):
+            steps.setdefault((layer, router), []).append(row)
     for phase, rows in phases.items():
         lines.append(f"  | {phase} | {_mean(rows, 0):.1f} | {_mean(rows, 1):.1f} |")
-    for layer, rows in sorted(steps.items()):
+    for (layer, router), rows in sorted(steps.items(), key=lambda item: (item[0][0], not item[0][1])):
+        where = "at its router" if router else "at its window's slides (mean of each)"
         lines.append(
-            f"  L{layer} at its router: {_mean(rows, 0):.1f} resident, {_mean(rows, 1):.1f} being read, "
+            f"  L{layer} {where}: {_mean(rows, 0):.1f} resident, {_mean(rows, 1):.1f} being read, "
             f"{_mean(rows, 2):.1f} missing; last read lands {_mean(rows, 3):.1f} ms after it, the disk "
-            f"busy {_mean(rows, 4):.0%} of that; the first read starts {_mean(rows, 5):.1f} ms after it"
+            f"busy {_mean(rows, 4):.0%} of that; the first read starts {_mean(rows, 5):.1f} ms after it "
+            f"(its reads queued {_mean(rows, 6):.1f} ms after it)"
         )
     return lines
 
