@@ -3,7 +3,7 @@
     python benchmarks/bench_forward.py [--recipe f32|f16|audited|iq2_xxs|dynamic|...] [--shape mid|wide|big]
         [--threads 2] [--clock wall|cpu]
         [--prompt 128] [--decode 32] [--repeat 3] [--prefills 3]
-        [--kernels auto|reference] [--float-activations]
+        [--kernels auto|reference] [--float-activations] [--step-times]
 
 `--clock cpu` times the process's CPU seconds instead of wall seconds (meaningful with `--threads 1`,
 where both engines compute on the calling thread alone): on a shared machine the cores other
@@ -20,6 +20,9 @@ prints the median tokens/s of each and the ratio of the medians, k3stream/llama.
 `--kernels reference` runs k3stream's reference path (weights dequantized to float32 at load);
 k3stream computes with its default arithmetic, llama.cpp's (activations quantized to 8 bits a row,
 ggml's integer kernels), or with `--float-activations` on float32 activations.
+`--step-times` then prints where a k3stream decode token's time goes: ms per token of each C function
+of its decode program (`k3stream.model.program`), each step timed alone over `--decode` tokens, and of
+its Python steps.
 """
 
 from __future__ import annotations
@@ -93,6 +96,33 @@ def bench_k3stream(
     return prefill_s, clock() - start
 
 
+def decode_step_times(
+    path: Path, tokens: list[int], prompt: int, threads: int, match_ggml: bool
+) -> dict[str, tuple[float, int]]:
+    """ms per decode token and calls per token of each function of k3stream's decode program (Python
+    steps as "python"), each step timed alone as the program runs it, over the tokens after the prompt."""
+    import torch
+
+    import k3stream
+
+    torch.set_num_threads(threads)
+    model = k3stream.load(path, k3stream.LoadOptions(match_ggml=match_ggml))
+    state = model.new_state()
+    model.prefill_last(state, tokens[:prompt])
+    model.decode(state, tokens[prompt])  # builds the program
+    program = model._program
+    names = [function.__name__.replace("_dropping_result", "python") for function, _, _ in program.steps]
+    seconds = dict.fromkeys(names, 0.0)
+    decoded = tokens[prompt + 1 :]
+    for token in decoded:
+        program._token = token
+        for name, (function, args, _) in zip(names, program.steps, strict=True):
+            start = time.perf_counter()
+            function(*args)
+            seconds[name] += time.perf_counter() - start
+    return {name: (1e3 * s / len(decoded), names.count(name)) for name, s in seconds.items()}
+
+
 def bench_llama(
     path: Path,
     tokens: list[int],
@@ -137,6 +167,9 @@ def main() -> None:
         help="prefills a run times (a fresh state each), keeping its fastest",
     )
     parser.add_argument("--kernels", default="auto", choices=["auto", "reference"])
+    parser.add_argument(
+        "--step-times", action="store_true", help="then each decode program step's ms per token"
+    )
     add_arithmetic_arguments(parser)
     args = parser.parse_args()
     match_ggml = not args.float_activations
@@ -170,6 +203,9 @@ def main() -> None:
             runs["llama.cpp"].append(
                 bench_llama(path, tokens, args.prompt, args.threads, args.prefills, clock)
             )
+        steps = (
+            decode_step_times(path, tokens, args.prompt, args.threads, match_ggml) if args.step_times else {}
+        )
     rates = {
         name: (
             float(np.median([args.prompt / prefill_s for prefill_s, _ in times])),
@@ -181,6 +217,10 @@ def main() -> None:
         print(f"{name:10s} prefill {prefill_rate:8.1f} tok/s   decode {decode_rate:7.2f} tok/s")
     ours, theirs = rates["k3stream"], rates["llama.cpp"]
     print(f"ratio k3stream/llama.cpp: prefill {ours[0] / theirs[0]:.2f}x   decode {ours[1] / theirs[1]:.2f}x")
+    if steps:
+        print(f"k3stream decode steps, ms per token (calls): total {sum(ms for ms, _ in steps.values()):.3f}")
+        for name, (ms, calls) in sorted(steps.items(), key=lambda item: -item[1][0]):
+            print(f"  {name:16s} {ms:7.3f} ({calls})")
 
 
 if __name__ == "__main__":

@@ -433,13 +433,23 @@ PAIR_DOT(iq3_s, 110, WHOLE)
 
 AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2); }
 
+/* Output `a` of a pair's float lanes: lanes 0-7 (half 0) or 8-15 (half 1) as lanes 0-7 beside +0 lanes, the
+ * lanes a block alone leaves (its missing second block's d is 0): hsum16 of them is that block's result */
+AVX512 float half_sum(__m512 acc, int half) {
+    return hsum16(_mm512_maskz_mov_ps(0x00FF, half ? _mm512_shuffle_f32x4(acc, acc, 0x4E) : acc));
+}
+
 /* A row kernel: the input rows of matrix b RUN_ROWS at a time, each batch's activations put in the
  * kernel's order once (PREPARE: X_BYTES(blocks) bytes a row), then every weight row first..last - 1
  * against them; fewer than RUN_ROWS input rows take them one at a time, against WIDE weight rows at once
- * (NAME##_pairs: `wide` rows `stride` bytes apart, into acc[w n + r]) */
-#define PREPARED_ROWS(ID, NAME, FACTOR, PREPARE, X_BYTES, WIDE)                                              \
+ * (NAME##_pairs: `wide` rows `stride` bytes apart, into acc[w n + r]). PAIRS (the pair kernels): rows of
+ * one block (256 inputs: an expert's down projection) go two at a time as one pair of blocks, the
+ * activations' block in both halves (alone, a row's block leaves half of its pair's work on zeros);
+ * each row's lanes give its own sum (`half_sum`), the same bits as the row alone */
+#define PREPARED_ROWS(ID, NAME, FACTOR, PREPARE, X_BYTES, WIDE, PAIRS)                                       \
     AVX512_TARGET static void NAME##_rows_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) { \
         const int64_t blocks = pr->in_features / 256, pair_bytes = X_BYTES(blocks), stride = pr->row_bytes; \
+        const int paired = (PAIRS) && blocks == 1;                                                       \
         int8_t *buffer = aligned_alloc(64, (size_t)(RUN_ROWS * pair_bytes));                             \
         if (buffer == NULL) { /* no memory for the activations: ggml's AVX2 kernel (a few ulp apart) */  \
             iq_q8_kernel_avx2(ID)(pr, b, first, last);                                                   \
@@ -449,12 +459,26 @@ AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2); }
             const int n = pr->starts[b + 1] - p < RUN_ROWS ? (int)(pr->starts[b + 1] - p) : RUN_ROWS;    \
             const int8_t *xs[RUN_ROWS];                                                                  \
             const BlockQ8K *y[RUN_ROWS];                                                                 \
+            BlockQ8K twice[RUN_ROWS][2]; /* paired: each input row's block twice */                      \
             for (int r = 0; r < n; r++) {                                                                \
                 y[r] = pr->q8 + pr->rows[p + r] * blocks;                                                \
-                PREPARE(y[r], blocks, buffer + r * pair_bytes);                                          \
+                if (paired) {                                                                            \
+                    twice[r][0] = twice[r][1] = y[r][0];                                                 \
+                    y[r] = twice[r];                                                                     \
+                }                                                                                        \
+                PREPARE(y[r], paired ? 2 : blocks, buffer + r * pair_bytes);                             \
                 xs[r] = buffer + r * pair_bytes;                                                         \
             }                                                                                            \
-            for (int64_t m = first, wide; m < last; m += wide) {                                         \
+            int64_t m = first;                                                                           \
+            for (; paired && m + 2 <= last; m += 2) {                                                    \
+                __m512 acc[RUN_ROWS];                                                                    \
+                for (int a = 0; a < n; a++) acc[a] = _mm512_setzero_ps();                                \
+                NAME##_pairs((const uint8_t *)(uintptr_t)pr->addresses[b] + m * stride, 2 * stride, 1, 2, xs, y, acc, n); \
+                for (int a = 0; a < n; a++)                                                              \
+                    for (int half = 0; half < 2; half++)                                                 \
+                        pr->out[(p + a) * pr->out_stride + m + half] = (FACTOR) * half_sum(acc[a], half); \
+            }                                                                                            \
+            for (int64_t wide; m < last; m += wide) {                                                    \
                 wide = n < RUN_ROWS && last - m >= (WIDE) ? (WIDE) : 1;                                  \
                 const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * stride;          \
                 __m512 acc[RUN_ROWS];                                                                    \
@@ -474,7 +498,7 @@ AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2); }
         }                                                                                                \
         free(buffer);                                                                                    \
     }
-#define PLANES_ROWS(ID, NAME, FACTOR) PREPARED_ROWS(ID, NAME, FACTOR, x_planes, plane_bytes, 1)
+#define PLANES_ROWS(ID, NAME, FACTOR) PREPARED_ROWS(ID, NAME, FACTOR, x_planes, plane_bytes, 1, 1)
 
 PLANES_ROWS(16, iq2_xxs, 0.125f)
 PLANES_ROWS(17, iq2_xs, 0.125f)
@@ -771,8 +795,8 @@ AVX512 void iq1_m_pairs(const uint8_t *row, int64_t stride, const int wide, int6
     iq1_dot(row, stride, wide, blocks, 1, 56, xs, y, acc, n);
 }
 
-PREPARED_ROWS(19, iq1_s, 0.125f, iq1_s_x, iq1_x_bytes, 2)
-PREPARED_ROWS(29, iq1_m, 0.125f, iq1_m_x, iq1_x_bytes, 2)
+PREPARED_ROWS(19, iq1_s, 0.125f, iq1_s_x, iq1_x_bytes, 2, 0)
+PREPARED_ROWS(29, iq1_m, 0.125f, iq1_m_x, iq1_x_bytes, 2, 0)
 
 /* whether the grid lookups gather (VPGATHERDD): on Intel, where a gather beat the byte permutes; AMD Zen 4
  * takes about a cycle a gathered element and one two-table byte permute a cycle. K3STREAM_GRID_LOOKUP=gather
