@@ -364,6 +364,17 @@ def test_a_custom_call_and_its_output_go_back_and_reuse_the_first_turns_prompt(c
             },
             "tools.0.format.definition",
         ),
+        (
+            {
+                "tools": [
+                    {
+                        **calc_tool("lark"),
+                        "format": {"type": "grammar", "syntax": "lark", "definition": "start: <|nope|>"},
+                    }
+                ]
+            },
+            "tools.0.format.definition",  # a special token the vocabulary lacks, with no call forced
+        ),
         ({"tools": [{"type": "custom", "description": "no name"}]}, "tools.0.name"),
         ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice"),
         ({"tools": [calc_tool("lark")], "tool_choice": {"type": "function", "name": "calc"}}, "tool_choice"),

@@ -246,21 +246,16 @@ class ServedModel(Runtime):
 
     def _freeform_calls(self, body: ChatCompletionRequest) -> FreeformCalls | None:
         """The grammars of the freeform tools that have one, over the calls the model opens to them."""
-        grammars = {
-            name: freeform_call_grammar(tool_input)
+        inputs = {
+            name: self.grammars.constraint(freeform_call_grammar(tool_input), tool_input.param)
             for name, tool_input in body.freeform_tools().items()
             if tool_input.lark is not None
         }
-        if not grammars:
+        if not inputs:
             return None
         delimiters = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
         begin, argument, end = (self.tokenizer.token_id(t) for t in delimiters)
-        return FreeformCalls(
-            frozenset(grammars),
-            lambda name: self.grammars.constraint(grammars[name], "tools"),
-            (begin, argument, end),
-            self.tokenizer.decode,
-        )
+        return FreeformCalls(inputs, (begin, argument, end), self.tokenizer.decode)
 
     def _forced_output(self, body: ChatCompletionRequest) -> Constraint | None:
         """The grammar of a forced tool call (`tool_choice` required or named) or `response_format`."""
