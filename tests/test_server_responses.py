@@ -7,6 +7,8 @@ decoding)."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import httpx
 import jsonschema
@@ -340,3 +342,36 @@ def test_reasoning_text_and_a_call_the_model_writes_are_three_items_in_order(ser
         "param": None,
         "sequence_number": len(events) - 1,
     }
+
+
+def test_the_tools_are_checked_off_the_event_loop(server, monkeypatch):
+    """A request's tools are converted (each custom tool's grammar checked by llguidance, 22 ms for
+    32,768 characters; a body holds over a hundred) on the tokenizer threads: the server answers others
+    meanwhile."""
+    import k3stream.server.responses_tools as responses_tools
+
+    started, release = threading.Event(), threading.Event()
+    check = responses_tools.freeform_input
+
+    def slow_check(*args):
+        started.set()
+        release.wait(20)
+        return check(*args)
+
+    monkeypatch.setattr(responses_tools, "freeform_input", slow_check)
+    tool = {
+        "type": "custom",
+        "name": "calc",
+        "format": {"type": "grammar", "syntax": "regex", "definition": "x"},
+    }
+    body = {"input": "hi", "tools": [tool], "max_output_tokens": 1}
+    pending = threading.Thread(target=lambda: post(server, body), daemon=True)
+    pending.start()
+    try:
+        assert started.wait(10)
+        began = time.perf_counter()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200  # the loop is free
+        assert time.perf_counter() - began < 5
+    finally:
+        release.set()
+        pending.join(30)

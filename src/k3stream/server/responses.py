@@ -523,7 +523,7 @@ class ResponsesEndpoints:
 
     async def create(self, request: Request) -> Response:
         body = await parse_body(request, ResponsesRequest)
-        chat = body.chat_request()
+        chat = await self.api.off_loop(body.chat_request)  # checks each grammar and schema: milliseconds each
         served = self.api.served
 
         def count(text: str) -> int:
