@@ -247,6 +247,7 @@ def test_previous_response_id_is_refused_naming_the_field(client):
         ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input.0.output"),
         ({"input": [{"role": "tool", "content": "hi"}]}, "input.0.role"),
         ({"input": []}, "input"),
+        ({"input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hm"}]}]}, "input"),
         ({"tools": [{"type": "namespace"}]}, "tools.0.type"),
         ({"tools": [{**TOOL, "parameters": {"type": "string"}}]}, "tools.0.parameters"),
         ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),
