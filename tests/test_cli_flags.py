@@ -213,7 +213,7 @@ def _parsed_argv(argv: list[str]) -> dict:
 
 @pytest.mark.parametrize("command, flags", [("serve", []), ("generate", ["-p", "hi"])])
 def test_ctx_zero_is_the_models_context_as_in_llama_cpp(command, flags, model_path, one_torch_thread):
-    """llama.cpp's `-c 0`: the context the model file gives, where `-c 0` was refused."""
+    """llama.cpp's `-c 0`: the context the model file gives."""
     from k3stream.commands.flags import runtime_from_args
     from k3stream.gguf.reader import K3Checkpoint
 

@@ -277,7 +277,7 @@ def written_answer(claude, served, monkeypatch, text: str, **fields):
     """The message answering `fields` (`ask`'s) whose answer the model writes as `text`."""
     tokens = served.tokenizer.encode(text, allow_special=True, add_bos=False)
 
-    def scripted(body, in_reasoning) -> Scripted:
+    def scripted(*_: object) -> Scripted:  # in place of `ServedModel._constraint`
         return Scripted(tokens, served.grammars.stop_ids, served.vocab_size)
 
     with monkeypatch.context() as patch:

@@ -7,6 +7,8 @@ decoding)."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import httpx
 import jsonschema
@@ -245,6 +247,7 @@ def test_previous_response_id_is_refused_naming_the_field(client):
         ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input.0.output"),
         ({"input": [{"role": "tool", "content": "hi"}]}, "input.0.role"),
         ({"input": []}, "input"),
+        ({"input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hm"}]}]}, "input"),
         ({"tools": [{"type": "namespace"}]}, "tools.0.type"),
         ({"tools": [{**TOOL, "parameters": {"type": "string"}}]}, "tools.0.parameters"),
         ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),
@@ -340,3 +343,36 @@ def test_reasoning_text_and_a_call_the_model_writes_are_three_items_in_order(ser
         "param": None,
         "sequence_number": len(events) - 1,
     }
+
+
+def test_the_tools_are_checked_off_the_event_loop(server, monkeypatch):
+    """A request's tools are converted (each custom tool's grammar checked by llguidance, 22 ms for
+    32,768 characters; a body holds over a hundred) on the tokenizer threads: the server answers others
+    meanwhile."""
+    import k3stream.server.responses_tools as responses_tools
+
+    started, release = threading.Event(), threading.Event()
+    check = responses_tools.freeform_input
+
+    def slow_check(*args):
+        started.set()
+        release.wait(20)
+        return check(*args)
+
+    monkeypatch.setattr(responses_tools, "freeform_input", slow_check)
+    tool = {
+        "type": "custom",
+        "name": "calc",
+        "format": {"type": "grammar", "syntax": "regex", "definition": "x"},
+    }
+    body = {"input": "hi", "tools": [tool], "max_output_tokens": 1}
+    pending = threading.Thread(target=lambda: post(server, body), daemon=True)
+    pending.start()
+    try:
+        assert started.wait(10)
+        began = time.perf_counter()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200  # the loop is free
+        assert time.perf_counter() - began < 5
+    finally:
+        release.set()
+        pending.join(30)

@@ -14,6 +14,7 @@ import lark
 import pytest
 import torch
 
+from k3stream.server.grammar import MAX_GRAMMAR_CHARS
 from k3stream.server.kimi_output import Piece
 from k3stream.server.responses import ResponsesRequest
 from test_server_responses import KEY, client, post, served, server  # noqa: F401 (fixtures)
@@ -205,6 +206,11 @@ CALC_LARK = 'start: "x = " NUMBER " " OP " " NUMBER\nNUMBER: /[0-9]{1,3}/\nOP: "
 CALC_REGEX = "x = [0-9]{1,3} [+-] [0-9]{1,3}"
 
 
+# valid grammars past MAX_GRAMMAR_CHARS (llguidance's check of a long one takes minutes), alone and as two
+LONG_GRAMMAR = "start: " + " | ".join(f'"w{i}"' for i in range(MAX_GRAMMAR_CHARS // 8))
+HALF_GRAMMAR = "start: " + " | ".join(f'"w{i}"' for i in range(MAX_GRAMMAR_CHARS // 16))
+
+
 def calc_tool(syntax: str) -> dict:
     definition = CALC_LARK if syntax == "lark" else CALC_REGEX
     text_format = {"type": "grammar", "syntax": syntax, "definition": definition}
@@ -347,6 +353,41 @@ def test_a_custom_call_and_its_output_go_back_and_reuse_the_first_turns_prompt(c
         (
             {"tools": [{**calc_tool("lark"), "format": {"type": "grammar", "syntax": "lark"}}]},
             "tools.0.format.definition",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        **calc_tool("lark"),
+                        "format": {"type": "grammar", "syntax": "lark", "definition": LONG_GRAMMAR},
+                    }
+                ]
+            },
+            "tools.0.format.definition",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        **calc_tool("lark"),
+                        "format": {"type": "grammar", "syntax": "lark", "definition": "start: <|nope|>"},
+                    }
+                ]
+            },
+            "tools.0.format.definition",  # a special token the vocabulary lacks, with no call forced
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        **calc_tool("lark"),
+                        "name": f"calc{n}",
+                        "format": {"type": "grammar", "syntax": "lark", "definition": HALF_GRAMMAR},
+                    }
+                    for n in range(2)
+                ]
+            },
+            "tools.1.format.definition",
         ),
         ({"tools": [{"type": "custom", "description": "no name"}]}, "tools.0.name"),
         ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice"),

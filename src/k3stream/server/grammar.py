@@ -25,6 +25,10 @@ from k3stream.server.schemas import FreeformInput
 
 JSON_DEFAULTS = {"whitespace_flexible": False}
 MAX_PARALLEL_CALLS = 8  # calls one forced section may hold
+# characters of a request's custom tool grammars in all: llguidance's check of a Lark grammar grows faster
+# than its length (a 3.5 MB alternation takes minutes), and each is checked, then compiled with the
+# vocabulary (22 and 70 ms for 32,768 characters); Codex's apply_patch grammar holds about 2,000
+MAX_GRAMMAR_CHARS = 32 << 10
 BITS = torch.arange(32, dtype=torch.int32)
 
 
@@ -80,7 +84,7 @@ def freeform_input(syntax: str, definition: str, param: str) -> FreeformInput:
     if problem:
         message = f"{param}: not a {syntax} grammar llguidance can follow: {problem.strip().splitlines()[0]}"
         raise invalid_request(message, param=param)
-    return FreeformInput(lark)
+    return FreeformInput(lark, param)
 
 
 def _slashes_escaped(regex: str) -> str:
@@ -168,9 +172,14 @@ class Constraint:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.param = param
+        self._stop_ids = stop_ids
         self._words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
         self._stops = torch.zeros(vocab_size, dtype=torch.bool)
         self._stops[list(stop_ids)] = True
+
+    def copy(self) -> Constraint:
+        """A constraint in this one's state that goes on apart from it."""
+        return Constraint(self.matcher.deep_copy(), self.vocab_size, self._stop_ids, self.param)
 
     def allowed(self) -> torch.Tensor:
         """bool [V]: the tokens the grammar allows next (only the stop tokens once it is complete)."""
@@ -253,17 +262,16 @@ class FreeformCalls:
     """A constraint for an answer free to call tools (no call forced): the input of each call it opens to
     a freeform tool with a grammar follows that grammar to `<|tool_call_end|>`. The call's header (the
     tokens between `<|tool_call_begin|>` and `<|tool_call_argument_begin|>`, decoded) names the tool;
-    `compile_input(name)` gives a fresh constraint of its input and the call's end."""
+    `inputs` holds each tool's constraint of its input and the call's end, compiled with the request
+    (a grammar the vocabulary cannot follow is its 400), each call following a copy."""
 
     def __init__(
         self,
-        names: frozenset[str],
-        compile_input: Callable[[str], Constraint],
+        inputs: dict[str, Constraint],
         delimiters: tuple[int, int, int],
         decode: Callable[[list[int]], str],
     ) -> None:
-        self._names = names
-        self._compile = compile_input
+        self._inputs = inputs
         self._begin, self._argument, self._end = delimiters  # the call's begin, argument, end tokens
         self._decode = decode
         self._header: list[int] | None = None  # the open call's header tokens so far
@@ -281,7 +289,7 @@ class FreeformCalls:
         elif self._header is not None and token == self._argument:
             match = HEADER_RE.fullmatch(self._decode(self._header))
             name = match.group(1) if match is not None else None
-            self._input = self._compile(name) if name in self._names else None
+            self._input = self._inputs[name].copy() if name in self._inputs else None
             self._header = None
         elif self._header is not None:
             self._header.append(token)

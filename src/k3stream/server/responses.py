@@ -272,7 +272,10 @@ class ResponsesRequest(BaseModel):
             return [*system, ChatMessage(role="user", content=self.input)]
         if not self.input:
             raise invalid_request("input: needs at least one item", param="input")
-        return [*system, *chat_messages(self.input)]
+        messages = chat_messages(self.input)
+        if not messages:  # a reasoning item is the next assistant turn's, and there is none
+            raise invalid_request("input: needs an item that is not reasoning", param="input")
+        return [*system, *messages]
 
     def _template_variables(self) -> dict[str, TemplateValue] | None:
         """`chat_template_kwargs`, with `thinking` (Kimi's templates open the think block with it) from
@@ -523,7 +526,7 @@ class ResponsesEndpoints:
 
     async def create(self, request: Request) -> Response:
         body = await parse_body(request, ResponsesRequest)
-        chat = body.chat_request()
+        chat = await self.api.off_loop(body.chat_request)  # checks each grammar and schema: milliseconds each
         served = self.api.served
 
         def count(text: str) -> int:

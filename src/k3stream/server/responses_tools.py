@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from k3stream.server.errors import invalid_request
-from k3stream.server.grammar import freeform_input
+from k3stream.server.grammar import MAX_GRAMMAR_CHARS, freeform_input
 from k3stream.server.schemas import (
     FreeformInput,
     FunctionDefinition,
@@ -98,6 +98,7 @@ class ChatTools:
 def chat_tools(definitions: list[ToolDefinition]) -> ChatTools:
     """The chat request's tools for `definitions`; a bad one is a 400 naming its field."""
     converted = ChatTools()
+    grammar_chars = 0
     for index, definition in enumerate(definitions):
         where = f"tools.{index}"
         if definition.type in HOSTED_TOOLS:
@@ -111,6 +112,7 @@ def chat_tools(definitions: list[ToolDefinition]) -> ChatTools:
         if definition.type == "function":
             tool = object_tool(name, definition.description, definition.parameters, f"{where}.parameters")
         else:
+            grammar_chars += _grammar_chars(definition.format, grammar_chars, f"{where}.format.definition")
             converted.freeform[name] = _freeform_input(definition.format, f"{where}.format")
             tool = _freeform_tool(name, definition.description, definition.format)
         converted.tools.append(tool)
@@ -129,6 +131,18 @@ def _checked_name(name: str | None, where: str) -> str:
         message = f"{where}.name: 1 to 64 letters, digits, '_' or '-', not {name!r}"
         raise invalid_request(message, param=f"{where}.name", code="invalid_value")
     return name
+
+
+def _grammar_chars(text_format: CustomFormat | None, before: int, param: str) -> int:
+    """The characters of a custom tool's grammar; a 400 naming `param` where those of the request's
+    grammars (`before` this one's) pass MAX_GRAMMAR_CHARS."""
+    chars = len(text_format.definition or "") if text_format is not None else 0
+    if before + chars > MAX_GRAMMAR_CHARS:
+        message = (
+            f"{param}: the custom tools' grammars of a request hold at most {MAX_GRAMMAR_CHARS} characters"
+        )
+        raise invalid_request(message, param=param)
+    return chars
 
 
 def _freeform_input(text_format: CustomFormat | None, where: str) -> FreeformInput:

@@ -4,6 +4,7 @@ name and context size."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import threading
@@ -180,6 +181,8 @@ class ServedModel(Runtime):
             messages.pop()
         tokens = self.encode_chat(messages, tools or None, self.template_variables(body.chat_template_kwargs))
         in_reasoning = self._opens_thinking(tokens)
+        # the freeform tools' grammars, compiled once for the choices that may call them
+        freeform = functools.cache(functools.partial(self._freeform_inputs, body))
         if prefill:
             tokens += self.pieces.get(("plain", prefill), self.tokenizer.encode_plain)
             in_reasoning = in_reasoning and self.kimi.spell(self.kimi.think[1]) not in prefill
@@ -187,7 +190,7 @@ class ServedModel(Runtime):
             tokens=tokens,
             tool_names=tuple(tool.function.name for tool in body.tools or []),
             freeform=tuple(body.freeform_tools()),
-            constraints=tuple(self._constraint(body, in_reasoning) for _ in range(body.n)),
+            constraints=tuple(self._constraint(body, in_reasoning, freeform) for _ in range(body.n)),
             reasoning=body.splits_reasoning(),
             in_reasoning=in_reasoning,
         )
@@ -219,9 +222,14 @@ class ServedModel(Runtime):
         tail = tokens[-len(opening.encode()) :]  # every token holds at least one byte
         return self.tokenizer.decode(tail).endswith(opening)
 
-    def _constraint(self, body: ChatCompletionRequest, in_reasoning: bool) -> TokenConstraint | None:
+    def _constraint(
+        self,
+        body: ChatCompletionRequest,
+        in_reasoning: bool,
+        freeform: Callable[[], dict[str, Constraint]],
+    ) -> TokenConstraint | None:
         """One choice's constraint; a forced output's grammar follows the think block the prompt opened
-        (`in_reasoning`)."""
+        (`in_reasoning`); `freeform` gives the freeform tools' input grammars."""
         forced = self._forced_output(body)
         if forced is not None and in_reasoning:
             return AfterThinking(forced, self._think_close(), self.grammars.stop_ids, self.vocab_size)
@@ -232,7 +240,7 @@ class ServedModel(Runtime):
             return BannedTokens([section], self.vocab_size)
         if not body.tools or self.kimi.tools is None:
             return None
-        calls = [c for c in (self._single_call(body), self._freeform_calls(body)) if c is not None]
+        calls = [c for c in (self._single_call(body), self._freeform_calls(freeform())) if c is not None]
         if len(calls) > 1:
             return AllOf(calls)
         return calls[0] if calls else None
@@ -244,23 +252,22 @@ class ServedModel(Runtime):
         begins = [self.tokenizer.token_id(t) for t in ("<|tool_call_begin|>", "<|tool_calls_section_begin|>")]
         return SingleToolCall(self.tokenizer.token_id("<|tool_call_end|>"), begins, self.vocab_size)
 
-    def _freeform_calls(self, body: ChatCompletionRequest) -> FreeformCalls | None:
-        """The grammars of the freeform tools that have one, over the calls the model opens to them."""
-        grammars = {
-            name: freeform_call_grammar(tool_input)
+    def _freeform_inputs(self, body: ChatCompletionRequest) -> dict[str, Constraint]:
+        """Each freeform tool's input grammar and its call's end by name, for the tools that have one; a
+        grammar the vocabulary cannot follow is a 400 naming its field."""
+        return {
+            name: self.grammars.constraint(freeform_call_grammar(tool_input), tool_input.param)
             for name, tool_input in body.freeform_tools().items()
             if tool_input.lark is not None
         }
-        if not grammars:
+
+    def _freeform_calls(self, inputs: dict[str, Constraint]) -> FreeformCalls | None:
+        """`inputs` (`_freeform_inputs`) over the calls the model opens to their tools."""
+        if not inputs:
             return None
         delimiters = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
         begin, argument, end = (self.tokenizer.token_id(t) for t in delimiters)
-        return FreeformCalls(
-            frozenset(grammars),
-            lambda name: self.grammars.constraint(grammars[name], "tools"),
-            (begin, argument, end),
-            self.tokenizer.decode,
-        )
+        return FreeformCalls(inputs, (begin, argument, end), self.tokenizer.decode)
 
     def _forced_output(self, body: ChatCompletionRequest) -> Constraint | None:
         """The grammar of a forced tool call (`tool_choice` required or named) or `response_format`."""

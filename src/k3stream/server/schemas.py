@@ -384,9 +384,11 @@ class FunctionDefinition(BaseModel):
 @dataclass(frozen=True)
 class FreeformInput:
     """The input of a tool called with freeform text instead of a JSON object (the Responses API's custom
-    tools): sentences of `lark`, a grammar in llguidance's Lark dialect (None: any text)."""
+    tools): sentences of `lark`, a grammar in llguidance's Lark dialect (None: any text), given at the
+    request's field `param`."""
 
     lark: str | None = None
+    param: str = "tools"
 
 
 class Tool(BaseModel):
