@@ -33,6 +33,7 @@ def test_each_phase_of_a_token_has_its_time_and_the_disk_idle_in_it(timeline):
         ("route", 1, 52.0, 52.0, (16, 6, 2)),  # asked 16: 6 resident, 2 being read, 8 missing
         ("range", "layer 1 expert 3", 40.0, 60.0, 1),  # a hint's read, then a miss's after the router
         ("range", "layer 1 expert 9", 55.0, 80.0, 2),
+        ("queue", 1, 52.0, 53.5, None),  # the router's reads queued 1.5 ms after it
         ("routed", 1, 53.0, 90.0, None),
     ]
     ranges = sorted((e[2], e[3]) for e in events if e[0] == "range")
@@ -43,9 +44,9 @@ def test_each_phase_of_a_token_has_its_time_and_the_disk_idle_in_it(timeline):
         ("L1 router -> L1 end", 38.0, 10.0),
         ("L1 end -> token end", 10.0, 10.0),
     ]
-    [(layer, row)] = timeline.step_rows(events, 0.0, 100.0, ranges)
+    [(layer, router, row)] = timeline.step_rows(events, 0.0, 100.0, ranges)
     # the reads started after the router: expert 9's, 3 ms after it; the last lands 28 ms after it
-    assert layer == 1 and row == (6, 2, 8, 28.0, 1.0, 3.0)
+    assert layer == 1 and router and row == (6, 2, 8, 28.0, 1.0, 3.0, 1.5)
 
 
 def test_the_disk_busy_and_idle_time_of_a_token_add_up_to_the_token(timeline):
