@@ -19,7 +19,6 @@ from k3stream.engine.loading import load_runtime
 from k3stream.engine.prompt_cache import MIB, PromptCache
 from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.guard import GuardConfig
-from k3stream.server.kimi_output import Piece
 from k3stream.server.live import ServerThread
 from k3stream.server.messages import MessageShapes, MessagesRequest, _object_so_far
 from k3stream.server.runtime import served_from_runtime
@@ -527,10 +526,10 @@ def test_reasoning_text_and_a_call_the_model_writes_are_three_blocks_in_order(se
         '{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|>'
     )
     tokens = [*served.tokenizer.encode(written, allow_special=True, add_bos=False), served.tokenizer.eos_id]
-    total, stream = Piece(), ""
+    pieces, stream = [], ""
     for token in tokens:
         if piece := logic.accept(token):
-            total.extend(piece)
+            pieces.append(piece)
             stream += shapes.piece(piece)
     stream += shapes.last(logic.finish_reason)
     events = [
@@ -543,7 +542,7 @@ def test_reasoning_text_and_a_call_the_model_writes_are_three_blocks_in_order(se
     assert blocks == [
         (kind, index) for index in range(3) for kind in ("content_block_start", "content_block_stop")
     ]
-    whole = shapes.whole_choice(total, logic.finish_reason)
+    whole = shapes.whole_choice(pieces, logic.finish_reason)
     assert [block["type"] for block in whole["content"]] == ["thinking", "text", "tool_use"]
     assert whole["stop_reason"] == "tool_use" == events[-2]["delta"]["stop_reason"]
     for index, (block, field) in enumerate(
@@ -559,3 +558,32 @@ def test_reasoning_text_and_a_call_the_model_writes_are_three_blocks_in_order(se
         whole["content"][0]["thinking"] == "Paris, so the forecast."
         and whole["content"][1]["text"] == "Let me check."
     )
+
+
+def test_text_written_after_a_call_follows_it_in_the_whole_message_as_in_the_stream(served):
+    """Reasoning, a tool call, then text: the whole message's blocks are the streamed ones, in the order
+    the stream started them (the call before the text)."""
+    body = {"max_tokens": 100, "tools": [TOOL], "thinking": {"type": "enabled"}}
+    chat = MessagesRequest.model_validate(
+        {**body, "messages": [{"role": "user", "content": ASK}]}
+    ).chat_request()
+    prompt = served.prepare_chat(chat)
+    logic = served.new_sequence(chat, prompt.tokens, 100, chat=prompt)
+    shapes = MessageShapes(Job(prompt_tokens=prompt.tokens, logic=logic, sink=None), served.name, 100)
+    written = (
+        "Paris.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
+        "It is on its way."
+    )
+    tokens = [*served.tokenizer.encode(written, allow_special=True, add_bos=False), served.tokenizer.eos_id]
+    pieces = [piece for token in tokens if (piece := logic.accept(token))]
+    stream = "".join(shapes.piece(piece) for piece in pieces) + shapes.last(logic.finish_reason)
+    events = [
+        json.loads(line.removeprefix("data: ")) for line in stream.splitlines() if line.startswith("data: ")
+    ]
+    started = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert started == ["thinking", "tool_use", "text"]
+    whole = shapes.whole_choice(pieces, logic.finish_reason)
+    assert [block["type"] for block in whole["content"]] == started
+    assert whole["content"][1]["input"] == {"city": "Paris"}
+    assert whole["content"][2]["text"] == "It is on its way."

@@ -20,7 +20,6 @@ from k3stream.engine.prompt_cache import MIB, PromptCache
 from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.errors import APIError
 from k3stream.server.guard import GuardConfig
-from k3stream.server.kimi_output import Piece
 from k3stream.server.live import ServerThread
 from k3stream.server.responses import ResponseShapes, ResponsesRequest
 from k3stream.server.runtime import served_from_runtime
@@ -299,10 +298,10 @@ def test_reasoning_text_and_a_call_the_model_writes_are_three_items_in_order(ser
         '{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|>'
     )
     tokens = [*served.tokenizer.encode(written, allow_special=True, add_bos=False), served.tokenizer.eos_id]
-    total, stream = Piece(), streamed.first()
+    pieces, stream = [], streamed.first()
     for token in tokens:
         if piece := logic.accept(token):
-            total.extend(piece)
+            pieces.append(piece)
             stream += streamed.piece(piece)
     stream += streamed.last(logic.finish_reason)
     stream += streamed.error(APIError(500, "the server is shutting down", type="server_error")).sse()
@@ -313,7 +312,7 @@ def test_reasoning_text_and_a_call_the_model_writes_are_three_items_in_order(ser
     assert [event["sequence_number"] for event in events] == list(range(len(events)))
     items = [(e["type"], e["output_index"]) for e in events if e["type"].startswith("response.output_item.")]
     assert items == [(f"response.output_item.{k}", i) for i in range(3) for k in ("added", "done")]
-    response = whole.whole_choice(total, logic.finish_reason)
+    response = whole.whole_choice(pieces, logic.finish_reason)
     assert events[-2]["type"] == "response.completed"
     assert without_ids(events[-2]["response"]["output"]) == without_ids(response["output"])
     ids = [item["id"] for item in events[-2]["response"]["output"]]
@@ -343,6 +342,37 @@ def test_reasoning_text_and_a_call_the_model_writes_are_three_items_in_order(ser
         "param": None,
         "sequence_number": len(events) - 1,
     }
+
+
+def test_text_written_after_a_call_follows_it_in_the_whole_response_as_in_the_stream(served):
+    """Reasoning, a tool call, then text: the whole response's output items are the streamed ones, in the
+    order the stream added them (the call before the message)."""
+    body = ResponsesRequest.model_validate(
+        {"input": ASK, "tools": [TOOL], "chat_template_kwargs": {"thinking": True}}
+    )
+    chat_request = body.chat_request()
+    prompt = served.prepare_chat(chat_request)
+    logic = served.new_sequence(chat_request, prompt.tokens, 100, chat=prompt)
+    job = Job(prompt_tokens=prompt.tokens, logic=logic, sink=None)
+    streamed, whole = (ResponseShapes(job, body, served.name, len) for _ in range(2))
+    written = (
+        "Paris.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
+        "It is on its way."
+    )
+    tokens = [*served.tokenizer.encode(written, allow_special=True, add_bos=False), served.tokenizer.eos_id]
+    pieces = [piece for token in tokens if (piece := logic.accept(token))]
+    stream = streamed.first() + "".join(streamed.piece(piece) for piece in pieces)
+    stream += streamed.last(logic.finish_reason)
+    events = [
+        json.loads(line.removeprefix("data: ")) for line in stream.splitlines() if line.startswith("data: ")
+    ]
+    added = [event["item"]["type"] for event in events if event["type"] == "response.output_item.added"]
+    assert added == ["reasoning", "function_call", "message"]
+    response = whole.whole_choice(pieces, logic.finish_reason)
+    assert without_ids(response["output"]) == without_ids(events[-1]["response"]["output"])
+    assert [item["type"] for item in response["output"]] == added
+    assert response["output"][2]["content"][0]["text"] == "It is on its way."
 
 
 def test_the_tools_are_checked_off_the_event_loop(server, monkeypatch):

@@ -28,7 +28,7 @@ from k3stream.server.bodies import parse_body
 from k3stream.server.endpoints_llama import llama_router
 from k3stream.server.errors import APIError, invalid_request, redact_paths, shaped_for
 from k3stream.server.guard import Guard, GuardConfig, HeadAsGet, cors_options
-from k3stream.server.kimi_output import Piece
+from k3stream.server.kimi_output import Piece, joined
 from k3stream.server.messages import messages_router
 from k3stream.server.metrics import ServerMetrics
 from k3stream.server.native import native_router
@@ -557,7 +557,7 @@ class Stream:
             self.cancel()  # a no-op for a finished job; frees the sequences of a client that left
 
     async def _whole(self, request: Request) -> Response:
-        totals = [Piece() for _ in self.jobs]
+        answers: list[list[Piece]] = [[] for _ in self.jobs]  # each choice's pieces, in order
         finished: dict[int, FinishEvent] = {}
         watcher = asyncio.create_task(_watch_disconnect(request))
         try:
@@ -569,14 +569,14 @@ class Stream:
                 if isinstance(event, ProgressEvent):
                     continue
                 if isinstance(event, PieceEvent):
-                    totals[choice].extend(event.piece)
+                    answers[choice].append(event.piece)
                 elif isinstance(event, FinishEvent):
                     self._finished(choice)
                     finished[choice] = event
                 else:
                     return self.chunks[0].error(_event_error(event)).response()
             choices = [
-                c.whole_choice(t, finished[c.index].reason) for c, t in zip(self.chunks, totals, strict=True)
+                c.whole_choice(p, finished[c.index].reason) for c, p in zip(self.chunks, answers, strict=True)
             ]
             usage = _usage(self.jobs, finished)
             return JSONResponse(self.chunks[0].whole(choices, usage, request_timings(self.jobs)))
@@ -686,8 +686,8 @@ class _Chunks:
     def error(self, error: APIError) -> APIError:
         return error
 
-    def whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
-        return {"index": self.index, **self._whole_choice(total, reason)}
+    def whole_choice(self, pieces: list[Piece], reason: str) -> dict[str, Any]:
+        return {"index": self.index, **self._whole_choice(joined(pieces), reason)}
 
     def first(self) -> dict[str, Any]:
         return self._envelope(self.object_chunk, [self._delta_choice(self._opening(), None)])

@@ -96,6 +96,36 @@ class Piece:
             self.tool_calls.append(call)
 
 
+def joined(pieces: list[Piece]) -> Piece:
+    """The pieces of one answer as one piece."""
+    total = Piece()
+    for piece in pieces:
+        total.extend(piece)
+    return total
+
+
+def in_order(pieces: list[Piece]) -> list[Piece]:
+    """The runs of one answer in the order its stream sends them: each run a piece of one kind (its
+    reasoning, its content or one tool call), adjacent parts of one kind joined; within a piece its
+    reasoning comes first, then its content, then its calls."""
+    runs: list[Piece] = []
+    last_kind: object = None
+    for piece in pieces:
+        parts: list[tuple[object, Piece]] = []
+        if piece.reasoning:
+            parts.append(("reasoning", Piece(reasoning=piece.reasoning)))
+        if piece.content:
+            parts.append(("content", Piece(content=piece.content)))
+        parts += [(("call", call.index), Piece(tool_calls=[call])) for call in piece.tool_calls]
+        for kind, part in parts:
+            if runs and kind == last_kind:
+                runs[-1].extend(part)
+            else:
+                runs.append(part)
+                last_kind = kind
+    return runs
+
+
 @dataclass(frozen=True)
 class KimiFormat:
     """The delimiters as they appear in decoded text, and the token marks the engine must emit."""

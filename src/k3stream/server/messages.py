@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from k3stream.server.bodies import parse_body
 from k3stream.server.errors import AnthropicError, APIError, invalid_request
-from k3stream.server.kimi_output import Piece, ToolCall
+from k3stream.server.kimi_output import Piece, ToolCall, in_order
 from k3stream.server.scheduler import Job
 from k3stream.server.schemas import (
     AssistantToolCall,
@@ -305,16 +305,9 @@ class MessageShapes:
         events.append(named_event({"type": "message_stop"}))
         return "".join(events)
 
-    def whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
-        blocks: list[dict[str, Any]] = []
-        if total.reasoning:
-            blocks.append({"type": "thinking", "thinking": total.reasoning, "signature": ""})
-        if total.content:
-            blocks.append({"type": "text", "text": total.content})
-        last = len(total.tool_calls) - 1  # the one call `max_tokens` can cut
-        blocks += [
-            _call_block(call, reason == "length" and n == last) for n, call in enumerate(total.tool_calls)
-        ]
+    def whole_choice(self, pieces: list[Piece], reason: str) -> dict[str, Any]:
+        runs = in_order(pieces)  # the blocks in the order the stream sends them
+        blocks = [_block(run, reason == "length" and n == len(runs) - 1) for n, run in enumerate(runs)]
         word = self._stop_word()
         return {"content": blocks, "stop_reason": self._stop_reason(reason), "stop_sequence": word or None}
 
@@ -374,6 +367,16 @@ class MessageShapes:
             events += self._delta({"type": "signature_delta", "signature": ""})
         self._open = None
         return [*events, named_event({"type": "content_block_stop", "index": self._blocks - 1})]
+
+
+def _block(run: Piece, cut: bool) -> dict[str, Any]:
+    """The content block of one run of the answer (`kimi_output.in_order`); `cut`: `max_tokens` ended
+    the answer in it."""
+    if run.reasoning:
+        return {"type": "thinking", "thinking": run.reasoning, "signature": ""}
+    if run.content:
+        return {"type": "text", "text": run.content}
+    return _call_block(run.tool_calls[0], cut)
 
 
 def _call_block(call: ToolCall, cut: bool) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from k3stream.server.bodies import parse_body
 from k3stream.server.endpoints_llama import llama_params
 from k3stream.server.errors import APIError, LlamaError, invalid_request, not_supported
 from k3stream.server.grammar import gbnf_grammar, json_schema_grammar
-from k3stream.server.kimi_output import Piece
+from k3stream.server.kimi_output import Piece, joined
 from k3stream.server.request_logic import TokenConstraint
 from k3stream.server.scheduler import Job, ProgressEvent, request_timings
 from k3stream.server.schemas import (
@@ -211,8 +211,9 @@ class NativeResult:
         del reason  # the job's own finish says more (its stop type and word)
         return self._final(self._summary(Piece(content=""), self._content))
 
-    def whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
+    def whole_choice(self, pieces: list[Piece], reason: str) -> dict[str, Any]:
         del reason
+        total = joined(pieces)
         return self._final({**self._summary(total, total.content), **_probabilities(total)})
 
     def _final(self, result: dict[str, Any]) -> dict[str, Any]:

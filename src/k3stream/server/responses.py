@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from k3stream.server.bodies import parse_body
 from k3stream.server.errors import APIError, invalid_request
-from k3stream.server.kimi_output import Piece, ToolCall
+from k3stream.server.kimi_output import Piece, ToolCall, in_order
 from k3stream.server.messages import named_event
 from k3stream.server.responses_tools import NamedChoice, ToolDefinition, chat_tool_choice, chat_tools
 from k3stream.server.scheduler import Job
@@ -365,7 +365,7 @@ def _call_item(call: ToolCall, custom: bool) -> dict[str, Any]:
 class ResponseShapes:
     """The Responses API shapes of one answer (`app.Stream` sends them): its events as it streams, framed
     here (`event:` and `data:` lines), or the whole response object. Both build the output items the
-    same way (the whole answer is taken as one piece)."""
+    same way (the whole answer is taken run by run, in the order the stream sends them)."""
 
     done_line = ""  # the stream ends with `response.completed` or `response.incomplete`
     index = 0  # the one choice
@@ -409,8 +409,9 @@ class ResponseShapes:
         events = self._close(status)
         return "".join(events) + self._event(f"response.{status}", response=self._response(status))
 
-    def whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
-        self.piece(total)  # builds the output items; its events are not sent
+    def whole_choice(self, pieces: list[Piece], reason: str) -> dict[str, Any]:
+        for run in in_order(pieces):
+            self.piece(run)  # builds the output items as the stream does; its events are not sent
         status = self._status(reason)
         self._close(status)
         return self._response(status)
