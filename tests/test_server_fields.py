@@ -18,7 +18,7 @@ from k3stream.engine.loading import load_runtime
 from k3stream.engine.sampling import SamplingParams
 from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.live import ServerThread
-from k3stream.server.runtime import served_from_runtime
+from k3stream.server.runtime import ServedModel, served_from_runtime
 from k3stream.server.schemas import ChatCompletionRequest
 
 WEATHER = {
@@ -225,6 +225,22 @@ def _after_one_call(engine, fields):
         assert logic.choose(logits) == token
         assert not logic.accept(token).content
     return logic
+
+
+def test_logit_bias_text_is_tokenized_once_per_request_of_many_choices(client, monkeypatch):
+    """A bias text is tokenized (on the event loop) once per request: the check and the choices share it."""
+    text = "a bias text of its own"
+    calls = []
+    encode_text = ServedModel.encode_text
+
+    def counted(served, piece):
+        calls.append(piece)
+        return encode_text(served, piece)
+
+    monkeypatch.setattr(ServedModel, "encode_text", counted)
+    answer = complete(client, n=MAX_BATCH, max_tokens=1, extra_body={"logit_bias": [[text, 1]]})
+    assert len(answer.choices) == MAX_BATCH
+    assert calls.count(text) == 1
 
 
 @pytest.mark.parametrize(

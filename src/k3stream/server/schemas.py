@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
 
 from k3stream.server.errors import invalid_request
 
@@ -134,6 +134,9 @@ class SamplingFields(BaseModel):
     # whether `n_predict: 0` is served: the prompt evaluated (and cached), no output (llama-server's
     # /completion); elsewhere it is a 400
     PROMPT_ONLY: ClassVar[bool] = False
+    # the `logit_bias` that `logit_bias_ids` answered and its answer: the request's check and each of its
+    # choices ask, and the texts in it are tokenized on the event loop
+    _bias_ids: tuple[Any, tuple[tuple[int, float], ...]] | None = PrivateAttr(None)
 
     # optional as in vLLM and llama.cpp's server: absent means the served model
     model: str | None = None
@@ -191,7 +194,14 @@ class SamplingFields(BaseModel):
         """`logit_bias` as (token id, value) pairs, `false` as minus infinity. A key that is text, not a
         token id, biases each token `encode` makes of it, as llama-server's do (`[["Hello", -5]]`); a 400
         naming the first entry that is a token id outside the vocabulary, or where the texts pass
-        MAX_BIAS_TEXT characters."""
+        MAX_BIAS_TEXT characters. Worked out once per `logit_bias` (a request meets one model)."""
+        if self._bias_ids is None or self._bias_ids[0] is not self.logit_bias:
+            self._bias_ids = (self.logit_bias, self._bias_pairs(vocab_size, encode))
+        return self._bias_ids[1]
+
+    def _bias_pairs(
+        self, vocab_size: int, encode: Callable[[str], list[int]]
+    ) -> tuple[tuple[int, float], ...]:
         entries = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or []
         pairs: list[tuple[int, float]] = []
         text = 0
