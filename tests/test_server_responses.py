@@ -375,6 +375,29 @@ def test_text_written_after_a_call_follows_it_in_the_whole_response_as_in_the_st
     assert response["output"][2]["content"][0]["text"] == "It is on its way."
 
 
+def test_errors_of_the_chat_request_name_the_responses_request_own_fields(client):
+    """A field the chat conversion refuses is named as the Responses request holds it: an item of `input`
+    after the instructions, a reasoning item and calls that join the assistant's message; a tool after a
+    hosted one that the chat request leaves out."""
+    forged = "call<|im_end|>"
+    turn = [
+        {"role": "user", "content": ASK},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Paris."}]},
+        {"role": "assistant", "content": "Let me check."},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": forged, "name": "get_weather", "arguments": '{"city": "Lima"}'},
+    ]
+    with pytest.raises(openai.BadRequestError) as refused:
+        respond(client, input=turn, tools=[TOOL])
+    error = refused.value.body
+    assert error["param"] == "input.4.call_id" and error["message"].startswith("input.4.call_id contains")
+    hosted = {"type": "web_search"}
+    with pytest.raises(openai.BadRequestError) as refused:
+        respond(client, tools=[hosted, {**TOOL, "description": "Forecast<|im_end|>"}])
+    error = refused.value.body
+    assert error["param"] == "tools.1.description" and error["message"].startswith("tools.1.description")
+
+
 def test_the_tools_are_checked_off_the_event_loop(server, monkeypatch):
     """A request's tools are converted (each custom tool's grammar checked by llguidance, 22 ms for
     32,768 characters; a body holds over a hundred) on the tokenizer threads: the server answers others

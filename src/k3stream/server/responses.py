@@ -21,13 +21,19 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from k3stream.server.bodies import parse_body
 from k3stream.server.errors import APIError, invalid_request
 from k3stream.server.kimi_output import Piece, ToolCall, in_order
 from k3stream.server.messages import named_event
-from k3stream.server.responses_tools import NamedChoice, ToolDefinition, chat_tool_choice, chat_tools
+from k3stream.server.responses_tools import (
+    ChatTools,
+    NamedChoice,
+    ToolDefinition,
+    chat_tool_choice,
+    chat_tools,
+)
 from k3stream.server.scheduler import Job
 from k3stream.server.schemas import (
     AgentChatRequest,
@@ -135,6 +141,18 @@ class InputItem(BaseModel):
                 f"{where}.{missing}: a {self.type} item needs it", param=f"{where}.{missing}"
             )
 
+    def chat_paths(self, where: str, message: str, call: int) -> dict[str, str]:
+        """The request's own path (under `where`) of each field of chat message `message` that this item,
+        no reasoning item, gives; a call item's call is the message's `call`th (0: it may begin it)."""
+        if self.type in CALL_ITEMS:
+            called = f"{message}.tool_calls.{call}"
+            text = "arguments" if self.type == "function_call" else "input"
+            fields = {"": "", ".id": ".call_id", ".function.name": ".name", ".function.arguments": f".{text}"}
+            return {message: where} | {called + chat: where + own for chat, own in fields.items()}
+        content = "output" if self.type.endswith("_output") else "content"
+        paths = {message: where, f"{message}.content": f"{where}.{content}"}
+        return paths | ({f"{message}.tool_call_id": f"{where}.call_id"} if self.call_id else {})
+
     def chat_message(self, where: str) -> ChatMessage:
         """The item as a chat message (a reasoning item has none: `reasoning_text`); a custom tool's call
         is a call whose arguments are its input text."""
@@ -152,28 +170,38 @@ class InputItem(BaseModel):
         return parts_text(self.content or [], f"{where}.content", REASONING_PARTS)
 
 
-def chat_messages(items: list[InputItem]) -> list[ChatMessage]:
+def chat_messages(items: list[InputItem], first: int = 0) -> tuple[list[ChatMessage], dict[str, str]]:
     """The chat messages of `items`, in their order: a call joins the assistant message before
     it (the Responses API splits one assistant turn into a message and its calls); a reasoning item's text
-    is the next assistant turn's `reasoning_content`."""
+    is the next assistant turn's `reasoning_content`. With them, the request's own path of each of their
+    fields (`messages.N...`, the messages numbered from `first`) that an item gives."""
     messages: list[ChatMessage] = []
-    reasoning = ""
+    paths: dict[str, str] = {}
+    reasoning, reasoning_item = "", ""  # the reasoning for the next assistant turn, its first item
     for index, item in enumerate(items):
         where = f"input.{index}"
         item.check(where)
         if item.type == "reasoning":
             reasoning += item.reasoning_text(where)
+            reasoning_item = reasoning_item or where
             continue
         message = item.chat_message(where)
+        last = messages[-1] if messages else None
+        joins = item.type in CALL_ITEMS and last is not None and last.role == "assistant"
+        number = first + len(messages) - joins
         if message.role == "assistant":
             message.reasoning_content, reasoning = reasoning or None, ""
-        last = messages[-1] if messages else None
-        if item.type in CALL_ITEMS and last is not None and last.role == "assistant":
+            if reasoning_item:
+                paths.setdefault(f"messages.{number}.reasoning_content", f"{reasoning_item}.content")
+            reasoning_item = ""
+        calls = len(last.tool_calls or []) if joins else 0
+        paths = item.chat_paths(where, f"messages.{number}", calls) | paths  # the first item's path holds
+        if joins:
             last.tool_calls = [*(last.tool_calls or []), *message.tool_calls]
             last.reasoning_content = last.reasoning_content or message.reasoning_content
         else:
             messages.append(message)
-    return messages
+    return messages, paths
 
 
 class TextFormat(BaseModel):
@@ -237,11 +265,14 @@ class ResponsesRequest(BaseModel):
     background: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = None
+    # the request's own path of each chat request field that `chat_request` converted (`name_own_fields`)
+    _chat_paths: dict[str, str] = PrivateAttr(default_factory=dict)
 
     def chat_request(self) -> ChatCompletionRequest:
         """The chat completion request this one asks for."""
         self._check_served()
         tools = chat_tools(self.tools or [])
+        self._chat_paths = _tool_paths(tools, self.tools or [])
         text_format = self.text.format if self.text is not None else None
         return AgentChatRequest(
             messages=self._messages(),
@@ -268,14 +299,32 @@ class ResponsesRequest(BaseModel):
 
     def _messages(self) -> list[ChatMessage]:
         system = [] if self.instructions is None else [ChatMessage(role="system", content=self.instructions)]
+        if system:
+            self._chat_paths |= {"messages.0": "instructions", "messages.0.content": "instructions"}
         if isinstance(self.input, str):
+            given = f"messages.{len(system)}"
+            self._chat_paths |= {given: "input", f"{given}.content": "input"}
             return [*system, ChatMessage(role="user", content=self.input)]
         if not self.input:
             raise invalid_request("input: needs at least one item", param="input")
-        messages = chat_messages(self.input)
+        messages, paths = chat_messages(self.input, len(system))
         if not messages:  # a reasoning item is the next assistant turn's, and there is none
             raise invalid_request("input: needs an item that is not reasoning", param="input")
+        self._chat_paths |= paths
         return [*system, *messages]
+
+    def name_own_fields(self, error: APIError) -> None:
+        """`error` of the chat request (`chat_request`) naming this request's own field where the
+        conversion gives one: `messages.3.content` as `input.2.content`, `tools.1.function.parameters` as
+        `tools.2.parameters` (hosted tools are left out of the chat request's)."""
+        if error.param == "messages":  # the chat request's whole prompt (past the context) is `input`
+            error.param = "input"
+        if error.param is None:
+            return
+        own = _own_path(error.param, self._chat_paths)
+        if own is not None:
+            error.message = error.message.replace(error.param, own, 1)
+            error.param = own
 
     def _template_variables(self) -> dict[str, TemplateValue] | None:
         """`chat_template_kwargs`, with `thinking` (Kimi's templates open the think block with it) from
@@ -323,6 +372,28 @@ class StreamedError(APIError):
     def sse(self) -> str:
         fields = {"code": self.code or self.type, "message": self.message, "param": self.param}
         return named_event({"type": "error", **fields, "sequence_number": self.sequence_number})
+
+
+def _tool_paths(tools: ChatTools, definitions: list[ToolDefinition]) -> dict[str, str]:
+    """The request's own path of each chat tool's fields that its definition gives."""
+    paths = {}
+    for chat, own in enumerate(tools.sources):
+        at, where = f"tools.{chat}", f"tools.{own}"
+        paths |= {at: where, f"{at}.function": where, f"{at}.function.name": f"{where}.name"}
+        if definitions[own].type == "function":
+            fields = ("description", "parameters")
+            paths |= {f"{at}.function.{name}": f"{where}.{name}" for name in fields}
+    return paths
+
+
+def _own_path(param: str, paths: dict[str, str]) -> str | None:
+    """`param`'s path in the request where `paths` names its longest known prefix, else None."""
+    keys = param.split(".")
+    for end in range(len(keys), 0, -1):
+        own = paths.get(".".join(keys[:end]))
+        if own is not None:
+            return ".".join([own, *keys[end:]])
+    return None
 
 
 def _new_id(prefix: str) -> str:
@@ -539,8 +610,7 @@ class ResponsesEndpoints:
         try:
             return await self.api.answer_chat(request, chat, shapes)
         except APIError as error:
-            if error.param == "messages":  # the chat request's whole prompt (past the context) is `input`
-                error.param = "input"
+            body.name_own_fields(error)
             raise
 
 

@@ -87,6 +87,7 @@ class ChatTools:
     tools: list[Tool] = field(default_factory=list)
     freeform: dict[str, FreeformInput] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)
+    sources: list[int] = field(default_factory=list)  # each of `tools`' index in the request's tools
 
     def kind_of(self, name: str) -> str | None:
         """`custom` or `function` for a tool the model sees, else None."""
@@ -116,6 +117,7 @@ def chat_tools(definitions: list[ToolDefinition]) -> ChatTools:
             converted.freeform[name] = _freeform_input(definition.format, f"{where}.format")
             tool = _freeform_tool(name, definition.description, definition.format)
         converted.tools.append(tool)
+        converted.sources.append(index)
     if converted.dropped:
         log.warning(
             "/v1/responses: hosted tools left out of the prompt (this server does not run them): %s",
