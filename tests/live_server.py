@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+from k3stream.engine.loading import load_runtime
+from k3stream.engine.prompt_cache import MIB, PromptCache
 from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.guard import GuardConfig
 from k3stream.server.live import ServerThread
-from k3stream.server.runtime import ServedModel
+from k3stream.server.runtime import ServedModel, served_from_runtime
 
 
 def keyed_server(
@@ -17,3 +21,13 @@ def keyed_server(
     `ServerConfig` fields; a `with` block starts and stops it."""
     guard = GuardConfig(api_key=api_key, cors_origins=cors_origins)
     return ServerThread(create_app(served, ServerConfig(guard=guard, **config)))
+
+
+def cached_served(gguf: Path, cache_name: str, ctx: int) -> Iterator[ServedModel]:
+    """`gguf` served at context `ctx` with a 64 MiB prompt cache (`cache_name`, a snapshot every 16 tokens),
+    for a fixture to yield from: both are closed after."""
+    served = served_from_runtime(load_runtime(gguf), ctx=ctx)
+    served.prompt_cache = PromptCache(served.model, cache_name, 64 * MIB, every=16)
+    yield served
+    served.prompt_cache.close()
+    served.close()

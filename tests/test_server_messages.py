@@ -15,15 +15,11 @@ import openai
 import pytest
 import torch
 
-from k3stream.engine.loading import load_runtime
-from k3stream.engine.prompt_cache import MIB, PromptCache
-from k3stream.server.app import ServerConfig, create_app
-from k3stream.server.guard import GuardConfig
-from k3stream.server.live import ServerThread
 from k3stream.server.messages import MessageShapes, MessagesRequest, _object_so_far
-from k3stream.server.runtime import served_from_runtime
+from k3stream.server.request_logic import RequestLogic
 from k3stream.server.scheduler import Job
-from test_server_tools import WEATHER, tool_gguf  # noqa: F401 (tool_gguf: a fixture, the tool-calling chat model)
+from live_server import cached_served, keyed_server
+from test_server_tools import WEATHER, tool_gguf, written_pieces  # noqa: F401 (tool_gguf: a fixture, the tool-calling chat model)
 
 KEY = "sk-messages"
 TOOL = {"name": "get_weather", "description": "Forecast", "input_schema": WEATHER}
@@ -40,19 +36,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def served(tool_gguf):  # noqa: F811
-    served = served_from_runtime(load_runtime(tool_gguf), ctx=1024)
-    served.prompt_cache = PromptCache(served.model, "tiny-messages", 64 * MIB, every=16)
-    yield served
-    served.prompt_cache.close()
-    served.close()
+    yield from cached_served(tool_gguf, "tiny-messages", ctx=1024)
 
 
 @pytest.fixture(scope="module")
 def server(served):
-    config = ServerConfig(max_batch=2, guard=GuardConfig(api_key=KEY))
-    thread = ServerThread(create_app(served, config)).start()
-    yield thread
-    thread.stop()
+    with keyed_server(served, KEY, max_batch=2) as thread:
+        yield thread
 
 
 @pytest.fixture(scope="module")
@@ -509,10 +499,9 @@ def test_a_wrong_key_a_body_too_large_and_a_wrong_method_are_anthropic_errors(se
     assert bad.value.body["error"]["type"] == "invalid_request_error"
 
 
-def test_reasoning_text_and_a_call_the_model_writes_are_three_blocks_in_order(served):
-    """An answer as Kimi writes it (the think block the prompt opened, text, a tool call), taken token by
-    token by the request's own logic as the scheduler feeds it: three blocks, each stopped before the next
-    starts, whose deltas add up to the whole message's blocks."""
+def _thinking_answer(served, written: str) -> tuple[MessageShapes, RequestLogic, list]:
+    """The message shapes and request logic of ASK with TOOL and thinking on, and the pieces the logic
+    makes of `written` as the model's tokens."""
     body = {"max_tokens": 100, "tools": [TOOL], "thinking": {"type": "enabled"}}
     chat = MessagesRequest.model_validate(
         {**body, "messages": [{"role": "user", "content": ASK}]}
@@ -520,18 +509,20 @@ def test_reasoning_text_and_a_call_the_model_writes_are_three_blocks_in_order(se
     prompt = served.prepare_chat(chat)
     logic = served.new_sequence(chat, prompt.tokens, 100, chat=prompt)
     shapes = MessageShapes(Job(prompt_tokens=prompt.tokens, logic=logic, sink=None), served.name, 100)
+    return shapes, logic, written_pieces(served, logic, written)
+
+
+def test_reasoning_text_and_a_call_the_model_writes_are_three_blocks_in_order(served):
+    """An answer as Kimi writes it (the think block the prompt opened, text, a tool call), taken token by
+    token by the request's own logic as the scheduler feeds it: three blocks, each stopped before the next
+    starts, whose deltas add up to the whole message's blocks."""
     written = (
         "Paris, so the forecast.</think>Let me check."
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
         '{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|>'
     )
-    tokens = [*served.tokenizer.encode(written, allow_special=True, add_bos=False), served.tokenizer.eos_id]
-    pieces, stream = [], ""
-    for token in tokens:
-        if piece := logic.accept(token):
-            pieces.append(piece)
-            stream += shapes.piece(piece)
-    stream += shapes.last(logic.finish_reason)
+    shapes, logic, pieces = _thinking_answer(served, written)
+    stream = "".join(shapes.piece(piece) for piece in pieces) + shapes.last(logic.finish_reason)
     events = [
         json.loads(line.removeprefix("data: ")) for line in stream.splitlines() if line.startswith("data: ")
     ]
@@ -563,20 +554,12 @@ def test_reasoning_text_and_a_call_the_model_writes_are_three_blocks_in_order(se
 def test_text_written_after_a_call_follows_it_in_the_whole_message_as_in_the_stream(served):
     """Reasoning, a tool call, then text: the whole message's blocks are the streamed ones, in the order
     the stream started them (the call before the text)."""
-    body = {"max_tokens": 100, "tools": [TOOL], "thinking": {"type": "enabled"}}
-    chat = MessagesRequest.model_validate(
-        {**body, "messages": [{"role": "user", "content": ASK}]}
-    ).chat_request()
-    prompt = served.prepare_chat(chat)
-    logic = served.new_sequence(chat, prompt.tokens, 100, chat=prompt)
-    shapes = MessageShapes(Job(prompt_tokens=prompt.tokens, logic=logic, sink=None), served.name, 100)
     written = (
         "Paris.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
         '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
         "It is on its way."
     )
-    tokens = [*served.tokenizer.encode(written, allow_special=True, add_bos=False), served.tokenizer.eos_id]
-    pieces = [piece for token in tokens if (piece := logic.accept(token))]
+    shapes, logic, pieces = _thinking_answer(served, written)
     stream = "".join(shapes.piece(piece) for piece in pieces) + shapes.last(logic.finish_reason)
     events = [
         json.loads(line.removeprefix("data: ")) for line in stream.splitlines() if line.startswith("data: ")

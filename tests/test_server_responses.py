@@ -15,16 +15,12 @@ import jsonschema
 import openai
 import pytest
 
-from k3stream.engine.loading import load_runtime
-from k3stream.engine.prompt_cache import MIB, PromptCache
-from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.errors import APIError
-from k3stream.server.guard import GuardConfig
-from k3stream.server.live import ServerThread
+from k3stream.server.request_logic import RequestLogic
 from k3stream.server.responses import ResponseShapes, ResponsesRequest
-from k3stream.server.runtime import served_from_runtime
 from k3stream.server.scheduler import Job
-from test_server_tools import WEATHER, tool_gguf  # noqa: F401 (tool_gguf: a fixture, the tool-calling chat model)
+from live_server import cached_served, keyed_server
+from test_server_tools import WEATHER, tool_gguf, written_pieces  # noqa: F401 (tool_gguf: a fixture, the tool-calling chat model)
 
 KEY = "sk-responses"
 TOOL = {"type": "function", "name": "get_weather", "description": "Forecast", "parameters": WEATHER}
@@ -42,19 +38,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def served(tool_gguf):  # noqa: F811
-    served = served_from_runtime(load_runtime(tool_gguf), ctx=2048)
-    served.prompt_cache = PromptCache(served.model, "tiny-responses", 64 * MIB, every=16)
-    yield served
-    served.prompt_cache.close()
-    served.close()
+    yield from cached_served(tool_gguf, "tiny-responses", ctx=2048)
 
 
 @pytest.fixture(scope="module")
 def server(served):
-    config = ServerConfig(max_batch=2, guard=GuardConfig(api_key=KEY))
-    thread = ServerThread(create_app(served, config)).start()
-    yield thread
-    thread.stop()
+    with keyed_server(served, KEY, max_batch=2) as thread:
+        yield thread
 
 
 @pytest.fixture(scope="module")
@@ -279,11 +269,9 @@ def without_ids(items):
     return [{key: value for key, value in item.items() if key != "id"} for item in items]
 
 
-def test_reasoning_text_and_a_call_the_model_writes_are_three_items_in_order(served):
-    """An answer as Kimi writes it (the think block the prompt opened, text, a tool call), taken token by
-    token by the request's own logic as the scheduler feeds it: three output items, each done before the
-    next is added, whose deltas add up to the whole response's items; an error after them is an `error`
-    event that goes on counting."""
+def _thinking_answer(served, written: str) -> tuple[ResponseShapes, ResponseShapes, RequestLogic, list]:
+    """Two response shapes (one to stream, one for the whole answer) and the request logic of ASK with
+    TOOL and thinking on, and the pieces the logic makes of `written` as the model's tokens."""
     body = ResponsesRequest.model_validate(
         {"input": ASK, "tools": [TOOL], "chat_template_kwargs": {"thinking": True}}
     )
@@ -292,17 +280,21 @@ def test_reasoning_text_and_a_call_the_model_writes_are_three_items_in_order(ser
     logic = served.new_sequence(chat_request, prompt.tokens, 100, chat=prompt)
     job = Job(prompt_tokens=prompt.tokens, logic=logic, sink=None)
     streamed, whole = (ResponseShapes(job, body, served.name, len) for _ in range(2))
+    return streamed, whole, logic, written_pieces(served, logic, written)
+
+
+def test_reasoning_text_and_a_call_the_model_writes_are_three_items_in_order(served):
+    """An answer as Kimi writes it (the think block the prompt opened, text, a tool call), taken token by
+    token by the request's own logic as the scheduler feeds it: three output items, each done before the
+    next is added, whose deltas add up to the whole response's items; an error after them is an `error`
+    event that goes on counting."""
     written = (
         "Paris, so the forecast.</think>Let me check."
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
         '{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|>'
     )
-    tokens = [*served.tokenizer.encode(written, allow_special=True, add_bos=False), served.tokenizer.eos_id]
-    pieces, stream = [], streamed.first()
-    for token in tokens:
-        if piece := logic.accept(token):
-            pieces.append(piece)
-            stream += streamed.piece(piece)
+    streamed, whole, logic, pieces = _thinking_answer(served, written)
+    stream = streamed.first() + "".join(streamed.piece(piece) for piece in pieces)
     stream += streamed.last(logic.finish_reason)
     stream += streamed.error(APIError(500, "the server is shutting down", type="server_error")).sse()
     events = [
@@ -347,21 +339,12 @@ def test_reasoning_text_and_a_call_the_model_writes_are_three_items_in_order(ser
 def test_text_written_after_a_call_follows_it_in_the_whole_response_as_in_the_stream(served):
     """Reasoning, a tool call, then text: the whole response's output items are the streamed ones, in the
     order the stream added them (the call before the message)."""
-    body = ResponsesRequest.model_validate(
-        {"input": ASK, "tools": [TOOL], "chat_template_kwargs": {"thinking": True}}
-    )
-    chat_request = body.chat_request()
-    prompt = served.prepare_chat(chat_request)
-    logic = served.new_sequence(chat_request, prompt.tokens, 100, chat=prompt)
-    job = Job(prompt_tokens=prompt.tokens, logic=logic, sink=None)
-    streamed, whole = (ResponseShapes(job, body, served.name, len) for _ in range(2))
     written = (
         "Paris.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
         '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
         "It is on its way."
     )
-    tokens = [*served.tokenizer.encode(written, allow_special=True, add_bos=False), served.tokenizer.eos_id]
-    pieces = [piece for token in tokens if (piece := logic.accept(token))]
+    streamed, whole, logic, pieces = _thinking_answer(served, written)
     stream = streamed.first() + "".join(streamed.piece(piece) for piece in pieces)
     stream += streamed.last(logic.finish_reason)
     events = [

@@ -89,6 +89,13 @@ def served(tool_gguf):
     served.close()
 
 
+def written_pieces(served, logic, written: str) -> list:
+    """The pieces `logic` makes of `written` taken as the model's tokens and then its end, one token at a
+    time as the scheduler feeds them."""
+    tokens = [*served.tokenizer.encode(written, allow_special=True, add_bos=False), served.tokenizer.eos_id]
+    return [piece for token in tokens if (piece := logic.accept(token))]
+
+
 def chat(client, **fields):
     return client.chat.completions.create(
         model="kimi-tools", **{"messages": ASK, "max_tokens": 120, **fields}
