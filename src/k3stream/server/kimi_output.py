@@ -97,19 +97,27 @@ class Piece:
 
 
 def joined(pieces: list[Piece]) -> Piece:
-    """The pieces of one answer as one piece."""
-    total = Piece()
+    """The pieces of one answer as one piece (each text joined once: appending piece by piece copies an
+    answer's text once per token)."""
+    chunks: dict[int, list[ToolCall]] = {}  # each call's pieces, by its index
     for piece in pieces:
-        total.extend(piece)
-    return total
+        for call in piece.tool_calls:
+            chunks.setdefault(call.index, []).append(call)
+    calls = [replace(parts[0], arguments="".join(c.arguments for c in parts)) for parts in chunks.values()]
+    return Piece(
+        content="".join(piece.content for piece in pieces),
+        reasoning="".join(piece.reasoning for piece in pieces),
+        tool_calls=calls,
+        logprobs=[entry for piece in pieces for entry in piece.logprobs],
+        tokens=[token for piece in pieces for token in piece.tokens],
+    )
 
 
 def in_order(pieces: list[Piece]) -> list[Piece]:
     """The runs of one answer in the order its stream sends them: each run a piece of one kind (its
     reasoning, its content or one tool call), adjacent parts of one kind joined; within a piece its
     reasoning comes first, then its content, then its calls."""
-    runs: list[Piece] = []
-    last_kind: object = None
+    runs: list[tuple[object, list[Piece]]] = []  # (kind, its parts)
     for piece in pieces:
         parts: list[tuple[object, Piece]] = []
         if piece.reasoning:
@@ -118,12 +126,11 @@ def in_order(pieces: list[Piece]) -> list[Piece]:
             parts.append(("content", Piece(content=piece.content)))
         parts += [(("call", call.index), Piece(tool_calls=[call])) for call in piece.tool_calls]
         for kind, part in parts:
-            if runs and kind == last_kind:
-                runs[-1].extend(part)
+            if runs and kind == runs[-1][0]:
+                runs[-1][1].append(part)
             else:
-                runs.append(part)
-                last_kind = kind
-    return runs
+                runs.append((kind, [part]))
+    return [joined(run) for _, run in runs]
 
 
 @dataclass(frozen=True)
