@@ -9,7 +9,7 @@ from k3stream.engine.generate import Sequence
 from k3stream.engine.sampling import SamplingParams
 from k3stream.engine.tokenizer import Tokenizer, VocabFields
 from k3stream.gguf.vocab import padded
-from k3stream.server.kimi_output import KimiFormat, OutputParser, Piece, ToolCall
+from k3stream.server.kimi_output import TOOL_TOKENS, KimiFormat, OutputParser, Piece, ToolCall
 from k3stream.testing.tinyvocab import tiny_vocab
 
 TOOLS = ("get_weather", "get_time")
@@ -106,11 +106,39 @@ def test_malformed_call_comes_back_as_text(think_tokenizer, call):
     assert result.tool_calls == [] and result.content == "Hi." + section
 
 
-def test_section_cut_off_before_the_arguments_comes_back_as_text(think_tokenizer):
+def test_a_call_cut_off_before_its_arguments_is_the_call_without_them(think_tokenizer):
     fmt = KimiFormat.for_tokenizer(think_tokenizer)
-    output = SECTION[: SECTION.index("<|tool_call_argument_begin|>")]
-    result = every_split(fmt, released(think_tokenizer, fmt, output))
-    assert result.tool_calls == [] and result.content == output
+    for end in ("<|tool_call_argument_begin|>", "{"):
+        output = SECTION[: SECTION.index(end)]
+        result = every_split(fmt, released(think_tokenizer, fmt, output))
+        assert result.tool_calls == [ToolCall(0, "functions.get_weather:0", "get_weather", "")]
+        assert result.content == ""
+
+
+def test_no_cut_of_an_answer_with_calls_spills_markup_into_its_text(think_tokenizer):
+    """An answer with reasoning, text and two calls, cut after each of its tokens (as `max_tokens` cuts
+    it): its text and reasoning never hold delimiter text, and each call that came is the whole answer's,
+    its arguments as far as they came; a call whose header names its tool whole is there, without
+    arguments if none came."""
+    fmt = KimiFormat.for_tokenizer(think_tokenizer)
+    output = f"<think>Plan: ask twice.</think>Sure, checking.{SECTION}"
+    pieces = released(think_tokenizer, fmt, output)
+    markup = (*TOOL_TOKENS, "<think>", "</think>")
+    named = 0
+    for cut in range(len(pieces) + 1):
+        result = every_split(fmt, pieces[:cut])
+        text = "".join(pieces[:cut])
+        spilled = [token for token in markup if token in result.content + result.reasoning]
+        assert not spilled, (text, result)
+        assert "Sure, checking.".startswith(result.content) and "Plan: ask twice.".startswith(
+            result.reasoning
+        )
+        for call, whole in zip(result.tool_calls, CALLS, strict=False):
+            assert (call.id, call.name) == (whole.id, whole.name)
+            assert whole.arguments.startswith(call.arguments)
+        assert len(result.tool_calls) >= fmt.spell(text).count("<|tool_call_argument_begin|>")
+        named += any(call.arguments == "" for call in result.tool_calls)
+    assert named > 1, "no cut fell between a call's name and its arguments"
 
 
 @pytest.mark.parametrize(
@@ -205,7 +233,7 @@ def test_valid_call_kept_when_a_later_one_is_cut_off(think_tokenizer):
     output = first + "<|tool_call_begin|>functions.get_ti"
     result = every_split(fmt, released(think_tokenizer, fmt, output))
     assert result.tool_calls == CALLS[:1]
-    assert result.content == "<|tool_call_begin|>functions.get_ti"
+    assert result.content == ""  # a header cut before its tool's name is whole names no call
 
 
 def test_delimiter_spelled_as_plain_text_is_not_one(think_tokenizer):

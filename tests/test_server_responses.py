@@ -269,17 +269,20 @@ def without_ids(items):
     return [{key: value for key, value in item.items() if key != "id"} for item in items]
 
 
-def _thinking_answer(served, written: str) -> tuple[ResponseShapes, ResponseShapes, RequestLogic, list]:
+def _thinking_answer(
+    served, written: str | list[int], max_tokens: int = 100
+) -> tuple[ResponseShapes, ResponseShapes, RequestLogic, list]:
     """Two response shapes (one to stream, one for the whole answer) and the request logic of ASK with
-    TOOL and thinking on, and the pieces the logic makes of `written` as the model's tokens."""
+    TOOL and thinking on, and the pieces the logic makes of `written` as the model's tokens (up to
+    `max_tokens` of them)."""
     body = ResponsesRequest.model_validate(
         {"input": ASK, "tools": [TOOL], "chat_template_kwargs": {"thinking": True}}
     )
     chat_request = body.chat_request()
     prompt = served.prepare_chat(chat_request)
-    logic = served.new_sequence(chat_request, prompt.tokens, 100, chat=prompt)
+    logic = served.new_sequence(chat_request, prompt.tokens, max_tokens, chat=prompt)
     job = Job(prompt_tokens=prompt.tokens, logic=logic, sink=None)
-    streamed, whole = (ResponseShapes(job, body, served.name, len) for _ in range(2))
+    streamed, whole = (ResponseShapes(job, body, served.name) for _ in range(2))
     return streamed, whole, logic, written_pieces(served, logic, written)
 
 
@@ -412,3 +415,68 @@ def test_the_tools_are_checked_off_the_event_loop(server, monkeypatch):
     finally:
         release.set()
         pending.join(30)
+
+
+def _events(stream: str) -> list[dict]:
+    return [
+        json.loads(line.removeprefix("data: ")) for line in stream.splitlines() if line.startswith("data: ")
+    ]
+
+
+def test_every_cut_of_an_answer_with_calls_is_the_same_items_streamed_and_whole_and_no_markup(served):
+    """The answer Kimi writes (reasoning, text, two calls) cut after each of its tokens (`max_tokens`):
+    the response is `incomplete`, its streamed items equal the whole response's, no text holds the tool
+    section's markup, and each call item is the whole answer's call as far as it came (a call cut before
+    its arguments, once its header names the tool: the call with empty arguments)."""
+    section = (
+        "<|tool_call_begin|>functions.get_weather:{n}<|tool_call_argument_begin|>"
+        '{{"city": "{city}", "days": 2}}<|tool_call_end|>'
+    )
+    written = (
+        "Paris, so the forecast.</think>Let me check.<|tool_calls_section_begin|>"
+        + section.format(n=0, city="Paris")
+        + section.format(n=1, city="Lima")
+        + "<|tool_calls_section_end|>"
+    )
+    tokens = served.tokenizer.encode(written, allow_special=True, add_bos=False)
+    _, whole, logic, pieces = _thinking_answer(served, tokens, max_tokens=len(tokens) + 1)
+    assert logic.finish_reason == "tool_calls"
+    complete = [
+        i for i in whole.whole_choice(pieces, logic.finish_reason)["output"] if i["type"] == "function_call"
+    ]
+    markup = ("<|tool_call", "<|tool_calls_section", "</think>")
+    without_arguments = 0
+    for cut in range(1, len(tokens)):
+        streamed, whole, logic, pieces = _thinking_answer(served, tokens, max_tokens=cut)
+        assert logic.finish_reason == "length"
+        events = _events(
+            streamed.first() + "".join(streamed.piece(p) for p in pieces) + streamed.last("length")
+        )
+        response = whole.whole_choice(pieces, logic.finish_reason)
+        assert events[-1]["type"] == "response.incomplete" and response["status"] == "incomplete"
+        assert without_ids(events[-1]["response"]["output"]) == without_ids(response["output"])
+        texts = [part["text"] for item in response["output"] for part in item.get("content", [])]
+        assert not [text for text in texts if any(token in text for token in markup)], (cut, texts)
+        cut_calls = [item for item in response["output"] if item["type"] == "function_call"]
+        for item, call in zip(cut_calls, complete, strict=False):
+            assert (item["call_id"], item["name"]) == (call["call_id"], call["name"])
+            assert call["arguments"].startswith(item["arguments"])
+        assert response["output"][-1]["status"] == "incomplete"
+        without_arguments += any(item["arguments"] == "" for item in cut_calls)
+    assert len(complete) == 2 and without_arguments >= 2
+
+
+def test_reasoning_tokens_are_the_tokens_generated_in_the_think_block(served):
+    """`reasoning_tokens` counts the tokens the model generated inside its think block (its closing
+    included), not the reasoning text encoded again: here one token per character, which the tokenizer
+    would encode in fewer."""
+    encode = served.tokenizer.encode
+    thought = "Paris, so the forecast."
+    spelled = [token for char in thought for token in encode(char, add_bos=False)]
+    closing = encode("</think>", allow_special=True, add_bos=False)
+    answer = encode("Sunny.", add_bos=False)
+    assert len(encode(thought, add_bos=False)) < len(spelled)
+    streamed, whole, logic, pieces = _thinking_answer(served, [*spelled, *closing, *answer])
+    response = whole.whole_choice(pieces, logic.finish_reason)
+    assert response["output"][0]["content"][0]["text"] == thought
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == len(spelled) + len(closing)

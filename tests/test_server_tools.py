@@ -89,11 +89,19 @@ def served(tool_gguf):
     served.close()
 
 
-def written_pieces(served, logic, written: str) -> list:
-    """The pieces `logic` makes of `written` taken as the model's tokens and then its end, one token at a
-    time as the scheduler feeds them."""
-    tokens = [*served.tokenizer.encode(written, allow_special=True, add_bos=False), served.tokenizer.eos_id]
-    return [piece for token in tokens if (piece := logic.accept(token))]
+def written_pieces(served, logic, written: str | list[int]) -> list:
+    """The pieces `logic` makes of `written` (text, or its token ids) taken as the model's tokens and then
+    its end, one token at a time as the scheduler feeds them, up to where its sequence ends (`max_tokens`
+    may cut it)."""
+    if isinstance(written, str):
+        written = served.tokenizer.encode(written, allow_special=True, add_bos=False)
+    pieces = []
+    for token in [*written, served.tokenizer.eos_id]:
+        if piece := logic.accept(token):
+            pieces.append(piece)
+        if logic.sequence.done:
+            break
+    return pieces
 
 
 def chat(client, **fields):
@@ -360,10 +368,31 @@ def test_builtin_templates_think_channel_is_reasoning_and_a_forced_call_follows_
         served.close()
 
 
-def test_call_cut_off_by_max_tokens_comes_back_as_text(client):
-    choice = chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=6).choices[0]
-    assert choice.finish_reason == "length" and not choice.message.tool_calls
-    assert choice.message.content.startswith("<|tool_calls_section_begin|><|tool_call_begin|>func")
+def test_a_call_cut_off_before_its_arguments_is_the_call_without_them(client):
+    """Each `max_tokens` that cuts a forced call before its arguments: no text (the section's markup is
+    no content) and, once its header names the tool whole, the call with empty arguments, `finish_reason`
+    `length`, streamed and whole alike."""
+    call = chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0).choices[0].message.tool_calls[0]
+    named = []
+    for max_tokens in range(1, 40):
+        sampling = {"tools": TOOLS, "tool_choice": NAMED, "temperature": 0, "max_tokens": max_tokens}
+        choice = chat(client, **sampling).choices[0]
+        calls = choice.message.tool_calls or []
+        if any(cut.function.arguments for cut in calls):
+            break
+        assert choice.finish_reason == "length" and not choice.message.content
+        chunks = [c.choices[0] for c in stream_chat(client, **sampling) if c.choices]
+        assert "".join(c.delta.content or "" for c in chunks) == ""
+        deltas = [
+            (d.id, d.function.name, d.function.arguments) for c in chunks for d in c.delta.tool_calls or []
+        ]
+        assert (
+            deltas == [(cut.id, cut.function.name, "") for cut in calls]
+            and chunks[-1].finish_reason == "length"
+        )
+        assert [(cut.id, cut.function.name) for cut in calls] in ([], [(call.id, call.function.name)])
+        named += calls
+    assert named, "no max_tokens cut the call between its name and its arguments"
 
 
 def test_call_cut_off_inside_its_arguments_keeps_them_with_finish_reason_length(client):
@@ -377,7 +406,7 @@ def test_call_cut_off_inside_its_arguments_keeps_them_with_finish_reason_length(
         choice = chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=max_tokens).choices[0]
         assert choice.finish_reason == "length"
         if not choice.message.tool_calls:
-            continue  # cut before the arguments began: the text of the section comes back as content
+            continue  # cut before the call's header named its tool whole
         (cut,) = choice.message.tool_calls
         assert (cut.id, cut.function.name, choice.message.content) == (call.id, call.function.name, None)
         assert call.function.arguments.startswith(cut.function.arguments)

@@ -19,8 +19,11 @@ arguments are the text between, stripped, JSON or not (as OpenAI's may not be: a
 makes them its schema's JSON). A call of a `freeform` tool (the Responses API's custom tools) opens
 whatever its arguments begin with, and they are the text between exactly as written. `on_call` hears
 each call's id and its arguments as the model wrote them, whitespace around them included, once the
-call ends. Anything else inside a section (an unknown function, arguments that are not an object, a
-call cut off before its arguments) comes back as content, delimiters spelled as their token text.
+call ends. An answer that ends inside a section (`max_tokens` cut it) gives the call it cut as far as
+it came: a header naming a request tool is that call with no arguments, a delimiter or a header that
+names no tool yet is nothing (markup is never content). Anything else inside a section (an unknown
+function, arguments that are not an object) comes back as content, delimiters spelled as their token
+text.
 """
 
 from __future__ import annotations
@@ -249,14 +252,52 @@ class OutputParser:
         """Whatever is still held back: an unfinished section or delimiter prefix comes back as text."""
         piece = self.feed("")
         rest, self._pending = self._pending, ""
-        if self._mode == "reasoning":
-            piece.reasoning += self.fmt.spell(rest)
-        elif self._mode == "section":
-            cut_off = rest.strip() or self._section_calls == 0
-            piece.content += self.fmt.spell(self._unparsed(rest) if cut_off else "")
-        else:
-            piece.content += self.fmt.spell(rest)
+        if self._mode == "section":
+            self._cut_section(rest, piece)
+        elif not self._held_markup(rest):
+            kind = "reasoning" if self._mode == "reasoning" else "content"
+            setattr(piece, kind, getattr(piece, kind) + self.fmt.spell(rest))
         return piece
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the text so far ends inside the think block."""
+        return self._mode == "reasoning"
+
+    def _held_markup(self, rest: str) -> bool:
+        """Whether `rest`, held back at the end, is the start of a think delimiter that holds a special
+        token: markup the answer ended inside, not text."""
+        delimiters = self.think or ()
+        held = any(d.startswith(rest) for d in delimiters)
+        return bool(rest) and held and any(mark in self.fmt.spelled for mark in rest)
+
+    def _cut_section(self, rest: str, piece: Piece) -> None:
+        """What the section the answer ended inside gives for `rest`, its text not taken yet (a call cut
+        inside its arguments streamed them already): the call whose header names a request tool, with no
+        arguments; nothing for a cut delimiter or header; text that is no call, content."""
+        begin, argument = self.tools["<|tool_call_begin|>"], self.tools["<|tool_call_argument_begin|>"]
+        stripped = rest.strip()
+        if not stripped or begin.startswith(stripped):
+            return
+        header, found, arguments = stripped.removeprefix(begin).partition(argument)
+        if not stripped.startswith(begin) or arguments.strip():  # no call, or arguments that are no object
+            piece.content += self.fmt.spell(self._unparsed(rest))
+            return
+        named = self._cut_call_name(header, found)
+        if named is not None:
+            name, index = named
+            piece.add_call(ToolCall(self._calls, f"functions.{name}:{index}", name, ""))
+            self._calls += 1
+
+    def _cut_call_name(self, header: str, ended: bool) -> tuple[str, str] | None:
+        """The request tool a cut call header names and the call's index, if it names one whole: its
+        header `ended`, or its name followed by `:`, or a name no other request tool's begins with."""
+        match = HEADER_RE.fullmatch(header.rstrip(":"))
+        if match is None or match.group(1) not in self.tool_names:
+            return None
+        name = match.group(1)
+        whole = ended or ":" in header or not any(o != name and o.startswith(name) for o in self.tool_names)
+        return (name, match.group(2) or str(self._calls)) if whole else None
 
     def _spelled(self, piece: Piece) -> Piece:
         piece.content = self.fmt.spell(piece.content)

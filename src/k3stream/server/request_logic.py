@@ -80,6 +80,7 @@ class RequestLogic:
         sequence.sampler.keep_distribution = self.post_sampling
         self._logprobs: list[TokenLogprob] = []
         self._tokens: list[int] = []
+        self.reasoning_tokens = 0  # the tokens accepted inside the think block, its delimiters included
 
     @property
     def finish_reason(self) -> str | None:
@@ -110,7 +111,12 @@ class RequestLogic:
             self.constraint.advance(token)
         text = self.sequence.accept(token)
         self._tokens.append(token)
-        piece = Piece(content=text) if self.parser is None else self.parser.feed(text)
+        if self.parser is None:
+            piece = Piece(content=text)
+        else:
+            was_reasoning = self.parser.in_reasoning
+            piece = self.parser.feed(text)
+            self.reasoning_tokens += was_reasoning or self.parser.in_reasoning
         if self.parser is not None and self.sequence.done:
             piece.extend(self.parser.finish())
         if piece.content or piece.reasoning or piece.tool_calls or self.sequence.done:

@@ -441,11 +441,10 @@ class ResponseShapes:
     done_line = ""  # the stream ends with `response.completed` or `response.incomplete`
     index = 0  # the one choice
 
-    def __init__(self, job: Job, request: ResponsesRequest, model: str, count: Callable[[str], int]) -> None:
+    def __init__(self, job: Job, request: ResponsesRequest, model: str) -> None:
         self.job = job
         self.request = request
         self.model = model
-        self.count = count  # tokens of a text, for the reasoning tokens of `usage`
         self.id = _new_id("resp")
         self.created_at = int(time.time())
         self._sequence = itertools.count()
@@ -522,18 +521,13 @@ class ResponseShapes:
 
     def _usage(self) -> dict[str, Any]:
         """The prompt's tokens (of which `cached_tokens` were restored from the prompt cache) and the
-        answer's (of which `reasoning_tokens` are its reasoning text's, as the tokenizer encodes it)."""
+        answer's (of which `reasoning_tokens` the model generated inside its think block)."""
         prompt, output = len(self.job.prompt_tokens), self.job.logic.completion_tokens
-        reasoning = "".join(
-            part["text"] for item in self._items if item["type"] == "reasoning" for part in item["content"]
-        )
         return {
             "input_tokens": prompt,
             "input_tokens_details": {"cached_tokens": self.job.cached_tokens},
             "output_tokens": output,
-            "output_tokens_details": {
-                "reasoning_tokens": min(self.count(reasoning), output) if reasoning else 0
-            },
+            "output_tokens_details": {"reasoning_tokens": self.job.logic.reasoning_tokens},
             "total_tokens": prompt + output,
         }
 
@@ -599,13 +593,10 @@ class ResponsesEndpoints:
     async def create(self, request: Request) -> Response:
         body = await parse_body(request, ResponsesRequest)
         chat = await self.api.off_loop(body.chat_request)  # checks each grammar and schema: milliseconds each
-        served = self.api.served
-
-        def count(text: str) -> int:
-            return len(served.tokenizer.encode_plain(text))
+        model = self.api.served.name
 
         def shapes(jobs: list[Job]) -> list[ResponseShapes]:
-            return [ResponseShapes(jobs[0], body, served.name, count)]
+            return [ResponseShapes(jobs[0], body, model)]
 
         try:
             return await self.api.answer_chat(request, chat, shapes)
