@@ -7,6 +7,8 @@ tokens, with a prompt cache. Random weights never choose to call a tool, so call
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import anthropic
 import httpx
@@ -571,3 +573,31 @@ def test_text_written_after_a_call_follows_it_in_the_whole_message_as_in_the_str
     assert [block["type"] for block in whole["content"]] == started
     assert whole["content"][1]["input"] == {"city": "Paris"}
     assert whole["content"][2]["text"] == "It is on its way."
+
+
+def test_the_tools_are_converted_off_the_event_loop(server, monkeypatch):
+    """A request's tools (each schema checked and compiled for the template: milliseconds each, and an
+    agent sends hundreds) are converted on the tokenizer threads: the server answers others meanwhile."""
+    import k3stream.server.messages as messages
+
+    started, release = threading.Event(), threading.Event()
+    convert = messages.object_tool
+
+    def slow_convert(*args):
+        started.set()
+        release.wait(20)
+        return convert(*args)
+
+    monkeypatch.setattr(messages, "object_tool", slow_convert)
+    tools = [{**TOOL, "name": f"get_weather_{number}"} for number in range(400)]
+    body = {"max_tokens": 1, "tools": tools, "messages": [{"role": "user", "content": ASK}]}
+    pending = threading.Thread(target=lambda: post(server, "/v1/messages", body), daemon=True)
+    pending.start()
+    try:
+        assert started.wait(10)
+        began = time.perf_counter()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200  # the loop is free
+        assert time.perf_counter() - began < 5
+    finally:
+        release.set()
+        pending.join(30)

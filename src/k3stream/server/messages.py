@@ -437,7 +437,7 @@ class MessagesEndpoints:
         try:
             body = await parse_body(request, MessagesRequest)
             model = self.api.served.name
-            chat = body.chat_request()
+            chat = await self.api.off_loop(body.chat_request)  # each tool's schema checked: milliseconds
 
             def shapes(jobs: list[Job]) -> list[MessageShapes]:
                 return [MessageShapes(jobs[0], model, body.max_tokens)]
@@ -449,7 +449,7 @@ class MessagesEndpoints:
     async def count_tokens(self, request: Request) -> dict[str, int]:
         """The prompt's tokens as `/v1/messages` would prefill them."""
         try:
-            chat = (await parse_body(request, CountTokensRequest)).chat_request()
+            chat = await self.api.off_loop((await parse_body(request, CountTokensRequest)).chat_request)
             self.api.check_request(chat)
             prompt = await self.api.off_loop(self.api.served.prepare_chat, chat)
         except APIError as error:
