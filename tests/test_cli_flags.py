@@ -200,6 +200,22 @@ def test_serve_request_defaults_refuse_bad_values_in_one_line(flags, words):
         request_defaults(build_parser(["serve"]).parse_args(["serve", "m.gguf", *flags]))
 
 
+@pytest.mark.parametrize("limit", ["-2", "-1", "1", "7"])
+@pytest.mark.parametrize("seed", ["-1", "4294967295", "0", "5"])
+def test_serve_and_generate_read_n_and_the_seed_alike(limit, seed):
+    """llama.cpp's `-n` (-1 and -2: until the context is full) and `-s` (-1 and 4294967295: a fresh
+    seed) mean the same to `serve` (a request's defaults) as to `generate`."""
+    from k3stream.commands.flags import sampling_params
+    from k3stream.commands.serve import request_defaults
+
+    served = build_parser(["serve"]).parse_args(["serve", "m.gguf", "-n", limit, "-s", seed])
+    generated = build_parser(["generate"]).parse_args(
+        ["generate", "m.gguf", "-p", "x", "-n", limit, "-s", seed]
+    )
+    defaults, n_predict = request_defaults(served)
+    assert (n_predict, defaults.seed) == (generated.max_tokens, sampling_params(generated).seed)
+
+
 def test_serve_without_a_model_says_how_to_name_it(capsys):
     from k3stream.cli import main
 

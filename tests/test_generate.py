@@ -678,7 +678,10 @@ def test_generate_takes_llama_clis_prompt_file_and_n_minus_one(model, tokenizer,
         [f"k3stream generate: error: --file: no such file: {tmp_path / 'none.txt'}"],
     )
     below = _cli("generate", str(model_path), "-p", prompt, "-n", "0", *flags)
-    assert below.returncode == 2 and "-n: '0' is below 1 (-1: until the context is full)" in below.stderr
+    assert (
+        below.returncode == 2
+        and "-n: must be -1 (until the context is full) or at least 1, got 0" in below.stderr
+    )
 
 
 def test_the_repeat_penalty_counts_the_last_repeat_last_n_tokens_as_llama_clis(model, tokenizer, model_path):

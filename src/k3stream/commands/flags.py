@@ -208,15 +208,22 @@ def check_input_file(path: str | Path, flag: str) -> None:
         raise FileNotFoundError(f"{flag}: no such file: {path}")
 
 
-def predict_count(text: str) -> int | None:
-    """argparse type of `--max-tokens`: 1 or more, or llama-cli's -1 (and -2): None, until the context
-    is full."""
-    value = int(text)
+def predict_limit(value: int) -> int | None:
+    """A token limit as llama.cpp's `-n` takes it: 1 or more, or -1 (and -2): None, until the context is
+    full; anything else is a ValueError."""
     if value in (-1, -2):
         return None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is below 1 (-1: until the context is full)")
+        raise ValueError(f"must be -1 (until the context is full) or at least 1, got {value}")
     return value
+
+
+def predict_count(text: str) -> int | None:
+    """argparse type of `--max-tokens` (`predict_limit`)."""
+    try:
+        return predict_limit(int(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
@@ -269,7 +276,7 @@ def sampling_params(args: argparse.Namespace) -> Any:
     """`SamplingParams` from the sampling flags; llama-cli's `--seed -1` (its default, as
     4294967295 is) draws a fresh seed, as no seed does."""
     from k3stream.engine.sampling import SamplingParams
-    from k3stream.server.schemas import RANDOM_SEEDS
+    from k3stream.server.schemas import fixed_seed
 
     return SamplingParams(
         temperature=args.temperature,
@@ -278,7 +285,7 @@ def sampling_params(args: argparse.Namespace) -> Any:
         min_p=args.min_p,
         repetition_penalty=args.repeat_penalty,
         repetition_last_n=args.repeat_last_n,
-        seed=None if args.seed in RANDOM_SEEDS else args.seed,
+        seed=fixed_seed(args.seed),
         max_tokens=sys.maxsize if args.max_tokens is None else args.max_tokens,  # the context bounds it
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,

@@ -224,22 +224,25 @@ def template_kwargs(text: str) -> dict[str, Any]:
 def request_defaults(args: argparse.Namespace) -> tuple[Any, int | None]:
     """The `SamplingParams` a request's absent fields take and the tokens one naming no limit may
     generate (None: up to the context), from the flags; a bad value is a one-line error naming it."""
+    from k3stream.commands.flags import predict_limit
     from k3stream.engine.sampling import SamplingParams
-    from k3stream.server.schemas import RANDOM_SEEDS
+    from k3stream.server.schemas import fixed_seed
 
-    if args.n_predict is not None and args.n_predict != -1 and args.n_predict < 1:
-        raise ValueError(f"--n-predict must be -1 (up to the context) or at least 1, got {args.n_predict}")
+    try:
+        n_predict = None if args.n_predict is None else predict_limit(args.n_predict)
+    except ValueError as exc:
+        raise ValueError(f"--n-predict {exc}") from None
     try:
         defaults = SamplingParams(
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
             min_p=args.min_p,
-            seed=None if args.seed in RANDOM_SEEDS else args.seed,
+            seed=fixed_seed(args.seed),
         )
     except ValueError as exc:
         raise ValueError(f"serve's sampling flags: {exc}") from None
-    return defaults, None if args.n_predict in (None, -1) else args.n_predict
+    return defaults, n_predict
 
 
 def run(args: argparse.Namespace) -> int:

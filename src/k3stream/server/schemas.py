@@ -54,6 +54,13 @@ BiasValue = Annotated[float, Field(ge=-100.0, le=100.0)] | Literal[False]
 NPredict = Annotated[int, Field(ge=-1, le=MAX_TOKENS_LIMIT), Integral]
 # seeds meaning "draw a fresh seed" (llama-server's default, LLAMA_DEFAULT_SEED as JSON sends it)
 RANDOM_SEEDS = (-1, 0xFFFFFFFF)
+
+
+def fixed_seed(seed: int | None) -> int | None:
+    """The seed to draw with: None (a fresh one) for no seed or llama.cpp's -1 (4294967295 as well)."""
+    return None if seed in RANDOM_SEEDS else seed
+
+
 # characters a request's logit_bias texts may hold in all: each is tokenized on the event loop
 MAX_BIAS_TEXT = 4096
 # choices per request: each is one more sequence in the batch, sharing the prompt's prefill
@@ -238,7 +245,7 @@ class SamplingFields(BaseModel):
 
     def draw_seed(self) -> int | None:
         """The seed to draw with: None (a fresh one) when absent or llama-server's -1."""
-        return None if self.seed in (None, *RANDOM_SEEDS) else self.seed
+        return fixed_seed(self.seed)
 
     def token_limit(self) -> int | None:
         """The most tokens to generate (None: up to the context): `max_tokens`, else llama-server's
