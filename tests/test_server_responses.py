@@ -227,7 +227,7 @@ def test_previous_response_id_is_refused_naming_the_field(client):
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input.0.type"),
+        ({"input": [{"type": "shell_call", "call_id": "c", "action": {"commands": ["ls"]}}]}, "input.0.type"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
             "input.0.content.0.type",
@@ -237,7 +237,12 @@ def test_previous_response_id_is_refused_naming_the_field(client):
         ({"input": [{"role": "tool", "content": "hi"}]}, "input.0.role"),
         ({"input": []}, "input"),
         ({"input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hm"}]}]}, "input"),
-        ({"tools": [{"type": "namespace"}]}, "tools.0.type"),
+        ({"tools": [{"type": "namespace", "name": "crm", "description": "CRM"}]}, "tools.0.tools"),
+        (
+            {"tools": [{"type": "namespace", "name": "crm", "tools": [{"type": "web_search"}]}]},
+            "tools.0.tools.0.type",
+        ),
+        ({"tools": [{"type": "shell"}]}, "tools.0.type"),
         ({"tools": [{**TOOL, "parameters": {"type": "string"}}]}, "tools.0.parameters"),
         ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),
         ({"text": {"format": {"type": "json_schema", "name": "w"}}}, "text.format.schema"),
@@ -480,3 +485,82 @@ def test_reasoning_tokens_are_the_tokens_generated_in_the_think_block(served):
     response = whole.whole_choice(pieces, logic.finish_reason)
     assert response["output"][0]["content"][0]["text"] == thought
     assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == len(spelled) + len(closing)
+
+
+def test_hosted_tools_items_of_a_conversation_from_openai_are_left_out_with_a_warning(client, caplog):
+    """A conversation that ran OpenAI's hosted tools (web search, file search, image generation) is
+    answered as the same conversation without their items, which the model could not have seen; the log
+    names each item left out."""
+    ask = {"role": "user", "content": ASK}
+    answer = {"role": "assistant", "content": "Sunny."}
+    hosted = [
+        {
+            "type": "web_search_call",
+            "id": "ws_1",
+            "status": "completed",
+            "action": {"type": "search", "query": "x"},
+        },
+        {"type": "file_search_call", "id": "fs_1", "status": "completed", "queries": ["x"], "results": None},
+        {"type": "image_generation_call", "id": "ig_1", "status": "completed", "result": None},
+    ]
+    plain = respond(client, input=[ask, answer, ask], max_output_tokens=1)
+    with caplog.at_level("WARNING", logger="k3stream.server.responses"):
+        switched = respond(client, input=[ask, *hosted, answer, ask], max_output_tokens=1)
+    assert switched.usage.input_tokens == plain.usage.input_tokens
+    assert switched.output_text == plain.output_text
+    assert (
+        "web_search_call (input.1), file_search_call (input.2), image_generation_call (input.3)"
+        in caplog.text
+    )
+
+
+def test_a_local_shell_call_and_its_output_are_a_call_and_its_output(client):
+    """OpenAI's `local_shell_call` (its action) and `local_shell_call_output` (naming the call by its id)
+    reach the template as a call of `local_shell` whose arguments are the action, and its result."""
+    action = {"type": "exec", "command": ["ls", "-l"], "timeout_ms": 1000}
+    shell = [
+        {
+            "type": "local_shell_call",
+            "id": "lsh_1",
+            "call_id": "call_1",
+            "status": "completed",
+            "action": action,
+        },
+        {"type": "local_shell_call_output", "id": "lsh_1", "output": "a.txt"},
+    ]
+    arguments = json.dumps(action, separators=(",", ":"))
+    as_function = [
+        {"type": "function_call", "call_id": "call_1", "name": "local_shell", "arguments": arguments},
+        {"type": "function_call_output", "call_id": "call_1", "output": "a.txt"},
+    ]
+    ask = {"role": "user", "content": ASK}
+    by_shell = respond(client, input=[ask, *shell], max_output_tokens=4)
+    by_function = respond(client, input=[ask, *as_function], max_output_tokens=4)
+    assert by_shell.usage.input_tokens == by_function.usage.input_tokens
+    assert by_shell.output_text == by_function.output_text
+
+
+def test_an_image_part_is_a_400_saying_the_model_has_no_image_input(server):
+    image = {"type": "input_image", "image_url": "https://example.com/a.png"}
+    response = post(
+        server, {"input": [{"role": "user", "content": [{"type": "input_text", "text": "?"}, image]}]}
+    )
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "input.0.content.1.type"
+    assert "this model has no image input" in error["message"]
+
+
+def test_a_namespaces_tools_are_the_models_and_its_calls_name_the_namespace(client):
+    """A namespace (the Responses API's group of function and custom tools) gives the model its tools,
+    each described with the namespace; a call of one is a `function_call` naming the namespace."""
+    namespace = {"type": "namespace", "name": "weather", "description": "Forecasts", "tools": [TOOL]}
+    grouped = respond(client, tools=[namespace], tool_choice=FORCED, max_output_tokens=60)
+    (call,) = grouped.output
+    assert (call.type, call.name, call.namespace) == ("function_call", "get_weather", "weather")
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    described = {**TOOL, "description": "Forecast\n\n(Namespace weather: Forecasts)"}
+    flat = respond(client, tools=[described], tool_choice=FORCED, max_output_tokens=60)
+    assert (flat.usage.input_tokens, flat.output[0].arguments) == (grouped.usage.input_tokens, call.arguments)
+    assert grouped.tools[0].type == "namespace"
+    streamed = list(respond(client, tools=[namespace], tool_choice=FORCED, max_output_tokens=60, stream=True))
+    assert streamed[-1].response.output[0].namespace == "weather"

@@ -15,6 +15,8 @@ fields.
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -55,6 +57,8 @@ from k3stream.server.schemas import (
 if TYPE_CHECKING:
     from k3stream.server.app import Endpoints
 
+log = logging.getLogger(__name__)
+
 # the content part types each input item takes
 MESSAGE_PARTS = ("input_text", "output_text")
 REASONING_PARTS = ("reasoning_text", "text")
@@ -65,9 +69,39 @@ ITEM_FIELDS = {
     "function_call_output": ("call_id", "output"),
     "custom_tool_call": ("call_id", "name", "input"),
     "custom_tool_call_output": ("call_id", "output"),
+    "local_shell_call": ("call_id", "action"),
+    "local_shell_call_output": ("id", "output"),
     "reasoning": (),
 }
-CALL_ITEMS = ("function_call", "custom_tool_call")  # the items an assistant turn's calls come as
+# the items an assistant turn's calls come as; a local shell call is a call of LOCAL_SHELL, its arguments
+# the action it ran
+CALL_ITEMS = ("function_call", "custom_tool_call", "local_shell_call")
+OUTPUT_ITEMS = ("function_call_output", "custom_tool_call_output", "local_shell_call_output")
+LOCAL_SHELL = "local_shell"
+# items of the tools OpenAI runs on its side (`responses_tools.HOSTED_TOOLS`), which the model never sees
+# here: left out of the prompt, with a warning in the log
+HOSTED_ITEMS = frozenset(
+    {
+        "web_search_call",
+        "file_search_call",
+        "image_generation_call",
+        "code_interpreter_call",
+        "computer_call",
+        "computer_call_output",
+        "mcp_list_tools",
+        "mcp_call",
+        "mcp_approval_request",
+        "mcp_approval_response",
+        "tool_search_call",
+        "tool_search_output",
+    }
+)
+# content parts of inputs this text-only model does not take: why
+UNREAD_PARTS = {
+    "input_image": "this model has no image input",
+    "input_file": "this model reads no files",
+    "input_audio": "this model has no audio input",
+}
 # fields asking for what a stateless server without hosted features does not have: (whether the value
 # asks for nothing, why it is refused)
 REFUSED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -103,7 +137,8 @@ class InputPart(BaseModel):
     def checked_text(self, where: str, allowed: tuple[str, ...]) -> str:
         if self.type not in allowed:
             taken = ", ".join(allowed)
-            message = f"{where}.type: {self.type!r} parts are not supported here; this server takes {taken}"
+            why = UNREAD_PARTS.get(self.type, "they are not supported here")
+            message = f"{where}.type: {self.type!r} parts are not taken: {why}; this server takes {taken}"
             raise invalid_request(message, param=f"{where}.type", code="unsupported_value")
         if self.text is None:
             raise invalid_request(f"{where}.text: a {self.type} part needs its text", param=f"{where}.text")
@@ -122,18 +157,23 @@ class InputItem(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
     type: str = "message"
+    id: str | None = None  # local_shell_call_output: its call's
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[InputPart] | None = None  # message, reasoning
     call_id: str | None = None  # the calls and their outputs
     name: str | None = None  # function_call, custom_tool_call
     arguments: str | None = None  # function_call
     input: str | None = None  # custom_tool_call
-    output: str | list[InputPart] | None = None  # function_call_output, custom_tool_call_output
+    action: dict[str, Any] | None = None  # local_shell_call
+    output: str | list[InputPart] | None = None  # the outputs
 
     def check(self, where: str) -> None:
         if self.type not in ITEM_FIELDS:
             taken = ", ".join(ITEM_FIELDS)
-            message = f"{where}.type: {self.type!r} items are not supported; this server takes {taken}"
+            message = (
+                f"{where}.type: {self.type!r} items are not supported; this server takes {taken} "
+                "(and leaves hosted tools' items out)"
+            )
             raise invalid_request(message, param=f"{where}.type", code="unsupported_value")
         missing = next((name for name in ITEM_FIELDS[self.type] if getattr(self, name) is None), None)
         if missing is not None:
@@ -146,25 +186,36 @@ class InputItem(BaseModel):
         no reasoning item, gives; a call item's call is the message's `call`th (0: it may begin it)."""
         if self.type in CALL_ITEMS:
             called = f"{message}.tool_calls.{call}"
-            text = "arguments" if self.type == "function_call" else "input"
+            text = {"function_call": "arguments", "custom_tool_call": "input"}.get(self.type, "action")
             fields = {"": "", ".id": ".call_id", ".function.name": ".name", ".function.arguments": f".{text}"}
             return {message: where} | {called + chat: where + own for chat, own in fields.items()}
-        content = "output" if self.type.endswith("_output") else "content"
+        content = "output" if self.type in OUTPUT_ITEMS else "content"
         paths = {message: where, f"{message}.content": f"{where}.{content}"}
-        return paths | ({f"{message}.tool_call_id": f"{where}.call_id"} if self.call_id else {})
+        called = "call_id" if self.call_id else "id" if self.type == "local_shell_call_output" else None
+        return paths | ({f"{message}.tool_call_id": f"{where}.{called}"} if called else {})
 
-    def chat_message(self, where: str) -> ChatMessage:
+    def chat_message(self, where: str, call_ids: dict[str, str]) -> ChatMessage:
         """The item as a chat message (a reasoning item has none: `reasoning_text`); a custom tool's call
-        is a call whose arguments are its input text."""
+        is a call whose arguments are its input text, a local shell call one of LOCAL_SHELL whose
+        arguments are its action; a local shell call's output answers the call whose `id` or `call_id`
+        its `id` is (`call_ids`)."""
         if self.type in CALL_ITEMS:
-            arguments = self.arguments if self.type == "function_call" else self.input
-            function = CalledFunction(name=self.name, arguments=arguments)
+            function = CalledFunction(name=self.name or LOCAL_SHELL, arguments=self._call_text())
             call = AssistantToolCall(id=self.call_id, function=function)
             return ChatMessage(role="assistant", tool_calls=[call])
-        if self.type in ("function_call_output", "custom_tool_call_output"):
+        if self.type in OUTPUT_ITEMS:
             text = parts_text(self.output, f"{where}.output")
-            return ChatMessage(role="tool", content=text, tool_call_id=self.call_id)
+            shell = self.type == "local_shell_call_output"
+            called = call_ids.get(self.id, self.id) if shell else self.call_id
+            return ChatMessage(role="tool", content=text, tool_call_id=called)
         return ChatMessage(role=self.role, content=parts_text(self.content, f"{where}.content"))
+
+    def _call_text(self) -> str:
+        if self.type == "function_call":
+            return self.arguments
+        if self.type == "custom_tool_call":
+            return self.input
+        return json.dumps(self.action, ensure_ascii=False, separators=(",", ":"))
 
     def reasoning_text(self, where: str) -> str:
         return parts_text(self.content or [], f"{where}.content", REASONING_PARTS)
@@ -178,14 +229,21 @@ def chat_messages(items: list[InputItem], first: int = 0) -> tuple[list[ChatMess
     messages: list[ChatMessage] = []
     paths: dict[str, str] = {}
     reasoning, reasoning_item = "", ""  # the reasoning for the next assistant turn, its first item
+    call_ids: dict[str, str] = {}  # each local shell call's `id` and `call_id`: its `call_id`
+    hosted: list[str] = []
     for index, item in enumerate(items):
         where = f"input.{index}"
+        if item.type in HOSTED_ITEMS:
+            hosted.append(f"{item.type} ({where})")
+            continue
         item.check(where)
         if item.type == "reasoning":
             reasoning += item.reasoning_text(where)
             reasoning_item = reasoning_item or where
             continue
-        message = item.chat_message(where)
+        if item.type == "local_shell_call":
+            call_ids |= {item.call_id: item.call_id} | ({item.id: item.call_id} if item.id else {})
+        message = item.chat_message(where, call_ids)
         last = messages[-1] if messages else None
         joins = item.type in CALL_ITEMS and last is not None and last.role == "assistant"
         number = first + len(messages) - joins
@@ -201,6 +259,11 @@ def chat_messages(items: list[InputItem], first: int = 0) -> tuple[list[ChatMess
             last.reasoning_content = last.reasoning_content or message.reasoning_content
         else:
             messages.append(message)
+    if hosted:
+        log.warning(
+            "/v1/responses: hosted tools' items left out of the prompt (this server does not run them): %s",
+            ", ".join(hosted),
+        )
     return messages, paths
 
 
@@ -267,12 +330,13 @@ class ResponsesRequest(BaseModel):
     top_logprobs: int | None = None
     # the request's own path of each chat request field that `chat_request` converted (`name_own_fields`)
     _chat_paths: dict[str, str] = PrivateAttr(default_factory=dict)
+    _tools: ChatTools = PrivateAttr(default_factory=ChatTools)  # as `chat_request` converted them
 
     def chat_request(self) -> ChatCompletionRequest:
         """The chat completion request this one asks for."""
         self._check_served()
-        tools = chat_tools(self.tools or [])
-        self._chat_paths = _tool_paths(tools, self.tools or [])
+        tools = self._tools = chat_tools(self.tools or [])
+        self._chat_paths = _tool_paths(tools)
         text_format = self.text.format if self.text is not None else None
         return AgentChatRequest(
             messages=self._messages(),
@@ -336,7 +400,11 @@ class ResponsesRequest(BaseModel):
         return {"thinking": effort != "none", **(self.chat_template_kwargs or {})}
 
     def custom_tool_names(self) -> frozenset[str]:
-        return frozenset(tool.name for tool in self.tools or [] if tool.type == "custom")
+        return frozenset(self._tools.freeform)
+
+    def namespace_of(self, name: str) -> str | None:
+        """The namespace of the tool `name` where one holds it."""
+        return self._tools.namespaces.get(name)
 
     def echoed(self) -> dict[str, Any]:
         """The request's settings as a response object repeats them."""
@@ -374,13 +442,13 @@ class StreamedError(APIError):
         return named_event({"type": "error", **fields, "sequence_number": self.sequence_number})
 
 
-def _tool_paths(tools: ChatTools, definitions: list[ToolDefinition]) -> dict[str, str]:
+def _tool_paths(tools: ChatTools) -> dict[str, str]:
     """The request's own path of each chat tool's fields that its definition gives."""
     paths = {}
-    for chat, own in enumerate(tools.sources):
-        at, where = f"tools.{chat}", f"tools.{own}"
+    for chat, (where, tool) in enumerate(zip(tools.sources, tools.tools, strict=True)):
+        at = f"tools.{chat}"
         paths |= {at: where, f"{at}.function": where, f"{at}.function.name": f"{where}.name"}
-        if definitions[own].type == "function":
+        if tool.function.name not in tools.freeform:
             fields = ("description", "parameters")
             paths |= {f"{at}.function.{name}": f"{where}.{name}" for name in fields}
     return paths
@@ -425,9 +493,12 @@ def _part(kind: str, text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _call_item(call: ToolCall, custom: bool) -> dict[str, Any]:
-    """An open call item: a `function_call`, or a `custom_tool_call` whose `input` is the call's text."""
+def _call_item(call: ToolCall, custom: bool, namespace: str | None) -> dict[str, Any]:
+    """An open call item: a `function_call`, or a `custom_tool_call` whose `input` is the call's text;
+    a call of a namespace's tool names it."""
     fields = {"call_id": call.id, "name": call.name, "status": "in_progress"}
+    if namespace is not None:
+        fields["namespace"] = namespace
     if custom:
         return {"id": _new_id("ctc"), "type": "custom_tool_call", **fields, "input": ""}
     return {"id": _new_id("fc"), "type": "function_call", **fields, "arguments": ""}
@@ -466,7 +537,8 @@ class ResponseShapes:
             events += self._text("message", piece.content)
         for call in piece.tool_calls:
             if call.id:
-                events += self._into(f"call:{call.index}", _call_item(call, call.name in self._custom))
+                item = _call_item(call, call.name in self._custom, self.request.namespace_of(call.name))
+                events += self._into(f"call:{call.index}", item)
             if call.arguments:
                 item = self._items[-1]
                 text, delta = CALL_TEXT[item["type"]]

@@ -1,7 +1,8 @@
 """The tools of a `/v1/responses` request as the chat request takes them: function tools as they are,
 custom tools (freeform text input, optionally held to a Lark or regex grammar) as functions whose call
-arguments are that text, and hosted tools, which this server cannot run, left out with a warning in the
-log. docs/server-endpoints.md describes the choices."""
+arguments are that text, the function and custom tools of a namespace as they are (the namespace named in
+their descriptions and on their calls), and hosted tools, which this server cannot run, left out with a
+warning in the log. docs/server-endpoints.md describes the choices."""
 
 from __future__ import annotations
 
@@ -66,9 +67,28 @@ class ToolDefinition(BaseModel):
     parameters: dict[str, Any] | None = None  # function
     strict: bool | None = None  # function
     format: CustomFormat | None = None  # custom
+    tools: list[ToolDefinition] | None = None  # namespace: its function and custom tools
 
     def echoed(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
+
+    def members(self, where: str) -> list[tuple[str, ToolDefinition, str | None]]:
+        """The tools this entry holds, each with its path and its namespace: itself, or a namespace's."""
+        if self.type != "namespace":
+            return [(where, self, None)]
+        name = _checked_name(self.name, where)
+        if self.tools is None:
+            raise invalid_request(f"{where}.tools: a namespace needs its tools", param=f"{where}.tools")
+        members = []
+        for number, member in enumerate(self.tools):
+            at = f"{where}.tools.{number}"
+            if member.type not in ("function", "custom"):
+                message = f"{at}.type: a namespace holds function and custom tools, not {member.type!r}"
+                raise invalid_request(message, param=f"{at}.type", code="unsupported_value")
+            note = f"(Namespace {name}: {self.description})" if self.description else f"(Namespace {name})"
+            described = "\n\n".join(filter(None, [member.description, note]))
+            members.append((at, member.model_copy(update={"description": described}), name))
+        return members
 
 
 class NamedChoice(BaseModel):
@@ -87,7 +107,8 @@ class ChatTools:
     tools: list[Tool] = field(default_factory=list)
     freeform: dict[str, FreeformInput] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)
-    sources: list[int] = field(default_factory=list)  # each of `tools`' index in the request's tools
+    sources: list[str] = field(default_factory=list)  # each of `tools`' path in the request (`tools.I`)
+    namespaces: dict[str, str] = field(default_factory=dict)  # the namespace of each tool in one
 
     def kind_of(self, name: str) -> str | None:
         """`custom` or `function` for a tool the model sees, else None."""
@@ -100,24 +121,28 @@ def chat_tools(definitions: list[ToolDefinition]) -> ChatTools:
     """The chat request's tools for `definitions`; a bad one is a 400 naming its field."""
     converted = ChatTools()
     grammar_chars = 0
-    for index, definition in enumerate(definitions):
-        where = f"tools.{index}"
-        if definition.type in HOSTED_TOOLS:
-            converted.dropped.append(definition.type)
+    for index, entry in enumerate(definitions):
+        if entry.type in HOSTED_TOOLS:
+            converted.dropped.append(entry.type)
             continue
-        if definition.type not in ("function", "custom"):
-            taken = "function and custom tools (hosted ones are left out)"
-            message = f"{where}.type: {definition.type!r} tools are not supported; this server takes {taken}"
-            raise invalid_request(message, param=f"{where}.type", code="unsupported_value")
-        name = _checked_name(definition.name, where)
-        if definition.type == "function":
-            tool = object_tool(name, definition.description, definition.parameters, f"{where}.parameters")
-        else:
-            grammar_chars += _grammar_chars(definition.format, grammar_chars, f"{where}.format.definition")
-            converted.freeform[name] = _freeform_input(definition.format, f"{where}.format")
-            tool = _freeform_tool(name, definition.description, definition.format)
-        converted.tools.append(tool)
-        converted.sources.append(index)
+        if entry.type not in ("function", "custom", "namespace"):
+            taken = "function, custom and namespace tools (hosted ones are left out)"
+            message = f"tools.{index}.type: {entry.type!r} tools are not supported; this server takes {taken}"
+            raise invalid_request(message, param=f"tools.{index}.type", code="unsupported_value")
+        for where, definition, namespace in entry.members(f"tools.{index}"):
+            name = _checked_name(definition.name, where)
+            if definition.type == "function":
+                parameters = f"{where}.parameters"
+                tool = object_tool(name, definition.description, definition.parameters, parameters)
+            else:
+                grammar = f"{where}.format.definition"
+                grammar_chars += _grammar_chars(definition.format, grammar_chars, grammar)
+                converted.freeform[name] = _freeform_input(definition.format, f"{where}.format")
+                tool = _freeform_tool(name, definition.description, definition.format)
+            converted.tools.append(tool)
+            converted.sources.append(where)
+            if namespace is not None:
+                converted.namespaces[name] = namespace
     if converted.dropped:
         log.warning(
             "/v1/responses: hosted tools left out of the prompt (this server does not run them): %s",
