@@ -392,9 +392,9 @@ def test_a_custom_call_and_its_output_go_back_and_reuse_the_first_turns_prompt(c
         ({"tools": [{"type": "custom", "description": "no name"}]}, "tools.0.name"),
         ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice"),
         ({"tools": [calc_tool("lark")], "tool_choice": {"type": "function", "name": "calc"}}, "tool_choice"),
-        ({"tools": [{"type": "namespace", "name": "mcp"}]}, "tools.0.type"),
+        ({"tools": [{"type": "namespace", "name": "mcp"}]}, "tools.0.tools"),
         ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "calc"}]}, "input.0.input"),
-        ({"input": [{"type": "local_shell_call", "call_id": "c"}]}, "input.0.type"),
+        ({"input": [{"type": "local_shell_call", "call_id": "c"}]}, "input.0.action"),
     ],
 )
 def test_bad_codex_shaped_requests_are_one_error_naming_the_field(server, fields, param):  # noqa: F811
