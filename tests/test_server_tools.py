@@ -552,6 +552,47 @@ def test_reasoning_goes_to_reasoning_content(client):
     assert "reasoning_content" not in (plain.model_extra or {})
 
 
+def test_llama_servers_enable_thinking_and_reasoning_budget_zero_set_kimis_thinking(client, served):
+    """llama-server's clients turn thinking on and off with `chat_template_kwargs.enable_thinking`, and
+    its `--reasoning-budget 0` turns it off for every request: Kimi's templates read `thinking`, which
+    they set where `thinking` itself is not named."""
+    from k3stream.cli import build_parser
+    from k3stream.commands.serve import template_defaults
+
+    def prompt(kwargs):
+        body = ChatCompletionRequest.model_validate({"messages": ASK, "chat_template_kwargs": kwargs})
+        return served.prepare_chat(body)
+
+    assert prompt({"enable_thinking": True}).tokens == prompt({"thinking": True}).tokens
+    assert (
+        prompt({"enable_thinking": True}).in_reasoning and not prompt({"enable_thinking": False}).in_reasoning
+    )
+    assert prompt({"enable_thinking": True, "thinking": False}).tokens == prompt({}).tokens
+    on = {"chat_template_kwargs": {"enable_thinking": True}}
+    by_llama = chat(client, temperature=0, max_tokens=8, extra_body=on).choices[0].message
+    by_kimi = chat(
+        client, temperature=0, max_tokens=8, extra_body={"chat_template_kwargs": {"thinking": True}}
+    )
+    assert (
+        by_llama.model_extra["reasoning_content"]
+        == by_kimi.choices[0].message.model_extra["reasoning_content"]
+    )
+    parser = build_parser(["serve"])
+    budget = parser.parse_args(
+        ["serve", "m.gguf", "--reasoning-budget", "0", "--chat-template-kwargs", '{"x": 1}']
+    )
+    kept = served.template_kwargs
+    served.template_kwargs = template_defaults(budget)
+    try:
+        assert prompt({"thinking": True}).in_reasoning and not prompt(None).in_reasoning
+        served.template_kwargs = {"thinking": True}
+        assert prompt(None).in_reasoning and not prompt({"enable_thinking": False}).in_reasoning
+    finally:
+        served.template_kwargs = kept
+    with pytest.raises(ValueError, match=r"^--reasoning-budget must be -1 \(unrestricted\) or 0"):
+        template_defaults(parser.parse_args(["serve", "m.gguf", "--reasoning-budget", "512"]))
+
+
 def test_reasoning_content_of_an_earlier_turn_reaches_the_template(client, serve):
     """An agent sends its tool-calling turns back with their `reasoning_content` (Moonshot's API requires
     it of a thinking model's tool loop); Kimi-K2-Thinking's template writes it into the turn, so the

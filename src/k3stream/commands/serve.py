@@ -57,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "llama-server's; a request's chat_template_kwargs win",
     )
     parser.add_argument(
+        "--reasoning-budget",
+        type=int,
+        default=-1,
+        help="llama-server's: -1 thinks as the request asks (default), 0 turns thinking off unless a "
+        "request's chat_template_kwargs turn it on",
+    )
+    parser.add_argument(
         "--jinja", action="store_true", help="accepted as llama-server takes it: templates are always Jinja"
     )
     parser.add_argument(
@@ -221,6 +228,18 @@ def template_kwargs(text: str) -> dict[str, Any]:
     return variables
 
 
+def template_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """Every chat request's template variables: `--chat-template-kwargs`, over llama-server's
+    `enable_thinking: false` with `--reasoning-budget 0`; a budget of tokens is a one-line error (the
+    think block is not cut to a count)."""
+    if args.reasoning_budget not in (-1, 0):
+        raise ValueError(
+            f"--reasoning-budget must be -1 (unrestricted) or 0 (thinking off), got {args.reasoning_budget}"
+        )
+    off = {"enable_thinking": False} if args.reasoning_budget == 0 else {}
+    return {**off, **args.chat_template_kwargs}
+
+
 def request_defaults(args: argparse.Namespace) -> tuple[Any, int | None]:
     """The `SamplingParams` a request's absent fields take and the tokens one naming no limit may
     generate (None: up to the context), from the flags; a bad value is a one-line error naming it."""
@@ -256,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         raise ValueError("no model: give it as `k3stream serve MODEL` or `-m MODEL`")
     defaults, n_predict = request_defaults(args)
+    template_defaults(args)  # a bad value stops the server before the model loads
     if args.chat_template_file is not None:  # before the model loads (minutes for a real one)
         check_input_file(args.chat_template_file, "--chat-template-file")
     config = ServerConfig(
@@ -290,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
                 runtime, name=args.served_model_name, ctx=args.ctx, chat_template_file=args.chat_template_file
             )
             served.defaults, served.default_n_predict = defaults, n_predict
-            served.template_kwargs = args.chat_template_kwargs
+            served.template_kwargs = template_defaults(args)
             served.prompt_cache = cache_from_args(args, runtime.model)
             app = create_app(served, config)
             settle_heap()

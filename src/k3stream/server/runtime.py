@@ -211,8 +211,9 @@ class ServedModel(Runtime):
         return {**message, "tool_calls": calls}
 
     def template_variables(self, asked: dict[str, Any] | None) -> dict[str, Any]:
-        """A request's template variables over the server's (`--chat-template-kwargs`)."""
-        return {**self.template_kwargs, **(asked or {})}
+        """A request's template variables over the server's (`--chat-template-kwargs`), each side's
+        llama-server `enable_thinking` giving Kimi's `thinking` where that side does not name it."""
+        return {**_with_thinking(self.template_kwargs), **_with_thinking(asked or {})}
 
     def _opens_thinking(self, tokens: list[int]) -> bool:
         """Whether the prompt ends with the think opening (the template opened the block)."""
@@ -388,6 +389,14 @@ class ServedModel(Runtime):
             if now != size:
                 problems.append(f"model file {path.name} changed size since load ({now} bytes, was {size})")
         return problems
+
+
+def _with_thinking(variables: dict[str, Any]) -> dict[str, Any]:
+    """`variables` with `thinking` (Kimi's templates open the think block with it) from llama-server's
+    `enable_thinking` (what its clients and `--reasoning-budget 0` set) where only that is named."""
+    if "enable_thinking" not in variables or "thinking" in variables:
+        return variables
+    return {**variables, "thinking": bool(variables["enable_thinking"])}
 
 
 def _given(value: Any, default: Any) -> Any:
