@@ -564,3 +564,16 @@ def test_a_namespaces_tools_are_the_models_and_its_calls_name_the_namespace(clie
     assert grouped.tools[0].type == "namespace"
     streamed = list(respond(client, tools=[namespace], tool_choice=FORCED, max_output_tokens=60, stream=True))
     assert streamed[-1].response.output[0].namespace == "weather"
+
+
+def test_input_tokens_count_is_the_prompt_a_response_would_prefill(client):
+    """OpenAI's `client.responses.input_tokens.count`: the prompt tokens the same request to
+    `/v1/responses` prefills, its tools included; a bad request names its own field."""
+    counted = client.responses.input_tokens.count(model="x", instructions=SYSTEM, input=ASK, tools=[TOOL])
+    answered = respond(client, tools=[TOOL], max_output_tokens=1)
+    assert (counted.object, counted.input_tokens) == ("response.input_tokens", answered.usage.input_tokens)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.input_tokens.count(
+            model="x", input=ASK, tools=[{**TOOL, "parameters": {"type": "string"}}]
+        )
+    assert refused.value.body["param"] == "tools.0.parameters"

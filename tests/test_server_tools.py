@@ -593,6 +593,47 @@ def test_llama_servers_enable_thinking_and_reasoning_budget_zero_set_kimis_think
         template_defaults(parser.parse_args(["serve", "m.gguf", "--reasoning-budget", "512"]))
 
 
+def test_reasoning_effort_turns_thinking_on_or_off(client):
+    """OpenAI's and llama-server's `reasoning_effort` on a chat request: `none` turns Kimi's thinking off,
+    any other effort on (no levels); `chat_template_kwargs` win."""
+    on = {"chat_template_kwargs": {"thinking": True}}
+    by_kwargs = chat(client, temperature=0, max_tokens=8, extra_body=on).choices[0].message
+    by_effort = chat(client, temperature=0, max_tokens=8, reasoning_effort="high").choices[0].message
+    assert by_effort.model_extra["reasoning_content"] == by_kwargs.model_extra["reasoning_content"] != ""
+    plain = chat(client, temperature=0, max_tokens=8)
+    off = chat(client, temperature=0, max_tokens=8, reasoning_effort="none")
+    assert (
+        off.usage.prompt_tokens == plain.usage.prompt_tokens
+        and off.choices[0].message == plain.choices[0].message
+    )
+    kept_off = chat(
+        client,
+        temperature=0,
+        max_tokens=8,
+        reasoning_effort="low",
+        extra_body={"chat_template_kwargs": {"thinking": False}},
+    )
+    assert kept_off.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_input_tokens_counts_the_prompt_a_chat_request_would_prefill(client, serve):
+    """llama-server's `POST /v1/chat/completions/input_tokens`: OpenAI's `response.input_tokens` object
+    of the prompt the same chat body would prefill, tools and template variables included; a bad body is
+    the chat request's 400."""
+    body = {"messages": ASK, "tools": TOOLS, "chat_template_kwargs": {"thinking": True}}
+    answered = chat(
+        client, max_tokens=1, tools=TOOLS, extra_body={"chat_template_kwargs": {"thinking": True}}
+    )
+    counted = httpx.post(serve.url + "/v1/chat/completions/input_tokens", json=body, timeout=60)
+    assert counted.json() == {"object": "response.input_tokens", "input_tokens": answered.usage.prompt_tokens}
+    bad = httpx.post(
+        serve.url + "/v1/chat/completions/input_tokens", json={**body, "tool_choice": "x"}, timeout=60
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
+    (card,) = client.models.list().data
+    assert card.model_extra["architecture"] == {"input_modalities": ["text"], "output_modalities": ["text"]}
+
+
 def test_reasoning_content_of_an_earlier_turn_reaches_the_template(client, serve):
     """An agent sends its tool-calling turns back with their `reasoning_content` (Moonshot's API requires
     it of a thinking model's tool loop); Kimi-K2-Thinking's template writes it into the turn, so the

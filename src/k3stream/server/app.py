@@ -219,6 +219,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     for prefix in ("/v1", ""):  # llama-server answers OpenAI's paths without /v1 too
         app.get(f"{prefix}/models")(api.models)
         app.post(f"{prefix}/chat/completions")(api.chat_completions)
+    app.post("/v1/chat/completions/input_tokens")(api.chat_input_tokens)
     app.post("/v1/completions")(api.completions)  # `/completions` is llama-server's native one
     app.get("/v1/models/{model_id:path}")(api.model)
     app.get("/health")(api.health)
@@ -281,6 +282,7 @@ class Endpoints:
             "object": "model",
             "created": self.served.created,
             "owned_by": "k3stream",
+            "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},  # llama-server's
             "max_model_len": self.served.ctx,
             "meta": self.served.meta(),
         }
@@ -336,6 +338,16 @@ class Endpoints:
             body,
             lambda jobs: _ChatChunks.for_choices(self.served.name, jobs, body.timings_per_token),
         )
+
+    async def chat_input_tokens(self, request: Request) -> dict[str, Any]:
+        """llama-server's count of the prompt tokens a chat request would prefill."""
+        return await self.input_tokens(await parse_body(request, ChatCompletionRequest))
+
+    async def input_tokens(self, body: ChatCompletionRequest) -> dict[str, Any]:
+        """OpenAI's `response.input_tokens` object of the prompt `body` would prefill."""
+        self.check_request(body)
+        prompt = await self.off_loop(self.served.prepare_chat, body)
+        return {"object": "response.input_tokens", "input_tokens": len(prompt.tokens)}
 
     async def answer_chat(
         self, request: Request, body: ChatCompletionRequest, shapes: Callable[[list[Job]], Sequence[Any]]

@@ -676,8 +676,21 @@ class ResponsesEndpoints:
             body.name_own_fields(error)
             raise
 
+    async def input_tokens(self, request: Request) -> dict[str, Any]:
+        """OpenAI's input token count (`client.responses.input_tokens.count`): the prompt tokens the same
+        request to `/v1/responses` would prefill."""
+        body = await parse_body(request, ResponsesRequest)
+        chat = await self.api.off_loop(body.chat_request)
+        try:
+            return await self.api.input_tokens(chat)
+        except APIError as error:
+            body.name_own_fields(error)
+            raise
+
 
 def responses_router(api: Endpoints) -> APIRouter:
     router = APIRouter()
-    router.post("/v1/responses")(ResponsesEndpoints(api).create)
+    endpoints = ResponsesEndpoints(api)
+    router.post("/v1/responses")(endpoints.create)
+    router.post("/v1/responses/input_tokens")(endpoints.input_tokens)
     return router

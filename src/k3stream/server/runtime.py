@@ -179,7 +179,7 @@ class ServedModel(Runtime):
         prefill = assistant_prefill(body.messages)
         if prefill is not None:
             messages.pop()
-        tokens = self.encode_chat(messages, tools or None, self.template_variables(body.chat_template_kwargs))
+        tokens = self.encode_chat(messages, tools or None, self.template_variables(body.template_kwargs()))
         in_reasoning = self._opens_thinking(tokens)
         # the freeform tools' grammars, compiled once for the choices that may call them
         freeform = functools.cache(functools.partial(self._freeform_inputs, body))

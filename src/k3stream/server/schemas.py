@@ -126,6 +126,7 @@ CHAT_ONLY_FIELDS = (
     "top_logprobs",
     "separate_reasoning",
     "chat_template_kwargs",
+    "reasoning_effort",
 )
 
 
@@ -469,6 +470,8 @@ class ChatCompletionRequest(SamplingFields):
     # llama-server's: `none` keeps thinking text in `content` too (`deepseek`, `auto`: split, the default)
     reasoning_format: Literal["none", "deepseek", "auto"] | None = None
     chat_template_kwargs: dict[str, TemplateValue] | None = None
+    # OpenAI's and llama-server's: `none` turns thinking off, another effort on (Kimi's has no levels)
+    reasoning_effort: Annotated[str, Field(max_length=64)] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -529,6 +532,14 @@ class ChatCompletionRequest(SamplingFields):
             )
         check_json_schema(response_format.json_schema.json_schema, "response_format.json_schema.schema")
 
+    def template_kwargs(self) -> dict[str, TemplateValue] | None:
+        """`chat_template_kwargs`, over `thinking` (Kimi's templates open the think block with it) and
+        `reasoning_effort` (as llama-server hands it to the template) from `reasoning_effort`."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        effort = {"thinking": self.reasoning_effort != "none", "reasoning_effort": self.reasoning_effort}
+        return {**effort, **(self.chat_template_kwargs or {})}
+
     def freeform_tools(self) -> dict[str, FreeformInput]:
         """The tools called with freeform text instead of a JSON object, by name, and what that text
         follows (none here: `AgentChatRequest` carries the Responses API's custom tools)."""
@@ -563,6 +574,14 @@ class AgentChatRequest(ChatCompletionRequest):
     custom tools called with freeform text. Built by the conversion, never parsed from a body."""
 
     freeform: dict[str, FreeformInput] = Field(default_factory=dict)  # the Responses API's custom tools
+
+    def template_kwargs(self) -> dict[str, TemplateValue] | None:
+        """`chat_template_kwargs`, over `thinking` (Kimi's templates open the think block with it) and
+        `reasoning_effort` (as llama-server hands it to the template) from `reasoning_effort`."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        effort = {"thinking": self.reasoning_effort != "none", "reasoning_effort": self.reasoning_effort}
+        return {**effort, **(self.chat_template_kwargs or {})}
 
     def freeform_tools(self) -> dict[str, FreeformInput]:
         return self.freeform
