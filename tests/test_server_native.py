@@ -179,6 +179,9 @@ def test_samplers_left_out_do_nothing_and_unknown_ones_are_refused(server):
     assert no_top_k == complete(server, prompt=PROMPT, **{**hot, "top_k": 0})["content"]
     message = llama_error(post(server, "/completion", {"prompt": PROMPT, "samplers": ["top_k", "beam"]}), 400)
     assert message.startswith("samplers.1: unknown sampler 'beam'")
+    assert complete(server, prompt=PROMPT, min_keep=0, **hot)["content"] == greedy  # llama-server's default
+    message = llama_error(post(server, "/completion", {"prompt": PROMPT, "min_keep": 2, **hot}), 400)
+    assert message == "min_keep is not supported by this server"  # it would keep tokens top-k drops
 
 
 def test_repeat_penalty_over_the_last_tokens(server):

@@ -100,6 +100,7 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "xtc_probability": lambda value: value in (None, 0, 0.0),
     "top_n_sigma": lambda value: value is None or (isinstance(value, int | float) and value <= 0),
     "n_probs": lambda value: value in (None, 0),
+    "min_keep": lambda value: value in (None, 0),  # top-k, top-p and min-p keep what they keep
     "grammar": _empty,
     "json_schema": _empty,
     "dynatemp_range": lambda value: value in (None, 0, 0.0),
