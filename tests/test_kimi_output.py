@@ -9,7 +9,7 @@ from k3stream.engine.generate import Sequence
 from k3stream.engine.sampling import SamplingParams
 from k3stream.engine.tokenizer import Tokenizer, VocabFields
 from k3stream.gguf.vocab import padded
-from k3stream.server.kimi_output import TOOL_TOKENS, KimiFormat, OutputParser, Piece, ToolCall
+from k3stream.server.kimi_output import THINK_PAIRS, TOOL_TOKENS, KimiFormat, OutputParser, Piece, ToolCall
 from k3stream.testing.tinyvocab import tiny_vocab
 
 TOOLS = ("get_weather", "get_time")
@@ -234,6 +234,23 @@ def test_valid_call_kept_when_a_later_one_is_cut_off(think_tokenizer):
     result = every_split(fmt, released(think_tokenizer, fmt, output))
     assert result.tool_calls == CALLS[:1]
     assert result.content == ""  # a header cut before its tool's name is whole names no call
+
+
+def test_no_cut_inside_a_think_delimiter_of_several_tokens_spills_it_into_the_text():
+    """Kimi-K3's think channel (`<|open|>think<|sep|>` ... `<|close|>think<|sep|><|open|>response<|sep|>`,
+    several tokens each): an answer cut after any token never holds a piece of either delimiter in its
+    reasoning or text."""
+    tokenizer = make_tokenizer(("<|open|>", "<|close|>", "<|sep|>"))
+    opening, closing = THINK_PAIRS[2]
+    fmt = KimiFormat.for_tokenizer(tokenizer, template_text=f"{{{{ '{opening}' }}}}...{{{{ '{closing}' }}}}")
+    assert fmt.spell(fmt.think[0]) == opening
+    pieces = released(tokenizer, fmt, f"{opening}Plan.{closing}Sure.{SECTION}")
+    assert len(tokenizer.encode(closing, allow_special=True, add_bos=False)) > 3
+    for cut in range(len(pieces) + 1):
+        result = every_split(fmt, pieces[:cut])
+        text = result.reasoning + result.content
+        assert not any(token in text for token in ("<|open|>", "<|close|>", "<|sep|>", *TOOL_TOKENS)), text
+        assert "Plan.".startswith(result.reasoning) and "Sure.".startswith(result.content)
 
 
 def test_delimiter_spelled_as_plain_text_is_not_one(think_tokenizer):

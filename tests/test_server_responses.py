@@ -577,3 +577,28 @@ def test_input_tokens_count_is_the_prompt_a_response_would_prefill(client):
             model="x", input=ASK, tools=[{**TOOL, "parameters": {"type": "string"}}]
         )
     assert refused.value.body["param"] == "tools.0.parameters"
+
+
+def test_a_forced_call_cut_before_its_arguments_is_an_incomplete_call_item_streamed_and_whole(client):
+    """Each `max_output_tokens` that cuts a forced call before its arguments: an `incomplete` response
+    whose output is no message (the section's markup is no text) and, once the header names the tool,
+    the call item with empty arguments, the same in the stream's last event."""
+    call = respond(client, max_output_tokens=120, tools=[TOOL], tool_choice=FORCED).output[0]
+    named = 0
+    for limit in range(1, 40):
+        fields = {"max_output_tokens": limit, "tools": [TOOL], "tool_choice": FORCED}
+        whole = respond(client, **fields)
+        if any(item.arguments for item in whole.output):
+            break
+        assert whole.status == "incomplete"
+        assert [(i.type, i.call_id, i.name, i.arguments, i.status) for i in whole.output] in (
+            [],
+            [("function_call", call.call_id, call.name, "", "incomplete")],
+        )
+        last = list(respond(client, stream=True, **fields))[-1]
+        assert last.type == "response.incomplete"
+        assert without_ids([i.model_dump() for i in last.response.output]) == without_ids(
+            [i.model_dump() for i in whole.output]
+        )
+        named += len(whole.output)
+    assert named, "no max_output_tokens cut the call between its name and its arguments"
