@@ -548,8 +548,15 @@ def test_reasoning_goes_to_reasoning_content(client):
         c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices
     )
     assert streamed == reasoning
-    plain = chat(client, temperature=0, max_tokens=16).choices[0].message
-    assert "reasoning_content" not in (plain.model_extra or {})
+    plain = chat(client, temperature=0, max_tokens=16)
+    assert "reasoning_content" not in (plain.choices[0].message.model_extra or {})
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+    usage = chat(client, temperature=0, max_tokens=16, extra_body=thinking).usage  # thinking to the end
+    assert usage.completion_tokens_details.reasoning_tokens == usage.completion_tokens == 16
+    usage = stream_chat(
+        client, temperature=0, max_tokens=16, stream_options={"include_usage": True}, extra_body=thinking
+    )[-1].usage
+    assert usage.completion_tokens_details.reasoning_tokens == 16
 
 
 def test_llama_servers_enable_thinking_and_reasoning_budget_zero_set_kimis_thinking(client, served):

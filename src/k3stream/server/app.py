@@ -618,7 +618,8 @@ async def _watch_disconnect(request: Request) -> None:
 
 def _usage(jobs: list[Job], finished: dict[int, FinishEvent]) -> dict[str, Any]:
     """A request's usage from its choices' finish events (by choice): each prompt counted once, by
-    its first choice (the others are that one's forks)."""
+    its first choice (the others are that one's forks); `reasoning_tokens` the tokens generated inside
+    think blocks."""
     forks = {fork for job in jobs for fork in job.forks}
     firsts = [finished[index] for index, job in enumerate(jobs) if job not in forks]
     prompt_tokens = sum(event.prompt_tokens for event in firsts)
@@ -628,6 +629,7 @@ def _usage(jobs: list[Job], finished: dict[int, FinishEvent]) -> dict[str, Any]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": sum(event.cached_tokens for event in firsts)},
+        "completion_tokens_details": {"reasoning_tokens": sum(job.logic.reasoning_tokens for job in jobs)},
     }
 
 
