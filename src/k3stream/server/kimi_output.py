@@ -249,7 +249,8 @@ class OutputParser:
         return self._spelled(piece)
 
     def finish(self) -> Piece:
-        """Whatever is still held back: an unfinished section or delimiter prefix comes back as text."""
+        """Whatever is still held back at the answer's end: text as it is, the call of a cut section as far
+        as it came (`_cut_section`), nothing of a cut think delimiter (`_held_markup`)."""
         piece = self.feed("")
         rest, self._pending = self._pending, ""
         if self._mode == "section":
