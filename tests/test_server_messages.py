@@ -575,24 +575,43 @@ def test_text_written_after_a_call_follows_it_in_the_whole_message_as_in_the_str
     assert whole["content"][2]["text"] == "It is on its way."
 
 
-def test_the_tools_are_converted_off_the_event_loop(server, monkeypatch):
-    """A request's tools (each schema checked and compiled for the template: milliseconds each, and an
-    agent sends hundreds) are converted on the tokenizer threads: the server answers others meanwhile."""
+@pytest.mark.parametrize(
+    ("path", "stage"),
+    [
+        ("/v1/messages", "object_tool"),  # the conversion into the chat request
+        ("/v1/messages", "check_supported"),  # the chat request's own checks
+        ("/v1/messages/count_tokens", "object_tool"),
+        ("/v1/chat/completions", "check_supported"),
+    ],
+)
+def test_the_tools_are_converted_and_checked_off_the_event_loop(server, monkeypatch, path, stage):
+    """A request's tools (each JSON Schema checked, 2 ms each on this machine, and an agent sends hundreds:
+    400 here) are converted and checked on the tokenizer threads: the server answers others meanwhile.
+    Each stage is held until /health has answered."""
     import k3stream.server.messages as messages
+    from k3stream.server.schemas import ChatCompletionRequest
 
     started, release = threading.Event(), threading.Event()
-    convert = messages.object_tool
+    owner = messages if stage == "object_tool" else ChatCompletionRequest
+    stage_now = getattr(owner, stage)
 
-    def slow_convert(*args):
+    def held(*args):
         started.set()
         release.wait(20)
-        return convert(*args)
+        return stage_now(*args)
 
-    monkeypatch.setattr(messages, "object_tool", slow_convert)
+    monkeypatch.setattr(owner, stage, held)
     tools = [{**TOOL, "name": f"get_weather_{number}"} for number in range(400)]
+    if path == "/v1/chat/completions":
+        tools = [
+            {"type": "function", "function": {**OPENAI_TOOL["function"], "name": t["name"]}} for t in tools
+        ]
     body = {"max_tokens": 1, "tools": tools, "messages": [{"role": "user", "content": ASK}]}
-    pending = threading.Thread(target=lambda: post(server, "/v1/messages", body), daemon=True)
-    pending.start()
+    headers = {"x-api-key": KEY, "Authorization": f"Bearer {KEY}"}
+    sent = threading.Thread(
+        target=lambda: httpx.post(server.url + path, json=body, headers=headers, timeout=120), daemon=True
+    )
+    sent.start()
     try:
         assert started.wait(10)
         began = time.perf_counter()
@@ -600,4 +619,4 @@ def test_the_tools_are_converted_off_the_event_loop(server, monkeypatch):
         assert time.perf_counter() - began < 5
     finally:
         release.set()
-        pending.join(30)
+        sent.join(30)

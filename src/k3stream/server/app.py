@@ -317,7 +317,7 @@ class Endpoints:
 
     async def completions(self, request: Request) -> Response:
         body = await parse_body(request, CompletionRequest)
-        self.check_request(body)
+        await self.check_request(body)
         prompts = [await self._prompt_ids(prompt) for prompt in body.prompts()]
         jobs = self.submit_prompts(
             body, [(tokens, None) for tokens in prompts], body.token_limit(), top=body.logprobs
@@ -345,7 +345,7 @@ class Endpoints:
 
     async def input_tokens(self, body: ChatCompletionRequest) -> dict[str, Any]:
         """OpenAI's `response.input_tokens` object of the prompt `body` would prefill."""
-        self.check_request(body)
+        await self.check_request(body)
         prompt = await self.off_loop(self.served.prepare_chat, body)
         return {"object": "response.input_tokens", "input_tokens": len(prompt.tokens)}
 
@@ -354,7 +354,7 @@ class Endpoints:
     ) -> Response:
         """Answer a chat request, shaped by the makers `shapes` gives for its jobs (one per choice):
         OpenAI's chunks, or another API's converted into this request (`messages`)."""
-        self.check_request(body)
+        await self.check_request(body)
         prompt = await self.off_loop(self.served.prepare_chat, body)
         top = (body.top_logprobs or 0) if body.logprobs else None
         jobs = self.submit(
@@ -368,7 +368,12 @@ class Endpoints:
         under its slot."""
         return Stream(jobs, self.scheduler, makers, self.keepalive_s, progress, self.slots.finished)
 
-    def check_request(self, body: SamplingFields) -> None:
+    async def check_request(self, body: SamplingFields) -> None:
+        """A 400 naming the field a request asks for that is not served, checked on the tokenizer
+        threads: each tool's JSON Schema takes milliseconds to check, and an agent sends hundreds."""
+        await self.off_loop(self._check_request, body)
+
+    def _check_request(self, body: SamplingFields) -> None:
         body.check_supported()
         body.logit_bias_ids(self.served.vocab_size, self.served.encode_text)
         body.stop_ids(self.served.vocab_size)

@@ -450,7 +450,7 @@ class MessagesEndpoints:
         """The prompt's tokens as `/v1/messages` would prefill them."""
         try:
             chat = await self.api.off_loop((await parse_body(request, CountTokensRequest)).chat_request)
-            self.api.check_request(chat)
+            await self.api.check_request(chat)
             prompt = await self.api.off_loop(self.api.served.prepare_chat, chat)
         except APIError as error:
             raise AnthropicError.of(error) from None

@@ -308,7 +308,7 @@ class NativeEndpoints:
                 "larger --max-batch"
             )
             raise invalid_request(message, param="n_cmpl")
-        self.api.check_request(body)
+        await self.api.check_request(body)
         prepared = [await self.api.off_loop(self._prepare, pieces, body) for pieces in body.prompts()]
         jobs = self.api.submit_prompts(
             body,

@@ -61,7 +61,7 @@ def fixed_seed(seed: int | None) -> int | None:
     return None if seed in RANDOM_SEEDS else seed
 
 
-# characters a request's logit_bias texts may hold in all: each is tokenized on the event loop
+# characters a request's logit_bias texts may hold in all: each is tokenized while the request is checked
 MAX_BIAS_TEXT = 4096
 # choices per request: each is one more sequence in the batch, sharing the prompt's prefill
 MAX_CHOICES = 16
