@@ -216,6 +216,16 @@ def test_serve_and_generate_read_n_and_the_seed_alike(limit, seed):
     assert (n_predict, defaults.seed) == (generated.max_tokens, sampling_params(generated).seed)
 
 
+def test_serve_takes_whole_flag_names_only(capsys):
+    """llama-server's `--timeout 600` (its read/write timeout) is refused, not read as an abbreviation of
+    --timeout-keep-alive."""
+    assert _parsed_argv(["serve", "m.gguf", "--timeout-keep-alive", "30"])["timeout_keep_alive"] == 30
+    for flags in (["--timeout", "600"], ["--timeout-keep", "600"]):
+        with pytest.raises(SystemExit):
+            _parsed_argv(["serve", "m.gguf", *flags])
+        assert f"unrecognized arguments: {' '.join(flags)}" in capsys.readouterr().err
+
+
 def test_serve_without_a_model_says_how_to_name_it(capsys):
     from k3stream.cli import main
 

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from k3stream.commands.flags import add_cache_arguments, add_model_arguments, add_parallel_arguments
 
+    # whole flag names only: llama-server's `--timeout 600` must not be taken for --timeout-keep-alive
+    parser.allow_abbrev = False
     add_model_arguments(parser, model_flag=True)
     add_parallel_arguments(parser)
     add_cache_arguments(parser)
