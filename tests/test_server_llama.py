@@ -327,6 +327,19 @@ def test_waiting_stream_gets_keep_alive_comments(server, client, served):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == raw_text
 
 
+@pytest.mark.parametrize(("interval", "comments"), [(-1, False), (600, False), (KEEPALIVE_S, True)])
+def test_a_requests_sse_ping_interval_sets_its_keep_alive_comments(server, interval, comments):
+    """llama-server's `sse_ping_interval`: a stream's own seconds between keep-alive comments over the
+    server's (-1: none), here while it waits for the busy batch slot; out of range is a 400."""
+    body = {"prompt": "Hi", "max_tokens": 2, "stream": True, "temperature": 0, "sse_ping_interval": interval}
+    lines: list = []
+    _while_busy(server, lambda: _stream_lines(server, body, lines))
+    assert any(line == ": keep-alive" for _, line in lines) == comments
+    assert "data: [DONE]" in [line for _, line in lines]
+    refused = httpx.post(server.url + "/v1/completions", json={**body, "sse_ping_interval": 0}, headers=AUTH)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "sse_ping_interval"
+
+
 def _while_busy(server, call):
     """`call()` while a long generation holds the server's one batch slot."""
     long = {"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "stream": True}

@@ -323,7 +323,7 @@ class Endpoints:
             body, [(tokens, None) for tokens in prompts], body.token_limit(), top=body.logprobs
         )
         makers = _CompletionChunks.for_choices(self.served.name, jobs, body.timings_per_token)
-        stream = self.stream(jobs, makers, body.return_progress)
+        stream = self.stream(jobs, makers, body)
         return await stream.respond(request, body.stream, body.include_usage())
 
     async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -360,13 +360,14 @@ class Endpoints:
         jobs = self.submit(
             body, prompt.tokens, body.token_limit(), prompt_param="messages", top=top, chat=prompt
         )
-        stream = self.stream(jobs, shapes(jobs), body.return_progress)
+        stream = self.stream(jobs, shapes(jobs), body)
         return await stream.respond(request, body.stream, body.include_usage())
 
-    def stream(self, jobs: list[Job], makers: Sequence[Any], progress: bool) -> Stream:
-        """The response of `jobs`, shaped by `makers` (one per job); each finished job's tokens go
-        under its slot."""
-        return Stream(jobs, self.scheduler, makers, self.keepalive_s, progress, self.slots.finished)
+    def stream(self, jobs: list[Job], makers: Sequence[Any], body: SamplingFields) -> Stream:
+        """The response of `jobs` (of the request `body`), shaped by `makers` (one per job); each finished
+        job's tokens go under its slot."""
+        keepalive_s = body.keepalive_s(self.keepalive_s)
+        return Stream(jobs, self.scheduler, makers, keepalive_s, body.return_progress, self.slots.finished)
 
     async def check_request(self, body: SamplingFields) -> None:
         """A 400 naming the field a request asks for that is not served, checked on the tokenizer
@@ -515,7 +516,7 @@ class Stream:
         jobs: list[Job],
         scheduler: Scheduler,
         chunks: Sequence[Any],
-        keepalive_s: float = 15.0,
+        keepalive_s: float | None = 15.0,  # None: no keep-alive comments
         progress: bool = False,
         on_finish: Callable[[Job], None] | None = None,
     ) -> None:

@@ -321,7 +321,7 @@ class NativeEndpoints:
             NativeResult(job, index, self.served.name, body, prepared[index // body.n][1])
             for index, job in enumerate(jobs)
         ]
-        return await self.api.stream(jobs, results, body.return_progress).respond(request, body.stream, False)
+        return await self.api.stream(jobs, results, body).respond(request, body.stream, False)
 
     def _prepare(
         self, pieces: PromptPieces, body: NativeCompletionRequest

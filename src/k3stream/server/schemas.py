@@ -144,7 +144,7 @@ class SamplingFields(BaseModel):
     # /completion); elsewhere it is a 400
     PROMPT_ONLY: ClassVar[bool] = False
     # the `logit_bias` that `logit_bias_ids` answered and its answer: the request's check and each of its
-    # choices ask, and the texts in it are tokenized on the event loop
+    # choices ask, and the texts in it are tokenized once
     _bias_ids: tuple[Any, tuple[tuple[int, float], ...]] | None = PrivateAttr(None)
 
     # optional as in vLLM and llama.cpp's server: absent means the served model
@@ -169,6 +169,9 @@ class SamplingFields(BaseModel):
     ignore_eos: Switch = False  # vLLM's extension: generate max_tokens even past end-of-sequence
     return_progress: Switch = False  # llama-server's: stream `prompt_progress` chunks during the prefill
     timings_per_token: Switch = False  # llama-server's: each streamed piece carries `timings` so far
+    # llama-server's: seconds between keep-alive comments of this request's stream (-1: none), over
+    # --sse-keepalive
+    sse_ping_interval: Annotated[float, Field(gt=0)] | Literal[-1] | None = None
     cache_prompt: Annotated[bool, null_is(True)] = (
         True  # llama-server's: restore the prompt's longest cached prefix
     )
@@ -187,6 +190,13 @@ class SamplingFields(BaseModel):
         if self.n_predict == 0 and not self.PROMPT_ONLY:
             message = "n_predict: must be -1 (up to the context) or at least 1"
             raise invalid_request(message, param="n_predict")
+
+    def keepalive_s(self, server_s: float) -> float | None:
+        """Seconds between this request's keep-alive comments (None: none): `sse_ping_interval`, else the
+        server's."""
+        if self.sse_ping_interval is None:
+            return server_s
+        return None if self.sse_ping_interval == -1 else self.sse_ping_interval
 
     def sampling_overrides(self) -> dict[str, Any]:
         """`SamplingParams` fields an endpoint's own request fields set beyond the shared ones."""
