@@ -201,12 +201,12 @@ def test_rows_do_not_depend_on_grouping_or_threads(qt, isa, monkeypatch):
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("isa", KERNEL_ISAS)
-@pytest.mark.parametrize("cols", [512, 256])
+@pytest.mark.parametrize("cols", [512, 256, 768])
 def test_a_weight_row_does_not_depend_on_the_rows_beside_it(qt, isa, cols, monkeypatch):
     """Each output is the same bits whether its weight row comes alone, in a slice at any offset or in the
     whole matrix (the AVX-512 IQ1_S and IQ1_M kernels take two weight rows at once against one input
-    row, the grid kernels two rows of one block as one pair of blocks; the last of an odd count alone),
-    for 1 to 4 input rows."""
+    row; the grid kernels, with an odd block count (1 or 3 here), the last blocks of two rows as one pair
+    of blocks, the last row of an odd count alone), for 1 to 4 input rows."""
     take_kernel_isa(isa, monkeypatch)
     w = matrix(qt, 7, cols, seed=11)
     for count in (1, 2, 3, 4):
