@@ -126,9 +126,10 @@ def test_the_avx512_kernels_are_within_a_few_ulp_of_llama_cpps(qt, rows, cols, c
 def test_the_grid_lookups_by_gathers_and_by_byte_permutes_give_the_same_bits(
     qt, rows, cols, count, monkeypatch
 ):
-    """Either way of reading the grid (the CPU picks one: gathers on Intel, byte permutes on AMD) gives
-    each output the same bits, odd weight-row and block counts and one to five input rows included; both
-    stay within a few ulp of llama.cpp (the test above holds the way this CPU takes)."""
+    """Either way of reading the grid (a one-time measurement picks the faster: gathers on Intel Xeon,
+    byte permutes on AMD Zen 4) gives each output the same bits, odd weight-row and block counts and one
+    to five input rows included; both stay within a few ulp of llama.cpp (the test above holds the way
+    this CPU takes)."""
     take_kernel_isa("avx512", monkeypatch)
     w, x = matrix(qt, rows, cols, seed=rows + cols), inputs(count, cols, seed=count)
     by_way = {}
