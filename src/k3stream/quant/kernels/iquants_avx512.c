@@ -495,10 +495,14 @@ AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2 + bl
                 for (int r = 0; r < n; r += k) {                                                         \
                     __m512 acc[2 * RUN_ROWS];                                                            \
                     for (int a = 0; a < 2 * RUN_ROWS; a++) acc[a] = _mm512_setzero_ps();                 \
-                    if (k == RUN_ROWS)                                                                   \
-                        NAME##_pairs(row, stride, (int)wide, blocks, xs, y, acc, RUN_ROWS);              \
+                    if ((PAIRS) && k == RUN_ROWS && wide == 2) /* constants: acc stays in registers */    \
+                        NAME##_pairs(row, stride, 2, blocks, xs, y, acc, RUN_ROWS);                      \
+                    else if (k == RUN_ROWS)                                                              \
+                        NAME##_pairs(row, stride, 1, blocks, xs, y, acc, RUN_ROWS);                      \
+                    else if (wide == 2)                                                                  \
+                        NAME##_pairs(row, stride, 2, blocks, xs + r, y + r, acc, 1);                     \
                     else                                                                                 \
-                        NAME##_pairs(row, stride, (int)wide, blocks, xs + r, y + r, acc, 1);             \
+                        NAME##_pairs(row, stride, 1, blocks, xs + r, y + r, acc, 1);                     \
                     for (int w = 0; w < wide; w++)                                                       \
                         for (int a = 0; a < k; a++)                                                      \
                             pr->out[(p + r + a) * pr->out_stride + m + w] = (FACTOR) * hsum16(acc[w * k + a]); \
