@@ -126,9 +126,10 @@ def test_the_avx512_kernels_are_within_a_few_ulp_of_llama_cpps(qt, rows, cols, c
 def test_the_grid_lookups_by_gathers_and_by_byte_permutes_give_the_same_bits(
     qt, rows, cols, count, monkeypatch
 ):
-    """Either way of reading the grid (the CPU picks one: gathers on Intel, byte permutes on AMD) gives
-    each output the same bits, odd weight-row and block counts and one to five input rows included; both
-    stay within a few ulp of llama.cpp (the test above holds the way this CPU takes)."""
+    """Either way of reading the grid (a one-time measurement picks the faster: gathers on Intel Xeon,
+    byte permutes on AMD Zen 4) gives each output the same bits, odd weight-row and block counts and one
+    to five input rows included; both stay within a few ulp of llama.cpp (the test above holds the way
+    this CPU takes)."""
     take_kernel_isa("avx512", monkeypatch)
     w, x = matrix(qt, rows, cols, seed=rows + cols), inputs(count, cols, seed=count)
     by_way = {}
@@ -201,12 +202,12 @@ def test_rows_do_not_depend_on_grouping_or_threads(qt, isa, monkeypatch):
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("isa", KERNEL_ISAS)
-@pytest.mark.parametrize("cols", [512, 256])
+@pytest.mark.parametrize("cols", [512, 256, 768])
 def test_a_weight_row_does_not_depend_on_the_rows_beside_it(qt, isa, cols, monkeypatch):
     """Each output is the same bits whether its weight row comes alone, in a slice at any offset or in the
     whole matrix (the AVX-512 IQ1_S and IQ1_M kernels take two weight rows at once against one input
-    row, the grid kernels two rows of one block as one pair of blocks; the last of an odd count alone),
-    for 1 to 4 input rows."""
+    row; the grid kernels, with an odd block count (1 or 3 here), the last blocks of two rows as one pair
+    of blocks, the last row of an odd count alone), for 1 to 4 input rows."""
     take_kernel_isa(isa, monkeypatch)
     w = matrix(qt, 7, cols, seed=11)
     for count in (1, 2, 3, 4):

@@ -28,6 +28,8 @@
 #include "kernels.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <x86intrin.h>
+
 #define AVX512 AVX512_TARGET static inline __attribute__((always_inline))
 
 #define RUN_ROWS 4 /* input rows sharing each decoded pair of blocks */
@@ -187,10 +189,20 @@ AVX512 uint32_t u32_at(const uint8_t *p) {
     return v;
 }
 
+/* A pair's second block: the next block of its row or the last block of the next row (two rows' last
+ * blocks of an odd count) where `two`, else none (its bytes read as zeros; `second` any readable address) */
+AVX512 __m512i second_64(const uint8_t *second, const int two, int at) {
+    return _mm512_maskz_loadu_epi8(two ? ~0ULL : 0, second + at);
+}
+
+AVX512 __m256i second_32(const uint8_t *second, const int two, int at) { return _mm256_maskz_loadu_epi8(two ? ~0U : 0, second + at); }
+
+AVX512 uint64_t second_u64(const uint8_t *second, const int two, int at) { return two ? u64_at(second + at) : 0; }
+
 /* IQ2_XXS: each sub-block's 8 bytes: 4 grid indices, four 7-bit sign fields (bits 32 + 7l), the scale
  * (bits 60..63); an entry is 8 values, codes[h] its bytes 4h..4h + 3 */
-AVX512 Pair iq2_xxs_pair(const uint8_t *x, int two) {
-    const __m512i a = _mm512_loadu_si512(x + 2), b = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0, x + 68);
+AVX512 Pair iq2_xxs_pair(const uint8_t *x, const uint8_t *second, const int two) {
+    const __m512i a = _mm512_loadu_si512(x + 2), b = second_64(second, two, 2);
     const __m512i fields = _mm512_set1_epi64(0x352E2720352E2720LL); /* bit offsets 32, 39, 46, 53 twice */
     const __m512i sevens = entry_bytes(_mm512_multishift_epi64_epi8(fields, a), _mm512_multishift_epi64_epi8(fields, b));
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -240,32 +252,31 @@ AVX512 void gathered_codes(const uint32_t *words, const __m512i index[4], __m512
 }
 
 /* IQ2_XS: a 16-bit word an entry: a 9-bit grid index, a 7-bit sign index; 8 scale bytes */
-AVX512 Pair iq2_xs_pair(const uint8_t *x, int two) {
-    const __m512i a = _mm512_loadu_si512(x + 2), b = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0, x + 76);
+AVX512 Pair iq2_xs_pair(const uint8_t *x, const uint8_t *second, const int two) {
+    const __m512i a = _mm512_loadu_si512(x + 2), b = second_64(second, two, 2);
     const __m512i low = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[0]), b);
     const __m512i high = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[1]), b);
     const __mmask64 bit8 = _mm512_test_epi8_mask(high, _mm512_set1_epi8(1));
     Pair pair = {{lookup512(iq2xs_codes[0], low, bit8), lookup512(iq2xs_codes[1], low, bit8)},
                  ksigns(_mm512_srli_epi16(high, 1)), /* bits 1..7 of each byte (ksigns reads 7 bits) */
                  _mm512_setzero_si512()};
-    pair.scales = half_scales(u64_at(x + 66), two ? u64_at(x + 140) : 0);
+    pair.scales = half_scales(u64_at(x + 66), second_u64(second, two, 66));
     return pair;
 }
 
 /* IQ2_S: 32 low index bytes, 32 sign bytes (one an entry), 8 bytes of index bits 8-9 (bits 2e, 2e + 1 of
  * the pair's entry order), 8 scale bytes; its pair from its two code vectors */
-AVX512 Pair iq2_s_pair_of(const uint8_t *x, int two, const __m512i codes[2]) {
+AVX512 Pair iq2_s_pair_of(const uint8_t *x, const uint8_t *second, const int two, const __m512i codes[2]) {
     const __m256i first = _mm256_loadu_si256((const __m256i *)(x + 34)); /* bytes 32..63: the second block's */
-    const __m512i signs = two ? _mm512_inserti64x4(_mm512_castsi256_si512(first), _mm256_loadu_si256((const __m256i *)(x + 116)), 1)
-                              : _mm512_zextsi256_si512(first);
-    return (Pair){{codes[0], codes[1]}, signs, half_scales(u64_at(x + 74), two ? u64_at(x + 156) : 0)};
+    const __m512i signs = _mm512_inserti64x4(_mm512_castsi256_si512(first), second_32(second, two, 34), 1);
+    return (Pair){{codes[0], codes[1]}, signs, half_scales(u64_at(x + 74), second_u64(second, two, 74))};
 }
 
 /* ... its codes gathered (the grid lookups where gathers are fast: Intel) */
-AVX512 Pair iq2_s_pair(const uint8_t *x, int two) {
+AVX512 Pair iq2_s_pair(const uint8_t *x, const uint8_t *second, const int two) {
     __m512i index[4], codes[2];
     for (int q = 0; q < 4; q++) { /* entries 16 q..: the low bytes | bits 8 and 9 of their indices << 8 */
-        const uint8_t *block = x + (q < 2 ? 0 : 82);
+        const uint8_t *block = q < 2 ? x : second;
         index[q] = _mm512_setzero_si512();
         if (q < 2 || two) {
             const __m512i low = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 2 + 16 * (q % 2))));
@@ -275,27 +286,25 @@ AVX512 Pair iq2_s_pair(const uint8_t *x, int two) {
         }
     }
     gathered_codes(iq2s_words, index, codes);
-    return iq2_s_pair_of(x, two, codes);
+    return iq2_s_pair_of(x, second, two, codes);
 }
 
 /* ... its codes by byte permutes (where gathers are slow: AMD Zen 4 takes about a cycle an element) */
-AVX512 Pair iq2_s_permuted_pair(const uint8_t *x, int two) {
-    const __m256i second = two ? _mm256_loadu_si256((const __m256i *)(x + 84)) : _mm256_setzero_si256();
-    const __m512i low = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 2))), second, 1);
-    const uint64_t high0 = u64_at(x + 66), high1 = two ? u64_at(x + 148) : 0, evens = 0x5555555555555555ULL;
+AVX512 Pair iq2_s_permuted_pair(const uint8_t *x, const uint8_t *second, const int two) {
+    const __m512i low = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 2))), second_32(second, two, 2), 1);
+    const uint64_t high0 = u64_at(x + 66), high1 = second_u64(second, two, 66), evens = 0x5555555555555555ULL;
     const __mmask64 high[2] = {_pext_u64(high0, evens) | _pext_u64(high1, evens) << 32,
                                _pext_u64(high0, evens << 1) | _pext_u64(high1, evens << 1) << 32};
     const __m512i codes[2] = {lookup_grid(iq2s_codes[0], low, high, 2), lookup_grid(iq2s_codes[1], low, high, 2)};
-    return iq2_s_pair_of(x, two, codes);
+    return iq2_s_pair_of(x, second, two, codes);
 }
 
 /* IQ3_XXS: 64 grid indices (an entry: 4 values), then each sub-block's 32-bit word of four 7-bit sign
  * fields (bits 7l) and the scale (bits 28..31); values 8k..8k + 3 are entry 2k, 8k + 4.. entry 2k + 1:
  * codes[0], codes[1] (entry 2k's bytes 0-1, 2-3), codes[2], codes[3] (entry 2k + 1's) */
-AVX512 Pair iq3_xxs_pair(const uint8_t *x, int two) {
-    const __m512i a = _mm512_loadu_si512(x + 2), b = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0, x + 100);
-    const __m256i second = _mm256_maskz_loadu_epi8(two ? ~0U : 0, x + 164);
-    const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 66))), second, 1);
+AVX512 Pair iq3_xxs_pair(const uint8_t *x, const uint8_t *second, const int two) {
+    const __m512i a = _mm512_loadu_si512(x + 2), b = second_64(second, two, 2);
+    const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 66))), second_32(second, two, 66), 1);
     const __m512i fields = _mm512_set1_epi64(0x352E2720150E0700LL); /* bit offsets 0, 7, 14, 21 of each word */
     const __m512i even = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[0]), b);
     const __m512i odd = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[1]), b);
@@ -315,17 +324,16 @@ AVX512 __m512i iq3_xxs_plane(const Pair *pair, int j) { return iq3_plane(pair, j
 /* IQ3_S: 64 index bytes (low 8 bits), 8 bytes of their bit 8 (bit e % 8 of byte e / 8: 128 bits in entry
  * order over the pair, even entries' at even bits), 32 sign bytes (byte k: values 8k..8k + 7), a nibble
  * of scale a sub-block; entries as IQ3_XXS's */
-AVX512 Pair iq3_s_pair(const uint8_t *x, int two) {
-    const __m512i a = _mm512_loadu_si512(x + 2), b = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0, x + 112);
+AVX512 Pair iq3_s_pair(const uint8_t *x, const uint8_t *second, const int two) {
+    const __m512i a = _mm512_loadu_si512(x + 2), b = second_64(second, two, 2);
     const __m512i even = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[0]), b);
     const __m512i odd = _mm512_permutex2var_epi8(a, _mm512_load_si512(even_bytes[1]), b);
-    const uint64_t high0 = u64_at(x + 66), high1 = two ? u64_at(x + 176) : 0, evens = 0x5555555555555555ULL;
+    const uint64_t high0 = u64_at(x + 66), high1 = second_u64(second, two, 66), evens = 0x5555555555555555ULL;
     const __mmask64 high_even = _pext_u64(high0, evens) | _pext_u64(high1, evens) << 32;
     const __mmask64 high_odd = _pext_u64(high0, evens << 1) | _pext_u64(high1, evens << 1) << 32;
-    const __m256i second = _mm256_maskz_loadu_epi8(two ? ~0U : 0, x + 184);
-    const __m512i signs = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 74))), second, 1);
+    const __m512i signs = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 74))), second_32(second, two, 74), 1);
     const __m512i nibbles = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32((int)u32_at(x + 106)),
-                                                    _mm512_set1_epi32(two ? (int)u32_at(x + 216) : 0));
+                                                    _mm512_set1_epi32(two ? (int)u32_at(second + 106) : 0));
     const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
     const __m512i ls = _mm512_and_si512(_mm512_srlv_epi32(nibbles, shifts), _mm512_set1_epi32(15));
     return (Pair){{lookup512(iq3s_codes[0], even, high_even), lookup512(iq3s_codes[1], even, high_even),
@@ -341,28 +349,33 @@ AVX512 float hsum16(__m512 v) {
     return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
 }
 
-/* x's codes (`blocks` Q8_K blocks) as byte planes, 512 bytes a pair of blocks (a last odd block's pair
- * padded with zeros): plane j of pair g at planes + 512 g + 64 j, byte k = code 8k + j of the pair */
-AVX512 void x_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
+/* two Q8_K blocks' codes (second NULL: zeros) as byte planes, 512 bytes: plane j at planes + 64 j, byte
+ * k = code 8k + j of the pair */
+AVX512 void x_pair_planes(const BlockQ8K *first, const BlockQ8K *second, int8_t *planes) {
     const __m512i by_plane = _mm512_load_si512(plane_order);
-    for (int64_t g = 0; g < (blocks + 1) / 2; g++) {
-        __m512i v[8];
-        for (int i = 0; i < 8; i++) {
-            const int64_t block = 2 * g + i / 4;
-            const __m512i codes = block < blocks ? _mm512_loadu_si512(y[block].qs + 64 * (i % 4)) : _mm512_setzero_si512();
-            v[i] = _mm512_permutexvar_epi8(by_plane, codes); /* qword j: plane j of entries 8i..8i + 7 */
-        }
-        for (int stage = 0, s = 1; s < 8; stage++, s *= 2) { /* transpose the 8 x 8 qwords: plane j = qword j of each v[i] */
-            const __m512i lo = _mm512_load_si512(transpose_low[stage]), hi = _mm512_load_si512(transpose_high[stage]);
-            for (int i = 0; i < 8; i++)
-                if (!(i & s)) {
-                    const __m512i a = v[i], b = v[i + s];
-                    v[i] = _mm512_permutex2var_epi64(a, lo, b);
-                    v[i + s] = _mm512_permutex2var_epi64(a, hi, b);
-                }
-        }
-        for (int j = 0; j < 8; j++) _mm512_store_si512(planes + 512 * g + 64 * j, v[j]);
+    __m512i v[8];
+    for (int i = 0; i < 8; i++) {
+        const BlockQ8K *block = i < 4 ? first : second;
+        const __m512i codes = block != NULL ? _mm512_loadu_si512(block->qs + 64 * (i % 4)) : _mm512_setzero_si512();
+        v[i] = _mm512_permutexvar_epi8(by_plane, codes); /* qword j: plane j of entries 8i..8i + 7 */
     }
+    for (int stage = 0, s = 1; s < 8; stage++, s *= 2) { /* transpose the 8 x 8 qwords: plane j = qword j of each v[i] */
+        const __m512i lo = _mm512_load_si512(transpose_low[stage]), hi = _mm512_load_si512(transpose_high[stage]);
+        for (int i = 0; i < 8; i++)
+            if (!(i & s)) {
+                const __m512i a = v[i], b = v[i + s];
+                v[i] = _mm512_permutex2var_epi64(a, lo, b);
+                v[i + s] = _mm512_permutex2var_epi64(a, hi, b);
+            }
+    }
+    for (int j = 0; j < 8; j++) _mm512_store_si512(planes + 64 * j, v[j]);
+}
+
+/* x's codes (`blocks` Q8_K blocks) as byte planes, pair g at planes + 512 g (a last odd block's pair padded
+ * with zeros); an odd count adds its last block twice (two weight rows' last blocks as one pair) */
+AVX512 void x_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
+    for (int64_t g = 0; g < (blocks + 1) / 2; g++) x_pair_planes(y + 2 * g, 2 * g + 1 < blocks ? y + 2 * g + 1 : NULL, planes + 512 * g);
+    if (blocks % 2) x_pair_planes(y + blocks - 1, y + blocks - 1, planes + 512 * ((blocks + 1) / 2));
 }
 
 /* how a type's lanes are summed: one scale a sub-block; one a half (HALVES) */
@@ -375,25 +388,30 @@ AVX512 __m512i scaled_lanes(const Pair *pair, __m512i first, __m512i second, con
     return _mm512_mullo_epi32(_mm512_add_epi32(first, second), pair->scales);
 }
 
-/* the d of blocks x and (where there is one) second, their F16s converted together: lanes 0, 1 */
-AVX512 __m128 pair_d(const uint8_t *x, const uint8_t *second) {
-    const uint32_t halves = (uint32_t)x[0] | (uint32_t)x[1] << 8 | (second ? (uint32_t)second[0] << 16 | (uint32_t)second[1] << 24 : 0);
+/* the d of blocks x and (where `two`) second, their F16s converted together: lanes 0, 1 */
+AVX512 __m128 pair_d(const uint8_t *x, const uint8_t *second, const int two) {
+    const uint32_t halves = (uint32_t)x[0] | (uint32_t)x[1] << 8 | (two ? (uint32_t)second[0] << 16 | (uint32_t)second[1] << 24 : 0);
     return _mm_cvtph_ps(_mm_cvtsi32_si128((int)halves));
 }
 
-/* pair g of weight row `row` against n input rows (planes xs[r], blocks y[r]; `two`: the pair's second
- * block is there) into their float lanes acc[r]; NAME##_pairs: every pair of the row */
+/* a pair of weight blocks (first, second, two: NAME##_pair's) against n input rows: their planes at xs[r] + at,
+ * their blocks y[r][i0], y[r][i1] (where `two`); the pair's float lanes into acc[r], or (`split`: two
+ * weight rows' last blocks) lanes 0-7 into lanes 0-7 of acc[r] and lanes 8-15 into lanes 0-7 of acc[n + r],
+ * each lane's FMA as where its block is the first of a pair (acc's lanes 8-15 stay as they are: a block
+ * alone adds 0 x 0 there). NAME##_pairs: every pair of `wide` rows (wide 2: an odd count's last blocks
+ * one pair) */
 #define PAIR_DOT(NAME, BYTES, KIND)                                                                    \
-    AVX512 void NAME##_pair_dot(const uint8_t *row, int64_t g, const int two, const int8_t *const *xs,   \
-                                const BlockQ8K *const *y, __m512 *acc, const int n) {                        \
-        const Pair pair = NAME##_pair(row + 2 * g * (BYTES), two);                                       \
+    AVX512 void NAME##_pair_dot(const uint8_t *first, const uint8_t *second, const int two, int64_t at, int64_t i0, \
+                                int64_t i1, const int split, const int8_t *const *xs, const BlockQ8K *const *y, __m512 *acc, \
+                                const int n) {                                                           \
+        const Pair pair = NAME##_pair(first, second, two);                                                 \
         __m512i sumi[2][RUN_ROWS]; /* HALVES: an even plane's 16-bit sums, scaled sums; else even and odd planes */ \
         for (int r = 0; r < n; r++) sumi[0][r] = sumi[1][r] = _mm512_setzero_si512();                    \
         _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                            \
             const __m512i w = NAME##_plane(&pair, j);                                                    \
             const __mmask64 negative = _mm512_test_epi8_mask(pair.signs, _mm512_set1_epi8((char)(1 << j))); \
             for (int r = 0; r < n; r++) {                                                                \
-                const __m512i codes = _mm512_load_si512(xs[r] + 512 * g + 64 * j);                       \
+                const __m512i codes = _mm512_load_si512(xs[r] + at + 64 * j);                            \
                 const __m512i signed_codes =                                                             \
                     _mm512_mask_sub_epi8(codes, negative, _mm512_setzero_si512(), codes); \
                 if ((KIND) == HALVES) { /* 16-bit lane w: values 16w.. (two entries) of two planes */  \
@@ -404,24 +422,36 @@ AVX512 __m128 pair_d(const uint8_t *x, const uint8_t *second) {
                     sumi[j & 1][r] = _mm512_dpbusd_epi32(sumi[j & 1][r], w, signed_codes);               \
             }                                                                                            \
         }                                                                                                \
-        const __m128 dw = pair_d(row + 2 * g * (BYTES), two ? row + (2 * g + 1) * (BYTES) : NULL);        \
+        const __m128 dw = pair_d(first, second, two);                                                      \
         for (int r = 0; r < n; r++) {                                                                    \
             const __m512i scaled = scaled_lanes(&pair, sumi[0][r], sumi[1][r], KIND); \
-            const __m128 dy = _mm_setr_ps(y[r][2 * g].d, two ? y[r][2 * g + 1].d : 0.0f, 0.0f, 0.0f);      \
+            const __m128 dy = _mm_setr_ps(y[r][i0].d, two ? y[r][i1].d : 0.0f, 0.0f, 0.0f);          \
             const __m512 d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), \
                                                    _mm512_castps128_ps512(_mm_mul_ps(dw, dy)));           \
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), d, acc[r]);                             \
+            const __m512 lanes = _mm512_cvtepi32_ps(scaled);                                             \
+            if (!split)                                                                                  \
+                acc[r] = _mm512_fmadd_ps(lanes, d, acc[r]);                                              \
+            else {                                                                                       \
+                acc[r] = _mm512_mask3_fmadd_ps(lanes, d, acc[r], 0x00FF);                                \
+                acc[n + r] = _mm512_mask3_fmadd_ps(_mm512_shuffle_f32x4(lanes, lanes, 0x4E), _mm512_shuffle_f32x4(d, d, 0x4E), \
+                                                   acc[n + r], 0x00FF);                                  \
+            }                                                                                            \
         }                                                                                                \
     }                                                                                                    \
     AVX512 void NAME##_pairs(const uint8_t *row, int64_t stride, const int wide, int64_t blocks, const int8_t *const *xs, \
                              const BlockQ8K *const *y, __m512 *acc, const int n) {                        \
-        for (int w = 0; w < wide; w++, row += stride, acc += n) { /* the rows one after another */       \
+        for (int w = 0; w < wide; w++) { /* the rows one after another */                               \
+            const uint8_t *x = row + w * stride;                                                         \
             for (int64_t g = 0; g < blocks / 2; g++) {                                                   \
-                prefetch_ahead(row + 2 * g * (BYTES), 2 * (BYTES)); /* a pair's lines, not a row's at once */ \
-                NAME##_pair_dot(row, g, 1, xs, y, acc, n);                                               \
+                prefetch_ahead(x + 2 * g * (BYTES), 2 * (BYTES)); /* a pair's lines, not a row's at once */ \
+                NAME##_pair_dot(x + 2 * g * (BYTES), x + (2 * g + 1) * (BYTES), 1, 512 * g, 2 * g, 2 * g + 1, 0, xs, y, acc + w * n, n); \
             }                                                                                            \
-            if (blocks % 2) NAME##_pair_dot(row, blocks / 2, 0, xs, y, acc, n);                          \
         }                                                                                                \
+        const int64_t last = blocks - 1, alone = 512 * (blocks / 2), shared = 512 * ((blocks + 1) / 2);  \
+        if (blocks % 2 && wide == 2)                                                                     \
+            NAME##_pair_dot(row + last * (BYTES), row + stride + last * (BYTES), 1, shared, last, last, 1, xs, y, acc, n); \
+        else if (blocks % 2)                                                                             \
+            NAME##_pair_dot(row + last * (BYTES), row, 0, alone, last, 0, 0, xs, y, acc, n);              \
     }
 
 PAIR_DOT(iq2_xxs, 66, WHOLE)
@@ -431,26 +461,19 @@ PAIR_DOT(iq2_s_permuted, 82, HALVES)
 PAIR_DOT(iq3_xxs, 98, WHOLE)
 PAIR_DOT(iq3_s, 110, WHOLE)
 
-AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2); }
-
-/* Output `a` of a pair's float lanes: lanes 0-7 (half 0) or 8-15 (half 1) as lanes 0-7 beside +0 lanes, the
- * lanes a block alone leaves (its missing second block's d is 0): hsum16 of them is that block's result */
-AVX512 float half_sum(__m512 acc, int half) {
-    return hsum16(_mm512_maskz_mov_ps(0x00FF, half ? _mm512_shuffle_f32x4(acc, acc, 0x4E) : acc));
-}
+AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2 + blocks % 2); }
 
 /* A row kernel: the input rows of matrix b RUN_ROWS at a time, each batch's activations put in the
  * kernel's order once (PREPARE: X_BYTES(blocks) bytes a row), then every weight row first..last - 1
  * against them; fewer than RUN_ROWS input rows take them one at a time, against WIDE weight rows at once
- * (NAME##_pairs: `wide` rows `stride` bytes apart, into acc[w n + r]). PAIRS (the pair kernels): rows of
- * one block (256 inputs: an expert's down projection) go two at a time as one pair of blocks, the
- * activations' block in both halves (alone, a row's block leaves half of its pair's work on zeros);
- * each row's lanes give its own sum (`half_sum`), the same bits as the row alone */
+ * (NAME##_pairs: `wide` rows `stride` bytes apart, into acc[w n + r]). PAIRS (the pair kernels): with an
+ * odd block count (one block: 256 inputs, an expert's down projection) weight rows go two at a time, their
+ * last blocks one pair (alone, a row's last block leaves half of its pair's work on zeros); each row's
+ * lanes keep their own sums, the same bits as the row alone */
 #define PREPARED_ROWS(ID, NAME, FACTOR, PREPARE, X_BYTES, WIDE, PAIRS)                                       \
     AVX512_TARGET static void NAME##_rows_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) { \
-        const int64_t blocks = pr->in_features / 256, pair_bytes = X_BYTES(blocks), stride = pr->row_bytes; \
-        const int paired = (PAIRS) && blocks == 1;                                                       \
-        int8_t *buffer = aligned_alloc(64, (size_t)(RUN_ROWS * pair_bytes));                             \
+        const int64_t blocks = pr->in_features / 256, x_bytes = X_BYTES(blocks), stride = pr->row_bytes;  \
+        int8_t *buffer = aligned_alloc(64, (size_t)(RUN_ROWS * x_bytes));                                \
         if (buffer == NULL) { /* no memory for the activations: ggml's AVX2 kernel (a few ulp apart) */  \
             iq_q8_kernel_avx2(ID)(pr, b, first, last);                                                   \
             return;                                                                                      \
@@ -459,40 +482,30 @@ AVX512 float half_sum(__m512 acc, int half) {
             const int n = pr->starts[b + 1] - p < RUN_ROWS ? (int)(pr->starts[b + 1] - p) : RUN_ROWS;    \
             const int8_t *xs[RUN_ROWS];                                                                  \
             const BlockQ8K *y[RUN_ROWS];                                                                 \
-            BlockQ8K twice[RUN_ROWS][2]; /* paired: each input row's block twice */                      \
             for (int r = 0; r < n; r++) {                                                                \
                 y[r] = pr->q8 + pr->rows[p + r] * blocks;                                                \
-                if (paired) {                                                                            \
-                    twice[r][0] = twice[r][1] = y[r][0];                                                 \
-                    y[r] = twice[r];                                                                     \
-                }                                                                                        \
-                PREPARE(y[r], paired ? 2 : blocks, buffer + r * pair_bytes);                             \
-                xs[r] = buffer + r * pair_bytes;                                                         \
+                PREPARE(y[r], blocks, buffer + r * x_bytes);                                             \
+                xs[r] = buffer + r * x_bytes;                                                            \
             }                                                                                            \
-            int64_t m = first;                                                                           \
-            for (; paired && m + 2 <= last; m += 2) {                                                    \
-                __m512 acc[RUN_ROWS];                                                                    \
-                for (int a = 0; a < n; a++) acc[a] = _mm512_setzero_ps();                                \
-                NAME##_pairs((const uint8_t *)(uintptr_t)pr->addresses[b] + m * stride, 2 * stride, 1, 2, xs, y, acc, n); \
-                for (int a = 0; a < n; a++)                                                              \
-                    for (int half = 0; half < 2; half++)                                                 \
-                        pr->out[(p + a) * pr->out_stride + m + half] = (FACTOR) * half_sum(acc[a], half); \
-            }                                                                                            \
-            for (int64_t wide; m < last; m += wide) {                                                    \
-                wide = n < RUN_ROWS && last - m >= (WIDE) ? (WIDE) : 1;                                  \
+            for (int64_t wide, m = first; m < last; m += wide) {                                         \
+                const int shared = (PAIRS) && blocks % 2 && last - m >= 2;                               \
+                wide = shared ? 2 : n < RUN_ROWS && last - m >= (WIDE) ? (WIDE) : 1;                     \
+                const int k = n == RUN_ROWS ? RUN_ROWS : 1; /* input rows a call (a constant to NAME##_pairs) */ \
                 const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * stride;          \
-                __m512 acc[RUN_ROWS];                                                                    \
-                for (int r = 0; r < n; r++) {                                                            \
-                    for (int a = 0; a < RUN_ROWS; a++) acc[a] = _mm512_setzero_ps();                     \
-                    if (n == RUN_ROWS)                                                                   \
+                for (int r = 0; r < n; r += k) {                                                         \
+                    __m512 acc[2 * RUN_ROWS];                                                            \
+                    for (int a = 0; a < 2 * RUN_ROWS; a++) acc[a] = _mm512_setzero_ps();                 \
+                    if ((PAIRS) && k == RUN_ROWS && wide == 2) /* constants: acc stays in registers */    \
+                        NAME##_pairs(row, stride, 2, blocks, xs, y, acc, RUN_ROWS);                      \
+                    else if (k == RUN_ROWS)                                                              \
                         NAME##_pairs(row, stride, 1, blocks, xs, y, acc, RUN_ROWS);                      \
-                    else if (wide == (WIDE))                                                             \
-                        NAME##_pairs(row, stride, (WIDE), blocks, xs + r, y + r, acc, 1);                \
+                    else if (wide == 2)                                                                  \
+                        NAME##_pairs(row, stride, 2, blocks, xs + r, y + r, acc, 1);                     \
                     else                                                                                 \
                         NAME##_pairs(row, stride, 1, blocks, xs + r, y + r, acc, 1);                     \
-                    for (int a = 0; a < (n == RUN_ROWS ? RUN_ROWS : (int)wide); a++)                     \
-                        pr->out[(p + (n == RUN_ROWS ? a : r)) * pr->out_stride + m + (n == RUN_ROWS ? 0 : a)] = (FACTOR) * hsum16(acc[a]); \
-                    if (n == RUN_ROWS) break;                                                            \
+                    for (int w = 0; w < wide; w++)                                                       \
+                        for (int a = 0; a < k; a++)                                                      \
+                            pr->out[(p + r + a) * pr->out_stride + m + w] = (FACTOR) * hsum16(acc[w * k + a]); \
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
@@ -798,22 +811,55 @@ AVX512 void iq1_m_pairs(const uint8_t *row, int64_t stride, const int wide, int6
 PREPARED_ROWS(19, iq1_s, 0.125f, iq1_s_x, iq1_x_bytes, 2, 0)
 PREPARED_ROWS(29, iq1_m, 0.125f, iq1_m_x, iq1_x_bytes, 2, 0)
 
-/* whether the grid lookups gather (VPGATHERDD): on Intel, where a gather beat the byte permutes; AMD Zen 4
- * takes about a cycle a gathered element and one two-table byte permute a cycle. K3STREAM_GRID_LOOKUP=gather
- * or =permute takes either way on any AVX-512 machine (the tests reach both) */
+/* whether IQ2_S's grid lookups gather (VPGATHERDD, 64 elements a pair of blocks) or take byte permutes (two
+ * 1024-entry lookups): whichever decodes 16 pairs of blocks (fixed pseudo-random bytes) in fewer TSC ticks,
+ * best of 9 alternated runs each, measured once (about 20 microseconds). Intel Xeon's gathers beat the
+ * permutes; AMD Zen 4 takes about a cycle a gathered element, and its permutes decode a pair in 0.4-0.5 of
+ * the gathers' ticks. */
+AVX512_TARGET static int gathers_measured_faster(void) {
+    static uint8_t blocks[32 * 82] __attribute__((aligned(64)));
+    uint32_t state = 1;
+    for (int i = 0; i < (int)sizeof blocks; i++) {
+        state = state * 1664525u + 1013904223u;
+        blocks[i] = (uint8_t)(state >> 24);
+    }
+    uint64_t best[2] = {UINT64_MAX, UINT64_MAX};
+    __m512i sink = _mm512_setzero_si512();
+    for (int trial = 0; trial < 9; trial++)
+        for (int way = 0; way < 2; way++) { /* 1: gathers */
+            const uint64_t start = __rdtsc();
+            for (int g = 0; g < 16; g++) {
+                const uint8_t *x = blocks + 2 * g * 82;
+                const Pair pair = way ? iq2_s_pair(x, x + 82, 1) : iq2_s_permuted_pair(x, x + 82, 1);
+                sink = _mm512_ternarylogic_epi32(sink, pair.codes[0], pair.codes[1], 0x96);
+            }
+            const uint64_t ticks = __rdtsc() - start;
+            best[way] = ticks < best[way] ? ticks : best[way];
+        }
+    __asm__ volatile("" : : "v"(sink)); /* the decoded codes are used */
+    return best[1] < best[0];
+}
+
+/* K3STREAM_GRID_LOOKUP=gather or =permute takes either way on any AVX-512 machine (the tests reach both;
+ * the same bits), else the measured one */
 static int grid_gathers(void) {
     const char *way = getenv("K3STREAM_GRID_LOOKUP");
     if (way != NULL && (strcmp(way, "gather") == 0 || strcmp(way, "permute") == 0)) return strcmp(way, "gather") == 0;
-    return !__builtin_cpu_is("amd");
+    static int measured = -1; /* not yet */
+    int gathers = __atomic_load_n(&measured, __ATOMIC_RELAXED);
+    if (gathers < 0) {
+        gathers = gathers_measured_faster();
+        __atomic_store_n(&measured, gathers, __ATOMIC_RELAXED);
+    }
+    return gathers;
 }
 
 RowKernel iq_avx512_kernel(int ggml_type) {
     if (!HAVE_AVX512()) return NULL;
-    const int gathers = grid_gathers();
     switch (ggml_type) {
         case 16: return iq2xxs_fit ? iq2_xxs_rows_avx512 : NULL;
         case 17: return iq2xs_fit ? iq2_xs_rows_avx512 : NULL;
-        case 22: return !iq2s_fit ? NULL : gathers ? iq2_s_rows_avx512 : iq2_s_permuted_rows_avx512;
+        case 22: return !iq2s_fit ? NULL : grid_gathers() ? iq2_s_rows_avx512 : iq2_s_permuted_rows_avx512;
         case 18: return iq3xxs_fit ? iq3_xxs_rows_avx512 : NULL;
         case 21: return iq3s_fit ? iq3_s_rows_avx512 : NULL;
         case 19: return iq1_fit ? iq1_s_rows_avx512 : NULL;
