@@ -708,7 +708,22 @@ def _longest_pass(stall: Stall, one_cpu: float) -> str:
         f"ms, {max(stall.step_cpu) / one_cpu:.2f}x one chunk's alone; the server's collections "
         f"meanwhile {len(stall.collections)}, the longest "
         f"{1e3 * max((t for t, _ in stall.collections), default=0):.1f} ms, {len(full)} full"
+        + _where_cpu_went(stall.longest_threads)
     )
+
+
+def _where_cpu_went(times: dict[str, tuple[float, float]]) -> str:
+    """Who ran and who waited for a CPU from the start of the pass before the stream's longest wait in
+    the scheduler to its decode step (/proc's schedstat: run time, and run-queue delay: ready to run
+    while something else held every CPU)."""
+    if not times:
+        return ""
+    groups = ", ".join(
+        f"{group} ran {run:.1f} (waited {wait:.1f})"
+        for group, (run, wait) in times.items()
+        if group != "wall"
+    )
+    return f"; that pass and its step ({times['wall'][0]:.1f} ms), ms: {groups}"
 
 
 def chunk_times(model, prompt: list[int], tokens: int) -> None:
@@ -773,6 +788,13 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) 
         found = _read_trace(trace)
     passes, steps = found["pass"], found["step"]
     during = [(at, cpu) for at, cpu in steps if begin <= at <= end + 0.5]
+    lines = [(at, *times) for at, ends, *times in found["threads"]]  # ends: a pass and its step
+    ends = [line[1] for line in found["threads"]]
+    spans = [
+        (a, b)
+        for a, b, a_ends, b_ends in zip(lines, lines[1:], ends, ends[1:], strict=False)
+        if not a_ends and b_ends and begin <= a[0] <= end
+    ]
     return Stall(
         _gaps(arrivals, begin, end) or [0.0],
         _gaps([at for (at,) in found["sent"]], begin, end) or [0.0],
@@ -783,7 +805,25 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) 
         [b[1] - a[1] for a, b in zip(during, during[1:], strict=False)] or [0.0],
         max((p for p in passes if begin <= p[0] <= end), key=lambda p: p[1], default=(0.0,) * 3)[1:],
         [(took, int(kind)) for at, took, kind in found["gc"] if begin <= at <= end + 0.5],
+        _thread_times(max(spans, key=lambda span: span[1][0] - span[0][0], default=None)),
     )
+
+
+# the server's threads and the clients' as `timed_serve` groups them
+THREAD_GROUPS = ("scheduler", "kernel workers", "server's other threads", "clients")
+
+
+def _thread_times(span: tuple[tuple[float, ...], tuple[float, ...]] | None) -> dict[str, tuple[float, float]]:
+    """Each group's ms run and ms waited for a CPU between a `threads` line and the next (the wall ms
+    between them under `wall`)."""
+    if span is None:
+        return {}
+    start, stop = span
+    moved = [1e3 * (b - a) for a, b in zip(start, stop, strict=True)]
+    times = {"wall": (moved[0], 0.0)}
+    for index, group in enumerate(THREAD_GROUPS):
+        times[group] = (moved[1 + 2 * index], moved[2 + 2 * index])
+    return times
 
 
 # the tiny model's byte tokens of a..z, raised: every token the stream samples is whole text, so each
@@ -803,10 +843,49 @@ class Stall:
     step_cpu: list[float]  # the scheduler thread's CPU time between them
     longest: tuple[float, ...]  # the longest pass: wall, CPU, and each prompt's chunk (start, end)
     collections: list[tuple[float, int]]  # the server's garbage collections then: time, generation
+    # where the CPU went from the start of the pass before the stream's longest wait in the scheduler to
+    # its next decode step: per group of threads (`THREAD_GROUPS`), ms run and ms waited for a CPU
+    longest_threads: dict[str, tuple[float, float]]
 
 
 def _gaps(times: list[float], begin: float, end: float) -> list[float]:
     return [b - a for a, b in zip(times, times[1:], strict=False) if begin <= b <= end + 0.5]
+
+
+class ThreadClocks:
+    """The CPU time each thread of this process and of its parent (the clients) ran and waited for a
+    CPU (/proc's schedstat, ns), summed per `THREAD_GROUPS` group: the calling thread (the scheduler),
+    the threads Python did not start (the OpenMP workers that run the kernels beside it), this
+    process's other threads (event loop, tokenizers, cache reader and writer) and the parent's. Each
+    thread's file stays open and is read again from its start: a line costs some microseconds."""
+
+    def __init__(self) -> None:
+        self._files: dict[tuple[int, int], int] = {}
+        self._last: dict[tuple[int, int], tuple[int, int]] = {}  # what an ended thread ran
+
+    def line(self, ends: bool) -> str:
+        """`threads AT ENDS` and each group's seconds run and waited; `ends`: a pass and its step end."""
+        import threading
+
+        python = {thread.native_id for thread in threading.enumerate()}
+        me, sums = threading.get_native_id(), [0.0] * (2 * len(THREAD_GROUPS))
+        for pid in (os.getpid(), os.getppid()):
+            for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+                group = 3 if pid != os.getpid() else 0 if tid == me else 2 if tid in python else 1
+                run, wait = self._read(pid, tid)
+                sums[2 * group] += run / 1e9
+                sums[2 * group + 1] += wait / 1e9
+        return f"threads {time.perf_counter()} {int(ends)} " + " ".join(map(str, sums)) + "\n"
+
+    def _read(self, pid: int, tid: int) -> tuple[int, int]:
+        try:
+            if (pid, tid) not in self._files:
+                self._files[pid, tid] = os.open(f"/proc/{pid}/task/{tid}/schedstat", os.O_RDONLY)
+            run, wait, _ = os.pread(self._files[pid, tid], 100, 0).split()
+            self._last[pid, tid] = int(run), int(wait)
+        except OSError:  # the thread ended
+            pass
+        return self._last.get((pid, tid), (0, 0))
 
 
 def timed_serve(trace: str, serve_argv: list[str]) -> int:
@@ -822,7 +901,11 @@ def timed_serve(trace: str, serve_argv: list[str]) -> int:
     real_pass, real_step = scheduler.step_together, scheduler.Scheduler._decode_step
     out = open(trace, "w", buffering=1)  # noqa: SIM115 - open while the server runs
 
+    clocks = ThreadClocks()
+
     def timed_pass(prefills, chunks) -> None:
+        out.write(clocks.line(ends=False))
+        pending[:] = [True]
         start, cpu = time.perf_counter(), time.thread_time()
         spans = [(prefill.position, prefill.next_end(chunks)) for prefill in prefills]
         real_pass(prefills, chunks)
@@ -837,11 +920,15 @@ def timed_serve(trace: str, serve_argv: list[str]) -> int:
             out.write(f"gc {at} {time.perf_counter() - at} {info['generation']}\n")
 
     collecting: list[float] = []
+    pending: list[bool] = []  # a pass ran since the last decode step
     gc.callbacks.append(timed_gc)
 
     def timed_step(self) -> None:
         real_step(self)
         out.write(f"step {time.perf_counter()} {time.thread_time()}\n")
+        if pending:
+            out.write(clocks.line(ends=True))
+            pending.clear()
 
     def timed_chunk(data) -> str:  # a streamed chunk, sent as soon as the response has it
         out.write(f"sent {time.perf_counter()}\n")
@@ -854,7 +941,7 @@ def timed_serve(trace: str, serve_argv: list[str]) -> int:
 
 def _read_trace(trace: Path) -> dict[str, list[tuple[float, ...]]]:
     """The trace's lines by kind: `pass`, `step`, `sent`, `gc`."""
-    found: dict[str, list[tuple[float, ...]]] = {"pass": [], "step": [], "sent": [], "gc": []}
+    found: dict[str, list[tuple[float, ...]]] = {"pass": [], "step": [], "sent": [], "gc": [], "threads": []}
     for line in trace.read_text().splitlines():
         kind, *values = line.split()
         found[kind].append(tuple(float(v) for v in values))
