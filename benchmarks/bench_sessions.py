@@ -671,7 +671,8 @@ def stalls(args) -> None:
             (f"--prefill-chunk {args.prefill_chunk}", args.prefill_chunk)
         ] * args.stall_runs
         for label, chunk in settings:
-            runs.append((label, stream_beside(path, long_prompt, chunk, args.threads)))
+            lone = [] if chunk > args.stall_tokens else _lone_chunks(generator, len(first_chunk))
+            runs.append((label, stream_beside(path, long_prompt, chunk, args.threads, lone)))
             alone.append(_least(3, lambda: model.prefill_last(model.new_state(), first_chunk)))
         one, one_cpu = min(wall for wall, _ in alone), min(cpu for _, cpu in alone)
         for label, stall in runs:
@@ -684,7 +685,7 @@ def stalls(args) -> None:
                 f"{max(stall.gaps) / one:.2f}x, {max(stall.sent_gaps) / one:.2f}x and "
                 f"{max(stall.steps) / one:.2f}x one chunk alone; {max(stall.gaps) / typical:.2f}x, "
                 f"{max(stall.sent_gaps) / typical:.2f}x and {max(stall.steps) / typical:.2f}x the median "
-                f"pass; the long prompt's TTFT {stall.prefill_s:.2f} s"
+                f"pass; the long prompt's TTFT {stall.prefill_s:.2f} s" + _against_lone(stall)
             )
             print(f"  {'':>28}  {_longest_pass(stall, one_cpu)}")
         print(
@@ -693,6 +694,22 @@ def stalls(args) -> None:
         )
         chunk_times(model, long_prompt, args.prefill_chunk)
         row_exact.close()
+
+
+def _lone_chunks(generator: torch.Generator, tokens: int) -> list[list[int]]:
+    """Three prompts of `tokens` random ids (none shares a prefix with the long prompt to restore)."""
+    return [torch.randint(10, 500, (tokens,), generator=generator).tolist() for _ in range(3)]
+
+
+def _against_lone(stall: Stall) -> str:
+    """The stream's longest gap at the client against one chunk's pass alone in the same server (its
+    OpenMP threads as `serve` runs them: asleep between parallel regions, each woken per region)."""
+    if not stall.lone_pass:
+        return ""
+    return (
+        f"; {max(stall.gaps) / stall.lone_pass:.2f}x one chunk alone in the server "
+        f"({1e3 * stall.lone_pass:.1f} ms, least of 3)"
+    )
 
 
 def _longest_pass(stall: Stall, one_cpu: float) -> str:
@@ -746,14 +763,19 @@ def chunk_times(model, prompt: list[int], tokens: int) -> None:
         )
 
 
-def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) -> Stall:
+def stream_beside(
+    path: Path, long_prompt: list[int], chunk: int, threads: int, lone_chunks: list[list[int]]
+) -> Stall:
     """A streamed completion while `long_prompt` is prefilled, as users see it: `k3stream serve` in its
     own process (prompt cache on, its default), the clients in this one. The stream's gaps at the
-    client, and the scheduler's passes and decode steps from a trace the server writes."""
+    client, and the scheduler's passes and decode steps from a trace the server writes. First each of
+    `lone_chunks` (prompts of one chunk's tokens, other ids than `long_prompt`'s: the same work as its
+    first chunk, nothing to restore) alone: one chunk's pass in the server."""
     import threading
 
     import openai
 
+    from k3stream.cli import calm_openmp
     from k3stream.server.live import ServerProcess
 
     arrivals: list[float] = []
@@ -762,10 +784,16 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) 
         serve_args = ["--ctx", "8192", "--threads", str(threads), "--max-batch", "4"]
         serve_args += ["--prefill-chunk", str(chunk), "--cache-ram", "256"]
         launcher = [sys.executable, __file__, "--timed-serve", str(trace)]
+        # the child loads torch before `cli.main` calms its OpenMP: handed down, as `serve` runs it
+        calm_openmp()
         log = Path(directory) / "serve.log"
         with ServerProcess(path, *serve_args, launcher=launcher, log_path=log) as server:
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
             name = client.models.list().data[0].id
+            lone_from = time.perf_counter()
+            for prompt in lone_chunks:
+                client.completions.create(model=name, prompt=prompt, max_tokens=1, temperature=0)
+            lone_to = time.perf_counter()
             started = threading.Event()
 
             def stream() -> None:
@@ -806,6 +834,7 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) 
         max((p for p in passes if begin <= p[0] <= end), key=lambda p: p[1], default=(0.0,) * 3)[1:],
         [(took, int(kind)) for at, took, kind in found["gc"] if begin <= at <= end + 0.5],
         _thread_times(max(spans, key=lambda span: span[1][0] - span[0][0], default=None)),
+        min((took for at, took, *_ in passes if lone_from <= at <= lone_to), default=0.0),
     )
 
 
@@ -846,6 +875,7 @@ class Stall:
     # where the CPU went from the start of the pass before the stream's longest wait in the scheduler to
     # its next decode step: per group of threads (`THREAD_GROUPS`), ms run and ms waited for a CPU
     longest_threads: dict[str, tuple[float, float]]
+    lone_pass: float  # the least wall time of the server's pass of a chunk's prompt alone (0: none sent)
 
 
 def _gaps(times: list[float], begin: float, end: float) -> list[float]:
