@@ -644,8 +644,9 @@ def stalls(args) -> None:
     process (prompt cache on, its default), the prompt prefilled whole, then `--stall-runs` times in
     `--prefill-chunk` chunks: the stream's longest gaps at the client, between the server's sends and
     in the scheduler, against one chunk's prefill (the prompt's first `--prefill-chunk` tokens, timed
-    between the runs) and the run's median pass; the run's longest pass (its chunk, wall and CPU
-    time) and the server's garbage collections during the prompt. Then each chunk's time along the
+    between the runs in this process), one chunk's pass alone in the same server and the run's median
+    pass; the run's longest pass (its chunk, wall and CPU time, and who ran and who waited for a CPU
+    meanwhile) and the server's garbage collections during the prompt. Then each chunk's time along the
     prompt, cut every `--prefill-chunk` tokens and by equal work (`PrefillChunks`). A tiny model with a
     long enough context (the shipped one's is 1,024)."""
     from k3stream.engine.loading import load_runtime
