@@ -644,8 +644,9 @@ def stalls(args) -> None:
     process (prompt cache on, its default), the prompt prefilled whole, then `--stall-runs` times in
     `--prefill-chunk` chunks: the stream's longest gaps at the client, between the server's sends and
     in the scheduler, against one chunk's prefill (the prompt's first `--prefill-chunk` tokens, timed
-    between the runs) and the run's median pass; the run's longest pass (its chunk, wall and CPU
-    time) and the server's garbage collections during the prompt. Then each chunk's time along the
+    between the runs in this process), one chunk's pass alone in the same server and the run's median
+    pass; the run's longest pass (its chunk, wall and CPU time, and who ran and who waited for a CPU
+    meanwhile) and the server's garbage collections during the prompt. Then each chunk's time along the
     prompt, cut every `--prefill-chunk` tokens and by equal work (`PrefillChunks`). A tiny model with a
     long enough context (the shipped one's is 1,024)."""
     from k3stream.engine.loading import load_runtime
@@ -671,7 +672,8 @@ def stalls(args) -> None:
             (f"--prefill-chunk {args.prefill_chunk}", args.prefill_chunk)
         ] * args.stall_runs
         for label, chunk in settings:
-            runs.append((label, stream_beside(path, long_prompt, chunk, args.threads)))
+            lone = [] if chunk > args.stall_tokens else _lone_chunks(generator, len(first_chunk))
+            runs.append((label, stream_beside(path, long_prompt, chunk, args.threads, lone)))
             alone.append(_least(3, lambda: model.prefill_last(model.new_state(), first_chunk)))
         one, one_cpu = min(wall for wall, _ in alone), min(cpu for _, cpu in alone)
         for label, stall in runs:
@@ -684,7 +686,7 @@ def stalls(args) -> None:
                 f"{max(stall.gaps) / one:.2f}x, {max(stall.sent_gaps) / one:.2f}x and "
                 f"{max(stall.steps) / one:.2f}x one chunk alone; {max(stall.gaps) / typical:.2f}x, "
                 f"{max(stall.sent_gaps) / typical:.2f}x and {max(stall.steps) / typical:.2f}x the median "
-                f"pass; the long prompt's TTFT {stall.prefill_s:.2f} s"
+                f"pass; the long prompt's TTFT {stall.prefill_s:.2f} s" + _against_lone(stall)
             )
             print(f"  {'':>28}  {_longest_pass(stall, one_cpu)}")
         print(
@@ -693,6 +695,22 @@ def stalls(args) -> None:
         )
         chunk_times(model, long_prompt, args.prefill_chunk)
         row_exact.close()
+
+
+def _lone_chunks(generator: torch.Generator, tokens: int) -> list[list[int]]:
+    """Three prompts of `tokens` random ids (none shares a prefix with the long prompt to restore)."""
+    return [torch.randint(10, 500, (tokens,), generator=generator).tolist() for _ in range(3)]
+
+
+def _against_lone(stall: Stall) -> str:
+    """The stream's longest gap at the client against one chunk's pass alone in the same server (its
+    OpenMP threads as `serve` runs them: asleep between parallel regions, each woken per region)."""
+    if not stall.lone_pass:
+        return ""
+    return (
+        f"; {max(stall.gaps) / stall.lone_pass:.2f}x one chunk alone in the server "
+        f"({1e3 * stall.lone_pass:.1f} ms, least of 3)"
+    )
 
 
 def _longest_pass(stall: Stall, one_cpu: float) -> str:
@@ -708,7 +726,22 @@ def _longest_pass(stall: Stall, one_cpu: float) -> str:
         f"ms, {max(stall.step_cpu) / one_cpu:.2f}x one chunk's alone; the server's collections "
         f"meanwhile {len(stall.collections)}, the longest "
         f"{1e3 * max((t for t, _ in stall.collections), default=0):.1f} ms, {len(full)} full"
+        + _where_cpu_went(stall.longest_threads)
     )
+
+
+def _where_cpu_went(times: dict[str, tuple[float, float]]) -> str:
+    """Who ran and who waited for a CPU from the start of the pass before the stream's longest wait in
+    the scheduler to its decode step (/proc's schedstat: run time, and run-queue delay: ready to run
+    while something else held every CPU)."""
+    if not times:
+        return ""
+    groups = ", ".join(
+        f"{group} ran {run:.1f} (waited {wait:.1f})"
+        for group, (run, wait) in times.items()
+        if group != "wall"
+    )
+    return f"; that pass and its step ({times['wall'][0]:.1f} ms), ms: {groups}"
 
 
 def chunk_times(model, prompt: list[int], tokens: int) -> None:
@@ -731,14 +764,19 @@ def chunk_times(model, prompt: list[int], tokens: int) -> None:
         )
 
 
-def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) -> Stall:
+def stream_beside(
+    path: Path, long_prompt: list[int], chunk: int, threads: int, lone_chunks: list[list[int]]
+) -> Stall:
     """A streamed completion while `long_prompt` is prefilled, as users see it: `k3stream serve` in its
     own process (prompt cache on, its default), the clients in this one. The stream's gaps at the
-    client, and the scheduler's passes and decode steps from a trace the server writes."""
+    client, and the scheduler's passes and decode steps from a trace the server writes. First each of
+    `lone_chunks` (prompts of one chunk's tokens, other ids than `long_prompt`'s: the same work as its
+    first chunk, nothing to restore) alone: one chunk's pass in the server."""
     import threading
 
     import openai
 
+    from k3stream.cli import calm_openmp
     from k3stream.server.live import ServerProcess
 
     arrivals: list[float] = []
@@ -747,10 +785,16 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) 
         serve_args = ["--ctx", "8192", "--threads", str(threads), "--max-batch", "4"]
         serve_args += ["--prefill-chunk", str(chunk), "--cache-ram", "256"]
         launcher = [sys.executable, __file__, "--timed-serve", str(trace)]
+        # the child loads torch before `cli.main` calms its OpenMP: handed down, as `serve` runs it
+        calm_openmp()
         log = Path(directory) / "serve.log"
         with ServerProcess(path, *serve_args, launcher=launcher, log_path=log) as server:
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
             name = client.models.list().data[0].id
+            lone_from = time.perf_counter()
+            for prompt in lone_chunks:
+                client.completions.create(model=name, prompt=prompt, max_tokens=1, temperature=0)
+            lone_to = time.perf_counter()
             started = threading.Event()
 
             def stream() -> None:
@@ -773,6 +817,13 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) 
         found = _read_trace(trace)
     passes, steps = found["pass"], found["step"]
     during = [(at, cpu) for at, cpu in steps if begin <= at <= end + 0.5]
+    lines = [(at, *times) for at, ends, *times in found["threads"]]  # ends: a pass and its step
+    ends = [line[1] for line in found["threads"]]
+    spans = [
+        (a, b)
+        for a, b, a_ends, b_ends in zip(lines, lines[1:], ends, ends[1:], strict=False)
+        if not a_ends and b_ends and begin <= a[0] <= end
+    ]
     return Stall(
         _gaps(arrivals, begin, end) or [0.0],
         _gaps([at for (at,) in found["sent"]], begin, end) or [0.0],
@@ -783,7 +834,26 @@ def stream_beside(path: Path, long_prompt: list[int], chunk: int, threads: int) 
         [b[1] - a[1] for a, b in zip(during, during[1:], strict=False)] or [0.0],
         max((p for p in passes if begin <= p[0] <= end), key=lambda p: p[1], default=(0.0,) * 3)[1:],
         [(took, int(kind)) for at, took, kind in found["gc"] if begin <= at <= end + 0.5],
+        _thread_times(max(spans, key=lambda span: span[1][0] - span[0][0], default=None)),
+        min((took for at, took, *_ in passes if lone_from <= at <= lone_to), default=0.0),
     )
+
+
+# the server's threads and the clients' as `timed_serve` groups them
+THREAD_GROUPS = ("scheduler", "kernel workers", "server's other threads", "clients")
+
+
+def _thread_times(span: tuple[tuple[float, ...], tuple[float, ...]] | None) -> dict[str, tuple[float, float]]:
+    """Each group's ms run and ms waited for a CPU between a `threads` line and the next (the wall ms
+    between them under `wall`)."""
+    if span is None:
+        return {}
+    start, stop = span
+    moved = [1e3 * (b - a) for a, b in zip(start, stop, strict=True)]
+    times = {"wall": (moved[0], 0.0)}
+    for index, group in enumerate(THREAD_GROUPS):
+        times[group] = (moved[1 + 2 * index], moved[2 + 2 * index])
+    return times
 
 
 # the tiny model's byte tokens of a..z, raised: every token the stream samples is whole text, so each
@@ -803,10 +873,50 @@ class Stall:
     step_cpu: list[float]  # the scheduler thread's CPU time between them
     longest: tuple[float, ...]  # the longest pass: wall, CPU, and each prompt's chunk (start, end)
     collections: list[tuple[float, int]]  # the server's garbage collections then: time, generation
+    # where the CPU went from the start of the pass before the stream's longest wait in the scheduler to
+    # its next decode step: per group of threads (`THREAD_GROUPS`), ms run and ms waited for a CPU
+    longest_threads: dict[str, tuple[float, float]]
+    lone_pass: float  # the least wall time of the server's pass of a chunk's prompt alone (0: none sent)
 
 
 def _gaps(times: list[float], begin: float, end: float) -> list[float]:
     return [b - a for a, b in zip(times, times[1:], strict=False) if begin <= b <= end + 0.5]
+
+
+class ThreadClocks:
+    """The CPU time each thread of this process and of its parent (the clients) ran and waited for a
+    CPU (/proc's schedstat, ns), summed per `THREAD_GROUPS` group: the calling thread (the scheduler),
+    the threads Python did not start (the OpenMP workers that run the kernels beside it), this
+    process's other threads (event loop, tokenizers, cache reader and writer) and the parent's. Each
+    thread's file stays open and is read again from its start: a line costs some microseconds."""
+
+    def __init__(self) -> None:
+        self._files: dict[tuple[int, int], int] = {}
+        self._last: dict[tuple[int, int], tuple[int, int]] = {}  # what an ended thread ran
+
+    def line(self, ends: bool) -> str:
+        """`threads AT ENDS` and each group's seconds run and waited; `ends`: a pass and its step end."""
+        import threading
+
+        python = {thread.native_id for thread in threading.enumerate()}
+        me, sums = threading.get_native_id(), [0.0] * (2 * len(THREAD_GROUPS))
+        for pid in (os.getpid(), os.getppid()):
+            for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+                group = 3 if pid != os.getpid() else 0 if tid == me else 2 if tid in python else 1
+                run, wait = self._read(pid, tid)
+                sums[2 * group] += run / 1e9
+                sums[2 * group + 1] += wait / 1e9
+        return f"threads {time.perf_counter()} {int(ends)} " + " ".join(map(str, sums)) + "\n"
+
+    def _read(self, pid: int, tid: int) -> tuple[int, int]:
+        try:
+            if (pid, tid) not in self._files:
+                self._files[pid, tid] = os.open(f"/proc/{pid}/task/{tid}/schedstat", os.O_RDONLY)
+            run, wait, _ = os.pread(self._files[pid, tid], 100, 0).split()
+            self._last[pid, tid] = int(run), int(wait)
+        except OSError:  # the thread ended
+            pass
+        return self._last.get((pid, tid), (0, 0))
 
 
 def timed_serve(trace: str, serve_argv: list[str]) -> int:
@@ -822,7 +932,11 @@ def timed_serve(trace: str, serve_argv: list[str]) -> int:
     real_pass, real_step = scheduler.step_together, scheduler.Scheduler._decode_step
     out = open(trace, "w", buffering=1)  # noqa: SIM115 - open while the server runs
 
+    clocks = ThreadClocks()
+
     def timed_pass(prefills, chunks) -> None:
+        out.write(clocks.line(ends=False))
+        pending[:] = [True]
         start, cpu = time.perf_counter(), time.thread_time()
         spans = [(prefill.position, prefill.next_end(chunks)) for prefill in prefills]
         real_pass(prefills, chunks)
@@ -837,11 +951,15 @@ def timed_serve(trace: str, serve_argv: list[str]) -> int:
             out.write(f"gc {at} {time.perf_counter() - at} {info['generation']}\n")
 
     collecting: list[float] = []
+    pending: list[bool] = []  # a pass ran since the last decode step
     gc.callbacks.append(timed_gc)
 
     def timed_step(self) -> None:
         real_step(self)
         out.write(f"step {time.perf_counter()} {time.thread_time()}\n")
+        if pending:
+            out.write(clocks.line(ends=True))
+            pending.clear()
 
     def timed_chunk(data) -> str:  # a streamed chunk, sent as soon as the response has it
         out.write(f"sent {time.perf_counter()}\n")
@@ -854,7 +972,7 @@ def timed_serve(trace: str, serve_argv: list[str]) -> int:
 
 def _read_trace(trace: Path) -> dict[str, list[tuple[float, ...]]]:
     """The trace's lines by kind: `pass`, `step`, `sent`, `gc`."""
-    found: dict[str, list[tuple[float, ...]]] = {"pass": [], "step": [], "sent": [], "gc": []}
+    found: dict[str, list[tuple[float, ...]]] = {"pass": [], "step": [], "sent": [], "gc": [], "threads": []}
     for line in trace.read_text().splitlines():
         kind, *values = line.split()
         found[kind].append(tuple(float(v) for v in values))
