@@ -705,3 +705,23 @@ def test_chunks_of_a_model_whose_only_mla_layer_is_the_last_keep_their_tokens(ti
     assert chunks.next_end(3000, 4096) == 3064
     both = k3stream.load(tiny_model(mla_layers=(3, 5))).config
     assert math.isfinite(attention_rows_per_token(both))
+
+
+def test_a_prompt_of_a_responses_ids_is_whole_only_where_its_restored_tier_holds_logits(
+    model, fingerprint, tmp_path
+):
+    """A response's end goes to disk without logits; the same ids sent back as a prompt keep their
+    end's logits in RAM only. Once RAM drops that snapshot, the file (no logits) serves the prompt short
+    of its last token, which is computed: the cold logits, never a prompt with nothing left to run."""
+    cache = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30, every=1 << 20)
+    prompt = ids(model, 20)
+    _, answer = _answered(cache, model, prompt)
+    history = prompt + answer[:-1]
+    cache.flush()
+    assert cache.prefill(history).reused == len(prompt)
+    budget, cache.ram_budget = cache.ram_budget, 1
+    cache.prefill(ids(model, 5, seed=3))  # RAM holds nothing past this
+    cache.ram_budget = budget
+    again = cache.prefill(history)
+    assert again.reused == len(prompt) and torch.equal(again.logits, cold(model, history))
+    cache.close()

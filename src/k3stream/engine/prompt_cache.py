@@ -120,11 +120,20 @@ class Entry:
     disk_rows_bytes: int = 0  # of `disk_bytes`, the file's own latent rows
     rows_only: bool = False  # the file keeps only its latent rows, for its children (not restorable)
     last_used: int = 0
-    has_logits: bool = False  # the snapshot ends a prompt and holds its last token's logits
+    disk_logits: bool = False  # the file holds the last token's logits (it ends a prompt)
 
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+    @property
+    def has_logits(self) -> bool:
+        """Whether the snapshot a restore would take (RAM's, else the file's) holds its last token's
+        logits: the RAM snapshot and the file of one entry can differ (a response's end written to disk,
+        the same ids then a prompt whose end's logits stay in RAM)."""
+        if self.snapshot is not None:
+            return self.snapshot.logits is not None
+        return self.disk_path is not None and self.disk_logits
 
     @property
     def restorable(self) -> bool:
@@ -703,7 +712,6 @@ class PromptCache:
                 if entry.snapshot is not None:
                     self._account(entry.snapshot, -1)
                 entry.snapshot = snapshot
-                entry.has_logits = snapshot.logits is not None
                 self._account(snapshot, +1)
                 self.stats.snapshots_created += 1
             write = durable and self.disk_budget > 0 and entry.disk_path is None and not self._closed
@@ -877,7 +885,7 @@ class PromptCache:
             doomed.append(entry.disk_path)
         parent = entry.disk_parent
         entry.disk_path, entry.disk_bytes, entry.disk_checksum, entry.disk_parent = None, 0, None, None
-        entry.disk_rows_bytes, entry.rows_only = 0, False
+        entry.disk_rows_bytes, entry.rows_only, entry.disk_logits = 0, False, False
         if parent is not None:
             parent.disk_children -= 1
             if parent.rows_only and parent.disk_children == 0:
@@ -912,7 +920,7 @@ class PromptCache:
             kept.disk_path, kept.disk_bytes = path, _size(parts)
             kept.disk_checksum, kept.disk_parent = _checksum(parts[-1]), parent
             kept.disk_rows_bytes, kept.rows_only = _rows_bytes(snapshot, reference), False
-            kept.has_logits = kept.has_logits or snapshot.logits is not None
+            kept.disk_logits = snapshot.logits is not None
         self._evict_disk()
 
     def _scan_disk(self) -> None:
@@ -932,7 +940,7 @@ class PromptCache:
                 self.stats.disk_errors += 1
                 continue
             entry = self._tree.insert(Entry(tokens))
-            entry.disk_path, entry.disk_bytes, entry.has_logits = path, path.stat().st_size, has_logits
+            entry.disk_path, entry.disk_bytes, entry.disk_logits = path, path.stat().st_size, has_logits
             entry.disk_checksum, entry.disk_rows_bytes = checksum, rows_bytes
             entry.rows_only = bool(header.get("rows_only"))
             if parent_length:
