@@ -725,3 +725,30 @@ def test_a_prompt_of_a_responses_ids_is_whole_only_where_its_restored_tier_holds
     again = cache.prefill(history)
     assert again.reused == len(prompt) and torch.equal(again.logits, cold(model, history))
     cache.close()
+
+
+def test_a_shard_rewritten_in_place_between_the_sampled_windows_is_another_model(tiny_model, tmp_path):
+    """The fingerprint samples windows of a large shard's bytes: a shard rewritten in place, its size
+    kept and its bytes changed only between the windows, must still key another folder (its snapshots
+    are a state of the old weights); a shard renamed, its bytes and time kept, keeps its fingerprint."""
+    import shutil
+
+    from k3stream.pack.integrity import SHARD_SAMPLE_BYTES, sample_offsets
+
+    shard = tmp_path / "model.gguf"
+    shutil.copyfile(tiny_model(n_experts=64), shard)
+    os.utime(shard, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    before = model_fingerprint([shard])
+    size = shard.stat().st_size
+    windows = sample_offsets(0, size)
+    middle = len(windows) // 2
+    unsampled = windows[middle] + SHARD_SAMPLE_BYTES + 8  # between two windows, in the tensor data
+    assert unsampled < windows[middle + 1]
+    with open(shard, "r+b") as stream:
+        stream.seek(unsampled)
+        byte = stream.read(1)
+        stream.seek(unsampled)
+        stream.write(bytes([byte[0] ^ 0x40]))
+    rewritten = model_fingerprint([shard])
+    assert shard.stat().st_size == size and rewritten != before
+    assert model_fingerprint([shard.rename(tmp_path / "renamed.gguf")]) == rewritten

@@ -96,13 +96,17 @@ def computation_key(model: K3Model) -> str:
 
 
 def model_fingerprint(shards: list[Path]) -> str:
-    """xxh3_64 (hex) of a model's GGUF shards: their sizes and sampled windows of their bytes."""
+    """xxh3_64 (hex) of a model's GGUF shards: their sizes, modification times and sampled windows of
+    their bytes. The windows leave most of a large shard unread, so a shard rewritten in place with
+    bytes changed between them (its size kept) differs by its modification time; a renamed shard keeps
+    its fingerprint, a copy made without its time is a miss."""
     from k3stream.pack.integrity import shard_fingerprint
 
     digest = xxhash.xxh3_64()
     for path in shards:
-        size = os.path.getsize(path)
-        digest.update(f"{size}:{shard_fingerprint(Path(path), 0, size)};".encode())
+        stat = os.stat(path)
+        windows = shard_fingerprint(Path(path), 0, stat.st_size)
+        digest.update(f"{stat.st_size}:{stat.st_mtime_ns}:{windows};".encode())
     return digest.hexdigest()
 
 
