@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import struct
 import subprocess
 import sys
 import threading
@@ -17,6 +19,7 @@ import torch
 import k3stream
 from k3stream.engine.cache_folders import TEMPORARY_GRACE, FolderLock, _unheld
 from k3stream.engine.prompt_cache import (
+    MAGIC,
     MIB,
     ChunkedPrefill,
     Entry,
@@ -150,6 +153,42 @@ def test_a_restarted_cache_resumes_from_disk_and_a_bad_file_is_a_miss(model, fin
         got = corrupt.prefill(longest)
     assert caplog.text.count("checksum mismatch") == 2 and corrupt.stats.disk_errors == 2
     assert got.reused == 0 and torch.equal(got.logits, cold(model, longest))
+
+
+def _rewrite_header(path: Path, change) -> None:
+    """`path`'s header replaced by `change(header)` (its checksum left as it was)."""
+    data = path.read_bytes()
+    start = len(MAGIC) + 8
+    (length,) = struct.unpack("<Q", data[len(MAGIC) : start])
+    header = json.dumps(change(json.loads(data[start : start + length]))).encode()
+    path.write_bytes(MAGIC + struct.pack("<Q", len(header)) + header + data[start + length :])
+
+
+@pytest.mark.parametrize("damage", ["layer-without-shape", "tokens-not-integers", "swapped"])
+def test_a_restart_over_files_with_damaged_headers_or_names_is_a_miss(model, fingerprint, tmp_path, damage):
+    """The start reads each file's header alone: a layer without its shape or token ids that are not
+    integers in a header, or two files swapped (each holding the other's ids), are skipped with a
+    warning, never a failed start; a prompt the swapped files held is computed cold."""
+    first = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30, every=1 << 20)
+    prompts = [ids(model, 30, seed=seed) for seed in (1, 2)]
+    for prompt in prompts:
+        first.prefill(prompt)
+    first.close()
+    files = sorted(first.disk_dir.iterdir())
+    if damage == "swapped":
+        one, two = (path.read_bytes() for path in files)
+        files[0].write_bytes(two)
+        files[1].write_bytes(one)
+    else:
+        field, value = ("layers", [["mla"]]) if damage == "layer-without-shape" else ("tokens", [[1], [2]])
+        for path in files:
+            _rewrite_header(path, lambda header: {**header, field: value})
+    restarted = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30, every=1 << 20)
+    assert restarted.stats.disk_errors == 2 and restarted.counts()["disk_snapshots"] == 0
+    longer = prompts[0] + [7]
+    got = restarted.prefill(longer)
+    assert got.reused == 0 and torch.equal(got.logits, cold(model, longer))
+    restarted.close()
 
 
 def test_a_cache_folder_serves_only_the_arithmetic_that_wrote_it(tiny_model, tmp_path):

@@ -935,6 +935,8 @@ class PromptCache:
             try:
                 header = read_header(path, self.fingerprint)
                 tokens, layers = tuple(header["tokens"]), list(header.get("layers", []))
+                if path.name != file_name(tokens):  # renamed, or swapped with another
+                    raise ValueError("not the file its token ids name")
                 has_logits = any(layer[:1] == ["logits"] for layer in layers)
                 parent_length = _parent_of(header, len(tokens))[0]
                 checksum = header.get("identity") or read_checksum(path)
@@ -1179,9 +1181,30 @@ def _parse_header(raw: bytes, length: int) -> dict[str, Any]:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"unreadable header ({error})") from None
-    if not isinstance(header, dict) or not isinstance(header.get("tokens"), list):
+    if not isinstance(header, dict) or not isinstance(tokens := header.get("tokens"), list):
         raise ValueError("header without token ids")
+    if not all(type(token) is int for token in tokens):
+        raise ValueError("header with token ids that are not integers")
+    layers = header.get("layers", [])
+    if not isinstance(layers, list) or not all(map(_is_layer, layers)):
+        raise ValueError("malformed layer list in the header")
     return header
+
+
+LAYER_SHAPES = {"kda": (0, 2), "mla": (1,), "logits": (1,)}  # a header layer's kind -> its shape counts
+
+
+def _is_layer(layer: Any) -> bool:
+    """A header's layer: its kind, then as many shapes (lists of counts) as the kind has."""
+    if not isinstance(layer, list) or not layer or not isinstance(layer[0], str):
+        return False
+    if len(layer) - 1 not in LAYER_SHAPES.get(layer[0], ()):
+        return False
+    return all(_is_shape(shape) for shape in layer[1:])
+
+
+def _is_shape(shape: Any) -> bool:
+    return isinstance(shape, list) and all(type(count) is int and count >= 0 for count in shape)
 
 
 def _parent_of(header: dict[str, Any], length: int) -> tuple[int, int]:
