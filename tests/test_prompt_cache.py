@@ -791,3 +791,35 @@ def test_a_shard_rewritten_in_place_between_the_sampled_windows_is_another_model
     rewritten = model_fingerprint([shard])
     assert shard.stat().st_size == size and rewritten != before
     assert model_fingerprint([shard.rename(tmp_path / "renamed.gguf")]) == rewritten
+
+
+WITHOUT_C_KERNELS = """
+import sys
+sys.modules["k3stream.quant.kernels._ggml_cpu"] = None  # an install whose C extension was not built
+import torch, k3stream
+from k3stream.engine.prompt_cache import MIB, PromptCache
+model = k3stream.load(sys.argv[1])
+tokens = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+cache = PromptCache(model, "no-kernels", 64 * MIB, every=16)
+cold = lambda ids: model.prefill_last(model.new_state(), ids)
+assert not cache.snapshots_anywhere
+for length in (16, 21, 32):
+    cache.prefill(tokens[:length])
+got = cache.prefill(tokens)
+assert got.reused == 0 and torch.equal(got.logits, cold(tokens)), got.reused
+again = cache.prefill(tokens[:21])
+assert again.reused == 21 and torch.equal(again.logits, cold(tokens[:21]))
+"""
+
+
+def test_without_the_c_kernels_the_cache_restores_only_whole_prompts(model_path):
+    """Without the C kernels (torch's fallbacks and the chunked KDA recurrence) a prefill resumed from a
+    snapshot gets other bits than the cold one, at multiples of the KDA chunk too: the cache then
+    serves only a prompt seen whole (its kept logits are the cold prefill's) and computes the rest."""
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_C_KERNELS, str(model_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -7,7 +7,7 @@ import torch
 
 import k3stream
 from k3stream import LoadOptions
-from k3stream.model.snapshot import exact_positions, prefill_marked, restore, take_snapshot
+from k3stream.model.snapshot import prefill_marked, restore, restores_exactly, take_snapshot
 from k3stream.quant.kernels import set_row_exact
 
 AUDITED = dict(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32, kda_head_dim=32)
@@ -56,7 +56,7 @@ def test_a_restored_prefix_continues_with_the_cold_bits(models, name):
     model = models[name]
     tokens = prompt(model)
     chunk = model.layers[0].attn.chunk_size
-    assert exact_positions(model) == 1
+    assert restores_exactly(model)
     cold_last = model.prefill_last(model.new_state(), tokens)
     cold_rows = model.prefill(model.new_state(), tokens)
     for p in (0, 1, chunk - 1, chunk, chunk + 1, PROMPT - 1):

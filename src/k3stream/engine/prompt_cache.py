@@ -49,9 +49,9 @@ from k3stream.model.snapshot import (
     LatentRows,
     Snapshot,
     check_fits,
-    exact_positions,
     prefill_marked_batch,
     restore,
+    restores_exactly,
     take_snapshot,
 )
 from k3stream.pack.fileio import write_bytes_atomic
@@ -558,7 +558,7 @@ class PromptCache:
         """A state restored from the deepest snapshot of a prefix of `tokens` (a new state and 0 where
         none is), that snapshot's length, and the last token's logits where it is the whole prompt (a
         snapshot of all of `tokens` without logits is passed over: the last logits must be computed)."""
-        usable = _usable_for(tokens)
+        usable = self._usable_for(tokens)
         while self.enabled:
             found = self._use_deepest(tokens, usable)
             if found is None:
@@ -585,7 +585,7 @@ class PromptCache:
         if not self.enabled:
             return 0
         with self._lock:
-            usable = _usable_for(tokens)
+            usable = self._usable_for(tokens)
             entry = self._tree.deepest(tokens, len(tokens), lambda e: e.restorable and usable(e))
             return 0 if entry is None else entry.length
 
@@ -600,15 +600,25 @@ class PromptCache:
     @functools.cached_property
     def snapshots_anywhere(self) -> bool:
         """Whether a prefill's state restores exactly at every position (the per-token KDA recurrence;
-        `snapshot.exact_positions`), so another request may wait for a snapshot at any position."""
-        return exact_positions(self.model) == 1
+        `snapshot.restores_exactly`), so another request may wait for a snapshot at any position."""
+        return restores_exactly(self.model)
+
+    def _usable_for(self, tokens: list[int]) -> Callable[[Entry], bool]:
+        """Which entries may serve a prompt of `tokens`: all of it only with its last logits; and where
+        a prefill resumed from a snapshot does not get the cold bits (`snapshots_anywhere` False: the
+        chunked torch recurrence, torch's fallbacks for the C kernels), only all of it (nothing is
+        computed after the restore, so its logits are those of the cold prefill that kept them)."""
+        whole = len(tokens)
+        if not self.snapshots_anywhere:
+            return lambda entry: entry.length == whole and entry.has_logits
+        return lambda entry: entry.length < whole or entry.has_logits
 
     def needs_read(self, tokens: list[int]) -> bool:
         """Whether `restore_longest(tokens)` would read its snapshot from disk (only a file holds it)."""
         if not self.enabled:
             return False
         with self._lock:
-            usable = _usable_for(tokens)
+            usable = self._usable_for(tokens)
             entry = self._tree.deepest(tokens, len(tokens), lambda e: e.restorable and usable(e))
             return entry is not None and entry.snapshot is None
 
@@ -617,7 +627,7 @@ class PromptCache:
         file holds it (a bad file is dropped, as there): a server calls it off its scheduler's thread,
         so the streams it runs go on while the disk reads; the restore then copies from RAM."""
         if self.enabled:
-            self._use_deepest(tokens, _usable_for(tokens))
+            self._use_deepest(tokens, self._usable_for(tokens))
 
     def restore_exact(self, tokens: list[int]) -> SequenceState | None:
         """A state restored from the snapshot of exactly `tokens`, or None (a rank told by rank 0)."""
@@ -1022,11 +1032,6 @@ class PromptCache:
         except (OSError, ValueError) as error:
             reason = "gone" if isinstance(error, OSError) else str(error)
             raise ValueError(f"its parent snapshot of {len(tokens)} tokens: {reason}") from None
-
-
-def _usable_for(tokens: list[int]) -> Callable[[Entry], bool]:
-    """Which entries may serve a prompt of `tokens`: all of it only with its last logits."""
-    return lambda entry: entry.length < len(tokens) or entry.has_logits
 
 
 def _remove(paths: list[Path]) -> None:
