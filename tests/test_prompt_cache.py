@@ -809,6 +809,7 @@ got = cache.prefill(tokens)
 assert got.reused == 0 and torch.equal(got.logits, cold(tokens)), got.reused
 again = cache.prefill(tokens[:21])
 assert again.reused == 21 and torch.equal(again.logits, cold(tokens[:21]))
+assert cache.counts()["ram_snapshots"] == 4  # the prompts' ends alone: the rest serves no restore
 """
 
 

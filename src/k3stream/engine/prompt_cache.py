@@ -715,8 +715,8 @@ class PromptCache:
     # ---- the tiers ---------------------------------------------------------------------------------
 
     def _store(self, tokens: list[int], snapshot: Snapshot, durable: bool) -> None:
-        if not self.enabled:
-            return
+        if not self.enabled or (snapshot.logits is None and not self.snapshots_anywhere):
+            return  # without logits a snapshot serves only a resumed prefill (`_usable_for`)
         key = tuple(tokens)
         with self._lock:
             self._clock += 1
