@@ -349,6 +349,13 @@ class PrefillChunks:
         return max(end, start + 1)
 
 
+def check_cache_model(cache: PromptCache | None, model: Any) -> None:
+    """One line for a cache of another model object: its snapshots are that model's states, and its
+    restores build that model's (the same file loaded twice is two models, each with its cache)."""
+    if cache is not None and cache.model is not model:
+        raise ValueError("the prompt cache was made for another model: make one with PromptCache(model, ...)")
+
+
 class ChunkedPrefill:
     """A prompt's prefill in steps: restored from `cache` (if any) as far as it holds the prompt, then
     `step(chunks)` runs the next of `chunks`' chunks (cut from where the computation starts, whatever
@@ -358,6 +365,7 @@ class ChunkedPrefill:
     def __init__(
         self, model: Any, tokens: list[int], cache: PromptCache | None = None, reuse: bool = True
     ) -> None:
+        check_cache_model(cache, model)
         self.model, self.tokens, self.cache = model, list(tokens), cache
         self.logits: torch.Tensor | None = None
         self._end_unsaved = False  # the prompt's end was computed and is not in the cache yet
