@@ -824,3 +824,19 @@ def test_without_the_c_kernels_the_cache_restores_only_whole_prompts(model_path)
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_prefill_marks_only_the_snapshots_its_ram_budget_holds(model, fingerprint):
+    """A pass keeps a copy of the KDA states at each of its marks until it ends: with `every` 1 and a
+    budget of three snapshots' states, a long prompt's pass marks its three deepest positions, not one
+    a token; the prefill has the cold bits and the deepest marks restore."""
+    from k3stream.model.snapshot import take_snapshot
+
+    state_bytes = take_snapshot(model.new_state()).fixed_bytes
+    cache = PromptCache(model, fingerprint, 3 * state_bytes + state_bytes // 2, every=1)
+    assert cache.marks(0, 400) == [397, 398, 399]
+    tokens = ids(model, 60)
+    assert torch.equal(cache.prefill(tokens).logits, cold(model, tokens))
+    longer = tokens[:58] + [3, 4]
+    assert cache.prefill(longer).reused == 58
+    cache.close()

@@ -559,8 +559,19 @@ class PromptCache:
             self.stats.tokens_computed += end - start
 
     def marks(self, start: int, end: int) -> list[int]:
-        """The positions in start < p < end at which a prefill snapshots."""
-        return list(range((start // self.every + 1) * self.every, end, self.every)) if self.enabled else []
+        """The positions in start < p < end at which a prefill snapshots: every `every` tokens, only the
+        deepest of them where the RAM budget holds fewer snapshots (a pass holds a copy of the KDA states
+        at each of its marks until it ends: `--cache-every 1` would hold one a token of the pass, the
+        shallower ones evicted as soon as stored)."""
+        if not self.enabled:
+            return []
+        marks = range((start // self.every + 1) * self.every, end, self.every)
+        return list(marks[max(len(marks) - self._snapshots_held, 0) :])
+
+    @functools.cached_property
+    def _snapshots_held(self) -> int:
+        """How many snapshots' KDA states (their fixed part) the RAM budget holds."""
+        return self.ram_budget // max(take_snapshot(self.model.new_state()).fixed_bytes, 1)
 
     def restore_longest(self, tokens: list[int]) -> tuple[SequenceState, int, torch.Tensor | None]:
         """A state restored from the deepest snapshot of a prefix of `tokens` (a new state and 0 where
