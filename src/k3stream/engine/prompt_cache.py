@@ -350,9 +350,11 @@ class PrefillChunks:
 
 
 def check_cache_model(cache: PromptCache | None, model: Any) -> None:
-    """One line for a cache of another model object: its snapshots are that model's states, and its
-    restores build that model's (the same file loaded twice is two models, each with its cache)."""
-    if cache is not None and cache.model is not model:
+    """One line for a cache of another loaded model: its snapshots are that model's states, and its
+    restores build that model's. Told apart by their config object, which a wrapper of the cache's
+    model (a tracer, a rank driver) shares and another load (another file, or the same one loaded again)
+    does not."""
+    if cache is not None and getattr(cache.model, "config", None) is not getattr(model, "config", None):
         raise ValueError("the prompt cache was made for another model: make one with PromptCache(model, ...)")
 
 
