@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import struct
 import subprocess
 import sys
 import threading
@@ -17,6 +19,7 @@ import torch
 import k3stream
 from k3stream.engine.cache_folders import TEMPORARY_GRACE, FolderLock, _unheld
 from k3stream.engine.prompt_cache import (
+    MAGIC,
     MIB,
     ChunkedPrefill,
     Entry,
@@ -150,6 +153,42 @@ def test_a_restarted_cache_resumes_from_disk_and_a_bad_file_is_a_miss(model, fin
         got = corrupt.prefill(longest)
     assert caplog.text.count("checksum mismatch") == 2 and corrupt.stats.disk_errors == 2
     assert got.reused == 0 and torch.equal(got.logits, cold(model, longest))
+
+
+def _rewrite_header(path: Path, change) -> None:
+    """`path`'s header replaced by `change(header)` (its checksum left as it was)."""
+    data = path.read_bytes()
+    start = len(MAGIC) + 8
+    (length,) = struct.unpack("<Q", data[len(MAGIC) : start])
+    header = json.dumps(change(json.loads(data[start : start + length]))).encode()
+    path.write_bytes(MAGIC + struct.pack("<Q", len(header)) + header + data[start + length :])
+
+
+@pytest.mark.parametrize("damage", ["layer-without-shape", "tokens-not-integers", "swapped"])
+def test_a_restart_over_files_with_damaged_headers_or_names_is_a_miss(model, fingerprint, tmp_path, damage):
+    """The start reads each file's header alone: a layer without its shape or token ids that are not
+    integers in a header, or two files swapped (each holding the other's ids), are skipped with a
+    warning, never a failed start; a prompt the swapped files held is computed cold."""
+    first = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30, every=1 << 20)
+    prompts = [ids(model, 30, seed=seed) for seed in (1, 2)]
+    for prompt in prompts:
+        first.prefill(prompt)
+    first.close()
+    files = sorted(first.disk_dir.iterdir())
+    if damage == "swapped":
+        one, two = (path.read_bytes() for path in files)
+        files[0].write_bytes(two)
+        files[1].write_bytes(one)
+    else:
+        field, value = ("layers", [["mla"]]) if damage == "layer-without-shape" else ("tokens", [[1], [2]])
+        for path in files:
+            _rewrite_header(path, lambda header: {**header, field: value})
+    restarted = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30, every=1 << 20)
+    assert restarted.stats.disk_errors == 2 and restarted.counts()["disk_snapshots"] == 0
+    longer = prompts[0] + [7]
+    got = restarted.prefill(longer)
+    assert got.reused == 0 and torch.equal(got.logits, cold(model, longer))
+    restarted.close()
 
 
 def test_a_cache_folder_serves_only_the_arithmetic_that_wrote_it(tiny_model, tmp_path):
@@ -705,3 +744,99 @@ def test_chunks_of_a_model_whose_only_mla_layer_is_the_last_keep_their_tokens(ti
     assert chunks.next_end(3000, 4096) == 3064
     both = k3stream.load(tiny_model(mla_layers=(3, 5))).config
     assert math.isfinite(attention_rows_per_token(both))
+
+
+def test_a_prompt_of_a_responses_ids_is_whole_only_where_its_restored_tier_holds_logits(
+    model, fingerprint, tmp_path
+):
+    """A response's end goes to disk without logits; the same ids sent back as a prompt keep their
+    end's logits in RAM only. Once RAM drops that snapshot, the file (no logits) serves the prompt short
+    of its last token, which is computed: the cold logits, never a prompt with nothing left to run."""
+    cache = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30, every=1 << 20)
+    prompt = ids(model, 20)
+    _, answer = _answered(cache, model, prompt)
+    history = prompt + answer[:-1]
+    cache.flush()
+    assert cache.prefill(history).reused == len(prompt)
+    budget, cache.ram_budget = cache.ram_budget, 1
+    cache.prefill(ids(model, 5, seed=3))  # RAM holds nothing past this
+    cache.ram_budget = budget
+    again = cache.prefill(history)
+    assert again.reused == len(prompt) and torch.equal(again.logits, cold(model, history))
+    cache.close()
+
+
+def test_a_shard_rewritten_in_place_between_the_sampled_windows_is_another_model(tiny_model, tmp_path):
+    """The fingerprint samples windows of a large shard's bytes: a shard rewritten in place, its size
+    kept and its bytes changed only between the windows, must still key another folder (its snapshots
+    are a state of the old weights); a shard renamed, its bytes and time kept, keeps its fingerprint."""
+    import shutil
+
+    from k3stream.pack.integrity import SHARD_SAMPLE_BYTES, sample_offsets
+
+    shard = tmp_path / "model.gguf"
+    shutil.copyfile(tiny_model(n_experts=64), shard)
+    os.utime(shard, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    before = model_fingerprint([shard])
+    size = shard.stat().st_size
+    windows = sample_offsets(0, size)
+    middle = len(windows) // 2
+    unsampled = windows[middle] + SHARD_SAMPLE_BYTES + 8  # between two windows, in the tensor data
+    assert unsampled < windows[middle + 1]
+    with open(shard, "r+b") as stream:
+        stream.seek(unsampled)
+        byte = stream.read(1)
+        stream.seek(unsampled)
+        stream.write(bytes([byte[0] ^ 0x40]))
+    rewritten = model_fingerprint([shard])
+    assert shard.stat().st_size == size and rewritten != before
+    assert model_fingerprint([shard.rename(tmp_path / "renamed.gguf")]) == rewritten
+
+
+WITHOUT_C_KERNELS = """
+import sys
+sys.modules["k3stream.quant.kernels._ggml_cpu"] = None  # an install whose C extension was not built
+import torch, k3stream
+from k3stream.engine.prompt_cache import MIB, PromptCache
+model = k3stream.load(sys.argv[1])
+tokens = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+cache = PromptCache(model, "no-kernels", 64 * MIB, every=16)
+cold = lambda ids: model.prefill_last(model.new_state(), ids)
+assert not cache.snapshots_anywhere
+for length in (16, 21, 32):
+    cache.prefill(tokens[:length])
+got = cache.prefill(tokens)
+assert got.reused == 0 and torch.equal(got.logits, cold(tokens)), got.reused
+again = cache.prefill(tokens[:21])
+assert again.reused == 21 and torch.equal(again.logits, cold(tokens[:21]))
+assert cache.counts()["ram_snapshots"] == 4  # the prompts' ends alone: the rest serves no restore
+"""
+
+
+def test_without_the_c_kernels_the_cache_restores_only_whole_prompts(model_path):
+    """Without the C kernels (torch's fallbacks and the chunked KDA recurrence) a prefill resumed from a
+    snapshot gets other bits than the cold one, at multiples of the KDA chunk too: the cache then
+    serves only a prompt seen whole (its kept logits are the cold prefill's) and computes the rest."""
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_C_KERNELS, str(model_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_prefill_marks_only_the_snapshots_its_ram_budget_holds(model, fingerprint):
+    """A pass keeps a copy of the KDA states at each of its marks until it ends: with `every` 1 and a
+    budget of three snapshots' states, a long prompt's pass marks its three deepest positions, not one
+    a token; the prefill has the cold bits and the deepest marks restore."""
+    from k3stream.model.snapshot import take_snapshot
+
+    state_bytes = take_snapshot(model.new_state()).fixed_bytes
+    cache = PromptCache(model, fingerprint, 3 * state_bytes + state_bytes // 2, every=1)
+    assert cache.marks(0, 400) == [397, 398, 399]
+    tokens = ids(model, 60)
+    assert torch.equal(cache.prefill(tokens).logits, cold(model, tokens))
+    longer = tokens[:58] + [3, 4]
+    assert cache.prefill(longer).reused == 58
+    cache.close()

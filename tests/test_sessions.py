@@ -47,6 +47,22 @@ def test_generate_with_a_cache_reuses_the_last_turn_and_answers_the_same(model, 
     assert (second.token_ids, second.text) == (cold.token_ids, cold.text)
 
 
+def test_a_cache_of_another_model_is_refused_by_generate_and_a_prefill(model, tiny_model, tokenizer):
+    """A cache holds its model's states: `generate` or a prefill on another model of the same shapes
+    (another seed) with it is refused in one line, never served that model's state."""
+    from k3stream.engine.prompt_cache import ChunkedPrefill
+
+    cache = PromptCache(model, "first", 64 * MIB)
+    prompt = tokenizer.encode("A prompt cached for the first model")
+    generate(model, tokenizer, prompt, GREEDY, cache=cache)
+    other = k3stream.load(tiny_model(seed=1))
+    with pytest.raises(ValueError, match="prompt cache was made for another model"):
+        generate(other, tokenizer, prompt + [5], GREEDY, cache=cache)
+    with pytest.raises(ValueError, match="prompt cache was made for another model"):
+        ChunkedPrefill(other, prompt + [5], cache)
+    cache.close()
+
+
 def test_one_generated_token_reports_no_decode_rate(model, tokenizer):
     """With one token, the prefill made it: the report says so instead of 'decode 1 tokens at 0.0 tok/s'."""
     one_token = SamplingParams(temperature=0.0, max_tokens=1)

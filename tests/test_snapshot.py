@@ -7,7 +7,7 @@ import torch
 
 import k3stream
 from k3stream import LoadOptions
-from k3stream.model.snapshot import exact_positions, prefill_marked, restore, take_snapshot
+from k3stream.model.snapshot import prefill_marked, restore, restores_exactly, take_snapshot
 from k3stream.quant.kernels import set_row_exact
 
 AUDITED = dict(recipe="audited", latent=256, expert_ff=256, kv_lora=256, qk_nope=32, kda_head_dim=32)
@@ -24,7 +24,9 @@ def exact_rows():
 @pytest.fixture(scope="module")
 def models(tiny_model, tmp_path_factory, one_torch_thread, exact_rows):
     """name -> model: the tiny F32 file, the audited recipe (its quantized products in floats, and with
-    llama.cpp's integer arithmetic: `match_ggml`), and the audited one streamed from its pack."""
+    llama.cpp's integer arithmetic: `match_ggml`), the audited one streamed from its pack, and the F32
+    file on the reference path (dense matrices and torch's products: float32, and float16 as
+    `--dtype float16` loads it)."""
     from k3stream.engine.loading import load_resolved
     from k3stream.gguf.reader import K3Checkpoint
     from k3stream.pack.builder import build_pack
@@ -38,6 +40,8 @@ def models(tiny_model, tmp_path_factory, one_torch_thread, exact_rows):
         "audited": k3stream.load(audited),
         "audited-ggml": k3stream.load(audited, LoadOptions(match_ggml=True)),
         "streamed": streamed.model,
+        "reference": k3stream.load(tiny_model(), LoadOptions(kernels="reference")),
+        "reference-f16": k3stream.load(tiny_model(), LoadOptions(kernels="reference", dtype="float16")),
     }
     streamed.store.close()
 
@@ -47,12 +51,12 @@ def prompt(model, length: int = PROMPT, seed: int = 0) -> list[int]:
     return torch.randint(0, model.config.vocab_size, (length,), generator=generator).tolist()
 
 
-@pytest.mark.parametrize("name", ["f32", "audited", "audited-ggml", "streamed"])
+@pytest.mark.parametrize("name", ["f32", "audited", "audited-ggml", "streamed", "reference", "reference-f16"])
 def test_a_restored_prefix_continues_with_the_cold_bits(models, name):
     model = models[name]
     tokens = prompt(model)
     chunk = model.layers[0].attn.chunk_size
-    assert exact_positions(model) == 1
+    assert restores_exactly(model)
     cold_last = model.prefill_last(model.new_state(), tokens)
     cold_rows = model.prefill(model.new_state(), tokens)
     for p in (0, 1, chunk - 1, chunk, chunk + 1, PROMPT - 1):
@@ -65,7 +69,7 @@ def test_a_restored_prefix_continues_with_the_cold_bits(models, name):
         assert torch.equal(model.prefill(restore(model, snapshot), tokens[p:]), cold_rows[p:]), p
 
 
-@pytest.mark.parametrize("name", ["f32", "audited", "audited-ggml"])
+@pytest.mark.parametrize("name", ["f32", "audited", "audited-ggml", "reference", "reference-f16"])
 def test_a_snapshot_after_decode_steps_restores_the_cold_prefill(models, name):
     model = models[name]
     tokens, state = prompt(model, 20), model.new_state()
@@ -164,7 +168,7 @@ def test_snapshots_taken_inside_one_prefill_equal_prefills_that_end_there(models
                 assert torch.equal(saved.rows(), direct.rows())
 
 
-@pytest.mark.parametrize("name", ["f32", "audited-ggml", "streamed"])
+@pytest.mark.parametrize("name", ["f32", "audited-ggml", "streamed", "reference", "reference-f16"])
 def test_prefills_batched_in_one_pass_give_each_sequence_alone(models, name):
     model = models[name]
     prompts = [prompt(model, length, seed) for length, seed in ((9, 1), (23, 2), (4, 3))]
@@ -181,3 +185,18 @@ def test_prefills_batched_in_one_pass_give_each_sequence_alone(models, name):
     for i, expected in enumerate(alone):
         assert torch.equal(batched[i], expected), i
     assert [state.length for state in states] == [len(p) + 5 * i for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("name", ["f32", "audited-ggml", "reference", "reference-f16"])
+def test_a_batched_decode_step_gives_each_sequence_its_step_alone(models, name):
+    """With the products row-exact (a server's, with a prompt cache or without) a decode step of several
+    sequences gives each the logits of its step alone: its answer does not depend on its company."""
+    model = models[name]
+    histories = [prompt(model, length, seed) for length, seed in ((7, 1), (30, 2), (60, 3))]
+    batch, alone = [model.new_state() for _ in histories], [model.new_state() for _ in histories]
+    for state, twin, tokens in zip(batch, alone, histories, strict=True):
+        model.prefill_last(state, tokens)
+        model.prefill_last(twin, tokens)
+    stepped = model.decode_batch(batch, [5, 6, 7])
+    for row, (twin, token) in enumerate(zip(alone, [5, 6, 7], strict=True)):
+        assert torch.equal(stepped[row], model.decode(twin, token)), row

@@ -245,6 +245,10 @@ def generate(
     response's ends are kept for the next turn.
     """
     params = _within_context(model, len(prompt_ids), params, context)
+    if cache is not None:
+        from k3stream.engine.prompt_cache import check_cache_model
+
+        check_cache_model(cache, model)
     sequence = Sequence(tokenizer, prompt_ids, params, on_text)
     start = time.perf_counter()
     if cache is not None:

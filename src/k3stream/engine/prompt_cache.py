@@ -49,9 +49,9 @@ from k3stream.model.snapshot import (
     LatentRows,
     Snapshot,
     check_fits,
-    exact_positions,
     prefill_marked_batch,
     restore,
+    restores_exactly,
     take_snapshot,
 )
 from k3stream.pack.fileio import write_bytes_atomic
@@ -96,13 +96,17 @@ def computation_key(model: K3Model) -> str:
 
 
 def model_fingerprint(shards: list[Path]) -> str:
-    """xxh3_64 (hex) of a model's GGUF shards: their sizes and sampled windows of their bytes."""
+    """xxh3_64 (hex) of a model's GGUF shards: their sizes, modification times and sampled windows of
+    their bytes. The windows leave most of a large shard unread, so a shard rewritten in place with
+    bytes changed between them (its size kept) differs by its modification time; a renamed shard keeps
+    its fingerprint, a copy made without its time is a miss."""
     from k3stream.pack.integrity import shard_fingerprint
 
     digest = xxhash.xxh3_64()
     for path in shards:
-        size = os.path.getsize(path)
-        digest.update(f"{size}:{shard_fingerprint(Path(path), 0, size)};".encode())
+        stat = os.stat(path)
+        windows = shard_fingerprint(Path(path), 0, stat.st_size)
+        digest.update(f"{stat.st_size}:{stat.st_mtime_ns}:{windows};".encode())
     return digest.hexdigest()
 
 
@@ -120,11 +124,20 @@ class Entry:
     disk_rows_bytes: int = 0  # of `disk_bytes`, the file's own latent rows
     rows_only: bool = False  # the file keeps only its latent rows, for its children (not restorable)
     last_used: int = 0
-    has_logits: bool = False  # the snapshot ends a prompt and holds its last token's logits
+    disk_logits: bool = False  # the file holds the last token's logits (it ends a prompt)
 
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+    @property
+    def has_logits(self) -> bool:
+        """Whether the snapshot a restore would take (RAM's, else the file's) holds its last token's
+        logits: the RAM snapshot and the file of one entry can differ (a response's end written to disk,
+        the same ids then a prompt whose end's logits stay in RAM)."""
+        if self.snapshot is not None:
+            return self.snapshot.logits is not None
+        return self.disk_path is not None and self.disk_logits
 
     @property
     def restorable(self) -> bool:
@@ -336,6 +349,15 @@ class PrefillChunks:
         return max(end, start + 1)
 
 
+def check_cache_model(cache: PromptCache | None, model: Any) -> None:
+    """One line for a cache of another loaded model: its snapshots are that model's states, and its
+    restores build that model's. Told apart by their config object, which a wrapper of the cache's
+    model (a tracer, a rank driver) shares and another load (another file, or the same one loaded again)
+    does not."""
+    if cache is not None and getattr(cache.model, "config", None) is not getattr(model, "config", None):
+        raise ValueError("the prompt cache was made for another model: make one with PromptCache(model, ...)")
+
+
 class ChunkedPrefill:
     """A prompt's prefill in steps: restored from `cache` (if any) as far as it holds the prompt, then
     `step(chunks)` runs the next of `chunks`' chunks (cut from where the computation starts, whatever
@@ -345,6 +367,7 @@ class ChunkedPrefill:
     def __init__(
         self, model: Any, tokens: list[int], cache: PromptCache | None = None, reuse: bool = True
     ) -> None:
+        check_cache_model(cache, model)
         self.model, self.tokens, self.cache = model, list(tokens), cache
         self.logits: torch.Tensor | None = None
         self._end_unsaved = False  # the prompt's end was computed and is not in the cache yet
@@ -538,14 +561,25 @@ class PromptCache:
             self.stats.tokens_computed += end - start
 
     def marks(self, start: int, end: int) -> list[int]:
-        """The positions in start < p < end at which a prefill snapshots."""
-        return list(range((start // self.every + 1) * self.every, end, self.every)) if self.enabled else []
+        """The positions in start < p < end at which a prefill snapshots: every `every` tokens, only the
+        deepest of them where the RAM budget holds fewer snapshots (a pass holds a copy of the KDA states
+        at each of its marks until it ends: `--cache-every 1` would hold one a token of the pass, the
+        shallower ones evicted as soon as stored)."""
+        if not self.enabled:
+            return []
+        marks = range((start // self.every + 1) * self.every, end, self.every)
+        return list(marks[max(len(marks) - self._snapshots_held, 0) :])
+
+    @functools.cached_property
+    def _snapshots_held(self) -> int:
+        """How many snapshots' KDA states (their fixed part) the RAM budget holds."""
+        return self.ram_budget // max(take_snapshot(self.model.new_state()).fixed_bytes, 1)
 
     def restore_longest(self, tokens: list[int]) -> tuple[SequenceState, int, torch.Tensor | None]:
         """A state restored from the deepest snapshot of a prefix of `tokens` (a new state and 0 where
         none is), that snapshot's length, and the last token's logits where it is the whole prompt (a
         snapshot of all of `tokens` without logits is passed over: the last logits must be computed)."""
-        usable = _usable_for(tokens)
+        usable = self._usable_for(tokens)
         while self.enabled:
             found = self._use_deepest(tokens, usable)
             if found is None:
@@ -572,7 +606,7 @@ class PromptCache:
         if not self.enabled:
             return 0
         with self._lock:
-            usable = _usable_for(tokens)
+            usable = self._usable_for(tokens)
             entry = self._tree.deepest(tokens, len(tokens), lambda e: e.restorable and usable(e))
             return 0 if entry is None else entry.length
 
@@ -587,15 +621,25 @@ class PromptCache:
     @functools.cached_property
     def snapshots_anywhere(self) -> bool:
         """Whether a prefill's state restores exactly at every position (the per-token KDA recurrence;
-        `snapshot.exact_positions`), so another request may wait for a snapshot at any position."""
-        return exact_positions(self.model) == 1
+        `snapshot.restores_exactly`), so another request may wait for a snapshot at any position."""
+        return restores_exactly(self.model)
+
+    def _usable_for(self, tokens: list[int]) -> Callable[[Entry], bool]:
+        """Which entries may serve a prompt of `tokens`: all of it only with its last logits; and where
+        a prefill resumed from a snapshot does not get the cold bits (`snapshots_anywhere` False: the
+        chunked torch recurrence, torch's fallbacks for the C kernels), only all of it (nothing is
+        computed after the restore, so its logits are those of the cold prefill that kept them)."""
+        whole = len(tokens)
+        if not self.snapshots_anywhere:
+            return lambda entry: entry.length == whole and entry.has_logits
+        return lambda entry: entry.length < whole or entry.has_logits
 
     def needs_read(self, tokens: list[int]) -> bool:
         """Whether `restore_longest(tokens)` would read its snapshot from disk (only a file holds it)."""
         if not self.enabled:
             return False
         with self._lock:
-            usable = _usable_for(tokens)
+            usable = self._usable_for(tokens)
             entry = self._tree.deepest(tokens, len(tokens), lambda e: e.restorable and usable(e))
             return entry is not None and entry.snapshot is None
 
@@ -604,7 +648,7 @@ class PromptCache:
         file holds it (a bad file is dropped, as there): a server calls it off its scheduler's thread,
         so the streams it runs go on while the disk reads; the restore then copies from RAM."""
         if self.enabled:
-            self._use_deepest(tokens, _usable_for(tokens))
+            self._use_deepest(tokens, self._usable_for(tokens))
 
     def restore_exact(self, tokens: list[int]) -> SequenceState | None:
         """A state restored from the snapshot of exactly `tokens`, or None (a rank told by rank 0)."""
@@ -692,8 +736,8 @@ class PromptCache:
     # ---- the tiers ---------------------------------------------------------------------------------
 
     def _store(self, tokens: list[int], snapshot: Snapshot, durable: bool) -> None:
-        if not self.enabled:
-            return
+        if not self.enabled or (snapshot.logits is None and not self.snapshots_anywhere):
+            return  # without logits a snapshot serves only a resumed prefill (`_usable_for`)
         key = tuple(tokens)
         with self._lock:
             self._clock += 1
@@ -703,7 +747,6 @@ class PromptCache:
                 if entry.snapshot is not None:
                     self._account(entry.snapshot, -1)
                 entry.snapshot = snapshot
-                entry.has_logits = snapshot.logits is not None
                 self._account(snapshot, +1)
                 self.stats.snapshots_created += 1
             write = durable and self.disk_budget > 0 and entry.disk_path is None and not self._closed
@@ -877,7 +920,7 @@ class PromptCache:
             doomed.append(entry.disk_path)
         parent = entry.disk_parent
         entry.disk_path, entry.disk_bytes, entry.disk_checksum, entry.disk_parent = None, 0, None, None
-        entry.disk_rows_bytes, entry.rows_only = 0, False
+        entry.disk_rows_bytes, entry.rows_only, entry.disk_logits = 0, False, False
         if parent is not None:
             parent.disk_children -= 1
             if parent.rows_only and parent.disk_children == 0:
@@ -912,7 +955,7 @@ class PromptCache:
             kept.disk_path, kept.disk_bytes = path, _size(parts)
             kept.disk_checksum, kept.disk_parent = _checksum(parts[-1]), parent
             kept.disk_rows_bytes, kept.rows_only = _rows_bytes(snapshot, reference), False
-            kept.has_logits = kept.has_logits or snapshot.logits is not None
+            kept.disk_logits = snapshot.logits is not None
         self._evict_disk()
 
     def _scan_disk(self) -> None:
@@ -923,6 +966,8 @@ class PromptCache:
             try:
                 header = read_header(path, self.fingerprint)
                 tokens, layers = tuple(header["tokens"]), list(header.get("layers", []))
+                if path.name != file_name(tokens):  # renamed, or swapped with another
+                    raise ValueError("not the file its token ids name")
                 has_logits = any(layer[:1] == ["logits"] for layer in layers)
                 parent_length = _parent_of(header, len(tokens))[0]
                 checksum = header.get("identity") or read_checksum(path)
@@ -932,7 +977,7 @@ class PromptCache:
                 self.stats.disk_errors += 1
                 continue
             entry = self._tree.insert(Entry(tokens))
-            entry.disk_path, entry.disk_bytes, entry.has_logits = path, path.stat().st_size, has_logits
+            entry.disk_path, entry.disk_bytes, entry.disk_logits = path, path.stat().st_size, has_logits
             entry.disk_checksum, entry.disk_rows_bytes = checksum, rows_bytes
             entry.rows_only = bool(header.get("rows_only"))
             if parent_length:
@@ -1008,11 +1053,6 @@ class PromptCache:
         except (OSError, ValueError) as error:
             reason = "gone" if isinstance(error, OSError) else str(error)
             raise ValueError(f"its parent snapshot of {len(tokens)} tokens: {reason}") from None
-
-
-def _usable_for(tokens: list[int]) -> Callable[[Entry], bool]:
-    """Which entries may serve a prompt of `tokens`: all of it only with its last logits."""
-    return lambda entry: entry.length < len(tokens) or entry.has_logits
 
 
 def _remove(paths: list[Path]) -> None:
@@ -1167,9 +1207,30 @@ def _parse_header(raw: bytes, length: int) -> dict[str, Any]:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"unreadable header ({error})") from None
-    if not isinstance(header, dict) or not isinstance(header.get("tokens"), list):
+    if not isinstance(header, dict) or not isinstance(tokens := header.get("tokens"), list):
         raise ValueError("header without token ids")
+    if not all(type(token) is int for token in tokens):
+        raise ValueError("header with token ids that are not integers")
+    layers = header.get("layers", [])
+    if not isinstance(layers, list) or not all(map(_is_layer, layers)):
+        raise ValueError("malformed layer list in the header")
     return header
+
+
+LAYER_SHAPES = {"kda": (0, 2), "mla": (1,), "logits": (1,)}  # a header layer's kind -> its shape counts
+
+
+def _is_layer(layer: Any) -> bool:
+    """A header's layer: its kind, then as many shapes (lists of counts) as the kind has."""
+    if not isinstance(layer, list) or not layer or not isinstance(layer[0], str):
+        return False
+    if len(layer) - 1 not in LAYER_SHAPES.get(layer[0], ()):
+        return False
+    return all(_is_shape(shape) for shape in layer[1:])
+
+
+def _is_shape(shape: Any) -> bool:
+    return isinstance(shape, list) and all(type(count) is int and count >= 0 for count in shape)
 
 
 def _parent_of(header: dict[str, Any], length: int) -> tuple[int, int]:

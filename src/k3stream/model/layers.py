@@ -9,7 +9,7 @@ import torch
 
 from k3stream.model.options import LoadOptions
 from k3stream.quant.dequant import FLOAT_DTYPES
-from k3stream.quant.kernels import Products, QWeight, checked_weight, cpu
+from k3stream.quant.kernels import Products, QWeight, checked_weight, cpu, row_at_a_time
 from k3stream.quant.rounding import round_like_ggml
 
 FLOAT_TYPE_IDS = {dtype: type_id for type_id, dtype in FLOAT_DTYPES.items()}
@@ -55,6 +55,9 @@ class DenseLinear:
     """y = x @ W^T with W held as a dense tensor (float32 or bfloat16): the reference path.
 
     `rounding_type`: inputs are first rounded as ggml does for a weight of that GGML type (None: not).
+    Under `kernels.set_row_exact` a row at a time on the CPU: torch's products round as their row count
+    has them, and a prompt cache's restore, a chunked prefill or a batched decode step must give each
+    row the bits it gets alone.
     """
 
     def __init__(self, weight: torch.Tensor, rounding_type: int | None = None) -> None:
@@ -63,6 +66,9 @@ class DenseLinear:
         self.out_features, self.in_features = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return row_at_a_time(x, self._product, most_rows=1)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.rounding_type is None and x.dtype == self.weight.dtype:
             return torch.nn.functional.linear(x, self.weight)  # the common case, without no-op casts
         x_rounded = round_like_ggml(x, self.rounding_type)

@@ -19,7 +19,7 @@ from k3stream.model.layers import (
     rms_norm,
 )
 from k3stream.model.options import LoadOptions
-from k3stream.quant.kernels import GroupedProduct, checked_weight, cpu, row_exact
+from k3stream.quant.kernels import GroupedProduct, checked_weight, cpu, row_at_a_time, row_exact
 from k3stream.quant.rounding import round_like_ggml
 
 QUERY_BLOCK = 512
@@ -86,13 +86,16 @@ class HeadProjection:
             self.weight = tensor.matrix((heads, out_features, in_features), options.torch_dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None:
-            x_rounded = round_like_ggml(x, self.rounding_type).to(self.weight.dtype)
-            return torch.einsum("nhi,hoi->nho", x_rounded, self.weight).to(x.dtype)
+        if self.weight is not None:  # a row at a time under `set_row_exact`, as `layers.DenseLinear`
+            return row_at_a_time(x, self._dense, most_rows=1)
         rows = x.shape[0]
         starts, order = _rows_by_head(rows, self.heads)
         out = self.per_head(x.reshape(rows * self.heads, -1), starts, order)
         return out.view(self.heads, rows, -1).transpose(0, 1)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        x_rounded = round_like_ggml(x, self.rounding_type).to(self.weight.dtype)
+        return torch.einsum("nhi,hoi->nho", x_rounded, self.weight).to(x.dtype)
 
     def bind(self, x: torch.Tensor, out: torch.Tensor, threads: int) -> cpu.Call:
         """One row's heads, x [H, in] into out [H, out] (contiguous), as a bound C call, or a Python step

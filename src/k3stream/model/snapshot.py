@@ -8,9 +8,9 @@ the attention-residual bank lives inside one forward, and MLA is NoPE (no positi
 
 A restored state continues exactly as the cold one would: on the CPU kernels the KDA recurrence runs a
 prefill token by token (`kda.KDA.prefill`), and every other product's row is computed from that row
-alone, so where a prefill starts does not change a bit. The chunked torch recurrence (autograd, other
-devices) groups tokens by chunk, so there snapshots are taken at multiples of `KDA.chunk_size` only
-(`exact_positions`).
+alone, so where a prefill starts does not change a bit. Elsewhere (the chunked torch recurrence, torch's
+fallbacks for the C kernels, other devices) a resumed prefill's bits differ from the cold one's
+(`restores_exactly`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from k3stream.model.kda import KDA, KDAState
+from k3stream.model.kda import KDAState
 from k3stream.model.mla import MLAState
 
 if TYPE_CHECKING:
@@ -170,15 +170,13 @@ def check_fits(state: SequenceState, snapshot: Snapshot) -> None:
             raise ValueError(f"snapshot layer {index} does not fit this model's layer {index}")
 
 
-def exact_positions(model: K3Model) -> int:
-    """The multiple of positions at which a snapshot restores to the cold state's bits: 1 where every
-    KDA prefill runs the per-token C recurrence, else the KDA chunk size."""
+def restores_exactly(model: K3Model) -> bool:
+    """Whether a prefill resumed from a snapshot gets the cold prefill's bits: on the CPU with the C
+    kernels (the per-token KDA recurrence). Without them, even at multiples of the KDA chunk, torch's
+    fallbacks gave other bits (the tiny model, a restore at 16 continued to 32)."""
     from k3stream.quant.kernels import cpu
 
-    kda = [layer.attn for layer in model.layers if isinstance(layer.attn, KDA)]
-    if not kda or (model.device.type == "cpu" and cpu.available()):
-        return 1
-    return max(layer.chunk_size for layer in kda)
+    return model.device.type == "cpu" and cpu.available()
 
 
 def prefill_marked(

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "reference")
 F32 = 0
 FLOAT_WIDTH_TYPES = frozenset({1, 30})  # F16, BF16: one value per "block"
-# products the C kernels do not take go a row at a time (`_row_at_a_time`): F32 rows off whole 32s
+# products the C kernels do not take go a row at a time (`row_at_a_time`): F32 rows off whole 32s
 # (small models' narrow matrices) at any row count, the reference dequantize path up to this many
 # rows; every product the C kernels take is row-exact at any row count
 ROW_AT_A_TIME_MAX_ROWS = 16
@@ -164,7 +164,7 @@ def qmatmul(
         )
     elif weight.data.dtype == torch.uint8:  # GGUF rows the C kernel does not take (widths off its 32s)
         matrix = _f32_matrix(weight, x.device)
-        out = _row_at_a_time(flat, lambda rows: torch.nn.functional.linear(rows, matrix), ANY_ROWS)
+        out = row_at_a_time(flat, lambda rows: torch.nn.functional.linear(rows, matrix), ANY_ROWS)
     else:  # float parameters (the trainer's): one product autograd follows
         return torch.nn.functional.linear(x.float(), _f32_matrix(weight, x.device))
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -409,18 +409,18 @@ def grouped_qmatmul(
     return _per_matrix(x, weights, starts, rows, kernel)
 
 
-def _row_at_a_time(x: torch.Tensor, product, most_rows: int = ROW_AT_A_TIME_MAX_ROWS) -> torch.Tensor:
+def row_at_a_time(x: torch.Tensor, product, most_rows: int = ROW_AT_A_TIME_MAX_ROWS) -> torch.Tensor:
     """product(x), a row at a time for at most `most_rows` rows on the CPU (any under `set_row_exact`):
     for products the C kernels do not take, so that a row's bits do not depend on its company (torch's
     products round as their row count has them)."""
-    if (len(x) <= most_rows or _RowExact.on) and x.device.type == "cpu":
+    if (len(x) <= most_rows or _RowExact.on) and x.device.type == "cpu" and x.dim() > 1:
         return torch.cat([product(row) for row in x.split(1)])
     return product(x)
 
 
 def _per_matrix(x, weights, starts, rows, kernel: str) -> torch.Tensor:
     """One matmul per matrix: qmatmul's on F32 bytes, else the reference dequantize path (through
-    `_row_at_a_time`)."""
+    `row_at_a_time`)."""
     out = x.new_empty(int(rows.numel()), weights[0].shape[0])
     bounds = starts.tolist()
     for b, weight in enumerate(weights):
@@ -430,7 +430,7 @@ def _per_matrix(x, weights, starts, rows, kernel: str) -> torch.Tensor:
         if kernel == "torch":  # qmatmul's F32 choice per matrix
             out[bounds[b] : bounds[b + 1]] = qmatmul(inputs, weight)
         else:
-            out[bounds[b] : bounds[b + 1]] = _row_at_a_time(
+            out[bounds[b] : bounds[b + 1]] = row_at_a_time(
                 inputs, lambda part, w=weight: qlinear(part, w.data, w.ggml_type, *w.shape)
             )
     return out
