@@ -103,6 +103,18 @@ def test_a_gpu_budget_of_0_is_no_gpu_tier_off_cuda_and_refused_on_cuda(packed):
         tier_budgets(torch.device("cpu"), ram, budget(pack, top_k), slot, top_k)
 
 
+@pytest.mark.parametrize(
+    ("ram_mib", "slot", "top_k"), [(0.02, 12288, 2), (0.3, 208896, 2), (0.2, 47104, 5), (1.37, 94208, 16)]
+)
+def test_a_budget_below_one_working_set_is_refused_in_the_users_number(ram_mib, slot, top_k):
+    """The refusal names the budget as given (`--ram-mib 0.02`), not the bytes it floors to (0.0199995)."""
+    with pytest.raises(ValueError) as refused:
+        tier_budgets(torch.device("cpu"), ram_mib, None, slot, top_k)
+    assert str(refused.value).startswith(
+        f"expert store ram budget {ram_mib} MiB is below one top-k working set"
+    )
+
+
 @pytest.mark.parametrize("policy", ["lfu-lru", "lru", "arc", "cycle"])
 def test_budget_holds_and_current_step_stays_resident_under_prefetch(packed, policy):
     _, pack = packed

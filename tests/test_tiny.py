@@ -125,7 +125,7 @@ def test_vocab_padding(tiny_model):
     ("fields", "message"),
     [
         ({"recipe": "audited"}, "ffn_gate_exps.weight rows of 32 values are not a multiple of 256"),
-        ({"kda_heads": 8}, "kda_heads 8 != mla_heads 4"),
+        ({"kda_heads": 8}, "TinySpec.kda_heads: 8 != TinySpec.mla_heads 4"),
         ({"mla_layers": ()}, "at least one KDA and one MLA layer"),
         ({"mla_layers": (9,)}, "outside 0..5"),
         ({"recipe": "q8"}, "TinySpec.recipe"),
@@ -188,12 +188,29 @@ def test_a_huge_vocab_is_refused_at_once(tmp_path, flags, message):
     assert not (tmp_path / "out").exists()
 
 
+# size flags a user may give 0 or less by mistake; the metadata check would name a GGUF key instead
+SIZE_FLAGS = ("--hidden", "--dense-ff", "--kda-head-dim", "--conv-kernel", "--kv-lora", "--v-head-dim")
+SIZE_FLAGS += ("--expert-ff", "--latent", "--context-length", "--block-size")
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
         (["--layers", "1"], "--layers: 1 must be >= 2 (a KDA and an MLA layer)"),
         (["--experts", "4", "--top-k", "5"], "--top-k: 5 must be in 1..n_experts (4)"),
         (["--shards", "0"], "--shards: 0 must be >= 1"),
+        (
+            ["--kda-heads", "3"],
+            "--kda-heads: 3 != --mla-heads 4; Kimi-K3 GGUFs have one attention.head_count for both",
+        ),
+        (["--experts", "0"], "--experts: 0 must be >= 1"),
+        (["--qk-nope", "0"], "--qk-nope: 0 must be >= 1"),
+        (["--q-lora", "0"], "--q-lora: 0 must be >= 1"),
+        (["--shared", "-1"], "--shared: -1 must be >= 0"),
+        (["--qk-rope", "-2"], "--qk-rope: -2 must be >= 0"),
+        *[([flag, value], f"{flag}: {value} must be >= 1") for flag in SIZE_FLAGS for value in ("0", "-3")],
+        (["--like", "kimi-k3", "--layers", "1"], "--like kimi-k3: --layers 1 must be in 2..93"),
+        (["--real-vocab"], "--real-vocab needs --like"),
     ],
 )
 def test_a_spec_error_names_the_flag(tmp_path, capsys, flags, message):

@@ -102,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
+def say(line: str) -> None:
+    """`line` on stderr in one write: under torchrun (unbuffered, `python -u`) every rank reports its
+    error to the same stream, and print's separate newline let the ranks' lines run into each other."""
+    sys.stderr.write(line + "\n")
+
+
 def _run(args: argparse.Namespace) -> int:
     """The command's status, its error or interruption as one line and the shell's status."""
     try:
@@ -112,16 +118,16 @@ def _run(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE  # the shell's status of a process SIGPIPE ended, as `yes | head`
     except (ValueError, OSError, RuntimeError) as exc:  # OSError: missing files, permissions, a full disk
-        print(f"k3stream {args.command}: error: {exc}", file=sys.stderr)
+        say(f"k3stream {args.command}: error: {exc}")
         return 1
     except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status, not a traceback
         # a second Ctrl-C while the interpreter shuts down would kill it by the signal (status -2)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        print(f"k3stream {args.command}: interrupted", file=sys.stderr)
+        say(f"k3stream {args.command}: interrupted")
         return 130
     except Terminated:  # kill's SIGTERM: 128 + 15, as a shell reports a process the signal ended
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print(f"k3stream {args.command}: terminated", file=sys.stderr)
+        say(f"k3stream {args.command}: terminated")
         return 143
 
 

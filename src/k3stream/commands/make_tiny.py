@@ -108,16 +108,13 @@ def spec_from_args(args: argparse.Namespace) -> TinySpec:
     }
     if args.like is None:
         if args.real_vocab:
-            raise SystemExit("make-tiny: --real-vocab needs --like")
+            raise ValueError("--real-vocab needs --like")
         if given.get("recipe", TinySpec.recipe) not in FLOAT_RECIPES:
             given = FITTING_SHAPES | given
         return TinySpec(**given)
     if args.real_vocab:
         given.setdefault("vocab", REAL_VOCAB[args.like])
-    try:
-        return like(args.like, given.pop("n_layers", 2), **given)
-    except ValueError as error:
-        raise SystemExit(f"make-tiny: {error}") from None
+    return like(args.like, given.pop("n_layers", 2), **given)
 
 
 def run(args: argparse.Namespace) -> int:

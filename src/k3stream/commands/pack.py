@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from k3stream.cli import say
 from k3stream.commands.flags import finite
 
 
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         with _printed_notes("k3stream.pack.builder"):
             result = build_pack(args.gguf, args.out, args.manifest, options, profile=args.profile)
     except (OSError, ValueError, RuntimeError) as exc:
-        print(f"k3stream pack: error: {exc}", file=sys.stderr)
+        say(f"k3stream pack: error: {exc}")
         return 1
     method = "copy_file_range" if result.kernel_copy else "pread/pwrite"
     print(f"pack      {result.pack} ({result.size} bytes)")

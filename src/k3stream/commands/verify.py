@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+
+from k3stream.cli import say
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"ok": False, "manifest": str(args.source), "error": message}))
         else:
-            print(f"k3stream verify: error: {message}", file=sys.stderr)
+            say(f"k3stream verify: error: {message}")
         return 1
     if args.json:
         print(json.dumps(summary, sort_keys=True))

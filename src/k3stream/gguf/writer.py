@@ -77,13 +77,32 @@ class TinySpec:
         return tuple(sorted({i for i in range(self.n_layers) if (i + 1) % 4 == 0} | {self.n_layers - 1}))
 
 
+# fields of at least 1 (q_lora may also be None: no query compression), and counts that may be 0
+POSITIVE_FIELDS = (
+    "hidden", "dense_ff", "kda_heads", "kda_head_dim", "conv_kernel", "mla_heads", "q_lora", "kv_lora",
+    "qk_nope", "v_head_dim", "n_experts", "expert_ff", "latent", "context_length", "block_size", "shards",
+)  # fmt: skip
+COUNT_FIELDS = ("qk_rope", "n_shared", "seed")
+
+
+def _check_sizes(spec: TinySpec) -> None:
+    """Sizes named by their fields: the metadata check after this one names GGUF keys, and numpy's
+    refusal of a negative seed names nothing."""
+    for name in POSITIVE_FIELDS:
+        value = getattr(spec, name)
+        if value is not None and value < 1:
+            raise ValueError(f"TinySpec.{name}: {value} must be >= 1")
+    for name in COUNT_FIELDS:
+        if getattr(spec, name) < 0:
+            raise ValueError(f"TinySpec.{name}: {getattr(spec, name)} must be >= 0")
+
+
 def _check_spec(spec: TinySpec) -> None:
     if spec.recipe not in RECIPES:
         raise ValueError(f"TinySpec.recipe: {spec.recipe!r} is not one of {', '.join(RECIPES)}")
+    _check_sizes(spec)
     if spec.n_layers < 2:
         raise ValueError(f"TinySpec.n_layers: {spec.n_layers} must be >= 2 (a KDA and an MLA layer)")
-    if spec.seed < 0:  # numpy's words name no field
-        raise ValueError(f"TinySpec.seed: {spec.seed} must be >= 0")
     mla = spec.mla_layer_ids()
     if any(not 0 <= i < spec.n_layers for i in mla):
         raise ValueError(f"TinySpec.mla_layers: {mla} outside 0..{spec.n_layers - 1}")
@@ -91,17 +110,13 @@ def _check_spec(spec: TinySpec) -> None:
         raise ValueError("TinySpec.mla_layers: llama.cpp needs at least one KDA and one MLA layer")
     if spec.kda_heads != spec.mla_heads:
         raise ValueError(
-            f"TinySpec: kda_heads {spec.kda_heads} != mla_heads {spec.mla_heads}; "
+            f"TinySpec.kda_heads: {spec.kda_heads} != TinySpec.mla_heads {spec.mla_heads}; "
             "Kimi-K3 GGUFs have one attention.head_count for both"
         )
     if not 0 < spec.top_k <= spec.n_experts:
         raise ValueError(f"TinySpec.top_k: {spec.top_k} must be in 1..n_experts ({spec.n_experts})")
     if not 0 <= spec.n_dense < spec.n_layers:
         raise ValueError(f"TinySpec.n_dense: {spec.n_dense} must leave at least one MoE layer")
-    if spec.block_size < 1:
-        raise ValueError(f"TinySpec.block_size: {spec.block_size} must be >= 1")
-    if spec.shards < 1:
-        raise ValueError(f"TinySpec.shards: {spec.shards} must be >= 1")
     unknown = [group for group in spec.without if group not in OMITTABLE]
     if unknown:
         raise ValueError(f"TinySpec.without: {unknown[0]!r} is not one of {', '.join(OMITTABLE)}")

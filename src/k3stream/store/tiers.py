@@ -264,7 +264,7 @@ def tier_budgets(
     for name, mib in budgets.items():
         if int(mib * MIB) // slot_bytes < top_k:
             raise ValueError(
-                f"expert store {name} budget {int(mib * MIB) / MIB:g} MiB is below one top-k "
+                f"expert store {name} budget {mib:g} MiB is below one top-k "
                 f"working set of {top_k * slot_bytes / MIB:g} MiB ({top_k} x {slot_bytes} bytes)"
             )
     return budgets

@@ -51,7 +51,7 @@ def like(model: str, n_layers: int, **overrides: Any) -> TinySpec:
     if model not in LIKE:
         raise ValueError(f"like: unknown model {model!r}; one of {', '.join(LIKE)}")
     if not 2 <= n_layers <= REAL_LAYERS[model]:
-        raise ValueError(f"like {model}: --layers {n_layers} must be in 2..{REAL_LAYERS[model]}")
+        raise ValueError(f"--like {model}: --layers {n_layers} must be in 2..{REAL_LAYERS[model]}")
     fields = {**LIKE[model], "n_layers": n_layers, **overrides}
     if "top_k" not in overrides:
         fields["top_k"] = min(fields["top_k"], fields["n_experts"])

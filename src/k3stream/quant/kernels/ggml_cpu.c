@@ -1708,7 +1708,33 @@ static void *blocks_planned(const Plan *earlier, int64_t count, int kind) {
     return NULL;
 }
 
-/* `blocks` blocks of x of that kind into q8 (NULL: no memory), as ggml quantizes them */
+/* Whether x[0..count) holds a NaN or an infinity (one pass that vectorizes: no early exit) */
+static int any_non_finite(const float *restrict x, int64_t count) {
+    int bad = 0;
+    for (int64_t j = 0; j < count; j++) bad |= !(fabsf(x[j]) <= 3.402823466e38f);
+    return bad;
+}
+
+/* ggml's quantizers skip a NaN and turn it, or an infinity, into codes: the products such a block enters
+ * would be finite where float arithmetic gives NaN (a damaged routed expert, an overflow), and the NaN
+ * logits the sampler refuses would be finite nonsense. Each block of x holding one gets a NaN scale
+ * (Q8_1 a NaN sum too); the other blocks keep ggml's bytes. */
+static void mark_non_finite(int kind, const float *x, int64_t blocks, void *q8) {
+    const int64_t elems = kind == Q8_K_BLOCKS ? 256 : 32;
+    if (!any_non_finite(x, blocks * elems)) return;
+    for (int64_t i = 0; i < blocks; i++) {
+        if (!any_non_finite(x + i * elems, elems)) continue;
+        if (kind == Q8_K_BLOCKS)
+            ((BlockQ8K *)q8)[i].d = NAN;
+        else if (kind == Q8_0_BLOCKS)
+            ((BlockQ8_0 *)q8)[i].d = NAN;
+        else
+            ((BlockQ8_1 *)q8)[i].d = ((BlockQ8_1 *)q8)[i].s = NAN;
+    }
+}
+
+/* `blocks` blocks of x of that kind into q8 (NULL: no memory), as ggml quantizes them; a block holding a
+ * NaN or an infinity with a NaN scale (`mark_non_finite`) */
 static void *quantized(int kind, const float *x, int64_t blocks) {
     static const size_t sizes[] = {sizeof(BlockQ8K), sizeof(BlockQ8_0), sizeof(BlockQ8_1)};
     void *q8 = malloc(sizes[kind] * (size_t)(blocks + 1));
@@ -1723,6 +1749,7 @@ static void *quantized(int kind, const float *x, int64_t blocks) {
 #endif
     else
         quantize_q8_k(x, blocks, q8);
+    mark_non_finite(kind, x, blocks, q8);
     return q8;
 }
 

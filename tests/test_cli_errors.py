@@ -1,0 +1,43 @@
+"""The command line's one-line endings (an error, Ctrl-C, kill) reach stderr in one write each, so the
+lines of several ranks writing to one unbuffered stream (torchrun's `python -u`) never run together."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from k3stream.cli import main
+
+
+class Writes:
+    """A stderr that records each write."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["make-tiny", "{tmp}/out", "--layers", "1"], "k3stream make-tiny: error: --layers: 1 must be >= 2"),
+        (["inspect", "{tmp}/missing.gguf"], "k3stream inspect: error: "),
+        (["generate", "{tmp}/missing.gguf", "--prompt", "hi"], "k3stream generate: error: model not found"),
+        (["verify", "{tmp}/missing.manifest.json"], "k3stream verify: error: "),
+        (["pack", "{tmp}/missing.gguf", "--no-progress"], "k3stream pack: error: "),
+    ],
+)
+def test_an_error_is_one_write_of_one_line(tmp_path, monkeypatch, argv, line):
+    stderr = Writes()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    assert main([part.format(tmp=tmp_path) for part in argv]) == 1
+    assert len(stderr.writes) == 1, stderr.writes
+    (written,) = stderr.writes
+    assert written.startswith(line) and written.endswith("\n") and written.count("\n") == 1
