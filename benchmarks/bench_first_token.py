@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -109,7 +108,9 @@ def served_name(server: ServerProcess) -> str:
 def prefill_seconds(model_name: str, threads: int, indices: list[int]) -> list[float]:
     """The model's prefill of each request's rendered prompt in this process, from a fresh state; the
     first one is a freshly loaded model's first prefill (as a fresh server's first request's)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `k3stream` sets it (`cli.calm_openmp`)
+    from k3stream.cli import calm_openmp
+
+    calm_openmp()  # as the `k3stream` command sets its OpenMP workers, before torch loads
     import torch
 
     from k3stream import LoadOptions

@@ -33,10 +33,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
+from k3stream.cli import calm_openmp
 
-from k3stream.commands.flags import add_arithmetic_arguments
-from k3stream.gguf.writer import RECIPES
+calm_openmp()  # OpenMP's workers wait as the `k3stream` command's do (read when torch loads the runtime)
+
+import numpy as np  # noqa: E402
+
+from k3stream.commands.flags import add_arithmetic_arguments  # noqa: E402
+from k3stream.gguf.writer import RECIPES  # noqa: E402
 
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 

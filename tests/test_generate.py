@@ -729,17 +729,22 @@ def test_generate_into_a_reader_that_leaves_ends_quietly_as_head_expects(model, 
         assert run.stderr.read() == b""
 
 
-def test_the_command_line_lets_idle_openmp_threads_sleep_unless_told_otherwise(monkeypatch):
+def test_the_command_line_lets_idle_openmp_threads_spin_briefly_unless_told_otherwise(monkeypatch):
     import os
 
-    from k3stream.cli import calm_openmp
+    from k3stream.cli import OPENMP_SPIN_ROUNDS, calm_openmp
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     calm_openmp()
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert os.environ["GOMP_SPINCOUNT"] == str(OPENMP_SPIN_ROUNDS) and "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.setenv("GOMP_SPINCOUNT", "5")
     calm_openmp()
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert os.environ["GOMP_SPINCOUNT"] == "5"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    calm_openmp()
+    assert "GOMP_SPINCOUNT" not in os.environ and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])

@@ -69,12 +69,18 @@ def resolve_demo_source(args: argparse.Namespace) -> None:
         setattr(args, name, type(value)(_command_module("demo").demo_gguf()))
 
 
+OPENMP_SPIN_ROUNDS = 10_000  # libgomp's rounds before an idle worker sleeps
+
+
 def calm_openmp() -> None:
-    """Idle OpenMP threads sleep instead of spinning (unless the user chose otherwise). torch and the C
-    kernels share one OpenMP runtime; on a machine with few cores its spinning threads starve the pack
-    reader threads and each other. Read when the runtime loads, so this runs before anything imports
-    torch."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    """Idle OpenMP threads spin a short while (10,000 rounds, a fraction of a millisecond), then sleep,
+    unless the user chose (`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`). A pass runs tens of parallel regions
+    a layer: workers woken from sleep for each cost 40-90 us a region, and a 2-thread decode 20-25%;
+    spinning without end (libgomp's default spin is long) starves the pack reader threads and, on a
+    loaded machine, the other threads. torch and the C kernels share one OpenMP runtime, which reads
+    these when it loads, so this runs before anything imports torch."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(OPENMP_SPIN_ROUNDS))
 
 
 class Terminated(BaseException):
