@@ -8,13 +8,13 @@ import sys
 
 import numpy as np
 import pytest
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 import k3stream
 from conftest import requires_llama
-from k3stream.gguf.mixed_recipes import RELEASE_RECIPES
-from k3stream.gguf.writer import TinySpec, tensor_plan
+from k3stream.gguf.mixed_recipes import MIXED_RECIPES, RELEASE_RECIPES, expert_types
+from k3stream.gguf.writer import TinySpec, tensor_plan, tensor_type
 from k3stream.testing.slices import like
 from llama_logits import llama_logits, relative_error
 from test_model import tokens_for
@@ -131,6 +131,34 @@ def test_release_recipes_against_llama_cpp(tiny_model, tmp_path, recipe):
     tokens = tokens_for(1, model.config.vocab_size, 40)
     (reference,) = llama_logits([(path, tokens)], tmp_path)
     assert relative_error(model.logits(tokens).numpy(), reference) <= 3e-2
+
+
+@pytest.mark.parametrize("recipe", MIXED_RECIPES)
+def test_a_slice_in_a_mixed_recipe_quantizes_its_other_matrices_as_releases_do(recipe):
+    """`--like` with an i-quant, ternary or dynamic recipe: its experts' types, and no F32 matrix but
+    the router and the convolution kernels (gigabytes at the real shapes, which no release has)."""
+    spec = like("kimi-k3", 2, n_experts=2, recipe=recipe)
+    plan = tensor_plan(spec, 1024)
+    types = {tensor.name: GGMLQuantizationType(tensor_type(tensor, spec)).name for tensor in plan}
+    f32_matrices = {t.name for t in plan if len(t.shape) >= 2 and types[t.name] == "F32"}
+    assert f32_matrices and all("ffn_gate_inp" in n or "ssm_conv1d" in n for n in f32_matrices)
+    assert types["token_embd.weight"] != "F32"
+    for role, type_name in expert_types(MIXED_RECIPES[recipe], 0).items():
+        assert types[f"blk.1.ffn_{role}_exps.weight"] == type_name
+    assert not TinySpec(recipe=recipe).release_matrices  # tiny models keep theirs F32 unless asked
+
+
+@requires_llama
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", MIXED_RECIPES)
+def test_mixed_recipes_with_release_matrices_against_llama_cpp(tiny_model, tmp_path, recipe):
+    path = tiny_model(recipe=recipe, release_matrices=True, **SMALL_DIMS, n_layers=2, mla_layers=(1,), seed=1)
+    tensors = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    assert tensors["blk.0.ffn_down.weight"] != "F32"
+    model = k3stream.load(path)
+    tokens = tokens_for(1, model.config.vocab_size, 40)
+    (reference,) = llama_logits([(path, tokens)], tmp_path)
+    assert relative_error(model.logits(tokens).numpy(), reference) <= 5e-3
 
 
 def _spec_of(argv: list[str]):

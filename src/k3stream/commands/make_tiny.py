@@ -35,7 +35,15 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def _yes_no(text: str) -> bool:
+    if text.lower() not in ("true", "false", "yes", "no", "1", "0"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+    return text.lower() in ("true", "yes", "1")
+
+
 def field_parser(field: dataclasses.Field):
+    if isinstance(field.default, bool):
+        return _yes_no
     if field.name == "mla_layers":
         return _optional(_int_tuple)
     if field.name == "recipe":
@@ -69,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if field.name in FITTING_SHAPES:
             extra = {
                 "help": f"default {field.default} ({FITTING_SHAPES[field.name]} with a quantized recipe)"
+            }
+        if field.name == "release_matrices":
+            extra = {
+                "metavar": "true|false",
+                "help": "a mixed recipe's other matrices quantized as its releases store them (Q8_0 "
+                "where it names none, the token table too); default false, true with --like",
             }
         if field.name == "without":
             extra = {

@@ -13,7 +13,7 @@ valid ones).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 EXPERT_ROLES = ("gate", "up", "down")
 KEEP_F32 = ("token_embd.weight", "ffn_gate_inp.weight", "ssm_conv1d")
@@ -57,6 +57,12 @@ RELEASE_RECIPES: dict[str, MixedRecipe] = {
     "q4_k": MixedRecipe(AUDITED_EXPERTS, ("Q4_K", "Q8_0"), "MOSTLY_Q4_K_M", RELEASE_KEEP_F32),
 }
 WRITABLE_RECIPES = {**MIXED_RECIPES, **RELEASE_RECIPES}
+
+
+def release_like(recipe: MixedRecipe) -> MixedRecipe:
+    """`recipe` as a published file of it stores the matrices outside the routed experts: in the
+    recipe's types, Q8_0 where it names none (the i-quant and ternary mixes), the token table too."""
+    return replace(recipe, matrices=recipe.matrices or ("Q8_0",), keep_f32=RELEASE_KEEP_F32)
 
 
 def _type_id(name: str) -> int:

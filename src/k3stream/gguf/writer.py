@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from k3stream.gguf.layout import OMITTABLE, expected_shapes
-from k3stream.gguf.mixed_recipes import WRITABLE_RECIPES, file_type, mixed_type
+from k3stream.gguf.mixed_recipes import WRITABLE_RECIPES, file_type, mixed_type, release_like
 from k3stream.gguf.vocab import CHAT_TEMPLATE, Vocab
 
 ARCH = "kimi-k3"
@@ -64,6 +64,9 @@ class TinySpec:
     rms_eps: float = 1e-5
     context_length: int = 512
     recipe: str = "f32"
+    # a mixed recipe's other matrices as published files store them (`mixed_recipes.release_like`), not
+    # F32: real-dimension slices, whose F32 matrices would be gigabytes no release has
+    release_matrices: bool = False
     shards: int = 1
     seed: int = 0
     vocab: int | None = None
@@ -299,6 +302,8 @@ def tensor_type(tensor: _Tensor, spec: TinySpec) -> int:
     """The GGML type id `spec.recipe` gives `tensor`."""
     if spec.recipe in WRITABLE_RECIPES:
         recipe = WRITABLE_RECIPES[spec.recipe]
+        if spec.release_matrices:
+            recipe = release_like(recipe)
         return mixed_type(recipe, tensor.name, tensor.shape, first_moe_layer=spec.n_dense)
     return ggml_type_for(tensor.name, len(tensor.shape), spec.recipe)
 

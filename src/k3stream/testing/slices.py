@@ -4,7 +4,9 @@
 layers: layer 0 dense, the later ones MoE, MLA every 4th layer counted from 1 and on the last layer (a
 slice ends with an MLA layer, as the model does), every matrix at its real shape. Overrides make
 smaller test slices at the same matrix shapes (fewer experts, a real-size vocabulary). The default
-recipe is release-like: non-expert matrices Q8_0, routed experts in the audited Q2_K/Q3_K.
+recipe is release-like: non-expert matrices Q8_0, routed experts in the audited Q2_K/Q3_K; with a mixed
+recipe (i-quants, ternary, dynamic) its experts' types, the other matrices quantized as its releases
+store them (`mixed_recipes.release_like`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ KIMI_K3: dict[str, Any] = dict(
     rms_eps=1e-5,
     context_length=4096,
     recipe="q8_0",
+    release_matrices=True,
 )
 REAL_LAYERS = {"kimi-k3": 93}
 LIKE = {"kimi-k3": KIMI_K3}
