@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from k3stream.engine.loading import load_runtime
 from k3stream.engine.prompt_cache import MIB, PromptCache
@@ -31,3 +35,29 @@ def cached_served(gguf: Path, cache_name: str, ctx: int) -> Iterator[ServedModel
     yield served
     served.prompt_cache.close()
     served.close()
+
+
+def assert_answers_while_held(
+    server: ServerThread, monkeypatch, owner: Any, stage: str, send: Callable[[], Any]
+) -> None:
+    """Hold `owner.stage` once the request `send` makes (on a thread) reaches it, and check that the
+    server answers /health meanwhile: the stage runs off the event loop."""
+    started, release = threading.Event(), threading.Event()
+    stage_now = getattr(owner, stage)
+
+    def held(*args):
+        started.set()
+        release.wait(20)
+        return stage_now(*args)
+
+    monkeypatch.setattr(owner, stage, held)
+    sent = threading.Thread(target=send, daemon=True)
+    sent.start()
+    try:
+        assert started.wait(10)
+        began = time.perf_counter()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200  # the loop is free
+        assert time.perf_counter() - began < 5
+    finally:
+        release.set()
+        sent.join(30)

@@ -7,8 +7,6 @@ tokens, with a prompt cache. Random weights never choose to call a tool, so call
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import anthropic
 import httpx
@@ -20,7 +18,7 @@ import torch
 from k3stream.server.messages import MessageShapes, MessagesRequest, _object_so_far
 from k3stream.server.request_logic import RequestLogic
 from k3stream.server.scheduler import Job
-from live_server import cached_served, keyed_server
+from live_server import assert_answers_while_held, cached_served, keyed_server
 from test_server_tools import WEATHER, tool_gguf, written_pieces  # noqa: F401 (tool_gguf: a fixture, the tool-calling chat model)
 
 KEY = "sk-messages"
@@ -591,16 +589,7 @@ def test_the_tools_are_converted_and_checked_off_the_event_loop(server, monkeypa
     import k3stream.server.messages as messages
     from k3stream.server.schemas import ChatCompletionRequest
 
-    started, release = threading.Event(), threading.Event()
     owner = messages if stage == "object_tool" else ChatCompletionRequest
-    stage_now = getattr(owner, stage)
-
-    def held(*args):
-        started.set()
-        release.wait(20)
-        return stage_now(*args)
-
-    monkeypatch.setattr(owner, stage, held)
     tools = [{**TOOL, "name": f"get_weather_{number}"} for number in range(400)]
     if path == "/v1/chat/completions":
         tools = [
@@ -608,15 +597,5 @@ def test_the_tools_are_converted_and_checked_off_the_event_loop(server, monkeypa
         ]
     body = {"max_tokens": 1, "tools": tools, "messages": [{"role": "user", "content": ASK}]}
     headers = {"x-api-key": KEY, "Authorization": f"Bearer {KEY}"}
-    sent = threading.Thread(
-        target=lambda: httpx.post(server.url + path, json=body, headers=headers, timeout=120), daemon=True
-    )
-    sent.start()
-    try:
-        assert started.wait(10)
-        began = time.perf_counter()
-        assert httpx.get(server.url + "/health", timeout=30).status_code == 200  # the loop is free
-        assert time.perf_counter() - began < 5
-    finally:
-        release.set()
-        sent.join(30)
+    send = lambda: httpx.post(server.url + path, json=body, headers=headers, timeout=120)  # noqa: E731
+    assert_answers_while_held(server, monkeypatch, owner, stage, send)

@@ -7,8 +7,6 @@ decoding)."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import httpx
 import jsonschema
@@ -19,7 +17,7 @@ from k3stream.server.errors import APIError
 from k3stream.server.request_logic import RequestLogic
 from k3stream.server.responses import ResponseShapes, ResponsesRequest
 from k3stream.server.scheduler import Job
-from live_server import cached_served, keyed_server
+from live_server import assert_answers_while_held, cached_served, keyed_server
 from test_server_tools import WEATHER, tool_gguf, written_pieces  # noqa: F401 (tool_gguf: a fixture, the tool-calling chat model)
 
 KEY = "sk-responses"
@@ -395,31 +393,15 @@ def test_the_tools_are_checked_off_the_event_loop(server, monkeypatch):
     meanwhile."""
     import k3stream.server.responses_tools as responses_tools
 
-    started, release = threading.Event(), threading.Event()
-    check = responses_tools.freeform_input
-
-    def slow_check(*args):
-        started.set()
-        release.wait(20)
-        return check(*args)
-
-    monkeypatch.setattr(responses_tools, "freeform_input", slow_check)
     tool = {
         "type": "custom",
         "name": "calc",
         "format": {"type": "grammar", "syntax": "regex", "definition": "x"},
     }
     body = {"input": "hi", "tools": [tool], "max_output_tokens": 1}
-    pending = threading.Thread(target=lambda: post(server, body), daemon=True)
-    pending.start()
-    try:
-        assert started.wait(10)
-        began = time.perf_counter()
-        assert httpx.get(server.url + "/health", timeout=30).status_code == 200  # the loop is free
-        assert time.perf_counter() - began < 5
-    finally:
-        release.set()
-        pending.join(30)
+    assert_answers_while_held(
+        server, monkeypatch, responses_tools, "freeform_input", lambda: post(server, body)
+    )
 
 
 def _events(stream: str) -> list[dict]:

@@ -586,14 +586,6 @@ class AgentChatRequest(ChatCompletionRequest):
 
     freeform: dict[str, FreeformInput] = Field(default_factory=dict)  # the Responses API's custom tools
 
-    def template_kwargs(self) -> dict[str, TemplateValue] | None:
-        """`chat_template_kwargs`, over `thinking` (Kimi's templates open the think block with it) and
-        `reasoning_effort` (as llama-server hands it to the template) from `reasoning_effort`."""
-        if self.reasoning_effort is None:
-            return self.chat_template_kwargs
-        effort = {"thinking": self.reasoning_effort != "none", "reasoning_effort": self.reasoning_effort}
-        return {**effort, **(self.chat_template_kwargs or {})}
-
     def freeform_tools(self) -> dict[str, FreeformInput]:
         return self.freeform
 
