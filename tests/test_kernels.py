@@ -796,3 +796,26 @@ def test_grouped_f32_products_give_each_row_its_bits_alone():
                 alone = [qmatmul(x[rows[p]][None], w)[0] for p in range(mine.start, mine.stop)]
                 assert torch.equal(got[mine], torch.stack(alone))
             assert counts[b] == 0 or relative_error(got[mine], reference(x[rows[mine]], w)) <= 1e-6
+
+
+def test_a_thread_that_releases_its_openmp_workers_ends_them():
+    """A thread that ran a 2-thread region keeps its OpenMP worker as long as it lives (libgomp then
+    counts it beside another thread's team and stops their workers spinning); released, the worker
+    ends. `serve` releases the loading thread's before its scheduler thread takes the kernels."""
+    import os
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one torch thread: no OpenMP worker to release")
+    counts: list[int] = []
+
+    def run() -> None:
+        torch.randn(4_000_000).mul_(2)  # one parallel region: this thread's team starts its worker
+        counts.append(len(os.listdir("/proc/self/task")))
+        counts.append(cpu.release_openmp_workers())
+        counts.append(len(os.listdir("/proc/self/task")))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    with_worker, released, after = counts
+    assert released is True and after <= with_worker - 1

@@ -39,6 +39,7 @@ from k3stream.engine.prompt_cache import (
     common_length,
     step_together,
 )
+from k3stream.quant.kernels.cpu import release_openmp_workers
 from k3stream.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -310,6 +311,7 @@ class Scheduler:
         self.last_error: str | None = None
 
     def start(self) -> None:
+        release_openmp_workers()  # the loading thread's: the scheduler's thread runs the kernels from here
         self._thread.start()
 
     def stop(self) -> None:

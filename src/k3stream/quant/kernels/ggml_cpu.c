@@ -24,6 +24,8 @@
 
 #include "kernels.h"
 
+#include <dlfcn.h>
+
 #define TILE 256
 #define ROWS_PER_TASK 32
 
@@ -2448,7 +2450,20 @@ static PyObject *py_isa(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(HAVE_AVX2() ? "avx2" : "portable");
 }
 
+/* The calling thread's idle OpenMP workers ended (OpenMP 5's omp_pause_resource_all, soft): True where
+ * the runtime did, False where it cannot (a runtime without it; looked up when called, so an older one
+ * still loads the extension). libgomp spins an idle worker only while the threads of every team
+ * together fit the CPUs, and a thread's team lives as long as the thread: a thread that ran kernels once
+ * and hands them to another leaves its workers counted beside the new team's. */
+static PyObject *py_release_openmp_workers(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    int (*pause_all)(int) = (int (*)(int))dlsym(RTLD_DEFAULT, "omp_pause_resource_all");
+    if (pause_all != NULL && pause_all(1 /* omp_pause_soft */) == 0) Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+}
+
 static PyMethodDef methods[] = {
+    {"release_openmp_workers", py_release_openmp_workers, METH_NOARGS, NULL},
     {"set_iq_grids", py_set_iq_grids, METH_VARARGS, NULL},
     {"isa", py_isa, METH_NOARGS, NULL},
     {"grouped_product", (PyCFunction)(void (*)(void))py_grouped_product, METH_FASTCALL, NULL},
