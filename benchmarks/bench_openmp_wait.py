@@ -1,8 +1,9 @@
-"""What a prefill pass pays for its OpenMP workers sleeping between parallel regions (`serve`'s
-`OMP_WAIT_POLICY=PASSIVE`, `cli.calm_openmp`) against their spinning (libgomp's default, or a spin of
-`GOMP_SPINCOUNT` rounds): one small two-thread region, and the stall benchmark's chunks.
+"""What a prefill pass pays for how its OpenMP workers wait between parallel regions: asleep at once
+(`OMP_WAIT_POLICY=PASSIVE`), after a spin of `GOMP_SPINCOUNT` rounds (the `k3stream` commands spin
+10,000: `cli.calm_openmp`) or after libgomp's default spin: one small two-thread region, and the stall
+benchmark's chunks.
 
-    python benchmarks/bench_openmp_wait.py [--spins 300,2000,10000] [--threads 2] [--repeats 8]
+    python benchmarks/bench_openmp_wait.py [--spins 1000,10000,100000] [--threads 2] [--repeats 8]
 
 Each setting runs in a child process (the policy is read when torch loads its OpenMP runtime), in
 turn: the mean wall time of a two-thread `add_` over 65,536 floats (one parallel region, a few
@@ -30,7 +31,7 @@ def settings(spins: list[int]) -> list[tuple[str, dict[str, str]]]:
     base = {
         key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
     }
-    rows = [("asleep (PASSIVE, serve's)", {**base, "OMP_WAIT_POLICY": "PASSIVE"})]
+    rows = [("asleep (PASSIVE)", {**base, "OMP_WAIT_POLICY": "PASSIVE"})]
     rows += [(f"spin {count} rounds", {**base, "GOMP_SPINCOUNT": str(count)}) for count in spins]
     return rows + [("libgomp's default spin", base)]
 
@@ -92,7 +93,7 @@ def _region_us(calls: int = 2000) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spins", default="300,2000,10000", help="GOMP_SPINCOUNT values to time")
+    parser.add_argument("--spins", default="1000,10000,100000", help="GOMP_SPINCOUNT values to time")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
