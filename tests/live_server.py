@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -61,3 +62,10 @@ def assert_answers_while_held(
     finally:
         release.set()
         sent.join(30)
+
+
+def sse_events(text: str) -> list[dict]:
+    """The JSON payloads of a server-sent event stream's `data:` lines, in order."""
+    return [
+        json.loads(line.removeprefix("data: ")) for line in text.splitlines() if line.startswith("data: ")
+    ]

@@ -18,7 +18,7 @@ import torch
 from k3stream.server.messages import MessageShapes, MessagesRequest, _object_so_far
 from k3stream.server.request_logic import RequestLogic
 from k3stream.server.scheduler import Job
-from live_server import assert_answers_while_held, cached_served, keyed_server
+from live_server import assert_answers_while_held, cached_served, keyed_server, sse_events
 from test_server_tools import WEATHER, tool_gguf, written_pieces  # noqa: F401 (tool_gguf: a fixture, the tool-calling chat model)
 
 KEY = "sk-messages"
@@ -513,6 +513,11 @@ def _thinking_answer(served, written: str) -> tuple[MessageShapes, RequestLogic,
     return shapes, logic, written_pieces(served, logic, written)
 
 
+def _stream(shapes: MessageShapes, pieces: list, finish_reason: str | None) -> str:
+    """The events a message streams for `pieces`, to its end."""
+    return "".join(shapes.piece(piece) for piece in pieces) + shapes.last(finish_reason)
+
+
 def test_reasoning_text_and_a_call_the_model_writes_are_three_blocks_in_order(served):
     """An answer as Kimi writes it (the think block the prompt opened, text, a tool call), taken token by
     token by the request's own logic as the scheduler feeds it: three blocks, each stopped before the next
@@ -523,10 +528,8 @@ def test_reasoning_text_and_a_call_the_model_writes_are_three_blocks_in_order(se
         '{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|>'
     )
     shapes, logic, pieces = _thinking_answer(served, written)
-    stream = "".join(shapes.piece(piece) for piece in pieces) + shapes.last(logic.finish_reason)
-    events = [
-        json.loads(line.removeprefix("data: ")) for line in stream.splitlines() if line.startswith("data: ")
-    ]
+    stream = _stream(shapes, pieces, logic.finish_reason)
+    events = sse_events(stream)
     assert stream.count("event: ") == len(events)
     blocks = [
         (e["type"], e["index"]) for e in events if e["type"] in ("content_block_start", "content_block_stop")
@@ -561,10 +564,8 @@ def test_text_written_after_a_call_follows_it_in_the_whole_message_as_in_the_str
         "It is on its way."
     )
     shapes, logic, pieces = _thinking_answer(served, written)
-    stream = "".join(shapes.piece(piece) for piece in pieces) + shapes.last(logic.finish_reason)
-    events = [
-        json.loads(line.removeprefix("data: ")) for line in stream.splitlines() if line.startswith("data: ")
-    ]
+    stream = _stream(shapes, pieces, logic.finish_reason)
+    events = sse_events(stream)
     started = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
     assert started == ["thinking", "tool_use", "text"]
     whole = shapes.whole_choice(pieces, logic.finish_reason)

@@ -17,7 +17,7 @@ from k3stream.server.errors import APIError
 from k3stream.server.request_logic import RequestLogic
 from k3stream.server.responses import ResponseShapes, ResponsesRequest
 from k3stream.server.scheduler import Job
-from live_server import assert_answers_while_held, cached_served, keyed_server
+from live_server import assert_answers_while_held, cached_served, keyed_server, sse_events
 from test_server_tools import WEATHER, tool_gguf, written_pieces  # noqa: F401 (tool_gguf: a fixture, the tool-calling chat model)
 
 KEY = "sk-responses"
@@ -289,6 +289,13 @@ def _thinking_answer(
     return streamed, whole, logic, written_pieces(served, logic, written)
 
 
+def _stream(streamed: ResponseShapes, pieces: list, finish_reason: str | None) -> str:
+    """The events a response streams for `pieces`, from its creation to its end."""
+    return (
+        streamed.first() + "".join(streamed.piece(piece) for piece in pieces) + streamed.last(finish_reason)
+    )
+
+
 def test_reasoning_text_and_a_call_the_model_writes_are_three_items_in_order(served):
     """An answer as Kimi writes it (the think block the prompt opened, text, a tool call), taken token by
     token by the request's own logic as the scheduler feeds it: three output items, each done before the
@@ -300,12 +307,9 @@ def test_reasoning_text_and_a_call_the_model_writes_are_three_items_in_order(ser
         '{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|>'
     )
     streamed, whole, logic, pieces = _thinking_answer(served, written)
-    stream = streamed.first() + "".join(streamed.piece(piece) for piece in pieces)
-    stream += streamed.last(logic.finish_reason)
+    stream = _stream(streamed, pieces, logic.finish_reason)
     stream += streamed.error(APIError(500, "the server is shutting down", type="server_error")).sse()
-    events = [
-        json.loads(line.removeprefix("data: ")) for line in stream.splitlines() if line.startswith("data: ")
-    ]
+    events = sse_events(stream)
     assert stream.count("event: ") == len(events)
     assert [event["sequence_number"] for event in events] == list(range(len(events)))
     items = [(e["type"], e["output_index"]) for e in events if e["type"].startswith("response.output_item.")]
@@ -351,11 +355,8 @@ def test_text_written_after_a_call_follows_it_in_the_whole_response_as_in_the_st
         "It is on its way."
     )
     streamed, whole, logic, pieces = _thinking_answer(served, written)
-    stream = streamed.first() + "".join(streamed.piece(piece) for piece in pieces)
-    stream += streamed.last(logic.finish_reason)
-    events = [
-        json.loads(line.removeprefix("data: ")) for line in stream.splitlines() if line.startswith("data: ")
-    ]
+    stream = _stream(streamed, pieces, logic.finish_reason)
+    events = sse_events(stream)
     added = [event["item"]["type"] for event in events if event["type"] == "response.output_item.added"]
     assert added == ["reasoning", "function_call", "message"]
     response = whole.whole_choice(pieces, logic.finish_reason)
@@ -404,12 +405,6 @@ def test_the_tools_are_checked_off_the_event_loop(server, monkeypatch):
     )
 
 
-def _events(stream: str) -> list[dict]:
-    return [
-        json.loads(line.removeprefix("data: ")) for line in stream.splitlines() if line.startswith("data: ")
-    ]
-
-
 def test_every_cut_of_an_answer_with_calls_is_the_same_items_streamed_and_whole_and_no_markup(served):
     """The answer Kimi writes (reasoning, text, two calls) cut after each of its tokens (`max_tokens`):
     the response is `incomplete`, its streamed items equal the whole response's, no text holds the tool
@@ -436,9 +431,7 @@ def test_every_cut_of_an_answer_with_calls_is_the_same_items_streamed_and_whole_
     for cut in range(1, len(tokens)):
         streamed, whole, logic, pieces = _thinking_answer(served, tokens, max_tokens=cut)
         assert logic.finish_reason == "length"
-        events = _events(
-            streamed.first() + "".join(streamed.piece(p) for p in pieces) + streamed.last("length")
-        )
+        events = sse_events(_stream(streamed, pieces, "length"))
         response = whole.whole_choice(pieces, logic.finish_reason)
         assert events[-1]["type"] == "response.incomplete" and response["status"] == "incomplete"
         assert without_ids(events[-1]["response"]["output"]) == without_ids(response["output"])

@@ -17,6 +17,7 @@ import torch
 from k3stream.server.grammar import MAX_GRAMMAR_CHARS
 from k3stream.server.kimi_output import Piece
 from k3stream.server.responses import ResponsesRequest
+from live_server import sse_events
 from test_server_responses import KEY, client, post, served, server  # noqa: F401 (fixtures)
 from test_server_tools import tool_gguf  # noqa: F401 (a fixture, the tool-calling chat model)
 
@@ -156,12 +157,6 @@ def codex_request() -> dict:
         "max_output_tokens": 16,  # Codex sends none; the tiny model is kept short
         "temperature": 0,
     }
-
-
-def sse_events(text: str) -> list[dict]:
-    return [
-        json.loads(line.removeprefix("data: ")) for line in text.splitlines() if line.startswith("data: ")
-    ]
 
 
 def test_a_codex_request_is_answered_as_if_its_hosted_tools_were_not_sent(server, caplog):  # noqa: F811
