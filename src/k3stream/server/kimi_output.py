@@ -19,15 +19,19 @@ arguments are the text between, stripped, JSON or not (as OpenAI's may not be: a
 makes them its schema's JSON). A call of a `freeform` tool (the Responses API's custom tools) opens
 whatever its arguments begin with, and they are the text between exactly as written. `on_call` hears
 each call's id and its arguments as the model wrote them, whitespace around them included, once the
-call ends. An answer that ends inside a section (`max_tokens` cut it) gives the call it cut as far as
-it came: a header naming a request tool is that call with no arguments, a delimiter or a header that
-names no tool yet is nothing (markup is never content). Anything else inside a section (an unknown
+call ends. An answer that ends inside a section (`max_tokens`, the end-of-sequence token or a stop
+string cut it) gives the call it cut as far as it came: a header naming a request tool is that call with
+no arguments, a delimiter or a header that names no tool yet is nothing (markup is never content). A
+call is *unfinished* (`OutputParser.unfinished`) where the answer ended before its end delimiter, or its
+arguments ended but are not a JSON object (a function's): such a call is sent as it came, and the
+answer's finish reason is not `tool_calls`. Anything else inside a section (an unknown
 function, arguments that are not an object) comes back as content, delimiters spelled as their token
 text.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -236,10 +240,16 @@ class OutputParser:
         self._space = ""  # whitespace after its arguments so far: sent only if more text follows
         self._written = ""  # its arguments as the model wrote them so far
         self._on_call = on_call
+        self.unfinished: set[int] = set()  # the indexes of the calls that are not to be run
 
     @property
     def made_calls(self) -> bool:
         return self._calls > 0
+
+    @property
+    def calls_complete(self) -> bool:
+        """Whether the answer made calls and every one ended with arguments its tool takes."""
+        return self.made_calls and not self.unfinished
 
     def feed(self, text: str) -> Piece:
         self._pending += text
@@ -253,6 +263,8 @@ class OutputParser:
         as it came (`_cut_section`), nothing of a cut think delimiter (`_held_markup`)."""
         piece = self.feed("")
         rest, self._pending = self._pending, ""
+        if self._open is not None:  # the answer ended inside the call's arguments
+            self.unfinished.add(self._open.index)
         if self._mode == "section":
             self._cut_section(rest, piece)
         elif not self._held_markup(rest):
@@ -288,6 +300,7 @@ class OutputParser:
         if named is not None:
             name, index = named
             piece.add_call(ToolCall(self._calls, f"functions.{name}:{index}", name, ""))
+            self.unfinished.add(self._calls)
             self._calls += 1
 
     def _cut_call_name(self, header: str, ended: bool) -> tuple[str, str] | None:
@@ -408,6 +421,8 @@ class OutputParser:
         if not taken[1]:
             self._space = text[len(sent) :]
             return False
+        if self._open.name not in self.freeform and not _is_object(self._written):
+            self.unfinished.add(self._open.index)
         if self._on_call is not None:
             self._on_call(self._open.id, self._written)
         self._space, self._open = "", None
@@ -439,3 +454,11 @@ def _prefix_overlap(text: str, delimiter: str) -> int:
         if delimiter.startswith(text[-size:]):
             return size
     return 0
+
+
+def _is_object(text: str) -> bool:
+    """Whether `text` is a JSON object."""
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False

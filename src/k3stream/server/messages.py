@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Request, Response
@@ -307,7 +308,7 @@ class MessageShapes:
 
     def whole_choice(self, pieces: list[Piece], reason: str) -> dict[str, Any]:
         runs = in_order(pieces)  # the blocks in the order the stream sends them
-        blocks = [_block(run, reason == "length" and n == len(runs) - 1) for n, run in enumerate(runs)]
+        blocks = [_block(run, self.job.logic.unfinished) for run in runs]
         word = self._stop_word()
         return {"content": blocks, "stop_reason": self._stop_reason(reason), "stop_sequence": word or None}
 
@@ -369,27 +370,23 @@ class MessageShapes:
         return [*events, named_event({"type": "content_block_stop", "index": self._blocks - 1})]
 
 
-def _block(run: Piece, cut: bool) -> dict[str, Any]:
-    """The content block of one run of the answer (`kimi_output.in_order`); `cut`: `max_tokens` ended
-    the answer in it."""
+def _block(run: Piece, unfinished: Callable[[int], bool]) -> dict[str, Any]:
+    """The content block of one run of the answer (`kimi_output.in_order`); `unfinished`: whether the
+    call at an index is not to be run."""
     if run.reasoning:
         return {"type": "thinking", "thinking": run.reasoning, "signature": ""}
     if run.content:
         return {"type": "text", "text": run.content}
-    return _call_block(run.tool_calls[0], cut)
+    call = run.tool_calls[0]
+    return _call_block(call, unfinished(call.index))
 
 
-def _call_block(call: ToolCall, cut: bool) -> dict[str, Any]:
-    """A tool call as a `tool_use` block; one `max_tokens` cut (`cut`) too, as it streamed and as
-    Anthropic's API answers one, its `input` the members its arguments hold whole (`_object_so_far`);
-    arguments that ended but are no JSON object as a text block of what the model wrote (no call to
-    run)."""
-    try:
-        arguments = _object_so_far(call.arguments) if cut else json.loads(call.arguments)
-    except (ValueError, RecursionError):
-        arguments = None
-    if not isinstance(arguments, dict):
-        return {"type": "text", "text": call.arguments}
+def _call_block(call: ToolCall, unfinished: bool) -> dict[str, Any]:
+    """A tool call as the `tool_use` block it streamed as; an unfinished one (cut by the answer's end, or
+    arguments that are no JSON object), as Anthropic's API answers a call `max_tokens` cuts, with the
+    members its arguments hold whole as `input` (`_object_so_far`), what the `anthropic` client reads
+    from its deltas: the answer's `stop_reason` is then not `tool_use`."""
+    arguments = _object_so_far(call.arguments) if unfinished else json.loads(call.arguments)
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments}
 
 
@@ -400,6 +397,7 @@ def _object_so_far(text: str) -> dict[str, Any]:
     closers: list[str] = []  # the brackets open at the end, innermost last
     last_end = (0, "")  # where a value or a bracket last ended outside a string, and the closers there
     in_string = escaped = False
+    read = len(text)  # the text read: up to a bracket that closes none open, where JSON cannot go on
     for index, char in enumerate(text):
         if in_string:
             in_string = escaped or char != '"'
@@ -410,12 +408,15 @@ def _object_so_far(text: str) -> dict[str, Any]:
             continue
         if char in "{[":
             closers.append("}" if char == "{" else "]")
-        elif char in "}]" and closers:
+        elif char in "}]":
+            if not closers or closers[-1] != char:
+                read = index
+                break
             closers.pop()
         elif char != ",":
             continue
         last_end = (index + (char != ","), "".join(reversed(closers)))
-    for end, closing in ((len(text), "".join(reversed(closers))), last_end):
+    for end, closing in ((read, "".join(reversed(closers))), last_end):
         try:
             value = json.loads(text[:end] + closing)
         except (ValueError, RecursionError):

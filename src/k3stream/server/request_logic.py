@@ -84,10 +84,17 @@ class RequestLogic:
 
     @property
     def finish_reason(self) -> str | None:
+        """The sequence's finish reason; `tool_calls` where it stopped after calls that all ended with
+        arguments their tools take (an unfinished call is sent, but not as one to run)."""
         reason = self.sequence.finish_reason
-        if reason == FINISH_STOP and self.parser is not None and self.parser.made_calls:
+        if reason == FINISH_STOP and self.parser is not None and self.parser.calls_complete:
             return "tool_calls"
         return reason
+
+    def unfinished(self, call_index: int) -> bool:
+        """Whether the call at `call_index` is one not to run: cut by the answer's end, or with arguments
+        its tool does not take."""
+        return self.parser is not None and call_index in self.parser.unfinished
 
     @property
     def completion_tokens(self) -> int:

@@ -637,7 +637,7 @@ class ResponseShapes:
         return events
 
     def _close(self, status: str) -> list[str]:
-        """Events that close the open item, which ends with `status`."""
+        """Events that close the open item, which ends with `status` (an unfinished call, `incomplete`)."""
         if self._open is None:
             return []
         item, at, events = self._items[-1], self._at(), []
@@ -652,7 +652,8 @@ class ResponseShapes:
                 self._event(f"response.{kind}.done", **at, content_index=0, text=part["text"], **logprobs)
             )
             events.append(self._event("response.content_part.done", **at, content_index=0, part=part))
-        item["status"] = status
+        unfinished = self._open.startswith("call:") and self.job.logic.unfinished(int(self._open[5:]))
+        item["status"] = "incomplete" if unfinished else status
         self._open = None
         events.append(self._event("response.output_item.done", output_index=at["output_index"], item=item))
         return events
