@@ -577,3 +577,34 @@ def test_a_forced_call_cut_before_its_arguments_is_an_incomplete_call_item_strea
         )
         named += len(whole.output)
     assert named, "no max_output_tokens cut the call between its name and its arguments"
+
+
+@pytest.fixture(scope="module")
+def small_client(tool_gguf):  # noqa: F811
+    """A client of the same model served with a context of 128 tokens."""
+    for served in cached_served(tool_gguf, "tiny-responses-small", ctx=128):
+        with keyed_server(served, KEY) as thread:
+            yield openai.OpenAI(base_url=thread.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("limit", [None, 100_000, 5])
+def test_a_response_cut_by_the_context_or_max_output_tokens_is_incomplete_streamed_and_whole(
+    small_client, limit
+):
+    """No limit, a limit past the context (cut where the context ends: prompt and output fill it) and
+    a limit inside it: each an `incomplete` response whose `incomplete_details.reason` is OpenAI's
+    `max_output_tokens` (its one reason for a cut output), streamed (`response.incomplete`) and whole."""
+    fields = {} if limit is None else {"max_output_tokens": limit}
+    request = {"model": "any-name", "instructions": SYSTEM, "input": ASK, "temperature": 0, **fields}
+    whole = small_client.responses.create(**request)
+    events = list(small_client.responses.create(**request, stream=True))
+    assert [event.type for event in events[:2]] == ["response.created", "response.in_progress"]
+    last = events[-1]
+    assert last.type == "response.incomplete" and not [e for e in events if e.type == "response.completed"]
+    for response in (whole, last.response):
+        assert response.status == "incomplete"
+        assert response.incomplete_details.reason == "max_output_tokens"
+        assert response.output[-1].status == "incomplete"
+        expected = 5 if limit == 5 else 128 - response.usage.input_tokens
+        assert response.usage.output_tokens == expected
+    assert last.response.output_text == whole.output_text
