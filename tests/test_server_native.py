@@ -519,3 +519,32 @@ def _poll(server, condition):
             return slots
         time.sleep(0.005)
     raise AssertionError(f"/slots never showed the expected state: {slots}")
+
+
+def test_an_answer_the_context_ends_is_truncated_as_llama_server_says_and_n_keep_cuts_no_prompt(
+    server, served
+):
+    """An answer that fills the context (prompt and output: 256 tokens) ends with `stop_type` `limit` and
+    `truncated` true, streamed and whole, as llama-server ends one without context shift (which a hybrid
+    model's recurrent state cannot do); one `n_predict` ends is not truncated. `n_keep`, `n_discard` and
+    `n_cache_reuse` (context shift's and chunk reuse's, both off there for such a model) change nothing, and
+    a prompt past the context is refused whatever `n_keep` says, never cut to fit."""
+    shift = {"n_keep": 4, "n_discard": 8, "n_cache_reuse": 16}
+    full = complete(server, prompt=PROMPT, temperature=0, ignore_eos=True)
+    assert (full["stop_type"], full["truncated"]) == ("limit", True)
+    assert full["tokens_evaluated"] + full["tokens_predicted"] == served.ctx
+    assert (
+        complete(server, prompt=PROMPT, temperature=0, ignore_eos=True, **shift)["content"] == full["content"]
+    )
+    reply = httpx.post(
+        server.url + "/completion",
+        json={"prompt": PROMPT, "temperature": 0, "ignore_eos": True, "stream": True},
+        headers=AUTH,
+        timeout=120,
+    )
+    last = json.loads(reply.text.strip().splitlines()[-1].removeprefix("data: "))
+    assert (last["stop"], last["stop_type"], last["truncated"]) == (True, "limit", True)
+    assert complete(server, prompt=PROMPT, **GREEDY)["truncated"] is False
+    too_long = post(server, "/completion", {"prompt": list(range(1, served.ctx + 9)), "n_keep": 4})
+    assert too_long.status_code == 400
+    assert too_long.json()["error"]["type"] == "exceed_context_size_error"

@@ -173,8 +173,11 @@ class NativeResult:
 
     done_line = ""  # llama-server ends a native stream without `[DONE]`
 
-    def __init__(self, job: Job, index: int, model: str, body: NativeCompletionRequest, prompt: str) -> None:
+    def __init__(
+        self, job: Job, index: int, model: str, body: NativeCompletionRequest, prompt: str, ctx: int
+    ) -> None:
         self.job = job
+        self.ctx = ctx  # the served context: an answer that fills it is `truncated`, as llama-server says
         self.index = index
         self.model = model
         self.body = body
@@ -254,12 +257,19 @@ class NativeResult:
             "generation_settings": self._settings(),
             "prompt": self.prompt,
             "has_new_line": "\n" in content,
-            "truncated": False,
+            "truncated": self._context_full(),
             "stop_type": _stop_type(logic.finish_reason, logic.sequence.stop_word),
             "stopping_word": logic.sequence.stop_word,
             "tokens_cached": len(job.prompt_tokens) + max(len(job.generated) - 1, 0),
             "timings": request_timings([job]),
         }
+
+    def _context_full(self) -> bool:
+        """Whether the context ended the answer (prompt and output fill it): llama-server's `truncated`
+        of a server without context shift (a hybrid model's, whose recurrent state cannot shift)."""
+        logic = self.job.logic
+        filled = len(self.job.prompt_tokens) + logic.completion_tokens >= self.ctx
+        return logic.finish_reason == "length" and filled
 
 
 _MISSING = object()
@@ -318,7 +328,7 @@ class NativeEndpoints:
         )
         # completion j of prompt i is result i * n + j, as llama-server orders them
         results = [
-            NativeResult(job, index, self.served.name, body, prepared[index // body.n][1])
+            NativeResult(job, index, self.served.name, body, prepared[index // body.n][1], self.served.ctx)
             for index, job in enumerate(jobs)
         ]
         return await self.api.stream(jobs, results, body).respond(request, body.stream, False)
