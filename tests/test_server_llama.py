@@ -531,7 +531,24 @@ def test_model_cards_carry_llama_servers_meta(server, client, served, model_path
     figures = subprocess.run(
         [sys.executable, "-c", LLAMA_META, str(model_path)], capture_output=True, text=True, check=True
     )
-    assert meta == json.loads(figures.stdout.strip().splitlines()[-1])
+    assert meta == {**json.loads(figures.stdout.strip().splitlines()[-1]), "n_ctx": served.ctx}
+
+
+def test_the_model_list_is_llama_servers_with_its_ollama_entry_and_api_tags_answers_it(server, served):
+    """`/v1/models`, `/models` and Ollama's `/api/tags` (open without the key, as llama-server leaves
+    them) answer one list: OpenAI's `data` and llama-server's Ollama-style `models` entry naming the
+    served model, which the `openai` client lists as ever."""
+    lists = [httpx.get(server.url + path, timeout=10) for path in ("/v1/models", "/models", "/api/tags")]
+    assert [reply.status_code for reply in lists] == [200] * 3
+    answers = [{k: v for k, v in reply.json().items() if k != "data"} for reply in lists]
+    assert answers[0] == answers[1] == answers[2]
+    (entry,) = answers[0]["models"]
+    assert entry["name"] == entry["model"] == served.name
+    assert (entry["capabilities"], entry["details"]["format"]) == (["completion"], "gguf")
+    assert [card["id"] for reply in lists for card in reply.json()["data"]] == [served.name] * 3
+    bare = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    assert [model.id for model in bare.models.list()] == [served.name]
+    assert httpx.post(server.url + "/api/tags", timeout=10).status_code == 405
 
 
 def test_streams_carry_token_ids_and_timings_per_token(server):

@@ -521,21 +521,23 @@ def _poll(server, condition):
     raise AssertionError(f"/slots never showed the expected state: {slots}")
 
 
-def test_an_answer_the_context_ends_is_truncated_as_llama_server_says_and_n_keep_cuts_no_prompt(
-    server, served
-):
+def test_an_answer_the_context_ends_is_truncated_and_n_keep_cuts_no_prompt(server, served):
     """An answer that fills the context (prompt and output: 256 tokens) ends with `stop_type` `limit` and
     `truncated` true, streamed and whole, as llama-server ends one without context shift (which a hybrid
     model's recurrent state cannot do); one `n_predict` ends is not truncated. `n_keep`, `n_discard` and
-    `n_cache_reuse` (context shift's and chunk reuse's, both off there for such a model) change nothing, and
-    a prompt past the context is refused whatever `n_keep` says, never cut to fit."""
+    `n_cache_reuse` (context shift's and chunk reuse's, both off there for such a model) change nothing but
+    `generation_settings`' echo, and a prompt past the context is refused whatever `n_keep` says, never
+    cut to fit."""
     shift = {"n_keep": 4, "n_discard": 8, "n_cache_reuse": 16}
     full = complete(server, prompt=PROMPT, temperature=0, ignore_eos=True)
     assert (full["stop_type"], full["truncated"]) == ("limit", True)
     assert full["tokens_evaluated"] + full["tokens_predicted"] == served.ctx
-    assert (
-        complete(server, prompt=PROMPT, temperature=0, ignore_eos=True, **shift)["content"] == full["content"]
-    )
+    shifted = complete(server, prompt=PROMPT, temperature=0, ignore_eos=True, **shift)
+    assert shifted["content"] == full["content"]
+    settings = shifted["generation_settings"]  # llama-server's echo of what was asked
+    assert (settings["n_keep"], settings["n_discard"], settings["repeat_last_n"]) == (4, 8, 64)
+    assert [settings[k] for k in ("stream", "timings_per_token", "post_sampling_probs")] == [False] * 3
+    assert (full["generation_settings"]["n_keep"], full["generation_settings"]["n_discard"]) == (0, 0)
     reply = httpx.post(
         server.url + "/completion",
         json={"prompt": PROMPT, "temperature": 0, "ignore_eos": True, "stream": True},
@@ -544,6 +546,7 @@ def test_an_answer_the_context_ends_is_truncated_as_llama_server_says_and_n_keep
     )
     last = json.loads(reply.text.strip().splitlines()[-1].removeprefix("data: "))
     assert (last["stop"], last["stop_type"], last["truncated"]) == (True, "limit", True)
+    assert last["generation_settings"]["stream"] is True
     assert complete(server, prompt=PROMPT, **GREEDY)["truncated"] is False
     too_long = post(server, "/completion", {"prompt": list(range(1, served.ctx + 9)), "n_keep": 4})
     assert too_long.status_code == 400

@@ -216,8 +216,9 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     _add_error_handlers(app)
     slots = SlotTable(scheduler.max_batch)
     api = Endpoints(served, scheduler, metrics, tokenizers, config.sse_keepalive_s, slots)
+    for path in ("/v1/models", "/models", "/api/tags"):  # llama-server's aliases of the list
+        app.get(path)(api.models)
     for prefix in ("/v1", ""):  # llama-server answers OpenAI's paths without /v1 too
-        app.get(f"{prefix}/models")(api.models)
         app.post(f"{prefix}/chat/completions")(api.chat_completions)
     app.post("/v1/chat/completions/input_tokens")(api.chat_input_tokens)
     app.post("/v1/completions")(api.completions)  # `/completions` is llama-server's native one
@@ -269,7 +270,9 @@ class Endpoints:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizers, function, *args)
 
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [self._card()]}
+        """OpenAI's model list, with llama-server's Ollama-style `models` entry beside it (what
+        `/api/tags` answers there too, for clients that list an Ollama server's models)."""
+        return {"models": [self._ollama_card()], "object": "list", "data": [self._card()]}
 
     async def model(self, model_id: str) -> dict[str, Any]:
         """OpenAI's model retrieval (`client.models.retrieve`): the served model's card, else a 404."""
@@ -285,6 +288,25 @@ class Endpoints:
             "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},  # llama-server's
             "max_model_len": self.served.ctx,
             "meta": self.served.meta(),
+        }
+
+    def _ollama_card(self) -> dict[str, Any]:
+        """The model as llama-server lists it to Ollama's clients: its name, and empty fields where Ollama
+        would give figures of its own store (digest, modification time)."""
+        name = self.served.name
+        details = {"parent_model": "", "format": "gguf", "family": "", "families": [""]}
+        return {
+            "name": name,
+            "model": name,
+            "modified_at": "",
+            "size": "",
+            "digest": "",
+            "type": "model",
+            "description": "",
+            "tags": [""],
+            "capabilities": ["completion"],
+            "parameters": "",
+            "details": {**details, "parameter_size": "", "quantization_level": ""},
         }
 
     async def health(self) -> Response:

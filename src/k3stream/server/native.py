@@ -86,6 +86,9 @@ class NativeCompletionRequest(SamplingFields):
     json_schema: dict[str, Any] | None = None
     special: bool = False  # special tokens' text in `content`
     samplers: list[str] | str | None = None
+    # context shift's (a hybrid model has none: taken, echoed in `generation_settings`, and do nothing)
+    n_keep: Annotated[int, Integral] = 0
+    n_discard: Annotated[int, Integral] = 0
 
     @model_validator(mode="after")
     def _n_cmpl_first(self) -> NativeCompletionRequest:
@@ -240,7 +243,17 @@ class NativeResult:
     def _settings(self) -> dict[str, Any]:
         """The sampling settings as served; a prompt-only job (`n_predict: 0`) samples with 1 but
         echoes the 0 it was asked."""
-        settings = {**llama_params(self.job.logic.params), "n_probs": self.body.n_probs}
+        body = self.body
+        settings = {
+            **llama_params(self.job.logic.params),
+            "repeat_last_n": body.repeat_last_n,
+            "n_keep": body.n_keep,
+            "n_discard": body.n_discard,
+            "stream": bool(body.stream),
+            "n_probs": body.n_probs,
+            "post_sampling_probs": body.post_sampling_probs,
+            "timings_per_token": bool(body.timings_per_token),
+        }
         if self.job.prompt_only:
             settings["n_predict"] = settings["max_tokens"] = 0
         return settings

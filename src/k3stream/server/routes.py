@@ -24,6 +24,7 @@ LLAMA_ENDPOINTS = frozenset(
         "/props",
         "/slots",
         "/lora-adapters",
+        "/api/tags",
         *NATIVE_ENDPOINTS,
         *OPENAI_ALIASES,
     }
@@ -34,8 +35,9 @@ LLAMA_ENDPOINTS = frozenset(
 ANTHROPIC_ENDPOINTS = ("/v1/messages", "/v1/messages/count_tokens")
 
 
-# what llama-server leaves open when it has an API key: health, the model list and the chat page
-PUBLIC_PATHS = frozenset({"/", "/health", "/v1/health", "/models", "/v1/models"})
+# what llama-server leaves open when it has an API key: health, the model list (Ollama's `/api/tags`
+# too) and the chat page
+PUBLIC_PATHS = frozenset({"/", "/health", "/v1/health", "/models", "/v1/models", "/api/tags"})
 
 
 def needs_api_key(path: str) -> bool:

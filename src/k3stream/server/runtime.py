@@ -365,12 +365,14 @@ class ServedModel(Runtime):
 
     def meta(self) -> dict[str, int]:
         """llama-server's `meta` of a model card: its vocabulary (2: byte-level BPE, llama.cpp's
-        LLAMA_VOCAB_TYPE_BPE), training context, embedding width, parameters and tensor bytes."""
+        LLAMA_VOCAB_TYPE_BPE), served and training contexts, embedding width, parameters and tensor
+        bytes."""
         config = self.model.config
         params, size = getattr(self.model, "file_weights", (0, 0))  # a parallel stand-in: unknown
         return {
             "vocab_type": 2,
             "n_vocab": self.vocab_size,
+            "n_ctx": self.ctx,
             "n_ctx_train": int(config.context_length),
             "n_embd": int(config.hidden),
             "n_params": params,
