@@ -551,3 +551,4 @@ def test_an_answer_the_context_ends_is_truncated_and_n_keep_cuts_no_prompt(serve
     too_long = post(server, "/completion", {"prompt": list(range(1, served.ctx + 9)), "n_keep": 4})
     assert too_long.status_code == 400
     assert too_long.json()["error"]["type"] == "exceed_context_size_error"
+    assert "n_keep truncates no prompt: the model's recurrent state" in too_long.json()["error"]["message"]

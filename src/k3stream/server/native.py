@@ -66,6 +66,11 @@ EMBEDDINGS_MESSAGE = "This server does not support embeddings. k3stream has no e
 RERANK_MESSAGE = "This server does not support reranking. k3stream has no reranking mode"
 
 PromptPieces = list[int | str]
+# why a prompt past the context is refused where a request's `n_keep` asks to keep part of it
+NOT_TRUNCATED = (
+    "; n_keep truncates no prompt: the model's recurrent state cannot drop tokens, so there is no context "
+    "shift (llama-server refuses such a prompt for a hybrid model too)"
+)
 
 
 class NativeCompletionRequest(SamplingFields):
@@ -333,12 +338,17 @@ class NativeEndpoints:
             raise invalid_request(message, param="n_cmpl")
         await self.api.check_request(body)
         prepared = [await self.api.off_loop(self._prepare, pieces, body) for pieces in body.prompts()]
-        jobs = self.api.submit_prompts(
-            body,
-            [(tokens, constraint) for tokens, _, constraint in prepared],
-            body.token_limit(),
-            top=body.n_probs or None,
-        )
+        try:
+            jobs = self.api.submit_prompts(
+                body,
+                [(tokens, constraint) for tokens, _, constraint in prepared],
+                body.token_limit(),
+                top=body.n_probs or None,
+            )
+        except APIError as error:
+            if error.code == "context_length_exceeded" and body.n_keep:
+                error.message += NOT_TRUNCATED
+            raise
         # completion j of prompt i is result i * n + j, as llama-server orders them
         results = [
             NativeResult(job, index, self.served.name, body, prepared[index // body.n][1], self.served.ctx)
