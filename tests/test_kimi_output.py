@@ -236,6 +236,40 @@ def test_valid_call_kept_when_a_later_one_is_cut_off(think_tokenizer):
     assert result.content == ""  # a header cut before its tool's name is whole names no call
 
 
+# answers and the indexes of their unfinished calls: cut inside (or right after) the arguments, before
+# them, or ended with arguments that are no JSON object
+UNFINISHED_CALLS = {
+    "both calls ended": (SECTION, set()),
+    "cut inside the second's arguments": (SECTION[: SECTION.index('"UTC"')], {1}),
+    "cut after a whole object, before the call's end": (
+        SECTION[: SECTION.index("}<|tool_call_end|>") + 1],
+        {0},
+    ),
+    "cut between the header and the arguments": (
+        SECTION[: SECTION.index("<|tool_call_argument_begin|>")],
+        {0},
+    ),
+    "arguments that end but are no object": (SECTION.replace('"Paris"}', '"Paris"]'), {0}),
+}
+
+
+@pytest.mark.parametrize("output, unfinished", UNFINISHED_CALLS.values(), ids=UNFINISHED_CALLS.keys())
+def test_a_call_is_unfinished_where_the_answer_ends_inside_it_or_its_arguments_are_no_object(
+    think_tokenizer, output, unfinished
+):
+    """`unfinished` names the calls not to run, however the text was split; `calls_complete` holds only
+    where the answer made calls and none is unfinished."""
+    fmt = KimiFormat.for_tokenizer(think_tokenizer)
+    pieces = released(think_tokenizer, fmt, output)
+    for feeds in (["".join(pieces)], pieces):
+        parser = OutputParser(fmt, TOOLS)
+        for text in feeds:
+            parser.feed(text)
+        parser.finish()
+        assert parser.unfinished == unfinished
+        assert parser.calls_complete == (not unfinished)
+
+
 def test_no_cut_inside_a_think_delimiter_of_several_tokens_spills_it_into_the_text():
     """Kimi-K3's think channel (`<|open|>think<|sep|>` ... `<|close|>think<|sep|><|open|>response<|sep|>`,
     several tokens each): an answer cut after any token never holds a piece of either delimiter in its
