@@ -105,7 +105,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, model_flag: bool = F
         "working set (default: up to 18 GiB of the free device memory, leaving 3 GiB)",
     )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="compute type; bfloat16 or float16 re-types the weights to dense matrices of that type and "
+        "takes the reference products (default float32: the GGUF types through the kernels)",
+    )
     parser.add_argument(
         "--threads",
         "-t",

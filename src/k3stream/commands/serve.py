@@ -34,8 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, model_flag=True)
     add_parallel_arguments(parser)
     add_cache_arguments(parser)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="port to listen on; 0: a free one, named in the startup line"
+    )
     parser.add_argument(
         "--served-model-name",
         "--alias",
@@ -185,7 +187,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory for POST /slots/{id}?action=save|restore files (default: slot actions off, 501)",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn's log level (default info: one line a request)",
     )
 
 
