@@ -188,16 +188,26 @@ def test_serve_takes_llama_servers_model_flag_and_request_defaults():
     assert _parsed_argv(["serve", "--port", "1"])["model"] is None
 
 
-@pytest.mark.parametrize(
-    "flags, words",
-    [(["-n", "0"], "--n-predict must be -1"), (["--temp", "-1"], "temperature must be >= 0"),
-     (["--top-p", "2"], "top_p must be in [0, 1]")],
-)  # fmt: skip
-def test_serve_request_defaults_refuse_bad_values_in_one_line(flags, words):
+def test_serve_request_defaults_refuse_bad_values_in_one_line():
     from k3stream.commands.serve import request_defaults
 
-    with pytest.raises(ValueError, match=re.escape(words)):
-        request_defaults(build_parser(["serve"]).parse_args(["serve", "m.gguf", *flags]))
+    with pytest.raises(ValueError, match=re.escape("--n-predict must be -1")):
+        request_defaults(build_parser(["serve"]).parse_args(["serve", "m.gguf", "-n", "0"]))
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat"])
+@pytest.mark.parametrize(
+    "flags, words",
+    [(["--temp", "-1"], "argument --temperature/--temp: '-1' is below 0"),
+     (["--top-p", "2"], "argument --top-p: '2' is not in [0, 1]"),
+     (["--min-p", "-0.1"], "argument --min-p: '-0.1' is not in [0, 1]"),
+     (["--top-k", "-3"], "argument --top-k: '-3' is below 0")],
+)  # fmt: skip
+def test_a_bad_sampling_flag_is_refused_naming_the_flag(command, flags, words, capsys):
+    """The refusal names the flag the user typed, before any model is opened."""
+    with pytest.raises(SystemExit):
+        _parsed_argv([command, "m.gguf", *(["-p", "x"] if command == "generate" else []), *flags])
+    assert words in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("limit", ["-2", "-1", "1", "7"])

@@ -54,6 +54,22 @@ def threads(text: str) -> int:
     return value
 
 
+def fraction(text: str) -> float:
+    """argparse type of sampling cut-offs (`--top-p`, `--min-p`): a number from 0 to 1."""
+    value = finite(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not in [0, 1]")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type of `--top-k`: an integer, 0 (off) or more."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is below 0")
+    return value
+
+
 def positive(text: str) -> float:
     """argparse type of scales such as an epsilon: a finite number above 0."""
     value = finite(text)
@@ -242,12 +258,14 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) 
         help="tokens to generate; -1: until the context is full (default %(default)s)",
     )
     parser.add_argument(
-        "--temperature", "--temp", type=float, default=0.8, help="0 is greedy (default %(default)s)"
+        "--temperature", "--temp", type=non_negative, default=0.8, help="0 is greedy (default %(default)s)"
     )
-    parser.add_argument("--top-k", type=int, default=40, help="0 disables (default %(default)s)")
-    parser.add_argument("--top-p", type=float, default=0.95, help="1 disables (default %(default)s)")
-    parser.add_argument("--min-p", type=float, default=0.05, help="0 disables (default %(default)s)")
-    parser.add_argument("--repeat-penalty", type=float, default=1.0, help="1 disables (default %(default)s)")
+    parser.add_argument("--top-k", type=non_negative_int, default=40, help="0 disables (default %(default)s)")
+    parser.add_argument("--top-p", type=fraction, default=0.95, help="1 disables (default %(default)s)")
+    parser.add_argument("--min-p", type=fraction, default=0.05, help="0 disables (default %(default)s)")
+    parser.add_argument(
+        "--repeat-penalty", type=positive, default=1.0, help="1 disables (default %(default)s)"
+    )
     parser.add_argument(
         "--repeat-last-n",
         type=int,
