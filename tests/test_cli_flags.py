@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from k3stream.cli import build_parser
+from k3stream.cli import COMMANDS, build_parser
 
 # (command, llama.cpp's spelling, k3stream's long spelling): each pair parses to the same settings
 SPELLINGS = [
@@ -269,3 +269,11 @@ def test_serve_chat_template_kwargs_must_be_plain_variables(value, words, capsys
     with pytest.raises(SystemExit):
         build_parser(argv).parse_args(argv)
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_flag_says_what_it_does_in_help(command):
+    """`k3stream COMMAND --help` is the manual of its flags: none is listed bare."""
+    (sub,) = build_parser([command])._subparsers._group_actions
+    bare = [action.option_strings[0] for action in sub.choices[command]._actions if not action.help]
+    assert not bare, f"`k3stream {command} --help` lists {bare} without saying what they do"
