@@ -144,6 +144,9 @@ def test_a_device_torch_does_not_name_is_the_flags_error(model_path, capsys):
         (["--cache-disk", "2"], "--cache-disk needs --cache-dir"),
         (["--cache-dir", "DIR", "--cache-ram", "0"], "--cache-dir needs --cache-ram above 0"),
         (["--cache-dir", "DIR", "--cache-disk", "0"], "--cache-disk 0 leaves --cache-dir"),  # wrote nothing
+        (["--cache-ram", "-5"], "--cache-ram must be at least 0, got -5"),
+        (["--cache-dir", "DIR", "--cache-disk", "-1"], "--cache-disk must be at least 0, got -1"),
+        (["--cache-every", "0"], "--cache-every must be at least 1, got 0"),
     ],
 )
 def test_cache_flags_that_would_do_nothing_are_a_one_line_error(

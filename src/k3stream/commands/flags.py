@@ -601,8 +601,13 @@ def check_cache_flags(args: argparse.Namespace) -> None:
     loads): a disk budget without a directory, a directory with a budget of 0 (nothing is written), a
     directory with reuse off (`--cache-ram 0`: the RAM tier is where a snapshot is made and restored,
     so there is no disk-only cache), a directory that cannot be made (it is made here)."""
-    if args.cache_ram < 0 or (args.cache_disk or 0) < 0 or args.cache_every < 1:
-        raise ValueError("--cache-ram and --cache-disk must be >= 0, --cache-every >= 1")
+    for flag, value, least in (
+        ("--cache-ram", args.cache_ram, 0),
+        ("--cache-disk", args.cache_disk or 0, 0),
+        ("--cache-every", args.cache_every, 1),
+    ):
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value:g}")
     if args.cache_disk is not None and args.cache_dir is None:
         raise ValueError("--cache-disk needs --cache-dir (the directory it budgets)")
     if args.cache_dir is not None and args.cache_disk == 0:
