@@ -134,7 +134,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, model_flag: bool = F
         type=threads,
         default=None,
         help=f"torch CPU threads, at most {MAX_THREADS} (llama.cpp's cap); 0 or less: every core, as "
-        "llama.cpp's -t",
+        "llama.cpp's -t (default: every core)",
     )
     add_arithmetic_arguments(parser)
     parser.add_argument(
