@@ -54,22 +54,6 @@ def threads(text: str) -> int:
     return value
 
 
-def fraction(text: str) -> float:
-    """argparse type of sampling cut-offs (`--top-p`, `--min-p`): a number from 0 to 1."""
-    value = finite(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not in [0, 1]")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type of `--top-k`: an integer, 0 (off) or more."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is below 0")
-    return value
-
-
 def positive(text: str) -> float:
     """argparse type of scales such as an epsilon: a finite number above 0."""
     value = finite(text)
@@ -258,14 +242,12 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) 
         help="tokens to generate; -1: until the context is full (default %(default)s)",
     )
     parser.add_argument(
-        "--temperature", "--temp", type=non_negative, default=0.8, help="0 is greedy (default %(default)s)"
+        "--temperature", "--temp", type=float, default=0.8, help="0 is greedy (default %(default)s)"
     )
-    parser.add_argument("--top-k", type=non_negative_int, default=40, help="0 disables (default %(default)s)")
-    parser.add_argument("--top-p", type=fraction, default=0.95, help="1 disables (default %(default)s)")
-    parser.add_argument("--min-p", type=fraction, default=0.05, help="0 disables (default %(default)s)")
-    parser.add_argument(
-        "--repeat-penalty", type=positive, default=1.0, help="1 disables (default %(default)s)"
-    )
+    parser.add_argument("--top-k", type=int, default=40, help="0 disables (default %(default)s)")
+    parser.add_argument("--top-p", type=float, default=0.95, help="1 disables (default %(default)s)")
+    parser.add_argument("--min-p", type=float, default=0.05, help="0 disables (default %(default)s)")
+    parser.add_argument("--repeat-penalty", type=float, default=1.0, help="1 disables (default %(default)s)")
     parser.add_argument(
         "--repeat-last-n",
         type=int,
@@ -302,18 +284,39 @@ def sampling_params(args: argparse.Namespace) -> Any:
     from k3stream.engine.sampling import SamplingParams
     from k3stream.server.schemas import fixed_seed
 
-    return SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repeat_penalty,
-        repetition_last_n=args.repeat_last_n,
-        seed=fixed_seed(args.seed),
-        max_tokens=sys.maxsize if args.max_tokens is None else args.max_tokens,  # the context bounds it
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-    )
+    try:
+        return SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repeat_penalty,
+            repetition_last_n=args.repeat_last_n,
+            seed=fixed_seed(args.seed),
+            max_tokens=sys.maxsize if args.max_tokens is None else args.max_tokens,  # the context bounds it
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+        )
+    except ValueError as exc:
+        raise in_sampling_flags(exc) from None
+
+
+# `SamplingParams`' field names in its messages, and the flags that set them
+SAMPLING_FLAGS = {
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "min_p": "--min-p",
+    "repetition_penalty": "--repeat-penalty",
+    "repeat_last_n": "--repeat-last-n",
+}
+
+
+def in_sampling_flags(error: ValueError) -> ValueError:
+    """A `SamplingParams` refusal in the words of the flag that gave the value ("top_p must be ..." ->
+    "--top-p must be ...")."""
+    field, _, rest = str(error).partition(" ")
+    return ValueError(f"{SAMPLING_FLAGS[field]} {rest}" if field in SAMPLING_FLAGS else str(error))
 
 
 def with_ends(params: Any, tokenizer: Any, stop_ids: tuple[int, ...]) -> Any:

@@ -197,8 +197,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_request_default_arguments(parser: argparse.ArgumentParser) -> None:
     """llama-server's sampling flags: what a request that does not name the field gets (without them,
     OpenAI's defaults: temperature 1, no top-k, top-p or min-p, no limit but the context)."""
-    from k3stream.commands.flags import fraction, non_negative, non_negative_int
-
     parser.add_argument(
         "--n-predict",
         "--predict",
@@ -207,10 +205,10 @@ def add_request_default_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens a request that names no max_tokens or n_predict may generate (-1: up to the context)",
     )
-    parser.add_argument("--temperature", "--temp", type=non_negative, default=1.0, help="default %(default)s")
-    parser.add_argument("--top-k", type=non_negative_int, default=0, help="0 disables (default %(default)s)")
-    parser.add_argument("--top-p", type=fraction, default=1.0, help="1 disables (default %(default)s)")
-    parser.add_argument("--min-p", type=fraction, default=0.0, help="0 disables (default %(default)s)")
+    parser.add_argument("--temperature", "--temp", type=float, default=1.0, help="default %(default)s")
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables (default %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 disables (default %(default)s)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="0 disables (default %(default)s)")
     parser.add_argument(
         "--seed", "-s", type=int, default=None, help="the seed of a request without one (-1: a fresh one)"
     )
@@ -252,7 +250,7 @@ def template_defaults(args: argparse.Namespace) -> dict[str, Any]:
 def request_defaults(args: argparse.Namespace) -> tuple[Any, int | None]:
     """The `SamplingParams` a request's absent fields take and the tokens one naming no limit may
     generate (None: up to the context), from the flags; a bad value is a one-line error naming it."""
-    from k3stream.commands.flags import predict_limit
+    from k3stream.commands.flags import in_sampling_flags, predict_limit
     from k3stream.engine.sampling import SamplingParams
     from k3stream.server.schemas import fixed_seed
 
@@ -269,7 +267,7 @@ def request_defaults(args: argparse.Namespace) -> tuple[Any, int | None]:
             seed=fixed_seed(args.seed),
         )
     except ValueError as exc:
-        raise ValueError(f"serve's sampling flags: {exc}") from None
+        raise in_sampling_flags(exc) from None
     return defaults, n_predict
 
 
