@@ -401,7 +401,7 @@ def test_command_errors_are_one_line(tmp_path, model_path):
     bad_flag = _cli("chat", str(model_path), "--top-p", "1.5", stdin="")
     assert (bad_flag.returncode, bad_flag.stderr.splitlines()) == (
         1,
-        ["k3stream chat: error: top_p must be in [0, 1], got 1.5"],
+        ["k3stream chat: error: --top-p must be in [0, 1], got 1.5"],
     )
     for threads in ("-1", "0"):  # llama.cpp's -t: every core (torch's set_num_threads refuses them)
         every_core = _cli("generate", str(model_path), "--prompt", "x", "-n", "2", "--threads", threads)

@@ -458,11 +458,12 @@ def test_rank_handed_full_vectors_fails_with_sglangs_message(kda_path, kda_model
 
 def test_sharding_rejects_uneven_split_and_bad_ranks(kda_path, kda_model):
     layer = kda_model.layers[1].attn
-    with pytest.raises(ValueError, match="cannot shard 4 KDA heads for tensor-parallel rank 0 of 3"):
-        shard_kda_weights(layer.w, layer.heads, 0, 3)
+    with pytest.raises(ValueError, match="^blk.1: 4 KDA heads cannot be split over 3 tensor-parallel ranks$"):
+        shard_kda_weights(layer.w, layer.heads, 0, 3, "blk.1")
     for tp_rank, tp_size in ((2, 2), (-1, 2)):
-        with pytest.raises(ValueError, match=f"tensor-parallel rank {tp_rank} of {tp_size}$"):
-            shard_kda_weights(layer.w, layer.heads, tp_rank, tp_size)
+        outside = rf"^blk.1: 4 KDA heads: rank {tp_rank} outside 0\.\.{tp_size - 1}$"
+        with pytest.raises(ValueError, match=outside):
+            shard_kda_weights(layer.w, layer.heads, tp_rank, tp_size, "blk.1")
     bad_ranks = {(2, 2): r"tp_rank must be in \[0, 2\), got 2", (0, 0): "tp_size must be >= 1, got 0"}
     for (tp_rank, tp_size), message in bad_ranks.items():
         with pytest.raises(ValueError, match=rf"^LoadOptions\.{message}$"):

@@ -143,3 +143,11 @@ def test_the_check_sees_function_level_and_relative_imports():
     edges = {(importer, name) for node in nodes for name in imported_modules(node, importer, False)}
     assert violations(edges) == {(importer, "k3stream.engine.generate"), (importer, "k3stream.server.app")}
     assert not violations({("k3stream.engine.loading", "k3stream.pack.builder")})
+
+
+def test_design_md_places_every_layer():
+    """docs/design.md's Layers paragraph, the contract this test holds, names every layer BENEATH has."""
+    design = (Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text()
+    paragraph = design[design.index("**Layers**") :].split("\n\n", 1)[0]
+    unnamed = [layer for layer in BENEATH if layer != "api" and f"`{layer}`" not in paragraph]
+    assert not unnamed, f"docs/design.md's Layers paragraph does not place {unnamed}"

@@ -296,10 +296,14 @@ def test_manifest_naming_another_pack(work, tmp_path):
     (work / PACK).rename(work / "moved.pack")
     check_fails(work, "Kimi expert-pack or manifest is missing")
     (work / "moved.pack").rename(work / PACK)
-    with pytest.raises(ValueError, match="^Kimi manifest expert-pack path does not match pack_path$"):
-        verify_pack(work / MANIFEST, pack_path=tmp_path / "other.pack")
-    with pytest.raises(ValueError, match="^Kimi manifest expert-pack path does not match pack_path$"):
-        ExpertPack(work / MANIFEST, pack_path=tmp_path / "other.pack")
+    named = (
+        f"Kimi manifest expert-pack path does not match pack_path: {work / MANIFEST} names "
+        f"{(work / PACK).resolve()}, not {(tmp_path / 'other.pack').resolve()}"
+    )
+    for opened in (verify_pack, ExpertPack):
+        with pytest.raises(ValueError) as caught:
+            opened(work / MANIFEST, pack_path=tmp_path / "other.pack")
+        assert str(caught.value) == named
 
 
 def test_audited_profile_messages(work):

@@ -197,7 +197,7 @@ def test_a_split_through_an_iq4_xs_block_is_refused_in_one_line(tiny_model, tmp_
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env())
     assert done.returncode != 0 and done.stdout == ""
     refusal = (
-        "model.layers.1.mlp.shared_experts.down_proj: IQ4_XS [64, 256] cannot be split over 2 "
+        "blk.1.ffn_down_shexp.weight: IQ4_XS [64, 256] cannot be split over 2 "
         "tensor-parallel ranks on its 256-value blocks"
     )
     lines = [line for line in done.stderr.splitlines() if refusal in line]
@@ -428,6 +428,28 @@ def test_a_split_off_block_boundaries_is_refused_naming_tensor_and_world():
     )
 
 
+def test_a_tensor_split_off_its_blocks_is_refused_by_its_gguf_name(tiny_model):
+    """--tp's refusals name what `inspect` and the file name: the GGUF tensor, not a module path."""
+    import k3stream
+    from k3stream.engine.parallel.tensor import apply_tensor_parallel
+
+    # two heads of 16 values: each of 2 ranks would read 16 of attn_output's 32 columns, half a Q8_0 block
+    model = k3stream.load(tiny_model(**dict(AUDITED, recipe="q8_0", kda_heads=2, mla_heads=2)))
+    with pytest.raises(ValueError) as excinfo:
+        apply_tensor_parallel(model, 0, 2)
+    assert str(excinfo.value) == (
+        "blk.0.attn_output.weight: Q8_0 [64, 32] cannot be split over 2 tensor-parallel ranks "
+        "on its 32-value blocks"
+    )
+    dense = k3stream.load(tiny_model(dense_ff=90))
+    dense.layers = dense.layers[:1]
+    with pytest.raises(ValueError) as excinfo:
+        apply_tensor_parallel(dense, 0, 4)
+    assert str(excinfo.value) == (
+        "blk.0.ffn_gate.weight, blk.0.ffn_up.weight: 90 rows cannot be split over 4 tensor-parallel ranks"
+    )
+
+
 def test_heads_and_experts_that_do_not_divide_are_refused(packed):
     import k3stream
     from k3stream.engine.parallel.experts import expert_partition
@@ -438,9 +460,7 @@ def test_heads_and_experts_that_do_not_divide_are_refused(packed):
     model.layers = [model.layers[mla]]
     with pytest.raises(ValueError) as excinfo:
         apply_tensor_parallel(model, 0, 3)
-    assert str(excinfo.value) == (
-        f"model.layers.{mla}.self_attn: 4 MLA heads cannot be split over 3 tensor-parallel ranks"
-    )
+    assert str(excinfo.value) == f"blk.{mla}: 4 MLA heads cannot be split over 3 tensor-parallel ranks"
     with pytest.raises(ValueError, match="^16 routed experts cannot be split over 3 expert-parallel ranks$"):
         expert_partition(16, 0, 3)
 

@@ -1,5 +1,6 @@
 """README.md stays a manual: at most 300 lines, every `k3stream ...` command it shows still parses with the
-command line's argparse (parsed only, never run), and every link to a file in it, or in docs/, exists."""
+command line's argparse (parsed only, never run), every flag it or docs/ gives a benchmark script is one the
+script takes, and every link to a file in it, or in docs/, exists."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 INLINE = re.compile(r"`([^`\n]+)`")
 COMMAND = re.compile(r"(?:^|\s)k3stream\s+(.+)$")  # `k3stream ...`, `$ k3stream ...`, `-m k3stream ...`
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+BENCHMARKS = ROOT / "benchmarks"
+BENCH_COMMAND = re.compile(r"\b(bench_\w+)\.py\b([^`]*)")
+FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def code_lines(markdown: str) -> list[str]:
@@ -60,11 +65,58 @@ def test_a_command_that_does_not_parse_is_caught():
         build_parser(argv).parse_args(argv)
 
 
-@pytest.mark.parametrize(
-    "page",
-    [README, *sorted((ROOT / "docs").glob("*.md"))],
-    ids=lambda path: path.relative_to(ROOT).as_posix(),
-)
+def benchmark_flags(markdown: str) -> list[tuple[str, str]]:
+    """(script, flag) for each flag shown after a `bench_*.py` in code, spans broken over lines joined;
+    a quoted value (`--k3stream-args "--ram-mib N"`) is another program's and left out."""
+    prose = INLINE.findall(re.sub(r"\s*\n\s*", " ", FENCE.sub("", markdown)))
+    found = []
+    for text in code_lines(markdown) + prose:
+        for script, args in BENCH_COMMAND.findall(text):
+            found += [(script, flag) for flag in FLAG.findall(re.sub(r"\"[^\"]*\"", "", args))]
+    return found
+
+
+def flags_taken(script: str) -> set[str]:
+    """The option strings a benchmark script gives argparse, with those of the benchmark modules and
+    command flag modules (`k3stream.commands.flags`) it imports."""
+    return {"--help", *_option_literals(BENCHMARKS / f"{script}.py", set())}
+
+
+def _option_literals(path: Path, seen: set[Path]) -> set[str]:
+    seen.add(path)
+    source = path.read_text()
+    found = set(re.findall(r"[\"'](--[a-z][\w-]*)[\"']", source))
+    for module in re.findall(
+        r"^\s*(?:import|from) (bench_\w+|k3stream\.commands\.\w+)", source, re.MULTILINE
+    ):
+        parts = module.split(".")
+        imported = (
+            BENCHMARKS / f"{module}.py"
+            if len(parts) == 1
+            else ROOT.joinpath("src", *parts[:-1], f"{parts[-1]}.py")
+        )
+        if imported not in seen:
+            found |= _option_literals(imported, seen)
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda path: path.relative_to(ROOT).as_posix())
+def test_benchmark_commands_shown_take_their_flags(page):
+    for script, flag in benchmark_flags(page.read_text()):
+        assert (BENCHMARKS / f"{script}.py").is_file(), f"{page.name} runs {script}.py, which does not exist"
+        taken = flags_taken(script)
+        assert flag in taken or flag.replace("--no-", "--", 1) in taken, (
+            f"{page.name} gives {script}.py {flag}, which it does not take"
+        )
+
+
+def test_a_benchmark_flag_the_script_lacks_is_caught():
+    shown = benchmark_flags("Run `python benchmarks/bench_forward.py --recipe\naudited --no-such-flag 3`.")
+    assert shown == [("bench_forward", "--recipe"), ("bench_forward", "--no-such-flag")]
+    assert "--recipe" in flags_taken("bench_forward") and "--no-such-flag" not in flags_taken("bench_forward")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda path: path.relative_to(ROOT).as_posix())
 def test_links_to_files_point_at_files_that_exist(page):
     for target in LINK.findall(page.read_text()):
         if re.match(r"[a-z]+:", target) or target.startswith("#"):

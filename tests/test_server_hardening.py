@@ -245,6 +245,9 @@ def test_api_keys_from_a_key_file_as_llama_server_reads_it(tmp_path):
         with pytest.raises(ValueError, match=words) as caught:
             api_key_from(None, keys)
         assert str(keys) in str(caught.value) and "\n" not in str(caught.value)
+    with pytest.raises(ValueError) as caught:
+        api_key_from(None, tmp_path / "missing.txt")
+    assert str(caught.value) == f"--api-key-file {tmp_path / 'missing.txt'}: No such file or directory"
 
 
 def test_head_answers_as_get_without_a_body(server):

@@ -113,6 +113,7 @@ def test_a_budget_below_one_working_set_is_refused_in_the_users_number(ram_mib, 
     assert str(refused.value).startswith(
         f"expert store ram budget {ram_mib} MiB is below one top-k working set"
     )
+    assert str(refused.value).endswith(f"({top_k} x {slot} bytes): --ram-mib takes that or more")
 
 
 @pytest.mark.parametrize("policy", ["lfu-lru", "lru", "arc", "cycle"])

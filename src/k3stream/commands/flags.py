@@ -105,14 +105,20 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, model_flag: bool = F
         "working set (default: up to 18 GiB of the free device memory, leaving 3 GiB)",
     )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="compute type; bfloat16 or float16 re-types the weights to dense matrices of that type and "
+        "takes the reference products (default float32: the GGUF types through the kernels)",
+    )
     parser.add_argument(
         "--threads",
         "-t",
         type=threads,
         default=None,
         help=f"torch CPU threads, at most {MAX_THREADS} (llama.cpp's cap); 0 or less: every core, as "
-        "llama.cpp's -t",
+        "llama.cpp's -t (default: every core)",
     )
     add_arithmetic_arguments(parser)
     parser.add_argument(
@@ -278,18 +284,39 @@ def sampling_params(args: argparse.Namespace) -> Any:
     from k3stream.engine.sampling import SamplingParams
     from k3stream.server.schemas import fixed_seed
 
-    return SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repeat_penalty,
-        repetition_last_n=args.repeat_last_n,
-        seed=fixed_seed(args.seed),
-        max_tokens=sys.maxsize if args.max_tokens is None else args.max_tokens,  # the context bounds it
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-    )
+    try:
+        return SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repeat_penalty,
+            repetition_last_n=args.repeat_last_n,
+            seed=fixed_seed(args.seed),
+            max_tokens=sys.maxsize if args.max_tokens is None else args.max_tokens,  # the context bounds it
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+        )
+    except ValueError as exc:
+        raise in_sampling_flags(exc) from None
+
+
+# `SamplingParams`' field names in its messages, and the flags that set them
+SAMPLING_FLAGS = {
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "min_p": "--min-p",
+    "repetition_penalty": "--repeat-penalty",
+    "repeat_last_n": "--repeat-last-n",
+}
+
+
+def in_sampling_flags(error: ValueError) -> ValueError:
+    """A `SamplingParams` refusal in the words of the flag that gave the value ("top_p must be ..." ->
+    "--top-p must be ...")."""
+    field, _, rest = str(error).partition(" ")
+    return ValueError(f"{SAMPLING_FLAGS[field]} {rest}" if field in SAMPLING_FLAGS else str(error))
 
 
 def with_ends(params: Any, tokenizer: Any, stop_ids: tuple[int, ...]) -> Any:
@@ -577,8 +604,13 @@ def check_cache_flags(args: argparse.Namespace) -> None:
     loads): a disk budget without a directory, a directory with a budget of 0 (nothing is written), a
     directory with reuse off (`--cache-ram 0`: the RAM tier is where a snapshot is made and restored,
     so there is no disk-only cache), a directory that cannot be made (it is made here)."""
-    if args.cache_ram < 0 or (args.cache_disk or 0) < 0 or args.cache_every < 1:
-        raise ValueError("--cache-ram and --cache-disk must be >= 0, --cache-every >= 1")
+    for flag, value, least in (
+        ("--cache-ram", args.cache_ram, 0),
+        ("--cache-disk", args.cache_disk or 0, 0),
+        ("--cache-every", args.cache_every, 1),
+    ):
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value:g}")
     if args.cache_disk is not None and args.cache_dir is None:
         raise ValueError("--cache-disk needs --cache-dir (the directory it budgets)")
     if args.cache_dir is not None and args.cache_disk == 0:

@@ -72,36 +72,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --like: the model's vocabulary size (tokenizer padded)",
     )
     for field in dataclasses.fields(TinySpec):
-        flag = flag_of(field.name)
         extra = {"choices": RECIPES} if field.name == "recipe" else {}
         if field.name in FITTING_SHAPES:
             extra = {
                 "help": f"default {field.default} ({FITTING_SHAPES[field.name]} with a quantized recipe)"
             }
-        if field.name == "release_matrices":
-            extra = {
-                "metavar": "true|false",
-                "help": "a mixed recipe's other matrices quantized as its releases store them (Q8_0 "
-                "where it names none, the token table too); default false, true with --like",
-            }
-        if field.name == "without":
-            extra = {
-                "metavar": "GROUPS",
-                "help": "optional tensors to leave out: attn_gate, shexp (comma-separated)",
-            }
         parser.add_argument(
-            flag,
+            flag_of(field.name),
             dest=field.name,
             type=field_parser(field),
             default=argparse.SUPPRESS,  # `run` tells given flags from defaults
-            **(
-                {
-                    "help": f"default {field.default}"
-                    + (" ('none' to omit)" if "None" in str(field.type) else "")
-                }
-                | extra
-            ),
+            **spec_flag_text(field, field.default) | extra,
         )
+
+
+# the spec fields whose flag needs more words than its default
+SPEC_FLAG_TEXT = {
+    "mla_layers": {
+        "metavar": "I,J,...",
+        "help": "MLA layer indices, comma-separated (default or 'none': every 4th from 1, and the last)",
+    },
+    "vocab": {"help": "vocabulary size, the built-in tokenizer padded with unused tokens (default: its 593)"},
+    "release_matrices": {
+        "metavar": "true|false",
+        "help": "a mixed recipe's other matrices quantized as its releases store them (Q8_0 where it "
+        "names none, the token table too); default false, true with --like",
+    },
+    "without": {
+        "metavar": "GROUPS",
+        "help": "optional tensors to leave out: attn_gate, shexp (comma-separated)",
+    },
+}
+
+
+def spec_flag_text(field: dataclasses.Field, default: object) -> dict[str, str]:
+    """argparse's help (and metavar) for the flag of a `TinySpec` field whose default is `default`."""
+    if field.name in SPEC_FLAG_TEXT:
+        return SPEC_FLAG_TEXT[field.name]
+    return {"help": f"default {default}" + (" ('none' to omit)" if "None" in str(field.type) else "")}
 
 
 def flag_of(field_name: str) -> str:

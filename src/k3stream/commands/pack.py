@@ -35,7 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     from k3stream.gguf.profile import PROFILES
 
-    parser.add_argument("--profile", choices=tuple(PROFILES), default="generic")
+    parser.add_argument(
+        "--profile",
+        choices=tuple(PROFILES),
+        default="generic",
+        help="checkpoint profile to enforce: generic (any supported type) or audited (the published recipe; "
+        "default %(default)s)",
+    )
     parser.add_argument(
         "--safety-margin-gib", type=finite, default=2.0, help="free space to keep beyond the pack (GiB)"
     )

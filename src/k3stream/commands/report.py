@@ -44,7 +44,7 @@ def statistics_lines(result: Any, store: Any, start: dict[str, Any] | None, toke
     lines.append(
         f"reads   {delta['pack_reads']} experts read from the pack ({prefetch['loads']} read ahead, "
         f"{prefetch['hits'] + prefetch['waits']} of them used), {format_mib(delta['pack_read_bytes'])}: "
-        f"{delta['bytes_per_token'] / 1024:.1f} KiB per token, {delta['read_gb_per_s']:.2f} GB/s"
+        f"{delta['bytes_per_token'] / 1024:.1f} KiB per token, {delta['read_gb_per_s']:.3g} GB/s"
     )
     return lines
 

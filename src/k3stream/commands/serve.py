@@ -34,8 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, model_flag=True)
     add_parallel_arguments(parser)
     add_cache_arguments(parser)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="port to listen on; 0: a free one, named in the startup line"
+    )
     parser.add_argument(
         "--served-model-name",
         "--alias",
@@ -185,7 +187,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory for POST /slots/{id}?action=save|restore files (default: slot actions off, 501)",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn's log level (default info: one line a request)",
     )
 
 
@@ -245,7 +250,7 @@ def template_defaults(args: argparse.Namespace) -> dict[str, Any]:
 def request_defaults(args: argparse.Namespace) -> tuple[Any, int | None]:
     """The `SamplingParams` a request's absent fields take and the tokens one naming no limit may
     generate (None: up to the context), from the flags; a bad value is a one-line error naming it."""
-    from k3stream.commands.flags import predict_limit
+    from k3stream.commands.flags import in_sampling_flags, predict_limit
     from k3stream.engine.sampling import SamplingParams
     from k3stream.server.schemas import fixed_seed
 
@@ -262,7 +267,7 @@ def request_defaults(args: argparse.Namespace) -> tuple[Any, int | None]:
             seed=fixed_seed(args.seed),
         )
     except ValueError as exc:
-        raise ValueError(f"serve's sampling flags: {exc}") from None
+        raise in_sampling_flags(exc) from None
     return defaults, n_predict
 
 

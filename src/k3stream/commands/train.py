@@ -53,38 +53,42 @@ TRAIN_SPEC_FIELDS: dict[str, object] = dict(
     context_length=1024,
 )
 # TinySpec fields that are not shape flags here
-NOT_SHAPE = ("recipe", "shards", "seed", "vocab")
+NOT_SHAPE = ("recipe", "shards", "seed", "vocab", "release_matrices")  # --recipes has no mixed recipe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from k3stream.commands.make_tiny import FLAG_ALIASES, field_parser
+    from k3stream.commands.make_tiny import field_parser, flag_of, spec_flag_text
     from k3stream.gguf.writer import TinySpec
     from k3stream.train.trainer import TrainOptions
 
     parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="where the GGUFs and train.json go")
     defaults = TrainOptions()
-    parser.add_argument("--minutes", type=float, default=defaults.minutes, help="wall-clock cap on training")
-    parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps (the lr schedule)")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="initial weights and batches")
-    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
-    parser.add_argument("--batch", type=int, default=defaults.batch, help="sequences per step")
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (AdamW)")
-    parser.add_argument("--warmup", type=int, default=defaults.warmup, help="steps of linear lr warm-up")
-    parser.add_argument("--bias-rate", type=float, default=defaults.bias_rate, help="router bias step")
-    parser.add_argument("--vocab-size", type=int, default=2048, help="tokens: 256 bytes, merges, specials")
+    flags = [
+        ("--minutes", float, defaults.minutes, "wall-clock cap on training"),
+        ("--steps", int, defaults.steps, "optimizer steps (the lr schedule)"),
+        ("--seed", int, defaults.seed, "initial weights and batches"),
+        ("--seq-len", int, defaults.seq_len, "tokens per training sequence"),
+        ("--batch", int, defaults.batch, "sequences per step"),
+        ("--lr", float, defaults.lr, "peak learning rate (AdamW)"),
+        ("--warmup", int, defaults.warmup, "steps of linear lr warm-up"),
+        ("--bias-rate", float, defaults.bias_rate, "router bias step"),
+        ("--vocab-size", int, 2048, "tokens: 256 bytes, merges, specials"),
+        ("--threads", threads, 1, "torch CPU threads (on shared cores one is the fastest)"),
+        ("--recipes", str, "f32,audited", "GGUFs to write (f32, f16, audited)"),
+    ]
+    for flag, parse, default, words in flags:
+        parser.add_argument(flag, type=parse, default=default, help=f"{words} (default {default})")
     parser.add_argument("--text-mib", type=float, default=None, help="read at most this much training text")
-    parser.add_argument(
-        "--threads", type=threads, default=1, help="torch CPU threads (on shared cores one is the fastest)"
-    )
-    parser.add_argument("--recipes", default="f32,audited", help="GGUFs to write (f32, f16, audited)")
     for spec_field in dataclasses.fields(TinySpec):
         if spec_field.name in NOT_SHAPE:
             continue
         default = TRAIN_SPEC_FIELDS.get(spec_field.name, spec_field.default)
-        flag = FLAG_ALIASES.get(spec_field.name, "--" + spec_field.name.replace("_", "-"))
-        parse = field_parser(spec_field)
         parser.add_argument(
-            flag, dest=spec_field.name, type=parse, default=default, help=f"default {default}"
+            flag_of(spec_field.name),
+            dest=spec_field.name,
+            type=field_parser(spec_field),
+            default=default,
+            **spec_flag_text(spec_field, default),
         )
 
 

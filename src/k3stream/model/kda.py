@@ -302,20 +302,16 @@ class KDA:
         return self.w.o_proj(gated.flatten(1).to(dtype))
 
 
-def shard_kda_weights(
-    weights: KDAWeights, heads: int, tp_rank: int, tp_size: int, name: str = "KDA"
-) -> KDAWeights:
+def shard_kda_weights(weights: KDAWeights, heads: int, tp_rank: int, tp_size: int, layer: str) -> KDAWeights:
     """The KDA weights of tensor-parallel rank `tp_rank` of `tp_size`: its heads only, in GGUF types.
 
     q/k/v/g/f_b/beta and the convs are column-parallel, `ssm_a` and `dt_bias` follow the heads,
     `o_proj` is row-parallel (sum the ranks' outputs), `f_a` is replicated and `o_norm` shared.
-    `name` (the layer's) prefixes the error of a matrix that cannot split on its block boundaries.
+    `layer` is the GGUF tensor prefix ("blk.3"): a refusal names the layer or tensor as the file does.
     """
-    if not 0 <= tp_rank < tp_size or heads % tp_size != 0:
-        raise ValueError(f"cannot shard {heads} KDA heads for tensor-parallel rank {tp_rank} of {tp_size}")
     head_dim = weights.o_norm.numel()
-    own_heads = part(heads, tp_rank, tp_size, name)
-    channels = part(heads * head_dim, tp_rank, tp_size, name, head_dim)
+    own_heads = part(heads, tp_rank, tp_size, f"{layer}: {heads} KDA heads")
+    channels = part(heads * head_dim, tp_rank, tp_size, f"{layer}: {heads} KDA heads", head_dim)
     d_inner = heads * head_dim
     conv_rows = torch.cat([weights.conv[i * d_inner :][channels] for i in range(3)])
     return replace(
@@ -326,7 +322,7 @@ def shard_kda_weights(
         g_proj=output_rows(weights.g_proj, channels),
         f_b_proj=output_rows(weights.f_b_proj, channels),
         b_proj=output_rows(weights.b_proj, own_heads),
-        o_proj=input_columns(weights.o_proj, channels, f"{name}.o_proj", tp_size),
+        o_proj=input_columns(weights.o_proj, channels, f"{layer}.attn_output.weight", tp_size),
         conv=conv_rows,
         ssm_a=rows_of(weights.ssm_a, own_heads),
         dt_bias=rows_of(weights.dt_bias, channels),

@@ -17,7 +17,7 @@ from k3stream.quant.types import row_bytes, type_name, type_size
 
 def part(count: int, rank: int, world: int, name: str, unit: int = 1) -> slice:
     """Rank `rank`'s equal share of `count` items split over `world` ranks, in whole `unit`s; `name`
-    says what is split ("model.layers.3.self_attn: 4 MLA heads")."""
+    says what is split, by its GGUF names ("blk.3: 4 MLA heads")."""
     if not 0 <= rank < world:
         raise ValueError(f"{name}: rank {rank} outside 0..{world - 1}")
     if count % (unit * world):

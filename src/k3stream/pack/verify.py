@@ -439,7 +439,10 @@ def pack_path_of(
 ) -> Path:
     stored = resolve_path(field(manifest, "expert_pack", "path"), manifest_path)
     if pack_path is not None and Path(pack_path).resolve() != stored:
-        raise ValueError("Kimi manifest expert-pack path does not match pack_path")
+        raise ValueError(
+            f"Kimi manifest expert-pack path does not match pack_path: {manifest_path} names {stored}, "
+            f"not {Path(pack_path).resolve()}"
+        )
     if not stored.is_file():
         raise FileNotFoundError(
             f"Kimi expert-pack or manifest is missing: {stored}, {manifest_path.resolve()}"

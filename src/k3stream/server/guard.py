@@ -105,7 +105,11 @@ def api_key_from(argument: str | None, key_file: Path | None = None) -> str | No
     locked). A key file that cannot be read, or holds a key with a comma, is a one-line error naming it."""
     keys = [argument] if argument is not None else []
     if key_file is not None:
-        lines = [line.strip() for line in key_file.read_text(encoding="utf-8").splitlines()]
+        try:
+            text = key_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--api-key-file {key_file}: {getattr(exc, 'strerror', None) or exc}") from None
+        lines = [line.strip() for line in text.splitlines()]
         found = [line for line in lines if line and not line.startswith("#")]
         if any("," in key for key in found):
             raise ValueError(f"--api-key-file {key_file}: a key holds a comma (keys are one a line)")

@@ -257,15 +257,16 @@ def tier_budgets(
     tier) is refused (ValueError)."""
     cuda = device.type == "cuda"
     if not cuda and gpu_mib:
-        raise ValueError(f"expert store GPU tier (gpu_mib={gpu_mib}) needs a CUDA device, got {device}")
+        raise ValueError(f"expert store GPU tier (--gpu-mib {gpu_mib:g}) needs a CUDA device, got {device}")
     budgets = {"gpu": float(gpu_mib)} if cuda else {"ram": ram_mib}
     if cuda and ram_mib:
         budgets["ram"] = ram_mib
     for name, mib in budgets.items():
         if int(mib * MIB) // slot_bytes < top_k:
             raise ValueError(
-                f"expert store {name} budget {mib:g} MiB is below one top-k "
-                f"working set of {top_k * slot_bytes / MIB:g} MiB ({top_k} x {slot_bytes} bytes)"
+                f"expert store {name} budget {mib:g} MiB is below one top-k working set of "
+                f"{top_k * slot_bytes / MIB:g} MiB ({top_k} x {slot_bytes} bytes): "
+                f"--{name}-mib takes that or more"
             )
     return budgets
 

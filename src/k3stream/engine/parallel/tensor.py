@@ -70,46 +70,50 @@ class VocabParallel:
 
 
 def apply_tensor_parallel(model: K3Model, rank: int, world: int) -> K3Model:
-    """Slice `model` in place to rank `rank` of `world` and wrap its row-parallel layers; returns it."""
+    """Slice `model` in place to rank `rank` of `world` and wrap its row-parallel layers; returns it.
+    A split that cannot be made is refused naming the GGUF layer or tensor ("blk.3.attn_output.weight")."""
     for layer in model.layers:
-        name = f"model.layers.{layer.index}"
-        layer.attn = _attention(layer, f"{name}.self_attn", rank, world)
+        prefix = f"blk.{layer.index}"
+        layer.attn = _attention(layer, prefix, rank, world)
         if isinstance(layer.ffn, LatentMoE):
             if layer.ffn.w.shared is not None:
-                layer.ffn.w.shared = _mlp(layer.ffn.w.shared, f"{name}.mlp.shared_experts", rank, world)
+                layer.ffn.w.shared = _mlp(layer.ffn.w.shared, f"{prefix}.ffn_{{}}_shexp.weight", rank, world)
         else:
-            layer.ffn = _mlp(layer.ffn, f"{name}.mlp", rank, world)
+            layer.ffn = _mlp(layer.ffn, f"{prefix}.ffn_{{}}.weight", rank, world)
     model.lm_head = VocabParallel(model.lm_head, rank, world)
     return model
 
 
-def _attention(layer: Layer, name: str, rank: int, world: int) -> KDA | MLA:
+def _attention(layer: Layer, prefix: str, rank: int, world: int) -> KDA | MLA:
     attn = layer.attn
     if isinstance(attn, KDA):
-        w = shard_kda_weights(attn.w, attn.heads, rank, world, name)
+        w = shard_kda_weights(attn.w, attn.heads, rank, world, prefix)
         w = replace(w, o_proj=AllReduced(w.o_proj))
         return KDA(w, attn.heads // world, attn.head_dim, attn.lower_bound, attn.eps)
-    heads = part(attn.heads, rank, world, f"{name}: {attn.heads} MLA heads")
+    heads = part(attn.heads, rank, world, f"{prefix}: {attn.heads} MLA heads")
     w = attn.w
     q_width, v_width = attn.nope + attn.rope, w.o_proj.in_features // attn.heads
+    o_proj = input_columns(w.o_proj, _scaled(heads, v_width), f"{prefix}.attn_output.weight", world)
     sharded = replace(
         w,
         q_b_proj=output_rows(w.q_b_proj, _scaled(heads, q_width)),
         k_b=_heads(w.k_b, heads),
         v_b=_heads(w.v_b, heads),
         g_proj=None if w.g_proj is None else output_rows(w.g_proj, _scaled(heads, v_width)),
-        o_proj=AllReduced(input_columns(w.o_proj, _scaled(heads, v_width), f"{name}.o_proj", world)),
+        o_proj=AllReduced(o_proj),
     )
     return MLA(sharded, heads.stop - heads.start, attn.nope, attn.rope, attn.kv_lora, attn.eps)
 
 
-def _mlp(mlp: SituMLP, name: str, rank: int, world: int) -> SituMLP:
-    width = part(mlp.gate_proj.out_features, rank, world, f"{name}: width {mlp.gate_proj.out_features}")
+def _mlp(mlp: SituMLP, tensor: str, rank: int, world: int) -> SituMLP:
+    """`tensor` is the GGUF name with `{}` for the role: "blk.0.ffn_{}.weight"."""
+    rows = mlp.gate_proj.out_features
+    width = part(rows, rank, world, f"{tensor.format('gate')}, {tensor.format('up')}: {rows} rows")
     return replace(
         mlp,
         gate_proj=output_rows(mlp.gate_proj, width),
         up_proj=output_rows(mlp.up_proj, width),
-        down_proj=AllReduced(input_columns(mlp.down_proj, width, f"{name}.down_proj", world)),
+        down_proj=AllReduced(input_columns(mlp.down_proj, width, tensor.format("down"), world)),
     )
 
 
