@@ -5,9 +5,12 @@
 Writes (or reuses) `make-tiny --like kimi-k3` for --layers layers with --experts routed experts (every
 matrix at its real shape, non-expert matrices Q8_0, experts Q2_K/Q3_K), packs it, and measures in one run:
 
-- the machine's bounds: the pack's read rate as the expert store reads it (objects in a random order,
-  top-k a request, the store's reader threads and splits, O_DIRECT, page cache dropped), before and
-  after the runs, the best of both (one stream's sequential rate beside it); the RAM read rate (the
+- the machine's bounds: the disk's best rate for the store's reads: the pack read as a streamed decode
+  reads it (`store_read_rate`: a layer's top-k objects a request, the layers in turn, the next request
+  queued while one lands, the store's reader threads and splits, O_DIRECT into buffers made ahead,
+  page cache dropped) before and after the runs, and each streamed run's own reads while the disk was
+  busy (`busy_rate`: the block device's bytes read over its busy time around the prefill and the
+  decode), the best of them all (one stream's sequential rate beside it); the RAM read rate (the
   fastest of `ram_read_rates`' passes in the resident k3stream process right before and after its
   per-kind profile: the same process, threads and OpenMP runtime as the kernels it bounds);
 - resident: both contenders with every file in the page cache and no memory limit (k3stream's expert
@@ -17,7 +20,7 @@ matrix at its real shape, non-expert matrices Q8_0, experts Q2_K/Q3_K), packs it
   --slack), page cache dropped, k3stream's expert budget f x expert bytes (`--ram-mib`).
 
 Per run: prefill and decode tok/s of both, and for k3stream the decode ms per token, pack bytes read
-per token, RAM hit rate, fetch wait, and the bound max(resident decode ms, read bytes / the store's read
+per token, RAM hit rate, fetch wait, and the bound max(resident decode ms, read bytes / the disk's best
 rate), its bytes those the run read (hint reads no step used included: a wrong hint raises the bound
 with the time it costs), and resident + the reads of experts no hint sent predicted.
 Per layer kind (KDA, MLA, dense FFN, MoE routed and shared; k3stream's eager decode path): ms per
@@ -303,7 +306,7 @@ def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> 
 
 def prefill_table(rows: list[dict], disk_rate: float) -> list[str]:
     """k3stream's prefill of the prompt, cold (the first after the load) and again (a fresh sequence
-    after one decode step), against max(the resident prefill's ms, its reads / the store's read rate);
+    after one decode step), against max(the resident prefill's ms, its reads / the disk's best rate);
     the cold one's CPU seconds, minor page faults, read buffers (made ahead when it started, and made
     during it: by its reads, or ahead by the store's prefault thread) and the time its fetches waited."""
     resident = next((row for row in rows if row["name"] == "resident" and row.get("k3_prefill")), None)
@@ -484,8 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         f"slice {gguf}: {format_size(gguf.stat().st_size)} ({format_size(expert_bytes)} routed experts), "
         f"{spec.n_layers} layers (MLA {spec.mla_layer_ids()}), {spec.n_experts} experts top-{spec.top_k}; "
         f"{args.prompt_tokens}-token prompt, {args.decode_tokens} decode steps, {args.threads} threads\n"
-        f"machine bounds: disk {store_rate[0] / 1e9:.2f} GB/s as the store reads (random objects, "
-        f"{spec.top_k} a request, its reader threads, O_DIRECT, page cache dropped; one sequential stream "
+        f"machine bounds: disk {store_rate[0] / 1e9:.2f} GB/s as the store reads (a layer's {spec.top_k} "
+        "random objects a request, the layers in turn, the next queued while one lands, its reader "
+        "threads, O_DIRECT into buffers made ahead, page cache dropped; one sequential stream "
         f"{sequential_rate / 1e9:.2f} GB/s), RAM {max(start_rates) / 1e9:.1f} GB/s ({args.threads} threads, "
         "at the start; the per-kind bound takes the resident run's own)",
         flush=True,
@@ -517,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         (1e3 / row["k3_decode"] for row in rows if row["name"] == "resident" and row.get("k3_decode")), None
     )
     print("\n".join(run_table(rows, resident_ms, disk_rate)))
-    print("\nprefill, k3stream (bound: max(resident prefill, reads / the store's read rate)):")
+    print("\nprefill, k3stream (bound: max(resident prefill, reads / the disk's best rate)):")
     print("\n".join(prefill_table(rows, disk_rate)))
     print("decode expert predictions, precision / recall:")
     print("\n".join(hint_lines(rows)))
