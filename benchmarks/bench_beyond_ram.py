@@ -110,6 +110,12 @@ def read_status():
     with open("/proc/self/status") as f:
         rows = [line.split() for line in f]
     return {row[0].rstrip(":"): int(row[1]) * 1024 for row in rows if row[0] in ("VmHWM:", "RssAnon:")}
+def read_disk(stat_path):  # the block device's bytes read and ms with a request in flight (None: unknown)
+    if not stat_path:
+        return None
+    with open(stat_path) as f:
+        fields = f.read().split()
+    return {"bytes": int(fields[2]) * 512, "busy_ms": int(fields[9])}
 """
 
 LLAMA_CHILD = (
@@ -185,6 +191,7 @@ def buffers():
     stats = store.stats()
     return {key: stats[key] for key in BUFFERS}
 def measured(name, tokens, work):
+    disk_before = read_disk(job.get("disk_stat"))
     before = bench.store_counters(store)
     hints_before = model.hints.summary()
     cpu_before, buffers_before = cpu_seconds(), buffers()
@@ -196,6 +203,9 @@ def measured(name, tokens, work):
     delta["cpu_s"] = {key: value - cpu_before[key] for key, value in cpu_seconds().items()}
     delta["buffers"] = {key: value - buffers_before[key] for key, value in buffers().items()}
     delta["buffers_ahead"] = buffers_before["buffers_prefaulted"]
+    disk_after = read_disk(job.get("disk_stat"))
+    if disk_after is not None:
+        delta["disk"] = {key: value - disk_before[key] for key, value in disk_after.items()}
     phases[name] = {"seconds": seconds, "tokens": tokens, **delta}
     io[name] = read_io()
 warm, first = model.new_state(), []
@@ -298,8 +308,17 @@ def run_k3stream(
         "warm_decode": getattr(args, "warm_decode", False),
         "profile_tokens": getattr(args, "profile_tokens", 0),
         "ram_rates": getattr(args, "ram_rates", False),
+        "disk_stat": device_stat(files[-1]) if files else None,
     }
     return run_child("k3stream", K3_CHILD, job, args.limit_bytes, files)
+
+
+def device_stat(path: Path) -> str | None:
+    """The `stat` file of the block device holding `path` (its reads and busy time), None where
+    there is none (tmpfs, overlay filesystems)."""
+    device = os.stat(path).st_dev
+    stat = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}/stat")
+    return str(stat) if stat.is_file() else None
 
 
 # ---- the report -----------------------------------------------------------------------------------

@@ -5,9 +5,12 @@
 Writes (or reuses) `make-tiny --like kimi-k3` for --layers layers with --experts routed experts (every
 matrix at its real shape, non-expert matrices Q8_0, experts Q2_K/Q3_K), packs it, and measures in one run:
 
-- the machine's bounds: the pack's read rate as the expert store reads it (objects in a random order,
-  top-k a request, the store's reader threads and splits, O_DIRECT, page cache dropped), before and
-  after the runs, the best of both (one stream's sequential rate beside it); the RAM read rate (the
+- the machine's bounds: the disk's best rate for the store's reads: the pack read as a streamed decode
+  reads it (`store_read_rate`: a layer's top-k objects a request, the layers in turn, the next request
+  queued while one lands, the store's reader threads and splits, O_DIRECT into buffers made ahead,
+  page cache dropped) before and after the runs, and each streamed run's own reads while the disk was
+  busy (`busy_rate`: the block device's bytes read over its busy time around the prefill and the
+  decode), the best of them all (one stream's sequential rate beside it); the RAM read rate (the
   fastest of `ram_read_rates`' passes in the resident k3stream process right before and after its
   per-kind profile: the same process, threads and OpenMP runtime as the kernels it bounds);
 - resident: both contenders with every file in the page cache and no memory limit (k3stream's expert
@@ -17,7 +20,7 @@ matrix at its real shape, non-expert matrices Q8_0, experts Q2_K/Q3_K), packs it
   --slack), page cache dropped, k3stream's expert budget f x expert bytes (`--ram-mib`).
 
 Per run: prefill and decode tok/s of both, and for k3stream the decode ms per token, pack bytes read
-per token, RAM hit rate, fetch wait, and the bound max(resident decode ms, read bytes / the store's read
+per token, RAM hit rate, fetch wait, and the bound max(resident decode ms, read bytes / the disk's best
 rate), its bytes those the run read (hint reads no step used included: a wrong hint raises the bound
 with the time it costs), and resident + the reads of experts no hint sent predicted.
 Per layer kind (KDA, MLA, dense FFN, MoE routed and shared; k3stream's eager decode path): ms per
@@ -32,6 +35,7 @@ import argparse
 import copy
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,34 +106,85 @@ def disk_read_rate(path: Path, limit: int) -> float:
     return sequential_read(path, limit)["gb_per_s"] * 1e9
 
 
-def store_read_rate(manifest: Path, batch: int, limit: int, seed: int = 0) -> float:
-    """The pack's read rate the way the expert store reads it under a memory limit (bytes per second):
-    whole objects in a random order (a token's misses lie anywhere in the pack), `batch` of them a
-    request (a layer's top-k), with the store's reader threads and splits (`StoreOptions`,
-    `ExpertStore` defaults), O_DIRECT into recycled buffers, page cache dropped; at most `limit` bytes."""
-    import inspect
+def decode_reads(layers: list[int], experts: int, batch: int, steps: int, seed: int) -> list[list[tuple]]:
+    """`steps` requests as a streamed decode makes them: the MoE layers in turn, each request `batch`
+    distinct experts of one layer (a token's top-k there), drawn at random (a token's misses lie
+    anywhere in its layer)."""
     import random
 
-    from bench_read_cpu import read_all
+    draw = random.Random(seed)
+    return [
+        [(layers[step % len(layers)], expert) for expert in draw.sample(range(experts), batch)]
+        for step in range(steps)
+    ]
+
+
+def store_read_rate(manifest: Path, batch: int, limit: int, seed: int = 0) -> float:
+    """The pack's read rate the way the expert store reads it under a memory limit (bytes per second):
+    whole objects, each request a layer's `batch` experts, the layers in turn (`decode_reads`), with
+    the store's reader threads and splits (`StoreOptions`, `ExpertStore` defaults), O_DIRECT into
+    recycled buffers, page cache dropped, at most `limit` bytes; each request queued while the one
+    before it is read (as a decode's read-ahead and hints queue the next layer's), so the readers
+    never wait for a request: the best the store's reads get from the disk."""
+    import inspect
+
     from k3stream.engine.loading import StoreOptions
     from k3stream.pack.reader import ExpertPack
     from k3stream.store.expert_store import ExpertStore
-    from k3stream.store.pack_io import PackFile
+    from k3stream.store.pack_io import PackFile, ReadRequest
     from k3stream.store.reader import RecycledBuffers
 
     splits = inspect.signature(ExpertStore).parameters["read_splits"].default
     with ExpertPack(manifest) as pack:
-        keys = [(layer, expert) for layer in pack.moe_layers for expert in range(pack.num_experts)]
-        random.Random(seed).shuffle(keys)
-        keys = keys[: max(batch, limit // pack.object_bytes)]
+        steps = max(1, limit // (batch * pack.object_bytes))
+        reads = decode_reads(sorted(pack.moe_layers), pack.num_experts, batch, steps, seed)
         file = PackFile(pack.path, io_threads=StoreOptions().io_threads, read_splits=splits, direct_io=True)
+        buffers = RecycledBuffers(pack.object_bytes, 2 * batch)
+        while buffers.prefault_one(2 * batch):  # made ahead, as the store makes its tier's
+            pass
         try:
             drop_page_cache(pack.path)
-            buffers = RecycledBuffers(pack.object_bytes, batch)
-            nbytes, _, seconds = read_all(pack, file, batch, buffers, False, keys)
+            nbytes, started, landing = 0, time.perf_counter(), None
+            for keys in reads:
+                ranges = [pack.object_range(*key) for key in keys]
+                taken = [buffers.take(size) for _, size in ranges]  # back once its view is dropped
+                requests = [
+                    ReadRequest(f"{key}", offset, size, buffer)
+                    for key, (offset, size), (buffer, _) in zip(keys, ranges, taken, strict=True)
+                ]
+                nbytes += sum(size for _, size in ranges)
+                queued = (file.start(requests, priority=1), taken)
+                if landing is not None:
+                    _finish(*landing)
+                landing = queued
+            _finish(*landing)
+            seconds = time.perf_counter() - started
         finally:
             file.close()
     return nbytes / seconds
+
+
+def _finish(reads, taken: list) -> None:
+    """Wait for `reads` to land; then the buffers and views they were `taken` with may go."""
+    for _ in reads:
+        pass
+
+
+def busy_rate(phase: dict) -> float | None:
+    """The disk's read rate while busy in a run's phase (bytes the device read / the time it had a
+    request in flight, from its `stat` file around the phase): the store's own reads, at their own
+    queue depth and pattern. None below 64 MiB read (a few ms of busy time, too coarse to rate)."""
+    disk = phase.get("disk")
+    if not disk or not disk["busy_ms"] or disk["bytes"] < 64 * MIB:
+        return None
+    return disk["bytes"] / disk["busy_ms"] * 1e3
+
+
+def busy_read_rates(results: list[dict]) -> list[float]:
+    """`busy_rate` of each run's prefill and decode where it has one."""
+    phases = (result["k3"].get("phases", {}) for result in results)
+    rates = (busy_rate(phase.get(name, {})) for phase in phases for name in ("prefill", "decode"))
+    return [rate for rate in rates if rate is not None]
 
 
 # ---- the runs ---------------------------------------------------------------------------------------
@@ -168,6 +223,7 @@ def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
             k3_prefill=k3["prefill_tok_s"], k3_decode=k3["decode_tok_s"], k3_read=k3["decode_read_per_token"]
         )
         row.update(hit=k3["decode_hit_rate"], fetch_ms=k3["decode_fetch_ms_per_token"])
+        row["decode_busy_rate"] = busy_rate(result["k3"]["phases"]["decode"])
         row["budget"] = k3["ram_budget_bytes"]
         row["hints"] = result["k3"]["phases"]["decode"]["hints"]
         row["recall"] = row["hints"]["sent"]["recall"]  # of all the kinds sent
@@ -200,12 +256,14 @@ def _mb(value: float | None) -> str:
 
 
 def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> list[str]:
-    """One line per run; `disk_rate`: the pack read as the store reads it (`store_read_rate`)."""
+    """One line per run; `disk_rate`: the disk's best rate for the store's reads (`store_read_rate`
+    and the runs' own reads while the disk was busy, `busy_read_rates`)."""
     head = (
         "| run | llama.cpp prefill tok/s | k3stream prefill tok/s | llama.cpp decode tok/s | k3stream decode "
         "tok/s | k3/llama decode | k3stream decode ms/token | disk read/token MB (llama / k3) | RAM hit "
-        "rate | fetch wait ms/token | read ms/token (bytes / store read rate) | bound ms/token | bound / "
-        "measured | resident + unpredicted reads ms/token | that / measured |"
+        "rate | fetch wait ms/token | disk GB/s while busy in the decode | read ms/token (bytes / the "
+        "disk's best rate) | bound ms/token | bound / measured | resident + unpredicted reads ms/token | "
+        "that / measured |"
     )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for row in rows:
@@ -235,6 +293,7 @@ def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> 
             reads,
             _f(row.get("hit"), ".1%"),
             _f(row.get("fetch_ms"), ".1f"),
+            _f(row.get("decode_busy_rate") and row["decode_busy_rate"] / 1e9, ".2f"),
             _f(read_ms, ".1f"),
             _f(bound, ".0f"),
             _f(ratio, ".2f"),
@@ -247,7 +306,7 @@ def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> 
 
 def prefill_table(rows: list[dict], disk_rate: float) -> list[str]:
     """k3stream's prefill of the prompt, cold (the first after the load) and again (a fresh sequence
-    after one decode step), against max(the resident prefill's ms, its reads / the store's read rate);
+    after one decode step), against max(the resident prefill's ms, its reads / the disk's best rate);
     the cold one's CPU seconds, minor page faults, read buffers (made ahead when it started, and made
     during it: by its reads, or ahead by the store's prefault thread) and the time its fetches waited."""
     resident = next((row for row in rows if row["name"] == "resident" and row.get("k3_prefill")), None)
@@ -428,8 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         f"slice {gguf}: {format_size(gguf.stat().st_size)} ({format_size(expert_bytes)} routed experts), "
         f"{spec.n_layers} layers (MLA {spec.mla_layer_ids()}), {spec.n_experts} experts top-{spec.top_k}; "
         f"{args.prompt_tokens}-token prompt, {args.decode_tokens} decode steps, {args.threads} threads\n"
-        f"machine bounds: disk {store_rate[0] / 1e9:.2f} GB/s as the store reads (random objects, "
-        f"{spec.top_k} a request, its reader threads, O_DIRECT, page cache dropped; one sequential stream "
+        f"machine bounds: disk {store_rate[0] / 1e9:.2f} GB/s as the store reads (a layer's {spec.top_k} "
+        "random objects a request, the layers in turn, the next queued while one lands, its reader "
+        "threads, O_DIRECT into buffers made ahead, page cache dropped; one sequential stream "
         f"{sequential_rate / 1e9:.2f} GB/s), RAM {max(start_rates) / 1e9:.1f} GB/s ({args.threads} threads, "
         "at the start; the per-kind bound takes the resident run's own)",
         flush=True,
@@ -446,16 +506,22 @@ def main(argv: list[str] | None = None) -> int:
         results.append(
             run_pair(f"{fraction:.0%} of experts", gguf, manifest, prompt, args, limit, ram, files)
         )
-    # the disk's best of the rates measured before and after the runs (a shared disk varies)
+    # the disk's best: the store's reads timed apart before and after the runs (a shared disk varies),
+    # and the runs' own reads while the disk was busy (the decode's queue depth and pattern)
     store_rate.append(store_read_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30), seed=1))
-    disk_rate = max(store_rate)
-    print(f"the store's read rate after the runs {store_rate[1] / 1e9:.2f} GB/s; the bound takes the best")
+    busy = busy_read_rates(results)
+    disk_rate = max(store_rate + busy)
+    print(
+        f"the store's read rate after the runs {store_rate[1] / 1e9:.2f} GB/s; the runs' reads while the "
+        f"disk was busy: {', '.join(f'{rate / 1e9:.2f}' for rate in busy) or 'n/a'} GB/s (prefill, decode "
+        f"of each streamed run); the bounds take the best, {disk_rate / 1e9:.2f} GB/s"
+    )
     rows = [summary(result, len(prompt), args.decode_tokens) for result in results]
     resident_ms = next(
         (1e3 / row["k3_decode"] for row in rows if row["name"] == "resident" and row.get("k3_decode")), None
     )
     print("\n".join(run_table(rows, resident_ms, disk_rate)))
-    print("\nprefill, k3stream (bound: max(resident prefill, reads / the store's read rate)):")
+    print("\nprefill, k3stream (bound: max(resident prefill, reads / the disk's best rate)):")
     print("\n".join(prefill_table(rows, disk_rate)))
     print("decode expert predictions, precision / recall:")
     print("\n".join(hint_lines(rows)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,63 @@ def test_the_per_kind_bound_takes_the_resident_runs_fastest_ram_pass(monkeypatch
     assert kind_ram_rate(rows, [20e9], 2) == 62e9
     assert "fastest 62.0, median 35.0, slowest 30.0 GB/s" in capsys.readouterr().out
     assert kind_ram_rate(rows[:1], [20e9, 25e9], 2) == 25e9  # no resident profile: the start's passes
+
+
+def test_the_store_read_rate_reads_a_layers_top_k_a_request_the_layers_in_turn(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_real import decode_reads
+
+    steps = decode_reads([1, 2, 5], 32, 8, 7, seed=3)
+    assert [step[0][0] for step in steps] == [1, 2, 5, 1, 2, 5, 1]
+    assert all(len({layer for layer, _ in step}) == 1 for step in steps)  # one layer a request
+    assert all(len({expert for _, expert in step}) == 8 for step in steps)  # distinct experts
+    assert all(0 <= expert < 32 for step in steps for _, expert in step)
+    assert len({tuple(step) for step in steps}) > 1  # drawn, not one request repeated
+    assert decode_reads([1, 2, 5], 32, 8, 7, seed=3) == steps
+
+
+def test_the_disk_bound_takes_the_runs_reads_while_the_disk_was_busy(monkeypatch):
+    """A decode that read 300 MB in 100 ms of busy disk ran at 3 GB/s: a bound at a slower rate timed
+    apart would not be one. Phases reading under 64 MiB are too coarse to rate."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_real import busy_rate, busy_read_rates
+
+    decode = {"disk": {"bytes": 300_000_000, "busy_ms": 100}}
+    assert busy_rate(decode) == pytest.approx(3e9)
+    assert busy_rate({"disk": {"bytes": 1 << 20, "busy_ms": 1}}) is None
+    assert busy_rate({"disk": {"bytes": 1 << 30, "busy_ms": 0}}) is None
+    assert busy_rate({}) is None  # no block device behind the pack
+    runs = [
+        {"k3": {"phases": {"prefill": {"disk": {"bytes": 1e9, "busy_ms": 800}}, "decode": decode}}},
+        {"k3": {"error": "exit status 1"}},
+    ]
+    assert busy_read_rates(runs) == pytest.approx([1.25e9, 3e9])
+
+
+@pytest.mark.skipif(not Path("/sys/dev/block").is_dir(), reason="needs /sys/dev/block")
+def test_the_child_counts_the_disks_reads_and_busy_time_per_phase(tiny_model, tmp_path, monkeypatch):
+    """bench_beyond_ram's k3stream child: each phase's bytes the pack's block device read and the time it
+    was busy, at least the bytes the store read from the pack with O_DIRECT in that phase."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_beyond_ram as beyond
+    from k3stream.pack.builder import build_pack
+    from k3stream.testing.cgroups import ChildCgroup
+
+    gguf = tiny_model(n_layers=4, seed=2)
+    manifest = build_pack(gguf, tmp_path / "t.pack", tmp_path / "t.json").manifest
+    files = beyond.model_files(gguf, manifest)
+    files[-1] = tmp_path / "t.pack"
+    if beyond.device_stat(files[-1]) is None:
+        pytest.skip("the test's files are on no block device")
+    probe = ChildCgroup.create(f"k3stream-test-{id(object())}", 1 << 30)
+    if isinstance(probe, str):
+        pytest.skip(f"no writable memory cgroup: {probe}")
+    probe.remove()
+    run = argparse.Namespace(threads=1, decode_tokens=4, limit_bytes=1 << 30)
+    run.k3stream_args = ["--ram-mib", "0.15", "--direct-io"]  # a pack over its budget: every phase reads
+    result = beyond.run_k3stream(manifest, [1, 2, 3, 4, 5, 6], run, files)
+    assert "error" not in result, result.get("error")
+    for name in ("cold", "prefill", "decode"):
+        phase = result["phases"][name]
+        assert phase["disk"]["bytes"] >= phase["pack_read_bytes"] > 0
+        assert phase["disk"]["busy_ms"] >= 0

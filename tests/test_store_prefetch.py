@@ -214,7 +214,7 @@ def test_read_ahead_is_not_queued_behind_hints_and_reads_before_them(pack):
 
 def test_a_prefetch_waits_for_its_layer_before_it_goes_first(pack):
     """An expert prefetched for a layer whose step has not come is evicted only when nothing else can
-    go (a precise hint sent a layer early must survive the step before it); once its layer's fetch
+    go (a precise hint sent a layer early must survive the step before it); once its layer's step
     passed without it, it is the first to go."""
     layer, following = pack.moe_layers[0], pack.moe_layers[1]
     k = pack.top_k
@@ -228,6 +228,7 @@ def test_a_prefetch_waits_for_its_layer_before_it_goes_first(pack):
         store.fetch(following, [0])
         after = store.stats()
         assert after["pack_reads"] == before["pack_reads"] and after["prefetch_hits"] == 1
+        store.fetch(layer, [2 * k])  # another layer's step: a hint now is for `following`'s next
         store.prefetch(following, [1])
         drain(store)
         store.fetch(following, [2])  # its layer's step goes on without it: still fresh
@@ -298,3 +299,46 @@ def test_a_hint_that_follows_another_for_the_same_step_evicts_nothing(pack):
         store.prefetch(layer, second)
         drain(store)
         assert store.ready(layer, second) == second
+
+
+def test_a_step_evicts_what_a_hint_named_for_a_later_step_only_when_nothing_else_can_go(pack):
+    """A hint naming experts the tier holds keeps them for its layer's step as it keeps its reads: a
+    prefill's sweep of one layer evicted the next layer's hinted experts (least recently used here),
+    and that layer read them again at its router. Once their step has used them they go as ever."""
+    layer, later = pack.moe_layers[:2]
+    k = pack.top_k
+    with ExpertStore(pack, ram_mib=2 * k * pack.object_bytes / MIB, policy="lru") as store:
+        named = list(range(k))
+        store.fetch(later, named)  # the least recently used
+        store.fetch(layer, list(range(k)))
+        store.release()
+        store.prefetch(later, named)  # all held: nothing to read
+        drain(store)
+        store.fetch(layer, list(range(k, 2 * k)))  # evicts k: the unnamed ones
+        store.release()
+        assert store.ready(later, named) == named
+        assert store.ready(layer, range(k)) == []
+        store.fetch(later, named)  # their step
+        store.fetch(layer, list(range(k, 2 * k)))  # the named ones least recently used again
+        store.release()
+        store.fetch(layer, list(range(k)))  # evicted as ever
+        assert store.ready(later, named) == []
+        assert store.stats()["pack_reads"] == 4 * k
+
+
+def test_what_a_hint_keeps_for_its_layers_next_step_outlasts_the_steps_between(pack):
+    """A hint sent right after its layer's step (the next token's, in a model of two MoE layers) keeps
+    what it names through the other layer's step, which ends the hinted layer's step in progress."""
+    layer, later = pack.moe_layers[:2]
+    k = pack.top_k
+    with ExpertStore(pack, ram_mib=(2 * k + 1) * pack.object_bytes / MIB, policy="lru") as store:
+        named = list(range(k))
+        store.fetch(later, named)  # the least recently used
+        store.fetch(layer, list(range(k)))
+        store.fetch(later, [k])  # the hinted layer's step
+        store.release()
+        store.prefetch(later, named)  # for its next step
+        drain(store)
+        store.fetch(layer, list(range(k, 2 * k)))  # evicts k: the unnamed ones
+        assert store.ready(later, named) == named
+        assert store.ready(layer, range(k)) == []

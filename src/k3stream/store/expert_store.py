@@ -279,6 +279,10 @@ class ExpertStore:
             # step (a prefill's pre-attention hint after its layer-ahead one) fills free slots only too,
             # and so does a hint for a layer whose step comes after a step that large (a prefill's token
             # hint for its last layer): that step would evict what it read before its layer came
+            # what the tier holds of the hint is kept for its step as its reads are (`Tier.fresh`: evicted
+            # only when nothing else can go): a prefill's sweep of one layer's step would evict the next
+            # layer's experts its hint named, to read them again at that layer's router
+            self._compute.hold([key for key in keys if key in self._compute.buffers])
             too_large = max(0, len(loaded) - share)
             self._counts["prefetch_too_large"] += too_large
             if too_large:

@@ -47,8 +47,9 @@ class Tier:
         self.loading: dict[Key, Future] = {}
         self.prefetching: set[Key] = set()  # the keys of `loading` that a prefetch loads
         self.demanded: set[Key] = set()  # the keys of `prefetching` a fetch waits for
-        # prefetched for a layer whose step has not come yet: evicted only when nothing else can go
-        self.fresh: set[Key] = set()
+        # prefetched, or held and named by a hint, for a layer whose step has not come yet: evicted
+        # only when nothing else can go; each with the step during which it was marked
+        self.fresh: dict[Key, int] = {}
         self.counts = Counter(cache_hits=0, cache_misses=0, cache_evictions=0)
 
     def lookup(self, key: Key) -> bool:
@@ -113,7 +114,7 @@ class Tier:
         for key in keys:
             self.buffers.pop(key, None)
             self.ready.pop(key, None)
-            self.fresh.discard(key)
+            self.fresh.pop(key, None)
             self.counts["cache_evictions"] += 1
 
     def hand_out(self, key: Key, buffer: torch.Tensor) -> None:
@@ -165,6 +166,7 @@ class FrontTier(Tier):
         # misses, and they are neither prefetch loads nor prefetch uses (they are not predictions)
         self.ahead: set[Key] = set()
         self._stepping: set[int] = set()  # the layers of the latest fetch
+        self._step = 0  # steps begun (a fetch of other layers than the one before begins one)
         self.layer_counts = {layer: Counter(hits=0, misses=0) for layer in layers}
         self.prefetch_counts = Counter(
             prefetch_loads=0, prefetch_hits=0, prefetch_unused_evictions=0, prefetch_waits=0
@@ -174,18 +176,29 @@ class FrontTier(Tier):
         """`keys` are about to be read for the next fetch; the resident ones stay hits."""
         self.ahead.update(key for key in keys if key not in self.buffers)
 
+    def hold(self, keys: list[Key]) -> None:
+        """Keep `keys` for their layer's next step (`fresh`)."""
+        self.fresh.update(dict.fromkeys(keys, self._step))
+
     def fetched(self, keys: list[Key]) -> None:
         """A fetch of `keys` is over: what was read ahead for it has been counted. A fetch of another
-        layer ends the previous layer's step: what was prefetched for that one and not asked for is
-        no longer fresh."""
+        layer ends the previous layer's step: what was kept for that step (marked fresh before it
+        began) and not asked for is no longer fresh; what was marked during it is kept for the
+        layer's next step (a hint sent after a layer's step for its step in the next token)."""
         self.ahead.difference_update(keys)
         layers = {key[0] for key in keys}
         ended = self._stepping - layers
         if ended:
-            self.fresh = {key for key in self.fresh if key[0] not in ended}
+            began = self._step
+            self.fresh = {
+                key: marked for key, marked in self.fresh.items() if key[0] not in ended or marked >= began
+            }
+        if layers != self._stepping:
+            self._step += 1
         self._stepping = layers
 
     def lookup(self, key: Key) -> bool:
+        self.fresh.pop(key, None)  # its step came: the step's pins hold it now
         if key in self.ahead:  # read for this very fetch, only earlier: a miss
             self.unused.discard(key)
             self.counts["cache_misses"] += 1
@@ -195,7 +208,6 @@ class FrontTier(Tier):
         self.layer_counts[key[0]]["hits" if hit else "misses"] += 1
         if hit and key in self.unused:
             self.unused.discard(key)
-            self.fresh.discard(key)
             self.prefetch_counts["prefetch_hits"] += 1
         return hit
 
@@ -212,7 +224,7 @@ class FrontTier(Tier):
             self.prefetch_counts["prefetch_loads"] += 1
             if key not in self.demanded:
                 self.unused.add(key)
-                self.fresh.add(key)
+                self.hold([key])
         super().install(key, buffer, ready)
 
     def evict(self, keys: list[Key]) -> None:
