@@ -611,10 +611,10 @@ def _peak_above(run) -> int:
 def test_a_prefill_pass_stays_inside_the_working_buffers_its_plan_holds(tiny_model, tmp_path, experts):
     """A pass of `serve`'s (row-exact queries; its rows over a history) on a model whose routed
     experts' products are its largest buffers (8 of 64 experts a token) takes at most the working
-    buffers `serve`'s plan holds for that many rows attending the context: in RAM or streamed from a
-    pack (a quarter of the experts held), the step's pair outputs are held once (not as its groups,
-    their join and its reorder) and a kernel call's gate and up products for at most
-    `expert_run_pairs` of its pairs."""
+    buffers `serve`'s plan holds for that many rows attending the context (`ffn_floats`): in RAM one
+    group of all the step's pairs and their gate and up products; streamed from a pack (a quarter of
+    the experts held) groups as they arrive, their outputs kept once, not as the groups, their join
+    and its reorder."""
     import torch
 
     import k3stream
@@ -653,11 +653,3 @@ def test_a_prefill_pass_stays_inside_the_working_buffers_its_plan_holds(tiny_mod
     finally:
         set_row_exact(False)
     assert 0 < peak <= needs.working_bytes, (peak / MIB, needs.working_bytes / MIB)
-
-
-def test_the_plans_expert_kernel_calls_are_the_moe_steps():
-    """The plan's bound on an expert kernel call (`expert_run_pairs`) uses the MoE step's own split."""
-    from k3stream import memlimit
-    from k3stream.model import moe
-
-    assert (memlimit.GROUPS_PER_STEP, memlimit.MIN_RUN_PAIRS) == (moe.GROUPS_PER_STEP, moe.MIN_RUN_PAIRS)

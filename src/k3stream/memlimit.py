@@ -38,8 +38,6 @@ KERNEL_SHARE = 1 / 256
 SLAB_BYTES = 16 * MIB  # float32 rows of a weight dequantised at a time (`quant.matmul.SLAB_BYTES`)
 QUERY_BLOCK = 512  # MLA prefill queries attended at a time (`model.mla.QUERY_BLOCK`)
 STREAM_COPIES = 6  # residual-stream rows alive per token: x, its mix, the normed input, attention, sum, FFN
-GROUPS_PER_STEP = 8  # `model.moe.GROUPS_PER_STEP`: an expert kernel call takes at most this share of a step
-MIN_RUN_PAIRS = 1024  # `model.moe.MIN_RUN_PAIRS`: the pairs an expert kernel call may take whatever the step
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": MIB, "g": GIB, "t": 1 << 40}
@@ -214,38 +212,27 @@ def attention_floats(config: Any) -> int:
 
 def ffn_floats(config: Any) -> int:
     """Float32 values per prompt row alive at the wider feed-forward kind's peak: the dense MLP's gate,
-    up and activation; or the MoE's router logits and latent input, its routed pairs' outputs, and the
-    shared experts' gate and up (one kernel call's products: `expert_run_pairs`)."""
+    up and activation; or the MoE's router logits and latent input, its routed pairs' outputs with one
+    expert group's products (each pair's gate and up: a step whose experts are all in RAM is one group),
+    and the shared experts' gate and up."""
     dense = 3 * config.dense_ff if config.dense_layers else 0
     shared = 2 * config.expert_ff * config.n_shared
-    routed = config.n_experts + 2 * config.latent + config.top_k * config.latent
+    routed = config.n_experts + 2 * config.latent + config.top_k * (config.latent + 2 * config.expert_ff)
     return max(dense, routed + shared if config.moe_layers else 0)
-
-
-def expert_run_pairs(config: Any, rows: int) -> int:
-    """The most routed pairs one expert kernel call of a MoE step of `rows` rows computes, whose outputs
-    and gate and up products it holds beside the step's (`model.moe._runs`): a GROUPS_PER_STEP-th of
-    the step's pairs, one expert's (a pair a row at most) or MIN_RUN_PAIRS, never more than the step's."""
-    if not config.moe_layers:
-        return 0
-    pairs = rows * config.top_k
-    return min(pairs, max(-(-pairs // GROUPS_PER_STEP), rows, MIN_RUN_PAIRS))
 
 
 def activation_bytes(config: Any, rows: int, keys: int | None = None, row_exact: bool = False) -> int:
     """Float32 activations of a forward of `rows` prompt rows attending `keys` positions (default
     `rows`: one prefill holds its whole prompt): the residual stream with the attention-residual bank
-    (and the stacked copy a mix makes), the wider of a layer's attention and feed-forward, one expert
-    kernel call's outputs and products (`expert_run_pairs`), and the MLA scores: QUERY_BLOCK queries'
-    at a time, or one query's where each attends alone (`row_exact`, as `serve`'s prefills do:
-    `kernels.set_row_exact`)."""
+    (and the stacked copy a mix makes), the wider of a layer's attention and feed-forward, and the MLA
+    scores: QUERY_BLOCK queries' at a time, or one query's where each attends alone (`row_exact`, as
+    `serve`'s prefills do: `kernels.set_row_exact`)."""
     banks = -(-config.n_layers // max(config.block_size, 1))
     stream = (STREAM_COPIES + 2 * (banks + 1)) * config.hidden
     per_row = stream + max(attention_floats(config), ffn_floats(config))
     queries = 1 if row_exact else min(rows, QUERY_BLOCK)
     scores = 2 * config.n_heads * queries * (keys or rows) if config.mla_layers else 0
-    run = expert_run_pairs(config, rows) * (config.latent + 2 * config.expert_ff)
-    return 4 * (rows * per_row + scores + run)
+    return 4 * (rows * per_row + scores)
 
 
 def working_bytes(config: Any, rows: int, keys: int | None = None, row_exact: bool = False) -> int:

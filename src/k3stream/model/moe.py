@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,10 +16,6 @@ from k3stream.quant.kernels import MLP, Situ, bind_chosen_experts, cpu, expert_m
 # a step is computed in about this many groups at least: each waits only for what has not arrived
 # yet, and a smaller group costs a kernel call and a fetch (prefill steps have hundreds of experts)
 GROUPS_PER_STEP = 8
-# a kernel call computes at most a GROUPS_PER_STEP-th of a step's pairs (or one expert's, or this many):
-# its outputs and each pair's gate and up products are what a prefill pass holds besides the step's
-# joined outputs (`memlimit.expert_run_pairs`)
-MIN_RUN_PAIRS = 1024
 # llama.cpp clamps the sum of the chosen weights from below before renormalising
 MIN_WEIGHT_SUM = 6.103515625e-5
 
@@ -341,18 +336,17 @@ class LatentMoE:
             experts = self.source.fetch(self.layer, group)
             pending = [expert for expert in pending if expert not in experts]
             read = self._slide_window(order, read, len(ids) - len(pending) + ahead)
-            for run in _runs(group, pairs_of, max(-(-chosen.numel() // GROUPS_PER_STEP), MIN_RUN_PAIRS)):
-                pairs, computed = self._compute_group(latent, experts, run, pairs_of, chosen.shape[1])
-                if (
-                    joined is None
-                    and len(pairs) == chosen.numel()
-                    and np.array_equal(pairs, np.arange(len(pairs)))
-                ):
-                    return computed  # the whole step in one call, in pair order
-                if joined is None:  # each call's outputs copied in and dropped: held once, not as the
-                    # calls' outputs, their join and its reorder
-                    joined = computed.new_empty(chosen.numel(), computed.shape[1])
-                joined.index_copy_(0, torch.from_numpy(pairs).to(computed.device), computed)
+            pairs, computed = self._compute_group(latent, experts, group, pairs_of, chosen.shape[1])
+            if (
+                joined is None
+                and len(pairs) == chosen.numel()
+                and np.array_equal(pairs, np.arange(len(pairs)))
+            ):
+                return computed  # the whole step in one group, in pair order
+            if joined is None:  # each group's outputs copied in and dropped: a prefill pass's largest
+                # buffer (`memlimit.ffn_floats`) held once, not as the groups, their join and its reorder
+                joined = computed.new_empty(chosen.numel(), computed.shape[1])
+            joined.index_copy_(0, torch.from_numpy(pairs).to(computed.device), computed)
         return joined
 
     def _compute_group(
@@ -432,22 +426,6 @@ class LatentMoE:
             arrived = set(group)
             group += [expert for expert in asked if expert not in arrived][: min(least, slots) - len(group)]
         return group or asked[:1]
-
-
-def _runs(group: list[int], pairs_of: dict[int, np.ndarray], most: int) -> Iterator[list[int]]:
-    """`group`'s experts in the order of their first pairs, cut into runs of at most `most` pairs (an
-    expert with more is a run of its own): each one kernel call."""
-    run: list[int] = []
-    held = 0
-    for expert in sorted(group, key=lambda expert: pairs_of[expert][0]):
-        count = len(pairs_of[expert])
-        if run and held + count > most:
-            yield run
-            run, held = [], 0
-        run.append(expert)
-        held += count
-    if run:
-        yield run
 
 
 def _pairs_by_expert(chosen: torch.Tensor) -> dict[int, np.ndarray]:
