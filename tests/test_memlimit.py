@@ -607,35 +607,24 @@ def _peak_above(run) -> int:
     return status("VmHWM:") - before
 
 
-@pytest.mark.parametrize("experts", ["in RAM", "streamed"])
-def test_a_prefill_pass_stays_inside_the_working_buffers_its_plan_holds(tiny_model, tmp_path, experts):
+def test_a_prefill_pass_stays_inside_the_working_buffers_its_plan_holds(tiny_model):
     """A pass of `serve`'s (row-exact queries; its rows over a history) on a model whose routed
-    experts' products are its largest buffers (8 of 64 experts a token) takes at most the working
-    buffers `serve`'s plan holds for that many rows attending the context (`ffn_floats`): in RAM one
-    group of all the step's pairs and their gate and up products; streamed from a pack (a quarter of
-    the experts held) groups as they arrive, their outputs kept once, not as the groups, their join
-    and its reorder."""
+    experts' gate and up products are its largest buffers (8 of 64 experts a token, 1,024 wide, in RAM:
+    the step is one kernel call of all its pairs) takes at most the working buffers `serve`'s plan
+    holds for that many rows attending the context (`ffn_floats`)."""
     import torch
 
     import k3stream
-    from bench_helpers import pack_expert_bytes
     from k3stream.gguf.reader import K3Checkpoint
     from k3stream.memlimit import ServedShape, model_needs, pin_malloc_mmap_threshold
-    from k3stream.model.options import LoadOptions
-    from k3stream.pack.builder import build_pack
     from k3stream.quant.kernels import set_row_exact
-    from pack_helpers import copy_model
 
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak")
-    shape = dict(n_layers=4, n_experts=64, top_k=8, expert_ff=256, latent=512, kv_lora=256, qk_nope=32)
+    shape = dict(n_layers=4, n_experts=64, top_k=8, expert_ff=1024, latent=256, kv_lora=256, qk_nope=32)
     path = tiny_model(recipe="audited", context_length=4096, **shape)
     pin_malloc_mmap_threshold()  # as every command does: freed buffers go back to the system
-    if experts == "in RAM":
-        model = k3stream.load(path)
-    else:
-        manifest = build_pack(copy_model(path, tmp_path)).manifest
-        model = k3stream.load(manifest, LoadOptions(expert_ram_mib=pack_expert_bytes(manifest) / 4 / MIB))
+    model = k3stream.load(path)
     history, rows = 256, 2048
     needs = model_needs(K3Checkpoint.open(path), ServedShape(ctx=history + rows, prefill_rows=rows))
     generator = torch.Generator().manual_seed(0)
