@@ -592,21 +592,6 @@ def test_a_memory_limit_above_the_cgroups_is_refused_naming_both(
     )
 
 
-def _peak_above(run) -> int:
-    """The most resident memory `run()` took above what the process held before it (VmHWM, reset)."""
-
-    def status(field: str) -> int:
-        line = next(
-            line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field)
-        )
-        return int(line.split()[1]) * 1024
-
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to VmRSS
-    before = status("VmRSS:")
-    run()
-    return status("VmHWM:") - before
-
-
 def test_a_prefill_pass_stays_inside_the_working_buffers_its_plan_holds(tiny_model):
     """A pass of `serve`'s (row-exact queries; its rows over a history) on a model whose routed
     experts' gate and up products are its largest buffers (8 of 64 experts a token, 1,024 wide, in RAM:
@@ -618,9 +603,8 @@ def test_a_prefill_pass_stays_inside_the_working_buffers_its_plan_holds(tiny_mod
     from k3stream.gguf.reader import K3Checkpoint
     from k3stream.memlimit import ServedShape, model_needs, pin_malloc_mmap_threshold
     from k3stream.quant.kernels import set_row_exact
+    from memory_peak import peak_above
 
-    if not Path("/proc/self/clear_refs").exists():
-        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak")
     shape = dict(n_layers=4, n_experts=64, top_k=8, expert_ff=1024, latent=256, kv_lora=256, qk_nope=32)
     path = tiny_model(recipe="audited", context_length=4096, **shape)
     pin_malloc_mmap_threshold()  # as every command does: freed buffers go back to the system
@@ -638,7 +622,7 @@ def test_a_prefill_pass_stays_inside_the_working_buffers_its_plan_holds(tiny_mod
         model.prefill_last(state, ids(history))
         model.prefill_last(model.fork_state(state), ids(rows))  # the process's first large pass
         resumed = model.fork_state(state)
-        peak = _peak_above(lambda: model.prefill_last(resumed, ids(rows)))
+        peak = peak_above(lambda: model.prefill_last(resumed, ids(rows)))
     finally:
         set_row_exact(False)
     assert 0 < peak <= needs.working_bytes, (peak / MIB, needs.working_bytes / MIB)

@@ -347,6 +347,7 @@ class LatentMoE:
                 # buffer (`memlimit.ffn_floats`) held once, not as the groups, their join and its reorder
                 joined = computed.new_empty(chosen.numel(), computed.shape[1])
             joined.index_copy_(0, torch.from_numpy(pairs).to(computed.device), computed)
+            del computed  # not alive beside the next group's
         return joined
 
     def _compute_group(
