@@ -32,11 +32,13 @@ this process, no HTTP: the requests queued together, so every one finds the firs
 running) for each prefix length given, sharing on (`--cache-share 1`) and off: the threshold's measure.
 
 `--beyond-ram LIMIT` runs the session instead on bench_beyond_ram.py's model (512 experts top-8, its
-audited experts >= --ratio x LIMIT, written once into its cache), its experts streaming from the pack,
-in a child memory cgroup of LIMIT (the model files' page cache dropped first), planned as `k3stream serve
-PACK --memory-limit LIMIT --cache-ram MIB --prefill-chunk N --max-batch 1` plans (`--cache-ram` and the
-prefill passes' rows beside the experts): the same table, with the bytes read from disk
-during each prefill (`/proc/self/io`), and the cgroup's peak memory.
+audited experts >= --ratio x LIMIT, its context metadata a bound on the session's tokens:
+`session_bound`; written once into its cache), its experts streaming from the pack, in a child memory
+cgroup of LIMIT (the model files' page cache dropped first), planned as `k3stream serve PACK
+--memory-limit LIMIT --cache-ram MIB --prefill-chunk N --max-batch 1 --ctx C` plans for a context C of
+the session's tokens (`--cache-ram`, the session's state and the prefill passes' rows beside the
+experts): the same table, with the bytes read from disk during each prefill (`/proc/self/io`), and the
+cgroup's peak memory.
 """
 
 from __future__ import annotations
@@ -345,10 +347,10 @@ def main() -> None:
     if args.stalls_only:
         stalls(args)
         return
-    runtime = streamed(args) if args.pack else None
-    model = runtime.model if runtime else k3stream.load(args.model)
     tokenizer = Tokenizer.from_gguf(args.model)
     workload = build_workload(tokenizer, args)
+    runtime = streamed(args, session_tokens(workload, args)) if args.pack else None
+    model = runtime.model if runtime else k3stream.load(args.model)
     fingerprint = model_fingerprint(K3Checkpoint.open(args.model).shards)
     print(f"model {args.model} (context metadata {model.config.context_length}); {args.threads} threads; "
           f"system prompt {len(workload.system)} tokens, tool outputs "
@@ -370,6 +372,7 @@ def main() -> None:
         chat_prompt_times(args)
     if runtime is not None:  # the other parts run models of their own
         print(f"pack read by the expert store: {runtime.store.stats()['pack_read_bytes'] / MIB:.0f} MiB")
+        print(f"process peak resident memory (VmHWM): {_peak_resident() / MIB:.0f} MiB")
         runtime.close()
         return
     sweep(model, workload, args, fingerprint)
@@ -388,7 +391,7 @@ def beyond_ram(args) -> None:
     from bench_beyond_ram import DEFAULT_CACHE, ensure_model, model_files, model_spec
 
     limit = parse_size(args.beyond_ram)
-    spec = model_spec(limit, args.ratio)
+    spec = replace(model_spec(limit, args.ratio), context_length=session_bound(args))
     gguf, manifest = ensure_model(spec, DEFAULT_CACHE)
     files = model_files(gguf, manifest)
     print(
@@ -415,9 +418,33 @@ def beyond_ram(args) -> None:
     )
 
 
-def streamed(args):
-    """The runtime `k3stream serve PACK --memory-limit LIMIT --cache-ram MIB --prefill-chunk N --max-batch 1`
-    would load: serve's flags and memory plan (its prefill passes' rows among them)."""
+def _peak_resident() -> int:
+    """This process's peak resident set (VmHWM), in bytes: the plan's terms but the page cache's."""
+    line = next(
+        line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:")
+    )
+    return int(line.split()[1]) * 1024
+
+
+def session_bound(args) -> int:
+    """A power of two above the session's tokens (the system prompt and every turn's longest tool
+    output, template and answer, twice over): the beyond-memory model's context metadata, so that
+    `serve`'s plan can be given the session's context."""
+    turn = max(int(x) for x in args.tool_tokens.split(",")) + args.answer_tokens
+    return 1 << math.ceil(math.log2(2 * (args.system_tokens + (args.turns + 1) * turn)))
+
+
+def session_tokens(workload: Workload, args) -> int:
+    """The tokens the session reaches: its system prompt, every turn's tool output (the one after the
+    restart too), template and answer."""
+    turn = len(workload.assistant_open) + args.answer_tokens + len(workload.close)
+    return len(workload.system) + sum(map(len, workload.tools[: args.turns + 1])) + (args.turns + 1) * turn
+
+
+def streamed(args, ctx: int):
+    """The runtime `k3stream serve PACK --memory-limit LIMIT --cache-ram MIB --prefill-chunk N --max-batch 1
+    --ctx CTX` would load: serve's flags and memory plan (the session's state and its prefill passes'
+    rows among them)."""
     from k3stream.commands import serve
     from k3stream.commands.flags import runtime_from_args
 
@@ -425,9 +452,10 @@ def streamed(args):
     serve.add_arguments(parser)
     served = [args.pack, "--memory-limit", args.beyond_ram, "--threads", str(args.threads), "--device", "cpu"]
     served += ["--cache-ram", f"{args.cache_ram:g}", "--prefill-chunk", str(args.prefill_chunk)]
-    serve_args = parser.parse_args([*served, "--max-batch", "1"])
+    serve_args = parser.parse_args([*served, "--max-batch", "1", "--ctx", str(ctx)])
     runtime = runtime_from_args(serve_args)
     args.pass_rows = serve_args.prefill_pass.tokens  # the pass its plan holds: a prompt alone takes it
+    print(f"a prompt alone takes passes of {args.pass_rows} rows", flush=True)
     return runtime
 
 

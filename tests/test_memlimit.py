@@ -590,3 +590,39 @@ def test_a_memory_limit_above_the_cgroups_is_refused_naming_both(
         f"--memory-limit {format_size(parse_size(limit))}{expected} is above the 1.00 GiB limit"
         in done.stderr
     )
+
+
+def test_a_prefill_pass_stays_inside_the_working_buffers_its_plan_holds(tiny_model):
+    """A pass of `serve`'s (row-exact queries; its rows over a history) on a model whose routed
+    experts' gate and up products are its largest buffers (8 of 64 experts a token, 1,024 wide, in RAM:
+    the step is one kernel call of all its pairs) takes at most the working buffers `serve`'s plan
+    holds for that many rows attending the context (`ffn_floats`)."""
+    import torch
+
+    import k3stream
+    from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.memlimit import ServedShape, model_needs, pin_malloc_mmap_threshold
+    from k3stream.quant.kernels import set_row_exact
+    from memory_peak import peak_above
+
+    shape = dict(n_layers=4, n_experts=64, top_k=8, expert_ff=1024, latent=256, kv_lora=256, qk_nope=32)
+    path = tiny_model(recipe="audited", context_length=4096, **shape)
+    pin_malloc_mmap_threshold()  # as every command does: freed buffers go back to the system
+    model = k3stream.load(path)
+    history, rows = 256, 2048
+    needs = model_needs(K3Checkpoint.open(path), ServedShape(ctx=history + rows, prefill_rows=rows))
+    generator = torch.Generator().manual_seed(0)
+
+    def ids(count: int) -> list[int]:
+        return torch.randint(0, model.config.vocab_size, (count,), generator=generator).tolist()
+
+    set_row_exact(True)
+    try:
+        state = model.new_state()
+        model.prefill_last(state, ids(history))
+        model.prefill_last(model.fork_state(state), ids(rows))  # the process's first large pass
+        resumed = model.fork_state(state)
+        peak = peak_above(lambda: model.prefill_last(resumed, ids(rows)))
+    finally:
+        set_row_exact(False)
+    assert 0 < peak <= needs.working_bytes, (peak / MIB, needs.working_bytes / MIB)

@@ -126,3 +126,24 @@ def test_a_step_starting_on_experts_in_ram_computes_them_in_small_groups_while_i
                 groups_while_reading += 1
             done += len(experts)
         assert groups_while_reading >= 2, (layer, calls)  # read on after the first group
+
+
+def test_a_step_computed_in_groups_holds_its_pair_outputs_once(tiny_model):
+    """A prefill step whose experts arrive in many groups copies each group's outputs into one buffer
+    of the step's pairs and drops them: its peak stays under twice that buffer, where holding the
+    groups, their join and its reorder at once takes three times it (8 of 64 experts a row, 1,024-wide
+    outputs: the pairs' outputs are the step's largest buffer)."""
+    from k3stream.memlimit import pin_malloc_mmap_threshold
+    from memory_peak import peak_above
+
+    pin_malloc_mmap_threshold()  # as every command does: freed buffers go back to the system
+    path = tiny_model(recipe="audited", n_layers=4, n_experts=64, top_k=8, expert_ff=256, latent=1024,
+                      kv_lora=256, qk_nope=32, seed=8)  # fmt: skip
+    plain = k3stream.load(path)
+    source = ArrivingSource(GGUFExpertSource(plain.expert_source.checkpoint), 3, None)
+    model = k3stream.load(path, LoadOptions(expert_source=source, prefetch=False))
+    tokens = torch.randint(0, model.config.vocab_size, (2048,), generator=torch.Generator().manual_seed(0))
+    model.prefill_last(model.new_state(), tokens.tolist())  # the process's first large pass
+    peak = peak_above(lambda: model.prefill_last(model.new_state(), tokens.tolist()))
+    pair_outputs = len(tokens) * model.config.top_k * model.config.latent * 4
+    assert pair_outputs < peak < 2 * pair_outputs

@@ -13,8 +13,10 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import xxhash
 
 import k3stream
 from k3stream.engine.cache_folders import TEMPORARY_GRACE, FolderLock, _unheld
@@ -327,6 +329,125 @@ def test_a_damaged_parent_makes_its_children_misses(model, fingerprint, tmp_path
     assert restarted.stats.disk_errors >= 1
 
 
+def _snapshot_parts(path: Path) -> tuple[dict, list[np.ndarray]]:
+    """A snapshot file's header and its tensors, as the header lays them out."""
+    data = path.read_bytes()
+    start = len(MAGIC) + 8
+    (length,) = struct.unpack("<Q", data[len(MAGIC) : start])
+    header, offset, tensors = json.loads(data[start : start + length]), start + length, []
+    for _kind, *shapes in header["layers"]:
+        for shape in shapes:
+            count = math.prod(shape)
+            tensors.append(np.frombuffer(data, np.float32, count, offset).reshape(shape))
+            offset += 4 * count
+    return header, tensors
+
+
+def _write_snapshot(path: Path, header: dict, tensors: list[np.ndarray]) -> int:
+    """A snapshot file of `header` and `tensors` with a valid checksum, which it returns."""
+    encoded = json.dumps(header).encode()
+    body = MAGIC + struct.pack("<Q", len(encoded)) + encoded + b"".join(t.tobytes() for t in tensors)
+    checksum = xxhash.xxh3_64_intdigest(body)
+    path.write_bytes(body + struct.pack("<Q", checksum))
+    return checksum
+
+
+def _unchanged(header: dict, tensors: list[np.ndarray]) -> None:
+    pass
+
+
+def _rewritten(source: Path, target: Path, fingerprint: str, change=_unchanged) -> list[Path]:
+    """The snapshot files of `source` written into `target` under this `fingerprint` (its cache's
+    folder), each changed by `change(header, tensors)` (in place), parents first, every checksum valid
+    and each child naming its parent's new one."""
+    found = sorted(
+        (_snapshot_parts(path) for path in source.iterdir()), key=lambda part: len(part[0]["tokens"])
+    )
+    identities: dict[int, int] = {}
+    written = []
+    for header, tensors in found:
+        tensors = list(tensors)
+        header["fingerprint"] = fingerprint
+        if "parent" in header:
+            header["parent"][1] = identities[header["parent"][0]]
+        change(header, tensors)
+        written.append(target / file_name(tuple(header["tokens"])))
+        identities[len(header["tokens"])] = _write_snapshot(written[-1], header, tensors)
+    return written
+
+
+def _widen_latents(header: dict, tensors: list[np.ndarray]) -> None:
+    """Every MLA layer's rows one float wider (the first file's only: its child keeps the width)."""
+    if "parent" in header:
+        return
+    index = 0
+    for layer in header["layers"]:
+        if layer[0] == "mla":
+            layer[1][1] += 1
+            tensors[index] = np.pad(tensors[index], ((0, 0), (0, 1)))
+        index += len(layer) - 1
+
+
+def _empty_latent_shape(header: dict, tensors: list[np.ndarray]) -> None:
+    """The first MLA layer's shape [] (one value, as such a shape holds) in the first file."""
+    if "parent" in header:
+        return
+    index = 0
+    for layer in header["layers"]:
+        if layer[0] == "mla":
+            layer[1] = []
+            tensors[index] = np.zeros((), np.float32)
+            return
+        index += len(layer) - 1
+
+
+def _longer_logits(header: dict, tensors: list[np.ndarray]) -> None:
+    header["layers"][-1][1][0] += 1
+    tensors[-1] = np.append(tensors[-1], np.float32(9.0))
+
+
+FOREIGN_DIMENSIONS = {
+    "latent-width": {"kv_lora": 48},
+    "kda-head-width": {"kda_head_dim": 8},
+    "layer-count": {"n_layers": 8},
+    "vocabulary": {"vocab": 700},
+}
+HAND_EDITS = {"latent-width-in-a-parent": _widen_latents, "empty-latent-shape": _empty_latent_shape,
+              "logits-width": _longer_logits}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", [*FOREIGN_DIMENSIONS, *HAND_EDITS])
+def test_snapshot_files_of_other_widths_with_valid_checksums_are_misses(
+    model, fingerprint, tiny_model, tmp_path, caplog, case
+):
+    """Real snapshot files (a prompt, and a longer one chained to it) of a model of other dimensions, or
+    this model's with their header and tensors edited, rewritten into this model's folder with valid
+    checksums: each restore is a miss with a one-line warning naming the file and the header field,
+    the answer the cold one; never a failed request or another model's state."""
+    writer_model = (
+        k3stream.load(tiny_model(**FOREIGN_DIMENSIONS[case])) if case in FOREIGN_DIMENSIONS else model
+    )
+    first = ids(model, 30)
+    second = first + ids(model, 12, seed=1)
+    writer = PromptCache(writer_model, "f" * 16, 64 * MIB, tmp_path / "writer", 1 << 30, every=1 << 20)
+    for prompt in (first, second):
+        writer.prefill(prompt)
+    writer.close()
+    ours = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "ours", 1 << 30)
+    ours.close()  # its folder
+    files = _rewritten(writer.disk_dir, ours.disk_dir, ours.fingerprint, HAND_EDITS.get(case, _unchanged))
+    with caplog.at_level(logging.WARNING):
+        restarted = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "ours", 1 << 30, every=1 << 20)
+        for prompt in (second + [3], second, first):  # deepest first: each restore would take a file
+            got = restarted.prefill(prompt)
+            assert got.reused == 0 and torch.equal(got.logits, cold(model, prompt)), prompt
+    restarted.close()
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert all("\n" not in warning for warning in warnings)
+    named = [path for path in files if any(path.name in w and "header field layers" in w for w in warnings)]
+    assert files[0] in named, warnings  # the first file is changed in every case
+
+
 def test_a_temporary_file_is_removed_once_left_unwritten_for_the_grace(
     model, fingerprint, tmp_path, monkeypatch
 ):
@@ -607,7 +728,7 @@ def test_a_snapshot_file_is_written_from_its_tensors_own_memory(model, fingerpri
     tensors = [t for layer in kda for t in (layer.conv, layer.recurrent)]
     tensors += [layer.rows() for layer in snapshot.latents()] + [snapshot.logits]
     assert {tensor.data_ptr() for tensor in tensors} == addresses and len(views) == len(tensors)
-    back, _, _ = decode(b"".join(parts), fingerprint, tuple(tokens), model)
+    back, _, _ = decode(b"".join(parts), fingerprint, tuple(tokens), cache.layout)
     assert torch.equal(back.logits, snapshot.logits)
     cache.close()
 

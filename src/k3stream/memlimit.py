@@ -212,32 +212,35 @@ def attention_floats(config: Any) -> int:
 
 def ffn_floats(config: Any) -> int:
     """Float32 values per prompt row alive at the wider feed-forward kind's peak: the dense MLP's gate,
-    up and activation; or the MoE's router logits and latent input, its routed pairs with one expert
-    group's products, and the shared experts' gate and up."""
+    up and activation; or the MoE's router logits and latent input, its routed pairs' outputs with one
+    expert group's products (each pair's gate and up: a step whose experts are all in RAM is one group),
+    and the shared experts' gate and up."""
     dense = 3 * config.dense_ff if config.dense_layers else 0
     shared = 2 * config.expert_ff * config.n_shared
-    routed = config.n_experts + 2 * config.latent + config.top_k * config.latent
+    routed = config.n_experts + 2 * config.latent + config.top_k * (config.latent + 2 * config.expert_ff)
     return max(dense, routed + shared if config.moe_layers else 0)
 
 
-def activation_bytes(config: Any, rows: int, keys: int | None = None) -> int:
+def activation_bytes(config: Any, rows: int, keys: int | None = None, row_exact: bool = False) -> int:
     """Float32 activations of a forward of `rows` prompt rows attending `keys` positions (default
     `rows`: one prefill holds its whole prompt): the residual stream with the attention-residual bank
     (and the stacked copy a mix makes), the wider of a layer's attention and feed-forward, and the MLA
-    score blocks."""
+    scores: QUERY_BLOCK queries' at a time, or one query's where each attends alone (`row_exact`, as
+    `serve`'s prefills do: `kernels.set_row_exact`)."""
     banks = -(-config.n_layers // max(config.block_size, 1))
     stream = (STREAM_COPIES + 2 * (banks + 1)) * config.hidden
     per_row = stream + max(attention_floats(config), ffn_floats(config))
-    scores = 2 * config.n_heads * min(rows, QUERY_BLOCK) * (keys or rows) if config.mla_layers else 0
+    queries = 1 if row_exact else min(rows, QUERY_BLOCK)
+    scores = 2 * config.n_heads * queries * (keys or rows) if config.mla_layers else 0
     return 4 * (rows * per_row + scores)
 
 
-def working_bytes(config: Any, rows: int, keys: int | None = None) -> int:
+def working_bytes(config: Any, rows: int, keys: int | None = None, row_exact: bool = False) -> int:
     """A prefill of `rows` prompt rows (attending `keys`: `activation_bytes`), one row's logits and a
     dequantisation slab. Reads in flight are not here: a load reserves its slot in the expert budget
     before it reads."""
     logits = 2 * config.vocab_size * 4
-    return activation_bytes(config, rows, keys) + logits + SLAB_BYTES
+    return activation_bytes(config, rows, keys, row_exact) + logits + SLAB_BYTES
 
 
 def served_tokens(config: Any, ctx: int | None) -> int:
@@ -286,7 +289,10 @@ def config_needs(
     return ModelNeeds(
         nonexpert_bytes=nonexpert_bytes,
         state_bytes=state_bytes(config, tokens, shape.sequences),
-        working_bytes=working_bytes(config, rows, tokens if shape.prefill_rows else rows),
+        # a command that prefills in passes is `serve`, whose queries attend one at a time (row-exact)
+        working_bytes=working_bytes(
+            config, rows, tokens if shape.prefill_rows else rows, bool(shape.prefill_rows)
+        ),
         object_bytes=slot or mean,
         top_k=config.top_k,
         expert_bytes=(objects * slot if slot else expert_bytes) // shape.expert_ranks,

@@ -48,10 +48,12 @@ from k3stream.model.kda import KDAState
 from k3stream.model.snapshot import (
     LatentRows,
     Snapshot,
+    StateLayout,
     check_fits,
     prefill_marked_batch,
     restore,
     restores_exactly,
+    state_layout,
     take_snapshot,
 )
 from k3stream.pack.fileio import write_bytes_atomic
@@ -506,6 +508,11 @@ class PromptCache:
             self._row_exact = weakref.finalize(self, _RowExactUsers.leave)
             _RowExactUsers.enter()
 
+    @functools.cached_property
+    def layout(self) -> StateLayout:
+        """The shapes of this model's snapshots, which a file's header must give."""
+        return state_layout(self.model)
+
     @property
     def enabled(self) -> bool:
         return self.ram_budget > 0
@@ -726,7 +733,7 @@ class PromptCache:
             raise ValueError("the prompt cache is off (--cache-ram 0)")
         tokens = tuple(read_header(path, self.fingerprint)["tokens"])
         data = read_file(path)
-        snapshot, parent, _ = decode(data, self.fingerprint, tokens, self.model)
+        snapshot, parent, _ = decode(data, self.fingerprint, tokens, self.layout)
         if parent != (0, 0) or any(layer is None for layer in snapshot.layers):
             raise ValueError("a prompt-cache file that depends on others, not a saved slot")
         check_fits(self.model.new_state(), snapshot)
@@ -879,7 +886,7 @@ class PromptCache:
         identity and parent kept (its children still chain through it), outside the lock; False where it
         cannot be read or written (a warning; the file stays whole and restorable)."""
         try:
-            own, parent, identity = decode(read_file(path), self.fingerprint, entry.tokens, self.model)
+            own, parent, identity = decode(read_file(path), self.fingerprint, entry.tokens, self.layout)
             rows = Snapshot(own.length, tuple(layer if _is_rows(layer) else None for layer in own.layers))
             reference = parent if parent[0] else None
             parts = encode(self.fingerprint, entry.tokens, rows, reference, 0, identity)
@@ -966,6 +973,7 @@ class PromptCache:
             try:
                 header = read_header(path, self.fingerprint)
                 tokens, layers = tuple(header["tokens"]), list(header.get("layers", []))
+                check_layers(layers, self.layout, bool(header.get("rows_only")))
                 if path.name != file_name(tokens):  # renamed, or swapped with another
                     raise ValueError("not the file its token ids name")
                 has_logits = any(layer[:1] == ["logits"] for layer in layers)
@@ -1025,7 +1033,7 @@ class PromptCache:
 
     def _read_chain(self, tokens: tuple[int, ...], path: Path) -> Snapshot:
         """The whole snapshot of `tokens` from its file and its parents' (or a parent held in RAM)."""
-        own, (length, checksum), _ = decode(read_file(path), self.fingerprint, tokens, self.model)
+        own, (length, checksum), _ = decode(read_file(path), self.fingerprint, tokens, self.layout)
         if any(layer is None for layer in own.layers):
             raise ValueError("it keeps only latent rows")
         pieces = [own]
@@ -1044,15 +1052,16 @@ class PromptCache:
 
     def _read_parent(self, tokens: tuple[int, ...], checksum: int) -> tuple[Snapshot, tuple[int, int]]:
         """A parent's file read and checked: the one its child names (by tokens and checksum)."""
+        name = file_name(tokens)
         try:
-            data = read_file(self.disk_dir / file_name(tokens))
-            piece, parent, identity = decode(data, self.fingerprint, tokens, self.model)
+            data = read_file(self.disk_dir / name)
+            piece, parent, identity = decode(data, self.fingerprint, tokens, self.layout)
             if identity != checksum:
                 raise ValueError("changed since its child was written")
             return piece, parent
         except (OSError, ValueError) as error:
             reason = "gone" if isinstance(error, OSError) else str(error)
-            raise ValueError(f"its parent snapshot of {len(tokens)} tokens: {reason}") from None
+            raise ValueError(f"its parent snapshot of {len(tokens)} tokens ({name}): {reason}") from None
 
 
 def _remove(paths: list[Path]) -> None:
@@ -1220,6 +1229,34 @@ def _parse_header(raw: bytes, length: int) -> dict[str, Any]:
 LAYER_SHAPES = {"kda": (0, 2), "mla": (1,), "logits": (1,)}  # a header layer's kind -> its shape counts
 
 
+def check_layers(layers: list[list[Any]], layout: StateLayout, rows_only: bool) -> None:
+    """A header's layer list (`_is_layer`'s) against the model's `layout`: one line naming the field
+    that does not fit (another model's dimensions or layer count, or a hand-edited header, whose file
+    passes its checksum). Only a rows-only file has KDA layers without shapes."""
+    logits = [index for index, layer in enumerate(layers) if layer[0] == "logits"]
+    if logits not in ([], [len(layers) - 1]) or len(layers) - len(logits) != len(layout.layers):
+        raise ValueError(
+            f"header field layers: {len(layers) - len(logits)} layer states and {len(logits)} logits "
+            f"where this model has {len(layout.layers)} layers and logits last"
+        )
+    for index, (saved, expected) in enumerate(zip(layers[: len(layout.layers)], layout.layers, strict=True)):
+        field = f"header field layers[{index}]"
+        if saved[0] != expected[0]:
+            raise ValueError(f"{field}: {saved[0]} where this model's layer {index} is {expected[0]}")
+        if saved[0] == "mla" and (len(saved[1]) != 2 or saved[1][1] != expected[1]):
+            raise ValueError(
+                f"{field}: mla rows of shape {saved[1]} where this model's are {expected[1]} wide"
+            )
+        if saved[0] == "kda" and saved[1:] != list(expected[1:]) and not (rows_only and len(saved) == 1):
+            shapes = " and ".join(map(str, expected[1:]))
+            raise ValueError(f"{field}: kda states of shapes {saved[1:]} where this model's are {shapes}")
+    if logits and layers[-1][1] != [layout.vocab]:
+        raise ValueError(
+            f"header field layers[{logits[0]}]: logits of shape {layers[-1][1]} where this model's are "
+            f"[{layout.vocab}]"
+        )
+
+
 def _is_layer(layer: Any) -> bool:
     """A header's layer: its kind, then as many shapes (lists of counts) as the kind has."""
     if not isinstance(layer, list) or not layer or not isinstance(layer[0], str):
@@ -1246,19 +1283,20 @@ def _parent_of(header: dict[str, Any], length: int) -> tuple[int, int]:
 
 
 def decode(
-    data: bytes | bytearray, fingerprint: str, tokens: tuple[int, ...], model: K3Model
+    data: bytes | bytearray, fingerprint: str, tokens: tuple[int, ...], layout: StateLayout
 ) -> tuple[Snapshot, tuple[int, int], int]:
-    """A snapshot from a file's bytes, checked (checksum, fingerprint, token ids, layer shapes), its
-    parent's length and identity ((0, 0): none) and its own identity; with a parent, its MLA layers hold
-    the rows past the parent's length only; a rows-only file's KDA layers are None."""
+    """A snapshot from a file's bytes, checked (checksum, fingerprint, token ids, layer shapes against
+    the model's `layout`), its parent's length and identity ((0, 0): none) and its own identity; with a
+    parent, its MLA layers hold the rows past the parent's length only; a rows-only file's KDA layers
+    are None."""
     try:
-        return _decode(data, fingerprint, tokens, model)
+        return _decode(data, fingerprint, tokens, layout)
     except (TypeError, KeyError, RuntimeError) as error:  # a header that passed its checksum, but odd
         raise ValueError(f"malformed snapshot header ({error})") from None
 
 
 def _decode(
-    data: bytes | bytearray, fingerprint: str, tokens: tuple[int, ...], model: K3Model
+    data: bytes | bytearray, fingerprint: str, tokens: tuple[int, ...], layout: StateLayout
 ) -> tuple[Snapshot, tuple[int, int], int]:
     if len(data) < len(MAGIC) + 16 or data[: len(MAGIC)] != MAGIC:
         raise ValueError("not a k3stream snapshot")
@@ -1272,11 +1310,12 @@ def _decode(
     if header.get("fingerprint") != fingerprint or tuple(header["tokens"]) != tokens:
         raise ValueError("a snapshot of another model or prompt")
     parent = _parent_of(header, len(tokens))
+    check_layers(header.get("layers", []), layout, bool(header.get("rows_only")))
     offset, layers, logits = start + length, [], None
-    for kind, *shapes in header["layers"]:
+    for kind, *shapes in header.get("layers", []):
         tensors = []
         for shape in shapes:
-            count = int(torch.Size(shape).numel())
+            count = math.prod(shape)
             chunk = body[offset : offset + 4 * count]
             if len(chunk) != 4 * count:
                 raise ValueError("tensor data shorter than its header says")

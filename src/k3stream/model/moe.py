@@ -327,8 +327,7 @@ class LatentMoE:
             read = self._slide_window(order, len(read_before), max(leading, window))
         ahead = self._read_ahead_count(leading, window, least)
         pending = order
-        outputs: list[torch.Tensor] = []  # each group's pair outputs
-        done: list[np.ndarray] = []  # the pairs computed so far, in the order of `outputs`
+        joined: torch.Tensor | None = None  # every pair's output, in pair order
         while pending:
             asked = [expert for expert in pending if rank[expert] < read]
             # while some of the step is not yet asked for, small groups: each one computed lets the
@@ -338,16 +337,18 @@ class LatentMoE:
             pending = [expert for expert in pending if expert not in experts]
             read = self._slide_window(order, read, len(ids) - len(pending) + ahead)
             pairs, computed = self._compute_group(latent, experts, group, pairs_of, chosen.shape[1])
-            outputs.append(computed)
-            done.append(pairs)
-        joined = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        computed_pairs = np.concatenate(done)
-        rows = np.arange(len(computed_pairs))
-        if np.array_equal(computed_pairs, rows):
-            return joined
-        position = np.empty_like(rows)  # where each pair's output row is in `joined`
-        position[computed_pairs] = rows
-        return joined.index_select(0, torch.from_numpy(position).to(latent.device))
+            if (
+                joined is None
+                and len(pairs) == chosen.numel()
+                and np.array_equal(pairs, np.arange(len(pairs)))
+            ):
+                return computed  # the whole step in one group, in pair order
+            if joined is None:  # each group's outputs copied in and dropped: a prefill pass's largest
+                # buffer (`memlimit.ffn_floats`) held once, not as the groups, their join and its reorder
+                joined = computed.new_empty(chosen.numel(), computed.shape[1])
+            joined.index_copy_(0, torch.from_numpy(pairs).to(computed.device), computed)
+            del computed  # not alive beside the next group's
+        return joined
 
     def _compute_group(
         self,

@@ -170,6 +170,26 @@ def check_fits(state: SequenceState, snapshot: Snapshot) -> None:
             raise ValueError(f"snapshot layer {index} does not fit this model's layer {index}")
 
 
+@dataclass(frozen=True)
+class StateLayout:
+    """The shapes a snapshot of a model's states takes: per layer ("kda", conv shape, recurrent shape)
+    or ("mla", row width), and the width of its logits."""
+
+    layers: tuple[tuple[str, list[int], list[int]] | tuple[str, int], ...]
+    vocab: int
+
+
+def state_layout(model: K3Model) -> StateLayout:
+    """`model`'s state layout, from a new state of it (its shard's, under `--tp`)."""
+    layers: list[tuple[str, list[int], list[int]] | tuple[str, int]] = []
+    for layer in model.new_state().layers:
+        if isinstance(layer, KDAState):
+            layers.append(("kda", list(layer.conv.shape), list(layer.recurrent.shape)))
+        else:
+            layers.append(("mla", layer.buffer.shape[1]))
+    return StateLayout(tuple(layers), model.config.vocab_size)
+
+
 def restores_exactly(model: K3Model) -> bool:
     """Whether a prefill resumed from a snapshot gets the cold prefill's bits: on the CPU with the C
     kernels (the per-token KDA recurrence). Without them, even at multiples of the KDA chunk, torch's

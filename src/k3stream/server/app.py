@@ -84,7 +84,7 @@ CLIENT_CLOSED_REQUEST = 499
 # a pack a chunk of each of up to four waiting prompts (four share each expert read: a token's pack bytes
 # fall to about a quarter), and while no stream decodes all four chunks' rows, oldest prompt first,
 # streamed or not. The buffers, which the memory plan takes from the expert budget, stay four chunks'
-# (3.1 GiB at Kimi-K3's shapes with 512-token chunks attending 4,096 positions, against 7.9 GiB for a
+# (1.9 GiB at Kimi-K3's shapes with 512-token chunks attending 4,096 positions, against 7.6 GiB for a
 # chunk of each of 16 batch slots).
 PREFILL_PASS_PROMPTS = 4
 # the smallest chunk `serve` sizes a prefill pass down to when `--prefill-chunk` is not given
