@@ -389,3 +389,44 @@ def test_user_defined_tokens_are_parsed_even_where_control_ones_are_not(tiny_mod
         assert ids.count(pad) == 3
         assert (tokenizer.token_id("<|im_end|>") in ids) == special
     llama.close()
+
+
+LLAMA_VOCAB_LOAD = "import sys, llama_cpp; llama_cpp.Llama(sys.argv[1], vocab_only=True, verbose=False)"
+
+
+@requires_llama
+@pytest.mark.parametrize(
+    ("copied", "kind"),
+    [("Ġthe", 4), ("<|im_end|>", 3), ("Ġthe", 5)],
+    ids=["user-defined copy of a normal token", "control copy of a control token", "unused copy"],
+)
+def test_a_vocabulary_with_two_ids_of_one_text_is_refused_in_one_line(
+    tiny_model, tmp_path, capsys, copied, kind
+):
+    """An added token whose text the vocabulary already holds: llama.cpp aborts on the file (it maps each
+    text to one id), and k3stream refuses it naming both entries (it took one of the ids in silence)."""
+    import subprocess
+    import sys
+
+    from k3stream.gguf.reader import K3Checkpoint
+
+    source = tiny_model(vocab=600)
+    checkpoint = K3Checkpoint.open(source)
+    tokens = list(checkpoint.metadata("tokenizer.ggml.tokens"))
+    types = [int(t) for t in checkpoint.metadata("tokenizer.ggml.token_type")]
+    pad = types.index(5)
+    tokens[pad], types[pad] = copied, kind
+    arrays = {
+        "tokenizer.ggml.tokens": (tokens, GGUFValueType.ARRAY),
+        "tokenizer.ggml.token_type": (types, GGUFValueType.ARRAY),
+    }
+    path = rewrite(source, tmp_path / "twice.gguf", set_keys=arrays)
+    llama = subprocess.run([sys.executable, "-c", LLAMA_VOCAB_LOAD, str(path)], capture_output=True)
+    assert llama.returncode != 0
+    line = (
+        f"{path}: tokenizer.ggml.tokens entries {tokens.index(copied)} and {pad} are the same text {copied!r}"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(line)}$"):
+        Tokenizer.from_gguf(path)
+    assert main(["generate", str(path), "--prompt", "hi", "--max-tokens", "1"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"k3stream generate: error: {line}"]

@@ -147,6 +147,19 @@ def _read_fields(metadata: Callable[[str, Any], Any], source: str) -> VocabField
     )
 
 
+def _check_unique_texts(fields: VocabFields) -> None:
+    """Refuse a vocabulary where two ids share one text, whatever their types: llama.cpp maps each text to
+    one id and aborts on such a file; which id the text means would be a guess."""
+    first_id: dict[str, int] = {}
+    for token_id, text in enumerate(fields.tokens):
+        earlier = first_id.setdefault(text, token_id)
+        if earlier != token_id:
+            raise ValueError(
+                f"{fields.source}: tokenizer.ggml.tokens entries {earlier} and {token_id} are the same "
+                f"text {text!r}"
+            )
+
+
 def _special_cut(specials: Iterable[str]) -> Any:
     """A regex whose `split` keeps each special token's text as a piece of its own (the longest of those
     starting at one place); None when there are none."""
@@ -205,14 +218,10 @@ class Tokenizer:
         ranks: dict[bytes, int] = {}
         special: dict[str, int] = {}
         user_defined: list[str] = []
+        _check_unique_texts(fields)
         for token_id, (text, kind) in enumerate(zip(fields.tokens, fields.token_types, strict=True)):
             if kind == TOKEN_NORMAL:
-                piece = token_text_to_bytes(text, fields.source)
-                if piece in ranks:
-                    raise ValueError(
-                        f"{fields.source}: tokens {ranks[piece]} and {token_id} are the same bytes {piece!r}"
-                    )
-                ranks[piece] = token_id
+                ranks[token_text_to_bytes(text, fields.source)] = token_id
             elif kind in _SPECIAL_TYPES:
                 special[text] = token_id
                 if kind == TOKEN_USER_DEFINED:
