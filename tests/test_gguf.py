@@ -468,6 +468,21 @@ def test_inspect_text_and_profile_failure(tiny_model, capsys):
     assert "Kimi-K3 MLA K projection must remain GGUF Q4_0" in capsys.readouterr().err
 
 
+def test_inspect_escapes_what_a_terminal_would_act_on_in_the_name(tiny_model, tmp_path, capsys):
+    """general.name is the file author's text: an escape sequence, a NUL or a right-to-left override is
+    printed escaped (it went to the terminal raw), a name of megabytes cut; the JSON keeps it whole."""
+    name = "Kimi\u2011K3 \U0001f984 \x1b]0;owned\x07\x1b[2J\u202eRTL\x00" + "x" * 100_000
+    path = rewrite(
+        tiny_model(), tmp_path / "named.gguf", set_keys={"general.name": (name, GGUFValueType.STRING)}
+    )
+    assert cli.main(["inspect", str(path)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"{path}  (Kimi\u2011K3 \U0001f984 \\x1b]0;owned\\x07\\x1b[2J\\u202eRTL\\x00xxx")
+    assert first.endswith("x..., 1 shard(s))") and len(first) < 400 and first.isprintable()
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["name"] == name
+
+
 # ---------------------------------------------------------------------------------------------- dequantize
 
 

@@ -404,7 +404,8 @@ def test_a_vocabulary_with_two_ids_of_one_text_is_refused_in_one_line(
     tiny_model, tmp_path, capsys, copied, kind
 ):
     """An added token whose text the vocabulary already holds: llama.cpp aborts on the file (it maps each
-    text to one id), and k3stream refuses it naming both entries (it took one of the ids in silence)."""
+    text to one id), and k3stream refuses it naming both entries (it took one of the ids in silence),
+    `pack` too, before it writes anything."""
     import subprocess
     import sys
 
@@ -430,3 +431,6 @@ def test_a_vocabulary_with_two_ids_of_one_text_is_refused_in_one_line(
         Tokenizer.from_gguf(path)
     assert main(["generate", str(path), "--prompt", "hi", "--max-tokens", "1"]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [f"k3stream generate: error: {line}"]
+    assert main(["pack", str(path), "--no-progress"]) == 1  # no pack of a file no command can run
+    assert capsys.readouterr().err.strip().splitlines() == [f"k3stream pack: error: {line}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
