@@ -486,3 +486,24 @@ def test_generation_ends_at_the_tokens_llama_cpp_ends_at(tiny_model, tmp_path, e
         assert sequence.finish_reason == FINISH_STOP, tokens[token]
     banned = with_ends(SamplingParams(ignore_eos=True), tokenizer, ()).logit_bias
     assert sorted(token for token, _bias in banned) == expected
+
+
+@requires_llama
+def test_end_marks_are_control_tokens_whatever_type_the_file_gives_them(model_path, tmp_path):
+    """A file without tokenizer.ggml.token_type (every token NORMAL): llama.cpp still takes the end marks
+    it knows by their text (`<|im_end|>`, `[EOS]`, `[EOT]`, Kimi's `[PAD]`) as control tokens, so a
+    prompt's `<|im_end|>` is one token there; k3stream cut it into bytes."""
+    import llama_cpp
+
+    path = rewrite(model_path, tmp_path / "untyped.gguf", drop_keys=("tokenizer.ggml.token_type",))
+    tokenizer = Tokenizer.from_gguf(path)
+    llama = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    text = "a<|im_end|> b [EOS]x[EOT]<|im_user|>[PAD] [BOS]"
+    for special in (True, False):
+        assert tokenizer.encode(text, allow_special=special, add_bos=False) == _llama_ids(
+            llama, text, special
+        )
+    assert tokenizer.encode("<|im_end|>", allow_special=True, add_bos=False) == [
+        tokenizer.token_id("<|im_end|>")
+    ]
+    llama.close()

@@ -48,12 +48,20 @@ def end_of_generation_ids(tokens: Sequence[str], keyed: Mapping[str, int | None]
     """The ids that end a generation in a vocabulary of `tokens`; `keyed` maps `eos`, `eot`, `eom`,
     `fim_pad`, `fim_rep`, `fim_sep` to the file's `tokenizer.ggml.<name>_token_id` (None: absent)."""
     id_of = {text: token_id for token_id, text in enumerate(tokens)}
-    ends = {keyed.get(name) for name in END_KEYS}
-    for kind, texts in FIM_KINDS.items():
-        ends.add(keyed.get(kind) if keyed.get(kind) is not None else next(_present(texts, id_of), None))
-    ends |= {id_of[text] for text in END_TEXTS if text in id_of}
+    ends = {keyed.get(name) for name in (*END_KEYS, *FIM_KINDS)} | found_by_text(id_of, keyed)
     ends.discard(None)
     return frozenset(ends - _format_exceptions(id_of))
+
+
+def found_by_text(id_of: Mapping[str, int], keyed: Mapping[str, int | None]) -> set[int]:
+    """The end ids llama.cpp finds by their text (`id_of`: each token text's id): every known end mark,
+    and the first text of each fill-in-the-middle kind the file names no id for. llama.cpp takes each as
+    a control token whatever type the file gives it."""
+    found = {id_of[text] for text in END_TEXTS if text in id_of}
+    for kind, texts in FIM_KINDS.items():
+        if keyed.get(kind) is None:
+            found.update(list(_present(texts, id_of))[:1])
+    return found
 
 
 def _present(texts: Sequence[str], id_of: Mapping[str, int]):

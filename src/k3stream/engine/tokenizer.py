@@ -21,7 +21,7 @@ from typing import Any
 
 import regex
 
-from k3stream.engine.end_tokens import FIM_KINDS, end_of_generation_ids
+from k3stream.engine.end_tokens import FIM_KINDS, end_of_generation_ids, found_by_text
 from k3stream.gguf.bpe import MergeBPE, byte_to_unicode
 
 log = logging.getLogger(__name__)
@@ -229,10 +229,12 @@ class Tokenizer:
         special: dict[str, int] = {}
         user_defined: list[str] = []
         _check_unique_texts(fields)
+        id_of = {text: token_id for token_id, text in enumerate(fields.tokens)}
+        marks = found_by_text(id_of, fields.end_keys)  # control tokens whatever their type, as in llama.cpp
         for token_id, (text, kind) in enumerate(zip(fields.tokens, fields.token_types, strict=True)):
             if kind == TOKEN_NORMAL:
                 ranks[token_text_to_bytes(text, fields.source)] = token_id
-            elif kind in _SPECIAL_TYPES:
+            if kind in _SPECIAL_TYPES or token_id in marks:
                 special[text] = token_id
                 if kind == TOKEN_USER_DEFINED:
                     user_defined.append(text)
