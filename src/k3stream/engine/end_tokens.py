@@ -1,7 +1,8 @@
 """The tokens that end a generation, chosen as llama.cpp's vocabulary loader chooses them (llama-vocab.cpp,
 llama-cpp-python 0.3.36): the file's eos, eot and eom ids, and every token whose text is an end-of-turn or
 end-of-text mark of a known chat format, whatever the file's eos names. A Kimi file whose eos is `[EOS]`
-still ends at `<|im_end|>` and `[EOT]`, as llama.cpp ends it.
+still ends at `<|im_end|>` and `[EOT]`, as llama.cpp ends it. The marks found by their text are control
+tokens whatever type the file gives them, as llama.cpp takes them.
 """
 
 from __future__ import annotations
