@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import json
 import mmap
+import re
 import shutil
 from pathlib import Path
 
@@ -221,6 +222,34 @@ def test_keys_llama_cpp_does_without_take_its_defaults(tiny_model, tmp_path):
     bare = rewrite(source, tmp_path / "bare.gguf", drop_keys=no_vocab)
     with pytest.raises(ValueError, match=r"bare\.gguf: missing metadata key kimi-k3.vocab_size"):
         K3Checkpoint.open(bare)
+
+
+@requires_llama
+def test_a_vocab_size_the_token_list_does_not_fill_is_refused_as_llama_cpp_refuses_it(tiny_model, tmp_path):
+    """kimi-k3.vocab_size and the embedding say 600 rows, tokenizer.ggml.tokens holds 597 (a converter
+    that dropped padding tokens): llama.cpp sizes the embedding by the tokens and refuses the file; k3stream
+    loaded it, and a sampled id past the tokens had no text (a failed answer mid-stream)."""
+    import subprocess
+    import sys
+
+    source = tiny_model(vocab=600)
+    fields = GGUFReader(source).fields
+    tokens, types = fields["tokenizer.ggml.tokens"].contents(), fields["tokenizer.ggml.token_type"].contents()
+    arrays = {
+        "tokenizer.ggml.tokens": (tokens[:597], GGUFValueType.ARRAY),
+        "tokenizer.ggml.token_type": (types[:597], GGUFValueType.ARRAY),
+    }
+    path = rewrite(source, tmp_path / "short.gguf", set_keys=arrays)
+    load = "import sys, llama_cpp; llama_cpp.Llama(sys.argv[1], n_ctx=32, verbose=False)"
+    assert subprocess.run([sys.executable, "-c", load, str(path)], capture_output=True).returncode != 0
+    line = (
+        f"{path}: metadata key kimi-k3.vocab_size must be 597, the tokens in tokenizer.ggml.tokens, got 600"
+    )
+    for argv in (["inspect", str(path)], ["pack", str(path), "--no-progress"]):
+        assert cli.main(argv) == 1
+    with pytest.raises(ValueError, match=f"^{re.escape(line)}$"):
+        K3Checkpoint.open(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["short.gguf"]
 
 
 @requires_llama
@@ -466,6 +495,21 @@ def test_inspect_text_and_profile_failure(tiny_model, capsys):
     assert "layers: 0:KDA/dense 1:KDA/MoE 2:KDA/MoE 3:MLA/MoE 4:KDA/MoE 5:MLA/MoE" in text
     assert cli.main(["inspect", str(tiny_model()), "--profile", "audited"]) == 1
     assert "Kimi-K3 MLA K projection must remain GGUF Q4_0" in capsys.readouterr().err
+
+
+def test_inspect_escapes_what_a_terminal_would_act_on_in_the_name(tiny_model, tmp_path, capsys):
+    """general.name is the file author's text: an escape sequence, a NUL or a right-to-left override is
+    printed escaped (it went to the terminal raw), a name of megabytes cut; the JSON keeps it whole."""
+    name = "Kimi\u2011K3 \U0001f984 \x1b]0;owned\x07\x1b[2J\u202eRTL\x00" + "x" * 100_000
+    path = rewrite(
+        tiny_model(), tmp_path / "named.gguf", set_keys={"general.name": (name, GGUFValueType.STRING)}
+    )
+    assert cli.main(["inspect", str(path)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"{path}  (Kimi\u2011K3 \U0001f984 \\x1b]0;owned\\x07\\x1b[2J\\u202eRTL\\x00xxx")
+    assert first.endswith("x..., 1 shard(s))") and len(first) < 400 and first.isprintable()
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["name"] == name
 
 
 # ---------------------------------------------------------------------------------------------- dequantize

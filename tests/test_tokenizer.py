@@ -389,3 +389,121 @@ def test_user_defined_tokens_are_parsed_even_where_control_ones_are_not(tiny_mod
         assert ids.count(pad) == 3
         assert (tokenizer.token_id("<|im_end|>") in ids) == special
     llama.close()
+
+
+LLAMA_VOCAB_LOAD = "import sys, llama_cpp; llama_cpp.Llama(sys.argv[1], vocab_only=True, verbose=False)"
+
+
+@requires_llama
+@pytest.mark.parametrize(
+    ("copied", "kind"),
+    [("Ġthe", 4), ("<|im_end|>", 3), ("Ġthe", 5)],
+    ids=["user-defined copy of a normal token", "control copy of a control token", "unused copy"],
+)
+def test_a_vocabulary_with_two_ids_of_one_text_is_refused_in_one_line(
+    tiny_model, tmp_path, capsys, copied, kind
+):
+    """An added token whose text the vocabulary already holds: llama.cpp aborts on the file (it maps each
+    text to one id), and k3stream refuses it naming both entries (it took one of the ids in silence),
+    `pack` too, before it writes anything."""
+    import subprocess
+    import sys
+
+    from k3stream.gguf.reader import K3Checkpoint
+
+    source = tiny_model(vocab=600)
+    checkpoint = K3Checkpoint.open(source)
+    tokens = list(checkpoint.metadata("tokenizer.ggml.tokens"))
+    types = [int(t) for t in checkpoint.metadata("tokenizer.ggml.token_type")]
+    pad = types.index(5)
+    tokens[pad], types[pad] = copied, kind
+    arrays = {
+        "tokenizer.ggml.tokens": (tokens, GGUFValueType.ARRAY),
+        "tokenizer.ggml.token_type": (types, GGUFValueType.ARRAY),
+    }
+    path = rewrite(source, tmp_path / "twice.gguf", set_keys=arrays)
+    llama = subprocess.run([sys.executable, "-c", LLAMA_VOCAB_LOAD, str(path)], capture_output=True)
+    assert llama.returncode != 0
+    line = (
+        f"{path}: tokenizer.ggml.tokens entries {tokens.index(copied)} and {pad} are the same text {copied!r}"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(line)}$"):
+        Tokenizer.from_gguf(path)
+    assert main(["generate", str(path), "--prompt", "hi", "--max-tokens", "1"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"k3stream generate: error: {line}"]
+    assert main(["pack", str(path), "--no-progress"]) == 1  # no pack of a file no command can run
+    assert capsys.readouterr().err.strip().splitlines() == [f"k3stream pack: error: {line}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+LLAMA_END_IDS = """
+import json, sys, llama_cpp
+model = llama_cpp.Llama(sys.argv[1], vocab_only=True, verbose=False)
+vocab = llama_cpp.llama_model_get_vocab(model.model)
+print(json.dumps([i for i in range(model.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)]))
+"""
+# chat formats' end marks, and texts that end nothing, as added tokens of a Kimi vocabulary
+ADDED_ENDS = ["<|eot_id|>", "<end_of_turn>", "<|endoftext|>", "<｜end▁of▁sentence｜>", "<|fim_pad|>"]
+ADDED_OTHERS = ["<|im_start|>", "<|end_of_msg|>"]
+
+
+@requires_llama
+@pytest.mark.parametrize("eos", ["[EOS]", "<|im_end|>"])
+def test_generation_ends_at_the_tokens_llama_cpp_ends_at(tiny_model, tmp_path, eos):
+    """A file whose eos is Kimi's `[EOS]` (as its tokenizer_config names it): llama.cpp still ends at
+    `<|im_end|>` and `[EOT]` and the other formats' end marks; so does k3stream (it ran on past them, an
+    answer followed by invented turns), and `--ignore-eos` bans every one of them."""
+    import json
+    import subprocess
+    import sys
+
+    from k3stream.commands.flags import with_ends
+    from k3stream.engine.generate import FINISH_STOP, Sequence
+    from k3stream.engine.sampling import SamplingParams
+    from k3stream.gguf.reader import K3Checkpoint
+
+    source = tiny_model(vocab=600)
+    checkpoint = K3Checkpoint.open(source)
+    tokens = list(checkpoint.metadata("tokenizer.ggml.tokens"))
+    types = [int(t) for t in checkpoint.metadata("tokenizer.ggml.token_type")]
+    first_pad = types.index(5)
+    for index, text in enumerate(ADDED_ENDS + ADDED_OTHERS, start=first_pad):
+        tokens[index], types[index] = text, 3
+    keys = {
+        "tokenizer.ggml.tokens": (tokens, GGUFValueType.ARRAY),
+        "tokenizer.ggml.token_type": (types, GGUFValueType.ARRAY),
+        "tokenizer.ggml.eos_token_id": (tokens.index(eos), GGUFValueType.UINT32),
+    }
+    path = rewrite(source, tmp_path / "ends.gguf", set_keys=keys)
+    llama = subprocess.run([sys.executable, "-c", LLAMA_END_IDS, str(path)], capture_output=True, text=True)
+    expected = json.loads(llama.stdout.strip().splitlines()[-1])
+    tokenizer = Tokenizer.from_gguf(path)
+    assert sorted(tokenizer.end_ids) == expected
+    assert {tokens[i] for i in expected} >= {"[EOS]", "<|im_end|>", "[EOT]", *ADDED_ENDS}
+    for token in expected:
+        sequence = Sequence(tokenizer, [1], SamplingParams(max_tokens=8))
+        sequence.accept(token)
+        assert sequence.finish_reason == FINISH_STOP, tokens[token]
+    banned = with_ends(SamplingParams(ignore_eos=True), tokenizer, ()).logit_bias
+    assert sorted(token for token, _bias in banned) == expected
+
+
+@requires_llama
+def test_end_marks_are_control_tokens_whatever_type_the_file_gives_them(model_path, tmp_path):
+    """A file without tokenizer.ggml.token_type (every token NORMAL): llama.cpp still takes the end marks
+    it knows by their text (`<|im_end|>`, `[EOS]`, `[EOT]`, Kimi's `[PAD]`) as control tokens, so a
+    prompt's `<|im_end|>` is one token there; k3stream cut it into bytes."""
+    import llama_cpp
+
+    path = rewrite(model_path, tmp_path / "untyped.gguf", drop_keys=("tokenizer.ggml.token_type",))
+    tokenizer = Tokenizer.from_gguf(path)
+    llama = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    text = "a<|im_end|> b [EOS]x[EOT]<|im_user|>[PAD] [BOS]"
+    for special in (True, False):
+        assert tokenizer.encode(text, allow_special=special, add_bos=False) == _llama_ids(
+            llama, text, special
+        )
+    assert tokenizer.encode("<|im_end|>", allow_special=True, add_bos=False) == [
+        tokenizer.token_id("<|im_end|>")
+    ]
+    llama.close()

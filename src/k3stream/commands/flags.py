@@ -320,12 +320,12 @@ def in_sampling_flags(error: ValueError) -> ValueError:
 
 
 def with_ends(params: Any, tokenizer: Any, stop_ids: tuple[int, ...]) -> Any:
-    """`params` ending at `stop_ids` (a chat's end-of-turn tokens) and the end-of-sequence token; with
-    `ignore_eos` (`--ignore-eos`) those tokens are never drawn instead, as llama-cli bans them, so the
-    answer runs to --max-tokens."""
+    """`params` ending at `stop_ids` (a chat's end-of-turn tokens) and the file's end-of-generation tokens;
+    with `ignore_eos` (`--ignore-eos`) those tokens are never drawn instead, as llama-cli bans them, so
+    the answer runs to --max-tokens."""
     if not params.ignore_eos:
         return replace(params, stop_token_ids=stop_ids)
-    ends = sorted({*stop_ids, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])})
+    ends = sorted({*stop_ids, *tokenizer.end_ids})
     return replace(params, logit_bias=(*params.logit_bias, *((token, -math.inf) for token in ends)))
 
 

@@ -15,6 +15,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+MAX_NAME_CHARS = 200  # of general.name on the text line (the JSON holds it whole)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from k3stream.gguf.profile import PROFILES
@@ -118,13 +120,23 @@ def _object_text(report: dict[str, Any]) -> str:
     return f"one expert object {report['bytes']['expert_object']:,} B"
 
 
+def shown_name(name: object) -> str:
+    """`general.name` as the text line prints it: the file's author chose it, so a character a terminal
+    acts on (a control such as ESC, a format mark such as a right-to-left override) is written escaped,
+    and a name past MAX_NAME_CHARS is cut."""
+    text = str(name)
+    if len(text) > MAX_NAME_CHARS:
+        text = text[:MAX_NAME_CHARS] + "..."
+    return "".join(char if char.isprintable() else ascii(char)[1:-1] for char in text)
+
+
 def format_text(report: dict[str, Any]) -> str:
     from k3stream.gguf.recipe import recipe_lines
 
     config, sizes, types = report["config"], report["bytes"], report["types"]
     recipe = "yes" if report["audited_recipe"] else f"no ({len(report['recipe_deviations'])} deviations)"
     lines = [
-        f"{report['path']}  ({report['name']}, {len(report['shards'])} shard(s))",
+        f"{report['path']}  ({shown_name(report['name'])}, {len(report['shards'])} shard(s))",
         f"profile: {report['profile']}   audited recipe: {recipe}",
         "config: " + ", ".join(f"{k}={v}" for k, v in config.items() if k not in ("source", "head_count_kv")),
         f"layers: {_layer_line(report['layers'])}",

@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         sync_bytes=int(args.sync_mib * 1024**2),
     )
     try:
+        _check_tokenizer(args.gguf, args.profile)
         with _printed_notes("k3stream.pack.builder"):
             result = build_pack(args.gguf, args.out, args.manifest, options, profile=args.profile)
     except (OSError, ValueError, RuntimeError) as exc:
@@ -93,6 +94,15 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"resumed   {result.resumed_bytes} bytes")
     return 0
+
+
+def _check_tokenizer(gguf: str, profile: str) -> None:
+    """Read the GGUF's tokenizer before any pack is written: a file whose vocabulary no command can run
+    (llama.cpp refuses it too) gets its one-line error here, not after the copy."""
+    from k3stream.engine.tokenizer import Tokenizer
+    from k3stream.gguf.reader import K3Checkpoint
+
+    Tokenizer.from_gguf(K3Checkpoint.open(gguf, profile=profile))
 
 
 @contextmanager

@@ -135,8 +135,8 @@ class Sequence:
         self._sampler = Sampler(params)
         self._decoder = tokenizer.stream_decoder(skip_special=params.skip_special_tokens)
         self._stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos and tokenizer.eos_id is not None:
-            self._stop_ids.add(tokenizer.eos_id)
+        if not params.ignore_eos:
+            self._stop_ids |= tokenizer.end_ids
         self._marks = dict(marks or {})  # token id -> the text it stands for (special tokens kept as marks)
         self._text = ""
         self._released = 0  # characters of _text handed out so far

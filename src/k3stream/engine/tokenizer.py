@@ -14,13 +14,14 @@ from __future__ import annotations
 import codecs
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
 import regex
 
+from k3stream.engine.end_tokens import FIM_KINDS, end_of_generation_ids, found_by_text
 from k3stream.gguf.bpe import MergeBPE, byte_to_unicode
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class VocabFields:
     source: str = "tokenizer"
     chat_template_tool_use: str | None = None  # tokenizer.chat_template.tool_use: for requests with tools
     merges: list[str] | None = None  # tokenizer.ggml.merges (None: the file has none)
+    # tokenizer.ggml.<name>_token_id of the ids that end a generation besides eos (end_tokens.py)
+    end_keys: dict[str, int | None] = field(default_factory=dict)
 
 
 def _token_id(metadata: Callable[[str, Any], Any], key: str, vocab: int, source: str) -> int | None:
@@ -132,6 +135,10 @@ def _read_fields(metadata: Callable[[str, Any], Any], source: str) -> VocabField
     bos, eos = (
         _token_id(metadata, f"tokenizer.ggml.{name}_token_id", len(tokens), source) for name in ("bos", "eos")
     )
+    end_keys = {
+        name: _token_id(metadata, f"tokenizer.ggml.{name}_token_id", len(tokens), source)
+        for name in ("eot", "eom", *FIM_KINDS)
+    }
     return VocabFields(
         tokens=[str(t) for t in tokens],
         token_types=token_types,
@@ -144,7 +151,21 @@ def _read_fields(metadata: Callable[[str, Any], Any], source: str) -> VocabField
         chat_template_tool_use=_typed(metadata, TOOL_USE_TEMPLATE_KEY, str, source),
         source=source,
         merges=merges,
+        end_keys=end_keys,
     )
+
+
+def _check_unique_texts(fields: VocabFields) -> None:
+    """Refuse a vocabulary where two ids share one text, whatever their types: llama.cpp maps each text to
+    one id and aborts on such a file; which id the text means would be a guess."""
+    first_id: dict[str, int] = {}
+    for token_id, text in enumerate(fields.tokens):
+        earlier = first_id.setdefault(text, token_id)
+        if earlier != token_id:
+            raise ValueError(
+                f"{fields.source}: tokenizer.ggml.tokens entries {earlier} and {token_id} are the same "
+                f"text {text!r}"
+            )
 
 
 def _special_cut(specials: Iterable[str]) -> Any:
@@ -166,6 +187,8 @@ class Tokenizer:
         self.bos_id, self.eos_id, self.add_bos = fields.bos_id, fields.eos_id, fields.add_bos
         self.chat_template, self.chat_template_tool_use = fields.chat_template, fields.chat_template_tool_use
         self.vocab_size = len(fields.tokens)
+        # the ids that end a generation, as llama.cpp takes them: eos and the end-of-turn marks
+        self.end_ids = end_of_generation_ids(fields.tokens, {**fields.end_keys, "eos": fields.eos_id})
         self._ranks, special, user_defined = self._split_vocab(fields)
         if fields.merges is None and len(self._ranks) > 256:
             raise ValueError(
@@ -205,15 +228,13 @@ class Tokenizer:
         ranks: dict[bytes, int] = {}
         special: dict[str, int] = {}
         user_defined: list[str] = []
+        _check_unique_texts(fields)
+        id_of = {text: token_id for token_id, text in enumerate(fields.tokens)}
+        marks = found_by_text(id_of, fields.end_keys)  # control tokens whatever their type, as in llama.cpp
         for token_id, (text, kind) in enumerate(zip(fields.tokens, fields.token_types, strict=True)):
             if kind == TOKEN_NORMAL:
-                piece = token_text_to_bytes(text, fields.source)
-                if piece in ranks:
-                    raise ValueError(
-                        f"{fields.source}: tokens {ranks[piece]} and {token_id} are the same bytes {piece!r}"
-                    )
-                ranks[piece] = token_id
-            elif kind in _SPECIAL_TYPES:
+                ranks[token_text_to_bytes(text, fields.source)] = token_id
+            if kind in _SPECIAL_TYPES or token_id in marks:
                 special[text] = token_id
                 if kind == TOKEN_USER_DEFINED:
                     user_defined.append(text)

@@ -83,12 +83,16 @@ class _Keys:
         return value
 
     def vocab_size(self) -> int:
-        """`vocab_size`, else the tokenizer's token count, as llama.cpp takes it."""
+        """`vocab_size`, else the tokenizer's token count, as llama.cpp takes it. Where both are given
+        they must agree: llama.cpp sizes the embedding by the tokens, and a sampled id past the tokens
+        would have no text."""
         value = self.integer("vocab_size", required=False)
-        if value is not None:
-            return value
         tokens = self.fields.get("tokenizer.ggml.tokens")
         count = 0 if tokens is None else len(getattr(tokens, "data", tokens))  # ReaderField: index a token
+        if value is not None:
+            if count and count != value:
+                raise self.bad("vocab_size", f"{count}, the tokens in tokenizer.ggml.tokens", value)
+            return value
         if not count:
             raise ValueError(f"{self.source}: missing metadata key {ARCH}.vocab_size (and no tokenizer)")
         return count

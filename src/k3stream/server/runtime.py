@@ -70,10 +70,7 @@ class ServedModel(Runtime):
 
     def __post_init__(self) -> None:
         if self.grammars is None:
-            stops = [
-                *self.chat_stop_ids,
-                *([self.tokenizer.eos_id] if self.tokenizer.eos_id is not None else []),
-            ]
+            stops = [*self.chat_stop_ids, *sorted(self.tokenizer.end_ids)]
             self.grammars = GrammarCompiler(self.tokenizer, stops)
 
     @property
