@@ -593,9 +593,17 @@ def test_a_response_cut_by_the_context_or_max_output_tokens_is_incomplete_stream
 ):
     """No limit, a limit past the context (cut where the context ends: prompt and output fill it) and
     a limit inside it: each an `incomplete` response whose `incomplete_details.reason` is OpenAI's
-    `max_output_tokens` (its one reason for a cut output), streamed (`response.incomplete`) and whole."""
+    `max_output_tokens` (its one reason for a cut output), streamed (`response.incomplete`) and whole.
+    `ignore_eos` (vLLM's) keeps the model's own end of turn from ending the answer first."""
     fields = {} if limit is None else {"max_output_tokens": limit}
-    request = {"model": "any-name", "instructions": SYSTEM, "input": ASK, "temperature": 0, **fields}
+    request = {
+        "model": "any-name",
+        "instructions": SYSTEM,
+        "input": ASK,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+        **fields,
+    }
     whole = small_client.responses.create(**request)
     events = list(small_client.responses.create(**request, stream=True))
     assert [event.type for event in events[:2]] == ["response.created", "response.in_progress"]

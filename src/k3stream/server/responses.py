@@ -314,6 +314,7 @@ class ResponsesRequest(BaseModel):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None  # llama-server's and vLLM's
+    ignore_eos: Switch = False  # vLLM's, as on chat: generate to the limit past end-of-sequence
     stream: Switch = False
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None  # an effort turns thinking on or off; no levels
@@ -349,6 +350,7 @@ class ResponsesRequest(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            ignore_eos=self.ignore_eos,
             stream=self.stream,
             chat_template_kwargs=self._template_variables(),
         )
