@@ -299,3 +299,28 @@ def test_the_avx512_kernels_give_the_avx2_kernels_bits(qt, out_rows, cols, monke
         avx2 = grouped(qt, [w], x[:count], [count], np.arange(count))
         monkeypatch.delenv("K3STREAM_NO_AVX512")
         assert np.array_equal(avx512.view(np.uint32), avx2.view(np.uint32)), count
+
+
+@pytest.mark.parametrize("qt", [T.Q2_K, T.Q3_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("cols", [256, 7168, 32768, 33024])  # 1, 28, 128 (the most held) and 129 blocks
+def test_decode_kernels_holding_an_input_rows_blocks_keep_the_avx2_bits(qt, cols, monkeypatch):
+    """Q2_K's and Q3_K's AVX-512 decode kernels take one input row's Q8_K scales (Q3_K also its offset
+    lanes) once a call for rows of up to 128 blocks, and make them block by block for longer rows: every
+    weight row (the pairs and an odd last one), each matrix on its own input row (not the first), on one
+    and two threads, is the AVX2 kernel's on one thread."""
+    take_kernel_isa("avx512", monkeypatch)
+    weights = [matrix(qt, rows, cols, seed=rows) for rows in (67, 67, 67)]
+    x = inputs(3, cols, seed=cols)
+    order = np.array([2, 0, 1])
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for isa, count in (("avx512", 1), ("avx512", 2), ("avx2", 1)):
+            if isa == "avx2":
+                monkeypatch.setenv("K3STREAM_NO_AVX512", "1")
+            torch.set_num_threads(count)
+            results.append(grouped(qt, weights, x, [1, 1, 1], order))
+    finally:
+        torch.set_num_threads(threads)
+    for got in results[:2]:
+        assert np.array_equal(got.view(np.uint32), results[2].view(np.uint32))

@@ -68,15 +68,29 @@ AVX512_INLINE __m512 chunk_floats(const float *d, int stride, int count) {
                                     _mm512_mullo_epi32(k, _mm512_set1_epi32(stride)), d, 1);
 }
 
+/* ---- what a Q2_K or Q3_K kernel takes of one input row once for all the weight rows (decode) ------
+ * its Q8_K blocks' d in a row (no gather a chunk and weight row) and Q3_K's offset lanes (127 times each
+ * lane's four activations, folded onto eight as a block's sums are), for rows of PREPARED_BLOCKS blocks
+ * at most (a Kimi-K3 row is 12 to 72); the kernels take a NULL Prepared for longer rows or several
+ * input rows, making them as they go */
+#define PREPARED_BLOCKS 128
+typedef struct {
+    float d[PREPARED_BLOCKS];
+    __m256i lanes127[PREPARED_BLOCKS];
+} Prepared;
+
 /* Q2_K and Q3_K: per input row r and block k of the chunk from block c, the block's d (the f16 at
  * `at` + block_bytes k, half `shift` of its dword) times row r's Q8_K d into steps[r][k]; where `mins`,
- * the dword's other half times -(row r's d) into mins[r][k] (Q2_K's dmin) */
+ * the dword's other half times -(row r's d) into mins[r][k] (Q2_K's dmin). With one input row
+ * `prepared` (else NULL), its d's are loaded, not gathered. */
 AVX512_INLINE void q8k_steps(const uint8_t *at, int block_bytes, int shift, const BlockQ8K *const *y, int64_t c,
-                             int count, float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], const int n) {
+                             int count, float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], const int n,
+                             const Prepared *prepared) {
     const __m512i dwords = chunk_dwords(at, block_bytes, count);
     const __m512 step = f16_halves(dwords, shift), neg = _mm512_set1_ps(-0.0f);
     for (int r = 0; r < n; r++) {
-        const __m512 d = chunk_floats(&y[r][c].d, (int)sizeof(BlockQ8K), count);
+        const __m512 d = prepared != NULL ? _mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1), prepared->d + c)
+                                : chunk_floats(&y[r][c].d, (int)sizeof(BlockQ8K), count);
         _mm512_storeu_ps(steps[r], _mm512_mul_ps(d, step));
         if (mins) _mm512_storeu_ps(mins[r], _mm512_mul_ps(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(d), _mm512_castps_si512(neg))), f16_halves(dwords, 16 - shift)));
     }
@@ -301,7 +315,8 @@ KQ_INLINE __m512i q2_k_table(__m128i scales) {
  * q8_q2_k: runs 2j, 2j + 1 (codes at bits 2f of bytes 16 + 32g.. for run 4g + f) each code times its
  * sub-block's scale (q2_k_table), one vpdpbusd a pair of runs */
 KQ_INLINE void q2_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n,
-                          float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], int k) {
+                          float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], int k, const Prepared *prepared) {
+    (void)prepared;
     const __m128i packed = _mm_loadu_si128((const __m128i *)b);
     const __m256i low_mins = _mm256_srli_epi16(_mm256_cvtepu8_epi16(packed), 4);
     const __m512i table = q2_k_table(_mm_and_si128(packed, _mm_set1_epi8(15)));
@@ -322,8 +337,26 @@ KQ_INLINE void q2_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, i
 }
 
 KQ_INLINE void q2_k_steps(const uint8_t *row, const BlockQ8K *const *y, int64_t c, int count,
-                          float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], const int n) {
-    q8k_steps(row + 84 * c + 80, 84, 0, y, c, count, steps, mins, n);
+                          float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], const int n,
+                          const Prepared *prepared) {
+    q8k_steps(row + 84 * c + 80, 84, 0, y, c, count, steps, mins, n, prepared);
+}
+
+/* Q3_K's offset lanes of one Q8_K block: 127 times each int32 lane's four activations, folded */
+AVX512_INLINE __m256i q3_k_offset_lanes(const BlockQ8K *y) {
+    const __m512i offset = _mm512_set1_epi8(127);
+    __m512i sums = _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++) sums = _mm512_dpbusd_epi32(sums, offset, _mm512_loadu_si512((const void *)(y->qs + 64 * j)));
+    return fold(sums);
+}
+
+/* One input row's `blocks` (<= PREPARED_BLOCKS) Q8_K blocks y into `prepared`: their d's, and with
+ * `offsets` Q3_K's offset lanes */
+AVX512_INLINE void prepare(const BlockQ8K *y, int64_t blocks, const int offsets, Prepared *prepared) {
+    for (int64_t k = 0; k < blocks; k++) {
+        prepared->d[k] = y[k].d;
+        if (offsets) prepared->lanes127[k] = q3_k_offset_lanes(y + k);
+    }
 }
 
 /* Q3_K's 16 scales less 32 (int16), from its 12 scale bytes (loaded from b + 94: byte 96 + i at 2 + i).
@@ -365,12 +398,14 @@ KQ_INLINE void q3_k_tables(const uint8_t *restrict b, __m512i tables[2]) {
  * + 127 (q3_k_tables; the index c + 8 (j % 2): the low two bits of bytes 32 + 32g.. at 2f by gf2p8affine
  * plus its constant, 4 added where bit 4g + f of hmask is set, for run 4g + f) times y by one vpdpbusd a
  * run pair, and 127 times y by another, taken away at the end: the same exact lanes, two vpdpbusd a run
- * pair and row where maddubs, maddubs, a subtraction and a vpdpwssd were. */
+ * pair and row where maddubs, maddubs, a subtraction and a vpdpwssd were. The offsets' lanes depend on the
+ * input row alone: one input row's come `prepared` (q3_k_offset_lanes), once for all the weight rows. */
 KQ_INLINE void q3_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n,
-                          float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], int k) {
+                          float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], int k, const Prepared *prepared) {
     (void)mins;
     __m512i tables[2];
     q3_k_tables(b, tables);
+    const int held = prepared != NULL;
     const __m512i hmask = both_halves(b), offset = _mm512_set1_epi8(127);
     __m512i sums[Q8_ROWS], offsets[Q8_ROWS];
     for (int r = 0; r < n; r++) sums[r] = offsets[r] = _mm512_setzero_si512();
@@ -383,18 +418,21 @@ KQ_INLINE void q3_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, i
         for (int r = 0; r < n; r++) {
             const __m512i q8 = _mm512_loadu_si512((const void *)(y[r][at].qs + 64 * j));
             sums[r] = _mm512_dpbusd_epi32(sums[r], weights, q8);
-            offsets[r] = _mm512_dpbusd_epi32(offsets[r], offset, q8);
+            if (!held) offsets[r] = _mm512_dpbusd_epi32(offsets[r], offset, q8);
         }
     }
-    for (int r = 0; r < n; r++)
-        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&steps[r][k]), _mm256_cvtepi32_ps(fold(_mm512_sub_epi32(sums[r], offsets[r]))),
-                                 acc[r]);
+    for (int r = 0; r < n; r++) {
+        const __m256i lanes = held ? _mm256_sub_epi32(fold(sums[r]), _mm256_load_si256(prepared->lanes127 + at))
+                                   : fold(_mm512_sub_epi32(sums[r], offsets[r]));
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&steps[r][k]), _mm256_cvtepi32_ps(lanes), acc[r]);
+    }
 }
 
 KQ_INLINE void q3_k_steps(const uint8_t *row, const BlockQ8K *const *y, int64_t c, int count,
-                          float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], const int n) {
+                          float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], const int n,
+                          const Prepared *prepared) {
     (void)mins;
-    q8k_steps(row + 110 * c + 106, 110, 16, y, c, count, steps, NULL, n);
+    q8k_steps(row + 110 * c + 106, 110, 16, y, c, count, steps, NULL, n, prepared);
 }
 
 /* Q4_K's 8 sub-block scales (int16 lanes 0..7) and mins (lanes 8..15), as ggml unpacks its 12 bytes */
@@ -517,8 +555,9 @@ AVX512_INLINE void q6_k_block(const uint8_t *restrict b, const BlockQ8K *const *
  * as Q8_0's one-row kernel reads, their blocks alternating in one loop, each row's FMAs its own chain in
  * block order (the one-row bits). From RAM on Intel Xeon (Emerald Rapids), 4 KiB and 2 MiB pages, one
  * and two threads, Q2_K and Q3_K ran 1.06-1.31x as fast as one row at a time (in cache 0.99-1.01x). */
-#define STEPPED_ROWS(NAME, BLOCK, STEPS, BLOCK_BYTES)                                                    \
-    KQ_INLINE void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
+#define STEPPED_ROWS(NAME, BLOCK, STEPS, BLOCK_BYTES, OFFSETS)                                           \
+    KQ_INLINE void NAME##_prepared_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n, \
+                                        const Prepared *prepared) {                                      \
         const int64_t blocks = pr->in_features / 256;                                                    \
         const BlockQ8K *y[Q8_ROWS];                                                                      \
         __m256 acc[Q8_ROWS];                                                                             \
@@ -526,16 +565,20 @@ AVX512_INLINE void q6_k_block(const uint8_t *restrict b, const BlockQ8K *const *
         for (int r = 0; r < n; r++) y[r] = pr->q8 + pr->rows[p + r] * blocks, acc[r] = _mm256_setzero_ps(); \
         for (int64_t c = 0; c < blocks; c += CHUNK_BLOCKS_K) {                                           \
             const int count = blocks - c < CHUNK_BLOCKS_K ? (int)(blocks - c) : CHUNK_BLOCKS_K;          \
-            STEPS(row, y, c, count, steps, mins, n);                                                     \
+            STEPS(row, y, c, count, steps, mins, n, prepared);                                           \
             for (int k = 0; k < count; k++) {                                                            \
                 const uint8_t *block = row + (c + k) * (BLOCK_BYTES);                                    \
                 prefetch_ahead(block, BLOCK_BYTES);                                                      \
-                BLOCK(block, y, c + k, acc, n, steps, mins, k);                                          \
+                BLOCK(block, y, c + k, acc, n, steps, mins, k, prepared);                                \
             }                                                                                            \
         }                                                                                                \
         for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = hsum8(acc[r]);             \
     }                                                                                                    \
-    KQ_INLINE void NAME##_pair(const Product *pr, const uint8_t *row, int64_t m, int64_t half, int64_t p) { \
+    KQ_INLINE void NAME##_rows(const Product *pr, const uint8_t *row, int64_t m, int64_t p, const int n) { \
+        NAME##_prepared_rows(pr, row, m, p, n, NULL);                                                    \
+    }                                                                                                    \
+    KQ_INLINE void NAME##_pair(const Product *pr, const uint8_t *row, int64_t m, int64_t half, int64_t p, \
+                               const Prepared *prepared) {                                               \
         const int64_t blocks = pr->in_features / 256;                                                    \
         const BlockQ8K *y[1] = {pr->q8 + pr->rows[p] * blocks};                                          \
         const uint8_t *rows[2] = {row, row + half * pr->row_bytes};                                      \
@@ -543,12 +586,12 @@ AVX512_INLINE void q6_k_block(const uint8_t *restrict b, const BlockQ8K *const *
         float steps[2][1][CHUNK_BLOCKS_K], mins[2][1][CHUNK_BLOCKS_K];                                   \
         for (int64_t c = 0; c < blocks; c += CHUNK_BLOCKS_K) {                                           \
             const int count = blocks - c < CHUNK_BLOCKS_K ? (int)(blocks - c) : CHUNK_BLOCKS_K;          \
-            for (int w = 0; w < 2; w++) STEPS(rows[w], y, c, count, steps[w], mins[w], 1);               \
+            for (int w = 0; w < 2; w++) STEPS(rows[w], y, c, count, steps[w], mins[w], 1, prepared);     \
             for (int k = 0; k < count; k++)                                                              \
                 for (int w = 0; w < 2; w++) {                                                            \
                     const uint8_t *block = rows[w] + (c + k) * (BLOCK_BYTES);                            \
                     prefetch_ahead(block, BLOCK_BYTES);                                                  \
-                    BLOCK(block, y, c + k, acc[w], 1, steps[w], mins[w], k);                             \
+                    BLOCK(block, y, c + k, acc[w], 1, steps[w], mins[w], k, prepared);                   \
                 }                                                                                        \
         }                                                                                                \
         for (int w = 0; w < 2; w++) pr->out[p * pr->out_stride + m + w * half] = hsum8(acc[w][0]);       \
@@ -561,12 +604,22 @@ AVX512_INLINE void q6_k_block(const uint8_t *restrict b, const BlockQ8K *const *
             NAME##_groups(pr, b, first, last);                                                           \
             return;                                                                                      \
         }                                                                                                \
-        for (int64_t m = first; m < first + half; m++) NAME##_pair(pr, rows + m * pr->row_bytes, m, half, p); \
-        if ((last - first) % 2) NAME##_rows(pr, rows + (last - 1) * pr->row_bytes, last - 1, p, 1);     \
+        const int64_t blocks = pr->in_features / 256;                                                    \
+        Prepared prepared;                                                                               \
+        if (blocks <= PREPARED_BLOCKS) { /* each call compiled apart */                                   \
+            prepare(pr->q8 + pr->rows[p] * blocks, blocks, OFFSETS, &prepared);                          \
+            for (int64_t m = first; m < first + half; m++)                                               \
+                NAME##_pair(pr, rows + m * pr->row_bytes, m, half, p, &prepared);                        \
+        } else {                                                                                         \
+            for (int64_t m = first; m < first + half; m++) NAME##_pair(pr, rows + m * pr->row_bytes, m, half, p, NULL); \
+        }                                                                                                \
+        if ((last - first) % 2)                                                                          \
+            NAME##_prepared_rows(pr, rows + (last - 1) * pr->row_bytes, last - 1, p, 1,                  \
+                                 blocks <= PREPARED_BLOCKS ? &prepared : NULL);                          \
     }
 
-STEPPED_ROWS(q2_k_avx512, q2_k_block, q2_k_steps, 84)
-STEPPED_ROWS(q3_k_avx512, q3_k_block, q3_k_steps, 110)
+STEPPED_ROWS(q2_k_avx512, q2_k_block, q2_k_steps, 84, 0)
+STEPPED_ROWS(q3_k_avx512, q3_k_block, q3_k_steps, 110, 1)
 SHARED_ROWS(q4_k_avx512, q4_k_block, 144, MinLanes, MIN_LANES_ZERO, min_lanes_total)
 SHARED_ROWS(q5_k_avx512, q5_k_block, 176, Lanes, LANES_ZERO, lanes_total)
 SHARED_ROWS(q6_k_avx512, q6_k_block, 210, __m256, _mm256_setzero_ps(), hsum8)
