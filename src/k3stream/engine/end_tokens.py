@@ -45,10 +45,10 @@ END_TEXTS = frozenset(
 )
 
 
-def end_of_generation_ids(tokens: Sequence[str], keyed: Mapping[str, int | None]) -> frozenset[int]:
-    """The ids that end a generation in a vocabulary of `tokens`; `keyed` maps `eos`, `eot`, `eom`,
-    `fim_pad`, `fim_rep`, `fim_sep` to the file's `tokenizer.ggml.<name>_token_id` (None: absent)."""
-    id_of = {text: token_id for token_id, text in enumerate(tokens)}
+def end_of_generation_ids(id_of: Mapping[str, int], keyed: Mapping[str, int | None]) -> frozenset[int]:
+    """The ids that end a generation in a vocabulary whose token texts have the ids `id_of`; `keyed` maps
+    `eos`, `eot`, `eom`, `fim_pad`, `fim_rep`, `fim_sep` to the file's `tokenizer.ggml.<name>_token_id`
+    (None: absent)."""
     ends = {keyed.get(name) for name in (*END_KEYS, *FIM_KINDS)} | found_by_text(id_of, keyed)
     ends.discard(None)
     return frozenset(ends - _format_exceptions(id_of))

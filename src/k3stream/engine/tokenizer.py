@@ -155,17 +155,19 @@ def _read_fields(metadata: Callable[[str, Any], Any], source: str) -> VocabField
     )
 
 
-def _check_unique_texts(fields: VocabFields) -> None:
-    """Refuse a vocabulary where two ids share one text, whatever their types: llama.cpp maps each text to
-    one id and aborts on such a file; which id the text means would be a guess."""
-    first_id: dict[str, int] = {}
+def _text_ids(fields: VocabFields) -> dict[str, int]:
+    """Each token text's id. A vocabulary where two ids share one text, whatever their types, is refused:
+    llama.cpp maps each text to one id and aborts on such a file; which id the text means would be a
+    guess."""
+    id_of: dict[str, int] = {}
     for token_id, text in enumerate(fields.tokens):
-        earlier = first_id.setdefault(text, token_id)
+        earlier = id_of.setdefault(text, token_id)
         if earlier != token_id:
             raise ValueError(
                 f"{fields.source}: tokenizer.ggml.tokens entries {earlier} and {token_id} are the same "
                 f"text {text!r}"
             )
+    return id_of
 
 
 def _special_cut(specials: Iterable[str]) -> Any:
@@ -188,18 +190,15 @@ class Tokenizer:
         self.chat_template, self.chat_template_tool_use = fields.chat_template, fields.chat_template_tool_use
         self.vocab_size = len(fields.tokens)
         # the ids that end a generation, as llama.cpp takes them: eos and the end-of-turn marks
-        self.end_ids = end_of_generation_ids(fields.tokens, {**fields.end_keys, "eos": fields.eos_id})
-        self._ranks, special, user_defined = self._split_vocab(fields)
+        id_of = _text_ids(fields)
+        self.end_ids = end_of_generation_ids(id_of, {**fields.end_keys, "eos": fields.eos_id})
+        self._ranks, special, user_defined = self._split_vocab(fields, id_of)
         if fields.merges is None and len(self._ranks) > 256:
             raise ValueError(
                 f"{fields.source}: metadata tokenizer.ggml.merges is missing; a gpt2 vocabulary of more "
                 "than its 256 bytes needs its merges"
             )
-        self._bpe = MergeBPE(
-            fields.merges or [],
-            {text: token_id for token_id, text in enumerate(fields.tokens)},
-            fields.source,
-        )
+        self._bpe = MergeBPE(fields.merges or [], id_of, fields.source)
         self.special_tokens: dict[str, int] = special
         self._special_cuts = {
             allow_special: _special_cut(special if allow_special else user_defined)
@@ -224,12 +223,13 @@ class Tokenizer:
         )
 
     @staticmethod
-    def _split_vocab(fields: VocabFields) -> tuple[dict[bytes, int], dict[str, int], list[str]]:
+    def _split_vocab(
+        fields: VocabFields, id_of: dict[str, int]
+    ) -> tuple[dict[bytes, int], dict[str, int], list[str]]:
+        """The byte pieces' ranks, the special tokens and the user-defined ones; `id_of`: each text's id."""
         ranks: dict[bytes, int] = {}
         special: dict[str, int] = {}
         user_defined: list[str] = []
-        _check_unique_texts(fields)
-        id_of = {text: token_id for token_id, text in enumerate(fields.tokens)}
         marks = found_by_text(id_of, fields.end_keys)  # control tokens whatever their type, as in llama.cpp
         for token_id, (text, kind) in enumerate(zip(fields.tokens, fields.token_types, strict=True)):
             if kind == TOKEN_NORMAL:

@@ -43,7 +43,7 @@ def split_merge(merge: str) -> tuple[str, str] | None:
 
 class MergeBPE:
     """llama.cpp's BPE over `merges` (`left right` entries, a pair's rank being its first entry's index);
-    `token_ids` maps each token text to its id (a text held twice: its last id, as llama.cpp keeps it).
+    `token_ids` maps each token text to its id (the tokenizer refuses a text held twice, as llama.cpp does).
 
     Every merge must name tokens of the vocabulary, each part and the pair joined: one that does not is
     refused naming `source` and the entry."""
