@@ -1,15 +1,15 @@
 """Constrained decoding with llguidance: before each token, the sampler drops the tokens the grammar forbids.
 
 Grammars are llguidance's Lark dialect, where `<|tool_call_begin|>` names a special token and
-`%json {schema}` embeds a JSON Schema; JSON is compact (no free whitespace), so a model cannot pad
-forever. The vocabulary is the tokenizer's tiktoken ranks (byte strings) and its special tokens; the
-grammar ends on the chat's stop tokens. Once a grammar is complete only those stop tokens remain.
+`%json {schema}` embeds a JSON Schema; a forced output's JSON is compact (no free whitespace), so a
+model cannot pad forever, and a call the model opens on its own keeps its layout within bounds
+(`OPENED_JSON`). The vocabulary is the tokenizer's tiktoken ranks (byte strings) and its special tokens;
+the grammar ends on the chat's stop tokens. Once a grammar is complete only those stop tokens remain.
 `bench_grammar.py` holds the measurements behind the choice of library (README: Structured output).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import threading
@@ -19,11 +19,14 @@ from typing import Any
 import torch
 
 from k3stream.server.errors import invalid_request
-from k3stream.server.kimi_output import HEADER_RE
 from k3stream.server.scheduler import RequestError
 from k3stream.server.schemas import FreeformInput
 
 JSON_DEFAULTS = {"whitespace_flexible": False}
+# the JSON of a call the model opens on its own (tool_choice auto): its own layout, each run of whitespace
+# a few spaces or a line break and its indentation, so it cannot pad forever; keywords llguidance does not
+# implement (`uniqueItems`, `not`, `if`) are left to the check of the finished call (`OutputParser`)
+OPENED_JSON = {"whitespace_pattern": r"[ \t]{0,4}|\r?\n[ \t]{0,64}", "lenient": True}
 MAX_PARALLEL_CALLS = 8  # calls one forced section may hold
 # characters of a request's custom tool grammars in all: llguidance's check of a Lark grammar grows faster
 # than its length (a 3.5 MB alternation takes minutes), and each is checked, then compiled with the
@@ -93,13 +96,18 @@ def _slashes_escaped(regex: str) -> str:
 
 
 def tool_calls_grammar(
-    tools: Sequence[tuple[str, ToolArguments]], *, parallel: bool, first_index: int = 0
+    tools: Sequence[tuple[str, ToolArguments]],
+    *,
+    parallel: bool,
+    first_index: int = 0,
+    json_options: dict[str, Any] = JSON_DEFAULTS,
 ) -> str:
     """A Kimi tool-call section calling `tools` (name, what its arguments follow): exactly one call, or
     up to MAX_PARALLEL_CALLS when `parallel`. Calls are numbered as Kimi numbers them, from `first_index`
-    (the calls earlier in the conversation): `functions.NAME:IDX`. A freeform tool's input grammar is a
-    grammar of its own beside the section's (llguidance's grammar list), so its rules and names cannot
-    clash with the section's."""
+    (the calls earlier in the conversation): `functions.NAME:IDX`; JSON arguments are laid out as
+    `json_options` (llguidance's `x-guidance`) allows. A freeform tool's input grammar is a grammar of its
+    own beside the section's (llguidance's grammar list), so its rules and names cannot clash with the
+    section's."""
     count = MAX_PARALLEL_CALLS if parallel else 1
     calls = "".join(f" (call_{k}" for k in range(1, count)) + ")?" * (count - 1)
     rules = [f"start: <|tool_calls_section_begin|> call_0{calls} <|tool_calls_section_end|>"]
@@ -113,23 +121,17 @@ def tool_calls_grammar(
             )
     inputs = []
     for t, (_, arguments) in enumerate(tools):
-        rules.append(f"arguments_{t}: {_arguments_rule(arguments, f'input_{t}')}")
+        rules.append(f"arguments_{t}: {_arguments_rule(arguments, f'input_{t}', json_options)}")
         if isinstance(arguments, FreeformInput) and arguments.lark is not None:
             inputs.append({"name": f"input_{t}", "lark_grammar": arguments.lark})
     return json.dumps({"grammars": [{"lark_grammar": "\n".join(rules)}, *inputs]})
 
 
-def freeform_call_grammar(arguments: FreeformInput) -> str:
-    """The rest of a freeform tool's call once its arguments begin: its input, then `<|tool_call_end|>`."""
-    rules = {"lark_grammar": f"start: {_arguments_rule(arguments, 'input')} <|tool_call_end|>"}
-    return json.dumps({"grammars": [rules, {"name": "input", "lark_grammar": arguments.lark}]})
-
-
-def _arguments_rule(arguments: ToolArguments, input_name: str) -> str:
-    """The right side of a call's arguments rule: compact JSON of its schema, its freeform input's
-    grammar (`input_name` in the grammar list), or any text."""
+def _arguments_rule(arguments: ToolArguments, input_name: str, json_options: dict[str, Any]) -> str:
+    """The right side of a call's arguments rule: JSON of its schema laid out as `json_options` allows,
+    its freeform input's grammar (`input_name` in the grammar list), or any text."""
     if not isinstance(arguments, FreeformInput):
-        return f"%json {json.dumps({**arguments, 'x-guidance': JSON_DEFAULTS})}"
+        return f"%json {json.dumps({**arguments, 'x-guidance': json_options})}"
     return ANY_TEXT if arguments.lark is None else f"@{input_name}"
 
 
@@ -216,22 +218,6 @@ class BannedTokens:
         del token
 
 
-class SingleToolCall:
-    """A constraint for parallel_tool_calls false without a forced call: once one call has ended, no
-    other may begin (a new call or a new section)."""
-
-    def __init__(self, call_end: int, begins: Sequence[int], vocab_size: int) -> None:
-        self._call_end = call_end
-        self._after_call = BannedTokens(begins, vocab_size)
-        self._ended = False
-
-    def allowed(self) -> torch.Tensor | None:
-        return self._after_call.allowed() if self._ended else None
-
-    def advance(self, token: int) -> None:
-        self._ended = self._ended or token == self._call_end
-
-
 class AfterThinking:
     """A forced output's constraint for a prompt that opened a think block: the reasoning is free until
     the block's closing tokens (`close`, in order), then `inner` (the grammar) applies, as vLLM's
@@ -258,53 +244,27 @@ class AfterThinking:
         self._closed = self._tail == self._close
 
 
-class FreeformCalls:
-    """A constraint for an answer free to call tools (no call forced): the input of each call it opens to
-    a freeform tool with a grammar follows that grammar to `<|tool_call_end|>`. The call's header (the
-    tokens between `<|tool_call_begin|>` and `<|tool_call_argument_begin|>`, decoded) names the tool;
-    `inputs` holds each tool's constraint of its input and the call's end, compiled with the request
-    (a grammar the vocabulary cannot follow is its 400), each call following a copy."""
+class LazySections:
+    """tool_choice auto's constraint, llama-server's lazy grammar: the text is free (no mask is computed)
+    until the model opens a tool-call section outside the think block, then `section` (the grammar of a
+    section calling the request's tools, the forced calls' grammar) holds it to the section's end, after
+    which only the stop tokens remain, as after a forced call. `follow` tells it where the output parser
+    stands: a section token inside the think block is reasoning text, never a call."""
 
-    def __init__(
-        self,
-        inputs: dict[str, Constraint],
-        delimiters: tuple[int, int, int],
-        decode: Callable[[list[int]], str],
-    ) -> None:
-        self._inputs = inputs
-        self._begin, self._argument, self._end = delimiters  # the call's begin, argument, end tokens
-        self._decode = decode
-        self._header: list[int] | None = None  # the open call's header tokens so far
-        self._input: Constraint | None = None  # the open call's input grammar
+    def __init__(self, section: Constraint, trigger: int) -> None:
+        self._section = section
+        self._trigger = trigger  # `<|tool_calls_section_begin|>`
+        self._in_reasoning: Callable[[], bool] = lambda: False
+        self._held = False
+
+    def follow(self, in_reasoning: Callable[[], bool]) -> None:
+        """Take `in_reasoning` (whether the output so far ends inside the think block) as the parser's."""
+        self._in_reasoning = in_reasoning
 
     def allowed(self) -> torch.Tensor | None:
-        return self._input.allowed() if self._input is not None else None
+        return self._section.allowed() if self._held else None
 
     def advance(self, token: int) -> None:
-        if self._input is not None:
-            self._input.advance(token)
-            self._input = None if token == self._end else self._input
-        elif token == self._begin:
-            self._header = []
-        elif self._header is not None and token == self._argument:
-            match = HEADER_RE.fullmatch(self._decode(self._header))
-            name = match.group(1) if match is not None else None
-            self._input = self._inputs[name].copy() if name in self._inputs else None
-            self._header = None
-        elif self._header is not None:
-            self._header.append(token)
-
-
-class AllOf:
-    """Constraints that all apply: a token is allowed where each allows it."""
-
-    def __init__(self, constraints: Sequence[Any]) -> None:
-        self._constraints = list(constraints)
-
-    def allowed(self) -> torch.Tensor | None:
-        masks = [mask for c in self._constraints if (mask := c.allowed()) is not None]
-        return functools.reduce(torch.logical_and, masks) if masks else None
-
-    def advance(self, token: int) -> None:
-        for constraint in self._constraints:
-            constraint.advance(token)
+        self._held = self._held or (token == self._trigger and not self._in_reasoning())
+        if self._held:
+            self._section.advance(token)

@@ -23,17 +23,17 @@ call ends. An answer that ends inside a section (`max_tokens`, the end-of-sequen
 string cut it) gives the call it cut as far as it came: a header naming a request tool is that call with
 no arguments, a delimiter or a header that names no tool yet is nothing (markup is never content). A
 call is *unfinished* (`OutputParser.unfinished`) where the answer ended before its end delimiter, or its
-arguments ended but are not a JSON object (a function's): such a call is sent as it came, and the
-answer's finish reason is not `tool_calls`. Anything else inside a section (an unknown
-function, arguments that are not an object) comes back as content, delimiters spelled as their token
-text.
+arguments ended but are not a JSON object its function's schema takes (jsonschema's check, as a client
+would make it): such a call is sent as it came, and the answer's finish reason is not `tool_calls`.
+Anything else inside a section (an unknown function, arguments that are not an object) comes back as
+content, delimiters spelled as their token text.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -223,6 +223,7 @@ class OutputParser:
         tool_names: Iterable[str] = (),
         *,
         freeform: Iterable[str] = (),
+        schemas: Mapping[str, dict[str, Any]] | None = None,
         reasoning: bool = True,
         in_reasoning: bool = False,
         on_call: Callable[[str, str], None] | None = None,
@@ -230,6 +231,7 @@ class OutputParser:
         self.fmt = fmt
         self.tool_names = frozenset(tool_names)
         self.freeform = frozenset(freeform)  # the tools whose arguments are freeform text, not JSON
+        self.schemas = dict(schemas or {})  # the JSON Schema of a function's arguments, by its name
         self.think = fmt.think if reasoning else None
         self.tools = fmt.tools
         self._mode = "reasoning" if in_reasoning and self.think else "start"
@@ -421,7 +423,7 @@ class OutputParser:
         if not taken[1]:
             self._space = text[len(sent) :]
             return False
-        if self._open.name not in self.freeform and not _is_object(self._written):
+        if self._open.name not in self.freeform and not self._takes(self._open.name, self._written):
             self.unfinished.add(self._open.index)
         if self._on_call is not None:
             self._on_call(self._open.id, self._written)
@@ -429,6 +431,22 @@ class OutputParser:
         if taken[1] == self.tools["<|tool_calls_section_end|>"]:
             self._mode = "content"
         return True
+
+    def _takes(self, name: str, written: str) -> bool:
+        """Whether `written` is a JSON object that the schema of the function `name` takes (a schema the
+        check cannot read, a Python-incompatible pattern or a `$ref` out of the schema, is left to the
+        grammar that held the call)."""
+        value = _object(written)
+        schema = self.schemas.get(name)
+        if value is None or schema is None:
+            return value is not None
+        from jsonschema import Draft202012Validator
+        from referencing.exceptions import Unresolvable
+
+        try:
+            return Draft202012Validator(schema).is_valid(value)
+        except (re.error, Unresolvable):
+            return True
 
     def _unparsed(self, text: str) -> str:
         """Section text given back as content: with the section's opening unless a call was returned."""
@@ -456,9 +474,10 @@ def _prefix_overlap(text: str, delimiter: str) -> int:
     return 0
 
 
-def _is_object(text: str) -> bool:
-    """Whether `text` is a JSON object."""
+def _object(text: str) -> dict[str, Any] | None:
+    """`text` as a JSON object; None where it is not one."""
     try:
-        return isinstance(json.loads(text), dict)
+        value = json.loads(text)
     except (ValueError, RecursionError):
-        return False
+        return None
+    return value if isinstance(value, dict) else None

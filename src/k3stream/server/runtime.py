@@ -4,7 +4,6 @@ name and context size."""
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import re
 import threading
@@ -21,18 +20,17 @@ from k3stream.engine.loading import Runtime
 from k3stream.engine.prompt_cache import PromptCache
 from k3stream.engine.sampling import SamplingParams
 from k3stream.gguf.shards import set_name
-from k3stream.server.errors import invalid_request
+from k3stream.server.errors import APIError, invalid_request
 from k3stream.server.generated_calls import GeneratedCalls
 from k3stream.server.grammar import (
+    OPENED_JSON,
     AfterThinking,
-    AllOf,
     BannedTokens,
     Constraint,
-    FreeformCalls,
     GrammarCompiler,
-    SingleToolCall,
+    LazySections,
+    ToolArguments,
     call_arguments_schema,
-    freeform_call_grammar,
     json_schema_grammar,
     tool_calls_grammar,
 )
@@ -178,8 +176,6 @@ class ServedModel(Runtime):
             messages.pop()
         tokens = self.encode_chat(messages, tools or None, self.template_variables(body.template_kwargs()))
         in_reasoning = self._opens_thinking(tokens)
-        # the freeform tools' grammars, compiled once for the choices that may call them
-        freeform = functools.cache(functools.partial(self._freeform_inputs, body))
         if prefill:
             tokens += self.pieces.get(("plain", prefill), self.tokenizer.encode_plain)
             in_reasoning = in_reasoning and self.kimi.spell(self.kimi.think[1]) not in prefill
@@ -187,7 +183,8 @@ class ServedModel(Runtime):
             tokens=tokens,
             tool_names=tuple(tool.function.name for tool in body.tools or []),
             freeform=tuple(body.freeform_tools()),
-            constraints=tuple(self._constraint(body, in_reasoning, freeform) for _ in range(body.n)),
+            schemas={tool.function.name: tool.function.schema_or_empty() for tool in body.tools or []},
+            constraints=tuple(self._constraint(body, in_reasoning) for _ in range(body.n)),
             reasoning=body.splits_reasoning(),
             in_reasoning=in_reasoning,
         )
@@ -220,14 +217,9 @@ class ServedModel(Runtime):
         tail = tokens[-len(opening.encode()) :]  # every token holds at least one byte
         return self.tokenizer.decode(tail).endswith(opening)
 
-    def _constraint(
-        self,
-        body: ChatCompletionRequest,
-        in_reasoning: bool,
-        freeform: Callable[[], dict[str, Constraint]],
-    ) -> TokenConstraint | None:
+    def _constraint(self, body: ChatCompletionRequest, in_reasoning: bool) -> TokenConstraint | None:
         """One choice's constraint; a forced output's grammar follows the think block the prompt opened
-        (`in_reasoning`); `freeform` gives the freeform tools' input grammars."""
+        (`in_reasoning`)."""
         forced = self._forced_output(body)
         if forced is not None and in_reasoning:
             return AfterThinking(forced, self._think_close(), self.grammars.stop_ids, self.vocab_size)
@@ -238,34 +230,39 @@ class ServedModel(Runtime):
             return BannedTokens([section], self.vocab_size)
         if not body.tools or self.kimi.tools is None:
             return None
-        calls = [c for c in (self._single_call(body), self._freeform_calls(freeform())) if c is not None]
-        if len(calls) > 1:
-            return AllOf(calls)
-        return calls[0] if calls else None
+        return self._lazy_sections(body)
 
-    def _single_call(self, body: ChatCompletionRequest) -> SingleToolCall | None:
-        """parallel_tool_calls false: one call at most."""
-        if body.parallel_tool_calls is not False:
-            return None
-        begins = [self.tokenizer.token_id(t) for t in ("<|tool_call_begin|>", "<|tool_calls_section_begin|>")]
-        return SingleToolCall(self.tokenizer.token_id("<|tool_call_end|>"), begins, self.vocab_size)
+    def _lazy_sections(self, body: ChatCompletionRequest) -> LazySections:
+        """tool_choice auto: a section the model opens holds calls of the request's tools (one where
+        parallel_tool_calls is false), their JSON in the model's own layout (`OPENED_JSON`); a tool the
+        grammar library cannot compile is a 400 naming its field."""
+        tools = self._opened_tools(body)
+        parallel = body.parallel_tool_calls is not False
+        called = [(name, arguments) for name, arguments, _ in tools]
+        grammar = tool_calls_grammar(
+            called, parallel=parallel, first_index=_earlier_calls(body), json_options=OPENED_JSON
+        )
+        try:
+            section = self.grammars.constraint(grammar, "tools")
+        except APIError:
+            for name, arguments, param in tools:  # the first tool at fault, by name
+                alone = tool_calls_grammar([(name, arguments)], parallel=False, json_options=OPENED_JSON)
+                self.grammars.constraint(alone, param)
+            raise
+        return LazySections(section, self.tokenizer.token_id("<|tool_calls_section_begin|>"))
 
-    def _freeform_inputs(self, body: ChatCompletionRequest) -> dict[str, Constraint]:
-        """Each freeform tool's input grammar and its call's end by name, for the tools that have one; a
-        grammar the vocabulary cannot follow is a 400 naming its field."""
-        return {
-            name: self.grammars.constraint(freeform_call_grammar(tool_input), tool_input.param)
-            for name, tool_input in body.freeform_tools().items()
-            if tool_input.lark is not None
-        }
-
-    def _freeform_calls(self, inputs: dict[str, Constraint]) -> FreeformCalls | None:
-        """`inputs` (`_freeform_inputs`) over the calls the model opens to their tools."""
-        if not inputs:
-            return None
-        delimiters = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
-        begin, argument, end = (self.tokenizer.token_id(t) for t in delimiters)
-        return FreeformCalls(inputs, (begin, argument, end), self.tokenizer.decode)
+    def _opened_tools(self, body: ChatCompletionRequest) -> list[tuple[str, ToolArguments, str]]:
+        """Each tool of the request: its name, what its arguments follow and the field that defines it; a
+        function's parameters not of an object's type are a 400 naming them."""
+        freeform = body.freeform_tools()
+        tools = []
+        for index, tool in enumerate(body.tools or []):
+            name, param = tool.function.name, f"tools.{index}.function.parameters"
+            if name in freeform:
+                tools.append((name, freeform[name], freeform[name].param))
+            else:
+                tools.append((name, call_arguments_schema(tool.function.schema_or_empty(), param), param))
+        return tools
 
     def _forced_output(self, body: ChatCompletionRequest) -> Constraint | None:
         """The grammar of a forced tool call (`tool_choice` required or named) or `response_format`."""
@@ -274,8 +271,7 @@ class ServedModel(Runtime):
             arguments = {**self._forced_call_schemas(body), **body.freeform_tools()}
             tools = [(tool.function.name, arguments[tool.function.name]) for tool in forced]
             parallel = body.parallel_tool_calls is not False and body.tool_choice == "required"
-            earlier = sum(len(m.tool_calls or []) for m in body.messages)
-            grammar = tool_calls_grammar(tools, parallel=parallel, first_index=earlier)
+            grammar = tool_calls_grammar(tools, parallel=parallel, first_index=_earlier_calls(body))
             return self.grammars.constraint(grammar, "tool_choice")
         response_format = body.response_format
         if response_format is not None and response_format.type != "text":
@@ -351,11 +347,14 @@ class ServedModel(Runtime):
             self.kimi,
             chat.tool_names,
             freeform=chat.freeform,
+            schemas=chat.schemas,
             reasoning=chat.reasoning,
             in_reasoning=chat.in_reasoning,
             on_call=self.generated_calls.remember,
         )
         constraint = chat.constraints[choice]
+        if isinstance(constraint, LazySections):
+            constraint.follow(lambda: parser.in_reasoning)
         return RequestLogic(
             sequence, self.tokenizer, parser=parser, constraint=constraint, top_logprobs=top_logprobs
         )
@@ -398,6 +397,11 @@ def _with_thinking(variables: dict[str, Any]) -> dict[str, Any]:
     return {**variables, "thinking": bool(variables["enable_thinking"])}
 
 
+def _earlier_calls(body: ChatCompletionRequest) -> int:
+    """The tool calls earlier in the conversation: Kimi numbers a new call after them."""
+    return sum(len(m.tool_calls or []) for m in body.messages)
+
+
 def _given(value: Any, default: Any) -> Any:
     return default if value is None else value
 
@@ -423,6 +427,7 @@ class ChatPrompt:
     tokens: list[int]
     tool_names: tuple[str, ...]
     freeform: tuple[str, ...]  # the tools whose arguments are freeform text
+    schemas: dict[str, dict[str, Any]]  # each function tool's parameters, by name
     constraints: tuple[TokenConstraint | None, ...]  # one per choice: a constraint follows its tokens
     reasoning: bool
     in_reasoning: bool  # the prompt opened a think block
