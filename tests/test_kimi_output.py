@@ -328,3 +328,24 @@ def test_the_builtin_kimi_k3_templates_think_channel(specials):
     output = f"Plan: ask.<|close|>think<|sep|><|open|>response<|sep|>Sure.{SECTION}"
     result = every_split(fmt, released(tokenizer, fmt, output), in_reasoning=True)
     assert (result.reasoning, result.content, result.tool_calls) == ("Plan: ask.", "Sure.", CALLS)
+
+
+# the schemas of SECTION's calls: get_time's zone a list of distinct names, which llguidance cannot hold
+# (it does not implement `uniqueItems`) but the finished call's check does
+LISTED_ZONES = {"type": "object", "properties": {"tz": {"type": "array", "uniqueItems": True}}}
+CALL_SCHEMAS = {"get_weather": {"type": "object", "required": ["city"]}, "get_time": LISTED_ZONES}
+SCHEMA_CHECKS = {
+    "both calls take their arguments": ('["UTC", "CET"]', set()),
+    "the second's arguments break its schema": ('["UTC", "UTC"]', {1}),
+}
+
+
+@pytest.mark.parametrize("zones, unfinished", SCHEMA_CHECKS.values(), ids=SCHEMA_CHECKS.keys())
+def test_a_call_whose_object_its_schema_does_not_take_is_unfinished(think_tokenizer, zones, unfinished):
+    fmt = KimiFormat.for_tokenizer(think_tokenizer)
+    output = SECTION.replace('"UTC"', zones)
+    parser = OutputParser(fmt, TOOLS, schemas=CALL_SCHEMAS)
+    for text in released(think_tokenizer, fmt, output):
+        parser.feed(text)
+    parser.finish()
+    assert parser.unfinished == unfinished
