@@ -6,8 +6,6 @@ so a `logit_bias` on its opening token makes them open one in most answers, at a
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import httpx
 import openai
 import pytest
@@ -21,6 +19,7 @@ from test_server_tools import (  # noqa: F401 (client, serve, served, tool_gguf:
     chat,
     check_call,
     client,
+    held_apart,
     serve,
     served,
     stream_chat,
@@ -94,7 +93,7 @@ def unconstrained_tokens(model, fields: dict) -> list[bytes]:
     """The tokens the engine samples for the chat request of `fields` (ASK's) with no constraint at all,
     each step as the scheduler takes one (choose, then accept)."""
     request = ChatCompletionRequest.model_validate({"model": "m", "messages": ASK, **fields})
-    prompt = replace(model.prepare_chat(request), constraints=(None,))
+    prompt = held_apart(model.prepare_chat(request))
     logic = model.new_sequence(request, prompt.tokens, fields["max_tokens"], chat=prompt)
     state = model.model.new_state()
     logits = model.model.prefill_last(state, prompt.tokens)

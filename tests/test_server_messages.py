@@ -19,7 +19,7 @@ from k3stream.server.messages import MessageShapes, MessagesRequest, _object_so_
 from k3stream.server.request_logic import RequestLogic
 from k3stream.server.scheduler import Job
 from live_server import assert_answers_while_held, cached_served, keyed_server, sse_events
-from test_server_tools import WEATHER, tool_gguf, written_pieces  # noqa: F401 (tool_gguf: a fixture, the tool-calling chat model)
+from test_server_tools import WEATHER, held_apart, tool_gguf, written_pieces  # noqa: F401 (tool_gguf: a fixture, the tool-calling chat model)
 
 KEY = "sk-messages"
 TOOL = {"name": "get_weather", "description": "Forecast", "input_schema": WEATHER}
@@ -500,14 +500,15 @@ def test_a_wrong_key_a_body_too_large_and_a_wrong_method_are_anthropic_errors(se
     assert bad.value.body["error"]["type"] == "invalid_request_error"
 
 
-def _thinking_answer(served, written: str) -> tuple[MessageShapes, RequestLogic, list]:
+def _thinking_answer(served, written: str, *, held: bool = True) -> tuple[MessageShapes, RequestLogic, list]:
     """The message shapes and request logic of ASK with TOOL and thinking on, and the pieces the logic
-    makes of `written` as the model's tokens."""
+    makes of `written` as the model's tokens; not `held`: with no grammar (`held_apart`)."""
     body = {"max_tokens": 100, "tools": [TOOL], "thinking": {"type": "enabled"}}
     chat = MessagesRequest.model_validate(
         {**body, "messages": [{"role": "user", "content": ASK}]}
     ).chat_request()
     prompt = served.prepare_chat(chat)
+    prompt = prompt if held else held_apart(prompt)
     logic = served.new_sequence(chat, prompt.tokens, 100, chat=prompt)
     shapes = MessageShapes(Job(prompt_tokens=prompt.tokens, logic=logic, sink=None), served.name, 100)
     return shapes, logic, written_pieces(served, logic, written)
@@ -556,21 +557,22 @@ def test_reasoning_text_and_a_call_the_model_writes_are_three_blocks_in_order(se
 
 
 def test_text_written_after_a_call_follows_it_in_the_whole_message_as_in_the_stream(served):
-    """Reasoning, a tool call, then text: the whole message's blocks are the streamed ones, in the order
-    the stream started them (the call before the text)."""
+    """Reasoning, a tool call, then text (where no grammar holds the section: `held_apart`): the whole
+    message's blocks are the streamed ones, in the order the stream started them (the call before the
+    text)."""
     written = (
         "Paris.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
-        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
+        '<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|>'
         "It is on its way."
     )
-    shapes, logic, pieces = _thinking_answer(served, written)
+    shapes, logic, pieces = _thinking_answer(served, written, held=False)
     stream = _stream(shapes, pieces, logic.finish_reason)
     events = sse_events(stream)
     started = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
     assert started == ["thinking", "tool_use", "text"]
     whole = shapes.whole_choice(pieces, logic.finish_reason)
     assert [block["type"] for block in whole["content"]] == started
-    assert whole["content"][1]["input"] == {"city": "Paris"}
+    assert whole["content"][1]["input"] == {"city": "Paris", "days": 2}
     assert whole["content"][2]["text"] == "It is on its way."
 
 

@@ -18,7 +18,7 @@ from k3stream.server.request_logic import RequestLogic
 from k3stream.server.responses import ResponseShapes, ResponsesRequest
 from k3stream.server.scheduler import Job
 from live_server import assert_answers_while_held, cached_served, keyed_server, sse_events
-from test_server_tools import WEATHER, tool_gguf, written_pieces  # noqa: F401 (tool_gguf: a fixture, the tool-calling chat model)
+from test_server_tools import WEATHER, held_apart, tool_gguf, written_pieces  # noqa: F401 (tool_gguf: a fixture, the tool-calling chat model)
 
 KEY = "sk-responses"
 TOOL = {"type": "function", "name": "get_weather", "description": "Forecast", "parameters": WEATHER}
@@ -273,16 +273,17 @@ def without_ids(items):
 
 
 def _thinking_answer(
-    served, written: str | list[int], max_tokens: int = 100
+    served, written: str | list[int], max_tokens: int = 100, *, held: bool = True
 ) -> tuple[ResponseShapes, ResponseShapes, RequestLogic, list]:
     """Two response shapes (one to stream, one for the whole answer) and the request logic of ASK with
     TOOL and thinking on, and the pieces the logic makes of `written` as the model's tokens (up to
-    `max_tokens` of them)."""
+    `max_tokens` of them); not `held`: with no grammar (`held_apart`)."""
     body = ResponsesRequest.model_validate(
         {"input": ASK, "tools": [TOOL], "chat_template_kwargs": {"thinking": True}}
     )
     chat_request = body.chat_request()
     prompt = served.prepare_chat(chat_request)
+    prompt = prompt if held else held_apart(prompt)
     logic = served.new_sequence(chat_request, prompt.tokens, max_tokens, chat=prompt)
     job = Job(prompt_tokens=prompt.tokens, logic=logic, sink=None)
     streamed, whole = (ResponseShapes(job, body, served.name) for _ in range(2))
@@ -347,14 +348,15 @@ def test_reasoning_text_and_a_call_the_model_writes_are_three_items_in_order(ser
 
 
 def test_text_written_after_a_call_follows_it_in_the_whole_response_as_in_the_stream(served):
-    """Reasoning, a tool call, then text: the whole response's output items are the streamed ones, in the
-    order the stream added them (the call before the message)."""
+    """Reasoning, a tool call, then text (where no grammar holds the section: `held_apart`): the whole
+    response's output items are the streamed ones, in the order the stream added them (the call before
+    the message)."""
     written = (
         "Paris.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
-        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
+        '<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|>'
         "It is on its way."
     )
-    streamed, whole, logic, pieces = _thinking_answer(served, written)
+    streamed, whole, logic, pieces = _thinking_answer(served, written, held=False)
     stream = _stream(streamed, pieces, logic.finish_reason)
     events = sse_events(stream)
     added = [event["item"]["type"] for event in events if event["type"] == "response.output_item.added"]

@@ -8,6 +8,7 @@ decoding): the answer must still be a well-formed call whose arguments validate 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import httpx
 import jsonschema
@@ -24,7 +25,7 @@ from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.grammar import BannedTokens
 from k3stream.server.live import ServerProcess, ServerThread
 from k3stream.server.request_logic import RequestLogic
-from k3stream.server.runtime import served_from_runtime
+from k3stream.server.runtime import ChatPrompt, served_from_runtime
 from k3stream.server.schemas import ChatCompletionRequest
 
 WEATHER = {
@@ -102,6 +103,12 @@ def written_pieces(served, logic, written: str | list[int]) -> list:
         if logic.sequence.done:
             break
     return pieces
+
+
+def held_apart(prompt: ChatPrompt) -> ChatPrompt:
+    """`prompt` with no grammar: the parser takes what the model writes alone (a section's grammar ends
+    the answer at the section's end, so text after a call comes only where nothing holds the section)."""
+    return replace(prompt, constraints=(None,) * len(prompt.constraints))
 
 
 def chat(client, **fields):
