@@ -24,6 +24,7 @@ from test_server_tools import (  # noqa: F401 (client, serve, served, tool_gguf:
     served,
     stream_chat,
     tool_gguf,
+    written_pieces,
 )
 
 SECTION = "<|tool_calls_section_begin|>"
@@ -121,20 +122,26 @@ def test_sampling_is_free_until_a_section_opens(client, served, with_tools):  # 
         assert with_tools or served_tokens == free
 
 
+def auto_logic(model):
+    """The request logic of ASK with TOOLS under tool_choice auto, as the server makes it."""
+    request = ChatCompletionRequest.model_validate({"model": "m", "messages": ASK, "tools": TOOLS})
+    prompt = model.prepare_chat(request)
+    return model.new_sequence(request, prompt.tokens, 200, chat=prompt)
+
+
+def write(model, logic, text: str) -> None:
+    """Feed `text` to `logic` as the model's tokens."""
+    for token in model.tokenizer.encode(text, allow_special=True, add_bos=False):
+        logic.accept(token)
+
+
 def test_a_section_token_inside_the_think_block_is_reasoning_and_holds_nothing(served):  # noqa: F811
     """The parser takes a section's opening inside the think block for reasoning text, so the grammar
     holds nothing there; after the block the same token opens a held section: its first call next."""
-    request = ChatCompletionRequest.model_validate({"model": "m", "messages": ASK, "tools": TOOLS})
-    prompt = served.prepare_chat(request)
-    logic = served.new_sequence(request, prompt.tokens, 200, chat=prompt)
-
-    def write(text: str) -> None:
-        for token in served.tokenizer.encode(text, allow_special=True, add_bos=False):
-            logic.accept(token)
-
-    write(f"<think>Call?{SECTION}")
+    logic = auto_logic(served)
+    write(served, logic, f"<think>Call?{SECTION}")
     assert logic.constraint.allowed() is None
-    write(f"</think>Yes.{SECTION}")
+    write(served, logic, f"</think>Yes.{SECTION}")
     allowed = logic.constraint.allowed()
     assert allowed.nonzero().flatten().tolist() == [served.tokenizer.token_id("<|tool_call_begin|>")]
 
@@ -169,3 +176,21 @@ def test_a_keyword_llguidance_does_not_implement_is_left_to_the_calls_check(clie
         chat(client, tools=tools, tool_choice={"type": "function", "function": {"name": "tag"}})
     answer = chat(client, **pushed(served, seed=0, tools=tools))
     assert answer.choices[0].finish_reason in ("stop", "tool_calls", "length")
+
+
+OPENING = f"{SECTION}<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+
+
+def test_a_held_call_keeps_the_models_json_layout_within_bounds(served):  # noqa: F811
+    """Line breaks and indentation stay the model's (the forced grammar's compact JSON would refuse
+    them), but no run of whitespace goes on: after four spaces no token may add a fifth."""
+    logic = auto_logic(served)
+    laid_out = '{\n  "city": "Paris",\n  "days": 2\n}'
+    written = f"{OPENING}{laid_out}<|tool_call_end|><|tool_calls_section_end|>"
+    pieces = written_pieces(served, logic, written)
+    assert logic.finish_reason == "tool_calls"
+    assert "".join(call.arguments for piece in pieces for call in piece.tool_calls) == laid_out
+    padded = auto_logic(served)
+    write(served, padded, f"{OPENING}{{    ")
+    allowed = padded.constraint.allowed().nonzero().flatten().tolist()
+    assert allowed and not any(served.tokenizer.piece(t)[:1] in (b" ", b"\t") for t in allowed)
