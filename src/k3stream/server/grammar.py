@@ -27,7 +27,7 @@ JSON_DEFAULTS = {"whitespace_flexible": False}
 # a few spaces or a line break and its indentation, so it cannot pad forever; keywords llguidance does not
 # implement (`uniqueItems`, `not`, `if`) are left to the check of the finished call (`OutputParser`)
 OPENED_JSON = {"whitespace_pattern": r"[ \t]{0,4}|\r?\n[ \t]{0,64}", "lenient": True}
-MAX_PARALLEL_CALLS = 8  # calls one forced section may hold
+MAX_PARALLEL_CALLS = 8  # calls one section may hold (forced, or opened under tool_choice auto)
 # characters of a request's custom tool grammars in all: llguidance's check of a Lark grammar grows faster
 # than its length (a 3.5 MB alternation takes minutes), and each is checked, then compiled with the
 # vocabulary (22 and 70 ms for 32,768 characters); Codex's apply_patch grammar holds about 2,000
