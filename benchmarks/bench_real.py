@@ -19,11 +19,14 @@ matrix at its real shape, non-expert matrices Q8_0, experts Q2_K/Q3_K), packs it
 - streamed: for each fraction f, both in a child memory cgroup of (non-expert bytes + f x expert bytes +
   --slack), page cache dropped, k3stream's expert budget f x expert bytes (`--ram-mib`).
 
-Per run: prefill and decode tok/s of both, and for k3stream the decode ms per token, pack bytes read
+Per run: prefill and decode tok/s of both, each decode step's ms (median, fastest, slowest: the ratio
+of the medians beside the tok/s), and for k3stream the decode ms per token, pack bytes read
 per token, RAM hit rate, fetch wait, and the bound max(resident decode ms, read bytes / the disk's best
 rate), its bytes those the run read (hint reads no step used included: a wrong hint raises the bound
 with the time it costs), and resident + the reads of experts no hint sent predicted.
-Per layer kind (KDA, MLA, dense FFN, MoE routed and shared; k3stream's eager decode path): ms per
+The resident k3stream decodes as `generate` does (its decode program); the streamed runs predict and
+score every kind of expert hint, on the eager forward.
+Per layer kind (KDA, MLA, dense FFN, MoE routed and shared; each run's decode path): ms per
 token, weight bytes read per token, and for the resident run that time (its C mat-vec calls apart, with
 the rate they take the weight bytes at) against bytes / RAM rate. Last,
 the real model's 93 layers as ARITHMETIC: measured per-layer costs times the real layer counts.
@@ -35,6 +38,7 @@ import argparse
 import copy
 import os
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -199,6 +203,9 @@ def run_pair(
     # resident: the warm-up decodes the measured run's tokens too, so both read every weight from RAM
     run_args.warm_decode = name == "resident"
     run_args.ram_rates = name == "resident"  # the RAM rate around the profile (room for its buffer)
+    # resident: the decode `generate` runs (no hint to score: every expert in RAM); streamed: every kind
+    # of hint predicted and scored (`hint_lines`), on the eager forward
+    run_args.score_hints = name != "resident"
     run_args.k3stream_args = ["--ram-mib", str(max(1, ram // MIB)), *args.k3stream_args]
     results: dict[str, Any] = {"name": name, "limit": limit, "ram": ram}
     print(f"{name}: limit {format_size(limit)}, expert budget {format_size(ram)} ...", flush=True)
@@ -216,6 +223,7 @@ def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
     if "error" not in result["llama"]:
         llama = beyond.summarize_llama(result["llama"], prompt, decode)
         row.update(llama_prefill=llama["prefill_tok_s"], llama_decode=llama["decode_tok_s"])
+        row["llama_token_s"] = result["llama"].get("token_s")
         row["llama_read"] = llama["decode_read_per_token"]
     if "error" not in result["k3"]:
         k3 = beyond.summarize_k3stream(result["k3"])
@@ -223,6 +231,7 @@ def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
             k3_prefill=k3["prefill_tok_s"], k3_decode=k3["decode_tok_s"], k3_read=k3["decode_read_per_token"]
         )
         row.update(hit=k3["decode_hit_rate"], fetch_ms=k3["decode_fetch_ms_per_token"])
+        row["k3_token_s"] = result["k3"].get("token_s")
         row["decode_busy_rate"] = busy_rate(result["k3"]["phases"]["decode"])
         row["budget"] = k3["ram_budget_bytes"]
         row["hints"] = result["k3"]["phases"]["decode"]["hints"]
@@ -235,6 +244,7 @@ def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
         row["cold_wait_ms"] = phases["cold"]["fetch_wait_ms_per_token"] * phases["cold"]["tokens"]
         row["cold_read"] = io["cold"] - io["load"]
         row["profile"] = result["k3"].get("profile", {}).get("ms_per_token")
+        row["profile_path"] = result["k3"].get("profile", {}).get("path")
         row["kernels"] = result["k3"].get("profile", {}).get("kernel_ms_per_token")
         row["ram_rates"] = result["k3"].get("profile", {}).get("ram_rates")
     return row
@@ -301,6 +311,32 @@ def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> 
             _f(serial and k3_ms and serial / k3_ms, ".2f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def spread(seconds: list[float] | None) -> tuple[float, float, float] | None:
+    """The median, fastest and slowest of decode steps' seconds, in ms (None: no steps)."""
+    if not seconds:
+        return None
+    ordered = sorted(seconds)
+    return 1e3 * statistics.median(ordered), 1e3 * ordered[0], 1e3 * ordered[-1]
+
+
+def decode_step_lines(rows: list[dict]) -> list[str]:
+    """Per run, both contenders' decode ms per step as median [fastest-slowest] (one slow step, another
+    job's burst on a shared machine, moves the median little), and k3stream / llama.cpp by the medians."""
+    lines = []
+    for row in rows:
+        llama, k3 = spread(row.get("llama_token_s")), spread(row.get("k3_token_s"))
+        if llama is None and k3 is None:
+            continue
+        cells = [
+            f"{who} {'n/a' if steps is None else '{:.1f} [{:.1f}-{:.1f}]'.format(*steps)}"
+            for who, steps in (("llama.cpp", llama), ("k3stream", k3))
+        ]
+        ratio = _times(llama[0] / k3[0] if llama and k3 else None)
+        steps = len(row.get("k3_token_s") or row.get("llama_token_s"))
+        lines.append(f"  {row['name']}: {', '.join(cells)} ms a step of {steps}; k3stream/llama.cpp {ratio}")
     return lines
 
 
@@ -521,11 +557,14 @@ def main(argv: list[str] | None = None) -> int:
         (1e3 / row["k3_decode"] for row in rows if row["name"] == "resident" and row.get("k3_decode")), None
     )
     print("\n".join(run_table(rows, resident_ms, disk_rate)))
+    print("decode ms a step, median [fastest-slowest]:")
+    print("\n".join(decode_step_lines(rows)))
     print("\nprefill, k3stream (bound: max(resident prefill, reads / the disk's best rate)):")
     print("\n".join(prefill_table(rows, disk_rate)))
     print("decode expert predictions, precision / recall:")
     print("\n".join(hint_lines(rows)))
-    print("\nper layer kind, k3stream eager decode (ms per token per layer):")
+    paths = ", ".join(f"{row['name']} {row['profile_path']}" for row in rows if row.get("profile"))
+    print(f"\nper layer kind, k3stream's decode path ({paths}; ms per token per layer):")
     ram_rate = kind_ram_rate(rows, start_rates, args.threads)
     print("\n".join(kind_table(rows, per_token, counts, ram_rate)))
     print()
