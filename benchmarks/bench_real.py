@@ -28,7 +28,9 @@ The resident k3stream decodes as `generate` does (its decode program); the strea
 score every kind of expert hint, on the eager forward.
 Per layer kind (KDA, MLA, dense FFN, MoE routed and shared; each run's decode path): ms per
 token, weight bytes read per token, and for the resident run that time (its C mat-vec calls apart, with
-the rate they take the weight bytes at) against bytes / RAM rate. Last,
+the rate they take the weight bytes at) against bytes / RAM rate, and against the larger of that and
+the bytes at the kernels' rate on weights in the last-level cache (`kernel_rates`, measured at the
+start: the compute the products take when no read waits). Last,
 the real model's 93 layers as ARITHMETIC: measured per-layer costs times the real layer counts.
 """
 
@@ -54,6 +56,7 @@ KINDS = ("KDA attention", "MLA attention", "dense FFN", "MoE routed", "MoE share
 HEAD_BYTES = 163840 * 7168 // 32 * 34  # the real output head in Q8_0
 REAL_LAYERS = {"KDA attention": 69, "MLA attention": 24, "dense FFN": 1, "MoE routed": 92, "MoE shared": 92}
 DEFAULT_CACHE = Path("/tmp/slice-bench")
+KERNEL_PASSES = 40  # `kernel_rates`: passes over each type's cached rows, the fastest taken
 
 
 # ---- what each layer kind reads --------------------------------------------------------------------
@@ -76,13 +79,13 @@ def _kind(name: str, mla: set[int], n_dense: int) -> str | None:
     return None
 
 
-def bytes_per_token(gguf: Path, spec) -> tuple[dict[str, float], dict[str, int], int]:
-    """Weight bytes one decode token reads per layer of each kind (routed experts: top-k of them),
-    the slice's layer count per kind, and the routed experts' total bytes."""
+def bytes_per_token(gguf: Path, spec) -> tuple[dict[str, dict[int, float]], dict[str, int], int]:
+    """Weight bytes one decode token reads per layer of each kind (routed experts: top-k of them), by
+    GGML type, the slice's layer count per kind, and the routed experts' total bytes."""
     from gguf import GGUFReader
 
     mla = set(spec.mla_layer_ids())
-    totals = dict.fromkeys(KINDS, 0.0)
+    totals: dict[str, dict[int, float]] = {kind: {} for kind in KINDS}
     experts = 0
     for tensor in GGUFReader(gguf).tensors:
         kind = _kind(tensor.name, mla, spec.n_dense)
@@ -92,7 +95,8 @@ def bytes_per_token(gguf: Path, spec) -> tuple[dict[str, float], dict[str, int],
         if "_exps." in tensor.name:
             experts += size
             size = size * spec.top_k / spec.n_experts
-        totals[kind] += size
+        ggml_type = int(tensor.tensor_type)
+        totals[kind][ggml_type] = totals[kind].get(ggml_type, 0.0) + size
     moe = spec.n_layers - spec.n_dense
     counts = {
         "KDA attention": spec.n_layers - len(mla),
@@ -101,7 +105,60 @@ def bytes_per_token(gguf: Path, spec) -> tuple[dict[str, float], dict[str, int],
         "MoE routed": moe,
         "MoE shared": moe,
     }
-    return {kind: totals[kind] / counts[kind] for kind in KINDS}, counts, experts
+    per_layer = {
+        kind: {ggml_type: size / counts[kind] for ggml_type, size in totals[kind].items()} for kind in KINDS
+    }
+    return per_layer, counts, experts
+
+
+def kernel_rates(gguf: Path, threads: int, q8_activations: bool, nbytes: int = 4 << 20) -> dict[int, float]:
+    """The decode mat-vec's rate on weights in the last-level cache, weight bytes per second, for each
+    quantized GGML type of the layers' matrices (the first rows, about `nbytes`, of its largest tensor,
+    one input row, `threads` threads, the fastest of KERNEL_PASSES): what the kernels compute at when
+    no read waits, the products' compute bound beside the RAM's (F32 has none here)."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+
+    from k3stream.quant.kernels import cpu
+
+    largest: dict[int, Any] = {}
+    for tensor in GGUFReader(gguf).tensors:
+        ggml_type = int(tensor.tensor_type)
+        matrix = tensor.name.startswith("blk.") and ggml_type != 0 and len(tensor.shape) >= 2
+        if matrix and tensor.n_bytes > getattr(largest.get(ggml_type), "n_bytes", 0):
+            largest[ggml_type] = tensor
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    rates = {}
+    try:
+        for ggml_type, tensor in sorted(largest.items()):
+            in_features = int(tensor.shape[0])
+            row_bytes = int(tensor.n_bytes) // (int(tensor.n_elements) // in_features)
+            rows = max(1, min(int(tensor.n_elements) // in_features, nbytes // row_bytes))
+            matrix = torch.from_numpy(np.array(np.asarray(tensor.data).reshape(-1)[: rows * row_bytes]))
+            x, one = torch.randn(1, in_features), torch.zeros(1, dtype=torch.int64)
+            starts = torch.tensor([0, 1])
+            seconds = []
+            for _ in range(KERNEL_PASSES):
+                started = time.perf_counter()
+                cpu.grouped_product(x, [matrix], ggml_type, rows, row_bytes, starts, one, q8_activations)
+                seconds.append(time.perf_counter() - started)
+            rates[ggml_type] = matrix.numel() / min(seconds)
+    finally:
+        torch.set_num_threads(previous)
+    return rates
+
+
+def type_name(ggml_type: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(ggml_type).name
+
+
+def compute_bound_ms(type_bytes: dict[int, float], rates: dict[int, float]) -> float:
+    """ms for one layer's bytes (by GGML type) at the kernels' in-cache rates (types with no rate: 0)."""
+    return 1e3 * sum(size / rates[ggml_type] for ggml_type, size in type_bytes.items() if ggml_type in rates)
 
 
 def disk_read_rate(path: Path, limit: int) -> float:
@@ -407,18 +464,24 @@ def kind_ram_rate(rows: list[dict], start_rates: list[float], threads: int) -> f
 
 
 def kind_table(
-    rows: list[dict], per_token: dict[str, float], counts: dict[str, int], ram_rate: float
+    rows: list[dict],
+    per_token: dict[str, float],
+    counts: dict[str, int],
+    bounds: tuple[float, dict[str, float]],
 ) -> list[str]:
     """Per layer of each kind: ms per token in each profiled run; for the resident run its C mat-vec
     calls' share (kernel), the rest (other) and the weight bytes' rate through the calls, against the
-    weight bytes at the RAM rate."""
+    weight bytes at the RAM rate and against the larger of that and `bounds`' compute ms a layer (its
+    bytes at the kernels' in-cache rates, `kernel_rates`); `bounds`: (RAM rate, compute ms by kind)."""
+    ram_rate, compute_ms = bounds
     profiled = [row for row in rows if row.get("profile")]
     lines = [
-        "| layer kind (per layer) | weight bytes/token MB | RAM bound ms | "
+        "| layer kind (per layer) | weight bytes/token MB | RAM bound ms | compute bound ms (kernels in "
+        "cache) | "
         + " | ".join(f"{row['name']} ms" for row in profiled)
         + " | resident kernel ms | resident other ms | kernel GB/s | kernel / RAM bound | resident / RAM "
-        "bound |",
-        "|---|---|---|" + "---|" * len(profiled) + "---|---|---|---|---|",
+        "bound | resident / max(RAM, compute) bound |",
+        "|---|---|---|---|" + "---|" * len(profiled) + "---|---|---|---|---|---|",
     ]
     resident = next((row for row in profiled if row["name"] == "resident"), None)
     for kind in KINDS:
@@ -430,9 +493,10 @@ def kind_table(
             kernel = resident["kernels"][kind] / counts[kind]
         other = None if whole is None else whole - kernel
         ratios = [_times(None if ms is None else ms / bound_ms) for ms in (kernel, whole)]
+        ratios.append(_times(None if whole is None else whole / max(bound_ms, compute_ms[kind])))
         rate = None if not kernel else per_token[kind] / kernel / 1e6  # weight bytes / kernel time
         lines.append(
-            f"| {kind} | {per_token[kind] / 1e6:.1f} | {bound_ms:.1f} | "
+            f"| {kind} | {per_token[kind] / 1e6:.1f} | {bound_ms:.1f} | {compute_ms[kind]:.1f} | "
             + " | ".join([*cells, _f(kernel, ".1f"), _f(other, ".1f"), _f(rate, ".1f"), *ratios])
             + " |"
         )
@@ -512,12 +576,15 @@ def main(argv: list[str] | None = None) -> int:
     spec = like("kimi-k3", args.layers, n_experts=args.experts)
     gguf, manifest = beyond.ensure_model(spec, args.cache_dir)
     files = beyond.model_files(gguf, manifest)
-    per_token, counts, expert_bytes = bytes_per_token(gguf, spec)
+    type_bytes, counts, expert_bytes = bytes_per_token(gguf, spec)
+    per_token = {kind: sum(type_bytes[kind].values()) for kind in KINDS}
     per_token["routed experts"] = expert_bytes / counts["MoE routed"] / spec.n_experts * spec.top_k
     non_expert = gguf.stat().st_size - expert_bytes
     sequential_rate = disk_read_rate(files[1], min(files[1].stat().st_size, 4 << 30))
     store_rate = [store_read_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30))]
     start_rates = ram_read_rates(args.threads)
+    rates = kernel_rates(gguf, args.threads, "--float-activations" not in args.k3stream_args)
+    compute_ms = {kind: compute_bound_ms(type_bytes[kind], rates) for kind in KINDS}
     prompt = beyond.bench_prompt(gguf, args.prompt_tokens)
     print(
         f"slice {gguf}: {format_size(gguf.stat().st_size)} ({format_size(expert_bytes)} routed experts), "
@@ -566,7 +633,11 @@ def main(argv: list[str] | None = None) -> int:
     paths = ", ".join(f"{row['name']} {row['profile_path']}" for row in rows if row.get("profile"))
     print(f"\nper layer kind, k3stream's decode path ({paths}; ms per token per layer):")
     ram_rate = kind_ram_rate(rows, start_rates, args.threads)
-    print("\n".join(kind_table(rows, per_token, counts, ram_rate)))
+    print(
+        f"the kernels' rate on weights in cache ({args.threads} threads, one input row): "
+        + ", ".join(f"{type_name(ggml_type)} {rate / 1e9:.1f} GB/s" for ggml_type, rate in rates.items())
+    )
+    print("\n".join(kind_table(rows, per_token, counts, (ram_rate, compute_ms))))
     print()
     print("\n".join(real_model_arithmetic(rows, counts, per_token, (disk_rate, ram_rate))))
     for result in results:

@@ -70,7 +70,30 @@ def test_the_weight_bytes_per_kind_cover_every_layer_matrix(tiny_model, monkeypa
     )
     assert experts == sum(int(t.n_bytes) for t in tensors if "_exps." in t.name)
     not_read = experts * (1 - SPEC.top_k / SPEC.n_experts)  # the experts a token does not route to
-    assert sum(per_token[kind] * counts[kind] for kind in BENCH_KINDS) == pytest.approx(in_layers - not_read)
+    read = sum(size * counts[kind] for kind in BENCH_KINDS for size in per_token[kind].values())
+    assert read == pytest.approx(in_layers - not_read)
+    routed_types = {int(t.tensor_type) for t in tensors if "_exps." in t.name or "ffn_gate_inp" in t.name}
+    assert routed_types <= set(per_token["MoE routed"])  # by GGML type
+
+
+def test_the_compute_bound_takes_each_types_rate_on_cached_weights(tiny_model, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_real import compute_bound_ms, kernel_rates
+
+    # release-like matrices: Q8_0 beside Q2_K and Q3_K experts (K-quant rows of 256 values)
+    dims = dict(hidden=256, latent=256, expert_ff=256, dense_ff=256)
+    path = tiny_model(n_layers=2, recipe="q8_0", release_matrices=True, **dims)
+    quantized = {
+        int(t.tensor_type)
+        for t in GGUFReader(path).tensors
+        if t.name.startswith("blk.") and int(t.tensor_type) != 0 and len(t.shape) >= 2
+    }
+    assert quantized == {8, 10, 11}
+    for q8_activations in (True, False):
+        rates = kernel_rates(path, 1, q8_activations, nbytes=64 << 10)
+        assert set(rates) == quantized and all(rate > 0 for rate in rates.values())
+    # F32 (type 0) has no rate: its bytes add nothing; 3 MB at 1.5 GB/s and 1 MB at 0.5 GB/s: 4 ms
+    assert compute_bound_ms({0: 5e6, 8: 3e6, 12: 1e6}, {8: 1.5e9, 12: 0.5e9}) == pytest.approx(4.0)
 
 
 def test_the_bound_is_the_larger_of_resident_compute_and_reads(monkeypatch):
