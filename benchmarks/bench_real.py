@@ -111,11 +111,13 @@ def bytes_per_token(gguf: Path, spec) -> tuple[dict[str, dict[int, float]], dict
     return per_layer, counts, experts
 
 
-def kernel_rates(gguf: Path, threads: int, q8_activations: bool, nbytes: int = 4 << 20) -> dict[int, float]:
-    """The decode mat-vec's rate on weights in the last-level cache, weight bytes per second, for each
-    quantized GGML type of the layers' matrices (the first rows, about `nbytes`, of its largest tensor,
-    one input row, `threads` threads, the fastest of KERNEL_PASSES): what the kernels compute at when
-    no read waits, the products' compute bound beside the RAM's (F32 has none here)."""
+def kernel_rates(gguf: Path, threads: int, q8_activations: bool, nbytes: int = 2 << 20) -> dict[int, float]:
+    """The decode mat-vec's rate on weights in cache, weight bytes per second, for each quantized GGML
+    type of the layers' matrices (the first rows, about `nbytes`, of its largest tensor, one input row):
+    one thread's fastest of KERNEL_PASSES times `threads` (the cores scaling perfectly: on a shared
+    machine a second thread's pass waits for a core, and the bound is the best the cores allow). What
+    the kernels compute at when no read waits: the products' compute bound beside the RAM's (F32 has
+    none here)."""
     import numpy as np
     import torch
     from gguf import GGUFReader
@@ -129,7 +131,7 @@ def kernel_rates(gguf: Path, threads: int, q8_activations: bool, nbytes: int = 4
         if matrix and tensor.n_bytes > getattr(largest.get(ggml_type), "n_bytes", 0):
             largest[ggml_type] = tensor
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
     rates = {}
     try:
         for ggml_type, tensor in sorted(largest.items()):
@@ -144,7 +146,7 @@ def kernel_rates(gguf: Path, threads: int, q8_activations: bool, nbytes: int = 4
                 started = time.perf_counter()
                 cpu.grouped_product(x, [matrix], ggml_type, rows, row_bytes, starts, one, q8_activations)
                 seconds.append(time.perf_counter() - started)
-            rates[ggml_type] = matrix.numel() / min(seconds)
+            rates[ggml_type] = threads * matrix.numel() / min(seconds)
     finally:
         torch.set_num_threads(previous)
     return rates
@@ -634,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nper layer kind, k3stream's decode path ({paths}; ms per token per layer):")
     ram_rate = kind_ram_rate(rows, start_rates, args.threads)
     print(
-        f"the kernels' rate on weights in cache ({args.threads} threads, one input row): "
+        f"the kernels' rate on weights in cache (one thread's x {args.threads}, one input row): "
         + ", ".join(f"{type_name(ggml_type)} {rate / 1e9:.1f} GB/s" for ggml_type, rate in rates.items())
     )
     print("\n".join(kind_table(rows, per_token, counts, (ram_rate, compute_ms))))
