@@ -148,14 +148,17 @@ model.eval(job["prompt"])
 prefill_s = time.perf_counter() - started
 io["prefill"] = read_io()
 tokens = [last_argmax()]
+token_s = []  # each decode step's seconds
 started = time.perf_counter()
 for _ in range(job["decode_tokens"]):
+    step = time.perf_counter()
     model.eval([tokens[-1]])
     tokens.append(last_argmax())
+    token_s.append(time.perf_counter() - step)
 decode_s = time.perf_counter() - started
 io["decode"] = read_io()
 print(json.dumps({"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s, "io": io,
-                  "tokens": tokens[:-1], "status": read_status()}))
+                  "tokens": tokens[:-1], "token_s": token_s, "status": read_status()}))
 """
 )
 
@@ -180,7 +183,9 @@ runtime = runtime_from_args(args)
 load_s = time.perf_counter() - started
 io["load"] = read_io()
 model, store = runtime.model, runtime.store
-model.score_all_hints = True
+# every kind of hint predicted and scored (the eager forward: `score_all_hints` keeps the decode program
+# off), or the default decode, the program where it runs
+model.score_all_hints = job.get("score_hints", True)
 prompt = job["prompt"]
 phases = {}
 def cpu_seconds():  # and the minor page faults (pages first touched), all threads
@@ -222,14 +227,17 @@ decoded = []
 def prefill():
     decoded.append(int(prefill_last(model, state, prompt).argmax()))
     store.end_token(len(prompt))
+token_s = []  # each decode step's seconds
 def decode():
     for _ in range(job["decode_tokens"]):
+        step = time.perf_counter()
         decoded.append(int(model.decode(state, decoded[-1]).argmax()))
         store.end_token(1)
+        token_s.append(time.perf_counter() - step)
 measured("prefill", len(prompt), prefill)
 measured("decode", job["decode_tokens"], decode)
 profile = {}
-if job.get("profile_tokens"):  # per layer kind, on the eager path (engine.layer_profile)
+if job.get("profile_tokens"):  # per layer kind, on the decode's path (engine.layer_profile)
     from k3stream.engine.layer_profile import profile_decode, ram_read_rates
     profile_ids = prompt[: job["profile_tokens"]]
     if job["warm_decode"]:  # resident: the profiled steps' experts read before, as the measured decode's
@@ -250,7 +258,7 @@ if job.get("profile_tokens"):  # per layer kind, on the eager path (engine.layer
 budget = store.stats()["tiers"]["ram"]["budget_bytes"]
 status = read_status()
 runtime.close()
-print(json.dumps({"load_s": load_s, "phases": phases, "io": io, "tokens": decoded[:-1],
+print(json.dumps({"load_s": load_s, "phases": phases, "io": io, "tokens": decoded[:-1], "token_s": token_s,
                   "ram_budget_bytes": budget, "status": status, "profile": profile}))
 """
 )
@@ -307,6 +315,7 @@ def run_k3stream(
         "decode_tokens": args.decode_tokens,
         "warm_decode": getattr(args, "warm_decode", False),
         "profile_tokens": getattr(args, "profile_tokens", 0),
+        "score_hints": getattr(args, "score_hints", True),
         "ram_rates": getattr(args, "ram_rates", False),
         "disk_stat": device_stat(files[-1]) if files else None,
     }

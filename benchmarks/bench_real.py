@@ -19,13 +19,18 @@ matrix at its real shape, non-expert matrices Q8_0, experts Q2_K/Q3_K), packs it
 - streamed: for each fraction f, both in a child memory cgroup of (non-expert bytes + f x expert bytes +
   --slack), page cache dropped, k3stream's expert budget f x expert bytes (`--ram-mib`).
 
-Per run: prefill and decode tok/s of both, and for k3stream the decode ms per token, pack bytes read
+Per run: prefill and decode tok/s of both, each decode step's ms (median, fastest, slowest: the ratio
+of the medians beside the tok/s), and for k3stream the decode ms per token, pack bytes read
 per token, RAM hit rate, fetch wait, and the bound max(resident decode ms, read bytes / the disk's best
 rate), its bytes those the run read (hint reads no step used included: a wrong hint raises the bound
 with the time it costs), and resident + the reads of experts no hint sent predicted.
-Per layer kind (KDA, MLA, dense FFN, MoE routed and shared; k3stream's eager decode path): ms per
+The resident k3stream decodes as `generate` does (its decode program); the streamed runs predict and
+score every kind of expert hint, on the eager forward.
+Per layer kind (KDA, MLA, dense FFN, MoE routed and shared; each run's decode path): ms per
 token, weight bytes read per token, and for the resident run that time (its C mat-vec calls apart, with
-the rate they take the weight bytes at) against bytes / RAM rate. Last,
+the rate they take the weight bytes at) against bytes / RAM rate, and against the larger of that and
+the bytes at the kernels' rate on weights in the last-level cache (`kernel_rates`, measured at the
+start: the compute the products take when no read waits). Last,
 the real model's 93 layers as ARITHMETIC: measured per-layer costs times the real layer counts.
 """
 
@@ -35,6 +40,7 @@ import argparse
 import copy
 import os
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +56,7 @@ KINDS = ("KDA attention", "MLA attention", "dense FFN", "MoE routed", "MoE share
 HEAD_BYTES = 163840 * 7168 // 32 * 34  # the real output head in Q8_0
 REAL_LAYERS = {"KDA attention": 69, "MLA attention": 24, "dense FFN": 1, "MoE routed": 92, "MoE shared": 92}
 DEFAULT_CACHE = Path("/tmp/slice-bench")
+KERNEL_PASSES = 40  # `kernel_rates`: passes over each type's cached rows, the fastest taken
 
 
 # ---- what each layer kind reads --------------------------------------------------------------------
@@ -72,13 +79,13 @@ def _kind(name: str, mla: set[int], n_dense: int) -> str | None:
     return None
 
 
-def bytes_per_token(gguf: Path, spec) -> tuple[dict[str, float], dict[str, int], int]:
-    """Weight bytes one decode token reads per layer of each kind (routed experts: top-k of them),
-    the slice's layer count per kind, and the routed experts' total bytes."""
+def bytes_per_token(gguf: Path, spec) -> tuple[dict[str, dict[int, float]], dict[str, int], int]:
+    """Weight bytes one decode token reads per layer of each kind (routed experts: top-k of them), by
+    GGML type, the slice's layer count per kind, and the routed experts' total bytes."""
     from gguf import GGUFReader
 
     mla = set(spec.mla_layer_ids())
-    totals = dict.fromkeys(KINDS, 0.0)
+    totals: dict[str, dict[int, float]] = {kind: {} for kind in KINDS}
     experts = 0
     for tensor in GGUFReader(gguf).tensors:
         kind = _kind(tensor.name, mla, spec.n_dense)
@@ -88,7 +95,8 @@ def bytes_per_token(gguf: Path, spec) -> tuple[dict[str, float], dict[str, int],
         if "_exps." in tensor.name:
             experts += size
             size = size * spec.top_k / spec.n_experts
-        totals[kind] += size
+        ggml_type = int(tensor.tensor_type)
+        totals[kind][ggml_type] = totals[kind].get(ggml_type, 0.0) + size
     moe = spec.n_layers - spec.n_dense
     counts = {
         "KDA attention": spec.n_layers - len(mla),
@@ -97,7 +105,62 @@ def bytes_per_token(gguf: Path, spec) -> tuple[dict[str, float], dict[str, int],
         "MoE routed": moe,
         "MoE shared": moe,
     }
-    return {kind: totals[kind] / counts[kind] for kind in KINDS}, counts, experts
+    per_layer = {
+        kind: {ggml_type: size / counts[kind] for ggml_type, size in totals[kind].items()} for kind in KINDS
+    }
+    return per_layer, counts, experts
+
+
+def kernel_rates(gguf: Path, threads: int, q8_activations: bool, nbytes: int = 2 << 20) -> dict[int, float]:
+    """The decode mat-vec's rate on weights in cache, weight bytes per second, for each quantized GGML
+    type of the layers' matrices (the first rows, about `nbytes`, of its largest tensor, one input row):
+    one thread's fastest of KERNEL_PASSES times `threads` (the cores scaling perfectly: on a shared
+    machine a second thread's pass waits for a core, and the bound is the best the cores allow). What
+    the kernels compute at when no read waits: the products' compute bound beside the RAM's (F32 has
+    none here)."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+
+    from k3stream.quant.kernels import cpu
+
+    largest: dict[int, Any] = {}
+    for tensor in GGUFReader(gguf).tensors:
+        ggml_type = int(tensor.tensor_type)
+        matrix = tensor.name.startswith("blk.") and ggml_type != 0 and len(tensor.shape) >= 2
+        if matrix and tensor.n_bytes > getattr(largest.get(ggml_type), "n_bytes", 0):
+            largest[ggml_type] = tensor
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rates = {}
+    try:
+        for ggml_type, tensor in sorted(largest.items()):
+            in_features = int(tensor.shape[0])
+            row_bytes = int(tensor.n_bytes) // (int(tensor.n_elements) // in_features)
+            rows = max(1, min(int(tensor.n_elements) // in_features, nbytes // row_bytes))
+            matrix = torch.from_numpy(np.array(np.asarray(tensor.data).reshape(-1)[: rows * row_bytes]))
+            x, one = torch.randn(1, in_features), torch.zeros(1, dtype=torch.int64)
+            starts = torch.tensor([0, 1])
+            seconds = []
+            for _ in range(KERNEL_PASSES):
+                started = time.perf_counter()
+                cpu.grouped_product(x, [matrix], ggml_type, rows, row_bytes, starts, one, q8_activations)
+                seconds.append(time.perf_counter() - started)
+            rates[ggml_type] = threads * matrix.numel() / min(seconds)
+    finally:
+        torch.set_num_threads(previous)
+    return rates
+
+
+def type_name(ggml_type: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(ggml_type).name
+
+
+def compute_bound_ms(type_bytes: dict[int, float], rates: dict[int, float]) -> float:
+    """ms for one layer's bytes (by GGML type) at the kernels' in-cache rates (types with no rate: 0)."""
+    return 1e3 * sum(size / rates[ggml_type] for ggml_type, size in type_bytes.items() if ggml_type in rates)
 
 
 def disk_read_rate(path: Path, limit: int) -> float:
@@ -199,6 +262,9 @@ def run_pair(
     # resident: the warm-up decodes the measured run's tokens too, so both read every weight from RAM
     run_args.warm_decode = name == "resident"
     run_args.ram_rates = name == "resident"  # the RAM rate around the profile (room for its buffer)
+    # resident: the decode `generate` runs (no hint to score: every expert in RAM); streamed: every kind
+    # of hint predicted and scored (`hint_lines`), on the eager forward
+    run_args.score_hints = name != "resident"
     run_args.k3stream_args = ["--ram-mib", str(max(1, ram // MIB)), *args.k3stream_args]
     results: dict[str, Any] = {"name": name, "limit": limit, "ram": ram}
     print(f"{name}: limit {format_size(limit)}, expert budget {format_size(ram)} ...", flush=True)
@@ -216,6 +282,7 @@ def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
     if "error" not in result["llama"]:
         llama = beyond.summarize_llama(result["llama"], prompt, decode)
         row.update(llama_prefill=llama["prefill_tok_s"], llama_decode=llama["decode_tok_s"])
+        row["llama_token_s"] = result["llama"].get("token_s")
         row["llama_read"] = llama["decode_read_per_token"]
     if "error" not in result["k3"]:
         k3 = beyond.summarize_k3stream(result["k3"])
@@ -223,6 +290,7 @@ def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
             k3_prefill=k3["prefill_tok_s"], k3_decode=k3["decode_tok_s"], k3_read=k3["decode_read_per_token"]
         )
         row.update(hit=k3["decode_hit_rate"], fetch_ms=k3["decode_fetch_ms_per_token"])
+        row["k3_token_s"] = result["k3"].get("token_s")
         row["decode_busy_rate"] = busy_rate(result["k3"]["phases"]["decode"])
         row["budget"] = k3["ram_budget_bytes"]
         row["hints"] = result["k3"]["phases"]["decode"]["hints"]
@@ -235,6 +303,7 @@ def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
         row["cold_wait_ms"] = phases["cold"]["fetch_wait_ms_per_token"] * phases["cold"]["tokens"]
         row["cold_read"] = io["cold"] - io["load"]
         row["profile"] = result["k3"].get("profile", {}).get("ms_per_token")
+        row["profile_path"] = result["k3"].get("profile", {}).get("path")
         row["kernels"] = result["k3"].get("profile", {}).get("kernel_ms_per_token")
         row["ram_rates"] = result["k3"].get("profile", {}).get("ram_rates")
     return row
@@ -301,6 +370,32 @@ def run_table(rows: list[dict], resident_ms: float | None, disk_rate: float) -> 
             _f(serial and k3_ms and serial / k3_ms, ".2f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def spread(seconds: list[float] | None) -> tuple[float, float, float] | None:
+    """The median, fastest and slowest of decode steps' seconds, in ms (None: no steps)."""
+    if not seconds:
+        return None
+    ordered = sorted(seconds)
+    return 1e3 * statistics.median(ordered), 1e3 * ordered[0], 1e3 * ordered[-1]
+
+
+def decode_step_lines(rows: list[dict]) -> list[str]:
+    """Per run, both contenders' decode ms per step as median [fastest-slowest] (one slow step, another
+    job's burst on a shared machine, moves the median little), and k3stream / llama.cpp by the medians."""
+    lines = []
+    for row in rows:
+        llama, k3 = spread(row.get("llama_token_s")), spread(row.get("k3_token_s"))
+        if llama is None and k3 is None:
+            continue
+        cells = [
+            f"{who} {'n/a' if steps is None else '{:.1f} [{:.1f}-{:.1f}]'.format(*steps)}"
+            for who, steps in (("llama.cpp", llama), ("k3stream", k3))
+        ]
+        ratio = _times(llama[0] / k3[0] if llama and k3 else None)
+        steps = len(row.get("k3_token_s") or row.get("llama_token_s"))
+        lines.append(f"  {row['name']}: {', '.join(cells)} ms a step of {steps}; k3stream/llama.cpp {ratio}")
     return lines
 
 
@@ -371,18 +466,24 @@ def kind_ram_rate(rows: list[dict], start_rates: list[float], threads: int) -> f
 
 
 def kind_table(
-    rows: list[dict], per_token: dict[str, float], counts: dict[str, int], ram_rate: float
+    rows: list[dict],
+    per_token: dict[str, float],
+    counts: dict[str, int],
+    bounds: tuple[float, dict[str, float]],
 ) -> list[str]:
     """Per layer of each kind: ms per token in each profiled run; for the resident run its C mat-vec
     calls' share (kernel), the rest (other) and the weight bytes' rate through the calls, against the
-    weight bytes at the RAM rate."""
+    weight bytes at the RAM rate and against the larger of that and `bounds`' compute ms a layer (its
+    bytes at the kernels' in-cache rates, `kernel_rates`); `bounds`: (RAM rate, compute ms by kind)."""
+    ram_rate, compute_ms = bounds
     profiled = [row for row in rows if row.get("profile")]
     lines = [
-        "| layer kind (per layer) | weight bytes/token MB | RAM bound ms | "
+        "| layer kind (per layer) | weight bytes/token MB | RAM bound ms | compute bound ms (kernels in "
+        "cache) | "
         + " | ".join(f"{row['name']} ms" for row in profiled)
         + " | resident kernel ms | resident other ms | kernel GB/s | kernel / RAM bound | resident / RAM "
-        "bound |",
-        "|---|---|---|" + "---|" * len(profiled) + "---|---|---|---|---|",
+        "bound | resident / max(RAM, compute) bound |",
+        "|---|---|---|---|" + "---|" * len(profiled) + "---|---|---|---|---|---|",
     ]
     resident = next((row for row in profiled if row["name"] == "resident"), None)
     for kind in KINDS:
@@ -394,9 +495,10 @@ def kind_table(
             kernel = resident["kernels"][kind] / counts[kind]
         other = None if whole is None else whole - kernel
         ratios = [_times(None if ms is None else ms / bound_ms) for ms in (kernel, whole)]
+        ratios.append(_times(None if whole is None else whole / max(bound_ms, compute_ms[kind])))
         rate = None if not kernel else per_token[kind] / kernel / 1e6  # weight bytes / kernel time
         lines.append(
-            f"| {kind} | {per_token[kind] / 1e6:.1f} | {bound_ms:.1f} | "
+            f"| {kind} | {per_token[kind] / 1e6:.1f} | {bound_ms:.1f} | {compute_ms[kind]:.1f} | "
             + " | ".join([*cells, _f(kernel, ".1f"), _f(other, ".1f"), _f(rate, ".1f"), *ratios])
             + " |"
         )
@@ -476,12 +578,15 @@ def main(argv: list[str] | None = None) -> int:
     spec = like("kimi-k3", args.layers, n_experts=args.experts)
     gguf, manifest = beyond.ensure_model(spec, args.cache_dir)
     files = beyond.model_files(gguf, manifest)
-    per_token, counts, expert_bytes = bytes_per_token(gguf, spec)
+    type_bytes, counts, expert_bytes = bytes_per_token(gguf, spec)
+    per_token = {kind: sum(type_bytes[kind].values()) for kind in KINDS}
     per_token["routed experts"] = expert_bytes / counts["MoE routed"] / spec.n_experts * spec.top_k
     non_expert = gguf.stat().st_size - expert_bytes
     sequential_rate = disk_read_rate(files[1], min(files[1].stat().st_size, 4 << 30))
     store_rate = [store_read_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30))]
     start_rates = ram_read_rates(args.threads)
+    rates = kernel_rates(gguf, args.threads, "--float-activations" not in args.k3stream_args)
+    compute_ms = {kind: compute_bound_ms(type_bytes[kind], rates) for kind in KINDS}
     prompt = beyond.bench_prompt(gguf, args.prompt_tokens)
     print(
         f"slice {gguf}: {format_size(gguf.stat().st_size)} ({format_size(expert_bytes)} routed experts), "
@@ -521,13 +626,20 @@ def main(argv: list[str] | None = None) -> int:
         (1e3 / row["k3_decode"] for row in rows if row["name"] == "resident" and row.get("k3_decode")), None
     )
     print("\n".join(run_table(rows, resident_ms, disk_rate)))
+    print("decode ms a step, median [fastest-slowest]:")
+    print("\n".join(decode_step_lines(rows)))
     print("\nprefill, k3stream (bound: max(resident prefill, reads / the disk's best rate)):")
     print("\n".join(prefill_table(rows, disk_rate)))
     print("decode expert predictions, precision / recall:")
     print("\n".join(hint_lines(rows)))
-    print("\nper layer kind, k3stream eager decode (ms per token per layer):")
+    paths = ", ".join(f"{row['name']} {row['profile_path']}" for row in rows if row.get("profile"))
+    print(f"\nper layer kind, k3stream's decode path ({paths}; ms per token per layer):")
     ram_rate = kind_ram_rate(rows, start_rates, args.threads)
-    print("\n".join(kind_table(rows, per_token, counts, ram_rate)))
+    print(
+        f"the kernels' rate on weights in cache (one thread's x {args.threads}, one input row): "
+        + ", ".join(f"{type_name(ggml_type)} {rate / 1e9:.1f} GB/s" for ggml_type, rate in rates.items())
+    )
+    print("\n".join(kind_table(rows, per_token, counts, (ram_rate, compute_ms))))
     print()
     print("\n".join(real_model_arithmetic(rows, counts, per_token, (disk_rate, ram_rate))))
     for result in results:

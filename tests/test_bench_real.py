@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+import torch
 from gguf import GGUFReader
 
 import k3stream
@@ -18,16 +19,23 @@ SPEC = TinySpec(n_layers=4, seed=2)  # layer 0 dense, MLA on layer 3, KDA elsewh
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def test_the_profile_times_every_kind_and_leaves_the_model_as_it_was(tiny_model):
+@pytest.mark.parametrize("use_program", [True, False], ids=["program", "eager"])
+def test_the_profile_times_every_kind_and_leaves_the_model_as_it_was(tiny_model, use_program):
     model = k3stream.load(tiny_model(n_layers=4, seed=2))
+    model.use_program = use_program
     originals = (KDA.decode, SituMLP.__call__, LatentMoE.__call__, model.use_program)
-    state = model.new_state()
-    model.prefill(state, [1, 2, 3])
+    state, twin = model.new_state(), model.new_state()
+    for sequence in (state, twin):
+        model.prefill(sequence, [1, 2, 3])
     model.use_program = False  # an eager step first: MLA's C calls are bound before the profile
     model.decode(state, 4)
     model.use_program = originals[-1]
     profile = profile_decode(model, state, [5, 6, 7])
+    assert profile["path"] == ("program" if use_program else "eager")
     assert state.length == 7
+    for token in (4, 5, 6, 7):  # the profiled steps computed what unprofiled ones compute
+        model.decode(twin, token)
+    assert torch.equal(model.decode(state, 8), model.decode(twin, 8))
     assert set(profile["ms_per_token"]) == set(KINDS)
     assert all(profile["ms_per_token"][kind] > 0 for kind in KINDS[:-1])
     assert profile["ms_per_token"]["other"] >= 0
@@ -62,7 +70,30 @@ def test_the_weight_bytes_per_kind_cover_every_layer_matrix(tiny_model, monkeypa
     )
     assert experts == sum(int(t.n_bytes) for t in tensors if "_exps." in t.name)
     not_read = experts * (1 - SPEC.top_k / SPEC.n_experts)  # the experts a token does not route to
-    assert sum(per_token[kind] * counts[kind] for kind in BENCH_KINDS) == pytest.approx(in_layers - not_read)
+    read = sum(size * counts[kind] for kind in BENCH_KINDS for size in per_token[kind].values())
+    assert read == pytest.approx(in_layers - not_read)
+    routed_types = {int(t.tensor_type) for t in tensors if "_exps." in t.name or "ffn_gate_inp" in t.name}
+    assert routed_types <= set(per_token["MoE routed"])  # by GGML type
+
+
+def test_the_compute_bound_takes_each_types_rate_on_cached_weights(tiny_model, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_real import compute_bound_ms, kernel_rates
+
+    # release-like matrices: Q8_0 beside Q2_K and Q3_K experts (K-quant rows of 256 values)
+    dims = dict(hidden=256, latent=256, expert_ff=256, dense_ff=256)
+    path = tiny_model(n_layers=2, recipe="q8_0", release_matrices=True, **dims)
+    quantized = {
+        int(t.tensor_type)
+        for t in GGUFReader(path).tensors
+        if t.name.startswith("blk.") and int(t.tensor_type) != 0 and len(t.shape) >= 2
+    }
+    assert quantized == {8, 10, 11}
+    for q8_activations in (True, False):
+        rates = kernel_rates(path, 1, q8_activations, nbytes=64 << 10)
+        assert set(rates) == quantized and all(rate > 0 for rate in rates.values())
+    # F32 (type 0) has no rate: its bytes add nothing; 3 MB at 1.5 GB/s and 1 MB at 0.5 GB/s: 4 ms
+    assert compute_bound_ms({0: 5e6, 8: 3e6, 12: 1e6}, {8: 1.5e9, 12: 0.5e9}) == pytest.approx(4.0)
 
 
 def test_the_bound_is_the_larger_of_resident_compute_and_reads(monkeypatch):
@@ -234,3 +265,22 @@ def test_the_child_counts_the_disks_reads_and_busy_time_per_phase(tiny_model, tm
         phase = result["phases"][name]
         assert phase["disk"]["bytes"] >= phase["pack_read_bytes"] > 0
         assert phase["disk"]["busy_ms"] >= 0
+
+
+def test_decode_steps_are_compared_by_their_medians(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_real import decode_step_lines
+
+    rows = [
+        # llama.cpp's one slow step (another job's burst) leaves its median at 100 ms
+        {"name": "resident", "llama_token_s": [0.1, 0.5, 0.1], "k3_token_s": [0.09, 0.05, 0.08]},
+        {"name": "10% of experts", "k3_token_s": [0.2, 0.3]},  # llama.cpp skipped
+        {"name": "failed"},
+    ]
+    lines = decode_step_lines(rows)
+    assert lines == [
+        "  resident: llama.cpp 100.0 [100.0-500.0], k3stream 80.0 [50.0-90.0] ms a step of 3; "
+        "k3stream/llama.cpp 1.25x",
+        "  10% of experts: llama.cpp n/a, k3stream 250.0 [200.0-300.0] ms a step of 2; "
+        "k3stream/llama.cpp n/a",
+    ]

@@ -1,10 +1,11 @@
 """Decode time per layer kind (KDA, MLA attention; dense FFN; MoE routed and shared), for benchmarks.
 
-`profile_decode(model, state, tokens)` decodes the tokens on the eager path (the decode program runs
-whole layers in C and has no per-kind seams) with each kind's call timed: KDA and MLA attention, the
-dense FFN, the shared experts and the whole MoE block (its routed part is the block less the shared
-experts: router, routed experts with their fetches, latent projections). "other" is the rest of the
-step (embedding, norms, residual mixes, the output head).
+`profile_decode(model, state, tokens)` decodes the tokens on the path `decode` takes: where the model
+runs one sequence's step as its decode program (`program.DecodeProgram`), each step of it timed with
+the kind of the part it belongs to (`DecodeProgram.owners`); else eagerly, each kind's call timed. The
+kinds: KDA and MLA attention, the dense FFN, the shared experts and the routed part of each MoE layer
+(router, routed experts with their fetches, latent projections, the layer's hint bookkeeping). "other"
+is the rest of the step (embedding, norms, residual mixes, hints sent ahead, the output head).
 
 Within each kind the mat-vec calls into the C kernels (`products`, `grouped_product`, `expert_mlp`,
 `chosen_experts`: activations quantized, OpenMP region, the dot products) are timed apart as its
@@ -13,6 +14,7 @@ kernel time; the rest of the kind's time is the Python, torch and other C steps 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -63,6 +65,25 @@ class _Clock:
 
         return run
 
+    def step(self, kind: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        """A program step of `kind` timed; the whole step its kernel time where it is a bound mat-vec."""
+        mat_vec = getattr(call, "__name__", "") in MAT_VECS
+
+        @functools.wraps(call)
+        def run(*args: Any) -> Any:
+            self.running.append(kind)
+            started = time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                elapsed = time.perf_counter() - started
+                self.seconds[kind] += elapsed
+                if mat_vec:
+                    self.kernel_seconds[kind] += elapsed
+                self.running.pop()
+
+        return run
+
     def moe(self, call: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             self.in_moe = True
@@ -75,18 +96,22 @@ class _Clock:
 
 
 @contextmanager
-def _clocked() -> Iterator[_Clock]:
+def _clocked(eager: bool) -> Iterator[_Clock]:
+    """A clock wrapping the C library's mat-vecs, and with `eager` each kind's eager call (a program's
+    steps are wrapped apart: its Python steps that call the eager code are timed once, as steps)."""
     clock = _Clock()
-    patched = [
-        (KDA, "decode", clock.timed(lambda: "KDA attention", KDA.decode)),
-        (MLA, "decode", clock.timed(lambda: "MLA attention", MLA.decode)),
-        (
-            SituMLP,
-            "__call__",
-            clock.timed(lambda: "MoE shared" if clock.in_moe else "dense FFN", SituMLP.__call__),
-        ),
-        (LatentMoE, "__call__", clock.moe(LatentMoE.__call__)),
-    ]
+    patched = []
+    if eager:
+        patched = [
+            (KDA, "decode", clock.timed(lambda: "KDA attention", KDA.decode)),
+            (MLA, "decode", clock.timed(lambda: "MLA attention", MLA.decode)),
+            (
+                SituMLP,
+                "__call__",
+                clock.timed(lambda: "MoE shared" if clock.in_moe else "dense FFN", SituMLP.__call__),
+            ),
+            (LatentMoE, "__call__", clock.moe(LatentMoE.__call__)),
+        ]
     library = cpu._ggml_cpu()
     if library is not None:
         patched += [(library, name, clock.kernel(getattr(library, name))) for name in MAT_VECS]
@@ -124,8 +149,66 @@ def ram_read_rates(threads: int, size: int = RAM_PASS_BYTES, passes: int = RAM_P
 
 
 def profile_decode(model: Any, state: Any, tokens: list[int]) -> dict[str, Any]:
-    """Decode `tokens` into `state` eagerly: ms per token of each kind in KINDS (`ms_per_token`), of
-    its C mat-vec calls (`kernel_ms_per_token`), and the total."""
+    """Decode `tokens` into `state` as `model.decode` does: ms per token of each kind in KINDS
+    (`ms_per_token`), of its C mat-vec calls (`kernel_ms_per_token`), the total, and the path timed
+    (`path`: "program" or "eager")."""
+    program = model._program_for([state])
+    if program is None:
+        seconds, kernel_seconds, total = _eager_seconds(model, state, tokens)
+    else:
+        seconds, kernel_seconds, total = _program_seconds(model, program, state, tokens)
+    per_token = {kind: 1e3 * seconds.get(kind, 0.0) / len(tokens) for kind in KINDS}
+    kernels = {kind: 1e3 * kernel_seconds.get(kind, 0.0) / len(tokens) for kind in KINDS}
+    return {
+        "ms_per_token": per_token,
+        "kernel_ms_per_token": kernels,
+        "total_ms_per_token": 1e3 * total / len(tokens),
+        "path": "eager" if program is None else "program",
+    }
+
+
+def _program_seconds(
+    model: Any, program: Any, state: Any, tokens: list[int]
+) -> tuple[dict[str, float], dict[str, float], float]:
+    """Seconds of each kind and of its mat-vecs, and in all, decoding `tokens` by `program` (each step
+    timed as its owner's kind; the library's mat-vecs wrapped for the Python steps that call them)."""
+    shared = {id(layer.ffn.w.shared) for layer in model.layers if isinstance(layer.ffn, LatentMoE)}
+    steps = program.steps
+    with _clocked(eager=False) as clock:
+        program.steps = [
+            (clock.step(_kind_of(owner, shared), function), args, kept)
+            for (function, args, kept), owner in zip(steps, program.owners, strict=True)
+        ]
+        try:
+            started = time.perf_counter()
+            for token in tokens:
+                model.decode(state, token)
+            total = time.perf_counter() - started
+        finally:
+            program.steps = steps
+    seconds = dict(clock.seconds)
+    seconds["other"] = total - sum(value for kind, value in seconds.items() if kind != "other")
+    return seconds, dict(clock.kernel_seconds), total
+
+
+def _kind_of(owner: object | None, shared: set[int]) -> str:
+    """The kind a program step's owner (`DecodeProgram.owners`) is timed as; `shared`: the ids of the
+    MoE layers' shared experts."""
+    if isinstance(owner, KDA):
+        return "KDA attention"
+    if isinstance(owner, MLA):
+        return "MLA attention"
+    if isinstance(owner, LatentMoE):
+        return "MoE routed"
+    if isinstance(owner, SituMLP):
+        return "MoE shared" if id(owner) in shared else "dense FFN"
+    return "other"
+
+
+def _eager_seconds(
+    model: Any, state: Any, tokens: list[int]
+) -> tuple[dict[str, float], dict[str, float], float]:
+    """`_program_seconds` of the eager forward: each kind's call timed."""
     use_program = model.use_program
     model.use_program = False
     # the layers whose one-row steps are C calls bound once
@@ -136,7 +219,7 @@ def profile_decode(model: Any, state: Any, tokens: list[int]) -> dict[str, Any]:
         if isinstance(part, MLA | LatentMoE)
     ]
     try:
-        with _clocked() as clock:
+        with _clocked(eager=True) as clock:
             for part in bound:  # to the wrapped mat-vecs
                 part.unbind()
             started = time.perf_counter()
@@ -150,10 +233,4 @@ def profile_decode(model: Any, state: Any, tokens: list[int]) -> dict[str, Any]:
     seconds = dict(clock.seconds)
     seconds["MoE routed"] = seconds.pop("MoE block", 0.0) - seconds.get("MoE shared", 0.0)
     seconds["other"] = total - sum(seconds.values())
-    per_token = {kind: 1e3 * seconds.get(kind, 0.0) / len(tokens) for kind in KINDS}
-    kernels = {kind: 1e3 * clock.kernel_seconds.get(kind, 0.0) / len(tokens) for kind in KINDS}
-    return {
-        "ms_per_token": per_token,
-        "kernel_ms_per_token": kernels,
-        "total_ms_per_token": 1e3 * total / len(tokens),
-    }
+    return seconds, dict(clock.kernel_seconds), total

@@ -185,19 +185,26 @@ class LatentMoE:
             and cpu.takes((bias,))
         )
 
-    def decode_steps(self, h: torch.Tensor, out: torch.Tensor, threads: int) -> list[cpu.Call]:
+    def decode_parts(
+        self, h: torch.Tensor, out: torch.Tensor, threads: int
+    ) -> list[tuple[object, list[cpu.Call]]]:
         """`__call__` of one row (h [1, E] into out [1, E]) as C calls bound to buffers of their own, and
         Python steps only where the work is Python's: a reading-ahead source's start (`_start_step`),
         routed experts not all in RAM (fetched and summed by `_routed_sum`), or the whole layer where its
-        router would not run in C."""
+        router would not run in C. In step order, each run of steps with the part it is the work of:
+        this layer, or its shared experts (`w.shared`)."""
         if not self._routes_in_c():
-            return [cpu.python_step(lambda: out.copy_(self(h)))]
+            return [(self, [cpu.python_step(lambda: out.copy_(self(h)))])]
         shared = None if self.w.shared is None else torch.empty_like(out)
         up = out if shared is None else torch.empty_like(out)
         routing, routed, _ = self._step_parts(h, up, threads)
         if shared is None:
-            return routing + routed
-        return [*routing, self.w.shared.bind(h, shared, threads), *routed, cpu.bind_add(up, shared, out)]
+            return [(self, routing + routed)]
+        return [
+            (self, routing),
+            (self.w.shared, [self.w.shared.bind(h, shared, threads)]),
+            (self, [*routed, cpu.bind_add(up, shared, out)]),
+        ]
 
     def _step_parts(
         self, h: torch.Tensor, out: torch.Tensor, threads: int

@@ -13,7 +13,9 @@ what `_forward` computes with the same C functions on the same values, so its lo
 bit (tested). A model sending token hints (a one-row step's default) gets them, and the pre-attention
 hints that follow them, as Python steps where `_forward` sends them, and each MoE layer's routing
 learned after it; a model with a step that has no C form here (another device, the reference path, a
-wrapped layer, layer-ahead or pre-attention hints alone) keeps the eager forward.
+wrapped layer, layer-ahead or pre-attention hints alone) keeps the eager forward. `owners` names each
+step's part of the model (a layer's attention or feed-forward, a MoE layer's shared experts; None for
+the embedding, norms, residual mixes, hints and the head): a profile times the steps part by part.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class DecodeProgram:
         self.final = torch.empty(1, hidden)  # the last layer's output, mixed and normed for lm_head
         self._logits = torch.empty(1, model.config.vocab_size)
         self.steps: list[cpu.Call] | None = None
+        self.owners: list[object | None] = []  # each step's part of the model (None: between parts)
         if model.device.type == "cpu" and cpu.available() and _hints_in_program(model):
             self.steps = self._build(state)
 
@@ -79,6 +82,11 @@ class DecodeProgram:
         model, x = self.model, self._x
         embed = model.embedding.row_writer(self._x)
         steps = [cpu.python_step(lambda: embed(self._token))]
+        owners = self.owners
+
+        def owned(part: object | None) -> None:  # the steps appended since the last call are `part`'s
+            owners.extend([part] * (len(steps) - len(owners)))
+
         if model.prefetch:
             steps += [self._token_hint(first) for first in model._first_token_hints]
         bank: list[torch.Tensor] = []
@@ -91,7 +99,9 @@ class DecodeProgram:
                 bank.append(x)
             normed = self._norm(steps, h, layer.input_norm)
             attended = torch.empty_like(x)
+            owned(None)
             steps += self._attention(layer, normed, attended, state.layers[layer.index])
+            owned(layer.attn)
             prefix = attended if banked else torch.empty_like(x)
             if not banked:
                 steps.append(cpu.bind_add(x, attended, prefix))
@@ -99,14 +109,19 @@ class DecodeProgram:
                 steps, self._mix(steps, bank, prefix, layer.ffn_score), layer.post_attention_norm
             )
             ffn_out = torch.empty_like(x)
-            steps += self._ffn(layer, mixed, ffn_out)
+            owned(None)
+            for part, part_steps in self._ffn(layer, mixed, ffn_out):
+                steps += part_steps
+                owned(part)
             if model.prefetch and isinstance(layer.ffn, LatentMoE):
                 steps.append(cpu.python_step(lambda moe=layer.ffn: self._learn_routes(moe)))
+                owned(layer.ffn)
             x = torch.empty_like(x)
             steps.append(cpu.bind_add(prefix, ffn_out, x))
         mixed = self._mix(steps, bank, x, model.output_score)
         steps.append(bind_rms_norm(mixed, model.norm, model.eps, self.final))
         steps.append(bind_linear(model.lm_head, self.final, self._logits, self.threads))
+        owned(None)
         return steps
 
     def _hints_at(self, layer: Layer, x: torch.Tensor) -> list[cpu.Call]:
@@ -127,7 +142,7 @@ class DecodeProgram:
     def _learn_routes(self, moe: LatentMoE) -> None:
         """What `_forward` does after a MoE layer of a model sending hints: score the predictions made
         for it, and learn the token's route for the next token hints."""
-        self.model.hints.used(moe.layer, moe.chosen.unique().tolist())
+        self.model.hints.used(moe.layer, moe.chosen.flatten().tolist())  # one row: no torch sort
         self.model.token_routes.learn(moe.layer, [self._token], moe.chosen)
 
     def _attention(
@@ -135,10 +150,11 @@ class DecodeProgram:
     ) -> list[cpu.Call]:
         return layer.attn.decode_steps(normed, out, state, self.threads)
 
-    def _ffn(self, layer: Layer, h: torch.Tensor, out: torch.Tensor) -> list[cpu.Call]:
+    def _ffn(self, layer: Layer, h: torch.Tensor, out: torch.Tensor) -> list[tuple[object, list[cpu.Call]]]:
+        """The feed-forward's steps, each run of them with the part it is the work of."""
         if isinstance(layer.ffn, LatentMoE):
-            return layer.ffn.decode_steps(h, out, self.threads)
-        return [layer.ffn.bind(h, out, self.threads)]
+            return layer.ffn.decode_parts(h, out, self.threads)
+        return [(layer.ffn, [layer.ffn.bind(h, out, self.threads)])]
 
     def _mix(
         self, steps: list, bank: list[torch.Tensor], current: torch.Tensor, score: torch.Tensor

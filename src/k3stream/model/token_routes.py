@@ -24,7 +24,8 @@ class TokenRoutes:
     def learn(self, layer: int, token_ids: list[int], chosen: torch.Tensor) -> None:
         """Rows with these token ids picked `chosen` [N, k] at `layer`."""
         table = self._latest.setdefault(layer, {})
-        for token, experts in zip(token_ids, chosen.to(torch.int16).cpu().numpy(), strict=True):
+        # numpy's conversion: in a decode step whose weight reads evicted torch's code, 2-3x cheaper
+        for token, experts in zip(token_ids, chosen.cpu().numpy().astype(np.int16), strict=True):
             table.pop(token, None)  # re-inserted last: the most recently seen
             table[token] = experts.tobytes()
         while len(table) > self.max_tokens:
