@@ -1,0 +1,260 @@
+"""Hostile manifests, command-line text and HTTP bodies: each is run or refused in one line (a 4xx naming
+the field, over HTTP), never a traceback, a 5xx, a hang or a server that stops answering."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from k3stream import LoadOptions
+from k3stream.engine.loading import load_runtime
+from k3stream.pack.builder import BuildOptions, build_pack
+from k3stream.pack.manifest import inventory_sha256
+from pack_helpers import copy_model
+
+SMALL = dict(n_layers=3, n_experts=4, top_k=2)
+FUZZ = settings(
+    max_examples=80,
+    deadline=None,
+    derandomize=True,  # the same examples on every run: CI stays stable
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+DELETE = object()  # a field taken out of the body
+HOSTILE = {
+    "string": "x",
+    "-1": -1,
+    "2^64": 1 << 64,
+    "1.5": 1.5,
+    "NaN": math.nan,
+    "null": None,
+    "[]": [],
+    "{}": {},
+    "true": True,
+    "deleted": DELETE,
+}
+
+# ---- manifests -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def packed(tiny_model, tmp_path_factory) -> Path:
+    """A folder holding a small model, its pack and its manifest (relative paths: copies read theirs)."""
+    directory = tmp_path_factory.mktemp("packed")
+    options = BuildOptions(progress=False, relative_paths=True, margin_bytes=0)
+    return build_pack(copy_model(tiny_model(**SMALL), directory), options=options).manifest
+
+
+def field_paths(value: object, path: tuple = ()) -> list[tuple]:
+    """Every key path of a JSON value (lists: their first two items)."""
+    paths = [path] if path else []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            paths += field_paths(item, (*path, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value[:2]):
+            paths += field_paths(item, (*path, index))
+    return paths
+
+
+def edited(document: dict, path: tuple, value: object) -> dict:
+    changed = copy.deepcopy(document)
+    parent = changed
+    for key in path[:-1]:
+        parent = parent[key]
+    if value is DELETE and isinstance(parent, list):
+        del parent[path[-1]]
+    elif value is DELETE:
+        parent.pop(path[-1], None)  # an optional field the base body leaves out
+    else:
+        parent[path[-1]] = value
+    return changed
+
+
+def loaded_or_refused(manifest: Path) -> None:
+    """The manifest's model loads and runs a token, or is refused in one line; nothing else."""
+    try:
+        runtime = load_runtime(manifest, LoadOptions(expert_ram_mib=1, prefetch=False))
+    except (ValueError, OSError) as exc:
+        assert "\n" not in str(exc), str(exc)
+        return
+    try:
+        assert runtime.model.logits([1, 2]).isfinite().all()
+    finally:
+        runtime.close()
+
+
+@FUZZ
+@given(data=st.data())
+def test_manifest_fields_of_another_type_or_missing_are_run_or_refused(packed, tmp_path_factory, data):
+    document = json.loads(packed.read_text())
+    path = data.draw(st.sampled_from(field_paths(document)), label="field")
+    value = HOSTILE[data.draw(st.sampled_from(sorted(HOSTILE)), label="value")]
+    changed = edited(document, path, value)
+    if isinstance(changed.get("source"), dict):  # reach the checks past the inventory's hash
+        with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+            changed["source"]["inventory_sha256"] = inventory_sha256(changed["source"])
+    folder = tmp_path_factory.mktemp("edited")
+    for file in packed.parent.iterdir():
+        (folder / file.name).symlink_to(file)
+    manifest = folder / packed.name
+    manifest.unlink()
+    manifest.write_text(json.dumps(changed))
+    loaded_or_refused(manifest)
+
+
+@pytest.mark.parametrize(
+    ("records", "key"),
+    [
+        ("shards", "size"),
+        ("shards", "metadata_nbytes"),
+        ("shards", "metadata_sha256"),
+        ("tensors", "name"),
+        ("tensors", "shard_index"),
+        ("tensors", "dtype"),
+    ],
+)
+def test_a_source_record_without_a_key_is_named(packed, tmp_path, records, key):
+    """Loading such a manifest raised KeyError (a traceback from `generate`)."""
+    document = json.loads(packed.read_text())
+    del document["source"][records][0][key]
+    document["source"]["inventory_sha256"] = inventory_sha256(document["source"])
+    for file in packed.parent.iterdir():
+        (tmp_path / file.name).symlink_to(file)
+    manifest = tmp_path / packed.name
+    manifest.unlink()
+    manifest.write_text(json.dumps(document))
+    with pytest.raises(ValueError, match=rf"^Kimi manifest field is missing: source\.{records}\[0\]\.{key}$"):
+        load_runtime(manifest, LoadOptions(expert_ram_mib=1, prefetch=False))
+
+
+# ---- command-line text ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--prompt", "--stop"])
+def test_text_that_is_not_utf8_is_named_with_no_escape(tiny_model, capsys, flag):
+    """Bytes that are not UTF-8 reach Python's argv as lone surrogates; with --no-escape the tokenizer
+    raised "'utf-8' codec can't encode character '\\udcff'", naming no flag."""
+    from k3stream.cli import main
+
+    text = "caf\udcff"  # argv's decoding of b"caf\xff"
+    given = ["--prompt", text] if flag == "--prompt" else ["--prompt", "hi", "--stop", text]
+    assert main(["generate", str(tiny_model(**SMALL)), "--no-escape", "-n", "1", *given]) == 1
+    assert capsys.readouterr().err == f"k3stream generate: error: {flag}: not UTF-8 text (character 3)\n"
+
+
+def test_tokenizer_time_grows_linearly_on_long_runs_of_one_character(tokenizer):
+    """200,000 characters of one kind (one pre-tokenizer piece, or thousands) encode and decode back in
+    well under the time a quadratic merge would take (minutes)."""
+    began = time.perf_counter()
+    for text in ("a", " ", "\x00", "中", "😀", "\n", "a1!中 "):
+        long = text * (200_000 // len(text))
+        assert tokenizer.decode(tokenizer.encode(long)) == long
+    assert time.perf_counter() - began < 30
+
+
+# ---- HTTP bodies ---------------------------------------------------------------------------------
+
+BODIES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+    "/completion": {"prompt": "hi", "n_predict": 2},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 2},
+    "/v1/messages": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "/tokenize": {"content": "hi"},
+    "/detokenize": {"tokens": [1, 2]},
+    "/apply-template": {"messages": [{"role": "user", "content": "hi"}]},
+}
+# fields the endpoints read besides those of BODIES
+FIELDS = (
+    "n", "stop", "logit_bias", "tools", "tool_choice", "temperature", "top_p", "top_k", "seed", "stream",
+    "response_format", "min_p", "logprobs", "max_completion_tokens", "grammar", "json_schema", "system",
+    "stream_options", "parallel_tool_calls", "instructions", "text", "chat_template_kwargs", "thinking",
+)  # fmt: skip
+BIG = {
+    "10^4 stops": ["x"] * 10_000,
+    "10^5 characters": "a" * 100_000,
+    "depth 200": json.loads("[" * 200 + "]" * 200),
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, one_torch_thread):
+    from k3stream.server.app import ServerConfig, create_app
+    from k3stream.server.live import ServerThread
+    from k3stream.server.runtime import served_from_runtime
+
+    runtime = load_runtime(tiny_model(**SMALL), LoadOptions(prefetch=False))
+    served = served_from_runtime(runtime, ctx=128)
+    app = create_app(served, ServerConfig(max_batch=2, max_queue=4))
+    thread = ServerThread(app).start()
+    yield thread.url
+    thread.stop()
+    app.state.scheduler.stop()
+    served.close()
+
+
+def post(url: str, body: bytes, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(
+        url, content=body, headers={"content-type": "application/json", **(headers or {})}, timeout=30
+    )
+
+
+@settings(FUZZ, max_examples=200)
+@given(data=st.data())
+def test_every_field_of_another_type_gets_a_4xx_and_the_server_goes_on(server, data):
+    endpoint = data.draw(st.sampled_from(sorted(BODIES)), label="endpoint")
+    paths = field_paths(BODIES[endpoint]) + [(name,) for name in FIELDS]
+    path = data.draw(st.sampled_from(paths), label="field")
+    values = {**HOSTILE, **BIG}
+    value = values[data.draw(st.sampled_from(sorted(values)), label="value")]
+    body = json.dumps(edited(BODIES[endpoint], path, value)).encode()
+    response = post(server + endpoint, body)
+    assert response.status_code < 500, (endpoint, path, response.text[:300])
+    if response.status_code == 400 and endpoint != "/v1/messages":  # Anthropic's body has no param
+        error = response.json()["error"]
+        assert error["message"] and "\n" not in error["message"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"not json",
+        b"{",
+        b"[]",
+        b"null",
+        b"123",
+        b'"text"',
+        b"\xff\xfe",
+        b"[" * 100_000,
+        b'{"prompt": "\\ud800"}',
+    ],
+)
+def test_bodies_that_are_no_json_object_get_400(server, body):
+    for endpoint in BODIES:
+        response = post(server + endpoint, body)
+        assert response.status_code == 400, (endpoint, body[:20], response.text[:200])
+    assert post(server + "/v1/completions", json.dumps(BODIES["/v1/completions"]).encode()).status_code == 200
+
+
+def test_a_content_length_larger_than_any_body_is_refused_at_once(server):
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as connection:
+        request = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {10**15}\r\n\r\n{{}}"
+        )
+        connection.sendall(request.encode())
+        status = connection.recv(4096).split(b"\r\n", 1)[0]
+    assert b" 413 " in status, status
+    assert post(server + "/v1/completions", json.dumps(BODIES["/v1/completions"]).encode()).status_code == 200
