@@ -8,7 +8,9 @@ import copy
 import json
 import math
 import socket
+import struct
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -258,3 +260,121 @@ def test_a_content_length_larger_than_any_body_is_refused_at_once(server):
         status = connection.recv(4096).split(b"\r\n", 1)[0]
     assert b" 413 " in status, status
     assert post(server + "/v1/completions", json.dumps(BODIES["/v1/completions"]).encode()).status_code == 200
+
+
+# ---- prompt-cache snapshot files -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def snapshot_files(tiny_model, tmp_path_factory):
+    """A small model, a prompt, and the snapshot files a disk-tier cache wrote for it (their bytes)."""
+    import torch
+
+    import k3stream
+    from k3stream.engine.prompt_cache import PromptCache, model_fingerprint
+    from k3stream.gguf.reader import K3Checkpoint
+
+    path = tiny_model(**SMALL)
+    model = k3stream.load(path)
+    fingerprint = model_fingerprint(K3Checkpoint.open(path).shards)
+    prompt = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    folder = tmp_path_factory.mktemp("snapshots")
+    cache = PromptCache(model, fingerprint, 64 << 20, folder, 1 << 30, every=16)
+    cache.prefill(prompt.tolist())
+    cache.close()
+    files = {file: file.read_bytes() for file in cache.disk_dir.iterdir()}
+    return Saved(model, fingerprint, prompt.tolist(), folder, files)
+
+
+@dataclass(repr=False)  # hypothesis prints the fixtures of a failing example: not the files' bytes
+class Saved:
+    model: object
+    fingerprint: str
+    prompt: list[int]
+    folder: Path
+    files: dict[Path, bytes]
+
+
+def with_header(data: bytes, key: str, value: object) -> bytes:
+    """A snapshot file's bytes with its JSON header's `key` set to `value` (the checksum left as it was)."""
+    from k3stream.engine.prompt_cache import MAGIC
+
+    start = len(MAGIC) + 8
+    (length,) = struct.unpack("<Q", data[len(MAGIC) : start])
+    header = {**json.loads(data[start : start + length]), key: value}
+    raw = json.dumps(header).encode()
+    return MAGIC + struct.pack("<Q", len(raw)) + raw + data[start + length :]
+
+
+HEADER_VALUES = {
+    "ids past 2^63": [1 << 70],
+    "negative ids": [-1] * 40,
+    "a million ids": list(range(1_000_000)),
+    "huge parent": [1 << 70, 1],
+    "huge layer": [["kda", [1 << 40, 1 << 40], [1]]],
+    "string": "x",
+    "null": None,
+}
+
+
+@settings(FUZZ, max_examples=60)
+@given(data=st.data())
+def test_a_damaged_snapshot_file_is_a_miss_or_the_cold_answer(snapshot_files, data):
+    """Bits flipped, the file cut, its header length or a header field set to anything: a restarted
+    cache starts, and the prompt's logits are the cold ones (a header of token ids past 2^63 raised
+    struct.error at the start)."""
+    from k3stream.engine.prompt_cache import MAGIC, PromptCache
+
+    model, prompt, files = snapshot_files.model, snapshot_files.prompt, snapshot_files.files
+    file = data.draw(st.sampled_from(sorted(files)), label="file")
+    original = files[file]
+    damage = data.draw(st.sampled_from(["flip", "cut", "header length", "header field"]), label="damage")
+    if damage == "flip":
+        at = data.draw(st.integers(0, len(original) - 1), label="byte")
+        damaged = (
+            original[:at] + bytes([original[at] ^ 1 << data.draw(st.integers(0, 7))]) + original[at + 1 :]
+        )
+    elif damage == "cut":
+        damaged = original[: data.draw(st.integers(0, len(original) - 1), label="kept")]
+    elif damage == "header length":
+        length = data.draw(st.sampled_from([0, 1, 1 << 20, 1 << 33, (1 << 64) - 1]), label="length")
+        damaged = MAGIC + struct.pack("<Q", length) + original[len(MAGIC) + 8 :]
+    else:
+        key = data.draw(st.sampled_from(["tokens", "parent", "layers", "identity", "rows_only"]), label="key")
+        damaged = with_header(original, key, HEADER_VALUES[data.draw(st.sampled_from(sorted(HEADER_VALUES)))])
+    try:
+        file.write_bytes(damaged)
+        cache = PromptCache(
+            model, snapshot_files.fingerprint, 64 << 20, snapshot_files.folder, 1 << 30, every=16
+        )
+        asked = [*prompt, 3]
+        got = cache.prefill(asked)
+        cache.close()
+        assert torch_equal(got.logits, model.prefill_last(model.new_state(), asked))
+    finally:
+        for path, content in files.items():
+            path.write_bytes(content)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tokens", [[1 << 70], [-1]])
+def test_a_snapshot_header_of_ids_no_file_name_packs_is_skipped_at_the_start(snapshot_files, tokens, caplog):
+    """Token ids past 2^63 (or negative) in a header raised struct.error from the cache's start (the
+    file name hashes the ids packed as int64): a server with that --cache-dir failed to start."""
+    from k3stream.engine.prompt_cache import PromptCache
+
+    (file, original), *_ = snapshot_files.files.items()
+    try:
+        file.write_bytes(with_header(original, "tokens", tokens))
+        cache = PromptCache(
+            snapshot_files.model, snapshot_files.fingerprint, 64 << 20, snapshot_files.folder, 1 << 30
+        )
+        assert cache.stats.disk_errors == 1 and "not integers in 0..2^63-1" in caplog.text
+        cache.close()
+    finally:
+        file.write_bytes(original)

@@ -1218,8 +1218,8 @@ def _parse_header(raw: bytes, length: int) -> dict[str, Any]:
         raise ValueError(f"unreadable header ({error})") from None
     if not isinstance(header, dict) or not isinstance(tokens := header.get("tokens"), list):
         raise ValueError("header without token ids")
-    if not all(type(token) is int for token in tokens):
-        raise ValueError("header with token ids that are not integers")
+    if not all(type(token) is int and 0 <= token < 1 << 63 for token in tokens):  # a file name packs them
+        raise ValueError("header with token ids that are not integers in 0..2^63-1")
     layers = header.get("layers", [])
     if not isinstance(layers, list) or not all(map(_is_layer, layers)):
         raise ValueError("malformed layer list in the header")
