@@ -378,3 +378,74 @@ def test_a_snapshot_header_of_ids_no_file_name_packs_is_skipped_at_the_start(sna
         cache.close()
     finally:
         file.write_bytes(original)
+
+
+# ---- KL-divergence base files --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kld_base(model_path, tmp_path_factory) -> tuple[Path, Path]:
+    """The default tiny model and a KL-divergence base `k3stream perplexity` wrote of it."""
+    import textwrap
+
+    from k3stream.cli import main
+
+    base = tmp_path_factory.mktemp("kld") / "base.zip"
+    args = ["perplexity", str(model_path), "--file", textwrap.__file__, "--ctx", "32", "--chunks", "2"]
+    assert main([*args, "--kl-divergence-base", str(base)]) == 0
+    return model_path, base
+
+
+def with_member(base: Path, target: Path, name: str, payload: bytes) -> Path:
+    """A copy of the zip `base` whose member `name` holds `payload`, every other member as it was."""
+    import zipfile
+
+    with zipfile.ZipFile(base) as source, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as copy:
+        for info in source.infolist():
+            copy.writestr(info.filename, payload if info.filename == name else source.read(info))
+    return target
+
+
+def npy_claiming(shape: tuple[int, ...]) -> bytes:
+    """A .npy header of int32 `shape` followed by 64 bytes: an array its member cannot hold."""
+    import io
+
+    import numpy as np
+
+    stream = io.BytesIO()
+    np.lib.format.write_array_header_1_0(stream, {"descr": "<i4", "fortran_order": False, "shape": shape})
+    return stream.getvalue() + bytes(64)
+
+
+@pytest.mark.parametrize("damage", ["claims 4 TB", "bomb", "flipped", "object dtype"])
+def test_a_damaged_kl_divergence_base_is_refused_in_one_line(kld_base, tmp_path, capsys, damage):
+    """A member's header claiming 10^12 elements raised MemoryError; 200 MiB of zeros compressed into a
+    few hundred KiB was read whole; a flipped bit raised zlib.error or BadZipFile: each a traceback."""
+    import io
+    import zipfile
+
+    import numpy as np
+
+    from k3stream.cli import main
+
+    model, base = kld_base
+    damaged = tmp_path / "damaged.zip"
+    if damage == "claims 4 TB":
+        with_member(base, damaged, "tokens.npy", npy_claiming((10**12,)))
+    elif damage == "bomb":
+        stream = io.BytesIO()
+        np.save(stream, np.zeros(50_000_000, dtype=np.int32))
+        with_member(base, damaged, "tokens.npy", stream.getvalue())
+    elif damage == "object dtype":
+        header = b"\x93NUMPY\x01\x00v\x00{'descr': '|O', 'fortran_order': False, 'shape': (4,), }"
+        with_member(base, damaged, "tokens.npy", header.ljust(128 - 1, b" ") + b"\n" + bytes(32))
+    else:
+        data = bytearray(base.read_bytes())
+        with zipfile.ZipFile(base) as archive:
+            info = archive.getinfo("scale.npy")
+        name_length, extra_length = struct.unpack_from("<HH", data, info.header_offset + 26)
+        data[info.header_offset + 30 + name_length + extra_length + 4] ^= 0x10  # in its deflated bytes
+        damaged.write_bytes(data)
+    assert main(["perplexity", str(model), "--kl-divergence", "--kl-divergence-base", str(damaged)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{damaged}: not a k3stream KL-divergence base file" in err, err
