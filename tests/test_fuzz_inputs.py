@@ -294,6 +294,15 @@ class Saved:
     folder: Path
     files: dict[Path, bytes]
 
+    def restore(self) -> None:
+        """The snapshot files as the fixture wrote them, and no others (a test's cache writes more)."""
+        for folder in {path.parent for path in self.files}:
+            for path in folder.iterdir():
+                if path not in self.files and path.is_file():
+                    path.unlink()
+        for path, content in self.files.items():
+            path.write_bytes(content)
+
 
 def with_header(data: bytes, key: str, value: object) -> bytes:
     """A snapshot file's bytes with its JSON header's `key` set to `value` (the checksum left as it was)."""
@@ -352,8 +361,7 @@ def test_a_damaged_snapshot_file_is_a_miss_or_the_cold_answer(snapshot_files, da
         cache.close()
         assert torch_equal(got.logits, model.prefill_last(model.new_state(), asked))
     finally:
-        for path, content in files.items():
-            path.write_bytes(content)
+        snapshot_files.restore()
 
 
 def torch_equal(a, b) -> bool:
@@ -377,7 +385,7 @@ def test_a_snapshot_header_of_ids_no_file_name_packs_is_skipped_at_the_start(sna
         assert cache.stats.disk_errors == 1 and "not integers in 0..2^63-1" in caplog.text
         cache.close()
     finally:
-        file.write_bytes(original)
+        snapshot_files.restore()
 
 
 # ---- KL-divergence base files --------------------------------------------------------------------
@@ -449,3 +457,45 @@ def test_a_damaged_kl_divergence_base_is_refused_in_one_line(kld_base, tmp_path,
     assert main(["perplexity", str(model), "--kl-divergence", "--kl-divergence-base", str(damaged)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{damaged}: not a k3stream KL-divergence base file" in err, err
+
+
+def test_a_fifo_a_folder_or_a_link_loop_among_snapshot_files_is_skipped(snapshot_files, caplog):
+    """A FIFO named like a snapshot hung the cache's start for good (its open waits for a writer): a
+    server with that --cache-dir never answered. Each such entry is now skipped with a warning."""
+    import os
+    import threading
+
+    from k3stream.engine.prompt_cache import PromptCache
+
+    folder = next(iter(snapshot_files.files)).parent
+    odd = [folder / f"{'f' * 32}.k3snap", folder / f"{'d' * 32}.k3snap", folder / "loop.k3snap"]
+    os.mkfifo(odd[0])
+    odd[1].mkdir()
+    odd[2].symlink_to(odd[2])
+    started: list[PromptCache] = []
+
+    def start() -> None:
+        started.append(
+            PromptCache(
+                snapshot_files.model, snapshot_files.fingerprint, 64 << 20, snapshot_files.folder, 1 << 30
+            )
+        )
+
+    try:
+        thread = threading.Thread(target=start, daemon=True)
+        thread.start()
+        thread.join(30)
+        if thread.is_alive():  # unblock the FIFO's open, so the thread ends
+            os.close(os.open(odd[0], os.O_WRONLY | os.O_NONBLOCK))
+            thread.join(5)
+            pytest.fail("the cache's start hung on a FIFO in its folder")
+        assert started[0].stats.disk_errors == 3
+        assert caplog.text.count("not a regular file") == 2 and "symbolic links" in caplog.text
+        prompt = [*snapshot_files.prompt, 3]
+        assert started[0].prefill(prompt).reused == len(snapshot_files.prompt)  # the real file still serves
+        started[0].close()
+    finally:
+        odd[0].unlink()
+        odd[1].rmdir()
+        odd[2].unlink()
+        snapshot_files.restore()

@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import stat
 import struct
 import threading
 import time
@@ -35,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 import torch
 import xxhash
@@ -1074,10 +1075,24 @@ def _size(parts: list[bytes | memoryview]) -> int:
     return sum(len(part) for part in parts)
 
 
+def open_regular(path: Path, buffering: int = -1) -> BinaryIO:
+    """`path` opened for reading, or ValueError where it is no regular file: a FIFO's open waits for a
+    writer without end (here it does not wait), a device reads without end."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise ValueError("not a regular file")
+        os.set_blocking(descriptor, True)
+        return open(descriptor, "rb", buffering=buffering)
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
 def read_file(path: Path) -> bytearray:
     """A snapshot file's bytes, read into one buffer (the GIL released while the disk reads it; the
     tensors decoded from it share it, nothing is copied again)."""
-    with open(path, "rb", buffering=0) as stream:
+    with open_regular(path, buffering=0) as stream:
         data = bytearray(os.fstat(stream.fileno()).st_size)
         view, done = memoryview(data), 0
         while done < len(data):
@@ -1113,7 +1128,7 @@ def _checksum(data: bytes | memoryview) -> int:
 
 def read_checksum(path: Path) -> int:
     """A snapshot file's trailing checksum (its children name their parent by it)."""
-    with open(path, "rb") as stream:
+    with open_regular(path) as stream:
         stream.seek(0, os.SEEK_END)
         if stream.tell() < len(MAGIC) + 16:
             raise ValueError("not a k3stream snapshot")
@@ -1198,7 +1213,7 @@ def _tensors(snapshot: Snapshot, start: int) -> Iterator[torch.Tensor]:
 
 
 def read_header(path: Path, fingerprint: str) -> dict[str, Any]:
-    with open(path, "rb") as stream:
+    with open_regular(path) as stream:
         head = stream.read(len(MAGIC) + 8)
         if len(head) < len(MAGIC) + 8 or head[: len(MAGIC)] != MAGIC:
             raise ValueError("not a k3stream snapshot")
