@@ -1075,15 +1075,16 @@ def _size(parts: list[bytes | memoryview]) -> int:
     return sum(len(part) for part in parts)
 
 
-def open_regular(path: Path, buffering: int = -1) -> BinaryIO:
+def open_regular(path: Path) -> BinaryIO:
     """`path` opened for reading, or ValueError where it is no regular file: a FIFO's open waits for a
-    writer without end (here it does not wait), a device reads without end."""
+    writer without end (here it does not wait), a device reads without end (the start's scan of a
+    folder, and a file given to import, take it)."""
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):
             raise ValueError("not a regular file")
         os.set_blocking(descriptor, True)
-        return open(descriptor, "rb", buffering=buffering)
+        return open(descriptor, "rb")
     except BaseException:
         os.close(descriptor)
         raise
@@ -1092,7 +1093,7 @@ def open_regular(path: Path, buffering: int = -1) -> BinaryIO:
 def read_file(path: Path) -> bytearray:
     """A snapshot file's bytes, read into one buffer (the GIL released while the disk reads it; the
     tensors decoded from it share it, nothing is copied again)."""
-    with open_regular(path, buffering=0) as stream:
+    with open(path, "rb", buffering=0) as stream:  # a file the start's scan found regular, or wrote
         data = bytearray(os.fstat(stream.fileno()).st_size)
         view, done = memoryview(data), 0
         while done < len(data):
