@@ -10,6 +10,7 @@ import math
 import socket
 import struct
 import time
+import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -454,9 +455,15 @@ def test_a_damaged_kl_divergence_base_is_refused_in_one_line(kld_base, tmp_path,
         name_length, extra_length = struct.unpack_from("<HH", data, info.header_offset + 26)
         data[info.header_offset + 30 + name_length + extra_length + 4] ^= 0x10  # in its deflated bytes
         damaged.write_bytes(data)
-    assert main(["perplexity", str(model), "--kl-divergence", "--kl-divergence-base", str(damaged)]) == 1
+    tracemalloc.start()
+    try:
+        assert main(["perplexity", str(model), "--kl-divergence", "--kl-divergence-base", str(damaged)]) == 1
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{damaged}: not a k3stream KL-divergence base file" in err, err
+    assert peak < 64 << 20  # the bomb's 200 MB of tokens is never made
 
 
 def test_a_fifo_a_folder_or_a_link_loop_among_snapshot_files_is_skipped(snapshot_files, caplog):
