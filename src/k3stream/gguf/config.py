@@ -76,8 +76,10 @@ class _Keys:
             return None
         number = not isinstance(value, bool) and isinstance(value, (int, float))
         if not number or not math.isfinite(value) or not low <= value <= high:
-            span = "" if (low, high) == (-math.inf, math.inf) else f" in {low}..{high}"
-            raise self.bad(key, f"a finite number{span}", value)
+            bounds = [
+                f"{sign} {bound}" for sign, bound in ((">=", low), ("<=", high)) if math.isfinite(bound)
+            ]
+            raise self.bad(key, " and ".join(["a finite number", *bounds]), value)
         return float(value)
 
     def flag(self, key: str, default: bool | None = None) -> bool:
