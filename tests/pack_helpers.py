@@ -157,22 +157,32 @@ def clear_test_cache(cache: Path = TEST_CACHE) -> None:
 
 
 def rewritten(
-    source: Path, dst: Path, shapes: dict[str, tuple[int, ...]] | None = None, drop: set[str] | None = None
+    source: Path,
+    dst: Path,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    drop: set[str] | None = None,
+    metadata: dict[str, tuple] | None = None,
+    extra: dict[str, np.ndarray] | None = None,
 ) -> Path:
-    """`source` rewritten (gguf's writer) with the tensors `shapes` names in the numpy shapes given and
-    without the tensors `drop` names."""
-    shapes, drop = shapes or {}, drop or set()
+    """`source` rewritten (gguf's writer) with the tensors `shapes` names in the numpy shapes given,
+    without the tensors `drop` names, the keys of `metadata` set to its `(value, GGUF type[, array
+    element type])` and the tensors of `extra` added."""
+    shapes, drop, metadata = shapes or {}, drop or set(), metadata or {}
     reader = GGUFReader(source)
     writer = GGUFWriter(dst, "kimi-k3")
     for key, field in reader.fields.items():
-        if not key.startswith("GGUF.") and key != "general.architecture":
+        if not key.startswith("GGUF.") and key != "general.architecture" and key not in metadata:
             sub_type = field.types[-1] if len(field.types) > 1 else None
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for key, (value, vtype, *sub_type) in metadata.items():
+        writer.add_key_value(key, value, vtype, sub_type=sub_type[0] if sub_type else None)
     for tensor in reader.tensors:
         if tensor.name not in drop:
             data = np.asarray(tensor.data)
             shape = shapes.get(tensor.name, data.shape)
             writer.add_tensor(tensor.name, data.reshape(shape), raw_dtype=tensor.tensor_type)
+    for name, values in (extra or {}).items():
+        writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

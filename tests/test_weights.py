@@ -169,9 +169,9 @@ def test_bad_ssm_a_in_a_real_file(tiny_model, tmp_path, values, message):
     with pytest.raises(ValueError) as excinfo:
         list(k3stream.nonexpert_weights(path))
     assert str(excinfo.value) == message
-    with pytest.raises(ValueError) as excinfo:  # the model reads ssm_a as is, and refuses it the same way
+    with pytest.raises(ValueError) as excinfo:  # the model reads ssm_a as is: the same, file and tensor named
         k3stream.load(path)
-    assert str(excinfo.value) == message
+    assert str(excinfo.value) == f"{path}: tensor blk.1.ssm_a: {message}"
 
 
 def test_integer_ssm_a_is_rejected():

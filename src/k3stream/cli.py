@@ -124,7 +124,9 @@ def _run(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE  # the shell's status of a process SIGPIPE ended, as `yes | head`
     except (ValueError, OSError, RuntimeError) as exc:  # OSError: missing files, permissions, a full disk
-        say(f"k3stream {args.command}: error: {exc}")
+        from k3stream.gguf.header import printable  # a name read from a file may hold a newline
+
+        say(f"k3stream {args.command}: error: {printable(str(exc))}")
         return 1
     except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status, not a traceback
         # a second Ctrl-C while the interpreter shuts down would kill it by the signal (status -2)

@@ -19,8 +19,8 @@ from k3stream.commands.flags import (
     add_parallel_arguments,
     add_sampling_arguments,
     cache_from_args,
-    process_escapes,
     sampling_params,
+    user_text,
     with_ends,
 )
 from k3stream.commands.report import report, statistics_lines, store_snapshot
@@ -174,8 +174,8 @@ def converse(session: ChatSession) -> None:
             session.reset()
         elif command:
             try:
-                text = process_escapes(line, "this message") if session.args.escape else line
-            except ValueError as bad:  # escapes that make no UTF-8 text: the conversation goes on
+                text = user_text(line, "this message", session.args.escape)
+            except ValueError as bad:  # a message that is no UTF-8 text: the conversation goes on
                 print(f"k3stream chat: {bad}", file=sys.stderr)
                 continue
             try:
@@ -187,8 +187,7 @@ def converse(session: ChatSession) -> None:
 def run(args: argparse.Namespace) -> int:
     from k3stream.commands.launch import parallel_runtime
 
-    if args.escape:  # llama-cli's default
-        args.stop = [process_escapes(stop, "--stop") for stop in args.stop]
+    args.stop = [user_text(stop, "--stop", args.escape) for stop in args.stop]
     params = sampling_params(args)  # bad flags fail before the model loads
     with parallel_runtime(args) as runtime:  # under torchrun: rank 0 converses, the others follow it
         if runtime is None:

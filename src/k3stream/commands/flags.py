@@ -335,6 +335,19 @@ ESCAPES = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"'": b"'", b'"': b'"', b"\\":
 ESCAPE_RE = re.compile(rb"\\(x[0-9A-Fa-f]{2}|.)", re.DOTALL)
 
 
+def user_text(text: str, flag: str, escape: bool) -> str:
+    """`text` as given (a flag, stdin, a typed message): its escapes replaced where `escape` (llama-cli's
+    default), and UTF-8 text either way, else a one-line error naming `flag` (bytes that are not UTF-8
+    reach Python's arguments and stdin as lone surrogates, which no tokenizer can encode)."""
+    if escape:
+        return process_escapes(text, flag)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{flag}: not UTF-8 text (character {exc.start})") from None
+    return text
+
+
 def process_escapes(text: str, flag: str) -> str:
     """`text` with llama-cli's escape sequences replaced (`\\n` a line break, `\\x41` the byte 0x41);
     a one-line error naming `flag` where the bytes they make are not UTF-8 text."""

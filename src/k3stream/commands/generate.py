@@ -14,11 +14,11 @@ from k3stream.commands.flags import (
     add_parallel_arguments,
     add_sampling_arguments,
     check_input_file,
-    process_escapes,
     prompt_ids,
     reached_tokens,
     sampling_params,
     size_context,
+    user_text,
     with_ends,
 )
 from k3stream.commands.report import report, statistics_lines, store_snapshot
@@ -71,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
     from k3stream.engine.tokenizer import Tokenizer
 
     text = prompt_text(args)
-    if args.escape:  # llama-cli's default, for the prompt however given and the stop strings
-        text = process_escapes(text, "--prompt" if args.file is None else "--file")
-        args.stop = [process_escapes(stop, "--stop") for stop in args.stop]
+    # llama-cli's escapes (its default), for the prompt however given and the stop strings
+    text = user_text(text, "--prompt" if args.file is None else "--file", args.escape)
+    args.stop = [user_text(stop, "--stop", args.escape) for stop in args.stop]
     args.chat = args.chat or args.system is not None or args.thinking  # they mean the chat template
     params = sampling_params(args)  # bad flags fail before the model loads
     opened = open_model(args.model, not args.no_stream_experts)

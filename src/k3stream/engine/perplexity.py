@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -270,7 +271,7 @@ class BaseFile:
                 raise ValueError("not a zip archive")
             arrays = {name: _read_member(archive, name) for name in _BASE_MEMBERS}
             base = cls._from_arrays(path, arrays, archive)
-        except (KeyError, ValueError, TypeError) as exc:
+        except (KeyError, ValueError, TypeError, *DAMAGED_ZIP) as exc:
             if archive is not None:
                 archive.close()
             raise ValueError(f"{path}: not a k3stream KL-divergence base file ({exc})") from None
@@ -280,6 +281,8 @@ class BaseFile:
     def _from_arrays(cls, path: Path, arrays: dict[str, np.ndarray], archive: zipfile.ZipFile) -> BaseFile:
         if str(arrays["format"]) != BASE_FORMAT:
             raise ValueError(f"format {str(arrays['format'])!r}, expected {BASE_FORMAT!r}")
+        if arrays["tokens"].dtype.kind not in "iu":
+            raise ValueError(f"tokens of dtype {arrays['tokens'].dtype}, not integers")
         ctx, tokens = int(arrays["ctx"]), arrays["tokens"].astype(np.int32)
         if ctx < 4 or tokens.ndim != 1 or len(tokens) % ctx:
             raise ValueError(f"ctx {ctx} does not divide its {len(tokens)} tokens")
@@ -344,7 +347,10 @@ class BaseFile:
                 raise ValueError(f"{self.path}: log_probs is {dtype} {shape}, rows do not match scale")
             row_bytes = 2 * self.n_vocab
             for _ in range(n_chunk):
-                data = member.read(per_chunk * row_bytes)
+                try:
+                    data = member.read(per_chunk * row_bytes)
+                except DAMAGED_ZIP as exc:
+                    raise ValueError(f"{self.path}: log_probs is damaged ({exc})") from None
                 if len(data) != per_chunk * row_bytes:
                     raise ValueError(f"{self.path}: log_probs ends early")
                 yield np.frombuffer(data, dtype="<u2").reshape(per_chunk, self.n_vocab)
@@ -364,9 +370,27 @@ def _npy_header(member: Any) -> tuple[tuple[int, ...], np.dtype]:
     return shape, dtype
 
 
+# what reading a zip member whose bytes were changed raises (a bad CRC, a broken deflate stream)
+DAMAGED_ZIP = (zipfile.BadZipFile, zlib.error, EOFError)
+# a member's array may take this many times its compressed bytes (deflate reaches ~1000x on zeros, a
+# few times on token ids and floats) or this many bytes: more is a zip bomb, refused before allocating
+MEMBER_RATIO, MEMBER_FLOOR = 256, 64 << 20
+
+
 def _read_member(archive: zipfile.ZipFile, name: str) -> np.ndarray:
-    with archive.open(f"{name}.npy") as member:
-        return np.lib.format.read_array(member, allow_pickle=False)
+    info = archive.getinfo(f"{name}.npy")
+    with archive.open(info) as member:
+        shape, dtype = _npy_header(member)
+        nbytes = math.prod(shape) * dtype.itemsize
+        allowed = max(MEMBER_FLOOR, MEMBER_RATIO * info.compress_size)
+        if nbytes > min(info.file_size, allowed):
+            raise ValueError(
+                f"{name} claims {nbytes} bytes of {dtype} {shape}; its member holds {info.file_size} "
+                f"({info.compress_size} compressed)"
+            )
+        if dtype.hasobject:
+            raise ValueError(f"{name} holds Python objects")
+        return np.frombuffer(member.read(nbytes), dtype=dtype, count=math.prod(shape)).reshape(shape)
 
 
 def check_base_matches(base: BaseFile, plan: ChunkPlan, n_vocab: int | None, source: str) -> None:

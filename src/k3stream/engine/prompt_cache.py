@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import stat
 import struct
 import threading
 import time
@@ -35,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 import torch
 import xxhash
@@ -1074,10 +1075,25 @@ def _size(parts: list[bytes | memoryview]) -> int:
     return sum(len(part) for part in parts)
 
 
+def open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading, or ValueError where it is no regular file: a FIFO's open waits for a
+    writer without end (here it does not wait), a device reads without end (the start's scan of a
+    folder, and a file given to import, take it)."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise ValueError("not a regular file")
+        os.set_blocking(descriptor, True)
+        return open(descriptor, "rb")
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
 def read_file(path: Path) -> bytearray:
     """A snapshot file's bytes, read into one buffer (the GIL released while the disk reads it; the
     tensors decoded from it share it, nothing is copied again)."""
-    with open(path, "rb", buffering=0) as stream:
+    with open(path, "rb", buffering=0) as stream:  # a file the start's scan found regular, or wrote
         data = bytearray(os.fstat(stream.fileno()).st_size)
         view, done = memoryview(data), 0
         while done < len(data):
@@ -1113,7 +1129,7 @@ def _checksum(data: bytes | memoryview) -> int:
 
 def read_checksum(path: Path) -> int:
     """A snapshot file's trailing checksum (its children name their parent by it)."""
-    with open(path, "rb") as stream:
+    with open_regular(path) as stream:
         stream.seek(0, os.SEEK_END)
         if stream.tell() < len(MAGIC) + 16:
             raise ValueError("not a k3stream snapshot")
@@ -1198,7 +1214,7 @@ def _tensors(snapshot: Snapshot, start: int) -> Iterator[torch.Tensor]:
 
 
 def read_header(path: Path, fingerprint: str) -> dict[str, Any]:
-    with open(path, "rb") as stream:
+    with open_regular(path) as stream:
         head = stream.read(len(MAGIC) + 8)
         if len(head) < len(MAGIC) + 8 or head[: len(MAGIC)] != MAGIC:
             raise ValueError("not a k3stream snapshot")
@@ -1218,8 +1234,8 @@ def _parse_header(raw: bytes, length: int) -> dict[str, Any]:
         raise ValueError(f"unreadable header ({error})") from None
     if not isinstance(header, dict) or not isinstance(tokens := header.get("tokens"), list):
         raise ValueError("header without token ids")
-    if not all(type(token) is int for token in tokens):
-        raise ValueError("header with token ids that are not integers")
+    if not all(type(token) is int and 0 <= token < 1 << 63 for token in tokens):  # a file name packs them
+        raise ValueError("header with token ids that are not integers in 0..2^63-1")
     layers = header.get("layers", [])
     if not isinstance(layers, list) or not all(map(_is_layer, layers)):
         raise ValueError("malformed layer list in the header")

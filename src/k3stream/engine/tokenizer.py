@@ -122,7 +122,11 @@ def _read_fields(metadata: Callable[[str, Any], Any], source: str) -> VocabField
     if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
         raise ValueError(f"{source}: metadata key tokenizer.ggml.tokens must be an array of strings")
     types = metadata("tokenizer.ggml.token_type", None)
-    token_types = [int(t) for t in types] if types is not None else [TOKEN_NORMAL] * len(tokens)
+    if types is not None and (
+        not isinstance(types, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in types)
+    ):
+        raise ValueError(f"{source}: metadata key tokenizer.ggml.token_type must be an array of integers")
+    token_types = list(types) if types is not None else [TOKEN_NORMAL] * len(tokens)
     if len(token_types) != len(tokens):
         raise ValueError(
             f"{source}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -65,12 +66,20 @@ class _Keys:
             raise self.bad(key, f"one value >= 1 for layers {layers.start}..{layers.stop - 1}", value)
         return used.pop()
 
-    def number(self, key: str, required: bool = True) -> float | None:
+    def number(
+        self, key: str, required: bool = True, low: float = -math.inf, high: float = math.inf
+    ) -> float | None:
+        """A finite number in `low..high`: a NaN or infinite hyperparameter would make every logit NaN
+        (or quietly change the model) with nothing naming the key."""
         value = self._raw(key, required)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.bad(key, "a number", value)
+        number = not isinstance(value, bool) and isinstance(value, (int, float))
+        if not number or not math.isfinite(value) or not low <= value <= high:
+            bounds = [
+                f"{sign} {bound}" for sign, bound in ((">=", low), ("<=", high)) if math.isfinite(bound)
+            ]
+            raise self.bad(key, " and ".join(["a finite number", *bounds]), value)
         return float(value)
 
     def flag(self, key: str, default: bool | None = None) -> bool:
@@ -157,7 +166,7 @@ class K3Config:
             dense_ff=keys.per_layer("feed_forward_length", n_layers, range(min(n_dense, n_layers))),
             n_heads=keys.per_layer("attention.head_count", n_layers, range(n_layers)),
             head_count_kv=keys.layer_flags("attention.head_count_kv", n_layers),
-            rms_eps=keys.number("attention.layer_norm_rms_epsilon"),
+            rms_eps=keys.number("attention.layer_norm_rms_epsilon", low=0.0),
             q_lora=keys.integer("attention.q_lora_rank", required=False),
             kv_lora=keys.integer("attention.kv_lora_rank"),
             qk_nope=key_length_mla - qk_rope,
@@ -165,7 +174,8 @@ class K3Config:
             v_head_dim=keys.integer("attention.value_length_mla"),
             conv_kernel=keys.integer("ssm.conv_kernel"),
             kda_head_dim=keys.integer("kda.head_dim"),
-            gate_lower_bound=keys.number("kda.gate_lower_bound", required=False),
+            # the log-space decay's bound: above 0 a KDA state grows without bound
+            gate_lower_bound=keys.number("kda.gate_lower_bound", required=False, high=0.0),
             n_experts=keys.integer("expert_count"),
             top_k=keys.integer("expert_used_count"),
             expert_ff=keys.integer("expert_feed_forward_length"),
@@ -177,7 +187,7 @@ class K3Config:
             weights_norm=keys.flag("expert_weights_norm", default=False),
             gating_func=keys.integer("expert_gating_func"),
             situ_beta=keys.number("activation.situ_beta"),
-            situ_linear_beta=keys.number("activation.situ_linear_beta"),
+            situ_linear_beta=keys.number("activation.situ_linear_beta", low=0.0),  # 0: no tanh on up
             block_size=keys.integer("attn_res.block_size"),
         )
         config._check_consistency(keys)
@@ -196,6 +206,8 @@ class K3Config:
             raise keys.bad("expert_used_count", f"<= expert_count ({self.n_experts})", self.top_k)
         if self.n_dense > self.n_layers:
             raise keys.bad("leading_dense_block_count", f"<= block_count ({self.n_layers})", self.n_dense)
+        if self.situ_beta <= 0:  # situ divides the gate by it
+            raise keys.bad("activation.situ_beta", "a number > 0", self.situ_beta)
         if self.gating_func != 2:
             raise keys.bad("expert_gating_func", "2 (sigmoid)", self.gating_func)
 

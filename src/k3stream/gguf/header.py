@@ -42,6 +42,18 @@ STRING, ARRAY = 8, 9
 MAX_FILE = 1 << 50  # a file claiming more (1 PiB) is crafted, not cut short
 
 
+def printable(text: str) -> str:
+    """`text` with each character that is not printable (a newline, a control byte) as its escape: a
+    name read from a file, shown in a one-line message, stays one line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def _name(raw: bytes) -> str:
+    return printable(raw.decode("utf-8", "replace"))
+
+
 class GGUFHeaderError(ValueError):
     """A GGUF header whose counts, lengths or offsets its file cannot hold."""
 
@@ -142,7 +154,7 @@ def _metadata(cursor: _Cursor, kv_count: int) -> int:
     """Walk the key/value pairs; returns general.alignment."""
     alignment = DEFAULT_ALIGNMENT
     for index in range(kv_count):
-        key = cursor.string(f"metadata key {index}", MAX_KEY_BYTES).decode("utf-8", "replace")
+        key = _name(cursor.string(f"metadata key {index}", MAX_KEY_BYTES))
         vtype = cursor.take("I", f"value type of {key}")
         value = _value(cursor, vtype, key)
         if key == "general.alignment":
@@ -156,7 +168,7 @@ def _tensor_infos(cursor: _Cursor, tensor_count: int) -> list[tuple[str, int, in
     """(name, ggml type, element count, offset, first dimension) of each tensor info."""
     infos = []
     for index in range(tensor_count):
-        name = cursor.string(f"name of tensor {index}", MAX_NAME_BYTES).decode("utf-8", "replace")
+        name = _name(cursor.string(f"name of tensor {index}", MAX_NAME_BYTES))
         n_dims = cursor.take("I", f"dimension count of tensor {name}")
         if not 1 <= n_dims <= MAX_DIMS:
             raise cursor.fail(f"tensor {name} has {n_dims} dimensions (1..{MAX_DIMS})")

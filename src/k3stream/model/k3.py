@@ -316,9 +316,12 @@ def _rows_at(rows: Rows, kept: list[int]) -> Rows:
 class _Weights:
     """The non-expert tensors by GGUF name (`gguf.layout`'s table), on the model's device."""
 
-    def __init__(self, tensors: Mapping[str, GGUFTensor], options: LoadOptions, device: torch.device) -> None:
+    def __init__(
+        self, tensors: Mapping[str, GGUFTensor], options: LoadOptions, device: torch.device, source: str
+    ) -> None:
         self.tensors = {name: replace(t, value=t.value.to(device)) for name, t in tensors.items()}
         self.options = options
+        self.source = source  # the file, named in a refused tensor's message
         self.used: set[str] = set()
 
     def has(self, name: str) -> bool:
@@ -340,8 +343,12 @@ class _Weights:
         return self.vector(name)
 
     def decay(self, name: str) -> torch.Tensor:
-        """KDA's `ssm_a` as stored (-exp(A_log)), checked as sglang's loader checks it."""
-        check_ssm_a(self.tensors[name].value)
+        """KDA's `ssm_a` as stored (-exp(A_log)), checked as sglang's loader checks it (its message,
+        after the file and the tensor)."""
+        try:
+            check_ssm_a(self.tensors[name].value)
+        except ValueError as exc:
+            raise ValueError(f"{self.source}: tensor {name}: {exc}") from None
         return self.vector(name)
 
     def check_all_used(self) -> None:
@@ -540,7 +547,7 @@ def build(
     On the reference path float tensors are used as given, so weights that require grad give a model
     autograd can train (`k3stream.train` builds its model this way)."""
     device = torch.device(options.device)
-    w = _Weights(tensors, options, device)
+    w = _Weights(tensors, options, device, cfg.source)
     model = K3Model(
         config=cfg,
         embedding=Embedding(w.tensor("token_embd.weight"), cfg.hidden, options),

@@ -57,10 +57,19 @@ def sorted_shards(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     shards = field(manifest, "source", "shards")
     check_types(shards, MANIFEST_TYPES["source"]["shards"], "source.shards")  # callers may skip read_manifest
     for position, shard in enumerate(shards):
-        for key in ("index", "path"):
-            if key not in shard:
-                raise ValueError(f"Kimi manifest field is missing: source.shards[{position}].{key}")
+        _require(shard, SHARD_KEYS, f"source.shards[{position}]")
     return sorted(shards, key=lambda shard: shard["index"])
+
+
+# the keys of each `source.shards` and `source.tensors` record the checks read
+SHARD_KEYS = ("index", "path", "size", "metadata_nbytes", "metadata_sha256")
+TENSOR_KEYS = ("name", "shard_index", "dtype")
+
+
+def _require(record: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+    for key in keys:
+        if key not in record:
+            raise ValueError(f"Kimi manifest field is missing: {where}.{key}")
 
 
 def first_shard_path(manifest: dict[str, Any], manifest_path: Path) -> Path:
@@ -109,7 +118,8 @@ def checked_shards(
     """
     manifest_path = Path(manifest_path)
     records_by_shard: dict[int, list[dict]] = {}
-    for record in field(manifest, "source", "tensors"):
+    for position, record in enumerate(field(manifest, "source", "tensors")):
+        _require(record, TENSOR_KEYS, f"source.tensors[{position}]")
         records_by_shard.setdefault(int(record["shard_index"]), []).append(record)
     result = []
     for shard, path in present_shards(manifest, manifest_path):
