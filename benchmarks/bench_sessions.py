@@ -960,6 +960,7 @@ class ThreadClocks:
     def __init__(self) -> None:
         self._files: dict[tuple[int, int], int] = {}
         self._last: dict[tuple[int, int], tuple[int, int]] = {}  # what an ended thread ran
+        self._groups: dict[tuple[int, int], int] = {}  # each thread's group when first seen
 
     def line(self, ends: bool) -> str:
         """`threads AT ENDS` and each group's seconds run and waited; `ends`: a pass and its step end."""
@@ -968,8 +969,10 @@ class ThreadClocks:
         python = {thread.native_id for thread in threading.enumerate()}
         me, sums = threading.get_native_id(), [0.0] * (2 * len(THREAD_GROUPS))
         for pid in (os.getpid(), os.getppid()):
-            for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+            ended = {tid for known, tid in self._last if known == pid}  # their last times still count
+            for tid in set(map(int, os.listdir(f"/proc/{pid}/task"))) | ended:
                 group = 3 if pid != os.getpid() else 0 if tid == me else 2 if tid in python else 1
+                group = self._groups.setdefault((pid, tid), group)
                 run, wait = self._read(pid, tid)
                 sums[2 * group] += run / 1e9
                 sums[2 * group + 1] += wait / 1e9
