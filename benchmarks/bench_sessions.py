@@ -876,7 +876,8 @@ def stream_beside(
             streamer.join()
         found = _read_trace(trace)
     passes, steps = found["pass"], found["step"]
-    during = [(at, cpu) for at, cpu in steps if begin <= at <= end + 0.5]
+    # until the stream's first chunk after the long prompt, before the chunk-sized prompts beside it
+    during = [(at, cpu) for at, cpu in steps if begin <= at <= beside_from]
     lines = [(at, *times) for at, ends, *times in found["threads"]]  # ends: a pass and its step
     ends = [line[1] for line in found["threads"]]
     spans = [
@@ -885,8 +886,8 @@ def stream_beside(
         if not a_ends and b_ends and begin <= a[0] <= end
     ]
     return Stall(
-        _gaps(arrivals, begin, end) or [0.0],
-        _gaps([at for (at,) in found["sent"]], begin, end) or [0.0],
+        _gaps(arrivals, begin, beside_from) or [0.0],
+        _gaps([at for (at,) in found["sent"]], begin, beside_from) or [0.0],
         prefill_s,
         [took for at, took, *_ in passes if begin <= at <= end],
         [cpu for at, _, cpu, *_ in passes if begin <= at <= end],
@@ -894,7 +895,7 @@ def stream_beside(
         [b[1] - a[1] for a, b in zip(during, during[1:], strict=False)] or [0.0],
         max((p for p in passes if begin <= p[0] <= end), key=lambda p: p[1], default=(0.0,) * 5)[1:],
         [(int(blocked), int(preempted)) for at, _, _, blocked, preempted, *_ in passes if begin <= at <= end],
-        [(took, int(kind)) for at, took, kind in found["gc"] if begin <= at <= end + 0.5],
+        [(took, int(kind)) for at, took, kind in found["gc"] if begin <= at <= beside_from],
         _thread_times(max(spans, key=lambda span: span[1][0] - span[0][0], default=None)),
         min((took for at, took, *_ in passes if lone_from <= at <= lone_to), default=0.0),
         [took for at, took, *_ in passes if beside_from <= at <= beside_to] if streaming else [],
@@ -946,8 +947,8 @@ class Stall:
     beside_passes: list[float]
 
 
-def _gaps(times: list[float], begin: float, end: float) -> list[float]:
-    return [b - a for a, b in zip(times, times[1:], strict=False) if begin <= b <= end + 0.5]
+def _gaps(times: list[float], begin: float, until: float) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:], strict=False) if begin <= b <= until]
 
 
 class ThreadClocks:
