@@ -44,11 +44,13 @@ cgroup's peak memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
 import os
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -714,7 +716,9 @@ def stalls(args) -> None:
                 f"{max(stall.gaps) / one:.2f}x, {max(stall.sent_gaps) / one:.2f}x and "
                 f"{max(stall.steps) / one:.2f}x one chunk alone; {max(stall.gaps) / typical:.2f}x, "
                 f"{max(stall.sent_gaps) / typical:.2f}x and {max(stall.steps) / typical:.2f}x the median "
-                f"pass; the long prompt's TTFT {stall.prefill_s:.2f} s" + _against_lone(stall)
+                f"pass; the long prompt's TTFT {stall.prefill_s:.2f} s"
+                + _against_beside(stall)
+                + _against_lone(stall)
             )
             print(f"  {'':>28}  {_longest_pass(stall, one_cpu)}")
         print(
@@ -726,8 +730,19 @@ def stalls(args) -> None:
 
 
 def _lone_chunks(generator: torch.Generator, tokens: int) -> list[list[int]]:
-    """Three prompts of `tokens` random ids (none shares a prefix with the long prompt to restore)."""
-    return [torch.randint(10, 500, (tokens,), generator=generator).tolist() for _ in range(3)]
+    """Six prompts of `tokens` random ids (none shares a prefix with the long prompt to restore)."""
+    return [torch.randint(10, 500, (tokens,), generator=generator).tolist() for _ in range(6)]
+
+
+def _against_beside(stall: Stall) -> str:
+    """The stream's longest gap at the client against one chunk's pass beside the stream in the same
+    server (the median of the chunk prompts' passes after the long prompt): what one chunk costs where
+    the long prompt's chunks ran."""
+    if not stall.beside_passes:
+        return ""
+    one = sorted(stall.beside_passes)[len(stall.beside_passes) // 2]
+    spread = ", ".join(f"{1e3 * took:.1f}" for took in sorted(stall.beside_passes))
+    return f"; {max(stall.gaps) / one:.2f}x one chunk's pass beside the stream ({spread} ms: the median)"
 
 
 def _against_lone(stall: Stall) -> str:
@@ -745,12 +760,16 @@ def _longest_pass(stall: Stall, one_cpu: float) -> str:
     """The run's longest pass (its chunks, wall and CPU time), the scheduler thread's most CPU time
     between two decode steps (what other processes on the machine hardly change) against one chunk's
     alone, and the collections the server ran."""
-    wall, cpu, *spans = stall.longest
+    wall, cpu, blocked, preempted, *spans = stall.longest
     chunks = ", ".join(f"{int(a)}..{int(b)}" for a, b in zip(spans[::2], spans[1::2], strict=True))
     full = [took for took, generation in stall.collections if generation == 2]
+    blocks, preemptions = sorted(b for b, _ in stall.switches), sorted(p for _, p in stall.switches)
+    typical = [counts[len(counts) // 2] if counts else 0 for counts in (blocks, preemptions)]
     return (
         f"longest pass: positions {chunks or '-'}, {1e3 * wall:.1f} ms ({1e3 * cpu:.1f} ms the "
-        f"scheduler thread's CPU); its CPU between decode steps at most {1e3 * max(stall.step_cpu):.1f} "
+        f"scheduler thread's CPU; it blocked {int(blocked)} times and was preempted {int(preempted)}, "
+        f"in the median pass {typical[0]} and {typical[1]}); its CPU between decode steps at most "
+        f"{1e3 * max(stall.step_cpu):.1f} "
         f"ms, {max(stall.step_cpu) / one_cpu:.2f}x one chunk's alone; the server's collections "
         f"meanwhile {len(stall.collections)}, the longest "
         f"{1e3 * max((t for t, _ in stall.collections), default=0):.1f} ms, {len(full)} full"
@@ -797,9 +816,11 @@ def stream_beside(
 ) -> Stall:
     """A streamed completion while `long_prompt` is prefilled, as users see it: `k3stream serve` in its
     own process (prompt cache on, its default), the clients in this one. The stream's gaps at the
-    client, and the scheduler's passes and decode steps from a trace the server writes. First each of
-    `lone_chunks` (prompts of one chunk's tokens, other ids than `long_prompt`'s: the same work as its
-    first chunk, nothing to restore) alone: one chunk's pass in the server."""
+    client, and the scheduler's passes and decode steps from a trace the server writes. `lone_chunks`
+    are prompts of one chunk's tokens (other ids than `long_prompt`'s and each other's: the same work as
+    its first chunk, nothing to restore): the first half alone before the stream starts (one chunk's
+    pass in the server), the second half one at a time beside the stream once the long prompt is done
+    (one chunk's pass as the long prompt's passes ran: the same server, threads and stream beside)."""
     import threading
 
     import openai
@@ -819,20 +840,23 @@ def stream_beside(
         with ServerProcess(path, *serve_args, launcher=launcher, log_path=log) as server:
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
             name = client.models.list().data[0].id
+            alone, beside = lone_chunks[: len(lone_chunks) // 2], lone_chunks[len(lone_chunks) // 2 :]
             lone_from = time.perf_counter()
-            for prompt in lone_chunks:
+            for prompt in alone:
                 client.completions.create(model=name, prompt=prompt, max_tokens=1, temperature=0)
             lone_to = time.perf_counter()
-            started = threading.Event()
+            started, streams = threading.Event(), []
 
             def stream() -> None:
                 chunks = client.completions.create(
-                    model=name, prompt="Once upon a time", max_tokens=3000, temperature=0, stream=True,
+                    model=name, prompt="Once upon a time", max_tokens=6000, temperature=0, stream=True,
                     logit_bias=LETTERS, extra_body={"ignore_eos": True},
                 )  # fmt: skip
-                for _ in chunks:
-                    arrivals.append(time.perf_counter())
-                    started.set()
+                streams.append(chunks)
+                with contextlib.suppress(Exception):  # closed by the main thread once it is done
+                    for _ in chunks:
+                        arrivals.append(time.perf_counter())
+                        started.set()
 
             streamer = threading.Thread(target=stream)
             streamer.start()
@@ -841,10 +865,19 @@ def stream_beside(
             begin = time.perf_counter()
             client.completions.create(model=name, prompt=long_prompt, max_tokens=1, temperature=0)
             prefill_s, end = time.perf_counter() - begin, time.perf_counter()
+            while arrivals[-1] <= end and streamer.is_alive():  # its chunk after the long prompt's
+                time.sleep(0.01)
+            beside_from = time.perf_counter()
+            for prompt in beside:
+                client.completions.create(model=name, prompt=prompt, max_tokens=1, temperature=0)
+            beside_to = time.perf_counter()
+            streaming = streamer.is_alive()
+            streams[0].close()
             streamer.join()
         found = _read_trace(trace)
     passes, steps = found["pass"], found["step"]
-    during = [(at, cpu) for at, cpu in steps if begin <= at <= end + 0.5]
+    # until the stream's first chunk after the long prompt, before the chunk-sized prompts beside it
+    during = [(at, cpu) for at, cpu in steps if begin <= at <= beside_from]
     lines = [(at, *times) for at, ends, *times in found["threads"]]  # ends: a pass and its step
     ends = [line[1] for line in found["threads"]]
     spans = [
@@ -853,17 +886,19 @@ def stream_beside(
         if not a_ends and b_ends and begin <= a[0] <= end
     ]
     return Stall(
-        _gaps(arrivals, begin, end) or [0.0],
-        _gaps([at for (at,) in found["sent"]], begin, end) or [0.0],
+        _gaps(arrivals, begin, beside_from) or [0.0],
+        _gaps([at for (at,) in found["sent"]], begin, beside_from) or [0.0],
         prefill_s,
         [took for at, took, *_ in passes if begin <= at <= end],
         [cpu for at, _, cpu, *_ in passes if begin <= at <= end],
         [b[0] - a[0] for a, b in zip(during, during[1:], strict=False)] or [0.0],
         [b[1] - a[1] for a, b in zip(during, during[1:], strict=False)] or [0.0],
-        max((p for p in passes if begin <= p[0] <= end), key=lambda p: p[1], default=(0.0,) * 3)[1:],
-        [(took, int(kind)) for at, took, kind in found["gc"] if begin <= at <= end + 0.5],
+        max((p for p in passes if begin <= p[0] <= end), key=lambda p: p[1], default=(0.0,) * 5)[1:],
+        [(int(blocked), int(preempted)) for at, _, _, blocked, preempted, *_ in passes if begin <= at <= end],
+        [(took, int(kind)) for at, took, kind in found["gc"] if begin <= at <= beside_from],
         _thread_times(max(spans, key=lambda span: span[1][0] - span[0][0], default=None)),
         min((took for at, took, *_ in passes if lone_from <= at <= lone_to), default=0.0),
+        [took for at, took, *_ in passes if beside_from <= at <= beside_to] if streaming else [],
     )
 
 
@@ -899,16 +934,21 @@ class Stall:
     pass_cpu: list[float]  # the CPU time of each
     steps: list[float]  # wall time between the scheduler's decode steps (the stream's tokens)
     step_cpu: list[float]  # the scheduler thread's CPU time between them
-    longest: tuple[float, ...]  # the longest pass: wall, CPU, and each prompt's chunk (start, end)
+    # the longest pass: wall, CPU, the scheduler thread's switches (`_switches`), each prompt's chunk
+    longest: tuple[float, ...]
+    switches: list[tuple[int, int]]  # each pass's switches of the scheduler thread (`_switches`)
     collections: list[tuple[float, int]]  # the server's garbage collections then: time, generation
     # where the CPU went from the start of the pass before the stream's longest wait in the scheduler to
     # its next decode step: per group of threads (`THREAD_GROUPS`), ms run and ms waited for a CPU
     longest_threads: dict[str, tuple[float, float]]
     lone_pass: float  # the least wall time of the server's pass of a chunk's prompt alone (0: none sent)
+    # the wall time of each pass of a chunk's prompt beside the stream, after the long prompt (none where
+    # the stream had ended)
+    beside_passes: list[float]
 
 
-def _gaps(times: list[float], begin: float, end: float) -> list[float]:
-    return [b - a for a, b in zip(times, times[1:], strict=False) if begin <= b <= end + 0.5]
+def _gaps(times: list[float], begin: float, until: float) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:], strict=False) if begin <= b <= until]
 
 
 class ThreadClocks:
@@ -921,6 +961,7 @@ class ThreadClocks:
     def __init__(self) -> None:
         self._files: dict[tuple[int, int], int] = {}
         self._last: dict[tuple[int, int], tuple[int, int]] = {}  # what an ended thread ran
+        self._groups: dict[tuple[int, int], int] = {}  # each thread's group when first seen
 
     def line(self, ends: bool) -> str:
         """`threads AT ENDS` and each group's seconds run and waited; `ends`: a pass and its step end."""
@@ -929,8 +970,10 @@ class ThreadClocks:
         python = {thread.native_id for thread in threading.enumerate()}
         me, sums = threading.get_native_id(), [0.0] * (2 * len(THREAD_GROUPS))
         for pid in (os.getpid(), os.getppid()):
-            for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+            ended = {tid for known, tid in self._last if known == pid}  # their last times still count
+            for tid in set(map(int, os.listdir(f"/proc/{pid}/task"))) | ended:
                 group = 3 if pid != os.getpid() else 0 if tid == me else 2 if tid in python else 1
+                group = self._groups.setdefault((pid, tid), group)
                 run, wait = self._read(pid, tid)
                 sums[2 * group] += run / 1e9
                 sums[2 * group + 1] += wait / 1e9
@@ -948,8 +991,9 @@ class ThreadClocks:
 
 
 def timed_serve(trace: str, serve_argv: list[str]) -> int:
-    """`k3stream serve` with its scheduler's prefill passes (`pass START WALL CPU` and each prompt's
-    chunk `FROM TO`), decode steps (`step END CPU`), the streamed chunks its responses send (`sent AT`)
+    """`k3stream serve` with its scheduler's prefill passes (`pass START WALL CPU BLOCKED PREEMPTED`, the
+    scheduler thread's switches in it: `_switches`; and each prompt's chunk `FROM TO`), decode steps
+    (`step END CPU`), the streamed chunks its responses send (`sent AT`)
     and the process's garbage collections (`gc START WALL GENERATION`) written to `trace` as they
     happen: perf_counter (the system's monotonic clock, the
     same in every process) and the scheduler thread's CPU clock (on one torch thread, the time of the
@@ -965,11 +1009,12 @@ def timed_serve(trace: str, serve_argv: list[str]) -> int:
     def timed_pass(prefills, chunks) -> None:
         out.write(clocks.line(ends=False))
         pending[:] = [True]
-        start, cpu = time.perf_counter(), time.thread_time()
+        start, cpu, switches = time.perf_counter(), time.thread_time(), _switches()
         spans = [(prefill.position, prefill.next_end(chunks)) for prefill in prefills]
         real_pass(prefills, chunks)
+        blocked, preempted = (b - a for a, b in zip(switches, _switches(), strict=True))
         out.write(f"pass {start} {time.perf_counter() - start} {time.thread_time() - cpu}")
-        out.write("".join(f" {a} {b}" for a, b in spans) + "\n")
+        out.write(f" {blocked} {preempted}" + "".join(f" {a} {b}" for a, b in spans) + "\n")
 
     def timed_gc(phase: str, info: dict) -> None:
         if phase == "start":
@@ -996,6 +1041,13 @@ def timed_serve(trace: str, serve_argv: list[str]) -> int:
     scheduler.step_together, scheduler.Scheduler._decode_step = timed_pass, timed_step
     real_chunk, app._sse_data = app._sse_data, timed_chunk
     return cli.main(serve_argv)
+
+
+def _switches() -> tuple[int, int]:
+    """The calling thread's context switches so far: voluntary (it blocked: on an OpenMP barrier whose
+    other thread was late, or on the GIL) and involuntary (another thread took its CPU)."""
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return usage.ru_nvcsw, usage.ru_nivcsw
 
 
 def _read_trace(trace: Path) -> dict[str, list[tuple[float, ...]]]:

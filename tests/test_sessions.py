@@ -391,6 +391,90 @@ def test_prompts_that_arrive_together_at_an_idle_server_take_passes_within_the_p
     _assert_each_answers_as_alone(jobs, prompts, model, tokenizer)
 
 
+def test_a_running_stream_waits_at_most_one_chunk_between_its_tokens(model, tokenizer):
+    """Beside a running stream, two long prompts prefill in chunks of equal work: between two decode
+    steps of the stream the scheduler runs at most one prefill pass, whose work (its rows and the rows
+    they attend over, `PrefillChunks.cost`, each prompt's chunk added) is at most one chunk's, so the
+    stream waits about one chunk per token whatever the prompts' lengths. Each answer is its prompt's
+    alone."""
+    import asyncio
+
+    from k3stream.engine.generate import Sequence
+    from k3stream.engine.prompt_cache import attention_rows_per_token
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import EventSink, Job, Scheduler
+
+    generator = torch.Generator().manual_seed(36)
+    prompts = [torch.randint(10, 500, (length,), generator=generator).tolist() for length in (480, 360)]
+    recorded = _RecordedCalls(model)
+    cache = PromptCache(model, "beside", 64 * MIB, every=1 << 20)
+    rows = attention_rows_per_token(model.config)
+    scheduler = Scheduler(
+        recorded,
+        ServerMetrics(),
+        max_batch=3,
+        max_queue=3,
+        cache=cache,
+        prefill_chunk=32,
+        attention_rows=rows,
+    )
+    loop = asyncio.new_event_loop()
+    stream = Job(tokenizer.encode("a stream"), _Greedy(1 << 20), EventSink(loop))
+    jobs = [Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in prompts]
+    scheduler.start()
+    try:
+        scheduler.submit(stream)
+        wait_until(lambda: len(stream.generated) > 1, "the stream decodes")
+        start = len(recorded.calls)
+        for job in jobs:
+            scheduler.submit(job)
+        wait_until(lambda: all(job.logic.finish_reason is not None for job in jobs), "the prompts finish")
+    finally:
+        stream.cancel()
+        scheduler.stop()
+        loop.close()
+        cache.close()
+    calls = recorded.calls[start:]
+    passes_between, passes = [0], []
+    for kind, spans in calls:
+        if kind == "decode":
+            passes_between.append(0)
+        else:
+            passes_between[-1] += 1
+            passes.append(sum(scheduler.chunks.cost(begin, end) for begin, end in spans))
+    assert len(passes) >= 2 * len(prompts) and max(passes_between) == 1
+    assert max(passes) <= scheduler.chunks.budget * (1 + 1e-9)
+    _assert_each_answers_as_alone(jobs, prompts, model, tokenizer)
+
+
+class _RecordedCalls:
+    """The model with its prefill passes and decode steps recorded in order: `("pass", spans)` with each
+    prompt's positions `(start, end)`, `("decode", sequences)`."""
+
+    def __init__(self, model) -> None:
+        self.model, self.calls = model, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def prefill_last(self, state, tokens):
+        tokens = list(tokens)
+        self.calls.append(("pass", [(state.length, state.length + len(tokens))]))
+        return self.model.prefill_last(state, tokens)
+
+    def prefill_batch(self, states, token_lists):
+        spans = [
+            (state.length, state.length + len(tokens))
+            for state, tokens in zip(states, token_lists, strict=True)
+        ]
+        self.calls.append(("pass", spans))
+        return self.model.prefill_batch(states, token_lists)
+
+    def decode_batch(self, states, tokens):
+        self.calls.append(("decode", len(states)))
+        return self.model.decode_batch(states, tokens)
+
+
 def _assert_each_answers_as_alone(jobs, prompts, model, tokenizer) -> None:
     """Each job's greedy answer equals its prompt's generated alone."""
     for job, ids in zip(jobs, prompts, strict=True):
