@@ -250,6 +250,38 @@ def test_bodies_that_are_no_json_object_get_400(server, body):
     assert post(server + "/v1/completions", json.dumps(BODIES["/v1/completions"]).encode()).status_code == 200
 
 
+def consts(count: int) -> dict:
+    """A schema of `count` alternatives, 2 x count + 2 JSON values: llguidance's compile grows with them."""
+    return {"anyOf": [{"const": f"v{k}"} for k in range(count)]}
+
+
+@pytest.mark.parametrize(
+    ("field", "schemas", "param"),
+    [
+        ("response_format", [consts(10_000)], "response_format.json_schema.schema"),
+        ("tools", [consts(10_000)], "tools.0.function.parameters"),
+        ("tools", [{"type": "object", **consts(6_000)}] * 6, "tools"),
+    ],
+)
+def test_a_schema_too_large_to_compile_quickly_is_refused_by_name(server, field, schemas, param):
+    if field == "response_format":
+        body = {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schemas[0]}}
+        }
+    else:
+        tools = [
+            {"type": "function", "function": {"name": f"f{k}", "parameters": schema}}
+            for k, schema in enumerate(schemas)
+        ]
+        body = {"tools": tools, "tool_choice": "required"}
+    response = post(
+        server + "/v1/chat/completions", json.dumps({**BODIES["/v1/chat/completions"], **body}).encode()
+    )
+    assert response.status_code == 400, response.text[:300]
+    assert response.json()["error"]["param"] == param
+    assert "at most" in response.json()["error"]["message"]
+
+
 def test_a_content_length_larger_than_any_body_is_refused_at_once(server):
     host, port = server.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as connection:

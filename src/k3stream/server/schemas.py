@@ -71,6 +71,12 @@ Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES), Integral, null_is(1)]
 Switch = Annotated[bool, null_is(False)]  # a boolean that is off unless true
 # stop strings per request: OpenAI allows 4, llama-server and vLLM any number (each is matched apart)
 MAX_STOPS = 16
+# JSON values (keywords, subschemas, enum members) one schema holds: llguidance compiles a schema in time
+# that grows with them (about 0.4 ms an `anyOf` branch: 20,000 took 8 s of one core), and OpenAI's
+# structured outputs take at most 5,000 properties and 1,000 enum values; a request's tools, compiled as
+# one grammar, may hold four times as many in all (agents declare hundreds of small tools)
+MAX_SCHEMA_VALUES = 1 << 14
+MAX_TOOLS_SCHEMA_VALUES = 4 * MAX_SCHEMA_VALUES
 
 
 def _empty(value: Any) -> bool:
@@ -492,6 +498,8 @@ class ChatCompletionRequest(SamplingFields):
             raise invalid_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
         for index, tool in enumerate(self.tools or []):
             check_json_schema(tool.function.schema_or_empty(), f"tools.{index}.function.parameters")
+        values = sum(schema_values(tool.function.schema_or_empty()) for tool in self.tools or [])
+        check_schema_values(values, MAX_TOOLS_SCHEMA_VALUES, "the tools' parameter schemas", "tools")
         names = [tool.function.name for tool in self.tools or []]
         duplicate = next((name for name in names if names.count(name) > 1), None)
         if duplicate is not None:
@@ -618,11 +626,33 @@ def check_stops(stops: list[str], param: str) -> None:
         raise invalid_request(f"{param}: sequences must not be empty", param=param)
 
 
+def schema_values(schema: Any) -> int:
+    """How many JSON values `schema` holds (objects, arrays and scalars, itself included), counted without
+    recursion: a body may nest thousands deep."""
+    count, pending = 0, [schema]
+    while pending:
+        value = pending.pop()
+        count += 1
+        if isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return count
+
+
+def check_schema_values(values: int, limit: int, what: str, param: str) -> None:
+    """A 400 naming `param` where `what` holds more than `limit` JSON values."""
+    if values > limit:
+        raise invalid_request(f"{param}: {what} hold {values} JSON values, at most {limit}", param=param)
+
+
 def check_json_schema(schema: dict[str, Any], param: str) -> None:
-    """A 400 naming `param` unless `schema` is a valid JSON Schema (draft 2020-12)."""
+    """A 400 naming `param` unless `schema` is a valid JSON Schema (draft 2020-12) of at most
+    MAX_SCHEMA_VALUES values."""
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
 
+    check_schema_values(schema_values(schema), MAX_SCHEMA_VALUES, "the schema's keywords and values", param)
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
