@@ -684,3 +684,29 @@ def test_a_streamed_pass_and_decode_stay_inside_their_plan_and_near_it(tiny_mode
     assert stats["pack_reads"] > store.max_experts_per_fetch  # the experts streamed through the budget
     made = stats["buffers_made"] + stats["buffers_prefaulted"]
     assert made <= store.max_experts_per_fetch, stats
+
+
+def test_experts_read_from_the_gguf_come_within_the_expert_budget(tiny_model):
+    """Routed experts that do not all fit the budget are read from the GGUF at each fetch, a fetch at
+    most the budget's bytes of them: a 256-row prefill that routes to most of 256 experts a layer (70
+    MiB a layer) under a budget of two top-k working sets takes at most the plan's working buffers and
+    that budget (a fetch of the step's experts at once took a layer's)."""
+    import torch
+
+    import k3stream
+    from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.memlimit import ServedShape, model_needs, pin_malloc_mmap_threshold
+    from k3stream.model.options import LoadOptions
+    from memory_peak import peak_above
+
+    shape = dict(PRODUCTS_HEAVY, n_layers=3, n_experts=256)
+    path = tiny_model(recipe="audited", context_length=4096, **shape)
+    needs = model_needs(K3Checkpoint.open(path), ServedShape(ctx=256))
+    budget = 2 * needs.working_set
+    pin_malloc_mmap_threshold()
+    model = k3stream.load(path, LoadOptions(expert_ram_mib=budget / MIB))
+    assert model.expert_source.max_experts_per_fetch == 2 * shape["top_k"]
+    prompt = torch.randint(0, model.config.vocab_size, (256,), generator=torch.Generator().manual_seed(0))
+    model.prefill_last(model.new_state(), prompt.tolist())  # the process's first large forward
+    peak = peak_above(lambda: model.prefill_last(model.new_state(), prompt.tolist()))
+    assert 0 < peak <= needs.working_bytes + budget, (peak / MIB, needs.working_bytes / MIB, budget / MIB)
