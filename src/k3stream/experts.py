@@ -26,8 +26,9 @@ MIN_GROUP_PAIRS = 1024
 
 
 def group_pairs(rows: int, top_k: int) -> int:
-    """The most (row, expert) pairs one group of a step of `rows` rows computes at once when its experts
-    stream from a source with a cache (`ExpertSource.max_experts_per_fetch`): an eighth of the step's
+    """The most (row, expert) pairs one group of a step of `rows` rows computes at once from a source
+    with a fetch limit (`ExpertSource.max_experts_per_fetch`: the expert store, or the GGUF's experts
+    when they are not kept in RAM): an eighth of the step's
     pairs, or `rows` (one expert's most: a row picks an expert once), or MIN_GROUP_PAIRS, whichever is
     largest, at most the step's. The expert kernel holds each pair's gate and up products for its
     group, so this bounds the largest buffers of a streamed step (`memlimit.ffn_floats` counts it)."""

@@ -216,7 +216,7 @@ class Forward:
     """The largest forward a plan holds: `rows` prompt rows attending `keys` positions, each query alone
     (`row_exact`, as `serve`'s prefills do: `kernels.set_row_exact`) or QUERY_BLOCK at a time, its
     routed experts streamed from a pack (`streamed`: the MoE step computes them in groups of at most
-    `experts.group_pairs` pairs) or in RAM (a step is one group)."""
+    `experts.group_pairs` pairs) or from the GGUF (a step counted as one group, the most it holds)."""
 
     rows: int
     keys: int

@@ -324,7 +324,7 @@ class LatentMoE:
             read = self._slide_window(order, len(read_before), max(leading, window))
         ahead = self._read_ahead_count(leading, window, least)
         # a streamed step's groups hold at most `group_pairs` pairs' products; from a source without a
-        # cache (every expert in RAM) the step is one group, one kernel call
+        # fetch limit (every expert in RAM) the step is one group, one kernel call
         cap = chosen.numel() if self.source.max_experts_per_fetch is None else group_pairs(*chosen.shape)
         pending = order
         joined: torch.Tensor | None = None  # every pair's output, in pair order
