@@ -647,7 +647,7 @@ def test_a_prefill_pass_stays_inside_the_working_buffers_its_plan_holds(tiny_mod
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_a_streamed_pass_and_decode_stay_inside_their_plan_and_near_it(tiny_model, tmp_path, prefetch):
     """PRODUCTS_HEAVY streamed from its pack through a budget of four top-k working sets: a 2,048-row
-    pass of `serve`'s takes at most the working buffers its plan holds, and at least half of them (the
+    pass of `serve`'s takes at most the working buffers its plan holds, and at least 40% of them (the
     plan counts one expert group's products, `experts.group_pairs`, not every pair's); a decode step
     at most a one-row forward's; and every read buffer the store makes is one of its slots (a group's
     views alive through the next fetch would keep its evicted experts' buffers, and the fetch's reads
@@ -679,7 +679,7 @@ def test_a_streamed_pass_and_decode_stay_inside_their_plan_and_near_it(tiny_mode
         stats = store.stats()
     finally:
         runtime.close()
-    assert 0.5 * needs.working_bytes <= peak <= needs.working_bytes, (peak / MIB, needs.working_bytes / MIB)
+    assert 0.4 * needs.working_bytes <= peak <= needs.working_bytes, (peak / MIB, needs.working_bytes / MIB)
     assert decode <= one_row, (decode / MIB, one_row / MIB)
     assert stats["pack_reads"] > store.max_experts_per_fetch  # the experts streamed through the budget
     made = stats["buffers_made"] + stats["buffers_prefaulted"]

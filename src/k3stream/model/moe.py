@@ -9,9 +9,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from k3stream.experts import GROUPS_PER_STEP, ExpertSource, ExpertWeights, group_pairs
+from k3stream.experts import ExpertSource, ExpertWeights, group_pairs
 from k3stream.model.layers import JointLinear, Linear, QuantLinear, bind_linear, bind_rms_norm, rms_norm
 from k3stream.quant.kernels import MLP, Situ, bind_chosen_experts, cpu, expert_mlp, situ
+
+# a step is computed in about this many groups at least: each waits only for what has not arrived
+# yet, and a smaller group costs a kernel call and a fetch (prefill steps have hundreds of experts)
+GROUPS_PER_STEP = 8
 
 # llama.cpp clamps the sum of the chosen weights from below before renormalising
 MIN_WEIGHT_SUM = 6.103515625e-5
