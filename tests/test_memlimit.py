@@ -592,25 +592,20 @@ def test_a_memory_limit_above_the_cgroups_is_refused_naming_both(
     )
 
 
-def test_a_prefill_pass_stays_inside_the_working_buffers_its_plan_holds(tiny_model):
-    """A pass of `serve`'s (row-exact queries; its rows over a history) on a model whose routed
-    experts' gate and up products are its largest buffers (8 of 64 experts a token, 1,024 wide, in RAM:
-    the step is one kernel call of all its pairs) takes at most the working buffers `serve`'s plan
-    holds for that many rows attending the context (`ffn_floats`)."""
+# a model whose routed experts' gate and up products are its largest buffers: 8 of 64 experts a token,
+# 1,024 wide, 256 latent
+PRODUCTS_HEAVY = dict(n_layers=4, n_experts=64, top_k=8, expert_ff=1024, latent=256, kv_lora=256, qk_nope=32)
+PASS_HISTORY, PASS_ROWS = 256, 2048
+
+
+def _pass_peak(model) -> int:
+    """The peak above the process of a `serve` prefill pass (row-exact queries) of PASS_ROWS rows over
+    PASS_HISTORY rows of history, after a first pass of that size (the process's first large one)."""
     import torch
 
-    import k3stream
-    from k3stream.gguf.reader import K3Checkpoint
-    from k3stream.memlimit import ServedShape, model_needs, pin_malloc_mmap_threshold
     from k3stream.quant.kernels import set_row_exact
     from memory_peak import peak_above
 
-    shape = dict(n_layers=4, n_experts=64, top_k=8, expert_ff=1024, latent=256, kv_lora=256, qk_nope=32)
-    path = tiny_model(recipe="audited", context_length=4096, **shape)
-    pin_malloc_mmap_threshold()  # as every command does: freed buffers go back to the system
-    model = k3stream.load(path)
-    history, rows = 256, 2048
-    needs = model_needs(K3Checkpoint.open(path), ServedShape(ctx=history + rows, prefill_rows=rows))
     generator = torch.Generator().manual_seed(0)
 
     def ids(count: int) -> list[int]:
@@ -619,10 +614,99 @@ def test_a_prefill_pass_stays_inside_the_working_buffers_its_plan_holds(tiny_mod
     set_row_exact(True)
     try:
         state = model.new_state()
-        model.prefill_last(state, ids(history))
-        model.prefill_last(model.fork_state(state), ids(rows))  # the process's first large pass
+        model.prefill_last(state, ids(PASS_HISTORY))
+        model.prefill_last(model.fork_state(state), ids(PASS_ROWS))
         resumed = model.fork_state(state)
-        peak = peak_above(lambda: model.prefill_last(resumed, ids(rows)))
+        return peak_above(lambda: model.prefill_last(resumed, ids(PASS_ROWS)))
     finally:
         set_row_exact(False)
+
+
+def _pass_needs(path, slot_bytes=None):
+    from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.memlimit import ServedShape, model_needs
+
+    shape = ServedShape(ctx=PASS_HISTORY + PASS_ROWS, prefill_rows=PASS_ROWS, slot_bytes=slot_bytes)
+    return model_needs(K3Checkpoint.open(path), shape)
+
+
+def test_a_prefill_pass_stays_inside_the_working_buffers_its_plan_holds(tiny_model):
+    """A pass of `serve`'s on PRODUCTS_HEAVY with its experts in RAM (the step is one kernel call of
+    all its pairs) takes at most the working buffers `serve`'s plan holds for that many rows attending
+    the context (`ffn_floats`)."""
+    import k3stream
+    from k3stream.memlimit import pin_malloc_mmap_threshold
+
+    path = tiny_model(recipe="audited", context_length=4096, **PRODUCTS_HEAVY)
+    pin_malloc_mmap_threshold()  # as every command does: freed buffers go back to the system
+    peak = _pass_peak(k3stream.load(path))
+    needs = _pass_needs(path)
     assert 0 < peak <= needs.working_bytes, (peak / MIB, needs.working_bytes / MIB)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_streamed_pass_and_decode_stay_inside_their_plan_and_near_it(tiny_model, tmp_path, prefetch):
+    """PRODUCTS_HEAVY streamed from its pack through a budget of four top-k working sets: a 2,048-row
+    pass of `serve`'s takes at most the working buffers its plan holds, and at least 40% of them (the
+    plan counts one expert group's products, `experts.group_pairs`, not every pair's); a decode step
+    at most a one-row forward's; and every read buffer the store makes is one of its slots (a group's
+    views alive through the next fetch would keep its evicted experts' buffers, and the fetch's reads
+    would make new ones beside the budget)."""
+    import torch
+
+    from k3stream.engine.loading import load_runtime
+    from k3stream.memlimit import Forward, pin_malloc_mmap_threshold, working_bytes
+    from k3stream.model.options import LoadOptions
+    from k3stream.pack.builder import build_pack
+    from k3stream.pack.reader import ExpertPack
+    from memory_peak import peak_above
+    from pack_helpers import copy_model
+
+    path = copy_model(tiny_model(recipe="audited", context_length=4096, **PRODUCTS_HEAVY), tmp_path)
+    manifest = build_pack(path).manifest
+    slot = ExpertPack(manifest).object_bytes
+    pin_malloc_mmap_threshold()
+    budget_mib = 4 * PRODUCTS_HEAVY["top_k"] * slot / MIB
+    runtime = load_runtime(manifest, LoadOptions(expert_ram_mib=budget_mib, prefetch=prefetch))
+    try:
+        model, store = runtime.model, runtime.store
+        peak = _pass_peak(model)
+        needs = _pass_needs(path, slot)
+        state = model.new_state()
+        model.prefill_last(state, list(range(1, 9)))
+        one_row = working_bytes(model.config, Forward(1, PASS_HISTORY + PASS_ROWS, streamed=True))
+        decode = peak_above(lambda: [model.decode(state, token) for token in torch.arange(1, 5).tolist()])
+        stats = store.stats()
+    finally:
+        runtime.close()
+    assert 0.4 * needs.working_bytes <= peak <= needs.working_bytes, (peak / MIB, needs.working_bytes / MIB)
+    assert decode <= one_row, (decode / MIB, one_row / MIB)
+    assert stats["pack_reads"] > store.max_experts_per_fetch  # the experts streamed through the budget
+    made = stats["buffers_made"] + stats["buffers_prefaulted"]
+    assert made <= store.max_experts_per_fetch, stats
+
+
+def test_experts_read_from_the_gguf_come_within_the_expert_budget(tiny_model):
+    """Routed experts that do not all fit the budget are read from the GGUF at each fetch, a fetch at
+    most the budget's bytes of them: a 256-row prefill that routes to most of 256 experts a layer (70
+    MiB a layer) under a budget of two top-k working sets takes at most the plan's working buffers and
+    that budget (a fetch of the step's experts at once took a layer's)."""
+    import torch
+
+    import k3stream
+    from k3stream.gguf.reader import K3Checkpoint
+    from k3stream.memlimit import ServedShape, model_needs, pin_malloc_mmap_threshold
+    from k3stream.model.options import LoadOptions
+    from memory_peak import peak_above
+
+    shape = dict(PRODUCTS_HEAVY, n_layers=3, n_experts=256)
+    path = tiny_model(recipe="audited", context_length=4096, **shape)
+    needs = model_needs(K3Checkpoint.open(path), ServedShape(ctx=256))
+    budget = 2 * needs.working_set
+    pin_malloc_mmap_threshold()
+    model = k3stream.load(path, LoadOptions(expert_ram_mib=budget / MIB))
+    assert model.expert_source.max_experts_per_fetch == 2 * shape["top_k"]
+    prompt = torch.randint(0, model.config.vocab_size, (256,), generator=torch.Generator().manual_seed(0))
+    model.prefill_last(model.new_state(), prompt.tolist())  # the process's first large forward
+    peak = peak_above(lambda: model.prefill_last(model.new_state(), prompt.tolist()))
+    assert 0 < peak <= needs.working_bytes + budget, (peak / MIB, needs.working_bytes / MIB, budget / MIB)

@@ -37,6 +37,7 @@ DEFAULT_PREFILL_ROWS = 256  # prompt rows a prefill's activations are sized for 
 KERNEL_SHARE = 1 / 256
 SLAB_BYTES = 16 * MIB  # float32 rows of a weight dequantised at a time (`quant.matmul.SLAB_BYTES`)
 QUERY_BLOCK = 512  # MLA prefill queries attended at a time (`model.mla.QUERY_BLOCK`)
+Q8_BLOCK_BYTES, Q8_BLOCK_VALUES = 292, 256  # a Q8_K activation block: scale, 256 int8 values, 16 sums
 STREAM_COPIES = 6  # residual-stream rows alive per token: x, its mix, the normed input, attention, sum, FFN
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -210,37 +211,68 @@ def attention_floats(config: Any) -> int:
     return max(mla if config.mla_layers else 0, kda if config.kda_layers else 0)
 
 
-def ffn_floats(config: Any) -> int:
-    """Float32 values per prompt row alive at the wider feed-forward kind's peak: the dense MLP's gate,
-    up and activation; or the MoE's router logits and latent input, its routed pairs' outputs with one
-    expert group's products (each pair's gate and up: a step whose experts are all in RAM is one group),
-    and the shared experts' gate and up."""
-    dense = 3 * config.dense_ff if config.dense_layers else 0
-    shared = 2 * config.expert_ff * config.n_shared
-    routed = config.n_experts + 2 * config.latent + config.top_k * (config.latent + 2 * config.expert_ff)
-    return max(dense, routed + shared if config.moe_layers else 0)
+@dataclass(frozen=True)
+class Forward:
+    """The largest forward a plan holds: `rows` prompt rows attending `keys` positions, each query alone
+    (`row_exact`, as `serve`'s prefills do: `kernels.set_row_exact`) or QUERY_BLOCK at a time, its
+    routed experts streamed from a pack (`streamed`: the MoE step computes them in groups of at most
+    `experts.group_pairs` pairs) or from the GGUF (a step counted as one group, the most it holds)."""
+
+    rows: int
+    keys: int
+    row_exact: bool = False
+    streamed: bool = False
 
 
-def activation_bytes(config: Any, rows: int, keys: int | None = None, row_exact: bool = False) -> int:
-    """Float32 activations of a forward of `rows` prompt rows attending `keys` positions (default
-    `rows`: one prefill holds its whole prompt): the residual stream with the attention-residual bank
-    (and the stacked copy a mix makes), the wider of a layer's attention and feed-forward, and the MLA
-    scores: QUERY_BLOCK queries' at a time, or one query's where each attends alone (`row_exact`, as
-    `serve`'s prefills do: `kernels.set_row_exact`)."""
+def ffn_floats(config: Any, forward: Forward) -> int:
+    """Float32 values alive at the wider feed-forward kind's peak in `forward`: the dense MLP's gate, up
+    and activation of each row; or, beside the MoE's router logits, latent input, combined sum and
+    choices of each row, the larger of its two phases. The shared experts: their gate and up of each
+    row. The routed experts: every pair's output, and one expert group's products (each of its
+    pairs' gate and up, the 8-bit blocks of their activation, its outputs where the step has other
+    groups, its pair order). A step whose experts are in RAM is one group; a streamed step's groups
+    hold at most `experts.group_pairs` pairs."""
+    from k3stream.experts import group_pairs
+
+    rows = forward.rows
+    dense = 3 * config.dense_ff * rows if config.dense_layers else 0
+    if not config.moe_layers:
+        return dense
+    pairs = rows * config.top_k
+    group = group_pairs(rows, config.top_k) if forward.streamed else pairs
+    outputs = (pairs + (group if group < pairs else 0)) * config.latent
+    products = group * (2 * config.expert_ff + 2) + _block_floats(group * config.expert_ff)
+    shared = rows * 2 * config.expert_ff * config.n_shared
+    per_row = config.n_experts + 2 * config.latent + 3 * config.top_k
+    return max(dense, rows * per_row + max(shared, outputs + products))
+
+
+def _block_floats(values: int) -> int:
+    """Float32 values of the room `values` activations take as 8-bit blocks for the quantized products
+    (`match_ggml`; Q8_K's 292 bytes per 256 values, the widest; sub-block sums take less)."""
+    return -(-values * Q8_BLOCK_BYTES // (Q8_BLOCK_VALUES * 4))
+
+
+def activation_bytes(config: Any, forward: Forward) -> int:
+    """Float32 activations of `forward`: the residual stream with the attention-residual bank (and the
+    stacked copy a mix makes), the wider of a layer's attention and feed-forward, and the MLA scores:
+    QUERY_BLOCK queries' at a time, or one query's where each attends alone (`forward.row_exact`)."""
+    rows = forward.rows
     banks = -(-config.n_layers // max(config.block_size, 1))
     stream = (STREAM_COPIES + 2 * (banks + 1)) * config.hidden
-    per_row = stream + max(attention_floats(config), ffn_floats(config))
-    queries = 1 if row_exact else min(rows, QUERY_BLOCK)
-    scores = 2 * config.n_heads * queries * (keys or rows) if config.mla_layers else 0
-    return 4 * (rows * per_row + scores)
+    layer = max(rows * attention_floats(config), ffn_floats(config, forward))
+    queries = 1 if forward.row_exact else min(rows, QUERY_BLOCK)
+    scores = 2 * config.n_heads * queries * forward.keys if config.mla_layers else 0
+    return 4 * (rows * stream + layer + scores)
 
 
-def working_bytes(config: Any, rows: int, keys: int | None = None, row_exact: bool = False) -> int:
-    """A prefill of `rows` prompt rows (attending `keys`: `activation_bytes`), one row's logits and a
-    dequantisation slab. Reads in flight are not here: a load reserves its slot in the expert budget
-    before it reads."""
+def working_bytes(config: Any, forward: Forward) -> int:
+    """`forward`'s activations (`activation_bytes`), one row's logits and a dequantisation slab. Reads
+    in flight are not here: a load reserves its slot in the expert budget before it reads, and a MoE
+    step drops each group's views of the store's buffers before it fetches the next, so every read
+    lands in a buffer the budget counts (`store.reader.RecycledBuffers`)."""
     logits = 2 * config.vocab_size * 4
-    return activation_bytes(config, rows, keys, row_exact) + logits + SLAB_BYTES
+    return activation_bytes(config, forward) + logits + SLAB_BYTES
 
 
 def served_tokens(config: Any, ctx: int | None) -> int:
@@ -289,10 +321,7 @@ def config_needs(
     return ModelNeeds(
         nonexpert_bytes=nonexpert_bytes,
         state_bytes=state_bytes(config, tokens, shape.sequences),
-        # a command that prefills in passes is `serve`, whose queries attend one at a time (row-exact)
-        working_bytes=working_bytes(
-            config, rows, tokens if shape.prefill_rows else rows, bool(shape.prefill_rows)
-        ),
+        working_bytes=working_bytes(config, _largest_forward(shape, rows, tokens)),
         object_bytes=slot or mean,
         top_k=config.top_k,
         expert_bytes=(objects * slot if slot else expert_bytes) // shape.expert_ranks,
@@ -300,6 +329,13 @@ def config_needs(
         sequences=shape.sequences,
         prefill_rows=rows,
     )
+
+
+def _largest_forward(shape: ServedShape, rows: int, tokens: int) -> Forward:
+    """The largest forward of a command serving `shape`: a command that prefills in passes is `serve`,
+    whose rows attend the served context one query at a time (row-exact); else a prompt alone."""
+    passes = bool(shape.prefill_rows)
+    return Forward(rows, tokens if passes else rows, row_exact=passes, streamed=shape.slot_bytes is not None)
 
 
 def model_needs(checkpoint: Any, shape: ServedShape = ServedShape()) -> ModelNeeds:

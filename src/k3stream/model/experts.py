@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class GGUFExpertSource(ExpertSource):
-    """Serves routed experts from the checkpoint's files (no prefetch, no read-ahead, no limit).
+    """Serves routed experts from the checkpoint's files (no prefetch, no read-ahead).
 
     Reads take the experts' bytes with `preadv` into fresh buffers rather than viewing the map, so a
     GGUF that shrinks while the model runs fails the step with a clear error instead of killing the
@@ -26,16 +26,21 @@ class GGUFExpertSource(ExpertSource):
     once, here (one read per MoE layer; for when all of them fit the memory: `k3stream.load`'s
     `expert_ram_mib`) with each expert's views of it, which fetches hand out (made here: made in the
     first pass that routes to an expert, they would lengthen the first chunk of a prompt prefilled
-    beside a stream whose decode steps routed to few experts); else each fetch reads its experts.
+    beside a stream whose decode steps routed to few experts); else each fetch reads its experts, with
+    `budget_bytes` at most that many bytes of them (`max_experts_per_fetch`, never under top-k): a
+    prefill step's experts then come in groups within the expert budget, not a whole layer's at once.
     """
 
-    def __init__(self, checkpoint: K3Checkpoint, keep: bool = False) -> None:
+    def __init__(self, checkpoint: K3Checkpoint, keep: bool = False, budget_bytes: int | None = None) -> None:
         self.checkpoint = checkpoint
         self._roles: dict[int, list[tuple[str, int, int, tuple[int, int]]]] = {}
         # layer -> its routed tensors' bytes (ROLES order), with `keep`; and the views handed out of them
         self._resident = (
             {layer: self._read_layer(layer) for layer in checkpoint.config.moe_layers} if keep else {}
         )
+        if not keep and budget_bytes is not None and checkpoint.config.moe_layers:
+            largest = max(self._expert_bytes(layer) for layer in checkpoint.config.moe_layers)
+            self.max_experts_per_fetch = max(checkpoint.config.top_k, budget_bytes // largest)
         experts = range(checkpoint.config.n_experts)
         self._views: dict[int, dict[int, ExpertWeights]] = {
             layer: {expert: self._view(layer, expert) for expert in experts} for layer in self._resident
@@ -59,6 +64,10 @@ class GGUFExpertSource(ExpertSource):
     def kept_bytes(self) -> int:
         """Bytes of the routed experts held in RAM (0 without `keep`)."""
         return sum(tensor.numel() for tensors in self._resident.values() for tensor in tensors)
+
+    def _expert_bytes(self, layer: int) -> int:
+        """The GGUF bytes of one of `layer`'s routed experts, every role."""
+        return sum(size for _, size, *_ in self._roles_of(layer))
 
     def _read_layer(self, layer: int) -> list[torch.Tensor]:
         """`layer`'s routed tensors, whole, in one read."""

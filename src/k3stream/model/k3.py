@@ -515,7 +515,8 @@ def load(checkpoint: K3Checkpoint, options: LoadOptions | None = None) -> K3Mode
     source = options.expert_source
     if source is None:
         routed = sum(t.nbytes for t in checkpoint.tensors.values() if is_routed_expert(t.name))
-        source = GGUFExpertSource(checkpoint, keep=routed <= (options.expert_ram_mib or 0.0) * (1 << 20))
+        budget = int((options.expert_ram_mib or 0.0) * (1 << 20))
+        source = GGUFExpertSource(checkpoint, keep=routed <= budget, budget_bytes=budget)
     if options.kernels == "auto":
         matrix_types = {t.ggml_type for t in checkpoint.tensors.values() if len(t.shape) >= 2}
         note_fallbacks(matrix_types, torch.device(options.device))

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from k3stream.experts import ExpertSource, ExpertWeights
+from k3stream.experts import ExpertSource, ExpertWeights, group_pairs
 from k3stream.model.layers import JointLinear, Linear, QuantLinear, bind_linear, bind_rms_norm, rms_norm
 from k3stream.quant.kernels import MLP, Situ, bind_chosen_experts, cpu, expert_mlp, situ
 
 # a step is computed in about this many groups at least: each waits only for what has not arrived
 # yet, and a smaller group costs a kernel call and a fetch (prefill steps have hundreds of experts)
 GROUPS_PER_STEP = 8
+
 # llama.cpp clamps the sum of the chosen weights from below before renormalising
 MIN_WEIGHT_SUM = 6.103515625e-5
 
@@ -333,6 +334,9 @@ class LatentMoE:
             # of it may lie beyond (then nothing of this rank's was asked for)
             read = self._slide_window(order, len(read_before), max(leading, window))
         ahead = self._read_ahead_count(leading, window, least)
+        # a streamed step's groups hold at most `group_pairs` pairs' products; from a source without a
+        # fetch limit (every expert in RAM) the step is one group, one kernel call
+        cap = chosen.numel() if self.source.max_experts_per_fetch is None else group_pairs(*chosen.shape)
         pending = order
         joined: torch.Tensor | None = None  # every pair's output, in pair order
         while pending:
@@ -340,10 +344,14 @@ class LatentMoE:
             # while some of the step is not yet asked for, small groups: each one computed lets the
             # reads slide on (one large group of what arrived would leave the disk idle behind it)
             group = self._next_group(pending, asked, least, most=least if read < len(order) else None)
+            group = _within_pairs(group, pairs_of, cap)
             experts = self.source.fetch(self.layer, group)
             pending = [expert for expert in pending if expert not in experts]
             read = self._slide_window(order, read, len(ids) - len(pending) + ahead)
             pairs, computed = self._compute_group(latent, experts, group, pairs_of, chosen.shape[1])
+            # the group's views die before the next fetch evicts its experts: their buffers are then
+            # the ones that fetch's reads reuse, not new ones beside the store's budget
+            del experts
             if (
                 joined is None
                 and len(pairs) == chosen.numel()
@@ -434,6 +442,17 @@ class LatentMoE:
             arrived = set(group)
             group += [expert for expert in asked if expert not in arrived][: min(least, slots) - len(group)]
         return group or asked[:1]
+
+
+def _within_pairs(group: list[int], pairs_of: dict[int, np.ndarray], cap: int) -> list[int]:
+    """The leading experts of `group` whose pairs number at most `cap`, the first always (`cap` is at
+    least one expert's pairs: `group_pairs`)."""
+    total = 0
+    for count, expert in enumerate(group):
+        total += len(pairs_of[expert])
+        if total > cap and count:
+            return group[:count]
+    return group
 
 
 def _pairs_by_expert(chosen: torch.Tensor) -> dict[int, np.ndarray]:
