@@ -1089,7 +1089,7 @@ PAIRED_DOT_AVX512(mxfp4, 17, mxfp4_values, 1)
  * then the AVX2 kernel's two FMAs a block, in its order: its bits. A weight row against n (at most
  * NVFP4_ROWS) input rows y[r] at once, into sums[r]: each block's values and run scales are decoded once
  * for all of them, and each row's operations are those it takes alone. */
-#define NVFP4_ROWS 4
+#define NVFP4_ROWS 4 /* the kernel below takes 1-4 */
 AVX512_ALWAYS void nvfp4_avx512_rows_of(const uint8_t *x, const BlockQ8_0 *const *y, int64_t blocks, const int n, float *sums) {
     const __m512i flip = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
     const __m512i values = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)mxfp4_values)), flip);
@@ -1131,10 +1131,12 @@ AVX512_TARGET static void nvfp4_rows_avx512(const Product *pr, int64_t b, int64_
             const BlockQ8_0 *y[NVFP4_ROWS];
             float sums[NVFP4_ROWS];
             for (int r = 0; r < n; r++) y[r] = pr->q8_0 + pr->rows[p + r] * blocks;
-            if (n == NVFP4_ROWS) /* a constant count: the accumulators stay in registers */
-                nvfp4_avx512_rows_of(row, y, blocks, NVFP4_ROWS, sums);
-            else
-                for (int r = 0; r < n; r++) nvfp4_avx512_rows_of(row, y + r, blocks, 1, sums + r);
+            switch (n) { /* constant counts: the accumulators stay in registers */
+                case 4: nvfp4_avx512_rows_of(row, y, blocks, 4, sums); break;
+                case 3: nvfp4_avx512_rows_of(row, y, blocks, 3, sums); break;
+                case 2: nvfp4_avx512_rows_of(row, y, blocks, 2, sums); break;
+                default: nvfp4_avx512_rows_of(row, y, blocks, 1, sums);
+            }
             for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = sums[r];
         }
     }
