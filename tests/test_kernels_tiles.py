@@ -23,7 +23,7 @@ needs_llama = pytest.mark.skipif(
 )
 
 TILED = [T.Q2_K, T.Q3_K, T.Q6_K, T.Q4_K, T.Q8_0, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S,
-         T.IQ4_XS]  # fmt: skip
+         T.IQ4_XS, T.NVFP4]  # fmt: skip
 # the types whose row kernels take every input row on AVX2, sharing each decoded block between four
 ONE_ROW = [T.Q5_K, T.Q5_0, T.Q4_1, T.Q5_1]
 LLAMA_EXACT = TILED + ONE_ROW

@@ -50,6 +50,7 @@ static uint8_t iq2s_high_shifts[2][64] __attribute__((aligned(64)));
 static uint8_t iq3xxs_codes[2][256] __attribute__((aligned(64))), iq3s_codes[2][512] __attribute__((aligned(64)));
 static uint8_t iq2xxs_levels[3][64] __attribute__((aligned(64))), iq2xs_levels[3][64] __attribute__((aligned(64)));
 static uint8_t iq2s_levels[3][64] __attribute__((aligned(64)));
+static int8_t iq2s_signed_levels[2][64] __attribute__((aligned(64))); /* below: "signed levels" */
 static uint8_t iq3xxs_levels[2][64] __attribute__((aligned(64))), iq3s_levels[2][64] __attribute__((aligned(64)));
 /* at most 3 (IQ2; IQ1_S's values + 1), 8 (IQ3) distinct values */
 static int iq2xxs_fit, iq2xs_fit, iq2s_fit, iq3xxs_fit, iq3s_fit;
@@ -115,6 +116,10 @@ void iq_avx512_set_grids(const IqGrids *grids) {
     iq2xs_fit = grid_codes(grids->iq2xs, 512, 8, &iq2xs_codes[0][0], iq2xs_levels) && small_levels(iq2xs_levels);
     iq2s_fit = grid_codes(grids->iq2s, 1024, 8, &iq2s_codes[0][0], iq2s_levels) && small_levels(iq2s_levels);
     for (int e = 0; e < 1024; e++) iq2s_words[e] = iq2s_codes[0][e] | (uint32_t)iq2s_codes[1][e] << 8;
+    for (int i = 0; i < 64; i++) { /* index bits 0-1, 4: the first plane's code and sign; 2-3, 5: the second's */
+        iq2s_signed_levels[0][i] = (int8_t)(iq2s_levels[0][i & 3] * (i & 16 ? -1 : 1));
+        iq2s_signed_levels[1][i] = (int8_t)(iq2s_levels[0][(i >> 2) & 3] * (i & 32 ? -1 : 1));
+    }
     for (int k = 0; k < 64; k++) {
         word_pack[k] = (uint8_t)(4 * (k % 32) + k / 32);
         for (int h = 0; h < 2; h++) iq2s_high_shifts[h][k] = (uint8_t)(k % 4 == 1 ? 32 * h + 2 * (k / 4) : 0);
@@ -151,6 +156,20 @@ AVX512 __m512i entry_bytes(__m512i a, __m512i b) {
     return _mm512_permutex2var_epi8(a, _mm512_load_si512(entry_order), b);
 }
 
+/* 64 bytes of a 128-entry table at the indices' low 7 bits: a two-table byte permute whose first table (the
+ * one it overwrites) is loaded into its destination each time and whose second the compiler may hold in a
+ * register, for IQ2_S's two 1024-entry lookups (32 registers of tables: more than are left). Left to itself
+ * the compiler keeps some first tables in registers, copies them before each permute and spills the rest
+ * into permutes that read both tables from memory: on AMD Zen 4 IQ2_S's kernel took 1.09x the time so (in
+ * cache, one thread); the smaller grids' tables fit in registers, and their lookups stay as they are */
+AVX512 __m512i lookup128(const uint8_t *table, __m512i index) {
+    __m512i got;
+    __asm__("vmovdqa64 %[first], %[got]\n\tvpermt2b %[second], %[index], %[got]"
+            : [got] "=&v"(got)
+            : [first] "m"(*(const __m512i *)table), [second] "v"(_mm512_load_si512(table + 64)), [index] "v"(index));
+    return got;
+}
+
 /* 64 bytes of a table of 256 << `high_bits` entries at the indices whose low 8 bits are `low` and whose
  * bit 8 + b is high[b]: a two-table byte permute each 128 entries, blended on bit 7, then on each high bit */
 AVX512 __m512i lookup_grid(const uint8_t *table, __m512i low, const __mmask64 *high, const int high_bits) {
@@ -158,8 +177,9 @@ AVX512 __m512i lookup_grid(const uint8_t *table, __m512i low, const __mmask64 *h
     __m512i part[4];
     _Pragma("GCC unroll 4") for (int q = 0; q < 1 << high_bits; q++) {
         const uint8_t *t = table + 256 * q;
-        part[q] = _mm512_mask_blend_epi8(bit7, _mm512_permutex2var_epi8(_mm512_load_si512(t), low, _mm512_load_si512(t + 64)),
-                                         _mm512_permutex2var_epi8(_mm512_load_si512(t + 128), low, _mm512_load_si512(t + 192)));
+        part[q] = high_bits == 2 ? _mm512_mask_blend_epi8(bit7, lookup128(t, low), lookup128(t + 128, low))
+                                 : _mm512_mask_blend_epi8(bit7, _mm512_permutex2var_epi8(_mm512_load_si512(t), low, _mm512_load_si512(t + 64)),
+                                                          _mm512_permutex2var_epi8(_mm512_load_si512(t + 128), low, _mm512_load_si512(t + 192)));
     }
     _Pragma("GCC unroll 2") for (int b = 0; b < high_bits; b++) /* unrolled: part[] stays in registers */
         _Pragma("GCC unroll 2") for (int q = 0; q < 1 << high_bits; q += 2 << b) part[q] = _mm512_mask_blend_epi8(high[b], part[q], part[q + (1 << b)]);
@@ -394,12 +414,30 @@ AVX512 __m128 pair_d(const uint8_t *x, const uint8_t *second, const int two) {
     return _mm_cvtph_ps(_mm_cvtsi32_si128((int)halves));
 }
 
-/* a pair of weight blocks (first, second, two: NAME##_pair's) against n input rows: their planes at xs[r] + at,
- * their blocks y[r][i0], y[r][i1] (where `two`); the pair's float lanes into acc[r], or (`split`: two
- * weight rows' last blocks) lanes 0-7 into lanes 0-7 of acc[r] and lanes 8-15 into lanes 0-7 of acc[n + r],
- * each lane's FMA as where its block is the first of a pair (acc's lanes 8-15 stay as they are: a block
- * alone adds 0 x 0 there). NAME##_pairs: every pair of `wide` rows (wide 2: an odd count's last blocks
- * one pair) */
+/* A pair's float step for n input rows: lane t of scaled[r] (sub-block t's exact scaled sum) times d_w * d_y of
+ * its block into acc[r], or (`split`: two weight rows' last blocks) lanes 0-7 into lanes 0-7 of acc[r] and
+ * lanes 8-15 into lanes 0-7 of acc[n + r], each lane's FMA as where its block is the first of a pair (acc's
+ * lanes 8-15 stay as they are: a block alone adds 0 x 0 there) */
+AVX512 void pair_into(const __m512i *scaled, const uint8_t *first, const uint8_t *second, const int two, int64_t i0, int64_t i1,
+                      const int split, const BlockQ8K *const *y, __m512 *acc, const int n) {
+    const __m128 dw = pair_d(first, second, two);
+    for (int r = 0; r < n; r++) {
+        const __m128 dy = _mm_setr_ps(y[r][i0].d, two ? y[r][i1].d : 0.0f, 0.0f, 0.0f);
+        const __m512 d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                               _mm512_castps128_ps512(_mm_mul_ps(dw, dy)));
+        const __m512 lanes = _mm512_cvtepi32_ps(scaled[r]);
+        if (!split)
+            acc[r] = _mm512_fmadd_ps(lanes, d, acc[r]);
+        else {
+            acc[r] = _mm512_mask3_fmadd_ps(lanes, d, acc[r], 0x00FF);
+            acc[n + r] = _mm512_mask3_fmadd_ps(_mm512_shuffle_f32x4(lanes, lanes, 0x4E), _mm512_shuffle_f32x4(d, d, 0x4E), acc[n + r],
+                                               0x00FF);
+        }
+    }
+}
+
+/* A pair of weight blocks (first, second, two: NAME##_pair's) against n input rows: their planes at xs[r] + at,
+ * their blocks y[r][i0], y[r][i1] (where `two`), into acc (pair_into) */
 #define PAIR_DOT(NAME, BYTES, KIND)                                                                    \
     AVX512 void NAME##_pair_dot(const uint8_t *first, const uint8_t *second, const int two, int64_t at, int64_t i0, \
                                 int64_t i1, const int split, const int8_t *const *xs, const BlockQ8K *const *y, __m512 *acc, \
@@ -422,36 +460,39 @@ AVX512 __m128 pair_d(const uint8_t *x, const uint8_t *second, const int two) {
                     sumi[j & 1][r] = _mm512_dpbusd_epi32(sumi[j & 1][r], w, signed_codes);               \
             }                                                                                            \
         }                                                                                                \
-        const __m128 dw = pair_d(first, second, two);                                                      \
-        for (int r = 0; r < n; r++) {                                                                    \
-            const __m512i scaled = scaled_lanes(&pair, sumi[0][r], sumi[1][r], KIND); \
-            const __m128 dy = _mm_setr_ps(y[r][i0].d, two ? y[r][i1].d : 0.0f, 0.0f, 0.0f);          \
-            const __m512 d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), \
-                                                   _mm512_castps128_ps512(_mm_mul_ps(dw, dy)));           \
-            const __m512 lanes = _mm512_cvtepi32_ps(scaled);                                             \
-            if (!split)                                                                                  \
-                acc[r] = _mm512_fmadd_ps(lanes, d, acc[r]);                                              \
-            else {                                                                                       \
-                acc[r] = _mm512_mask3_fmadd_ps(lanes, d, acc[r], 0x00FF);                                \
-                acc[n + r] = _mm512_mask3_fmadd_ps(_mm512_shuffle_f32x4(lanes, lanes, 0x4E), _mm512_shuffle_f32x4(d, d, 0x4E), \
-                                                   acc[n + r], 0x00FF);                                  \
-            }                                                                                            \
-        }                                                                                                \
+        __m512i scaled[RUN_ROWS];                                                                        \
+        for (int r = 0; r < n; r++) scaled[r] = scaled_lanes(&pair, sumi[0][r], sumi[1][r], KIND);       \
+        pair_into(scaled, first, second, two, i0, i1, split, y, acc, n);                                  \
     }                                                                                                    \
-    AVX512 void NAME##_pairs(const uint8_t *row, int64_t stride, const int wide, int64_t blocks, const int8_t *const *xs, \
-                             const BlockQ8K *const *y, __m512 *acc, const int n) {                        \
-        for (int w = 0; w < wide; w++) { /* the rows one after another */                               \
-            const uint8_t *x = row + w * stride;                                                         \
-            for (int64_t g = 0; g < blocks / 2; g++) {                                                   \
-                prefetch_ahead(x + 2 * g * (BYTES), 2 * (BYTES)); /* a pair's lines, not a row's at once */ \
-                NAME##_pair_dot(x + 2 * g * (BYTES), x + (2 * g + 1) * (BYTES), 1, 512 * g, 2 * g, 2 * g + 1, 0, xs, y, acc + w * n, n); \
+    PAIRS(NAME##_pairs, NAME##_pair_dot, BYTES, 512, 0)
+
+/* NAME: every pair of `wide` rows `stride` bytes apart, by DOT (X_PAIR bytes of x a pair; wide 2: an odd
+ * count's last blocks one pair), the rows one after another or (IN_TURN) their pairs in turn: two
+ * independent chains of work (IQ2_S's signed levels: 0.96x the time in cache; the planes' kernels of IQ2_XS
+ * and IQ3_S took 1.09-1.12x at 768 inputs so) */
+#define PAIRS(NAME, DOT, BYTES, X_PAIR, IN_TURN)                                                         \
+    AVX512 void NAME(const uint8_t *row, int64_t stride, const int wide, int64_t blocks, const int8_t *const *xs, \
+                     const BlockQ8K *const *y, __m512 *acc, const int n) {                               \
+        if (IN_TURN)                                                                                     \
+            for (int64_t g = 0; g < blocks / 2; g++)                                                     \
+                for (int w = 0; w < wide; w++) {                                                         \
+                    const uint8_t *x = row + w * stride + 2 * g * (BYTES);                               \
+                    prefetch_ahead(x, 2 * (BYTES)); /* a pair's lines, not a row's at once */            \
+                    DOT(x, x + (BYTES), 1, (X_PAIR) * g, 2 * g, 2 * g + 1, 0, xs, y, acc + w * n, n);    \
+                }                                                                                        \
+        else                                                                                             \
+            for (int w = 0; w < wide; w++) {                                                             \
+                const uint8_t *x = row + w * stride;                                                     \
+                for (int64_t g = 0; g < blocks / 2; g++) {                                               \
+                    prefetch_ahead(x + 2 * g * (BYTES), 2 * (BYTES));                                    \
+                    DOT(x + 2 * g * (BYTES), x + (2 * g + 1) * (BYTES), 1, (X_PAIR) * g, 2 * g, 2 * g + 1, 0, xs, y, acc + w * n, n); \
+                }                                                                                        \
             }                                                                                            \
-        }                                                                                                \
-        const int64_t last = blocks - 1, alone = 512 * (blocks / 2), shared = 512 * ((blocks + 1) / 2);  \
+        const int64_t last = blocks - 1, alone = (X_PAIR) * (blocks / 2), shared = (X_PAIR) * ((blocks + 1) / 2); \
         if (blocks % 2 && wide == 2)                                                                     \
-            NAME##_pair_dot(row + last * (BYTES), row + stride + last * (BYTES), 1, shared, last, last, 1, xs, y, acc, n); \
+            DOT(row + last * (BYTES), row + stride + last * (BYTES), 1, shared, last, last, 1, xs, y, acc, n); \
         else if (blocks % 2)                                                                             \
-            NAME##_pair_dot(row + last * (BYTES), row, 0, alone, last, 0, 0, xs, y, acc, n);              \
+            DOT(row + last * (BYTES), row, 0, alone, last, 0, 0, xs, y, acc, n);                         \
     }
 
 PAIR_DOT(iq2_xxs, 66, WHOLE)
@@ -463,14 +504,69 @@ PAIR_DOT(iq3_s, 110, WHOLE)
 
 AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2 + blocks % 2); }
 
+/* IQ2_S against fewer than RUN_ROWS input rows: signed levels. Such a row's planes hold |x| (at most 128, unsigned),
+ * and after each pair's 512 bytes x's sign bits in the weights' sign layout (byte k, bit j: value 8k + j), so a
+ * pair's sign bytes XOR those are the signs of the products. Two planes share an index byte: their codes in
+ * bits 0-3 (plane 2i's in bits 0-1), their product signs in bits 4, 5, from which two 64-entry byte permutes
+ * (iq2s_signed_levels) give each plane's levels, signed; VPMADDUBSW multiplies |x| by them, the same exact
+ * 16-bit sums as the planes' kernel. The four index bytes take 10 operations a pair where the planes' kernel
+ * takes 8 sign tests, 8 masked negates and 2 shifts; with RUN_ROWS input rows that kernel shares its tests
+ * and level permutes between the rows, and is the faster one. */
+AVX512 void x_signed_pair(const BlockQ8K *first, const BlockQ8K *second, int8_t *planes) {
+    x_pair_planes(first, second, planes);
+    __m512i signs = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j++) {
+        const __m512i plane = _mm512_load_si512(planes + 64 * j);
+        signs = _mm512_or_si512(signs, _mm512_maskz_mov_epi8(_mm512_movepi8_mask(plane), _mm512_set1_epi8((char)(1 << j))));
+        _mm512_store_si512(planes + 64 * j, _mm512_abs_epi8(plane));
+    }
+    _mm512_store_si512(planes + 512, signs);
+}
+
+/* x's codes (`blocks` Q8_K blocks) so, pair g at planes + 576 g, an odd count as x_planes */
+AVX512 void x_signed_planes(const BlockQ8K *y, int64_t blocks, int8_t *planes) {
+    for (int64_t g = 0; g < (blocks + 1) / 2; g++) x_signed_pair(y + 2 * g, 2 * g + 1 < blocks ? y + 2 * g + 1 : NULL, planes + 576 * g);
+    if (blocks % 2) x_signed_pair(y + blocks - 1, y + blocks - 1, planes + 576 * ((blocks + 1) / 2));
+}
+
+AVX512 int64_t signed_plane_bytes(int64_t blocks) { return 576 * ((blocks + 1) / 2 + blocks % 2); }
+
+/* bits 0-3 of `codes`, bits 4-7 of `signs` */
+AVX512 __m512i code_sign_index(__m512i codes, __m512i signs) { return _mm512_ternarylogic_epi32(codes, signs, _mm512_set1_epi8(0x0F), 0xE4); }
+
+#define SIGNED_PAIR_DOT(NAME, BYTES)                                                                     \
+    AVX512 void NAME##_signed_pair_dot(const uint8_t *first, const uint8_t *second, const int two, int64_t at, int64_t i0, \
+                                       int64_t i1, const int split, const int8_t *const *xs, const BlockQ8K *const *y, \
+                                       __m512 *acc, const int n) {                                       \
+        const Pair pair = NAME##_pair(first, second, two);                                               \
+        const __m512i low_plane = _mm512_load_si512(iq2s_signed_levels[0]), high_plane = _mm512_load_si512(iq2s_signed_levels[1]); \
+        __m512i scaled[RUN_ROWS];                                                                        \
+        for (int r = 0; r < n; r++) {                                                                    \
+            const int8_t *planes = xs[r] + at;                                                           \
+            const __m512i s = _mm512_xor_si512(pair.signs, _mm512_load_si512(planes + 512));             \
+            const __m512i index[4] = {code_sign_index(pair.codes[0], _mm512_slli_epi16(s, 4)),            \
+                                      code_sign_index(_mm512_srli_epi16(pair.codes[0], 4), _mm512_slli_epi16(s, 2)), \
+                                      code_sign_index(pair.codes[1], s),                                 \
+                                      code_sign_index(_mm512_srli_epi16(pair.codes[1], 4), _mm512_srli_epi16(s, 2))}; \
+            scaled[r] = _mm512_setzero_si512();                                                          \
+            _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++) {                                        \
+                const __m512i even = _mm512_maddubs_epi16(_mm512_load_si512(planes + 128 * h), _mm512_permutexvar_epi8(index[h], low_plane)); \
+                const __m512i odd = _mm512_maddubs_epi16(_mm512_load_si512(planes + 128 * h + 64), _mm512_permutexvar_epi8(index[h], high_plane)); \
+                scaled[r] = _mm512_dpwssd_epi32(scaled[r], _mm512_add_epi16(even, odd), pair.scales);    \
+            }                                                                                            \
+        }                                                                                                \
+        pair_into(scaled, first, second, two, i0, i1, split, y, acc, n);                                 \
+    }                                                                                                    \
+    PAIRS(NAME##_signed_pairs, NAME##_signed_pair_dot, BYTES, 576, 1)
+
 /* A row kernel: the input rows of matrix b RUN_ROWS at a time, each batch's activations put in the
- * kernel's order once (PREPARE: X_BYTES(blocks) bytes a row), then every weight row first..last - 1
- * against them; fewer than RUN_ROWS input rows take them one at a time, against WIDE weight rows at once
- * (NAME##_pairs: `wide` rows `stride` bytes apart, into acc[w n + r]). PAIRS (the pair kernels): with an
- * odd block count (one block: 256 inputs, an expert's down projection) weight rows go two at a time, their
- * last blocks one pair (alone, a row's last block leaves half of its pair's work on zeros); each row's
- * lanes keep their own sums, the same bits as the row alone */
-#define PREPARED_ROWS(ID, NAME, FACTOR, PREPARE, X_BYTES, WIDE, PAIRS)                                       \
+ * kernel's order once (PREPARE, or ONE_PREPARE for fewer than RUN_ROWS rows: X_BYTES(blocks) bytes a row,
+ * enough for either), then every weight row first..last - 1 against them; fewer than RUN_ROWS input rows take
+ * them one at a time (ONE_PAIRS), against WIDE weight rows at once (`wide` rows `stride` bytes apart, into
+ * acc[w n + r]). PAIRS (the pair kernels): with an odd block count (one block: 256 inputs, an expert's down
+ * projection) weight rows go two at a time, their last blocks one pair (alone, a row's last block leaves
+ * half of its pair's work on zeros); each row's lanes keep their own sums, the same bits as the row alone */
+#define PREPARED_ROWS(ID, NAME, FACTOR, PREPARE, ONE_PREPARE, ONE_PAIRS, X_BYTES, WIDE, PAIRS)                 \
     AVX512_TARGET static void NAME##_rows_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) { \
         const int64_t blocks = pr->in_features / 256, x_bytes = X_BYTES(blocks), stride = pr->row_bytes;  \
         int8_t *buffer = aligned_alloc(64, (size_t)(RUN_ROWS * x_bytes));                                \
@@ -484,13 +580,16 @@ AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2 + bl
             const BlockQ8K *y[RUN_ROWS];                                                                 \
             for (int r = 0; r < n; r++) {                                                                \
                 y[r] = pr->q8 + pr->rows[p + r] * blocks;                                                \
-                PREPARE(y[r], blocks, buffer + r * x_bytes);                                             \
+                if (n == RUN_ROWS)                                                                       \
+                    PREPARE(y[r], blocks, buffer + r * x_bytes);                                         \
+                else                                                                                     \
+                    ONE_PREPARE(y[r], blocks, buffer + r * x_bytes);                                     \
                 xs[r] = buffer + r * x_bytes;                                                            \
             }                                                                                            \
             for (int64_t wide, m = first; m < last; m += wide) {                                         \
                 const int shared = (PAIRS) && blocks % 2 && last - m >= 2;                               \
                 wide = shared ? 2 : n < RUN_ROWS && last - m >= (WIDE) ? (WIDE) : 1;                     \
-                const int k = n == RUN_ROWS ? RUN_ROWS : 1; /* input rows a call (a constant to NAME##_pairs) */ \
+                const int k = n == RUN_ROWS ? RUN_ROWS : 1; /* input rows a call (a constant to the pairs) */ \
                 const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * stride;          \
                 for (int r = 0; r < n; r += k) {                                                         \
                     __m512 acc[2 * RUN_ROWS];                                                            \
@@ -500,9 +599,9 @@ AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2 + bl
                     else if (k == RUN_ROWS)                                                              \
                         NAME##_pairs(row, stride, 1, blocks, xs, y, acc, RUN_ROWS);                      \
                     else if (wide == 2)                                                                  \
-                        NAME##_pairs(row, stride, 2, blocks, xs + r, y + r, acc, 1);                     \
+                        ONE_PAIRS(row, stride, 2, blocks, xs + r, y + r, acc, 1);                        \
                     else                                                                                 \
-                        NAME##_pairs(row, stride, 1, blocks, xs + r, y + r, acc, 1);                     \
+                        ONE_PAIRS(row, stride, 1, blocks, xs + r, y + r, acc, 1);                        \
                     for (int w = 0; w < wide; w++)                                                       \
                         for (int a = 0; a < k; a++)                                                      \
                             pr->out[(p + r + a) * pr->out_stride + m + w] = (FACTOR) * hsum16(acc[w * k + a]); \
@@ -511,12 +610,16 @@ AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2 + bl
         }                                                                                                \
         free(buffer);                                                                                    \
     }
-#define PLANES_ROWS(ID, NAME, FACTOR) PREPARED_ROWS(ID, NAME, FACTOR, x_planes, plane_bytes, 1, 1)
+#define PLANES_ROWS(ID, NAME, FACTOR) PREPARED_ROWS(ID, NAME, FACTOR, x_planes, x_planes, NAME##_pairs, plane_bytes, 1, 1)
+/* IQ2_S: fewer than RUN_ROWS input rows take the signed levels */
+#define IQ2_S_ROWS(NAME)                                                                                 \
+    SIGNED_PAIR_DOT(NAME, 82)                                                                            \
+    PREPARED_ROWS(22, NAME, 0.125f, x_planes, x_signed_planes, NAME##_signed_pairs, signed_plane_bytes, 2, 1)
 
 PLANES_ROWS(16, iq2_xxs, 0.125f)
 PLANES_ROWS(17, iq2_xs, 0.125f)
-PLANES_ROWS(22, iq2_s, 0.125f)
-PLANES_ROWS(22, iq2_s_permuted, 0.125f)
+IQ2_S_ROWS(iq2_s)
+IQ2_S_ROWS(iq2_s_permuted)
 PLANES_ROWS(18, iq3_xxs, 0.25f)
 PLANES_ROWS(21, iq3_s, 1.0f)
 
@@ -808,8 +911,8 @@ AVX512 void iq1_m_pairs(const uint8_t *row, int64_t stride, const int wide, int6
     iq1_dot(row, stride, wide, blocks, 1, 56, xs, y, acc, n);
 }
 
-PREPARED_ROWS(19, iq1_s, 0.125f, iq1_s_x, iq1_x_bytes, 2, 0)
-PREPARED_ROWS(29, iq1_m, 0.125f, iq1_m_x, iq1_x_bytes, 2, 0)
+PREPARED_ROWS(19, iq1_s, 0.125f, iq1_s_x, iq1_s_x, iq1_s_pairs, iq1_x_bytes, 2, 0)
+PREPARED_ROWS(29, iq1_m, 0.125f, iq1_m_x, iq1_m_x, iq1_m_pairs, iq1_x_bytes, 2, 0)
 
 /* whether IQ2_S's grid lookups gather (VPGATHERDD, 64 elements a pair of blocks) or take byte permutes (two
  * 1024-entry lookups): whichever decodes 16 pairs of blocks (fixed pseudo-random bytes) in fewer TSC ticks,

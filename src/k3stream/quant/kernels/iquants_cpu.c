@@ -1086,32 +1086,61 @@ PAIRED_DOT_AVX512(mxfp4, 17, mxfp4_values, 1)
 /* NVFP4 with AVX-512: a block's two halves (32 values, one Q8_0 block of activations each) in the two
  * 256-bit halves of one vector, each in the AVX2 kernel's byte order (a run's low nibbles 0-7, its high
  * ones 0-7, then those of bytes 8-15), their lanes by VPDPBUSD as MXFP4's above (ggml's lanes exactly),
- * then the AVX2 kernel's two FMAs a block, in its order: its bits */
-AVX512_ALWAYS float nvfp4_avx512(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks) {
+ * then the AVX2 kernel's two FMAs a block, in its order: its bits. A weight row against n (at most
+ * NVFP4_ROWS) input rows y[r] at once, into sums[r]: each block's values and run scales are decoded once
+ * for all of them, and each row's operations are those it takes alone. */
+#define NVFP4_ROWS 4 /* the kernel below takes 1-4 */
+AVX512_ALWAYS void nvfp4_avx512_rows_of(const uint8_t *x, const BlockQ8_0 *const *y, int64_t blocks, const int n, float *sums) {
     const __m512i flip = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
     const __m512i values = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)mxfp4_values)), flip);
     const long long ones = 0x0101010101010101LL; /* qword j: bytes 4 + 16 (j / 4) + 8 (j % 4 / 2).. */
     const __m512i at = _mm512_add_epi8(_mm512_set1_epi64(0x0706050403020100LL),
                                        _mm512_set_epi64(28 * ones, 28 * ones, 20 * ones, 20 * ones, 12 * ones, 12 * ones, 4 * ones, 4 * ones));
     const __m512i shifts = _mm512_maskz_set1_epi16(0xF0F0F0F0u, 4); /* odd qwords: high nibbles */
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[NVFP4_ROWS];
+    for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < blocks / 2; i++, x += 36) {
         prefetch_ahead(x, 36);
         const __m512i raw = _mm512_maskz_loadu_epi8(((__mmask64)1 << 36) - 1, x); /* in the row */
         const __m512i codes = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi8(at, raw), shifts), _mm512_set1_epi8(15));
-        const __m512i q8 = q8_0_pair(y + 2 * i);
-        const __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, q8));
-        const __m512 sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, _mm512_shuffle_epi8(values, codes), q8));
-        const __m256 halves[2] = {_mm512_castps512_ps256(sums), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1))};
-        for (int half = 0; half < 2; half++) {
-            const float d = y[2 * i + half].d;
-            const __m256 scales = _mm256_set_m128(_mm_set1_ps(ue4m3_halves[x[2 * half + 1]] * d), _mm_set1_ps(ue4m3_halves[x[2 * half]] * d));
-            acc = _mm256_fmadd_ps(scales, halves[half], acc);
+        const __m512i w = _mm512_shuffle_epi8(values, codes);
+        const float run_scales[4] = {ue4m3_halves[x[0]], ue4m3_halves[x[1]], ue4m3_halves[x[2]], ue4m3_halves[x[3]]};
+        for (int r = 0; r < n; r++) {
+            const __m512i q8 = q8_0_pair(y[r] + 2 * i);
+            const __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, q8));
+            const __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w, q8));
+            const __m256 halves[2] = {_mm512_castps512_ps256(lanes), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1))};
+            for (int half = 0; half < 2; half++) {
+                const float d = y[r][2 * i + half].d;
+                const __m256 scales = _mm256_set_m128(_mm_set1_ps(run_scales[2 * half + 1] * d), _mm_set1_ps(run_scales[2 * half] * d));
+                acc[r] = _mm256_fmadd_ps(scales, halves[half], acc[r]);
+            }
         }
     }
-    return hsum_lanes(acc);
+    for (int r = 0; r < n; r++) sums[r] = hsum_lanes(acc[r]);
 }
-IQ_ROWS(nvfp4_rows_avx512, AVX512_TARGET, nvfp4_avx512, q8_0, 32, 0)
+
+/* NVFP4's row kernel: every weight row against the matrix's input rows NVFP4_ROWS at a time (the row's
+ * bytes stay in L1 from one batch to the next) */
+AVX512_TARGET static void nvfp4_rows_avx512(const Product *pr, int64_t b, int64_t first, int64_t last) {
+    const int64_t blocks = pr->in_features / 32;
+    for (int64_t m = first; m < last; m++) {
+        const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
+        for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p += NVFP4_ROWS) {
+            const int n = pr->starts[b + 1] - p < NVFP4_ROWS ? (int)(pr->starts[b + 1] - p) : NVFP4_ROWS;
+            const BlockQ8_0 *y[NVFP4_ROWS];
+            float sums[NVFP4_ROWS];
+            for (int r = 0; r < n; r++) y[r] = pr->q8_0 + pr->rows[p + r] * blocks;
+            switch (n) { /* constant counts: the accumulators stay in registers */
+                case 4: nvfp4_avx512_rows_of(row, y, blocks, 4, sums); break;
+                case 3: nvfp4_avx512_rows_of(row, y, blocks, 3, sums); break;
+                case 2: nvfp4_avx512_rows_of(row, y, blocks, 2, sums); break;
+                default: nvfp4_avx512_rows_of(row, y, blocks, 1, sums);
+            }
+            for (int r = 0; r < n; r++) pr->out[(p + r) * pr->out_stride + m] = sums[r];
+        }
+    }
+}
 
 /* IQ4_XS with AVX-512: runs 2j, 2j + 1 of a block in one vector (low, high half), their lanes
  * madd(maddubs(|w|, y negated where w is), scales) as iq4_xs_run's, folded onto eight at the block's end
