@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,9 +17,12 @@ def _status(field: str) -> int:
 
 
 def peak_above(run: Callable[[], object]) -> int:
-    """Bytes `run()` took at its peak above the process's resident set before it (VmHWM, reset)."""
+    """Bytes `run()` took at its peak above the process's resident set before it (VmHWM, reset). Garbage
+    is collected first: an earlier test's model freed by a collection inside `run()` would lower the
+    resident set below the baseline and hide the peak."""
     if not CLEAR_REFS.exists():
         pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak")
+    gc.collect()
     CLEAR_REFS.write_text("5")  # VmHWM back to VmRSS
     before = _status("VmRSS:")
     run()
