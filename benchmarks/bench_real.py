@@ -24,8 +24,8 @@ of the medians beside the tok/s), and for k3stream the decode ms per token, pack
 per token, RAM hit rate, fetch wait, and the bound max(resident decode ms, read bytes / the disk's best
 rate), its bytes those the run read (hint reads no step used included: a wrong hint raises the bound
 with the time it costs), and resident + the reads of experts no hint sent predicted.
-The resident k3stream decodes as `generate` does (its decode program); the streamed runs predict and
-score every kind of expert hint, on the eager forward.
+k3stream decodes as `generate` does (its decode program, the hints it sends logged and scored); with
+`--score-hints` the streamed runs predict and score every kind of expert hint, on the eager forward.
 Per layer kind (KDA, MLA, dense FFN, MoE routed and shared; each run's decode path): ms per
 token, weight bytes read per token, and for the resident run that time (its C mat-vec calls apart, with
 the rate they take the weight bytes at) against bytes / RAM rate, and against the larger of that and
@@ -262,9 +262,9 @@ def run_pair(
     # resident: the warm-up decodes the measured run's tokens too, so both read every weight from RAM
     run_args.warm_decode = name == "resident"
     run_args.ram_rates = name == "resident"  # the RAM rate around the profile (room for its buffer)
-    # resident: the decode `generate` runs (no hint to score: every expert in RAM); streamed: every kind
-    # of hint predicted and scored (`hint_lines`), on the eager forward
-    run_args.score_hints = name != "resident"
+    # the decode `generate` runs; with --score-hints a streamed run predicts and scores every kind of hint
+    # (`hint_lines`), on the eager forward (every expert in RAM, the resident run has none to score)
+    run_args.score_hints = args.score_hints and name != "resident"
     run_args.k3stream_args = ["--ram-mib", str(max(1, ram // MIB)), *args.k3stream_args]
     results: dict[str, Any] = {"name": name, "limit": limit, "ram": ram}
     print(f"{name}: limit {format_size(limit)}, expert budget {format_size(ram)} ...", flush=True)
@@ -553,11 +553,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=16, help="default %(default)s")
     parser.add_argument("--decode-tokens", type=int, default=8, help="default %(default)s")
     parser.add_argument(
-        "--profile-tokens", type=int, default=4, help="eager per-kind decode steps (%(default)s)"
+        "--profile-tokens", type=int, default=4, help="profiled per-kind decode steps (%(default)s)"
     )
     parser.add_argument("--threads", type=int, default=2, help="default %(default)s")
     parser.add_argument("--no-resident", action="store_true", help="skip the resident run")
     parser.add_argument("--k3stream-only", action="store_true", help="skip llama.cpp (to iterate)")
+    parser.add_argument(
+        "--score-hints",
+        action="store_true",
+        help="streamed runs score every kind of expert hint (the eager forward), not only those sent",
+    )
     parser.add_argument("--k3stream-args", default="", help="extra k3stream flags")
     args = parser.parse_args(argv)
     args.k3stream_args = args.k3stream_args.split()
