@@ -15,23 +15,18 @@ from pathlib import Path
 
 import pytest
 from gguf import GGUFReader, GGUFValueType
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import k3stream
+from fuzzing import SMALL, fuzz_settings
 from k3stream.gguf.header import SCALAR_FORMATS, STRING
 from k3stream.gguf.reader import K3Checkpoint
 from pack_helpers import rewritten
 
 MIB = 1 << 20
 UNSIGNED = {1: "B", 2: "H", 4: "I", 8: "Q"}
-SMALL = dict(n_layers=3, n_experts=4, top_k=2)
-FUZZ = settings(
-    max_examples=120,
-    deadline=None,
-    derandomize=True,  # the same examples on every run: CI stays stable
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+FUZZ = fuzz_settings(120)
 
 
 def header_fields(data: bytes) -> list[tuple[str, int, str]]:

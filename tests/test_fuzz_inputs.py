@@ -16,22 +16,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fuzzing import SMALL, fuzz_settings
 from k3stream import LoadOptions
 from k3stream.engine.loading import load_runtime
 from k3stream.pack.builder import BuildOptions, build_pack
 from k3stream.pack.manifest import inventory_sha256
 from pack_helpers import copy_model
 
-SMALL = dict(n_layers=3, n_experts=4, top_k=2)
-FUZZ = settings(
-    max_examples=80,
-    deadline=None,
-    derandomize=True,  # the same examples on every run: CI stays stable
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+FUZZ = fuzz_settings(80)
 DELETE = object()  # a field taken out of the body
 HOSTILE = {
     "string": "x",

@@ -180,15 +180,20 @@ def _program_seconds(
             for (function, args, kept), owner in zip(steps, program.owners, strict=True)
         ]
         try:
-            started = time.perf_counter()
-            for token in tokens:
-                model.decode(state, token)
-            total = time.perf_counter() - started
+            total = _decode_seconds(model, state, tokens)
         finally:
             program.steps = steps
     seconds = dict(clock.seconds)
     seconds["other"] = total - sum(value for kind, value in seconds.items() if kind != "other")
     return seconds, dict(clock.kernel_seconds), total
+
+
+def _decode_seconds(model: Any, state: Any, tokens: list[int]) -> float:
+    """The wall seconds `model` takes to decode `tokens` one at a time into `state`."""
+    started = time.perf_counter()
+    for token in tokens:
+        model.decode(state, token)
+    return time.perf_counter() - started
 
 
 def _kind_of(owner: object | None, shared: set[int]) -> str:
@@ -222,10 +227,7 @@ def _eager_seconds(
         with _clocked(eager=True) as clock:
             for part in bound:  # to the wrapped mat-vecs
                 part.unbind()
-            started = time.perf_counter()
-            for token in tokens:
-                model.decode(state, token)
-            total = time.perf_counter() - started
+            total = _decode_seconds(model, state, tokens)
     finally:
         model.use_program = use_program
         for part in bound:
