@@ -5,9 +5,10 @@
 For each fraction f of the real-dimension slice's routed experts (`bench_real.py`'s slice and memory
 cgroup: the non-expert bytes + f x the expert bytes + --slack, page cache dropped, `--ram-mib` f x the
 experts), one child prefills the 16-token prompt and decodes --decode-tokens tokens on the eager path
-(`bench_real`'s: every hint kind scored), timing the store's calls and every pack read range (issued,
-landed, the reads in flight then), each layer's attention, each MoE layer's routing, shared experts and
-routed experts (fetched and computed). Per token, averaged over the tokens after the first, it prints:
+(as `bench_real --score-hints`: every hint kind scored), timing the store's calls and every pack read
+range (issued, landed, the reads in flight then), each layer's attention, each MoE layer's routing,
+shared experts and routed experts (fetched and computed). Per token, averaged over the tokens after the
+first, it prints:
 
 - each phase of the token (from its start to the first MoE layer's attention, each MoE layer's start ->
   its router -> its routed experts' end, the gaps between) with the time the disk read nothing in it;
@@ -86,7 +87,7 @@ args = parser.parse_args(job["argv"])
 torch.set_num_threads(job["threads"])
 runtime = runtime_from_args(args)
 model, store = runtime.model, runtime.store
-model.score_all_hints = True  # bench_real's decode path: the eager forward
+model.score_all_hints = True  # bench_real --score-hints' decode path: the eager forward
 for layer in model.layers:
     if isinstance(layer.ffn, LatentMoE) and layer.ffn.w.shared is not None:
         shared = layer.ffn.w.shared
