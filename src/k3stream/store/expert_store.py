@@ -187,9 +187,8 @@ class ExpertStore:
         reads leave the CPU idle; the loader then waits for the rest (`wait_for_buffers`). A store
         that serves before they are all made (one used without the loader) goes on making them at the
         lowest priority (nice 19), on the CPU time the compute and the reads leave. The first reads
-        into them (a cold prefill) fault nothing: O_DIRECT reads of the 128-expert real-dimension
-        slice's pack cost 0.25-0.27 s of system time a GB into fresh buffers, 0.03-0.04 into faulted
-        ones (`docs/real-model.md`).
+        into them (a cold prefill) fault nothing: a fresh buffer costs a fault and a zeroed page per
+        4 KiB on the read's first write (`docs/real-model.md`, Read buffers).
         The process holds the tier's budget from the load on, as it would once that many experts
         were read."""
 

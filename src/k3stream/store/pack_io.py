@@ -57,9 +57,9 @@ def _aligned_empty(nbytes: int, huge_pages: bool = False) -> np.ndarray:
     """A new page-aligned uint8 array, a mapping of its own: on small pages (advised against
     transparent huge pages) unless `huge_pages`. NumPy advises its large arrays for huge pages, and
     in a memory cgroup a fresh huge page's fault (zeroing 2 MiB, charging it) in a read cost the cold
-    prefill of the 128-expert real-dimension slice 1.4-1.5 s of system time for 730 MiB of fresh read
-    buffers, against 0.2-0.3 s on small pages (`docs/real-model.md`); a read overwrites every byte
-    anyway."""
+    prefill of the 128-expert real-dimension slice 1.55-1.63 s of system time at 25% of its experts,
+    against 0.38-0.46 s on small pages (`docs/real-model.md`, Read buffers); a read overwrites every
+    byte anyway."""
     mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = "MADV_HUGEPAGE" if huge_pages else "MADV_NOHUGEPAGE"
     if hasattr(mmap, advice):

@@ -29,8 +29,9 @@ class RecycledBuffers:
     (evicted, no view left), at most `keep` of them waiting.
 
     A fresh buffer costs the kernel a page fault and a zeroed page per 4 KiB on its first write and an
-    unmap when freed: measured 0.5-0.8 CPU seconds per GB read with O_DIRECT, against 0.04 into
-    buffers used before (`docs/real-model.md`), CPU the layers computing beside the reads lose. An
+    unmap when freed: measured 0.26-0.36 CPU seconds per GB read with O_DIRECT, against 0.085-0.091
+    into buffers used before (`docs/real-model.md`, Read buffers), CPU the layers computing beside the
+    reads lose. An
     object dies when a read's slot evicts it, just before that read takes a buffer, so the buffers
     waiting are the ones about to be reused, and resident expert bytes never exceed what fresh
     buffers would have reached. Every buffer holds `slot_bytes` (the largest object), aligned and
