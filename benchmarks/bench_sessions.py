@@ -62,19 +62,12 @@ import torch
 
 import k3stream
 from k3stream.engine.chat import ChatTemplate
-from k3stream.engine.prompt_cache import (
-    DEFAULT_EVERY,
-    GIB,
-    MIB,
-    ChunkedPrefill,
-    PrefillChunks,
-    PromptCache,
-    attention_rows_per_token,
-    model_fingerprint,
-)
+from k3stream.engine.chunked_prefill import ChunkedPrefill, PrefillChunks, attention_rows_per_token
+from k3stream.engine.fingerprints import model_fingerprint
+from k3stream.engine.prompt_cache import DEFAULT_EVERY, PromptCache
 from k3stream.engine.tokenizer import Tokenizer
 from k3stream.gguf.reader import K3Checkpoint
-from k3stream.memlimit import format_size, parse_size
+from k3stream.memlimit import GIB, MIB, format_size, parse_size
 from k3stream.quant.kernels import set_row_exact
 from k3stream.server.app import PREFILL_PASS_PROMPTS
 from k3stream.server.scheduler import DEFAULT_PREFILL_CHUNK
