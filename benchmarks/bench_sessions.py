@@ -992,7 +992,7 @@ def timed_serve(trace: str, serve_argv: list[str]) -> int:
     same in every process) and the scheduler thread's CPU clock (on one torch thread, the time of the
     one thread that runs the model, other processes' time not counted)."""
     from k3stream import cli
-    from k3stream.server import app, scheduler
+    from k3stream.server import scheduler, streaming
 
     real_pass, real_step = scheduler.step_together, scheduler.Scheduler._decode_step
     out = open(trace, "w", buffering=1)  # noqa: SIM115 - open while the server runs
@@ -1032,7 +1032,7 @@ def timed_serve(trace: str, serve_argv: list[str]) -> int:
         return real_chunk(data)
 
     scheduler.step_together, scheduler.Scheduler._decode_step = timed_pass, timed_step
-    real_chunk, app._sse_data = app._sse_data, timed_chunk
+    real_chunk, streaming._sse_data = streaming._sse_data, timed_chunk
     return cli.main(serve_argv)
 
 
