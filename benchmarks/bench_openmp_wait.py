@@ -40,13 +40,9 @@ def child(threads: int, repeats: int) -> None:
     """One setting's figures, printed on one line."""
     import torch
 
+    from k3stream.engine.chunked_prefill import ChunkedPrefill, PrefillChunks, attention_rows_per_token
     from k3stream.engine.loading import load_runtime
-    from k3stream.engine.prompt_cache import (
-        ChunkedPrefill,
-        PrefillChunks,
-        PromptCache,
-        attention_rows_per_token,
-    )
+    from k3stream.engine.prompt_cache import PromptCache
     from k3stream.testing.tiny import TinySpec, make_tiny
 
     torch.set_num_threads(threads)

@@ -62,19 +62,12 @@ import torch
 
 import k3stream
 from k3stream.engine.chat import ChatTemplate
-from k3stream.engine.prompt_cache import (
-    DEFAULT_EVERY,
-    GIB,
-    MIB,
-    ChunkedPrefill,
-    PrefillChunks,
-    PromptCache,
-    attention_rows_per_token,
-    model_fingerprint,
-)
+from k3stream.engine.chunked_prefill import ChunkedPrefill, PrefillChunks, attention_rows_per_token
+from k3stream.engine.fingerprints import model_fingerprint
+from k3stream.engine.prompt_cache import DEFAULT_EVERY, PromptCache
 from k3stream.engine.tokenizer import Tokenizer
 from k3stream.gguf.reader import K3Checkpoint
-from k3stream.memlimit import format_size, parse_size
+from k3stream.memlimit import GIB, MIB, format_size, parse_size
 from k3stream.quant.kernels import set_row_exact
 from k3stream.server.app import PREFILL_PASS_PROMPTS
 from k3stream.server.scheduler import DEFAULT_PREFILL_CHUNK
@@ -999,7 +992,7 @@ def timed_serve(trace: str, serve_argv: list[str]) -> int:
     same in every process) and the scheduler thread's CPU clock (on one torch thread, the time of the
     one thread that runs the model, other processes' time not counted)."""
     from k3stream import cli
-    from k3stream.server import app, scheduler
+    from k3stream.server import scheduler, streaming
 
     real_pass, real_step = scheduler.step_together, scheduler.Scheduler._decode_step
     out = open(trace, "w", buffering=1)  # noqa: SIM115 - open while the server runs
@@ -1039,7 +1032,7 @@ def timed_serve(trace: str, serve_argv: list[str]) -> int:
         return real_chunk(data)
 
     scheduler.step_together, scheduler.Scheduler._decode_step = timed_pass, timed_step
-    real_chunk, app._sse_data = app._sse_data, timed_chunk
+    real_chunk, streaming._sse_data = streaming._sse_data, timed_chunk
     return cli.main(serve_argv)
 
 

@@ -15,7 +15,7 @@ import torch
 from k3stream.cli import build_parser
 from k3stream.commands.flags import cache_from_args
 from k3stream.commands.launch import parallel_runtime
-from k3stream.engine.prompt_cache import ChunkedPrefill, PrefillChunks, step_together
+from k3stream.engine.chunked_prefill import ChunkedPrefill, PrefillChunks, step_together
 
 CHUNK = 16  # the KDA chunk (`KDA.chunk_size`)
 STEPS = 3  # decode steps after each prefill

@@ -299,7 +299,8 @@ def snapshot_files(tiny_model, tmp_path_factory):
     import torch
 
     import k3stream
-    from k3stream.engine.prompt_cache import PromptCache, model_fingerprint
+    from k3stream.engine.fingerprints import model_fingerprint
+    from k3stream.engine.prompt_cache import PromptCache
     from k3stream.gguf.reader import K3Checkpoint
 
     path = tiny_model(**SMALL)
@@ -334,7 +335,7 @@ class Saved:
 
 def with_header(data: bytes, key: str, value: object) -> bytes:
     """A snapshot file's bytes with its JSON header's `key` set to `value` (the checksum left as it was)."""
-    from k3stream.engine.prompt_cache import MAGIC
+    from k3stream.engine.snapshot_files import MAGIC
 
     start = len(MAGIC) + 8
     (length,) = struct.unpack("<Q", data[len(MAGIC) : start])
@@ -360,7 +361,8 @@ def test_a_damaged_snapshot_file_is_a_miss_or_the_cold_answer(snapshot_files, da
     """Bits flipped, the file cut, its header length or a header field set to anything: a restarted
     cache starts, and the prompt's logits are the cold ones (a header of token ids past 2^63 raised
     struct.error at the start)."""
-    from k3stream.engine.prompt_cache import MAGIC, PromptCache
+    from k3stream.engine.prompt_cache import PromptCache
+    from k3stream.engine.snapshot_files import MAGIC
 
     model, prompt, files = snapshot_files.model, snapshot_files.prompt, snapshot_files.files
     file = data.draw(st.sampled_from(sorted(files)), label="file")

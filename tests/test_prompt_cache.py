@@ -20,19 +20,13 @@ import xxhash
 
 import k3stream
 from k3stream.engine.cache_folders import TEMPORARY_GRACE, FolderLock, _unheld
-from k3stream.engine.prompt_cache import (
-    MAGIC,
-    MIB,
-    ChunkedPrefill,
-    Entry,
-    PrefillChunks,
-    PromptCache,
-    RadixTree,
-    attention_rows_per_token,
-    file_name,
-    model_fingerprint,
-)
+from k3stream.engine.chunked_prefill import ChunkedPrefill, PrefillChunks, attention_rows_per_token
+from k3stream.engine.fingerprints import model_fingerprint
+from k3stream.engine.prompt_cache import Entry, PromptCache
+from k3stream.engine.radix import RadixTree, common_length
+from k3stream.engine.snapshot_files import MAGIC, SUFFIX, decode, encode, file_name, read_header
 from k3stream.gguf.reader import K3Checkpoint
+from k3stream.memlimit import MIB
 from k3stream.quant.kernels import set_row_exact
 
 
@@ -74,8 +68,6 @@ def test_the_radix_tree_finds_the_deepest_stored_prefix_and_splits_branches():
 def test_the_common_prefix_length_of_token_ids_is_where_they_first_differ():
     import random
 
-    from k3stream.engine.prompt_cache import common_length
-
     rng = random.Random(0)
     for _ in range(3000):
         a = tuple(rng.randint(0, 2) for _ in range(rng.randint(0, 40)))
@@ -86,8 +78,6 @@ def test_the_common_prefix_length_of_token_ids_is_where_they_first_differ():
 
 def test_where_token_ids_branch_off_the_tree_is_their_longest_common_prefix_with_an_entry():
     import random
-
-    from k3stream.engine.prompt_cache import Entry, RadixTree, common_length
 
     rng = random.Random(1)
     for _ in range(300):
@@ -265,8 +255,6 @@ def conversation(model, cache: PromptCache, turns: int, seed: int = 0) -> list[l
 
 
 def headers(directory) -> dict[int, dict]:
-    from k3stream.engine.prompt_cache import read_header
-
     found = [read_header(path, path.parent.name) for path in directory.iterdir()]
     return {len(header["tokens"]): header for header in found}
 
@@ -285,8 +273,6 @@ def test_snapshot_files_of_a_conversation_share_its_latent_rows(model, fingerpri
         assert mla and all(layer[1][0] == longer - shorter for layer in mla)
     whole = PromptCache(model, fingerprint, 64 * MIB)  # each snapshot's file as if it stood alone
     conversation(model, whole, 3)
-    from k3stream.engine.prompt_cache import encode
-
     alone = {
         e.length: sum(map(len, encode(fingerprint, e.tokens, e.snapshot))) for e in whole._tree.entries()
     }
@@ -714,7 +700,6 @@ def test_a_snapshot_file_is_written_from_its_tensors_own_memory(model, fingerpri
     tensors, the checksum taken over them, and the file reads back whole."""
     import numpy as np
 
-    from k3stream.engine.prompt_cache import decode, encode
     from k3stream.model.kda import KDAState
 
     cache = PromptCache(model, fingerprint, 64 * MIB)
@@ -760,7 +745,7 @@ def test_disk_eviction_removes_and_rewrites_files_outside_the_lock(model, finger
     real_unlink, real_write = Path.unlink, prompt_cache.write_bytes_atomic
 
     def unlink(path, missing_ok=False):
-        if path.suffix == prompt_cache.SUFFIX:
+        if path.suffix == SUFFIX:
             free["unlink"].append(lock_is_free())
         real_unlink(path, missing_ok=missing_ok)
 
@@ -918,7 +903,8 @@ WITHOUT_C_KERNELS = """
 import sys
 sys.modules["k3stream.quant.kernels._ggml_cpu"] = None  # an install whose C extension was not built
 import torch, k3stream
-from k3stream.engine.prompt_cache import MIB, PromptCache
+from k3stream.engine.prompt_cache import PromptCache
+from k3stream.memlimit import MIB
 model = k3stream.load(sys.argv[1])
 tokens = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
 cache = PromptCache(model, "no-kernels", 64 * MIB, every=16)

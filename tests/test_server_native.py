@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from k3stream.engine.loading import load_runtime
-from k3stream.engine.prompt_cache import MIB, PromptCache
+from k3stream.engine.prompt_cache import PromptCache
+from k3stream.memlimit import MIB
 from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.guard import GuardConfig
 from k3stream.server.live import ServerThread

@@ -13,10 +13,12 @@ import torch
 
 import k3stream
 from k3stream.commands.report import statistics_lines
+from k3stream.engine.fingerprints import model_fingerprint
 from k3stream.engine.generate import generate
-from k3stream.engine.prompt_cache import MIB, PromptCache, _RowExactUsers, model_fingerprint
+from k3stream.engine.prompt_cache import PromptCache, _RowExactUsers
 from k3stream.engine.sampling import SamplingParams
 from k3stream.gguf.reader import K3Checkpoint
+from k3stream.memlimit import MIB
 from k3stream.quant.kernels import set_row_exact
 from k3stream.server.live import ServerProcess
 from waiting import wait_until
@@ -50,7 +52,7 @@ def test_generate_with_a_cache_reuses_the_last_turn_and_answers_the_same(model, 
 def test_a_cache_of_another_model_is_refused_by_generate_and_a_prefill(model, tiny_model, tokenizer):
     """A cache holds its model's states: `generate` or a prefill on another model of the same shapes
     (another seed) with it is refused in one line, never served that model's state."""
-    from k3stream.engine.prompt_cache import ChunkedPrefill
+    from k3stream.engine.chunked_prefill import ChunkedPrefill
 
     cache = PromptCache(model, "first", 64 * MIB)
     prompt = tokenizer.encode("A prompt cached for the first model")
@@ -291,8 +293,8 @@ def test_timings_count_computed_and_cached_prompt_tokens_as_llama_server(model_p
 def test_the_server_cuts_prompts_by_equal_work_where_the_experts_are_in_ram(model_path):
     """`serve` with resident experts cuts a long prompt into chunks of equal work: a chunk deep in it,
     whose tokens attend over more rows, takes fewer tokens than `--prefill-chunk`."""
+    from k3stream.engine.chunked_prefill import attention_rows_per_token
     from k3stream.engine.loading import load_runtime
-    from k3stream.engine.prompt_cache import attention_rows_per_token
     from k3stream.server.app import ServerConfig, create_app
     from k3stream.server.runtime import served_from_runtime
 
@@ -371,7 +373,7 @@ def test_prompts_that_arrive_together_at_an_idle_server_take_passes_within_the_p
     """Eight prompts queued at once, no sequence decoding: the first pass takes whole prompts, oldest
     first, while their rows fit the memory plan's for a pass (1,024: five of 200 tokens, where their
     work would fit all eight), and no pass holds more; every answer is the prompt's alone."""
-    from k3stream.engine.prompt_cache import attention_rows_per_token
+    from k3stream.engine.chunked_prefill import attention_rows_per_token
 
     generator = torch.Generator().manual_seed(8)
     prompts = [torch.randint(10, 500, (200,), generator=generator).tolist() for _ in range(8)]
@@ -399,8 +401,8 @@ def test_a_running_stream_waits_at_most_one_chunk_between_its_tokens(model, toke
     alone."""
     import asyncio
 
+    from k3stream.engine.chunked_prefill import attention_rows_per_token
     from k3stream.engine.generate import Sequence
-    from k3stream.engine.prompt_cache import attention_rows_per_token
     from k3stream.server.metrics import ServerMetrics
     from k3stream.server.scheduler import EventSink, Job, Scheduler
 

@@ -651,9 +651,10 @@ def cache_from_args(args: argparse.Namespace, model: Any, layout: str = "") -> P
     products row-exact all the same: `keep_row_exact`). Under torchrun every rank
     has one (`layout`: this rank's place, keyed into the fingerprint: a rank's snapshots hold its shard);
     rank 0's model is a `DriverModel`, whose followers snapshot and restore with it."""
+    from k3stream.engine.fingerprints import model_fingerprint
     from k3stream.engine.loading import resolve_model
     from k3stream.engine.parallel.runner import DriverModel
-    from k3stream.engine.prompt_cache import PromptCache, keep_row_exact, model_fingerprint
+    from k3stream.engine.prompt_cache import PromptCache, keep_row_exact
     from k3stream.gguf.shards import discover_shards
 
     check_cache_flags(args)

@@ -246,7 +246,7 @@ def generate(
     """
     params = _within_context(model, len(prompt_ids), params, context)
     if cache is not None:
-        from k3stream.engine.prompt_cache import check_cache_model
+        from k3stream.engine.chunked_prefill import check_cache_model
 
         check_cache_model(cache, model)
     sequence = Sequence(tokenizer, prompt_ids, params, on_text)

@@ -23,27 +23,36 @@ last use. One budget covers every snapshot folder of the disk tier's directory, 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
-import os
-import stat
-import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-import xxhash
 
 from k3stream.engine.cache_folders import FolderLock, Foreign, Removed, trim_directory
-from k3stream.engine.generate import prefill_last
-from k3stream.gguf.layout import is_routed_expert, layer_shapes
+from k3stream.engine.chunked_prefill import ChunkedPrefill, Prefilled
+from k3stream.engine.fingerprints import computation_key
+from k3stream.engine.radix import RadixTree
+from k3stream.engine.snapshot_files import (
+    SUFFIX,
+    check_layers,
+    decode,
+    encode,
+    file_name,
+    joined,
+    parent_of,
+    read_checksum,
+    read_file,
+    read_header,
+    trailing_checksum,
+)
 from k3stream.memlimit import format_size
 from k3stream.model.kda import KDAState
 from k3stream.model.snapshot import (
@@ -51,7 +60,6 @@ from k3stream.model.snapshot import (
     Snapshot,
     StateLayout,
     check_fits,
-    prefill_marked_batch,
     restore,
     restores_exactly,
     state_layout,
@@ -61,56 +69,11 @@ from k3stream.pack.fileio import write_bytes_atomic
 from k3stream.quant.kernels import set_row_exact
 
 if TYPE_CHECKING:
-    from k3stream.gguf.config import K3Config
     from k3stream.model.k3 import K3Model, SequenceState
 
 log = logging.getLogger(__name__)
-MIB, GIB = 1 << 20, 1 << 30
 HALF_LIFE = 64  # cache operations after which a snapshot's score halves
 DEFAULT_EVERY = 1024  # tokens between snapshots inside a prefill (docs/prompt-cache.md: why)
-# what a multiply-add of the MLA attention (a prompt's queries one at a time, as a decode step's) costs
-# in the products' multiply-adds, for `attention_rows_per_token`: chunks of equal work by it took level
-# CPU time along a 4,096-token prompt on bench_sessions' stall model (17-22 ms; deep chunks 1.25x the
-# first with 1)
-ATTENTION_COST = 2.0
-MAGIC = b"K3SNAP02"
-SUFFIX = ".k3snap"
-
-
-@functools.cache
-def code_fingerprint() -> str:
-    """xxh3_64 (hex) of k3stream's own code: every Python file and compiled kernel library of the
-    package (another build computes other bits, or may)."""
-    package = Path(__file__).resolve().parents[1]
-    digest = xxhash.xxh3_64()
-    for path in sorted(p for p in package.rglob("*") if p.suffix in (".py", ".so") and p.is_file()):
-        digest.update(f"{path.relative_to(package)}:".encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def computation_key(model: K3Model) -> str:
-    """How `model` computes, beside its file: k3stream's code, the load options' arithmetic and the
-    integer kernels' instruction set (xxh3_64 hex)."""
-    from k3stream.quant.kernels import cpu
-
-    isa = cpu.isa() if cpu.available() else "none"
-    return xxhash.xxh3_64(f"{code_fingerprint()}|{model.arithmetic}|{isa}".encode()).hexdigest()
-
-
-def model_fingerprint(shards: list[Path]) -> str:
-    """xxh3_64 (hex) of a model's GGUF shards: their sizes, modification times and sampled windows of
-    their bytes. The windows leave most of a large shard unread, so a shard rewritten in place with
-    bytes changed between them (its size kept) differs by its modification time; a renamed shard keeps
-    its fingerprint, a copy made without its time is a miss."""
-    from k3stream.pack.integrity import shard_fingerprint
-
-    digest = xxhash.xxh3_64()
-    for path in shards:
-        stat = os.stat(path)
-        windows = shard_fingerprint(Path(path), 0, stat.st_size)
-        digest.update(f"{stat.st_size}:{stat.st_mtime_ns}:{windows};".encode())
-    return digest.hexdigest()
 
 
 @dataclass
@@ -145,106 +108,6 @@ class Entry:
     @property
     def restorable(self) -> bool:
         return self.snapshot is not None or (self.disk_path is not None and not self.rows_only)
-
-
-@dataclass
-class _Node:
-    edge: tuple[int, ...] = ()
-    children: dict[int, _Node] = field(default_factory=dict)
-    entry: Entry | None = None
-
-
-class RadixTree:
-    """Token-id sequences with an entry each; `deepest(tokens)`: the longest stored prefix of tokens."""
-
-    def __init__(self) -> None:
-        self.root = _Node()
-
-    def insert(self, entry: Entry) -> Entry:
-        """Store `entry` at its tokens (an entry already there stays and is returned)."""
-        node, tokens = self.root, entry.tokens
-        while tokens:
-            child = node.children.get(tokens[0])
-            if child is None:
-                child = node.children[tokens[0]] = _Node(tokens)
-                node, tokens = child, ()
-                break
-            common = common_length(child.edge, tokens)
-            if common < len(child.edge):  # split the edge where the two part
-                middle = _Node(child.edge[:common], {child.edge[common]: child})
-                child.edge = child.edge[common:]
-                node.children[tokens[0]] = middle
-                child = middle
-            node, tokens = child, tokens[common:]
-        if node.entry is None:
-            node.entry = entry
-        return node.entry
-
-    def deepest(
-        self, tokens: tuple[int, ...] | list[int], limit: int, accept: Callable[[Entry], bool] = bool
-    ) -> Entry | None:
-        """The entry of the longest prefix of `tokens` of at most `limit` tokens that `accept`s."""
-        node, depth, best = self.root, 0, None
-        while depth < limit:
-            child = node.children.get(tokens[depth])
-            if child is None or depth + len(child.edge) > limit:
-                break
-            if tuple(tokens[depth : depth + len(child.edge)]) != child.edge:
-                break
-            node, depth = child, depth + len(child.edge)
-            if node.entry is not None and accept(node.entry):
-                best = node.entry
-        return best
-
-    def shared_length(self, tokens: tuple[int, ...] | list[int]) -> int:
-        """How many of `tokens` lead some stored entry's tokens: where `tokens` branch off the tree."""
-        node, depth = self.root, 0
-        while depth < len(tokens) and (child := node.children.get(tokens[depth])) is not None:
-            common = common_length(child.edge, tuple(tokens[depth : depth + len(child.edge)]))
-            depth += common
-            if common < len(child.edge):
-                break
-            node = child
-        return depth
-
-    def remove(self, tokens: tuple[int, ...]) -> None:
-        """Take the entry at `tokens` out (nothing when there is none), and the nodes left empty."""
-        path, node, rest = [self.root], self.root, tokens
-        while rest:
-            node = node.children.get(rest[0])
-            if node is None or tuple(rest[: len(node.edge)]) != node.edge:
-                return
-            path.append(node)
-            rest = rest[len(node.edge) :]
-        node.entry = None
-        for parent, child in zip(reversed(path[:-1]), reversed(path[1:]), strict=True):
-            if child.entry is not None or child.children:
-                break
-            del parent.children[child.edge[0]]
-
-    def entries(self) -> Iterator[Entry]:
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            if node.entry is not None:
-                yield node.entry
-            stack.extend(node.children.values())
-
-
-def common_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the common prefix of two tuples or two lists (a tuple's slice never equals a
-    list's): by slice comparisons (C loops), halving the range where they part, not a Python loop over
-    a conversation's thousands of ids."""
-    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; they part before high (or are equal to it)
-    if a[:high] == b[:high]:
-        return high
-    while high - low > 1:
-        middle = (low + high) // 2
-        if a[low:middle] == b[low:middle]:
-            low = middle
-        else:
-            high = middle
-    return low
 
 
 @dataclass
@@ -288,168 +151,6 @@ def keep_row_exact() -> None:
     _RowExactUsers.enter()
 
 
-def attention_rows_per_token(config: K3Config) -> float:
-    """How many latent rows one token's MLA attention must cover to cost as much as all of its other
-    work (multiply-adds: every matrix of every layer, the routed experts' by top_k / experts, and the
-    KDA recurrence's ~4 D^2 a head; an attention multiply-add counts ATTENTION_COST), by the config's
-    shapes. A prompt token at position i attends over i + 1 rows in each MLA layer but the last, so
-    deep in a long prompt the attention outweighs the rest; a prefill pass sends only its last row
-    (each sequence's) through the last layer's attention, so that layer's rows cost no attention."""
-    per_token, per_row = 0.0, 0.0
-    for layer in range(config.n_layers):
-        for name, shape in layer_shapes(config, layer).items():
-            if len(shape) >= 2:
-                share = config.top_k / config.n_experts if is_routed_expert(name) else 1.0
-                per_token += math.prod(shape) * share
-        if not config.is_mla(layer):
-            per_token += 4 * config.n_heads * config.kda_head_dim**2
-        elif layer < config.n_layers - 1:  # the scores over kv_lora + rope, the context over kv_lora
-            per_row += ATTENTION_COST * config.n_heads * (2 * config.kv_lora + config.qk_rope)
-    return per_token / per_row if per_row else math.inf
-
-
-class PrefillChunks:
-    """Where a chunked prefill cuts its prompts: from where its computation starts (after what the cache
-    restored; never by what runs beside it), each chunk about the work of a prompt's first `tokens`
-    tokens, so a stream running beside waits about one such chunk however deep the prompt is, and a
-    turn of n new tokens takes the fewest chunks that hold them. With `rows_per_token`
-    (`attention_rows_per_token`) a token's work grows with the rows it attends over, and chunks deep in
-    a long prompt take fewer tokens; without, every chunk takes `tokens` (where experts stream from a
-    pack: a pass then costs its expert reads, nearly whatever its tokens, and n new tokens take
-    ceil(n / tokens) passes)."""
-
-    def __init__(self, tokens: int, rows_per_token: float | None = None) -> None:
-        if tokens < 1:
-            raise ValueError(f"--prefill-chunk must be at least 1, got {tokens}")
-        self.tokens = tokens
-        finite = rows_per_token is not None and math.isfinite(rows_per_token)
-        self.rows_per_token = rows_per_token if finite else None
-        self.budget = self.cost(0, tokens)
-
-    def cost(self, start: int, end: int) -> float:
-        """The work of positions start..end - 1, in tokens without attention."""
-        if self.rows_per_token is None:
-            return float(end - start)
-        rows = (end * (end + 1) - start * (start + 1)) / 2  # position i attends over i + 1 rows
-        return end - start + rows / self.rows_per_token
-
-    def next_end(self, position: int, length: int) -> int:
-        """Where the chunk that starts at `position` ends, in a prompt of `length` tokens."""
-        if self.rows_per_token is None:
-            return min(length, position + self.tokens)
-        return min(length, self._end_after(position))
-
-    def _end_after(self, start: int) -> int:
-        """The most positions from `start` whose cost fits the budget (at least one): the root of
-        e^2 + (1 + 2r) e - (start (start + 1) + 2r (start + budget)) = 0, r = rows_per_token."""
-        r = self.rows_per_token
-        linear, constant = 1 + 2 * r, start * (start + 1) + 2 * r * (start + self.budget)
-        end = int((math.sqrt(linear * linear + 4 * constant) - linear) / 2)
-        while self.cost(start, end + 1) <= self.budget:  # the root's rounding, either way
-            end += 1
-        while end > start and self.cost(start, end) > self.budget:
-            end -= 1
-        return max(end, start + 1)
-
-
-def check_cache_model(cache: PromptCache | None, model: Any) -> None:
-    """One line for a cache of another loaded model: its snapshots are that model's states, and its
-    restores build that model's. Told apart by their config object, which a wrapper of the cache's
-    model (a tracer, a rank driver) shares and another load (another file, or the same one loaded again)
-    does not."""
-    if cache is not None and getattr(cache.model, "config", None) is not getattr(model, "config", None):
-        raise ValueError("the prompt cache was made for another model: make one with PromptCache(model, ...)")
-
-
-class ChunkedPrefill:
-    """A prompt's prefill in steps: restored from `cache` (if any) as far as it holds the prompt, then
-    `step(chunks)` runs the next of `chunks`' chunks (cut from where the computation starts, whatever
-    runs beside it). The last step gives the logits; `keep_end()` snapshots the
-    prompt's end, which a server calls once the first token is sent (before the state goes on)."""
-
-    def __init__(
-        self, model: Any, tokens: list[int], cache: PromptCache | None = None, reuse: bool = True
-    ) -> None:
-        check_cache_model(cache, model)
-        self.model, self.tokens, self.cache = model, list(tokens), cache
-        self.logits: torch.Tensor | None = None
-        self._end_unsaved = False  # the prompt's end was computed and is not in the cache yet
-        self.wanted: set[int] = set()  # positions other requests wait to restore (`want_snapshot`)
-        if cache is not None and cache.enabled and reuse:  # `reuse` False: computed whole, still kept
-            self.state, self.reused, self.logits = cache.restore_longest(self.tokens)
-        else:
-            self.state, self.reused = model.new_state(), 0
-        self.position = len(self.tokens) if self.logits is not None else self.reused
-
-    @property
-    def done(self) -> bool:
-        return self.logits is not None
-
-    def next_end(self, chunks: PrefillChunks) -> int:
-        """Where the next of `chunks` ends."""
-        return chunks.next_end(self.position, len(self.tokens))
-
-    def want_snapshot(self, position: int) -> None:
-        """Snapshot the state at `position` (ahead of this prefill, short of its end: the end is kept
-        anyway) in the pass that reaches it, as the cache's own marks are: another request that shares
-        the prompt's first `position` tokens restores it instead of computing them again."""
-        self.wanted.add(position)
-
-    def marks(self, end: int) -> list[int]:
-        """The positions inside the chunk that ends at `end` at which its pass snapshots."""
-        wanted = [mark for mark in self.wanted if self.position < mark < end]
-        return sorted({*self.cache.marks(self.position, end), *wanted})
-
-    def step(self, chunks: PrefillChunks) -> bool:
-        """Prefill the next chunk; whether the prompt is done."""
-        if not self.done:
-            step_together([self], chunks)
-        return self.done
-
-    def advance(self, end: int, logits: torch.Tensor, inside: list[Snapshot]) -> None:
-        """Tokens up to `end` went through the model, `logits` the last one's."""
-        start, self.position = self.position, end
-        cache = self.cache if self.cache is not None and self.cache.enabled else None
-        if cache is not None:
-            cache.note_prefilled(self.tokens, start, end, inside, self.state, end in self.wanted)
-        if end == len(self.tokens):
-            self.logits, self._end_unsaved = logits, cache is not None
-
-    def keep_end(self) -> None:
-        """Snapshot the prompt's end with its last logits (once; nothing where the cache held it whole):
-        call it before the state goes on, after the first token is out where a client waits for it."""
-        if self._end_unsaved:
-            self._end_unsaved = False
-            self.cache.save(self.tokens, self.state, self.logits)
-
-    def run(self, keep_end: bool = True) -> Prefilled:
-        """The whole prefill in one pass (and the snapshot of its end, unless `keep_end` is False: the
-        caller then calls `keep_end()`)."""
-        self.step(PrefillChunks(max(len(self.tokens), 1)))
-        if keep_end:
-            self.keep_end()
-        return Prefilled(self.logits, self.state, self.reused)
-
-
-def step_together(prefills: list[ChunkedPrefill], chunks: PrefillChunks) -> None:
-    """The next chunk of each of `prefills` (one model, one cache or none; none done) in one pass: in
-    each MoE layer the experts any of them routes to are read once."""
-    first = prefills[0]
-    ends = [prefill.next_end(chunks) for prefill in prefills]
-    parts = [prefill.tokens[prefill.position : end] for prefill, end in zip(prefills, ends, strict=True)]
-    states = [prefill.state for prefill in prefills]
-    cache = first.cache if first.cache is not None and first.cache.enabled else None
-    if cache is not None:
-        marks = [prefill.marks(end) for prefill, end in zip(prefills, ends, strict=True)]
-        logits, snapshots = prefill_marked_batch(first.model, states, parts, marks)
-    elif len(prefills) == 1:
-        logits, snapshots = prefill_last(first.model, states[0], parts[0])[None], [[]]
-    else:
-        logits, snapshots = first.model.prefill_batch(states, parts), [[] for _ in prefills]
-    for row, (prefill, end, inside) in enumerate(zip(prefills, ends, snapshots, strict=True)):
-        prefill.advance(end, logits[row], inside)
-
-
 class Peers(Protocol):
     """The other ranks of a model split over processes (`parallel.runner.DriverModel`): each keeps its
     own cache of its shard of the states, told by rank 0 what to snapshot and restore."""
@@ -457,16 +158,6 @@ class Peers(Protocol):
     def save_snapshot(self, state: SequenceState) -> None: ...
 
     def restored(self, state: SequenceState, tokens: list[int]) -> bool: ...
-
-
-@dataclass
-class Prefilled:
-    """What `PromptCache.prefill` returns: the last prompt token's logits, the sequence's live state and
-    how many prompt tokens came from the cache."""
-
-    logits: torch.Tensor
-    state: SequenceState
-    reused: int
 
 
 class PromptCache:
@@ -492,7 +183,7 @@ class PromptCache:
         self.every = every
         self.peers = peers
         self.stats = CacheStats()
-        self._tree = RadixTree()
+        self._tree: RadixTree[Entry] = RadixTree()
         self._lock = threading.RLock()
         self._clock = 0
         self._storages: dict[int, list[int]] = {}  # latent storage -> [references, bytes]
@@ -961,7 +652,7 @@ class PromptCache:
             if kept.disk_parent is not None:  # a file of these tokens written before, replaced
                 kept.disk_parent.disk_children -= 1
             kept.disk_path, kept.disk_bytes = path, _size(parts)
-            kept.disk_checksum, kept.disk_parent = _checksum(parts[-1]), parent
+            kept.disk_checksum, kept.disk_parent = trailing_checksum(parts[-1]), parent
             kept.disk_rows_bytes, kept.rows_only = _rows_bytes(snapshot, reference), False
             kept.disk_logits = snapshot.logits is not None
         self._evict_disk()
@@ -978,7 +669,7 @@ class PromptCache:
                 if path.name != file_name(tokens):  # renamed, or swapped with another
                     raise ValueError("not the file its token ids name")
                 has_logits = any(layer[:1] == ["logits"] for layer in layers)
-                parent_length = _parent_of(header, len(tokens))[0]
+                parent_length = parent_of(header, len(tokens))[0]
                 checksum = header.get("identity") or read_checksum(path)
                 rows_bytes = sum(4 * math.prod(layer[1]) for layer in layers if layer[0] == "mla")
             except (OSError, ValueError, TypeError) as error:
@@ -1075,35 +766,6 @@ def _size(parts: list[bytes | memoryview]) -> int:
     return sum(len(part) for part in parts)
 
 
-def open_regular(path: Path) -> BinaryIO:
-    """`path` opened for reading, or ValueError where it is no regular file: a FIFO's open waits for a
-    writer without end (here it does not wait), a device reads without end (the start's scan of a
-    folder, and a file given to import, take it)."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            raise ValueError("not a regular file")
-        os.set_blocking(descriptor, True)
-        return open(descriptor, "rb")
-    except BaseException:
-        os.close(descriptor)
-        raise
-
-
-def read_file(path: Path) -> bytearray:
-    """A snapshot file's bytes, read into one buffer (the GIL released while the disk reads it; the
-    tensors decoded from it share it, nothing is copied again)."""
-    with open(path, "rb", buffering=0) as stream:  # a file the start's scan found regular, or wrote
-        data = bytearray(os.fstat(stream.fileno()).st_size)
-        view, done = memoryview(data), 0
-        while done < len(data):
-            got = stream.readinto(view[done:])
-            if not got:
-                raise ValueError("truncated while it was read")
-            done += got
-    return data
-
-
 def _on_disk(entry: Entry) -> bool:
     return entry.disk_path is not None and entry.disk_checksum is not None
 
@@ -1116,242 +778,3 @@ def _rows_bytes(snapshot: Snapshot, parent: tuple[int, int] | None) -> int:
     """Bytes of the latent rows a file of `snapshot` holds (past its parent's length)."""
     start = 0 if parent is None else parent[0]
     return sum(4 * (rows.length - start) * rows.buffer.shape[1] for rows in snapshot.latents())
-
-
-def file_name(tokens: tuple[int, ...]) -> str:
-    """A snapshot file's name: a hash of its token ids."""
-    return xxhash.xxh3_128_hexdigest(struct.pack(f"<{len(tokens)}q", *tokens)) + SUFFIX
-
-
-def _checksum(data: bytes | memoryview) -> int:
-    return struct.unpack("<Q", data[-8:])[0]
-
-
-def read_checksum(path: Path) -> int:
-    """A snapshot file's trailing checksum (its children name their parent by it)."""
-    with open_regular(path) as stream:
-        stream.seek(0, os.SEEK_END)
-        if stream.tell() < len(MAGIC) + 16:
-            raise ValueError("not a k3stream snapshot")
-        stream.seek(-8, os.SEEK_END)
-        return _checksum(stream.read(8))
-
-
-def joined(pieces: list[Snapshot]) -> Snapshot:
-    """One snapshot from a file's own (KDA states, logits, its latent rows) and its parents' latent
-    rows, nearest parent first."""
-    if len(pieces) == 1:
-        return pieces[0]
-    own, layers = pieces[0], []
-    for index, layer in enumerate(own.layers):
-        if isinstance(layer, KDAState):
-            layers.append(layer)
-            continue
-        rows = torch.cat([piece.layers[index].rows() for piece in reversed(pieces)])
-        layers.append(LatentRows(rows, rows.shape[0]))
-    return Snapshot(own.length, tuple(layers), own.logits)
-
-
-# ---- the file format -------------------------------------------------------------------------------
-# MAGIC, u64 header length, JSON header {fingerprint, tokens, layers: [[kind, shape...]], parent: [length,
-# identity] (absent: none), identity and rows_only (a file trimmed to its rows: its KDA layers ["kda"]
-# without shapes, no logits)}, the tensors' float32 bytes in layer order (an MLA layer's rows from the
-# parent's length on), then the xxh3_64 of everything before it (u64). A file's identity, which its
-# children name, is that checksum of its first writing (`identity` in the header once trimmed).
-
-
-def encode(
-    fingerprint: str,
-    tokens: tuple[int, ...],
-    snapshot: Snapshot,
-    parent: tuple[int, int] | None = None,
-    start: int | None = None,
-    identity: int | None = None,
-) -> list[bytes | memoryview]:
-    """A snapshot file's bytes, in parts: the header's, a view of each tensor's own memory (nothing
-    copied while the GIL is held: a writer thread then never stops the scheduler) and the checksum's;
-    with a `parent` (the length and identity of a file of a prefix of `tokens`), only the latent rows
-    past it (from `start` of the snapshot's rows: default the parent's length). A snapshot whose KDA
-    layers are None is a rows-only file of `identity`."""
-    start = (0 if parent is None else parent[0]) if start is None else start
-    tensors = list(_tensors(snapshot, start))
-    layers = [
-        ["kda", list(layer.conv.shape), list(layer.recurrent.shape)]
-        if isinstance(layer, KDAState)
-        else ["kda"]
-        if layer is None
-        else ["mla", [layer.length - start, layer.buffer.shape[1]]]
-        for layer in snapshot.layers
-    ]
-    if snapshot.logits is not None:
-        layers.append(["logits", list(snapshot.logits.shape)])
-    fields = {"fingerprint": fingerprint, "tokens": list(tokens), "layers": layers}
-    if parent is not None:
-        fields["parent"] = list(parent)
-    if any(layer is None for layer in snapshot.layers):
-        fields["rows_only"], fields["identity"] = True, identity
-    header = json.dumps(fields).encode()
-    parts = [
-        MAGIC,
-        struct.pack("<Q", len(header)),
-        header,
-        *(memoryview(t.contiguous().numpy()).cast("B") for t in tensors),
-    ]
-    digest = xxhash.xxh3_64()
-    for part in parts:
-        digest.update(part)  # the GIL released over a large part
-    return [*parts, struct.pack("<Q", digest.intdigest())]
-
-
-def _tensors(snapshot: Snapshot, start: int) -> Iterator[torch.Tensor]:
-    for layer in snapshot.layers:
-        if isinstance(layer, KDAState):
-            yield from (layer.conv, layer.recurrent)
-        elif layer is not None:
-            yield layer.rows()[start:]
-    if snapshot.logits is not None:
-        yield snapshot.logits
-
-
-def read_header(path: Path, fingerprint: str) -> dict[str, Any]:
-    with open_regular(path) as stream:
-        head = stream.read(len(MAGIC) + 8)
-        if len(head) < len(MAGIC) + 8 or head[: len(MAGIC)] != MAGIC:
-            raise ValueError("not a k3stream snapshot")
-        (length,) = struct.unpack("<Q", head[len(MAGIC) :])
-        header = _parse_header(stream.read(min(length, 1 << 34)), length)
-    if header.get("fingerprint") != fingerprint:
-        raise ValueError("a snapshot of another model file")
-    return header
-
-
-def _parse_header(raw: bytes, length: int) -> dict[str, Any]:
-    if len(raw) != length:
-        raise ValueError("truncated header")
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"unreadable header ({error})") from None
-    if not isinstance(header, dict) or not isinstance(tokens := header.get("tokens"), list):
-        raise ValueError("header without token ids")
-    if not all(type(token) is int and 0 <= token < 1 << 63 for token in tokens):  # a file name packs them
-        raise ValueError("header with token ids that are not integers in 0..2^63-1")
-    layers = header.get("layers", [])
-    if not isinstance(layers, list) or not all(map(_is_layer, layers)):
-        raise ValueError("malformed layer list in the header")
-    return header
-
-
-LAYER_SHAPES = {"kda": (0, 2), "mla": (1,), "logits": (1,)}  # a header layer's kind -> its shape counts
-
-
-def check_layers(layers: list[list[Any]], layout: StateLayout, rows_only: bool) -> None:
-    """A header's layer list (`_is_layer`'s) against the model's `layout`: one line naming the field
-    that does not fit (another model's dimensions or layer count, or a hand-edited header, whose file
-    passes its checksum). Only a rows-only file has KDA layers without shapes."""
-    logits = [index for index, layer in enumerate(layers) if layer[0] == "logits"]
-    if logits not in ([], [len(layers) - 1]) or len(layers) - len(logits) != len(layout.layers):
-        raise ValueError(
-            f"header field layers: {len(layers) - len(logits)} layer states and {len(logits)} logits "
-            f"where this model has {len(layout.layers)} layers and logits last"
-        )
-    for index, (saved, expected) in enumerate(zip(layers[: len(layout.layers)], layout.layers, strict=True)):
-        field = f"header field layers[{index}]"
-        if saved[0] != expected[0]:
-            raise ValueError(f"{field}: {saved[0]} where this model's layer {index} is {expected[0]}")
-        if saved[0] == "mla" and (len(saved[1]) != 2 or saved[1][1] != expected[1]):
-            raise ValueError(
-                f"{field}: mla rows of shape {saved[1]} where this model's are {expected[1]} wide"
-            )
-        if saved[0] == "kda" and saved[1:] != list(expected[1:]) and not (rows_only and len(saved) == 1):
-            shapes = " and ".join(map(str, expected[1:]))
-            raise ValueError(f"{field}: kda states of shapes {saved[1:]} where this model's are {shapes}")
-    if logits and layers[-1][1] != [layout.vocab]:
-        raise ValueError(
-            f"header field layers[{logits[0]}]: logits of shape {layers[-1][1]} where this model's are "
-            f"[{layout.vocab}]"
-        )
-
-
-def _is_layer(layer: Any) -> bool:
-    """A header's layer: its kind, then as many shapes (lists of counts) as the kind has."""
-    if not isinstance(layer, list) or not layer or not isinstance(layer[0], str):
-        return False
-    if len(layer) - 1 not in LAYER_SHAPES.get(layer[0], ()):
-        return False
-    return all(_is_shape(shape) for shape in layer[1:])
-
-
-def _is_shape(shape: Any) -> bool:
-    return isinstance(shape, list) and all(type(count) is int and count >= 0 for count in shape)
-
-
-def _parent_of(header: dict[str, Any], length: int) -> tuple[int, int]:
-    """The parent a header names: its length and checksum ((0, 0): none)."""
-    parent = header.get("parent")
-    if parent is None:
-        return 0, 0
-    if not (isinstance(parent, list) and len(parent) == 2 and all(isinstance(v, int) for v in parent)):
-        raise ValueError("malformed parent reference")
-    if not 0 < parent[0] < length:
-        raise ValueError(f"a parent of {parent[0]} tokens for a snapshot of {length}")
-    return parent[0], parent[1]
-
-
-def decode(
-    data: bytes | bytearray, fingerprint: str, tokens: tuple[int, ...], layout: StateLayout
-) -> tuple[Snapshot, tuple[int, int], int]:
-    """A snapshot from a file's bytes, checked (checksum, fingerprint, token ids, layer shapes against
-    the model's `layout`), its parent's length and identity ((0, 0): none) and its own identity; with a
-    parent, its MLA layers hold the rows past the parent's length only; a rows-only file's KDA layers
-    are None."""
-    try:
-        return _decode(data, fingerprint, tokens, layout)
-    except (TypeError, KeyError, RuntimeError) as error:  # a header that passed its checksum, but odd
-        raise ValueError(f"malformed snapshot header ({error})") from None
-
-
-def _decode(
-    data: bytes | bytearray, fingerprint: str, tokens: tuple[int, ...], layout: StateLayout
-) -> tuple[Snapshot, tuple[int, int], int]:
-    if len(data) < len(MAGIC) + 16 or data[: len(MAGIC)] != MAGIC:
-        raise ValueError("not a k3stream snapshot")
-    data = data if isinstance(data, bytearray) else bytearray(data)  # the tensors share its memory
-    body, (checksum,) = memoryview(data)[:-8], struct.unpack("<Q", data[-8:])
-    if xxhash.xxh3_64_intdigest(body) != checksum:
-        raise ValueError("checksum mismatch (truncated or corrupt)")
-    (length,) = struct.unpack("<Q", body[len(MAGIC) : len(MAGIC) + 8])
-    start = len(MAGIC) + 8
-    header = _parse_header(bytes(body[start : start + length]), length)
-    if header.get("fingerprint") != fingerprint or tuple(header["tokens"]) != tokens:
-        raise ValueError("a snapshot of another model or prompt")
-    parent = _parent_of(header, len(tokens))
-    check_layers(header.get("layers", []), layout, bool(header.get("rows_only")))
-    offset, layers, logits = start + length, [], None
-    for kind, *shapes in header.get("layers", []):
-        tensors = []
-        for shape in shapes:
-            count = math.prod(shape)
-            chunk = body[offset : offset + 4 * count]
-            if len(chunk) != 4 * count:
-                raise ValueError("tensor data shorter than its header says")
-            tensors.append(torch.frombuffer(chunk, dtype=torch.float32).view(shape))
-            offset += 4 * count
-        if kind == "logits":
-            logits = tensors[0]
-        elif kind == "kda":
-            layers.append(KDAState(*tensors) if tensors else None)
-        else:
-            layers.append(LatentRows(tensors[0], shapes[0][0]))
-    if offset != len(body):
-        raise ValueError("tensor data longer than its header says")
-    latents = {layer.length for layer in layers if isinstance(layer, LatentRows)}
-    if latents - {len(tokens) - parent[0]}:
-        raise ValueError("latent rows do not fit the snapshot's tokens and parent")
-    identity = header.get("identity", checksum) if header.get("rows_only") else checksum
-    if not isinstance(identity, int):
-        raise ValueError("malformed identity")
-    return Snapshot(len(tokens), tuple(layers), logits), parent, identity
-
-
-# ---- flags -------------------------------------------------------------------------------------------

@@ -5,11 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import os
 import threading
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,40 +16,35 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from k3stream.engine.prompt_cache import attention_rows_per_token
+from k3stream.engine.chunked_prefill import attention_rows_per_token
 from k3stream.server.bodies import parse_body
 from k3stream.server.endpoints_llama import llama_router
 from k3stream.server.errors import APIError, invalid_request, redact_paths, shaped_for
 from k3stream.server.guard import Guard, GuardConfig, HeadAsGet, cors_options
-from k3stream.server.kimi_output import Piece, joined
 from k3stream.server.messages import messages_router
 from k3stream.server.metrics import ServerMetrics
 from k3stream.server.native import native_router
+from k3stream.server.openai_chunks import ChatChunks, CompletionChunks
 from k3stream.server.prompt_reuse import register_cache_metrics
-from k3stream.server.request_logic import TokenConstraint, TokenLogprob
+from k3stream.server.request_logic import TokenConstraint
 from k3stream.server.responses import responses_router
 from k3stream.server.routes import ANTHROPIC_ENDPOINTS, LLAMA_ENDPOINTS
 from k3stream.server.runtime import ChatPrompt, ServedModel
 from k3stream.server.scheduler import (
     DEFAULT_PREFILL_CHUNK,
     DEFAULT_SHARE_TOKENS,
-    ErrorEvent,
-    Event,
     EventSink,
-    FinishEvent,
     Job,
-    PieceEvent,
-    ProgressEvent,
     QueueFull,
     Scheduler,
-    request_timings,
 )
 from k3stream.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from k3stream.server.slots import SlotTable, slots_router
+from k3stream.server.streaming import Stream
 from k3stream.server.webui import webui_router
 
 KNOWN_ENDPOINTS = frozenset(
@@ -75,9 +67,6 @@ KNOWN_ENDPOINTS = frozenset(
 UNHEALTHY_AFTER = 3
 # threads that tokenize prompts and render chat templates, off the event loop
 TOKENIZER_THREADS = 2
-# the status of a request whose client left before its answer (nginx's "client closed request"): never
-# sent, but counted by /metrics apart from the server's failures
-CLIENT_CLOSED_REQUEST = 499
 
 
 # Chunks one prefill pass holds, the rows the memory plan sizes its buffers for: where experts stream from
@@ -344,7 +333,7 @@ class Endpoints:
         jobs = self.submit_prompts(
             body, [(tokens, None) for tokens in prompts], body.token_limit(), top=body.logprobs
         )
-        makers = _CompletionChunks.for_choices(self.served.name, jobs, body.timings_per_token)
+        makers = CompletionChunks.for_choices(self.served.name, jobs, body.timings_per_token)
         stream = self.stream(jobs, makers, body)
         return await stream.respond(request, body.stream, body.include_usage())
 
@@ -358,7 +347,7 @@ class Endpoints:
         return await self.answer_chat(
             request,
             body,
-            lambda jobs: _ChatChunks.for_choices(self.served.name, jobs, body.timings_per_token),
+            lambda jobs: ChatChunks.for_choices(self.served.name, jobs, body.timings_per_token),
         )
 
     async def chat_input_tokens(self, request: Request) -> dict[str, Any]:
@@ -528,327 +517,6 @@ class Endpoints:
             )
         room = ctx - prompt_len
         return room if limit is None else min(limit, room)
-
-
-class Stream:
-    """One request's events (of each of its choices), as a server-sent event stream or as one JSON body."""
-
-    def __init__(
-        self,
-        jobs: list[Job],
-        scheduler: Scheduler,
-        chunks: Sequence[Any],
-        keepalive_s: float | None = 15.0,  # None: no keep-alive comments
-        progress: bool = False,
-        on_finish: Callable[[Job], None] | None = None,
-    ) -> None:
-        self.jobs = jobs
-        self.queue = jobs[0].sink.queue  # the choices share it
-        self.scheduler = scheduler
-        self.chunks = chunks  # the response's shapes, one per job (`_Chunks`, `native.NativeResult`)
-        self.keepalive_s = keepalive_s
-        self.progress = progress  # send the prefill's progress events (llama-server's return_progress)
-        self.on_finish = on_finish
-
-    def cancel(self) -> None:
-        for job in self.jobs:
-            job.cancel()
-        self.scheduler.wake()
-
-    async def respond(self, request: Request, stream: bool, include_usage: bool) -> Response:
-        if stream:
-            return StreamingResponse(
-                self._sse(include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
-        return await self._whole(request)
-
-    async def _sse(self, include_usage: bool) -> AsyncIterator[str]:
-        try:
-            for chunks in self.chunks:
-                if (first := chunks.first()) is not None:
-                    yield _framed(first)
-            finished: dict[int, FinishEvent] = {}
-            while len(finished) < len(self.jobs):
-                try:
-                    choice, event = await asyncio.wait_for(self.queue.get(), self.keepalive_s)
-                except TimeoutError:
-                    yield ": keep-alive\n\n"
-                    continue
-                if isinstance(event, ProgressEvent):
-                    if self.progress:
-                        yield _framed(self.chunks[choice].progress(event))
-                elif isinstance(event, PieceEvent):
-                    yield _framed(self.chunks[choice].piece(event.piece))
-                elif isinstance(event, FinishEvent):
-                    self._finished(choice)
-                    yield _framed(self.chunks[choice].last(event.reason))
-                    finished[choice] = event
-                else:
-                    yield self.chunks[0].error(_event_error(event)).sse()
-                    break
-            else:
-                if include_usage:
-                    usage_chunk = self.chunks[0].usage_only(_usage(self.jobs, finished))
-                    yield _sse_data({**usage_chunk, "timings": request_timings(self.jobs)})
-            yield self.chunks[0].done_line
-        finally:
-            self.cancel()  # a no-op for a finished job; frees the sequences of a client that left
-
-    async def _whole(self, request: Request) -> Response:
-        answers: list[list[Piece]] = [[] for _ in self.jobs]  # each choice's pieces, in order
-        finished: dict[int, FinishEvent] = {}
-        watcher = asyncio.create_task(_watch_disconnect(request))
-        try:
-            while len(finished) < len(self.jobs):
-                got = await self._next_event(watcher)
-                if got is None:  # the client left
-                    return Response(status_code=CLIENT_CLOSED_REQUEST)
-                choice, event = got
-                if isinstance(event, ProgressEvent):
-                    continue
-                if isinstance(event, PieceEvent):
-                    answers[choice].append(event.piece)
-                elif isinstance(event, FinishEvent):
-                    self._finished(choice)
-                    finished[choice] = event
-                else:
-                    return self.chunks[0].error(_event_error(event)).response()
-            choices = [
-                c.whole_choice(p, finished[c.index].reason) for c, p in zip(self.chunks, answers, strict=True)
-            ]
-            usage = _usage(self.jobs, finished)
-            return JSONResponse(self.chunks[0].whole(choices, usage, request_timings(self.jobs)))
-        finally:
-            watcher.cancel()
-            self.cancel()
-
-    def _finished(self, choice: int) -> None:
-        if self.on_finish is not None:
-            self.on_finish(self.jobs[choice])
-
-    async def _next_event(self, watcher: asyncio.Task) -> tuple[int, Event] | None:
-        """The next `(choice, event)`; None once `watcher` saw the client go."""
-        getter = asyncio.ensure_future(self.queue.get())
-        await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if getter.done():
-            return getter.result()
-        getter.cancel()
-        return None
-
-
-async def _watch_disconnect(request: Request) -> None:
-    """Returns when the client of a request whose body was read has disconnected."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _usage(jobs: list[Job], finished: dict[int, FinishEvent]) -> dict[str, Any]:
-    """A request's usage from its choices' finish events (by choice): each prompt counted once, by
-    its first choice (the others are that one's forks); `reasoning_tokens` the tokens generated inside
-    think blocks."""
-    forks = {fork for job in jobs for fork in job.forks}
-    firsts = [finished[index] for index, job in enumerate(jobs) if job not in forks]
-    prompt_tokens = sum(event.prompt_tokens for event in firsts)
-    completion_tokens = sum(event.completion_tokens for event in finished.values())
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": sum(event.cached_tokens for event in firsts)},
-        "completion_tokens_details": {"reasoning_tokens": sum(job.logic.reasoning_tokens for job in jobs)},
-    }
-
-
-def _event_error(event: ErrorEvent) -> APIError:
-    """A failed choice's error: a 400 naming the field where the request was at fault, else a 500."""
-    if event.param is not None:
-        return invalid_request(event.message, param=event.param)
-    return APIError(500, event.message, type="server_error")
-
-
-def _sse_data(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def _framed(payload: dict[str, Any] | str) -> str:
-    """A maker's payload as stream text: a JSON chunk as one `data:` line; text (events a maker
-    frames itself, `messages.MessageShapes`) as it is."""
-    return payload if isinstance(payload, str) else _sse_data(payload)
-
-
-class _Chunks:
-    """Response bodies of one endpoint; ids and timestamps are fixed per request."""
-
-    object_whole: str
-    object_chunk: str
-    id_prefix: str
-    done_line = "data: [DONE]\n\n"  # the stream's last line
-
-    def __init__(self, model: str, job: Job, index: int = 0, ident: str = "", created: int = 0) -> None:
-        self.model = model
-        self.job = job  # the choice's
-        self.index = index  # the choice
-        self.id = ident or f"{self.id_prefix}-{uuid.uuid4().hex}"
-        self.created = created or int(time.time())
-        self.timings_per_token = False  # llama-server's: each streamed piece carries `timings` so far
-
-    @classmethod
-    def for_choices(cls, model: str, jobs: list[Job], timings_per_token: bool = False) -> list[_Chunks]:
-        """One maker per choice (job), all with the request's id and timestamp."""
-        first = cls(model, jobs[0])
-        rest = enumerate(jobs[1:], start=1)
-        makers = [first, *(cls(model, job, index, first.id, first.created) for index, job in rest)]
-        for maker in makers:
-            maker.timings_per_token = timings_per_token
-        return makers
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def progress(self, event: ProgressEvent) -> dict[str, Any]:
-        """A chunk with no choices and llama-server's `prompt_progress`."""
-        return {**self._envelope(self.object_chunk, []), "prompt_progress": event.as_json()}
-
-    def usage_only(self, usage: dict[str, Any]) -> dict[str, Any]:
-        return {**self._envelope(self.object_chunk, []), "usage": usage}
-
-    def whole(
-        self, choices: list[dict[str, Any]], usage: dict[str, Any], timings: dict[str, float]
-    ) -> dict[str, Any]:
-        return {**self._envelope(self.object_whole, choices), "usage": usage, "timings": timings}
-
-    def error(self, error: APIError) -> APIError:
-        return error
-
-    def whole_choice(self, pieces: list[Piece], reason: str) -> dict[str, Any]:
-        return {"index": self.index, **self._whole_choice(joined(pieces), reason)}
-
-    def first(self) -> dict[str, Any]:
-        return self._envelope(self.object_chunk, [self._delta_choice(self._opening(), None)])
-
-    def piece(self, piece: Piece) -> dict[str, Any]:
-        chunk = self._envelope(self.object_chunk, [self._delta_choice(self._text(piece), None)])
-        if self.timings_per_token:
-            chunk["timings"] = request_timings([self.job])
-        return chunk
-
-    def last(self, reason: str) -> dict[str, Any]:
-        return self._envelope(self.object_chunk, [self._delta_choice(self._text(Piece()), reason)])
-
-    def _delta_choice(self, content: dict[str, Any], reason: str | None) -> dict[str, Any]:
-        return {"index": self.index, "logprobs": None, **content, "finish_reason": reason}
-
-    def _opening(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _text(self, piece: Piece) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-class _CompletionChunks(_Chunks):
-    object_whole = object_chunk = "text_completion"
-    id_prefix = "cmpl"
-
-    def __init__(self, model: str, job: Job, index: int = 0, ident: str = "", created: int = 0) -> None:
-        super().__init__(model, job, index, ident, created)
-        self._offset = 0  # characters of token text before the next token, for `text_offset`
-
-    def _opening(self) -> dict[str, Any]:
-        return {"text": ""}
-
-    def _text(self, piece: Piece) -> dict[str, Any]:
-        return {"text": piece.content, "logprobs": self._logprobs(piece.logprobs)}
-
-    def _whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
-        logprobs = self._logprobs(total.logprobs)
-        return {"text": total.content, "logprobs": logprobs, "finish_reason": reason, **self._timings()}
-
-    def last(self, reason: str) -> dict[str, Any]:
-        chunk = super().last(reason)
-        chunk["choices"][0].update(self._timings())
-        return chunk
-
-    def _timings(self) -> dict[str, Any]:
-        """The choice's own `timings` (its prompt's prefill, its decoding), as llama-server gives each
-        prompt of a list its own result with them; the response's `timings` add up every prompt's."""
-        return {"timings": request_timings([self.job])}
-
-    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
-        """The completions API's logprobs object (None without logprobs)."""
-        if not entries:
-            return None
-        offsets = []
-        for entry in entries:
-            offsets.append(self._offset)
-            self._offset += len(entry.token)
-        return {
-            "tokens": [entry.token for entry in entries],
-            "token_logprobs": [entry.logprob for entry in entries],
-            "top_logprobs": [_top_dict(entry) for entry in entries],
-            "text_offset": offsets,
-        }
-
-
-class _ChatChunks(_Chunks):
-    object_whole = "chat.completion"
-    object_chunk = "chat.completion.chunk"
-    id_prefix = "chatcmpl"
-
-    def _opening(self) -> dict[str, Any]:
-        return {"delta": {"role": "assistant", "content": ""}}
-
-    def last(self, reason: str) -> dict[str, Any]:
-        """The choice's finish chunk, with its `timings`, as llama-server's last chunk carries them (a
-        stream without `include_usage` has no usage chunk to carry them)."""
-        return {**super().last(reason), "timings": request_timings([self.job])}
-
-    def _text(self, piece: Piece) -> dict[str, Any]:
-        delta: dict[str, Any] = {}
-        if piece.content:
-            delta["content"] = piece.content
-        if piece.reasoning:
-            delta["reasoning_content"] = piece.reasoning
-        if piece.tool_calls:
-            delta["tool_calls"] = [call.openai() for call in piece.tool_calls]
-        return {"delta": delta, "logprobs": _chat_logprobs(piece.logprobs)}
-
-    def _whole_choice(self, total: Piece, reason: str) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": total.content}
-        if total.reasoning:
-            message["reasoning_content"] = total.reasoning
-        if total.tool_calls:
-            message["content"] = total.content or None
-            message["tool_calls"] = [_without_index(call.openai()) for call in total.tool_calls]
-        logprobs = _chat_logprobs(total.logprobs)
-        return {"message": message, "logprobs": logprobs, "finish_reason": reason}
-
-
-def _top_dict(sampled: TokenLogprob) -> dict[str, float]:
-    """OpenAI's `{token text: logprob}` of the likeliest tokens and the sampled one (up to N+1, as
-    OpenAI's and vLLM's); of tokens with the same text, the most likely one."""
-    listed: dict[str, float] = {}
-    for entry in [*sampled.top, sampled]:
-        listed.setdefault(entry.token, entry.logprob)
-    return listed
-
-
-def _chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any] | None:
-    return {"content": [entry.openai() for entry in entries]} if entries else None
-
-
-def _without_index(call: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in call.items() if key != "index"}
 
 
 def _add_error_handlers(app: FastAPI) -> None:

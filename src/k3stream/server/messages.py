@@ -261,7 +261,7 @@ def stop_reason(reason: str, stop_word: str, context_full: bool) -> str:
 
 
 class MessageShapes:
-    """The Anthropic shapes of one answer (`app.Stream` sends them): its events as it streams, framed
+    """The Anthropic shapes of one answer (`streaming.Stream` sends them): its events as it streams, framed
     here (`event:` and `data:` lines), or the whole message."""
 
     done_line = ""  # the stream ends with `message_stop`

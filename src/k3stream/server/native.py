@@ -177,7 +177,7 @@ def _one_prompt(items: list[Any]) -> bool:
 
 
 class NativeResult:
-    """The response shapes of one prompt of a `/completion` request (`app.Stream` sends them)."""
+    """The response shapes of one prompt of a `/completion` request (`streaming.Stream` sends them)."""
 
     done_line = ""  # llama-server ends a native stream without `[DONE]`
 

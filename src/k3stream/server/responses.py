@@ -507,9 +507,9 @@ def _call_item(call: ToolCall, custom: bool, namespace: str | None) -> dict[str,
 
 
 class ResponseShapes:
-    """The Responses API shapes of one answer (`app.Stream` sends them): its events as it streams, framed
-    here (`event:` and `data:` lines), or the whole response object. Both build the output items the
-    same way (the whole answer is taken run by run, in the order the stream sends them)."""
+    """The Responses API shapes of one answer (`streaming.Stream` sends them): its events as it streams,
+    framed here (`event:` and `data:` lines), or the whole response object. Both build the output items
+    the same way (the whole answer is taken run by run, in the order the stream sends them)."""
 
     done_line = ""  # the stream ends with `response.completed` or `response.incomplete`
     index = 0  # the one choice

@@ -31,14 +31,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from k3stream.engine.chunked_prefill import ChunkedPrefill, PrefillChunks, step_together
 from k3stream.engine.generate import prefill_last
-from k3stream.engine.prompt_cache import (
-    ChunkedPrefill,
-    PrefillChunks,
-    PromptCache,
-    common_length,
-    step_together,
-)
+from k3stream.engine.prompt_cache import PromptCache
+from k3stream.engine.radix import common_length
 from k3stream.quant.kernels.cpu import release_openmp_workers
 from k3stream.server.metrics import ServerMetrics
 
@@ -274,7 +270,7 @@ class Scheduler:
         # a cache)
         sharing = cache is not None and cache.enabled and cache.snapshots_anywhere
         self.share_tokens = share_tokens if sharing else 0
-        # where prompts are cut (`attention_rows`: `prompt_cache.attention_rows_per_token`, or None for
+        # where prompts are cut (`attention_rows`: `chunked_prefill.attention_rows_per_token`, or None for
         # chunks of `prefill_chunk` tokens)
         self.chunks = PrefillChunks(prefill_chunk, attention_rows)
         # the work one prefill pass may take from several requests' chunks, as `prefill_pass` tokens at a
