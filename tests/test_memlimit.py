@@ -644,6 +644,45 @@ def test_a_prefill_pass_stays_inside_the_working_buffers_its_plan_holds(tiny_mod
     assert 0 < peak <= needs.working_bytes, (peak / MIB, needs.working_bytes / MIB)
 
 
+# a streamed pass and decode steps measured in a process of their own (`_peaks_apart`)
+STREAMED_PEAKS = """
+import json
+import sys
+
+sys.path.insert(0, sys.argv[4])
+from k3stream.engine.loading import load_runtime
+from k3stream.memlimit import pin_malloc_mmap_threshold
+from k3stream.model.options import LoadOptions
+from memory_peak import peak_above
+from test_memlimit import _pass_peak
+
+pin_malloc_mmap_threshold()
+options = LoadOptions(expert_ram_mib=float(sys.argv[2]), prefetch=sys.argv[3] == "1")
+runtime = load_runtime(sys.argv[1], options)
+model, store = runtime.model, runtime.store
+peak = _pass_peak(model)
+state = model.new_state()
+model.prefill_last(state, list(range(1, 9)))
+decode = peak_above(lambda: [model.decode(state, token) for token in range(1, 5)])
+stats = store.stats()
+print(json.dumps({"pass": peak, "decode": decode, "per_fetch": store.max_experts_per_fetch, "stats": stats}))
+runtime.close()
+"""
+
+
+def _peaks_apart(script: str, *args: str) -> str:
+    """What `script` prints, run with `args` and the tests' folder in a process of its own: in a test
+    worker's process, memory an earlier test freed can serve a whole measured call, whose peak above
+    the start then reads 0."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", script, *args, str(Path(__file__).parent)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_a_streamed_pass_and_decode_stay_inside_their_plan_and_near_it(tiny_model, tmp_path, prefetch):
     """PRODUCTS_HEAVY streamed from its pack through a budget of four top-k working sets: a 2,048-row
@@ -652,38 +691,33 @@ def test_a_streamed_pass_and_decode_stay_inside_their_plan_and_near_it(tiny_mode
     at most a one-row forward's; and every read buffer the store makes is one of its slots (a group's
     views alive through the next fetch would keep its evicted experts' buffers, and the fetch's reads
     would make new ones beside the budget)."""
-    import torch
+    import json
 
-    from k3stream.engine.loading import load_runtime
-    from k3stream.memlimit import Forward, pin_malloc_mmap_threshold, working_bytes
-    from k3stream.model.options import LoadOptions
+    from k3stream.memlimit import Forward, working_bytes
     from k3stream.pack.builder import build_pack
     from k3stream.pack.reader import ExpertPack
-    from memory_peak import peak_above
     from pack_helpers import copy_model
 
     path = copy_model(tiny_model(recipe="audited", context_length=4096, **PRODUCTS_HEAVY), tmp_path)
     manifest = build_pack(path).manifest
     slot = ExpertPack(manifest).object_bytes
-    pin_malloc_mmap_threshold()
     budget_mib = 4 * PRODUCTS_HEAVY["top_k"] * slot / MIB
-    runtime = load_runtime(manifest, LoadOptions(expert_ram_mib=budget_mib, prefetch=prefetch))
-    try:
-        model, store = runtime.model, runtime.store
-        peak = _pass_peak(model)
-        needs = _pass_needs(path, slot)
-        state = model.new_state()
-        model.prefill_last(state, list(range(1, 9)))
-        one_row = working_bytes(model.config, Forward(1, PASS_HISTORY + PASS_ROWS, streamed=True))
-        decode = peak_above(lambda: [model.decode(state, token) for token in torch.arange(1, 5).tolist()])
-        stats = store.stats()
-    finally:
-        runtime.close()
+    measured = json.loads(_peaks_apart(STREAMED_PEAKS, str(manifest), str(budget_mib), str(int(prefetch))))
+    needs = _pass_needs(path, slot)
+    one_row = working_bytes(needs_config(path), Forward(1, PASS_HISTORY + PASS_ROWS, streamed=True))
+    peak, decode, stats = measured["pass"], measured["decode"], measured["stats"]
     assert 0.4 * needs.working_bytes <= peak <= needs.working_bytes, (peak / MIB, needs.working_bytes / MIB)
     assert decode <= one_row, (decode / MIB, one_row / MIB)
-    assert stats["pack_reads"] > store.max_experts_per_fetch  # the experts streamed through the budget
+    assert stats["pack_reads"] > measured["per_fetch"]  # the experts streamed through the budget
     made = stats["buffers_made"] + stats["buffers_prefaulted"]
-    assert made <= store.max_experts_per_fetch, stats
+    assert made <= measured["per_fetch"], stats
+
+
+def needs_config(path):
+    """The model config of the GGUF at `path`."""
+    from k3stream.gguf.reader import K3Checkpoint
+
+    return K3Checkpoint.open(path).config
 
 
 # measured in a process of its own: in a test worker's process an earlier test's freed memory can take
@@ -711,8 +745,6 @@ def test_experts_read_from_the_gguf_come_within_the_expert_budget(tiny_model):
     most the budget's bytes of them: a 256-row prefill that routes to most of 256 experts a layer (70
     MiB a layer) under a budget of two top-k working sets takes at most the plan's working buffers and
     that budget (a fetch of the step's experts at once took a layer's)."""
-    import subprocess
-    import sys
 
     from k3stream.gguf.reader import K3Checkpoint
     from k3stream.memlimit import ServedShape, model_needs
@@ -721,10 +753,8 @@ def test_experts_read_from_the_gguf_come_within_the_expert_budget(tiny_model):
     path = tiny_model(recipe="audited", context_length=4096, **shape)
     needs = model_needs(K3Checkpoint.open(path), ServedShape(ctx=256))
     budget = 2 * needs.working_set
-    tests = str(Path(__file__).parent)
-    command = [sys.executable, "-c", GGUF_EXPERTS_PEAK, str(path), str(budget / MIB), tests]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    per_fetch, peak = (int(line) for line in done.stdout.split())
+    per_fetch, peak = (
+        int(line) for line in _peaks_apart(GGUF_EXPERTS_PEAK, str(path), str(budget / MIB)).split()
+    )
     assert per_fetch == 2 * shape["top_k"]
     assert 0 < peak <= needs.working_bytes + budget, (peak / MIB, needs.working_bytes / MIB, budget / MIB)
