@@ -192,9 +192,12 @@ def cpu_seconds():  # and the minor page faults (pages first touched), all threa
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {"user": usage.ru_utime, "system": usage.ru_stime, "minor_faults": usage.ru_minflt}
 BUFFERS = ("buffers_made", "buffers_prefaulted")  # read buffers made by reads (faulted by them), ahead
+# how the reads ran: ranges, depth, the readers' and the digest checks' CPU, read-ahead calls
+READS = ("pack_ranges", "pack_unaligned_ranges", "pack_busy_ns", "pack_depth_ns", "pack_read_cpu_ns",
+         "integrity_cpu_ns", "integrity_check_ns", "read_ahead_calls", "read_ahead", "pack_reads")
 def buffers():
     stats = store.stats()
-    return {key: stats[key] for key in BUFFERS}
+    return {key: stats[key] for key in BUFFERS + READS}
 def measured(name, tokens, work):
     disk_before = read_disk(job.get("disk_stat"))
     before = bench.store_counters(store)
@@ -206,7 +209,9 @@ def measured(name, tokens, work):
     delta = bench.store_delta(before, bench.store_counters(store), tokens)
     delta["hints"] = bench.hint_delta(hints_before, model.hints.summary())
     delta["cpu_s"] = {key: value - cpu_before[key] for key, value in cpu_seconds().items()}
-    delta["buffers"] = {key: value - buffers_before[key] for key, value in buffers().items()}
+    after = buffers()
+    delta["buffers"] = {key: after[key] - buffers_before[key] for key in BUFFERS}
+    delta["reads"] = {key: after[key] - buffers_before[key] for key in READS}
     delta["buffers_ahead"] = buffers_before["buffers_prefaulted"]
     disk_after = read_disk(job.get("disk_stat"))
     if disk_after is not None:

@@ -182,7 +182,9 @@ def decode_reads(layers: list[int], experts: int, batch: int, steps: int, seed: 
     ]
 
 
-def store_read_rate(manifest: Path, batch: int, limit: int, seed: int = 0) -> float:
+def store_read_rate(
+    manifest: Path, batch: int, limit: int, seed: int = 0, depths: list | None = None
+) -> float:
     """The pack's read rate the way the expert store reads it under a memory limit (bytes per second):
     whole objects, each request a layer's `batch` experts, the layers in turn (`decode_reads`), with
     the store's reader threads and splits (`StoreOptions`, `ExpertStore` defaults), O_DIRECT into
@@ -224,6 +226,9 @@ def store_read_rate(manifest: Path, batch: int, limit: int, seed: int = 0) -> fl
             seconds = time.perf_counter() - started
         finally:
             file.close()
+    if depths is not None:  # the mean number of ranges in flight while some was
+        counts = file.snapshot()
+        depths.append(counts["pack_depth_ns"] / max(counts["pack_busy_ns"], 1))
     return nbytes / seconds
 
 
@@ -302,6 +307,9 @@ def summary(result: dict, prompt: int, decode: int) -> dict[str, Any]:
         row["cold_buffers"] = phases["cold"].get("buffers"), phases["cold"].get("buffers_ahead")
         row["cold_wait_ms"] = phases["cold"]["fetch_wait_ms_per_token"] * phases["cold"]["tokens"]
         row["cold_read"] = io["cold"] - io["load"]
+        row["reads"] = {name: phases[name].get("reads") for name in ("cold", "prefill", "decode")}
+        row["read_bytes"] = {name: phases[name]["pack_read_bytes"] for name in ("cold", "prefill", "decode")}
+        row["decode_tokens"] = phases["decode"]["tokens"]
         row["profile"] = result["k3"].get("profile", {}).get("ms_per_token")
         row["profile_path"] = result["k3"].get("profile", {}).get("path")
         row["kernels"] = result["k3"].get("profile", {}).get("kernel_ms_per_token")
@@ -428,6 +436,31 @@ def prefill_table(rows: list[dict], disk_rate: float) -> list[str]:
         cells.insert(4, f"{ahead} / {made['buffers_prefaulted']}, {made['buffers_made']}" if made else "n/a")
         cells.insert(5, _f(row["cold_wait_ms"], ".0f"))
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def read_lines(rows: list[dict], moe_layers: int) -> list[str]:
+    """Per streamed run and phase, how its pack reads ran: ranges, their size, those off 4 KiB, the
+    mean ranges in flight while the disk had one, the readers' and the digest checks' CPU per token,
+    and the read-ahead calls per MoE layer step."""
+    lines = []
+    for row in rows:
+        for phase, reads in (row.get("reads") or {}).items():
+            if not reads or not reads["pack_ranges"]:
+                continue
+            tokens = row["prompt"] if phase != "decode" else row["decode_tokens"]
+            steps = moe_layers * (1 if phase != "decode" else tokens)
+            depth = reads["pack_depth_ns"] / max(reads["pack_busy_ns"], 1)
+            per_token = {key: reads[key] / 1e6 / tokens for key in reads if key.endswith("_ns")}
+            lines.append(
+                f"  {row['name']} {phase}: {reads['pack_ranges']} ranges of "
+                f"{row['read_bytes'][phase] / reads['pack_ranges'] / 1024:.0f} KiB on average "
+                f"({reads['pack_unaligned_ranges']} off 4 KiB), depth {depth:.2f} while busy "
+                f"({reads['pack_busy_ns'] / 1e6:.0f} ms busy), CPU per token: readers "
+                f"{per_token['pack_read_cpu_ns']:.1f} ms, digests {per_token['integrity_cpu_ns']:.1f} ms "
+                f"({per_token['integrity_check_ns']:.1f} ms wall); read-ahead calls per MoE step "
+                f"{reads['read_ahead_calls'] / steps:.1f} ({reads['read_ahead'] / steps:.1f} experts)"
+            )
     return lines
 
 
@@ -588,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     per_token["routed experts"] = expert_bytes / counts["MoE routed"] / spec.n_experts * spec.top_k
     non_expert = gguf.stat().st_size - expert_bytes
     sequential_rate = disk_read_rate(files[1], min(files[1].stat().st_size, 4 << 30))
-    store_rate = [store_read_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30))]
+    depths: list[float] = []
+    store_rate = [store_read_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30), depths=depths)]
     start_rates = ram_read_rates(args.threads)
     rates = kernel_rates(gguf, args.threads, "--float-activations" not in args.k3stream_args)
     compute_ms = {kind: compute_bound_ms(type_bytes[kind], rates) for kind in KINDS}
@@ -618,7 +652,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     # the disk's best: the store's reads timed apart before and after the runs (a shared disk varies),
     # and the runs' own reads while the disk was busy (the decode's queue depth and pattern)
-    store_rate.append(store_read_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30), seed=1))
+    store_rate.append(
+        store_read_rate(manifest, spec.top_k, min(files[1].stat().st_size, 2 << 30), seed=1, depths=depths)
+    )
     busy = busy_read_rates(results)
     disk_rate = max(store_rate + busy)
     print(
@@ -635,6 +671,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(decode_step_lines(rows)))
     print("\nprefill, k3stream (bound: max(resident prefill, reads / the disk's best rate)):")
     print("\n".join(prefill_table(rows, disk_rate)))
+    print(
+        "pack reads (the store's read rate ran at depth "
+        + ", ".join(f"{depth:.2f}" for depth in depths)
+        + " ranges in flight while busy, before and after the runs):"
+    )
+    print("\n".join(read_lines(rows, counts["MoE routed"])))
     print("decode expert predictions, precision / recall:")
     print("\n".join(hint_lines(rows)))
     paths = ", ".join(f"{row['name']} {row['profile_path']}" for row in rows if row.get("profile"))

@@ -9,13 +9,18 @@ import threading
 import numpy as np
 import pytest
 
-from k3stream.store import pack_io
+from k3stream.pack.builder import BuildOptions, build_pack
+from k3stream.pack.integrity import ChecksumMismatch, object_digest, object_digester
+from k3stream.pack.reader import ExpertPack
+from k3stream.store import ExpertStore, pack_io
 from k3stream.store.pack_io import PackFile, ReadRequest
 from test_store import packed  # noqa: F401 (a fixture)
 from test_store_concurrency import DEADLINE_S, Background
 
 # the objects of the fixture's pack are ~200 KiB: split them into ranges of this many bytes
 SPLIT_BYTES = 4096
+MIB = 1 << 20
+QUIET = BuildOptions(progress=False)
 
 
 @pytest.fixture(autouse=True)
@@ -128,3 +133,73 @@ def test_reads_left_unfinished_are_closed_by_their_holder_and_the_file_closes(pa
     reader.start(never, priority=3).close()
     Background(reader.close).result()
     assert reader._active_reads == 0
+
+
+def test_a_digest_fed_ranges_out_of_order_is_the_whole_objects_once_every_byte_is_in(packed):  # noqa: F811
+    """`OrderedDigest` fed an object's ranges last first: it says nothing until the first range is in,
+    then hashes them all in order, equal to the object's digest as the pack records it."""
+    _, pack = packed
+    data = pack.read_object(pack.moe_layers[0], 3)
+    ranges = pack_io.split_ranges(len(data), 4)
+    digest = pack_io.OrderedDigest(object_digester())
+    for start, length in reversed(ranges):
+        assert digest.intdigest(len(data)) is None
+        digest.landed(start, np.frombuffer(data, dtype=np.uint8)[start : start + length])
+    assert len(ranges) == 4 and digest.intdigest(len(data)) == object_digest(data)
+    pack.check_digest(pack.moe_layers[0], 3, digest.intdigest(len(data)))
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_reads_keep_every_reader_busy_aligned_and_feed_each_objects_digest(packed, direct_io):  # noqa: F811
+    """A step's objects, each split in 4 ranges, on 4 readers: all 4 read at once (the depth the
+    readers give the disk), every range starts on a 4 KiB boundary into an aligned buffer, the bytes
+    read are the objects' and no more, and each object's digest, fed by the readers as its ranges land,
+    is its own."""
+    _, pack = packed
+    requests = [
+        ReadRequest(
+            request.label,
+            request.offset,
+            request.nbytes,
+            request.dest,
+            pack_io.OrderedDigest(object_digester()),
+        )
+        for request in object_requests(pack, list(range(6)), direct_io)
+    ]
+    reader = PackFile(
+        pack.path, io_threads=4, read_splits=4, direct_io=direct_io, simulated_read_latency_us=3000
+    )
+    try:
+        reader.read(requests, priority=1)
+        stats = reader.snapshot()
+    finally:
+        reader.close()
+    assert stats["pack_ranges"] == 4 * len(requests) and stats["pack_unaligned_ranges"] == 0
+    assert stats["pack_depth_max"] == 4 and stats["pack_depth_ns"] > 3 * stats["pack_busy_ns"]
+    assert stats["pack_read_bytes"] == sum(request.nbytes for request in requests)
+    for expert, request in enumerate(requests):
+        data = pack.read_object(pack.moe_layers[0], expert)
+        assert request.digest.intdigest(request.nbytes) == object_digest(data)
+
+
+def test_a_damaged_last_range_fails_the_fetch_and_is_never_cached(packed, tmp_path):  # noqa: F811
+    """An object split in ranges whose last range carries a flipped bit: the store's fetch of it fails
+    with the checksum mismatch (counted), the object is never cached, and its sound neighbours serve."""
+    gguf, _ = packed
+    built = build_pack(gguf, tmp_path / "tiny.pack", tmp_path / "tiny.manifest.json", options=QUIET)
+    pack = ExpertPack(built.manifest)
+    layer = pack.moe_layers[0]
+    offset, nbytes = pack.object_range(layer, 4)
+    with open(pack.path, "r+b") as file:
+        file.seek(offset + nbytes - 1)
+        last = file.read(1)[0]
+        file.seek(offset + nbytes - 1)
+        file.write(bytes([last ^ 0x01]))
+    budget = 4 * pack.top_k * pack.object_bytes / MIB
+    with ExpertStore(pack, ram_mib=budget, prefetch=False, read_splits=4) as store:
+        with pytest.raises(ChecksumMismatch, match=f"layer {layer} expert 4 of"):
+            store.fetch(layer, [3, 4])
+        assert (layer, 4) not in store._compute.buffers
+        assert sorted(store.fetch(layer, [3, 5])) == [3, 5]
+        stats = store.stats()
+    assert stats["integrity_errors"] == 1 and stats["pack_ranges"] > stats["pack_reads"]

@@ -68,6 +68,12 @@ def object_digest(data: Any) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(data).cast("B") if not isinstance(data, bytes) else data)
 
 
+def object_digester() -> Any:
+    """A streaming `object_digest`: `update` it with an object's bytes in order, piece by piece, and its
+    `intdigest()` is `object_digest` of them all."""
+    return xxhash.xxh3_64()
+
+
 def encode_digests(digests: np.ndarray) -> str:
     """Digests as one hex string, 16 characters (big-endian) per object."""
     return np.asarray(digests, dtype=np.uint64).astype(">u8").tobytes().hex()

@@ -109,10 +109,14 @@ class ExpertPack:
     def check_object(self, layer: int, expert: int, data: Any) -> None:
         """Raise ChecksumMismatch (one line: layer, expert, pack) unless `data` hashes as recorded;
         a no-op for a manifest without checksums."""
+        if self.checksums is not None:
+            self.check_digest(layer, expert, object_digest(data))
+
+    def check_digest(self, layer: int, expert: int, got: int) -> None:
+        """`check_object` of an object whose digest (`integrity.object_digest`) is `got`."""
         if self.checksums is None:
             return
         want = int(self.checksums[self.layout.layer_position(layer) * self.num_experts + expert])
-        got = object_digest(data)
         if got != want:
             raise ChecksumMismatch(mismatch_message(layer, expert, self.path, got, want))
 

@@ -59,6 +59,8 @@ COUNTERS = (
     "prefetch_waits",
     "integrity_errors",
     "integrity_check_ns",
+    "integrity_cpu_ns",
+    "read_ahead_calls",
     "buffers_made",
     "buffers_reused",
     "buffers_prefaulted",
@@ -124,7 +126,13 @@ class ExpertStore:
         self._hints = HintScores(layers, adaptive=prefetch and adaptive_prefetch, prior=self.top_k)
         self._live = LiveBuffers()
         self._counts = Counter(
-            fetches=0, fetch_ns=0, tokens=0, prefetch_requests=0, prefetch_too_large=0, read_ahead=0
+            fetches=0,
+            fetch_ns=0,
+            tokens=0,
+            prefetch_requests=0,
+            prefetch_too_large=0,
+            read_ahead=0,
+            read_ahead_calls=0,
         )
         self._file: PackFile | None = None
         self._prefetcher: ThreadPoolExecutor | None = None  # hints
@@ -305,6 +313,7 @@ class ExpertStore:
             if self._closed or not keys:
                 return
             self._counts["read_ahead"] += len(keys)
+            self._counts["read_ahead_calls"] += 1
             self._compute.read_ahead(keys)
             self._pins.pin_ahead(keys)
             missing = self._compute.missing(keys)
