@@ -279,6 +279,28 @@ def test_a_hint_larger_than_the_share_and_hints_behind_it_evict_nothing(pack):
         assert store.ready(third, small) == small
 
 
+def test_a_cold_tiers_free_slots_take_a_fill_beyond_the_hints_share(pack):
+    """A cold tier (a cold prefill): the step's first hint, larger than the hints' share, reads the share;
+    the hint that follows it for the same step fills the free slots left, beyond the share (a fill
+    evicts nothing, and the step it predicts sweeps the tier anyway), and no more than are free."""
+    layer, k = pack.moe_layers[0], pack.top_k
+    with ExpertStore(pack, ram_mib=3 * k * pack.object_bytes / MIB, adaptive_prefetch=False) as store:
+        slots = store.max_experts_per_fetch
+        share = max(k, slots // 2)
+        first = list(range(share + 2))
+        store.prefetch(layer, first)
+        drain(store)
+        assert store.ready(layer, first) == first[:share]
+        second = list(range(share + 2, pack.num_experts))
+        assert len(second) > slots - share
+        store.prefetch(layer, second)
+        drain(store)
+        stats = store.stats()
+        assert store.ready(layer, second) == second[: slots - share]
+    assert stats["prefetch_loads"] == stats["pack_reads"] == slots
+    assert stats["tiers"]["ram"]["cache_evictions"] == 0
+
+
 def test_a_hint_that_follows_another_for_the_same_step_evicts_nothing(pack):
     """A prefill sends a layer two hints before its step (layer-ahead, then pre-attention): the second
     reads into free slots only, so a warm tier keeps what it holds; once the layer's step has fetched,

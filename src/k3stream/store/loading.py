@@ -6,10 +6,10 @@ tier's budget. A demand load reserves the slots of all its misses at once or non
 nothing is loading and its misses still do not fit, it raises WorkingSetTooLarge. It may evict
 anything but the pinned steps. A prefetch reserves what fits (a hint within SPECULATIVE_SHARE of the
 tier; the part of a hint beyond that share is not read, and a hint that large fills only free
-slots), keeps its own keys and never waits. The reader threads serve demand loads first, then
-read-ahead, then hints (those filling free slots last). A key already loading is waited for, not
-read again, its reads still queued raised to the waiting load's priority (`ObjectReader.hurry`); a
-demand that waited for a prefetch which failed loads that key itself.
+slots, as many as are free), keeps its own keys and never waits. The reader threads serve demand
+loads first, then read-ahead, then hints (those filling free slots last). A key already loading is
+waited for, not read again, its reads still queued raised to the waiting load's priority
+(`ObjectReader.hurry`); a demand that waited for a prefetch which failed loads that key itself.
 
 A miss in a tier loads from the tier below it, and a miss in the last tier reads the pack; what a
 prefetch could not fit in the tier below is read from the pack straight through.
@@ -100,8 +100,9 @@ class Loader:
         else:
             waits = {}
             pinned = set(self.pins) | set(keys) | (set(tier.buffers) if load is Load.FILL else set())
-            speculative = load in (Load.HINT, Load.FILL)
-            missing = self._reserve_what_fits(tier, tier.missing(keys), pinned, speculative)
+            # a fill takes free slots only, which the step it predicts would take anyway: the hints'
+            # share keeps speculation from evicting what the tier holds, and a fill evicts nothing
+            missing = self._reserve_what_fits(tier, tier.missing(keys), pinned, load is Load.HINT)
         resident = {key: tier.buffers[key] for key in keys if key in tier.buffers} if keep else {}
         return resident, waits, missing
 
