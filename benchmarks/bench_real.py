@@ -26,7 +26,10 @@ rate), its bytes those the run read (hint reads no step used included: a wrong h
 with the time it costs), and resident + the reads of experts no hint sent predicted.
 k3stream decodes as `generate` does (its decode program, the hints it sends logged and scored); with
 `--score-hints` the streamed runs predict and score every kind of expert hint, on the eager forward.
-Per layer kind (KDA, MLA, dense FFN, MoE routed and shared; each run's decode path): ms per
+Per run and phase (cold prefill, prefill again, decode), how k3stream's pack reads ran (`read_lines`):
+ranges read, their size, those off 4 KiB, the ranges in flight while the disk had one (beside the
+best-rate reads' own), the reader threads' and the digest checks' CPU per token, read-ahead calls per
+MoE step. Per layer kind (KDA, MLA, dense FFN, MoE routed and shared; each run's decode path): ms per
 token, weight bytes read per token, and for the resident run that time (its C mat-vec calls apart, with
 the rate they take the weight bytes at) against bytes / RAM rate, and against the larger of that and
 the bytes at the kernels' rate on weights in the last-level cache (`kernel_rates`, measured at the

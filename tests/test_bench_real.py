@@ -178,9 +178,10 @@ def test_the_store_read_rate_reads_whole_objects_from_the_disk(tiny_model, tmp_p
     with ExpertPack(manifest) as pack:
         object_bytes, requests = pack.object_bytes, 3 * pack.top_k
     before = _disk_read_bytes()
-    rate = store_read_rate(manifest, requests // 3, requests * object_bytes)
+    depths: list[float] = []
+    rate = store_read_rate(manifest, requests // 3, requests * object_bytes, depths=depths)
     read = _disk_read_bytes() - before
-    assert rate > 0
+    assert rate > 0 and len(depths) == 1 and 1.0 <= depths[0] <= 4.0  # ranges in flight while busy
     blocks = -(-object_bytes // 4096) * 4096  # O_DIRECT reads whole blocks
     assert requests * object_bytes <= read <= requests * blocks + (1 << 20)  # + the pack's index pages
 
@@ -284,3 +285,31 @@ def test_decode_steps_are_compared_by_their_medians(monkeypatch):
         "  10% of experts: llama.cpp n/a, k3stream 250.0 [200.0-300.0] ms a step of 2; "
         "k3stream/llama.cpp n/a",
     ]
+
+
+def test_the_read_lines_give_each_phases_depth_range_size_and_cpu_per_token(monkeypatch):
+    """A streamed decode of 2 tokens over 3 MoE layers that read 8 ranges of 1 MiB, 4 in flight for 10
+    ms: its line says so, per token and per MoE step."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_real import read_lines
+
+    reads = {
+        "pack_ranges": 8,
+        "pack_unaligned_ranges": 0,
+        "pack_busy_ns": 10_000_000,
+        "pack_depth_ns": 40_000_000,
+        "pack_read_cpu_ns": 4_000_000,
+        "integrity_cpu_ns": 6_000_000,
+        "integrity_check_ns": 6_000_000,
+        "read_ahead_calls": 12,
+        "read_ahead": 24,
+        "pack_reads": 2,
+    }
+    row = {"name": "10% of experts", "prompt": 16, "decode_tokens": 2, "reads": {"decode": reads}}
+    row["read_bytes"] = {"decode": 8 << 20}
+    (line,) = read_lines([row, {"name": "resident"}], moe_layers=3)
+    assert line == (
+        "  10% of experts decode: 8 ranges of 1024 KiB on average (0 off 4 KiB), depth 4.00 while busy "
+        "(10 ms busy), CPU per token: readers 2.0 ms, digests 3.0 ms (3.0 ms wall); read-ahead calls "
+        "per MoE step 2.0 (4.0 experts)"
+    )
