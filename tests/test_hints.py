@@ -100,25 +100,38 @@ def test_the_hint_not_sent_costs_nothing_unless_asked_for(model_path):
     assert all(model.token_routes.predict(layer, [1, 2, 3, 4]) == [] for layer in moe_layers(model))
 
 
+def assert_prefill_hints(calls: list, layers: list[int]) -> None:
+    """Two hints a layer: layer-ahead, then the layer's own router's, around the previous layer's fetch."""
+    at = {}  # each (call, layer)'s positions in the calls
+    for position, (call, layer, _) in enumerate(calls):
+        at.setdefault((call, layer), []).append(position)
+    for previous, layer in zip([None, *layers], layers, strict=False):
+        hints = at[("prefetch", layer)]
+        assert len(hints) == 2, (layer, calls)
+        if previous is not None:
+            assert hints[0] < at[("fetch", previous)][0] < hints[1], (layer, calls)
+
+
 def test_auto_sends_layer_ahead_then_pre_attention_hints_in_prefill_and_token_hints_in_decode(model_path):
     model, source = load_recording(model_path, "auto")
     state = model.new_state()
     model.prefill(state, list(range(1, 1 + AUTO_LAYER_AHEAD_ROWS)))
     layers = moe_layers(model)
-    at = {}  # each (call, layer)'s positions in the calls
-    for position, (call, layer, _) in enumerate(source.calls):
-        at.setdefault((call, layer), []).append(position)
-    for previous, layer in zip([None, *layers], layers, strict=False):
-        hints = at[("prefetch", layer)]  # two a layer: layer-ahead, then the layer's own router's
-        assert len(hints) == 2, (layer, source.calls)
-        if previous is not None:  # around the previous MoE layer's fetch
-            assert hints[0] < at[("fetch", previous)][0] < hints[1], (layer, source.calls)
+    assert_prefill_hints(source.calls, layers)
     source.calls.clear()
     model.decode(state, 3)  # seen in the prefill: each layer's experts for it then are the whole hint
     prefetched = [(layer, experts) for call, layer, experts in source.calls if call == "prefetch"]
     assert sorted(layer for layer, _ in prefetched) == layers  # one a layer: it fills the layer's top-k
     assert all(len(experts) == model.layers[layer].ffn.routing.top_k for layer, experts in prefetched)
     assert_sent_at_its_moment(source.calls, layers, "token")
+
+
+def test_a_prefill_whose_last_layer_keeps_one_row_sends_that_layer_a_prefills_hints(model_path):
+    """`prefill_last` (and a batched prefill) run the last layer one row a sequence past its attention;
+    the layer's hints are still chosen by the step's rows, so its reads start before its router."""
+    model, source = load_recording(model_path, "auto")
+    model.prefill_last(model.new_state(), list(range(1, 1 + AUTO_LAYER_AHEAD_ROWS)))
+    assert_prefill_hints(source.calls, moe_layers(model))
 
 
 def test_auto_decode_sends_the_pre_attention_hint_where_the_token_hint_has_nothing(model_path):

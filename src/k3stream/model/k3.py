@@ -223,14 +223,15 @@ class K3Model:
         def read(index: int, rows: Rows) -> Rows:  # the rows of layer `index` read past its attention
             return _rows_at(rows, kept) if index == last else rows
 
+        step_rows = len(ids)  # the hints' kinds follow the step's rows, the last layer's kept rows or not
         for first in self._first_token_hints if by_token else ():
-            self._predict_from_tokens(first, read(first.index, token_ids))
+            self._predict_from_tokens(first, read(first.index, token_ids), step_rows)
         for layer in self.layers:
             if self.prefetch and isinstance(layer.ffn, LatentMoE):
                 if by_token and layer.index in self._token_hint_from:
                     ahead = self._token_hint_from[layer.index]
-                    self._predict_from_tokens(ahead, read(ahead.index, token_ids))
-                self._predict("pre-attention", layer, read(layer.index, x))
+                    self._predict_from_tokens(ahead, read(ahead.index, token_ids), step_rows)
+                self._predict("pre-attention", layer, read(layer.index, x), step_rows)
             h = residual_mix(bank, x, layer.attn_score, self.eps)
             banked = layer.index % self.config.block_size == 0
             if banked:
@@ -241,7 +242,7 @@ class K3Model:
             prefix = attended if banked else x + attended
             following = self._next_moe[layer.index]
             if self.prefetch and following is not None:
-                self._predict("layer-ahead", following, read(following.index, prefix))
+                self._predict("layer-ahead", following, read(following.index, prefix), step_rows)
             h = rms_norm(
                 residual_mix(bank, prefix, layer.ffn_score, self.eps), layer.post_attention_norm, self.eps
             )
@@ -257,11 +258,12 @@ class K3Model:
         """Whether token hints may be predicted this step (only then is the routing learned per token)."""
         return self.prefetch and (self.score_all_hints or self.prefetch_hint in ("auto", "token"))
 
-    def _predict(self, kind: str, layer: Layer, stream: torch.Tensor) -> None:
+    def _predict(self, kind: str, layer: Layer, stream: torch.Tensor, step_rows: int) -> None:
         """The experts `layer`'s router picks on `stream` (normed as its MoE input is), when `kind` is
-        sent to the expert source (or `score_all_hints`): logged, and sent if it is (after a token
-        hint, what that left out: `_gap`)."""
-        kinds = sent_kinds(self.prefetch_hint, stream.shape[0])
+        sent to the expert source in a step of `step_rows` rows (or `score_all_hints`): logged, and sent
+        if it is (after a token hint, what that left out: `_gap`). A prefill's last layer keeps one row
+        past its attention but is still a prefill's layer: its hints are the prefill's."""
+        kinds = sent_kinds(self.prefetch_hint, step_rows)
         room, first = self._gap(kind, kinds, layer, stream.shape[0])
         if room and not self.score_all_hints and not self.hints.gap_due(layer.index):
             return  # an untrusted gap hint, between its probes
@@ -287,9 +289,9 @@ class K3Model:
         first = set(self._token_sent.pop(layer.index, ()))
         return max(0, layer.ffn.routing.top_k * rows - len(first)), first
 
-    def _predict_from_tokens(self, layer: Layer, token_ids: list[int]) -> None:
+    def _predict_from_tokens(self, layer: Layer, token_ids: list[int], step_rows: int) -> None:
         """The token hint for `layer` (as `_predict`)."""
-        sent = "token" in sent_kinds(self.prefetch_hint, len(token_ids))
+        sent = "token" in sent_kinds(self.prefetch_hint, step_rows)
         if sent or self.score_all_hints:
             predicted = self.token_routes.predict(layer.index, token_ids)
             if sent:

@@ -132,12 +132,12 @@ class DecodeProgram:
         if layer.index in model._token_hint_from:
             steps.append(self._token_hint(model._token_hint_from[layer.index]))
         if isinstance(layer.ffn, LatentMoE) and "pre-attention" in sent_kinds(model.prefetch_hint, 1):
-            steps.append(cpu.python_step(lambda: model._predict("pre-attention", layer, x)))
+            steps.append(cpu.python_step(lambda: model._predict("pre-attention", layer, x, 1)))
         return steps
 
     def _token_hint(self, layer: Layer) -> cpu.Call:
         """The step sending `layer`'s token hint for the step's token (as `_forward` sends it)."""
-        return cpu.python_step(lambda: self.model._predict_from_tokens(layer, [self._token]))
+        return cpu.python_step(lambda: self.model._predict_from_tokens(layer, [self._token], 1))
 
     def _learn_routes(self, moe: LatentMoE) -> None:
         """What `_forward` does after a MoE layer of a model sending hints: score the predictions made
