@@ -34,13 +34,13 @@
 
 #define RUN_ROWS 4 /* input rows sharing each decoded pair of blocks */
 
-/* The weight lines a kernel asks for ahead of what it reads: 1 KiB, about one RAM latency at these kernels'
- * 9-10 GB/s a core. The hardware prefetchers bring the rows' streams from RAM (two far-apart rows at once where
- * a kernel takes two: PREPARED_ROWS); from RAM on AMD Zen 4, one thread, 512 B to 1 KiB ahead ran 1.01-1.03x
- * as fast as 2 KiB and 4 KiB, and none at all 0.97-1.0x (docs/kernels-iquants.md) */
-#define GRID_PREFETCH_BYTES 1024
-AVX512 void prefetch_soon(const uint8_t *at, int64_t bytes) {
-    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(at + GRID_PREFETCH_BYTES + line, 0, 3);
+/* The weight lines a kernel asks for ahead of what it reads, GRID_PREFETCH_BYTES ahead over the rows it reads
+ * in turn (`streams`: 2 KiB ahead of one row, 1 KiB of each of two; the hardware prefetchers bring each stream
+ * from RAM). From RAM on AMD Zen 4, one thread: one stream (IQ3) ran 1.02-1.04x as fast 2-3 KiB ahead as 1 KiB
+ * or 4 KiB ahead, two (IQ2 against one input row) 1.01-1.03x as fast 0.5-1 KiB ahead of each as 2-4 KiB */
+#define GRID_PREFETCH_BYTES 2048
+AVX512 void prefetch_soon(const uint8_t *at, int64_t bytes, const int streams) {
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(at + GRID_PREFETCH_BYTES / streams + line, 0, 3);
 }
 
 /* Each grid's values are a few levels: IQ2's three (a 2-bit code), IQ3's eight (3 bits). A grid's code
@@ -496,14 +496,14 @@ AVX512 void pair_into(const __m512i *scaled, const uint8_t *first, const uint8_t
             for (int64_t g = 0; g < blocks / 2; g++)                                                     \
                 for (int w = 0; w < wide; w++) {                                                         \
                     const uint8_t *x = row + w * stride + 2 * g * (BYTES);                               \
-                    prefetch_soon(x, 2 * (BYTES)); /* a pair's lines, not a row's at once */            \
+                    prefetch_soon(x, 2 * (BYTES), wide); /* a pair's lines, not a row's at once */     \
                     DOT(x, x + (BYTES), 1, (X_PAIR) * g, 2 * g, 2 * g + 1, 0, xs, y, acc + w * n, n);    \
                 }                                                                                        \
         else                                                                                             \
             for (int w = 0; w < wide; w++) {                                                             \
                 const uint8_t *x = row + w * stride;                                                     \
                 for (int64_t g = 0; g < blocks / 2; g++) {                                               \
-                    prefetch_soon(x + 2 * g * (BYTES), 2 * (BYTES));                                    \
+                    prefetch_soon(x + 2 * g * (BYTES), 2 * (BYTES), 1);                                 \
                     DOT(x + 2 * g * (BYTES), x + (2 * g + 1) * (BYTES), 1, (X_PAIR) * g, 2 * g, 2 * g + 1, 0, xs, y, acc + w * n, n); \
                 }                                                                                        \
             }                                                                                            \
@@ -918,7 +918,7 @@ AVX512 void iq1_dot(const uint8_t *row, int64_t stride, const int wide, int64_t 
             const Iq1Ahead now = next[w];
             const uint8_t *x = row + w * stride + i * bytes;
             if (i + 1 < blocks) {
-                prefetch_soon(x + bytes, 128); /* two lines a block: more reads in flight from RAM */
+                prefetch_soon(x + bytes, 128, wide); /* two lines a block: more reads in flight from RAM */
                 next[w] = iq1_ahead(x + bytes, bytes, (blocks - i - 1) * bytes >= 64, &c);
             }
             iq1_block(&now, type, &c, wide > 1 ? in : NULL, xs, y, i, acc + w * n, n);
