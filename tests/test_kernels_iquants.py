@@ -205,12 +205,13 @@ def test_rows_do_not_depend_on_grouping_or_threads(qt, isa, monkeypatch):
 @pytest.mark.parametrize("cols", [512, 256, 768])
 def test_a_weight_row_does_not_depend_on_the_rows_beside_it(qt, isa, cols, monkeypatch):
     """Each output is the same bits whether its weight row comes alone, in a slice at any offset or in the
-    whole matrix (the AVX-512 IQ1_S and IQ1_M kernels take two weight rows at once against one input
-    row; the grid kernels, with an odd block count (1 or 3 here), the last blocks of two rows as one pair
-    of blocks, the last row of an odd count alone), for 1 to 4 input rows."""
+    whole matrix (the AVX-512 IQ1 and IQ2 kernels take two weight rows at once, row m and row m + half of
+    the slice, against one to three input rows; the grid kernels, with an odd block count (1 or 3 here),
+    the last blocks of two rows as one pair of blocks; the last row of an odd count alone), for 1 to 5
+    input rows (5: a batch of four, then one)."""
     take_kernel_isa(isa, monkeypatch)
     w = matrix(qt, 7, cols, seed=11)
-    for count in (1, 2, 3, 4):
+    for count in (1, 2, 3, 4, 5):
         x = inputs(count, cols, seed=count)
         whole = product(qt, w, x)
         for first, last in [(r, r + 1) for r in range(7)] + [(1, 6), (2, 5), (0, 4)]:
