@@ -215,8 +215,8 @@ AVX512_INLINE void q32_pairs(const uint8_t *const *a, const uint8_t *const *b, c
 
 /* Rows first..last - 1 of a 32-value type against input row y. Rows of SHORT_ROW_BYTES at most (MLA's
  * k_b heads: 128 values, four Q8_0 blocks) Q32_PAIRS pairs of adjacent rows at a time, one stream: one
- * pair's chunk set-up and FMA chain outweigh its few blocks (Kimi-K3's k_b on one core, Zen 4: 10.5
- * GB/s one pair at a time, 13.6 two). Longer rows in pairs (m, m + half): two sequential streams, each
+ * pair's chunk set-up and FMA chain outweigh its few blocks (Kimi-K3's k_b on one core, Zen 4: 10.3
+ * GB/s one pair at a time, 12.7 two). Longer rows in pairs (m, m + half): two sequential streams, each
  * asked for ahead (v_b's 544-byte rows ran at half the rate as adjacent pairs, with or without the
  * prefetches, and 0.7x as two pairs of streams). */
 #define SHORT_ROW_BYTES 256
