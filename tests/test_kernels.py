@@ -615,6 +615,45 @@ def test_a_prepared_grouped_product_is_grouped_qmatmul_bit_for_bit(qt, match_ggm
         GroupedProduct(weights + [weight(qt, 8, 256)])(x, torch.tensor([0, 1, 2, 3, 4, count]), rows)
 
 
+# MLA's per-head shapes off the vector widths: head counts, ranks (output rows) and row lengths (Kimi-K3's
+# k_b: 96 heads of 512 x 128, v_b: 128 x 512; short rows of at most 256 bytes take adjacent row pairs)
+PER_HEAD_SHAPES = [(7, 37, 128), (3, 5, 96), (5, 1, 32), (2, 9, 224), (3, 11, 544), (2, 70, 512)]
+
+
+@pytest.mark.parametrize("heads, out_rows, cols", PER_HEAD_SHAPES, ids=str)
+@pytest.mark.parametrize("match_ggml", [True, False])
+def test_per_head_q8_0_products_of_one_row_each_keep_every_rows_bits(
+    heads, out_rows, cols, match_ggml, monkeypatch
+):
+    """One input row a head (a decode step's k_b and v_b): four or two weight rows at a time share the
+    input's blocks, each row its own chains; every output is that row's bits in a two-row product (the
+    kernels' one-row-at-a-time path), on one and two threads and without AVX-512, and near the
+    reference."""
+    weights = [weight(T.Q8_0, out_rows, cols, seed=h) for h in range(heads)]
+    x = torch.randn(heads, cols, generator=torch.Generator().manual_seed(out_rows))
+    one_each = torch.arange(heads + 1), torch.arange(heads)
+    twice = (
+        torch.arange(0, 2 * heads + 1, 2),
+        torch.arange(heads).repeat_interleave(2),
+    )  # each head's row twice
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for no_avx512, count in ((None, 1), (None, 2), ("1", 2)):  # the CPU's own kernels, then AVX2's
+            monkeypatch.delenv("K3STREAM_NO_AVX512", raising=False)
+            if no_avx512:
+                monkeypatch.setenv("K3STREAM_NO_AVX512", no_avx512)
+            torch.set_num_threads(count)
+            results.append(grouped_qmatmul(x, weights, *one_each, match_ggml=match_ggml))
+            assert torch.equal(results[-1], grouped_qmatmul(x, weights, *twice, match_ggml=match_ggml)[::2])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(result, results[0]) for result in results)
+    inputs = round_like_ggml(x, T.Q8_0) if match_ggml else x
+    expected = torch.cat([reference(inputs[h : h + 1], w) for h, w in enumerate(weights)])
+    assert relative_error(results[0], expected) <= 1e-6
+
+
 @pytest.mark.parametrize(
     "experts,top_k,normalize", [(64, 8, True), (896, 16, True), (7, 7, False), (5, 1, True)]
 )

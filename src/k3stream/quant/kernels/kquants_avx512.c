@@ -157,65 +157,111 @@ AVX512_INLINE __m512i q32_codes(const uint8_t *a, const uint8_t *b, const int ty
     }
 }
 
-/* weight rows a and b (b may be a: its result is then dropped) of a 32-value type against input row y
- * (Q8_0 or Q8_1 blocks; table: its first Q32_STARTS blocks' starts and d), row a's block in the low half of
- * each vector and row b's in the high half (each half's eight int32 and float lanes that row's, its FMAs
- * that row's in block order): one vpdpbusd, conversion and FMA for the two, and two FMA chains in flight */
-AVX512_INLINE void q32_pair(const uint8_t *a, const uint8_t *b, const void *y, const Q32Starts *table, int64_t blocks,
-                            float *out_a, float *out_b, const int type) {
+/* Pairs of weight rows a[j] and b[j] (b[j] may be a[j]: its result is then dropped) of a 32-value type
+ * against input row y (Q8_0 or Q8_1 blocks; table: its first Q32_STARTS blocks' starts and d), row
+ * a[j]'s block in the low half of pair j's vectors and row b[j]'s in the high half (each half's eight
+ * int32 and float lanes that row's, its FMAs that row's in block order): one vpdpbusd, conversion and
+ * FMA for the two; the pairs' chains in flight together, the input's block loaded once for them */
+#define Q32_PAIRS 2
+AVX512_INLINE void q32_pairs(const uint8_t *const *a, const uint8_t *const *b, const void *y, const Q32Starts *table,
+                             int64_t blocks, float *const *out_a, float *const *out_b, const int pairs, const int type) {
     const int bytes = q32_bytes(type), bias = q32_bias(type), affine = q32_affine(type);
     const int y_bytes = affine ? (int)sizeof(BlockQ8_1) : (int)sizeof(BlockQ8_0);
     const uint8_t *blocks_y = y;
-    __m512 acc = _mm512_setzero_ps();
-    float sum_a = 0.0f, sum_b = 0.0f, m_a[CHUNK_BLOCKS_K], m_b[CHUNK_BLOCKS_K], s[CHUNK_BLOCKS_K];
+    __m512 acc[Q32_PAIRS], steps_a[Q32_PAIRS], steps_b[Q32_PAIRS];
+    float sum_a[Q32_PAIRS], sum_b[Q32_PAIRS], m_a[Q32_PAIRS][CHUNK_BLOCKS_K], m_b[Q32_PAIRS][CHUNK_BLOCKS_K];
+    float s[CHUNK_BLOCKS_K];
+#pragma GCC unroll 4
+    for (int j = 0; j < pairs; j++) acc[j] = _mm512_setzero_ps(), sum_a[j] = sum_b[j] = 0.0f;
     for (int64_t c = 0; c < blocks; c += CHUNK_BLOCKS_K) {
         const int count = blocks - c < CHUNK_BLOCKS_K ? (int)(blocks - c) : CHUNK_BLOCKS_K;
         const __m512 yd = c < Q32_STARTS ? _mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1), table->d + c)
                                          : chunk_floats((const float *)(blocks_y + y_bytes * c), y_bytes, count);
-        const __m512i dwords_a = chunk_dwords(a + bytes * c, bytes, count), dwords_b = chunk_dwords(b + bytes * c, bytes, count);
-        const __m512 steps_a = _mm512_mul_ps(yd, f16_halves(dwords_a, 0)), steps_b = _mm512_mul_ps(yd, f16_halves(dwords_b, 0));
-        if (affine) {
-            _mm512_storeu_ps(m_a, f16_halves(dwords_a, 16));
-            _mm512_storeu_ps(m_b, f16_halves(dwords_b, 16));
-            _mm512_storeu_ps(s, chunk_floats(&((const BlockQ8_1 *)y)[c].s, y_bytes, count));
+#pragma GCC unroll 4
+        for (int j = 0; j < pairs; j++) {
+            const __m512i dwords_a = chunk_dwords(a[j] + bytes * c, bytes, count);
+            const __m512i dwords_b = chunk_dwords(b[j] + bytes * c, bytes, count);
+            steps_a[j] = _mm512_mul_ps(yd, f16_halves(dwords_a, 0));
+            steps_b[j] = _mm512_mul_ps(yd, f16_halves(dwords_b, 0));
+            if (affine) {
+                _mm512_storeu_ps(m_a[j], f16_halves(dwords_a, 16));
+                _mm512_storeu_ps(m_b[j], f16_halves(dwords_b, 16));
+            }
         }
+        if (affine) _mm512_storeu_ps(s, chunk_floats(&((const BlockQ8_1 *)y)[c].s, y_bytes, count));
         /* block i's step of row a in the low half, of row b in the high half */
         __m512i at = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(CHUNK_BLOCKS_K), 1);
         for (int i = 0; i < count; i++, at = _mm512_add_epi32(at, _mm512_set1_epi32(1))) {
             const int64_t k = c + i;
-            prefetch_ahead(a + bytes * k, bytes);
-            prefetch_ahead(b + bytes * k, bytes);
             const int8_t *qs = affine ? ((const BlockQ8_1 *)y)[k].qs : ((const BlockQ8_0 *)y)[k].qs;
             const __m256i start = bias == 0 ? _mm256_setzero_si256() : k < Q32_STARTS ? _mm256_load_si256(table->starts + k) : q32_start(qs, bias);
-            const __m512i codes = q32_codes(a + bytes * k, b + bytes * k, type);
-            const __m512i sums = _mm512_dpbusd_epi32(_mm512_broadcast_i64x4(start), codes, both_halves((const uint8_t *)qs));
-            acc = _mm512_fmadd_ps(_mm512_permutex2var_ps(steps_a, at, steps_b), _mm512_cvtepi32_ps(sums), acc);
-            if (affine) sum_a += m_a[i] * s[i], sum_b += m_b[i] * s[i];
+            const __m512i starts = _mm512_broadcast_i64x4(start), activations = both_halves((const uint8_t *)qs);
+    #pragma GCC unroll 4
+        for (int j = 0; j < pairs; j++) {
+                prefetch_ahead(a[j] + bytes * k, bytes);
+                prefetch_ahead(b[j] + bytes * k, bytes);
+                const __m512i sums = _mm512_dpbusd_epi32(starts, q32_codes(a[j] + bytes * k, b[j] + bytes * k, type), activations);
+                acc[j] = _mm512_fmadd_ps(_mm512_permutex2var_ps(steps_a[j], at, steps_b[j]), _mm512_cvtepi32_ps(sums), acc[j]);
+                if (affine) sum_a[j] += m_a[j][i] * s[i], sum_b[j] += m_b[j][i] * s[i];
+            }
         }
     }
-    *out_a = affine ? hsum8(_mm512_castps512_ps256(acc)) + sum_a : hsum8(_mm512_castps512_ps256(acc));
-    *out_b = affine ? hsum8(high_half(acc)) + sum_b : hsum8(high_half(acc));
+#pragma GCC unroll 4
+    for (int j = 0; j < pairs; j++) {
+        *out_a[j] = affine ? hsum8(_mm512_castps512_ps256(acc[j])) + sum_a[j] : hsum8(_mm512_castps512_ps256(acc[j]));
+        *out_b[j] = affine ? hsum8(high_half(acc[j])) + sum_b[j] : hsum8(high_half(acc[j]));
+    }
 }
 
-/* Rows first..last - 1 of a 32-value type in pairs (m, m + half): two sequential streams, each asked for ahead */
+/* Rows first..last - 1 of a 32-value type against input row y. Rows of SHORT_ROW_BYTES at most (MLA's
+ * k_b heads: 128 values, four Q8_0 blocks) Q32_PAIRS pairs of adjacent rows at a time, one stream: one
+ * pair's chunk set-up and FMA chain outweigh its few blocks (Kimi-K3's k_b on one core, Zen 4: 10.3
+ * GB/s one pair at a time, 12.7 two). Longer rows in pairs (m, m + half): two sequential streams, each
+ * asked for ahead (v_b's 544-byte rows ran at half the rate as adjacent pairs, with or without the
+ * prefetches, and 0.7x as two pairs of streams). */
+#define SHORT_ROW_BYTES 256
+AVX512_INLINE void q32_rows_of(const Product *pr, int64_t b, int64_t first, int64_t last, const void *y,
+                               const Q32Starts *table, float *out, const int type) {
+    const int64_t blocks = pr->in_features / 32;
+    const uint8_t *matrix = (const uint8_t *)(uintptr_t)pr->addresses[b];
+    float dropped;
+    if (pr->row_bytes <= SHORT_ROW_BYTES) {
+        for (int64_t m = first; m < last; m += 2 * Q32_PAIRS) {
+            const uint8_t *rows_a[Q32_PAIRS], *rows_b[Q32_PAIRS];
+            float *outs_a[Q32_PAIRS], *outs_b[Q32_PAIRS];
+            for (int j = 0; j < Q32_PAIRS; j++) { /* past `last`: row m again, its result dropped */
+                const int64_t row_a = m + 2 * j < last ? m + 2 * j : m, row_b = m + 2 * j + 1 < last ? m + 2 * j + 1 : m;
+                rows_a[j] = matrix + row_a * pr->row_bytes, rows_b[j] = matrix + row_b * pr->row_bytes;
+                outs_a[j] = m + 2 * j < last ? out + row_a : &dropped;
+                outs_b[j] = m + 2 * j + 1 < last ? out + row_b : &dropped;
+            }
+            q32_pairs(rows_a, rows_b, y, table, blocks, outs_a, outs_b, Q32_PAIRS, type);
+        }
+        return;
+    }
+    const int64_t half = (last - first + 1) / 2;
+    for (int64_t m = first; m < first + half; m++) {
+        const uint8_t *row_a = matrix + m * pr->row_bytes;
+        const int paired = m + half < last;
+        const uint8_t *row_b = paired ? row_a + half * pr->row_bytes : row_a;
+        float *out_a = out + m, *out_b = paired ? out + m + half : &dropped;
+        q32_pairs(&row_a, &row_b, y, table, blocks, &out_a, &out_b, 1, type);
+    }
+}
+
+/* Rows first..last - 1 of a 32-value type against each of the matrix's input rows */
 AVX512_INLINE void q32_rows(const Product *pr, int64_t b, int64_t first, int64_t last, const int type) {
-    const int64_t blocks = pr->in_features / 32, half = (last - first + 1) / 2;
+    const int64_t blocks = pr->in_features / 32;
     const int bias = q32_bias(type);
     Q32Starts table;
     for (int64_t p = pr->starts[b]; p < pr->starts[b + 1]; p++) {
         const void *y = q32_affine(type) ? (const void *)(pr->q8_1 + pr->rows[p] * blocks) : (const void *)(pr->q8_0 + pr->rows[p] * blocks);
-        float *out = pr->out + p * pr->out_stride, dropped;
         for (int64_t k = 0; k < blocks && k < Q32_STARTS; k++) {
             const int8_t *qs = q32_affine(type) ? ((const BlockQ8_1 *)y)[k].qs : ((const BlockQ8_0 *)y)[k].qs;
             table.d[k] = q32_affine(type) ? ((const BlockQ8_1 *)y)[k].d : ((const BlockQ8_0 *)y)[k].d;
             if (bias != 0) table.starts[k] = q32_start(qs, bias);
         }
-        for (int64_t m = first; m < first + half; m++) {
-            const uint8_t *row = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes;
-            const int paired = m + half < last;
-            q32_pair(row, paired ? row + half * pr->row_bytes : row, y, &table, blocks, out + m,
-                     paired ? out + m + half : &dropped, type);
-        }
+        q32_rows_of(pr, b, first, last, y, &table, pr->out + p * pr->out_stride, type);
     }
 }
 
