@@ -449,6 +449,83 @@ def test_a_running_stream_waits_at_most_one_chunk_between_its_tokens(model, toke
     _assert_each_answers_as_alone(jobs, prompts, model, tokenizer)
 
 
+def test_a_turns_restore_and_its_prompt_end_snapshot_take_steps_of_their_own_beside_a_stream(
+    model, tokenizer
+):
+    """A conversation's next turn starts by restoring its history from the prompt cache and ends its
+    prefill with a snapshot of the prompt's end, each a copy of its state: beside a running stream each
+    is the prompt work between two of the stream's decode steps, never beside a prefill pass, so the
+    stream waits for one of them at a time. The turn computes only its new tokens and answers as its
+    prompt alone."""
+    import asyncio
+
+    from k3stream.engine.chunked_prefill import attention_rows_per_token
+    from k3stream.engine.generate import Sequence
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import EventSink, Job, Scheduler
+
+    generator = torch.Generator().manual_seed(37)
+    history = torch.randint(10, 500, (300,), generator=generator).tolist()
+    turn = history + torch.randint(10, 500, (90,), generator=generator).tolist()
+    recorded = _RecordedCalls(model)
+    cache = _RecordedRestores(model, recorded.calls)
+    scheduler = Scheduler(
+        recorded,
+        ServerMetrics(),
+        max_batch=3,
+        max_queue=3,
+        cache=cache,
+        prefill_chunk=32,
+        attention_rows=attention_rows_per_token(model.config),
+    )
+    loop = asyncio.new_event_loop()
+    stream = Job(tokenizer.encode("a stream"), _Greedy(1 << 20), EventSink(loop))
+    first, second = (Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in (history, turn))
+    scheduler.start()
+    try:
+        scheduler.submit(stream)
+        scheduler.submit(first)
+        wait_until(lambda: first.logic.finish_reason is not None, "the first turn finishes")
+        start = len(recorded.calls)
+        scheduler.submit(second)
+        wait_until(lambda: second.logic.finish_reason is not None, "the next turn finishes")
+    finally:
+        stream.cancel()
+        scheduler.stop()
+        loop.close()
+        cache.close()
+    between = [[]]
+    for kind, _ in recorded.calls[start:]:
+        if kind == "decode":
+            between.append([])
+        else:
+            between[-1].append(kind)
+    assert ["restore"] in between and ["end"] in between
+    assert all("pass" not in work or work == ["pass"] for work in between)
+    assert second.cached_tokens == len(history)
+    _assert_each_answers_as_alone([second], [turn], model, tokenizer)
+
+
+class _RecordedRestores(PromptCache):
+    """A prompt cache that records into `calls` each restore of a state, `("restore", tokens)`, and
+    each snapshot of a prompt's end, `("end", tokens)`."""
+
+    def __init__(self, model, calls: list) -> None:
+        super().__init__(model, "recorded", 64 * MIB, every=1 << 20)
+        self.calls = calls
+
+    def restore_longest(self, tokens):
+        state, reused, logits = super().restore_longest(tokens)
+        if reused:
+            self.calls.append(("restore", reused))
+        return state, reused, logits
+
+    def save(self, tokens, state, logits=None, final=False) -> None:
+        if logits is not None:
+            self.calls.append(("end", len(tokens)))
+        super().save(tokens, state, logits, final)
+
+
 class _RecordedCalls:
     """The model with its prefill passes and decode steps recorded in order: `("pass", spans)` with each
     prompt's positions `(start, end)`, `("decode", sequences)`."""

@@ -154,6 +154,8 @@ class Job:
     cached_tokens: int = 0
     generated: list[int] = field(default_factory=list)
     prefill: ChunkedPrefill | None = None  # the prompt's prefill while it runs
+    # the ended prefill whose prompt end awaits its snapshot: the state takes no decode step until then
+    unsaved_end: ChunkedPrefill | None = None
     reading: Future[None] | None = None  # its prompt's snapshot read from disk, before its prefill
     leader: Job | None = None  # the request whose prefill computes this one's shared prefix
     shared_until: int = 0  # the prefix's end: this job's prefill starts once the leader passes it
@@ -197,10 +199,15 @@ def _has_work(job: Job) -> bool:
     return job.prefill is not None or job.last_token >= 0
 
 
-def _decoding(job: Job) -> bool:
-    """Whether `job` takes decode steps: a choice decodes once it has its first token, after its
-    prompt's prefill (a fork: its request's)."""
+def _streaming(job: Job) -> bool:
+    """Whether `job` streams tokens: a choice does once it has its first token, after its prompt's
+    prefill (a fork: its request's)."""
     return job.active and job.prefill is None and job.last_token >= 0
+
+
+def _decoding(job: Job) -> bool:
+    """Whether `job` takes the next decode step: it streams, and its prompt's end is in the cache."""
+    return _streaming(job) and job.unsaved_end is None
 
 
 def _leader_passed(job: Job) -> bool:
@@ -286,6 +293,7 @@ class Scheduler:
         self._on_tokens = on_tokens
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
+        self._ends: list[Job] = []  # jobs whose prompt ends await their snapshots (`_save_ends`)
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="k3stream-scheduler", daemon=True)
@@ -369,8 +377,10 @@ class Scheduler:
         while self._wait_for_work():
             try:
                 self._drop_finished()
-                self._admit_waiting()
-                self._prefill_step()
+                saved = self._save_ends()
+                restored = self._admit_waiting()
+                if not ((saved or restored) and any(map(_streaming, self._running))):
+                    self._prefill_step()  # beside streams, the states copied are this step's prompt work
                 if self._running:
                     self._decode_step()
             except Exception:  # a bug here must not stop the server: fail what runs, go on
@@ -382,7 +392,7 @@ class Scheduler:
 
     def _wait_for_work(self) -> bool:
         with self._wake:
-            while not self._stopping and not self._waiting and not any(map(_has_work, self._running)):
+            while not (self._stopping or self._waiting or self._ends or any(map(_has_work, self._running))):
                 self._wake.wait()
             return not self._stopping
 
@@ -409,24 +419,27 @@ class Scheduler:
             self._update_gauges()
             return None
 
-    def _admit_waiting(self) -> None:
+    def _admit_waiting(self) -> bool:
         """Start the prefills of waiting requests while the batch has room (their states restored from
         the prompt cache as far as it holds them); a snapshot only a file holds is read first on the
-        reader's thread (the running sequences step meanwhile), and its request starts once it is in."""
+        reader's thread (the running sequences step meanwhile), and its request starts once it is in.
+        Whether a start restored a state (its copy is prompt work, as a pass is)."""
+        restored = False
         for job in [job for job in self._running if job.reading is not None and job.reading.done()]:
             job.reading = None
-            self._start_prefill(job)
+            restored |= self._start_prefill(job)
         for job in [job for job in self._running if job.leader is not None and _leader_passed(job)]:
             job.leader = None  # it waits once: a leader that fails or leaves lets it compute alone
-            self._start_prefill(job)
+            restored |= self._start_prefill(job)
         while (job := self._next_waiting()) is not None:
             self._progress(job, 0)
             if self.cache is not None and job.reuse_prompt and self.cache.needs_read(job.prompt_tokens):
                 job.reading = self._reader.submit(self._read_ahead, job.prompt_tokens)
                 job.reading.add_done_callback(lambda _: self.wake())
             elif not self._wait_for_leader(job):
-                self._start_prefill(job)
+                restored |= self._start_prefill(job)
         self._mark_for_queued()
+        return restored
 
     def _wait_for_leader(self, job: Job) -> bool:
         """Make `job` wait for the running prefill that computes most of its prompt's uncached prefix,
@@ -477,22 +490,24 @@ class Scheduler:
         except Exception:  # the restore reads it again, or computes the prompt
             log.exception("prompt cache: reading a snapshot failed")
 
-    def _start_prefill(self, job: Job) -> None:
-        """`job`'s prefill, restored from the prompt cache as far as it holds the prompt."""
+    def _start_prefill(self, job: Job) -> bool:
+        """`job`'s prefill, restored from the prompt cache as far as it holds the prompt; whether it
+        restored a state."""
         if not job.active:
-            return
+            return False
         try:
             job.prefill = ChunkedPrefill(self.model, job.prompt_tokens, self.cache, job.reuse_prompt)
         except Exception as exc:  # one bad request must not stop the server
             log.exception("prefill failed")
             self._fail_request(job, f"prefill failed: {exc}")
-            return
+            return False
         job.state, job.cached_tokens = job.prefill.state, job.prefill.reused
         if job.prefill.done:  # the whole prompt was cached
             self._end_prefill(job)
         elif self.share_tokens:
             self._mark_branch(job)
             self._mark_for_queued(job)
+        return job.cached_tokens > 0
 
     def _mark_branch(self, job: Job) -> None:
         """Snapshot `job`'s prefill where its prompt branches off a prompt the cache has seen or one whose
@@ -562,11 +577,11 @@ class Scheduler:
         short of the shared part and wait for its snapshot, where one pass over the whole prompt would
         have passed it before they came."""
         fresh = self.share_tokens > 0 and oldest.prefill.position == 0
-        return fresh or any(map(_decoding, self._running))
+        return fresh or any(map(_streaming, self._running))
 
     def _end_prefill(self, job: Job) -> None:
         """The prompt is in `job`'s state: its choices start from its last logits. The prompt's end goes
-        into the prompt cache once their first tokens are sent (before the state takes a decode step)."""
+        into the prompt cache at the next step, once their first tokens are sent (`_save_ends`)."""
         prefill, job.prefill = job.prefill, None
         self._progress(job, len(job.prompt_tokens))
         for choice, choice_logits in self._share_prefill(job, prefill.logits):
@@ -576,10 +591,22 @@ class Scheduler:
                 self._finish(choice)
             else:
                 self._emit_token(choice, choice_logits)
-        try:
-            prefill.keep_end()
-        except Exception:  # a cache that cannot keep a state costs the next turn time, nothing else
-            log.exception("prompt cache: saving a prompt's state failed")
+        if prefill.end_unsaved:
+            job.unsaved_end = prefill
+            self._ends.append(job)
+
+    def _save_ends(self) -> bool:
+        """Snapshot the prompt ends of the prefills that ended at the last step, before their states
+        take a decode step (a copy of the state, as long as a pass beside the running streams where the
+        state is large, so it is a step's prompt work of its own); whether there were any."""
+        ends, self._ends = self._ends, []
+        for job in ends:
+            prefill, job.unsaved_end = job.unsaved_end, None
+            try:
+                prefill.keep_end()
+            except Exception:  # a cache that cannot keep a state costs the next turn time, nothing else
+                log.exception("prompt cache: saving a prompt's state failed")
+        return bool(ends)
 
     def _progress(self, job: Job, processed: int) -> None:
         """Record and send how many prompt tokens of `job` are prefilled."""
