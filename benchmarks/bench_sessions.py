@@ -941,24 +941,25 @@ class Stall:
     # the stream had ended)
     beside_passes: list[float]
     # the longest gap between the server's sends of the stream's chunks: its length and the passes that
-    # started in it (`pass` trace lines: start, wall, CPU, blocked, preempted, each prompt's chunk)
+    # ran in it (`pass` trace lines: start, wall, CPU, blocked, preempted, each prompt's chunk)
     gap_work: tuple[float, list[tuple[float, ...]]]
 
 
 def _gap_work(
     sent: list[float], passes: list[tuple[float, ...]], begin: float, until: float
 ) -> tuple[float, list[tuple[float, ...]]]:
-    """The longest gap between two sends (ending in begin..until) and the passes that started in it."""
+    """The longest gap between two sends (ending in begin..until) and the passes that ran in it."""
     pairs = [(a, b) for a, b in zip(sent, sent[1:], strict=False) if begin <= b <= until]
     if not pairs:
         return 0.0, []
     a, b = max(pairs, key=lambda pair: pair[1] - pair[0])
-    return b - a, [p for p in passes if a <= p[0] <= b]
+    return b - a, [p for p in passes if p[0] < b and p[0] + p[1] > a]
 
 
 def _longest_gap(stall: Stall) -> str:
     """What ran in the stream's longest gap between the server's sends: each pass's chunks (the long
-    prompt's first one starts at 0), wall and CPU time and the scheduler thread's switches in it."""
+    prompt's first one starts at 0), wall and CPU time and the scheduler thread's switches in it (a pass
+    that began before the gap, or ends after it, included whole)."""
     gap, passes = stall.gap_work
     described = [
         f"{', '.join(f'{int(a)}..{int(b)}' for a, b in zip(p[5::2], p[6::2], strict=True))} "

@@ -506,6 +506,44 @@ def test_a_turns_restore_and_its_prompt_end_snapshot_take_steps_of_their_own_bes
     _assert_each_answers_as_alone([second], [turn], model, tokenizer)
 
 
+def test_only_a_request_that_asks_for_its_progress_gets_progress_events(model, tokenizer):
+    """The scheduler puts a request's prefill progress on its queue only where its client streams it
+    (llama-server's return_progress): each event wakes the server's event loop, which for any other
+    request has nothing to send, beside the chunks of running streams. Both get the same answer."""
+    import asyncio
+
+    from k3stream.engine.generate import Sequence
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import EventSink, Job, ProgressEvent, Scheduler
+
+    prompt = torch.randint(10, 500, (200,), generator=torch.Generator().manual_seed(38)).tolist()
+    loop = asyncio.new_event_loop()
+    jobs = [
+        Job(prompt, Sequence(tokenizer, prompt, GREEDY), EventSink(loop), sends_progress=sends)
+        for sends in (False, True)
+    ]
+    scheduler = Scheduler(model, ServerMetrics(), max_batch=1, max_queue=2, prefill_chunk=64)
+    for job in jobs:
+        scheduler.submit(job)
+    scheduler.start()
+    try:
+        wait_until(lambda: all(job.logic.finish_reason is not None for job in jobs), "both finish")
+        loop.run_until_complete(asyncio.sleep(0))  # the events the scheduler put
+    finally:
+        scheduler.stop()
+    progress = [[e for _, e in _drained(job.sink.queue) if isinstance(e, ProgressEvent)] for job in jobs]
+    loop.close()
+    assert progress[0] == [] and [event.processed for event in progress[1]][-1] == len(prompt)
+    assert len(progress[1]) >= 2 and jobs[0].logic.token_ids == jobs[1].logic.token_ids
+
+
+def _drained(queue) -> list:
+    events = []
+    while not queue.empty():
+        events.append(queue.get_nowait())
+    return events
+
+
 class _RecordedRestores(PromptCache):
     """A prompt cache that records into `calls` each restore of a state, `("restore", tokens)`, and
     each snapshot of a prompt's end, `("end", tokens)`."""

@@ -161,6 +161,9 @@ class Job:
     shared_until: int = 0  # the prefix's end: this job's prefill starts once the leader passes it
     share_checked: bool = False  # looked for a leader among the running prefills while it was queued
     reuse_prompt: bool = True  # restore the prompt from the cache (llama-server's cache_prompt)
+    # its client streams the prefill's progress (llama-server's return_progress): a `ProgressEvent` at
+    # the start and after each pass; without, none, each of which would wake the event loop for nothing
+    sends_progress: bool = False
     prompt_only: bool = False  # finish after the prefill with no token (llama-server's n_predict 0)
     slot: int = -1  # the slot the request reports under (`slots.SlotTable`)
     task_id: int = -1  # llama-server's `id_task`: numbers the server's sequences in order of arrival
@@ -609,15 +612,16 @@ class Scheduler:
         return bool(ends)
 
     def _progress(self, job: Job, processed: int) -> None:
-        """Record and send how many prompt tokens of `job` are prefilled."""
+        """Record how many prompt tokens of `job` are prefilled, and send it where its client asked."""
         now = time.perf_counter()
         if processed == 0:
             job.prefill_started_at = now
         if processed == len(job.prompt_tokens):
             job.prefill_done_at = now
         job.prompt_done = processed
-        elapsed_ms = (now - job.prefill_started_at) * 1000
-        job.sink.put(ProgressEvent(len(job.prompt_tokens), processed, elapsed_ms, job.cached_tokens))
+        if job.sends_progress:
+            elapsed_ms = (now - job.prefill_started_at) * 1000
+            job.sink.put(ProgressEvent(len(job.prompt_tokens), processed, elapsed_ms, job.cached_tokens))
 
     def _share_prefill(self, job: Job, logits: Any) -> list[tuple[Job, Any]]:
         """`job` and its forks with their first logits: each fork starts from a copy of `job`'s state
