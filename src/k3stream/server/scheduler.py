@@ -10,7 +10,9 @@ instead, the memory plan's for one pass, oldest first: no stream waits on them, 
 part that does not grow with its tokens (its kernels' fixed cost; where experts stream from a pack, its
 expert reads), which smaller chunks would pay again; but a new prompt's first pass is a chunk where
 requests may share its prefix, so those that arrive just after it find its prefill short of the shared
-part. No pass holds more rows than `pass_rows`.
+part. No pass holds more rows than `pass_rows`. Copies of whole states are prompt work too: beside
+running streams, the restores of requests that start and the snapshots of prompt ends (taken at the
+step after the prompt's first token is sent, before its state decodes) take a step without a pass.
 Requests that share a prompt prefix no snapshot holds compute it once: the first one's prefill
 snapshots where the shared part ends, and the others wait for that snapshot and restore it; a prefill
 whose prompt branches off a cached one is snapshotted where it branches, for the requests after it.
