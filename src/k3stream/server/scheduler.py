@@ -391,6 +391,7 @@ class Scheduler:
             except Exception:  # a bug here must not stop the server: fail what runs, go on
                 log.exception("scheduler step failed")
                 self._fail(list(self._running), "internal error in the batch scheduler")
+        self._save_ends()  # prompts whose first tokens went out: a restarted server resumes them
         with self._wake:
             jobs = list(self._running) + list(self._waiting)
         self._fail(jobs, "the server is shutting down", counted=False)
