@@ -714,6 +714,7 @@ def stalls(args) -> None:
                 + _against_lone(stall)
             )
             print(f"  {'':>28}  {_longest_pass(stall, one_cpu)}")
+            print(f"  {'':>28}  {_longest_gap(stall)}")
         print(
             f"  one {args.prefill_chunk}-token chunk alone: {1e3 * one:.1f} ms, {1e3 * one_cpu:.1f} ms the "
             f"calling thread's CPU (least of {3 * len(alone)})"
@@ -892,6 +893,7 @@ def stream_beside(
         _thread_times(max(spans, key=lambda span: span[1][0] - span[0][0], default=None)),
         min((took for at, took, *_ in passes if lone_from <= at <= lone_to), default=0.0),
         [took for at, took, *_ in passes if beside_from <= at <= beside_to] if streaming else [],
+        _gap_work([at for (at,) in found["sent"]], passes, begin, beside_from),
     )
 
 
@@ -938,6 +940,33 @@ class Stall:
     # the wall time of each pass of a chunk's prompt beside the stream, after the long prompt (none where
     # the stream had ended)
     beside_passes: list[float]
+    # the longest gap between the server's sends of the stream's chunks: its length and the passes that
+    # ran in it (`pass` trace lines: start, wall, CPU, blocked, preempted, each prompt's chunk)
+    gap_work: tuple[float, list[tuple[float, ...]]]
+
+
+def _gap_work(
+    sent: list[float], passes: list[tuple[float, ...]], begin: float, until: float
+) -> tuple[float, list[tuple[float, ...]]]:
+    """The longest gap between two sends (ending in begin..until) and the passes that ran in it."""
+    pairs = [(a, b) for a, b in zip(sent, sent[1:], strict=False) if begin <= b <= until]
+    if not pairs:
+        return 0.0, []
+    a, b = max(pairs, key=lambda pair: pair[1] - pair[0])
+    return b - a, [p for p in passes if p[0] < b and p[0] + p[1] > a]
+
+
+def _longest_gap(stall: Stall) -> str:
+    """What ran in the stream's longest gap between the server's sends: each pass's chunks (the long
+    prompt's first one starts at 0), wall and CPU time and the scheduler thread's switches in it (a pass
+    that began before the gap, or ends after it, included whole)."""
+    gap, passes = stall.gap_work
+    described = [
+        f"{', '.join(f'{int(a)}..{int(b)}' for a, b in zip(p[5::2], p[6::2], strict=True))} "
+        f"({1e3 * p[1]:.1f} ms, {1e3 * p[2]:.1f} CPU, blocked {int(p[3])}, preempted {int(p[4])})"
+        for p in passes
+    ]
+    return f"longest gap between sends {1e3 * gap:.1f} ms held passes: {'; '.join(described) or 'none'}"
 
 
 def _gaps(times: list[float], begin: float, until: float) -> list[float]:

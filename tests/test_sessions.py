@@ -449,6 +449,121 @@ def test_a_running_stream_waits_at_most_one_chunk_between_its_tokens(model, toke
     _assert_each_answers_as_alone(jobs, prompts, model, tokenizer)
 
 
+def test_a_turns_restore_and_its_prompt_end_snapshot_take_steps_of_their_own_beside_a_stream(
+    model, tokenizer
+):
+    """A conversation's next turn starts by restoring its history from the prompt cache and ends its
+    prefill with a snapshot of the prompt's end, each a copy of its state: beside a running stream each
+    is the prompt work between two of the stream's decode steps, never beside a prefill pass, so the
+    stream waits for one of them at a time. The turn computes only its new tokens and answers as its
+    prompt alone."""
+    import asyncio
+
+    from k3stream.engine.chunked_prefill import attention_rows_per_token
+    from k3stream.engine.generate import Sequence
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import EventSink, Job, Scheduler
+
+    generator = torch.Generator().manual_seed(37)
+    history = torch.randint(10, 500, (300,), generator=generator).tolist()
+    turn = history + torch.randint(10, 500, (90,), generator=generator).tolist()
+    recorded = _RecordedCalls(model)
+    cache = _RecordedRestores(model, recorded.calls)
+    scheduler = Scheduler(
+        recorded,
+        ServerMetrics(),
+        max_batch=3,
+        max_queue=3,
+        cache=cache,
+        prefill_chunk=32,
+        attention_rows=attention_rows_per_token(model.config),
+    )
+    loop = asyncio.new_event_loop()
+    stream = Job(tokenizer.encode("a stream"), _Greedy(1 << 20), EventSink(loop))
+    first, second = (Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in (history, turn))
+    scheduler.start()
+    try:
+        scheduler.submit(stream)
+        scheduler.submit(first)
+        wait_until(lambda: first.logic.finish_reason is not None, "the first turn finishes")
+        start = len(recorded.calls)
+        scheduler.submit(second)
+        wait_until(lambda: second.logic.finish_reason is not None, "the next turn finishes")
+    finally:
+        stream.cancel()
+        scheduler.stop()
+        loop.close()
+        cache.close()
+    between = [[]]
+    for kind, _ in recorded.calls[start:]:
+        if kind == "decode":
+            between.append([])
+        else:
+            between[-1].append(kind)
+    assert ["restore"] in between and ["end"] in between
+    assert all("pass" not in work or work == ["pass"] for work in between)
+    assert second.cached_tokens == len(history)
+    _assert_each_answers_as_alone([second], [turn], model, tokenizer)
+
+
+def test_only_a_request_that_asks_for_its_progress_gets_progress_events(model, tokenizer):
+    """The scheduler puts a request's prefill progress on its queue only where its client streams it
+    (llama-server's return_progress): each event wakes the server's event loop, which for any other
+    request has nothing to send, beside the chunks of running streams. Both get the same answer."""
+    import asyncio
+
+    from k3stream.engine.generate import Sequence
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import EventSink, Job, ProgressEvent, Scheduler
+
+    prompt = torch.randint(10, 500, (200,), generator=torch.Generator().manual_seed(38)).tolist()
+    loop = asyncio.new_event_loop()
+    jobs = [
+        Job(prompt, Sequence(tokenizer, prompt, GREEDY), EventSink(loop), sends_progress=sends)
+        for sends in (False, True)
+    ]
+    scheduler = Scheduler(model, ServerMetrics(), max_batch=1, max_queue=2, prefill_chunk=64)
+    for job in jobs:
+        scheduler.submit(job)
+    scheduler.start()
+    try:
+        wait_until(lambda: all(job.logic.finish_reason is not None for job in jobs), "both finish")
+        loop.run_until_complete(asyncio.sleep(0))  # the events the scheduler put
+    finally:
+        scheduler.stop()
+    progress = [[e for _, e in _drained(job.sink.queue) if isinstance(e, ProgressEvent)] for job in jobs]
+    loop.close()
+    assert progress[0] == [] and [event.processed for event in progress[1]][-1] == len(prompt)
+    assert len(progress[1]) >= 2 and jobs[0].logic.token_ids == jobs[1].logic.token_ids
+
+
+def _drained(queue) -> list:
+    events = []
+    while not queue.empty():
+        events.append(queue.get_nowait())
+    return events
+
+
+class _RecordedRestores(PromptCache):
+    """A prompt cache that records into `calls` each restore of a state, `("restore", tokens)`, and
+    each snapshot of a prompt's end, `("end", tokens)`."""
+
+    def __init__(self, model, calls: list) -> None:
+        super().__init__(model, "recorded", 64 * MIB, every=1 << 20)
+        self.calls = calls
+
+    def restore_longest(self, tokens):
+        state, reused, logits = super().restore_longest(tokens)
+        if reused:
+            self.calls.append(("restore", reused))
+        return state, reused, logits
+
+    def save(self, tokens, state, logits=None, final=False) -> None:
+        if logits is not None:
+            self.calls.append(("end", len(tokens)))
+        super().save(tokens, state, logits, final)
+
+
 class _RecordedCalls:
     """The model with its prefill passes and decode steps recorded in order: `("pass", spans)` with each
     prompt's positions `(start, end)`, `("decode", sequences)`."""

@@ -153,6 +153,11 @@ class ChunkedPrefill:
         if end == len(self.tokens):
             self.logits, self._end_unsaved = logits, cache is not None
 
+    @property
+    def end_unsaved(self) -> bool:
+        """Whether the prompt's end was computed and `keep_end` has not snapshotted it yet."""
+        return self._end_unsaved
+
     def keep_end(self) -> None:
         """Snapshot the prompt's end with its last logits (once; nothing where the cache held it whole):
         call it before the state goes on, after the first token is out where a client waits for it."""

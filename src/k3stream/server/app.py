@@ -459,6 +459,7 @@ class Endpoints:
                     logic=logic,
                     sink=EventSink(loop, queue, index + choice),
                     reuse_prompt=body.cache_prompt,
+                    sends_progress=body.stream and body.return_progress,
                     prompt_only=max_tokens == 0,
                     slot=slot,
                     task_id=next(self._task_ids),

@@ -10,7 +10,9 @@ instead, the memory plan's for one pass, oldest first: no stream waits on them, 
 part that does not grow with its tokens (its kernels' fixed cost; where experts stream from a pack, its
 expert reads), which smaller chunks would pay again; but a new prompt's first pass is a chunk where
 requests may share its prefix, so those that arrive just after it find its prefill short of the shared
-part. No pass holds more rows than `pass_rows`.
+part. No pass holds more rows than `pass_rows`. Copies of whole states are prompt work too: beside
+running streams, the restores of requests that start and the snapshots of prompt ends (taken at the
+step after the prompt's first token is sent, before its state decodes) take a step without a pass.
 Requests that share a prompt prefix no snapshot holds compute it once: the first one's prefill
 snapshots where the shared part ends, and the others wait for that snapshot and restore it; a prefill
 whose prompt branches off a cached one is snapshotted where it branches, for the requests after it.
@@ -154,11 +156,16 @@ class Job:
     cached_tokens: int = 0
     generated: list[int] = field(default_factory=list)
     prefill: ChunkedPrefill | None = None  # the prompt's prefill while it runs
+    # the ended prefill whose prompt end awaits its snapshot: the state takes no decode step until then
+    unsaved_end: ChunkedPrefill | None = None
     reading: Future[None] | None = None  # its prompt's snapshot read from disk, before its prefill
     leader: Job | None = None  # the request whose prefill computes this one's shared prefix
     shared_until: int = 0  # the prefix's end: this job's prefill starts once the leader passes it
     share_checked: bool = False  # looked for a leader among the running prefills while it was queued
     reuse_prompt: bool = True  # restore the prompt from the cache (llama-server's cache_prompt)
+    # its client streams the prefill's progress (llama-server's return_progress): a `ProgressEvent` at
+    # the start and after each pass; without, none, each of which would wake the event loop for nothing
+    sends_progress: bool = False
     prompt_only: bool = False  # finish after the prefill with no token (llama-server's n_predict 0)
     slot: int = -1  # the slot the request reports under (`slots.SlotTable`)
     task_id: int = -1  # llama-server's `id_task`: numbers the server's sequences in order of arrival
@@ -197,10 +204,15 @@ def _has_work(job: Job) -> bool:
     return job.prefill is not None or job.last_token >= 0
 
 
-def _decoding(job: Job) -> bool:
-    """Whether `job` takes decode steps: a choice decodes once it has its first token, after its
-    prompt's prefill (a fork: its request's)."""
+def _streaming(job: Job) -> bool:
+    """Whether `job` streams tokens: a choice does once it has its first token, after its prompt's
+    prefill (a fork: its request's)."""
     return job.active and job.prefill is None and job.last_token >= 0
+
+
+def _decoding(job: Job) -> bool:
+    """Whether `job` takes the next decode step: it streams, and its prompt's end is in the cache."""
+    return _streaming(job) and job.unsaved_end is None
 
 
 def _leader_passed(job: Job) -> bool:
@@ -286,6 +298,7 @@ class Scheduler:
         self._on_tokens = on_tokens
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
+        self._ends: list[Job] = []  # jobs whose prompt ends await their snapshots (`_save_ends`)
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="k3stream-scheduler", daemon=True)
@@ -369,20 +382,23 @@ class Scheduler:
         while self._wait_for_work():
             try:
                 self._drop_finished()
-                self._admit_waiting()
-                self._prefill_step()
+                saved = self._save_ends()
+                restored = self._admit_waiting()
+                if not ((saved or restored) and any(map(_streaming, self._running))):
+                    self._prefill_step()  # beside streams, the states copied are this step's prompt work
                 if self._running:
                     self._decode_step()
             except Exception:  # a bug here must not stop the server: fail what runs, go on
                 log.exception("scheduler step failed")
                 self._fail(list(self._running), "internal error in the batch scheduler")
+        self._save_ends()  # prompts whose first tokens went out: a restarted server resumes them
         with self._wake:
             jobs = list(self._running) + list(self._waiting)
         self._fail(jobs, "the server is shutting down", counted=False)
 
     def _wait_for_work(self) -> bool:
         with self._wake:
-            while not self._stopping and not self._waiting and not any(map(_has_work, self._running)):
+            while not (self._stopping or self._waiting or self._ends or any(map(_has_work, self._running))):
                 self._wake.wait()
             return not self._stopping
 
@@ -409,24 +425,27 @@ class Scheduler:
             self._update_gauges()
             return None
 
-    def _admit_waiting(self) -> None:
+    def _admit_waiting(self) -> bool:
         """Start the prefills of waiting requests while the batch has room (their states restored from
         the prompt cache as far as it holds them); a snapshot only a file holds is read first on the
-        reader's thread (the running sequences step meanwhile), and its request starts once it is in."""
+        reader's thread (the running sequences step meanwhile), and its request starts once it is in.
+        Whether a start restored a state (its copy is prompt work, as a pass is)."""
+        restored = False
         for job in [job for job in self._running if job.reading is not None and job.reading.done()]:
             job.reading = None
-            self._start_prefill(job)
+            restored |= self._start_prefill(job)
         for job in [job for job in self._running if job.leader is not None and _leader_passed(job)]:
             job.leader = None  # it waits once: a leader that fails or leaves lets it compute alone
-            self._start_prefill(job)
+            restored |= self._start_prefill(job)
         while (job := self._next_waiting()) is not None:
             self._progress(job, 0)
             if self.cache is not None and job.reuse_prompt and self.cache.needs_read(job.prompt_tokens):
                 job.reading = self._reader.submit(self._read_ahead, job.prompt_tokens)
                 job.reading.add_done_callback(lambda _: self.wake())
             elif not self._wait_for_leader(job):
-                self._start_prefill(job)
+                restored |= self._start_prefill(job)
         self._mark_for_queued()
+        return restored
 
     def _wait_for_leader(self, job: Job) -> bool:
         """Make `job` wait for the running prefill that computes most of its prompt's uncached prefix,
@@ -477,22 +496,24 @@ class Scheduler:
         except Exception:  # the restore reads it again, or computes the prompt
             log.exception("prompt cache: reading a snapshot failed")
 
-    def _start_prefill(self, job: Job) -> None:
-        """`job`'s prefill, restored from the prompt cache as far as it holds the prompt."""
+    def _start_prefill(self, job: Job) -> bool:
+        """`job`'s prefill, restored from the prompt cache as far as it holds the prompt; whether it
+        restored a state."""
         if not job.active:
-            return
+            return False
         try:
             job.prefill = ChunkedPrefill(self.model, job.prompt_tokens, self.cache, job.reuse_prompt)
         except Exception as exc:  # one bad request must not stop the server
             log.exception("prefill failed")
             self._fail_request(job, f"prefill failed: {exc}")
-            return
+            return False
         job.state, job.cached_tokens = job.prefill.state, job.prefill.reused
         if job.prefill.done:  # the whole prompt was cached
             self._end_prefill(job)
         elif self.share_tokens:
             self._mark_branch(job)
             self._mark_for_queued(job)
+        return job.cached_tokens > 0
 
     def _mark_branch(self, job: Job) -> None:
         """Snapshot `job`'s prefill where its prompt branches off a prompt the cache has seen or one whose
@@ -562,11 +583,11 @@ class Scheduler:
         short of the shared part and wait for its snapshot, where one pass over the whole prompt would
         have passed it before they came."""
         fresh = self.share_tokens > 0 and oldest.prefill.position == 0
-        return fresh or any(map(_decoding, self._running))
+        return fresh or any(map(_streaming, self._running))
 
     def _end_prefill(self, job: Job) -> None:
         """The prompt is in `job`'s state: its choices start from its last logits. The prompt's end goes
-        into the prompt cache once their first tokens are sent (before the state takes a decode step)."""
+        into the prompt cache at the next step, once their first tokens are sent (`_save_ends`)."""
         prefill, job.prefill = job.prefill, None
         self._progress(job, len(job.prompt_tokens))
         for choice, choice_logits in self._share_prefill(job, prefill.logits):
@@ -576,21 +597,34 @@ class Scheduler:
                 self._finish(choice)
             else:
                 self._emit_token(choice, choice_logits)
-        try:
-            prefill.keep_end()
-        except Exception:  # a cache that cannot keep a state costs the next turn time, nothing else
-            log.exception("prompt cache: saving a prompt's state failed")
+        if prefill.end_unsaved:
+            job.unsaved_end = prefill
+            self._ends.append(job)
+
+    def _save_ends(self) -> bool:
+        """Snapshot the prompt ends of the prefills that ended at the last step, before their states
+        take a decode step (a copy of the state, as long as a pass beside the running streams where the
+        state is large, so it is a step's prompt work of its own); whether there were any."""
+        ends, self._ends = self._ends, []
+        for job in ends:
+            prefill, job.unsaved_end = job.unsaved_end, None
+            try:
+                prefill.keep_end()
+            except Exception:  # a cache that cannot keep a state costs the next turn time, nothing else
+                log.exception("prompt cache: saving a prompt's state failed")
+        return bool(ends)
 
     def _progress(self, job: Job, processed: int) -> None:
-        """Record and send how many prompt tokens of `job` are prefilled."""
+        """Record how many prompt tokens of `job` are prefilled, and send it where its client asked."""
         now = time.perf_counter()
         if processed == 0:
             job.prefill_started_at = now
         if processed == len(job.prompt_tokens):
             job.prefill_done_at = now
         job.prompt_done = processed
-        elapsed_ms = (now - job.prefill_started_at) * 1000
-        job.sink.put(ProgressEvent(len(job.prompt_tokens), processed, elapsed_ms, job.cached_tokens))
+        if job.sends_progress:
+            elapsed_ms = (now - job.prefill_started_at) * 1000
+            job.sink.put(ProgressEvent(len(job.prompt_tokens), processed, elapsed_ms, job.cached_tokens))
 
     def _share_prefill(self, job: Job, logits: Any) -> list[tuple[Job, Any]]:
         """`job` and its forks with their first logits: each fork starts from a copy of `job`'s state
