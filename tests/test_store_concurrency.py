@@ -411,12 +411,14 @@ def test_experts_a_store_holds_stay_pinned_through_the_call_at_one_working_set(p
         starts = torch.arange(len(held) + 1, dtype=torch.int64)
         reference = expert_mlp(x, [fetched[e] for e in held], starts, rows, activation, match_ggml=True)
         del fetched  # no view keeps the objects' buffers alive: only the pins keep them in place
-        objects = torch.empty(len(held), dtype=torch.int64)
+        objects = np.empty(len(held), dtype=np.int64)
         assert store.hold(layer, held, objects)
         places = store.object_roles(layer)
         roles = [(places[n].offset, places[n].ggml_type, places[n].shape) for n in MLP_ROLES]
         out = torch.empty_like(reference)
-        function, args, kept = bind_experts_at(x, objects, roles, activation, out, 2, match_ggml=True)
+        function, args, kept = bind_experts_at(
+            x, torch.from_numpy(objects), roles, activation, out, 2, match_ggml=True
+        )
         evicting: list[BaseException] = []
 
         def fetch_others_first(*call_args: int) -> int:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from k3stream.quant.kernels import QWeight
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 ExpertMatrix = QWeight  # one role matrix of one expert: GGUF bytes, GGML type id, (out, in)
@@ -100,7 +101,7 @@ class ExpertSource(Protocol):
         them, else None."""
         return None
 
-    def hold(self, layer: int, expert_ids: list[int], objects: torch.Tensor) -> bool:
+    def hold(self, layer: int, expert_ids: list[int], objects: np.ndarray) -> bool:
         """The fetch of `expert_ids` (distinct) without views, where all of them sit in RAM now: pinned
         as a fetch pins them, until the calling thread's next fetch, and the address of each one's
         object written to `objects` [len(expert_ids)] (int64, in that order); else False, and nothing

@@ -260,23 +260,24 @@ class LatentMoE:
             call = bind_chosen_experts(latent, chosen, roles, *how)
             return [summed] if call is None else [call, cpu.bind_combine(pairs, weights, out)]
         placed = self.source.object_roles(self.layer)
-        objects = torch.empty(chosen.shape[1], dtype=torch.int64)
+        objects = np.empty(chosen.shape[1], dtype=np.int64)
         call = None
         if placed is not None:
             roles = [(r.offset, r.ggml_type, r.shape) for r in (placed[n] for n in MLP_ROLES)]
-            call = bind_experts_at(latent, objects, roles, *how)
+            call = bind_experts_at(latent, torch.from_numpy(objects), roles, *how)
         if call is None:
             return [summed]
-        calls = [call, cpu.bind_combine(pairs, weights, out)]
-        return [cpu.python_step(lambda: self._held_or_summed(chosen, objects, calls, summed))]
+        calls, ids = [call, cpu.bind_combine(pairs, weights, out)], chosen[0].numpy()
+        return [cpu.python_step(lambda: self._held_or_summed(ids, objects, calls, summed))]
 
     def _held_or_summed(
-        self, chosen: torch.Tensor, objects: torch.Tensor, calls: list[cpu.Call], summed: cpu.Call
+        self, ids: np.ndarray, objects: np.ndarray, calls: list[cpu.Call], summed: cpu.Call
     ) -> None:
-        """A one-row step's routed experts by `calls` on the objects the source holds for them (pinned
-        until this thread's next fetch, so through the calls), or by `summed` where some of them are not
-        in RAM (their reads are awaited group by group there)."""
-        if self.source.hold(self.layer, chosen[0].tolist(), objects):
+        """A one-row step's routed experts (`ids`: the chosen) by `calls` on the objects the source holds
+        for them (pinned until this thread's next fetch, so through the calls), or by `summed` where
+        some of them are not in RAM (their reads are awaited group by group there). NumPy and C only: a
+        torch operation here costs tens of microseconds once the weight reads evicted its code."""
+        if self.source.hold(self.layer, ids.tolist(), objects):
             self._asked = []  # what __call__ read ahead: all of it resident, held here
             cpu.run_calls(calls)
         else:

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from k3stream.experts import ExpertMatrix, ExpertWeights, ObjectRole
@@ -235,7 +236,7 @@ class ExpertStore:
             self._end_step(keys, started)
         return weights
 
-    def hold(self, layer: int, expert_ids: Iterable[int], objects: torch.Tensor) -> bool:
+    def hold(self, layer: int, expert_ids: Iterable[int], objects: np.ndarray) -> bool:
         """`fetch` without views where all of `expert_ids` sit in a host compute tier: their objects'
         addresses into `objects` (see `ExpertSource.hold`); else False, nothing done."""
         started = time.perf_counter_ns()
@@ -247,9 +248,8 @@ class ExpertStore:
             self._begin_step(layer, keys)
             for key in keys:
                 self._compute.lookup(key)
-            addresses = [buffers[key].data_ptr() for key in keys]
+            objects[:] = [buffers[key].data_ptr() for key in keys]
             self._end_step(keys, started)
-        objects.copy_(torch.tensor(addresses, dtype=torch.int64))
         return True
 
     def object_roles(self, layer: int) -> dict[str, ObjectRole]:
