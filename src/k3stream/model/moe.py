@@ -245,18 +245,19 @@ class LatentMoE:
         out: torch.Tensor,
         threads: int,
     ) -> list[cpu.Call]:
-        """A one-row step's routed experts summed into `out`: the chosen experts' MLP in one C call on
-        their addresses, then the weighted sum, from a source holding all the layer's experts in RAM
-        (`resident`) or one that holds a step's (`hold`: one Python step, the calls run inside it); else
-        a Python step (`_routed_sum`: the fetch, then the same products and sum)."""
+        """A one-row step's routed experts summed into `out`: from a source holding all the layer's
+        experts in RAM (`resident`), the chosen experts' MLP in one C call on their addresses, then the
+        weighted sum; from one that holds a step's experts (`hold`), a Python step holding them, then
+        one C call (their MLP and sum); else a Python step (`_routed_sum`: the fetch, then the same
+        products and sum)."""
         pairs = latent.new_empty(chosen.shape[1], latent.shape[1])
         summed = cpu.python_step(lambda: self._routed_sum(latent, chosen, weights, out))
         if self.routed_pairs != self._routed_pairs:  # expert parallelism: an exchange computes them
             return [summed]
-        how = (self.activation, pairs, threads, self.match_ggml, self.backend)
         resident = self.source.resident(self.layer)
         if resident is not None:
             roles = [(r.data, r.nbytes, r.ggml_type, r.shape) for r in (resident[n] for n in MLP_ROLES)]
+            how = (self.activation, pairs, threads, self.match_ggml, self.backend)
             call = bind_chosen_experts(latent, chosen, roles, *how)
             return [summed] if call is None else [call, cpu.bind_combine(pairs, weights, out)]
         placed = self.source.object_roles(self.layer)
@@ -264,23 +265,24 @@ class LatentMoE:
         call = None
         if placed is not None:
             roles = [(r.offset, r.ggml_type, r.shape) for r in (placed[n] for n in MLP_ROLES)]
-            call = bind_experts_at(latent, torch.from_numpy(objects), roles, *how)
+            sums = (pairs, weights, out)
+            how = (threads, self.match_ggml, self.backend)
+            call = bind_experts_at(latent, torch.from_numpy(objects), roles, self.activation, *sums, *how)
         if call is None:
             return [summed]
-        calls, ids = [call, cpu.bind_combine(pairs, weights, out)], chosen[0].numpy()
-        return [cpu.python_step(lambda: self._held_or_summed(ids, objects, calls, summed))]
+        ids = chosen[0].numpy()
+        return [cpu.python_step(lambda: self._hold_or_sum(ids, objects, summed)), call]
 
-    def _held_or_summed(
-        self, ids: np.ndarray, objects: np.ndarray, calls: list[cpu.Call], summed: cpu.Call
-    ) -> None:
-        """A one-row step's routed experts (`ids`: the chosen) by `calls` on the objects the source holds
-        for them (pinned until this thread's next fetch, so through the calls), or by `summed` where
-        some of them are not in RAM (their reads are awaited group by group there). NumPy and C only: a
-        torch operation here costs tens of microseconds once the weight reads evicted its code."""
+    def _hold_or_sum(self, ids: np.ndarray, objects: np.ndarray, summed: cpu.Call) -> None:
+        """A one-row step's routed experts (`ids`: the chosen) held by the source for the C call that
+        follows (`experts_at` on their `objects`, pinned until this thread's next fetch), or, where some
+        are not in RAM, summed here (`summed`: their reads awaited group by group) and `objects[0]` zeroed
+        (the call then does nothing). NumPy and C only: a torch operation costs tens of microseconds
+        once a token's weight reads evicted its code."""
         if self.source.hold(self.layer, ids.tolist(), objects):
             self._asked = []  # what __call__ read ahead: all of it resident, held here
-            cpu.run_calls(calls)
         else:
+            objects[0] = 0
             cpu.run_calls([summed])
 
     def _start_step(self, chosen: torch.Tensor) -> None:

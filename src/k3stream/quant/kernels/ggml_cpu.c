@@ -2146,8 +2146,8 @@ static PyObject *py_expert_mlp(PyObject *self, PyObject *const *args, Py_ssize_t
 enum { ROLE_ARGS = 4, FIRST_ROLE = 4, HIDDEN = FIRST_ROLE + 3 * ROLE_ARGS };
 
 /* expert_mlp of one row x through k experts, each one pair in the order of choice, role r's matrix of
- * the j-th at base_r + index[j] * stride_r (v: the arguments above); without the GIL. */
-static PyObject *indexed_experts(const int64_t *v, const double *betas) {
+ * the j-th at base_r + index[j] * stride_r (v: the arguments above); call without the GIL. */
+static int indexed_experts(const int64_t *v, const double *betas) {
     const int64_t *index = (const int64_t *)(uintptr_t)v[2], k = v[3];
     int64_t addresses[3][MAX_CHOSEN], starts[MAX_CHOSEN + 1], rows[MAX_CHOSEN];
     for (int64_t j = 0; j < k; j++) {
@@ -2161,13 +2161,9 @@ static PyObject *indexed_experts(const int64_t *v, const double *betas) {
         const int64_t *role = v + FIRST_ROLE + ROLE_ARGS * r;
         roles[r] = (Role){addresses[r], (int)role[2], v[HIDDEN + (r == 2)], role[3]};
     }
-    int status;
-    Py_BEGIN_ALLOW_THREADS
-    status = expert_mlp((const float *)(uintptr_t)v[0], v[1], roles[0], roles[1], roles[2], k, starts, rows,
-                        (float)betas[0], (float)betas[1], (float *)(uintptr_t)v[HIDDEN + 2], (int)v[HIDDEN + 3],
-                        (int)v[HIDDEN + 4]);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(status);
+    return expert_mlp((const float *)(uintptr_t)v[0], v[1], roles[0], roles[1], roles[2], k, starts, rows,
+                      (float)betas[0], (float)betas[1], (float *)(uintptr_t)v[HIDDEN + 2], (int)v[HIDDEN + 3],
+                      (int)v[HIDDEN + 4]);
 }
 
 /* 0, or -1 with a one-line ValueError where k is not 1..MAX_CHOSEN */
@@ -2197,27 +2193,43 @@ static PyObject *py_chosen_experts(PyObject *self, PyObject *const *args, Py_ssi
         }
     memcpy(taken, v, sizeof(int64_t) * 4); /* all but `experts` */
     memcpy(taken + 4, v + 5, sizeof(int64_t) * 17);
-    return indexed_experts(taken, betas);
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = indexed_experts(taken, betas);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(status);
 }
 
+void k3_combine(const float *pairs, const float *weights, int64_t n, int64_t k, int64_t width, float *out);
+
 /* experts_at(x, in_features, objects, k, then gate, up and down each as (offset, ggml_type, row_bytes),
- * hidden, out_features, beta, linear_beta, out, threads, q8_activations) -> expert_mlp's status: one row
- * x through k experts, each one pair in order, the j-th's matrix of a role at objects[j] + the role's
- * offset (experts each in an object of its own: a store's, pinned by its caller for the call). Without
- * the GIL. */
+ * hidden, out_features, beta, linear_beta, pairs, weights, out, threads, q8_activations) -> expert_mlp's
+ * status: one row x through k experts, each one pair in order into pairs [k, out_features], the j-th's
+ * matrix of a role at objects[j] + the role's offset (experts each in an object of its own: a store's,
+ * kept in place by the caller through the call), then their sum by weights [k] (k3_combine) into out
+ * [out_features]. objects[0] == 0 (no object is at address 0): nothing to compute (the caller computed
+ * the step another way). Without the GIL. */
 static PyObject *py_experts_at(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    int64_t v[18], taken[21];
+    int64_t v[20], taken[21];
     double betas[2];
-    if (parse_args("experts_at", args, nargs, "iiiiiiiiiiiiiiiffiii", v, betas, NULL) != 0) return NULL;
+    if (parse_args("experts_at", args, nargs, "iiiiiiiiiiiiiiiffiiiii", v, betas, NULL) != 0) return NULL;
     if (chosen_count("experts_at", v[3]) != 0) return NULL;
+    if (((const int64_t *)(uintptr_t)v[2])[0] == 0) return PyLong_FromLong(0);
     memcpy(taken, v, sizeof(int64_t) * 4);
     for (int r = 0; r < 3; r++) {
         int64_t *role = taken + FIRST_ROLE + ROLE_ARGS * r;
         role[0] = v[4 + 3 * r], role[1] = 1, role[2] = v[5 + 3 * r], role[3] = v[6 + 3 * r];
     }
-    memcpy(taken + HIDDEN, v + 13, sizeof(int64_t) * 5);
-    return indexed_experts(taken, betas);
+    memcpy(taken + HIDDEN, v + 13, sizeof(int64_t) * 3); /* hidden, out_features, pairs */
+    taken[HIDDEN + 3] = v[18], taken[HIDDEN + 4] = v[19];
+    const float *pairs = (const float *)(uintptr_t)v[15], *weights = (const float *)(uintptr_t)v[16];
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = indexed_experts(taken, betas);
+    if (status == 0) k3_combine(pairs, weights, 1, v[3], v[14], (float *)(uintptr_t)v[17]);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(status);
 }
 
 /* rms_norm(x, rows, width, weight or 0, eps, out) and situ(gate, up, count, beta, linear_beta, out,

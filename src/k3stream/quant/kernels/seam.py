@@ -517,23 +517,27 @@ def bind_experts_at(
     objects: torch.Tensor,
     roles: Sequence[tuple[int, int, tuple[int, int]]],
     activation: Situ,
+    pairs: torch.Tensor,
+    weights: torch.Tensor,
     out: torch.Tensor,
     threads: int,
     match_ggml: bool = False,
     backend: str = "auto",
 ) -> cpu.Call | None:
-    """`bind_chosen_experts` for experts each in an object of its own: one row x [1, in] through the
-    experts whose objects lie at the addresses `objects` [k] (int64) holds at each call, into out
-    [k, down rows], or None where `expert_mlp` would not take them straight to C. `roles` (gate, up,
-    down): (offset in an object, GGML type, shape (out, in)) each. Whoever fills `objects` keeps those
-    objects in place until the call returns (`ExpertSource.hold`)."""
+    """`bind_chosen_experts` for experts each in an object of its own, and their weighted sum: one row
+    x [1, in] through the experts whose objects lie at the addresses `objects` [k] (int64) holds at each
+    call, into pairs [k, down rows], summed by weights [1, k] into out [1, down rows] (`cpu.combine`),
+    as one bound C call, or None where `expert_mlp` would not take them straight to C. `roles` (gate,
+    up, down): (offset in an object, GGML type, shape (out, in)) each. A call finding `objects[0] == 0`
+    does nothing; whoever fills `objects` keeps those objects in place until the call returns
+    (`ExpertSource.hold`)."""
     described = _one_row_roles(x, [role[1:] for role in roles], match_ggml, backend)
     if described is None:
         return None
     q8, c_roles = described
     placed = [(offset, role) for (offset, _, _), role in zip(roles, c_roles, strict=True)]
     betas = (activation.beta, activation.linear_beta)
-    return cpu.bind_experts_at(x, objects, placed, betas, out, threads, q8)
+    return cpu.bind_experts_at(x, objects, placed, betas, pairs, weights, out, threads, q8)
 
 
 def _one_row_roles(
