@@ -732,6 +732,10 @@ def test_the_extension_call_refuses_bad_arguments_in_one_line():
         module.chosen_experts(
             0, 256, chosen.data_ptr(), 2, 8, *[0, 84, 10, 84] * 3, 256, 256, 1.0, 0.0, 0, 1, 0
         )
+    with pytest.raises(ValueError, match="experts_at: 0 experts, not 1..256"):
+        module.experts_at(0, 256, 0, 0, *[0, 10, 84] * 3, 256, 256, 1.0, 0.0, 0, 0, 0, 1, 0)
+    with pytest.raises(TypeError, match="experts_at takes 22 arguments, got 2"):
+        module.experts_at(0, 256)
     with pytest.raises(TypeError, match="argument 3 must be a list"):
         module.expert_mlp(0, 256, 0, 10, 84, [0], 10, 84, [0], 11, 110, 256, 256, 0, 0, 2.0, 3.0, 0, 1, 0)
     with pytest.raises(TypeError):  # a float where a pointer goes

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import k3stream.store.pack_io as pack_io
 from k3stream.store import ExpertStore
@@ -390,3 +391,54 @@ def test_close_gives_back_the_slots_of_a_read_ahead_its_thread_never_installed(p
     closing.result()
     assert not store._compute.loading and store._file._active_reads == 0
     assert store._compute.cache.used() == 0
+
+
+def test_experts_a_store_holds_stay_pinned_through_the_call_at_one_working_set(packed):  # noqa: F811
+    """`hold` pins a step's experts as a fetch does: at one working set, another thread's fetch
+    during the bound call that computes them (on their addresses, no views) cannot evict them, and the
+    call's sum equals the one of the outputs computed on the fetched views; the holding thread's next
+    fetch frees them. Without the pins the other fetch would read its experts into their buffers."""
+    from k3stream.model.moe import MLP_ROLES
+    from k3stream.quant.kernels import Situ, bind_experts_at, cpu, expert_mlp
+
+    _, pack = packed
+    layer, held, others = pack.moe_layers[0], [3, 7, 1, 12], [0, 2, 4, 5]
+    activation, in_features = Situ(1.5, 0.25), pack.role_slices(layer, 0)["gate"].shape[1]
+    rng = np.random.default_rng(5)
+    x = torch.from_numpy(rng.standard_normal((1, in_features), dtype=np.float32))
+    weights = torch.from_numpy(rng.random((1, len(held)), dtype=np.float32))
+    with ExpertStore(pack, ram_mib=budget(pack, pack.top_k), prefetch=False) as store:
+        fetched = store.fetch(layer, held)
+        rows = torch.zeros(len(held), dtype=torch.int64)
+        starts = torch.arange(len(held) + 1, dtype=torch.int64)
+        pairs = expert_mlp(x, [fetched[e] for e in held], starts, rows, activation, match_ggml=True)
+        reference = cpu.combine(pairs, weights)
+        del fetched  # no view keeps the objects' buffers alive: only the pins keep them in place
+        objects = np.empty(len(held), dtype=np.int64)
+        assert store.hold(layer, held, objects)
+        places = store.object_roles(layer)
+        roles = [(places[n].offset, places[n].ggml_type, places[n].shape) for n in MLP_ROLES]
+        out = torch.empty_like(reference)
+        sums = (torch.empty_like(pairs), weights, out)
+        function, args, kept = bind_experts_at(
+            x, torch.from_numpy(objects), roles, activation, *sums, 2, match_ggml=True
+        )
+        evicting: list[BaseException] = []
+
+        def fetch_others_first(*call_args: int) -> int:
+            try:
+                Background(lambda: store.fetch(layer, others)).result()
+            except WorkingSetTooLarge as refused:
+                evicting.append(refused)
+            assert store.ready(layer, held) == held
+            return function(*call_args)
+
+        cpu.run_calls([(fetch_others_first, args, kept)])
+        assert len(evicting) == 1
+        assert torch.equal(out, reference)
+        objects[0] = 0  # a step not held: the call leaves out alone
+        out.fill_(7.0)
+        cpu.run_calls([(function, args, kept)])
+        assert torch.equal(out, torch.full_like(out, 7.0))
+        store.fetch(layer, others)  # this thread's next step: the held experts are evictable
+        assert store.ready(layer, held) == []

@@ -131,3 +131,23 @@ def test_a_store_over_another_models_pack_is_refused_naming_both(streamed_model,
         with pytest.raises(ValueError, match=f"built from {gguf_path.resolve()}, not {other.resolve()}"):
             k3stream.load(other, LoadOptions(expert_source=store))
         assert k3stream.load(gguf_path, LoadOptions(expert_source=store)).logits(TOKENS[:2]).shape[0] == 2
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_decode_steps_the_store_holds_equal_its_fetched_steps_bit_for_bit(streamed_model, prefetch):
+    """With every expert in the budget, each decode step's routed experts are held by the store
+    (`hold`: pinned, no views) and computed by one C call on their addresses, on the decode program
+    (prefetch off) and the eager path (on): the logits equal the all-resident GGUF run's and the same
+    store's fetched steps' (`_routed_sum`, where the store does not hold them), bit for bit."""
+    gguf_path, pack, reference, _ = streamed_model
+    every_expert = len(pack.moe_layers) * pack.num_experts
+    with ExpertStore(pack, ram_mib=every_expert * pack.object_bytes / MIB, prefetch=prefetch) as store:
+        model = k3stream.load(gguf_path, LoadOptions(expert_source=store, prefetch=prefetch))
+        fetched = decode_all(model)  # reads the experts the steps use: most of its steps fetch
+        held, hold = [], store.hold
+        store.hold = lambda *args: held.append(hold(*args)) or held[-1]
+        assert torch.equal(decode_all(model), reference)
+        assert torch.equal(fetched, reference)
+        assert len(held) == len(TOKENS) * len(pack.moe_layers) and all(held)
+        store.hold = lambda *args: False
+        assert torch.equal(decode_all(model), reference)

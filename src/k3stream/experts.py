@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from k3stream.quant.kernels import QWeight
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 ExpertMatrix = QWeight  # one role matrix of one expert: GGUF bytes, GGML type id, (out, in)
@@ -57,6 +58,16 @@ class ResidentRole:
     shape: tuple[int, int]  # ("up", "gate", "down")
 
 
+@dataclass(frozen=True)
+class ObjectRole:
+    """One role of a layer's experts, each expert in an object of its own (a store's slot): the role's
+    matrix lies at `offset` in the object (uint8 GGUF bytes of GGML type `ggml_type`, shape (out, in))."""
+
+    offset: int
+    ggml_type: int
+    shape: tuple[int, int]
+
+
 @runtime_checkable
 class ExpertSource(Protocol):
     """Routed experts by (layer, expert ids). The defaults describe a source that serves any fetch and
@@ -84,6 +95,18 @@ class ExpertSource(Protocol):
         (its fetches hand out views of these bytes), else None: the MoE then computes a decode step's
         experts straight from their addresses, without a fetch."""
         return None
+
+    def object_roles(self, layer: int) -> dict[str, ObjectRole] | None:
+        """Where each role's matrix lies in an expert's object of `layer`, for a source that can `hold`
+        them, else None."""
+        return None
+
+    def hold(self, layer: int, expert_ids: list[int], objects: np.ndarray) -> bool:
+        """The fetch of `expert_ids` (distinct) without views, where all of them sit in RAM now: pinned
+        as a fetch pins them, until the calling thread's next fetch, and the address of each one's
+        object written to `objects` [len(expert_ids)] (int64, in that order); else False, and nothing
+        was pinned, counted or written (the caller fetches them)."""
+        return False
 
     def ready(self, layer: int, expert_ids: list[int]) -> list[int]:
         """Those of `expert_ids` a fetch would serve now, without waiting for a read (in the given

@@ -8,8 +8,8 @@ kinds: KDA and MLA attention, the dense FFN, the shared experts and the routed p
 is the rest of the step (embedding, norms, residual mixes, hints sent ahead, the output head).
 
 Within each kind the mat-vec calls into the C kernels (`products`, `grouped_product`, `expert_mlp`,
-`chosen_experts`: activations quantized, OpenMP region, the dot products) are timed apart as its
-kernel time; the rest of the kind's time is the Python, torch and other C steps around them.
+`chosen_experts`, `experts_at`: activations quantized, OpenMP region, the dot products) are timed apart
+as its kernel time; the rest of the kind's time is the Python, torch and other C steps around them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from k3stream.quant.kernels import cpu
 
 KINDS = ("KDA attention", "MLA attention", "dense FFN", "MoE routed", "MoE shared", "other")
 # the C library's mat-vec entry points (`quant.kernels.cpu` looks them up at each call)
-MAT_VECS = ("products", "grouped_product", "expert_mlp", "chosen_experts")
+MAT_VECS = ("products", "grouped_product", "expert_mlp", "chosen_experts", "experts_at")
 # the RAM read rate's buffer: larger than any layer kind's weight bytes per token at Kimi-K3's shapes
 # (KDA attention's 472 MB), far larger than the last-level cache; passes a measurement
 RAM_PASS_BYTES = 512 << 20

@@ -11,11 +11,14 @@ import torch
 
 from k3stream.experts import ExpertSource, ExpertWeights, group_pairs
 from k3stream.model.layers import JointLinear, Linear, QuantLinear, bind_linear, bind_rms_norm, rms_norm
-from k3stream.quant.kernels import MLP, Situ, bind_chosen_experts, cpu, expert_mlp, situ
+from k3stream.quant.kernels import MLP, Situ, bind_chosen_experts, bind_experts_at, cpu, expert_mlp, situ
 
 # a step is computed in about this many groups at least: each waits only for what has not arrived
 # yet, and a smaller group costs a kernel call and a fetch (prefill steps have hundreds of experts)
 GROUPS_PER_STEP = 8
+
+# the routed experts' roles in the order the C calls take them
+MLP_ROLES = ("gate", "up", "down")
 
 # llama.cpp clamps the sum of the chosen weights from below before renormalising
 MIN_WEIGHT_SUM = 6.103515625e-5
@@ -242,22 +245,45 @@ class LatentMoE:
         out: torch.Tensor,
         threads: int,
     ) -> list[cpu.Call]:
-        """A one-row step's routed experts summed into `out`: from a source holding all the layer's experts
-        in RAM, two C calls (the chosen experts' MLP from their addresses, then the weighted sum); else a
-        Python step (`_routed_sum`: the fetch, then the same products and sum)."""
-        resident = self.source.resident(self.layer) if self.routed_pairs == self._routed_pairs else None
+        """A one-row step's routed experts summed into `out`: from a source holding all the layer's
+        experts in RAM (`resident`), the chosen experts' MLP in one C call on their addresses, then the
+        weighted sum; from one that holds a step's experts (`hold`), a Python step holding them, then
+        one C call (their MLP and sum); else a Python step (`_routed_sum`: the fetch, then the same
+        products and sum)."""
         pairs = latent.new_empty(chosen.shape[1], latent.shape[1])
-        call = None
+        summed = cpu.python_step(lambda: self._routed_sum(latent, chosen, weights, out))
+        if self.routed_pairs != self._routed_pairs:  # expert parallelism: an exchange computes them
+            return [summed]
+        resident = self.source.resident(self.layer)
         if resident is not None:
-            roles = [
-                (r.data, r.nbytes, r.ggml_type, r.shape)
-                for r in (resident[n] for n in ("gate", "up", "down"))
-            ]
-            how = (self.match_ggml, self.backend)
-            call = bind_chosen_experts(latent, chosen, roles, self.activation, pairs, threads, *how)
+            roles = [(r.data, r.nbytes, r.ggml_type, r.shape) for r in (resident[n] for n in MLP_ROLES)]
+            how = (self.activation, pairs, threads, self.match_ggml, self.backend)
+            call = bind_chosen_experts(latent, chosen, roles, *how)
+            return [summed] if call is None else [call, cpu.bind_combine(pairs, weights, out)]
+        placed = self.source.object_roles(self.layer)
+        objects = np.empty(chosen.shape[1], dtype=np.int64)
+        call = None
+        if placed is not None:
+            roles = [(r.offset, r.ggml_type, r.shape) for r in (placed[n] for n in MLP_ROLES)]
+            sums = (pairs, weights, out)
+            how = (threads, self.match_ggml, self.backend)
+            call = bind_experts_at(latent, torch.from_numpy(objects), roles, self.activation, *sums, *how)
         if call is None:
-            return [cpu.python_step(lambda: self._routed_sum(latent, chosen, weights, out))]
-        return [call, cpu.bind_combine(pairs, weights, out)]
+            return [summed]
+        ids = chosen[0].numpy()
+        return [cpu.python_step(lambda: self._hold_or_sum(ids, objects, summed)), call]
+
+    def _hold_or_sum(self, ids: np.ndarray, objects: np.ndarray, summed: cpu.Call) -> None:
+        """A one-row step's routed experts (`ids`: the chosen) held by the source for the C call that
+        follows (`experts_at` on their `objects`, pinned until this thread's next fetch), or, where some
+        are not in RAM, summed here (`summed`: their reads awaited group by group) and `objects[0]` zeroed
+        (the call then does nothing). NumPy and C only: a torch operation costs tens of microseconds
+        once a token's weight reads evicted its code."""
+        if self.source.hold(self.layer, ids.tolist(), objects):
+            self._asked = []  # what __call__ read ahead: all of it resident, held here
+        else:
+            objects[0] = 0
+            cpu.run_calls([summed])
 
     def _start_step(self, chosen: torch.Tensor) -> None:
         """Keep the step's choices [N, k] (for whoever scores predictions of them); a source that reads

@@ -29,9 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from k3stream.experts import ExpertMatrix, ExpertWeights
+from k3stream.experts import ExpertMatrix, ExpertWeights, ObjectRole
 from k3stream.store.hints import HintScores
 from k3stream.store.liveness import LiveBuffers
 from k3stream.store.loading import Load, Loader
@@ -234,6 +235,40 @@ class ExpertStore:
     def fetch(self, layer: int, expert_ids: Iterable[int]) -> dict[int, ExpertWeights]:
         """The weights of each requested expert of `layer`, as views of resident objects."""
         started = time.perf_counter_ns()
+        keys = self._step_keys(layer, expert_ids)
+        with self._lock:
+            self._begin_step(layer, keys)
+        buffers = self._loader.ensure(self._compute, keys, Load.DEMAND, keep=True)
+        weights = {key[1]: self._weights(key, buffers[key]) for key in keys}
+        with self._lock:
+            self._end_step(keys, started)
+        return weights
+
+    def hold(self, layer: int, expert_ids: Iterable[int], objects: np.ndarray) -> bool:
+        """`fetch` without views where all of `expert_ids` sit in a host compute tier: their objects'
+        addresses into `objects` (see `ExpertSource.hold`); else False, nothing done."""
+        started = time.perf_counter_ns()
+        keys = self._step_keys(layer, expert_ids)
+        with self._lock:
+            buffers = self._compute.buffers
+            if self._compute.uploader is not None or not all(key in buffers for key in keys):
+                return False
+            self._begin_step(layer, keys)
+            for key in keys:
+                self._compute.lookup(key)
+            objects[:] = [buffers[key].data_ptr() for key in keys]
+            self._end_step(keys, started)
+        return True
+
+    def object_roles(self, layer: int) -> dict[str, ObjectRole]:
+        """Where each role's matrix lies in an object of `layer` (for `hold`)."""
+        return {
+            role: ObjectRole(offset, ggml_type, shape)
+            for role, offset, _, ggml_type, shape in self._role_parts(layer)
+        }
+
+    def _step_keys(self, layer: int, expert_ids: Iterable[int]) -> list[Key]:
+        """The keys of a fetch, at most the compute tier's slots."""
         keys = self._keys(layer, expert_ids)
         if len(keys) > self.max_experts_per_fetch:
             raise ValueError(
@@ -241,21 +276,24 @@ class ExpertStore:
                 f"{self._compute.name} tier's {self.max_experts_per_fetch} slots; "
                 "fetch at most max_experts_per_fetch at a time"
             )
+        return keys
+
+    def _begin_step(self, layer: int, keys: list[Key]) -> None:
+        """Under the lock: a fetch of `keys` of `layer` starts (pinned as the thread's step, told to the
+        hints and the trace)."""
+        if self._closed:
+            raise RuntimeError("expert store is closed")
         experts = [expert for _, expert in keys]
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("expert store is closed")
-            self._pins.pin_step(keys)
-            self._hints.fetched(layer, experts)
-            if self._trace is not None:
-                self._trace.step(layer, experts)
-        buffers = self._loader.ensure(self._compute, keys, Load.DEMAND, keep=True)
-        weights = {expert: self._weights((layer, expert), buffers[(layer, expert)]) for expert in experts}
-        with self._lock:
-            self._compute.fetched(keys)
-            self._counts["fetches"] += 1
-            self._counts["fetch_ns"] += time.perf_counter_ns() - started
-        return weights
+        self._pins.pin_step(keys)
+        self._hints.fetched(layer, experts)
+        if self._trace is not None:
+            self._trace.step(layer, experts)
+
+    def _end_step(self, keys: list[Key], started: int) -> None:
+        """Under the lock: a fetch of `keys` that began at `started` (ns) is over."""
+        self._compute.fetched(keys)
+        self._counts["fetches"] += 1
+        self._counts["fetch_ns"] += time.perf_counter_ns() - started
 
     def prefetch(self, layer: int, expert_ids: Iterable[int]) -> None:
         """Start loading these experts in the background; never blocks, never evicts pinned experts.

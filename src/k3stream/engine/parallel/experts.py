@@ -66,6 +66,10 @@ class OwnedExperts:
         """None: a rank computes its own experts through its exchange, never all of a layer's."""
         return None
 
+    def object_roles(self, layer: int) -> None:
+        """None: a rank's step goes through its exchange, which fetches."""
+        return None
+
     def __getattr__(self, name: str) -> Any:  # stats, pack, ...
         return getattr(self.source, name)
 

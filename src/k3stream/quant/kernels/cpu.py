@@ -269,6 +269,32 @@ def bind_chosen_experts(
     return _ggml_cpu().chosen_experts, args, (x, chosen, out, *(data for data, _, _ in roles))
 
 
+def bind_experts_at(
+    x: torch.Tensor,
+    objects: torch.Tensor,
+    roles: Sequence[tuple[int, Role]],
+    betas: tuple[float, float],
+    pairs: torch.Tensor,
+    weights: torch.Tensor,
+    out: torch.Tensor,
+    threads: int,
+    q8_activations: bool = False,
+) -> Call:
+    """`expert_mlp` of one row x (contiguous) through the experts whose objects lie at the addresses
+    `objects` [k] (int64) holds at each call, one pair each in that order, into pairs [k, down rows],
+    then their `combine` by weights [1, k] into out [1, down rows], as a bound call: `roles` (gate, up,
+    down) each (its matrix's offset in an object, its Role without matrices). `objects[0] == 0` at a
+    call: it does nothing. Whoever fills `objects` keeps those objects in place until the call returns."""
+    gate, down = roles[0][1], roles[2][1]
+    per_role = [number for offset, role in roles for number in (offset, role.ggml_type, role.row_bytes)]
+    args = (
+        x.data_ptr(), x.shape[1], objects.data_ptr(), objects.numel(), *per_role, gate.out_features,
+        down.out_features, *betas, pairs.data_ptr(), weights.data_ptr(), out.data_ptr(), threads,
+        int(q8_activations),
+    )  # fmt: skip
+    return _ggml_cpu().experts_at, args, (x, objects, pairs, weights, out)
+
+
 def bind_combine(pairs: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> Call:
     """`combine` into `out` as a bound call."""
     rows, top_k = weights.shape

@@ -2182,38 +2182,95 @@ static PyObject *py_expert_mlp(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyLong_FromLong(status);
 }
 
+/* The bound one-row expert calls' arguments, v[0..] after their own: x, in_features, index, k, then gate,
+ * up and down each as (base, stride, ggml_type, row_bytes), hidden, out_features, (beta, linear_beta in
+ * betas), out, threads, q8_activations. */
+#define MAX_CHOSEN 256
+enum { ROLE_ARGS = 4, FIRST_ROLE = 4, HIDDEN = FIRST_ROLE + 3 * ROLE_ARGS };
+
+/* expert_mlp of one row x through k experts, each one pair in the order of choice, role r's matrix of
+ * the j-th at base_r + index[j] * stride_r (v: the arguments above); call without the GIL. */
+static int indexed_experts(const int64_t *v, const double *betas) {
+    const int64_t *index = (const int64_t *)(uintptr_t)v[2], k = v[3];
+    int64_t addresses[3][MAX_CHOSEN], starts[MAX_CHOSEN + 1], rows[MAX_CHOSEN];
+    for (int64_t j = 0; j < k; j++) {
+        for (int r = 0; r < 3; r++)
+            addresses[r][j] = v[FIRST_ROLE + ROLE_ARGS * r] + index[j] * v[FIRST_ROLE + ROLE_ARGS * r + 1];
+        starts[j] = j, rows[j] = 0;
+    }
+    starts[k] = k;
+    Role roles[3];
+    for (int r = 0; r < 3; r++) {
+        const int64_t *role = v + FIRST_ROLE + ROLE_ARGS * r;
+        roles[r] = (Role){addresses[r], (int)role[2], v[HIDDEN + (r == 2)], role[3]};
+    }
+    return expert_mlp((const float *)(uintptr_t)v[0], v[1], roles[0], roles[1], roles[2], k, starts, rows,
+                      (float)betas[0], (float)betas[1], (float *)(uintptr_t)v[HIDDEN + 2], (int)v[HIDDEN + 3],
+                      (int)v[HIDDEN + 4]);
+}
+
+/* 0, or -1 with a one-line ValueError where k is not 1..MAX_CHOSEN */
+static int chosen_count(const char *name, int64_t k) {
+    if (k >= 1 && k <= MAX_CHOSEN) return 0;
+    PyErr_Format(PyExc_ValueError, "%s: %lld experts, not 1..%d", name, (long long)k, MAX_CHOSEN);
+    return -1;
+}
+
 /* chosen_experts(x, in_features, chosen, k, experts, then gate, up and down each as (base, bytes per
  * expert, ggml_type, row_bytes), hidden, out_features, beta, linear_beta, out, threads, q8_activations)
  * -> expert_mlp's status: one row x through the k experts chosen[0..k) picked, whose matrices of a role
  * lie at base + expert * bytes per expert (a layer's experts all in RAM), each one pair in the order of
- * choice: expert_mlp with starts 0..k and rows all 0, addresses worked out here. Without the GIL. */
-#define MAX_CHOSEN 256
+ * choice. Without the GIL. */
 static PyObject *py_chosen_experts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    int64_t v[22], addresses[3][MAX_CHOSEN], starts[MAX_CHOSEN + 1], rows[MAX_CHOSEN];
+    int64_t v[22], taken[21];
     double betas[2];
     if (parse_args("chosen_experts", args, nargs, "iiiiiiiiiiiiiiiiiiiffiii", v, betas, NULL) != 0) return NULL;
     const int64_t *chosen = (const int64_t *)(uintptr_t)v[2], k = v[3], count = v[4];
-    if (k < 1 || k > MAX_CHOSEN) {
-        PyErr_Format(PyExc_ValueError, "chosen_experts: %lld experts, not 1..%d", (long long)k, MAX_CHOSEN);
-        return NULL;
-    }
-    for (int64_t j = 0; j < k; j++) {
+    if (chosen_count("chosen_experts", k) != 0) return NULL;
+    for (int64_t j = 0; j < k; j++)
         if (chosen[j] < 0 || chosen[j] >= count) {
             PyErr_Format(PyExc_ValueError, "chosen_experts: expert %lld outside 0..%lld", (long long)chosen[j],
                          (long long)count - 1);
             return NULL;
         }
-        for (int r = 0; r < 3; r++) addresses[r][j] = v[5 + 4 * r] + chosen[j] * v[6 + 4 * r];
-        starts[j] = j, rows[j] = 0;
-    }
-    starts[k] = k;
-    const Role gate = {addresses[0], (int)v[7], v[17], v[8]}, up = {addresses[1], (int)v[11], v[17], v[12]};
-    const Role down = {addresses[2], (int)v[15], v[18], v[16]};
+    memcpy(taken, v, sizeof(int64_t) * 4); /* all but `experts` */
+    memcpy(taken + 4, v + 5, sizeof(int64_t) * 17);
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = expert_mlp((const float *)(uintptr_t)v[0], v[1], gate, up, down, k, starts, rows, (float)betas[0],
-                        (float)betas[1], (float *)(uintptr_t)v[19], (int)v[20], (int)v[21]);
+    status = indexed_experts(taken, betas);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(status);
+}
+
+void k3_combine(const float *pairs, const float *weights, int64_t n, int64_t k, int64_t width, float *out);
+
+/* experts_at(x, in_features, objects, k, then gate, up and down each as (offset, ggml_type, row_bytes),
+ * hidden, out_features, beta, linear_beta, pairs, weights, out, threads, q8_activations) -> expert_mlp's
+ * status: one row x through k experts, each one pair in order into pairs [k, out_features], the j-th's
+ * matrix of a role at objects[j] + the role's offset (experts each in an object of its own: a store's,
+ * kept in place by the caller through the call), then their sum by weights [k] (k3_combine) into out
+ * [out_features]. objects[0] == 0 (no object is at address 0): nothing to compute (the caller computed
+ * the step another way). Without the GIL. */
+static PyObject *py_experts_at(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t v[20], taken[21];
+    double betas[2];
+    if (parse_args("experts_at", args, nargs, "iiiiiiiiiiiiiiiffiiiii", v, betas, NULL) != 0) return NULL;
+    if (chosen_count("experts_at", v[3]) != 0) return NULL;
+    if (((const int64_t *)(uintptr_t)v[2])[0] == 0) return PyLong_FromLong(0);
+    memcpy(taken, v, sizeof(int64_t) * 4);
+    for (int r = 0; r < 3; r++) {
+        int64_t *role = taken + FIRST_ROLE + ROLE_ARGS * r;
+        role[0] = v[4 + 3 * r], role[1] = 1, role[2] = v[5 + 3 * r], role[3] = v[6 + 3 * r];
+    }
+    memcpy(taken + HIDDEN, v + 13, sizeof(int64_t) * 3); /* hidden, out_features, pairs */
+    taken[HIDDEN + 3] = v[18], taken[HIDDEN + 4] = v[19];
+    const float *pairs = (const float *)(uintptr_t)v[15], *weights = (const float *)(uintptr_t)v[16];
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = indexed_experts(taken, betas);
+    if (status == 0) k3_combine(pairs, weights, 1, v[3], v[14], (float *)(uintptr_t)v[17]);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(status);
 }
@@ -2513,6 +2570,7 @@ static PyMethodDef methods[] = {
     {"products", (PyCFunction)(void (*)(void))py_products, METH_FASTCALL, NULL},
     {"expert_mlp", (PyCFunction)(void (*)(void))py_expert_mlp, METH_FASTCALL, NULL},
     {"chosen_experts", (PyCFunction)(void (*)(void))py_chosen_experts, METH_FASTCALL, NULL},
+    {"experts_at", (PyCFunction)(void (*)(void))py_experts_at, METH_FASTCALL, NULL},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, NULL},
     {"situ", (PyCFunction)(void (*)(void))py_situ, METH_FASTCALL, NULL},
     {"read_parts", (PyCFunction)(void (*)(void))py_read_parts, METH_FASTCALL, NULL},

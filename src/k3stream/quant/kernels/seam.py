@@ -502,17 +502,56 @@ def bind_chosen_experts(
     experts' matrices), or None where `expert_mlp` would not take them straight to C. `roles` (gate,
     up, down): each role's matrices of all the layer's experts in RAM, as (bytes, bytes per expert,
     GGML type, shape (out, in)), expert e's at e times the bytes per expert."""
-    layouts = [_fused_layout(ggml_type, shape, match_ggml) for _, _, ggml_type, shape in roles]
-    q8 = _q8_flag([ggml_type for _, _, ggml_type, _ in roles], match_ggml)
+    described = _one_row_roles(x, [role[2:] for role in roles], match_ggml, backend)
+    if described is None:
+        return None
+    q8, c_roles = described
+    experts = roles[0][0].numel() // roles[0][1]
+    placed = [(data, nbytes, role) for (data, nbytes, _, _), role in zip(roles, c_roles, strict=True)]
+    betas = (activation.beta, activation.linear_beta)
+    return cpu.bind_chosen_experts(x, chosen, placed, experts, betas, out, threads, q8)
+
+
+def bind_experts_at(
+    x: torch.Tensor,
+    objects: torch.Tensor,
+    roles: Sequence[tuple[int, int, tuple[int, int]]],
+    activation: Situ,
+    pairs: torch.Tensor,
+    weights: torch.Tensor,
+    out: torch.Tensor,
+    threads: int,
+    match_ggml: bool = False,
+    backend: str = "auto",
+) -> cpu.Call | None:
+    """`bind_chosen_experts` for experts each in an object of its own, and their weighted sum: one row
+    x [1, in] through the experts whose objects lie at the addresses `objects` [k] (int64) holds at each
+    call, into pairs [k, down rows], summed by weights [1, k] into out [1, down rows] (`cpu.combine`),
+    as one bound C call, or None where `expert_mlp` would not take them straight to C. `roles` (gate,
+    up, down): (offset in an object, GGML type, shape (out, in)) each. A call finding `objects[0] == 0`
+    does nothing; whoever fills `objects` keeps those objects in place until the call returns
+    (`ExpertSource.hold`)."""
+    described = _one_row_roles(x, [role[1:] for role in roles], match_ggml, backend)
+    if described is None:
+        return None
+    q8, c_roles = described
+    placed = [(offset, role) for (offset, _, _), role in zip(roles, c_roles, strict=True)]
+    betas = (activation.beta, activation.linear_beta)
+    return cpu.bind_experts_at(x, objects, placed, betas, pairs, weights, out, threads, q8)
+
+
+def _one_row_roles(
+    x: torch.Tensor, kinds: Sequence[tuple[int, tuple[int, int]]], match_ggml: bool, backend: str
+) -> tuple[bool, list[cpu.Role]] | None:
+    """For one row x through experts of these (GGML type, shape) roles (gate, up, down): whether the C
+    call quantizes its activations, and each role's `cpu.Role` without matrices; None where
+    `expert_mlp` would not take them straight to C."""
+    layouts = [_fused_layout(ggml_type, shape, match_ggml) for ggml_type, shape in kinds]
+    q8 = _q8_flag([ggml_type for ggml_type, _ in kinds], match_ggml)
     if backend != "auto" or x.shape[0] != 1 or None in (*layouts, q8) or not cpu.takes((x,)):
         return None
-    experts = roles[0][0].numel() // roles[0][1]
-    described = [
-        (data, nbytes, cpu.Role([], ggml_type, *layout))
-        for (data, nbytes, ggml_type, _), layout in zip(roles, layouts, strict=True)
-    ]
-    betas = (activation.beta, activation.linear_beta)
-    return cpu.bind_chosen_experts(x, chosen, described, experts, betas, out, threads, bool(q8))
+    roles = [cpu.Role([], ggml_type, *layout) for (ggml_type, _), layout in zip(kinds, layouts, strict=True)]
+    return bool(q8), roles
 
 
 def _fused_roles(
