@@ -230,6 +230,20 @@ def test_cli_make_tiny(tmp_path, capsys):
     assert "kimi-k3.attention.q_lora_rank" not in fields
 
 
+@pytest.mark.parametrize("under", ["", "sub/deeper"])
+def test_an_out_dir_that_is_or_lies_under_a_file_is_one_line(tmp_path, capsys, under):
+    """OUT_DIR naming a file, or a folder below one: one line naming OUT_DIR and the file (it was
+    Python's '[Errno 17] File exists' or '[Errno 20] Not a directory'), and the file is kept."""
+    taken = tmp_path / "taken"
+    taken.write_text("keep")
+    out = taken / under if under else taken
+    assert cli.main(["make-tiny", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    named = "" if not under else f" {taken}"
+    assert err == f"k3stream make-tiny: error: OUT_DIR {out}:{named} is a file, not a folder"
+    assert taken.read_text() == "keep"
+
+
 def test_chat_template_renders_kimi_turns(tiny_model):
     import jinja2
 
