@@ -133,6 +133,8 @@ def test_vocab_padding(tiny_model):
         ({"n_layers": 0}, r"TinySpec.n_layers: 0 must be >= 2"),
         ({"seed": -1}, r"TinySpec.seed: -1 must be >= 0"),
         ({"context_length": 1 << 32}, r"kimi-k3.context_length: 4294967296 does not fit the GGUF's uint32"),
+        # a context of one token holds no token to generate: `generate` blamed a --ctx 1 nobody gave
+        ({"context_length": 1}, r"kimi-k3.context_length must be an integer >= 2, got 1$"),
         ({"n_experts": 1 << 32}, r"kimi-k3.expert_count: 4294967296 does not fit the GGUF's uint32"),
     ],
 )
