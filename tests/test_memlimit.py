@@ -99,6 +99,21 @@ def test_plan_refuses_below_one_working_set_in_one_line():
     assert f"needs at least {(PLANNED + headroom_bytes(limit) + 8 * MIB) / MIB:.1f} MiB" in message
 
 
+def test_a_refusal_the_prompt_cache_makes_names_its_flag():
+    """`serve` and `chat` keep 1 GiB for the prompt cache unless told: under a limit that holds everything
+    else, the refusal names --cache-ram, the flag that lowers it; without a cache it does not."""
+    cache = 1024 * MIB
+    limit = limit_leaving(8 * MIB + cache) - 1
+    with pytest.raises(MemoryLimitError) as error:
+        plan_memory(limit, NEEDS, RUNTIME, cache_bytes=cache)
+    assert "prompt cache (1.00 GiB)" in str(error.value)
+    assert str(error.value).endswith("(--cache-ram sets the prompt cache: 0 turns it off)")
+    assert plan_memory(limit, NEEDS, RUNTIME).expert_budget > 8 * MIB
+    with pytest.raises(MemoryLimitError) as error:
+        plan_memory(limit_leaving(8 * MIB) - 1, NEEDS, RUNTIME)
+    assert "--cache-ram" not in str(error.value)
+
+
 def _fake_tree(tmp_path: Path, cgroup_lines: str) -> tuple[Path, Path]:
     proc, sys_cgroup = tmp_path / "proc", tmp_path / "sys"
     (proc / "self").mkdir(parents=True)

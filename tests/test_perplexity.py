@@ -265,6 +265,17 @@ def test_a_base_that_names_a_folder_is_refused_before_the_run(model_path, capsys
     assert sorted(path.name for path in tmp_path.iterdir()) == ["folder"]
 
 
+def test_a_base_in_a_folder_not_made_yet_is_written_there(model_path, capsys, tmp_path):
+    """--kl-divergence-base new/sub/base.npz: the folders are made, as `pack --out` and `dequantize`
+    make theirs (the run stopped on `[Errno 2]` naming its temporary file), and the base reads back."""
+    base = tmp_path / "new" / "sub" / "base.npz"
+    args = ("--file", TEXT, "--ctx", CTX, "--chunks", 2)
+    code, _, err = _run(capsys, model_path, *args, "--kl-divergence-base", base)
+    assert code == 0, err
+    assert abs(_value("Mean    KLD", _kld_run(capsys, model_path, base))) < 1e-4
+    assert [path.name for path in base.parent.iterdir()] == ["base.npz"]
+
+
 @pytest.mark.parametrize("batch", [0, -1])
 def test_a_batch_below_one_is_refused_before_the_model_loads(model_path, capsys, monkeypatch, batch):
     """--batch 0 ran as the whole chunk while -1 was refused (after the model had loaded)."""

@@ -133,6 +133,8 @@ def test_vocab_padding(tiny_model):
         ({"n_layers": 0}, r"TinySpec.n_layers: 0 must be >= 2"),
         ({"seed": -1}, r"TinySpec.seed: -1 must be >= 0"),
         ({"context_length": 1 << 32}, r"kimi-k3.context_length: 4294967296 does not fit the GGUF's uint32"),
+        # a context of one token holds no token to generate: `generate` blamed a --ctx 1 nobody gave
+        ({"context_length": 1}, r"kimi-k3.context_length must be an integer >= 2, got 1$"),
         ({"n_experts": 1 << 32}, r"kimi-k3.expert_count: 4294967296 does not fit the GGUF's uint32"),
     ],
 )
@@ -228,6 +230,20 @@ def test_cli_make_tiny(tmp_path, capsys):
     fields = GGUFReader(path).fields
     assert fields["kimi-k3.attention.head_count_kv"].contents() == [0, 1, 0, 1]
     assert "kimi-k3.attention.q_lora_rank" not in fields
+
+
+@pytest.mark.parametrize("under", ["", "sub/deeper"])
+def test_an_out_dir_that_is_or_lies_under_a_file_is_one_line(tmp_path, capsys, under):
+    """OUT_DIR naming a file, or a folder below one: one line naming OUT_DIR and the file (it was
+    Python's '[Errno 17] File exists' or '[Errno 20] Not a directory'), and the file is kept."""
+    taken = tmp_path / "taken"
+    taken.write_text("keep")
+    out = taken / under if under else taken
+    assert cli.main(["make-tiny", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    named = "" if not under else f" {taken}"
+    assert err == f"k3stream make-tiny: error: OUT_DIR {out}:{named} is a file, not a folder"
+    assert taken.read_text() == "keep"
 
 
 def test_chat_template_renders_kimi_turns(tiny_model):

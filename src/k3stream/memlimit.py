@@ -435,6 +435,7 @@ def plan_memory(
             f"({format_size(plan.headroom)}) and prompt cache ({format_size(cache_bytes)}) plus one "
             f"top-k working set ({needs.top_k} x {needs.object_bytes} bytes); it needs at least "
             f"{format_size(plan.fixed_bytes + needs.working_set)}"
+            + (" (--cache-ram sets the prompt cache: 0 turns it off)" if cache_bytes else "")
         )
     budget = min(room, max(needs.expert_bytes, needs.working_set))
     return MemoryPlan(limit, source, runtime_bytes, needs, budget, cache_bytes)

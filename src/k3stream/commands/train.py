@@ -114,11 +114,10 @@ def check_training_flags(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from k3stream.gguf.writer import RECIPES, check_spec
+    from k3stream.gguf.writer import RECIPES, check_out_dir, check_spec
 
     check_training_flags(args)
-    if args.out_dir.exists() and not args.out_dir.is_dir():  # before the training, not after it
-        raise NotADirectoryError(f"OUT_DIR {args.out_dir}: is a file, not a folder")
+    check_out_dir(args.out_dir)  # before the training, not after it
     recipes = [r for r in args.recipes.split(",") if r]
     bad = [r for r in recipes if r not in RECIPES]
     if bad or not recipes:

@@ -184,6 +184,7 @@ class BaseWriter:
         self.path, self.plan, self.n_vocab = Path(path), plan, n_vocab
         self.rows = plan.n_chunk * plan.scored
         self.temp = _atomic_temp(self.path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # as `pack --out` and `dequantize` do
         self.zip = zipfile.ZipFile(self.temp, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1)
         for name, value in _meta_arrays(plan, n_vocab, model_name).items():
             self._write_array(name, value)

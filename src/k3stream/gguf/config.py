@@ -162,7 +162,7 @@ class K3Config:
             n_layers=n_layers,
             hidden=keys.integer("embedding_length"),
             vocab_size=keys.vocab_size(),
-            context_length=keys.integer("context_length"),
+            context_length=keys.integer("context_length", minimum=2),  # a token and the one it predicts
             dense_ff=keys.per_layer("feed_forward_length", n_layers, range(min(n_dense, n_layers))),
             n_heads=keys.per_layer("attention.head_count", n_layers, range(n_layers)),
             head_count_kv=keys.layer_flags("attention.head_count_kv", n_layers),

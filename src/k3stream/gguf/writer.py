@@ -482,9 +482,20 @@ def check_free_space(out: Path, needed: int) -> None:
         raise OSError(errno.ENOSPC, message)
 
 
+def check_out_dir(out_dir: str | os.PathLike[str]) -> None:
+    """Refuse (one line naming OUT_DIR) a folder to write into that is, or lies under, something other
+    than a folder: its nearest existing path must be one."""
+    out = Path(out_dir)
+    existing = next(path for path in (out, *out.parents) if path.exists())
+    if not existing.is_dir():
+        what = "" if existing == out else f" {existing}"
+        raise NotADirectoryError(f"OUT_DIR {out}:{what} is a file, not a folder")
+
+
 def checked_plan(out_dir: str | os.PathLike[str], spec: TinySpec, vocab_size: int) -> list[_Tensor]:
-    """The tensors `spec` makes with `vocab_size` tokens, after the spec's checks and the free space of
-    `out_dir` (one-line errors, before anything is built or written)."""
+    """The tensors `spec` makes with `vocab_size` tokens, after the spec's checks, `out_dir` and its free
+    space (one-line errors, before anything is built or written)."""
+    check_out_dir(out_dir)
     plan = check_spec(spec, vocab_size)
     check_free_space(Path(out_dir), sum(_tensor_nbytes(tensor, spec) for tensor in plan))
     return plan
