@@ -7,6 +7,16 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* 1 where the x86-64 SIMD kernels (AVX2, AVX-512, chosen at load by what the CPU has) are built: GCC or
+ * clang on x86-64, unless K3STREAM_PORTABLE_BUILD is defined. Else every type takes the portable C
+ * kernels, the same bits as with K3STREAM_GENERIC_KERNELS=1 on x86-64 (other CPUs; the portable build's
+ * test on this one) */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(K3STREAM_PORTABLE_BUILD)
+#define K3_X86_SIMD 1
+#else
+#define K3_X86_SIMD 0
+#endif
+
 INLINE float bits_f32(uint32_t bits) {
     float value;
     memcpy(&value, &bits, 4);
@@ -155,7 +165,7 @@ RowKernel q8_tile_kernel(int ggml_type, int avx2);
 /* ... and whether it is the faster one for a matrix with `rows` input rows */
 int q8_tiles_take(int ggml_type, int64_t rows);
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if K3_X86_SIMD
 #include <immintrin.h>
 #define AVX2_INLINE __attribute__((target("avx2,fma,f16c"))) static inline __attribute__((always_inline))
 
@@ -267,6 +277,8 @@ AVX2_INLINE __m128i q4_k_min_lanes(__m128i mins, const int16_t *bsums) {
 #define Q8K_SHARED_ROWS(ATTR, NAME, BLOCK, BLOCK_BYTES, ACC, ZERO, TOTAL) \
     Q8_SHARED_ROWS(ATTR, NAME, BLOCK, BLOCK_BYTES, q8, 256, ACC, ZERO, TOTAL)
 
+#else
+#define HAVE_AVX512() 0
 #endif
 
 #endif

@@ -23,10 +23,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define SOFTPLUS_THRESHOLD 20.0f
 #define LANES 16
-#define INLINE static inline __attribute__((always_inline))
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if K3_X86_SIMD && !defined(__clang__)
 #define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 /* the MLA attention's clones: AVX-512 registers take its Floats16 whole (the same lane-wise operations,
  * so the same bits as the other clones) */

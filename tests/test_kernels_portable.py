@@ -1,0 +1,129 @@
+"""The C kernels as other machines get them. The portable build (what a CPU other than x86-64 compiles:
+no AVX2 or AVX-512 code, `K3STREAM_PORTABLE_BUILD`): built by setup.py into a temporary directory,
+loaded in place of the installed extension in a child process, its products and decoders checked
+against `gguf`'s dequantization. An install without the extension (no C compiler): said once, with why
+and what to do, and by `k3stream --version`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import NO_C_KERNELS, REQUIRE_ORACLE
+from k3stream.cli import main
+from k3stream.quant.kernels import cpu
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# run in the child: the portable extension (its path in argv[1]) is registered under the installed
+# one's name before anything imports k3stream's, so every kernel call below goes through it
+PORTABLE_CHECK = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("k3stream.quant.kernels._ggml_cpu", sys.argv[1])
+sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+
+import numpy as np, torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+from k3stream.quant.kernels import QWeight, qmatmul
+from k3stream.testing import ggml_oracle
+from test_kernels import (CPU_TYPES, FLOATS, Q8_1_TYPES, cpu, reference, relative_error, round_like_ggml,
+                          weight)
+from test_kernels_iquants import activations_f64, inputs, matrix, product
+
+worst, decoders_exact = 0.0, True
+for qt in CPU_TYPES + FLOATS:  # K-quants, the 32-value types (Q8_0 among them), MXFP4, the floats
+    w = weight(qt, 19, 512, seed=4)
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((3, 512)).astype(np.float32))
+    worst = max(worst, relative_error(qmatmul(x, w), reference(x, w)))
+    if int(qt) in cpu.Q8_TYPES and qt not in Q8_1_TYPES:
+        rounded = reference(round_like_ggml(x, int(qt)), w)
+        worst = max(worst, relative_error(qmatmul(x, w, match_ggml=True), rounded))
+iq_checked = ggml_oracle.library() is not None
+for qt in (T.IQ2_XXS, T.IQ4_XS, T.IQ1_M, T.TQ1_0, T.TQ2_0):  # i-quants and the ternary types
+    rows, cols = 23, 1024
+    w, x = matrix(qt, rows, cols, seed=7), inputs(3, cols, seed=8)
+    dense = gguf_dequantize(w, qt).astype(np.float64).reshape(rows, cols)
+    values = torch.empty(rows * cols)
+    cpu.decode_row(int(qt), torch.from_numpy(w.reshape(-1)).data_ptr(), rows * cols, values)
+    decoders_exact &= bool(np.array_equal(values.numpy(), dense.reshape(-1).astype(np.float32)))
+    got = qmatmul(torch.from_numpy(x), QWeight(torch.from_numpy(w.reshape(-1)), int(qt), (rows, cols)))
+    exact = x @ dense.T
+    worst = max(worst, float(np.linalg.norm(got.double().numpy() - exact) / np.linalg.norm(exact)))
+    if iq_checked:  # the integer kernels, on ggml's 8-bit activations
+        expected = np.stack([dense @ activations_f64(row, qt) for row in x])
+        worst = max(worst, float(np.linalg.norm(product(qt, w, x) - expected) / np.linalg.norm(expected)))
+print(json.dumps({"isa": cpu.isa(), "file": module.__file__, "worst": worst, "decoders_exact": decoders_exact,
+                  "iq_integer_checked": iq_checked}))
+"""
+
+
+def build_portable(tmp_path: Path) -> Path:
+    """setup.py's extension with its own flags and K3STREAM_PORTABLE_BUILD, under tmp_path; its file."""
+    cflags = " ".join(filter(None, [os.environ.get("CFLAGS"), "-DK3STREAM_PORTABLE_BUILD"]))
+    build = [sys.executable, "setup.py", "-q", "build_ext", "--parallel", "2"]
+    build += ["--build-lib", str(tmp_path / "lib"), "--build-temp", str(tmp_path / "objects")]
+    done = subprocess.run(
+        build, cwd=ROOT, env=dict(os.environ, CFLAGS=cflags), capture_output=True, text=True
+    )
+    built = list((tmp_path / "lib").rglob("_ggml_cpu*"))
+    # the extension is optional: a file that does not compile leaves setup.py's status 0 and no module
+    assert done.returncode == 0 and len(built) == 1, (done.stdout + done.stderr)[-3000:]
+    return built[0]
+
+
+@pytest.mark.slow
+def test_the_portable_build_compiles_and_its_kernels_match_gguf_dequantize(tmp_path):
+    """Every C file compiles without the x86-64 SIMD code, and the module it gives runs each type's
+    products (float tile and integer paths) within float32 rounding of gguf's values, its i-quant and
+    ternary decoders bit for bit."""
+    extension = build_portable(tmp_path)
+    path = os.pathsep.join(
+        [*map(str, (ROOT / "tests", ROOT / "src")), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("K3STREAM_GENERIC_KERNELS", "K3STREAM_NO_AVX512")}
+    done = subprocess.run(
+        [sys.executable, "-c", PORTABLE_CHECK, str(extension)],
+        env=dict(env, PYTHONPATH=path),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["isa"] == "portable" and Path(report["file"]) == extension
+    assert report["decoders_exact"]
+    assert report["worst"] <= 1e-5
+    assert report["iq_integer_checked"] or not REQUIRE_ORACLE
+
+
+# run in the child: an install whose extension is missing, asked for its version, then loading a model's types
+NO_EXTENSION = """
+import sys
+sys.modules["k3stream.quant.kernels._ggml_cpu"] = None  # its import fails as a missing module's
+from k3stream.cli import main
+from k3stream.quant.kernels import note_fallbacks
+status = main(["--version"])
+note_fallbacks({10, 12}, "cpu")
+sys.exit(status)
+"""
+
+
+def test_an_install_without_the_c_kernels_says_once_why_it_is_slow_and_what_to_do():
+    done = subprocess.run([sys.executable, "-c", NO_EXTENSION], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("CPU kernels: none (the torch reference path)")
+    assert done.stderr.count(cpu.NOT_BUILT) == 1
+    assert "C compiler" in cpu.NOT_BUILT and "reference path" in cpu.NOT_BUILT
+    assert "no cpu kernel for GGML type Q2_K" in done.stderr  # the load's notes still name each type
+
+
+@pytest.mark.skipif(not cpu.available(), reason=NO_C_KERNELS)
+def test_the_version_names_the_kernels_instruction_set(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"CPU kernels: C ({cpu.isa()})")
