@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -64,26 +65,42 @@ print(json.dumps({"isa": cpu.isa(), "file": module.__file__, "worst": worst, "de
 """
 
 
-def build_portable(tmp_path: Path) -> Path:
-    """setup.py's extension with its own flags and K3STREAM_PORTABLE_BUILD, under tmp_path; its file."""
-    cflags = " ".join(filter(None, [os.environ.get("CFLAGS"), "-DK3STREAM_PORTABLE_BUILD"]))
+# a C compiler without OpenMP, as Apple's clang: it refuses -fopenmp, else runs the usual one
+NO_OPENMP_CC = """#!/bin/sh
+for arg in "$@"; do [ "$arg" = -fopenmp ] && echo "error: unsupported option '-fopenmp'" >&2 && exit 1; done
+exec {cc} "$@"
+"""
+
+
+def build_portable(tmp_path: Path, openmp: bool) -> tuple[Path, str]:
+    """setup.py's extension with its own flags and K3STREAM_PORTABLE_BUILD, under tmp_path (by a compiler
+    without OpenMP unless `openmp`): its file and the build's output."""
+    env = dict(
+        os.environ, CFLAGS=" ".join(filter(None, [os.environ.get("CFLAGS"), "-DK3STREAM_PORTABLE_BUILD"]))
+    )
+    if not openmp:
+        compiler = tmp_path / "cc"
+        compiler.write_text(NO_OPENMP_CC.format(cc=os.environ.get("CC") or sysconfig.get_config_var("CC")))
+        compiler.chmod(0o755)
+        env["CC"] = str(compiler)
     build = [sys.executable, "setup.py", "-q", "build_ext", "--parallel", "2"]
     build += ["--build-lib", str(tmp_path / "lib"), "--build-temp", str(tmp_path / "objects")]
-    done = subprocess.run(
-        build, cwd=ROOT, env=dict(os.environ, CFLAGS=cflags), capture_output=True, text=True
-    )
+    done = subprocess.run(build, cwd=ROOT, env=env, capture_output=True, text=True)
     built = list((tmp_path / "lib").rglob("_ggml_cpu*"))
     # the extension is optional: a file that does not compile leaves setup.py's status 0 and no module
     assert done.returncode == 0 and len(built) == 1, (done.stdout + done.stderr)[-3000:]
-    return built[0]
+    return built[0], done.stdout + done.stderr
 
 
-@pytest.mark.slow
-def test_the_portable_build_compiles_and_its_kernels_match_gguf_dequantize(tmp_path):
-    """Every C file compiles without the x86-64 SIMD code, and the module it gives runs each type's
-    products (float tile and integer paths) within float32 rounding of gguf's values, its i-quant and
-    ternary decoders bit for bit."""
-    extension = build_portable(tmp_path)
+@pytest.mark.parametrize(
+    "openmp", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["openmp", "no-openmp"]
+)
+def test_the_portable_build_compiles_and_its_kernels_match_gguf_dequantize(tmp_path, openmp):
+    """Every C file compiles without the x86-64 SIMD code (and without OpenMP, on one thread, where the
+    compiler has none), and the module it gives runs each type's products (float tile and integer
+    paths) within float32 rounding of gguf's values, its i-quant and ternary decoders bit for bit."""
+    extension, output = build_portable(tmp_path, openmp)
+    assert ("has no OpenMP" in output) != openmp
     path = os.pathsep.join(
         [*map(str, (ROOT / "tests", ROOT / "src")), *filter(None, [os.environ.get("PYTHONPATH")])]
     )

@@ -18,12 +18,17 @@
  * so a step costs one call instead of tens of small tensor operations.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#else /* a compiler without OpenMP (Apple's clang): setup.py builds the kernels for one thread */
+#define omp_get_thread_num() 0
+#endif
 
 #define SOFTPLUS_THRESHOLD 20.0f
 #define LANES 16
