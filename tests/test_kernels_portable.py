@@ -21,13 +21,15 @@ from k3stream.quant.kernels import cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# run in the child: the portable extension (its path in argv[1]) is registered under the installed
-# one's name before anything imports k3stream's, so every kernel call below goes through it
+# run in the child: an extension's file in argv[1] (else the installed one) is registered under the
+# installed one's name before anything imports k3stream's, so every kernel call below goes through it;
+# the outputs' digest tells two builds' bits apart
 PORTABLE_CHECK = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("k3stream.quant.kernels._ggml_cpu", sys.argv[1])
-sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
+import hashlib, importlib.util, json, sys
+if sys.argv[1:]:
+    spec = importlib.util.spec_from_file_location("k3stream.quant.kernels._ggml_cpu", sys.argv[1])
+    sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
 
 import numpy as np, torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
@@ -38,14 +40,17 @@ from test_kernels import (CPU_TYPES, FLOATS, Q8_1_TYPES, cpu, reference, relativ
                           weight)
 from test_kernels_iquants import activations_f64, inputs, matrix, product
 
-worst, decoders_exact = 0.0, True
+worst, decoders_exact, digest = 0.0, True, hashlib.sha256()
 for qt in CPU_TYPES + FLOATS:  # K-quants, the 32-value types (Q8_0 among them), MXFP4, the floats
     w = weight(qt, 19, 512, seed=4)
     x = torch.from_numpy(np.random.default_rng(5).standard_normal((3, 512)).astype(np.float32))
-    worst = max(worst, relative_error(qmatmul(x, w), reference(x, w)))
+    got = qmatmul(x, w)
+    worst = max(worst, relative_error(got, reference(x, w)))
+    digest.update(got.numpy().tobytes())
     if int(qt) in cpu.Q8_TYPES and qt not in Q8_1_TYPES:
-        rounded = reference(round_like_ggml(x, int(qt)), w)
-        worst = max(worst, relative_error(qmatmul(x, w, match_ggml=True), rounded))
+        got = qmatmul(x, w, match_ggml=True)
+        worst = max(worst, relative_error(got, reference(round_like_ggml(x, int(qt)), w)))
+        digest.update(got.numpy().tobytes())
 iq_checked = ggml_oracle.library() is not None
 for qt in (T.IQ2_XXS, T.IQ4_XS, T.IQ1_M, T.TQ1_0, T.TQ2_0):  # i-quants and the ternary types
     rows, cols = 23, 1024
@@ -57,11 +62,14 @@ for qt in (T.IQ2_XXS, T.IQ4_XS, T.IQ1_M, T.TQ1_0, T.TQ2_0):  # i-quants and the 
     got = qmatmul(torch.from_numpy(x), QWeight(torch.from_numpy(w.reshape(-1)), int(qt), (rows, cols)))
     exact = x @ dense.T
     worst = max(worst, float(np.linalg.norm(got.double().numpy() - exact) / np.linalg.norm(exact)))
-    if iq_checked:  # the integer kernels, on ggml's 8-bit activations
+    got = product(qt, w, x)  # the integer kernels, on ggml's 8-bit activations
+    digest.update(got.tobytes())
+    if iq_checked:
         expected = np.stack([dense @ activations_f64(row, qt) for row in x])
-        worst = max(worst, float(np.linalg.norm(product(qt, w, x) - expected) / np.linalg.norm(expected)))
-print(json.dumps({"isa": cpu.isa(), "file": module.__file__, "worst": worst, "decoders_exact": decoders_exact,
-                  "iq_integer_checked": iq_checked}))
+        worst = max(worst, float(np.linalg.norm(got - expected) / np.linalg.norm(expected)))
+print(json.dumps({"isa": cpu.isa(), "file": cpu._ggml_cpu().__file__, "worst": worst,
+                  "decoders_exact": decoders_exact, "iq_integer_checked": iq_checked,
+                  "digest": digest.hexdigest()}))
 """
 
 
@@ -98,25 +106,29 @@ def build_portable(tmp_path: Path, openmp: bool) -> tuple[Path, str]:
 def test_the_portable_build_compiles_and_its_kernels_match_gguf_dequantize(tmp_path, openmp):
     """Every C file compiles without the x86-64 SIMD code (and without OpenMP, on one thread, where the
     compiler has none), and the module it gives runs each type's products (float tile and integer
-    paths) within float32 rounding of gguf's values, its i-quant and ternary decoders bit for bit."""
+    paths) within float32 rounding of gguf's values, its i-quant and ternary decoders bit for bit, and
+    every output bit for bit what the installed build's portable kernels give."""
     extension, output = build_portable(tmp_path, openmp)
     assert ("has no OpenMP" in output) != openmp
-    path = os.pathsep.join(
-        [*map(str, (ROOT / "tests", ROOT / "src")), *filter(None, [os.environ.get("PYTHONPATH")])]
-    )
-    env = {k: v for k, v in os.environ.items() if k not in ("K3STREAM_GENERIC_KERNELS", "K3STREAM_NO_AVX512")}
-    done = subprocess.run(
-        [sys.executable, "-c", PORTABLE_CHECK, str(extension)],
-        env=dict(env, PYTHONPATH=path),
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = check(extension)
     assert report["isa"] == "portable" and Path(report["file"]) == extension
     assert report["decoders_exact"]
     assert report["worst"] <= 1e-5
     assert report["iq_integer_checked"] or not REQUIRE_ORACLE
+    if cpu.available():  # the portable kernels the installed build takes on request: the same bits
+        assert check(None, K3STREAM_GENERIC_KERNELS="1")["digest"] == report["digest"]
+
+
+def check(extension: Path | None, **environment: str) -> dict:
+    """PORTABLE_CHECK's report, in a child with `extension` (None: the installed one) and `environment`."""
+    path = os.pathsep.join(
+        [*map(str, (ROOT / "tests", ROOT / "src")), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("K3STREAM_GENERIC_KERNELS", "K3STREAM_NO_AVX512")}
+    argv = [sys.executable, "-c", PORTABLE_CHECK, *([str(extension)] if extension else [])]
+    done = subprocess.run(argv, env=dict(env, PYTHONPATH=path, **environment), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # run in the child: an install whose extension is missing, asked for its version, then loading a model's types
