@@ -29,7 +29,7 @@
 #define TILE 256
 #define ROWS_PER_TASK 32
 
-#if K3_X86_SIMD && !defined(__clang__)
+#if K3_X86_SIMD
 #define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define CLONES

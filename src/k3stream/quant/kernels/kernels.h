@@ -7,11 +7,11 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* 1 where the x86-64 SIMD kernels (AVX2, AVX-512, chosen at load by what the CPU has) are built: GCC or
- * clang on x86-64, unless K3STREAM_PORTABLE_BUILD is defined. Else every type takes the portable C
- * kernels, the same bits as with K3STREAM_GENERIC_KERNELS=1 on x86-64 (other CPUs; the portable build's
- * test on this one) */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(K3STREAM_PORTABLE_BUILD)
+/* 1 where the x86-64 SIMD kernels (AVX2, AVX-512, chosen at load by what the CPU has) are built: GCC on
+ * x86-64 (clang 14 refuses some of their CPU feature tests), unless K3STREAM_PORTABLE_BUILD is defined.
+ * Else every type takes the portable C kernels, the same bits as with K3STREAM_GENERIC_KERNELS=1 on
+ * x86-64 (other CPUs and compilers; the portable build's test on this one) */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(K3STREAM_PORTABLE_BUILD)
 #define K3_X86_SIMD 1
 #else
 #define K3_X86_SIMD 0

@@ -32,7 +32,7 @@
 
 #define SOFTPLUS_THRESHOLD 20.0f
 #define LANES 16
-#if K3_X86_SIMD && !defined(__clang__)
+#if K3_X86_SIMD
 #define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 /* the MLA attention's clones: AVX-512 registers take its Floats16 whole (the same lane-wise operations,
  * so the same bits as the other clones) */
