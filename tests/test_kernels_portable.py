@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -80,17 +81,14 @@ exec {cc} "$@"
 """
 
 
-def build_portable(tmp_path: Path, openmp: bool) -> tuple[Path, str]:
-    """setup.py's extension with its own flags and K3STREAM_PORTABLE_BUILD, under tmp_path (by a compiler
-    without OpenMP unless `openmp`): its file and the build's output."""
-    env = dict(
-        os.environ, CFLAGS=" ".join(filter(None, [os.environ.get("CFLAGS"), "-DK3STREAM_PORTABLE_BUILD"]))
-    )
-    if not openmp:
-        compiler = tmp_path / "cc"
-        compiler.write_text(NO_OPENMP_CC.format(cc=os.environ.get("CC") or sysconfig.get_config_var("CC")))
-        compiler.chmod(0o755)
-        env["CC"] = str(compiler)
+def build(tmp_path: Path, portable: bool = True, compiler: str | None = None) -> tuple[Path, str]:
+    """setup.py's extension with its own flags (and K3STREAM_PORTABLE_BUILD where `portable`) by
+    `compiler` (else the usual one), under tmp_path: its file and the build's output."""
+    env = dict(os.environ)
+    if portable:
+        env["CFLAGS"] = " ".join(filter(None, [os.environ.get("CFLAGS"), "-DK3STREAM_PORTABLE_BUILD"]))
+    if compiler is not None:
+        env["CC"] = compiler
     build = [sys.executable, "setup.py", "-q", "build_ext", "--parallel", "2"]
     build += ["--build-lib", str(tmp_path / "lib"), "--build-temp", str(tmp_path / "objects")]
     done = subprocess.run(build, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -98,6 +96,14 @@ def build_portable(tmp_path: Path, openmp: bool) -> tuple[Path, str]:
     # the extension is optional: a file that does not compile leaves setup.py's status 0 and no module
     assert done.returncode == 0 and len(built) == 1, (done.stdout + done.stderr)[-3000:]
     return built[0], done.stdout + done.stderr
+
+
+def without_openmp(tmp_path: Path) -> str:
+    """A C compiler that refuses -fopenmp, as Apple's clang, and else runs the usual one."""
+    compiler = tmp_path / "cc"
+    compiler.write_text(NO_OPENMP_CC.format(cc=os.environ.get("CC") or sysconfig.get_config_var("CC")))
+    compiler.chmod(0o755)
+    return str(compiler)
 
 
 @pytest.mark.parametrize(
@@ -108,7 +114,7 @@ def test_the_portable_build_compiles_and_its_kernels_match_gguf_dequantize(tmp_p
     compiler has none), and the module it gives runs each type's products (float tile and integer
     paths) within float32 rounding of gguf's values, its i-quant and ternary decoders bit for bit, and
     every output bit for bit what the installed build's portable kernels give."""
-    extension, output = build_portable(tmp_path, openmp)
+    extension, output = build(tmp_path, compiler=None if openmp else without_openmp(tmp_path))
     assert ("has no OpenMP" in output) != openmp
     report = check(extension)
     assert report["isa"] == "portable" and Path(report["file"]) == extension
@@ -117,6 +123,19 @@ def test_the_portable_build_compiles_and_its_kernels_match_gguf_dequantize(tmp_p
     assert report["iq_integer_checked"] or not REQUIRE_ORACLE
     if cpu.available():  # the portable kernels the installed build takes on request: the same bits
         assert check(None, K3STREAM_GENERIC_KERNELS="1")["digest"] == report["digest"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compiler", ["gcc-11", "clang-14"])
+def test_compilers_without_the_simd_kernels_build_the_portable_ones(tmp_path, compiler):
+    """GCC 11 (no __builtin_shufflevector, no target_clones of x86-64-v3) and clang 14 (CPU feature
+    tests it refuses) build the portable kernels on any machine: the same bits as GCC's."""
+    if shutil.which(compiler) is None or not cpu.available():
+        pytest.skip(f"needs {compiler} and the installed C kernels")
+    extension, _ = build(tmp_path, portable=False, compiler=compiler)
+    report = check(extension)
+    assert report["isa"] == "portable" and report["decoders_exact"] and report["worst"] <= 1e-5
+    assert check(None, K3STREAM_GENERIC_KERNELS="1")["digest"] == report["digest"]
 
 
 def check(extension: Path | None, **environment: str) -> dict:

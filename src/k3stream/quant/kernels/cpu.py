@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 # what a user without the extension is told, once a process, and `kernels_report` says
 NOT_BUILT = (
     "the C kernels are not in this install: every product on the CPU takes the torch reference path, "
-    "several times slower. pip builds them where a C compiler is present (GCC 12 or later, or clang; "
-    "with OpenMP for threads): install one and reinstall k3stream (docs/kernels.md)"
+    "several times slower. pip builds them where a C compiler is present (GCC or clang, with "
+    "OpenMP for threads): install one and reinstall k3stream (docs/kernels.md)"
 )
 
 

@@ -7,11 +7,29 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* 1 where the x86-64 SIMD kernels (AVX2, AVX-512, chosen at load by what the CPU has) are built: GCC on
- * x86-64 (clang 14 refuses some of their CPU feature tests), unless K3STREAM_PORTABLE_BUILD is defined.
- * Else every type takes the portable C kernels, the same bits as with K3STREAM_GENERIC_KERNELS=1 on
- * x86-64 (other CPUs and compilers; the portable build's test on this one) */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(K3STREAM_PORTABLE_BUILD)
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 12
+/* GCC before 12 has no __builtin_shufflevector: the vector of a's and b's lanes at the indices (b's
+ * numbered after a's), picked one by one (exact moves, the same values; the compiler makes shuffles) */
+#define __builtin_shufflevector(a, b, ...)                                                                \
+    ({                                                                                                    \
+        const __typeof__(a) first_ = (a), second_ = (b);                                                  \
+        const int lanes_[] = {__VA_ARGS__}, width_ = sizeof(first_) / sizeof(first_[0]);                  \
+        typedef __typeof__(first_[0]) Lane_;                                                              \
+        typedef Lane_ Picked_ __attribute__((vector_size(sizeof(lanes_) / sizeof(int) * sizeof(Lane_)))); \
+        Picked_ picked_;                                                                                  \
+        for (int i_ = 0; i_ < (int)(sizeof(lanes_) / sizeof(int)); i_++)                                  \
+            picked_[i_] = lanes_[i_] < width_ ? first_[lanes_[i_]] : second_[lanes_[i_] - width_];        \
+        picked_;                                                                                          \
+    })
+#endif
+
+/* 1 where the x86-64 SIMD kernels (AVX2, AVX-512, chosen at load by what the CPU has) are built: GCC 12
+ * or later on x86-64 (clang 14 refuses some of their CPU feature tests, GCC 11 their target_clones of
+ * x86-64-v3), unless K3STREAM_PORTABLE_BUILD is defined. Else every type takes the portable C kernels,
+ * the same bits as with K3STREAM_GENERIC_KERNELS=1 on x86-64 (other CPUs and compilers; the portable
+ * build's test on this one) */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && \
+    !defined(K3STREAM_PORTABLE_BUILD)
 #define K3_X86_SIMD 1
 #else
 #define K3_X86_SIMD 0
