@@ -51,6 +51,11 @@ def _command_module(name: str):
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3stream", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--version",
+        action="store_true",
+        help="print k3stream's version and the CPU kernels this install runs",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = next((arg for arg in argv if not arg.startswith("-")), None)
     for name, (_module, help_text) in COMMANDS.items():
@@ -92,11 +97,23 @@ def _terminate(_signum: int, _frame: object) -> None:
     raise Terminated
 
 
+def version_line() -> str:
+    """k3stream's version and the CPU kernels this install runs (where there are none, the warning the
+    kernels give on stderr says why)."""
+    from k3stream import __version__
+    from k3stream.quant.kernels import cpu
+
+    return f"k3stream {__version__}, CPU kernels: {cpu.kernels_report()}"
+
+
 def main(argv: list[str] | None = None) -> int:
     calm_openmp()
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    if args.version:
+        print(version_line())
+        return 0
     if args.command is None:
         parser.print_help()
         return 2

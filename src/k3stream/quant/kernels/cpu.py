@@ -15,6 +15,7 @@ path.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -39,14 +40,23 @@ CPU_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30, 39, 40}) | I
 # IQ4_NL and the ternary types, Q8_0 for Q4_0, Q5_0, Q8_0, IQ4_NL, MXFP4 and NVFP4, Q8_1 for Q4_1 and Q5_1
 Q8_TYPES = frozenset({10, 11, 12, 13, 14, 2, 3, 6, 7, 8, 39, 40}) | IQ_TYPES
 
+log = logging.getLogger(__name__)
+# what a user without the extension is told, once a process, and `kernels_report` says
+NOT_BUILT = (
+    "the C kernels are not in this install: every product on the CPU takes the torch reference path, "
+    "several times slower. pip builds them where a C compiler is present (GCC or clang, with "
+    "OpenMP for threads): install one and reinstall k3stream (docs/kernels.md)"
+)
+
 
 @functools.lru_cache(maxsize=1)
 def _ggml_cpu() -> ModuleType | None:
     """The extension module (its functions are called directly: ctypes costs more than a small step),
-    or None when it was not built."""
+    or None when it was not built (said once, as a warning)."""
     try:
         from k3stream.quant.kernels import _ggml_cpu as module
-    except ImportError:
+    except ImportError as exc:
+        log.warning("warning: %s (%s)", NOT_BUILT, exc)
         return None
     module.set_iq_grids(*_iq_grids())
     return module
@@ -74,6 +84,12 @@ def isa() -> str:
     """The instruction set the integer kernels take now: "avx512" (AVX-512 with VNNI and VBMI, unless
     K3STREAM_NO_AVX512=1), "avx2" or "portable" (K3STREAM_GENERIC_KERNELS=1, or neither)."""
     return _ggml_cpu().isa()
+
+
+def kernels_report() -> str:
+    """The CPU kernels this install runs, for a user: the C kernels' instruction set (`isa`), or none
+    (the warning `_ggml_cpu` gives says why and what to do)."""
+    return f"C ({isa()})" if available() else "none (the torch reference path)"
 
 
 def release_openmp_workers() -> bool:

@@ -26,7 +26,7 @@
 
 #include "kernels.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if K3_X86_SIMD
 #define GEMM_X 2
 #define GEMM_W 6
 #define K_BLOCK 1024

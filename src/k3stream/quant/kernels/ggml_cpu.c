@@ -29,7 +29,7 @@
 #define TILE 256
 #define ROWS_PER_TASK 32
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if K3_X86_SIMD
 #define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define CLONES
@@ -450,6 +450,10 @@ typedef void (*TileKernel)(const Product *, int64_t b, int64_t m, int count);
 #define TILE_W 4
 #define TILE_MIN 2
 
+/* Rows m, m + stride, .. (the first `count` of STREAMS) of matrix b, read as that many streams at once */
+typedef void (*WideKernel)(const Product *, int64_t b, int64_t m, int count, int64_t stride);
+#define STREAMS 4
+
 /* F32 matrices as k3stream keeps them for its row-exact products: input-major ([in, out], `seam.Products`),
  * type INPUT_MAJOR_F32 (no GGML type). Each output's sum is one chain over its inputs in order,
  * acc = fma(x_k, w_k, acc) from zero, so a mat-vec and a GEMM of any blocking give it the same bits, and
@@ -476,7 +480,7 @@ static void input_major_generic(const Product *pr, int64_t b, int64_t first, int
  * min * sum(x) over its values (from sums of 16, precomputed per x row). A different (but fixed) summation than the
  * reference's 256-value tile (`ROW_KERNEL`): chosen per type and machine, never per call, so results still do not
  * depend on grouping. */
-#if defined(__x86_64__) && defined(__GNUC__)
+#if K3_X86_SIMD
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 /* K3STREAM_GENERIC_KERNELS=1 takes the portable kernels on any machine (so tests reach them too) */
@@ -785,9 +789,6 @@ FLOAT_DOT(dot_f32, f32x8, 4)
  * distant streams faster than one: 3 KB F32 rows 14 GB/s as one stream, 22 GB/s as four (measured from
  * one to six; at most 4 KB rows, four adjacent rows are one stream). x is loaded once for the four rows,
  * and a row's sum is its own four chains over the whole row, whatever rows it is computed with. */
-typedef void (*WideKernel)(const Product *, int64_t, int64_t, int, int64_t);
-#define STREAMS 4
-
 #define WIDE_FLOAT(NAME, LOAD8, WIDTH)                                                                  \
     AVX2 static void NAME(const Product *pr, int64_t b, int64_t m, const int count, int64_t stride) { \
         const uint8_t *first = (const uint8_t *)(uintptr_t)pr->addresses[b] + m * pr->row_bytes, *w[4]; \
@@ -1642,6 +1643,8 @@ AVX512_TARGET static void input_major_avx512(const Product *pr, int64_t b, int64
 #else
 static RowKernel fused_kernel(int ggml_type) { (void)ggml_type; return NULL; }
 static TileKernel tile_kernel(int ggml_type) { (void)ggml_type; return NULL; }
+static WideKernel wide_kernel(int ggml_type) { (void)ggml_type; return NULL; }
+static WideKernel wide_one_kernel(int ggml_type) { (void)ggml_type; return NULL; }
 #define HAVE_AVX2() 0
 #define input_major_avx2 input_major_generic
 #define input_major_avx512 input_major_generic
@@ -1786,7 +1789,7 @@ static void *quantized(int kind, const float *x, int64_t blocks) {
         quantize_q8_0(x, blocks, q8);
     else if (kind == Q8_1_BLOCKS)
         quantize_q8_1(x, blocks, q8);
-#if defined(__x86_64__) && defined(__GNUC__)
+#if K3_X86_SIMD
     else if (HAVE_AVX2())
         quantize_q8_k_avx2(x, blocks, q8);
 #endif
@@ -2544,9 +2547,7 @@ PyObject *py_set_iq_grids(PyObject *self, PyObject *args); /* iquants_cpu.c */
  * K3STREAM_NO_AVX512 and K3STREAM_GENERIC_KERNELS included) */
 static PyObject *py_isa(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
-#if defined(__x86_64__) && defined(__GNUC__)
     if (HAVE_AVX512()) return PyUnicode_FromString("avx512");
-#endif
     return PyUnicode_FromString(HAVE_AVX2() ? "avx2" : "portable");
 }
 

@@ -27,7 +27,7 @@
 
 #include "kernels.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if K3_X86_SIMD
 #include <x86intrin.h>
 
 #define AVX512 AVX512_TARGET static inline __attribute__((always_inline))

@@ -58,7 +58,7 @@ typedef struct {
     Py_ssize_t size;
 } GridSlot;
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if K3_X86_SIMD
 static void tq1_tables(void); /* the AVX-512 TQ1_0 kernel's code tables */
 #else
 static void tq1_tables(void) {}
@@ -382,7 +382,7 @@ INLINE float nvfp4_generic(const uint8_t *x, const BlockQ8_0 *y, int64_t blocks)
 
 /* a decoder built twice, for x86-64-v3 (AVX2, FMA: its 8-value helpers vectorize) and the baseline,
  * picked once at load */
-#if defined(__x86_64__) && defined(__GNUC__)
+#if K3_X86_SIMD
 #define DECODER __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define DECODER
@@ -429,7 +429,7 @@ INLINE void put_iq1(float *restrict y, const float *grid, float dl, float delta)
 }
 
 /* IQ4_NL, IQ4_XS: 32 values dl * iq4nl_values[code], low nibbles first */
-#if defined(__x86_64__) && defined(__GNUC__)
+#if K3_X86_SIMD
 #include <immintrin.h>
 __attribute__((target("avx2"))) static void put_nibbles32_avx2(float *restrict y, const uint8_t *qs, float dl) {
     const __m128i values = _mm_loadu_si128((const __m128i *)iq4nl_values), nibble = _mm_set1_epi8(15);
@@ -446,7 +446,7 @@ __attribute__((target("avx2"))) static void put_nibbles32_avx2(float *restrict y
 #endif
 
 INLINE void put_nibbles32(float *restrict y, const uint8_t *qs, float dl) {
-#if defined(__x86_64__) && defined(__GNUC__)
+#if K3_X86_SIMD
     if (__builtin_cpu_supports("avx2")) { /* the same values, 8 at a time */
         put_nibbles32_avx2(y, qs, dl);
         return;
@@ -552,7 +552,7 @@ DECODER void dec_iq4_xs(const uint8_t *restrict b, float *restrict y) {
 }
 
 /* the ternary types' AVX2 decoders (with the integer kernels' code extraction, below) */
-#if defined(__x86_64__) && defined(__GNUC__)
+#if K3_X86_SIMD
 #define AVX2_DECODER __attribute__((target("avx2,fma,f16c,bmi2"))) static void
 AVX2_DECODER tq1_0_values_avx2(const uint8_t *restrict b, float *restrict y);
 AVX2_DECODER tq2_0_values_avx2(const uint8_t *restrict b, float *restrict y);
@@ -614,7 +614,7 @@ DECODER void dec_tq2_0(const uint8_t *restrict b, float *restrict y) { /* bits 2
 IQ_TYPES(GENERIC_ROWS)
 
 /* ---- ggml's AVX2 kernels ------------------------------------------------------------------------- */
-#if defined(__x86_64__) && defined(__GNUC__)
+#if K3_X86_SIMD
 #include <immintrin.h>
 #define AVX2_ALWAYS __attribute__((target("avx2,fma,f16c,bmi2"))) static inline __attribute__((always_inline))
 
@@ -1417,7 +1417,7 @@ IqRunType iq_run_type(int ggml_type, int avx2) { return (IqRunType){NULL, 0, 0, 
 /* `avx2`: the machine has AVX2 and FMA (and the portable kernels are not asked for); these also take BMI2
  * (every x86-64-v3 machine has it) */
 static RowKernel ggml_kernel(int ggml_type, int avx2) {
-#if defined(__x86_64__) && defined(__GNUC__)
+#if K3_X86_SIMD
     avx2 = avx2 && __builtin_cpu_supports("bmi2");
 #endif
 #define KERNEL_CASE(ID, NAME, Y, ELEMS) \

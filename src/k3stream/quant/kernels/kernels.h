@@ -7,6 +7,34 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 12
+/* GCC before 12 has no __builtin_shufflevector: the vector of a's and b's lanes at the indices (b's
+ * numbered after a's), picked one by one (exact moves, the same values; the compiler makes shuffles) */
+#define __builtin_shufflevector(a, b, ...)                                                                \
+    ({                                                                                                    \
+        const __typeof__(a) first_ = (a), second_ = (b);                                                  \
+        const int lanes_[] = {__VA_ARGS__}, width_ = sizeof(first_) / sizeof(first_[0]);                  \
+        typedef __typeof__(first_[0]) Lane_;                                                              \
+        typedef Lane_ Picked_ __attribute__((vector_size(sizeof(lanes_) / sizeof(int) * sizeof(Lane_)))); \
+        Picked_ picked_;                                                                                  \
+        for (int i_ = 0; i_ < (int)(sizeof(lanes_) / sizeof(int)); i_++)                                  \
+            picked_[i_] = lanes_[i_] < width_ ? first_[lanes_[i_]] : second_[lanes_[i_] - width_];        \
+        picked_;                                                                                          \
+    })
+#endif
+
+/* 1 where the x86-64 SIMD kernels (AVX2, AVX-512, chosen at load by what the CPU has) are built: GCC 12
+ * or later on x86-64 (clang 14 refuses some of their CPU feature tests, GCC 11 their target_clones of
+ * x86-64-v3), unless K3STREAM_PORTABLE_BUILD is defined. Else every type takes the portable C kernels,
+ * the same bits as with K3STREAM_GENERIC_KERNELS=1 on x86-64 (other CPUs and compilers; the portable
+ * build's test on this one) */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && \
+    !defined(K3STREAM_PORTABLE_BUILD)
+#define K3_X86_SIMD 1
+#else
+#define K3_X86_SIMD 0
+#endif
+
 INLINE float bits_f32(uint32_t bits) {
     float value;
     memcpy(&value, &bits, 4);
@@ -155,7 +183,7 @@ RowKernel q8_tile_kernel(int ggml_type, int avx2);
 /* ... and whether it is the faster one for a matrix with `rows` input rows */
 int q8_tiles_take(int ggml_type, int64_t rows);
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if K3_X86_SIMD
 #include <immintrin.h>
 #define AVX2_INLINE __attribute__((target("avx2,fma,f16c"))) static inline __attribute__((always_inline))
 
@@ -267,6 +295,8 @@ AVX2_INLINE __m128i q4_k_min_lanes(__m128i mins, const int16_t *bsums) {
 #define Q8K_SHARED_ROWS(ATTR, NAME, BLOCK, BLOCK_BYTES, ACC, ZERO, TOTAL) \
     Q8_SHARED_ROWS(ATTR, NAME, BLOCK, BLOCK_BYTES, q8, 256, ACC, ZERO, TOTAL)
 
+#else
+#define HAVE_AVX512() 0
 #endif
 
 #endif

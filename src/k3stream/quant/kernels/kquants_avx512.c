@@ -24,7 +24,7 @@
 
 #include "kernels.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if K3_X86_SIMD
 
 #define AVX512_INLINE AVX512_TARGET static inline __attribute__((always_inline))
 

@@ -18,15 +18,21 @@
  * so a step costs one call instead of tens of small tensor operations.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#else /* a compiler without OpenMP (Apple's clang): setup.py builds the kernels for one thread */
+#define omp_get_thread_num() 0
+#endif
+
 #define SOFTPLUS_THRESHOLD 20.0f
 #define LANES 16
-#define INLINE static inline __attribute__((always_inline))
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if K3_X86_SIMD
 #define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 /* the MLA attention's clones: AVX-512 registers take its Floats16 whole (the same lane-wise operations,
  * so the same bits as the other clones) */

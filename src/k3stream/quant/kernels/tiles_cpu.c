@@ -66,7 +66,7 @@ static void q6_k_tiles_generic(const Product *pr, int64_t b, int64_t first, int6
     }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if K3_X86_SIMD
 #define AVX2_TILE __attribute__((target("avx2,fma,f16c")))
 
 /* What a weight-row group's kernel is: Q2_K, Q3_K, Q6_K, Q4_K, Q8_0, or an i-quant of `type` (IQ1_S with
@@ -449,7 +449,7 @@ RowKernel q8_tile_kernel(int ggml_type, int avx2) {
     if (avx512 != NULL) return avx512;
     if (avx2 && iq_avx512_kernel(ggml_type) != NULL) return NULL; /* its one-row kernel takes many rows */
     if (ggml_type == 14) return avx2 ? AVX2_TILES(q6_k) : q6_k_tiles_generic;
-#if defined(__x86_64__) && defined(__GNUC__)
+#if K3_X86_SIMD
     if (ggml_type == 10) return avx2 ? q2_k_tiles : NULL;
     if (ggml_type == 11) return avx2 ? q3_k_tiles : NULL;
     if (ggml_type == 12) return avx2 ? q4_k_tiles : NULL;
