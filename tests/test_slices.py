@@ -13,9 +13,11 @@ from gguf.quants import dequantize
 
 import k3stream
 from conftest import requires_llama
+from k3stream.commands.dequantize import dequantize_gguf
 from k3stream.gguf.mixed_recipes import MIXED_RECIPES, RELEASE_RECIPES, expert_types
 from k3stream.gguf.writer import TinySpec, tensor_plan, tensor_type
 from k3stream.testing.slices import like
+from k3stream.testing.tiny import make_tiny
 from llama_logits import llama_logits, relative_error
 from test_model import tokens_for
 
@@ -109,6 +111,30 @@ def test_the_slice_against_llama_cpp(slice_file, tmp_path):
     model.prefill(state, tokens[:20])
     decoded = np.stack([model.decode(state, token).numpy() for token in tokens[20:]])
     assert relative_error(decoded, reference[20:]) <= 3e-2
+
+
+# real attention shapes and a routing choice (top-16 of 32 experts), the feed-forward widths cut so that
+# the F32 rewrite stays near 2.5 GB
+CHOICE_SLICE = dict(n_experts=32, dense_ff=256, expert_ff=256, latent=256)
+
+
+@requires_llama
+@pytest.mark.slow
+def test_a_slice_with_a_routing_choice_is_the_model_llama_cpp_computes(tmp_path):
+    """At the real shapes the two engines compute the same model: float32 activations against llama.cpp
+    on the file's F32 rewrite (measured 3.8e-6). Their 8-bit activations are no yardstick there: a
+    float-order difference of one ulp in attention moves a code across a rounding boundary, the codes
+    after it part, and so do the top-16 experts after that (docs/accuracy.md); so the default is held
+    to be no further from the F32 result than llama.cpp's own 8-bit run."""
+    path = make_tiny(tmp_path / "slice", like("kimi-k3", 2, **CHOICE_SLICE))
+    rewrite = dequantize_gguf(path, tmp_path / "f32.gguf", floats_to_f32=True)
+    tokens = tokens_for(1, k3stream.load(path).config.vocab_size, 24)
+    direct, on_f32 = llama_logits([(path, tokens), (rewrite, tokens)], tmp_path, n_threads=2)
+    rewrite.unlink()
+    exact = k3stream.load(path, k3stream.LoadOptions(match_ggml=False)).logits(tokens).numpy()
+    assert relative_error(exact, on_f32) <= 1e-4
+    ours = k3stream.load(path).logits(tokens).numpy()
+    assert relative_error(ours, on_f32) <= 1.5 * relative_error(direct, on_f32)
 
 
 @pytest.mark.parametrize("recipe", RELEASE_RECIPES)
