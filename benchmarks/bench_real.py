@@ -696,6 +696,10 @@ def main(argv: list[str] | None = None) -> int:
         pairs = zip(result["llama"].get("tokens", []), result["k3"].get("tokens", []), strict=False)
         same = sum(a == b for a, b in pairs)
         print(f"{result['name']}: greedy tokens equal at {same} of {args.decode_tokens} decode steps")
+    print(
+        "  (random weights at these widths: both engines' 8-bit activations part from the float32 result by"
+        " ~0.2 of the logits' scale, so the tokens part at once; docs/accuracy.md#logits-against-llamacpp)"
+    )
     return 0
 
 
