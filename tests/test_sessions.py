@@ -401,25 +401,14 @@ def test_a_running_stream_waits_at_most_one_chunk_between_its_tokens(model, toke
     alone."""
     import asyncio
 
-    from k3stream.engine.chunked_prefill import attention_rows_per_token
     from k3stream.engine.generate import Sequence
-    from k3stream.server.metrics import ServerMetrics
-    from k3stream.server.scheduler import EventSink, Job, Scheduler
+    from k3stream.server.scheduler import EventSink, Job
 
     generator = torch.Generator().manual_seed(36)
     prompts = [torch.randint(10, 500, (length,), generator=generator).tolist() for length in (480, 360)]
     recorded = _RecordedCalls(model)
     cache = PromptCache(model, "beside", 64 * MIB, every=1 << 20)
-    rows = attention_rows_per_token(model.config)
-    scheduler = Scheduler(
-        recorded,
-        ServerMetrics(),
-        max_batch=3,
-        max_queue=3,
-        cache=cache,
-        prefill_chunk=32,
-        attention_rows=rows,
-    )
+    scheduler = _chunked_scheduler(recorded, cache, model)
     loop = asyncio.new_event_loop()
     stream = Job(tokenizer.encode("a stream"), _Greedy(1 << 20), EventSink(loop))
     jobs = [Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in prompts]
@@ -459,25 +448,15 @@ def test_a_turns_restore_and_its_prompt_end_snapshot_take_steps_of_their_own_bes
     prompt alone."""
     import asyncio
 
-    from k3stream.engine.chunked_prefill import attention_rows_per_token
     from k3stream.engine.generate import Sequence
-    from k3stream.server.metrics import ServerMetrics
-    from k3stream.server.scheduler import EventSink, Job, Scheduler
+    from k3stream.server.scheduler import EventSink, Job
 
     generator = torch.Generator().manual_seed(37)
     history = torch.randint(10, 500, (300,), generator=generator).tolist()
     turn = history + torch.randint(10, 500, (90,), generator=generator).tolist()
     recorded = _RecordedCalls(model)
     cache = _RecordedRestores(model, recorded.calls)
-    scheduler = Scheduler(
-        recorded,
-        ServerMetrics(),
-        max_batch=3,
-        max_queue=3,
-        cache=cache,
-        prefill_chunk=32,
-        attention_rows=attention_rows_per_token(model.config),
-    )
+    scheduler = _chunked_scheduler(recorded, cache, model)
     loop = asyncio.new_event_loop()
     stream = Job(tokenizer.encode("a stream"), _Greedy(1 << 20), EventSink(loop))
     first, second = (Job(ids, Sequence(tokenizer, ids, GREEDY), EventSink(loop)) for ids in (history, turn))
@@ -535,6 +514,25 @@ def test_only_a_request_that_asks_for_its_progress_gets_progress_events(model, t
     loop.close()
     assert progress[0] == [] and [event.processed for event in progress[1]][-1] == len(prompt)
     assert len(progress[1]) >= 2 and jobs[0].logic.token_ids == jobs[1].logic.token_ids
+
+
+def _chunked_scheduler(recorded, cache, model):
+    """A scheduler over `recorded` calls and `cache` that prefills in chunks of 32 tokens (costed by the
+    model's attention rows, as `serve` costs them), three sequences at most."""
+    from k3stream.engine.chunked_prefill import attention_rows_per_token
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import Scheduler
+
+    rows = attention_rows_per_token(model.config)
+    return Scheduler(
+        recorded,
+        ServerMetrics(),
+        max_batch=3,
+        max_queue=3,
+        cache=cache,
+        prefill_chunk=32,
+        attention_rows=rows,
+    )
 
 
 def _drained(queue) -> list:
