@@ -269,10 +269,8 @@ class ReadDepth:
         self._lock = threading.Lock()
         self._inflight = 0
         self._since = time.perf_counter_ns()
-        self.counts = dict.fromkeys(
-            ("pack_ranges", "pack_unaligned_ranges", "pack_busy_ns", "pack_depth_ns", "pack_depth_max"), 0
-        )
-        self.counts["pack_read_cpu_ns"] = 0
+        names = ("pack_ranges", "pack_unaligned_ranges", "pack_busy_ns", "pack_depth_ns", "pack_depth_max")
+        self.counts = dict.fromkeys((*names, "pack_read_cpu_ns"), 0)
 
     def _step(self, change: int) -> None:
         """Under the lock: `change` ranges start (1) or end (-1) now."""

@@ -196,8 +196,8 @@ AVX512_INLINE void q32_pairs(const uint8_t *const *a, const uint8_t *const *b, c
             const int8_t *qs = affine ? ((const BlockQ8_1 *)y)[k].qs : ((const BlockQ8_0 *)y)[k].qs;
             const __m256i start = bias == 0 ? _mm256_setzero_si256() : k < Q32_STARTS ? _mm256_load_si256(table->starts + k) : q32_start(qs, bias);
             const __m512i starts = _mm512_broadcast_i64x4(start), activations = both_halves((const uint8_t *)qs);
-    #pragma GCC unroll 4
-        for (int j = 0; j < pairs; j++) {
+#pragma GCC unroll 4
+            for (int j = 0; j < pairs; j++) {
                 prefetch_ahead(a[j] + bytes * k, bytes);
                 prefetch_ahead(b[j] + bytes * k, bytes);
                 const __m512i sums = _mm512_dpbusd_epi32(starts, q32_codes(a[j] + bytes * k, b[j] + bytes * k, type), activations);
