@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from gguf import GGUFReader
 
 from conftest import requires_llama
 from k3stream import cli
+from k3stream.gguf.header import MAX_TENSORS
 from k3stream.gguf.vocab import SPECIAL_TOKENS
+from k3stream.gguf.writer import check_spec
 from k3stream.testing.tiny import TinySpec, make_tiny
 from k3stream.testing.tinyvocab import tiny_vocab
 from llama_oracle import llama_runs
@@ -221,6 +225,19 @@ def test_a_spec_error_names_the_flag(tmp_path, capsys, flags, message):
     error = capsys.readouterr().err.strip()
     assert error == f"k3stream make-tiny: error: {message}"
     assert not (tmp_path / "out").exists()
+
+
+def test_more_layers_than_one_file_holds_are_refused_and_shards_hold_them(tmp_path, capsys):
+    """A file k3stream's own header check would refuse is never written: the refusal comes at once and
+    names --layers; the same layers over more shards pass."""
+    out = tmp_path / "out"
+    assert cli.main(["make-tiny", str(out), "--layers", "300"]) == 1
+    error = capsys.readouterr().err.strip()
+    pattern = rf"--layers: 300 layers make (\d+) tensors, \1 a shard; a GGUF holds at most {MAX_TENSORS}"
+    assert re.fullmatch(rf"k3stream make-tiny: error: {pattern} \(more shards\)", error), error
+    assert not out.exists()
+    plan = check_spec(TinySpec(n_layers=300, shards=2), len(tiny_vocab().tokens))
+    assert MAX_TENSORS < len(plan) <= 2 * MAX_TENSORS
 
 
 def test_cli_make_tiny(tmp_path, capsys):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from k3stream.gguf.header import MAX_TENSORS
 from k3stream.gguf.layout import OMITTABLE, expected_shapes
 from k3stream.gguf.mixed_recipes import WRITABLE_RECIPES, file_type, mixed_type, release_like
 from k3stream.gguf.vocab import CHAT_TEMPLATE, Vocab
@@ -467,6 +468,12 @@ def check_spec(spec: TinySpec, vocab_size: int) -> list[_Tensor]:
     plan = tensor_plan(spec, vocab_size)
     if spec.shards > len(plan):
         raise ValueError(f"TinySpec.shards: {spec.shards} shards for only {len(plan)} tensors")
+    per_shard = -(-len(plan) // spec.shards)
+    if per_shard > MAX_TENSORS:
+        raise ValueError(
+            f"TinySpec.n_layers: {spec.n_layers} layers make {len(plan)} tensors, {per_shard} a shard; "
+            f"a GGUF holds at most {MAX_TENSORS} (more shards)"
+        )
     if spec.recipe not in FLOAT_RECIPES:
         for tensor in plan:
             _check_quantizable(tensor, tensor_type(tensor, spec), spec.recipe)
