@@ -324,6 +324,27 @@ def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     )
 
 
+@requires_llama
+def test_a_raw_prompt_holding_special_token_text_prefills_llama_cpps_ids(model, tokenizer, model_path):
+    """A chat turn written out by hand is the special tokens it names, as llama-cli tokenizes its prompt
+    (parse_special): the prefill and the greedy answer follow those ids, not the text's letters."""
+    import llama_cpp
+
+    prompt = (
+        "<|im_user|>user<|im_middle|>The capital of France is<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    )
+    llama = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
+    ids = list(llama.tokenize(prompt.encode(), add_bos=False, special=True))
+    llama.close()
+    assert len(ids) < len(tokenizer.encode(prompt, allow_special=False))
+    expected = generate(model, tokenizer, ids, SamplingParams(temperature=0, max_tokens=4)).text
+    flags = ["--temperature", "0", "--max-tokens", "4", "--device", "cpu", "--threads", "1"]
+    done = _cli("generate", str(model_path), "--prompt", prompt, *flags)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == expected + "\n"
+    assert f"prefill {len(ids)} tokens" in done.stderr
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_generate_command_prints_the_library_result(model, tokenizer, model_path, chat):
     from k3stream.engine.chat import ChatTemplate

@@ -574,8 +574,10 @@ def store_options(args: argparse.Namespace) -> StoreOptions:
 
 
 def prompt_ids(tokenizer: Any, args: argparse.Namespace, text: str) -> list[int]:
+    """The prompt's ids; special-token text in a raw prompt is that token, as llama-cli and the server's
+    completions take it (a chat template written out by hand)."""
     if not args.chat:
-        return tokenizer.encode(text)
+        return tokenizer.encode(text, allow_special=True)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": text})
     rendered = ChatTemplate.for_tokenizer(tokenizer).render(messages, thinking=args.thinking)
