@@ -15,7 +15,8 @@
  * in one 64-byte vector (their lanes folded onto eight at the block's end), their scales spread by one
  * vpshufb (Q2_K: each code looks up its code-times-scale byte, one vpdpbusd a pair of runs; Q2_K's and
  * Q3_K's codes come by GFNI's gf2p8affine); the 32-value types' kernels hold two weight rows in one
- * 64-byte vector, each half that row's eight lanes.
+ * 64-byte vector, each half that row's eight lanes, but Q8_0's one-row kernel, which runs eight weight
+ * rows a pass on 32-byte vectors (eight FMA chains).
  */
 #include <math.h>
 #include <stdint.h>
@@ -103,7 +104,8 @@ AVX512_INLINE void q8k_steps(const uint8_t *at, int block_bytes, int shift, cons
  * maddubs pairs. Those starts depend on the input row alone: made once for all the weight rows (up to
  * Q32_STARTS blocks; a longer row's further blocks make theirs as they go), so a block takes its codes, a
  * vpdpbusd, a conversion and an FMA; Q4_1 and Q5_1 add their offset m times the Q8_1 block's s to a
- * scalar sum per row in block order, as their AVX2 kernels (ggml's). One weight row at a time, one
+ * scalar sum per row in block order, as their AVX2 kernels (ggml's). Q8_0 takes eight weight rows a
+ * pass (q8_0_groups below); the others one weight row at a time, one
  * sequential stream (four rows against each activation block, four streams, ran 0.6-0.9x as fast from
  * RAM on AMD EPYC, Zen 4), its lines PREFETCH_BYTES ahead asked for in software as the AVX2 kernels do
  * (every one-row kernel here): on Intel Xeon (Emerald Rapids) the one-row kernels ran 1.5-2x as fast
@@ -223,8 +225,10 @@ AVX512_INLINE void q32_pairs(const uint8_t *const *a, const uint8_t *const *b, c
  * 16-element gather costs twice as much there). The rows are read as Q8_0_GROUP streams; the memory is
  * asked for the next group's bytes in their order, one sequential stream as far ahead as a group (on
  * Zen 4 from RAM, one thread: 8 streams alone ran at 0.6-0.7x of two, with the next group asked for
- * 1.2-1.3x of two). */
+ * 1.2-1.3x of two), and each row's line Q8_0_NEAR bytes ahead into the L1 every other block (a further
+ * 1.1-1.2x). */
 #define Q8_0_GROUP 8
+#define Q8_0_NEAR 1024
 
 /* the f16 d of the `count` (1..16) Q8_0 blocks from `at` (word 17k of the chunk), in words 0..count-1 */
 AVX512_INLINE __m256i q8_0_chunk_d(const uint8_t *at, int count) {
@@ -266,6 +270,7 @@ AVX512_INLINE void q8_0_group(const uint8_t *rows, int64_t row_bytes, const Bloc
                 _mm_prefetch((const char *)asked, _MM_HINT_T1);
 #pragma GCC unroll 8
             for (int r = 0; r < n; r++) {
+                if (i & 1) _mm_prefetch((const char *)(rows + r * row_bytes + 34 * k + Q8_0_NEAR), _MM_HINT_T0);
                 const __m256i codes = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(rows + r * row_bytes + 34 * k + 2)), flip);
                 acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(steps[r][i]), _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(start, codes, q8)), acc[r]);
             }
@@ -296,19 +301,20 @@ AVX512_INLINE void q8_0_groups(const uint8_t *matrix, int64_t row_bytes, int64_t
     }
 }
 
-/* Rows first..last - 1 of a 32-value type against input row y. Rows of SHORT_ROW_BYTES at most (MLA's
- * k_b heads: 128 values, four Q8_0 blocks) Q32_PAIRS pairs of adjacent rows at a time, one stream: one
- * pair's chunk set-up and FMA chain outweigh its few blocks (Kimi-K3's k_b on one core, Zen 4: 10.3
- * GB/s one pair at a time, 12.7 two). Longer rows in pairs (m, m + half): two sequential streams, each
- * asked for ahead (v_b's 544-byte rows ran at half the rate as adjacent pairs, with or without the
- * prefetches, and 0.7x as two pairs of streams). */
+/* Rows first..last - 1 of a 32-value type against input row y: Q8_0's by q8_0_groups (MLA's k_b heads,
+ * 128-value rows, one core, Zen 4: 20.9 GB/s, 13.1 by the pairs below); the others' rows of
+ * SHORT_ROW_BYTES at most Q32_PAIRS pairs of adjacent rows at a time, one stream: one pair's chunk
+ * set-up and FMA chain outweigh its few blocks (Q8_0's k_b: 10.3 GB/s one pair at a time, 12.7 two).
+ * Longer rows in pairs (m, m + half): two sequential streams, each asked for ahead (Q8_0's v_b, 544-byte
+ * rows, ran at half the rate as adjacent pairs, with or without the prefetches, and 0.7x as two pairs of
+ * streams). */
 #define SHORT_ROW_BYTES 256
 AVX512_INLINE void q32_rows_of(const Product *pr, int64_t b, int64_t first, int64_t last, const void *y,
                                const Q32Starts *table, float *out, const int type) {
     const int64_t blocks = pr->in_features / 32;
     const uint8_t *matrix = (const uint8_t *)(uintptr_t)pr->addresses[b];
     float dropped;
-    if (type == 8 && pr->row_bytes > SHORT_ROW_BYTES) {
+    if (type == 8) {
         q8_0_groups(matrix, pr->row_bytes, first, last, y, table, blocks, out);
         return;
     }
