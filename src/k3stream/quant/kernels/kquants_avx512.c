@@ -15,8 +15,8 @@
  * in one 64-byte vector (their lanes folded onto eight at the block's end), their scales spread by one
  * vpshufb (Q2_K: each code looks up its code-times-scale byte, one vpdpbusd a pair of runs; Q2_K's and
  * Q3_K's codes come by GFNI's gf2p8affine); the 32-value types' kernels hold two weight rows in one
- * 64-byte vector, each half that row's eight lanes, but Q8_0's one-row kernel, which runs eight weight
- * rows a pass on 32-byte vectors (eight FMA chains).
+ * 64-byte vector, each half that row's eight lanes (all but Q8_0's one-row kernel, which runs eight
+ * weight rows a pass on 32-byte vectors: eight FMA chains).
  */
 #include <math.h>
 #include <stdint.h>
@@ -300,7 +300,7 @@ AVX512_INLINE void q8_0_groups(const uint8_t *matrix, int64_t row_bytes, int64_t
 }
 
 /* Rows first..last - 1 of a 32-value type against input row y: Q8_0's by q8_0_groups (MLA's k_b heads,
- * 128-value rows, one core, Zen 4: 20.9 GB/s, 13.1 by the pairs below); the others' rows of
+ * 128-value rows, in the cache, one core, Zen 4: 19.9-20.0 GB/s, 12.5-12.7 by the pairs below); the others' rows of
  * SHORT_ROW_BYTES at most Q32_PAIRS pairs of adjacent rows at a time, one stream: one pair's chunk
  * set-up and FMA chain outweigh its few blocks (Q8_0's k_b: 10.3 GB/s one pair at a time, 12.7 two).
  * Longer rows in pairs (m, m + half): two sequential streams, each asked for ahead (Q8_0's v_b, 544-byte
