@@ -287,10 +287,14 @@ def test_avx512_kernels_on_two_threads_keep_the_one_thread_avx2_bits(qt, cols, m
 
 
 @pytest.mark.parametrize("qt", SAME_BITS_AVX512_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("out_rows,cols", [(5, 256), (7, 1280), (3, 7168), (4, 25600)])
+@pytest.mark.parametrize(
+    "out_rows,cols", [(5, 256), (7, 1280), (3, 7168), (4, 25600), (19, 1280), (9, 25600)]
+)
 def test_the_avx512_kernels_give_the_avx2_kernels_bits(qt, out_rows, cols, monkeypatch):
     """The AVX-512 one-row kernels (one to five input rows a matrix: below the tiles) form the AVX2
-    kernels' integer lanes and float operations: the same bits, on weights whose codes reach both ends."""
+    kernels' integer lanes and float operations: the same bits, on weights whose codes reach both ends
+    (Q8_0's eight-row groups: whole groups and a rest, a last chunk of fewer than 16 blocks, rows
+    longer than the input row's held starts)."""
     take_kernel_isa("avx512", monkeypatch)
     w, x = matrix(qt, out_rows, cols, seed=cols), inputs(5, cols, seed=out_rows)
     for count in range(1, 6):

@@ -15,7 +15,8 @@
  * in one 64-byte vector (their lanes folded onto eight at the block's end), their scales spread by one
  * vpshufb (Q2_K: each code looks up its code-times-scale byte, one vpdpbusd a pair of runs; Q2_K's and
  * Q3_K's codes come by GFNI's gf2p8affine); the 32-value types' kernels hold two weight rows in one
- * 64-byte vector, each half that row's eight lanes.
+ * 64-byte vector, each half that row's eight lanes (all but Q8_0's one-row kernel, which runs eight
+ * weight rows a pass on 32-byte vectors: eight FMA chains).
  */
 #include <math.h>
 #include <stdint.h>
@@ -103,7 +104,8 @@ AVX512_INLINE void q8k_steps(const uint8_t *at, int block_bytes, int shift, cons
  * maddubs pairs. Those starts depend on the input row alone: made once for all the weight rows (up to
  * Q32_STARTS blocks; a longer row's further blocks make theirs as they go), so a block takes its codes, a
  * vpdpbusd, a conversion and an FMA; Q4_1 and Q5_1 add their offset m times the Q8_1 block's s to a
- * scalar sum per row in block order, as their AVX2 kernels (ggml's). One weight row at a time, one
+ * scalar sum per row in block order, as their AVX2 kernels (ggml's). Q8_0 takes eight weight rows a
+ * pass (q8_0_groups below); the others one weight row at a time, one
  * sequential stream (four rows against each activation block, four streams, ran 0.6-0.9x as fast from
  * RAM on AMD EPYC, Zen 4), its lines PREFETCH_BYTES ahead asked for in software as the AVX2 kernels do
  * (every one-row kernel here): on Intel Xeon (Emerald Rapids) the one-row kernels ran 1.5-2x as fast
@@ -213,18 +215,107 @@ AVX512_INLINE void q32_pairs(const uint8_t *const *a, const uint8_t *const *b, c
     }
 }
 
-/* Rows first..last - 1 of a 32-value type against input row y. Rows of SHORT_ROW_BYTES at most (MLA's
- * k_b heads: 128 values, four Q8_0 blocks) Q32_PAIRS pairs of adjacent rows at a time, one stream: one
- * pair's chunk set-up and FMA chain outweigh its few blocks (Kimi-K3's k_b on one core, Zen 4: 10.3
- * GB/s one pair at a time, 12.7 two). Longer rows in pairs (m, m + half): two sequential streams, each
- * asked for ahead (v_b's 544-byte rows ran at half the rate as adjacent pairs, with or without the
- * prefetches, and 0.7x as two pairs of streams). */
+/* ---- Q8_0 against one input row, Q8_0_GROUP adjacent weight rows a pass ----------------------------
+ * Each row's blocks as dot_q8_0's: the eight int32 lanes by one 256-bit vpdpbusd (codes plus 128, from
+ * the lanes' start), converted, times the block's d product, one FMA into that row's eight float lanes
+ * in block order, hsum8 at the end: the AVX2 kernel's bits. Eight rows give eight FMA chains in flight
+ * (a chain waits about four cycles a block on Zen 4), each 256 bits: Zen 4 runs a 512-bit operation as
+ * two 256-bit halves, so pairing two rows in one 512-bit vector saves no execution time there. Each
+ * chunk of CHUNK_BLOCKS_K blocks' d come by four two-table word permutes of its 128-byte quarters (a
+ * 16-element gather costs twice as much there). The rows are read as Q8_0_GROUP streams; the memory is
+ * asked for the next group's bytes in their order, one sequential stream as far ahead as a group (on
+ * Zen 4 from RAM, one thread: 8 streams alone ran at 0.6-0.7x of two, with the next group asked for
+ * 1.2-1.3x of two; each row's line 1 KiB ahead asked into the L1 as well cost 0.9x in the cache and
+ * gained nothing measurable from RAM on 2 MiB pages). */
+#define Q8_0_GROUP 8
+
+/* the f16 d of the `count` (1..16) Q8_0 blocks from `at` (word 17k of the chunk), in words 0..count-1 */
+AVX512_INLINE __m256i q8_0_chunk_d(const uint8_t *at, int count) {
+    const __m512i pick = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 63, 46, 29, 12, 59, 42, 25,
+                                          8, 55, 38, 21, 4, 51, 34, 17, 0); /* quarter j's d 4j + i: its word 4j + 17i */
+    const int64_t bytes = 34 * (int64_t)count - 32; /* the chunk's bytes up to its last d's end */
+    __m512i d = _mm512_setzero_si512();
+    for (int j = 0; 4 * j < count; j++) {
+        const int64_t low = bytes - 128 * j, high = low - 64; /* the quarter's bytes to read, in each half */
+        const __m512i lo = _mm512_maskz_loadu_epi8(low >= 64 ? ~0ULL : _bzhi_u64(~0ULL, (unsigned)low), at + 128 * j);
+        const __m512i hi = _mm512_maskz_loadu_epi8(high >= 64 ? ~0ULL : high <= 0 ? 0 : _bzhi_u64(~0ULL, (unsigned)high), at + 128 * j + 64);
+        d = _mm512_mask_mov_epi16(d, (__mmask32)(0xFu << (4 * j)), _mm512_permutex2var_epi16(lo, pick, hi));
+    }
+    return _mm512_castsi512_si256(d);
+}
+
+/* weight rows rows .. rows + (n - 1) row_bytes against input row y (table: its first Q32_STARTS blocks'
+ * starts and d) into out[0..n - 1]; the bytes from `ahead` up to `ahead_end` asked for into the L2
+ * in order as the group is read, n 34 bytes a block */
+AVX512_INLINE void q8_0_group(const uint8_t *rows, int64_t row_bytes, const BlockQ8_0 *y, const Q32Starts *table,
+                              int64_t blocks, const uint8_t *ahead, const uint8_t *ahead_end, float *out, const int n) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[Q8_0_GROUP];
+    float steps[Q8_0_GROUP][CHUNK_BLOCKS_K] __attribute__((aligned(64)));
+    const uint8_t *asked = ahead;
+    for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < blocks; c += CHUNK_BLOCKS_K) {
+        const int count = blocks - c < CHUNK_BLOCKS_K ? (int)(blocks - c) : CHUNK_BLOCKS_K;
+        const __mmask16 valid = (__mmask16)((1u << count) - 1);
+        const __m512 yd = c + CHUNK_BLOCKS_K <= Q32_STARTS ? _mm512_maskz_loadu_ps(valid, table->d + c)
+                                                           : chunk_floats(&y[c].d, (int)sizeof(BlockQ8_0), count);
+        for (int r = 0; r < n; r++)
+            _mm512_store_ps(steps[r], _mm512_mul_ps(_mm512_cvtph_ps(q8_0_chunk_d(rows + r * row_bytes + 34 * c, count)), yd));
+        for (int i = 0; i < count; i++) {
+            const int64_t k = c + i;
+            const __m256i start = k < Q32_STARTS ? _mm256_load_si256(table->starts + k) : q32_start(y[k].qs, 128);
+            const __m256i q8 = _mm256_loadu_si256((const __m256i *)y[k].qs);
+            for (const uint8_t *until = ahead + (k + 1) * n * 34; asked < until && asked < ahead_end; asked += 64)
+                _mm_prefetch((const char *)asked, _MM_HINT_T1);
+#pragma GCC unroll 8
+            for (int r = 0; r < n; r++) {
+                const __m256i codes = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(rows + r * row_bytes + 34 * k + 2)), flip);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(steps[r][i]), _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(start, codes, q8)), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < n; r++) out[r] = hsum8(acc[r]);
+}
+
+/* rows first..last - 1 of a Q8_0 matrix against input row y, Q8_0_GROUP at a time */
+AVX512_INLINE void q8_0_groups(const uint8_t *matrix, int64_t row_bytes, int64_t first, int64_t last, const BlockQ8_0 *y,
+                               const Q32Starts *table, int64_t blocks, float *out) {
+    const uint8_t *end = matrix + last * row_bytes;
+    int64_t m = first;
+    for (; m + Q8_0_GROUP <= last; m += Q8_0_GROUP) {
+        const uint8_t *rows = matrix + m * row_bytes;
+        q8_0_group(rows, row_bytes, y, table, blocks, rows + Q8_0_GROUP * row_bytes, end, out + m, Q8_0_GROUP);
+    }
+    const uint8_t *rows = matrix + m * row_bytes;
+    switch (last - m) { /* each count compiled apart */
+        case 7: q8_0_group(rows, row_bytes, y, table, blocks, end, end, out + m, 7); break;
+        case 6: q8_0_group(rows, row_bytes, y, table, blocks, end, end, out + m, 6); break;
+        case 5: q8_0_group(rows, row_bytes, y, table, blocks, end, end, out + m, 5); break;
+        case 4: q8_0_group(rows, row_bytes, y, table, blocks, end, end, out + m, 4); break;
+        case 3: q8_0_group(rows, row_bytes, y, table, blocks, end, end, out + m, 3); break;
+        case 2: q8_0_group(rows, row_bytes, y, table, blocks, end, end, out + m, 2); break;
+        case 1: q8_0_group(rows, row_bytes, y, table, blocks, end, end, out + m, 1); break;
+        default: break;
+    }
+}
+
+/* Rows first..last - 1 of a 32-value type against input row y: Q8_0's by q8_0_groups (MLA's k_b heads,
+ * 128-value rows, in the cache, one core, Zen 4: 19.9-20.0 GB/s, 12.5-12.7 by the pairs below); the others' rows of
+ * SHORT_ROW_BYTES at most Q32_PAIRS pairs of adjacent rows at a time, one stream: one pair's chunk
+ * set-up and FMA chain outweigh its few blocks (Q8_0's k_b: 10.3 GB/s one pair at a time, 12.7 two).
+ * Longer rows in pairs (m, m + half): two sequential streams, each asked for ahead (Q8_0's v_b, 544-byte
+ * rows, ran at half the rate as adjacent pairs, with or without the prefetches, and 0.7x as two pairs of
+ * streams). */
 #define SHORT_ROW_BYTES 256
 AVX512_INLINE void q32_rows_of(const Product *pr, int64_t b, int64_t first, int64_t last, const void *y,
                                const Q32Starts *table, float *out, const int type) {
     const int64_t blocks = pr->in_features / 32;
     const uint8_t *matrix = (const uint8_t *)(uintptr_t)pr->addresses[b];
     float dropped;
+    if (type == 8) {
+        q8_0_groups(matrix, pr->row_bytes, first, last, y, table, blocks, out);
+        return;
+    }
     if (pr->row_bytes <= SHORT_ROW_BYTES) {
         for (int64_t m = first; m < last; m += 2 * Q32_PAIRS) {
             const uint8_t *rows_a[Q32_PAIRS], *rows_b[Q32_PAIRS];
