@@ -27,12 +27,14 @@ The one named by `K3Model.prefetch_hint` is predicted, counted and sent to the e
   7168 x 896 F32 product, ~26 MB a MoE layer), and nothing reads what it predicts.
 "sent" counts what went out of all kinds, per layer and step.
 
-A decode step under "auto" also sends spare hints (`ExpertSource.spare`: read only while the disk
-would otherwise idle, dropped once the layer's router decides): the rest of each computed
-pre-attention ranking (its ranks past what went out, the ranks of all rows in turn, or all of them
-while the gap hints are not trusted), and, after the attention of a layer without routed experts
-(Kimi-K3's dense first layer), the next MoE layer's router on that layer's stream (the layer-ahead
-hint): until the first MoE layer's input exists, nothing else is worth reading. "spare" counts them.
+A step under "auto" that sends token hints first (decode) also sends spare hints
+(`ExpertSource.spare`: read only while the disk would otherwise idle, dropped once the layer's
+router decides): the rest of each computed pre-attention ranking (its ranks past what went out, the
+ranks of all rows in turn, or all of them while the gap hints are not trusted), and, after the
+attention of a layer without routed experts (Kimi-K3's dense first layer), the next MoE layer's
+router on that layer's stream (the layer-ahead hint; on the real-dimension slice 38% precise, the
+embedding row's 13%, random 12.5%): until the first MoE layer's input exists, nothing predicts it
+better, and the disk would read nothing. "spare" counts them.
 """
 
 from __future__ import annotations
@@ -78,8 +80,9 @@ def sent_kinds(choice: str, rows: int) -> tuple[str, ...]:
 
 
 class HintLog:
-    """Predictions waiting for their layer's routing, and per kind (and SENT, SPARE): predicted, correct, used
-    counts; per layer, the recent precision of the hints that fill the token hints' gaps (`trusted`)."""
+    """Predictions waiting for their layer's routing, and per kind (and SENT, SPARE): predicted,
+    correct, used counts; per layer, the recent precision of the hints that fill the token hints'
+    gaps (`trusted`)."""
 
     def __init__(self) -> None:
         self._pending: dict[tuple[str, int], set[int]] = {}

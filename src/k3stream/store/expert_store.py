@@ -9,9 +9,9 @@ reads, digest checks), `pins` (each thread's step), `hints` (which prefetch hint
 
 The experts of each thread's current step (its latest `fetch`, until its next one, `release()`, or its
 exit) and of running loads are never evicted. `prefetch` loads in the background, `spare` too but
-only while the disk would otherwise idle; a `fetch` that finds
-its expert still loading waits for that load instead of reading again. A prefetched expert that a
-fetch asked for before it was evicted is a used prefetch, cached like a demand load.
+only while the disk would otherwise idle; a `fetch` that finds its expert still loading waits for
+that load instead of reading again. A prefetched expert that a fetch asked for before it was evicted
+is a used prefetch, cached like a demand load.
 
 After `close()`, `fetch` raises RuntimeError("expert store is closed") and `prefetch` is ignored: it is
 a hint, and an engine may still hint while it shuts down.
