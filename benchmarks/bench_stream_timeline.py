@@ -122,9 +122,8 @@ runtime.close()
 print(json.dumps({"events": events, "read_bytes": after["pack_read_bytes"] - before["pack_read_bytes"],
                   "fetch_ms": (after["fetch_ns"] - before["fetch_ns"]) / 1e6,
                   "cpu": [cpu_after.user - cpu_before.user, cpu_after.system - cpu_before.system],
-                  "counts": {name: after.get(name, 0) - before.get(name, 0) for name in (
-                      "spare_requests", "spare_dropped", "prefetch_loads", "prefetch_hits",
-                      "prefetch_unused_evictions")}}))
+                  "counts": {name: after[name] - before[name] for name in (
+                      "prefetch_loads", "prefetch_hits", "prefetch_unused_evictions")}}))
 """
 
 

@@ -22,6 +22,3 @@ class RecordingSource(ExpertSource):
 
     def prefetch(self, layer: int, expert_ids: list[int]) -> None:
         self.calls.append(("prefetch", layer, list(expert_ids)))
-
-    def spare(self, layer: int, expert_ids: list[int]) -> None:
-        self.calls.append(("spare", layer, list(expert_ids)))

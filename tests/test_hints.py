@@ -167,47 +167,6 @@ def test_auto_decode_sends_the_pre_attention_hint_where_the_token_hint_has_nothi
     assert after_layer["used"] - before_layer["used"] == top_k
 
 
-def test_auto_decode_sends_the_rest_of_each_ranking_and_the_first_moe_layers_ahead_as_spare(model_path):
-    """Spare hints of a decode step: the first MoE layer's router on the dense layer's stream after its
-    attention (before the step's first fetch), and of each layer whose ranking ran, its ranks past the
-    gap hint, sent with it; logits are those of a model without hints."""
-    model, source = load_recording(model_path, "auto")
-    plain = k3stream.load(model_path, LoadOptions(prefetch=False))
-    state, plain_state = model.new_state(), plain.new_state()
-    model.prefill(state, [1, 2, 3])
-    plain.prefill(plain_state, [1, 2, 3])
-    layers = moe_layers(model)
-    first = layers[0]
-    assert not isinstance(model.layers[first - 1].ffn, LatentMoE)  # a dense layer before it
-    for _ in range(8):  # every layer's gap hints right: trusted
-        for layer in layers:
-            model.hints.gap(layer, [0])
-            model.hints.used(layer, [0])
-    source.calls.clear()
-    before = model.hints.by_layer()["spare"]
-    assert torch.equal(model.decode(state, 99), plain.decode(plain_state, 99))
-    calls = source.calls
-    top_k = model.layers[first].ffn.routing.top_k
-    confident = math.ceil(GAP_HINT_RANKS * top_k)
-    spares = [
-        (position, layer, experts) for position, (call, layer, experts) in enumerate(calls) if call == "spare"
-    ]
-    ahead = [(position, experts) for position, layer, experts in spares if layer == first][0]
-    assert ahead[0] < min(position for position, (call, *_) in enumerate(calls) if call == "fetch")
-    assert len(set(ahead[1])) == top_k
-    for position, layer, experts in spares:
-        if (position, experts) == ahead:
-            continue
-        kind, hinted_layer, hinted = calls[position - 1]  # sent right after the layer's gap hint
-        assert (kind, hinted_layer) == ("prefetch", layer) and len(hinted) == confident
-        assert len(experts) == top_k - confident and not set(experts) & set(hinted)
-    assert {layer for _, layer, _ in spares} == set(layers)
-    after = model.hints.by_layer()["spare"]
-    spared = {expert for _, layer, experts in spares if layer == first for expert in experts}
-    assert after[first]["predicted"] - before[first]["predicted"] == len(spared)
-    assert all(after[layer]["used"] - before[layer]["used"] == top_k for layer in layers)
-
-
 def test_token_routes_remember_each_layers_latest_experts_per_token():
     routes = TokenRoutes(max_tokens=2)
     routes.learn(1, [7, 8, 7], torch.tensor([[0, 1], [2, 3], [4, 5]]))

@@ -8,7 +8,6 @@ below do not depend on thread timing.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import numpy as np
@@ -42,9 +41,8 @@ def routed_steps(pack: ExpertPack, experts: int) -> list[tuple[int, list[int]]]:
 
 
 def drain(store: ExpertStore) -> None:
-    """Wait for the hints, read-ahead and spare reads queued so far (a no-op job behind them on each
-    thread)."""
-    for thread in (store._prefetcher, store._reader_ahead, store._spare_reader):
+    """Wait for the hints and read-ahead queued so far (a no-op job behind them on each thread)."""
+    for thread in (store._prefetcher, store._reader_ahead):
         if thread is not None:
             thread.submit(lambda: None).result()
 
@@ -366,72 +364,3 @@ def test_what_a_hint_keeps_for_its_layers_next_step_outlasts_the_steps_between(p
         store.fetch(layer, list(range(k, 2 * k)))  # evicts k: the unnamed ones
         assert store.ready(later, named) == named
         assert store.ready(layer, range(k)) == []
-
-
-def test_a_spare_read_starts_only_once_no_other_read_is_queued_or_running(pack):
-    """A spare hint's reads wait while another pack read is in progress (here: a read queued and not
-    yet consumed), then load, likeliest first."""
-    layer, other = pack.moe_layers[:2]
-    with ExpertStore(pack, ram_mib=4 * pack.top_k * pack.object_bytes / MIB, policy="lru") as store:
-        with contextlib.closing(store._reader.start([(other, 0)], 0)):  # a read in progress until closed
-            store.spare(layer, [2, 1])
-            waited = threading.Event()
-            store._spare_reader.submit(waited.set)
-            assert not waited.wait(0.3) and store.ready(layer, [1, 2]) == []
-        drain(store)
-        assert store.ready(layer, [1, 2]) == [1, 2]
-        assert store.stats()["spare_requests"] == 2 and store.stats()["spare_dropped"] == 0
-
-
-@pytest.mark.parametrize("decides", ["read_ahead", "fetch"])
-def test_a_spare_hint_is_dropped_once_its_layers_router_has_decided(pack, decides):
-    """What a spare hint has not read when its layer's read-ahead or fetch comes is never read."""
-    layer, other = pack.moe_layers[:2]
-    with ExpertStore(pack, ram_mib=4 * pack.top_k * pack.object_bytes / MIB, policy="lru") as store:
-        with contextlib.closing(store._reader.start([(other, 0)], 0)):
-            store.spare(layer, [1, 2])
-            store.spare(other, [3])  # another layer's: not dropped
-            getattr(store, decides)(layer, [4])
-        drain(store)
-        assert store.ready(layer, [1, 2]) == [] and store.ready(other, [3]) == [3]
-        assert store.stats()["spare_dropped"] == 2
-
-
-def test_a_spare_read_never_evicts_a_pinned_step_or_what_a_hint_keeps_for_its_step(pack):
-    """A full tier of a pinned step and the experts a hint named for another layer's step: a spare
-    read finds no slot (a hint's read would evict a named expert); once the step is released, it takes
-    an unnamed one."""
-    layer, later = pack.moe_layers[:2]
-    k = pack.top_k
-    with ExpertStore(pack, ram_mib=2 * k * pack.object_bytes / MIB, policy="lru") as store:
-        named = list(range(k))
-        store.fetch(later, named)
-        store.fetch(layer, list(range(k)))  # pinned as this thread's step
-        store.prefetch(later, named)  # all resident: kept for their step
-        drain(store)
-        store.spare(later, [k])
-        drain(store)
-        assert store.ready(later, [k, *named]) == named and store.ready(layer, range(k)) == list(range(k))
-        store.release()
-        store.spare(later, [k])
-        drain(store)
-        assert store.ready(later, [k, *named]) == [k, *named]
-        assert len(store.ready(layer, range(k))) == k - 1
-
-
-def test_a_spare_read_waits_for_a_hint_queued_before_its_reads_are(pack):
-    """A hint whose job has not yet queued its reads (its thread is busy) holds spare reads back too."""
-    layer, other = pack.moe_layers[:2]
-    with ExpertStore(pack, ram_mib=4 * pack.top_k * pack.object_bytes / MIB, policy="lru") as store:
-        held = threading.Event()
-        store._prefetcher.submit(held.wait, 10)
-        try:
-            store.prefetch(other, [0])
-            store.spare(layer, [1])
-            waited = threading.Event()
-            store._spare_reader.submit(waited.set)
-            assert not waited.wait(0.3) and store.ready(layer, [1]) == []
-        finally:
-            held.set()
-        drain(store)
-        assert store.ready(other, [0]) == [0] and store.ready(layer, [1]) == [1]

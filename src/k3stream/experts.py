@@ -85,11 +85,6 @@ class ExpertSource(Protocol):
         """A hint that these experts of `layer` are likely needed soon."""
         return None
 
-    def spare(self, layer: int, expert_ids: list[int]) -> None:
-        """A weaker hint than `prefetch` (likeliest first): read them only while nothing else is read,
-        and not once `layer`'s router has decided."""
-        return None
-
     def read_ahead(self, layer: int, expert_ids: list[int]) -> None:
         """These experts of `layer` are the caller's next fetches (the step it is computing): load
         them in the background, one after another, in this order."""

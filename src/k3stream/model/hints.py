@@ -26,15 +26,6 @@ The one named by `K3Model.prefetch_hint` is predicted, counted and sent to the e
   layer again), not every step: its cost is the layer's router on its input (at Kimi-K3's size a
   7168 x 896 F32 product, ~26 MB a MoE layer), and nothing reads what it predicts.
 "sent" counts what went out of all kinds, per layer and step.
-
-A step under "auto" that sends token hints first (decode) also sends spare hints
-(`ExpertSource.spare`: read only while the disk would otherwise idle, dropped once the layer's
-router decides): the rest of each computed pre-attention ranking (its ranks past what went out, the
-ranks of all rows in turn, or all of them while the gap hints are not trusted), and, after the
-attention of a layer without routed experts (Kimi-K3's dense first layer), the next MoE layer's
-router on that layer's stream (the layer-ahead hint; on the real-dimension slice 38% precise, the
-embedding row's 13%, random 12.5%): until the first MoE layer's input exists, nothing predicts it
-better, and the disk would read nothing. "spare" counts them.
 """
 
 from __future__ import annotations
@@ -42,7 +33,6 @@ from __future__ import annotations
 HINT_KINDS = ("pre-attention", "layer-ahead", "token")
 HINT_CHOICES = ("auto", *HINT_KINDS)
 SENT = "sent"  # the summaries' entry for what went out, all kinds together
-SPARE = "spare"  # the summaries' entry for what went out as spare hints
 GAP = "gap"  # the pending predictions' key for what would fill a token hint's gap
 # "auto" sends layer-ahead hints for steps of at least this many rows
 AUTO_LAYER_AHEAD_ROWS = 8
@@ -64,11 +54,6 @@ HINT_TRUST_DECAY = 0.5  # the weight of a layer's past gap hints in their recent
 GAP_PROBE_EVERY = 8
 
 
-def sends_spare(choice: str, rows: int) -> bool:
-    """Whether a step of `rows` rows under `choice` sends spare hints (see the module doc)."""
-    return choice == "auto" and rows < AUTO_LAYER_AHEAD_ROWS
-
-
 def sent_kinds(choice: str, rows: int) -> tuple[str, ...]:
     """The predictions sent to the expert source in a step of `rows` rows under `choice`, the earliest
     first: with "auto", a step of many rows sends its layer-ahead hint, any other step its token hint,
@@ -80,9 +65,8 @@ def sent_kinds(choice: str, rows: int) -> tuple[str, ...]:
 
 
 class HintLog:
-    """Predictions waiting for their layer's routing, and per kind (and SENT, SPARE): predicted,
-    correct, used counts; per layer, the recent precision of the hints that fill the token hints'
-    gaps (`trusted`)."""
+    """Predictions waiting for their layer's routing, and per kind (and SENT): predicted, correct, used
+    counts; per layer, the recent precision of the hints that fill the token hints' gaps (`trusted`)."""
 
     def __init__(self) -> None:
         self._pending: dict[tuple[str, int], set[int]] = {}
@@ -97,10 +81,6 @@ class HintLog:
         """`experts` of `layer` went out to the expert source (added to what its other hints sent this
         step; none: a step whose used experts count in the recall of what was sent)."""
         self._pending.setdefault((SENT, layer), set()).update(experts)
-
-    def spared(self, layer: int, experts: list[int]) -> None:
-        """`experts` of `layer` went out as spare hints (added to its others this step)."""
-        self._pending.setdefault((SPARE, layer), set()).update(experts)
 
     def gap(self, layer: int, experts: list[int]) -> None:
         """`experts` of `layer` fill the step's token hint's gap, sent or not: scored for `trusted`."""
@@ -124,7 +104,7 @@ class HintLog:
     def used(self, layer: int, experts: list[int]) -> None:
         """The experts layer `layer` used this step: score the predictions made for it."""
         actual = set(experts)
-        for kind in (*HINT_KINDS, SENT, SPARE):
+        for kind in (*HINT_KINDS, SENT):
             guess = self._pending.pop((kind, layer), None)
             if guess is not None:
                 counts = self._counts.setdefault((kind, layer), [0, 0, 0])
@@ -140,7 +120,7 @@ class HintLog:
     def summary(self) -> dict[str, dict[str, float]]:
         """Per kind and SENT, over all layers: precision (correct / predicted), recall (correct / used),
         counts."""
-        totals = {kind: [0, 0, 0] for kind in (*HINT_KINDS, SENT, SPARE)}
+        totals = {kind: [0, 0, 0] for kind in (*HINT_KINDS, SENT)}
         for (kind, _layer), counts in self._counts.items():
             totals[kind] = [total + count for total, count in zip(totals[kind], counts, strict=True)]
         return {kind: _scores(*counts) for kind, counts in totals.items()}
@@ -150,7 +130,7 @@ class HintLog:
         layers = sorted({layer for _kind, layer in self._counts})
         return {
             kind: {layer: _scores(*self._counts.get((kind, layer), (0, 0, 0))) for layer in layers}
-            for kind in (*HINT_KINDS, SENT, SPARE)
+            for kind in (*HINT_KINDS, SENT)
         }
 
 

@@ -29,14 +29,7 @@ from k3stream.gguf.layout import check_residual_score, check_ssm_a, is_routed_ex
 from k3stream.gguf.weights import nonexpert_tensors
 from k3stream.model.attn_res import residual_mix
 from k3stream.model.experts import GGUFExpertSource
-from k3stream.model.hints import (
-    GAP_HINT_RANKS,
-    HINT_CHOICES,
-    TOKEN_HINT_LEAD,
-    HintLog,
-    sends_spare,
-    sent_kinds,
-)
+from k3stream.model.hints import GAP_HINT_RANKS, HINT_CHOICES, TOKEN_HINT_LEAD, HintLog, sent_kinds
 from k3stream.model.kda import KDA, KDAWeights, shard_kda_weights
 from k3stream.model.layers import GGUFTensor, Linear, rms_norm
 from k3stream.model.mla import MLA, HeadProjection, MLAWeights
@@ -250,8 +243,6 @@ class K3Model:
             following = self._next_moe[layer.index]
             if self.prefetch and following is not None:
                 self._predict("layer-ahead", following, read(following.index, prefix), step_rows)
-                if not isinstance(layer.ffn, LatentMoE):
-                    self.spare_ahead(following, read(following.index, prefix), step_rows)
             h = rms_norm(
                 residual_mix(bank, prefix, layer.ffn_score, self.eps), layer.post_attention_norm, self.eps
             )
@@ -288,24 +279,6 @@ class K3Model:
                 self.hints.gap(layer.index, send)
                 send = send if trusted else []
             self._hint(kind, layer, predicted, send)
-            if sent and room is not None:
-                self._spare(layer, ranked, {*first, *send})
-
-    def spare_ahead(self, following: Layer, stream: torch.Tensor, step_rows: int) -> None:
-        """After the attention of a layer without routed experts: `following`'s router on its stream
-        (`stream`: that layer's, before its feed-forward) sent as spare hints, where the step sends
-        them (`hints.sends_spare`)."""
-        if sends_spare(self.prefetch_hint, step_rows):
-            ranked = following.ffn.ranked(rms_norm(stream, following.post_attention_norm, self.eps))
-            self._spare(following, ranked, set())
-
-    def _spare(self, layer: Layer, ranked: torch.Tensor, sent: set[int]) -> None:
-        """Send the experts of `ranked` [N, k] not in `sent` as spare hints: every row's first choice,
-        then every row's second, and so on."""
-        spare = [expert for expert in dict.fromkeys(ranked.t().flatten().tolist()) if expert not in sent]
-        self.hints.spared(layer.index, spare)
-        if spare:
-            self.expert_source.spare(layer.index, spare)
 
     def _gap(self, kind: str, kinds: tuple[str, ...], layer: Layer, rows: int) -> tuple[int | None, set[int]]:
         """How many experts `kind` may send after the step's token hint for `layer`, and that hint's

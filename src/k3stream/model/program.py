@@ -105,9 +105,6 @@ class DecodeProgram:
             prefix = attended if banked else torch.empty_like(x)
             if not banked:
                 steps.append(cpu.bind_add(x, attended, prefix))
-            following = model._next_moe[layer.index]
-            if model.prefetch and following is not None and not isinstance(layer.ffn, LatentMoE):
-                steps.append(cpu.python_step(lambda f=following, p=prefix: model.spare_ahead(f, p, 1)))
             mixed = self._norm(
                 steps, self._mix(steps, bank, prefix, layer.ffn_score), layer.post_attention_norm
             )

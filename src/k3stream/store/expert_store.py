@@ -8,10 +8,9 @@ reads, digest checks), `pins` (each thread's step), `hints` (which prefetch hint
 `liveness` (the record behind `live_host_bytes`).
 
 The experts of each thread's current step (its latest `fetch`, until its next one, `release()`, or its
-exit) and of running loads are never evicted. `prefetch` loads in the background, `spare` too but
-only while the disk would otherwise idle; a `fetch` that finds its expert still loading waits for
-that load instead of reading again. A prefetched expert that a fetch asked for before it was evicted
-is a used prefetch, cached like a demand load.
+exit) and of running loads are never evicted. `prefetch` loads in the background; a `fetch` that finds
+its expert still loading waits for that load instead of reading again. A prefetched expert that a
+fetch asked for before it was evicted is a used prefetch, cached like a demand load.
 
 After `close()`, `fetch` raises RuntimeError("expert store is closed") and `prefetch` is ignored: it is
 a hint, and an engine may still hint while it shuts down.
@@ -25,7 +24,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -59,8 +58,6 @@ COUNTERS = (
     "prefetch_suppressed",
     "prefetch_too_large",
     "prefetch_waits",
-    "spare_requests",
-    "spare_dropped",
     "integrity_errors",
     "integrity_check_ns",
     "integrity_cpu_ns",
@@ -137,14 +134,10 @@ class ExpertStore:
             prefetch_too_large=0,
             read_ahead=0,
             read_ahead_calls=0,
-            spare_requests=0,
-            spare_dropped=0,
         )
-        self._decided: Counter[int] = Counter()  # per layer: its read-aheads and fetches (`spare`)
         self._file: PackFile | None = None
         self._prefetcher: ThreadPoolExecutor | None = None  # hints
         self._reader_ahead: ThreadPoolExecutor | None = None  # read-ahead, never queued behind a hint
-        self._spare_reader: ThreadPoolExecutor | None = None  # spare reads, one object at a time
         self._trace: TraceWriter | None = None
         self._prefaulter: threading.Thread | None = None
         self._prefault_stop = threading.Event()
@@ -183,8 +176,7 @@ class ExpertStore:
         if prefetch:
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="k3stream-prefetch")
             self._reader_ahead = ThreadPoolExecutor(1, thread_name_prefix="k3stream-read-ahead")
-            self._spare_reader = ThreadPoolExecutor(1, thread_name_prefix="k3stream-spare")
-            for pool in (self._prefetcher, self._reader_ahead, self._spare_reader):
+            for pool in (self._prefetcher, self._reader_ahead):
                 pool.submit(int)  # its thread starts here, not inside the first request's step
         if record_trace is not None:
             self._trace = TraceWriter(
@@ -292,7 +284,6 @@ class ExpertStore:
         if self._closed:
             raise RuntimeError("expert store is closed")
         experts = [expert for _, expert in keys]
-        self._decided[layer] += 1
         self._pins.pin_step(keys)
         self._hints.fetched(layer, experts)
         if self._trace is not None:
@@ -344,7 +335,7 @@ class ExpertStore:
             dropped = set(absent[len(loaded) - too_large :])
             keys = sorted(key for key in keys if key[1] not in dropped)  # read in pack order
             load = Load.FILL if too_large or follows or self._hints.behind_sweep(layer) else Load.HINT
-            self._announced(self._prefetcher, self._prefetch_job, keys, self._hints.serial(layer), load)
+            self._prefetcher.submit(self._prefetch_job, keys, self._hints.serial(layer), load)
 
     def read_ahead(self, layer: int, expert_ids: Iterable[int]) -> None:
         """Start loading experts the caller is sure to fetch next (the step it is computing), each
@@ -361,7 +352,6 @@ class ExpertStore:
                 return
             self._counts["read_ahead"] += len(keys)
             self._counts["read_ahead_calls"] += 1
-            self._decided[layer] += 1
             self._compute.read_ahead(keys)
             self._pins.pin_ahead(keys)
             missing = self._compute.missing(keys)
@@ -370,45 +360,11 @@ class ExpertStore:
             if not missing:
                 return
             if self._compute.below is not None:  # the reads come through the tier below
-                self._announced(self._reader_ahead, self._read_ahead_job, missing)
+                self._reader_ahead.submit(self._read_ahead_job, missing)
                 return
             started = self._loader.start(self._compute, missing, Load.READ_AHEAD)
             if started is not None:
                 self._install_when_read(*started)
-
-    def _announced(self, pool: ThreadPoolExecutor, job: Callable[..., None], *args: object) -> None:
-        """Run `job(*args)`, which reads the pack, on `pool`; until it ends (or is dropped at `close()`)
-        the pack is not idle to spare reads, which would otherwise start before it queues its reads."""
-        self._file.expect()
-        pool.submit(job, *args).add_done_callback(lambda _: self._file.expected())
-
-    def spare(self, layer: int, expert_ids: Iterable[int]) -> None:
-        """Load these experts, the likeliest first, only while the disk would otherwise idle: each one's
-        read starts when no other pack read is queued or running, one object at a time, and what is
-        left is dropped once `layer`'s router has decided (its read-ahead or fetch came:
-        `spare_dropped`). Each takes a slot as a hint does, within the hints' share, but never evicts
-        the experts pinned for a step or kept for a hinted one (`Tier.fresh`); what it loads is kept
-        for its layer's step as a hint's loads are. Ignored after `close()` and without prefetch."""
-        if self._spare_reader is None:
-            return
-        keys = self._keys(layer, expert_ids)
-        with self._lock:
-            keys = self._compute.missing(keys)
-            if self._closed or not keys:
-                return
-            self._counts["spare_requests"] += len(keys)
-            self._spare_reader.submit(self._spare_job, keys, self._decided[layer])
-
-    def _spare_job(self, keys: list[Key], decided: int) -> None:
-        """Load `keys` one by one, each once the disk is idle, until their layer's router decides."""
-        for index, key in enumerate(keys):
-            self._file.wait_idle()
-            with self._lock:
-                if self._closed or self._decided[key[0]] != decided:
-                    self._counts["spare_dropped"] += len(keys) - index
-                    return
-            with contextlib.suppress(OSError):  # a hint only: the demand fetch reads again and reports it
-                self._loader.ensure(self._compute, [key], Load.SPARE, keep=False)
 
     def _install_when_read(self, keys: list[Key], objects: ObjectReads) -> None:
         """Under the lock: the read-ahead thread installs `keys` as their reads (queued by the caller's
@@ -554,7 +510,7 @@ class ExpertStore:
         self._prefault_stop.set()
         if self._prefaulter is not None:
             self._prefaulter.join()
-        for thread in (self._prefetcher, self._reader_ahead, self._spare_reader):
+        for thread in (self._prefetcher, self._reader_ahead):
             if thread is not None:
                 thread.shutdown(wait=True, cancel_futures=True)
         if self._file is not None:

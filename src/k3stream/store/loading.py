@@ -6,9 +6,8 @@ tier's budget. A demand load reserves the slots of all its misses at once or non
 nothing is loading and its misses still do not fit, it raises WorkingSetTooLarge. It may evict
 anything but the pinned steps. A prefetch reserves what fits (a hint within SPECULATIVE_SHARE of the
 tier; the part of a hint beyond that share is not read, and a hint that large fills only free
-slots, as many as are free; a spare read evicts nothing pinned or kept for a hinted step either),
-keeps its own keys and never waits. The reader threads serve demand loads first, then read-ahead,
-then hints (those filling free slots last, spare reads after them). A key already loading is
+slots, as many as are free), keeps its own keys and never waits. The reader threads serve demand
+loads first, then read-ahead, then hints (those filling free slots last). A key already loading is
 waited for, not read again, its reads still queued raised to the waiting load's priority
 (`ObjectReader.hurry`); a demand that waited for a prefetch which failed loads that key itself.
 
@@ -43,8 +42,6 @@ class Load(IntEnum):
     HINT = 2  # a prediction: a prefetch within the speculative share
     FILL = 3  # a prediction larger than that share (a prefill's step sweeps the tier): a hint read
     # only into free slots, evicting nothing (what the step keeps is its own reads' to decide)
-    SPARE = 4  # a prediction read only while the disk would otherwise idle (`ExpertStore.spare`): a
-    # hint within the share that evicts neither a pinned step nor what is kept for a hinted one
 
 
 class Loader:
@@ -102,12 +99,10 @@ class Loader:
                 tier.reserve(key, self.pins)
         else:
             waits = {}
-            kept = tier.buffers if load is Load.FILL else tier.fresh if load is Load.SPARE else {}
-            pinned = set(self.pins) | set(keys) | set(kept)
+            pinned = set(self.pins) | set(keys) | (set(tier.buffers) if load is Load.FILL else set())
             # a fill takes free slots only, which the step it predicts would take anyway: the hints'
             # share keeps speculation from evicting what the tier holds, and a fill evicts nothing
-            speculative = load in (Load.HINT, Load.SPARE)
-            missing = self._reserve_what_fits(tier, tier.missing(keys), pinned, speculative)
+            missing = self._reserve_what_fits(tier, tier.missing(keys), pinned, load is Load.HINT)
         resident = {key: tier.buffers[key] for key in keys if key in tier.buffers} if keep else {}
         return resident, waits, missing
 

@@ -420,21 +420,6 @@ class PackFile:
             self._reads_done()
             raise
 
-    def expect(self) -> None:
-        """Reads are about to be queued by another thread: the file is not idle until `expected`."""
-        with self._readers:
-            self._active_reads += 1
-
-    def expected(self) -> None:
-        """The reads `expect` announced are queued (or will not be)."""
-        self._reads_done()
-
-    def wait_idle(self) -> None:
-        """Return once no read is queued, running or expected (at once when the file is closed): a read
-        started then takes a disk that would otherwise idle."""
-        with self._readers:
-            self._readers.wait_for(lambda: self._active_reads == 0 or self._closed)
-
     def _reads_done(self) -> None:
         with self._readers:
             self._active_reads -= 1

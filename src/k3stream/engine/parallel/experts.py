@@ -59,9 +59,6 @@ class OwnedExperts:
     def prefetch(self, layer: int, expert_ids: list[int]) -> None:
         self.source.prefetch(layer, [e for e in expert_ids if e in self.owned])
 
-    def spare(self, layer: int, expert_ids: list[int]) -> None:
-        self.source.spare(layer, [e for e in expert_ids if e in self.owned])
-
     def read_ahead(self, layer: int, expert_ids: list[int]) -> None:
         self.source.read_ahead(layer, [e for e in expert_ids if e in self.owned])
 
