@@ -121,7 +121,9 @@ after, cpu_after = store.stats(), os.times()
 runtime.close()
 print(json.dumps({"events": events, "read_bytes": after["pack_read_bytes"] - before["pack_read_bytes"],
                   "fetch_ms": (after["fetch_ns"] - before["fetch_ns"]) / 1e6,
-                  "cpu": [cpu_after.user - cpu_before.user, cpu_after.system - cpu_before.system]}))
+                  "cpu": [cpu_after.user - cpu_before.user, cpu_after.system - cpu_before.system],
+                  "counts": {name: after[name] - before[name] for name in (
+                      "prefetch_loads", "prefetch_hits", "prefetch_unused_evictions")}}))
 """
 
 
@@ -212,6 +214,7 @@ def report(name: str, result: dict[str, Any], tokens: int, rate: float) -> list[
         f"{statistics.mean(e[4] for e in events if e[0] == 'range'):.1f}; CPU user / system "
         f"{1e3 * result['cpu'][0] / tokens:.0f} / {1e3 * result['cpu'][1] / tokens:.0f} ms/token",
         f"  disk busy {busy:.0f} ms a token, idle {idle:.0f} ms; {read_mb / busy:.2f} GB/s while busy",
+        "  a token: " + ", ".join(f"{name} {count / tokens:.1f}" for name, count in result["counts"].items()),
         "  | phase | ms | disk idle ms |",
         "  |---|---|---|",
     ]
