@@ -145,3 +145,24 @@ def test_bench_plans_memory_for_the_sequence_it_measures(model):
     assert status == 0, err
     plan = next(line for line in err.splitlines() if line.startswith("memory limit"))
     assert "KV/state for 304 tokens" in plan and "(a prefill of 304 rows)" in plan, plan
+
+
+@pytest.mark.parametrize(
+    ("flags", "path"),
+    [((), "program"), (("--no-prefetch",), "program"), (("--prefetch-hint", "layer-ahead"), "eager")],
+)
+def test_bench_times_the_decode_step_generate_runs(model, flags, path):
+    """The decode program where the flags give `generate` and `serve` one (a layer-ahead hint is sent
+    from inside a layer: eager), and only the hints that step predicts are scored."""
+    gguf_path, manifest = model
+    budget = pack_expert_bytes(manifest) // 3
+    results = bench_json(gguf_path, "--ram-mib", _mib(budget), *TOKENS, *flags)
+    decode = results["k3stream"]["phases"][-1]
+    assert decode["path"] == path
+    predicted = {kind for kind, hint in decode["hints"].items() if hint["predicted"]}
+    if "--no-prefetch" in flags:
+        assert predicted == set()
+    elif path == "program":  # token hints; pre-attention ones only to fill their gaps
+        assert "token" in predicted and "layer-ahead" not in predicted
+    else:
+        assert predicted == {"layer-ahead", "sent"}

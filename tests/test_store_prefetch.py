@@ -364,3 +364,23 @@ def test_what_a_hint_keeps_for_its_layers_next_step_outlasts_the_steps_between(p
         store.fetch(layer, list(range(k, 2 * k)))  # evicts k: the unnamed ones
         assert store.ready(later, named) == named
         assert store.ready(layer, range(k)) == []
+
+
+def test_a_hint_of_experts_all_resident_or_loading_queues_no_read(pack):
+    """Nothing to read: the hint is counted and keeps its experts for their step, and no job wakes the
+    prefetch thread (a decode whose budget holds its experts pays no thread hand-off a layer)."""
+    layer = pack.moe_layers[0]
+    everything = pack.num_experts * len(pack.moe_layers) * pack.object_bytes / MIB
+    with ExpertStore(pack, ram_mib=everything, policy="lru") as store:
+        queued = []
+        submit = store._prefetcher.submit
+        store._prefetcher.submit = lambda job, *args: queued.append(args) or submit(job, *args)
+        store.fetch(layer, list(range(pack.top_k)))
+        store.prefetch(layer, list(range(pack.top_k)))
+        assert queued == []
+        store.prefetch(layer, list(range(pack.top_k + 1)))  # one absent: read
+        assert [[expert for _, expert in keys] for keys, *_ in queued] == [list(range(pack.top_k + 1))]
+        drain(store)  # its no-op job is queued too
+        store.prefetch(layer, list(range(pack.top_k + 1)))
+        assert len(queued) == 2
+        assert store.stats()["prefetch_requests"] == 3 * pack.top_k + 2

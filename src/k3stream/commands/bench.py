@@ -132,7 +132,7 @@ def report_lines(results: dict[str, Any]) -> list[str]:
     ]
     if "pack" in results:
         lines += _budget_lines(results["pack"], k3["expert_bytes"])
-    lines += ["", *_phase_table(k3["phases"])]
+    lines += ["", *_phase_table(k3["phases"]), _path_line(k3["phases"][-1])]
     if "sequential_read" in results:
         lines.append(_sequential_line(results["sequential_read"], k3["phases"][-1]))
     if "llama_cpp" in results:
@@ -147,8 +147,15 @@ def report_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _path_line(decode: dict[str, Any]) -> str:
+    """Which decode step the timed decode ran: the one `generate` and `serve` run for the model."""
+    step = "the decode program" if decode["path"] == "program" else "the eager forward"
+    return f"the timed decode ran {step}, as generate and serve do"
+
+
 def _hints_line(phase: dict[str, Any]) -> str:
-    """Precision / recall of each expert prediction in a phase (`k3stream.model.hints`)."""
+    """Precision / recall of the expert predictions the timed phase made (`k3stream.model.hints`):
+    the kinds its path predicts (a kind it does not predict is left out), and what went out."""
 
     def share(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.0%}"
@@ -156,8 +163,9 @@ def _hints_line(phase: dict[str, Any]) -> str:
     kinds = ", ".join(
         f"{kind} {share(hint['precision'])} / {share(hint['recall'])}"
         for kind, hint in phase["hints"].items()
+        if hint["precision"] is not None or hint["recall"] is not None
     )
-    return f"expert predictions in {phase['phase']} (precision / recall): {kinds}"
+    return f"expert predictions made in {phase['phase']} (precision / recall): {kinds or 'none'}"
 
 
 def _integrity_line(store: dict[str, Any], phases: list[dict[str, Any]]) -> str:

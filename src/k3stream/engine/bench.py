@@ -143,11 +143,12 @@ def _measured(name: str, tokens: int, model: Any, store: Any, work: Callable[[],
 def run_k3stream(runtime: Runtime, prompt_ids: list[int], decode_tokens: int) -> dict[str, Any]:
     """Warm up with the prompt and one decode step, then time a prefill and `decode_tokens` greedy steps.
 
-    The store is told about every token (`end_token`), and the expert bytes it holds are sampled
-    after every step.
+    The model runs as loaded, as `generate` and `serve` run it: the decode step takes the decode
+    program where they take it (the decode phase's `path`), and the hints scored are those that path
+    predicts. The store is told about every token (`end_token`), and the expert bytes it holds are
+    sampled after every step.
     """
     model, store = runtime.model, runtime.store
-    model.score_all_hints = True  # both predictions' precision, side by side
     peak = ExpertBytesPeak()
 
     def step_done(tokens: int) -> None:
@@ -172,6 +173,7 @@ def run_k3stream(runtime: Runtime, prompt_ids: list[int], decode_tokens: int) ->
 
     phases = [_measured("prefill", len(prompt_ids), model, store, prefill)]
     phases.append(_measured("decode", decode_tokens, model, store, decode))
+    phases[-1]["path"] = "eager" if model._program_for([state]) is None else "program"
     result: dict[str, Any] = {"phases": phases, "decoded_ids": decoded[:decode_tokens]}
     if store is not None:
         result["expert_bytes"] = {

@@ -328,6 +328,8 @@ class ExpertStore:
             # only when nothing else can go): a prefill's sweep of one layer's step would evict the next
             # layer's experts its hint named, to read them again at that layer's router
             self._compute.hold([key for key in keys if key in self._compute.buffers])
+            if not absent:  # every one resident or loading: no job, no thread to wake
+                return
             too_large = max(0, len(loaded) - share)
             self._counts["prefetch_too_large"] += too_large
             if too_large:
