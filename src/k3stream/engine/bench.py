@@ -173,7 +173,7 @@ def run_k3stream(runtime: Runtime, prompt_ids: list[int], decode_tokens: int) ->
 
     phases = [_measured("prefill", len(prompt_ids), model, store, prefill)]
     phases.append(_measured("decode", decode_tokens, model, store, decode))
-    phases[-1]["path"] = "eager" if model._program_for([state]) is None else "program"
+    phases[-1]["path"] = "eager" if model.program_for([state]) is None else "program"
     result: dict[str, Any] = {"phases": phases, "decoded_ids": decoded[:decode_tokens]}
     if store is not None:
         result["expert_bytes"] = {

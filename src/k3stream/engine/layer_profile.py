@@ -152,7 +152,7 @@ def profile_decode(model: Any, state: Any, tokens: list[int]) -> dict[str, Any]:
     """Decode `tokens` into `state` as `model.decode` does: ms per token of each kind in KINDS
     (`ms_per_token`), of its C mat-vec calls (`kernel_ms_per_token`), the total, and the path timed
     (`path`: "program" or "eager")."""
-    program = model._program_for([state])
+    program = model.program_for([state])
     if program is None:
         seconds, kernel_seconds, total = _eager_seconds(model, state, tokens)
     else:

@@ -168,7 +168,7 @@ class K3Model:
         """One token for each of several sequences (experts fetched once per layer); logits [B, vocab]."""
         check_batch(states, tokens)
         ids = self._token_list(tokens)
-        program = self._program_for(states)
+        program = self.program_for(states)
         if program is not None:
             logits = program.run(ids[0])
         else:
@@ -180,7 +180,7 @@ class K3Model:
             state.length += 1
         return logits
 
-    def _program_for(self, states: list[SequenceState]) -> DecodeProgram | None:
+    def program_for(self, states: list[SequenceState]) -> DecodeProgram | None:
         """The decode program of a one-sequence step (`program.DecodeProgram`, built again when the
         sequence, its state's tensors, the thread count or the model's layers change), or None where the
         step runs eagerly (several sequences, or a step with no C form)."""
