@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -169,10 +170,11 @@ def test_auto_decode_sends_the_pre_attention_hint_where_the_token_hint_has_nothi
 
 def test_token_routes_remember_each_layers_latest_experts_per_token():
     routes = TokenRoutes(max_tokens=2)
-    routes.learn(1, [7, 8, 7], torch.tensor([[0, 1], [2, 3], [4, 5]]))
+    routes.learn(1, [7, 8, 7], np.array([[0, 1], [2, 3], [4, 5]]))
     assert routes.predict(1, [7]) == [4, 5]  # the latest row of token 7
+    assert routes.predict(1, [7, 7]) == routes.predict(1, [7])  # one token id: the many ids' answer
     assert routes.predict(1, [8, 7, 9]) == [2, 3, 4, 5] and routes.predict(2, [7]) == []
-    routes.learn(1, [9], torch.tensor([[6, 7]]))  # a third token id: the least recently seen goes
+    routes.learn(1, [9], np.array([[6, 7]]))  # a third token id: the least recently seen goes
     assert routes.predict(1, [8]) == [] and routes.predict(1, [7, 9]) == [4, 5, 6, 7]
 
 

@@ -69,22 +69,22 @@ class HintLog:
     counts; per layer, the recent precision of the hints that fill the token hints' gaps (`trusted`)."""
 
     def __init__(self) -> None:
-        self._pending: dict[tuple[str, int], set[int]] = {}
+        self._pending: dict[int, dict[str, set[int]]] = {}  # layer -> kind, SENT or GAP -> experts
         self._counts: dict[tuple[str, int], list[int]] = {}  # (kind, layer) -> predicted, correct, used
         self._gap_precision: dict[int, float] = {}  # layer -> decayed precision per gap hint
         self._since_gap: dict[int, int] = {}  # layer -> steps since its gap hint was last predicted
 
     def predicted(self, kind: str, layer: int, experts: list[int]) -> None:
-        self._pending[(kind, layer)] = set(experts)
+        self._pending.setdefault(layer, {})[kind] = set(experts)
 
     def sent(self, layer: int, experts: list[int]) -> None:
         """`experts` of `layer` went out to the expert source (added to what its other hints sent this
         step; none: a step whose used experts count in the recall of what was sent)."""
-        self._pending.setdefault((SENT, layer), set()).update(experts)
+        self._pending.setdefault(layer, {}).setdefault(SENT, set()).update(experts)
 
     def gap(self, layer: int, experts: list[int]) -> None:
         """`experts` of `layer` fill the step's token hint's gap, sent or not: scored for `trusted`."""
-        self._pending[(GAP, layer)] = set(experts)
+        self._pending.setdefault(layer, {})[GAP] = set(experts)
 
     def trusted(self, layer: int) -> bool:
         """Whether the hints filling the token hints' gaps at `layer` were recently right at least
@@ -104,14 +104,14 @@ class HintLog:
     def used(self, layer: int, experts: list[int]) -> None:
         """The experts layer `layer` used this step: score the predictions made for it."""
         actual = set(experts)
-        for kind in (*HINT_KINDS, SENT):
-            guess = self._pending.pop((kind, layer), None)
-            if guess is not None:
+        pending = self._pending.pop(layer, {})  # one pop a layer, not one a kind: a decode step's cost
+        for kind, guess in pending.items():
+            if kind != GAP:
                 counts = self._counts.setdefault((kind, layer), [0, 0, 0])
                 counts[0] += len(guess)
                 counts[1] += len(guess & actual)
                 counts[2] += len(actual)
-        guess = self._pending.pop((GAP, layer), None)
+        guess = pending.get(GAP)
         if guess:
             precision = len(guess & actual) / len(guess)
             recent = self._gap_precision.get(layer, precision)

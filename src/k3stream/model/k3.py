@@ -250,7 +250,7 @@ class K3Model:
             if self.prefetch and isinstance(layer.ffn, LatentMoE):
                 self.hints.used(layer.index, layer.ffn.chosen.unique().tolist())
                 if by_token:
-                    self.token_routes.learn(layer.index, token_ids, layer.ffn.chosen)
+                    self.token_routes.learn(layer.index, token_ids, layer.ffn.chosen.cpu().numpy())
         x = rms_norm(residual_mix(bank, x, self.output_score, self.eps), self.norm, self.eps)
         return self.lm_head(x).float()
 

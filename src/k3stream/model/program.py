@@ -142,8 +142,9 @@ class DecodeProgram:
     def _learn_routes(self, moe: LatentMoE) -> None:
         """What `_forward` does after a MoE layer of a model sending hints: score the predictions made
         for it, and learn the token's route for the next token hints."""
-        self.model.hints.used(moe.layer, moe.chosen.flatten().tolist())  # one row: no torch sort
-        self.model.token_routes.learn(moe.layer, [self._token], moe.chosen)
+        chosen = moe.chosen.numpy()  # a view: no torch operation (see `TokenRoutes.learn`)
+        self.model.hints.used(moe.layer, chosen.ravel().tolist())  # one row: no sort
+        self.model.token_routes.learn(moe.layer, [self._token], chosen)
 
     def _attention(
         self, layer: Layer, normed: torch.Tensor, out: torch.Tensor, state: object

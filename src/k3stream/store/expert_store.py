@@ -316,7 +316,6 @@ class ExpertStore:
             loaded = self._hints.hinted(layer, len(keys), absent)
             if absent and not loaded:
                 return
-            share = self._loader.speculative_share(self._compute)
             # beyond the hints' share of the tier the step in progress would evict what it read: the
             # likeliest `share` experts are read, into free slots only (a prefill's hint of most of a
             # layer: its reads start before the router runs in a cold tier, and evict nothing a warm
@@ -330,6 +329,7 @@ class ExpertStore:
             self._compute.hold([key for key in keys if key in self._compute.buffers])
             if not absent:  # every one resident or loading: no job, no thread to wake
                 return
+            share = self._loader.speculative_share(self._compute)
             too_large = max(0, len(loaded) - share)
             self._counts["prefetch_too_large"] += too_large
             if too_large:
@@ -402,9 +402,9 @@ class ExpertStore:
     def _keys(self, layer: int, expert_ids: Iterable[int]) -> list[Key]:
         if layer not in self.moe_layers:
             raise ValueError(f"layer {layer} is not a routed MoE layer of {self.pack.path}")
-        experts = list(dict.fromkeys(int(expert) for expert in expert_ids))
-        bad = [expert for expert in experts if not 0 <= expert < self.num_experts]
-        if bad:
+        experts = list(dict.fromkeys(map(int, expert_ids)))
+        if experts and not (min(experts) >= 0 and max(experts) < self.num_experts):
+            bad = [expert for expert in experts if not 0 <= expert < self.num_experts]
             raise ValueError(f"expert ids {bad} out of range 0..{self.num_experts - 1} for layer {layer}")
         return [(layer, expert) for expert in experts]
 
