@@ -291,7 +291,9 @@ class LatentMoE:
         self.chosen = chosen
         if self.source.reads_ahead:
             # tolist, not flatten: no torch operation (tens of microseconds once reads evicted torch's code)
-            order, resident = self._step_order(sorted({e for row in chosen.tolist() for e in row}), [])
+            order, resident = self._step_order(
+                sorted({expert for row in chosen.tolist() for expert in row}), []
+            )
             self._asked = order[: resident + self._read_window(len(order))]
             self.source.read_ahead(self.layer, self._asked)
 
