@@ -222,11 +222,12 @@ AVX512_INLINE void q32_pairs(const uint8_t *const *a, const uint8_t *const *b, c
  * (a chain waits about four cycles a block on Zen 4), each 256 bits: Zen 4 runs a 512-bit operation as
  * two 256-bit halves, so pairing two rows in one 512-bit vector saves no execution time there. Each
  * chunk of CHUNK_BLOCKS_K blocks' d come by four two-table word permutes of its 128-byte quarters (a
- * 16-element gather costs twice as much there). The rows are read as Q8_0_GROUP streams; the memory is
- * asked for the next group's bytes in their order, one sequential stream as far ahead as a group (on
- * Zen 4 from RAM, one thread: 8 streams alone ran at 0.6-0.7x of two, with the next group asked for
- * 1.2-1.3x of two; each row's line 1 KiB ahead asked into the L1 as well cost 0.9x in the cache and
- * gained nothing measurable from RAM on 2 MiB pages). */
+ * 16-element gather costs twice as much there). The rows are read as Q8_0_GROUP streams; beside each
+ * block the memory is asked for the same block of the rows Q8_0_AHEAD groups ahead: Q8_0_GROUP
+ * prefetch streams in read order, crossing 4 KiB pages at different times (the hardware prefetchers
+ * stop at a page's end). On Zen 4 from RAM on 4 KiB pages, one thread: 1.5x the rate of the next
+ * group asked for as one sequential stream, 1.2-1.3x the plain read; 1.0-1.05x of it on 2 MiB pages,
+ * 0.97-0.98x in the cache (docs/kernels.md). */
 #define Q8_0_GROUP 8
 #define Q8_0_AHEAD 2 /* groups: each row's lines asked for this many groups ahead */
 
@@ -247,7 +248,7 @@ AVX512_INLINE __m256i q8_0_chunk_d(const uint8_t *at, int count) {
 
 /* weight rows rows .. rows + (n - 1) row_bytes against input row y (table: its first Q32_STARTS blocks'
  * starts and d) into out[0..n - 1]; where `ahead` (else NULL), rows ahead .. ahead + (n - 1) row_bytes
- * asked for into the L2 block by block beside them */
+ * asked for into the L2 block by block beside them (each block's last byte: every line they span) */
 AVX512_INLINE void q8_0_group(const uint8_t *rows, int64_t row_bytes, const BlockQ8_0 *y, const Q32Starts *table,
                               int64_t blocks, const uint8_t *ahead, float *out, const int n) {
     const __m256i flip = _mm256_set1_epi8((char)0x80);
