@@ -226,7 +226,7 @@ AVX512_INLINE void q32_pairs(const uint8_t *const *a, const uint8_t *const *b, c
  * block the memory is asked for the same block of the rows Q8_0_AHEAD groups ahead: Q8_0_GROUP
  * prefetch streams in read order, crossing 4 KiB pages at different times (the hardware prefetchers
  * stop at a page's end). On Zen 4 from RAM on 4 KiB pages, one thread: 1.5x the rate of the next
- * group asked for as one sequential stream, 1.2-1.3x the plain read; 1.0-1.05x of it on 2 MiB pages,
+ * group asked for as one sequential stream, 1.2-1.3x the plain read; 1.0-1.05x that kernel on 2 MiB pages,
  * 0.97-0.98x in the cache (docs/kernels.md). */
 #define Q8_0_GROUP 8
 #define Q8_0_AHEAD 2 /* groups: each row's lines asked for this many groups ahead */
