@@ -222,12 +222,14 @@ AVX512_INLINE void q32_pairs(const uint8_t *const *a, const uint8_t *const *b, c
  * (a chain waits about four cycles a block on Zen 4), each 256 bits: Zen 4 runs a 512-bit operation as
  * two 256-bit halves, so pairing two rows in one 512-bit vector saves no execution time there. Each
  * chunk of CHUNK_BLOCKS_K blocks' d come by four two-table word permutes of its 128-byte quarters (a
- * 16-element gather costs twice as much there). The rows are read as Q8_0_GROUP streams; the memory is
- * asked for the next group's bytes in their order, one sequential stream as far ahead as a group (on
- * Zen 4 from RAM, one thread: 8 streams alone ran at 0.6-0.7x of two, with the next group asked for
- * 1.2-1.3x of two; each row's line 1 KiB ahead asked into the L1 as well cost 0.9x in the cache and
- * gained nothing measurable from RAM on 2 MiB pages). */
+ * 16-element gather costs twice as much there). The rows are read as Q8_0_GROUP streams; beside each
+ * block the memory is asked for the same block of the rows Q8_0_AHEAD groups ahead: Q8_0_GROUP
+ * prefetch streams in read order, crossing 4 KiB pages at different times (the hardware prefetchers
+ * stop at a page's end). On Zen 4 from RAM on 4 KiB pages, one thread: 1.5x the rate of the next
+ * group asked for as one sequential stream, 1.2-1.3x the plain read; 1.0-1.05x that kernel on 2 MiB pages,
+ * 0.97-0.98x in the cache (docs/kernels.md). */
 #define Q8_0_GROUP 8
+#define Q8_0_AHEAD 2 /* groups: each row's lines asked for this many groups ahead */
 
 /* the f16 d of the `count` (1..16) Q8_0 blocks from `at` (word 17k of the chunk), in words 0..count-1 */
 AVX512_INLINE __m256i q8_0_chunk_d(const uint8_t *at, int count) {
@@ -245,14 +247,13 @@ AVX512_INLINE __m256i q8_0_chunk_d(const uint8_t *at, int count) {
 }
 
 /* weight rows rows .. rows + (n - 1) row_bytes against input row y (table: its first Q32_STARTS blocks'
- * starts and d) into out[0..n - 1]; the bytes from `ahead` up to `ahead_end` asked for into the L2
- * in order as the group is read, n 34 bytes a block */
+ * starts and d) into out[0..n - 1]; where `ahead` (else NULL), rows ahead .. ahead + (n - 1) row_bytes
+ * asked for into the L2 block by block beside them (each block's last byte: every line they span) */
 AVX512_INLINE void q8_0_group(const uint8_t *rows, int64_t row_bytes, const BlockQ8_0 *y, const Q32Starts *table,
-                              int64_t blocks, const uint8_t *ahead, const uint8_t *ahead_end, float *out, const int n) {
+                              int64_t blocks, const uint8_t *ahead, float *out, const int n) {
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     __m256 acc[Q8_0_GROUP];
     float steps[Q8_0_GROUP][CHUNK_BLOCKS_K] __attribute__((aligned(64)));
-    const uint8_t *asked = ahead;
     for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t c = 0; c < blocks; c += CHUNK_BLOCKS_K) {
         const int count = blocks - c < CHUNK_BLOCKS_K ? (int)(blocks - c) : CHUNK_BLOCKS_K;
@@ -265,8 +266,10 @@ AVX512_INLINE void q8_0_group(const uint8_t *rows, int64_t row_bytes, const Bloc
             const int64_t k = c + i;
             const __m256i start = k < Q32_STARTS ? _mm256_load_si256(table->starts + k) : q32_start(y[k].qs, 128);
             const __m256i q8 = _mm256_loadu_si256((const __m256i *)y[k].qs);
-            for (const uint8_t *until = ahead + (k + 1) * n * 34; asked < until && asked < ahead_end; asked += 64)
-                _mm_prefetch((const char *)asked, _MM_HINT_T1);
+            if (ahead != NULL) {
+#pragma GCC unroll 8
+                for (int r = 0; r < n; r++) _mm_prefetch((const char *)(ahead + r * row_bytes + 34 * k + 33), _MM_HINT_T1);
+            }
 #pragma GCC unroll 8
             for (int r = 0; r < n; r++) {
                 const __m256i codes = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(rows + r * row_bytes + 34 * k + 2)), flip);
@@ -280,21 +283,22 @@ AVX512_INLINE void q8_0_group(const uint8_t *rows, int64_t row_bytes, const Bloc
 /* rows first..last - 1 of a Q8_0 matrix against input row y, Q8_0_GROUP at a time */
 AVX512_INLINE void q8_0_groups(const uint8_t *matrix, int64_t row_bytes, int64_t first, int64_t last, const BlockQ8_0 *y,
                                const Q32Starts *table, int64_t blocks, float *out) {
-    const uint8_t *end = matrix + last * row_bytes;
+    const int64_t ahead_rows = Q8_0_AHEAD * Q8_0_GROUP;
     int64_t m = first;
     for (; m + Q8_0_GROUP <= last; m += Q8_0_GROUP) {
         const uint8_t *rows = matrix + m * row_bytes;
-        q8_0_group(rows, row_bytes, y, table, blocks, rows + Q8_0_GROUP * row_bytes, end, out + m, Q8_0_GROUP);
+        const uint8_t *ahead = m + ahead_rows + Q8_0_GROUP <= last ? rows + ahead_rows * row_bytes : NULL;
+        q8_0_group(rows, row_bytes, y, table, blocks, ahead, out + m, Q8_0_GROUP);
     }
     const uint8_t *rows = matrix + m * row_bytes;
     switch (last - m) { /* each count compiled apart */
-        case 7: q8_0_group(rows, row_bytes, y, table, blocks, end, end, out + m, 7); break;
-        case 6: q8_0_group(rows, row_bytes, y, table, blocks, end, end, out + m, 6); break;
-        case 5: q8_0_group(rows, row_bytes, y, table, blocks, end, end, out + m, 5); break;
-        case 4: q8_0_group(rows, row_bytes, y, table, blocks, end, end, out + m, 4); break;
-        case 3: q8_0_group(rows, row_bytes, y, table, blocks, end, end, out + m, 3); break;
-        case 2: q8_0_group(rows, row_bytes, y, table, blocks, end, end, out + m, 2); break;
-        case 1: q8_0_group(rows, row_bytes, y, table, blocks, end, end, out + m, 1); break;
+        case 7: q8_0_group(rows, row_bytes, y, table, blocks, NULL, out + m, 7); break;
+        case 6: q8_0_group(rows, row_bytes, y, table, blocks, NULL, out + m, 6); break;
+        case 5: q8_0_group(rows, row_bytes, y, table, blocks, NULL, out + m, 5); break;
+        case 4: q8_0_group(rows, row_bytes, y, table, blocks, NULL, out + m, 4); break;
+        case 3: q8_0_group(rows, row_bytes, y, table, blocks, NULL, out + m, 3); break;
+        case 2: q8_0_group(rows, row_bytes, y, table, blocks, NULL, out + m, 2); break;
+        case 1: q8_0_group(rows, row_bytes, y, table, blocks, NULL, out + m, 1); break;
         default: break;
     }
 }
