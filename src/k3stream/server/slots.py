@@ -69,10 +69,15 @@ class SlotTable:
         return best if shared[best] else min(free, key=lambda slot: self._used[slot])
 
     def finished(self, job: Job) -> None:
-        """Record a finished request's tokens and figures under its slot."""
+        """Record a finished request's tokens and figures under its slot, unless a later request under
+        that slot is recorded: each response's handler calls this as it reaches its end, in its client's
+        time, so a long stream's handler may come after the next request under the slot finished."""
         if 0 <= job.slot < self.count:
             task = task_fields(job)
             with self._lock:
+                recorded = self._tasks[job.slot]
+                if recorded is not None and recorded["id_task"] > job.task_id:
+                    return
                 self._tokens[job.slot] = job.prompt_tokens + job.generated[:-1]
                 self._tasks[job.slot] = task
                 self._texts[job.slot] = (job.prompt_tokens, job.logic.sequence.text)
