@@ -403,8 +403,8 @@ class ExpertStore:
         if layer not in self.moe_layers:
             raise ValueError(f"layer {layer} is not a routed MoE layer of {self.pack.path}")
         experts = list(dict.fromkeys(map(int, expert_ids)))
-        if experts and not (min(experts) >= 0 and max(experts) < self.num_experts):
-            bad = [expert for expert in experts if not 0 <= expert < self.num_experts]
+        bad = [expert for expert in experts if not 0 <= expert < self.num_experts]
+        if bad:
             raise ValueError(f"expert ids {bad} out of range 0..{self.num_experts - 1} for layer {layer}")
         return [(layer, expert) for expert in experts]
 
