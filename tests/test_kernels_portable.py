@@ -6,19 +6,26 @@ and what to do, and by `k3stream --version`."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 
 from conftest import NO_C_KERNELS, REQUIRE_ORACLE
 from k3stream.cli import main
 from k3stream.quant.kernels import cpu
+from k3stream.testing import ggml_oracle
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,12 +88,15 @@ exec {cc} "$@"
 """
 
 
-def build(tmp_path: Path, portable: bool = True, compiler: str | None = None) -> tuple[Path, str]:
-    """setup.py's extension with its own flags (and K3STREAM_PORTABLE_BUILD where `portable`) by
-    `compiler` (else the usual one), under tmp_path: its file and the build's output."""
+def build(
+    tmp_path: Path, portable: bool = True, compiler: str | None = None, python: bool = True
+) -> tuple[Path, str]:
+    """setup.py's extension with its own flags (and K3STREAM_PORTABLE_BUILD where `portable`; without its
+    Python part, K3STREAM_WITHOUT_PYTHON, where not `python`) by `compiler` (else the usual one), under
+    tmp_path (its objects in tmp_path / "objects"): its file and the build's output."""
     env = dict(os.environ)
-    if portable:
-        env["CFLAGS"] = " ".join(filter(None, [os.environ.get("CFLAGS"), "-DK3STREAM_PORTABLE_BUILD"]))
+    defines = ["-DK3STREAM_PORTABLE_BUILD"] * portable + ["-DK3STREAM_WITHOUT_PYTHON"] * (not python)
+    env["CFLAGS"] = " ".join(filter(None, [os.environ.get("CFLAGS"), *defines]))
     if compiler is not None:
         env["CC"] = compiler
     build = [sys.executable, "setup.py", "-q", "build_ext", "--parallel", "2"]
@@ -136,6 +146,178 @@ def test_compilers_without_the_simd_kernels_build_the_portable_ones(tmp_path, co
     report = check(extension)
     assert report["isa"] == "portable" and report["decoders_exact"] and report["worst"] <= 1e-5
     assert check(None, K3STREAM_GENERIC_KERNELS="1")["digest"] == report["digest"]
+
+
+# the aarch64 build's test: its compilers (GCC's cross compiler; clang, where it finds no OpenMP for
+# aarch64, as Apple's clang: one thread), its emulator, the C program it runs and its threads
+CROSS_COMPILERS = ("aarch64-linux-gnu-gcc", "clang-14 --target=aarch64-linux-gnu")
+EMULATOR = "qemu-aarch64"
+DRIVER = ROOT / "tests" / "kernels_driver.c"
+DRIVER_THREADS = 2
+# its shapes: (output rows, input features, input rows) of one matrix (one input row: the row kernels;
+# 25: every type's multi-row kernels, on two threads), and (input features, hidden, input rows of each
+# expert) of a step's routed experts (one without rows)
+MATRIX_SHAPES = ((70, 1024, 1), (40, 1024, 25))
+EXPERT_SHAPE = (256, 512, (2, 0, 3))
+SITU_BETAS = (1.5, 4.0)
+FLOAT_TYPES = {0: np.float32, 1: np.float16, 30: None}  # BF16 (None): float32's high halves
+
+
+@pytest.fixture(scope="module")
+def native_driver(tmp_path_factory) -> tuple[list[dict], Path, list[list[tuple]]]:
+    """The driver's cases, their file and what the driver built for this machine gives on them."""
+    folder = tmp_path_factory.mktemp("x86-64")
+    cases, inputs = driver_cases(np.random.default_rng(35)), folder / "cases"
+    write_cases(inputs, cases)
+    native = run_driver(folder, inputs, cases, os.environ.get("CC") or sysconfig.get_config_var("CC"))
+    return cases, inputs, native
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cpu.available(), reason=NO_C_KERNELS)
+@pytest.mark.parametrize("compiler", CROSS_COMPILERS, ids=["gcc", "clang"])
+def test_the_aarch64_build_gives_the_x86_portable_kernels_bits(compiler, tmp_path, monkeypatch, request):
+    """setup.py builds the kernels for aarch64 (its own flags) and kernels_driver.c runs every type's
+    decoder, products (float and 8-bit activations) and routed-expert MLP there under qemu-user: bit for
+    bit what the same driver built for x86-64 gives, that the installed build's portable kernels, and
+    its decoders gguf's dequantization."""
+    missing = [tool for tool in (compiler.split()[0], EMULATOR) if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"needs {' and '.join(missing)} (Debian: gcc-aarch64-linux-gnu, clang-14, qemu-user)")
+    cases, inputs, native = request.getfixturevalue("native_driver")
+    emulated = run_driver(tmp_path, inputs, cases, compiler, EMULATOR)
+    monkeypatch.setenv("K3STREAM_GENERIC_KERNELS", "1")
+    assert cpu.isa() == "portable"
+    for case, got, expected in zip(cases, emulated, native, strict=True):
+        name = f"{GGMLQuantizationType(case['type']).name} {case['kind']}"
+        assert [status for status, _ in expected] == case["statuses"], name
+        for what, result, x86_result in zip(case["results"], got, expected, strict=True):
+            assert bits(result) == bits(x86_result), f"{name}: {what}"
+        for (status, values), installed in zip(expected, installed_results(case), strict=True):
+            assert status != 0 or values.tobytes() == installed.tobytes(), name
+
+
+def driver_cases(rng: np.random.Generator) -> list[dict]:
+    """Every type with a C kernel: a case of each matrix shape and one of routed experts, on random valid
+    blocks (finite scales) and inputs of magnitudes 10^-3..10^3; each with its results' names and the
+    statuses they take (-1: no kernel on 8-bit activations)."""
+    cases = []
+    for qt in sorted(cpu.CPU_TYPES):
+        q8_status = 0 if qt in cpu.Q8_TYPES else -1
+        for rows, cols, count in MATRIX_SHAPES:
+            cases.append({"kind": "matrix", "type": qt, "weight": random_matrix(qt, rows, cols, rng),
+                          "x": random_inputs(count, cols, rng), "results": ("decoded", "float", "8-bit"),
+                          "statuses": [0, 0, q8_status]})  # fmt: skip
+        features, hidden, counts = EXPERT_SHAPE
+        shapes = ((hidden, features), (hidden, features), (features, hidden))  # gate, up, down
+        cases.append({"kind": "experts", "type": qt, "counts": counts, "hidden": hidden,
+                      "roles": [[random_matrix(qt, *shape, rng) for _ in counts] for shape in shapes],
+                      "rows": rng.integers(0, 3, sum(counts)), "x": random_inputs(3, features, rng),
+                      "results": ("float", "8-bit"), "statuses": [0, q8_status]})  # fmt: skip
+    return cases
+
+
+def random_matrix(qt: int, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, bytes a row]: random valid blocks of a quantized type, normal values of a float one."""
+    if qt not in FLOAT_TYPES:
+        blocks = rows * cols // GGML_QUANT_SIZES[GGMLQuantizationType(qt)][0]
+        return ggml_oracle.random_blocks(qt, blocks, rng).reshape(rows, -1)
+    values = rng.standard_normal((rows, cols)).astype(np.float32)
+    if FLOAT_TYPES[qt] is None:
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    return values.astype(FLOAT_TYPES[qt]).view(np.uint8)
+
+
+def random_inputs(count: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """[count, cols] float32 of magnitudes 10^-3..10^3 (terms that cancel: any other order of the float
+    operations shows in the last bits), an all-zero block of 256 in the first row."""
+    x = (rng.standard_normal((count, cols)) * 10.0 ** rng.uniform(-3, 3, (count, cols))).astype(np.float32)
+    x[0, :256] = 0.0
+    return x
+
+
+def write_cases(path: Path, cases: list[dict]) -> None:
+    """The cases as kernels_driver.c reads them (its header says how)."""
+    parts = [struct.pack("<q", DRIVER_THREADS)]
+    for table in cpu._iq_grids():
+        parts += [struct.pack("<q", len(table)), table]
+    parts.append(struct.pack("<q", len(cases)))
+    for case in cases:
+        x = case["x"]
+        if case["kind"] == "matrix":
+            weight = case["weight"]
+            sizes = (0, case["type"], len(weight), x.shape[1], weight.shape[1], len(x))
+            parts += [struct.pack("<6q", *sizes), weight.tobytes()]
+        else:
+            (gate, *_), _, (down, *_) = case["roles"]
+            starts = np.cumsum([0, *case["counts"]])
+            sizes = (1, case["type"], x.shape[1], case["hidden"], len(starts) - 1, len(case["rows"]), len(x))
+            parts.append(struct.pack("<9q", *sizes, gate.shape[1], down.shape[1]))
+            parts.append(struct.pack("<2f", *SITU_BETAS))
+            parts += [starts.astype("<i8").tobytes(), case["rows"].astype("<i8").tobytes()]
+            parts += [np.concatenate(role).tobytes() for role in case["roles"]]
+        parts.append(x.astype("<f4").tobytes())
+    path.write_bytes(b"".join(parts))
+
+
+def run_driver(
+    tmp_path: Path, inputs: Path, cases: list[dict], compiler: str, emulator: str | None = None
+) -> list[list[tuple]]:
+    """kernels_driver.c linked (statically where it runs under an emulator) with setup.py's objects of the
+    portable kernels (without their Python part) by `compiler`, run on `inputs`: each case's results as
+    (status, values)."""
+    _, output = build(tmp_path, compiler=compiler, python=False)
+    program, results = tmp_path / "kernels_driver", tmp_path / "results"
+    objects = sorted(map(str, (tmp_path / "objects").rglob("*.o")))
+    flags = ["-fopenmp"] * ("has no OpenMP" not in output) + ["-static"] * (emulator is not None)
+    link = [*compiler.split(), "-std=gnu11", "-Wall", *flags, str(DRIVER), *objects, "-lm"]
+    done = subprocess.run([*link, "-o", str(program)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    command = [*filter(None, [emulator]), str(program), str(inputs), str(results)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "portable", (done.stdout + done.stderr)[-3000:]
+    return read_results(results.read_bytes(), cases)
+
+
+def read_results(data: bytes, cases: list[dict]) -> list[list[tuple]]:
+    """kernels_driver.c's results (its header says how), each case's as (status, values)."""
+    at, flat = 0, []
+    while at < len(data):
+        status, count = struct.unpack_from("<2q", data, at)
+        flat.append((status, np.frombuffer(data, dtype="<f4", count=count, offset=at + 16)))
+        at += 16 + 4 * count
+    ends = np.cumsum([len(case["results"]) for case in cases])
+    assert len(flat) == ends[-1]
+    return [flat[end - len(case["results"]) : end] for case, end in zip(cases, ends, strict=True)]
+
+
+def bits(result: tuple) -> tuple[int, bytes]:
+    """A driver's result (status, values) as bits to compare."""
+    return result[0], result[1].tobytes()
+
+
+def installed_results(case: dict) -> list[np.ndarray | None]:
+    """What the installed extension gives for a case (its portable kernels where K3STREAM_GENERIC_KERNELS
+    is set): the matrix's decoded values (gguf's dequantization) then its products, or the experts' MLP,
+    on float then 8-bit activations (None: the type has no kernel on 8-bit ones)."""
+    qt, x = case["type"], torch.from_numpy(case["x"])
+    if case["kind"] == "matrix":
+        weight, (rows, row_bytes) = torch.from_numpy(case["weight"].reshape(-1)), case["weight"].shape
+        picked, starts = torch.arange(len(x)), torch.tensor([0, len(x)])
+        decoded = gguf_dequantize(case["weight"], GGMLQuantizationType(qt)).astype(np.float32).reshape(-1)
+        results = [decoded]
+        product = functools.partial(cpu.grouped_product, x, [weight], qt, rows, row_bytes, starts, picked)
+    else:
+        roles = [
+            cpu.Role([torch.from_numpy(m.reshape(-1)) for m in role], qt, len(role[0]), role[0].shape[1])
+            for role in case["roles"]
+        ]
+        starts, picked = torch.tensor(np.cumsum([0, *case["counts"]])), torch.from_numpy(case["rows"])
+        results = []
+        product = functools.partial(cpu.expert_mlp, x, *roles, starts, picked, *SITU_BETAS)
+    results.append(product(False).numpy().reshape(-1))
+    results.append(product(True).numpy().reshape(-1) if qt in cpu.Q8_TYPES else None)
+    return results
 
 
 def check(extension: Path | None, **environment: str) -> dict:

@@ -13,8 +13,10 @@
  * Matrices are passed as addresses, so the experts of one step (separate buffers) need no copying.
  * Built for x86-64-v3 (AVX2, FMA, F16C) with a generic fallback chosen at load time.
  */
+#ifndef K3STREAM_WITHOUT_PYTHON
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -1991,17 +1993,6 @@ void k3_situ(const float *gate, const float *up, int64_t count, float beta, floa
 void k3_route(const float *logits, const float *bias, int64_t n, int64_t experts, int64_t k, int normalize,
               float min_sum, float scale, float *probs, int64_t *chosen, float *weights);
 
-/* The routed-expert MLP of one step: down(situ(gate(x), up(x))) of each expert b on its rows
- * starts[b]..starts[b+1] (input rows `rows`), into out [P, out_features]. `gate`, `up`, `down`: each
- * expert's matrix addresses and the role's GGML type, output rows and row bytes. The same products
- * and activation as three k3_grouped_product calls with k3_situ between (so the same results), in
- * one call. Returns k3_grouped_product's status. */
-typedef struct {
-    const int64_t *addresses;
-    int ggml_type;
-    int64_t out_rows, row_bytes;
-} Role;
-
 /* k3_situ over `count` values in chunks on up to `threads` threads when there are enough of them (a
  * prefill's: 1,024 pairs of 512 values take ~1.5 ms on one core); elementwise, so the same values */
 #define SITU_CHUNK 16384
@@ -2019,9 +2010,9 @@ static void situ_on_threads(const float *gate, const float *up, int64_t count, f
     }
 }
 
-static int expert_mlp(const float *x, int64_t in_features, Role gate, Role up, Role down, int64_t experts,
-                      const int64_t *starts, const int64_t *rows, float beta, float linear_beta, float *out,
-                      int threads, int q8_activations) {
+int k3_expert_mlp(const float *x, int64_t in_features, Role gate, Role up, Role down, int64_t experts,
+                  const int64_t *starts, const int64_t *rows, float beta, float linear_beta, float *out, int threads,
+                  int q8_activations) {
     const int64_t pairs = starts[experts], hidden = gate.out_rows;
     float *gated = malloc(sizeof(float) * (size_t)(2 * pairs * hidden + 1));
     int64_t *order = malloc(sizeof(int64_t) * (size_t)(pairs + 1));
@@ -2049,6 +2040,19 @@ static int expert_mlp(const float *x, int64_t in_features, Role gate, Role up, R
     free(order);
     return status;
 }
+
+int k3_decode_row(int ggml_type, const uint8_t *blocks, int64_t values, float *out) {
+    const BlockDecoder decoder = block_decoder(ggml_type);
+    if (decoder.decode == NULL || values % decoder.elems != 0) return -1;
+    for (int64_t block = 0; block < values / decoder.elems; block++)
+        decoder.decode(blocks + block * decoder.bytes, out + block * decoder.elems);
+    return 0;
+}
+
+const char *k3_isa(void) { return HAVE_AVX512() ? "avx512" : HAVE_AVX2() ? "avx2" : "portable"; }
+
+/* ---- the extension module: Python's calls onto the entry points above and steps_cpu.c's --------- */
+#ifndef K3STREAM_WITHOUT_PYTHON
 
 /* Arguments of the fast calls: `kinds` has one letter per argument, 'i' an int (into ints), 'f' a float
  * (into floats), 'l' a list of ints (its index into lists); -1 with a one-line TypeError. */
@@ -2166,7 +2170,7 @@ static PyObject *py_products(PyObject *self, PyObject *const *args, Py_ssize_t n
 
 /* expert_mlp(x, in_features, [gate addresses], gate_type, gate_row_bytes, [up addresses], up_type,
  * up_row_bytes, [down addresses], down_type, down_row_bytes, hidden, out_features, starts, rows,
- * beta, linear_beta, out, threads, q8_activations) -> expert_mlp's status; without the GIL. */
+ * beta, linear_beta, out, threads, q8_activations) -> k3_expert_mlp's status; without the GIL. */
 static PyObject *py_expert_mlp(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     int64_t v[15];
@@ -2177,9 +2181,9 @@ static PyObject *py_expert_mlp(PyObject *self, PyObject *const *args, Py_ssize_t
     const Role gate = {taken.numbers[0], (int)v[2], v[8], v[3]}, up = {taken.numbers[1], (int)v[4], v[8], v[5]};
     const Role down = {taken.numbers[2], (int)v[6], v[9], v[7]};
     Py_BEGIN_ALLOW_THREADS
-    status = expert_mlp((const float *)(uintptr_t)v[0], v[1], gate, up, down, taken.length,
-                        (const int64_t *)(uintptr_t)v[10], (const int64_t *)(uintptr_t)v[11], (float)betas[0],
-                        (float)betas[1], (float *)(uintptr_t)v[12], (int)v[13], (int)v[14]);
+    status = k3_expert_mlp((const float *)(uintptr_t)v[0], v[1], gate, up, down, taken.length,
+                           (const int64_t *)(uintptr_t)v[10], (const int64_t *)(uintptr_t)v[11], (float)betas[0],
+                           (float)betas[1], (float *)(uintptr_t)v[12], (int)v[13], (int)v[14]);
     Py_END_ALLOW_THREADS
     free_lists(&taken);
     return PyLong_FromLong(status);
@@ -2191,7 +2195,7 @@ static PyObject *py_expert_mlp(PyObject *self, PyObject *const *args, Py_ssize_t
 #define MAX_CHOSEN 256
 enum { ROLE_ARGS = 4, FIRST_ROLE = 4, HIDDEN = FIRST_ROLE + 3 * ROLE_ARGS };
 
-/* expert_mlp of one row x through k experts, each one pair in the order of choice, role r's matrix of
+/* k3_expert_mlp of one row x through k experts, each one pair in the order of choice, role r's matrix of
  * the j-th at base_r + index[j] * stride_r (v: the arguments above); call without the GIL. */
 static int indexed_experts(const int64_t *v, const double *betas) {
     const int64_t *index = (const int64_t *)(uintptr_t)v[2], k = v[3];
@@ -2207,9 +2211,9 @@ static int indexed_experts(const int64_t *v, const double *betas) {
         const int64_t *role = v + FIRST_ROLE + ROLE_ARGS * r;
         roles[r] = (Role){addresses[r], (int)role[2], v[HIDDEN + (r == 2)], role[3]};
     }
-    return expert_mlp((const float *)(uintptr_t)v[0], v[1], roles[0], roles[1], roles[2], k, starts, rows,
-                      (float)betas[0], (float)betas[1], (float *)(uintptr_t)v[HIDDEN + 2], (int)v[HIDDEN + 3],
-                      (int)v[HIDDEN + 4]);
+    return k3_expert_mlp((const float *)(uintptr_t)v[0], v[1], roles[0], roles[1], roles[2], k, starts, rows,
+                         (float)betas[0], (float)betas[1], (float *)(uintptr_t)v[HIDDEN + 2], (int)v[HIDDEN + 3],
+                         (int)v[HIDDEN + 4]);
 }
 
 /* 0, or -1 with a one-line ValueError where k is not 1..MAX_CHOSEN */
@@ -2221,7 +2225,7 @@ static int chosen_count(const char *name, int64_t k) {
 
 /* chosen_experts(x, in_features, chosen, k, experts, then gate, up and down each as (base, bytes per
  * expert, ggml_type, row_bytes), hidden, out_features, beta, linear_beta, out, threads, q8_activations)
- * -> expert_mlp's status: one row x through the k experts chosen[0..k) picked, whose matrices of a role
+ * -> k3_expert_mlp's status: one row x through the k experts chosen[0..k) picked, whose matrices of a role
  * lie at base + expert * bytes per expert (a layer's experts all in RAM), each one pair in the order of
  * choice. Without the GIL. */
 static PyObject *py_chosen_experts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -2249,7 +2253,7 @@ static PyObject *py_chosen_experts(PyObject *self, PyObject *const *args, Py_ssi
 void k3_combine(const float *pairs, const float *weights, int64_t n, int64_t k, int64_t width, float *out);
 
 /* experts_at(x, in_features, objects, k, then gate, up and down each as (offset, ggml_type, row_bytes),
- * hidden, out_features, beta, linear_beta, pairs, weights, out, threads, q8_activations) -> expert_mlp's
+ * hidden, out_features, beta, linear_beta, pairs, weights, out, threads, q8_activations) -> k3_expert_mlp's
  * status: one row x through k experts, each one pair in order into pairs [k, out_features], the j-th's
  * matrix of a role at objects[j] + the role's offset (experts each in an object of its own: a store's,
  * kept in place by the caller through the call), then their sum by weights [k] (k3_combine) into out
@@ -2402,13 +2406,7 @@ static PyObject *py_decode_row(PyObject *self, PyObject *const *args, Py_ssize_t
     (void)self;
     int64_t v[4];
     if (parse_args("decode_row", args, nargs, "iiii", v, NULL, NULL) != 0) return NULL;
-    const BlockDecoder decoder = block_decoder((int)v[0]);
-    if (decoder.decode == NULL || v[2] % decoder.elems != 0) return PyLong_FromLong(-1);
-    const uint8_t *blocks = (const uint8_t *)(uintptr_t)v[1];
-    float *out = (float *)(uintptr_t)v[3];
-    for (int64_t block = 0; block < v[2] / decoder.elems; block++)
-        decoder.decode(blocks + block * decoder.bytes, out + block * decoder.elems);
-    return PyLong_FromLong(0);
+    return PyLong_FromLong(k3_decode_row((int)v[0], (const uint8_t *)(uintptr_t)v[1], v[2], (float *)(uintptr_t)v[3]));
 }
 
 void k3_sigmoid_gate(const float *values, const float *logits, int64_t n, float *out);
@@ -2541,14 +2539,30 @@ static PyObject *py_read_parts(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyLong_FromSsize_t(whole);
 }
 
-PyObject *py_set_iq_grids(PyObject *self, PyObject *args); /* iquants_cpu.c */
+/* set_iq_grids(iq2xxs, iq2xs, iq2s, iq3xxs, iq3s, iq1s, iq4nl, mxfp4): k3_set_iq_grids of eight bytes objects;
+ * a ValueError naming the first of the wrong size */
+static PyObject *py_set_iq_grids(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer views[IQ_TABLES];
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*", &views[0], &views[1], &views[2], &views[3], &views[4],
+                          &views[5], &views[6], &views[7]))
+        return NULL;
+    const void *tables[IQ_TABLES];
+    int64_t bytes[IQ_TABLES], expected = 0;
+    for (int i = 0; i < IQ_TABLES; i++) tables[i] = views[i].buf, bytes[i] = views[i].len;
+    const int wrong = k3_set_iq_grids(tables, bytes, &expected);
+    for (int i = 0; i < IQ_TABLES; i++) PyBuffer_Release(&views[i]);
+    if (wrong >= 0)
+        return PyErr_Format(PyExc_ValueError, "set_iq_grids: grid %d has %lld bytes, expected %lld", wrong,
+                            (long long)bytes[wrong], (long long)expected);
+    Py_RETURN_NONE;
+}
 
 /* The instruction set the integer kernels take now: "avx512", "avx2" or "portable" (the environment's
  * K3STREAM_NO_AVX512 and K3STREAM_GENERIC_KERNELS included) */
 static PyObject *py_isa(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
-    if (HAVE_AVX512()) return PyUnicode_FromString("avx512");
-    return PyUnicode_FromString(HAVE_AVX2() ? "avx2" : "portable");
+    return PyUnicode_FromString(k3_isa());
 }
 
 /* The calling thread's idle OpenMP workers ended (OpenMP 5's omp_pause_resource_all, soft): True where
@@ -2593,3 +2607,4 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ggml_cpu", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__ggml_cpu(void) { return PyModule_Create(&module); }
+#endif

@@ -12,17 +12,15 @@
  *   kernels' lanes with VNNI (two runs a 512-bit vector but the ternary types') and take the same float
  *   operations: the same bits. (The grid types' AVX-512 kernels, `iquants_avx512.c`, keep their own
  *   float order.)
- * The lookup grids are not written here: `set_iq_grids` receives them from the `gguf` package at import.
+ * The lookup grids are not written here: `k3_set_iq_grids` receives them from the `gguf` package at import.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "kernels.h"
 
-/* ---- the grids (filled once by set_iq_grids) ----------------------------------------------------- */
+/* ---- the grids (filled once by k3_set_iq_grids) ----------------------------------------------------- */
 
 static uint8_t iq2xxs_grid[256][8], iq2xs_grid[512][8], iq2s_grid[1024][8];
 static uint8_t iq3xxs_grid[256][4], iq3s_grid[512][4];
@@ -53,38 +51,23 @@ static void widen_float_grids(void) {
         for (int j = 0; j < 8; j++) sign_masks[i][j] = (uint32_t)((i >> j) & 1) << 31;
 }
 
-typedef struct {
-    void *to;
-    Py_ssize_t size;
-} GridSlot;
-
 #if K3_X86_SIMD
 static void tq1_tables(void); /* the AVX-512 TQ1_0 kernel's code tables */
 #else
 static void tq1_tables(void) {}
 #endif
 
-/* set_iq_grids(iq2xxs, iq2xs, iq2s, iq3xxs, iq3s, iq1s, iq4nl, mxfp4): each a bytes object of the grid's
- * values, one byte each, row after row (the IQ1_S grid's and the value tables' as int8) */
-PyObject *py_set_iq_grids(PyObject *self, PyObject *args) {
-    (void)self;
-    const GridSlot slots[8] = {
-        {iq2xxs_grid, sizeof iq2xxs_grid}, {iq2xs_grid, sizeof iq2xs_grid}, {iq2s_grid, sizeof iq2s_grid},
-        {iq3xxs_grid, sizeof iq3xxs_grid}, {iq3s_grid, sizeof iq3s_grid},   {iq1s_grid, sizeof iq1s_grid},
-        {iq4nl_values, sizeof iq4nl_values}, {mxfp4_values, sizeof mxfp4_values},
-    };
-    Py_buffer views[8];
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*", &views[0], &views[1], &views[2], &views[3], &views[4],
-                          &views[5], &views[6], &views[7]))
-        return NULL;
-    int wrong = -1;
-    for (int i = 0; i < 8; i++)
-        if (views[i].len != slots[i].size && wrong < 0) wrong = i;
-    for (int i = 0; i < 8 && wrong < 0; i++) memcpy(slots[i].to, views[i].buf, (size_t)slots[i].size);
-    for (int i = 0; i < 8; i++) PyBuffer_Release(&views[i]);
-    if (wrong >= 0)
-        return PyErr_Format(PyExc_ValueError, "set_iq_grids: grid %d has %zd bytes, expected %zd", wrong,
-                            views[wrong].len, slots[wrong].size);
+int k3_set_iq_grids(const void *const tables[IQ_TABLES], const int64_t bytes[IQ_TABLES], int64_t *expected) {
+    void *const slots[IQ_TABLES] = {iq2xxs_grid, iq2xs_grid, iq2s_grid, iq3xxs_grid,
+                                    iq3s_grid,   iq1s_grid,  iq4nl_values, mxfp4_values};
+    const int64_t sizes[IQ_TABLES] = {sizeof iq2xxs_grid, sizeof iq2xs_grid, sizeof iq2s_grid, sizeof iq3xxs_grid,
+                                      sizeof iq3s_grid,   sizeof iq1s_grid,  sizeof iq4nl_values, sizeof mxfp4_values};
+    for (int i = 0; i < IQ_TABLES; i++)
+        if (bytes[i] != sizes[i]) {
+            *expected = sizes[i];
+            return i;
+        }
+    for (int i = 0; i < IQ_TABLES; i++) memcpy(slots[i], tables[i], (size_t)sizes[i]);
     for (int i = 0; i < 128; i++) ksigns[i] = (uint8_t)(i | (__builtin_popcount(i) & 1) << 7);
     for (int i = 0; i < 256; i++) ue4m3_halves[i] = ue4m3_half((uint8_t)i);
     for (int i = 0; i < 256; i++) {
@@ -98,7 +81,7 @@ PyObject *py_set_iq_grids(PyObject *self, PyObject *args) {
     iq_avx512_set_grids(&grids);
     tq1_tables();
     grids_set = 1;
-    Py_RETURN_NONE;
+    return -1;
 }
 
 INLINE uint32_t u32_at(const uint8_t *p) {

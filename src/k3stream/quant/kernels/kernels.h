@@ -109,6 +109,40 @@ typedef struct BlockQ8K {
 
 typedef void (*RowKernel)(const Product *, int64_t b, int64_t first, int64_t last);
 
+/* ---- the entry points (`ggml_cpu.c`): the extension module's functions call them (its Python part is
+ * left out with K3STREAM_WITHOUT_PYTHON: tests/kernels_driver.c runs them on other CPUs) ------------ */
+
+/* The i-quants' lookup grids and value tables, set once before any i-quant kernel runs (`iquants_cpu.c`):
+ * IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S and IQ1_S grids, then IQ4_NL's and MXFP4's values, a byte a value,
+ * row after row (IQ1_S's and the values as int8). -1, or the index of the first table whose `bytes` is not
+ * its size (that size into *expected; nothing set). */
+#define IQ_TABLES 8
+int k3_set_iq_grids(const void *const tables[IQ_TABLES], const int64_t bytes[IQ_TABLES], int64_t *expected);
+/* The first `values` values (whole blocks) of the GGUF blocks at `blocks` into out: the reference
+ * dequantizer's values; -1 for a type without a decoder or values not in whole blocks */
+int k3_decode_row(int ggml_type, const uint8_t *blocks, int64_t values, float *out);
+/* out[p] = x[rows[p]] @ W_b^T for the rows p in starts[b]..starts[b + 1] of each matrix b (its address
+ * in addresses[b]); `q8_activations`: x quantized as ggml does for the type and its integer kernels.
+ * 0, -1 for a GGML type without a kernel, -2 without memory. */
+int k3_grouped_product(const float *x, int64_t in_features, const int64_t *addresses, int64_t matrices,
+                       int64_t out_rows, int64_t row_bytes, int ggml_type, const int64_t *starts,
+                       const int64_t *rows, float *out, int threads, int q8_activations);
+/* A role of the routed experts: each expert's matrix addresses, the GGML type, output rows and row bytes */
+typedef struct {
+    const int64_t *addresses;
+    int ggml_type;
+    int64_t out_rows, row_bytes;
+} Role;
+/* The routed-expert MLP of one step: down(situ(gate(x), up(x))) of each expert b on its rows
+ * starts[b]..starts[b+1] (input rows `rows`), into out [P, out_features]. The same products and
+ * activation as three k3_grouped_product calls with k3_situ between (so the same results), in one call.
+ * Returns k3_grouped_product's status. */
+int k3_expert_mlp(const float *x, int64_t in_features, Role gate, Role up, Role down, int64_t experts,
+                  const int64_t *starts, const int64_t *rows, float beta, float linear_beta, float *out, int threads,
+                  int q8_activations);
+/* The instruction set the integer kernels take now: "avx512", "avx2" or "portable" */
+const char *k3_isa(void);
+
 /* Rows of a matrix are contiguous, but each is often one 4 KiB page and hardware prefetchers stop at
  * page boundaries: ask for the lines PREFETCH_BYTES ahead of each chunk so the next row is on its way. */
 #define PREFETCH_BYTES 4096
