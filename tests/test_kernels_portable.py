@@ -179,8 +179,8 @@ def native_driver(tmp_path_factory) -> tuple[list[dict], Path, list[list[tuple]]
 def test_the_aarch64_build_gives_the_x86_portable_kernels_bits(compiler, tmp_path, monkeypatch, request):
     """setup.py builds the kernels for aarch64 (its own flags) and kernels_driver.c runs every type's
     decoder, products (float and 8-bit activations) and routed-expert MLP there under qemu-user: bit for
-    bit what the same driver built for x86-64 gives, that the installed build's portable kernels, and
-    its decoders gguf's dequantization."""
+    bit what the same driver built for x86-64 gives (NaN where it gives NaN), that the installed build's
+    portable kernels, and its decoders gguf's dequantization."""
     tools = dict.fromkeys([compiler.split()[0], CROSS_COMPILERS[0], EMULATOR])  # clang takes GCC's libraries
     missing = [tool for tool in tools if shutil.which(tool) is None]
     if missing:
@@ -195,25 +195,28 @@ def test_the_aarch64_build_gives_the_x86_portable_kernels_bits(compiler, tmp_pat
         for what, result, x86_result in zip(case["results"], got, expected, strict=True):
             assert bits(result) == bits(x86_result), f"{name}: {what}"
         for (status, values), installed in zip(expected, installed_results(case), strict=True):
-            assert status != 0 or values.tobytes() == installed.tobytes(), name
+            assert status != 0 or bits((status, values)) == bits((status, installed)), name
 
 
 def driver_cases(rng: np.random.Generator) -> list[dict]:
     """Every type with a C kernel: a case of each matrix shape and one of routed experts, on random valid
-    blocks (finite scales) and inputs of magnitudes 10^-3..10^3; each with its results' names and the
-    statuses they take (-1: no kernel on 8-bit activations)."""
+    blocks (finite scales) and inputs of magnitudes 10^-3..10^3 (of several rows, the last with a NaN and
+    an infinity); each with its results' names and the statuses they take (-1: no kernel on 8-bit
+    activations)."""
     cases = []
     for qt in sorted(cpu.CPU_TYPES):
         q8_status = 0 if qt in cpu.Q8_TYPES else -1
         for rows, cols, count in MATRIX_SHAPES:
             cases.append({"kind": "matrix", "type": qt, "weight": random_matrix(qt, rows, cols, rng),
-                          "x": random_inputs(count, cols, rng), "results": ("decoded", "float", "8-bit"),
+                          "x": random_inputs(count, cols, rng, non_finite=count > 1),
+                          "results": ("decoded", "float", "8-bit"),
                           "statuses": [0, 0, q8_status]})  # fmt: skip
         features, hidden, counts = EXPERT_SHAPE
         shapes = ((hidden, features), (hidden, features), (features, hidden))  # gate, up, down
         cases.append({"kind": "experts", "type": qt, "counts": counts, "hidden": hidden,
                       "roles": [[random_matrix(qt, *shape, rng) for _ in counts] for shape in shapes],
-                      "rows": rng.integers(0, 3, sum(counts)), "x": random_inputs(3, features, rng),
+                      "rows": rng.integers(0, 3, sum(counts)),
+                      "x": random_inputs(3, features, rng, non_finite=True),
                       "results": ("float", "8-bit"), "statuses": [0, q8_status]})  # fmt: skip
     return cases
 
@@ -229,11 +232,14 @@ def random_matrix(qt: int, rows: int, cols: int, rng: np.random.Generator) -> np
     return values.astype(FLOAT_TYPES[qt]).view(np.uint8)
 
 
-def random_inputs(count: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+def random_inputs(count: int, cols: int, rng: np.random.Generator, non_finite: bool = False) -> np.ndarray:
     """[count, cols] float32 of magnitudes 10^-3..10^3 (terms that cancel: any other order of the float
-    operations shows in the last bits), an all-zero block of 256 in the first row."""
+    operations shows in the last bits), an all-zero block of 256 in the first row; where `non_finite`, a
+    NaN and an infinity in the last row (each of its products a NaN)."""
     x = (rng.standard_normal((count, cols)) * 10.0 ** rng.uniform(-3, 3, (count, cols))).astype(np.float32)
     x[0, :256] = 0.0
+    if non_finite:
+        x[-1, rng.choice(cols, 2, replace=False)] = np.nan, np.inf
     return x
 
 
@@ -293,8 +299,10 @@ def read_results(data: bytes, cases: list[dict]) -> list[list[tuple]]:
 
 
 def bits(result: tuple) -> tuple[int, bytes]:
-    """A driver's result (status, values) as bits to compare."""
-    return result[0], result[1].tobytes()
+    """A result (status, values) as bits to compare, every NaN as one: the same float operations make
+    NaNs of opposite signs on x86-64 (negative) and aarch64."""
+    status, values = result
+    return status, np.where(np.isnan(values), np.float32(np.nan), values).tobytes()
 
 
 def installed_results(case: dict) -> list[np.ndarray | None]:
