@@ -75,8 +75,8 @@ for qt in (T.IQ2_XXS, T.IQ4_XS, T.IQ1_M, T.TQ1_0, T.TQ2_0):  # i-quants and the 
     if iq_checked:
         expected = np.stack([dense @ activations_f64(row, qt) for row in x])
         worst = max(worst, float(np.linalg.norm(got - expected) / np.linalg.norm(expected)))
-print(json.dumps({"isa": cpu.isa(), "file": cpu._ggml_cpu().__file__, "worst": worst,
-                  "decoders_exact": decoders_exact, "iq_integer_checked": iq_checked,
+print(json.dumps({"isa": cpu.isa(), "report": cpu.kernels_report(), "file": cpu._ggml_cpu().__file__,
+                  "worst": worst, "decoders_exact": decoders_exact, "iq_integer_checked": iq_checked,
                   "digest": digest.hexdigest()}))
 """
 
@@ -121,13 +121,17 @@ def without_openmp(tmp_path: Path) -> str:
 )
 def test_the_portable_build_compiles_and_its_kernels_match_gguf_dequantize(tmp_path, openmp):
     """Every C file compiles without the x86-64 SIMD code (and without OpenMP, on one thread, where the
-    compiler has none), and the module it gives runs each type's products (float tile and integer
-    paths) within float32 rounding of gguf's values, its i-quant and ternary decoders bit for bit, and
-    every output bit for bit what the installed build's portable kernels give."""
+    compiler has none: the build, the load and `--version` say so), and the module it gives runs each
+    type's products (float tile and integer paths) within float32 rounding of gguf's values, its i-quant
+    and ternary decoders bit for bit, and every output bit for bit what the installed build's portable
+    kernels give."""
     extension, output = build(tmp_path, compiler=None if openmp else without_openmp(tmp_path))
     assert ("has no OpenMP" in output) != openmp
     report = check(extension)
     assert report["isa"] == "portable" and Path(report["file"]) == extension
+    one_thread = "C (portable, one thread: built without OpenMP)"
+    assert report["report"] == ("C (portable)" if openmp else one_thread)
+    assert report["one_thread_warnings"] == (not openmp)
     assert report["decoders_exact"]
     assert report["worst"] <= 1e-5
     assert report["iq_integer_checked"] or not REQUIRE_ORACLE
@@ -330,7 +334,8 @@ def installed_results(case: dict) -> list[np.ndarray | None]:
 
 
 def check(extension: Path | None, **environment: str) -> dict:
-    """PORTABLE_CHECK's report, in a child with `extension` (None: the installed one) and `environment`."""
+    """PORTABLE_CHECK's report, in a child with `extension` (None: the installed one) and `environment`,
+    with the times its load warned that the kernels run on one thread."""
     path = os.pathsep.join(
         [*map(str, (ROOT / "tests", ROOT / "src")), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
@@ -338,7 +343,8 @@ def check(extension: Path | None, **environment: str) -> dict:
     argv = [sys.executable, "-c", PORTABLE_CHECK, *([str(extension)] if extension else [])]
     done = subprocess.run(argv, env=dict(env, PYTHONPATH=path, **environment), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    return report | {"one_thread_warnings": done.stderr.count(cpu.NO_OPENMP)}
 
 
 # run in the child: an install whose extension is missing, asked for its version, then loading a model's types

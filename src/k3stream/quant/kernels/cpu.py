@@ -47,6 +47,12 @@ NOT_BUILT = (
     "several times slower. pip builds them where a C compiler is present (GCC or clang, with "
     "OpenMP for threads): install one and reinstall k3stream (docs/kernels.md)"
 )
+# ... and one whose C compiler had no OpenMP (Apple's clang)
+NO_OPENMP = (
+    "the C kernels were built without OpenMP (the C compiler had none, as Apple's clang): they run on "
+    "one thread. A compiler with OpenMP (GCC, or clang with libomp) and a reinstall give them threads "
+    "(docs/kernels.md)"
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,6 +65,8 @@ def _ggml_cpu() -> ModuleType | None:
         log.warning("warning: %s (%s)", NOT_BUILT, exc)
         return None
     module.set_iq_grids(*_iq_grids())
+    if not module.openmp():
+        log.warning("warning: %s", NO_OPENMP)
     return module
 
 
@@ -87,9 +95,11 @@ def isa() -> str:
 
 
 def kernels_report() -> str:
-    """The CPU kernels this install runs, for a user: the C kernels' instruction set (`isa`), or none
-    (the warning `_ggml_cpu` gives says why and what to do)."""
-    return f"C ({isa()})" if available() else "none (the torch reference path)"
+    """The CPU kernels this install runs, for a user: the C kernels' instruction set (`isa`) and, built
+    without OpenMP, their one thread; or none (the warning `_ggml_cpu` gives says why and what to do)."""
+    if not available():
+        return "none (the torch reference path)"
+    return f"C ({isa()})" if _ggml_cpu().openmp() else f"C ({isa()}, one thread: built without OpenMP)"
 
 
 def release_openmp_workers() -> bool:

@@ -2577,7 +2577,18 @@ static PyObject *py_release_openmp_workers(PyObject *self, PyObject *unused) {
     Py_RETURN_FALSE;
 }
 
+/* Whether the kernels were built with OpenMP (else, by a compiler without it, they run on one thread) */
+static PyObject *py_openmp(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+#ifdef _OPENMP
+    Py_RETURN_TRUE;
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyMethodDef methods[] = {
+    {"openmp", py_openmp, METH_NOARGS, NULL},
     {"release_openmp_workers", py_release_openmp_workers, METH_NOARGS, NULL},
     {"set_iq_grids", py_set_iq_grids, METH_VARARGS, NULL},
     {"isa", py_isa, METH_NOARGS, NULL},
