@@ -7,11 +7,11 @@
  * - 0 (a matrix): GGML type, output rows, input features, row bytes, input rows n; the weight's bytes;
  *   x [n, input features]. Results: k3_decode_row of the whole matrix, then k3_grouped_product on float
  *   activations and on 8-bit ones (x's rows in order).
- * - 1 (routed experts): GGML type, input features, hidden, experts, pairs, input rows; beta and
- *   linear_beta (float32); starts [experts + 1], rows [pairs]; gate, up ([experts, hidden, input
- *   features]) and down ([experts, input features, hidden]) weights' bytes; x. Results: k3_expert_mlp
- *   on float activations and on 8-bit ones.
- * RESULTS: per result its status, its number of values, the values. */
+ * - 1 (routed experts): GGML type, input features, hidden, experts, pairs, input rows, row bytes of
+ *   gate and up, of down; beta and linear_beta (float32); starts [experts + 1], rows [pairs]; gate, up
+ *   ([experts, hidden, input features]) and down ([experts, input features, hidden]) weights' bytes; x.
+ *   Results: k3_expert_mlp on float activations and on 8-bit ones.
+ * RESULTS: per result its status, its number of values (none where the status is not 0), the values. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,20 +25,21 @@ static void fail(const char *what) {
     exit(2);
 }
 
-static void *taken(size_t bytes) {
+static void *read_bytes(size_t bytes) {
     void *block = calloc(bytes + 1, 1);
     if (block == NULL) fail("out of memory");
     if (bytes > 0 && fread(block, 1, bytes, cases) != bytes) fail("the cases end early");
     return block;
 }
 
-static int64_t number(void) {
-    int64_t *value = taken(sizeof(int64_t)), held = *value;
+static int64_t read_number(void) {
+    int64_t *value = read_bytes(sizeof(int64_t)), held = *value;
     free(value);
     return held;
 }
 
 static void put(int64_t status, const float *values, int64_t count) {
+    if (status != 0) count = 0;
     const int64_t head[2] = {status, count};
     if (fwrite(head, sizeof head, 1, results) != 1 ||
         (count > 0 && fwrite(values, sizeof(float), (size_t)count, results) != (size_t)count))
@@ -47,10 +48,10 @@ static void put(int64_t status, const float *values, int64_t count) {
 
 /* a case of one matrix (kind 0, above) */
 static void matrix_case(int threads) {
-    const int type = (int)number();
-    const int64_t out_rows = number(), in_features = number(), row_bytes = number(), n = number();
-    uint8_t *weight = taken((size_t)(out_rows * row_bytes));
-    float *x = taken(sizeof(float) * (size_t)(n * in_features));
+    const int type = (int)read_number();
+    const int64_t out_rows = read_number(), in_features = read_number(), row_bytes = read_number(), n = read_number();
+    uint8_t *weight = read_bytes((size_t)(out_rows * row_bytes));
+    float *x = read_bytes(sizeof(float) * (size_t)(n * in_features));
     float *decoded = calloc((size_t)(out_rows * in_features) + 1, sizeof(float));
     float *out = calloc((size_t)(n * out_rows) + 1, sizeof(float));
     int64_t *rows = calloc((size_t)n + 1, sizeof(int64_t));
@@ -75,14 +76,14 @@ static Role role(int type, uint8_t *matrices, int64_t experts, int64_t out_rows,
 
 /* a case of routed experts (kind 1, above) */
 static void experts_case(int threads) {
-    const int type = (int)number();
-    const int64_t in_features = number(), hidden = number(), experts = number(), pairs = number();
-    const int64_t x_rows = number(), in_bytes = number(), hidden_bytes = number();
-    float *betas = taken(2 * sizeof(float));
-    int64_t *starts = taken(sizeof(int64_t) * (size_t)(experts + 1)), *rows = taken(sizeof(int64_t) * (size_t)pairs);
-    uint8_t *gate = taken((size_t)(experts * hidden * in_bytes)), *up = taken((size_t)(experts * hidden * in_bytes));
-    uint8_t *down = taken((size_t)(experts * in_features * hidden_bytes));
-    float *x = taken(sizeof(float) * (size_t)(x_rows * in_features));
+    const int type = (int)read_number();
+    const int64_t in_features = read_number(), hidden = read_number(), experts = read_number(), pairs = read_number();
+    const int64_t x_rows = read_number(), in_bytes = read_number(), hidden_bytes = read_number();
+    float *betas = read_bytes(2 * sizeof(float));
+    int64_t *starts = read_bytes(sizeof(int64_t) * (size_t)(experts + 1)), *rows = read_bytes(sizeof(int64_t) * (size_t)pairs);
+    uint8_t *gate = read_bytes((size_t)(experts * hidden * in_bytes)), *up = read_bytes((size_t)(experts * hidden * in_bytes));
+    uint8_t *down = read_bytes((size_t)(experts * in_features * hidden_bytes));
+    float *x = read_bytes(sizeof(float) * (size_t)(x_rows * in_features));
     float *out = calloc((size_t)(pairs * in_features) + 1, sizeof(float));
     int64_t *addresses = calloc(3 * (size_t)experts + 1, sizeof(int64_t));
     if (out == NULL || addresses == NULL) fail("out of memory");
@@ -101,15 +102,15 @@ int main(int argc, char **argv) {
     if (argc != 3) fail("usage: kernels_driver CASES RESULTS");
     if ((cases = fopen(argv[1], "rb")) == NULL) fail("cannot open the cases");
     if ((results = fopen(argv[2], "wb")) == NULL) fail("cannot open the results");
-    const int threads = (int)number();
+    const int threads = (int)read_number();
     const void *tables[IQ_TABLES];
     int64_t bytes[IQ_TABLES], expected;
-    for (int i = 0; i < IQ_TABLES; i++) tables[i] = taken((size_t)(bytes[i] = number()));
+    for (int i = 0; i < IQ_TABLES; i++) tables[i] = read_bytes((size_t)(bytes[i] = read_number()));
     if (k3_set_iq_grids(tables, bytes, &expected) >= 0) fail("an i-quant table of the wrong size");
     for (int i = 0; i < IQ_TABLES; i++) free((void *)tables[i]);
     printf("%s\n", k3_isa());
-    for (int64_t count = number(), i = 0; i < count; i++) {
-        if (number() == 0)
+    for (int64_t count = read_number(), i = 0; i < count; i++) {
+        if (read_number() == 0)
             matrix_case(threads);
         else
             experts_case(threads);
