@@ -164,6 +164,7 @@ DRIVER_THREADS = 2
 MATRIX_SHAPES = ((70, 1024, 1), (40, 1024, 25))
 EXPERT_SHAPE = (256, 512, (2, 0, 3))
 SITU_BETAS = (1.5, 4.0)
+TYPE_NAMES = {cpu.INPUT_MAJOR_F32: "input-major F32"}
 FLOAT_TYPES = {0: np.float32, 1: np.float16, 30: None}  # BF16 (None): float32's high halves
 
 
@@ -194,7 +195,7 @@ def test_the_aarch64_build_gives_the_x86_portable_kernels_bits(compiler, tmp_pat
     monkeypatch.setenv("K3STREAM_GENERIC_KERNELS", "1")
     assert cpu.isa() == "portable"
     for case, got, expected in zip(cases, emulated, native, strict=True):
-        name = f"{GGMLQuantizationType(case['type']).name} {case['kind']}"
+        name = f"{TYPE_NAMES.get(case['type']) or GGMLQuantizationType(case['type']).name} {case['kind']}"
         assert [status for status, _ in expected] == case["statuses"], name
         for what, result, x86_result in zip(case["results"], got, expected, strict=True):
             assert bits(result) == bits(x86_result), f"{name}: {what}"
@@ -208,13 +209,15 @@ def driver_cases(rng: np.random.Generator) -> list[dict]:
     an infinity); each with its results' names and the statuses they take (-1: no kernel on 8-bit
     activations)."""
     cases = []
-    for qt in sorted(cpu.CPU_TYPES):
+    for qt in [*sorted(cpu.CPU_TYPES), cpu.INPUT_MAJOR_F32]:
         q8_status = 0 if qt in cpu.Q8_TYPES else -1
         for rows, cols, count in MATRIX_SHAPES:
             cases.append({"kind": "matrix", "type": qt, "weight": random_matrix(qt, rows, cols, rng),
                           "x": random_inputs(count, cols, rng, non_finite=count > 1),
                           "results": ("decoded", "float", "8-bit"),
-                          "statuses": [0, 0, q8_status]})  # fmt: skip
+                          "statuses": [-1 if qt == cpu.INPUT_MAJOR_F32 else 0, 0, q8_status]})  # fmt: skip
+        if qt == cpu.INPUT_MAJOR_F32:  # `Products`' own layout, not a routed expert's
+            continue
         features, hidden, counts = EXPERT_SHAPE
         shapes = ((hidden, features), (hidden, features), (features, hidden))  # gate, up, down
         cases.append({"kind": "experts", "type": qt, "counts": counts, "hidden": hidden,
@@ -226,7 +229,10 @@ def driver_cases(rng: np.random.Generator) -> list[dict]:
 
 
 def random_matrix(qt: int, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """[rows, bytes a row]: random valid blocks of a quantized type, normal values of a float one."""
+    """[rows, bytes a row]: random valid blocks of a quantized type, normal values of a float one (of
+    INPUT_MAJOR_F32, [cols, rows] float32 as bytes)."""
+    if qt == cpu.INPUT_MAJOR_F32:
+        return rng.standard_normal((cols, rows)).astype(np.float32).view(np.uint8).reshape(rows, -1)
     if qt not in FLOAT_TYPES:
         blocks = rows * cols // GGML_QUANT_SIZES[GGMLQuantizationType(qt)][0]
         return ggml_oracle.random_blocks(qt, blocks, rng).reshape(rows, -1)
@@ -317,8 +323,10 @@ def installed_results(case: dict) -> list[np.ndarray | None]:
     if case["kind"] == "matrix":
         weight, (rows, row_bytes) = torch.from_numpy(case["weight"].reshape(-1)), case["weight"].shape
         picked, starts = torch.arange(len(x)), torch.tensor([0, len(x)])
-        decoded = gguf_dequantize(case["weight"], GGMLQuantizationType(qt)).astype(np.float32).reshape(-1)
-        results = [decoded]
+        decoded = (
+            None if qt == cpu.INPUT_MAJOR_F32 else gguf_dequantize(case["weight"], GGMLQuantizationType(qt))
+        )
+        results = [None if decoded is None else decoded.astype(np.float32).reshape(-1)]
         product = functools.partial(cpu.grouped_product, x, [weight], qt, rows, row_bytes, starts, picked)
     else:
         roles = [
