@@ -309,6 +309,7 @@ SAMPLING_FLAGS = {
     "min_p": "--min-p",
     "repetition_penalty": "--repeat-penalty",
     "repeat_last_n": "--repeat-last-n",
+    "seed": "--seed",
 }
 
 
