@@ -84,6 +84,7 @@ NUMBER_FLAGS = [
     ("pack", "--sync-mib"),
     ("bench", "--seq-read-mib"),
     ("demo", "--ram-mib"),
+    ("serve", "--max-body-mib"),
 ]
 
 
