@@ -377,7 +377,7 @@ def test_json_write_on_a_full_disk_keeps_the_old_file_and_no_temp(tmp_path):
     write_json_atomic(path, {"old": True})
     with file_size_limit(64 * 1024), pytest.raises(OSError) as failure:
         write_json_atomic(path, {"a": list(range(100_000))})
-    assert failure.value.errno == errno.EFBIG
+    assert failure.value.errno == errno.EFBIG and failure.value.filename == str(path)  # `pack` names it
     assert_only_the_old_json(path)
 
 
