@@ -84,6 +84,7 @@ NUMBER_FLAGS = [
     ("pack", "--sync-mib"),
     ("bench", "--seq-read-mib"),
     ("demo", "--ram-mib"),
+    ("serve", "--max-body-mib"),
 ]
 
 
@@ -207,7 +208,9 @@ def test_serve_request_defaults_refuse_bad_values_in_one_line(flags, words):
     [(["--temp", "-1"], "--temperature must be >= 0, got -1.0"),
      (["--min-p", "-0.1"], "--min-p must be in [0, 1], got -0.1"),
      (["--repeat-penalty", "0"], "--repeat-penalty must be > 0, got 0.0"),
-     (["--repeat-last-n", "-2"], "--repeat-last-n must be >= -1, got -2")],
+     (["--repeat-last-n", "-2"], "--repeat-last-n must be >= -1, got -2"),
+     (["--seed", str(1 << 64)], f"--seed must be in [-2^63, 2^64), got {1 << 64}"),
+     (["-s", str(-(1 << 63) - 1)], f"--seed must be in [-2^63, 2^64), got {-(1 << 63) - 1}")],
 )  # fmt: skip
 def test_a_bad_sampling_flag_is_refused_naming_the_flag(flags, words):
     """`generate`, `chat` and `demo` refuse a sampling value in the words of the flag the user typed."""
@@ -216,6 +219,26 @@ def test_a_bad_sampling_flag_is_refused_naming_the_flag(flags, words):
     with pytest.raises(ValueError) as caught:
         sampling_params(build_parser(["generate"]).parse_args(["generate", "m.gguf", "-p", "x", *flags]))
     assert str(caught.value) == words
+
+
+def test_a_seed_beyond_what_torch_takes_is_refused_naming_the_flag(tmp_path):
+    """A seed past torch's generator's 64 bits is the flag's error in `serve` and `train-tiny` too, before
+    the model loads or the corpus is read (not torch's "Overflow when unpacking long long")."""
+    import torch
+
+    from k3stream.commands.flags import sampling_params
+    from k3stream.commands.serve import request_defaults
+    from k3stream.commands.train import check_training_flags
+    from k3stream.engine.sampling import Sampler
+
+    with pytest.raises(ValueError, match=r"^--seed must be in \[-2\^63, 2\^64\), got 18446744073709551616$"):
+        request_defaults(build_parser(["serve"]).parse_args(["serve", "m.gguf", "-s", str(1 << 64)]))
+    argv = ["train-tiny", str(tmp_path), "--seed", str(1 << 64)]
+    with pytest.raises(ValueError, match=r"^--seed must be in \[0, 2\^64\), got 18446744073709551616$"):
+        check_training_flags(build_parser(argv).parse_args(argv))
+    for seed in ((1 << 64) - 1, -(1 << 63)):  # the ends of the range sample
+        argv = ["generate", "m.gguf", "-p", "x", "-s", str(seed)]
+        assert 0 <= Sampler(sampling_params(build_parser(argv).parse_args(argv))).sample(torch.zeros(8)) < 8
 
 
 @pytest.mark.parametrize("limit", ["-2", "-1", "1", "7"])

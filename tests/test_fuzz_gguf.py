@@ -208,6 +208,21 @@ def test_token_types_that_are_not_an_integer_array_are_named(source, tmp_path, v
         Tokenizer.from_gguf(path)
 
 
+@pytest.mark.parametrize(
+    ("value", "vtype", "sub_type"),
+    [(list(range(593)), GGUFValueType.ARRAY, GGUFValueType.INT32), ("abc", GGUFValueType.STRING, None)],
+)
+def test_tokens_that_are_not_a_string_array_are_named_at_open(source, tmp_path, value, vtype, sub_type):
+    """A number array of as many tokens was counted as one token ("kimi-k3.vocab_size must be 1, the
+    tokens in tokenizer.ggml.tokens"): the error blamed vocab_size, not the key at fault."""
+    path = rewritten(
+        source, tmp_path / "tokens.gguf", metadata={"tokenizer.ggml.tokens": (value, vtype, sub_type)}
+    )
+    with pytest.raises(ValueError) as refused:
+        K3Checkpoint.open(path)
+    assert str(refused.value) == f"{path}: metadata key tokenizer.ggml.tokens must be an array of strings"
+
+
 def test_a_key_name_holding_a_newline_is_shown_on_one_line(source, tmp_path, capsys):
     """A header error quoted the key's bytes raw: a key holding newlines (a string length off by one
     makes the next key's bytes part of it) printed several lines."""

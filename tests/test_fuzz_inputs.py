@@ -138,15 +138,17 @@ def test_a_source_record_without_a_key_is_named(packed, tmp_path, records, key):
 # ---- command-line text ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("escape", ["--no-escape", "--escape"])
 @pytest.mark.parametrize("flag", ["--prompt", "--stop"])
-def test_text_that_is_not_utf8_is_named_with_no_escape(tiny_model, capsys, flag):
+def test_text_that_is_not_utf8_is_named(tiny_model, capsys, flag, escape):
     """Bytes that are not UTF-8 reach Python's argv as lone surrogates; with --no-escape the tokenizer
-    raised "'utf-8' codec can't encode character '\\udcff'", naming no flag."""
+    raised "'utf-8' codec can't encode character '\\udcff'", naming no flag; with escapes on (the
+    default) the error blamed escapes the text did not hold."""
     from k3stream.cli import main
 
     text = "caf\udcff"  # argv's decoding of b"caf\xff"
     given = ["--prompt", text] if flag == "--prompt" else ["--prompt", "hi", "--stop", text]
-    assert main(["generate", str(tiny_model(**SMALL)), "--no-escape", "-n", "1", *given]) == 1
+    assert main(["generate", str(tiny_model(**SMALL)), escape, "-n", "1", *given]) == 1
     assert capsys.readouterr().err == f"k3stream generate: error: {flag}: not UTF-8 text (character 3)\n"
 
 

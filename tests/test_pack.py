@@ -292,6 +292,23 @@ def test_quick_verify_samples_payloads_and_full_compares_all(tiny_model, tmp_pat
     )
 
 
+def test_samples_beyond_the_objects_check_every_object(tiny_model, tmp_path, capsys):
+    """More samples than a pack holds objects check all of them: quick verify's 8 samples of 4 objects
+    checked only the first two, and `pack --payload-samples 1000000000` looped a billion times."""
+    gguf = copy_model(tiny_model(n_layers=2, n_experts=4, top_k=2), tmp_path)  # one MoE layer: 4 objects
+    result = build_pack(gguf, options=BuildOptions(payload_samples=1_000_000_000, progress=False))
+    pack_section = json.loads(result.manifest.read_text())["expert_pack"]
+    assert pack_section["payload_samples_verified"] == 4 * 3  # every entry: 4 experts x 3 roles
+    _header, entries = read_index(result.pack)
+    with result.pack.open("r+b") as pack:
+        for _name, expert, _reserved, offset, nbytes in entries:
+            if expert == 3:  # the last object
+                pack.seek(offset)
+                pack.write(os.urandom(nbytes))
+    assert cli(["verify", str(result.manifest)]) == 1
+    assert "expert-pack checksum mismatch: layer 1 expert 3" in capsys.readouterr().err
+
+
 def test_full_verify_checks_the_stored_sha256(tiny_model, tmp_path):
     gguf = copy_model(tiny_model(**SPLIT), tmp_path)
     result = build_pack(gguf, options=BuildOptions(full_hash=True, progress=False))
@@ -360,7 +377,7 @@ def test_json_write_on_a_full_disk_keeps_the_old_file_and_no_temp(tmp_path):
     write_json_atomic(path, {"old": True})
     with file_size_limit(64 * 1024), pytest.raises(OSError) as failure:
         write_json_atomic(path, {"a": list(range(100_000))})
-    assert failure.value.errno == errno.EFBIG
+    assert failure.value.errno == errno.EFBIG and failure.value.filename == str(path)  # `pack` names it
     assert_only_the_old_json(path)
 
 

@@ -28,6 +28,7 @@ from k3stream.engine.perplexity import (
 )
 from k3stream.gguf.reader import K3Checkpoint
 from llama_logits import llama_logits
+from pack_helpers import file_size_limit
 from test_model import f32_rewrite
 
 TEXT = Path(textwrap.__file__)  # any text the tiny vocabulary tokenizes: a stdlib source file
@@ -192,6 +193,35 @@ def test_base_writer_is_atomic(model_path, tokenizer, tmp_path):
     with pytest.raises(ValueError, match="rows written"):
         writer.close()  # 1 of 3 chunks
     assert list(tmp_path.iterdir()) == []
+
+
+def _write_base(target: Path, plan) -> None:
+    writer = BaseWriter(target, plan, 10)
+    for index in range(plan.n_chunk):
+        writer.add(torch.full((plan.scored, 10), float(index)))
+    writer.close()
+
+
+@pytest.mark.parametrize("share", [0, 0.5])  # room for none of it (the metadata fails), for half of it
+def test_a_base_that_meets_a_full_disk_leaves_nothing_and_names_its_file(
+    tokenizer, tmp_path, monkeypatch, share
+):
+    """A full disk while the metadata was written left the partial file, and its open zip printed a
+    traceback as it was collected; the error named no file ("[Errno 28] No space left on device")."""
+    import gc
+
+    plan = _plan(tokenizer)
+    _write_base(tmp_path / "whole.npz", plan)
+    room = int((tmp_path / "whole.npz").stat().st_size * share)
+    (tmp_path / "whole.npz").unlink()
+    unraisable = []
+    monkeypatch.setattr("sys.unraisablehook", unraisable.append)
+    target = tmp_path / "base.npz"
+    with pytest.raises(OSError) as failed, file_size_limit(room):
+        _write_base(target, plan)
+    gc.collect()
+    assert failed.value.filename == str(target) and list(tmp_path.iterdir()) == []
+    assert unraisable == []
 
 
 def _kld_run(capsys, model, base, *extra) -> str:

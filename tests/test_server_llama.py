@@ -617,6 +617,23 @@ def flagged(model_path, tmp_path_factory):
     served.close()
 
 
+def test_a_template_that_renders_a_chat_to_nothing_is_a_400(model_path, tmp_path):
+    """`--chat-template-file` of a template that writes only the messages' text: an empty message
+    rendered an empty prompt, and the request failed with a 500 ("the prompt has no tokens")."""
+    template = tmp_path / "bare.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    served = served_from_runtime(load_runtime(model_path), ctx=512, chat_template_file=template)
+    try:
+        with keyed_server(served, KEY, max_batch=1) as thread:
+            empty = post(thread, "/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]})
+            said = post(thread, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
+    finally:
+        served.close()
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
+    assert empty.json()["error"]["message"] == "messages: the chat template renders them to no tokens"
+    assert said.status_code == 200
+
+
 def test_serve_flags_set_what_requests_leave_out_as_llama_servers_do(flagged, server):
     """`--temp`, `-n`, `--seed` and `--chat-template-kwargs` are what a request without those fields gets
     (shown in `/props`), a request's own fields still win; `--chat-template-file` renders the chats;

@@ -355,6 +355,13 @@ def test_slot_action_errors(server, slot_dir, model_path):
         "Unable to restore slot"
     )
     (slot_dir / "bad.k3slot").unlink()
+    complete(
+        server, prompt=PROMPT, id_slot=0, **GREEDY
+    )  # a state to save, over a folder's name: 400, not 500
+    (slot_dir / "folder.k3slot").mkdir()
+    reply = post(server, "/slots/0?action=save", {"filename": "folder.k3slot"})
+    assert llama_error(reply, 400) == "Unable to save slot: folder.k3slot is a folder"
+    (slot_dir / "folder.k3slot").rmdir()
     assert post(server, "/slots/0?action=save", {"filename": "x"}, headers={}).status_code == 401
     plain = served_from_runtime(load_runtime(model_path, stream_experts=False), ctx=256)  # no prompt cache
     with ServerThread(create_app(plain, ServerConfig(max_batch=1))) as off:

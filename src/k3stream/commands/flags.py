@@ -309,6 +309,7 @@ SAMPLING_FLAGS = {
     "min_p": "--min-p",
     "repetition_penalty": "--repeat-penalty",
     "repeat_last_n": "--repeat-last-n",
+    "seed": "--seed",
 }
 
 
@@ -339,13 +340,11 @@ def user_text(text: str, flag: str, escape: bool) -> str:
     """`text` as given (a flag, stdin, a typed message): its escapes replaced where `escape` (llama-cli's
     default), and UTF-8 text either way, else a one-line error naming `flag` (bytes that are not UTF-8
     reach Python's arguments and stdin as lone surrogates, which no tokenizer can encode)."""
-    if escape:
-        return process_escapes(text, flag)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise ValueError(f"{flag}: not UTF-8 text (character {exc.start})") from None
-    return text
+    return process_escapes(text, flag) if escape else text
 
 
 def process_escapes(text: str, flag: str) -> str:

@@ -27,7 +27,12 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from k3stream.commands.flags import add_cache_arguments, add_model_arguments, add_parallel_arguments
+    from k3stream.commands.flags import (
+        add_cache_arguments,
+        add_model_arguments,
+        add_parallel_arguments,
+        finite,
+    )
 
     # whole flag names only: llama-server's `--timeout 600` must not be taken for --timeout-keep-alive
     parser.allow_abbrev = False
@@ -123,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-body-mib",
-        type=float,
+        type=finite,
         default=4.0,
         help="largest request body in MiB; larger ones get 413 (default %(default)s)",
     )

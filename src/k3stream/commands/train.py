@@ -95,6 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_training_flags(args: argparse.Namespace) -> None:
     """One line naming the flag, before the corpus is read (torch's and numpy's words name none: a
     batch of 0 was a ZeroDivisionError traceback, a sequence of 0 'expected a non-empty list')."""
+    from k3stream.engine.sampling import SEEDS
+
     counts = {
         "--steps": args.steps,
         "--seq-len": args.seq_len,
@@ -104,6 +106,8 @@ def check_training_flags(args: argparse.Namespace) -> None:
     for flag, value in counts.items():
         if value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
+    if not 0 <= args.seed < SEEDS.stop:  # torch's generator takes it; the GGUF writer's takes no negative
+        raise ValueError(f"--seed must be in [0, 2^64), got {args.seed}")
     if args.warmup < 0 or not args.lr > 0 or not args.minutes > 0:
         raise ValueError(
             "--warmup must be >= 0, --lr and --minutes above 0, "

@@ -22,6 +22,7 @@ import os
 import zipfile
 import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,13 +187,26 @@ class BaseWriter:
         self.temp = _atomic_temp(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)  # as `pack --out` and `dequantize` do
         self.zip = zipfile.ZipFile(self.temp, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1)
-        for name, value in _meta_arrays(plan, n_vocab, model_name).items():
-            self._write_array(name, value)
-        self.member = self.zip.open("log_probs.npy", "w", force_zip64=True)
-        header = {"descr": "<u2", "fortran_order": False, "shape": (self.rows, n_vocab)}
-        np.lib.format.write_array_header_2_0(self.member, header)
+        self.member: Any = None
         self.scales: list[np.ndarray] = []
         self.mins: list[np.ndarray] = []
+        with self._writing():
+            for name, value in _meta_arrays(plan, n_vocab, model_name).items():
+                self._write_array(name, value)
+            self.member = self.zip.open("log_probs.npy", "w", force_zip64=True)
+            header = {"descr": "<u2", "fortran_order": False, "shape": (self.rows, n_vocab)}
+            np.lib.format.write_array_header_2_0(self.member, header)
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Any failure inside removes the partial file; an OSError (a full disk) names the base file."""
+        try:
+            yield
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, OSError) and exc.filename is None:
+                exc.filename = str(self.path)
+            raise
 
     def _write_array(self, name: str, value: np.ndarray) -> None:
         with self.zip.open(f"{name}.npy", "w", force_zip64=True) as member:
@@ -200,17 +214,15 @@ class BaseWriter:
 
     def add(self, logits: torch.Tensor) -> None:
         codes, scale, min_log_prob = quantize_log_probs(logits)
-        self.member.write(np.ascontiguousarray(codes, dtype="<u2").tobytes())
+        with self._writing():
+            self.member.write(np.ascontiguousarray(codes, dtype="<u2").tobytes())
         self.scales.append(scale.astype("<f4"))
         self.mins.append(min_log_prob.astype("<f4"))
 
     def close(self) -> Path:
         """Finish the file and rename it into place; on any failure nothing is left behind."""
-        try:
+        with self._writing():
             self._finish()
-        except BaseException:
-            self.abort()
-            raise
         os.replace(self.temp, self.path)
         return self.path
 
@@ -226,11 +238,9 @@ class BaseWriter:
             os.fsync(f.fileno())
 
     def abort(self) -> None:
-        try:
-            self.member.close()
-            self.zip.close()
-        except (OSError, ValueError):
-            pass
+        for stream in (self.member, self.zip):  # each closed, so no file is left open for the collector
+            with suppress(OSError, ValueError, AttributeError):
+                stream.close()
         self.temp.unlink(missing_ok=True)
 
 

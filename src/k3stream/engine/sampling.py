@@ -22,6 +22,10 @@ import torch
 GREEDY_BELOW = 1e-5
 
 
+# the seeds a torch generator takes (`manual_seed` refuses others with "Overflow when unpacking long long")
+SEEDS = range(-(1 << 63), 1 << 64)
+
+
 class NonFiniteLogits(ValueError):
     """The model produced NaN or infinite logits; the request fails instead of sampling garbage."""
 
@@ -68,6 +72,7 @@ class SamplingParams:
                 "logit_bias values must be in [-100, 100] or minus infinity (the token is never chosen)",
             ),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.seed is None or self.seed in SEEDS, f"seed must be in [-2^63, 2^64), got {self.seed}"),
             (all(self.stop), "stop strings must not be empty"),
         ]
         for ok, message in checks:

@@ -7,7 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from k3stream.gguf.header import ARRAY, STRING
+
 ARCH = "kimi-k3"
+TOKENS_KEY = "tokenizer.ggml.tokens"
 
 
 def field_value(field: Any, source: str) -> Any:
@@ -96,15 +99,29 @@ class _Keys:
         they must agree: llama.cpp sizes the embedding by the tokens, and a sampled id past the tokens
         would have no text."""
         value = self.integer("vocab_size", required=False)
-        tokens = self.fields.get("tokenizer.ggml.tokens")
-        count = 0 if tokens is None else len(getattr(tokens, "data", tokens))  # ReaderField: index a token
+        count = self._token_count()
         if value is not None:
             if count and count != value:
-                raise self.bad("vocab_size", f"{count}, the tokens in tokenizer.ggml.tokens", value)
+                raise self.bad("vocab_size", f"{count}, the tokens in {TOKENS_KEY}", value)
             return value
         if not count:
             raise ValueError(f"{self.source}: missing metadata key {ARCH}.vocab_size (and no tokenizer)")
         return count
+
+    def _token_count(self) -> int:
+        """The tokens `tokenizer.ggml.tokens` holds, 0 where it is absent; any value but an array of
+        strings is refused naming the key (a number array is one part of a ReaderField, not a count)."""
+        tokens = self.fields.get(TOKENS_KEY)
+        if tokens is None:
+            return 0
+        types = getattr(tokens, "types", None)
+        if types is None:  # a plain {key: value} mapping
+            strings = isinstance(tokens, list) and all(isinstance(token, str) for token in tokens)
+        else:
+            strings = list(types) == [ARRAY, STRING]
+        if not strings:
+            raise ValueError(f"{self.source}: metadata key {TOKENS_KEY} must be an array of strings")
+        return len(getattr(tokens, "data", tokens))  # ReaderField: one index a token
 
     def layer_flags(self, key: str, n_layers: int) -> tuple[int, ...]:
         value = self._raw(key, True)

@@ -40,7 +40,7 @@ from k3stream.pack.manifest import (
     tokenizer_values,
 )
 from k3stream.pack.paths import default_outputs, manifest_path_for
-from k3stream.pack.verify import check_finite_payload, check_index
+from k3stream.pack.verify import check_finite_payload, check_index, evenly_spaced
 
 log = logging.getLogger(__name__)
 
@@ -245,24 +245,16 @@ def first_bad_entry(plan: PackPlan, sources: SourceFiles, partial_fd: int, count
     return count
 
 
-def sample_indices(count: int, samples: int) -> list[int]:
-    """Evenly spaced entries, first and last included (sglang's choice)."""
-    if samples <= 0:
-        return []
-    if samples == 1:
-        return [0]
-    return sorted({round(k * (count - 1) / (samples - 1)) for k in range(samples)})
-
-
 def verify_samples(plan: PackPlan, sources: SourceFiles, pack_fd: int, samples: int) -> int:
-    for index in sample_indices(plan.layout.index_count, samples):
+    indices = evenly_spaced(plan.layout.index_count, samples)
+    for index in indices:
         entry = plan.layout.entry(index)
         path, offset, tensor = plan.source(index)
         if not same_bytes(pack_fd, entry.offset, sources.fd(path, tensor), offset, entry.nbytes):
             raise RuntimeError(
                 f"expert-pack payload does not match GGUF source for {entry.name} expert {entry.expert}"
             )
-    return len(sample_indices(plan.layout.index_count, samples))
+    return len(indices)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def write_bytes_atomic(path: Path, payload: bytes | Sequence[bytes | memoryview]
     """`payload` (bytes, or parts written one after another: no joined copy) to a temp file
     (`<name>.tmp<pid>.<thread>`: concurrent writers never share one), fsync, rename, fsync the
     directory: readers see the old file or the new one, and a failure (full disk, Ctrl-C) leaves no
-    temp file behind."""
+    temp file behind; an OSError names `path`."""
     temporary = path.with_name(f"{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
     parts = [payload] if isinstance(payload, bytes) else payload
     try:
@@ -75,8 +75,10 @@ def write_bytes_atomic(path: Path, payload: bytes | Sequence[bytes | memoryview]
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as exc:
         temporary.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:  # a full disk's error names no file
+            exc.filename = str(path)
         raise
     fsync_directory(path.parent)
 

@@ -498,12 +498,18 @@ def check_structure(
     return CheckedPack(manifest, manifest_path, path, expected, layout, index)
 
 
-def sample_objects(checked: CheckedPack, samples: int) -> list[int]:
-    """Evenly spaced object ordinals, first and last included."""
-    count = len(checked.layout.moe_layers) * checked.layout.num_experts
+def evenly_spaced(count: int, samples: int) -> list[int]:
+    """`samples` evenly spaced indices of `count` (sglang's choice), first and last included; every index
+    where `samples` reaches `count`."""
+    samples = min(samples, count)
     if samples <= 1:
         return [0][:samples]
-    return sorted({round(k * (count - 1) / (samples - 1)) for k in range(min(samples, count))})
+    return [round(k * (count - 1) / (samples - 1)) for k in range(samples)]
+
+
+def sample_objects(checked: CheckedPack, samples: int) -> list[int]:
+    """Evenly spaced object ordinals, first and last included."""
+    return evenly_spaced(len(checked.layout.moe_layers) * checked.layout.num_experts, samples)
 
 
 def check_object_samples(

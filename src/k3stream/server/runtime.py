@@ -179,6 +179,8 @@ class ServedModel(Runtime):
         if prefill:
             tokens += self.pieces.get(("plain", prefill), self.tokenizer.encode_plain)
             in_reasoning = in_reasoning and self.kimi.spell(self.kimi.think[1]) not in prefill
+        if not tokens:  # a template may render a conversation (or everything) to no text
+            raise invalid_request("messages: the chat template renders them to no tokens", param="messages")
         return ChatPrompt(
             tokens=tokens,
             tool_names=tuple(tool.function.name for tool in body.tools or []),

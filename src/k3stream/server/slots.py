@@ -247,6 +247,8 @@ class SlotActions:
         tokens = self.table.tokens(slot)
         try:
             saved, written = self.cache.export(tokens, path) if tokens else (0, 0)
+        except IsADirectoryError:  # the request's name, not the server, is at fault
+            raise LlamaError(400, f"Unable to save slot: {filename} is a folder") from None
         except OSError as error:
             raise LlamaError(500, f"cannot write {filename}: {error.strerror}", type="server_error") from None
         if not saved:
