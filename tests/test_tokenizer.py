@@ -507,3 +507,16 @@ def test_end_marks_are_control_tokens_whatever_type_the_file_gives_them(model_pa
         tokenizer.token_id("<|im_end|>")
     ]
     llama.close()
+
+
+def test_generate_builds_a_files_tokenizer_once(model_path, tmp_path, caplog, capsys):
+    """The prompt's ids are made before the load, and the load asks for the tokenizer again: one build,
+    so a file's warning (here an out-of-range BOS id) is said once."""
+    bad_bos = rewrite(
+        model_path,
+        tmp_path / "bad-bos.gguf",
+        set_keys={"tokenizer.ggml.bos_token_id": (99999, GGUFValueType.UINT32)},
+    )
+    with caplog.at_level("WARNING"):
+        assert main(["generate", str(bad_bos), "--prompt", "hi", "-n", "2", "--no-stream-experts"]) == 0
+    assert caplog.text.count("tokenizer.ggml.bos_token_id is 99999") == 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache, cached_property
@@ -254,10 +255,16 @@ class Tokenizer:
         """From a GGUF path (any shard) or an opened `K3Checkpoint`."""
         from k3stream.gguf.reader import K3Checkpoint
 
-        if isinstance(path_or_checkpoint, K3Checkpoint):
-            checkpoint = path_or_checkpoint
-        else:
-            checkpoint = K3Checkpoint.open(Path(path_or_checkpoint))
+        if not isinstance(path_or_checkpoint, K3Checkpoint):
+            return cls._build(K3Checkpoint.open(Path(path_or_checkpoint)))
+        # commands ask before the load (the prompt's ids) and the load asks again: one build, one warning
+        built = _BY_CHECKPOINT.get(path_or_checkpoint)
+        if built is None:
+            built = _BY_CHECKPOINT[path_or_checkpoint] = cls._build(path_or_checkpoint)
+        return built
+
+    @classmethod
+    def _build(cls, checkpoint: Any) -> Tokenizer:
         return cls(_read_fields(checkpoint.metadata, str(checkpoint.shards[0])))
 
     def encode(self, text: str, *, allow_special: bool = False, add_bos: bool | None = None) -> list[int]:
@@ -327,3 +334,7 @@ class StreamDecoder:
     def flush(self) -> str:
         """Whatever is still held back (an incomplete sequence becomes U+FFFD)."""
         return self._utf8.decode(b"", final=True)
+
+
+# the tokenizer built for each open checkpoint, while it is open
+_BY_CHECKPOINT: weakref.WeakKeyDictionary[Any, Tokenizer] = weakref.WeakKeyDictionary()
