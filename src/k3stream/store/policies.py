@@ -243,10 +243,11 @@ class CycleAwarePolicy:
         weight = self._steps / self._half_life
         previous = self._score.get(key)
         if previous is not None:
-            high, low = max(previous, weight), min(previous, weight)
+            high, low = (previous, weight) if previous >= weight else (weight, previous)
             weight = high + math.log2(1.0 + 2.0 ** (low - high))
         self._score[key] = weight
-        self._speculative.pop(key, None)
+        if self._speculative:
+            self._speculative.pop(key, None)
         if key in self._resident:
             self._push(key)
 

@@ -211,6 +211,28 @@ class FrontTier(Tier):
             self.prefetch_counts["prefetch_hits"] += 1
         return hit
 
+    def lookup_resident(self, keys: list[Key]) -> None:
+        """`lookup` of each of `keys`, all of one layer and resident (a step `hold` serves), in one pass:
+        the same policy accesses in the same order, the same counts."""
+        access, fresh, ahead, unused = self.cache.policy.access, self.fresh, self.ahead, self.unused
+        misses = prefetch_hits = 0
+        for key in keys:
+            access(key)
+            fresh.pop(key, None)
+            if key in ahead:  # read for this very step, only earlier: a miss
+                misses += 1
+                unused.discard(key)
+            elif key in unused:
+                unused.discard(key)
+                prefetch_hits += 1
+        hits = len(keys) - misses
+        layer = self.layer_counts[keys[0][0]]
+        self.counts["cache_hits"] += hits
+        self.counts["cache_misses"] += misses
+        layer["hits"] += hits
+        layer["misses"] += misses
+        self.prefetch_counts["prefetch_hits"] += prefetch_hits
+
     def speculative(self) -> int:
         return len(self.unused) + super().speculative()
 
