@@ -256,7 +256,8 @@ class ExpertStore:
                 return False
             self._begin_step(layer, keys)
             compute.lookup_resident(keys)
-            objects[:] = [buffers[key].data_ptr() for key in keys]
+            addresses = compute.addresses
+            objects[:] = [addresses[key] for key in keys]
             self._end_step(keys, started)
         return True
 

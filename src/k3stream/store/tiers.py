@@ -165,6 +165,7 @@ class FrontTier(Tier):
         # keys read ahead for the fetch that follows (the rest of a step): that fetch counts them as
         # misses, and they are neither prefetch loads nor prefetch uses (they are not predictions)
         self.ahead: set[Key] = set()
+        self.addresses: dict[Key, int] = {}  # of each resident host buffer (what `hold` hands out)
         self._stepping: set[int] = set()  # the layers of the latest fetch
         self._step = 0  # steps begun (a fetch of other layers than the one before begins one)
         self.layer_counts = {layer: Counter(hits=0, misses=0) for layer in layers}
@@ -248,9 +249,13 @@ class FrontTier(Tier):
                 self.unused.add(key)
                 self.hold([key])
         super().install(key, buffer, ready)
+        if self.uploader is None:
+            self.addresses[key] = buffer.data_ptr()
 
     def evict(self, keys: list[Key]) -> None:
         super().evict(keys)
+        for key in keys:
+            self.addresses.pop(key, None)
         self.ahead.difference_update(keys)
         unused = self.unused.intersection(keys)
         self.prefetch_counts["prefetch_unused_evictions"] += len(unused)
