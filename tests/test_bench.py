@@ -108,6 +108,8 @@ def test_bench_text_report_with_llama_cpp(model):
     assert speeds is not None, llama
     assert all(float(value) > 0 for value in speeds.groups())
     assert any(line.startswith("warm-up: k3stream and llama.cpp each ran the prompt") for line in lines)
+    steps = re.search(r"median decode step ([\d.]+) ms, llama.cpp's ([\d.]+) ms \(([\d.]+)x\)", llama)
+    assert steps is not None and all(float(value) > 0 for value in steps.groups()), llama
 
 
 @requires_llama

@@ -252,11 +252,16 @@ def _llama_line(llama: dict[str, Any], phases: list[dict[str, Any]]) -> str:
         if llama["decode_tokens_per_s"]
         else "n/a"
     )
-    return (
+    line = (
         f"llama.cpp (mmap, {llama['threads']} threads): prefill {llama['prefill_tokens_per_s']:.2f} tok/s, "
         f"decode {llama['decode_tokens_per_s']:.2f} tok/s; k3stream decode speed is {ratio} llama.cpp's, "
         f"prefill {prefill['tokens_per_s'] / llama['prefill_tokens_per_s']:.2f}x"
     )
+    # the median step: steadier than a short phase's total on a busy machine, where one delayed step moves it
+    if llama["median_step_ms"] and decode.get("median_step_ms"):
+        ours, theirs = decode["median_step_ms"], llama["median_step_ms"]
+        line += f"; median decode step {ours:.3f} ms, llama.cpp's {theirs:.3f} ms ({theirs / ours:.2f}x)"
+    return line
 
 
 def _peak_line(expert_bytes: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -172,13 +173,19 @@ def run_k3stream(runtime: Runtime, prompt_ids: list[int], decode_tokens: int) ->
         decoded.append(int(prefill_last(model, state, prompt_ids).argmax()))
         step_done(len(prompt_ids))
 
+    step_seconds: list[float] = []
+
     def decode() -> None:
         for _ in range(decode_tokens):
+            started = time.perf_counter()
             decoded.append(int(model.decode(state, decoded[-1]).argmax()))
+            step_seconds.append(time.perf_counter() - started)
             step_done(1)
 
     phases = [_measured("prefill", len(prompt_ids), model, store, prefill)]
     phases.append(_measured("decode", decode_tokens, model, store, decode))
+    if step_seconds:  # a step's own time: the phase's less the store's sampling after each step
+        phases[-1]["median_step_ms"] = 1e3 * statistics.median(step_seconds)
     phases[-1]["path"] = "eager" if model.program_for([state]) is None else "program"
     result: dict[str, Any] = {"phases": phases, "decoded_ids": decoded[:decode_tokens]}
     if store is not None:
@@ -245,8 +252,8 @@ for token in job["decode"]:  # warm-up: the timed run's own tokens, as k3stream'
     timed([token])
 model.reset()
 prefill_s = timed(job["prompt"])
-decode_s = sum(timed([token]) for token in job["decode"])
-print(json.dumps({"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s}))
+steps = [timed([token]) for token in job["decode"]]
+print(json.dumps({"load_s": load_s, "prefill_s": prefill_s, "decode_s": sum(steps), "steps": steps}))
 """
 
 
@@ -274,6 +281,7 @@ def run_llama(
         "load_s": times["load_s"],
         "prefill_tokens_per_s": len(prompt_ids) / times["prefill_s"],
         "decode_tokens_per_s": len(decode_ids) / times["decode_s"] if decode_ids else 0.0,
+        "median_step_ms": 1e3 * statistics.median(times["steps"]) if decode_ids else 0.0,
         "threads": threads,
         "mmap": True,
     }
