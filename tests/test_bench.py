@@ -67,6 +67,21 @@ def test_bench_reads_nothing_after_warmup_when_the_budget_holds_every_expert(mod
     assert store["pack_reads"] <= MOE_LAYERS * SPEC["n_experts"]  # every expert read at most once
 
 
+def test_bench_warms_up_with_the_timed_tokens_and_says_what_the_timed_phases_read(model):
+    """The warm-up runs the prompt and the tokens the timed decode decodes: with every expert in the
+    budget the timed decode's fetches all hit, and the report says what each timed phase read."""
+    gguf_path, manifest = model
+    flags = ("--ram-mib", _mib(pack_expert_bytes(manifest) + MIB), *TOKENS)
+    decode = bench_json(gguf_path, *flags)["k3stream"]["phases"][-1]
+    assert decode["tiers"]["ram"]["hit_rate"] == 1.0
+    status, out, err = run_cli("bench", str(gguf_path), *flags)
+    assert status == 0, err
+    warmup = next(line for line in out.splitlines() if line.startswith("warm-up: k3stream ran"))
+    assert re.search(
+        r"the timed phases read from the pack: prefill \d+ \([\d.]+ KiB a token\), decode", warmup
+    )
+
+
 def test_bench_without_a_pack_reports_speed_only(model):
     gguf_path, _manifest = model
     results = bench_json(gguf_path, "--no-stream-experts", *TOKENS)
@@ -92,6 +107,9 @@ def test_bench_text_report_with_llama_cpp(model):
     )
     assert speeds is not None, llama
     assert all(float(value) > 0 for value in speeds.groups())
+    assert any(line.startswith("warm-up: k3stream and llama.cpp each ran the prompt") for line in lines)
+    steps = re.search(r"median decode step ([\d.]+) ms, llama.cpp's ([\d.]+) ms \(([\d.]+)x\)", llama)
+    assert steps is not None and all(float(value) > 0 for value in steps.groups()), llama
 
 
 @requires_llama

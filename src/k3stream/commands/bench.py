@@ -133,6 +133,8 @@ def report_lines(results: dict[str, Any]) -> list[str]:
     if "pack" in results:
         lines += _budget_lines(results["pack"], k3["expert_bytes"])
     lines += ["", *_phase_table(k3["phases"]), _path_line(k3["phases"][-1])]
+    if "pack" in results:
+        lines.append(_warmup_line(k3["phases"], "llama_cpp" in results))
     if "sequential_read" in results:
         lines.append(_sequential_line(results["sequential_read"], k3["phases"][-1]))
     if "llama_cpp" in results:
@@ -151,6 +153,19 @@ def _path_line(decode: dict[str, Any]) -> str:
     """Which decode step the timed decode ran: the one `generate` and `serve` run for the model."""
     step = "the decode program" if decode["path"] == "program" else "the eager forward"
     return f"the timed decode ran {step}, as generate and serve do"
+
+
+def _warmup_line(phases: list[dict[str, Any]], llama: bool) -> str:
+    """What the timed phases ran after, and what they read from the pack."""
+    engines = "k3stream and llama.cpp each" if llama else "k3stream"
+    reads = ", ".join(
+        f"{phase['phase']} {phase['pack_reads']} ({phase['bytes_per_token'] / 1024:.1f} KiB a token)"
+        for phase in phases
+    )
+    return (
+        f"warm-up: {engines} ran the prompt and the decoded tokens once before the timed run; "
+        f"experts the timed phases read from the pack: {reads}"
+    )
 
 
 def _hints_line(phase: dict[str, Any]) -> str:
@@ -237,11 +252,16 @@ def _llama_line(llama: dict[str, Any], phases: list[dict[str, Any]]) -> str:
         if llama["decode_tokens_per_s"]
         else "n/a"
     )
-    return (
+    line = (
         f"llama.cpp (mmap, {llama['threads']} threads): prefill {llama['prefill_tokens_per_s']:.2f} tok/s, "
         f"decode {llama['decode_tokens_per_s']:.2f} tok/s; k3stream decode speed is {ratio} llama.cpp's, "
         f"prefill {prefill['tokens_per_s'] / llama['prefill_tokens_per_s']:.2f}x"
     )
+    # the median step: steadier than a short phase's total on a busy machine, where one delayed step moves it
+    if llama["median_step_ms"] and decode.get("median_step_ms"):
+        ours, theirs = decode["median_step_ms"], llama["median_step_ms"]
+        line += f"; median decode step {ours:.3f} ms, llama.cpp's {theirs:.3f} ms ({theirs / ours:.2f}x)"
+    return line
 
 
 def _peak_line(expert_bytes: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -141,7 +142,10 @@ def _measured(name: str, tokens: int, model: Any, store: Any, work: Callable[[],
 
 
 def run_k3stream(runtime: Runtime, prompt_ids: list[int], decode_tokens: int) -> dict[str, Any]:
-    """Warm up with the prompt and one decode step, then time a prefill and `decode_tokens` greedy steps.
+    """Warm up with the run itself (the prompt and its `decode_tokens` greedy steps, at least one:
+    the tokens the timed run decodes, as llama.cpp's warm-up runs them, `run_llama`), then time a
+    prefill and `decode_tokens` greedy steps. The timed phases read from the pack only what the
+    budget could not keep of the warm-up's experts (their `pack_reads`).
 
     The model runs as loaded, as `generate` and `serve` run it: the decode step takes the decode
     program where they take it (the decode phase's `path`), and the hints scored are those that path
@@ -156,9 +160,12 @@ def run_k3stream(runtime: Runtime, prompt_ids: list[int], decode_tokens: int) ->
             store.end_token(tokens)
             peak.sample(store)
 
-    warm = model.new_state()  # warmup: first-call costs of both paths, and a realistic cache
-    model.decode(warm, int(prefill_last(model, warm, prompt_ids).argmax()))
-    step_done(len(prompt_ids) + 1)
+    warm = model.new_state()  # first-call costs of both paths, and the cache the run leaves
+    token = int(prefill_last(model, warm, prompt_ids).argmax())
+    step_done(len(prompt_ids))
+    for _ in range(max(decode_tokens, 1)):
+        token = int(model.decode(warm, token).argmax())
+        step_done(1)
     state = model.new_state()
     decoded: list[int] = []
 
@@ -166,13 +173,19 @@ def run_k3stream(runtime: Runtime, prompt_ids: list[int], decode_tokens: int) ->
         decoded.append(int(prefill_last(model, state, prompt_ids).argmax()))
         step_done(len(prompt_ids))
 
+    step_seconds: list[float] = []
+
     def decode() -> None:
         for _ in range(decode_tokens):
+            started = time.perf_counter()
             decoded.append(int(model.decode(state, decoded[-1]).argmax()))
+            step_seconds.append(time.perf_counter() - started)
             step_done(1)
 
     phases = [_measured("prefill", len(prompt_ids), model, store, prefill)]
     phases.append(_measured("decode", decode_tokens, model, store, decode))
+    if step_seconds:  # a step's own time: the phase's less the store's sampling after each step
+        phases[-1]["median_step_ms"] = 1e3 * statistics.median(step_seconds)
     phases[-1]["path"] = "eager" if model.program_for([state]) is None else "program"
     result: dict[str, Any] = {"phases": phases, "decoded_ids": decoded[:decode_tokens]}
     if store is not None:
@@ -235,17 +248,20 @@ def timed(tokens):
     model.eval(tokens)
     return time.perf_counter() - started
 timed(job["prompt"])
+for token in job["decode"]:  # warm-up: the timed run's own tokens, as k3stream's
+    timed([token])
 model.reset()
 prefill_s = timed(job["prompt"])
-decode_s = sum(timed([token]) for token in job["decode"])
-print(json.dumps({"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s}))
+steps = [timed([token]) for token in job["decode"]]
+print(json.dumps({"load_s": load_s, "prefill_s": prefill_s, "decode_s": sum(steps), "steps": steps}))
 """
 
 
 def run_llama(
     gguf: str | os.PathLike[str], prompt_ids: list[int], decode_ids: list[int], threads: int
 ) -> dict[str, Any]:
-    """llama.cpp (mmap, CPU) on the same prompt, then fed the same tokens k3stream decoded."""
+    """llama.cpp (mmap, CPU) on the same prompt, then fed the same tokens k3stream decoded; warmed up
+    as `run_k3stream` is, with the prompt and those tokens."""
     job = {
         "model": str(gguf),
         "n_ctx": len(prompt_ids) + len(decode_ids) + 8,
@@ -265,6 +281,7 @@ def run_llama(
         "load_s": times["load_s"],
         "prefill_tokens_per_s": len(prompt_ids) / times["prefill_s"],
         "decode_tokens_per_s": len(decode_ids) / times["decode_s"] if decode_ids else 0.0,
+        "median_step_ms": 1e3 * statistics.median(times["steps"]) if decode_ids else 0.0,
         "threads": threads,
         "mmap": True,
     }

@@ -66,6 +66,17 @@ class SituMLP:
 
 
 @dataclass
+class HeldStep:
+    """A one-row step's routed experts as a source holds them: `ids` (the chosen, a view of the routing's
+    output), their objects' addresses (`objects`, what `experts_at` reads) and whether the routing's
+    step held them (`early`)."""
+
+    ids: np.ndarray
+    objects: np.ndarray
+    early: bool = False
+
+
+@dataclass
 class MoEWeights:
     router: Linear  # E -> X
     correction_bias: torch.Tensor  # [X]
@@ -225,11 +236,12 @@ class LatentMoE:
             bind_linear(self.projections, h, joint, threads),
             cpu.bind_route(logits, w.correction_bias, how, chosen, weights),
         ]
+        routed = h.new_empty(latent.shape)
+        tail, held = self._routed_steps(latent, chosen, weights, routed, threads)
         if self.source.reads_ahead or self.source.prefetches:  # reads start while the shared expert
             # computes; `chosen` is kept for the hints' scoring
-            head.append(cpu.python_step(lambda: self._start_step(chosen)))
-        routed = h.new_empty(latent.shape)
-        tail = self._routed_steps(latent, chosen, weights, routed, threads)
+            start = self._start_step if held is None else functools.partial(self._start_held, held)
+            head.append(cpu.python_step(lambda: start(chosen)))
         normed = routed
         if w.routed_norm is not None:
             normed = torch.empty_like(routed)
@@ -244,22 +256,23 @@ class LatentMoE:
         weights: torch.Tensor,
         out: torch.Tensor,
         threads: int,
-    ) -> list[cpu.Call]:
+    ) -> tuple[list[cpu.Call], HeldStep | None]:
         """A one-row step's routed experts summed into `out`: from a source holding all the layer's
         experts in RAM (`resident`), the chosen experts' MLP in one C call on their addresses, then the
         weighted sum; from one that holds a step's experts (`hold`), a Python step holding them, then
-        one C call (their MLP and sum); else a Python step (`_routed_sum`: the fetch, then the same
+        one C call (their MLP and sum), with the step they are held for (the routing's step may hold
+        them first: `_start_held`); else a Python step (`_routed_sum`: the fetch, then the same
         products and sum)."""
         pairs = latent.new_empty(chosen.shape[1], latent.shape[1])
         summed = cpu.python_step(lambda: self._routed_sum(latent, chosen, weights, out))
         if self.routed_pairs != self._routed_pairs:  # expert parallelism: an exchange computes them
-            return [summed]
+            return [summed], None
         resident = self.source.resident(self.layer)
         if resident is not None:
             roles = [(r.data, r.nbytes, r.ggml_type, r.shape) for r in (resident[n] for n in MLP_ROLES)]
             how = (self.activation, pairs, threads, self.match_ggml, self.backend)
             call = bind_chosen_experts(latent, chosen, roles, *how)
-            return [summed] if call is None else [call, cpu.bind_combine(pairs, weights, out)]
+            return ([summed] if call is None else [call, cpu.bind_combine(pairs, weights, out)]), None
         placed = self.source.object_roles(self.layer)
         objects = np.empty(chosen.shape[1], dtype=np.int64)
         call = None
@@ -269,20 +282,33 @@ class LatentMoE:
             how = (threads, self.match_ggml, self.backend)
             call = bind_experts_at(latent, torch.from_numpy(objects), roles, self.activation, *sums, *how)
         if call is None:
-            return [summed]
-        ids = chosen[0].numpy()
-        return [cpu.python_step(lambda: self._hold_or_sum(ids, objects, summed)), call]
+            return [summed], None
+        held = HeldStep(chosen[0].numpy(), objects)
+        return [cpu.python_step(lambda: self._hold_or_sum(held, summed)), call], held
 
-    def _hold_or_sum(self, ids: np.ndarray, objects: np.ndarray, summed: cpu.Call) -> None:
-        """A one-row step's routed experts (`ids`: the chosen) held by the source for the C call that
-        follows (`experts_at` on their `objects`, pinned until this thread's next fetch), or, where some
-        are not in RAM, summed here (`summed`: their reads awaited group by group) and `objects[0]` zeroed
-        (the call then does nothing). NumPy and C only: a torch operation costs tens of microseconds
-        once a token's weight reads evicted its code."""
-        if self.source.hold(self.layer, ids.tolist(), objects):
+    def _start_held(self, held: HeldStep, chosen: torch.Tensor) -> None:
+        """The routing's Python step of a one-row step whose experts the source holds: where all of them
+        are in RAM, held at once (one store call: nothing to read ahead, `_hold_or_sum` has nothing
+        left to do); else `_start_step` (their reads start)."""
+        self.chosen = chosen
+        held.early = self.source.hold(self.layer, held.ids.tolist(), held.objects)
+        if held.early:
+            self._asked = []
+        else:
+            self._start_step(chosen)
+
+    def _hold_or_sum(self, held: HeldStep, summed: cpu.Call) -> None:
+        """A one-row step's routed experts held by the source for the C call that follows (`experts_at`
+        on their `objects`, pinned until this thread's next fetch; already held where the routing's
+        step held them), or, where some are not in RAM, summed here (`summed`: their reads awaited group
+        by group) and `objects[0]` zeroed (the call then does nothing). NumPy and C only: a torch
+        operation costs tens of microseconds once a token's weight reads evicted its code."""
+        if held.early:
+            return
+        if self.source.hold(self.layer, held.ids.tolist(), held.objects):
             self._asked = []  # what __call__ read ahead: all of it resident, held here
         else:
-            objects[0] = 0
+            held.objects[0] = 0
             cpu.run_calls([summed])
 
     def _start_step(self, chosen: torch.Tensor) -> None:

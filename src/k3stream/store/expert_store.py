@@ -250,13 +250,14 @@ class ExpertStore:
         started = time.perf_counter_ns()
         keys = self._step_keys(layer, expert_ids)
         with self._lock:
-            buffers = self._compute.buffers
-            if self._compute.uploader is not None or not all(key in buffers for key in keys):
+            compute = self._compute
+            buffers = compute.buffers
+            if compute.uploader is not None or not all(key in buffers for key in keys):
                 return False
             self._begin_step(layer, keys)
-            for key in keys:
-                self._compute.lookup(key)
-            objects[:] = [buffers[key].data_ptr() for key in keys]
+            compute.lookup_resident(keys)
+            addresses = compute.addresses
+            objects[:] = [addresses[key] for key in keys]
             self._end_step(keys, started)
         return True
 

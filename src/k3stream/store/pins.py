@@ -63,17 +63,23 @@ class StepPins:
 
     def unpin_dead_threads(self) -> bool:
         """Drop the pins of threads that have exited; returns whether there were any."""
+        others = {*self._steps, *self._ahead} - {threading.get_ident()}  # the calling thread runs
+        if not others:  # a decode's one thread: no list of the threads to make
+            return False
         alive = {thread.ident for thread in threading.enumerate()}
-        dead = [ident for ident in {*self._steps, *self._ahead} if ident not in alive]
+        dead = [ident for ident in others if ident not in alive]
         for ident in dead:
             self._unpin(self._steps.pop(ident, []))
             self._unpin(list(self._ahead.pop(ident, ())))
         return bool(dead)
 
     def _unpin(self, keys: list[Key]) -> None:
+        counts = self._counts
         for key in keys:
-            self._counts[key] -= 1
-            if self._counts[key] <= 0:
-                del self._counts[key]
+            left = counts[key] - 1
+            if left > 0:
+                counts[key] = left
+            else:
+                counts.pop(key, None)  # dict's pop: Counter's `del` runs in Python
         if keys:
             self._slot_freed.notify_all()

@@ -229,6 +229,10 @@ class CycleAwarePolicy:
         self._half_life = half_life_tokens * self._cycle  # in layer steps
         self._score: dict[Key, float] = {}
         self._heaps: dict[int, list[tuple[float, int, Key]]] = {}
+        # a layer's heap is rid of its stale entries once it grows past its limit: four times the live
+        # entries it kept the last time, and 64 (a heap as large as every layer's keys made each push of
+        # a many-layer model's decode step climb it, and each clearing a spike of milliseconds)
+        self._heap_limits: dict[int, int] = {}
         self._resident: set[Key] = set()
         self._speculative: OrderedDict[Key, None] = OrderedDict()
         self._steps = 0
@@ -243,10 +247,11 @@ class CycleAwarePolicy:
         weight = self._steps / self._half_life
         previous = self._score.get(key)
         if previous is not None:
-            high, low = max(previous, weight), min(previous, weight)
+            high, low = (previous, weight) if previous >= weight else (weight, previous)
             weight = high + math.log2(1.0 + 2.0 ** (low - high))
         self._score[key] = weight
-        self._speculative.pop(key, None)
+        if self._speculative:
+            self._speculative.pop(key, None)
         if key in self._resident:
             self._push(key)
 
@@ -280,14 +285,16 @@ class CycleAwarePolicy:
 
     def _push(self, key: Key) -> None:
         self._sequence += 1
-        heap = self._heaps.setdefault(key[0], [])
+        layer = key[0]
+        heap = self._heaps.setdefault(layer, [])
         heapq.heappush(heap, (self._score[key], self._sequence, key))
-        if len(heap) > 64 + 4 * len(self._resident):  # drop stale entries now and then
+        if len(heap) > self._heap_limits.get(layer, 64):  # drop stale entries now and then
             live = [
                 entry for entry in heap if entry[2] in self._resident and self._score[entry[2]] == entry[0]
             ]
             heapq.heapify(live)
-            self._heaps[key[0]] = live
+            self._heaps[layer] = live
+            self._heap_limits[layer] = 64 + 4 * len(live)
 
     def _evictable_head(self, heap: list, evictable: Callable[[Key], bool]) -> Key | None:
         """The lowest-score live evictable key of one layer's heap (pinned entries are put back)."""

@@ -165,6 +165,7 @@ class FrontTier(Tier):
         # keys read ahead for the fetch that follows (the rest of a step): that fetch counts them as
         # misses, and they are neither prefetch loads nor prefetch uses (they are not predictions)
         self.ahead: set[Key] = set()
+        self.addresses: dict[Key, int] = {}  # of each resident host buffer (what `hold` hands out)
         self._stepping: set[int] = set()  # the layers of the latest fetch
         self._step = 0  # steps begun (a fetch of other layers than the one before begins one)
         self.layer_counts = {layer: Counter(hits=0, misses=0) for layer in layers}
@@ -211,6 +212,28 @@ class FrontTier(Tier):
             self.prefetch_counts["prefetch_hits"] += 1
         return hit
 
+    def lookup_resident(self, keys: list[Key]) -> None:
+        """`lookup` of each of `keys`, all of one layer and resident (a step `hold` serves), in one pass:
+        the same policy accesses in the same order, the same counts."""
+        access, fresh, ahead, unused = self.cache.policy.access, self.fresh, self.ahead, self.unused
+        misses = prefetch_hits = 0
+        for key in keys:
+            access(key)
+            fresh.pop(key, None)
+            if key in ahead:  # read for this very step, only earlier: a miss
+                misses += 1
+                unused.discard(key)
+            elif key in unused:
+                unused.discard(key)
+                prefetch_hits += 1
+        hits = len(keys) - misses
+        layer = self.layer_counts[keys[0][0]]
+        self.counts["cache_hits"] += hits
+        self.counts["cache_misses"] += misses
+        layer["hits"] += hits
+        layer["misses"] += misses
+        self.prefetch_counts["prefetch_hits"] += prefetch_hits
+
     def speculative(self) -> int:
         return len(self.unused) + super().speculative()
 
@@ -226,9 +249,13 @@ class FrontTier(Tier):
                 self.unused.add(key)
                 self.hold([key])
         super().install(key, buffer, ready)
+        if self.uploader is None:
+            self.addresses[key] = buffer.data_ptr()
 
     def evict(self, keys: list[Key]) -> None:
         super().evict(keys)
+        for key in keys:
+            self.addresses.pop(key, None)
         self.ahead.difference_update(keys)
         unused = self.unused.intersection(keys)
         self.prefetch_counts["prefetch_unused_evictions"] += len(unused)
