@@ -15,6 +15,7 @@ share, 1 a thread of the region waiting for the other.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import threading
 import time
@@ -48,8 +49,14 @@ class SideThread:
         self.kind = "quiet"
         self.cpu_ns = 0
         self.period_s = period_s
-        self._fd = os.open(pack, os.O_RDONLY | os.O_DIRECT)
+        try:
+            self._fd = os.open(pack, os.O_RDONLY | os.O_DIRECT)
+        except OSError as exc:
+            raise SystemExit(f"{pack}: cannot be opened for O_DIRECT reads ({exc.strerror})") from None
         self._span = os.fstat(self._fd).st_size - RANGE_BYTES
+        if self._span <= 0:
+            os.close(self._fd)
+            raise SystemExit(f"{pack}: smaller than one {RANGE_BYTES >> 10} KiB range")
         self._buffer = prefaulted_buffer(RANGE_BYTES)
         self._cold = np.random.default_rng(1).integers(0, 256, size=(64, RANGE_BYTES), dtype=np.uint8)
         self._stop = False
@@ -70,7 +77,7 @@ class SideThread:
                 xxhash.xxh3_64_intdigest(self._buffer)
 
     def _run(self) -> None:
-        for i in range(1 << 62):
+        for i in itertools.count():
             if self._stop:
                 return
             kind = self.kind
