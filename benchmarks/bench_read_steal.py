@@ -105,6 +105,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    side = SideThread(args.pack, args.period_ms / 1000)
     rows, cols, matrices = 12288, 7168, 5
     rng = np.random.default_rng(0)
     weights = [q8_0_matrix(rows, cols, rng) for _ in range(matrices)]
@@ -115,7 +116,6 @@ def main() -> None:
         [rows] * matrices,
         [weights[0].shape[1]] * matrices,
     )
-    side = SideThread(args.pack, args.period_ms / 1000)
     wall: dict[str, list[float]] = {kind: [] for kind in KINDS}
     stolen: dict[str, list[float]] = {kind: [] for kind in KINDS}
     try:
