@@ -275,9 +275,8 @@ INLINE void kda_head_steps(float *mixed, const float *f, const float *dt_bias, c
  * more (Kimi-K3's 64 heads of 128 in decode, a prefill's tokens; each head on one thread, all its steps
  * in order, the same operations as on one: the same bits; heads and conv chunks taken one at a time as
  * threads come free, so a thread whose core a pack reader takes leaves its share to the other); else no
- * OpenMP region at all. One decode
- * step of 8 heads of 128 on this machine's two vCPUs ran slower on two (0.9 against 0.7 ms a mid
- * token): its compute-bound work barely gains from the second one. */
+ * OpenMP region at all. One decode step of 8 heads of 128 on this machine's two vCPUs ran slower on two
+ * (0.9 against 0.7 ms a mid token): its compute-bound work barely gains from the second one. */
 #define KDA_PARALLEL_MIN (1 << 20)
 /* A prefill's call (tokens > 1) keeps each head's state in its thread's cache for all its tokens: it
  * takes the threads from this much (a 644-token prefill of 4 heads of 16 took 0.9 ms a layer on one) */
