@@ -231,6 +231,25 @@ def test_integer_kernel_rows_do_not_depend_on_grouping_or_threads(qt, isa, monke
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("match_ggml", [True, False])
+@pytest.mark.parametrize("qt", [T.Q2_K, T.Q4_K, T.Q8_0, T.F16], ids=lambda t: t.name)
+def test_a_large_products_rows_keep_their_bits_on_any_thread_count(qt, match_ggml):
+    """Enough 32-row tasks (129, the last one short) that the threads' runs shrink to the split's
+    floor: every thread count cuts them elsewhere, and every output row keeps its bits."""
+    w = weight(qt, 4128, 256, seed=int(qt))
+    x = torch.randn(3, 256)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [qmatmul(x[:n], w, match_ggml=match_ggml) for n in (1, 3)]
+        for count in (2, 3, 4):
+            torch.set_num_threads(count)
+            for n, expected in zip((1, 3), alone, strict=True):
+                assert torch.equal(qmatmul(x[:n], w, match_ggml=match_ggml), expected), f"{count} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("qt", [T.F16, T.BF16], ids=lambda t: t.name)
 def test_match_ggml_rounds_the_inputs_of_types_without_integer_kernels(qt):
     w = weight(qt, 16, 512)

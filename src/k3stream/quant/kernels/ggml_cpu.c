@@ -1712,11 +1712,14 @@ static int64_t rows_used(const int64_t *starts, const int64_t *rows, int64_t mat
  * run here too (torch's rarely runs in decode), 1/4 M is where a mid-size decode gained most (1 M and
  * 4 M tried: up to 20% slower on 2 threads). */
 #define PARALLEL_MIN_MACS (1 << 18)
-/* Threads take runs of consecutive tasks (RUNS_PER_THREAD a thread, of equal multiply-adds), so each
- * reads a few long streams of rows, not every other 32-row task (whose start then finds nothing
- * prefetched): a 2-thread wide decode token 5-8% faster than tasks taken one at a time (1, 2 and 4
- * runs alike); more runs than threads leave a thread slowed by a busy core less to finish alone. */
-#define RUNS_PER_THREAD 4
+/* Threads take runs of consecutive tasks, each run 1 / (RUN_SHARE x threads) of the multiply-adds not
+ * yet in a run and none under 1 / RUNS_MAX of them, taken in order as the threads come free: the
+ * first runs are long, so each thread reads a few long streams of rows, not every other 32-row task
+ * (whose start then finds nothing prefetched; a 2-thread wide decode token 5-8% faster than tasks
+ * taken one at a time); the last are short, so a thread whose core another thread takes a while (a
+ * pack reader's system call or digest) leaves the other a short run to wait for, not an equal share. */
+#define RUN_SHARE 2
+#define RUNS_MAX 64
 
 /* A product ready to run: its Product, kernels and tasks (ROWS_PER_TASK output rows of one matrix each),
  * and the buffers it allocated (x's sub-block sums or its 8-bit blocks) */
@@ -1865,21 +1868,25 @@ static double task_macs(const Plan *plan, int64_t task) {
     return (double)(pr->starts[b + 1] - pr->starts[b]) * (double)rows * (double)pr->in_features;
 }
 
-/* The tasks (all the plans', in order) cut into `runs` runs of consecutive tasks of about equal
- * multiply-adds: run r is tasks bounds[r]..bounds[r + 1] */
-static void split_tasks(const Plan *plans, int64_t tasks, double macs, int runs, int64_t *bounds) {
-    double done = 0.0;
+/* The tasks (all the plans', in order) cut into runs of consecutive tasks, each about a share of the
+ * multiply-adds left (see RUN_SHARE): run r is tasks bounds[r]..bounds[r + 1]; returns the runs (at
+ * most RUNS_MAX + 1; bounds holds RUNS_MAX + 2) */
+static int split_tasks(const Plan *plans, int64_t tasks, double macs, int threads, int64_t *bounds) {
+    double done = 0.0, until = 0.0;
     int64_t task = 0;
+    int runs = 0;
     bounds[0] = 0;
-    for (int r = 1; r < runs; r++) {
-        const double until = macs * r / runs;
+    while (task < tasks && runs < RUNS_MAX) {
+        const double share = (macs - until) / (RUN_SHARE * threads);
+        until += share > macs / RUNS_MAX ? share : macs / RUNS_MAX;
         for (int64_t i = 0, own = task; task < tasks && done < until; task++, own++) {
             while (own >= plans[i].tasks) own -= plans[i++].tasks;
             done += task_macs(&plans[i], own);
         }
-        bounds[r] = task;
+        bounds[++runs] = task;
     }
-    bounds[runs] = tasks;
+    if (task < tasks) bounds[++runs] = tasks;
+    return runs;
 }
 
 /* Rows first..last - 1 of the plan's matrix b: TILE_W at a time by `tile` for many input rows, as
@@ -1936,9 +1943,8 @@ static void run_plans(Plan *plans, int64_t count, int threads) {
     if (threads <= 1) { /* no OpenMP region at all: a one-thread team between torch's resizes its pool */
         run_tasks(plans, 0, tasks);
     } else {
-        const int runs = RUNS_PER_THREAD * threads;
-        int64_t bounds[RUNS_PER_THREAD * threads + 1];
-        split_tasks(plans, tasks, macs, runs, bounds);
+        int64_t bounds[RUNS_MAX + 2];
+        const int runs = split_tasks(plans, tasks, macs, threads, bounds);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
         for (int run = 0; run < runs; run++) run_tasks(plans, bounds[run], bounds[run + 1]);
     }

@@ -273,9 +273,10 @@ INLINE void kda_head_steps(float *mixed, const float *f, const float *dt_bias, c
 
 /* Heads run on up to `threads` threads when a call's steps come to KDA_PARALLEL_MIN state values or
  * more (Kimi-K3's 64 heads of 128 in decode, a prefill's tokens; each head on one thread, all its steps
- * in order, the same operations as on one: the same bits); else no OpenMP region at all. One decode
- * step of 8 heads of 128 on this machine's two vCPUs ran slower on two (0.9 against 0.7 ms a mid
- * token): its compute-bound work barely gains from the second one. */
+ * in order, the same operations as on one: the same bits; heads and conv chunks taken one at a time as
+ * threads come free, so a thread whose core a pack reader takes leaves its share to the other); else no
+ * OpenMP region at all. One decode step of 8 heads of 128 on this machine's two vCPUs ran slower on two
+ * (0.9 against 0.7 ms a mid token): its compute-bound work barely gains from the second one. */
 #define KDA_PARALLEL_MIN (1 << 20)
 /* A prefill's call (tokens > 1) keeps each head's state in its thread's cache for all its tokens: it
  * takes the threads from this much (a 644-token prefill of 4 heads of 16 took 0.9 ms a layer on one) */
@@ -302,7 +303,7 @@ CLONES int k3_kda_recurrent(const float *proj, float *const *histories, const fl
     for (int64_t b = 0; b < batch; b++) {
         const int64_t first = b * tokens;
         const int64_t chunks = teams > 1 ? (width + CONV_CHUNK - 1) / CONV_CHUNK : 1;
-#pragma omp parallel for schedule(static) num_threads(teams) if (chunks > 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(teams) if (chunks > 1)
         for (int64_t chunk = 0; chunk < chunks; chunk++) {
             const int64_t c0 = chunk * CONV_CHUNK, c1 = chunks == 1 || c0 + CONV_CHUNK > width ? width : c0 + CONV_CHUNK;
             causal_conv_rows(proj + first * width, histories[b], conv_w, taps, width, tokens, mixed, c0, c1);
@@ -317,7 +318,7 @@ CLONES int k3_kda_recurrent(const float *proj, float *const *histories, const fl
 #pragma omp parallel num_threads(teams)
             {
                 float *own = scratch + 2 * dim * omp_get_thread_num();
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
                 for (int64_t h = 0; h < heads; h++)
                     kda_head_steps(mixed, fb, dt_bias, ssm_a, has_bound, bound, beta, states[b], gb, o_norm, h,
                                    heads, dim, tokens, eps, scale, own, yb);
@@ -664,7 +665,8 @@ int64_t k3_mla_scratch(int64_t length, int64_t heads, int64_t kv, int threads) {
 
 /* One query per head over a latent cache (MLA's absorbed decode attention,
  * k3stream.model.mla.MLA._attend_one), `attend_query`'s bits: when the work is large, its parts (and,
- * with fewer parts than threads, runs of heads) on up to `threads` threads, then their merge.
+ * with fewer parts than threads, runs of heads) on up to `threads` threads, taken as they come free,
+ * then their merge.
  * `scratch`: k3_mla_scratch(length, heads, kv, threads) floats. */
 CLONES_WIDE void k3_mla_attend(const float *query, const float *cache, int64_t length, int64_t heads, int64_t width,
                           int64_t kv, float scale, float *scratch, float *out, int threads) {
@@ -677,7 +679,7 @@ CLONES_WIDE void k3_mla_attend(const float *query, const float *cache, int64_t l
     const int64_t count = (length + ATTEND_PART - 1) / ATTEND_PART;
     const int64_t runs = count >= teams ? 1 : (teams < heads ? teams : heads);
     float *parts = scratch + (int64_t)teams * heads * ATTEND_PART;
-#pragma omp parallel for schedule(static) num_threads(teams)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(teams)
     for (int64_t task = 0; task < count * runs; task++) {
         const int64_t p = task / runs, run = task % runs;
         const int64_t t1 = (p + 1) * ATTEND_PART < length ? (p + 1) * ATTEND_PART : length;
