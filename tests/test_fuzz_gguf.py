@@ -213,8 +213,8 @@ def test_token_types_that_are_not_an_integer_array_are_named(source, tmp_path, v
     [(list(range(593)), GGUFValueType.ARRAY, GGUFValueType.INT32), ("abc", GGUFValueType.STRING, None)],
 )
 def test_tokens_that_are_not_a_string_array_are_named_at_open(source, tmp_path, value, vtype, sub_type):
-    """A number array of as many tokens was counted as one token ("kimi-k3.vocab_size must be 1, the
-    tokens in tokenizer.ggml.tokens"): the error blamed vocab_size, not the key at fault."""
+    """Tokens that are not an array of strings are the fault of that key, not of kimi-k3.vocab_size
+    (a number array must not count as one token)."""
     path = rewritten(
         source, tmp_path / "tokens.gguf", metadata={"tokenizer.ggml.tokens": (value, vtype, sub_type)}
     )

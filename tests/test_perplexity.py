@@ -206,8 +206,8 @@ def _write_base(target: Path, plan) -> None:
 def test_a_base_that_meets_a_full_disk_leaves_nothing_and_names_its_file(
     tokenizer, tmp_path, monkeypatch, share
 ):
-    """A full disk while the metadata was written left the partial file, and its open zip printed a
-    traceback as it was collected; the error named no file ("[Errno 28] No space left on device")."""
+    """A full disk while the base is written leaves no partial file, no open zip whose collection
+    prints a traceback, and an error naming the base file."""
     import gc
 
     plan = _plan(tokenizer)
