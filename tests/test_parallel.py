@@ -7,6 +7,7 @@ with one process.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -306,6 +307,39 @@ def test_serve_under_torchrun_answers_as_one_process_and_outlives_idle_time(pack
         assert time.monotonic() - killed < 30
     assert launcher.returncode != 0
     assert "rank: 1" in err or "rank 1" in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_sigterm_under_torchrun_finishes_the_running_stream_and_ends_every_rank(packed):
+    """SIGTERM to the launcher of an expert-parallel server while a stream runs (what torchrun sends
+    every rank on a user's stop): the stream ends as it would have (`finish_reason`, no error event), and
+    every rank ends with `terminated`, none naming a failed rank (rank 1 left at once, mid-step, and the
+    stream got `decode failed: rank 0: rank 1 failed or stopped`)."""
+    import httpx
+
+    from k3stream.server.live import free_port
+
+    port = free_port()
+    command = torchrun(2, "-m", "k3stream", "serve", str(packed), "--ep", "2", "--port", str(port))
+    command += ["--log-level", "warning", "--ram-mib", "0.1"]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 120, "temperature": 0}
+    body |= {"stream": True, "ignore_eos": True}
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=_env()) as launcher:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, launcher)
+        lines = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as streamed:
+            for line in streamed.iter_lines():
+                lines.append(line)
+                if len(lines) == 12:
+                    launcher.send_signal(signal.SIGTERM)
+        _out, err = launcher.communicate(timeout=60)
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]", lines[-3:]
+    assert not any("error" in event for event in events), events[-1]
+    assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
+    assert "failed" not in err and "k3stream serve: error" not in err, err[-3000:]
+    assert err.count("k3stream serve: terminated") == 1, err[-3000:]  # rank 0; rank 1 released
 
 
 @pytest.mark.slow

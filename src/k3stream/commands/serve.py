@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -12,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from k3stream.cli import Terminated
 from k3stream.server.guard import (
     API_KEY_ENV,
     LLAMA_API_KEY_ENV,
@@ -313,7 +315,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"k3stream serve: loading; {_url(args.host, listener)} answers 503 until ready", flush=True)
     try:
         # under torchrun rank 0 serves and the others follow; a failed rank stops the server (as Ctrl-C)
-        with parallel_runtime(args, on_failure=lambda: os.kill(os.getpid(), signal.SIGINT)) as runtime:
+        terminated = False
+        stop_server = functools.partial(os.kill, os.getpid(), signal.SIGINT)
+        with parallel_runtime(args, on_failure=stop_server, graceful=True) as runtime:
             if runtime is None:
                 return 0
             chosen = args.prefill_pass  # the pass the memory plan chose (`flags._fitted_plan`)
@@ -328,7 +332,10 @@ def run(args: argparse.Namespace) -> int:
             settle_heap()
             loading.stop()
             announce(runtime, served, config, _url(args.host, listener))
-            serve_on(app, listener, args.log_level, config)
+            terminated = serve_on(app, listener, args.log_level, config)
+        # a SIGTERM ends the command once the followers are released (the block left without error)
+        if terminated:
+            raise Terminated
     finally:
         if loading is not None:
             loading.stop()
@@ -336,8 +343,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_on(app: Any, listener: socket.socket, log_level: str, config: ServerConfig) -> None:
-    """uvicorn serving `app` on `listener` until Ctrl-C."""
+def serve_on(app: Any, listener: socket.socket, log_level: str, config: ServerConfig) -> bool:
+    """uvicorn serving `app` on `listener` until Ctrl-C or SIGTERM; True where a SIGTERM ended it."""
     import uvicorn
 
     from k3stream.server.guard import uvicorn_options
@@ -348,6 +355,8 @@ def serve_on(app: Any, listener: socket.socket, log_level: str, config: ServerCo
         server.run(sockets=[listener])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on (uvicorn.run drops it)
         pass
+    except Terminated:  # and the SIGTERM
+        return True
     finally:
         # the app's lifespan stops it too; this covers a uvicorn that never ran its shutdown
         app.state.scheduler.stop()
