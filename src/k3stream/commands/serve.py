@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import gc
 import json
@@ -12,6 +13,8 @@ import socket
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import uvicorn
 
 from k3stream.cli import Terminated
 from k3stream.server.guard import (
@@ -345,12 +348,11 @@ def run(args: argparse.Namespace) -> int:
 
 def serve_on(app: Any, listener: socket.socket, log_level: str, config: ServerConfig) -> bool:
     """uvicorn serving `app` on `listener` until Ctrl-C or SIGTERM; True where a SIGTERM ended it."""
-    import uvicorn
-
     from k3stream.server.guard import uvicorn_options
 
     options = uvicorn_options(config.guard)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, **options))
+    uvicorn_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACE_S, **options)
+    server = _StreamsEndingServer(uvicorn_config, app.state.scheduler)
     try:
         server.run(sockets=[listener])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on (uvicorn.run drops it)
@@ -360,6 +362,31 @@ def serve_on(app: Any, listener: socket.socket, log_level: str, config: ServerCo
     finally:
         # the app's lifespan stops it too; this covers a uvicorn that never ran its shutdown
         app.state.scheduler.stop()
+
+
+GRACE_S = 5  # how long a stopping server lets its running requests finish
+STREAM_END_S = 1  # before the grace ends, what its unfinished streams have to write their end
+
+
+class _StreamsEndingServer(uvicorn.Server):
+    """uvicorn, whose graceful shutdown stops the scheduler `STREAM_END_S` before it cancels what still
+    runs: an unfinished stream ends with the scheduler's `the server is shutting down` error event and
+    `[DONE]` instead of a body cut in the middle."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Any) -> None:
+        super().__init__(config)
+        self.scheduler = scheduler
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        ending = asyncio.create_task(self._end_streams_later())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
+
+    async def _end_streams_later(self) -> None:
+        await asyncio.sleep(GRACE_S - STREAM_END_S)
+        await asyncio.to_thread(self.scheduler.stop)
 
 
 def _url(host: str, listener: socket.socket) -> str:
