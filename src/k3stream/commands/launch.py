@@ -30,7 +30,7 @@ def parallel_runtime(
     """Rank 0's runtime (its model a `DriverModel` when there are several ranks); on the other ranks,
     follows rank 0 until it stops and yields None. One process without torchrun: the plain runtime.
     `opened`: what `open_model` returned, when the command read the GGUF already. `graceful`: the
-    followers outlive torchrun's SIGTERM until rank 0 releases them (a server finishing its streams).
+    followers outlive SIGTERM and Ctrl-C until rank 0 releases them (a server finishing its streams).
 
     When a peer fails, rank 0's model calls `on_failure()` (a server stops itself) and the failure is
     raised on leaving, also if the caller swallowed it."""
@@ -49,7 +49,7 @@ def parallel_runtime(
                 yield from _drive(runtime, report, on_failure, args.dist_timeout / 2, layout(parallel))
             else:
                 if graceful:
-                    groups.follow_through_sigterm()
+                    groups.follow_through_stops()
                 _follow(runtime.model, report, parallel.rank, _rank_cache(args, runtime.model, parallel))
                 yield None
         finally:

@@ -85,11 +85,13 @@ def _stopped_by_torchrun(signum: int, frame: Any) -> None:
     _plain_sigterm(signum, frame)
 
 
-def follow_through_sigterm() -> None:
-    """Let torchrun's SIGTERM pass on this follower: it ends when rank 0 releases it (a server that shut
-    down gracefully, its streams finished) or when its group fails, never in the middle of a step."""
+def follow_through_stops() -> None:
+    """Let SIGTERM and Ctrl-C's SIGINT (torchrun passes both to every rank; a terminal sends Ctrl-C to
+    every process) pass on this follower: it ends when rank 0 releases it (a server that shut down
+    gracefully, its streams finished) or when its group fails, never in the middle of a step."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def loaded(parallel: Parallel) -> None:
