@@ -364,6 +364,37 @@ def _stream_lines(
 
 
 @pytest.mark.slow
+def test_slot_files_under_torchrun_are_refused_not_written_with_rank_0s_share_alone(packed, tmp_path):
+    """Under `--tp 2` a slot's state is split over the ranks: a slot file of rank 0's share was written
+    and "restored" (200, `n_restored`) after a restart, yet no request could use it (every one a miss).
+    Save and restore answer llama-server's 501 instead, and no file is written."""
+    import httpx
+
+    from k3stream.server.live import free_port
+
+    port = free_port()
+    command = torchrun(2, "-m", "k3stream", "serve", str(packed), "--tp", "2", "--port", str(port))
+    command += ["--log-level", "warning", "--slot-save-path", str(tmp_path)]
+    body = {"prompt": "hello there", "max_tokens": 4, "temperature": 0, "id_slot": 0}
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=_env()) as launcher:
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(url, launcher)
+            assert httpx.post(f"{url}/completion", json=body, timeout=60).status_code == 200
+            actions = [
+                httpx.post(f"{url}/slots/0?action={action}", json={"filename": "s.bin"}, timeout=60)
+                for action in ("save", "restore")
+            ]
+        finally:
+            launcher.send_signal(signal.SIGTERM)
+            launcher.communicate(timeout=60)
+    for answer in actions:
+        assert answer.status_code == 501, answer.text
+        assert "under torchrun every rank holds its own share" in answer.json()["error"]["message"]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
 def test_a_server_whose_rank_0_fails_its_step_ends_naming_it(tiny_model, tmp_path_factory):
     """Rank 0's experts of one layer are damaged: the request fails with the checksum error and the
     run ends at once, non-zero, naming rank 0's error. The followers are inside a step rank 0 left, so
