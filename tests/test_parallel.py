@@ -7,11 +7,14 @@ with one process.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -306,6 +309,89 @@ def test_serve_under_torchrun_answers_as_one_process_and_outlives_idle_time(pack
         assert time.monotonic() - killed < 30
     assert launcher.returncode != 0
     assert "rank: 1" in err or "rank 1" in err, err[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_stopped_torchrun_server_ends_its_running_streams_cleanly_and_every_rank(packed, stop):
+    """SIGTERM or Ctrl-C's SIGINT to every process of an expert-parallel server's run (a terminal's
+    Ctrl-C, systemd's stop; torchrun passes it on too) while two streams run: the short stream finishes
+    as it would have; the one longer than the grace ends with the `shutting down` error event and
+    `[DONE]`, not a body cut in the middle; no rank is named failed. (Rank 1 left at once, mid-step:
+    both streams got `rank 1 failed or stopped`, or were cut.)"""
+    from k3stream.server.live import free_port
+
+    port = free_port()
+    command = torchrun(2, "-m", "k3stream", "serve", str(packed), "--ep", "2", "--port", str(port))
+    command += ["--log-level", "warning", "--ram-mib", "0.1"]
+    with subprocess.Popen(
+        command, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True
+    ) as launcher:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, launcher)
+        streams = [[], []]
+        long_one = threading.Thread(target=_stream_lines, args=(url, 100_000, streams[1]))
+        long_one.start()
+        _stream_lines(url, 40, streams[0], lambda: os.killpg(launcher.pid, stop))
+        long_one.join(60)
+        _out, err = launcher.communicate(timeout=60)
+    short, long = (
+        [json.loads(line[6:]) for line in lines if line.startswith("data: {")] for lines in streams
+    )
+    assert all(lines[-1] == "data: [DONE]" for lines in streams), [lines[-3:] for lines in streams]
+    assert short[-1]["choices"][0]["finish_reason"] == "length", short[-1]
+    assert "the server is shutting down" in long[-1]["error"]["message"], long[-1]
+    assert not any("error" in event for event in short + long[:-1])
+    assert "failed" not in err and "k3stream serve: error" not in err, err[-3000:]
+    assert "interrupted" not in err, err[-3000:]  # rank 1 was released, not stopped
+    assert err.count("k3stream serve: terminated") == (stop == signal.SIGTERM), err[-3000:]  # rank 0
+
+
+def _stream_lines(
+    url: str, max_tokens: int, lines: list[str], at_tenth: Callable[[], None] = lambda: None
+) -> None:
+    """A greedy chat stream of `max_tokens` (to the context), its non-empty lines into `lines`;
+    `at_tenth()` runs when the tenth arrives."""
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, "temperature": 0}
+    body |= {"stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as streamed:
+        for line in filter(None, streamed.iter_lines()):
+            lines.append(line)
+            if len(lines) == 10:
+                at_tenth()
+
+
+@pytest.mark.slow
+def test_slot_files_under_torchrun_are_refused_not_written_with_rank_0s_share_alone(packed, tmp_path):
+    """Under `--tp 2` a slot's state is split over the ranks: a slot file of rank 0's share was written
+    and "restored" (200, `n_restored`) after a restart, yet no request could use it (every one a miss).
+    Save and restore answer llama-server's 501 instead, and no file is written."""
+    import httpx
+
+    from k3stream.server.live import free_port
+
+    port = free_port()
+    command = torchrun(2, "-m", "k3stream", "serve", str(packed), "--tp", "2", "--port", str(port))
+    command += ["--log-level", "warning", "--slot-save-path", str(tmp_path)]
+    body = {"prompt": "hello there", "max_tokens": 4, "temperature": 0, "id_slot": 0}
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=_env()) as launcher:
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(url, launcher)
+            assert httpx.post(f"{url}/completion", json=body, timeout=60).status_code == 200
+            actions = [
+                httpx.post(f"{url}/slots/0?action={action}", json={"filename": "s.bin"}, timeout=60)
+                for action in ("save", "restore")
+            ]
+        finally:
+            launcher.send_signal(signal.SIGTERM)
+            launcher.communicate(timeout=60)
+    for answer in actions:
+        assert answer.status_code == 501, answer.text
+        assert "under torchrun every rank holds its own share" in answer.json()["error"]["message"]
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow

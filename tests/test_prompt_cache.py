@@ -947,3 +947,23 @@ def test_a_prefill_marks_only_the_snapshots_its_ram_budget_holds(model, fingerpr
     longer = tokens[:58] + [3, 4]
     assert cache.prefill(longer).reused == 58
     cache.close()
+
+
+def test_a_file_of_another_arithmetic_is_refused_naming_that_not_the_model_file(model, model_path, tmp_path):
+    """A saved state read by a cache over the same model file loaded with other arithmetic (or another
+    k3stream build) is refused as such; it was called "a snapshot of another model file", which sent
+    a user who upgraded k3stream looking for a wrong file. Another file's key still says so."""
+    tokens = ids(model, 20)
+    saving = PromptCache(model, "f" * 16, 64 * MIB)
+    saving.prefill(tokens)
+    path = tmp_path / "slot.bin"
+    saving.export(tokens, path)
+    saving.close()
+    other = k3stream.load(model_path, k3stream.LoadOptions(match_ggml=False))
+    for reader, reason in (
+        (PromptCache(other, "f" * 16, 64 * MIB), "this model file computed by another k3stream build"),
+        (PromptCache(model, "e" * 16, 64 * MIB), "a snapshot of another model file"),
+    ):
+        with pytest.raises(ValueError, match=reason):
+            reader.import_file(path)
+        reader.close()

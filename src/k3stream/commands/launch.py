@@ -22,11 +22,15 @@ from k3stream.engine.prompt_cache import PromptCache
 
 @contextmanager
 def parallel_runtime(
-    args: argparse.Namespace, on_failure: Callable[[], None] = lambda: None, opened: Any = None
+    args: argparse.Namespace,
+    on_failure: Callable[[], None] = lambda: None,
+    opened: Any = None,
+    graceful: bool = False,
 ) -> Iterator[Runtime | None]:
     """Rank 0's runtime (its model a `DriverModel` when there are several ranks); on the other ranks,
     follows rank 0 until it stops and yields None. One process without torchrun: the plain runtime.
-    `opened`: what `open_model` returned, when the command read the GGUF already.
+    `opened`: what `open_model` returned, when the command read the GGUF already. `graceful`: the
+    followers outlive SIGTERM and Ctrl-C until rank 0 releases them (a server finishing its streams).
 
     When a peer fails, rank 0's model calls `on_failure()` (a server stops itself) and the failure is
     raised on leaving, also if the caller swallowed it."""
@@ -44,6 +48,8 @@ def parallel_runtime(
             elif parallel.driver:
                 yield from _drive(runtime, report, on_failure, args.dist_timeout / 2, layout(parallel))
             else:
+                if graceful:
+                    groups.follow_through_stops()
                 _follow(runtime.model, report, parallel.rank, _rank_cache(args, runtime.model, parallel))
                 yield None
         finally:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
 import gc
 import json
 import os
@@ -12,6 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import uvicorn
+
+from k3stream.cli import Terminated
 from k3stream.server.guard import (
     API_KEY_ENV,
     LLAMA_API_KEY_ENV,
@@ -313,7 +318,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"k3stream serve: loading; {_url(args.host, listener)} answers 503 until ready", flush=True)
     try:
         # under torchrun rank 0 serves and the others follow; a failed rank stops the server (as Ctrl-C)
-        with parallel_runtime(args, on_failure=lambda: os.kill(os.getpid(), signal.SIGINT)) as runtime:
+        terminated = False
+        stop_server = functools.partial(os.kill, os.getpid(), signal.SIGINT)
+        with parallel_runtime(args, on_failure=stop_server, graceful=True) as runtime:
             if runtime is None:
                 return 0
             chosen = args.prefill_pass  # the pass the memory plan chose (`flags._fitted_plan`)
@@ -328,7 +335,10 @@ def run(args: argparse.Namespace) -> int:
             settle_heap()
             loading.stop()
             announce(runtime, served, config, _url(args.host, listener))
-            serve_on(app, listener, args.log_level, config)
+            terminated = serve_on(app, listener, args.log_level, config)
+        # a SIGTERM ends the command once the followers are released (the block left without error)
+        if terminated:
+            raise Terminated
     finally:
         if loading is not None:
             loading.stop()
@@ -336,21 +346,47 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_on(app: Any, listener: socket.socket, log_level: str, config: ServerConfig) -> None:
-    """uvicorn serving `app` on `listener` until Ctrl-C."""
-    import uvicorn
-
+def serve_on(app: Any, listener: socket.socket, log_level: str, config: ServerConfig) -> bool:
+    """uvicorn serving `app` on `listener` until Ctrl-C or SIGTERM; True where a SIGTERM ended it."""
     from k3stream.server.guard import uvicorn_options
 
     options = uvicorn_options(config.guard)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, **options))
+    uvicorn_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACE_S, **options)
+    server = _StreamsEndingServer(uvicorn_config, app.state.scheduler)
     try:
         server.run(sockets=[listener])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on (uvicorn.run drops it)
         pass
+    except Terminated:  # and the SIGTERM
+        return True
     finally:
         # the app's lifespan stops it too; this covers a uvicorn that never ran its shutdown
         app.state.scheduler.stop()
+
+
+GRACE_S = 5  # how long a stopping server lets its running requests finish
+STREAM_END_S = 1  # before the grace ends, what its unfinished streams have to write their end
+
+
+class _StreamsEndingServer(uvicorn.Server):
+    """uvicorn, whose graceful shutdown stops the scheduler `STREAM_END_S` before it cancels what still
+    runs: an unfinished stream ends with the scheduler's `the server is shutting down` error event and
+    `[DONE]` instead of a body cut in the middle."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Any) -> None:
+        super().__init__(config)
+        self.scheduler = scheduler
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        ending = asyncio.create_task(self._end_streams_later())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
+
+    async def _end_streams_later(self) -> None:
+        await asyncio.sleep(GRACE_S - STREAM_END_S)
+        await asyncio.to_thread(self.scheduler.stop)
 
 
 def _url(host: str, listener: socket.socket) -> str:

@@ -155,8 +155,19 @@ def read_header(path: Path, fingerprint: str) -> dict[str, Any]:
         (length,) = struct.unpack("<Q", head[len(MAGIC) :])
         header = _parse_header(stream.read(min(length, 1 << 34)), length)
     if header.get("fingerprint") != fingerprint:
-        raise ValueError("a snapshot of another model file")
+        raise ValueError(_foreign(header.get("fingerprint"), fingerprint))
     return header
+
+
+def _foreign(found: Any, expected: str) -> str:
+    """What a snapshot's fingerprint (`computation key-model file`, as the prompt cache keys them) differs
+    in: a user who upgraded k3stream or changed the arithmetic has the right model file."""
+    if isinstance(found, str) and "-" in expected and found.partition("-")[2] == expected.partition("-")[2]:
+        return (
+            "a snapshot of this model file computed by another k3stream build or arithmetic "
+            "(--match-ggml, --float-activations, --dtype, --device)"
+        )
+    return "a snapshot of another model file"
 
 
 def _parse_header(raw: bytes, length: int) -> dict[str, Any]:

@@ -235,6 +235,11 @@ class SlotActions:
             raise LlamaError(400, "Invalid action")
         if self.cache is None or not self.cache.enabled:
             raise not_supported("This server keeps no slot states: the prompt cache is off (--cache-ram 0)")
+        if self.cache.peers is not None:  # a file would hold rank 0's share alone: never restorable
+            raise not_supported(
+                "This server keeps no slot files: under torchrun every rank holds its own share of a slot's "
+                "state (its prompt cache with --cache-dir keeps them)"
+            )
         body = await parse_body(request, SlotFile)
         check_filename(body.filename)
         path = self.directory / body.filename

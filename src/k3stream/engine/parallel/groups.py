@@ -67,17 +67,31 @@ def start(tp: int, ep: int, device: str = "cpu", timeout_s: float = DEFAULT_TIME
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    global _heartbeat
+    global _heartbeat, _plain_sigterm
     _heartbeat = Heartbeat(dist.get_rank(), world)
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _stopped_by_torchrun)
+        _plain_sigterm = signal.signal(signal.SIGTERM, _stopped_by_torchrun)
     return Parallel(rank=dist.get_rank(), world=world, tp=tp, ep=ep)
 
 
 def _stopped_by_torchrun(signum: int, frame: Any) -> None:
     """torchrun stops the survivors as soon as one rank dies, often before their next collective
-    fails: end with the line a failed collective gives, naming the rank that stopped beating."""
-    raise PeerFailed(_failure("a step", RuntimeError("stopped by torchrun")))
+    fails: end with the line a failed collective gives, naming the rank that stopped beating. Where
+    every rank still beats, the run itself was stopped (a user's SIGTERM or Ctrl-C to torchrun, which
+    sends every rank SIGTERM): the process's own SIGTERM handling ends it."""
+    silent = _silent_ranks()
+    if silent or not callable(_plain_sigterm):
+        raise PeerFailed(_failure("a step", RuntimeError("stopped by torchrun"), silent))
+    _plain_sigterm(signum, frame)
+
+
+def follow_through_stops() -> None:
+    """Let SIGTERM and Ctrl-C's SIGINT (torchrun passes both to every rank; a terminal sends Ctrl-C to
+    every process) pass on this follower: it ends when rank 0 releases it (a server that shut down
+    gracefully, its streams finished) or when its group fails, never in the middle of a step."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def loaded(parallel: Parallel) -> None:
@@ -155,6 +169,7 @@ class Heartbeat:
 
 
 _heartbeat: Heartbeat | None = None
+_plain_sigterm: Any = None  # the process's SIGTERM handler before the group's
 
 
 def collective(what: str, call: Callable[..., T], *args: Any) -> T:
@@ -166,11 +181,12 @@ def collective(what: str, call: Callable[..., T], *args: Any) -> T:
         raise PeerFailed(_failure(what, exc)) from None
 
 
-def _failure(what: str, exc: RuntimeError) -> str:
+def _failure(what: str, exc: RuntimeError, silent: list[int] | None = None) -> str:
+    """The line of a failed collective; `silent`: the ranks found silent already (asked when None)."""
     # gloo: "[.../pair.cc:553] Connection closed by peer [127.0.0.1]:42661. This is typically ..."
     detail = re.sub(r"^\[[^\]]*\] ", "", str(exc).split(". ")[0].splitlines()[0]) or type(exc).__name__
     rank = dist.get_rank()
-    silent = _silent_ranks()
+    silent = _silent_ranks() if silent is None else silent
     if not silent:
         return f"rank {rank}: another rank failed during {what} ({detail})"
     names = ", ".join(str(r) for r in silent)
