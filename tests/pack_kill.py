@@ -3,7 +3,8 @@ it at STAGE. The builder holds no test hook: this process alone wraps the calls 
 
 STAGE is `entry:K` (after K entries copied by this run, once the checkpoints requested so far are
 durable), `before-rename` (the complete partial pack is about to get its final name) or
-`before-manifest` (the manifest is about to be written).
+`before-manifest` (the manifest is about to be written) or `journal-write` (the first journal is
+written to its temp file, not yet renamed).
 """
 
 from __future__ import annotations
@@ -66,6 +67,17 @@ def kill_before_manifest() -> None:
     builder.write_json_atomic = die_on_manifest
 
 
+def kill_in_journal_write() -> None:
+    replace = os.replace
+
+    def die_on_journal_rename(source, target, **kwargs) -> None:
+        if ".journal.tmp" in Path(source).name:
+            die()
+        replace(source, target, **kwargs)
+
+    builder.os.replace = die_on_journal_rename
+
+
 def main(stage: str, pack_args: list[str]) -> int:
     if stage.startswith("entry:"):
         kill_after_entries(int(stage.removeprefix("entry:")))
@@ -73,6 +85,8 @@ def main(stage: str, pack_args: list[str]) -> int:
         kill_before_rename()
     elif stage == "before-manifest":
         kill_before_manifest()
+    elif stage == "journal-write":
+        kill_in_journal_write()
     else:
         raise SystemExit(f"unknown kill stage {stage!r}")
     return cli.main(["pack", *pack_args])

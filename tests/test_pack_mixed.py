@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 
 import k3stream
 from k3stream import LoadOptions
@@ -84,6 +84,24 @@ def test_a_killed_mixed_build_resumes_to_the_same_bytes(tiny_model, tmp_path, dy
     assert re.search(r"^resumed\s+[1-9]\d* bytes$", resumed.stdout, re.M)
     assert (tmp_path / PACK).read_bytes() == ExpertPack(dynamic_pack[1]).path.read_bytes()
     assert verify_pack(tmp_path / f"{PACK}.manifest.json", full=True)["ok"]
+
+
+def test_a_role_summary_whose_type_disagrees_with_the_gguf_names_the_tensor(dynamic_pack, tmp_path):
+    """The summary `expert_pack.roles` (the first MoE layer's types) recorded as another supported type:
+    refused naming the tensor and both types, not as an unsupported type."""
+    _, manifest_path = dynamic_pack
+    manifest = json.loads(manifest_path.read_text())
+    summary = manifest["expert_pack"]["roles"]["gate"]
+    actual = summary["dtype"]
+    other = "IQ2_XXS" if actual != "IQ2_XXS" else "IQ1_S"
+    summary["dtype"], summary["dtype_id"] = other, int(GGMLQuantizationType[other])
+    tampered = tmp_path / "tampered.manifest.json"
+    tampered.write_text(json.dumps(manifest))
+    message = f"Kimi expert-pack gate role is recorded as {other} ({summary['dtype_id']}), its GGUF tensor "
+    message += f"blk.1.ffn_gate_exps.weight is {actual}"
+    for open_pack in (ExpertPack, verify_pack):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            open_pack(tampered)
 
 
 @pytest.mark.parametrize(

@@ -126,6 +126,14 @@ def test_killed_before_the_first_checkpoint_starts_over(model, clean_pack):
     assert (model.parent / PACK).read_bytes() == clean_pack
 
 
+def test_killed_in_a_journal_write_leaves_no_temp_file_after_the_rerun(model, clean_pack):
+    assert run_pack(model, kill_at="journal-write").returncode == -9
+    assert list(model.parent.glob(f"{PACK}.partial.journal.tmp*"))  # the killed run's atomic write
+    rerun(model)
+    assert (model.parent / PACK).read_bytes() == clean_pack
+    assert sorted(path.name for path in model.parent.glob(f"{PACK}*")) == [PACK, f"{PACK}.manifest.json"]
+
+
 def test_killed_before_rename(model, clean_pack, capsys, caplog):
     assert run_pack(model, kill_at="before-rename").returncode == -9
     assert_nothing_complete(model.parent)

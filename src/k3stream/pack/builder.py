@@ -30,7 +30,14 @@ from typing import Any
 from k3stream.gguf.layout import ROUTED_EXPERT_RE, routed_expert_name
 from k3stream.gguf.shards import file_output, refuse_source_output
 from k3stream.pack import format as fmt
-from k3stream.pack.fileio import COPY_CHUNK, fsync_directory, pread_exact, same_bytes, write_json_atomic
+from k3stream.pack.fileio import (
+    COPY_CHUNK,
+    fsync_directory,
+    pread_exact,
+    remove_temporaries,
+    same_bytes,
+    write_json_atomic,
+)
 from k3stream.pack.integrity import ObjectHasher, object_identity, sha256_file
 from k3stream.pack.manifest import (
     ManifestOptions,
@@ -327,6 +334,8 @@ def _locked_build(plan: PackPlan, pack: Path, manifest_path: Path, options: Buil
     started = time.perf_counter()
     partial = pack.with_name(pack.name + ".partial")
     journal = journal_path(partial)
+    for written in (journal, manifest_path):  # a killed build's half-written ones: the lock makes them ours
+        remove_temporaries(written)
     identity = build_identity(plan)
     done = read_journal(journal, identity)
     finishing = done == plan.layout.index_count and pack.is_file() and not partial.exists()

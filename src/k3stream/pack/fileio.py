@@ -4,8 +4,10 @@ JSON writes, and bounded reads of a manifest."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import stat
 import threading
 from collections.abc import Sequence
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 COPY_CHUNK = 16 * 1024 * 1024
+TEMP_INFIX = ".tmp"  # write_bytes_atomic's temp file: <name>.tmp<pid>.<thread>
 
 
 def pread_into(fd: int, view: memoryview, offset: int) -> int:
@@ -66,7 +69,7 @@ def write_bytes_atomic(path: Path, payload: bytes | Sequence[bytes | memoryview]
     (`<name>.tmp<pid>.<thread>`: concurrent writers never share one), fsync, rename, fsync the
     directory: readers see the old file or the new one, and a failure (full disk, Ctrl-C) leaves no
     temp file behind; an OSError names `path`."""
-    temporary = path.with_name(f"{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
+    temporary = path.with_name(f"{path.name}{TEMP_INFIX}{os.getpid()}.{threading.get_ident()}")
     parts = [payload] if isinstance(payload, bytes) else payload
     try:
         with temporary.open("wb", buffering=0) as stream:
@@ -81,6 +84,14 @@ def write_bytes_atomic(path: Path, payload: bytes | Sequence[bytes | memoryview]
             exc.filename = str(path)
         raise
     fsync_directory(path.parent)
+
+
+def remove_temporaries(path: Path) -> None:
+    """Delete the temp files of `write_bytes_atomic(path, ...)` that a killed writer left behind; only
+    for a caller that holds the one right to write `path` (a lock), so no live writer owns them."""
+    for temporary in path.parent.glob(f"{glob.escape(path.name)}{TEMP_INFIX}*"):
+        if re.fullmatch(rf"{re.escape(path.name + TEMP_INFIX)}\d+\.\d+", temporary.name):
+            temporary.unlink(missing_ok=True)
 
 
 def _write_all(stream: Any, data: bytes | memoryview) -> None:

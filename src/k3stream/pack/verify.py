@@ -171,11 +171,17 @@ def _check_role_type(
     from gguf import GGMLQuantizationType
 
     dtype, dtype_id = summary.get("dtype"), summary.get("dtype_id")
-    if expected.role_types is not None:
+    disagreeing = next((tensor for tensor in tensors if tensor["dtype"] != dtype), None)
+    if expected.role_types is not None:  # the audited profile: the seed's message
         known = (dtype, dtype_id) == expected.role_types[role]
     else:
         known = dtype in GGMLQuantizationType.__members__ and GGMLQuantizationType[dtype] == dtype_id
-    if not known or any(tensor["dtype"] != dtype for tensor in tensors):
+        if known and disagreeing is not None:
+            raise ValueError(
+                f"Kimi expert-pack {role} role is recorded as {dtype} ({dtype_id}), "
+                f"its GGUF tensor {disagreeing['name']} is {disagreeing['dtype']}"
+            )
+    if not known or disagreeing is not None:
         raise ValueError(f"Kimi expert-pack {role} quant type is unsupported")
 
 
