@@ -23,23 +23,23 @@ import time
 import numpy as np
 import torch
 import xxhash
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from k3stream.quant.kernels import cpu
 from k3stream.store.pack_io import prefaulted_buffer
+from k3stream.testing import ggml_oracle
 
-Q8_0 = 8
-BLOCK_BYTES, BLOCK_VALUES = 34, 32
+Q8_0 = int(GGMLQuantizationType.Q8_0)
 RANGE_BYTES = 2920 << 10  # a 128-expert slice object's quarter: one of the store's 4 splits
 KINDS = ("quiet", "spin", "digest", "read", "read+digest")
 
 
 def q8_0_matrix(rows: int, cols: int, rng: np.random.Generator) -> torch.Tensor:
-    """Random Q8_0 rows, each block's float16 scale 2**-7 (finite sums)."""
-    blocks = rng.integers(-127, 128, size=(rows, cols // BLOCK_VALUES, BLOCK_BYTES), dtype=np.int8).view(
-        np.uint8
+    """Random Q8_0 rows with finite scales (`ggml_oracle.random_blocks`), one row of blocks a row."""
+    blocks = ggml_oracle.random_blocks(
+        Q8_0, rows * cols // GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][0], rng
     )
-    blocks[:, :, :2] = np.frombuffer(np.float16(2**-7).tobytes(), dtype=np.uint8)
-    return torch.from_numpy(np.ascontiguousarray(blocks).reshape(rows, -1))
+    return torch.from_numpy(blocks.reshape(rows, -1))
 
 
 class SideThread:
