@@ -208,6 +208,59 @@ def test_an_out_dir_that_is_a_file_is_refused_before_training(tmp_path):
     assert taken.read_text() == "keep"
 
 
+def test_too_little_free_space_for_every_recipe_is_refused_before_training(tmp_path, monkeypatch):
+    """Room for one recipe's GGUF but not for all of them: one line before the corpus is read (the files
+    were written one by one after the training, and a full disk failed the last)."""
+    import argparse
+    import errno
+    import shutil
+
+    from k3stream.commands import train as train_command
+    from k3stream.gguf.writer import tensor_data_nbytes
+
+    parser = argparse.ArgumentParser()
+    train_command.add_arguments(parser)
+    out = tmp_path / "out"
+    args = parser.parse_args([str(out), "--steps", "1", "--text-mib", "0.05", "--recipes", "f32,audited"])
+    spec = train_command.spec_from_args(args)
+    sizes = [
+        tensor_data_nbytes(dataclasses.replace(spec, recipe=r), args.vocab_size) for r in ("f32", "audited")
+    ]
+    free = sum(sizes) - 1
+    assert free >= max(sizes)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(free, 0, free))
+    monkeypatch.setattr("k3stream.train.corpus.split_corpus", pytest.fail)  # no training starts
+    with pytest.raises(OSError, match=f"^.*not enough free space in {re.escape(str(tmp_path))} ") as failure:
+        train_command.run(args)
+    assert failure.value.errno == errno.ENOSPC and list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_while_the_outputs_are_written_leaves_no_file_and_no_folder(tmp_path):
+    """The disk fills while the second GGUF is written: no GGUF, train.json or held-out.txt is left, nor the
+    folder the command made (an empty OUT_DIR was left), and the error names the file."""
+    import argparse
+    import errno
+
+    from k3stream.commands import train as train_command
+    from pack_helpers import file_size_limit
+
+    parser = argparse.ArgumentParser()
+    train_command.add_arguments(parser)
+    out = tmp_path / "new" / "out"
+    args = parser.parse_args([str(out), "--steps", "1", "--text-mib", "0.05", "--recipes", "audited,f32"])
+    audited = tensor_data_nbytes_of(train_command.spec_from_args(args), "audited", args.vocab_size)
+    with file_size_limit(2 * audited), pytest.raises(OSError) as failure:
+        train_command.run(args)
+    assert failure.value.errno == errno.EFBIG and failure.value.filename == str(out / "k3-stdlib-f32.gguf")
+    assert list(tmp_path.iterdir()) == []
+
+
+def tensor_data_nbytes_of(spec: TinySpec, recipe: str, vocab_size: int) -> int:
+    from k3stream.gguf.writer import tensor_data_nbytes
+
+    return tensor_data_nbytes(dataclasses.replace(spec, recipe=recipe), vocab_size)
+
+
 def test_shape_flags_reach_the_spec():
     import argparse
 

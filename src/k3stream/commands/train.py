@@ -7,14 +7,17 @@ files, for `k3stream perplexity`) and `train.json` (the command, seed, shapes, f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import platform
 import shlex
+import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -118,7 +121,7 @@ def check_training_flags(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from k3stream.gguf.writer import RECIPES, check_out_dir, check_spec
+    from k3stream.gguf.writer import RECIPES, check_free_space, check_out_dir, tensor_data_nbytes
 
     check_training_flags(args)
     check_out_dir(args.out_dir)  # before the training, not after it
@@ -127,8 +130,9 @@ def run(args: argparse.Namespace) -> int:
     if bad or not recipes:
         raise ValueError(f"--recipes: {args.recipes!r}: choose from {', '.join(RECIPES)}")
     spec = spec_from_args(args)
-    for recipe in recipes:  # before an hour of training, not after it
-        check_spec(dataclasses.replace(spec, recipe=recipe), args.vocab_size)
+    # before an hour of training, not after it: every recipe's shapes, and room for all the files
+    needed = sum(tensor_data_nbytes(dataclasses.replace(spec, recipe=r), args.vocab_size) for r in recipes)
+    check_free_space(args.out_dir, needed)
     torch.set_num_threads(args.threads)
     record = train_tiny(args, spec, recipes)
     print(f"held-out perplexity {record['held_out_ppl']:.2f} ({record['held_out_tokens']} tokens)")
@@ -181,9 +185,6 @@ def train_tiny(args: argparse.Namespace, spec: TinySpec, recipes: list[str]) -> 
     params = Parameters(spec, len(vocab.tokens))
     log = train(params, train_tokens, options, _reporter(max(1, options.steps // 40)))
     held_nll = evaluate(params, held_tokens, options.seq_len, EVAL_WINDOWS)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    written = {r: write_gguf(args.out_dir, spec, r, vocab, params.gguf_arrays()) for r in recipes}
-    (args.out_dir / "held-out.txt").write_text(_held_out_text(held_out), encoding="utf-8")
     record = {
         "command": "k3stream " + shlex.join(sys.argv[1:]),
         "seed": args.seed,
@@ -207,10 +208,41 @@ def train_tiny(args: argparse.Namespace, spec: TinySpec, recipes: list[str]) -> 
         "held_out_ppl": round(float(np.exp(held_nll)), 3),
         "held_out_tokens": EVAL_WINDOWS * options.seq_len,
         "max_load_ratio": round(log.max_load_ratio, 3),
-        "files": {r: path.name for r, path in written.items()},
+        "files": {r: gguf_name(r) for r in recipes},
     }
-    (args.out_dir / "train.json").write_text(json.dumps(record, indent=1) + "\n")
+    with staged_outputs(args.out_dir) as staging:
+        for recipe in recipes:
+            write_gguf(staging, spec, recipe, vocab, params.gguf_arrays())
+        (staging / "held-out.txt").write_text(_held_out_text(held_out), encoding="utf-8")
+        (staging / "train.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
+
+
+@contextlib.contextmanager
+def staged_outputs(out_dir: Path) -> Iterator[Path]:
+    """A folder inside `out_dir` to write every output into; its files move into `out_dir` once all are
+    written. A failure (a full disk) leaves the disk as it was: no partial file, and no folder this call
+    made."""
+    made = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]  # innermost first
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=".train-"))
+    try:
+        yield staging
+        for path in sorted(staging.iterdir()):
+            os.replace(path, out_dir / path.name)
+    except BaseException as exc:
+        if isinstance(exc, OSError) and exc.filename and Path(exc.filename).is_relative_to(staging):
+            exc.filename = str(out_dir / Path(exc.filename).relative_to(staging).parts[0])
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        for folder in made:
+            if not any(folder.iterdir()):
+                folder.rmdir()
+
+
+def gguf_name(recipe: str) -> str:
+    return f"{STEM}-{recipe}.gguf"
 
 
 def _tokens(tokenizer, texts: list[str], eos_id: int):
@@ -244,11 +276,15 @@ def _reporter(every: int):
 def write_gguf(
     out_dir: Path, spec: TinySpec, recipe: str, vocab: Vocab, weights: dict[str, np.ndarray]
 ) -> Path:
-    """`out_dir/k3-stdlib-RECIPE.gguf` through the GGUF writer (in a temp folder, then moved)."""
+    """`out_dir/k3-stdlib-RECIPE.gguf` through the GGUF writer."""
     from k3stream.gguf.writer import write_model
 
-    target = out_dir / f"{STEM}-{recipe}.gguf"
+    target = out_dir / gguf_name(recipe)
     with tempfile.TemporaryDirectory(dir=out_dir) as temp:
-        written = write_model(temp, dataclasses.replace(spec, recipe=recipe), vocab, weights)
+        try:
+            written = write_model(temp, dataclasses.replace(spec, recipe=recipe), vocab, weights)
+        except OSError as exc:
+            exc.filename = str(target)  # the file the user asked for, not the temp folder's
+            raise
         os.replace(written, target)
     return target

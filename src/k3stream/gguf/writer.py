@@ -499,6 +499,11 @@ def check_out_dir(out_dir: str | os.PathLike[str]) -> None:
         raise NotADirectoryError(f"OUT_DIR {out}:{what} is a file, not a folder")
 
 
+def tensor_data_nbytes(spec: TinySpec, vocab_size: int) -> int:
+    """The tensor data bytes of the GGUF `spec` makes with `vocab_size` tokens (after the spec's checks)."""
+    return sum(_tensor_nbytes(tensor, spec) for tensor in check_spec(spec, vocab_size))
+
+
 def checked_plan(out_dir: str | os.PathLike[str], spec: TinySpec, vocab_size: int) -> list[_Tensor]:
     """The tensors `spec` makes with `vocab_size` tokens, after the spec's checks, `out_dir` and its free
     space (one-line errors, before anything is built or written)."""
@@ -526,13 +531,16 @@ def write_model(
     paths = shard_paths(out, spec.shards)
     groups = np.array_split(np.arange(len(plan)), spec.shards)
     temps = [path.with_name(path.name + ".tmp") for path in paths]
+    index = 0
     try:
         for index, (temp, group) in enumerate(zip(temps, groups, strict=True)):
             split = (index, spec.shards, len(plan))
             _write_shard(temp, [plan[i] for i in group], spec, vocab, split, values_of, slabs_of)
-    except BaseException:
+    except BaseException as exc:
         for temp in temps:
             temp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:  # a full disk's error names no file
+            exc.filename = str(paths[index])
         raise
     for temp, path in zip(temps, paths, strict=True):
         os.replace(temp, path)
