@@ -25,8 +25,10 @@ from k3stream.server.schemas import (
     Integral,
     RepetitionPenalty,
     SamplingFields,
+    Switch,
     check_json_schema,
     checked_prompts,
+    null_is,
 )
 
 if TYPE_CHECKING:
@@ -81,19 +83,20 @@ class NativeCompletionRequest(SamplingFields):
 
     prompt: str | list[int | str | list[int | str]]
     n_cmpl: Choices | None = None  # llama-server's completions per prompt (`n` is its alias)
-    n_probs: Annotated[int, Field(ge=0, le=MAX_N_PROBS), Integral] = 0
-    post_sampling_probs: bool = False
+    # null is each field's default, as llama-server reads a field (its json_value)
+    n_probs: Annotated[int, Field(ge=0, le=MAX_N_PROBS), Integral, null_is(0)] = 0
+    post_sampling_probs: Switch = False
     response_fields: list[str] | None = None
-    return_tokens: bool = False
-    repeat_penalty: RepetitionPenalty = 1.0
-    repeat_last_n: Annotated[int, Field(ge=-1), Integral] = 64
+    return_tokens: Switch = False
+    repeat_penalty: Annotated[RepetitionPenalty, null_is(1.0)] = 1.0
+    repeat_last_n: Annotated[int, Field(ge=-1), Integral, null_is(64)] = 64
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
-    special: bool = False  # special tokens' text in `content`
+    special: Switch = False  # special tokens' text in `content`
     samplers: list[str] | str | None = None
     # context shift's (a hybrid model has none: taken, echoed in `generation_settings`, and do nothing)
-    n_keep: Annotated[int, Integral] = 0
-    n_discard: Annotated[int, Integral] = 0
+    n_keep: Annotated[int, Integral, null_is(0)] = 0
+    n_discard: Annotated[int, Integral, null_is(0)] = 0
 
     @model_validator(mode="after")
     def _n_cmpl_first(self) -> NativeCompletionRequest:

@@ -182,7 +182,7 @@ class SamplingFields(BaseModel):
         True  # llama-server's: restore the prompt's longest cached prefix
     )
     id_slot: Annotated[
-        int, Field(ge=-1), Integral
+        int, Field(ge=-1), Integral, null_is(-1)
     ] = -1  # llama-server's: the slot the request runs under (-1: any)
 
     def check_supported(self) -> None:
@@ -298,7 +298,8 @@ class CompletionRequest(SamplingFields):
         super().check_supported()
         if self.echo:
             raise invalid_request("echo is not supported", param="echo", code="unsupported_value")
-        chat_only = next((name for name in CHAT_ONLY_FIELDS if name in (self.model_extra or {})), None)
+        extra = self.model_extra or {}
+        chat_only = next((name for name in CHAT_ONLY_FIELDS if extra.get(name) is not None), None)
         if chat_only is not None:
             raise invalid_request(
                 f"{chat_only} is only supported by /v1/chat/completions",
