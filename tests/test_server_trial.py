@@ -5,10 +5,13 @@ server's answers without the field in question are the oracle for what a field's
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -138,3 +141,105 @@ def test_fail_on_no_slot_answers_503_while_the_batch_is_full_under_one_id_slot(s
         for thread in threads:
             thread.join(60)
     assert httpx.get(server.url + "/slots", params={"fail_on_no_slot": 1}).status_code == 200
+
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+def _follows_city(text: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), CITY)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def test_each_choice_of_a_constrained_completion_follows_its_own_grammar(server, client):
+    """`n_cmpl` (`n`) choices of one prompt under `json_schema`: each choice's grammar state follows its
+    own tokens. One state shared by the choices took every choice's tokens, and each answer held only
+    part of the object (`{c":Lma}` beside `"ity"i"`)."""
+    body = {"prompt": PROMPT, "n_predict": 40, "json_schema": CITY, "n_cmpl": MAX_BATCH, "seed": 3}
+    answers = post(server, "/completion", body).json()
+    assert len(answers) == MAX_BATCH
+    assert all(_follows_city(answer["content"]) for answer in answers), answers
+    fields = {"model": "m", "prompt": [PROMPT, "Hello"], "max_tokens": 40, "n": MAX_BATCH, "seed": 3}
+    whole = client.completions.create(**fields, extra_body={"guided_json": CITY})
+    assert all(_follows_city(choice.text) for choice in whole.choices), whole.choices
+
+
+def _streamed_texts(client, **fields) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(**fields, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    return texts
+
+
+STRUCTURED = [
+    ({"guided_choice": ["yes", 'no "way"', "é🎉\n"]}, lambda text: text in ("yes", 'no "way"', "é🎉\n")),
+    ({"structured_outputs": {"choice": ["left", "right"]}}, lambda text: text in ("left", "right")),
+    ({"guided_regex": "[0-9]{3}-[a-z]{2}/x"}, lambda text: re.fullmatch("[0-9]{3}-[a-z]{2}/x", text)),
+    ({"structured_outputs": {"regex": "(ab)+c"}}, lambda text: re.fullmatch("(ab)+c", text)),
+    ({"guided_json": CITY}, _follows_city),
+    ({"guided_json": json.dumps(CITY)}, _follows_city),
+    ({"structured_outputs": {"json": CITY}}, _follows_city),
+    ({"guided_grammar": 'root ::= "k3" [ab] [ab]'}, lambda text: re.fullmatch("k3[ab]{2}", text)),
+]
+
+
+@pytest.mark.parametrize(("fields", "follows"), STRUCTURED, ids=[json.dumps(f)[:40] for f, _ in STRUCTURED])
+def test_vllms_structured_outputs_hold_every_endpoints_answer(client, server, fields, follows):
+    """vLLM's structured outputs (`structured_outputs` and the `guided_*` fields, as its users send them
+    through the openai client's `extra_body`) hold the answer of `/v1/completions` (streamed as whole,
+    each choice of each prompt), `/v1/chat/completions` and `/completion`."""
+    asked = {"model": "m", "max_tokens": 60, "seed": 5, "extra_body": fields}
+    whole = client.completions.create(prompt=[PROMPT, "Hello"], n=MAX_BATCH, **asked)
+    texts = {choice.index: choice.text for choice in whole.choices}
+    assert len(texts) == 2 * MAX_BATCH and all(follows(text) for text in texts.values()), texts
+    assert all(choice.finish_reason == "stop" for choice in whole.choices)
+    assert _streamed_texts(client, prompt=[PROMPT, "Hello"], n=MAX_BATCH, **asked) == texts
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": PROMPT}], **asked)
+    assert follows(chat.choices[0].message.content), chat.choices[0].message.content
+    native = post(server, "/completion", {"prompt": PROMPT, "n_predict": 60, "seed": 5, **fields}).json()
+    assert follows(native["content"]) and native["stop_type"] == "eos", native["content"]
+
+
+STRUCTURED_REFUSALS = [
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": "yes"}, "guided_choice"),
+    ({"guided_regex": "("}, "guided_regex"),
+    ({"guided_json": "{"}, "guided_json"),
+    ({"guided_json": {"type": "nope"}}, "guided_json"),
+    ({"guided_grammar": "root ::= undefined"}, "guided_grammar"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+    ({"guided_choice": ["a"], "ignore_eos": True}, "ignore_eos"),
+]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"), STRUCTURED_REFUSALS, ids=[json.dumps(f)[:40] for f, _ in STRUCTURED_REFUSALS]
+)
+def test_a_structured_output_that_cannot_be_followed_is_a_400_naming_its_field(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="m", prompt=PROMPT, max_tokens=4, extra_body=fields)
+    assert caught.value.body["param"] == param
+
+
+def test_a_structured_output_beside_another_grammar_is_a_400(client, server):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=4,
+            response_format={"type": "json_object"},
+            extra_body={"guided_choice": ["a"]},
+        )
+    assert caught.value.body["param"] == "guided_choice"
+    both = post(server, "/completion", {"prompt": PROMPT, "grammar": 'root ::= "a"', "guided_regex": "b"})
+    assert both.status_code == 400 and "guided_regex" in both.json()["error"]["message"]

@@ -92,10 +92,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "audio": _empty,
     "modalities": lambda value: value in (None, ["text"]),
     "prediction": _empty,
-    "guided_json": _empty,
-    "guided_regex": _empty,
-    "guided_choice": _empty,
-    "guided_grammar": _empty,
     "use_beam_search": lambda value: value in (None, False),
     "min_tokens": lambda value: value in (None, 0),
     # llama-server's samplers and fields beyond the ones served (repetition_penalty and min_p are)
@@ -122,6 +118,28 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "add_generation_prompt": lambda value: value in (None, True),
     "prompt_logprobs": lambda value: value in (None, 0),
 }
+
+
+# vLLM's structured outputs: what `structured_outputs` may ask the answer to follow, and the older
+# fields that ask the same (`guided_json` ...); its options (`whitespace_pattern`, `disable_*`) tune how
+# a backend writes JSON and are not read
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """One request's vLLM structured output: its `kind` (`STRUCTURED_KINDS`), the value asking it, and
+    the field that gave it."""
+
+    kind: str
+    value: Any
+    param: str
 
 
 # chat fields a completion request must not carry (they would otherwise be ignored there)
@@ -169,6 +187,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, BiasValue] | list[tuple[int | str, BiasValue]] | None = None
     n_predict: NPredict | None = None
     stop_token_ids: list[int] | None = None  # vLLM's: tokens that end the answer (not sent)
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
     stop: str | list[str] | None = None
     stream: Switch = False
     stream_options: StreamOptions | None = None
@@ -193,9 +212,36 @@ class SamplingFields(BaseModel):
                     f"{name} is not supported by this server", param=name, code="unsupported_parameter"
                 )
         check_stops(self.stop_list(), "stop")
+        structured = self.structured_output()
+        if structured is not None and self.ignore_eos:
+            message = f"ignore_eos cannot be combined with {structured.param} (its grammar ends the answer)"
+            raise invalid_request(message, param="ignore_eos", code="unsupported_value")
         if self.n_predict == 0 and not self.PROMPT_ONLY:
             message = "n_predict: must be -1 (up to the context) or at least 1"
             raise invalid_request(message, param="n_predict")
+
+    def structured_output(self) -> StructuredOutput | None:
+        """vLLM's structured output the answer follows (`structured_outputs`, or a `guided_*` field); None
+        where none is asked. Asking two is a 400 naming the second."""
+        asked = [
+            StructuredOutput(kind, value, f"structured_outputs.{kind}")
+            for kind, value in (self.structured_outputs or {}).items()
+            if kind in STRUCTURED_KINDS and value not in (None, False)
+        ]
+        extra = self.model_extra or {}
+        asked += [
+            StructuredOutput(kind, extra[name], name)
+            for name, kind in GUIDED_FIELDS.items()
+            if extra.get(name) is not None
+        ]
+        if len(asked) > 1:
+            first, second = asked[0].param, asked[1].param
+            message = f"{second}: give one structured output, not {first} and {second}"
+            raise invalid_request(message, param=asked[1].param)
+        if asked and asked[0].kind == "structural_tag":
+            message = f"{asked[0].param} is not supported by this server"
+            raise invalid_request(message, param=asked[0].param, code="unsupported_parameter")
+        return asked[0] if asked else None
 
     def keepalive_s(self, server_s: float) -> float | None:
         """Seconds between this request's keep-alive comments (None: none): `sse_ping_interval`, else the
@@ -507,6 +553,7 @@ class ChatCompletionRequest(SamplingFields):
             raise invalid_request(f"tools: the function {duplicate!r} is defined twice", param="tools")
         self._check_tool_choice(names)
         self._check_response_format()
+        self._check_structured_output()
         reserved = next((k for k in self.chat_template_kwargs or {} if k in RESERVED_TEMPLATE_NAMES), None)
         if reserved is not None:
             raise invalid_request(
@@ -536,6 +583,15 @@ class ChatCompletionRequest(SamplingFields):
             )
         if choice == "required" and not names:
             raise invalid_request("tool_choice: 'required' needs at least one tool", param="tool_choice")
+
+    def _check_structured_output(self) -> None:
+        """A 400 where a structured output is asked beside another grammar of the whole answer."""
+        structured = self.structured_output()
+        if structured is None:
+            return
+        if self.forced_tools() or (self.response_format is not None and self.response_format.type != "text"):
+            message = f"{structured.param}: give one of a structured output, response_format, tool_choice"
+            raise invalid_request(message, param=structured.param)
 
     def _check_response_format(self) -> None:
         response_format = self.response_format
@@ -581,7 +637,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def forced_output(self) -> bool:
         json_output = self.response_format is not None and self.response_format.type != "text"
-        return bool(self.forced_tools()) or json_output
+        return bool(self.forced_tools()) or json_output or self.structured_output() is not None
 
     def token_limit(self) -> int | None:
         if self.max_completion_tokens is not None:
