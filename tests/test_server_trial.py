@@ -12,9 +12,11 @@ import time
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pytest
 
+from conftest import requires_llama
 from k3stream.engine.loading import load_runtime
 from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.errors import redact_paths
@@ -22,6 +24,8 @@ from k3stream.server.guard import GuardConfig
 from k3stream.server.live import ServerThread
 from k3stream.server.runtime import served_from_runtime
 from k3stream.server.scheduler import Scheduler
+from live_server import sse_events
+from llama_logits import llama_logits
 
 PROMPT = "Once upon a time"
 GREEDY = {"prompt": PROMPT, "temperature": 0, "n_predict": 6, "ignore_eos": True}
@@ -243,3 +247,42 @@ def test_a_structured_output_beside_another_grammar_is_a_400(client, server):
     assert caught.value.body["param"] == "guided_choice"
     both = post(server, "/completion", {"prompt": PROMPT, "grammar": 'root ::= "a"', "guided_regex": "b"})
     assert both.status_code == 400 and "guided_regex" in both.json()["error"]["message"]
+
+
+def _log_softmax(row: np.ndarray) -> np.ndarray:
+    shifted = row.astype(np.float64) - row.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+@requires_llama
+def test_sampled_tokens_logprobs_are_llama_cpps_log_probabilities_streamed_or_whole(
+    server, served, model_path, tmp_path
+):
+    """The logprobs of a seeded, sampled answer (`/completion`'s `n_probs`, `/v1/completions`'
+    `logprobs`, streamed and whole) are the log-softmax of llama.cpp's logits at each position of the
+    prompt and the answer so far: the model's own log-probabilities, alternatives included."""
+    prompt_ids = served.tokenizer.encode(PROMPT)
+    body = {"prompt": prompt_ids, "n_predict": 10, "n_probs": 3, "seed": 8, "temperature": 1.2}
+    whole = post(server, "/completion", body).json()["completion_probabilities"]
+    streamed = post(server, "/completion", {**body, "stream": True}).text
+    assert [p for event in sse_events(streamed) for p in event.get("completion_probabilities", [])] == whole
+    fields = {
+        "model": "m",
+        "prompt": prompt_ids,
+        "max_tokens": 10,
+        "logprobs": 3,
+        "seed": 8,
+        "temperature": 1.2,
+    }
+    openai_whole = post(server, "/v1/completions", fields).json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert openai_whole == [entry["logprob"] for entry in whole]
+    ids = [entry["id"] for entry in whole]
+    (logits,) = llama_logits([(model_path, prompt_ids + ids)], tmp_path)
+    for step, entry in enumerate(whole):
+        expected = _log_softmax(logits[len(prompt_ids) - 1 + step])
+        assert entry["logprob"] == pytest.approx(expected[entry["id"]], abs=1e-4)
+        third = np.sort(expected)[-3]  # the alternatives are the three likeliest (ties within rounding)
+        assert len(entry["top_logprobs"]) == 3
+        for alternative in entry["top_logprobs"]:
+            assert alternative["logprob"] == pytest.approx(expected[alternative["id"]], abs=1e-4)
+            assert expected[alternative["id"]] >= third - 1e-4
