@@ -81,6 +81,21 @@ def test_null_is_the_default_of_completions_native_fields_as_in_llama_server(ser
     assert answer.json()["generation_settings"] == plain["generation_settings"]
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/tokenize", {"content": "Hello <|im_end|>"}, "add_special"),
+        ("/tokenize", {"content": "Hello <|im_end|>"}, "parse_special"),
+        ("/tokenize", {"content": "Hello <|im_end|>"}, "with_pieces"),
+        ("/apply-template", {"messages": [{"role": "user", "content": "Hi"}]}, "add_generation_prompt"),
+    ],
+)
+def test_null_is_the_default_of_llama_servers_tokenize_and_template_switches(server, path, body, field):
+    answer = post(server, path, {**body, field: None})
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == post(server, path, body).json()
+
+
 @pytest.mark.parametrize("field", ["id_slot", "top_logprobs", "tools", "response_format"])
 def test_null_chat_and_slot_fields_ask_nothing_of_v1_completions(client, field):
     fields = {"model": "m", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
