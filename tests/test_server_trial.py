@@ -301,3 +301,21 @@ def test_sampled_tokens_logprobs_are_llama_cpps_log_probabilities_streamed_or_wh
         for alternative in entry["top_logprobs"]:
             assert alternative["logprob"] == pytest.approx(expected[alternative["id"]], abs=1e-4)
             assert expected[alternative["id"]] >= third - 1e-4
+
+
+def test_text_offsets_count_characters_where_tokens_split_them(server):
+    """`/v1/completions`' `text_offset` is where each token starts in the text, in characters: the
+    tokens holding the bytes of one character (an emoji is four) start within it, and the text after it
+    starts one character later, streamed or whole (a token of one byte had counted as a character)."""
+    guided = {"prompt": PROMPT, "seed": 2, "guided_choice": ["a🎉x🦀"]}
+    asked = {**guided, "max_tokens": 30, "logprobs": 1}
+    whole = post(server, "/v1/completions", asked).json()["choices"][0]
+    native = post(server, "/completion", {**guided, "n_predict": 30, "n_probs": 1}).json()
+    token_bytes = [bytes(entry["bytes"]) for entry in native["completion_probabilities"]]
+    assert len(token_bytes) == len(whole["logprobs"]["tokens"])
+    expected = [len(b"".join(token_bytes[:i]).decode("utf-8", "ignore")) for i in range(len(token_bytes))]
+    assert whole["logprobs"]["text_offset"] == expected
+    assert expected[-1] == len(whole["text"])  # the end of the turn comes after the whole text
+    streamed = post(server, "/v1/completions", {**asked, "stream": True}).text.replace("data: [DONE]", "")
+    chunks = [choice["logprobs"] for event in sse_events(streamed) for choice in event["choices"]]
+    assert [offset for chunk in chunks if chunk for offset in chunk["text_offset"]] == expected
