@@ -208,6 +208,9 @@ STRUCTURED = [
     ({"guided_json": json.dumps(CITY)}, _follows_city),
     ({"structured_outputs": {"json": CITY}}, _follows_city),
     ({"guided_grammar": 'root ::= "k3" [ab] [ab]'}, lambda text: re.fullmatch("k3[ab]{2}", text)),
+    # llama-server's, taken by its OpenAI endpoints as by /completion
+    ({"grammar": 'root ::= "k3" [ab] [ab]'}, lambda text: re.fullmatch("k3[ab]{2}", text)),
+    ({"json_schema": CITY}, _follows_city),
 ]
 
 
@@ -319,3 +322,28 @@ def test_text_offsets_count_characters_where_tokens_split_them(server):
     streamed = post(server, "/v1/completions", {**asked, "stream": True}).text.replace("data: [DONE]", "")
     chunks = [choice["logprobs"] for event in sse_events(streamed) for choice in event["choices"]]
     assert [offset for chunk in chunks if chunk for offset in chunk["text_offset"]] == expected
+
+
+NOT_SERVED = [
+    ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),
+    ("/completion", {"grammar": 'root ::= "a"', "grammar_lazy": True}, "grammar_lazy"),
+    ("/completion", {"grammar_triggers": [{"type": 0, "value": "{"}]}, "grammar_triggers"),
+]
+
+
+@pytest.mark.parametrize(("path", "fields", "field"), NOT_SERVED, ids=[case[2] for case in NOT_SERVED])
+def test_fields_vllm_or_llama_server_act_on_are_refused_not_ignored(server, path, fields, field):
+    """vLLM renders a request's own `chat_template` and echoes the last message on chat; llama-server
+    holds a lazy grammar back until a trigger: a request asking for them is refused by name, never
+    answered as if they had been honoured."""
+    body = {"prompt": PROMPT, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2, **fields}
+    answer = post(server, path, body)
+    assert answer.status_code == 400 and answer.json()["error"]["message"].startswith(field)
+
+
+def test_llama_servers_empty_json_schema_is_any_json_object_on_its_openai_endpoints(client):
+    asked = {"model": "m", "max_tokens": 3, "seed": 1, "extra_body": {"json_schema": {}}}
+    answer = client.chat.completions.create(messages=[{"role": "user", "content": PROMPT}], **asked)
+    assert answer.choices[0].message.content.startswith("{")
+    assert client.completions.create(prompt=PROMPT, **asked).choices[0].text.startswith("{")

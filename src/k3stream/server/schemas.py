@@ -103,13 +103,13 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "top_n_sigma": lambda value: value is None or (isinstance(value, int | float) and value <= 0),
     "n_probs": lambda value: value in (None, 0),
     "min_keep": lambda value: value in (None, 0),  # top-k, top-p and min-p keep what they keep
-    "grammar": _empty,
-    "json_schema": _empty,
     "dynatemp_range": lambda value: value in (None, 0, 0.0),
     "n_cmpl": lambda value: value in (None, 1),
     "n_indent": lambda value: value in (None, 0),
     "t_max_predict_ms": lambda value: value in (None, 0),
     "lora": _empty,
+    "grammar_lazy": lambda value: value in (None, False),  # the grammar only after a trigger
+    "grammar_triggers": _empty,
     # vLLM's
     "bad_words": _empty,
     "allowed_token_ids": _empty,
@@ -117,6 +117,9 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "skip_special_tokens": lambda value: value in (None, True),
     "add_generation_prompt": lambda value: value in (None, True),
     "prompt_logprobs": lambda value: value in (None, 0),
+    "chat_template": _empty,  # a request's own template (`--chat-template-file` sets the server's)
+    # vLLM's on chat, the last message's text first (a completion request's `echo` is its own field)
+    "echo": lambda value: value in (None, False),
 }
 
 
@@ -129,6 +132,9 @@ GUIDED_FIELDS = {
     "guided_regex": "regex",
     "guided_choice": "choice",
     "guided_grammar": "grammar",
+    # llama-server's own, which its OpenAI endpoints take too (`/completion` has them as its fields)
+    "grammar": "grammar",
+    "json_schema": "json",
 }
 
 
@@ -230,9 +236,9 @@ class SamplingFields(BaseModel):
         ]
         extra = self.model_extra or {}
         asked += [
-            StructuredOutput(kind, extra[name], name)
+            StructuredOutput(kind, _llama_server_value(name, extra[name]), name)
             for name, kind in GUIDED_FIELDS.items()
-            if extra.get(name) is not None
+            if extra.get(name) not in (None, "")
         ]
         if len(asked) > 1:
             first, second = asked[0].param, asked[1].param
@@ -358,6 +364,11 @@ class CompletionRequest(SamplingFields):
         prompt = self.prompt
         several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
         return checked_prompts(list(prompt) if several else [prompt], several, lambda one: len(one) == 0)
+
+
+def _llama_server_value(field: str, value: Any) -> Any:
+    """A structured output's value as asked: llama-server's `json_schema` `{}` is any JSON object."""
+    return {"type": "object"} if field == "json_schema" and value == {} else value
 
 
 def checked_prompts(prompts: list[Any], several: bool, empty: Callable[[Any], bool]) -> list[Any]:
