@@ -348,3 +348,34 @@ def test_llama_servers_empty_json_schema_is_any_json_object_on_its_openai_endpoi
     answer = client.chat.completions.create(messages=[{"role": "user", "content": PROMPT}], **asked)
     assert answer.choices[0].message.content.startswith("{")
     assert client.completions.create(prompt=PROMPT, **asked).choices[0].text.startswith("{")
+
+
+def test_response_format_holds_a_completions_text_as_vllm_serves_it(client):
+    """vLLM takes `response_format` on `/v1/completions` too: the text follows the format's schema, each
+    choice of each prompt, streamed as whole; a format without its schema is a 400 naming it."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    asked = {
+        "model": "m",
+        "max_tokens": 60,
+        "seed": 4,
+        "n": MAX_BATCH,
+        "extra_body": {"response_format": response_format},
+    }
+    whole = client.completions.create(prompt=[PROMPT, "Hello"], **asked)
+    texts = {choice.index: choice.text for choice in whole.choices}
+    assert len(texts) == 2 * MAX_BATCH and all(_follows_city(text) for text in texts.values()), texts
+    assert _streamed_texts(client, prompt=[PROMPT, "Hello"], **asked) == texts
+    plain = client.completions.create(
+        model="m", prompt=PROMPT, max_tokens=3, extra_body={"response_format": {"type": "json_object"}}
+    )
+    assert plain.choices[0].text.startswith("{")
+    for fields, param in [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema",
+        ),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="m", prompt=PROMPT, max_tokens=3, extra_body=fields)
+        assert caught.value.body["param"] == param

@@ -153,7 +153,6 @@ CHAT_ONLY_FIELDS = (
     "tools",
     "tool_choice",
     "parallel_tool_calls",
-    "response_format",
     "top_logprobs",
     "separate_reasoning",
     "chat_template_kwargs",
@@ -345,6 +344,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: MaxTokens | None = 16
     echo: Switch = False
     logprobs: TopLogprobs | None = None  # the number of most likely tokens listed with each token
+    response_format: ResponseFormat | None = None  # vLLM's on completions: the text as JSON
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -358,6 +358,18 @@ class CompletionRequest(SamplingFields):
                 param=chat_only,
                 code="unsupported_parameter",
             )
+
+    def structured_output(self) -> StructuredOutput | None:
+        """vLLM's structured outputs, `response_format` among them (a JSON format as on chat)."""
+        asked = super().structured_output()
+        response_format = self.response_format
+        if response_format is None or response_format.type == "text":
+            return asked
+        if asked is not None:
+            message = f"{asked.param}: give one structured output, not response_format and {asked.param}"
+            raise invalid_request(message, param=asked.param)
+        response_format.check()
+        return StructuredOutput("json", response_format.followed_schema(), "response_format")
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one text or token-id list, or a list of them (OpenAI's batch)."""
@@ -516,6 +528,19 @@ class ResponseFormat(BaseModel):
     # llama-server's `{"type": "json_object", "schema": {...}}`
     object_schema: dict[str, Any] | None = Field(default=None, alias="schema")
 
+    def check(self) -> None:
+        """A 400 naming the field where the format's schema is missing or no valid JSON Schema."""
+        if self.type == "json_object" and self.object_schema is not None:
+            check_json_schema(self.object_schema, "response_format.schema")
+        if self.type != "json_schema":
+            return
+        if self.json_schema is None or self.json_schema.json_schema is None:
+            raise invalid_request(
+                "response_format.json_schema: a json_schema response format needs a schema",
+                param="response_format.json_schema",
+            )
+        check_json_schema(self.json_schema.json_schema, "response_format.json_schema.schema")
+
     def followed_schema(self) -> dict[str, Any]:
         """The JSON Schema the answer follows: `json_schema`'s, llama-server's `schema` beside
         `json_object`, else any JSON object."""
@@ -563,7 +588,8 @@ class ChatCompletionRequest(SamplingFields):
         if duplicate is not None:
             raise invalid_request(f"tools: the function {duplicate!r} is defined twice", param="tools")
         self._check_tool_choice(names)
-        self._check_response_format()
+        if self.response_format is not None:
+            self.response_format.check()
         self._check_structured_output()
         reserved = next((k for k in self.chat_template_kwargs or {} if k in RESERVED_TEMPLATE_NAMES), None)
         if reserved is not None:
@@ -603,21 +629,6 @@ class ChatCompletionRequest(SamplingFields):
         if self.forced_tools() or (self.response_format is not None and self.response_format.type != "text"):
             message = f"{structured.param}: give one of a structured output, response_format, tool_choice"
             raise invalid_request(message, param=structured.param)
-
-    def _check_response_format(self) -> None:
-        response_format = self.response_format
-        if response_format is None:
-            return
-        if response_format.type == "json_object" and response_format.object_schema is not None:
-            check_json_schema(response_format.object_schema, "response_format.schema")
-        if response_format.type != "json_schema":
-            return
-        if response_format.json_schema is None or response_format.json_schema.json_schema is None:
-            raise invalid_request(
-                "response_format.json_schema: a json_schema response format needs a schema",
-                param="response_format.json_schema",
-            )
-        check_json_schema(response_format.json_schema.json_schema, "response_format.json_schema.schema")
 
     def template_kwargs(self) -> dict[str, TemplateValue] | None:
         """`chat_template_kwargs`, over `thinking` (Kimi's templates open the think block with it) and
