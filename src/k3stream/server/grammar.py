@@ -73,9 +73,10 @@ def gbnf_grammar(text: str, param: str) -> str:
 
 
 def structured_output_grammar(structured: StructuredOutput) -> str:
-    """The grammar of vLLM's structured output: a JSON Schema (a JSON object or its text), a regular
-    expression (Rust's syntax, as vLLM's backends take it), a choice among strings, llama.cpp's GBNF
-    grammar, or any JSON object; a value of the wrong shape is a 400 naming its field."""
+    """The grammar of a structured output (vLLM's, or llama-server's on its OpenAI endpoints): a JSON
+    Schema (a JSON object or its text), a regular expression (Rust's syntax, as vLLM's backends take
+    it), a choice among strings, llama.cpp's GBNF grammar, or any JSON object; a value of the wrong
+    shape is a 400 naming its field."""
     kind, value, param = structured.kind, structured.value, structured.param
     if kind == "json_object":
         return json_schema_grammar({"type": "object"})

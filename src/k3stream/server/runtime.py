@@ -283,8 +283,8 @@ class ServedModel(Runtime):
         return self.structured_constraint(body)
 
     def structured_constraint(self, body: SamplingFields) -> Constraint | None:
-        """The grammar of the request's vLLM structured output (`structured_outputs`, `guided_*`), or
-        None where it asks for none."""
+        """The grammar of the request's structured output (`SamplingFields.structured_output`), or None
+        where it asks for none."""
         structured = body.structured_output()
         if structured is None:
             return None

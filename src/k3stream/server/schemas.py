@@ -123,11 +123,11 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
 }
 
 
-# vLLM's structured outputs: what `structured_outputs` may ask the answer to follow, and the older
-# fields that ask the same (`guided_json` ...); its options (`whitespace_pattern`, `disable_*`) tune how
-# a backend writes JSON and are not read
+# vLLM's structured outputs: what `structured_outputs` may ask the answer to follow, and the fields that
+# ask the same (vLLM's older `guided_json` ..., llama-server's `grammar` and `json_schema`); vLLM's options
+# (`whitespace_pattern`, `disable_*`) tune how a backend writes JSON and are not read
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-GUIDED_FIELDS = {
+STRUCTURED_FIELDS = {
     "guided_json": "json",
     "guided_regex": "regex",
     "guided_choice": "choice",
@@ -226,8 +226,9 @@ class SamplingFields(BaseModel):
             raise invalid_request(message, param="n_predict")
 
     def structured_output(self) -> StructuredOutput | None:
-        """vLLM's structured output the answer follows (`structured_outputs`, or a `guided_*` field); None
-        where none is asked. Asking two is a 400 naming the second."""
+        """The structured output the answer follows: vLLM's (`structured_outputs`, a `guided_*` field) or
+        llama-server's `grammar` or `json_schema` on the OpenAI endpoints; None where none is asked. Asking
+        two is a 400 naming the second."""
         asked = [
             StructuredOutput(kind, value, f"structured_outputs.{kind}")
             for kind, value in (self.structured_outputs or {}).items()
@@ -236,7 +237,7 @@ class SamplingFields(BaseModel):
         extra = self.model_extra or {}
         asked += [
             StructuredOutput(kind, _llama_server_value(name, extra[name]), name)
-            for name, kind in GUIDED_FIELDS.items()
+            for name, kind in STRUCTURED_FIELDS.items()
             if extra.get(name) not in (None, "")
         ]
         if len(asked) > 1:
