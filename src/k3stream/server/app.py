@@ -24,13 +24,13 @@ from k3stream.engine.chunked_prefill import attention_rows_per_token
 from k3stream.server.bodies import parse_body
 from k3stream.server.endpoints_llama import llama_router
 from k3stream.server.errors import APIError, invalid_request, redact_paths, shaped_for
+from k3stream.server.grammar import Constraint
 from k3stream.server.guard import Guard, GuardConfig, HeadAsGet, cors_options
 from k3stream.server.messages import messages_router
 from k3stream.server.metrics import ServerMetrics
 from k3stream.server.native import native_router
 from k3stream.server.openai_chunks import ChatChunks, CompletionChunks
 from k3stream.server.prompt_reuse import register_cache_metrics
-from k3stream.server.request_logic import TokenConstraint
 from k3stream.server.responses import responses_router
 from k3stream.server.routes import ANTHROPIC_ENDPOINTS, LLAMA_ENDPOINTS
 from k3stream.server.runtime import ChatPrompt, ServedModel
@@ -330,9 +330,10 @@ class Endpoints:
         body = await parse_body(request, CompletionRequest)
         await self.check_request(body)
         prompts = [await self._prompt_ids(prompt) for prompt in body.prompts()]
-        jobs = self.submit_prompts(
-            body, [(tokens, None) for tokens in prompts], body.token_limit(), top=body.logprobs
-        )
+        # each prompt's own grammar state (compiled on the tokenizer threads: a schema takes milliseconds)
+        constraint = self.served.structured_constraint
+        constrained = [(tokens, await self.off_loop(constraint, body)) for tokens in prompts]
+        jobs = self.submit_prompts(body, constrained, body.token_limit(), top=body.logprobs)
         makers = CompletionChunks.for_choices(self.served.name, jobs, body.timings_per_token)
         stream = self.stream(jobs, makers, body)
         return await stream.respond(request, body.stream, body.include_usage())
@@ -427,13 +428,14 @@ class Endpoints:
         top: int | None,
         prompt_param: str = "prompt",
         chat: ChatPrompt | None = None,
-        constraint: TokenConstraint | None = None,
+        constraint: Constraint | None = None,
         queue: asyncio.Queue | None = None,
         index: int = 0,
     ) -> list[Job]:
         """Queue the request, one job per choice (the first one's prefill shared by all); `limit` the
         tokens it asks for (None: up to the context); `top` is the number of top logprobs per token
-        (None: no logprobs); `constraint` a completion's grammar (one choice); `queue` and `index` where
+        (None: no logprobs); `constraint` a completion's grammar (each further choice follows a copy of
+        it, its own state); `queue` and `index` where
         its events go (several prompts of one request share a queue, each its own index)."""
         if self.served.default_n_predict is not None and not body.names_limit():
             limit = self.served.default_n_predict  # `serve -n`: cut to the context
@@ -449,7 +451,7 @@ class Endpoints:
                 chat=chat,
                 top_logprobs=top,
                 choice=choice,
-                constraint=constraint,
+                constraint=constraint if choice == 0 or constraint is None else constraint.copy(),
             )
             slot = self.slots.assign(body.id_slot if choice == 0 else -1, tokens, taken)
             taken.add(slot)
@@ -475,7 +477,7 @@ class Endpoints:
     def submit_prompts(
         self,
         body: SamplingFields,
-        prompts: list[tuple[list[int], TokenConstraint | None]],
+        prompts: list[tuple[list[int], Constraint | None]],
         limit: int | None,
         *,
         top: int | None,

@@ -24,9 +24,11 @@ from k3stream.server.scheduler import Scheduler
 from k3stream.server.schemas import (
     RESERVED_TEMPLATE_NAMES,
     ChatMessage,
+    Switch,
     TemplateValue,
     Tool,
     assistant_prefill,
+    null_is,
 )
 
 if TYPE_CHECKING:
@@ -40,9 +42,10 @@ MAX_TOKENIZE_CHARS = 1 << 20
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     content: Annotated[str, Field(max_length=MAX_TOKENIZE_CHARS)]
-    add_special: bool = False  # a BOS token first, where the file's tokenizer adds one
-    parse_special: bool = True  # special-token text becomes those tokens
-    with_pieces: bool = False
+    # null is each switch's default, as llama-server reads a field
+    add_special: Switch = False  # a BOS token first, where the file's tokenizer adds one
+    parse_special: Annotated[bool, null_is(True)] = True  # special-token text becomes those tokens
+    with_pieces: Switch = False
 
 
 class DetokenizeRequest(BaseModel):
@@ -57,7 +60,7 @@ class ApplyTemplateRequest(BaseModel):
     chat_template_kwargs: dict[str, TemplateValue] | None = None
     # llama-server's: False renders the conversation without the assistant's opening (a continued last
     # assistant message opens it whatever this says, as there)
-    add_generation_prompt: bool = True
+    add_generation_prompt: Annotated[bool, null_is(True)] = True
 
 
 class LlamaEndpoints:

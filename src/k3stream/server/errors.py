@@ -11,7 +11,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from k3stream.server.routes import anthropic_path
+from k3stream.server.routes import anthropic_path, native_path
 
 
 class APIError(Exception):
@@ -111,9 +111,13 @@ class AnthropicError(APIError):
 
 
 def shaped_for(path: str, error: APIError) -> APIError:
-    """`error` in the shape of the API that `path` belongs to: Anthropic's under `/v1/messages`, else as
-    it is."""
-    return AnthropicError.of(error) if anthropic_path(path) else error
+    """`error` in the shape of the API that `path` belongs to: Anthropic's under `/v1/messages`,
+    llama-server's on its native paths (`routes.native_path`), else as it is."""
+    if anthropic_path(path):
+        return AnthropicError.of(error)
+    if native_path(path) and not isinstance(error, LlamaError):
+        return LlamaError.of(error)
+    return error
 
 
 def not_supported(message: str) -> LlamaError:
@@ -156,9 +160,14 @@ def _is_type_tag(part: str) -> bool:
     return part in ("str", "int", "float", "bool") or part.startswith(tags) or model_name
 
 
-PATH_RE = re.compile(r"(?<![\w.~:/-])(?:/[^\s/:;,'\"()<>\[\]{}]+)+/([^\s/:;,'\"()<>\[\]{}]+)")
+# an absolute path of a file; the server's own endpoints (`/v1/chat/completions`, `/api/tags`), which
+# messages name for the client to use, are not files
+PATH_RE = re.compile(
+    r"(?<![\w.~:/-])(?!/v1/|/api/tags\b)(?:/[^\s/:;,'\"()<>\[\]{}]+)+/([^\s/:;,'\"()<>\[\]{}]+)"
+)
 
 
 def redact_paths(message: str) -> str:
-    """`message` with every absolute path shortened to its file name (error bodies, /health)."""
+    """`message` with every absolute path of a file shortened to its file name (error bodies, /health);
+    the endpoints it names stay whole."""
     return PATH_RE.sub(r"\1", message)

@@ -20,7 +20,7 @@ import torch
 
 from k3stream.server.errors import invalid_request
 from k3stream.server.scheduler import RequestError
-from k3stream.server.schemas import FreeformInput
+from k3stream.server.schemas import FreeformInput, StructuredOutput, check_json_schema
 
 JSON_DEFAULTS = {"whitespace_flexible": False}
 # the JSON of a call the model opens on its own (tool_choice auto): its own layout, each run of whitespace
@@ -70,6 +70,42 @@ def gbnf_grammar(text: str, param: str) -> str:
         raise invalid_request(
             f"{param}: not a GBNF grammar: {str(exc).splitlines()[0]}", param=param
         ) from None
+
+
+def structured_output_grammar(structured: StructuredOutput) -> str:
+    """The grammar of a structured output (vLLM's, or llama-server's on its OpenAI endpoints): a JSON
+    Schema (a JSON object or its text), a regular expression (Rust's syntax, as vLLM's backends take
+    it), a choice among strings, llama.cpp's GBNF grammar, or any JSON object; a value of the wrong
+    shape is a 400 naming its field."""
+    kind, value, param = structured.kind, structured.value, structured.param
+    if kind == "json_object":
+        return json_schema_grammar({"type": "object"})
+    if kind == "json":
+        schema = _json_value(value, param)
+        if not isinstance(schema, dict):
+            raise invalid_request(f"{param}: a JSON Schema must be a JSON object", param=param)
+        check_json_schema(schema, param)
+        return json_schema_grammar(schema)
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(item, str) for item in value)):
+            raise invalid_request(f"{param}: must be a non-empty list of strings", param=param)
+        return "start: " + " | ".join(json.dumps(choice) for choice in value)
+    if not isinstance(value, str) or not value:
+        raise invalid_request(f"{param}: must be a non-empty string", param=param)
+    if kind == "regex":
+        return f"start: /{_slashes_escaped(value)}/"
+    return gbnf_grammar(value, param)
+
+
+def _json_value(value: Any, param: str) -> Any:
+    """`value`, or the JSON value its text holds (vLLM takes a schema as either); a 400 naming `param`
+    for text that is not JSON."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise invalid_request(f"{param}: not valid JSON: {exc.msg}", param=param) from None
 
 
 # what a call's arguments follow: its parameters' JSON Schema, or a freeform tool's input

@@ -16,17 +16,18 @@ from pydantic import Field, RootModel, model_validator
 from k3stream.server.bodies import parse_body
 from k3stream.server.endpoints_llama import llama_params
 from k3stream.server.errors import APIError, LlamaError, invalid_request, not_supported
-from k3stream.server.grammar import gbnf_grammar, json_schema_grammar
+from k3stream.server.grammar import Constraint, gbnf_grammar, json_schema_grammar
 from k3stream.server.kimi_output import Piece, joined
-from k3stream.server.request_logic import TokenConstraint
 from k3stream.server.scheduler import Job, ProgressEvent, request_timings
 from k3stream.server.schemas import (
     Choices,
     Integral,
     RepetitionPenalty,
     SamplingFields,
+    Switch,
     check_json_schema,
     checked_prompts,
+    null_is,
 )
 
 if TYPE_CHECKING:
@@ -81,19 +82,20 @@ class NativeCompletionRequest(SamplingFields):
 
     prompt: str | list[int | str | list[int | str]]
     n_cmpl: Choices | None = None  # llama-server's completions per prompt (`n` is its alias)
-    n_probs: Annotated[int, Field(ge=0, le=MAX_N_PROBS), Integral] = 0
-    post_sampling_probs: bool = False
+    # null is each field's default, as llama-server reads a field (its json_value)
+    n_probs: Annotated[int, Field(ge=0, le=MAX_N_PROBS), Integral, null_is(0)] = 0
+    post_sampling_probs: Switch = False
     response_fields: list[str] | None = None
-    return_tokens: bool = False
-    repeat_penalty: RepetitionPenalty = 1.0
-    repeat_last_n: Annotated[int, Field(ge=-1), Integral] = 64
+    return_tokens: Switch = False
+    repeat_penalty: Annotated[RepetitionPenalty, null_is(1.0)] = 1.0
+    repeat_last_n: Annotated[int, Field(ge=-1), Integral, null_is(64)] = 64
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
-    special: bool = False  # special tokens' text in `content`
+    special: Switch = False  # special tokens' text in `content`
     samplers: list[str] | str | None = None
     # context shift's (a hybrid model has none: taken, echoed in `generation_settings`, and do nothing)
-    n_keep: Annotated[int, Integral] = 0
-    n_discard: Annotated[int, Integral] = 0
+    n_keep: Annotated[int, Integral, null_is(0)] = 0
+    n_discard: Annotated[int, Integral, null_is(0)] = 0
 
     @model_validator(mode="after")
     def _n_cmpl_first(self) -> NativeCompletionRequest:
@@ -109,6 +111,10 @@ class NativeCompletionRequest(SamplingFields):
             raise invalid_request("grammar: give a grammar or a json_schema, not both", param="grammar")
         if self.json_schema is not None:
             check_json_schema(self.json_schema, "json_schema")
+        structured = self.structured_output()
+        if structured is not None and (self.grammar or self.json_schema is not None):
+            message = f"{structured.param}: give one grammar: a structured output, a grammar or a json_schema"
+            raise invalid_request(message, param=structured.param)
         if self.ignore_eos and (self.grammar or self.json_schema is not None):
             message = (
                 "ignore_eos cannot be combined with a grammar or json_schema (the grammar ends the answer)"
@@ -358,18 +364,18 @@ class NativeEndpoints:
 
     def _prepare(
         self, pieces: PromptPieces, body: NativeCompletionRequest
-    ) -> tuple[list[int], str, TokenConstraint | None]:
+    ) -> tuple[list[int], str, Constraint | None]:
         """A prompt's token ids, its text (llama-server's `prompt`: the ids decoded) and its grammar."""
         tokens = self.api.check_ids(self.served.encode_pieces(pieces))
         return tokens, self.served.tokenizer.decode(tokens), self._constraint(body)
 
-    def _constraint(self, body: NativeCompletionRequest) -> TokenConstraint | None:
+    def _constraint(self, body: NativeCompletionRequest) -> Constraint | None:
         if body.json_schema is not None:  # {}: an object, as llama.cpp's json_schema_to_grammar makes it
             grammar, param = json_schema_grammar(body.json_schema or {"type": "object"}), "json_schema"
         elif body.grammar:
             grammar, param = gbnf_grammar(body.grammar, "grammar"), "grammar"
-        else:
-            return None
+        else:  # vLLM's structured outputs, where the request asks for one
+            return self.served.structured_constraint(body)
         return self.served.grammars.constraint(grammar, param)
 
     async def infill(self) -> Response:

@@ -3,6 +3,7 @@ of its stream (`streaming.Stream` sends them)."""
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
 from typing import Any
@@ -97,7 +98,9 @@ class CompletionChunks(Chunks):
 
     def __init__(self, model: str, job: Job, index: int = 0, ident: str = "", created: int = 0) -> None:
         super().__init__(model, job, index, ident, created)
-        self._offset = 0  # characters of token text before the next token, for `text_offset`
+        self._offset = 0  # characters of the text before the next token, for `text_offset`
+        # the text the tokens' bytes make so far: a token holding part of a character adds none
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
     def _opening(self) -> dict[str, Any]:
         return {"text": ""}
@@ -124,9 +127,9 @@ class CompletionChunks(Chunks):
         if not entries:
             return None
         offsets = []
-        for entry in entries:
+        for entry in entries:  # where each token starts in the text (within a character it completes)
             offsets.append(self._offset)
-            self._offset += len(entry.token)
+            self._offset += len(self._decoder.decode(bytes(entry.bytes)))
         return {
             "tokens": [entry.token for entry in entries],
             "token_logprobs": [entry.logprob for entry in entries],

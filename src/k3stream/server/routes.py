@@ -55,3 +55,10 @@ def openai_path(path: str) -> bool:
 def anthropic_path(path: str) -> bool:
     """Whether `path` is Anthropic's Messages API, whose errors are Anthropic's error object."""
     return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def native_path(path: str) -> bool:
+    """Whether `path` is llama-server's native completion, an answer for what this server does not serve,
+    or a slot action: their errors are llama-server's error object, whatever refuses the request (the
+    guard's 413 included)."""
+    return path in NATIVE_ENDPOINTS or path.startswith("/slots/")

@@ -32,6 +32,7 @@ from k3stream.server.grammar import (
     ToolArguments,
     call_arguments_schema,
     json_schema_grammar,
+    structured_output_grammar,
     tool_calls_grammar,
 )
 from k3stream.server.kimi_output import KimiFormat, OutputParser
@@ -279,7 +280,15 @@ class ServedModel(Runtime):
         if response_format is not None and response_format.type != "text":
             schema = response_format.followed_schema()
             return self.grammars.constraint(json_schema_grammar(schema), "response_format")
-        return None
+        return self.structured_constraint(body)
+
+    def structured_constraint(self, body: SamplingFields) -> Constraint | None:
+        """The grammar of the request's structured output (`SamplingFields.structured_output`), or None
+        where it asks for none."""
+        structured = body.structured_output()
+        if structured is None:
+            return None
+        return self.grammars.constraint(structured_output_grammar(structured), structured.param)
 
     def _think_close(self) -> list[int]:
         """The tokens that close a think block (its special tokens and its text's tokens)."""

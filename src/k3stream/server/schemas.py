@@ -92,10 +92,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "audio": _empty,
     "modalities": lambda value: value in (None, ["text"]),
     "prediction": _empty,
-    "guided_json": _empty,
-    "guided_regex": _empty,
-    "guided_choice": _empty,
-    "guided_grammar": _empty,
     "use_beam_search": lambda value: value in (None, False),
     "min_tokens": lambda value: value in (None, 0),
     # llama-server's samplers and fields beyond the ones served (repetition_penalty and min_p are)
@@ -107,13 +103,13 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "top_n_sigma": lambda value: value is None or (isinstance(value, int | float) and value <= 0),
     "n_probs": lambda value: value in (None, 0),
     "min_keep": lambda value: value in (None, 0),  # top-k, top-p and min-p keep what they keep
-    "grammar": _empty,
-    "json_schema": _empty,
     "dynatemp_range": lambda value: value in (None, 0, 0.0),
     "n_cmpl": lambda value: value in (None, 1),
     "n_indent": lambda value: value in (None, 0),
     "t_max_predict_ms": lambda value: value in (None, 0),
     "lora": _empty,
+    "grammar_lazy": lambda value: value in (None, False),  # the grammar only after a trigger
+    "grammar_triggers": _empty,
     # vLLM's
     "bad_words": _empty,
     "allowed_token_ids": _empty,
@@ -121,7 +117,35 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "skip_special_tokens": lambda value: value in (None, True),
     "add_generation_prompt": lambda value: value in (None, True),
     "prompt_logprobs": lambda value: value in (None, 0),
+    "chat_template": _empty,  # a request's own template (`--chat-template-file` sets the server's)
+    # vLLM's on chat, the last message's text first (a completion request's `echo` is its own field)
+    "echo": lambda value: value in (None, False),
 }
+
+
+# vLLM's structured outputs: what `structured_outputs` may ask the answer to follow, and the fields that
+# ask the same (vLLM's older `guided_json` ..., llama-server's `grammar` and `json_schema`); vLLM's options
+# (`whitespace_pattern`, `disable_*`) tune how a backend writes JSON and are not read
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+STRUCTURED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    # llama-server's own, which its OpenAI endpoints take too (`/completion` has them as its fields)
+    "grammar": "grammar",
+    "json_schema": "json",
+}
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """One request's vLLM structured output: its `kind` (`STRUCTURED_KINDS`), the value asking it, and
+    the field that gave it."""
+
+    kind: str
+    value: Any
+    param: str
 
 
 # chat fields a completion request must not carry (they would otherwise be ignored there)
@@ -129,7 +153,6 @@ CHAT_ONLY_FIELDS = (
     "tools",
     "tool_choice",
     "parallel_tool_calls",
-    "response_format",
     "top_logprobs",
     "separate_reasoning",
     "chat_template_kwargs",
@@ -169,6 +192,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, BiasValue] | list[tuple[int | str, BiasValue]] | None = None
     n_predict: NPredict | None = None
     stop_token_ids: list[int] | None = None  # vLLM's: tokens that end the answer (not sent)
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
     stop: str | list[str] | None = None
     stream: Switch = False
     stream_options: StreamOptions | None = None
@@ -182,7 +206,7 @@ class SamplingFields(BaseModel):
         True  # llama-server's: restore the prompt's longest cached prefix
     )
     id_slot: Annotated[
-        int, Field(ge=-1), Integral
+        int, Field(ge=-1), Integral, null_is(-1)
     ] = -1  # llama-server's: the slot the request runs under (-1: any)
 
     def check_supported(self) -> None:
@@ -193,9 +217,37 @@ class SamplingFields(BaseModel):
                     f"{name} is not supported by this server", param=name, code="unsupported_parameter"
                 )
         check_stops(self.stop_list(), "stop")
+        structured = self.structured_output()
+        if structured is not None and self.ignore_eos:
+            message = f"ignore_eos cannot be combined with {structured.param} (its grammar ends the answer)"
+            raise invalid_request(message, param="ignore_eos", code="unsupported_value")
         if self.n_predict == 0 and not self.PROMPT_ONLY:
             message = "n_predict: must be -1 (up to the context) or at least 1"
             raise invalid_request(message, param="n_predict")
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The structured output the answer follows: vLLM's (`structured_outputs`, a `guided_*` field) or
+        llama-server's `grammar` or `json_schema` on the OpenAI endpoints; None where none is asked. Asking
+        two is a 400 naming the second."""
+        asked = [
+            StructuredOutput(kind, value, f"structured_outputs.{kind}")
+            for kind, value in (self.structured_outputs or {}).items()
+            if kind in STRUCTURED_KINDS and value not in (None, False)
+        ]
+        extra = self.model_extra or {}
+        asked += [
+            StructuredOutput(kind, _llama_server_value(name, extra[name]), name)
+            for name, kind in STRUCTURED_FIELDS.items()
+            if extra.get(name) not in (None, "")
+        ]
+        if len(asked) > 1:
+            first, second = asked[0].param, asked[1].param
+            message = f"{second}: give one structured output, not {first} and {second}"
+            raise invalid_request(message, param=asked[1].param)
+        if asked and asked[0].kind == "structural_tag":
+            message = f"{asked[0].param} is not supported by this server"
+            raise invalid_request(message, param=asked[0].param, code="unsupported_parameter")
+        return asked[0] if asked else None
 
     def keepalive_s(self, server_s: float) -> float | None:
         """Seconds between this request's keep-alive comments (None: none): `sse_ping_interval`, else the
@@ -293,12 +345,14 @@ class CompletionRequest(SamplingFields):
     max_tokens: MaxTokens | None = 16
     echo: Switch = False
     logprobs: TopLogprobs | None = None  # the number of most likely tokens listed with each token
+    response_format: ResponseFormat | None = None  # vLLM's on completions: the text as JSON
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo:
             raise invalid_request("echo is not supported", param="echo", code="unsupported_value")
-        chat_only = next((name for name in CHAT_ONLY_FIELDS if name in (self.model_extra or {})), None)
+        extra = self.model_extra or {}
+        chat_only = next((name for name in CHAT_ONLY_FIELDS if extra.get(name) is not None), None)
         if chat_only is not None:
             raise invalid_request(
                 f"{chat_only} is only supported by /v1/chat/completions",
@@ -306,11 +360,28 @@ class CompletionRequest(SamplingFields):
                 code="unsupported_parameter",
             )
 
+    def structured_output(self) -> StructuredOutput | None:
+        """vLLM's structured outputs, `response_format` among them (a JSON format as on chat)."""
+        asked = super().structured_output()
+        response_format = self.response_format
+        if response_format is None or response_format.type == "text":
+            return asked
+        if asked is not None:
+            message = f"{asked.param}: give one structured output, not response_format and {asked.param}"
+            raise invalid_request(message, param=asked.param)
+        response_format.check()
+        return StructuredOutput("json", response_format.followed_schema(), "response_format")
+
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one text or token-id list, or a list of them (OpenAI's batch)."""
         prompt = self.prompt
         several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
         return checked_prompts(list(prompt) if several else [prompt], several, lambda one: len(one) == 0)
+
+
+def _llama_server_value(field: str, value: Any) -> Any:
+    """A structured output's value as asked: llama-server's `json_schema` `{}` is any JSON object."""
+    return {"type": "object"} if field == "json_schema" and value == {} else value
 
 
 def checked_prompts(prompts: list[Any], several: bool, empty: Callable[[Any], bool]) -> list[Any]:
@@ -458,6 +529,19 @@ class ResponseFormat(BaseModel):
     # llama-server's `{"type": "json_object", "schema": {...}}`
     object_schema: dict[str, Any] | None = Field(default=None, alias="schema")
 
+    def check(self) -> None:
+        """A 400 naming the field where the format's schema is missing or no valid JSON Schema."""
+        if self.type == "json_object" and self.object_schema is not None:
+            check_json_schema(self.object_schema, "response_format.schema")
+        if self.type != "json_schema":
+            return
+        if self.json_schema is None or self.json_schema.json_schema is None:
+            raise invalid_request(
+                "response_format.json_schema: a json_schema response format needs a schema",
+                param="response_format.json_schema",
+            )
+        check_json_schema(self.json_schema.json_schema, "response_format.json_schema.schema")
+
     def followed_schema(self) -> dict[str, Any]:
         """The JSON Schema the answer follows: `json_schema`'s, llama-server's `schema` beside
         `json_object`, else any JSON object."""
@@ -505,7 +589,9 @@ class ChatCompletionRequest(SamplingFields):
         if duplicate is not None:
             raise invalid_request(f"tools: the function {duplicate!r} is defined twice", param="tools")
         self._check_tool_choice(names)
-        self._check_response_format()
+        if self.response_format is not None:
+            self.response_format.check()
+        self._check_structured_output()
         reserved = next((k for k in self.chat_template_kwargs or {} if k in RESERVED_TEMPLATE_NAMES), None)
         if reserved is not None:
             raise invalid_request(
@@ -536,20 +622,14 @@ class ChatCompletionRequest(SamplingFields):
         if choice == "required" and not names:
             raise invalid_request("tool_choice: 'required' needs at least one tool", param="tool_choice")
 
-    def _check_response_format(self) -> None:
-        response_format = self.response_format
-        if response_format is None:
+    def _check_structured_output(self) -> None:
+        """A 400 where a structured output is asked beside another grammar of the whole answer."""
+        structured = self.structured_output()
+        if structured is None:
             return
-        if response_format.type == "json_object" and response_format.object_schema is not None:
-            check_json_schema(response_format.object_schema, "response_format.schema")
-        if response_format.type != "json_schema":
-            return
-        if response_format.json_schema is None or response_format.json_schema.json_schema is None:
-            raise invalid_request(
-                "response_format.json_schema: a json_schema response format needs a schema",
-                param="response_format.json_schema",
-            )
-        check_json_schema(response_format.json_schema.json_schema, "response_format.json_schema.schema")
+        if self.forced_tools() or (self.response_format is not None and self.response_format.type != "text"):
+            message = f"{structured.param}: give one of a structured output, response_format, tool_choice"
+            raise invalid_request(message, param=structured.param)
 
     def template_kwargs(self) -> dict[str, TemplateValue] | None:
         """`chat_template_kwargs`, over `thinking` (Kimi's templates open the think block with it) and
@@ -580,7 +660,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def forced_output(self) -> bool:
         json_output = self.response_format is not None and self.response_format.type != "text"
-        return bool(self.forced_tools()) or json_output
+        return bool(self.forced_tools()) or json_output or self.structured_output() is not None
 
     def token_limit(self) -> int | None:
         if self.max_completion_tokens is not None:

@@ -149,11 +149,12 @@ class SlotList:
 
     async def list(self, request: Request) -> list[dict[str, Any]]:
         """The slots; with `?fail_on_no_slot` (any value), llama-server's 503 while every slot runs."""
+        admitted = [job for job in self.scheduler.active_jobs() if job.state is not None]
         running: dict[int, Job] = {}
-        for job in self.scheduler.active_jobs():
-            if job.state is not None:  # admitted: queued requests hold no slot yet
-                running.setdefault(job.slot, job)
-        if request.query_params.get("fail_on_no_slot") and len(running) == self.table.count:
+        for job in admitted:  # queued requests hold no slot yet
+            running.setdefault(job.slot, job)
+        # requests naming one `id_slot` run side by side: the batch, not the slots listed, is what is full
+        if request.query_params.get("fail_on_no_slot") and len(admitted) >= self.table.count:
             raise LlamaError(503, "no slot available", type=LLAMA_ERROR_TYPES[503])
         slots = [self._slot(slot, running.get(slot)) for slot in range(self.table.count)]
         if self.texts:  # a long prompt's text is made off the event loop
