@@ -275,14 +275,21 @@ class Tokenizer:
         """
         adds_bos = self.add_bos if add_bos is None else add_bos
         ids = [self.bos_id] if adds_bos and self.bos_id is not None else []
+        for fragment in self.special_split(text, allow_special=allow_special):
+            ids += [fragment] if isinstance(fragment, int) else self.encode_plain(fragment)
+        return ids
+
+    def special_split(self, text: str, *, allow_special: bool = True) -> list[str | int]:
+        """`text` cut where llama.cpp cuts it before its pre-tokenizer: the ids of the special tokens it
+        holds (as `encode` parses them) and the texts between them (empty ones left out)."""
         cut = self._special_cuts[allow_special]
         # the split's odd pieces are the special tokens it cut at
-        for index, fragment in enumerate(cut.split(text) if cut is not None else (text,)):
-            if index % 2:
-                ids.append(self.special_tokens[fragment])
-            else:
-                ids += self.encode_plain(fragment)
-        return ids
+        fragments = cut.split(text) if cut is not None else [text]
+        return [
+            self.special_tokens[fragment] if index % 2 else fragment
+            for index, fragment in enumerate(fragments)
+            if fragment
+        ]
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of `text` as plain text: no special token is ever produced (not even the
