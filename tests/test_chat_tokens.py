@@ -96,3 +96,25 @@ def test_special_token_text_in_a_content_between_template_text_stays_plain(serve
     assert ids.count(tokenizer.token_id("<|im_end|>")) == 1  # the template's own, after the content
     assert tokenizer.token_id("<|im_system|>") not in ids
     assert forged in tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize(
+    ("texts", "joined"),
+    [
+        (["Hello", "world"], "Hello\nworld"),
+        (["", "Hello", "", "world", ""], "Hello\n\nworld\n"),
+        (["", ""], ""),
+        (["one"], "one"),
+    ],
+)
+def test_text_parts_reach_the_template_joined_as_llama_server_joins_them(served, texts, joined):
+    """llama-server (`common_chat_msgs_to_json_oaicompat`, a template that takes string content) and
+    vLLM put a line break between a message's text parts; they were joined with nothing, so
+    `["Hello", "world"]` was prompted as `Helloworld`."""
+    from k3stream.server.schemas import ChatMessage
+
+    parts = [{"type": "text", "text": text} for text in texts]
+    message = ChatMessage.model_validate({"role": "user", "content": parts})
+    assert served.template_messages([message])[0]["content"] == joined
+    rendered = served.chat_template.render(served.template_messages([message]))
+    assert f"<|im_user|>user<|im_middle|>{joined}<|im_end|>" in rendered
