@@ -118,3 +118,34 @@ def test_text_parts_reach_the_template_joined_as_llama_server_joins_them(served,
     assert served.template_messages([message])[0]["content"] == joined
     rendered = served.chat_template.render(served.template_messages([message]))
     assert f"<|im_user|>user<|im_middle|>{joined}<|im_end|>" in rendered
+
+
+def test_a_template_writing_bos_before_a_tokenizer_that_adds_it_gives_one_bos(model_path, tmp_path):
+    """A file whose tokenizer adds BOS (`add_bos_token`) and whose template begins with `{{ bos_token }}`
+    (as many do): llama.cpp's chat templates drop the rendered BOS text where the tokenizer adds one, so
+    the prompt holds one BOS; `serve`, `/apply-template` and `generate --chat` held two."""
+    import argparse
+
+    from gguf import GGUFValueType
+
+    from k3stream.commands.flags import prompt_ids
+    from k3stream.gguf.vocab import CHAT_TEMPLATE
+    from test_gguf import rewrite
+
+    keys = {
+        "tokenizer.ggml.add_bos_token": (True, GGUFValueType.BOOL),
+        "tokenizer.chat_template": ("{{ bos_token }}" + CHAT_TEMPLATE, GGUFValueType.STRING),
+    }
+    served = served_from_runtime(load_runtime(rewrite(model_path, tmp_path / "bos.gguf", set_keys=keys)))
+    try:
+        tokenizer, messages = served.tokenizer, [{"role": "user", "content": "hi"}]
+        bos = tokenizer.bos_id
+        rendered = served.chat_template.render(messages)
+        assert rendered.startswith("<|im_system|>")  # what /apply-template answers
+        ids = served.encode_chat(messages)
+        assert ids[0] == bos and bos not in ids[1:]
+        assert ids == tokenizer.encode("[BOS]" + rendered, allow_special=True, add_bos=False)
+        args = argparse.Namespace(chat=True, system=None, thinking=False)
+        assert prompt_ids(tokenizer, args, "hi") == ids
+    finally:
+        served.close()
