@@ -3,10 +3,11 @@
 Kimi ships a tiktoken vocabulary; its GGUF keeps it as a `gpt2` vocabulary: tokens written in GPT-2's
 byte-to-unicode alphabet, a token type per id (the special tokens CONTROL) and `tokenizer.ggml.merges`,
 which the converter derives from the tiktoken ranks (a token's last pair, in token order). As llama.cpp,
-we cut text at special tokens, then with the `kimi-k2` pre-tokenizer regex, and merge each piece's bytes
-by the merge list (`gguf.bpe.MergeBPE`): a file whose merges are in another order than its tokens
-tokenizes as llama.cpp tokenizes it. A `gpt2` vocabulary without merges is refused (llama.cpp 0.3.36
-loads one and tokenizes every byte alone), and so is a merge naming a text that is no token.
+we cut text at special tokens, then into the pieces llama.cpp's `kimi-k2` pre-tokenizer cuts, and
+merge each piece's bytes by the merge list (`gguf.bpe.MergeBPE`): a file whose merges are in another
+order than its tokens tokenizes as llama.cpp tokenizes it. A `gpt2` vocabulary without merges is
+refused (llama.cpp 0.3.36 loads one and tokenizes every byte alone), and so is a merge naming a text
+that is no token.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from k3stream.gguf.bpe import MergeBPE, byte_to_unicode
 
 log = logging.getLogger(__name__)
 
-# Pre-tokenizer of tokenization_kimi.py (llama.cpp `kimi-k2`): Han runs, words (Han excluded) with
-# English contractions, digits in groups of up to three, punctuation runs, newlines, other whitespace.
+# Pre-tokenizer of tokenization_kimi.py (tiktoken's `pat_str`, for `Tokenizer.encoding`): Han runs, words
+# (Han excluded) with English contractions, digits in groups of up to three, punctuation runs, newlines,
+# other whitespace.
 KIMI_K2_PATTERN = "|".join(
     [
         r"[\p{Han}]+",
@@ -43,8 +45,27 @@ KIMI_K2_PATTERN = "|".join(
         r"\s+",
     ]
 )
-# V1: the `&&` of the character classes is set intersection, as in tiktoken's (Rust) regex
-_PRETOKENIZER = regex.compile(KIMI_K2_PATTERN, flags=regex.V1)
+# The Han of llama.cpp's `unicode_cpt_is_han`: the CJK ideograph blocks (not the Han script's other
+# characters, such as 々 〇 and the radicals, which tokenization_kimi.py's \p{Han} holds)
+LLAMA_HAN = (
+    "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002ebef\U0002f800-\U0002fa1f"
+)
+# The pieces llama.cpp's `kimi-k2` pre-tokenizer cuts (`unicode_regex_split_custom_kimi_k2`), which is
+# KIMI_K2_PATTERN as llama.cpp writes it out: a word is any run of letters (upper and lower case alike,
+# `HelloWorld` one piece), and a combining mark is no letter (`e` + U+0301 two pieces), as in llama.cpp.
+LLAMA_KIMI_K2_PATTERN = "|".join(
+    [
+        f"[{LLAMA_HAN}]+",
+        f"[^\\r\\n\\p{{L}}\\p{{N}}]?[\\p{{L}}--[{LLAMA_HAN}]]+(?:'[sStTmMdD]|'(?:[rR][eE]|[vV][eE]|[lL][lL]))?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
+# V1: `--` in a character class is set difference
+_PRETOKENIZER = regex.compile(LLAMA_KIMI_K2_PATTERN, flags=regex.V1)
 
 TOOL_USE_TEMPLATE_KEY = "tokenizer.chat_template.tool_use"  # the named template `tool_use`
 
