@@ -234,6 +234,8 @@ class Tokenizer:
         for piece, token_id in self._ranks.items():
             self._pieces[token_id] = piece
         self._special_pieces = {token_id: text.encode() for text, token_id in special.items()}
+        # the tokens a decode that skips special ones still writes, as llama.cpp writes user-defined ones
+        self._user_defined_ids = frozenset(special[text] for text in user_defined)
 
     @cached_property
     def encoding(self) -> Any:
@@ -319,14 +321,15 @@ class Tokenizer:
         return [token for word in _PRETOKENIZER.findall(text) for token in word_ids(word)]
 
     def piece(self, token_id: int, *, skip_special: bool = False) -> bytes:
-        """Bytes of one token (special tokens as their text unless skipped; unused ids are empty)."""
+        """Bytes of one token (special tokens as their text unless skipped, user-defined ones always, as
+        llama.cpp writes them; unused ids are empty)."""
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(
                 f"{self.source}: token id {token_id} is outside the vocabulary of {self.vocab_size}"
             )
         special = self._special_pieces.get(token_id)
         if special is not None:
-            return b"" if skip_special else special
+            return b"" if skip_special and token_id not in self._user_defined_ids else special
         return self._pieces[token_id]
 
     def decode_bytes(self, ids: Iterable[int], *, skip_special: bool = False) -> bytes:
