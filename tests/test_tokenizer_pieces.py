@@ -26,6 +26,7 @@ ALPHABET = [
     *"!.(<$", "—", "…",  # punctuation and symbols
     " ", "\t", "\n", "\r", "\x0b", "\x85", "\u00a0", "\u3000", "\u2028",  # whitespace
     "\x00", "\x1c", "\u200d", "\ufe0f", "🙂", "🏽", "🇫",  # controls, joiners, emoji
+    "\u1c89", "\U00010d40", "\U000323b0",  # a letter, a digit, an ideograph of Unicode 16 and 17
 ]  # fmt: skip
 
 
@@ -71,6 +72,8 @@ def pairs(pairs_path):
 # llama.cpp's split differ
 SPLIT_APART = [
     "HelloWorld",
+    "a\u1c89's",
+    "1\U00010d4099",
     "madWard",
     "a\u0301sé",
     "न\u093fन",

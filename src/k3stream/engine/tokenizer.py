@@ -50,21 +50,39 @@ KIMI_K2_PATTERN = "|".join(
 LLAMA_HAN = (
     "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002ebef\U0002f800-\U0002fa1f"
 )
+# The letters and numbers of Unicode 16.0 and 17.0, which llama.cpp's character tables (Unicode 15.1)
+# leave unassigned: no letter nor number there (the `regex` module knows them as such)
+UNICODE_16_LETTERS_AND_NUMBERS = (
+    "\u088f\u0c5c\u0cdc\u1c89-\u1c8a\ua7cb-\ua7cf\ua7d2\ua7d4\ua7da-\ua7dc\ua7f1"
+    "\U000105c0-\U000105f3\U00010940-\U00010959\U00010d40-\U00010d65\U00010d6f-\U00010d85"
+    "\U00010ec2-\U00010ec7\U00011380-\U00011389\U0001138b\U0001138e\U00011390-\U000113b5"
+    "\U000113b7\U000113d1\U000113d3\U000116d0-\U000116e3\U00011bc0-\U00011be0"
+    "\U00011bf0-\U00011bf9\U00011db0-\U00011ddb\U00011de0-\U00011de9\U00013460-\U000143fa"
+    "\U00016100-\U0001611d\U00016130-\U00016139\U00016d40-\U00016d6c\U00016d70-\U00016d79"
+    "\U00016ea0-\U00016eb8\U00016ebb-\U00016ed3\U00016ff2-\U00016ff6\U000187f8-\U000187ff"
+    "\U00018cff\U00018d09-\U00018d1e\U00018d80-\U00018df2\U0001ccf0-\U0001ccf9"
+    "\U0001e5d0-\U0001e5ed\U0001e5f0-\U0001e5fa\U0001e6c0-\U0001e6de\U0001e6e0-\U0001e6e2"
+    "\U0001e6e4-\U0001e6e5\U0001e6e7-\U0001e6ed\U0001e6f0-\U0001e6f4\U0001e6fe-\U0001e6ff"
+    "\U000323b0-\U00033479"
+)
+# llama.cpp's letters, numbers and both (V1 set syntax: `--` is set difference)
+_LETTER = f"[\\p{{L}}--[{LLAMA_HAN}{UNICODE_16_LETTERS_AND_NUMBERS}]]"  # Han ideographs aside
+_NUMBER = f"[\\p{{N}}--[{UNICODE_16_LETTERS_AND_NUMBERS}]]"
+_LETTER_OR_NUMBER = f"[\\p{{L}}\\p{{N}}--[{UNICODE_16_LETTERS_AND_NUMBERS}]]"
 # The pieces llama.cpp's `kimi-k2` pre-tokenizer cuts (`unicode_regex_split_custom_kimi_k2`), which is
 # KIMI_K2_PATTERN as llama.cpp writes it out: a word is any run of letters (upper and lower case alike,
 # `HelloWorld` one piece), and a combining mark is no letter (`e` + U+0301 two pieces), as in llama.cpp.
 LLAMA_KIMI_K2_PATTERN = "|".join(
     [
         f"[{LLAMA_HAN}]+",
-        f"[^\\r\\n\\p{{L}}\\p{{N}}]?[\\p{{L}}--[{LLAMA_HAN}]]+(?:'[sStTmMdD]|'(?:[rR][eE]|[vV][eE]|[lL][lL]))?",
-        r"\p{N}{1,3}",
-        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        f"[^\\r\\n{_LETTER_OR_NUMBER}]?{_LETTER}+(?:'[sStTmMdD]|'(?:[rR][eE]|[vV][eE]|[lL][lL]))?",
+        f"{_NUMBER}{{1,3}}",
+        f" ?[^\\s{_LETTER_OR_NUMBER}]+[\\r\\n]*",
         r"\s*[\r\n]+",
         r"\s+(?!\S)",
         r"\s+",
     ]
 )
-# V1: `--` in a character class is set difference
 _PRETOKENIZER = regex.compile(LLAMA_KIMI_K2_PATTERN, flags=regex.V1)
 
 TOOL_USE_TEMPLATE_KEY = "tokenizer.chat_template.tool_use"  # the named template `tool_use`
