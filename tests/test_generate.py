@@ -823,6 +823,20 @@ def test_ignore_eos_generates_max_tokens_as_llama_clis(model, tokenizer, model_p
     assert "decode 48 tokens" in ignoring.stderr
 
 
+def test_a_prompt_file_keeps_its_carriage_returns_as_llama_cli_reads_it(tokenizer, tmp_path):
+    """llama-cli reads `-f` as bytes: a Windows file's `\r\n` and a lone `\r` are prompted as written
+    (they were read as `\n`, other tokens), only the last `\n` dropped."""
+    import argparse
+
+    from k3stream.commands.generate import prompt_text
+
+    data = b"line one\r\nline two\rthree\r\n"
+    (tmp_path / "windows.txt").write_bytes(data)
+    text = prompt_text(argparse.Namespace(file=tmp_path / "windows.txt", prompt=None))
+    assert text.encode() == data[:-1]
+    assert tokenizer.encode(text) != tokenizer.encode(text.replace("\r\n", "\n"))
+
+
 def _as_read(text: str) -> str:
     """`text` as `_cli` reads a command's output: text mode turns each `\r\n` and `\r` into `\n`."""
     return text.replace("\r\n", "\n").replace("\r", "\n")

@@ -21,6 +21,7 @@ from k3stream.engine.perplexity import (
     Perplexity,
     chunk_logits,
     dequantize_log_probs,
+    file_text,
     plan_chunks,
     quantize_log_probs,
     text_tokens,
@@ -453,3 +454,21 @@ def test_the_memory_plan_holds_a_chunk_of_the_default_context(model_path, capsys
     assert code == 0
     plan = next(line for line in err.splitlines() if line.startswith("memory limit"))
     assert "KV/state for 512 tokens" in plan and "(a prefill of 512 rows)" in plan, plan
+
+
+@requires_llama
+def test_the_file_is_read_as_llama_perplexity_reads_it(model_path, tokenizer, capsys, tmp_path):
+    """Its bytes as they are (CRLF and CR stay: they were read as line breaks, other tokens than
+    llama.cpp's), one line break at the end dropped as llama's `-f` drops it, and each byte that begins
+    no UTF-8 sequence one U+FFFD (a cut character `\\xe4\\xb8` was one U+FFFD, llama.cpp's two)."""
+    import llama_cpp
+
+    data = TEXT.read_bytes()[:3000].replace(b"\n", b"\r\n") + b"\rcut \xe4\xb8 \xf0\x9f\x99! caf\xe9\n"
+    text = tmp_path / "windows.txt"
+    text.write_bytes(data)
+    llama = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
+    expected = llama.tokenize(data[:-1], add_bos=tokenizer.add_bos, special=False)
+    llama.close()
+    assert text_tokens(tokenizer, file_text(data)) == expected
+    code, _, err = _run(capsys, model_path, "--file", text, "--ctx", 16, "--chunks", 1)
+    assert code == 0 and f"perplexity: {text}: {len(expected)} tokens;" in err

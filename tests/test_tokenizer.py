@@ -391,6 +391,35 @@ def test_user_defined_tokens_are_parsed_even_where_control_ones_are_not(tiny_mod
     llama.close()
 
 
+@requires_llama
+def test_a_decode_that_skips_special_tokens_writes_user_defined_ones_as_llama_cpp(tiny_model, tmp_path):
+    """llama.cpp's detokenizer without special tokens drops CONTROL and UNKNOWN tokens but writes a
+    USER_DEFINED one's text (a word the vocabulary added); k3stream dropped it too."""
+    import llama_cpp
+
+    from k3stream.gguf.reader import K3Checkpoint
+
+    source = tiny_model(vocab=600)
+    checkpoint = K3Checkpoint.open(source)
+    tokens = list(checkpoint.metadata("tokenizer.ggml.tokens"))
+    types = [int(t) for t in checkpoint.metadata("tokenizer.ggml.token_type")]
+    user, unknown = types.index(5), types.index(5) + 1
+    tokens[user], types[user] = "<|user|>", 4
+    tokens[unknown], types[unknown] = "<unk>", 2
+    arrays = {
+        "tokenizer.ggml.tokens": (tokens, GGUFValueType.ARRAY),
+        "tokenizer.ggml.token_type": (types, GGUFValueType.ARRAY),
+    }
+    path = rewrite(source, tmp_path / "user-defined.gguf", set_keys=arrays)
+    tokenizer = Tokenizer.from_gguf(path)
+    llama = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    ids = [*tokenizer.encode("hi"), user, unknown, tokenizer.token_id("<|im_end|>"), unknown + 1, user]
+    for special in (True, False):
+        assert tokenizer.decode_bytes(ids, skip_special=not special) == _llama_detokenize(llama, ids, special)
+    assert tokenizer.decode(ids, skip_special=True) == "hi<|user|><|user|>"
+    llama.close()
+
+
 LLAMA_VOCAB_LOAD = "import sys, llama_cpp; llama_cpp.Llama(sys.argv[1], vocab_only=True, verbose=False)"
 
 

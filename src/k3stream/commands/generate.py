@@ -47,13 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def prompt_text(args: argparse.Namespace) -> str:
-    """The prompt: `--prompt`, stdin for `--prompt -`, or the text of `--file` less the line break an
-    editor ends it with (one, as llama-cli drops it)."""
+    """The prompt: `--prompt`, stdin for `--prompt -`, or the text of `--file` as its bytes are (a CRLF
+    stays, as llama-cli reads it) less the line break an editor ends it with (one, as llama-cli drops
+    it)."""
     if args.file is None:
         return sys.stdin.read() if args.prompt == "-" else args.prompt
     check_input_file(args.file, "--file")
     try:
-        return args.file.read_text(encoding="utf-8").removesuffix("\n")
+        return args.file.read_bytes().decode("utf-8").removesuffix("\n")
     except UnicodeDecodeError as exc:
         raise ValueError(f"--file {args.file}: not UTF-8 text (byte {exc.start})") from None
 

@@ -74,12 +74,12 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace, tokenizer: Any, base: Any, context_length: int) -> Any:
-    from k3stream.engine.perplexity import plan_chunks, text_tokens
+    from k3stream.engine.perplexity import file_text, plan_chunks, text_tokens
 
     ctx = args.ctx or (base.ctx if base is not None else DEFAULT_CTX)
     bos = tokenizer.bos_id if tokenizer.add_bos else None
     if args.file:
-        text = Path(args.file).read_text(encoding="utf-8", errors="replace")
+        text = file_text(Path(args.file).read_bytes())
         tokens, source = text_tokens(tokenizer, text), args.file
     else:
         tokens, source = base.tokens, str(base.path)

@@ -156,7 +156,9 @@ def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
 
 class ChatTemplate:
     """A compiled chat template; `source` names where it came from in error messages. `tool_use`: the
-    template a render with tools uses instead (the file's named template `tool_use`)."""
+    template a render with tools uses instead (the file's named template `tool_use`). `bos_added`: the
+    tokenizer puts BOS before the prompt, so a render that begins with `bos_token` loses it, as
+    llama.cpp's chat templates drop it (one BOS, not two)."""
 
     def __init__(
         self,
@@ -166,6 +168,7 @@ class ChatTemplate:
         bos_token: str = "",
         eos_token: str = "",
         tool_use: ChatTemplate | None = None,
+        bos_added: bool = False,
     ):
         from jinja2 import TemplateError
 
@@ -173,6 +176,7 @@ class ChatTemplate:
         self.source = source
         self.tool_use = tool_use
         self._specials = {"bos_token": bos_token, "eos_token": eos_token}
+        self._dropped_prefix = bos_token if bos_added else ""
         try:
             self._template = _environment().from_string(template)
         except TemplateError as exc:
@@ -189,6 +193,7 @@ class ChatTemplate:
         specials = {
             "bos_token": token_text(tokenizer, tokenizer.bos_id),
             "eos_token": token_text(tokenizer, tokenizer.eos_id),
+            "bos_added": tokenizer.add_bos and tokenizer.bos_id is not None,
         }
         if override is not None:
             return cls(_template_file_text(override), source=str(override), **specials)
@@ -235,7 +240,7 @@ class ChatTemplate:
             raise ValueError(f"{self.source}: cannot render: {exc}") from None
         except (ArithmeticError, LookupError, TypeError, RecursionError, MemoryError) as exc:
             raise ValueError(f"{self.source}: cannot render: {type(exc).__name__}: {exc}") from None
-        return text.getvalue()
+        return text.getvalue().removeprefix(self._dropped_prefix)
 
 
 def chat_stop_token_ids(tokenizer: Tokenizer, thinking: bool) -> tuple[int, ...]:

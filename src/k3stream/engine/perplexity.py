@@ -17,6 +17,7 @@ are read as well, through a memory map.
 
 from __future__ import annotations
 
+import codecs
 import math
 import os
 import zipfile
@@ -95,6 +96,21 @@ def plan_chunks(
         )
     n_chunk = len(tokens) // ctx if chunks is None else min(chunks, len(tokens) // ctx)
     return ChunkPlan(ctx=ctx, tokens=tokens[: n_chunk * ctx].copy(), bos_id=bos_id)
+
+
+def _one_byte_replaced(error: UnicodeError) -> tuple[str, int]:
+    return "\ufffd", error.start + 1
+
+
+EACH_BYTE_REPLACED = "k3stream-each-byte-replaced"
+codecs.register_error(EACH_BYTE_REPLACED, _one_byte_replaced)
+
+
+def file_text(data: bytes) -> str:
+    """A text file as llama-perplexity reads `-f`: its bytes as they are (a CRLF stays), one line break
+    at the end dropped, and each byte that begins no UTF-8 sequence one U+FFFD, as llama.cpp's tokenizer
+    reads it (Python's "replace" makes one of a whole broken sequence)."""
+    return data.decode("utf-8", errors=EACH_BYTE_REPLACED).removesuffix("\n")
 
 
 def text_tokens(tokenizer: Any, text: str) -> list[int]:

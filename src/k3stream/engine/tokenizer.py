@@ -3,10 +3,11 @@
 Kimi ships a tiktoken vocabulary; its GGUF keeps it as a `gpt2` vocabulary: tokens written in GPT-2's
 byte-to-unicode alphabet, a token type per id (the special tokens CONTROL) and `tokenizer.ggml.merges`,
 which the converter derives from the tiktoken ranks (a token's last pair, in token order). As llama.cpp,
-we cut text at special tokens, then with the `kimi-k2` pre-tokenizer regex, and merge each piece's bytes
-by the merge list (`gguf.bpe.MergeBPE`): a file whose merges are in another order than its tokens
-tokenizes as llama.cpp tokenizes it. A `gpt2` vocabulary without merges is refused (llama.cpp 0.3.36
-loads one and tokenizes every byte alone), and so is a merge naming a text that is no token.
+we cut text at special tokens, then into the pieces llama.cpp's `kimi-k2` pre-tokenizer cuts, and
+merge each piece's bytes by the merge list (`gguf.bpe.MergeBPE`): a file whose merges are in another
+order than its tokens tokenizes as llama.cpp tokenizes it. A `gpt2` vocabulary without merges is
+refused (llama.cpp 0.3.36 loads one and tokenizes every byte alone), and so is a merge naming a text
+that is no token.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from k3stream.gguf.bpe import MergeBPE, byte_to_unicode
 
 log = logging.getLogger(__name__)
 
-# Pre-tokenizer of tokenization_kimi.py (llama.cpp `kimi-k2`): Han runs, words (Han excluded) with
-# English contractions, digits in groups of up to three, punctuation runs, newlines, other whitespace.
+# Pre-tokenizer of tokenization_kimi.py (tiktoken's `pat_str`, for `Tokenizer.encoding`): Han runs, words
+# (Han excluded) with English contractions, digits in groups of up to three, punctuation runs, newlines,
+# other whitespace.
 KIMI_K2_PATTERN = "|".join(
     [
         r"[\p{Han}]+",
@@ -43,8 +45,45 @@ KIMI_K2_PATTERN = "|".join(
         r"\s+",
     ]
 )
-# V1: the `&&` of the character classes is set intersection, as in tiktoken's (Rust) regex
-_PRETOKENIZER = regex.compile(KIMI_K2_PATTERN, flags=regex.V1)
+# The Han of llama.cpp's `unicode_cpt_is_han`: the CJK ideograph blocks (not the Han script's other
+# characters, such as 々 〇 and the radicals, which tokenization_kimi.py's \p{Han} holds)
+LLAMA_HAN = (
+    "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002ebef\U0002f800-\U0002fa1f"
+)
+# The letters and numbers of Unicode 16.0 and 17.0, which llama.cpp's character tables (Unicode 15.1)
+# leave unassigned: no letter nor number there (the `regex` module knows them as such)
+UNICODE_16_LETTERS_AND_NUMBERS = (
+    "\u088f\u0c5c\u0cdc\u1c89-\u1c8a\ua7cb-\ua7cf\ua7d2\ua7d4\ua7da-\ua7dc\ua7f1"
+    "\U000105c0-\U000105f3\U00010940-\U00010959\U00010d40-\U00010d65\U00010d6f-\U00010d85"
+    "\U00010ec2-\U00010ec7\U00011380-\U00011389\U0001138b\U0001138e\U00011390-\U000113b5"
+    "\U000113b7\U000113d1\U000113d3\U000116d0-\U000116e3\U00011bc0-\U00011be0"
+    "\U00011bf0-\U00011bf9\U00011db0-\U00011ddb\U00011de0-\U00011de9\U00013460-\U000143fa"
+    "\U00016100-\U0001611d\U00016130-\U00016139\U00016d40-\U00016d6c\U00016d70-\U00016d79"
+    "\U00016ea0-\U00016eb8\U00016ebb-\U00016ed3\U00016ff2-\U00016ff6\U000187f8-\U000187ff"
+    "\U00018cff\U00018d09-\U00018d1e\U00018d80-\U00018df2\U0001ccf0-\U0001ccf9"
+    "\U0001e5d0-\U0001e5ed\U0001e5f0-\U0001e5fa\U0001e6c0-\U0001e6de\U0001e6e0-\U0001e6e2"
+    "\U0001e6e4-\U0001e6e5\U0001e6e7-\U0001e6ed\U0001e6f0-\U0001e6f4\U0001e6fe-\U0001e6ff"
+    "\U000323b0-\U00033479"
+)
+# llama.cpp's letters, numbers and both (V1 set syntax: `--` is set difference)
+_LETTER = f"[\\p{{L}}--[{LLAMA_HAN}{UNICODE_16_LETTERS_AND_NUMBERS}]]"  # Han ideographs aside
+_NUMBER = f"[\\p{{N}}--[{UNICODE_16_LETTERS_AND_NUMBERS}]]"
+_LETTER_OR_NUMBER = f"[\\p{{L}}\\p{{N}}--[{UNICODE_16_LETTERS_AND_NUMBERS}]]"
+# The pieces llama.cpp's `kimi-k2` pre-tokenizer cuts (`unicode_regex_split_custom_kimi_k2`), which is
+# KIMI_K2_PATTERN as llama.cpp writes it out: a word is any run of letters (upper and lower case alike,
+# `HelloWorld` one piece), and a combining mark is no letter (`e` + U+0301 two pieces), as in llama.cpp.
+LLAMA_KIMI_K2_PATTERN = "|".join(
+    [
+        f"[{LLAMA_HAN}]+",
+        f"[^\\r\\n{_LETTER_OR_NUMBER}]?{_LETTER}+(?:'[sStTmMdD]|'(?:[rR][eE]|[vV][eE]|[lL][lL]))?",
+        f"{_NUMBER}{{1,3}}",
+        f" ?[^\\s{_LETTER_OR_NUMBER}]+[\\r\\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
+_PRETOKENIZER = regex.compile(LLAMA_KIMI_K2_PATTERN, flags=regex.V1)
 
 TOOL_USE_TEMPLATE_KEY = "tokenizer.chat_template.tool_use"  # the named template `tool_use`
 
@@ -213,6 +252,8 @@ class Tokenizer:
         for piece, token_id in self._ranks.items():
             self._pieces[token_id] = piece
         self._special_pieces = {token_id: text.encode() for text, token_id in special.items()}
+        # the tokens a decode that skips special ones still writes, as llama.cpp writes user-defined ones
+        self._user_defined_ids = frozenset(special[text] for text in user_defined)
 
     @cached_property
     def encoding(self) -> Any:
@@ -275,14 +316,21 @@ class Tokenizer:
         """
         adds_bos = self.add_bos if add_bos is None else add_bos
         ids = [self.bos_id] if adds_bos and self.bos_id is not None else []
+        for fragment in self.special_split(text, allow_special=allow_special):
+            ids += [fragment] if isinstance(fragment, int) else self.encode_plain(fragment)
+        return ids
+
+    def special_split(self, text: str, *, allow_special: bool = True) -> list[str | int]:
+        """`text` cut where llama.cpp cuts it before its pre-tokenizer: the ids of the special tokens it
+        holds (as `encode` parses them) and the texts between them (empty ones left out)."""
         cut = self._special_cuts[allow_special]
         # the split's odd pieces are the special tokens it cut at
-        for index, fragment in enumerate(cut.split(text) if cut is not None else (text,)):
-            if index % 2:
-                ids.append(self.special_tokens[fragment])
-            else:
-                ids += self.encode_plain(fragment)
-        return ids
+        fragments = cut.split(text) if cut is not None else [text]
+        return [
+            self.special_tokens[fragment] if index % 2 else fragment
+            for index, fragment in enumerate(fragments)
+            if fragment
+        ]
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of `text` as plain text: no special token is ever produced (not even the
@@ -291,14 +339,15 @@ class Tokenizer:
         return [token for word in _PRETOKENIZER.findall(text) for token in word_ids(word)]
 
     def piece(self, token_id: int, *, skip_special: bool = False) -> bytes:
-        """Bytes of one token (special tokens as their text unless skipped; unused ids are empty)."""
+        """Bytes of one token (special tokens as their text unless skipped, user-defined ones always, as
+        llama.cpp writes them; unused ids are empty)."""
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(
                 f"{self.source}: token id {token_id} is outside the vocabulary of {self.vocab_size}"
             )
         special = self._special_pieces.get(token_id)
         if special is not None:
-            return b"" if skip_special else special
+            return b"" if skip_special and token_id not in self._user_defined_ids else special
         return self._pieces[token_id]
 
     def decode_bytes(self, ids: Iterable[int], *, skip_special: bool = False) -> bytes:

@@ -127,14 +127,30 @@ class ServedModel(Runtime):
             self._refuse_special_text(contents + written)
             return self.tokenizer.encode(self._render(messages, extras), allow_special=True)
         pieces, order = split
-        encode, plain = self.tokenizer.encode, self.tokenizer.encode_plain
-        ids = list(self.pieces.get(("first", pieces[0]), lambda text: encode(text, allow_special=True)))
-        for slot, template_text in zip(order, pieces[1:], strict=True):
-            ids += self.pieces.get(("plain", slots[slot]), plain)
-            ids += self.pieces.get(
-                ("template", template_text), lambda text: encode(text, allow_special=True, add_bos=False)
-            )
-        return ids
+        return self._encode_filled(pieces, [slots[slot] for slot in order])
+
+    def _encode_filled(self, template_texts: list[str], filled: list[str]) -> list[int]:
+        """The ids of `template_texts` with the `filled` texts between them, as llama.cpp tokenizes the
+        whole prompt: cut at the special tokens of the template's texts (a filled text is never cut: it
+        stays plain), each text between two of them, template and filled texts together, tokenized as
+        one (kept in `pieces`): a content's first and last words are those of the whole text."""
+        tokenizer = self.tokenizer
+        ids = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+        plain: list[str] = []  # the texts since the last special token
+        for index, template_text in enumerate(template_texts):
+            if index:
+                plain.append(filled[index - 1])
+            for fragment in tokenizer.special_split(template_text):
+                if isinstance(fragment, str):
+                    plain.append(fragment)
+                    continue
+                ids += self._plain_ids("".join(plain))
+                ids.append(fragment)
+                plain = []
+        return ids + list(self._plain_ids("".join(plain)))
+
+    def _plain_ids(self, text: str) -> tuple[int, ...]:
+        return self.pieces.get(("plain", text), self.tokenizer.encode_plain) if text else ()
 
     def _refuse_special_extras(self, extras: dict[str, Any]) -> None:
         """`_refuse_special_text` over the tools and template variables, once per distinct set."""

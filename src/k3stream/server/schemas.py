@@ -419,6 +419,13 @@ class AssistantToolCall(BaseModel):
     function: CalledFunction
 
 
+def joined_text_parts(texts: list[str]) -> str:
+    """A message's text parts as llama-server and vLLM give them to a chat template: one line break
+    between two parts (llama-server writes none before a part while the text so far is empty)."""
+    first = next((index for index, text in enumerate(texts) if text), len(texts))
+    return "\n".join(texts[first:])
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -435,7 +442,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text or "" for part in self.content)
+        return joined_text_parts([part.text or "" for part in self.content])
 
     def check_content(self, index: int) -> None:
         """A 400 naming a missing content (required of every role but an assistant's turn calling tools,
