@@ -39,8 +39,13 @@ class FolderLock:
     other process removes the folder's snapshots as foreign."""
 
     def __init__(self, folder: Path) -> None:
+        self.folder = folder
         self.fd = _hold(folder)
         self.release = weakref.finalize(self, os.close, self.fd)
+
+    def still_held(self) -> bool:
+        """Whether the folder this lock holds is still at its path (not removed while the process ran)."""
+        return _still_there(self.fd, self.folder)
 
 
 def _hold(folder: Path) -> int:
