@@ -742,6 +742,25 @@ def test_a_cache_directory_removed_while_in_use_is_made_again(model, fingerprint
     restarted.close()
 
 
+def test_two_caches_of_one_key_on_one_directory_keep_within_its_budget(model, fingerprint, tmp_path):
+    """Two servers of the same model and flags on one `--cache-dir` (one folder, each writing its own
+    files into it): each counts the other's files in its folder and evicts its own to fit, so together
+    they keep within `--cache-disk`. (Each counted only its own files: together they held up to twice the
+    budget.)"""
+    probe = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "probe", 1 << 30)
+    conversation(model, probe, 2)
+    budget = 3 * probe.disk_used
+    probe.close()
+    caches = [PromptCache(model, fingerprint, 64 * MIB, tmp_path / "shared", budget) for _ in range(2)]
+    for seed in range(3):
+        for number, cache in enumerate(caches):
+            conversation(model, cache, 2, seed=10 * seed + number)
+    for cache in caches:
+        cache.close()
+    files = list(caches[0].disk_dir.iterdir())
+    assert len(files) > 4 and sum(path.stat().st_size for path in files) <= budget
+
+
 def test_a_snapshot_file_is_written_from_its_tensors_own_memory(model, fingerprint, tmp_path):
     """The writer thread copies no tensor while it holds the GIL (a copy of a real model's ~400 MB of
     KDA state would stop the scheduler for all of it): a file's parts are views of the snapshot's own

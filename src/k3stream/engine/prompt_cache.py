@@ -564,7 +564,7 @@ class PromptCache:
     def _disk_victim(self, budget: int, kept: set[tuple[int, ...]]) -> Entry | None:
         """The file to evict next (under the lock) but those of `kept`, None while the files fit
         `budget`."""
-        if self.disk_used + self.stats.foreign.nbytes <= budget:
+        if self.disk_used + self.stats.foreign.nbytes + self.stats.foreign.beside <= budget:
             return None
         held = [
             e
@@ -697,7 +697,7 @@ class PromptCache:
         usage = os.statvfs(self.disk_dir)
         block = usage.f_frsize or 1
         with self._lock:
-            held = self.disk_used + self.stats.foreign.nbytes
+            held = self.disk_used + self.stats.foreign.nbytes + self.stats.foreign.beside
             # room for the file, one block for its directory entry, and for the largest rewrite a
             # later eviction may make (`_trim` writes a file's rows anew before the old file goes)
             rewrite = max(
