@@ -180,6 +180,33 @@ def test_a_cache_dir_that_cannot_be_a_folder_is_the_flags_error(model_path, tmp_
     assert list(tmp_path.iterdir()) == [taken]
 
 
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_a_read_only_cache_dir_is_the_flags_error_before_the_model_loads(model_path, tmp_path, command):
+    """--cache-dir on a read-only file system (a tmpfs mounted read-only in a mount namespace of the
+    command's own) is refused at the start in one line naming the flag; it failed after the model
+    loaded (minutes for a real one), naming a snapshot folder inside it."""
+    import os
+    import subprocess
+    import sys
+
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    prompt = ["--prompt", "hi"] if command == "generate" else ["--port", "0"]
+    run = [sys.executable, "-m", "k3stream", command, str(model_path), *prompt, "--cache-ram", "8"]
+    run += ["--cache-dir", str(folder)]
+    mounted = f'mount -t tmpfs -o ro tmpfs {folder} && exec "$@"'
+    command_line = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mounted, "sh", *run]
+    try:
+        done = subprocess.run(command_line, capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    except FileNotFoundError:
+        pytest.skip("no `unshare` (util-linux) to mount a read-only file system")
+    if "unshare:" in done.stderr or "mount:" in done.stderr:
+        pytest.skip(f"no mount namespace here: {done.stderr.strip()[-200:]}")
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "k3stream serve: loading" not in line]
+    assert lines == [f"k3stream {command}: error: --cache-dir {folder}: Read-only file system"], lines
+
+
 def test_serve_takes_llama_servers_model_flag_and_request_defaults():
     """`llama-server -m MODEL -a NAME --temp T -n N -s S` runs as `k3stream serve` with those flags;
     `--jinja` and `--metrics` are taken (always so here)."""

@@ -312,6 +312,81 @@ def test_serve_under_torchrun_answers_as_one_process_and_outlives_idle_time(pack
 
 
 @pytest.mark.slow
+def test_requests_running_when_a_rank_is_killed_get_the_error_naming_it(audited):
+    """SIGKILL rank 1 of an expert-parallel server while three requests decode, and torchrun's SIGTERM
+    to rank 0 before rank 0 has named the dead rank (its heartbeat check takes 2 s): each request gets
+    the OpenAI error naming rank 1, no ASGI traceback, and the run ends non-zero. Where the requests'
+    answers lose the race against uvicorn's forced exit (the stop below), they got a bare `Internal
+    Server Error` instead; seen under load, not on every run."""
+    import httpx
+
+    from k3stream.server.live import free_port
+
+    port = free_port()
+    command = torchrun(2, "-m", "k3stream", "serve", str(audited), "--ep", "2", "--port", str(port))
+    command += ["--log-level", "warning", "--ram-mib", "0.3"]  # one working set: every step reads
+    body = {"prompt": "hello", "max_tokens": 100_000, "temperature": 0, "ignore_eos": True}
+    answers: list[httpx.Response | Exception] = []
+
+    def ask() -> None:
+        try:
+            answers.append(httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60))
+        except httpx.HTTPError as error:
+            answers.append(error)
+
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=_env()) as launcher:
+        _wait_healthy(f"http://127.0.0.1:{port}", launcher)
+        asking = [threading.Thread(target=ask) for _ in range(3)]
+        for thread in asking:
+            thread.start()
+        _wait_decoding(f"http://127.0.0.1:{port}", 3)
+        driver = _rank_pid(launcher.pid, 0)
+        os.kill(_rank_pid(launcher.pid, 1), signal.SIGKILL)
+        os.kill(driver, signal.SIGTERM)  # torchrun's, where it sees the dead rank before rank 0 does
+        killed = time.monotonic()
+        _out, err = launcher.communicate(timeout=60)
+        assert time.monotonic() - killed < 30
+        for thread in asking:
+            thread.join(60)
+    assert launcher.returncode != 0
+    assert "Exception in ASGI application" not in err, err[-3000:]
+    for answer in answers:
+        assert isinstance(answer, httpx.Response), answer
+        assert answer.status_code == 500, answer.text
+        assert "rank 1 failed or stopped (no heartbeat)" in answer.json()["error"]["message"]
+
+
+def test_a_failed_ranks_stop_after_torchruns_sigterm_is_still_graceful():
+    """The server's stop on a peer failure comes after torchrun's SIGTERM to rank 0 (which stops the
+    survivors of a dead rank): it must not force uvicorn's exit, which cancels the running requests
+    before their error answers go out. A SIGINT to itself did: uvicorn takes a SIGINT after any signal
+    as a second Ctrl-C."""
+    import uvicorn
+
+    from k3stream.commands.serve import ServerStop
+
+    server = uvicorn.Server(uvicorn.Config(app=None))
+    stop = ServerStop()
+    stop.server = server
+    server.handle_exit(signal.SIGTERM, None)  # torchrun's, as uvicorn's signal handler takes it
+    stop()
+    assert server.should_exit and not server.force_exit
+
+
+def _wait_decoding(url: str, sequences: int) -> None:
+    """Until `sequences` sequences run and the server has taken decode steps with them."""
+    import httpx
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{url}/health", timeout=5).json()
+        if health["running"] >= sequences and health["batched_steps"] > 4:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"never {sequences} sequences decoding: {health}")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_a_stopped_torchrun_server_ends_its_running_streams_cleanly_and_every_rank(packed, stop):
     """SIGTERM or Ctrl-C's SIGINT to every process of an expert-parallel server's run (a terminal's

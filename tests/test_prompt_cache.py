@@ -694,6 +694,73 @@ def test_a_conversation_longer_than_the_disk_budget_keeps_its_newest_state(model
     assert not any(header.get("rows_only") for header in headers(directory).values())
 
 
+def test_a_full_file_system_keeps_a_conversations_newest_state(model_path, model, fingerprint, tmp_path):
+    """A disk tier on a file system smaller than its budget (a tmpfs of about two turns' files, in a
+    mount namespace of its own): once the file system is full, each new file takes the place of the least
+    valuable old ones, as under `--cache-disk`, so a restarted cache resumes from the newest turn with the
+    cold bits. (Each file that did not fit was a write error, and the disk held the first turns only.)"""
+    probe = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "probe", 1 << 30)
+    conversation(model, probe, 2)
+    probe.close()
+    pages = sum(-(-path.stat().st_size // 4096) for path in probe.disk_dir.iterdir())
+    folder = tmp_path / "small"
+    folder.mkdir()
+    worker = [sys.executable, str(Path(__file__).with_name("full_disk_worker.py"))]
+    command = ["unshare", "--user", "--map-root-user", "--mount", *worker]
+    command += [str(model_path), str(folder), str((pages + 2) * 4096)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    except FileNotFoundError:
+        pytest.skip("no `unshare` (util-linux) to mount a small file system")
+    if "unshare:" in done.stderr or "mount:" in done.stderr:
+        pytest.skip(f"no mount namespace here: {done.stderr.strip()[-200:]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"errors": 0, "reused": got["newest"], "newest": got["newest"], "cold": True}, got
+
+
+def test_a_cache_directory_removed_while_in_use_is_made_again(model, fingerprint, tmp_path, caplog):
+    """The whole `--cache-dir` removed under a running cache (a cleanup of ~/.cache): the next snapshot
+    file makes its folder again, with a warning, and a restarted cache resumes the conversation's
+    newest state. (Every later file failed to be written, each with a warning, until a restart.)"""
+    import shutil
+
+    directory = tmp_path / "states"
+    cache = PromptCache(model, fingerprint, 64 * MIB, directory, 1 << 30, every=1 << 20)
+    conversation(model, cache, 1, seed=5)
+    shutil.rmtree(directory)
+    with caplog.at_level(logging.WARNING, logger="k3stream.engine.prompt_cache"):
+        prompts = conversation(model, cache, 3, seed=6)
+    assert "was removed while in use; made again" in caplog.text
+    assert cache.stats.disk_errors == 0
+    cache.close()
+    restarted = PromptCache(model, fingerprint, 64 * MIB, directory, 1 << 30)
+    prompt = prompts[-1] + [3]
+    got = restarted.prefill(prompt)
+    assert got.reused == len(prompts[-1]) and torch.equal(got.logits, cold(model, prompt))
+    restarted.close()
+
+
+def test_two_caches_of_one_key_on_one_directory_keep_within_its_budget(model, fingerprint, tmp_path):
+    """Two servers of the same model and flags on one `--cache-dir` (one folder, each writing its own
+    files into it): each counts the other's files in its folder and evicts its own to fit, so together
+    they keep within `--cache-disk`. (Each counted only its own files: together they held up to twice the
+    budget.)"""
+    probe = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "probe", 1 << 30)
+    conversation(model, probe, 2)
+    budget = 3 * probe.disk_used
+    probe.close()
+    caches = [PromptCache(model, fingerprint, 64 * MIB, tmp_path / "shared", budget) for _ in range(2)]
+    for seed in range(3):
+        for number, cache in enumerate(caches):
+            conversation(model, cache, 2, seed=10 * seed + number)
+    for cache in caches:
+        cache.close()
+    files = list(caches[0].disk_dir.iterdir())
+    assert len(files) > 4 and sum(path.stat().st_size for path in files) <= budget
+
+
 def test_a_snapshot_file_is_written_from_its_tensors_own_memory(model, fingerprint, tmp_path):
     """The writer thread copies no tensor while it holds the GIL (a copy of a real model's ~400 MB of
     KDA state would stop the scheduler for all of it): a file's parts are views of the snapshot's own

@@ -7,6 +7,7 @@ import argparse
 import math
 import re
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -617,7 +618,7 @@ def check_cache_flags(args: argparse.Namespace) -> None:
     """A one-line ValueError for cache flags that could not take effect (checked before the model
     loads): a disk budget without a directory, a directory with a budget of 0 (nothing is written), a
     directory with reuse off (`--cache-ram 0`: the RAM tier is where a snapshot is made and restored,
-    so there is no disk-only cache), a directory that cannot be made (it is made here)."""
+    so there is no disk-only cache), a directory that cannot be made (it is made here) or written to."""
     for flag, value, least in (
         ("--cache-ram", args.cache_ram, 0),
         ("--cache-disk", args.cache_disk or 0, 0),
@@ -639,6 +640,8 @@ def check_cache_flags(args: argparse.Namespace) -> None:
     if args.cache_dir is not None:
         try:
             Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=args.cache_dir):  # snapshots are written there
+                pass
         except OSError as exc:
             raise ValueError(f"--cache-dir {args.cache_dir}: {exc.strerror or exc}") from None
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import gc
 import json
 import os
@@ -319,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         # under torchrun rank 0 serves and the others follow; a failed rank stops the server (as Ctrl-C)
         terminated = False
-        stop_server = functools.partial(os.kill, os.getpid(), signal.SIGINT)
+        stop_server = ServerStop()
         with parallel_runtime(args, on_failure=stop_server, graceful=True) as runtime:
             if runtime is None:
                 return 0
@@ -335,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
             settle_heap()
             loading.stop()
             announce(runtime, served, config, _url(args.host, listener))
-            terminated = serve_on(app, listener, args.log_level, config)
+            terminated = serve_on(app, listener, args.log_level, config, stop_server)
         # a SIGTERM ends the command once the followers are released (the block left without error)
         if terminated:
             raise Terminated
@@ -346,13 +345,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_on(app: Any, listener: socket.socket, log_level: str, config: ServerConfig) -> bool:
-    """uvicorn serving `app` on `listener` until Ctrl-C or SIGTERM; True where a SIGTERM ended it."""
+class ServerStop:
+    """What a failed rank calls (on the thread that saw the failure) to stop the server: the graceful
+    shutdown a first Ctrl-C starts, the failed requests' error answers sent. Not a signal: where
+    torchrun's SIGTERM came first (it stops the survivors of a dead rank), a SIGINT would be uvicorn's
+    second signal, which cancels the running requests before their answers go out."""
+
+    def __init__(self) -> None:
+        self.server: uvicorn.Server | None = None
+
+    def __call__(self) -> None:
+        if self.server is None:  # not serving yet
+            os.kill(os.getpid(), signal.SIGINT)
+        else:
+            self.server.should_exit = True
+
+
+def serve_on(
+    app: Any, listener: socket.socket, log_level: str, config: ServerConfig, stop: ServerStop | None = None
+) -> bool:
+    """uvicorn serving `app` on `listener` until Ctrl-C, SIGTERM or `stop()`; True where a SIGTERM ended
+    it."""
     from k3stream.server.guard import uvicorn_options
 
     options = uvicorn_options(config.guard)
     uvicorn_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACE_S, **options)
     server = _StreamsEndingServer(uvicorn_config, app.state.scheduler)
+    if stop is not None:
+        stop.server = server
     try:
         server.run(sockets=[listener])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on (uvicorn.run drops it)

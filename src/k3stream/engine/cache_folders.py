@@ -39,8 +39,13 @@ class FolderLock:
     other process removes the folder's snapshots as foreign."""
 
     def __init__(self, folder: Path) -> None:
+        self.folder = folder
         self.fd = _hold(folder)
         self.release = weakref.finalize(self, os.close, self.fd)
+
+    def still_held(self) -> bool:
+        """Whether the folder this lock holds is still at its path (not removed while the process ran)."""
+        return _still_there(self.fd, self.folder)
 
 
 def _hold(folder: Path) -> int:
@@ -118,10 +123,13 @@ class Removed:
 
 @dataclass
 class Foreign:
-    """The foreign folders after a trim: their count and bytes on disk."""
+    """The foreign folders after a trim: their count and bytes on disk; and `beside`, the bytes of the
+    files in this process's own folder that it does not hold (another process of the same key and
+    place writes there too)."""
 
     folders: int = 0
     nbytes: int = 0
+    beside: int = 0
 
 
 def scan(root: Path) -> list[Folder]:
@@ -163,17 +171,20 @@ def _entries(path: Path) -> list[os.DirEntry]:
 
 def trim_directory(root: Path, own: str, own_bytes: int, budget: int, removed: Removed) -> Foreign:
     """Remove the temporaries left by dead writers in every folder of `root`; then, while `own_bytes` (the
-    snapshots of folder `own`) and the foreign folders' bytes exceed `budget`, the foreign folders'
-    snapshots that no process holds, oldest first (a folder left without files of ours goes too).
-    Adds to `removed` (without a lock: one thread at a time per `removed`); the foreign folders left."""
+    snapshots of folder `own` this process holds), the other files of folder `own` and the foreign
+    folders' bytes exceed `budget`, the foreign folders' snapshots that no process holds, oldest first (a
+    folder left without files of ours goes too). Adds to `removed` (without a lock: one thread at a time
+    per `removed`); the foreign folders left, and the bytes beside this process's in its folder."""
     folders = scan(root)
     now = time.time()
     for folder in folders:
         _remove_stale(folder, now, removed)
+    in_own = sum(file.nbytes for folder in folders if folder.path.name == own for file in folder.snapshots)
+    beside = max(in_own - own_bytes, 0)
     foreign = [folder for folder in folders if folder.path.name != own]
-    if own_bytes + sum(folder.nbytes for folder in foreign) > budget:
-        foreign = _evict_foreign(foreign, budget - own_bytes, removed)
-    return Foreign(len(foreign), sum(folder.nbytes for folder in foreign))
+    if own_bytes + beside + sum(folder.nbytes for folder in foreign) > budget:
+        foreign = _evict_foreign(foreign, budget - own_bytes - beside, removed)
+    return Foreign(len(foreign), sum(folder.nbytes for folder in foreign), beside)
 
 
 def _remove_stale(folder: Folder, now: float, removed: Removed) -> None:

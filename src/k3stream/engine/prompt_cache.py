@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -523,19 +524,23 @@ class PromptCache:
         shared = (self._storages[latent.storage_key()] for latent in snapshot.latents())
         return snapshot.fixed_bytes + sum(nbytes for references, nbytes in shared if references == 1)
 
-    def _evict_disk(self) -> None:
-        """While the files outgrow the budget, evict the one of the fewest tokens of recompute saved per
-        byte its eviction frees (and recency): a file its children need keeps its latent rows and frees
-        the rest (`_trim`); a file without children goes, with the rows-only parents only it needed.
+    def _evict_disk(self, budget: int | None = None) -> None:
+        """While the files outgrow the budget (`budget`, else `--cache-disk`'s), evict the one of the
+        fewest tokens of recompute saved per byte its eviction frees (and recency): a file its children
+        need keeps its latent rows and frees the rest (`_trim`; where that rewrite fails, the file stays
+        whole and the next one is taken); a file without children goes, with the rows-only parents only
+        it needed.
         The budget covers the whole directory: the foreign folders' files no process holds go first
         (`cache_folders.trim_directory`), this folder's files then fit what the others leave. The choice
         is made under the lock, the files are removed and rewritten outside it (on the writer's thread):
         the scheduler's snapshots and restores never wait on the disk."""
-        self._trim_directory()
+        budget = self.disk_budget if budget is None else budget
+        self._trim_directory(budget)
+        kept: set[tuple[int, ...]] = set()  # files whose rewrite failed: left whole this time
         while True:
             doomed: list[Path] = []
             with self._lock:
-                victim = self._disk_victim()
+                victim = self._disk_victim(budget, kept)
                 if victim is None:
                     return
                 path, trim = victim.disk_path, bool(victim.disk_children)
@@ -546,21 +551,26 @@ class PromptCache:
                 self.stats.evictions_disk += 1
             _remove(doomed)
             if trim and not self._trim(victim, path):
-                return
+                kept.add(victim.tokens)
 
-    def _trim_directory(self) -> None:
+    def _trim_directory(self, budget: int) -> None:
         """The other folders of the directory trimmed to the budget this folder's files leave (outside
         the lock: on the writer's thread, or at the start)."""
         directory, own = self.disk_dir, self.disk_used
-        foreign = trim_directory(directory.parent, directory.name, own, self.disk_budget, self.stats.removed)
+        foreign = trim_directory(directory.parent, directory.name, own, budget, self.stats.removed)
         with self._lock:
             self.stats.foreign = foreign
 
-    def _disk_victim(self) -> Entry | None:
-        """The file to evict next (under the lock), None while the files fit the budget."""
-        if self.disk_used + self.stats.foreign.nbytes <= self.disk_budget:
+    def _disk_victim(self, budget: int, kept: set[tuple[int, ...]]) -> Entry | None:
+        """The file to evict next (under the lock) but those of `kept`, None while the files fit
+        `budget`."""
+        if self.disk_used + self.stats.foreign.nbytes + self.stats.foreign.beside <= budget:
             return None
-        held = [e for e in self._tree.entries() if e.disk_path is not None and not e.rows_only]
+        held = [
+            e
+            for e in self._tree.entries()
+            if e.disk_path is not None and not e.rows_only and e.tokens not in kept
+        ]
         return min(held, key=lambda e: self._disk_score(e), default=None)
 
     def _disk_score(self, entry: Entry) -> float:
@@ -630,7 +640,8 @@ class PromptCache:
 
     def _write(self, entry: Entry, snapshot: Snapshot) -> None:
         """The snapshot's file (its latent rows past its parent's), written to a temporary name, synced
-        and renamed into place."""
+        and renamed into place, where the file system has room for it (`_make_room`)."""
+        self._keep_folder()
         with self._lock:
             parent = self._tree.deepest(entry.tokens, entry.length - 1, _on_disk)
             if parent is not None:
@@ -639,6 +650,7 @@ class PromptCache:
         parts = encode(self.fingerprint, entry.tokens, snapshot, reference)
         path = self.disk_dir / file_name(entry.tokens)
         try:
+            self._make_room(_size(parts), _rows_bytes(snapshot, reference))
             write_bytes_atomic(path, parts)
         except OSError as error:
             log.warning("prompt cache: cannot write %s: %s", path, error)
@@ -656,6 +668,46 @@ class PromptCache:
             kept.disk_rows_bytes, kept.rows_only = _rows_bytes(snapshot, reference), False
             kept.disk_logits = snapshot.logits is not None
         self._evict_disk()
+
+    def _keep_folder(self) -> None:
+        """Where this process's folder was removed while it ran (a cleanup of the directory), make it again
+        and forget the files it held, so that the snapshots from here on are kept on disk again."""
+        if self._folder_lock.still_held():
+            return
+        log.warning(
+            "prompt cache: %s was removed while in use; made again, its snapshots lost", self.disk_dir
+        )
+        try:
+            held = FolderLock(self.disk_dir)
+        except OSError as error:  # the write that follows fails too, with its own warning
+            log.warning("prompt cache: cannot make %s again: %s", self.disk_dir, error)
+            return
+        self._folder_lock.release()
+        self._folder_lock = held
+        with self._lock:
+            for entry in [e for e in self._tree.entries() if e.disk_path is not None]:
+                self._drop_file(entry, [])  # gone with the folder: nothing to delete
+                self._forget_if_gone(entry)
+
+    def _make_room(self, nbytes: int, rows_bytes: int) -> None:
+        """Where the file system has less free space than a file of `nbytes` (`rows_bytes` of them latent
+        rows) takes, evict this folder's files (and foreign ones no process holds) as the budget does,
+        until it has: a full file system bounds the tier as `--cache-disk` does, so new snapshots replace
+        the least valuable old ones instead of failing to be written."""
+        usage = os.statvfs(self.disk_dir)
+        block = usage.f_frsize or 1
+        with self._lock:
+            held = self.disk_used + self.stats.foreign.nbytes + self.stats.foreign.beside
+            # room for the file, one block for its directory entry, and for the largest rewrite a
+            # later eviction may make (`_trim` writes a file's rows anew before the old file goes)
+            rewrite = max(
+                (e.disk_rows_bytes for e in self._tree.entries() if e.disk_path), default=rows_bytes
+            )
+            rewrite = max(rewrite, rows_bytes)
+        needed = (-(-nbytes // block) - (-rewrite // block) + 1) * block
+        short = needed - usage.f_bavail * block
+        if short > 0:
+            self._evict_disk(min(self.disk_budget, held - short))
 
     def _scan_disk(self) -> None:
         """Enter every whole snapshot file of this fingerprint into the tree (disk tier only), each
