@@ -602,3 +602,34 @@ def test_the_tools_are_converted_and_checked_off_the_event_loop(server, monkeypa
     headers = {"x-api-key": KEY, "Authorization": f"Bearer {KEY}"}
     send = lambda: httpx.post(server.url + path, json=body, headers=headers, timeout=120)  # noqa: E731
     assert_answers_while_held(server, monkeypatch, owner, stage, send)
+
+
+def test_a_messages_text_blocks_reach_the_template_as_chats_text_parts(claude, openai_client):
+    """llama-server turns a message's text blocks into chat's text parts, which reach the template with a
+    line break between two; they were joined with nothing (`Tell me` `about the sea.` prompted as
+    `Tell meabout the sea.`). A run of text blocks after a tool result is still a user message of its own."""
+    texts = ["Tell me", "about the sea."]
+    blocks = [{"type": "text", "text": text} for text in texts]
+    message = ask(claude, messages=[{"role": "user", "content": blocks}])
+    joined = chat(
+        openai_client,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "\n".join(texts)}],
+    )
+    assert message.content[0].text == joined.choices[0].message.content
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == joined.usage.prompt_tokens
+    request = MessagesRequest.model_validate(
+        {
+            "model": "m",
+            "max_tokens": 4,
+            "messages": [
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+                {"role": "user", "content": [*blocks, {"type": "tool_result", "tool_use_id": "t"}, *blocks]},
+            ],
+        }
+    )
+    user = request.messages[1].chat_messages(1)
+    assert [(m.role, m.content) for m in user] == [
+        ("user", "\n".join(texts)),
+        ("tool", ""),
+        ("user", "\n".join(texts)),
+    ]

@@ -618,3 +618,18 @@ def test_a_response_cut_by_the_context_or_max_output_tokens_is_incomplete_stream
         expected = 5 if limit == 5 else 128 - response.usage.input_tokens
         assert response.usage.output_tokens == expected
     assert last.response.output_text == whole.output_text
+
+
+def test_a_messages_input_text_parts_reach_the_template_as_chats_text_parts(client):
+    """llama-server keeps a Responses message's `input_text` parts as chat's text parts, which reach the
+    template with a line break between two; they were joined with nothing."""
+    texts = ["Tell me", "about the sea."]
+    parts = [{"type": "input_text", "text": text} for text in texts]
+    response = respond(client, input=[{"role": "user", "content": parts}])
+    joined = respond(client, input="\n".join(texts))
+    assert response.output_text == joined.output_text
+    assert response.usage.input_tokens == joined.usage.input_tokens
+    split = respond(client, input="".join(texts))
+    assert (
+        split.usage.input_tokens != response.usage.input_tokens or split.output_text != response.output_text
+    )

@@ -39,6 +39,7 @@ from k3stream.server.schemas import (
     TopK,
     TopP,
     check_stops,
+    joined_text_parts,
     object_tool,
 )
 
@@ -111,16 +112,22 @@ class AnthropicMessage(BaseModel):
         return self._user_messages() if self.role == "user" else [self._assistant_message()]
 
     def _user_messages(self) -> list[ChatMessage]:
+        """Each run of text blocks is one user message, its texts joined as llama-server joins a
+        message's text blocks (`joined_text_parts`); each tool result is a tool message."""
         messages: list[ChatMessage] = []
+        texts: list[str] = []
         for block in self.content:
-            if block.type == "tool_result":
-                messages.append(
-                    ChatMessage(role="tool", content=block.result_text(), tool_call_id=block.tool_use_id)
-                )
-            elif messages and messages[-1].role == "user":
-                messages[-1].content += block.text
-            else:
-                messages.append(ChatMessage(role="user", content=block.text))
+            if block.type == "text":
+                texts.append(block.text)
+                continue
+            if texts:
+                messages.append(ChatMessage(role="user", content=joined_text_parts(texts)))
+                texts = []
+            messages.append(
+                ChatMessage(role="tool", content=block.result_text(), tool_call_id=block.tool_use_id)
+            )
+        if texts:
+            messages.append(ChatMessage(role="user", content=joined_text_parts(texts)))
         return messages
 
     def _assistant_message(self) -> ChatMessage:
@@ -129,7 +136,7 @@ class AnthropicMessage(BaseModel):
             for b in self.content
             if b.type == "tool_use"
         ]
-        text = "".join(block.text for block in self.content if block.type == "text")
+        text = joined_text_parts([block.text for block in self.content if block.type == "text"])
         reasoning = "".join(block.thinking for block in self.content if block.type == "thinking")
         return ChatMessage(
             role="assistant",

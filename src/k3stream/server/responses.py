@@ -52,6 +52,7 @@ from k3stream.server.schemas import (
     TopK,
     TopP,
     check_json_schema,
+    joined_text_parts,
 )
 
 if TYPE_CHECKING:
@@ -149,7 +150,11 @@ def parts_text(content: str | list[InputPart], where: str, allowed: tuple[str, .
     """A content's text: a string, or its text parts joined (a 400 naming the first of another type)."""
     if isinstance(content, str):
         return content
-    return "".join(part.checked_text(f"{where}.{number}", allowed) for number, part in enumerate(content))
+    return "".join(parts_texts(content, where, allowed))
+
+
+def parts_texts(content: list[InputPart], where: str, allowed: tuple[str, ...] = MESSAGE_PARTS) -> list[str]:
+    return [part.checked_text(f"{where}.{number}", allowed) for number, part in enumerate(content)]
 
 
 class InputItem(BaseModel):
@@ -208,7 +213,12 @@ class InputItem(BaseModel):
             shell = self.type == "local_shell_call_output"
             called = call_ids.get(self.id, self.id) if shell else self.call_id
             return ChatMessage(role="tool", content=text, tool_call_id=called)
-        return ChatMessage(role=self.role, content=parts_text(self.content, f"{where}.content"))
+        if isinstance(self.content, str):
+            return ChatMessage(role=self.role, content=self.content)
+        # a message's text parts reach the template as llama-server gives them (chat's content parts)
+        return ChatMessage(
+            role=self.role, content=joined_text_parts(parts_texts(self.content, f"{where}.content"))
+        )
 
     def _call_text(self) -> str:
         if self.type == "function_call":
