@@ -710,3 +710,120 @@ CLONES_WIDE void k3_mla_attend_rows(const float *queries, const float *cache, in
                      out + i * heads * kv);
     }
 }
+
+/* MLA's attention in the float order of ggml's CPU backend (llama.cpp's attention without flash attention
+ * on an F32 cache, its x86 build with AVX2 and FMA), the default arithmetic's (match_ggml):
+ * - each score is ggml_vec_dot_f32 of the query and the cache row: 32 running sums (four 8-float
+ *   accumulators, one fused multiply-add per value) over the first multiple of 32 values, summed pairwise
+ *   (`ggml_lanes_sum`), then the remaining values added one at a time, unfused, in float;
+ * - the softmax of the scores times the scale: exp by ggml_v_expf of (score - largest) 8 values at a
+ *   time, their sum 8 at a time (pairwise in float) into a double, each weight times (float)(1 / sum);
+ * - each context value is ggml_vec_dot_f32 of the weights and the cache column over llama.cpp's padded
+ *   cache length (a multiple of 256: zero weights past the last row, so no remaining values). */
+#define GGML_LANES 32
+
+/* ggml_vec_dot_f32's reduction of its 32 running sums (lanes 8a + b of its accumulators a = 0..3) */
+INLINE float ggml_lanes_sum(const float *lanes) {
+    float x[8];
+    for (int b = 0; b < 8; b++) x[b] = (lanes[b] + lanes[16 + b]) + (lanes[8 + b] + lanes[24 + b]);
+    const float t0 = x[0] + x[4], t1 = x[1] + x[5], t2 = x[2] + x[6], t3 = x[3] + x[7];
+    return (t0 + t1) + (t2 + t3);
+}
+
+/* ggml_vec_dot_f32 of a and b, n values */
+INLINE float ggml_dot_f32(const float *a, const float *b, int64_t n) {
+    float lanes[GGML_LANES] = {0};
+    const int64_t whole = n & ~(int64_t)(GGML_LANES - 1);
+    for (int64_t i = 0; i < whole; i += GGML_LANES)
+        for (int l = 0; l < GGML_LANES; l++) lanes[l] = fmaf(a[i + l], b[i + l], lanes[l]);
+    float sum = ggml_lanes_sum(lanes);
+    for (int64_t i = whole; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* ggml_v_expf (AVX2) of one value: exp within 1.5 ulp, 0 below about -104, the same bits lane by lane */
+INLINE float ggml_expf(float x) {
+    const float shift = 0x1.8p23f, z = fmaf(x, 0x1.715476p+0f, shift), n = z - shift;
+    const float b = fmaf(-n, 0x1.7f7d1cp-20f, fmaf(-n, 0x1.62e4p-1f, x));
+    uint32_t z_bits;
+    memcpy(&z_bits, &z, sizeof z_bits);
+    const uint32_t e = z_bits << 23;
+    const float k = as_float((int32_t)(e + 0x3f800000u)), u = b * b;
+    const float j = fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)), u,
+                         0x1.ffffecp-1f * b);
+    if (!(fabsf(n) > 126.0f)) return fmaf(j, k, k);
+    const uint32_t g = n <= 0.0f ? 0x82000000u : 0u;
+    const float s1 = as_float((int32_t)(g + 0x7f000000u)), s2 = as_float((int32_t)(e - g));
+    return fabsf(n) > 192.0f ? s1 * s1 : fmaf(s2, j, s2) * s1;
+}
+
+/* Floats of scratch one ggml-order attention over `length` rows takes on one thread */
+INLINE int64_t ggml_attend_scratch(int64_t length, int64_t kv) {
+    return (length + 7) / 8 * 8 + GGML_LANES * kv;
+}
+
+/* Head h of one query [heads, width] over the first `length` cache rows in ggml's order into out[h]
+ * ([kv]); `scratch`: ggml_attend_scratch(length, kv) floats */
+INLINE void ggml_attend_head(const float *query, const float *cache, int64_t length, int64_t h, int64_t width,
+                             int64_t kv, float scale, float *scratch, float *out) {
+    float *weights = scratch, *lanes = scratch + (length + 7) / 8 * 8, most = -INFINITY;
+    for (int64_t t = 0; t < length; t++) {
+        weights[t] = ggml_dot_f32(query + h * width, cache + t * width, width) * scale;
+        most = weights[t] > most ? weights[t] : most;
+    }
+    double total = 0.0;
+    for (int64_t t0 = 0; t0 < length; t0 += 8) {
+        float group[8];
+        for (int b = 0; b < 8; b++) group[b] = t0 + b < length ? ggml_expf(weights[t0 + b] - most) : 0.0f;
+        for (int b = 0; b < 8 && t0 + b < length; b++) weights[t0 + b] = group[b];
+        const float x0 = group[0] + group[4], x1 = group[1] + group[5], x2 = group[2] + group[6],
+                    x3 = group[3] + group[7];
+        total += (double)((x0 + x2) + (x1 + x3));
+    }
+    const float inverse = (float)(1.0 / total);
+    for (int64_t t = 0; t < length; t++) weights[t] *= inverse;
+    memset(lanes, 0, sizeof(float) * (size_t)(GGML_LANES * kv));
+    for (int64_t t = 0; t < length; t++) {
+        float *lane = lanes + (t & (GGML_LANES - 1)) * kv;
+        const float *row = cache + t * width, w = weights[t];
+        for (int64_t e = 0; e < kv; e++) lane[e] = fmaf(row[e], w, lane[e]);
+    }
+    for (int64_t e = 0; e < kv; e++) {
+        float column[GGML_LANES];
+        for (int l = 0; l < GGML_LANES; l++) column[l] = lanes[l * kv + e];
+        out[h * kv + e] = ggml_lanes_sum(column);
+    }
+}
+
+/* Floats of scratch `k3_mla_attend_ggml` or `k3_mla_attend_rows_ggml` (length: offset + n) takes */
+int64_t k3_mla_ggml_scratch(int64_t length, int64_t kv, int threads) {
+    return (threads < 1 ? 1 : threads) * ggml_attend_scratch(length, kv);
+}
+
+/* `k3_mla_attend` in ggml's order: one query [heads, width] over the first `length` cache rows -> out
+ * [heads, kv], heads on up to `threads` threads when the work is large (each head's bits its own) */
+CLONES_WIDE void k3_mla_attend_ggml(const float *query, const float *cache, int64_t length, int64_t heads,
+                                    int64_t width, int64_t kv, float scale, float *scratch, float *out, int threads) {
+    const double work = (double)heads * (double)length * (double)(width + kv);
+    const int teams = threads > 1 && heads > 1 && work >= (1 << 20) ? threads : 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(teams) if (teams > 1)
+    for (int64_t h = 0; h < heads; h++)
+        ggml_attend_head(query, cache, length, h, width, kv, scale,
+                         scratch + (int64_t)omp_get_thread_num() * ggml_attend_scratch(length, kv), out);
+}
+
+/* `k3_mla_attend_rows` in ggml's order: queries [n, heads, width] at positions offset.., each over the
+ * cache rows up to its own -> out [n, heads, kv], each as `k3_mla_attend_ggml` computes it */
+CLONES_WIDE void k3_mla_attend_rows_ggml(const float *queries, const float *cache, int64_t offset, int64_t n,
+                                         int64_t heads, int64_t width, int64_t kv, float scale, float *scratch,
+                                         float *out, int threads) {
+    const double work = (double)n * (double)heads * (double)(offset + n) * (double)(width + kv);
+    const int teams = threads > 1 && work >= (1 << 20) ? threads : 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(teams) if (teams > 1)
+    for (int64_t task = n * heads - 1; task >= 0; task--) { /* the longest first */
+        const int64_t i = task / heads, h = task % heads;
+        ggml_attend_head(queries + i * heads * width, cache, offset + i + 1, h, width, kv, scale,
+                         scratch + (int64_t)omp_get_thread_num() * ggml_attend_scratch(offset + n, kv),
+                         out + i * heads * kv);
+    }
+}
