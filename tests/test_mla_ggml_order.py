@@ -1,5 +1,6 @@
-"""The default arithmetic's MLA attention in the float order of ggml's CPU backend: on llama.cpp's own
-query and cache rows it gives llama.cpp's attention output bit for bit, decode and prefill."""
+"""The default arithmetic's steps in the float order of ggml's CPU backend, each on llama.cpp's own inputs
+(read from its graph) against llama.cpp's output bit for bit: the MLA attention (decode and prefill) and
+the RMS norm."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 import k3stream
 from conftest import NO_C_KERNELS, requires_llama
 from k3stream import LoadOptions
+from k3stream.model.layers import rms_norm
 from k3stream.model.mla import MLA
 from k3stream.quant.kernels import cpu
-from llama_tensors import llama_mla_attention
+from llama_tensors import llama_mla_attention, llama_tensors
 from test_model import tokens_for
 
 
@@ -39,3 +41,19 @@ def test_mla_attention_is_llama_cpps_bit_for_bit(tiny_model, tmp_path, seed):
     query, cache, expected = steps[-1]
     other = floats._attend_one(torch.from_numpy(query), torch.from_numpy(cache)).numpy()
     assert not np.array_equal(other, expected) and np.abs(other - expected).max() < 1e-5
+
+
+@requires_llama
+def test_rms_norm_is_llama_cpps_bit_for_bit(tiny_model, tmp_path):
+    """Layer 0's input norm of each token's embedding row: ggml sums the squares in double one by one."""
+    if not cpu.available():
+        pytest.skip(NO_C_KERNELS)
+    path = tiny_model(n_layers=2, mla_layers=(1,), seed=5)
+    model = k3stream.load(path)
+    tokens = tokens_for(5, model.config.vocab_size, 40)
+    steps = llama_tensors(path, tokens, ["inp_embd", "attn_norm-0"], tmp_path)
+    rows = torch.from_numpy(np.concatenate([step["inp_embd"].reshape(1, -1) for step in steps]))
+    normed = rms_norm(rows, model.layers[0].input_norm, model.config.rms_eps)
+    assert np.array_equal(
+        normed.numpy(), np.concatenate([step["attn_norm-0"].reshape(1, -1) for step in steps])
+    )

@@ -380,19 +380,17 @@ CLONES int k3_residual_mix(const float *const *rows, int64_t count, int64_t n, i
     return 0;
 }
 
-/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight (weight NULL: no scaling), n rows of width */
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight (weight NULL: no scaling), n rows of width, in ggml's
+ * order (its rms_norm then its mul): the squares summed in double one by one, the mean rounded to float,
+ * each value times 1 / sqrtf(mean + eps), then times its weight */
 CLONES void k3_rms_norm(const float *x, int64_t n, int64_t width, const float *weight, float eps, float *out) {
     for (int64_t r = 0; r < n; r++) {
         const float *row = x + r * width;
-        float partial[LANES] = {0}, squares = 0.0f;
-        int64_t e = 0;
-        for (; e + LANES <= width; e += LANES)
-            for (int j = 0; j < LANES; j++) partial[j] += row[e + j] * row[e + j];
-        for (int j = 0; j < LANES; j++) squares += partial[j];
-        for (; e < width; e++) squares += row[e] * row[e];
-        const float inverse = 1.0f / sqrtf(squares / (float)width + eps);
+        double squares = 0.0;
+        for (int64_t e = 0; e < width; e++) squares += (double)(row[e] * row[e]);
+        const float mean = (float)(squares / (double)width), inverse = 1.0f / sqrtf(mean + eps);
         float *y = out + r * width;
-        for (e = 0; e < width; e++) y[e] = weight == NULL ? row[e] * inverse : row[e] * inverse * weight[e];
+        for (int64_t e = 0; e < width; e++) y[e] = weight == NULL ? row[e] * inverse : row[e] * inverse * weight[e];
     }
 }
 
