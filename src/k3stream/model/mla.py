@@ -196,8 +196,8 @@ _CLAIMS = threading.Lock()  # the check and the claim of `MLAState.written` toge
 
 
 class MLA:
-    """`ggml_order`: the attention on the CPU in the float order of ggml's CPU backend, in C at any size
-    (`cpu.mla_attend`'s), the default arithmetic's; else in C up to `c_attention_rows`, torch's beyond."""
+    """`ggml_order` (the default arithmetic's): the C attention (up to `c_attention_rows`; torch's beyond)
+    in the float order of ggml's CPU backend (`cpu.mla_attend`'s)."""
 
     def __init__(
         self,
@@ -326,7 +326,7 @@ class MLA:
         over the cache into `context`: the C copy and attention on addresses where `_attend_one` would
         run in C, else its torch form."""
         heads, width = query.shape
-        c_rows = self._c_rows(heads, width)  # cache rows (the new one's included) below which C's
+        c_rows = c_attention_rows(heads, width)  # cache rows (the new one's included) below which C's
 
         def attend() -> None:
             state = state_of()
@@ -378,11 +378,7 @@ class MLA:
         """How many of the first queries (positions offset..) attend in C as their decode steps do."""
         heads, width = queries.shape[1:]
         by_c = cpu.takes((queries, cache)) and cache.shape[1] == width
-        return min(max(self._c_rows(heads, width) - 1 - offset, 0), len(queries)) if by_c else 0
-
-    def _c_rows(self, heads: int, width: int) -> int | float:
-        """Cache rows below which one query's attention runs in C: any number in ggml's order."""
-        return math.inf if self.ggml_order else c_attention_rows(heads, width)
+        return min(max(c_attention_rows(heads, width) - 1 - offset, 0), len(queries)) if by_c else 0
 
     def _attend_rows(self, queries: torch.Tensor, cache: torch.Tensor, offset: int) -> torch.Tensor:
         """`cpu.mla_attend_rows` of queries at positions offset.. in this layer's order."""
@@ -404,7 +400,7 @@ class MLA:
         """The newest position's query [H, kv_lora + rope] over its whole cache -> context [H, kv]
         (`_attend_block` for one query, which masks nothing; in C for float32 CPU tensors of at most
         C_ATTENTION_MAX_MACS multiply-adds)."""
-        small = cache.shape[0] < self._c_rows(*query.shape)
+        small = cache.shape[0] < c_attention_rows(*query.shape)
         if small and cpu.takes((query, cache)) and cache.shape[1] == query.shape[1]:
             return cpu.mla_attend(query, cache, self.kv_lora, self.scale, ggml_order=self.ggml_order)
         return torch_attend_one(query, cache, self.kv_lora, self.scale)

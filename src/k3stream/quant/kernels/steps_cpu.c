@@ -66,6 +66,64 @@ INLINE float exp_poly(float x) {
 
 INLINE float sigmoidf(float x) { return 1.0f / (1.0f + exp_poly(-x)); }
 
+/* ggml's CPU arithmetic (its x86 build with AVX2 and FMA), for the steps the default arithmetic
+ * (match_ggml) computes in its order */
+
+#define GGML_LANES 32
+
+/* ggml_vec_dot_f32's reduction of its 32 running sums (lanes 8a + b of its accumulators a = 0..3) */
+INLINE float ggml_lanes_sum(const float *lanes) {
+    float x[8];
+    for (int b = 0; b < 8; b++) x[b] = (lanes[b] + lanes[16 + b]) + (lanes[8 + b] + lanes[24 + b]);
+    const float t0 = x[0] + x[4], t1 = x[1] + x[5], t2 = x[2] + x[6], t3 = x[3] + x[7];
+    return (t0 + t1) + (t2 + t3);
+}
+
+/* ggml_vec_dot_f32 of a and b, n values */
+INLINE float ggml_dot_f32(const float *a, const float *b, int64_t n) {
+    float lanes[GGML_LANES] = {0};
+    const int64_t whole = n & ~(int64_t)(GGML_LANES - 1);
+    for (int64_t i = 0; i < whole; i += GGML_LANES)
+        for (int l = 0; l < GGML_LANES; l++) lanes[l] = fmaf(a[i + l], b[i + l], lanes[l]);
+    float sum = ggml_lanes_sum(lanes);
+    for (int64_t i = whole; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* ggml_v_expf (AVX2) of one value: exp within 1.5 ulp, 0 below about -104, the same bits lane by lane */
+INLINE float ggml_expf(float x) {
+    const float shift = 0x1.8p23f, z = fmaf(x, 0x1.715476p+0f, shift), n = z - shift;
+    const float b = fmaf(-n, 0x1.7f7d1cp-20f, fmaf(-n, 0x1.62e4p-1f, x));
+    uint32_t z_bits;
+    memcpy(&z_bits, &z, sizeof z_bits);
+    const uint32_t e = z_bits << 23;
+    const float k = as_float((int32_t)(e + 0x3f800000u)), u = b * b;
+    const float j = fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)), u,
+                         0x1.ffffecp-1f * b);
+    if (!(fabsf(n) > 126.0f)) return fmaf(j, k, k);
+    const uint32_t g = n <= 0.0f ? 0x82000000u : 0u;
+    const float s1 = as_float((int32_t)(g + 0x7f000000u)), s2 = as_float((int32_t)(e - g));
+    return fabsf(n) > 192.0f ? s1 * s1 : fmaf(s2, j, s2) * s1;
+}
+
+/* ggml_vec_soft_max_f32 of (values - their largest), in place, then each times (float)(1 / sum) (ggml's
+ * soft_max), n a multiple of 8: exp by ggml_v_expf 8 values at a time, their sum pairwise in float into
+ * a double */
+INLINE void ggml_soft_max(float *values, int64_t n) {
+    float most = -INFINITY;
+    for (int64_t i = 0; i < n; i++) most = values[i] > most ? values[i] : most;
+    double total = 0.0;
+    for (int64_t i = 0; i < n; i += 8) {
+        float *group = values + i;
+        for (int b = 0; b < 8; b++) group[b] = ggml_expf(group[b] - most);
+        const float x0 = group[0] + group[4], x1 = group[1] + group[5], x2 = group[2] + group[6],
+                    x3 = group[3] + group[7];
+        total += (double)((x0 + x2) + (x1 + x3));
+    }
+    const float inverse = (float)(1.0 / total);
+    for (int64_t i = 0; i < n; i++) values[i] *= inverse;
+}
+
 /* The conv's input at `position` of a step's rows: negative positions are the history's rows (the
  * taps - 1 inputs before the step) */
 INLINE const float *conv_input(const float *rows, const float *history, int64_t taps, int64_t width,
@@ -718,78 +776,40 @@ CLONES_WIDE void k3_mla_attend_rows(const float *queries, const float *cache, in
  *   time, their sum 8 at a time (pairwise in float) into a double, each weight times (float)(1 / sum);
  * - each context value is ggml_vec_dot_f32 of the weights and the cache column over llama.cpp's padded
  *   cache length (a multiple of 256: zero weights past the last row, so no remaining values). */
-#define GGML_LANES 32
-
-/* ggml_vec_dot_f32's reduction of its 32 running sums (lanes 8a + b of its accumulators a = 0..3) */
-INLINE float ggml_lanes_sum(const float *lanes) {
-    float x[8];
-    for (int b = 0; b < 8; b++) x[b] = (lanes[b] + lanes[16 + b]) + (lanes[8 + b] + lanes[24 + b]);
-    const float t0 = x[0] + x[4], t1 = x[1] + x[5], t2 = x[2] + x[6], t3 = x[3] + x[7];
-    return (t0 + t1) + (t2 + t3);
-}
-
-/* ggml_vec_dot_f32 of a and b, n values */
-INLINE float ggml_dot_f32(const float *a, const float *b, int64_t n) {
-    float lanes[GGML_LANES] = {0};
-    const int64_t whole = n & ~(int64_t)(GGML_LANES - 1);
-    for (int64_t i = 0; i < whole; i += GGML_LANES)
-        for (int l = 0; l < GGML_LANES; l++) lanes[l] = fmaf(a[i + l], b[i + l], lanes[l]);
-    float sum = ggml_lanes_sum(lanes);
-    for (int64_t i = whole; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
-
-/* ggml_v_expf (AVX2) of one value: exp within 1.5 ulp, 0 below about -104, the same bits lane by lane */
-INLINE float ggml_expf(float x) {
-    const float shift = 0x1.8p23f, z = fmaf(x, 0x1.715476p+0f, shift), n = z - shift;
-    const float b = fmaf(-n, 0x1.7f7d1cp-20f, fmaf(-n, 0x1.62e4p-1f, x));
-    uint32_t z_bits;
-    memcpy(&z_bits, &z, sizeof z_bits);
-    const uint32_t e = z_bits << 23;
-    const float k = as_float((int32_t)(e + 0x3f800000u)), u = b * b;
-    const float j = fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)), u,
-                         0x1.ffffecp-1f * b);
-    if (!(fabsf(n) > 126.0f)) return fmaf(j, k, k);
-    const uint32_t g = n <= 0.0f ? 0x82000000u : 0u;
-    const float s1 = as_float((int32_t)(g + 0x7f000000u)), s2 = as_float((int32_t)(e - g));
-    return fabsf(n) > 192.0f ? s1 * s1 : fmaf(s2, j, s2) * s1;
-}
 
 /* Floats of scratch one ggml-order attention over `length` rows takes on one thread */
 INLINE int64_t ggml_attend_scratch(int64_t length, int64_t kv) {
-    return (length + 7) / 8 * 8 + GGML_LANES * kv;
+    return (length + 7) / 8 * 8 + (GGML_LANES + 1) * kv;
 }
 
 /* Head h of one query [heads, width] over the first `length` cache rows in ggml's order into out[h]
  * ([kv]); `scratch`: ggml_attend_scratch(length, kv) floats */
 INLINE void ggml_attend_head(const float *query, const float *cache, int64_t length, int64_t h, int64_t width,
                              int64_t kv, float scale, float *scratch, float *out) {
-    float *weights = scratch, *lanes = scratch + (length + 7) / 8 * 8, most = -INFINITY;
-    for (int64_t t = 0; t < length; t++) {
-        weights[t] = ggml_dot_f32(query + h * width, cache + t * width, width) * scale;
-        most = weights[t] > most ? weights[t] : most;
-    }
-    double total = 0.0;
-    for (int64_t t0 = 0; t0 < length; t0 += 8) {
-        float group[8];
-        for (int b = 0; b < 8; b++) group[b] = t0 + b < length ? ggml_expf(weights[t0 + b] - most) : 0.0f;
-        for (int b = 0; b < 8 && t0 + b < length; b++) weights[t0 + b] = group[b];
-        const float x0 = group[0] + group[4], x1 = group[1] + group[5], x2 = group[2] + group[6],
-                    x3 = group[3] + group[7];
-        total += (double)((x0 + x2) + (x1 + x3));
-    }
-    const float inverse = (float)(1.0 / total);
-    for (int64_t t = 0; t < length; t++) weights[t] *= inverse;
-    memset(lanes, 0, sizeof(float) * (size_t)(GGML_LANES * kv));
+    const int64_t padded = (length + 7) / 8 * 8; /* llama.cpp's masked rows past the cache: weight 0 */
+    float *weights = scratch, *lanes = scratch + padded;
+    for (int64_t t = 0; t < length; t++) weights[t] = ggml_dot_f32(query + h * width, cache + t * width, width) * scale;
+    for (int64_t t = length; t < padded; t++) weights[t] = -INFINITY;
+    ggml_soft_max(weights, padded);
+    /* the running sums of lanes past the cache's rows stay 0: they read one zero row */
+    const int64_t used = length < GGML_LANES ? length : GGML_LANES;
+    memset(lanes, 0, sizeof(float) * (size_t)(used * kv));
+    memset(lanes + GGML_LANES * kv, 0, sizeof(float) * (size_t)kv);
     for (int64_t t = 0; t < length; t++) {
         float *lane = lanes + (t & (GGML_LANES - 1)) * kv;
         const float *row = cache + t * width, w = weights[t];
         for (int64_t e = 0; e < kv; e++) lane[e] = fmaf(row[e], w, lane[e]);
     }
-    for (int64_t e = 0; e < kv; e++) {
-        float column[GGML_LANES];
-        for (int l = 0; l < GGML_LANES; l++) column[l] = lanes[l * kv + e];
-        out[h * kv + e] = ggml_lanes_sum(column);
+    const float *sums[GGML_LANES];
+    for (int l = 0; l < GGML_LANES; l++) sums[l] = lanes + (l < used ? l : GGML_LANES) * kv;
+    for (int64_t e0 = 0; e0 < kv; e0 += 64) { /* `ggml_lanes_sum` of 64 columns at once */
+        const int64_t n = kv - e0 < 64 ? kv - e0 : 64;
+        float x[8][64];
+        for (int b = 0; b < 8; b++)
+            for (int64_t e = 0; e < n; e++)
+                x[b][e] = (sums[b][e0 + e] + sums[16 + b][e0 + e]) + (sums[8 + b][e0 + e] + sums[24 + b][e0 + e]);
+        for (int64_t e = 0; e < n; e++)
+            out[h * kv + e0 + e] = ((x[0][e] + x[4][e]) + (x[1][e] + x[5][e])) + ((x[2][e] + x[6][e]) + (x[3][e] + x[7][e]));
     }
 }
 
