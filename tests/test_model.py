@@ -477,7 +477,7 @@ def test_decode_attention_beyond_the_c_size_takes_torch_and_agrees(small_model, 
     if not cpu.available():
         pytest.skip(NO_C_KERNELS)
     calls, attend = [], cpu.mla_attend
-    monkeypatch.setattr(cpu, "mla_attend", lambda *args: calls.append(1) or attend(*args))
+    monkeypatch.setattr(cpu, "mla_attend", lambda *args, **kwargs: calls.append(1) or attend(*args, **kwargs))
     tokens = tokens_for(9, small_model.config.vocab_size, PREFIX + 8)
     in_c = prefill_then_decode(small_model, tokens)
     assert calls  # the small model's decode attention is in C

@@ -409,7 +409,7 @@ def _mla(w: _Weights, p: str, cfg: K3Config) -> MLA:
         else None,
         o_proj=w.linear(f"{p}attn_output.weight", e, heads * cfg.v_head_dim),
     )
-    return MLA(weights, heads, cfg.qk_nope, cfg.qk_rope, cfg.kv_lora, cfg.rms_eps)
+    return MLA(weights, heads, cfg.qk_nope, cfg.qk_rope, cfg.kv_lora, cfg.rms_eps, w.options.ggml_arithmetic)
 
 
 def _situ_mlp(w: _Weights, p: str, suffix: str, cfg: K3Config, width: int) -> SituMLP:

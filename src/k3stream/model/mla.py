@@ -196,16 +196,28 @@ _CLAIMS = threading.Lock()  # the check and the claim of `MLAState.written` toge
 
 
 class MLA:
+    """`ggml_order` (the default arithmetic's): the C attention (up to `c_attention_rows`; torch's beyond)
+    in the float order of ggml's CPU backend (`cpu.mla_attend`'s)."""
+
     def __init__(
-        self, weights: MLAWeights, heads: int, nope: int, rope: int, kv_lora: int, eps: float
+        self,
+        weights: MLAWeights,
+        heads: int,
+        nope: int,
+        rope: int,
+        kv_lora: int,
+        eps: float,
+        ggml_order: bool = False,
     ) -> None:
         self.w = weights
+        self.ggml_order = ggml_order
         self.heads = heads
         self.nope = nope
         self.rope = rope
         self.kv_lora = kv_lora
         self.eps = eps
-        self.scale = (nope + rope) ** -0.5
+        # llama.cpp's scale, 1 / sqrtf(width) in float32 (one ulp off the double's rounding at 24)
+        self.scale = float(1.0 / torch.tensor(float(nope + rope)).sqrt())
         w = weights
         # the query's first projection, kv_a and the output gate all project the layer input: one call
         first = w.q_b_proj if w.q_a_proj is None else w.q_a_proj
@@ -323,7 +335,9 @@ class MLA:
                 context.copy_(self._attend_one(query, state.append(row)))
                 return
             state.append_row(row)
-            cpu.mla_attend(query, state.buffer, self.kv_lora, self.scale, context, state.length, threads)
+            cpu.mla_attend(
+                query, state.buffer, self.kv_lora, self.scale, context, state.length, threads, self.ggml_order
+            )
 
         return cpu.python_step(attend)
 
@@ -353,7 +367,7 @@ class MLA:
         if row_exact():
             return self._attend_exact(queries, cache, offset)
         in_c = self._c_queries(queries, cache, offset)
-        parts = [cpu.mla_attend_rows(queries[:in_c], cache, offset, self.kv_lora, self.scale)] if in_c else []
+        parts = [self._attend_rows(queries[:in_c], cache, offset)] if in_c else []
         parts += [
             self._attend_block(queries[i : i + QUERY_BLOCK], cache[: offset + i + QUERY_BLOCK], offset + i)
             for i in range(in_c, queries.shape[0], QUERY_BLOCK)
@@ -366,12 +380,18 @@ class MLA:
         by_c = cpu.takes((queries, cache)) and cache.shape[1] == width
         return min(max(c_attention_rows(heads, width) - 1 - offset, 0), len(queries)) if by_c else 0
 
+    def _attend_rows(self, queries: torch.Tensor, cache: torch.Tensor, offset: int) -> torch.Tensor:
+        """`cpu.mla_attend_rows` of queries at positions offset.. in this layer's order."""
+        return cpu.mla_attend_rows(
+            queries, cache, offset, self.kv_lora, self.scale, ggml_order=self.ggml_order
+        )
+
     def _attend_exact(self, queries: torch.Tensor, cache: torch.Tensor, offset: int) -> torch.Tensor:
         """Each query over the cache up to its own position with a decode step's bits (which then do not
         depend on where the prefill started): those `_attend_one` runs in C in one C call, the rest one
         at a time."""
         in_c = self._c_queries(queries, cache, offset)
-        parts = [cpu.mla_attend_rows(queries[:in_c], cache, offset, self.kv_lora, self.scale)] if in_c else []
+        parts = [self._attend_rows(queries[:in_c], cache, offset)] if in_c else []
         rest = enumerate(queries[in_c:], in_c)
         parts += [self._attend_one(query, cache[: offset + i + 1])[None] for i, query in rest]
         return torch.cat(parts)
@@ -382,7 +402,7 @@ class MLA:
         C_ATTENTION_MAX_MACS multiply-adds)."""
         small = cache.shape[0] < c_attention_rows(*query.shape)
         if small and cpu.takes((query, cache)) and cache.shape[1] == query.shape[1]:
-            return cpu.mla_attend(query, cache, self.kv_lora, self.scale)
+            return cpu.mla_attend(query, cache, self.kv_lora, self.scale, ggml_order=self.ggml_order)
         return torch_attend_one(query, cache, self.kv_lora, self.scale)
 
     def _attend_block(self, queries: torch.Tensor, cache: torch.Tensor, offset: int) -> torch.Tensor:

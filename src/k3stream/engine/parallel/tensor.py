@@ -102,7 +102,9 @@ def _attention(layer: Layer, prefix: str, rank: int, world: int) -> KDA | MLA:
         g_proj=None if w.g_proj is None else output_rows(w.g_proj, _scaled(heads, v_width)),
         o_proj=AllReduced(o_proj),
     )
-    return MLA(sharded, heads.stop - heads.start, attn.nope, attn.rope, attn.kv_lora, attn.eps)
+    return MLA(
+        sharded, heads.stop - heads.start, attn.nope, attn.rope, attn.kv_lora, attn.eps, attn.ggml_order
+    )
 
 
 def _mlp(mlp: SituMLP, tensor: str, rank: int, world: int) -> SituMLP:

@@ -336,16 +336,18 @@ def mla_attend(
     out: torch.Tensor | None = None,
     length: int | None = None,
     threads: int | None = None,
+    ggml_order: bool = False,
 ) -> torch.Tensor:
     """MLA's decode attention (`steps_cpu.c`): one query [H, width] per head over the first `length`
     rows (all by default) of the latent cache [T, width], softmax((query @ cache^T) * scale) @
     cache[:, :kv] -> [H, kv] (into `out` when given; tensors as `takes` wants them; heads on `threads`,
-    by default `torch.get_num_threads()`, when the work is large)."""
+    by default `torch.get_num_threads()`, when the work is large). `ggml_order`: in the float order of
+    ggml's CPU backend (`k3_mla_attend_ggml`), the default arithmetic's."""
     heads, width = query.shape
     out = torch.empty(heads, kv, dtype=torch.float32) if out is None else out
     status = _ggml_cpu().mla_attend(
         query.data_ptr(), cache.data_ptr(), cache.shape[0] if length is None else length, heads, width, kv,
-        scale, out.data_ptr(), torch.get_num_threads() if threads is None else threads,
+        scale, out.data_ptr(), torch.get_num_threads() if threads is None else threads, int(ggml_order),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("no memory for an MLA attention step")
@@ -353,16 +355,23 @@ def mla_attend(
 
 
 def mla_attend_rows(
-    queries: torch.Tensor, cache: torch.Tensor, offset: int, kv: int, scale: float, threads: int | None = None
+    queries: torch.Tensor,
+    cache: torch.Tensor,
+    offset: int,
+    kv: int,
+    scale: float,
+    threads: int | None = None,
+    ggml_order: bool = False,
 ) -> torch.Tensor:
     """A prefill's MLA attention: queries [T, H, width] at positions offset.., each over the latent cache
     [>= offset + T, width] up to its own position -> [T, H, kv], each query's result `mla_attend`'s for
-    it, bit for bit (`steps_cpu.c`; queries on `threads`, by default `torch.get_num_threads()`)."""
+    it (with the same `ggml_order`), bit for bit (`steps_cpu.c`; queries on `threads`, by default
+    `torch.get_num_threads()`)."""
     count, heads, width = queries.shape
     out = torch.empty(count, heads, kv, dtype=torch.float32)
     status = _ggml_cpu().mla_attend_rows(
         queries.data_ptr(), cache.data_ptr(), offset, count, heads, width, kv, scale, out.data_ptr(),
-        torch.get_num_threads() if threads is None else threads,
+        torch.get_num_threads() if threads is None else threads, int(ggml_order),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("no memory for an MLA prefill attention")

@@ -2434,22 +2434,28 @@ static PyObject *py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 int64_t k3_mla_scratch(int64_t length, int64_t heads, int64_t kv, int threads);
+int64_t k3_mla_ggml_scratch(int64_t length, int64_t kv, int threads);
 void k3_mla_attend(const float *query, const float *cache, int64_t length, int64_t heads, int64_t width, int64_t kv,
                    float scale, float *scratch, float *out, int threads);
+void k3_mla_attend_ggml(const float *query, const float *cache, int64_t length, int64_t heads, int64_t width,
+                        int64_t kv, float scale, float *scratch, float *out, int threads);
 
-/* mla_attend(query, cache, length, heads, width, kv, scale, out, threads): k3_mla_attend on float32
- * buffers (pointers as ints), without the GIL; -2 without memory. */
+/* mla_attend(query, cache, length, heads, width, kv, scale, out, threads, ggml_order): k3_mla_attend
+ * (k3_mla_attend_ggml where ggml_order is not 0) on float32 buffers (pointers as ints), without the GIL;
+ * -2 without memory. */
 static PyObject *py_mla_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    int64_t v[8];
+    int64_t v[9];
     double scale;
-    if (parse_args("mla_attend", args, nargs, "iiiiiifii", v, &scale, NULL) != 0) return NULL;
+    if (parse_args("mla_attend", args, nargs, "iiiiiifiii", v, &scale, NULL) != 0) return NULL;
     const int threads = v[7] < 1 ? 1 : (int)v[7];
-    float *scratch = malloc(sizeof(float) * (size_t)k3_mla_scratch(v[2], v[3], v[5], threads));
+    const int64_t floats = v[8] ? k3_mla_ggml_scratch(v[2], v[5], threads) : k3_mla_scratch(v[2], v[3], v[5], threads);
+    float *scratch = malloc(sizeof(float) * (size_t)floats);
     if (scratch == NULL) return PyLong_FromLong(-2);
     Py_BEGIN_ALLOW_THREADS
-    k3_mla_attend((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], v[3], v[4], v[5],
-                  (float)scale, scratch, (float *)(uintptr_t)v[6], threads);
+    (v[8] ? k3_mla_attend_ggml : k3_mla_attend)((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2],
+                                                v[3], v[4], v[5], (float)scale, scratch, (float *)(uintptr_t)v[6],
+                                                threads);
     Py_END_ALLOW_THREADS
     free(scratch);
     return PyLong_FromLong(0);
@@ -2457,20 +2463,27 @@ static PyObject *py_mla_attend(PyObject *self, PyObject *const *args, Py_ssize_t
 
 void k3_mla_attend_rows(const float *queries, const float *cache, int64_t offset, int64_t n, int64_t heads,
                         int64_t width, int64_t kv, float scale, float *scratch, float *out, int threads);
+void k3_mla_attend_rows_ggml(const float *queries, const float *cache, int64_t offset, int64_t n, int64_t heads,
+                             int64_t width, int64_t kv, float scale, float *scratch, float *out, int threads);
 
-/* mla_attend_rows(queries, cache, offset, n, heads, width, kv, scale, out, threads): k3_mla_attend_rows on
- * float32 buffers (pointers as ints), without the GIL; -2 without memory. */
+/* mla_attend_rows(queries, cache, offset, n, heads, width, kv, scale, out, threads, ggml_order):
+ * k3_mla_attend_rows (k3_mla_attend_rows_ggml where ggml_order is not 0) on float32 buffers (pointers as
+ * ints), without the GIL; -2 without memory. */
 static PyObject *py_mla_attend_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    int64_t v[9];
+    int64_t v[10];
     double scale;
-    if (parse_args("mla_attend_rows", args, nargs, "iiiiiiifii", v, &scale, NULL) != 0) return NULL;
+    if (parse_args("mla_attend_rows", args, nargs, "iiiiiiifiii", v, &scale, NULL) != 0) return NULL;
     const int threads = v[8] < 1 ? 1 : (int)v[8];
-    float *scratch = malloc(sizeof(float) * (size_t)k3_mla_scratch(v[2] + v[3], v[4], v[6], threads));
+    const int64_t length = v[2] + v[3];
+    const int64_t floats = v[9] ? k3_mla_ggml_scratch(length, v[6], threads) : k3_mla_scratch(length, v[4], v[6], threads);
+    float *scratch = malloc(sizeof(float) * (size_t)floats);
     if (scratch == NULL) return PyLong_FromLong(-2);
     Py_BEGIN_ALLOW_THREADS
-    k3_mla_attend_rows((const float *)(uintptr_t)v[0], (const float *)(uintptr_t)v[1], v[2], v[3], v[4], v[5], v[6],
-                       (float)scale, scratch, (float *)(uintptr_t)v[7], threads);
+    (v[9] ? k3_mla_attend_rows_ggml : k3_mla_attend_rows)((const float *)(uintptr_t)v[0],
+                                                          (const float *)(uintptr_t)v[1], v[2], v[3], v[4], v[5],
+                                                          v[6], (float)scale, scratch, (float *)(uintptr_t)v[7],
+                                                          threads);
     Py_END_ALLOW_THREADS
     free(scratch);
     return PyLong_FromLong(0);

@@ -66,6 +66,64 @@ INLINE float exp_poly(float x) {
 
 INLINE float sigmoidf(float x) { return 1.0f / (1.0f + exp_poly(-x)); }
 
+/* ggml's CPU arithmetic (its x86 build with AVX2 and FMA), for the steps the default arithmetic
+ * (match_ggml) computes in its order */
+
+#define GGML_LANES 32
+
+/* ggml_vec_dot_f32's reduction of its 32 running sums (lanes 8a + b of its accumulators a = 0..3) */
+INLINE float ggml_lanes_sum(const float *lanes) {
+    float x[8];
+    for (int b = 0; b < 8; b++) x[b] = (lanes[b] + lanes[16 + b]) + (lanes[8 + b] + lanes[24 + b]);
+    const float t0 = x[0] + x[4], t1 = x[1] + x[5], t2 = x[2] + x[6], t3 = x[3] + x[7];
+    return (t0 + t1) + (t2 + t3);
+}
+
+/* ggml_vec_dot_f32 of a and b, n values */
+INLINE float ggml_dot_f32(const float *a, const float *b, int64_t n) {
+    float lanes[GGML_LANES] = {0};
+    const int64_t whole = n & ~(int64_t)(GGML_LANES - 1);
+    for (int64_t i = 0; i < whole; i += GGML_LANES)
+        for (int l = 0; l < GGML_LANES; l++) lanes[l] = fmaf(a[i + l], b[i + l], lanes[l]);
+    float sum = ggml_lanes_sum(lanes);
+    for (int64_t i = whole; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* ggml_v_expf (AVX2) of one value: exp within 1.5 ulp, 0 below about -104, the same bits lane by lane */
+INLINE float ggml_expf(float x) {
+    const float shift = 0x1.8p23f, z = fmaf(x, 0x1.715476p+0f, shift), n = z - shift;
+    const float b = fmaf(-n, 0x1.7f7d1cp-20f, fmaf(-n, 0x1.62e4p-1f, x));
+    uint32_t z_bits;
+    memcpy(&z_bits, &z, sizeof z_bits);
+    const uint32_t e = z_bits << 23;
+    const float k = as_float((int32_t)(e + 0x3f800000u)), u = b * b;
+    const float j = fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)), u,
+                         0x1.ffffecp-1f * b);
+    if (!(fabsf(n) > 126.0f)) return fmaf(j, k, k);
+    const uint32_t g = n <= 0.0f ? 0x82000000u : 0u;
+    const float s1 = as_float((int32_t)(g + 0x7f000000u)), s2 = as_float((int32_t)(e - g));
+    return fabsf(n) > 192.0f ? s1 * s1 : fmaf(s2, j, s2) * s1;
+}
+
+/* ggml_vec_soft_max_f32 of (values - their largest), in place, then each times (float)(1 / sum) (ggml's
+ * soft_max), n a multiple of 8: exp by ggml_v_expf 8 values at a time, their sum pairwise in float into
+ * a double */
+INLINE void ggml_soft_max(float *values, int64_t n) {
+    float most = -INFINITY;
+    for (int64_t i = 0; i < n; i++) most = values[i] > most ? values[i] : most;
+    double total = 0.0;
+    for (int64_t i = 0; i < n; i += 8) {
+        float *group = values + i;
+        for (int b = 0; b < 8; b++) group[b] = ggml_expf(group[b] - most);
+        const float x0 = group[0] + group[4], x1 = group[1] + group[5], x2 = group[2] + group[6],
+                    x3 = group[3] + group[7];
+        total += (double)((x0 + x2) + (x1 + x3));
+    }
+    const float inverse = (float)(1.0 / total);
+    for (int64_t i = 0; i < n; i++) values[i] *= inverse;
+}
+
 /* The conv's input at `position` of a step's rows: negative positions are the history's rows (the
  * taps - 1 inputs before the step) */
 INLINE const float *conv_input(const float *rows, const float *history, int64_t taps, int64_t width,
@@ -380,19 +438,17 @@ CLONES int k3_residual_mix(const float *const *rows, int64_t count, int64_t n, i
     return 0;
 }
 
-/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight (weight NULL: no scaling), n rows of width */
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight (weight NULL: no scaling), n rows of width, in ggml's
+ * order (its rms_norm then its mul): the squares summed in double one by one, the mean rounded to float,
+ * each value times 1 / sqrtf(mean + eps), then times its weight */
 CLONES void k3_rms_norm(const float *x, int64_t n, int64_t width, const float *weight, float eps, float *out) {
     for (int64_t r = 0; r < n; r++) {
         const float *row = x + r * width;
-        float partial[LANES] = {0}, squares = 0.0f;
-        int64_t e = 0;
-        for (; e + LANES <= width; e += LANES)
-            for (int j = 0; j < LANES; j++) partial[j] += row[e + j] * row[e + j];
-        for (int j = 0; j < LANES; j++) squares += partial[j];
-        for (; e < width; e++) squares += row[e] * row[e];
-        const float inverse = 1.0f / sqrtf(squares / (float)width + eps);
+        double squares = 0.0;
+        for (int64_t e = 0; e < width; e++) squares += (double)(row[e] * row[e]);
+        const float mean = (float)(squares / (double)width), inverse = 1.0f / sqrtf(mean + eps);
         float *y = out + r * width;
-        for (e = 0; e < width; e++) y[e] = weight == NULL ? row[e] * inverse : row[e] * inverse * weight[e];
+        for (int64_t e = 0; e < width; e++) y[e] = weight == NULL ? row[e] * inverse : row[e] * inverse * weight[e];
     }
 }
 
@@ -708,5 +764,84 @@ CLONES_WIDE void k3_mla_attend_rows(const float *queries, const float *cache, in
         float *own = scratch + (int64_t)omp_get_thread_num() * part_scratch(offset + n, heads, kv);
         attend_query(queries + i * heads * width, cache, offset + i + 1, heads, width, kv, scale, own,
                      out + i * heads * kv);
+    }
+}
+
+/* MLA's attention in the float order of ggml's CPU backend (llama.cpp's attention without flash attention
+ * on an F32 cache, its x86 build with AVX2 and FMA), the default arithmetic's (match_ggml):
+ * - each score is ggml_vec_dot_f32 of the query and the cache row: 32 running sums (four 8-float
+ *   accumulators, one fused multiply-add per value) over the first multiple of 32 values, summed pairwise
+ *   (`ggml_lanes_sum`), then the remaining values added one at a time, unfused, in float;
+ * - the softmax of the scores times the scale: exp by ggml_v_expf of (score - largest) 8 values at a
+ *   time, their sum 8 at a time (pairwise in float) into a double, each weight times (float)(1 / sum);
+ * - each context value is ggml_vec_dot_f32 of the weights and the cache column over llama.cpp's padded
+ *   cache length (a multiple of 256: zero weights past the last row, so no remaining values). */
+
+/* Floats of scratch one ggml-order attention over `length` rows takes on one thread */
+INLINE int64_t ggml_attend_scratch(int64_t length, int64_t kv) {
+    return (length + 7) / 8 * 8 + (GGML_LANES + 1) * kv;
+}
+
+/* Head h of one query [heads, width] over the first `length` cache rows in ggml's order into out[h]
+ * ([kv]); `scratch`: ggml_attend_scratch(length, kv) floats */
+INLINE void ggml_attend_head(const float *query, const float *cache, int64_t length, int64_t h, int64_t width,
+                             int64_t kv, float scale, float *scratch, float *out) {
+    const int64_t padded = (length + 7) / 8 * 8; /* llama.cpp's masked rows past the cache: weight 0 */
+    float *weights = scratch, *lanes = scratch + padded;
+    for (int64_t t = 0; t < length; t++) weights[t] = ggml_dot_f32(query + h * width, cache + t * width, width) * scale;
+    for (int64_t t = length; t < padded; t++) weights[t] = -INFINITY;
+    ggml_soft_max(weights, padded);
+    /* the running sums of lanes past the cache's rows stay 0: they read one zero row */
+    const int64_t used = length < GGML_LANES ? length : GGML_LANES;
+    memset(lanes, 0, sizeof(float) * (size_t)(used * kv));
+    memset(lanes + GGML_LANES * kv, 0, sizeof(float) * (size_t)kv);
+    for (int64_t t = 0; t < length; t++) {
+        float *lane = lanes + (t & (GGML_LANES - 1)) * kv;
+        const float *row = cache + t * width, w = weights[t];
+        for (int64_t e = 0; e < kv; e++) lane[e] = fmaf(row[e], w, lane[e]);
+    }
+    const float *sums[GGML_LANES];
+    for (int l = 0; l < GGML_LANES; l++) sums[l] = lanes + (l < used ? l : GGML_LANES) * kv;
+    for (int64_t e0 = 0; e0 < kv; e0 += 64) { /* `ggml_lanes_sum` of 64 columns at once */
+        const int64_t n = kv - e0 < 64 ? kv - e0 : 64;
+        float x[8][64];
+        for (int b = 0; b < 8; b++)
+            for (int64_t e = 0; e < n; e++)
+                x[b][e] = (sums[b][e0 + e] + sums[16 + b][e0 + e]) + (sums[8 + b][e0 + e] + sums[24 + b][e0 + e]);
+        for (int64_t e = 0; e < n; e++)
+            out[h * kv + e0 + e] = ((x[0][e] + x[4][e]) + (x[1][e] + x[5][e])) + ((x[2][e] + x[6][e]) + (x[3][e] + x[7][e]));
+    }
+}
+
+/* Floats of scratch `k3_mla_attend_ggml` or `k3_mla_attend_rows_ggml` (length: offset + n) takes */
+int64_t k3_mla_ggml_scratch(int64_t length, int64_t kv, int threads) {
+    return (threads < 1 ? 1 : threads) * ggml_attend_scratch(length, kv);
+}
+
+/* `k3_mla_attend` in ggml's order: one query [heads, width] over the first `length` cache rows -> out
+ * [heads, kv], heads on up to `threads` threads when the work is large (each head's bits its own) */
+CLONES_WIDE void k3_mla_attend_ggml(const float *query, const float *cache, int64_t length, int64_t heads,
+                                    int64_t width, int64_t kv, float scale, float *scratch, float *out, int threads) {
+    const double work = (double)heads * (double)length * (double)(width + kv);
+    const int teams = threads > 1 && heads > 1 && work >= (1 << 20) ? threads : 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(teams) if (teams > 1)
+    for (int64_t h = 0; h < heads; h++)
+        ggml_attend_head(query, cache, length, h, width, kv, scale,
+                         scratch + (int64_t)omp_get_thread_num() * ggml_attend_scratch(length, kv), out);
+}
+
+/* `k3_mla_attend_rows` in ggml's order: queries [n, heads, width] at positions offset.., each over the
+ * cache rows up to its own -> out [n, heads, kv], each as `k3_mla_attend_ggml` computes it */
+CLONES_WIDE void k3_mla_attend_rows_ggml(const float *queries, const float *cache, int64_t offset, int64_t n,
+                                         int64_t heads, int64_t width, int64_t kv, float scale, float *scratch,
+                                         float *out, int threads) {
+    const double work = (double)n * (double)heads * (double)(offset + n) * (double)(width + kv);
+    const int teams = threads > 1 && work >= (1 << 20) ? threads : 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(teams) if (teams > 1)
+    for (int64_t task = n * heads - 1; task >= 0; task--) { /* the longest first */
+        const int64_t i = task / heads, h = task % heads;
+        ggml_attend_head(queries + i * heads * width, cache, offset + i + 1, h, width, kv, scale,
+                         scratch + (int64_t)omp_get_thread_num() * ggml_attend_scratch(offset + n, kv),
+                         out + i * heads * kv);
     }
 }
