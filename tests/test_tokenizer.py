@@ -367,19 +367,7 @@ def test_user_defined_tokens_are_parsed_even_where_control_ones_are_not(tiny_mod
     only with it."""
     import llama_cpp
 
-    from k3stream.gguf.reader import K3Checkpoint
-
-    source = tiny_model(vocab=600)
-    checkpoint = K3Checkpoint.open(source)
-    tokens = list(checkpoint.metadata("tokenizer.ggml.tokens"))
-    types = [int(t) for t in checkpoint.metadata("tokenizer.ggml.token_type")]
-    pad = types.index(5)  # the first UNUSED padding token becomes a user-defined one
-    tokens[pad], types[pad] = "<|user|>", 4
-    arrays = {
-        "tokenizer.ggml.tokens": (tokens, GGUFValueType.ARRAY),
-        "tokenizer.ggml.token_type": (types, GGUFValueType.ARRAY),
-    }
-    path = rewrite(source, tmp_path / "user-defined.gguf", set_keys=arrays)
+    path, pad = _with_unused_tokens_as(tiny_model(vocab=600), tmp_path, [("<|user|>", 4)])
     tokenizer = Tokenizer.from_gguf(path)
     llama = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     text = "say <|user|> then <|im_end|> and<|user|><|user|>x"
@@ -397,20 +385,8 @@ def test_a_decode_that_skips_special_tokens_writes_user_defined_ones_as_llama_cp
     USER_DEFINED one's text (a word the vocabulary added); k3stream dropped it too."""
     import llama_cpp
 
-    from k3stream.gguf.reader import K3Checkpoint
-
-    source = tiny_model(vocab=600)
-    checkpoint = K3Checkpoint.open(source)
-    tokens = list(checkpoint.metadata("tokenizer.ggml.tokens"))
-    types = [int(t) for t in checkpoint.metadata("tokenizer.ggml.token_type")]
-    user, unknown = types.index(5), types.index(5) + 1
-    tokens[user], types[user] = "<|user|>", 4
-    tokens[unknown], types[unknown] = "<unk>", 2
-    arrays = {
-        "tokenizer.ggml.tokens": (tokens, GGUFValueType.ARRAY),
-        "tokenizer.ggml.token_type": (types, GGUFValueType.ARRAY),
-    }
-    path = rewrite(source, tmp_path / "user-defined.gguf", set_keys=arrays)
+    path, user = _with_unused_tokens_as(tiny_model(vocab=600), tmp_path, [("<|user|>", 4), ("<unk>", 2)])
+    unknown = user + 1
     tokenizer = Tokenizer.from_gguf(path)
     llama = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     ids = [*tokenizer.encode("hi"), user, unknown, tokenizer.token_id("<|im_end|>"), unknown + 1, user]
@@ -549,3 +525,21 @@ def test_generate_builds_a_files_tokenizer_once(model_path, tmp_path, caplog, ca
     with caplog.at_level("WARNING"):
         assert main(["generate", str(bad_bos), "--prompt", "hi", "-n", "2", "--no-stream-experts"]) == 0
     assert caplog.text.count("tokenizer.ggml.bos_token_id is 99999") == 1
+
+
+def _with_unused_tokens_as(source, tmp_path, replacements: list[tuple[str, int]]):
+    """A copy of `source` whose first UNUSED padding tokens become `replacements` (text, GGML token
+    type) in turn; returns it and the first replaced id."""
+    from k3stream.gguf.reader import K3Checkpoint
+
+    checkpoint = K3Checkpoint.open(source)
+    tokens = list(checkpoint.metadata("tokenizer.ggml.tokens"))
+    types = [int(t) for t in checkpoint.metadata("tokenizer.ggml.token_type")]
+    first = types.index(5)
+    for offset, (text, kind) in enumerate(replacements):
+        tokens[first + offset], types[first + offset] = text, kind
+    arrays = {
+        "tokenizer.ggml.tokens": (tokens, GGUFValueType.ARRAY),
+        "tokenizer.ggml.token_type": (types, GGUFValueType.ARRAY),
+    }
+    return rewrite(source, tmp_path / "user-defined.gguf", set_keys=arrays), first
