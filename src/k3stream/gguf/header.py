@@ -37,21 +37,6 @@ MAX_HEADER_STRINGS = 1 << 19  # all string values of the header together
 # GGUF value types: struct format of the fixed-size ones; 8 = string, 9 = array
 SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
-VALUE_TYPE_NAMES = (
-    "uint8",
-    "int8",
-    "uint16",
-    "int16",
-    "uint32",
-    "int32",
-    "float32",
-    "bool",
-    "string",
-    "array",
-    "uint64",
-    "int64",
-    "float64",
-)
 
 
 MAX_FILE = 1 << 50  # a file claiming more (1 PiB) is crafted, not cut short
@@ -174,7 +159,10 @@ def _metadata(cursor: _Cursor, kv_count: int) -> int:
         value = _value(cursor, vtype, key)
         if key == "general.alignment":
             if vtype != 4:  # llama.cpp refuses any other type (a writer's u64 or i32 of the same value)
-                raise cursor.fail(f"general.alignment must be a uint32, got a {VALUE_TYPE_NAMES[vtype]}")
+                from gguf import GGUFValueType
+
+                given = GGUFValueType(vtype).name.lower()
+                raise cursor.fail(f"general.alignment must be a uint32, got a {given}")
             if not value or value & (value - 1):
                 raise cursor.fail(f"general.alignment must be a power of two, got {value}")
             alignment = int(value)
