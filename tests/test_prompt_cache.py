@@ -761,6 +761,36 @@ def test_two_caches_of_one_key_on_one_directory_keep_within_its_budget(model, fi
     assert len(files) > 4 and sum(path.stat().st_size for path in files) <= budget
 
 
+def test_a_file_another_cache_of_one_key_writes_later_is_restored_and_left_to_its_writer(
+    model, fingerprint, tmp_path
+):
+    """Two servers of one key on one folder: a snapshot the other writes after this one started is
+    restored here (looked for where the folder changed: `needs_read` says so, `read_ahead` lists it),
+    with the cold bits; this cache's own eviction then takes its own files, never the other's (that
+    one's sessions), and the files keep within the budget."""
+    probe = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "probe", 1 << 30)
+    probe.prefill(ids(model, 40))
+    probe.close()
+    budget = int(2.5 * probe.disk_used)
+    here = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "shared", budget)
+    there = PromptCache(model, fingerprint, 64 * MIB, tmp_path / "shared", budget)
+    tokens = ids(model, 40, seed=5)
+    there.prefill(tokens)
+    there.flush()
+    (theirs,) = there.disk_dir.glob(f"*{SUFFIX}")
+    assert here.needs_read(tokens)
+    here.read_ahead(tokens)
+    got = here.prefill(tokens)
+    assert got.reused == len(tokens) and torch.equal(got.logits, cold(model, tokens))
+    for seed in range(6, 10):
+        here.prefill(ids(model, 40, seed=seed))
+        here.flush()
+    files = list(here.disk_dir.glob(f"*{SUFFIX}"))
+    assert theirs in files and len(files) > 1 and sum(path.stat().st_size for path in files) <= budget
+    for cache in (here, there):
+        cache.close()
+
+
 def test_a_snapshot_file_is_written_from_its_tensors_own_memory(model, fingerprint, tmp_path):
     """The writer thread copies no tensor while it holds the GIL (a copy of a real model's ~400 MB of
     KDA state would stop the scheduler for all of it): a file's parts are views of the snapshot's own

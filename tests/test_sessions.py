@@ -1040,3 +1040,34 @@ def test_without_a_prompt_cache_no_request_waits_for_another(model_path):
     assert app.state.scheduler.snapshot()["shared_prefills"] == 0
     assert _sample(metrics, "k3stream_prompt_tokens_total") == sum(map(len, prompts))
     assert all(reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for reply in replies)
+
+
+def test_a_server_restores_a_snapshot_another_process_wrote_into_its_folder_after_it_started(
+    model, model_path, tmp_path
+):
+    """Two servers of one model on one --cache-dir share their sessions: a snapshot file the other one
+    writes after this one started is restored here (the request computes no prompt token and answers as
+    the prompt computed whole), and this server never deletes the other's file."""
+    from k3stream.engine.loading import load_runtime
+    from k3stream.server.app import ServerConfig, create_app
+    from k3stream.server.live import ServerThread
+    from k3stream.server.runtime import served_from_runtime
+
+    fingerprint = model_fingerprint(K3Checkpoint.open(model_path).shards)
+    served = served_from_runtime(load_runtime(model_path, stream_experts=False), ctx=256)
+    served.prompt_cache = PromptCache(served.model, fingerprint, 64 * MIB, tmp_path, 1 << 30)
+    prompt = served.encode_prompt("A conversation another server of this model began")
+    with ServerThread(create_app(served, ServerConfig())) as thread:
+        other = PromptCache(model, fingerprint, 64 * MIB, tmp_path, 1 << 30)  # the other server's cache
+        other.prefill(prompt)
+        other.close()  # its file written
+        (written,) = other.disk_dir.glob("*.k3snap")
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        fields = {"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+        restored = client.completions.create(**fields)
+        computed = client.completions.create(**fields, extra_body={"cache_prompt": False})
+    served.prompt_cache.close()
+    served.close()
+    assert restored.usage.prompt_tokens_details.cached_tokens == len(prompt)
+    assert restored.choices[0].text == computed.choices[0].text
+    assert written.exists()

@@ -75,6 +75,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 HALF_LIFE = 64  # cache operations after which a snapshot's score halves
 DEFAULT_EVERY = 1024  # tokens between snapshots inside a prefill (docs/prompt-cache.md: why)
+# how long after a folder's last change a listing of it is repeated: file systems keep times in clock
+# ticks (a few milliseconds), so a file renamed into the folder in the same tick as the listing leaves
+# the folder's time where the listing saw it
+MTIME_GRANULARITY_NS = 1_000_000_000
 
 
 @dataclass
@@ -92,6 +96,9 @@ class Entry:
     rows_only: bool = False  # the file keeps only its latent rows, for its children (not restorable)
     last_used: int = 0
     disk_logits: bool = False  # the file holds the last token's logits (it ends a prompt)
+    # the file is another live process's (of this key, written after this one started): read, never
+    # evicted, trimmed, deleted or chained through here
+    adopted: bool = False
 
     @property
     def length(self) -> int:
@@ -193,6 +200,9 @@ class PromptCache:
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="k3stream-cache-writer")
         self._closed = False
         self._folder_lock: FolderLock | None = None
+        # the folder's modification time when its files were last listed (None: list them again)
+        self._listed_mtime: int | None = None
+        self._seen_names: set[str] = set()  # file names listed so far, whatever they held
         if self.disk_dir is not None and self.disk_budget:
             self._folder_lock = FolderLock(self.disk_dir)  # other processes leave its files alone
             self._scan_disk()
@@ -335,9 +345,13 @@ class PromptCache:
         return lambda entry: entry.length < whole or entry.has_logits
 
     def needs_read(self, tokens: list[int]) -> bool:
-        """Whether `restore_longest(tokens)` would read its snapshot from disk (only a file holds it)."""
+        """Whether `restore_longest(tokens)` would read its snapshot from disk (only a file holds it), or
+        the folder changed since its files were last listed (another process of this key may have
+        written the prompt's snapshot: `read_ahead` looks). One `stat` of the folder, no listing."""
         if not self.enabled:
             return False
+        if self._folder_changed():
+            return True
         with self._lock:
             usable = self._usable_for(tokens)
             entry = self._tree.deepest(tokens, len(tokens), lambda e: e.restorable and usable(e))
@@ -346,8 +360,10 @@ class PromptCache:
     def read_ahead(self, tokens: list[int]) -> None:
         """Read the snapshot `restore_longest(tokens)` would restore into the RAM tier where only its
         file holds it (a bad file is dropped, as there): a server calls it off its scheduler's thread,
-        so the streams it runs go on while the disk reads; the restore then copies from RAM."""
+        so the streams it runs go on while the disk reads; the restore then copies from RAM. The files
+        another process wrote into the folder since it was last listed are entered first."""
         if self.enabled:
+            self.adopt_new_files()
             self._use_deepest(tokens, self._usable_for(tokens))
 
     def restore_exact(self, tokens: list[int]) -> SequenceState | None:
@@ -569,7 +585,7 @@ class PromptCache:
         held = [
             e
             for e in self._tree.entries()
-            if e.disk_path is not None and not e.rows_only and e.tokens not in kept
+            if e.disk_path is not None and not e.rows_only and not e.adopted and e.tokens not in kept
         ]
         return min(held, key=lambda e: self._disk_score(e), default=None)
 
@@ -625,11 +641,11 @@ class PromptCache:
     def _drop_file(self, entry: Entry, doomed: list[Path]) -> None:
         """Take `entry`'s file out of the tier, and its parent's where that one kept only rows for its
         children (under the lock): their paths go into `doomed`, deleted once the lock is released."""
-        if entry.disk_path is not None:
+        if entry.disk_path is not None and not entry.adopted:
             doomed.append(entry.disk_path)
         parent = entry.disk_parent
         entry.disk_path, entry.disk_bytes, entry.disk_checksum, entry.disk_parent = None, 0, None, None
-        entry.disk_rows_bytes, entry.rows_only, entry.disk_logits = 0, False, False
+        entry.disk_rows_bytes, entry.rows_only, entry.disk_logits, entry.adopted = 0, False, False, False
         if parent is not None:
             parent.disk_children -= 1
             if parent.rows_only and parent.disk_children == 0:
@@ -666,7 +682,8 @@ class PromptCache:
             kept.disk_path, kept.disk_bytes = path, _size(parts)
             kept.disk_checksum, kept.disk_parent = trailing_checksum(parts[-1]), parent
             kept.disk_rows_bytes, kept.rows_only = _rows_bytes(snapshot, reference), False
-            kept.disk_logits = snapshot.logits is not None
+            kept.disk_logits, kept.adopted = snapshot.logits is not None, False
+            self._seen_names.add(path.name)  # listed, it is known: no header read
         self._evict_disk()
 
     def _keep_folder(self) -> None:
@@ -713,25 +730,15 @@ class PromptCache:
         """Enter every whole snapshot file of this fingerprint into the tree (disk tier only), each
         linked to its parent's entry (a file whose parent is gone stays: a miss when it is read)."""
         parents: list[tuple[Entry, int]] = []
-        for path in sorted(self.disk_dir.glob(f"*{SUFFIX}")):
-            try:
-                header = read_header(path, self.fingerprint)
-                tokens, layers = tuple(header["tokens"]), list(header.get("layers", []))
-                check_layers(layers, self.layout, bool(header.get("rows_only")))
-                if path.name != file_name(tokens):  # renamed, or swapped with another
-                    raise ValueError("not the file its token ids name")
-                has_logits = any(layer[:1] == ["logits"] for layer in layers)
-                parent_length = parent_of(header, len(tokens))[0]
-                checksum = header.get("identity") or read_checksum(path)
-                rows_bytes = sum(4 * math.prod(layer[1]) for layer in layers if layer[0] == "mla")
-            except (OSError, ValueError, TypeError) as error:
-                log.warning("prompt cache: %s: %s; skipped", path, error)
-                self.stats.disk_errors += 1
+        self._listed_mtime = self._folder_mtime()
+        paths = sorted(self.disk_dir.glob(f"*{SUFFIX}"))
+        self._seen_names = {path.name for path in paths}
+        for path in paths:
+            read = self._file_entry(path)
+            if read is None:
                 continue
-            entry = self._tree.insert(Entry(tokens))
-            entry.disk_path, entry.disk_bytes, entry.disk_logits = path, path.stat().st_size, has_logits
-            entry.disk_checksum, entry.disk_rows_bytes = checksum, rows_bytes
-            entry.rows_only = bool(header.get("rows_only"))
+            found, parent_length = read
+            entry = self._tree.insert(found)
             if parent_length:
                 parents.append((entry, parent_length))
         for entry, length in parents:
@@ -744,6 +751,74 @@ class PromptCache:
             self._drop_file(entry, doomed)  # rows no file needs any more (a process stopped between)
             self._forget_if_gone(entry)
         _remove(doomed)
+
+    def _file_entry(self, path: Path) -> tuple[Entry, int] | None:
+        """The entry a snapshot file's header describes and its parent's length (0: none), or None (a
+        warning) for a file that is not a whole snapshot of this fingerprint and model."""
+        try:
+            header = read_header(path, self.fingerprint)
+            tokens, layers = tuple(header["tokens"]), list(header.get("layers", []))
+            check_layers(layers, self.layout, bool(header.get("rows_only")))
+            if path.name != file_name(tokens):  # renamed, or swapped with another
+                raise ValueError("not the file its token ids name")
+            entry = Entry(tokens, disk_path=path, disk_bytes=path.stat().st_size)
+            entry.disk_logits = any(layer[:1] == ["logits"] for layer in layers)
+            entry.disk_checksum = header.get("identity") or read_checksum(path)
+            entry.disk_rows_bytes = sum(4 * math.prod(layer[1]) for layer in layers if layer[0] == "mla")
+            entry.rows_only = bool(header.get("rows_only"))
+            return entry, parent_of(header, len(tokens))[0]
+        except (OSError, ValueError, TypeError) as error:
+            log.warning("prompt cache: %s: %s; skipped", path, error)
+            with self._lock:
+                self.stats.disk_errors += 1
+            return None
+
+    def _folder_mtime(self) -> int | None:
+        try:
+            return os.stat(self.disk_dir).st_mtime_ns
+        except OSError:  # removed while in use: the next write makes it again (`_keep_folder`)
+            return None
+
+    def _folder_changed(self) -> bool:
+        """Whether files may have come into or left the folder since it was last listed (disk tier)."""
+        if self._folder_lock is None:
+            return False
+        mtime = self._folder_mtime()
+        return mtime is not None and mtime != self._listed_mtime
+
+    def adopt_new_files(self) -> None:
+        """Where the folder changed since it was last listed, enter the whole snapshot files that came
+        into it (another live process of this key wrote them; this process's own are entered as it
+        writes them) as *adopted*: restorable here, left to their writer to evict. Adopted files gone
+        from the folder are forgotten. A listing, and a header read for each file not seen before."""
+        if not self._folder_changed():
+            return
+        listed_at, mtime = time.time_ns(), self._folder_mtime()
+        names = {path.name for path in self.disk_dir.glob(f"*{SUFFIX}")}
+        new = sorted(names - self._seen_names)
+        # a change within the file system's timestamp granularity of the listing may not move the
+        # folder's time again: such a listing is repeated at the next look
+        self._listed_mtime = mtime if listed_at - (mtime or 0) > MTIME_GRANULARITY_NS else None
+        found = [read for read in map(self._file_entry, (self.disk_dir / name for name in new)) if read]
+        with self._lock:
+            self._seen_names = names
+            for entry in [e for e in self._tree.entries() if e.adopted and e.disk_path.name not in names]:
+                self._drop_file(entry, [])  # its writer evicted it
+                self._forget_if_gone(entry)
+            for read, _ in found:
+                if not read.rows_only:
+                    self._adopt(read)
+
+    def _adopt(self, read: Entry) -> None:
+        """Enter another process's file `read` (under the lock), where no file of its tokens is held."""
+        entry = self._tree.insert(Entry(read.tokens, last_used=self._clock))
+        if entry.disk_path is None:
+            entry.disk_path, entry.disk_bytes, entry.disk_logits = (
+                read.disk_path,
+                read.disk_bytes,
+                read.disk_logits,
+            )
+            entry.disk_rows_bytes, entry.adopted = read.disk_rows_bytes, True
 
     def _load(self, entry: Entry) -> Snapshot | None:
         """The entry's snapshot read from disk (its file and its parents') into the RAM tier, or None (a
