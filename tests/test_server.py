@@ -337,7 +337,7 @@ BAD_BODIES = [
     ("not an object", b"[1, 2, 3]", None),
     ("max_tokens string", {"prompt": "hi", "max_tokens": "ten"}, None),
     ("temperature string", {"prompt": "hi", "temperature": "hot"}, None),
-    ("temperature out of range", {"prompt": "hi", "temperature": 7.5}, None),
+    ("temperature negative", {"prompt": "hi", "temperature": -0.5}, None),
     ("negative max_tokens", {"prompt": "hi", "max_tokens": -5}, None),
     ("zero max_tokens", {"prompt": "hi", "max_tokens": 0}, None),
     ("huge max_tokens", {"prompt": "hi", "max_tokens": 10**12}, None),

@@ -134,31 +134,65 @@ def test_native_paths_refuse_in_llama_servers_shape_whatever_refuses(server, met
     assert error["code"] == status and "param" not in error and error["message"]
 
 
-def test_fail_on_no_slot_answers_503_while_the_batch_is_full_under_one_id_slot(server, monkeypatch):
-    """Two requests naming the same `id_slot` run side by side; the batch is then full, and a probe asking
-    for a free slot is told so, as llama-server's is while every slot runs."""
+@pytest.fixture
+def slow_steps(monkeypatch):
+    """Decode steps long enough to look at the running batch between them."""
     emit = Scheduler._emit_token
 
-    def slow(self, job, logits):  # a decode step long enough to look at the running batch
+    def slow(self, job, logits):
         time.sleep(0.01)
         return emit(self, job, logits)
 
     monkeypatch.setattr(Scheduler, "_emit_token", slow)
-    body = {**GREEDY, "n_predict": 200, "id_slot": 0}
-    threads = [threading.Thread(target=post, args=(server, "/completion", body)) for _ in range(MAX_BATCH)]
-    for thread in threads:
-        thread.start()
+
+
+def _finish_order(server, bodies: list[dict], wait_for_running: list[int]) -> list[int]:
+    """Post each of `bodies` to /completion on its own thread, the i-th once /health shows
+    `wait_for_running[i]` sequences running; the indices of the bodies in the order their answers came."""
+    order: list[int] = []
+
+    def send(index: int) -> None:
+        assert post(server, "/completion", bodies[index]).status_code == 200
+        order.append(index)
+
+    threads = [threading.Thread(target=send, args=(index,)) for index in range(len(bodies))]
     try:
-        deadline = time.monotonic() + 20
-        while httpx.get(server.url + "/health").json()["running"] < MAX_BATCH:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        probe = httpx.get(server.url + "/slots", params={"fail_on_no_slot": 1})
-        assert probe.status_code == 503
-        assert probe.json()["error"]["message"] == "no slot available"
+        for thread, running in zip(threads, wait_for_running, strict=True):
+            deadline = time.monotonic() + 20
+            while httpx.get(server.url + "/health").json()["running"] < running:
+                assert time.monotonic() < deadline, f"never {running} running"
+                time.sleep(0.005)
+            thread.start()
     finally:
         for thread in threads:
             thread.join(60)
+    return order
+
+
+def test_a_request_for_a_busy_slot_waits_for_it_while_others_go_first(server, slow_steps):
+    """As llama-server defers a task whose `id_slot` is busy: the second request naming slot 0 waits
+    until the first ends, and a request for any slot that comes after it runs meanwhile (in the other
+    slot), then the batch is full and a probe asking for a free slot is told so."""
+    first = {**GREEDY, "n_predict": 150, "id_slot": 0}
+    same_slot = {**GREEDY, "n_predict": 2, "id_slot": 0}
+    any_slot = {**GREEDY, "n_predict": 60}
+    probe: list[httpx.Response] = []
+
+    def while_full() -> None:  # the two slots run, the busy slot's request waits
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            health = httpx.get(server.url + "/health").json()
+            if (health["running"], health["waiting"]) == (MAX_BATCH, 1):
+                probe.append(httpx.get(server.url + "/slots", params={"fail_on_no_slot": 1}))
+                return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=while_full)
+    watcher.start()
+    order = _finish_order(server, [first, same_slot, any_slot], [0, 1, 1])
+    watcher.join(30)
+    assert order == [2, 0, 1]
+    assert probe[0].status_code == 503 and probe[0].json()["error"]["message"] == "no slot available"
     assert httpx.get(server.url + "/slots", params={"fail_on_no_slot": 1}).status_code == 200
 
 
@@ -379,3 +413,44 @@ def test_response_format_holds_a_completions_text_as_vllm_serves_it(client):
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(model="m", prompt=PROMPT, max_tokens=3, extra_body=fields)
         assert caught.value.body["param"] == param
+
+
+def _draws(server, path: str, key: str, **fields) -> list[str]:
+    """The texts of three seeded draws of `fields` from `path` (`key` the text's field of its answer)."""
+    texts = []
+    for seed in (1, 2, 3):
+        reply = post(
+            server, path, {"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True, "seed": seed, **fields}
+        )
+        assert reply.status_code == 200, reply.text
+        answer = reply.json()
+        texts.append(answer["choices"][0]["text"] if key == "choices" else answer[key])
+    return texts
+
+
+def test_a_temperature_above_2_is_served_on_every_endpoint_as_llama_server_and_vllm_serve_it(server):
+    """OpenAI's API stops temperature at 2; llama-server and vLLM take any from 0 up, and a script sent to
+    a local server means it: a hot draw differs from a cool one of the same seed, and /v1/completions and
+    /completion draw alike."""
+    hot = _draws(server, "/v1/completions", "choices", temperature=3.5)
+    assert hot == _draws(server, "/completion", "content", temperature=3.5)
+    assert hot != _draws(server, "/v1/completions", "choices", temperature=0.2)
+
+
+def test_penalties_keep_openais_range_on_v1_and_any_value_on_llama_servers_completion(server):
+    """vLLM and OpenAI refuse presence and frequency penalties outside [-2, 2], llama-server's /completion
+    takes any: each endpoint family as its servers do. A temperature of 0 or below on /completion is
+    llama-server's greedy choice; on /v1 a negative one is a 400, as vLLM's."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        refused = post(server, "/v1/completions", {"prompt": PROMPT, name: 2.5})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == name
+        strong = _draws(server, "/completion", "content", temperature=1.0, **{name: -5.0})  # repeats
+        assert strong != _draws(server, "/completion", "content", temperature=1.0)
+    greedy = _draws(server, "/completion", "content", temperature=0)
+    assert _draws(server, "/completion", "content", temperature=-1) == greedy
+    refused = post(server, "/v1/completions", {"prompt": PROMPT, "temperature": -0.5})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "temperature"
+    for path in ("/v1/completions", "/completion"):  # JSON's non-numbers, as Python's json writes them
+        content = b'{"prompt": "Hi", "temperature": Infinity}'
+        reply = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"})
+        assert reply.status_code == 400 and "temperature" in reply.text

@@ -60,12 +60,12 @@ class SamplingParams:
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (self.repetition_last_n >= -1, f"repeat_last_n must be >= -1, got {self.repetition_last_n}"),
             (
-                -2 <= self.frequency_penalty <= 2,
-                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+                math.isfinite(self.frequency_penalty),
+                f"frequency_penalty must be finite, got {self.frequency_penalty}",
             ),
             (
-                -2 <= self.presence_penalty <= 2,
-                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+                math.isfinite(self.presence_penalty),
+                f"presence_penalty must be finite, got {self.presence_penalty}",
             ),
             (
                 all(-100 <= bias <= 100 or bias == -math.inf for _, bias in self.logit_bias),

@@ -165,6 +165,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
     config.check()
     metrics = ServerMetrics(served.store_stats)
     register_cache_metrics(metrics.registry, served.prompt_cache)
+    slots = SlotTable(config.max_batch)
     scheduler = Scheduler(
         served.model,
         metrics,
@@ -177,6 +178,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
         pass_rows=config.pass_rows(),
         attention_rows=config.attention_rows(served),
         share_tokens=config.share_tokens,
+        pick_slot=slots.assign,
     )
 
     tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="k3stream-tokenize")
@@ -203,7 +205,6 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
         app.add_middleware(CORSMiddleware, **cors)
     app.add_middleware(RequestCounter, metrics=metrics)  # outermost: refusals are counted too
     _add_error_handlers(app)
-    slots = SlotTable(scheduler.max_batch)
     api = Endpoints(served, scheduler, metrics, tokenizers, config.sse_keepalive_s, slots)
     for path in ("/v1/models", "/models", "/api/tags"):  # llama-server's aliases of the list
         app.get(path)(api.models)
@@ -441,7 +442,6 @@ class Endpoints:
             limit = self.served.default_n_predict  # `serve -n`: cut to the context
         max_tokens = self._token_budget(len(tokens), limit, prompt_param)
         loop, queue = asyncio.get_running_loop(), queue if queue is not None else asyncio.Queue()
-        taken = {job.slot for running in self.scheduler.active_jobs() for job in (running, *running.forks)}
         jobs = []
         for choice in range(body.n):
             logic = self.served.new_sequence(
@@ -453,8 +453,6 @@ class Endpoints:
                 choice=choice,
                 constraint=constraint if choice == 0 or constraint is None else constraint.copy(),
             )
-            slot = self.slots.assign(body.id_slot if choice == 0 else -1, tokens, taken)
-            taken.add(slot)
             jobs.append(
                 Job(
                     prompt_tokens=tokens,
@@ -463,7 +461,7 @@ class Endpoints:
                     reuse_prompt=body.cache_prompt,
                     sends_progress=body.stream and body.return_progress,
                     prompt_only=max_tokens == 0,
-                    slot=slot,
+                    wanted_slot=body.id_slot if choice == 0 else -1,
                     task_id=next(self._task_ids),
                 )
             )

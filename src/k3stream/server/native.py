@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Request, Response
-from pydantic import Field, RootModel, model_validator
+from pydantic import AfterValidator, Field, RootModel, model_validator
 
 from k3stream.server.bodies import parse_body
 from k3stream.server.endpoints_llama import llama_params
@@ -81,6 +81,12 @@ class NativeCompletionRequest(SamplingFields):
     PROMPT_ONLY = True
 
     prompt: str | list[int | str | list[int | str]]
+    # llama-server reads any temperature (0 and below: the likeliest token) and any penalty
+    temperature: (
+        Annotated[float, Field(allow_inf_nan=False), AfterValidator(lambda t: max(t, 0.0))] | None
+    ) = None
+    frequency_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    presence_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
     n_cmpl: Choices | None = None  # llama-server's completions per prompt (`n` is its alias)
     # null is each field's default, as llama-server reads a field (its json_value)
     n_probs: Annotated[int, Field(ge=0, le=MAX_N_PROBS), Integral, null_is(0)] = 0

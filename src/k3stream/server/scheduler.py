@@ -26,9 +26,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -167,7 +169,8 @@ class Job:
     # the start and after each pass; without, none, each of which would wake the event loop for nothing
     sends_progress: bool = False
     prompt_only: bool = False  # finish after the prefill with no token (llama-server's n_predict 0)
-    slot: int = -1  # the slot the request reports under (`slots.SlotTable`)
+    wanted_slot: int = -1  # llama-server's `id_slot`: the slot the request asks for (-1: any)
+    slot: int = -1  # the slot it runs under, given when it is admitted (`slots.SlotTable`)
     task_id: int = -1  # llama-server's `id_task`: numbers the server's sequences in order of arrival
 
     @property
@@ -189,6 +192,13 @@ class Job:
         if self.active:
             self.failed = True
             self.sink.put(ErrorEvent(message, param))
+
+
+def _lowest_free_slot(job: Job, held: set[int]) -> int:
+    """The slot `job` asks for, else the lowest one no running sequence holds."""
+    if job.wanted_slot >= 0:
+        return job.wanted_slot
+    return next(slot for slot in itertools.count() if slot not in held)
 
 
 def _has_work(job: Job) -> bool:
@@ -273,8 +283,12 @@ class Scheduler:
         attention_rows: float | None = None,
         share_tokens: int = DEFAULT_SHARE_TOKENS,
         pass_rows: int | None = None,
+        pick_slot: Callable[[Job, set[int]], int] | None = None,
     ) -> None:
         self.model = model
+        # the slot an admitted job runs under, given the slots the running ones hold (default: the
+        # slot it asks for, else the lowest free one)
+        self.pick_slot = pick_slot or _lowest_free_slot
         self.cache = cache  # reused prompt states (`engine.prompt_cache`), or None
         # a waiting request whose prompt shares at least this many tokens past its deepest snapshot
         # with a running prefill waits for that prefill's snapshot, and a prefill is snapshotted where
@@ -415,15 +429,25 @@ class Scheduler:
         return [job for job in jobs if job.active]
 
     def _next_waiting(self) -> Job | None:
-        """The next waiting job, moved to the running ones before its prefill: /health counts it."""
+        """The next waiting job that fits the batch, moved to the running ones before its prefill
+        (/health counts it) with its slots given. A job asking for a slot a running sequence holds
+        stays queued until that one ends, and those behind it go first, as llama-server defers a task
+        for a busy slot; the first other one that does not fit the batch keeps its place ahead of the
+        rest."""
         with self._wake:
-            while self._waiting and len(self._running) + self._waiting[0].width <= self.max_batch:
-                if kept := self._keep_active([self._waiting.popleft()]):
-                    self._running += kept + self._keep_active(kept[0].forks)
-                    self._update_gauges()
-                    return kept[0]
+            self._waiting = collections.deque(self._keep_active(self._waiting))
+            held = {job.slot for job in self._running if job.active}
+            job = next((job for job in self._waiting if job.wanted_slot not in held), None)
+            if job is not None and len(self._running) + job.width <= self.max_batch:
+                self._waiting.remove(job)
+                for choice in (job, *job.forks):
+                    choice.slot = self.pick_slot(choice, held)
+                    held.add(choice.slot)
+                self._running += [job, *self._keep_active(job.forks)]
+            else:
+                job = None
             self._update_gauges()
-            return None
+            return job
 
     def _admit_waiting(self) -> bool:
         """Start the prefills of waiting requests while the batch has room (their states restored from

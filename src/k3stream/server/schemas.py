@@ -39,13 +39,15 @@ Integral = BeforeValidator(_integral)
 # Larger values would be cut to the context anyway; this bound keeps absurd numbers out early.
 MAX_TOKENS_LIMIT = 1 << 20
 
-Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+# any finite temperature from 0 up, as llama-server and vLLM take it (OpenAI's API stops at 2; a script
+# that sends 2.5 to a local server means it)
+Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(ge=0.0, le=1.0)]  # OpenAI's range; 0 keeps the likeliest token
 TopK = Annotated[int, Field(ge=-1), Integral]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT), Integral]
 Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64), Integral]
 TopLogprobs = Annotated[int, Field(ge=0, le=20), Integral]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # OpenAI's and vLLM's range (llama-server's native: any)
 MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=100.0)]
 # a logit bias: a number, or false (llama-server's: the token is never chosen)

@@ -1,16 +1,18 @@
-"""llama-server's slots as k3stream keeps them: a slot is a conversation record, not a place in the batch.
+"""llama-server's slots as k3stream keeps them: each of the batch's places, and the conversation record
+of the last request that ran there.
 
-The scheduler batches any sequences; what a slot holds is the token ids of the last request that ran
-under it (its prompt and every generated token but the last: the state the prompt cache snapshots at
+A running sequence holds one slot: the one its request names (`id_slot`; the scheduler defers the
+request while another sequence holds it, as llama-server defers a task for a busy slot), else one no
+running sequence holds (`SlotTable.assign`). What a slot keeps is the token ids of the last request that
+ran under it (its prompt and every generated token but the last: the state the prompt cache snapshots at
 a response's end). `POST /slots/{id}?action=save` writes the deepest prompt-cache snapshot of those
 tokens to a file under `--slot-save-path`, `restore` puts a file's state back into the prompt cache
 (where the next request whose prompt starts with its tokens reuses it) and makes it the slot's,
 `erase` forgets the slot's tokens (the prompt cache keeps its snapshots: other conversations may share
-them). `GET /slots` lists every slot by that id: the running sequence under it (a request takes a slot
-no other running or queued sequence holds, where there is one), else the figures of the last request
-that finished under it; with llama-server's `LLAMA_SERVER_SLOTS_DEBUG` set to a non-zero number in the
-server's environment, also that request's prompt and generated text. Errors are llama-server's
-(`errors.LlamaError`).
+them). `GET /slots` lists every slot by that id: the running sequence under it, else the figures of the
+last request that finished under it; with llama-server's `LLAMA_SERVER_SLOTS_DEBUG` set to a non-zero
+number in the server's environment, also that request's prompt and generated text. Errors are
+llama-server's (`errors.LlamaError`).
 """
 
 from __future__ import annotations
@@ -53,17 +55,18 @@ class SlotTable:
         self._used = [0.0] * count
         self._lock = threading.Lock()
 
-    def assign(self, requested: int, prompt: list[int], taken: set[int]) -> int:
-        """The slot a request runs under: `requested`; for -1 a slot no sequence in `taken` holds (while
-        there is one), the one whose tokens share the longest prefix with `prompt`, else the least
-        recently used one, as llama-server picks."""
+    def assign(self, job: Job, held: set[int]) -> int:
+        """The slot an admitted `job` runs under (`Scheduler`'s `pick_slot`): the one it asks for (no
+        running sequence holds it: the scheduler defers it until then); for -1 a slot none in `held`
+        holds, the one whose tokens share the longest prefix with its prompt, else the least recently
+        used one, as llama-server picks."""
         with self._lock:
-            best = requested if requested >= 0 else self._best(prompt, taken)
+            best = job.wanted_slot if job.wanted_slot >= 0 else self._best(job.prompt_tokens, held)
             self._used[best] = time.monotonic()
             return best
 
     def _best(self, prompt: list[int], taken: set[int]) -> int:
-        free = [slot for slot in range(self.count) if slot not in taken] or list(range(self.count))
+        free = [slot for slot in range(self.count) if slot not in taken]
         shared = {slot: _common_prefix(self._tokens[slot], prompt) for slot in free}
         best = max(free, key=lambda slot: (shared[slot], -self._used[slot]))
         return best if shared[best] else min(free, key=lambda slot: self._used[slot])
@@ -153,8 +156,7 @@ class SlotList:
         running: dict[int, Job] = {}
         for job in admitted:  # queued requests hold no slot yet
             running.setdefault(job.slot, job)
-        # requests naming one `id_slot` run side by side: the batch, not the slots listed, is what is full
-        if request.query_params.get("fail_on_no_slot") and len(admitted) >= self.table.count:
+        if request.query_params.get("fail_on_no_slot") and len(running) >= self.table.count:
             raise LlamaError(503, "no slot available", type=LLAMA_ERROR_TYPES[503])
         slots = [self._slot(slot, running.get(slot)) for slot in range(self.table.count)]
         if self.texts:  # a long prompt's text is made off the event loop
