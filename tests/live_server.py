@@ -18,6 +18,7 @@ from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.guard import GuardConfig
 from k3stream.server.live import ServerThread
 from k3stream.server.runtime import ServedModel, served_from_runtime
+from k3stream.server.scheduler import Scheduler
 
 
 def keyed_server(
@@ -70,3 +71,15 @@ def sse_events(text: str) -> list[dict]:
     return [
         json.loads(line.removeprefix("data: ")) for line in text.splitlines() if line.startswith("data: ")
     ]
+
+
+def slow_decode_steps(monkeypatch, seconds: float = 0.01) -> None:
+    """Make each token the scheduler emits take `seconds` more: long enough to look at the running
+    batch, or to leave a stream, between two of them."""
+    emit = Scheduler._emit_token
+
+    def slow(self, job, logits):
+        time.sleep(seconds)
+        return emit(self, job, logits)
+
+    monkeypatch.setattr(Scheduler, "_emit_token", slow)

@@ -388,7 +388,7 @@ def test_stop_token_ids_end_the_answer_before_the_token(client, engine):
     with pytest.raises(openai.BadRequestError) as caught:
         complete(client, extra_body={"stop_token_ids": [1, 600]})
     assert caught.value.body["param"] == "stop_token_ids.1"
-    for field, value in (("include_stop_str_in_output", True), ("bad_words", ["a"]), ("dynatemp_range", 0.5)):
+    for field, value in (("allowed_token_ids", [1]), ("bad_words", ["a"]), ("dynatemp_range", 0.5)):
         with pytest.raises(openai.BadRequestError) as caught:
             complete(client, extra_body={field: value})
         assert caught.value.body["param"] == field

@@ -1,6 +1,10 @@
 """What a user of llama-server, vLLM or OpenAI's clients scripts against `k3stream serve`, against a live
-server on 127.0.0.1 on a tiny Kimi-K3 GGUF: null fields, error shapes and messages, slot probes. The same
-server's answers without the field in question are the oracle for what a field's default means.
+server on 127.0.0.1 on a tiny Kimi-K3 GGUF: null fields, error shapes and messages, slot probes, vLLM's
+request fields, llama-server's mixed `/tokenize` content, streamed usage and choices, logprobs' shapes,
+seeds, token limits and a client that leaves mid-stream, with the real `openai` client and raw HTTP.
+The same server's answers without the field in question are the oracle for what a field's default
+means (a stop string's place in the unstopped answer, the prompt cut by hand, whole against streamed),
+with `/detokenize` and llama.cpp on the same file.
 """
 
 from __future__ import annotations
@@ -23,8 +27,7 @@ from k3stream.server.errors import redact_paths
 from k3stream.server.guard import GuardConfig
 from k3stream.server.live import ServerThread
 from k3stream.server.runtime import served_from_runtime
-from k3stream.server.scheduler import Scheduler
-from live_server import sse_events
+from live_server import slow_decode_steps, sse_events
 from llama_logits import llama_logits
 
 PROMPT = "Once upon a time"
@@ -136,14 +139,7 @@ def test_native_paths_refuse_in_llama_servers_shape_whatever_refuses(server, met
 
 @pytest.fixture
 def slow_steps(monkeypatch):
-    """Decode steps long enough to look at the running batch between them."""
-    emit = Scheduler._emit_token
-
-    def slow(self, job, logits):
-        time.sleep(0.01)
-        return emit(self, job, logits)
-
-    monkeypatch.setattr(Scheduler, "_emit_token", slow)
+    slow_decode_steps(monkeypatch)
 
 
 def _finish_order(server, bodies: list[dict], wait_for_running: list[int]) -> list[int]:
@@ -156,17 +152,23 @@ def _finish_order(server, bodies: list[dict], wait_for_running: list[int]) -> li
         order.append(index)
 
     threads = [threading.Thread(target=send, args=(index,)) for index in range(len(bodies))]
+    _wait_health(server, lambda health: health["running"] == health["waiting"] == 0, "an idle server")
     try:
         for thread, running in zip(threads, wait_for_running, strict=True):
-            deadline = time.monotonic() + 20
-            while httpx.get(server.url + "/health").json()["running"] < running:
-                assert time.monotonic() < deadline, f"never {running} running"
-                time.sleep(0.005)
+            _wait_health(server, lambda health, n=running: health["running"] >= n, f"{running} running")
             thread.start()
     finally:
         for thread in threads:
             thread.join(60)
     return order
+
+
+def _wait_health(server, done, what: str) -> None:
+    """Read /health until `done` holds of it (20 s at most: a bound, not a timing assertion)."""
+    deadline = time.monotonic() + 20
+    while not done(httpx.get(server.url + "/health").json()):
+        assert time.monotonic() < deadline, f"never {what}"
+        time.sleep(0.005)
 
 
 def test_a_request_for_a_busy_slot_waits_for_it_while_others_go_first(server, slow_steps):
@@ -454,3 +456,225 @@ def test_penalties_keep_openais_range_on_v1_and_any_value_on_llama_servers_compl
         content = b'{"prompt": "Hi", "temperature": Infinity}'
         reply = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"})
         assert reply.status_code == 400 and "temperature" in reply.text
+
+
+OPENAI_GREEDY = {"model": "m", "prompt": PROMPT, "temperature": 0, "max_tokens": 16}
+
+
+def ask(make, **fields):
+    """`make` (an openai client's `create`) with `fields`, generating to `max_tokens` (vLLM's
+    `ignore_eos`: an answer of a fixed length)."""
+    extra = {"ignore_eos": True, **fields.pop("extra_body", {})}
+    return make(**fields, extra_body=extra)
+
+
+def text_of(client, stream: bool = False, **fields) -> tuple[str, str]:
+    """A completion's text and finish reason, whole or from its streamed chunks."""
+    if not stream:
+        choice = ask(client.completions.create, **{**OPENAI_GREEDY, **fields}).choices[0]
+        return choice.text, choice.finish_reason
+    chunks = [c for c in ask(client.completions.create, **OPENAI_GREEDY, **fields, stream=True) if c.choices]
+    return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output_ends_the_answer_with_its_stop_string(client, stream):
+    """vLLM's `include_stop_str_in_output`: the answer ends with the stop string that ended it, where
+    without the field it ends before it; the stop string is cut from the unstopped answer across
+    token boundaries."""
+    whole, _ = text_of(client)
+    stop = whole[3:9]
+    before = whole[: whole.index(stop)]
+    assert text_of(client, stream, stop=[stop]) == (before, "stop")
+    included = text_of(client, stream, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert included == (before + stop, "stop")
+
+
+def test_skip_special_tokens_false_writes_special_tokens_as_their_text(client, server, served):
+    """vLLM's `skip_special_tokens: false`: a special token generated (forced here by `logit_bias`) is
+    written as its text, as `/detokenize` writes it; by default it is left out.
+    `spaces_between_special_tokens` changes nothing (a GGUF tokenizer writes each token as it is)."""
+    end_ids = served.tokenizer.end_ids
+    special = next(i for i in sorted(served.tokenizer.special_tokens.values()) if i not in end_ids)
+    forced = {"max_tokens": 3, "logit_bias": {str(special): 100}}
+    assert text_of(client, **forced)[0] == ""
+    written = post(server, "/detokenize", {"tokens": [special] * 3}).json()["content"]
+    assert written
+    for spaces in (True, False):
+        extra = {"skip_special_tokens": False, "spaces_between_special_tokens": spaces}
+        assert text_of(client, **forced, extra_body=extra)[0] == written
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, served):
+    """vLLM's `truncate_prompt_tokens`: the prompt's last N tokens are the prompt (-1: the context's
+    worth); 0 or more than the context is a 400 naming the field."""
+    ids = served.encode_prompt("A longer prompt of a good many words to cut from the left")
+    cut = ask(
+        client.completions.create,
+        **{**OPENAI_GREEDY, "prompt": ids},
+        extra_body={"truncate_prompt_tokens": 5},
+    )
+    by_hand = ask(client.completions.create, **{**OPENAI_GREEDY, "prompt": ids[-5:]})
+    assert cut.usage.prompt_tokens == 5 and cut.choices[0].text == by_hand.choices[0].text
+    whole = ask(
+        client.completions.create,
+        **{**OPENAI_GREEDY, "prompt": ids},
+        extra_body={"truncate_prompt_tokens": -1},
+    )
+    assert whole.usage.prompt_tokens == len(ids)
+    for bad in (0, served.ctx + 1):
+        with pytest.raises(openai.BadRequestError) as caught:
+            ask(client.completions.create, **OPENAI_GREEDY, extra_body={"truncate_prompt_tokens": bad})
+        assert caught.value.body["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, endpoint):
+    """vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): every chunk carries its
+    choice's usage so far, growing to the counts of the final usage chunk; without it, only that one."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if endpoint == "chat":
+        fields = {k: v for k, v in OPENAI_GREEDY.items() if k != "prompt"}
+        make = client.chat.completions.create
+        fields["messages"] = [{"role": "user", "content": PROMPT}]
+    else:
+        make, fields = client.completions.create, dict(OPENAI_GREEDY)
+    chunks = list(ask(make, **fields, stream=True, stream_options=options))
+    *answer, final = chunks
+    assert not final.choices and final.usage.completion_tokens == OPENAI_GREEDY["max_tokens"]
+    counts = [chunk.usage.completion_tokens for chunk in answer]
+    assert counts == sorted(counts) and counts[-1] == final.usage.completion_tokens
+    assert {chunk.usage.prompt_tokens for chunk in answer} == {final.usage.prompt_tokens}
+    plain = list(ask(make, **fields, stream=True, stream_options={"include_usage": True}))
+    assert [chunk.usage is not None for chunk in plain] == [False] * (len(plain) - 1) + [True]
+
+
+@requires_llama
+def test_tokenize_takes_llama_servers_mixed_content_of_texts_and_token_ids(server, model_path):
+    """llama-server's `/tokenize` `content` may be a list of texts and token ids: each text tokenized as
+    llama.cpp tokenizes it, the ids as they are, the BOS token (`add_special`) only before a first text;
+    `with_pieces` gives each token's piece. An id outside the vocabulary is a 400 naming it."""
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
+
+    def llama(text: str, bos: bool = False) -> list[int]:
+        return vocab.tokenize(text.encode(), add_bos=bos, special=True)
+
+    content = ["Hello <|im_end|>", 7, " world", 3]
+    expected = llama(content[0]) + [7] + llama(content[2]) + [3]
+    assert post(server, "/tokenize", {"content": content}).json()["tokens"] == expected
+    with_bos = post(server, "/tokenize", {"content": content, "add_special": True}).json()["tokens"]
+    assert with_bos == llama(content[0], bos=True) + expected[len(llama(content[0])) :]
+    first_id = post(server, "/tokenize", {"content": [7, "Hello"], "add_special": True}).json()["tokens"]
+    assert first_id == [7] + llama("Hello")
+    pieces = post(server, "/tokenize", {"content": content, "with_pieces": True}).json()["tokens"]
+    assert [piece["id"] for piece in pieces] == expected
+    detokenized = post(server, "/detokenize", {"tokens": [7]}).json()["content"]
+    assert pieces[len(llama(content[0]))]["piece"] in (detokenized, list(detokenized.encode()))
+    refused = post(server, "/tokenize", {"content": ["a", vocab.n_vocab()]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "content.1"
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_streamed_choices_and_usage_are_the_whole_answers(client, endpoint):
+    """`n` seeded choices streamed: each choice's chunks (by `index`) make its whole answer's text and
+    finish reason; the usage chunk comes last, with no choices, counting the prompt once."""
+    fields = {"model": "m", "max_tokens": 6, "n": 2, "seed": 11, "temperature": 1.0}
+    if endpoint == "chat":
+        make, fields["messages"] = client.chat.completions.create, [{"role": "user", "content": PROMPT}]
+
+        def text(choice) -> str:
+            return (choice.message if hasattr(choice, "message") else choice.delta).content or ""
+    else:
+        make, fields["prompt"] = client.completions.create, PROMPT
+
+        def text(choice) -> str:
+            return choice.text
+
+    whole = ask(make, **fields)
+    *chunks, usage = ask(make, **fields, stream=True, stream_options={"include_usage": True})
+    streamed = {0: "", 1: ""}
+    reasons = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += text(choice)
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+    assert streamed == {choice.index: text(choice) for choice in whole.choices}
+    assert reasons == {choice.index: choice.finish_reason for choice in whole.choices}
+    assert not usage.choices and usage.usage.model_dump() == whole.usage.model_dump()
+    assert usage.usage.completion_tokens == 2 * fields["max_tokens"]
+
+
+def test_logprobs_have_openais_shapes_streamed_and_whole(client):
+    """`/v1/completions`' `logprobs` (tokens, token_logprobs, top_logprobs as token -> logprob maps,
+    text_offset) and chat's `logprobs.content` (token, logprob, bytes, top_logprobs), one entry per
+    token, streamed as whole."""
+    fields = {**OPENAI_GREEDY, "max_tokens": 5, "logprobs": 2}
+    whole = ask(client.completions.create, **fields).choices[0].logprobs
+    assert len(whole.tokens) == len(whole.token_logprobs) == len(whole.top_logprobs) == 5
+    assert all(len(top) <= 2 and all(value <= 0 for value in top.values()) for top in whole.top_logprobs)
+    assert whole.text_offset == sorted(whole.text_offset)
+    streamed = [
+        c.choices[0].logprobs for c in ask(client.completions.create, **fields, stream=True) if c.choices
+    ]
+    assert [t for part in streamed if part for t in part.token_logprobs] == whole.token_logprobs
+    chat = {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5}
+    answer = ask(client.chat.completions.create, **chat, temperature=0, logprobs=True, top_logprobs=2)
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and bytes(entry.bytes).decode(errors="replace") == entry.token
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
+def test_token_limits_and_seeds_as_clients_script_them(client, server):
+    """`max_tokens` 1 is one token (`length`); 0 is a 400 on `/v1` (as vLLM's and OpenAI's) and the
+    prompt alone on `/completion` (llama-server's); a seed draws the same answer again, on both."""
+    one = ask(client.completions.create, **{**OPENAI_GREEDY, "max_tokens": 1})
+    assert one.usage.completion_tokens == 1 and one.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(**{**OPENAI_GREEDY, "max_tokens": 0})
+    assert caught.value.body["param"] == "max_tokens"
+    native = post(server, "/completion", {"prompt": PROMPT, "n_predict": 0}).json()
+    assert native["content"] == "" and native["tokens_predicted"] == 0
+    seeded = {**OPENAI_GREEDY, "temperature": 1.5, "seed": 5}
+    assert len({ask(client.completions.create, **seeded).choices[0].text for _ in range(2)}) == 1
+    body = {"prompt": PROMPT, "n_predict": 8, "temperature": 1.5, "seed": 5}
+    assert len({post(server, "/completion", body).json()["content"] for _ in range(2)}) == 1
+
+
+def _predicted(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return float(
+        next(
+            line for line in text.splitlines() if line.startswith("llamacpp:tokens_predicted_total ")
+        ).split()[1]
+    )
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(client, server, monkeypatch):
+    """Both slots stream long answers (10 ms a token at least); their clients leave after a few chunks
+    (one the openai client's `close`, one a raw HTTP stream closed): the next request runs, and the
+    server generated far fewer tokens than the left answers asked for: their slots were freed."""
+    slow_decode_steps(monkeypatch)
+    before = _predicted(server)
+    long = {**OPENAI_GREEDY, "max_tokens": 200}
+    stream = ask(client.completions.create, **long, stream=True)
+    for _, _ in zip(stream, range(3), strict=False):
+        pass
+    body = {**long, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as raw:
+        lines = raw.iter_lines()
+        for _ in range(3):
+            next(lines)
+    stream.close()
+    after = ask(client.completions.create, **{**OPENAI_GREEDY, "max_tokens": 2})
+    assert after.usage.completion_tokens == 2
+    assert _predicted(server) - before < 200  # neither left answer ran to its end
+    for _ in range(1000):  # the finished sequence is dropped at the scheduler's next step
+        health = httpx.get(server.url + "/health", timeout=10).json()
+        if health["running"] == 0:
+            break
+        time.sleep(0.005)
+    assert health["running"] == 0 and health["cancelled_jobs"] >= 2

@@ -111,8 +111,9 @@ class Sequence:
 
     `choose(logits)` samples the next token; `accept(token)` records it and returns the text it
     releases. Text that could be the start of a stop string is held back until it is clear either
-    way; a matched stop string and everything after it is dropped. `marks` maps token ids (special
-    tokens a parser must see) to the text they decode to.
+    way; what follows a matched stop string is dropped, and the stop string too unless
+    `params.include_stop_str`. `marks` maps token ids (special tokens a parser must see) to the text
+    they decode to.
     """
 
     def __init__(
@@ -215,7 +216,7 @@ class Sequence:
         self._matched = len(self._text)
         if start is not None:
             self.stop_word = next(s for s in self.params.stop if self._text.startswith(s, start))
-            self._text = self._text[:start]
+            self._text = self._text[: start + (len(self.stop_word) if self.params.include_stop_str else 0)]
             self.finish_reason = FINISH_STOP
 
     def _release(self) -> str:

@@ -50,6 +50,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str: bool = False  # the stop string that ended the output stays at its end (vLLM's)
 
     def __post_init__(self) -> None:
         checks = [

@@ -380,7 +380,8 @@ class Endpoints:
         """The response of `jobs` (of the request `body`), shaped by `makers` (one per job); each finished
         job's tokens go under its slot."""
         keepalive_s = body.keepalive_s(self.keepalive_s)
-        return Stream(jobs, self.scheduler, makers, keepalive_s, body.return_progress, self.slots.finished)
+        progress, usage = body.return_progress, body.continuous_usage()
+        return Stream(jobs, self.scheduler, makers, keepalive_s, progress, self.slots.finished, usage)
 
     async def check_request(self, body: SamplingFields) -> None:
         """A 400 naming the field a request asks for that is not served, checked on the tokenizer
@@ -438,6 +439,7 @@ class Endpoints:
         (None: no logprobs); `constraint` a completion's grammar (each further choice follows a copy of
         it, its own state); `queue` and `index` where
         its events go (several prompts of one request share a queue, each its own index)."""
+        tokens = body.truncated(tokens, self.served.ctx)
         if self.served.default_n_predict is not None and not body.names_limit():
             limit = self.served.default_n_predict  # `serve -n`: cut to the context
         max_tokens = self._token_budget(len(tokens), limit, prompt_param)

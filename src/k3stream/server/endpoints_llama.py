@@ -41,7 +41,8 @@ MAX_TOKENIZE_CHARS = 1 << 20
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    content: Annotated[str, Field(max_length=MAX_TOKENIZE_CHARS)]
+    # a text, or llama-server's mixed content: texts and token ids, in order
+    content: Annotated[str, Field(max_length=MAX_TOKENIZE_CHARS)] | list[int | str]
     # null is each switch's default, as llama-server reads a field
     add_special: Switch = False  # a BOS token first, where the file's tokenizer adds one
     parse_special: Annotated[bool, null_is(True)] = True  # special-token text becomes those tokens
@@ -75,13 +76,27 @@ class LlamaEndpoints:
     async def tokenize(self, request: Request) -> dict[str, Any]:
         body = await parse_body(request, TokenizeRequest)
         tokenizer = self.served.tokenizer
+        pieces = self._content_pieces(body.content)
         add_bos = None if body.add_special else False  # the file's add_bos_token decides, as in llama.cpp
         ids = await self._off_loop(
-            lambda: tokenizer.encode(body.content, allow_special=body.parse_special, add_bos=add_bos)
+            lambda: self.served.encode_pieces(pieces, add_bos=add_bos, allow_special=body.parse_special)
         )
         if not body.with_pieces:
             return {"tokens": ids}
         return {"tokens": [{"id": token, "piece": _piece(tokenizer.piece(token))} for token in ids]}
+
+    def _content_pieces(self, content: str | list[int | str]) -> list[int | str]:
+        """`/tokenize`'s content as pieces: a 400 naming `content.I` for a token id outside the
+        vocabulary (llama-server passes it on), or `content` past MAX_TOKENIZE_CHARS of text."""
+        pieces = [content] if isinstance(content, str) else content
+        vocab = self.served.vocab_size
+        bad = next((i for i, p in enumerate(pieces) if isinstance(p, int) and not 0 <= p < vocab), None)
+        if bad is not None:
+            message = f"content.{bad}: token id {pieces[bad]} is outside the vocabulary of {vocab}"
+            raise invalid_request(message, param=f"content.{bad}")
+        if sum(len(piece) for piece in pieces if isinstance(piece, str)) > MAX_TOKENIZE_CHARS:
+            raise invalid_request(f"content: more than {MAX_TOKENIZE_CHARS} characters", param="content")
+        return pieces
 
     async def detokenize(self, request: Request) -> dict[str, Any]:
         body = await parse_body(request, DetokenizeRequest)

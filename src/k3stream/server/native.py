@@ -151,7 +151,7 @@ class NativeCompletionRequest(SamplingFields):
     def sampling_overrides(self) -> dict[str, Any]:
         # llama-server's penalties sampler counts the last repeat_last_n tokens of prompt and output
         overrides: dict[str, Any] = {
-            "skip_special_tokens": not self.special,
+            "skip_special_tokens": self.skip_special_tokens and not self.special,
             "penalty_last_n": self.repeat_last_n,
         }
         if self.repeat_penalty != 1.0:  # llama-server's: over the last repeat_last_n tokens

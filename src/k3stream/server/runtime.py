@@ -86,15 +86,19 @@ class ServedModel(Runtime):
         text."""
         return self.tokenizer.encode(text, allow_special=False, add_bos=False)
 
-    def encode_pieces(self, pieces: list[int | str]) -> list[int]:
+    def encode_pieces(
+        self, pieces: list[int | str], *, add_bos: bool | None = None, allow_special: bool = True
+    ) -> list[int]:
         """llama-server's mixed prompt: token ids as they are, each text as `encode_prompt` tokenizes it
-        (the BOS token only before a first piece that is text, where the file adds one)."""
+        (`allow_special`: special-token text becomes those tokens), the BOS token only before a first
+        piece that is text, where `add_bos` says (None: where the file adds one)."""
         ids: list[int] = []
         for index, piece in enumerate(pieces):
             if isinstance(piece, int):
                 ids.append(piece)
             else:
-                ids += self.tokenizer.encode(piece, allow_special=True, add_bos=None if index == 0 else False)
+                bos = add_bos if index == 0 else False
+                ids += self.tokenizer.encode(piece, allow_special=allow_special, add_bos=bos)
         return ids
 
     def encode_chat(
@@ -354,6 +358,8 @@ class ServedModel(Runtime):
             max_tokens=max_tokens,
             stop=tuple(body.stop_list()),
             ignore_eos=body.ignore_eos,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str=body.include_stop_str_in_output,
             stop_token_ids=(
                 *(self.chat_stop_ids if chat is not None else ()),
                 *body.stop_ids(self.vocab_size),

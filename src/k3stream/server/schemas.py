@@ -115,8 +115,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     # vLLM's
     "bad_words": _empty,
     "allowed_token_ids": _empty,
-    "include_stop_str_in_output": lambda value: value in (None, False),
-    "skip_special_tokens": lambda value: value in (None, True),
     "add_generation_prompt": lambda value: value in (None, True),
     "prompt_logprobs": lambda value: value in (None, 0),
     "chat_template": _empty,  # a request's own template (`--chat-template-file` sets the server's)
@@ -165,6 +163,7 @@ CHAT_ONLY_FIELDS = (
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: Switch = False
+    continuous_usage_stats: Switch = False  # vLLM's: with include_usage, every chunk carries usage so far
 
 
 class SamplingFields(BaseModel):
@@ -199,6 +198,15 @@ class SamplingFields(BaseModel):
     stream: Switch = False
     stream_options: StreamOptions | None = None
     ignore_eos: Switch = False  # vLLM's extension: generate max_tokens even past end-of-sequence
+    # vLLM's: the stop string that ended the answer is sent as its end
+    include_stop_str_in_output: Switch = False
+    # vLLM's: special tokens' text (but the chat's markup, which the output parser reads) in the answer
+    skip_special_tokens: Annotated[bool, null_is(True)] = True
+    # vLLM's: spaces between special tokens and text when they are written out; its fast tokenizers
+    # ignore it, and so does this one (a GGUF's tokenizer writes a token's text as it is)
+    spaces_between_special_tokens: Annotated[bool, null_is(True)] = True
+    # vLLM's: keep the prompt's last N tokens (-1: the context's worth)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1), Integral] | None = None
     return_progress: Switch = False  # llama-server's: stream `prompt_progress` chunks during the prefill
     timings_per_token: Switch = False  # llama-server's: each streamed piece carries `timings` so far
     # llama-server's: seconds between keep-alive comments of this request's stream (-1: none), over
@@ -340,6 +348,22 @@ class SamplingFields(BaseModel):
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def continuous_usage(self) -> bool:
+        """Whether each streamed chunk carries the usage so far (vLLM's `continuous_usage_stats`, which
+        takes `include_usage` too)."""
+        return self.include_usage() and self.stream_options.continuous_usage_stats
+
+    def truncated(self, tokens: list[int], ctx: int) -> list[int]:
+        """The prompt `tokens` as `truncate_prompt_tokens` keeps it (its last N; -1 the context's worth);
+        a 400 for N of 0 or past the context, as vLLM's."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return tokens
+        if keep == 0 or keep > ctx:
+            message = f"truncate_prompt_tokens: -1, or 1 to the context of {ctx} tokens"
+            raise invalid_request(message, param="truncate_prompt_tokens")
+        return tokens[-(ctx if keep == -1 else keep) :]
 
 
 class CompletionRequest(SamplingFields):

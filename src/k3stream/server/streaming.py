@@ -41,6 +41,7 @@ class Stream:
         keepalive_s: float | None = 15.0,  # None: no keep-alive comments
         progress: bool = False,
         on_finish: Callable[[Job], None] | None = None,
+        running_usage: bool = False,
     ) -> None:
         self.jobs = jobs
         self.queue = jobs[0].sink.queue  # the choices share it
@@ -50,6 +51,10 @@ class Stream:
         self.keepalive_s = keepalive_s
         self.progress = progress  # send the prefill's progress events (llama-server's return_progress)
         self.on_finish = on_finish
+        # each JSON chunk carries its choice's usage so far (vLLM's continuous_usage_stats): the tokens
+        # its pieces sent, counted here as they go out
+        self.running_usage = running_usage
+        self._sent_tokens = [0] * len(jobs)
 
     def cancel(self) -> None:
         for job in self.jobs:
@@ -67,9 +72,9 @@ class Stream:
 
     async def _sse(self, include_usage: bool) -> AsyncIterator[str]:
         try:
-            for chunks in self.chunks:
+            for choice, chunks in enumerate(self.chunks):
                 if (first := chunks.first()) is not None:
-                    yield _framed(first)
+                    yield _framed(self._with_usage(choice, first))
             finished: dict[int, FinishEvent] = {}
             while len(finished) < len(self.jobs):
                 try:
@@ -81,10 +86,12 @@ class Stream:
                     if self.progress:
                         yield _framed(self.chunks[choice].progress(event))
                 elif isinstance(event, PieceEvent):
-                    yield _framed(self.chunks[choice].piece(event.piece))
+                    self._sent_tokens[choice] += len(event.piece.tokens)
+                    yield _framed(self._with_usage(choice, self.chunks[choice].piece(event.piece)))
                 elif isinstance(event, FinishEvent):
                     self._finished(choice)
-                    yield _framed(self.chunks[choice].last(event.reason))
+                    self._sent_tokens[choice] = event.completion_tokens
+                    yield _framed(self._with_usage(choice, self.chunks[choice].last(event.reason)))
                     finished[choice] = event
                 else:
                     yield self.chunks[0].error(_event_error(event)).sse()
@@ -124,6 +131,19 @@ class Stream:
         finally:
             watcher.cancel()
             self.cancel()
+
+    def _with_usage(self, choice: int, payload: dict[str, Any] | str) -> dict[str, Any] | str:
+        """`payload` with its choice's usage so far, where each chunk carries it (`running_usage`):
+        the prompt's tokens, and the tokens the choice's chunks sent."""
+        if not self.running_usage or not isinstance(payload, dict):
+            return payload
+        prompt, completion = len(self.jobs[choice].prompt_tokens), self._sent_tokens[choice]
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        return {**payload, "usage": usage}
 
     def _finished(self, choice: int) -> None:
         if self.on_finish is not None:
