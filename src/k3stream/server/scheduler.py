@@ -412,7 +412,13 @@ class Scheduler:
 
     def _wait_for_work(self) -> bool:
         with self._wake:
-            while not (self._stopping or self._waiting or self._ends or any(map(_has_work, self._running))):
+            while not (
+                self._stopping
+                or self._ends
+                or any(not job.active for job in self._waiting)
+                or self._admissible() is not None
+                or any(map(_has_work, self._running))
+            ):
                 self._wake.wait()
             return not self._stopping
 
@@ -436,18 +442,29 @@ class Scheduler:
         rest."""
         with self._wake:
             self._waiting = collections.deque(self._keep_active(self._waiting))
-            held = {job.slot for job in self._running if job.active}
-            job = next((job for job in self._waiting if job.wanted_slot not in held), None)
-            if job is not None and len(self._running) + job.width <= self.max_batch:
+            job = self._admissible()
+            if job is not None:
                 self._waiting.remove(job)
+                held = self._held_slots()
                 for choice in (job, *job.forks):
                     choice.slot = self.pick_slot(choice, held)
                     held.add(choice.slot)
                 self._running += [job, *self._keep_active(job.forks)]
-            else:
-                job = None
             self._update_gauges()
             return job
+
+    def _held_slots(self) -> set[int]:
+        return {job.slot for job in self._running if job.active}
+
+    def _admissible(self) -> Job | None:
+        """The first waiting job whose slot is free, where it fits the batch (call with the lock held).
+        The loop sleeps while there is none, rather than spinning while a busy slot's holder waits
+        for a snapshot read."""
+        held = self._held_slots()
+        job = next((job for job in self._waiting if job.active and job.wanted_slot not in held), None)
+        if job is not None and len(self._running) + job.width <= self.max_batch:
+            return job
+        return None
 
     def _admit_waiting(self) -> bool:
         """Start the prefills of waiting requests while the batch has room (their states restored from

@@ -613,10 +613,14 @@ class ChatCompletionRequest(SamplingFields):
             message.check_content(index)
         if self.top_logprobs and not self.logprobs:
             raise invalid_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
+        # every size first: validating a large schema against the metaschema takes seconds
+        values = [schema_values(tool.function.schema_or_empty()) for tool in self.tools or []]
+        for index, count in enumerate(values):
+            param = f"tools.{index}.function.parameters"
+            check_schema_values(count, MAX_SCHEMA_VALUES, "the schema's keywords and values", param)
+        check_schema_values(sum(values), MAX_TOOLS_SCHEMA_VALUES, "the tools' parameter schemas", "tools")
         for index, tool in enumerate(self.tools or []):
             check_json_schema(tool.function.schema_or_empty(), f"tools.{index}.function.parameters")
-        values = sum(schema_values(tool.function.schema_or_empty()) for tool in self.tools or [])
-        check_schema_values(values, MAX_TOOLS_SCHEMA_VALUES, "the tools' parameter schemas", "tools")
         names = [tool.function.name for tool in self.tools or []]
         duplicate = next((name for name in names if names.count(name) > 1), None)
         if duplicate is not None:
