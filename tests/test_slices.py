@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import k3stream
 from conftest import requires_llama
 from k3stream.commands.dequantize import dequantize_gguf
 from k3stream.gguf.mixed_recipes import MIXED_RECIPES, RELEASE_RECIPES, expert_types
-from k3stream.gguf.writer import TinySpec, tensor_plan, tensor_type
+from k3stream.gguf.writer import FLOAT_RECIPES, TinySpec, tensor_plan, tensor_type
 from k3stream.testing.slices import like
 from k3stream.testing.tiny import make_tiny
 from llama_logits import llama_logits, relative_error
@@ -44,6 +45,10 @@ def test_a_kimi_k3_slice_has_the_real_shapes_and_layer_pattern():
 def test_a_slice_outside_the_model_is_refused():
     with pytest.raises(ValueError, match="--layers 94 must be in 2..93"):
         like("kimi-k3", 94)
+    with pytest.raises(ValueError, match="--experts 897 must be in 1..896"):
+        like("kimi-k3", 2, n_experts=897)
+    with pytest.raises(ValueError, match="--real-vocab and --vocab"):
+        _spec_of(["--like", "kimi-k3", "--real-vocab", "--vocab", "1000"])
 
 
 # the command in a child that prints the peak of what it allocated (bytes; numpy's buffers included) when
@@ -74,6 +79,25 @@ def test_the_slice_is_written_in_constant_memory(slice_file):
     size = path.stat().st_size
     assert size > 1.3e9
     assert peak < 256 << 20, f"peak allocation {peak >> 20} MiB writing {size >> 20} MiB"
+
+
+@pytest.mark.parametrize("recipe", FLOAT_RECIPES)
+def test_a_float_recipe_writes_its_large_matrices_in_constant_memory(tmp_path, recipe):
+    """A float recipe's large matrices are random rows written slab by slab, as the quantized ones are
+    blocks: whole, a dense FFN of the real slice (132M values) would be 1 GiB of float64 values."""
+    spec = TinySpec(recipe=recipe, hidden=2048, dense_ff=8192, n_layers=2, mla_layers=(1,))
+    matrix_float64 = 8192 * 2048 * 8
+    tracemalloc.start()
+    try:
+        path = make_tiny(tmp_path, spec)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    ffn = next(t for t in GGUFReader(path).tensors if t.name == "blk.0.ffn_up.weight")
+    assert ffn.tensor_type.name == recipe.upper()
+    values = np.asarray(ffn.data, dtype=np.float32)
+    assert np.isfinite(values).all() and 0.9 < values.std() * np.sqrt(2048) < 1.1
+    assert peak < matrix_float64 / 2, f"peak allocation {peak >> 20} MiB"
 
 
 def test_the_slice_takes_release_types_and_decodes_to_moderate_values(slice_file):

@@ -135,7 +135,9 @@ def spec_from_args(args: argparse.Namespace) -> TinySpec:
             given = FITTING_SHAPES | given
         return TinySpec(**given)
     if args.real_vocab:
-        given.setdefault("vocab", REAL_VOCAB[args.like])
+        if "vocab" in given:
+            raise ValueError("--real-vocab and --vocab: give one")
+        given["vocab"] = REAL_VOCAB[args.like]
     return like(args.like, given.pop("n_layers", 2), **given)
 
 
