@@ -58,8 +58,8 @@ def like(model: str, n_layers: int, **overrides: Any) -> TinySpec:
     fields = {**LIKE[model], "n_layers": n_layers, **overrides}
     if not 1 <= fields["n_experts"] <= LIKE[model]["n_experts"]:
         raise ValueError(
-            f"--like {model}: --experts {fields['n_experts']} must be in 1..{LIKE[model]['n_experts']} "
-            "(a slice holds some of the model's routed experts)"
+            f"--like {model}: --experts {fields['n_experts']} must be in 1..{LIKE[model]['n_experts']}, "
+            "the model's routed experts"
         )
     if "top_k" not in overrides:
         fields["top_k"] = min(fields["top_k"], fields["n_experts"])
