@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import k3stream
 from conftest import requires_llama
 from k3stream.commands.dequantize import dequantize_gguf
 from k3stream.gguf.mixed_recipes import MIXED_RECIPES, RELEASE_RECIPES, expert_types
-from k3stream.gguf.writer import TinySpec, tensor_plan, tensor_type
+from k3stream.gguf.writer import FLOAT_RECIPES, TinySpec, tensor_plan, tensor_type
 from k3stream.testing.slices import like
 from k3stream.testing.tiny import make_tiny
 from llama_logits import llama_logits, relative_error
@@ -76,6 +77,25 @@ def test_the_slice_is_written_in_constant_memory(slice_file):
     assert peak < 256 << 20, f"peak allocation {peak >> 20} MiB writing {size >> 20} MiB"
 
 
+@pytest.mark.parametrize("recipe", FLOAT_RECIPES)
+def test_a_float_recipe_writes_its_large_matrices_in_constant_memory(tmp_path, recipe):
+    """A float recipe's large matrices are random rows written slab by slab, as the quantized ones are
+    blocks: whole, a dense FFN of the real slice (132M values) would be 1 GiB of float64 values."""
+    spec = TinySpec(recipe=recipe, hidden=2048, dense_ff=8192, n_layers=2, mla_layers=(1,))
+    matrix_float64 = 8192 * 2048 * 8
+    tracemalloc.start()
+    try:
+        path = make_tiny(tmp_path, spec)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    ffn = next(t for t in GGUFReader(path).tensors if t.name == "blk.0.ffn_up.weight")
+    assert ffn.tensor_type.name == recipe.upper()
+    values = np.asarray(ffn.data, dtype=np.float32)
+    assert np.isfinite(values).all() and 0.9 < values.std() * np.sqrt(2048) < 1.1
+    assert peak < matrix_float64 / 2, f"peak allocation {peak >> 20} MiB"
+
+
 def test_the_slice_takes_release_types_and_decodes_to_moderate_values(slice_file):
     tensors = {t.name: t for t in GGUFReader(slice_file[0]).tensors}
     types = {name: t.tensor_type.name for name, t in tensors.items()}
@@ -116,17 +136,22 @@ def test_the_slice_against_llama_cpp(slice_file, tmp_path):
 # real attention shapes and a routing choice (top-16 of 32 experts), the feed-forward widths cut so that
 # the F32 rewrite stays near 2.5 GB
 CHOICE_SLICE = dict(n_experts=32, dense_ff=256, expert_ff=256, latent=256)
+# the dynamic mix's i-quant and K-quant experts at their real widths (rows of 14 and 12 blocks), two MoE
+# layers in two of its mixes, 4 experts; the dense FFN cut: the F32 rewrite stays near 3.5 GB
+DYNAMIC_SLICE = dict(recipe="dynamic", n_experts=4, n_dense=0, dense_ff=256)
 
 
 @requires_llama
 @pytest.mark.slow
-def test_a_slice_with_a_routing_choice_is_the_model_llama_cpp_computes(tmp_path):
+@pytest.mark.parametrize("fields", [CHOICE_SLICE, DYNAMIC_SLICE], ids=["routing-choice", "dynamic"])
+def test_a_slice_is_the_model_llama_cpp_computes(tmp_path, fields):
     """At the real shapes the two engines compute the same model: float32 activations against llama.cpp
-    on the file's F32 rewrite (measured 3.8e-6). Their 8-bit activations are no yardstick there: a
-    float-order difference of one ulp in attention moves a code across a rounding boundary, the codes
-    after it part, and so do the top-16 experts after that (docs/accuracy.md); so the default is held
-    to be no further from the F32 result than llama.cpp's own 8-bit run."""
-    path = make_tiny(tmp_path / "slice", like("kimi-k3", 2, **CHOICE_SLICE))
+    on the file's F32 rewrite (measured 3.8e-6 with a routing choice, 3.0e-6 on the dynamic mix). Their
+    8-bit activations are no yardstick there: a float-order difference of one ulp in attention moves a
+    code across a rounding boundary, the codes after it part, and so do the top-16 experts after that
+    (docs/accuracy.md); so the default is held to be no further from the F32 result than llama.cpp's
+    own 8-bit run."""
+    path = make_tiny(tmp_path / "slice", like("kimi-k3", 2, **fields))
     rewrite = dequantize_gguf(path, tmp_path / "f32.gguf", floats_to_f32=True)
     tokens = tokens_for(1, k3stream.load(path).config.vocab_size, 24)
     direct, on_f32 = llama_logits([(path, tokens), (rewrite, tokens)], tmp_path, n_threads=2)

@@ -217,6 +217,16 @@ SIZE_FLAGS += ("--expert-ff", "--latent", "--context-length", "--block-size")
         *[([flag, value], f"{flag}: {value} must be >= 1") for flag in SIZE_FLAGS for value in ("0", "-3")],
         (["--like", "kimi-k3", "--layers", "1"], "--like kimi-k3: --layers 1 must be in 2..93"),
         (["--real-vocab"], "--real-vocab needs --like"),
+        (["--like", "kimi-k3", "--real-vocab", "--vocab", "1000"], "--real-vocab and --vocab: give one"),
+        (
+            ["--like", "kimi-k3", "--experts", "897"],
+            "--like kimi-k3: --experts 897 must be in 1..896, the model's routed experts",
+        ),
+        (
+            ["--like", "kimi-k3", "--mla-layers", "0,1"],
+            "--mla-layers: llama.cpp needs at least one KDA and one MLA layer",
+        ),
+        (["--like", "kimi-k3", "--layers", "3", "--mla-layers", "3"], "--mla-layers: (3,) outside 0..2"),
     ],
 )
 def test_a_spec_error_names_the_flag(tmp_path, capsys, flags, message):
@@ -225,6 +235,38 @@ def test_a_spec_error_names_the_flag(tmp_path, capsys, flags, message):
     error = capsys.readouterr().err.strip()
     assert error == f"k3stream make-tiny: error: {message}"
     assert not (tmp_path / "out").exists()
+
+
+def test_an_interrupted_write_leaves_no_file_under_the_final_name(tmp_path):
+    """SIGINT removes the temporary file, SIGKILL leaves only it, and the next run replaces it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    # one 16M-value dense FFN a matrix: seconds of writing, long after the temporary file appears
+    command = [
+        sys.executable,
+        "-m",
+        "k3stream",
+        "make-tiny",
+        str(out),
+        "--hidden",
+        "2048",
+        "--dense-ff",
+        "8192",
+    ]
+    for sig, left in ((signal.SIGINT, []), (signal.SIGKILL, ["tiny-kimi-k3.gguf.tmp"])):
+        child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while not list(out.glob("*.tmp")):
+            assert child.poll() is None, "make-tiny ended before the signal"
+            time.sleep(0.02)
+        child.send_signal(sig)
+        assert child.wait(timeout=60) == (130 if sig == signal.SIGINT else -signal.SIGKILL)
+        assert sorted(path.name for path in out.iterdir()) == left
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    assert sorted(path.name for path in out.iterdir()) == ["tiny-kimi-k3.gguf"]
 
 
 def test_more_layers_than_one_file_holds_are_refused_and_shards_hold_them(tmp_path, capsys):

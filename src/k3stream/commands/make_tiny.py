@@ -77,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             extra = {
                 "help": f"default {field.default} ({FITTING_SHAPES[field.name]} with a quantized recipe)"
             }
+        if field.name in DEFAULTS_WITH_LIKE:
+            extra["help"] = f"default {field.default} ({DEFAULTS_WITH_LIKE[field.name]} with --like)"
         parser.add_argument(
             flag_of(field.name),
             dest=field.name,
@@ -85,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             **spec_flag_text(field, field.default) | extra,
         )
 
+
+# the defaults --like changes that are not the model's shapes
+LIKE_LAYERS = 2
+DEFAULTS_WITH_LIKE = {"n_layers": str(LIKE_LAYERS), "top_k": "min(16, --experts)", "recipe": "q8_0"}
 
 # the spec fields whose flag needs more words than its default
 SPEC_FLAG_TEXT = {
@@ -135,8 +141,10 @@ def spec_from_args(args: argparse.Namespace) -> TinySpec:
             given = FITTING_SHAPES | given
         return TinySpec(**given)
     if args.real_vocab:
-        given.setdefault("vocab", REAL_VOCAB[args.like])
-    return like(args.like, given.pop("n_layers", 2), **given)
+        if "vocab" in given:
+            raise ValueError("--real-vocab and --vocab: give one")
+        given["vocab"] = REAL_VOCAB[args.like]
+    return like(args.like, given.pop("n_layers", LIKE_LAYERS), **given)
 
 
 def run(args: argparse.Namespace) -> int:

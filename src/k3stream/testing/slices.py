@@ -56,6 +56,11 @@ def like(model: str, n_layers: int, **overrides: Any) -> TinySpec:
     if not 2 <= n_layers <= REAL_LAYERS[model]:
         raise ValueError(f"--like {model}: --layers {n_layers} must be in 2..{REAL_LAYERS[model]}")
     fields = {**LIKE[model], "n_layers": n_layers, **overrides}
+    if not 1 <= fields["n_experts"] <= LIKE[model]["n_experts"]:
+        raise ValueError(
+            f"--like {model}: --experts {fields['n_experts']} must be in 1..{LIKE[model]['n_experts']}, "
+            "the model's routed experts"
+        )
     if "top_k" not in overrides:
         fields["top_k"] = min(fields["top_k"], fields["n_experts"])
     return TinySpec(**fields)

@@ -3,7 +3,7 @@
 `make_tiny(out_dir, TinySpec(...))` writes random weights (`gguf.writer.initial_values`). Large
 routed-expert tensors (at least `FAST_EXPERT_VALUES` values) and other large matrices (at least
 `FAST_MATRIX_VALUES`: real-dimension slices) are random valid blocks instead (`testing.tinyblocks`,
-`testing.iquant_blocks`) or random F32 rows, written slab by slab at close to disk speed and in
+`testing.iquant_blocks`) or random F32 or F16 rows, written slab by slab at close to disk speed and in
 constant memory.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from k3stream.gguf.vocab import Vocab, padded
-from k3stream.gguf.writer import F32, TinySpec, checked_plan, write_model
+from k3stream.gguf.writer import F16, F32, TinySpec, checked_plan, write_model
 from k3stream.quant import DECODE_ONLY_TYPES
 from k3stream.testing.iquant_blocks import random_blocks
 from k3stream.testing.tinyblocks import FAST_TYPES, random_block_slabs
@@ -63,8 +63,9 @@ def _random_blocks(tensor, spec: TinySpec, ggml_type: int) -> Iterator[np.ndarra
         return None
     if ggml_type in FAST_TYPES:
         return random_block_slabs(tensor.shape, ggml_type, seed)
-    if ggml_type == F32:
-        return _float_slabs(tensor.shape, seed, 1.0 if tensor.name == "token_embd.weight" else None)
+    if ggml_type in (F32, F16):
+        std = 1.0 if tensor.name == "token_embd.weight" else None
+        return _float_slabs(tensor.shape, seed, std, np.float32 if ggml_type == F32 else np.float16)
     return None
 
 
@@ -87,12 +88,13 @@ def _iquant_slabs(shape, ggml_type: int, seed: list[int], slab_values: int | Non
         yield random_blocks(name, (min(step, rows - start), shape[-1]), [*seed, index])
 
 
-def _float_slabs(shape, seed: list[int], std: float | None) -> Iterator[np.ndarray]:
-    """F32 rows of normal values (std 1/sqrt(row) unless given, as `initial_values` gives matrices)."""
+def _float_slabs(shape, seed: list[int], std: float | None, dtype: type) -> Iterator[np.ndarray]:
+    """`dtype` (float32, float16) rows of normal values (std 1/sqrt(row) unless given, as
+    `initial_values` gives matrices)."""
     rng = np.random.default_rng(seed)
     scale = np.float32(std if std is not None else 1.0 / np.sqrt(shape[-1]))
     rows, step = _rows_per_slab(shape, SLAB_VALUES)
     for start in range(0, rows, step):
         slab = rng.standard_normal((min(step, rows - start), shape[-1]), dtype=np.float32)
         slab *= scale
-        yield slab
+        yield slab.astype(dtype, copy=False)
