@@ -973,18 +973,11 @@ AVX512_TARGET static int gathers_measured_faster(void) {
     return best[1] < best[0];
 }
 
-/* K3STREAM_GRID_LOOKUP=gather or =permute takes either way on any AVX-512 machine (the tests reach both;
- * the same bits), else the measured one */
+/* K3STREAM_GRID_LOOKUP=gather or =permute takes either way on any AVX-512 machine (the same bits), else
+ * the measured one */
 static int grid_gathers(void) {
-    const char *way = getenv("K3STREAM_GRID_LOOKUP");
-    if (way != NULL && (strcmp(way, "gather") == 0 || strcmp(way, "permute") == 0)) return strcmp(way, "gather") == 0;
-    static int measured = -1; /* not yet */
-    int gathers = __atomic_load_n(&measured, __ATOMIC_RELAXED);
-    if (gathers < 0) {
-        gathers = gathers_measured_faster();
-        __atomic_store_n(&measured, gathers, __ATOMIC_RELAXED);
-    }
-    return gathers;
+    static int measured = -1;
+    return measured_choice("K3STREAM_GRID_LOOKUP", "gather", "permute", &measured, gathers_measured_faster);
 }
 
 RowKernel iq_avx512_kernel(int ggml_type) {

@@ -411,18 +411,10 @@ AVX512_TARGET static int wide_measured(void) {
     return 2 * best[1] < 3 * best[0];
 }
 
-/* K3STREAM_WIDE_VECTORS=1 or =0 takes either on any AVX-512 machine (the tests reach both; the same
- * bits), else the measured one */
+/* K3STREAM_WIDE_VECTORS=1 or =0 takes either on any AVX-512 machine (the same bits), else the measured one */
 static int wide_vectors(void) {
-    const char *wide = getenv("K3STREAM_WIDE_VECTORS");
-    if (wide != NULL && (strcmp(wide, "0") == 0 || strcmp(wide, "1") == 0)) return wide[0] == '1';
-    static int measured = -1; /* not yet */
-    int answer = __atomic_load_n(&measured, __ATOMIC_RELAXED);
-    if (answer < 0) {
-        answer = wide_measured();
-        __atomic_store_n(&measured, answer, __ATOMIC_RELAXED);
-    }
-    return answer;
+    static int measured = -1;
+    return measured_choice("K3STREAM_WIDE_VECTORS", "1", "0", &measured, wide_measured);
 }
 
 /* ---- K-quants: runs 2j and 2j + 1 of a block (its 64 values from 64j) in one vector --------------- */
