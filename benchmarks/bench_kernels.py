@@ -28,7 +28,9 @@ takes its multi-row kernels, each weight block decoded once for all the rows, ll
 every row and input row); "Gw/s" counts weights times input rows a second. `--clock cpu` (with
 `--threads 1`) times the calling thread's CPU seconds, which other processes on a shared machine do
 not take. `--avx2` (on an AVX-512 machine) also times ours under K3STREAM_NO_AVX512=1 (the AVX2
-kernels) in the same alternation: "avx2 GB/s", its ratio to the read and ours to it. `--shape 12288x7168`
+kernels) in the same alternation: "avx2 GB/s", its ratio to the read and ours to it; `--env NAME=VALUE`
+the same with another setting ("env GB/s": e.g. K3STREAM_WIDE_VECTORS=0, Q8_0's eight-row kernel where
+a CPU runs 512-bit operations at full width). `--shape 12288x7168`
 sets the matrices' rows and columns (a Kimi-K3 trunk projection). `--llama-graph` runs llama.cpp's side
 as its CPU backend runs a model's product: a `ggml_mul_mat` graph (`testing.ggml_oracle.MulMat`; for a
 prefill-shaped Q8_0 product llamafile's sgemm), the weights copied into ggml's buffer (one graph per
@@ -168,6 +170,7 @@ def main() -> None:
         help="--iquants, one thread: the thread's CPU seconds",
     )
     parser.add_argument("--avx2", action="store_true", help="--iquants: also ours under K3STREAM_NO_AVX512=1")
+    parser.add_argument("--env", help="--iquants: also ours under this NAME=VALUE environment setting")
     parser.add_argument(
         "--shape", default=f"{ROWS}x{COLS}", help="--iquants: ROWSxCOLS of each matrix (default %(default)s)"
     )
@@ -291,17 +294,19 @@ class IquantCase:
             x, datas, int(self.qtype), self.shape[0], self.row_bytes, starts, rows, True
         )
 
-    def ours_avx2(self, x: torch.Tensor) -> torch.Tensor:
-        """`ours` with the AVX2 kernels (the AVX-512 ones turned off for the call)."""
-        before = os.environ.get("K3STREAM_NO_AVX512")
-        os.environ["K3STREAM_NO_AVX512"] = "1"
+    def ours_with(self, x: torch.Tensor, setting: tuple[str, str]) -> torch.Tensor:
+        """`ours` under one environment setting (name, value) for the call: K3STREAM_NO_AVX512=1 takes
+        the AVX2 kernels."""
+        name, value = setting
+        before = os.environ.get(name)
+        os.environ[name] = value
         try:
             return self.ours(x)
         finally:
             if before is None:
-                del os.environ["K3STREAM_NO_AVX512"]
+                del os.environ[name]
             else:
-                os.environ["K3STREAM_NO_AVX512"] = before
+                os.environ[name] = before
 
     def theirs(self, x: torch.Tensor, library: ctypes.CDLL, threads: int) -> None:
         if self.graphs is not None:
@@ -343,17 +348,18 @@ class IquantCase:
         threads: int,
         repeat: int,
         clock=time.perf_counter,
-        avx2: bool = False,
+        setting: tuple[str, str] | None = None,
     ) -> tuple[float, ...]:
-        """The best times of ours and llama.cpp's (alternating), of a plain read of the bytes, and (`avx2`)
-        of ours on the AVX2 kernels; every run takes the next copy of the matrices."""
+        """The best times of ours and llama.cpp's (alternating), of a plain read of the bytes, and (`setting`)
+        of ours under that environment setting; every run takes the next copy of the matrices."""
         torch.set_num_threads(threads)
         runs = (
             lambda: self.ours(x),
             lambda: self.theirs(x, library, threads),
             lambda: plain_read(self.rotation.take()),
         )
-        return best_of_each(runs + ((lambda: self.ours_avx2(x)),) * avx2, repeat, clock)
+        also = () if setting is None else ((lambda: self.ours_with(x, setting)),)
+        return best_of_each(runs + also, repeat, clock)
 
 
 def iquants_against_llama_cpp(args: argparse.Namespace) -> None:
@@ -364,15 +370,24 @@ def iquants_against_llama_cpp(args: argparse.Namespace) -> None:
     library, x = ggml_rows_library(), torch.randn(args.rows, cols)
     llama_avx512 = "with" if ggml_oracle.library().ggml_cpu_has_avx512() else "without"
     theirs = "its mul_mat graph" if args.llama_graph else "its vec_dot loop"
+    if args.avx2 and args.env:
+        raise SystemExit("--avx2 and --env: name one of them")
+    setting = (
+        ("K3STREAM_NO_AVX512", "1") if args.avx2 else tuple(args.env.split("=", 1)) if args.env else None
+    )
+    if setting is not None and len(setting) != 2:
+        raise SystemExit(f"--env {args.env}: expected NAME=VALUE")
+    alt = "avx2" if args.avx2 else "env"
     print(
         f"{args.experts} matrices of {rows} x {cols} (random valid blocks), {args.rows} input row(s) each; "
-        f"best of {args.repeat}, ours, llama.cpp's ({theirs}), the read (--avx2: ours on AVX2) alternating; "
+        f"best of {args.repeat}, ours, llama.cpp's ({theirs}), the read (--avx2: ours on AVX2; --env: ours "
+        f"under it) alternating; "
         f"k3stream's kernels: {cpu.isa()}, llama.cpp's libggml-cpu {llama_avx512} AVX-512"
     )
     print(memory_line(args.in_cache))
     print(f"{'type':8s} {'threads':>7s} {'k3 GB/s':>8s} {'read GB/s':>9s} {'k3/read':>7s} "
           f"{'llama GB/s':>10s} {'k3/llama':>8s} {'k3 Gw/s':>8s} {'llama Gw/s':>10s}"
-          + f" {'avx2 GB/s':>9s} {'avx2/read':>9s} {'k3/avx2':>7s}" * args.avx2)  # fmt: skip
+          + f" {alt + ' GB/s':>9s} {alt + '/read':>9s} {'k3/' + alt:>7s}" * bool(setting))  # fmt: skip
     for name in args.iquants.split(","):
         case = IquantCase.make(name, args.experts, args.rows, (rows, cols), args.in_cache)
         total, products = case.bytes, rows * cols * args.experts * args.rows
@@ -380,12 +395,12 @@ def iquants_against_llama_cpp(args: argparse.Namespace) -> None:
             if args.llama_graph:
                 case.open_graphs(args.rows, threads)
             clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-            kernel, llama, read, *avx2 = case.seconds(x, library, threads, args.repeat, clock, args.avx2)
+            kernel, llama, read, *also = case.seconds(x, library, threads, args.repeat, clock, setting)
             print(
                 f"{name:8s} {threads:7d} {total / kernel / 1e9:8.2f} {total / read / 1e9:9.2f} "
                 f"{read / kernel:7.2f} {total / llama / 1e9:10.2f} {llama / kernel:8.2f} "
                 f"{products / kernel / 1e9:8.2f} {products / llama / 1e9:10.2f}"
-                + "".join(f" {total / t / 1e9:9.2f} {read / t:9.2f} {t / kernel:7.2f}" for t in avx2)
+                + "".join(f" {total / t / 1e9:9.2f} {read / t:9.2f} {t / kernel:7.2f}" for t in also)
             )
             case.close_graphs()
 

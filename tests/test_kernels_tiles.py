@@ -305,6 +305,34 @@ def test_the_avx512_kernels_give_the_avx2_kernels_bits(qt, out_rows, cols, monke
         assert np.array_equal(avx512.view(np.uint32), avx2.view(np.uint32)), count
 
 
+@pytest.mark.parametrize("wide", ["0", "1"])
+@pytest.mark.parametrize(
+    "out_rows,cols", [(5, 256), (3, 7168), (19, 1280), (9, 25600), (37, 512), (70, 3584)]
+)
+def test_q8_0s_one_row_kernels_by_either_vector_width_give_the_avx2_kernels_bits(
+    out_rows, cols, wide, monkeypatch
+):
+    """Q8_0's one-row kernel on a CPU that runs 512-bit operations at full width (a one-time measurement;
+    K3STREAM_WIDE_VECTORS=1) takes rows of more than 256 bytes two to a 512-bit vector, four streams; on
+    one that splits them (=0) eight rows of 256-bit vectors: either way the AVX2 kernel's bits, on one
+    and two threads, weight-row counts that leave 1-3 streams short."""
+    take_kernel_isa("avx512", monkeypatch)
+    w, x = matrix(T.Q8_0, out_rows, cols, seed=cols), inputs(1, cols, seed=out_rows)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for isa, count in (("avx512", 1), ("avx512", 2), ("avx2", 1)):
+            monkeypatch.setenv("K3STREAM_WIDE_VECTORS", wide)
+            if isa == "avx2":
+                monkeypatch.setenv("K3STREAM_NO_AVX512", "1")
+            torch.set_num_threads(count)
+            results.append(grouped(T.Q8_0, [w], x, [1], np.arange(1)))
+    finally:
+        torch.set_num_threads(threads)
+    for got in results[:2]:
+        assert np.array_equal(got.view(np.uint32), results[2].view(np.uint32))
+
+
 @pytest.mark.parametrize("qt", [T.Q2_K, T.Q3_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("cols", [256, 7168, 32768, 33024])  # 1, 28, 128 (the most held) and 129 blocks
 def test_decode_kernels_holding_an_input_rows_blocks_keep_the_avx2_bits(qt, cols, monkeypatch):

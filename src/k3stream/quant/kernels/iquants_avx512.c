@@ -34,13 +34,17 @@
 
 #define RUN_ROWS 4 /* input rows sharing each decoded pair of blocks */
 
-/* The weight lines a kernel asks for ahead of what it reads, GRID_PREFETCH_BYTES ahead over the rows it reads
- * in turn (`streams`: 2 KiB ahead of one row, 1 KiB of each of two; the hardware prefetchers bring each stream
- * from RAM). From RAM on AMD Zen 4, one thread: one stream (IQ3) ran 1.02-1.04x as fast 2-3 KiB ahead as 1 KiB
- * or 4 KiB ahead, two (IQ2 against one input row) 1.01-1.03x as fast 0.5-1 KiB ahead of each as 2-4 KiB */
+/* The weight lines a kernel asks for ahead of what it reads, `ahead` bytes over the rows it reads in turn
+ * (`streams`: GRID_PREFETCH_BYTES, 2 KiB ahead of one row, 1 KiB of each of two; the hardware prefetchers bring
+ * each stream from RAM). From RAM on AMD Zen 4, one thread: one stream (IQ3) ran 1.02-1.04x as fast 2-3 KiB
+ * ahead as 1 KiB or 4 KiB ahead, two (IQ2 against one input row) 1.01-1.03x as fast 0.5-1 KiB ahead of each
+ * as 2-4 KiB. IQ2_S asks IQ2_S_PREFETCH_BYTES ahead (3 KiB of each of two rows): on AMD Zen 5 its kernel
+ * waited for RAM at 1 KiB (one thread, thread CPU time: 1.28-1.37x as fast 2-3 KiB ahead of each row, the
+ * other grid types 1.00-1.04x), where on Zen 4 3 KiB ran 0.96-0.98x as fast as 1 KiB. */
 #define GRID_PREFETCH_BYTES 2048
-AVX512 void prefetch_soon(const uint8_t *at, int64_t bytes, const int streams) {
-    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(at + GRID_PREFETCH_BYTES / streams + line, 0, 3);
+#define IQ2_S_PREFETCH_BYTES 6144
+AVX512 void prefetch_soon(const uint8_t *at, int64_t bytes, const int streams, const int ahead) {
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(at + ahead / streams + line, 0, 3);
 }
 
 /* Each grid's values are a few levels: IQ2's three (a 2-bit code), IQ3's eight (3 bits). A grid's code
@@ -457,7 +461,7 @@ AVX512 void pair_into(const __m512i *scaled, const uint8_t *first, const uint8_t
 
 /* A pair of weight blocks (first, second, two: NAME##_pair's) against n input rows: their planes at xs[r] + at,
  * their blocks y[r][i0], y[r][i1] (where `two`), into acc (pair_into) */
-#define PAIR_DOT(NAME, BYTES, KIND)                                                                    \
+#define PAIR_DOT(NAME, BYTES, KIND, AHEAD)                                                                  \
     AVX512 void NAME##_pair_dot(const uint8_t *first, const uint8_t *second, const int two, int64_t at, int64_t i0, \
                                 int64_t i1, const int split, const int8_t *const *xs, const BlockQ8K *const *y, __m512 *acc, \
                                 const int n) {                                                           \
@@ -483,27 +487,27 @@ AVX512 void pair_into(const __m512i *scaled, const uint8_t *first, const uint8_t
         for (int r = 0; r < n; r++) scaled[r] = scaled_lanes(&pair, sumi[0][r], sumi[1][r], KIND);       \
         pair_into(scaled, first, second, two, i0, i1, split, y, acc, n);                                  \
     }                                                                                                    \
-    PAIRS(NAME##_pairs, NAME##_pair_dot, BYTES, 512, 0)
+    PAIRS(NAME##_pairs, NAME##_pair_dot, BYTES, 512, 0, AHEAD)
 
 /* NAME: every pair of `wide` rows `stride` bytes apart, by DOT (X_PAIR bytes of x a pair; wide 2: an odd
  * count's last blocks one pair), the rows one after another or (IN_TURN) their pairs in turn: two
  * independent chains of work (IQ2_S's signed levels: 0.96x the time in cache; the planes' kernels of IQ2_XS
  * and IQ3_S took 1.09-1.12x at 768 inputs so) */
-#define PAIRS(NAME, DOT, BYTES, X_PAIR, IN_TURN)                                                         \
+#define PAIRS(NAME, DOT, BYTES, X_PAIR, IN_TURN, AHEAD)                                                       \
     AVX512 void NAME(const uint8_t *row, int64_t stride, const int wide, int64_t blocks, const int8_t *const *xs, \
                      const BlockQ8K *const *y, __m512 *acc, const int n) {                               \
         if (IN_TURN)                                                                                     \
             for (int64_t g = 0; g < blocks / 2; g++)                                                     \
                 for (int w = 0; w < wide; w++) {                                                         \
                     const uint8_t *x = row + w * stride + 2 * g * (BYTES);                               \
-                    prefetch_soon(x, 2 * (BYTES), wide); /* a pair's lines, not a row's at once */     \
+                    prefetch_soon(x, 2 * (BYTES), wide, AHEAD); /* a pair's lines, not a row's at once */     \
                     DOT(x, x + (BYTES), 1, (X_PAIR) * g, 2 * g, 2 * g + 1, 0, xs, y, acc + w * n, n);    \
                 }                                                                                        \
         else                                                                                             \
             for (int w = 0; w < wide; w++) {                                                             \
                 const uint8_t *x = row + w * stride;                                                     \
                 for (int64_t g = 0; g < blocks / 2; g++) {                                               \
-                    prefetch_soon(x + 2 * g * (BYTES), 2 * (BYTES), 1);                                 \
+                    prefetch_soon(x + 2 * g * (BYTES), 2 * (BYTES), 1, AHEAD);                               \
                     DOT(x + 2 * g * (BYTES), x + (2 * g + 1) * (BYTES), 1, (X_PAIR) * g, 2 * g, 2 * g + 1, 0, xs, y, acc + w * n, n); \
                 }                                                                                        \
             }                                                                                            \
@@ -514,12 +518,12 @@ AVX512 void pair_into(const __m512i *scaled, const uint8_t *first, const uint8_t
             DOT(row + last * (BYTES), row, 0, alone, last, 0, 0, xs, y, acc, n);                         \
     }
 
-PAIR_DOT(iq2_xxs, 66, WHOLE)
-PAIR_DOT(iq2_xs, 74, HALVES)
-PAIR_DOT(iq2_s, 82, HALVES)
-PAIR_DOT(iq2_s_permuted, 82, HALVES)
-PAIR_DOT(iq3_xxs, 98, WHOLE)
-PAIR_DOT(iq3_s, 110, WHOLE)
+PAIR_DOT(iq2_xxs, 66, WHOLE, GRID_PREFETCH_BYTES)
+PAIR_DOT(iq2_xs, 74, HALVES, GRID_PREFETCH_BYTES)
+PAIR_DOT(iq2_s, 82, HALVES, IQ2_S_PREFETCH_BYTES)
+PAIR_DOT(iq2_s_permuted, 82, HALVES, IQ2_S_PREFETCH_BYTES)
+PAIR_DOT(iq3_xxs, 98, WHOLE, GRID_PREFETCH_BYTES)
+PAIR_DOT(iq3_s, 110, WHOLE, GRID_PREFETCH_BYTES)
 
 AVX512 int64_t plane_bytes(int64_t blocks) { return 512 * ((blocks + 1) / 2 + blocks % 2); }
 
@@ -554,7 +558,7 @@ AVX512 int64_t signed_plane_bytes(int64_t blocks) { return 576 * ((blocks + 1) /
 /* bits 0-3 of `codes`, bits 4-7 of `signs` */
 AVX512 __m512i code_sign_index(__m512i codes, __m512i signs) { return _mm512_ternarylogic_epi32(codes, signs, _mm512_set1_epi8(0x0F), 0xE4); }
 
-#define SIGNED_PAIR_DOT(NAME, BYTES, LEVELS, KIND)                                                       \
+#define SIGNED_PAIR_DOT(NAME, BYTES, LEVELS, KIND, AHEAD)                                                     \
     AVX512 void NAME##_signed_pair_dot(const uint8_t *first, const uint8_t *second, const int two, int64_t at, int64_t i0, \
                                        int64_t i1, const int split, const int8_t *const *xs, const BlockQ8K *const *y, \
                                        __m512 *acc, const int n) {                                       \
@@ -578,7 +582,7 @@ AVX512 __m512i code_sign_index(__m512i codes, __m512i signs) { return _mm512_ter
         }                                                                                                \
         pair_into(scaled, first, second, two, i0, i1, split, y, acc, n);                                 \
     }                                                                                                    \
-    PAIRS(NAME##_signed_pairs, NAME##_signed_pair_dot, BYTES, 576, 1)
+    PAIRS(NAME##_signed_pairs, NAME##_signed_pair_dot, BYTES, 576, 1, AHEAD)
 
 /* A row kernel: the input rows of matrix b RUN_ROWS at a time, each batch's activations put in the
  * kernel's order once (PREPARE, or ONE_PREPARE for fewer than RUN_ROWS rows: X_BYTES(blocks) bytes a row,
@@ -638,14 +642,14 @@ AVX512 __m512i code_sign_index(__m512i codes, __m512i signs) { return _mm512_ter
     }
 #define PLANES_ROWS(ID, NAME, FACTOR) PREPARED_ROWS(ID, NAME, FACTOR, x_planes, x_planes, NAME##_pairs, plane_bytes, 1, 1)
 /* the IQ2 types: fewer than RUN_ROWS input rows take the signed levels */
-#define SIGNED_ROWS(ID, NAME, BYTES, LEVELS, KIND)                                                       \
-    SIGNED_PAIR_DOT(NAME, BYTES, LEVELS, KIND)                                                           \
+#define SIGNED_ROWS(ID, NAME, BYTES, LEVELS, KIND, AHEAD)                                                     \
+    SIGNED_PAIR_DOT(NAME, BYTES, LEVELS, KIND, AHEAD)                                                         \
     PREPARED_ROWS(ID, NAME, 0.125f, x_planes, x_signed_planes, NAME##_signed_pairs, signed_plane_bytes, 2, 1)
 
-SIGNED_ROWS(16, iq2_xxs, 66, iq2xxs_signed_levels, WHOLE)
-SIGNED_ROWS(17, iq2_xs, 74, iq2xs_signed_levels, HALVES)
-SIGNED_ROWS(22, iq2_s, 82, iq2s_signed_levels, HALVES)
-SIGNED_ROWS(22, iq2_s_permuted, 82, iq2s_signed_levels, HALVES)
+SIGNED_ROWS(16, iq2_xxs, 66, iq2xxs_signed_levels, WHOLE, GRID_PREFETCH_BYTES)
+SIGNED_ROWS(17, iq2_xs, 74, iq2xs_signed_levels, HALVES, GRID_PREFETCH_BYTES)
+SIGNED_ROWS(22, iq2_s, 82, iq2s_signed_levels, HALVES, IQ2_S_PREFETCH_BYTES)
+SIGNED_ROWS(22, iq2_s_permuted, 82, iq2s_signed_levels, HALVES, IQ2_S_PREFETCH_BYTES)
 PLANES_ROWS(18, iq3_xxs, 0.25f)
 PLANES_ROWS(21, iq3_s, 1.0f)
 
@@ -918,7 +922,7 @@ AVX512 void iq1_dot(const uint8_t *row, int64_t stride, const int wide, int64_t 
             const Iq1Ahead now = next[w];
             const uint8_t *x = row + w * stride + i * bytes;
             if (i + 1 < blocks) {
-                prefetch_soon(x + bytes, 128, wide); /* two lines a block: more reads in flight from RAM */
+                prefetch_soon(x + bytes, 128, wide, GRID_PREFETCH_BYTES); /* two lines a block: more reads in flight from RAM */
                 next[w] = iq1_ahead(x + bytes, bytes, (blocks - i - 1) * bytes >= 64, &c);
             }
             iq1_block(&now, type, &c, wide > 1 ? in : NULL, xs, y, i, acc + w * n, n);
@@ -969,18 +973,11 @@ AVX512_TARGET static int gathers_measured_faster(void) {
     return best[1] < best[0];
 }
 
-/* K3STREAM_GRID_LOOKUP=gather or =permute takes either way on any AVX-512 machine (the tests reach both;
- * the same bits), else the measured one */
+/* K3STREAM_GRID_LOOKUP=gather or =permute takes either way on any AVX-512 machine (the same bits), else
+ * the measured one */
 static int grid_gathers(void) {
-    const char *way = getenv("K3STREAM_GRID_LOOKUP");
-    if (way != NULL && (strcmp(way, "gather") == 0 || strcmp(way, "permute") == 0)) return strcmp(way, "gather") == 0;
-    static int measured = -1; /* not yet */
-    int gathers = __atomic_load_n(&measured, __ATOMIC_RELAXED);
-    if (gathers < 0) {
-        gathers = gathers_measured_faster();
-        __atomic_store_n(&measured, gathers, __ATOMIC_RELAXED);
-    }
-    return gathers;
+    static int measured = -1;
+    return measured_choice("K3STREAM_GRID_LOOKUP", "gather", "permute", &measured, gathers_measured_faster);
 }
 
 RowKernel iq_avx512_kernel(int ggml_type) {

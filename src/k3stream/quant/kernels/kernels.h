@@ -3,6 +3,7 @@
 #define K3STREAM_KERNELS_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
@@ -148,6 +149,19 @@ const char *k3_isa(void);
 #define PREFETCH_BYTES 4096
 INLINE void prefetch_ahead(const uint8_t *at, int64_t bytes) {
     for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(at + PREFETCH_BYTES + line, 0, 3);
+}
+
+/* A kernel choice the CPU is measured for: the environment's `variable` set to `yes` (1) or `no` (0) takes
+ * that on any machine (the tests reach both), else measure()'s answer, measured once (*measured: -1 until) */
+INLINE int measured_choice(const char *variable, const char *yes, const char *no, int *measured, int (*measure)(void)) {
+    const char *value = getenv(variable);
+    if (value != NULL && (strcmp(value, yes) == 0 || strcmp(value, no) == 0)) return strcmp(value, yes) == 0;
+    int answer = __atomic_load_n(measured, __ATOMIC_RELAXED);
+    if (answer < 0) {
+        answer = measure();
+        __atomic_store_n(measured, answer, __ATOMIC_RELAXED);
+    }
+    return answer;
 }
 
 /* ggml's integer kernels of the i-quants, ternary types and MXFP4 on 8-bit activations (`iquants_cpu.c`):

@@ -15,8 +15,9 @@
  * in one 64-byte vector (their lanes folded onto eight at the block's end), their scales spread by one
  * vpshufb (Q2_K: each code looks up its code-times-scale byte, one vpdpbusd a pair of runs; Q2_K's and
  * Q3_K's codes come by GFNI's gf2p8affine); the 32-value types' kernels hold two weight rows in one
- * 64-byte vector, each half that row's eight lanes (all but Q8_0's one-row kernel, which runs eight
- * weight rows a pass on 32-byte vectors: eight FMA chains).
+ * 64-byte vector, each half that row's eight lanes (so does Q8_0's one-row kernel where the CPU runs
+ * 512-bit operations at full width; where it splits them in two 256-bit halves, eight weight rows a
+ * pass on 32-byte vectors: eight FMA chains).
  */
 #include <math.h>
 #include <stdint.h>
@@ -104,8 +105,9 @@ AVX512_INLINE void q8k_steps(const uint8_t *at, int block_bytes, int shift, cons
  * maddubs pairs. Those starts depend on the input row alone: made once for all the weight rows (up to
  * Q32_STARTS blocks; a longer row's further blocks make theirs as they go), so a block takes its codes, a
  * vpdpbusd, a conversion and an FMA; Q4_1 and Q5_1 add their offset m times the Q8_1 block's s to a
- * scalar sum per row in block order, as their AVX2 kernels (ggml's). Q8_0 takes eight weight rows a
- * pass (q8_0_groups below); the others one weight row at a time, one
+ * scalar sum per row in block order, as their AVX2 kernels (ggml's). Q8_0 takes two pairs of weight
+ * rows where 512-bit operations run at full width (q32_rows_of) and eight weight rows a pass elsewhere
+ * (q8_0_groups below); the others one weight row at a time, one
  * sequential stream (four rows against each activation block, four streams, ran 0.6-0.9x as fast from
  * RAM on AMD EPYC, Zen 4), its lines PREFETCH_BYTES ahead asked for in software as the AVX2 kernels do
  * (every one-row kernel here): on Intel Xeon (Emerald Rapids) the one-row kernels ran 1.5-2x as fast
@@ -304,19 +306,22 @@ AVX512_INLINE void q8_0_groups(const uint8_t *matrix, int64_t row_bytes, int64_t
 }
 
 /* Rows first..last - 1 of a 32-value type against input row y: Q8_0's by q8_0_groups (MLA's k_b heads,
- * 128-value rows, in the cache, one core, Zen 4: 19.9-20.0 GB/s, 12.5-12.7 by the pairs below); the others' rows of
- * SHORT_ROW_BYTES at most Q32_PAIRS pairs of adjacent rows at a time, one stream: one pair's chunk
- * set-up and FMA chain outweigh its few blocks (Q8_0's k_b: 10.3 GB/s one pair at a time, 12.7 two).
- * Longer rows in pairs (m, m + half): two sequential streams, each asked for ahead (Q8_0's v_b, 544-byte
- * rows, ran at half the rate as adjacent pairs, with or without the prefetches, and 0.7x as two pairs of
- * streams). */
+ * 128-value rows, in the cache, one core, Zen 4: 19.9-20.0 GB/s, 12.5-12.7 by the pairs below) but for
+ * rows of more than SHORT_ROW_BYTES where `wide` (512-bit operations at full width, wide_vectors()); the
+ * others' rows of SHORT_ROW_BYTES at most Q32_PAIRS pairs of adjacent rows at a time, one stream: one
+ * pair's chunk set-up and FMA chain outweigh its few blocks (Q8_0's k_b: 10.3 GB/s one pair at a time,
+ * 12.7 two). Longer rows in pairs (m, m + half): two sequential streams, each asked for ahead (on Zen 4
+ * Q8_0's v_b, 544-byte rows, ran at half the rate as adjacent pairs, with or without the prefetches, and
+ * 0.7x as two pairs of streams); Q8_0's where `wide` in two pairs (m, m + part), (m + 2 part, m + 3
+ * part): four streams, two FMA chains (Zen 5, one thread, thread CPU time: 1.2-1.5x the eight-row
+ * groups from RAM and in the cache, 1.04x one pair of streams from RAM and 1.2x in the cache). */
 #define SHORT_ROW_BYTES 256
 AVX512_INLINE void q32_rows_of(const Product *pr, int64_t b, int64_t first, int64_t last, const void *y,
-                               const Q32Starts *table, float *out, const int type) {
+                               const Q32Starts *table, float *out, const int type, const int wide) {
     const int64_t blocks = pr->in_features / 32;
     const uint8_t *matrix = (const uint8_t *)(uintptr_t)pr->addresses[b];
     float dropped;
-    if (type == 8) {
+    if (type == 8 && !(wide && pr->row_bytes > SHORT_ROW_BYTES)) {
         q8_0_groups(matrix, pr->row_bytes, first, last, y, table, blocks, out);
         return;
     }
@@ -334,18 +339,24 @@ AVX512_INLINE void q32_rows_of(const Product *pr, int64_t b, int64_t first, int6
         }
         return;
     }
-    const int64_t half = (last - first + 1) / 2;
-    for (int64_t m = first; m < first + half; m++) {
-        const uint8_t *row_a = matrix + m * pr->row_bytes;
-        const int paired = m + half < last;
-        const uint8_t *row_b = paired ? row_a + half * pr->row_bytes : row_a;
-        float *out_a = out + m, *out_b = paired ? out + m + half : &dropped;
-        q32_pairs(&row_a, &row_b, y, table, blocks, &out_a, &out_b, 1, type);
+    const int pairs = type == 8 ? Q32_PAIRS : 1, streams = 2 * pairs;
+    const int64_t part = (last - first + streams - 1) / streams;
+    for (int64_t m = first; m < first + part; m++) {
+        const uint8_t *rows_a[Q32_PAIRS], *rows_b[Q32_PAIRS];
+        float *outs_a[Q32_PAIRS], *outs_b[Q32_PAIRS];
+        for (int j = 0; j < pairs; j++) { /* past `last`: row m again, its result dropped */
+            const int64_t row_a = m + 2 * j * part, row_b = row_a + part;
+            rows_a[j] = matrix + (row_a < last ? row_a : m) * pr->row_bytes;
+            rows_b[j] = matrix + (row_b < last ? row_b : m) * pr->row_bytes;
+            outs_a[j] = row_a < last ? out + row_a : &dropped;
+            outs_b[j] = row_b < last ? out + row_b : &dropped;
+        }
+        q32_pairs(rows_a, rows_b, y, table, blocks, outs_a, outs_b, pairs, type);
     }
 }
 
 /* Rows first..last - 1 of a 32-value type against each of the matrix's input rows */
-AVX512_INLINE void q32_rows(const Product *pr, int64_t b, int64_t first, int64_t last, const int type) {
+AVX512_INLINE void q32_rows(const Product *pr, int64_t b, int64_t first, int64_t last, const int type, const int wide) {
     const int64_t blocks = pr->in_features / 32;
     const int bias = q32_bias(type);
     Q32Starts table;
@@ -356,16 +367,55 @@ AVX512_INLINE void q32_rows(const Product *pr, int64_t b, int64_t first, int64_t
             table.d[k] = q32_affine(type) ? ((const BlockQ8_1 *)y)[k].d : ((const BlockQ8_0 *)y)[k].d;
             if (bias != 0) table.starts[k] = q32_start(qs, bias);
         }
-        q32_rows_of(pr, b, first, last, y, &table, pr->out + p * pr->out_stride, type);
+        q32_rows_of(pr, b, first, last, y, &table, pr->out + p * pr->out_stride, type, wide);
     }
 }
 
-#define Q32_KERNEL(NAME, TYPE) \
-    AVX512_TARGET static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) { q32_rows(pr, b, first, last, TYPE); }
-Q32_KERNEL(q8_0_avx512, 8)
-Q32_KERNEL(q5_0_avx512, 6)
-Q32_KERNEL(q4_1_avx512, 3)
-Q32_KERNEL(q5_1_avx512, 7)
+#define Q32_KERNEL(NAME, TYPE, WIDE)                                                      \
+    AVX512_TARGET static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) { \
+        q32_rows(pr, b, first, last, TYPE, WIDE);                                         \
+    }
+Q32_KERNEL(q8_0_avx512, 8, 0)
+Q32_KERNEL(q8_0_wide_avx512, 8, 1)
+Q32_KERNEL(q5_0_avx512, 6, 0)
+Q32_KERNEL(q4_1_avx512, 3, 0)
+Q32_KERNEL(q5_1_avx512, 7, 0)
+
+/* whether this CPU runs a 512-bit vpdpbusd in about the time of a 256-bit one (full-width 512-bit units:
+ * AMD Zen 5, Intel Xeon), not as two 256-bit halves (AMD Zen 4): 12 independent chains of each, 32 rounds,
+ * best of 9 alternated runs in TSC ticks (a few microseconds, once) */
+AVX512_TARGET static int wide_measured(void) {
+    static volatile int seed = 1;
+    const __m512i x = _mm512_set1_epi32(seed);
+    __m512i wide[12];
+    __m256i narrow[12];
+    for (int c = 0; c < 12; c++) wide[c] = _mm512_set1_epi32(c + seed), narrow[c] = _mm256_set1_epi32(c + seed);
+    uint64_t best[2] = {UINT64_MAX, UINT64_MAX};
+    for (int trial = 0; trial < 9; trial++) {
+        uint64_t start = __rdtsc();
+        for (int round = 0; round < 32; round++) {
+#pragma GCC unroll 12
+            for (int c = 0; c < 12; c++) wide[c] = _mm512_dpbusd_epi32(wide[c], x, x);
+        }
+        uint64_t ticks = __rdtsc() - start;
+        best[1] = ticks < best[1] ? ticks : best[1];
+        start = __rdtsc();
+        for (int round = 0; round < 32; round++) {
+#pragma GCC unroll 12
+            for (int c = 0; c < 12; c++) narrow[c] = _mm256_dpbusd_epi32(narrow[c], _mm512_castsi512_si256(x), _mm512_castsi512_si256(x));
+        }
+        ticks = __rdtsc() - start;
+        best[0] = ticks < best[0] ? ticks : best[0];
+    }
+    for (int c = 0; c < 12; c++) __asm__ volatile("" : : "v"(wide[c]), "v"(narrow[c])); /* the chains are used */
+    return 2 * best[1] < 3 * best[0];
+}
+
+/* K3STREAM_WIDE_VECTORS=1 or =0 takes either on any AVX-512 machine (the same bits), else the measured one */
+static int wide_vectors(void) {
+    static int measured = -1;
+    return measured_choice("K3STREAM_WIDE_VECTORS", "1", "0", &measured, wide_measured);
+}
 
 /* ---- K-quants: runs 2j and 2j + 1 of a block (its 64 values from 64j) in one vector --------------- */
 
@@ -919,7 +969,7 @@ RowKernel q8_tile_kernel_avx512(int ggml_type) {
 RowKernel q8_kernel_avx512(int ggml_type) {
     RowKernel kernel = NULL;
     switch (ggml_type) {
-        case 8: kernel = q8_0_avx512; break;
+        case 8: kernel = !HAVE_AVX512() ? NULL : wide_vectors() ? q8_0_wide_avx512 : q8_0_avx512; break;
         case 6: kernel = q5_0_avx512; break;
         case 3: kernel = q4_1_avx512; break;
         case 7: kernel = q5_1_avx512; break;
