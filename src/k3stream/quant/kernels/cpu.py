@@ -203,7 +203,7 @@ def set_reads_busy(busy: bool) -> None:
 
 
 def set_reads_yield(on: bool) -> None:
-    """Whether a mat-vec region (one row of x a matrix: a decode's) takes one thread fewer while pack
+    """Whether a mat-vec region (x one row: a decode's) takes one thread fewer while pack
     reads are in flight (on by default): the CPU it leaves takes the readers' wake-ups, digests and the
     disk's interrupts, which would otherwise preempt one of the region's threads while the others wait
     for it."""

@@ -1933,8 +1933,8 @@ static void run_tasks(const Plan *plans, int64_t from, int64_t to) {
  * readers) and whether a mat-vec region then leaves one of its threads' CPUs to them (`set_reads_yield`, on
  * unless turned off): the readers' wake-ups, their digests and the disk's interrupts otherwise preempt one
  * of the region's threads, and the region waits for its slowest (docs/real-model.md, What the reads cost
- * the compute beside them). A mat-vec (one row of x a matrix, a decode's) waits on memory and loses less
- * than a thread's share with a thread fewer; products of several rows (a prefill's) keep every thread.
+ * the compute beside them). A mat-vec (x one row: a decode's) waits on memory and loses less than a
+ * thread's share with a thread fewer; products of several rows of x (a prefill's) keep every thread.
  * Each output row is computed whole by one thread: the same bits on any count. */
 static int reads_busy, reads_yield = 1;
 
@@ -1947,16 +1947,16 @@ static int region_threads(int threads) {
 /* Runs the planned products' tasks in one go: on up to `threads` threads (one OpenMP region for all of
  * them) when they come to PARALLEL_MIN_MACS or more; then frees their buffers */
 static void run_plans(Plan *plans, int64_t count, int threads) {
-    int64_t tasks = 0, pairs = 0, matrices = 0;
+    int64_t tasks = 0;
     double macs = 0.0;
+    int one_row = 1; /* every product on x's row 0 alone: mat-vecs */
     for (int64_t i = 0; i < count; i++) {
         const Product *pr = &plans[i].pr;
         tasks += plans[i].tasks;
-        pairs += pr->starts[pr->matrices];
-        matrices += pr->matrices;
         macs += (double)pr->starts[pr->matrices] * (double)pr->out_rows * (double)pr->in_features;
+        for (int64_t p = 0; p < pr->starts[pr->matrices] && one_row; p++) one_row = pr->rows[p] == 0;
     }
-    if (pairs <= matrices) threads = region_threads(threads); /* mat-vecs */
+    if (one_row) threads = region_threads(threads);
     if (macs < PARALLEL_MIN_MACS) threads = 1;
     if (threads <= 1) { /* no OpenMP region at all: a one-thread team between torch's resizes its pool */
         run_tasks(plans, 0, tasks);
