@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from k3stream.pack.builder import BuildOptions, build_pack
 from k3stream.pack.integrity import ChecksumMismatch, object_digest, object_digester
 from k3stream.pack.reader import ExpertPack
+from k3stream.quant.kernels import cpu
 from k3stream.store import ExpertStore, pack_io
 from k3stream.store.pack_io import PackFile, ReadRequest
+from k3stream.testing import ggml_oracle
 from test_store import packed  # noqa: F401 (a fixture)
 from test_store_concurrency import DEADLINE_S, Background
 
@@ -203,3 +208,42 @@ def test_a_damaged_last_range_fails_the_fetch_and_is_never_cached(packed, tmp_pa
         assert sorted(store.fetch(layer, [3, 5])) == [3, 5]
         stats = store.stats()
     assert stats["integrity_errors"] == 1 and stats["pack_ranges"] > stats["pack_reads"]
+
+
+def q8_0_product(rows: int, cols: int) -> torch.Tensor:
+    """One row of x times a random Q8_0 matrix [rows, cols] on 2 threads (`cpu.products`)."""
+    q8_0 = GGMLQuantizationType.Q8_0
+    rng = np.random.default_rng(7)
+    blocks = ggml_oracle.random_blocks(int(q8_0), rows * cols // GGML_QUANT_SIZES[q8_0][0], rng)
+    matrix = torch.from_numpy(blocks.reshape(rows, -1))
+    x = torch.from_numpy(rng.standard_normal((1, cols), dtype=np.float32))
+    torch.set_num_threads(2)
+    return cpu.products(x, [matrix.data_ptr()], [int(q8_0)], [rows], [matrix.shape[1]], [1])
+
+
+@pytest.mark.skipif(not cpu.available(), reason="the C kernels are not built")
+def test_mat_vec_regions_leave_a_cpu_to_the_readers_while_ranges_are_read(packed):  # noqa: F811
+    """While a pack range is read or hashed a mat-vec region asked for 2 threads takes 1 (the other CPU
+    takes the readers' wake-ups, digests and the disk's interrupts), with the same bits; 2 once the
+    reads are in, and 2 throughout with the yield turned off."""
+    _, pack = packed
+    previous = torch.get_num_threads()
+    alone = q8_0_product(512, 1024)
+    reader = PackFile(pack.path, io_threads=2, read_splits=4, simulated_read_latency_us=20000)
+    try:
+        for yielding in (True, False):
+            cpu.set_reads_yield(yielding)
+            reads = reader.start(object_requests(pack, [0, 1], direct_io=False), priority=1)
+            deadline = time.monotonic() + DEADLINE_S
+            while not reader.snapshot()["pack_ranges"] and time.monotonic() < deadline:
+                time.sleep(0.001)  # until a reader has taken its first range
+            seen = {cpu.region_threads(2)}
+            beside = q8_0_product(512, 1024)  # 8 ranges at 20 ms on 2 readers: it runs beside them
+            seen.add(cpu.region_threads(2))
+            assert len(list(reads)) == 2
+            assert seen == ({1} if yielding else {2}) and cpu.region_threads(2) == 2
+            assert torch.equal(beside, alone)
+    finally:
+        cpu.set_reads_yield(True)
+        torch.set_num_threads(previous)
+        reader.close()

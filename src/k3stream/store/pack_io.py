@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from k3stream.quant.kernels import cpu
+
 ALIGNMENT = 4096
 # below this a split read costs more in thread hand-offs than it gains in parallel I/O
 MIN_SPLIT_BYTES = 256 << 10
@@ -258,6 +260,31 @@ def _buffered(path: Path) -> int:
     return fd
 
 
+class ReadersBusy:
+    """The pack ranges being read or hashed in this process, any store's: the C kernels hear when their
+    count leaves zero and when it comes back (`cpu.set_reads_busy`), and their mat-vec regions leave a
+    CPU to the readers meanwhile (`cpu.set_reads_yield`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranges = 0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self._ranges += 1
+            if self._ranges == 1:
+                cpu.set_reads_busy(True)
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._ranges -= 1
+            if not self._ranges:
+                cpu.set_reads_busy(False)
+
+
+READERS_BUSY = ReadersBusy()
+
+
 class ReadDepth:
     """How many pack ranges are being read at once (the queue depth the readers give the disk) and
     what the reads cost the readers' CPU: `pack_ranges` read, `pack_unaligned_ranges` among them (a
@@ -471,10 +498,11 @@ class PackFile:
         aligned = (
             not (request.offset + start) % ALIGNMENT and not request.dest[start:].ctypes.data % ALIGNMENT
         )
-        with self.depth.reading(aligned):
-            self._read_range_now(request, start, length)
-        if request.digest is not None:
-            request.digest.landed(start, request.dest[start : start + length])
+        with READERS_BUSY:
+            with self.depth.reading(aligned):
+                self._read_range_now(request, start, length)
+            if request.digest is not None:
+                request.digest.landed(start, request.dest[start : start + length])
 
     def _read_range_now(self, request: ReadRequest, start: int, length: int) -> None:
         if self.simulated_read_latency_us:

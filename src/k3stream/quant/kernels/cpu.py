@@ -195,6 +195,28 @@ def bind_products(x: torch.Tensor, arguments: tuple, out: torch.Tensor, threads:
     return _ggml_cpu().products, args, (x, out)
 
 
+def set_reads_busy(busy: bool) -> None:
+    """Tell the kernels whether the expert store's pack reads are in flight (`region_threads`)."""
+    module = _ggml_cpu()
+    if module is not None:
+        module.set_reads_busy(busy)
+
+
+def set_reads_yield(on: bool) -> None:
+    """Whether a mat-vec region (x one row: a decode's) takes one thread fewer while pack
+    reads are in flight (on by default): the CPU it leaves takes the readers' wake-ups, digests and the
+    disk's interrupts, which would otherwise preempt one of the region's threads while the others wait
+    for it."""
+    module = _ggml_cpu()
+    if module is not None:
+        module.set_reads_yield(on)
+
+
+def region_threads(threads: int) -> int:
+    """The threads a mat-vec region asked for `threads` takes now (one fewer while reads are in flight)."""
+    return _ggml_cpu().region_threads(threads)
+
+
 def run_calls(steps: list[Call]) -> None:
     """Runs bound calls in order; a C call's nonzero status (no memory) raises MemoryError."""
     for function, args, _ in steps:

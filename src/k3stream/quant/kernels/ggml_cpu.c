@@ -1929,16 +1929,34 @@ static void run_tasks(const Plan *plans, int64_t from, int64_t to) {
     }
 }
 
+/* Whether the expert store's pack reads are in flight in this process (`set_reads_busy`, set by its
+ * readers) and whether a mat-vec region then leaves one of its threads' CPUs to them (`set_reads_yield`, on
+ * unless turned off): the readers' wake-ups, their digests and the disk's interrupts otherwise preempt one
+ * of the region's threads, and the region waits for its slowest (docs/real-model.md, What the reads cost
+ * the compute beside them). A mat-vec (x one row: a decode's) waits on memory and loses less than a
+ * thread's share with a thread fewer; products of several rows of x (a prefill's) keep every thread.
+ * Each output row is computed whole by one thread: the same bits on any count. */
+static int reads_busy, reads_yield = 1;
+
+/* The threads a mat-vec region takes of the `threads` asked for: one fewer while pack reads are in flight */
+static int region_threads(int threads) {
+    const int busy = __atomic_load_n(&reads_busy, __ATOMIC_RELAXED);
+    return threads > 1 && busy && __atomic_load_n(&reads_yield, __ATOMIC_RELAXED) ? threads - 1 : threads;
+}
+
 /* Runs the planned products' tasks in one go: on up to `threads` threads (one OpenMP region for all of
  * them) when they come to PARALLEL_MIN_MACS or more; then frees their buffers */
 static void run_plans(Plan *plans, int64_t count, int threads) {
     int64_t tasks = 0;
     double macs = 0.0;
+    int one_row = 1; /* every product on x's row 0 alone: mat-vecs */
     for (int64_t i = 0; i < count; i++) {
         const Product *pr = &plans[i].pr;
         tasks += plans[i].tasks;
         macs += (double)pr->starts[pr->matrices] * (double)pr->out_rows * (double)pr->in_features;
+        for (int64_t p = 0; p < pr->starts[pr->matrices] && one_row; p++) one_row = pr->rows[p] == 0;
     }
+    if (one_row) threads = region_threads(threads);
     if (macs < PARALLEL_MIN_MACS) threads = 1;
     if (threads <= 1) { /* no OpenMP region at all: a one-thread team between torch's resizes its pool */
         run_tasks(plans, 0, tasks);
@@ -2606,7 +2624,31 @@ static PyObject *py_openmp(PyObject *self, PyObject *unused) {
 #endif
 }
 
+/* set_reads_busy(flag), set_reads_yield(flag): see `region_threads` */
+static PyObject *py_set_reads_busy(PyObject *self, PyObject *flag) {
+    (void)self;
+    __atomic_store_n(&reads_busy, PyObject_IsTrue(flag), __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_set_reads_yield(PyObject *self, PyObject *flag) {
+    (void)self;
+    __atomic_store_n(&reads_yield, PyObject_IsTrue(flag), __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
+/* region_threads(threads) -> the threads a mat-vec region takes now */
+static PyObject *py_region_threads(PyObject *self, PyObject *threads) {
+    (void)self;
+    const long asked = PyLong_AsLong(threads);
+    if (asked == -1 && PyErr_Occurred()) return NULL;
+    return PyLong_FromLong(region_threads((int)asked));
+}
+
 static PyMethodDef methods[] = {
+    {"set_reads_busy", py_set_reads_busy, METH_O, NULL},
+    {"set_reads_yield", py_set_reads_yield, METH_O, NULL},
+    {"region_threads", py_region_threads, METH_O, NULL},
     {"openmp", py_openmp, METH_NOARGS, NULL},
     {"release_openmp_workers", py_release_openmp_workers, METH_NOARGS, NULL},
     {"set_iq_grids", py_set_iq_grids, METH_VARARGS, NULL},
