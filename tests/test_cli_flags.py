@@ -294,6 +294,17 @@ def test_serve_takes_whole_flag_names_only(capsys):
         assert f"unrecognized arguments: {' '.join(flags)}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["serve", "chat", "pack"])
+def test_a_flag_the_command_does_not_take_is_refused_by_that_command(command, capsys):
+    """`k3stream chat m.gguf --quiet-please` names the command and shows its usage, as its other flag
+    errors do, not the top-level `k3stream: error:` with `COMMAND ...`."""
+    with pytest.raises(SystemExit) as ended:
+        build_parser([command]).parse_args([command, "m.gguf", "--quiet-please"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and f"usage: k3stream {command} " in err
+    assert err.splitlines()[-1] == f"k3stream {command}: error: unrecognized arguments: --quiet-please"
+
+
 def test_serve_without_a_model_says_how_to_name_it(capsys):
     from k3stream.cli import main
 
@@ -315,6 +326,26 @@ def test_ctx_zero_is_the_models_context_as_in_llama_cpp(command, flags, model_pa
     args = build_parser(argv).parse_args(argv)
     runtime_from_args(args).close()
     assert args.ctx == K3Checkpoint.open(model_path).config.context_length > 0
+
+
+@pytest.mark.parametrize(
+    "command, flags, stated",
+    [("generate", ["-p", "x", "-n", "7"], "the prompt plus --max-tokens"),
+     ("bench", ["--prompt-tokens", "7"], "--prompt-tokens plus --decode-tokens")],
+)  # fmt: skip
+def test_the_help_states_the_context_a_run_without_ctx_gets(command, flags, stated, model_path):
+    """`--ctx`'s help names the default these commands take (`size_context`: what the run reaches),
+    not the served commands' model context of at most 4096."""
+    from k3stream.commands.flags import size_context
+    from k3stream.gguf.reader import K3Checkpoint
+
+    argv = [command, str(model_path), *flags]
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    size_context(args, K3Checkpoint.open(model_path).config, 3 + 7)
+    assert args.ctx == 10
+    ctx_help = next(a.help for a in parser.commands[command]._actions if "--ctx" in a.option_strings)
+    assert f"(default: {stated};" in ctx_help
 
 
 @pytest.mark.parametrize(

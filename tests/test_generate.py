@@ -680,6 +680,26 @@ def test_ctx_bounds_what_the_generate_and_chat_commands_reach(model, tokenizer, 
     assert len(refused) == 1 and refused[0].endswith(f"the context is {ctx} (--ctx); /reset starts over")
 
 
+def test_generate_with_a_cache_dir_resumes_a_prompt_a_run_before_it_left(model_path, tokenizer, tmp_path):
+    """`generate --cache-dir DIR` is the prompt reuse its help and the prompt cache's manual promise
+    (llama-cli's `--prompt-cache`): a second run over a longer prompt prefills only the new tokens, with
+    the first run's text; `--cache-ram 0` beside it is still refused (reuse off)."""
+    first, longer = "import os\n", "import os\nimport sys\n"
+    assert tokenizer.encode(longer)[: len(tokenizer.encode(first))] == tokenizer.encode(first)
+    flags = ["--temperature", "0", "-n", "3", "--device", "cpu", "--cache-dir", str(tmp_path / "states")]
+    runs = [_cli("generate", str(model_path), "-p", prompt, *flags) for prompt in (first, longer, longer)]
+    assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs]
+    reused = [re.search(r"cache   (\d+) of (\d+) prompt tokens reused", run.stderr) for run in runs]
+    assert [(int(found[1]), int(found[2])) for found in reused] == [
+        (0, len(tokenizer.encode(first))),
+        (len(tokenizer.encode(first)), len(tokenizer.encode(longer))),
+        (len(tokenizer.encode(longer)), len(tokenizer.encode(longer))),
+    ]
+    assert runs[1].stdout == runs[2].stdout
+    off = _cli("generate", str(model_path), "-p", first, *flags, "--cache-ram", "0")
+    assert off.returncode == 1 and "--cache-dir needs --cache-ram above 0" in off.stderr
+
+
 def test_generate_takes_llama_clis_prompt_file_and_n_minus_one(model, tokenizer, model_path, tmp_path):
     """llama-cli's `-f FILE` reads the prompt from a file (less its last line break) and `-n -1`
     generates until the context is full; a missing file is a one-line error naming --file, and -n below
