@@ -59,6 +59,16 @@ def test_n_minus_one_is_until_the_context_is_full():
     assert reached_tokens(args, 10) == 17
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_top_k_below_zero_keeps_every_token_as_llama_cpp_and_vllm(command):
+    """llama.cpp disables top-k at 0 or less, vLLM and sglang at -1, and a request's `top_k: -1` does
+    so here: `--top-k -1` means the same, not an error."""
+    from k3stream.commands.flags import sampling_params
+
+    argv = [command, "m.gguf", "-p", "x"][: 4 if command == "generate" else 2] + ["--top-k", "-1"]
+    assert sampling_params(build_parser(argv).parse_args(argv)).top_k == 0
+
+
 def test_seed_minus_one_draws_a_fresh_seed_as_llama_cli_does():
     """llama-cli's `--seed -1` (its default, LLAMA_DEFAULT_SEED, also as 4294967295) is a fresh seed
     each run, not the fixed seed -1: two runs sample differently; any other seed is kept."""

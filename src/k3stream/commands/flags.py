@@ -248,7 +248,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) 
     parser.add_argument(
         "--temperature", "--temp", type=float, default=0.8, help="0 is greedy (default %(default)s)"
     )
-    parser.add_argument("--top-k", type=int, default=40, help="0 disables (default %(default)s)")
+    parser.add_argument("--top-k", type=int, default=40, help="0 or less disables (default %(default)s)")
     parser.add_argument("--top-p", type=float, default=0.95, help="1 disables (default %(default)s)")
     parser.add_argument("--min-p", type=float, default=0.05, help="0 disables (default %(default)s)")
     parser.add_argument("--repeat-penalty", type=float, default=1.0, help="1 disables (default %(default)s)")
@@ -284,14 +284,14 @@ def add_escape_argument(parser: argparse.ArgumentParser, where: str) -> None:
 
 def sampling_params(args: argparse.Namespace) -> Any:
     """`SamplingParams` from the sampling flags; llama-cli's `--seed -1` (its default, as
-    4294967295 is) draws a fresh seed, as no seed does."""
+    4294967295 is) draws a fresh seed, as no seed does, and its `--top-k -1` keeps every token."""
     from k3stream.engine.sampling import SamplingParams
     from k3stream.server.schemas import fixed_seed
 
     try:
         return SamplingParams(
             temperature=args.temperature,
-            top_k=args.top_k,
+            top_k=max(args.top_k, 0),  # llama.cpp's and vLLM's -1, as a request's top_k
             top_p=args.top_p,
             min_p=args.min_p,
             repetition_penalty=args.repeat_penalty,
