@@ -3,6 +3,7 @@ lines of several ranks writing to one unbuffered stream (torchrun's `python -u`)
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -41,3 +42,17 @@ def test_an_error_is_one_write_of_one_line(tmp_path, monkeypatch, argv, line):
     assert len(stderr.writes) == 1, stderr.writes
     (written,) = stderr.writes
     assert written.startswith(line) and written.endswith("\n") and written.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", ["inspect", "pack", "generate"])
+def test_a_pipe_or_device_given_as_the_model_is_named_as_such(tmp_path, monkeypatch, command):
+    """`k3stream inspect <(curl ...)` or `/dev/null`: the path exists but is no file a memory map can
+    read; the error says so rather than that there is no such file."""
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    stderr = Writes()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    extra = ["--prompt", "hi"] if command == "generate" else []
+    assert main([command, str(fifo), *extra]) == 1
+    said = f"{fifo}: not a regular file (a pipe, device or socket); give the GGUF file"
+    assert stderr.writes == [f"k3stream {command}: error: {said}\n"]

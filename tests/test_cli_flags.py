@@ -59,6 +59,16 @@ def test_n_minus_one_is_until_the_context_is_full():
     assert reached_tokens(args, 10) == 17
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_top_k_below_zero_keeps_every_token_as_llama_cpp_and_vllm(command):
+    """llama.cpp disables top-k at 0 or less, vLLM and sglang at -1, and a request's `top_k: -1` does
+    so here: `--top-k -1` means the same, not an error."""
+    from k3stream.commands.flags import sampling_params
+
+    argv = [command, "m.gguf", "-p", "x"][: 4 if command == "generate" else 2] + ["--top-k", "-1"]
+    assert sampling_params(build_parser(argv).parse_args(argv)).top_k == 0
+
+
 def test_seed_minus_one_draws_a_fresh_seed_as_llama_cli_does():
     """llama-cli's `--seed -1` (its default, LLAMA_DEFAULT_SEED, also as 4294967295) is a fresh seed
     each run, not the fixed seed -1: two runs sample differently; any other seed is kept."""
@@ -294,6 +304,17 @@ def test_serve_takes_whole_flag_names_only(capsys):
         assert f"unrecognized arguments: {' '.join(flags)}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["serve", "chat", "pack"])
+def test_a_flag_the_command_does_not_take_is_refused_by_that_command(command, capsys):
+    """`k3stream chat m.gguf --quiet-please` names the command and shows its usage, as its other flag
+    errors do, not the top-level `k3stream: error:` with `COMMAND ...`."""
+    with pytest.raises(SystemExit) as ended:
+        build_parser([command]).parse_args([command, "m.gguf", "--quiet-please"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and f"usage: k3stream {command} " in err
+    assert err.splitlines()[-1] == f"k3stream {command}: error: unrecognized arguments: --quiet-please"
+
+
 def test_serve_without_a_model_says_how_to_name_it(capsys):
     from k3stream.cli import main
 
@@ -315,6 +336,26 @@ def test_ctx_zero_is_the_models_context_as_in_llama_cpp(command, flags, model_pa
     args = build_parser(argv).parse_args(argv)
     runtime_from_args(args).close()
     assert args.ctx == K3Checkpoint.open(model_path).config.context_length > 0
+
+
+@pytest.mark.parametrize(
+    "command, flags, stated",
+    [("generate", ["-p", "x", "-n", "7"], "the prompt plus --max-tokens"),
+     ("bench", ["--prompt-tokens", "7"], "--prompt-tokens plus --decode-tokens")],
+)  # fmt: skip
+def test_the_help_states_the_context_a_run_without_ctx_gets(command, flags, stated, model_path):
+    """`--ctx`'s help names the default these commands take (`size_context`: what the run reaches),
+    not the served commands' model context of at most 4096."""
+    from k3stream.commands.flags import size_context
+    from k3stream.gguf.reader import K3Checkpoint
+
+    argv = [command, str(model_path), *flags]
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    size_context(args, K3Checkpoint.open(model_path).config, 3 + 7)
+    assert args.ctx == 10
+    ctx_help = next(a.help for a in parser.commands[command]._actions if "--ctx" in a.option_strings)
+    assert f"(default: {stated};" in ctx_help
 
 
 @pytest.mark.parametrize(

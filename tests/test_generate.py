@@ -379,33 +379,36 @@ def test_a_system_message_sends_the_prompt_through_the_chat_template(model, toke
     assert done.returncode == 0 and done.stdout == expected + "\n", done.stderr
 
 
-def test_chat_command_keeps_the_conversation(model, tokenizer, model_path):
+def test_chat_command_keeps_the_conversation_as_the_tokens_the_model_saw(model, tokenizer, model_path):
+    """As llama-cli: a turn's prompt is the ids the model saw (the last prompt and the tokens it answered
+    with) and the new text tokenized after them, not the history tokenized again, whose ids differ where
+    the model's tokens are not the tokenizer's choice (here: a special token the answer prints nothing
+    for, and bytes that make no UTF-8). So the second turn reads the first answer as generated, and the
+    prompt cache prefills only the new text. `/reset` forgets the turns, `/exit` ends."""
     from k3stream.engine.chat import ChatTemplate
 
     template = ChatTemplate.for_tokenizer(tokenizer)
     params = SamplingParams(temperature=0, max_tokens=5)
     first = [{"role": "user", "content": "Hello"}]
-    answer1 = generate(
-        model, tokenizer, tokenizer.encode(template.render(first), allow_special=True), params
-    ).text
-    second = [*first, {"role": "assistant", "content": answer1}, {"role": "user", "content": "And then?"}]
-    answer2 = generate(
-        model, tokenizer, tokenizer.encode(template.render(second), allow_special=True), params
-    ).text
-    done = _cli(
-        "chat",
-        str(model_path),
-        "--temperature",
-        "0",
-        "--max-tokens",
-        "5",
-        "--device",
-        "cpu",
-        "--quiet",
-        stdin="Hello\nAnd then?\n/reset\nHello\n/exit\nnot read\n",
-    )
+    ids1 = tokenizer.encode(template.render(first), allow_special=True)
+    answer1 = generate(model, tokenizer, ids1, params)
+    said = [token for token in answer1.token_ids if token not in tokenizer.end_ids]
+    assert tokenizer.encode_plain(answer1.text) != said  # the history tokenized again would differ
+    second = [
+        *first,
+        {"role": "assistant", "content": answer1.text},
+        {"role": "user", "content": "And then?"},
+    ]
+    new_text = template.render(second)[len(template.render(first) + answer1.text) :]
+    ids2 = ids1 + said + tokenizer.encode(new_text, allow_special=True, add_bos=False)
+    answer2 = generate(model, tokenizer, ids2, params)
+    flags = ["--temperature", "0", "--max-tokens", "5", "--device", "cpu", "--threads", "1"]
+    done = _cli("chat", str(model_path), *flags, stdin="Hello\nAnd then?\n/reset\nHello\n/exit\nnot read\n")
     assert done.returncode == 0, done.stderr
-    assert done.stdout == f"{answer1}\n{answer2}\n{answer1}\n"  # /reset forgot the first two turns
+    assert done.stdout == f"{answer1.text}\n{answer2.text}\n{answer1.text}\n"
+    reused = re.findall(r"cache   (\d+) of (\d+) prompt tokens reused", done.stderr)
+    fed = len(ids1) + len(answer1.token_ids) - 1  # the last token sampled is never fed
+    assert [(int(a), int(b)) for a, b in reused] == [(0, len(ids1)), (fed, len(ids2)), (len(ids1),) * 2]
 
 
 def test_command_errors_are_one_line(tmp_path, model_path):
@@ -678,6 +681,26 @@ def test_ctx_bounds_what_the_generate_and_chat_commands_reach(model, tokenizer, 
     assert chat.returncode == 0 and chat.stdout == f"{answer}\n{answer}\n", chat.stderr
     refused = [line for line in chat.stderr.splitlines() if line.startswith("k3stream chat:")]
     assert len(refused) == 1 and refused[0].endswith(f"the context is {ctx} (--ctx); /reset starts over")
+
+
+def test_generate_with_a_cache_dir_resumes_a_prompt_a_run_before_it_left(model_path, tokenizer, tmp_path):
+    """`generate --cache-dir DIR` is the prompt reuse its help and the prompt cache's manual promise
+    (llama-cli's `--prompt-cache`): a second run over a longer prompt prefills only the new tokens, with
+    the first run's text; `--cache-ram 0` beside it is still refused (reuse off)."""
+    first, longer = "import os\n", "import os\nimport sys\n"
+    assert tokenizer.encode(longer)[: len(tokenizer.encode(first))] == tokenizer.encode(first)
+    flags = ["--temperature", "0", "-n", "3", "--device", "cpu", "--cache-dir", str(tmp_path / "states")]
+    runs = [_cli("generate", str(model_path), "-p", prompt, *flags) for prompt in (first, longer, longer)]
+    assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs]
+    reused = [re.search(r"cache   (\d+) of (\d+) prompt tokens reused", run.stderr) for run in runs]
+    assert [(int(found[1]), int(found[2])) for found in reused] == [
+        (0, len(tokenizer.encode(first))),
+        (len(tokenizer.encode(first)), len(tokenizer.encode(longer))),
+        (len(tokenizer.encode(longer)), len(tokenizer.encode(longer))),
+    ]
+    assert runs[1].stdout == runs[2].stdout
+    off = _cli("generate", str(model_path), "-p", first, *flags, "--cache-ram", "0")
+    assert off.returncode == 1 and "--cache-dir needs --cache-ram above 0" in off.stderr
 
 
 def test_generate_takes_llama_clis_prompt_file_and_n_minus_one(model, tokenizer, model_path, tmp_path):

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("k3stream.commands.demo", "make, pack and run a tiny Kimi-K3 with streamed experts"),
@@ -49,8 +50,24 @@ def _command_module(name: str):
     return importlib.import_module(COMMANDS[name][0])
 
 
+class _Parser(argparse.ArgumentParser):
+    """`k3stream`'s parser: a flag the command does not take is refused by that command's parser, with
+    its usage and `k3stream COMMAND: error:`, as its other errors are."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, argparse.ArgumentParser] = {}  # by name, filled by build_parser
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            refusing = self.commands.get(getattr(parsed, "command", None) or "", self)
+            refusing.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return parsed
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="k3stream", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="k3stream", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--version",
         action="store_true",
@@ -62,6 +79,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
             _command_module(name).add_arguments(command_parser)
+    parser.commands = sub.choices
     return parser
 
 

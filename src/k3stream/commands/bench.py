@@ -28,7 +28,7 @@ LLAMA_MISSING = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    add_context_argument(parser)
+    add_context_argument(parser, "--prompt-tokens plus --decode-tokens")  # `size_context`
     parser.add_argument("--prompt-tokens", type=int, default=64, help="default %(default)s")
     parser.add_argument("--decode-tokens", type=int, default=32, help="default %(default)s")
     parser.add_argument("--llama", action="store_true", help="also run the GGUF with llama.cpp (mmap)")

@@ -110,6 +110,8 @@ class ChatSession:
             params, runtime.tokenizer, chat_stop_token_ids(runtime.tokenizer, args.thinking)
         )
         self.messages: list[dict[str, str]] = []
+        # the conversation's text so far (through the last answer) and the ids the model saw for it
+        self.said: tuple[str, list[int]] | None = None
         # the conversation's states between turns: each turn restores the last one's instead of
         # prefilling the whole history again
         self.cache = cache_from_args(args, runtime.model)
@@ -117,6 +119,29 @@ class ChatSession:
 
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.args.system}] if self.args.system else []
+        self.said = None
+
+    def prompt_ids(self, rendered: str) -> list[int]:
+        """The ids of a turn's prompt, as llama-cli makes them: the ids the model already saw (the last
+        prompt's and the tokens it answered with) and the new text tokenized after them. Tokenizing the
+        whole history again would give an answer's text other ids where the model's tokens are not the
+        ones the tokenizer picks, so the model would read another history and the prompt cache would
+        prefill that answer again."""
+        tokenizer = self.runtime.tokenizer
+        if self.said is None or not rendered.startswith(self.said[0]):
+            return tokenizer.encode(rendered, allow_special=True)
+        said, known = self.said
+        return known + tokenizer.encode(rendered[len(said) :], allow_special=True, add_bos=False)
+
+    def _remember(self, rendered: str, ids: list[int], reply: str, answered: list[int]) -> None:
+        """Keep the turn's text and ids when the answer's tokens (less the end marks it stopped at) print
+        its text; otherwise (a stop string cut the text) the next turn tokenizes the history again."""
+        tokenizer = self.runtime.tokenizer
+        ends = {*self.params.stop_token_ids, *tokenizer.end_ids}  # what `generate` stops at
+        while answered and answered[-1] in ends:
+            answered = answered[:-1]
+        fits = tokenizer.decode(answered, skip_special=self.params.skip_special_tokens) == reply
+        self.said = (rendered + reply, ids + answered) if fits else None
 
     def answer(self, text: str, out: TextIO, ctrl_c: CtrlC | None = None) -> str:
         """Generate the assistant's reply to `text`, streaming it to `out`; both join the conversation.
@@ -126,7 +151,7 @@ class ChatSession:
 
         messages = [*self.messages, {"role": "user", "content": text}]
         rendered = self.template.render(messages, thinking=self.args.thinking)
-        ids = self.runtime.tokenizer.encode(rendered, allow_special=True)
+        ids = self.prompt_ids(rendered)
         sent: list[str] = []
 
         def write(piece: str) -> None:
@@ -152,6 +177,7 @@ class ChatSession:
         self._report(result, start)
         reply = "".join(sent) if ctrl_c is not None and ctrl_c.pressed else result.text
         self.messages = [*messages, {"role": "assistant", "content": reply}]
+        self._remember(rendered, ids, reply, result.token_ids)
         return reply
 
     def _report(self, result: Any, start: dict[str, Any] | None) -> None:

@@ -148,9 +148,12 @@ def add_arithmetic_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_context_argument(parser: argparse.ArgumentParser) -> None:
+SERVED_CONTEXT = "the model's context, at most 4096"  # `memlimit.served_tokens`' default
+
+
+def add_context_argument(parser: argparse.ArgumentParser, default: str = SERVED_CONTEXT) -> None:
     """`--ctx`: the context a sequence may reach, which the memory plan sizes KV/state and a prefill's
-    activations for (a command serving sequences adds its own)."""
+    activations for (a command serving sequences adds its own); `default` says what it is left out."""
     parser.add_argument(
         "--ctx",
         "--ctx-size",
@@ -158,7 +161,7 @@ def add_context_argument(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="tokens a sequence may reach, prompt plus output: the memory plan reserves KV/state and "
-        "prefill buffers for this many (default: the model's context, at most 4096; 0: the model's)",
+        f"prefill buffers for this many (default: {default}; 0: the model's)",
     )
 
 
@@ -245,7 +248,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) 
     parser.add_argument(
         "--temperature", "--temp", type=float, default=0.8, help="0 is greedy (default %(default)s)"
     )
-    parser.add_argument("--top-k", type=int, default=40, help="0 disables (default %(default)s)")
+    parser.add_argument("--top-k", type=int, default=40, help="0 or less disables (default %(default)s)")
     parser.add_argument("--top-p", type=float, default=0.95, help="1 disables (default %(default)s)")
     parser.add_argument("--min-p", type=float, default=0.05, help="0 disables (default %(default)s)")
     parser.add_argument("--repeat-penalty", type=float, default=1.0, help="1 disables (default %(default)s)")
@@ -281,14 +284,14 @@ def add_escape_argument(parser: argparse.ArgumentParser, where: str) -> None:
 
 def sampling_params(args: argparse.Namespace) -> Any:
     """`SamplingParams` from the sampling flags; llama-cli's `--seed -1` (its default, as
-    4294967295 is) draws a fresh seed, as no seed does."""
+    4294967295 is) draws a fresh seed, as no seed does, and its `--top-k -1` keeps every token."""
     from k3stream.engine.sampling import SamplingParams
     from k3stream.server.schemas import fixed_seed
 
     try:
         return SamplingParams(
             temperature=args.temperature,
-            top_k=args.top_k,
+            top_k=max(args.top_k, 0),  # llama.cpp's and vLLM's -1, as a request's top_k
             top_p=args.top_p,
             min_p=args.min_p,
             repetition_penalty=args.repeat_penalty,
@@ -371,7 +374,7 @@ def _expert_ram_mib(args: argparse.Namespace, checkpoint: K3Checkpoint, manifest
     binds); refuses a limit too small."""
     from k3stream.memlimit import MIB, default_expert_ram_mib, pin_malloc_mmap_threshold
 
-    cache_bytes = int(getattr(args, "cache_ram", 0) * MIB)  # the prompt cache of serve and chat
+    cache_bytes = int(cache_ram_mib(args) * MIB)  # the prompt cache of serve, chat and generate
     shape = served_shape(args)
     if manifest is None and args.memory_limit is None:  # the GGUF's experts, kept in RAM when all fit
         if args.ram_mib is not None:
@@ -584,17 +587,22 @@ def prompt_ids(tokenizer: Any, args: argparse.Namespace, text: str) -> list[int]
     return tokenizer.encode(rendered, allow_special=True)
 
 
-def add_cache_arguments(parser: argparse.ArgumentParser, ram_mib: float = 1024.0) -> None:
-    """The prompt cache's flags (`serve`, `chat`): reused conversation states in RAM and on disk."""
+CACHE_RAM_MIB = 1024.0  # --cache-ram's default
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser, ram_mib: float | None = CACHE_RAM_MIB) -> None:
+    """The prompt cache's flags (`serve`, `chat`): reused conversation states in RAM and on disk.
+    `ram_mib` None: reuse off unless `--cache-dir` asks for it (`cache_ram_mib`)."""
     from k3stream.engine.prompt_cache import DEFAULT_EVERY
 
+    default = f"{ram_mib:g}" if ram_mib is not None else f"0; {CACHE_RAM_MIB:g} with --cache-dir"
     parser.add_argument(
         "--cache-ram",
         type=finite,
         default=ram_mib,
         metavar="MIB",
-        help="RAM for reused prompt states, part of --memory-limit's plan; 0 turns reuse off "
-        "(default %(default)s)",
+        help=f"RAM for reused prompt states, part of --memory-limit's plan; 0 turns reuse off "
+        f"(default {default})",
     )
     parser.add_argument(
         "--cache-every",
@@ -614,13 +622,22 @@ def add_cache_arguments(parser: argparse.ArgumentParser, ram_mib: float = 1024.0
     )
 
 
+def cache_ram_mib(args: argparse.Namespace) -> float:
+    """`--cache-ram` (0 for a command without it); left out where its default is None (`generate`):
+    reuse off unless `--cache-dir` asks for it."""
+    ram = getattr(args, "cache_ram", 0.0)
+    if ram is None:
+        return CACHE_RAM_MIB if args.cache_dir is not None else 0.0
+    return ram
+
+
 def check_cache_flags(args: argparse.Namespace) -> None:
     """A one-line ValueError for cache flags that could not take effect (checked before the model
     loads): a disk budget without a directory, a directory with a budget of 0 (nothing is written), a
     directory with reuse off (`--cache-ram 0`: the RAM tier is where a snapshot is made and restored,
     so there is no disk-only cache), a directory that cannot be made (it is made here) or written to."""
     for flag, value, least in (
-        ("--cache-ram", args.cache_ram, 0),
+        ("--cache-ram", cache_ram_mib(args), 0),
         ("--cache-disk", args.cache_disk or 0, 0),
         ("--cache-every", args.cache_every, 1),
     ):
@@ -633,7 +650,7 @@ def check_cache_flags(args: argparse.Namespace) -> None:
             f"--cache-disk 0 leaves --cache-dir {args.cache_dir} unused (no snapshot fits a budget of 0); "
             "give it GiB above 0, or leave out --cache-dir"
         )
-    if args.cache_dir is not None and args.cache_ram == 0:
+    if args.cache_dir is not None and cache_ram_mib(args) == 0:
         raise ValueError(
             "--cache-dir needs --cache-ram above 0 (--cache-ram 0 turns prompt reuse off, on disk too)"
         )
@@ -662,7 +679,7 @@ def cache_from_args(args: argparse.Namespace, model: Any, layout: str = "") -> P
     from k3stream.gguf.shards import discover_shards
 
     check_cache_flags(args)
-    if args.cache_ram == 0:
+    if cache_ram_mib(args) == 0:
         if getattr(args, "command", None) in ANSWERING_COMMANDS:
             keep_row_exact()  # reuse off answers as reuse on does
         return None
@@ -671,7 +688,7 @@ def cache_from_args(args: argparse.Namespace, model: Any, layout: str = "") -> P
     cache = PromptCache(
         model,
         model_fingerprint(discover_shards(gguf_path)) + (model.layout if driver else layout),
-        ram_bytes=int(args.cache_ram * (1 << 20)),
+        ram_bytes=int(cache_ram_mib(args) * (1 << 20)),
         disk_dir=args.cache_dir,
         disk_bytes=int((args.cache_disk if args.cache_disk is not None else DEFAULT_DISK_GIB) * (1 << 30)),
         every=args.cache_every,

@@ -27,7 +27,7 @@ from k3stream.engine.chat import chat_stop_token_ids
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    add_context_argument(parser)
+    add_context_argument(parser, "the prompt plus --max-tokens")  # `size_context`
     add_parallel_arguments(parser)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", "-p", help="the prompt ('-' reads it from stdin)")
@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_escape_argument(parser, "the prompt and --stop strings")
     add_sampling_arguments(parser, max_tokens=128)
-    add_cache_arguments(parser, ram_mib=0.0)  # off unless asked: a prompt reused across runs (--cache-dir)
+    add_cache_arguments(parser, ram_mib=None)  # off unless asked: a prompt reused across runs (--cache-dir)
 
 
 def prompt_text(args: argparse.Namespace) -> str:

@@ -109,6 +109,8 @@ def open_shards(path: str | Path) -> list[tuple[Path, GGUFReader]]:
     path = Path(path)
     if path.is_dir():
         path = _from_directory(path)
+    elif path.exists() and not path.is_file():  # a memory map needs a file: no pipe, device or socket
+        raise ValueError(f"{path}: not a regular file (a pipe, device or socket); give the GGUF file")
     elif not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file or directory")
     paths = _shard_set(path)
