@@ -1,6 +1,6 @@
 """README.md stays a manual: at most 300 lines, every `k3stream ...` command it shows still parses with the
 command line's argparse (parsed only, never run), every flag it or docs/ gives a benchmark script is one the
-script takes, and every link to a file in it, or in docs/, exists."""
+script takes, and every link to a file or a heading in it, or in docs/, finds it."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 INLINE = re.compile(r"`([^`\n]+)`")
 COMMAND = re.compile(r"(?:^|\s)k3stream\s+(.+)$")  # `k3stream ...`, `$ k3stream ...`, `-m k3stream ...`
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*$", re.MULTILINE)
 BENCHMARKS = ROOT / "benchmarks"
 BENCH_COMMAND = re.compile(r"\b(bench_\w+)\.py\b([^`]*)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
@@ -123,6 +124,35 @@ def test_links_to_files_point_at_files_that_exist(page):
             continue
         path = target.split("#", 1)[0]
         assert (page.parent / path).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def heading_ids(markdown: str) -> set[str]:
+    """The ids GitHub gives a page's headings: link text kept, lower case, every character but letters,
+    digits, `_`, `-` and spaces dropped, spaces to `-`, a repeated id numbered."""
+    ids: set[str] = set()
+    for heading in HEADING.findall(FENCE.sub("", markdown)):
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).lower()
+        slug = re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+        repeat = 0
+        while (numbered := f"{slug}-{repeat}" if repeat else slug) in ids:
+            repeat += 1
+        ids.add(numbered)
+    return ids
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda path: path.relative_to(ROOT).as_posix())
+def test_links_to_headings_point_at_headings_that_exist(page):
+    for target in LINK.findall(FENCE.sub("", page.read_text())):
+        path, _, anchor = target.partition("#")
+        linked = page.parent / path if path else page
+        if re.match(r"[a-z]+:", target) or not anchor or linked.suffix != ".md":
+            continue
+        assert anchor in heading_ids(linked.read_text()), f"{page.name} links to {target}: no such heading"
+
+
+def test_a_link_to_a_heading_that_is_not_there_is_caught():
+    ids = heading_ids("# Kernels\n## AVX-512 (`kquants_avx512.c`)\n```\n# not a heading\n```\n## Kernels\n")
+    assert ids == {"kernels", "avx-512-kquants_avx512c", "kernels-1"}
 
 
 def test_ci_runs_the_test_command_the_readme_gives():
