@@ -282,6 +282,12 @@ def add_escape_argument(parser: argparse.ArgumentParser, where: str) -> None:
     )
 
 
+def top_k_flag(value: int) -> int:
+    """`--top-k` as `SamplingParams` takes it: llama.cpp disables top-k at 0 or less, vLLM and sglang at
+    -1, as a request's `top_k` does here; all of them keep every token (0)."""
+    return max(value, 0)
+
+
 def sampling_params(args: argparse.Namespace) -> Any:
     """`SamplingParams` from the sampling flags; llama-cli's `--seed -1` (its default, as
     4294967295 is) draws a fresh seed, as no seed does, and its `--top-k -1` keeps every token."""
@@ -291,7 +297,7 @@ def sampling_params(args: argparse.Namespace) -> Any:
     try:
         return SamplingParams(
             temperature=args.temperature,
-            top_k=max(args.top_k, 0),  # llama.cpp's and vLLM's -1, as a request's top_k
+            top_k=top_k_flag(args.top_k),
             top_p=args.top_p,
             min_p=args.min_p,
             repetition_penalty=args.repeat_penalty,
