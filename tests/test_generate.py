@@ -925,3 +925,49 @@ def test_process_escapes_follows_llama_clis_rules(written, meant):
     from k3stream.commands.flags import process_escapes
 
     assert process_escapes(written, "--prompt") == meant
+
+
+def test_a_system_prompt_file_is_llama_clis_sysf_for_generate_and_chat(
+    model, tokenizer, model_path, tmp_path
+):
+    """llama-cli's `-sysf FILE` (`--system-prompt-file`): the file's bytes as they are (a CRLF stays) less
+    its last line break are the system message, in `generate` and in `chat`; of `-sys` and `-sysf` the
+    last given wins, as llama-cli assigns both to one field; a missing or non-UTF-8 file is one line
+    naming the flag and the file, before the model loads."""
+    from k3stream.engine.chat import ChatTemplate
+
+    system = "You answer\r\nin French."
+    (tmp_path / "system.txt").write_bytes(system.encode() + b"\n")
+    template = ChatTemplate.for_tokenizer(tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    def answer(messages: list[dict[str, str]]) -> str:
+        return generate(
+            model, tokenizer, tokenizer.encode(template.render(messages), allow_special=True), params
+        ).text
+
+    user = {"role": "user", "content": "Hello"}
+    expected = answer([{"role": "system", "content": system}, user])
+    assert expected != answer([user])  # the system message reaches the model
+    flags = ["--temperature", "0", "-n", "4", "--device", "cpu", "--threads", "1", "--quiet"]
+    sysf = ["-sysf", str(tmp_path / "system.txt")]
+    for order in ([*sysf], ["-sys", "other", *sysf], ["--system-prompt-file", str(tmp_path / "system.txt")]):
+        done = _cli("generate", str(model_path), "-p", "Hello", *order, *flags[:-1])
+        assert done.returncode == 0 and done.stdout == _as_read(expected + "\n"), (order, done.stderr)
+    chat = _cli("chat", str(model_path), *sysf, *flags, stdin="Hello\n")
+    assert chat.returncode == 0 and chat.stdout == _as_read(expected + "\n"), chat.stderr
+    overridden = _cli("generate", str(model_path), "-p", "Hello", *sysf, "-sys", "", *flags[:-1])
+    assert overridden.returncode == 0 and overridden.stdout == _as_read(answer([user]) + "\n")
+    (tmp_path / "latin1.txt").write_bytes("Réponds".encode("latin-1"))
+    for command, source in (("generate", ["-p", "Hello"]), ("chat", [])):
+        for name, why in (
+            ("none.txt", "no such file: {path}"),
+            ("latin1.txt", "{path}: not UTF-8 text (byte 1)"),
+        ):
+            path = tmp_path / name
+            done = _cli(command, str(model_path), *source, "-sysf", str(path), *flags[:-1], stdin="")
+            flag = "--system-prompt-file" + (": " if name == "none.txt" else " ")
+            assert (done.returncode, done.stderr.splitlines()) == (
+                1,
+                [f"k3stream {command}: error: {flag}{why.format(path=path)}"],
+            ), done.stderr

@@ -18,8 +18,10 @@ from k3stream.commands.flags import (
     add_model_arguments,
     add_parallel_arguments,
     add_sampling_arguments,
+    add_system_arguments,
     cache_from_args,
     sampling_params,
+    system_prompt,
     user_text,
     with_ends,
 )
@@ -32,13 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_context_argument(parser)
     add_parallel_arguments(parser)
-    parser.add_argument(
-        "--system",
-        "--system-prompt",
-        "-sys",
-        default=None,
-        help="system message at the start of the conversation",
-    )
+    add_system_arguments(parser)
     parser.add_argument("--thinking", action="store_true", help="open the think channel (Kimi-K3 templates)")
     parser.add_argument("--quiet", action="store_true", help="no statistics after each answer")
     add_escape_argument(parser, "each message and --stop strings")
@@ -213,6 +209,7 @@ def converse(session: ChatSession) -> None:
 def run(args: argparse.Namespace) -> int:
     from k3stream.commands.launch import parallel_runtime
 
+    args.system = system_prompt(args)
     args.stop = [user_text(stop, "--stop", args.escape) for stop in args.stop]
     params = sampling_params(args)  # bad flags fail before the model loads
     with parallel_runtime(args) as runtime:  # under torchrun: rank 0 converses, the others follow it
