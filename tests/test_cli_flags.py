@@ -59,14 +59,19 @@ def test_n_minus_one_is_until_the_context_is_full():
     assert reached_tokens(args, 10) == 17
 
 
-@pytest.mark.parametrize("command", ["generate", "chat"])
-def test_top_k_below_zero_keeps_every_token_as_llama_cpp_and_vllm(command):
-    """llama.cpp disables top-k at 0 or less, vLLM and sglang at -1, and a request's `top_k: -1` does
-    so here: `--top-k -1` means the same, not an error."""
+@pytest.mark.parametrize("top_k", ["-1", "0", "-3"])
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_top_k_below_one_keeps_every_token_as_llama_cpp_and_vllm(command, top_k):
+    """llama.cpp (llama-cli and llama-server) disables top-k at 0 or less, vLLM and sglang at -1, and a
+    request's `top_k: -1` does so here: `--top-k -1` means the same, not an error; for `serve` it is
+    the default of a request naming no top_k."""
     from k3stream.commands.flags import sampling_params
+    from k3stream.commands.serve import request_defaults
 
-    argv = [command, "m.gguf", "-p", "x"][: 4 if command == "generate" else 2] + ["--top-k", "-1"]
-    assert sampling_params(build_parser(argv).parse_args(argv)).top_k == 0
+    argv = [command, "m.gguf", "-p", "x"][: 4 if command == "generate" else 2] + ["--top-k", top_k]
+    args = build_parser(argv).parse_args(argv)
+    params = request_defaults(args)[0] if command == "serve" else sampling_params(args)
+    assert params.top_k == 0
 
 
 def test_seed_minus_one_draws_a_fresh_seed_as_llama_cli_does():
@@ -230,7 +235,7 @@ def test_serve_takes_llama_servers_model_flag_and_request_defaults():
 @pytest.mark.parametrize(
     "flags, words",
     [(["-n", "0"], "--n-predict must be -1"), (["--temp", "-1"], "--temperature must be >= 0, got -1.0"),
-     (["--top-p", "2"], "--top-p must be in [0, 1], got 2.0"), (["--top-k", "-3"], "--top-k must be >= 0")],
+     (["--top-p", "2"], "--top-p must be in [0, 1], got 2.0")],
 )  # fmt: skip
 def test_serve_request_defaults_refuse_bad_values_in_one_line(flags, words):
     from k3stream.commands.serve import request_defaults

@@ -7,6 +7,7 @@ stop case is exact; the loop itself and the CLI run on real tiny Kimi-K3 models.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -925,3 +926,89 @@ def test_process_escapes_follows_llama_clis_rules(written, meant):
     from k3stream.commands.flags import process_escapes
 
     assert process_escapes(written, "--prompt") == meant
+
+
+def test_a_system_prompt_file_is_llama_clis_sysf_for_generate_and_chat(
+    model, tokenizer, model_path, tmp_path
+):
+    """llama-cli's `-sysf FILE` (`--system-prompt-file`): the file's bytes as they are (a CRLF stays) less
+    its last line break are the system message, in `generate` and in `chat`; of `-sys` and `-sysf` the
+    last given wins, as llama-cli assigns both to one field; a missing or non-UTF-8 file is one line
+    naming the flag and the file, before the model loads."""
+    from k3stream.engine.chat import ChatTemplate
+
+    system = "You answer\r\nin French."
+    (tmp_path / "system.txt").write_bytes(system.encode() + b"\n")
+    template = ChatTemplate.for_tokenizer(tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    def answer(messages: list[dict[str, str]]) -> str:
+        return generate(
+            model, tokenizer, tokenizer.encode(template.render(messages), allow_special=True), params
+        ).text
+
+    user = {"role": "user", "content": "Hello"}
+    expected = answer([{"role": "system", "content": system}, user])
+    assert expected != answer([user])  # the system message reaches the model
+    flags = ["--temperature", "0", "-n", "4", "--device", "cpu", "--threads", "1", "--quiet"]
+    sysf = ["-sysf", str(tmp_path / "system.txt")]
+    for order in ([*sysf], ["-sys", "other", *sysf], ["--system-prompt-file", str(tmp_path / "system.txt")]):
+        done = _cli("generate", str(model_path), "-p", "Hello", *order, *flags[:-1])
+        assert done.returncode == 0 and done.stdout == _as_read(expected + "\n"), (order, done.stderr)
+    chat = _cli("chat", str(model_path), *sysf, *flags, stdin="Hello\n")
+    assert chat.returncode == 0 and chat.stdout == _as_read(expected + "\n"), chat.stderr
+    overridden = _cli("generate", str(model_path), "-p", "Hello", *sysf, "-sys", "", *flags[:-1])
+    assert overridden.returncode == 0 and overridden.stdout == _as_read(answer([user]) + "\n")
+    (tmp_path / "latin1.txt").write_bytes("Réponds".encode("latin-1"))
+    for command, source in (("generate", ["-p", "Hello"]), ("chat", [])):
+        for name, why in (
+            ("none.txt", "no such file: {path}"),
+            ("latin1.txt", "{path}: not UTF-8 text (byte 1)"),
+        ):
+            path = tmp_path / name
+            done = _cli(command, str(model_path), *source, "-sysf", str(path), *flags[:-1], stdin="")
+            flag = "--system-prompt-file" + (": " if name == "none.txt" else " ")
+            assert (done.returncode, done.stderr.splitlines()) == (
+                1,
+                [f"k3stream {command}: error: {flag}{why.format(path=path)}"],
+            ), done.stderr
+
+
+def test_a_saved_conversation_loads_in_another_chat_and_reuses_its_state_from_the_cache_dir(
+    model_path, tmp_path
+):
+    """`/save FILE` keeps the messages and the ids the model saw; `/load FILE` in another run continues
+    from them: the same greedy answer as one run holding both turns, and (with `--cache-dir`) the first
+    turn's state read back from the cache, so only the new turn is prefilled. A file that is no saved
+    conversation (missing, not JSON, a foreign JSON, a bad field) is one line naming it, and the
+    conversation goes on; ids saved with another tokenizer are dropped and the messages tokenized again."""
+    flags = ["--temperature", "0", "--max-tokens", "5", "--device", "cpu", "--threads", "1"]
+    cached = [*flags, "--cache-dir", str(tmp_path / "cache")]
+    saved = tmp_path / "talk.json"
+    whole = _cli("chat", str(model_path), *flags, stdin="Hello\nAnd then?\n")
+    first = _cli("chat", str(model_path), *cached, stdin=f"Hello\n/save {saved}\n")
+    assert first.returncode == 0 and whole.returncode == 0, first.stderr + whole.stderr
+    answers = whole.stdout.splitlines()
+    assert first.stdout == answers[0] + "\n" and json.loads(saved.read_text())["format"] == "k3stream-chat-v1"
+    (tmp_path / "not.json").write_text("{")
+    (tmp_path / "foreign.json").write_text('{"complete": true}')
+    record = json.loads(saved.read_text())
+    (tmp_path / "bad.json").write_text(
+        json.dumps({**record, "messages": [{"role": "narrator", "content": ""}]})
+    )
+    (tmp_path / "other.json").write_text(json.dumps({**record, "tokenizer_sha256": "0" * 64}))
+    bad = ["missing.json", "not.json", "foreign.json", "bad.json"]
+    lines = "".join(f"/load {tmp_path / name}\n" for name in bad)
+    second = _cli("chat", str(model_path), *cached, stdin=f"/save\n{lines}/load {saved}\nAnd then?\n")
+    assert second.returncode == 0 and second.stdout == answers[1] + "\n", second.stderr
+    errors = [line for line in second.stderr.splitlines() if line.startswith("k3stream chat: ")]
+    assert errors[0] == "k3stream chat: /save needs a file: /save FILE"
+    assert errors[1] == f"k3stream chat: /load {tmp_path / 'missing.json'}: No such file or directory"
+    for line, name in zip(errors[2:], bad[1:], strict=True):
+        assert line.startswith(f"k3stream chat: /load {tmp_path / name}: "), line
+    assert "not a k3stream chat file" in errors[3] and "field messages" in errors[4]
+    reused = re.findall(r"cache   (\d+) of (\d+) prompt tokens reused", second.stderr)
+    whole_reused = re.findall(r"cache   (\d+) of (\d+) prompt tokens reused", whole.stderr)
+    assert reused == whole_reused[1:] and int(reused[0][0]) > 0  # the first turn's state, from the disk
+    other = _cli("chat", str(model_path), *flags, stdin=f"/load {tmp_path / 'other.json'}\nAnd then?\n")
+    assert other.returncode == 0 and other.stdout.endswith("\n"), other.stderr  # messages alone: re-tokenized

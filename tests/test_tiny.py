@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -377,3 +378,30 @@ def test_a_float_field_no_model_can_take_is_the_flags_error(tmp_path, capsys, fl
     assert exit_status.value.code == 2 and not out.exists()
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error == f"k3stream make-tiny: error: argument {flag}: {value!r} {why}"
+
+
+@pytest.mark.parametrize("shards", ["1", "2"])
+def test_a_model_made_again_over_its_pack_is_refused_without_force_and_drops_that_pack_with_it(
+    tmp_path, capsys, shards
+):
+    """make-tiny over an existing GGUF is refused in one line naming it, the file kept (it was replaced,
+    and the pack beside it then described other weights: every later run stopped at 'shard is missing or
+    changed'); with --force the GGUF is replaced and the pack `k3stream pack` made beside it removed, so a
+    run reads the new file's experts, and a fresh pack can be made without --force."""
+    from k3stream.engine.loading import open_model
+    from k3stream.pack.builder import BuildOptions, build_pack
+
+    out = tmp_path / "model"
+    assert cli.main(["make-tiny", str(out), "--shards", shards]) == 0
+    gguf = Path(capsys.readouterr().out.strip())
+    built = build_pack(gguf, options=BuildOptions(progress=False))
+    before = gguf.read_bytes()
+    assert cli.main(["make-tiny", str(out), "--shards", shards, "--seed", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"k3stream make-tiny: error: refusing to overwrite existing model {gguf} (use --force)"
+    assert gguf.read_bytes() == before and built.manifest.is_file()
+    assert cli.main(["make-tiny", str(out), "--shards", shards, "--seed", "1", "--force"]) == 0
+    assert gguf.read_bytes() != before
+    assert sorted(path.name for path in out.iterdir() if ".pack" in path.name) == []
+    assert open_model(str(gguf), True)[1] is None  # no pack: the experts come from the new GGUF
+    assert build_pack(gguf, options=BuildOptions(progress=False)).manifest == built.manifest

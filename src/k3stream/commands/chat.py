@@ -1,14 +1,18 @@
 """`k3stream chat MODEL`: an interactive conversation on stdin/stdout (`/exit` ends, `/reset` forgets,
-Ctrl-C stops an answer, a line ending in a backslash goes on in the next; escapes such as `\\n` in a
-message are replaced, as llama-cli replaces them, unless `--no-escape`)."""
+`/save FILE` and `/load FILE` keep a conversation in a file, Ctrl-C stops an answer, a line ending in a
+backslash goes on in the next; escapes such as `\\n` in a message are replaced, as llama-cli replaces
+them, unless `--no-escape`)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import json
 import signal
 import sys
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, TextIO
 
 from k3stream.commands.flags import (
@@ -18,13 +22,15 @@ from k3stream.commands.flags import (
     add_model_arguments,
     add_parallel_arguments,
     add_sampling_arguments,
+    add_system_arguments,
     cache_from_args,
     sampling_params,
+    system_prompt,
     user_text,
     with_ends,
 )
 from k3stream.commands.report import report, statistics_lines, store_snapshot
-from k3stream.engine.chat import ChatTemplate, chat_stop_token_ids
+from k3stream.engine.chat import ROLES, ChatTemplate, chat_stop_token_ids
 from k3stream.engine.loading import Runtime
 
 
@@ -32,13 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_context_argument(parser)
     add_parallel_arguments(parser)
-    parser.add_argument(
-        "--system",
-        "--system-prompt",
-        "-sys",
-        default=None,
-        help="system message at the start of the conversation",
-    )
+    add_system_arguments(parser)
     parser.add_argument("--thinking", action="store_true", help="open the think channel (Kimi-K3 templates)")
     parser.add_argument("--quiet", action="store_true", help="no statistics after each answer")
     add_escape_argument(parser, "each message and --stop strings")
@@ -115,7 +115,14 @@ class ChatSession:
         # the conversation's states between turns: each turn restores the last one's instead of
         # prefilling the whole history again
         self.cache = cache_from_args(args, runtime.model)
+        self._tokenizer_digest: str | None = None
         self.reset()
+
+    def tokenizer_digest(self) -> str:
+        """`tokenizer_digest` of the model's tokenizer, computed once."""
+        if self._tokenizer_digest is None:
+            self._tokenizer_digest = tokenizer_digest(self.runtime.tokenizer)
+        return self._tokenizer_digest
 
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.args.system}] if self.args.system else []
@@ -187,6 +194,105 @@ class ChatSession:
             report(statistics_lines(result, self.runtime.store, start, tokens) + reused * bool(self.cache))
 
 
+CHAT_FORMAT = "k3stream-chat-v1"  # a `/save` file's `format`
+MAX_CHAT_FILE_BYTES = 256 << 20  # far beyond any context's messages and ids
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """SHA-256 of every token's bytes, in id order: a saved conversation's ids mean the same text to
+    a tokenizer with this digest."""
+    digest = hashlib.sha256()
+    for token_id in range(tokenizer.vocab_size):
+        piece = tokenizer.piece(token_id)
+        digest.update(len(piece).to_bytes(4, "little") + piece)
+    return digest.hexdigest()
+
+
+def save_conversation(session: ChatSession, path: Path) -> None:
+    """`/save FILE`: the messages, and the ids the model saw for them (with the tokenizer's digest), so
+    a `/load` in this run or another continues from the same ids: its next prompt then matches the
+    states the prompt cache holds (in RAM, or in `--cache-dir` across runs) and prefills only the new
+    turn. Written atomically."""
+    from k3stream.pack.fileio import write_bytes_atomic
+
+    said = session.said
+    record = {
+        "format": CHAT_FORMAT,
+        "messages": session.messages,
+        "said": None if said is None else {"text": said[0], "ids": said[1]},
+        "tokenizer_sha256": session.tokenizer_digest(),
+    }
+    write_bytes_atomic(path, (json.dumps(record, ensure_ascii=False, indent=1) + "\n").encode("utf-8"))
+
+
+def load_conversation(session: ChatSession, path: Path) -> None:
+    """`/load FILE`: the conversation a `/save` wrote replaces this one; a file that is not one is a
+    ValueError naming it, and the conversation stays. Ids saved with another tokenizer are dropped (the
+    messages are tokenized again)."""
+    record = _chat_record(path)
+    said = record["said"] if record["tokenizer_sha256"] == session.tokenizer_digest() else None
+    if said is not None and max(said["ids"], default=0) >= session.runtime.tokenizer.vocab_size:
+        raise ValueError(f"{path}: field said.ids holds an id past the vocabulary")
+    session.messages = record["messages"]
+    session.said = None if said is None else (said["text"], said["ids"])
+
+
+def _chat_record(path: Path) -> dict[str, Any]:
+    """A `/save` file's record, its fields checked; a one-line ValueError naming the file otherwise."""
+    try:
+        if path.stat().st_size > MAX_CHAT_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_CHAT_FILE_BYTES >> 20} MiB")
+        record = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ValueError(f"{path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
+        raise ValueError(f"{path}: not a k3stream chat file ({exc})") from None
+    if not isinstance(record, dict) or record.get("format") != CHAT_FORMAT:
+        raise ValueError(f"{path}: not a k3stream chat file (format {CHAT_FORMAT}, as /save writes)")
+    messages, said = record.get("messages"), record.get("said")
+    if not isinstance(messages, list) or not all(_is_message(message) for message in messages):
+        raise ValueError(
+            f"{path}: field messages must be a list of {{role, content}} (roles {', '.join(ROLES)})"
+        )
+    ids = said.get("ids") if isinstance(said, dict) else None
+    if said is not None and not (isinstance(said.get("text"), str) and _are_ids(ids)):
+        raise ValueError(f"{path}: field said must be null or {{text, ids}} (a string, token ids)")
+    if not isinstance(record.get("tokenizer_sha256"), str):
+        raise ValueError(f"{path}: field tokenizer_sha256 must be a string")
+    return record
+
+
+def _is_message(message: Any) -> bool:
+    return (
+        isinstance(message, dict)
+        and set(message) == {"role", "content"}
+        and message["role"] in ROLES
+        and isinstance(message["content"], str)
+    )
+
+
+def _are_ids(ids: Any) -> bool:
+    return isinstance(ids, list) and all(isinstance(token, int) and token >= 0 for token in ids)
+
+
+def _file_command(session: ChatSession, command: str) -> None:
+    """`/save FILE` or `/load FILE`; a failure is one line on stderr, and the conversation goes on."""
+    name, _, argument = command.partition(" ")
+    if not argument.strip():
+        print(f"k3stream chat: {name} needs a file: {name} FILE", file=sys.stderr)
+        return
+    path = Path(argument.strip()).expanduser()
+    try:
+        if name == "/save":
+            save_conversation(session, path)
+        else:
+            load_conversation(session, path)
+    except OSError as exc:
+        print(f"k3stream chat: {name} {path}: {exc.strerror or exc}", file=sys.stderr)
+    except ValueError as exc:
+        print(f"k3stream chat: {name} {exc}", file=sys.stderr)
+
+
 def converse(session: ChatSession) -> None:
     """Answer each line; a turn the context cannot hold is refused in one line and the conversation
     goes on (`/reset` makes room)."""
@@ -198,6 +304,8 @@ def converse(session: ChatSession) -> None:
             break
         if command == "/reset":
             session.reset()
+        elif command.split(" ", 1)[0] in ("/save", "/load"):
+            _file_command(session, command)
         elif command:
             try:
                 text = user_text(line, "this message", session.args.escape)
@@ -213,6 +321,7 @@ def converse(session: ChatSession) -> None:
 def run(args: argparse.Namespace) -> int:
     from k3stream.commands.launch import parallel_runtime
 
+    args.system = system_prompt(args)
     args.stop = [user_text(stop, "--stop", args.escape) for stop in args.stop]
     params = sampling_params(args)  # bad flags fail before the model loads
     with parallel_runtime(args) as runtime:  # under torchrun: rank 0 converses, the others follow it

@@ -218,6 +218,56 @@ def check_input_file(path: str | Path, flag: str) -> None:
         raise FileNotFoundError(f"{flag}: no such file: {path}")
 
 
+def prompt_file_text(path: Path, flag: str) -> str:
+    """A prompt file's text as llama-cli reads `-f` and `-sysf`: its bytes as they are (a CRLF stays)
+    less one line break at the end (an editor's); a one-line error naming `flag` and the file where it is
+    missing, unreadable or not UTF-8."""
+    check_input_file(path, flag)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8").removesuffix("\n")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{flag} {path}: not UTF-8 text (byte {exc.start})") from None
+
+
+class SystemPromptFile:
+    """argparse type of `--system-prompt-file`: the file, read by `system_prompt` after parsing (it shares
+    `--system`'s destination, so the last of the two given wins, as in llama-cli)."""
+
+    def __init__(self, text: str):
+        self.path = Path(text)
+
+
+def add_system_arguments(parser: argparse.ArgumentParser, help_suffix: str = "") -> None:
+    """llama-cli's `-sys`/`--system-prompt` and `-sysf`/`--system-prompt-file` (the last given wins)."""
+    parser.add_argument(
+        "--system",
+        "--system-prompt",
+        "-sys",
+        default=None,
+        help=f"system message at the start of the conversation{help_suffix}",
+    )
+    parser.add_argument(
+        "--system-prompt-file",
+        "-sysf",
+        dest="system",
+        type=SystemPromptFile,
+        metavar="FILE",
+        help="a file holding the system message (UTF-8), as llama-cli's; the last of --system and this "
+        f"given wins{help_suffix}",
+    )
+
+
+def system_prompt(args: argparse.Namespace) -> str | None:
+    """The system message the flags give: `--system`, or the text of `--system-prompt-file`."""
+    if isinstance(args.system, SystemPromptFile):
+        return prompt_file_text(args.system.path, "--system-prompt-file")
+    return args.system
+
+
 def predict_limit(value: int) -> int | None:
     """A token limit as llama.cpp's `-n` takes it: 1 or more, or -1 (and -2): None, until the context is
     full; anything else is a ValueError."""
@@ -282,6 +332,12 @@ def add_escape_argument(parser: argparse.ArgumentParser, where: str) -> None:
     )
 
 
+def top_k_flag(value: int) -> int:
+    """`--top-k` as `SamplingParams` takes it: llama.cpp disables top-k at 0 or less, vLLM and sglang at
+    -1, as a request's `top_k` does here; all of them keep every token (0)."""
+    return max(value, 0)
+
+
 def sampling_params(args: argparse.Namespace) -> Any:
     """`SamplingParams` from the sampling flags; llama-cli's `--seed -1` (its default, as
     4294967295 is) draws a fresh seed, as no seed does, and its `--top-k -1` keeps every token."""
@@ -291,7 +347,7 @@ def sampling_params(args: argparse.Namespace) -> Any:
     try:
         return SamplingParams(
             temperature=args.temperature,
-            top_k=max(args.top_k, 0),  # llama.cpp's and vLLM's -1, as a request's top_k
+            top_k=top_k_flag(args.top_k),
             top_p=args.top_p,
             min_p=args.min_p,
             repetition_penalty=args.repeat_penalty,

@@ -13,11 +13,13 @@ from k3stream.commands.flags import (
     add_model_arguments,
     add_parallel_arguments,
     add_sampling_arguments,
-    check_input_file,
+    add_system_arguments,
+    prompt_file_text,
     prompt_ids,
     reached_tokens,
     sampling_params,
     size_context,
+    system_prompt,
     user_text,
     with_ends,
 )
@@ -35,9 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chat", action="store_true", help="send the prompt as a user message through the chat template"
     )
-    parser.add_argument(
-        "--system", "--system-prompt", "-sys", default=None, help="system message (implies --chat)"
-    )
+    add_system_arguments(parser, " (implies --chat)")
     parser.add_argument(
         "--thinking", action="store_true", help="open the think channel (Kimi-K3 templates; implies --chat)"
     )
@@ -47,16 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def prompt_text(args: argparse.Namespace) -> str:
-    """The prompt: `--prompt`, stdin for `--prompt -`, or the text of `--file` as its bytes are (a CRLF
-    stays, as llama-cli reads it) less the line break an editor ends it with (one, as llama-cli drops
-    it)."""
+    """The prompt: `--prompt`, stdin for `--prompt -`, or the text of `--file` (`prompt_file_text`)."""
     if args.file is None:
         return sys.stdin.read() if args.prompt == "-" else args.prompt
-    check_input_file(args.file, "--file")
-    try:
-        return args.file.read_bytes().decode("utf-8").removesuffix("\n")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"--file {args.file}: not UTF-8 text (byte {exc.start})") from None
+    return prompt_file_text(args.file, "--file")
 
 
 def _write(text: str) -> None:
@@ -71,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from k3stream.engine.loading import open_model
     from k3stream.engine.tokenizer import Tokenizer
 
+    args.system = system_prompt(args)
     text = prompt_text(args)
     # llama-cli's escapes (its default), for the prompt however given and the stop strings
     text = user_text(text, "--prompt" if args.file is None else "--file", args.escape)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+from pathlib import Path
 
 from k3stream.commands.flags import finite, positive
-from k3stream.gguf.writer import FITTING_SHAPES, FLOAT_RECIPES, RECIPES, TinySpec
+from k3stream.gguf.writer import FITTING_SHAPES, FLOAT_RECIPES, RECIPES, TinySpec, shard_paths
 from k3stream.testing.slices import LIKE, REAL_VOCAB, like
 from k3stream.testing.tiny import make_tiny
 
@@ -59,6 +60,12 @@ def field_parser(field: dataclasses.Field):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to write the GGUF (or its shards) into")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a GGUF of the same name in OUT_DIR, and remove the expert pack `k3stream pack` "
+        "made beside it (a pack of the replaced weights)",
+    )
     parser.add_argument(
         "--like",
         choices=sorted(LIKE),
@@ -147,9 +154,33 @@ def spec_from_args(args: argparse.Namespace) -> TinySpec:
     return like(args.like, given.pop("n_layers", LIKE_LAYERS), **given)
 
 
+def replace_outputs(out_dir: str, spec: TinySpec, force: bool) -> None:
+    """Refuse (one line naming the file) to replace a GGUF that `spec` would write over, unless `force`;
+    with it, remove the pack outputs `k3stream pack` wrote beside that GGUF by default (pack, manifest,
+    checksums, a partial build and its journal), which describe the weights being replaced."""
+    from k3stream.pack.builder import build_lock, journal_path
+    from k3stream.pack.integrity import sidecar_path
+    from k3stream.pack.paths import default_outputs
+
+    shards = shard_paths(Path(out_dir), spec.shards)
+    existing = [path for path in shards if path.exists()]
+    if not existing:
+        return
+    if not force:
+        raise FileExistsError(f"refusing to overwrite existing model {existing[0]} (use --force)")
+    pack, manifest = default_outputs(shards)
+    partial = pack.with_name(pack.name + ".partial")
+    with build_lock(pack):  # refused while a pack build runs on these files
+        # the manifest first, so no complete manifest ever describes a pack being removed
+        for owned in (manifest, sidecar_path(manifest), pack, partial, journal_path(partial)):
+            owned.unlink(missing_ok=True)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        path = make_tiny(args.out_dir, spec_from_args(args))
+        spec = spec_from_args(args)
+        replace_outputs(args.out_dir, spec, args.force)
+        path = make_tiny(args.out_dir, spec)
     except ValueError as error:
         raise in_flag_words(error) from None
     print(path)

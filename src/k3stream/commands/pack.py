@@ -17,7 +17,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("gguf", type=Path, help="a .gguf file, any shard of a split set, or a directory")
     parser.add_argument("--out", help="pack path (default: NAME.expert-major.pack by the shards)")
     parser.add_argument("--manifest", help="manifest path (default: PACK.manifest.json)")
-    parser.add_argument("--force", action="store_true", help="replace an existing pack and manifest")
+    existing = parser.add_mutually_exclusive_group()
+    existing.add_argument("--force", action="store_true", help="replace an existing pack and manifest")
+    existing.add_argument(
+        "--relink",
+        action="store_true",
+        help="a copied model folder: check the copy's GGUF and pack against the manifest beside them "
+        "(sizes, metadata, sampled checksums; the pack is not read again) and point the manifest's paths "
+        "at them",
+    )
     paths = parser.add_mutually_exclusive_group()
     paths.add_argument(
         "--absolute-paths",
@@ -78,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         sync_bytes=int(args.sync_mib * 1024**2),
     )
+    if args.relink:
+        return _relink(args)
     try:
         _check_tokenizer(args.gguf, args.profile)
         with _printed_notes("k3stream.pack.builder"):
@@ -93,6 +103,18 @@ def run(args: argparse.Namespace) -> int:
         f"({result.throughput / 1024**2:.1f} MiB/s, {method}); {result.seconds:.2f} s in all"
     )
     print(f"resumed   {result.resumed_bytes} bytes")
+    return 0
+
+
+def _relink(args: argparse.Namespace) -> int:
+    from k3stream.pack.relink import relink_pack
+
+    try:
+        manifest = relink_pack(args.gguf, args.out, args.manifest, args.profile)
+    except (OSError, ValueError, RuntimeError) as exc:
+        say(f"k3stream pack: error: {exc}")
+        return 1
+    print(f"relinked  {manifest}: its paths name the files checked against its records")
     return 0
 
 

@@ -215,7 +215,9 @@ def add_request_default_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens a request that names no max_tokens or n_predict may generate (-1: up to the context)",
     )
     parser.add_argument("--temperature", "--temp", type=float, default=1.0, help="default %(default)s")
-    parser.add_argument("--top-k", type=int, default=0, help="0 disables (default %(default)s)")
+    parser.add_argument(
+        "--top-k", type=int, default=0, help="0 or less disables, as llama-server's (default %(default)s)"
+    )
     parser.add_argument("--top-p", type=float, default=1.0, help="1 disables (default %(default)s)")
     parser.add_argument("--min-p", type=float, default=0.0, help="0 disables (default %(default)s)")
     parser.add_argument(
@@ -259,7 +261,7 @@ def template_defaults(args: argparse.Namespace) -> dict[str, Any]:
 def request_defaults(args: argparse.Namespace) -> tuple[Any, int | None]:
     """The `SamplingParams` a request's absent fields take and the tokens one naming no limit may
     generate (None: up to the context), from the flags; a bad value is a one-line error naming it."""
-    from k3stream.commands.flags import in_sampling_flags, predict_limit
+    from k3stream.commands.flags import in_sampling_flags, predict_limit, top_k_flag
     from k3stream.engine.sampling import SamplingParams
     from k3stream.server.schemas import fixed_seed
 
@@ -270,7 +272,7 @@ def request_defaults(args: argparse.Namespace) -> tuple[Any, int | None]:
     try:
         defaults = SamplingParams(
             temperature=args.temperature,
-            top_k=args.top_k,
+            top_k=top_k_flag(args.top_k),
             top_p=args.top_p,
             min_p=args.min_p,
             seed=fixed_seed(args.seed),

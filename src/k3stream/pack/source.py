@@ -42,8 +42,9 @@ def check_built_from(manifest_path: Path, named: list[Path], shards: list[Path])
     if [Path(path).resolve() for path in named] != given:  # links followed on both sides (a hub cache's)
         built = named[0] if named else "no shards"
         raise ValueError(
-            f"{manifest_path}: built from {built}, not {given[0]}; pack this GGUF "
-            f"(`k3stream pack {given[0]} --force`) or give the manifest to run the model it names"
+            f"{manifest_path}: built from {built}, not {given[0]}; a copied folder: `k3stream pack "
+            f"{given[0]} --relink`; another model's pack: `--force` packs this GGUF, or give the manifest "
+            "to run the model it names"
         )
 
 
