@@ -79,6 +79,7 @@ AVX512_INLINE __m512 chunk_floats(const float *d, int stride, int count) {
 typedef struct {
     float d[PREPARED_BLOCKS];
     __m256i lanes127[PREPARED_BLOCKS];
+    int8_t runs[PREPARED_BLOCKS][256]; /* Q2_K at full width: each block's runs f and 4 + f in bytes 64f.. */
 } Prepared;
 
 /* Q2_K and Q3_K: per input row r and block k of the chunk from block c, the block's d (the f16 at
@@ -493,10 +494,14 @@ KQ_INLINE __m512i take_plus(__m512i v, __m512i take, int j) {
 /* Q2_K's codes times scales, looked up by vpshufb: 128-bit lane i, byte 4j + c holds c times sub-block
  * 4j + i's scale (at most 45), so pair j's lookup index is code + 4j. Each dword (lane i, slot j) is
  * the scale times 0x03020100: the scale in both int16 halves (vpermb), times 0x0100 and 0x0302. */
-KQ_INLINE __m512i q2_k_table(__m128i scales) {
-    static const uint8_t spread[64] = {
-        0, 0, 0, 0, 4, 0, 4, 0, 8, 0, 8, 0, 12, 0, 12, 0, 1, 0, 1, 0, 5, 0, 5, 0, 9, 0, 9, 0, 13, 0, 13, 0,
-        2, 0, 2, 0, 6, 0, 6, 0, 10, 0, 10, 0, 14, 0, 14, 0, 3, 0, 3, 0, 7, 0, 7, 0, 11, 0, 11, 0, 15, 0, 15, 0};
+static const uint8_t Q2_K_SPREAD[64] = {
+    0, 0, 0, 0, 4, 0, 4, 0, 8, 0, 8, 0, 12, 0, 12, 0, 1, 0, 1, 0, 5, 0, 5, 0, 9, 0, 9, 0, 13, 0, 13, 0,
+    2, 0, 2, 0, 6, 0, 6, 0, 10, 0, 10, 0, 14, 0, 14, 0, 3, 0, 3, 0, 7, 0, 7, 0, 11, 0, 11, 0, 15, 0, 15, 0};
+/* ... with runs f and 4 + f in one vector (q2_k_wide_sums): lane i, slot f sub-block 2f + i (+ 6 from lane 2) */
+static const uint8_t Q2_K_WIDE_SPREAD[64] = {
+    0, 0, 0, 0, 2, 0, 2, 0, 4, 0, 4, 0, 6, 0, 6, 0, 1, 0, 1, 0, 3, 0, 3, 0, 5, 0, 5, 0, 7, 0, 7, 0,
+    8, 0, 8, 0, 10, 0, 10, 0, 12, 0, 12, 0, 14, 0, 14, 0, 9, 0, 9, 0, 11, 0, 11, 0, 13, 0, 13, 0, 15, 0, 15, 0};
+KQ_INLINE __m512i q2_k_table(__m128i scales, const uint8_t *spread) {
     const __m512i each = _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, _mm512_loadu_si512((const void *)spread),
                                                        _mm512_castsi128_si512(scales));
     return _mm512_mullo_epi16(each, _mm512_set1_epi32(0x03020100));
@@ -506,7 +511,7 @@ KQ_INLINE __m512i q2_k_table(__m128i scales) {
  * scales, as ggml_cpu.c's q8_q2_k: runs 2j, 2j + 1 (codes at bits 2f of bytes 16 + 32g.. for run 4g + f)
  * each code times its sub-block's scale (q2_k_table), one vpdpbusd a pair of runs */
 KQ_INLINE void q2_k_sums(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m512i *sums, const int n) {
-    const __m512i table = q2_k_table(_mm_and_si128(_mm_loadu_si128((const __m128i *)b), _mm_set1_epi8(15)));
+    const __m512i table = q2_k_table(_mm_and_si128(_mm_loadu_si128((const __m128i *)b), _mm_set1_epi8(15)), Q2_K_SPREAD);
     for (int r = 0; r < n; r++) sums[r] = _mm512_setzero_si512();
     for (int j = 0; j < 4; j++) {
         const int f = 2 * (j & 1);
@@ -515,6 +520,19 @@ KQ_INLINE void q2_k_sums(const uint8_t *restrict b, const BlockQ8K *const *y, in
         for (int r = 0; r < n; r++)
             sums[r] = _mm512_dpbusd_epi32(sums[r], scaled, _mm512_loadu_si512((const void *)(y[r][at].qs + 64 * j)));
     }
+}
+
+/* ... one input row's, its activations `runs` (Prepared's): runs f and 4 + f in one vector, codes f of
+ * the block's 64 code bytes in one load (no 32-byte broadcast): the same lanes once folded */
+KQ_INLINE __m512i q2_k_wide_sums(const uint8_t *restrict b, const int8_t *runs) {
+    const __m512i table = q2_k_table(_mm_and_si128(_mm_loadu_si128((const __m128i *)b), _mm_set1_epi8(15)), Q2_K_WIDE_SPREAD);
+    const __m512i codes = _mm512_loadu_si512((const void *)(b + 16));
+    __m512i sums = _mm512_setzero_si512();
+    for (int f = 0; f < 4; f++) {
+        const __m512i at_code = take_plus(codes, _mm512_set1_epi64((long long)TAKE_CODE(2 * f)), f);
+        sums = _mm512_dpbusd_epi32(sums, _mm512_shuffle_epi8(table, at_code), _mm512_loadu_si512((const void *)(runs + 64 * f)));
+    }
+    return sums;
 }
 
 /* acc[r] += one Q2_K block (block k of the chunk) times input row r's Q8_K block, as ggml_cpu.c's
@@ -552,6 +570,11 @@ AVX512_INLINE void prepare(const BlockQ8K *y, int64_t blocks, const int offsets,
     for (int64_t k = 0; k < blocks; k++) {
         prepared->d[k] = y[k].d;
         if (offsets) prepared->lanes127[k] = q3_k_offset_lanes(y + k);
+        else
+            for (int f = 0; f < 4; f++) {
+                memcpy(prepared->runs[k] + 64 * f, y[k].qs + 32 * f, 32);
+                memcpy(prepared->runs[k] + 64 * f + 32, y[k].qs + 128 + 32 * f, 32);
+            }
     }
 }
 
@@ -781,10 +804,7 @@ KQ_INLINE __m512i q2_k_mins_pair(const uint8_t *restrict a, const uint8_t *restr
  * FMAs, alternating): steps and mins their float pairs */
 KQ_INLINE void q2_k_pair_block(const uint8_t *restrict a, const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at,
                                __m512 *acc, const float *steps, const float *mins, const Prepared *prepared) {
-    (void)prepared;
-    __m512i sums_a, sums_b;
-    q2_k_sums(a, y, at, &sums_a, 1);
-    q2_k_sums(b, y, at, &sums_b, 1);
+    const __m512i sums_a = q2_k_wide_sums(a, prepared->runs[at]), sums_b = q2_k_wide_sums(b, prepared->runs[at]);
     const __m512i offsets = _mm512_madd_epi16(q2_k_mins_pair(a, b), lanes_twice(y[0][at].bsums));
     *acc = _mm512_fmadd_ps(float_pair(mins), _mm512_cvtepi32_ps(offsets), *acc);
     *acc = _mm512_fmadd_ps(float_pair(steps), _mm512_cvtepi32_ps(fold_pair(sums_a, sums_b)), *acc);
