@@ -564,17 +564,16 @@ AVX512_INLINE __m256i q3_k_offset_lanes(const BlockQ8K *y) {
     return fold(sums);
 }
 
-/* One input row's `blocks` (<= PREPARED_BLOCKS) Q8_K blocks y into `prepared`: their d's, and with
- * `offsets` Q3_K's offset lanes */
+/* One input row's `blocks` (<= PREPARED_BLOCKS) Q8_K blocks y into `prepared`: their d's, their
+ * activations by run pairs (f, 4 + f), and with `offsets` Q3_K's offset lanes */
 AVX512_INLINE void prepare(const BlockQ8K *y, int64_t blocks, const int offsets, Prepared *prepared) {
     for (int64_t k = 0; k < blocks; k++) {
         prepared->d[k] = y[k].d;
         if (offsets) prepared->lanes127[k] = q3_k_offset_lanes(y + k);
-        else
-            for (int f = 0; f < 4; f++) {
-                memcpy(prepared->runs[k] + 64 * f, y[k].qs + 32 * f, 32);
-                memcpy(prepared->runs[k] + 64 * f + 32, y[k].qs + 128 + 32 * f, 32);
-            }
+        for (int f = 0; f < 4; f++) {
+            memcpy(prepared->runs[k] + 64 * f, y[k].qs + 32 * f, 32);
+            memcpy(prepared->runs[k] + 64 * f + 32, y[k].qs + 128 + 32 * f, 32);
+        }
     }
 }
 
@@ -597,14 +596,17 @@ KQ_INLINE __m256i q3_k_scales16(const uint8_t *restrict b) {
  * its scale less 32: at most 4 * 32 + 127 = 255, at least 127 - 4 * 31 = 3, so an unsigned byte. Table
  * j / 2, 16-bit lane w: s of its sub-block (vpermb of the int16 scales' two bytes) times (c - 4) + 256
  * (c - 3) (c = 2 (w % 4)), plus 127 in both bytes: each byte its weight, no carry between them. */
-KQ_INLINE void q3_k_tables(const uint8_t *restrict b, __m512i tables[2]) {
+KQ_INLINE void q3_k_tables(const uint8_t *restrict b, __m512i tables[2], const int wide) {
     uint8_t pick[2][64] __attribute__((aligned(64)));
     int16_t times[32] __attribute__((aligned(64)));
     for (int w = 0; w < 32; w++) {
         const int lane = w / 8, k = w % 8, c = 2 * (k % 4);
         times[w] = (int16_t)((c - 4) + 256 * (c - 3));
         for (int g = 0; g < 2; g++)
-            for (int e = 0; e < 2; e++) pick[g][2 * w + e] = (uint8_t)(2 * (8 * g + lane + 4 * (k / 4)) + e);
+            for (int e = 0; e < 2; e++) {
+                const int pair = 2 * g + k / 4, block = wide ? 2 * pair + lane + (lane >= 2 ? 6 : 0) : 4 * pair + lane;
+                pick[g][2 * w + e] = (uint8_t)(2 * block + e);
+            }
     }
     const __m512i scales = _mm512_castsi256_si512(q3_k_scales16(b)), factors = _mm512_load_si512(times);
     for (int g = 0; g < 2; g++)
@@ -622,7 +624,7 @@ KQ_INLINE void q3_k_tables(const uint8_t *restrict b, __m512i tables[2]) {
 KQ_INLINE void q3_k_sums(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m512i *sums,
                          __m512i *offsets, const int n, const int held) {
     __m512i tables[2];
-    q3_k_tables(b, tables);
+    q3_k_tables(b, tables, 0);
     const __m512i hmask = both_halves(b), offset = _mm512_set1_epi8(127);
     for (int r = 0; r < n; r++) sums[r] = offsets[r] = _mm512_setzero_si512();
     for (int j = 0; j < 4; j++) {
@@ -637,6 +639,23 @@ KQ_INLINE void q3_k_sums(const uint8_t *restrict b, const BlockQ8K *const *y, in
             if (!held) offsets[r] = _mm512_dpbusd_epi32(offsets[r], offset, q8);
         }
     }
+}
+
+/* ... one input row's, its activations `runs` (Prepared's) and offsets held: runs f and 4 + f in one
+ * vector (pair f), as q2_k_wide_sums */
+KQ_INLINE __m512i q3_k_wide_sums(const uint8_t *restrict b, const int8_t *runs) {
+    __m512i tables[2];
+    q3_k_tables(b, tables, 1);
+    const __m512i hmask = both_halves(b), codes = _mm512_loadu_si512((const void *)(b + 32));
+    __m512i sums = _mm512_setzero_si512();
+    for (int f = 0; f < 4; f++) {
+        const __m512i take = _mm512_set1_epi64((long long)TAKE_CODE(2 * f));
+        const __m512i low = f & 1 ? _mm512_gf2p8affine_epi64_epi8(codes, take, 8) : _mm512_gf2p8affine_epi64_epi8(codes, take, 0);
+        const __mmask64 high = _mm512_test_epi8_mask(hmask, halves64(0x0101010101010101ULL << f, 0x0101010101010101ULL << (f + 4)));
+        const __m512i weights = _mm512_shuffle_epi8(tables[f >> 1], _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(4)));
+        sums = _mm512_dpbusd_epi32(sums, weights, _mm512_loadu_si512((const void *)(runs + 64 * f)));
+    }
+    return sums;
 }
 
 KQ_INLINE void q3_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n,
@@ -814,9 +833,7 @@ KQ_INLINE void q2_k_pair_block(const uint8_t *restrict a, const uint8_t *restric
 KQ_INLINE void q3_k_pair_block(const uint8_t *restrict a, const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at,
                                __m512 *acc, const float *steps, const float *mins, const Prepared *prepared) {
     (void)mins;
-    __m512i sums_a, sums_b, unused;
-    q3_k_sums(a, y, at, &sums_a, &unused, 1, 1);
-    q3_k_sums(b, y, at, &sums_b, &unused, 1, 1);
+    const __m512i sums_a = q3_k_wide_sums(a, prepared->runs[at]), sums_b = q3_k_wide_sums(b, prepared->runs[at]);
     const __m512i lanes = _mm512_sub_epi32(fold_pair(sums_a, sums_b), lanes_twice(prepared->lanes127 + at));
     *acc = _mm512_fmadd_ps(float_pair(steps), _mm512_cvtepi32_ps(lanes), *acc);
 }
