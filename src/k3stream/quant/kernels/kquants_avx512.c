@@ -497,7 +497,7 @@ KQ_INLINE __m512i take_plus(__m512i v, __m512i take, int j) {
 static const uint8_t Q2_K_SPREAD[64] = {
     0, 0, 0, 0, 4, 0, 4, 0, 8, 0, 8, 0, 12, 0, 12, 0, 1, 0, 1, 0, 5, 0, 5, 0, 9, 0, 9, 0, 13, 0, 13, 0,
     2, 0, 2, 0, 6, 0, 6, 0, 10, 0, 10, 0, 14, 0, 14, 0, 3, 0, 3, 0, 7, 0, 7, 0, 11, 0, 11, 0, 15, 0, 15, 0};
-/* ... with runs f and 4 + f in one vector (q2_k_wide_sums): lane i, slot f sub-block 2f + i (+ 6 from lane 2) */
+/* ... with runs f and 4 + f in one vector (pair_code_bytes): lane i, slot f sub-block 2f + i (+ 6 from lane 2) */
 static const uint8_t Q2_K_WIDE_SPREAD[64] = {
     0, 0, 0, 0, 2, 0, 2, 0, 4, 0, 4, 0, 6, 0, 6, 0, 1, 0, 1, 0, 3, 0, 3, 0, 5, 0, 5, 0, 7, 0, 7, 0,
     8, 0, 8, 0, 10, 0, 10, 0, 12, 0, 12, 0, 14, 0, 14, 0, 9, 0, 9, 0, 11, 0, 11, 0, 13, 0, 13, 0, 15, 0, 15, 0};
@@ -507,32 +507,37 @@ KQ_INLINE __m512i q2_k_table(__m128i scales, const uint8_t *spread) {
     return _mm512_mullo_epi16(each, _mm512_set1_epi32(0x03020100));
 }
 
-/* sums[r] = input row r's int32 lanes (both halves, unfolded) of one Q2_K block's codes times their
- * scales, as ggml_cpu.c's q8_q2_k: runs 2j, 2j + 1 (codes at bits 2f of bytes 16 + 32g.. for run 4g + f)
- * each code times its sub-block's scale (q2_k_table), one vpdpbusd a pair of runs */
-KQ_INLINE void q2_k_sums(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m512i *sums, const int n) {
-    const __m512i table = q2_k_table(_mm_and_si128(_mm_loadu_si128((const __m128i *)b), _mm_set1_epi8(15)), Q2_K_SPREAD);
+/* A K-quant block's code bytes from `from` for run pair j: `wide`, the 64 bytes at from (a vector holds
+ * runs j and 4 + j: one load, where a 32-byte broadcast costs about a shuffle on Zen 5); else the 32 at
+ * from + 32 (j / 2) in both halves (runs 2j, 2j + 1) */
+KQ_INLINE __m512i pair_code_bytes(const uint8_t *from, int j, const int wide) {
+    return wide ? _mm512_loadu_si512((const void *)from) : both_halves(from + 32 * (j >> 1));
+}
+
+/* ... and the gf2p8affine matrix taking pair j's codes to bits 0-1: `wide`, code j of both halves; else
+ * codes 2 (j % 2) (low half) and 2 (j % 2) + 1 (high half) */
+KQ_INLINE __m512i pair_take(int j, const int wide) {
+    const int f = 2 * (j & 1);
+    return wide ? _mm512_set1_epi64((long long)TAKE_CODE(2 * j)) : halves64(TAKE_CODE(2 * f), TAKE_CODE(2 * f + 2));
+}
+
+/* sums[r] = the int32 lanes (both halves, unfolded) of one Q2_K block's codes times their scales against
+ * input row r's activations qs[r] (256 bytes: the Q8_K block's, or `wide` Prepared's runs), as
+ * ggml_cpu.c's q8_q2_k once folded: each code (at bits 2f of bytes 16 + 32g.. for run 4g + f) times its
+ * sub-block's scale (q2_k_table), one vpdpbusd a pair of runs */
+KQ_INLINE void q2_k_sums(const uint8_t *restrict b, const int8_t *const *qs, __m512i *sums, const int n, const int wide) {
+    const __m512i table = q2_k_table(_mm_and_si128(_mm_loadu_si128((const __m128i *)b), _mm_set1_epi8(15)),
+                                     wide ? Q2_K_WIDE_SPREAD : Q2_K_SPREAD);
     for (int r = 0; r < n; r++) sums[r] = _mm512_setzero_si512();
     for (int j = 0; j < 4; j++) {
-        const int f = 2 * (j & 1);
-        const __m512i at_code = take_plus(both_halves(b + 16 + 32 * (j >> 1)), halves64(TAKE_CODE(2 * f), TAKE_CODE(2 * f + 2)), j);
-        const __m512i scaled = _mm512_shuffle_epi8(table, at_code);
-        for (int r = 0; r < n; r++)
-            sums[r] = _mm512_dpbusd_epi32(sums[r], scaled, _mm512_loadu_si512((const void *)(y[r][at].qs + 64 * j)));
+        const __m512i scaled = _mm512_shuffle_epi8(table, take_plus(pair_code_bytes(b + 16, j, wide), pair_take(j, wide), j));
+        for (int r = 0; r < n; r++) sums[r] = _mm512_dpbusd_epi32(sums[r], scaled, _mm512_loadu_si512((const void *)(qs[r] + 64 * j)));
     }
 }
 
-/* ... one input row's, its activations `runs` (Prepared's): runs f and 4 + f in one vector, codes f of
- * the block's 64 code bytes in one load (no 32-byte broadcast): the same lanes once folded */
-KQ_INLINE __m512i q2_k_wide_sums(const uint8_t *restrict b, const int8_t *runs) {
-    const __m512i table = q2_k_table(_mm_and_si128(_mm_loadu_si128((const __m128i *)b), _mm_set1_epi8(15)), Q2_K_WIDE_SPREAD);
-    const __m512i codes = _mm512_loadu_si512((const void *)(b + 16));
-    __m512i sums = _mm512_setzero_si512();
-    for (int f = 0; f < 4; f++) {
-        const __m512i at_code = take_plus(codes, _mm512_set1_epi64((long long)TAKE_CODE(2 * f)), f);
-        sums = _mm512_dpbusd_epi32(sums, _mm512_shuffle_epi8(table, at_code), _mm512_loadu_si512((const void *)(runs + 64 * f)));
-    }
-    return sums;
+/* input rows r's activations of Q8_K block `at` */
+AVX512_INLINE void block_qs(const BlockQ8K *const *y, int64_t at, const int n, const int8_t **qs) {
+    for (int r = 0; r < n; r++) qs[r] = y[r][at].qs;
 }
 
 /* acc[r] += one Q2_K block (block k of the chunk) times input row r's Q8_K block, as ggml_cpu.c's
@@ -542,7 +547,9 @@ KQ_INLINE void q2_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, i
     (void)prepared;
     const __m256i low_mins = _mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)b)), 4);
     __m512i sums[Q8_ROWS];
-    q2_k_sums(b, y, at, sums, n);
+    const int8_t *qs[Q8_ROWS];
+    block_qs(y, at, n, qs);
+    q2_k_sums(b, qs, sums, n, 0);
     for (int r = 0; r < n; r++) {
         const __m256i offsets = _mm256_madd_epi16(low_mins, _mm256_loadu_si256((const __m256i *)y[r][at].bsums));
         acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&mins[r][k]), _mm256_cvtepi32_ps(offsets), acc[r]);
@@ -595,7 +602,8 @@ KQ_INLINE __m256i q3_k_scales16(const uint8_t *restrict b) {
  * t = 4j + i) holds at byte 8 (j % 2) + c the weight (c - 4) s_t + 127 of code c = low + 4 h (0..7), s_t
  * its scale less 32: at most 4 * 32 + 127 = 255, at least 127 - 4 * 31 = 3, so an unsigned byte. Table
  * j / 2, 16-bit lane w: s of its sub-block (vpermb of the int16 scales' two bytes) times (c - 4) + 256
- * (c - 3) (c = 2 (w % 4)), plus 127 in both bytes: each byte its weight, no carry between them. */
+ * (c - 3) (c = 2 (w % 4)), plus 127 in both bytes: each byte its weight, no carry between them. `wide`:
+ * pair j's lane i holds sub-block 2j + i (+ 6 from lane 2), runs j and 4 + j. */
 KQ_INLINE void q3_k_tables(const uint8_t *restrict b, __m512i tables[2], const int wide) {
     uint8_t pick[2][64] __attribute__((aligned(64)));
     int16_t times[32] __attribute__((aligned(64)));
@@ -614,48 +622,31 @@ KQ_INLINE void q3_k_tables(const uint8_t *restrict b, __m512i tables[2], const i
                                      _mm512_set1_epi16(0x7F7F));
 }
 
-/* acc[r] += one Q3_K block (block k of the chunk) times input row r's Q8_K block, in the int32 lanes of
- * ggml_cpu.c's q8_q3_k (ggml's: s_t times the pairs of products (c - 4) y): each byte's weight (c - 4) s_t
+/* sums[r] (and without `held`, offsets[r]) of one Q3_K block against input row r's activations qs[r]
+ * (as q2_k_sums; `wide`, runs j and 4 + j a vector), folded the int32 lanes of ggml_cpu.c's q8_q3_k (ggml's: s_t times the pairs of products (c - 4) y): each byte's weight (c - 4) s_t
  * + 127 (q3_k_tables; the index c + 8 (j % 2): the low two bits of bytes 32 + 32g.. at 2f by gf2p8affine
  * plus its constant, 4 added where bit 4g + f of hmask is set, for run 4g + f) times y by one vpdpbusd a
  * run pair, and 127 times y by another, taken away at the end: the same exact lanes, two vpdpbusd a run
  * pair and row where maddubs, maddubs, a subtraction and a vpdpwssd were. The offsets' lanes depend on the
  * input row alone: one input row's come `prepared` (q3_k_offset_lanes), once for all the weight rows. */
-KQ_INLINE void q3_k_sums(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m512i *sums,
-                         __m512i *offsets, const int n, const int held) {
+KQ_INLINE void q3_k_sums(const uint8_t *restrict b, const int8_t *const *qs, __m512i *sums, __m512i *offsets,
+                         const int n, const int held, const int wide) {
     __m512i tables[2];
-    q3_k_tables(b, tables, 0);
+    q3_k_tables(b, tables, wide);
     const __m512i hmask = both_halves(b), offset = _mm512_set1_epi8(127);
     for (int r = 0; r < n; r++) sums[r] = offsets[r] = _mm512_setzero_si512();
     for (int j = 0; j < 4; j++) {
-        const int f = 2 * (j & 1), bit = 4 * (j >> 1) + f;
-        const __m512i bits = both_halves(b + 32 + 32 * (j >> 1)), take = halves64(TAKE_CODE(2 * f), TAKE_CODE(2 * f + 2));
+        const __m512i bits = pair_code_bytes(b + 32, j, wide), take = pair_take(j, wide);
         const __m512i low = j & 1 ? _mm512_gf2p8affine_epi64_epi8(bits, take, 8) : _mm512_gf2p8affine_epi64_epi8(bits, take, 0);
-        const __mmask64 high = _mm512_test_epi8_mask(hmask, halves64(0x0101010101010101ULL << bit, 0x0101010101010101ULL << (bit + 1)));
+        const int bit = wide ? j : 4 * (j >> 1) + 2 * (j & 1), next = wide ? j + 4 : bit + 1;
+        const __mmask64 high = _mm512_test_epi8_mask(hmask, halves64(0x0101010101010101ULL << bit, 0x0101010101010101ULL << next));
         const __m512i weights = _mm512_shuffle_epi8(tables[j >> 1], _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(4)));
         for (int r = 0; r < n; r++) {
-            const __m512i q8 = _mm512_loadu_si512((const void *)(y[r][at].qs + 64 * j));
+            const __m512i q8 = _mm512_loadu_si512((const void *)(qs[r] + 64 * j));
             sums[r] = _mm512_dpbusd_epi32(sums[r], weights, q8);
             if (!held) offsets[r] = _mm512_dpbusd_epi32(offsets[r], offset, q8);
         }
     }
-}
-
-/* ... one input row's, its activations `runs` (Prepared's) and offsets held: runs f and 4 + f in one
- * vector (pair f), as q2_k_wide_sums */
-KQ_INLINE __m512i q3_k_wide_sums(const uint8_t *restrict b, const int8_t *runs) {
-    __m512i tables[2];
-    q3_k_tables(b, tables, 1);
-    const __m512i hmask = both_halves(b), codes = _mm512_loadu_si512((const void *)(b + 32));
-    __m512i sums = _mm512_setzero_si512();
-    for (int f = 0; f < 4; f++) {
-        const __m512i take = _mm512_set1_epi64((long long)TAKE_CODE(2 * f));
-        const __m512i low = f & 1 ? _mm512_gf2p8affine_epi64_epi8(codes, take, 8) : _mm512_gf2p8affine_epi64_epi8(codes, take, 0);
-        const __mmask64 high = _mm512_test_epi8_mask(hmask, halves64(0x0101010101010101ULL << f, 0x0101010101010101ULL << (f + 4)));
-        const __m512i weights = _mm512_shuffle_epi8(tables[f >> 1], _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(4)));
-        sums = _mm512_dpbusd_epi32(sums, weights, _mm512_loadu_si512((const void *)(runs + 64 * f)));
-    }
-    return sums;
 }
 
 KQ_INLINE void q3_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n,
@@ -663,7 +654,9 @@ KQ_INLINE void q3_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, i
     (void)mins;
     const int held = prepared != NULL;
     __m512i sums[Q8_ROWS], offsets[Q8_ROWS];
-    q3_k_sums(b, y, at, sums, offsets, n, held);
+    const int8_t *qs[Q8_ROWS];
+    block_qs(y, at, n, qs);
+    q3_k_sums(b, qs, sums, offsets, n, held, 0);
     for (int r = 0; r < n; r++) {
         const __m256i lanes = held ? _mm256_sub_epi32(fold(sums[r]), _mm256_load_si256(prepared->lanes127 + at))
                                    : fold(_mm512_sub_epi32(sums[r], offsets[r]));
@@ -823,7 +816,10 @@ KQ_INLINE __m512i q2_k_mins_pair(const uint8_t *restrict a, const uint8_t *restr
  * FMAs, alternating): steps and mins their float pairs */
 KQ_INLINE void q2_k_pair_block(const uint8_t *restrict a, const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at,
                                __m512 *acc, const float *steps, const float *mins, const Prepared *prepared) {
-    const __m512i sums_a = q2_k_wide_sums(a, prepared->runs[at]), sums_b = q2_k_wide_sums(b, prepared->runs[at]);
+    const int8_t *runs[1] = {prepared->runs[at]};
+    __m512i sums_a, sums_b;
+    q2_k_sums(a, runs, &sums_a, 1, 1);
+    q2_k_sums(b, runs, &sums_b, 1, 1);
     const __m512i offsets = _mm512_madd_epi16(q2_k_mins_pair(a, b), lanes_twice(y[0][at].bsums));
     *acc = _mm512_fmadd_ps(float_pair(mins), _mm512_cvtepi32_ps(offsets), *acc);
     *acc = _mm512_fmadd_ps(float_pair(steps), _mm512_cvtepi32_ps(fold_pair(sums_a, sums_b)), *acc);
@@ -833,7 +829,10 @@ KQ_INLINE void q2_k_pair_block(const uint8_t *restrict a, const uint8_t *restric
 KQ_INLINE void q3_k_pair_block(const uint8_t *restrict a, const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at,
                                __m512 *acc, const float *steps, const float *mins, const Prepared *prepared) {
     (void)mins;
-    const __m512i sums_a = q3_k_wide_sums(a, prepared->runs[at]), sums_b = q3_k_wide_sums(b, prepared->runs[at]);
+    const int8_t *runs[1] = {prepared->runs[at]};
+    __m512i sums_a, sums_b, unused;
+    q3_k_sums(a, runs, &sums_a, &unused, 1, 1, 1);
+    q3_k_sums(b, runs, &sums_b, &unused, 1, 1, 1);
     const __m512i lanes = _mm512_sub_epi32(fold_pair(sums_a, sums_b), lanes_twice(prepared->lanes127 + at));
     *acc = _mm512_fmadd_ps(float_pair(steps), _mm512_cvtepi32_ps(lanes), *acc);
 }
