@@ -335,12 +335,15 @@ def test_q8_0s_one_row_kernels_by_either_vector_width_give_the_avx2_kernels_bits
 
 @pytest.mark.parametrize("qt", [T.Q2_K, T.Q3_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("cols", [256, 7168, 32768, 33024])  # 1, 28, 128 (the most held) and 129 blocks
-def test_decode_kernels_holding_an_input_rows_blocks_keep_the_avx2_bits(qt, cols, monkeypatch):
+@pytest.mark.parametrize("wide", ["1", "0"])
+def test_decode_kernels_holding_an_input_rows_blocks_keep_the_avx2_bits(qt, cols, wide, monkeypatch):
     """Q2_K's and Q3_K's AVX-512 decode kernels take one input row's Q8_K scales (Q3_K also its offset
     lanes) once a call for rows of up to 128 blocks, and make them block by block for longer rows: every
-    weight row (the pairs and an odd last one), each matrix on its own input row (not the first), on one
+    weight row (the pairs, in alternate lanes of 512-bit vectors with K3STREAM_WIDE_VECTORS=1 or in two
+    256-bit chains with =0, and an odd last one), each matrix on its own input row (not the first), on one
     and two threads, is the AVX2 kernel's on one thread."""
     take_kernel_isa("avx512", monkeypatch)
+    monkeypatch.setenv("K3STREAM_WIDE_VECTORS", wide)
     weights = [matrix(qt, rows, cols, seed=rows) for rows in (67, 67, 67)]
     x = inputs(3, cols, seed=cols)
     order = np.array([2, 0, 1])

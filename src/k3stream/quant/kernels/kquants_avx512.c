@@ -79,6 +79,7 @@ AVX512_INLINE __m512 chunk_floats(const float *d, int stride, int count) {
 typedef struct {
     float d[PREPARED_BLOCKS];
     __m256i lanes127[PREPARED_BLOCKS];
+    int8_t runs[PREPARED_BLOCKS][256]; /* Q2_K at full width: each block's runs f and 4 + f in bytes 64f.. */
 } Prepared;
 
 /* Q2_K and Q3_K: per input row r and block k of the chunk from block c, the block's d (the f16 at
@@ -493,33 +494,62 @@ KQ_INLINE __m512i take_plus(__m512i v, __m512i take, int j) {
 /* Q2_K's codes times scales, looked up by vpshufb: 128-bit lane i, byte 4j + c holds c times sub-block
  * 4j + i's scale (at most 45), so pair j's lookup index is code + 4j. Each dword (lane i, slot j) is
  * the scale times 0x03020100: the scale in both int16 halves (vpermb), times 0x0100 and 0x0302. */
-KQ_INLINE __m512i q2_k_table(__m128i scales) {
-    static const uint8_t spread[64] = {
-        0, 0, 0, 0, 4, 0, 4, 0, 8, 0, 8, 0, 12, 0, 12, 0, 1, 0, 1, 0, 5, 0, 5, 0, 9, 0, 9, 0, 13, 0, 13, 0,
-        2, 0, 2, 0, 6, 0, 6, 0, 10, 0, 10, 0, 14, 0, 14, 0, 3, 0, 3, 0, 7, 0, 7, 0, 11, 0, 11, 0, 15, 0, 15, 0};
+static const uint8_t Q2_K_SPREAD[64] = {
+    0, 0, 0, 0, 4, 0, 4, 0, 8, 0, 8, 0, 12, 0, 12, 0, 1, 0, 1, 0, 5, 0, 5, 0, 9, 0, 9, 0, 13, 0, 13, 0,
+    2, 0, 2, 0, 6, 0, 6, 0, 10, 0, 10, 0, 14, 0, 14, 0, 3, 0, 3, 0, 7, 0, 7, 0, 11, 0, 11, 0, 15, 0, 15, 0};
+/* ... with runs f and 4 + f in one vector (pair_code_bytes): lane i, slot f sub-block 2f + i (+ 6 from lane 2) */
+static const uint8_t Q2_K_WIDE_SPREAD[64] = {
+    0, 0, 0, 0, 2, 0, 2, 0, 4, 0, 4, 0, 6, 0, 6, 0, 1, 0, 1, 0, 3, 0, 3, 0, 5, 0, 5, 0, 7, 0, 7, 0,
+    8, 0, 8, 0, 10, 0, 10, 0, 12, 0, 12, 0, 14, 0, 14, 0, 9, 0, 9, 0, 11, 0, 11, 0, 13, 0, 13, 0, 15, 0, 15, 0};
+KQ_INLINE __m512i q2_k_table(__m128i scales, const uint8_t *spread) {
     const __m512i each = _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, _mm512_loadu_si512((const void *)spread),
                                                        _mm512_castsi128_si512(scales));
     return _mm512_mullo_epi16(each, _mm512_set1_epi32(0x03020100));
 }
 
-/* acc[r] += one Q2_K block (block k of the chunk) times input row r's Q8_K block, as ggml_cpu.c's
- * q8_q2_k: runs 2j, 2j + 1 (codes at bits 2f of bytes 16 + 32g.. for run 4g + f) each code times its
+/* A K-quant block's code bytes from `from` for run pair j: `wide`, the 64 bytes at from (a vector holds
+ * runs j and 4 + j: one load, where a 32-byte broadcast costs about a shuffle on Zen 5); else the 32 at
+ * from + 32 (j / 2) in both halves (runs 2j, 2j + 1) */
+KQ_INLINE __m512i pair_code_bytes(const uint8_t *from, int j, const int wide) {
+    return wide ? _mm512_loadu_si512((const void *)from) : both_halves(from + 32 * (j >> 1));
+}
+
+/* ... and the gf2p8affine matrix taking pair j's codes to bits 0-1: `wide`, code j of both halves; else
+ * codes 2 (j % 2) (low half) and 2 (j % 2) + 1 (high half) */
+KQ_INLINE __m512i pair_take(int j, const int wide) {
+    const int f = 2 * (j & 1);
+    return wide ? _mm512_set1_epi64((long long)TAKE_CODE(2 * j)) : halves64(TAKE_CODE(2 * f), TAKE_CODE(2 * f + 2));
+}
+
+/* sums[r] = the int32 lanes (both halves, unfolded) of one Q2_K block's codes times their scales against
+ * input row r's activations qs[r] (256 bytes: the Q8_K block's, or `wide` Prepared's runs), as
+ * ggml_cpu.c's q8_q2_k once folded: each code (at bits 2f of bytes 16 + 32g.. for run 4g + f) times its
  * sub-block's scale (q2_k_table), one vpdpbusd a pair of runs */
+KQ_INLINE void q2_k_sums(const uint8_t *restrict b, const int8_t *const *qs, __m512i *sums, const int n, const int wide) {
+    const __m512i table = q2_k_table(_mm_and_si128(_mm_loadu_si128((const __m128i *)b), _mm_set1_epi8(15)),
+                                     wide ? Q2_K_WIDE_SPREAD : Q2_K_SPREAD);
+    for (int r = 0; r < n; r++) sums[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++) {
+        const __m512i scaled = _mm512_shuffle_epi8(table, take_plus(pair_code_bytes(b + 16, j, wide), pair_take(j, wide), j));
+        for (int r = 0; r < n; r++) sums[r] = _mm512_dpbusd_epi32(sums[r], scaled, _mm512_loadu_si512((const void *)(qs[r] + 64 * j)));
+    }
+}
+
+/* input rows r's activations of Q8_K block `at` */
+AVX512_INLINE void block_qs(const BlockQ8K *const *y, int64_t at, const int n, const int8_t **qs) {
+    for (int r = 0; r < n; r++) qs[r] = y[r][at].qs;
+}
+
+/* acc[r] += one Q2_K block (block k of the chunk) times input row r's Q8_K block, as ggml_cpu.c's
+ * q8_q2_k: the mins against the Q8_K sums, then the folded sums (q2_k_sums) */
 KQ_INLINE void q2_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n,
                           float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], int k, const Prepared *prepared) {
     (void)prepared;
-    const __m128i packed = _mm_loadu_si128((const __m128i *)b);
-    const __m256i low_mins = _mm256_srli_epi16(_mm256_cvtepu8_epi16(packed), 4);
-    const __m512i table = q2_k_table(_mm_and_si128(packed, _mm_set1_epi8(15)));
+    const __m256i low_mins = _mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)b)), 4);
     __m512i sums[Q8_ROWS];
-    for (int r = 0; r < n; r++) sums[r] = _mm512_setzero_si512();
-    for (int j = 0; j < 4; j++) {
-        const int f = 2 * (j & 1);
-        const __m512i at_code = take_plus(both_halves(b + 16 + 32 * (j >> 1)), halves64(TAKE_CODE(2 * f), TAKE_CODE(2 * f + 2)), j);
-        const __m512i scaled = _mm512_shuffle_epi8(table, at_code);
-        for (int r = 0; r < n; r++)
-            sums[r] = _mm512_dpbusd_epi32(sums[r], scaled, _mm512_loadu_si512((const void *)(y[r][at].qs + 64 * j)));
-    }
+    const int8_t *qs[Q8_ROWS];
+    block_qs(y, at, n, qs);
+    q2_k_sums(b, qs, sums, n, 0);
     for (int r = 0; r < n; r++) {
         const __m256i offsets = _mm256_madd_epi16(low_mins, _mm256_loadu_si256((const __m256i *)y[r][at].bsums));
         acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&mins[r][k]), _mm256_cvtepi32_ps(offsets), acc[r]);
@@ -541,12 +571,16 @@ AVX512_INLINE __m256i q3_k_offset_lanes(const BlockQ8K *y) {
     return fold(sums);
 }
 
-/* One input row's `blocks` (<= PREPARED_BLOCKS) Q8_K blocks y into `prepared`: their d's, and with
- * `offsets` Q3_K's offset lanes */
+/* One input row's `blocks` (<= PREPARED_BLOCKS) Q8_K blocks y into `prepared`: their d's, their
+ * activations by run pairs (f, 4 + f), and with `offsets` Q3_K's offset lanes */
 AVX512_INLINE void prepare(const BlockQ8K *y, int64_t blocks, const int offsets, Prepared *prepared) {
     for (int64_t k = 0; k < blocks; k++) {
         prepared->d[k] = y[k].d;
         if (offsets) prepared->lanes127[k] = q3_k_offset_lanes(y + k);
+        for (int f = 0; f < 4; f++) {
+            memcpy(prepared->runs[k] + 64 * f, y[k].qs + 32 * f, 32);
+            memcpy(prepared->runs[k] + 64 * f + 32, y[k].qs + 128 + 32 * f, 32);
+        }
     }
 }
 
@@ -568,15 +602,19 @@ KQ_INLINE __m256i q3_k_scales16(const uint8_t *restrict b) {
  * t = 4j + i) holds at byte 8 (j % 2) + c the weight (c - 4) s_t + 127 of code c = low + 4 h (0..7), s_t
  * its scale less 32: at most 4 * 32 + 127 = 255, at least 127 - 4 * 31 = 3, so an unsigned byte. Table
  * j / 2, 16-bit lane w: s of its sub-block (vpermb of the int16 scales' two bytes) times (c - 4) + 256
- * (c - 3) (c = 2 (w % 4)), plus 127 in both bytes: each byte its weight, no carry between them. */
-KQ_INLINE void q3_k_tables(const uint8_t *restrict b, __m512i tables[2]) {
+ * (c - 3) (c = 2 (w % 4)), plus 127 in both bytes: each byte its weight, no carry between them. `wide`:
+ * pair j's lane i holds sub-block 2j + i (+ 6 from lane 2), runs j and 4 + j. */
+KQ_INLINE void q3_k_tables(const uint8_t *restrict b, __m512i tables[2], const int wide) {
     uint8_t pick[2][64] __attribute__((aligned(64)));
     int16_t times[32] __attribute__((aligned(64)));
     for (int w = 0; w < 32; w++) {
         const int lane = w / 8, k = w % 8, c = 2 * (k % 4);
         times[w] = (int16_t)((c - 4) + 256 * (c - 3));
         for (int g = 0; g < 2; g++)
-            for (int e = 0; e < 2; e++) pick[g][2 * w + e] = (uint8_t)(2 * (8 * g + lane + 4 * (k / 4)) + e);
+            for (int e = 0; e < 2; e++) {
+                const int pair = 2 * g + k / 4, block = wide ? 2 * pair + lane + (lane >= 2 ? 6 : 0) : 4 * pair + lane;
+                pick[g][2 * w + e] = (uint8_t)(2 * block + e);
+            }
     }
     const __m512i scales = _mm512_castsi256_si512(q3_k_scales16(b)), factors = _mm512_load_si512(times);
     for (int g = 0; g < 2; g++)
@@ -584,34 +622,41 @@ KQ_INLINE void q3_k_tables(const uint8_t *restrict b, __m512i tables[2]) {
                                      _mm512_set1_epi16(0x7F7F));
 }
 
-/* acc[r] += one Q3_K block (block k of the chunk) times input row r's Q8_K block, in the int32 lanes of
- * ggml_cpu.c's q8_q3_k (ggml's: s_t times the pairs of products (c - 4) y): each byte's weight (c - 4) s_t
+/* sums[r] (and without `held`, offsets[r]) of one Q3_K block against input row r's activations qs[r]
+ * (as q2_k_sums; `wide`, runs j and 4 + j a vector), folded the int32 lanes of ggml_cpu.c's q8_q3_k (ggml's: s_t times the pairs of products (c - 4) y): each byte's weight (c - 4) s_t
  * + 127 (q3_k_tables; the index c + 8 (j % 2): the low two bits of bytes 32 + 32g.. at 2f by gf2p8affine
  * plus its constant, 4 added where bit 4g + f of hmask is set, for run 4g + f) times y by one vpdpbusd a
  * run pair, and 127 times y by another, taken away at the end: the same exact lanes, two vpdpbusd a run
  * pair and row where maddubs, maddubs, a subtraction and a vpdpwssd were. The offsets' lanes depend on the
  * input row alone: one input row's come `prepared` (q3_k_offset_lanes), once for all the weight rows. */
-KQ_INLINE void q3_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n,
-                          float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], int k, const Prepared *prepared) {
-    (void)mins;
+KQ_INLINE void q3_k_sums(const uint8_t *restrict b, const int8_t *const *qs, __m512i *sums, __m512i *offsets,
+                         const int n, const int held, const int wide) {
     __m512i tables[2];
-    q3_k_tables(b, tables);
-    const int held = prepared != NULL;
+    q3_k_tables(b, tables, wide);
     const __m512i hmask = both_halves(b), offset = _mm512_set1_epi8(127);
-    __m512i sums[Q8_ROWS], offsets[Q8_ROWS];
     for (int r = 0; r < n; r++) sums[r] = offsets[r] = _mm512_setzero_si512();
     for (int j = 0; j < 4; j++) {
-        const int f = 2 * (j & 1), bit = 4 * (j >> 1) + f;
-        const __m512i bits = both_halves(b + 32 + 32 * (j >> 1)), take = halves64(TAKE_CODE(2 * f), TAKE_CODE(2 * f + 2));
+        const __m512i bits = pair_code_bytes(b + 32, j, wide), take = pair_take(j, wide);
         const __m512i low = j & 1 ? _mm512_gf2p8affine_epi64_epi8(bits, take, 8) : _mm512_gf2p8affine_epi64_epi8(bits, take, 0);
-        const __mmask64 high = _mm512_test_epi8_mask(hmask, halves64(0x0101010101010101ULL << bit, 0x0101010101010101ULL << (bit + 1)));
+        const int bit = wide ? j : 4 * (j >> 1) + 2 * (j & 1), next = wide ? j + 4 : bit + 1;
+        const __mmask64 high = _mm512_test_epi8_mask(hmask, halves64(0x0101010101010101ULL << bit, 0x0101010101010101ULL << next));
         const __m512i weights = _mm512_shuffle_epi8(tables[j >> 1], _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(4)));
         for (int r = 0; r < n; r++) {
-            const __m512i q8 = _mm512_loadu_si512((const void *)(y[r][at].qs + 64 * j));
+            const __m512i q8 = _mm512_loadu_si512((const void *)(qs[r] + 64 * j));
             sums[r] = _mm512_dpbusd_epi32(sums[r], weights, q8);
             if (!held) offsets[r] = _mm512_dpbusd_epi32(offsets[r], offset, q8);
         }
     }
+}
+
+KQ_INLINE void q3_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n,
+                          float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], int k, const Prepared *prepared) {
+    (void)mins;
+    const int held = prepared != NULL;
+    __m512i sums[Q8_ROWS], offsets[Q8_ROWS];
+    const int8_t *qs[Q8_ROWS];
+    block_qs(y, at, n, qs);
+    q3_k_sums(b, qs, sums, offsets, n, held, 0);
     for (int r = 0; r < n; r++) {
         const __m256i lanes = held ? _mm256_sub_epi32(fold(sums[r]), _mm256_load_si256(prepared->lanes127 + at))
                                    : fold(_mm512_sub_epi32(sums[r], offsets[r]));
@@ -722,6 +767,107 @@ AVX512_INLINE void q6_k_block(const uint8_t *restrict b, const BlockQ8K *const *
     }
 }
 
+/* ---- Q2_K and Q3_K at one input row where 512-bit operations run at full width (wide_vectors()) -----
+ * Weight rows m and m + half take one vector's alternate float lanes (lane 2i row m's lane i, 2i + 1
+ * row m + half's): each block pair's fold, conversions and FMAs (and Q2_K's mins product) serve both
+ * rows, each lane's FMAs its row's in block order (the one-row bits). */
+
+/* the dword indices taking lane i of a (from `from`) to 2i and of b to 2i + 1 (permutex2var) */
+AVX512_INLINE __m512i alternate_lanes(int from) {
+    return _mm512_add_epi32(_mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0), _mm512_set1_epi32(from));
+}
+
+/* rows a's and b's unfolded sums folded into alternate int32 lanes (each lane fold's sum) */
+AVX512_INLINE __m512i fold_pair(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_permutex2var_epi32(a, alternate_lanes(0), b), _mm512_permutex2var_epi32(a, alternate_lanes(8), b));
+}
+
+/* eight int32 lanes (a row's, 256 bits at p) each twice: lane i at 2i and 2i + 1 */
+AVX512_INLINE __m512i lanes_twice(const void *p) {
+    const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    return _mm512_permutexvar_epi32(twice, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)));
+}
+
+/* 16 floats of a and of b alternating into pair[32] */
+AVX512_INLINE void alternate_floats(const float *a, const float *b, float *pair) {
+    const __m512 x = _mm512_loadu_ps(a), y = _mm512_loadu_ps(b);
+    _mm512_storeu_ps(pair, _mm512_permutex2var_ps(x, alternate_lanes(0), y));
+    _mm512_storeu_ps(pair + 16, _mm512_permutex2var_ps(x, alternate_lanes(8), y));
+}
+
+/* the float pair at p in every qword */
+AVX512_INLINE __m512 float_pair(const float *p) {
+    long long bits;
+    memcpy(&bits, p, 8);
+    return _mm512_castsi512_ps(_mm512_set1_epi64(bits));
+}
+
+/* rows a's and b's Q2_K mins (high nibbles of their 16 scale bytes) as int16, alternating by dwords:
+ * words 4i + e row a's min 2i + e, words 4i + 2 + e row b's (e = 0, 1) */
+KQ_INLINE __m512i q2_k_mins_pair(const uint8_t *restrict a, const uint8_t *restrict b) {
+    uint8_t pick[64] __attribute__((aligned(64)));
+    for (int w = 0; w < 32; w++) pick[2 * w] = (uint8_t)(64 * ((w >> 1) & 1) + 2 * (w >> 2) + (w & 1)), pick[2 * w + 1] = 0;
+    const __m512i bytes = _mm512_maskz_permutex2var_epi8(0x5555555555555555ULL, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)a)),
+                                                         _mm512_load_si512(pick), _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)b)));
+    return _mm512_srli_epi16(bytes, 4);
+}
+
+/* acc += Q2_K blocks a and b (rows m, m + half) times the input row's block `at` (q2_k_block's lanes and
+ * FMAs, alternating): steps and mins their float pairs */
+KQ_INLINE void q2_k_pair_block(const uint8_t *restrict a, const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at,
+                               __m512 *acc, const float *steps, const float *mins, const Prepared *prepared) {
+    const int8_t *runs[1] = {prepared->runs[at]};
+    __m512i sums_a, sums_b;
+    q2_k_sums(a, runs, &sums_a, 1, 1);
+    q2_k_sums(b, runs, &sums_b, 1, 1);
+    const __m512i offsets = _mm512_madd_epi16(q2_k_mins_pair(a, b), lanes_twice(y[0][at].bsums));
+    *acc = _mm512_fmadd_ps(float_pair(mins), _mm512_cvtepi32_ps(offsets), *acc);
+    *acc = _mm512_fmadd_ps(float_pair(steps), _mm512_cvtepi32_ps(fold_pair(sums_a, sums_b)), *acc);
+}
+
+/* ... Q3_K blocks (q3_k_block's lanes with the input row's offset lanes `prepared`) */
+KQ_INLINE void q3_k_pair_block(const uint8_t *restrict a, const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at,
+                               __m512 *acc, const float *steps, const float *mins, const Prepared *prepared) {
+    (void)mins;
+    const int8_t *runs[1] = {prepared->runs[at]};
+    __m512i sums_a, sums_b, unused;
+    q3_k_sums(a, runs, &sums_a, &unused, 1, 1, 1);
+    q3_k_sums(b, runs, &sums_b, &unused, 1, 1, 1);
+    const __m512i lanes = _mm512_sub_epi32(fold_pair(sums_a, sums_b), lanes_twice(prepared->lanes127 + at));
+    *acc = _mm512_fmadd_ps(float_pair(steps), _mm512_cvtepi32_ps(lanes), *acc);
+}
+
+/* NAME##_wide_pair: weight rows m and m + half against the prepared input row p by PAIR_BLOCK (MINS: its
+ * STEPS make Q2_K's mins) */
+#define WIDE_PAIR(NAME, PAIR_BLOCK, STEPS, BLOCK_BYTES, MINS)                                                    \
+    KQ_INLINE void NAME##_wide_pair(const Product *pr, const uint8_t *row, int64_t m, int64_t half, int64_t p,   \
+                                    const Prepared *prepared) {                                                  \
+        const int64_t blocks = pr->in_features / 256;                                                            \
+        const BlockQ8K *y[1] = {pr->q8 + pr->rows[p] * blocks};                                                  \
+        const uint8_t *rows[2] = {row, row + half * pr->row_bytes};                                              \
+        __m512 acc = _mm512_setzero_ps();                                                                        \
+        float steps[2][1][CHUNK_BLOCKS_K], mins[2][1][CHUNK_BLOCKS_K], step_pairs[2 * CHUNK_BLOCKS_K],           \
+            min_pairs[2 * CHUNK_BLOCKS_K];                                                                       \
+        for (int64_t c = 0; c < blocks; c += CHUNK_BLOCKS_K) {                                                   \
+            const int count = blocks - c < CHUNK_BLOCKS_K ? (int)(blocks - c) : CHUNK_BLOCKS_K;                  \
+            for (int w = 0; w < 2; w++) STEPS(rows[w], y, c, count, steps[w], mins[w], 1, prepared);             \
+            alternate_floats(steps[0][0], steps[1][0], step_pairs);                                              \
+            if (MINS) alternate_floats(mins[0][0], mins[1][0], min_pairs);                                       \
+            for (int k = 0; k < count; k++) {                                                                    \
+                const uint8_t *a = rows[0] + (c + k) * (BLOCK_BYTES), *b = rows[1] + (c + k) * (BLOCK_BYTES);    \
+                prefetch_ahead(a, BLOCK_BYTES);                                                                  \
+                prefetch_ahead(b, BLOCK_BYTES);                                                                  \
+                PAIR_BLOCK(a, b, y, c + k, &acc, step_pairs + 2 * k, min_pairs + 2 * k, prepared);               \
+            }                                                                                                    \
+        }                                                                                                        \
+        const __m512 split = _mm512_permutexvar_ps(_mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0), acc); \
+        pr->out[p * pr->out_stride + m] = hsum8(_mm512_castps512_ps256(split));                                 \
+        pr->out[p * pr->out_stride + m + half] = hsum8(high_half(split));                                        \
+    }
+
+WIDE_PAIR(q2_k_avx512, q2_k_pair_block, q2_k_steps, 84, 1)
+WIDE_PAIR(q3_k_avx512, q3_k_pair_block, q3_k_steps, 110, 0)
+
 /* NAME: rows first..last - 1 of matrix b, each against its input rows Q8_ROWS at a time (ROWS) */
 #define ROW_GROUPS(TARGET, NAME, ROWS)                                                                  \
     TARGET static void NAME(const Product *pr, int64_t b, int64_t first, int64_t last) {               \
@@ -799,8 +945,10 @@ AVX512_INLINE void q6_k_block(const uint8_t *restrict b, const BlockQ8K *const *
         Prepared prepared;                                                                               \
         if (blocks <= PREPARED_BLOCKS) { /* each call compiled apart */                                   \
             prepare(pr->q8 + pr->rows[p] * blocks, blocks, OFFSETS, &prepared);                          \
+            const int wide = wide_vectors();                                                             \
             for (int64_t m = first; m < first + half; m++)                                               \
-                NAME##_pair(pr, rows + m * pr->row_bytes, m, half, p, &prepared);                        \
+                if (wide) NAME##_wide_pair(pr, rows + m * pr->row_bytes, m, half, p, &prepared);         \
+                else NAME##_pair(pr, rows + m * pr->row_bytes, m, half, p, &prepared);                   \
         } else {                                                                                         \
             for (int64_t m = first; m < first + half; m++) NAME##_pair(pr, rows + m * pr->row_bytes, m, half, p, NULL); \
         }                                                                                                \
