@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import signal
 import sys
@@ -31,6 +30,7 @@ from k3stream.commands.flags import (
 )
 from k3stream.commands.report import report, statistics_lines, store_snapshot
 from k3stream.engine.chat import ROLES, ChatTemplate, chat_stop_token_ids
+from k3stream.engine.fingerprints import tokenizer_digest
 from k3stream.engine.loading import Runtime
 
 
@@ -196,16 +196,6 @@ class ChatSession:
 
 CHAT_FORMAT = "k3stream-chat-v1"  # a `/save` file's `format`
 MAX_CHAT_FILE_BYTES = 256 << 20  # far beyond any context's messages and ids
-
-
-def tokenizer_digest(tokenizer: Any) -> str:
-    """SHA-256 of every token's bytes, in id order: a saved conversation's ids mean the same text to
-    a tokenizer with this digest."""
-    digest = hashlib.sha256()
-    for token_id in range(tokenizer.vocab_size):
-        piece = tokenizer.piece(token_id)
-        digest.update(len(piece).to_bytes(4, "little") + piece)
-    return digest.hexdigest()
 
 
 def save_conversation(session: ChatSession, path: Path) -> None:

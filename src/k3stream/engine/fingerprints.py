@@ -1,13 +1,15 @@
 """Fingerprints that key the prompt cache's snapshots: of a model's GGUF shards (`model_fingerprint`) and
 of how a loaded model computes (`computation_key`: k3stream's own code, the arithmetic options, the
-kernels' instruction set), so a snapshot is never reused by another model file, build or arithmetic."""
+kernels' instruction set), so a snapshot is never reused by another model file, build or arithmetic;
+and of a tokenizer (`tokenizer_digest`), under which a saved conversation's token ids keep their text."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -48,4 +50,14 @@ def model_fingerprint(shards: list[Path]) -> str:
         stat = os.stat(path)
         windows = shard_fingerprint(Path(path), 0, stat.st_size)
         digest.update(f"{stat.st_size}:{stat.st_mtime_ns}:{windows};".encode())
+    return digest.hexdigest()
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """SHA-256 (hex) of every token's bytes, in id order: a saved conversation's ids mean the same text
+    to a tokenizer with this digest."""
+    digest = hashlib.sha256()
+    for token_id in range(tokenizer.vocab_size):
+        piece = tokenizer.piece(token_id)
+        digest.update(len(piece).to_bytes(4, "little") + piece)
     return digest.hexdigest()
