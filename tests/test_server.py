@@ -556,6 +556,43 @@ def test_scheduler_without_a_queue_fills_its_free_batch_slots(gguf_model):
     loop.close()
 
 
+def test_a_slot_action_acts_after_the_requests_before_it_and_before_those_after_it(gguf_model):
+    """As llama-server defers a slot task (save, restore, erase) behind a busy slot: an action claiming
+    slot 1 may act once the request running there and one that asked for the slot before the action
+    have finished and been handed to `on_finish` (their finished states recorded); a request for slot 1
+    that came after the action waits until the action is over, while one for any slot runs in slot 0."""
+    import asyncio
+
+    from k3stream.server.metrics import ServerMetrics
+    from k3stream.server.scheduler import Scheduler
+
+    model, tokenizer = gguf_model
+    loop = asyncio.new_event_loop()
+    finished = []
+    scheduler = Scheduler(model, ServerMetrics(), max_batch=2, max_queue=4, on_finish=finished.append)
+    running, earlier, later, anywhere = (_scheduler_job(tokenizer, loop, n) for n in (200, 2, 2, 2))
+    running.wanted_slot = earlier.wanted_slot = later.wanted_slot = 1
+    scheduler.start()
+    try:
+        scheduler.submit(running)
+        wait_until(lambda: running.logic.completion_tokens > 0, "the first request decodes")
+        scheduler.submit(earlier)
+        scheduler.claim_slot(1)
+        scheduler.submit(later)
+        scheduler.submit(anywhere)
+        wait_until(lambda: scheduler.slot_is_free(1), "slot 1 was free for the action")
+        assert running in finished and earlier in finished
+        assert later.state is None and later.slot == -1  # not admitted while the action holds the slot
+        wait_until(lambda: anywhere in finished, "the request for any slot finished")
+        assert anywhere.slot == 0 and later.state is None
+        scheduler.release_slot(1)
+        wait_until(lambda: later in finished, "the later request ran once the action was over")
+        assert later.slot == 1
+    finally:
+        scheduler.stop()
+        loop.close()
+
+
 class _GatedPrefill:
     """The real model, whose prefill waits for a gate: a request is caught in the middle of it."""
 

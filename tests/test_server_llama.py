@@ -204,26 +204,6 @@ def test_slots_list_the_one_slot_with_the_running_sequence_and_then_the_last_one
     assert last["next_token"][0]["has_next_token"] is False
 
 
-def test_a_slot_shows_the_later_request_when_the_earlier_ones_response_ends_last(served):
-    """A long stream's handler may reach its end after the next request under its slot finished (its
-    client reads slowly): the slot still shows the later request, as it ran last."""
-    from k3stream.server.scheduler import Job
-    from k3stream.server.schemas import CompletionRequest
-    from k3stream.server.slots import SlotTable
-
-    table, jobs = SlotTable(1), []
-    for task_id, prompt in enumerate(["Once upon a time", "Hi"]):
-        body = CompletionRequest.model_validate({"prompt": prompt, "max_tokens": 2})
-        ids = served.encode_prompt(prompt)
-        job = Job(ids, served.new_sequence(body, ids, 2, chat=None), sink=None)
-        job.slot, job.task_id, job.generated = 0, task_id, [task_id, 7]
-        jobs.append(job)
-    table.finished(jobs[1])
-    table.finished(jobs[0])
-    assert table.last_task(0)["id_task"] == 1
-    assert table.tokens(0) == jobs[1].prompt_tokens + [1]
-
-
 def test_slots_show_the_prompt_and_generated_text_under_llama_servers_debug_switch(served, monkeypatch):
     """With `LLAMA_SERVER_SLOTS_DEBUG=1`, as llama-server, each slot also shows its request's prompt (the
     ids as text, special tokens written out) and the text generated so far; once the request ends, the

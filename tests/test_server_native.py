@@ -20,6 +20,7 @@ from k3stream.server.app import ServerConfig, create_app
 from k3stream.server.guard import GuardConfig
 from k3stream.server.live import ServerThread
 from k3stream.server.runtime import served_from_runtime
+from live_server import slow_decode_steps
 
 KEY = "sk-test-native"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -512,6 +513,49 @@ def test_slots_list_every_slot_with_the_running_request_under_its_id_slot(server
     assert saved["n_saved"] == answer[0]["tokens_cached"]
     complete(server, prompt=PROMPT, id_slot=1, n_predict=1)
     assert _poll(server, lambda s: not s[1]["is_processing"])[1]["id_task"] > running["id_task"]
+
+
+def test_slot_actions_on_a_busy_slot_act_once_its_request_has_finished(server, slot_dir, monkeypatch):
+    """As llama-server defers a slot task while its slot processes: a save, an erase and a restore sent
+    while a request streams under slot 1 each act once that request has finished. The save holds the
+    finished state (`tokens_cached`: the prompt and every generated token but the last), the erase
+    forgets it, and the restored tokens are the slot's after the request ends (an erase then counts
+    them). A save whose client leaves while it waits writes nothing."""
+    slow_decode_steps(monkeypatch)  # each stream runs long enough to send an action while it decodes
+    file = {"filename": "busy.k3slot"}
+    saved, answer = _while_busy(server, 150, lambda: post(server, "/slots/1?action=save", file))
+    assert saved.status_code == 200 and saved.json()["n_saved"] == answer["tokens_cached"]
+    erased, answer = _while_busy(server, 140, lambda: post(server, "/slots/1?action=erase", {}))
+    assert erased.json() == {"id_slot": 1, "n_erased": answer["tokens_cached"]}
+    restored, answer = _while_busy(server, 130, lambda: post(server, "/slots/1?action=restore", file))
+    assert restored.json()["n_restored"] == saved.json()["n_saved"] != answer["tokens_cached"]
+    assert post(server, "/slots/1?action=erase", {}).json()["n_erased"] == saved.json()["n_saved"]
+
+    def leave() -> None:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                server.url + "/slots/1?action=save",
+                json={"filename": "left.k3slot"},
+                headers=AUTH,
+                timeout=0.5,
+            )
+
+    _while_busy(server, 150, leave)
+    post(server, "/slots/1?action=save", file)  # acts after the one that was left: one action a slot
+    assert not (slot_dir / "left.k3slot").exists()
+
+
+def _while_busy(server, n_predict: int, action):
+    """`action()` run while a greedy stream of `n_predict` tokens decodes under slot 1; what it returned
+    and the stream's last chunk."""
+    body = {"prompt": f"{PROMPT} busy {n_predict}", "id_slot": 1, "n_predict": n_predict, "stream": True}
+    answer: list = []
+    runner = threading.Thread(target=lambda: answer.append(_stream_last(server, {**GREEDY, **body})))
+    runner.start()
+    _poll(server, lambda s: s[1]["is_processing"] and 0 < s[1]["next_token"][0]["n_decoded"] < n_predict // 2)
+    result = action()
+    runner.join(120)
+    return result, answer[0]
 
 
 def _stream_last(server, body):

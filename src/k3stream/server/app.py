@@ -179,6 +179,7 @@ def create_app(served: ServedModel, config: ServerConfig) -> FastAPI:
         attention_rows=config.attention_rows(served),
         share_tokens=config.share_tokens,
         pick_slot=slots.assign,
+        on_finish=slots.finished,
     )
 
     tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="k3stream-tokenize")
@@ -377,11 +378,10 @@ class Endpoints:
         return await stream.respond(request, body.stream, body.include_usage())
 
     def stream(self, jobs: list[Job], makers: Sequence[Any], body: SamplingFields) -> Stream:
-        """The response of `jobs` (of the request `body`), shaped by `makers` (one per job); each finished
-        job's tokens go under its slot."""
+        """The response of `jobs` (of the request `body`), shaped by `makers` (one per job)."""
         keepalive_s = body.keepalive_s(self.keepalive_s)
         progress, usage = body.return_progress, body.continuous_usage()
-        return Stream(jobs, self.scheduler, makers, keepalive_s, progress, self.slots.finished, usage)
+        return Stream(jobs, self.scheduler, makers, keepalive_s, progress, usage)
 
     async def check_request(self, body: SamplingFields) -> None:
         """A 400 naming the field a request asks for that is not served, checked on the tokenizer

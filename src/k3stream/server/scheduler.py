@@ -172,6 +172,7 @@ class Job:
     wanted_slot: int = -1  # llama-server's `id_slot`: the slot the request asks for (-1: any)
     slot: int = -1  # the slot it runs under, given when it is admitted (`slots.SlotTable`)
     task_id: int = -1  # llama-server's `id_task`: numbers the server's sequences in order of arrival
+    arrival: int = -1  # its place among the requests and slot actions the scheduler was given
 
     @property
     def width(self) -> int:
@@ -284,11 +285,13 @@ class Scheduler:
         share_tokens: int = DEFAULT_SHARE_TOKENS,
         pass_rows: int | None = None,
         pick_slot: Callable[[Job, set[int]], int] | None = None,
+        on_finish: Callable[[Job], None] | None = None,
     ) -> None:
         self.model = model
         # the slot an admitted job runs under, given the slots the running ones hold (default: the
         # slot it asks for, else the lowest free one)
         self.pick_slot = pick_slot or _lowest_free_slot
+        self.on_finish = on_finish  # told of each finished job once its state is in the prompt cache
         self.cache = cache  # reused prompt states (`engine.prompt_cache`), or None
         # a waiting request whose prompt shares at least this many tokens past its deepest snapshot
         # with a running prefill waits for that prefill's snapshot, and a prefill is snapshotted where
@@ -313,6 +316,9 @@ class Scheduler:
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
         self._ends: list[Job] = []  # jobs whose prompt ends await their snapshots (`_save_ends`)
+        # slot -> the arrival of the slot action (`claim_slot`) that waits for the slot or holds it
+        self._claims: dict[int, int] = {}
+        self._arrivals = itertools.count()  # numbers requests and slot actions as they come
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="k3stream-scheduler", daemon=True)
@@ -353,6 +359,7 @@ class Scheduler:
                 self._waiting = collections.deque(self._keep_active(self._waiting))
             if len(self._waiting) >= self._waiting_room():
                 raise QueueFull(f"the request queue is full ({len(self._waiting)} waiting); retry later")
+            job.arrival = next(self._arrivals)
             self._waiting.append(job)
             self.peak_waiting = max(self.peak_waiting, len(self._waiting))
             self.metrics.set_waiting(len(self._waiting))
@@ -361,6 +368,32 @@ class Scheduler:
     def _waiting_room(self) -> int:
         """Requests that may wait: the queue bound plus the batch slots the next step can fill."""
         return self.max_queue + max(0, self.max_batch - len(self._running))
+
+    def claim_slot(self, slot: int) -> None:
+        """Queue a slot action (llama-server's save, restore or erase) on `slot`, one at a time per slot:
+        until `release_slot`, the requests that ask for the slot after it wait, and requests for any slot
+        take others. It acts once `slot_is_free`."""
+        with self._wake:
+            self._claims[slot] = next(self._arrivals)
+
+    def slot_is_free(self, slot: int) -> bool:
+        """Whether the action claiming `slot` may act, as llama-server runs a slot task it deferred: no
+        sequence is under the slot (the last one's finished state is in the prompt cache and given to
+        `on_finish`: a job leaves the running ones after `_finish`) and no request that came before the
+        action waits for it."""
+        with self._wake:
+            claim = self._claims[slot]
+            if any(job.slot == slot for job in self._running):
+                return False
+            return not any(
+                job.active and job.wanted_slot == slot and job.arrival < claim for job in self._waiting
+            )
+
+    def release_slot(self, slot: int) -> None:
+        """End the slot action on `slot`: the requests it kept waiting may run."""
+        with self._wake:
+            self._claims.pop(slot, None)
+            self._wake.notify()
 
     def wake(self) -> None:
         """Make the loop look at its jobs now (after a cancellation)."""
@@ -436,16 +469,16 @@ class Scheduler:
 
     def _next_waiting(self) -> Job | None:
         """The next waiting job that fits the batch, moved to the running ones before its prefill
-        (/health counts it) with its slots given. A job asking for a slot a running sequence holds
-        stays queued until that one ends, and those behind it go first, as llama-server defers a task
-        for a busy slot; the first other one that does not fit the batch keeps its place ahead of the
-        rest."""
+        (/health counts it) with its slots given. A job asking for a slot a running sequence holds, or
+        that a slot action which came before it claims, stays queued until that one ends, and those
+        behind it go first, as llama-server defers a task for a busy slot; the first other one that does
+        not fit the batch keeps its place ahead of the rest."""
         with self._wake:
             self._waiting = collections.deque(self._keep_active(self._waiting))
             job = self._admissible()
             if job is not None:
                 self._waiting.remove(job)
-                held = self._held_slots()
+                held = self._held_slots() | self._claims.keys()  # the job's own slot is given it anyway
                 for choice in (job, *job.forks):
                     choice.slot = self.pick_slot(choice, held)
                     held.add(choice.slot)
@@ -461,10 +494,18 @@ class Scheduler:
         The loop sleeps while there is none, rather than spinning while a busy slot's holder waits
         for a snapshot read."""
         held = self._held_slots()
-        job = next((job for job in self._waiting if job.active and job.wanted_slot not in held), None)
-        if job is not None and len(self._running) + job.width <= self.max_batch:
-            return job
-        return None
+        job = next((job for job in self._waiting if job.active and not self._slot_taken(job, held)), None)
+        if job is None:
+            return None
+        running = {other.slot for other in self._running}
+        claimed = self._claims.keys() - running - {job.wanted_slot}  # slots no other choice may take
+        return job if len(self._running) + len(claimed) + job.width <= self.max_batch else None
+
+    def _slot_taken(self, job: Job, held: set[int]) -> bool:
+        """Whether the slot `job` asks for is held by a running sequence or claimed by a slot action
+        that came before it (call with the lock held)."""
+        claim = self._claims.get(job.wanted_slot)
+        return job.wanted_slot in held or (claim is not None and claim < job.arrival)
 
     def _admit_waiting(self) -> bool:
         """Start the prefills of waiting requests while the batch has room (their states restored from
@@ -746,6 +787,8 @@ class Scheduler:
         )
         job.sink.put(finish)
         self._save_response(job)
+        if self.on_finish is not None:
+            self.on_finish(job)
 
     def _save_response(self, job: Job) -> None:
         """The finished job's state into the prompt cache, after its last event is sent: its prompt and

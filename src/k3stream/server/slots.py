@@ -9,10 +9,12 @@ a response's end). `POST /slots/{id}?action=save` writes the deepest prompt-cach
 tokens to a file under `--slot-save-path`, `restore` puts a file's state back into the prompt cache
 (where the next request whose prompt starts with its tokens reuses it) and makes it the slot's,
 `erase` forgets the slot's tokens (the prompt cache keeps its snapshots: other conversations may share
-them). `GET /slots` lists every slot by that id: the running sequence under it, else the figures of the
-last request that finished under it; with llama-server's `LLAMA_SERVER_SLOTS_DEBUG` set to a non-zero
-number in the server's environment, also that request's prompt and generated text. Errors are
-llama-server's (`errors.LlamaError`).
+them). An action on a slot a request runs under waits until that request has finished (and the requests
+that asked for the slot before the action came), as llama-server defers a slot task, so a save holds the
+finished state; its client leaving ends the wait, with nothing done. `GET /slots` lists every slot by
+that id: the running sequence under it, else the figures of the last request that finished under it; with
+llama-server's `LLAMA_SERVER_SLOTS_DEBUG` set to a non-zero number in the server's environment, also that
+request's prompt and generated text. Errors are llama-server's (`errors.LlamaError`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from k3stream.engine.prompt_cache import PromptCache
@@ -34,6 +37,7 @@ from k3stream.server.endpoints_llama import llama_params
 from k3stream.server.errors import LLAMA_ERROR_TYPES, APIError, LlamaError, not_supported
 from k3stream.server.runtime import ServedModel
 from k3stream.server.scheduler import Job, Scheduler
+from k3stream.server.streaming import CLIENT_CLOSED_REQUEST, watch_disconnect
 
 if TYPE_CHECKING:
     from k3stream.server.app import ServerConfig
@@ -41,6 +45,8 @@ if TYPE_CHECKING:
 # characters llama.cpp's fs_validate_filename refuses besides control characters
 FORBIDDEN = re.compile(r'[/\\:*?"<>|\x00-\x1f\x7f]')
 MAX_FILENAME_BYTES = 255
+# how often a slot action waiting for its slot looks again (a poll of the scheduler's running jobs)
+SLOT_POLL_S = 0.01
 
 
 class SlotTable:
@@ -72,15 +78,11 @@ class SlotTable:
         return best if shared[best] else min(free, key=lambda slot: self._used[slot])
 
     def finished(self, job: Job) -> None:
-        """Record a finished request's tokens and figures under its slot, unless a later request under
-        that slot is recorded: each response's handler calls this as it reaches its end, in its client's
-        time, so a long stream's handler may come after the next request under the slot finished."""
+        """Record a finished request's tokens and figures under its slot (`Scheduler`'s `on_finish`, on
+        its thread once the request's state is in the prompt cache: a slot's requests finish in order)."""
         if 0 <= job.slot < self.count:
             task = task_fields(job)
             with self._lock:
-                recorded = self._tasks[job.slot]
-                if recorded is not None and recorded["id_task"] > job.task_id:
-                    return
                 self._tokens[job.slot] = job.prompt_tokens + job.generated[:-1]
                 self._tasks[job.slot] = task
                 self._texts[job.slot] = (job.prompt_tokens, job.logic.sequence.text)
@@ -212,12 +214,16 @@ class SlotFile(BaseModel):
 
 
 class SlotActions:
-    def __init__(self, table: SlotTable, cache: PromptCache | None, directory: Path | None) -> None:
+    def __init__(
+        self, table: SlotTable, scheduler: Scheduler, cache: PromptCache | None, directory: Path | None
+    ) -> None:
         self.table = table
+        self.scheduler = scheduler
         self.cache = cache
         self.directory = directory
+        self._turns = [asyncio.Lock() for _ in range(table.count)]  # one action at a time per slot
 
-    async def act(self, request: Request, id_slot: str) -> dict[str, Any]:
+    async def act(self, request: Request, id_slot: str) -> Response:
         try:
             return await self._act(request, id_slot)
         except LlamaError:
@@ -225,7 +231,40 @@ class SlotActions:
         except APIError as error:
             raise LlamaError.of(error) from None
 
-    async def _act(self, request: Request, id_slot: str) -> dict[str, Any]:
+    async def _act(self, request: Request, id_slot: str) -> Response:
+        slot, action, path = await self._checked(request, id_slot)
+        async with self._turns[slot]:
+            self.scheduler.claim_slot(slot)
+            try:
+                if not await self._slot_freed(request, slot):
+                    return Response(status_code=CLIENT_CLOSED_REQUEST)
+                return JSONResponse(await self._run(action, slot, path))
+            finally:
+                self.scheduler.release_slot(slot)
+
+    async def _slot_freed(self, request: Request, slot: int) -> bool:
+        """Wait until the claimed `slot` is free (`Scheduler.slot_is_free`); False if the client left
+        first. The wait ends: the request running under the slot ends within its token limit."""
+        watcher = asyncio.create_task(watch_disconnect(request))
+        try:
+            while not self.scheduler.slot_is_free(slot):
+                if watcher.done():
+                    return False
+                await asyncio.sleep(SLOT_POLL_S)
+            return True
+        finally:
+            watcher.cancel()
+
+    async def _run(self, action: str, slot: int, path: Path | None) -> dict[str, Any]:
+        if action == "erase":
+            return {"id_slot": slot, "n_erased": self.table.put(slot, [])}
+        if action == "save":
+            return await asyncio.to_thread(self._save, slot, path)
+        return await asyncio.to_thread(self._restore, slot, path)
+
+    async def _checked(self, request: Request, id_slot: str) -> tuple[int, str, Path | None]:
+        """The slot, the action and its file (none for `erase`) a request names; llama-server's errors
+        where one is wrong."""
         if self.directory is None:
             raise not_supported("This server does not support slots action. Start it with `--slot-save-path`")
         slot = int(id_slot) if id_slot.isascii() and id_slot.isdigit() else -1
@@ -233,7 +272,7 @@ class SlotActions:
             raise LlamaError(400, "Invalid slot ID")
         action = request.query_params.get("action", "")
         if action == "erase":
-            return {"id_slot": slot, "n_erased": self.table.put(slot, [])}
+            return slot, action, None
         if action not in ("save", "restore"):
             raise LlamaError(400, "Invalid action")
         if self.cache is None or not self.cache.enabled:
@@ -245,13 +284,10 @@ class SlotActions:
             )
         body = await parse_body(request, SlotFile)
         check_filename(body.filename)
-        path = self.directory / body.filename
-        if action == "save":
-            return await asyncio.to_thread(self._save, slot, body.filename, path)
-        return await asyncio.to_thread(self._restore, slot, body.filename, path)
+        return slot, action, self.directory / body.filename
 
-    def _save(self, slot: int, filename: str, path: Path) -> dict[str, Any]:
-        started = time.perf_counter()
+    def _save(self, slot: int, path: Path) -> dict[str, Any]:
+        started, filename = time.perf_counter(), path.name
         tokens = self.table.tokens(slot)
         try:
             saved, written = self.cache.export(tokens, path) if tokens else (0, 0)
@@ -272,8 +308,8 @@ class SlotActions:
             "timings": timings,
         }
 
-    def _restore(self, slot: int, filename: str, path: Path) -> dict[str, Any]:
-        started = time.perf_counter()
+    def _restore(self, slot: int, path: Path) -> dict[str, Any]:
+        started, filename = time.perf_counter(), path.name
         try:
             tokens, read = self.cache.import_file(path)
         except (OSError, ValueError) as error:
@@ -304,7 +340,8 @@ def slots_router(
         router.get("/slots")(SlotList(table, scheduler, served.ctx, served.tokenizer, slots_debug()).list)
     else:
         router.get("/slots")(_slots_off)
-    router.post("/slots/{id_slot}")(SlotActions(table, served.prompt_cache, config.slot_save_path).act)
+    actions = SlotActions(table, scheduler, served.prompt_cache, config.slot_save_path)
+    router.post("/slots/{id_slot}")(actions.act)
     return router
 
 

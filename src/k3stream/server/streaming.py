@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -40,7 +40,6 @@ class Stream:
         chunks: Sequence[Any],
         keepalive_s: float | None = 15.0,  # None: no keep-alive comments
         progress: bool = False,
-        on_finish: Callable[[Job], None] | None = None,
         running_usage: bool = False,
     ) -> None:
         self.jobs = jobs
@@ -50,7 +49,6 @@ class Stream:
         self.chunks = chunks
         self.keepalive_s = keepalive_s
         self.progress = progress  # send the prefill's progress events (llama-server's return_progress)
-        self.on_finish = on_finish
         # each JSON chunk carries its choice's usage so far (vLLM's continuous_usage_stats): the tokens
         # its pieces sent, counted here as they go out
         self.running_usage = running_usage
@@ -89,7 +87,6 @@ class Stream:
                     self._sent_tokens[choice] += len(event.piece.tokens)
                     yield _framed(self._with_usage(choice, self.chunks[choice].piece(event.piece)))
                 elif isinstance(event, FinishEvent):
-                    self._finished(choice)
                     self._sent_tokens[choice] = event.completion_tokens
                     yield _framed(self._with_usage(choice, self.chunks[choice].last(event.reason)))
                     finished[choice] = event
@@ -107,7 +104,7 @@ class Stream:
     async def _whole(self, request: Request) -> Response:
         answers: list[list[Piece]] = [[] for _ in self.jobs]  # each choice's pieces, in order
         finished: dict[int, FinishEvent] = {}
-        watcher = asyncio.create_task(_watch_disconnect(request))
+        watcher = asyncio.create_task(watch_disconnect(request))
         try:
             while len(finished) < len(self.jobs):
                 got = await self._next_event(watcher)
@@ -119,7 +116,6 @@ class Stream:
                 if isinstance(event, PieceEvent):
                     answers[choice].append(event.piece)
                 elif isinstance(event, FinishEvent):
-                    self._finished(choice)
                     finished[choice] = event
                 else:
                     return self.chunks[0].error(_event_error(event)).response()
@@ -145,10 +141,6 @@ class Stream:
         }
         return {**payload, "usage": usage}
 
-    def _finished(self, choice: int) -> None:
-        if self.on_finish is not None:
-            self.on_finish(self.jobs[choice])
-
     async def _next_event(self, watcher: asyncio.Task) -> tuple[int, Event] | None:
         """The next `(choice, event)`; None once `watcher` saw the client go."""
         getter = asyncio.ensure_future(self.queue.get())
@@ -159,7 +151,7 @@ class Stream:
         return None
 
 
-async def _watch_disconnect(request: Request) -> None:
+async def watch_disconnect(request: Request) -> None:
     """Returns when the client of a request whose body was read has disconnected."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
