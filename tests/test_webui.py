@@ -211,6 +211,43 @@ def test_reasoning_is_shown_folded(page):
     assert "".join(reasoning.split()) in "".join(folded[2].split())
 
 
+# the page's number fields for the chat request's fields of the same names (the seed's range is past
+# what a page's numbers hold exactly)
+NUMBER_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "frequency_penalty", "presence_penalty")
+
+
+def _api_range(field: str) -> tuple[float | None, float | None]:
+    """The least and greatest value the chat API takes for `field` (None: no bound)."""
+    from k3stream.server.schemas import ChatCompletionRequest
+
+    schema = ChatCompletionRequest.model_json_schema()["properties"][field]
+    (number,) = [option for option in schema["anyOf"] if option["type"] != "null"]
+    return number.get("minimum"), number.get("maximum")
+
+
+def test_the_number_fields_take_the_range_the_api_takes(page, server):
+    """Each sampling field's bounds are the API's (a temperature above 2 included); a temperature
+    stepped up past 2 with the arrow key is valid and the server runs the request with it."""
+    from selenium.webdriver.common.keys import Keys
+
+    for field in NUMBER_FIELDS:
+        shown = page.execute_script(
+            "const e = document.getElementById(arguments[0]); return [e.min, e.max]", field
+        )
+        page_range = tuple(float(bound) if bound else None for bound in shown)
+        assert page_range == _api_range(field), field
+    _fill(page, {"temperature": "2"})
+    page.find_element("id", "temperature").send_keys(Keys.ARROW_UP)
+    stepped = page.execute_script(
+        "const e = document.getElementById('temperature'); return [e.value, e.checkValidity()]"
+    )
+    assert stepped == ["2.05", True]
+    _send(page, "Hot take")
+    _wait(page, lambda: "tokens/s" in _stats(page), "the answer finished")
+    slots = httpx.get(server.url + "/slots", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
+    assert 2.05 in [slot.get("params", {}).get("temperature") for slot in slots]
+
+
 def test_wrong_api_key_shows_the_servers_error(page):
     _fill(page, {"api-key": "wrong"})
     _send(page, "hi")
