@@ -380,6 +380,32 @@ def test_a_float_field_no_model_can_take_is_the_flags_error(tmp_path, capsys, fl
     assert error == f"k3stream make-tiny: error: argument {flag}: {value!r} {why}"
 
 
+@pytest.mark.parametrize(("before", "after"), [("1", "3"), ("3", "2"), ("2", "1")])
+def test_force_with_another_shard_count_leaves_exactly_the_new_models_files(tmp_path, capsys, before, after):
+    """make-tiny over a model of another `--shards` count is refused naming its file; with --force the
+    folder then holds exactly what make-tiny writes into an empty folder, beside the user's own files
+    (one named like a shard of another model, one like the model with another suffix), and no pack."""
+    from k3stream.pack.builder import BuildOptions, build_pack
+
+    out, fresh = tmp_path / "model", tmp_path / "fresh"
+    assert cli.main(["make-tiny", str(out), "--shards", before]) == 0
+    old = Path(capsys.readouterr().out.strip())
+    build_pack(old, options=BuildOptions(progress=False))
+    mine = ["notes.txt", "other-00001-of-00002.gguf", "tiny-kimi-k3.gguf.bak"]
+    for name in mine:
+        (out / name).write_text("the user's")
+    assert cli.main(["make-tiny", str(out), "--shards", after, "--seed", "1"]) == 1
+    assert (
+        capsys.readouterr().err.strip().endswith(f"refusing to overwrite existing model {old} (use --force)")
+    )
+    assert cli.main(["make-tiny", str(out), "--shards", after, "--seed", "1", "--force"]) == 0
+    assert cli.main(["make-tiny", str(fresh), "--shards", after, "--seed", "1"]) == 0
+    written = sorted(path.name for path in fresh.iterdir())
+    assert sorted(path.name for path in out.iterdir()) == sorted(written + mine)
+    assert all((out / name).read_bytes() == (fresh / name).read_bytes() for name in written)
+    assert all((out / name).read_text() == "the user's" for name in mine)
+
+
 @pytest.mark.parametrize("shards", ["1", "2"])
 def test_a_model_made_again_over_its_pack_is_refused_without_force_and_drops_that_pack_with_it(
     tmp_path, capsys, shards

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from k3stream.commands.flags import finite, positive
+from k3stream.gguf.shards import SHARD_NAME
 from k3stream.gguf.writer import FITTING_SHAPES, FLOAT_RECIPES, RECIPES, TinySpec, shard_paths
 from k3stream.testing.slices import LIKE, REAL_VOCAB, like
 from k3stream.testing.tiny import make_tiny
@@ -63,8 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--force",
         action="store_true",
-        help="replace a GGUF of the same name in OUT_DIR, and remove the expert pack `k3stream pack` "
-        "made beside it (a pack of the replaced weights)",
+        help="replace the model of the same name in OUT_DIR (its GGUF or shards, whatever their "
+        "--shards), and remove the expert pack `k3stream pack` made beside it (a pack of the replaced "
+        "weights); other files stay",
     )
     parser.add_argument(
         "--like",
@@ -155,25 +157,42 @@ def spec_from_args(args: argparse.Namespace) -> TinySpec:
 
 
 def replace_outputs(out_dir: str, spec: TinySpec, force: bool) -> None:
-    """Refuse (one line naming the file) to replace a GGUF that `spec` would write over, unless `force`;
-    with it, remove the pack outputs `k3stream pack` wrote beside that GGUF by default (pack, manifest,
-    checksums, a partial build and its journal), which describe the weights being replaced."""
+    """Refuse (one line naming the file) to replace a model of the name make-tiny writes in `out_dir`,
+    in any number of shards, unless `force`; with it, remove what was written for that model: its GGUF
+    or shards that `spec`'s do not overwrite (another `--shards`), and the pack outputs `k3stream pack`
+    wrote beside them by default (pack, manifest, checksums, a partial build and its journal), which
+    describe the weights being replaced. Other files in `out_dir` stay."""
     from k3stream.pack.builder import build_lock, journal_path
     from k3stream.pack.integrity import sidecar_path
     from k3stream.pack.paths import default_outputs
 
     shards = shard_paths(Path(out_dir), spec.shards)
-    existing = [path for path in shards if path.exists()]
+    existing = model_files(Path(out_dir))
     if not existing:
         return
     if not force:
         raise FileExistsError(f"refusing to overwrite existing model {existing[0]} (use --force)")
-    pack, manifest = default_outputs(shards)
+    pack, manifest = default_outputs(existing)
     partial = pack.with_name(pack.name + ".partial")
     with build_lock(pack):  # refused while a pack build runs on these files
         # the manifest first, so no complete manifest ever describes a pack being removed
         for owned in (manifest, sidecar_path(manifest), pack, partial, journal_path(partial)):
             owned.unlink(missing_ok=True)
+        for old in set(existing) - set(shards):
+            old.unlink()
+
+
+def model_files(out_dir: Path) -> list[Path]:
+    """The GGUF files of make-tiny's model name in `out_dir`, sorted: `NAME.gguf` and its shards of any
+    count (`NAME-0000K-of-0000N.gguf`)."""
+    single = shard_paths(out_dir, 1)[0]
+    stem = single.name.removesuffix(".gguf")
+
+    def ours(path: Path) -> bool:
+        match = SHARD_NAME.match(path.name)
+        return path == single or (match is not None and match["stem"] == stem)
+
+    return sorted(path for path in out_dir.glob("*.gguf") if ours(path))
 
 
 def run(args: argparse.Namespace) -> int:
