@@ -71,6 +71,34 @@ def test_a_copied_folder_relinked_is_the_manifest_a_build_there_writes(original,
     assert relinked == rebuilt
 
 
+def test_relink_says_when_the_manifest_already_names_its_files_and_writes_nothing(original, tmp_path, capsys):
+    """--relink where the manifest already names the checked files (the original folder, or a copy
+    relinked once): it says so and nothing is written (the manifest keeps its file and bytes); a copy
+    that needs its paths changed is relinked."""
+    gguf, built = original
+    copy = _copied(gguf, tmp_path / "copy")
+    copied_manifest = copy.parent / built.manifest.name
+    capsys.readouterr()
+    for folder, manifest, first in (
+        (gguf, built.manifest, "unchanged"),
+        (copy, copied_manifest, "relinked "),
+    ):
+        said = []
+        for _ in range(2):
+            before = manifest.stat()
+            assert cli(["pack", str(folder), "--relink"]) == 0
+            said.append(capsys.readouterr().out)
+            kept = (manifest.stat().st_ino, manifest.stat().st_mtime_ns) == (
+                before.st_ino,
+                before.st_mtime_ns,
+            )
+            assert kept is said[-1].startswith("unchanged"), said[-1]
+        assert said[0].startswith(f"{first} {manifest}: ")
+        assert said[1] == (
+            f"unchanged {manifest}: already bound to the files checked against its records; nothing written\n"
+        )
+
+
 def test_a_copy_that_is_not_what_the_manifest_records_is_refused_in_one_line(
     original, tmp_path, tiny_model, capsys
 ):

@@ -110,11 +110,17 @@ def _relink(args: argparse.Namespace) -> int:
     from k3stream.pack.relink import relink_pack
 
     try:
-        manifest = relink_pack(args.gguf, args.out, args.manifest, args.profile)
+        relinked = relink_pack(args.gguf, args.out, args.manifest, args.profile)
     except (OSError, ValueError, RuntimeError) as exc:
         say(f"k3stream pack: error: {exc}")
         return 1
-    print(f"relinked  {manifest}: its paths name the files checked against its records")
+    if relinked.written:
+        print(f"relinked  {relinked.manifest}: its paths name the files checked against its records")
+    else:
+        print(
+            f"unchanged {relinked.manifest}: already bound to the files checked against its records; "
+            "nothing written"
+        )
     return 0
 
 

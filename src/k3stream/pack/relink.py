@@ -14,7 +14,7 @@ import copy
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from k3stream.gguf.shards import discover_shards, file_output
 from k3stream.pack import integrity
@@ -26,15 +26,21 @@ from k3stream.pack.source import sorted_shards
 from k3stream.pack.verify import check_format, verify_pack
 
 
+class Relinked(NamedTuple):
+    manifest: Path
+    written: bool  # False: its paths already named the checked files, and nothing was written
+
+
 def relink_pack(
     gguf_path: str | os.PathLike[str],
     out: str | os.PathLike[str] | None = None,
     manifest: str | os.PathLike[str] | None = None,
     profile: str = "generic",
-) -> Path:
+) -> Relinked:
     """Rewrite the manifest beside the GGUF at `gguf_path` (or `manifest`, of the pack at `out`) to name
-    that GGUF's shards and that pack, once they are checked to be the files it records; return its path.
-    A one-line error naming the file where a copy does not match."""
+    that GGUF's shards and that pack, once they are checked to be the files it records; its path, and
+    whether it was written (not where it named them already). A one-line error naming the file where a
+    copy does not match."""
     shards = discover_shards(gguf_path)
     default_pack, _ = default_outputs(shards)
     pack = file_output(out, "--out").resolve() if out is not None else default_pack
@@ -55,12 +61,13 @@ def relink_pack(
         paths = _stored_paths(written, shards, pack, manifest_path, relative)
         _check_copy(_relinked(recorded, paths), manifest_path, profile)
         relinked = _relinked(written, paths)
-        if relinked != written:
-            write_json_atomic(manifest_path, relinked)
-            if recorded is not written:  # the checksums file is bound to the manifest's bytes
-                section = {key: value for key, value in recorded["integrity"].items() if key != "recorded_in"}
-                integrity.write_sidecar(manifest_path, section)
-    return manifest_path
+        if relinked == written:
+            return Relinked(manifest_path, False)
+        write_json_atomic(manifest_path, relinked)
+        if recorded is not written:  # the checksums file is bound to the manifest's bytes
+            section = {key: value for key, value in recorded["integrity"].items() if key != "recorded_in"}
+            integrity.write_sidecar(manifest_path, section)
+    return Relinked(manifest_path, True)
 
 
 def _stored_paths(
