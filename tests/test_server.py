@@ -580,7 +580,7 @@ def test_a_slot_action_acts_after_the_requests_before_it_and_before_those_after_
         scheduler.claim_slot(1)
         scheduler.submit(later)
         scheduler.submit(anywhere)
-        wait_until(lambda: scheduler.slot_is_free(1), "slot 1 was free for the action")
+        wait_until(lambda: scheduler.take_slot(1), "slot 1 was free for the action")
         assert running in finished and earlier in finished
         assert later.state is None and later.slot == -1  # not admitted while the action holds the slot
         wait_until(lambda: anywhere in finished, "the request for any slot finished")

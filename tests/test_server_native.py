@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import time
 
@@ -518,13 +519,28 @@ def test_slots_list_every_slot_with_the_running_request_under_its_id_slot(server
 def test_slot_actions_on_a_busy_slot_act_once_its_request_has_finished(server, slot_dir, monkeypatch):
     """As llama-server defers a slot task while its slot processes: a save, an erase and a restore sent
     while a request streams under slot 1 each act once that request has finished. The save holds the
-    finished state (`tokens_cached`: the prompt and every generated token but the last), the erase
-    forgets it, and the restored tokens are the slot's after the request ends (an erase then counts
-    them). A save whose client leaves while it waits writes nothing."""
+    finished state (`tokens_cached`: the prompt and every generated token but the last), not that of a
+    request for slot 1 sent while the save waited (counted in `llamacpp:requests_deferred`), which runs
+    after it; the erase forgets it, and the restored tokens are the slot's after the request ends (an
+    erase then counts them). A save whose client leaves while it waits writes nothing."""
     slow_decode_steps(monkeypatch)  # each stream runs long enough to send an action while it decodes
     file = {"filename": "busy.k3slot"}
-    saved, answer = _while_busy(server, 150, lambda: post(server, "/slots/1?action=save", file))
+    replies: dict = {}
+
+    def save_then_a_later_request() -> None:
+        saver = threading.Thread(
+            target=lambda: replies.update(save=post(server, "/slots/1?action=save", file))
+        )
+        saver.start()
+        _poll_metric(server, "llamacpp:requests_deferred", 1.0)  # the save waits for its slot
+        later = {**GREEDY, "prompt": PROMPT + " later", "id_slot": 1, "n_predict": 3}
+        replies["later"] = post(server, "/completion", later).json()
+        saver.join(120)
+
+    _, answer = _while_busy(server, 150, save_then_a_later_request)
+    saved = replies["save"]
     assert saved.status_code == 200 and saved.json()["n_saved"] == answer["tokens_cached"]
+    assert replies["later"]["tokens_cached"] != answer["tokens_cached"]
     erased, answer = _while_busy(server, 140, lambda: post(server, "/slots/1?action=erase", {}))
     assert erased.json() == {"id_slot": 1, "n_erased": answer["tokens_cached"]}
     restored, answer = _while_busy(server, 130, lambda: post(server, "/slots/1?action=restore", file))
@@ -556,6 +572,15 @@ def _while_busy(server, n_predict: int, action):
     result = action()
     runner.join(120)
     return result, answer[0]
+
+
+def _poll_metric(server, name: str, value: float) -> None:
+    for _ in range(3000):  # a bound, not a timing assertion
+        text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text
+        if re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1) == str(value):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"/metrics never showed {name} {value}")
 
 
 def _stream_last(server, body):

@@ -112,10 +112,11 @@ class ServerMetrics:
         self._tokens_max = max(self._tokens_max, tokens)
         self.llama_tokens_max.set(self._tokens_max)
 
-    def set_waiting(self, waiting: int) -> None:
-        """Requests in the queue (no batch slot yet)."""
+    def set_waiting(self, waiting: int, waiting_actions: int = 0) -> None:
+        """Requests in the queue (no batch slot yet), and slot actions waiting for their slots: llama-server
+        counts both as deferred tasks."""
         self.queue_length.set(waiting)
-        self.llama_deferred.set(waiting)
+        self.llama_deferred.set(waiting + waiting_actions)
 
     def set_running(self, running: int) -> None:
         """Sequences in the batch (prefilling or decoding)."""

@@ -318,6 +318,7 @@ class Scheduler:
         self._ends: list[Job] = []  # jobs whose prompt ends await their snapshots (`_save_ends`)
         # slot -> the arrival of the slot action (`claim_slot`) that waits for the slot or holds it
         self._claims: dict[int, int] = {}
+        self._acting: set[int] = set()  # the claimed slots whose actions act (`take_slot`)
         self._arrivals = itertools.count()  # numbers requests and slot actions as they come
         self._wake = threading.Condition()
         self._stopping = False
@@ -362,7 +363,7 @@ class Scheduler:
             job.arrival = next(self._arrivals)
             self._waiting.append(job)
             self.peak_waiting = max(self.peak_waiting, len(self._waiting))
-            self.metrics.set_waiting(len(self._waiting))
+            self._update_gauges()
             self._wake.notify()
 
     def _waiting_room(self) -> int:
@@ -372,27 +373,32 @@ class Scheduler:
     def claim_slot(self, slot: int) -> None:
         """Queue a slot action (llama-server's save, restore or erase) on `slot`, one at a time per slot:
         until `release_slot`, the requests that ask for the slot after it wait, and requests for any slot
-        take others. It acts once `slot_is_free`."""
+        take others. It acts once `take_slot` says so; until then it counts as deferred (`/metrics`)."""
         with self._wake:
             self._claims[slot] = next(self._arrivals)
+            self._update_gauges()
 
-    def slot_is_free(self, slot: int) -> bool:
-        """Whether the action claiming `slot` may act, as llama-server runs a slot task it deferred: no
+    def take_slot(self, slot: int) -> bool:
+        """Whether the action claiming `slot` may act now, as llama-server runs a slot task it deferred: no
         sequence is under the slot (the last one's finished state is in the prompt cache and given to
         `on_finish`: a job leaves the running ones after `_finish`) and no request that came before the
-        action waits for it."""
+        action waits for it. Once it may, it acts until `release_slot`."""
         with self._wake:
             claim = self._claims[slot]
-            if any(job.slot == slot for job in self._running):
-                return False
-            return not any(
+            busy = any(job.slot == slot for job in self._running) or any(
                 job.active and job.wanted_slot == slot and job.arrival < claim for job in self._waiting
             )
+            if not busy:
+                self._acting.add(slot)
+                self._update_gauges()
+            return not busy
 
     def release_slot(self, slot: int) -> None:
         """End the slot action on `slot`: the requests it kept waiting may run."""
         with self._wake:
             self._claims.pop(slot, None)
+            self._acting.discard(slot)
+            self._update_gauges()
             self._wake.notify()
 
     def wake(self) -> None:
@@ -823,5 +829,5 @@ class Scheduler:
         self._drop_finished()
 
     def _update_gauges(self) -> None:
-        self.metrics.set_waiting(len(self._waiting))
+        self.metrics.set_waiting(len(self._waiting), len(self._claims.keys() - self._acting))
         self.metrics.set_running(len(self._running))

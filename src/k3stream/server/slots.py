@@ -243,11 +243,11 @@ class SlotActions:
                 self.scheduler.release_slot(slot)
 
     async def _slot_freed(self, request: Request, slot: int) -> bool:
-        """Wait until the claimed `slot` is free (`Scheduler.slot_is_free`); False if the client left
+        """Wait until the claimed `slot` is the action's (`Scheduler.take_slot`); False if the client left
         first. The wait ends: the request running under the slot ends within its token limit."""
         watcher = asyncio.create_task(watch_disconnect(request))
         try:
-            while not self.scheduler.slot_is_free(slot):
+            while not self.scheduler.take_slot(slot):
                 if watcher.done():
                     return False
                 await asyncio.sleep(SLOT_POLL_S)
