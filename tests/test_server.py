@@ -433,6 +433,20 @@ def test_max_tokens_past_the_context_is_cut_where_the_context_ends(client, serve
     assert completion.choices[0].finish_reason == "length"
 
 
+def test_a_prompt_of_exactly_the_context_is_refused_for_leaving_no_room_for_an_answer(client, server):
+    """A prompt of `ctx` tokens fits the context, so "the prompt has N tokens" alone reads as no reason:
+    the 400 says the answer has no room (one token less is answered with one token)."""
+    asked = {"model": server.name, "max_tokens": 5, "temperature": 0}
+    one_short = client.completions.create(prompt=[5] * (CTX - 1), **asked)
+    assert (one_short.usage.completion_tokens, one_short.choices[0].finish_reason) == (1, "length")
+    for length, says_no_room in ((CTX, True), (CTX + 1, False)):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(prompt=[5] * length, **asked)
+        message = refused.value.body["message"]
+        assert f"maximum context length is {CTX} tokens" in message and f"has {length} tokens" in message
+        assert ("no room for an answer" in message) == says_no_room, message
+
+
 def test_unknown_route_answers_an_openai_error(server):
     response = httpx.get(server.url + "/v1/nothing-here", timeout=10)
     assert response.status_code == 404
