@@ -406,6 +406,15 @@ def test_bad_chat_requests(client, server):
         assert bad.value.body["param"].startswith("messages")
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.chat.completions.create(model=server.name, messages=[{"role": "user", "content": "hi " * 600}])
+    # an agent's legacy `function_call` turn has neither content nor tool_calls: the 400 reads as English
+    legacy = {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=server.name, messages=[{"role": "user", "content": "hi"}, legacy]
+        )
+    assert bad.value.body["message"] == (
+        "messages.1.content: a message of role 'assistant' needs its content or tool_calls"
+    )
     answer = client.chat.completions.create(
         model=server.name, messages=[{"role": "user", "content": "hi"}], max_tokens=2
     )
