@@ -406,6 +406,15 @@ def test_bad_chat_requests(client, server):
         assert bad.value.body["param"].startswith("messages")
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.chat.completions.create(model=server.name, messages=[{"role": "user", "content": "hi " * 600}])
+    # an agent's legacy `function_call` turn has neither content nor tool_calls: the 400 reads as English
+    legacy = {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=server.name, messages=[{"role": "user", "content": "hi"}, legacy]
+        )
+    assert bad.value.body["message"] == (
+        "messages.1.content: a message of role 'assistant' needs its content or tool_calls"
+    )
     answer = client.chat.completions.create(
         model=server.name, messages=[{"role": "user", "content": "hi"}], max_tokens=2
     )
@@ -431,6 +440,20 @@ def test_max_tokens_past_the_context_is_cut_where_the_context_ends(client, serve
     completion = client.completions.create(prompt="Rivers run", max_tokens=32000, **asked)
     assert completion.usage.prompt_tokens + completion.usage.completion_tokens == CTX
     assert completion.choices[0].finish_reason == "length"
+
+
+def test_a_prompt_of_exactly_the_context_is_refused_for_leaving_no_room_for_an_answer(client, server):
+    """A prompt of `ctx` tokens fits the context, so "the prompt has N tokens" alone reads as no reason:
+    the 400 says the answer has no room (one token less is answered with one token)."""
+    asked = {"model": server.name, "max_tokens": 5, "temperature": 0}
+    one_short = client.completions.create(prompt=[5] * (CTX - 1), **asked)
+    assert (one_short.usage.completion_tokens, one_short.choices[0].finish_reason) == (1, "length")
+    for length, says_no_room in ((CTX, True), (CTX + 1, False)):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(prompt=[5] * length, **asked)
+        message = refused.value.body["message"]
+        assert f"maximum context length is {CTX} tokens" in message and f"has {length} tokens" in message
+        assert ("no room for an answer" in message) == says_no_room, message
 
 
 def test_unknown_route_answers_an_openai_error(server):

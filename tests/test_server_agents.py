@@ -191,3 +191,60 @@ def test_the_demo_template_shows_the_model_its_tools_calls_and_results(server):
     assert plain["prompt"] == f"{system}<|im_user|>user<|im_middle|>{ask[0]['content']}<|im_end|>" + (
         "<|im_assistant|>assistant<|im_middle|>"
     )
+
+
+def test_a_turn_restores_an_answer_the_model_wrote_in_tokens_of_its_own(server):
+    """A call whose name the grammar let the model spell in pieces (`_` `t` `ime` where the tokenizer
+    has `_time`), or a sampled answer, is ids the tokenizer does not give its text. Sent back in the next
+    turn's history, it is written in the ids the model wrote: the turn restores the answer's state and
+    computes only its new tokens, and answers what its prompt computed whole answers. The same text in
+    another conversation is tokenized as the tokenizer does."""
+    import httpx
+    import openai
+
+    thread, name = server
+    client = openai.OpenAI(base_url=thread.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    tools = [
+        {"type": "function", "function": {"name": name_, "parameters": {"type": "object", "properties": {}}}}
+        for name_ in ("get_weather", "get_time")
+    ]
+
+    def pieces(messages: list[dict]) -> list[str]:
+        """The pieces of the prompt `messages` render to, tokenized as text (/apply-template, /tokenize)."""
+        headers = {"Authorization": f"Bearer {KEY}"}
+        text = httpx.post(
+            thread.url + "/apply-template", json={"messages": messages, "tools": tools}, headers=headers
+        ).json()["prompt"]
+        tokens = httpx.post(
+            thread.url + "/tokenize", json={"content": text, "with_pieces": True}, headers=headers
+        )
+        return [token["piece"] for token in tokens.json()["tokens"]]
+
+    of_their_own = 0
+    for seed in range(4):
+        question = [{"role": "user", "content": f"Question {seed}: the weather or the time?"}]
+        forced = {"tool_choice": "required", "parallel_tool_calls": False} if seed < 2 else {}
+        asked = {"model": name, "tools": tools, "logprobs": True, **forced}
+        first = client.chat.completions.create(
+            messages=question, max_tokens=24, temperature=seed, seed=seed, **asked
+        )
+        answer = first.choices[0].message
+        history = [*question, answer.model_dump(exclude_none=True)]
+        history += [
+            {"role": "tool", "tool_call_id": c.id, "content": "12:00"} for c in answer.tool_calls or []
+        ]
+        history += [] if answer.tool_calls else [{"role": "user", "content": "And then?"}]
+        answered = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # the last token: not fed
+        written = pieces(question) + [entry.token for entry in first.choices[0].logprobs.content]
+        of_their_own += pieces(history)[:answered] != written[:answered]
+        turn = client.chat.completions.create(messages=history, max_tokens=4, temperature=0, **asked)
+        assert turn.usage.prompt_tokens_details.cached_tokens == answered, (seed, written)
+        whole = client.chat.completions.create(
+            messages=history, max_tokens=4, temperature=0, extra_body={"cache_prompt": False}, **asked
+        )
+        assert whole.usage.prompt_tokens_details.cached_tokens == 0
+        assert turn.choices[0].logprobs == whole.choices[0].logprobs
+        elsewhere = [{"role": "user", "content": "Another conversation"}, *history[1:]]
+        other = client.chat.completions.create(messages=elsewhere, max_tokens=1, temperature=0, **asked)
+        assert other.usage.prompt_tokens == len(pieces(elsewhere))  # the tokenizer's ids: not its answer
+    assert of_their_own, "no answer was written in tokens of its own: the test shows nothing"

@@ -511,9 +511,11 @@ class Endpoints:
         where the context does, `finish_reason` `length`); a prompt that does not fit is refused."""
         ctx = self.served.ctx
         if prompt_len >= ctx:
+            # a prompt of exactly the context fits it but leaves no room for the answer's first token
+            room = ", which leaves no room for an answer" if prompt_len == ctx else ""
             raise invalid_request(
                 f"This model's maximum context length is {ctx} tokens, but the prompt has "
-                f"{prompt_len} tokens",
+                f"{prompt_len} tokens{room}",
                 param=prompt_param,
                 code="context_length_exceeded",
                 figures={"n_prompt_tokens": prompt_len, "n_ctx": ctx},

@@ -11,6 +11,7 @@ of a stream together hold every token once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -70,8 +71,10 @@ class RequestLogic:
         constraint: TokenConstraint | None = None,
         top_logprobs: int | None = None,
         post_sampling: bool = False,
+        on_answer: Callable[[list[int], list[int]], None] | None = None,
     ) -> None:
         self.sequence = sequence
+        self.on_answer = on_answer  # hears a finished answer's prompt and token ids
         self.tokenizer = tokenizer
         self.parser = parser
         self.constraint = constraint
@@ -126,6 +129,8 @@ class RequestLogic:
             self.reasoning_tokens += was_reasoning or self.parser.in_reasoning
         if self.parser is not None and self.sequence.done:
             piece.extend(self.parser.finish())
+        if self.on_answer is not None and self.sequence.done:
+            self.on_answer(self.sequence.prompt_ids, self.sequence.token_ids)
         if piece.content or piece.reasoning or piece.tool_calls or self.sequence.done:
             piece.logprobs, self._logprobs = self._logprobs, []
             piece.tokens, self._tokens = self._tokens, []

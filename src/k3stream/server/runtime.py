@@ -22,6 +22,7 @@ from k3stream.engine.sampling import SamplingParams
 from k3stream.gguf.shards import set_name
 from k3stream.server.errors import APIError, invalid_request
 from k3stream.server.generated_calls import GeneratedCalls
+from k3stream.server.generated_runs import GeneratedRuns, PrefixDigest
 from k3stream.server.grammar import (
     OPENED_JSON,
     AfterThinking,
@@ -60,6 +61,9 @@ class ServedModel(Runtime):
     # the arguments of the tool calls it generated as the model wrote them: a history that sends a call
     # back re-serialised is written with them, so its prompt cache match goes on past the call
     generated_calls: GeneratedCalls = field(default_factory=GeneratedCalls)
+    # the texts of its answers the model wrote in other ids than the tokenizer's, with those ids: a
+    # history that sends such an answer back is tokenized with them, so its cache match goes on past it
+    generated_runs: GeneratedRuns | None = None
     # what a request that names no sampling field gets (llama-server's `--temp`, `--top-k`, `--seed`, ...:
     # `serve`'s flags); `max_tokens` is unused: `default_n_predict` is llama-server's `-n`
     defaults: SamplingParams = field(default_factory=SamplingParams)
@@ -71,6 +75,8 @@ class ServedModel(Runtime):
         if self.grammars is None:
             stops = [*self.chat_stop_ids, *sorted(self.tokenizer.end_ids)]
             self.grammars = GrammarCompiler(self.tokenizer, stops)
+        if self.generated_runs is None:
+            self.generated_runs = GeneratedRuns(self.tokenizer)
 
     @property
     def vocab_size(self) -> int:
@@ -140,6 +146,7 @@ class ServedModel(Runtime):
         one (kept in `pieces`): a content's first and last words are those of the whole text."""
         tokenizer = self.tokenizer
         ids = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+        digest = PrefixDigest()  # of the ids so far: a text the model wrote after them keeps its ids
         plain: list[str] = []  # the texts since the last special token
         for index, template_text in enumerate(template_texts):
             if index:
@@ -148,13 +155,21 @@ class ServedModel(Runtime):
                 if isinstance(fragment, str):
                     plain.append(fragment)
                     continue
-                ids += self._plain_ids("".join(plain))
+                ids += self._plain_ids("".join(plain), ids, digest)
                 ids.append(fragment)
                 plain = []
-        return ids + list(self._plain_ids("".join(plain)))
+        return ids + list(self._plain_ids("".join(plain), ids, digest))
 
-    def _plain_ids(self, text: str) -> tuple[int, ...]:
-        return self.pieces.get(("plain", text), self.tokenizer.encode_plain) if text else ()
+    def _plain_ids(self, text: str, before: list[int], digest: PrefixDigest) -> tuple[int, ...]:
+        """`text`'s ids after the ids `before` (of `digest`): the model's where it wrote it there."""
+        if not text:
+            return ()
+        generated = self.generated_runs.ids(digest.at(before), text)
+        return (
+            generated
+            if generated is not None
+            else self.pieces.get(("plain", text), self.tokenizer.encode_plain)
+        )
 
     def _refuse_special_extras(self, extras: dict[str, Any]) -> None:
         """`_refuse_special_text` over the tools and template variables, once per distinct set."""
@@ -389,7 +404,12 @@ class ServedModel(Runtime):
         if isinstance(constraint, LazySections):
             constraint.follow(lambda: parser.in_reasoning)
         return RequestLogic(
-            sequence, self.tokenizer, parser=parser, constraint=constraint, top_logprobs=top_logprobs
+            sequence,
+            self.tokenizer,
+            parser=parser,
+            constraint=constraint,
+            top_logprobs=top_logprobs,
+            on_answer=self.generated_runs.remember,
         )
 
     def meta(self) -> dict[str, int]:

@@ -477,7 +477,7 @@ class ChatMessage(BaseModel):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             where = f"messages.{index}.content"
             needs = "its content or tool_calls" if self.role == "assistant" else "its content"
-            raise invalid_request(f"{where}: a {self.role} message needs {needs}", param=where)
+            raise invalid_request(f"{where}: a message of role {self.role!r} needs {needs}", param=where)
         for number, part in enumerate(self.content if isinstance(self.content, list) else []):
             where = f"messages.{index}.content.{number}"
             if part.type != "text":
