@@ -102,6 +102,23 @@ def test_the_pack_file_given_as_the_model_points_at_its_manifest(tiny_model, tmp
     assert capsys.readouterr().err == f"k3stream {command}: error: {wanted}\n"
 
 
+@pytest.mark.parametrize("command", ["pack", "dequantize"])
+def test_a_manifest_given_where_a_gguf_must_be_says_so(tiny_model, tmp_path, command, capsys):
+    """`pack` and `dequantize` read a GGUF, not the manifest the other commands take: the line says what
+    the file is (it said "not a valid GGUF header: the magic is not GGUF")."""
+    from k3stream.cli import main
+    from pack_helpers import copy_model
+
+    shapes = dict(latent=256, expert_ff=256, kv_lora=256, qk_nope=32)  # the recipe's blocks fit
+    gguf = copy_model(tiny_model(recipe="dynamic", **shapes), tmp_path)
+    manifest = build_pack(gguf, options=BuildOptions(progress=False, margin_bytes=0)).manifest
+    output = [str(tmp_path / "f32.gguf")] if command == "dequantize" else []
+    assert main([command, str(manifest), *output]) == 1
+    wanted = f"{manifest}: an expert pack's manifest, not a GGUF; give the GGUF it names"
+    assert capsys.readouterr().err == f"k3stream {command}: error: {wanted}\n"
+    assert not (tmp_path / "f32.gguf").exists()
+
+
 @pytest.mark.parametrize("kept", [0.5, 0.99])
 def test_a_gguf_cut_short_says_so_naming_the_first_tensor_it_lacks(tiny_model, tmp_path, kept, capsys):
     """A partial download: whole header, data cut off. The line says the file is cut short, where the

@@ -37,25 +37,33 @@ COMMANDS = {
     "pack": lambda path, out: ["pack", str(path), "--out", str(out / "x.pack"), "--no-progress"],
     "generate": lambda path, out: ["generate", str(path), "--prompt", "hi", "--max-tokens", "2"],
     "dequantize": lambda path, out: ["dequantize", str(path), str(out / "x.gguf")],
+    "verify": lambda path, out: ["verify", str(path)],  # no pack beside it: the type, not "pack it first"
 }
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-@pytest.mark.parametrize(("type_id", "named"), [(77, "unknown GGML type 77"), (41, "Q1_0 (41)")])
+@pytest.mark.parametrize(
+    ("tensor", "type_id", "named"),
+    [
+        (TENSOR, 77, "unknown GGML type 77"),
+        (TENSOR, 41, "Q1_0 (41)"),
+        ("blk.0.attn_norm.weight", 26, "I32 (26)"),  # F32's size: the header holds, the type does not
+    ],
+)
 def test_a_type_k3stream_does_not_know_stops_at_load_in_one_line(
-    tiny_model, tmp_path, capsys, command, type_id, named
+    tiny_model, tmp_path, capsys, command, tensor, type_id, named
 ):
-    """A future enum value (77) and one gguf knows but k3stream cannot decode (Q1_0): one line naming
-    the file, tensor and type, and nothing written."""
+    """A future enum value (77) and ones gguf knows but k3stream cannot decode (Q1_0, I32): one line
+    naming the file, tensor and type, and nothing written."""
     path = with_type_id(
-        tiny_model(recipe="iq2_xxs", **AUDITED_DIMS), tmp_path / "patched.gguf", TENSOR, type_id
+        tiny_model(recipe="iq2_xxs", **AUDITED_DIMS), tmp_path / "patched.gguf", tensor, type_id
     )
     out = tmp_path / "out"
     out.mkdir()
     assert main(COMMANDS[command](path, out)) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    assert TENSOR in err and named in err and str(path) in err
+    assert tensor in err and named in err and str(path) in err
     assert not any(out.iterdir()) and sorted(tmp_path.iterdir()) == [out, path]
 
 

@@ -230,6 +230,10 @@ def check_header(path: str | os.PathLike[str]) -> None:
                 raise GGUFHeaderError(
                     f"{path}: an expert pack, not a GGUF; give its manifest {path}.manifest.json or the GGUF"
                 )
+            if path.suffix == ".json" and bytes(data[:1]) == b"{":  # pack and dequantize read GGUFs only
+                raise GGUFHeaderError(
+                    f"{path}: an expert pack's manifest, not a GGUF; give the GGUF it names"
+                )
             _walk(_Cursor(data, path))
 
 
