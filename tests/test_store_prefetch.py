@@ -279,6 +279,33 @@ def test_a_hint_larger_than_the_share_and_hints_behind_it_evict_nothing(pack):
         assert store.ready(third, small) == small
 
 
+def test_a_hint_after_one_that_filled_free_slots_only_is_its_steps_first_that_may_evict(pack):
+    """A prefill's last layer: its first hint came behind a sweeping step and read nothing into a full
+    tier; once that step has fetched, the layer's next hint for the same step (at the layer's start)
+    reads, evicting what no step pins, as a first hint does; a hint after that one fills free slots only."""
+    layer, later = pack.moe_layers[:2]
+    k = pack.top_k
+    with ExpertStore(pack, ram_mib=2 * k * pack.object_bytes / MIB) as store:
+        for start in (0, k):  # the tier full of experts no step holds
+            store.fetch(layer, list(range(start, start + k)))
+        store.release()
+        store.prefetch(layer, list(range(2 * k, 3 * k + 1)))  # larger than the share: it sweeps
+        first = list(range(k // 2))
+        store.prefetch(later, first)  # behind the sweep: free slots only, and none is free
+        drain(store)
+        assert store.ready(later, first) == [] and store.stats()["pack_reads"] == 2 * k
+        store.fetch(layer, [0])  # the sweeping step
+        store.release()
+        second = list(range(k // 2, k))
+        store.prefetch(later, second)
+        drain(store)
+        assert store.ready(later, second) == second
+        third = [k]
+        store.prefetch(later, third)
+        drain(store)
+        assert store.ready(later, third) == []
+
+
 def test_a_cold_tiers_free_slots_take_a_fill_beyond_the_hints_share(pack):
     """A cold tier (a cold prefill): the step's first hint, larger than the hints' share, reads the share;
     the hint that follows it for the same step fills the free slots left, beyond the share (a fill

@@ -301,8 +301,8 @@ class ExpertStore:
         Adaptive: only while the layer's hints have been precise enough, and no more of the experts
         it would read than its hints earned (`HintScores.allowance`, the first in `expert_ids`' order);
         beyond the hints' share of the tier, not those (`prefetch_too_large`); a hint that large, one
-        following another hint of its layer for the same step, or one for a layer whose step comes
-        after such a large one's, reads into free slots only. Ignored after `close()`."""
+        following a hint of its layer for the same step that may evict, or one for a layer whose step
+        comes after such a large one's, reads into free slots only. Ignored after `close()`."""
         if self._prefetcher is None:
             return
         keys = self._keys(layer, expert_ids)
@@ -320,10 +320,12 @@ class ExpertStore:
             # beyond the hints' share of the tier the step in progress would evict what it read: the
             # likeliest `share` experts are read, into free slots only (a prefill's hint of most of a
             # layer: its reads start before the router runs in a cold tier, and evict nothing a warm
-            # one holds for the step), the rest are dropped; a hint that follows another for the same
-            # step (a prefill's pre-attention hint after its layer-ahead one) fills free slots only too,
-            # and so does a hint for a layer whose step comes after a step that large (a prefill's token
-            # hint for its last layer): that step would evict what it read before its layer came
+            # one holds for the step), the rest are dropped; a hint that follows one for the same step
+            # that may evict (a prefill's pre-attention hint after its layer-ahead one) fills free slots
+            # only too, and so does a hint for a layer whose step comes after a step that large (a
+            # prefill's hints for its last layer before the first layer's step): that step would evict
+            # what it read before its layer came; the hint after one that filled free slots only is the
+            # first for its step that may evict (a prefill's last layer, at its start: the sweep is over)
             # what the tier holds of the hint is kept for its step as its reads are (`Tier.fresh`: evicted
             # only when nothing else can go): a prefill's sweep of one layer's step would evict the next
             # layer's experts its hint named, to read them again at that layer's router
@@ -338,6 +340,8 @@ class ExpertStore:
             dropped = set(absent[len(loaded) - too_large :])
             keys = sorted(key for key in keys if key[1] not in dropped)  # read in pack order
             load = Load.FILL if too_large or follows or self._hints.behind_sweep(layer) else Load.HINT
+            if load is Load.HINT:
+                self._hints.evicts(layer)
             self._prefetcher.submit(self._prefetch_job, keys, self._hints.serial(layer), load)
 
     def read_ahead(self, layer: int, expert_ids: Iterable[int]) -> None:

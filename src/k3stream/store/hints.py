@@ -46,6 +46,7 @@ class HintScores:
         self._asked: dict[int, set[int]] = {}  # what its fetches asked for since
         self._fetches: Counter[int] = Counter()
         self._sweeping: set[int] = set()  # layers hinted larger than the hints' share, not yet fetched
+        self._evicting: set[int] = set()  # layers whose pending hint may evict (`evicts`)
         self.counts = Counter(prefetch_stale=0, prefetch_suppressed=0)
 
     def active(self, layer: int) -> bool:
@@ -60,9 +61,14 @@ class HintScores:
             self._asked.setdefault(layer, set()).update(experts)
 
     def follows(self, layer: int) -> bool:
-        """Whether a hint of `layer` would follow another one for the same step (a hint its layer's
-        fetches have not yet scored)."""
-        return bool(self._pending.get(layer)) and layer not in self._asked
+        """Whether a hint of `layer` would follow another one for the same step that may evict
+        (`evicts`; a hint its layer's fetches have not yet scored). One that reads into free slots only
+        took nothing a full tier holds: the hint after it is the first for the step that may."""
+        return layer in self._evicting and layer not in self._asked
+
+    def evicts(self, layer: int) -> None:
+        """A hint of `layer` that may evict (within the hints' share) went out for its coming step."""
+        self._evicting.add(layer)
 
     def sweeps(self, layer: int) -> None:
         """`layer` was hinted larger than the hints' share of the tier: its step sweeps the tier."""
@@ -105,6 +111,7 @@ class HintScores:
         if asked is None:
             return
         hinted = self._pending.pop(layer)
+        self._evicting.discard(layer)
         if hinted:
             sums = self._sums[layer]
             sums[0] = PREFETCH_DECAY * sums[0] + len(hinted & asked)
