@@ -165,11 +165,13 @@ def test_props_describe_the_model(server, served, model_path):
 
 
 def _stream_lines(server, body, lines, started=None):
+    """Read a completion stream's lines; `started` is set at its first data line (its request runs: the
+    headers alone come before the scheduler has it, when a request sent next could still go first)."""
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as reply:
-        if started is not None:
-            started.set()
         for line in reply.iter_lines():
             lines.append((time.monotonic(), line))
+            if started is not None and line.startswith("data: "):
+                started.set()
 
 
 def test_slots_list_the_one_slot_with_the_running_sequence_and_then_the_last_one(server, served):
