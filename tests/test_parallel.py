@@ -601,6 +601,34 @@ def test_a_rank_that_stops_before_joining_is_named_as_such(packed, tmp_path):
     assert [launcher.returncode for launcher in launchers] != [0, 0]
 
 
+@pytest.mark.slow
+def test_a_server_whose_port_is_taken_ends_every_rank_at_once(packed):
+    """Rank 0 cannot bind --port and stops before joining; torchrun's SIGTERM ends the follower waiting
+    to join at once, not when the join gives up (--dist-timeout) or torchrun's SIGKILL 30 s on (a
+    Python handler would run only then)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        serve = ["-m", "k3stream", "serve", str(packed), "--port", port, "--ep", "2", "--dist-timeout", "120"]
+        launcher = subprocess.Popen(torchrun(2, *serve), stderr=subprocess.PIPE, text=True, env=_env())
+        refusal = f"k3stream serve: error: [Errno 98] cannot bind --host 127.0.0.1 --port {port}"
+        lines = []
+        for line in launcher.stderr:
+            lines.append(line)
+            if refusal in line:
+                refused = time.monotonic()
+                break
+        else:
+            raise AssertionError("".join(lines)[-3000:])
+        rest = launcher.communicate(timeout=120)[1]
+        ended = time.monotonic() - refused
+    assert launcher.returncode != 0
+    assert ended < 20, (ended, rest[-3000:])  # torchrun's SIGKILL comes 30 s after its SIGTERM
+
+
 def _wait_healthy(url: str, launcher: subprocess.Popen) -> None:
     import httpx
 

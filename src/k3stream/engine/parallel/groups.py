@@ -67,7 +67,8 @@ def start(tp: int, ep: int, device: str = "cpu", timeout_s: float = DEFAULT_TIME
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if device.startswith("cuda") else "gloo"
     try:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        with _plain_sigterm_while_joining():
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     except dist.DistStoreError as exc:  # "wait timeout after 20000ms, keys: /default_pg/0//cpu//0/1"
         raise PeerFailed(
             f"rank {os.environ.get('RANK', '?')}: not all {world} ranks joined within {timeout_s:g} s "
@@ -78,6 +79,21 @@ def start(tp: int, ep: int, device: str = "cpu", timeout_s: float = DEFAULT_TIME
     if threading.current_thread() is threading.main_thread():
         _plain_sigterm = signal.signal(signal.SIGTERM, _stopped_by_torchrun)
     return Parallel(rank=dist.get_rank(), world=world, tp=tp, ep=ep)
+
+
+@contextlib.contextmanager
+def _plain_sigterm_while_joining() -> Any:
+    """SIGTERM ends this process at once while it waits for the others to join: torchrun sends it when a
+    rank stopped before joining (rank 0's --port in use, say), and a Python handler would run only
+    once the join gave up, after --dist-timeout. Nothing is loaded yet, so nothing needs cleaning."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _stopped_by_torchrun(signum: int, frame: Any) -> None:
