@@ -121,15 +121,14 @@ def agree(parallel: Parallel, facts: dict[str, tuple[str, str]]) -> None:
     compared and what the error shows): one line naming the first that differs from rank 0's, raised on
     every rank, before any rank starts loading. Ranks that ran other models, flags or kernels would
     meet in collectives of other sizes (gloo aborts) or silently compute other tokens."""
-    if not parallel.distributed:
-        return
     every: list[Any] = [None] * parallel.world
     collective("the start check", dist.all_gather_object, every, facts)
     for rank, theirs in enumerate(every[1:], start=1):
         for name, (value, shown) in every[0].items():
-            if theirs[name][0] != value:
+            their_value, their_shown = theirs.get(name, ("", "none"))  # none: another k3stream
+            if their_value != value:
                 raise ValueError(
-                    f"rank {rank}'s {name} differs from rank 0's: {theirs[name][1]} against {shown} "
+                    f"rank {rank}'s {name} differs from rank 0's: {their_shown} against {shown} "
                     "(every rank must run the same)"
                 )
 
