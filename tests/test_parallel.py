@@ -520,6 +520,115 @@ def test_two_torchrun_agents_as_two_machines(packed):
     assert outputs == sorted(["", expected.stdout])
 
 
+def _two_machines(*commands: list[str], first_hosts: bool = False) -> list[subprocess.Popen]:
+    """Two launchers joined by a c10d rendezvous on loopback, one rank each, running `commands[i]`
+    (k3stream's arguments); `first_hosts`: the first one holds the rendezvous store (it is listening
+    before the second starts)."""
+    import socket
+
+    from k3stream.server.live import free_port
+
+    port = free_port()
+    node = [
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "k3",
+    ]
+    launchers = []
+    for command in commands:
+        full = torchrun(1, *node, "-m", "k3stream", *command)
+        launchers.append(
+            subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        )
+        deadline = time.monotonic() + 60
+        while first_hosts and len(launchers) == 1 and time.monotonic() < deadline:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+    return launchers
+
+
+@pytest.mark.slow
+def test_ranks_given_another_model_or_flags_are_refused_at_start_naming_it(packed, audited, tmp_path):
+    """A rank started with another model, or other flags, is refused on every rank before loading, in
+    one line naming what differs (else gloo aborts on collectives of other sizes, or the ranks compute
+    other tokens); the same model copied to another path, with another time, runs."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(packed.parent, copy)  # another path and modification time, the same bytes
+    generate = ["generate", "--prompt", "hello", "--temperature", "0", "--max-tokens", "4"]
+    runs = {
+        "rank 1's model differs from rank 0's": ([str(packed), "--ep", "2"], [str(audited), "--ep", "2"]),
+        "rank 1's --tp differs from rank 0's": ([str(packed), "--ep", "2"], [str(packed), "--tp", "2"]),
+        "": ([str(packed), "--ep", "2"], [str(copy / packed.name), "--ep", "2"]),
+    }
+    for refusal, (first, second) in runs.items():
+        launchers = _two_machines([*generate, *first], [*generate, *second])
+        errors = [launcher.communicate(timeout=120)[1] for launcher in launchers]
+        codes = [launcher.returncode for launcher in launchers]
+        if not refusal:
+            assert codes == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+            continue
+        assert 0 not in codes
+        for err in errors:
+            lines = [line for line in err.splitlines() if line.startswith("k3stream generate: error:")]
+            assert len(lines) == 1 and refusal in lines[0], err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_before_joining_is_named_as_such(packed, tmp_path):
+    """A node whose model is missing stops before it joins the process group: the others end once
+    --dist-timeout has passed, saying that not every rank joined, not with torch's store timeout."""
+    generate = ["generate", "--prompt", "hello", "--max-tokens", "4", "--ep", "2", "--dist-timeout", "5"]
+    launchers = _two_machines(
+        [*generate[:1], str(packed), *generate[1:]],
+        [*generate[:1], str(tmp_path / "missing.gguf"), *generate[1:]],
+        first_hosts=True,
+    )
+    errors = [launcher.communicate(timeout=120)[1] for launcher in launchers]
+    assert "k3stream generate: error: model not found" in errors[1], errors[1][-3000:]
+    lines = [line for line in errors[0].splitlines() if line.startswith("k3stream generate: error:")]
+    assert len(lines) == 1 and "not all 2 ranks joined within 5 s (--dist-timeout)" in lines[0], errors[0][
+        -3000:
+    ]
+    assert [launcher.returncode for launcher in launchers] != [0, 0]
+
+
+@pytest.mark.slow
+def test_a_server_whose_port_is_taken_ends_every_rank_at_once(packed):
+    """Rank 0 cannot bind --port and stops before joining; torchrun's SIGTERM ends the follower waiting
+    to join at once, not when the join gives up (--dist-timeout) or torchrun's SIGKILL 30 s on (a
+    Python handler would run only then)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        serve = ["-m", "k3stream", "serve", str(packed), "--port", port, "--ep", "2", "--dist-timeout", "120"]
+        launcher = subprocess.Popen(torchrun(2, *serve), stderr=subprocess.PIPE, text=True, env=_env())
+        refusal = f"k3stream serve: error: [Errno 98] cannot bind --host 127.0.0.1 --port {port}"
+        lines = []
+        for line in launcher.stderr:
+            lines.append(line)
+            if refusal in line:
+                refused = time.monotonic()
+                break
+        else:
+            raise AssertionError("".join(lines)[-3000:])
+        rest = launcher.communicate(timeout=120)[1]
+        ended = time.monotonic() - refused
+    assert launcher.returncode != 0
+    assert ended < 20, (ended, rest[-3000:])  # torchrun's SIGKILL comes 30 s after its SIGTERM
+
+
 def _wait_healthy(url: str, launcher: subprocess.Popen) -> None:
     import httpx
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import resource
 import shutil
 import threading
@@ -114,6 +115,17 @@ def test_a_budget_below_one_working_set_is_refused_in_the_users_number(ram_mib, 
         f"expert store ram budget {ram_mib} MiB is below one top-k working set"
     )
     assert str(refused.value).endswith(f"({top_k} x {slot} bytes): --ram-mib takes that or more")
+
+
+@pytest.mark.parametrize(("slot", "top_k"), [(57856, 4), (77312, 16), (208896, 2), (47104, 5), (1 << 20, 8)])
+def test_the_working_set_a_refusal_names_is_a_budget_that_is_taken(slot, top_k):
+    """`--ram-mib` given the working set the refusal names (copied from the error) is taken: the number
+    is rounded up, never to one whose bytes floor below the working set (0.220703 for 4 x 57856)."""
+    with pytest.raises(ValueError) as refused:
+        tier_budgets(torch.device("cpu"), 0.01, None, slot, top_k)
+    named = float(re.search(r"working set of ([\d.]+) MiB", str(refused.value)).group(1))
+    assert tier_budgets(torch.device("cpu"), named, None, slot, top_k) == {"ram": named}
+    assert named - top_k * slot / MIB < 1e-6
 
 
 @pytest.mark.parametrize("policy", ["lfu-lru", "lru", "arc", "cycle"])

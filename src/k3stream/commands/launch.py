@@ -38,6 +38,8 @@ def parallel_runtime(
         check_cache_flags(args)  # before the model loads
     parallel = groups.start(args.tp, args.ep, _device_kind(args.device), args.dist_timeout)
     try:
+        if parallel.distributed:
+            groups.agree(parallel, shared_facts(args))
         runtime = runtime_from_args(args, opened)
         try:
             exchanges = shard(runtime.model, parallel)
@@ -56,6 +58,35 @@ def parallel_runtime(
             runtime.close()
     finally:
         groups.stop(parallel)
+
+
+def shared_facts(args: argparse.Namespace) -> dict[str, tuple[str, str]]:
+    """What every rank's run must share (`groups.agree`): the model's bytes (sizes and sampled windows:
+    a copy on another machine agrees, another file does not), the flags that shape the steps and their
+    arithmetic, and on CPU the kernels' instruction set (ggml's arithmetic sums in each one's lane
+    order). The memory flags (`--ram-mib`, `--memory-limit`) and the expert store's are each rank's own."""
+    from k3stream.engine.fingerprints import model_fingerprint
+    from k3stream.engine.loading import resolve_model
+    from k3stream.gguf.shards import discover_shards
+    from k3stream.quant.kernels import cpu
+
+    gguf, _ = resolve_model(args.model, False)
+    model = model_fingerprint(discover_shards(gguf), times=False)
+    arithmetic = "--float-activations" if args.float_activations else "ggml's (--match-ggml, the default)"
+    device = _device_kind(args.device)
+    flags = {
+        "command": args.command,
+        "--tp": args.tp,
+        "--ep": args.ep,
+        "arithmetic": arithmetic,
+        "--dtype": args.dtype,
+        "device": device,
+        "--ctx": args.ctx,
+        "kernel instruction set": cpu.isa() if device == "cpu" and cpu.available() else "none",
+    }
+    return {"model": (model, f"{gguf} (sampled bytes {model})")} | {
+        name: (str(value), str(value)) for name, value in flags.items()
+    }
 
 
 def layout(parallel: groups.Parallel) -> str:

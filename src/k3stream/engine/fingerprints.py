@@ -38,18 +38,19 @@ def computation_key(model: K3Model) -> str:
     return xxhash.xxh3_64(f"{code_fingerprint()}|{model.arithmetic}|{isa}".encode()).hexdigest()
 
 
-def model_fingerprint(shards: list[Path]) -> str:
+def model_fingerprint(shards: list[Path], times: bool = True) -> str:
     """xxh3_64 (hex) of a model's GGUF shards: their sizes, modification times and sampled windows of
     their bytes. The windows leave most of a large shard unread, so a shard rewritten in place with
     bytes changed between them (its size kept) differs by its modification time; a renamed shard keeps
-    its fingerprint, a copy made without its time is a miss."""
+    its fingerprint, a copy made without its time is a miss. `times=False`: sizes and windows only (the
+    same model copied to another machine)."""
     from k3stream.pack.integrity import shard_fingerprint
 
     digest = xxhash.xxh3_64()
     for path in shards:
         stat = os.stat(path)
         windows = shard_fingerprint(Path(path), 0, stat.st_size)
-        digest.update(f"{stat.st_size}:{stat.st_mtime_ns}:{windows};".encode())
+        digest.update(f"{stat.st_size}:{stat.st_mtime_ns if times else ''}:{windows};".encode())
     return digest.hexdigest()
 
 

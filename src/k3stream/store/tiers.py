@@ -8,6 +8,7 @@ device; the others keep the host buffer. Every method but `place` runs under the
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Collection
 from concurrent.futures import Future
@@ -304,10 +305,16 @@ def tier_budgets(
         if int(mib * MIB) // slot_bytes < top_k:
             raise ValueError(
                 f"expert store {name} budget {mib:g} MiB is below one top-k working set of "
-                f"{top_k * slot_bytes / MIB:g} MiB ({top_k} x {slot_bytes} bytes): "
+                f"{_rounded_up(top_k * slot_bytes / MIB)} MiB ({top_k} x {slot_bytes} bytes): "
                 f"--{name}-mib takes that or more"
             )
     return budgets
+
+
+def _rounded_up(mib: float) -> str:
+    """`mib` to six decimals, rounded up: a number the user can pass back as the budget (0.220703 MiB
+    would floor to a byte count below 4 x 57856)."""
+    return f"{math.ceil(mib * 1e6) / 1e6:.6f}".rstrip("0").rstrip(".")
 
 
 def _default_gpu_mib(device: torch.device) -> float:

@@ -66,12 +66,34 @@ def start(tp: int, ep: int, device: str = "cpu", timeout_s: float = DEFAULT_TIME
     if device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    try:
+        with _plain_sigterm_while_joining():
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    except dist.DistStoreError as exc:  # "wait timeout after 20000ms, keys: /default_pg/0//cpu//0/1"
+        raise PeerFailed(
+            f"rank {os.environ.get('RANK', '?')}: not all {world} ranks joined within {timeout_s:g} s "
+            f"(--dist-timeout): a rank that stopped before joining says why in its own output ({exc})"
+        ) from None
     global _heartbeat, _plain_sigterm
     _heartbeat = Heartbeat(dist.get_rank(), world)
     if threading.current_thread() is threading.main_thread():
         _plain_sigterm = signal.signal(signal.SIGTERM, _stopped_by_torchrun)
     return Parallel(rank=dist.get_rank(), world=world, tp=tp, ep=ep)
+
+
+@contextlib.contextmanager
+def _plain_sigterm_while_joining() -> Any:
+    """SIGTERM ends this process at once while it waits for the others to join: torchrun sends it when a
+    rank stopped before joining (rank 0's --port in use, say), and a Python handler would run only
+    once the join gave up, after --dist-timeout. Nothing is loaded yet, so nothing needs cleaning."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _stopped_by_torchrun(signum: int, frame: Any) -> None:
@@ -92,6 +114,23 @@ def follow_through_stops() -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def agree(parallel: Parallel, facts: dict[str, tuple[str, str]]) -> None:
+    """Refuse a run whose ranks differ in what every rank must share (`facts`: a name, then what is
+    compared and what the error shows): one line naming the first that differs from rank 0's, raised on
+    every rank, before any rank starts loading. Ranks that ran other models, flags or kernels would
+    meet in collectives of other sizes (gloo aborts) or silently compute other tokens."""
+    every: list[Any] = [None] * parallel.world
+    collective("the start check", dist.all_gather_object, every, facts)
+    for rank, theirs in enumerate(every[1:], start=1):
+        for name, (value, shown) in every[0].items():
+            their_value, their_shown = theirs.get(name, ("", "none"))  # none: another k3stream
+            if their_value != value:
+                raise ValueError(
+                    f"rank {rank}'s {name} differs from rank 0's: {their_shown} against {shown} "
+                    "(every rank must run the same)"
+                )
 
 
 def loaded(parallel: Parallel) -> None:
