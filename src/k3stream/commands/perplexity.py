@@ -130,9 +130,11 @@ def run_perplexity(runtime: Runtime, plan: Any, args: argparse.Namespace) -> flo
             _out(f"[{index + 1}]{ppl.ppl:.4f},")
         if writer is not None:
             writer.close()
-    except BaseException:
+    except BaseException as exc:
         if writer is not None:
             writer.abort()
+        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C: the `[i]ppl,` line so far ends, as generate's
+            _out("\n")
         raise
     _out("\n")
     error = ppl.uncertainty()
