@@ -4,7 +4,10 @@ lines of several ranks writing to one unbuffered stream (torchrun's `python -u`)
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -56,3 +59,24 @@ def test_a_pipe_or_device_given_as_the_model_is_named_as_such(tmp_path, monkeypa
     assert main([command, str(fifo), *extra]) == 1
     said = f"{fifo}: not a regular file (a pipe, device or socket); give the GGUF file"
     assert stderr.writes == [f"k3stream {command}: error: {said}\n"]
+
+
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as maps:
+        return "libtorch_cpu" in maps.read()
+
+
+def test_ctrl_c_while_the_command_line_loads_is_one_line(model_path):
+    """A Ctrl-C while the parser imports the command's module (torch with it: seconds) ends as one at
+    work does: one line and status 130 (it printed the import's traceback)."""
+    argv = [sys.executable, "-m", "k3stream.cli", "generate", str(model_path), "--prompt", "hi"]
+    with subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True) as child:
+        deadline = time.monotonic() + 60
+        while not _maps_torch(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        child.send_signal(signal.SIGINT)  # torch's libraries are mapped: its import is under way
+        _, stderr = child.communicate(timeout=60)
+    assert stderr == "k3stream: interrupted\n"
+    # one landing in torch's C initialisation leaves CPython's unhandled-Ctrl-C mark set, and the
+    # interpreter then ends itself by the signal: a shell shows 130 either way
+    assert child.returncode in (130, -signal.SIGINT)

@@ -1,5 +1,6 @@
-"""llama.cpp's short flags (llama-cli, llama-server, llama-perplexity) name the same settings in the
-commands that have them, so a script written for llama.cpp runs with its flags as they are."""
+"""llama.cpp's short flags (llama-cli, llama-server, llama-perplexity, llama-bench) name the same
+settings in the commands that have them, so a script written for llama.cpp runs with its flags as they
+are."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ SPELLINGS = [
     ("perplexity", ["-f", "text.txt", "-c", "256", "-t", "2"],
      ["--file", "text.txt", "--ctx", "256", "--threads", "2"]),
     ("bench", ["-c", "100", "-t", "1"], ["--ctx", "100", "--threads", "1"]),
+    ("bench", ["-p", "16", "-n", "8"], ["--prompt-tokens", "16", "--decode-tokens", "8"]),
+    ("bench", ["--n-prompt", "16", "--n-gen", "0"], ["--prompt-tokens", "16", "--decode-tokens", "0"]),
     ("demo", ["-p", "hello", "-n", "4", "-t", "2", "-s", "3"],
      ["--prompt", "hello", "--max-tokens", "4", "--threads", "2", "--seed", "3"]),
 ]  # fmt: skip

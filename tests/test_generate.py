@@ -543,6 +543,35 @@ def test_ctrl_c_stops_a_chat_answer_and_the_conversation_goes_on(model_path, mon
         runtime.close()
 
 
+def test_ctrl_c_during_generate_ends_the_texts_line(model_path, monkeypatch, capsys):
+    """Ctrl-C while `generate` streams: status 130, and the text so far ends its line on stdout, as
+    llama-cli's does, so the `interrupted` line and the shell's prompt start their own."""
+    from k3stream.cli import main
+
+    class CtrlCOnFirstText:
+        def __init__(self) -> None:
+            self.text = ""
+
+        def write(self, text: str) -> int:
+            self.text += text
+            if len(self.text) == len(text):
+                os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C as the text starts
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    stdout = CtrlCOnFirstText()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    argv = ["generate", str(model_path), "-p", "Hello", "-n", "24", "--temp", "0", "--device", "cpu"]
+    try:
+        assert main(argv) == 130
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert stdout.text.endswith("\n") and len(stdout.text) > 1
+    assert capsys.readouterr().err.splitlines()[-1] == "k3stream generate: interrupted"
+
+
 def test_ctrl_c_at_the_chat_prompt_ends_it_without_a_traceback(model_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = [

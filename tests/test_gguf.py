@@ -447,7 +447,8 @@ def test_check_recipe_lists_every_deviation(tiny_model):
 
 
 def test_audited_profile_raises_sglangs_messages(tiny_model, tmp_path):
-    with pytest.raises(ValueError, match=r"^Kimi-K3 MLA K projection must remain GGUF Q4_0$"):
+    k_b = "tensor blk.3.attn_k_b.weight is F32: Kimi-K3 MLA K projection must remain GGUF Q4_0"
+    with pytest.raises(ValueError, match=rf"^{re.escape(f'{tiny_model()}: {k_b}')}$"):
         K3Checkpoint.open(tiny_model(), profile="audited")
     audited = tiny_model(**AUDITED)
     values = K3Checkpoint.open(audited).raw("blk.3.attn_v_b.weight")
@@ -458,7 +459,8 @@ def test_audited_profile_raises_sglangs_messages(tiny_model, tmp_path):
         drop_tensors=("blk.3.attn_v_b.weight",),
         add_tensors={"blk.3.attn_v_b.weight": v_b},
     )
-    with pytest.raises(ValueError, match=r"^Kimi-K3 MLA V projection must remain GGUF Q2_K$"):
+    v_b = "tensor blk.3.attn_v_b.weight is F32: Kimi-K3 MLA V projection must remain GGUF Q2_K"
+    with pytest.raises(ValueError, match=rf"^{re.escape(f'{bad}: {v_b}')}$"):
         K3Checkpoint.open(bad, profile="audited")
     assert K3Checkpoint.open(bad).tensors["blk.3.attn_v_b.weight"].type_name == "F32"
 
@@ -494,7 +496,10 @@ def test_inspect_text_and_profile_failure(tiny_model, capsys):
     assert "audited recipe: no (19 deviations)" in text
     assert "layers: 0:KDA/dense 1:KDA/MoE 2:KDA/MoE 3:MLA/MoE 4:KDA/MoE 5:MLA/MoE" in text
     assert cli.main(["inspect", str(tiny_model()), "--profile", "audited"]) == 1
-    assert "Kimi-K3 MLA K projection must remain GGUF Q4_0" in capsys.readouterr().err
+    said = (
+        f"{tiny_model()}: tensor blk.3.attn_k_b.weight is F32: Kimi-K3 MLA K projection must remain GGUF Q4_0"
+    )
+    assert capsys.readouterr().err == f"k3stream inspect: error: {said}\n"
 
 
 def test_inspect_escapes_what_a_terminal_would_act_on_in_the_name(tiny_model, tmp_path, capsys):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import re
+import signal
+import sys
 import textwrap
 from pathlib import Path
 
@@ -472,3 +475,33 @@ def test_the_file_is_read_as_llama_perplexity_reads_it(model_path, tokenizer, ca
     assert text_tokens(tokenizer, file_text(data)) == expected
     code, _, err = _run(capsys, model_path, "--file", text, "--ctx", 16, "--chunks", 1)
     assert code == 0 and f"perplexity: {text}: {len(expected)} tokens;" in err
+
+
+def test_ctx_zero_is_the_models_context_as_in_llama_perplexity(tiny_model, capsys):
+    """llama-perplexity's `-c 0`: chunks of the context the model file gives, as `generate` and `serve`
+    take `-c 0` (it took the default 512)."""
+    path = tiny_model(context_length=256)
+    code, _out, err = _run(capsys, path, "--file", TEXT, "-c", 0, "--chunks", 1)
+    assert code == 0, err
+    assert f"chunks of n_ctx={K3Checkpoint.open(path).config.context_length}," in err
+
+
+def test_ctrl_c_ends_the_running_perplexity_line(model_path, monkeypatch, capsys):
+    """Ctrl-C between chunks: status 130, and the `[i]ppl,` line so far ends on stdout, so the
+    `interrupted` line and the shell's prompt start their own."""
+
+    class CtrlCOnFirstChunk(io.StringIO):
+        def write(self, text: str) -> int:
+            written = super().write(text)
+            if self.getvalue() == text:
+                os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C as the first chunk prints
+            return written
+
+    stdout = CtrlCOnFirstChunk()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    try:
+        code, _, err = _run(capsys, model_path, "--file", TEXT, "--ctx", CTX, "--chunks", CHUNKS)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert code == 130 and err.splitlines()[-1] == "k3stream perplexity: interrupted"
+    assert re.fullmatch(r"\[1\][0-9.]+,\n", stdout.getvalue())

@@ -127,8 +127,11 @@ def version_line() -> str:
 def main(argv: list[str] | None = None) -> int:
     calm_openmp()
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser(argv)  # imports the command's module, torch with most: seconds
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        return _interrupted("k3stream")
     if args.version:
         print(version_line())
         return 0
@@ -149,6 +152,14 @@ def say(line: str) -> None:
     sys.stderr.write(line + "\n")
 
 
+def _interrupted(program: str) -> int:
+    """Ctrl-C: one line and the shell's status, not a traceback."""
+    # a second Ctrl-C while the interpreter shuts down would kill it by the signal (status -2)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    say(f"{program}: interrupted")
+    return 130
+
+
 def _run(args: argparse.Namespace) -> int:
     """The command's status, its error or interruption as one line and the shell's status."""
     try:
@@ -163,11 +174,8 @@ def _run(args: argparse.Namespace) -> int:
 
         say(f"k3stream {args.command}: error: {printable(str(exc))}")
         return 1
-    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status, not a traceback
-        # a second Ctrl-C while the interpreter shuts down would kill it by the signal (status -2)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        say(f"k3stream {args.command}: interrupted")
-        return 130
+    except KeyboardInterrupt:
+        return _interrupted(f"k3stream {args.command}")
     except Terminated:  # kill's SIGTERM: 128 + 15, as a shell reports a process the signal ended
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         say(f"k3stream {args.command}: terminated")

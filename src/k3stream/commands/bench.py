@@ -29,8 +29,17 @@ LLAMA_MISSING = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_context_argument(parser, "--prompt-tokens plus --decode-tokens")  # `size_context`
-    parser.add_argument("--prompt-tokens", type=int, default=64, help="default %(default)s")
-    parser.add_argument("--decode-tokens", type=int, default=32, help="default %(default)s")
+    parser.add_argument(  # llama-bench's spellings too
+        "--prompt-tokens",
+        "--n-prompt",
+        "-p",
+        type=int,
+        default=64,
+        help="prompt tokens (default %(default)s)",
+    )
+    parser.add_argument(
+        "--decode-tokens", "--n-gen", "-n", type=int, default=32, help="tokens decoded (default %(default)s)"
+    )
     parser.add_argument("--llama", action="store_true", help="also run the GGUF with llama.cpp (mmap)")
     parser.add_argument(
         "--seq-read-mib", type=finite, default=4096, help="read at most this much of the pack sequentially"

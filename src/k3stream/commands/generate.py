@@ -93,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
                 cache=cache,
                 context=args.ctx,
             )
+        except KeyboardInterrupt:  # Ctrl-C: the text so far ends its line, as llama-cli ends it
+            _write("\n")
+            raise
         finally:
             if cache is not None:
                 cache.close()  # its snapshot files, for the next run

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-c",
         type=int,
         default=None,
-        help=f"tokens per chunk (default {DEFAULT_CTX}, or the base's)",
+        help=f"tokens per chunk (default {DEFAULT_CTX}, or the base's; 0: the model's, as llama.cpp's -c 0)",
     )
     parser.add_argument(
         "--chunks",
@@ -76,7 +76,8 @@ def _check_flags(args: argparse.Namespace) -> None:
 def _plan(args: argparse.Namespace, tokenizer: Any, base: Any, context_length: int) -> Any:
     from k3stream.engine.perplexity import file_text, plan_chunks, text_tokens
 
-    ctx = args.ctx or (base.ctx if base is not None else DEFAULT_CTX)
+    default = base.ctx if base is not None else DEFAULT_CTX
+    ctx = context_length if args.ctx == 0 else args.ctx or default  # `-c 0`: the model's, as llama.cpp's
     bos = tokenizer.bos_id if tokenizer.add_bos else None
     if args.file:
         text = file_text(Path(args.file).read_bytes())
@@ -129,9 +130,11 @@ def run_perplexity(runtime: Runtime, plan: Any, args: argparse.Namespace) -> flo
             _out(f"[{index + 1}]{ppl.ppl:.4f},")
         if writer is not None:
             writer.close()
-    except BaseException:
+    except BaseException as exc:
         if writer is not None:
             writer.abort()
+        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C: the `[i]ppl,` line so far ends, as generate's
+            _out("\n")
         raise
     _out("\n")
     error = ppl.uncertainty()

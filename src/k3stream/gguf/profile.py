@@ -2,7 +2,7 @@
 
 `generic` accepts any type k3stream's quant kernels decode. `audited` enforces the published Kimi-K3
 recipe (routed up/gate Q2_K, down Q3_K, MLA k_b Q4_0, v_b Q2_K) that sglang's expert-pack
-path accepts; its k_b/v_b errors are sglang's messages.
+path accepts; its k_b/v_b errors name the file and tensor, then give sglang's message.
 """
 
 from __future__ import annotations
@@ -102,9 +102,10 @@ class AuditedProfile(GenericProfile):
     def _check_mla_projections(checkpoint: TensorInventory) -> None:
         for layer in checkpoint.config.mla_layers:
             for suffix, message in MLA_PROJECTION_ERRORS.items():
-                info = checkpoint.tensors.get(f"blk.{layer}.{suffix}")
+                name = f"blk.{layer}.{suffix}"
+                info = checkpoint.tensors.get(name)
                 if info is not None and info.ggml_type != AUDITED_RECIPE[suffix]:
-                    raise ValueError(message)
+                    raise ValueError(f"{info.path}: tensor {name} is {info.type_name}: {message}")
 
 
 PROFILES = {profile.name: profile for profile in (GenericProfile(), AuditedProfile())}
