@@ -80,3 +80,22 @@ def test_ctrl_c_while_the_command_line_loads_is_one_line(model_path):
     # one landing in torch's C initialisation leaves CPython's unhandled-Ctrl-C mark set, and the
     # interpreter then ends itself by the signal: a shell shows 130 either way
     assert child.returncode in (130, -signal.SIGINT)
+
+
+@pytest.mark.parametrize(("source", "status"), [("{model}", 0), ("{tmp}/missing.gguf", 1)])
+def test_ctrl_c_once_the_result_is_decided_leaves_the_commands_status(model_path, tmp_path, source, status):
+    """A Ctrl-C just after the command finished (or printed its error) ends the process with the
+    command's status, not killed by the signal (-2) with a traceback: the signal is raised in the
+    process the moment `main` has returned, as the program's entry point then exits with its status."""
+    program = (
+        "import signal, sys\n"
+        "from k3stream.cli import main\n"
+        "status = main()\n"
+        "signal.raise_signal(signal.SIGINT)\n"
+        "sys.exit(status)\n"
+    )
+    path = source.format(model=model_path, tmp=tmp_path)
+    argv = [sys.executable, "-c", program, "inspect", path]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == status, done.stderr
+    assert "Traceback" not in done.stderr

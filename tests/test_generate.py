@@ -734,9 +734,9 @@ def test_generate_with_a_cache_dir_resumes_a_prompt_a_run_before_it_left(model_p
 
 
 def test_generate_takes_llama_clis_prompt_file_and_n_minus_one(model, tokenizer, model_path, tmp_path):
-    """llama-cli's `-f FILE` reads the prompt from a file (less its last line break) and `-n -1`
-    generates until the context is full; a missing file is a one-line error naming --file, and -n below
-    1 (but -1, -2) names -n."""
+    """llama-cli's `-f FILE` reads the prompt from a file (less its last line break; `-f -` from stdin,
+    as a Unix tool reads `-`) and `-n -1` generates until the context is full; a missing file is a
+    one-line error naming --file, and -n below 1 (but -1, -2) names -n."""
     prompt = "The capital of France is"
     ids = tokenizer.encode(prompt)
     ctx = len(ids) + 5
@@ -746,6 +746,8 @@ def test_generate_takes_llama_clis_prompt_file_and_n_minus_one(model, tokenizer,
     done = _cli("generate", str(model_path), "-f", str(tmp_path / "prompt.txt"), "-n", "-1", *flags)
     assert done.returncode == 0 and done.stdout == expected.text + "\n", done.stderr
     assert f"decode {expected.completion_tokens} tokens" in done.stderr
+    piped = _cli("generate", str(model_path), "-f", "-", "-n", "-1", *flags, stdin=prompt + "\n")
+    assert (piped.returncode, piped.stdout) == (0, done.stdout), piped.stderr
     missing = _cli("generate", str(model_path), "-f", str(tmp_path / "none.txt"), *flags)
     assert (missing.returncode, missing.stderr.splitlines()) == (
         1,
@@ -801,6 +803,20 @@ def test_generate_into_a_reader_that_leaves_ends_quietly_as_head_expects(model, 
         run.stdout.close()
         assert run.wait(timeout=120) == 141
         assert run.stderr.read() == b""
+
+
+def test_generate_into_a_full_disk_says_the_output_failed(model_path):
+    """`k3stream generate ... > /dev/full`: one line saying writing the output failed (the bare
+    `[Errno 28]` named no file), status 1, no traceback."""
+    flags = ["--temperature", "0", "--device", "cpu", "--threads", "1", "-n", "3"]
+    argv = [sys.executable, "-m", "k3stream.cli", "generate", str(model_path), "--prompt", "The", *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    assert (done.returncode, done.stderr) == (
+        1,
+        "k3stream generate: error: writing the output: No space left on device\n",
+    )
 
 
 def test_the_command_line_lets_idle_openmp_threads_spin_briefly_unless_told_otherwise(monkeypatch):

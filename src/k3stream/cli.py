@@ -8,12 +8,14 @@ Each subcommand is a module of `k3stream.commands` exposing `add_arguments(parse
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("k3stream.commands.demo", "make, pack and run a tiny Kimi-K3 with streamed experts"),
@@ -125,13 +127,16 @@ def version_line() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command's status. Run as the program (`argv` None), a Ctrl-C once the result is decided is
+    ignored: the process ends with that status rather than killed by the signal."""
     calm_openmp()
+    ending = argv is None
     argv = sys.argv[1:] if argv is None else argv
     try:
         parser = build_parser(argv)  # imports the command's module, torch with most: seconds
         args = parser.parse_args(argv)
     except KeyboardInterrupt:
-        return _interrupted("k3stream")
+        return _interrupted("k3stream", ending)
     if args.version:
         print(version_line())
         return 0
@@ -139,11 +144,46 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     previous = signal.signal(signal.SIGTERM, _terminate)
+    sys.stdout = _Output(sys.stdout)
     try:
-        return _run(args)
+        return _run(args, ending)
     finally:
+        sys.stdout = sys.stdout.stream
         if signal.getsignal(signal.SIGTERM) is _terminate:  # left ignored after a SIGTERM, as Ctrl-C's
             signal.signal(signal.SIGTERM, previous)
+
+
+class OutputError(OSError):
+    """A write to stdout that failed (a full disk, a device error): its one-line error says it was the
+    output, which an error naming no file leaves the user to guess."""
+
+
+@contextlib.contextmanager
+def _naming_output() -> Iterator[None]:
+    try:
+        yield
+    except BrokenPipeError:  # the reader left: `_run` ends quietly, as `yes | head`
+        raise
+    except OSError as exc:
+        raise OutputError(f"writing the output: {exc.strerror or exc}") from None
+
+
+class _Output:
+    """sys.stdout while a command runs: a failed write or flush raises `OutputError`."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        with _naming_output():
+            return self.stream.write(text)
+
+    def flush(self) -> None:
+        with _naming_output():
+            self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
 
 
 def say(line: str) -> None:
@@ -152,34 +192,52 @@ def say(line: str) -> None:
     sys.stderr.write(line + "\n")
 
 
-def _interrupted(program: str) -> int:
+def _settle(ending: bool) -> None:
+    """The result is decided: a Ctrl-C from here on, while the process ends, is ignored (it would raise
+    in the interpreter's shutdown and kill the process by the signal, status -2), where `ending`."""
+    if ending:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # raises a Ctrl-C still pending: before the result
+
+
+def _interrupted(program: str, ending: bool) -> int:
     """Ctrl-C: one line and the shell's status, not a traceback."""
-    # a second Ctrl-C while the interpreter shuts down would kill it by the signal (status -2)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _settle(ending)
     say(f"{program}: interrupted")
     return 130
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, ending: bool) -> int:
     """The command's status, its error or interruption as one line and the shell's status."""
     try:
         resolve_demo_source(args)
-        return int(_command_module(args.command).run(args) or 0)
+        status = int(_command_module(args.command).run(args) or 0)
+        sys.stdout.flush()  # what print left buffered fails here, as the command's error, not at exit
+        _settle(ending)
+        return status
     except BrokenPipeError:  # `k3stream generate ... | head`: the reader has what it wanted
-        # nothing more reaches stdout, not even the interpreter's flush of it on the way out
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _settle(ending)
+        _drop_output()
         return 128 + signal.SIGPIPE  # the shell's status of a process SIGPIPE ended, as `yes | head`
     except (ValueError, OSError, RuntimeError) as exc:  # OSError: missing files, permissions, a full disk
         from k3stream.gguf.header import printable  # a name read from a file may hold a newline
 
+        _settle(ending)
+        if isinstance(exc, OutputError):
+            _drop_output()
         say(f"k3stream {args.command}: error: {printable(str(exc))}")
         return 1
     except KeyboardInterrupt:
-        return _interrupted(f"k3stream {args.command}")
+        return _interrupted(f"k3stream {args.command}", ending)
     except Terminated:  # kill's SIGTERM: 128 + 15, as a shell reports a process the signal ended
+        _settle(ending)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         say(f"k3stream {args.command}: terminated")
         return 143
+
+
+def _drop_output() -> None:
+    """Nothing more reaches stdout, not even the interpreter's flush of it on the way out."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -220,13 +220,16 @@ def check_input_file(path: str | Path, flag: str) -> None:
 
 def prompt_file_text(path: Path, flag: str) -> str:
     """A prompt file's text as llama-cli reads `-f` and `-sysf`: its bytes as they are (a CRLF stays)
-    less one line break at the end (an editor's); a one-line error naming `flag` and the file where it is
-    missing, unreadable or not UTF-8."""
-    check_input_file(path, flag)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+    less one line break at the end (an editor's), `-` stdin's; a one-line error naming `flag` and the
+    file where it is missing, unreadable or not UTF-8."""
+    if str(path) == "-":
+        data = sys.stdin.buffer.read()
+    else:
+        check_input_file(path, flag)
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
     try:
         return data.decode("utf-8").removesuffix("\n")
     except UnicodeDecodeError as exc:

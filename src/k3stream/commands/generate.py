@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_parallel_arguments(parser)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", "-p", help="the prompt ('-' reads it from stdin)")
-    source.add_argument("--file", "-f", type=Path, help="a file holding the prompt (UTF-8), as llama-cli's")
+    source.add_argument(
+        "--file", "-f", type=Path, help="a file holding the prompt (UTF-8), as llama-cli's ('-': stdin)"
+    )
     parser.add_argument(
         "--chat", action="store_true", help="send the prompt as a user message through the chat template"
     )
@@ -47,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def prompt_text(args: argparse.Namespace) -> str:
-    """The prompt: `--prompt`, stdin for `--prompt -`, or the text of `--file` (`prompt_file_text`)."""
+    """The prompt: `--prompt`, stdin for `--prompt -`, or the text of `--file` (`prompt_file_text`; stdin's
+    for `--file -`)."""
     if args.file is None:
         return sys.stdin.read() if args.prompt == "-" else args.prompt
     return prompt_file_text(args.file, "--file")
