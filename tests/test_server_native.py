@@ -338,6 +338,19 @@ def test_a_saved_slot_restores_into_another_server_and_its_prefix_is_reused(serv
     assert warm["timings"]["cache_n"] == saved["n_saved"] and warm["content"] == cold["content"]
 
 
+def test_a_slot_that_ran_nothing_saves_the_empty_state_and_restoring_it_empties_a_slot(served, slot_dir):
+    """llama-server saves a slot that ran no request as a file of 0 tokens (`n_saved` 0); restoring that
+    file into a slot that holds a conversation leaves it none."""
+    with ServerThread(create_app(served, ServerConfig(max_batch=1, slot_save_path=slot_dir))) as fresh:
+        saved = post(fresh, "/slots/0?action=save", {"filename": "empty.k3slot"}, headers={}).json()
+        assert saved["n_saved"] == 0 and saved["n_written"] == (slot_dir / "empty.k3slot").stat().st_size
+        complete(fresh, prompt=PROMPT, id_slot=0, **GREEDY)
+        restored = post(fresh, "/slots/0?action=restore", {"filename": "empty.k3slot"}, headers={}).json()
+        assert restored["n_restored"] == 0 and restored["n_read"] == saved["n_written"]
+        assert post(fresh, "/slots/0?action=erase", {}, headers={}).json() == {"id_slot": 0, "n_erased": 0}
+    (slot_dir / "empty.k3slot").unlink()
+
+
 @pytest.mark.parametrize(
     "name", ["../escape.k3slot", "a/b", "", ".", "..", " x", "x.", "a\\b", "nul\x00", "x" * 256]
 )

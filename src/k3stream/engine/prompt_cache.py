@@ -425,14 +425,18 @@ class PromptCache:
     def export(self, tokens: list[int], path: Path) -> tuple[int, int]:
         """Write the deepest snapshot of a prefix of `tokens` to `path` as a file of its own (every latent
         row in it, no parent; written to a temporary name, synced and renamed), for `import_file`:
-        (its tokens, bytes written); (0, 0) where the cache holds no prefix of `tokens`."""
-        found = self._use_deepest(tokens, lambda entry: True) if self.enabled else None
-        if found is None or found[1] is None:
-            return 0, 0
-        entry, snapshot = found
-        parts = encode(self.fingerprint, entry.tokens, snapshot)
+        (its tokens, bytes written); (0, 0) where the cache holds no prefix of `tokens`. No `tokens`: the
+        state of none, as llama-server saves a slot that ran nothing."""
+        if not tokens and self.enabled:
+            prefix, snapshot = (), take_snapshot(self.model.new_state())
+        else:
+            found = self._use_deepest(tokens, lambda entry: True) if self.enabled else None
+            if found is None or found[1] is None:
+                return 0, 0
+            prefix, snapshot = found[0].tokens, found[1]
+        parts = encode(self.fingerprint, prefix, snapshot)
         write_bytes_atomic(path, parts)
-        return entry.length, _size(parts)
+        return len(prefix), _size(parts)
 
     def import_file(self, path: Path) -> tuple[list[int], int]:
         """A file `export` wrote, checked (checksum, this model file and computation, shapes) and stored
@@ -446,7 +450,8 @@ class PromptCache:
         if parent != (0, 0) or any(layer is None for layer in snapshot.layers):
             raise ValueError("a prompt-cache file that depends on others, not a saved slot")
         check_fits(self.model.new_state(), snapshot)
-        self._store(list(tokens), snapshot, durable=True)
+        if tokens:  # the state of none is where every prompt starts: nothing to keep
+            self._store(list(tokens), snapshot, durable=True)
         return list(tokens), len(data)
 
     # ---- the tiers ---------------------------------------------------------------------------------

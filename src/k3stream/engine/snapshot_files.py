@@ -129,7 +129,7 @@ def encode(
         MAGIC,
         struct.pack("<Q", len(header)),
         header,
-        *(memoryview(t.contiguous().numpy()).cast("B") for t in tensors),
+        *(memoryview(t.contiguous().numpy()).cast("B") for t in tensors if t.numel()),  # 0 rows: no bytes
     ]
     digest = xxhash.xxh3_64()
     for part in parts:
@@ -280,7 +280,10 @@ def _decode(
             chunk = body[offset : offset + 4 * count]
             if len(chunk) != 4 * count:
                 raise ValueError("tensor data shorter than its header says")
-            tensors.append(torch.frombuffer(chunk, dtype=torch.float32).view(shape))
+            # 0 rows (the state of no tokens): frombuffer takes no empty buffer
+            tensors.append(
+                torch.frombuffer(chunk, dtype=torch.float32).view(shape) if count else torch.empty(shape)
+            )
             offset += 4 * count
         if kind == "logits":
             logits = tensors[0]

@@ -6,7 +6,8 @@ request while another sequence holds it, as llama-server defers a task for a bus
 running sequence holds (`SlotTable.assign`). What a slot keeps is the token ids of the last request that
 ran under it (its prompt and every generated token but the last: the state the prompt cache snapshots at
 a response's end). `POST /slots/{id}?action=save` writes the deepest prompt-cache snapshot of those
-tokens to a file under `--slot-save-path`, `restore` puts a file's state back into the prompt cache
+tokens to a file under `--slot-save-path` (a slot that ran nothing: the state of no tokens, as
+llama-server writes it), `restore` puts a file's state back into the prompt cache
 (where the next request whose prompt starts with its tokens reuses it) and makes it the slot's,
 `erase` forgets the slot's tokens (the prompt cache keeps its snapshots: other conversations may share
 them). An action on a slot a request runs under waits until that request has finished (and the requests
@@ -290,14 +291,14 @@ class SlotActions:
         started, filename = time.perf_counter(), path.name
         tokens = self.table.tokens(slot)
         try:
-            saved, written = self.cache.export(tokens, path) if tokens else (0, 0)
+            saved, written = self.cache.export(tokens, path)
         except IsADirectoryError:  # the request's name, not the server, is at fault
             raise LlamaError(400, f"Unable to save slot: {filename} is a folder") from None
         except OSError as error:
             raise LlamaError(500, f"cannot write {filename}: {error.strerror}", type="server_error") from None
-        if not saved:
+        if not written:
             raise LlamaError(
-                400, f"slot {slot} holds no state to save: it ran no request whose state is kept"
+                400, f"slot {slot} holds no state to save: the prompt cache keeps none of its tokens"
             )
         timings = {"save_ms": (time.perf_counter() - started) * 1000}
         return {
