@@ -144,11 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     previous = signal.signal(signal.SIGTERM, _terminate)
-    sys.stdout = _Output(sys.stdout)
+    output, sys.stdout = sys.stdout, _Output(sys.stdout)
     try:
         return _run(args, ending)
     finally:
-        sys.stdout = sys.stdout.stream
+        sys.stdout = output
         if signal.getsignal(signal.SIGTERM) is _terminate:  # left ignored after a SIGTERM, as Ctrl-C's
             signal.signal(signal.SIGTERM, previous)
 
@@ -196,7 +196,10 @@ def _settle(ending: bool) -> None:
     """The result is decided: a Ctrl-C from here on, while the process ends, is ignored (it would raise
     in the interpreter's shutdown and kill the process by the signal, status -2), where `ending`."""
     if ending:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # raises a Ctrl-C still pending: before the result
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except KeyboardInterrupt:  # one still pending, raised before the handler changes: the result stands
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _interrupted(program: str, ending: bool) -> int:
