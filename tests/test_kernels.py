@@ -393,11 +393,10 @@ def test_the_c_kda_step_gives_the_same_bits_on_one_and_two_threads():
     assert not torch.equal(results[0][2], state)  # the state moved
 
 
-@pytest.mark.parametrize("ggml_order", [False, True])
 @pytest.mark.parametrize(
     "heads, dim, taps, length", [(8, 128, 4, 37), (3, 24, 2, 37), (2, 16, 1, 37), (4, 16, 4, 301)]
 )
-def test_the_c_kda_recurrence_over_a_sequence_is_its_steps_one_by_one(heads, dim, taps, length, ggml_order):
+def test_the_c_kda_recurrence_over_a_sequence_is_its_steps_one_by_one(heads, dim, taps, length):
     """A prefill's call (one sequence of T rows, heads on two threads) gives the same bits as T decode
     calls of one row: outputs, the state and the conv history (head sizes with and without the eight-row
     blocks of the delta rule; small heads over enough rows take the threads too)."""
@@ -419,14 +418,7 @@ def test_the_c_kda_recurrence_over_a_sequence_is_its_steps_one_by_one(heads, dim
         for rows in steps:
             out = torch.empty(rows.stop - rows.start, inner)
             function, args, _ = cpu.bind_kda_recurrent(
-                [t[rows].contiguous() for t in inputs],
-                histories,
-                states,
-                weights,
-                numbers,
-                out,
-                2,
-                ggml_order,
+                [t[rows].contiguous() for t in inputs], histories, states, weights, numbers, out, 2
             )
             assert function(*args) == 0
             outs.append(out)
@@ -753,7 +745,7 @@ def test_the_extension_call_refuses_bad_arguments_in_one_line():
     with pytest.raises(TypeError, match="products: its address lists differ in length"):
         module.products(0, 256, 1, [0], [10, 10], [1], [84], [0], 0, 1)
     with pytest.raises(TypeError, match="kda_recurrent: its address lists differ in length"):
-        module.kda_recurrent(0, [0], 0, 4, 0, 0, 0, 0, 0.0, 0, [0, 0], 0, 0, 1, 8, 128, 1e-6, 0.1, 0, 0, 1)
+        module.kda_recurrent(0, [0], 0, 4, 0, 0, 0, 0, 0.0, 0, [0, 0], 0, 0, 1, 8, 128, 1e-6, 0.1, 0, 1)
     with pytest.raises(ValueError, match="chosen_experts: expert 9 outside 0..7"):
         chosen = torch.tensor([[1, 9]])
         module.chosen_experts(

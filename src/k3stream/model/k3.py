@@ -383,7 +383,7 @@ def _kda(w: _Weights, p: str, cfg: K3Config, tp: tuple[int, int]) -> KDA:
     tp_rank, tp_size = tp
     if tp != (0, 1):
         weights = shard_kda_weights(weights, heads, tp_rank, tp_size, p.rstrip("."))
-    return KDA(weights, heads // tp_size, dim, cfg.gate_lower_bound, cfg.rms_eps, w.options.ggml_arithmetic)
+    return KDA(weights, heads // tp_size, dim, cfg.gate_lower_bound, cfg.rms_eps)
 
 
 def _mla(w: _Weights, p: str, cfg: K3Config) -> MLA:

@@ -140,16 +140,9 @@ class KDA:
     """One KDA layer: prefill over a sequence, decode one token for each of several sequences."""
 
     def __init__(
-        self,
-        weights: KDAWeights,
-        heads: int,
-        head_dim: int,
-        lower_bound: float | None,
-        eps: float,
-        ggml_order: bool = False,
+        self, weights: KDAWeights, heads: int, head_dim: int, lower_bound: float | None, eps: float
     ) -> None:
         self.w = weights
-        self.ggml_order = ggml_order  # the C recurrence in ggml's arithmetic (the default arithmetic's)
         check_head_vectors(weights.ssm_a, weights.dt_bias, heads, head_dim)
         self.heads = heads
         self.head_dim = head_dim
@@ -234,7 +227,7 @@ class KDA:
         gated = cpu.kda_recurrent(
             qkv, [state.conv for state in states], self._conv_taps(), w.f_b_proj(f_a).float(), w.dt_bias,
             w.ssm_a, self.lower_bound, b_logits, [state.recurrent for state in states], g_logits, w.o_norm,
-            self.eps, self.scale, self.ggml_order,
+            self.eps, self.scale,
         )  # fmt: skip
         return gated
 
@@ -264,7 +257,6 @@ class KDA:
                 (self.lower_bound, self.eps, self.scale),
                 gated,
                 threads,
-                self.ggml_order,
             ),
             bind_linear(w.o_proj, gated, out, threads),
         ]

@@ -534,18 +534,16 @@ def kda_recurrent(
     o_norm: torch.Tensor,
     eps: float,
     scale: float,
-    ggml_order: bool = False,
 ) -> torch.Tensor:
     """The KDA recurrence after the projections, token by token (`steps_cpu.c`), of B sequences with the
     same number of rows each (decode: one row each; prefill: one sequence of T rows): [rows, H * D], the
     gated and normed output for o_proj. `conv` [taps, 3 H D] by tap (the GGUF's [3 H D, taps] transposed).
     Updates each conv history [taps - 1, 3 H D] and state [H, D, D] in place; every tensor float32,
-    contiguous, on the CPU. `ggml_order`: ggml's arithmetic for a bounded decay (`steps_cpu.c`'s
-    kda_head_ggml)."""
+    contiguous, on the CPU."""
     out = torch.empty(f.shape, dtype=torch.float32)
     function, args, _ = bind_kda_recurrent(
         (projected, f, b_logits, g_logits), histories, states, (conv, dt_bias, ssm_a, o_norm),
-        (lower_bound, eps, scale), out, torch.get_num_threads(), ggml_order,
+        (lower_bound, eps, scale), out, torch.get_num_threads(),
     )  # fmt: skip
     if function(*args) != 0:
         raise MemoryError("no memory for the KDA recurrence")
@@ -560,7 +558,6 @@ def bind_kda_recurrent(
     numbers: tuple[float | None, float, float],
     out: torch.Tensor,
     threads: int,
-    ggml_order: bool = False,
 ) -> Call:
     """`kda_recurrent` into `out` as a bound call: inputs (projected, f, b_logits, g_logits), weights
     (conv by tap, dt_bias, ssm_a, o_norm), numbers (lower_bound, eps, scale); heads on up to `threads` threads
@@ -578,8 +575,7 @@ def bind_kda_recurrent(
         projected.data_ptr(), [t.data_ptr() for t in histories], conv.data_ptr(), conv.shape[0],
         f.data_ptr(), dt_bias.data_ptr(), ssm_a.data_ptr(), int(lower_bound is not None),
         float(lower_bound or 0.0), b_logits.data_ptr(), [t.data_ptr() for t in states], g_logits.data_ptr(),
-        o_norm.data_ptr(), tokens, ssm_a.numel(), o_norm.numel(), eps, scale, int(ggml_order), out.data_ptr(),
-        threads,
+        o_norm.data_ptr(), tokens, ssm_a.numel(), o_norm.numel(), eps, scale, out.data_ptr(), threads,
     )  # fmt: skip
     return _ggml_cpu().kda_recurrent, args, (*inputs, *histories, *states, *weights, out)
 

@@ -2351,19 +2351,19 @@ static PyObject *py_route(PyObject *self, PyObject *const *args, Py_ssize_t narg
 int k3_kda_recurrent(const float *proj, float *const *histories, const float *conv_w, int64_t taps, const float *f,
                      const float *dt_bias, const float *ssm_a, int has_bound, float bound, const float *b_logits,
                      float *const *states, const float *g_logits, const float *o_norm, int64_t batch, int64_t tokens,
-                     int64_t heads, int64_t dim, float eps, float scale, int ggml_order, float *out, int threads);
+                     int64_t heads, int64_t dim, float eps, float scale, float *out, int threads);
 int k3_residual_mix(const float *const *rows, int64_t count, int64_t n, int64_t width, const float *score, float eps,
                     float *out, int threads);
 
 /* kda_recurrent(qkv, [histories], conv, taps, f, dt_bias, ssm_a, has_bound, bound, b_logits, [states],
- * g_logits, o_norm, tokens, heads, dim, eps, scale, ggml_order, out, threads) -> k3_kda_recurrent's status, one history
+ * g_logits, o_norm, tokens, heads, dim, eps, scale, out, threads) -> k3_kda_recurrent's status, one history
  * and state per sequence of `tokens` rows; without the GIL. */
 static PyObject *py_kda_recurrent(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    int64_t v[16];
+    int64_t v[15];
     double floats[3];
     AddressLists taken;
-    if (parse_with_lists("kda_recurrent", args, nargs, "iliiiiiifiliiiiiffiii", v, floats, &taken) != 0) return NULL;
+    if (parse_with_lists("kda_recurrent", args, nargs, "iliiiiiifiliiiiiffii", v, floats, &taken) != 0) return NULL;
     int status;
     float *const *histories = (float *const *)taken.numbers[0], *const *states = (float *const *)taken.numbers[1];
     Py_BEGIN_ALLOW_THREADS
@@ -2372,7 +2372,7 @@ static PyObject *py_kda_recurrent(PyObject *self, PyObject *const *args, Py_ssiz
                               (const float *)(uintptr_t)v[5], (int)v[6], (float)floats[0],
                               (const float *)(uintptr_t)v[7], states, (const float *)(uintptr_t)v[8],
                               (const float *)(uintptr_t)v[9], taken.length, v[10], v[11], v[12], (float)floats[1],
-                              (float)floats[2], (int)v[13], (float *)(uintptr_t)v[14], (int)v[15]);
+                              (float)floats[2], (float *)(uintptr_t)v[13], (int)v[14]);
     Py_END_ALLOW_THREADS
     free_lists(&taken);
     return PyLong_FromLong(status);

@@ -317,66 +317,16 @@ INLINE void kda_head(float *mixed, const float *f, const float *dt_bias, const f
     for (int64_t i = 0; i < dim; i++) y[i] = o[i] * inverse * o_norm[i] * sigmoidf(gate[i]);
 }
 
-/* libm's sigmoid, as ggml's unary op takes it */
-INLINE float ggml_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-/* ggml's RMS norm factor of n values: the float squares summed in double, their mean rounded to float */
-INLINE float ggml_rms_factor(const float *x, int64_t n, float eps) {
-    double sum = 0.0;
-    for (int64_t i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
-    const float mean = (float)(sum / (double)n);
-    return 1.0f / sqrtf(mean + eps);
-}
-
-/* kda_head as llama.cpp's graph computes it on ggml's x86 (AVX2) build, the default arithmetic's
- * (docs/accuracy.md): SiLU by ggml_v_expf; q and k an RMS norm (eps / dim) times the scale; the decay
- * bound sigmoid(-(a (f + bias))) and beta by libm's expf; each state row decayed, its delta from
- * ggml_vec_dot_f32, updated by fused multiply-adds, its output ggml_vec_dot_f32 times the scale; the
- * output's RMS norm, weight and sigmoid gate */
-INLINE void kda_head_ggml(float *mixed, const float *f, const float *dt_bias, const float *ssm_a, float bound,
-                          float beta_logit, float *state, const float *g_logits, const float *o_norm, int64_t h,
-                          int64_t inner, int64_t dim, float eps, float scale, float *scratch, float *y) {
-    float *q = mixed + h * dim, *k = mixed + inner + h * dim, *v = mixed + 2 * inner + h * dim;
-    float *factor = scratch, *o = scratch + dim;
-    for (int64_t i = 0; i < dim; i++) {
-        q[i] = q[i] / (1.0f + ggml_expf(-q[i]));
-        k[i] = k[i] / (1.0f + ggml_expf(-k[i]));
-        v[i] = v[i] / (1.0f + ggml_expf(-v[i]));
-    }
-    const float l2_eps = eps / (float)dim, q_norm = ggml_rms_factor(q, dim, l2_eps), k_norm = ggml_rms_factor(k, dim, l2_eps);
-    for (int64_t i = 0; i < dim; i++) {
-        q[i] = q[i] * q_norm * scale;
-        k[i] = k[i] * k_norm * scale;
-        factor[i] = expf(bound * ggml_sigmoid(-(ssm_a[h] * (f[h * dim + i] + dt_bias[h * dim + i]))));
-    }
-    const float beta = ggml_sigmoid(beta_logit);
-    for (int64_t j = 0; j < dim; j++) {
-        float *row = state + h * dim * dim + j * dim;
-        for (int64_t i = 0; i < dim; i++) row[i] *= factor[i];
-        const float delta = (v[j] - ggml_dot_f32(row, k, dim)) * beta;
-        for (int64_t i = 0; i < dim; i++) row[i] = fmaf(k[i], delta, row[i]);
-        o[j] = ggml_dot_f32(row, q, dim) * scale;
-    }
-    const float o_factor = ggml_rms_factor(o, dim, eps);
-    const float *gate = g_logits + h * dim;
-    for (int64_t i = 0; i < dim; i++) y[i] = o[i] * o_factor * o_norm[i] * ggml_sigmoid(gate[i]);
-}
-
 /* `tokens` steps in order of one head of one sequence: rows t of mixed [tokens, 3D], f and g_logits
  * [tokens, D], b_logits [tokens, H] and out [tokens, D] */
 INLINE void kda_head_steps(float *mixed, const float *f, const float *dt_bias, const float *ssm_a, int has_bound,
                            float bound, const float *b_logits, float *state, const float *g_logits,
                            const float *o_norm, int64_t h, int64_t heads, int64_t dim, int64_t tokens, float eps,
-                           float scale, int ggml_order, float *scratch, float *out) {
+                           float scale, float *scratch, float *out) {
     const int64_t inner = heads * dim;
-    for (int64_t t = 0; t < tokens; t++) {
-        if (ggml_order && has_bound)
-            kda_head_ggml(mixed + 3 * inner * t, f + inner * t, dt_bias, ssm_a, bound, b_logits[heads * t + h], state,
-                          g_logits + inner * t, o_norm, h, inner, dim, eps, scale, scratch, out + inner * t + h * dim);
-        else
-            kda_head(mixed + 3 * inner * t, f + inner * t, dt_bias, ssm_a, has_bound, bound, b_logits[heads * t + h],
-                     state, g_logits + inner * t, o_norm, h, inner, dim, eps, scale, scratch, out + inner * t + h * dim);
-    }
+    for (int64_t t = 0; t < tokens; t++)
+        kda_head(mixed + 3 * inner * t, f + inner * t, dt_bias, ssm_a, has_bound, bound, b_logits[heads * t + h],
+                 state, g_logits + inner * t, o_norm, h, inner, dim, eps, scale, scratch, out + inner * t + h * dim);
 }
 
 /* Heads run on up to `threads` threads when a call's steps come to KDA_PARALLEL_MIN state values or
@@ -401,7 +351,7 @@ CLONES int k3_kda_recurrent(const float *proj, float *const *histories, const fl
                             const float *f, const float *dt_bias, const float *ssm_a, int has_bound, float bound,
                             const float *b_logits, float *const *states, const float *g_logits, const float *o_norm,
                             int64_t batch, int64_t tokens, int64_t heads, int64_t dim, float eps, float scale,
-                            int ggml_order, float *out, int threads) {
+                            float *out, int threads) {
     const int64_t inner = heads * dim, width = 3 * inner;
     const int64_t least = tokens > 1 ? KDA_PREFILL_PARALLEL_MIN : KDA_PARALLEL_MIN;
     const int teams = threads > 1 && tokens * heads * dim * dim >= least ? (threads < heads ? threads : (int)heads) : 1;
@@ -421,7 +371,7 @@ CLONES int k3_kda_recurrent(const float *proj, float *const *histories, const fl
         if (teams == 1) {
             for (int64_t h = 0; h < heads; h++)
                 kda_head_steps(mixed, fb, dt_bias, ssm_a, has_bound, bound, beta, states[b], gb, o_norm, h, heads,
-                               dim, tokens, eps, scale, ggml_order, scratch, yb);
+                               dim, tokens, eps, scale, scratch, yb);
         } else {
 #pragma omp parallel num_threads(teams)
             {
@@ -429,7 +379,7 @@ CLONES int k3_kda_recurrent(const float *proj, float *const *histories, const fl
 #pragma omp for schedule(dynamic, 1)
                 for (int64_t h = 0; h < heads; h++)
                     kda_head_steps(mixed, fb, dt_bias, ssm_a, has_bound, bound, beta, states[b], gb, o_norm, h,
-                                   heads, dim, tokens, eps, scale, ggml_order, own, yb);
+                                   heads, dim, tokens, eps, scale, own, yb);
             }
         }
     }
