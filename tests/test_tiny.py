@@ -264,7 +264,10 @@ def test_an_interrupted_write_leaves_no_file_under_the_final_name(tmp_path):
             assert child.poll() is None, "make-tiny ended before the signal"
             time.sleep(0.02)
         child.send_signal(sig)
-        assert child.wait(timeout=60) == (130 if sig == signal.SIGINT else -signal.SIGKILL)
+        # after its one line the interpreter may end itself by the signal: a shell shows 130 either way
+        assert child.wait(timeout=60) in (
+            (130, -signal.SIGINT) if sig == signal.SIGINT else (-signal.SIGKILL,)
+        )
         assert sorted(path.name for path in out.iterdir()) == left
     subprocess.run(command, check=True, capture_output=True, timeout=300)
     assert sorted(path.name for path in out.iterdir()) == ["tiny-kimi-k3.gguf"]
