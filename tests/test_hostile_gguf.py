@@ -89,7 +89,7 @@ def test_cli_inspect_of_a_crafted_gguf_prints_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("command", ["inspect", "verify", "pack", "generate"])
 def test_the_pack_file_given_as_the_model_points_at_its_manifest(tiny_model, tmp_path, command, capsys):
     """The `.pack` beside the GGUF is not a model path: the line says what the file is and names the
-    manifest to give instead (it said "not a valid GGUF header: the magic is not GGUF")."""
+    manifest to give instead, not a bare "not a valid GGUF header: the magic is not GGUF"."""
     from k3stream.cli import main
     from pack_helpers import copy_model
 
@@ -105,7 +105,7 @@ def test_the_pack_file_given_as_the_model_points_at_its_manifest(tiny_model, tmp
 @pytest.mark.parametrize("command", ["pack", "dequantize"])
 def test_a_manifest_given_where_a_gguf_must_be_says_so(tiny_model, tmp_path, command, capsys):
     """`pack` and `dequantize` read a GGUF, not the manifest the other commands take: the line says what
-    the file is (it said "not a valid GGUF header: the magic is not GGUF")."""
+    the file is, not a bare "not a valid GGUF header: the magic is not GGUF"."""
     from k3stream.cli import main
     from pack_helpers import copy_model
 
@@ -122,7 +122,7 @@ def test_a_manifest_given_where_a_gguf_must_be_says_so(tiny_model, tmp_path, com
 @pytest.mark.parametrize("kept", [0.5, 0.99])
 def test_a_gguf_cut_short_says_so_naming_the_first_tensor_it_lacks(tiny_model, tmp_path, kept, capsys):
     """A partial download: whole header, data cut off. The line says the file is cut short, where the
-    first tensor it lacks ends and how many bytes the file has (it said "not a valid GGUF header")."""
+    first tensor it lacks ends and how many bytes the file has, not a bare "not a valid GGUF header"."""
     import shutil
 
     from gguf import GGUFReader

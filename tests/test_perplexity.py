@@ -479,7 +479,7 @@ def test_the_file_is_read_as_llama_perplexity_reads_it(model_path, tokenizer, ca
 
 def test_ctx_zero_is_the_models_context_as_in_llama_perplexity(tiny_model, capsys):
     """llama-perplexity's `-c 0`: chunks of the context the model file gives, as `generate` and `serve`
-    take `-c 0` (it took the default 512)."""
+    take `-c 0` (not the default 512)."""
     path = tiny_model(context_length=256)
     code, _out, err = _run(capsys, path, "--file", TEXT, "-c", 0, "--chunks", 1)
     assert code == 0, err
