@@ -99,9 +99,10 @@ def test_cli_prints_llama_perplexity_output(model_path, tokenizer, capsys):
     assert float(final.group(2)) > 0
 
 
-def test_the_text_may_come_through_a_pipe(model_path, capsys, tmp_path):
-    """`--file <(...)` and `--file /dev/stdin` are pipes, which llama-perplexity reads as files: the same
-    output as the file itself (they were 'no such file'); a folder or a missing file is one line."""
+def test_the_text_may_come_through_a_pipe(model_path, capsys, tmp_path, monkeypatch):
+    """`--file <(...)` and `--file /dev/stdin` are pipes, which llama-perplexity reads as files, and
+    `--file -` reads stdin, as generate's: the same output as the file itself; a folder or a missing file
+    is one line."""
     import threading
 
     read_end, write_end = os.pipe()
@@ -117,8 +118,10 @@ def test_the_text_may_come_through_a_pipe(model_path, capsys, tmp_path):
     finally:
         feeder.join()
         os.close(read_end)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(TEXT.read_bytes())))
+    dash = _run(capsys, model_path, "--file", "-", "--ctx", CTX, "--chunks", CHUNKS)
     whole = _run(capsys, model_path, "--file", TEXT, "--ctx", CTX, "--chunks", CHUNKS)
-    assert piped[0] == whole[0] == 0 and piped[1] == whole[1]
+    assert piped[0] == dash[0] == whole[0] == 0 and piped[1] == dash[1] == whole[1]
     for path, message in ((tmp_path, "is a folder"), (tmp_path / "none.txt", "no such file")):
         code, _, err = _run(capsys, model_path, "--file", path, "--ctx", CTX)
         assert code == 1 and err == f"k3stream perplexity: error: --file: {message}: {path}\n"

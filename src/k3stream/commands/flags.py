@@ -218,18 +218,26 @@ def check_input_file(path: str | Path, flag: str) -> None:
         raise FileNotFoundError(f"{flag}: no such file: {path}")
 
 
+STDIN = "-"  # a file flag's value that reads stdin, as llama.cpp's `-f -`
+
+
+def input_file_bytes(path: str | Path, flag: str) -> bytes:
+    """The bytes of the file `flag` names, stdin's for `-`; a one-line error naming `flag` and the file
+    where it is missing or unreadable."""
+    if str(path) == STDIN:
+        return sys.stdin.buffer.read()
+    check_input_file(path, flag)
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+
+
 def prompt_file_text(path: Path, flag: str) -> str:
     """A prompt file's text as llama-cli reads `-f` and `-sysf`: its bytes as they are (a CRLF stays)
     less one line break at the end (an editor's), `-` stdin's; a one-line error naming `flag` and the
     file where it is missing, unreadable or not UTF-8."""
-    if str(path) == "-":
-        data = sys.stdin.buffer.read()
-    else:
-        check_input_file(path, flag)
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+    data = input_file_bytes(path, flag)
     try:
         return data.decode("utf-8").removesuffix("\n")
     except UnicodeDecodeError as exc:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from k3stream.commands.flags import (
+    STDIN,
     add_cache_arguments,
     add_context_argument,
     add_escape_argument,
@@ -52,7 +53,7 @@ def prompt_text(args: argparse.Namespace) -> str:
     """The prompt: `--prompt`, stdin for `--prompt -`, or the text of `--file` (`prompt_file_text`; stdin's
     for `--file -`)."""
     if args.file is None:
-        return sys.stdin.read() if args.prompt == "-" else args.prompt
+        return sys.stdin.read() if args.prompt == STDIN else args.prompt
     return prompt_file_text(args.file, "--file")
 
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from k3stream.commands.flags import add_model_arguments, check_input_file, runtime_from_args
+from k3stream.commands.flags import STDIN, add_model_arguments, input_file_bytes, runtime_from_args
 from k3stream.engine.loading import Runtime, open_model
 
 DEFAULT_CTX = 512
@@ -20,7 +20,7 @@ DEFAULT_CTX = 512
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    parser.add_argument("--file", "-f", default=None, help="text to evaluate (UTF-8)")
+    parser.add_argument("--file", "-f", default=None, help="text to evaluate (UTF-8; '-': stdin)")
     parser.add_argument(
         "--ctx",
         "--ctx-size",
@@ -65,25 +65,27 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError("--kl-divergence needs --kl-divergence-base FILE (the saved reference run)")
     if not args.file and not args.kl_divergence:
         raise ValueError("--file TEXT is required (with --kl-divergence the base file's tokens are used)")
-    if args.file:
-        check_input_file(args.file, "--file")
     if args.batch is not None and args.batch < 1:
         raise ValueError(f"--batch {args.batch}: must be at least 1")
     if args.chunks is not None and args.chunks < 0:  # llama-perplexity's default, -1: every chunk
         args.chunks = None
 
 
-def _plan(args: argparse.Namespace, tokenizer: Any, base: Any, context_length: int) -> Any:
-    from k3stream.engine.perplexity import file_text, plan_chunks, text_tokens
+def _text_source(args: argparse.Namespace, base: Any) -> str:
+    """What the tokens come from, in messages: `--file` (stdin for `-`), else the base file."""
+    if args.file == STDIN:
+        return "stdin"
+    return args.file or str(base.path)
+
+
+def _plan(args: argparse.Namespace, text: str | None, tokenizer: Any, base: Any, context_length: int) -> Any:
+    from k3stream.engine.perplexity import plan_chunks, text_tokens
 
     default = base.ctx if base is not None else DEFAULT_CTX
     ctx = context_length if args.ctx == 0 else args.ctx or default  # `-c 0`: the model's, as llama.cpp's
     bos = tokenizer.bos_id if tokenizer.add_bos else None
-    if args.file:
-        text = file_text(Path(args.file).read_bytes())
-        tokens, source = text_tokens(tokenizer, text), args.file
-    else:
-        tokens, source = base.tokens, str(base.path)
+    source = _text_source(args, base)
+    tokens = base.tokens if text is None else text_tokens(tokenizer, text)
     plan = plan_chunks(tokens, ctx, args.chunks, bos_id=bos, source=source, context_length=context_length)
     _info(
         f"{source}: {len(tokens)} tokens; {plan.n_chunk} chunks of n_ctx={plan.ctx}, "
@@ -255,11 +257,12 @@ def _p_diff_block(kld: Any) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from k3stream.engine.perplexity import BaseFile, check_base_matches
+    from k3stream.engine.perplexity import BaseFile, check_base_matches, file_text
     from k3stream.engine.tokenizer import Tokenizer
     from k3stream.gguf.shards import file_output, refuse_source_output
 
     _check_flags(args)
+    text = file_text(input_file_bytes(args.file, "--file")) if args.file else None
     base = BaseFile.open(args.kl_divergence_base) if args.kl_divergence else None
     try:
         if base is not None and args.chunks is None:
@@ -267,19 +270,20 @@ def run(args: argparse.Namespace) -> int:
         # the tokenizer before the model loads: a bad text or base fails fast
         opened = open_model(args.model, not args.no_stream_experts)
         if args.kl_divergence_base and base is None:  # this run writes the base: never over its inputs
-            inputs = [*opened[0].shards, *[Path(p) for p in (opened[1], args.file) if p is not None]]
+            texts = (opened[1], None if args.file == STDIN else args.file)
+            inputs = [*opened[0].shards, *[Path(p) for p in texts if p is not None]]
             target = file_output(args.kl_divergence_base, "--kl-divergence-base")
             refuse_source_output(target, inputs, "--kl-divergence-base")
-        plan = _plan(args, Tokenizer.from_gguf(opened[0]), base, opened[0].config.context_length)
+        plan = _plan(args, text, Tokenizer.from_gguf(opened[0]), base, opened[0].config.context_length)
         args.ctx = plan.ctx  # the memory plan holds one chunk, the largest forward
         if base is not None:
-            check_base_matches(base, plan, None, args.file or str(base.path))
+            check_base_matches(base, plan, None, _text_source(args, base))
         runtime = runtime_from_args(args, opened)
         try:
             if base is None:
                 run_perplexity(runtime, plan, args)
                 return 0
-            check_base_matches(base, plan, runtime.model.config.vocab_size, args.file or str(base.path))
+            check_base_matches(base, plan, runtime.model.config.vocab_size, _text_source(args, base))
             run_kl_divergence(runtime, plan, base, args.batch)
         finally:
             runtime.close()
