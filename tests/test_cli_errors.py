@@ -99,3 +99,19 @@ def test_ctrl_c_once_the_result_is_decided_leaves_the_commands_status(model_path
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == status, done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("unbuffered", ["1", ""])
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], [], ["inspect", "--help"]])
+def test_what_the_program_prints_itself_into_a_full_disk_says_the_output_failed(argv, unbuffered):
+    """`k3stream --version > /dev/full` (and its help): one line naming the output, as a command's
+    output that fails, and status 1; no traceback, and no status 0 for a help that went nowhere
+    (argparse ignores the failed write; unbuffered, it fails at the write, buffered at the flush)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": unbuffered}
+    with open("/dev/full", "w") as full:
+        argv = [sys.executable, "-m", "k3stream.cli", *argv]
+        done = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    assert (done.returncode, done.stderr) == (
+        1,
+        "k3stream: error: writing the output: No space left on device\n",
+    )

@@ -13,7 +13,7 @@ import importlib
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -132,25 +132,38 @@ def main(argv: list[str] | None = None) -> int:
     calm_openmp()
     ending = argv is None
     argv = sys.argv[1:] if argv is None else argv
+    output, sys.stdout = sys.stdout, _Output(sys.stdout)
+    try:
+        return _command_line(argv, ending)
+    finally:
+        sys.stdout = output
+
+
+def _command_line(argv: list[str], ending: bool) -> int:
     try:
         parser = build_parser(argv)  # imports the command's module, torch with most: seconds
         args = parser.parse_args(argv)
     except KeyboardInterrupt:
         return _interrupted("k3stream", ending)
+    except SystemExit as ended:  # --help, or a flag refused: argparse's status once its text is out
+        status = ended.code
+        raise SystemExit(_run("k3stream", lambda: status, ending)) from None
     if args.version:
-        print(version_line())
-        return 0
+        return _run("k3stream", lambda: print(version_line()), ending)
     if args.command is None:
         parser.print_help()
-        return 2
+        return _run("k3stream", lambda: 2, ending)
     previous = signal.signal(signal.SIGTERM, _terminate)
-    output, sys.stdout = sys.stdout, _Output(sys.stdout)
     try:
-        return _run(args, ending)
+        return _run(f"k3stream {args.command}", lambda: _command(args), ending)
     finally:
-        sys.stdout = output
         if signal.getsignal(signal.SIGTERM) is _terminate:  # left ignored after a SIGTERM, as Ctrl-C's
             signal.signal(signal.SIGTERM, previous)
+
+
+def _command(args: argparse.Namespace) -> int | None:
+    resolve_demo_source(args)
+    return _command_module(args.command).run(args)
 
 
 class OutputError(OSError):
@@ -158,29 +171,33 @@ class OutputError(OSError):
     output, which an error naming no file leaves the user to guess."""
 
 
-@contextlib.contextmanager
-def _naming_output() -> Iterator[None]:
-    try:
-        yield
-    except BrokenPipeError:  # the reader left: `_run` ends quietly, as `yes | head`
-        raise
-    except OSError as exc:
-        raise OutputError(f"writing the output: {exc.strerror or exc}") from None
-
-
 class _Output:
-    """sys.stdout while a command runs: a failed write or flush raises `OutputError`."""
+    """sys.stdout while `main` runs: a failed write or flush raises `OutputError`, and a failed write
+    that its caller swallowed (argparse's help does) raises again at the next flush."""
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
+        self.failed: OutputError | None = None
 
     def write(self, text: str) -> int:
-        with _naming_output():
+        with self._naming_output():
             return self.stream.write(text)
 
     def flush(self) -> None:
-        with _naming_output():
+        if self.failed is not None:
+            raise self.failed
+        with self._naming_output():
             self.stream.flush()
+
+    @contextlib.contextmanager
+    def _naming_output(self) -> Iterator[None]:
+        try:
+            yield
+        except BrokenPipeError:  # the reader left: `_run` ends quietly, as `yes | head`
+            raise
+        except OSError as exc:
+            self.failed = OutputError(f"writing the output: {exc.strerror or exc}")
+            raise self.failed from None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)
@@ -209,11 +226,11 @@ def _interrupted(program: str, ending: bool) -> int:
     return 130
 
 
-def _run(args: argparse.Namespace, ending: bool) -> int:
-    """The command's status, its error or interruption as one line and the shell's status."""
+def _run(program: str, work: Callable[[], int | None], ending: bool) -> int:
+    """`work`'s status once its output is flushed, its error or interruption as one line after `program`
+    and the shell's status."""
     try:
-        resolve_demo_source(args)
-        status = int(_command_module(args.command).run(args) or 0)
+        status = int(work() or 0)
         sys.stdout.flush()  # what print left buffered fails here, as the command's error, not at exit
         _settle(ending)
         return status
@@ -227,14 +244,14 @@ def _run(args: argparse.Namespace, ending: bool) -> int:
         _settle(ending)
         if isinstance(exc, OutputError):
             _drop_output()
-        say(f"k3stream {args.command}: error: {printable(str(exc))}")
+        say(f"{program}: error: {printable(str(exc))}")
         return 1
     except KeyboardInterrupt:
-        return _interrupted(f"k3stream {args.command}", ending)
+        return _interrupted(program, ending)
     except Terminated:  # kill's SIGTERM: 128 + 15, as a shell reports a process the signal ended
         _settle(ending)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        say(f"k3stream {args.command}: terminated")
+        say(f"{program}: terminated")
         return 143
 
 
