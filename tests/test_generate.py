@@ -572,6 +572,28 @@ def test_ctrl_c_during_generate_ends_the_texts_line(model_path, monkeypatch, cap
     assert capsys.readouterr().err.splitlines()[-1] == "k3stream generate: interrupted"
 
 
+def test_ctrl_c_before_any_text_prints_nothing_on_stdout(model_path, monkeypatch, capsys):
+    """Ctrl-C while `generate` prefills, before any text: stdout stays empty (no empty line), the
+    interruption is the one line on stderr, status 130."""
+    import k3stream.engine.generate
+    from k3stream.cli import main
+
+    generate_text = k3stream.engine.generate.generate
+
+    def ctrl_c_as_it_starts(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C as the prompt goes in
+        return generate_text(*args, **kwargs)
+
+    monkeypatch.setattr(k3stream.engine.generate, "generate", ctrl_c_as_it_starts)
+    argv = ["generate", str(model_path), "-p", "Hello", "-n", "24", "--temp", "0", "--device", "cpu"]
+    try:
+        assert main(argv) == 130
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[-1] == "k3stream generate: interrupted"
+
+
 def test_ctrl_c_at_the_chat_prompt_ends_it_without_a_traceback(model_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = [

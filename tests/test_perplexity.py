@@ -508,3 +508,22 @@ def test_ctrl_c_ends_the_running_perplexity_line(model_path, monkeypatch, capsys
         signal.signal(signal.SIGINT, signal.default_int_handler)
     assert code == 130 and err.splitlines()[-1] == "k3stream perplexity: interrupted"
     assert re.fullmatch(r"\[1\][0-9.]+,\n", stdout.getvalue())
+
+
+def test_ctrl_c_before_the_first_chunk_prints_nothing_on_stdout(model_path, monkeypatch, capsys):
+    """Ctrl-C while the first chunk runs: stdout stays empty (no empty line), as generate's before its
+    first text; the interruption is the one line on stderr, status 130."""
+    import k3stream.engine.perplexity
+
+    logits_of_chunk = k3stream.engine.perplexity.chunk_logits
+
+    def ctrl_c_as_it_starts(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C as the first chunk goes in
+        return logits_of_chunk(*args, **kwargs)
+
+    monkeypatch.setattr(k3stream.engine.perplexity, "chunk_logits", ctrl_c_as_it_starts)
+    try:
+        code, out, err = _run(capsys, model_path, "--file", TEXT, "--ctx", CTX, "--chunks", CHUNKS)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert (code, out) == (130, "") and err.splitlines()[-1] == "k3stream perplexity: interrupted"

@@ -62,6 +62,17 @@ def _write(text: str) -> None:
     sys.stdout.flush()
 
 
+class _Completion:
+    """The completion's stream to stdout, and whether any text reached it."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def __call__(self, text: str) -> None:
+        self.started = self.started or bool(text)
+        _write(text)
+
+
 def run(args: argparse.Namespace) -> int:
     from k3stream.commands.flags import cache_from_args
     from k3stream.commands.launch import parallel_runtime, report_ranks
@@ -87,18 +98,20 @@ def run(args: argparse.Namespace) -> int:
         params = with_ends(params, tokenizer, stops)
         cache = cache_from_args(args, runtime.model)
         start = store_snapshot(runtime.store)
+        completion = _Completion()
         try:
             result = generate(
                 runtime.model,
                 tokenizer,
                 prompt,
                 params,
-                on_text=_write,
+                on_text=completion,
                 cache=cache,
                 context=args.ctx,
             )
         except KeyboardInterrupt:  # Ctrl-C: the text so far ends its line, as llama-cli ends it
-            _write("\n")
+            if completion.started:
+                _write("\n")
             raise
         finally:
             if cache is not None:

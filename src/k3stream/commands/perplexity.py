@@ -135,7 +135,7 @@ def run_perplexity(runtime: Runtime, plan: Any, args: argparse.Namespace) -> flo
     except BaseException as exc:
         if writer is not None:
             writer.abort()
-        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C: the `[i]ppl,` line so far ends, as generate's
+        if isinstance(exc, KeyboardInterrupt) and ppl.count:  # Ctrl-C: a started `[i]ppl,` line ends
             _out("\n")
         raise
     _out("\n")
