@@ -119,6 +119,26 @@ def test_a_manifest_given_where_a_gguf_must_be_says_so(tiny_model, tmp_path, com
     assert not (tmp_path / "f32.gguf").exists()
 
 
+@pytest.mark.parametrize("command", ["pack", "dequantize"])
+def test_a_json_file_that_is_no_manifest_is_named_as_no_gguf(tmp_path, command, capsys):
+    """A `.json` file that is not an expert pack's manifest (here the shipped model's training record)
+    is called what it is not, a GGUF, naming it; not a manifest it is not."""
+    from importlib.resources import files
+
+    from k3stream.cli import main
+
+    record = tmp_path / "record.json"
+    record.write_bytes(files("k3stream").joinpath("data", "k3-stdlib.json").read_bytes())
+    output = [str(tmp_path / "f32.gguf")] if command == "dequantize" else []
+    assert main([command, str(record), *output]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"k3stream {command}: error: {record}: not a valid GGUF header: the magic is not GGUF"
+    )
+    assert "manifest" not in err and err.count("\n") == 1
+    assert not (tmp_path / "f32.gguf").exists()
+
+
 @pytest.mark.parametrize("kept", [0.5, 0.99])
 def test_a_gguf_cut_short_says_so_naming_the_first_tensor_it_lacks(tiny_model, tmp_path, kept, capsys):
     """A partial download: whole header, data cut off. The line says the file is cut short, where the

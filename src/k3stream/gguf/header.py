@@ -12,6 +12,7 @@ reads the header only.
 from __future__ import annotations
 
 import functools
+import json
 import mmap
 import os
 import struct
@@ -23,6 +24,9 @@ import numpy as np
 
 GGUF_MAGIC = b"GGUF"
 PACK_MAGIC = b"GGMLMOEPACKv1\0\0\0"  # k3stream's expert pack (pack.format), often given in the GGUF's place
+# the top-level keys of an expert pack's manifest (pack.manifest writes them), the other file given there
+MANIFEST_KEYS = ("format", "expert_pack")
+MAX_MANIFEST_BYTES = 1 << 28  # a real model's manifest is a few MiB
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
@@ -230,11 +234,22 @@ def check_header(path: str | os.PathLike[str]) -> None:
                 raise GGUFHeaderError(
                     f"{path}: an expert pack, not a GGUF; give its manifest {path}.manifest.json or the GGUF"
                 )
-            if path.suffix == ".json" and bytes(data[:1]) == b"{":  # pack and dequantize read GGUFs only
+            if path.suffix == ".json" and _is_manifest(data):  # pack and dequantize read GGUFs only
                 raise GGUFHeaderError(
                     f"{path}: an expert pack's manifest, not a GGUF; give the GGUF it names"
                 )
             _walk(_Cursor(data, path))
+
+
+def _is_manifest(data: memoryview) -> bool:
+    """Whether a file's bytes are a JSON object with a manifest's keys (`MANIFEST_KEYS`)."""
+    if bytes(data[:1]) != b"{" or len(data) > MAX_MANIFEST_BYTES:
+        return False
+    try:
+        value = json.loads(bytes(data))
+    except ValueError:  # not JSON, or not UTF-8
+        return False
+    return isinstance(value, dict) and all(key in value for key in MANIFEST_KEYS)
 
 
 def _walk(cursor: _Cursor) -> None:
