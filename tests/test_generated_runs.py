@@ -1,8 +1,10 @@
 """The memory of answers the model wrote in tokens of its own: a text between special tokens whose ids are
-not the tokenizer's is kept with those ids, by the ids before it, nothing else, in bounded memory (tiny
-model's tokenizer)."""
+not the tokenizer's is kept with those ids, by the ids before it, nothing else, in bounded memory, and
+found again from the states a restarted server or a restored slot holds (tiny model)."""
 
 from __future__ import annotations
+
+import pytest
 
 from k3stream.server.generated_runs import GeneratedRuns, PrefixDigest
 
@@ -59,3 +61,73 @@ def test_the_least_recently_used_go_first_past_the_bound(tokenizer):
     assert runs.ids(digest(PROMPT), others[0]) is not None  # now the most recently used
     runs.remember(PROMPT, spelled(tokenizer, others[2]))
     assert [runs.ids(digest(PROMPT), text) is not None for text in others] == [True, False, True]
+
+
+@pytest.fixture
+def served(model_path, one_torch_thread):
+    from k3stream.engine.loading import load_runtime
+    from k3stream.server.runtime import served_from_runtime
+
+    served = served_from_runtime(load_runtime(model_path))
+    yield served
+    if served.prompt_cache is not None:
+        served.prompt_cache.close()
+    served.close()
+
+
+def _answered(served) -> tuple[list[dict], str, list[int]]:
+    """A question, an answer the model wrote in ids of its own, and the ids of the state a turn saves."""
+    word = merged_word(served.tokenizer)
+    question = [{"role": "user", "content": "Hi"}]
+    return question, word, served.encode_chat(question) + spelled(served.tokenizer, word)
+
+
+def _assert_the_next_turn_matches_past_the_answer(served, question, word, answered) -> None:
+    """The next turn's history is written in the answer's ids, so its match goes on past the answer; a
+    conversation the states do not hold gets the tokenizer's ids."""
+    history = [*question, {"role": "assistant", "content": word}, {"role": "user", "content": "More?"}]
+    assert served.prompt_cache.cached_length(served.encode_chat(history)) == len(answered)
+    elsewhere = [{"role": "user", "content": "Hello"}, *history[1:]]
+    rendered = served.chat_template.render(elsewhere)
+    assert served.encode_chat(elsewhere) == served.tokenizer.encode(rendered, allow_special=True)
+
+
+def test_a_restarted_server_writes_an_answer_its_states_on_disk_hold_in_the_ids_the_model_wrote(
+    served, tmp_path
+):
+    """After a restart over the same `--cache-dir`, the records of the answers the model wrote in ids of
+    its own are rebuilt from the snapshots on disk (the records live in RAM), as before the restart."""
+    from k3stream.commands.serve import use_prompt_cache
+    from k3stream.engine.prompt_cache import PromptCache
+    from k3stream.memlimit import MIB
+
+    question, word, answered = _answered(served)
+    first = PromptCache(served.model, "restart", 64 * MIB, tmp_path, 1 << 30)
+    first.prefill(answered)
+    first.close()  # the server stops; its snapshot files stay
+    served.generated_runs = GeneratedRuns(served.tokenizer)  # what a restarted process holds
+    use_prompt_cache(served, PromptCache(served.model, "restart", 64 * MIB, tmp_path, 1 << 30))
+    _assert_the_next_turn_matches_past_the_answer(served, question, word, answered)
+
+
+def test_a_restored_slot_writes_the_answers_it_holds_in_the_ids_the_model_wrote(served, tmp_path):
+    """llama-server's slot restore into another server: the answers the file's state holds are written
+    in the model's ids when sent back, as in the server that saved it."""
+    import httpx
+
+    from k3stream.engine.prompt_cache import PromptCache
+    from k3stream.memlimit import MIB
+    from k3stream.server.app import ServerConfig, create_app
+    from k3stream.server.live import ServerThread
+
+    question, word, answered = _answered(served)
+    saving = PromptCache(served.model, "slot", 64 * MIB)
+    saving.prefill(answered)
+    saving.export(answered, tmp_path / "conv.k3slot")
+    saving.close()
+    served.prompt_cache = PromptCache(served.model, "slot", 64 * MIB)
+    with ServerThread(create_app(served, ServerConfig(max_batch=1, slot_save_path=tmp_path))) as server:
+        body = {"filename": "conv.k3slot"}
+        restored = httpx.post(server.url + "/slots/0?action=restore", json=body, timeout=120).json()
+        assert restored["n_restored"] == len(answered)
+    _assert_the_next_turn_matches_past_the_answer(served, question, word, answered)

@@ -26,6 +26,7 @@ from k3stream.server.guard import (
 
 if TYPE_CHECKING:
     from k3stream.engine.loading import Runtime
+    from k3stream.engine.prompt_cache import PromptCache
     from k3stream.server.app import ServerConfig
     from k3stream.server.runtime import ServedModel
 
@@ -331,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
             )
             served.defaults, served.default_n_predict = defaults, n_predict
             served.template_kwargs = template_defaults(args)
-            served.prompt_cache = cache_from_args(args, runtime.model)
+            use_prompt_cache(served, cache_from_args(args, runtime.model))
             app = create_app(served, config)
             settle_heap()
             loading.stop()
@@ -361,6 +362,14 @@ class ServerStop:
             os.kill(os.getpid(), signal.SIGINT)
         else:
             self.server.should_exit = True
+
+
+def use_prompt_cache(served: ServedModel, cache: PromptCache | None) -> None:
+    """`cache` as `served`'s prompt cache; the answers the model wrote in ids of its own that its states
+    on disk hold (a restart's) are written in those ids again when sent back (`GeneratedRuns.recall`)."""
+    served.prompt_cache = cache
+    if cache is not None:
+        served.generated_runs.recall(cache.held_tokens())
 
 
 def serve_on(

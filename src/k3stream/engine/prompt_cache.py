@@ -503,6 +503,12 @@ class PromptCache:
                 ),
             }
 
+    def held_tokens(self) -> list[tuple[int, ...]]:
+        """The token ids of every restorable snapshot held, in RAM or on disk (at the start: the ones a
+        restarted process found in its folder)."""
+        with self._lock:
+            return [entry.tokens for entry in self._tree.entries() if entry.restorable]
+
     @property
     def has_disk(self) -> bool:
         return self._folder_lock is not None

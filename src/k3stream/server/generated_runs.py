@@ -8,6 +8,8 @@ such token and the turn would prefill the rest of the answer again. `ServedModel
 text between two special tokens in the ids the model wrote it in where the ids before it are the ones
 the model wrote it after: the model reads its answer as it wrote it, as in one continuing conversation
 (`k3stream chat`). Keyed by those ids (their digest), an answer changes no other conversation's prompt.
+The records live in RAM; a restarted server (`--cache-dir`) and a restored slot rebuild them from the
+token ids of the states they hold (`recall`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import xxhash
 
@@ -69,6 +71,17 @@ class GeneratedRuns:
             ):
                 written += answer[len(written) - len(prompt) : start]
                 self._keep((digest.at(written), text), run)
+
+    def recall(self, held: Iterable[Sequence[int]]) -> None:
+        """Keep the runs `remember` keeps of the answers within `held`, the token ids of the states a
+        restarted prompt cache found on disk (the records themselves live in RAM only). A text between
+        special tokens there whose ids are not the tokenizer's is one the model wrote (a prompt's texts
+        are the tokenizer's ids, an answer sent back the model's), so each list is read whole, as an
+        answer after no prompt; a list that begins another is read within that one."""
+        ordered = sorted(map(tuple, held))
+        for index, ids in enumerate(ordered):
+            if index + 1 == len(ordered) or ordered[index + 1][: len(ids)] != ids:
+                self.remember((), ids)
 
     def ids(self, before: int, text: str) -> tuple[int, ...] | None:
         """The ids the model wrote `text` in after the ids of digest `before`, where they are not the

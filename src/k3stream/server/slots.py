@@ -32,7 +32,6 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from k3stream.engine.prompt_cache import PromptCache
 from k3stream.server.bodies import parse_body
 from k3stream.server.endpoints_llama import llama_params
 from k3stream.server.errors import LLAMA_ERROR_TYPES, APIError, LlamaError, not_supported
@@ -216,11 +215,12 @@ class SlotFile(BaseModel):
 
 class SlotActions:
     def __init__(
-        self, table: SlotTable, scheduler: Scheduler, cache: PromptCache | None, directory: Path | None
+        self, table: SlotTable, scheduler: Scheduler, served: ServedModel, directory: Path | None
     ) -> None:
         self.table = table
         self.scheduler = scheduler
-        self.cache = cache
+        self.cache = served.prompt_cache
+        self.runs = served.generated_runs  # a restored conversation's answers, in the ids the model wrote
         self.directory = directory
         self._turns = [asyncio.Lock() for _ in range(table.count)]  # one action at a time per slot
 
@@ -320,6 +320,7 @@ class SlotActions:
             )
             raise LlamaError(400, message) from None
         self.table.put(slot, tokens)
+        self.runs.recall([tokens])
         timings = {"restore_ms": (time.perf_counter() - started) * 1000}
         return {
             "id_slot": slot,
@@ -341,7 +342,7 @@ def slots_router(
         router.get("/slots")(SlotList(table, scheduler, served.ctx, served.tokenizer, slots_debug()).list)
     else:
         router.get("/slots")(_slots_off)
-    actions = SlotActions(table, scheduler, served.prompt_cache, config.slot_save_path)
+    actions = SlotActions(table, scheduler, served, config.slot_save_path)
     router.post("/slots/{id_slot}")(actions.act)
     return router
 
