@@ -139,12 +139,12 @@ def test_bench_llama_without_llama_cpp_keeps_its_own_figures(model, monkeypatch)
 def test_bench_rejects_bad_token_counts(model):
     gguf_path, _manifest = model
     status, _out, err = run_cli("bench", str(gguf_path), "--prompt-tokens", "0")
-    assert status == 1
+    assert status == 2  # a usage error
     assert err.strip() == (
         "k3stream bench: error: --prompt-tokens must be >= 1 and --decode-tokens >= 0, got 0 and 32"
     )
     status, _out, err = run_cli("bench", str(gguf_path), "--seq-read-mib", "0")  # a ZeroDivisionError
-    assert (status, err.strip()) == (1, "k3stream bench: error: --seq-read-mib must be above 0, got 0.0")
+    assert (status, err.strip()) == (2, "k3stream bench: error: --seq-read-mib must be above 0, got 0.0")
     status, _out, err = run_cli("bench", str(gguf_path), "--ctx", "32", *TOKENS[:2], "--decode-tokens", "30")
     assert status == 1 and err.strip() == (
         "k3stream bench: error: --prompt-tokens 12 and --decode-tokens 30 pass the context of 32 tokens "

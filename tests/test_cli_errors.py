@@ -29,19 +29,27 @@ class Writes:
 
 
 @pytest.mark.parametrize(
-    ("argv", "line"),
+    ("argv", "status", "line"),
     [
-        (["make-tiny", "{tmp}/out", "--layers", "1"], "k3stream make-tiny: error: --layers: 1 must be >= 2"),
-        (["inspect", "{tmp}/missing.gguf"], "k3stream inspect: error: "),
-        (["generate", "{tmp}/missing.gguf", "--prompt", "hi"], "k3stream generate: error: model not found"),
-        (["verify", "{tmp}/missing.manifest.json"], "k3stream verify: error: "),
-        (["pack", "{tmp}/missing.gguf", "--no-progress"], "k3stream pack: error: "),
+        (
+            ["make-tiny", "{tmp}/out", "--layers", "1"],
+            2,
+            "k3stream make-tiny: error: --layers: 1 must be >= 2",
+        ),
+        (["inspect", "{tmp}/missing.gguf"], 1, "k3stream inspect: error: "),
+        (
+            ["generate", "{tmp}/missing.gguf", "--prompt", "hi"],
+            1,
+            "k3stream generate: error: model not found",
+        ),
+        (["verify", "{tmp}/missing.manifest.json"], 1, "k3stream verify: error: "),
+        (["pack", "{tmp}/missing.gguf", "--no-progress"], 1, "k3stream pack: error: "),
     ],
 )
-def test_an_error_is_one_write_of_one_line(tmp_path, monkeypatch, argv, line):
+def test_an_error_is_one_write_of_one_line(tmp_path, monkeypatch, argv, status, line):
     stderr = Writes()
     monkeypatch.setattr(sys, "stderr", stderr)
-    assert main([part.format(tmp=tmp_path) for part in argv]) == 1
+    assert main([part.format(tmp=tmp_path) for part in argv]) == status
     assert len(stderr.writes) == 1, stderr.writes
     (written,) = stderr.writes
     assert written.startswith(line) and written.endswith("\n") and written.count("\n") == 1
@@ -115,3 +123,90 @@ def test_what_the_program_prints_itself_into_a_full_disk_says_the_output_failed(
         1,
         "k3stream: error: writing the output: No space left on device\n",
     )
+
+
+# every command, with flags it takes: a usage error (a flag's value, or flags together, refused whatever
+# the files hold: status 2, after parsing where the command checks any there, else argparse's), and an
+# input it refuses (a missing model, file or folder: status 1)
+USAGE_ERRORS = {
+    "demo": ["--temp", "-1"],
+    "make-tiny": ["{tmp}/out", "--layers", "1"],
+    "train-tiny": ["{tmp}/out", "--steps", "0"],
+    "inspect": ["{model}", "--no-such-flag"],
+    "dequantize": ["{model}", "{tmp}/f32.gguf", "--all-f32=yes"],
+    "pack": ["{model}", "--sync-mib", "0"],
+    "verify": ["{model}", "--profile", "none"],
+    "generate": ["{model}", "-p", "hi", "--temp", "-1"],
+    "chat": ["{model}", "--top-p", "2"],
+    "perplexity": ["{model}", "-f", "{model}", "--batch", "0"],
+    "bench": ["{model}", "--prompt-tokens", "0"],
+    "serve": ["{model}", "--port", "99999"],
+}
+BAD_INPUTS = {
+    "demo": ["--cache-dir", "{file}/cache", "-n", "1"],
+    "make-tiny": ["{file}/out"],
+    "train-tiny": ["{file}/out"],
+    "inspect": ["{tmp}/missing.gguf"],
+    "dequantize": ["{tmp}/missing.gguf", "{tmp}/f32.gguf"],
+    "pack": ["{tmp}/missing.gguf"],
+    "verify": ["{tmp}/missing.gguf"],
+    "generate": ["{tmp}/missing.gguf", "-p", "hi"],
+    "chat": ["{tmp}/missing.gguf"],
+    "perplexity": ["{model}", "-f", "{tmp}/missing.txt"],
+    "bench": ["{tmp}/missing.gguf"],
+    "serve": ["{tmp}/missing.gguf", "--port", "0"],
+}
+# flags each command runs with, for a Ctrl-C as it starts
+RUNS = {**BAD_INPUTS, "inspect": ["{model}"], "make-tiny": ["{tmp}/out"], "train-tiny": ["{tmp}/out"]}
+
+
+def _status(argv: list[str], tmp_path, model_path) -> int:
+    """`main`'s status, argparse's too (it exits)."""
+    (tmp_path / "file").write_text("a file, not a folder")
+    argv = [part.format(tmp=tmp_path, model=model_path, file=tmp_path / "file") for part in argv]
+    try:
+        return main(argv)
+    except SystemExit as ended:
+        return ended.code
+
+
+def test_every_command_is_covered():
+    from k3stream.cli import COMMANDS
+
+    assert set(USAGE_ERRORS) == set(BAD_INPUTS) == set(RUNS) == set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", USAGE_ERRORS)
+def test_a_usage_error_is_status_2_in_every_command(command, tmp_path, model_path, capsys):
+    assert _status([command, *USAGE_ERRORS[command]], tmp_path, model_path) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"k3stream {command}: error: ")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "f32.gguf").exists()
+
+
+@pytest.mark.parametrize("command", BAD_INPUTS)
+def test_an_input_refused_is_status_1_in_every_command(command, tmp_path, model_path, capsys):
+    assert _status([command, *BAD_INPUTS[command]], tmp_path, model_path) == 1
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"k3stream {command}: error: ")
+
+
+@pytest.mark.parametrize("command", RUNS)
+def test_ctrl_c_is_status_130_in_every_command(command, tmp_path, model_path, capsys):
+    """A real SIGINT as the command's `run` starts: one line, status 130."""
+    import importlib
+
+    from k3stream.cli import COMMANDS
+
+    started = importlib.import_module(COMMANDS[command][0]).run.__code__
+
+    def ctrl_c_as_it_starts(frame, event, _arg) -> None:
+        if event == "call" and frame.f_code is started:
+            sys.setprofile(None)
+            os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C
+
+    sys.setprofile(ctrl_c_as_it_starts)
+    try:
+        status = _status([command, *RUNS[command]], tmp_path, model_path)
+    finally:
+        sys.setprofile(None)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert status == 130 and capsys.readouterr().err.splitlines()[-1] == f"k3stream {command}: interrupted"

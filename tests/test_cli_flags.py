@@ -149,7 +149,7 @@ def test_budgets_and_counts_below_their_range_name_the_flag(command, flag, value
 def test_a_device_torch_does_not_name_is_the_flags_error(model_path, capsys):
     from k3stream.cli import main
 
-    assert main(["generate", str(model_path), "--prompt", "hi", "--device", "tpu"]) == 1
+    assert main(["generate", str(model_path), "--prompt", "hi", "--device", "tpu"]) == 2  # a usage error
     error = capsys.readouterr().err
     assert error == "k3stream generate: error: --device tpu: must be cpu, cuda, cuda:N or auto\n"
 
@@ -175,7 +175,7 @@ def test_cache_flags_that_would_do_nothing_are_a_one_line_error(
 
     flags = [str(tmp_path) if flag == "DIR" else flag for flag in flags]
     prompt = ["--prompt", "hi"] if command == "generate" else []
-    assert main([command, str(model_path), *prompt, *flags]) == 1
+    assert main([command, str(model_path), *prompt, *flags]) == 2  # a usage error
     error = capsys.readouterr().err.strip()
     assert error.startswith(f"k3stream {command}: error: {named}") and "\n" not in error
     assert list(tmp_path.iterdir()) == []
@@ -326,7 +326,7 @@ def test_a_flag_the_command_does_not_take_is_refused_by_that_command(command, ca
 def test_serve_without_a_model_says_how_to_name_it(capsys):
     from k3stream.cli import main
 
-    assert main(["serve", "--port", "0"]) == 1
+    assert main(["serve", "--port", "0"]) == 2
     assert "no model: give it as `k3stream serve MODEL` or `-m MODEL`" in capsys.readouterr().err
 
 

@@ -425,7 +425,7 @@ def test_command_errors_are_one_line(tmp_path, model_path):
     assert not_a_file.stderr.startswith("k3stream generate: error: ") and "folder.json" in not_a_file.stderr
     bad_flag = _cli("chat", str(model_path), "--top-p", "1.5", stdin="")
     assert (bad_flag.returncode, bad_flag.stderr.splitlines()) == (
-        1,
+        2,
         ["k3stream chat: error: --top-p must be in [0, 1], got 1.5"],
     )
     for threads in ("-1", "0"):  # llama.cpp's -t: every core (torch's set_num_threads refuses them)
@@ -752,7 +752,7 @@ def test_generate_with_a_cache_dir_resumes_a_prompt_a_run_before_it_left(model_p
     ]
     assert runs[1].stdout == runs[2].stdout
     off = _cli("generate", str(model_path), "-p", first, *flags, "--cache-ram", "0")
-    assert off.returncode == 1 and "--cache-dir needs --cache-ram above 0" in off.stderr
+    assert off.returncode == 2 and "--cache-dir needs --cache-ram above 0" in off.stderr
 
 
 def test_generate_takes_llama_clis_prompt_file_and_n_minus_one(model, tokenizer, model_path, tmp_path):

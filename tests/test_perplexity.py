@@ -323,7 +323,7 @@ def test_a_batch_below_one_is_refused_before_the_model_loads(model_path, capsys,
 
     monkeypatch.setattr(flags, "load_resolved", no_load)
     code, out, err = _run(capsys, model_path, "--file", TEXT, "--ctx", CTX, "--batch", batch)
-    assert (code, out, err) == (1, "", f"k3stream perplexity: error: --batch {batch}: must be at least 1\n")
+    assert (code, out, err) == (2, "", f"k3stream perplexity: error: --batch {batch}: must be at least 1\n")
 
 
 def test_mismatched_base_is_one_line_error(model_path, capsys, tmp_path):

@@ -166,14 +166,14 @@ def test_a_model_larger_than_the_free_space_is_refused_before_writing(tmp_path, 
 
 
 @pytest.mark.parametrize(
-    ("flags", "message"),
+    ("flags", "status", "message"),
     [
-        (["--vocab", str(1 << 32)], "kimi-k3.vocab_size: 4294967296 does not fit the GGUF's uint32"),
-        (["--vocab", str(10**8), "--hidden", "4096"], "not enough free space in"),
+        (["--vocab", str(1 << 32)], 2, "kimi-k3.vocab_size: 4294967296 does not fit the GGUF's uint32"),
+        (["--vocab", str(10**8), "--hidden", "4096"], 1, "not enough free space in"),
     ],
     ids=["past-uint32", "past-the-disk"],
 )
-def test_a_huge_vocab_is_refused_at_once(tmp_path, flags, message):
+def test_a_huge_vocab_is_refused_at_once(tmp_path, flags, status, message):
     """The sizes are checked before the vocabulary is padded (it built every `[PADi]` token first: a
     huge --vocab ran for minutes, out of memory, before any check)."""
     import resource
@@ -190,7 +190,7 @@ def test_a_huge_vocab_is_refused_at_once(tmp_path, flags, message):
         timeout=120,
         preexec_fn=limited,
     )
-    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr[-2000:]
+    assert done.returncode == status and done.stderr.count("\n") == 1, done.stderr[-2000:]
     assert done.stderr.startswith("k3stream make-tiny: error: ") and message in done.stderr
     assert not (tmp_path / "out").exists()
 
@@ -232,7 +232,7 @@ SIZE_FLAGS += ("--expert-ff", "--latent", "--context-length", "--block-size")
 )
 def test_a_spec_error_names_the_flag(tmp_path, capsys, flags, message):
     """make-tiny's users give flags: its refusals name the flag, not the `TinySpec` field behind it."""
-    assert cli.main(["make-tiny", str(tmp_path / "out"), *flags]) == 1
+    assert cli.main(["make-tiny", str(tmp_path / "out"), *flags]) == 2  # a usage error
     error = capsys.readouterr().err.strip()
     assert error == f"k3stream make-tiny: error: {message}"
     assert not (tmp_path / "out").exists()
@@ -277,7 +277,7 @@ def test_more_layers_than_one_file_holds_are_refused_and_shards_hold_them(tmp_pa
     """A file k3stream's own header check would refuse is never written: the refusal comes at once and
     names --layers; the same layers over more shards pass."""
     out = tmp_path / "out"
-    assert cli.main(["make-tiny", str(out), "--layers", "300"]) == 1
+    assert cli.main(["make-tiny", str(out), "--layers", "300"]) == 2  # a usage error
     error = capsys.readouterr().err.strip()
     pattern = rf"--layers: 300 layers make (\d+) tensors, \1 a shard; a GGUF holds at most {MAX_TENSORS}"
     assert re.fullmatch(rf"k3stream make-tiny: error: {pattern} \(more shards\)", error), error

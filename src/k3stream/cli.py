@@ -113,6 +113,11 @@ class Terminated(BaseException):
     run as they do on Ctrl-C, and no `except Exception` takes it for a command's error."""
 
 
+class UsageError(ValueError):
+    """A flag's value, or flags together, that the command refuses whatever its files hold: status 2, as
+    argparse's refusals; every other error is status 1."""
+
+
 def _terminate(_signum: int, _frame: object) -> None:
     raise Terminated
 
@@ -245,7 +250,7 @@ def _run(program: str, work: Callable[[], int | None], ending: bool) -> int:
         if isinstance(exc, OutputError):
             _drop_output()
         say(f"{program}: error: {printable(str(exc))}")
-        return 1
+        return 2 if isinstance(exc, UsageError) else 1
     except KeyboardInterrupt:
         return _interrupted(program, ending)
     except Terminated:  # kill's SIGTERM: 128 + 15, as a shell reports a process the signal ended
@@ -260,5 +265,8 @@ def _drop_output() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # `python -m k3stream.cli`: the module the commands import runs, so that
+    # the classes they raise (UsageError, Terminated) are the ones `_run` catches
+    from k3stream.cli import main as cli_main
+
+    raise SystemExit(cli_main())

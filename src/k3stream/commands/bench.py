@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from k3stream.cli import UsageError
 from k3stream.commands.flags import (
     add_context_argument,
     add_model_arguments,
@@ -54,12 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_counts(args: argparse.Namespace) -> None:
     if args.prompt_tokens < 1 or args.decode_tokens < 0:
-        raise ValueError(
+        raise UsageError(
             f"--prompt-tokens must be >= 1 and --decode-tokens >= 0, got {args.prompt_tokens} and "
             f"{args.decode_tokens}"
         )
     if not args.seq_read_mib > 0:
-        raise ValueError(f"--seq-read-mib must be above 0, got {args.seq_read_mib}")
+        raise UsageError(f"--seq-read-mib must be above 0, got {args.seq_read_mib}")
 
 
 def _check_context(args: argparse.Namespace, config: Any) -> None:

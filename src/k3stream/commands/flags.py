@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from k3stream.cli import UsageError
 from k3stream.engine.chat import ChatTemplate
 from k3stream.engine.loading import Runtime, StoreOptions, load_resolved, open_model
 from k3stream.engine.parallel import DEFAULT_TIMEOUT_S
@@ -37,6 +38,22 @@ def finite(text: str) -> float:
 def non_negative(text: str) -> float:
     """argparse type of budgets: a finite number, 0 or more."""
     value = finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is below 0")
+    return value
+
+
+def at_least_one(text: str) -> int:
+    """argparse type of counts of 1 or more (sequences, connections)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count of 1 or more")
+    return value
+
+
+def non_negative_count(text: str) -> int:
+    """argparse type of counts that may be 0 (samples, entries)."""
+    value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is below 0")
     return value
@@ -71,6 +88,17 @@ def count(text: str) -> int:
     return value
 
 
+def memory_size(text: str) -> str:
+    """argparse type of `--memory-limit`: the size as given, once it reads as one (`parse_size`)."""
+    from k3stream.memlimit import parse_size
+
+    try:
+        parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--memory-limit: ")) from None
+    return text
+
+
 MODEL_HELP = "a Kimi-K3 GGUF (any shard), an expert-pack manifest (.json), or demo (the shipped model)"
 
 
@@ -94,6 +122,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, model_flag: bool = F
     parser.add_argument(
         "--memory-limit",
         metavar="SIZE",
+        type=memory_size,
         default=None,
         help="memory k3stream may use (e.g. 1.5GiB, 1536M); sizes the expert RAM budget after non-expert "
         "weights, KV/state and working buffers (default: the memory cgroup's limit, else available RAM)",
@@ -384,11 +413,11 @@ SAMPLING_FLAGS = {
 }
 
 
-def in_sampling_flags(error: ValueError) -> ValueError:
+def in_sampling_flags(error: ValueError) -> UsageError:
     """A `SamplingParams` refusal in the words of the flag that gave the value ("top_p must be ..." ->
     "--top-p must be ...")."""
     field, _, rest = str(error).partition(" ")
-    return ValueError(f"{SAMPLING_FLAGS[field]} {rest}" if field in SAMPLING_FLAGS else str(error))
+    return UsageError(f"{SAMPLING_FLAGS[field]} {rest}" if field in SAMPLING_FLAGS else str(error))
 
 
 def with_ends(params: Any, tokenizer: Any, stop_ids: tuple[int, ...]) -> Any:
@@ -563,7 +592,7 @@ def runtime_from_args(
         torch.set_num_threads(args.threads)
     device = args.device
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
-        raise ValueError(f"--device {device}: must be cpu, cuda, cuda:N or auto")
+        raise UsageError(f"--device {device}: must be cpu, cuda, cuda:N or auto")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device.startswith("cuda") and not torch.cuda.is_available():
@@ -586,13 +615,12 @@ def _refuse_store_flags(args: argparse.Namespace) -> None:
         ("--no-prefetch", args.no_prefetch or None),
     )
     given = [flag for flag, value in flags if value is not None]
-    if given:
-        why = (
-            "--no-stream-experts reads them from the GGUF"
-            if args.no_stream_experts
-            else f"{args.model} has no expert pack beside it (`k3stream pack` makes one)"
-        )
-        raise ValueError(f"{given[0]} applies to routed experts streamed from an expert pack; {why}")
+    if not given:
+        return
+    refusal = f"{given[0]} applies to routed experts streamed from an expert pack; "
+    if args.no_stream_experts:  # the flags contradict each other, whatever the model
+        raise UsageError(refusal + "--no-stream-experts reads them from the GGUF")
+    raise ValueError(refusal + f"{args.model} has no expert pack beside it (`k3stream pack` makes one)")
 
 
 def load_options(args: argparse.Namespace, expert_ram_mib: float, device: str = "cpu") -> LoadOptions:
@@ -613,7 +641,7 @@ def load_options(args: argparse.Namespace, expert_ram_mib: float, device: str = 
     )
     if getattr(args, "match_ggml", False) and not options.ggml_arithmetic:
         where = f"products on {device}" if options.device != "cpu" else f"weights re-typed to {dtype}"
-        raise ValueError(
+        raise UsageError(
             f"--match-ggml is llama.cpp's CPU arithmetic on the GGUF's types: {where} take float32 "
             "activations (use --device cpu and --dtype float32, or drop --match-ggml)"
         )
@@ -699,26 +727,27 @@ def cache_ram_mib(args: argparse.Namespace) -> float:
 
 
 def check_cache_flags(args: argparse.Namespace) -> None:
-    """A one-line ValueError for cache flags that could not take effect (checked before the model
+    """A one-line UsageError for cache flags that could not take effect (checked before the model
     loads): a disk budget without a directory, a directory with a budget of 0 (nothing is written), a
     directory with reuse off (`--cache-ram 0`: the RAM tier is where a snapshot is made and restored,
-    so there is no disk-only cache), a directory that cannot be made (it is made here) or written to."""
+    so there is no disk-only cache); a ValueError for a directory that cannot be made (it is made here)
+    or written to."""
     for flag, value, least in (
         ("--cache-ram", cache_ram_mib(args), 0),
         ("--cache-disk", args.cache_disk or 0, 0),
         ("--cache-every", args.cache_every, 1),
     ):
         if value < least:
-            raise ValueError(f"{flag} must be at least {least}, got {value:g}")
+            raise UsageError(f"{flag} must be at least {least}, got {value:g}")
     if args.cache_disk is not None and args.cache_dir is None:
-        raise ValueError("--cache-disk needs --cache-dir (the directory it budgets)")
+        raise UsageError("--cache-disk needs --cache-dir (the directory it budgets)")
     if args.cache_dir is not None and args.cache_disk == 0:
-        raise ValueError(
+        raise UsageError(
             f"--cache-disk 0 leaves --cache-dir {args.cache_dir} unused (no snapshot fits a budget of 0); "
             "give it GiB above 0, or leave out --cache-dir"
         )
     if args.cache_dir is not None and cache_ram_mib(args) == 0:
-        raise ValueError(
+        raise UsageError(
             "--cache-dir needs --cache-ram above 0 (--cache-ram 0 turns prompt reuse off, on disk too)"
         )
     if args.cache_dir is not None:

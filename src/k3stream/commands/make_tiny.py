@@ -8,11 +8,13 @@ import dataclasses
 import re
 from pathlib import Path
 
+from k3stream.cli import UsageError
 from k3stream.commands.flags import finite, positive
 from k3stream.gguf.shards import SHARD_NAME
-from k3stream.gguf.writer import FITTING_SHAPES, FLOAT_RECIPES, RECIPES, TinySpec, shard_paths
+from k3stream.gguf.writer import FITTING_SHAPES, FLOAT_RECIPES, RECIPES, TinySpec, check_spec, shard_paths
 from k3stream.testing.slices import LIKE, REAL_VOCAB, like
 from k3stream.testing.tiny import make_tiny
+from k3stream.testing.tinyvocab import tiny_vocab
 
 FLAG_ALIASES = {
     "n_layers": "--layers",
@@ -195,9 +197,20 @@ def model_files(out_dir: Path) -> list[Path]:
     return sorted(path for path in out_dir.glob("*.gguf") if ours(path))
 
 
-def run(args: argparse.Namespace) -> int:
+def checked_spec(args: argparse.Namespace) -> TinySpec:
+    """The spec the flags describe, its shapes checked against its recipe (`check_spec`, with the vocabulary
+    make-tiny writes): a UsageError in flag words, whatever OUT_DIR holds."""
     try:
         spec = spec_from_args(args)
+        check_spec(spec, spec.vocab or len(tiny_vocab().tokens))
+    except ValueError as error:
+        raise UsageError(str(in_flag_words(error))) from None
+    return spec
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = checked_spec(args)
+    try:
         replace_outputs(args.out_dir, spec, args.force)
         path = make_tiny(args.out_dir, spec)
     except ValueError as error:

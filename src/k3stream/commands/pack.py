@@ -9,8 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from k3stream.cli import say
-from k3stream.commands.flags import finite
+from k3stream.commands.flags import non_negative, non_negative_count, positive
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,15 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default %(default)s)",
     )
     parser.add_argument(
-        "--safety-margin-gib", type=finite, default=2.0, help="free space to keep beyond the pack (GiB)"
+        "--safety-margin-gib", type=non_negative, default=2.0, help="free space to keep beyond the pack (GiB)"
     )
     parser.add_argument(
-        "--payload-samples", type=int, default=6, help="entries compared with the GGUF after writing"
+        "--payload-samples",
+        type=non_negative_count,
+        default=6,
+        help="entries compared with the GGUF after writing",
     )
     parser.add_argument("--full-hash", action="store_true", help="store the pack's SHA-256 in the manifest")
     parser.add_argument(
         "--sync-mib",
-        type=finite,
+        type=positive,
         default=256.0,
         help="make progress durable (fsync + journal) every this many MiB",
     )
@@ -70,12 +72,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from k3stream.pack.builder import BuildOptions, build_pack
 
-    if args.safety_margin_gib < 0 or args.payload_samples < 0 or args.sync_mib <= 0:
-        print(
-            "k3stream pack: error: --safety-margin-gib, --payload-samples >= 0 and --sync-mib > 0",
-            file=sys.stderr,
-        )
-        return 2
     options = BuildOptions(
         relative_paths=args.relative_paths,
         force=args.force,
@@ -88,13 +84,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.relink:
         return _relink(args)
-    try:
-        _check_tokenizer(args.gguf, args.profile)
-        with _printed_notes("k3stream.pack.builder"):
-            result = build_pack(args.gguf, args.out, args.manifest, options, profile=args.profile)
-    except (OSError, ValueError, RuntimeError) as exc:
-        say(f"k3stream pack: error: {exc}")
-        return 1
+    _check_tokenizer(args.gguf, args.profile)
+    with _printed_notes("k3stream.pack.builder"):
+        result = build_pack(args.gguf, args.out, args.manifest, options, profile=args.profile)
     method = "copy_file_range" if result.kernel_copy else "pread/pwrite"
     print(f"pack      {result.pack} ({result.size} bytes)")
     print(f"manifest  {result.manifest}")
@@ -109,11 +101,7 @@ def run(args: argparse.Namespace) -> int:
 def _relink(args: argparse.Namespace) -> int:
     from k3stream.pack.relink import relink_pack
 
-    try:
-        relinked = relink_pack(args.gguf, args.out, args.manifest, args.profile)
-    except (OSError, ValueError, RuntimeError) as exc:
-        say(f"k3stream pack: error: {exc}")
-        return 1
+    relinked = relink_pack(args.gguf, args.out, args.manifest, args.profile)
     if relinked.written:
         print(f"relinked  {relinked.manifest}: its paths name the files checked against its records")
     else:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from k3stream.cli import UsageError
 from k3stream.commands.flags import STDIN, add_model_arguments, input_file_bytes, runtime_from_args
 from k3stream.engine.loading import Runtime, open_model
 
@@ -62,11 +63,11 @@ def _out(text: str) -> None:
 
 def _check_flags(args: argparse.Namespace) -> None:
     if args.kl_divergence and not args.kl_divergence_base:
-        raise ValueError("--kl-divergence needs --kl-divergence-base FILE (the saved reference run)")
+        raise UsageError("--kl-divergence needs --kl-divergence-base FILE (the saved reference run)")
     if not args.file and not args.kl_divergence:
-        raise ValueError("--file TEXT is required (with --kl-divergence the base file's tokens are used)")
+        raise UsageError("--file TEXT is required (with --kl-divergence the base file's tokens are used)")
     if args.batch is not None and args.batch < 1:
-        raise ValueError(f"--batch {args.batch}: must be at least 1")
+        raise UsageError(f"--batch {args.batch}: must be at least 1")
     if args.chunks is not None and args.chunks < 0:  # llama-perplexity's default, -1: every chunk
         args.chunks = None
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from k3stream.cli import Terminated
+from k3stream.cli import Terminated, UsageError
 from k3stream.server.guard import (
     API_KEY_ENV,
     LLAMA_API_KEY_ENV,
@@ -36,7 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_cache_arguments,
         add_model_arguments,
         add_parallel_arguments,
+        at_least_one,
         finite,
+        non_negative,
+        non_negative_count,
+        positive,
     )
 
     # whole flag names only: llama-server's `--timeout 600` must not be taken for --timeout-keep-alive
@@ -104,7 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "as llama-server's -c 0)",
     )
     parser.add_argument(
-        "--max-batch", "--parallel", "-np", type=int, default=16, help="sequences decoded together per step"
+        "--max-batch",
+        "--parallel",
+        "-np",
+        type=at_least_one,
+        default=16,
+        help="sequences decoded together per step",
     )
     parser.add_argument(
         "--prefill-chunk",
@@ -127,7 +136,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-queue",
-        type=int,
+        type=non_negative_count,
         default=64,
         help="requests waiting beyond the free batch slots; past this the server answers 429",
     )
@@ -166,26 +175,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-connections",
-        type=int,
+        type=at_least_one,
         default=128,
         help="open connections and requests at once; beyond this the server answers 503",
     )
     parser.add_argument(
         "--timeout-keep-alive",
-        type=float,
+        type=non_negative,
         default=5.0,
         help="seconds an idle keep-alive connection stays open (default %(default)s)",
     )
     parser.add_argument(
         "--header-timeout",
-        type=float,
+        type=positive,
         default=10.0,
         help="seconds a connection may take to send a request's headers (default %(default)s)",
     )
     parser.add_argument(
         "--sse-keepalive",
         "--sse-ping-interval",
-        type=float,
+        type=positive,
         default=15.0,
         help="seconds a stream may stay silent before a `: keep-alive` comment line (default %(default)s)",
     )
@@ -252,7 +261,7 @@ def template_defaults(args: argparse.Namespace) -> dict[str, Any]:
     `enable_thinking: false` with `--reasoning-budget 0`; a budget of tokens is a one-line error (the
     think block is not cut to a count)."""
     if args.reasoning_budget not in (-1, 0):
-        raise ValueError(
+        raise UsageError(
             f"--reasoning-budget must be -1 (unrestricted) or 0 (thinking off), got {args.reasoning_budget}"
         )
     off = {"enable_thinking": False} if args.reasoning_budget == 0 else {}
@@ -269,7 +278,7 @@ def request_defaults(args: argparse.Namespace) -> tuple[Any, int | None]:
     try:
         n_predict = None if args.n_predict is None else predict_limit(args.n_predict)
     except ValueError as exc:
-        raise ValueError(f"--n-predict {exc}") from None
+        raise UsageError(f"--n-predict {exc}") from None
     try:
         defaults = SamplingParams(
             temperature=args.temperature,
@@ -292,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     from k3stream.server.while_loading import LoadingReplies
 
     if args.model is None:
-        raise ValueError("no model: give it as `k3stream serve MODEL` or `-m MODEL`")
+        raise UsageError("no model: give it as `k3stream serve MODEL` or `-m MODEL`")
     defaults, n_predict = request_defaults(args)
     template_defaults(args)  # a bad value stops the server before the model loads
     if args.chat_template_file is not None:  # before the model loads (minutes for a real one)
@@ -441,7 +450,7 @@ def announce(runtime: Runtime, served: ServedModel, config: ServerConfig, url: s
 def bind_address(host: str, port: int) -> socket.socket:
     """A socket bound to `host`:`port` (a free port for 0), or a one-line error naming the flags."""
     if not 0 <= port <= 65535:
-        raise ValueError(f"--port must be in 0..65535, got {port}")
+        raise UsageError(f"--port must be in 0..65535, got {port}")
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from k3stream.cli import UsageError
 from k3stream.commands.flags import threads
 
 if TYPE_CHECKING:
@@ -108,11 +109,11 @@ def check_training_flags(args: argparse.Namespace) -> None:
     }
     for flag, value in counts.items():
         if value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
+            raise UsageError(f"{flag} must be at least 1, got {value}")
     if not 0 <= args.seed < SEEDS.stop:  # torch's generator takes it; the GGUF writer's takes no negative
-        raise ValueError(f"--seed must be in [0, 2^64), got {args.seed}")
+        raise UsageError(f"--seed must be in [0, 2^64), got {args.seed}")
     if args.warmup < 0 or not args.lr > 0 or not args.minutes > 0:
-        raise ValueError(
+        raise UsageError(
             "--warmup must be >= 0, --lr and --minutes above 0, "
             f"got {args.warmup}, {args.lr} and {args.minutes}"
         )
@@ -121,18 +122,22 @@ def check_training_flags(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from k3stream.commands.make_tiny import in_flag_words
     from k3stream.gguf.writer import RECIPES, check_free_space, check_out_dir, tensor_data_nbytes
 
     check_training_flags(args)
-    check_out_dir(args.out_dir)  # before the training, not after it
     recipes = [r for r in args.recipes.split(",") if r]
     bad = [r for r in recipes if r not in RECIPES]
     if bad or not recipes:
-        raise ValueError(f"--recipes: {args.recipes!r}: choose from {', '.join(RECIPES)}")
-    spec = spec_from_args(args)
+        raise UsageError(f"--recipes: {args.recipes!r}: choose from {', '.join(RECIPES)}")
     # before an hour of training, not after it: every recipe's shapes, and room for all the files
-    needed = sum(tensor_data_nbytes(dataclasses.replace(spec, recipe=r), args.vocab_size) for r in recipes)
-    check_free_space(args.out_dir, needed)
+    try:
+        spec = spec_from_args(args)
+        sizes = [tensor_data_nbytes(dataclasses.replace(spec, recipe=r), args.vocab_size) for r in recipes]
+    except ValueError as error:
+        raise UsageError(str(in_flag_words(error))) from None
+    check_out_dir(args.out_dir)
+    check_free_space(args.out_dir, sum(sizes))
     torch.set_num_threads(args.threads)
     record = train_tiny(args, spec, recipes)
     print(f"held-out perplexity {record['held_out_ppl']:.2f} ({record['held_out_tokens']} tokens)")
