@@ -323,11 +323,39 @@ def test_a_flag_the_command_does_not_take_is_refused_by_that_command(command, ca
     assert err.splitlines()[-1] == f"k3stream {command}: error: unrecognized arguments: --quiet-please"
 
 
-def test_serve_without_a_model_says_how_to_name_it(capsys):
+# every command that runs a model, with the flags it needs besides
+MODEL_COMMANDS = {
+    "generate": ["-p", "x"],
+    "chat": [],
+    "perplexity": ["-f", "t.txt"],
+    "bench": [],
+    "serve": [],
+}
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS)
+def test_every_model_command_takes_llama_cpps_model_flag_and_says_how_to_name_one(command, capsys):
+    """`llama-cli -m MODEL`, `llama-perplexity -m`, `llama-bench -m`, `llama-server -m`: the same as the
+    positional; neither given is a usage error saying both ways."""
     from k3stream.cli import main
 
-    assert main(["serve", "--port", "0"]) == 2
-    assert "no model: give it as `k3stream serve MODEL` or `-m MODEL`" in capsys.readouterr().err
+    needed = MODEL_COMMANDS[command]
+    assert _parsed_argv([command, "-m", "model.gguf", *needed]) == _parsed_argv(
+        [command, "model.gguf", *needed]
+    )
+    assert main([command, *needed]) == 2
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert said == f"k3stream {command}: error: no model: give it as `k3stream {command} MODEL` or `-m MODEL`"
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_llama_clis_reverse_prompt_and_predict_are_stop_and_max_tokens(command):
+    prompt = ["-p", "x"] if command == "generate" else []
+    llama = _parsed_argv(
+        [command, "m.gguf", *prompt, "-r", "User:", "--reverse-prompt", "###", "--predict", "9"]
+    )
+    ours = _parsed_argv([command, "m.gguf", *prompt, "--stop", "User:", "--stop", "###", "--max-tokens", "9"])
+    assert llama == ours and ours["stop"] == ["User:", "###"]
 
 
 def _parsed_argv(argv: list[str]) -> dict:

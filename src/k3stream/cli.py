@@ -167,6 +167,8 @@ def _command_line(argv: list[str], ending: bool) -> int:
 
 
 def _command(args: argparse.Namespace) -> int | None:
+    if SOURCE_ARGUMENTS.get(args.command) == "model" and args.model is None:  # nor `-m MODEL`
+        raise UsageError(f"no model: give it as `k3stream {args.command} MODEL` or `-m MODEL`")
     resolve_demo_source(args)
     return _command_module(args.command).run(args)
 

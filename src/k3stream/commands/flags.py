@@ -102,16 +102,11 @@ def memory_size(text: str) -> str:
 MODEL_HELP = "a Kimi-K3 GGUF (any shard), an expert-pack manifest (.json), or demo (the shipped model)"
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, model_flag: bool = False) -> None:
-    """The model and how it loads; `model_flag`: llama-server's `-m MODEL` names it too (the positional
-    may then be left out)."""
-    if model_flag:
-        parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, help=MODEL_HELP)
-        parser.add_argument(
-            "-m", "--model", dest="model", default=None, help="the model, as llama-server's -m"
-        )
-    else:
-        parser.add_argument("model", help=MODEL_HELP)
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, as the positional or llama.cpp's `-m MODEL` (`cli` refuses neither given), and how it
+    loads."""
+    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, help=MODEL_HELP)
+    parser.add_argument("-m", "--model", dest="model", default=None, help="the model, as llama.cpp's -m")
     parser.add_argument(
         "--ram-mib",
         type=non_negative,
@@ -330,6 +325,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) 
     parser.add_argument(
         "--max-tokens",
         "--n-predict",
+        "--predict",
         "-n",
         type=predict_count,
         default=max_tokens,
@@ -352,7 +348,14 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) 
     parser.add_argument(
         "--seed", "-s", type=int, default=None, help="makes sampling reproducible (-1: a fresh seed)"
     )
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument(
+        "--stop",
+        "--reverse-prompt",
+        "-r",
+        action="append",
+        default=[],
+        help="stop string, as llama-cli's -r (repeatable)",
+    )
     parser.add_argument(
         "--ignore-eos",
         action="store_true",

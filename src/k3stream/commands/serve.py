@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     # whole flag names only: llama-server's `--timeout 600` must not be taken for --timeout-keep-alive
     parser.allow_abbrev = False
-    add_model_arguments(parser, model_flag=True)
+    add_model_arguments(parser)
     add_parallel_arguments(parser)
     add_cache_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
@@ -300,8 +300,6 @@ def run(args: argparse.Namespace) -> int:
     from k3stream.server.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_SHARE_TOKENS
     from k3stream.server.while_loading import LoadingReplies
 
-    if args.model is None:
-        raise UsageError("no model: give it as `k3stream serve MODEL` or `-m MODEL`")
     defaults, n_predict = request_defaults(args)
     template_defaults(args)  # a bad value stops the server before the model loads
     if args.chat_template_file is not None:  # before the model loads (minutes for a real one)
