@@ -10,7 +10,7 @@ import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from k3stream.cli import UsageError
 from k3stream.engine.chat import ChatTemplate
@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from k3stream.model.options import LoadOptions
     from k3stream.server.app import PrefillPass
 
-DEFAULT_DISK_GIB = 16.0  # --cache-disk where --cache-dir is given alone
+DEFAULT_DISK_GIB = 16.0
+Number = TypeVar("Number", int, float)  # --cache-disk where --cache-dir is given alone
 
 
 def finite(text: str) -> float:
@@ -35,28 +36,26 @@ def finite(text: str) -> float:
     return value
 
 
+def _at_least(text: str, value: Number, least: int, refusal: str) -> Number:
+    """`value`, read from `text`, where it is at least `least`; else argparse's `refusal` of `text`."""
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{text!r} {refusal}")
+    return value
+
+
 def non_negative(text: str) -> float:
     """argparse type of budgets: a finite number, 0 or more."""
-    value = finite(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is below 0")
-    return value
+    return _at_least(text, finite(text), 0, "is below 0")
 
 
 def at_least_one(text: str) -> int:
     """argparse type of counts of 1 or more (sequences, connections)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count of 1 or more")
-    return value
+    return _at_least(text, int(text), 1, "is not a count of 1 or more")
 
 
 def non_negative_count(text: str) -> int:
     """argparse type of counts that may be 0 (samples, entries)."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is below 0")
-    return value
+    return _at_least(text, int(text), 0, "is below 0")
 
 
 # the most threads a thread flag takes: llama.cpp's own cap (GGML_MAX_N_THREADS), far above any core
@@ -82,10 +81,7 @@ def positive(text: str) -> float:
 
 def count(text: str) -> int:
     """argparse type of thread counts: an integer, 1 to `MAX_THREADS`."""
-    value = threads(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count of 1 or more")
-    return value
+    return _at_least(text, threads(text), 1, "is not a count of 1 or more")
 
 
 def memory_size(text: str) -> str:
