@@ -782,6 +782,27 @@ def test_generate_takes_llama_clis_prompt_file_and_n_minus_one(model, tokenizer,
     )
 
 
+def test_llama_clis_frequency_and_presence_penalties_count_the_last_repeat_last_n_tokens(
+    model, tokenizer, model_path
+):
+    """llama-cli's `--frequency-penalty` and `--presence-penalty` count the tokens its `--repeat-last-n`
+    window holds (prompt and output), as llama-server's penalties sampler: the command's answer is the
+    engine's with that window (`penalty_last_n`); the penalties change it on this prompt."""
+    prompt = " ".join(["the cat sat on the mat"] * 15)
+    ids = tokenizer.encode(prompt)
+    penalties = {"frequency_penalty": 1.5, "presence_penalty": -8.0}  # below 0: a counted token gains
+
+    def answer(**fields) -> str:
+        return generate(model, tokenizer, ids, SamplingParams(temperature=0, max_tokens=10, **fields)).text
+
+    windowed = answer(**penalties, penalty_last_n=64)
+    assert windowed != answer()  # the penalties decide the answer on this prompt
+    flags = ["--temperature", "0", "--max-tokens", "10", "--device", "cpu", "--threads", "1"]
+    flags += ["--frequency-penalty", "1.5", "--presence-penalty", "-8"]
+    done = _cli("generate", str(model_path), "--prompt", prompt, *flags)
+    assert done.returncode == 0 and done.stdout == windowed + "\n", done.stderr
+
+
 def test_the_repeat_penalty_counts_the_last_repeat_last_n_tokens_as_llama_clis(model, tokenizer, model_path):
     """llama-cli's `--repeat-penalty` counts the last `--repeat-last-n` tokens of prompt and output
     (default 64; -1 all of them), so a script's flags sample here as there."""

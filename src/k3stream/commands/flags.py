@@ -338,9 +338,16 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) 
         "--repeat-last-n",
         type=int,
         default=64,
-        help="last tokens of prompt and output the repeat penalty counts, as llama-cli's; -1 all, 0 none "
-        "(default %(default)s)",
+        help="last tokens of prompt and output the repeat, frequency and presence penalties count, as "
+        "llama-cli's; -1 all, 0 none (default %(default)s)",
     )
+    for penalty, what in (("frequency", "once per occurrence"), ("presence", "once")):
+        parser.add_argument(
+            f"--{penalty}-penalty",
+            type=float,
+            default=0.0,
+            help=f"subtracted from a counted token's logit {what}, as llama-cli's; 0 disables (default 0)",
+        )
     parser.add_argument(
         "--seed", "-s", type=int, default=None, help="makes sampling reproducible (-1: a fresh seed)"
     )
@@ -391,6 +398,9 @@ def sampling_params(args: argparse.Namespace) -> Any:
             min_p=args.min_p,
             repetition_penalty=args.repeat_penalty,
             repetition_last_n=args.repeat_last_n,
+            frequency_penalty=args.frequency_penalty,
+            presence_penalty=args.presence_penalty,
+            penalty_last_n=args.repeat_last_n,  # llama.cpp's penalties sampler counts one window
             seed=fixed_seed(args.seed),
             max_tokens=sys.maxsize if args.max_tokens is None else args.max_tokens,  # the context bounds it
             stop=tuple(args.stop),
@@ -408,6 +418,8 @@ SAMPLING_FLAGS = {
     "min_p": "--min-p",
     "repetition_penalty": "--repeat-penalty",
     "repeat_last_n": "--repeat-last-n",
+    "frequency_penalty": "--frequency-penalty",
+    "presence_penalty": "--presence-penalty",
     "seed": "--seed",
 }
 
