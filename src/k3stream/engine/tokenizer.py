@@ -63,7 +63,7 @@ UNICODE_16_LETTERS_AND_NUMBERS = (
     "\U00018cff\U00018d09-\U00018d1e\U00018d80-\U00018df2\U0001ccf0-\U0001ccf9"
     "\U0001e5d0-\U0001e5ed\U0001e5f0-\U0001e5fa\U0001e6c0-\U0001e6de\U0001e6e0-\U0001e6e2"
     "\U0001e6e4-\U0001e6e5\U0001e6e7-\U0001e6ed\U0001e6f0-\U0001e6f4\U0001e6fe-\U0001e6ff"
-    "\U000323b0-\U00033479"
+    "\U0002b73a-\U0002b73f\U0002cea2-\U0002cead\U000323b0-\U00033479"
 )
 # llama.cpp's letters, numbers and both (V1 set syntax: `--` is set difference)
 _LETTER = f"[\\p{{L}}--[{LLAMA_HAN}{UNICODE_16_LETTERS_AND_NUMBERS}]]"  # Han ideographs aside
