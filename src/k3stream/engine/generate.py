@@ -189,6 +189,7 @@ class Sequence:
         if token in self._stop_ids:
             self.finish_reason = FINISH_STOP
             self._text += self._decoder.flush()
+            self._match_stop_strings()  # the flush's U+FFFD may complete one
         else:
             self._text += self._decode(token)
             self._match_stop_strings()
