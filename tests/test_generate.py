@@ -186,6 +186,27 @@ def test_stop_token_ids_and_multibyte_streaming(tokenizer):
     assert "".join(pieces) == result.text and "\ufffd" not in result.text  # 🙂's split bytes were held
 
 
+@pytest.mark.parametrize("end", ["eos", "max_tokens", "stop_token_ids"])
+def test_a_stop_string_the_last_incomplete_character_completes_is_cut(tokenizer, end):
+    """An answer that ends inside a UTF-8 sequence ends with U+FFFD, whatever ended it: a stop string
+    ending with that U+FFFD is cut there as anywhere else, never sent."""
+    byte_ids = {tokenizer.piece(token): token for token in range(tokenizer.vocab_size)}
+    ids = tokenizer.encode("Hi") + [byte_ids[bytes([b])] for b in "🙂".encode()[:2]]  # two of its four bytes
+    params = {"stop": ("i\ufffd",)}
+    if end == "max_tokens":
+        params["max_tokens"] = len(ids)
+    elif end == "stop_token_ids":
+        ids.append(tokenizer.encode(" done")[-1])
+        params["stop_token_ids"] = (ids[-1],)
+    pieces: list[str] = []
+    model = ScriptedModel(ids, tokenizer.vocab_size, tokenizer.eos_id)
+    result = generate(
+        model, tokenizer, [tokenizer.bos_id], SamplingParams(temperature=0, **params), pieces.append
+    )
+    assert (result.text, result.finish_reason) == ("H", "stop")
+    assert "".join(pieces) == "H"
+
+
 def test_sequence_refuses_empty_prompts_and_extra_tokens(tokenizer):
     with pytest.raises(ValueError, match="the prompt has no tokens"):
         Sequence(tokenizer, [], GREEDY)

@@ -295,6 +295,44 @@ def test_delimiter_spelled_as_plain_text_is_not_one(think_tokenizer):
     assert result.tool_calls == [] and result.content == SECTION
 
 
+def test_every_character_written_as_text_is_content_as_written(think_tokenizer):
+    """Whatever characters the model writes (the private-use ones of icon fonts included, a section
+    spelled in any of them) come back as written: no text is taken for a delimiter token."""
+    fmt = KimiFormat.for_tokenizer(think_tokenizer)
+    written = "".join(map(chr, range(0xE000, 0xF900))) + "".join(
+        chr(point) for point in range(0x20, 0x110000, 97) if not 0xD800 <= point < 0xE000
+    )
+    section = "".join(chr(0xE000 + offset) + chr(0xF0000 + offset) for offset in range(64)) + SECTION
+    for output in (written, section):
+        ids = think_tokenizer.encode_plain(output)
+        sequence = Sequence(think_tokenizer, [0], SamplingParams(max_tokens=len(ids) + 1), marks=fmt.marks)
+        result = parse(fmt, [sequence.accept(token) for token in ids])
+        assert result.tool_calls == [] and result.content == output
+
+
+@pytest.mark.parametrize(
+    ("stop", "kept", "content"),
+    [
+        ("_call_beg", False, "Sure, "),  # inside the delimiter's text: the cut goes before it
+        ("_call_beg", True, "Sure, <|tool_call_begin|>"),  # kept: the whole delimiter with it
+        (", <|tool", False, "Sure"),  # from the text into the delimiter
+        ("begin|>x", False, "Sure, "),
+        ("<|tool_call_begin|>", True, "Sure, <|tool_call_begin|>"),
+        ("x y", False, "Sure, <|tool_call_begin|>"),
+    ],
+)
+def test_stop_strings_match_delimiter_tokens_as_their_text(think_tokenizer, stop, kept, content):
+    """A delimiter token outside a section comes back as its text: a stop string matches it there as
+    anywhere in the text a client reads, so no answer holds a stop string, streamed or whole."""
+    fmt = KimiFormat.for_tokenizer(think_tokenizer)
+    ids = think_tokenizer.encode("Sure, <|tool_call_begin|>x y z", allow_special=True)
+    params = SamplingParams(max_tokens=len(ids) + 1, stop=(stop,), include_stop_str=kept)
+    sequence = Sequence(think_tokenizer, [0], params, marks=fmt.marks)
+    pieces = [sequence.accept(token) for token in ids if not sequence.done]
+    assert sequence.finish_reason == "stop"
+    assert every_split(fmt, pieces).content == content
+
+
 def test_text_delimiters_from_the_template_split_at_every_character():
     """A vocabulary without think tokens whose template writes ◁think▷: matched as text, held back
     across any character split."""

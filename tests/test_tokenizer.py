@@ -379,6 +379,34 @@ def test_user_defined_tokens_are_parsed_even_where_control_ones_are_not(tiny_mod
     llama.close()
 
 
+@pytest.fixture(scope="module")
+def overlapping(tiny_model, tmp_path_factory):
+    """A vocabulary whose added tokens overlap (user-defined `abc` and `bcde`, control `<x>` and `x><y`),
+    and llama.cpp on it."""
+    import llama_cpp
+
+    added = [("abc", 4), ("bcde", 4), ("<x>", 3), ("x><y", 3)]
+    path, _ = _with_unused_tokens_as(tiny_model(vocab=600), tmp_path_factory.mktemp("overlapping"), added)
+    llama = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    yield Tokenizer.from_gguf(path), llama
+    llama.close()
+
+
+@requires_llama
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    text=st.lists(st.sampled_from([*"abcde<>xy ", "abc", "bcde", "<x>", "x><y"]), max_size=16).map("".join)
+)
+def test_overlapping_special_tokens_are_cut_as_llama_cpp_cuts_them(overlapping, text):
+    """llama.cpp cuts the whole text at each special token in turn, the longest first: in `abcde` the
+    token is `bcde`, though `abc` starts first."""
+    tokenizer, llama = overlapping
+    for special in (True, False):
+        assert tokenizer.encode(text, allow_special=special, add_bos=False) == _llama_ids(
+            llama, text, special
+        )
+
+
 @requires_llama
 def test_a_decode_that_skips_special_tokens_writes_user_defined_ones_as_llama_cpp(tiny_model, tmp_path):
     """llama.cpp's detokenizer without special tokens drops CONTROL and UNKNOWN tokens but writes a

@@ -27,6 +27,7 @@ ALPHABET = [
     " ", "\t", "\n", "\r", "\x0b", "\x85", "\u00a0", "\u3000", "\u2028",  # whitespace
     "\x00", "\x1c", "\u200d", "\ufe0f", "🙂", "🏽", "🇫",  # controls, joiners, emoji
     "\u1c89", "\U00010d40", "\U000323b0",  # a letter, a digit, an ideograph of Unicode 16 and 17
+    "\U0002b73a", "\U0002cea2",  # ideographs Unicode 17 put inside blocks llama.cpp takes as Han
 ]  # fmt: skip
 
 
@@ -82,6 +83,8 @@ SPLIT_APART = [
     "中々〇文",
     "a\u0301's",
     "\u20ddrE",
+    "'\U0002b73a's",
+    "!\U0002cea2\U0002cea2a",
 ]
 
 
@@ -110,3 +113,28 @@ def test_a_mark_before_a_contraction_on_the_tiny_vocabulary(tokenizer, model_pat
     for text in ("\u0650's", "\u0901's"):
         assert tokenizer.encode(text, add_bos=False) == _llama_ids(llama, text, special=False)
     llama.close()
+
+
+# each code point in these places: alone, between letters, doubled, before a digit and a space, after an
+# apostrophe and before a contraction, after a mark and after a line break (where the split's rules meet)
+CODE_POINT_PLACES = "xCy CC1 A'C's e\u0301C\nC!"
+
+
+@requires_llama
+@pytest.mark.slow
+def test_every_code_point_is_cut_as_llama_cpp_cuts_it(pairs):
+    """The split's character classes are llama.cpp's for all of Unicode: the `regex` module's tables
+    (a newer Unicode) must not make a letter, number or space of what llama.cpp's do not."""
+    tokenizer, llama = pairs
+    points = [chr(point) for point in range(0x110000) if not 0xD800 <= point < 0xE000]
+    differing = []
+
+    def cut_otherwise(chars: list[str]) -> bool:
+        text = "".join(CODE_POINT_PLACES.replace("C", char) for char in chars)
+        return tokenizer.encode(text, add_bos=False) != _llama_ids(llama, text, special=False)
+
+    for start in range(0, len(points), 512):
+        batch = points[start : start + 512]
+        if cut_otherwise(batch):  # which of them, one by one
+            differing += [f"U+{ord(char):04X}" for char in batch if cut_otherwise([char])]
+    assert not differing, f"{len(differing)} code points cut otherwise, first {differing[:8]}"

@@ -8,6 +8,7 @@ scheduler drives many with `decode_batch`, calling `choose(logits)` then `accept
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
@@ -106,6 +107,46 @@ class StopMatcher:
         return max(self._states, default=0)
 
 
+class MarkedText:
+    """An answer's text holding marks (one character each, standing for a special token a parser must
+    see) and the same text with each mark spelled as its token's text: what stop strings match, as they
+    match the text a client sees."""
+
+    def __init__(self, spellings: Mapping[str, str]) -> None:
+        self.marked = ""
+        self._spelled = ""  # kept apart only where there are marks to spell
+        self._spellings = spellings  # mark -> its token's text
+        self._places: list[int] = []  # each mark's place in `marked`
+        self._starts: list[int] = []  # where its spelling starts in `spelled`
+        self._ends: list[int] = []  # and ends
+
+    @property
+    def spelled(self) -> str:
+        return self._spelled if self._spellings else self.marked
+
+    def add(self, text: str) -> None:
+        self.marked += text
+        if self._spellings:
+            self._spelled += text
+
+    def add_mark(self, mark: str) -> None:
+        self._places.append(len(self.marked))
+        self._starts.append(len(self._spelled))
+        self.marked += mark
+        self._spelled += self._spellings[mark]
+        self._ends.append(len(self._spelled))
+
+    def marked_place(self, spelled_place: int, *, inside_after: bool) -> int:
+        """The place in `marked` of a place in `spelled`: one inside a mark's spelling is the place
+        before that mark, or after it where `inside_after`."""
+        last = bisect_left(self._starts, spelled_place) - 1  # the last mark starting before it
+        if last < 0:
+            return spelled_place
+        if spelled_place < self._ends[last]:
+            return self._places[last] + inside_after
+        return spelled_place - (self._ends[last] - self._places[last] - 1)
+
+
 class Sequence:
     """One request's decoding logic, driven by logits from outside.
 
@@ -113,7 +154,8 @@ class Sequence:
     releases. Text that could be the start of a stop string is held back until it is clear either
     way; what follows a matched stop string is dropped, and the stop string too unless
     `params.include_stop_str`. `marks` maps token ids (special tokens a parser must see) to the text
-    they decode to.
+    they decode to, a one-character mark; stop strings match the text with those tokens spelled, and a
+    cut inside one's spelling goes before it (after it where the stop string is kept).
     """
 
     def __init__(
@@ -139,10 +181,10 @@ class Sequence:
         if not params.ignore_eos:
             self._stop_ids |= tokenizer.end_ids
         self._marks = dict(marks or {})  # token id -> the text it stands for (special tokens kept as marks)
-        self._text = ""
-        self._released = 0  # characters of _text handed out so far
+        self._answer = MarkedText({mark: tokenizer.decode([token]) for token, mark in self._marks.items()})
+        self._released = 0  # characters of the marked answer handed out so far
         self._stops = StopMatcher(params.stop)
-        self._matched = 0  # characters of _text the stop matcher has seen
+        self._matched = 0  # characters of the spelled answer the stop matcher has seen
 
     @property
     def completion_tokens(self) -> int:
@@ -155,7 +197,7 @@ class Sequence:
     @property
     def text(self) -> str:
         """The output so far, excluding held-back text."""
-        return self._text[: self._released]
+        return self._answer.marked[: self._released]
 
     @property
     def sampler(self) -> Sampler:
@@ -188,21 +230,24 @@ class Sequence:
         self.token_ids.append(token)
         if token in self._stop_ids:
             self.finish_reason = FINISH_STOP
-            self._text += self._decoder.flush()
+            self._answer.add(self._decoder.flush())
+            self._match_stop_strings()  # the flush's U+FFFD may complete one
         else:
-            self._text += self._decode(token)
+            self._decode(token)
             self._match_stop_strings()
             if not self.done and len(self.token_ids) >= self.params.max_tokens:
                 self.finish_reason = FINISH_LENGTH
-                self._text += self._decoder.flush()
+                self._answer.add(self._decoder.flush())
                 self._match_stop_strings()
         return self._release()
 
-    def _decode(self, token: int) -> str:
+    def _decode(self, token: int) -> None:
         mark = self._marks.get(token)
         if mark is None:
-            return self._decoder.feed(token)
-        return self._decoder.flush() + mark
+            self._answer.add(self._decoder.feed(token))
+        else:
+            self._answer.add(self._decoder.flush())
+            self._answer.add_mark(mark)
 
     def feed(self, logits: Any) -> tuple[int, bool]:
         """`choose` then `accept`: the token and whether the sequence is finished."""
@@ -212,16 +257,25 @@ class Sequence:
 
     def _match_stop_strings(self) -> None:
         """Look for stop strings in the text added since the last look (linear in the output)."""
-        start = self._stops.feed(self._text[self._matched :])
-        self._matched = len(self._text)
+        answer = self._answer
+        start = self._stops.feed(answer.spelled[self._matched :])
+        self._matched = len(answer.spelled)
         if start is not None:
-            self.stop_word = next(s for s in self.params.stop if self._text.startswith(s, start))
-            self._text = self._text[: start + (len(self.stop_word) if self.params.include_stop_str else 0)]
+            self.stop_word = next(s for s in self.params.stop if answer.spelled.startswith(s, start))
+            kept = self.params.include_stop_str
+            end = answer.marked_place(start + len(self.stop_word) * kept, inside_after=kept)
+            answer.marked = answer.marked[:end]
             self.finish_reason = FINISH_STOP
 
     def _release(self) -> str:
-        end = len(self._text) if self.done else len(self._text) - self._stops.held_back()
-        piece = self._text[self._released : end]
+        answer = self._answer
+        held = self._stops.held_back()
+        end = (
+            len(answer.marked)
+            if self.done
+            else answer.marked_place(len(answer.spelled) - held, inside_after=False)
+        )
+        piece = answer.marked[self._released : end]
         self._released = max(self._released, end)
         if piece and self._on_text is not None:
             self._on_text(piece)

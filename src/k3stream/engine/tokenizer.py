@@ -63,7 +63,7 @@ UNICODE_16_LETTERS_AND_NUMBERS = (
     "\U00018cff\U00018d09-\U00018d1e\U00018d80-\U00018df2\U0001ccf0-\U0001ccf9"
     "\U0001e5d0-\U0001e5ed\U0001e5f0-\U0001e5fa\U0001e6c0-\U0001e6de\U0001e6e0-\U0001e6e2"
     "\U0001e6e4-\U0001e6e5\U0001e6e7-\U0001e6ed\U0001e6f0-\U0001e6f4\U0001e6fe-\U0001e6ff"
-    "\U000323b0-\U00033479"
+    "\U0002b73a-\U0002b73f\U0002cea2-\U0002cead\U000323b0-\U00033479"
 )
 # llama.cpp's letters, numbers and both (V1 set syntax: `--` is set difference)
 _LETTER = f"[\\p{{L}}--[{LLAMA_HAN}{UNICODE_16_LETTERS_AND_NUMBERS}]]"  # Han ideographs aside
@@ -214,11 +214,10 @@ def _text_ids(fields: VocabFields) -> dict[str, int]:
     return id_of
 
 
-def _special_cut(specials: Iterable[str]) -> Any:
-    """A regex whose `split` keeps each special token's text as a piece of its own (the longest of those
-    starting at one place); None when there are none."""
-    texts = sorted((text for text in specials if text), key=len, reverse=True)
-    return regex.compile("(" + "|".join(regex.escape(text) for text in texts) + ")") if texts else None
+def _longest_first(specials: Iterable[str]) -> tuple[str, ...]:
+    """The special tokens' texts in the order llama.cpp cuts text at them: the longest first (those of
+    one length in vocabulary order; llama.cpp leaves their order open)."""
+    return tuple(sorted((text for text in specials if text), key=len, reverse=True))
 
 
 class Tokenizer:
@@ -245,7 +244,7 @@ class Tokenizer:
         self._bpe = MergeBPE(fields.merges or [], id_of, fields.source)
         self.special_tokens: dict[str, int] = special
         self._special_cuts = {
-            allow_special: _special_cut(special if allow_special else user_defined)
+            allow_special: _longest_first(special if allow_special else user_defined)
             for allow_special in (True, False)
         }
         self._pieces = [b""] * self.vocab_size
@@ -322,15 +321,25 @@ class Tokenizer:
 
     def special_split(self, text: str, *, allow_special: bool = True) -> list[str | int]:
         """`text` cut where llama.cpp cuts it before its pre-tokenizer: the ids of the special tokens it
-        holds (as `encode` parses them) and the texts between them (empty ones left out)."""
-        cut = self._special_cuts[allow_special]
-        # the split's odd pieces are the special tokens it cut at
-        fragments = cut.split(text) if cut is not None else [text]
-        return [
-            self.special_tokens[fragment] if index % 2 else fragment
-            for index, fragment in enumerate(fragments)
-            if fragment
-        ]
+        holds (as `encode` parses them) and the texts between them (empty ones left out). As llama.cpp,
+        the whole text is cut at each special token in turn, the longest first, so where two overlap
+        (`abc` and `bcde` in `abcde`) the longer is the token, wherever it starts."""
+        fragments: list[str | int] = [text]
+        for special in self._special_cuts[allow_special]:
+            if special in text:
+                fragments = [piece for fragment in fragments for piece in self._cut_at(fragment, special)]
+        return [fragment for fragment in fragments if fragment != ""]
+
+    def _cut_at(self, fragment: str | int, special: str) -> list[str | int]:
+        """A text fragment cut at each place that spells `special` (from the left, as llama.cpp finds
+        them), that token's id between the parts; a token already cut out stays as it is."""
+        if isinstance(fragment, int) or special not in fragment:
+            return [fragment]
+        token = self.special_tokens[special]
+        parts: list[str | int] = []
+        for index, part in enumerate(fragment.split(special)):
+            parts += [token, part] if index else [part]
+        return parts
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of `text` as plain text: no special token is ever produced (not even the

@@ -5,14 +5,15 @@
     <|tool_calls_section_end|>
 
 `KimiFormat.for_tokenizer` finds the delimiters in the model's own vocabulary and chat template (the think
-pair is the one the template writes around an assistant turn's reasoning where it writes one). A
-special token in a delimiter reaches the parser as a one-character private-use *mark* (the engine's
-`Sequence` decodes those token ids to their marks), so ordinary text that merely spells
-`<|tool_call_begin|>` is never taken for one; a delimiter that is plain text in the vocabulary or the
-template (`◁think▷`) is matched as text. `OutputParser.feed(text)` returns what the text releases:
-reasoning, content and tool calls; a suffix that could begin a delimiter is held back until the next
-piece, so the result does not depend on how the text was split. A call opens once its header names one
-of the request's tools and its arguments begin with `{` (a JSON object): a `ToolCall` with its id and
+pair is the one the template writes around an assistant turn's reasoning where it writes one). A special token
+in a delimiter reaches the parser as a one-character *mark*, a lone surrogate code point (the engine's
+`Sequence` decodes those token ids to their marks), which no decoded text holds: ordinary text that merely
+spells `<|tool_call_begin|>`, or writes any character whatever, is never taken for one; a delimiter that is
+plain text in the vocabulary or the template (`◁think▷`) is matched as text. `OutputParser.feed(text)` returns
+what the text releases: reasoning, content and tool calls; a suffix that could begin a delimiter is held back
+until the next piece, so the result does not depend on how the text was split. A call opens once its header
+names one of
+the request's tools and its arguments begin with `{` (a JSON object): a `ToolCall` with its id and
 name and no arguments, then the argument text as it comes, each piece a `ToolCall` with the index alone
 (OpenAI's streamed deltas; `Piece.extend` joins them into the whole call), to `<|tool_call_end|>`; the
 arguments are the text between, stripped, JSON or not (as OpenAI's may not be: a forced call's grammar
@@ -53,7 +54,9 @@ TOOL_TOKENS = (
     "<|tool_call_argument_begin|>",
     "<|tool_call_end|>",
 )
-FIRST_MARK = 0xE010  # private-use characters standing for special-token delimiters
+# the characters standing for special-token delimiters: surrogates, which UTF-8 decoding never yields (the
+# private-use characters a model may write as text, icon fonts' glyphs, must stay those characters)
+FIRST_MARK = 0xDC10
 HEADER_RE = re.compile(r"\s*(?:functions\.)?([A-Za-z0-9_\-.]+?)(?::(\d+))?\s*")
 
 
