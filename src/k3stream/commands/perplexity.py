@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-c",
         type=int,
         default=None,
-        help=f"tokens per chunk (default {DEFAULT_CTX}, or the base's; 0: the model's, as llama.cpp's -c 0)",
+        help=f"tokens per chunk (default {DEFAULT_CTX} or the model's shorter context, or the base's; 0: the "
+        "model's, as llama.cpp's -c 0)",
     )
     parser.add_argument(
         "--chunks",
@@ -76,7 +77,7 @@ def _check_flags(args: argparse.Namespace) -> None:
 def _plan(args: argparse.Namespace, tokenizer: Any, base: Any, context_length: int) -> Any:
     from k3stream.engine.perplexity import file_text, plan_chunks, text_tokens
 
-    default = base.ctx if base is not None else DEFAULT_CTX
+    default = base.ctx if base is not None else min(DEFAULT_CTX, context_length)
     ctx = context_length if args.ctx == 0 else args.ctx or default  # `-c 0`: the model's, as llama.cpp's
     bos = tokenizer.bos_id if tokenizer.add_bos else None
     if args.file:
