@@ -291,6 +291,29 @@ def test_per_layer_arrays_of_head_count_and_feed_forward_length_read_as_llama_cp
 
 
 @requires_llama
+@pytest.mark.parametrize(
+    "edit",
+    [{"set_keys": {"kimi-k3.feed_forward_length": ([0] * 6, GGUFValueType.ARRAY)}},
+     {"set_keys": {"kimi-k3.feed_forward_length": (0, GGUFValueType.UINT32)}},
+     {"drop_keys": ("kimi-k3.feed_forward_length",)}],
+    ids=["zeros", "zero", "absent"],
+)  # fmt: skip
+def test_a_model_without_dense_layers_needs_no_feed_forward_length(tiny_model, tmp_path, edit):
+    """Where every layer is MoE no layer reads feed_forward_length, and llama.cpp takes it optional: a
+    file that leaves it out, or gives 0 or zeros per layer, loads, packs and gives llama.cpp's logits."""
+    import k3stream
+    from k3stream.pack.builder import BuildOptions, build_pack
+
+    path = rewrite(tiny_model(n_dense=0, seed=8), tmp_path / "moe.gguf", **edit)
+    assert K3Checkpoint.open(path).config.dense_ff == 0
+    tokens = [5, 70, 300, 9, 41]
+    (reference,) = llama_logits([(path, tokens)], tmp_path, n_batch=1)
+    assert relative_error(k3stream.load(path).logits(tokens).numpy(), reference) < 1e-4
+    manifest = build_pack(path, options=BuildOptions(progress=False)).manifest
+    assert relative_error(k3stream.load(manifest).logits(tokens).numpy(), reference) < 1e-4
+
+
+@requires_llama
 def test_tensors_with_trailing_unit_dimensions_load_as_llama_cpp_loads_them(tiny_model, tmp_path):
     """GGML ignores trailing dimensions of 1 (numpy's leading ones): llama.cpp runs a norm or a bias
     stored as [64, 1] or [16, 1, 1], a matrix as [64, 96, 1] and an expert tensor as [in, out, n, 1],

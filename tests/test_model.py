@@ -202,6 +202,30 @@ def test_a_layer_with_part_of_its_shared_experts_is_refused_naming_the_missing_o
 
 
 @requires_llama
+def test_a_model_of_dense_layers_alone_matches_llama_and_has_no_experts_to_pack(tiny_model, tmp_path, capsys):
+    """leading_dense_block_count may cover every layer: llama.cpp loads and runs such a file (no MoE
+    layer, no routed expert), so make-tiny writes it and k3stream gives llama.cpp's logits; `pack` has
+    nothing to pack and says so in one line naming the file, writing nothing."""
+    from k3stream.cli import main
+    from pack_helpers import copy_model, snapshot
+
+    path = copy_model(tiny_model(n_layers=3, n_dense=3, seed=5), tmp_path)
+    assert not any("_exps." in t.name for t in GGUFReader(path).tensors)
+    tokens = tokens_for(5, 593)
+    (reference,) = llama_logits([(path, tokens)], tmp_path)
+    model = k3stream.load(path)
+    assert relative_error(model.logits(tokens).numpy(), reference) <= 1e-3
+    assert relative_error(prefill_then_decode(model, tokens), reference[PREFIX:]) <= 1e-3
+    before = snapshot(tmp_path)
+    assert main(["pack", str(path), "--no-progress"]) == 1
+    assert capsys.readouterr().err == (
+        f"k3stream pack: error: {path}: no routed experts to pack: kimi-k3.leading_dense_block_count 3 "
+        "makes all 3 layers dense; run the GGUF itself\n"
+    )
+    assert snapshot(tmp_path) == before
+
+
+@requires_llama
 @HYPOTHESIS
 @given(seed=st.integers(0, 2**20))
 def test_audited_two_layers_directly_against_llama(tiny_model, tmp_path_factory, seed):

@@ -182,6 +182,28 @@ def test_a_context_out_of_range_names_perplexitys_own_bounds(model_path, capsys,
     assert err == f"k3stream perplexity: error: --ctx {ctx} must be {bounds}\n"
 
 
+@requires_llama
+def test_a_model_of_a_short_context_is_scored_in_chunks_of_its_context_by_default(
+    tiny_model, tokenizer, capsys, tmp_path
+):
+    """Without --ctx a chunk is 512 tokens or the model's context where that is shorter, as llama.cpp
+    scores it (a 40-token model was refused for a '--ctx 512' nobody gave); a context shorter than a
+    chunk's 4 tokens is refused naming the model's context, not a flag."""
+    path = tiny_model(context_length=40)
+    code, out, err = _run(capsys, path, "--file", TEXT, "--chunks", 2)
+    assert code == 0, err
+    plan = _plan(tokenizer, ctx=40, chunks=2)
+    jobs = [(path, plan.chunk(i)) for i in range(plan.n_chunk)]
+    reference = _reference_ppl(llama_logits(jobs, tmp_path), plan)
+    final = float(re.search(r"Final estimate: PPL = ([0-9.]+)", out).group(1))
+    assert final == pytest.approx(reference, rel=5e-3)
+    code, _, err = _run(capsys, tiny_model(context_length=3), "--file", TEXT)
+    assert (code, err) == (
+        1,
+        "k3stream perplexity: error: the model's context length 3 holds no perplexity chunk (4 tokens)\n",
+    )
+
+
 def test_base_log_probs_round_trip():
     logits = torch.randn(5, 300) * 4
     codes, scale, min_log_prob = quantize_log_probs(logits)

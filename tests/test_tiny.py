@@ -205,6 +205,7 @@ SIZE_FLAGS += ("--expert-ff", "--latent", "--context-length", "--block-size")
     [
         (["--layers", "1"], "--layers: 1 must be >= 2 (a KDA and an MLA layer)"),
         (["--experts", "4", "--top-k", "5"], "--top-k: 5 must be in 1..n_experts (4)"),
+        (["--layers", "3", "--dense", "4"], "--dense: 4 must be in 0..n_layers (3)"),
         (["--shards", "0"], "--shards: 0 must be >= 1"),
         (
             ["--kda-heads", "3"],

@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-c",
         type=int,
         default=None,
-        help=f"tokens per chunk (default {DEFAULT_CTX}, or the base's; 0: the model's, as llama.cpp's -c 0)",
+        help=f"tokens per chunk (default {DEFAULT_CTX} or the model's shorter context, or the base's; 0: the "
+        "model's, as llama.cpp's -c 0)",
     )
     parser.add_argument(
         "--chunks",
@@ -82,7 +83,7 @@ def _text_source(args: argparse.Namespace, base: Any) -> str:
 def _plan(args: argparse.Namespace, text: str | None, tokenizer: Any, base: Any, context_length: int) -> Any:
     from k3stream.engine.perplexity import plan_chunks, text_tokens
 
-    default = base.ctx if base is not None else DEFAULT_CTX
+    default = base.ctx if base is not None else min(DEFAULT_CTX, context_length)
     ctx = context_length if args.ctx == 0 else args.ctx or default  # `-c 0`: the model's, as llama.cpp's
     bos = tokenizer.bos_id if tokenizer.add_bos else None
     source = _text_source(args, base)

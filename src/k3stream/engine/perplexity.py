@@ -84,6 +84,8 @@ def plan_chunks(
 ) -> ChunkPlan:
     """llama-perplexity's chunking; refuses text shorter than two contexts, as it does, and a chunk
     longer than the model's `context_length` (when given)."""
+    if context_length is not None and context_length < 4:
+        raise ValueError(f"the model's context length {context_length} holds no perplexity chunk (4 tokens)")
     if ctx < 4 or (context_length is not None and ctx > context_length):
         bound = f"and the model's context length {context_length}" if context_length else "tokens or more"
         raise ValueError(f"--ctx {ctx} must be between 4 {bound}")

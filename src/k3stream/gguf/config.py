@@ -56,8 +56,12 @@ class _Keys:
 
     def per_layer(self, key: str, n_layers: int, layers: range) -> int:
         """An integer >= 1, or llama.cpp's per-layer array of `n_layers`: the one value `layers` share
-        (k3stream holds one; the other layers' entries are unused, as llama.cpp leaves them)."""
-        value = self._raw(key, True)
+        (k3stream holds one; the other layers' entries are unused, as llama.cpp leaves them). Where no
+        layer reads it (feed_forward_length when every layer is MoE) llama.cpp takes it optional: absent,
+        0 or an array of zeros read as 0."""
+        value = self._raw(key, bool(layers))
+        if not layers and value in (None, 0, [0] * n_layers):
+            return 0
         if not isinstance(value, list):
             return self.integer(key)
         expected = f"an integer >= 1 or an array of {n_layers} integers"

@@ -119,8 +119,8 @@ def _check_spec(spec: TinySpec) -> None:
         )
     if not 0 < spec.top_k <= spec.n_experts:
         raise ValueError(f"TinySpec.top_k: {spec.top_k} must be in 1..n_experts ({spec.n_experts})")
-    if not 0 <= spec.n_dense < spec.n_layers:
-        raise ValueError(f"TinySpec.n_dense: {spec.n_dense} must leave at least one MoE layer")
+    if not 0 <= spec.n_dense <= spec.n_layers:  # every layer dense: llama.cpp runs it, with no experts
+        raise ValueError(f"TinySpec.n_dense: {spec.n_dense} must be in 0..n_layers ({spec.n_layers})")
     unknown = [group for group in spec.without if group not in OMITTABLE]
     if unknown:
         raise ValueError(f"TinySpec.without: {unknown[0]!r} is not one of {', '.join(OMITTABLE)}")

@@ -88,6 +88,11 @@ def plan_pack(checkpoint: Any) -> PackPlan:
     follow its tensors' types (a mixed recipe's layers differ)."""
     config = checkpoint.config
     moe_layers = tuple(config.moe_layers)
+    if not moe_layers:
+        raise ValueError(
+            f"{checkpoint.shards[0]}: no routed experts to pack: kimi-k3.leading_dense_block_count "
+            f"{config.n_dense} makes all {config.n_layers} layers dense; run the GGUF itself"
+        )
     experts = config.n_experts
     role_tensors: dict[tuple[int, str], Any] = {}
     for layer in moe_layers:
