@@ -350,6 +350,28 @@ def test_a_hint_that_follows_another_for_the_same_step_evicts_nothing(pack):
         assert store.ready(layer, second) == second
 
 
+def test_another_layers_step_between_two_hints_lets_the_second_evict(pack):
+    """A cold prefill's last layer: its layer-ahead hint goes out before the first layer's step, which
+    may evict what it read (that step sweeps the tier); the layer's next hint for the same step (at its
+    start, after that step) is again the first that may evict, and reads into a full tier."""
+    layer, later = pack.moe_layers[:2]
+    k = pack.top_k
+    with ExpertStore(pack, ram_mib=2 * k * pack.object_bytes / MIB, policy="lru") as store:
+        for start in (0, k):  # the tier full of experts no step holds
+            store.fetch(layer, list(range(start, start + k)))
+        store.release()
+        first = list(range(k // 2))
+        store.prefetch(later, first)  # may evict: the least recently used of `layer`'s go
+        drain(store)
+        assert store.ready(later, first) == first
+        store.fetch(layer, list(range(2 * k, 3 * k)))  # another layer's step between the hints
+        store.release()
+        second = list(range(k // 2, k))
+        store.prefetch(later, second)
+        drain(store)
+        assert store.ready(later, second) == second
+
+
 def test_a_step_evicts_what_a_hint_named_for_a_later_step_only_when_nothing_else_can_go(pack):
     """A hint naming experts the tier holds keeps them for its layer's step as it keeps its reads: a
     prefill's sweep of one layer evicted the next layer's hinted experts (least recently used here),

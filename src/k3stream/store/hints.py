@@ -54,17 +54,22 @@ class HintScores:
         return not self.adaptive or self.precision[layer] >= PREFETCH_MIN_PRECISION
 
     def fetched(self, layer: int, experts: list[int]) -> None:
-        """A fetch of `layer` asked for `experts`: kept for scoring the layer's pending hint; numbered."""
+        """A fetch of `layer` asked for `experts`: kept for scoring the layer's pending hint; numbered.
+        It ends every layer's claim to evict for its coming step (`evicts`): the fetched layer's hint is
+        scored, and another layer's step may evict what the others' hints read (a cold prefill's step of
+        one layer sweeps the tier after the next layer's layer-ahead hint), so the next hint for their
+        steps is again the first that may evict (the last layer's pre-attention hint, at its start)."""
         self._fetches[layer] += 1
         self._sweeping.discard(layer)
+        self._evicting.clear()
         if layer in self._pending:
             self._asked.setdefault(layer, set()).update(experts)
 
     def follows(self, layer: int) -> bool:
         """Whether a hint of `layer` would follow another one for the same step that may evict
-        (`evicts`; a hint its layer's fetches have not yet scored). One that reads into free slots only
-        took nothing a full tier holds: the hint after it is the first for the step that may."""
-        return layer in self._evicting and layer not in self._asked
+        (`evicts`), with no fetch since. One that reads into free slots only took nothing a full tier
+        holds: the hint after it is the first for the step that may."""
+        return layer in self._evicting
 
     def evicts(self, layer: int) -> None:
         """A hint of `layer` that may evict (within the hints' share) went out for its coming step."""
@@ -111,7 +116,6 @@ class HintScores:
         if asked is None:
             return
         hinted = self._pending.pop(layer)
-        self._evicting.discard(layer)
         if hinted:
             sums = self._sums[layer]
             sums[0] = PREFETCH_DECAY * sums[0] + len(hinted & asked)
