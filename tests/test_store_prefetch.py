@@ -8,6 +8,7 @@ below do not depend on thread timing.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -277,6 +278,48 @@ def test_a_hint_larger_than_the_share_and_hints_behind_it_evict_nothing(pack):
         store.prefetch(third, small)
         drain(store)
         assert store.ready(third, small) == small
+
+
+def test_a_hint_naming_more_absent_experts_than_the_share_evicts_nothing_whatever_its_allowance(pack):
+    """A warm prefill after a long decode: the layer's allowance (here its prior) is below the hints'
+    share, but its hint names more absent experts than the share: the step it predicts sweeps the
+    tier, so the hint reads into free slots only (none in a full tier) and evicts nothing."""
+    layer, *others = pack.moe_layers[:3]
+    k = pack.top_k
+    with ExpertStore(pack, ram_mib=4 * k * pack.object_bytes / MIB) as store:
+        share = store.max_experts_per_fetch // 2
+        assert math.ceil(k / PREFETCH_MIN_PRECISION) < share  # the allowance reads fewer than the share
+        for other in others:  # the tier full of experts no step holds
+            for start in (0, k):
+                store.fetch(other, list(range(start, start + k)))
+        store.release()
+        hint = list(range(share + 1))
+        store.prefetch(layer, hint)
+        drain(store)
+        assert store.ready(layer, hint) == [] and store.stats()["pack_reads"] == 4 * k
+
+
+def test_a_hint_behind_a_sweeping_step_reads_nothing_even_into_free_slots(pack):
+    """A cold prefill: the first layer's hint predicts a step that sweeps the tier; a hint for a later
+    layer before that step reads nothing, though slots are free (the step would take them and evict
+    what it read, unused); after that step it reads as ever."""
+    layer, later = pack.moe_layers[:2]
+    k = pack.top_k
+    with ExpertStore(pack, ram_mib=4 * k * pack.object_bytes / MIB) as store:
+        share = store.max_experts_per_fetch // 2
+        store.prefetch(layer, list(range(share + 1)))  # sweeps: reads its allowance into free slots
+        small = list(range(k // 2))
+        store.prefetch(later, small)
+        drain(store)
+        assert store.ready(later, small) == []
+        assert (
+            store.stats()["pack_reads"] == math.ceil(k / PREFETCH_MIN_PRECISION) < store.max_experts_per_fetch
+        )
+        store.fetch(layer, [0])  # the sweeping step
+        store.release()
+        store.prefetch(later, small)
+        drain(store)
+        assert store.ready(later, small) == small
 
 
 def test_a_hint_after_one_that_filled_free_slots_only_is_its_steps_first_that_may_evict(pack):

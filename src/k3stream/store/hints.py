@@ -76,7 +76,8 @@ class HintScores:
         self._evicting.add(layer)
 
     def sweeps(self, layer: int) -> None:
-        """`layer` was hinted larger than the hints' share of the tier: its step sweeps the tier."""
+        """`layer` was hinted more absent experts than the hints' share of the tier: its step sweeps
+        the tier."""
         self._sweeping.add(layer)
 
     def behind_sweep(self, layer: int) -> bool:
