@@ -322,6 +322,30 @@ def test_a_hint_behind_a_sweeping_step_reads_nothing_even_into_free_slots(pack):
         assert store.ready(later, small) == small
 
 
+def test_a_switched_off_layers_hint_still_marks_its_step_as_sweeping(pack):
+    """A warm prefill whose first layer's hints are switched off (imprecise): its hint reads nothing,
+    but still names a step that sweeps the tier, and a later layer's hint before that step reads
+    nothing, though slots are free."""
+    layer, later = pack.moe_layers[:2]
+    k = pack.top_k
+    with ExpertStore(pack, ram_mib=4 * k * pack.object_bytes / MIB) as store:
+        share = store.max_experts_per_fetch // 2
+        for wrong in range(k, k + 4):  # one-expert hints never fetched switch the layer's hints off
+            store.prefetch(layer, [wrong])
+            drain(store)
+            store.fetch(layer, list(range(k)))
+            store.end_token()
+        store.release()
+        assert not store.stats()["prefetch_layers"][str(layer)]["active"]
+        hint = list(range(pack.num_experts))
+        assert len(hint) - len(store.ready(layer, hint)) > share
+        store.prefetch(layer, hint)
+        small = list(range(k // 2))
+        store.prefetch(later, small)
+        drain(store)
+        assert store.ready(later, small) == []
+
+
 def test_a_hint_after_one_that_filled_free_slots_only_is_its_steps_first_that_may_evict(pack):
     """A prefill's last layer: its first hint came behind a sweeping step and read nothing into a full
     tier; once that step has fetched, the layer's next hint for the same step (at the layer's start)

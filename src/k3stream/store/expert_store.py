@@ -316,31 +316,31 @@ class ExpertStore:
             absent = [expert for _, expert in self._compute.missing(keys)]
             follows = self._hints.follows(layer)
             loaded = self._hints.hinted(layer, len(keys), absent)
-            if absent and not loaded:
-                return
             # a hint naming more absent experts than the hints' share of the tier predicts a step that
             # sweeps the tier (a prefill's hint of most of a layer), however few of them its allowance
-            # reads: the likeliest up to the share are read, into free slots only (in a cold tier the
-            # reads start before the layer's router runs; a warm one keeps what it holds for the step),
-            # the rest are dropped; a hint that follows one for the same step that may evict (a
-            # prefill's pre-attention hint after its layer-ahead one) fills free slots only too; a hint
-            # for a layer whose step comes after a sweeping step (a prefill's hints for its last layer
-            # before the first layer's step) reads nothing: that step would evict what it read, unused,
-            # into the slots it takes; the hint after one that filled free slots only, or after another
-            # layer's step, is the first for its step that may evict (a prefill's last layer, at its
-            # start: the sweep is over). What the tier holds of the hint is kept for its step as its
-            # reads are (`Tier.fresh`: evicted only when nothing else can go): a prefill's sweep of one
-            # layer's step would evict the next layer's experts its hint named, to read them again at
-            # that layer's router
-            self._compute.hold([key for key in keys if key in self._compute.buffers])
-            if not absent:  # every one resident or loading: no job, no thread to wake
-                return
+            # reads and whether its layer's hints are issued or not: the likeliest up to the share are
+            # read, into free slots only (in a cold tier the reads start before the layer's router
+            # runs; a warm one keeps what it holds for the step), the rest are dropped; a hint that
+            # follows one for the same step that may evict (a prefill's pre-attention hint after its
+            # layer-ahead one) fills free slots only too; a hint for a layer whose step comes after a
+            # sweeping step (a prefill's hints for its last layer before the first layer's step) reads
+            # nothing: that step would evict what it read, unused, into the slots it takes; the hint
+            # after one that filled free slots only, or after another layer's step, is the first for
+            # its step that may evict (a prefill's last layer, at its start: the sweep is over)
             share = self._loader.speculative_share(self._compute)
-            too_large = max(0, len(loaded) - share)
-            self._counts["prefetch_too_large"] += too_large
             sweeps = len(absent) > share
             if sweeps:
                 self._hints.sweeps(layer)
+            if absent and not loaded:
+                return
+            # what the tier holds of the hint is kept for its step as its reads are (`Tier.fresh`:
+            # evicted only when nothing else can go): a prefill's sweep of one layer's step would evict
+            # the next layer's experts its hint named, to read them again at that layer's router
+            self._compute.hold([key for key in keys if key in self._compute.buffers])
+            if not absent:  # every one resident or loading: no job, no thread to wake
+                return
+            too_large = max(0, len(loaded) - share)
+            self._counts["prefetch_too_large"] += too_large
             if self._hints.behind_sweep(layer):
                 return
             dropped = set(absent[len(loaded) - too_large :])
