@@ -322,6 +322,30 @@ def test_a_hint_behind_a_sweeping_step_reads_nothing_even_into_free_slots(pack):
         assert store.ready(later, small) == small
 
 
+def test_a_hint_behind_a_sweeping_step_is_not_scored(pack):
+    """A prefill's last layer: its layer-ahead hints, always wrong here, come behind the first layer's
+    sweeping step and read nothing, so they do not count against the layer's record; its hints at its
+    own start, right, keep it on."""
+    layer, later = pack.moe_layers[:2]
+    k = pack.top_k
+    with ExpertStore(pack, ram_mib=2 * k * pack.object_bytes / MIB) as store:
+        share = store.max_experts_per_fetch // 2
+        assert pack.num_experts - store.max_experts_per_fetch > share  # the first hint always sweeps
+        for step in range(6):
+            store.prefetch(layer, list(range(pack.num_experts)))
+            store.prefetch(later, [k + (step + i) % (pack.num_experts - k) for i in range(k)])  # wrong
+            drain(store)
+            store.fetch(layer, list(range(k)))
+            right = list(range(step % 2 * k, step % 2 * k + k))
+            store.prefetch(later, right)
+            drain(store)
+            store.fetch(later, right)
+            store.end_token()
+        store.release()
+        records = store.stats()["prefetch_layers"]
+    assert records[str(later)] == {"precision": 1.0, "active": True}
+
+
 def test_a_switched_off_layers_hint_still_marks_its_step_as_sweeping(pack):
     """A warm prefill whose first layer's hints are switched off (imprecise): its hint reads nothing,
     but still names a step that sweeps the tier, and a later layer's hint before that step reads
