@@ -252,6 +252,15 @@ def test_a_hint_larger_than_the_share_of_hints_reads_its_first_experts_up_to_the
     assert stats["prefetch_too_large"] == 1
 
 
+def assert_read_after_the_sweep(store: ExpertStore, layer: int, later: int, experts: list[int]) -> None:
+    """Once `layer`'s sweeping step has fetched, a hint of `experts` for `later` reads them."""
+    store.fetch(layer, [0])
+    store.release()
+    store.prefetch(later, experts)
+    drain(store)
+    assert store.ready(later, experts) == experts
+
+
 def test_a_hint_larger_than_the_share_and_hints_behind_it_evict_nothing(pack):
     """The step a hint that large predicts sweeps the tier: what the tier holds for it is the step's own
     reads to keep or evict, so such a hint reads into free slots only, and so does a hint for a layer
@@ -273,11 +282,7 @@ def test_a_hint_larger_than_the_share_and_hints_behind_it_evict_nothing(pack):
         drain(store)
         assert store.ready(later, small) == [] and store.ready(layer, range(2 * k)) == list(range(2 * k))
         assert store.stats()["pack_reads"] == 2 * k
-        store.fetch(layer, [0])  # the sweeping step
-        store.release()
-        store.prefetch(third, small)
-        drain(store)
-        assert store.ready(third, small) == small
+        assert_read_after_the_sweep(store, layer, third, small)
 
 
 def test_a_hint_naming_more_absent_experts_than_the_share_evicts_nothing_whatever_its_allowance(pack):
@@ -315,11 +320,7 @@ def test_a_hint_behind_a_sweeping_step_reads_nothing_even_into_free_slots(pack):
         assert (
             store.stats()["pack_reads"] == math.ceil(k / PREFETCH_MIN_PRECISION) < store.max_experts_per_fetch
         )
-        store.fetch(layer, [0])  # the sweeping step
-        store.release()
-        store.prefetch(later, small)
-        drain(store)
-        assert store.ready(later, small) == small
+        assert_read_after_the_sweep(store, layer, later, small)
 
 
 def test_a_hint_behind_a_sweeping_step_is_not_scored(pack):

@@ -1,15 +1,16 @@
 """Which prefetch hints the store loads: adaptive scoring of each MoE layer's hints.
 
 The experts each hint reads (those the compute tier lacks; of a suppressed hint, those it would have
-read) are scored against
-the experts its layer's fetches ask for until the layer's next hint or the end of the step (a step is
-fetched in several parts), whether the hint was issued or not. A layer's precision is its right
-experts over its hinted experts, both sums decayed per hint, so a prefill hint of hundreds of experts
-weighs more than a decode hint of a few; with `adaptive`, a layer's hints are issued only while that
-precision is at least PREFETCH_MIN_PRECISION. Scoring suppressed hints too is the probe: a layer
-whose predictions improve gets prefetch back without spending reads on it. Hints are kept per layer,
-not per thread: a hint is scored by whichever fetches of its layer come next. A layer starts trusted,
-as if one right hint of `prior` experts had been scored.
+read) are scored against the experts its layer's fetches ask for until the layer's next hint or the
+end of the step (a step is fetched in several parts), whether the hint was issued or not (a hint
+behind a step that sweeps the tier is not scored: it reads nothing whatever its record,
+`ExpertStore.prefetch`). A layer's precision is its right experts over its hinted experts, both sums
+decayed per hint, so a prefill hint of hundreds of experts weighs more than a decode hint of a few;
+with `adaptive`, a layer's hints are issued only while that precision is at least
+PREFETCH_MIN_PRECISION. Scoring suppressed hints too is the probe: a layer whose predictions improve
+gets prefetch back without spending reads on it. Hints are kept per layer, not per thread: a hint is
+scored by whichever fetches of its layer come next. A layer starts trusted, as if one right hint of
+`prior` experts had been scored.
 
 With `adaptive`, a hint reads no more absent experts than its layer's evidence covers: its decayed
 right experts over PREFETCH_MIN_PRECISION (`allowance`), the first ones in the hint's order (a
