@@ -116,29 +116,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def watched_slice(args: argparse.Namespace) -> tuple[Path, int, list[str], Timeline]:
+    """OpenMP calmed and --threads set; the slice (written and packed unless in --cache-dir), its
+    routed experts' bytes, the flags of a runtime on it (O_DIRECT) and a Timeline watching its store."""
     from k3stream.cli import calm_openmp
 
     calm_openmp()
     import torch
 
-    from k3stream.commands.flags import add_model_arguments, runtime_from_args
-    from k3stream.engine.generate import prefill_last
     from k3stream.store.expert_store import ExpertStore
     from k3stream.store.pack_io import PackFile
 
     spec = like("kimi-k3", args.layers, n_experts=args.experts)
     gguf, manifest = beyond.ensure_model(spec, args.cache_dir)
-    expert_bytes = real.bytes_per_token(gguf, spec)[2]
+    torch.set_num_threads(args.threads)
+    timeline = Timeline()
+    timeline.watch(ExpertStore, PackFile)
+    flags = [str(manifest), "--device", "cpu", "--threads", str(args.threads), "--direct-io"]
+    return gguf, real.bytes_per_token(gguf, spec)[2], flags, timeline
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    gguf, expert_bytes, flags, timeline = watched_slice(args)
+    from k3stream.commands.flags import add_model_arguments, runtime_from_args
+    from k3stream.engine.generate import prefill_last
+
     ram_mib = args.fraction * expert_bytes / MIB
     parser = argparse.ArgumentParser()
     add_model_arguments(parser)
-    flags = [str(manifest), "--device", "cpu", "--threads", str(args.threads), "--direct-io"]
-    torch.set_num_threads(args.threads)
     runtime = runtime_from_args(parser.parse_args([*flags, "--ram-mib", f"{ram_mib:.1f}"]))
-    timeline = Timeline()
-    timeline.watch(ExpertStore, PackFile)
     model, store = runtime.model, runtime.store
     prompt = beyond.bench_prompt(gguf, 16)
     try:

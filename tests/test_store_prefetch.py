@@ -8,6 +8,7 @@ below do not depend on thread timing.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -251,6 +252,15 @@ def test_a_hint_larger_than_the_share_of_hints_reads_its_first_experts_up_to_the
     assert stats["prefetch_too_large"] == 1
 
 
+def assert_read_after_the_sweep(store: ExpertStore, layer: int, later: int, experts: list[int]) -> None:
+    """Once `layer`'s sweeping step has fetched, a hint of `experts` for `later` reads them."""
+    store.fetch(layer, [0])
+    store.release()
+    store.prefetch(later, experts)
+    drain(store)
+    assert store.ready(later, experts) == experts
+
+
 def test_a_hint_larger_than_the_share_and_hints_behind_it_evict_nothing(pack):
     """The step a hint that large predicts sweeps the tier: what the tier holds for it is the step's own
     reads to keep or evict, so such a hint reads into free slots only, and so does a hint for a layer
@@ -272,11 +282,93 @@ def test_a_hint_larger_than_the_share_and_hints_behind_it_evict_nothing(pack):
         drain(store)
         assert store.ready(later, small) == [] and store.ready(layer, range(2 * k)) == list(range(2 * k))
         assert store.stats()["pack_reads"] == 2 * k
-        store.fetch(layer, [0])  # the sweeping step
+        assert_read_after_the_sweep(store, layer, third, small)
+
+
+def test_a_hint_naming_more_absent_experts_than_the_share_evicts_nothing_whatever_its_allowance(pack):
+    """A warm prefill after a long decode: the layer's allowance (here its prior) is below the hints'
+    share, but its hint names more absent experts than the share: the step it predicts sweeps the
+    tier, so the hint reads into free slots only (none in a full tier) and evicts nothing."""
+    layer, *others = pack.moe_layers[:3]
+    k = pack.top_k
+    with ExpertStore(pack, ram_mib=4 * k * pack.object_bytes / MIB) as store:
+        share = store.max_experts_per_fetch // 2
+        assert math.ceil(k / PREFETCH_MIN_PRECISION) < share  # the allowance reads fewer than the share
+        for other in others:  # the tier full of experts no step holds
+            for start in (0, k):
+                store.fetch(other, list(range(start, start + k)))
         store.release()
-        store.prefetch(third, small)
+        hint = list(range(share + 1))
+        store.prefetch(layer, hint)
         drain(store)
-        assert store.ready(third, small) == small
+        assert store.ready(layer, hint) == [] and store.stats()["pack_reads"] == 4 * k
+
+
+def test_a_hint_behind_a_sweeping_step_reads_nothing_even_into_free_slots(pack):
+    """A cold prefill: the first layer's hint predicts a step that sweeps the tier; a hint for a later
+    layer before that step reads nothing, though slots are free (the step would take them and evict
+    what it read, unused); after that step it reads as ever."""
+    layer, later = pack.moe_layers[:2]
+    k = pack.top_k
+    with ExpertStore(pack, ram_mib=4 * k * pack.object_bytes / MIB) as store:
+        share = store.max_experts_per_fetch // 2
+        store.prefetch(layer, list(range(share + 1)))  # sweeps: reads its allowance into free slots
+        small = list(range(k // 2))
+        store.prefetch(later, small)
+        drain(store)
+        assert store.ready(later, small) == []
+        assert (
+            store.stats()["pack_reads"] == math.ceil(k / PREFETCH_MIN_PRECISION) < store.max_experts_per_fetch
+        )
+        assert_read_after_the_sweep(store, layer, later, small)
+
+
+def test_a_hint_behind_a_sweeping_step_is_not_scored(pack):
+    """A prefill's last layer: its layer-ahead hints, always wrong here, come behind the first layer's
+    sweeping step and read nothing, so they do not count against the layer's record; its hints at its
+    own start, right, keep it on."""
+    layer, later = pack.moe_layers[:2]
+    k = pack.top_k
+    with ExpertStore(pack, ram_mib=2 * k * pack.object_bytes / MIB) as store:
+        share = store.max_experts_per_fetch // 2
+        assert pack.num_experts - store.max_experts_per_fetch > share  # the first hint always sweeps
+        for step in range(6):
+            store.prefetch(layer, list(range(pack.num_experts)))
+            store.prefetch(later, [k + (step + i) % (pack.num_experts - k) for i in range(k)])  # wrong
+            drain(store)
+            store.fetch(layer, list(range(k)))
+            right = list(range(step % 2 * k, step % 2 * k + k))
+            store.prefetch(later, right)
+            drain(store)
+            store.fetch(later, right)
+            store.end_token()
+        store.release()
+        records = store.stats()["prefetch_layers"]
+    assert records[str(later)] == {"precision": 1.0, "active": True}
+
+
+def test_a_switched_off_layers_hint_still_marks_its_step_as_sweeping(pack):
+    """A warm prefill whose first layer's hints are switched off (imprecise): its hint reads nothing,
+    but still names a step that sweeps the tier, and a later layer's hint before that step reads
+    nothing, though slots are free."""
+    layer, later = pack.moe_layers[:2]
+    k = pack.top_k
+    with ExpertStore(pack, ram_mib=4 * k * pack.object_bytes / MIB) as store:
+        share = store.max_experts_per_fetch // 2
+        for wrong in range(k, k + 4):  # one-expert hints never fetched switch the layer's hints off
+            store.prefetch(layer, [wrong])
+            drain(store)
+            store.fetch(layer, list(range(k)))
+            store.end_token()
+        store.release()
+        assert not store.stats()["prefetch_layers"][str(layer)]["active"]
+        hint = list(range(pack.num_experts))
+        assert len(hint) - len(store.ready(layer, hint)) > share
+        store.prefetch(layer, hint)
+        small = list(range(k // 2))
+        store.prefetch(later, small)
+        drain(store)
+        assert store.ready(later, small) == []
 
 
 def test_a_hint_after_one_that_filled_free_slots_only_is_its_steps_first_that_may_evict(pack):
@@ -348,6 +440,28 @@ def test_a_hint_that_follows_another_for_the_same_step_evicts_nothing(pack):
         store.prefetch(layer, second)
         drain(store)
         assert store.ready(layer, second) == second
+
+
+def test_another_layers_step_between_two_hints_lets_the_second_evict(pack):
+    """A cold prefill's last layer: its layer-ahead hint goes out before the first layer's step, which
+    may evict what it read (that step sweeps the tier); the layer's next hint for the same step (at its
+    start, after that step) is again the first that may evict, and reads into a full tier."""
+    layer, later = pack.moe_layers[:2]
+    k = pack.top_k
+    with ExpertStore(pack, ram_mib=2 * k * pack.object_bytes / MIB, policy="lru") as store:
+        for start in (0, k):  # the tier full of experts no step holds
+            store.fetch(layer, list(range(start, start + k)))
+        store.release()
+        first = list(range(k // 2))
+        store.prefetch(later, first)  # may evict: the least recently used of `layer`'s go
+        drain(store)
+        assert store.ready(later, first) == first
+        store.fetch(layer, list(range(2 * k, 3 * k)))  # another layer's step between the hints
+        store.release()
+        second = list(range(k // 2, k))
+        store.prefetch(later, second)
+        drain(store)
+        assert store.ready(later, second) == second
 
 
 def test_a_step_evicts_what_a_hint_named_for_a_later_step_only_when_nothing_else_can_go(pack):

@@ -1,15 +1,16 @@
 """Which prefetch hints the store loads: adaptive scoring of each MoE layer's hints.
 
 The experts each hint reads (those the compute tier lacks; of a suppressed hint, those it would have
-read) are scored against
-the experts its layer's fetches ask for until the layer's next hint or the end of the step (a step is
-fetched in several parts), whether the hint was issued or not. A layer's precision is its right
-experts over its hinted experts, both sums decayed per hint, so a prefill hint of hundreds of experts
-weighs more than a decode hint of a few; with `adaptive`, a layer's hints are issued only while that
-precision is at least PREFETCH_MIN_PRECISION. Scoring suppressed hints too is the probe: a layer
-whose predictions improve gets prefetch back without spending reads on it. Hints are kept per layer,
-not per thread: a hint is scored by whichever fetches of its layer come next. A layer starts trusted,
-as if one right hint of `prior` experts had been scored.
+read) are scored against the experts its layer's fetches ask for until the layer's next hint or the
+end of the step (a step is fetched in several parts), whether the hint was issued or not (a hint
+behind a step that sweeps the tier is not scored: it reads nothing whatever its record,
+`ExpertStore.prefetch`). A layer's precision is its right experts over its hinted experts, both sums
+decayed per hint, so a prefill hint of hundreds of experts weighs more than a decode hint of a few;
+with `adaptive`, a layer's hints are issued only while that precision is at least
+PREFETCH_MIN_PRECISION. Scoring suppressed hints too is the probe: a layer whose predictions improve
+gets prefetch back without spending reads on it. Hints are kept per layer, not per thread: a hint is
+scored by whichever fetches of its layer come next. A layer starts trusted, as if one right hint of
+`prior` experts had been scored.
 
 With `adaptive`, a hint reads no more absent experts than its layer's evidence covers: its decayed
 right experts over PREFETCH_MIN_PRECISION (`allowance`), the first ones in the hint's order (a
@@ -54,24 +55,30 @@ class HintScores:
         return not self.adaptive or self.precision[layer] >= PREFETCH_MIN_PRECISION
 
     def fetched(self, layer: int, experts: list[int]) -> None:
-        """A fetch of `layer` asked for `experts`: kept for scoring the layer's pending hint; numbered."""
+        """A fetch of `layer` asked for `experts`: kept for scoring the layer's pending hint; numbered.
+        It ends every layer's claim to evict for its coming step (`evicts`): the fetched layer's hint is
+        scored, and another layer's step may evict what the others' hints read (a cold prefill's step of
+        one layer sweeps the tier after the next layer's layer-ahead hint), so the next hint for their
+        steps is again the first that may evict (the last layer's pre-attention hint, at its start)."""
         self._fetches[layer] += 1
         self._sweeping.discard(layer)
+        self._evicting.clear()
         if layer in self._pending:
             self._asked.setdefault(layer, set()).update(experts)
 
     def follows(self, layer: int) -> bool:
         """Whether a hint of `layer` would follow another one for the same step that may evict
-        (`evicts`; a hint its layer's fetches have not yet scored). One that reads into free slots only
-        took nothing a full tier holds: the hint after it is the first for the step that may."""
-        return layer in self._evicting and layer not in self._asked
+        (`evicts`), with no fetch since. One that reads into free slots only took nothing a full tier
+        holds: the hint after it is the first for the step that may."""
+        return layer in self._evicting
 
     def evicts(self, layer: int) -> None:
         """A hint of `layer` that may evict (within the hints' share) went out for its coming step."""
         self._evicting.add(layer)
 
     def sweeps(self, layer: int) -> None:
-        """`layer` was hinted larger than the hints' share of the tier: its step sweeps the tier."""
+        """`layer` was hinted more absent experts than the hints' share of the tier: its step sweeps
+        the tier."""
         self._sweeping.add(layer)
 
     def behind_sweep(self, layer: int) -> bool:
@@ -111,7 +118,6 @@ class HintScores:
         if asked is None:
             return
         hinted = self._pending.pop(layer)
-        self._evicting.discard(layer)
         if hinted:
             sums = self._sums[layer]
             sums[0] = PREFETCH_DECAY * sums[0] + len(hinted & asked)
