@@ -473,8 +473,10 @@ AVX512_INLINE void run_pair_dot(__m512i codes, __m512i scales, const BlockQ8K *c
  * table made once a chunk of CHUNK_BLOCKS_K blocks (q8k_steps), broadcast from memory by the FMAs. */
 #define KQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c,bmi2")))
 #define KQ_INLINE KQ_TARGET static inline __attribute__((always_inline))
+/* the matrix qword row moving input bit `input` to output bit `bit` */
+#define TAKE_BIT(bit, input) ((1ULL << (input)) << (8 * (7 - (bit))))
 /* the matrix qword moving input bits `from`, `from` + 1 to output bits 0, 1 (other output bits 0) */
-#define TAKE_CODE(from) ((1ULL << (from)) << 56 | (1ULL << ((from) + 1)) << 48)
+#define TAKE_CODE(from) (TAKE_BIT(0, from) | TAKE_BIT(1, (from) + 1))
 
 /* `low` in the four qwords of the low half, `high` in the high half's */
 AVX512_INLINE __m512i halves64(uint64_t low, uint64_t high) {
@@ -584,6 +586,10 @@ AVX512_INLINE void prepare(const BlockQ8K *y, int64_t blocks, const int offsets,
     }
 }
 
+/* the gf2p8affine matrix qword taking input bits `from`, `from` + 1 to the two of output bits 0-2 that
+ * are not bit `at` (q3_k_index_code) */
+AVX512_INLINE uint64_t q3_k_take(int from, int at) { return TAKE_BIT(at ? 0 : 1, from) | TAKE_BIT(2, from + 1); }
+
 /* Q3_K's 16 scales less 32 (int16), from its 12 scale bytes (loaded from b + 94: byte 96 + i at 2 + i).
  * Qword q (scales 4q..4q + 3) gathers the four bytes of their low four bits and the four of their high
  * two (vpermb); vpmultishiftqb takes each field to its byte (low bits 4(q / 2) of byte t, high bits
@@ -598,18 +604,28 @@ KQ_INLINE __m256i q3_k_scales16(const uint8_t *restrict b) {
     return _mm256_sub_epi16(_mm256_maddubs_epi16(parts, _mm256_set1_epi16(0x1001)), _mm256_set1_epi16(32));
 }
 
+/* A Q3_K table index (0..15, one byte of vpshufb's): bit 3 the pair j % 2, bit j % 2 the code's high
+ * bit h, the other two of bits 0-2 its low bits (q3_k_take), so one vpternlogd joins the gf2p8affine of
+ * the low bits and the hmask shifted (q3_k_sums); the code (0..7) index idx stands for: */
+AVX512_INLINE int q3_k_index_code(int idx) {
+    const int at = (idx >> 3) & 1, high = (idx >> at) & 1;
+    const int low0 = at ? idx & 1 : (idx >> 1) & 1, low1 = (idx >> 2) & 1;
+    return low0 + 2 * low1 + 4 * high;
+}
+
 /* Q3_K's codes times scales, looked up by vpshufb (as Q2_K's): run pair j's 128-bit lane i (sub-block
- * t = 4j + i) holds at byte 8 (j % 2) + c the weight (c - 4) s_t + 127 of code c = low + 4 h (0..7), s_t
- * its scale less 32: at most 4 * 32 + 127 = 255, at least 127 - 4 * 31 = 3, so an unsigned byte. Table
- * j / 2, 16-bit lane w: s of its sub-block (vpermb of the int16 scales' two bytes) times (c - 4) + 256
- * (c - 3) (c = 2 (w % 4)), plus 127 in both bytes: each byte its weight, no carry between them. `wide`:
- * pair j's lane i holds sub-block 2j + i (+ 6 from lane 2), runs j and 4 + j. */
+ * t = 4j + i) holds at index idx (8 (j % 2) + 0..7) the weight (c - 4) s_t + 127 of the code c =
+ * low + 4 h (0..7) idx stands for (q3_k_index_code), s_t its scale less 32: at most 4 * 32 + 127 = 255,
+ * at least 127 - 4 * 31 = 3, so an unsigned byte. Table j / 2, 16-bit lane w: s of its sub-block
+ * (vpermb of the int16 scales' two bytes) times (c0 - 4) + 256 (c1 - 4) (c0, c1 the codes of its two
+ * indexes), plus 127 in both bytes: each byte its weight, no carry between them. `wide`: pair j's lane i
+ * holds sub-block 2j + i (+ 6 from lane 2), runs j and 4 + j. */
 KQ_INLINE void q3_k_tables(const uint8_t *restrict b, __m512i tables[2], const int wide) {
     uint8_t pick[2][64] __attribute__((aligned(64)));
     int16_t times[32] __attribute__((aligned(64)));
     for (int w = 0; w < 32; w++) {
-        const int lane = w / 8, k = w % 8, c = 2 * (k % 4);
-        times[w] = (int16_t)((c - 4) + 256 * (c - 3));
+        const int lane = w / 8, k = w % 8;
+        times[w] = (int16_t)((q3_k_index_code(2 * k) - 4) + 256 * (q3_k_index_code(2 * k + 1) - 4));
         for (int g = 0; g < 2; g++)
             for (int e = 0; e < 2; e++) {
                 const int pair = 2 * g + k / 4, block = wide ? 2 * pair + lane + (lane >= 2 ? 6 : 0) : 4 * pair + lane;
@@ -624,8 +640,9 @@ KQ_INLINE void q3_k_tables(const uint8_t *restrict b, __m512i tables[2], const i
 
 /* sums[r] (and without `held`, offsets[r]) of one Q3_K block against input row r's activations qs[r]
  * (as q2_k_sums; `wide`, runs j and 4 + j a vector), folded the int32 lanes of ggml_cpu.c's q8_q3_k (ggml's: s_t times the pairs of products (c - 4) y): each byte's weight (c - 4) s_t
- * + 127 (q3_k_tables; the index c + 8 (j % 2): the low two bits of bytes 32 + 32g.. at 2f by gf2p8affine
- * plus its constant, 4 added where bit 4g + f of hmask is set, for run 4g + f) times y by one vpdpbusd a
+ * + 127 (q3_k_tables; its index (q3_k_index_code): the low two bits of bytes 32 + 32g.. at 2f by
+ * gf2p8affine, its constant the pair bit, and bit 4g + f of hmask shifted to bit j % 2, joined by one
+ * vpternlogd (a vptestmb and a masked add ran 0.95x as fast), for run 4g + f) times y by one vpdpbusd a
  * run pair, and 127 times y by another, taken away at the end: the same exact lanes, two vpdpbusd a run
  * pair and row where maddubs, maddubs, a subtraction and a vpdpwssd were. The offsets' lanes depend on the
  * input row alone: one input row's come `prepared` (q3_k_offset_lanes), once for all the weight rows. */
@@ -636,11 +653,14 @@ KQ_INLINE void q3_k_sums(const uint8_t *restrict b, const int8_t *const *qs, __m
     const __m512i hmask = both_halves(b), offset = _mm512_set1_epi8(127);
     for (int r = 0; r < n; r++) sums[r] = offsets[r] = _mm512_setzero_si512();
     for (int j = 0; j < 4; j++) {
-        const __m512i bits = pair_code_bytes(b + 32, j, wide), take = pair_take(j, wide);
-        const __m512i low = j & 1 ? _mm512_gf2p8affine_epi64_epi8(bits, take, 8) : _mm512_gf2p8affine_epi64_epi8(bits, take, 0);
+        const __m512i bits = pair_code_bytes(b + 32, j, wide);
+        const int at = j & 1, f = wide ? 2 * j : 2 * (2 * (j & 1)), g = wide ? f : f + 2;
+        const __m512i take = halves64(q3_k_take(f, at), q3_k_take(g, at));
+        const __m512i codes = j & 1 ? _mm512_gf2p8affine_epi64_epi8(bits, take, 8) : _mm512_gf2p8affine_epi64_epi8(bits, take, 0);
         const int bit = wide ? j : 4 * (j >> 1) + 2 * (j & 1), next = wide ? j + 4 : bit + 1;
-        const __mmask64 high = _mm512_test_epi8_mask(hmask, halves64(0x0101010101010101ULL << bit, 0x0101010101010101ULL << next));
-        const __m512i weights = _mm512_shuffle_epi8(tables[j >> 1], _mm512_mask_add_epi8(low, high, low, _mm512_set1_epi8(4)));
+        const __m512i high = shift_halves(hmask, bit - at, next - at);
+        const __m512i index = _mm512_ternarylogic_epi32(_mm512_set1_epi8((char)(1 << at)), high, codes, 0xCA);
+        const __m512i weights = _mm512_shuffle_epi8(tables[j >> 1], index);
         for (int r = 0; r < n; r++) {
             const __m512i q8 = _mm512_loadu_si512((const void *)(qs[r] + 64 * j));
             sums[r] = _mm512_dpbusd_epi32(sums[r], weights, q8);
