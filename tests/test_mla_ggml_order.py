@@ -1,6 +1,6 @@
 """The default arithmetic's steps in the float order of ggml's CPU backend, each on llama.cpp's own inputs
-(read from its graph) against llama.cpp's output bit for bit: the MLA attention (decode and prefill) and
-the RMS norm."""
+(read from its graph) against llama.cpp's output bit for bit: the MLA attention (decode and prefill), the
+RMS norm and the MoE's routing weights."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from conftest import NO_C_KERNELS, requires_llama
 from k3stream import LoadOptions
 from k3stream.model.layers import rms_norm
 from k3stream.model.mla import MLA
+from k3stream.model.moe import LatentMoE
 from k3stream.quant.kernels import cpu
 from llama_tensors import llama_mla_attention, llama_tensors
 from test_model import tokens_for
@@ -57,3 +58,24 @@ def test_rms_norm_is_llama_cpps_bit_for_bit(tiny_model, tmp_path):
     assert np.array_equal(
         normed.numpy(), np.concatenate([step["attn_norm-0"].reshape(1, -1) for step in steps])
     )
+
+
+@requires_llama
+def test_routing_weights_are_llama_cpps_bit_for_bit(tiny_model, tmp_path):
+    """Each MoE layer's routing on llama.cpp's router logits: its experts and weights, the chosen
+    sigmoids divided by their sum, which ggml's sum_rows adds in double (a float sum parts from it at some
+    of these 200 rows)."""
+    if not cpu.available():
+        pytest.skip(NO_C_KERNELS)
+    path = tiny_model(n_layers=6, seed=5)
+    model = k3stream.load(path)
+    moe_layers = [layer for layer in model.layers if isinstance(layer.ffn, LatentMoE)]
+    names = [f"ffn_moe_{part}-{layer.index}" for layer in moe_layers for part in ("logits", "weights_norm")]
+    steps = llama_tensors(path, tokens_for(5, model.config.vocab_size, 40), names, tmp_path)
+    for layer in moe_layers:
+        logits, expected = (
+            np.concatenate([step[f"ffn_moe_{part}-{layer.index}"].reshape(1, -1) for step in steps])
+            for part in ("logits", "weights_norm")
+        )
+        _, weights = layer.ffn.routing.choose(torch.from_numpy(logits), layer.ffn.w.correction_bias)
+        assert np.array_equal(weights.numpy(), expected), layer.index

@@ -101,7 +101,8 @@ class Routing:
         chosen = torch.topk(probs + bias, self.top_k, dim=-1).indices
         weights = probs.gather(-1, chosen)
         if self.normalize:
-            weights = weights / weights.sum(-1, keepdim=True).clamp_min(MIN_WEIGHT_SUM)
+            total = weights.double().sum(-1, keepdim=True).float()  # ggml's sum_rows: in double
+            weights = weights / total.clamp_min(MIN_WEIGHT_SUM)
         return chosen, weights * self.scale
 
 

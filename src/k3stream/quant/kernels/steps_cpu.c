@@ -477,8 +477,8 @@ CLONES void k3_situ(const float *gate, const float *up, int64_t count, float bet
 
 /* The sigmoid router of n rows: probs = sigmoid(logits); the k experts with the largest probs + bias
  * (descending; of equal ones the lower index first) into chosen [n, k], their probs into weights
- * [n, k], divided by their sum clamped below at min_sum when `normalize`, then times scale (the torch
- * code's operations in its order). k <= experts. */
+ * [n, k], divided by their sum (ggml's: in double, rounded to float) clamped below at min_sum when
+ * `normalize`, then times scale (the torch code's operations in its order). k <= experts. */
 CLONES void k3_route(const float *logits, const float *bias, int64_t n, int64_t experts, int64_t k, int normalize,
                      float min_sum, float scale, float *probs, int64_t *chosen, float *weights) {
     for (int64_t r = 0; r < n; r++) {
@@ -495,8 +495,9 @@ CLONES void k3_route(const float *logits, const float *bias, int64_t n, int64_t 
             ids[at] = e;
             count += count < k;
         }
-        float sum = 0.0f;
-        for (int64_t j = 0; j < k; j++) sum += w[j] = probs[ids[j]];
+        double total = 0.0; /* in double, in choice order, then rounded: ggml's sum_rows */
+        for (int64_t j = 0; j < k; j++) total += w[j] = probs[ids[j]];
+        float sum = (float)total;
         sum = sum < min_sum ? min_sum : sum;
         for (int64_t j = 0; j < k; j++) w[j] = (normalize ? w[j] / sum : w[j]) * scale;
     }
