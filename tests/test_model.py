@@ -205,7 +205,8 @@ def test_a_layer_with_part_of_its_shared_experts_is_refused_naming_the_missing_o
 def test_a_model_of_dense_layers_alone_matches_llama_and_has_no_experts_to_pack(tiny_model, tmp_path, capsys):
     """leading_dense_block_count may cover every layer: llama.cpp loads and runs such a file (no MoE
     layer, no routed expert), so make-tiny writes it and k3stream gives llama.cpp's logits; `pack` has
-    nothing to pack and says so in one line naming the file, writing nothing."""
+    nothing to pack and says so in one line naming the file, writing nothing; `verify` says the same
+    (not "run `k3stream pack` first")."""
     from k3stream.cli import main
     from pack_helpers import copy_model, snapshot
 
@@ -216,12 +217,14 @@ def test_a_model_of_dense_layers_alone_matches_llama_and_has_no_experts_to_pack(
     model = k3stream.load(path)
     assert relative_error(model.logits(tokens).numpy(), reference) <= 1e-3
     assert relative_error(prefill_then_decode(model, tokens), reference[PREFIX:]) <= 1e-3
-    before = snapshot(tmp_path)
-    assert main(["pack", str(path), "--no-progress"]) == 1
-    assert capsys.readouterr().err == (
-        f"k3stream pack: error: {path}: no routed experts to pack: kimi-k3.leading_dense_block_count 3 "
+    refusal = (
+        f"{path}: no routed experts to pack: kimi-k3.leading_dense_block_count 3 "
         "makes all 3 layers dense; run the GGUF itself\n"
     )
+    before = snapshot(tmp_path)
+    for command in (["pack", str(path), "--no-progress"], ["verify", str(path)]):
+        assert main(command) == 1
+        assert capsys.readouterr().err == f"k3stream {command[0]}: error: {refusal}"
     assert snapshot(tmp_path) == before
 
 

@@ -74,6 +74,7 @@ def manifest_of(source: Path) -> Path:
     """The manifest itself, or the one `k3stream pack` writes beside a GGUF by default."""
     from k3stream.gguf.reader import K3Checkpoint
     from k3stream.gguf.shards import discover_shards
+    from k3stream.pack.builder import plan_pack
     from k3stream.pack.paths import default_outputs
     from k3stream.pack.source import is_manifest, manifest_next_to
 
@@ -81,7 +82,7 @@ def manifest_of(source: Path) -> Path:
         return source
     manifest = manifest_next_to(source)
     if manifest is None:
-        K3Checkpoint.open(source)  # a GGUF that `pack` would refuse says why first, not "pack it"
+        plan_pack(K3Checkpoint.open(source))  # a GGUF `pack` would refuse says why, not "pack it"
         looked = default_outputs(discover_shards(source))[1].name
         raise FileNotFoundError(
             f"{source}: no expert pack beside it (looked for {looked}); run `k3stream pack {source}` "
