@@ -71,14 +71,14 @@ AVX512_INLINE __m512 chunk_floats(const float *d, int stride, int count) {
 }
 
 /* ---- what a Q2_K or Q3_K kernel takes of one input row once for all the weight rows (decode) ------
- * its Q8_K blocks' d in a row (no gather a chunk and weight row) and Q3_K's offset lanes (127 times each
- * lane's four activations, folded onto eight as a block's sums are), for rows of PREPARED_BLOCKS blocks
+ * its Q8_K blocks' d in a row (no gather a chunk and weight row) and Q3_K's sum starts (-127 times each
+ * int32 lane's four activations, unfolded, where a block's sums start), for rows of PREPARED_BLOCKS blocks
  * at most (a Kimi-K3 row is 12 to 72); the kernels take a NULL Prepared for longer rows or several
  * input rows, making them as they go */
 #define PREPARED_BLOCKS 128
 typedef struct {
     float d[PREPARED_BLOCKS];
-    __m256i lanes127[PREPARED_BLOCKS];
+    __m512i starts127[PREPARED_BLOCKS];
     int8_t runs[PREPARED_BLOCKS][256]; /* Q2_K at full width: each block's runs f and 4 + f in bytes 64f.. */
 } Prepared;
 
@@ -565,20 +565,20 @@ KQ_INLINE void q2_k_steps(const uint8_t *row, const BlockQ8K *const *y, int64_t 
     q8k_steps(row + 84 * c + 80, 84, 0, y, c, count, steps, mins, n, prepared);
 }
 
-/* Q3_K's offset lanes of one Q8_K block: 127 times each int32 lane's four activations, folded */
-AVX512_INLINE __m256i q3_k_offset_lanes(const BlockQ8K *y) {
+/* Q3_K's sum start of one Q8_K block: -127 times each int32 lane's four activations (unfolded) */
+AVX512_INLINE __m512i q3_k_start(const BlockQ8K *y) {
     const __m512i offset = _mm512_set1_epi8(127);
     __m512i sums = _mm512_setzero_si512();
     for (int j = 0; j < 4; j++) sums = _mm512_dpbusd_epi32(sums, offset, _mm512_loadu_si512((const void *)(y->qs + 64 * j)));
-    return fold(sums);
+    return _mm512_sub_epi32(_mm512_setzero_si512(), sums);
 }
 
 /* One input row's `blocks` (<= PREPARED_BLOCKS) Q8_K blocks y into `prepared`: their d's, their
- * activations by run pairs (f, 4 + f), and with `offsets` Q3_K's offset lanes */
+ * activations by run pairs (f, 4 + f), and with `offsets` Q3_K's sum starts */
 AVX512_INLINE void prepare(const BlockQ8K *y, int64_t blocks, const int offsets, Prepared *prepared) {
     for (int64_t k = 0; k < blocks; k++) {
         prepared->d[k] = y[k].d;
-        if (offsets) prepared->lanes127[k] = q3_k_offset_lanes(y + k);
+        if (offsets) prepared->starts127[k] = q3_k_start(y + k);
         for (int f = 0; f < 4; f++) {
             memcpy(prepared->runs[k] + 64 * f, y[k].qs + 32 * f, 32);
             memcpy(prepared->runs[k] + 64 * f + 32, y[k].qs + 128 + 32 * f, 32);
@@ -590,18 +590,23 @@ AVX512_INLINE void prepare(const BlockQ8K *y, int64_t blocks, const int offsets,
  * are not bit `at` (q3_k_index_code) */
 AVX512_INLINE uint64_t q3_k_take(int from, int at) { return TAKE_BIT(at ? 0 : 1, from) | TAKE_BIT(2, from + 1); }
 
-/* Q3_K's 16 scales less 32 (int16), from its 12 scale bytes (loaded from b + 94: byte 96 + i at 2 + i).
- * Qword q (scales 4q..4q + 3) gathers the four bytes of their low four bits and the four of their high
- * two (vpermb); vpmultishiftqb takes each field to its byte (low bits 4(q / 2) of byte t, high bits
+/* Q3_K's 16 scales (int16, 0..63) of block a (words 0..15) and of block b (words 16..31), from their 12
+ * scale bytes each (loaded from a + 94 and b + 94: byte 96 + i at 2 + i). Qword q of each half (scales
+ * 4q..4q + 3) gathers the four bytes of their low four bits and the four of their high two (one vpermb
+ * of both loads); vpmultishiftqb takes each field to its byte (low bits 4(q / 2) of byte t, high bits
  * 2q of byte 4 + t); maddubs joins them (low + 16 high). */
-KQ_INLINE __m256i q3_k_scales16(const uint8_t *restrict b) {
-    const __m256i gather = _mm256_setr_epi8(2, 3, 4, 5, 10, 11, 12, 13, 6, 7, 8, 9, 10, 11, 12, 13, 2, 3, 4, 5, 10, 11,
-                                            12, 13, 6, 7, 8, 9, 10, 11, 12, 13);
-    const __m256i fields = _mm256_setr_epi8(0, 32, 8, 40, 16, 48, 24, 56, 0, 34, 8, 42, 16, 50, 24, 58, 4, 36, 12, 44,
-                                            20, 52, 28, 60, 4, 38, 12, 46, 20, 54, 28, 62);
-    const __m256i bytes = _mm256_permutexvar_epi8(gather, _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 94))));
-    const __m256i parts = _mm256_and_si256(_mm256_multishift_epi64_epi8(fields, bytes), _mm256_set1_epi16(0x030F));
-    return _mm256_sub_epi16(_mm256_maddubs_epi16(parts, _mm256_set1_epi16(0x1001)), _mm256_set1_epi16(32));
+KQ_INLINE __m512i q3_k_scales_pair(const uint8_t *restrict a, const uint8_t *restrict b) {
+    uint8_t gather[64] __attribute__((aligned(64))), fields[64] __attribute__((aligned(64)));
+    for (int i = 0; i < 64; i++) {
+        const int q = (i / 8) % 4, k = i % 8, t = k / 2, high = i % 2;
+        gather[i] = (uint8_t)(64 * (i / 32) + (k < 4 ? 2 + 4 * (q % 2) + k : 6 + k));
+        fields[i] = (uint8_t)(high ? 8 * (4 + t) + 2 * q : 8 * t + 4 * (q / 2));
+    }
+    const __m512i bytes = _mm512_permutex2var_epi8(_mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(a + 94))),
+                                                   _mm512_load_si512(gather),
+                                                   _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b + 94))));
+    const __m512i parts = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(fields), bytes), _mm512_set1_epi16(0x030F));
+    return _mm512_maddubs_epi16(parts, _mm512_set1_epi16(0x1001));
 }
 
 /* A Q3_K table index (0..15, one byte of vpshufb's): bit 3 the pair j % 2, bit j % 2 the code's high
@@ -614,44 +619,46 @@ AVX512_INLINE int q3_k_index_code(int idx) {
 }
 
 /* Q3_K's codes times scales, looked up by vpshufb (as Q2_K's): run pair j's 128-bit lane i (sub-block
- * t = 4j + i) holds at index idx (8 (j % 2) + 0..7) the weight (c - 4) s_t + 127 of the code c =
- * low + 4 h (0..7) idx stands for (q3_k_index_code), s_t its scale less 32: at most 4 * 32 + 127 = 255,
- * at least 127 - 4 * 31 = 3, so an unsigned byte. Table j / 2, 16-bit lane w: s of its sub-block
- * (vpermb of the int16 scales' two bytes) times (c0 - 4) + 256 (c1 - 4) (c0, c1 the codes of its two
- * indexes), plus 127 in both bytes: each byte its weight, no carry between them. `wide`: pair j's lane i
- * holds sub-block 2j + i (+ 6 from lane 2), runs j and 4 + j. */
-KQ_INLINE void q3_k_tables(const uint8_t *restrict b, __m512i tables[2], const int wide) {
+ * t = 4j + i) holds at index idx (8 (j % 2) + 0..7) the weight (c - 4) (s_t - 32) + 127 of the code c =
+ * low + 4 h (0..7) idx stands for (q3_k_index_code), s_t its scale: at most 4 * 32 + 127 = 255, at
+ * least 127 - 4 * 31 = 3, so an unsigned byte. Table j / 2, 16-bit lane w: s of its sub-block (vpermb of
+ * the int16 scales' two bytes, words 16 `half`.. of `scales`) times F = (c0 - 4) + 256 (c1 - 4) (c0, c1
+ * the codes of its two indexes), plus 0x7F7F - 32 F: each byte its weight (the -32 in the constant, no
+ * subtraction), no carry between them. `wide`: pair j's lane i holds sub-block 2j + i (+ 6 from lane 2),
+ * runs j and 4 + j. */
+KQ_INLINE void q3_k_tables(__m512i scales, const int half, __m512i tables[2], const int wide) {
     uint8_t pick[2][64] __attribute__((aligned(64)));
-    int16_t times[32] __attribute__((aligned(64)));
+    int16_t times[32] __attribute__((aligned(64))), plus[32] __attribute__((aligned(64)));
     for (int w = 0; w < 32; w++) {
         const int lane = w / 8, k = w % 8;
         times[w] = (int16_t)((q3_k_index_code(2 * k) - 4) + 256 * (q3_k_index_code(2 * k + 1) - 4));
+        plus[w] = (int16_t)(0x7F7F - 32 * times[w]);
         for (int g = 0; g < 2; g++)
             for (int e = 0; e < 2; e++) {
                 const int pair = 2 * g + k / 4, block = wide ? 2 * pair + lane + (lane >= 2 ? 6 : 0) : 4 * pair + lane;
-                pick[g][2 * w + e] = (uint8_t)(2 * block + e);
+                pick[g][2 * w + e] = (uint8_t)(32 * half + 2 * block + e);
             }
     }
-    const __m512i scales = _mm512_castsi256_si512(q3_k_scales16(b)), factors = _mm512_load_si512(times);
+    const __m512i factors = _mm512_load_si512(times), constant = _mm512_load_si512(plus);
     for (int g = 0; g < 2; g++)
-        tables[g] = _mm512_add_epi16(_mm512_mullo_epi16(_mm512_permutexvar_epi8(_mm512_load_si512(pick[g]), scales), factors),
-                                     _mm512_set1_epi16(0x7F7F));
+        tables[g] = _mm512_add_epi16(_mm512_mullo_epi16(_mm512_permutexvar_epi8(_mm512_load_si512(pick[g]), scales), factors), constant);
 }
 
-/* sums[r] (and without `held`, offsets[r]) of one Q3_K block against input row r's activations qs[r]
+/* sums[r] (and without a `start`, offsets[r]) of one Q3_K block against input row r's activations qs[r]
  * (as q2_k_sums; `wide`, runs j and 4 + j a vector), folded the int32 lanes of ggml_cpu.c's q8_q3_k (ggml's: s_t times the pairs of products (c - 4) y): each byte's weight (c - 4) s_t
  * + 127 (q3_k_tables; its index (q3_k_index_code): the low two bits of bytes 32 + 32g.. at 2f by
  * gf2p8affine, its constant the pair bit, and bit 4g + f of hmask shifted to bit j % 2, joined by one
  * vpternlogd (a vptestmb and a masked add ran 0.95x as fast), for run 4g + f) times y by one vpdpbusd a
  * run pair, and 127 times y by another, taken away at the end: the same exact lanes, two vpdpbusd a run
- * pair and row where maddubs, maddubs, a subtraction and a vpdpwssd were. The offsets' lanes depend on the
- * input row alone: one input row's come `prepared` (q3_k_offset_lanes), once for all the weight rows. */
-KQ_INLINE void q3_k_sums(const uint8_t *restrict b, const int8_t *const *qs, __m512i *sums, __m512i *offsets,
-                         const int n, const int held, const int wide) {
+ * pair and row where maddubs, maddubs, a subtraction and a vpdpwssd were. The offsets depend on the input
+ * row alone: one input row's come `prepared` (q3_k_start), once for all the weight rows, and its sums
+ * start from them (`start`; then n is 1), so nothing is taken away. */
+KQ_INLINE void q3_k_sums(const uint8_t *restrict b, __m512i scales, const int half, const int8_t *const *qs, __m512i *sums,
+                         __m512i *offsets, const int n, const __m512i *start, const int wide) {
     __m512i tables[2];
-    q3_k_tables(b, tables, wide);
+    q3_k_tables(scales, half, tables, wide);
     const __m512i hmask = both_halves(b), offset = _mm512_set1_epi8(127);
-    for (int r = 0; r < n; r++) sums[r] = offsets[r] = _mm512_setzero_si512();
+    for (int r = 0; r < n; r++) offsets[r] = _mm512_setzero_si512(), sums[r] = start ? *start : offsets[r];
     for (int j = 0; j < 4; j++) {
         const __m512i bits = pair_code_bytes(b + 32, j, wide);
         const int at = j & 1, f = wide ? 2 * j : 2 * (2 * (j & 1)), g = wide ? f : f + 2;
@@ -664,7 +671,7 @@ KQ_INLINE void q3_k_sums(const uint8_t *restrict b, const int8_t *const *qs, __m
         for (int r = 0; r < n; r++) {
             const __m512i q8 = _mm512_loadu_si512((const void *)(qs[r] + 64 * j));
             sums[r] = _mm512_dpbusd_epi32(sums[r], weights, q8);
-            if (!held) offsets[r] = _mm512_dpbusd_epi32(offsets[r], offset, q8);
+            if (!start) offsets[r] = _mm512_dpbusd_epi32(offsets[r], offset, q8);
         }
     }
 }
@@ -672,14 +679,12 @@ KQ_INLINE void q3_k_sums(const uint8_t *restrict b, const int8_t *const *qs, __m
 KQ_INLINE void q3_k_block(const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at, __m256 *acc, const int n,
                           float (*steps)[CHUNK_BLOCKS_K], float (*mins)[CHUNK_BLOCKS_K], int k, const Prepared *prepared) {
     (void)mins;
-    const int held = prepared != NULL;
     __m512i sums[Q8_ROWS], offsets[Q8_ROWS];
     const int8_t *qs[Q8_ROWS];
     block_qs(y, at, n, qs);
-    q3_k_sums(b, qs, sums, offsets, n, held, 0);
+    q3_k_sums(b, q3_k_scales_pair(b, b), 0, qs, sums, offsets, n, prepared ? prepared->starts127 + at : NULL, 0);
     for (int r = 0; r < n; r++) {
-        const __m256i lanes = held ? _mm256_sub_epi32(fold(sums[r]), _mm256_load_si256(prepared->lanes127 + at))
-                                   : fold(_mm512_sub_epi32(sums[r], offsets[r]));
+        const __m256i lanes = fold(_mm512_sub_epi32(sums[r], offsets[r]));
         acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&steps[r][k]), _mm256_cvtepi32_ps(lanes), acc[r]);
     }
 }
@@ -845,16 +850,16 @@ KQ_INLINE void q2_k_pair_block(const uint8_t *restrict a, const uint8_t *restric
     *acc = _mm512_fmadd_ps(float_pair(steps), _mm512_cvtepi32_ps(fold_pair(sums_a, sums_b)), *acc);
 }
 
-/* ... Q3_K blocks (q3_k_block's lanes with the input row's offset lanes `prepared`) */
+/* ... Q3_K blocks (q3_k_block's lanes, both rows' sums started from the input row's `prepared` starts) */
 KQ_INLINE void q3_k_pair_block(const uint8_t *restrict a, const uint8_t *restrict b, const BlockQ8K *const *y, int64_t at,
                                __m512 *acc, const float *steps, const float *mins, const Prepared *prepared) {
     (void)mins;
     const int8_t *runs[1] = {prepared->runs[at]};
     __m512i sums_a, sums_b, unused;
-    q3_k_sums(a, runs, &sums_a, &unused, 1, 1, 1);
-    q3_k_sums(b, runs, &sums_b, &unused, 1, 1, 1);
-    const __m512i lanes = _mm512_sub_epi32(fold_pair(sums_a, sums_b), lanes_twice(prepared->lanes127 + at));
-    *acc = _mm512_fmadd_ps(float_pair(steps), _mm512_cvtepi32_ps(lanes), *acc);
+    const __m512i scales = q3_k_scales_pair(a, b);
+    q3_k_sums(a, scales, 0, runs, &sums_a, &unused, 1, prepared->starts127 + at, 1);
+    q3_k_sums(b, scales, 1, runs, &sums_b, &unused, 1, prepared->starts127 + at, 1);
+    *acc = _mm512_fmadd_ps(float_pair(steps), _mm512_cvtepi32_ps(fold_pair(sums_a, sums_b)), *acc);
 }
 
 /* NAME##_wide_pair: weight rows m and m + half against the prepared input row p by PAIR_BLOCK (MINS: its
