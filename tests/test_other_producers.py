@@ -98,3 +98,29 @@ def test_an_alignment_of_another_type_is_refused_naming_its_type(original, tmp_p
     error = capsys.readouterr().err.strip()
     assert "\n" not in error and str(written) in error
     assert f"general.alignment must be a uint32, got a {stored_as.name.lower()}" in error
+
+
+def hub_cache_layout(shards: list[Path], cache: Path) -> list[Path]:
+    """`shards` moved as huggingface_hub stores a download: each file under `blobs/` by its hash, and a
+    snapshot folder of relative links by the file's own name; returns the links, in order."""
+    blobs, snapshot = cache / "blobs", cache / "snapshots" / "0123abcd" / "UD-Q2_K_XL"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for position, shard in enumerate(sorted(shards)):
+        blob = blobs / f"{position:02d}{'f' * 62}"
+        shard.rename(blob)
+        (snapshot / shard.name).symlink_to(Path("../../../blobs") / blob.name)
+    return sorted(snapshot.glob("*.gguf"))
+
+
+def test_a_split_set_in_a_hub_cache_packs_beside_its_links_and_generates(original, tmp_path, capsys):
+    """A download by huggingface_hub: the shards' names are links to hash-named blobs. llama.cpp finds the
+    set by the link names; so must the pack and every later run from its manifest."""
+    rewrite(original[0], tmp_path / "kimi.gguf", split_max_tensors=30)
+    links = hub_cache_layout(list(tmp_path.glob("kimi-*-of-*.gguf")), tmp_path / "hub")
+    assert len(links) == 3
+    assert main(["pack", str(links[1]), "--no-progress"]) == 0
+    assert (links[0].parent / "kimi.expert-major.pack.manifest.json").is_file()
+    capsys.readouterr()
+    prompt = ["--prompt", "hello", "--max-tokens", "2", "--temperature", "0"]
+    assert main(["generate", "-m", str(links[0]), *prompt]) == 0, capsys.readouterr().err
