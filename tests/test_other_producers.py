@@ -5,6 +5,7 @@ bit for bit; what llama.cpp refuses is refused in one line naming the field."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,8 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 import k3stream
 from k3stream.cli import main
-from k3stream.pack.builder import build_pack
+from k3stream.pack.builder import BuildOptions, build_pack
+from k3stream.pack.manifest import inventory_sha256
 from k3stream.pack.verify import verify_pack
 from test_model import tokens_for
 
@@ -124,3 +126,18 @@ def test_a_split_set_in_a_hub_cache_packs_beside_its_links_and_generates(origina
     capsys.readouterr()
     prompt = ["--prompt", "hello", "--max-tokens", "2", "--temperature", "0"]
     assert main(["generate", "-m", str(links[0]), *prompt]) == 0, capsys.readouterr().err
+
+
+def test_a_manifest_naming_the_blobs_of_a_hub_cache_still_runs(original, tmp_path, capsys):
+    """A manifest whose shard paths are the hash-named blobs (its writer followed the links) runs the
+    shards it records, in its order: the blobs' names name no split set."""
+    rewrite(original[0], tmp_path / "kimi.gguf", split_max_tensors=30)
+    links = hub_cache_layout(list(tmp_path.glob("kimi-*-of-*.gguf")), tmp_path / "hub")
+    manifest = build_pack(links[0], options=BuildOptions(progress=False)).manifest
+    written = json.loads(manifest.read_text())
+    for shard in written["source"]["shards"]:
+        shard["path"] = str(Path(shard["path"]).resolve())
+    written["source"]["inventory_sha256"] = inventory_sha256(written["source"])
+    manifest.write_text(json.dumps(written))
+    prompt = ["--prompt", "hello", "--max-tokens", "2", "--temperature", "0"]
+    assert main(["generate", "-m", str(manifest), *prompt]) == 0, capsys.readouterr().err
