@@ -5,6 +5,7 @@ bit for bit; what llama.cpp refuses is refused in one line naming the field."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,8 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 import k3stream
 from k3stream.cli import main
-from k3stream.pack.builder import build_pack
+from k3stream.pack.builder import BuildOptions, build_pack
+from k3stream.pack.manifest import inventory_sha256
 from k3stream.pack.verify import verify_pack
 from test_model import tokens_for
 
@@ -98,3 +100,44 @@ def test_an_alignment_of_another_type_is_refused_naming_its_type(original, tmp_p
     error = capsys.readouterr().err.strip()
     assert "\n" not in error and str(written) in error
     assert f"general.alignment must be a uint32, got a {stored_as.name.lower()}" in error
+
+
+def hub_cache_layout(shards: list[Path], cache: Path) -> list[Path]:
+    """`shards` moved as huggingface_hub stores a download: each file under `blobs/` by its hash, and a
+    snapshot folder of relative links by the file's own name; returns the links, in order."""
+    blobs, snapshot = cache / "blobs", cache / "snapshots" / "0123abcd" / "UD-Q2_K_XL"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for position, shard in enumerate(sorted(shards)):
+        blob = blobs / f"{position:02d}{'f' * 62}"
+        shard.rename(blob)
+        (snapshot / shard.name).symlink_to(Path("../../../blobs") / blob.name)
+    return sorted(snapshot.glob("*.gguf"))
+
+
+def test_a_split_set_in_a_hub_cache_packs_beside_its_links_and_generates(original, tmp_path, capsys):
+    """A download by huggingface_hub: the shards' names are links to hash-named blobs. llama.cpp finds the
+    set by the link names; so must the pack and every later run from its manifest."""
+    rewrite(original[0], tmp_path / "kimi.gguf", split_max_tensors=30)
+    links = hub_cache_layout(list(tmp_path.glob("kimi-*-of-*.gguf")), tmp_path / "hub")
+    assert len(links) == 3
+    assert main(["pack", str(links[1]), "--no-progress"]) == 0
+    assert (links[0].parent / "kimi.expert-major.pack.manifest.json").is_file()
+    capsys.readouterr()
+    prompt = ["--prompt", "hello", "--max-tokens", "2", "--temperature", "0"]
+    assert main(["generate", "-m", str(links[0]), *prompt]) == 0, capsys.readouterr().err
+
+
+def test_a_manifest_naming_the_blobs_of_a_hub_cache_still_runs(original, tmp_path, capsys):
+    """A manifest whose shard paths are the hash-named blobs (its writer followed the links) runs the
+    shards it records, in its order: the blobs' names name no split set."""
+    rewrite(original[0], tmp_path / "kimi.gguf", split_max_tensors=30)
+    links = hub_cache_layout(list(tmp_path.glob("kimi-*-of-*.gguf")), tmp_path / "hub")
+    manifest = build_pack(links[0], options=BuildOptions(progress=False)).manifest
+    written = json.loads(manifest.read_text())
+    for shard in written["source"]["shards"]:
+        shard["path"] = str(Path(shard["path"]).resolve())
+    written["source"]["inventory_sha256"] = inventory_sha256(written["source"])
+    manifest.write_text(json.dumps(written))
+    prompt = ["--prompt", "hello", "--max-tokens", "2", "--temperature", "0"]
+    assert main(["generate", "-m", str(manifest), *prompt]) == 0, capsys.readouterr().err

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from k3stream.gguf import layout
 from k3stream.gguf.config import K3Config, field_value
 from k3stream.gguf.profile import get_profile
-from k3stream.gguf.shards import open_shards
+from k3stream.gguf.shards import open_shard_files, open_shards
 from k3stream.gguf.tensors import TensorInfo
 from k3stream.gguf.uncached import read_uncached
 from k3stream.quant.kernels import cpu
@@ -85,9 +85,11 @@ class K3Checkpoint:
         self.uncached_reads = False
 
     @classmethod
-    def open(cls, path: str | Path, profile: str = "generic") -> K3Checkpoint:
-        """Open a single GGUF, any shard of a split set, or a directory; `profile` is checked."""
-        checkpoint = cls(open_shards(path), get_profile(profile))
+    def open(cls, path: str | Path | list[Path], profile: str = "generic") -> K3Checkpoint:
+        """Open a single GGUF, any shard of a split set, a directory, or the list of a set's shard files
+        in order; `profile` is checked."""
+        shards = open_shard_files(path) if isinstance(path, list) else open_shards(path)
+        checkpoint = cls(shards, get_profile(profile))
         checkpoint.profile.check(checkpoint)
         return checkpoint
 

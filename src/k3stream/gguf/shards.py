@@ -113,7 +113,12 @@ def open_shards(path: str | Path) -> list[tuple[Path, GGUFReader]]:
         raise ValueError(f"{path}: not a regular file (a pipe, device or socket); give the GGUF file")
     elif not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file or directory")
-    paths = _shard_set(path)
+    return open_shard_files(_shard_set(path))
+
+
+def open_shard_files(paths: list[Path]) -> list[tuple[Path, GGUFReader]]:
+    """Memory-mapped readers of the shards `paths` names, in that order, after checking the set: a
+    manifest's record of its shards, whatever their file names (a hub cache's hash-named blobs)."""
     readers = [_open(p) for p in paths]
     _check_architecture(paths, readers)
     _check_unique_tensors(paths, readers)

@@ -13,7 +13,7 @@ from typing import Any
 from k3stream.pack import format as fmt
 from k3stream.pack.fileio import pread_into
 from k3stream.pack.integrity import ChecksumMismatch, mismatch_message, object_checksums, object_digest
-from k3stream.pack.paths import resolve_path
+from k3stream.pack.paths import absolute, resolve_path
 from k3stream.pack.source import sorted_shards
 from k3stream.pack.verify import check_structure
 
@@ -58,7 +58,7 @@ class ExpertPack:
             manifest_path, profile=profile, config=config, pack_path=pack_path, shards=False
         )
         self.manifest = checked.manifest
-        self.manifest_path = checked.manifest_path.resolve()
+        self.manifest_path = absolute(checked.manifest_path)
         self.path = checked.pack_path
         self.layout = checked.layout
         self.size = checked.index.size

@@ -149,7 +149,7 @@ def open_checkpoint(path_or_manifest: str | os.PathLike[str]) -> K3Checkpoint:
     present = present_shards(manifest, path)
     if not present:
         raise ValueError("Kimi manifest field is missing: source.shards[0]")
-    checkpoint = K3Checkpoint.open(present[0][1])
+    checkpoint = K3Checkpoint.open([path for _record, path in present])
     checked_shards(manifest, path, checkpoint)
     return checkpoint
 

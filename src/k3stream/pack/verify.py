@@ -444,7 +444,7 @@ def pack_path_of(
     manifest: dict[str, Any], manifest_path: Path, pack_path: str | os.PathLike[str] | None
 ) -> Path:
     stored = resolve_path(field(manifest, "expert_pack", "path"), manifest_path)
-    if pack_path is not None and Path(pack_path).resolve() != stored:
+    if pack_path is not None and Path(pack_path).resolve() != stored.resolve():
         raise ValueError(
             f"Kimi manifest expert-pack path does not match pack_path: {manifest_path} names {stored}, "
             f"not {Path(pack_path).resolve()}"
