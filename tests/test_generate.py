@@ -439,6 +439,12 @@ def test_command_errors_are_one_line(tmp_path, model_path):
         1,
         [f"k3stream generate: error: model not found: {tmp_path}/missing.gguf"],
     )
+    unserved = _cli("serve", str(tmp_path / "missing.gguf"), "--port", "0")  # refused before it binds
+    assert (unserved.returncode, unserved.stdout, unserved.stderr.splitlines()) == (
+        1,
+        "",
+        [f"k3stream serve: error: model not found: {tmp_path}/missing.gguf"],
+    )
     folder = tmp_path / "folder.json"
     folder.mkdir()
     not_a_file = _cli("generate", str(folder), "--prompt", "x")  # an OSError (IsADirectoryError)

@@ -295,6 +295,7 @@ def request_defaults(args: argparse.Namespace) -> tuple[Any, int | None]:
 def run(args: argparse.Namespace) -> int:
     from k3stream.commands.flags import cache_from_args, check_input_file
     from k3stream.commands.launch import parallel_runtime
+    from k3stream.engine.loading import resolve_model
     from k3stream.server.app import ServerConfig, create_app
     from k3stream.server.runtime import served_from_runtime
     from k3stream.server.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_SHARE_TOKENS
@@ -317,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
         props_endpoint=args.props,
     )
     config.check()
+    resolve_model(args.model, stream_experts=False)  # a wrong path fails before the port answers 503
     # bound before the model loads (minutes for a real one): a bad --host or --port fails at once, and
     # the port answers llama-server's 503 `Loading model` until the app takes it (rank 0 alone serves)
     follower = os.environ.get("WORLD_SIZE", "1") != "1" and os.environ.get("RANK", "0") != "0"
