@@ -21,6 +21,7 @@ from pathlib import Path
 
 import bench_beyond_ram as beyond
 import bench_real as real
+from bench_stream_timeline import busy_ms
 from bench_warm_prefill import Timeline, watched_slice
 from k3stream.memlimit import MIB
 
@@ -35,17 +36,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--calls", action="store_true", help="print each round's hints and read-ahead calls")
     parser.add_argument("--cache-dir", type=Path, default=real.DEFAULT_CACHE)
     return parser.parse_args(argv)
-
-
-def busy_ms(reads: list[tuple[float, float]], start: float, end: float) -> float:
-    """The ms within [start, end) (seconds) when at least one read was in flight."""
-    busy, reach = 0.0, start
-    for began, ended in sorted(reads):
-        began, ended = max(began, reach), min(ended, end)
-        if ended > began:
-            busy += ended - began
-            reach = ended
-    return 1e3 * busy
 
 
 def cold_prefill(flags: list[str], ram_mib: float, prompt: list[int], timeline: Timeline) -> dict:
@@ -81,7 +71,7 @@ def cold_prefill(flags: list[str], ram_mib: float, prompt: list[int], timeline: 
         "hint reads": delta["prefetch_loads"],
         "hint used": after["prefetch_hits"] - before["prefetch_hits"],
         "missing": [missing[layer] for layer in sorted(missing)],
-        "busy": [busy_ms(timeline.reads, a, b) for a, b in zip(edges, edges[1:], strict=False)],
+        "busy": [1e3 * busy_ms(sorted(timeline.reads), a, b) for a, b in zip(edges, edges[1:], strict=False)],
         "span": [1e3 * (b - a) for a, b in zip(edges, edges[1:], strict=False)],
         "calls": list(timeline.calls),
     }

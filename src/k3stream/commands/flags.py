@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from k3stream.model.options import LoadOptions
     from k3stream.server.app import PrefillPass
 
-DEFAULT_DISK_GIB = 16.0
-Number = TypeVar("Number", int, float)  # --cache-disk where --cache-dir is given alone
+DEFAULT_DISK_GIB = 16.0  # --cache-disk where --cache-dir is given alone
+Number = TypeVar("Number", int, float)
 
 
 def finite(text: str) -> float:

@@ -4,8 +4,8 @@ looks for beside a GGUF), and how the paths inside a manifest are written and re
 Paths in a manifest are absolute (our default, and what sglang writes and requires) or
 relative to the manifest's directory (`--relative-paths`); both are read. Links are kept, not followed:
 a hub cache's shards are links named `NAME-0000K-of-0000N.gguf` to hash-named blobs, and the set is
-found by those names. An absolute path that no
-longer exists is looked for beside the manifest (the model folder moved), with one logged note.
+found by those names. An absolute path that no longer exists is looked for beside the manifest (the
+model folder moved), with one logged note.
 """
 
 from __future__ import annotations

@@ -12,9 +12,8 @@ spells `<|tool_call_begin|>`, or writes any character whatever, is never taken f
 plain text in the vocabulary or the template (`◁think▷`) is matched as text. `OutputParser.feed(text)` returns
 what the text releases: reasoning, content and tool calls; a suffix that could begin a delimiter is held back
 until the next piece, so the result does not depend on how the text was split. A call opens once its header
-names one of
-the request's tools and its arguments begin with `{` (a JSON object): a `ToolCall` with its id and
-name and no arguments, then the argument text as it comes, each piece a `ToolCall` with the index alone
+names one of the request's tools and its arguments begin with `{` (a JSON object): a `ToolCall` with its id
+and name and no arguments, then the argument text as it comes, each piece a `ToolCall` with the index alone
 (OpenAI's streamed deltas; `Piece.extend` joins them into the whole call), to `<|tool_call_end|>`; the
 arguments are the text between, stripped, JSON or not (as OpenAI's may not be: a forced call's grammar
 makes them its schema's JSON). A call of a `freeform` tool (the Responses API's custom tools) opens
